@@ -1,0 +1,78 @@
+//! The paged KV cache: one `kv_cache` region of fixed-size blocks.
+//!
+//! Layout is block-major so that one block is one contiguous byte range
+//! (what a transfer moves): block `b` holds, for each layer `l`, K then V,
+//! each `[BLOCK_SIZE, num_kv_heads, head_dim]` f32.
+//! offset(b, l, kv) = ((b * num_layers + l) * 2 + kv) * BLOCK_SIZE * kv_dim * 4.
+
+use std::sync::Arc;
+
+use pdkv_vmem::{Pool, Region, Tag};
+
+use crate::{ModelConfig, BLOCK_SIZE};
+
+pub struct KvCache {
+    region: Arc<Region>,
+    num_blocks: usize,
+    num_layers: usize,
+    kv_dim: usize,
+}
+
+impl KvCache {
+    /// Allocates `num_blocks` blocks for `cfg` in a `kv_cache` region of `pool`.
+    pub fn new(pool: &Pool, cfg: &ModelConfig, num_blocks: usize) -> anyhow::Result<KvCache> {
+        anyhow::ensure!(num_blocks > 0, "the KV cache needs at least one block");
+        let block_bytes = Self::block_bytes_for(cfg);
+        let region = pool.allocate(Tag::KvCache, block_bytes * num_blocks)?;
+        Ok(KvCache { region, num_blocks, num_layers: cfg.num_layers, kv_dim: cfg.kv_dim() })
+    }
+
+    pub fn block_bytes_for(cfg: &ModelConfig) -> usize {
+        cfg.num_layers * 2 * BLOCK_SIZE * cfg.kv_dim() * 4
+    }
+
+    pub fn num_blocks(&self) -> usize {
+        self.num_blocks
+    }
+
+    pub fn block_size(&self) -> usize {
+        BLOCK_SIZE
+    }
+
+    pub fn block_bytes(&self) -> usize {
+        self.num_layers * 2 * BLOCK_SIZE * self.kv_dim * 4
+    }
+
+    pub fn region(&self) -> &Arc<Region> {
+        &self.region
+    }
+
+    /// Byte offset of the K (`kv == 0`) or V (`kv == 1`) slab of `layer` in `block`.
+    pub fn slab_offset(&self, block: usize, layer: usize, kv: usize) -> usize {
+        debug_assert!(block < self.num_blocks && layer < self.num_layers && kv < 2);
+        ((block * self.num_layers + layer) * 2 + kv) * BLOCK_SIZE * self.kv_dim * 4
+    }
+
+    /// Floats per slab: `BLOCK_SIZE * kv_dim`.
+    pub fn slab_len(&self) -> usize {
+        BLOCK_SIZE * self.kv_dim
+    }
+
+    /// Reads one slab.
+    ///
+    /// # Safety
+    /// No one may write this slab while the slice lives.
+    pub unsafe fn slab(&self, block: usize, layer: usize, kv: usize) -> &[f32] {
+        self.region.slice::<f32>(self.slab_offset(block, layer, kv), self.slab_len())
+    }
+
+    /// Writes into one slab.
+    ///
+    /// # Safety
+    /// The caller must be the only one accessing this slab while the slice lives
+    /// (the scheduler gives each block to one sequence at a time).
+    #[allow(clippy::mut_from_ref)]
+    pub unsafe fn slab_mut(&self, block: usize, layer: usize, kv: usize) -> &mut [f32] {
+        self.region.slice_mut::<f32>(self.slab_offset(block, layer, kv), self.slab_len())
+    }
+}

@@ -1,0 +1,28 @@
+//! Tokenizer and transformer math on CPU: checkpoint loading (GGUF and
+//! Hugging Face directories), Llama and Qwen3 architectures, and paged
+//! attention over KV blocks that live in a `pdkv-vmem` region.
+//!
+//! Invariant: every kernel reduces in a fixed order per output row, so a
+//! sequence's logits are bit-identical whatever else is in the batch and
+//! however its prefill is chunked.
+
+pub mod chat;
+pub mod config;
+pub mod forward;
+pub mod gguf;
+pub mod init;
+pub mod kernels;
+pub mod kv;
+pub mod loader;
+pub mod tokenizer;
+pub mod weights;
+
+pub use chat::{ChatMessage, ChatTemplate};
+pub use config::{Arch, ModelConfig};
+pub use forward::{Model, SeqInput, Workspace};
+pub use kv::KvCache;
+pub use loader::{load_model, LoadProgress, LoadedModel};
+pub use tokenizer::Tokenizer;
+
+/// Tokens per KV block.
+pub const BLOCK_SIZE: usize = 16;

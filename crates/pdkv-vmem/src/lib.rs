@@ -1,0 +1,526 @@
+//! Sleepable memory: the CPU stand-in for CUDA virtual memory management.
+//!
+//! A [`Region`] is a reserved virtual address range (`PROT_NONE`) into which
+//! physical *chunks* are mapped with `MAP_SHARED | MAP_FIXED`. Each chunk is a
+//! memfd, the analogue of a `cuMemCreate` handle: its pages are allocated when
+//! the chunk is created (`fallocate`), and freed when the last reference to
+//! the memfd goes away. Because the virtual range is reserved for the whole
+//! life of the region, chunks can later be swapped under the same addresses.
+//!
+//! Accounting is honest: "device bytes" are read from the memfds themselves
+//! (`fstat` blocks of every live chunk), never from RSS.
+//!
+//! Invariants:
+//! - a region's base address and length never change while it lives;
+//! - every byte of `[base, base+len)` is either mapped to exactly one live
+//!   chunk or reserved `PROT_NONE`;
+//! - this crate never interprets the bytes it holds.
+
+use std::fmt;
+use std::io;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::sync::{Arc, Mutex, Weak};
+
+/// What a region holds; sleep and wake act on tags.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Tag {
+    Weights,
+    KvCache,
+    Runtime,
+}
+
+impl Tag {
+    pub const ALL: [Tag; 3] = [Tag::Weights, Tag::KvCache, Tag::Runtime];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Tag::Weights => "weights",
+            Tag::KvCache => "kv_cache",
+            Tag::Runtime => "runtime",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<Tag> {
+        Tag::ALL.into_iter().find(|t| t.as_str() == s)
+    }
+
+    fn index(self) -> usize {
+        self as usize
+    }
+}
+
+impl fmt::Display for Tag {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum VmemError {
+    #[error("{op} failed: {source}")]
+    Os {
+        op: &'static str,
+        #[source]
+        source: io::Error,
+    },
+    #[error("region length must be non-zero")]
+    ZeroLength,
+    #[error("chunk size {0} is not a positive multiple of the page size {1}")]
+    BadChunkSize(usize, usize),
+    #[error("range {offset}+{len} is outside the region of {region_len} bytes")]
+    OutOfBounds {
+        offset: usize,
+        len: usize,
+        region_len: usize,
+    },
+}
+
+pub type Result<T> = std::result::Result<T, VmemError>;
+
+fn os_err(op: &'static str) -> VmemError {
+    VmemError::Os {
+        op,
+        source: io::Error::last_os_error(),
+    }
+}
+
+pub fn page_size() -> usize {
+    // SAFETY: sysconf has no memory-safety preconditions.
+    let p = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+    if p <= 0 {
+        4096
+    } else {
+        p as usize
+    }
+}
+
+fn round_up(n: usize, to: usize) -> usize {
+    n.div_ceil(to) * to
+}
+
+/// How a pool backs its regions.
+#[derive(Clone, Debug)]
+pub struct PoolOptions {
+    /// Size of one physical chunk; regions are backed by `ceil(len / chunk)` chunks.
+    pub chunk_size: usize,
+    /// One physical handle per region, whatever its size.
+    pub single_allocation: bool,
+}
+
+impl Default for PoolOptions {
+    fn default() -> Self {
+        PoolOptions {
+            chunk_size: 2 << 20,
+            single_allocation: false,
+        }
+    }
+}
+
+/// A physical allocation: one memfd. Pages are freed when the last `Arc`
+/// to it is dropped (the fd closes) — a registration that keeps an `Arc`
+/// pins the pages, as an RDMA memory region does.
+pub struct Chunk {
+    fd: OwnedFd,
+    len: usize,
+}
+
+impl Chunk {
+    fn create(tag: Tag, len: usize) -> Result<Chunk> {
+        let name = match tag {
+            Tag::Weights => c"pdkv-weights",
+            Tag::KvCache => c"pdkv-kv_cache",
+            Tag::Runtime => c"pdkv-runtime",
+        };
+        // SAFETY: name is a valid NUL-terminated string.
+        let raw = unsafe { libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC) };
+        if raw < 0 {
+            return Err(os_err("memfd_create"));
+        }
+        // SAFETY: raw is a freshly created fd that we own.
+        let fd = unsafe { OwnedFd::from_raw_fd(raw) };
+        // SAFETY: plain syscalls on an fd we own.
+        if unsafe { libc::ftruncate(fd.as_raw_fd(), len as libc::off_t) } != 0 {
+            return Err(os_err("ftruncate"));
+        }
+        // Allocate the pages now, as cuMemCreate does: accounting then shows
+        // what the chunk really holds, and first-touch cost is paid up front.
+        if unsafe { libc::fallocate(fd.as_raw_fd(), 0, 0, len as libc::off_t) } != 0 {
+            return Err(os_err("fallocate"));
+        }
+        Ok(Chunk { fd, len })
+    }
+
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    pub fn raw_fd(&self) -> RawFd {
+        self.fd.as_raw_fd()
+    }
+
+    /// Physical bytes the memfd holds right now (allocated blocks).
+    pub fn physical_bytes(&self) -> u64 {
+        let mut st = std::mem::MaybeUninit::<libc::stat>::uninit();
+        // SAFETY: fstat writes a stat struct into st on success.
+        let rc = unsafe { libc::fstat(self.fd.as_raw_fd(), st.as_mut_ptr()) };
+        if rc != 0 {
+            return 0;
+        }
+        // SAFETY: fstat succeeded, st is initialised.
+        let st = unsafe { st.assume_init() };
+        (st.st_blocks as u64) * 512
+    }
+}
+
+impl fmt::Debug for Chunk {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Chunk")
+            .field("fd", &self.fd.as_raw_fd())
+            .field("len", &self.len)
+            .finish()
+    }
+}
+
+/// A mapped chunk: where in the region it lives.
+#[derive(Clone, Debug)]
+pub struct MappedChunk {
+    pub offset: usize,
+    pub chunk: Arc<Chunk>,
+}
+
+/// A reserved virtual range with physical chunks mapped into it.
+pub struct Region {
+    base: *mut u8,
+    len: usize,
+    tag: Tag,
+    chunks: Mutex<Vec<MappedChunk>>,
+}
+
+// SAFETY: the region owns its mapping; concurrent access to the bytes is
+// governed by the callers (they hand out disjoint ranges), like a device buffer.
+unsafe impl Send for Region {}
+unsafe impl Sync for Region {}
+
+impl Region {
+    fn new(tag: Tag, len: usize, opts: &PoolOptions) -> Result<Region> {
+        if len == 0 {
+            return Err(VmemError::ZeroLength);
+        }
+        let page = page_size();
+        if opts.chunk_size == 0 || opts.chunk_size % page != 0 {
+            return Err(VmemError::BadChunkSize(opts.chunk_size, page));
+        }
+        let len = round_up(len, page);
+        // SAFETY: an anonymous PROT_NONE reservation; no memory is touched.
+        let base = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_NONE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+                -1,
+                0,
+            )
+        };
+        if base == libc::MAP_FAILED {
+            return Err(os_err("mmap(reserve)"));
+        }
+        let region = Region {
+            base: base as *mut u8,
+            len,
+            tag,
+            chunks: Mutex::new(Vec::new()),
+        };
+        region.map_fresh_chunks(opts)?;
+        Ok(region)
+    }
+
+    /// Creates new zeroed chunks and maps them over the whole range.
+    fn map_fresh_chunks(&self, opts: &PoolOptions) -> Result<()> {
+        let step = if opts.single_allocation {
+            self.len
+        } else {
+            opts.chunk_size
+        };
+        let mut mapped = Vec::with_capacity(self.len.div_ceil(step));
+        let mut offset = 0;
+        while offset < self.len {
+            let clen = step.min(self.len - offset);
+            let chunk = Arc::new(Chunk::create(self.tag, clen)?);
+            // SAFETY: [base+offset, +clen) lies inside our reservation;
+            // MAP_FIXED replaces exactly that part of it.
+            let p = unsafe {
+                libc::mmap(
+                    self.base.add(offset) as *mut libc::c_void,
+                    clen,
+                    libc::PROT_READ | libc::PROT_WRITE,
+                    libc::MAP_SHARED | libc::MAP_FIXED,
+                    chunk.raw_fd(),
+                    0,
+                )
+            };
+            if p == libc::MAP_FAILED {
+                return Err(os_err("mmap(chunk)"));
+            }
+            mapped.push(MappedChunk { offset, chunk });
+            offset += clen;
+        }
+        *self.chunks.lock().unwrap() = mapped;
+        Ok(())
+    }
+
+    pub fn tag(&self) -> Tag {
+        self.tag
+    }
+
+    /// Length in bytes (rounded up to whole pages).
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    pub fn base(&self) -> *mut u8 {
+        self.base
+    }
+
+    /// Physical bytes held by the chunks mapped now.
+    pub fn physical_bytes(&self) -> u64 {
+        self.chunks
+            .lock()
+            .unwrap()
+            .iter()
+            .map(|m| m.chunk.physical_bytes())
+            .sum()
+    }
+
+    /// The chunks mapped now, in address order.
+    pub fn chunks(&self) -> Vec<MappedChunk> {
+        self.chunks.lock().unwrap().clone()
+    }
+
+    fn check(&self, offset: usize, len: usize) -> Result<()> {
+        match offset.checked_add(len) {
+            Some(end) if end <= self.len => Ok(()),
+            _ => Err(VmemError::OutOfBounds {
+                offset,
+                len,
+                region_len: self.len,
+            }),
+        }
+    }
+
+    /// Copies `src` into the region at `offset`.
+    pub fn write_bytes(&self, offset: usize, src: &[u8]) -> Result<()> {
+        self.check(offset, src.len())?;
+        // SAFETY: bounds checked; the range is mapped read-write.
+        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), self.base.add(offset), src.len()) };
+        Ok(())
+    }
+
+    /// Copies bytes at `offset` out into `dst`.
+    pub fn read_bytes(&self, offset: usize, dst: &mut [u8]) -> Result<()> {
+        self.check(offset, dst.len())?;
+        // SAFETY: bounds checked; the range is mapped readable.
+        unsafe { std::ptr::copy_nonoverlapping(self.base.add(offset), dst.as_mut_ptr(), dst.len()) };
+        Ok(())
+    }
+
+    /// A typed view of `count` elements at byte `offset`.
+    ///
+    /// # Safety
+    /// `offset` must be aligned for `T`, and no one may write the range while
+    /// the slice lives.
+    pub unsafe fn slice<T: Copy>(&self, offset: usize, count: usize) -> &[T] {
+        let bytes = count * std::mem::size_of::<T>();
+        assert!(offset.checked_add(bytes).is_some_and(|e| e <= self.len), "slice out of bounds");
+        assert_eq!(offset % std::mem::align_of::<T>(), 0, "misaligned slice");
+        std::slice::from_raw_parts(self.base.add(offset) as *const T, count)
+    }
+
+    /// A mutable typed view of `count` elements at byte `offset`.
+    ///
+    /// # Safety
+    /// As [`Region::slice`], and the caller must guarantee that no other view
+    /// overlaps this range while it lives.
+    #[allow(clippy::mut_from_ref)]
+    pub unsafe fn slice_mut<T: Copy>(&self, offset: usize, count: usize) -> &mut [T] {
+        let bytes = count * std::mem::size_of::<T>();
+        assert!(offset.checked_add(bytes).is_some_and(|e| e <= self.len), "slice out of bounds");
+        assert_eq!(offset % std::mem::align_of::<T>(), 0, "misaligned slice");
+        std::slice::from_raw_parts_mut(self.base.add(offset) as *mut T, count)
+    }
+}
+
+impl Drop for Region {
+    fn drop(&mut self) {
+        // SAFETY: we own the whole reservation; unmapping it also unmaps the
+        // chunks. The memfds close when their last Arc goes.
+        unsafe { libc::munmap(self.base as *mut libc::c_void, self.len) };
+    }
+}
+
+impl fmt::Debug for Region {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Region")
+            .field("tag", &self.tag)
+            .field("base", &self.base)
+            .field("len", &self.len)
+            .finish()
+    }
+}
+
+/// Live physical bytes per tag.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct TagBytes(pub [u64; 3]);
+
+impl TagBytes {
+    pub fn get(&self, tag: Tag) -> u64 {
+        self.0[tag.index()]
+    }
+
+    pub fn total(&self) -> u64 {
+        self.0.iter().sum()
+    }
+}
+
+/// Allocates regions and accounts for them, per engine (the analogue of a
+/// CUDA memory pool with tags).
+#[derive(Clone)]
+pub struct Pool {
+    inner: Arc<PoolInner>,
+}
+
+struct PoolInner {
+    opts: PoolOptions,
+    regions: Mutex<Vec<Weak<Region>>>,
+}
+
+impl Default for Pool {
+    fn default() -> Self {
+        Pool::new(PoolOptions::default())
+    }
+}
+
+impl Pool {
+    pub fn new(opts: PoolOptions) -> Pool {
+        Pool {
+            inner: Arc::new(PoolInner {
+                opts,
+                regions: Mutex::new(Vec::new()),
+            }),
+        }
+    }
+
+    pub fn options(&self) -> &PoolOptions {
+        &self.inner.opts
+    }
+
+    /// Reserves `len` bytes (rounded up to whole pages) and backs them with
+    /// fresh zeroed physical chunks.
+    pub fn allocate(&self, tag: Tag, len: usize) -> Result<Arc<Region>> {
+        let region = Arc::new(Region::new(tag, len, &self.inner.opts)?);
+        let mut regions = self.inner.regions.lock().unwrap();
+        regions.retain(|w| w.strong_count() > 0);
+        regions.push(Arc::downgrade(&region));
+        Ok(region)
+    }
+
+    /// The regions of this pool that are still alive.
+    pub fn regions(&self) -> Vec<Arc<Region>> {
+        self.inner
+            .regions
+            .lock()
+            .unwrap()
+            .iter()
+            .filter_map(Weak::upgrade)
+            .collect()
+    }
+
+    /// Live physical bytes per tag, read from the memfds.
+    pub fn device_bytes(&self) -> TagBytes {
+        let mut out = TagBytes::default();
+        for r in self.regions() {
+            out.0[r.tag().index()] += r.physical_bytes();
+        }
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn allocate_write_read_and_account() {
+        let pool = Pool::new(PoolOptions {
+            chunk_size: 64 << 10,
+            single_allocation: false,
+        });
+        let r = pool.allocate(Tag::KvCache, 200 << 10).unwrap();
+        assert_eq!(r.len(), 200 << 10);
+        assert_eq!(r.chunks().len(), 4, "200 KiB in 64 KiB chunks");
+        assert_eq!(pool.device_bytes().get(Tag::KvCache), 200 << 10);
+        assert_eq!(pool.device_bytes().get(Tag::Weights), 0);
+
+        // Fresh pages read as zeros.
+        let mut buf = vec![1u8; 1000];
+        r.read_bytes(100_000, &mut buf).unwrap();
+        assert!(buf.iter().all(|&b| b == 0));
+
+        // A write that crosses a chunk boundary reads back whole.
+        let data: Vec<u8> = (0..10_000u32).map(|i| (i % 251) as u8).collect();
+        let off = (64 << 10) - 5000;
+        r.write_bytes(off, &data).unwrap();
+        let mut back = vec![0u8; data.len()];
+        r.read_bytes(off, &mut back).unwrap();
+        assert_eq!(back, data);
+
+        assert!(matches!(
+            r.write_bytes(r.len() - 1, &[0, 0]),
+            Err(VmemError::OutOfBounds { .. })
+        ));
+
+        drop(r);
+        assert_eq!(pool.device_bytes().total(), 0, "dropping the region frees its chunks");
+    }
+
+    #[test]
+    fn single_allocation_uses_one_chunk() {
+        let pool = Pool::new(PoolOptions {
+            chunk_size: 4096,
+            single_allocation: true,
+        });
+        let r = pool.allocate(Tag::Weights, 100_000).unwrap();
+        assert_eq!(r.chunks().len(), 1);
+        assert_eq!(r.len(), round_up(100_000, page_size()));
+        assert_eq!(pool.device_bytes().get(Tag::Weights), r.len() as u64);
+    }
+
+    #[test]
+    fn typed_views_share_the_bytes() {
+        let pool = Pool::default();
+        let r = pool.allocate(Tag::Runtime, 4096).unwrap();
+        unsafe {
+            let w = r.slice_mut::<f32>(64, 4);
+            w.copy_from_slice(&[1.0, 2.0, 3.0, 4.0]);
+            assert_eq!(r.slice::<f32>(64, 4), &[1.0, 2.0, 3.0, 4.0]);
+        }
+    }
+
+    #[test]
+    fn bad_arguments_are_refused() {
+        let pool = Pool::new(PoolOptions {
+            chunk_size: 1000,
+            single_allocation: false,
+        });
+        assert!(matches!(pool.allocate(Tag::Runtime, 10), Err(VmemError::BadChunkSize(..))));
+        assert!(matches!(Pool::default().allocate(Tag::Runtime, 0), Err(VmemError::ZeroLength)));
+    }
+}
