@@ -1,1 +1,621 @@
-//! TODO
+//! A reader for GGUF files (versions 2 and 3) and dequantisation to f32.
+//!
+//! Layout of a GGUF file, all little-endian:
+//! `magic "GGUF" | u32 version | u64 tensor_count | u64 kv_count |
+//!  kv_count × (string key, u32 type, value) |
+//!  tensor_count × (string name, u32 n_dims, n_dims × u64 dim, u32 ggml_type, u64 offset) |
+//!  padding to `general.alignment` | data section`.
+//! Strings are `u64 length + UTF-8 bytes`. Tensor offsets are relative to the
+//! start of the data section.
+//!
+//! Invariants: parsing never panics on malformed input (every read is
+//! bounds-checked and every count is checked against the bytes left before
+//! anything is allocated); a parsed [`GgufFile`] only holds tensors whose
+//! data lies entirely inside the file.
+//!
+//! GGUF lists dimensions innermost first: a tensor with dims `[in, out]` is a
+//! row-major `[out, in]` matrix. [`GgufTensorInfo::shape`] gives the row-major
+//! (outermost-first) shape.
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::path::Path;
+
+use half::{bf16, f16};
+
+/// Why a GGUF file could not be read or a tensor not be dequantised.
+#[derive(Debug, thiserror::Error)]
+pub enum GgufError {
+    #[error("not a GGUF file (bad magic)")]
+    BadMagic,
+    #[error("unsupported GGUF version {0} (2 and 3 are supported)")]
+    UnsupportedVersion(u32),
+    #[error("GGUF file is truncated or malformed: {0}")]
+    Malformed(String),
+    #[error("tensor `{tensor}` has ggml type {ty}, which this reader cannot dequantise")]
+    UnsupportedType { tensor: String, ty: GgmlType },
+    #[error("i/o error reading {path}: {source}")]
+    Io {
+        path: String,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+type Result<T> = std::result::Result<T, GgufError>;
+
+fn malformed(msg: impl Into<String>) -> GgufError {
+    GgufError::Malformed(msg.into())
+}
+
+/// A ggml tensor element type, as stored in the file.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct GgmlType(pub u32);
+
+impl GgmlType {
+    pub const F32: GgmlType = GgmlType(0);
+    pub const F16: GgmlType = GgmlType(1);
+    pub const Q4_0: GgmlType = GgmlType(2);
+    pub const Q4_1: GgmlType = GgmlType(3);
+    pub const Q8_0: GgmlType = GgmlType(8);
+    pub const BF16: GgmlType = GgmlType(30);
+
+    /// The name ggml uses for this type, when known.
+    pub fn name(self) -> Option<&'static str> {
+        Some(match self.0 {
+            0 => "F32",
+            1 => "F16",
+            2 => "Q4_0",
+            3 => "Q4_1",
+            6 => "Q5_0",
+            7 => "Q5_1",
+            8 => "Q8_0",
+            9 => "Q8_1",
+            10 => "Q2_K",
+            11 => "Q3_K",
+            12 => "Q4_K",
+            13 => "Q5_K",
+            14 => "Q6_K",
+            15 => "Q8_K",
+            24 => "I8",
+            25 => "I16",
+            26 => "I32",
+            27 => "I64",
+            28 => "F64",
+            30 => "BF16",
+            _ => return None,
+        })
+    }
+
+    /// `(elements per block, bytes per block)` for the types this reader
+    /// can dequantise; `None` for the rest.
+    pub fn block_layout(self) -> Option<(usize, usize)> {
+        Some(match self {
+            GgmlType::F32 => (1, 4),
+            GgmlType::F16 | GgmlType::BF16 => (1, 2),
+            GgmlType::Q4_0 => (32, 18),
+            GgmlType::Q4_1 => (32, 20),
+            GgmlType::Q8_0 => (32, 34),
+            _ => return None,
+        })
+    }
+}
+
+impl fmt::Display for GgmlType {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.name() {
+            Some(n) => write!(f, "{n}"),
+            None => write!(f, "#{}", self.0),
+        }
+    }
+}
+
+/// A metadata value.
+#[derive(Clone, Debug, PartialEq)]
+pub enum GgufValue {
+    U8(u8),
+    I8(i8),
+    U16(u16),
+    I16(i16),
+    U32(u32),
+    I32(i32),
+    U64(u64),
+    I64(i64),
+    F32(f32),
+    F64(f64),
+    Bool(bool),
+    String(String),
+    Array(Vec<GgufValue>),
+}
+
+impl GgufValue {
+    /// The value as an unsigned integer, if it is a non-negative integer.
+    pub fn as_u64(&self) -> Option<u64> {
+        match *self {
+            GgufValue::U8(v) => Some(v.into()),
+            GgufValue::U16(v) => Some(v.into()),
+            GgufValue::U32(v) => Some(v.into()),
+            GgufValue::U64(v) => Some(v),
+            GgufValue::I8(v) => u64::try_from(v).ok(),
+            GgufValue::I16(v) => u64::try_from(v).ok(),
+            GgufValue::I32(v) => u64::try_from(v).ok(),
+            GgufValue::I64(v) => u64::try_from(v).ok(),
+            _ => None,
+        }
+    }
+
+    /// The value as a signed integer.
+    pub fn as_i64(&self) -> Option<i64> {
+        match *self {
+            GgufValue::I8(v) => Some(v.into()),
+            GgufValue::I16(v) => Some(v.into()),
+            GgufValue::I32(v) => Some(v.into()),
+            GgufValue::I64(v) => Some(v),
+            _ => self.as_u64().and_then(|v| i64::try_from(v).ok()),
+        }
+    }
+
+    /// The value as a float (integers convert too).
+    pub fn as_f64(&self) -> Option<f64> {
+        match *self {
+            GgufValue::F32(v) => Some(v.into()),
+            GgufValue::F64(v) => Some(v),
+            _ => self.as_i64().map(|v| v as f64),
+        }
+    }
+
+    pub fn as_bool(&self) -> Option<bool> {
+        match *self {
+            GgufValue::Bool(b) => Some(b),
+            _ => None,
+        }
+    }
+
+    pub fn as_str(&self) -> Option<&str> {
+        match self {
+            GgufValue::String(s) => Some(s),
+            _ => None,
+        }
+    }
+
+    pub fn as_array(&self) -> Option<&[GgufValue]> {
+        match self {
+            GgufValue::Array(a) => Some(a),
+            _ => None,
+        }
+    }
+}
+
+/// Where a tensor lives and what it holds.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct GgufTensorInfo {
+    pub name: String,
+    /// Dimensions as stored: innermost first.
+    pub dims: Vec<u64>,
+    pub ty: GgmlType,
+    /// Byte offset from the start of the data section.
+    pub offset: u64,
+}
+
+impl GgufTensorInfo {
+    /// Row-major shape, outermost first (`[out, in]` for a linear layer).
+    pub fn shape(&self) -> Vec<usize> {
+        self.dims.iter().rev().map(|&d| d as usize).collect()
+    }
+
+    pub fn numel(&self) -> u64 {
+        self.dims.iter().product()
+    }
+
+    /// Bytes of the tensor's data, or `None` if its type is unsupported or
+    /// its row length is not a whole number of blocks.
+    pub fn byte_len(&self) -> Option<u64> {
+        let (block, bytes) = self.ty.block_layout()?;
+        let row = *self.dims.first().unwrap_or(&1);
+        if row % block as u64 != 0 {
+            return None;
+        }
+        (self.numel() / block as u64).checked_mul(bytes as u64)
+    }
+}
+
+enum Backing {
+    Mapped(memmap2::Mmap),
+    Owned(Vec<u8>),
+}
+
+impl Backing {
+    fn bytes(&self) -> &[u8] {
+        match self {
+            Backing::Mapped(m) => m,
+            Backing::Owned(v) => v,
+        }
+    }
+}
+
+/// A parsed GGUF file: metadata, tensor directory, and the bytes behind it.
+pub struct GgufFile {
+    pub version: u32,
+    pub metadata: BTreeMap<String, GgufValue>,
+    pub tensors: Vec<GgufTensorInfo>,
+    /// Absolute offset of the data section.
+    pub data_offset: usize,
+    pub alignment: usize,
+    backing: Backing,
+}
+
+impl fmt::Debug for GgufFile {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("GgufFile")
+            .field("version", &self.version)
+            .field("metadata_keys", &self.metadata.len())
+            .field("tensors", &self.tensors.len())
+            .field("data_offset", &self.data_offset)
+            .finish()
+    }
+}
+
+/// Bounds-checked little-endian cursor.
+struct Cursor<'a> {
+    buf: &'a [u8],
+    pos: usize,
+}
+
+impl<'a> Cursor<'a> {
+    fn take(&mut self, n: usize, what: &str) -> Result<&'a [u8]> {
+        let end = self
+            .pos
+            .checked_add(n)
+            .filter(|&e| e <= self.buf.len())
+            .ok_or_else(|| malformed(format!("unexpected end of file reading {what} at byte {}", self.pos)))?;
+        let s = &self.buf[self.pos..end];
+        self.pos = end;
+        Ok(s)
+    }
+
+    fn array<const N: usize>(&mut self, what: &str) -> Result<[u8; N]> {
+        let s = self.take(N, what)?;
+        let mut a = [0u8; N];
+        a.copy_from_slice(s);
+        Ok(a)
+    }
+
+    fn u32(&mut self, what: &str) -> Result<u32> {
+        Ok(u32::from_le_bytes(self.array(what)?))
+    }
+
+    fn u64(&mut self, what: &str) -> Result<u64> {
+        Ok(u64::from_le_bytes(self.array(what)?))
+    }
+
+    fn remaining(&self) -> usize {
+        self.buf.len() - self.pos
+    }
+
+    /// A count that must fit in what is left of the file, given that each
+    /// counted item takes at least `min_item_bytes`.
+    fn count(&mut self, what: &str, min_item_bytes: usize) -> Result<usize> {
+        let n = self.u64(what)?;
+        let max = (self.remaining() / min_item_bytes.max(1)) as u64;
+        if n > max {
+            return Err(malformed(format!("{what} {n} exceeds what the file can hold")));
+        }
+        Ok(n as usize)
+    }
+
+    fn string(&mut self, what: &str) -> Result<String> {
+        let len = self.count(what, 1)?;
+        let bytes = self.take(len, what)?;
+        String::from_utf8(bytes.to_vec()).map_err(|_| malformed(format!("{what} is not valid UTF-8")))
+    }
+
+    fn value(&mut self, ty: u32, depth: usize) -> Result<GgufValue> {
+        Ok(match ty {
+            0 => GgufValue::U8(self.array::<1>("u8")?[0]),
+            1 => GgufValue::I8(self.array::<1>("i8")?[0] as i8),
+            2 => GgufValue::U16(u16::from_le_bytes(self.array("u16")?)),
+            3 => GgufValue::I16(i16::from_le_bytes(self.array("i16")?)),
+            4 => GgufValue::U32(self.u32("u32")?),
+            5 => GgufValue::I32(i32::from_le_bytes(self.array("i32")?)),
+            6 => GgufValue::F32(f32::from_le_bytes(self.array("f32")?)),
+            7 => match self.array::<1>("bool")?[0] {
+                0 => GgufValue::Bool(false),
+                1 => GgufValue::Bool(true),
+                b => return Err(malformed(format!("bool value {b}"))),
+            },
+            8 => GgufValue::String(self.string("string")?),
+            9 => {
+                if depth > 8 {
+                    return Err(malformed("arrays nested too deeply"));
+                }
+                let elem_ty = self.u32("array type")?;
+                let min = match elem_ty {
+                    0 | 1 | 7 => 1,
+                    2 | 3 => 2,
+                    4 | 5 | 6 => 4,
+                    8 | 10 | 11 | 12 => 8,
+                    9 => 12,
+                    t => return Err(malformed(format!("unknown metadata value type {t}"))),
+                };
+                let n = self.count("array length", min)?;
+                let mut items = Vec::with_capacity(n);
+                for _ in 0..n {
+                    items.push(self.value(elem_ty, depth + 1)?);
+                }
+                GgufValue::Array(items)
+            }
+            10 => GgufValue::U64(self.u64("u64")?),
+            11 => GgufValue::I64(i64::from_le_bytes(self.array("i64")?)),
+            12 => GgufValue::F64(f64::from_le_bytes(self.array("f64")?)),
+            t => return Err(malformed(format!("unknown metadata value type {t}"))),
+        })
+    }
+}
+
+impl GgufFile {
+    /// Opens and parses a GGUF file, mapping it read-only.
+    pub fn open(path: &Path) -> Result<GgufFile> {
+        let io = |source| GgufError::Io {
+            path: path.display().to_string(),
+            source,
+        };
+        let file = std::fs::File::open(path).map_err(io)?;
+        // SAFETY: the mapping is read-only; a checkpoint file being rewritten
+        // while loaded is outside what a loader can defend against.
+        let map = unsafe { memmap2::Mmap::map(&file) }.map_err(io)?;
+        Self::parse(Backing::Mapped(map))
+    }
+
+    /// Parses a GGUF image held in memory.
+    pub fn from_bytes(bytes: Vec<u8>) -> Result<GgufFile> {
+        Self::parse(Backing::Owned(bytes))
+    }
+
+    fn parse(backing: Backing) -> Result<GgufFile> {
+        let buf = backing.bytes();
+        let mut c = Cursor { buf, pos: 0 };
+        if c.take(4, "magic").map_err(|_| GgufError::BadMagic)? != b"GGUF" {
+            return Err(GgufError::BadMagic);
+        }
+        let version = c.u32("version")?;
+        if !(2..=3).contains(&version) {
+            return Err(GgufError::UnsupportedVersion(version));
+        }
+        // A tensor info is at least 8 (name len) + 4 + 4 + 8 bytes; a kv at
+        // least 8 (key len) + 4 (type) + 1.
+        let tensor_count = c.u64("tensor count")?;
+        let kv_count = c.count("metadata count", 13)?;
+        let mut metadata = BTreeMap::new();
+        for _ in 0..kv_count {
+            let key = c.string("metadata key")?;
+            let ty = c.u32("metadata type")?;
+            let value = c.value(ty, 0)?;
+            metadata.insert(key, value);
+        }
+        if tensor_count > (c.remaining() / 24) as u64 {
+            return Err(malformed(format!("tensor count {tensor_count} exceeds what the file can hold")));
+        }
+        let mut tensors = Vec::with_capacity(tensor_count as usize);
+        for _ in 0..tensor_count {
+            let name = c.string("tensor name")?;
+            let n_dims = c.u32("tensor rank")?;
+            if n_dims > 8 {
+                return Err(malformed(format!("tensor `{name}` has rank {n_dims}")));
+            }
+            let mut dims = Vec::with_capacity(n_dims as usize);
+            for _ in 0..n_dims {
+                dims.push(c.u64("tensor dim")?);
+            }
+            if dims.iter().try_fold(1u64, |acc, &d| acc.checked_mul(d)).is_none() {
+                return Err(malformed(format!("tensor `{name}` has an impossible shape {dims:?}")));
+            }
+            let ty = GgmlType(c.u32("tensor type")?);
+            let offset = c.u64("tensor offset")?;
+            tensors.push(GgufTensorInfo { name, dims, ty, offset });
+        }
+        let alignment = match metadata.get("general.alignment") {
+            None => 32,
+            Some(v) => match v.as_u64() {
+                Some(a) if a > 0 && a.is_power_of_two() && a <= 1 << 20 => a as usize,
+                _ => return Err(malformed(format!("general.alignment {v:?} is not a power of two"))),
+            },
+        };
+        let data_offset = c.pos.div_ceil(alignment) * alignment;
+        let data_len = buf.len().saturating_sub(data_offset) as u64;
+        for t in &tensors {
+            if t.offset % alignment as u64 != 0 {
+                return Err(malformed(format!("tensor `{}` offset {} is not aligned", t.name, t.offset)));
+            }
+            // Tensors of unknown type are kept (their size is unknown) and
+            // refused only if someone asks for their data.
+            if let Some(len) = t.byte_len() {
+                if t.offset.checked_add(len).is_none_or(|end| end > data_len) {
+                    return Err(malformed(format!(
+                        "tensor `{}` ({} bytes at {}) runs past the end of the file",
+                        t.name, len, t.offset
+                    )));
+                }
+            }
+        }
+        Ok(GgufFile {
+            version,
+            metadata,
+            tensors,
+            data_offset,
+            alignment,
+            backing,
+        })
+    }
+
+    pub fn get(&self, key: &str) -> Option<&GgufValue> {
+        self.metadata.get(key)
+    }
+
+    pub fn get_str(&self, key: &str) -> Option<&str> {
+        self.get(key).and_then(GgufValue::as_str)
+    }
+
+    pub fn get_u64(&self, key: &str) -> Option<u64> {
+        self.get(key).and_then(GgufValue::as_u64)
+    }
+
+    pub fn get_f64(&self, key: &str) -> Option<f64> {
+        self.get(key).and_then(GgufValue::as_f64)
+    }
+
+    /// An array of strings (such as `tokenizer.ggml.tokens`).
+    pub fn get_str_array(&self, key: &str) -> Option<Vec<&str>> {
+        self.get(key)?.as_array()?.iter().map(GgufValue::as_str).collect()
+    }
+
+    pub fn tensor(&self, name: &str) -> Option<&GgufTensorInfo> {
+        self.tensors.iter().find(|t| t.name == name)
+    }
+
+    /// The raw bytes of a tensor.
+    pub fn tensor_data(&self, t: &GgufTensorInfo) -> Result<&[u8]> {
+        let len = t.byte_len().ok_or_else(|| GgufError::UnsupportedType {
+            tensor: t.name.clone(),
+            ty: t.ty,
+        })?;
+        let start = self.data_offset as u64 + t.offset;
+        let bytes = self.backing.bytes();
+        // Bounds were checked at parse time; check again rather than trust.
+        let end = start
+            .checked_add(len)
+            .filter(|&e| e <= bytes.len() as u64)
+            .ok_or_else(|| malformed(format!("tensor `{}` runs past the end of the file", t.name)))?;
+        Ok(&bytes[start as usize..end as usize])
+    }
+
+    /// Dequantises a whole tensor into `out` (row-major, `numel` values).
+    pub fn dequantize_into(&self, t: &GgufTensorInfo, out: &mut [f32]) -> Result<()> {
+        let data = self.tensor_data(t)?;
+        if out.len() as u64 != t.numel() {
+            return Err(malformed(format!(
+                "tensor `{}` has {} values, destination holds {}",
+                t.name,
+                t.numel(),
+                out.len()
+            )));
+        }
+        dequantize(t.ty, data, out).map_err(|e| match e {
+            GgufError::UnsupportedType { ty, .. } => GgufError::UnsupportedType {
+                tensor: t.name.clone(),
+                ty,
+            },
+            e => e,
+        })
+    }
+
+    /// Dequantises a 2-D tensor row by row, writing stored row `r` to
+    /// destination row `row_map(r)`. `row_map` must be a permutation of
+    /// `0..rows`.
+    pub fn dequantize_rows_into(
+        &self,
+        t: &GgufTensorInfo,
+        out: &mut [f32],
+        row_map: &(dyn Fn(usize) -> usize + Sync),
+    ) -> Result<()> {
+        use rayon::prelude::*;
+        let data = self.tensor_data(t)?;
+        let shape = t.shape();
+        let [rows, cols] = shape[..] else {
+            return Err(malformed(format!("tensor `{}` is not 2-D: {:?}", t.name, shape)));
+        };
+        if out.len() != rows * cols {
+            return Err(malformed(format!("tensor `{}` does not fit its destination", t.name)));
+        }
+        let (block, block_bytes) = t.ty.block_layout().ok_or_else(|| GgufError::UnsupportedType {
+            tensor: t.name.clone(),
+            ty: t.ty,
+        })?;
+        let row_bytes = cols / block * block_bytes;
+        if cols == 0 || rows == 0 {
+            return Ok(());
+        }
+        // Pair each stored row with its destination slice, then dequantise
+        // the rows in parallel.
+        let mut slots: Vec<Option<&mut [f32]>> = out.chunks_mut(cols).map(Some).collect();
+        let mut ordered: Vec<&mut [f32]> = Vec::with_capacity(rows);
+        for r in 0..rows {
+            let slot = slots
+                .get_mut(row_map(r))
+                .and_then(Option::take)
+                .ok_or_else(|| malformed(format!("row map for `{}` is not a permutation", t.name)))?;
+            ordered.push(slot);
+        }
+        ordered
+            .into_par_iter()
+            .enumerate()
+            .try_for_each(|(r, slot)| dequantize(t.ty, &data[r * row_bytes..(r + 1) * row_bytes], slot))
+    }
+}
+
+/// Dequantises `data` of type `ty` into `out`; `out.len()` values must be a
+/// whole number of blocks and `data` exactly their size.
+pub fn dequantize(ty: GgmlType, data: &[u8], out: &mut [f32]) -> Result<()> {
+    let (block, block_bytes) = ty.block_layout().ok_or(GgufError::UnsupportedType {
+        tensor: String::new(),
+        ty,
+    })?;
+    if out.len() % block != 0 || data.len() != out.len() / block * block_bytes {
+        return Err(malformed(format!(
+            "{} bytes of {ty} cannot hold exactly {} values",
+            data.len(),
+            out.len()
+        )));
+    }
+    let f16_at = |b: &[u8], i: usize| f16::from_le_bytes([b[i], b[i + 1]]).to_f32();
+    match ty {
+        GgmlType::F32 => {
+            for (o, b) in out.iter_mut().zip(data.chunks_exact(4)) {
+                *o = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+            }
+        }
+        GgmlType::F16 => {
+            for (o, b) in out.iter_mut().zip(data.chunks_exact(2)) {
+                *o = f16::from_le_bytes([b[0], b[1]]).to_f32();
+            }
+        }
+        GgmlType::BF16 => {
+            for (o, b) in out.iter_mut().zip(data.chunks_exact(2)) {
+                *o = bf16::from_le_bytes([b[0], b[1]]).to_f32();
+            }
+        }
+        GgmlType::Q8_0 => {
+            // f16 scale d, then 32 signed bytes: x = d * q.
+            for (o, b) in out.chunks_exact_mut(32).zip(data.chunks_exact(34)) {
+                let d = f16_at(b, 0);
+                for (x, &q) in o.iter_mut().zip(&b[2..34]) {
+                    *x = d * f32::from(q as i8);
+                }
+            }
+        }
+        GgmlType::Q4_0 => {
+            // f16 scale d, then 16 bytes of nibbles: value j < 16 is the low
+            // nibble of byte j, value j >= 16 the high nibble of byte j-16;
+            // x = d * (q - 8).
+            for (o, b) in out.chunks_exact_mut(32).zip(data.chunks_exact(18)) {
+                let d = f16_at(b, 0);
+                for (j, &q) in b[2..18].iter().enumerate() {
+                    o[j] = d * (f32::from(q & 0x0f) - 8.0);
+                    o[j + 16] = d * (f32::from(q >> 4) - 8.0);
+                }
+            }
+        }
+        GgmlType::Q4_1 => {
+            // f16 scale d, f16 minimum m, then nibbles as in Q4_0; x = d*q + m.
+            for (o, b) in out.chunks_exact_mut(32).zip(data.chunks_exact(20)) {
+                let d = f16_at(b, 0);
+                let m = f16_at(b, 2);
+                for (j, &q) in b[4..20].iter().enumerate() {
+                    o[j] = d * f32::from(q & 0x0f) + m;
+                    o[j + 16] = d * f32::from(q >> 4) + m;
+                }
+            }
+        }
+        _ => unreachable!("block_layout covers exactly the types above"),
+    }
+    Ok(())
+}

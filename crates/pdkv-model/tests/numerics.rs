@@ -1,0 +1,114 @@
+//! Numerics against an independent float32 reference (Hugging Face
+//! transformers on PyTorch CPU). The fixtures come from
+//! `scripts/make_reference.py`; this test rebuilds the same checkpoints and
+//! requires pdkv's next-token logits to match:
+//! `max_i |ours_i - ref_i| <= tol * max_i |ref_i|` with `tol` = 1e-3.
+
+use std::path::{Path, PathBuf};
+
+use pdkv_model::{init, load_model, Arch, KvCache, LoadedModel, SeqInput, Workspace, BLOCK_SIZE};
+use pdkv_vmem::Pool;
+
+struct Fixture {
+    prompts: Vec<Vec<u32>>,
+    logits: Vec<Vec<f32>>,
+    tol: f32,
+}
+
+fn fixture(name: &str) -> Fixture {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/reference");
+    let meta: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(dir.join(format!("{name}.json"))).unwrap()).unwrap();
+    let vocab = meta["vocab_size"].as_u64().unwrap() as usize;
+    let prompts: Vec<Vec<u32>> = meta["prompts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| p.as_array().unwrap().iter().map(|t| t.as_u64().unwrap() as u32).collect())
+        .collect();
+    let raw = std::fs::read(dir.join(format!("{name}.f32"))).unwrap();
+    assert_eq!(raw.len(), prompts.len() * vocab * 4, "{name}.f32 has the wrong size");
+    let all: Vec<f32> = raw.chunks_exact(4).map(|b| f32::from_le_bytes(b.try_into().unwrap())).collect();
+    Fixture {
+        logits: all.chunks(vocab).map(<[f32]>::to_vec).collect(),
+        prompts,
+        tol: meta["relative_tolerance"].as_f64().unwrap() as f32,
+    }
+}
+
+/// Next-token logits of each prompt, each prompt prefilled in one step.
+fn run(m: &LoadedModel, pool: &Pool, prompts: &[Vec<u32>]) -> Vec<Vec<f32>> {
+    let cfg = m.model.config();
+    let max_len = prompts.iter().map(Vec::len).max().unwrap();
+    let blocks_per_seq = max_len.div_ceil(BLOCK_SIZE);
+    let kv = KvCache::new(pool, cfg, blocks_per_seq * prompts.len()).unwrap();
+    let mut ws = Workspace::new(pool, cfg, prompts.iter().map(Vec::len).sum()).unwrap();
+    let tables: Vec<Vec<u32>> = (0..prompts.len())
+        .map(|i| (0..blocks_per_seq).map(|b| (i * blocks_per_seq + b) as u32).collect())
+        .collect();
+    let seqs: Vec<SeqInput> = prompts
+        .iter()
+        .zip(&tables)
+        .map(|(p, t)| SeqInput { tokens: p, start_pos: 0, block_table: t, want_logits: true })
+        .collect();
+    let mut logits = Vec::new();
+    m.model.forward(&kv, &mut ws, &seqs, &mut logits).unwrap();
+    logits.chunks(cfg.vocab_size).map(<[f32]>::to_vec).collect()
+}
+
+fn compare(name: &str, ours: &[Vec<f32>], fx: &Fixture) {
+    assert_eq!(ours.len(), fx.logits.len());
+    for (i, (a, b)) in ours.iter().zip(&fx.logits).enumerate() {
+        assert_eq!(a.len(), b.len(), "{name} prompt {i}: vocab differs");
+        let scale = b.iter().fold(0f32, |m, x| m.max(x.abs()));
+        let err = a.iter().zip(b).fold(0f32, |m, (x, y)| m.max((x - y).abs()));
+        let argmax = |v: &[f32]| v.iter().enumerate().max_by(|x, y| x.1.total_cmp(y.1)).unwrap().0;
+        println!("{name} prompt {i} ({} tokens): max abs err {err:.3e}, relative {:.3e}", fx.prompts[i].len(), err / scale);
+        assert!(err <= fx.tol * scale, "{name} prompt {i}: relative error {} > {}", err / scale, fx.tol);
+        assert_eq!(argmax(a), argmax(b), "{name} prompt {i}: greedy token differs");
+    }
+}
+
+fn tiny(arch: Arch) {
+    let name = format!("tiny-{}", arch.as_str());
+    let fx = fixture(&name);
+    let dir = tempfile::tempdir().unwrap();
+    init::write_random_checkpoint(arch, "tiny", 7, dir.path()).unwrap();
+    let pool = Pool::default();
+    let m = load_model(dir.path(), &pool, &mut |_| {}).unwrap();
+    compare(&name, &run(&m, &pool, &fx.prompts), &fx);
+}
+
+#[test]
+fn tiny_llama_matches_transformers() {
+    tiny(Arch::Llama);
+}
+
+#[test]
+fn tiny_qwen3_matches_transformers() {
+    tiny(Arch::Qwen3);
+}
+
+/// The SmolLM2 GGUF, where the machine has it (CI fetches it first).
+pub fn smollm2_path() -> Option<PathBuf> {
+    let candidates = [
+        std::env::var_os("PDKV_SMOLLM2_GGUF").map(PathBuf::from),
+        std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache/pdkv/models/SmolLM2-135M-Instruct.Q4_1.gguf")),
+    ];
+    candidates.into_iter().flatten().find(|p| p.is_file())
+}
+
+#[test]
+fn smollm2_matches_transformers() {
+    let Some(path) = smollm2_path() else {
+        if std::env::var_os("CI").is_some() {
+            panic!("CI must fetch SmolLM2 first (pdkv model fetch)");
+        }
+        println!("SKIPPED: SmolLM2 GGUF not found (run `pdkv model fetch`)");
+        return;
+    };
+    let fx = fixture("smollm2");
+    let pool = Pool::default();
+    let m = load_model(&path, &pool, &mut |_| {}).unwrap();
+    compare("smollm2", &run(&m, &pool, &fx.prompts), &fx);
+}

@@ -1,0 +1,242 @@
+//! OpenAI-style errors and the JSON body extractor that produces them.
+//!
+//! Every failure a client can cause is answered with
+//! `{"error":{"message":..,"type":..,"param":..,"code":..}}` and a 4xx status;
+//! axum's default plain-text rejections never reach a client because
+//! [`ApiJson`] replaces the stock `Json` extractor and the router installs
+//! JSON fallbacks for unknown paths and methods.
+
+use axum::extract::rejection::BytesRejection;
+use axum::extract::{FromRequest, Request};
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use axum::body::Bytes;
+use pdkv_engine::AddRequestError;
+use serde::de::DeserializeOwned;
+use serde::Serialize;
+
+/// An error as the OpenAI API reports it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ApiError {
+    pub status: StatusCode,
+    pub message: String,
+    /// `invalid_request_error`, `not_found_error`, `service_unavailable_error`, `server_error`.
+    pub kind: &'static str,
+    /// The request field at fault, when one is.
+    pub param: Option<String>,
+    pub code: Option<&'static str>,
+}
+
+#[derive(Serialize)]
+struct ErrorBody<'a> {
+    error: ErrorDetail<'a>,
+}
+
+#[derive(Serialize)]
+struct ErrorDetail<'a> {
+    message: &'a str,
+    #[serde(rename = "type")]
+    kind: &'a str,
+    param: Option<&'a str>,
+    code: Option<&'a str>,
+}
+
+impl ApiError {
+    /// A 400 `invalid_request_error`.
+    pub fn invalid(message: impl Into<String>) -> ApiError {
+        ApiError {
+            status: StatusCode::BAD_REQUEST,
+            message: message.into(),
+            kind: "invalid_request_error",
+            param: None,
+            code: None,
+        }
+    }
+
+    /// A 400 `invalid_request_error` about one field.
+    pub fn invalid_param(param: &str, message: impl Into<String>) -> ApiError {
+        ApiError { param: Some(param.to_string()), ..ApiError::invalid(message) }
+    }
+
+    pub fn not_found(message: impl Into<String>) -> ApiError {
+        ApiError {
+            status: StatusCode::NOT_FOUND,
+            message: message.into(),
+            kind: "not_found_error",
+            param: None,
+            code: None,
+        }
+    }
+
+    pub fn model_not_found(requested: &str) -> ApiError {
+        ApiError {
+            param: Some("model".to_string()),
+            code: Some("model_not_found"),
+            ..ApiError::not_found(format!("The model `{requested}` does not exist."))
+        }
+    }
+
+    pub fn unavailable(message: impl Into<String>) -> ApiError {
+        ApiError {
+            status: StatusCode::SERVICE_UNAVAILABLE,
+            message: message.into(),
+            kind: "service_unavailable_error",
+            param: None,
+            code: None,
+        }
+    }
+
+    pub fn internal(message: impl Into<String>) -> ApiError {
+        ApiError {
+            status: StatusCode::INTERNAL_SERVER_ERROR,
+            message: message.into(),
+            kind: "server_error",
+            param: None,
+            code: None,
+        }
+    }
+
+    pub fn with_code(mut self, code: &'static str) -> ApiError {
+        self.code = Some(code);
+        self
+    }
+
+    /// The JSON body, as sent to clients (also used inside SSE streams).
+    pub fn body_json(&self) -> String {
+        let body = ErrorBody {
+            error: ErrorDetail {
+                message: &self.message,
+                kind: self.kind,
+                param: self.param.as_deref(),
+                code: self.code,
+            },
+        };
+        serde_json::to_string(&body).unwrap_or_else(|_| String::from("{\"error\":{}}"))
+    }
+}
+
+impl std::fmt::Display for ApiError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} ({}): {}", self.status.as_u16(), self.kind, self.message)
+    }
+}
+
+impl std::error::Error for ApiError {}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let body = self.body_json();
+        (self.status, [(axum::http::header::CONTENT_TYPE, "application/json")], body).into_response()
+    }
+}
+
+impl From<AddRequestError> for ApiError {
+    fn from(e: AddRequestError) -> ApiError {
+        let message = e.to_string();
+        match e {
+            AddRequestError::TooLong { .. } | AddRequestError::ExceedsKvCapacity { .. } => {
+                ApiError::invalid_param("prompt", message).with_code("context_length_exceeded")
+            }
+            AddRequestError::Invalid(_) => ApiError::invalid(message),
+            AddRequestError::DuplicateId(_) => ApiError::internal(message),
+            AddRequestError::Stopped => ApiError::unavailable(message),
+        }
+    }
+}
+
+/// A JSON request body parsed with errors in the OpenAI shape: malformed JSON,
+/// wrong types and missing fields become 400s naming the field, an oversize
+/// body a 413.
+pub struct ApiJson<T>(pub T);
+
+impl<S, T> FromRequest<S> for ApiJson<T>
+where
+    S: Send + Sync,
+    T: DeserializeOwned,
+{
+    type Rejection = ApiError;
+
+    async fn from_request(req: Request, state: &S) -> Result<Self, Self::Rejection> {
+        let bytes = Bytes::from_request(req, state).await.map_err(body_rejection)?;
+        parse_json(&bytes).map(ApiJson)
+    }
+}
+
+/// Parses `bytes` as `T`, naming the offending field on type errors.
+pub fn parse_json<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, ApiError> {
+    let de = &mut serde_json::Deserializer::from_slice(bytes);
+    match serde_path_to_error::deserialize::<_, T>(de) {
+        Ok(v) => Ok(v),
+        Err(e) => {
+            let path = e.path().to_string();
+            let inner = e.into_inner();
+            let message = if inner.is_syntax() || inner.is_eof() {
+                format!("request body is not valid JSON: {inner}")
+            } else {
+                format!("invalid request body: {inner}")
+            };
+            let mut err = ApiError::invalid(message);
+            // A path of "." means the error is about the document as a whole.
+            if path != "." && !inner.is_syntax() && !inner.is_eof() {
+                err.param = Some(path);
+            }
+            Err(err)
+        }
+    }
+}
+
+fn body_rejection(r: BytesRejection) -> ApiError {
+    let status = r.status();
+    if status == StatusCode::PAYLOAD_TOO_LARGE {
+        ApiError {
+            status,
+            message: "request body is too large".to_string(),
+            kind: "invalid_request_error",
+            param: None,
+            code: Some("request_too_large"),
+        }
+    } else {
+        ApiError { status, ..ApiError::invalid(format!("could not read the request body: {}", r.body_text())) }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde::Deserialize;
+
+    #[derive(Debug, Deserialize)]
+    struct Body {
+        #[allow(dead_code)]
+        max_tokens: Option<u32>,
+        #[allow(dead_code)]
+        prompt: String,
+    }
+
+    #[test]
+    fn type_errors_name_the_field() {
+        let err = parse_json::<Body>(br#"{"prompt":"a","max_tokens":"x"}"#).unwrap_err();
+        assert_eq!(err.status, StatusCode::BAD_REQUEST);
+        assert_eq!(err.param.as_deref(), Some("max_tokens"));
+        let missing = parse_json::<Body>(br#"{"max_tokens":3}"#).unwrap_err();
+        assert!(missing.message.contains("prompt"), "{}", missing.message);
+    }
+
+    #[test]
+    fn syntax_errors_are_400_without_param() {
+        let err = parse_json::<Body>(b"{\"prompt\":").unwrap_err();
+        assert_eq!(err.status, StatusCode::BAD_REQUEST);
+        assert_eq!(err.param, None);
+        assert!(err.message.contains("not valid JSON"));
+        let v: serde_json::Value = serde_json::from_str(&err.body_json()).unwrap();
+        assert_eq!(v["error"]["type"], "invalid_request_error");
+    }
+
+    #[test]
+    fn engine_errors_map_to_statuses() {
+        let too_long: ApiError = AddRequestError::TooLong { prompt: 10, max_tokens: 5, max_model_len: 12 }.into();
+        assert_eq!(too_long.status, StatusCode::BAD_REQUEST);
+        let stopped: ApiError = AddRequestError::Stopped.into();
+        assert_eq!(stopped.status, StatusCode::SERVICE_UNAVAILABLE);
+    }
+}

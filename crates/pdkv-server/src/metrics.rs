@@ -1,0 +1,394 @@
+//! Server-side metrics and the Prometheus text exposition format.
+//!
+//! Counters and histograms measured here are per request, as the HTTP layer
+//! sees them (time to first token counts from the request's arrival, so it
+//! includes tokenization and queueing). Gauges come from a snapshot of the
+//! engine's counters and the pool's live physical bytes at scrape time.
+//!
+//! Invariant: a request is counted in `pdkv_requests_total` exactly once,
+//! when its [`crate::tracker::TrackedStream`] sees the final output or is
+//! dropped before it (then as `abort`).
+
+use std::fmt::Write as _;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Mutex;
+
+use pdkv_engine::{EngineStats, FinishReason};
+use pdkv_vmem::{Tag, TagBytes};
+
+/// Upper bounds (seconds) of the time-to-first-token buckets.
+pub const TTFT_BUCKETS: &[f64] = &[
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
+];
+
+/// Upper bounds (seconds) of the inter-token-latency buckets.
+pub const ITL_BUCKETS: &[f64] = &[
+    0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
+    1.0, 2.5, 5.0,
+];
+
+/// A histogram with fixed, increasing bucket bounds and an implicit `+Inf`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Histogram {
+    bounds: &'static [f64],
+    /// `counts[i]` observations fell in `(bounds[i-1], bounds[i]]`; the last
+    /// entry counts those above every bound. Not cumulative.
+    counts: Vec<u64>,
+    sum: f64,
+    count: u64,
+}
+
+impl Histogram {
+    /// `bounds` must be strictly increasing and finite.
+    pub fn new(bounds: &'static [f64]) -> Histogram {
+        debug_assert!(bounds.windows(2).all(|w| w[0] < w[1]));
+        Histogram { bounds, counts: vec![0; bounds.len() + 1], sum: 0.0, count: 0 }
+    }
+
+    /// Records one value. NaN is ignored (it belongs to no bucket).
+    pub fn observe(&mut self, v: f64) {
+        if v.is_nan() {
+            return;
+        }
+        let i = self.bounds.partition_point(|&b| b < v);
+        self.counts[i] += 1;
+        self.sum += v;
+        self.count += 1;
+    }
+
+    pub fn count(&self) -> u64 {
+        self.count
+    }
+
+    pub fn sum(&self) -> f64 {
+        self.sum
+    }
+
+    /// `(upper bound, cumulative count)` pairs ending with `(+inf, count)`.
+    pub fn cumulative(&self) -> Vec<(f64, u64)> {
+        let mut acc = 0;
+        let mut out = Vec::with_capacity(self.counts.len());
+        for (i, c) in self.counts.iter().enumerate() {
+            acc += c;
+            out.push((self.bounds.get(i).copied().unwrap_or(f64::INFINITY), acc));
+        }
+        out
+    }
+}
+
+/// Writes the Prometheus text format (version 0.0.4).
+#[derive(Default)]
+pub struct Exposition {
+    out: String,
+}
+
+impl Exposition {
+    pub fn new() -> Exposition {
+        Exposition::default()
+    }
+
+    fn header(&mut self, name: &str, help: &str, kind: &str) {
+        let _ = writeln!(self.out, "# HELP {name} {}", escape_help(help));
+        let _ = writeln!(self.out, "# TYPE {name} {kind}");
+    }
+
+    fn sample(&mut self, name: &str, labels: &[(&str, &str)], value: f64) {
+        self.out.push_str(name);
+        if !labels.is_empty() {
+            self.out.push('{');
+            for (i, (k, v)) in labels.iter().enumerate() {
+                if i > 0 {
+                    self.out.push(',');
+                }
+                let _ = write!(self.out, "{k}=\"{}\"", escape_label(v));
+            }
+            self.out.push('}');
+        }
+        let _ = writeln!(self.out, " {}", format_value(value));
+    }
+
+    /// One metric family with one sample per label set.
+    pub fn family(&mut self, name: &str, help: &str, kind: &str, samples: &[(&[(&str, &str)], f64)]) {
+        self.header(name, help, kind);
+        for (labels, v) in samples {
+            self.sample(name, labels, *v);
+        }
+    }
+
+    pub fn counter(&mut self, name: &str, help: &str, value: f64) {
+        self.family(name, help, "counter", &[(&[], value)]);
+    }
+
+    pub fn gauge(&mut self, name: &str, help: &str, value: f64) {
+        self.family(name, help, "gauge", &[(&[], value)]);
+    }
+
+    pub fn histogram(&mut self, name: &str, help: &str, h: &Histogram) {
+        self.header(name, help, "histogram");
+        let bucket = format!("{name}_bucket");
+        for (le, c) in h.cumulative() {
+            let le = format_value(le);
+            self.sample(&bucket, &[("le", &le)], c as f64);
+        }
+        self.sample(&format!("{name}_sum"), &[], h.sum());
+        self.sample(&format!("{name}_count"), &[], h.count() as f64);
+    }
+
+    pub fn finish(self) -> String {
+        self.out
+    }
+}
+
+fn format_value(v: f64) -> String {
+    if v.is_nan() {
+        "NaN".to_string()
+    } else if v == f64::INFINITY {
+        "+Inf".to_string()
+    } else if v == f64::NEG_INFINITY {
+        "-Inf".to_string()
+    } else {
+        // Rust's shortest round-trip form, never in exponent notation.
+        format!("{v}")
+    }
+}
+
+fn escape_label(v: &str) -> String {
+    v.replace('\\', "\\\\").replace('"', "\\\"").replace('\n', "\\n")
+}
+
+fn escape_help(v: &str) -> String {
+    v.replace('\\', "\\\\").replace('\n', "\\n")
+}
+
+const FINISH_REASONS: [FinishReason; 3] = [FinishReason::Stop, FinishReason::Length, FinishReason::Abort];
+
+fn reason_index(r: FinishReason) -> usize {
+    match r {
+        FinishReason::Stop => 0,
+        FinishReason::Length => 1,
+        FinishReason::Abort => 2,
+    }
+}
+
+/// Request-level metrics collected by the HTTP layer.
+pub struct Metrics {
+    requests: [AtomicU64; 3],
+    prompt_tokens: AtomicU64,
+    generation_tokens: AtomicU64,
+    ttft: Mutex<Histogram>,
+    itl: Mutex<Histogram>,
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Metrics::new()
+    }
+}
+
+impl Metrics {
+    pub fn new() -> Metrics {
+        Metrics {
+            requests: Default::default(),
+            prompt_tokens: AtomicU64::new(0),
+            generation_tokens: AtomicU64::new(0),
+            ttft: Mutex::new(Histogram::new(TTFT_BUCKETS)),
+            itl: Mutex::new(Histogram::new(ITL_BUCKETS)),
+        }
+    }
+
+    pub fn record_finished(&self, reason: FinishReason) {
+        self.requests[reason_index(reason)].fetch_add(1, Ordering::Relaxed);
+    }
+
+    pub fn requests_finished(&self, reason: FinishReason) -> u64 {
+        self.requests[reason_index(reason)].load(Ordering::Relaxed)
+    }
+
+    pub fn add_prompt_tokens(&self, n: u64) {
+        self.prompt_tokens.fetch_add(n, Ordering::Relaxed);
+    }
+
+    pub fn add_generation_tokens(&self, n: u64) {
+        self.generation_tokens.fetch_add(n, Ordering::Relaxed);
+    }
+
+    pub fn observe_ttft(&self, seconds: f64) {
+        self.ttft.lock().unwrap_or_else(|p| p.into_inner()).observe(seconds);
+    }
+
+    pub fn observe_itl(&self, seconds: f64) {
+        self.itl.lock().unwrap_or_else(|p| p.into_inner()).observe(seconds);
+    }
+
+    /// The full exposition: these metrics plus engine and memory gauges.
+    pub fn render(&self, stats: &EngineStats, device: &TagBytes) -> String {
+        let mut e = Exposition::new();
+        let reasons: Vec<(&str, f64)> = FINISH_REASONS
+            .iter()
+            .map(|&r| (r.as_str(), self.requests_finished(r) as f64))
+            .collect();
+        let label_sets: Vec<[(&str, &str); 1]> = reasons.iter().map(|(r, _)| [("finish_reason", *r)]).collect();
+        let samples: Vec<(&[(&str, &str)], f64)> =
+            label_sets.iter().zip(&reasons).map(|(l, (_, v))| (&l[..], *v)).collect();
+        e.family("pdkv_requests_total", "Finished requests by finish reason.", "counter", &samples);
+        e.counter(
+            "pdkv_prompt_tokens_total",
+            "Prompt tokens of admitted requests.",
+            self.prompt_tokens.load(Ordering::Relaxed) as f64,
+        );
+        e.counter(
+            "pdkv_generation_tokens_total",
+            "Generated tokens.",
+            self.generation_tokens.load(Ordering::Relaxed) as f64,
+        );
+        let ttft = self.ttft.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        e.histogram(
+            "pdkv_time_to_first_token_seconds",
+            "Time from a request's arrival to its first generated token.",
+            &ttft,
+        );
+        let itl = self.itl.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        e.histogram("pdkv_inter_token_latency_seconds", "Time between consecutive generated tokens.", &itl);
+
+        e.gauge("pdkv_num_requests_running", "Requests scheduled in the engine.", stats.num_running as f64);
+        e.gauge("pdkv_num_requests_waiting", "Requests queued in the engine.", stats.num_waiting as f64);
+        e.gauge("pdkv_kv_blocks_total", "KV cache blocks.", stats.kv_blocks_total as f64);
+        e.gauge("pdkv_kv_blocks_free", "Free KV cache blocks.", stats.kv_blocks_free as f64);
+        e.gauge(
+            "pdkv_kv_blocks_used",
+            "KV cache blocks in use.",
+            stats.kv_blocks_total.saturating_sub(stats.kv_blocks_free) as f64,
+        );
+        e.counter(
+            "pdkv_prefix_cache_queries_total",
+            "Prompt tokens looked up in the prefix cache.",
+            stats.prefix_cache_queries as f64,
+        );
+        e.counter(
+            "pdkv_prefix_cache_hits_total",
+            "Prompt tokens found in the prefix cache.",
+            stats.prefix_cache_hits as f64,
+        );
+        let hit_rate = if stats.prefix_cache_queries == 0 {
+            0.0
+        } else {
+            stats.prefix_cache_hits as f64 / stats.prefix_cache_queries as f64
+        };
+        e.gauge("pdkv_prefix_cache_hit_rate", "Prefix cache hits / queries, cumulative.", hit_rate);
+        e.counter("pdkv_num_preemptions_total", "Requests preempted by the scheduler.", stats.num_preemptions as f64);
+
+        let tags: Vec<[(&str, &str); 1]> = Tag::ALL.iter().map(|t| [("tag", t.as_str())]).collect();
+        let mem: Vec<(&[(&str, &str)], f64)> =
+            tags.iter().zip(Tag::ALL).map(|(l, t)| (&l[..], device.get(t) as f64)).collect();
+        e.family(
+            "pdkv_device_memory_bytes",
+            "Live physical bytes of the pool's memory, by tag.",
+            "gauge",
+            &mem,
+        );
+        e.finish()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const B: &[f64] = &[0.1, 0.5, 1.0];
+
+    #[test]
+    fn histogram_buckets_are_upper_inclusive_and_cumulative() {
+        let mut h = Histogram::new(B);
+        for v in [0.05, 0.1, 0.3, 1.0, 7.0, f64::NAN] {
+            h.observe(v);
+        }
+        assert_eq!(h.count(), 5);
+        assert!((h.sum() - 8.45).abs() < 1e-12);
+        assert_eq!(h.cumulative(), vec![(0.1, 2), (0.5, 3), (1.0, 4), (f64::INFINITY, 5)]);
+    }
+
+    #[test]
+    fn histogram_exposition() {
+        let mut h = Histogram::new(B);
+        h.observe(0.2);
+        h.observe(2.0);
+        let mut e = Exposition::new();
+        e.histogram("lat_seconds", "Latency.", &h);
+        let expected = "# HELP lat_seconds Latency.\n\
+                        # TYPE lat_seconds histogram\n\
+                        lat_seconds_bucket{le=\"0.1\"} 0\n\
+                        lat_seconds_bucket{le=\"0.5\"} 1\n\
+                        lat_seconds_bucket{le=\"1\"} 1\n\
+                        lat_seconds_bucket{le=\"+Inf\"} 2\n\
+                        lat_seconds_sum 2.2\n\
+                        lat_seconds_count 2\n";
+        assert_eq!(e.finish(), expected);
+    }
+
+    #[test]
+    fn labels_are_escaped_and_values_formatted() {
+        let mut e = Exposition::new();
+        e.family("x_total", "Line1\nline2.", "counter", &[(&[("a", "q\"b\\c\nd")], 3.0)]);
+        e.gauge("g", "G.", 0.25);
+        e.gauge("nan", "N.", f64::NAN);
+        let text = e.finish();
+        assert!(text.contains("# HELP x_total Line1\\nline2.\n"), "{text}");
+        assert!(text.contains("x_total{a=\"q\\\"b\\\\c\\nd\"} 3\n"), "{text}");
+        assert!(text.contains("\ng 0.25\n"), "{text}");
+        assert!(text.contains("\nnan NaN\n"), "{text}");
+    }
+
+    #[test]
+    fn render_reports_every_family() {
+        let m = Metrics::new();
+        m.record_finished(FinishReason::Length);
+        m.record_finished(FinishReason::Abort);
+        m.record_finished(FinishReason::Abort);
+        m.add_prompt_tokens(7);
+        m.add_generation_tokens(5);
+        m.observe_ttft(0.03);
+        m.observe_itl(0.004);
+        let stats = EngineStats {
+            num_running: 1,
+            num_waiting: 2,
+            kv_blocks_total: 10,
+            kv_blocks_free: 4,
+            prefix_cache_queries: 8,
+            prefix_cache_hits: 2,
+            num_preemptions: 3,
+            steps: 0,
+        };
+        let text = m.render(&stats, &TagBytes([100, 200, 300]));
+        for line in [
+            "pdkv_requests_total{finish_reason=\"stop\"} 0",
+            "pdkv_requests_total{finish_reason=\"length\"} 1",
+            "pdkv_requests_total{finish_reason=\"abort\"} 2",
+            "pdkv_prompt_tokens_total 7",
+            "pdkv_generation_tokens_total 5",
+            "pdkv_time_to_first_token_seconds_count 1",
+            "pdkv_time_to_first_token_seconds_bucket{le=\"0.04\"} 1",
+            "pdkv_time_to_first_token_seconds_bucket{le=\"0.02\"} 0",
+            "pdkv_inter_token_latency_seconds_bucket{le=\"0.005\"} 1",
+            "pdkv_num_requests_running 1",
+            "pdkv_num_requests_waiting 2",
+            "pdkv_kv_blocks_total 10",
+            "pdkv_kv_blocks_free 4",
+            "pdkv_kv_blocks_used 6",
+            "pdkv_prefix_cache_queries_total 8",
+            "pdkv_prefix_cache_hits_total 2",
+            "pdkv_prefix_cache_hit_rate 0.25",
+            "pdkv_num_preemptions_total 3",
+            "pdkv_device_memory_bytes{tag=\"weights\"} 100",
+            "pdkv_device_memory_bytes{tag=\"kv_cache\"} 200",
+            "pdkv_device_memory_bytes{tag=\"runtime\"} 300",
+        ] {
+            assert!(text.lines().any(|l| l == line), "missing {line:?} in\n{text}");
+        }
+        // Every sample line belongs to a family declared with # TYPE.
+        for l in text.lines().filter(|l| !l.starts_with('#')) {
+            let name = l.split(['{', ' ']).next().unwrap();
+            let family = name.trim_end_matches("_bucket").trim_end_matches("_sum").trim_end_matches("_count");
+            assert!(text.contains(&format!("# TYPE {family} ")), "{name} has no TYPE line");
+        }
+    }
+}
