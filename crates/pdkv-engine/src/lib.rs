@@ -12,11 +12,15 @@
 //! - [`EngineHandle::abort`] aborts by id; [`EngineHandle::stats`] snapshots
 //!   counters for metrics.
 
-use std::sync::Arc;
+pub mod block_pool;
+mod core;
+pub mod detok;
+pub mod sampling;
+pub mod scheduler;
 
-use pdkv_model::{LoadedModel, Tokenizer};
-
-use pdkv_vmem::Pool;
+pub use crate::core::{Engine, EngineHandle, RequestStream};
+pub use block_pool::{BlockHash, BlockPool};
+pub use scheduler::{Scheduler, SchedulerConfig, SchedulerOutput};
 
 /// Engine limits.
 #[derive(Clone, Debug)]
@@ -129,7 +133,9 @@ pub struct RequestOutput {
 pub enum AddRequestError {
     #[error("prompt has {prompt} tokens plus max_tokens {max_tokens}, over the model's context of {max_model_len} tokens")]
     TooLong { prompt: usize, max_tokens: usize, max_model_len: usize },
-    #[error("prompt needs {needed} KV blocks, more than the {total} the cache holds")]
+    /// `needed` counts the blocks of the prompt plus `max_tokens - 1` outputs
+    /// (the request at its longest must fit the cache alone).
+    #[error("the request needs {needed} KV blocks at its longest (prompt plus max_tokens), more than the {total} the cache holds")]
     ExceedsKvCapacity { needed: usize, total: usize },
     #[error("invalid request: {0}")]
     Invalid(String),
@@ -151,96 +157,4 @@ pub struct EngineStats {
     pub prefix_cache_hits: u64,
     pub num_preemptions: u64,
     pub steps: u64,
-}
-
-/// Starts engines.
-pub struct Engine;
-
-impl Engine {
-    /// Allocates the KV cache (`num_kv_blocks` blocks) and workspace in `pool`
-    /// and starts the engine core thread.
-    pub fn start(_model: LoadedModel, _pool: Pool, _config: EngineConfig) -> anyhow::Result<EngineHandle> {
-        todo!()
-    }
-}
-
-/// A cheap, cloneable handle to a running engine.
-#[derive(Clone)]
-pub struct EngineHandle {
-    _private: Arc<()>,
-}
-
-impl EngineHandle {
-    /// Validates and enqueues a request.
-    pub fn add_request(&self, _req: EngineRequest) -> Result<RequestStream, AddRequestError> {
-        todo!()
-    }
-
-    /// Aborts a request by id; unknown or finished ids are ignored (returns false).
-    pub fn abort(&self, _request_id: &str) -> bool {
-        todo!()
-    }
-
-    pub fn stats(&self) -> EngineStats {
-        todo!()
-    }
-
-    pub fn tokenizer(&self) -> &Arc<Tokenizer> {
-        todo!()
-    }
-
-    pub fn config(&self) -> &EngineConfig {
-        todo!()
-    }
-
-    /// The model's short name (for `/v1/models`).
-    pub fn model_name(&self) -> &str {
-        todo!()
-    }
-
-    pub fn chat_template(&self) -> Option<&pdkv_model::ChatTemplate> {
-        todo!()
-    }
-
-    pub fn model_config(&self) -> &pdkv_model::ModelConfig {
-        todo!()
-    }
-
-    /// The memory pool holding weights, KV cache and runtime scratch.
-    pub fn pool(&self) -> &Pool {
-        todo!()
-    }
-
-    /// The model's context length as the engine enforces it.
-    pub fn max_model_len(&self) -> usize {
-        todo!()
-    }
-
-    /// Stops the engine thread: running requests end with `Abort`. Waits for
-    /// the thread to exit.
-    pub fn shutdown(&self) {
-        todo!()
-    }
-}
-
-/// The outputs of one request. Dropping it before the final output aborts
-/// the request.
-pub struct RequestStream {
-    _private: (),
-}
-
-impl RequestStream {
-    pub fn request_id(&self) -> &str {
-        todo!()
-    }
-
-    /// The next output; `None` after the final one.
-    pub async fn next(&mut self) -> Option<RequestOutput> {
-        todo!()
-    }
-
-    /// Blocking variant for threads outside an async runtime.
-    pub fn blocking_next(&mut self) -> Option<RequestOutput> {
-        todo!()
-    }
 }

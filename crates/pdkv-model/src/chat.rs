@@ -1,5 +1,12 @@
 //! Chat templates (Jinja, from GGUF metadata or tokenizer_config.json).
+//!
+//! Templates are rendered with minijinja configured the way Hugging Face
+//! renders them: `trim_blocks` and `lstrip_blocks` on, Python string methods
+//! (`.strip()`, `.startswith()`, ...) available, and a `raise_exception`
+//! function that turns into a render error. The variables are `messages`,
+//! `add_generation_prompt`, `bos_token` and `eos_token`.
 
+use minijinja::{Environment, Error, ErrorKind};
 use serde::{Deserialize, Serialize};
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -14,14 +21,87 @@ pub struct ChatTemplate {
     eos_token: String,
 }
 
+fn raise_exception(msg: String) -> Result<String, Error> {
+    Err(Error::new(ErrorKind::InvalidOperation, msg))
+}
+
 impl ChatTemplate {
     pub fn new(source: String, bos_token: String, eos_token: String) -> ChatTemplate {
         ChatTemplate { source, bos_token, eos_token }
     }
 
+    /// The Jinja source of the template.
+    pub fn source(&self) -> &str {
+        &self.source
+    }
+
+    fn environment(&self) -> Environment<'_> {
+        let mut env = Environment::new();
+        env.set_trim_blocks(true);
+        env.set_lstrip_blocks(true);
+        env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+        env.add_function("raise_exception", raise_exception);
+        env
+    }
+
+    /// Checks that the template compiles.
+    pub fn validate(&self) -> anyhow::Result<()> {
+        let env = self.environment();
+        env.template_from_str(&self.source)
+            .map_err(|e| anyhow::anyhow!("chat template does not compile: {e:#}"))?;
+        Ok(())
+    }
+
     /// Renders the conversation to the prompt text.
-    pub fn render(&self, _messages: &[ChatMessage], _add_generation_prompt: bool) -> anyhow::Result<String> {
-        let _ = (&self.source, &self.bos_token, &self.eos_token);
-        todo!()
+    pub fn render(&self, messages: &[ChatMessage], add_generation_prompt: bool) -> anyhow::Result<String> {
+        let env = self.environment();
+        let tmpl = env
+            .template_from_str(&self.source)
+            .map_err(|e| anyhow::anyhow!("chat template does not compile: {e:#}"))?;
+        tmpl.render(minijinja::context! {
+            messages => messages,
+            add_generation_prompt => add_generation_prompt,
+            bos_token => &self.bos_token,
+            eos_token => &self.eos_token,
+        })
+        .map_err(|e| anyhow::anyhow!("chat template failed to render: {e:#}"))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn msg(role: &str, content: &str) -> ChatMessage {
+        ChatMessage {
+            role: role.into(),
+            content: content.into(),
+        }
+    }
+
+    #[test]
+    fn renders_with_python_methods_and_block_trimming() {
+        let src = "{% for m in messages %}\n  {{ bos_token }}{{ m.role | upper }}: {{ m.content.strip() }}{{ eos_token }}\n{% endfor %}\n{% if add_generation_prompt %}A:{% endif %}";
+        let t = ChatTemplate::new(src.into(), "<s>".into(), "</s>".into());
+        let out = t.render(&[msg("user", "  hi  "), msg("assistant", "yo")], true).unwrap();
+        assert_eq!(out, "<s>USER: hi</s>\n<s>ASSISTANT: yo</s>\nA:");
+        let out = t.render(&[msg("user", "x")], false).unwrap();
+        assert_eq!(out, "<s>USER: x</s>\n");
+    }
+
+    #[test]
+    fn raise_exception_is_an_error() {
+        let src = "{% if messages[0]['role'] != 'user' %}{{ raise_exception('first must be user') }}{% endif %}ok";
+        let t = ChatTemplate::new(src.into(), String::new(), String::new());
+        assert_eq!(t.render(&[msg("user", "a")], false).unwrap(), "ok");
+        let err = t.render(&[msg("system", "a")], false).unwrap_err();
+        assert!(format!("{err:#}").contains("first must be user"), "{err:#}");
+    }
+
+    #[test]
+    fn bad_template_is_refused() {
+        let t = ChatTemplate::new("{% for %}".into(), String::new(), String::new());
+        assert!(t.validate().is_err());
+        assert!(t.render(&[], false).is_err());
     }
 }

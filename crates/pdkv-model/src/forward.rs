@@ -1,10 +1,23 @@
 //! The transformer forward pass over a batch of sequences with paged KV.
+//!
+//! One step takes any mix of prefill chunks and decode tokens. All tokens of
+//! the step are stacked into one activation matrix, so every weight matrix is
+//! streamed once per step whatever the batch size. Attention is per sequence:
+//! the K/V of every token of the step are written into the sequence's blocks
+//! first, then each query reads positions `0..=pos` of its own sequence from
+//! the blocks, so chunk boundaries and block placement never show in results
+//! (see the invariant in [`crate::kernels`]).
 
-use pdkv_vmem::Pool;
+use std::sync::Arc;
 
+use anyhow::{bail, ensure, Context};
+use pdkv_vmem::{Pool, Region, Tag};
+use rayon::prelude::*;
+
+use crate::kernels::{self, AttendArgs, Linear};
 use crate::kv::KvCache;
 use crate::weights::Weights;
-use crate::ModelConfig;
+use crate::{Arch, ModelConfig, BLOCK_SIZE};
 
 /// One sequence's part of a step.
 #[derive(Clone, Debug)]
@@ -24,23 +37,204 @@ pub struct SeqInput<'a> {
 pub struct Model {
     config: ModelConfig,
     weights: Weights,
+    /// RoPE inverse frequencies, `head_dim / 2`.
+    inv_freq: Vec<f32>,
 }
 
-/// Scratch memory for a step, in a `runtime` region.
+/// Per-token activation buffers, in floats per token.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Dims {
+    hidden: usize,
+    q: usize,
+    kv: usize,
+    inter: usize,
+    half_head: usize,
+}
+
+impl Dims {
+    fn of(cfg: &ModelConfig) -> Dims {
+        Dims {
+            hidden: cfg.hidden_size,
+            q: cfg.q_dim(),
+            kv: cfg.kv_dim(),
+            inter: cfg.intermediate_size,
+            half_head: cfg.head_dim / 2,
+        }
+    }
+
+    /// Floats per token over all buffers of [`Bufs`].
+    fn per_token(&self) -> usize {
+        2 * self.hidden + 2 * self.q + 2 * self.kv + 2 * self.inter + 2 * self.half_head
+    }
+}
+
+/// Disjoint views of the activation region for one step.
+struct Bufs<'a> {
+    /// Residual stream `[T, hidden]`.
+    x: &'a mut [f32],
+    /// Normed input / projection output `[T, hidden]`.
+    h: &'a mut [f32],
+    q: &'a mut [f32],
+    k: &'a mut [f32],
+    v: &'a mut [f32],
+    /// Attention output `[T, q_dim]`.
+    att: &'a mut [f32],
+    gate: &'a mut [f32],
+    up: &'a mut [f32],
+    cos: &'a mut [f32],
+    sin: &'a mut [f32],
+}
+
+/// Where a token of the step comes from.
+#[derive(Clone, Copy, Debug)]
+struct TokenMeta {
+    seq: usize,
+    pos: usize,
+}
+
+/// One unit of attention work: query rows `row0..row1` of sequence `seq`
+/// (rows of the step's activation matrix), head `head`.
+#[derive(Clone, Copy, Debug)]
+struct AttnTask {
+    seq: usize,
+    head: usize,
+    row0: usize,
+    row1: usize,
+}
+
+/// Queries per attention task.
+const ATTN_ROWS: usize = 16;
+
+/// Scratch memory for a step, in `runtime` regions. Grows when a step needs
+/// more than it holds, never shrinks; steady-state steps allocate nothing.
 pub struct Workspace {
-    _private: (),
+    pool: Pool,
+    dims: Dims,
+    /// Tokens the activation region holds.
+    cap_tokens: usize,
+    act: Arc<Region>,
+    /// Attention scores: one row of `scores_len` floats per math thread.
+    scores: Option<Arc<Region>>,
+    scores_len: usize,
+    tokens: Vec<TokenMeta>,
+    tasks: Vec<AttnTask>,
+    logit_rows: Vec<usize>,
+    written: Vec<(u32, usize)>,
 }
 
 impl Workspace {
     /// Scratch for steps of up to `max_tokens` tokens.
-    pub fn new(_pool: &Pool, _cfg: &ModelConfig, _max_tokens: usize) -> anyhow::Result<Workspace> {
-        todo!()
+    pub fn new(pool: &Pool, cfg: &ModelConfig, max_tokens: usize) -> anyhow::Result<Workspace> {
+        let dims = Dims::of(cfg);
+        let cap_tokens = max_tokens.max(1);
+        let act = Self::alloc_act(pool, &dims, cap_tokens)?;
+        Ok(Workspace {
+            pool: pool.clone(),
+            dims,
+            cap_tokens,
+            act,
+            scores: None,
+            scores_len: 0,
+            tokens: Vec::with_capacity(cap_tokens),
+            tasks: Vec::new(),
+            logit_rows: Vec::new(),
+            written: Vec::new(),
+        })
+    }
+
+    /// Tokens a step can hold without growing.
+    pub fn capacity_tokens(&self) -> usize {
+        self.cap_tokens
+    }
+
+    fn alloc_act(pool: &Pool, dims: &Dims, tokens: usize) -> anyhow::Result<Arc<Region>> {
+        let bytes = dims.per_token() * tokens * 4;
+        pool.allocate(Tag::Runtime, bytes)
+            .with_context(|| format!("allocating {bytes} bytes of activations for {tokens} tokens"))
+    }
+
+    /// Makes room for `tokens` tokens and contexts of `ctx` positions.
+    fn reserve(&mut self, tokens: usize, ctx: usize, threads: usize) -> anyhow::Result<()> {
+        if tokens > self.cap_tokens {
+            let cap = tokens.max(self.cap_tokens * 2);
+            self.act = Self::alloc_act(&self.pool, &self.dims, cap)?;
+            self.cap_tokens = cap;
+        }
+        if ctx > self.scores_len || self.scores.is_none() {
+            let len = ctx.next_power_of_two().max(1024);
+            let bytes = len * threads * 4;
+            let region = self
+                .pool
+                .allocate(Tag::Runtime, bytes)
+                .with_context(|| format!("allocating {bytes} bytes of attention scores"))?;
+            self.scores = Some(region);
+            self.scores_len = len;
+        }
+        Ok(())
+    }
+
+    /// Splits the activation region into the step's buffers.
+    fn bufs(&mut self, t: usize) -> Bufs<'_> {
+        let d = self.dims;
+        let cap = self.cap_tokens;
+        assert!(t <= cap);
+        let sizes = [d.hidden, d.hidden, d.q, d.kv, d.kv, d.q, d.inter, d.inter, d.half_head, d.half_head];
+        let base = self.act.base() as *mut f32;
+        let mut off = 0;
+        let mut take = |per: usize| {
+            // SAFETY: the ranges `[off, off + per*cap)` are disjoint and lie in
+            // the region (sized `per_token * cap` floats); `&mut self` makes
+            // these views the only ones.
+            let s = unsafe { std::slice::from_raw_parts_mut(base.add(off), per * t) };
+            off += per * cap;
+            s
+        };
+        Bufs {
+            x: take(sizes[0]),
+            h: take(sizes[1]),
+            q: take(sizes[2]),
+            k: take(sizes[3]),
+            v: take(sizes[4]),
+            att: take(sizes[5]),
+            gate: take(sizes[6]),
+            up: take(sizes[7]),
+            cos: take(sizes[8]),
+            sin: take(sizes[9]),
+        }
+    }
+}
+
+/// A raw pointer that may cross threads; users guarantee disjoint access.
+#[derive(Clone, Copy)]
+struct RawPtr(*mut f32);
+// SAFETY: see the type's doc.
+unsafe impl Send for RawPtr {}
+unsafe impl Sync for RawPtr {}
+
+impl RawPtr {
+    /// A method (not a field access) so closures capture the whole wrapper.
+    fn get(self) -> *mut f32 {
+        self.0
+    }
+}
+
+/// Rows per parallel job in per-row kernels.
+const ROWS_PER_JOB: usize = 8;
+
+/// Applies `f(row_index, row)` to every `len`-float row of `buf`, in parallel
+/// when there are enough rows. Each row is processed independently.
+fn for_rows(buf: &mut [f32], len: usize, f: impl Fn(usize, &mut [f32]) + Sync) {
+    if buf.len() <= len * ROWS_PER_JOB {
+        buf.chunks_exact_mut(len).enumerate().for_each(|(i, r)| f(i, r));
+    } else {
+        buf.par_chunks_exact_mut(len).with_min_len(ROWS_PER_JOB).enumerate().for_each(|(i, r)| f(i, r));
     }
 }
 
 impl Model {
     pub fn new(config: ModelConfig, weights: Weights) -> Model {
-        Model { config, weights }
+        let inv_freq = kernels::rope_inv_freq(config.rope_theta, config.head_dim);
+        Model { config, weights, inv_freq }
     }
 
     pub fn config(&self) -> &ModelConfig {
@@ -56,11 +250,277 @@ impl Model {
     /// `want_logits`, in order. `logits` is cleared first.
     pub fn forward(
         &self,
-        _kv: &KvCache,
-        _ws: &mut Workspace,
-        _seqs: &[SeqInput<'_>],
-        _logits: &mut Vec<f32>,
+        kv: &KvCache,
+        ws: &mut Workspace,
+        seqs: &[SeqInput<'_>],
+        logits: &mut Vec<f32>,
     ) -> anyhow::Result<()> {
-        todo!()
+        logits.clear();
+        let cfg = &self.config;
+        ensure!(
+            ws.dims == Dims::of(cfg),
+            "the workspace was made for a different model shape"
+        );
+        ensure!(
+            kv.num_layers() == cfg.num_layers && kv.kv_dim() == cfg.kv_dim(),
+            "the KV cache was made for a different model shape ({} layers x {} floats, model has {} x {})",
+            kv.num_layers(),
+            kv.kv_dim(),
+            cfg.num_layers,
+            cfg.kv_dim()
+        );
+        self.validate(kv, ws, seqs)?;
+        if seqs.is_empty() {
+            return Ok(());
+        }
+
+        ws.tokens.clear();
+        ws.logit_rows.clear();
+        let mut max_ctx = 0;
+        for (si, s) in seqs.iter().enumerate() {
+            for i in 0..s.tokens.len() {
+                ws.tokens.push(TokenMeta { seq: si, pos: s.start_pos + i });
+            }
+            if s.want_logits {
+                ws.logit_rows.push(ws.tokens.len() - 1);
+            }
+            max_ctx = max_ctx.max(s.start_pos + s.tokens.len());
+        }
+        let pool = kernels::thread_pool();
+        ws.reserve(ws.tokens.len(), max_ctx, pool.current_num_threads())?;
+        pool.install(|| self.run_step(kv, ws, seqs, logits));
+        Ok(())
+    }
+
+    /// Checks a step's inputs so that the math below cannot index out of
+    /// bounds or race: tokens in vocabulary, block tables long enough with
+    /// ids in range, and no block written by one sequence while another
+    /// sequence of the step uses it.
+    fn validate(&self, kv: &KvCache, ws: &mut Workspace, seqs: &[SeqInput<'_>]) -> anyhow::Result<()> {
+        let vocab = self.config.vocab_size;
+        ws.written.clear();
+        for (si, s) in seqs.iter().enumerate() {
+            ensure!(!s.tokens.is_empty(), "sequence {si} of the step has no tokens");
+            if let Some(&t) = s.tokens.iter().find(|&&t| t as usize >= vocab) {
+                bail!("sequence {si}: token id {t} is outside the vocabulary of {vocab}");
+            }
+            let end = s.start_pos + s.tokens.len();
+            let need = end.div_ceil(BLOCK_SIZE);
+            ensure!(
+                s.block_table.len() >= need,
+                "sequence {si}: {} blocks cover {} positions, need {end}",
+                s.block_table.len(),
+                s.block_table.len() * BLOCK_SIZE
+            );
+            if let Some(&b) = s.block_table[..need].iter().find(|&&b| b as usize >= kv.num_blocks()) {
+                bail!("sequence {si}: block id {b} is outside the cache of {} blocks", kv.num_blocks());
+            }
+            for &b in &s.block_table[s.start_pos / BLOCK_SIZE..need] {
+                ws.written.push((b, si));
+            }
+        }
+        ws.written.sort_unstable();
+        ws.written.dedup();
+        for pair in ws.written.windows(2) {
+            ensure!(
+                pair[0].0 != pair[1].0,
+                "block {} is written by sequences {} and {} in the same step",
+                pair[0].0,
+                pair[0].1,
+                pair[1].1
+            );
+        }
+        for (si, s) in seqs.iter().enumerate() {
+            let need = (s.start_pos + s.tokens.len()).div_ceil(BLOCK_SIZE);
+            for &b in &s.block_table[..need] {
+                if let Ok(i) = ws.written.binary_search_by_key(&b, |&(wb, _)| wb) {
+                    let writer = ws.written[i].1;
+                    ensure!(writer == si, "block {b} is written by sequence {writer} while sequence {si} reads it");
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn run_step(&self, kv: &KvCache, ws: &mut Workspace, seqs: &[SeqInput<'_>], logits: &mut Vec<f32>) {
+        let cfg = &self.config;
+        let w = &self.weights;
+        let (hidden, hd, eps) = (cfg.hidden_size, cfg.head_dim, cfg.rms_norm_eps);
+        let (q_dim, kv_dim, inter) = (cfg.q_dim(), cfg.kv_dim(), cfg.intermediate_size);
+        let half = hd / 2;
+        let t_all = ws.tokens.len();
+
+        let tokens = std::mem::take(&mut ws.tokens);
+        let mut tasks = std::mem::take(&mut ws.tasks);
+        let logit_rows = std::mem::take(&mut ws.logit_rows);
+        let scores = ws.scores.clone().expect("reserved before the step");
+        let scores_len = ws.scores_len;
+        let b = ws.bufs(t_all);
+
+        // Embeddings and the rotary table of every token.
+        let embed = w.get(&w.embed);
+        let mut row = 0;
+        for s in seqs {
+            for &tok in s.tokens {
+                let t = tok as usize;
+                b.x[row * hidden..(row + 1) * hidden].copy_from_slice(&embed[t * hidden..(t + 1) * hidden]);
+                row += 1;
+            }
+        }
+        for (i, tm) in tokens.iter().enumerate() {
+            let (c, s) = (&mut b.cos[i * half..(i + 1) * half], &mut b.sin[i * half..(i + 1) * half]);
+            kernels::rope_cos_sin(tm.pos, &self.inv_freq, c, s);
+        }
+
+        // Attention work units: (sequence, head, up to ATTN_ROWS queries).
+        tasks.clear();
+        let mut row0 = 0;
+        for (si, s) in seqs.iter().enumerate() {
+            let n = s.tokens.len();
+            for head in 0..cfg.num_heads {
+                let mut r = 0;
+                while r < n {
+                    let r1 = (r + ATTN_ROWS).min(n);
+                    tasks.push(AttnTask { seq: si, head, row0: row0 + r, row1: row0 + r1 });
+                    r = r1;
+                }
+            }
+            row0 += n;
+        }
+
+        let group = cfg.num_heads / cfg.num_kv_heads;
+        let scale = (1.0 / (hd as f64).sqrt()) as f32;
+
+        for (li, lw) in w.layers.iter().enumerate() {
+            // Attention block.
+            let attn_norm = w.get(&lw.attn_norm);
+            {
+                let x = &*b.x;
+                for_rows(b.h, hidden, |i, h| kernels::rmsnorm(&x[i * hidden..(i + 1) * hidden], attn_norm, eps, h));
+            }
+            kernels::matmul_many(
+                b.h,
+                t_all,
+                hidden,
+                &mut [
+                    Linear { w: w.get(&lw.wq), n: q_dim, y: b.q },
+                    Linear { w: w.get(&lw.wk), n: kv_dim, y: b.k },
+                    Linear { w: w.get(&lw.wv), n: kv_dim, y: b.v },
+                ],
+            );
+            let qn = lw.q_norm.as_ref().filter(|_| cfg.arch == Arch::Qwen3).map(|t| w.get(t));
+            let kn = lw.k_norm.as_ref().filter(|_| cfg.arch == Arch::Qwen3).map(|t| w.get(t));
+            norm_rope(b.q, hd, qn, eps, b.cos, b.sin);
+            norm_rope(b.k, hd, kn, eps, b.cos, b.sin);
+            // K/V of the step's tokens go into the cache before any query reads them.
+            for (i, tm) in tokens.iter().enumerate() {
+                let s = &seqs[tm.seq];
+                let block = s.block_table[tm.pos / BLOCK_SIZE] as usize;
+                // SAFETY: `validate` checked the block id and that no other
+                // sequence of the step uses this block; no reader runs yet.
+                unsafe {
+                    kv.write_token(
+                        block,
+                        li,
+                        tm.pos % BLOCK_SIZE,
+                        &b.k[i * kv_dim..(i + 1) * kv_dim],
+                        &b.v[i * kv_dim..(i + 1) * kv_dim],
+                    )
+                };
+            }
+            {
+                let q = &*b.q;
+                let att = RawPtr(b.att.as_mut_ptr());
+                let scores_base = RawPtr(scores.base() as *mut f32);
+                let tokens = &tokens;
+                tasks.par_iter().for_each(|task| {
+                    let s = &seqs[task.seq];
+                    let need = (s.start_pos + s.tokens.len()).div_ceil(BLOCK_SIZE);
+                    let rows = kv.paged_rows(li, task.head / group, hd, &s.block_table[..need]);
+                    let tid = rayon::current_thread_index().unwrap_or(0);
+                    // SAFETY: each math thread owns its own score row (it runs
+                    // one task at a time, tasks do not nest); `reserve` sized
+                    // the rows for the longest context of the step.
+                    let sc = unsafe {
+                        std::slice::from_raw_parts_mut(scores_base.get().add(tid * scores_len), scores_len)
+                    };
+                    for r in task.row0..task.row1 {
+                        let off = r * q_dim + task.head * hd;
+                        // SAFETY: tasks cover disjoint (row, head) slices of
+                        // `att`; the blocks hold every position up to the
+                        // query's, written above or by earlier steps.
+                        unsafe {
+                            let out = std::slice::from_raw_parts_mut(att.get().add(off), hd);
+                            let args = AttendArgs { q: &q[off..off + hd], pos: tokens[r].pos, rows, scale };
+                            kernels::attend(&args, sc, out);
+                        }
+                    }
+                });
+            }
+            kernels::matmul(b.att, t_all, q_dim, w.get(&lw.wo), hidden, b.h);
+            add_into(b.x, b.h);
+
+            // MLP block.
+            let ffn_norm = w.get(&lw.ffn_norm);
+            {
+                let x = &*b.x;
+                for_rows(b.h, hidden, |i, h| kernels::rmsnorm(&x[i * hidden..(i + 1) * hidden], ffn_norm, eps, h));
+            }
+            kernels::matmul_many(
+                b.h,
+                t_all,
+                hidden,
+                &mut [
+                    Linear { w: w.get(&lw.w_gate), n: inter, y: b.gate },
+                    Linear { w: w.get(&lw.w_up), n: inter, y: b.up },
+                ],
+            );
+            {
+                let up = &*b.up;
+                for_rows(b.gate, inter, |i, g| kernels::silu_mul(g, &up[i * inter..(i + 1) * inter]));
+            }
+            kernels::matmul(b.gate, t_all, inter, w.get(&lw.w_down), hidden, b.h);
+            add_into(b.x, b.h);
+        }
+
+        // Final norm and LM head, only for the rows that want logits.
+        let final_norm = w.get(&w.final_norm);
+        let n_out = logit_rows.len();
+        for (i, &r) in logit_rows.iter().enumerate() {
+            kernels::rmsnorm(&b.x[r * hidden..(r + 1) * hidden], final_norm, eps, &mut b.h[i * hidden..(i + 1) * hidden]);
+        }
+        if n_out > 0 {
+            let vocab = cfg.vocab_size;
+            logits.resize(n_out * vocab, 0.0);
+            kernels::matmul(&b.h[..n_out * hidden], n_out, hidden, w.get(&w.lm_head), vocab, logits);
+        }
+
+        ws.tokens = tokens;
+        ws.tasks = tasks;
+        ws.logit_rows = logit_rows;
+    }
+}
+
+/// Per-head RMSNorm (Qwen3's q/k norm, when `norm` is given) then RoPE on
+/// every head of every row of `buf`; row `i` uses `cos`/`sin` row `i`.
+fn norm_rope(buf: &mut [f32], hd: usize, norm: Option<&[f32]>, eps: f32, cos: &[f32], sin: &[f32]) {
+    let half = hd / 2;
+    let tokens = cos.len() / half;
+    let row_len = buf.len() / tokens.max(1);
+    for_rows(buf, row_len, |i, r| {
+        let (c, s) = (&cos[i * half..(i + 1) * half], &sin[i * half..(i + 1) * half]);
+        for head in r.chunks_exact_mut(hd) {
+            if let Some(nw) = norm {
+                kernels::rmsnorm_inplace(head, nw, eps);
+            }
+            kernels::rope_apply(head, c, s);
+        }
+    });
+}
+
+/// `x += d`, element-wise.
+fn add_into(x: &mut [f32], d: &[f32]) {
+    for (a, b) in x.iter_mut().zip(d) {
+        *a += *b;
     }
 }

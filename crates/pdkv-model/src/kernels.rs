@@ -1,1 +1,740 @@
-//! TODO
+//! Batch-invariant CPU kernels: matrix multiply, RMSNorm, RoPE, SwiGLU and
+//! paged causal attention.
+//!
+//! Invariant: every output element is produced by one fixed sequence of
+//! floating-point operations that depends only on that element's own inputs.
+//! It does not depend on how many rows are in the batch, where a row sits in
+//! it, which register tile computed it, how work was split across threads, or
+//! how a sequence's prefill was chunked. Concretely:
+//!
+//! - [`matmul`]: `y[r][j] = dot(x[r], w[j])` with one 8-lane accumulator per
+//!   output element, stepping over `k` in strides of 8 from 0, then a fixed
+//!   horizontal sum (`lane i + lane i+4`, then `+2`, then `+1`), then the
+//!   scalar tail in index order. Every tile shape runs exactly this sequence
+//!   for each of its elements; threads split the output features `j`, never `k`.
+//! - [`attend`]: per (query, head) one pass over positions `0..=p` in order:
+//!   scores, their maximum, the exponentials and their sum, then the
+//!   probability-weighted sum of V rows in position order.
+//! - norms, RoPE and SiLU act on one row at a time with sequential sums.
+//!
+//! The SIMD flavour ([`Backend`]) is chosen once per process, so all rows of
+//! all steps go through the same code.
+
+use std::sync::OnceLock;
+
+use rayon::prelude::*;
+
+/// Which instruction set the kernels use. Fixed for the life of the process.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Backend {
+    /// x86-64 AVX2 with fused multiply-add.
+    Avx2Fma,
+    /// Plain Rust (separate multiply and add), for any CPU.
+    Portable,
+}
+
+/// The backend all model math uses: AVX2+FMA when the CPU has it.
+pub fn backend() -> Backend {
+    static BACKEND: OnceLock<Backend> = OnceLock::new();
+    *BACKEND.get_or_init(|| {
+        #[cfg(target_arch = "x86_64")]
+        {
+            if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+                return Backend::Avx2Fma;
+            }
+        }
+        Backend::Portable
+    })
+}
+
+/// The thread pool the forward pass runs on. Its size never changes results
+/// (see the module invariant); `PDKV_THREADS` overrides the default of one
+/// thread per available core.
+pub fn thread_pool() -> &'static rayon::ThreadPool {
+    static POOL: OnceLock<rayon::ThreadPool> = OnceLock::new();
+    POOL.get_or_init(|| {
+        let n = std::env::var("PDKV_THREADS")
+            .ok()
+            .and_then(|s| s.parse::<usize>().ok())
+            .filter(|&n| n > 0)
+            .unwrap_or_else(|| std::thread::available_parallelism().map(|n| n.get()).unwrap_or(2));
+        rayon::ThreadPoolBuilder::new()
+            .num_threads(n)
+            .thread_name(|i| format!("pdkv-math-{i}"))
+            .build()
+            .expect("building the math thread pool")
+    })
+}
+
+// ---------------------------------------------------------------------------
+// Matrix multiply
+// ---------------------------------------------------------------------------
+
+/// Activation rows per register tile.
+const MR: usize = 4;
+/// Weight rows per register tile.
+const NR: usize = 3;
+/// Activation rows per cache block: a block of `x` is reused from L2 for
+/// every weight tile of a job.
+const MB: usize = 64;
+
+/// One weight matrix applied to shared activations: `y = x · wᵀ`, where `w`
+/// is `[n, k]` row-major and `y` is `[m, n]` row-major.
+pub struct Linear<'a> {
+    pub w: &'a [f32],
+    pub n: usize,
+    pub y: &'a mut [f32],
+}
+
+/// `y[m, n] = x[m, k] · w[n, k]ᵀ` on the current rayon pool.
+pub fn matmul(x: &[f32], m: usize, k: usize, w: &[f32], n: usize, y: &mut [f32]) {
+    matmul_many(x, m, k, &mut [Linear { w, n, y }]);
+}
+
+/// Several products of the same activations in one parallel dispatch (for
+/// example the q, k and v projections).
+pub fn matmul_many(x: &[f32], m: usize, k: usize, outs: &mut [Linear<'_>]) {
+    matmul_many_with(backend(), x, m, k, outs)
+}
+
+/// [`matmul_many`] with an explicit backend (tests exercise both).
+pub fn matmul_many_with(be: Backend, x: &[f32], m: usize, k: usize, outs: &mut [Linear<'_>]) {
+    assert!(x.len() >= m * k, "x has {} floats, need {}x{}", x.len(), m, k);
+    for o in outs.iter() {
+        assert!(o.w.len() >= o.n * k, "w has {} floats, need {}x{}", o.w.len(), o.n, k);
+        assert!(o.y.len() >= m * o.n, "y has {} floats, need {}x{}", o.y.len(), m, o.n);
+    }
+    if m == 0 || k == 0 {
+        for o in outs.iter_mut() {
+            o.y[..m * o.n].fill(0.0);
+        }
+        return;
+    }
+    // Split every matrix's output features into jobs; a job owns a column
+    // range of `y` and the matching contiguous rows of `w`.
+    let threads = rayon::current_num_threads().max(1);
+    let mut jobs: Vec<Job> = Vec::new();
+    for o in outs.iter_mut() {
+        let per = o.n.div_ceil(threads * 4).div_ceil(NR) * NR;
+        let per = per.max(NR);
+        let mut j0 = 0;
+        while j0 < o.n {
+            let j1 = (j0 + per).min(o.n);
+            jobs.push(Job { w: o.w.as_ptr(), y: SendPtr(o.y.as_mut_ptr()), n: o.n, j0, j1 });
+            j0 = j1;
+        }
+    }
+    let x = SendConstPtr(x.as_ptr());
+    let run = |job: &Job| {
+        // SAFETY: shapes were checked above; jobs write disjoint column
+        // ranges of their `y`, and every `y` is a distinct &mut borrow.
+        unsafe { run_job(be, x.get(), m, k, job) }
+    };
+    if jobs.len() == 1 || threads == 1 {
+        jobs.iter().for_each(run);
+    } else {
+        jobs.par_iter().for_each(run);
+    }
+}
+
+#[derive(Clone, Copy)]
+struct SendPtr(*mut f32);
+// SAFETY: used only for disjoint writes coordinated by `matmul_many_with`.
+unsafe impl Send for SendPtr {}
+unsafe impl Sync for SendPtr {}
+
+#[derive(Clone, Copy)]
+struct SendConstPtr(*const f32);
+// SAFETY: read-only shared data.
+unsafe impl Send for SendConstPtr {}
+unsafe impl Sync for SendConstPtr {}
+
+impl SendConstPtr {
+    /// A method (not a field access) so closures capture the whole wrapper.
+    fn get(self) -> *const f32 {
+        self.0
+    }
+}
+
+struct Job {
+    w: *const f32,
+    y: SendPtr,
+    n: usize,
+    j0: usize,
+    j1: usize,
+}
+// SAFETY: see `SendPtr`; `w` is only read.
+unsafe impl Send for Job {}
+unsafe impl Sync for Job {}
+
+/// Computes columns `j0..j1` of `y` for all `m` rows.
+///
+/// # Safety
+/// `x` holds `m*k` floats, `job.w` `n*k`, `job.y` `m*n`; no one else writes
+/// columns `j0..j1` of `y`.
+unsafe fn run_job(be: Backend, x: *const f32, m: usize, k: usize, job: &Job) {
+    match be {
+        #[cfg(target_arch = "x86_64")]
+        Backend::Avx2Fma => avx2::run_job(x, m, k, job),
+        _ => portable::run_job(x, m, k, job),
+    }
+}
+
+/// Walks a job in cache blocks and register tiles, calling `tile(mr, nr, r, j)`.
+#[inline(always)]
+fn for_each_tile(m: usize, job: &Job, mut tile: impl FnMut(usize, usize, usize, usize)) {
+    let mut r0 = 0;
+    while r0 < m {
+        let r_end = (r0 + MB).min(m);
+        let mut j = job.j0;
+        while j < job.j1 {
+            let nr = NR.min(job.j1 - j);
+            let mut r = r0;
+            while r < r_end {
+                let mr = MR.min(r_end - r);
+                tile(mr, nr, r, j);
+                r += mr;
+            }
+            j += nr;
+        }
+        r0 = r_end;
+    }
+}
+
+/// Dispatches a runtime tile shape to a monomorphised micro-kernel.
+macro_rules! dispatch_tile {
+    ($kernel:ident, $mr:expr, $nr:expr, $($arg:expr),*) => {
+        match ($mr, $nr) {
+            (4, 3) => $kernel::<4, 3>($($arg),*),
+            (4, 2) => $kernel::<4, 2>($($arg),*),
+            (4, 1) => $kernel::<4, 1>($($arg),*),
+            (3, 3) => $kernel::<3, 3>($($arg),*),
+            (3, 2) => $kernel::<3, 2>($($arg),*),
+            (3, 1) => $kernel::<3, 1>($($arg),*),
+            (2, 3) => $kernel::<2, 3>($($arg),*),
+            (2, 2) => $kernel::<2, 2>($($arg),*),
+            (2, 1) => $kernel::<2, 1>($($arg),*),
+            (1, 3) => $kernel::<1, 3>($($arg),*),
+            (1, 2) => $kernel::<1, 2>($($arg),*),
+            (1, 1) => $kernel::<1, 1>($($arg),*),
+            _ => unreachable!("tile shape out of range"),
+        }
+    };
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use std::arch::x86_64::*;
+
+    use super::{for_each_tile, Job};
+
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn run_job(x: *const f32, m: usize, k: usize, job: &Job) {
+        let (w, y, n) = (job.w, job.y.0, job.n);
+        for_each_tile(m, job, |mr, nr, r, j| {
+            // SAFETY: the tile lies inside the job's rows and columns.
+            unsafe {
+                let xt = x.add(r * k);
+                let wt = w.add(j * k);
+                let yt = y.add(r * n + j);
+                dispatch_tile!(tile, mr, nr, xt, wt, k, yt, n)
+            }
+        });
+    }
+
+    /// Fixed-order horizontal sum of 8 lanes: (i + i+4), then (+2), then (+1).
+    #[inline(always)]
+    pub(super) unsafe fn hsum(v: __m256) -> f32 {
+        let lo = _mm256_castps256_ps128(v);
+        let hi = _mm256_extractf128_ps::<1>(v);
+        let s4 = _mm_add_ps(lo, hi);
+        let s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+        let s1 = _mm_add_ss(s2, _mm_shuffle_ps::<1>(s2, s2));
+        _mm_cvtss_f32(s1)
+    }
+
+    /// `MR x NR` register tile: `MR` rows of `x` (stride `k`) against `NR`
+    /// rows of `w` (stride `k`), into `y` (row stride `ldy`).
+    #[inline(always)]
+    unsafe fn tile<const R: usize, const C: usize>(
+        x: *const f32,
+        w: *const f32,
+        k: usize,
+        y: *mut f32,
+        ldy: usize,
+    ) {
+        let mut acc = [[_mm256_setzero_ps(); C]; R];
+        let k8 = k & !7;
+        let mut p = 0;
+        while p < k8 {
+            let mut wv = [_mm256_setzero_ps(); C];
+            for (c, wc) in wv.iter_mut().enumerate() {
+                *wc = _mm256_loadu_ps(w.add(c * k + p));
+            }
+            for (r, acc_r) in acc.iter_mut().enumerate() {
+                let xv = _mm256_loadu_ps(x.add(r * k + p));
+                for c in 0..C {
+                    acc_r[c] = _mm256_fmadd_ps(xv, wv[c], acc_r[c]);
+                }
+            }
+            p += 8;
+        }
+        for (r, acc_r) in acc.iter().enumerate() {
+            for (c, a) in acc_r.iter().enumerate() {
+                let mut s = hsum(*a);
+                for t in k8..k {
+                    s = (*x.add(r * k + t)).mul_add(*w.add(c * k + t), s);
+                }
+                *y.add(r * ldy + c) = s;
+            }
+        }
+    }
+
+    /// `dot(a, b)` with the same scheme as a matmul element.
+    #[inline(always)]
+    pub(super) unsafe fn dot(a: *const f32, b: *const f32, k: usize) -> f32 {
+        let mut acc = _mm256_setzero_ps();
+        let k8 = k & !7;
+        let mut p = 0;
+        while p < k8 {
+            acc = _mm256_fmadd_ps(_mm256_loadu_ps(a.add(p)), _mm256_loadu_ps(b.add(p)), acc);
+            p += 8;
+        }
+        let mut s = hsum(acc);
+        for t in k8..k {
+            s = (*a.add(t)).mul_add(*b.add(t), s);
+        }
+        s
+    }
+
+    /// `acc[i] += p * v[i]`.
+    #[inline(always)]
+    pub(super) unsafe fn axpy(acc: *mut f32, p: f32, v: *const f32, k: usize) {
+        let pv = _mm256_set1_ps(p);
+        let k8 = k & !7;
+        let mut i = 0;
+        while i < k8 {
+            let a = _mm256_loadu_ps(acc.add(i));
+            _mm256_storeu_ps(acc.add(i), _mm256_fmadd_ps(pv, _mm256_loadu_ps(v.add(i)), a));
+            i += 8;
+        }
+        for t in k8..k {
+            *acc.add(t) = p.mul_add(*v.add(t), *acc.add(t));
+        }
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn attend_one(args: &super::AttendArgs<'_>, scores: &mut [f32], out: &mut [f32]) {
+        super::attend_one_generic(args, scores, out, |a, b, k| dot(a, b, k), |acc, p, v, k| axpy(acc, p, v, k))
+    }
+}
+
+mod portable {
+    use super::{for_each_tile, Job};
+
+    pub(super) unsafe fn run_job(x: *const f32, m: usize, k: usize, job: &Job) {
+        let (w, y, n) = (job.w, job.y.0, job.n);
+        for_each_tile(m, job, |mr, nr, r, j| {
+            // SAFETY: the tile lies inside the job's rows and columns.
+            unsafe {
+                let xt = x.add(r * k);
+                let wt = w.add(j * k);
+                let yt = y.add(r * n + j);
+                dispatch_tile!(tile, mr, nr, xt, wt, k, yt, n)
+            }
+        });
+    }
+
+    /// The same fixed horizontal order as the AVX2 flavour.
+    #[inline(always)]
+    pub(super) fn hsum(a: &[f32; 8]) -> f32 {
+        let s4 = [a[0] + a[4], a[1] + a[5], a[2] + a[6], a[3] + a[7]];
+        let s2 = [s4[0] + s4[2], s4[1] + s4[3]];
+        s2[0] + s2[1]
+    }
+
+    #[inline(always)]
+    unsafe fn tile<const R: usize, const C: usize>(x: *const f32, w: *const f32, k: usize, y: *mut f32, ldy: usize) {
+        let mut acc = [[[0f32; 8]; C]; R];
+        let k8 = k & !7;
+        let mut p = 0;
+        while p < k8 {
+            for (r, acc_r) in acc.iter_mut().enumerate() {
+                for (c, a) in acc_r.iter_mut().enumerate() {
+                    for l in 0..8 {
+                        a[l] += *x.add(r * k + p + l) * *w.add(c * k + p + l);
+                    }
+                }
+            }
+            p += 8;
+        }
+        for (r, acc_r) in acc.iter().enumerate() {
+            for (c, a) in acc_r.iter().enumerate() {
+                let mut s = hsum(a);
+                for t in k8..k {
+                    s += *x.add(r * k + t) * *w.add(c * k + t);
+                }
+                *y.add(r * ldy + c) = s;
+            }
+        }
+    }
+
+    pub(super) unsafe fn dot(a: *const f32, b: *const f32, k: usize) -> f32 {
+        let mut acc = [0f32; 8];
+        let k8 = k & !7;
+        let mut p = 0;
+        while p < k8 {
+            for l in 0..8 {
+                acc[l] += *a.add(p + l) * *b.add(p + l);
+            }
+            p += 8;
+        }
+        let mut s = hsum(&acc);
+        for t in k8..k {
+            s += *a.add(t) * *b.add(t);
+        }
+        s
+    }
+
+    pub(super) unsafe fn axpy(acc: *mut f32, p: f32, v: *const f32, k: usize) {
+        for t in 0..k {
+            *acc.add(t) += p * *v.add(t);
+        }
+    }
+
+    pub(super) unsafe fn attend_one(args: &super::AttendArgs<'_>, scores: &mut [f32], out: &mut [f32]) {
+        super::attend_one_generic(args, scores, out, |a, b, k| dot(a, b, k), |acc, p, v, k| axpy(acc, p, v, k))
+    }
+}
+
+/// `dot(a, b)` with the matmul element scheme.
+pub fn dot(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    // SAFETY: both slices hold `a.len()` floats; the backend matches the CPU.
+    unsafe {
+        match backend() {
+            #[cfg(target_arch = "x86_64")]
+            Backend::Avx2Fma => dot_avx2(a, b),
+            _ => portable::dot(a.as_ptr(), b.as_ptr(), a.len()),
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn dot_avx2(a: &[f32], b: &[f32]) -> f32 {
+    avx2::dot(a.as_ptr(), b.as_ptr(), a.len())
+}
+
+// ---------------------------------------------------------------------------
+// Per-row kernels
+// ---------------------------------------------------------------------------
+
+/// RMSNorm of one row as Hugging Face computes it in f32:
+/// `w * (x * 1/sqrt(mean(x²) + eps))`. The mean is accumulated in f64 in
+/// index order, then rounded to f32.
+pub fn rmsnorm(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
+    debug_assert!(x.len() == w.len() && out.len() == x.len());
+    let inv = rms_inv(x, eps);
+    for ((o, &xi), &wi) in out.iter_mut().zip(x).zip(w) {
+        *o = wi * (xi * inv);
+    }
+}
+
+/// RMSNorm in place.
+pub fn rmsnorm_inplace(x: &mut [f32], w: &[f32], eps: f32) {
+    debug_assert!(x.len() == w.len());
+    let inv = rms_inv(x, eps);
+    for (xi, &wi) in x.iter_mut().zip(w) {
+        *xi = wi * (*xi * inv);
+    }
+}
+
+fn rms_inv(x: &[f32], eps: f32) -> f32 {
+    let ss: f64 = x.iter().map(|&v| (v as f64) * (v as f64)).sum();
+    let var = (ss / x.len() as f64) as f32;
+    1.0 / (var + eps).sqrt()
+}
+
+/// Rotary frequencies as Hugging Face computes them in f32:
+/// `inv_freq[i] = 1 / theta^((2i) / head_dim)`.
+pub fn rope_inv_freq(theta: f32, head_dim: usize) -> Vec<f32> {
+    (0..head_dim / 2)
+        .map(|i| {
+            let e = (2 * i) as f32 / head_dim as f32;
+            1.0f32 / theta.powf(e)
+        })
+        .collect()
+}
+
+/// Fills `cos`/`sin` (`head_dim / 2` each) for position `pos`; the angle is
+/// `pos * inv_freq` rounded to f32 as in Hugging Face.
+pub fn rope_cos_sin(pos: usize, inv_freq: &[f32], cos: &mut [f32], sin: &mut [f32]) {
+    for ((f, c), s) in inv_freq.iter().zip(cos.iter_mut()).zip(sin.iter_mut()) {
+        let a = (pos as f32) * f;
+        let a64 = a as f64;
+        *c = a64.cos() as f32;
+        *s = a64.sin() as f32;
+    }
+}
+
+/// Rotate-half RoPE on one head vector: pairs `(i, i + d/2)`.
+pub fn rope_apply(v: &mut [f32], cos: &[f32], sin: &[f32]) {
+    let half = v.len() / 2;
+    let (a, b) = v.split_at_mut(half);
+    for i in 0..half {
+        let (x1, x2) = (a[i], b[i]);
+        a[i] = x1 * cos[i] - x2 * sin[i];
+        b[i] = x2 * cos[i] + x1 * sin[i];
+    }
+}
+
+/// `gate[i] = silu(gate[i]) * up[i]` with `silu(x) = x / (1 + e^-x)`.
+pub fn silu_mul(gate: &mut [f32], up: &[f32]) {
+    for (g, &u) in gate.iter_mut().zip(up) {
+        let x = *g;
+        *g = x / (1.0 + (-x).exp()) * u;
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Paged attention
+// ---------------------------------------------------------------------------
+
+/// Where a KV head's rows live in a paged cache, in floats from `base`:
+/// the K row of position `t` is at
+/// `block_table[t / block_size] * block_stride + (t % block_size) * row_stride + head_offset`,
+/// and the V row `v_offset` floats further.
+#[derive(Clone, Copy)]
+pub struct PagedRows<'a> {
+    pub base: *const f32,
+    pub block_table: &'a [u32],
+    pub block_size: usize,
+    pub block_stride: usize,
+    pub row_stride: usize,
+    pub head_offset: usize,
+    pub v_offset: usize,
+}
+
+impl PagedRows<'_> {
+    #[inline(always)]
+    fn k_row(&self, t: usize) -> *const f32 {
+        let b = self.block_table[t / self.block_size] as usize;
+        let off = b * self.block_stride + (t % self.block_size) * self.row_stride + self.head_offset;
+        self.base.wrapping_add(off)
+    }
+}
+
+/// One query head attending over a sequence's cached positions `0..=pos`.
+pub struct AttendArgs<'a> {
+    /// The query head vector (`head_dim`, after norm and RoPE).
+    pub q: &'a [f32],
+    /// Position of the query; keys `0..=pos` are read.
+    pub pos: usize,
+    pub rows: PagedRows<'a>,
+    pub scale: f32,
+}
+
+/// Causal attention for one (query, head): `out = softmax(q·Kᵀ·scale) · V`.
+/// `scores` must hold at least `pos + 1` floats; `out` is `head_dim`.
+///
+/// # Safety
+/// `args.rows` must describe `head_dim` readable floats of K and of V for
+/// every position `t <= pos`, not written while this runs.
+pub unsafe fn attend(args: &AttendArgs<'_>, scores: &mut [f32], out: &mut [f32]) {
+    match backend() {
+        #[cfg(target_arch = "x86_64")]
+        Backend::Avx2Fma => avx2::attend_one(args, scores, out),
+        _ => portable::attend_one(args, scores, out),
+    }
+}
+
+#[inline(always)]
+unsafe fn attend_one_generic(
+    args: &AttendArgs<'_>,
+    scores: &mut [f32],
+    out: &mut [f32],
+    dot: impl Fn(*const f32, *const f32, usize) -> f32,
+    axpy: impl Fn(*mut f32, f32, *const f32, usize),
+) {
+    let hd = args.q.len();
+    let n = args.pos + 1;
+    let scores = &mut scores[..n];
+    let mut max = f32::NEG_INFINITY;
+    for (t, s) in scores.iter_mut().enumerate() {
+        *s = dot(args.q.as_ptr(), args.rows.k_row(t), hd) * args.scale;
+        max = max.max(*s);
+    }
+    let mut sum = 0f64;
+    for s in scores.iter_mut() {
+        *s = (*s - max).exp();
+        sum += *s as f64;
+    }
+    let inv = (1.0 / sum) as f32;
+    out.fill(0.0);
+    for (t, &e) in scores.iter().enumerate() {
+        axpy(out.as_mut_ptr(), e * inv, args.rows.k_row(t).wrapping_add(args.rows.v_offset), hd);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Deterministic pseudo-random floats in [-1, 1).
+    fn rand_vec(seed: u64, n: usize) -> Vec<f32> {
+        let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+        (0..n)
+            .map(|_| {
+                s ^= s << 13;
+                s ^= s >> 7;
+                s ^= s << 17;
+                ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+            })
+            .collect()
+    }
+
+    fn reference(x: &[f32], m: usize, k: usize, w: &[f32], n: usize) -> Vec<f64> {
+        let mut y = vec![0f64; m * n];
+        for r in 0..m {
+            for j in 0..n {
+                y[r * n + j] = (0..k).map(|t| x[r * k + t] as f64 * w[j * k + t] as f64).sum();
+            }
+        }
+        y
+    }
+
+    fn run(be: Backend, x: &[f32], m: usize, k: usize, w: &[f32], n: usize) -> Vec<f32> {
+        let mut y = vec![f32::NAN; m * n];
+        matmul_many_with(be, x, m, k, &mut [Linear { w, n, y: &mut y }]);
+        y
+    }
+
+    fn backends() -> Vec<Backend> {
+        let mut v = vec![Backend::Portable];
+        if backend() == Backend::Avx2Fma {
+            v.push(Backend::Avx2Fma);
+        }
+        v
+    }
+
+    #[test]
+    fn matmul_matches_f64_reference() {
+        for be in backends() {
+            for &(m, k, n) in &[(1, 8, 1), (5, 37, 7), (13, 64, 10), (40, 200, 33), (3, 1, 4)] {
+                let x = rand_vec(1, m * k);
+                let w = rand_vec(2, n * k);
+                let y = run(be, &x, m, k, &w, n);
+                let r = reference(&x, m, k, &w, n);
+                for (a, b) in y.iter().zip(&r) {
+                    assert!((*a as f64 - b).abs() <= 1e-5 * (1.0 + b.abs()), "{be:?} m={m} k={k} n={n}: {a} vs {b}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn matmul_rows_are_bit_identical_for_every_m_and_position() {
+        let (k, n) = (75, 23);
+        let w = rand_vec(3, n * k);
+        let pool_rows = rand_vec(4, 40 * k);
+        for be in backends() {
+            // Each row computed alone is the reference.
+            let alone: Vec<Vec<f32>> =
+                (0..40).map(|r| run(be, &pool_rows[r * k..(r + 1) * k], 1, k, &w, n)).collect();
+            for m in 1..=40 {
+                // Rows taken from a rotating window so every row lands at many offsets.
+                for shift in [0, 1, 3, 7] {
+                    let idx: Vec<usize> = (0..m).map(|i| (i + shift * m) % 40).collect();
+                    let x: Vec<f32> = idx.iter().flat_map(|&r| pool_rows[r * k..(r + 1) * k].to_vec()).collect();
+                    let y = run(be, &x, m, k, &w, n);
+                    for (i, &r) in idx.iter().enumerate() {
+                        let got: Vec<u32> = y[i * n..(i + 1) * n].iter().map(|v| v.to_bits()).collect();
+                        let want: Vec<u32> = alone[r].iter().map(|v| v.to_bits()).collect();
+                        assert_eq!(got, want, "{be:?}: row {r} at position {i} of m={m}");
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn matmul_is_independent_of_thread_count() {
+        let (m, k, n) = (37, 130, 301);
+        let x = rand_vec(5, m * k);
+        let w = rand_vec(6, n * k);
+        for be in backends() {
+            let mut results = Vec::new();
+            for threads in [1, 2, 3, 5, 8] {
+                let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
+                let y = pool.install(|| run(be, &x, m, k, &w, n));
+                results.push(y.iter().map(|v| v.to_bits()).collect::<Vec<_>>());
+            }
+            assert!(results.windows(2).all(|p| p[0] == p[1]), "{be:?}: results differ across thread counts");
+        }
+    }
+
+    #[test]
+    fn matmul_many_equals_separate_products() {
+        let (m, k) = (9, 48);
+        let x = rand_vec(7, m * k);
+        let w1 = rand_vec(8, 17 * k);
+        let w2 = rand_vec(9, 5 * k);
+        let (mut y1, mut y2) = (vec![0f32; m * 17], vec![0f32; m * 5]);
+        matmul_many(&x, m, k, &mut [Linear { w: &w1, n: 17, y: &mut y1 }, Linear { w: &w2, n: 5, y: &mut y2 }]);
+        let (mut z1, mut z2) = (vec![0f32; m * 17], vec![0f32; m * 5]);
+        matmul(&x, m, k, &w1, 17, &mut z1);
+        matmul(&x, m, k, &w2, 5, &mut z2);
+        assert_eq!(y1, z1);
+        assert_eq!(y2, z2);
+    }
+
+    #[test]
+    fn dot_matches_single_row_matmul() {
+        let k = 67;
+        let a = rand_vec(10, k);
+        let b = rand_vec(11, k);
+        let mut y = [0f32];
+        matmul(&a, 1, k, &b, 1, &mut y);
+        assert_eq!(dot(&a, &b).to_bits(), y[0].to_bits());
+    }
+
+    #[test]
+    fn rope_rotates_pairs_and_keeps_norm() {
+        let d = 8;
+        let inv = rope_inv_freq(10000.0, d);
+        assert_eq!(inv[0], 1.0);
+        let (mut c, mut s) = (vec![0f32; d / 2], vec![0f32; d / 2]);
+        rope_cos_sin(0, &inv, &mut c, &mut s);
+        let mut v = rand_vec(12, d);
+        let orig = v.clone();
+        rope_apply(&mut v, &c, &s);
+        assert_eq!(v, orig, "position 0 is the identity");
+        rope_cos_sin(5, &inv, &mut c, &mut s);
+        rope_apply(&mut v, &c, &s);
+        let n0: f32 = orig.iter().map(|x| x * x).sum();
+        let n1: f32 = v.iter().map(|x| x * x).sum();
+        assert!((n0 - n1).abs() < 1e-5);
+        // Pair (0, d/2) rotates by angle 5 * inv[0] = 5.
+        let (x1, x2) = (orig[0], orig[d / 2]);
+        assert!((v[0] - (x1 * 5f32.cos() - x2 * 5f32.sin())).abs() < 1e-6);
+    }
+
+    #[test]
+    fn rmsnorm_and_silu_match_definitions() {
+        let x = rand_vec(13, 10);
+        let w = rand_vec(14, 10);
+        let mut out = vec![0f32; 10];
+        rmsnorm(&x, &w, 1e-5, &mut out);
+        let ms: f64 = x.iter().map(|&v| (v as f64).powi(2)).sum::<f64>() / 10.0;
+        for i in 0..10 {
+            let want = w[i] as f64 * x[i] as f64 / (ms + 1e-5).sqrt();
+            assert!((out[i] as f64 - want).abs() < 1e-6);
+        }
+        let mut g = vec![-2.0f32, 0.0, 3.0];
+        silu_mul(&mut g, &[1.0, 5.0, 2.0]);
+        assert!((g[0] - (-2.0 / (1.0 + 2f32.exp()))).abs() < 1e-6);
+        assert_eq!(g[1], 0.0);
+        assert!((g[2] - 2.0 * 3.0 / (1.0 + (-3f32).exp())).abs() < 1e-6);
+    }
+}

@@ -9,6 +9,7 @@ use std::sync::Arc;
 
 use pdkv_vmem::{Pool, Region, Tag};
 
+use crate::kernels::PagedRows;
 use crate::{ModelConfig, BLOCK_SIZE};
 
 pub struct KvCache {
@@ -29,6 +30,15 @@ impl KvCache {
 
     pub fn block_bytes_for(cfg: &ModelConfig) -> usize {
         cfg.num_layers * 2 * BLOCK_SIZE * cfg.kv_dim() * 4
+    }
+
+    pub fn num_layers(&self) -> usize {
+        self.num_layers
+    }
+
+    /// Floats per token per layer in each of K and V: `num_kv_heads * head_dim`.
+    pub fn kv_dim(&self) -> usize {
+        self.kv_dim
     }
 
     pub fn num_blocks(&self) -> usize {
@@ -74,5 +84,35 @@ impl KvCache {
     #[allow(clippy::mut_from_ref)]
     pub unsafe fn slab_mut(&self, block: usize, layer: usize, kv: usize) -> &mut [f32] {
         self.region.slice_mut::<f32>(self.slab_offset(block, layer, kv), self.slab_len())
+    }
+
+    /// Writes the K and V rows of the token in `slot` of `block` for `layer`.
+    ///
+    /// # Safety
+    /// No one else may access that token's rows while this runs.
+    pub(crate) unsafe fn write_token(&self, block: usize, layer: usize, slot: usize, k: &[f32], v: &[f32]) {
+        assert!(block < self.num_blocks && layer < self.num_layers && slot < BLOCK_SIZE);
+        assert!(k.len() == self.kv_dim && v.len() == self.kv_dim);
+        let base = self.region.base() as *mut f32;
+        let row = slot * self.kv_dim;
+        let k_at = base.add(self.slab_offset(block, layer, 0) / 4 + row);
+        let v_at = base.add(self.slab_offset(block, layer, 1) / 4 + row);
+        std::ptr::copy_nonoverlapping(k.as_ptr(), k_at, self.kv_dim);
+        std::ptr::copy_nonoverlapping(v.as_ptr(), v_at, self.kv_dim);
+    }
+
+    /// Where KV head `kv_head` of `layer` lives for a sequence with `block_table`.
+    /// Every id in `block_table` must be `< num_blocks` (checked by the caller).
+    pub(crate) fn paged_rows<'a>(&self, layer: usize, kv_head: usize, head_dim: usize, block_table: &'a [u32]) -> PagedRows<'a> {
+        let slab = BLOCK_SIZE * self.kv_dim;
+        PagedRows {
+            base: (self.region.base() as *const f32).wrapping_add(layer * 2 * slab),
+            block_table,
+            block_size: BLOCK_SIZE,
+            block_stride: self.num_layers * 2 * slab,
+            row_stride: self.kv_dim,
+            head_offset: kv_head * head_dim,
+            v_offset: slab,
+        }
     }
 }

@@ -6,6 +6,7 @@
 //! sequence's logits are bit-identical whatever else is in the batch and
 //! however its prefill is chunked.
 
+pub mod bench;
 pub mod chat;
 pub mod config;
 pub mod forward;
@@ -14,6 +15,7 @@ pub mod init;
 pub mod kernels;
 pub mod kv;
 pub mod loader;
+pub mod safetensors;
 pub mod tokenizer;
 pub mod weights;
 

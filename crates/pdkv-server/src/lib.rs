@@ -1,1 +1,118 @@
-//! TODO
+//! The OpenAI-compatible HTTP front end of a pdkv engine (axum).
+//!
+//! Endpoints: `POST /v1/completions`, `POST /v1/chat/completions` (both with
+//! `"stream": true` as server-sent events), `GET /v1/models`, `GET /health`
+//! and `GET /metrics` (Prometheus text).
+//!
+//! Invariants:
+//! - Only this crate knows HTTP and the OpenAI JSON shapes; the engine sees
+//!   token ids and [`pdkv_engine::SamplingParams`].
+//! - A request's [`pdkv_engine::RequestStream`] is owned by its handler
+//!   future or its response body and by nothing else (no spawned task), so
+//!   a client that disconnects aborts its request and frees its KV blocks.
+//! - Every error a client can cause is an OpenAI-shaped JSON body with a 4xx
+//!   status; handlers never panic on input.
+
+pub mod error;
+pub mod metrics;
+pub mod openai;
+mod routes;
+pub mod tracker;
+
+use std::future::Future;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use axum::extract::DefaultBodyLimit;
+use axum::routing::{get, post};
+use axum::Router;
+use pdkv_engine::EngineHandle;
+
+pub use error::{ApiError, ApiJson};
+pub use metrics::Metrics;
+
+/// Largest request body accepted, in bytes.
+pub const MAX_BODY_BYTES: usize = 4 * 1024 * 1024;
+
+/// What every handler shares: the engine, the metrics and the served name.
+#[derive(Clone)]
+pub struct AppState {
+    inner: Arc<StateInner>,
+}
+
+struct StateInner {
+    engine: EngineHandle,
+    metrics: Arc<Metrics>,
+    served_model_name: String,
+    started_at: u64,
+    /// Distinguishes request ids of this process from earlier ones.
+    id_prefix: u64,
+    next_id: AtomicU64,
+}
+
+impl AppState {
+    /// `served_model_name` is the name clients use in `model` and see in
+    /// `/v1/models`.
+    pub fn new(engine: EngineHandle, served_model_name: impl Into<String>) -> AppState {
+        let now = SystemTime::now().duration_since(UNIX_EPOCH).unwrap_or_default();
+        AppState {
+            inner: Arc::new(StateInner {
+                engine,
+                metrics: Arc::new(Metrics::new()),
+                served_model_name: served_model_name.into(),
+                started_at: now.as_secs(),
+                id_prefix: (now.as_nanos() as u64) ^ ((std::process::id() as u64) << 32),
+                next_id: AtomicU64::new(0),
+            }),
+        }
+    }
+
+    pub fn engine(&self) -> &EngineHandle {
+        &self.inner.engine
+    }
+
+    pub fn metrics(&self) -> &Arc<Metrics> {
+        &self.inner.metrics
+    }
+
+    pub fn served_model_name(&self) -> &str {
+        &self.inner.served_model_name
+    }
+
+    /// Unix time the state was created (the model's `created` field).
+    pub fn started_at(&self) -> u64 {
+        self.inner.started_at
+    }
+
+
+    /// A fresh request id, unique within this process.
+    fn next_request_id(&self, prefix: &str) -> String {
+        let n = self.inner.next_id.fetch_add(1, Ordering::Relaxed);
+        format!("{prefix}{:016x}{n:08x}", self.inner.id_prefix)
+    }
+}
+
+/// All routes, with the body-size limit and JSON fallbacks.
+pub fn router(state: AppState) -> Router {
+    Router::new()
+        .route("/v1/completions", post(routes::completions))
+        .route("/v1/chat/completions", post(routes::chat_completions))
+        .route("/v1/models", get(routes::models))
+        .route("/health", get(routes::health))
+        .route("/metrics", get(routes::metrics))
+        .fallback(routes::not_found)
+        .method_not_allowed_fallback(routes::method_not_allowed)
+        .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
+        .with_state(state)
+}
+
+/// Serves `state` on `listener` until `shutdown` resolves, then stops
+/// accepting connections and waits for the open ones to finish.
+pub async fn serve(
+    listener: tokio::net::TcpListener,
+    state: AppState,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    axum::serve(listener, router(state)).with_graceful_shutdown(shutdown).await
+}

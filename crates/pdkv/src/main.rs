@@ -1,1 +1,122 @@
-fn main() {}
+//! `pdkv`: serve a model over an OpenAI-compatible HTTP API, fetch the
+//! default model, write random test checkpoints, and benchmark decoding.
+//!
+//! Logs go to stderr (`RUST_LOG`, default `info`); results a script may
+//! consume (a fetched model's path, the benchmark's JSON line) go to stdout.
+
+mod bench;
+mod fetch;
+mod progress;
+mod serve;
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Args, Parser, Subcommand, ValueEnum};
+
+#[derive(Parser)]
+#[command(name = "pdkv", version, about = "An LLM inference server on CPU with a paged KV cache")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Serve a model over an OpenAI-compatible HTTP API.
+    Serve(serve::ServeArgs),
+    /// Fetch or create model checkpoints.
+    #[command(subcommand)]
+    Model(ModelCommand),
+    /// Benchmarks.
+    #[command(subcommand)]
+    Bench(BenchCommand),
+}
+
+#[derive(Subcommand)]
+enum ModelCommand {
+    /// Download the default model (SmolLM2-135M-Instruct, Q4_1 GGUF) into the cache.
+    Fetch {
+        /// Directory to store the model in (default: $PDKV_MODEL_DIR or ~/.cache/pdkv/models).
+        #[arg(long)]
+        dir: Option<PathBuf>,
+    },
+    /// Write a checkpoint with random weights (for tests).
+    Init(InitArgs),
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum ArchArg {
+    Llama,
+    Qwen3,
+}
+
+impl From<ArchArg> for pdkv_model::Arch {
+    fn from(a: ArchArg) -> pdkv_model::Arch {
+        match a {
+            ArchArg::Llama => pdkv_model::Arch::Llama,
+            ArchArg::Qwen3 => pdkv_model::Arch::Qwen3,
+        }
+    }
+}
+
+#[derive(Args)]
+struct InitArgs {
+    #[arg(long, value_enum)]
+    arch: ArchArg,
+    /// Size preset.
+    #[arg(long, default_value = "tiny")]
+    preset: String,
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Output directory.
+    #[arg(long)]
+    out: PathBuf,
+}
+
+#[derive(Subcommand)]
+enum BenchCommand {
+    /// Decode throughput per batch size, against the memory-bandwidth roofline.
+    Decode(bench::DecodeArgs),
+}
+
+fn init_logging() {
+    use std::io::IsTerminal;
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal())
+        .init();
+}
+
+fn run(cli: Cli) -> anyhow::Result<()> {
+    match cli.command {
+        Command::Serve(args) => serve::run(args),
+        Command::Model(ModelCommand::Fetch { dir }) => {
+            let dir = dir.map_or_else(fetch::default_model_dir, Ok)?;
+            let path = fetch::fetch_default_model(&dir)?;
+            println!("{}", path.display());
+            Ok(())
+        }
+        Command::Model(ModelCommand::Init(a)) => {
+            pdkv_model::init::write_random_checkpoint(a.arch.into(), &a.preset, a.seed, &a.out)?;
+            println!("{}", a.out.display());
+            Ok(())
+        }
+        Command::Bench(BenchCommand::Decode(args)) => bench::run_decode(args),
+    }
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    init_logging();
+    match run(cli) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}

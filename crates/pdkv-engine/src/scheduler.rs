@@ -1,0 +1,494 @@
+//! The sans-IO scheduler: continuous batching with chunked prefill, prefix
+//! caching and preemption by recompute.
+//!
+//! The scheduler knows nothing of threads, clocks, channels or the model. A
+//! driver calls [`Scheduler::schedule`], runs the model on the returned
+//! [`SchedulerOutput`], samples, and feeds the sampled tokens back with
+//! [`Scheduler::update_from_output`].
+//!
+//! Policy, per step:
+//! 1. Running requests first, in admission order: a decoding request computes
+//!    its one new token, an unfinished prefill continues with the next chunk
+//!    that fits in the step's token budget. If blocks run out, the most
+//!    recently admitted running request is preempted (its blocks are freed, it
+//!    goes to the *front* of the waiting queue and will recompute prompt plus
+//!    the output generated so far — the sequence continues exactly as if never
+//!    preempted).
+//! 2. Then waiting requests, first come first served, while the token budget,
+//!    `max_num_seqs` and free blocks allow. The prefix cache serves the longest
+//!    run of already computed full blocks. A prompt larger than the remaining
+//!    budget is admitted with a first chunk. No waiting request is admitted in
+//!    a step that preempted.
+//!
+//! Only the chunk that reaches the end of a request's known tokens samples.
+//!
+//! Invariants (checked by [`Scheduler::check_invariants`]):
+//! - every block reference is held by exactly one request's block table
+//!   (sum of table lengths over live requests == sum of reference counts);
+//! - a waiting request holds no blocks and has computed nothing;
+//! - a running request's table covers its computed tokens;
+//! - when no request is live, every block is free.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::Arc;
+
+use crate::block_pool::{blocks_for, BlockHash, BlockPool};
+use crate::FinishReason;
+
+/// Scheduler limits.
+#[derive(Clone, Debug)]
+pub struct SchedulerConfig {
+    pub max_num_seqs: usize,
+    pub max_num_batched_tokens: usize,
+    pub num_blocks: usize,
+    pub enable_prefix_caching: bool,
+}
+
+/// A request as the scheduler sees it.
+#[derive(Clone, Debug)]
+pub struct NewRequest {
+    pub id: Arc<str>,
+    pub prompt_tokens: Vec<u32>,
+    pub max_tokens: usize,
+    /// Sampling one of these ends the request with [`FinishReason::Stop`]
+    /// (EOS ids unless ignored, plus the request's stop token ids).
+    pub stop_token_ids: Vec<u32>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Status {
+    Waiting,
+    Running,
+}
+
+#[derive(Debug)]
+struct Request {
+    id: Arc<str>,
+    /// Prompt followed by the output so far.
+    tokens: Vec<u32>,
+    num_prompt_tokens: usize,
+    max_tokens: usize,
+    stop_token_ids: Vec<u32>,
+    /// Tokens whose KV is written (or served from the prefix cache).
+    num_computed_tokens: usize,
+    blocks: Vec<u32>,
+    /// Hash chain of the full blocks of `tokens`.
+    block_hashes: Vec<BlockHash>,
+    /// Leading blocks already offered to the prefix cache.
+    num_cached_blocks: usize,
+    /// Prompt tokens served from the prefix cache at first admission.
+    num_cached_tokens: Option<usize>,
+    status: Status,
+    num_preemptions: u32,
+}
+
+impl Request {
+    fn num_output_tokens(&self) -> usize {
+        self.tokens.len() - self.num_prompt_tokens
+    }
+}
+
+/// One sequence's work in a step.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ScheduledSeq {
+    pub request_id: Arc<str>,
+    /// Tokens to compute now.
+    pub tokens: Vec<u32>,
+    /// Tokens already in the KV cache; `tokens[0]` sits at this position.
+    pub start_pos: usize,
+    /// Blocks covering `0 .. start_pos + tokens.len()`.
+    pub block_table: Vec<u32>,
+    /// This chunk ends the known tokens: sample the next one from its logits.
+    pub sample: bool,
+    /// Index of the output token that sampling produces (0 for the first).
+    pub output_index: usize,
+}
+
+/// The plan of one step.
+#[derive(Clone, Debug, Default)]
+pub struct SchedulerOutput {
+    pub seqs: Vec<ScheduledSeq>,
+    /// Requests preempted while planning this step.
+    pub preempted: Vec<Arc<str>>,
+}
+
+impl SchedulerOutput {
+    pub fn is_empty(&self) -> bool {
+        self.seqs.is_empty()
+    }
+
+    pub fn num_tokens(&self) -> usize {
+        self.seqs.iter().map(|s| s.tokens.len()).sum()
+    }
+
+    pub fn num_sampled(&self) -> usize {
+        self.seqs.iter().filter(|s| s.sample).count()
+    }
+}
+
+/// What a step did to one request.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SeqUpdate {
+    pub request_id: Arc<str>,
+    /// The token sampled this step, if the step sampled for this request.
+    pub new_token: Option<u32>,
+    /// Set when the request ended in this step (its blocks are freed).
+    pub finished: Option<FinishReason>,
+    pub num_prompt_tokens: usize,
+    pub num_cached_tokens: usize,
+}
+
+/// Live request counts and block usage.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SchedulerCounts {
+    pub num_running: usize,
+    pub num_waiting: usize,
+    pub num_blocks: usize,
+    pub num_free_blocks: usize,
+    pub prefix_cache_queries: u64,
+    pub prefix_cache_hits: u64,
+    pub num_preemptions: u64,
+}
+
+pub struct Scheduler {
+    config: SchedulerConfig,
+    pool: BlockPool,
+    requests: HashMap<Arc<str>, Request>,
+    /// FCFS; preempted requests go back to the front.
+    waiting: VecDeque<Arc<str>>,
+    /// In admission order (the last one is preempted first).
+    running: Vec<Arc<str>>,
+    num_preemptions: u64,
+}
+
+impl Scheduler {
+    pub fn new(config: SchedulerConfig) -> Scheduler {
+        assert!(config.max_num_seqs > 0 && config.max_num_batched_tokens > 0 && config.num_blocks > 0);
+        Scheduler {
+            pool: BlockPool::new(config.num_blocks, config.enable_prefix_caching),
+            config,
+            requests: HashMap::new(),
+            waiting: VecDeque::new(),
+            running: Vec::new(),
+            num_preemptions: 0,
+        }
+    }
+
+    pub fn config(&self) -> &SchedulerConfig {
+        &self.config
+    }
+
+    pub fn block_pool(&self) -> &BlockPool {
+        &self.pool
+    }
+
+    /// Blocks a request needs at its longest: the last sampled token is
+    /// never written to the cache.
+    pub fn max_blocks_needed(num_prompt_tokens: usize, max_tokens: usize) -> usize {
+        blocks_for(num_prompt_tokens + max_tokens.max(1) - 1)
+    }
+
+    pub fn has_work(&self) -> bool {
+        !self.requests.is_empty()
+    }
+
+    pub fn contains(&self, id: &str) -> bool {
+        self.requests.contains_key(id)
+    }
+
+    pub fn counts(&self) -> SchedulerCounts {
+        SchedulerCounts {
+            num_running: self.running.len(),
+            num_waiting: self.waiting.len(),
+            num_blocks: self.pool.num_blocks(),
+            num_free_blocks: self.pool.num_free(),
+            prefix_cache_queries: self.pool.num_queries(),
+            prefix_cache_hits: self.pool.num_hits(),
+            num_preemptions: self.num_preemptions,
+        }
+    }
+
+    /// Ids of the live requests (waiting then running), for shutdown.
+    pub fn request_ids(&self) -> Vec<Arc<str>> {
+        self.waiting.iter().chain(self.running.iter()).cloned().collect()
+    }
+
+    /// Queues a request. The caller has validated it: non-empty prompt,
+    /// `max_tokens >= 1`, unique id, and prompt plus output fits the cache
+    /// alone (see [`Scheduler::max_blocks_needed`]) — which is what guarantees
+    /// that preemption always makes progress.
+    ///
+    /// # Panics
+    /// When one of those preconditions does not hold.
+    pub fn add_request(&mut self, req: NewRequest) {
+        assert!(!req.prompt_tokens.is_empty(), "empty prompt");
+        assert!(!self.requests.contains_key(&req.id), "duplicate request id {}", req.id);
+        assert!(req.max_tokens > 0, "max_tokens must be at least 1");
+        let max_blocks = Self::max_blocks_needed(req.prompt_tokens.len(), req.max_tokens);
+        assert!(max_blocks <= self.pool.num_blocks(), "request {} can never fit the KV cache", req.id);
+        let mut block_hashes = Vec::new();
+        if self.pool.caching_enabled() {
+            BlockHash::extend_chain(&mut block_hashes, &req.prompt_tokens);
+        }
+        let r = Request {
+            id: req.id.clone(),
+            num_prompt_tokens: req.prompt_tokens.len(),
+            tokens: req.prompt_tokens,
+            max_tokens: req.max_tokens,
+            stop_token_ids: req.stop_token_ids,
+            num_computed_tokens: 0,
+            blocks: Vec::new(),
+            block_hashes,
+            num_cached_blocks: 0,
+            num_cached_tokens: None,
+            status: Status::Waiting,
+            num_preemptions: 0,
+        };
+        self.requests.insert(req.id.clone(), r);
+        self.waiting.push_back(req.id);
+    }
+
+    /// Ends a live request with `reason` and frees its blocks. Returns false
+    /// for an unknown id.
+    pub fn finish_request(&mut self, id: &str, _reason: FinishReason) -> bool {
+        let Some(req) = self.requests.remove(id) else { return false };
+        match req.status {
+            Status::Waiting => {
+                let pos = self.waiting.iter().position(|w| **w == *id).expect("waiting request is queued");
+                self.waiting.remove(pos);
+            }
+            Status::Running => {
+                let pos = self.running.iter().position(|w| **w == *id).expect("running request is listed");
+                self.running.remove(pos);
+            }
+        }
+        self.pool.free(&req.blocks);
+        true
+    }
+
+    /// Aborts a request in any state. Returns false for an unknown id.
+    pub fn abort_request(&mut self, id: &str) -> bool {
+        self.finish_request(id, FinishReason::Abort)
+    }
+
+    /// Drops every prefix-cache entry; false while any block is in use.
+    pub fn reset_prefix_cache(&mut self) -> bool {
+        self.pool.reset_prefix_cache()
+    }
+
+    /// Makes `req`'s table cover `num_tokens` tokens; false if blocks ran out.
+    fn grow_blocks(pool: &mut BlockPool, req: &mut Request, num_tokens: usize) -> bool {
+        let need = blocks_for(num_tokens).saturating_sub(req.blocks.len());
+        if need == 0 {
+            return true;
+        }
+        match pool.allocate(need) {
+            Some(ids) => {
+                req.blocks.extend(ids);
+                true
+            }
+            None => false,
+        }
+    }
+
+    fn preempt(&mut self, id: Arc<str>) {
+        let req = self.requests.get_mut(&id).expect("running request exists");
+        debug_assert_eq!(req.status, Status::Running);
+        self.pool.free(&req.blocks);
+        req.blocks.clear();
+        req.num_computed_tokens = 0;
+        req.num_cached_blocks = 0;
+        req.status = Status::Waiting;
+        req.num_preemptions += 1;
+        self.num_preemptions += 1;
+        self.waiting.push_front(id);
+    }
+
+    fn seq_for(req: &Request, num_new: usize) -> ScheduledSeq {
+        let start = req.num_computed_tokens;
+        let end = start + num_new;
+        ScheduledSeq {
+            request_id: req.id.clone(),
+            tokens: req.tokens[start..end].to_vec(),
+            start_pos: start,
+            block_table: req.blocks[..blocks_for(end)].to_vec(),
+            sample: end == req.tokens.len(),
+            output_index: req.num_output_tokens(),
+        }
+    }
+
+    /// Plans one step. Blocks for the planned tokens are allocated here; the
+    /// step's results must be reported with [`Scheduler::update_from_output`]
+    /// before the next call.
+    pub fn schedule(&mut self) -> SchedulerOutput {
+        let mut out = SchedulerOutput::default();
+        let mut budget = self.config.max_num_batched_tokens;
+
+        // 1. Running requests, oldest first.
+        let mut i = 0;
+        while i < self.running.len() && budget > 0 && out.seqs.len() < self.config.max_num_seqs {
+            let id = self.running[i].clone();
+            let req = self.requests.get(&id).expect("running request exists");
+            let num_new = (req.tokens.len() - req.num_computed_tokens).min(budget);
+            debug_assert!(num_new > 0, "a running request always has a token to compute");
+            let target = req.num_computed_tokens + num_new;
+            let mut scheduled = true;
+            loop {
+                let req = self.requests.get_mut(&id).expect("running request exists");
+                if Self::grow_blocks(&mut self.pool, req, target) {
+                    break;
+                }
+                // Out of blocks: preempt the most recently admitted request.
+                let victim = self.running.pop().expect("running is not empty here");
+                let is_self = victim == id;
+                self.preempt(victim.clone());
+                out.preempted.push(victim);
+                if is_self {
+                    scheduled = false;
+                    break;
+                }
+            }
+            if !scheduled {
+                break;
+            }
+            let req = &self.requests[&id];
+            out.seqs.push(Self::seq_for(req, num_new));
+            budget -= num_new;
+            i += 1;
+        }
+
+        // 2. Waiting requests, FCFS; none in a step that preempted.
+        if out.preempted.is_empty() {
+            while budget > 0
+                && self.running.len() < self.config.max_num_seqs
+                && out.seqs.len() < self.config.max_num_seqs
+            {
+                let Some(id) = self.waiting.front().cloned() else { break };
+                let req = self.requests.get_mut(&id).expect("waiting request exists");
+                debug_assert!(req.blocks.is_empty() && req.num_computed_tokens == 0);
+                if self.pool.caching_enabled() {
+                    BlockHash::extend_chain(&mut req.block_hashes, &req.tokens);
+                }
+                let hit = self.pool.get_computed_blocks(&req.tokens, &req.block_hashes);
+                let num_hit_tokens = hit.len() * pdkv_model::BLOCK_SIZE;
+                let num_new = (req.tokens.len() - num_hit_tokens).min(budget);
+                let need = blocks_for(num_hit_tokens + num_new) - hit.len();
+                let available = self.pool.num_free() - self.pool.count_free(&hit);
+                if need > available {
+                    break;
+                }
+                self.pool.touch(&hit);
+                self.pool.record_lookup(req.tokens.len(), num_hit_tokens);
+                let fresh = self.pool.allocate(need).expect("counted above");
+                let req = self.requests.get_mut(&id).expect("waiting request exists");
+                req.blocks = hit;
+                req.blocks.extend(fresh);
+                req.num_computed_tokens = num_hit_tokens;
+                req.num_cached_blocks = num_hit_tokens / pdkv_model::BLOCK_SIZE;
+                if req.num_cached_tokens.is_none() {
+                    req.num_cached_tokens = Some(num_hit_tokens);
+                }
+                req.status = Status::Running;
+                self.waiting.pop_front();
+                self.running.push(id.clone());
+                out.seqs.push(Self::seq_for(&self.requests[&id], num_new));
+                budget -= num_new;
+            }
+        }
+        out
+    }
+
+    /// Applies a step's results: `sampled[i]` is the token sampled for
+    /// `output.seqs[i]` (`Some` exactly when that seq had `sample`). Requests
+    /// that ended (stop token, `max_tokens`) are removed and their blocks
+    /// freed. Seqs of requests that ended since `schedule` are skipped.
+    pub fn update_from_output(&mut self, output: &SchedulerOutput, sampled: &[Option<u32>]) -> Vec<SeqUpdate> {
+        assert_eq!(output.seqs.len(), sampled.len(), "one sample slot per scheduled seq");
+        let mut updates = Vec::new();
+        for (seq, tok) in output.seqs.iter().zip(sampled) {
+            let Some(req) = self.requests.get_mut(&seq.request_id) else { continue };
+            debug_assert_eq!(req.num_computed_tokens, seq.start_pos, "step results applied out of order");
+            req.num_computed_tokens = seq.start_pos + seq.tokens.len();
+            // Offer newly completed blocks to the prefix cache.
+            if self.pool.caching_enabled() {
+                let full = req.num_computed_tokens / pdkv_model::BLOCK_SIZE;
+                BlockHash::extend_chain(&mut req.block_hashes, &req.tokens[..full * pdkv_model::BLOCK_SIZE]);
+                for b in req.num_cached_blocks..full {
+                    self.pool.cache_block(req.blocks[b], req.block_hashes[b]);
+                }
+                req.num_cached_blocks = req.num_cached_blocks.max(full);
+            }
+            let new_token = if seq.sample {
+                let t = tok.expect("a sampling seq has a sampled token");
+                req.tokens.push(t);
+                Some(t)
+            } else {
+                debug_assert!(tok.is_none());
+                None
+            };
+            let finished = new_token.and_then(|t| {
+                if req.stop_token_ids.contains(&t) {
+                    Some(FinishReason::Stop)
+                } else if req.num_output_tokens() >= req.max_tokens {
+                    Some(FinishReason::Length)
+                } else {
+                    None
+                }
+            });
+            updates.push(SeqUpdate {
+                request_id: seq.request_id.clone(),
+                new_token,
+                finished,
+                num_prompt_tokens: req.num_prompt_tokens,
+                num_cached_tokens: req.num_cached_tokens.unwrap_or(0),
+            });
+            if let Some(reason) = finished {
+                self.finish_request(&seq.request_id, reason);
+            }
+        }
+        updates
+    }
+
+    /// Checks the module's invariants and the block pool's; panics on a
+    /// violation.
+    pub fn check_invariants(&self) {
+        self.pool.check_invariants();
+        let mut refs = vec![0u32; self.pool.num_blocks()];
+        for req in self.requests.values() {
+            for &b in &req.blocks {
+                refs[b as usize] += 1;
+            }
+            match req.status {
+                Status::Waiting => {
+                    assert!(req.blocks.is_empty(), "waiting request {} holds blocks", req.id);
+                    assert_eq!(req.num_computed_tokens, 0);
+                    assert!(self.waiting.contains(&req.id));
+                }
+                Status::Running => {
+                    assert!(blocks_for(req.num_computed_tokens) <= req.blocks.len());
+                    assert!(req.num_computed_tokens < req.tokens.len(), "running request with nothing to compute");
+                    assert!(self.running.contains(&req.id));
+                }
+            }
+            assert!(req.num_output_tokens() < req.max_tokens);
+        }
+        for (b, &n) in refs.iter().enumerate() {
+            assert_eq!(n, self.pool.ref_count(b as u32), "block {b}: table references != ref count");
+        }
+        assert_eq!(self.waiting.len() + self.running.len(), self.requests.len());
+        assert!(self.running.len() <= self.config.max_num_seqs);
+        if self.requests.is_empty() {
+            assert_eq!(self.pool.num_free(), self.pool.num_blocks(), "blocks leaked at quiescence");
+        }
+    }
+
+    /// Output tokens generated so far by a live request.
+    pub fn output_tokens(&self, id: &str) -> Option<&[u32]> {
+        self.requests.get(id).map(|r| &r.tokens[r.num_prompt_tokens..])
+    }
+
+    /// Times a live request was preempted.
+    pub fn request_preemptions(&self, id: &str) -> Option<u32> {
+        self.requests.get(id).map(|r| r.num_preemptions)
+    }
+}

@@ -1,0 +1,198 @@
+//! Throughput measurements: host memory bandwidth (the decode roofline) and
+//! decode tokens per second of a model at a given batch size.
+
+use std::time::Instant;
+
+use pdkv_vmem::Pool;
+use rayon::prelude::*;
+
+use crate::kernels;
+use crate::{KvCache, Model, SeqInput, Workspace, BLOCK_SIZE};
+
+/// Copy bandwidth in bytes per second (bytes read plus bytes written), best
+/// of several passes copying a 256 MiB array with all math threads.
+pub fn measure_copy_bandwidth() -> f64 {
+    const BYTES: usize = 256 << 20;
+    const PASSES: usize = 5;
+    let n = BYTES / 4;
+    let src: Vec<f32> = (0..n).map(|i| i as f32).collect();
+    let mut dst = vec![0f32; n];
+    let chunk = 1 << 18;
+    let mut best = 0f64;
+    kernels::thread_pool().install(|| {
+        for _ in 0..PASSES {
+            let t = Instant::now();
+            dst.par_chunks_mut(chunk).zip(src.par_chunks(chunk)).for_each(|(d, s)| d.copy_from_slice(s));
+            let secs = t.elapsed().as_secs_f64();
+            best = best.max((2 * BYTES) as f64 / secs);
+        }
+    });
+    std::hint::black_box(&dst);
+    best
+}
+
+/// Result of [`decode_throughput`].
+#[derive(Clone, Debug)]
+pub struct DecodeResult {
+    pub batch: usize,
+    pub context: usize,
+    pub steps: usize,
+    /// Generated tokens per second over all sequences.
+    pub tokens_per_s: f64,
+    /// Mean wall time of one decode step.
+    pub step_ms: f64,
+    /// Weight bytes one step reads (`Weights::bytes_read_per_token`).
+    pub weight_bytes_per_token: usize,
+    /// Weight bytes streamed per second: `steps/s * weight_bytes_per_token`.
+    pub weight_bandwidth: f64,
+}
+
+/// Prefills `batch` sequences of `context` tokens, then times `steps`
+/// decode steps of all of them together (greedy next tokens).
+pub fn decode_throughput(
+    model: &Model,
+    pool: &Pool,
+    batch: usize,
+    context: usize,
+    steps: usize,
+) -> anyhow::Result<DecodeResult> {
+    anyhow::ensure!(batch > 0 && context > 0 && steps > 0, "batch, context and steps must be positive");
+    let cfg = model.config();
+    let blocks_per_seq = (context + steps).div_ceil(BLOCK_SIZE);
+    let kv = KvCache::new(pool, cfg, batch * blocks_per_seq)?;
+    let chunk = context.min(512);
+    let mut ws = Workspace::new(pool, cfg, chunk.max(batch))?;
+    let tables: Vec<Vec<u32>> = (0..batch)
+        .map(|s| (0..blocks_per_seq).map(|b| (s * blocks_per_seq + b) as u32).collect())
+        .collect();
+    let vocab = cfg.vocab_size as u32;
+    let prompt = |s: usize| -> Vec<u32> { (0..context).map(|i| ((i * 7919 + s * 104_729 + 1) as u32) % vocab).collect() };
+
+    let mut logits = Vec::new();
+    let mut next = vec![0u32; batch];
+    for s in 0..batch {
+        let toks = prompt(s);
+        let mut start = 0;
+        while start < context {
+            let end = (start + chunk).min(context);
+            let input = SeqInput {
+                tokens: &toks[start..end],
+                start_pos: start,
+                block_table: &tables[s],
+                want_logits: end == context,
+            };
+            model.forward(&kv, &mut ws, std::slice::from_ref(&input), &mut logits)?;
+            start = end;
+        }
+        next[s] = argmax(&logits);
+    }
+
+    let mut elapsed = 0f64;
+    for step in 0..steps {
+        let toks: Vec<[u32; 1]> = next.iter().map(|&t| [t]).collect();
+        let inputs: Vec<SeqInput<'_>> = (0..batch)
+            .map(|s| SeqInput {
+                tokens: &toks[s],
+                start_pos: context + step,
+                block_table: &tables[s],
+                want_logits: true,
+            })
+            .collect();
+        let t = Instant::now();
+        model.forward(&kv, &mut ws, &inputs, &mut logits)?;
+        elapsed += t.elapsed().as_secs_f64();
+        for (s, row) in logits.chunks_exact(cfg.vocab_size).enumerate() {
+            next[s] = argmax(row);
+        }
+    }
+    let bytes = model.weights().bytes_read_per_token();
+    let steps_per_s = steps as f64 / elapsed;
+    Ok(DecodeResult {
+        batch,
+        context,
+        steps,
+        tokens_per_s: steps_per_s * batch as f64,
+        step_ms: 1e3 * elapsed / steps as f64,
+        weight_bytes_per_token: bytes,
+        weight_bandwidth: steps_per_s * bytes as f64,
+    })
+}
+
+/// Index of the largest logit (first on ties).
+pub fn argmax(row: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, &v) in row.iter().enumerate() {
+        if v > row[best] {
+            best = i;
+        }
+    }
+    best as u32
+}
+
+/// A model of shape `cfg` with seeded pseudo-random weights (linear layers
+/// uniform in `±1/sqrt(in_features)`, norm weights near 1), for benchmarks
+/// and tests that need no checkpoint.
+pub fn synthetic_model(pool: &Pool, cfg: &crate::ModelConfig, seed: u64) -> anyhow::Result<Model> {
+    use crate::weights::{LayerWeights, TensorRef, Weights, WeightsLayout};
+    use crate::Arch;
+    cfg.validate()?;
+    let (h, q, kv, inter, hd) = (cfg.hidden_size, cfg.q_dim(), cfg.kv_dim(), cfg.intermediate_size, cfg.head_dim);
+    let mut lay = WeightsLayout::new();
+    let embed = lay.push(&[cfg.vocab_size, h]);
+    let mut layers = Vec::with_capacity(cfg.num_layers);
+    for _ in 0..cfg.num_layers {
+        let qwen = cfg.arch == Arch::Qwen3;
+        layers.push(LayerWeights {
+            attn_norm: lay.push(&[h]),
+            wq: lay.push(&[q, h]),
+            wk: lay.push(&[kv, h]),
+            wv: lay.push(&[kv, h]),
+            wo: lay.push(&[h, q]),
+            q_norm: qwen.then(|| lay.push(&[hd])),
+            k_norm: qwen.then(|| lay.push(&[hd])),
+            ffn_norm: lay.push(&[h]),
+            w_gate: lay.push(&[inter, h]),
+            w_up: lay.push(&[inter, h]),
+            w_down: lay.push(&[h, inter]),
+        });
+    }
+    let final_norm = lay.push(&[h]);
+    let lm_head = if cfg.tie_word_embeddings { embed.clone() } else { lay.push(&[cfg.vocab_size, h]) };
+    let region = pool.allocate(pdkv_vmem::Tag::Weights, lay.total_bytes())?;
+
+    let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ 0xD1B5_4A32_D192_ED03;
+    let mut fill = |t: &TensorRef, center: f32, spread: f32| {
+        // SAFETY: the region was just allocated and has no other views;
+        // tensors from the layout never overlap.
+        let dst = unsafe { region.slice_mut::<f32>(t.offset, t.numel()) };
+        for v in dst {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            let u = (state >> 40) as f32 / (1u64 << 24) as f32;
+            *v = center + spread * (2.0 * u - 1.0);
+        }
+    };
+    fill(&embed, 0.0, 1.0);
+    for l in &layers {
+        for t in [&l.attn_norm, &l.ffn_norm] {
+            fill(t, 1.0, 0.2);
+        }
+        for t in [&l.q_norm, &l.k_norm].into_iter().flatten() {
+            fill(t, 1.0, 0.2);
+        }
+        fill(&l.wq, 0.0, 1.0 / (h as f32).sqrt());
+        fill(&l.wk, 0.0, 1.0 / (h as f32).sqrt());
+        fill(&l.wv, 0.0, 1.0 / (h as f32).sqrt());
+        fill(&l.wo, 0.0, 1.0 / (q as f32).sqrt());
+        fill(&l.w_gate, 0.0, 1.0 / (h as f32).sqrt());
+        fill(&l.w_up, 0.0, 1.0 / (h as f32).sqrt());
+        fill(&l.w_down, 0.0, 1.0 / (inter as f32).sqrt());
+    }
+    fill(&final_norm, 1.0, 0.2);
+    if !cfg.tie_word_embeddings {
+        fill(&lm_head, 0.0, 1.0 / (h as f32).sqrt());
+    }
+    let weights = Weights { region, embed, layers, final_norm, lm_head };
+    Ok(Model::new(cfg.clone(), weights))
+}

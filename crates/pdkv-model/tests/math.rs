@@ -1,0 +1,388 @@
+//! The forward pass: batch invariance (bit-exact), chunking and block
+//! placement invariance, and agreement with a plain f64 reference.
+
+use pdkv_model::bench::synthetic_model;
+use pdkv_model::{Arch, KvCache, Model, ModelConfig, SeqInput, Workspace, BLOCK_SIZE};
+use pdkv_vmem::Pool;
+
+fn llama_cfg() -> ModelConfig {
+    ModelConfig {
+        arch: Arch::Llama,
+        vocab_size: 101,
+        hidden_size: 48,
+        intermediate_size: 84,
+        num_layers: 2,
+        num_heads: 6,
+        num_kv_heads: 2,
+        head_dim: 8,
+        rope_theta: 10000.0,
+        rms_norm_eps: 1e-5,
+        max_position_embeddings: 512,
+        tie_word_embeddings: true,
+        bos_token_id: Some(1),
+        eos_token_ids: vec![2],
+    }
+}
+
+/// Qwen3 with `head_dim` (14) different from `hidden / heads` (10).
+fn qwen3_cfg() -> ModelConfig {
+    ModelConfig {
+        arch: Arch::Qwen3,
+        vocab_size: 89,
+        hidden_size: 40,
+        intermediate_size: 72,
+        num_layers: 2,
+        num_heads: 4,
+        num_kv_heads: 2,
+        head_dim: 14,
+        rope_theta: 1_000_000.0,
+        rms_norm_eps: 1e-6,
+        max_position_embeddings: 512,
+        tie_word_embeddings: false,
+        bos_token_id: None,
+        eos_token_ids: vec![3],
+    }
+}
+
+fn configs() -> Vec<ModelConfig> {
+    vec![llama_cfg(), qwen3_cfg()]
+}
+
+fn tokens(seed: u32, n: usize, vocab: usize) -> Vec<u32> {
+    (0..n as u32).map(|i| (i.wrapping_mul(2_654_435_761).wrapping_add(seed.wrapping_mul(97)) >> 7) % vocab as u32).collect()
+}
+
+struct Harness {
+    model: Model,
+    kv: KvCache,
+    ws: Workspace,
+}
+
+impl Harness {
+    fn new(cfg: &ModelConfig, blocks: usize, ws_tokens: usize) -> Harness {
+        let pool = Pool::default();
+        let model = synthetic_model(&pool, cfg, 42).unwrap();
+        let kv = KvCache::new(&pool, cfg, blocks).unwrap();
+        let ws = Workspace::new(&pool, cfg, ws_tokens).unwrap();
+        Harness { model, kv, ws }
+    }
+
+    fn step(&mut self, seqs: &[SeqInput<'_>]) -> Vec<f32> {
+        let mut logits = vec![1.0; 3];
+        self.model.forward(&self.kv, &mut self.ws, seqs, &mut logits).unwrap();
+        logits
+    }
+
+    /// Prefills `toks` in chunks of the given sizes (cycled); returns the
+    /// logits of the last token.
+    fn prefill(&mut self, toks: &[u32], table: &[u32], chunks: &[usize]) -> Vec<f32> {
+        let mut start = 0;
+        let mut last = Vec::new();
+        let mut i = 0;
+        while start < toks.len() {
+            let end = (start + chunks[i % chunks.len()]).min(toks.len());
+            let input = SeqInput { tokens: &toks[start..end], start_pos: start, block_table: table, want_logits: end == toks.len() };
+            last = self.step(&[input]);
+            start = end;
+            i += 1;
+        }
+        last
+    }
+
+    /// Bits of the K and V rows of positions `0..len` of every layer.
+    fn kv_bits(&self, table: &[u32], len: usize) -> Vec<u32> {
+        let kv_dim = self.kv.kv_dim();
+        let mut out = Vec::new();
+        for layer in 0..self.kv.num_layers() {
+            for which in 0..2 {
+                for pos in 0..len {
+                    let block = table[pos / BLOCK_SIZE] as usize;
+                    // SAFETY: no step runs while the test reads.
+                    let slab = unsafe { self.kv.slab(block, layer, which) };
+                    let row = &slab[(pos % BLOCK_SIZE) * kv_dim..(pos % BLOCK_SIZE + 1) * kv_dim];
+                    out.extend(row.iter().map(|v| v.to_bits()));
+                }
+            }
+        }
+        out
+    }
+}
+
+fn bits(v: &[f32]) -> Vec<u32> {
+    v.iter().map(|x| x.to_bits()).collect()
+}
+
+fn contiguous(first: u32, n: usize) -> Vec<u32> {
+    (first..first + n as u32).collect()
+}
+
+#[test]
+fn prefill_chunking_and_block_placement_do_not_change_results() {
+    for cfg in configs() {
+        let toks = tokens(1, 70, cfg.vocab_size);
+        let nb = toks.len().div_ceil(BLOCK_SIZE) + 2;
+        let mut h = Harness::new(&cfg, 64, 128);
+        let base_table = contiguous(0, nb);
+        let want = h.prefill(&toks, &base_table, &[toks.len()]);
+        let want_kv = h.kv_bits(&base_table, toks.len());
+        assert!(want.iter().all(|v| v.is_finite()));
+
+        let scattered: Vec<u32> = vec![41, 7, 30, 12, 55, 3, 19];
+        for (chunks, table) in [
+            (vec![1], contiguous(8, nb)),
+            (vec![5], contiguous(16, nb)),
+            (vec![16], scattered.clone()),
+            (vec![33], contiguous(24, nb)),
+            (vec![7, 1, 16, 3], scattered.clone()),
+            (vec![toks.len()], scattered.clone()),
+        ] {
+            let got = h.prefill(&toks, &table, &chunks);
+            assert_eq!(bits(&got), bits(&want), "{:?}: chunks {chunks:?} table {table:?}", cfg.arch);
+            assert_eq!(h.kv_bits(&table, toks.len()), want_kv, "{:?}: KV of chunks {chunks:?}", cfg.arch);
+        }
+    }
+}
+
+#[test]
+fn decode_after_chunked_prefill_equals_unchunked() {
+    for cfg in configs() {
+        let toks = tokens(2, 37, cfg.vocab_size);
+        let gen = tokens(3, 6, cfg.vocab_size);
+        let len = toks.len() + gen.len();
+        let nb = len.div_ceil(BLOCK_SIZE);
+        let mut h = Harness::new(&cfg, 32, 64);
+        let mut run = |chunks: &[usize], table: &[u32]| {
+            let mut all = vec![bits(&h.prefill(&toks, table, chunks))];
+            for (i, t) in gen.iter().enumerate() {
+                let input = SeqInput { tokens: std::slice::from_ref(t), start_pos: toks.len() + i, block_table: table, want_logits: true };
+                all.push(bits(&h.step(&[input])));
+            }
+            (all, h.kv_bits(table, len))
+        };
+        let want = run(&[toks.len()], &contiguous(0, nb));
+        let got = run(&[7], &[20, 2, 29][..nb]);
+        assert_eq!(got, want, "{:?}", cfg.arch);
+    }
+}
+
+/// A target sequence computed alone, then inside busy batches of 31 other
+/// sequences with mixed prefill chunks and decode tokens, at varying
+/// positions in the batch: its logits and KV are bit-identical.
+#[test]
+fn logits_do_not_depend_on_the_rest_of_the_batch() {
+    for cfg in configs() {
+        let vocab = cfg.vocab_size;
+        let prompt = tokens(4, 45, vocab);
+        let gen = tokens(5, 4, vocab);
+        let target_len = prompt.len() + gen.len();
+        let per_seq = 6; // blocks per sequence: up to 96 positions
+        let mut h = Harness::new(&cfg, 32 * per_seq, 64);
+
+        // Alone: one prefill step, then one decode step per generated token.
+        let table_alone = contiguous(0, per_seq);
+        let mut alone = vec![bits(&h.prefill(&prompt, &table_alone, &[prompt.len()]))];
+        for (i, t) in gen.iter().enumerate() {
+            let input = SeqInput { tokens: std::slice::from_ref(t), start_pos: prompt.len() + i, block_table: &table_alone, want_logits: true };
+            alone.push(bits(&h.step(&[input])));
+        }
+        let alone_kv = h.kv_bits(&table_alone, target_len);
+
+        // Batched: 31 others with their own prompts, progressing by chunks of
+        // differing sizes; the target is at a different index every step.
+        // Each other sequence has a prompt of `plen[i]` tokens followed by 8
+        // tokens it consumes one decode step at a time.
+        let plen: Vec<usize> = (0..31).map(|i| 3 + (i * 13) % 80).collect();
+        let others: Vec<Vec<u32>> = (0..31).map(|i| tokens(100 + i as u32, plen[i] + 8, vocab)).collect();
+        let tables: Vec<Vec<u32>> = (0..32).map(|s| contiguous((s * per_seq) as u32, per_seq)).collect();
+        // Sequence 31 of `tables` is the target's, in the last blocks.
+        let target_table = &tables[31];
+        let mut done = vec![0usize; 31];
+        let mut batched = Vec::new();
+        for step in 0..=gen.len() {
+            let mut inputs: Vec<SeqInput<'_>> = Vec::new();
+            for (i, o) in others.iter().enumerate() {
+                let start = done[i];
+                if start < o.len() {
+                    // A prefill chunk of 1..=23 tokens, or one decode token.
+                    let n = if start < plen[i] { (1 + (i * 5 + step * 3) % 23).min(plen[i] - start) } else { 1 };
+                    inputs.push(SeqInput { tokens: &o[start..start + n], start_pos: start, block_table: &tables[i], want_logits: (i + step) % 3 != 0 });
+                    done[i] += n;
+                }
+            }
+            let target = if step == 0 {
+                SeqInput { tokens: &prompt, start_pos: 0, block_table: target_table, want_logits: true }
+            } else {
+                SeqInput { tokens: std::slice::from_ref(&gen[step - 1]), start_pos: prompt.len() + step - 1, block_table: target_table, want_logits: true }
+            };
+            let at = (step * 11) % (inputs.len() + 1);
+            inputs.insert(at, target);
+            let logits = h.step(&inputs);
+            // Rows come out in input order for inputs that want logits.
+            let row = inputs[..at].iter().filter(|s| s.want_logits).count();
+            batched.push(bits(&logits[row * vocab..(row + 1) * vocab]));
+        }
+        assert_eq!(batched, alone, "{:?}: target logits differ in a batch", cfg.arch);
+        assert_eq!(h.kv_bits(target_table, target_len), alone_kv, "{:?}: target KV differs", cfg.arch);
+    }
+}
+
+/// Prefix caching: a sequence that reuses another's full blocks and
+/// computes only its suffix gets the logits of a full recompute.
+#[test]
+fn shared_prefix_blocks_give_the_same_logits_as_recompute() {
+    for cfg in configs() {
+        let mut h = Harness::new(&cfg, 16, 64);
+        let a = tokens(6, 40, cfg.vocab_size);
+        let mut b = a[..32].to_vec();
+        b.extend(tokens(7, 9, cfg.vocab_size));
+        h.prefill(&a, &[0, 1, 2], &[40]);
+        let full = h.prefill(&b, &[5, 6, 7], &[41]);
+        // Blocks 0 and 1 hold positions 0..32 of `a`, identical to `b`'s.
+        let input = SeqInput { tokens: &b[32..], start_pos: 32, block_table: &[0, 1, 9], want_logits: true };
+        let reused = h.step(&[input]);
+        assert_eq!(bits(&reused), bits(&full), "{:?}", cfg.arch);
+    }
+}
+
+#[test]
+fn bad_steps_are_refused() {
+    let cfg = llama_cfg();
+    let mut h = Harness::new(&cfg, 4, 16);
+    let mut logits = Vec::new();
+    let toks = [1u32; 20];
+    let mut try_step = |seqs: &[SeqInput<'_>]| h.model.forward(&h.kv, &mut h.ws, seqs, &mut logits);
+    // Too few blocks for 20 positions.
+    let short = SeqInput { tokens: &toks, start_pos: 0, block_table: &[0], want_logits: true };
+    assert!(try_step(&[short]).is_err());
+    // Block id outside the cache.
+    let outside = SeqInput { tokens: &toks, start_pos: 0, block_table: &[0, 4], want_logits: true };
+    assert!(try_step(&[outside]).is_err());
+    // Token outside the vocabulary.
+    let bad_tok = [cfg.vocab_size as u32];
+    let oov = SeqInput { tokens: &bad_tok, start_pos: 0, block_table: &[0], want_logits: true };
+    assert!(try_step(&[oov]).is_err());
+    // Two sequences writing the same block.
+    let s1 = SeqInput { tokens: &toks[..3], start_pos: 0, block_table: &[2], want_logits: true };
+    let s2 = SeqInput { tokens: &toks[..3], start_pos: 0, block_table: &[2], want_logits: true };
+    assert!(try_step(&[s1, s2]).is_err());
+    // A block written by one sequence while another reads it.
+    let w = SeqInput { tokens: &toks[..3], start_pos: 16, block_table: &[0, 1], want_logits: true };
+    let r = SeqInput { tokens: &toks[..3], start_pos: 16, block_table: &[1, 3], want_logits: true };
+    assert!(try_step(&[w, r]).is_err());
+    // Empty sequence.
+    let empty = SeqInput { tokens: &[], start_pos: 0, block_table: &[0], want_logits: true };
+    assert!(try_step(&[empty]).is_err());
+    // A valid step still works afterwards and a workspace grows on demand.
+    let ok = SeqInput { tokens: &toks, start_pos: 0, block_table: &[0, 1], want_logits: true };
+    assert!(try_step(&[ok]).is_ok());
+    assert_eq!(logits.len(), cfg.vocab_size);
+}
+
+// ---------------------------------------------------------------------------
+// Plain f64 reference forward (contiguous KV, textbook formulas)
+// ---------------------------------------------------------------------------
+
+fn ref_linear(w: &[f32], out: usize, x: &[f64]) -> Vec<f64> {
+    let k = x.len();
+    (0..out).map(|j| (0..k).map(|t| w[j * k + t] as f64 * x[t]).sum()).collect()
+}
+
+fn ref_rmsnorm(x: &[f64], w: &[f32], eps: f64) -> Vec<f64> {
+    let ms = x.iter().map(|v| v * v).sum::<f64>() / x.len() as f64;
+    let inv = 1.0 / (ms + eps).sqrt();
+    x.iter().zip(w).map(|(v, &g)| v * inv * g as f64).collect()
+}
+
+fn ref_rope(v: &mut [f64], pos: usize, theta: f64) {
+    let d = v.len();
+    let half = d / 2;
+    for i in 0..half {
+        let freq = 1.0 / theta.powf((2 * i) as f64 / d as f64);
+        let (c, s) = ((pos as f64 * freq).cos(), (pos as f64 * freq).sin());
+        let (a, b) = (v[i], v[i + half]);
+        v[i] = a * c - b * s;
+        v[i + half] = b * c + a * s;
+    }
+}
+
+/// Logits of the last token of `toks`, computed from scratch.
+fn reference_logits(model: &Model, toks: &[u32]) -> Vec<f64> {
+    let cfg = model.config();
+    let w = model.weights();
+    let (hd, nh, nkv) = (cfg.head_dim, cfg.num_heads, cfg.num_kv_heads);
+    let eps = cfg.rms_norm_eps as f64;
+    let embed = w.get(&w.embed);
+    let h = cfg.hidden_size;
+    let mut xs: Vec<Vec<f64>> = toks.iter().map(|&t| embed[t as usize * h..(t as usize + 1) * h].iter().map(|&v| v as f64).collect()).collect();
+    for lw in &w.layers {
+        let mut qs = Vec::new();
+        let mut ks = Vec::new();
+        let mut vs = Vec::new();
+        for (pos, x) in xs.iter().enumerate() {
+            let hn = ref_rmsnorm(x, w.get(&lw.attn_norm), eps);
+            let mut q = ref_linear(w.get(&lw.wq), nh * hd, &hn);
+            let mut k = ref_linear(w.get(&lw.wk), nkv * hd, &hn);
+            let v = ref_linear(w.get(&lw.wv), nkv * hd, &hn);
+            for (buf, norm) in [(&mut q, &lw.q_norm), (&mut k, &lw.k_norm)] {
+                for head in buf.chunks_mut(hd) {
+                    if let (Arch::Qwen3, Some(n)) = (cfg.arch, norm) {
+                        let normed = ref_rmsnorm(head, w.get(n), eps);
+                        head.copy_from_slice(&normed);
+                    }
+                    ref_rope(head, pos, cfg.rope_theta as f64);
+                }
+            }
+            qs.push(q);
+            ks.push(k);
+            vs.push(v);
+        }
+        for (p, x) in xs.iter_mut().enumerate() {
+            let mut att = vec![0f64; nh * hd];
+            for head in 0..nh {
+                let g = head / (nh / nkv);
+                let q = &qs[p][head * hd..(head + 1) * hd];
+                let scores: Vec<f64> = (0..=p)
+                    .map(|t| q.iter().zip(&ks[t][g * hd..(g + 1) * hd]).map(|(a, b)| a * b).sum::<f64>() / (hd as f64).sqrt())
+                    .collect();
+                let m = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                let e: Vec<f64> = scores.iter().map(|s| (s - m).exp()).collect();
+                let z: f64 = e.iter().sum();
+                for t in 0..=p {
+                    for d in 0..hd {
+                        att[head * hd + d] += e[t] / z * vs[t][g * hd + d];
+                    }
+                }
+            }
+            let o = ref_linear(w.get(&lw.wo), h, &att);
+            for (a, b) in x.iter_mut().zip(&o) {
+                *a += b;
+            }
+            let hn = ref_rmsnorm(x, w.get(&lw.ffn_norm), eps);
+            let gate = ref_linear(w.get(&lw.w_gate), cfg.intermediate_size, &hn);
+            let up = ref_linear(w.get(&lw.w_up), cfg.intermediate_size, &hn);
+            let act: Vec<f64> = gate.iter().zip(&up).map(|(g, u)| g / (1.0 + (-g).exp()) * u).collect();
+            let d = ref_linear(w.get(&lw.w_down), h, &act);
+            for (a, b) in x.iter_mut().zip(&d) {
+                *a += b;
+            }
+        }
+    }
+    let last = ref_rmsnorm(xs.last().unwrap(), w.get(&w.final_norm), eps);
+    ref_linear(w.get(&w.lm_head), cfg.vocab_size, &last)
+}
+
+#[test]
+fn forward_agrees_with_f64_reference() {
+    for cfg in configs() {
+        let mut h = Harness::new(&cfg, 16, 64);
+        let toks = tokens(8, 50, cfg.vocab_size);
+        let got = h.prefill(&toks, &contiguous(3, 4), &[17]);
+        let want = reference_logits(&h.model, &toks);
+        let scale = want.iter().fold(0f64, |m, v| m.max(v.abs()));
+        assert!(scale > 0.1, "logits are not degenerate");
+        for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+            let err = (*g as f64 - w).abs() / scale;
+            assert!(err < 1e-4, "{:?}: logit {i}: {g} vs {w} (rel err {err:e})", cfg.arch);
+        }
+    }
+}

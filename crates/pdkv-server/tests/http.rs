@@ -1,0 +1,472 @@
+//! The HTTP server over real sockets, with a real (tiny, random-weight) model
+//! and a running engine: request and response shapes, streaming, errors,
+//! client disconnects and metrics.
+
+use std::net::SocketAddr;
+use std::time::{Duration, Instant};
+
+use futures::StreamExt;
+use pdkv_engine::{Engine, EngineConfig, EngineHandle};
+use pdkv_model::Arch;
+use pdkv_server::AppState;
+use pdkv_vmem::Pool;
+use reqwest::StatusCode;
+use serde_json::{json, Value};
+use tokio::sync::oneshot;
+
+const SERVED: &str = "tiny-test";
+/// Bound on every wait in these tests.
+const DEADLINE: Duration = Duration::from_secs(60);
+
+struct Server {
+    base: String,
+    engine: EngineHandle,
+    client: reqwest::Client,
+    stop: Option<oneshot::Sender<()>>,
+    task: Option<tokio::task::JoinHandle<std::io::Result<()>>>,
+    _dir: tempfile::TempDir,
+}
+
+fn tiny_engine(config: EngineConfig) -> (EngineHandle, tempfile::TempDir) {
+    let dir = tempfile::tempdir().expect("tempdir");
+    pdkv_model::init::write_random_checkpoint(Arch::Llama, "tiny", 7, dir.path()).expect("write checkpoint");
+    let pool = Pool::default();
+    let model = pdkv_model::load_model(dir.path(), &pool, &mut |_| {}).expect("load model");
+    let engine = Engine::start(model, pool, config).expect("start engine");
+    (engine, dir)
+}
+
+impl Server {
+    async fn start() -> Server {
+        Server::start_with(EngineConfig::default()).await
+    }
+
+    async fn start_with(config: EngineConfig) -> Server {
+        let (engine, dir) = tiny_engine(config);
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let addr: SocketAddr = listener.local_addr().expect("addr");
+        let (stop, stopped) = oneshot::channel::<()>();
+        let state = AppState::new(engine.clone(), SERVED);
+        let task = tokio::spawn(pdkv_server::serve(listener, state, async move {
+            let _ = stopped.await;
+        }));
+        Server {
+            base: format!("http://{addr}"),
+            engine,
+            client: reqwest::Client::new(),
+            stop: Some(stop),
+            task: Some(task),
+            _dir: dir,
+        }
+    }
+
+    fn url(&self, path: &str) -> String {
+        format!("{}{}", self.base, path)
+    }
+
+    async fn post(&self, path: &str, body: &Value) -> (StatusCode, Value) {
+        let resp = self.client.post(self.url(path)).json(body).send().await.expect("send");
+        let status = resp.status();
+        let text = resp.text().await.expect("body");
+        let v = serde_json::from_str(&text).unwrap_or_else(|e| panic!("non-JSON body ({e}): {text:?}"));
+        (status, v)
+    }
+
+    async fn post_raw(&self, path: &str, body: Vec<u8>) -> (StatusCode, Value) {
+        let resp = self
+            .client
+            .post(self.url(path))
+            .header("content-type", "application/json")
+            .body(body)
+            .send()
+            .await
+            .expect("send");
+        let status = resp.status();
+        let text = resp.text().await.expect("body");
+        let v = serde_json::from_str(&text).unwrap_or_else(|e| panic!("non-JSON body ({e}): {text:?}"));
+        (status, v)
+    }
+
+    /// Posts a streaming request and returns the `data:` payloads, `[DONE]` included.
+    async fn post_stream(&self, path: &str, body: &Value) -> Vec<String> {
+        let resp = self.client.post(self.url(path)).json(body).send().await.expect("send");
+        assert_eq!(resp.status(), StatusCode::OK);
+        assert_eq!(resp.headers()["content-type"], "text/event-stream");
+        let text = resp.text().await.expect("body");
+        sse_payloads(&text)
+    }
+
+    async fn metrics(&self) -> String {
+        self.client.get(self.url("/metrics")).send().await.expect("metrics").text().await.expect("text")
+    }
+
+    /// Polls `/metrics` until `pred` holds or the deadline passes.
+    async fn wait_metrics(&self, what: &str, pred: impl Fn(&str) -> bool) -> String {
+        let deadline = Instant::now() + DEADLINE;
+        loop {
+            let text = self.metrics().await;
+            if pred(&text) {
+                return text;
+            }
+            assert!(Instant::now() < deadline, "timed out waiting for {what}; metrics:\n{text}");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    async fn wait_all_blocks_free(&self) -> String {
+        self.wait_metrics("all KV blocks free and no request running", |m| {
+            metric(m, "pdkv_kv_blocks_free") == metric(m, "pdkv_kv_blocks_total")
+                && metric(m, "pdkv_num_requests_running") == 0.0
+                && metric(m, "pdkv_num_requests_waiting") == 0.0
+        })
+        .await
+    }
+
+    async fn stop(mut self) {
+        if let Some(s) = self.stop.take() {
+            let _ = s.send(());
+        }
+        if let Some(t) = self.task.take() {
+            tokio::time::timeout(DEADLINE, t).await.expect("server stops").expect("join").expect("serve");
+        }
+        self.engine.shutdown();
+    }
+}
+
+fn sse_payloads(text: &str) -> Vec<String> {
+    assert!(text.ends_with("\n\n"), "stream does not end with a blank line: {text:?}");
+    text.split("\n\n")
+        .filter(|e| !e.is_empty())
+        .map(|e| e.strip_prefix("data: ").unwrap_or_else(|| panic!("not a data event: {e:?}")).to_string())
+        .collect()
+}
+
+/// The value of a sample line `name value` (`name` may include labels).
+fn metric(text: &str, name: &str) -> f64 {
+    text.lines()
+        .find_map(|l| l.strip_prefix(name).and_then(|rest| rest.strip_prefix(' ')))
+        .unwrap_or_else(|| panic!("no {name} in\n{text}"))
+        .parse()
+        .expect("number")
+}
+
+fn assert_openai_error(status: StatusCode, body: &Value, want: StatusCode, ctx: &str) {
+    assert_eq!(status, want, "{ctx}: {body}");
+    let err = &body["error"];
+    assert!(err["message"].as_str().is_some_and(|m| !m.is_empty()), "{ctx}: {body}");
+    assert!(err["type"].is_string(), "{ctx}: {body}");
+    assert!(err.get("param").is_some() && err.get("code").is_some(), "{ctx}: {body}");
+}
+
+fn greedy(extra: Value) -> Value {
+    let mut v = json!({"temperature": 0, "max_tokens": 6, "ignore_eos": true});
+    for (k, x) in extra.as_object().unwrap() {
+        v[k] = x.clone();
+    }
+    v
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn completions_text_tokens_and_stream_agree() {
+    let s = Server::start().await;
+    let prompt = "The quick brown fox";
+    let (status, body) = s.post("/v1/completions", &greedy(json!({"prompt": prompt, "model": SERVED}))).await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    assert_eq!(body["object"], "text_completion");
+    assert_eq!(body["model"], SERVED);
+    assert!(body["id"].as_str().unwrap().starts_with("cmpl-"));
+    assert!(body["created"].as_u64().unwrap() > 0);
+    let choice = &body["choices"][0];
+    assert_eq!(choice["index"], 0);
+    assert_eq!(choice["finish_reason"], "length");
+    assert!(choice["logprobs"].is_null());
+    let text = choice["text"].as_str().unwrap().to_string();
+    let ids = s.engine.tokenizer().encode(prompt, true).unwrap();
+    assert_eq!(body["usage"]["prompt_tokens"], ids.len());
+    assert_eq!(body["usage"]["completion_tokens"], 6);
+    assert_eq!(body["usage"]["total_tokens"], ids.len() + 6);
+
+    // The same prompt as token ids (and as a list of one string) gives the same greedy text.
+    for prompt in [json!(ids), json!([ids]), json!([prompt])] {
+        let (status, again) = s.post("/v1/completions", &greedy(json!({"prompt": prompt}))).await;
+        assert_eq!(status, StatusCode::OK, "{again}");
+        assert_eq!(again["choices"][0]["text"], text.as_str(), "prompt {prompt}");
+    }
+
+    // Streaming: the chunks add up to the same text, then usage, then [DONE].
+    let events = s
+        .post_stream(
+            "/v1/completions",
+            &greedy(json!({"prompt": prompt, "stream": true, "stream_options": {"include_usage": true}})),
+        )
+        .await;
+    assert_eq!(events.last().unwrap(), "[DONE]");
+    let chunks: Vec<Value> = events[..events.len() - 1].iter().map(|e| serde_json::from_str(e).unwrap()).collect();
+    let usage = chunks.last().unwrap();
+    assert_eq!(usage["choices"], json!([]));
+    assert_eq!(usage["usage"]["completion_tokens"], 6);
+    let mut streamed = String::new();
+    for c in &chunks[..chunks.len() - 1] {
+        assert_eq!(c["object"], "text_completion");
+        assert!(c["usage"].is_null());
+        streamed.push_str(c["choices"][0]["text"].as_str().unwrap());
+    }
+    assert_eq!(streamed, text);
+    assert_eq!(chunks[chunks.len() - 2]["choices"][0]["finish_reason"], "length");
+    assert!(chunks[..chunks.len() - 2].iter().all(|c| c["choices"][0]["finish_reason"].is_null()));
+
+    // Without include_usage there is no usage chunk.
+    let events = s.post_stream("/v1/completions", &greedy(json!({"prompt": prompt, "stream": true}))).await;
+    let last: Value = serde_json::from_str(&events[events.len() - 2]).unwrap();
+    assert_eq!(last["choices"][0]["finish_reason"], "length");
+    assert!(last.get("usage").is_none());
+    s.wait_all_blocks_free().await;
+    s.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chat_completions_stream_and_not() {
+    let s = Server::start().await;
+    let messages = json!([
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": [{"type": "text", "text": "Say hi"}]},
+    ]);
+    let (status, body) = s.post("/v1/chat/completions", &greedy(json!({"messages": messages}))).await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    assert_eq!(body["object"], "chat.completion");
+    assert!(body["id"].as_str().unwrap().starts_with("chatcmpl-"));
+    let choice = &body["choices"][0];
+    assert_eq!(choice["message"]["role"], "assistant");
+    assert_eq!(choice["finish_reason"], "length");
+    let content = choice["message"]["content"].as_str().unwrap().to_string();
+
+    // The prompt is the rendered template tokenized without extra special tokens.
+    let rendered = s
+        .engine
+        .chat_template()
+        .unwrap()
+        .render(
+            &[
+                pdkv_model::ChatMessage { role: "system".into(), content: "You are terse.".into() },
+                pdkv_model::ChatMessage { role: "user".into(), content: "Say hi".into() },
+            ],
+            true,
+        )
+        .unwrap();
+    let ids = s.engine.tokenizer().encode(&rendered, false).unwrap();
+    assert_eq!(body["usage"]["prompt_tokens"], ids.len());
+    let (_, raw) = s.post("/v1/completions", &greedy(json!({"prompt": ids}))).await;
+    assert_eq!(raw["choices"][0]["text"], content.as_str());
+
+    // max_completion_tokens takes precedence over max_tokens.
+    let (_, short) = s
+        .post("/v1/chat/completions", &greedy(json!({"messages": messages, "max_completion_tokens": 2, "max_tokens": 5})))
+        .await;
+    assert_eq!(short["usage"]["completion_tokens"], 2);
+
+    let events = s
+        .post_stream(
+            "/v1/chat/completions",
+            &greedy(json!({"messages": messages, "stream": true, "stream_options": {"include_usage": true}})),
+        )
+        .await;
+    assert_eq!(events.last().unwrap(), "[DONE]");
+    let chunks: Vec<Value> = events[..events.len() - 1].iter().map(|e| serde_json::from_str(e).unwrap()).collect();
+    assert_eq!(chunks[0]["choices"][0]["delta"]["role"], "assistant");
+    let mut streamed = String::new();
+    for c in &chunks[..chunks.len() - 1] {
+        assert_eq!(c["object"], "chat.completion.chunk");
+        if let Some(t) = c["choices"][0]["delta"]["content"].as_str() {
+            streamed.push_str(t);
+        }
+    }
+    assert_eq!(streamed, content);
+    assert_eq!(chunks[chunks.len() - 2]["choices"][0]["finish_reason"], "length");
+    assert_eq!(chunks.last().unwrap()["usage"]["completion_tokens"], 6);
+    s.wait_all_blocks_free().await;
+    s.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_requests_get_openai_errors() {
+    // 8 blocks of 16 tokens: 128 tokens of KV, less than the model's context.
+    let s = Server::start_with(EngineConfig { num_kv_blocks: 8, ..EngineConfig::default() }).await;
+    let max_len = s.engine.max_model_len();
+    assert!(max_len > 8 * 16 + 8, "the tiny model's context ({max_len}) must exceed the KV cache for this test");
+    let vocab = s.engine.model_config().vocab_size;
+    let bad = StatusCode::BAD_REQUEST;
+    let cases: Vec<(&str, Value, StatusCode, Option<&str>)> = vec![
+        ("/v1/completions", json!({"prompt": 5}), bad, Some("prompt")),
+        ("/v1/completions", json!({"max_tokens": 3}), bad, None),
+        ("/v1/completions", json!({"prompt": "a", "max_tokens": "x"}), bad, Some("max_tokens")),
+        ("/v1/completions", json!({"prompt": "a", "max_tokens": 0}), bad, Some("max_tokens")),
+        ("/v1/completions", json!({"prompt": "a", "max_tokens": -3}), bad, Some("max_tokens")),
+        ("/v1/completions", json!({"prompt": "a", "n": 2}), bad, Some("n")),
+        ("/v1/completions", json!({"prompt": "a", "temperature": -1}), bad, Some("temperature")),
+        ("/v1/completions", json!({"prompt": "a", "top_p": 1.5}), bad, Some("top_p")),
+        ("/v1/completions", json!({"prompt": "a", "stop": 3}), bad, Some("stop")),
+        ("/v1/completions", json!({"prompt": "a", "stream": "yes"}), bad, Some("stream")),
+        ("/v1/completions", json!({"prompt": []}), bad, Some("prompt")),
+        ("/v1/completions", json!({"prompt": ["a", "b"]}), bad, Some("prompt")),
+        ("/v1/completions", json!({"prompt": [1, vocab]}), bad, Some("prompt")),
+        // Over the model's context.
+        ("/v1/completions", json!({"prompt": "a", "max_tokens": max_len + 1}), bad, Some("prompt")),
+        // Within the context, over the KV cache.
+        ("/v1/completions", json!({"prompt": "a", "max_tokens": 8 * 16 + 1}), bad, Some("prompt")),
+        ("/v1/completions", json!({"prompt": "a", "model": "nope"}), StatusCode::NOT_FOUND, Some("model")),
+        ("/v1/chat/completions", json!({"messages": "hi"}), bad, Some("messages")),
+        ("/v1/chat/completions", json!({"messages": []}), bad, Some("messages")),
+        ("/v1/chat/completions", json!({"model": SERVED}), bad, None),
+        ("/v1/chat/completions", json!({"messages": [{"content": "x"}]}), bad, None),
+        (
+            "/v1/chat/completions",
+            json!({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}),
+            bad,
+            Some("messages[0].content"),
+        ),
+        ("/v1/chat/completions", json!({"messages": [{"role": "user", "content": "x"}], "n": 3}), bad, Some("n")),
+        (
+            "/v1/chat/completions",
+            json!({"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0}),
+            bad,
+            Some("max_completion_tokens"),
+        ),
+        ("/v1/chat/completions", json!({"messages": [{"role": "user", "content": "x"}], "model": "nope"}), StatusCode::NOT_FOUND, Some("model")),
+    ];
+    for (path, body, want, param) in &cases {
+        let (status, resp) = s.post(path, body).await;
+        let ctx = format!("{path} {body}");
+        assert_openai_error(status, &resp, *want, &ctx);
+        if let Some(p) = param {
+            assert_eq!(resp["error"]["param"], *p, "{ctx}: {resp}");
+        }
+    }
+    let (status, resp) = s.post("/v1/completions", &json!({"prompt": "a", "model": "nope"})).await;
+    assert_eq!((status, resp["error"]["code"].as_str()), (StatusCode::NOT_FOUND, Some("model_not_found")));
+
+    for raw in [&b"{\"prompt\": "[..], b"not json", b"", b"[1,2]"] {
+        let (status, resp) = s.post_raw("/v1/completions", raw.to_vec()).await;
+        assert_openai_error(status, &resp, bad, &format!("raw {:?}", String::from_utf8_lossy(raw)));
+    }
+    // Over the 4 MiB body limit.
+    let big = serde_json::to_vec(&json!({"prompt": "a".repeat(5 << 20)})).unwrap();
+    let (status, resp) = s.post_raw("/v1/completions", big).await;
+    assert_openai_error(status, &resp, StatusCode::PAYLOAD_TOO_LARGE, "oversize body");
+
+    let resp = s.client.get(s.url("/v1/nothing")).send().await.unwrap();
+    assert_eq!(resp.status(), StatusCode::NOT_FOUND);
+    let v: Value = resp.json().await.unwrap();
+    assert!(v["error"]["message"].is_string());
+    let resp = s.client.get(s.url("/v1/completions")).send().await.unwrap();
+    assert_eq!(resp.status(), StatusCode::METHOD_NOT_ALLOWED);
+    let v: Value = resp.json().await.unwrap();
+    assert!(v["error"]["message"].is_string());
+
+    // Nothing was admitted, and the server still works.
+    let (status, ok) = s.post("/v1/completions", &greedy(json!({"prompt": "a"}))).await;
+    assert_eq!(status, StatusCode::OK, "{ok}");
+    s.wait_all_blocks_free().await;
+    s.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stopped_engine_is_503_and_unhealthy() {
+    let s = Server::start().await;
+    assert_eq!(s.client.get(s.url("/health")).send().await.unwrap().status(), StatusCode::OK);
+    s.engine.shutdown();
+    let (status, body) = s.post("/v1/completions", &json!({"prompt": "a"})).await;
+    assert_openai_error(status, &body, StatusCode::SERVICE_UNAVAILABLE, "after shutdown");
+    assert_eq!(s.client.get(s.url("/health")).send().await.unwrap().status(), StatusCode::SERVICE_UNAVAILABLE);
+    s.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn models_health_and_memory_metrics() {
+    let s = Server::start().await;
+    let resp = s.client.get(s.url("/v1/models")).send().await.unwrap();
+    assert_eq!(resp.status(), StatusCode::OK);
+    let v: Value = resp.json().await.unwrap();
+    assert_eq!(v["object"], "list");
+    assert_eq!(v["data"][0]["id"], SERVED);
+    assert_eq!(v["data"][0]["object"], "model");
+    assert_eq!(v["data"][0]["owned_by"], "pdkv");
+
+    let (status, _) = s.post("/v1/completions", &greedy(json!({"prompt": "hello"}))).await;
+    assert_eq!(status, StatusCode::OK);
+    let m = s.wait_all_blocks_free().await;
+    assert!(metric(&m, "pdkv_device_memory_bytes{tag=\"weights\"}") > 0.0);
+    assert!(metric(&m, "pdkv_device_memory_bytes{tag=\"kv_cache\"}") > 0.0);
+    metric(&m, "pdkv_device_memory_bytes{tag=\"runtime\"}");
+    assert_eq!(metric(&m, "pdkv_requests_total{finish_reason=\"length\"}"), 1.0);
+    assert_eq!(metric(&m, "pdkv_generation_tokens_total"), 6.0);
+    assert_eq!(metric(&m, "pdkv_time_to_first_token_seconds_count"), 1.0);
+    assert_eq!(metric(&m, "pdkv_inter_token_latency_seconds_count"), 5.0);
+    assert_eq!(metric(&m, "pdkv_kv_blocks_total"), EngineConfig::default().num_kv_blocks as f64);
+    for name in ["pdkv_prefix_cache_queries_total", "pdkv_prefix_cache_hits_total", "pdkv_prefix_cache_hit_rate", "pdkv_num_preemptions_total", "pdkv_kv_blocks_used"] {
+        metric(&m, name);
+    }
+    s.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn streaming_client_disconnect_aborts_and_frees_blocks() {
+    let s = Server::start().await;
+    let max_tokens = s.engine.max_model_len() - 16;
+    let body = json!({"prompt": "a b c", "max_tokens": max_tokens, "ignore_eos": true, "stream": true, "temperature": 0});
+    let resp = s.client.post(s.url("/v1/completions")).json(&body).send().await.unwrap();
+    assert_eq!(resp.status(), StatusCode::OK);
+    let mut chunks = resp.bytes_stream();
+    let first = tokio::time::timeout(DEADLINE, chunks.next()).await.expect("first chunk").expect("a chunk").unwrap();
+    assert!(first.starts_with(b"data: "));
+    drop(chunks);
+    let m = s
+        .wait_metrics("the disconnected request to be aborted", |m| {
+            metric(m, "pdkv_requests_total{finish_reason=\"abort\"}") == 1.0
+        })
+        .await;
+    assert_eq!(metric(&m, "pdkv_requests_total{finish_reason=\"length\"}"), 0.0);
+    s.wait_all_blocks_free().await;
+    s.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn burst_of_32_concurrent_requests_frees_every_block() {
+    let s = Server::start().await;
+    let mut tasks = Vec::new();
+    for i in 0..32u32 {
+        let client = s.client.clone();
+        let base = s.base.clone();
+        tasks.push(tokio::spawn(async move {
+            let stream = i % 2 == 0;
+            let (path, mut body) = if i % 3 == 0 {
+                ("/v1/chat/completions", json!({"messages": [{"role": "user", "content": format!("question {i}")}]}))
+            } else {
+                ("/v1/completions", json!({"prompt": format!("prompt number {i} and")}))
+            };
+            body["max_tokens"] = json!(4 + i % 7);
+            body["ignore_eos"] = json!(true);
+            body["seed"] = json!(i);
+            body["stream"] = json!(stream);
+            let resp = client.post(format!("{base}{path}")).json(&body).send().await.unwrap();
+            assert_eq!(resp.status(), StatusCode::OK);
+            let text = resp.text().await.unwrap();
+            if stream {
+                assert!(text.ends_with("data: [DONE]\n\n"), "{text}");
+            } else {
+                let v: Value = serde_json::from_str(&text).unwrap();
+                assert_eq!(v["usage"]["completion_tokens"], 4 + i % 7);
+            }
+        }));
+    }
+    for t in tasks {
+        tokio::time::timeout(DEADLINE, t).await.expect("request finishes").expect("request task");
+    }
+    let m = s.wait_all_blocks_free().await;
+    let finished: f64 = ["stop", "length", "abort"]
+        .iter()
+        .map(|r| metric(&m, &format!("pdkv_requests_total{{finish_reason=\"{r}\"}}")))
+        .sum();
+    assert_eq!(finished, 32.0);
+    assert_eq!(metric(&m, "pdkv_requests_total{finish_reason=\"length\"}"), 32.0);
+    s.stop().await;
+}

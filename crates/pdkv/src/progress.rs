@@ -1,0 +1,54 @@
+//! A model-load progress display on stderr: one line redrawn in place on a
+//! terminal, or a log line every 10% otherwise.
+
+use std::io::{IsTerminal, Write};
+
+use pdkv_model::LoadProgress;
+
+const MIB: f64 = 1024.0 * 1024.0;
+
+pub struct LoadDisplay {
+    terminal: bool,
+    /// Last percentage shown, to avoid redrawing the same line.
+    last_percent: Option<u64>,
+}
+
+impl LoadDisplay {
+    pub fn new() -> LoadDisplay {
+        LoadDisplay { terminal: std::io::stderr().is_terminal(), last_percent: None }
+    }
+
+    pub fn update(&mut self, p: &LoadProgress) {
+        let percent = if p.bytes_total == 0 { 100 } else { p.bytes_done.saturating_mul(100) / p.bytes_total };
+        let step = if self.terminal { 1 } else { 10 };
+        let due = match self.last_percent {
+            None => true,
+            Some(last) => percent / step > last / step || (percent == 100 && last != 100),
+        };
+        if !due {
+            return;
+        }
+        self.last_percent = Some(percent);
+        let line = format!(
+            "loading model: {percent:>3}% ({:.1}/{:.1} MiB, {}/{} tensors)",
+            p.bytes_done as f64 / MIB,
+            p.bytes_total as f64 / MIB,
+            p.tensors_done,
+            p.tensors_total
+        );
+        let mut err = std::io::stderr().lock();
+        if self.terminal {
+            let _ = write!(err, "\r{line}");
+            let _ = err.flush();
+        } else {
+            let _ = writeln!(err, "{line}");
+        }
+    }
+
+    /// Ends the in-place line.
+    pub fn finish(&mut self) {
+        if self.terminal && self.last_percent.is_some() {
+            let _ = writeln!(std::io::stderr());
+        }
+    }
+}

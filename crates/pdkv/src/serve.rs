@@ -1,0 +1,153 @@
+//! `pdkv serve`: load a model, start the engine and the HTTP server, and shut
+//! both down on Ctrl-C or SIGTERM.
+//!
+//! Shutdown order: the signal stops the engine first (running requests end
+//! with finish reason `abort`, so open streams close promptly), then the
+//! server stops accepting and waits for the open connections.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+
+use anyhow::Context;
+use clap::Args;
+use pdkv_engine::{Engine, EngineConfig, EngineHandle};
+use pdkv_server::AppState;
+use pdkv_vmem::Pool;
+
+use crate::fetch;
+use crate::progress::LoadDisplay;
+
+#[derive(Args, Debug)]
+pub struct ServeArgs {
+    /// A `.gguf` file or a Hugging Face checkpoint directory (default:
+    /// SmolLM2-135M-Instruct from the model cache, fetched if missing).
+    #[arg(long)]
+    pub model: Option<PathBuf>,
+    #[arg(long, default_value = "127.0.0.1")]
+    pub host: String,
+    /// TCP port; 0 picks a free one (the log shows which).
+    #[arg(long, default_value_t = 8000)]
+    pub port: u16,
+    /// Most sequences in one engine step.
+    #[arg(long, default_value_t = 32)]
+    pub max_num_seqs: usize,
+    /// Most tokens computed in one engine step.
+    #[arg(long, default_value_t = 512)]
+    pub max_num_batched_tokens: usize,
+    /// KV cache size in blocks of 16 tokens (512 blocks = 8192 tokens).
+    #[arg(long, default_value_t = 512)]
+    pub num_kv_blocks: usize,
+    /// Longest prompt + output in tokens (default: the model's context).
+    #[arg(long)]
+    pub max_model_len: Option<usize>,
+    /// The model name clients use (default: the checkpoint's name).
+    #[arg(long)]
+    pub served_model_name: Option<String>,
+    #[arg(long)]
+    pub no_prefix_caching: bool,
+}
+
+pub fn run(args: ServeArgs) -> anyhow::Result<()> {
+    let config = EngineConfig {
+        max_num_seqs: args.max_num_seqs,
+        max_num_batched_tokens: args.max_num_batched_tokens,
+        num_kv_blocks: args.num_kv_blocks,
+        enable_prefix_caching: !args.no_prefix_caching,
+        max_model_len: args.max_model_len,
+    };
+    anyhow::ensure!(config.max_num_seqs > 0, "--max-num-seqs must be at least 1");
+    anyhow::ensure!(config.max_num_batched_tokens > 0, "--max-num-batched-tokens must be at least 1");
+    anyhow::ensure!(config.num_kv_blocks > 0, "--num-kv-blocks must be at least 1");
+    let addr: SocketAddr = format!("{}:{}", args.host, args.port)
+        .parse()
+        .or_else(|_| {
+            use std::net::ToSocketAddrs;
+            (args.host.as_str(), args.port)
+                .to_socket_addrs()?
+                .next()
+                .ok_or_else(|| std::io::Error::other("no address"))
+        })
+        .with_context(|| format!("resolving --host {}", args.host))?;
+
+    let model_path = match args.model {
+        Some(p) => p,
+        None => fetch::default_model_path()?,
+    };
+    tracing::info!(path = %model_path.display(), "loading model");
+    let started = std::time::Instant::now();
+    let pool = Pool::default();
+    let mut display = LoadDisplay::new();
+    let model = pdkv_model::load_model(&model_path, &pool, &mut |p| display.update(p))
+        .with_context(|| format!("loading {}", model_path.display()))?;
+    display.finish();
+    let weights = pool.device_bytes().get(pdkv_vmem::Tag::Weights);
+    tracing::info!(
+        name = %model.name,
+        weights_mib = weights / (1024 * 1024),
+        secs = format!("{:.2}", started.elapsed().as_secs_f64()),
+        "model loaded"
+    );
+    let served_name = args.served_model_name.clone().unwrap_or_else(|| model.name.clone());
+    let engine = Engine::start(model, pool, config).context("starting the engine")?;
+    tracing::info!(
+        kv_blocks = engine.config().num_kv_blocks,
+        max_model_len = engine.max_model_len(),
+        "engine started"
+    );
+
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("starting the async runtime")?;
+    let result = runtime.block_on(serve(addr, engine.clone(), served_name));
+    engine.shutdown();
+    result
+}
+
+async fn serve(addr: SocketAddr, engine: EngineHandle, served_name: String) -> anyhow::Result<()> {
+    let listener = tokio::net::TcpListener::bind(addr)
+        .await
+        .with_context(|| format!("binding {addr}"))?;
+    let local = listener.local_addr().context("reading the bound address")?;
+    tracing::info!(model = %served_name, "listening on http://{local}");
+    let state = AppState::new(engine.clone(), served_name);
+    let shutdown = async move {
+        wait_for_signal().await;
+        tracing::info!("shutting down");
+        // Ends running requests so streaming responses finish and the
+        // graceful shutdown does not wait for them.
+        let _ = tokio::task::spawn_blocking(move || engine.shutdown()).await;
+    };
+    pdkv_server::serve(listener, state, shutdown).await.context("serving HTTP")?;
+    tracing::info!("stopped");
+    Ok(())
+}
+
+/// Resolves on Ctrl-C or SIGTERM.
+async fn wait_for_signal() {
+    use tokio::signal::unix::{signal, SignalKind};
+    let mut term = match signal(SignalKind::terminate()) {
+        Ok(s) => Some(s),
+        Err(e) => {
+            tracing::warn!("cannot listen for SIGTERM: {e}");
+            None
+        }
+    };
+    let term = async {
+        match term.as_mut() {
+            Some(s) => {
+                s.recv().await;
+            }
+            None => std::future::pending::<()>().await,
+        }
+    };
+    tokio::select! {
+        r = tokio::signal::ctrl_c() => {
+            if let Err(e) = r {
+                tracing::warn!("cannot listen for Ctrl-C: {e}");
+                std::future::pending::<()>().await;
+            }
+        }
+        _ = term => {}
+    }
+}
