@@ -197,7 +197,16 @@ pub struct Region {
     base: *mut u8,
     len: usize,
     tag: Tag,
-    chunks: Mutex<Vec<MappedChunk>>,
+    opts: PoolOptions,
+    state: Mutex<RegionState>,
+}
+
+/// What backs a region right now.
+struct RegionState {
+    /// Mapped chunks in address order; empty while released.
+    chunks: Vec<MappedChunk>,
+    /// Host copy taken by `offload`, restored by `wake`.
+    backup: Option<Vec<u8>>,
 }
 
 // SAFETY: the region owns its mapping; concurrent access to the bytes is
@@ -233,18 +242,20 @@ impl Region {
             base: base as *mut u8,
             len,
             tag,
-            chunks: Mutex::new(Vec::new()),
+            opts: opts.clone(),
+            state: Mutex::new(RegionState { chunks: Vec::new(), backup: None }),
         };
-        region.map_fresh_chunks(opts)?;
+        let chunks = region.map_fresh_chunks()?;
+        region.state.lock().unwrap().chunks = chunks;
         Ok(region)
     }
 
     /// Creates new zeroed chunks and maps them over the whole range.
-    fn map_fresh_chunks(&self, opts: &PoolOptions) -> Result<()> {
-        let step = if opts.single_allocation {
+    fn map_fresh_chunks(&self) -> Result<Vec<MappedChunk>> {
+        let step = if self.opts.single_allocation {
             self.len
         } else {
-            opts.chunk_size
+            self.opts.chunk_size
         };
         let mut mapped = Vec::with_capacity(self.len.div_ceil(step));
         let mut offset = 0;
@@ -269,8 +280,82 @@ impl Region {
             mapped.push(MappedChunk { offset, chunk });
             offset += clen;
         }
-        *self.chunks.lock().unwrap() = mapped;
+        Ok(mapped)
+    }
+
+    /// Puts the `PROT_NONE` reservation back over the whole range, unmapping
+    /// every chunk. Chunks are freed when their last reference drops.
+    fn unmap_chunks(&self) -> Result<()> {
+        // SAFETY: replaces exactly our own range with a fresh reservation.
+        let p = unsafe {
+            libc::mmap(
+                self.base as *mut libc::c_void,
+                self.len,
+                libc::PROT_NONE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE | libc::MAP_FIXED,
+                -1,
+                0,
+            )
+        };
+        if p == libc::MAP_FAILED {
+            return Err(os_err("mmap(release)"));
+        }
         Ok(())
+    }
+
+    /// Whether physical chunks back the region now.
+    pub fn is_mapped(&self) -> bool {
+        !self.state.lock().unwrap().chunks.is_empty()
+    }
+
+    /// Copies the contents to host memory, then releases the physical chunks.
+    /// Idempotent: a released region keeps the backup it has (if any).
+    pub fn offload(&self) -> Result<()> {
+        let mut st = self.state.lock().unwrap();
+        if st.chunks.is_empty() {
+            return Ok(());
+        }
+        let mut backup = vec![0u8; self.len];
+        // SAFETY: the range is mapped (chunks non-empty) and readable.
+        unsafe { std::ptr::copy_nonoverlapping(self.base, backup.as_mut_ptr(), self.len) };
+        self.unmap_chunks()?;
+        st.chunks.clear();
+        st.backup = Some(backup);
+        Ok(())
+    }
+
+    /// Releases the physical chunks without a backup; the contents are lost.
+    /// Idempotent; also drops a backup taken by an earlier `offload`.
+    pub fn discard(&self) -> Result<()> {
+        let mut st = self.state.lock().unwrap();
+        st.backup = None;
+        if st.chunks.is_empty() {
+            return Ok(());
+        }
+        self.unmap_chunks()?;
+        st.chunks.clear();
+        Ok(())
+    }
+
+    /// Maps fresh zeroed chunks at the same addresses and restores the host
+    /// backup, if one was taken. Idempotent: an awake region is left alone.
+    pub fn wake(&self) -> Result<()> {
+        let mut st = self.state.lock().unwrap();
+        if !st.chunks.is_empty() {
+            return Ok(());
+        }
+        let chunks = self.map_fresh_chunks()?;
+        if let Some(backup) = st.backup.take() {
+            // SAFETY: the range was just mapped read-write.
+            unsafe { std::ptr::copy_nonoverlapping(backup.as_ptr(), self.base, self.len) };
+        }
+        st.chunks = chunks;
+        Ok(())
+    }
+
+    /// Bytes held in host memory by an `offload` backup.
+    pub fn host_backup_bytes(&self) -> u64 {
+        self.state.lock().unwrap().backup.as_ref().map_or(0, |b| b.len() as u64)
     }
 
     pub fn tag(&self) -> Tag {
@@ -292,9 +377,10 @@ impl Region {
 
     /// Physical bytes held by the chunks mapped now.
     pub fn physical_bytes(&self) -> u64 {
-        self.chunks
+        self.state
             .lock()
             .unwrap()
+            .chunks
             .iter()
             .map(|m| m.chunk.physical_bytes())
             .sum()
@@ -302,7 +388,7 @@ impl Region {
 
     /// The chunks mapped now, in address order.
     pub fn chunks(&self) -> Vec<MappedChunk> {
-        self.chunks.lock().unwrap().clone()
+        self.state.lock().unwrap().chunks.clone()
     }
 
     fn check(&self, offset: usize, len: usize) -> Result<()> {
@@ -443,6 +529,38 @@ impl Pool {
             .collect()
     }
 
+    fn for_tags(&self, tags: &[Tag], op: impl Fn(&Region) -> Result<()>) -> Result<()> {
+        for r in self.regions().iter().filter(|r| tags.contains(&r.tag())) {
+            op(r)?;
+        }
+        Ok(())
+    }
+
+    /// Offloads every region with one of `tags` to host memory and releases it.
+    pub fn offload(&self, tags: &[Tag]) -> Result<()> {
+        self.for_tags(tags, Region::offload)
+    }
+
+    /// Releases every region with one of `tags`; contents are lost.
+    pub fn discard(&self, tags: &[Tag]) -> Result<()> {
+        self.for_tags(tags, Region::discard)
+    }
+
+    /// Wakes every region with one of `tags` at its old addresses.
+    pub fn wake(&self, tags: &[Tag]) -> Result<()> {
+        self.for_tags(tags, Region::wake)
+    }
+
+    /// Tags whose regions are all mapped now (a tag with no region counts as awake).
+    pub fn is_awake(&self, tag: Tag) -> bool {
+        self.regions().iter().filter(|r| r.tag() == tag).all(|r| r.is_mapped())
+    }
+
+    /// Host memory held by offload backups.
+    pub fn host_backup_bytes(&self) -> u64 {
+        self.regions().iter().map(|r| r.host_backup_bytes()).sum()
+    }
+
     /// Live physical bytes per tag, read from the memfds.
     pub fn device_bytes(&self) -> TagBytes {
         let mut out = TagBytes::default();
@@ -512,6 +630,68 @@ mod tests {
             w.copy_from_slice(&[1.0, 2.0, 3.0, 4.0]);
             assert_eq!(r.slice::<f32>(64, 4), &[1.0, 2.0, 3.0, 4.0]);
         }
+    }
+
+    fn fill(r: &Region, seed: u8) -> Vec<u8> {
+        let data: Vec<u8> = (0..r.len()).map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed)).collect();
+        r.write_bytes(0, &data).unwrap();
+        data
+    }
+
+    #[test]
+    fn offload_and_wake_restore_contents_at_the_same_address() {
+        let pool = Pool::new(PoolOptions { chunk_size: 64 << 10, single_allocation: false });
+        let w = pool.allocate(Tag::Weights, 300 << 10).unwrap();
+        let base = w.base();
+        let data = fill(&w, 3);
+
+        pool.offload(&[Tag::Weights]).unwrap();
+        assert!(!w.is_mapped());
+        assert_eq!(pool.device_bytes().total(), 0, "asleep: no physical bytes");
+        assert_eq!(pool.host_backup_bytes(), w.len() as u64);
+        pool.offload(&[Tag::Weights]).unwrap(); // idempotent, keeps the backup
+        assert_eq!(pool.host_backup_bytes(), w.len() as u64);
+
+        pool.wake(&[Tag::Weights]).unwrap();
+        assert_eq!(w.base(), base, "same virtual address");
+        assert_eq!(pool.device_bytes().get(Tag::Weights), w.len() as u64);
+        assert_eq!(pool.host_backup_bytes(), 0);
+        let mut back = vec![0u8; w.len()];
+        w.read_bytes(0, &mut back).unwrap();
+        assert!(back == data, "contents restored");
+        pool.wake(&[Tag::Weights]).unwrap(); // idempotent
+        assert_eq!(w.chunks().len(), 5);
+    }
+
+    #[test]
+    fn discard_frees_and_wakes_zeroed_and_tags_are_independent() {
+        let pool = Pool::default();
+        let kv = pool.allocate(Tag::KvCache, 1 << 20).unwrap();
+        let w = pool.allocate(Tag::Weights, 1 << 20).unwrap();
+        fill(&kv, 9);
+        let wdata = fill(&w, 5);
+        pool.discard(&[Tag::KvCache]).unwrap();
+        assert_eq!(pool.device_bytes().get(Tag::KvCache), 0);
+        assert_eq!(pool.device_bytes().get(Tag::Weights), 1 << 20);
+        assert!(!pool.is_awake(Tag::KvCache) && pool.is_awake(Tag::Weights));
+        pool.wake(&[Tag::KvCache]).unwrap();
+        let mut back = vec![1u8; kv.len()];
+        kv.read_bytes(0, &mut back).unwrap();
+        assert!(back.iter().all(|&b| b == 0), "fresh pages are zeroed");
+        w.read_bytes(0, &mut back).unwrap();
+        assert!(back == wdata, "weights untouched");
+    }
+
+    #[test]
+    fn a_held_chunk_pins_its_pages_across_release() {
+        let pool = Pool::default();
+        let r = pool.allocate(Tag::KvCache, 1 << 20).unwrap();
+        fill(&r, 1);
+        let pinned = r.chunks()[0].chunk.clone();
+        pool.discard(&[Tag::KvCache]).unwrap();
+        assert_eq!(pool.device_bytes().total(), 0, "the region holds nothing");
+        assert_eq!(pinned.physical_bytes(), pinned.len() as u64, "but the held chunk keeps its pages");
+        drop(pinned);
     }
 
     #[test]
