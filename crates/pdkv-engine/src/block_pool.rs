@@ -161,10 +161,8 @@ impl BlockPool {
     }
 
     fn remove_free(&mut self, id: u32) {
-        let stamp = self.blocks[id as usize]
-            .free_stamp
-            .take()
-            .unwrap_or_else(|| panic!("block {id} is not in the free list"));
+        let stamp =
+            self.blocks[id as usize].free_stamp.take().unwrap_or_else(|| panic!("block {id} is not in the free list"));
         let removed = self.free.remove(&stamp);
         assert_eq!(removed, Some(id), "free list out of sync for block {id}");
     }

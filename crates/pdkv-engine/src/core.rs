@@ -20,9 +20,9 @@ use std::hash::{BuildHasher, Hasher};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc::{Receiver, RecvTimeoutError, SyncSender, TryRecvError, TrySendError};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use pdkv_model::{ChatTemplate, KvCache, LoadedModel, Model, ModelConfig, SeqInput, Tokenizer, Workspace};
 use pdkv_vmem::Pool;
@@ -43,7 +43,10 @@ const IDLE_WAIT: Duration = Duration::from_millis(200);
 enum Command {
     Add(Box<AddCommand>),
     /// `serial` set: only that incarnation of the id (a dropped stream).
-    Abort { id: Arc<str>, serial: Option<u64> },
+    Abort {
+        id: Arc<str>,
+        serial: Option<u64>,
+    },
     ResetPrefixCache(SyncSender<bool>),
     Shutdown,
 }
@@ -58,6 +61,8 @@ struct AddCommand {
 /// State shared between handles and the core.
 struct Shared {
     stats: Mutex<EngineStats>,
+    /// Notified whenever `stats` is republished.
+    stats_changed: Condvar,
     /// Live request ids and the serial of their current incarnation.
     live: Mutex<HashMap<String, u64>>,
     stopped: AtomicBool,
@@ -129,6 +134,7 @@ impl Engine {
                 kv_blocks_free: config.num_kv_blocks,
                 ..EngineStats::default()
             }),
+            stats_changed: Condvar::new(),
             live: Mutex::new(HashMap::new()),
             stopped: AtomicBool::new(false),
             next_serial: AtomicU64::new(0),
@@ -282,6 +288,22 @@ impl EngineHandle {
 
     pub fn stats(&self) -> EngineStats {
         self.inner.shared.stats.lock().unwrap().clone()
+    }
+
+    /// Waits until the stats satisfy `pred` (checked now and at every update
+    /// by the core) and returns them, or `None` after `timeout`. Blocks the
+    /// calling thread: for tests and tools, not for async handlers.
+    pub fn wait_stats(&self, timeout: Duration, mut pred: impl FnMut(&EngineStats) -> bool) -> Option<EngineStats> {
+        let deadline = Instant::now() + timeout;
+        let shared = &self.inner.shared;
+        let mut stats = shared.stats.lock().unwrap();
+        loop {
+            if pred(&stats) {
+                return Some(stats.clone());
+            }
+            let left = deadline.checked_duration_since(Instant::now())?;
+            stats = shared.stats_changed.wait_timeout(stats, left).unwrap().0;
+        }
     }
 
     pub fn tokenizer(&self) -> &Arc<Tokenizer> {
@@ -480,7 +502,8 @@ impl Core {
                 Err(RecvTimeoutError::Disconnected) => return false,
             }
         }
-        loop {
+        // Bounded, so a flood of commands cannot starve the running requests.
+        for _ in 0..COMMAND_CAPACITY {
             match self.rx.try_recv() {
                 Ok(cmd) => {
                     if !self.apply(cmd) {
@@ -491,6 +514,7 @@ impl Core {
                 Err(TryRecvError::Disconnected) => return false,
             }
         }
+        true
     }
 
     fn apply(&mut self, cmd: Command) -> bool {
@@ -674,6 +698,8 @@ impl Core {
         s.prefix_cache_hits = c.prefix_cache_hits;
         s.num_preemptions = c.num_preemptions;
         s.steps = self.steps;
+        drop(s);
+        self.shared.stats_changed.notify_all();
     }
 }
 

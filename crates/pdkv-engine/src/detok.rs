@@ -125,11 +125,7 @@ impl StopChecker {
         while !self.text.is_char_boundary(from) {
             from -= 1;
         }
-        let earliest = self
-            .stops
-            .iter()
-            .filter_map(|s| self.text[from..].find(s.as_str()).map(|p| from + p))
-            .min();
+        let earliest = self.stops.iter().filter_map(|s| self.text[from..].find(s.as_str()).map(|p| from + p)).min();
         if let Some(pos) = earliest {
             self.text.truncate(pos);
             self.stopped = true;

@@ -131,7 +131,9 @@ pub struct RequestOutput {
 /// Why a request was refused.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum AddRequestError {
-    #[error("prompt has {prompt} tokens plus max_tokens {max_tokens}, over the model's context of {max_model_len} tokens")]
+    #[error(
+        "prompt has {prompt} tokens plus max_tokens {max_tokens}, over the model's context of {max_model_len} tokens"
+    )]
     TooLong { prompt: usize, max_tokens: usize, max_model_len: usize },
     /// `needed` counts the blocks of the prompt plus `max_tokens - 1` outputs
     /// (the request at its longest must fit the cache alone).

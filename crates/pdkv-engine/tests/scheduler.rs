@@ -197,7 +197,7 @@ fn abort_in_every_state_frees_everything() {
     s.add_request(req("waiting", prompt(3, 4), 5));
     step(&mut s);
     step(&mut s);
-    assert!(s.output_tokens("decoding").unwrap().len() >= 1);
+    assert!(!s.output_tokens("decoding").unwrap().is_empty());
     assert_eq!(s.counts().num_waiting, 1);
     assert!(!s.abort_request("unknown"));
     for id in ["waiting", "prefilling", "decoding"] {
@@ -267,7 +267,7 @@ impl Rng {
 /// scheduled sequence reads exactly the KV its own tokens produced. Then a
 /// liveness phase: everything must finish within a bound, and all blocks
 /// come back.
-fn random_workload(seed: u64, caching: bool) {
+fn random_workload(seed: u64, caching: bool) -> (u64, u64) {
     let num_blocks = 24;
     let mut s = sched(6, 1 + (seed as usize % 40), num_blocks, caching);
     let mut rng = Rng(seed);
@@ -279,10 +279,10 @@ fn random_workload(seed: u64, caching: bool) {
     let mut finished = 0;
 
     let run_step = |s: &mut Scheduler,
-                        kv: &mut SimKv,
-                        tokens_of: &mut HashMap<Arc<str>, Vec<u32>>,
-                        live: &mut Vec<Arc<str>>,
-                        rng: &mut Rng|
+                    kv: &mut SimKv,
+                    tokens_of: &mut HashMap<Arc<str>, Vec<u32>>,
+                    live: &mut Vec<Arc<str>>,
+                    rng: &mut Rng|
      -> usize {
         let plan = s.schedule();
         assert!(plan.num_tokens() <= s.config().max_num_batched_tokens);
@@ -292,16 +292,16 @@ fn random_workload(seed: u64, caching: bool) {
             let toks = &tokens_of[&q.request_id];
             let tags = prefix_tags(toks);
             assert_eq!(&toks[q.start_pos..q.start_pos + q.tokens.len()], &q.tokens[..], "seed {seed}");
-            for p in 0..q.start_pos {
-                let slot = q.block_table[p / BLOCK_SIZE] as usize * BLOCK_SIZE + p % BLOCK_SIZE;
-                assert_eq!(kv.slots[slot], Some(tags[p]), "seed {seed}: stale KV at position {p} of {}", q.request_id);
+            let slot = |p: usize| q.block_table[p / BLOCK_SIZE] as usize * BLOCK_SIZE + p % BLOCK_SIZE;
+            for (p, tag) in tags.iter().enumerate().take(q.start_pos) {
+                assert_eq!(kv.slots[slot(p)], Some(*tag), "seed {seed}: stale KV at position {p} of {}", q.request_id);
             }
-            for p in q.start_pos..q.start_pos + q.tokens.len() {
-                let slot = q.block_table[p / BLOCK_SIZE] as usize * BLOCK_SIZE + p % BLOCK_SIZE;
-                kv.slots[slot] = Some(tags[p]);
+            for (p, tag) in tags.iter().enumerate().take(q.start_pos + q.tokens.len()).skip(q.start_pos) {
+                kv.slots[slot(p)] = Some(*tag);
             }
             // Occasionally sample the stop token.
-            sampled.push(q.sample.then(|| if rng.below(40) == 0 { 0 } else { token_for(&q.request_id, q.output_index) }));
+            sampled
+                .push(q.sample.then(|| if rng.below(40) == 0 { 0 } else { token_for(&q.request_id, q.output_index) }));
         }
         let ups = s.update_from_output(&plan, &sampled);
         let mut done = 0;
@@ -357,13 +357,20 @@ fn random_workload(seed: u64, caching: bool) {
     assert_eq!(finished, next_id, "seed {seed}: every request ended exactly once");
     assert_eq!(s.block_pool().num_free(), num_blocks, "seed {seed}: blocks leaked");
     s.check_invariants();
+    (s.counts().num_preemptions, s.counts().prefix_cache_hits)
 }
 
 #[test]
 fn random_workloads_keep_invariants_and_conserve_blocks() {
+    let (mut preemptions, mut hits) = (0, 0);
     for seed in 0..40 {
-        random_workload(seed, seed % 4 != 3);
+        let (p, h) = random_workload(seed, seed % 4 != 3);
+        preemptions += p;
+        hits += h;
     }
+    // The workloads must exercise the interesting paths.
+    assert!(preemptions > 20, "only {preemptions} preemptions");
+    assert!(hits > 1000, "only {hits} prefix-cache hit tokens");
 }
 
 #[test]

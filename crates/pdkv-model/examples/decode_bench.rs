@@ -5,7 +5,7 @@
 
 use std::path::PathBuf;
 
-use pdkv_model::bench::{decode_throughput, measure_copy_bandwidth, synthetic_model};
+use pdkv_model::bench::{decode_throughput, measure_copy_bandwidth, prefill_throughput, synthetic_model};
 use pdkv_model::{Arch, Model, ModelConfig};
 use pdkv_vmem::Pool;
 
@@ -51,6 +51,8 @@ fn main() -> anyhow::Result<()> {
         Some(p) => pdkv_model::load_model(p, &pool, &mut |_| {})?.model,
         None => synthetic_model(&pool, &smollm2_shape(), 1)?,
     };
+    let pf = prefill_throughput(&model, &pool, 512, 256)?;
+    println!("prefill 512 tokens in chunks of 256: {pf:.1} tok/s");
     let bw = measure_copy_bandwidth();
     println!("copy bandwidth: {:.2} GB/s", bw / 1e9);
     for b in batches {

@@ -118,6 +118,28 @@ pub fn decode_throughput(
     })
 }
 
+/// Prefill throughput in tokens per second: one sequence of `tokens` tokens
+/// computed in steps of `chunk` tokens (logits only at the end).
+pub fn prefill_throughput(model: &Model, pool: &Pool, tokens: usize, chunk: usize) -> anyhow::Result<f64> {
+    anyhow::ensure!(tokens > 0 && chunk > 0, "tokens and chunk must be positive");
+    let cfg = model.config();
+    let blocks = tokens.div_ceil(BLOCK_SIZE);
+    let kv = KvCache::new(pool, cfg, blocks)?;
+    let mut ws = Workspace::new(pool, cfg, chunk.min(tokens))?;
+    let table: Vec<u32> = (0..blocks as u32).collect();
+    let toks: Vec<u32> = (0..tokens).map(|i| ((i * 7919 + 1) % cfg.vocab_size) as u32).collect();
+    let mut logits = Vec::new();
+    let t = Instant::now();
+    let mut start = 0;
+    while start < tokens {
+        let end = (start + chunk).min(tokens);
+        let input = SeqInput { tokens: &toks[start..end], start_pos: start, block_table: &table, want_logits: end == tokens };
+        model.forward(&kv, &mut ws, std::slice::from_ref(&input), &mut logits)?;
+        start = end;
+    }
+    Ok(tokens as f64 / t.elapsed().as_secs_f64())
+}
+
 /// Index of the largest logit (first on ties).
 pub fn argmax(row: &[f32]) -> u32 {
     let mut best = 0;

@@ -84,9 +84,11 @@ mod tests {
         let src = "{% for m in messages %}\n  {{ bos_token }}{{ m.role | upper }}: {{ m.content.strip() }}{{ eos_token }}\n{% endfor %}\n{% if add_generation_prompt %}A:{% endif %}";
         let t = ChatTemplate::new(src.into(), "<s>".into(), "</s>".into());
         let out = t.render(&[msg("user", "  hi  "), msg("assistant", "yo")], true).unwrap();
-        assert_eq!(out, "<s>USER: hi</s>\n<s>ASSISTANT: yo</s>\nA:");
+        // As Python jinja2 with trim_blocks and lstrip_blocks renders it: block
+        // lines vanish, indentation before `{{` stays.
+        assert_eq!(out, "  <s>USER: hi</s>\n  <s>ASSISTANT: yo</s>\nA:");
         let out = t.render(&[msg("user", "x")], false).unwrap();
-        assert_eq!(out, "<s>USER: x</s>\n");
+        assert_eq!(out, "  <s>USER: x</s>\n");
     }
 
     #[test]

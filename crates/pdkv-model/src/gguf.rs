@@ -87,17 +87,38 @@ impl GgmlType {
         })
     }
 
-    /// `(elements per block, bytes per block)` for the types this reader
-    /// can dequantise; `None` for the rest.
+    /// `(elements per block, bytes per block)` of every type whose storage
+    /// size this reader knows, so that any tensor's extent can be checked.
     pub fn block_layout(self) -> Option<(usize, usize)> {
-        Some(match self {
-            GgmlType::F32 => (1, 4),
-            GgmlType::F16 | GgmlType::BF16 => (1, 2),
-            GgmlType::Q4_0 => (32, 18),
-            GgmlType::Q4_1 => (32, 20),
-            GgmlType::Q8_0 => (32, 34),
+        Some(match self.0 {
+            0 => (1, 4),
+            1 | 30 => (1, 2),
+            2 => (32, 18),
+            3 => (32, 20),
+            6 => (32, 22),
+            7 => (32, 24),
+            8 => (32, 34),
+            9 => (32, 36),
+            10 => (256, 84),
+            11 => (256, 110),
+            12 => (256, 144),
+            13 => (256, 176),
+            14 => (256, 210),
+            15 => (256, 292),
+            24 => (1, 1),
+            25 => (1, 2),
+            26 => (1, 4),
+            27 | 28 => (1, 8),
             _ => return None,
         })
+    }
+
+    /// Whether [`dequantize`] handles this type.
+    pub fn can_dequantize(self) -> bool {
+        matches!(
+            self,
+            GgmlType::F32 | GgmlType::F16 | GgmlType::BF16 | GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q8_0
+        )
     }
 }
 
@@ -207,8 +228,8 @@ impl GgufTensorInfo {
         self.dims.iter().product()
     }
 
-    /// Bytes of the tensor's data, or `None` if its type is unsupported or
-    /// its row length is not a whole number of blocks.
+    /// Bytes of the tensor's data, or `None` if its type is unknown or its
+    /// row length is not a whole number of blocks.
     pub fn byte_len(&self) -> Option<u64> {
         let (block, bytes) = self.ty.block_layout()?;
         let row = *self.dims.first().unwrap_or(&1);
@@ -426,15 +447,23 @@ impl GgufFile {
             if t.offset % alignment as u64 != 0 {
                 return Err(malformed(format!("tensor `{}` offset {} is not aligned", t.name, t.offset)));
             }
-            // Tensors of unknown type are kept (their size is unknown) and
-            // refused only if someone asks for their data.
-            if let Some(len) = t.byte_len() {
-                if t.offset.checked_add(len).is_none_or(|end| end > data_len) {
+            let len = match t.byte_len() {
+                Some(len) => len,
+                // A tensor of a type newer than this reader: its extent is
+                // unknown, so it is kept and refused only if its data is asked for.
+                None if t.ty.block_layout().is_none() => continue,
+                None => {
                     return Err(malformed(format!(
-                        "tensor `{}` ({} bytes at {}) runs past the end of the file",
-                        t.name, len, t.offset
-                    )));
+                        "tensor `{}` of type {} has rows of {} values, not whole blocks",
+                        t.name, t.ty, t.dims.first().copied().unwrap_or(1)
+                    )))
                 }
+            };
+            if t.offset.checked_add(len).is_none_or(|end| end > data_len) {
+                return Err(malformed(format!(
+                    "tensor `{}` ({} bytes at {}) runs past the end of the file",
+                    t.name, len, t.offset
+                )));
             }
         }
         Ok(GgufFile {
@@ -526,10 +555,14 @@ impl GgufFile {
         if out.len() != rows * cols {
             return Err(malformed(format!("tensor `{}` does not fit its destination", t.name)));
         }
-        let (block, block_bytes) = t.ty.block_layout().ok_or_else(|| GgufError::UnsupportedType {
-            tensor: t.name.clone(),
-            ty: t.ty,
-        })?;
+        let (block, block_bytes) = t
+            .ty
+            .block_layout()
+            .filter(|_| t.ty.can_dequantize())
+            .ok_or_else(|| GgufError::UnsupportedType {
+                tensor: t.name.clone(),
+                ty: t.ty,
+            })?;
         let row_bytes = cols / block * block_bytes;
         if cols == 0 || rows == 0 {
             return Ok(());
@@ -555,10 +588,11 @@ impl GgufFile {
 /// Dequantises `data` of type `ty` into `out`; `out.len()` values must be a
 /// whole number of blocks and `data` exactly their size.
 pub fn dequantize(ty: GgmlType, data: &[u8], out: &mut [f32]) -> Result<()> {
-    let (block, block_bytes) = ty.block_layout().ok_or(GgufError::UnsupportedType {
+    let unsupported = GgufError::UnsupportedType {
         tensor: String::new(),
         ty,
-    })?;
+    };
+    let (block, block_bytes) = ty.block_layout().filter(|_| ty.can_dequantize()).ok_or(unsupported)?;
     if out.len() % block != 0 || data.len() != out.len() / block * block_bytes {
         return Err(malformed(format!(
             "{} bytes of {ty} cannot hold exactly {} values",
@@ -615,7 +649,7 @@ pub fn dequantize(ty: GgmlType, data: &[u8], out: &mut [f32]) -> Result<()> {
                 }
             }
         }
-        _ => unreachable!("block_layout covers exactly the types above"),
+        _ => unreachable!("can_dequantize admits exactly the types above"),
     }
     Ok(())
 }

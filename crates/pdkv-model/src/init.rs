@@ -293,6 +293,12 @@ fn random_tensors(cfg: &ModelConfig, seed: u64) -> Vec<(String, Vec<usize>, Vec<
     out
 }
 
+/// The f64 with the same shortest decimal form as `x` (1e-6, not
+/// 9.99999997e-7), so that readers parsing f64 get the intended value.
+fn shortest_f64(x: f32) -> f64 {
+    x.to_string().parse().unwrap_or(x as f64)
+}
+
 /// `config.json` in the form transformers reads.
 pub fn hf_config_json(cfg: &ModelConfig) -> Value {
     let mut c = json!({
@@ -307,8 +313,8 @@ pub fn hf_config_json(cfg: &ModelConfig) -> Value {
         "head_dim": cfg.head_dim,
         "hidden_act": "silu",
         "max_position_embeddings": cfg.max_position_embeddings,
-        "rms_norm_eps": cfg.rms_norm_eps,
-        "rope_theta": cfg.rope_theta,
+        "rms_norm_eps": shortest_f64(cfg.rms_norm_eps),
+        "rope_theta": shortest_f64(cfg.rope_theta),
         "attention_bias": false,
         "attention_dropout": 0.0,
         "tie_word_embeddings": cfg.tie_word_embeddings,

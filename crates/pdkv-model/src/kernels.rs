@@ -180,22 +180,35 @@ unsafe fn run_job(be: Backend, x: *const f32, m: usize, k: usize, job: &Job) {
     }
 }
 
+/// Bytes of weight rows kept in L1 while a tile of activation rows sweeps them.
+const W_L1_BYTES: usize = 24 << 10;
+
 /// Walks a job in cache blocks and register tiles, calling `tile(mr, nr, r, j)`.
+/// The order is: blocks of `MB` activation rows (kept in L2), then panels of
+/// weight rows that fit in L1, then `MR`-row activation tiles (each loaded
+/// into L1 once per panel), then `NR`-row weight tiles. The order changes
+/// only which data is cached, never the arithmetic of an element.
 #[inline(always)]
-fn for_each_tile(m: usize, job: &Job, mut tile: impl FnMut(usize, usize, usize, usize)) {
+fn for_each_tile(m: usize, k: usize, job: &Job, mut tile: impl FnMut(usize, usize, usize, usize)) {
+    let panel = (W_L1_BYTES / (4 * k.max(1)) / NR * NR).max(NR);
     let mut r0 = 0;
     while r0 < m {
         let r_end = (r0 + MB).min(m);
-        let mut j = job.j0;
-        while j < job.j1 {
-            let nr = NR.min(job.j1 - j);
+        let mut p0 = job.j0;
+        while p0 < job.j1 {
+            let p_end = (p0 + panel).min(job.j1);
             let mut r = r0;
             while r < r_end {
                 let mr = MR.min(r_end - r);
-                tile(mr, nr, r, j);
+                let mut j = p0;
+                while j < p_end {
+                    let nr = NR.min(p_end - j);
+                    tile(mr, nr, r, j);
+                    j += nr;
+                }
                 r += mr;
             }
-            j += nr;
+            p0 = p_end;
         }
         r0 = r_end;
     }
@@ -231,7 +244,7 @@ mod avx2 {
     #[target_feature(enable = "avx2,fma")]
     pub(super) unsafe fn run_job(x: *const f32, m: usize, k: usize, job: &Job) {
         let (w, y, n) = (job.w, job.y.0, job.n);
-        for_each_tile(m, job, |mr, nr, r, j| {
+        for_each_tile(m, k, job, |mr, nr, r, j| {
             // SAFETY: the tile lies inside the job's rows and columns.
             unsafe {
                 let xt = x.add(r * k);
@@ -307,25 +320,151 @@ mod avx2 {
         s
     }
 
-    /// `acc[i] += p * v[i]`.
+    // Cephes-style expf: exp(x) = 2^n * p(r), r = x - n ln 2, |r| <= ln2/2.
+    const EXP_LO: f32 = -87.336_55;
+    const LOG2E: f32 = std::f32::consts::LOG2_E;
+    const LN2_HI: f32 = 0.693_359_4;
+    const LN2_LO: f32 = -2.121_944_4e-4;
+    const EXP_C: [f32; 6] = [1.987_569_1e-4, 1.398_199_9e-3, 8.333_452e-3, 4.166_579_6e-2, 1.666_666_5e-1, 5.000_000_1e-1];
+
+    /// `exp(x)` for 8 lanes with `x <= 0`; inputs below `EXP_LO` give 0.
     #[inline(always)]
-    pub(super) unsafe fn axpy(acc: *mut f32, p: f32, v: *const f32, k: usize) {
-        let pv = _mm256_set1_ps(p);
-        let k8 = k & !7;
-        let mut i = 0;
-        while i < k8 {
-            let a = _mm256_loadu_ps(acc.add(i));
-            _mm256_storeu_ps(acc.add(i), _mm256_fmadd_ps(pv, _mm256_loadu_ps(v.add(i)), a));
-            i += 8;
+    unsafe fn exp8(x: __m256) -> __m256 {
+        let tiny = _mm256_cmp_ps::<_CMP_LT_OQ>(x, _mm256_set1_ps(EXP_LO));
+        let x = _mm256_max_ps(x, _mm256_set1_ps(EXP_LO));
+        let n = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(_mm256_mul_ps(x, _mm256_set1_ps(LOG2E)));
+        let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(LN2_HI), x);
+        let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(LN2_LO), r);
+        let mut p = _mm256_set1_ps(EXP_C[0]);
+        for &c in &EXP_C[1..] {
+            p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
         }
-        for t in k8..k {
-            *acc.add(t) = p.mul_add(*v.add(t), *acc.add(t));
+        let p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r);
+        let p = _mm256_add_ps(p, _mm256_set1_ps(1.0));
+        let pow2 = _mm256_castsi256_ps(_mm256_slli_epi32::<23>(_mm256_add_epi32(
+            _mm256_cvtps_epi32(n),
+            _mm256_set1_epi32(127),
+        )));
+        _mm256_andnot_ps(tiny, _mm256_mul_ps(p, pow2))
+    }
+
+    /// The same operations as one lane of [`exp8`], for the tail.
+    #[inline(always)]
+    fn exp1(x: f32) -> f32 {
+        if x < EXP_LO {
+            return 0.0;
+        }
+        let n = (x * LOG2E).round_ties_even();
+        let r = (-n).mul_add(LN2_HI, x);
+        let r = (-n).mul_add(LN2_LO, r);
+        let mut p = EXP_C[0];
+        for &c in &EXP_C[1..] {
+            p = p.mul_add(r, c);
+        }
+        let p = p.mul_add(r * r, r) + 1.0;
+        p * f32::from_bits(((n as i32 + 127) as u32) << 23)
+    }
+
+    /// Attention for one (query, head); see [`super::attend`]. Scores use
+    /// [`dot`]; the output keeps 32 columns in registers while it sweeps the
+    /// positions in order, so each element is `fma(p_t, v_t, acc)` over
+    /// `t = 0..=pos`.
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn attend_one(args: &super::AttendArgs<'_>, scores: &mut [f32], out: &mut [f32]) {
+        let hd = args.q.len();
+        let n = args.pos + 1;
+        let scores = &mut scores[..n];
+        let rows = &args.rows;
+        let mut max = f32::NEG_INFINITY;
+        for (t, s) in scores.iter_mut().enumerate() {
+            *s = dot(args.q.as_ptr(), rows.k_row(t), hd) * args.scale;
+            max = max.max(*s);
+        }
+        let n8 = n & !7;
+        let mv = _mm256_set1_ps(max);
+        let sp = scores.as_mut_ptr();
+        let mut t = 0;
+        while t < n8 {
+            _mm256_storeu_ps(sp.add(t), exp8(_mm256_sub_ps(_mm256_loadu_ps(sp.add(t)), mv)));
+            t += 8;
+        }
+        for s in &mut scores[n8..] {
+            *s = exp1(*s - max);
+        }
+        let mut sum = 0f64;
+        for &e in scores.iter() {
+            sum += e as f64;
+        }
+        let inv = (1.0 / sum) as f32;
+        for s in scores.iter_mut() {
+            *s *= inv;
+        }
+
+        let mut c = 0;
+        while c + 32 <= hd {
+            let mut acc = [_mm256_setzero_ps(); 4];
+            for (t, &p) in scores.iter().enumerate() {
+                let v = rows.k_row(t).add(rows.v_offset + c);
+                let pv = _mm256_set1_ps(p);
+                for (i, a) in acc.iter_mut().enumerate() {
+                    *a = _mm256_fmadd_ps(pv, _mm256_loadu_ps(v.add(8 * i)), *a);
+                }
+            }
+            for (i, a) in acc.iter().enumerate() {
+                _mm256_storeu_ps(out.as_mut_ptr().add(c + 8 * i), *a);
+            }
+            c += 32;
+        }
+        while c + 8 <= hd {
+            let mut acc = _mm256_setzero_ps();
+            for (t, &p) in scores.iter().enumerate() {
+                let v = rows.k_row(t).add(rows.v_offset + c);
+                acc = _mm256_fmadd_ps(_mm256_set1_ps(p), _mm256_loadu_ps(v), acc);
+            }
+            _mm256_storeu_ps(out.as_mut_ptr().add(c), acc);
+            c += 8;
+        }
+        while c < hd {
+            let mut acc = 0f32;
+            for (t, &p) in scores.iter().enumerate() {
+                acc = p.mul_add(*rows.k_row(t).add(rows.v_offset + c), acc);
+            }
+            out[c] = acc;
+            c += 1;
         }
     }
 
-    #[target_feature(enable = "avx2,fma")]
-    pub(super) unsafe fn attend_one(args: &super::AttendArgs<'_>, scores: &mut [f32], out: &mut [f32]) {
-        super::attend_one_generic(args, scores, out, |a, b, k| dot(a, b, k), |acc, p, v, k| axpy(acc, p, v, k))
+    #[cfg(test)]
+    mod tests {
+        #[test]
+        fn vector_exp_is_accurate_and_lane_consistent() {
+            if super::super::backend() != super::super::Backend::Avx2Fma {
+                return;
+            }
+            let xs: Vec<f32> = (0..4000).map(|i| -(i as f32) * 0.0231).chain([0.0, -1e-30, -87.0, -88.0, -1000.0]).collect();
+            for x in xs {
+                // SAFETY: the CPU has AVX2 and FMA (checked above).
+                let v = unsafe {
+                    let r = super::exp8(std::arch::x86_64::_mm256_set1_ps(x));
+                    let mut o = [0f32; 8];
+                    std::arch::x86_64::_mm256_storeu_ps(o.as_mut_ptr(), r);
+                    o[3]
+                };
+                let s = unsafe { exp1_fma(x) };
+                assert_eq!(v.to_bits(), s.to_bits(), "lane and tail differ at {x}");
+                let want = (x as f64).exp();
+                if x >= super::EXP_LO {
+                    assert!(((v as f64) - want).abs() <= 4.0 * f32::EPSILON as f64 * want, "exp({x}) = {v}, want {want}");
+                } else {
+                    assert_eq!(v, 0.0);
+                }
+            }
+        }
+
+        #[target_feature(enable = "avx2,fma")]
+        unsafe fn exp1_fma(x: f32) -> f32 {
+            super::exp1(x)
+        }
     }
 }
 
@@ -334,7 +473,7 @@ mod portable {
 
     pub(super) unsafe fn run_job(x: *const f32, m: usize, k: usize, job: &Job) {
         let (w, y, n) = (job.w, job.y.0, job.n);
-        for_each_tile(m, job, |mr, nr, r, j| {
+        for_each_tile(m, k, job, |mr, nr, r, j| {
             // SAFETY: the tile lies inside the job's rows and columns.
             unsafe {
                 let xt = x.add(r * k);
@@ -518,7 +657,7 @@ pub struct PagedRows<'a> {
 
 impl PagedRows<'_> {
     #[inline(always)]
-    fn k_row(&self, t: usize) -> *const f32 {
+    pub(crate) fn k_row(&self, t: usize) -> *const f32 {
         let b = self.block_table[t / self.block_size] as usize;
         let off = b * self.block_stride + (t % self.block_size) * self.row_stride + self.head_offset;
         self.base.wrapping_add(off)

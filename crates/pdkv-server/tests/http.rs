@@ -27,9 +27,9 @@ struct Server {
     _dir: tempfile::TempDir,
 }
 
-fn tiny_engine(config: EngineConfig) -> (EngineHandle, tempfile::TempDir) {
+fn random_engine(preset: &str, config: EngineConfig) -> (EngineHandle, tempfile::TempDir) {
     let dir = tempfile::tempdir().expect("tempdir");
-    pdkv_model::init::write_random_checkpoint(Arch::Llama, "tiny", 7, dir.path()).expect("write checkpoint");
+    pdkv_model::init::write_random_checkpoint(Arch::Llama, preset, 7, dir.path()).expect("write checkpoint");
     let pool = Pool::default();
     let model = pdkv_model::load_model(dir.path(), &pool, &mut |_| {}).expect("load model");
     let engine = Engine::start(model, pool, config).expect("start engine");
@@ -42,7 +42,12 @@ impl Server {
     }
 
     async fn start_with(config: EngineConfig) -> Server {
-        let (engine, dir) = tiny_engine(config);
+        Server::start_model("tiny", config).await
+    }
+
+    /// A server for a random checkpoint of `preset`.
+    async fn start_model(preset: &str, config: EngineConfig) -> Server {
+        let (engine, dir) = random_engine(preset, config);
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
         let addr: SocketAddr = listener.local_addr().expect("addr");
         let (stop, stopped) = oneshot::channel::<()>();
@@ -430,6 +435,34 @@ async fn streaming_client_disconnect_aborts_and_frees_blocks() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn non_streaming_client_disconnect_aborts_and_frees_blocks() {
+    use tokio::io::AsyncWriteExt;
+    // The larger preset decodes slowly enough that the request is still
+    // running long after the client left.
+    let s = Server::start_model("small", EngineConfig::default()).await;
+    let max_tokens = s.engine.max_model_len() - 16;
+    let body = json!({"prompt": "a b c", "max_tokens": max_tokens, "ignore_eos": true}).to_string();
+    let addr = s.base.strip_prefix("http://").unwrap();
+    let mut sock = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let head = format!(
+        "POST /v1/completions HTTP/1.1\r\nhost: {addr}\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n",
+        body.len()
+    );
+    sock.write_all(head.as_bytes()).await.unwrap();
+    sock.write_all(body.as_bytes()).await.unwrap();
+    s.wait_metrics("the request to generate", |m| metric(m, "pdkv_generation_tokens_total") > 0.0).await;
+    drop(sock);
+    let m = s
+        .wait_metrics("the disconnected request to be aborted", |m| {
+            metric(m, "pdkv_requests_total{finish_reason=\"abort\"}") == 1.0
+        })
+        .await;
+    assert!(metric(&m, "pdkv_generation_tokens_total") < max_tokens as f64);
+    s.wait_all_blocks_free().await;
+    s.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn burst_of_32_concurrent_requests_frees_every_block() {
     let s = Server::start().await;
     let mut tasks = Vec::new();
@@ -469,4 +502,42 @@ async fn burst_of_32_concurrent_requests_frees_every_block() {
     assert_eq!(finished, 32.0);
     assert_eq!(metric(&m, "pdkv_requests_total{finish_reason=\"length\"}"), 32.0);
     s.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chat_without_template_is_a_clear_400() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    pdkv_model::init::write_random_checkpoint(Arch::Llama, "tiny", 3, dir.path()).expect("write checkpoint");
+    let cfg_path = dir.path().join("tokenizer_config.json");
+    let mut cfg: Value = serde_json::from_slice(&std::fs::read(&cfg_path).unwrap()).unwrap();
+    cfg.as_object_mut().unwrap().remove("chat_template").expect("the checkpoint has a template to remove");
+    std::fs::write(&cfg_path, serde_json::to_vec(&cfg).unwrap()).unwrap();
+    let pool = Pool::default();
+    let model = pdkv_model::load_model(dir.path(), &pool, &mut |_| {}).expect("load model");
+    assert!(model.chat_template.is_none());
+    let engine = Engine::start(model, pool, EngineConfig::default()).expect("start engine");
+
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let base = format!("http://{}", listener.local_addr().unwrap());
+    let (stop, stopped) = oneshot::channel::<()>();
+    let task = tokio::spawn(pdkv_server::serve(listener, AppState::new(engine.clone(), SERVED), async move {
+        let _ = stopped.await;
+    }));
+    let client = reqwest::Client::new();
+    let resp = client
+        .post(format!("{base}/v1/chat/completions"))
+        .json(&json!({"messages": [{"role": "user", "content": "hi"}]}))
+        .send()
+        .await
+        .unwrap();
+    let status = resp.status();
+    let body: Value = resp.json().await.unwrap();
+    assert_openai_error(status, &body, StatusCode::BAD_REQUEST, "no chat template");
+    assert!(body["error"]["message"].as_str().unwrap().contains("chat template"), "{body}");
+    // Plain completions still work.
+    let resp = client.post(format!("{base}/v1/completions")).json(&greedy(json!({"prompt": "hi"}))).send().await.unwrap();
+    assert_eq!(resp.status(), StatusCode::OK);
+    let _ = stop.send(());
+    tokio::time::timeout(DEADLINE, task).await.expect("server stops").unwrap().unwrap();
+    engine.shutdown();
 }

@@ -1,0 +1,115 @@
+//! Shared set-up for the engine tests: a real tiny random checkpoint, loaded
+//! by the real loader, served by a real engine.
+
+#![allow(dead_code)]
+
+use std::time::Duration;
+
+use pdkv_engine::{
+    Engine, EngineConfig, EngineHandle, EngineRequest, EngineStats, FinishReason, RequestStream, SamplingParams,
+};
+use pdkv_model::Arch;
+use pdkv_vmem::Pool;
+
+/// Longest any test waits for the engine.
+pub const WAIT: Duration = Duration::from_secs(60);
+
+pub struct TestEngine {
+    pub handle: EngineHandle,
+    _dir: tempfile::TempDir,
+}
+
+impl std::ops::Deref for TestEngine {
+    type Target = EngineHandle;
+    fn deref(&self) -> &EngineHandle {
+        &self.handle
+    }
+}
+
+impl Drop for TestEngine {
+    fn drop(&mut self) {
+        self.handle.shutdown();
+    }
+}
+
+/// Starts an engine on the tiny random checkpoint of `arch` (seed 7).
+pub fn start(arch: Arch, config: EngineConfig) -> TestEngine {
+    let dir = tempfile::tempdir().expect("temp dir");
+    pdkv_model::init::write_random_checkpoint(arch, "tiny", 7, dir.path()).expect("write checkpoint");
+    let pool = Pool::default();
+    let model = pdkv_model::load_model(dir.path(), &pool, &mut |_| {}).expect("load checkpoint");
+    let handle = Engine::start(model, pool, config).expect("start engine");
+    TestEngine { handle, _dir: dir }
+}
+
+pub fn config(max_num_batched_tokens: usize, num_kv_blocks: usize) -> EngineConfig {
+    EngineConfig {
+        max_num_seqs: 32,
+        max_num_batched_tokens,
+        num_kv_blocks,
+        enable_prefix_caching: true,
+        max_model_len: None,
+    }
+}
+
+/// Deterministic prompt tokens below the special tokens.
+pub fn prompt(seed: u64, len: usize) -> Vec<u32> {
+    (0..len as u64)
+        .map(|i| (pdkv_engine::sampling::splitmix64(seed.wrapping_mul(1_000_003) ^ i) % 500) as u32)
+        .collect()
+}
+
+pub fn greedy(max_tokens: u32) -> SamplingParams {
+    SamplingParams { temperature: 0.0, max_tokens, ignore_eos: true, return_logits: true, ..SamplingParams::default() }
+}
+
+pub fn request(id: &str, prompt_tokens: Vec<u32>, params: SamplingParams) -> EngineRequest {
+    EngineRequest { id: id.to_string(), prompt_tokens, params }
+}
+
+/// Everything a request produced.
+#[derive(Clone, Debug, Default)]
+pub struct Collected {
+    pub tokens: Vec<u32>,
+    pub text: String,
+    pub deltas: Vec<String>,
+    pub logits: Vec<Vec<f32>>,
+    pub finish: Option<FinishReason>,
+    pub num_cached_tokens: usize,
+    pub num_prompt_tokens: usize,
+}
+
+impl Collected {
+    /// Logits as bits, for exact comparison.
+    pub fn logit_bits(&self) -> Vec<Vec<u32>> {
+        self.logits.iter().map(|r| r.iter().map(|x| x.to_bits()).collect()).collect()
+    }
+}
+
+/// Reads a stream to its end.
+pub fn collect(mut s: RequestStream) -> Collected {
+    let mut c = Collected::default();
+    while let Some(o) = s.blocking_next() {
+        assert!(c.finish.is_none(), "output after the final one");
+        c.tokens.extend(&o.token_ids);
+        c.text.push_str(&o.text);
+        c.deltas.push(o.text);
+        c.logits.extend(o.logits);
+        c.finish = o.finish_reason;
+        c.num_cached_tokens = o.num_cached_tokens;
+        c.num_prompt_tokens = o.num_prompt_tokens;
+    }
+    assert!(c.finish.is_some(), "stream ended without a final output");
+    c
+}
+
+/// Runs one request alone to completion.
+pub fn run_one(e: &EngineHandle, req: EngineRequest) -> Collected {
+    collect(e.add_request(req).expect("request accepted"))
+}
+
+/// Waits until no request is live and every block is free again.
+pub fn wait_idle(e: &EngineHandle) -> EngineStats {
+    e.wait_stats(WAIT, |s| s.num_running == 0 && s.num_waiting == 0 && s.kv_blocks_free == s.kv_blocks_total)
+        .unwrap_or_else(|| panic!("engine did not go idle with all blocks free: {:?}", e.stats()))
+}
