@@ -277,7 +277,8 @@ impl EngineHandle {
     }
 
     /// Drops every prefix-cache entry. Returns false while any KV block is in
-    /// use (requests running or waiting with blocks) or the engine stopped.
+    /// use (a request is running) or when the engine stopped. Blocks the
+    /// caller until the core answers, which it does before its next step.
     pub fn reset_prefix_cache(&self) -> bool {
         let (tx, rx) = std::sync::mpsc::sync_channel(1);
         if self.inner.cmd_tx.send(Command::ResetPrefixCache(tx)).is_err() {

@@ -202,3 +202,18 @@ fn shutdown_aborts_running_requests() {
     let st = e.wait_stats(Duration::from_secs(1), |s| s.kv_blocks_free == s.kv_blocks_total);
     assert!(st.is_some(), "blocks freed at shutdown: {:?}", e.stats());
 }
+
+#[test]
+fn reset_prefix_cache_drops_hits_and_is_refused_while_running() {
+    let e = engine();
+    let p = prompt(9, 40);
+    run_one(&e, request("a", p.clone(), varied(3, 9)));
+    assert_eq!(run_one(&e, request("b", p.clone(), varied(3, 9))).num_cached_tokens, 32);
+    let mut long = e.add_request(request("long", prompt(10, 20), varied(500, 10))).unwrap();
+    long.blocking_next().unwrap();
+    assert!(!e.reset_prefix_cache(), "refused while a request holds blocks");
+    drop(long);
+    wait_idle(&e);
+    assert!(e.reset_prefix_cache());
+    assert_eq!(run_one(&e, request("c", p, varied(3, 9))).num_cached_tokens, 0, "no hit after a reset");
+}

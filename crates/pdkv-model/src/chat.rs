@@ -27,7 +27,11 @@ fn raise_exception(msg: String) -> Result<String, Error> {
 
 impl ChatTemplate {
     pub fn new(source: String, bos_token: String, eos_token: String) -> ChatTemplate {
-        ChatTemplate { source, bos_token, eos_token }
+        ChatTemplate {
+            source,
+            bos_token,
+            eos_token,
+        }
     }
 
     /// The Jinja source of the template.
@@ -53,7 +57,11 @@ impl ChatTemplate {
     }
 
     /// Renders the conversation to the prompt text.
-    pub fn render(&self, messages: &[ChatMessage], add_generation_prompt: bool) -> anyhow::Result<String> {
+    pub fn render(
+        &self,
+        messages: &[ChatMessage],
+        add_generation_prompt: bool,
+    ) -> anyhow::Result<String> {
         let env = self.environment();
         let tmpl = env
             .template_from_str(&self.source)
@@ -83,7 +91,9 @@ mod tests {
     fn renders_with_python_methods_and_block_trimming() {
         let src = "{% for m in messages %}\n  {{ bos_token }}{{ m.role | upper }}: {{ m.content.strip() }}{{ eos_token }}\n{% endfor %}\n{% if add_generation_prompt %}A:{% endif %}";
         let t = ChatTemplate::new(src.into(), "<s>".into(), "</s>".into());
-        let out = t.render(&[msg("user", "  hi  "), msg("assistant", "yo")], true).unwrap();
+        let out = t
+            .render(&[msg("user", "  hi  "), msg("assistant", "yo")], true)
+            .unwrap();
         // As Python jinja2 with trim_blocks and lstrip_blocks renders it: block
         // lines vanish, indentation before `{{` stays.
         assert_eq!(out, "  <s>USER: hi</s>\n  <s>ASSISTANT: yo</s>\nA:");

@@ -93,11 +93,12 @@ struct TokenMeta {
 }
 
 /// One unit of attention work: query rows `row0..row1` of sequence `seq`
-/// (rows of the step's activation matrix), head `head`.
+/// (rows of the step's activation matrix), every query head that shares KV
+/// head `kv_head` (so its K/V rows are read from cache while warm).
 #[derive(Clone, Copy, Debug)]
 struct AttnTask {
     seq: usize,
-    head: usize,
+    kv_head: usize,
     row0: usize,
     row1: usize,
 }
@@ -377,11 +378,11 @@ impl Model {
         let mut row0 = 0;
         for (si, s) in seqs.iter().enumerate() {
             let n = s.tokens.len();
-            for head in 0..cfg.num_heads {
+            for kv_head in 0..cfg.num_kv_heads {
                 let mut r = 0;
                 while r < n {
                     let r1 = (r + ATTN_ROWS).min(n);
-                    tasks.push(AttnTask { seq: si, head, row0: row0 + r, row1: row0 + r1 });
+                    tasks.push(AttnTask { seq: si, kv_head, row0: row0 + r, row1: row0 + r1 });
                     r = r1;
                 }
             }
@@ -436,7 +437,7 @@ impl Model {
                 tasks.par_iter().for_each(|task| {
                     let s = &seqs[task.seq];
                     let need = (s.start_pos + s.tokens.len()).div_ceil(BLOCK_SIZE);
-                    let rows = kv.paged_rows(li, task.head / group, hd, &s.block_table[..need]);
+                    let rows = kv.paged_rows(li, task.kv_head, hd, &s.block_table[..need]);
                     let tid = rayon::current_thread_index().unwrap_or(0);
                     // SAFETY: each math thread owns its own score row (it runs
                     // one task at a time, tasks do not nest); `reserve` sized
@@ -445,14 +446,16 @@ impl Model {
                         std::slice::from_raw_parts_mut(scores_base.get().add(tid * scores_len), scores_len)
                     };
                     for r in task.row0..task.row1 {
-                        let off = r * q_dim + task.head * hd;
-                        // SAFETY: tasks cover disjoint (row, head) slices of
-                        // `att`; the blocks hold every position up to the
-                        // query's, written above or by earlier steps.
-                        unsafe {
-                            let out = std::slice::from_raw_parts_mut(att.get().add(off), hd);
-                            let args = AttendArgs { q: &q[off..off + hd], pos: tokens[r].pos, rows, scale };
-                            kernels::attend(&args, sc, out);
+                        for head in task.kv_head * group..(task.kv_head + 1) * group {
+                            let off = r * q_dim + head * hd;
+                            // SAFETY: tasks cover disjoint (row, head) slices
+                            // of `att`; the blocks hold every position up to
+                            // the query's, written above or by earlier steps.
+                            unsafe {
+                                let out = std::slice::from_raw_parts_mut(att.get().add(off), hd);
+                                let args = AttendArgs { q: &q[off..off + hd], pos: tokens[r].pos, rows, scale };
+                                kernels::attend(&args, sc, out);
+                            }
                         }
                     }
                 });

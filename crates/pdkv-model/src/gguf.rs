@@ -117,7 +117,12 @@ impl GgmlType {
     pub fn can_dequantize(self) -> bool {
         matches!(
             self,
-            GgmlType::F32 | GgmlType::F16 | GgmlType::BF16 | GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q8_0
+            GgmlType::F32
+                | GgmlType::F16
+                | GgmlType::BF16
+                | GgmlType::Q4_0
+                | GgmlType::Q4_1
+                | GgmlType::Q8_0
         )
     }
 }
@@ -233,7 +238,7 @@ impl GgufTensorInfo {
     pub fn byte_len(&self) -> Option<u64> {
         let (block, bytes) = self.ty.block_layout()?;
         let row = *self.dims.first().unwrap_or(&1);
-        if row % block as u64 != 0 {
+        if !row.is_multiple_of(block as u64) {
             return None;
         }
         (self.numel() / block as u64).checked_mul(bytes as u64)
@@ -288,7 +293,12 @@ impl<'a> Cursor<'a> {
             .pos
             .checked_add(n)
             .filter(|&e| e <= self.buf.len())
-            .ok_or_else(|| malformed(format!("unexpected end of file reading {what} at byte {}", self.pos)))?;
+            .ok_or_else(|| {
+                malformed(format!(
+                    "unexpected end of file reading {what} at byte {}",
+                    self.pos
+                ))
+            })?;
         let s = &self.buf[self.pos..end];
         self.pos = end;
         Ok(s)
@@ -319,7 +329,9 @@ impl<'a> Cursor<'a> {
         let n = self.u64(what)?;
         let max = (self.remaining() / min_item_bytes.max(1)) as u64;
         if n > max {
-            return Err(malformed(format!("{what} {n} exceeds what the file can hold")));
+            return Err(malformed(format!(
+                "{what} {n} exceeds what the file can hold"
+            )));
         }
         Ok(n as usize)
     }
@@ -327,7 +339,8 @@ impl<'a> Cursor<'a> {
     fn string(&mut self, what: &str) -> Result<String> {
         let len = self.count(what, 1)?;
         let bytes = self.take(len, what)?;
-        String::from_utf8(bytes.to_vec()).map_err(|_| malformed(format!("{what} is not valid UTF-8")))
+        String::from_utf8(bytes.to_vec())
+            .map_err(|_| malformed(format!("{what} is not valid UTF-8")))
     }
 
     fn value(&mut self, ty: u32, depth: usize) -> Result<GgufValue> {
@@ -353,7 +366,7 @@ impl<'a> Cursor<'a> {
                 let min = match elem_ty {
                     0 | 1 | 7 => 1,
                     2 | 3 => 2,
-                    4 | 5 | 6 => 4,
+                    4..=6 => 4,
                     8 | 10 | 11 | 12 => 8,
                     9 => 12,
                     t => return Err(malformed(format!("unknown metadata value type {t}"))),
@@ -414,7 +427,9 @@ impl GgufFile {
             metadata.insert(key, value);
         }
         if tensor_count > (c.remaining() / 24) as u64 {
-            return Err(malformed(format!("tensor count {tensor_count} exceeds what the file can hold")));
+            return Err(malformed(format!(
+                "tensor count {tensor_count} exceeds what the file can hold"
+            )));
         }
         let mut tensors = Vec::with_capacity(tensor_count as usize);
         for _ in 0..tensor_count {
@@ -427,25 +442,43 @@ impl GgufFile {
             for _ in 0..n_dims {
                 dims.push(c.u64("tensor dim")?);
             }
-            if dims.iter().try_fold(1u64, |acc, &d| acc.checked_mul(d)).is_none() {
-                return Err(malformed(format!("tensor `{name}` has an impossible shape {dims:?}")));
+            if dims
+                .iter()
+                .try_fold(1u64, |acc, &d| acc.checked_mul(d))
+                .is_none()
+            {
+                return Err(malformed(format!(
+                    "tensor `{name}` has an impossible shape {dims:?}"
+                )));
             }
             let ty = GgmlType(c.u32("tensor type")?);
             let offset = c.u64("tensor offset")?;
-            tensors.push(GgufTensorInfo { name, dims, ty, offset });
+            tensors.push(GgufTensorInfo {
+                name,
+                dims,
+                ty,
+                offset,
+            });
         }
         let alignment = match metadata.get("general.alignment") {
             None => 32,
             Some(v) => match v.as_u64() {
                 Some(a) if a > 0 && a.is_power_of_two() && a <= 1 << 20 => a as usize,
-                _ => return Err(malformed(format!("general.alignment {v:?} is not a power of two"))),
+                _ => {
+                    return Err(malformed(format!(
+                        "general.alignment {v:?} is not a power of two"
+                    )))
+                }
             },
         };
         let data_offset = c.pos.div_ceil(alignment) * alignment;
         let data_len = buf.len().saturating_sub(data_offset) as u64;
         for t in &tensors {
             if t.offset % alignment as u64 != 0 {
-                return Err(malformed(format!("tensor `{}` offset {} is not aligned", t.name, t.offset)));
+                return Err(malformed(format!(
+                    "tensor `{}` offset {} is not aligned",
+                    t.name, t.offset
+                )));
             }
             let len = match t.byte_len() {
                 Some(len) => len,
@@ -455,7 +488,9 @@ impl GgufFile {
                 None => {
                     return Err(malformed(format!(
                         "tensor `{}` of type {} has rows of {} values, not whole blocks",
-                        t.name, t.ty, t.dims.first().copied().unwrap_or(1)
+                        t.name,
+                        t.ty,
+                        t.dims.first().copied().unwrap_or(1)
                     )))
                 }
             };
@@ -494,7 +529,11 @@ impl GgufFile {
 
     /// An array of strings (such as `tokenizer.ggml.tokens`).
     pub fn get_str_array(&self, key: &str) -> Option<Vec<&str>> {
-        self.get(key)?.as_array()?.iter().map(GgufValue::as_str).collect()
+        self.get(key)?
+            .as_array()?
+            .iter()
+            .map(GgufValue::as_str)
+            .collect()
     }
 
     pub fn tensor(&self, name: &str) -> Option<&GgufTensorInfo> {
@@ -513,7 +552,9 @@ impl GgufFile {
         let end = start
             .checked_add(len)
             .filter(|&e| e <= bytes.len() as u64)
-            .ok_or_else(|| malformed(format!("tensor `{}` runs past the end of the file", t.name)))?;
+            .ok_or_else(|| {
+                malformed(format!("tensor `{}` runs past the end of the file", t.name))
+            })?;
         Ok(&bytes[start as usize..end as usize])
     }
 
@@ -550,19 +591,24 @@ impl GgufFile {
         let data = self.tensor_data(t)?;
         let shape = t.shape();
         let [rows, cols] = shape[..] else {
-            return Err(malformed(format!("tensor `{}` is not 2-D: {:?}", t.name, shape)));
+            return Err(malformed(format!(
+                "tensor `{}` is not 2-D: {:?}",
+                t.name, shape
+            )));
         };
         if out.len() != rows * cols {
-            return Err(malformed(format!("tensor `{}` does not fit its destination", t.name)));
+            return Err(malformed(format!(
+                "tensor `{}` does not fit its destination",
+                t.name
+            )));
         }
-        let (block, block_bytes) = t
-            .ty
-            .block_layout()
-            .filter(|_| t.ty.can_dequantize())
-            .ok_or_else(|| GgufError::UnsupportedType {
-                tensor: t.name.clone(),
-                ty: t.ty,
-            })?;
+        let (block, block_bytes) =
+            t.ty.block_layout()
+                .filter(|_| t.ty.can_dequantize())
+                .ok_or_else(|| GgufError::UnsupportedType {
+                    tensor: t.name.clone(),
+                    ty: t.ty,
+                })?;
         let row_bytes = cols / block * block_bytes;
         if cols == 0 || rows == 0 {
             return Ok(());
@@ -575,13 +621,17 @@ impl GgufFile {
             let slot = slots
                 .get_mut(row_map(r))
                 .and_then(Option::take)
-                .ok_or_else(|| malformed(format!("row map for `{}` is not a permutation", t.name)))?;
+                .ok_or_else(|| {
+                    malformed(format!("row map for `{}` is not a permutation", t.name))
+                })?;
             ordered.push(slot);
         }
         ordered
             .into_par_iter()
             .enumerate()
-            .try_for_each(|(r, slot)| dequantize(t.ty, &data[r * row_bytes..(r + 1) * row_bytes], slot))
+            .try_for_each(|(r, slot)| {
+                dequantize(t.ty, &data[r * row_bytes..(r + 1) * row_bytes], slot)
+            })
     }
 }
 
@@ -592,8 +642,11 @@ pub fn dequantize(ty: GgmlType, data: &[u8], out: &mut [f32]) -> Result<()> {
         tensor: String::new(),
         ty,
     };
-    let (block, block_bytes) = ty.block_layout().filter(|_| ty.can_dequantize()).ok_or(unsupported)?;
-    if out.len() % block != 0 || data.len() != out.len() / block * block_bytes {
+    let (block, block_bytes) = ty
+        .block_layout()
+        .filter(|_| ty.can_dequantize())
+        .ok_or(unsupported)?;
+    if !out.len().is_multiple_of(block) || data.len() != out.len() / block * block_bytes {
         return Err(malformed(format!(
             "{} bytes of {ty} cannot hold exactly {} values",
             data.len(),

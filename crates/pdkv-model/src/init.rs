@@ -100,14 +100,18 @@ impl SplitMix64 {
 
     /// Norm weights: 1 ± 0.1.
     fn norm_vec(&mut self, n: usize) -> Vec<f32> {
-        (0..n).map(|_| (1.0 + 0.2 * (self.uniform() - 0.5)) as f32).collect()
+        (0..n)
+            .map(|_| (1.0 + 0.2 * (self.uniform() - 0.5)) as f32)
+            .collect()
     }
 }
 
 /// GPT-2's byte-to-character table: printable bytes map to themselves, the
 /// rest to code points from 256 upwards, so every byte has a visible glyph.
 pub fn byte_to_char() -> [char; 256] {
-    let printable = |b: u32| (0x21..=0x7e).contains(&b) || (0xa1..=0xac).contains(&b) || (0xae..=0xff).contains(&b);
+    let printable = |b: u32| {
+        (0x21..=0x7e).contains(&b) || (0xa1..=0xac).contains(&b) || (0xae..=0xff).contains(&b)
+    };
     let mut table = ['\0'; 256];
     let mut next = 256u32;
     for b in 0..256u32 {
@@ -168,11 +172,15 @@ fn learn_merges(n_tokens: usize) -> anyhow::Result<Vec<(String, String)>> {
     let table = byte_to_char();
     let mut word_counts: BTreeMap<Vec<String>, usize> = BTreeMap::new();
     for piece in pre_split(TRAINING_TEXT) {
-        let symbols = piece.bytes().map(|b| table[b as usize].to_string()).collect();
+        let symbols = piece
+            .bytes()
+            .map(|b| table[b as usize].to_string())
+            .collect();
         *word_counts.entry(symbols).or_default() += 1;
     }
     let mut words: Vec<(Vec<String>, usize)> = word_counts.into_iter().collect();
-    let mut known: std::collections::HashSet<String> = table.iter().map(|c| c.to_string()).collect();
+    let mut known: std::collections::HashSet<String> =
+        table.iter().map(|c| c.to_string()).collect();
     let mut merges = Vec::new();
     let mut new_tokens = 0;
     while new_tokens < n_tokens {
@@ -241,9 +249,7 @@ pub fn tokenizer_json(vocab_size: usize) -> anyhow::Result<Value> {
     if vocab.len() != vocab_size {
         bail!("built {} tokens, wanted {vocab_size}", vocab.len());
     }
-    let byte_level = |add_prefix_space: bool, trim: bool| {
-        json!({"type": "ByteLevel", "add_prefix_space": add_prefix_space, "trim_offsets": trim, "use_regex": true})
-    };
+    let byte_level = |add_prefix_space: bool, trim: bool| json!({"type": "ByteLevel", "add_prefix_space": add_prefix_space, "trim_offsets": trim, "use_regex": true});
     Ok(json!({
         "version": "1.0",
         "truncation": null,
@@ -266,29 +272,79 @@ pub fn tokenizer_json(vocab_size: usize) -> anyhow::Result<Value> {
 fn random_tensors(cfg: &ModelConfig, seed: u64) -> Vec<(String, Vec<usize>, Vec<f32>)> {
     let mut rng = SplitMix64(seed);
     let mut out = Vec::new();
-    let (h, q, kv, ff, v) = (cfg.hidden_size, cfg.q_dim(), cfg.kv_dim(), cfg.intermediate_size, cfg.vocab_size);
+    let (h, q, kv, ff, v) = (
+        cfg.hidden_size,
+        cfg.q_dim(),
+        cfg.kv_dim(),
+        cfg.intermediate_size,
+        cfg.vocab_size,
+    );
     let linear = 0.05;
     let mut push = |name: String, shape: Vec<usize>, data: Vec<f32>| out.push((name, shape, data));
-    push("model.embed_tokens.weight".into(), vec![v, h], rng.normal_vec(v * h, 0.5));
+    push(
+        "model.embed_tokens.weight".into(),
+        vec![v, h],
+        rng.normal_vec(v * h, 0.5),
+    );
     for i in 0..cfg.num_layers {
         let p = |n: &str| format!("model.layers.{i}.{n}.weight");
         push(p("input_layernorm"), vec![h], rng.norm_vec(h));
-        push(p("self_attn.q_proj"), vec![q, h], rng.normal_vec(q * h, linear));
-        push(p("self_attn.k_proj"), vec![kv, h], rng.normal_vec(kv * h, linear));
-        push(p("self_attn.v_proj"), vec![kv, h], rng.normal_vec(kv * h, linear));
-        push(p("self_attn.o_proj"), vec![h, q], rng.normal_vec(h * q, linear));
+        push(
+            p("self_attn.q_proj"),
+            vec![q, h],
+            rng.normal_vec(q * h, linear),
+        );
+        push(
+            p("self_attn.k_proj"),
+            vec![kv, h],
+            rng.normal_vec(kv * h, linear),
+        );
+        push(
+            p("self_attn.v_proj"),
+            vec![kv, h],
+            rng.normal_vec(kv * h, linear),
+        );
+        push(
+            p("self_attn.o_proj"),
+            vec![h, q],
+            rng.normal_vec(h * q, linear),
+        );
         if cfg.arch == Arch::Qwen3 {
-            push(p("self_attn.q_norm"), vec![cfg.head_dim], rng.norm_vec(cfg.head_dim));
-            push(p("self_attn.k_norm"), vec![cfg.head_dim], rng.norm_vec(cfg.head_dim));
+            push(
+                p("self_attn.q_norm"),
+                vec![cfg.head_dim],
+                rng.norm_vec(cfg.head_dim),
+            );
+            push(
+                p("self_attn.k_norm"),
+                vec![cfg.head_dim],
+                rng.norm_vec(cfg.head_dim),
+            );
         }
         push(p("post_attention_layernorm"), vec![h], rng.norm_vec(h));
-        push(p("mlp.gate_proj"), vec![ff, h], rng.normal_vec(ff * h, linear));
-        push(p("mlp.up_proj"), vec![ff, h], rng.normal_vec(ff * h, linear));
-        push(p("mlp.down_proj"), vec![h, ff], rng.normal_vec(h * ff, linear));
+        push(
+            p("mlp.gate_proj"),
+            vec![ff, h],
+            rng.normal_vec(ff * h, linear),
+        );
+        push(
+            p("mlp.up_proj"),
+            vec![ff, h],
+            rng.normal_vec(ff * h, linear),
+        );
+        push(
+            p("mlp.down_proj"),
+            vec![h, ff],
+            rng.normal_vec(h * ff, linear),
+        );
     }
     push("model.norm.weight".into(), vec![h], rng.norm_vec(h));
     if !cfg.tie_word_embeddings {
-        push("lm_head.weight".into(), vec![v, h], rng.normal_vec(v * h, 0.5));
+        push(
+            "lm_head.weight".into(),
+            vec![v, h],
+            rng.normal_vec(v * h, 0.5),
+        );
     }
     out
 }
@@ -340,7 +396,12 @@ fn write_json(path: &Path, v: &Value) -> anyhow::Result<()> {
 
 /// Writes a random checkpoint of `preset` ("tiny" or "small") to the
 /// directory `out` (created if needed).
-pub fn write_random_checkpoint(arch: Arch, preset: &str, seed: u64, out: &Path) -> anyhow::Result<()> {
+pub fn write_random_checkpoint(
+    arch: Arch,
+    preset: &str,
+    seed: u64,
+    out: &Path,
+) -> anyhow::Result<()> {
     let cfg = preset_config(arch, preset)?;
     std::fs::create_dir_all(out).with_context(|| format!("cannot create {}", out.display()))?;
     let tok = tokenizer_json(cfg.vocab_size)?;

@@ -45,7 +45,11 @@ pub struct LoadedModel {
 
 /// Loads `path`: a `.gguf` file, or a directory with `config.json`,
 /// `*.safetensors` and `tokenizer.json` (and optionally `tokenizer_config.json`).
-pub fn load_model(path: &Path, pool: &Pool, progress: &mut dyn FnMut(&LoadProgress)) -> anyhow::Result<LoadedModel> {
+pub fn load_model(
+    path: &Path,
+    pool: &Pool,
+    progress: &mut dyn FnMut(&LoadProgress),
+) -> anyhow::Result<LoadedModel> {
     let name = if path.is_dir() {
         path.file_name()
     } else {
@@ -59,7 +63,8 @@ pub fn load_model(path: &Path, pool: &Pool, progress: &mut dyn FnMut(&LoadProgre
         let (tok, tmpl) = hf_tokenizer(path, &cfg)?;
         (cfg, weights, tok, tmpl)
     } else {
-        let gguf = GgufFile::open(path).with_context(|| format!("cannot read GGUF {}", path.display()))?;
+        let gguf =
+            GgufFile::open(path).with_context(|| format!("cannot read GGUF {}", path.display()))?;
         let cfg = gguf_config(&gguf)?;
         let weights = load_gguf_weights(&gguf, &cfg, pool, progress)?;
         let tok = Tokenizer::from_gguf(&gguf)?;
@@ -92,7 +97,10 @@ pub fn load_weights_matching(
 ) -> anyhow::Result<Weights> {
     let check = |cfg: &ModelConfig| -> anyhow::Result<()> {
         if cfg != expected {
-            bail!("checkpoint {} has config {cfg:?}, expected {expected:?}", path.display());
+            bail!(
+                "checkpoint {} has config {cfg:?}, expected {expected:?}",
+                path.display()
+            );
         }
         Ok(())
     };
@@ -101,7 +109,8 @@ pub fn load_weights_matching(
         check(&cfg)?;
         load_hf_weights(path, &cfg, pool, progress)
     } else {
-        let gguf = GgufFile::open(path).with_context(|| format!("cannot read GGUF {}", path.display()))?;
+        let gguf =
+            GgufFile::open(path).with_context(|| format!("cannot read GGUF {}", path.display()))?;
         let cfg = gguf_config(&gguf)?;
         check(&cfg)?;
         load_gguf_weights(&gguf, &cfg, pool, progress)
@@ -142,22 +151,53 @@ impl WeightsPlan {
             });
             dest
         };
-        let (h, q, kv, ff, v) = (cfg.hidden_size, cfg.q_dim(), cfg.kv_dim(), cfg.intermediate_size, cfg.vocab_size);
-        let embed = push("token_embd.weight".into(), "model.embed_tokens.weight".into(), &[v, h], None);
+        let (h, q, kv, ff, v) = (
+            cfg.hidden_size,
+            cfg.q_dim(),
+            cfg.kv_dim(),
+            cfg.intermediate_size,
+            cfg.vocab_size,
+        );
+        let embed = push(
+            "token_embd.weight".into(),
+            "model.embed_tokens.weight".into(),
+            &[v, h],
+            None,
+        );
         let llama = cfg.arch == Arch::Llama;
         let mut layers = Vec::with_capacity(cfg.num_layers);
         for i in 0..cfg.num_layers {
             let g = |n: &str| format!("blk.{i}.{n}.weight");
             let f = |n: &str| format!("model.layers.{i}.{n}.weight");
             let attn_norm = push(g("attn_norm"), f("input_layernorm"), &[h], None);
-            let wq = push(g("attn_q"), f("self_attn.q_proj"), &[q, h], llama.then_some(cfg.num_heads));
-            let wk = push(g("attn_k"), f("self_attn.k_proj"), &[kv, h], llama.then_some(cfg.num_kv_heads));
+            let wq = push(
+                g("attn_q"),
+                f("self_attn.q_proj"),
+                &[q, h],
+                llama.then_some(cfg.num_heads),
+            );
+            let wk = push(
+                g("attn_k"),
+                f("self_attn.k_proj"),
+                &[kv, h],
+                llama.then_some(cfg.num_kv_heads),
+            );
             let wv = push(g("attn_v"), f("self_attn.v_proj"), &[kv, h], None);
             let wo = push(g("attn_output"), f("self_attn.o_proj"), &[h, q], None);
             let (q_norm, k_norm) = if cfg.arch == Arch::Qwen3 {
                 (
-                    Some(push(g("attn_q_norm"), f("self_attn.q_norm"), &[cfg.head_dim], None)),
-                    Some(push(g("attn_k_norm"), f("self_attn.k_norm"), &[cfg.head_dim], None)),
+                    Some(push(
+                        g("attn_q_norm"),
+                        f("self_attn.q_norm"),
+                        &[cfg.head_dim],
+                        None,
+                    )),
+                    Some(push(
+                        g("attn_k_norm"),
+                        f("self_attn.k_norm"),
+                        &[cfg.head_dim],
+                        None,
+                    )),
                 )
             } else {
                 (None, None)
@@ -180,11 +220,21 @@ impl WeightsPlan {
                 w_down,
             });
         }
-        let final_norm = push("output_norm.weight".into(), "model.norm.weight".into(), &[h], None);
+        let final_norm = push(
+            "output_norm.weight".into(),
+            "model.norm.weight".into(),
+            &[h],
+            None,
+        );
         let lm_head = if cfg.tie_word_embeddings {
             embed.clone()
         } else {
-            push("output.weight".into(), "lm_head.weight".into(), &[v, h], None)
+            push(
+                "output.weight".into(),
+                "lm_head.weight".into(),
+                &[v, h],
+                None,
+            )
         };
         WeightsPlan {
             embed,
@@ -256,7 +306,9 @@ fn parse_arch(s: &str) -> anyhow::Result<Arch> {
 
 /// The model config a GGUF file's metadata describes.
 pub fn gguf_config(g: &GgufFile) -> anyhow::Result<ModelConfig> {
-    let arch_s = g.get_str("general.architecture").context("GGUF lacks general.architecture")?;
+    let arch_s = g
+        .get_str("general.architecture")
+        .context("GGUF lacks general.architecture")?;
     let arch = parse_arch(arch_s)?;
     let key = |k: &str| format!("{arch_s}.{k}");
     let req = |k: &str| -> anyhow::Result<usize> {
@@ -277,10 +329,14 @@ pub fn gguf_config(g: &GgufFile) -> anyhow::Result<ModelConfig> {
         Some(d) => d as usize,
         None => hidden_size / num_heads,
     };
-    let embd = g.tensor("token_embd.weight").context("GGUF lacks tensor `token_embd.weight`")?;
+    let embd = g
+        .tensor("token_embd.weight")
+        .context("GGUF lacks tensor `token_embd.weight`")?;
     let vocab_size = match embd.shape()[..] {
         [v, h] if h == hidden_size => v,
-        ref s => bail!("tensor `token_embd.weight` has shape {s:?}, expected [vocab, {hidden_size}]"),
+        ref s => {
+            bail!("tensor `token_embd.weight` has shape {s:?}, expected [vocab, {hidden_size}]")
+        }
     };
     let mut eos_token_ids = Vec::new();
     for k in ["tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id"] {
@@ -297,13 +353,19 @@ pub fn gguf_config(g: &GgufFile) -> anyhow::Result<ModelConfig> {
         intermediate_size: req("feed_forward_length")?,
         num_layers: req("block_count")?,
         num_heads,
-        num_kv_heads: g.get_u64(&key("attention.head_count_kv")).map_or(num_heads, |v| v as usize),
+        num_kv_heads: g
+            .get_u64(&key("attention.head_count_kv"))
+            .map_or(num_heads, |v| v as usize),
         head_dim,
         rope_theta: g.get_f64(&key("rope.freq_base")).unwrap_or(10_000.0) as f32,
         rms_norm_eps: g
             .get_f64(&key("attention.layer_norm_rms_epsilon"))
-            .with_context(|| format!("GGUF metadata lacks {}", key("attention.layer_norm_rms_epsilon")))?
-            as f32,
+            .with_context(|| {
+                format!(
+                    "GGUF metadata lacks {}",
+                    key("attention.layer_norm_rms_epsilon")
+                )
+            })? as f32,
         max_position_embeddings: req("context_length")?,
         tie_word_embeddings: g.tensor("output.weight").is_none(),
         bos_token_id: g.get_u64("tokenizer.ggml.bos_token_id").map(|v| v as u32),
@@ -322,7 +384,9 @@ fn load_gguf_weights(
     let head_dim = cfg.head_dim;
     WeightsPlan::new(cfg).load(pool, progress, |slot, dst| {
         let name = &slot.gguf_name;
-        let info = g.tensor(name).with_context(|| format!("GGUF lacks tensor `{name}`"))?;
+        let info = g
+            .tensor(name)
+            .with_context(|| format!("GGUF lacks tensor `{name}`"))?;
         check_shape(name, &info.shape(), &slot.dest.shape)?;
         match slot.rope_heads {
             // Stored row h*hd + 2i + j holds Hugging Face row h*hd + j*hd/2 + i.
@@ -364,7 +428,8 @@ fn gguf_chat_template(g: &GgufFile, tok: &Tokenizer) -> Option<ChatTemplate> {
 // --------------------------------------------------- Hugging Face dir ----
 
 fn read_json(path: &Path) -> anyhow::Result<Value> {
-    let text = std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;
+    let text =
+        std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;
     serde_json::from_str(&text).with_context(|| format!("{} is not valid JSON", path.display()))
 }
 
@@ -380,7 +445,11 @@ fn read_json_opt(path: &Path) -> anyhow::Result<Option<Value>> {
 fn ids(v: Option<&Value>) -> Vec<u32> {
     match v {
         Some(Value::Number(n)) => n.as_u64().map(|x| vec![x as u32]).unwrap_or_default(),
-        Some(Value::Array(a)) => a.iter().filter_map(Value::as_u64).map(|x| x as u32).collect(),
+        Some(Value::Array(a)) => a
+            .iter()
+            .filter_map(Value::as_u64)
+            .map(|x| x as u32)
+            .collect(),
         _ => Vec::new(),
     }
 }
@@ -391,8 +460,12 @@ pub fn hf_config(dir: &Path) -> anyhow::Result<ModelConfig> {
     let path = dir.join("config.json");
     let c = read_json(&path)?;
     let ctx = |k: &str| format!("{} lacks `{k}`", path.display());
-    let uint = |k: &str| -> anyhow::Result<usize> { c[k].as_u64().map(|v| v as usize).with_context(|| ctx(k)) };
-    let model_type = c["model_type"].as_str().with_context(|| ctx("model_type"))?;
+    let uint = |k: &str| -> anyhow::Result<usize> {
+        c[k].as_u64().map(|v| v as usize).with_context(|| ctx(k))
+    };
+    let model_type = c["model_type"]
+        .as_str()
+        .with_context(|| ctx("model_type"))?;
     let arch = parse_arch(model_type)?;
     let num_heads = uint("num_attention_heads")?;
     let hidden_size = uint("hidden_size")?;
@@ -404,7 +477,10 @@ pub fn hf_config(dir: &Path) -> anyhow::Result<ModelConfig> {
         .map(|k| &c[*k])
         .find(|v| v.is_object());
     if let Some(r) = rope {
-        let ty = r["rope_type"].as_str().or(r["type"].as_str()).unwrap_or("default");
+        let ty = r["rope_type"]
+            .as_str()
+            .or(r["type"].as_str())
+            .unwrap_or("default");
         if ty != "default" {
             bail!("RoPE scaling `{ty}` is not supported");
         }
@@ -430,10 +506,16 @@ pub fn hf_config(dir: &Path) -> anyhow::Result<ModelConfig> {
         intermediate_size: uint("intermediate_size")?,
         num_layers: uint("num_hidden_layers")?,
         num_heads,
-        num_kv_heads: c["num_key_value_heads"].as_u64().map_or(num_heads, |v| v as usize),
-        head_dim: c["head_dim"].as_u64().map_or(hidden_size / num_heads, |v| v as usize),
+        num_kv_heads: c["num_key_value_heads"]
+            .as_u64()
+            .map_or(num_heads, |v| v as usize),
+        head_dim: c["head_dim"]
+            .as_u64()
+            .map_or(hidden_size / num_heads, |v| v as usize),
         rope_theta: rope_theta as f32,
-        rms_norm_eps: c["rms_norm_eps"].as_f64().with_context(|| ctx("rms_norm_eps"))? as f32,
+        rms_norm_eps: c["rms_norm_eps"]
+            .as_f64()
+            .with_context(|| ctx("rms_norm_eps"))? as f32,
         max_position_embeddings: uint("max_position_embeddings")?,
         tie_word_embeddings: c["tie_word_embeddings"].as_bool().unwrap_or(false),
         bos_token_id,
@@ -495,7 +577,10 @@ fn token_text(v: &Value) -> Option<String> {
     }
 }
 
-fn hf_tokenizer(dir: &Path, cfg: &ModelConfig) -> anyhow::Result<(Tokenizer, Option<ChatTemplate>)> {
+fn hf_tokenizer(
+    dir: &Path,
+    cfg: &ModelConfig,
+) -> anyhow::Result<(Tokenizer, Option<ChatTemplate>)> {
     let tok = Tokenizer::from_file(&dir.join("tokenizer.json"))?;
     let tc = read_json_opt(&dir.join("tokenizer_config.json"))?.unwrap_or(Value::Null);
     let bos_text = token_text(&tc["bos_token"]);
@@ -506,14 +591,19 @@ fn hf_tokenizer(dir: &Path, cfg: &ModelConfig) -> anyhow::Result<(Tokenizer, Opt
             eos.push(id);
         }
     }
-    let bos = cfg.bos_token_id.or(bos_text.as_deref().and_then(|t| tok.token_to_id(t)));
+    let bos = cfg
+        .bos_token_id
+        .or(bos_text.as_deref().and_then(|t| tok.token_to_id(t)));
     let tok = tok.with_special_ids(bos, eos);
 
     // The template lives in chat_template.jinja (newer) or in
     // tokenizer_config.json, as a string or a list of named templates.
     let jinja = dir.join("chat_template.jinja");
     let source = if jinja.exists() {
-        Some(std::fs::read_to_string(&jinja).with_context(|| format!("cannot read {}", jinja.display()))?)
+        Some(
+            std::fs::read_to_string(&jinja)
+                .with_context(|| format!("cannot read {}", jinja.display()))?,
+        )
     } else {
         match &tc["chat_template"] {
             Value::String(s) => Some(s.clone()),
@@ -527,7 +617,11 @@ fn hf_tokenizer(dir: &Path, cfg: &ModelConfig) -> anyhow::Result<(Tokenizer, Opt
     };
     let template = match source {
         Some(src) => {
-            let t = ChatTemplate::new(src, bos_text.unwrap_or_default(), eos_text.unwrap_or_default());
+            let t = ChatTemplate::new(
+                src,
+                bos_text.unwrap_or_default(),
+                eos_text.unwrap_or_default(),
+            );
             t.validate()?;
             Some(t)
         }

