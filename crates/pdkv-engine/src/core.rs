@@ -58,15 +58,34 @@ struct AddCommand {
     tx: UnboundedSender<RequestOutput>,
 }
 
+/// The published stats plus what callers did since the core last looked.
+///
+/// Accepted requests still in the command channel count as waiting, so a
+/// snapshot never looks idle while an accepted request is unseen by the core.
+struct StatsState {
+    stats: EngineStats,
+    /// Adds sent but not yet applied by the core.
+    pending_adds: usize,
+}
+
 /// State shared between handles and the core.
 struct Shared {
-    stats: Mutex<EngineStats>,
+    stats: Mutex<StatsState>,
     /// Notified whenever `stats` is republished.
     stats_changed: Condvar,
     /// Live request ids and the serial of their current incarnation.
     live: Mutex<HashMap<String, u64>>,
     stopped: AtomicBool,
     next_serial: AtomicU64,
+}
+
+impl Shared {
+    /// Counts adds in flight to the core (`delta` is +1 or -1).
+    fn add_pending(&self, delta: isize) {
+        let mut st = self.stats.lock().unwrap();
+        st.pending_adds = st.pending_adds.checked_add_signed(delta).expect("pending add count underflow");
+        st.stats.num_waiting = st.stats.num_waiting.checked_add_signed(delta).expect("waiting count underflow");
+    }
 }
 
 struct Inner {
@@ -129,10 +148,13 @@ impl Engine {
             .context("allocating the runtime workspace")?;
         let tokenizer = Arc::new(tokenizer);
         let shared = Arc::new(Shared {
-            stats: Mutex::new(EngineStats {
-                kv_blocks_total: config.num_kv_blocks,
-                kv_blocks_free: config.num_kv_blocks,
-                ..EngineStats::default()
+            stats: Mutex::new(StatsState {
+                stats: EngineStats {
+                    kv_blocks_total: config.num_kv_blocks,
+                    kv_blocks_free: config.num_kv_blocks,
+                    ..EngineStats::default()
+                },
+                pending_adds: 0,
             }),
             stats_changed: Condvar::new(),
             live: Mutex::new(HashMap::new()),
@@ -261,7 +283,9 @@ impl EngineHandle {
         let (tx, rx) = unbounded_channel();
         let id = req.id.clone();
         let cmd = Command::Add(Box::new(AddCommand { serial, req, seed, tx }));
+        shared.add_pending(1);
         if self.inner.cmd_tx.send(cmd).is_err() {
+            shared.add_pending(-1);
             shared.live.lock().unwrap().remove(&id);
             return Err(AddRequestError::Stopped);
         }
@@ -288,7 +312,7 @@ impl EngineHandle {
     }
 
     pub fn stats(&self) -> EngineStats {
-        self.inner.shared.stats.lock().unwrap().clone()
+        self.inner.shared.stats.lock().unwrap().stats.clone()
     }
 
     /// Waits until the stats satisfy `pred` (checked now and at every update
@@ -299,8 +323,8 @@ impl EngineHandle {
         let shared = &self.inner.shared;
         let mut stats = shared.stats.lock().unwrap();
         loop {
-            if pred(&stats) {
-                return Some(stats.clone());
+            if pred(&stats.stats) {
+                return Some(stats.stats.clone());
             }
             let left = deadline.checked_duration_since(Instant::now())?;
             stats = shared.stats_changed.wait_timeout(stats, left).unwrap().0;
@@ -478,6 +502,7 @@ impl Core {
         while let Ok(cmd) = self.rx.try_recv() {
             match cmd {
                 Command::Add(add) => {
+                    self.shared.add_pending(-1);
                     let _ = add.tx.send(abort_output(&add.req));
                 }
                 Command::ResetPrefixCache(reply) => {
@@ -536,6 +561,7 @@ impl Core {
     }
 
     fn add(&mut self, add: AddCommand) {
+        self.shared.add_pending(-1);
         let AddCommand { serial, req, seed, tx } = add;
         let id: Arc<str> = Arc::from(req.id.as_str());
         let p = &req.params;
@@ -690,16 +716,18 @@ impl Core {
 
     fn publish_stats(&mut self) {
         let c = self.sched.counts();
-        let mut s = self.shared.stats.lock().unwrap();
+        let mut st = self.shared.stats.lock().unwrap();
+        let pending = st.pending_adds;
+        let s = &mut st.stats;
         s.num_running = c.num_running;
-        s.num_waiting = c.num_waiting;
+        s.num_waiting = c.num_waiting + pending;
         s.kv_blocks_total = c.num_blocks;
         s.kv_blocks_free = c.num_free_blocks;
         s.prefix_cache_queries = c.prefix_cache_queries;
         s.prefix_cache_hits = c.prefix_cache_hits;
         s.num_preemptions = c.num_preemptions;
         s.steps = self.steps;
-        drop(s);
+        drop(st);
         self.shared.stats_changed.notify_all();
     }
 }

@@ -1,0 +1,91 @@
+//! `pdkv bench decode`: decode throughput per batch size, against the
+//! memory-bandwidth roofline.
+//!
+//! Decoding one token of a batch-1 sequence reads every weight once, so its
+//! speed is bounded by memory bandwidth: `tok/s × weight bytes per token ≤
+//! bandwidth`. The roofline fraction at batch 1 says how close the math
+//! kernels come to that bound. The last line of stdout is a JSON summary.
+
+use std::path::PathBuf;
+
+use anyhow::Context;
+use clap::Args;
+use pdkv_vmem::Pool;
+use serde_json::{json, Map, Value};
+
+use crate::fetch;
+use crate::progress::LoadDisplay;
+
+#[derive(Args, Debug)]
+pub struct DecodeArgs {
+    /// A `.gguf` file or Hugging Face directory (default: the cached SmolLM2).
+    #[arg(long)]
+    pub model: Option<PathBuf>,
+    /// Comma-separated batch sizes.
+    #[arg(long, value_delimiter = ',', default_value = "1,8,32")]
+    pub batch_sizes: Vec<usize>,
+    /// Tokens of context each sequence has before the timed steps.
+    #[arg(long, default_value_t = 128)]
+    pub context: usize,
+    /// Timed decode steps per batch size.
+    #[arg(long, default_value_t = 32)]
+    pub steps: usize,
+}
+
+pub fn run_decode(args: DecodeArgs) -> anyhow::Result<()> {
+    anyhow::ensure!(!args.batch_sizes.is_empty(), "--batch-sizes is empty");
+    anyhow::ensure!(args.batch_sizes.iter().all(|&b| b > 0), "batch sizes must be positive");
+    anyhow::ensure!(args.context > 0 && args.steps > 0, "--context and --steps must be positive");
+    let path = match args.model {
+        Some(p) => p,
+        None => fetch::default_model_path()?,
+    };
+    let pool = Pool::default();
+    let mut display = LoadDisplay::new();
+    let loaded = pdkv_model::load_model(&path, &pool, &mut |p| display.update(p))
+        .with_context(|| format!("loading {}", path.display()))?;
+    display.finish();
+    let model = &loaded.model;
+    let max_len = model.config().max_position_embeddings;
+    anyhow::ensure!(
+        args.context + args.steps <= max_len,
+        "--context {} plus --steps {} exceeds the model's context of {max_len}",
+        args.context,
+        args.steps
+    );
+
+    eprintln!("measuring copy bandwidth");
+    let bandwidth = pdkv_model::bench::measure_copy_bandwidth();
+    println!("model: {} ({})", loaded.name, path.display());
+    println!("copy bandwidth: {:.2} GB/s", bandwidth / 1e9);
+    println!("context {} tokens, {} timed steps", args.context, args.steps);
+    println!("{:>6} {:>12} {:>10}", "batch", "tok/s", "ms/step");
+
+    let mut per_batch = Map::new();
+    let mut roofline_b1 = Value::Null;
+    for &batch in &args.batch_sizes {
+        let r = pdkv_model::bench::decode_throughput(model, &pool, batch, args.context, args.steps)
+            .with_context(|| format!("decoding at batch {batch}"))?;
+        println!("{:>6} {:>12.1} {:>10.2}", batch, r.tokens_per_s, r.step_ms);
+        if batch == 1 {
+            let fraction = r.tokens_per_s * r.weight_bytes_per_token as f64 / bandwidth;
+            println!(
+                "       batch 1 streams {:.2} GB/s of weights ({:.1} MiB per token): {:.1}% of copy bandwidth",
+                r.weight_bandwidth / 1e9,
+                r.weight_bytes_per_token as f64 / (1024.0 * 1024.0),
+                100.0 * fraction
+            );
+            roofline_b1 = json!(fraction);
+        }
+        per_batch.insert(batch.to_string(), json!(r.tokens_per_s));
+    }
+    println!(
+        "{}",
+        json!({
+            "bandwidth_gbs": bandwidth / 1e9,
+            "decode_tok_s": per_batch,
+            "roofline_fraction_b1": roofline_b1,
+        })
+    );
+    Ok(())
+}
