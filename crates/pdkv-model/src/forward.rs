@@ -445,7 +445,7 @@ impl Model {
                     let sc = unsafe {
                         std::slice::from_raw_parts_mut(scores_base.get().add(tid * scores_len), scores_len)
                     };
-                    for r in task.row0..task.row1 {
+                    for (r, tm) in tokens.iter().enumerate().take(task.row1).skip(task.row0) {
                         for head in task.kv_head * group..(task.kv_head + 1) * group {
                             let off = r * q_dim + head * hd;
                             // SAFETY: tasks cover disjoint (row, head) slices
@@ -453,7 +453,7 @@ impl Model {
                             // the query's, written above or by earlier steps.
                             unsafe {
                                 let out = std::slice::from_raw_parts_mut(att.get().add(off), hd);
-                                let args = AttendArgs { q: &q[off..off + hd], pos: tokens[r].pos, rows, scale };
+                                let args = AttendArgs { q: &q[off..off + hd], pos: tm.pos, rows, scale };
                                 kernels::attend(&args, sc, out);
                             }
                         }

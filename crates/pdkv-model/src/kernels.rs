@@ -110,32 +110,43 @@ pub fn matmul_many_with(be: Backend, x: &[f32], m: usize, k: usize, outs: &mut [
         }
         return;
     }
-    // Split every matrix's output features into jobs; a job owns a column
-    // range of `y` and the matching contiguous rows of `w`.
-    let threads = rayon::current_num_threads().max(1);
-    let mut jobs: Vec<Job> = Vec::new();
-    for o in outs.iter_mut() {
-        let per = o.n.div_ceil(threads * 4).div_ceil(NR) * NR;
-        let per = per.max(NR);
-        let mut j0 = 0;
-        while j0 < o.n {
-            let j1 = (j0 + per).min(o.n);
-            jobs.push(Job { w: o.w.as_ptr(), y: SendPtr(o.y.as_mut_ptr()), n: o.n, j0, j1 });
-            j0 = j1;
+    if outs.len() > MAX_MANY {
+        for group in outs.chunks_mut(MAX_MANY) {
+            matmul_many_with(be, x, m, k, group);
         }
+        return;
     }
+    // Split every matrix's output features into jobs of `per` rows; a job
+    // owns a column range of `y` and the matching contiguous rows of `w`.
+    // Job descriptors live on the stack: a step allocates nothing here.
+    let threads = rayon::current_num_threads().max(1);
+    let mut mats = [(SendConstPtr(std::ptr::null()), SendPtr(std::ptr::null_mut()), 0usize, 0usize, 0usize); MAX_MANY];
+    let mut total = 0;
+    for (slot, o) in mats.iter_mut().zip(outs.iter_mut()) {
+        let per = o.n.div_ceil(threads * 4).div_ceil(NR).max(1) * NR;
+        let count = o.n.div_ceil(per);
+        *slot = (SendConstPtr(o.w.as_ptr()), SendPtr(o.y.as_mut_ptr()), o.n, per, total);
+        total += count;
+    }
+    let mats = &mats[..outs.len()];
     let x = SendConstPtr(x.as_ptr());
-    let run = |job: &Job| {
+    let run = |i: usize| {
+        let &(w, y, n, per, first) = mats.iter().rev().find(|mat| mat.4 <= i).expect("job index in range");
+        let j0 = (i - first) * per;
+        let job = Job { w: w.get(), y, n, j0, j1: (j0 + per).min(n) };
         // SAFETY: shapes were checked above; jobs write disjoint column
         // ranges of their `y`, and every `y` is a distinct &mut borrow.
-        unsafe { run_job(be, x.get(), m, k, job) }
+        unsafe { run_job(be, x.get(), m, k, &job) }
     };
-    if jobs.len() == 1 || threads == 1 {
-        jobs.iter().for_each(run);
+    if total == 1 || threads == 1 {
+        (0..total).for_each(run);
     } else {
-        jobs.par_iter().for_each(run);
+        (0..total).into_par_iter().for_each(run);
     }
 }
+
+/// Matrices per [`matmul_many_with`] dispatch.
+const MAX_MANY: usize = 4;
 
 #[derive(Clone, Copy)]
 struct SendPtr(*mut f32);
@@ -325,7 +336,7 @@ mod avx2 {
     const LOG2E: f32 = std::f32::consts::LOG2_E;
     const LN2_HI: f32 = 0.693_359_4;
     const LN2_LO: f32 = -2.121_944_4e-4;
-    const EXP_C: [f32; 6] = [1.987_569_1e-4, 1.398_199_9e-3, 8.333_452e-3, 4.166_579_6e-2, 1.666_666_5e-1, 5.000_000_1e-1];
+    const EXP_C: [f32; 6] = [1.987_569_1e-4, 1.398_199_9e-3, 8.333_452e-3, 4.166_579_6e-2, 1.666_666_5e-1, 0.5];
 
     /// `exp(x)` for 8 lanes with `x <= 0`; inputs below `EXP_LO` give 0.
     #[inline(always)]
@@ -500,8 +511,8 @@ mod portable {
         while p < k8 {
             for (r, acc_r) in acc.iter_mut().enumerate() {
                 for (c, a) in acc_r.iter_mut().enumerate() {
-                    for l in 0..8 {
-                        a[l] += *x.add(r * k + p + l) * *w.add(c * k + p + l);
+                    for (l, al) in a.iter_mut().enumerate() {
+                        *al += *x.add(r * k + p + l) * *w.add(c * k + p + l);
                     }
                 }
             }
@@ -523,8 +534,8 @@ mod portable {
         let k8 = k & !7;
         let mut p = 0;
         while p < k8 {
-            for l in 0..8 {
-                acc[l] += *a.add(p + l) * *b.add(p + l);
+            for (l, al) in acc.iter_mut().enumerate() {
+                *al += *a.add(p + l) * *b.add(p + l);
             }
             p += 8;
         }

@@ -6,11 +6,11 @@
 //! [`ApiJson`] replaces the stock `Json` extractor and the router installs
 //! JSON fallbacks for unknown paths and methods.
 
+use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
 use axum::extract::{FromRequest, Request};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
-use axum::body::Bytes;
 use pdkv_engine::AddRequestError;
 use serde::de::DeserializeOwned;
 use serde::Serialize;

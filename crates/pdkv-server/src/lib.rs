@@ -85,7 +85,6 @@ impl AppState {
         self.inner.started_at
     }
 
-
     /// A fresh request id, unique within this process.
     fn next_request_id(&self, prefix: &str) -> String {
         let n = self.inner.next_id.fetch_add(1, Ordering::Relaxed);

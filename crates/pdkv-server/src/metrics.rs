@@ -17,14 +17,13 @@ use pdkv_engine::{EngineStats, FinishReason};
 use pdkv_vmem::{Tag, TagBytes};
 
 /// Upper bounds (seconds) of the time-to-first-token buckets.
-pub const TTFT_BUCKETS: &[f64] = &[
-    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
-];
+pub const TTFT_BUCKETS: &[f64] =
+    &[0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0];
 
 /// Upper bounds (seconds) of the inter-token-latency buckets.
 pub const ITL_BUCKETS: &[f64] = &[
-    0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
-    1.0, 2.5, 5.0,
+    0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
+    2.5, 5.0,
 ];
 
 /// A histogram with fixed, increasing bucket bounds and an implicit `+Inf`.
@@ -223,10 +222,8 @@ impl Metrics {
     /// The full exposition: these metrics plus engine and memory gauges.
     pub fn render(&self, stats: &EngineStats, device: &TagBytes) -> String {
         let mut e = Exposition::new();
-        let reasons: Vec<(&str, f64)> = FINISH_REASONS
-            .iter()
-            .map(|&r| (r.as_str(), self.requests_finished(r) as f64))
-            .collect();
+        let reasons: Vec<(&str, f64)> =
+            FINISH_REASONS.iter().map(|&r| (r.as_str(), self.requests_finished(r) as f64)).collect();
         let label_sets: Vec<[(&str, &str); 1]> = reasons.iter().map(|(r, _)| [("finish_reason", *r)]).collect();
         let samples: Vec<(&[(&str, &str)], f64)> =
             label_sets.iter().zip(&reasons).map(|(l, (_, v))| (&l[..], *v)).collect();
@@ -280,12 +277,7 @@ impl Metrics {
         let tags: Vec<[(&str, &str); 1]> = Tag::ALL.iter().map(|t| [("tag", t.as_str())]).collect();
         let mem: Vec<(&[(&str, &str)], f64)> =
             tags.iter().zip(Tag::ALL).map(|(l, t)| (&l[..], device.get(t) as f64)).collect();
-        e.family(
-            "pdkv_device_memory_bytes",
-            "Live physical bytes of the pool's memory, by tag.",
-            "gauge",
-            &mem,
-        );
+        e.family("pdkv_device_memory_bytes", "Live physical bytes of the pool's memory, by tag.", "gauge", &mem);
         e.finish()
     }
 }

@@ -20,8 +20,55 @@ pub struct StreamOptions {
     pub include_usage: bool,
 }
 
+/// Declares a request body with the sampling fields both endpoints share,
+/// inline (not `#[serde(flatten)]`, which would hide the field name from
+/// type errors), plus a `sampling()` accessor that gathers them.
+macro_rules! request_with_sampling {
+    ($(#[$meta:meta])* pub struct $name:ident { $($(#[$fmeta:meta])* pub $field:ident: $ty:ty,)* }) => {
+        $(#[$meta])*
+        #[derive(Debug, Deserialize)]
+        pub struct $name {
+            $($(#[$fmeta])* pub $field: $ty,)*
+            pub temperature: Option<f64>,
+            pub top_p: Option<f64>,
+            pub top_k: Option<i64>,
+            pub seed: Option<u64>,
+            pub stop: Option<Value>,
+            pub stop_token_ids: Option<Vec<u32>>,
+            pub ignore_eos: Option<bool>,
+            pub n: Option<i64>,
+            pub best_of: Option<i64>,
+            pub logprobs: Option<Value>,
+            pub top_logprobs: Option<Value>,
+            pub presence_penalty: Option<f64>,
+            pub frequency_penalty: Option<f64>,
+        }
+
+        impl $name {
+            /// The sampling fields, for validation.
+            pub fn sampling(&self) -> SamplingFields {
+                SamplingFields {
+                    temperature: self.temperature,
+                    top_p: self.top_p,
+                    top_k: self.top_k,
+                    seed: self.seed,
+                    stop: self.stop.clone(),
+                    stop_token_ids: self.stop_token_ids.clone(),
+                    ignore_eos: self.ignore_eos,
+                    n: self.n,
+                    best_of: self.best_of,
+                    logprobs: self.logprobs.clone(),
+                    top_logprobs: self.top_logprobs.clone(),
+                    presence_penalty: self.presence_penalty,
+                    frequency_penalty: self.frequency_penalty,
+                }
+            }
+        }
+    };
+}
+
 /// The sampling fields shared by both endpoints.
-#[derive(Debug, Default, Deserialize)]
+#[derive(Debug, Default)]
 pub struct SamplingFields {
     pub temperature: Option<f64>,
     pub top_p: Option<f64>,
@@ -38,29 +85,29 @@ pub struct SamplingFields {
     pub frequency_penalty: Option<f64>,
 }
 
-#[derive(Debug, Deserialize)]
-pub struct CompletionRequest {
-    pub model: Option<String>,
-    pub prompt: Value,
-    pub max_tokens: Option<i64>,
-    pub stream: Option<bool>,
-    pub stream_options: Option<StreamOptions>,
-    pub echo: Option<bool>,
-    pub suffix: Option<String>,
-    #[serde(flatten)]
-    pub sampling: SamplingFields,
+request_with_sampling! {
+    /// The body of `POST /v1/completions`.
+    pub struct CompletionRequest {
+        pub model: Option<String>,
+        pub prompt: Value,
+        pub max_tokens: Option<i64>,
+        pub stream: Option<bool>,
+        pub stream_options: Option<StreamOptions>,
+        pub echo: Option<bool>,
+        pub suffix: Option<String>,
+    }
 }
 
-#[derive(Debug, Deserialize)]
-pub struct ChatRequest {
-    pub model: Option<String>,
-    pub messages: Vec<ChatMessageIn>,
-    pub max_tokens: Option<i64>,
-    pub max_completion_tokens: Option<i64>,
-    pub stream: Option<bool>,
-    pub stream_options: Option<StreamOptions>,
-    #[serde(flatten)]
-    pub sampling: SamplingFields,
+request_with_sampling! {
+    /// The body of `POST /v1/chat/completions`.
+    pub struct ChatRequest {
+        pub model: Option<String>,
+        pub messages: Vec<ChatMessageIn>,
+        pub max_tokens: Option<i64>,
+        pub max_completion_tokens: Option<i64>,
+        pub stream: Option<bool>,
+        pub stream_options: Option<StreamOptions>,
+    }
 }
 
 #[derive(Debug, Deserialize)]
@@ -100,7 +147,9 @@ pub fn parse_prompt(v: &Value) -> Result<Prompt, ApiError> {
                 }
                 return parse_prompt(&items[0]).and_then(|p| match p {
                     Prompt::Tokens(t) => Ok(Prompt::Tokens(t)),
-                    Prompt::Text(_) => Err(bad("prompt must be a string, a list of token ids, or a list of one of those")),
+                    Prompt::Text(_) => {
+                        Err(bad("prompt must be a string, a list of token ids, or a list of one of those"))
+                    }
                 });
             }
             let ids = items
@@ -169,9 +218,9 @@ pub fn parse_max_tokens(param: &str, v: Option<i64>) -> Result<Option<u32>, ApiE
     match v {
         None => Ok(None),
         Some(n) if n < 1 => Err(ApiError::invalid_param(param, format!("{param} must be at least 1, got {n}"))),
-        Some(n) => u32::try_from(n)
-            .map(Some)
-            .map_err(|_| ApiError::invalid_param(param, format!("{param} is too large: {n}"))),
+        Some(n) => {
+            u32::try_from(n).map(Some).map_err(|_| ApiError::invalid_param(param, format!("{param} is too large: {n}")))
+        }
     }
 }
 
@@ -203,7 +252,10 @@ impl SamplingFields {
         }
         let temperature = self.temperature.unwrap_or(1.0);
         if !temperature.is_finite() || !(0.0..=100.0).contains(&temperature) {
-            return Err(ApiError::invalid_param("temperature", format!("temperature must be in [0, 100], got {temperature}")));
+            return Err(ApiError::invalid_param(
+                "temperature",
+                format!("temperature must be in [0, 100], got {temperature}"),
+            ));
         }
         let top_p = self.top_p.unwrap_or(1.0);
         if !(top_p > 0.0 && top_p <= 1.0) {
@@ -212,7 +264,9 @@ impl SamplingFields {
         let top_k = match self.top_k.unwrap_or(0) {
             -1 | 0 => 0,
             k if k > 0 => u32::try_from(k).unwrap_or(u32::MAX),
-            k => return Err(ApiError::invalid_param("top_k", format!("top_k must be -1, 0 (off) or positive, got {k}"))),
+            k => {
+                return Err(ApiError::invalid_param("top_k", format!("top_k must be -1, 0 (off) or positive, got {k}")))
+            }
         };
         Ok(SamplingParams {
             temperature: temperature as f32,
@@ -239,7 +293,16 @@ mod tests {
         assert_eq!(parse_prompt(&json!(["hi"])).unwrap(), Prompt::Text("hi".into()));
         assert_eq!(parse_prompt(&json!([1, 2, 3])).unwrap(), Prompt::Tokens(vec![1, 2, 3]));
         assert_eq!(parse_prompt(&json!([[4, 5]])).unwrap(), Prompt::Tokens(vec![4, 5]));
-        for bad in [json!([]), json!(["a", "b"]), json!([[1], [2]]), json!([1, "a"]), json!([-1]), json!(3), json!(null), json!([[["x"]]])] {
+        for bad in [
+            json!([]),
+            json!(["a", "b"]),
+            json!([[1], [2]]),
+            json!([1, "a"]),
+            json!([-1]),
+            json!(3),
+            json!(null),
+            json!([[["x"]]]),
+        ] {
             let e = parse_prompt(&bad).unwrap_err();
             assert_eq!(e.param.as_deref(), Some("prompt"), "{bad}");
         }
@@ -281,5 +344,24 @@ mod tests {
         }
         assert!(parse_max_tokens("max_tokens", Some(0)).is_err());
         assert_eq!(parse_max_tokens("max_tokens", Some(3)).unwrap(), Some(3));
+    }
+}
+
+#[cfg(test)]
+mod body_tests {
+    use super::*;
+    use crate::error::parse_json;
+
+    #[test]
+    fn sampling_fields_parse_and_type_errors_name_them() {
+        let req: CompletionRequest =
+            parse_json(br#"{"prompt":"a","temperature":1,"top_k":5,"seed":9,"stop":["x"],"user":"u"}"#).unwrap();
+        let sampling = req.sampling();
+        assert_eq!(sampling.temperature, Some(1.0));
+        assert_eq!(sampling.top_k, Some(5));
+        assert_eq!(sampling.seed, Some(9));
+        let err = parse_json::<CompletionRequest>(br#"{"prompt":"a","temperature":"hot"}"#).unwrap_err();
+        assert_eq!(err.status, axum::http::StatusCode::BAD_REQUEST);
+        assert_eq!(err.param.as_deref(), Some("temperature"), "{err:?}");
     }
 }

@@ -61,13 +61,17 @@ struct Admitted {
     created: u64,
 }
 
-fn admit(state: &AppState, prefix: &str, prompt_tokens: Vec<u32>, params: SamplingParams, arrived: Instant) -> Result<Admitted, ApiError> {
+fn admit(
+    state: &AppState,
+    prefix: &str,
+    prompt_tokens: Vec<u32>,
+    params: SamplingParams,
+    arrived: Instant,
+) -> Result<Admitted, ApiError> {
     let id = state.next_request_id(prefix);
     let num_prompt_tokens = prompt_tokens.len();
-    let stream = state
-        .engine()
-        .add_request(EngineRequest { id: id.clone(), prompt_tokens, params })
-        .map_err(ApiError::from)?;
+    let stream =
+        state.engine().add_request(EngineRequest { id: id.clone(), prompt_tokens, params }).map_err(ApiError::from)?;
     let stream = TrackedStream::new(stream, state.metrics().clone(), arrived, num_prompt_tokens);
     Ok(Admitted { stream, num_prompt_tokens, id, created: unix_now() })
 }
@@ -100,7 +104,10 @@ fn json_response(v: &Value) -> Response {
 }
 
 /// `POST /v1/completions`.
-pub async fn completions(State(state): State<AppState>, ApiJson(req): ApiJson<CompletionRequest>) -> Result<Response, ApiError> {
+pub async fn completions(
+    State(state): State<AppState>,
+    ApiJson(req): ApiJson<CompletionRequest>,
+) -> Result<Response, ApiError> {
     let arrived = Instant::now();
     check_model(&state, req.model.as_deref())?;
     if req.echo == Some(true) {
@@ -110,12 +117,16 @@ pub async fn completions(State(state): State<AppState>, ApiJson(req): ApiJson<Co
         return Err(ApiError::invalid_param("suffix", "suffix is not supported"));
     }
     let max_tokens = parse_max_tokens("max_tokens", req.max_tokens)?.unwrap_or(DEFAULT_COMPLETION_MAX_TOKENS);
-    let params = req.sampling.to_params(max_tokens)?;
+    let params = req.sampling().to_params(max_tokens)?;
     let prompt_tokens = match parse_prompt(&req.prompt)? {
         Prompt::Tokens(ids) => ids,
         Prompt::Text(text) => {
             let tok = state.engine().tokenizer().clone();
-            blocking(move || tok.encode(&text, true).map_err(|e| ApiError::invalid_param("prompt", format!("could not tokenize the prompt: {e:#}")))).await?
+            blocking(move || {
+                tok.encode(&text, true)
+                    .map_err(|e| ApiError::invalid_param("prompt", format!("could not tokenize the prompt: {e:#}")))
+            })
+            .await?
         }
     };
     check_token_ids(&state, &prompt_tokens)?;
@@ -151,7 +162,10 @@ pub async fn completions(State(state): State<AppState>, ApiJson(req): ApiJson<Co
 }
 
 /// `POST /v1/chat/completions`.
-pub async fn chat_completions(State(state): State<AppState>, ApiJson(req): ApiJson<ChatRequest>) -> Result<Response, ApiError> {
+pub async fn chat_completions(
+    State(state): State<AppState>,
+    ApiJson(req): ApiJson<ChatRequest>,
+) -> Result<Response, ApiError> {
     let arrived = Instant::now();
     check_model(&state, req.model.as_deref())?;
     if req.messages.is_empty() {
@@ -175,7 +189,7 @@ pub async fn chat_completions(State(state): State<AppState>, ApiJson(req): ApiJs
         None => parse_max_tokens("max_tokens", req.max_tokens)?,
     };
     // Validate sampling fields before the (costly) template and tokenizer.
-    let mut params = req.sampling.to_params(max_tokens.unwrap_or(1))?;
+    let mut params = req.sampling().to_params(max_tokens.unwrap_or(1))?;
 
     let engine = state.engine().clone();
     let prompt_tokens = blocking(move || {

@@ -26,7 +26,12 @@ pub struct TrackedStream {
 impl TrackedStream {
     /// `arrived` is when the HTTP request came in; the prompt tokens are
     /// counted now, as the request was admitted.
-    pub fn new(stream: RequestStream, metrics: Arc<Metrics>, arrived: Instant, num_prompt_tokens: usize) -> TrackedStream {
+    pub fn new(
+        stream: RequestStream,
+        metrics: Arc<Metrics>,
+        arrived: Instant,
+        num_prompt_tokens: usize,
+    ) -> TrackedStream {
         metrics.add_prompt_tokens(num_prompt_tokens as u64);
         TrackedStream { stream, metrics, arrived, last_token_at: None, generated: 0, finished: false }
     }

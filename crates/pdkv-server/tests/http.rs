@@ -265,7 +265,10 @@ async fn chat_completions_stream_and_not() {
 
     // max_completion_tokens takes precedence over max_tokens.
     let (_, short) = s
-        .post("/v1/chat/completions", &greedy(json!({"messages": messages, "max_completion_tokens": 2, "max_tokens": 5})))
+        .post(
+            "/v1/chat/completions",
+            &greedy(json!({"messages": messages, "max_completion_tokens": 2, "max_tokens": 5})),
+        )
         .await;
     assert_eq!(short["usage"]["completion_tokens"], 2);
 
@@ -336,7 +339,12 @@ async fn bad_requests_get_openai_errors() {
             bad,
             Some("max_completion_tokens"),
         ),
-        ("/v1/chat/completions", json!({"messages": [{"role": "user", "content": "x"}], "model": "nope"}), StatusCode::NOT_FOUND, Some("model")),
+        (
+            "/v1/chat/completions",
+            json!({"messages": [{"role": "user", "content": "x"}], "model": "nope"}),
+            StatusCode::NOT_FOUND,
+            Some("model"),
+        ),
     ];
     for (path, body, want, param) in &cases {
         let (status, resp) = s.post(path, body).await;
@@ -407,7 +415,13 @@ async fn models_health_and_memory_metrics() {
     assert_eq!(metric(&m, "pdkv_time_to_first_token_seconds_count"), 1.0);
     assert_eq!(metric(&m, "pdkv_inter_token_latency_seconds_count"), 5.0);
     assert_eq!(metric(&m, "pdkv_kv_blocks_total"), EngineConfig::default().num_kv_blocks as f64);
-    for name in ["pdkv_prefix_cache_queries_total", "pdkv_prefix_cache_hits_total", "pdkv_prefix_cache_hit_rate", "pdkv_num_preemptions_total", "pdkv_kv_blocks_used"] {
+    for name in [
+        "pdkv_prefix_cache_queries_total",
+        "pdkv_prefix_cache_hits_total",
+        "pdkv_prefix_cache_hit_rate",
+        "pdkv_num_preemptions_total",
+        "pdkv_kv_blocks_used",
+    ] {
         metric(&m, name);
     }
     s.stop().await;
@@ -417,7 +431,8 @@ async fn models_health_and_memory_metrics() {
 async fn streaming_client_disconnect_aborts_and_frees_blocks() {
     let s = Server::start().await;
     let max_tokens = s.engine.max_model_len() - 16;
-    let body = json!({"prompt": "a b c", "max_tokens": max_tokens, "ignore_eos": true, "stream": true, "temperature": 0});
+    let body =
+        json!({"prompt": "a b c", "max_tokens": max_tokens, "ignore_eos": true, "stream": true, "temperature": 0});
     let resp = s.client.post(s.url("/v1/completions")).json(&body).send().await.unwrap();
     assert_eq!(resp.status(), StatusCode::OK);
     let mut chunks = resp.bytes_stream();
@@ -535,7 +550,8 @@ async fn chat_without_template_is_a_clear_400() {
     assert_openai_error(status, &body, StatusCode::BAD_REQUEST, "no chat template");
     assert!(body["error"]["message"].as_str().unwrap().contains("chat template"), "{body}");
     // Plain completions still work.
-    let resp = client.post(format!("{base}/v1/completions")).json(&greedy(json!({"prompt": "hi"}))).send().await.unwrap();
+    let resp =
+        client.post(format!("{base}/v1/completions")).json(&greedy(json!({"prompt": "hi"}))).send().await.unwrap();
     assert_eq!(resp.status(), StatusCode::OK);
     let _ = stop.send(());
     tokio::time::timeout(DEADLINE, task).await.expect("server stops").unwrap().unwrap();

@@ -11,7 +11,7 @@ use std::path::PathBuf;
 use anyhow::Context;
 use clap::Args;
 use pdkv_vmem::Pool;
-use serde_json::{json, Map, Value};
+use serde_json::{json, Value};
 
 use crate::fetch;
 use crate::progress::LoadDisplay;
@@ -61,7 +61,8 @@ pub fn run_decode(args: DecodeArgs) -> anyhow::Result<()> {
     println!("context {} tokens, {} timed steps", args.context, args.steps);
     println!("{:>6} {:>12} {:>10}", "batch", "tok/s", "ms/step");
 
-    let mut per_batch = Map::new();
+    // In the order given (a JSON object from serde_json would sort the keys).
+    let mut per_batch: Vec<(usize, f64)> = Vec::new();
     let mut roofline_b1 = Value::Null;
     for &batch in &args.batch_sizes {
         let r = pdkv_model::bench::decode_throughput(model, &pool, batch, args.context, args.steps)
@@ -77,15 +78,14 @@ pub fn run_decode(args: DecodeArgs) -> anyhow::Result<()> {
             );
             roofline_b1 = json!(fraction);
         }
-        per_batch.insert(batch.to_string(), json!(r.tokens_per_s));
+        per_batch.push((batch, r.tokens_per_s));
     }
+    let decode: Vec<String> = per_batch.iter().map(|(b, t)| format!("\"{b}\":{}", json!(t))).collect();
     println!(
-        "{}",
-        json!({
-            "bandwidth_gbs": bandwidth / 1e9,
-            "decode_tok_s": per_batch,
-            "roofline_fraction_b1": roofline_b1,
-        })
+        "{{\"bandwidth_gbs\":{},\"decode_tok_s\":{{{}}},\"roofline_fraction_b1\":{}}}",
+        json!(bandwidth / 1e9),
+        decode.join(","),
+        roofline_b1
     );
     Ok(())
 }

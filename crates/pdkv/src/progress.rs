@@ -19,7 +19,7 @@ impl LoadDisplay {
     }
 
     pub fn update(&mut self, p: &LoadProgress) {
-        let percent = if p.bytes_total == 0 { 100 } else { p.bytes_done.saturating_mul(100) / p.bytes_total };
+        let percent = p.bytes_done.saturating_mul(100).checked_div(p.bytes_total).unwrap_or(100);
         let step = if self.terminal { 1 } else { 10 };
         let due = match self.last_percent {
             None => true,

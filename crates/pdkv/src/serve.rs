@@ -62,10 +62,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         .parse()
         .or_else(|_| {
             use std::net::ToSocketAddrs;
-            (args.host.as_str(), args.port)
-                .to_socket_addrs()?
-                .next()
-                .ok_or_else(|| std::io::Error::other("no address"))
+            (args.host.as_str(), args.port).to_socket_addrs()?.next().ok_or_else(|| std::io::Error::other("no address"))
         })
         .with_context(|| format!("resolving --host {}", args.host))?;
 
@@ -89,25 +86,17 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     );
     let served_name = args.served_model_name.clone().unwrap_or_else(|| model.name.clone());
     let engine = Engine::start(model, pool, config).context("starting the engine")?;
-    tracing::info!(
-        kv_blocks = engine.config().num_kv_blocks,
-        max_model_len = engine.max_model_len(),
-        "engine started"
-    );
+    tracing::info!(kv_blocks = engine.config().num_kv_blocks, max_model_len = engine.max_model_len(), "engine started");
 
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-        .context("starting the async runtime")?;
+    let runtime =
+        tokio::runtime::Builder::new_multi_thread().enable_all().build().context("starting the async runtime")?;
     let result = runtime.block_on(serve(addr, engine.clone(), served_name));
     engine.shutdown();
     result
 }
 
 async fn serve(addr: SocketAddr, engine: EngineHandle, served_name: String) -> anyhow::Result<()> {
-    let listener = tokio::net::TcpListener::bind(addr)
-        .await
-        .with_context(|| format!("binding {addr}"))?;
+    let listener = tokio::net::TcpListener::bind(addr).await.with_context(|| format!("binding {addr}"))?;
     let local = listener.local_addr().context("reading the bound address")?;
     tracing::info!(model = %served_name, "listening on http://{local}");
     let state = AppState::new(engine.clone(), served_name);
