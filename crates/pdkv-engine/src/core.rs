@@ -80,11 +80,19 @@ struct Shared {
 }
 
 impl Shared {
-    /// Counts adds in flight to the core (`delta` is +1 or -1).
+    /// A caller sent an add (`delta` = +1) or took a failed one back (-1):
+    /// the snapshot counts it as waiting at once.
     fn add_pending(&self, delta: isize) {
         let mut st = self.stats.lock().unwrap();
         st.pending_adds = st.pending_adds.checked_add_signed(delta).expect("pending add count underflow");
         st.stats.num_waiting = st.stats.num_waiting.checked_add_signed(delta).expect("waiting count underflow");
+    }
+
+    /// The core took an add from the channel. The snapshot keeps counting it
+    /// as waiting until the core publishes the scheduler's view.
+    fn add_taken(&self) {
+        let mut st = self.stats.lock().unwrap();
+        st.pending_adds = st.pending_adds.checked_sub(1).expect("pending add count underflow");
     }
 }
 
@@ -502,7 +510,7 @@ impl Core {
         while let Ok(cmd) = self.rx.try_recv() {
             match cmd {
                 Command::Add(add) => {
-                    self.shared.add_pending(-1);
+                    self.shared.add_taken();
                     let _ = add.tx.send(abort_output(&add.req));
                 }
                 Command::ResetPrefixCache(reply) => {
@@ -561,7 +569,7 @@ impl Core {
     }
 
     fn add(&mut self, add: AddCommand) {
-        self.shared.add_pending(-1);
+        self.shared.add_taken();
         let AddCommand { serial, req, seed, tx } = add;
         let id: Arc<str> = Arc::from(req.id.as_str());
         let p = &req.params;

@@ -138,8 +138,7 @@ fn dropping_the_stream_aborts_and_frees_all_blocks() {
     s.blocking_next().unwrap();
     drop(s);
     drop(unread);
-    let st = wait_idle(&e);
-    eprintln!("DEBUG idle stats {st:?} now {:?}", e.stats());
+    wait_idle(&e);
     // The ids are free again.
     let c = run_one(&e, request("gone", prompt(6, 5), varied(2, 6)));
     assert_eq!(c.finish, Some(FinishReason::Length));

@@ -311,6 +311,7 @@ async fn bad_requests_get_openai_errors() {
         ("/v1/completions", json!({"prompt": "a", "max_tokens": -3}), bad, Some("max_tokens")),
         ("/v1/completions", json!({"prompt": "a", "n": 2}), bad, Some("n")),
         ("/v1/completions", json!({"prompt": "a", "temperature": -1}), bad, Some("temperature")),
+        ("/v1/completions", json!({"prompt": "a", "temperature": "hot"}), bad, Some("temperature")),
         ("/v1/completions", json!({"prompt": "a", "top_p": 1.5}), bad, Some("top_p")),
         ("/v1/completions", json!({"prompt": "a", "stop": 3}), bad, Some("stop")),
         ("/v1/completions", json!({"prompt": "a", "stream": "yes"}), bad, Some("stream")),
