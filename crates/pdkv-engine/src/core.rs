@@ -31,6 +31,7 @@ use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 use crate::detok::{IncrementalDetokenizer, StopChecker};
 use crate::sampling::{sample, SamplingConfig};
 use crate::scheduler::{NewRequest, Scheduler, SchedulerConfig, SchedulerOutput};
+use crate::lifecycle::{LifecycleError, LifecycleStatus, PauseMode, SleepLevel, WeightInfo};
 use crate::{AddRequestError, EngineConfig, EngineRequest, EngineStats, FinishReason, RequestOutput};
 
 /// Commands waiting for the core, at most. A full channel makes
@@ -377,6 +378,59 @@ impl EngineHandle {
 
     /// Stops the engine thread: running requests end with `Abort`. Waits for
     /// the thread to exit.
+    /// Pauses scheduling; see [`PauseMode`]. `clear_cache` also resets the
+    /// prefix cache once idle. Returns when the pause is complete (for `wait`,
+    /// when running requests finished) or fails at `timeout`.
+    pub fn pause(&self, _mode: PauseMode, _clear_cache: bool, _timeout: Duration) -> Result<(), LifecycleError> {
+        todo!()
+    }
+
+    /// Ends a pause. Fails a pending cache-resetting operation.
+    pub fn resume(&self) -> Result<(), LifecycleError> {
+        todo!()
+    }
+
+    /// Pauses (with `mode`) and releases memory per `level`.
+    pub fn sleep(&self, _level: SleepLevel, _mode: PauseMode, _timeout: Duration) -> Result<(), LifecycleError> {
+        todo!()
+    }
+
+    /// Maps memory back for `tags` (all tags when `None`); scheduling resumes
+    /// when every tag is awake (and, after level 2, once weights are reloaded).
+    pub fn wake_up(&self, _tags: Option<&[pdkv_vmem::Tag]>) -> Result<(), LifecycleError> {
+        todo!()
+    }
+
+    /// Releases the KV cache's physical memory; needs a completed pause.
+    pub fn release_kv_cache_memory(&self) -> Result<(), LifecycleError> {
+        todo!()
+    }
+
+    /// Resets the prefix cache; with `reset_running_requests`, running
+    /// requests are preempted first. Returns false when it cannot reset now.
+    pub fn reset_prefix_cache_with(&self, _reset_running_requests: bool) -> bool {
+        todo!()
+    }
+
+    /// Aborts the given requests; returns the ids that were live.
+    pub fn abort_requests(&self, _ids: &[String]) -> Vec<String> {
+        todo!()
+    }
+
+    /// Reloads weights in place (same addresses) from a checkpoint; refuses a
+    /// checkpoint of another architecture or shape, keeping the old weights.
+    pub fn update_weights(&self, _path: &std::path::Path, _version: Option<String>) -> Result<(), LifecycleError> {
+        todo!()
+    }
+
+    pub fn weight_info(&self) -> WeightInfo {
+        todo!()
+    }
+
+    pub fn lifecycle_status(&self) -> LifecycleStatus {
+        todo!()
+    }
+
     pub fn shutdown(&self) {
         self.inner.shutdown();
     }

@@ -15,11 +15,13 @@
 pub mod block_pool;
 mod core;
 pub mod detok;
+pub mod lifecycle;
 pub mod sampling;
 pub mod scheduler;
 
 pub use crate::core::{Engine, EngineHandle, RequestStream};
 pub use block_pool::{BlockHash, BlockPool};
+pub use lifecycle::{LifecycleError, LifecycleStatus, PauseMode, SleepLevel, WeightInfo};
 pub use scheduler::{Scheduler, SchedulerConfig, SchedulerOutput};
 
 /// Engine limits.
@@ -145,6 +147,10 @@ pub enum AddRequestError {
     DuplicateId(String),
     #[error("the engine has stopped")]
     Stopped,
+    /// Paused (abort/wait) or asleep, or weights were discarded and not
+    /// reloaded yet: retry later (HTTP 503).
+    #[error("the engine is not serving now: {0}")]
+    Unavailable(String),
 }
 
 /// Counters for metrics, a snapshot.

@@ -139,7 +139,7 @@ impl From<AddRequestError> for ApiError {
             }
             AddRequestError::Invalid(_) => ApiError::invalid(message),
             AddRequestError::DuplicateId(_) => ApiError::internal(message),
-            AddRequestError::Stopped => ApiError::unavailable(message),
+            AddRequestError::Stopped | AddRequestError::Unavailable(_) => ApiError::unavailable(message),
         }
     }
 }
