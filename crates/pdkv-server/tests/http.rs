@@ -363,8 +363,20 @@ async fn bad_requests_get_openai_errors() {
         assert_openai_error(status, &resp, bad, &format!("raw {:?}", String::from_utf8_lossy(raw)));
     }
     // Over the 4 MiB body limit.
+    // The server closes a connection whose body it refused unread, so this
+    // request gets a connection of its own: the shared client's pool must not
+    // hand the closed one to the next request.
     let big = serde_json::to_vec(&json!({"prompt": "a".repeat(5 << 20)})).unwrap();
-    let (status, resp) = s.post_raw("/v1/completions", big).await;
+    let once = reqwest::Client::builder().pool_max_idle_per_host(0).build().unwrap();
+    let resp = once
+        .post(s.url("/v1/completions"))
+        .header("content-type", "application/json")
+        .body(big)
+        .send()
+        .await
+        .expect("send oversize body");
+    let status = resp.status();
+    let resp: Value = resp.json().await.expect("oversize body: JSON error");
     assert_openai_error(status, &resp, StatusCode::PAYLOAD_TOO_LARGE, "oversize body");
 
     let resp = s.client.get(s.url("/v1/nothing")).send().await.unwrap();
