@@ -282,6 +282,22 @@ impl BlockPool {
         true
     }
 
+    /// Forgets the hashes of the free blocks only; blocks in use keep theirs
+    /// (a frozen request's KV stays valid). With every block free this is
+    /// [`BlockPool::reset_prefix_cache`]. Returns how many hashes were dropped.
+    pub fn forget_free_cached_blocks(&mut self) -> usize {
+        let mut dropped = 0;
+        for meta in &mut self.blocks {
+            if meta.ref_cnt == 0 {
+                if let Some(h) = meta.hash.take() {
+                    self.cached.remove(&h);
+                    dropped += 1;
+                }
+            }
+        }
+        dropped
+    }
+
     /// Checks every invariant of the module docs; panics on a violation.
     pub fn check_invariants(&self) {
         let mut free_count = 0;
@@ -427,6 +443,23 @@ mod tests {
         assert!(p.reset_prefix_cache());
         assert_eq!(p.num_cached_blocks(), 0);
         assert!(p.get_computed_blocks(&toks(0, 17), &chain(&toks(0, 17))).is_empty());
+        p.check_invariants();
+    }
+
+    #[test]
+    fn forgetting_free_cached_blocks_keeps_those_in_use() {
+        let mut p = BlockPool::new(3, true);
+        let c = chain(&toks(0, 32));
+        let ids = p.allocate(2).unwrap();
+        p.cache_block(ids[0], c[0]);
+        p.cache_block(ids[1], c[1]);
+        p.free(&ids[1..]);
+        assert_eq!(p.forget_free_cached_blocks(), 1);
+        assert_eq!(p.num_cached_blocks(), 1, "the held block keeps its hash");
+        p.check_invariants();
+        p.free(&ids[..1]);
+        assert_eq!(p.forget_free_cached_blocks(), 1);
+        assert_eq!(p.num_cached_blocks(), 0);
         p.check_invariants();
     }
 

@@ -13,25 +13,36 @@
 //!   aborted, and its blocks freed, at the latest when its next output finds
 //!   the receiver closed;
 //! - a failing (or panicking) forward pass ends the requests of that step
-//!   with [`FinishReason::Abort`] and the core keeps serving.
+//!   with [`FinishReason::Abort`] and the core keeps serving;
+//! - lifecycle operations (pause, sleep, wake, release, weight reload) run on
+//!   the core thread between steps, decided by [`crate::lifecycle::Machine`];
+//!   a step runs only when the machine allows it *and* the weights, KV cache
+//!   and runtime regions are all mapped, so the model never touches released
+//!   memory;
+//! - admission is ordered with the lifecycle: a request accepted by
+//!   `add_request` is in the command channel before any pause or sleep that
+//!   refuses it (both are sent under one lock, and a refusing command counts
+//!   as closing admission from the moment it is sent until the core has
+//!   published the refusal). Every caller's wait on the core is bounded.
 
 use std::collections::HashMap;
 use std::hash::{BuildHasher, Hasher};
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc::{Receiver, RecvTimeoutError, SyncSender, TryRecvError, TrySendError};
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use pdkv_model::{ChatTemplate, KvCache, LoadedModel, Model, ModelConfig, SeqInput, Tokenizer, Workspace};
-use pdkv_vmem::Pool;
+use pdkv_vmem::{Pool, Tag};
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 
 use crate::detok::{IncrementalDetokenizer, StopChecker};
 use crate::sampling::{sample, SamplingConfig};
 use crate::scheduler::{NewRequest, Scheduler, SchedulerConfig, SchedulerOutput};
-use crate::lifecycle::{LifecycleError, LifecycleStatus, PauseMode, SleepLevel, WeightInfo};
+use crate::lifecycle::{Action, Completion, LifecycleError, LifecycleStatus, Machine, Outcome, PauseMode, SleepLevel, Ticket, WeightInfo};
 use crate::{AddRequestError, EngineConfig, EngineRequest, EngineStats, FinishReason, RequestOutput};
 
 /// Commands waiting for the core, at most. A full channel makes
@@ -41,6 +52,17 @@ const COMMAND_CAPACITY: usize = 4096;
 /// How long an idle core sleeps on the command channel before looking again.
 const IDLE_WAIT: Duration = Duration::from_millis(200);
 
+/// Longest a caller waits for the core to answer a lifecycle command (beyond
+/// the operation's own timeout, if it has one). The core answers between
+/// steps, so this only bounds a wedged core.
+const CONTROL_WAIT: Duration = Duration::from_secs(120);
+
+/// Longest a caller waits for a weight reload (reading and converting a
+/// checkpoint on the core thread).
+const UPDATE_WEIGHTS_WAIT: Duration = Duration::from_secs(600);
+
+type Reply = SyncSender<Result<(), LifecycleError>>;
+
 enum Command {
     Add(Box<AddCommand>),
     /// `serial` set: only that incarnation of the id (a dropped stream).
@@ -48,8 +70,77 @@ enum Command {
         id: Arc<str>,
         serial: Option<u64>,
     },
-    ResetPrefixCache(SyncSender<bool>),
+    ResetPrefixCache {
+        reset_running: bool,
+        reply: SyncSender<bool>,
+    },
+    Pause {
+        mode: PauseMode,
+        clear_cache: bool,
+        deadline: Instant,
+        reply: Reply,
+    },
+    Resume(Reply),
+    Sleep {
+        level: SleepLevel,
+        mode: PauseMode,
+        deadline: Instant,
+        reply: Reply,
+    },
+    Wake {
+        tags: Option<Vec<Tag>>,
+        reply: Reply,
+    },
+    ReleaseKv(Reply),
+    AbortRequests {
+        ids: Vec<String>,
+        reply: SyncSender<Vec<String>>,
+    },
+    UpdateWeights {
+        path: PathBuf,
+        version: Option<String>,
+        reply: Reply,
+    },
     Shutdown,
+}
+
+impl Command {
+    /// Whether the command refuses new requests once applied (see the module
+    /// docs on admission ordering).
+    fn closes_admission(&self) -> bool {
+        matches!(
+            self,
+            Command::Pause { mode: PauseMode::Abort | PauseMode::Wait, .. } | Command::Sleep { .. }
+        )
+    }
+
+    /// Answers a command that the core will never apply.
+    fn refuse_stopped(self, shared: &Shared) {
+        if self.closes_admission() {
+            shared.closing_in_flight.fetch_sub(1, Ordering::SeqCst);
+        }
+        match self {
+            Command::Add(add) => {
+                shared.add_taken();
+                let _ = add.tx.send(abort_output(&add.req));
+            }
+            Command::ResetPrefixCache { reply, .. } => {
+                let _ = reply.try_send(false);
+            }
+            Command::AbortRequests { reply, .. } => {
+                let _ = reply.try_send(Vec::new());
+            }
+            Command::Pause { reply, .. }
+            | Command::Resume(reply)
+            | Command::Sleep { reply, .. }
+            | Command::Wake { reply, .. }
+            | Command::ReleaseKv(reply)
+            | Command::UpdateWeights { reply, .. } => {
+                let _ = reply.try_send(Err(LifecycleError::Stopped));
+            }
+            Command::Abort { .. } | Command::Shutdown => {}
+        }
+    }
 }
 
 struct AddCommand {
@@ -78,6 +169,13 @@ struct Shared {
     live: Mutex<HashMap<String, u64>>,
     stopped: AtomicBool,
     next_serial: AtomicU64,
+    /// Why new requests are refused now (`None`: accepted), published by
+    /// the core after each lifecycle change.
+    refusal: Mutex<Option<String>>,
+    /// Admission-closing commands sent but not yet applied by the core.
+    closing_in_flight: AtomicUsize,
+    lifecycle: Mutex<LifecycleStatus>,
+    weight_info: Mutex<WeightInfo>,
 }
 
 impl Shared {
@@ -99,6 +197,9 @@ impl Shared {
 
 struct Inner {
     cmd_tx: SyncSender<Command>,
+    /// Held while sending an `Add` or a lifecycle command, so that the
+    /// admission check and the send are one step (see the module docs).
+    send_lock: Mutex<()>,
     shared: Arc<Shared>,
     tokenizer: Arc<Tokenizer>,
     config: EngineConfig,
@@ -140,7 +241,7 @@ impl Engine {
         anyhow::ensure!(config.max_num_seqs > 0, "max_num_seqs must be at least 1");
         anyhow::ensure!(config.max_num_batched_tokens > 0, "max_num_batched_tokens must be at least 1");
         anyhow::ensure!(config.num_kv_blocks > 0, "num_kv_blocks must be at least 1");
-        let LoadedModel { model, tokenizer, chat_template, name, .. } = model;
+        let LoadedModel { model, tokenizer, chat_template, name, source } = model;
         let model_config = model.config().clone();
         let max_model_len = config.max_model_len.unwrap_or(model_config.max_position_embeddings);
         anyhow::ensure!(max_model_len > 0, "max_model_len must be at least 1");
@@ -169,6 +270,10 @@ impl Engine {
             live: Mutex::new(HashMap::new()),
             stopped: AtomicBool::new(false),
             next_serial: AtomicU64::new(0),
+            refusal: Mutex::new(None),
+            closing_in_flight: AtomicUsize::new(0),
+            lifecycle: Mutex::new(Machine::new().status()),
+            weight_info: Mutex::new(WeightInfo { version: None, path: source }),
         });
         let (cmd_tx, cmd_rx) = std::sync::mpsc::sync_channel(COMMAND_CAPACITY);
         let eos_ids = tokenizer
@@ -197,6 +302,13 @@ impl Engine {
             rx: cmd_rx,
             logits: Vec::new(),
             steps: 0,
+            pool: pool.clone(),
+            lc: Machine::new(),
+            replies: HashMap::new(),
+            next_ticket: 0,
+            mapped: true,
+            lc_stats: LifecycleStats::default(),
+            closing: false,
         };
         let thread = std::thread::Builder::new()
             .name("pdkv-engine-core".into())
@@ -205,6 +317,7 @@ impl Engine {
         Ok(EngineHandle {
             inner: Arc::new(Inner {
                 cmd_tx,
+                send_lock: Mutex::new(()),
                 shared,
                 tokenizer,
                 config,
@@ -278,6 +391,17 @@ impl EngineHandle {
             return Err(AddRequestError::Stopped);
         }
         self.validate(&req)?;
+        // Admission check and send under one lock: a pause or sleep sent
+        // after this request is behind it in the channel.
+        let _send = self.inner.send_lock.lock().unwrap();
+        // The counter first: a closing command decrements it only after the
+        // core published its refusal.
+        if shared.closing_in_flight.load(Ordering::SeqCst) > 0 {
+            return Err(AddRequestError::Unavailable("the engine is pausing; retry after /resume".into()));
+        }
+        if let Some(reason) = shared.refusal.lock().unwrap().clone() {
+            return Err(AddRequestError::Unavailable(reason));
+        }
         let serial = shared.next_serial.fetch_add(1, Ordering::Relaxed);
         {
             let mut live = shared.live.lock().unwrap();
@@ -313,11 +437,43 @@ impl EngineHandle {
     /// use (a request is running) or when the engine stopped. Blocks the
     /// caller until the core answers, which it does before its next step.
     pub fn reset_prefix_cache(&self) -> bool {
-        let (tx, rx) = std::sync::mpsc::sync_channel(1);
-        if self.inner.cmd_tx.send(Command::ResetPrefixCache(tx)).is_err() {
-            return false;
+        self.reset_prefix_cache_with(false)
+    }
+
+    /// Sends a command built around a fresh reply channel and waits (at most
+    /// `wait`) for the core's answer.
+    fn control<T>(
+        &self,
+        wait: Duration,
+        make: impl FnOnce(SyncSender<T>) -> Command,
+    ) -> Result<T, LifecycleError> {
+        let shared = &self.inner.shared;
+        if shared.stopped.load(Ordering::SeqCst) {
+            return Err(LifecycleError::Stopped);
         }
-        rx.recv().unwrap_or(false)
+        let (tx, rx) = std::sync::mpsc::sync_channel(1);
+        let cmd = make(tx);
+        {
+            let _send = self.inner.send_lock.lock().unwrap();
+            let closes = cmd.closes_admission();
+            if closes {
+                shared.closing_in_flight.fetch_add(1, Ordering::SeqCst);
+            }
+            if self.inner.cmd_tx.send(cmd).is_err() {
+                if closes {
+                    shared.closing_in_flight.fetch_sub(1, Ordering::SeqCst);
+                }
+                return Err(LifecycleError::Stopped);
+            }
+        }
+        match rx.recv_timeout(wait) {
+            Ok(v) => Ok(v),
+            Err(RecvTimeoutError::Timeout) => Err(LifecycleError::Timeout(format!(
+                "the engine core did not answer within {:.0} s",
+                wait.as_secs_f64()
+            ))),
+            Err(RecvTimeoutError::Disconnected) => Err(LifecycleError::Stopped),
+        }
     }
 
     pub fn stats(&self) -> EngineStats {
@@ -376,61 +532,94 @@ impl EngineHandle {
         self.inner.shared.stopped.load(Ordering::SeqCst)
     }
 
-    /// Stops the engine thread: running requests end with `Abort`. Waits for
-    /// the thread to exit.
     /// Pauses scheduling; see [`PauseMode`]. `clear_cache` also resets the
-    /// prefix cache once idle. Returns when the pause is complete (for `wait`,
-    /// when running requests finished) or fails at `timeout`.
-    pub fn pause(&self, _mode: PauseMode, _clear_cache: bool, _timeout: Duration) -> Result<(), LifecycleError> {
-        todo!()
+    /// prefix cache once the pause is complete (with `keep`, only free blocks
+    /// lose their cache entries). Returns when the pause is complete: at once
+    /// for `abort` (requests aborted) and `keep` (requests frozen), for `wait`
+    /// when every live request finished — or `Timeout` at `timeout`, the
+    /// pause staying in effect. Blocks the calling thread.
+    pub fn pause(&self, mode: PauseMode, clear_cache: bool, timeout: Duration) -> Result<(), LifecycleError> {
+        let deadline = Instant::now() + timeout;
+        self.control(timeout + CONTROL_WAIT, |reply| Command::Pause { mode, clear_cache, deadline, reply })?
     }
 
-    /// Ends a pause. Fails a pending cache-resetting operation.
+    /// Ends a pause (a no-op when not paused). A pending `wait` pause or
+    /// sleep fails with `Cancelled`; a KV cache released by
+    /// [`EngineHandle::release_kv_cache_memory`] is mapped again first.
     pub fn resume(&self) -> Result<(), LifecycleError> {
-        todo!()
+        self.control(CONTROL_WAIT, Command::Resume)?
     }
 
-    /// Pauses (with `mode`) and releases memory per `level`.
-    pub fn sleep(&self, _level: SleepLevel, _mode: PauseMode, _timeout: Duration) -> Result<(), LifecycleError> {
-        todo!()
+    /// Pauses (with `mode`, as [`EngineHandle::pause`]) and releases memory
+    /// per `level`: level 1 offloads the weights to host memory and discards
+    /// the KV cache, level 2 discards both (weights must then be reloaded
+    /// with [`EngineHandle::update_weights`]). Level >= 1 preempts frozen
+    /// requests for recompute and invalidates the prefix cache. Sleeping
+    /// while asleep succeeds (a deeper level releases more).
+    pub fn sleep(&self, level: SleepLevel, mode: PauseMode, timeout: Duration) -> Result<(), LifecycleError> {
+        let deadline = Instant::now() + timeout;
+        self.control(timeout + CONTROL_WAIT, |reply| Command::Sleep { level, mode, deadline, reply })?
     }
 
-    /// Maps memory back for `tags` (all tags when `None`); scheduling resumes
-    /// when every tag is awake (and, after level 2, once weights are reloaded).
-    pub fn wake_up(&self, _tags: Option<&[pdkv_vmem::Tag]>) -> Result<(), LifecycleError> {
-        todo!()
+    /// Maps memory back for `tags` (weights and KV cache when `None`; the
+    /// runtime scratch always). Scheduling resumes when every tag is awake;
+    /// the final wake also ends a pause that the sleep started (an explicit
+    /// pause stays until [`EngineHandle::resume`]). After a level-2 sleep,
+    /// requests are refused until weights are reloaded. Waking an awake
+    /// engine changes nothing.
+    pub fn wake_up(&self, tags: Option<&[pdkv_vmem::Tag]>) -> Result<(), LifecycleError> {
+        let tags = tags.map(<[Tag]>::to_vec);
+        self.control(CONTROL_WAIT, |reply| Command::Wake { tags, reply })?
     }
 
-    /// Releases the KV cache's physical memory; needs a completed pause.
+    /// Releases the KV cache's physical memory: every block is freed
+    /// (requests frozen by a `keep` pause are preempted for recompute) and
+    /// the prefix cache invalidated. Needs a completed pause (`Conflict`
+    /// otherwise). The KV cache comes back with `wake_up` or `resume`.
     pub fn release_kv_cache_memory(&self) -> Result<(), LifecycleError> {
-        todo!()
+        self.control(CONTROL_WAIT, Command::ReleaseKv)?
     }
 
     /// Resets the prefix cache; with `reset_running_requests`, running
-    /// requests are preempted first. Returns false when it cannot reset now.
-    pub fn reset_prefix_cache_with(&self, _reset_running_requests: bool) -> bool {
-        todo!()
+    /// requests are preempted for recompute first. Returns false when it
+    /// cannot reset now (blocks in use) or the engine stopped.
+    pub fn reset_prefix_cache_with(&self, reset_running_requests: bool) -> bool {
+        self.control(CONTROL_WAIT, |reply| Command::ResetPrefixCache { reset_running: reset_running_requests, reply })
+            .unwrap_or(false)
     }
 
     /// Aborts the given requests; returns the ids that were live.
-    pub fn abort_requests(&self, _ids: &[String]) -> Vec<String> {
-        todo!()
+    pub fn abort_requests(&self, ids: &[String]) -> Vec<String> {
+        let ids = ids.to_vec();
+        self.control(CONTROL_WAIT, |reply| Command::AbortRequests { ids, reply }).unwrap_or_default()
     }
 
-    /// Reloads weights in place (same addresses) from a checkpoint; refuses a
-    /// checkpoint of another architecture or shape, keeping the old weights.
-    pub fn update_weights(&self, _path: &std::path::Path, _version: Option<String>) -> Result<(), LifecycleError> {
-        todo!()
+    /// Reloads weights from a checkpoint in place (same addresses), after
+    /// checking the architecture and every tensor's shape against the running
+    /// model: a checkpoint that does not fit is refused with
+    /// `IncompatibleWeights` and the old weights keep serving. Needs the
+    /// weights awake and no request running, unless a `keep` pause froze them
+    /// (they are preempted and recompute with the new weights after resume);
+    /// `Conflict` otherwise. Afterwards the prefix cache is invalidated and a
+    /// level-2 "weights discarded" state ends.
+    pub fn update_weights(&self, path: &std::path::Path, version: Option<String>) -> Result<(), LifecycleError> {
+        let path = path.to_path_buf();
+        self.control(UPDATE_WEIGHTS_WAIT, |reply| Command::UpdateWeights { path, version, reply })?
     }
 
+    /// Where the weights being served came from.
     pub fn weight_info(&self) -> WeightInfo {
-        todo!()
+        self.inner.shared.weight_info.lock().unwrap().clone()
     }
 
+    /// The lifecycle state as the core last published it (after every
+    /// lifecycle change, before answering the command that made it).
     pub fn lifecycle_status(&self) -> LifecycleStatus {
-        todo!()
+        self.inner.shared.lifecycle.lock().unwrap().clone()
     }
 
+    /// Stops the engine thread: running requests end with `Abort`. Waits for
+    /// the thread to exit.
     pub fn shutdown(&self) {
         self.inner.shutdown();
     }
@@ -519,6 +708,17 @@ impl ActiveRequest {
     }
 }
 
+/// Lifecycle counters published with the stats.
+#[derive(Default)]
+struct LifecycleStats {
+    last_sleep_seconds: f64,
+    last_wake_seconds: f64,
+    last_weight_update_seconds: f64,
+    num_sleeps: u64,
+    num_wakes: u64,
+    num_weight_updates: u64,
+}
+
 struct Core {
     sched: Scheduler,
     model: Model,
@@ -532,6 +732,18 @@ struct Core {
     rx: Receiver<Command>,
     logits: Vec<f32>,
     steps: u64,
+    pool: Pool,
+    lc: Machine,
+    /// Deferred lifecycle replies by ticket.
+    replies: HashMap<Ticket, Reply>,
+    next_ticket: Ticket,
+    /// Weights, KV cache and runtime regions are all mapped (checked after
+    /// every lifecycle command; a step needs it).
+    mapped: bool,
+    lc_stats: LifecycleStats,
+    /// The command being applied closes admission and still counts in
+    /// `Shared::closing_in_flight`.
+    closing: bool,
 }
 
 /// Marks the engine stopped however the core thread ends (even by a panic),
@@ -552,26 +764,24 @@ impl Core {
         let _guard = StoppedGuard(self.shared.clone());
         tracing::debug!("engine core started");
         loop {
+            self.poll_lifecycle();
             if !self.drain_commands() {
                 break;
             }
-            self.step();
+            self.poll_lifecycle();
+            if self.can_step() {
+                self.step();
+            }
             self.publish_stats();
         }
         self.shared.stopped.store(true, Ordering::SeqCst);
         self.abort_all();
-        // Requests queued behind the shutdown end too.
+        for (_, reply) in self.replies.drain() {
+            let _ = reply.try_send(Err(LifecycleError::Stopped));
+        }
+        // Commands queued behind the shutdown end too.
         while let Ok(cmd) = self.rx.try_recv() {
-            match cmd {
-                Command::Add(add) => {
-                    self.shared.add_taken();
-                    let _ = add.tx.send(abort_output(&add.req));
-                }
-                Command::ResetPrefixCache(reply) => {
-                    let _ = reply.try_send(false);
-                }
-                Command::Abort { .. } | Command::Shutdown => {}
-            }
+            cmd.refuse_stopped(&self.shared);
         }
         self.publish_stats();
         tracing::debug!("engine core stopped");
@@ -579,8 +789,10 @@ impl Core {
 
     /// Applies pending commands; waits for one when idle. False on shutdown.
     fn drain_commands(&mut self) -> bool {
-        if !self.sched.has_work() {
-            match self.rx.recv_timeout(IDLE_WAIT) {
+        if !(self.sched.has_work() && self.can_step()) {
+            let now = Instant::now();
+            let wait = self.lc.next_deadline().map_or(IDLE_WAIT, |d| d.saturating_duration_since(now).min(IDLE_WAIT));
+            match self.rx.recv_timeout(wait) {
                 Ok(cmd) => {
                     if !self.apply(cmd) {
                         return false;
@@ -605,7 +817,22 @@ impl Core {
         true
     }
 
+    /// A step may run: the lifecycle allows it and all memory is mapped.
+    fn can_step(&self) -> bool {
+        self.lc.may_step() && self.mapped
+    }
+
     fn apply(&mut self, cmd: Command) -> bool {
+        self.closing = cmd.closes_admission();
+        let lifecycle = !matches!(cmd, Command::Add(_) | Command::Abort { .. } | Command::Shutdown);
+        let go_on = self.apply_command(cmd);
+        if lifecycle {
+            self.publish_lifecycle();
+        }
+        go_on
+    }
+
+    fn apply_command(&mut self, cmd: Command) -> bool {
         match cmd {
             Command::Add(add) => self.add(*add),
             Command::Abort { id, serial } => {
@@ -614,17 +841,234 @@ impl Core {
                     self.finish(&id, FinishReason::Abort, None);
                 }
             }
-            Command::ResetPrefixCache(reply) => {
-                let _ = reply.try_send(self.sched.reset_prefix_cache());
+            Command::ResetPrefixCache { reset_running, reply } => {
+                if reset_running {
+                    self.sched.preempt_all_running();
+                }
+                let done = self.sched.reset_prefix_cache();
+                self.answer(&reply, done);
+            }
+            Command::Pause { mode, clear_cache, deadline, reply } => {
+                let ticket = self.ticket();
+                let live = self.sched.has_work();
+                let out = self.lc.pause(mode, clear_cache, ticket, deadline, live);
+                self.finish_outcome(ticket, out, reply);
+            }
+            Command::Resume(reply) => {
+                let (out, cancelled) = self.lc.resume();
+                self.complete(cancelled);
+                self.finish_outcome(self.next_ticket, out, reply);
+            }
+            Command::Sleep { level, mode, deadline, reply } => {
+                let ticket = self.ticket();
+                let live = self.sched.has_work();
+                let out = self.lc.sleep(level, mode, ticket, deadline, live);
+                self.finish_outcome(ticket, out, reply);
+            }
+            Command::Wake { tags, reply } => {
+                let out = self.lc.wake(tags.as_deref());
+                let timed = !out.actions.is_empty();
+                let t0 = Instant::now();
+                let result = self.run_outcome(out);
+                if timed {
+                    self.lc_stats.last_wake_seconds = t0.elapsed().as_secs_f64();
+                    self.lc_stats.num_wakes += 1;
+                }
+                if let Some(r) = result {
+                    self.answer(&reply, r);
+                }
+            }
+            Command::ReleaseKv(reply) => {
+                let out = self.lc.release_kv();
+                self.finish_outcome(self.next_ticket, out, reply);
+            }
+            Command::AbortRequests { ids, reply } => {
+                let mut found = Vec::new();
+                for id in ids {
+                    let key = self.reqs.get_key_value(id.as_str()).map(|(k, _)| k.clone());
+                    if let Some(key) = key {
+                        self.finish(&key, FinishReason::Abort, None);
+                        found.push(id);
+                    }
+                }
+                self.answer(&reply, found);
+            }
+            Command::UpdateWeights { path, version, reply } => {
+                let r = self.update_weights(path, version);
+                self.answer(&reply, r);
             }
             Command::Shutdown => return false,
         }
         true
     }
 
+    /// Publishes the new state, then answers a lifecycle caller: whatever
+    /// the caller does next (add a request, read stats or status) sees the
+    /// state its operation produced.
+    fn answer<T>(&mut self, reply: &SyncSender<T>, value: T) {
+        self.publish_lifecycle();
+        self.publish_stats();
+        let _ = reply.try_send(value);
+    }
+
+    fn ticket(&mut self) -> Ticket {
+        self.next_ticket += 1;
+        self.next_ticket
+    }
+
+    /// Applies an outcome's actions and returns its reply (`None`: deferred).
+    /// A failed action turns the reply into that error.
+    fn run_outcome(&mut self, out: Outcome) -> Option<Result<(), LifecycleError>> {
+        let t0 = Instant::now();
+        let applied = self.apply_actions(&out.actions);
+        if out.is_sleep {
+            self.lc_stats.last_sleep_seconds = t0.elapsed().as_secs_f64();
+            self.lc_stats.num_sleeps += 1;
+        }
+        match applied {
+            Err(e) => Some(Err(e)),
+            Ok(()) => out.reply,
+        }
+    }
+
+    /// Applies an outcome and answers `reply` now, or files it under
+    /// `ticket` when the machine deferred the answer.
+    fn finish_outcome(&mut self, ticket: Ticket, out: Outcome, reply: Reply) {
+        match self.run_outcome(out) {
+            Some(r) => self.answer(&reply, r),
+            None => {
+                self.replies.insert(ticket, reply);
+            }
+        }
+    }
+
+    /// Applies and answers deferred outcomes.
+    fn complete(&mut self, done: Vec<Completion>) {
+        for c in done {
+            let reply = self.replies.remove(&c.ticket);
+            let r = self.run_outcome(c.outcome).unwrap_or(Ok(()));
+            if let Some(reply) = reply {
+                self.answer(&reply, r);
+            }
+        }
+    }
+
+    /// Completes pending `wait` pauses and sleeps that are due.
+    fn poll_lifecycle(&mut self) {
+        if !self.lc.has_pending() {
+            return;
+        }
+        let done = self.lc.poll(self.sched.has_work(), Instant::now());
+        if !done.is_empty() {
+            self.complete(done);
+            self.publish_lifecycle();
+        }
+    }
+
+    fn apply_actions(&mut self, actions: &[Action]) -> Result<(), LifecycleError> {
+        let mem = |op: &str, tags: &[Tag], r: pdkv_vmem::Result<()>| {
+            r.map_err(|e| {
+                let names: Vec<&str> = tags.iter().map(|t| t.as_str()).collect();
+                LifecycleError::Internal(format!("{op} of {} failed: {e}", names.join(", ")))
+            })
+        };
+        let mut result = Ok(());
+        for a in actions {
+            let r = match a {
+                Action::AbortAll => {
+                    self.abort_all();
+                    Ok(())
+                }
+                Action::PreemptRunning => {
+                    self.sched.preempt_all_running();
+                    Ok(())
+                }
+                Action::InvalidatePrefixCache => {
+                    if self.sched.reset_prefix_cache() {
+                        Ok(())
+                    } else {
+                        Err(LifecycleError::Internal("the prefix cache could not be invalidated: blocks are in use".into()))
+                    }
+                }
+                Action::ForgetFreeCachedBlocks => {
+                    self.sched.forget_free_cached_blocks();
+                    Ok(())
+                }
+                Action::Offload(tags) => mem("offload", tags, self.pool.offload(tags)),
+                Action::Discard(tags) => mem("discard", tags, self.pool.discard(tags)),
+                Action::Wake(tags) => mem("wake", tags, self.pool.wake(tags)),
+            };
+            // Go on after a failure: the machine already counts the tags as
+            // released, which is the safe side (no step runs); a later wake
+            // retries.
+            if let Err(e) = r {
+                tracing::error!(error = %e, "lifecycle action failed");
+                if result.is_ok() {
+                    result = Err(e);
+                }
+            }
+        }
+        self.mapped = [Tag::Weights, Tag::KvCache, Tag::Runtime].into_iter().all(|t| self.pool.is_awake(t));
+        result
+    }
+
+    fn update_weights(&mut self, path: PathBuf, version: Option<String>) -> Result<(), LifecycleError> {
+        use pdkv_model::loader::{reload_weights_into, ReloadError};
+        self.lc.check_update_weights(self.sched.has_work())?;
+        let t0 = Instant::now();
+        let expected = self.model.config().clone();
+        let loaded = reload_weights_into(self.model.weights(), &expected, &path, &mut |_| {});
+        match loaded {
+            Ok(()) => {
+                let actions = self.lc.weights_written(true);
+                self.apply_actions(&actions)?;
+                *self.shared.weight_info.lock().unwrap() = WeightInfo { version, path };
+                self.lc_stats.last_weight_update_seconds = t0.elapsed().as_secs_f64();
+                self.lc_stats.num_weight_updates += 1;
+                tracing::info!(seconds = t0.elapsed().as_secs_f64(), "weights reloaded in place");
+                Ok(())
+            }
+            Err(ReloadError::Incompatible(e)) => Err(LifecycleError::IncompatibleWeights(format!("{e:#}"))),
+            Err(ReloadError::Unreadable(e)) => Err(LifecycleError::Invalid(format!("{e:#}"))),
+            Err(ReloadError::RegionReleased) => {
+                Err(LifecycleError::Conflict("the weights are asleep; wake weights first".into()))
+            }
+            Err(ReloadError::Partial(e)) => {
+                let actions = self.lc.weights_written(false);
+                let _ = self.apply_actions(&actions);
+                Err(LifecycleError::Internal(format!(
+                    "reloading weights failed part-way ({e:#}); requests are refused until a reload succeeds"
+                )))
+            }
+        }
+    }
+
+    /// Publishes the lifecycle snapshot and the admission decision; then,
+    /// if the command being applied closes admission, it no longer counts as
+    /// in flight (the refusal is visible from now on).
+    fn publish_lifecycle(&mut self) {
+        *self.shared.lifecycle.lock().unwrap() = self.lc.status();
+        *self.shared.refusal.lock().unwrap() = self.lc.admission().err();
+        if std::mem::take(&mut self.closing) {
+            self.shared.closing_in_flight.fetch_sub(1, Ordering::SeqCst);
+        }
+    }
+
     fn add(&mut self, add: AddCommand) {
         self.shared.add_taken();
         let AddCommand { serial, req, seed, tx } = add;
+        if let Err(reason) = self.lc.admission() {
+            // The send-side gate makes this unreachable for pauses and
+            // sleeps; it covers weights left unusable by a failed reload.
+            tracing::warn!(id = %req.id, reason, "request reached a core that refuses requests; aborted");
+            let mut live = self.shared.live.lock().unwrap();
+            if live.get(&req.id) == Some(&serial) {
+                live.remove(&req.id);
+            }
+            drop(live);
+            let _ = tx.send(abort_output(&req));
+            return;
+        }
         let id: Arc<str> = Arc::from(req.id.as_str());
         let p = &req.params;
         let mut stop_token_ids = p.stop_token_ids.clone();
@@ -789,6 +1233,17 @@ impl Core {
         s.prefix_cache_hits = c.prefix_cache_hits;
         s.num_preemptions = c.num_preemptions;
         s.steps = self.steps;
+        let lc = self.lc.status();
+        s.paused = lc.paused.is_some();
+        s.sleep_level = lc.sleeping.map(SleepLevel::as_u32);
+        s.weights_discarded = lc.weights_discarded;
+        let l = &self.lc_stats;
+        s.last_sleep_seconds = l.last_sleep_seconds;
+        s.last_wake_seconds = l.last_wake_seconds;
+        s.last_weight_update_seconds = l.last_weight_update_seconds;
+        s.num_sleeps = l.num_sleeps;
+        s.num_wakes = l.num_wakes;
+        s.num_weight_updates = l.num_weight_updates;
         drop(st);
         self.shared.stats_changed.notify_all();
     }

@@ -165,4 +165,19 @@ pub struct EngineStats {
     pub prefix_cache_hits: u64,
     pub num_preemptions: u64,
     pub steps: u64,
+    /// Scheduling is paused (by a pause or a sleep).
+    pub paused: bool,
+    /// The sleep level while asleep.
+    pub sleep_level: Option<u32>,
+    /// After a level-2 sleep until weights are reloaded (requests refused).
+    pub weights_discarded: bool,
+    /// Seconds the memory side of the last sleep (offload/discard) took.
+    pub last_sleep_seconds: f64,
+    /// Seconds the last wake (mapping and restoring memory) took.
+    pub last_wake_seconds: f64,
+    /// Seconds the last in-place weight reload took.
+    pub last_weight_update_seconds: f64,
+    pub num_sleeps: u64,
+    pub num_wakes: u64,
+    pub num_weight_updates: u64,
 }

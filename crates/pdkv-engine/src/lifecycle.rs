@@ -1,10 +1,36 @@
 //! The engine lifecycle an RL trainer drives between rollouts: pause,
 //! resume, sleep, wake, KV-cache release, prefix-cache reset, weight reload.
 //!
-//! Public types used by the admin HTTP API; the state machine itself lives
-//! here too (sans-IO: it decides, the core applies).
+//! Public types used by the admin HTTP API, and the state machine
+//! ([`Machine`]) that decides every lifecycle transition. The machine is
+//! sans-IO: it takes events (a command, "the engine is idle now", the clock)
+//! and returns [`Action`]s and replies; the engine core applies the actions
+//! (memory operations on the pool, scheduler operations) in order.
+//!
+//! Rules the machine enforces:
+//! - pause modes: `abort` aborts every live request; `wait` lets live
+//!   requests finish and completes once none is left (or times out, the pause
+//!   staying in effect); `keep` freezes them (no steps) and completes at once;
+//! - admission: refused (retryable) while paused with `abort`/`wait`, while
+//!   asleep, and after a level-2 sleep until weights are reloaded; accepted
+//!   and queued during a `keep` pause;
+//! - a step runs only when no pause other than `wait` holds, nothing sleeps,
+//!   the weights and the KV cache are both mapped and the weights are valid:
+//!   the model never reads released (or zeroed) memory;
+//! - every operation that releases the KV cache (sleep level >= 1,
+//!   `release_kv_cache_memory`) first preempts running requests for
+//!   recompute (freeing every block) and invalidates the whole prefix cache,
+//!   so that KV zeroed by a wake is never attended to; a weight reload does
+//!   the same, so that KV computed with old weights is never reused;
+//! - wake maps the given tags (the runtime scratch always); a pause that a
+//!   sleep started ends with the final wake, an explicit pause only with
+//!   resume;
+//! - resume cancels pending pauses/sleeps and maps a KV cache that
+//!   `release_kv_cache_memory` released.
 
+use std::collections::BTreeSet;
 use std::path::PathBuf;
+use std::time::Instant;
 
 use pdkv_vmem::Tag;
 
@@ -88,7 +114,7 @@ pub struct LifecycleStatus {
     pub weights_discarded: bool,
 }
 
-#[derive(Debug, thiserror::Error)]
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 pub enum LifecycleError {
     /// The operation needs a completed pause (HTTP 409).
     #[error("{0}")]
@@ -110,4 +136,527 @@ pub enum LifecycleError {
     /// Memory mapping or loading failed (HTTP 500).
     #[error("{0}")]
     Internal(String),
+}
+
+/// Why requests are refused after a level-2 sleep until weights are reloaded.
+pub const WEIGHTS_DISCARDED: &str = "weights were discarded by sleep level 2; reload them with update_weights";
+
+/// The message of `release_kv_cache_memory` without a pause.
+pub const RELEASE_NEEDS_PAUSE: &str = "release_kv_cache_memory needs the engine paused first (POST /pause)";
+
+/// Identifies a command whose reply may be deferred (a `wait` pause or sleep).
+pub type Ticket = u64;
+
+/// What the engine core must do, in order.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Action {
+    /// End every live request (waiting and running) with `FinishReason::Abort`.
+    AbortAll,
+    /// Preempt every running request for recompute: its blocks are freed and
+    /// it recomputes prompt plus output after scheduling resumes.
+    PreemptRunning,
+    /// Drop every prefix-cache entry. Follows `PreemptRunning` (or idleness):
+    /// every block is free.
+    InvalidatePrefixCache,
+    /// Drop the hashes of the free blocks only (blocks held by frozen
+    /// requests keep theirs).
+    ForgetFreeCachedBlocks,
+    /// Copy these tags' regions to host memory and release them.
+    Offload(Vec<Tag>),
+    /// Release these tags' regions; their contents are lost.
+    Discard(Vec<Tag>),
+    /// Map these tags' regions again (fresh pages, backups restored).
+    Wake(Vec<Tag>),
+}
+
+/// The answer to an event: actions to apply now, then (unless deferred) the
+/// reply to the caller.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct Outcome {
+    pub actions: Vec<Action>,
+    /// `None` when the reply is deferred (a pending `wait`); it then comes
+    /// from [`Machine::poll`] or [`Machine::resume`].
+    pub reply: Option<Result<(), LifecycleError>>,
+    /// The actions release memory for a sleep (for the sleep-duration metric).
+    pub is_sleep: bool,
+}
+
+impl Outcome {
+    fn done(actions: Vec<Action>) -> Outcome {
+        Outcome { actions, reply: Some(Ok(())), is_sleep: false }
+    }
+
+    fn err(e: LifecycleError) -> Outcome {
+        Outcome { actions: Vec::new(), reply: Some(Err(e)), is_sleep: false }
+    }
+}
+
+/// A deferred reply that [`Machine::poll`] or [`Machine::resume`] produced.
+#[derive(Debug, PartialEq, Eq)]
+pub struct Completion {
+    pub ticket: Ticket,
+    pub outcome: Outcome,
+}
+
+/// Who started the pause: an explicit pause stays until resume, a pause
+/// that a sleep started ends with the final wake.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Origin {
+    Explicit,
+    Sleep,
+}
+
+/// What a pending `wait` does once the engine is idle.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Then {
+    Pause { clear_cache: bool },
+    Sleep(SleepLevel),
+}
+
+#[derive(Debug)]
+struct Pending {
+    ticket: Ticket,
+    deadline: Instant,
+    then: Then,
+}
+
+/// The lifecycle state machine (see the module docs).
+#[derive(Debug, Default)]
+pub struct Machine {
+    pause: Option<(PauseMode, Origin)>,
+    sleeping: Option<SleepLevel>,
+    /// Weights and/or KV cache released now (the runtime tag is not tracked:
+    /// it is released with a sleep and woken by every wake).
+    asleep: BTreeSet<Tag>,
+    weights_discarded: bool,
+    pending: Vec<Pending>,
+}
+
+impl Machine {
+    pub fn new() -> Machine {
+        Machine::default()
+    }
+
+    pub fn status(&self) -> LifecycleStatus {
+        LifecycleStatus {
+            paused: self.pause.map(|(m, _)| m),
+            sleeping: self.sleeping,
+            asleep_tags: self.asleep.iter().copied().collect(),
+            weights_discarded: self.weights_discarded,
+        }
+    }
+
+    /// `Ok` when a new request is accepted now (queued during a keep
+    /// pause), else why it is refused.
+    pub fn admission(&self) -> Result<(), String> {
+        if let Some(level) = self.sleeping {
+            return Err(format!("the engine is asleep (sleep level {}); retry after /wake_up", level.as_u32()));
+        }
+        if self.weights_discarded {
+            return Err(WEIGHTS_DISCARDED.to_string());
+        }
+        match self.pause {
+            Some((mode @ (PauseMode::Abort | PauseMode::Wait), _)) => {
+                Err(format!("the engine is paused (mode {}); retry after /resume", mode.as_str()))
+            }
+            _ => Ok(()),
+        }
+    }
+
+    /// Whether the core may run a step.
+    pub fn may_step(&self) -> bool {
+        let pause_allows = matches!(self.pause, None | Some((PauseMode::Wait, _)));
+        pause_allows && self.sleeping.is_none() && self.asleep.is_empty() && !self.weights_discarded
+    }
+
+    /// The earliest deadline of a pending operation.
+    pub fn next_deadline(&self) -> Option<Instant> {
+        self.pending.iter().map(|p| p.deadline).min()
+    }
+
+    pub fn has_pending(&self) -> bool {
+        !self.pending.is_empty()
+    }
+
+    /// Enters a pause with `mode` (replacing the current mode); `origin`
+    /// becomes explicit unless only a sleep asks for it. Returns the actions
+    /// that apply the mode now and whether the pause is complete.
+    fn enter_pause(&mut self, mode: PauseMode, origin: Origin, live: bool) -> (Vec<Action>, bool) {
+        let origin = match (self.pause, origin) {
+            (Some((_, Origin::Explicit)), _) | (_, Origin::Explicit) => Origin::Explicit,
+            _ => Origin::Sleep,
+        };
+        self.pause = Some((mode, origin));
+        match mode {
+            PauseMode::Abort => (vec![Action::AbortAll], true),
+            PauseMode::Keep => (Vec::new(), true),
+            PauseMode::Wait => (Vec::new(), !live),
+        }
+    }
+
+    fn after_pause(&mut self, then: Then) -> Outcome {
+        match then {
+            Then::Pause { clear_cache } => {
+                let actions = if clear_cache {
+                    vec![Action::ForgetFreeCachedBlocks]
+                } else {
+                    Vec::new()
+                };
+                Outcome::done(actions)
+            }
+            Then::Sleep(level) => self.release_for_sleep(level),
+        }
+    }
+
+    /// Pause with `mode`. `live`: some request is waiting or running.
+    pub fn pause(&mut self, mode: PauseMode, clear_cache: bool, ticket: Ticket, deadline: Instant, live: bool) -> Outcome {
+        let (mut actions, complete) = self.enter_pause(mode, Origin::Explicit, live);
+        let then = Then::Pause { clear_cache };
+        if complete {
+            let mut out = self.after_pause(then);
+            actions.append(&mut out.actions);
+            out.actions = actions;
+            out
+        } else {
+            self.pending.push(Pending { ticket, deadline, then });
+            Outcome { actions, reply: None, is_sleep: false }
+        }
+    }
+
+    /// Ends the pause. Pending pauses and sleeps fail with `Cancelled`; a KV
+    /// cache released by `release_kv_cache_memory` is mapped again first.
+    pub fn resume(&mut self) -> (Outcome, Vec<Completion>) {
+        let cancelled = self
+            .pending
+            .drain(..)
+            .map(|p| Completion {
+                ticket: p.ticket,
+                outcome: Outcome::err(LifecycleError::Cancelled("a resume ended the pause first".into())),
+            })
+            .collect();
+        let mut actions = Vec::new();
+        if self.pause.is_some() && self.sleeping.is_none() && self.asleep.remove(&Tag::KvCache) {
+            actions.push(Action::Wake(vec![Tag::KvCache, Tag::Runtime]));
+        }
+        self.pause = None;
+        (Outcome::done(actions), cancelled)
+    }
+
+    /// Pause with `mode`, then release memory per `level`. Sleeping again
+    /// while asleep only re-applies the release of the deeper level.
+    pub fn sleep(&mut self, level: SleepLevel, mode: PauseMode, ticket: Ticket, deadline: Instant, live: bool) -> Outcome {
+        if let Some(current) = self.sleeping {
+            let deeper = if level.as_u32() > current.as_u32() { level } else { current };
+            return self.release_for_sleep(deeper);
+        }
+        let (mut actions, complete) = self.enter_pause(mode, Origin::Sleep, live);
+        let then = Then::Sleep(level);
+        if complete {
+            let mut out = self.after_pause(then);
+            actions.append(&mut out.actions);
+            out.actions = actions;
+            out
+        } else {
+            self.pending.push(Pending { ticket, deadline, then });
+            Outcome { actions, reply: None, is_sleep: false }
+        }
+    }
+
+    /// The memory side of a sleep; the engine is paused and (for `wait`) idle.
+    fn release_for_sleep(&mut self, level: SleepLevel) -> Outcome {
+        self.sleeping = Some(level);
+        let mut out = match level {
+            SleepLevel::L0 => Outcome::done(Vec::new()),
+            SleepLevel::L1 => {
+                self.asleep.extend([Tag::Weights, Tag::KvCache]);
+                Outcome::done(vec![
+                    Action::PreemptRunning,
+                    Action::InvalidatePrefixCache,
+                    Action::Offload(vec![Tag::Weights]),
+                    Action::Discard(vec![Tag::KvCache, Tag::Runtime]),
+                ])
+            }
+            SleepLevel::L2 => {
+                self.asleep.extend([Tag::Weights, Tag::KvCache]);
+                self.weights_discarded = true;
+                Outcome::done(vec![
+                    Action::PreemptRunning,
+                    Action::InvalidatePrefixCache,
+                    Action::Discard(vec![Tag::Weights, Tag::KvCache, Tag::Runtime]),
+                ])
+            }
+        };
+        out.is_sleep = true;
+        out
+    }
+
+    /// Completes pending operations: those whose `wait` is over (`live` is
+    /// false) succeed, those past their deadline time out (the pause stays).
+    pub fn poll(&mut self, live: bool, now: Instant) -> Vec<Completion> {
+        let mut out = Vec::new();
+        let pending = std::mem::take(&mut self.pending);
+        let mut keep = Vec::new();
+        for p in pending {
+            // A keep or abort pause that replaced the wait decides now.
+            let waiting = live && matches!(self.pause, Some((PauseMode::Wait, _)));
+            if !waiting && self.pause.is_some() {
+                let outcome = self.after_pause(p.then);
+                out.push(Completion { ticket: p.ticket, outcome });
+            } else if now >= p.deadline {
+                let what = match p.then {
+                    Then::Pause { .. } => "pause",
+                    Then::Sleep(_) => "sleep",
+                };
+                out.push(Completion {
+                    ticket: p.ticket,
+                    outcome: Outcome::err(LifecycleError::Timeout(format!(
+                        "requests were still running when the {what} deadline passed; the pause stays in effect"
+                    ))),
+                });
+            } else {
+                keep.push(p);
+            }
+        }
+        self.pending = keep;
+        out
+    }
+
+    /// Maps `tags` again (`None`: weights and KV cache); the runtime scratch
+    /// always wakes. When nothing sleeps any more, a sleep ends, and so does
+    /// a pause that the sleep started.
+    pub fn wake(&mut self, tags: Option<&[Tag]>) -> Outcome {
+        let asked: Vec<Tag> = match tags {
+            None => vec![Tag::Weights, Tag::KvCache],
+            Some(t) => t.iter().copied().filter(|&t| t != Tag::Runtime).collect(),
+        };
+        if self.sleeping.is_none() && self.asleep.is_empty() {
+            return Outcome::done(Vec::new());
+        }
+        for t in &asked {
+            self.asleep.remove(t);
+        }
+        let mut wake: Vec<Tag> = asked;
+        wake.push(Tag::Runtime);
+        if self.asleep.is_empty() && self.sleeping.take().is_some() {
+            if let Some((_, Origin::Sleep)) = self.pause {
+                self.pause = None;
+                // A timed-out sleep's pending wait can no longer matter.
+                self.pending.clear();
+            }
+        }
+        Outcome::done(vec![Action::Wake(wake)])
+    }
+
+    /// Frees every block and releases the KV cache; needs a completed pause.
+    pub fn release_kv(&mut self) -> Outcome {
+        if self.pause.is_none() {
+            return Outcome::err(LifecycleError::Conflict(RELEASE_NEEDS_PAUSE.into()));
+        }
+        if !self.pending.is_empty() {
+            return Outcome::err(LifecycleError::Conflict(
+                "release_kv_cache_memory needs a completed pause; requests are still finishing".into(),
+            ));
+        }
+        self.asleep.insert(Tag::KvCache);
+        Outcome::done(vec![
+            Action::PreemptRunning,
+            Action::InvalidatePrefixCache,
+            Action::Discard(vec![Tag::KvCache]),
+        ])
+    }
+
+    /// Whether weights may be reloaded now. They must be mapped, and no
+    /// request may be running unless a keep pause froze it (such requests
+    /// recompute with the new weights after resume). `live`: some request is
+    /// waiting or running.
+    pub fn check_update_weights(&self, live: bool) -> Result<(), LifecycleError> {
+        if self.asleep.contains(&Tag::Weights) {
+            return Err(LifecycleError::Conflict(
+                "the weights are asleep; wake weights first (POST /wake_up?tags=weights)".into(),
+            ));
+        }
+        let frozen = matches!(self.pause, Some((PauseMode::Keep, _)));
+        if live && !frozen {
+            return Err(LifecycleError::Conflict(
+                "update_weights needs the engine idle or paused (POST /pause): requests are live".into(),
+            ));
+        }
+        Ok(())
+    }
+
+    /// New weights are in place (`complete`), or writing them failed part-way
+    /// (the weights are then unusable until a reload succeeds). Either way no
+    /// KV computed with the old weights may be reused.
+    pub fn weights_written(&mut self, complete: bool) -> Vec<Action> {
+        self.weights_discarded = !complete;
+        vec![Action::PreemptRunning, Action::InvalidatePrefixCache]
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    fn later() -> Instant {
+        Instant::now() + Duration::from_secs(60)
+    }
+
+    fn ok(actions: Vec<Action>) -> Outcome {
+        Outcome::done(actions)
+    }
+
+    #[test]
+    fn pause_modes_decide_admission_and_steps() {
+        let mut m = Machine::new();
+        assert!(m.may_step() && m.admission().is_ok());
+        assert_eq!(m.pause(PauseMode::Abort, false, 1, later(), true), ok(vec![Action::AbortAll]));
+        assert!(!m.may_step());
+        assert!(m.admission().unwrap_err().contains("paused (mode abort)"));
+        m.resume();
+        assert!(m.may_step() && m.admission().is_ok());
+
+        let out = m.pause(PauseMode::Keep, true, 2, later(), true);
+        assert_eq!(out, ok(vec![Action::ForgetFreeCachedBlocks]));
+        assert!(!m.may_step(), "keep freezes running requests");
+        assert!(m.admission().is_ok(), "keep queues new requests");
+        assert_eq!(m.status().paused, Some(PauseMode::Keep));
+        m.resume();
+        assert_eq!(m.status().paused, None);
+    }
+
+    #[test]
+    fn wait_completes_when_idle_or_times_out() {
+        let mut m = Machine::new();
+        let out = m.pause(PauseMode::Wait, true, 7, later(), true);
+        assert_eq!(out.reply, None, "deferred while requests run");
+        assert!(m.may_step(), "running requests go on under wait");
+        assert!(m.admission().is_err());
+        assert!(m.poll(true, Instant::now()).is_empty());
+        let done = m.poll(false, Instant::now());
+        assert_eq!(done, vec![Completion { ticket: 7, outcome: ok(vec![Action::ForgetFreeCachedBlocks]) }]);
+        m.resume();
+
+        let t0 = Instant::now();
+        m.pause(PauseMode::Wait, false, 8, t0 + Duration::from_millis(5), true);
+        let done = m.poll(true, t0 + Duration::from_millis(6));
+        assert_eq!(done.len(), 1);
+        assert!(matches!(done[0].outcome.reply, Some(Err(LifecycleError::Timeout(_)))));
+        assert_eq!(m.status().paused, Some(PauseMode::Wait), "the pause stays after a timeout");
+    }
+
+    #[test]
+    fn resume_cancels_pending_operations() {
+        let mut m = Machine::new();
+        m.sleep(SleepLevel::L1, PauseMode::Wait, 3, later(), true);
+        let (out, cancelled) = m.resume();
+        assert_eq!(out, ok(vec![]));
+        assert_eq!(cancelled.len(), 1);
+        assert!(matches!(cancelled[0].outcome.reply, Some(Err(LifecycleError::Cancelled(_)))));
+        assert!(m.poll(false, Instant::now()).is_empty());
+        assert_eq!(m.status().sleeping, None, "a cancelled sleep releases nothing");
+    }
+
+    #[test]
+    fn sleep_levels_release_and_invalidate() {
+        let mut m = Machine::new();
+        let out = m.sleep(SleepLevel::L1, PauseMode::Keep, 1, later(), true);
+        assert_eq!(
+            out.actions,
+            vec![
+                Action::PreemptRunning,
+                Action::InvalidatePrefixCache,
+                Action::Offload(vec![Tag::Weights]),
+                Action::Discard(vec![Tag::KvCache, Tag::Runtime]),
+            ]
+        );
+        assert!(out.is_sleep);
+        assert!(!m.may_step() && m.admission().unwrap_err().contains("asleep"));
+        // Idempotent: sleeping again re-applies the same (idempotent) release.
+        assert_eq!(m.sleep(SleepLevel::L1, PauseMode::Abort, 2, later(), false).actions, out.actions);
+        assert_eq!(m.wake(None), ok(vec![Action::Wake(vec![Tag::Weights, Tag::KvCache, Tag::Runtime])]));
+        assert!(m.may_step() && m.admission().is_ok(), "the final wake ends the sleep's pause");
+        assert_eq!(m.status(), Machine::new().status());
+
+        let out = m.sleep(SleepLevel::L2, PauseMode::Abort, 3, later(), false);
+        assert_eq!(out.actions[0], Action::AbortAll);
+        assert!(out.actions.contains(&Action::Discard(vec![Tag::Weights, Tag::KvCache, Tag::Runtime])));
+        m.wake(None);
+        assert!(!m.may_step());
+        assert_eq!(m.admission().unwrap_err(), WEIGHTS_DISCARDED);
+        assert!(m.check_update_weights(false).is_ok());
+        assert_eq!(m.weights_written(true), vec![Action::PreemptRunning, Action::InvalidatePrefixCache]);
+        assert!(m.may_step() && m.admission().is_ok());
+
+        let out = m.sleep(SleepLevel::L0, PauseMode::Abort, 4, later(), false);
+        assert_eq!(out.actions, vec![Action::AbortAll]);
+        assert!(!m.may_step() && m.status().sleeping == Some(SleepLevel::L0));
+        m.wake(Some(&[Tag::Weights]));
+        assert!(m.may_step());
+    }
+
+    #[test]
+    fn selective_wake_in_either_order() {
+        for order in [[Tag::Weights, Tag::KvCache], [Tag::KvCache, Tag::Weights]] {
+            let mut m = Machine::new();
+            m.sleep(SleepLevel::L1, PauseMode::Abort, 1, later(), false);
+            assert_eq!(m.wake(Some(&order[..1])), ok(vec![Action::Wake(vec![order[0], Tag::Runtime])]));
+            assert!(!m.may_step() && m.admission().is_err());
+            assert_eq!(m.status().asleep_tags, vec![order[1]]);
+            m.wake(Some(&order[1..]));
+            assert!(m.may_step() && m.admission().is_ok());
+        }
+    }
+
+    #[test]
+    fn explicit_pause_survives_the_wake() {
+        let mut m = Machine::new();
+        m.pause(PauseMode::Keep, false, 1, later(), false);
+        m.sleep(SleepLevel::L1, PauseMode::Keep, 2, later(), false);
+        m.wake(None);
+        assert_eq!(m.status().paused, Some(PauseMode::Keep));
+        assert!(!m.may_step());
+        m.resume();
+        assert!(m.may_step());
+    }
+
+    #[test]
+    fn wake_when_awake_changes_nothing() {
+        let mut m = Machine::new();
+        assert_eq!(m.wake(None), ok(vec![]));
+        assert_eq!(m.status(), Machine::new().status());
+    }
+
+    #[test]
+    fn release_kv_needs_a_pause_and_resume_maps_it_again() {
+        let mut m = Machine::new();
+        let out = m.release_kv();
+        assert_eq!(out.reply, Some(Err(LifecycleError::Conflict(RELEASE_NEEDS_PAUSE.into()))));
+        m.pause(PauseMode::Keep, false, 1, later(), true);
+        assert_eq!(
+            m.release_kv(),
+            ok(vec![Action::PreemptRunning, Action::InvalidatePrefixCache, Action::Discard(vec![Tag::KvCache])])
+        );
+        assert!(m.admission().is_ok(), "keep still queues");
+        let (out, _) = m.resume();
+        assert_eq!(out, ok(vec![Action::Wake(vec![Tag::KvCache, Tag::Runtime])]));
+        assert!(m.may_step());
+    }
+
+    #[test]
+    fn weight_updates_need_mapped_weights_and_no_running_requests() {
+        let mut m = Machine::new();
+        assert!(m.check_update_weights(false).is_ok());
+        assert!(matches!(m.check_update_weights(true), Err(LifecycleError::Conflict(_))));
+        m.pause(PauseMode::Keep, false, 1, later(), true);
+        assert!(m.check_update_weights(true).is_ok(), "frozen requests recompute");
+        m.resume();
+        m.sleep(SleepLevel::L1, PauseMode::Abort, 2, later(), false);
+        let e = m.check_update_weights(false).unwrap_err();
+        assert!(e.to_string().contains("wake weights first"));
+        m.wake(Some(&[Tag::Weights]));
+        assert!(m.check_update_weights(false).is_ok());
+        m.weights_written(false);
+        assert!(m.status().weights_discarded, "a partial write leaves unusable weights");
+    }
 }

@@ -276,6 +276,23 @@ impl Scheduler {
         self.pool.reset_prefix_cache()
     }
 
+    /// Preempts every running request for recompute (newest first, so the
+    /// waiting queue starts with them in admission order). Afterwards no
+    /// request holds a block. Returns how many were preempted.
+    pub fn preempt_all_running(&mut self) -> usize {
+        let n = self.running.len();
+        while let Some(id) = self.running.pop() {
+            self.preempt(id);
+        }
+        n
+    }
+
+    /// Drops the prefix-cache hashes of free blocks only (see
+    /// [`BlockPool::forget_free_cached_blocks`]).
+    pub fn forget_free_cached_blocks(&mut self) -> usize {
+        self.pool.forget_free_cached_blocks()
+    }
+
     /// Makes `req`'s table cover `num_tokens` tokens; false if blocks ran out.
     fn grow_blocks(pool: &mut BlockPool, req: &mut Request, num_tokens: usize) -> bool {
         let need = blocks_for(num_tokens).saturating_sub(req.blocks.len());

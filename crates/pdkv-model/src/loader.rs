@@ -117,6 +117,169 @@ pub fn load_weights_matching(
     }
 }
 
+/// Why [`reload_weights_into`] failed.
+#[derive(Debug, thiserror::Error)]
+pub enum ReloadError {
+    /// The checkpoint could not be read (missing path, unparsable config).
+    /// Nothing was written.
+    #[error("{0:#}")]
+    Unreadable(anyhow::Error),
+    /// The checkpoint does not fit the running model (architecture, a
+    /// hyper-parameter, or a tensor's presence, shape or type). Nothing was
+    /// written.
+    #[error("{0:#}")]
+    Incompatible(anyhow::Error),
+    /// The weights region is released (asleep); nothing was written.
+    #[error("the weights region is released; wake it before reloading")]
+    RegionReleased,
+    /// Converting a tensor failed after writing had begun: the region now
+    /// holds a mix of old and new tensors and must be reloaded.
+    #[error("{0:#}")]
+    Partial(anyhow::Error),
+}
+
+/// The hyper-parameters that decide the weights' shapes and the math, as
+/// `(name, checkpoint value, running value)` for each one that differs.
+/// Context length and special token ids are not compared: the running
+/// engine keeps its own.
+fn config_mismatches(found: &ModelConfig, expected: &ModelConfig) -> Vec<(&'static str, String, String)> {
+    let mut out = Vec::new();
+    let mut cmp = |name: &'static str, a: String, b: String| {
+        if a != b {
+            out.push((name, a, b));
+        }
+    };
+    cmp("arch", found.arch.as_str().into(), expected.arch.as_str().into());
+    cmp("vocab_size", found.vocab_size.to_string(), expected.vocab_size.to_string());
+    cmp("hidden_size", found.hidden_size.to_string(), expected.hidden_size.to_string());
+    cmp(
+        "intermediate_size",
+        found.intermediate_size.to_string(),
+        expected.intermediate_size.to_string(),
+    );
+    cmp("num_layers", found.num_layers.to_string(), expected.num_layers.to_string());
+    cmp("num_heads", found.num_heads.to_string(), expected.num_heads.to_string());
+    cmp("num_kv_heads", found.num_kv_heads.to_string(), expected.num_kv_heads.to_string());
+    cmp("head_dim", found.head_dim.to_string(), expected.head_dim.to_string());
+    cmp(
+        "tie_word_embeddings",
+        found.tie_word_embeddings.to_string(),
+        expected.tie_word_embeddings.to_string(),
+    );
+    // Bit patterns: a reload must not change the math, not even slightly.
+    cmp("rope_theta", found.rope_theta.to_bits().to_string(), expected.rope_theta.to_bits().to_string());
+    cmp(
+        "rms_norm_eps",
+        found.rms_norm_eps.to_bits().to_string(),
+        expected.rms_norm_eps.to_bits().to_string(),
+    );
+    out
+}
+
+/// Reloads a checkpoint (GGUF file or Hugging Face directory) *into* the
+/// weights region of a running model, at the same addresses.
+///
+/// Everything is validated before the first byte is written: the checkpoint's
+/// architecture and hyper-parameters must equal `expected` (the running
+/// model's config), and every planned tensor must exist with the running
+/// model's shape and a convertible type. On any mismatch the error names the
+/// field or tensor and the old weights are untouched. Only then are the
+/// tensors converted to f32 in place, in the order of the plan.
+///
+/// The caller guarantees that nothing reads the weights while this runs (the
+/// engine calls it between steps, on the thread that runs the model).
+pub fn reload_weights_into(
+    weights: &Weights,
+    expected: &ModelConfig,
+    path: &Path,
+    progress: &mut dyn FnMut(&LoadProgress),
+) -> Result<(), ReloadError> {
+    if !path.exists() {
+        return Err(ReloadError::Unreadable(anyhow::anyhow!(
+            "checkpoint path {} does not exist",
+            path.display()
+        )));
+    }
+    enum Source {
+        Hf(HfShards),
+        Gguf(GgufFile),
+    }
+    let (cfg, source) = if path.is_dir() {
+        let cfg = hf_config(path).map_err(ReloadError::Unreadable)?;
+        (cfg, None)
+    } else {
+        let gguf = GgufFile::open(path)
+            .with_context(|| format!("cannot read GGUF {}", path.display()))
+            .map_err(ReloadError::Unreadable)?;
+        let cfg = gguf_config(&gguf).map_err(ReloadError::Unreadable)?;
+        (cfg, Some(Source::Gguf(gguf)))
+    };
+    let diffs = config_mismatches(&cfg, expected);
+    if !diffs.is_empty() {
+        let list: Vec<String> = diffs
+            .iter()
+            .map(|(n, a, b)| format!("{n}: checkpoint has {a}, the running model {b}"))
+            .collect();
+        return Err(ReloadError::Incompatible(anyhow::anyhow!(
+            "checkpoint {} does not match the running model ({})",
+            path.display(),
+            list.join("; ")
+        )));
+    }
+    let source = match source {
+        Some(s) => s,
+        None => Source::Hf(open_hf_shards(path).map_err(ReloadError::Unreadable)?),
+    };
+    let plan = WeightsPlan::new(expected);
+    let layout_matches = plan.embed == weights.embed
+        && plan.final_norm == weights.final_norm
+        && plan.lm_head == weights.lm_head
+        && plan.layers.len() == weights.layers.len()
+        && plan.layers.iter().zip(&weights.layers).all(|(a, b)| {
+            [&a.attn_norm, &a.wq, &a.wk, &a.wv, &a.wo, &a.ffn_norm, &a.w_gate, &a.w_up, &a.w_down]
+                == [&b.attn_norm, &b.wq, &b.wk, &b.wv, &b.wo, &b.ffn_norm, &b.w_gate, &b.w_up, &b.w_down]
+                && a.q_norm == b.q_norm
+                && a.k_norm == b.k_norm
+        })
+        && plan.total_bytes <= weights.region.len();
+    if !layout_matches {
+        return Err(ReloadError::Incompatible(anyhow::anyhow!(
+            "the running model's weights are not laid out as its config plans them"
+        )));
+    }
+    for slot in &plan.slots {
+        let checked = match &source {
+            Source::Hf(h) => h.precheck(slot),
+            Source::Gguf(g) => precheck_gguf_slot(g, slot),
+        };
+        checked.map_err(ReloadError::Incompatible)?;
+    }
+    if !weights.region.is_mapped() {
+        return Err(ReloadError::RegionReleased);
+    }
+    let mut p = LoadProgress {
+        tensors_done: 0,
+        tensors_total: plan.slots.len(),
+        bytes_done: 0,
+        bytes_total: plan.bytes_total(),
+    };
+    for slot in &plan.slots {
+        // SAFETY: each slot is its own 64-byte-aligned range inside the
+        // region (the layout was checked above), and the caller guarantees
+        // that no view of the weights is alive while this runs.
+        let dst = unsafe { weights.region.slice_mut::<f32>(slot.dest.offset, slot.dest.numel()) };
+        let filled = match &source {
+            Source::Hf(h) => h.fill(slot, dst),
+            Source::Gguf(g) => fill_gguf_slot(g, expected, slot, dst),
+        };
+        filled.map_err(ReloadError::Partial)?;
+        p.tensors_done += 1;
+        p.bytes_done += slot.dest.numel() as u64 * 4;
+        progress(&p);
+    }
+    Ok(())
+}
+
 /// One tensor of the plan.
 struct Slot {
     gguf_name: String,
@@ -381,27 +544,52 @@ fn load_gguf_weights(
     pool: &Pool,
     progress: &mut dyn FnMut(&LoadProgress),
 ) -> anyhow::Result<Weights> {
+    WeightsPlan::new(cfg).load(pool, progress, |slot, dst| fill_gguf_slot(g, cfg, slot, dst))
+}
+
+/// Converts the GGUF tensor of `slot` into `dst` (Q/K rows un-permuted).
+fn fill_gguf_slot(g: &GgufFile, cfg: &ModelConfig, slot: &Slot, dst: &mut [f32]) -> anyhow::Result<()> {
     let head_dim = cfg.head_dim;
-    WeightsPlan::new(cfg).load(pool, progress, |slot, dst| {
-        let name = &slot.gguf_name;
-        let info = g
-            .tensor(name)
-            .with_context(|| format!("GGUF lacks tensor `{name}`"))?;
-        check_shape(name, &info.shape(), &slot.dest.shape)?;
-        match slot.rope_heads {
-            // Stored row h*hd + 2i + j holds Hugging Face row h*hd + j*hd/2 + i.
-            Some(_) => {
-                let half = head_dim / 2;
-                let map = move |r: usize| {
-                    let (h, within) = (r / head_dim, r % head_dim);
-                    h * head_dim + (within % 2) * half + within / 2
-                };
-                g.dequantize_rows_into(info, dst, &map)?
-            }
-            None => g.dequantize_into(info, dst)?,
+    let name = &slot.gguf_name;
+    let info = g
+        .tensor(name)
+        .with_context(|| format!("GGUF lacks tensor `{name}`"))?;
+    check_shape(name, &info.shape(), &slot.dest.shape)?;
+    match slot.rope_heads {
+        // Stored row h*hd + 2i + j holds Hugging Face row h*hd + j*hd/2 + i.
+        Some(_) => {
+            let half = head_dim / 2;
+            let map = move |r: usize| {
+                let (h, within) = (r / head_dim, r % head_dim);
+                h * head_dim + (within % 2) * half + within / 2
+            };
+            g.dequantize_rows_into(info, dst, &map)?
         }
-        Ok(())
-    })
+        None => g.dequantize_into(info, dst)?,
+    }
+    Ok(())
+}
+
+/// Checks, without converting anything, that the GGUF tensor of `slot`
+/// exists, has the planned shape, a type this crate dequantises, and data
+/// inside the file.
+fn precheck_gguf_slot(g: &GgufFile, slot: &Slot) -> anyhow::Result<()> {
+    let name = &slot.gguf_name;
+    let info = g
+        .tensor(name)
+        .with_context(|| format!("GGUF lacks tensor `{name}`"))?;
+    check_shape(name, &info.shape(), &slot.dest.shape)?;
+    let (block, _) = info
+        .ty
+        .block_layout()
+        .filter(|_| info.ty.can_dequantize())
+        .with_context(|| format!("tensor `{name}` has a type this loader cannot convert"))?;
+    let cols = slot.dest.shape.last().copied().unwrap_or(1);
+    if cols % block != 0 {
+        bail!("tensor `{name}` has rows of {cols} values, not a whole number of {block}-value blocks");
+    }
+    g.tensor_data(info)?;
+    Ok(())
 }
 
 fn gguf_chat_template(g: &GgufFile, tok: &Tokenizer) -> Option<ChatTemplate> {
@@ -525,12 +713,58 @@ pub fn hf_config(dir: &Path) -> anyhow::Result<ModelConfig> {
     Ok(cfg)
 }
 
+/// The safetensors shards of a checkpoint directory and, per tensor name,
+/// the index of the shard that holds it.
+struct HfShards {
+    dir: PathBuf,
+    shards: Vec<SafetensorsFile>,
+    index: std::collections::HashMap<String, usize>,
+}
+
+impl HfShards {
+    fn entry(&self, slot: &Slot) -> anyhow::Result<(usize, &crate::safetensors::TensorEntry)> {
+        let name = slot.hf_name.as_str();
+        let &i = self
+            .index
+            .get(name)
+            .with_context(|| format!("checkpoint {} lacks tensor `{name}`", self.dir.display()))?;
+        let entry = &self.shards[i].tensors[name];
+        check_shape(name, &entry.shape, &slot.dest.shape)?;
+        Ok((i, entry))
+    }
+
+    /// Checks, without converting anything, that the tensor of `slot` exists
+    /// with the planned shape and exactly the bytes its dtype needs.
+    fn precheck(&self, slot: &Slot) -> anyhow::Result<()> {
+        let (_, entry) = self.entry(slot)?;
+        let want = slot.dest.numel() * entry.dtype.size();
+        if entry.end - entry.start != want {
+            bail!(
+                "tensor `{}` has {} bytes, expected {want}",
+                slot.hf_name,
+                entry.end - entry.start
+            );
+        }
+        Ok(())
+    }
+
+    fn fill(&self, slot: &Slot, dst: &mut [f32]) -> anyhow::Result<()> {
+        let (i, _) = self.entry(slot)?;
+        self.shards[i].read_f32(&slot.hf_name, dst)
+    }
+}
+
 fn load_hf_weights(
     dir: &Path,
     cfg: &ModelConfig,
     pool: &Pool,
     progress: &mut dyn FnMut(&LoadProgress),
 ) -> anyhow::Result<Weights> {
+    let shards = open_hf_shards(dir)?;
+    WeightsPlan::new(cfg).load(pool, progress, |slot, dst| shards.fill(slot, dst))
+}
+
+fn open_hf_shards(dir: &Path) -> anyhow::Result<HfShards> {
     let mut shard_paths: Vec<PathBuf> = std::fs::read_dir(dir)
         .with_context(|| format!("cannot list {}", dir.display()))?
         .filter_map(|e| e.ok().map(|e| e.path()))
@@ -548,7 +782,7 @@ fn load_hf_weights(
     let mut index = std::collections::HashMap::new();
     for (i, s) in shards.iter().enumerate() {
         for name in s.tensors.keys() {
-            if let Some(j) = index.insert(name.as_str(), i) {
+            if let Some(j) = index.insert(name.clone(), i) {
                 bail!(
                     "tensor `{name}` appears in both {} and {}",
                     shard_paths[j].display(),
@@ -557,15 +791,7 @@ fn load_hf_weights(
             }
         }
     }
-    WeightsPlan::new(cfg).load(pool, progress, |slot, dst| {
-        let name = slot.hf_name.as_str();
-        let &i = index
-            .get(name)
-            .with_context(|| format!("checkpoint {} lacks tensor `{name}`", dir.display()))?;
-        let entry = &shards[i].tensors[name];
-        check_shape(name, &entry.shape, &slot.dest.shape)?;
-        shards[i].read_f32(name, dst)
-    })
+    Ok(HfShards { dir: dir.to_path_buf(), shards, index })
 }
 
 /// A special token in tokenizer_config.json: a string or `{"content": ..}`.

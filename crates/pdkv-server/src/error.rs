@@ -11,7 +11,7 @@ use axum::extract::rejection::BytesRejection;
 use axum::extract::{FromRequest, Request};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
-use pdkv_engine::AddRequestError;
+use pdkv_engine::{AddRequestError, LifecycleError};
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 
@@ -86,6 +86,28 @@ impl ApiError {
         }
     }
 
+    /// A 401: the admin API needs `Authorization: Bearer <token>`.
+    pub fn unauthorized(message: impl Into<String>) -> ApiError {
+        ApiError {
+            status: StatusCode::UNAUTHORIZED,
+            message: message.into(),
+            kind: "authentication_error",
+            param: None,
+            code: Some("invalid_api_key"),
+        }
+    }
+
+    /// A 409: the request conflicts with the engine's current state.
+    pub fn conflict(message: impl Into<String>) -> ApiError {
+        ApiError {
+            status: StatusCode::CONFLICT,
+            message: message.into(),
+            kind: "conflict_error",
+            param: None,
+            code: None,
+        }
+    }
+
     pub fn internal(message: impl Into<String>) -> ApiError {
         ApiError {
             status: StatusCode::INTERNAL_SERVER_ERROR,
@@ -138,8 +160,30 @@ impl From<AddRequestError> for ApiError {
                 ApiError::invalid_param("prompt", message).with_code("context_length_exceeded")
             }
             AddRequestError::Invalid(_) => ApiError::invalid(message),
-            AddRequestError::DuplicateId(_) => ApiError::internal(message),
+            // Ids can come from clients (`X-Request-Id`, `request_id`).
+            AddRequestError::DuplicateId(_) => ApiError::conflict(message).with_code("duplicate_request_id"),
             AddRequestError::Stopped | AddRequestError::Unavailable(_) => ApiError::unavailable(message),
+        }
+    }
+}
+
+impl From<LifecycleError> for ApiError {
+    fn from(e: LifecycleError) -> ApiError {
+        let message = e.to_string();
+        match e {
+            LifecycleError::Conflict(_) => ApiError::conflict(message),
+            LifecycleError::Cancelled(_) => ApiError::conflict(message).with_code("cancelled"),
+            LifecycleError::Invalid(_) => ApiError::invalid(message),
+            LifecycleError::IncompatibleWeights(_) => ApiError::invalid(message).with_code("incompatible_weights"),
+            LifecycleError::Timeout(_) => ApiError {
+                status: StatusCode::GATEWAY_TIMEOUT,
+                message,
+                kind: "timeout_error",
+                param: None,
+                code: Some("timeout"),
+            },
+            LifecycleError::Stopped => ApiError::unavailable(message),
+            LifecycleError::Internal(_) => ApiError::internal(message),
         }
     }
 }
@@ -238,5 +282,26 @@ mod tests {
         assert_eq!(too_long.status, StatusCode::BAD_REQUEST);
         let stopped: ApiError = AddRequestError::Stopped.into();
         assert_eq!(stopped.status, StatusCode::SERVICE_UNAVAILABLE);
+        let dup: ApiError = AddRequestError::DuplicateId("x".into()).into();
+        assert_eq!(dup.status, StatusCode::CONFLICT);
+    }
+
+    #[test]
+    fn lifecycle_errors_map_to_statuses() {
+        let cases: Vec<(LifecycleError, StatusCode)> = vec![
+            (LifecycleError::Conflict("not paused".into()), StatusCode::CONFLICT),
+            (LifecycleError::Cancelled("resumed".into()), StatusCode::CONFLICT),
+            (LifecycleError::Invalid("bad".into()), StatusCode::BAD_REQUEST),
+            (LifecycleError::IncompatibleWeights("shape".into()), StatusCode::BAD_REQUEST),
+            (LifecycleError::Timeout("pause".into()), StatusCode::GATEWAY_TIMEOUT),
+            (LifecycleError::Stopped, StatusCode::SERVICE_UNAVAILABLE),
+            (LifecycleError::Internal("mmap".into()), StatusCode::INTERNAL_SERVER_ERROR),
+        ];
+        for (e, want) in cases {
+            let text = e.to_string();
+            let api: ApiError = e.into();
+            assert_eq!(api.status, want, "{text}");
+            assert_eq!(api.message, text);
+        }
     }
 }

@@ -2,7 +2,16 @@
 //!
 //! Endpoints: `POST /v1/completions`, `POST /v1/chat/completions` (both with
 //! `"stream": true` as server-sent events), `GET /v1/models`, `GET /health`
-//! and `GET /metrics` (Prometheus text).
+//! and `GET /metrics` (Prometheus text). With an admin token
+//! ([`AppState::with_admin_token`]) also the lifecycle API of [`admin`]
+//! (`/pause`, `/sleep`, `/wake_up`, `/update_weights`, ...), each route
+//! behind `Authorization: Bearer <token>`; without one those routes do not
+//! exist (404).
+//!
+//! A generation request's engine id is the `id` of its response (and its
+//! `X-Request-Id` response header), so `/abort_requests` can name it; a
+//! client may choose it with an `X-Request-Id` header or a `request_id`
+//! body field.
 //!
 //! Invariants:
 //! - Only this crate knows HTTP and the OpenAI JSON shapes; the engine sees
@@ -13,6 +22,7 @@
 //! - Every error a client can cause is an OpenAI-shaped JSON body with a 4xx
 //!   status; handlers never panic on input.
 
+pub mod admin;
 pub mod error;
 pub mod metrics;
 pub mod openai;
@@ -35,10 +45,12 @@ pub use metrics::Metrics;
 /// Largest request body accepted, in bytes.
 pub const MAX_BODY_BYTES: usize = 4 * 1024 * 1024;
 
-/// What every handler shares: the engine, the metrics and the served name.
+/// What every handler shares: the engine, the metrics, the served name and
+/// the admin token (when the lifecycle API is enabled).
 #[derive(Clone)]
 pub struct AppState {
     inner: Arc<StateInner>,
+    admin_token: Option<Arc<admin::AdminToken>>,
 }
 
 struct StateInner {
@@ -65,7 +77,20 @@ impl AppState {
                 id_prefix: (now.as_nanos() as u64) ^ ((std::process::id() as u64) << 32),
                 next_id: AtomicU64::new(0),
             }),
+            admin_token: None,
         }
+    }
+
+    /// Enables the lifecycle admin API, guarded by `token` (sent by clients
+    /// as `Authorization: Bearer <token>`). An empty token is refused.
+    pub fn with_admin_token(mut self, token: impl Into<String>) -> Result<AppState, admin::EmptyTokenError> {
+        self.admin_token = Some(Arc::new(admin::AdminToken::new(token.into())?));
+        Ok(self)
+    }
+
+    /// Whether the admin API is enabled.
+    pub fn admin_enabled(&self) -> bool {
+        self.admin_token.is_some()
     }
 
     pub fn engine(&self) -> &EngineHandle {
@@ -92,10 +117,14 @@ impl AppState {
     }
 }
 
-/// All routes, with the body-size limit and JSON fallbacks.
+/// All routes, with the body-size limit and JSON fallbacks. The admin routes
+/// are mounted only when the state carries an admin token.
 pub fn router(state: AppState) -> Router {
-    Router::new()
-        .route("/v1/completions", post(routes::completions))
+    let mut app = Router::new();
+    if let Some(token) = &state.admin_token {
+        app = app.merge(admin::routes(token.clone()));
+    }
+    app.route("/v1/completions", post(routes::completions))
         .route("/v1/chat/completions", post(routes::chat_completions))
         .route("/v1/models", get(routes::models))
         .route("/health", get(routes::health))

@@ -5,6 +5,11 @@
 //! includes tokenization and queueing). Gauges come from a snapshot of the
 //! engine's counters and the pool's live physical bytes at scrape time.
 //!
+//! Lifecycle metrics: the durations of `/sleep` and `/wake_up` are measured
+//! by their handlers (the whole engine operation, as a client waits for it);
+//! the sleep, pause and host-backup gauges are read from the engine and the
+//! pool at scrape time, so they never disagree with `/is_sleeping`.
+//!
 //! Invariant: a request is counted in `pdkv_requests_total` exactly once,
 //! when its [`crate::tracker::TrackedStream`] sees the final output or is
 //! dropped before it (then as `abort`).
@@ -25,6 +30,22 @@ pub const ITL_BUCKETS: &[f64] = &[
     0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
     2.5, 5.0,
 ];
+
+/// Upper bounds (seconds) of the sleep and wake duration buckets.
+pub const LIFECYCLE_BUCKETS: &[f64] =
+    &[0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0];
+
+/// The engine's lifecycle state as the metrics report it, read at scrape time.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct LifecycleGauges {
+    /// The sleep level while asleep, `None` while awake.
+    pub sleep_level: Option<u32>,
+    pub paused: bool,
+    /// True after a level-2 wake until weights are reloaded.
+    pub weights_discarded: bool,
+    /// Host memory holding backups of released regions (level-1 weights).
+    pub host_backup_bytes: u64,
+}
 
 /// A histogram with fixed, increasing bucket bounds and an implicit `+Inf`.
 #[derive(Clone, Debug, PartialEq)]
@@ -176,6 +197,8 @@ pub struct Metrics {
     generation_tokens: AtomicU64,
     ttft: Mutex<Histogram>,
     itl: Mutex<Histogram>,
+    sleep_duration: Mutex<Histogram>,
+    wake_duration: Mutex<Histogram>,
 }
 
 impl Default for Metrics {
@@ -192,6 +215,8 @@ impl Metrics {
             generation_tokens: AtomicU64::new(0),
             ttft: Mutex::new(Histogram::new(TTFT_BUCKETS)),
             itl: Mutex::new(Histogram::new(ITL_BUCKETS)),
+            sleep_duration: Mutex::new(Histogram::new(LIFECYCLE_BUCKETS)),
+            wake_duration: Mutex::new(Histogram::new(LIFECYCLE_BUCKETS)),
         }
     }
 
@@ -219,8 +244,19 @@ impl Metrics {
         self.itl.lock().unwrap_or_else(|p| p.into_inner()).observe(seconds);
     }
 
-    /// The full exposition: these metrics plus engine and memory gauges.
-    pub fn render(&self, stats: &EngineStats, device: &TagBytes) -> String {
+    /// A successful sleep took `seconds` (pause plus memory release).
+    pub fn observe_sleep(&self, seconds: f64) {
+        self.sleep_duration.lock().unwrap_or_else(|p| p.into_inner()).observe(seconds);
+    }
+
+    /// A successful wake took `seconds` (mapping plus backup restore).
+    pub fn observe_wake(&self, seconds: f64) {
+        self.wake_duration.lock().unwrap_or_else(|p| p.into_inner()).observe(seconds);
+    }
+
+    /// The full exposition: these metrics plus engine, lifecycle and memory
+    /// gauges.
+    pub fn render(&self, stats: &EngineStats, device: &TagBytes, lifecycle: &LifecycleGauges) -> String {
         let mut e = Exposition::new();
         let reasons: Vec<(&str, f64)> =
             FINISH_REASONS.iter().map(|&r| (r.as_str(), self.requests_finished(r) as f64)).collect();
@@ -273,6 +309,34 @@ impl Metrics {
         };
         e.gauge("pdkv_prefix_cache_hit_rate", "Prefix cache hits / queries, cumulative.", hit_rate);
         e.counter("pdkv_num_preemptions_total", "Requests preempted by the scheduler.", stats.num_preemptions as f64);
+
+        let flag = |b: bool| if b { 1.0 } else { 0.0 };
+        e.gauge(
+            "pdkv_sleeping",
+            "1 while the engine is asleep (any level), else 0.",
+            flag(lifecycle.sleep_level.is_some()),
+        );
+        e.gauge(
+            "pdkv_sleep_level",
+            "The level of the current sleep (0, 1 or 2); -1 while awake.",
+            lifecycle.sleep_level.map_or(-1.0, f64::from),
+        );
+        e.gauge("pdkv_paused", "1 while scheduling is paused (by /pause or a sleep), else 0.", flag(lifecycle.paused));
+        e.gauge(
+            "pdkv_weights_discarded",
+            "1 after a level-2 wake until weights are reloaded (requests are refused), else 0.",
+            flag(lifecycle.weights_discarded),
+        );
+        e.gauge(
+            "pdkv_host_backup_bytes",
+            "Host memory holding backups of released device memory.",
+            lifecycle.host_backup_bytes as f64,
+        );
+        let sleep = self.sleep_duration.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        e.histogram("pdkv_sleep_duration_seconds", "Duration of successful /sleep calls.", &sleep);
+        let wake = self.wake_duration.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        e.histogram("pdkv_wake_duration_seconds", "Duration of successful /wake_up calls.", &wake);
+        e.counter("pdkv_weight_updates_total", "In-place weight reloads.", stats.num_weight_updates as f64);
 
         let tags: Vec<[(&str, &str); 1]> = Tag::ALL.iter().map(|t| [("tag", t.as_str())]).collect();
         let mem: Vec<(&[(&str, &str)], f64)> =
@@ -348,9 +412,15 @@ mod tests {
             prefix_cache_queries: 8,
             prefix_cache_hits: 2,
             num_preemptions: 3,
-            steps: 0,
+            num_weight_updates: 2,
+            ..EngineStats::default()
         };
-        let text = m.render(&stats, &TagBytes([100, 200, 300]));
+        m.observe_sleep(0.3);
+        m.observe_wake(0.02);
+        m.observe_wake(0.04);
+        let lifecycle =
+            LifecycleGauges { sleep_level: Some(1), paused: true, weights_discarded: false, host_backup_bytes: 4096 };
+        let text = m.render(&stats, &TagBytes([100, 200, 300]), &lifecycle);
         for line in [
             "pdkv_requests_total{finish_reason=\"stop\"} 0",
             "pdkv_requests_total{finish_reason=\"length\"} 1",
@@ -373,6 +443,17 @@ mod tests {
             "pdkv_device_memory_bytes{tag=\"weights\"} 100",
             "pdkv_device_memory_bytes{tag=\"kv_cache\"} 200",
             "pdkv_device_memory_bytes{tag=\"runtime\"} 300",
+            "pdkv_sleeping 1",
+            "pdkv_sleep_level 1",
+            "pdkv_paused 1",
+            "pdkv_weights_discarded 0",
+            "pdkv_host_backup_bytes 4096",
+            "pdkv_sleep_duration_seconds_count 1",
+            "pdkv_sleep_duration_seconds_bucket{le=\"0.25\"} 0",
+            "pdkv_sleep_duration_seconds_bucket{le=\"0.5\"} 1",
+            "pdkv_wake_duration_seconds_count 2",
+            "pdkv_weight_updates_total 2",
+            "pdkv_wake_duration_seconds_bucket{le=\"0.025\"} 1",
         ] {
             assert!(text.lines().any(|l| l == line), "missing {line:?} in\n{text}");
         }
@@ -382,5 +463,9 @@ mod tests {
             let family = name.trim_end_matches("_bucket").trim_end_matches("_sum").trim_end_matches("_count");
             assert!(text.contains(&format!("# TYPE {family} ")), "{name} has no TYPE line");
         }
+        // Awake: not sleeping, level -1.
+        let awake = m.render(&stats, &TagBytes([1, 2, 3]), &LifecycleGauges::default());
+        assert!(awake.lines().any(|l| l == "pdkv_sleeping 0"), "{awake}");
+        assert!(awake.lines().any(|l| l == "pdkv_sleep_level -1"), "{awake}");
     }
 }

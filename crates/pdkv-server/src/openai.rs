@@ -95,6 +95,8 @@ request_with_sampling! {
         pub stream_options: Option<StreamOptions>,
         pub echo: Option<bool>,
         pub suffix: Option<String>,
+        /// The engine request id to use (an `X-Request-Id` header wins).
+        pub request_id: Option<String>,
     }
 }
 
@@ -107,6 +109,8 @@ request_with_sampling! {
         pub max_completion_tokens: Option<i64>,
         pub stream: Option<bool>,
         pub stream_options: Option<StreamOptions>,
+        /// The engine request id to use (an `X-Request-Id` header wins).
+        pub request_id: Option<String>,
     }
 }
 

@@ -5,7 +5,7 @@ use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use axum::body::{Body, Bytes};
 use axum::extract::State;
-use axum::http::{header, StatusCode};
+use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use futures::Stream;
 use pdkv_engine::{EngineRequest, FinishReason, SamplingParams};
@@ -13,6 +13,7 @@ use pdkv_model::ChatMessage;
 use serde_json::{json, Value};
 
 use crate::error::{ApiError, ApiJson};
+use crate::metrics::LifecycleGauges;
 use crate::openai::{
     message_text, parse_max_tokens, parse_prompt, ChatRequest, CompletionRequest, Prompt, DEFAULT_COMPLETION_MAX_TOKENS,
 };
@@ -53,6 +54,49 @@ fn check_token_ids(state: &AppState, ids: &[u32]) -> Result<(), ApiError> {
     Ok(())
 }
 
+/// Longest client-chosen request id, in bytes.
+const MAX_REQUEST_ID_LEN: usize = 256;
+
+/// The engine id of a new request: the client's `X-Request-Id` header, else
+/// its `request_id` body field, else a fresh `{prefix}<hex>` id. The same id
+/// is the response's `id`, so `/abort_requests` can name the request.
+fn choose_request_id(
+    state: &AppState,
+    headers: &HeaderMap,
+    body_id: Option<&str>,
+    prefix: &str,
+) -> Result<String, ApiError> {
+    let (param, given) = match headers.get("x-request-id") {
+        Some(v) => {
+            let v = v
+                .to_str()
+                .map_err(|_| ApiError::invalid_param("X-Request-Id", "X-Request-Id must be visible ASCII"))?;
+            ("X-Request-Id", Some(v))
+        }
+        None => ("request_id", body_id),
+    };
+    let Some(id) = given else { return Ok(state.next_request_id(prefix)) };
+    if id.is_empty() || id.len() > MAX_REQUEST_ID_LEN {
+        return Err(ApiError::invalid_param(
+            param,
+            format!("{param} must be 1 to {MAX_REQUEST_ID_LEN} bytes long, got {}", id.len()),
+        ));
+    }
+    if id.chars().any(char::is_control) {
+        return Err(ApiError::invalid_param(param, format!("{param} must not contain control characters")));
+    }
+    Ok(id.to_string())
+}
+
+/// Echoes the request id in an `X-Request-Id` response header (when it is a
+/// valid header value).
+fn with_request_id(mut resp: Response, id: &str) -> Response {
+    if let Ok(v) = HeaderValue::from_str(id) {
+        resp.headers_mut().insert("x-request-id", v);
+    }
+    resp
+}
+
 /// What a generation endpoint needs to answer, in either shape.
 struct Admitted {
     stream: TrackedStream,
@@ -63,12 +107,11 @@ struct Admitted {
 
 fn admit(
     state: &AppState,
-    prefix: &str,
+    id: String,
     prompt_tokens: Vec<u32>,
     params: SamplingParams,
     arrived: Instant,
 ) -> Result<Admitted, ApiError> {
-    let id = state.next_request_id(prefix);
     let num_prompt_tokens = prompt_tokens.len();
     let stream =
         state.engine().add_request(EngineRequest { id: id.clone(), prompt_tokens, params }).map_err(ApiError::from)?;
@@ -106,10 +149,12 @@ fn json_response(v: &Value) -> Response {
 /// `POST /v1/completions`.
 pub async fn completions(
     State(state): State<AppState>,
+    headers: HeaderMap,
     ApiJson(req): ApiJson<CompletionRequest>,
 ) -> Result<Response, ApiError> {
     let arrived = Instant::now();
     check_model(&state, req.model.as_deref())?;
+    let id = choose_request_id(&state, &headers, req.request_id.as_deref(), "cmpl-")?;
     if req.echo == Some(true) {
         return Err(ApiError::invalid_param("echo", "echo is not supported"));
     }
@@ -130,7 +175,7 @@ pub async fn completions(
         }
     };
     check_token_ids(&state, &prompt_tokens)?;
-    let mut admitted = admit(&state, "cmpl-", prompt_tokens, params, arrived)?;
+    let mut admitted = admit(&state, id, prompt_tokens, params, arrived)?;
     let model = state.served_model_name().to_string();
 
     if req.stream.unwrap_or(false) {
@@ -147,27 +192,31 @@ pub async fn completions(
             }
             v
         };
-        return Ok(sse_response(admitted, head, include_usage, None, chunk));
+        let id = admitted.id.clone();
+        return Ok(with_request_id(sse_response(admitted, head, include_usage, None, chunk), &id));
     }
 
     let done = collect(&mut admitted.stream).await;
-    Ok(json_response(&json!({
+    let resp = json_response(&json!({
         "id": admitted.id,
         "object": "text_completion",
         "created": admitted.created,
         "model": model,
         "choices": [{"index": 0, "text": done.text, "logprobs": null, "finish_reason": done.finish_reason.as_str()}],
         "usage": usage_json(admitted.num_prompt_tokens, done.completion_tokens),
-    })))
+    }));
+    Ok(with_request_id(resp, &admitted.id))
 }
 
 /// `POST /v1/chat/completions`.
 pub async fn chat_completions(
     State(state): State<AppState>,
+    headers: HeaderMap,
     ApiJson(req): ApiJson<ChatRequest>,
 ) -> Result<Response, ApiError> {
     let arrived = Instant::now();
     check_model(&state, req.model.as_deref())?;
+    let id = choose_request_id(&state, &headers, req.request_id.as_deref(), "chatcmpl-")?;
     if req.messages.is_empty() {
         return Err(ApiError::invalid_param("messages", "messages must not be empty"));
     }
@@ -215,7 +264,7 @@ pub async fn chat_completions(
             u32::try_from(room.max(1)).unwrap_or(u32::MAX)
         }
     };
-    let mut admitted = admit(&state, "chatcmpl-", prompt_tokens, params, arrived)?;
+    let mut admitted = admit(&state, id, prompt_tokens, params, arrived)?;
     let model = state.served_model_name().to_string();
 
     if req.stream.unwrap_or(false) {
@@ -240,11 +289,12 @@ pub async fn chat_completions(
             }
             v
         };
-        return Ok(sse_response(admitted, head, include_usage, Some(first), chunk));
+        let id = admitted.id.clone();
+        return Ok(with_request_id(sse_response(admitted, head, include_usage, Some(first), chunk), &id));
     }
 
     let done = collect(&mut admitted.stream).await;
-    Ok(json_response(&json!({
+    let resp = json_response(&json!({
         "id": admitted.id,
         "object": "chat.completion",
         "created": admitted.created,
@@ -256,7 +306,8 @@ pub async fn chat_completions(
             "finish_reason": done.finish_reason.as_str(),
         }],
         "usage": usage_json(admitted.num_prompt_tokens, done.completion_tokens),
-    })))
+    }));
+    Ok(with_request_id(resp, &admitted.id))
 }
 
 /// Where a server-sent-event stream is.
@@ -400,9 +451,16 @@ pub async fn health(State(state): State<AppState>) -> Response {
 
 /// `GET /metrics` in the Prometheus text format.
 pub async fn metrics(State(state): State<AppState>) -> Response {
+    let st = crate::admin::lifecycle_status(&state);
+    let lifecycle = LifecycleGauges {
+        sleep_level: st.sleeping.map(|l| l.as_u32()),
+        paused: st.paused.is_some(),
+        weights_discarded: st.weights_discarded,
+        host_backup_bytes: state.engine().pool().host_backup_bytes(),
+    };
     let stats = state.engine().stats();
     let device = state.engine().pool().device_bytes();
-    let text = state.metrics().render(&stats, &device);
+    let text = state.metrics().render(&stats, &device, &lifecycle);
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")], text).into_response()
 }
 

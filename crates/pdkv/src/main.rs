@@ -1,10 +1,12 @@
-//! `pdkv`: serve a model over an OpenAI-compatible HTTP API, fetch the
-//! default model, write random test checkpoints, and benchmark decoding.
+//! `pdkv`: serve a model over an OpenAI-compatible HTTP API (with the
+//! lifecycle admin API behind `--admin-token`), fetch the default model,
+//! write random test checkpoints, and benchmark decoding and sleep mode.
 //!
 //! Logs go to stderr (`RUST_LOG`, default `info`); results a script may
 //! consume (a fetched model's path, the benchmark's JSON line) go to stdout.
 
 mod bench;
+mod bench_sleep;
 mod fetch;
 mod progress;
 mod serve;
@@ -78,6 +80,9 @@ struct InitArgs {
 enum BenchCommand {
     /// Decode throughput per batch size, against the memory-bandwidth roofline.
     Decode(bench::DecodeArgs),
+    /// Sleep and wake latency and memory per sleep level, with a greedy
+    /// probe checking that outputs after every wake equal the awake run.
+    Sleep(bench_sleep::SleepArgs),
 }
 
 fn init_logging() {
@@ -106,6 +111,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             Ok(())
         }
         Command::Bench(BenchCommand::Decode(args)) => bench::run_decode(args),
+        Command::Bench(BenchCommand::Sleep(args)) => bench_sleep::run_sleep(args),
     }
 }
 

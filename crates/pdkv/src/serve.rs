@@ -45,6 +45,11 @@ pub struct ServeArgs {
     pub served_model_name: Option<String>,
     #[arg(long)]
     pub no_prefix_caching: bool,
+    /// Enables the lifecycle admin API (/pause, /sleep, /wake_up,
+    /// /update_weights, ...), each route requiring `Authorization: Bearer
+    /// TOKEN`. Without it those routes do not exist.
+    #[arg(long, env = "PDKV_ADMIN_TOKEN", hide_env_values = true)]
+    pub admin_token: Option<String>,
 }
 
 pub fn run(args: ServeArgs) -> anyhow::Result<()> {
@@ -58,6 +63,9 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     anyhow::ensure!(config.max_num_seqs > 0, "--max-num-seqs must be at least 1");
     anyhow::ensure!(config.max_num_batched_tokens > 0, "--max-num-batched-tokens must be at least 1");
     anyhow::ensure!(config.num_kv_blocks > 0, "--num-kv-blocks must be at least 1");
+    if args.admin_token.as_deref() == Some("") {
+        anyhow::bail!("--admin-token (or PDKV_ADMIN_TOKEN) is empty; give a secret or leave it unset");
+    }
     let addr: SocketAddr = format!("{}:{}", args.host, args.port)
         .parse()
         .or_else(|_| {
@@ -90,16 +98,24 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
 
     let runtime =
         tokio::runtime::Builder::new_multi_thread().enable_all().build().context("starting the async runtime")?;
-    let result = runtime.block_on(serve(addr, engine.clone(), served_name));
+    let result = runtime.block_on(serve(addr, engine.clone(), served_name, args.admin_token));
     engine.shutdown();
     result
 }
 
-async fn serve(addr: SocketAddr, engine: EngineHandle, served_name: String) -> anyhow::Result<()> {
+async fn serve(
+    addr: SocketAddr,
+    engine: EngineHandle,
+    served_name: String,
+    admin_token: Option<String>,
+) -> anyhow::Result<()> {
+    let mut state = AppState::new(engine.clone(), served_name.clone());
+    if let Some(token) = admin_token {
+        state = state.with_admin_token(token)?;
+    }
     let listener = tokio::net::TcpListener::bind(addr).await.with_context(|| format!("binding {addr}"))?;
     let local = listener.local_addr().context("reading the bound address")?;
-    tracing::info!(model = %served_name, "listening on http://{local}");
-    let state = AppState::new(engine.clone(), served_name);
+    tracing::info!(model = %served_name, admin_api = state.admin_enabled(), "listening on http://{local}");
     let shutdown = async move {
         wait_for_signal().await;
         tracing::info!("shutting down");

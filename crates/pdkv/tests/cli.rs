@@ -30,7 +30,12 @@ struct Served {
 
 impl Served {
     fn start(args: &[&str]) -> Served {
+        Served::start_env(args, &[])
+    }
+
+    fn start_env(args: &[&str], envs: &[(&str, &str)]) -> Served {
         let mut child = pdkv()
+            .envs(envs.iter().copied())
             .arg("serve")
             .args(["--port", "0"])
             .args(args)
@@ -147,9 +152,82 @@ async fn model_init_then_serve_answers_a_completion() {
 
     let metrics = client.get(s.url("/metrics")).send().await.unwrap().text().await.unwrap();
     assert!(metrics.contains("pdkv_kv_blocks_total 64\n"), "{metrics}");
+    // Without --admin-token the lifecycle API does not exist.
+    let resp = client.post(s.url("/sleep")).bearer_auth("anything").send().await.unwrap();
+    assert_eq!(resp.status(), 404);
 
     let status = s.terminate();
     assert!(status.success(), "pdkv serve exited with {status} after SIGTERM");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn admin_token_from_flag_or_env_guards_the_lifecycle_api() {
+    let dir = tempfile::tempdir().unwrap();
+    let ckpt = dir.path().join("tiny");
+    init_checkpoint(&ckpt);
+    let model = ckpt.to_str().unwrap();
+    let client = reqwest::Client::new();
+    for (args, envs) in [
+        (vec!["--model", model, "--num-kv-blocks", "32", "--admin-token", "flag-secret"], vec![]),
+        (vec!["--model", model, "--num-kv-blocks", "32"], vec![("PDKV_ADMIN_TOKEN", "flag-secret")]),
+    ] {
+        let s = Served::start_env(&args, &envs);
+        wait_healthy(&client, &s).await;
+        let resp = client.get(s.url("/is_sleeping")).send().await.unwrap();
+        assert_eq!(resp.status(), 401);
+        let resp = client.get(s.url("/is_sleeping")).bearer_auth("wrong").send().await.unwrap();
+        assert_eq!(resp.status(), 401);
+        let resp = client.get(s.url("/is_sleeping")).bearer_auth("flag-secret").send().await.unwrap();
+        assert_eq!(resp.status(), 200);
+        assert_eq!(resp.json::<Value>().await.unwrap(), json!({"is_sleeping": false}));
+        let v: Value =
+            client.post(s.url("/sleep?level=1")).bearer_auth("flag-secret").send().await.unwrap().json().await.unwrap();
+        assert_eq!(v["status"], "sleeping", "{v}");
+        let resp = client.post(s.url("/wake_up")).bearer_auth("flag-secret").send().await.unwrap();
+        assert_eq!(resp.status(), 200);
+        let status = s.terminate();
+        assert!(status.success(), "pdkv serve exited with {status}");
+    }
+    // An empty token is refused at start-up rather than guarding nothing.
+    let o = pdkv()
+        .args(["serve", "--port", "0", "--model", model, "--admin-token", ""])
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    assert!(!o.status.success());
+    assert!(String::from_utf8_lossy(&o.stderr).contains("admin-token"));
+}
+
+#[test]
+fn bench_sleep_checks_outputs_and_reports_memory_per_level() {
+    let dir = tempfile::tempdir().unwrap();
+    let ckpt = dir.path().join("tiny");
+    init_checkpoint(&ckpt);
+    let o = pdkv()
+        .args(["bench", "sleep", "--num-kv-blocks", "64", "--cycles", "2", "--probe-tokens", "6", "--model"])
+        .arg(&ckpt)
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&o.stdout);
+    assert!(o.status.success(), "bench sleep failed:\n{stdout}\n{}", String::from_utf8_lossy(&o.stderr));
+    assert!(stdout.contains("PASS"), "{stdout}");
+    let last: Value = serde_json::from_str(stdout.lines().last().unwrap()).expect("last line is JSON");
+    assert_eq!(last["probes_match"], true);
+    for level in ["0", "1", "2"] {
+        let l = &last["levels"][level];
+        assert!(l["sleep_ms"].as_f64().unwrap() >= 0.0, "{last}");
+        assert!(l["wake_ms"].as_f64().unwrap() >= 0.0, "{last}");
+        assert!(l["awake_bytes"].as_u64().unwrap() > 0, "{last}");
+        assert_eq!(l["probes_run"], l["probes_matched"], "{last}");
+    }
+    // Level 0 only pauses; levels 1 and 2 release the weights and the KV cache.
+    assert_eq!(last["levels"]["0"]["asleep_fraction"], 1.0, "{last}");
+    for level in ["1", "2"] {
+        assert!(last["levels"][level]["asleep_fraction"].as_f64().unwrap() < 0.1, "{last}");
+    }
+    assert!(last["levels"]["1"]["host_backup_bytes"].as_u64().unwrap() > 0, "{last}");
+    assert_eq!(last["levels"]["2"]["host_backup_bytes"], 0, "{last}");
+    assert!(last["levels"]["2"]["reload_ms"].as_f64().is_some(), "{last}");
 }
 
 #[test]

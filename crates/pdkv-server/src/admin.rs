@@ -1,0 +1,420 @@
+//! The lifecycle admin API an RL trainer drives between rollouts: pause,
+//! resume, sleep, wake, KV-cache release, prefix-cache reset, request aborts
+//! and in-place weight reloads. Paths, query parameters and bodies follow
+//! vLLM's (`POST /pause?mode=keep`, `POST /wake_up?tags=weights`,
+//! `GET /is_sleeping` → `{"is_sleeping":true}`, ...), so frameworks written
+//! against vLLM drive pdkv unchanged.
+//!
+//! Invariants:
+//! - The routes exist only when the server was given an admin token, and
+//!   every one of them checks `Authorization: Bearer <token>` (compared in
+//!   time independent of where the bytes differ) before doing anything.
+//! - Engine lifecycle calls block until the engine core has applied them, so
+//!   handlers run them on tokio's blocking pool, never on an async worker.
+//! - Query strings are parsed here, with repeats allowed only where a
+//!   parameter is a list (`tags`); an unknown parameter, a repeated scalar or
+//!   a malformed value is a 400 naming the parameter, before the engine is
+//!   touched.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use axum::extract::{RawQuery, Request, State};
+use axum::http::{header, HeaderValue};
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::Router;
+use pdkv_engine::{EngineHandle, LifecycleStatus, PauseMode, SleepLevel};
+use pdkv_vmem::Tag;
+use serde::Deserialize;
+use serde_json::{json, Value};
+
+use crate::error::{ApiError, ApiJson};
+use crate::AppState;
+
+/// Default deadline of `/pause` and `/sleep` (`timeout` overrides it).
+pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// Longest `timeout` a client may ask for.
+pub const MAX_TIMEOUT: Duration = Duration::from_secs(3600);
+
+/// The admin API's shared secret.
+pub struct AdminToken(Vec<u8>);
+
+/// An admin token must not be empty (it would let anyone in).
+#[derive(Debug, thiserror::Error)]
+#[error("the admin token must not be empty")]
+pub struct EmptyTokenError;
+
+impl AdminToken {
+    pub fn new(token: String) -> Result<AdminToken, EmptyTokenError> {
+        if token.is_empty() {
+            return Err(EmptyTokenError);
+        }
+        Ok(AdminToken(token.into_bytes()))
+    }
+
+    /// Compares `presented` with the token. The time taken depends only on
+    /// the lengths, not on where the bytes first differ.
+    pub fn matches(&self, presented: &[u8]) -> bool {
+        let expected = &self.0;
+        let mut diff = (expected.len() ^ presented.len()) as u64;
+        for (i, &b) in presented.iter().enumerate() {
+            // Against a byte of the token (cycled) so every byte costs the same.
+            let e = expected[i % expected.len()];
+            diff |= u64::from(std::hint::black_box(b ^ e));
+        }
+        diff == 0
+    }
+}
+
+impl std::fmt::Debug for AdminToken {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("AdminToken(..)")
+    }
+}
+
+/// The admin routes, each behind the token check.
+pub(crate) fn routes(token: Arc<AdminToken>) -> Router<AppState> {
+    Router::new()
+        .route("/pause", post(pause))
+        .route("/resume", post(resume))
+        .route("/is_paused", get(is_paused))
+        .route("/sleep", post(sleep))
+        .route("/wake_up", post(wake_up))
+        .route("/is_sleeping", get(is_sleeping))
+        .route("/release_kv_cache_memory", post(release_kv_cache_memory))
+        .route("/reset_prefix_cache", post(reset_prefix_cache))
+        .route("/abort_requests", post(abort_requests))
+        .route("/update_weights", post(update_weights))
+        .route("/weight_info", get(weight_info))
+        .route_layer(middleware::from_fn_with_state(token, require_token))
+}
+
+/// Lets a request through only with `Authorization: Bearer <token>`.
+async fn require_token(State(token): State<Arc<AdminToken>>, req: Request, next: Next) -> Response {
+    let presented = req
+        .headers()
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.split_once(' '))
+        .filter(|(scheme, _)| scheme.eq_ignore_ascii_case("bearer"))
+        .map(|(_, t)| t.trim());
+    let err = match presented {
+        Some(t) if token.matches(t.as_bytes()) => return next.run(req).await,
+        Some(_) => ApiError::unauthorized("invalid admin token"),
+        None => ApiError::unauthorized("the admin API needs an `Authorization: Bearer <token>` header"),
+    };
+    let mut resp = err.into_response();
+    resp.headers_mut().insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+    resp
+}
+
+/// A parsed query string: name/value pairs in order, repeats kept.
+#[derive(Debug, Default)]
+pub struct QueryParams {
+    pairs: Vec<(String, String)>,
+}
+
+impl QueryParams {
+    /// Parses `raw` (percent-decoding, `+` as space) and refuses any
+    /// parameter not in `allowed`.
+    pub fn parse(raw: Option<&str>, allowed: &[&str]) -> Result<QueryParams, ApiError> {
+        let pairs: Vec<(String, String)> = raw
+            .map(|q| form_urlencoded::parse(q.as_bytes()).map(|(k, v)| (k.into_owned(), v.into_owned())).collect())
+            .unwrap_or_default();
+        if let Some((name, _)) = pairs.iter().find(|(k, _)| !allowed.contains(&k.as_str())) {
+            let known = if allowed.is_empty() { "none".to_string() } else { allowed.join(", ") };
+            return Err(ApiError::invalid_param(
+                name,
+                format!("unknown query parameter `{name}` (this route takes: {known})"),
+            ));
+        }
+        Ok(QueryParams { pairs })
+    }
+
+    /// Every value of `name`, in order.
+    pub fn all(&self, name: &str) -> Vec<&str> {
+        self.pairs.iter().filter(|(k, _)| k == name).map(|(_, v)| v.as_str()).collect()
+    }
+
+    /// The value of a scalar parameter; given twice is an error.
+    pub fn single(&self, name: &str) -> Result<Option<&str>, ApiError> {
+        match self.all(name)[..] {
+            [] => Ok(None),
+            [v] => Ok(Some(v)),
+            _ => Err(ApiError::invalid_param(name, format!("query parameter `{name}` is given more than once"))),
+        }
+    }
+
+    pub fn bool(&self, name: &str, default: bool) -> Result<bool, ApiError> {
+        let Some(v) = self.single(name)? else { return Ok(default) };
+        match v.to_ascii_lowercase().as_str() {
+            "true" | "1" => Ok(true),
+            "false" | "0" => Ok(false),
+            _ => Err(ApiError::invalid_param(name, format!("`{name}` must be true or false, got {v:?}"))),
+        }
+    }
+
+    pub fn pause_mode(&self, name: &str) -> Result<Option<PauseMode>, ApiError> {
+        self.single(name)?
+            .map(|v| {
+                PauseMode::parse(v).ok_or_else(|| {
+                    ApiError::invalid_param(name, format!("`{name}` must be abort, wait or keep, got {v:?}"))
+                })
+            })
+            .transpose()
+    }
+
+    /// `timeout` in seconds (fractions allowed), within (0, [`MAX_TIMEOUT`]].
+    pub fn timeout(&self) -> Result<Duration, ApiError> {
+        let Some(v) = self.single("timeout")? else { return Ok(DEFAULT_TIMEOUT) };
+        let bad = || {
+            ApiError::invalid_param(
+                "timeout",
+                format!("`timeout` must be a number of seconds in (0, {}], got {v:?}", MAX_TIMEOUT.as_secs()),
+            )
+        };
+        let secs: f64 = v.parse().map_err(|_| bad())?;
+        if !(secs > 0.0 && secs <= MAX_TIMEOUT.as_secs_f64()) {
+            return Err(bad());
+        }
+        Ok(Duration::from_secs_f64(secs))
+    }
+}
+
+/// Runs a blocking engine call on the blocking pool.
+async fn on_engine<T: Send + 'static>(
+    state: &AppState,
+    f: impl FnOnce(&EngineHandle) -> T + Send + 'static,
+) -> Result<T, ApiError> {
+    let engine = state.engine().clone();
+    tokio::task::spawn_blocking(move || f(&engine))
+        .await
+        .map_err(|e| ApiError::internal(format!("the engine operation failed: {e}")))
+}
+
+/// The engine's lifecycle snapshot (published by the core; reading it does
+/// not wait for the core).
+pub(crate) fn lifecycle_status(state: &AppState) -> LifecycleStatus {
+    state.engine().lifecycle_status()
+}
+
+fn json_ok(v: Value) -> Response {
+    ([(header::CONTENT_TYPE, "application/json")], v.to_string()).into_response()
+}
+
+/// `POST /pause?mode=abort|wait|keep&clear_cache=false&timeout=60`. vLLM's
+/// older `wait_for_inflight_requests=true|false` is accepted in place of
+/// `mode` (true = wait, false = abort).
+async fn pause(State(state): State<AppState>, RawQuery(raw): RawQuery) -> Result<Response, ApiError> {
+    let q = QueryParams::parse(raw.as_deref(), &["mode", "clear_cache", "timeout", "wait_for_inflight_requests"])?;
+    let legacy = q.single("wait_for_inflight_requests")?.is_some();
+    let mode = match (q.pause_mode("mode")?, legacy) {
+        (Some(_), true) => {
+            return Err(ApiError::invalid_param("mode", "give either `mode` or `wait_for_inflight_requests`, not both"))
+        }
+        (Some(m), false) => m,
+        (None, true) => {
+            if q.bool("wait_for_inflight_requests", false)? {
+                PauseMode::Wait
+            } else {
+                PauseMode::Abort
+            }
+        }
+        (None, false) => PauseMode::Abort,
+    };
+    let clear_cache = q.bool("clear_cache", false)?;
+    let timeout = q.timeout()?;
+    on_engine(&state, move |e| e.pause(mode, clear_cache, timeout)).await??;
+    Ok(json_ok(json!({"status": "paused", "mode": mode.as_str()})))
+}
+
+/// `POST /resume`.
+async fn resume(State(state): State<AppState>, RawQuery(raw): RawQuery) -> Result<Response, ApiError> {
+    QueryParams::parse(raw.as_deref(), &[])?;
+    on_engine(&state, |e| e.resume()).await??;
+    Ok(json_ok(json!({"status": "resumed"})))
+}
+
+/// `GET /is_paused`.
+async fn is_paused(State(state): State<AppState>, RawQuery(raw): RawQuery) -> Result<Response, ApiError> {
+    QueryParams::parse(raw.as_deref(), &[])?;
+    let st = lifecycle_status(&state);
+    Ok(json_ok(json!({"is_paused": st.paused.is_some()})))
+}
+
+/// `POST /sleep?level=0|1|2&mode=abort|wait|keep&timeout=60` (level 1 and
+/// mode abort by default).
+async fn sleep(State(state): State<AppState>, RawQuery(raw): RawQuery) -> Result<Response, ApiError> {
+    let q = QueryParams::parse(raw.as_deref(), &["level", "mode", "timeout"])?;
+    let level = match q.single("level")? {
+        None => SleepLevel::L1,
+        Some(v) => v
+            .parse::<u32>()
+            .ok()
+            .and_then(SleepLevel::parse)
+            .ok_or_else(|| ApiError::invalid_param("level", format!("`level` must be 0, 1 or 2, got {v:?}")))?,
+    };
+    let mode = q.pause_mode("mode")?.unwrap_or(PauseMode::Abort);
+    let timeout = q.timeout()?;
+    let started = Instant::now();
+    on_engine(&state, move |e| e.sleep(level, mode, timeout)).await??;
+    state.metrics().observe_sleep(started.elapsed().as_secs_f64());
+    Ok(json_ok(json!({"status": "sleeping", "level": level.as_u32()})))
+}
+
+/// `POST /wake_up[?tags=weights&tags=kv_cache]`: wakes the given tags, or
+/// everything without `tags`. Waking what is awake changes nothing.
+async fn wake_up(State(state): State<AppState>, RawQuery(raw): RawQuery) -> Result<Response, ApiError> {
+    let q = QueryParams::parse(raw.as_deref(), &["tags"])?;
+    let names = q.all("tags");
+    let tags = if names.is_empty() {
+        None
+    } else {
+        let mut tags = Vec::with_capacity(names.len());
+        for name in names {
+            let tag = Tag::parse(name).ok_or_else(|| {
+                let known: Vec<&str> = Tag::ALL.iter().map(|t| t.as_str()).collect();
+                ApiError::invalid_param("tags", format!("unknown tag {name:?} (known: {})", known.join(", ")))
+            })?;
+            if !tags.contains(&tag) {
+                tags.push(tag);
+            }
+        }
+        Some(tags)
+    };
+    let started = Instant::now();
+    let status = on_engine(&state, move |e| e.wake_up(tags.as_deref()).map(|()| e.lifecycle_status())).await??;
+    state.metrics().observe_wake(started.elapsed().as_secs_f64());
+    let asleep: Vec<&str> = status.asleep_tags.iter().map(|t| t.as_str()).collect();
+    Ok(json_ok(json!({
+        "status": if status.sleeping.is_some() { "sleeping" } else { "awake" },
+        "is_sleeping": status.sleeping.is_some(),
+        "asleep_tags": asleep,
+        "weights_discarded": status.weights_discarded,
+    })))
+}
+
+/// `GET /is_sleeping`.
+async fn is_sleeping(State(state): State<AppState>, RawQuery(raw): RawQuery) -> Result<Response, ApiError> {
+    QueryParams::parse(raw.as_deref(), &[])?;
+    let st = lifecycle_status(&state);
+    Ok(json_ok(json!({"is_sleeping": st.sleeping.is_some()})))
+}
+
+/// `POST /release_kv_cache_memory`: needs a completed pause (409 otherwise).
+async fn release_kv_cache_memory(State(state): State<AppState>, RawQuery(raw): RawQuery) -> Result<Response, ApiError> {
+    QueryParams::parse(raw.as_deref(), &[])?;
+    on_engine(&state, |e| e.release_kv_cache_memory()).await??;
+    Ok(json_ok(json!({"status": "released"})))
+}
+
+/// `POST /reset_prefix_cache?reset_running_requests=false` →
+/// `{"success":bool}` (false when the cache cannot be reset now).
+async fn reset_prefix_cache(State(state): State<AppState>, RawQuery(raw): RawQuery) -> Result<Response, ApiError> {
+    let q = QueryParams::parse(raw.as_deref(), &["reset_running_requests"])?;
+    let reset_running = q.bool("reset_running_requests", false)?;
+    let success = on_engine(&state, move |e| e.reset_prefix_cache_with(reset_running)).await?;
+    Ok(json_ok(json!({"success": success})))
+}
+
+#[derive(Debug, Deserialize)]
+struct AbortRequestsBody {
+    request_ids: Vec<String>,
+}
+
+/// `POST /abort_requests {"request_ids":[...]}` → `{"aborted":[...]}`, the
+/// ids that were live.
+async fn abort_requests(
+    State(state): State<AppState>,
+    RawQuery(raw): RawQuery,
+    ApiJson(body): ApiJson<AbortRequestsBody>,
+) -> Result<Response, ApiError> {
+    QueryParams::parse(raw.as_deref(), &[])?;
+    let ids = body.request_ids;
+    let aborted = on_engine(&state, move |e| e.abort_requests(&ids)).await?;
+    Ok(json_ok(json!({"aborted": aborted})))
+}
+
+#[derive(Debug, Deserialize)]
+struct UpdateWeightsBody {
+    /// A `.gguf` file or a checkpoint directory (SGLang calls it `model_path`).
+    #[serde(alias = "model_path")]
+    path: String,
+    version: Option<String>,
+}
+
+/// `POST /update_weights {"path":"...","version":"..."}`: reloads weights in
+/// place. A checkpoint that does not fit the model is a 400 and the old
+/// weights keep serving.
+async fn update_weights(
+    State(state): State<AppState>,
+    RawQuery(raw): RawQuery,
+    ApiJson(body): ApiJson<UpdateWeightsBody>,
+) -> Result<Response, ApiError> {
+    QueryParams::parse(raw.as_deref(), &[])?;
+    if body.path.is_empty() {
+        return Err(ApiError::invalid_param("path", "`path` must not be empty"));
+    }
+    let path = std::path::PathBuf::from(body.path);
+    let version = body.version.clone();
+    let started = Instant::now();
+    on_engine(&state, move |e| e.update_weights(&path, version)).await??;
+    tracing::info!(version = ?body.version, secs = started.elapsed().as_secs_f64(), "weights updated");
+    Ok(json_ok(json!({"status": "ok", "version": body.version})))
+}
+
+/// `GET /weight_info` → `{"version":..,"path":..}`.
+async fn weight_info(State(state): State<AppState>, RawQuery(raw): RawQuery) -> Result<Response, ApiError> {
+    QueryParams::parse(raw.as_deref(), &[])?;
+    let info = on_engine(&state, |e| e.weight_info()).await?;
+    Ok(json_ok(json!({"version": info.version, "path": info.path.display().to_string()})))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use axum::http::StatusCode;
+
+    #[test]
+    fn token_compare() {
+        let t = AdminToken::new("s3cret".into()).unwrap();
+        assert!(t.matches(b"s3cret"));
+        for bad in [&b""[..], b"s3cre", b"s3cret!", b"S3cret", b"s3cres", b"xxxxxx"] {
+            assert!(!t.matches(bad), "{:?}", String::from_utf8_lossy(bad));
+        }
+        assert!(AdminToken::new(String::new()).is_err());
+    }
+
+    #[test]
+    fn query_repeats_and_decoding() {
+        let q = QueryParams::parse(Some("tags=weights&tags=kv%5Fcache&mode=a+b"), &["tags", "mode"]).unwrap();
+        assert_eq!(q.all("tags"), vec!["weights", "kv_cache"]);
+        assert_eq!(q.single("mode").unwrap(), Some("a b"));
+        assert_eq!(q.single("tags").unwrap_err().param.as_deref(), Some("tags"));
+        assert_eq!(q.single("absent").unwrap(), None);
+        let unknown = QueryParams::parse(Some("levle=2"), &["level"]).unwrap_err();
+        assert_eq!((unknown.status, unknown.param.as_deref()), (StatusCode::BAD_REQUEST, Some("levle")));
+        assert!(QueryParams::parse(None, &[]).unwrap().all("x").is_empty());
+    }
+
+    #[test]
+    fn query_values() {
+        let q = QueryParams::parse(Some("a=TRUE&b=0&c=maybe&timeout=2.5"), &["a", "b", "c", "timeout"]).unwrap();
+        assert!(q.bool("a", false).unwrap());
+        assert!(!q.bool("b", true).unwrap());
+        assert!(q.bool("d", true).unwrap());
+        assert_eq!(q.bool("c", false).unwrap_err().param.as_deref(), Some("c"));
+        assert_eq!(q.timeout().unwrap(), Duration::from_millis(2500));
+        for bad in ["0", "-1", "nan", "inf", "x", "7200"] {
+            let q = QueryParams::parse(Some(&format!("timeout={bad}")), &["timeout"]).unwrap();
+            assert_eq!(q.timeout().unwrap_err().param.as_deref(), Some("timeout"), "{bad}");
+        }
+        assert_eq!(QueryParams::default().timeout().unwrap(), DEFAULT_TIMEOUT);
+        let q = QueryParams::parse(Some("mode=keep&m2=pause"), &["mode", "m2"]).unwrap();
+        assert_eq!(q.pause_mode("mode").unwrap(), Some(PauseMode::Keep));
+        assert_eq!(q.pause_mode("m2").unwrap_err().param.as_deref(), Some("m2"));
+    }
+}

@@ -1,0 +1,711 @@
+//! The lifecycle admin API over real sockets, with a real (tiny,
+//! random-weight) model and a running engine: authentication, parameter
+//! validation, pause/resume in every mode, sleep and (selective) wake,
+//! KV-cache release, prefix-cache reset, aborts by request id, in-place
+//! weight reloads, and the lifecycle metrics.
+
+use std::net::SocketAddr;
+use std::path::Path;
+use std::pin::Pin;
+use std::time::{Duration, Instant};
+
+use futures::{Stream, StreamExt};
+use pdkv_engine::{Engine, EngineConfig, EngineHandle};
+use pdkv_model::Arch;
+use pdkv_server::AppState;
+use pdkv_vmem::Pool;
+use reqwest::{Method, StatusCode};
+use serde_json::{json, Value};
+use tokio::sync::oneshot;
+
+const SERVED: &str = "tiny-test";
+const TOKEN: &str = "test-admin-token";
+/// Bound on every wait in these tests.
+const DEADLINE: Duration = Duration::from_secs(60);
+
+/// Writes a random Llama checkpoint of `preset` with `seed` into a new temp dir.
+fn checkpoint(preset: &str, seed: u64) -> tempfile::TempDir {
+    let dir = tempfile::tempdir().expect("tempdir");
+    pdkv_model::init::write_random_checkpoint(Arch::Llama, preset, seed, dir.path()).expect("write checkpoint");
+    dir
+}
+
+struct Server {
+    base: String,
+    engine: EngineHandle,
+    client: reqwest::Client,
+    stop: Option<oneshot::Sender<()>>,
+    task: Option<tokio::task::JoinHandle<std::io::Result<()>>>,
+    dir: tempfile::TempDir,
+}
+
+impl Server {
+    /// The tiny preset, seed 7, admin API on.
+    async fn start() -> Server {
+        Server::start_with("tiny", 7, Some(TOKEN), EngineConfig::default()).await
+    }
+
+    async fn start_with(preset: &str, seed: u64, token: Option<&str>, config: EngineConfig) -> Server {
+        let dir = checkpoint(preset, seed);
+        let pool = Pool::default();
+        let model = pdkv_model::load_model(dir.path(), &pool, &mut |_| {}).expect("load model");
+        let engine = Engine::start(model, pool, config).expect("start engine");
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let addr: SocketAddr = listener.local_addr().expect("addr");
+        let (stop, stopped) = oneshot::channel::<()>();
+        let mut state = AppState::new(engine.clone(), SERVED);
+        if let Some(t) = token {
+            state = state.with_admin_token(t).expect("admin token");
+        }
+        let task = tokio::spawn(pdkv_server::serve(listener, state, async move {
+            let _ = stopped.await;
+        }));
+        Server {
+            base: format!("http://{addr}"),
+            engine,
+            client: reqwest::Client::new(),
+            stop: Some(stop),
+            task: Some(task),
+            dir,
+        }
+    }
+
+    fn url(&self, path: &str) -> String {
+        format!("{}{}", self.base, path)
+    }
+
+    fn checkpoint_path(&self) -> &Path {
+        self.dir.path()
+    }
+
+    /// Sends a request with the given `Authorization` header (if any) and
+    /// returns the status and the JSON body.
+    async fn send(&self, method: Method, path: &str, auth: Option<&str>, body: Option<&Value>) -> (StatusCode, Value) {
+        let mut req = self.client.request(method, self.url(path));
+        if let Some(a) = auth {
+            req = req.header("authorization", a);
+        }
+        if let Some(b) = body {
+            req = req.json(b);
+        }
+        let resp = req.send().await.expect("send");
+        let status = resp.status();
+        let text = resp.text().await.expect("body");
+        let v = serde_json::from_str(&text).unwrap_or_else(|e| panic!("{path}: non-JSON body ({e}): {text:?}"));
+        (status, v)
+    }
+
+    /// An authorized admin call.
+    async fn admin(&self, method: Method, path: &str, body: Option<&Value>) -> (StatusCode, Value) {
+        self.send(method, path, Some(&format!("Bearer {TOKEN}")), body).await
+    }
+
+    /// An authorized admin call that must succeed.
+    async fn admin_ok(&self, method: Method, path: &str, body: Option<&Value>) -> Value {
+        let (status, v) = self.admin(method, path, body).await;
+        assert_eq!(status, StatusCode::OK, "{path}: {v}");
+        v
+    }
+
+    async fn is_sleeping(&self) -> bool {
+        self.admin_ok(Method::GET, "/is_sleeping", None).await["is_sleeping"].as_bool().expect("is_sleeping bool")
+    }
+
+    async fn is_paused(&self) -> bool {
+        self.admin_ok(Method::GET, "/is_paused", None).await["is_paused"].as_bool().expect("is_paused bool")
+    }
+
+    async fn post(&self, path: &str, body: &Value) -> (StatusCode, Value) {
+        self.send(Method::POST, path, None, Some(body)).await
+    }
+
+    /// The greedy completion of `prompt` (must succeed).
+    async fn greedy(&self, prompt: &str) -> String {
+        let (status, body) = self.post("/v1/completions", &greedy_body(prompt)).await;
+        assert_eq!(status, StatusCode::OK, "{body}");
+        body["choices"][0]["text"].as_str().expect("text").to_string()
+    }
+
+    /// Completions of [`PROMPTS`], greedy and seeded-sampled. Greedy text of
+    /// a random tiny model tends to repeat one token whatever the weights,
+    /// so the sampled ones (temperature 20, fixed seed: deterministic) are
+    /// what tells two sets of weights apart.
+    async fn probe(&self) -> Vec<String> {
+        let mut out = Vec::new();
+        for p in PROMPTS {
+            out.push(self.greedy(p).await);
+            let body = json!({"prompt": p, "temperature": 20.0, "seed": 1234, "max_tokens": 8, "ignore_eos": true});
+            let (status, v) = self.post("/v1/completions", &body).await;
+            assert_eq!(status, StatusCode::OK, "{v}");
+            out.push(v["choices"][0]["text"].as_str().expect("text").to_string());
+        }
+        out
+    }
+
+    /// Opens a streaming completion that runs for a long time.
+    async fn open_stream(&self, extra: Value, id_header: Option<&str>) -> SseReader {
+        let mut body = json!({
+            "prompt": "a b c", "max_tokens": self.engine.max_model_len() - 16,
+            "ignore_eos": true, "stream": true, "temperature": 0,
+        });
+        for (k, v) in extra.as_object().expect("object") {
+            body[k] = v.clone();
+        }
+        let mut req = self.client.post(self.url("/v1/completions")).json(&body);
+        if let Some(id) = id_header {
+            req = req.header("x-request-id", id);
+        }
+        let resp = req.send().await.expect("send");
+        assert_eq!(resp.status(), StatusCode::OK);
+        let header_id = resp.headers().get("x-request-id").map(|v| v.to_str().expect("ascii").to_string());
+        SseReader { body: Box::pin(resp.bytes_stream()), buf: String::new(), header_id }
+    }
+
+    async fn metrics(&self) -> String {
+        self.client.get(self.url("/metrics")).send().await.expect("metrics").text().await.expect("text")
+    }
+
+    /// Polls `/metrics` until `pred` holds or the deadline passes.
+    async fn wait_metrics(&self, what: &str, pred: impl Fn(&str) -> bool) -> String {
+        let deadline = Instant::now() + DEADLINE;
+        loop {
+            let text = self.metrics().await;
+            if pred(&text) {
+                return text;
+            }
+            assert!(Instant::now() < deadline, "timed out waiting for {what}; metrics:\n{text}");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    async fn wait_all_blocks_free(&self) -> String {
+        self.wait_metrics("all KV blocks free and no request running", |m| {
+            metric(m, "pdkv_kv_blocks_free") == metric(m, "pdkv_kv_blocks_total")
+                && metric(m, "pdkv_num_requests_running") == 0.0
+                && metric(m, "pdkv_num_requests_waiting") == 0.0
+        })
+        .await
+    }
+
+    async fn stop(mut self) {
+        if let Some(s) = self.stop.take() {
+            let _ = s.send(());
+        }
+        if let Some(t) = self.task.take() {
+            tokio::time::timeout(DEADLINE, t).await.expect("server stops").expect("join").expect("serve");
+        }
+        self.engine.shutdown();
+    }
+}
+
+const PROMPTS: [&str; 3] = ["The quick brown fox", "def main():", "In the evening the lights"];
+
+fn greedy_body(prompt: &str) -> Value {
+    json!({"prompt": prompt, "temperature": 0, "max_tokens": 8, "ignore_eos": true})
+}
+
+/// Reads a server-sent-event body one `data:` payload at a time.
+struct SseReader {
+    body: Pin<Box<dyn Stream<Item = reqwest::Result<axum::body::Bytes>> + Send>>,
+    buf: String,
+    header_id: Option<String>,
+}
+
+impl SseReader {
+    /// The next payload (`[DONE]` included), or `None` at the end of the body.
+    async fn next(&mut self) -> Option<String> {
+        loop {
+            if let Some(i) = self.buf.find("\n\n") {
+                let event: String = self.buf.drain(..i + 2).collect();
+                let payload = event.trim_end().strip_prefix("data: ").expect("data event").to_string();
+                return Some(payload);
+            }
+            let chunk = tokio::time::timeout(DEADLINE, self.body.next()).await.expect("next SSE chunk in time")?;
+            self.buf.push_str(std::str::from_utf8(&chunk.expect("chunk")).expect("utf-8"));
+        }
+    }
+
+    /// The next payload as JSON (not `[DONE]`).
+    async fn next_json(&mut self) -> Value {
+        let p = self.next().await.expect("an event");
+        serde_json::from_str(&p).unwrap_or_else(|e| panic!("bad chunk ({e}): {p}"))
+    }
+
+    /// Reads to the end; returns the last finish reason and whether `[DONE]` came.
+    async fn finish(&mut self) -> (Option<String>, bool) {
+        let mut finish = None;
+        let mut done = false;
+        while let Some(p) = self.next().await {
+            if p == "[DONE]" {
+                done = true;
+                continue;
+            }
+            let v: Value = serde_json::from_str(&p).expect("chunk json");
+            if let Some(r) = v["choices"][0]["finish_reason"].as_str() {
+                finish = Some(r.to_string());
+            }
+        }
+        (finish, done)
+    }
+}
+
+/// The value of a sample line `name value` (`name` may include labels).
+fn metric(text: &str, name: &str) -> f64 {
+    text.lines()
+        .find_map(|l| l.strip_prefix(name).and_then(|rest| rest.strip_prefix(' ')))
+        .unwrap_or_else(|| panic!("no {name} in\n{text}"))
+        .parse()
+        .expect("number")
+}
+
+fn device_bytes(m: &str) -> f64 {
+    ["weights", "kv_cache", "runtime"]
+        .iter()
+        .map(|t| metric(m, &format!("pdkv_device_memory_bytes{{tag=\"{t}\"}}")))
+        .sum()
+}
+
+fn assert_openai_error(status: StatusCode, body: &Value, want: StatusCode, ctx: &str) {
+    assert_eq!(status, want, "{ctx}: {body}");
+    let err = &body["error"];
+    assert!(err["message"].as_str().is_some_and(|m| !m.is_empty()), "{ctx}: {body}");
+    assert!(err["type"].is_string(), "{ctx}: {body}");
+    assert!(err.get("param").is_some() && err.get("code").is_some(), "{ctx}: {body}");
+}
+
+/// Every admin route, with a body where it needs one.
+fn admin_routes(ckpt: &Path) -> Vec<(Method, &'static str, Option<Value>)> {
+    vec![
+        (Method::POST, "/pause", None),
+        (Method::POST, "/resume", None),
+        (Method::GET, "/is_paused", None),
+        (Method::POST, "/sleep?level=1", None),
+        (Method::POST, "/wake_up", None),
+        (Method::GET, "/is_sleeping", None),
+        (Method::POST, "/release_kv_cache_memory", None),
+        (Method::POST, "/reset_prefix_cache", None),
+        (Method::POST, "/abort_requests", Some(json!({"request_ids": []}))),
+        (Method::POST, "/update_weights", Some(json!({"path": ckpt.to_str().unwrap()}))),
+        (Method::GET, "/weight_info", None),
+    ]
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn admin_routes_do_not_exist_without_a_token() {
+    let s = Server::start_with("tiny", 7, None, EngineConfig::default()).await;
+    for (method, path, body) in admin_routes(s.checkpoint_path()) {
+        // Even with a token, the routes are absent.
+        let (status, v) = s.send(method.clone(), path, Some(&format!("Bearer {TOKEN}")), body.as_ref()).await;
+        assert_openai_error(status, &v, StatusCode::NOT_FOUND, &format!("{method} {path}"));
+    }
+    // The OpenAI API is unaffected.
+    s.greedy("hello").await;
+    s.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn admin_routes_need_the_token() {
+    let s = Server::start().await;
+    let before = s.probe().await;
+    let wrong = [
+        None,
+        Some("Bearer wrong-token".to_string()),
+        Some(format!("Basic {TOKEN}")),
+        Some(format!("Bearer {TOKEN}x")),
+        Some("Bearer".to_string()),
+    ];
+    for (method, path, body) in admin_routes(s.checkpoint_path()) {
+        for auth in &wrong {
+            let (status, v) = s.send(method.clone(), path, auth.as_deref(), body.as_ref()).await;
+            assert_openai_error(status, &v, StatusCode::UNAUTHORIZED, &format!("{method} {path} with {auth:?}"));
+        }
+    }
+    // Nothing was done: not paused, not asleep, same weights and outputs.
+    assert!(!s.is_paused().await);
+    assert!(!s.is_sleeping().await);
+    let info = s.admin_ok(Method::GET, "/weight_info", None).await;
+    assert!(info["version"].is_null(), "{info}");
+    assert_eq!(s.probe().await, before);
+    // The token is case-sensitive but the scheme is not.
+    let (status, _) = s.send(Method::GET, "/is_paused", Some(&format!("bearer {TOKEN}")), None).await;
+    assert_eq!(status, StatusCode::OK);
+    s.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn malformed_parameters_are_400_naming_the_parameter() {
+    let s = Server::start().await;
+    let cases: Vec<(Method, &str, Option<Value>, Option<&str>)> = vec![
+        (Method::POST, "/sleep?level=3", None, Some("level")),
+        (Method::POST, "/sleep?level=one", None, Some("level")),
+        (Method::POST, "/sleep?level=-1", None, Some("level")),
+        (Method::POST, "/sleep?level=1&level=2", None, Some("level")),
+        (Method::POST, "/sleep?mode=pause", None, Some("mode")),
+        (Method::POST, "/sleep?levle=1", None, Some("levle")),
+        (Method::POST, "/sleep?timeout=0", None, Some("timeout")),
+        (Method::POST, "/pause?mode=nope", None, Some("mode")),
+        (Method::POST, "/pause?mode=", None, Some("mode")),
+        (Method::POST, "/pause?clear_cache=maybe", None, Some("clear_cache")),
+        (Method::POST, "/pause?timeout=soon", None, Some("timeout")),
+        (Method::POST, "/pause?mode=wait&wait_for_inflight_requests=true", None, Some("mode")),
+        (Method::POST, "/wake_up?tags=gpu", None, Some("tags")),
+        (Method::POST, "/wake_up?tags=weights&tags=", None, Some("tags")),
+        (Method::POST, "/wake_up?tag=weights", None, Some("tag")),
+        (Method::POST, "/reset_prefix_cache?reset_running_requests=2", None, Some("reset_running_requests")),
+        (Method::POST, "/resume?now=1", None, Some("now")),
+        (Method::POST, "/abort_requests", Some(json!({"ids": ["x"]})), None),
+        (Method::POST, "/abort_requests", Some(json!({"request_ids": "x"})), Some("request_ids")),
+        (Method::POST, "/abort_requests", Some(json!({"request_ids": [1]})), Some("request_ids[0]")),
+        (Method::POST, "/update_weights", Some(json!({})), None),
+        (Method::POST, "/update_weights", Some(json!({"path": ""})), Some("path")),
+        (Method::POST, "/update_weights", Some(json!({"path": 3})), Some("path")),
+    ];
+    for (method, path, body, param) in &cases {
+        let (status, v) = s.admin(method.clone(), path, body.as_ref()).await;
+        let ctx = format!("{method} {path} {body:?}");
+        assert_openai_error(status, &v, StatusCode::BAD_REQUEST, &ctx);
+        if let Some(p) = param {
+            assert_eq!(v["error"]["param"], *p, "{ctx}: {v}");
+        }
+    }
+    // A body that is not JSON at all.
+    let resp = s
+        .client
+        .post(s.url("/abort_requests"))
+        .header("authorization", format!("Bearer {TOKEN}"))
+        .body("not json")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), StatusCode::BAD_REQUEST);
+    // None of them touched the engine.
+    assert!(!s.is_paused().await);
+    assert!(!s.is_sleeping().await);
+    s.greedy("still serving").await;
+    s.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sleep_level_1_then_wake_restores_outputs_and_frees_memory() {
+    let s = Server::start().await;
+    let before = s.probe().await;
+    let awake = s.wait_all_blocks_free().await;
+    let awake_bytes = device_bytes(&awake);
+    assert_eq!(metric(&awake, "pdkv_sleeping"), 0.0);
+    assert_eq!(metric(&awake, "pdkv_sleep_level"), -1.0);
+
+    // Waking what is awake is a no-op.
+    s.admin_ok(Method::POST, "/wake_up", None).await;
+    assert!(!s.is_sleeping().await);
+    assert_eq!(s.probe().await, before);
+
+    let v = s.admin_ok(Method::POST, "/sleep?level=1", None).await;
+    assert_eq!(v["status"], "sleeping");
+    assert!(s.is_sleeping().await);
+    let (status, body) = s.post("/v1/completions", &greedy_body("asleep")).await;
+    assert_openai_error(status, &body, StatusCode::SERVICE_UNAVAILABLE, "completion while asleep");
+    let (status, body) = s
+        .post("/v1/chat/completions", &json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}))
+        .await;
+    assert_openai_error(status, &body, StatusCode::SERVICE_UNAVAILABLE, "chat while asleep");
+
+    let asleep = s.metrics().await;
+    assert_eq!(metric(&asleep, "pdkv_sleeping"), 1.0);
+    assert_eq!(metric(&asleep, "pdkv_sleep_level"), 1.0);
+    assert_eq!(metric(&asleep, "pdkv_sleep_duration_seconds_count"), 1.0);
+    let asleep_bytes = device_bytes(&asleep);
+    assert!(asleep_bytes <= 0.02 * awake_bytes, "asleep {asleep_bytes} bytes is more than 2% of awake {awake_bytes}");
+    // Level 1 keeps the weights in host memory.
+    let weights = metric(&awake, "pdkv_device_memory_bytes{tag=\"weights\"}");
+    assert!(metric(&asleep, "pdkv_host_backup_bytes") >= weights, "{asleep}");
+
+    let v = s.admin_ok(Method::POST, "/wake_up", None).await;
+    assert_eq!(v["is_sleeping"], false, "{v}");
+    assert!(!s.is_sleeping().await);
+    assert!(!s.is_paused().await);
+    assert_eq!(s.probe().await, before);
+    let m = s.wait_all_blocks_free().await;
+    assert_eq!(metric(&m, "pdkv_sleeping"), 0.0);
+    assert_eq!(device_bytes(&m), awake_bytes);
+    // Two wakes were measured: the no-op one and the real one.
+    assert_eq!(metric(&m, "pdkv_wake_duration_seconds_count"), 2.0);
+    s.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn selective_wake_in_both_orders() {
+    let s = Server::start().await;
+    let before = s.probe().await;
+    for order in [["weights", "kv_cache"], ["kv_cache", "weights"]] {
+        s.admin_ok(Method::POST, "/sleep?level=1", None).await;
+        let v = s.admin_ok(Method::POST, &format!("/wake_up?tags={}", order[0]), None).await;
+        assert_eq!(v["is_sleeping"], true, "{order:?}: {v}");
+        assert_eq!(v["asleep_tags"], json!([order[1]]), "{order:?}: {v}");
+        assert!(s.is_sleeping().await);
+        let (status, body) = s.post("/v1/completions", &greedy_body("half awake")).await;
+        assert_openai_error(status, &body, StatusCode::SERVICE_UNAVAILABLE, "completion while half awake");
+        let v = s.admin_ok(Method::POST, &format!("/wake_up?tags={}", order[1]), None).await;
+        assert_eq!(v["is_sleeping"], false, "{order:?}: {v}");
+        assert!(!s.is_sleeping().await);
+        assert_eq!(s.probe().await, before, "after waking {order:?}");
+    }
+    // Both tags in one call, repeated query parameters.
+    s.admin_ok(Method::POST, "/sleep?level=1", None).await;
+    s.admin_ok(Method::POST, "/wake_up?tags=weights&tags=kv_cache", None).await;
+    assert!(!s.is_sleeping().await);
+    assert_eq!(s.probe().await, before);
+    s.wait_all_blocks_free().await;
+    s.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn release_kv_cache_memory_needs_a_pause() {
+    let s = Server::start().await;
+    let before = s.probe().await;
+    let (status, v) = s.admin(Method::POST, "/release_kv_cache_memory", None).await;
+    assert_openai_error(status, &v, StatusCode::CONFLICT, "release while not paused");
+    assert!(v["error"]["message"].as_str().unwrap().contains("pause"), "{v}");
+
+    s.admin_ok(Method::POST, "/pause", None).await;
+    assert!(s.is_paused().await);
+    s.admin_ok(Method::POST, "/release_kv_cache_memory", None).await;
+    let m = s.metrics().await;
+    assert_eq!(metric(&m, "pdkv_device_memory_bytes{tag=\"kv_cache\"}"), 0.0, "{m}");
+    assert_eq!(metric(&m, "pdkv_paused"), 1.0);
+    let v = s.admin_ok(Method::POST, "/resume", None).await;
+    assert_eq!(v["status"], "resumed");
+    assert!(!s.is_paused().await);
+    assert_eq!(s.probe().await, before);
+    let m = s.wait_all_blocks_free().await;
+    assert!(metric(&m, "pdkv_device_memory_bytes{tag=\"kv_cache\"}") > 0.0);
+    assert_eq!(metric(&m, "pdkv_paused"), 0.0);
+    s.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pause_keep_holds_requests_until_resume() {
+    let s = Server::start_with("small", 7, Some(TOKEN), EngineConfig::default()).await;
+    let before = s.greedy("held back").await;
+    // A request running when the pause starts is frozen, not aborted.
+    let mut running = s.open_stream(json!({"max_tokens": 64}), None).await;
+    running.next_json().await;
+    let v = s.admin_ok(Method::POST, "/pause?mode=keep", None).await;
+    assert_eq!(v["status"], "paused");
+    assert!(s.is_paused().await);
+
+    // A request sent during a keep-pause queues.
+    let client = s.client.clone();
+    let url = s.url("/v1/completions");
+    let queued = tokio::spawn(async move {
+        let resp = client.post(url).json(&greedy_body("held back")).send().await.expect("send");
+        (resp.status(), resp.json::<Value>().await.expect("json"))
+    });
+    let m = s.wait_metrics("the request to queue", |m| metric(m, "pdkv_num_requests_waiting") >= 1.0).await;
+    assert_eq!(metric(&m, "pdkv_paused"), 1.0);
+    assert!(!queued.is_finished());
+
+    s.admin_ok(Method::POST, "/resume", None).await;
+    let (status, body) = tokio::time::timeout(DEADLINE, queued).await.expect("queued request ends").unwrap();
+    assert_eq!(status, StatusCode::OK, "{body}");
+    assert_eq!(body["choices"][0]["text"], before.as_str());
+    let (finish, done) = running.finish().await;
+    assert_eq!(finish.as_deref(), Some("length"));
+    assert!(done);
+    s.wait_all_blocks_free().await;
+    s.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pause_abort_ends_concurrent_streams_and_frees_blocks() {
+    let s = Server::start_with("small", 7, Some(TOKEN), EngineConfig::default()).await;
+    let mut streams = Vec::new();
+    for i in 0..8 {
+        streams.push(s.open_stream(json!({"prompt": format!("stream number {i}")}), None).await);
+    }
+    for st in &mut streams {
+        st.next_json().await;
+    }
+    s.admin_ok(Method::POST, "/pause?mode=abort", None).await;
+    for (i, st) in streams.iter_mut().enumerate() {
+        let (finish, done) = st.finish().await;
+        assert_eq!(finish.as_deref(), Some("abort"), "stream {i}");
+        assert!(done, "stream {i} ends with [DONE]");
+    }
+    let m = s.wait_all_blocks_free().await;
+    assert_eq!(metric(&m, "pdkv_requests_total{finish_reason=\"abort\"}"), 8.0);
+    // New requests during an abort pause are refused with a retryable 503.
+    let (status, body) = s.post("/v1/completions", &greedy_body("paused")).await;
+    assert_openai_error(status, &body, StatusCode::SERVICE_UNAVAILABLE, "completion while paused");
+    s.admin_ok(Method::POST, "/resume", None).await;
+    s.greedy("after resume").await;
+    s.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pause_wait_lets_running_requests_finish() {
+    let s = Server::start().await;
+    let mut running = s.open_stream(json!({"max_tokens": 32}), None).await;
+    running.next_json().await;
+    s.admin_ok(Method::POST, "/pause?mode=wait&timeout=30", None).await;
+    let (finish, _) = running.finish().await;
+    assert_eq!(finish.as_deref(), Some("length"));
+    assert!(s.is_paused().await);
+    s.wait_all_blocks_free().await;
+    s.admin_ok(Method::POST, "/resume", None).await;
+    s.greedy("after resume").await;
+    s.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn update_weights_matches_a_fresh_server_and_refuses_incompatible_ones() {
+    let s = Server::start().await;
+    let info = s.admin_ok(Method::GET, "/weight_info", None).await;
+    assert!(info["version"].is_null(), "{info}");
+    assert_eq!(info["path"], s.checkpoint_path().to_str().unwrap());
+    let seed7 = s.probe().await;
+
+    // A checkpoint of another shape is refused and the old weights keep serving.
+    let small = checkpoint("small", 2);
+    s.admin_ok(Method::POST, "/pause", None).await;
+    let (status, v) = s
+        .admin(
+            Method::POST,
+            "/update_weights",
+            Some(&json!({"path": small.path().to_str().unwrap(), "version": "bad"})),
+        )
+        .await;
+    assert_openai_error(status, &v, StatusCode::BAD_REQUEST, "incompatible weights");
+    s.admin_ok(Method::POST, "/resume", None).await;
+    assert_eq!(s.probe().await, seed7);
+    let info = s.admin_ok(Method::GET, "/weight_info", None).await;
+    assert!(info["version"].is_null(), "{info}");
+
+    // A compatible checkpoint (same shape, seed 2) replaces the weights.
+    let seed2_dir = checkpoint("tiny", 2);
+    let seed2_path = seed2_dir.path().to_str().unwrap().to_string();
+    s.admin_ok(Method::POST, "/pause", None).await;
+    let v = s.admin_ok(Method::POST, "/update_weights", Some(&json!({"path": seed2_path, "version": "v2"}))).await;
+    assert_eq!(v, json!({"status": "ok", "version": "v2"}));
+    s.admin_ok(Method::POST, "/resume", None).await;
+    let info = s.admin_ok(Method::GET, "/weight_info", None).await;
+    assert_eq!(info, json!({"version": "v2", "path": seed2_path}));
+    let reloaded = s.probe().await;
+    assert_ne!(reloaded, seed7, "seed 2 weights should change the sampled outputs");
+
+    let fresh = Server::start_with("tiny", 2, Some(TOKEN), EngineConfig::default()).await;
+    assert_eq!(reloaded, fresh.probe().await);
+    fresh.stop().await;
+    s.wait_all_blocks_free().await;
+    s.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sleep_level_2_then_reload_serves_the_new_weights() {
+    let s = Server::start().await;
+    let before = s.probe().await;
+    s.admin_ok(Method::POST, "/sleep?level=2", None).await;
+    let asleep = s.metrics().await;
+    assert_eq!(metric(&asleep, "pdkv_sleep_level"), 2.0);
+    assert_eq!(metric(&asleep, "pdkv_host_backup_bytes"), 0.0, "level 2 keeps no backup");
+    // Weights cannot be written while their memory is released.
+    let path = s.checkpoint_path().to_str().unwrap().to_string();
+    let (status, v) = s.admin(Method::POST, "/update_weights", Some(&json!({"path": path}))).await;
+    assert_openai_error(status, &v, StatusCode::CONFLICT, "update_weights while the weights sleep");
+    s.admin_ok(Method::POST, "/wake_up", None).await;
+    // Weights were discarded: nothing is served until they are reloaded.
+    let (status, body) = s.post("/v1/completions", &greedy_body("no weights")).await;
+    assert_openai_error(status, &body, StatusCode::SERVICE_UNAVAILABLE, "completion before reload");
+    assert_eq!(metric(&s.metrics().await, "pdkv_weights_discarded"), 1.0);
+    let path = s.checkpoint_path().to_str().unwrap().to_string();
+    // A checkpoint that does not exist is the client's mistake.
+    let (status, v) = s.admin(Method::POST, "/update_weights", Some(&json!({"path": "/nonexistent/checkpoint"}))).await;
+    assert_openai_error(status, &v, StatusCode::BAD_REQUEST, "update_weights from a missing path");
+    s.admin_ok(Method::POST, "/update_weights", Some(&json!({"path": path, "version": "again"}))).await;
+    assert_eq!(s.probe().await, before);
+    assert_eq!(metric(&s.metrics().await, "pdkv_weights_discarded"), 0.0);
+    s.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn abort_requests_by_id_and_request_ids() {
+    let s = Server::start_with("small", 7, Some(TOKEN), EngineConfig::default()).await;
+    // The id chosen with X-Request-Id is the response's id and header.
+    let mut a = s.open_stream(json!({}), Some("client-chosen-1")).await;
+    assert_eq!(a.header_id.as_deref(), Some("client-chosen-1"));
+    assert_eq!(a.next_json().await["id"], "client-chosen-1");
+    // One chosen with the body field, and a server-made one.
+    let mut b = s.open_stream(json!({"request_id": "body-chosen-2"}), None).await;
+    assert_eq!(b.next_json().await["id"], "body-chosen-2");
+    let mut c = s.open_stream(json!({}), None).await;
+    let c_id = c.next_json().await["id"].as_str().unwrap().to_string();
+    assert!(c_id.starts_with("cmpl-"), "{c_id}");
+    assert_eq!(c.header_id.as_deref(), Some(c_id.as_str()));
+
+    // A live id cannot be reused.
+    let (status, v) = s.post("/v1/completions", &json!({"prompt": "x", "request_id": "body-chosen-2"})).await;
+    assert_openai_error(status, &v, StatusCode::CONFLICT, "duplicate id");
+
+    let v = s
+        .admin_ok(
+            Method::POST,
+            "/abort_requests",
+            Some(&json!({"request_ids": ["client-chosen-1", "no-such-request", c_id]})),
+        )
+        .await;
+    let mut aborted: Vec<String> =
+        v["aborted"].as_array().unwrap().iter().map(|x| x.as_str().unwrap().to_string()).collect();
+    aborted.sort();
+    let mut want = vec!["client-chosen-1".to_string(), c_id.clone()];
+    want.sort();
+    assert_eq!(aborted, want);
+    assert_eq!(a.finish().await, (Some("abort".to_string()), true));
+    assert_eq!(c.finish().await, (Some("abort".to_string()), true));
+    // The other request is still running; abort it too.
+    let v = s.admin_ok(Method::POST, "/abort_requests", Some(&json!({"request_ids": ["body-chosen-2"]}))).await;
+    assert_eq!(v["aborted"], json!(["body-chosen-2"]));
+    assert_eq!(b.finish().await, (Some("abort".to_string()), true));
+    let v = s.admin_ok(Method::POST, "/abort_requests", Some(&json!({"request_ids": []}))).await;
+    assert_eq!(v["aborted"], json!([]));
+    s.wait_all_blocks_free().await;
+
+    // Ids are checked.
+    let resp = s
+        .client
+        .post(s.url("/v1/completions"))
+        .header("x-request-id", "x".repeat(300))
+        .json(&greedy_body("a"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), StatusCode::BAD_REQUEST);
+    let v: Value = resp.json().await.unwrap();
+    assert_eq!(v["error"]["param"], "X-Request-Id");
+    let (status, v) = s.post("/v1/completions", &json!({"prompt": "a", "request_id": ""})).await;
+    assert_openai_error(status, &v, StatusCode::BAD_REQUEST, "empty request_id");
+    // A finished id is free again.
+    let (status, v) =
+        s.post("/v1/completions", &json!({"prompt": "a", "max_tokens": 2, "request_id": "body-chosen-2"})).await;
+    assert_eq!(status, StatusCode::OK, "{v}");
+    assert_eq!(v["id"], "body-chosen-2");
+    s.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reset_prefix_cache_reports_success() {
+    let s = Server::start().await;
+    let prompt = "a prompt long enough to fill more than one block of sixteen tokens, twice over for sure";
+    s.greedy(prompt).await;
+    s.greedy(prompt).await;
+    let m = s.wait_all_blocks_free().await;
+    let hits = metric(&m, "pdkv_prefix_cache_hits_total");
+    assert!(hits > 0.0, "the second run should hit the prefix cache");
+    let v = s.admin_ok(Method::POST, "/reset_prefix_cache", None).await;
+    assert_eq!(v, json!({"success": true}));
+    // After the reset the same prompt finds nothing cached.
+    s.greedy(prompt).await;
+    let m = s.wait_all_blocks_free().await;
+    assert_eq!(metric(&m, "pdkv_prefix_cache_hits_total"), hits);
+    let v = s.admin_ok(Method::POST, "/reset_prefix_cache?reset_running_requests=true", None).await;
+    assert_eq!(v, json!({"success": true}));
+    s.stop().await;
+}
