@@ -10,7 +10,13 @@
 //!   returns a [`RequestStream`] of [`RequestOutput`]s. Dropping the stream
 //!   before it finished aborts the request (a client that disconnects).
 //! - [`EngineHandle::abort`] aborts by id; [`EngineHandle::stats`] snapshots
-//!   counters for metrics.
+//!   counters for metrics (lifecycle flags and sleep/wake durations included).
+//! - Lifecycle ([`lifecycle`]): `pause`/`resume`, `sleep`/`wake_up`,
+//!   `release_kv_cache_memory`, `reset_prefix_cache_with`, `abort_requests`,
+//!   `update_weights` (in place), `weight_info`, `lifecycle_status`. Each one
+//!   runs on the core thread between steps and blocks the caller (bounded)
+//!   until the core applied it; requests refused meanwhile get
+//!   [`AddRequestError::Unavailable`].
 
 pub mod block_pool;
 mod core;
