@@ -145,10 +145,19 @@ impl std::fmt::Display for ApiError {
 
 impl std::error::Error for ApiError {}
 
+/// The code of a 503 that clears by itself (paused, asleep, weights being
+/// reloaded): such responses carry `Retry-After`.
+pub const RETRYABLE_CODE: &str = "engine_not_serving";
+
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         let body = self.body_json();
-        (self.status, [(axum::http::header::CONTENT_TYPE, "application/json")], body).into_response()
+        let mut resp =
+            (self.status, [(axum::http::header::CONTENT_TYPE, "application/json")], body).into_response();
+        if self.code == Some(RETRYABLE_CODE) {
+            resp.headers_mut().insert(axum::http::header::RETRY_AFTER, axum::http::HeaderValue::from_static("1"));
+        }
+        resp
     }
 }
 
@@ -162,7 +171,8 @@ impl From<AddRequestError> for ApiError {
             AddRequestError::Invalid(_) => ApiError::invalid(message),
             // Ids can come from clients (`X-Request-Id`, `request_id`).
             AddRequestError::DuplicateId(_) => ApiError::conflict(message).with_code("duplicate_request_id"),
-            AddRequestError::Stopped | AddRequestError::Unavailable(_) => ApiError::unavailable(message),
+            AddRequestError::Stopped => ApiError::unavailable(message),
+            AddRequestError::Unavailable(_) => ApiError::unavailable(message).with_code(RETRYABLE_CODE),
         }
     }
 }

@@ -404,6 +404,9 @@ async fn sleep_level_1_then_wake_restores_outputs_and_frees_memory() {
     assert!(s.is_sleeping().await);
     let (status, body) = s.post("/v1/completions", &greedy_body("asleep")).await;
     assert_openai_error(status, &body, StatusCode::SERVICE_UNAVAILABLE, "completion while asleep");
+    assert_eq!(body["error"]["code"], "engine_not_serving", "a retryable 503: {body}");
+    let resp = s.client.post(s.url("/v1/completions")).json(&greedy_body("asleep")).send().await.unwrap();
+    assert_eq!(resp.headers().get("retry-after").map(|v| v.to_str().unwrap()), Some("1"));
     let (status, body) = s
         .post("/v1/chat/completions", &json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}))
         .await;
