@@ -7,6 +7,7 @@
 
 mod bench;
 mod bench_sleep;
+mod bench_transfer;
 mod fetch;
 mod progress;
 mod serve;
@@ -83,6 +84,8 @@ enum BenchCommand {
     /// Sleep and wake latency and memory per sleep level, with a greedy
     /// probe checking that outputs after every wake equal the awake run.
     Sleep(bench_sleep::SleepArgs),
+    /// Transfer throughput over TCP loopback and shared memory, beside raw baselines.
+    Transfer(bench_transfer::TransferArgs),
 }
 
 fn init_logging() {
@@ -112,6 +115,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         }
         Command::Bench(BenchCommand::Decode(args)) => bench::run_decode(args),
         Command::Bench(BenchCommand::Sleep(args)) => bench_sleep::run_sleep(args),
+        Command::Bench(BenchCommand::Transfer(args)) => bench_transfer::run_transfer(args),
     }
 }
 

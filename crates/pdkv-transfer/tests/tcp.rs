@@ -1,0 +1,346 @@
+//! The TCP driver against real sockets on 127.0.0.1.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use pdkv_transfer::frame::{Header, Target, HEADER_LEN};
+use pdkv_transfer::proto::{InitiatorConfig, TransferError};
+use pdkv_transfer::tcp::{Agent, AgentConfig, BatchError};
+use pdkv_transfer::{AccessError, Registration, Registry, RegistryOptions};
+use pdkv_vmem::{Pool, PoolOptions, Region, Tag};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+
+const MIB: usize = 1 << 20;
+
+fn cfg(slice: u64) -> AgentConfig {
+    AgentConfig {
+        conns_per_peer: 3,
+        initiator: InitiatorConfig { max_slice: slice, max_inflight_per_conn: 4, ..Default::default() },
+        ..Default::default()
+    }
+}
+
+struct Side {
+    pool: Pool,
+    region: Arc<Region>,
+    reg: Registration,
+    agent: Agent,
+}
+
+async fn side(len: usize, seed: u64, slice: u64) -> Side {
+    let pool = Pool::new(PoolOptions { chunk_size: 256 << 10, single_allocation: false });
+    let region = pool.allocate(Tag::KvCache, len).unwrap();
+    let registry = Arc::new(Registry::new(RegistryOptions { max_segments: 64, key_seed: Some(seed) }));
+    let reg = registry.register(&region, 0, len).unwrap();
+    let agent = Agent::bind("127.0.0.1:0", registry, cfg(slice)).await.unwrap();
+    Side { pool, region, reg, agent }
+}
+
+fn pattern(len: usize, seed: u64) -> Vec<u8> {
+    let mut s = seed;
+    (0..len)
+        .map(|_| {
+            s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            (s >> 56) as u8
+        })
+        .collect()
+}
+
+fn read_region(r: &Region, off: usize, len: usize) -> Vec<u8> {
+    let mut v = vec![0; len];
+    r.read_bytes(off, &mut v).unwrap();
+    v
+}
+
+const DL: Duration = Duration::from_secs(10);
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn many_concurrent_batches_from_many_tasks_land_correctly() {
+    let server = Arc::new(side(8 * MIB, 1, 64 << 10).await);
+    let client = Arc::new(side(8 * MIB, 2, 64 << 10).await);
+    const TASKS: usize = 16;
+    const PART: usize = 256 << 10; // each task: 4 transfers of 64 KiB..., sliced at 64 KiB
+    let mut joins = Vec::new();
+    for t in 0..TASKS {
+        let (server, client) = (server.clone(), client.clone());
+        joins.push(tokio::spawn(async move {
+            // Task t owns [t*PART, (t+1)*PART) on both sides for its write, and
+            // the upper 4 MiB of the client for reading back.
+            let data = pattern(PART, t as u64 + 100);
+            client.region.write_bytes(t * PART, &data).unwrap();
+            // Two transfers per batch, crossing slice boundaries oddly.
+            let cut = 100_003;
+            let ops = vec![
+                (client.agent.local(&client.reg, (t * PART) as u64, cut).unwrap(), server.agent.describe(&server.reg, (t * PART) as u64, cut)),
+                (
+                    client.agent.local(&client.reg, (t * PART) as u64 + cut, PART as u64 - cut).unwrap(),
+                    server.agent.describe(&server.reg, (t * PART) as u64 + cut, PART as u64 - cut),
+                ),
+            ];
+            client.agent.write(ops, Some(format!("task {t}").into_bytes()), DL).await.unwrap();
+            let back = (4 * MIB + t * PART) as u64;
+            let ops = vec![(server.agent.describe(&server.reg, (t * PART) as u64, PART as u64), client.agent.local(&client.reg, back, PART as u64).unwrap())];
+            client.agent.read(ops, DL).await.unwrap();
+            assert!(read_region(&client.region, back as usize, PART) == data, "task {t} read back its bytes");
+            data
+        }));
+    }
+    let mut all = Vec::new();
+    for j in joins {
+        all.push(j.await.unwrap());
+    }
+    for (t, data) in all.iter().enumerate() {
+        assert!(&read_region(&server.region, t * PART, PART) == data, "task {t}'s bytes landed on the server");
+    }
+    // Every notification arrived, each after its batch's data.
+    let mut notes = Vec::new();
+    for _ in 0..TASKS {
+        notes.push(String::from_utf8(server.agent.recv_notification(DL).await.unwrap().payload).unwrap());
+    }
+    notes.sort();
+    let mut want: Vec<String> = (0..TASKS).map(|t| format!("task {t}")).collect();
+    want.sort();
+    assert_eq!(notes, want);
+    let stats = client.agent.peer_stats().await;
+    assert_eq!(stats.len(), 1);
+    assert_eq!(stats[0].1.bytes_written, (TASKS * PART) as u64);
+    assert_eq!(stats[0].1.bytes_read, (TASKS * PART) as u64);
+    assert_eq!(stats[0].1.failures, [0; 4]);
+}
+
+/// Sends one raw frame and returns the header of the answer (None: closed).
+async fn raw(s: &mut TcpStream, h: Header, data: &[u8]) -> Option<Header> {
+    s.write_all(&h.encode()).await.ok()?;
+    s.write_all(data).await.ok()?;
+    answer(s).await
+}
+
+async fn answer(s: &mut TcpStream) -> Option<Header> {
+    let mut b = [0u8; HEADER_LEN];
+    tokio::time::timeout(DL, s.read_exact(&mut b)).await.expect("an answer or a close, never a hang").ok()?;
+    let h = Header::decode(&b, &Default::default()).unwrap();
+    let mut data = vec![0; h.data_len()];
+    s.read_exact(&mut data).await.ok()?;
+    Some(h)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hostile_client_is_refused_every_time_and_others_keep_being_served() {
+    let server = side(MIB, 3, 64 << 10).await;
+    let good = side(MIB, 4, 64 << 10).await;
+    let secret = pattern(MIB, 9);
+    server.region.write_bytes(0, &secret).unwrap();
+    let reg = server.reg;
+    let addr = server.agent.local_addr();
+    let target = |key, epoch, offset, len| Target { segment: reg.segment, key, epoch, offset, len };
+
+    let good_round = |n: u64| {
+        let (good, server, secret) = (&good, &server, &secret);
+        async move {
+            let ops = vec![(server.agent.describe(&server.reg, 4096 * n, 4096), good.agent.local(&good.reg, 0, 4096).unwrap())];
+            good.agent.read(ops, DL).await.unwrap();
+            assert!(read_region(&good.region, 0, 4096) == secret[4096 * n as usize..4096 * (n as usize + 1)]);
+        }
+    };
+
+    let mut s = TcpStream::connect(addr).await.unwrap();
+    let refusals: Vec<(Header, Vec<u8>, AccessError)> = vec![
+        (Header::WriteReq { op: 1, target: target(reg.key ^ 1, reg.epoch, 0, 8) }, vec![0xAA; 8], AccessError::BadKey { segment: reg.segment }),
+        (Header::ReadReq { op: 2, target: target(reg.key ^ 1, reg.epoch, 0, 8) }, vec![], AccessError::BadKey { segment: reg.segment }),
+        (
+            Header::ReadReq { op: 3, target: target(reg.key, reg.epoch, MIB as u64 - 4, 8) },
+            vec![],
+            AccessError::OutOfBounds { offset: MIB as u64 - 4, len: 8, registered: MIB as u64 },
+        ),
+        (
+            Header::WriteReq { op: 4, target: target(reg.key, reg.epoch, u64::MAX - 2, 8) },
+            vec![0xAA; 8],
+            AccessError::OutOfBounds { offset: u64::MAX - 2, len: 8, registered: MIB as u64 },
+        ),
+        (
+            Header::WriteReq { op: 5, target: target(reg.key, reg.epoch + 5, 0, 8) },
+            vec![0xAA; 8],
+            AccessError::StaleEpoch { have: reg.epoch + 5, want: reg.epoch },
+        ),
+        (
+            Header::ReadReq { op: 6, target: Target { segment: 999, ..target(reg.key, reg.epoch, 0, 8) } },
+            vec![],
+            AccessError::UnknownSegment { segment: 999 },
+        ),
+    ];
+    for (n, (h, data, want)) in refusals.into_iter().enumerate() {
+        let got = raw(&mut s, h, &data).await;
+        match got {
+            Some(Header::Error { error, .. }) => assert_eq!(error, want.into()),
+            other => panic!("expected a refusal {want:?}, got {other:?}"),
+        }
+        good_round(n as u64).await;
+    }
+    assert!(read_region(&server.region, 0, MIB) == secret, "no refused write touched memory");
+    assert_eq!(server.agent.serve_stats().refused_total(), 6);
+
+    // Old epoch after re-registration: refused, never the stale pages.
+    server.pool.discard(&[Tag::KvCache]).unwrap();
+    server.pool.wake(&[Tag::KvCache]).unwrap();
+    let fresh = pattern(MIB, 10);
+    server.region.write_bytes(0, &fresh).unwrap();
+    let new = server.agent.registry().register(&server.region, 0, MIB).unwrap();
+    assert_eq!(new.epoch, reg.epoch + 1);
+    let got = raw(&mut s, Header::ReadReq { op: 7, target: target(reg.key, reg.epoch, 0, 16) }, &[]).await;
+    assert!(matches!(got, Some(Header::Error { error, .. }) if error == AccessError::StaleEpoch { have: 1, want: 2 }.into()));
+    let old_desc = server.agent.describe(&reg, 0, 4096);
+    let err = good.agent.read(vec![(old_desc, good.agent.local(&good.reg, 0, 4096).unwrap())], DL).await.unwrap_err();
+    assert!(matches!(err, BatchError::Transfer(TransferError::Remote(_))), "{err:?}");
+    let new_desc = server.agent.describe(&new, 0, 4096);
+    good.agent.read(vec![(new_desc, good.agent.local(&good.reg, 0, 4096).unwrap())], DL).await.unwrap();
+    assert!(read_region(&good.region, 0, 4096) == fresh[..4096], "the new epoch serves the new pages");
+
+    // Garbage: each kind closes that connection only.
+    let garbage: Vec<Vec<u8>> = vec![
+        b"GET / HTTP/1.1\r\nHost: x\r\n\r\n".iter().copied().cycle().take(HEADER_LEN).collect(),
+        {
+            let mut h = Header::ReadReq { op: 1, target: target(new.key, new.epoch, 0, 8) }.encode();
+            h[5] = 200;
+            h.to_vec()
+        },
+        {
+            let mut h = Header::WriteReq { op: 1, target: target(new.key, new.epoch, 0, 8) }.encode();
+            h[8..12].copy_from_slice(&u32::MAX.to_le_bytes());
+            h.to_vec()
+        },
+        Header::WriteAck { op: 1 }.encode().to_vec(),
+    ];
+    for (n, g) in garbage.into_iter().enumerate() {
+        let mut bad = TcpStream::connect(addr).await.unwrap();
+        bad.write_all(&g).await.unwrap();
+        let mut b = [0u8; 1];
+        let r = tokio::time::timeout(DL, bad.read(&mut b)).await.expect("closed, not hung");
+        assert!(matches!(r, Ok(0) | Err(_)), "garbage {n}: the connection is closed");
+        let ops = vec![(server.agent.describe(&new, 0, 4096), good.agent.local(&good.reg, 0, 4096).unwrap())];
+        good.agent.read(ops, DL).await.unwrap();
+    }
+    assert_eq!(server.agent.serve_stats().malformed.load(std::sync::atomic::Ordering::Relaxed), 4);
+    assert!(read_region(&server.region, 0, MIB) == fresh);
+}
+
+/// A fake peer that takes one request's header and then dies (closes) or
+/// hangs (keeps the socket, never answers).
+async fn fake_peer(die: bool) -> (String, tokio::task::JoinHandle<()>) {
+    let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = l.local_addr().unwrap().to_string();
+    let task = tokio::spawn(async move {
+        let mut held = Vec::new();
+        loop {
+            let (mut s, _) = l.accept().await.unwrap();
+            let mut b = [0u8; HEADER_LEN];
+            if die {
+                tokio::spawn(async move {
+                    let _ = s.read_exact(&mut b).await;
+                    drop(s);
+                });
+            } else {
+                held.push(s);
+            }
+        }
+    });
+    (addr, task)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_peer_fails_with_peer_lost_and_a_hung_one_by_the_deadline() {
+    let client = side(4 * MIB, 5, 64 << 10).await;
+    let remote = Registration { segment: 1, key: 2, epoch: 1, len: 4 * MIB as u64 };
+    for die in [true, false] {
+        let (addr, task) = fake_peer(die).await;
+        let desc = pdkv_transfer::RemoteDescriptor::new(addr, &remote, 0, 4 * MIB as u64);
+        let deadline = Duration::from_millis(if die { 5000 } else { 300 });
+        let t0 = Instant::now();
+        let err = client.agent.write(vec![(client.agent.local(&client.reg, 0, 4 * MIB as u64).unwrap(), desc)], None, deadline).await.unwrap_err();
+        let took = t0.elapsed();
+        if die {
+            assert!(matches!(err, BatchError::Transfer(TransferError::PeerLost)), "{err:?}");
+        } else {
+            assert!(matches!(err, BatchError::Transfer(TransferError::Timeout)), "{err:?}");
+            assert!(took >= deadline, "not before the deadline");
+        }
+        assert!(took < deadline + Duration::from_secs(1), "by the deadline: {took:?}");
+        task.abort();
+    }
+}
+
+#[test]
+fn a_real_agent_killed_mid_transfer_fails_the_batch_with_peer_lost() {
+    // The server agent lives in its own runtime; shutting that runtime down
+    // drops its tasks and closes its sockets, as a killed process would.
+    let server_rt = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build().unwrap();
+    const SERVER: usize = 512 * MIB;
+    let server = server_rt.block_on(side(SERVER, 6, MIB as u64));
+    let stats = server.agent.serve_stats().clone();
+    let client_rt = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build().unwrap();
+    client_rt.block_on(async {
+        let client = side(16 * MIB, 7, MIB as u64).await;
+        let local = client.agent.local(&client.reg, 0, 16 * MIB as u64).unwrap();
+        // 32 x 16 MiB into distinct ranges: far more than moves before the kill.
+        let ops: Vec<_> = (0..32u64)
+            .map(|i| (local.clone(), server.agent.describe(&server.reg, i * 16 * MIB as u64, 16 * MIB as u64)))
+            .collect();
+        let progress = stats.progress.notified();
+        let t0 = Instant::now();
+        let batch = client.agent.start(pdkv_transfer::proto::Direction::Write, ops, None, DL).await.unwrap();
+        tokio::time::timeout(DL, progress).await.expect("the server served a slice");
+        server_rt.shutdown_background();
+        let res = batch.wait().await;
+        assert_eq!(res, Err(TransferError::PeerLost));
+        assert!(t0.elapsed() < DL, "failed by the deadline");
+        assert!(stats.bytes_in.load(std::sync::atomic::Ordering::Relaxed) < SERVER as u64);
+    });
+    drop(server);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn deregistering_under_an_operation_in_flight_ends_it_cleanly() {
+    let server = side(2 * MIB, 8, 256 << 10).await;
+    let client = side(64 * MIB, 9, 256 << 10).await;
+    let desc = server.agent.describe(&server.reg, 0, 2 * MIB as u64);
+    // 32 reads of the same remote range into distinct local ranges.
+    let ops: Vec<_> =
+        (0..32u64).map(|i| (client.agent.local(&client.reg, i * 2 * MIB as u64, 2 * MIB as u64).unwrap(), desc.clone())).collect();
+    let progress = server.agent.serve_stats().progress.notified();
+    let batch = client.agent.start(pdkv_transfer::proto::Direction::Read, ops, None, DL).await.unwrap();
+    tokio::time::timeout(DL, progress).await.expect("the server served a slice");
+    assert!(server.agent.registry().deregister(server.reg.segment));
+    let res = tokio::time::timeout(DL + Duration::from_secs(1), batch.wait()).await.expect("never hangs");
+    match res {
+        Ok(()) => {}
+        Err(TransferError::Remote(e)) => {
+            assert_eq!(e, AccessError::NotRegistered { segment: server.reg.segment }.into())
+        }
+        Err(other) => panic!("unexpected end: {other:?}"),
+    }
+    // The next access is refused.
+    let err = client.agent.read(vec![(server.agent.describe(&server.reg, 0, 8), client.agent.local(&client.reg, 0, 8).unwrap())], DL).await;
+    assert!(matches!(err, Err(BatchError::Transfer(TransferError::Remote(_)))));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cancel_ends_a_batch_at_once_and_the_peer_stays_usable() {
+    let server = side(16 * MIB, 10, 256 << 10).await;
+    let client = side(16 * MIB, 11, 256 << 10).await;
+    // The cancelled batch covers [0, 8 MiB) on both sides; the check after
+    // it uses [12 MiB, +4 KiB), which late slices of it cannot reach.
+    let desc = server.agent.describe(&server.reg, 0, 8 * MIB as u64);
+    let local = client.agent.local(&client.reg, 0, 8 * MIB as u64).unwrap();
+    let ops = vec![(local, desc)];
+    let batch = client.agent.start(pdkv_transfer::proto::Direction::Write, ops, None, DL).await.unwrap();
+    batch.cancel();
+    assert_eq!(batch.wait().await, Err(TransferError::Cancelled));
+    let data = pattern(4096, 3);
+    let at = 12 * MIB;
+    client.region.write_bytes(at, &data).unwrap();
+    let ops = vec![(client.agent.local(&client.reg, at as u64, 4096).unwrap(), server.agent.describe(&server.reg, at as u64, 4096))];
+    client.agent.write(ops, None, DL).await.unwrap();
+    assert!(read_region(&server.region, at, 4096) == data);
+    let stats = client.agent.peer_stats().await;
+    assert_eq!(stats[0].1.failures, [0, 0, 1, 0]);
+}
