@@ -54,8 +54,10 @@ fn released_memory_is_freed_only_after_deregistration_and_the_last_access() {
     let reg = registry.register(&region, LEN / 4, LEN / 2).unwrap();
     let grant = registry.local(&reg, 0, 4096).unwrap();
     pool.discard(&[Tag::KvCache]).unwrap();
-    assert_eq!(pool.device_bytes().get(Tag::KvCache), 0, "the region holds nothing");
+    assert_eq!(region.physical_bytes(), 0, "the region holds nothing");
     assert_eq!(live_kv_memfd_bytes(), (LEN / 2) as u64, "the registration still pins its two chunks");
+    assert_eq!(pool.device_bytes().get(Tag::KvCache), (LEN / 2) as u64, "and the pool counts them");
+    assert_eq!(pool.pinned_bytes(), (LEN / 2) as u64);
 
     // Waking maps fresh pages; the pinned old ones are still there too.
     pool.wake(&[Tag::KvCache]).unwrap();
@@ -65,6 +67,8 @@ fn released_memory_is_freed_only_after_deregistration_and_the_last_access() {
     assert_eq!(live_kv_memfd_bytes(), (LEN + LEN / 2) as u64, "an access in flight keeps them");
     drop(grant);
     assert_eq!(live_kv_memfd_bytes(), LEN as u64, "freed after deregistration and the last access");
+    assert_eq!(pool.device_bytes().get(Tag::KvCache), LEN as u64);
+    assert_eq!(pool.pinned_bytes(), 0);
 
     // The fix's order: deregister, release, wake, register again -> nothing leaks.
     let reg = registry.register(&region, 0, LEN).unwrap();
@@ -95,11 +99,13 @@ fn shared_memory_is_freed_only_after_every_peer_acked_its_unmap() {
         imp.map(&reg, std::time::Duration::from_secs(10)).unwrap();
     }
     pool.discard(&[Tag::KvCache]).unwrap();
-    assert_eq!(pool.device_bytes().total(), 0);
+    assert_eq!(region.physical_bytes(), 0);
+    assert_eq!(pool.device_bytes().total(), LEN as u64, "the registration pins the pages");
     assert_eq!(live_kv_memfd_bytes(), LEN as u64, "registration and three peers' mappings pin the pages");
     // Dropping the registry's registration alone would not free them: the
     // peers' mappings pin them too. The exporter waits for every ack.
     exp.deregister(reg.segment, std::time::Duration::from_secs(10)).unwrap();
     assert!(importers.iter().all(|i| i.unmapped() == 1));
     assert_eq!(live_kv_memfd_bytes(), 0, "freed once every peer acked and the registration went");
+    assert_eq!(pool.device_bytes().total(), 0);
 }

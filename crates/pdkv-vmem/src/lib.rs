@@ -122,6 +122,7 @@ impl Default for PoolOptions {
 pub struct Chunk {
     fd: OwnedFd,
     len: usize,
+    tag: Tag,
 }
 
 impl Chunk {
@@ -147,7 +148,7 @@ impl Chunk {
         if unsafe { libc::fallocate(fd.as_raw_fd(), 0, 0, len as libc::off_t) } != 0 {
             return Err(os_err("fallocate"));
         }
-        Ok(Chunk { fd, len })
+        Ok(Chunk { fd, len, tag })
     }
 
     pub fn len(&self) -> usize {
@@ -156,6 +157,10 @@ impl Chunk {
 
     pub fn is_empty(&self) -> bool {
         self.len == 0
+    }
+
+    pub fn tag(&self) -> Tag {
+        self.tag
     }
 
     pub fn raw_fd(&self) -> RawFd {
@@ -199,6 +204,26 @@ pub struct Region {
     tag: Tag,
     opts: PoolOptions,
     state: Mutex<RegionState>,
+    ledger: Arc<Ledger>,
+}
+
+/// Every chunk a pool created that is still alive, wherever it is held: by
+/// its region, or by someone who pinned it (a registration, a peer's map).
+#[derive(Default)]
+struct Ledger {
+    chunks: Mutex<Vec<Weak<Chunk>>>,
+}
+
+impl Ledger {
+    fn record(&self, chunk: &Arc<Chunk>) {
+        let mut chunks = self.chunks.lock().unwrap();
+        chunks.retain(|w| w.strong_count() > 0);
+        chunks.push(Arc::downgrade(chunk));
+    }
+
+    fn live(&self) -> Vec<Arc<Chunk>> {
+        self.chunks.lock().unwrap().iter().filter_map(Weak::upgrade).collect()
+    }
 }
 
 /// What backs a region right now.
@@ -215,7 +240,7 @@ unsafe impl Send for Region {}
 unsafe impl Sync for Region {}
 
 impl Region {
-    fn new(tag: Tag, len: usize, opts: &PoolOptions) -> Result<Region> {
+    fn new(tag: Tag, len: usize, opts: &PoolOptions, ledger: Arc<Ledger>) -> Result<Region> {
         if len == 0 {
             return Err(VmemError::ZeroLength);
         }
@@ -244,6 +269,7 @@ impl Region {
             tag,
             opts: opts.clone(),
             state: Mutex::new(RegionState { chunks: Vec::new(), backup: None }),
+            ledger,
         };
         let chunks = region.map_fresh_chunks()?;
         region.state.lock().unwrap().chunks = chunks;
@@ -262,6 +288,7 @@ impl Region {
         while offset < self.len {
             let clen = step.min(self.len - offset);
             let chunk = Arc::new(Chunk::create(self.tag, clen)?);
+            self.ledger.record(&chunk);
             // SAFETY: [base+offset, +clen) lies inside our reservation;
             // MAP_FIXED replaces exactly that part of it.
             let p = unsafe {
@@ -486,6 +513,7 @@ pub struct Pool {
 struct PoolInner {
     opts: PoolOptions,
     regions: Mutex<Vec<Weak<Region>>>,
+    ledger: Arc<Ledger>,
 }
 
 impl Default for Pool {
@@ -500,6 +528,7 @@ impl Pool {
             inner: Arc::new(PoolInner {
                 opts,
                 regions: Mutex::new(Vec::new()),
+                ledger: Arc::default(),
             }),
         }
     }
@@ -511,7 +540,7 @@ impl Pool {
     /// Reserves `len` bytes (rounded up to whole pages) and backs them with
     /// fresh zeroed physical chunks.
     pub fn allocate(&self, tag: Tag, len: usize) -> Result<Arc<Region>> {
-        let region = Arc::new(Region::new(tag, len, &self.inner.opts)?);
+        let region = Arc::new(Region::new(tag, len, &self.inner.opts, self.inner.ledger.clone())?);
         let mut regions = self.inner.regions.lock().unwrap();
         regions.retain(|w| w.strong_count() > 0);
         regions.push(Arc::downgrade(&region));
@@ -561,13 +590,29 @@ impl Pool {
         self.regions().iter().map(|r| r.host_backup_bytes()).sum()
     }
 
-    /// Live physical bytes per tag, read from the memfds.
+    /// Live physical bytes per tag, read from the memfds: every chunk this
+    /// pool created that is still alive, mapped in its region or not (a
+    /// chunk pinned by a registration after its region slept still counts).
     pub fn device_bytes(&self) -> TagBytes {
         let mut out = TagBytes::default();
-        for r in self.regions() {
-            out.0[r.tag().index()] += r.physical_bytes();
+        for c in self.inner.ledger.live() {
+            out.0[c.tag().index()] += c.physical_bytes();
         }
         out
+    }
+
+    /// Physical bytes of chunks that are alive but no longer mapped in any
+    /// region of this pool: pinned by someone else after a release.
+    pub fn pinned_bytes(&self) -> u64 {
+        let mapped: Vec<*const Chunk> =
+            self.regions().iter().flat_map(|r| r.chunks()).map(|m| Arc::as_ptr(&m.chunk)).collect();
+        self.inner
+            .ledger
+            .live()
+            .iter()
+            .filter(|c| !mapped.contains(&Arc::as_ptr(c)))
+            .map(|c| c.physical_bytes())
+            .sum()
     }
 }
 
@@ -689,9 +734,13 @@ mod tests {
         fill(&r, 1);
         let pinned = r.chunks()[0].chunk.clone();
         pool.discard(&[Tag::KvCache]).unwrap();
-        assert_eq!(pool.device_bytes().total(), 0, "the region holds nothing");
+        assert_eq!(r.physical_bytes(), 0, "the region holds nothing");
         assert_eq!(pinned.physical_bytes(), pinned.len() as u64, "but the held chunk keeps its pages");
+        assert_eq!(pool.device_bytes().get(Tag::KvCache), pinned.len() as u64, "and they are counted");
+        assert_eq!(pool.pinned_bytes(), pinned.len() as u64);
         drop(pinned);
+        assert_eq!(pool.device_bytes().total(), 0, "freed when the last holder lets go");
+        assert_eq!(pool.pinned_bytes(), 0);
     }
 
     #[test]
