@@ -4,40 +4,19 @@
 //! KV-cache release, prefix-cache reset, aborts by request id, in-place
 //! weight reloads, and the lifecycle metrics.
 
-use std::net::SocketAddr;
+mod common;
+
 use std::path::Path;
 use std::pin::Pin;
-use std::time::{Duration, Instant};
 
 use futures::{Stream, StreamExt};
-use pdkv_engine::{Engine, EngineConfig, EngineHandle};
-use pdkv_model::Arch;
-use pdkv_server::AppState;
-use pdkv_vmem::Pool;
+use pdkv_engine::EngineConfig;
 use reqwest::{Method, StatusCode};
 use serde_json::{json, Value};
-use tokio::sync::oneshot;
 
-const SERVED: &str = "tiny-test";
+use common::{assert_openai_error, checkpoint, metric, Server, DEADLINE};
+
 const TOKEN: &str = "test-admin-token";
-/// Bound on every wait in these tests.
-const DEADLINE: Duration = Duration::from_secs(60);
-
-/// Writes a random Llama checkpoint of `preset` with `seed` into a new temp dir.
-fn checkpoint(preset: &str, seed: u64) -> tempfile::TempDir {
-    let dir = tempfile::tempdir().expect("tempdir");
-    pdkv_model::init::write_random_checkpoint(Arch::Llama, preset, seed, dir.path()).expect("write checkpoint");
-    dir
-}
-
-struct Server {
-    base: String,
-    engine: EngineHandle,
-    client: reqwest::Client,
-    stop: Option<oneshot::Sender<()>>,
-    task: Option<tokio::task::JoinHandle<std::io::Result<()>>>,
-    dir: tempfile::TempDir,
-}
 
 impl Server {
     /// The tiny preset, seed 7, admin API on.
@@ -46,32 +25,7 @@ impl Server {
     }
 
     async fn start_with(preset: &str, seed: u64, token: Option<&str>, config: EngineConfig) -> Server {
-        let dir = checkpoint(preset, seed);
-        let pool = Pool::default();
-        let model = pdkv_model::load_model(dir.path(), &pool, &mut |_| {}).expect("load model");
-        let engine = Engine::start(model, pool, config).expect("start engine");
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
-        let addr: SocketAddr = listener.local_addr().expect("addr");
-        let (stop, stopped) = oneshot::channel::<()>();
-        let mut state = AppState::new(engine.clone(), SERVED);
-        if let Some(t) = token {
-            state = state.with_admin_token(t).expect("admin token");
-        }
-        let task = tokio::spawn(pdkv_server::serve(listener, state, async move {
-            let _ = stopped.await;
-        }));
-        Server {
-            base: format!("http://{addr}"),
-            engine,
-            client: reqwest::Client::new(),
-            stop: Some(stop),
-            task: Some(task),
-            dir,
-        }
-    }
-
-    fn url(&self, path: &str) -> String {
-        format!("{}{}", self.base, path)
+        Server::spawn(preset, seed, token, config).await
     }
 
     fn checkpoint_path(&self) -> &Path {
@@ -161,41 +115,6 @@ impl Server {
         SseReader { body: Box::pin(resp.bytes_stream()), buf: String::new(), header_id }
     }
 
-    async fn metrics(&self) -> String {
-        self.client.get(self.url("/metrics")).send().await.expect("metrics").text().await.expect("text")
-    }
-
-    /// Polls `/metrics` until `pred` holds or the deadline passes.
-    async fn wait_metrics(&self, what: &str, pred: impl Fn(&str) -> bool) -> String {
-        let deadline = Instant::now() + DEADLINE;
-        loop {
-            let text = self.metrics().await;
-            if pred(&text) {
-                return text;
-            }
-            assert!(Instant::now() < deadline, "timed out waiting for {what}; metrics:\n{text}");
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-    }
-
-    async fn wait_all_blocks_free(&self) -> String {
-        self.wait_metrics("all KV blocks free and no request running", |m| {
-            metric(m, "pdkv_kv_blocks_free") == metric(m, "pdkv_kv_blocks_total")
-                && metric(m, "pdkv_num_requests_running") == 0.0
-                && metric(m, "pdkv_num_requests_waiting") == 0.0
-        })
-        .await
-    }
-
-    async fn stop(mut self) {
-        if let Some(s) = self.stop.take() {
-            let _ = s.send(());
-        }
-        if let Some(t) = self.task.take() {
-            tokio::time::timeout(DEADLINE, t).await.expect("server stops").expect("join").expect("serve");
-        }
-        self.engine.shutdown();
-    }
 }
 
 const PROMPTS: [&str; 3] = ["The quick brown fox", "def main():", "In the evening the lights"];
@@ -249,14 +168,6 @@ impl SseReader {
     }
 }
 
-/// The value of a sample line `name value` (`name` may include labels).
-fn metric(text: &str, name: &str) -> f64 {
-    text.lines()
-        .find_map(|l| l.strip_prefix(name).and_then(|rest| rest.strip_prefix(' ')))
-        .unwrap_or_else(|| panic!("no {name} in\n{text}"))
-        .parse()
-        .expect("number")
-}
 
 fn device_bytes(m: &str) -> f64 {
     ["weights", "kv_cache", "runtime"]
@@ -265,13 +176,6 @@ fn device_bytes(m: &str) -> f64 {
         .sum()
 }
 
-fn assert_openai_error(status: StatusCode, body: &Value, want: StatusCode, ctx: &str) {
-    assert_eq!(status, want, "{ctx}: {body}");
-    let err = &body["error"];
-    assert!(err["message"].as_str().is_some_and(|m| !m.is_empty()), "{ctx}: {body}");
-    assert!(err["type"].is_string(), "{ctx}: {body}");
-    assert!(err.get("param").is_some() && err.get("code").is_some(), "{ctx}: {body}");
-}
 
 /// Every admin route, with a body where it needs one.
 fn admin_routes(ckpt: &Path) -> Vec<(Method, &'static str, Option<Value>)> {

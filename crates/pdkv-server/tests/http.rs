@@ -2,39 +2,17 @@
 //! and a running engine: request and response shapes, streaming, errors,
 //! client disconnects and metrics.
 
-use std::net::SocketAddr;
-use std::time::{Duration, Instant};
+mod common;
 
+use common::{assert_openai_error, metric, Server, DEADLINE, SERVED};
 use futures::StreamExt;
-use pdkv_engine::{Engine, EngineConfig, EngineHandle};
+use pdkv_engine::{Engine, EngineConfig};
 use pdkv_model::Arch;
 use pdkv_server::AppState;
 use pdkv_vmem::Pool;
 use reqwest::StatusCode;
 use serde_json::{json, Value};
 use tokio::sync::oneshot;
-
-const SERVED: &str = "tiny-test";
-/// Bound on every wait in these tests.
-const DEADLINE: Duration = Duration::from_secs(60);
-
-struct Server {
-    base: String,
-    engine: EngineHandle,
-    client: reqwest::Client,
-    stop: Option<oneshot::Sender<()>>,
-    task: Option<tokio::task::JoinHandle<std::io::Result<()>>>,
-    _dir: tempfile::TempDir,
-}
-
-fn random_engine(preset: &str, config: EngineConfig) -> (EngineHandle, tempfile::TempDir) {
-    let dir = tempfile::tempdir().expect("tempdir");
-    pdkv_model::init::write_random_checkpoint(Arch::Llama, preset, 7, dir.path()).expect("write checkpoint");
-    let pool = Pool::default();
-    let model = pdkv_model::load_model(dir.path(), &pool, &mut |_| {}).expect("load model");
-    let engine = Engine::start(model, pool, config).expect("start engine");
-    (engine, dir)
-}
 
 impl Server {
     async fn start() -> Server {
@@ -45,29 +23,11 @@ impl Server {
         Server::start_model("tiny", config).await
     }
 
-    /// A server for a random checkpoint of `preset`.
+    /// A server for a random checkpoint of `preset` (seed 7), admin API off.
     async fn start_model(preset: &str, config: EngineConfig) -> Server {
-        let (engine, dir) = random_engine(preset, config);
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
-        let addr: SocketAddr = listener.local_addr().expect("addr");
-        let (stop, stopped) = oneshot::channel::<()>();
-        let state = AppState::new(engine.clone(), SERVED);
-        let task = tokio::spawn(pdkv_server::serve(listener, state, async move {
-            let _ = stopped.await;
-        }));
-        Server {
-            base: format!("http://{addr}"),
-            engine,
-            client: reqwest::Client::new(),
-            stop: Some(stop),
-            task: Some(task),
-            _dir: dir,
-        }
+        Server::spawn(preset, 7, None, config).await
     }
 
-    fn url(&self, path: &str) -> String {
-        format!("{}{}", self.base, path)
-    }
 
     async fn post(&self, path: &str, body: &Value) -> (StatusCode, Value) {
         let resp = self.client.post(self.url(path)).json(body).send().await.expect("send");
@@ -101,41 +61,6 @@ impl Server {
         sse_payloads(&text)
     }
 
-    async fn metrics(&self) -> String {
-        self.client.get(self.url("/metrics")).send().await.expect("metrics").text().await.expect("text")
-    }
-
-    /// Polls `/metrics` until `pred` holds or the deadline passes.
-    async fn wait_metrics(&self, what: &str, pred: impl Fn(&str) -> bool) -> String {
-        let deadline = Instant::now() + DEADLINE;
-        loop {
-            let text = self.metrics().await;
-            if pred(&text) {
-                return text;
-            }
-            assert!(Instant::now() < deadline, "timed out waiting for {what}; metrics:\n{text}");
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-    }
-
-    async fn wait_all_blocks_free(&self) -> String {
-        self.wait_metrics("all KV blocks free and no request running", |m| {
-            metric(m, "pdkv_kv_blocks_free") == metric(m, "pdkv_kv_blocks_total")
-                && metric(m, "pdkv_num_requests_running") == 0.0
-                && metric(m, "pdkv_num_requests_waiting") == 0.0
-        })
-        .await
-    }
-
-    async fn stop(mut self) {
-        if let Some(s) = self.stop.take() {
-            let _ = s.send(());
-        }
-        if let Some(t) = self.task.take() {
-            tokio::time::timeout(DEADLINE, t).await.expect("server stops").expect("join").expect("serve");
-        }
-        self.engine.shutdown();
-    }
 }
 
 fn sse_payloads(text: &str) -> Vec<String> {
@@ -146,22 +71,6 @@ fn sse_payloads(text: &str) -> Vec<String> {
         .collect()
 }
 
-/// The value of a sample line `name value` (`name` may include labels).
-fn metric(text: &str, name: &str) -> f64 {
-    text.lines()
-        .find_map(|l| l.strip_prefix(name).and_then(|rest| rest.strip_prefix(' ')))
-        .unwrap_or_else(|| panic!("no {name} in\n{text}"))
-        .parse()
-        .expect("number")
-}
-
-fn assert_openai_error(status: StatusCode, body: &Value, want: StatusCode, ctx: &str) {
-    assert_eq!(status, want, "{ctx}: {body}");
-    let err = &body["error"];
-    assert!(err["message"].as_str().is_some_and(|m| !m.is_empty()), "{ctx}: {body}");
-    assert!(err["type"].is_string(), "{ctx}: {body}");
-    assert!(err.get("param").is_some() && err.get("code").is_some(), "{ctx}: {body}");
-}
 
 fn greedy(extra: Value) -> Value {
     let mut v = json!({"temperature": 0, "max_tokens": 6, "ignore_eos": true});

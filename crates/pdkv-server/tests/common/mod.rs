@@ -1,0 +1,122 @@
+//! The harness the HTTP test files share: a real server on 127.0.0.1 with a
+//! tiny random-weight model and a running engine, plus helpers to read its
+//! metrics and check OpenAI error bodies.
+
+#![allow(dead_code)] // each test file uses its own part of the harness
+
+use std::net::SocketAddr;
+use std::time::{Duration, Instant};
+
+use pdkv_engine::{Engine, EngineConfig, EngineHandle};
+use pdkv_model::Arch;
+use pdkv_server::AppState;
+use pdkv_vmem::Pool;
+use reqwest::StatusCode;
+use serde_json::Value;
+use tokio::sync::oneshot;
+
+pub const SERVED: &str = "tiny-test";
+/// Bound on every wait in these tests.
+pub const DEADLINE: Duration = Duration::from_secs(60);
+
+/// Writes a random Llama checkpoint of `preset` with `seed` into a new temp dir.
+pub fn checkpoint(preset: &str, seed: u64) -> tempfile::TempDir {
+    let dir = tempfile::tempdir().expect("tempdir");
+    pdkv_model::init::write_random_checkpoint(Arch::Llama, preset, seed, dir.path()).expect("write checkpoint");
+    dir
+}
+
+pub struct Server {
+    pub base: String,
+    pub engine: EngineHandle,
+    pub client: reqwest::Client,
+    stop: Option<oneshot::Sender<()>>,
+    task: Option<tokio::task::JoinHandle<std::io::Result<()>>>,
+    pub dir: tempfile::TempDir,
+}
+
+impl Server {
+    /// A server for a random checkpoint (`preset`, `seed`), with the admin
+    /// API on when `token` is given.
+    pub async fn spawn(preset: &str, seed: u64, token: Option<&str>, config: EngineConfig) -> Server {
+        let dir = checkpoint(preset, seed);
+        let pool = Pool::default();
+        let model = pdkv_model::load_model(dir.path(), &pool, &mut |_| {}).expect("load model");
+        let engine = Engine::start(model, pool, config).expect("start engine");
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let addr: SocketAddr = listener.local_addr().expect("addr");
+        let (stop, stopped) = oneshot::channel::<()>();
+        let mut state = AppState::new(engine.clone(), SERVED);
+        if let Some(t) = token {
+            state = state.with_admin_token(t).expect("admin token");
+        }
+        let task = tokio::spawn(pdkv_server::serve(listener, state, async move {
+            let _ = stopped.await;
+        }));
+        Server {
+            base: format!("http://{addr}"),
+            engine,
+            client: reqwest::Client::new(),
+            stop: Some(stop),
+            task: Some(task),
+            dir,
+        }
+    }
+
+    pub fn url(&self, path: &str) -> String {
+        format!("{}{}", self.base, path)
+    }
+
+    pub async fn metrics(&self) -> String {
+        self.client.get(self.url("/metrics")).send().await.expect("metrics").text().await.expect("text")
+    }
+
+    /// Polls `/metrics` until `pred` holds; fails at the deadline.
+    pub async fn wait_metrics(&self, what: &str, pred: impl Fn(&str) -> bool) -> String {
+        let deadline = Instant::now() + DEADLINE;
+        loop {
+            let text = self.metrics().await;
+            if pred(&text) {
+                return text;
+            }
+            assert!(Instant::now() < deadline, "timed out waiting for {what}; metrics:\n{text}");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    pub async fn wait_all_blocks_free(&self) -> String {
+        self.wait_metrics("all KV blocks free and no request running", |m| {
+            metric(m, "pdkv_kv_blocks_free") == metric(m, "pdkv_kv_blocks_total")
+                && metric(m, "pdkv_num_requests_running") == 0.0
+                && metric(m, "pdkv_num_requests_waiting") == 0.0
+        })
+        .await
+    }
+
+    pub async fn stop(mut self) {
+        if let Some(s) = self.stop.take() {
+            let _ = s.send(());
+        }
+        if let Some(t) = self.task.take() {
+            tokio::time::timeout(DEADLINE, t).await.expect("server stops").expect("join").expect("serve");
+        }
+        self.engine.shutdown();
+    }
+}
+
+/// The value of a sample line `name value` (`name` may include labels).
+pub fn metric(text: &str, name: &str) -> f64 {
+    text.lines()
+        .find_map(|l| l.strip_prefix(name).and_then(|rest| rest.strip_prefix(' ')))
+        .unwrap_or_else(|| panic!("no {name} in\n{text}"))
+        .parse()
+        .expect("number")
+}
+
+pub fn assert_openai_error(status: StatusCode, body: &Value, want: StatusCode, ctx: &str) {
+    assert_eq!(status, want, "{ctx}: {body}");
+    let err = &body["error"];
+    assert!(err["message"].as_str().is_some_and(|m| !m.is_empty()), "{ctx}: {body}");
+    assert!(err["type"].is_string(), "{ctx}: {body}");
+    assert!(err.get("param").is_some() && err.get("code").is_some(), "{ctx}: {body}");
+}
