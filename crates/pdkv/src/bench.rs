@@ -13,8 +13,7 @@ use clap::Args;
 use pdkv_vmem::Pool;
 use serde_json::{json, Value};
 
-use crate::fetch;
-use crate::progress::LoadDisplay;
+use crate::progress;
 
 #[derive(Args, Debug)]
 pub struct DecodeArgs {
@@ -36,15 +35,8 @@ pub fn run_decode(args: DecodeArgs) -> anyhow::Result<()> {
     anyhow::ensure!(!args.batch_sizes.is_empty(), "--batch-sizes is empty");
     anyhow::ensure!(args.batch_sizes.iter().all(|&b| b > 0), "batch sizes must be positive");
     anyhow::ensure!(args.context > 0 && args.steps > 0, "--context and --steps must be positive");
-    let path = match args.model {
-        Some(p) => p,
-        None => fetch::default_model_path()?,
-    };
     let pool = Pool::default();
-    let mut display = LoadDisplay::new();
-    let loaded = pdkv_model::load_model(&path, &pool, &mut |p| display.update(p))
-        .with_context(|| format!("loading {}", path.display()))?;
-    display.finish();
+    let (path, loaded) = progress::load_model(args.model, &pool)?;
     let model = &loaded.model;
     let max_len = model.config().max_position_embeddings;
     anyhow::ensure!(

@@ -23,8 +23,7 @@ use pdkv_engine::{Engine, EngineConfig, EngineHandle, EngineRequest, PauseMode, 
 use pdkv_vmem::Pool;
 use serde_json::json;
 
-use crate::fetch;
-use crate::progress::LoadDisplay;
+use crate::progress;
 
 /// Deadline of each sleep (the engine is idle then, so it is never reached
 /// unless something is wrong).
@@ -125,15 +124,8 @@ pub fn run_sleep(args: SleepArgs) -> anyhow::Result<()> {
     anyhow::ensure!(args.cycles > 0, "--cycles must be at least 1");
     anyhow::ensure!(args.num_kv_blocks > 0, "--num-kv-blocks must be at least 1");
     anyhow::ensure!(args.probe_tokens > 0, "--probe-tokens must be at least 1");
-    let path = match args.model {
-        Some(p) => p,
-        None => fetch::default_model_path()?,
-    };
     let pool = Pool::default();
-    let mut display = LoadDisplay::new();
-    let loaded = pdkv_model::load_model(&path, &pool, &mut |p| display.update(p))
-        .with_context(|| format!("loading {}", path.display()))?;
-    display.finish();
+    let (path, loaded) = progress::load_model(args.model, &pool)?;
     let name = loaded.name.clone();
     let config = EngineConfig { num_kv_blocks: args.num_kv_blocks, ..EngineConfig::default() };
     let engine = Engine::start(loaded, pool, config).context("starting the engine")?;

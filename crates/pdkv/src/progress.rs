@@ -2,8 +2,28 @@
 //! terminal, or a log line every 10% otherwise.
 
 use std::io::{IsTerminal, Write};
+use std::path::PathBuf;
 
-use pdkv_model::LoadProgress;
+use anyhow::Context;
+use pdkv_model::{LoadProgress, LoadedModel};
+use pdkv_vmem::Pool;
+
+use crate::fetch;
+
+/// Loads `--model` into `pool`, showing progress; without `--model`, the
+/// default model (fetched on first use). Returns the path it loaded.
+pub fn load_model(model: Option<PathBuf>, pool: &Pool) -> anyhow::Result<(PathBuf, LoadedModel)> {
+    let path = match model {
+        Some(p) => p,
+        None => fetch::default_model_path()?,
+    };
+    tracing::info!(path = %path.display(), "loading model");
+    let mut display = LoadDisplay::new();
+    let loaded = pdkv_model::load_model(&path, pool, &mut |p| display.update(p))
+        .with_context(|| format!("loading {}", path.display()))?;
+    display.finish();
+    Ok((path, loaded))
+}
 
 const MIB: f64 = 1024.0 * 1024.0;
 

@@ -14,8 +14,7 @@ use pdkv_engine::{Engine, EngineConfig, EngineHandle};
 use pdkv_server::AppState;
 use pdkv_vmem::Pool;
 
-use crate::fetch;
-use crate::progress::LoadDisplay;
+use crate::progress;
 
 #[derive(Args, Debug)]
 pub struct ServeArgs {
@@ -74,17 +73,9 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         })
         .with_context(|| format!("resolving --host {}", args.host))?;
 
-    let model_path = match args.model {
-        Some(p) => p,
-        None => fetch::default_model_path()?,
-    };
-    tracing::info!(path = %model_path.display(), "loading model");
     let started = std::time::Instant::now();
     let pool = Pool::default();
-    let mut display = LoadDisplay::new();
-    let model = pdkv_model::load_model(&model_path, &pool, &mut |p| display.update(p))
-        .with_context(|| format!("loading {}", model_path.display()))?;
-    display.finish();
+    let (_, model) = progress::load_model(args.model.clone(), &pool)?;
     let weights = pool.device_bytes().get(pdkv_vmem::Tag::Weights);
     tracing::info!(
         name = %model.name,
