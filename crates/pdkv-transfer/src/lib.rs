@@ -9,7 +9,9 @@
 //! [`frame`] (wire format, a decoder that never panics), [`proto`] (the
 //! initiator's sans-IO state machine: slicing, deadlines, completion,
 //! notification after all data), [`tcp`] (the tokio driver: [`tcp::Agent`]),
-//! [`shm`] (memfds over a Unix socket; unmap acks before deregistration).
+//! [`shm`] (memfds over a Unix socket; batches copied on worker threads
+//! with the same batch, error and [`proto::Stats`] types as TCP; unmap acks
+//! before deregistration).
 //! Metrics: bytes, operations and failures by reason per peer
 //! ([`proto::Stats`]), and refusals by reason on the serving side
 //! ([`tcp::ServeStats`]).

@@ -14,6 +14,18 @@
 //! mapping is gone. Only then is the registration dropped, so the memory is
 //! accounted free only once no one can reach it.
 //!
+//! Batches ([`ShmImporter::start`]) take the TCP path's descriptions
+//! ([`Transfer`] of a [`LocalSlice`] and a remote [`Target`]) and end with
+//! its [`TransferError`]. A worker thread checks every remote range against
+//! the imported registration (key, epoch, bounds) before the first byte
+//! moves, then copies slice by slice; between slices it checks cancellation
+//! and the deadline and never starts a slice after either. The notification
+//! goes over the socket after the last slice, and the exporter queues it
+//! (bounded; full → `Busy`) only on receipt, so it follows all the data. An
+//! unmap takes the mapping's write lock: it waits for the slice in
+//! progress, and the batch's next slice finds the mapping gone and fails
+//! with `NotRegistered`.
+//!
 //! Control frames are the [`crate::frame`] headers; blocking sockets with
 //! timeouts, one reader thread per connection.
 //!
@@ -31,7 +43,9 @@ use std::sync::{mpsc, Arc, Condvar, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
 use crate::frame::{Header, Limits, RemoteError, Target, HEADER_LEN};
+use crate::proto::{Direction, LocalRange, StartError, Stats, Transfer, TransferError};
 use crate::registry::{AccessError, Mapping, Registration, Registry};
+use crate::tcp::{BatchError, LocalSlice};
 
 /// Most memfds one registration may span to be shared (SCM_MAX_FD).
 pub const MAX_FDS: usize = 253;
@@ -185,17 +199,39 @@ struct ExpInner {
     /// Held while a map is granted and recorded, and while a deregistration
     /// refuses new maps and collects the holders: no map slips between.
     grant: Mutex<()>,
+    /// Notifications delivered by peers, bounded; a full queue refuses with `Busy`.
+    notify_tx: mpsc::SyncSender<ShmNotification>,
+}
+
+/// Notifications an exporter queues by default before refusing more.
+pub const DEFAULT_NOTIFY_QUEUE: usize = 256;
+
+/// A notification a peer sent after all data of its batch landed.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ShmNotification {
+    /// The exporter's id for the connection it came on.
+    pub peer: u64,
+    pub payload: Vec<u8>,
 }
 
 /// Shares registrations with peers on this host.
 pub struct ShmExporter {
     inner: Arc<ExpInner>,
     path: PathBuf,
+    notify_rx: Mutex<mpsc::Receiver<ShmNotification>>,
 }
 
 impl ShmExporter {
+    /// Listens on `path`, with a notification queue of [`DEFAULT_NOTIFY_QUEUE`].
     pub fn bind(path: &Path, registry: Arc<Registry>, limits: Limits) -> io::Result<ShmExporter> {
+        ShmExporter::bind_with_queue(path, registry, limits, DEFAULT_NOTIFY_QUEUE)
+    }
+
+    /// Listens on `path`; at most `notify_queue` notifications wait for
+    /// [`ShmExporter::recv_notification`], more are refused with `Busy`.
+    pub fn bind_with_queue(path: &Path, registry: Arc<Registry>, limits: Limits, notify_queue: usize) -> io::Result<ShmExporter> {
         let listener = UnixListener::bind(path)?;
+        let (notify_tx, notify_rx) = mpsc::sync_channel(notify_queue.max(1));
         let inner = Arc::new(ExpInner {
             registry,
             limits,
@@ -205,6 +241,7 @@ impl ShmExporter {
             next_op: AtomicU64::new(1),
             stop: AtomicBool::new(false),
             grant: Mutex::new(()),
+            notify_tx,
         });
         let acc = inner.clone();
         std::thread::Builder::new().name("pdkv-shm-accept".into()).spawn(move || {
@@ -228,7 +265,13 @@ impl ShmExporter {
                     .spawn(move || serve_peer(inner, id, peer, stream));
             }
         })?;
-        Ok(ShmExporter { inner, path: path.to_path_buf() })
+        Ok(ShmExporter { inner, path: path.to_path_buf(), notify_rx: Mutex::new(notify_rx) })
+    }
+
+    /// The next notification a peer delivered, waiting at most `timeout`.
+    /// A notification is queued only after every copy of its batch ended.
+    pub fn recv_notification(&self, timeout: Duration) -> Option<ShmNotification> {
+        self.notify_rx.lock().unwrap().recv_timeout(timeout).ok()
     }
 
     /// Peers connected now.
@@ -293,7 +336,7 @@ impl Drop for ShmExporter {
 
 fn serve_peer(inner: Arc<ExpInner>, id: u64, peer: Arc<ExpPeer>, stream: UnixStream) {
     let mut junk = Vec::new();
-    while let Ok((header, _data)) = read_header(&stream, &inner.limits, &mut junk) {
+    while let Ok((header, data)) = read_header(&stream, &inner.limits, &mut junk) {
         junk.clear(); // a peer has no business sending memfds; they are closed
         match header {
             Header::MapReq { op, target } => {
@@ -331,6 +374,17 @@ fn serve_peer(inner: Arc<ExpInner>, id: u64, peer: Arc<ExpPeer>, stream: UnixStr
                     break;
                 }
             }
+            Header::Notify { op, .. } => {
+                // The importer sends this only after its batch's last copy;
+                // the socket orders it after those stores.
+                let reply = match inner.notify_tx.try_send(ShmNotification { peer: id, payload: data }) {
+                    Ok(()) => Header::NotifyAck { op },
+                    Err(_) => Header::Error { op, error: RemoteError::Busy },
+                };
+                if !send_plain(&peer, reply) {
+                    break;
+                }
+            }
             Header::UnmapAck { segment, .. } => {
                 peer.mapped.lock().unwrap().remove(&segment);
                 inner.pending.lock().unwrap().remove(&(id, segment));
@@ -357,38 +411,224 @@ struct Imported {
 type Slot = Arc<RwLock<Option<Imported>>>;
 type MapReply = mpsc::Sender<Result<(), ShmError>>;
 
+type NotifyReply = mpsc::Sender<Result<(), RemoteError>>;
+
+/// How an importer runs batches.
+#[derive(Clone, Debug)]
+pub struct ShmImporterConfig {
+    /// Worker threads copying batches; batches beyond them wait their turn
+    /// (their deadlines keep running).
+    pub workers: usize,
+    /// Batches started and not yet ended; more are refused at start.
+    pub max_batches: usize,
+    /// Largest copy done between two cancellation/deadline checks.
+    pub max_slice: u64,
+    /// Called on the worker before each slice's checks, with the number of
+    /// slices the batch has copied so far. A seam for deterministic tests of
+    /// what happens between two slices (cancel, deadline, unmap); `None` in
+    /// production.
+    pub before_slice: Option<SliceHook>,
+}
+
+/// See [`ShmImporterConfig::before_slice`].
+#[derive(Clone)]
+pub struct SliceHook(pub Arc<dyn Fn(u64) + Send + Sync>);
+
+impl std::fmt::Debug for SliceHook {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("SliceHook")
+    }
+}
+
+impl Default for ShmImporterConfig {
+    fn default() -> Self {
+        ShmImporterConfig { workers: 2, max_batches: 1024, max_slice: 1 << 20, before_slice: None }
+    }
+}
+
 struct ImpInner {
     limits: Limits,
+    cfg: ShmImporterConfig,
     maps: Mutex<HashMap<u64, Slot>>,
     waiting: Mutex<HashMap<u64, (Registration, MapReply)>>,
+    /// Notifications sent and not yet acknowledged, by op id.
+    notifying: Mutex<HashMap<u64, NotifyReply>>,
     writer: Mutex<UnixStream>,
     unmapped: AtomicU64,
+    next_op: AtomicU64,
+    /// Batches started and not yet ended.
+    live_batches: AtomicU64,
+    stats: Mutex<Stats>,
+}
+
+/// One batch handed to a worker.
+struct Job {
+    dir: Direction,
+    transfers: Vec<Transfer<LocalSlice>>,
+    notify: Option<Vec<u8>>,
+    deadline: Instant,
+    cancel: Arc<AtomicBool>,
+    done: tokio::sync::oneshot::Sender<Result<(), TransferError>>,
 }
 
 /// A peer's view of another agent's registrations on this host.
 pub struct ShmImporter {
     inner: Arc<ImpInner>,
-    next_op: AtomicU64,
+    jobs: Mutex<Option<mpsc::Sender<Job>>>,
+}
+
+/// A running shared-memory batch: wait for it, or cancel it. Dropping an
+/// unfinished handle cancels the batch.
+pub struct ShmBatchHandle {
+    cancel: Arc<AtomicBool>,
+    rx: Option<tokio::sync::oneshot::Receiver<Result<(), TransferError>>>,
+}
+
+impl ShmBatchHandle {
+    /// Asks the batch to stop: no slice starts after this, and the batch
+    /// ends with `Cancelled` unless it already ended.
+    pub fn cancel(&self) {
+        self.cancel.store(true, Ordering::Release);
+    }
+
+    /// Waits for the batch to end (by its deadline at the latest, plus at
+    /// most the slice in progress).
+    pub async fn wait(mut self) -> Result<(), TransferError> {
+        let rx = self.rx.take().expect("wait consumes the handle");
+        rx.await.unwrap_or(Err(TransferError::PeerLost))
+    }
+
+    /// [`ShmBatchHandle::wait`] for callers outside an async runtime.
+    pub fn wait_blocking(mut self) -> Result<(), TransferError> {
+        let rx = self.rx.take().expect("wait consumes the handle");
+        rx.blocking_recv().unwrap_or(Err(TransferError::PeerLost))
+    }
+}
+
+impl Drop for ShmBatchHandle {
+    fn drop(&mut self) {
+        if self.rx.is_some() {
+            self.cancel();
+        }
+    }
 }
 
 impl ShmImporter {
     pub fn connect(path: &Path, limits: Limits) -> io::Result<ShmImporter> {
+        ShmImporter::connect_with(path, limits, ShmImporterConfig::default())
+    }
+
+    pub fn connect_with(path: &Path, limits: Limits, cfg: ShmImporterConfig) -> io::Result<ShmImporter> {
         let stream = UnixStream::connect(path)?;
+        let writer = stream.try_clone()?;
+        writer.set_write_timeout(Some(WRITE_TIMEOUT))?;
+        let workers = cfg.workers.max(1);
         let inner = Arc::new(ImpInner {
             limits,
+            cfg,
             maps: Mutex::new(HashMap::new()),
             waiting: Mutex::new(HashMap::new()),
-            writer: Mutex::new(stream.try_clone()?),
+            notifying: Mutex::new(HashMap::new()),
+            writer: Mutex::new(writer),
             unmapped: AtomicU64::new(0),
+            next_op: AtomicU64::new(1),
+            live_batches: AtomicU64::new(0),
+            stats: Mutex::new(Stats::default()),
         });
         let r = inner.clone();
         std::thread::Builder::new().name("pdkv-shm-import".into()).spawn(move || import_reader(r, stream))?;
-        Ok(ShmImporter { inner, next_op: AtomicU64::new(1) })
+        let (tx, rx) = mpsc::channel::<Job>();
+        let rx = Arc::new(Mutex::new(rx));
+        for _ in 0..workers {
+            let (inner, rx) = (inner.clone(), rx.clone());
+            std::thread::Builder::new().name("pdkv-shm-copy".into()).spawn(move || loop {
+                // The lock is held only while taking a job; the loop ends
+                // when the importer drops its sender.
+                let job = rx.lock().unwrap().recv();
+                let Ok(job) = job else { return };
+                let result = run_batch(&inner, &job);
+                {
+                    let mut st = inner.stats.lock().unwrap();
+                    match &result {
+                        Ok(()) => st.batches_ok += 1,
+                        Err(e) => st.failures[e.reason_index()] += 1,
+                    }
+                }
+                inner.live_batches.fetch_sub(1, Ordering::AcqRel);
+                let _ = job.done.send(result);
+            })?;
+        }
+        Ok(ShmImporter { inner, jobs: Mutex::new(Some(tx)) })
+    }
+
+    /// This importer's counters: bytes and slices moved, batches ended by outcome.
+    pub fn stats(&self) -> Stats {
+        self.inner.stats.lock().unwrap().clone()
+    }
+
+    /// Starts a batch on a worker: `Write` copies each local range into its
+    /// remote range, `Read` the other way. Every remote range is checked
+    /// against the mapped registration (segment mapped, key, epoch, bounds)
+    /// before the first byte moves; a refusal fails the batch with
+    /// `Remote(..)` and touches no memory. Copies go slice by slice
+    /// (`max_slice`); between slices the worker checks cancellation and the
+    /// deadline and starts no slice after either. `notify` is sent to the
+    /// exporter after the last slice, and the batch succeeds once the
+    /// exporter queued it.
+    pub fn start(
+        &self,
+        dir: Direction,
+        transfers: Vec<Transfer<LocalSlice>>,
+        notify: Option<Vec<u8>>,
+        deadline: Instant,
+    ) -> Result<ShmBatchHandle, StartError> {
+        if let Some(n) = &notify {
+            let limit = self.inner.limits.max_notify as usize;
+            if n.len() > limit {
+                return Err(StartError::NotifyTooLarge { len: n.len(), limit });
+            }
+        }
+        for (index, t) in transfers.iter().enumerate() {
+            if t.local.len() != t.remote.len {
+                return Err(StartError::LengthMismatch { index, local: t.local.len(), remote: t.remote.len });
+            }
+        }
+        let max = self.inner.cfg.max_batches as u64;
+        if self.inner.live_batches.fetch_add(1, Ordering::AcqRel) >= max {
+            self.inner.live_batches.fetch_sub(1, Ordering::AcqRel);
+            return Err(StartError::TooManyBatches(max as usize));
+        }
+        let cancel = Arc::new(AtomicBool::new(false));
+        let (done, rx) = tokio::sync::oneshot::channel();
+        let job = Job { dir, transfers, notify, deadline, cancel: cancel.clone(), done };
+        let sent = self.jobs.lock().unwrap().as_ref().map(|tx| tx.send(job));
+        if !matches!(sent, Some(Ok(()))) {
+            // Workers gone: the batch ends at once (its sender dropped).
+            self.inner.live_batches.fetch_sub(1, Ordering::AcqRel);
+        }
+        Ok(ShmBatchHandle { cancel, rx: Some(rx) })
+    }
+
+    /// Writes local ranges to remote ranges and waits for the batch.
+    pub async fn write_batch(
+        &self,
+        transfers: Vec<Transfer<LocalSlice>>,
+        notify: Option<Vec<u8>>,
+        timeout: Duration,
+    ) -> Result<(), BatchError> {
+        let h = self.start(Direction::Write, transfers, notify, Instant::now() + timeout)?;
+        Ok(h.wait().await?)
+    }
+
+    /// Reads remote ranges into local ranges and waits for the batch.
+    pub async fn read_batch(&self, transfers: Vec<Transfer<LocalSlice>>, timeout: Duration) -> Result<(), BatchError> {
+        let h = self.start(Direction::Read, transfers, None, Instant::now() + timeout)?;
+        Ok(h.wait().await?)
     }
 
     /// Maps the whole registration `reg` of the exporter, waiting at most `timeout`.
     pub fn map(&self, reg: &Registration, timeout: Duration) -> Result<(), ShmError> {
-        let op = self.next_op.fetch_add(1, Ordering::Relaxed);
+        let op = self.inner.next_op.fetch_add(1, Ordering::Relaxed);
         let (tx, rx) = mpsc::channel();
         self.inner.waiting.lock().unwrap().insert(op, (*reg, tx));
         let target = Target { segment: reg.segment, key: reg.key, epoch: reg.epoch, offset: 0, len: reg.len };
@@ -424,7 +664,8 @@ impl ShmImporter {
         }
     }
 
-    /// Copies `src` into the imported registration at `offset`.
+    /// Copies `src` into the imported registration at `offset`, at once on
+    /// the calling thread (no batch, no deadline, no notification).
     pub fn write(&self, segment: u64, epoch: u64, offset: u64, src: &[u8]) -> Result<(), ShmError> {
         // SAFETY: `with` checked the range.
         self.with(segment, epoch, offset, src.len(), |p| unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), p, src.len()) })
@@ -440,6 +681,9 @@ impl ShmImporter {
 
 impl Drop for ShmImporter {
     fn drop(&mut self) {
+        // Workers finish the batches already queued (each bounded by its
+        // deadline), then exit.
+        self.jobs.lock().unwrap().take();
         let _ = self.inner.writer.lock().unwrap().shutdown(std::net::Shutdown::Both);
     }
 }
@@ -456,8 +700,16 @@ fn import_reader(inner: Arc<ImpInner>, stream: UnixStream) {
                 }
             }
             Header::Error { op, error } => {
-                if let Some((_, tx)) = inner.waiting.lock().unwrap().remove(&op) {
+                let map_waiter = inner.waiting.lock().unwrap().remove(&op);
+                if let Some((_, tx)) = map_waiter {
                     let _ = tx.send(Err(error.into()));
+                } else if let Some(tx) = inner.notifying.lock().unwrap().remove(&op) {
+                    let _ = tx.send(Err(error));
+                }
+            }
+            Header::NotifyAck { op } => {
+                if let Some(tx) = inner.notifying.lock().unwrap().remove(&op) {
+                    let _ = tx.send(Ok(()));
                 }
             }
             Header::Unmap { op, segment } => {
@@ -474,8 +726,122 @@ fn import_reader(inner: Arc<ImpInner>, stream: UnixStream) {
             _ => break,
         }
     }
-    // Lost: pending maps fail (their senders drop), mappings stay until the importer drops.
+    // Lost: pending maps and notifications fail (their senders drop),
+    // mappings stay until the importer drops.
     inner.waiting.lock().unwrap().clear();
+    inner.notifying.lock().unwrap().clear();
+}
+
+/// A remote range checked against an imported registration.
+struct Checked {
+    slot: Slot,
+    /// Offset of the range's first byte from the mapping's base.
+    at: usize,
+    len: usize,
+}
+
+/// Checks `t` against what this importer mapped: the segment is mapped, and
+/// key, epoch and bounds match the imported registration.
+fn check(inner: &ImpInner, t: &Target) -> Result<Checked, TransferError> {
+    let refuse = |e: AccessError| TransferError::Remote(RemoteError::Access(e));
+    let not_mapped = || refuse(AccessError::NotRegistered { segment: t.segment });
+    let slot = inner.maps.lock().unwrap().get(&t.segment).cloned().ok_or_else(not_mapped)?;
+    let guard = slot.read().unwrap();
+    let imp = guard.as_ref().ok_or_else(not_mapped)?;
+    if t.epoch != imp.reg.epoch {
+        return Err(refuse(AccessError::StaleEpoch { have: t.epoch, want: imp.reg.epoch }));
+    }
+    if t.key != imp.reg.key {
+        return Err(refuse(AccessError::BadKey { segment: t.segment }));
+    }
+    match t.offset.checked_add(t.len) {
+        Some(end) if end <= imp.reg.len => {
+            let at = imp.skew + t.offset as usize;
+            drop(guard);
+            Ok(Checked { slot, at, len: t.len as usize })
+        }
+        _ => Err(refuse(AccessError::OutOfBounds { offset: t.offset, len: t.len, registered: imp.reg.len })),
+    }
+}
+
+/// Runs one batch on a worker thread; see [`ShmImporter::start`].
+fn run_batch(inner: &ImpInner, job: &Job) -> Result<(), TransferError> {
+    let stop = || {
+        if job.cancel.load(Ordering::Acquire) {
+            Err(TransferError::Cancelled)
+        } else if Instant::now() >= job.deadline {
+            Err(TransferError::Timeout)
+        } else {
+            Ok(())
+        }
+    };
+    stop()?;
+    // Every range is checked before any byte moves.
+    let checked = job.transfers.iter().map(|t| check(inner, &t.remote)).collect::<Result<Vec<_>, _>>()?;
+    let max_slice = inner.cfg.max_slice.max(1) as usize;
+    let mut slices = 0u64;
+    for (t, c) in job.transfers.iter().zip(&checked) {
+        let mut off = 0;
+        while off < c.len {
+            if let Some(hook) = &inner.cfg.before_slice {
+                (hook.0)(slices);
+            }
+            slices += 1;
+            stop()?;
+            let n = max_slice.min(c.len - off);
+            {
+                // The read lock keeps the mapping alive for this slice; an
+                // unmap waits for it, then takes the mapping, and the next
+                // slice finds it gone.
+                let guard = c.slot.read().unwrap();
+                let Some(imp) = guard.as_ref() else {
+                    return Err(TransferError::Remote(RemoteError::Access(AccessError::NotRegistered {
+                        segment: t.remote.segment,
+                    })));
+                };
+                let local = t.local.slice(off as u64, n as u64);
+                // SAFETY: the range was checked against this very mapping
+                // (the slot holds one import for its whole life), and the
+                // guard keeps it mapped; the batch protocol schedules no
+                // other access to the local range while this batch runs.
+                unsafe {
+                    let remote = imp.mapping.base().add(c.at + off);
+                    match job.dir {
+                        Direction::Write => std::ptr::copy_nonoverlapping(local.bytes().as_ptr(), remote, n),
+                        Direction::Read => std::ptr::copy_nonoverlapping(remote, local.bytes_mut().as_mut_ptr(), n),
+                    }
+                }
+            }
+            let mut st = inner.stats.lock().unwrap();
+            st.ops_done += 1;
+            match job.dir {
+                Direction::Write => st.bytes_written += n as u64,
+                Direction::Read => st.bytes_read += n as u64,
+            }
+            drop(st);
+            off += n;
+        }
+    }
+    let Some(payload) = &job.notify else { return Ok(()) };
+    stop()?;
+    // Order every store above before the notification leaves.
+    std::sync::atomic::fence(Ordering::SeqCst);
+    let op = inner.next_op.fetch_add(1, Ordering::Relaxed);
+    let (tx, rx) = mpsc::channel();
+    inner.notifying.lock().unwrap().insert(op, tx);
+    let mut bytes = Header::Notify { op, len: payload.len() as u32 }.encode().to_vec();
+    bytes.extend_from_slice(payload);
+    let sent = inner.writer.lock().unwrap().write_all(&bytes);
+    let res = match sent {
+        Err(_) => Err(TransferError::PeerLost),
+        Ok(()) => match rx.recv_timeout(job.deadline.saturating_duration_since(Instant::now())) {
+            Ok(r) => r.map_err(TransferError::Remote),
+            Err(mpsc::RecvTimeoutError::Timeout) => Err(TransferError::Timeout),
+            Err(mpsc::RecvTimeoutError::Disconnected) => Err(TransferError::PeerLost),
+        },
+    };
+    inner.notifying.lock().unwrap().remove(&op);
+    res
 }
 
 fn import(inner: &ImpInner, reg: Registration, layout: &[u8], fds: Vec<OwnedFd>) -> Result<(), ShmError> {
@@ -506,7 +872,7 @@ mod tests {
         for _ in 0..10_000 {
             let n = (splitmix64(&mut seed) % 64) as usize;
             let mut v: Vec<u8> = (0..n).map(|_| splitmix64(&mut seed) as u8).collect();
-            if n >= 24 && splitmix64(&mut seed) % 2 == 0 {
+            if n >= 24 && splitmix64(&mut seed).is_multiple_of(2) {
                 v[16..24].copy_from_slice(&((n as u64 - 24) / 8).to_le_bytes());
             }
             if let Some((skew, len, lens)) = decode_layout(&v) {

@@ -118,16 +118,23 @@ pub struct LocalSlice {
 }
 
 impl LocalSlice {
+    /// A checked grant on `[offset, offset+len)` of the local registration
+    /// `reg` of `registry` (the same check every remote access passes).
+    pub fn grant(registry: &Registry, reg: &Registration, offset: u64, len: u64) -> Result<LocalSlice, AccessError> {
+        let access = registry.local(reg, offset, len)?;
+        Ok(LocalSlice { access: Arc::new(access), offset: 0, len })
+    }
+
     /// # Safety
     /// See [`Access::as_slice`].
-    unsafe fn bytes(&self) -> &[u8] {
+    pub(crate) unsafe fn bytes(&self) -> &[u8] {
         &self.access.as_slice()[self.offset as usize..(self.offset + self.len) as usize]
     }
 
     /// # Safety
     /// See [`Access::as_mut_slice`].
     #[allow(clippy::mut_from_ref)]
-    unsafe fn bytes_mut(&self) -> &mut [u8] {
+    pub(crate) unsafe fn bytes_mut(&self) -> &mut [u8] {
         &mut self.access.as_mut_slice()[self.offset as usize..(self.offset + self.len) as usize]
     }
 }
@@ -431,8 +438,7 @@ impl Agent {
 
     /// A checked local range for a batch.
     pub fn local(&self, reg: &Registration, offset: u64, len: u64) -> Result<LocalSlice, BatchError> {
-        let access = self.registry.local(reg, offset, len).map_err(BatchError::Local)?;
-        Ok(LocalSlice { access: Arc::new(access), offset: 0, len })
+        LocalSlice::grant(&self.registry, reg, offset, len).map_err(BatchError::Local)
     }
 
     /// Per-peer initiator counters.

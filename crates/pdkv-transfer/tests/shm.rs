@@ -102,3 +102,310 @@ fn a_peer_that_never_acks_bounds_the_deregistration_by_its_deadline() {
     assert!(registry.get(reg.segment).is_none(), "no new access is granted either way");
     drop(fds);
 }
+
+// ---- Batches: one-sided writes and reads on workers, with deadlines,
+// cancellation and notifications after all data.
+
+use pdkv_transfer::frame::RemoteError;
+use pdkv_transfer::proto::{Direction, Transfer, TransferError};
+use pdkv_transfer::shm::{ShmBatchHandle, ShmImporterConfig};
+use pdkv_transfer::tcp::LocalSlice;
+use pdkv_transfer::Registration;
+
+/// An exporter with one registered region and an importer that mapped it,
+/// plus a local registered region on the importer's side.
+struct Pair {
+    _pool: Pool,
+    remote: Arc<pdkv_vmem::Region>,
+    remote_reg: Registration,
+    registry: Arc<Registry>,
+    local: Arc<pdkv_vmem::Region>,
+    local_reg: Registration,
+    local_registry: Registry,
+    exp: ShmExporter,
+    imp: ShmImporter,
+}
+
+fn pair(name: &str, len: usize, cfg: ShmImporterConfig) -> Pair {
+    let pool = Pool::new(PoolOptions { chunk_size: 1 << 20, single_allocation: false });
+    let remote = pool.allocate(Tag::KvCache, len).unwrap();
+    let local = pool.allocate(Tag::KvCache, len).unwrap();
+    let registry = Arc::new(Registry::new(RegistryOptions { max_segments: 8, key_seed: Some(11) }));
+    let remote_reg = registry.register(&remote, 0, len).unwrap();
+    let local_registry = Registry::new(RegistryOptions { max_segments: 8, key_seed: Some(12) });
+    let local_reg = local_registry.register(&local, 0, len).unwrap();
+    let path = sock_path(name);
+    let exp = ShmExporter::bind_with_queue(&path, registry.clone(), Limits::default(), 64).unwrap();
+    let imp = ShmImporter::connect_with(&path, Limits::default(), cfg).unwrap();
+    imp.map(&remote_reg, DL).unwrap();
+    Pair { _pool: pool, remote, remote_reg, registry, local, local_reg, local_registry, exp, imp }
+}
+
+impl Pair {
+    fn slice(&self, off: u64, len: u64) -> LocalSlice {
+        LocalSlice::grant(&self.local_registry, &self.local_reg, off, len).unwrap()
+    }
+    fn target(&self, reg: &Registration, off: u64, len: u64) -> Target {
+        Target { segment: reg.segment, key: reg.key, epoch: reg.epoch, offset: off, len }
+    }
+    fn write_one(&self, off: u64, len: u64, notify: Option<Vec<u8>>, deadline: Instant) -> ShmBatchHandle {
+        let t = Transfer { local: self.slice(off, len), remote: self.target(&self.remote_reg, off, len) };
+        self.imp.start(Direction::Write, vec![t], notify, deadline).unwrap()
+    }
+}
+
+fn pattern(len: usize, seed: u8) -> Vec<u8> {
+    (0..len).map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed) ^ (i >> 12) as u8).collect()
+}
+
+fn remote_bytes(p: &Pair, off: usize, len: usize) -> Vec<u8> {
+    let mut b = vec![0; len];
+    p.remote.read_bytes(off, &mut b).unwrap();
+    b
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_batches_land_and_notifications_follow_their_data() {
+    const TASKS: usize = 8;
+    const PER: usize = 3 * (64 << 10) + 1000; // several slices, not slice-aligned
+    let cfg = ShmImporterConfig { workers: 2, max_slice: 64 << 10, ..Default::default() };
+    let p = Arc::new(pair("batches", 4 << 20, cfg));
+    for i in 0..TASKS {
+        p.local.write_bytes(i * PER, &pattern(PER, i as u8)).unwrap();
+    }
+    // The exporter's side checks, as each notification arrives, that the
+    // whole range of its batch already holds the batch's data.
+    let checker = {
+        let p = p.clone();
+        std::thread::spawn(move || {
+            let mut seen = Vec::new();
+            while seen.len() < TASKS {
+                let n = p.exp.recv_notification(DL).expect("a notification per batch");
+                let i = n.payload[0] as usize;
+                assert!(remote_bytes(&p, i * PER, PER) == pattern(PER, i as u8), "batch {i}: data landed before its notification");
+                seen.push(i);
+            }
+            seen.sort_unstable();
+            seen
+        })
+    };
+    let tasks: Vec<_> = (0..TASKS)
+        .map(|i| {
+            let p = p.clone();
+            tokio::spawn(async move {
+                // Two transfers per batch: the range in two unequal parts.
+                let (off, cut) = ((i * PER) as u64, 70_000u64);
+                let transfers = vec![
+                    Transfer { local: p.slice(off, cut), remote: p.target(&p.remote_reg, off, cut) },
+                    Transfer {
+                        local: p.slice(off + cut, PER as u64 - cut),
+                        remote: p.target(&p.remote_reg, off + cut, PER as u64 - cut),
+                    },
+                ];
+                p.imp.write_batch(transfers, Some(vec![i as u8]), DL).await.unwrap();
+            })
+        })
+        .collect();
+    for t in tasks {
+        t.await.unwrap();
+    }
+    let seen = tokio::task::spawn_blocking(move || checker.join().unwrap()).await.unwrap();
+    assert_eq!(seen, (0..TASKS).collect::<Vec<_>>());
+
+    // Reads: fetch every range back into a cleared local region, concurrently.
+    p.local.write_bytes(0, &vec![0; TASKS * PER]).unwrap();
+    let reads: Vec<_> = (0..TASKS)
+        .map(|i| {
+            let p = p.clone();
+            tokio::spawn(async move {
+                let off = (i * PER) as u64;
+                let t = Transfer { local: p.slice(off, PER as u64), remote: p.target(&p.remote_reg, off, PER as u64) };
+                p.imp.read_batch(vec![t], DL).await.unwrap();
+            })
+        })
+        .collect();
+    for t in reads {
+        t.await.unwrap();
+    }
+    for i in 0..TASKS {
+        let mut b = vec![0; PER];
+        p.local.read_bytes(i * PER, &mut b).unwrap();
+        assert!(b == pattern(PER, i as u8), "read {i} brought the remote bytes");
+    }
+    let st = p.imp.stats();
+    assert_eq!((st.bytes_written, st.bytes_read), ((TASKS * PER) as u64, (TASKS * PER) as u64));
+    assert_eq!((st.batches_ok, st.failures), (2 * TASKS as u64, [0; 4]));
+}
+
+/// Holds a batch between its first and second slice: the worker reports
+/// that it got there and waits for `release` (bounded), so a test acts
+/// "mid-batch" deterministically, whatever the machine's speed.
+struct Gate {
+    reached: std::sync::mpsc::Receiver<()>,
+    release: std::sync::mpsc::Sender<()>,
+}
+
+fn gated(workers: usize, max_slice: u64) -> (ShmImporterConfig, Gate) {
+    use pdkv_transfer::shm::SliceHook;
+    let (reached_tx, reached) = std::sync::mpsc::channel();
+    let (release, release_rx) = std::sync::mpsc::channel::<()>();
+    let release_rx = std::sync::Mutex::new(release_rx);
+    let hook = SliceHook(Arc::new(move |done| {
+        if done == 1 {
+            reached_tx.send(()).unwrap();
+            release_rx.lock().unwrap().recv_timeout(DL).expect("the test releases the batch");
+        }
+    }));
+    (ShmImporterConfig { workers, max_slice, before_slice: Some(hook), ..Default::default() }, Gate { reached, release })
+}
+
+impl Gate {
+    /// Waits until the batch copied its first slice and stands before the next.
+    fn wait_reached(&self) {
+        self.reached.recv_timeout(DL).expect("the batch reaches its second slice");
+    }
+
+    fn release(&self) {
+        self.release.send(()).unwrap();
+    }
+}
+
+/// The first `bytes` of the range hold `new`, the rest `old`: a batch that
+/// stopped did so between slices, and nothing past its progress moved.
+fn prefix_landed(p: &Pair, len: usize, new: &[u8], old: &[u8], bytes: usize) {
+    let now = remote_bytes(p, 0, len);
+    assert!(now[..bytes] == new[..bytes], "the slices copied hold the batch's data");
+    assert!(now[bytes..] == old[bytes..], "nothing past the stop was touched");
+}
+
+#[test]
+fn cancelling_mid_batch_stops_between_slices_and_sends_no_notification() {
+    const LEN: usize = 64 << 20;
+    let (cfg, gate) = gated(1, 4096);
+    let p = pair("cancel", LEN, cfg);
+    let (old, new) = (pattern(LEN, 1), pattern(LEN, 2));
+    p.remote.write_bytes(0, &old).unwrap();
+    p.local.write_bytes(0, &new).unwrap();
+    let h = p.write_one(0, LEN as u64, Some(b"done".to_vec()), Instant::now() + DL);
+    gate.wait_reached();
+    h.cancel();
+    gate.release();
+    assert_eq!(h.wait_blocking(), Err(TransferError::Cancelled));
+    let st = p.imp.stats();
+    assert_eq!(st.bytes_written, 4096, "exactly the first slice landed: {st:?}");
+    prefix_landed(&p, LEN, &new, &old, st.bytes_written as usize);
+    assert_eq!(st.failures[TransferError::Cancelled.reason_index()], 1);
+    assert_eq!(p.exp.recv_notification(Duration::from_millis(50)), None, "no notification for a cancelled batch");
+}
+
+#[test]
+fn a_deadline_in_the_past_or_expiring_mid_batch_fails_with_timeout() {
+    const LEN: usize = 64 << 20;
+    let (cfg, gate) = gated(1, 4096);
+    let p = pair("deadline", LEN, cfg);
+    let (old, new) = (pattern(LEN, 3), pattern(LEN, 4));
+    p.remote.write_bytes(0, &old).unwrap();
+    p.local.write_bytes(0, &new).unwrap();
+
+    // Already past: nothing moves.
+    let h = p.write_one(0, LEN as u64, Some(b"x".to_vec()), Instant::now());
+    assert_eq!(h.wait_blocking(), Err(TransferError::Timeout));
+    assert_eq!(p.imp.stats().bytes_written, 0);
+    assert!(remote_bytes(&p, 0, LEN) == old, "memory untouched");
+
+    // Expiring mid-batch: the batch is held after its first slice until
+    // the deadline has passed, then must stop before the next slice.
+    let deadline = Instant::now() + Duration::from_millis(5);
+    let h = p.write_one(0, LEN as u64, Some(b"x".to_vec()), deadline);
+    gate.wait_reached();
+    while Instant::now() < deadline {
+        std::hint::spin_loop();
+    }
+    gate.release();
+    assert_eq!(h.wait_blocking(), Err(TransferError::Timeout));
+    let st = p.imp.stats();
+    assert_eq!(st.bytes_written, 4096, "only the slice before the deadline landed: {st:?}");
+    prefix_landed(&p, LEN, &new, &old, st.bytes_written as usize);
+    assert_eq!(st.failures[TransferError::Timeout.reason_index()], 2);
+    assert_eq!(p.exp.recv_notification(Duration::from_millis(50)), None);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_range_fails_the_batch_before_any_byte_moves() {
+    const LEN: usize = 1 << 20;
+    let p = pair("refused", LEN, ShmImporterConfig::default());
+    let old = pattern(LEN, 5);
+    p.remote.write_bytes(0, &old).unwrap();
+    p.local.write_bytes(0, &pattern(LEN, 6)).unwrap();
+
+    // Deregistered through the exporter, registered again: a new epoch.
+    let stale = p.remote_reg;
+    p.exp.deregister(stale.segment, DL).unwrap();
+    let fresh = p.registry.register(&p.remote, 0, LEN).unwrap();
+    assert_eq!(fresh.epoch, stale.epoch + 1);
+    p.imp.map(&fresh, DL).unwrap();
+
+    let good = |off: u64| Transfer { local: p.slice(off, 4096), remote: p.target(&fresh, off, 4096) };
+    let cases: Vec<(Target, AccessError)> = vec![
+        (p.target(&stale, 8192, 4096), AccessError::StaleEpoch { have: stale.epoch, want: fresh.epoch }),
+        (Target { key: fresh.key ^ 1, ..p.target(&fresh, 8192, 4096) }, AccessError::BadKey { segment: fresh.segment }),
+        (
+            p.target(&fresh, LEN as u64 - 100, 4096),
+            AccessError::OutOfBounds { offset: LEN as u64 - 100, len: 4096, registered: LEN as u64 },
+        ),
+        (
+            Target { segment: fresh.segment + 5, ..p.target(&fresh, 0, 4096) },
+            AccessError::NotRegistered { segment: fresh.segment + 5 },
+        ),
+    ];
+    for (bad, why) in cases {
+        // A valid transfer first: it must not run either.
+        let transfers = vec![good(0), Transfer { local: p.slice(LEN as u64 - 4096, 4096), remote: bad }];
+        let err = p.imp.write_batch(transfers, Some(b"n".to_vec()), DL).await.unwrap_err();
+        assert!(
+            matches!(err, pdkv_transfer::tcp::BatchError::Transfer(TransferError::Remote(RemoteError::Access(ref e))) if *e == why),
+            "{err:?}"
+        );
+        assert!(remote_bytes(&p, 0, LEN) == old, "memory untouched after {why:?}");
+    }
+    // Reads are checked the same way, and the local range stays as it was.
+    let before = {
+        let mut b = vec![0; 4096];
+        p.local.read_bytes(0, &mut b).unwrap();
+        b
+    };
+    let t = Transfer { local: p.slice(0, 4096), remote: p.target(&stale, 0, 4096) };
+    assert!(p.imp.read_batch(vec![t], DL).await.is_err());
+    let mut after = vec![0; 4096];
+    p.local.read_bytes(0, &mut after).unwrap();
+    assert_eq!(before, after);
+    assert_eq!(p.imp.stats().failures[TransferError::Remote(RemoteError::Busy).reason_index()], 5);
+    assert_eq!(p.exp.recv_notification(Duration::from_millis(50)), None);
+    // The fresh epoch works.
+    p.imp.write_batch(vec![good(0)], None, DL).await.unwrap();
+    assert!(remote_bytes(&p, 0, 4096) == pattern(LEN, 6)[..4096]);
+}
+
+#[test]
+fn deregistering_during_a_batch_ends_it_cleanly() {
+    const LEN: usize = 64 << 20;
+    let (cfg, gate) = gated(1, 4096);
+    let p = pair("dereg", LEN, cfg);
+    let (old, new) = (pattern(LEN, 7), pattern(LEN, 8));
+    p.remote.write_bytes(0, &old).unwrap();
+    p.local.write_bytes(0, &new).unwrap();
+    let h = p.write_one(0, LEN as u64, Some(b"n".to_vec()), Instant::now() + DL);
+    gate.wait_reached();
+    let t0 = Instant::now();
+    p.exp.deregister(p.remote_reg.segment, DL).unwrap();
+    assert_eq!(p.imp.unmapped(), 1, "the peer unmapped between two slices and acked");
+    gate.release();
+    let res = h.wait_blocking();
+    assert!(t0.elapsed() < DL);
+    assert_eq!(res, Err(TransferError::Remote(AccessError::NotRegistered { segment: p.remote_reg.segment }.into())));
+    let st = p.imp.stats();
+    assert_eq!(st.bytes_written, 4096, "no slice after the unmap: {st:?}");
+    prefix_landed(&p, LEN, &new, &old, st.bytes_written as usize);
+    assert_eq!(p.exp.recv_notification(Duration::from_millis(50)), None);
+    assert!(p.registry.get(p.remote_reg.segment).is_none());
+}

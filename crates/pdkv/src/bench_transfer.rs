@@ -2,7 +2,8 @@
 //! over TCP loopback and shared memory, per slice size and batch size,
 //! beside raw baselines measured in the same run: a plain socket copy over
 //! the same number of connections, and, per configuration, the same copies
-//! done by memcpy between two plain buffers.
+//! done by memcpy between two plain buffers. Shared-memory writes go
+//! through the importer's batch path (`ShmImporter::start`).
 //!
 //! Every measured transfer is checked: after each configuration the last
 //! slice written is read back from the target region and compared. The last
@@ -14,9 +15,10 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context};
 use clap::Args;
 use pdkv_transfer::frame::Limits;
-use pdkv_transfer::proto::InitiatorConfig;
-use pdkv_transfer::shm::{ShmExporter, ShmImporter};
-use pdkv_transfer::tcp::{Agent, AgentConfig};
+use pdkv_transfer::frame::Target;
+use pdkv_transfer::proto::{Direction, InitiatorConfig, Transfer};
+use pdkv_transfer::shm::{ShmExporter, ShmImporter, ShmImporterConfig};
+use pdkv_transfer::tcp::{Agent, AgentConfig, LocalSlice};
 use pdkv_transfer::{Registry, RegistryOptions};
 use pdkv_vmem::{Pool, PoolOptions, Tag};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -199,11 +201,23 @@ fn shm_matrix(args: &TransferArgs) -> anyhow::Result<Vec<(usize, usize, f64, f64
     let path = std::env::temp_dir().join(format!("pdkv-bench-{}.sock", std::process::id()));
     let _ = std::fs::remove_file(&path);
     let exporter = ShmExporter::bind(&path, registry, Limits::default())?;
-    let importer = ShmImporter::connect(&path, Limits::default())?;
+    let cfg = ShmImporterConfig { max_slice: 4 << 20, ..Default::default() };
+    let importer = ShmImporter::connect_with(&path, Limits::default(), cfg)?;
     importer.map(&reg, DEADLINE)?;
     let src: Vec<u8> = (0..args.region_bytes).map(|i| (i as u32).wrapping_mul(2654435761).to_le_bytes()[3]).collect();
+    // The importer's side copies from its own registered memory.
+    let local = pool.allocate(Tag::KvCache, args.region_bytes)?;
+    local.write_bytes(0, &src)?;
+    let local_registry = Registry::new(RegistryOptions::default());
+    let local_reg = local_registry.register(&local, 0, local.len())?;
+    let whole = |off: usize, len: usize| -> anyhow::Result<Transfer<LocalSlice>> {
+        Ok(Transfer {
+            local: LocalSlice::grant(&local_registry, &local_reg, off as u64, len as u64)?,
+            remote: Target { segment: reg.segment, key: reg.key, epoch: reg.epoch, offset: off as u64, len: len as u64 },
+        })
+    };
     // Warm both targets (first-touch page faults are not copy throughput).
-    importer.write(reg.segment, reg.epoch, 0, &src)?;
+    importer.start(Direction::Write, vec![whole(0, args.region_bytes)?], None, Instant::now() + DEADLINE)?.wait_blocking()?;
     let mut plain = vec![1u8; args.region_bytes];
     let mut rows = Vec::new();
     for (slice, batch) in configs(args.region_bytes) {
@@ -211,10 +225,10 @@ fn shm_matrix(args: &TransferArgs) -> anyhow::Result<Vec<(usize, usize, f64, f64
         let rounds = args.bytes_per_config.div_ceil(per_batch).max(1);
         let t0 = Instant::now();
         for _ in 0..rounds {
-            for i in 0..batch {
-                let off = i * slice;
-                importer.write(reg.segment, reg.epoch, off as u64, &src[off..off + slice])?;
-            }
+            // One batch per round, through the batch path (a worker, checks
+            // per slice, completion), like a real transfer.
+            let transfers = (0..batch).map(|i| whole(i * slice, slice)).collect::<anyhow::Result<Vec<_>>>()?;
+            importer.start(Direction::Write, transfers, None, Instant::now() + DEADLINE)?.wait_blocking().context("shm batch")?;
         }
         let g = gbps(rounds * per_batch, t0.elapsed());
         // The baseline: the same copies between two plain buffers.
