@@ -197,6 +197,45 @@ pub struct MappedChunk {
     pub chunk: Arc<Chunk>,
 }
 
+/// Host memory for an offload backup: its own anonymous mapping, so that
+/// freeing it (on wake) returns the pages to the system at once instead of
+/// leaving them on the allocator's heap — sleep/wake cycles do not grow the
+/// process.
+struct HostBuffer {
+    ptr: *mut u8,
+    len: usize,
+}
+
+// SAFETY: the buffer owns its mapping; access goes through the region's lock.
+unsafe impl Send for HostBuffer {}
+
+impl HostBuffer {
+    fn new(len: usize) -> Result<HostBuffer> {
+        // SAFETY: a fresh private anonymous mapping; no existing memory is touched.
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            )
+        };
+        if p == libc::MAP_FAILED {
+            return Err(os_err("mmap(host backup)"));
+        }
+        Ok(HostBuffer { ptr: p as *mut u8, len })
+    }
+}
+
+impl Drop for HostBuffer {
+    fn drop(&mut self) {
+        // SAFETY: we own exactly this mapping.
+        unsafe { libc::munmap(self.ptr as *mut libc::c_void, self.len) };
+    }
+}
+
 /// A reserved virtual range with physical chunks mapped into it.
 pub struct Region {
     base: *mut u8,
@@ -231,7 +270,7 @@ struct RegionState {
     /// Mapped chunks in address order; empty while released.
     chunks: Vec<MappedChunk>,
     /// Host copy taken by `offload`, restored by `wake`.
-    backup: Option<Vec<u8>>,
+    backup: Option<HostBuffer>,
 }
 
 // SAFETY: the region owns its mapping; concurrent access to the bytes is
@@ -342,9 +381,10 @@ impl Region {
         if st.chunks.is_empty() {
             return Ok(());
         }
-        let mut backup = vec![0u8; self.len];
-        // SAFETY: the range is mapped (chunks non-empty) and readable.
-        unsafe { std::ptr::copy_nonoverlapping(self.base, backup.as_mut_ptr(), self.len) };
+        let backup = HostBuffer::new(self.len)?;
+        // SAFETY: the range is mapped (chunks non-empty) and readable; the
+        // buffer holds `len` writable bytes.
+        unsafe { std::ptr::copy_nonoverlapping(self.base, backup.ptr, self.len) };
         self.unmap_chunks()?;
         st.chunks.clear();
         st.backup = Some(backup);
@@ -374,7 +414,7 @@ impl Region {
         let chunks = self.map_fresh_chunks()?;
         if let Some(backup) = st.backup.take() {
             // SAFETY: the range was just mapped read-write.
-            unsafe { std::ptr::copy_nonoverlapping(backup.as_ptr(), self.base, self.len) };
+            unsafe { std::ptr::copy_nonoverlapping(backup.ptr, self.base, self.len) };
         }
         st.chunks = chunks;
         Ok(())
@@ -382,7 +422,7 @@ impl Region {
 
     /// Bytes held in host memory by an `offload` backup.
     pub fn host_backup_bytes(&self) -> u64 {
-        self.state.lock().unwrap().backup.as_ref().map_or(0, |b| b.len() as u64)
+        self.state.lock().unwrap().backup.as_ref().map_or(0, |b| b.len as u64)
     }
 
     pub fn tag(&self) -> Tag {
