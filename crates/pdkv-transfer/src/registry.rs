@@ -92,76 +92,8 @@ impl Default for RegistryOptions {
     }
 }
 
-/// A private mapping of whole memfds, laid end to end in one fresh
-/// reservation. Unmapped on drop. Used by registrations and by shared-memory
-/// peers that import one.
-pub(crate) struct Mapping {
-    base: *mut u8,
-    len: usize,
-}
-
-// SAFETY: the mapping is owned by this value and unmapped only in Drop;
-// concurrent access to the bytes is governed by the transfer protocol, as
-// with device memory a NIC reads and writes.
-unsafe impl Send for Mapping {}
-unsafe impl Sync for Mapping {}
-
-impl Mapping {
-    /// Maps each `(fd, len)` read-write, shared, one after the other. Every
-    /// `len` must be a whole number of pages.
-    pub(crate) fn map(parts: &[(RawFd, usize)]) -> std::io::Result<Mapping> {
-        let len: usize = parts.iter().map(|p| p.1).sum();
-        if len == 0 {
-            return Err(std::io::Error::new(std::io::ErrorKind::InvalidInput, "empty mapping"));
-        }
-        // SAFETY: an anonymous PROT_NONE reservation; nothing is touched.
-        let base = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                len,
-                libc::PROT_NONE,
-                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
-                -1,
-                0,
-            )
-        };
-        if base == libc::MAP_FAILED {
-            return Err(std::io::Error::last_os_error());
-        }
-        let mapping = Mapping { base: base as *mut u8, len };
-        let mut at = 0;
-        for &(fd, plen) in parts {
-            // SAFETY: [base+at, +plen) lies inside our reservation; MAP_FIXED
-            // replaces exactly that part of it.
-            let p = unsafe {
-                libc::mmap(
-                    mapping.base.add(at) as *mut libc::c_void,
-                    plen,
-                    libc::PROT_READ | libc::PROT_WRITE,
-                    libc::MAP_SHARED | libc::MAP_FIXED,
-                    fd,
-                    0,
-                )
-            };
-            if p == libc::MAP_FAILED {
-                return Err(std::io::Error::last_os_error()); // Drop unmaps what we mapped.
-            }
-            at += plen;
-        }
-        Ok(mapping)
-    }
-
-    pub(crate) fn base(&self) -> *mut u8 {
-        self.base
-    }
-}
-
-impl Drop for Mapping {
-    fn drop(&mut self) {
-        // SAFETY: we own [base, base+len); nothing else maps it.
-        unsafe { libc::munmap(self.base as *mut libc::c_void, self.len) };
-    }
-}
+/// Registrations and shm peers map chunks through `pdkv-vmem`'s mapping.
+pub(crate) use pdkv_vmem::FdMapping as Mapping;
 
 /// The pages and the private mapping of one registration.
 pub(crate) struct Pinned {

@@ -197,6 +197,98 @@ pub struct MappedChunk {
     pub chunk: Arc<Chunk>,
 }
 
+/// Reserves `len` bytes of address space, `PROT_NONE`: nothing is backed.
+fn reserve(len: usize) -> io::Result<*mut u8> {
+    // SAFETY: an anonymous PROT_NONE reservation; no memory is touched.
+    let base = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            len,
+            libc::PROT_NONE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+            -1,
+            0,
+        )
+    };
+    if base == libc::MAP_FAILED {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(base as *mut u8)
+}
+
+/// Maps `len` bytes of `fd` read-write, shared, at `addr`.
+///
+/// # Safety
+/// `[addr, addr+len)` must lie inside a reservation the caller owns.
+unsafe fn map_shared_fixed(addr: *mut u8, fd: RawFd, len: usize) -> io::Result<()> {
+    let p = libc::mmap(
+        addr as *mut libc::c_void,
+        len,
+        libc::PROT_READ | libc::PROT_WRITE,
+        libc::MAP_SHARED | libc::MAP_FIXED,
+        fd,
+        0,
+    );
+    if p == libc::MAP_FAILED {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// A private mapping of existing memfds, one after the other, in a
+/// reservation of its own: how a registration or a peer reaches chunks
+/// without going through their region. It keeps the pages of what it maps
+/// alive until dropped, whatever the region does meanwhile.
+pub struct FdMapping {
+    base: *mut u8,
+    len: usize,
+}
+
+// SAFETY: the mapping is owned by this value and unmapped only in Drop;
+// concurrent access to the bytes is governed by its users (the transfer
+// protocol), as with device memory a NIC reads and writes.
+unsafe impl Send for FdMapping {}
+unsafe impl Sync for FdMapping {}
+
+impl FdMapping {
+    /// Maps each `(fd, len)` read-write, shared, one after the other. Every
+    /// `len` must be a whole number of pages.
+    pub fn map(parts: &[(RawFd, usize)]) -> io::Result<FdMapping> {
+        let len: usize = parts.iter().map(|p| p.1).sum();
+        if len == 0 {
+            return Err(io::Error::new(io::ErrorKind::InvalidInput, "empty mapping"));
+        }
+        let mapping = FdMapping { base: reserve(len)?, len };
+        let mut at = 0;
+        for &(fd, plen) in parts {
+            // SAFETY: [base+at, +plen) lies inside our reservation. On error,
+            // Drop unmaps whatever was mapped.
+            unsafe { map_shared_fixed(mapping.base.add(at), fd, plen)? };
+            at += plen;
+        }
+        Ok(mapping)
+    }
+
+    pub fn base(&self) -> *mut u8 {
+        self.base
+    }
+
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+}
+
+impl Drop for FdMapping {
+    fn drop(&mut self) {
+        // SAFETY: we own [base, base+len); nothing else maps it.
+        unsafe { libc::munmap(self.base as *mut libc::c_void, self.len) };
+    }
+}
+
 /// Host memory for an offload backup: its own anonymous mapping, so that
 /// freeing it (on wake) returns the pages to the system at once instead of
 /// leaving them on the allocator's heap — sleep/wake cycles do not grow the
@@ -288,22 +380,9 @@ impl Region {
             return Err(VmemError::BadChunkSize(opts.chunk_size, page));
         }
         let len = round_up(len, page);
-        // SAFETY: an anonymous PROT_NONE reservation; no memory is touched.
-        let base = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                len,
-                libc::PROT_NONE,
-                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
-                -1,
-                0,
-            )
-        };
-        if base == libc::MAP_FAILED {
-            return Err(os_err("mmap(reserve)"));
-        }
+        let base = reserve(len).map_err(|source| VmemError::Os { op: "mmap(reserve)", source })?;
         let region = Region {
-            base: base as *mut u8,
+            base,
             len,
             tag,
             opts: opts.clone(),
@@ -330,19 +409,8 @@ impl Region {
             self.ledger.record(&chunk);
             // SAFETY: [base+offset, +clen) lies inside our reservation;
             // MAP_FIXED replaces exactly that part of it.
-            let p = unsafe {
-                libc::mmap(
-                    self.base.add(offset) as *mut libc::c_void,
-                    clen,
-                    libc::PROT_READ | libc::PROT_WRITE,
-                    libc::MAP_SHARED | libc::MAP_FIXED,
-                    chunk.raw_fd(),
-                    0,
-                )
-            };
-            if p == libc::MAP_FAILED {
-                return Err(os_err("mmap(chunk)"));
-            }
+            unsafe { map_shared_fixed(self.base.add(offset), chunk.raw_fd(), clen) }
+                .map_err(|source| VmemError::Os { op: "mmap(chunk)", source })?;
             mapped.push(MappedChunk { offset, chunk });
             offset += clen;
         }
