@@ -310,8 +310,21 @@ impl Machine {
 
     /// Pause with `mode`. `live`: some request is waiting or running.
     pub fn pause(&mut self, mode: PauseMode, clear_cache: bool, ticket: Ticket, deadline: Instant, live: bool) -> Outcome {
-        let (mut actions, complete) = self.enter_pause(mode, Origin::Explicit, live);
-        let then = Then::Pause { clear_cache };
+        self.pause_then(mode, Origin::Explicit, Then::Pause { clear_cache }, ticket, deadline, live)
+    }
+
+    /// Enters a pause and runs `then` once it is complete: now, or when
+    /// the engine becomes idle (the operation waits as `pending`).
+    fn pause_then(
+        &mut self,
+        mode: PauseMode,
+        origin: Origin,
+        then: Then,
+        ticket: Ticket,
+        deadline: Instant,
+        live: bool,
+    ) -> Outcome {
+        let (mut actions, complete) = self.enter_pause(mode, origin, live);
         if complete {
             let mut out = self.after_pause(then);
             actions.append(&mut out.actions);
@@ -349,17 +362,7 @@ impl Machine {
             let deeper = if level.as_u32() > current.as_u32() { level } else { current };
             return self.release_for_sleep(deeper);
         }
-        let (mut actions, complete) = self.enter_pause(mode, Origin::Sleep, live);
-        let then = Then::Sleep(level);
-        if complete {
-            let mut out = self.after_pause(then);
-            actions.append(&mut out.actions);
-            out.actions = actions;
-            out
-        } else {
-            self.pending.push(Pending { ticket, deadline, then });
-            Outcome { actions, reply: None, is_sleep: false }
-        }
+        self.pause_then(mode, Origin::Sleep, Then::Sleep(level), ticket, deadline, live)
     }
 
     /// The memory side of a sleep; the engine is paused and (for `wait`) idle.
