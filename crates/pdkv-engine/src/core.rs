@@ -39,6 +39,7 @@ use pdkv_model::{ChatTemplate, KvCache, LoadedModel, Model, ModelConfig, SeqInpu
 use pdkv_vmem::{Pool, Tag};
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 
+use crate::connector::KvConnector;
 use crate::detok::{IncrementalDetokenizer, StopChecker};
 use crate::sampling::{sample, SamplingConfig};
 use crate::scheduler::{NewRequest, Scheduler, SchedulerConfig, SchedulerOutput};
@@ -208,6 +209,8 @@ struct Inner {
     model_config: ModelConfig,
     pool: Pool,
     max_model_len: usize,
+    /// The connector's [`KvConnector::info`], if the engine has one.
+    connector_info: Option<serde_json::Value>,
     thread: Mutex<Option<JoinHandle<()>>>,
 }
 
@@ -237,6 +240,18 @@ impl Engine {
     /// Allocates the KV cache (`num_kv_blocks` blocks) and workspace in `pool`
     /// and starts the engine core thread.
     pub fn start(model: LoadedModel, pool: Pool, config: EngineConfig) -> anyhow::Result<EngineHandle> {
+        Engine::start_with_connector(model, pool, config, None)
+    }
+
+    /// [`Engine::start`] with a KV connector: its `register_kv_caches` is
+    /// called with the new KV cache before the core starts, and the core
+    /// drives it from then on (see [`crate::connector`]).
+    pub fn start_with_connector(
+        model: LoadedModel,
+        pool: Pool,
+        config: EngineConfig,
+        connector: Option<Box<dyn KvConnector>>,
+    ) -> anyhow::Result<EngineHandle> {
         use anyhow::Context;
         anyhow::ensure!(config.max_num_seqs > 0, "max_num_seqs must be at least 1");
         anyhow::ensure!(config.max_num_batched_tokens > 0, "max_num_batched_tokens must be at least 1");
@@ -257,6 +272,7 @@ impl Engine {
         let ws = Workspace::new(&pool, &model_config, config.max_num_batched_tokens)
             .context("allocating the runtime workspace")?;
         let tokenizer = Arc::new(tokenizer);
+        let connector_info = connector.as_ref().map(|c| c.info());
         let shared = Arc::new(Shared {
             stats: Mutex::new(StatsState {
                 stats: EngineStats {
@@ -326,6 +342,7 @@ impl Engine {
                 model_config,
                 pool,
                 max_model_len,
+                connector_info,
                 thread: Mutex::new(Some(thread)),
             }),
         })
@@ -523,6 +540,12 @@ impl EngineHandle {
     }
 
     /// The model's context length as the engine enforces it.
+    /// What the KV connector says about itself (engine id, role,
+    /// addresses); `None` without a connector.
+    pub fn kv_connector_info(&self) -> Option<&serde_json::Value> {
+        self.inner.connector_info.as_ref()
+    }
+
     pub fn max_model_len(&self) -> usize {
         self.inner.max_model_len
     }
@@ -704,6 +727,8 @@ impl ActiveRequest {
             num_prompt_tokens: self.num_prompt_tokens,
             num_cached_tokens: self.num_cached_tokens,
             logits: Vec::new(),
+            kv_transfer_params: None,
+            error: None,
         }
     }
 }
@@ -1258,5 +1283,7 @@ fn abort_output(req: &EngineRequest) -> RequestOutput {
         num_prompt_tokens: req.prompt_tokens.len(),
         num_cached_tokens: 0,
         logits: Vec::new(),
+        kv_transfer_params: None,
+        error: None,
     }
 }

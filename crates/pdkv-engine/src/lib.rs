@@ -19,6 +19,7 @@
 //!   [`AddRequestError::Unavailable`].
 
 pub mod block_pool;
+pub mod connector;
 mod core;
 pub mod detok;
 pub mod lifecycle;
@@ -27,6 +28,7 @@ pub mod scheduler;
 
 pub use crate::core::{Engine, EngineHandle, RequestStream};
 pub use block_pool::{BlockHash, BlockPool};
+pub use connector::{KvConnector, KvTransferParams, LoadFailurePolicy};
 pub use lifecycle::{LifecycleError, LifecycleStatus, PauseMode, SleepLevel, WeightInfo};
 pub use scheduler::{Scheduler, SchedulerConfig, SchedulerOutput};
 
@@ -97,6 +99,9 @@ pub struct EngineRequest {
     pub id: String,
     pub prompt_tokens: Vec<u32>,
     pub params: SamplingParams,
+    /// Handed to the KV connector as is (P/D: `do_remote_decode`,
+    /// `do_remote_prefill`, the remote engine and transfer id).
+    pub kv_transfer_params: Option<KvTransferParams>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -107,6 +112,9 @@ pub enum FinishReason {
     Length,
     /// Aborted (by id, by a client disconnect, or at shutdown).
     Abort,
+    /// Failed: the request's external KV could not be loaded (the
+    /// output's `error` says why).
+    Error,
 }
 
 impl FinishReason {
@@ -115,6 +123,7 @@ impl FinishReason {
             FinishReason::Stop => "stop",
             FinishReason::Length => "length",
             FinishReason::Abort => "abort",
+            FinishReason::Error => "error",
         }
     }
 }
@@ -134,6 +143,11 @@ pub struct RequestOutput {
     pub num_cached_tokens: usize,
     /// One logits row per token in `token_ids` when `return_logits` was set.
     pub logits: Vec<Vec<f32>>,
+    /// On the last output: what the KV connector returns for the request
+    /// (a prefill engine's transfer handle for the decode engine).
+    pub kv_transfer_params: Option<KvTransferParams>,
+    /// On a last output with [`FinishReason::Error`]: why.
+    pub error: Option<String>,
 }
 
 /// Why a request was refused.

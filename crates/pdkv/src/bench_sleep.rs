@@ -91,7 +91,7 @@ fn probe(engine: &EngineHandle, round: usize, max_tokens: u32) -> anyhow::Result
     for (i, prompt) in PROBE_PROMPTS.iter().enumerate() {
         let prompt_tokens = engine.tokenizer().encode(prompt, true).context("tokenizing a probe prompt")?;
         let params = SamplingParams { temperature: 0.0, max_tokens, ignore_eos: true, ..SamplingParams::default() };
-        let req = EngineRequest { id: format!("probe-{round}-{i}"), prompt_tokens, params };
+        let req = EngineRequest { id: format!("probe-{round}-{i}"), prompt_tokens, params, kv_transfer_params: None };
         streams.push(engine.add_request(req).with_context(|| format!("probe {round}: adding prompt {i}"))?);
     }
     let mut out = Vec::with_capacity(streams.len());

@@ -64,7 +64,7 @@ pub fn greedy(max_tokens: u32) -> SamplingParams {
 }
 
 pub fn request(id: &str, prompt_tokens: Vec<u32>, params: SamplingParams) -> EngineRequest {
-    EngineRequest { id: id.to_string(), prompt_tokens, params }
+    EngineRequest { id: id.to_string(), prompt_tokens, params, kv_transfer_params: None }
 }
 
 /// Everything a request produced.

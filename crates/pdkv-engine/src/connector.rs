@@ -1,0 +1,234 @@
+//! The KV connector API: how an engine exchanges KV blocks with the world
+//! outside its own cache (a prefill engine's KV read by a decode engine, a
+//! host-memory offload tier).
+//!
+//! One object implements both sides and both run on the engine core thread,
+//! so the methods must not block (a connector does its I/O on its own
+//! threads and reports back through [`KvConnector::get_finished`], calling the
+//! [`Waker`] it was given whenever it has news for the core).
+//!
+//! **Scheduler side** (called by [`crate::Scheduler`]):
+//! [`get_num_new_matched_tokens`](KvConnector::get_num_new_matched_tokens)
+//! when a request is admitted, [`update_state_after_alloc`](KvConnector::update_state_after_alloc)
+//! once its blocks exist, [`build_connector_meta`](KvConnector::build_connector_meta)
+//! once per step, [`request_finished`](KvConnector::request_finished) when a
+//! request ends (the connector may keep its blocks: *delayed free*),
+//! [`update_connector_output`](KvConnector::update_connector_output),
+//! [`reset_cache`](KvConnector::reset_cache) and
+//! [`abort_transfers`](KvConnector::abort_transfers).
+//!
+//! **Worker side** (called by the engine core around the forward pass):
+//! [`register_kv_caches`](KvConnector::register_kv_caches) once at start,
+//! [`start_load_kv`](KvConnector::start_load_kv) before a step,
+//! [`wait_for_save`](KvConnector::wait_for_save) after it,
+//! [`get_finished`](KvConnector::get_finished) and
+//! [`get_block_ids_with_load_errors`](KvConnector::get_block_ids_with_load_errors)
+//! every loop turn, [`release_kv_caches`](KvConnector::release_kv_caches)
+//! before the KV cache is unmapped and
+//! [`restore_kv_caches`](KvConnector::restore_kv_caches) after it is mapped again.
+//!
+//! Contract on blocks: a block id handed to the connector (by
+//! `update_state_after_alloc` or `request_finished` with delayed free) stays
+//! allocated to that request until the connector names the request in
+//! `get_finished` (sending side: nothing reads the blocks any more; receiving
+//! side: nothing writes them any more). The engine never frees such a block
+//! earlier, and never hands it to another request while it is held.
+//!
+//! `kv_transfer_params` are opaque JSON to the engine: it carries them from
+//! the request to the connector and from the connector to the request's last
+//! output, and never interprets them.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::FinishReason;
+
+/// Opaque per-request parameters a connector reads and returns.
+pub type KvTransferParams = serde_json::Value;
+
+/// Called by a connector (from any thread) when it has something for the
+/// core: a finished send or load, a load error. Cheap and non-blocking.
+pub type Waker = Arc<dyn Fn() + Send + Sync>;
+
+/// What to do with a request whose external KV failed to load.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum LoadFailurePolicy {
+    /// End the request with an error naming the failure.
+    #[default]
+    Fail,
+    /// Drop the external tokens and compute them locally.
+    Recompute,
+}
+
+/// A request as a connector sees it.
+#[derive(Clone, Copy, Debug)]
+pub struct ConnectorRequest<'a> {
+    pub id: &'a Arc<str>,
+    pub prompt_tokens: &'a [u32],
+    pub kv_transfer_params: Option<&'a KvTransferParams>,
+}
+
+/// The answer of [`KvConnector::get_num_new_matched_tokens`].
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ExternalMatch {
+    /// Tokens beyond the locally computed ones whose KV the connector can
+    /// provide (0: none).
+    pub num_tokens: usize,
+    /// The KV arrives asynchronously: the request waits (holding its blocks)
+    /// until the connector reports the load in `get_finished`.
+    pub load_async: bool,
+}
+
+/// What the scheduler decided this step, for the worker side. Opaque to the
+/// engine; each connector puts its own type in it.
+pub struct ConnectorMeta(pub Box<dyn std::any::Any + Send>);
+
+impl ConnectorMeta {
+    pub fn empty() -> ConnectorMeta {
+        ConnectorMeta(Box::new(()))
+    }
+}
+
+/// Requests whose transfers ended since the last call.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct FinishedTransfers {
+    /// Requests (finished, blocks held) whose KV no one reads any more: their
+    /// blocks may be freed.
+    pub sending: Vec<Arc<str>>,
+    /// Requests whose load ended (successfully or not: see
+    /// [`KvConnector::get_block_ids_with_load_errors`]); nothing writes their
+    /// blocks any more.
+    pub recving: Vec<Arc<str>>,
+}
+
+impl FinishedTransfers {
+    pub fn is_empty(&self) -> bool {
+        self.sending.is_empty() && self.recving.is_empty()
+    }
+}
+
+/// What the engine tells a connector about its KV cache.
+#[derive(Clone)]
+pub struct KvCacheSpec {
+    /// The `kv_cache` region holding all blocks (block `b` at
+    /// `b * block_bytes`, one contiguous range per block).
+    pub region: Arc<pdkv_vmem::Region>,
+    pub num_blocks: usize,
+    pub block_bytes: usize,
+    /// Tokens per block.
+    pub block_size: usize,
+    /// Identifies the model's KV layout; peers must agree on it.
+    pub layout: String,
+}
+
+/// A KV connector; see the module docs for the calling protocol.
+pub trait KvConnector: Send {
+    /// The connector's name, for logs and errors.
+    fn name(&self) -> &str;
+
+    /// Whether this connector can give up its registrations before the KV
+    /// cache is unmapped and register it again after (sleep mode needs it).
+    fn supports_sleep_mode(&self) -> bool;
+
+    /// Static facts for operators and proxies (engine id, role, addresses).
+    fn info(&self) -> serde_json::Value;
+
+    /// Checks a request's `kv_transfer_params` when it is added, so a
+    /// malformed one is refused at once (an `Err` names the problem).
+    fn validate_params(&self, _params: Option<&KvTransferParams>) -> Result<(), String> {
+        Ok(())
+    }
+
+    /// Called once, before any other call, with the engine's waker.
+    fn set_waker(&mut self, waker: Waker);
+
+    /// What to do when a load fails.
+    fn load_failure_policy(&self) -> LoadFailurePolicy {
+        LoadFailurePolicy::Fail
+    }
+
+    // ---- scheduler side ----
+
+    /// How many tokens beyond `num_computed_tokens` (already in the local
+    /// cache) the connector can provide for `req`, and whether they arrive
+    /// asynchronously. Never more than `prompt_tokens.len() - 1 -
+    /// num_computed_tokens`: the last prompt token is always computed locally
+    /// (its logits are needed).
+    fn get_num_new_matched_tokens(&mut self, req: ConnectorRequest<'_>, num_computed_tokens: usize) -> ExternalMatch;
+
+    /// The request's blocks exist now: `block_ids` is its whole table, whose
+    /// blocks `num_computed_tokens / block_size ..` receive the
+    /// `num_external_tokens` external tokens (none when 0).
+    fn update_state_after_alloc(
+        &mut self,
+        req: ConnectorRequest<'_>,
+        block_ids: &[u32],
+        num_computed_tokens: usize,
+        num_external_tokens: usize,
+    );
+
+    /// Collects this step's decisions for the worker side.
+    fn build_connector_meta(&mut self) -> ConnectorMeta;
+
+    /// `req` ended with `reason` holding `block_ids`. Returns whether the
+    /// connector keeps the blocks (freed once `get_finished` names the
+    /// request) and the `kv_transfer_params` for the request's last output.
+    fn request_finished(
+        &mut self,
+        req: ConnectorRequest<'_>,
+        block_ids: &[u32],
+        reason: FinishReason,
+    ) -> (bool, Option<KvTransferParams>);
+
+    /// The scheduler applied these finished transfers.
+    fn update_connector_output(&mut self, _finished: &FinishedTransfers) {}
+
+    /// The prefix cache is being reset: drop whatever the connector caches
+    /// about block contents. Returns false if it cannot now.
+    fn reset_cache(&mut self) -> bool {
+        true
+    }
+
+    /// Stop holding finished requests' KV for remote readers and end remote
+    /// loads in flight; the requests concerned are reported by
+    /// `get_finished` as the transfers give their blocks back.
+    fn abort_transfers(&mut self) {}
+
+    /// Blocks held for transfers right now (sending and receiving).
+    fn num_held_blocks(&self) -> usize {
+        0
+    }
+
+    // ---- worker side ----
+
+    /// The engine's KV cache, once, at start.
+    fn register_kv_caches(&mut self, spec: &KvCacheSpec) -> anyhow::Result<()>;
+
+    /// Starts the loads decided in `meta`.
+    fn start_load_kv(&mut self, meta: ConnectorMeta);
+
+    /// Called after a forward pass (a connector that saves KV as it is
+    /// computed finishes that here).
+    fn wait_for_save(&mut self) {}
+
+    /// Transfers that ended since the last call.
+    fn get_finished(&mut self) -> FinishedTransfers;
+
+    /// Blocks whose load failed since the last call (each belongs to a
+    /// request reported in `get_finished().recving` in the same or an
+    /// earlier call), with the reason.
+    fn get_block_ids_with_load_errors(&mut self) -> Vec<(u32, String)>;
+
+    /// Gives up the registrations of the KV cache before it is unmapped,
+    /// waiting at most `timeout` for transfers in flight. Idempotent.
+    fn release_kv_caches(&mut self, _timeout: Duration) -> anyhow::Result<()> {
+        anyhow::bail!("connector {} cannot release its KV cache registrations", self.name())
+    }
+
+    /// Registers the KV cache again (a new epoch) after it was mapped again.
+    /// Idempotent.
+    fn restore_kv_caches(&mut self) -> anyhow::Result<()> {
+        anyhow::bail!("connector {} cannot restore its KV cache registrations", self.name())
+    }
+}
