@@ -50,6 +50,10 @@ pub type KvTransferParams = serde_json::Value;
 /// core: a finished send or load, a load error. Cheap and non-blocking.
 pub type Waker = Arc<dyn Fn() + Send + Sync>;
 
+/// Checks a request's `kv_transfer_params` on the caller's thread when it
+/// is added (an `Err` names the problem; the request is refused).
+pub type ParamsValidator = Arc<dyn Fn(Option<&KvTransferParams>) -> Result<(), String> + Send + Sync>;
+
 /// What to do with a request whose external KV failed to load.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -138,6 +142,13 @@ pub trait KvConnector: Send {
     /// malformed one is refused at once (an `Err` names the problem).
     fn validate_params(&self, _params: Option<&KvTransferParams>) -> Result<(), String> {
         Ok(())
+    }
+
+    /// The check of [`KvConnector::validate_params`] as a function the
+    /// engine calls on the caller's thread, before the request reaches the
+    /// core (the default accepts everything).
+    fn params_validator(&self) -> ParamsValidator {
+        Arc::new(|_| Ok(()))
     }
 
     /// Called once, before any other call, with the engine's waker.

@@ -39,7 +39,7 @@ use pdkv_model::{ChatTemplate, KvCache, LoadedModel, Model, ModelConfig, SeqInpu
 use pdkv_vmem::{Pool, Tag};
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 
-use crate::connector::KvConnector;
+use crate::connector::{KvCacheSpec, KvConnector};
 use crate::detok::{IncrementalDetokenizer, StopChecker};
 use crate::sampling::{sample, SamplingConfig};
 use crate::scheduler::{NewRequest, Scheduler, SchedulerConfig, SchedulerOutput};
@@ -102,6 +102,8 @@ enum Command {
         version: Option<String>,
         reply: Reply,
     },
+    /// The KV connector has news (a finished transfer); nothing else.
+    Nudge,
     Shutdown,
 }
 
@@ -139,7 +141,7 @@ impl Command {
             | Command::UpdateWeights { reply, .. } => {
                 let _ = reply.try_send(Err(LifecycleError::Stopped));
             }
-            Command::Abort { .. } | Command::Shutdown => {}
+            Command::Abort { .. } | Command::Nudge | Command::Shutdown => {}
         }
     }
 }
@@ -211,6 +213,7 @@ struct Inner {
     max_model_len: usize,
     /// The connector's [`KvConnector::info`], if the engine has one.
     connector_info: Option<serde_json::Value>,
+    params_validator: Option<crate::connector::ParamsValidator>,
     thread: Mutex<Option<JoinHandle<()>>>,
 }
 
@@ -273,6 +276,7 @@ impl Engine {
             .context("allocating the runtime workspace")?;
         let tokenizer = Arc::new(tokenizer);
         let connector_info = connector.as_ref().map(|c| c.info());
+        let params_validator = connector.as_ref().map(|c| c.params_validator());
         let shared = Arc::new(Shared {
             stats: Mutex::new(StatsState {
                 stats: EngineStats {
@@ -300,13 +304,41 @@ impl Engine {
             .collect::<std::collections::BTreeSet<u32>>()
             .into_iter()
             .collect();
+        let sched_config = SchedulerConfig {
+            max_num_seqs: config.max_num_seqs,
+            max_num_batched_tokens: config.max_num_batched_tokens,
+            num_blocks: config.num_kv_blocks,
+            enable_prefix_caching: config.enable_prefix_caching,
+        };
+        let has_connector = connector.is_some();
+        let sched = match connector {
+            Some(mut c) => {
+                let spec = KvCacheSpec {
+                    region: kv.region().clone(),
+                    num_blocks: kv.num_blocks(),
+                    block_bytes: kv.block_bytes(),
+                    block_size: kv.block_size(),
+                    layout: format!(
+                        "{}:layers={}:kv_dim={}:block={}:f32",
+                        model_config.arch.as_str(),
+                        kv.num_layers(),
+                        kv.kv_dim(),
+                        kv.block_size()
+                    ),
+                };
+                let nudge = cmd_tx.clone();
+                c.set_waker(Arc::new(move || {
+                    // A full channel means the core has commands to read
+                    // and will look at the connector anyway.
+                    let _ = nudge.try_send(Command::Nudge);
+                }));
+                c.register_kv_caches(&spec).with_context(|| format!("registering the KV cache with connector {}", c.name()))?;
+                Scheduler::with_connector(sched_config, c)
+            }
+            None => Scheduler::new(sched_config),
+        };
         let core = Core {
-            sched: Scheduler::new(SchedulerConfig {
-                max_num_seqs: config.max_num_seqs,
-                max_num_batched_tokens: config.max_num_batched_tokens,
-                num_blocks: config.num_kv_blocks,
-                enable_prefix_caching: config.enable_prefix_caching,
-            }),
+            sched,
             model,
             kv,
             ws,
@@ -323,6 +355,7 @@ impl Engine {
             replies: HashMap::new(),
             next_ticket: 0,
             mapped: true,
+            has_connector,
             lc_stats: LifecycleStats::default(),
             closing: false,
         };
@@ -343,6 +376,7 @@ impl Engine {
                 pool,
                 max_model_len,
                 connector_info,
+                params_validator,
                 thread: Mutex::new(Some(thread)),
             }),
         })
@@ -368,6 +402,11 @@ impl EngineHandle {
         let invalid = |m: String| Err(AddRequestError::Invalid(m));
         if req.prompt_tokens.is_empty() {
             return invalid("the prompt is empty".into());
+        }
+        if let Some(check) = &self.inner.params_validator {
+            if let Err(e) = check(req.kv_transfer_params.as_ref()) {
+                return invalid(format!("kv_transfer_params: {e}"));
+            }
         }
         if p.max_tokens < 1 {
             return invalid("max_tokens must be at least 1".into());
@@ -765,6 +804,8 @@ struct Core {
     /// Weights, KV cache and runtime regions are all mapped (checked after
     /// every lifecycle command; a step needs it).
     mapped: bool,
+    /// The scheduler has a KV connector.
+    has_connector: bool,
     lc_stats: LifecycleStats,
     /// The command being applied closes admission and still counts in
     /// `Shared::closing_in_flight`.
@@ -796,6 +837,8 @@ impl Core {
             self.poll_lifecycle();
             if self.can_step() {
                 self.step();
+            } else {
+                self.poll_connector();
             }
             self.publish_stats();
         }
@@ -814,7 +857,7 @@ impl Core {
 
     /// Applies pending commands; waits for one when idle. False on shutdown.
     fn drain_commands(&mut self) -> bool {
-        if !(self.sched.has_work() && self.can_step()) {
+        if !(self.sched.has_runnable() && self.can_step()) {
             let now = Instant::now();
             let wait = self.lc.next_deadline().map_or(IDLE_WAIT, |d| d.saturating_duration_since(now).min(IDLE_WAIT));
             match self.rx.recv_timeout(wait) {
@@ -849,7 +892,7 @@ impl Core {
 
     fn apply(&mut self, cmd: Command) -> bool {
         self.closing = cmd.closes_admission();
-        let lifecycle = !matches!(cmd, Command::Add(_) | Command::Abort { .. } | Command::Shutdown);
+        let lifecycle = !matches!(cmd, Command::Add(_) | Command::Abort { .. } | Command::Nudge | Command::Shutdown);
         let go_on = self.apply_command(cmd);
         if lifecycle {
             self.publish_lifecycle();
@@ -922,6 +965,7 @@ impl Core {
                 let r = self.update_weights(path, version);
                 self.answer(&reply, r);
             }
+            Command::Nudge => {}
             Command::Shutdown => return false,
         }
         true
@@ -1094,6 +1138,20 @@ impl Core {
             let _ = tx.send(abort_output(&req));
             return;
         }
+        if self.sched.is_held(&req.id) {
+            // Its blocks are keyed by id until the transfer ends.
+            tracing::warn!(id = %req.id, "request id still names a finished request whose KV is being transferred; refused");
+            let mut live = self.shared.live.lock().unwrap();
+            if live.get(&req.id) == Some(&serial) {
+                live.remove(&req.id);
+            }
+            drop(live);
+            let mut out = abort_output(&req);
+            out.finish_reason = Some(FinishReason::Error);
+            out.error = Some(format!("request id {} is still in use by a KV transfer", req.id));
+            let _ = tx.send(out);
+            return;
+        }
         let id: Arc<str> = Arc::from(req.id.as_str());
         let p = &req.params;
         let mut stop_token_ids = p.stop_token_ids.clone();
@@ -1115,6 +1173,7 @@ impl Core {
             prompt_tokens: req.prompt_tokens,
             max_tokens: p.max_tokens as usize,
             stop_token_ids,
+            kv_transfer_params: if self.has_connector { req.kv_transfer_params } else { None },
         });
         self.reqs.insert(id, active);
     }
@@ -1122,7 +1181,19 @@ impl Core {
     /// Ends a request: frees its blocks, releases its id and sends the final
     /// output (with `last`'s tokens and text when given).
     fn finish(&mut self, id: &Arc<str>, reason: FinishReason, last: Option<RequestOutput>) {
-        self.sched.finish_request(id, reason);
+        let params = self.sched.finish_request_with(id, reason).flatten();
+        self.finish_active(id, reason, last, params, None);
+    }
+
+    /// Ends the core's side of a request the scheduler already ended.
+    fn finish_active(
+        &mut self,
+        id: &Arc<str>,
+        reason: FinishReason,
+        last: Option<RequestOutput>,
+        params: Option<crate::KvTransferParams>,
+        error: Option<String>,
+    ) {
         let Some(active) = self.reqs.remove(id) else { return };
         {
             let mut live = self.shared.live.lock().unwrap();
@@ -1132,6 +1203,8 @@ impl Core {
         }
         let mut out = last.unwrap_or_else(|| active.output(id));
         out.finish_reason = Some(reason);
+        out.kv_transfer_params = params;
+        out.error = error;
         // A closed receiver only means the client left.
         let _ = active.tx.send(out);
     }
@@ -1175,8 +1248,23 @@ impl Core {
         Ok(())
     }
 
+    /// Applies what the connector finished: freed transfers, loaded
+    /// requests, failed loads (ended here with their error).
+    fn poll_connector(&mut self) {
+        for f in self.sched.update_from_connector() {
+            let error = format!("loading the request's KV failed: {}", f.error);
+            self.finish_active(&f.request_id, FinishReason::Error, None, None, Some(error));
+        }
+    }
+
     fn step(&mut self) {
+        self.poll_connector();
         let plan = self.sched.schedule();
+        if let Some(c) = self.sched.connector_mut() {
+            // Admission may have started loads even when nothing runs.
+            let meta = c.build_connector_meta();
+            c.start_load_kv(meta);
+        }
         if plan.is_empty() {
             return;
         }
@@ -1187,6 +1275,9 @@ impl Core {
                 self.finish(&s.request_id, FinishReason::Abort, None);
             }
             return;
+        }
+        if let Some(c) = self.sched.connector_mut() {
+            c.wait_for_save();
         }
         // Sample from the rows, in order.
         let mut sampled = Vec::with_capacity(plan.seqs.len());
@@ -1233,6 +1324,10 @@ impl Core {
                 }
             }
             match finish {
+                // The scheduler already ended it (stop token, length).
+                Some(reason) if u.finished.is_some() => {
+                    self.finish_active(&u.request_id, reason, Some(out), u.kv_transfer_params, None)
+                }
                 Some(reason) => self.finish(&u.request_id, reason, Some(out)),
                 None => {
                     if active.tx.send(out).is_err() {
@@ -1251,7 +1346,9 @@ impl Core {
         let pending = st.pending_adds;
         let s = &mut st.stats;
         s.num_running = c.num_running;
-        s.num_waiting = c.num_waiting + pending;
+        s.num_waiting = c.num_waiting + c.num_waiting_for_remote_kv + pending;
+        s.num_waiting_for_remote_kv = c.num_waiting_for_remote_kv;
+        s.kv_blocks_held = c.num_held_blocks;
         s.kv_blocks_total = c.num_blocks;
         s.kv_blocks_free = c.num_free_blocks;
         s.prefix_cache_queries = c.prefix_cache_queries;

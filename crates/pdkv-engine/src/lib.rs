@@ -180,6 +180,10 @@ pub struct EngineStats {
     pub num_waiting: usize,
     pub kv_blocks_total: usize,
     pub kv_blocks_free: usize,
+    /// Blocks of finished requests held for KV transfers.
+    pub kv_blocks_held: usize,
+    /// Requests whose external KV is loading (counted in `num_waiting`).
+    pub num_waiting_for_remote_kv: usize,
     /// Prompt tokens looked up in the prefix cache / found there, cumulative.
     pub prefix_cache_queries: u64,
     pub prefix_cache_hits: u64,

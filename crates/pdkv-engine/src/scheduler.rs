@@ -22,17 +22,34 @@
 //!
 //! Only the chunk that reaches the end of a request's known tokens samples.
 //!
+//! With a KV connector ([`crate::connector`]): at admission the connector may
+//! offer external KV for tokens beyond the local prefix hit. An asynchronous
+//! load parks the request in *waiting for remote KV* holding its blocks (it
+//! is neither waiting nor running, takes no step budget and is never
+//! preempted); when the connector reports the load finished, the request
+//! goes back to the front of the waiting queue holding its blocks, with the
+//! loaded tokens counted as computed — or, when the load failed, fails or
+//! recomputes them by the connector's policy. A finished request whose KV
+//! the connector still reads (a prefill engine's blocks waiting for the
+//! decode engine) or writes (an aborted load) keeps its blocks *held* until
+//! the connector names it in `get_finished`.
+//!
 //! Invariants (checked by [`Scheduler::check_invariants`]):
 //! - every block reference is held by exactly one request's block table
 //!   (sum of table lengths over live requests == sum of reference counts);
-//! - a waiting request holds no blocks and has computed nothing;
+//! - a waiting request holds no blocks and has computed nothing, except one
+//!   whose external KV finished loading (it holds blocks covering its
+//!   computed tokens);
+//! - blocks held for transfers belong to no live request's table and are
+//!   counted in the reference counts;
 //! - a running request's table covers its computed tokens;
-//! - when no request is live, every block is free.
+//! - when no request is live and no transfer holds blocks, every block is free.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 
 use crate::block_pool::{blocks_for, BlockHash, BlockPool};
+use crate::connector::{ConnectorRequest, KvConnector, KvTransferParams, LoadFailurePolicy};
 use crate::FinishReason;
 
 /// Scheduler limits.
@@ -53,12 +70,16 @@ pub struct NewRequest {
     /// Sampling one of these ends the request with [`FinishReason::Stop`]
     /// (EOS ids unless ignored, plus the request's stop token ids).
     pub stop_token_ids: Vec<u32>,
+    /// For the KV connector (opaque here).
+    pub kv_transfer_params: Option<KvTransferParams>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Status {
     Waiting,
     Running,
+    /// Admitted with blocks, external KV loading into them.
+    WaitingForRemoteKv,
 }
 
 #[derive(Debug)]
@@ -80,9 +101,23 @@ struct Request {
     num_cached_tokens: Option<usize>,
     status: Status,
     num_preemptions: u32,
+    kv_transfer_params: Option<KvTransferParams>,
+    /// The connector was consulted at admission (only the first time: a
+    /// preempted request recomputes locally).
+    connector_consulted: bool,
+    /// External tokens being loaded (status `WaitingForRemoteKv`).
+    num_loading_tokens: usize,
 }
 
 impl Request {
+    fn conn(&self) -> ConnectorRequest<'_> {
+        ConnectorRequest {
+            id: &self.id,
+            prompt_tokens: &self.tokens[..self.num_prompt_tokens],
+            kv_transfer_params: self.kv_transfer_params.as_ref(),
+        }
+    }
+
     fn num_output_tokens(&self) -> usize {
         self.tokens.len() - self.num_prompt_tokens
     }
@@ -132,8 +167,11 @@ pub struct SeqUpdate {
     pub request_id: Arc<str>,
     /// The token sampled this step, if the step sampled for this request.
     pub new_token: Option<u32>,
-    /// Set when the request ended in this step (its blocks are freed).
+    /// Set when the request ended in this step (its blocks are freed, or
+    /// held for the connector).
     pub finished: Option<FinishReason>,
+    /// The connector's parameters for the request's last output.
+    pub kv_transfer_params: Option<KvTransferParams>,
     pub num_prompt_tokens: usize,
     pub num_cached_tokens: usize,
 }
@@ -148,6 +186,17 @@ pub struct SchedulerCounts {
     pub prefix_cache_queries: u64,
     pub prefix_cache_hits: u64,
     pub num_preemptions: u64,
+    /// Requests whose external KV is loading.
+    pub num_waiting_for_remote_kv: usize,
+    /// Blocks held by transfers of finished requests.
+    pub num_held_blocks: usize,
+}
+
+/// A request the connector's load failed for, ended by the `fail` policy.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct FailedLoad {
+    pub request_id: Arc<str>,
+    pub error: String,
 }
 
 pub struct Scheduler {
@@ -158,6 +207,11 @@ pub struct Scheduler {
     waiting: VecDeque<Arc<str>>,
     /// In admission order (the last one is preempted first).
     running: Vec<Arc<str>>,
+    /// Requests whose external KV is loading, in admission order.
+    loading: Vec<Arc<str>>,
+    /// Blocks of finished requests that a transfer still reads or writes.
+    held: HashMap<Arc<str>, Vec<u32>>,
+    connector: Option<Box<dyn KvConnector>>,
     num_preemptions: u64,
 }
 
@@ -170,8 +224,39 @@ impl Scheduler {
             requests: HashMap::new(),
             waiting: VecDeque::new(),
             running: Vec::new(),
+            loading: Vec::new(),
+            held: HashMap::new(),
+            connector: None,
             num_preemptions: 0,
         }
+    }
+
+    /// A scheduler that consults `connector` (see the module docs).
+    pub fn with_connector(config: SchedulerConfig, connector: Box<dyn KvConnector>) -> Scheduler {
+        let mut s = Scheduler::new(config);
+        s.connector = Some(connector);
+        s
+    }
+
+    /// The connector, for the worker-side calls.
+    pub fn connector_mut(&mut self) -> Option<&mut (dyn KvConnector + 'static)> {
+        self.connector.as_deref_mut()
+    }
+
+    /// Whether a step could do anything (a request waiting or running;
+    /// loading requests wait for the connector instead).
+    pub fn has_runnable(&self) -> bool {
+        !self.waiting.is_empty() || !self.running.is_empty()
+    }
+
+    /// Blocks held for transfers of finished requests.
+    pub fn num_held_blocks(&self) -> usize {
+        self.held.values().map(Vec::len).sum()
+    }
+
+    /// Whether `id` names a finished request whose blocks a transfer holds.
+    pub fn is_held(&self, id: &str) -> bool {
+        self.held.contains_key(id)
     }
 
     pub fn config(&self) -> &SchedulerConfig {
@@ -205,12 +290,14 @@ impl Scheduler {
             prefix_cache_queries: self.pool.num_queries(),
             prefix_cache_hits: self.pool.num_hits(),
             num_preemptions: self.num_preemptions,
+            num_waiting_for_remote_kv: self.loading.len(),
+            num_held_blocks: self.num_held_blocks(),
         }
     }
 
-    /// Ids of the live requests (waiting then running), for shutdown.
+    /// Ids of the live requests (waiting, running, loading), for shutdown.
     pub fn request_ids(&self) -> Vec<Arc<str>> {
-        self.waiting.iter().chain(self.running.iter()).cloned().collect()
+        self.waiting.iter().chain(self.running.iter()).chain(self.loading.iter()).cloned().collect()
     }
 
     /// Queues a request. The caller has validated it: non-empty prompt,
@@ -243,27 +330,109 @@ impl Scheduler {
             num_cached_tokens: None,
             status: Status::Waiting,
             num_preemptions: 0,
+            kv_transfer_params: req.kv_transfer_params,
+            connector_consulted: false,
+            num_loading_tokens: 0,
         };
         self.requests.insert(req.id.clone(), r);
         self.waiting.push_back(req.id);
     }
 
-    /// Ends a live request with `reason` and frees its blocks. Returns false
-    /// for an unknown id.
-    pub fn finish_request(&mut self, id: &str, _reason: FinishReason) -> bool {
-        let Some(req) = self.requests.remove(id) else { return false };
-        match req.status {
+    /// Ends a live request with `reason` and frees its blocks (or holds
+    /// them, when the connector still transfers them). Returns false for an
+    /// unknown id.
+    pub fn finish_request(&mut self, id: &str, reason: FinishReason) -> bool {
+        self.finish_request_with(id, reason).is_some()
+    }
+
+    /// [`Scheduler::finish_request`], returning the connector's parameters
+    /// for the request's last output (`None`: unknown id).
+    pub fn finish_request_with(&mut self, id: &str, reason: FinishReason) -> Option<Option<KvTransferParams>> {
+        let req = self.requests.remove(id)?;
+        let list = match req.status {
             Status::Waiting => {
                 let pos = self.waiting.iter().position(|w| **w == *id).expect("waiting request is queued");
                 self.waiting.remove(pos);
+                None
             }
-            Status::Running => {
-                let pos = self.running.iter().position(|w| **w == *id).expect("running request is listed");
-                self.running.remove(pos);
+            Status::Running => Some(&mut self.running),
+            Status::WaitingForRemoteKv => Some(&mut self.loading),
+        };
+        if let Some(list) = list {
+            let pos = list.iter().position(|w| **w == *id).expect("request is listed");
+            list.remove(pos);
+        }
+        let (delay, params) = match self.connector.as_deref_mut() {
+            Some(c) => c.request_finished(req.conn(), &req.blocks, reason),
+            None => (false, None),
+        };
+        if delay && !req.blocks.is_empty() {
+            self.held.entry(req.id.clone()).or_default().extend(req.blocks);
+        } else {
+            self.pool.free(&req.blocks);
+        }
+        Some(params)
+    }
+
+    /// Takes what the connector finished since the last call: frees the
+    /// blocks of finished transfers, moves loaded requests back to the
+    /// waiting queue (loaded tokens computed), and applies the failure
+    /// policy to failed loads. Returns the requests the `fail` policy ended
+    /// (already removed; the caller reports them).
+    pub fn update_from_connector(&mut self) -> Vec<FailedLoad> {
+        let Some(c) = self.connector.as_deref_mut() else { return Vec::new() };
+        let finished = c.get_finished();
+        let errors: HashMap<u32, String> = c.get_block_ids_with_load_errors().into_iter().collect();
+        let policy = c.load_failure_policy();
+        if finished.is_empty() && errors.is_empty() {
+            return Vec::new();
+        }
+        let mut failed = Vec::new();
+        for id in &finished.sending {
+            if let Some(blocks) = self.held.remove(id) {
+                self.pool.free(&blocks);
             }
         }
-        self.pool.free(&req.blocks);
-        true
+        for id in &finished.recving {
+            if let Some(blocks) = self.held.remove(id) {
+                // A load whose request ended while it ran.
+                self.pool.free(&blocks);
+                continue;
+            }
+            let Some(req) = self.requests.get_mut(id) else { continue };
+            if req.status != Status::WaitingForRemoteKv {
+                continue;
+            }
+            let first = req.num_computed_tokens / pdkv_model::BLOCK_SIZE;
+            let error = req.blocks[first..].iter().find_map(|b| errors.get(b).cloned());
+            let pos = self.loading.iter().position(|w| w == id).expect("loading request is listed");
+            self.loading.remove(pos);
+            let loaded = std::mem::take(&mut req.num_loading_tokens);
+            match (error, policy) {
+                (None, _) => {
+                    req.num_computed_tokens += loaded;
+                    req.status = Status::Waiting;
+                    self.waiting.push_front(id.clone());
+                }
+                (Some(e), LoadFailurePolicy::Recompute) => {
+                    tracing::warn!(id = %id, error = %e, "external KV failed to load; recomputing it");
+                    req.status = Status::Waiting;
+                    self.waiting.push_front(id.clone());
+                }
+                (Some(e), LoadFailurePolicy::Fail) => {
+                    tracing::warn!(id = %id, error = %e, "external KV failed to load; failing the request");
+                    // Back in the waiting queue for `finish_request` to find.
+                    req.status = Status::Waiting;
+                    self.waiting.push_front(id.clone());
+                    self.finish_request(id, FinishReason::Error);
+                    failed.push(FailedLoad { request_id: id.clone(), error: e });
+                }
+            }
+        }
+        if let Some(c) = self.connector.as_deref_mut() {
+            c.update_connector_output(&finished);
+        }
+        failed
     }
 
     /// Aborts a request in any state. Returns false for an unknown id.
@@ -382,12 +551,74 @@ impl Scheduler {
             {
                 let Some(id) = self.waiting.front().cloned() else { break };
                 let req = self.requests.get_mut(&id).expect("waiting request exists");
-                debug_assert!(req.blocks.is_empty() && req.num_computed_tokens == 0);
+                if !req.blocks.is_empty() {
+                    // Its external KV landed (or failed and is recomputed):
+                    // it holds blocks for its computed tokens already.
+                    let num_new = (req.tokens.len() - req.num_computed_tokens).min(budget);
+                    let target = req.num_computed_tokens + num_new;
+                    let need = blocks_for(target).saturating_sub(req.blocks.len());
+                    if need > self.pool.num_free() {
+                        break;
+                    }
+                    let fresh = self.pool.allocate(need).expect("counted above");
+                    let req = self.requests.get_mut(&id).expect("waiting request exists");
+                    req.blocks.extend(fresh);
+                    req.status = Status::Running;
+                    self.waiting.pop_front();
+                    self.running.push(id.clone());
+                    out.seqs.push(Self::seq_for(&self.requests[&id], num_new));
+                    budget -= num_new;
+                    continue;
+                }
+                debug_assert!(req.num_computed_tokens == 0);
                 if self.pool.caching_enabled() {
                     BlockHash::extend_chain(&mut req.block_hashes, &req.tokens);
                 }
                 let hit = self.pool.get_computed_blocks(&req.tokens, &req.block_hashes);
                 let num_hit_tokens = hit.len() * pdkv_model::BLOCK_SIZE;
+                let ext = match self.connector.as_deref_mut() {
+                    Some(c) if !req.connector_consulted => {
+                        req.connector_consulted = true;
+                        let mut m = c.get_num_new_matched_tokens(req.conn(), num_hit_tokens);
+                        // The last prompt token is always computed here.
+                        let room = req.num_prompt_tokens.saturating_sub(1 + num_hit_tokens);
+                        if m.num_tokens > room {
+                            tracing::warn!(id = %req.id, offered = m.num_tokens, room, "connector offered more tokens than a request can take");
+                            m.num_tokens = room;
+                        }
+                        m
+                    }
+                    _ => Default::default(),
+                };
+                if ext.load_async && ext.num_tokens > 0 {
+                    // Park it with blocks for the hit and the external tokens.
+                    let need = blocks_for(num_hit_tokens + ext.num_tokens) - hit.len();
+                    let available = self.pool.num_free() - self.pool.count_free(&hit);
+                    if need > available {
+                        // Ask again once blocks are free.
+                        req.connector_consulted = false;
+                        break;
+                    }
+                    self.pool.touch(&hit);
+                    self.pool.record_lookup(req.tokens.len(), num_hit_tokens);
+                    let fresh = self.pool.allocate(need).expect("counted above");
+                    let req = self.requests.get_mut(&id).expect("waiting request exists");
+                    req.blocks = hit;
+                    req.blocks.extend(fresh);
+                    req.num_computed_tokens = num_hit_tokens;
+                    req.num_cached_blocks = num_hit_tokens / pdkv_model::BLOCK_SIZE;
+                    req.num_cached_tokens = Some(num_hit_tokens);
+                    req.num_loading_tokens = ext.num_tokens;
+                    req.status = Status::WaitingForRemoteKv;
+                    self.waiting.pop_front();
+                    self.loading.push(id.clone());
+                    let c = self.connector.as_deref_mut().expect("consulted above");
+                    c.update_state_after_alloc(req.conn(), &req.blocks, num_hit_tokens, ext.num_tokens);
+                    continue;
+                }
+                // KV the connector provides synchronously counts as computed
+                // (it is in place before this step's forward pass).
+                let num_hit_tokens = num_hit_tokens + ext.num_tokens;
                 let num_new = (req.tokens.len() - num_hit_tokens).min(budget);
                 let need = blocks_for(num_hit_tokens + num_new) - hit.len();
                 let available = self.pool.num_free() - self.pool.count_free(&hit);
@@ -401,13 +632,17 @@ impl Scheduler {
                 req.blocks = hit;
                 req.blocks.extend(fresh);
                 req.num_computed_tokens = num_hit_tokens;
-                req.num_cached_blocks = num_hit_tokens / pdkv_model::BLOCK_SIZE;
+                req.num_cached_blocks = (num_hit_tokens - ext.num_tokens) / pdkv_model::BLOCK_SIZE;
                 if req.num_cached_tokens.is_none() {
                     req.num_cached_tokens = Some(num_hit_tokens);
                 }
                 req.status = Status::Running;
                 self.waiting.pop_front();
                 self.running.push(id.clone());
+                if ext.num_tokens > 0 {
+                    let c = self.connector.as_deref_mut().expect("consulted above");
+                    c.update_state_after_alloc(req.conn(), &req.blocks, num_hit_tokens - ext.num_tokens, ext.num_tokens);
+                }
                 out.seqs.push(Self::seq_for(&self.requests[&id], num_new));
                 budget -= num_new;
             }
@@ -452,16 +687,18 @@ impl Scheduler {
                     None
                 }
             });
-            updates.push(SeqUpdate {
+            let mut update = SeqUpdate {
                 request_id: seq.request_id.clone(),
                 new_token,
                 finished,
                 num_prompt_tokens: req.num_prompt_tokens,
                 num_cached_tokens: req.num_cached_tokens.unwrap_or(0),
-            });
+                kv_transfer_params: None,
+            };
             if let Some(reason) = finished {
-                self.finish_request(&seq.request_id, reason);
+                update.kv_transfer_params = self.finish_request_with(&seq.request_id, reason).flatten();
             }
+            updates.push(update);
         }
         updates
     }
@@ -471,15 +708,28 @@ impl Scheduler {
     pub fn check_invariants(&self) {
         self.pool.check_invariants();
         let mut refs = vec![0u32; self.pool.num_blocks()];
+        for blocks in self.held.values() {
+            for &b in blocks {
+                refs[b as usize] += 1;
+            }
+        }
         for req in self.requests.values() {
             for &b in &req.blocks {
                 refs[b as usize] += 1;
             }
             match req.status {
-                Status::Waiting => {
-                    assert!(req.blocks.is_empty(), "waiting request {} holds blocks", req.id);
-                    assert_eq!(req.num_computed_tokens, 0);
+                Status::Waiting if !req.blocks.is_empty() => {
+                    assert!(blocks_for(req.num_computed_tokens) <= req.blocks.len());
                     assert!(self.waiting.contains(&req.id));
+                }
+                Status::Waiting => {
+                    assert_eq!(req.num_computed_tokens, 0, "waiting request {} without blocks computed tokens", req.id);
+                    assert!(self.waiting.contains(&req.id));
+                }
+                Status::WaitingForRemoteKv => {
+                    assert!(blocks_for(req.num_computed_tokens + req.num_loading_tokens) <= req.blocks.len());
+                    assert!(req.num_loading_tokens > 0);
+                    assert!(self.loading.contains(&req.id));
                 }
                 Status::Running => {
                     assert!(blocks_for(req.num_computed_tokens) <= req.blocks.len());
@@ -492,9 +742,9 @@ impl Scheduler {
         for (b, &n) in refs.iter().enumerate() {
             assert_eq!(n, self.pool.ref_count(b as u32), "block {b}: table references != ref count");
         }
-        assert_eq!(self.waiting.len() + self.running.len(), self.requests.len());
+        assert_eq!(self.waiting.len() + self.running.len() + self.loading.len(), self.requests.len());
         assert!(self.running.len() <= self.config.max_num_seqs);
-        if self.requests.is_empty() {
+        if self.requests.is_empty() && self.held.is_empty() {
             assert_eq!(self.pool.num_free(), self.pool.num_blocks(), "blocks leaked at quiescence");
         }
     }

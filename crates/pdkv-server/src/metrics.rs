@@ -180,19 +180,21 @@ fn escape_help(v: &str) -> String {
     v.replace('\\', "\\\\").replace('\n', "\\n")
 }
 
-const FINISH_REASONS: [FinishReason; 3] = [FinishReason::Stop, FinishReason::Length, FinishReason::Abort];
+const FINISH_REASONS: [FinishReason; 4] =
+    [FinishReason::Stop, FinishReason::Length, FinishReason::Abort, FinishReason::Error];
 
 fn reason_index(r: FinishReason) -> usize {
     match r {
         FinishReason::Stop => 0,
         FinishReason::Length => 1,
         FinishReason::Abort => 2,
+        FinishReason::Error => 3,
     }
 }
 
 /// Request-level metrics collected by the HTTP layer.
 pub struct Metrics {
-    requests: [AtomicU64; 3],
+    requests: [AtomicU64; 4],
     prompt_tokens: AtomicU64,
     generation_tokens: AtomicU64,
     ttft: Mutex<Histogram>,

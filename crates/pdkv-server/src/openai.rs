@@ -97,6 +97,8 @@ request_with_sampling! {
         pub suffix: Option<String>,
         /// The engine request id to use (an `X-Request-Id` header wins).
         pub request_id: Option<String>,
+        /// Handed to the engine's KV connector (P/D disaggregation).
+        pub kv_transfer_params: Option<Value>,
     }
 }
 
@@ -111,6 +113,8 @@ request_with_sampling! {
         pub stream_options: Option<StreamOptions>,
         /// The engine request id to use (an `X-Request-Id` header wins).
         pub request_id: Option<String>,
+        /// Handed to the engine's KV connector (P/D disaggregation).
+        pub kv_transfer_params: Option<Value>,
     }
 }
 

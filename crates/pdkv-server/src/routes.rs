@@ -105,16 +105,29 @@ struct Admitted {
     created: u64,
 }
 
+/// Checks the shape of `kv_transfer_params` (the connector checks its
+/// contents when the request is added).
+fn kv_params(v: Option<Value>) -> Result<Option<Value>, ApiError> {
+    match v {
+        None | Some(Value::Null) => Ok(None),
+        Some(v @ Value::Object(_)) => Ok(Some(v)),
+        Some(_) => Err(ApiError::invalid_param("kv_transfer_params", "kv_transfer_params must be an object")),
+    }
+}
+
 fn admit(
     state: &AppState,
     id: String,
     prompt_tokens: Vec<u32>,
     params: SamplingParams,
+    kv_transfer_params: Option<Value>,
     arrived: Instant,
 ) -> Result<Admitted, ApiError> {
     let num_prompt_tokens = prompt_tokens.len();
-    let stream =
-        state.engine().add_request(EngineRequest { id: id.clone(), prompt_tokens, params }).map_err(ApiError::from)?;
+    let stream = state
+        .engine()
+        .add_request(EngineRequest { id: id.clone(), prompt_tokens, params, kv_transfer_params })
+        .map_err(ApiError::from)?;
     let stream = TrackedStream::new(stream, state.metrics().clone(), arrived, num_prompt_tokens);
     Ok(Admitted { stream, num_prompt_tokens, id, created: unix_now() })
 }
@@ -124,18 +137,31 @@ struct Collected {
     text: String,
     finish_reason: FinishReason,
     completion_tokens: usize,
+    kv_transfer_params: Option<Value>,
 }
 
-async fn collect(stream: &mut TrackedStream) -> Collected {
+/// The error a request that ended with [`FinishReason::Error`] answers with.
+fn failed_request(message: Option<String>) -> ApiError {
+    let message = message.unwrap_or_else(|| "the request failed".into());
+    ApiError::internal(message).with_code("kv_transfer_failed")
+}
+
+/// Collects a whole generation; a request that failed becomes its error.
+async fn collect(stream: &mut TrackedStream) -> Result<Collected, ApiError> {
     let mut text = String::new();
     let mut finish_reason = FinishReason::Abort;
+    let mut kv_transfer_params = None;
     while let Some(out) = stream.next().await {
         text.push_str(&out.text);
         if let Some(r) = out.finish_reason {
             finish_reason = r;
+            kv_transfer_params = out.kv_transfer_params;
+            if r == FinishReason::Error {
+                return Err(failed_request(out.error));
+            }
         }
     }
-    Collected { text, finish_reason, completion_tokens: stream.generated() }
+    Ok(Collected { text, finish_reason, completion_tokens: stream.generated(), kv_transfer_params })
 }
 
 fn usage_json(prompt: usize, completion: usize) -> Value {
@@ -175,7 +201,8 @@ pub async fn completions(
         }
     };
     check_token_ids(&state, &prompt_tokens)?;
-    let mut admitted = admit(&state, id, prompt_tokens, params, arrived)?;
+    let kv = kv_params(req.kv_transfer_params)?;
+    let mut admitted = admit(&state, id, prompt_tokens, params, kv, arrived)?;
     let model = state.served_model_name().to_string();
 
     if req.stream.unwrap_or(false) {
@@ -196,7 +223,7 @@ pub async fn completions(
         return Ok(with_request_id(sse_response(admitted, head, include_usage, None, chunk), &id));
     }
 
-    let done = collect(&mut admitted.stream).await;
+    let done = collect(&mut admitted.stream).await?;
     let resp = json_response(&json!({
         "id": admitted.id,
         "object": "text_completion",
@@ -204,6 +231,7 @@ pub async fn completions(
         "model": model,
         "choices": [{"index": 0, "text": done.text, "logprobs": null, "finish_reason": done.finish_reason.as_str()}],
         "usage": usage_json(admitted.num_prompt_tokens, done.completion_tokens),
+        "kv_transfer_params": done.kv_transfer_params,
     }));
     Ok(with_request_id(resp, &admitted.id))
 }
@@ -264,7 +292,8 @@ pub async fn chat_completions(
             u32::try_from(room.max(1)).unwrap_or(u32::MAX)
         }
     };
-    let mut admitted = admit(&state, id, prompt_tokens, params, arrived)?;
+    let kv = kv_params(req.kv_transfer_params)?;
+    let mut admitted = admit(&state, id, prompt_tokens, params, kv, arrived)?;
     let model = state.served_model_name().to_string();
 
     if req.stream.unwrap_or(false) {
@@ -293,7 +322,7 @@ pub async fn chat_completions(
         return Ok(with_request_id(sse_response(admitted, head, include_usage, Some(first), chunk), &id));
     }
 
-    let done = collect(&mut admitted.stream).await;
+    let done = collect(&mut admitted.stream).await?;
     let resp = json_response(&json!({
         "id": admitted.id,
         "object": "chat.completion",
@@ -306,6 +335,7 @@ pub async fn chat_completions(
             "finish_reason": done.finish_reason.as_str(),
         }],
         "usage": usage_json(admitted.num_prompt_tokens, done.completion_tokens),
+        "kv_transfer_params": done.kv_transfer_params,
     }));
     Ok(with_request_id(resp, &admitted.id))
 }
@@ -350,6 +380,12 @@ impl<F: FnMut(&str, Option<FinishReason>, bool) -> Value> SseState<F> {
                 }
                 Phase::Generating => {
                     let (text, finish) = match self.stream.next().await {
+                        Some(out) if out.finish_reason == Some(FinishReason::Error) => {
+                            // A failed request: an error event, then `[DONE]`.
+                            self.phase = Phase::Done;
+                            let err = failed_request(out.error);
+                            return Some(format!("data: {}\n\ndata: [DONE]\n\n", err.body_json()));
+                        }
                         Some(out) => (out.text, out.finish_reason),
                         // The engine ended the stream without a final output.
                         None => (String::new(), Some(FinishReason::Abort)),
@@ -422,6 +458,15 @@ where
         .header(header::CACHE_CONTROL, "no-cache")
         .body(Body::from_stream(body))
         .unwrap_or_else(|e| ApiError::internal(format!("could not build the response: {e}")).into_response())
+}
+
+/// `GET /kv_transfer/info`: what the KV connector says about itself
+/// (engine id, role, bootstrap address), for P/D proxies; 404 without one.
+pub async fn kv_transfer_info(State(state): State<AppState>) -> Response {
+    match state.engine().kv_connector_info() {
+        Some(info) => json_response(info),
+        None => ApiError::not_found("this server has no KV connector").into_response(),
+    }
 }
 
 /// `GET /v1/models`.

@@ -49,6 +49,14 @@ pub struct ServeArgs {
     /// TOKEN`. Without it those routes do not exist.
     #[arg(long, env = "PDKV_ADMIN_TOKEN", hide_env_values = true)]
     pub admin_token: Option<String>,
+    /// KV connector configuration (JSON) for prefill/decode disaggregation,
+    /// e.g. `{"kv_connector":"pdkv","kv_role":"kv_producer","transport":"tcp"}`.
+    #[arg(long)]
+    pub kv_transfer_config: Option<String>,
+    /// This engine's id, which peers check during the KV handshake
+    /// (default: a random one).
+    #[arg(long)]
+    pub engine_id: Option<String>,
 }
 
 pub fn run(args: ServeArgs) -> anyhow::Result<()> {
@@ -73,6 +81,22 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         })
         .with_context(|| format!("resolving --host {}", args.host))?;
 
+    // The connector is built (and a bad configuration refused) before the
+    // model loads.
+    let connector = match &args.kv_transfer_config {
+        Some(json) => {
+            let engine_id = args.engine_id.clone().unwrap_or_else(random_engine_id);
+            let c = pdkv_connector::build(json, &engine_id).context("--kv-transfer-config")?;
+            tracing::info!(info = %c.info(), "KV connector ready");
+            Some(c)
+        }
+        None => {
+            if args.engine_id.is_some() {
+                tracing::warn!("--engine-id has no effect without --kv-transfer-config");
+            }
+            None
+        }
+    };
     let started = std::time::Instant::now();
     let pool = Pool::default();
     let (_, model) = progress::load_model(args.model.clone(), &pool)?;
@@ -84,7 +108,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         "model loaded"
     );
     let served_name = args.served_model_name.clone().unwrap_or_else(|| model.name.clone());
-    let engine = Engine::start(model, pool, config).context("starting the engine")?;
+    let engine = Engine::start_with_connector(model, pool, config, connector).context("starting the engine")?;
     tracing::info!(kv_blocks = engine.config().num_kv_blocks, max_model_len = engine.max_model_len(), "engine started");
 
     let runtime =
@@ -92,6 +116,14 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     let result = runtime.block_on(serve(addr, engine.clone(), served_name, args.admin_token));
     engine.shutdown();
     result
+}
+
+fn random_engine_id() -> String {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u128(std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos()));
+    h.write_u32(std::process::id());
+    format!("engine-{:016x}", h.finish())
 }
 
 async fn serve(
