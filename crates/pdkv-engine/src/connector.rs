@@ -54,6 +54,11 @@ pub type Waker = Arc<dyn Fn() + Send + Sync>;
 /// is added (an `Err` names the problem; the request is refused).
 pub type ParamsValidator = Arc<dyn Fn(Option<&KvTransferParams>) -> Result<(), String> + Send + Sync>;
 
+/// Reads a connector's counters from any thread: `(name, help, value)`
+/// triples, exported as Prometheus metrics `pdkv_kv_<name>`. Names ending
+/// in `_total` are counters, others gauges.
+pub type MetricsReader = Arc<dyn Fn() -> Vec<(&'static str, &'static str, f64)> + Send + Sync>;
+
 /// What to do with a request whose external KV failed to load.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -149,6 +154,12 @@ pub trait KvConnector: Send {
     /// core (the default accepts everything).
     fn params_validator(&self) -> ParamsValidator {
         Arc::new(|_| Ok(()))
+    }
+
+    /// The connector's counters (transfers by outcome, bytes, time spent
+    /// loading and sending), readable from any thread.
+    fn metrics_reader(&self) -> Option<MetricsReader> {
+        None
     }
 
     /// Called once, before any other call, with the engine's waker.

@@ -214,6 +214,7 @@ struct Inner {
     /// The connector's [`KvConnector::info`], if the engine has one.
     connector_info: Option<serde_json::Value>,
     params_validator: Option<crate::connector::ParamsValidator>,
+    connector_metrics: Option<crate::connector::MetricsReader>,
     thread: Mutex<Option<JoinHandle<()>>>,
 }
 
@@ -277,6 +278,7 @@ impl Engine {
         let tokenizer = Arc::new(tokenizer);
         let connector_info = connector.as_ref().map(|c| c.info());
         let params_validator = connector.as_ref().map(|c| c.params_validator());
+        let connector_metrics = connector.as_ref().and_then(|c| c.metrics_reader());
         let shared = Arc::new(Shared {
             stats: Mutex::new(StatsState {
                 stats: EngineStats {
@@ -377,6 +379,7 @@ impl Engine {
                 max_model_len,
                 connector_info,
                 params_validator,
+                connector_metrics,
                 thread: Mutex::new(Some(thread)),
             }),
         })
@@ -583,6 +586,11 @@ impl EngineHandle {
     /// addresses); `None` without a connector.
     pub fn kv_connector_info(&self) -> Option<&serde_json::Value> {
         self.inner.connector_info.as_ref()
+    }
+
+    /// The KV connector's counters now (see [`crate::connector::MetricsReader`]).
+    pub fn kv_connector_metrics(&self) -> Vec<(&'static str, &'static str, f64)> {
+        self.inner.connector_metrics.as_ref().map(|m| m()).unwrap_or_default()
     }
 
     pub fn max_model_len(&self) -> usize {

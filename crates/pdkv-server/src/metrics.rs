@@ -259,7 +259,26 @@ impl Metrics {
     /// The full exposition: these metrics plus engine, lifecycle and memory
     /// gauges.
     pub fn render(&self, stats: &EngineStats, device: &TagBytes, lifecycle: &LifecycleGauges) -> String {
+        self.render_with(stats, device, lifecycle, &[])
+    }
+
+    /// [`Metrics::render`] plus the KV connector's counters (`pdkv_kv_<name>`).
+    pub fn render_with(
+        &self,
+        stats: &EngineStats,
+        device: &TagBytes,
+        lifecycle: &LifecycleGauges,
+        connector: &[(&str, &str, f64)],
+    ) -> String {
         let mut e = Exposition::new();
+        for &(name, help, value) in connector {
+            let full = format!("pdkv_kv_{name}");
+            if name.ends_with("_total") {
+                e.counter(&full, help, value);
+            } else {
+                e.gauge(&full, help, value);
+            }
+        }
         let reasons: Vec<(&str, f64)> =
             FINISH_REASONS.iter().map(|&r| (r.as_str(), self.requests_finished(r) as f64)).collect();
         let label_sets: Vec<[(&str, &str); 1]> = reasons.iter().map(|(r, _)| [("finish_reason", *r)]).collect();
@@ -311,6 +330,12 @@ impl Metrics {
         };
         e.gauge("pdkv_prefix_cache_hit_rate", "Prefix cache hits / queries, cumulative.", hit_rate);
         e.counter("pdkv_num_preemptions_total", "Requests preempted by the scheduler.", stats.num_preemptions as f64);
+        e.gauge("pdkv_kv_blocks_held", "KV blocks of finished requests held for transfers.", stats.kv_blocks_held as f64);
+        e.gauge(
+            "pdkv_num_requests_waiting_for_remote_kv",
+            "Requests whose KV is being loaded from another engine.",
+            stats.num_waiting_for_remote_kv as f64,
+        );
 
         let flag = |b: bool| if b { 1.0 } else { 0.0 };
         e.gauge(

@@ -505,7 +505,8 @@ pub async fn metrics(State(state): State<AppState>) -> Response {
     };
     let stats = state.engine().stats();
     let device = state.engine().pool().device_bytes();
-    let text = state.metrics().render(&stats, &device, &lifecycle);
+    let connector = state.engine().kv_connector_metrics();
+    let text = state.metrics().render_with(&stats, &device, &lifecycle, &connector);
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")], text).into_response()
 }
 

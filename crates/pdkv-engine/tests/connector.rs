@@ -1,0 +1,269 @@
+//! The scheduler's side of the KV connector protocol, driven step by step
+//! with a scripted connector: loads park requests holding their blocks,
+//! finished loads resume with the loaded tokens computed, failed loads fail
+//! or recompute by policy, and blocks a transfer holds are freed only when
+//! the connector says so. Invariants are checked after every call.
+
+use std::collections::HashSet;
+use std::sync::{Arc, Mutex};
+
+use pdkv_engine::connector::{
+    ConnectorMeta, ConnectorRequest, ExternalMatch, FinishedTransfers, KvCacheSpec, KvConnector, LoadFailurePolicy,
+    Waker,
+};
+use pdkv_engine::scheduler::{NewRequest, Scheduler, SchedulerConfig, SchedulerOutput};
+use pdkv_engine::FinishReason;
+
+/// What the test tells the connector, and what the connector saw.
+#[derive(Default)]
+struct Script {
+    policy: LoadFailurePolicy,
+    /// Requests whose KV (all but the last prompt token) arrives remotely.
+    remote: HashSet<String>,
+    /// Requests whose blocks the connector keeps after they finish.
+    hold_on_finish: HashSet<String>,
+    /// Seen: (request, blocks, first computed token, external tokens).
+    allocs: Vec<(String, Vec<u32>, usize, usize)>,
+    /// Loads in flight (request ids), as `request_finished` must know.
+    loading: HashSet<String>,
+    finished: FinishedTransfers,
+    errors: Vec<(u32, String)>,
+    /// `request_finished` calls: (request, reason, blocks).
+    ended: Vec<(String, FinishReason, Vec<u32>)>,
+}
+
+#[derive(Clone, Default)]
+struct Scripted(Arc<Mutex<Script>>);
+
+impl KvConnector for Scripted {
+    fn name(&self) -> &str {
+        "scripted"
+    }
+    fn supports_sleep_mode(&self) -> bool {
+        false
+    }
+    fn info(&self) -> serde_json::Value {
+        serde_json::json!({})
+    }
+    fn set_waker(&mut self, _waker: Waker) {}
+    fn load_failure_policy(&self) -> LoadFailurePolicy {
+        self.0.lock().unwrap().policy
+    }
+    fn get_num_new_matched_tokens(&mut self, req: ConnectorRequest<'_>, num_computed: usize) -> ExternalMatch {
+        if self.0.lock().unwrap().remote.contains(&**req.id) {
+            ExternalMatch { num_tokens: req.prompt_tokens.len() - 1 - num_computed, load_async: true }
+        } else {
+            ExternalMatch::default()
+        }
+    }
+    fn update_state_after_alloc(&mut self, req: ConnectorRequest<'_>, blocks: &[u32], computed: usize, ext: usize) {
+        let mut s = self.0.lock().unwrap();
+        s.allocs.push((req.id.to_string(), blocks.to_vec(), computed, ext));
+        s.loading.insert(req.id.to_string());
+    }
+    fn build_connector_meta(&mut self) -> ConnectorMeta {
+        ConnectorMeta::empty()
+    }
+    fn request_finished(
+        &mut self,
+        req: ConnectorRequest<'_>,
+        blocks: &[u32],
+        reason: FinishReason,
+    ) -> (bool, Option<serde_json::Value>) {
+        let mut s = self.0.lock().unwrap();
+        s.ended.push((req.id.to_string(), reason, blocks.to_vec()));
+        let delay = s.loading.contains(&**req.id) || s.hold_on_finish.contains(&**req.id);
+        (delay, delay.then(|| serde_json::json!({"held": req.id.to_string()})))
+    }
+    fn register_kv_caches(&mut self, _spec: &KvCacheSpec) -> anyhow::Result<()> {
+        Ok(())
+    }
+    fn start_load_kv(&mut self, _meta: ConnectorMeta) {}
+    fn get_finished(&mut self) -> FinishedTransfers {
+        std::mem::take(&mut self.0.lock().unwrap().finished)
+    }
+    fn get_block_ids_with_load_errors(&mut self) -> Vec<(u32, String)> {
+        std::mem::take(&mut self.0.lock().unwrap().errors)
+    }
+}
+
+impl Scripted {
+    fn load_done(&self, id: &str, error: Option<&str>) {
+        let mut s = self.0.lock().unwrap();
+        assert!(s.loading.remove(id), "{id} was not loading");
+        if let Some(e) = error {
+            let blocks = s.allocs.iter().rev().find(|a| a.0 == id).expect("allocated").1.clone();
+            s.errors.extend(blocks.into_iter().map(|b| (b, e.to_string())));
+        }
+        s.finished.recving.push(Arc::from(id));
+    }
+    fn send_done(&self, id: &str) {
+        self.0.lock().unwrap().finished.sending.push(Arc::from(id));
+    }
+}
+
+const NUM_BLOCKS: usize = 32;
+
+fn sched(conn: &Scripted) -> Scheduler {
+    let cfg = SchedulerConfig { max_num_seqs: 8, max_num_batched_tokens: 256, num_blocks: NUM_BLOCKS, enable_prefix_caching: true };
+    Scheduler::with_connector(cfg, Box::new(conn.clone()))
+}
+
+fn req(id: &str, prompt: Vec<u32>, max_tokens: usize) -> NewRequest {
+    NewRequest { id: Arc::from(id), prompt_tokens: prompt, max_tokens, stop_token_ids: vec![], kv_transfer_params: None }
+}
+
+/// Runs one step with token 7 sampled everywhere; checks invariants.
+fn step(s: &mut Scheduler) -> SchedulerOutput {
+    let out = s.schedule();
+    let sampled: Vec<Option<u32>> = out.seqs.iter().map(|q| q.sample.then_some(7)).collect();
+    s.update_from_output(&out, &sampled);
+    s.check_invariants();
+    out
+}
+
+fn prompt(n: usize, salt: u32) -> Vec<u32> {
+    (0..n as u32).map(|i| 100 + salt * 1000 + i).collect()
+}
+
+#[test]
+fn a_remote_load_parks_the_request_then_only_the_last_token_is_computed() {
+    let conn = Scripted::default();
+    conn.0.lock().unwrap().remote.insert("d".into());
+    let mut s = sched(&conn);
+    s.add_request(req("d", prompt(40, 1), 3));
+    s.add_request(req("local", prompt(20, 2), 2));
+    let out = step(&mut s);
+    // Only the local request ran; `d` waits for its KV holding 3 blocks.
+    assert_eq!(out.seqs.iter().map(|q| &*q.request_id).collect::<Vec<_>>(), ["local"]);
+    let c = s.counts();
+    assert_eq!(c.num_waiting_for_remote_kv, 1);
+    let allocs = conn.0.lock().unwrap().allocs.clone();
+    assert_eq!(allocs.len(), 1);
+    assert_eq!((allocs[0].2, allocs[0].3, allocs[0].1.len()), (0, 39, 3));
+    // Nothing happens to `d` until the load ends.
+    for _ in 0..3 {
+        let out = step(&mut s);
+        assert!(out.seqs.iter().all(|q| &*q.request_id != "d"));
+    }
+    conn.load_done("d", None);
+    assert!(s.update_from_connector().is_empty());
+    s.check_invariants();
+    let out = step(&mut s);
+    let q = out.seqs.iter().find(|q| &*q.request_id == "d").expect("d runs after its load");
+    assert_eq!((q.start_pos, q.tokens.len(), q.sample), (39, 1, true));
+    assert_eq!(q.block_table, allocs[0].1);
+    while s.has_work() {
+        step(&mut s);
+    }
+    assert_eq!(s.counts().num_free_blocks, NUM_BLOCKS);
+}
+
+#[test]
+fn a_local_prefix_hit_shrinks_the_remote_load() {
+    let conn = Scripted::default();
+    let mut s = sched(&conn);
+    let p = prompt(50, 3);
+    s.add_request(req("warm", p[..40].to_vec(), 1));
+    while s.has_work() {
+        step(&mut s);
+    }
+    conn.0.lock().unwrap().remote.insert("d".into());
+    s.add_request(req("d", p.clone(), 2));
+    step(&mut s);
+    let allocs = conn.0.lock().unwrap().allocs.clone();
+    // Two full blocks (32 tokens) hit locally; tokens 32..49 come from remote.
+    assert_eq!((allocs[0].2, allocs[0].3), (32, 17));
+    conn.load_done("d", None);
+    s.update_from_connector();
+    let out = step(&mut s);
+    assert_eq!(out.seqs[0].start_pos, 49);
+    while s.has_work() {
+        step(&mut s);
+    }
+    assert_eq!(s.counts().num_free_blocks, NUM_BLOCKS);
+}
+
+#[test]
+fn a_failed_load_recomputes_or_fails_by_policy() {
+    for policy in [LoadFailurePolicy::Recompute, LoadFailurePolicy::Fail] {
+        let conn = Scripted::default();
+        conn.0.lock().unwrap().policy = policy;
+        conn.0.lock().unwrap().remote.insert("d".into());
+        let mut s = sched(&conn);
+        s.add_request(req("d", prompt(40, 4), 2));
+        step(&mut s);
+        conn.load_done("d", Some("peer went away"));
+        let failed = s.update_from_connector();
+        s.check_invariants();
+        match policy {
+            LoadFailurePolicy::Fail => {
+                assert_eq!(failed.len(), 1);
+                assert_eq!(&*failed[0].request_id, "d");
+                assert_eq!(failed[0].error, "peer went away");
+                assert!(!s.has_work());
+                let ended = conn.0.lock().unwrap().ended.clone();
+                assert_eq!(ended.last().map(|e| e.1), Some(FinishReason::Error));
+            }
+            LoadFailurePolicy::Recompute => {
+                assert!(failed.is_empty());
+                let out = step(&mut s);
+                // Every prompt token is computed here, from the start.
+                assert_eq!((out.seqs[0].start_pos, out.seqs[0].tokens.len()), (0, 40));
+                while s.has_work() {
+                    step(&mut s);
+                }
+            }
+        }
+        assert_eq!(s.counts().num_free_blocks, NUM_BLOCKS, "{policy:?}");
+    }
+}
+
+#[test]
+fn blocks_of_an_aborted_load_stay_held_until_the_load_ends() {
+    let conn = Scripted::default();
+    conn.0.lock().unwrap().remote.insert("d".into());
+    let mut s = sched(&conn);
+    s.add_request(req("d", prompt(40, 5), 2));
+    step(&mut s);
+    assert!(s.abort_request("d"));
+    s.check_invariants();
+    // The connector still writes the blocks: they are neither free nor
+    // anyone's, and a new request cannot get them.
+    assert_eq!(s.counts().num_held_blocks, 3);
+    assert_eq!(s.counts().num_free_blocks, NUM_BLOCKS - 3);
+    assert!(s.is_held("d"));
+    conn.load_done("d", None);
+    s.update_from_connector();
+    s.check_invariants();
+    assert_eq!(s.counts().num_held_blocks, 0);
+    assert_eq!(s.counts().num_free_blocks, NUM_BLOCKS);
+}
+
+#[test]
+fn a_finished_producer_request_holds_its_blocks_until_sent() {
+    let conn = Scripted::default();
+    conn.0.lock().unwrap().hold_on_finish.insert("p".into());
+    let mut s = sched(&conn);
+    s.add_request(req("p", prompt(40, 6), 1));
+    let out = s.schedule();
+    let updates = s.update_from_output(&out, &[Some(7)]);
+    s.check_invariants();
+    assert_eq!(updates[0].finished, Some(FinishReason::Length));
+    assert_eq!(updates[0].kv_transfer_params, Some(serde_json::json!({"held": "p"})));
+    assert!(!s.has_work());
+    assert_eq!(s.counts().num_held_blocks, 3);
+    // Held blocks are out of reach: no one else's table gets them.
+    let held: HashSet<u32> = conn.0.lock().unwrap().ended[0].2.iter().copied().collect();
+    s.add_request(req("big", prompt(NUM_BLOCKS * 16 - 3 * 16, 7), 1));
+    while s.has_work() {
+        let out = step(&mut s);
+        assert!(out.seqs.iter().all(|q| q.block_table.iter().all(|b| !held.contains(b))));
+    }
+    assert_eq!(s.counts().num_free_blocks, NUM_BLOCKS - 3);
+    conn.send_done("p");
+    s.update_from_connector();
+    s.check_invariants();
+    assert_eq!(s.counts().num_held_blocks, 0);
+    assert_eq!(s.counts().num_free_blocks, NUM_BLOCKS);
+}
