@@ -1,0 +1,224 @@
+//! `--kv-transfer-config`: the JSON that selects and tunes the P/D connector.
+//!
+//! Parsing is strict: unknown fields are refused, and every error names the
+//! field it is about (`kv_transfer_config: <field>: <why>`), so an operator
+//! sees at once which part of the configuration to fix. Cross-field rules
+//! (`load_timeout_s > abort_timeout_s`, positive durations) are checked after
+//! the fields parsed.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use pdkv_engine::LoadFailurePolicy;
+use serde::Deserialize;
+
+/// A configuration refused, naming the field.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("kv_transfer_config: {field}: {message}")]
+pub struct ConfigError {
+    /// The field concerned (`.` when the document itself is malformed).
+    pub field: String,
+    pub message: String,
+}
+
+impl ConfigError {
+    fn new(field: impl Into<String>, message: impl Into<String>) -> ConfigError {
+        ConfigError { field: field.into(), message: message.into() }
+    }
+}
+
+/// Which side(s) of a P/D pair this engine plays.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum KvRole {
+    /// Prefill: computes prompts and sends their KV.
+    KvProducer,
+    /// Decode: receives KV and generates.
+    KvConsumer,
+    /// Both.
+    KvBoth,
+}
+
+impl KvRole {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            KvRole::KvProducer => "kv_producer",
+            KvRole::KvConsumer => "kv_consumer",
+            KvRole::KvBoth => "kv_both",
+        }
+    }
+
+    /// Whether this engine receives KV (and so registers a destination).
+    pub fn consumes(self) -> bool {
+        matches!(self, KvRole::KvConsumer | KvRole::KvBoth)
+    }
+
+    /// Whether this engine sends KV.
+    pub fn produces(self) -> bool {
+        matches!(self, KvRole::KvProducer | KvRole::KvBoth)
+    }
+}
+
+/// How KV bytes move between the engines.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default, Deserialize, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Transport {
+    /// The `pdkv-transfer` TCP agent (any two hosts).
+    #[default]
+    Tcp,
+    /// Shared memory over a Unix socket (same host).
+    Shm,
+}
+
+impl Transport {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Transport::Tcp => "tcp",
+            Transport::Shm => "shm",
+        }
+    }
+}
+
+/// Who moves the bytes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default, Deserialize, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum TransferMode {
+    /// The producer writes into the consumer's blocks (the consumer pulls).
+    #[default]
+    Write,
+    /// The consumer reads the producer's leased blocks.
+    Read,
+}
+
+impl TransferMode {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            TransferMode::Write => "write",
+            TransferMode::Read => "read",
+        }
+    }
+}
+
+/// The fields as written, before defaults and cross-field checks.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Raw {
+    kv_connector: String,
+    kv_role: KvRole,
+    #[serde(default)]
+    transport: Transport,
+    #[serde(default)]
+    transfer_mode: TransferMode,
+    kv_ip: Option<String>,
+    #[serde(default)]
+    kv_port: u16,
+    num_workers: Option<usize>,
+    abort_timeout_s: Option<f64>,
+    load_timeout_s: Option<f64>,
+    arrival_timeout_s: Option<f64>,
+    #[serde(default)]
+    kv_load_failure_policy: LoadFailurePolicy,
+    shm_dir: Option<PathBuf>,
+}
+
+/// A checked connector configuration.
+#[derive(Clone, Debug, PartialEq)]
+pub struct KvTransferConfig {
+    pub kv_connector: String,
+    pub kv_role: KvRole,
+    pub transport: Transport,
+    pub transfer_mode: TransferMode,
+    /// The address the control listener and the TCP agent bind to and advertise.
+    pub kv_ip: String,
+    /// The control (bootstrap) port; 0 picks a free one.
+    pub kv_port: u16,
+    /// The producer's concurrent senders.
+    pub num_workers: usize,
+    /// The producer's deadline for a pull (from its receipt) and the lease of
+    /// blocks held for a consumer.
+    pub abort_timeout: Duration,
+    /// The consumer's own wait for a pull answer; longer than `abort_timeout`.
+    pub load_timeout: Duration,
+    /// How long the producer keeps a pull for a transfer it has not seen yet.
+    pub arrival_timeout: Duration,
+    pub kv_load_failure_policy: LoadFailurePolicy,
+    /// Where a consumer's shared-memory socket lives.
+    pub shm_dir: PathBuf,
+}
+
+/// The one connector name this crate serves.
+pub const CONNECTOR_NAME: &str = "pdkv";
+
+fn seconds(field: &str, v: f64) -> Result<Duration, ConfigError> {
+    if !v.is_finite() || v <= 0.0 || v > 1e9 {
+        return Err(ConfigError::new(field, format!("must be a positive number of seconds, got {v}")));
+    }
+    Ok(Duration::from_secs_f64(v))
+}
+
+/// serde_json's message without its " at line L column C" suffix.
+fn strip_position(e: &serde_json::Error) -> String {
+    let s = e.to_string();
+    let tail = format!(" at line {} column {}", e.line(), e.column());
+    s.strip_suffix(&tail).map(str::to_string).unwrap_or(s)
+}
+
+impl KvTransferConfig {
+    /// Parses and checks a configuration; the error names the bad field.
+    pub fn parse(json: &str) -> Result<KvTransferConfig, ConfigError> {
+        let de = &mut serde_json::Deserializer::from_str(json);
+        let raw: Raw = serde_path_to_error::deserialize(de).map_err(|e| {
+            let mut path = e.path().to_string();
+            let msg = strip_position(e.inner());
+            // A missing or unknown field is reported at the enclosing level:
+            // take the field's name from the message.
+            if path == "." {
+                for lead in ["missing field `", "unknown field `"] {
+                    if let Some(name) = msg.strip_prefix(lead).and_then(|r| r.split('`').next()) {
+                        path = name.to_string();
+                    }
+                }
+            }
+            ConfigError::new(path, msg)
+        })?;
+        if raw.kv_connector != CONNECTOR_NAME {
+            return Err(ConfigError::new(
+                "kv_connector",
+                format!("unknown connector {:?}; this build offers {CONNECTOR_NAME:?}", raw.kv_connector),
+            ));
+        }
+        let kv_ip = raw.kv_ip.unwrap_or_else(|| "127.0.0.1".to_string());
+        if kv_ip.parse::<std::net::IpAddr>().is_err() {
+            return Err(ConfigError::new("kv_ip", format!("{kv_ip:?} is not an IP address")));
+        }
+        let num_workers = raw.num_workers.unwrap_or(4);
+        if num_workers == 0 {
+            return Err(ConfigError::new("num_workers", "must be at least 1"));
+        }
+        let abort_s = raw.abort_timeout_s.unwrap_or(30.0);
+        let abort_timeout = seconds("abort_timeout_s", abort_s)?;
+        let load_s = raw.load_timeout_s.unwrap_or(abort_s + 10.0);
+        let load_timeout = seconds("load_timeout_s", load_s)?;
+        if load_timeout <= abort_timeout {
+            return Err(ConfigError::new(
+                "load_timeout_s",
+                format!("load_timeout_s ({load_s}) must be greater than abort_timeout_s ({abort_s})"),
+            ));
+        }
+        let arrival_timeout = seconds("arrival_timeout_s", raw.arrival_timeout_s.unwrap_or(10.0))?;
+        Ok(KvTransferConfig {
+            kv_connector: raw.kv_connector,
+            kv_role: raw.kv_role,
+            transport: raw.transport,
+            transfer_mode: raw.transfer_mode,
+            kv_ip,
+            kv_port: raw.kv_port,
+            num_workers,
+            abort_timeout,
+            load_timeout,
+            arrival_timeout,
+            kv_load_failure_policy: raw.kv_load_failure_policy,
+            shm_dir: raw.shm_dir.unwrap_or_else(std::env::temp_dir),
+        })
+    }
+}

@@ -1,0 +1,914 @@
+//! The P/D connector in write mode: the prefill engine (P) writes a
+//! finished prompt's KV blocks into the decode engine's (D) blocks when D
+//! pulls them.
+//!
+//! Threads: the engine calls every [`KvConnector`] method on its core
+//! thread, and none of them blocks on I/O. All I/O runs on the connector's
+//! own tokio runtime (two worker threads named `pdkv-kv`): the control
+//! listener, P's writes, D's loads and drops, and P's timer. State shared
+//! between the core thread and those tasks sits behind mutexes that are never
+//! held across an await; the engine's [`Waker`] is called whenever
+//! `get_finished` or the load errors have news.
+//!
+//! P's sending logic is the sans-IO [`SendMachine`]; this module only feeds
+//! it events and carries out its actions. D's side, per request:
+//! `get_num_new_matched_tokens` notes the remote prefill,
+//! `update_state_after_alloc` decides the load (D's destination blocks),
+//! `build_connector_meta` hands new loads to `start_load_kv`, which spawns
+//! them. A load ends once P answered its pull and, if D asked P to drop the
+//! transfer, the drop too (or D's `load_timeout` passed): only then is the
+//! request reported in `get_finished().recving`, so nothing writes its
+//! blocks after the engine learns of it.
+
+use std::collections::{HashMap, HashSet};
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use pdkv_engine::connector::{
+    ConnectorMeta, ConnectorRequest, ExternalMatch, FinishedTransfers, KvCacheSpec, KvTransferParams, MetricsReader,
+    ParamsValidator, Waker,
+};
+use pdkv_engine::{FinishReason, KvConnector, LoadFailurePolicy};
+use pdkv_transfer::frame::{Limits, Target};
+use pdkv_transfer::proto::{Direction, Transfer};
+use pdkv_transfer::shm::{ShmExporter, ShmImporter};
+use pdkv_transfer::tcp::{Agent, AgentConfig, LocalSlice};
+use pdkv_transfer::{Registration, Registry, RegistryOptions, RemoteDescriptor};
+use serde_json::json;
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{oneshot, Notify};
+
+use crate::config::{KvRole, KvTransferConfig, Transport};
+use crate::send::{Action, DropId, PullId, PullSpec, SendConfig, SendMachine};
+use crate::wire::{self, Destination, Message, Pull};
+
+/// Bounds one control socket operation (connect, one read, one write).
+const CONTROL_IO: Duration = Duration::from_secs(5);
+
+/// A request's `kv_transfer_params`, as this connector reads them.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum PdParams {
+    /// To P: compute the prompt and hold its KV for D.
+    RemoteDecode { transfer_id: String },
+    /// To D: load the prompt's KV from P.
+    RemotePrefill { transfer_id: String, remote_engine_id: String, remote_bootstrap_addr: String },
+}
+
+fn flag(obj: &serde_json::Map<String, serde_json::Value>, name: &str) -> Result<bool, String> {
+    match obj.get(name) {
+        None | Some(serde_json::Value::Null) => Ok(false),
+        Some(serde_json::Value::Bool(b)) => Ok(*b),
+        Some(v) => Err(format!("kv_transfer_params.{name} must be a boolean, got {v}")),
+    }
+}
+
+fn text(obj: &serde_json::Map<String, serde_json::Value>, name: &str) -> Result<String, String> {
+    match obj.get(name) {
+        Some(serde_json::Value::String(s)) if !s.is_empty() => Ok(s.clone()),
+        Some(serde_json::Value::String(_)) => Err(format!("kv_transfer_params.{name} must not be empty")),
+        None | Some(serde_json::Value::Null) => Err(format!("kv_transfer_params.{name} is required")),
+        Some(v) => Err(format!("kv_transfer_params.{name} must be a string, got {v}")),
+    }
+}
+
+impl PdParams {
+    /// Reads the params; `Ok(None)` when they ask for no transfer.
+    pub fn parse(params: Option<&KvTransferParams>) -> Result<Option<PdParams>, String> {
+        let Some(v) = params else { return Ok(None) };
+        if v.is_null() {
+            return Ok(None);
+        }
+        let obj = v.as_object().ok_or_else(|| format!("kv_transfer_params must be a JSON object, got {v}"))?;
+        let decode = flag(obj, "do_remote_decode")?;
+        let prefill = flag(obj, "do_remote_prefill")?;
+        match (decode, prefill) {
+            (true, true) => Err("kv_transfer_params: do_remote_decode and do_remote_prefill are both set".into()),
+            (true, false) => Ok(Some(PdParams::RemoteDecode { transfer_id: text(obj, "transfer_id")? })),
+            (false, true) => {
+                let remote_engine_id = text(obj, "remote_engine_id")?;
+                let remote_bootstrap_addr = text(obj, "remote_bootstrap_addr")?;
+                if remote_bootstrap_addr.parse::<SocketAddr>().is_err() {
+                    return Err(format!(
+                        "kv_transfer_params.remote_bootstrap_addr {remote_bootstrap_addr:?} is not an ip:port address"
+                    ));
+                }
+                Ok(Some(PdParams::RemotePrefill { transfer_id: text(obj, "transfer_id")?, remote_engine_id, remote_bootstrap_addr }))
+            }
+            (false, false) => Ok(None),
+        }
+    }
+}
+
+/// This engine's KV cache, once registered.
+#[derive(Clone)]
+struct KvInfo {
+    reg: Registration,
+    block_bytes: u64,
+    block_size: usize,
+    layout: String,
+}
+
+/// P's answer to a bootstrap, cached per address.
+#[derive(Clone, Debug)]
+struct BootInfo {
+    engine_id: String,
+    layout: String,
+    block_bytes: u64,
+}
+
+/// P's sending side: the machine plus the answers its actions go to.
+struct SendSide {
+    machine: SendMachine,
+    pull_tx: HashMap<PullId, (oneshot::Sender<Result<(), String>>, Pull)>,
+    drop_tx: HashMap<DropId, oneshot::Sender<bool>>,
+    /// Requests whose blocks may be freed, for `get_finished`.
+    finished: Vec<Arc<str>>,
+}
+
+/// A load D decided, for `start_load_kv`.
+#[derive(Clone, Debug)]
+struct LoadSpec {
+    req: Arc<str>,
+    transfer_id: String,
+    remote_engine_id: String,
+    addr: String,
+    prompt_len: usize,
+    first_block: usize,
+    dst_blocks: Vec<u32>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum DropPhase {
+    None,
+    Pending,
+    Done,
+}
+
+struct LoadState {
+    spec: LoadSpec,
+    started: bool,
+    pull_result: Option<Result<(), String>>,
+    drop: DropPhase,
+    /// The engine finished the request (its blocks wait for `recving`).
+    request_gone: bool,
+    deadline: Option<Instant>,
+}
+
+/// D's loads, from decision to report.
+#[derive(Default)]
+struct LoadTable {
+    loads: HashMap<Arc<str>, LoadState>,
+    recving: Vec<Arc<str>>,
+    /// Failed blocks of the loads in `recving` (pushed with them).
+    errors: Vec<(u32, String)>,
+    /// Failed blocks of loads `get_finished` reported already.
+    reported_errors: Vec<(u32, String)>,
+}
+
+/// A shared-memory peer P writes into, and what it mapped (segment → epoch).
+struct Imported {
+    importer: ShmImporter,
+    mapped: Mutex<HashMap<u64, u64>>,
+}
+
+struct Ctx {
+    cfg: KvTransferConfig,
+    engine_id: String,
+    handle: tokio::runtime::Handle,
+    registry: Arc<Registry>,
+    agent: Agent,
+    control_addr: SocketAddr,
+    shm_path: Option<PathBuf>,
+    /// D's shared-memory exporter, alive as long as the connector (its
+    /// drop removes the socket file).
+    _exporter: Option<ShmExporter>,
+    kv: Mutex<Option<KvInfo>>,
+    send: Mutex<SendSide>,
+    send_changed: Notify,
+    loads: Mutex<LoadTable>,
+    importers: Mutex<HashMap<String, Arc<Imported>>>,
+    boots: Mutex<HashMap<String, BootInfo>>,
+    waker: Mutex<Option<Waker>>,
+    next_id: AtomicU64,
+    counters: Counters,
+}
+
+impl Ctx {
+    fn wake(&self) {
+        let w = self.waker.lock().unwrap().clone();
+        if let Some(w) = w {
+            w();
+        }
+    }
+
+    fn next_id(&self) -> u64 {
+        self.next_id.fetch_add(1, Ordering::Relaxed)
+    }
+
+    /// Carries out the machine's actions; wakes the engine when sends ended.
+    fn drive(self: &Arc<Self>, st: &mut SendSide) {
+        while let Some(a) = st.machine.poll_action() {
+            match a {
+                Action::Answer { pull, result } => {
+                    let counter = if result.is_ok() { &self.counters.pulls_ok } else { &self.counters.pulls_failed };
+                    counter.fetch_add(1, Ordering::Relaxed);
+                    if let Some((tx, _)) = st.pull_tx.remove(&pull) {
+                        let _ = tx.send(result);
+                    }
+                }
+                Action::DropAnswer { drop, known } => {
+                    if let Some(tx) = st.drop_tx.remove(&drop) {
+                        let _ = tx.send(known);
+                    }
+                }
+                Action::StartWrite { pull, src_blocks, deadline } => {
+                    // The destination stays in `pull_tx` until the answer.
+                    let dst = st.pull_tx.get(&pull).map(|(_, p)| p.clone());
+                    let ctx = self.clone();
+                    self.handle.spawn(async move {
+                        let res = match dst {
+                            Some(dst) => write_blocks(&ctx, &dst, &src_blocks, deadline).await,
+                            None => Err("the pull's destination is gone".to_string()),
+                        };
+                        if res.is_ok() {
+                            let bytes = ctx.kv.lock().unwrap().as_ref().map_or(0, |k| k.block_bytes) * src_blocks.len() as u64;
+                            ctx.counters.bytes_sent.fetch_add(bytes, Ordering::Relaxed);
+                        }
+                        let mut st = ctx.send.lock().unwrap();
+                        st.machine.on_write_done(Instant::now(), pull, res);
+                        ctx.drive(&mut st);
+                    });
+                }
+            }
+        }
+        let done = st.machine.take_finished();
+        if !done.is_empty() {
+            st.finished.extend(done);
+            self.wake();
+        }
+        self.send_changed.notify_one();
+    }
+
+    /// Applies `f` to a load and reports it once it ended.
+    fn load_event(&self, req: &Arc<str>, f: impl FnOnce(&mut LoadState)) {
+        let mut t = self.loads.lock().unwrap();
+        let Some(l) = t.loads.get_mut(req) else { return };
+        f(l);
+        let deadline_passed = l.deadline.is_some_and(|d| Instant::now() >= d);
+        let ended = l.pull_result.is_some() && (l.drop != DropPhase::Pending || deadline_passed);
+        if !ended {
+            return;
+        }
+        let l = t.loads.remove(req).expect("present");
+        let counter = if matches!(l.pull_result, Some(Ok(()))) { &self.counters.loads_ok } else { &self.counters.loads_failed };
+        counter.fetch_add(1, Ordering::Relaxed);
+        if let (Some(Err(why)), false) = (&l.pull_result, l.request_gone) {
+            tracing::warn!(request = %req, "KV load failed: {why}");
+            t.errors.extend(l.spec.dst_blocks.iter().map(|&b| (b, why.clone())));
+        }
+        t.recving.push(req.clone());
+        drop(t);
+        self.wake();
+    }
+
+    /// Asks P to drop the load's transfer (once); the load ends after P answered.
+    fn start_drop(self: &Arc<Self>, l: &mut LoadState) {
+        if l.drop != DropPhase::None {
+            return;
+        }
+        l.drop = DropPhase::Pending;
+        let ctx = self.clone();
+        let (req, addr, tid) = (l.spec.req.clone(), l.spec.addr.clone(), l.spec.transfer_id.clone());
+        let deadline = l.deadline.unwrap_or_else(|| Instant::now() + self.cfg.load_timeout);
+        self.handle.spawn(async move {
+            let left = deadline.saturating_duration_since(Instant::now());
+            let msg = Message::Drop { transfer_id: tid.clone() };
+            match wire::exchange(&addr, &msg, CONTROL_IO.min(left), left).await {
+                Ok(Message::DropOk { .. }) => {}
+                Ok(other) => tracing::warn!(transfer_id = %tid, "drop answered with {other:?}"),
+                Err(e) => tracing::warn!(transfer_id = %tid, "drop to {addr} failed: {e}"),
+            }
+            ctx.load_event(&req, |l| l.drop = DropPhase::Done);
+        });
+    }
+}
+
+/// The P/D connector; see the module docs.
+pub struct PdConnector {
+    ctx: Arc<Ctx>,
+    runtime: Option<tokio::runtime::Runtime>,
+    /// D: remote prefills noted at admission, by request.
+    pending: HashMap<Arc<str>, (PdParams, usize)>,
+    /// D: loads decided and not yet handed to the worker side.
+    new_loads: Vec<Arc<str>>,
+    /// D: requests whose load was decided (a later admission loads nothing).
+    decided: HashSet<Arc<str>>,
+}
+
+impl Drop for PdConnector {
+    fn drop(&mut self) {
+        if let Some(rt) = self.runtime.take() {
+            rt.shutdown_background();
+        }
+    }
+}
+
+impl PdConnector {
+    /// Starts the runtime, binds the control listener and the transfer
+    /// agent (and, for a shared-memory consumer, the exporter).
+    pub fn new(cfg: KvTransferConfig, engine_id: &str) -> anyhow::Result<PdConnector> {
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .thread_name("pdkv-kv")
+            .enable_all()
+            .build()
+            .context("starting the KV connector's runtime")?;
+        let registry = Arc::new(Registry::new(RegistryOptions::default()));
+        let ip = cfg.kv_ip.clone();
+        let (agent, listener) = runtime.block_on(async {
+            let agent = Agent::bind(&format!("{ip}:0"), registry.clone(), AgentConfig::default())
+                .await
+                .with_context(|| format!("binding the KV transfer agent on {ip}"))?;
+            let listener = TcpListener::bind((ip.as_str(), cfg.kv_port))
+                .await
+                .with_context(|| format!("binding the KV control listener on {ip}:{}", cfg.kv_port))?;
+            anyhow::Ok((agent, listener))
+        })?;
+        let control_addr = listener.local_addr()?;
+        let (shm_path, exporter) = if cfg.kv_role.consumes() && cfg.transport == Transport::Shm {
+            let path = cfg.shm_dir.join(format!("pdkv-{engine_id}-{}.sock", std::process::id()));
+            let _ = std::fs::remove_file(&path);
+            let exp = ShmExporter::bind(&path, registry.clone(), Limits::default())
+                .with_context(|| format!("binding the shared-memory exporter at {}", path.display()))?;
+            (Some(path), Some(exp))
+        } else {
+            (None, None)
+        };
+        let machine = SendMachine::new(send_config(&cfg, pdkv_model::BLOCK_SIZE));
+        let ctx = Arc::new(Ctx {
+            cfg,
+            engine_id: engine_id.to_string(),
+            handle: runtime.handle().clone(),
+            registry,
+            agent,
+            control_addr,
+            shm_path,
+            _exporter: exporter,
+            kv: Mutex::new(None),
+            send: Mutex::new(SendSide { machine, pull_tx: HashMap::new(), drop_tx: HashMap::new(), finished: Vec::new() }),
+            send_changed: Notify::new(),
+            loads: Mutex::new(LoadTable::default()),
+            importers: Mutex::new(HashMap::new()),
+            boots: Mutex::new(HashMap::new()),
+            waker: Mutex::new(None),
+            next_id: AtomicU64::new(1),
+            counters: Counters::default(),
+        });
+        runtime.spawn(accept_loop(ctx.clone(), listener));
+        runtime.spawn(send_timer(ctx.clone()));
+        Ok(PdConnector {
+            ctx,
+            runtime: Some(runtime),
+            pending: HashMap::new(),
+            new_loads: Vec::new(),
+            decided: HashSet::new(),
+        })
+    }
+
+    /// Where P's control listener is (the `remote_bootstrap_addr` D uses).
+    pub fn bootstrap_addr(&self) -> SocketAddr {
+        self.ctx.control_addr
+    }
+}
+
+fn send_config(cfg: &KvTransferConfig, block_size: usize) -> SendConfig {
+    SendConfig {
+        abort_timeout: cfg.abort_timeout,
+        arrival_timeout: cfg.arrival_timeout,
+        num_workers: cfg.num_workers,
+        block_size,
+    }
+}
+
+/// Runs P's machine timer: deadlines, lease expiry, tombstones.
+async fn send_timer(ctx: Arc<Ctx>) {
+    loop {
+        let next = ctx.send.lock().unwrap().machine.poll_timeout();
+        match next {
+            Some(t) => {
+                tokio::select! {
+                    _ = tokio::time::sleep_until(tokio::time::Instant::from_std(t)) => {
+                        let mut st = ctx.send.lock().unwrap();
+                        st.machine.handle_timeout(Instant::now());
+                        ctx.drive(&mut st);
+                    }
+                    _ = ctx.send_changed.notified() => {}
+                }
+            }
+            None => ctx.send_changed.notified().await,
+        }
+    }
+}
+
+async fn accept_loop(ctx: Arc<Ctx>, listener: TcpListener) {
+    loop {
+        let Ok((stream, from)) = listener.accept().await else { continue };
+        let ctx = ctx.clone();
+        tokio::spawn(async move {
+            if let Err(e) = serve_control(&ctx, stream).await {
+                tracing::debug!(%from, "control connection closed: {e}");
+            }
+        });
+    }
+}
+
+/// Serves one control exchange.
+async fn serve_control(ctx: &Arc<Ctx>, mut s: TcpStream) -> Result<(), wire::WireError> {
+    let _ = s.set_nodelay(true);
+    let msg = wire::read_message(&mut s, CONTROL_IO).await?;
+    let answer = match msg {
+        Message::Bootstrap => {
+            let kv = ctx.kv.lock().unwrap().clone();
+            match kv {
+                Some(kv) => Message::BootstrapOk { engine_id: ctx.engine_id.clone(), layout: kv.layout, block_bytes: kv.block_bytes },
+                None => Message::Error { reason: format!("engine {} has not registered its KV cache yet", ctx.engine_id) },
+            }
+        }
+        Message::Pull(p) if ctx.cfg.kv_role.produces() => {
+            let id = ctx.next_id();
+            let (tx, rx) = oneshot::channel();
+            {
+                let mut st = ctx.send.lock().unwrap();
+                let spec = PullSpec {
+                    transfer_id: p.transfer_id.clone(),
+                    first_block: p.first_block,
+                    num_tokens: p.num_tokens,
+                    num_blocks: p.block_offsets.len(),
+                };
+                st.pull_tx.insert(id, (tx, p));
+                st.machine.on_pull(Instant::now(), id, spec);
+                ctx.drive(&mut st);
+            }
+            // The machine answers every pull by its deadline (plus the write
+            // in flight); the bound here only guards against a lost answer.
+            let limit = ctx.cfg.abort_timeout + ctx.cfg.arrival_timeout + CONTROL_IO;
+            match tokio::time::timeout(limit, rx).await {
+                Ok(Ok(Ok(()))) => Message::PullOk,
+                Ok(Ok(Err(reason))) => Message::PullErr { reason },
+                _ => Message::PullErr { reason: "the prefill engine lost the pull".into() },
+            }
+        }
+        Message::Drop { transfer_id } if ctx.cfg.kv_role.produces() => {
+            let id = ctx.next_id();
+            let (tx, rx) = oneshot::channel();
+            {
+                let mut st = ctx.send.lock().unwrap();
+                st.drop_tx.insert(id, tx);
+                st.machine.on_drop(Instant::now(), &transfer_id, id);
+                ctx.drive(&mut st);
+            }
+            let limit = ctx.cfg.abort_timeout + CONTROL_IO;
+            match tokio::time::timeout(limit, rx).await {
+                Ok(Ok(known)) => Message::DropOk { known },
+                _ => Message::Error { reason: "the prefill engine lost the drop".into() },
+            }
+        }
+        Message::Pull(_) | Message::Drop { .. } => {
+            Message::Error { reason: format!("engine {} is a {} and sends no KV", ctx.engine_id, ctx.cfg.kv_role.as_str()) }
+        }
+        other => Message::Error { reason: format!("unexpected message {other:?}") },
+    };
+    wire::write_message(&mut s, &answer, CONTROL_IO).await
+}
+
+/// P writes its blocks `src` into D's blocks named by `dst`, by `deadline`.
+async fn write_blocks(ctx: &Arc<Ctx>, dst: &Pull, src: &[u32], deadline: Instant) -> Result<(), String> {
+    let kv = ctx.kv.lock().unwrap().clone().ok_or("the KV cache is not registered")?;
+    let bb = kv.block_bytes;
+    let mut pairs = Vec::with_capacity(src.len());
+    for (&b, &off) in src.iter().zip(&dst.block_offsets) {
+        let local = LocalSlice::grant(&ctx.registry, &kv.reg, b as u64 * bb, bb).map_err(|e| format!("local block {b}: {e}"))?;
+        pairs.push((local, off));
+    }
+    let left = deadline.saturating_duration_since(Instant::now());
+    if left.is_zero() {
+        return Err("the pull deadline passed before the write started".into());
+    }
+    match &dst.dst {
+        Destination::Tcp { addr } => {
+            let transfers = pairs
+                .into_iter()
+                .map(|(l, off)| {
+                    let d = RemoteDescriptor {
+                        agent_addr: addr.clone(),
+                        segment: dst.segment,
+                        key: dst.key,
+                        epoch: dst.epoch,
+                        offset: off,
+                        len: bb,
+                    };
+                    (l, d)
+                })
+                .collect();
+            ctx.agent.write(transfers, None, left).await.map_err(|e| e.to_string())
+        }
+        Destination::Shm { path } => {
+            let imp = importer(ctx, path, dst, left).await;
+            let imp = match imp {
+                Ok(i) => i,
+                Err(e) => {
+                    ctx.importers.lock().unwrap().remove(path);
+                    return Err(e);
+                }
+            };
+            let transfers = pairs
+                .into_iter()
+                .map(|(local, off)| Transfer {
+                    local,
+                    remote: Target { segment: dst.segment, key: dst.key, epoch: dst.epoch, offset: off, len: bb },
+                })
+                .collect();
+            let res = match imp.importer.start(Direction::Write, transfers, None, deadline) {
+                Ok(h) => h.wait().await.map_err(|e| e.to_string()),
+                Err(e) => Err(e.to_string()),
+            };
+            if res.is_err() {
+                ctx.importers.lock().unwrap().remove(path);
+            }
+            res
+        }
+    }
+}
+
+/// The importer for D's socket `path`, connected and with D's registration
+/// (at the pull's epoch) mapped.
+async fn importer(ctx: &Arc<Ctx>, path: &str, dst: &Pull, left: Duration) -> Result<Arc<Imported>, String> {
+    let cached = ctx.importers.lock().unwrap().get(path).cloned();
+    let imp = match cached {
+        Some(i) => i,
+        None => {
+            let p = PathBuf::from(path);
+            let i = tokio::task::spawn_blocking(move || ShmImporter::connect(&p, Limits::default()))
+                .await
+                .map_err(|e| e.to_string())?
+                .map_err(|e| format!("connecting to {path}: {e}"))?;
+            let i = Arc::new(Imported { importer: i, mapped: Mutex::new(HashMap::new()) });
+            ctx.importers.lock().unwrap().insert(path.to_string(), i.clone());
+            i
+        }
+    };
+    let have = imp.mapped.lock().unwrap().get(&dst.segment).copied();
+    if have != Some(dst.epoch) {
+        let reg = Registration { segment: dst.segment, key: dst.key, epoch: dst.epoch, len: dst.region_len };
+        let i = imp.clone();
+        tokio::task::spawn_blocking(move || i.importer.map(&reg, left))
+            .await
+            .map_err(|e| e.to_string())?
+            .map_err(|e| format!("mapping the decode engine's KV cache: {e}"))?;
+        imp.mapped.lock().unwrap().insert(dst.segment, dst.epoch);
+    }
+    Ok(imp)
+}
+
+/// D's bootstrap with P at `addr` (cached; fetched again when `refresh`).
+async fn bootstrap(ctx: &Arc<Ctx>, addr: &str, refresh: bool) -> Result<BootInfo, String> {
+    if !refresh {
+        if let Some(b) = ctx.boots.lock().unwrap().get(addr) {
+            return Ok(b.clone());
+        }
+    }
+    match wire::exchange(addr, &Message::Bootstrap, CONTROL_IO, CONTROL_IO).await {
+        Ok(Message::BootstrapOk { engine_id, layout, block_bytes }) => {
+            let b = BootInfo { engine_id, layout, block_bytes };
+            ctx.boots.lock().unwrap().insert(addr.to_string(), b.clone());
+            Ok(b)
+        }
+        Ok(Message::Error { reason }) => Err(format!("bootstrap with {addr} refused: {reason}")),
+        Ok(other) => Err(format!("bootstrap with {addr}: unexpected answer {other:?}")),
+        Err(e) => Err(format!("bootstrap with {addr} failed: {e}")),
+    }
+}
+
+/// D's load: bootstrap, checks, pull; `Ok` once P wrote every block.
+async fn run_load(ctx: &Arc<Ctx>, spec: &LoadSpec) -> Result<(), String> {
+    let kv = ctx.kv.lock().unwrap().clone().ok_or("the KV cache is not registered")?;
+    let mut boot = bootstrap(ctx, &spec.addr, false).await?;
+    if boot.engine_id != spec.remote_engine_id {
+        boot = bootstrap(ctx, &spec.addr, true).await?;
+    }
+    if boot.engine_id != spec.remote_engine_id {
+        return Err(format!(
+            "remote_engine_id mismatch: the request names {:?}, the prefill engine at {} is {:?}",
+            spec.remote_engine_id, spec.addr, boot.engine_id
+        ));
+    }
+    if boot.layout != kv.layout || boot.block_bytes != kv.block_bytes {
+        return Err(format!(
+            "KV layout mismatch: the prefill engine {:?} has {:?} ({} bytes per block), this engine has {:?} ({} bytes per block)",
+            boot.engine_id, boot.layout, boot.block_bytes, kv.layout, kv.block_bytes
+        ));
+    }
+    let dst = match &ctx.shm_path {
+        Some(p) if ctx.cfg.transport == Transport::Shm => Destination::Shm { path: p.display().to_string() },
+        _ => Destination::Tcp { addr: ctx.agent.local_addr().to_string() },
+    };
+    let pull = Pull {
+        transfer_id: spec.transfer_id.clone(),
+        engine_id: ctx.engine_id.clone(),
+        first_block: spec.first_block,
+        num_tokens: spec.prompt_len - 1,
+        dst,
+        segment: kv.reg.segment,
+        key: kv.reg.key,
+        epoch: kv.reg.epoch,
+        region_len: kv.reg.len,
+        block_offsets: spec.dst_blocks.iter().map(|&b| b as u64 * kv.block_bytes).collect(),
+    };
+    // P answers by its pull deadline; D's own wait is bounded by the caller.
+    match wire::exchange(&spec.addr, &Message::Pull(pull), CONTROL_IO, ctx.cfg.load_timeout).await {
+        Ok(Message::PullOk) => Ok(()),
+        Ok(Message::PullErr { reason }) => Err(format!("the prefill engine {:?} refused the pull: {reason}", boot.engine_id)),
+        Ok(other) => Err(format!("pull: unexpected answer {other:?}")),
+        Err(e) => Err(format!("pull from {} failed: {e}", spec.addr)),
+    }
+}
+
+/// Checks a request's params against this engine's role.
+fn validate(role: KvRole, params: Option<&KvTransferParams>) -> Result<(), String> {
+    match PdParams::parse(params)? {
+        Some(PdParams::RemoteDecode { .. }) if !role.produces() => {
+            Err(format!("kv_transfer_params.do_remote_decode: this engine is a {} and sends no KV", role.as_str()))
+        }
+        Some(PdParams::RemotePrefill { .. }) if !role.consumes() => {
+            Err(format!("kv_transfer_params.do_remote_prefill: this engine is a {} and receives no KV", role.as_str()))
+        }
+        _ => Ok(()),
+    }
+}
+
+/// Transfer counters, for metrics.
+#[derive(Default)]
+struct Counters {
+    pulls_ok: AtomicU64,
+    pulls_failed: AtomicU64,
+    loads_ok: AtomicU64,
+    loads_failed: AtomicU64,
+    bytes_sent: AtomicU64,
+}
+
+impl KvConnector for PdConnector {
+    fn name(&self) -> &str {
+        "pdkv"
+    }
+
+    fn supports_sleep_mode(&self) -> bool {
+        false
+    }
+
+    fn info(&self) -> serde_json::Value {
+        let c = &self.ctx.cfg;
+        json!({
+            "engine_id": self.ctx.engine_id,
+            "kv_role": c.kv_role.as_str(),
+            "transport": c.transport.as_str(),
+            "transfer_mode": c.transfer_mode.as_str(),
+            "bootstrap_addr": self.ctx.control_addr.to_string(),
+            "transfer_addr": match &self.ctx.shm_path {
+                Some(p) => p.display().to_string(),
+                None => self.ctx.agent.local_addr().to_string(),
+            },
+        })
+    }
+
+    fn validate_params(&self, params: Option<&KvTransferParams>) -> Result<(), String> {
+        validate(self.ctx.cfg.kv_role, params)
+    }
+
+    fn params_validator(&self) -> ParamsValidator {
+        let role = self.ctx.cfg.kv_role;
+        Arc::new(move |p| validate(role, p))
+    }
+
+    fn metrics_reader(&self) -> Option<MetricsReader> {
+        let ctx = self.ctx.clone();
+        Some(Arc::new(move || {
+            let c = &ctx.counters;
+            let get = |a: &AtomicU64| a.load(Ordering::Relaxed) as f64;
+            let (held, pulls) = {
+                let st = ctx.send.lock().unwrap();
+                (st.machine.held_blocks() as f64, st.machine.live_pulls() as f64)
+            };
+            vec![
+                ("pulls_ok_total", "Pulls this prefill engine served successfully", get(&c.pulls_ok)),
+                ("pulls_failed_total", "Pulls this prefill engine answered with an error", get(&c.pulls_failed)),
+                ("loads_ok_total", "KV loads this decode engine completed", get(&c.loads_ok)),
+                ("loads_failed_total", "KV loads this decode engine failed", get(&c.loads_failed)),
+                ("bytes_sent_total", "KV bytes this prefill engine wrote to decode engines", get(&c.bytes_sent)),
+                ("send_held_blocks", "KV blocks held for decode engines now", held),
+                ("pulls_pending", "Pulls received and not yet answered (or still writing)", pulls),
+            ]
+        }))
+    }
+
+    fn set_waker(&mut self, waker: Waker) {
+        *self.ctx.waker.lock().unwrap() = Some(waker);
+    }
+
+    fn load_failure_policy(&self) -> LoadFailurePolicy {
+        self.ctx.cfg.kv_load_failure_policy
+    }
+
+    fn get_num_new_matched_tokens(&mut self, req: ConnectorRequest<'_>, num_computed_tokens: usize) -> ExternalMatch {
+        match PdParams::parse(req.kv_transfer_params) {
+            Ok(Some(PdParams::RemoteDecode { transfer_id })) if self.ctx.cfg.kv_role.produces() => {
+                let mut st = self.ctx.send.lock().unwrap();
+                st.machine.on_request_running(&transfer_id, req.id);
+                ExternalMatch::default()
+            }
+            Ok(Some(p @ PdParams::RemotePrefill { .. })) if self.ctx.cfg.kv_role.consumes() => {
+                if self.decided.contains(req.id) {
+                    return ExternalMatch::default();
+                }
+                let n = req.prompt_tokens.len().saturating_sub(1).saturating_sub(num_computed_tokens);
+                if n == 0 {
+                    return ExternalMatch::default();
+                }
+                self.pending.insert(req.id.clone(), (p, req.prompt_tokens.len()));
+                ExternalMatch { num_tokens: n, load_async: true }
+            }
+            _ => ExternalMatch::default(),
+        }
+    }
+
+    fn update_state_after_alloc(
+        &mut self,
+        req: ConnectorRequest<'_>,
+        block_ids: &[u32],
+        num_computed_tokens: usize,
+        num_external_tokens: usize,
+    ) {
+        let Some((params, prompt_len)) = self.pending.remove(req.id) else { return };
+        if num_external_tokens == 0 {
+            return;
+        }
+        let PdParams::RemotePrefill { transfer_id, remote_engine_id, remote_bootstrap_addr } = params else { return };
+        let bs = self.ctx.kv.lock().unwrap().as_ref().map_or(pdkv_model::BLOCK_SIZE, |k| k.block_size);
+        let first = num_computed_tokens / bs;
+        let last = (num_computed_tokens + num_external_tokens).div_ceil(bs).min(block_ids.len());
+        let spec = LoadSpec {
+            req: req.id.clone(),
+            transfer_id,
+            remote_engine_id,
+            addr: remote_bootstrap_addr,
+            prompt_len,
+            first_block: first,
+            dst_blocks: block_ids.get(first..last).unwrap_or(&[]).to_vec(),
+        };
+        self.decided.insert(req.id.clone());
+        self.ctx.loads.lock().unwrap().loads.insert(
+            req.id.clone(),
+            LoadState { spec, started: false, pull_result: None, drop: DropPhase::None, request_gone: false, deadline: None },
+        );
+        self.new_loads.push(req.id.clone());
+    }
+
+    fn build_connector_meta(&mut self) -> ConnectorMeta {
+        ConnectorMeta(Box::new(std::mem::take(&mut self.new_loads)))
+    }
+
+    fn request_finished(
+        &mut self,
+        req: ConnectorRequest<'_>,
+        block_ids: &[u32],
+        reason: FinishReason,
+    ) -> (bool, Option<KvTransferParams>) {
+        self.pending.remove(req.id);
+        self.decided.remove(req.id);
+        match PdParams::parse(req.kv_transfer_params) {
+            Ok(Some(PdParams::RemoteDecode { transfer_id })) if self.ctx.cfg.kv_role.produces() => {
+                let completed = matches!(reason, FinishReason::Stop | FinishReason::Length);
+                let prompt_len = req.prompt_tokens.len();
+                let held = {
+                    let mut st = self.ctx.send.lock().unwrap();
+                    let held = st.machine.on_request_finished(Instant::now(), &transfer_id, req.id, block_ids, prompt_len, completed);
+                    self.ctx.drive(&mut st);
+                    held
+                };
+                let params = completed.then(|| {
+                    json!({
+                        "do_remote_prefill": true,
+                        "remote_engine_id": self.ctx.engine_id,
+                        "remote_bootstrap_addr": self.ctx.control_addr.to_string(),
+                        "transfer_id": transfer_id,
+                        "remote_num_tokens": prompt_len,
+                    })
+                });
+                (held, params)
+            }
+            Ok(Some(PdParams::RemotePrefill { .. })) => {
+                let mut t = self.ctx.loads.lock().unwrap();
+                if t.recving.iter().any(|r| r == req.id) {
+                    // Ended, not yet reported: the engine frees the blocks then.
+                    t.errors.retain(|(b, _)| !block_ids.contains(b));
+                    return (true, None);
+                }
+                let Some(l) = t.loads.get_mut(req.id) else { return (false, None) };
+                if !l.started {
+                    t.loads.remove(req.id);
+                    self.new_loads.retain(|r| r != req.id);
+                    return (false, None);
+                }
+                l.request_gone = true;
+                self.ctx.start_drop(l);
+                (true, None)
+            }
+            _ => (false, None),
+        }
+    }
+
+    fn abort_transfers(&mut self) {
+        {
+            let mut st = self.ctx.send.lock().unwrap();
+            st.machine.abort_all(Instant::now());
+            self.ctx.drive(&mut st);
+        }
+        let mut t = self.ctx.loads.lock().unwrap();
+        for l in t.loads.values_mut().filter(|l| l.started) {
+            self.ctx.start_drop(l);
+        }
+    }
+
+    fn num_held_blocks(&self) -> usize {
+        let sending = self.ctx.send.lock().unwrap().machine.held_blocks();
+        let t = self.ctx.loads.lock().unwrap();
+        sending + t.loads.values().map(|l| l.spec.dst_blocks.len()).sum::<usize>()
+    }
+
+    fn register_kv_caches(&mut self, spec: &KvCacheSpec) -> anyhow::Result<()> {
+        let len = spec.num_blocks * spec.block_bytes;
+        let reg = self
+            .ctx
+            .registry
+            .register(&spec.region, 0, len)
+            .with_context(|| format!("registering the KV cache ({len} bytes) for transfers"))?;
+        *self.ctx.kv.lock().unwrap() = Some(KvInfo {
+            reg,
+            block_bytes: spec.block_bytes as u64,
+            block_size: spec.block_size,
+            layout: spec.layout.clone(),
+        });
+        let mut st = self.ctx.send.lock().unwrap();
+        st.machine = SendMachine::new(send_config(&self.ctx.cfg, spec.block_size));
+        Ok(())
+    }
+
+    fn start_load_kv(&mut self, meta: ConnectorMeta) {
+        let Ok(reqs) = meta.0.downcast::<Vec<Arc<str>>>() else { return };
+        let now = Instant::now();
+        let mut t = self.ctx.loads.lock().unwrap();
+        for req in *reqs {
+            let Some(l) = t.loads.get_mut(&req) else { continue };
+            if l.started {
+                continue;
+            }
+            l.started = true;
+            let deadline = now + self.ctx.cfg.load_timeout;
+            l.deadline = Some(deadline);
+            let spec = l.spec.clone();
+            let ctx = self.ctx.clone();
+            self.ctx.handle.spawn(async move {
+                let res = if spec.dst_blocks.is_empty() {
+                    Err("no destination blocks for the load".to_string())
+                } else {
+                    match tokio::time::timeout_at(tokio::time::Instant::from_std(deadline), run_load(&ctx, &spec)).await {
+                        Ok(r) => r,
+                        Err(_) => Err(format!(
+                            "no answer from the prefill engine at {} within load_timeout_s ({:?})",
+                            spec.addr, ctx.cfg.load_timeout
+                        )),
+                    }
+                };
+                ctx.load_event(&spec.req, |l| l.pull_result = Some(res));
+            });
+        }
+    }
+
+    fn get_finished(&mut self) -> FinishedTransfers {
+        let sending = std::mem::take(&mut self.ctx.send.lock().unwrap().finished);
+        let recving = {
+            let mut t = self.ctx.loads.lock().unwrap();
+            let errors = std::mem::take(&mut t.errors);
+            t.reported_errors.extend(errors);
+            std::mem::take(&mut t.recving)
+        };
+        FinishedTransfers { sending, recving }
+    }
+
+    fn get_block_ids_with_load_errors(&mut self) -> Vec<(u32, String)> {
+        std::mem::take(&mut self.ctx.loads.lock().unwrap().reported_errors)
+    }
+}

@@ -1,0 +1,758 @@
+//! The prefill engine's sending side as a pure state machine.
+//!
+//! No I/O, no clock, no threads: the driver passes events and the time in and
+//! carries out the [`Action`]s that come out of [`SendMachine::poll_action`].
+//!
+//! Per transfer (one request on P, named by its `transfer_id`):
+//! - **WAITING**: the request is running; a pull that arrives now is parked;
+//! - **READY**: the request finished; its blocks are held for D until a pull
+//!   took them or the lease (`abort_timeout` from the finish) expired;
+//! - **DONE**: nothing more to send; kept a while as a tombstone so a late
+//!   pull or drop gets a precise answer.
+//!
+//! Invariants:
+//! - every pull is answered exactly once ([`Action::Answer`]): success, or an
+//!   error at once when P aborted the request, D released the transfer, the
+//!   lease expired, the pull does not match the transfer (both numbers
+//!   named), the pull's deadline passed, or the write failed;
+//! - [`SendMachine::end_send`] is the only way a send ends; it queues the
+//!   request for [`SendMachine::take_finished`] (the engine frees the blocks)
+//!   once no write reads the blocks;
+//! - a transfer is pulled at most once: after its pull was answered the send
+//!   ends, and a second pull is refused;
+//! - a pull takes one of `num_workers` permits only when its transfer is
+//!   READY and it matched, and gives it back when its write ended;
+//! - a write in flight is never cut short: it ends by the pull's deadline.
+//!   Only D's drop answers the writing pull early; the drop itself is
+//!   answered once the write ended, so no byte lands after D got its answer.
+//!   A lease does not expire while a write reads the blocks;
+//! - every parked or queued pull has a deadline (`abort_timeout` from its
+//!   receipt; `arrival_timeout` while its transfer is unknown).
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+pub type PullId = u64;
+pub type DropId = u64;
+
+/// The reason a pull gets when D released the transfer.
+pub const RELEASED: &str = "released by the decode engine";
+
+#[derive(Clone, Debug)]
+pub struct SendConfig {
+    pub abort_timeout: Duration,
+    pub arrival_timeout: Duration,
+    pub num_workers: usize,
+    /// Tokens per block.
+    pub block_size: usize,
+}
+
+/// A pull as the machine checks it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PullSpec {
+    pub transfer_id: String,
+    pub first_block: usize,
+    pub num_tokens: usize,
+    /// Destination blocks D sent.
+    pub num_blocks: usize,
+}
+
+/// What the driver must do.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Action {
+    /// Answer the pull (once).
+    Answer { pull: PullId, result: Result<(), String> },
+    /// Write `src_blocks` (P's block ids, in the order of D's offsets), by
+    /// `deadline`, then report [`SendMachine::on_write_done`].
+    StartWrite { pull: PullId, src_blocks: Vec<u32>, deadline: Instant },
+    /// Answer the drop (once).
+    DropAnswer { drop: DropId, known: bool },
+}
+
+#[derive(Clone, Debug, PartialEq)]
+enum Phase {
+    Waiting,
+    Ready { expires: Instant },
+    Done { reason: String, forget_at: Instant },
+}
+
+/// The state of one transfer as a test sees it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PhaseName {
+    Waiting,
+    Ready,
+    Done,
+}
+
+struct Transfer {
+    req: Option<Arc<str>>,
+    phase: Phase,
+    /// The engine keeps `blocks` for this transfer until the request is
+    /// handed back through `take_finished`.
+    holding: bool,
+    blocks: Vec<u32>,
+    prompt_len: usize,
+    /// The pull whose write reads the blocks now.
+    writing: Option<PullId>,
+    /// Drops answered once no write reads the blocks.
+    drop_waiters: Vec<DropId>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum PullState {
+    /// Its transfer is unknown or WAITING.
+    Parked,
+    /// Matched a READY transfer; waits for a permit.
+    Queued,
+    /// Its write runs; `answered` once D got an answer early (drop).
+    Writing { answered: bool },
+}
+
+struct PendingPull {
+    spec: PullSpec,
+    deadline: Instant,
+    state: PullState,
+    src_blocks: Vec<u32>,
+}
+
+/// See the module docs.
+pub struct SendMachine {
+    cfg: SendConfig,
+    transfers: HashMap<String, Transfer>,
+    pulls: HashMap<PullId, PendingPull>,
+    /// The pull of each transfer (one at most).
+    pull_of: HashMap<String, PullId>,
+    queue: VecDeque<PullId>,
+    permits: usize,
+    actions: VecDeque<Action>,
+    finished: Vec<Arc<str>>,
+}
+
+impl SendMachine {
+    pub fn new(cfg: SendConfig) -> SendMachine {
+        let permits = cfg.num_workers.max(1);
+        SendMachine {
+            cfg,
+            transfers: HashMap::new(),
+            pulls: HashMap::new(),
+            pull_of: HashMap::new(),
+            queue: VecDeque::new(),
+            permits,
+            actions: VecDeque::new(),
+            finished: Vec::new(),
+        }
+    }
+
+    /// How long a DONE transfer is remembered.
+    fn retention(&self) -> Duration {
+        self.cfg.abort_timeout + self.cfg.arrival_timeout
+    }
+
+    /// The next action for the driver.
+    pub fn poll_action(&mut self) -> Option<Action> {
+        self.actions.pop_front()
+    }
+
+    /// Requests whose blocks no write reads any more (each once).
+    pub fn take_finished(&mut self) -> Vec<Arc<str>> {
+        std::mem::take(&mut self.finished)
+    }
+
+    /// Blocks held for D now.
+    pub fn held_blocks(&self) -> usize {
+        self.transfers.values().filter(|t| t.holding).map(|t| t.blocks.len()).sum()
+    }
+
+    /// Sender permits free now.
+    pub fn free_permits(&self) -> usize {
+        self.permits
+    }
+
+    /// The phase of `transfer_id`, if the machine knows it.
+    pub fn phase(&self, transfer_id: &str) -> Option<PhaseName> {
+        self.transfers.get(transfer_id).map(|t| match t.phase {
+            Phase::Waiting => PhaseName::Waiting,
+            Phase::Ready { .. } => PhaseName::Ready,
+            Phase::Done { .. } => PhaseName::Done,
+        })
+    }
+
+    /// Pulls not yet answered or whose write still runs.
+    pub fn live_pulls(&self) -> usize {
+        self.pulls.len()
+    }
+
+    fn answer(&mut self, pull: PullId, result: Result<(), String>) {
+        self.actions.push_back(Action::Answer { pull, result });
+    }
+
+    /// P admitted the request of `transfer_id`: WAITING (unless known).
+    pub fn on_request_running(&mut self, transfer_id: &str, req: &Arc<str>) {
+        self.transfers
+            .entry(transfer_id.to_string())
+            .or_insert_with(|| Transfer {
+                req: Some(req.clone()),
+                phase: Phase::Waiting,
+                holding: false,
+                blocks: Vec::new(),
+                prompt_len: 0,
+                writing: None,
+                drop_waiters: Vec::new(),
+            });
+    }
+
+    /// P's request ended holding `blocks`. `completed`: it stopped normally
+    /// (stop or length); otherwise it was aborted or failed. Returns whether
+    /// the blocks are held for D (the engine frees them once
+    /// [`SendMachine::take_finished`] names the request).
+    pub fn on_request_finished(
+        &mut self,
+        now: Instant,
+        transfer_id: &str,
+        req: &Arc<str>,
+        blocks: &[u32],
+        prompt_len: usize,
+        completed: bool,
+    ) -> bool {
+        self.on_request_running(transfer_id, req);
+        let t = self.transfers.get_mut(transfer_id).expect("inserted above");
+        if !matches!(t.phase, Phase::Waiting) {
+            // Already DONE (D released it) or finished before: nothing to hold.
+            return false;
+        }
+        t.req = Some(req.clone());
+        if !completed {
+            self.end_send(now, transfer_id, "the prefill request was aborted before it finished".into(), false);
+            return false;
+        }
+        let needed = (prompt_len.saturating_sub(1)).div_ceil(self.cfg.block_size);
+        if needed == 0 {
+            self.end_send(now, transfer_id, "nothing to send: the prompt has a single token".into(), false);
+            return false;
+        }
+        let expires = now + self.cfg.abort_timeout;
+        let t = self.transfers.get_mut(transfer_id).expect("known");
+        t.phase = Phase::Ready { expires };
+        t.holding = true;
+        t.blocks = blocks.to_vec();
+        t.prompt_len = prompt_len;
+        if let Some(&pull) = self.pull_of.get(transfer_id) {
+            if self.pulls.get(&pull).is_some_and(|p| p.state == PullState::Parked) {
+                self.admit(now, pull);
+            }
+        }
+        true
+    }
+
+    /// D asks for a transfer's blocks.
+    pub fn on_pull(&mut self, now: Instant, pull: PullId, spec: PullSpec) {
+        let tid = spec.transfer_id.clone();
+        if self.pull_of.contains_key(&tid) {
+            self.answer(pull, Err(format!("transfer {tid:?} already has a pull in progress")));
+            return;
+        }
+        let mut deadline = now + self.cfg.abort_timeout;
+        match self.transfers.get(&tid).map(|t| &t.phase) {
+            Some(Phase::Done { reason, .. }) => {
+                let reason = reason.clone();
+                self.answer(pull, Err(reason));
+                return;
+            }
+            None => deadline = deadline.min(now + self.cfg.arrival_timeout),
+            Some(_) => {}
+        }
+        self.pull_of.insert(tid.clone(), pull);
+        self.pulls.insert(pull, PendingPull { spec, deadline, state: PullState::Parked, src_blocks: Vec::new() });
+        if matches!(self.transfers.get(&tid).map(|t| &t.phase), Some(Phase::Ready { .. })) {
+            self.admit(now, pull);
+        }
+    }
+
+    /// Checks a parked pull against its READY transfer and queues it (or
+    /// answers the mismatch and ends the send).
+    fn admit(&mut self, now: Instant, pull: PullId) {
+        let p = &self.pulls[&pull];
+        let t = &self.transfers[&p.spec.transfer_id];
+        match check(&p.spec, t, self.cfg.block_size) {
+            Ok(src) => {
+                let p = self.pulls.get_mut(&pull).expect("known");
+                p.src_blocks = src;
+                p.state = PullState::Queued;
+                self.queue.push_back(pull);
+                self.try_start();
+            }
+            Err(why) => {
+                let tid = p.spec.transfer_id.clone();
+                self.end_send(now, &tid, format!("transfer {tid:?} refused an earlier pull: {why}"), false);
+                self.remove_pull(pull);
+                self.answer(pull, Err(why));
+            }
+        }
+    }
+
+    fn remove_pull(&mut self, pull: PullId) -> Option<PendingPull> {
+        let p = self.pulls.remove(&pull)?;
+        if self.pull_of.get(&p.spec.transfer_id) == Some(&pull) {
+            self.pull_of.remove(&p.spec.transfer_id);
+        }
+        self.queue.retain(|&q| q != pull);
+        Some(p)
+    }
+
+    /// Hands permits to queued pulls.
+    fn try_start(&mut self) {
+        while self.permits > 0 {
+            let Some(pull) = self.queue.pop_front() else { return };
+            let Some(p) = self.pulls.get_mut(&pull) else { continue };
+            self.permits -= 1;
+            p.state = PullState::Writing { answered: false };
+            let tid = p.spec.transfer_id.clone();
+            let (src_blocks, deadline) = (p.src_blocks.clone(), p.deadline);
+            if let Some(t) = self.transfers.get_mut(&tid) {
+                t.writing = Some(pull);
+            }
+            self.actions.push_back(Action::StartWrite { pull, src_blocks, deadline });
+        }
+    }
+
+    /// A write ended (`Err` says why it failed).
+    pub fn on_write_done(&mut self, now: Instant, pull: PullId, result: Result<(), String>) {
+        let Some(p) = self.remove_pull(pull) else { return };
+        let PullState::Writing { answered } = p.state else { return };
+        self.permits += 1;
+        let tid = p.spec.transfer_id;
+        if let Some(t) = self.transfers.get_mut(&tid) {
+            t.writing = None;
+        }
+        if !answered {
+            let result = result.map_err(|e| format!("writing the KV blocks failed: {e}"));
+            let reason = match &result {
+                Ok(()) => format!("transfer {tid:?} was sent already"),
+                Err(e) => format!("transfer {tid:?} failed: {e}"),
+            };
+            self.answer(pull, result);
+            self.end_send(now, &tid, reason, false);
+        }
+        self.release_if_idle(&tid);
+        self.try_start();
+    }
+
+    /// D released `transfer_id` (its request ended or its load was
+    /// abandoned). The drop is answered once no write reads the blocks.
+    pub fn on_drop(&mut self, now: Instant, transfer_id: &str, drop: DropId) {
+        let known = self.transfers.contains_key(transfer_id);
+        if !known {
+            // A pull parked on the unknown transfer is answered, and the
+            // tombstone refuses the request's blocks when it finishes.
+            self.transfers.insert(
+                transfer_id.to_string(),
+                Transfer {
+                    req: None,
+                    phase: Phase::Waiting,
+                    holding: false,
+                    blocks: Vec::new(),
+                    prompt_len: 0,
+                    writing: None,
+                    drop_waiters: Vec::new(),
+                },
+            );
+        }
+        if !matches!(self.transfers[transfer_id].phase, Phase::Done { .. }) {
+            self.end_send(now, transfer_id, RELEASED.into(), true);
+        }
+        let t = self.transfers.get_mut(transfer_id).expect("known");
+        if t.writing.is_some() {
+            t.drop_waiters.push(drop);
+        } else {
+            self.actions.push_back(Action::DropAnswer { drop, known });
+        }
+    }
+
+    /// Stop holding every READY transfer (the engine is about to reset its
+    /// cache). Writes in flight end by their deadlines.
+    pub fn abort_all(&mut self, now: Instant) {
+        let ready: Vec<String> = self
+            .transfers
+            .iter()
+            .filter(|(_, t)| matches!(t.phase, Phase::Ready { .. }))
+            .map(|(k, _)| k.clone())
+            .collect();
+        for tid in ready {
+            self.end_send(now, &tid, "the prefill engine released its transfers".into(), false);
+        }
+    }
+
+    /// Ends the send of `transfer_id`: DONE with `reason`, pulls not writing
+    /// answered with it (the writing one too when `answer_writer`), and the
+    /// blocks given back once no write reads them. The only place a send ends.
+    pub fn end_send(&mut self, now: Instant, transfer_id: &str, reason: String, answer_writer: bool) {
+        let forget_at = now + self.retention();
+        let Some(t) = self.transfers.get_mut(transfer_id) else { return };
+        if matches!(t.phase, Phase::Done { .. }) {
+            return;
+        }
+        t.phase = Phase::Done { reason: reason.clone(), forget_at };
+        if let Some(&pull) = self.pull_of.get(transfer_id) {
+            match self.pulls.get(&pull).map(|p| p.state) {
+                Some(PullState::Writing { answered: false }) if answer_writer => {
+                    if let Some(p) = self.pulls.get_mut(&pull) {
+                        p.state = PullState::Writing { answered: true };
+                    }
+                    self.answer(pull, Err(reason));
+                }
+                Some(PullState::Writing { .. }) | None => {}
+                Some(_) => {
+                    self.remove_pull(pull);
+                    self.answer(pull, Err(reason));
+                }
+            }
+        }
+        self.release_if_idle(transfer_id);
+    }
+
+    /// A DONE transfer whose blocks no write reads gives them back and
+    /// answers the drops that waited for that.
+    fn release_if_idle(&mut self, transfer_id: &str) {
+        let Some(t) = self.transfers.get_mut(transfer_id) else { return };
+        if !matches!(t.phase, Phase::Done { .. }) || t.writing.is_some() {
+            return;
+        }
+        if t.holding {
+            t.holding = false;
+            t.blocks.clear();
+            if let Some(r) = &t.req {
+                self.finished.push(r.clone());
+            }
+        }
+        for drop in std::mem::take(&mut t.drop_waiters) {
+            self.actions.push_back(Action::DropAnswer { drop, known: true });
+        }
+    }
+
+    /// When [`SendMachine::handle_timeout`] must run next.
+    pub fn poll_timeout(&self) -> Option<Instant> {
+        let pulls = self.pulls.values().filter(|p| !matches!(p.state, PullState::Writing { .. })).map(|p| p.deadline);
+        let transfers = self.transfers.values().filter_map(|t| match &t.phase {
+            Phase::Ready { expires } if t.writing.is_none() => Some(*expires),
+            Phase::Done { forget_at, .. } if t.writing.is_none() && !t.holding => Some(*forget_at),
+            _ => None,
+        });
+        pulls.chain(transfers).min()
+    }
+
+    /// Answers pulls whose deadline passed, ends sends whose lease expired,
+    /// forgets old tombstones.
+    pub fn handle_timeout(&mut self, now: Instant) {
+        let due: Vec<PullId> = self
+            .pulls
+            .iter()
+            .filter(|(_, p)| !matches!(p.state, PullState::Writing { .. }) && p.deadline <= now)
+            .map(|(&id, _)| id)
+            .collect();
+        for pull in due {
+            let Some(p) = self.remove_pull(pull) else { continue };
+            let tid = p.spec.transfer_id;
+            let why = match self.transfers.get(&tid).map(|t| &t.phase) {
+                None => format!("transfer {tid:?} is unknown to the prefill engine (not seen within the arrival timeout)"),
+                Some(Phase::Waiting) => format!("the prefill request of transfer {tid:?} did not finish before the pull deadline"),
+                Some(_) => format!("no sender was free for transfer {tid:?} before the pull deadline"),
+            };
+            if matches!(self.transfers.get(&tid).map(|t| &t.phase), Some(Phase::Ready { .. })) {
+                self.end_send(now, &tid, why.clone(), false);
+            }
+            self.answer(pull, Err(why));
+        }
+        let expired: Vec<String> = self
+            .transfers
+            .iter()
+            .filter(|(_, t)| t.writing.is_none() && matches!(t.phase, Phase::Ready { expires } if expires <= now))
+            .map(|(k, _)| k.clone())
+            .collect();
+        for tid in expired {
+            let why = format!("the lease of transfer {tid:?} expired before the decode engine pulled it");
+            self.end_send(now, &tid, why, false);
+        }
+        self.transfers.retain(|_, t| {
+            !matches!(t.phase, Phase::Done { forget_at, .. } if forget_at <= now && t.writing.is_none() && !t.holding)
+        });
+    }
+}
+
+/// Checks a pull against a READY transfer; gives P's source blocks.
+fn check(spec: &PullSpec, t: &Transfer, block_size: usize) -> Result<Vec<u32>, String> {
+    let want = t.prompt_len.saturating_sub(1);
+    if spec.num_tokens != want {
+        return Err(format!(
+            "prompt length mismatch: the decode engine asks for the KV of {} tokens, the prefill engine computed {} ({}-token prompt)",
+            spec.num_tokens, want, t.prompt_len
+        ));
+    }
+    let needed = want.div_ceil(block_size);
+    if spec.first_block >= needed {
+        return Err(format!("first_block {} is past the {} blocks of the transfer", spec.first_block, needed));
+    }
+    let n = needed - spec.first_block;
+    if spec.num_blocks != n {
+        return Err(format!(
+            "block count mismatch: the decode engine sent {} destination blocks, the transfer has {} from block {}",
+            spec.num_blocks, n, spec.first_block
+        ));
+    }
+    if needed > t.blocks.len() {
+        return Err(format!("the prefill engine holds {} blocks for the transfer, {} are needed", t.blocks.len(), needed));
+    }
+    Ok(t.blocks[spec.first_block..needed].to_vec())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const ABORT: Duration = Duration::from_secs(30);
+    const ARRIVAL: Duration = Duration::from_secs(10);
+
+    fn machine(workers: usize) -> SendMachine {
+        SendMachine::new(SendConfig { abort_timeout: ABORT, arrival_timeout: ARRIVAL, num_workers: workers, block_size: 16 })
+    }
+
+    fn rid(s: &str) -> Arc<str> {
+        Arc::from(s)
+    }
+
+    /// A pull for a 40-token prompt (39 tokens: blocks 0..3) from block `first`.
+    fn pull(tid: &str, first: usize) -> PullSpec {
+        PullSpec { transfer_id: tid.into(), first_block: first, num_tokens: 39, num_blocks: 3 - first }
+    }
+
+    fn actions(m: &mut SendMachine) -> Vec<Action> {
+        std::iter::from_fn(|| m.poll_action()).collect()
+    }
+
+    fn err_of(a: &[Action], pull: PullId) -> String {
+        match a.iter().find(|x| matches!(x, Action::Answer { pull: p, .. } if *p == pull)) {
+            Some(Action::Answer { result: Err(e), .. }) => e.clone(),
+            other => panic!("no error answer for pull {pull}: {other:?} in {a:?}"),
+        }
+    }
+
+    /// A READY transfer "t" for request "r" with blocks 10..14 of a 40-token prompt.
+    fn ready(m: &mut SendMachine, now: Instant) {
+        m.on_request_running("t", &rid("r"));
+        assert_eq!(m.phase("t"), Some(PhaseName::Waiting));
+        assert!(m.on_request_finished(now, "t", &rid("r"), &[10, 11, 12, 13], 40, true));
+        assert_eq!(m.phase("t"), Some(PhaseName::Ready));
+        assert_eq!(m.held_blocks(), 4);
+    }
+
+    #[test]
+    fn a_pull_parked_on_a_waiting_transfer_is_written_when_it_is_ready() {
+        let t0 = Instant::now();
+        let mut m = machine(2);
+        m.on_request_running("t", &rid("r"));
+        m.on_pull(t0, 1, pull("t", 1));
+        assert!(actions(&mut m).is_empty(), "parked while WAITING");
+        assert_eq!(m.poll_timeout(), Some(t0 + ABORT), "a parked pull has its deadline");
+        let t1 = t0 + Duration::from_secs(1);
+        assert!(m.on_request_finished(t1, "t", &rid("r"), &[10, 11, 12, 13], 40, true));
+        assert_eq!(actions(&mut m), vec![Action::StartWrite { pull: 1, src_blocks: vec![11, 12], deadline: t0 + ABORT }]);
+        assert_eq!(m.free_permits(), 1);
+        assert_eq!(m.poll_timeout(), None, "no lease expiry while the write reads the blocks");
+        m.on_write_done(t1, 1, Ok(()));
+        assert_eq!(actions(&mut m), vec![Action::Answer { pull: 1, result: Ok(()) }]);
+        assert_eq!(m.take_finished(), vec![rid("r")]);
+        assert_eq!((m.held_blocks(), m.free_permits(), m.live_pulls()), (0, 2, 0));
+        assert_eq!(m.phase("t"), Some(PhaseName::Done));
+        // A second pull is refused with the reason, at once.
+        m.on_pull(t1, 2, pull("t", 0));
+        assert!(err_of(&actions(&mut m), 2).contains("was sent already"));
+        // The tombstone is forgotten after its retention.
+        m.handle_timeout(t1 + ABORT + ARRIVAL);
+        assert_eq!(m.phase("t"), None);
+    }
+
+    #[test]
+    fn a_pull_for_an_unknown_transfer_waits_for_it_until_the_arrival_timeout() {
+        let t0 = Instant::now();
+        let mut m = machine(1);
+        m.on_pull(t0, 1, pull("t", 0));
+        assert_eq!(m.poll_timeout(), Some(t0 + ARRIVAL));
+        // Arrives in time: it is served.
+        ready(&mut m, t0 + Duration::from_secs(2));
+        assert!(matches!(actions(&mut m)[..], [Action::StartWrite { pull: 1, .. }]));
+
+        let mut m = machine(1);
+        m.on_pull(t0, 1, pull("t", 0));
+        m.handle_timeout(t0 + ARRIVAL - Duration::from_millis(1));
+        assert!(actions(&mut m).is_empty());
+        m.handle_timeout(t0 + ARRIVAL);
+        assert!(err_of(&actions(&mut m), 1).contains("unknown to the prefill engine"));
+        assert_eq!(m.live_pulls(), 0);
+    }
+
+    #[test]
+    fn a_pull_on_a_request_still_running_at_its_deadline_gets_an_error() {
+        let t0 = Instant::now();
+        let mut m = machine(1);
+        m.on_request_running("t", &rid("r"));
+        m.on_pull(t0, 1, pull("t", 0));
+        m.handle_timeout(t0 + ABORT);
+        assert!(err_of(&actions(&mut m), 1).contains("did not finish before the pull deadline"));
+        // The request finishes later: READY, and its lease runs.
+        assert!(m.on_request_finished(t0 + ABORT, "t", &rid("r"), &[1, 2, 3], 40, true));
+        assert_eq!(m.poll_timeout(), Some(t0 + ABORT + ABORT));
+    }
+
+    #[test]
+    fn the_lease_expires_and_a_later_pull_learns_why() {
+        let t0 = Instant::now();
+        let mut m = machine(1);
+        ready(&mut m, t0);
+        assert_eq!(m.poll_timeout(), Some(t0 + ABORT));
+        m.handle_timeout(t0 + ABORT - Duration::from_millis(1));
+        assert!(m.take_finished().is_empty());
+        m.handle_timeout(t0 + ABORT);
+        assert_eq!(m.take_finished(), vec![rid("r")], "the expiry gives the blocks back");
+        assert_eq!(m.held_blocks(), 0);
+        m.on_pull(t0 + ABORT, 1, pull("t", 0));
+        assert!(err_of(&actions(&mut m), 1).contains("lease"));
+    }
+
+    #[test]
+    fn an_abort_on_p_answers_the_waiting_pull_at_once() {
+        let t0 = Instant::now();
+        let mut m = machine(1);
+        m.on_request_running("t", &rid("r"));
+        m.on_pull(t0, 1, pull("t", 0));
+        assert!(!m.on_request_finished(t0, "t", &rid("r"), &[1, 2, 3], 40, false));
+        assert!(err_of(&actions(&mut m), 1).contains("aborted"));
+        assert!(m.take_finished().is_empty(), "nothing was held");
+        assert_eq!(m.phase("t"), Some(PhaseName::Done));
+    }
+
+    #[test]
+    fn a_single_token_prompt_has_nothing_to_send() {
+        let mut m = machine(1);
+        assert!(!m.on_request_finished(Instant::now(), "t", &rid("r"), &[1], 1, true));
+        assert_eq!((m.phase("t"), m.held_blocks()), (Some(PhaseName::Done), 0));
+    }
+
+    #[test]
+    fn drops_end_the_send_in_every_phase() {
+        let t0 = Instant::now();
+        // Unknown: not known; the request's blocks are refused later.
+        let mut m = machine(1);
+        m.on_drop(t0, "t", 7);
+        assert_eq!(actions(&mut m), vec![Action::DropAnswer { drop: 7, known: false }]);
+        m.on_request_running("t", &rid("r"));
+        assert!(!m.on_request_finished(t0, "t", &rid("r"), &[1, 2, 3], 40, true));
+        m.on_pull(t0, 1, pull("t", 0));
+        assert_eq!(err_of(&actions(&mut m), 1), RELEASED);
+
+        // WAITING with a parked pull: the pull is answered at once.
+        let mut m = machine(1);
+        m.on_request_running("t", &rid("r"));
+        m.on_pull(t0, 1, pull("t", 0));
+        m.on_drop(t0, "t", 7);
+        let a = actions(&mut m);
+        assert_eq!(err_of(&a, 1), RELEASED);
+        assert!(a.contains(&Action::DropAnswer { drop: 7, known: true }));
+        assert!(!m.on_request_finished(t0, "t", &rid("r"), &[1, 2, 3], 40, true));
+
+        // READY: blocks given back at once.
+        let mut m = machine(1);
+        ready(&mut m, t0);
+        m.on_drop(t0, "t", 7);
+        assert_eq!(actions(&mut m), vec![Action::DropAnswer { drop: 7, known: true }]);
+        assert_eq!(m.take_finished(), vec![rid("r")]);
+    }
+
+    #[test]
+    fn a_drop_during_a_write_answers_the_pull_at_once_and_the_drop_after_the_write() {
+        let t0 = Instant::now();
+        let mut m = machine(1);
+        ready(&mut m, t0);
+        m.on_pull(t0, 1, pull("t", 0));
+        assert!(matches!(actions(&mut m)[..], [Action::StartWrite { pull: 1, .. }]));
+        m.on_drop(t0, "t", 7);
+        assert_eq!(actions(&mut m), vec![Action::Answer { pull: 1, result: Err(RELEASED.into()) }]);
+        assert!(m.take_finished().is_empty(), "the write still reads the blocks");
+        assert_eq!(m.held_blocks(), 4);
+        m.on_write_done(t0, 1, Err("cancelled".into()));
+        assert_eq!(actions(&mut m), vec![Action::DropAnswer { drop: 7, known: true }], "the pull is not answered twice");
+        assert_eq!(m.take_finished(), vec![rid("r")]);
+        assert_eq!(m.free_permits(), 1);
+    }
+
+    #[test]
+    fn mismatched_pulls_are_refused_naming_both_numbers() {
+        let t0 = Instant::now();
+        let cases = [
+            (PullSpec { transfer_id: "t".into(), first_block: 0, num_tokens: 41, num_blocks: 3 }, ["41", "39"]),
+            (PullSpec { transfer_id: "t".into(), first_block: 0, num_tokens: 39, num_blocks: 2 }, ["sent 2", "has 3"]),
+            (PullSpec { transfer_id: "t".into(), first_block: 3, num_tokens: 39, num_blocks: 0 }, ["first_block 3", "3 blocks"]),
+        ];
+        for (spec, needles) in cases {
+            let mut m = machine(1);
+            ready(&mut m, t0);
+            m.on_pull(t0, 1, spec);
+            let e = err_of(&actions(&mut m), 1);
+            for n in needles {
+                assert!(e.contains(n), "{e:?} lacks {n:?}");
+            }
+            assert_eq!(m.take_finished(), vec![rid("r")], "a refused pull ends the send");
+        }
+        // Fewer blocks held than the prompt needs.
+        let mut m = machine(1);
+        assert!(m.on_request_finished(t0, "t", &rid("r"), &[1, 2], 40, true));
+        m.on_pull(t0, 1, pull("t", 0));
+        assert!(err_of(&actions(&mut m), 1).contains("holds 2 blocks"));
+    }
+
+    #[test]
+    fn permits_bound_the_writes_and_a_queued_pull_has_a_deadline() {
+        let t0 = Instant::now();
+        let mut m = machine(1);
+        for (t, r) in [("a", "ra"), ("b", "rb"), ("c", "rc")] {
+            assert!(m.on_request_finished(t0, t, &rid(r), &[1, 2, 3], 40, true));
+        }
+        m.on_pull(t0, 1, pull("a", 0));
+        m.on_pull(t0, 2, pull("b", 0));
+        assert!(matches!(actions(&mut m)[..], [Action::StartWrite { pull: 1, .. }]), "one permit");
+        let t1 = t0 + Duration::from_secs(5);
+        m.on_pull(t1, 3, pull("c", 0));
+        assert!(actions(&mut m).is_empty());
+        m.on_write_done(t1, 1, Err("peer lost".into()));
+        let a = actions(&mut m);
+        assert!(err_of(&a, 1).contains("writing the KV blocks failed: peer lost"));
+        assert!(a.iter().any(|x| matches!(x, Action::StartWrite { pull: 2, .. })), "the permit goes to the next pull");
+        assert_eq!(m.take_finished(), vec![rid("ra")]);
+        // Pull 3 waits for the permit until its deadline (the lease of "c"
+        // expires at the same moment).
+        m.handle_timeout(t1 + ABORT);
+        let a = actions(&mut m);
+        let e = err_of(&a, 3);
+        assert!(e.contains("no sender was free") || e.contains("lease"), "{e}");
+        assert_eq!(m.take_finished(), vec![rid("rc")]);
+        assert_eq!(m.live_pulls(), 1, "pull 2 still writing");
+    }
+
+    #[test]
+    fn one_pull_per_transfer_and_abort_all_releases_ready_transfers() {
+        let t0 = Instant::now();
+        let mut m = machine(1);
+        m.on_request_running("t", &rid("r"));
+        m.on_pull(t0, 1, pull("t", 0));
+        m.on_pull(t0, 2, pull("t", 0));
+        assert!(err_of(&actions(&mut m), 2).contains("already has a pull"));
+        assert!(m.on_request_finished(t0, "t", &rid("r"), &[1, 2, 3], 40, true));
+        assert!(matches!(actions(&mut m)[..], [Action::StartWrite { pull: 1, .. }]));
+        assert!(m.on_request_finished(t0, "u", &rid("q"), &[4, 5, 6], 40, true));
+        m.abort_all(t0);
+        assert_eq!(m.take_finished(), vec![rid("q")], "the idle transfer is released at once");
+        assert!(actions(&mut m).is_empty(), "the writing pull is answered when its write ends");
+        m.on_write_done(t0, 1, Ok(()));
+        assert_eq!(actions(&mut m), vec![Action::Answer { pull: 1, result: Ok(()) }]);
+        assert_eq!(m.take_finished(), vec![rid("r")]);
+    }
+}

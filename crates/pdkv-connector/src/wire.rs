@@ -1,0 +1,184 @@
+//! The control protocol between a decode engine (D) and a prefill engine (P).
+//!
+//! One TCP connection per exchange: the client sends one message, the server
+//! answers with one message, and the connection closes. A message is a JSON
+//! object preceded by its length as a big-endian `u32`, at most
+//! [`MAX_MESSAGE`] bytes. Every socket operation has a timeout, and the
+//! decoder never panics: a bad length, truncated input or malformed JSON is
+//! an error that closes that connection and nothing else.
+
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+
+/// Largest message accepted or sent.
+pub const MAX_MESSAGE: usize = 1 << 20;
+
+/// Where P writes a pull's blocks.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Destination {
+    /// D's TCP transfer agent.
+    Tcp { addr: String },
+    /// D's shared-memory exporter socket.
+    Shm { path: String },
+}
+
+/// D asks P to write a transfer's blocks into D's blocks.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Pull {
+    pub transfer_id: String,
+    /// D's engine id (logs).
+    pub engine_id: String,
+    /// Index, in the request's block table, of the first block wanted.
+    pub first_block: usize,
+    /// Tokens whose KV D wants (the prompt length minus one).
+    pub num_tokens: usize,
+    pub dst: Destination,
+    pub segment: u64,
+    pub key: u64,
+    pub epoch: u64,
+    /// Length of D's registration (a shared-memory peer maps all of it).
+    pub region_len: u64,
+    /// Byte offset, inside D's registration, of each destination block.
+    pub block_offsets: Vec<u64>,
+}
+
+/// Every control message.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum Message {
+    Bootstrap,
+    BootstrapOk { engine_id: String, layout: String, block_bytes: u64 },
+    Pull(Pull),
+    PullOk,
+    PullErr { reason: String },
+    Drop { transfer_id: String },
+    DropOk { known: bool },
+    /// The server could not make sense of the request.
+    Error { reason: String },
+}
+
+/// Why an exchange failed.
+#[derive(Debug, thiserror::Error)]
+pub enum WireError {
+    #[error("{what}: timed out")]
+    Timeout { what: &'static str },
+    #[error("{what}: {source}")]
+    Io {
+        what: &'static str,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("message of {0} bytes exceeds the limit of {MAX_MESSAGE}")]
+    TooLarge(usize),
+    #[error("malformed message: {0}")]
+    Malformed(String),
+}
+
+/// Serialises a message with its length prefix.
+pub fn encode(msg: &Message) -> Result<Vec<u8>, WireError> {
+    let body = serde_json::to_vec(msg).map_err(|e| WireError::Malformed(e.to_string()))?;
+    if body.len() > MAX_MESSAGE {
+        return Err(WireError::TooLarge(body.len()));
+    }
+    let mut out = Vec::with_capacity(4 + body.len());
+    out.extend_from_slice(&(body.len() as u32).to_be_bytes());
+    out.extend_from_slice(&body);
+    Ok(out)
+}
+
+/// Checks a length prefix.
+pub fn decode_len(prefix: [u8; 4]) -> Result<usize, WireError> {
+    let n = u32::from_be_bytes(prefix) as usize;
+    if n > MAX_MESSAGE {
+        return Err(WireError::TooLarge(n));
+    }
+    Ok(n)
+}
+
+/// Parses a message body.
+pub fn decode_body(body: &[u8]) -> Result<Message, WireError> {
+    serde_json::from_slice(body).map_err(|e| WireError::Malformed(e.to_string()))
+}
+
+async fn timed<T>(
+    limit: Duration,
+    what: &'static str,
+    f: impl std::future::Future<Output = std::io::Result<T>>,
+) -> Result<T, WireError> {
+    match tokio::time::timeout(limit, f).await {
+        Ok(Ok(v)) => Ok(v),
+        Ok(Err(source)) => Err(WireError::Io { what, source }),
+        Err(_) => Err(WireError::Timeout { what }),
+    }
+}
+
+/// Reads one message, each socket read bounded by `limit`.
+pub async fn read_message(s: &mut TcpStream, limit: Duration) -> Result<Message, WireError> {
+    let mut prefix = [0u8; 4];
+    timed(limit, "reading a length prefix", s.read_exact(&mut prefix)).await?;
+    let n = decode_len(prefix)?;
+    let mut body = vec![0u8; n];
+    timed(limit, "reading a message body", s.read_exact(&mut body)).await?;
+    decode_body(&body)
+}
+
+/// Writes one message, bounded by `limit`.
+pub async fn write_message(s: &mut TcpStream, msg: &Message, limit: Duration) -> Result<(), WireError> {
+    let bytes = encode(msg)?;
+    timed(limit, "writing a message", s.write_all(&bytes)).await?;
+    timed(limit, "flushing a message", s.flush()).await
+}
+
+/// One exchange with the control server at `addr`: connect, send `msg`, read
+/// the answer. `io_limit` bounds connecting and each write; the answer may
+/// take up to `answer_limit` (a pull is answered when its write ended).
+pub async fn exchange(addr: &str, msg: &Message, io_limit: Duration, answer_limit: Duration) -> Result<Message, WireError> {
+    let mut s = timed(io_limit, "connecting", TcpStream::connect(addr)).await?;
+    let _ = s.set_nodelay(true);
+    write_message(&mut s, msg, io_limit).await?;
+    read_message(&mut s, answer_limit).await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn messages_round_trip_and_bad_input_is_an_error() {
+        let msgs = [
+            Message::Bootstrap,
+            Message::BootstrapOk { engine_id: "p".into(), layout: "l".into(), block_bytes: 64 },
+            Message::Pull(Pull {
+                transfer_id: "t".into(),
+                engine_id: "d".into(),
+                first_block: 1,
+                num_tokens: 40,
+                dst: Destination::Shm { path: "/tmp/x.sock".into() },
+                segment: 1,
+                key: 2,
+                epoch: 3,
+                region_len: 128,
+                block_offsets: vec![0, 64],
+            }),
+            Message::PullOk,
+            Message::PullErr { reason: "r".into() },
+            Message::Drop { transfer_id: "t".into() },
+            Message::DropOk { known: true },
+        ];
+        for m in msgs {
+            let b = encode(&m).unwrap();
+            let n = decode_len(b[..4].try_into().unwrap()).unwrap();
+            assert_eq!(n, b.len() - 4);
+            assert_eq!(decode_body(&b[4..]).unwrap(), m);
+        }
+        assert!(matches!(decode_len((MAX_MESSAGE as u32 + 1).to_be_bytes()), Err(WireError::TooLarge(_))));
+        assert!(matches!(decode_len([0xff; 4]), Err(WireError::TooLarge(_))));
+        for junk in [&b""[..], b"{", b"\x00\xff", b"{\"type\":\"nope\"}", b"[1,2]", b"{\"type\":\"pull\"}"] {
+            assert!(matches!(decode_body(junk), Err(WireError::Malformed(_))), "{junk:?}");
+        }
+    }
+}

@@ -1,0 +1,210 @@
+//! Prefill/decode disaggregation end to end with real processes: a prefill
+//! server (P), a decode server (D) and `pdkv proxy`, against one colocated
+//! server, on SmolLM2.
+//!
+//! - 100 prompts sharing prefixes (so D also serves parts of prompts from
+//!   its own prefix cache and loads only the rest), half streamed, half
+//!   not, over TCP and over shared memory: every greedy output through the
+//!   proxy equals the colocated one, every request loaded its KV from P, and
+//!   afterwards P and D are idle with every block free.
+//! - A client that disconnects from the proxy mid-stream: P and D free
+//!   every block.
+//! - P killed while D waits for its KV: D's request fails with a clear
+//!   error by its deadline (policy `fail`), and D is idle afterwards.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::{complete, metric, quiescent, smollm2_path, wait_healthy, wait_metrics, Proc, DEADLINE};
+use futures::StreamExt;
+use serde_json::{json, Value};
+
+const PREFIXES: [&str; 10] = [
+    "You are a careful assistant who answers in one short sentence. The library opens at nine and closes at five on weekdays.",
+    "Background: the river Thames flows through London and reaches the North Sea after passing many bridges and docks.",
+    "Recipe notes: to bake bread you need flour, water, salt and yeast, then patience while the dough rises twice.",
+    "System report: the server rack in room four has twelve machines, two switches and a backup battery unit.",
+    "Story so far: a young fox lived at the edge of a forest and every morning watched the farmer feed his hens.",
+    "Physics primer: light travels at about three hundred thousand kilometres per second in a vacuum, slower in glass.",
+    "Travel guide: the old town has narrow streets, a cathedral with a green roof and a market every Saturday.",
+    "Meeting minutes: the team agreed to ship the release on Friday after fixing the login bug and updating docs.",
+    "Garden diary: tomatoes need sun and regular water, while mint spreads quickly and is best kept in a pot.",
+    "History lesson: the printing press made books cheaper and helped spread reading across Europe within decades.",
+];
+
+const QUESTIONS: [&str; 10] = [
+    " Question: what is this about? Answer:",
+    " Summarise it in five words:",
+    " The most important detail is",
+    " A question a child might ask about it is",
+    " One word that describes it:",
+    " Translate the first sentence into simple English:",
+    " What happens next?",
+    " The opposite of this would be",
+    " List two facts from the text:",
+    " Give it a title:",
+];
+
+fn prompts() -> Vec<String> {
+    PREFIXES.iter().flat_map(|p| QUESTIONS.iter().map(move |q| format!("{p}{q}"))).collect()
+}
+
+fn body(prompt: &str, stream: bool) -> Value {
+    json!({"prompt": prompt, "max_tokens": 8, "temperature": 0, "stream": stream})
+}
+
+/// Runs every prompt against `base`, 8 at a time; request `i` streams when
+/// `i` is odd. Returns the texts in prompt order.
+async fn run_all(client: &reqwest::Client, base: &str, prompts: &[String]) -> Vec<String> {
+    let results = futures::stream::iter(prompts.iter().enumerate().map(|(i, p)| {
+        let (client, base, body) = (client.clone(), base.to_string(), body(p, i % 2 == 1));
+        async move { (i, complete(&client, &base, &body).await) }
+    }))
+    .buffer_unordered(8)
+    .collect::<Vec<_>>()
+    .await;
+    let mut out = vec![String::new(); prompts.len()];
+    for (i, r) in results {
+        out[i] = r.unwrap_or_else(|e| panic!("prompt {i} failed: {e:?}"));
+    }
+    out
+}
+
+fn kv_config(role: &str, transport: &str, extra: &str) -> String {
+    format!(r#"{{"kv_connector":"pdkv","kv_role":"{role}","transport":"{transport}"{extra}}}"#)
+}
+
+struct Deployment {
+    p: Proc,
+    d: Proc,
+    proxy: Proc,
+}
+
+fn deploy(model: &str, transport: &str, extra: &str) -> Deployment {
+    let common = ["serve", "--port", "0", "--model", model, "--num-kv-blocks", "256"];
+    let p_cfg = kv_config("kv_producer", transport, extra);
+    let d_cfg = kv_config("kv_consumer", transport, extra);
+    let p = Proc::start(&[], &[&common[..], &["--kv-transfer-config", &p_cfg, "--engine-id", "p0"]].concat());
+    let d = Proc::start(&[], &[&common[..], &["--kv-transfer-config", &d_cfg, "--engine-id", "d0"]].concat());
+    let proxy = Proc::start(&[], &["proxy", "--port", "0", "--prefill", &p.base, "--decode", &d.base]);
+    Deployment { p, d, proxy }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn pd_through_the_proxy_equals_colocated_over_tcp_and_shm() {
+    let Some(model) = smollm2_path("pd_through_the_proxy_equals_colocated_over_tcp_and_shm") else { return };
+    let model = model.to_str().unwrap().to_string();
+    let client = reqwest::Client::new();
+    let prompts = prompts();
+
+    let colo = Proc::start(&[], &["serve", "--port", "0", "--model", &model, "--num-kv-blocks", "256"]);
+    wait_healthy(&client, &colo.url("/health")).await;
+    let expected = run_all(&client, &colo.base, &prompts).await;
+    assert!(expected.iter().any(|t| !t.trim().is_empty()), "the reference produced no text");
+    drop(colo);
+
+    for transport in ["tcp", "shm"] {
+        let dep = deploy(&model, transport, "");
+        wait_healthy(&client, &dep.proxy.url("/health")).await;
+        let t0 = Instant::now();
+        let got = run_all(&client, &dep.proxy.base, &prompts).await;
+        let secs = t0.elapsed().as_secs_f64();
+        for (i, (g, e)) in got.iter().zip(&expected).enumerate() {
+            assert_eq!(g, e, "{transport}: prompt {i} differs from the colocated output");
+        }
+        let p_text = wait_metrics(&client, &dep.p.base, "P quiescent", quiescent).await;
+        let d_text = wait_metrics(&client, &dep.d.base, "D quiescent", quiescent).await;
+        // Every request's KV came from P (D computed only the rest).
+        let loads = metric(&d_text, "pdkv_kv_loads_ok_total").expect("D exports pdkv_kv_loads_ok_total");
+        let sends = metric(&p_text, "pdkv_kv_pulls_ok_total").expect("P exports pdkv_kv_pulls_ok_total");
+        assert_eq!(loads, prompts.len() as f64, "{transport}: loads on D");
+        assert_eq!(sends, prompts.len() as f64, "{transport}: sends on P");
+        assert_eq!(metric(&d_text, "pdkv_kv_loads_failed_total"), Some(0.0));
+        println!("{transport}: {} prompts through the proxy in {secs:.1} s, all equal to colocated", prompts.len());
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_client_leaving_mid_stream_frees_blocks_on_p_and_d() {
+    let Some(model) = smollm2_path("a_client_leaving_mid_stream_frees_blocks_on_p_and_d") else { return };
+    let dep = deploy(model.to_str().unwrap(), "tcp", "");
+    let client = reqwest::Client::new();
+    wait_healthy(&client, &dep.proxy.url("/health")).await;
+    for i in 0..4 {
+        let prompt = format!("{} Request {i}: tell a long story about it.", PREFIXES[i]);
+        let body = json!({"prompt": prompt, "max_tokens": 200, "temperature": 0, "stream": true, "ignore_eos": true});
+        let resp = client.post(dep.proxy.url("/v1/completions")).json(&body).send().await.unwrap();
+        assert_eq!(resp.status(), 200);
+        let mut stream = resp.bytes_stream();
+        // Wait for two events (the first text), then leave.
+        let mut seen = String::new();
+        while seen.matches("data: ").count() < 2 {
+            let chunk = tokio::time::timeout(DEADLINE, stream.next()).await.expect("a chunk in time");
+            seen.push_str(&String::from_utf8_lossy(&chunk.expect("stream open").unwrap()));
+        }
+        drop(stream);
+    }
+    wait_metrics(&client, &dep.p.base, "P quiescent", quiescent).await;
+    let d = wait_metrics(&client, &dep.d.base, "D quiescent", quiescent).await;
+    // D's requests ended by the disconnects, not by running to their end.
+    assert_eq!(metric(&d, "pdkv_requests_total{finish_reason=\"length\"}"), Some(0.0), "{d}");
+}
+
+/// Sends one request to P and D directly (as the proxy would) and kills P
+/// once D waits for the KV. Returns D's status, body and how long it took.
+async fn kill_p_while_d_waits(model: &str, policy: &str) -> (u16, String, Duration) {
+    // Short deadlines: P's pull deadline 2 s, D's own wait 4 s.
+    let extra = format!(r#","abort_timeout_s":2,"load_timeout_s":4,"kv_load_failure_policy":"{policy}""#);
+    let common = ["serve", "--port", "0", "--model", model, "--num-kv-blocks", "256"];
+    let mut p = Proc::start(&[], &[&common[..], &["--kv-transfer-config", &kv_config("kv_producer", "tcp", &extra)]].concat());
+    let d = Proc::start(&[], &[&common[..], &["--kv-transfer-config", &kv_config("kv_consumer", "tcp", &extra)]].concat());
+    let client = reqwest::Client::new();
+    let info: Value = client.get(p.url("/kv_transfer/info")).send().await.unwrap().json().await.unwrap();
+    // A long prompt keeps P busy prefilling for a while.
+    let prompt = PREFIXES.iter().cycle().take(30).cloned().collect::<Vec<_>>().join(" ");
+    let p_req = client.post(p.url("/v1/completions")).json(&json!({
+        "prompt": prompt, "max_tokens": 1, "temperature": 0,
+        "kv_transfer_params": {"do_remote_decode": true, "transfer_id": "t-kill"},
+    }));
+    let d_body = json!({
+        "prompt": prompt, "max_tokens": 4, "temperature": 0,
+        "kv_transfer_params": {"do_remote_prefill": true, "remote_engine_id": info["engine_id"],
+                               "remote_bootstrap_addr": info["bootstrap_addr"], "transfer_id": "t-kill"},
+    });
+    let p_task = tokio::spawn(async move { p_req.send().await.map(|r| r.status().as_u16()) });
+    let d_task = tokio::spawn({
+        let (client, url) = (client.clone(), d.url("/v1/completions"));
+        async move {
+            let r = client.post(url).json(&d_body).send().await.unwrap();
+            (r.status().as_u16(), r.text().await.unwrap(), Instant::now())
+        }
+    });
+    wait_metrics(&client, &d.base, "D waiting for remote KV", |t| {
+        metric(t, "pdkv_num_requests_waiting_for_remote_kv") == Some(1.0)
+    })
+    .await;
+    let killed = Instant::now();
+    p.kill();
+    assert!(p_task.await.unwrap().is_err(), "P's request cannot succeed: P was killed");
+    let (status, text, at) = tokio::time::timeout(DEADLINE, d_task).await.expect("D answers in time").unwrap();
+    wait_metrics(&client, &d.base, "D quiescent", quiescent).await;
+    (status, text, at - killed)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn p_killed_while_d_waits_fails_or_recomputes_by_policy() {
+    let Some(model) = smollm2_path("p_killed_while_d_waits_fails_or_recomputes_by_policy") else { return };
+    let model = model.to_str().unwrap();
+    let (status, text, took) = kill_p_while_d_waits(model, "fail").await;
+    assert_eq!(status, 500, "{text}");
+    assert!(text.contains("kv_transfer_failed"), "{text}");
+    // D's own wait is 4 s; a dead P is noticed sooner (its socket closes).
+    assert!(took < Duration::from_secs(5), "took {took:?}");
+    println!("policy fail: D answered {took:?} after P was killed: {text}");
+
+    let (status, text, took) = kill_p_while_d_waits(model, "recompute").await;
+    assert_eq!(status, 200, "{text}");
+    assert!(took < Duration::from_secs(60), "took {took:?}");
+    println!("policy recompute: D answered {took:?} after P was killed");
+}
