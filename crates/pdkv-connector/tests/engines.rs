@@ -27,7 +27,7 @@ fn engine(connector: Option<(&str, &str)>) -> Started {
     pdkv_model::init::write_random_checkpoint(Arch::Llama, "tiny", 7, dir.path()).unwrap();
     let pool = Pool::default();
     let model = pdkv_model::load_model(dir.path(), &pool, &mut |_| {}).unwrap();
-    let config = EngineConfig { max_num_seqs: 8, max_num_batched_tokens: 256, num_kv_blocks: 64, enable_prefix_caching: true, max_model_len: None };
+    let config = EngineConfig { max_num_seqs: 8, max_num_batched_tokens: 256, num_kv_blocks: 64, enable_prefix_caching: true, max_model_len: None, ..EngineConfig::default() };
     let c = connector.map(|(cfg, id)| pdkv_connector::build(cfg, id).unwrap());
     let handle = Engine::start_with_connector(model, pool, config, c).unwrap();
     Started { handle, _dir: dir }

@@ -313,6 +313,13 @@ impl Engine {
             enable_prefix_caching: config.enable_prefix_caching,
         };
         let has_connector = connector.is_some();
+        if let Some(c) = &connector {
+            anyhow::ensure!(
+                !config.enable_sleep_mode || c.supports_sleep_mode(),
+                "sleep mode is enabled but KV connector {} does not support it (it cannot release and restore its KV cache registrations)",
+                c.name()
+            );
+        }
         let sched = match connector {
             Some(mut c) => {
                 let spec = KvCacheSpec {
@@ -358,6 +365,8 @@ impl Engine {
             next_ticket: 0,
             mapped: true,
             has_connector,
+            sleep_mode: config.enable_sleep_mode,
+            release_timeout: config.kv_release_timeout,
             lc_stats: LifecycleStats::default(),
             closing: false,
         };
@@ -814,6 +823,10 @@ struct Core {
     mapped: bool,
     /// The scheduler has a KV connector.
     has_connector: bool,
+    /// `EngineConfig::enable_sleep_mode`.
+    sleep_mode: bool,
+    /// How long releasing transfer-held KV and registrations may take.
+    release_timeout: Duration,
     lc_stats: LifecycleStats,
     /// The command being applied closes admission and still counts in
     /// `Shared::closing_in_flight`.
@@ -925,6 +938,7 @@ impl Core {
                 self.answer(&reply, done);
             }
             Command::Pause { mode, clear_cache, deadline, reply } => {
+                self.report_transfers(mode == PauseMode::Abort);
                 let ticket = self.ticket();
                 let live = self.sched.has_work();
                 let out = self.lc.pause(mode, clear_cache, ticket, deadline, live);
@@ -936,6 +950,11 @@ impl Core {
                 self.finish_outcome(self.next_ticket, out, reply);
             }
             Command::Sleep { level, mode, deadline, reply } => {
+                if let Err(e) = self.check_sleep_mode() {
+                    self.answer(&reply, Err(e));
+                    return true;
+                }
+                self.report_transfers(mode == PauseMode::Abort);
                 let ticket = self.ticket();
                 let live = self.sched.has_work();
                 let out = self.lc.sleep(level, mode, ticket, deadline, live);
@@ -955,8 +974,14 @@ impl Core {
                 }
             }
             Command::ReleaseKv(reply) => {
-                let out = self.lc.release_kv();
-                self.finish_outcome(self.next_ticket, out, reply);
+                if let Err(e) = self.check_sleep_mode() {
+                    self.answer(&reply, Err(e));
+                    return true;
+                }
+                self.report_transfers(false);
+                let ticket = self.ticket();
+                let out = self.lc.release_kv_with(ticket, Instant::now() + self.release_timeout);
+                self.finish_outcome(ticket, out, reply);
             }
             Command::AbortRequests { ids, reply } => {
                 let mut found = Vec::new();
@@ -986,6 +1011,17 @@ impl Core {
         self.publish_lifecycle();
         self.publish_stats();
         let _ = reply.try_send(value);
+    }
+
+    /// With a KV connector, releasing KV memory needs sleep mode enabled
+    /// (which start-up allows only for a connector that supports it).
+    fn check_sleep_mode(&self) -> Result<(), LifecycleError> {
+        if self.has_connector && !self.sleep_mode {
+            return Err(LifecycleError::Conflict(
+                "sleep mode is not enabled on this engine with a KV connector; start it with --enable-sleep-mode".into(),
+            ));
+        }
+        Ok(())
     }
 
     fn ticket(&mut self) -> Ticket {
@@ -1030,11 +1066,18 @@ impl Core {
         }
     }
 
+    /// Tells the lifecycle machine whether transfers hold KV blocks.
+    fn report_transfers(&mut self, aborting: bool) {
+        let held = self.has_connector && (self.sched.has_transfers() || (aborting && self.sched.has_work()));
+        self.lc.set_transfers(held);
+    }
+
     /// Completes pending `wait` pauses and sleeps that are due.
     fn poll_lifecycle(&mut self) {
         if !self.lc.has_pending() {
             return;
         }
+        self.report_transfers(false);
         let done = self.lc.poll(self.sched.has_work(), Instant::now());
         if !done.is_empty() {
             self.complete(done);
@@ -1071,9 +1114,26 @@ impl Core {
                     self.sched.forget_free_cached_blocks();
                     Ok(())
                 }
-                Action::Offload(tags) => mem("offload", tags, self.pool.offload(tags)),
-                Action::Discard(tags) => mem("discard", tags, self.pool.discard(tags)),
-                Action::Wake(tags) => mem("wake", tags, self.pool.wake(tags)),
+                Action::ReleaseTransfers => {
+                    self.sched.release_transfer_kv();
+                    Ok(())
+                }
+                Action::Offload(tags) => {
+                    self.release_registrations(tags);
+                    mem("offload", tags, self.pool.offload(tags))
+                }
+                Action::Discard(tags) => {
+                    self.release_registrations(tags);
+                    mem("discard", tags, self.pool.discard(tags))
+                }
+                Action::Wake(tags) => {
+                    let r = mem("wake", tags, self.pool.wake(tags));
+                    if r.is_ok() {
+                        self.restore_registrations(tags)
+                    } else {
+                        r
+                    }
+                }
             };
             // Go on after a failure: the machine already counts the tags as
             // released, which is the safe side (no step runs); a later wake
@@ -1087,6 +1147,37 @@ impl Core {
         }
         self.mapped = [Tag::Weights, Tag::KvCache, Tag::Runtime].into_iter().all(|t| self.pool.is_awake(t));
         result
+    }
+
+    /// Before the KV cache is unmapped: the connector gives up its
+    /// registrations of it (bounded). A failure is logged; the connector
+    /// drops its registrations in any case, so no one reaches the old pages.
+    fn release_registrations(&mut self, tags: &[Tag]) {
+        if !tags.contains(&Tag::KvCache) || !self.pool.is_awake(Tag::KvCache) {
+            return;
+        }
+        let timeout = self.release_timeout;
+        if let Some(c) = self.sched.connector_mut() {
+            let t0 = Instant::now();
+            match c.release_kv_caches(timeout) {
+                Ok(()) => tracing::info!(ms = t0.elapsed().as_millis() as u64, "KV connector released its registrations"),
+                Err(e) => tracing::error!(error = %format!("{e:#}"), "KV connector release failed"),
+            }
+        }
+    }
+
+    /// After the KV cache is mapped again: the connector registers it anew
+    /// (a new epoch). A failure fails the wake.
+    fn restore_registrations(&mut self, tags: &[Tag]) -> Result<(), LifecycleError> {
+        if !tags.contains(&Tag::KvCache) {
+            return Ok(());
+        }
+        match self.sched.connector_mut() {
+            Some(c) => c.restore_kv_caches().map_err(|e| {
+                LifecycleError::Internal(format!("the KV connector could not register the KV cache again: {e:#}"))
+            }),
+            None => Ok(()),
+        }
     }
 
     fn update_weights(&mut self, path: PathBuf, version: Option<String>) -> Result<(), LifecycleError> {

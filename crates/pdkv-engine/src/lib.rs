@@ -44,6 +44,13 @@ pub struct EngineConfig {
     pub enable_prefix_caching: bool,
     /// Longest prompt + output, in tokens (defaults to the model's context).
     pub max_model_len: Option<usize>,
+    /// Allows sleep and KV release with a KV connector (the connector must
+    /// support it; checked at start). Engines without a connector always
+    /// allow them.
+    pub enable_sleep_mode: bool,
+    /// Bound on releasing KV held by transfers before a cache reset, and on
+    /// the connector's release of its registrations.
+    pub kv_release_timeout: std::time::Duration,
 }
 
 impl Default for EngineConfig {
@@ -54,6 +61,8 @@ impl Default for EngineConfig {
             num_kv_blocks: 512,
             enable_prefix_caching: true,
             max_model_len: None,
+            enable_sleep_mode: false,
+            kv_release_timeout: std::time::Duration::from_secs(5),
         }
     }
 }

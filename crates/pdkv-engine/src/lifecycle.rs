@@ -26,7 +26,15 @@
 //!   sleep started ends with the final wake, an explicit pause only with
 //!   resume;
 //! - resume cancels pending pauses/sleeps and maps a KV cache that
-//!   `release_kv_cache_memory` released.
+//!   `release_kv_cache_memory` released;
+//! - release, then reset: an operation that resets the KV cache (a pause
+//!   with `clear_cache`, sleep level >= 1, `release_kv_cache_memory`), once
+//!   its pause is complete, first releases the KV that transfers hold
+//!   ([`Action::ReleaseTransfers`], in this one place) and waits, bounded by
+//!   its deadline, until the transfers gave every block back (the core
+//!   reports it with [`Machine::set_transfers`]); only then does it reset.
+//!   A resume fails such an operation still pending. A pause that keeps the
+//!   cache does not wait for transfers.
 
 use std::collections::BTreeSet;
 use std::path::PathBuf;
@@ -167,6 +175,10 @@ pub enum Action {
     Discard(Vec<Tag>),
     /// Map these tags' regions again (fresh pages, backups restored).
     Wake(Vec<Tag>),
+    /// Stop holding KV for transfers: loads in flight are cut short (their
+    /// requests recompute), finished requests' KV is no longer kept for
+    /// remote readers. Blocks come back as the transfers end.
+    ReleaseTransfers,
 }
 
 /// The answer to an event: actions to apply now, then (unless deferred) the
@@ -211,6 +223,24 @@ enum Origin {
 enum Then {
     Pause { clear_cache: bool },
     Sleep(SleepLevel),
+    /// `release_kv_cache_memory`.
+    ReleaseKv,
+}
+
+impl Then {
+    /// The operation resets the KV cache, so transfers must give their
+    /// blocks back first.
+    fn resets_cache(self) -> bool {
+        matches!(self, Then::Pause { clear_cache: true } | Then::Sleep(SleepLevel::L1 | SleepLevel::L2) | Then::ReleaseKv)
+    }
+
+    fn name(self) -> &'static str {
+        match self {
+            Then::Pause { .. } => "pause",
+            Then::Sleep(_) => "sleep",
+            Then::ReleaseKv => "release_kv_cache_memory",
+        }
+    }
 }
 
 #[derive(Debug)]
@@ -218,6 +248,8 @@ struct Pending {
     ticket: Ticket,
     deadline: Instant,
     then: Then,
+    /// Past the pause: waiting for transfers to give their blocks back.
+    releasing: bool,
 }
 
 /// The lifecycle state machine (see the module docs).
@@ -230,9 +262,18 @@ pub struct Machine {
     asleep: BTreeSet<Tag>,
     weights_discarded: bool,
     pending: Vec<Pending>,
+    /// Transfers hold KV blocks (or may, right after an abort), as the core
+    /// last reported.
+    transfers: bool,
 }
 
 impl Machine {
+    /// The core reports whether transfers hold KV blocks now (blocks of
+    /// finished requests kept for remote readers, loads in flight).
+    pub fn set_transfers(&mut self, held: bool) {
+        self.transfers = held;
+    }
+
     pub fn new() -> Machine {
         Machine::default()
     }
@@ -294,7 +335,19 @@ impl Machine {
         }
     }
 
-    fn after_pause(&mut self, then: Then) -> Outcome {
+    /// The pause is complete: reset now, or first release the transfers'
+    /// KV and wait for it (`ticket` and `deadline` of the operation).
+    fn after_pause(&mut self, then: Then, ticket: Ticket, deadline: Instant) -> Outcome {
+        if then.resets_cache() && self.transfers {
+            self.pending.push(Pending { ticket, deadline, then, releasing: true });
+            return Outcome { actions: vec![Action::ReleaseTransfers], reply: None, is_sleep: false };
+        }
+        self.reset(then)
+    }
+
+    /// What an operation does once its pause is complete and no transfer
+    /// holds blocks.
+    fn reset(&mut self, then: Then) -> Outcome {
         match then {
             Then::Pause { clear_cache } => {
                 let actions = if clear_cache {
@@ -305,6 +358,14 @@ impl Machine {
                 Outcome::done(actions)
             }
             Then::Sleep(level) => self.release_for_sleep(level),
+            Then::ReleaseKv => {
+                self.asleep.insert(Tag::KvCache);
+                Outcome::done(vec![
+                    Action::PreemptRunning,
+                    Action::InvalidatePrefixCache,
+                    Action::Discard(vec![Tag::KvCache]),
+                ])
+            }
         }
     }
 
@@ -326,12 +387,12 @@ impl Machine {
     ) -> Outcome {
         let (mut actions, complete) = self.enter_pause(mode, origin, live);
         if complete {
-            let mut out = self.after_pause(then);
+            let mut out = self.after_pause(then, ticket, deadline);
             actions.append(&mut out.actions);
             out.actions = actions;
             out
         } else {
-            self.pending.push(Pending { ticket, deadline, then });
+            self.pending.push(Pending { ticket, deadline, then, releasing: false });
             Outcome { actions, reply: None, is_sleep: false }
         }
     }
@@ -400,16 +461,32 @@ impl Machine {
         let pending = std::mem::take(&mut self.pending);
         let mut keep = Vec::new();
         for p in pending {
+            if p.releasing {
+                if !self.transfers {
+                    out.push(Completion { ticket: p.ticket, outcome: self.reset(p.then) });
+                } else if now >= p.deadline {
+                    out.push(Completion {
+                        ticket: p.ticket,
+                        outcome: Outcome::err(LifecycleError::Timeout(format!(
+                            "KV transfers still held blocks when the {} deadline passed; the pause stays in effect",
+                            p.then.name()
+                        ))),
+                    });
+                } else {
+                    keep.push(p);
+                }
+                continue;
+            }
             // A keep or abort pause that replaced the wait decides now.
             let waiting = live && matches!(self.pause, Some((PauseMode::Wait, _)));
             if !waiting && self.pause.is_some() {
-                let outcome = self.after_pause(p.then);
+                // `after_pause` may file the operation again, as releasing.
+                self.pending.append(&mut keep);
+                let outcome = self.after_pause(p.then, p.ticket, p.deadline);
+                keep = std::mem::take(&mut self.pending);
                 out.push(Completion { ticket: p.ticket, outcome });
             } else if now >= p.deadline {
-                let what = match p.then {
-                    Then::Pause { .. } => "pause",
-                    Then::Sleep(_) => "sleep",
-                };
+                let what = p.then.name();
                 out.push(Completion {
                     ticket: p.ticket,
                     outcome: Outcome::err(LifecycleError::Timeout(format!(
@@ -451,7 +528,9 @@ impl Machine {
     }
 
     /// Frees every block and releases the KV cache; needs a completed pause.
-    pub fn release_kv(&mut self) -> Outcome {
+    /// Without transfers holding blocks it completes at once; otherwise it
+    /// waits for them until `deadline` (see [`Machine::set_transfers`]).
+    pub fn release_kv_with(&mut self, ticket: Ticket, deadline: Instant) -> Outcome {
         if self.pause.is_none() {
             return Outcome::err(LifecycleError::Conflict(RELEASE_NEEDS_PAUSE.into()));
         }
@@ -460,12 +539,14 @@ impl Machine {
                 "release_kv_cache_memory needs a completed pause; requests are still finishing".into(),
             ));
         }
-        self.asleep.insert(Tag::KvCache);
-        Outcome::done(vec![
-            Action::PreemptRunning,
-            Action::InvalidatePrefixCache,
-            Action::Discard(vec![Tag::KvCache]),
-        ])
+        self.after_pause(Then::ReleaseKv, ticket, deadline)
+    }
+
+    /// [`Machine::release_kv_with`] for an engine without transfers (it
+    /// never waits, so it needs no ticket or deadline).
+    pub fn release_kv(&mut self) -> Outcome {
+        debug_assert!(!self.transfers, "an engine with transfers uses release_kv_with");
+        self.release_kv_with(0, Instant::now())
     }
 
     /// Whether weights may be reloaded now. They must be mapped, and no
@@ -643,6 +724,70 @@ mod tests {
         assert!(m.admission().is_ok(), "keep still queues");
         let (out, _) = m.resume();
         assert_eq!(out, ok(vec![Action::Wake(vec![Tag::KvCache, Tag::Runtime])]));
+        assert!(m.may_step());
+    }
+
+    #[test]
+    fn cache_resets_release_transfers_first_and_wait_for_them() {
+        let sleep_actions = vec![
+            Action::PreemptRunning,
+            Action::InvalidatePrefixCache,
+            Action::Offload(vec![Tag::Weights]),
+            Action::Discard(vec![Tag::KvCache, Tag::Runtime]),
+        ];
+        let mut m = Machine::new();
+        m.set_transfers(true);
+        let out = m.sleep(SleepLevel::L1, PauseMode::Keep, 1, later(), true);
+        assert_eq!((out.actions, out.reply), (vec![Action::ReleaseTransfers], None));
+        assert_eq!(m.status().sleeping, None, "nothing is released before the transfers gave their blocks back");
+        assert!(m.poll(true, Instant::now()).is_empty());
+        m.set_transfers(false);
+        let done = m.poll(true, Instant::now());
+        assert_eq!(done.len(), 1);
+        assert_eq!((done[0].ticket, &done[0].outcome.actions), (1, &sleep_actions));
+        assert_eq!(done[0].outcome.reply, Some(Ok(())));
+        assert_eq!(m.status().sleeping, Some(SleepLevel::L1));
+
+        // A pause that keeps the cache does not wait for transfers.
+        let mut m = Machine::new();
+        m.set_transfers(true);
+        assert_eq!(m.pause(PauseMode::Keep, false, 1, later(), true), ok(vec![]));
+        // One that clears it does, and so does release_kv_cache_memory.
+        let out = m.pause(PauseMode::Keep, true, 2, later(), true);
+        assert_eq!((out.actions, out.reply), (vec![Action::ReleaseTransfers], None));
+        m.set_transfers(false);
+        assert_eq!(m.poll(false, Instant::now())[0].outcome, ok(vec![Action::ForgetFreeCachedBlocks]));
+        m.set_transfers(true);
+        let out = m.release_kv_with(3, later());
+        assert_eq!((out.actions, out.reply), (vec![Action::ReleaseTransfers], None));
+        m.set_transfers(false);
+        let done = m.poll(false, Instant::now());
+        assert_eq!(
+            done[0].outcome,
+            ok(vec![Action::PreemptRunning, Action::InvalidatePrefixCache, Action::Discard(vec![Tag::KvCache])])
+        );
+    }
+
+    #[test]
+    fn a_release_that_outlives_its_deadline_times_out_and_resume_cancels_one() {
+        let mut m = Machine::new();
+        m.set_transfers(true);
+        let t0 = Instant::now();
+        m.sleep(SleepLevel::L2, PauseMode::Abort, 1, t0 + Duration::from_millis(5), false);
+        assert!(m.poll(false, t0 + Duration::from_millis(1)).is_empty());
+        let done = m.poll(false, t0 + Duration::from_millis(6));
+        assert!(matches!(done[0].outcome.reply, Some(Err(LifecycleError::Timeout(_)))), "{done:?}");
+        assert!(done[0].outcome.actions.is_empty(), "nothing is discarded while transfers hold blocks");
+        assert_eq!(m.status().sleeping, None);
+        assert!(!m.may_step(), "the pause stays");
+
+        let mut m = Machine::new();
+        m.set_transfers(true);
+        m.sleep(SleepLevel::L1, PauseMode::Keep, 4, later(), true);
+        let (out, cancelled) = m.resume();
+        assert_eq!(out, ok(vec![]));
+        assert_eq!(cancelled.len(), 1);
+        assert!(matches!(cancelled[0].outcome.reply, Some(Err(LifecycleError::Cancelled(_)))));
         assert!(m.may_step());
     }
 

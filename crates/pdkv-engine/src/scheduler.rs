@@ -254,6 +254,49 @@ impl Scheduler {
         self.held.values().map(Vec::len).sum()
     }
 
+    /// Transfers hold blocks now: finished requests' blocks kept for remote
+    /// readers, or loads in flight.
+    pub fn has_transfers(&self) -> bool {
+        !self.held.is_empty() || !self.loading.is_empty()
+    }
+
+    /// Releases the KV that transfers hold, ahead of a cache reset: every
+    /// load in flight is cut short (the request goes back to the waiting
+    /// queue with nothing computed and recomputes its prompt; its blocks stay
+    /// held until the transfer stops writing them), waiting requests that
+    /// hold loaded blocks give them up (they recompute too), and the
+    /// connector is asked to end its transfers ([`KvConnector::abort_transfers`]).
+    /// Returns how many loads were cut short.
+    pub fn release_transfer_kv(&mut self) -> usize {
+        let cut = std::mem::take(&mut self.loading);
+        for id in cut.iter().rev() {
+            let req = self.requests.get_mut(id).expect("loading request exists");
+            let blocks = std::mem::take(&mut req.blocks);
+            req.num_computed_tokens = 0;
+            req.num_cached_blocks = 0;
+            req.num_loading_tokens = 0;
+            req.status = Status::Waiting;
+            self.held.entry(id.clone()).or_default().extend(blocks);
+            self.waiting.push_front(id.clone());
+        }
+        for id in &self.waiting {
+            let req = self.requests.get_mut(id).expect("waiting request exists");
+            if !req.blocks.is_empty() {
+                self.pool.free(&req.blocks);
+                req.blocks.clear();
+                req.num_computed_tokens = 0;
+                req.num_cached_blocks = 0;
+            }
+        }
+        if let Some(c) = self.connector.as_deref_mut() {
+            c.abort_transfers();
+        }
+        if !cut.is_empty() {
+            tracing::info!(loads = cut.len(), "KV loads cut short by a cache reset; their requests recompute");
+        }
+        cut.len()
+    }
+
     /// Whether `id` names a finished request whose blocks a transfer holds.
     pub fn is_held(&self, id: &str) -> bool {
         self.held.contains_key(id)
@@ -452,6 +495,16 @@ impl Scheduler {
         let n = self.running.len();
         while let Some(id) = self.running.pop() {
             self.preempt(id);
+        }
+        // Waiting requests whose external KV landed hold blocks too.
+        for id in &self.waiting {
+            let req = self.requests.get_mut(id).expect("waiting request exists");
+            if !req.blocks.is_empty() {
+                self.pool.free(&req.blocks);
+                req.blocks.clear();
+                req.num_computed_tokens = 0;
+                req.num_cached_blocks = 0;
+            }
         }
         n
     }

@@ -30,6 +30,8 @@ struct Script {
     errors: Vec<(u32, String)>,
     /// `request_finished` calls: (request, reason, blocks).
     ended: Vec<(String, FinishReason, Vec<u32>)>,
+    /// `abort_transfers` calls.
+    aborts: usize,
 }
 
 #[derive(Clone, Default)]
@@ -74,6 +76,9 @@ impl KvConnector for Scripted {
         s.ended.push((req.id.to_string(), reason, blocks.to_vec()));
         let delay = s.loading.contains(&**req.id) || s.hold_on_finish.contains(&**req.id);
         (delay, delay.then(|| serde_json::json!({"held": req.id.to_string()})))
+    }
+    fn abort_transfers(&mut self) {
+        self.0.lock().unwrap().aborts += 1;
     }
     fn register_kv_caches(&mut self, _spec: &KvCacheSpec) -> anyhow::Result<()> {
         Ok(())
@@ -266,4 +271,54 @@ fn a_finished_producer_request_holds_its_blocks_until_sent() {
     s.check_invariants();
     assert_eq!(s.counts().num_held_blocks, 0);
     assert_eq!(s.counts().num_free_blocks, NUM_BLOCKS);
+}
+
+#[test]
+fn a_cache_reset_cuts_loads_short_and_they_recompute_under_either_policy() {
+    for policy in [LoadFailurePolicy::Fail, LoadFailurePolicy::Recompute] {
+        let conn = Scripted::default();
+        {
+            let mut s = conn.0.lock().unwrap();
+            s.policy = policy;
+            s.remote.extend(["loading".to_string(), "landed".to_string()]);
+            s.hold_on_finish.insert("p".into());
+        }
+        let mut s = sched(&conn);
+        // A finished producer request whose KV waits for its reader.
+        s.add_request(req("p", prompt(40, 8), 1));
+        step(&mut s);
+        s.add_request(req("landed", prompt(40, 9), 2));
+        s.add_request(req("loading", prompt(40, 10), 2));
+        step(&mut s);
+        // `landed`'s KV arrives but it is not scheduled before the reset.
+        conn.load_done("landed", None);
+        s.update_from_connector();
+        s.check_invariants();
+        assert!(s.has_transfers());
+        assert!(!s.reset_prefix_cache(), "transfers hold blocks: the reset must refuse");
+
+        assert_eq!(s.release_transfer_kv(), 1);
+        s.check_invariants();
+        assert_eq!(conn.0.lock().unwrap().aborts, 1);
+        assert_eq!(s.counts().num_waiting_for_remote_kv, 0);
+        // The transfers still hold the producer's and the cut load's blocks.
+        assert_eq!(s.counts().num_held_blocks, 6);
+        // The cut load ends (even as an error) and the send ends.
+        conn.load_done("loading", Some("load cut short by a cache reset"));
+        conn.send_done("p");
+        assert!(s.update_from_connector().is_empty(), "{policy:?}: a cut load is never failed");
+        s.check_invariants();
+        assert!(!s.has_transfers());
+        assert!(s.reset_prefix_cache());
+        // Both recompute their whole prompts.
+        let out = step(&mut s);
+        let starts: Vec<(String, usize, usize)> =
+            out.seqs.iter().map(|q| (q.request_id.to_string(), q.start_pos, q.tokens.len())).collect();
+        assert!(starts.contains(&("loading".to_string(), 0, 40)), "{starts:?}");
+        assert!(starts.contains(&("landed".to_string(), 0, 40)), "{starts:?}");
+        while s.has_work() {
+            step(&mut s);
+        }
+        assert_eq!(s.counts().num_free_blocks, NUM_BLOCKS);
+    }
 }

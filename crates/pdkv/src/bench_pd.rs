@@ -114,6 +114,7 @@ fn start_engine(args: &PdArgs, connector: Option<Box<dyn pdkv_engine::KvConnecto
         num_kv_blocks: args.num_kv_blocks,
         enable_prefix_caching: true,
         max_model_len: None,
+        ..EngineConfig::default()
     };
     Engine::start_with_connector(model, pool, config, connector)
 }

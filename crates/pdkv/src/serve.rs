@@ -57,6 +57,14 @@ pub struct ServeArgs {
     /// (default: a random one).
     #[arg(long)]
     pub engine_id: Option<String>,
+    /// Allows sleep and KV release with a KV connector; a connector that
+    /// cannot release and restore its registrations is refused at start-up.
+    #[arg(long)]
+    pub enable_sleep_mode: bool,
+    /// Bound, in seconds, on releasing KV held by transfers before a cache
+    /// reset and on the connector's release of its registrations.
+    #[arg(long, default_value_t = 5.0)]
+    pub kv_release_timeout_s: f64,
 }
 
 pub fn run(args: ServeArgs) -> anyhow::Result<()> {
@@ -66,7 +74,13 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         num_kv_blocks: args.num_kv_blocks,
         enable_prefix_caching: !args.no_prefix_caching,
         max_model_len: args.max_model_len,
+        enable_sleep_mode: args.enable_sleep_mode,
+        kv_release_timeout: std::time::Duration::from_secs_f64(args.kv_release_timeout_s),
     };
+    anyhow::ensure!(
+        args.kv_release_timeout_s.is_finite() && args.kv_release_timeout_s > 0.0,
+        "--kv-release-timeout-s must be a positive number of seconds"
+    );
     anyhow::ensure!(config.max_num_seqs > 0, "--max-num-seqs must be at least 1");
     anyhow::ensure!(config.max_num_batched_tokens > 0, "--max-num-batched-tokens must be at least 1");
     anyhow::ensure!(config.num_kv_blocks > 0, "--num-kv-blocks must be at least 1");
@@ -87,6 +101,12 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         Some(json) => {
             let engine_id = args.engine_id.clone().unwrap_or_else(random_engine_id);
             let c = pdkv_connector::build(json, &engine_id).context("--kv-transfer-config")?;
+            if args.enable_sleep_mode && !c.supports_sleep_mode() {
+                anyhow::bail!(
+                    "--enable-sleep-mode: KV connector {} does not support sleep mode (it cannot release and restore its KV cache registrations)",
+                    c.name()
+                );
+            }
             tracing::info!(info = %c.info(), "KV connector ready");
             Some(c)
         }

@@ -49,6 +49,7 @@ pub fn config(max_num_batched_tokens: usize, num_kv_blocks: usize) -> EngineConf
         num_kv_blocks,
         enable_prefix_caching: true,
         max_model_len: None,
+        ..EngineConfig::default()
     }
 }
 
