@@ -934,7 +934,11 @@ impl Core {
                 if reset_running {
                     self.sched.preempt_all_running();
                 }
-                let done = self.sched.reset_prefix_cache();
+                let mut done = self.sched.reset_prefix_cache();
+                if done {
+                    // Whatever the connector caches about block contents goes too.
+                    done = self.sched.connector_mut().is_none_or(|c| c.reset_cache());
+                }
                 self.answer(&reply, done);
             }
             Command::Pause { mode, clear_cache, deadline, reply } => {
@@ -1149,6 +1153,26 @@ impl Core {
         result
     }
 
+    /// Releases the KV that transfers hold and waits, bounded by the release
+    /// timeout, until they gave every block back. For operations that run
+    /// inside one command (a weight reload); pauses and sleeps wait through
+    /// the lifecycle machine instead.
+    fn drain_transfers(&mut self) -> bool {
+        self.sched.release_transfer_kv();
+        let deadline = Instant::now() + self.release_timeout;
+        loop {
+            self.poll_connector();
+            if !self.sched.has_transfers() {
+                return true;
+            }
+            if Instant::now() >= deadline {
+                return false;
+            }
+            // The connector's own threads end the transfers; look again soon.
+            std::thread::park_timeout(Duration::from_millis(2));
+        }
+    }
+
     /// Before the KV cache is unmapped: the connector gives up its
     /// registrations of it (bounded). A failure is logged; the connector
     /// drops its registrations in any case, so no one reaches the old pages.
@@ -1183,6 +1207,14 @@ impl Core {
     fn update_weights(&mut self, path: PathBuf, version: Option<String>) -> Result<(), LifecycleError> {
         use pdkv_model::loader::{reload_weights_into, ReloadError};
         self.lc.check_update_weights(self.sched.has_work())?;
+        // KV that transfers hold was computed with the old weights: release
+        // it before writing new ones.
+        if self.sched.has_transfers() && !self.drain_transfers() {
+            return Err(LifecycleError::Timeout(format!(
+                "KV transfers still held blocks after {:?}; the weights were not changed",
+                self.release_timeout
+            )));
+        }
         let t0 = Instant::now();
         let expected = self.model.config().clone();
         let loaded = reload_weights_into(self.model.weights(), &expected, &path, &mut |_| {});
@@ -1190,6 +1222,12 @@ impl Core {
             Ok(()) => {
                 let actions = self.lc.weights_written(true);
                 self.apply_actions(&actions)?;
+                // KV a connector saved was computed with the old weights.
+                if let Some(c) = self.sched.connector_mut() {
+                    if !c.reset_cache() {
+                        tracing::warn!(connector = c.name(), "the KV connector could not drop its cached KV after a weight update");
+                    }
+                }
                 *self.shared.weight_info.lock().unwrap() = WeightInfo { version, path };
                 self.lc_stats.last_weight_update_seconds = t0.elapsed().as_secs_f64();
                 self.lc_stats.num_weight_updates += 1;
