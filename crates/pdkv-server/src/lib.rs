@@ -26,6 +26,7 @@ pub mod admin;
 pub mod error;
 pub mod metrics;
 pub mod openai;
+pub mod proxy;
 mod routes;
 pub mod tracker;
 
@@ -128,6 +129,7 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/chat/completions", post(routes::chat_completions))
         .route("/v1/models", get(routes::models))
         .route("/health", get(routes::health))
+        .route("/kv_transfer/info", get(routes::kv_transfer_info))
         .route("/metrics", get(routes::metrics))
         .fallback(routes::not_found)
         .method_not_allowed_fallback(routes::method_not_allowed)

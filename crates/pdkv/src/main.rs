@@ -6,11 +6,14 @@
 //! consume (a fetched model's path, the benchmark's JSON line) go to stdout.
 
 mod bench;
+mod bench_pd;
 mod bench_sleep;
 mod bench_transfer;
 mod fetch;
 mod progress;
+mod proxy_cmd;
 mod serve;
+mod up;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -28,6 +31,10 @@ struct Cli {
 enum Command {
     /// Serve a model over an OpenAI-compatible HTTP API.
     Serve(serve::ServeArgs),
+    /// Run the P/D proxy in front of prefill and decode servers.
+    Proxy(proxy_cmd::ProxyArgs),
+    /// Start a prefill server, a decode server and the proxy on loopback.
+    Up(up::UpArgs),
     /// Fetch or create model checkpoints.
     #[command(subcommand)]
     Model(ModelCommand),
@@ -86,6 +93,8 @@ enum BenchCommand {
     Sleep(bench_sleep::SleepArgs),
     /// Transfer throughput over TCP loopback and shared memory, beside raw baselines.
     Transfer(bench_transfer::TransferArgs),
+    /// Time to first token and throughput of 1P1D against a colocated engine.
+    Pd(bench_pd::PdArgs),
 }
 
 fn init_logging() {
@@ -102,6 +111,8 @@ fn init_logging() {
 fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
         Command::Serve(args) => serve::run(args),
+        Command::Proxy(args) => proxy_cmd::run(args),
+        Command::Up(args) => up::run(args),
         Command::Model(ModelCommand::Fetch { dir }) => {
             let dir = dir.map_or_else(fetch::default_model_dir, Ok)?;
             let path = fetch::fetch_default_model(&dir)?;
@@ -116,6 +127,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Bench(BenchCommand::Decode(args)) => bench::run_decode(args),
         Command::Bench(BenchCommand::Sleep(args)) => bench_sleep::run_sleep(args),
         Command::Bench(BenchCommand::Transfer(args)) => bench_transfer::run_transfer(args),
+        Command::Bench(BenchCommand::Pd(args)) => bench_pd::run_pd_bench(args),
     }
 }
 

@@ -160,7 +160,7 @@ async fn serve(
     let local = listener.local_addr().context("reading the bound address")?;
     tracing::info!(model = %served_name, admin_api = state.admin_enabled(), "listening on http://{local}");
     let shutdown = async move {
-        wait_for_signal().await;
+        crate::proxy_cmd::wait_for_signal().await;
         tracing::info!("shutting down");
         // Ends running requests so streaming responses finish and the
         // graceful shutdown does not wait for them.
@@ -169,33 +169,4 @@ async fn serve(
     pdkv_server::serve(listener, state, shutdown).await.context("serving HTTP")?;
     tracing::info!("stopped");
     Ok(())
-}
-
-/// Resolves on Ctrl-C or SIGTERM.
-async fn wait_for_signal() {
-    use tokio::signal::unix::{signal, SignalKind};
-    let mut term = match signal(SignalKind::terminate()) {
-        Ok(s) => Some(s),
-        Err(e) => {
-            tracing::warn!("cannot listen for SIGTERM: {e}");
-            None
-        }
-    };
-    let term = async {
-        match term.as_mut() {
-            Some(s) => {
-                s.recv().await;
-            }
-            None => std::future::pending::<()>().await,
-        }
-    };
-    tokio::select! {
-        r = tokio::signal::ctrl_c() => {
-            if let Err(e) = r {
-                tracing::warn!("cannot listen for Ctrl-C: {e}");
-                std::future::pending::<()>().await;
-            }
-        }
-        _ = term => {}
-    }
 }

@@ -1,0 +1,432 @@
+//! The P/D proxy in front of real pdkv servers (tiny random models, no KV
+//! connector). A server without a connector ignores `kv_transfer_params`, so
+//! whatever the proxy returns must equal the decode server's own answer;
+//! prefill failures, dead backends and client disconnects are produced with
+//! real servers (admin pause/abort, a shut-down server, a short context).
+
+mod common;
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use common::{assert_openai_error, metric, Server, DEADLINE};
+use futures::StreamExt;
+use pdkv_engine::EngineConfig;
+use pdkv_server::proxy::{Proxy, ProxyConfig, Role};
+use reqwest::StatusCode;
+use serde_json::{json, Value};
+use tokio::sync::oneshot;
+
+const TOKEN: &str = "proxy-test-token";
+
+/// A proxy served in-process on an ephemeral port. Its periodic health check
+/// is effectively off (one hour): tests run rounds with `check()` so the
+/// proxy's view of the backends changes only when a test says so.
+struct ProxyServer {
+    proxy: Proxy,
+    base: String,
+    client: reqwest::Client,
+    stop: Option<oneshot::Sender<()>>,
+    task: tokio::task::JoinHandle<std::io::Result<()>>,
+}
+
+impl ProxyServer {
+    async fn start(prefill: &[&Server], decode: &[&Server]) -> ProxyServer {
+        let mut config = ProxyConfig::new(
+            prefill.iter().map(|s| s.base.clone()).collect(),
+            decode.iter().map(|s| s.base.clone()).collect(),
+        );
+        config.health_interval = Duration::from_secs(3600);
+        config.request_timeout = DEADLINE;
+        let proxy = Proxy::new(config).expect("proxy config");
+        // Healthy before the first request, as `serve` also checks first.
+        proxy.check_backends().await;
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let addr: SocketAddr = listener.local_addr().expect("addr");
+        let (stop, stopped) = oneshot::channel::<()>();
+        let task = tokio::spawn(proxy.clone().serve(listener, async move {
+            let _ = stopped.await;
+        }));
+        ProxyServer { proxy, base: format!("http://{addr}"), client: reqwest::Client::new(), stop: Some(stop), task }
+    }
+
+    fn url(&self, path: &str) -> String {
+        format!("{}{}", self.base, path)
+    }
+
+    async fn check(&self) {
+        self.proxy.check_backends().await;
+    }
+
+    async fn metrics(&self) -> String {
+        self.client.get(self.url("/metrics")).send().await.expect("metrics").text().await.expect("text")
+    }
+
+    async fn stop(mut self) {
+        if let Some(s) = self.stop.take() {
+            let _ = s.send(());
+        }
+        tokio::time::timeout(DEADLINE, self.task).await.expect("proxy stops").expect("join").expect("serve");
+    }
+}
+
+/// Posts `body` to `base + path` and returns the status and JSON body.
+async fn post_json(client: &reqwest::Client, url: String, body: &Value) -> (StatusCode, Value) {
+    let resp = client.post(url).json(body).send().await.expect("send");
+    let status = resp.status();
+    let text = resp.text().await.expect("body");
+    let v = serde_json::from_str(&text).unwrap_or_else(|e| panic!("non-JSON body ({e}): {text:?}"));
+    (status, v)
+}
+
+/// Reads server-sent events one at a time.
+struct Events {
+    stream: futures::stream::BoxStream<'static, reqwest::Result<axum::body::Bytes>>,
+    buf: Vec<u8>,
+}
+
+impl Events {
+    fn new(resp: reqwest::Response) -> Events {
+        Events { stream: resp.bytes_stream().boxed(), buf: Vec::new() }
+    }
+
+    /// The next event's `data:` payload; `None` at the end of the body.
+    async fn next(&mut self) -> Option<String> {
+        loop {
+            if let Some(i) = self.buf.windows(2).position(|w| w == b"\n\n") {
+                let event: Vec<u8> = self.buf.drain(..i + 2).collect();
+                let text = String::from_utf8(event).expect("utf-8 event");
+                let data = text.trim_end().strip_prefix("data: ").unwrap_or_else(|| panic!("not a data event: {text:?}"));
+                return Some(data.to_string());
+            }
+            let chunk = tokio::time::timeout(DEADLINE, self.stream.next()).await.expect("next event in time");
+            match chunk {
+                Some(c) => self.buf.extend_from_slice(&c.expect("body chunk")),
+                None => {
+                    assert!(self.buf.is_empty(), "stream ended inside an event: {:?}", String::from_utf8_lossy(&self.buf));
+                    return None;
+                }
+            }
+        }
+    }
+
+    async fn rest(&mut self) -> Vec<String> {
+        let mut out = Vec::new();
+        while let Some(e) = self.next().await {
+            out.push(e);
+        }
+        out
+    }
+}
+
+/// A streaming request's events, with the per-request `id` and `created`
+/// fields removed so two servers' answers can be compared.
+async fn stream_events(client: &reqwest::Client, url: String, body: &Value) -> Vec<Value> {
+    let resp = client.post(url).json(body).send().await.expect("send");
+    assert_eq!(resp.status(), StatusCode::OK);
+    assert_eq!(resp.headers()["content-type"], "text/event-stream");
+    let events = Events::new(resp).rest().await;
+    assert_eq!(events.last().map(String::as_str), Some("[DONE]"), "{events:?}");
+    events
+        .iter()
+        .map(|e| {
+            if e == "[DONE]" {
+                return json!("[DONE]");
+            }
+            let mut v: Value = serde_json::from_str(e).expect("JSON event");
+            let o = v.as_object_mut().expect("event object");
+            o.remove("id");
+            o.remove("created");
+            v
+        })
+        .collect()
+}
+
+fn strip_ids(mut v: Value) -> Value {
+    let o = v.as_object_mut().expect("object");
+    o.remove("id");
+    o.remove("created");
+    v
+}
+
+async fn admin(s: &Server, path: &str, body: Option<Value>) -> Value {
+    let mut req = s.client.post(s.url(path)).bearer_auth(TOKEN);
+    if let Some(b) = body {
+        req = req.json(&b);
+    }
+    let resp = req.send().await.expect("admin call");
+    let status = resp.status();
+    let v: Value = resp.json().await.expect("admin JSON");
+    assert_eq!(status, StatusCode::OK, "{path}: {v}");
+    v
+}
+
+fn finished(m: &str, reason: &str) -> f64 {
+    metric(m, &format!("pdkv_requests_total{{finish_reason=\"{reason}\"}}"))
+}
+
+fn proxy_outcome(m: &str, outcome: &str) -> f64 {
+    metric(m, &format!("pdkv_proxy_requests_total{{outcome=\"{outcome}\"}}"))
+}
+
+fn greedy(prompt: &str, max_tokens: u32) -> Value {
+    json!({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": true})
+}
+
+fn chat(content: &str, max_tokens: u32) -> Value {
+    json!({"messages": [{"role": "user", "content": content}], "max_tokens": max_tokens, "temperature": 0, "ignore_eos": true})
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn answers_equal_the_decode_servers_own() {
+    let p = Server::spawn("tiny", 7, None, EngineConfig::default()).await;
+    let d = Server::spawn("tiny", 7, None, EngineConfig::default()).await;
+    let proxy = ProxyServer::start(&[&p], &[&d]).await;
+    let c = &proxy.client;
+
+    let cases = [("/v1/completions", greedy("The river bends", 12)), ("/v1/chat/completions", chat("Say hello", 10))];
+    for (path, body) in &cases {
+        let (s1, via) = post_json(c, proxy.url(path), body).await;
+        let (s2, direct) = post_json(c, d.url(path), body).await;
+        assert_eq!((s1, s2), (StatusCode::OK, StatusCode::OK), "{via} / {direct}");
+        assert_eq!(strip_ids(via), strip_ids(direct), "{path}");
+
+        let mut stream_body = body.clone();
+        stream_body["stream"] = json!(true);
+        stream_body["stream_options"] = json!({"include_usage": true});
+        let via = stream_events(c, proxy.url(path), &stream_body).await;
+        let direct = stream_events(c, d.url(path), &stream_body).await;
+        assert!(via.len() > 3, "{via:?}");
+        assert_eq!(via, direct, "{path} stream");
+    }
+
+    // P saw every proxied request, each limited to one token. (A request of
+    // P's that was still running when D's answer was complete was dropped,
+    // so it counts as aborted.)
+    let pm = p.wait_all_blocks_free().await;
+    let (done, aborted) = (finished(&pm, "length"), finished(&pm, "abort"));
+    assert_eq!(done + aborted, 4.0, "{pm}");
+    let generated = metric(&pm, "pdkv_generation_tokens_total");
+    assert!(done <= generated && generated <= done + aborted, "{pm}");
+    let dm = d.wait_all_blocks_free().await;
+    assert_eq!(finished(&dm, "length"), 8.0, "{dm}");
+    let m = proxy.metrics().await;
+    assert_eq!(proxy_outcome(&m, "ok"), 4.0, "{m}");
+    assert_eq!(metric(&m, "pdkv_proxy_upstream_errors_total{role=\"prefill\"}"), 0.0);
+
+    // Other routes.
+    let models: Value = c.get(proxy.url("/v1/models")).send().await.unwrap().json().await.unwrap();
+    let direct: Value = c.get(d.url("/v1/models")).send().await.unwrap().json().await.unwrap();
+    assert_eq!(models, direct);
+    let resp = c.get(proxy.url("/v2/nothing")).send().await.unwrap();
+    let status = resp.status();
+    assert_openai_error(status, &resp.json().await.unwrap(), StatusCode::NOT_FOUND, "unknown route");
+    let (status, body) = {
+        let r = c.post(proxy.url("/v1/completions")).body("{not json").send().await.unwrap();
+        (r.status(), r.json::<Value>().await.unwrap())
+    };
+    assert_openai_error(status, &body, StatusCode::BAD_REQUEST, "malformed body");
+
+    proxy.stop().await;
+    p.stop().await;
+    d.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn round_robin_skips_dead_backends_and_refuses_when_none_is_healthy() {
+    let p = Server::spawn("tiny", 7, None, EngineConfig::default()).await;
+    let d1 = Server::spawn("tiny", 7, None, EngineConfig::default()).await;
+    let d2 = Server::spawn("tiny", 7, None, EngineConfig::default()).await;
+    let proxy = ProxyServer::start(&[&p], &[&d1, &d2]).await;
+    let c = &proxy.client;
+    assert!(proxy.proxy.backends().iter().all(|b| b.healthy), "{:?}", proxy.proxy.backends());
+    assert_eq!(c.get(proxy.url("/health")).send().await.unwrap().status(), StatusCode::OK);
+
+    let body = greedy("round robin", 3);
+    for _ in 0..4 {
+        let (status, v) = post_json(c, proxy.url("/v1/completions"), &body).await;
+        assert_eq!(status, StatusCode::OK, "{v}");
+    }
+    assert_eq!(finished(&d1.metrics().await, "length"), 2.0);
+    assert_eq!(finished(&d2.metrics().await, "length"), 2.0);
+
+    // A decode server that went away is skipped after the next check.
+    let d2_url = d2.base.clone();
+    d2.stop().await;
+    proxy.check().await;
+    let snap = proxy.proxy.backends();
+    let dead = snap.iter().find(|b| b.url == d2_url).expect("d2 listed");
+    assert!(!dead.healthy && dead.role == Role::Decode && dead.last_error.is_some(), "{dead:?}");
+    assert_eq!(c.get(proxy.url("/health")).send().await.unwrap().status(), StatusCode::OK);
+    for _ in 0..3 {
+        let (status, v) = post_json(c, proxy.url("/v1/completions"), &body).await;
+        assert_eq!(status, StatusCode::OK, "{v}");
+    }
+    assert_eq!(finished(&d1.metrics().await, "length"), 5.0);
+    let m = proxy.metrics().await;
+    assert!(m.contains(&format!("pdkv_proxy_backend_healthy{{role=\"decode\",url=\"{d2_url}\"}} 0\n")), "{m}");
+
+    // Without a healthy prefill server: a retryable 503.
+    p.stop().await;
+    proxy.check().await;
+    let resp = c.get(proxy.url("/health")).send().await.unwrap();
+    assert_eq!(resp.status(), StatusCode::SERVICE_UNAVAILABLE);
+    let resp = c.post(proxy.url("/v1/completions")).json(&body).send().await.unwrap();
+    let status = resp.status();
+    assert_eq!(resp.headers().get("retry-after").map(|v| v.to_str().unwrap()), Some("1"));
+    let v: Value = resp.json().await.unwrap();
+    assert_openai_error(status, &v, StatusCode::SERVICE_UNAVAILABLE, "no prefill server");
+    assert_eq!(v["error"]["code"], "no_healthy_backend");
+    let m = proxy.metrics().await;
+    assert_eq!(proxy_outcome(&m, "no_backend"), 1.0, "{m}");
+    assert_eq!(proxy_outcome(&m, "ok"), 7.0, "{m}");
+
+    proxy.stop().await;
+    d1.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prefill_errors_pass_through_and_decode_requests_are_dropped() {
+    // P has a short context, so a long prompt is a 400 from P alone.
+    let p = Server::spawn("tiny", 7, None, EngineConfig { max_model_len: Some(24), ..EngineConfig::default() }).await;
+    let d = Server::spawn("tiny", 7, Some(TOKEN), EngineConfig::default()).await;
+    let proxy = ProxyServer::start(&[&p], &[&d]).await;
+    let c = &proxy.client;
+    // Paused D holds requests; it can finish none of them.
+    admin(&d, "/pause?mode=keep", None).await;
+
+    let long = greedy(&"many words in a long prompt ".repeat(8), 4);
+    // What P answers to the body the proxy sends it (one token, no stream).
+    let mut as_p = long.clone();
+    as_p["max_tokens"] = json!(1);
+    let (want_status, want) = post_json(c, p.url("/v1/completions"), &as_p).await;
+    assert_openai_error(want_status, &want, StatusCode::BAD_REQUEST, "P alone");
+    let (status, got) = post_json(c, proxy.url("/v1/completions"), &long).await;
+    assert_eq!((status, &got), (want_status, &want));
+    let mut streaming = long.clone();
+    streaming["stream"] = json!(true);
+    let (status, got) = post_json(c, proxy.url("/v1/completions"), &streaming).await;
+    assert_eq!((status, &got), (want_status, &want));
+
+    // D's copies were dropped while D was paused.
+    let dm = d
+        .wait_metrics("D's requests dropped", |m| {
+            metric(m, "pdkv_num_requests_waiting") == 0.0 && metric(m, "pdkv_num_requests_running") == 0.0
+        })
+        .await;
+    assert_eq!(metric(&dm, "pdkv_paused"), 1.0);
+    admin(&d, "/resume", None).await;
+    let dm = d.wait_all_blocks_free().await;
+    assert_eq!(finished(&dm, "length") + finished(&dm, "stop"), 0.0, "{dm}");
+    let m = proxy.metrics().await;
+    assert_eq!(proxy_outcome(&m, "prefill_error"), 2.0, "{m}");
+    assert_eq!(metric(&m, "pdkv_proxy_upstream_errors_total{role=\"prefill\"}"), 2.0, "{m}");
+
+    proxy.stop().await;
+    p.stop().await;
+    d.stop().await;
+}
+
+/// Both servers keep-paused: each holds the proxied request without running it.
+async fn paused_pair() -> (Server, Server) {
+    let p = Server::spawn("tiny", 7, Some(TOKEN), EngineConfig::default()).await;
+    let d = Server::spawn("tiny", 7, Some(TOKEN), EngineConfig::default()).await;
+    admin(&p, "/pause?mode=keep", None).await;
+    admin(&d, "/pause?mode=keep", None).await;
+    (p, d)
+}
+
+async fn wait_waiting(s: &Server, n: f64) -> String {
+    s.wait_metrics(&format!("{n} waiting request(s)"), |m| metric(m, "pdkv_num_requests_waiting") == n).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_aborted_prefill_ends_the_decode_request() {
+    let (p, d) = paused_pair().await;
+    let proxy = ProxyServer::start(&[&p], &[&d]).await;
+
+    // Before D has sent anything: the client gets a retryable 503.
+    let client = proxy.client.clone();
+    let url = proxy.url("/v1/completions");
+    let pending = tokio::spawn(async move {
+        let resp =
+            client.post(url).header("x-request-id", "req-a").json(&greedy("abort me", 8)).send().await.expect("send");
+        let retry = resp.headers().get("retry-after").is_some();
+        (resp.status(), retry, resp.json::<Value>().await.expect("json"))
+    });
+    wait_waiting(&p, 1.0).await;
+    wait_waiting(&d, 1.0).await;
+    let v = admin(&p, "/abort_requests", Some(json!({"request_ids": ["req-a"]}))).await;
+    assert_eq!(v["aborted"], json!(["req-a"]));
+    let (status, retry, body) = tokio::time::timeout(DEADLINE, pending).await.expect("answer in time").unwrap();
+    assert_openai_error(status, &body, StatusCode::SERVICE_UNAVAILABLE, "aborted prefill");
+    assert_eq!(body["error"]["code"], "prefill_aborted");
+    assert!(retry);
+    let dm = wait_waiting(&d, 0.0).await;
+    assert_eq!(finished(&dm, "abort"), 1.0, "{dm}");
+
+    // While D streams (a chat stream opens with its role event at once): an
+    // error event and [DONE] end the client's stream.
+    let mut body = chat("keep talking", 16);
+    body["stream"] = json!(true);
+    let resp = proxy
+        .client
+        .post(proxy.url("/v1/chat/completions"))
+        .header("x-request-id", "req-b")
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), StatusCode::OK);
+    let mut events = Events::new(resp);
+    let first: Value = serde_json::from_str(&events.next().await.expect("role event")).unwrap();
+    assert_eq!(first["choices"][0]["delta"]["role"], "assistant", "{first}");
+    wait_waiting(&p, 1.0).await;
+    admin(&p, "/abort_requests", Some(json!({"request_ids": ["req-b"]}))).await;
+    let rest = events.rest().await;
+    assert_eq!(rest.len(), 2, "{rest:?}");
+    let err: Value = serde_json::from_str(&rest[0]).unwrap();
+    assert_eq!(err["error"]["code"], "prefill_aborted", "{err}");
+    assert_eq!(rest[1], "[DONE]");
+    let dm = wait_waiting(&d, 0.0).await;
+    assert_eq!(finished(&dm, "abort"), 2.0, "{dm}");
+
+    for s in [&p, &d] {
+        admin(s, "/resume", None).await;
+        s.wait_all_blocks_free().await;
+    }
+    let m = proxy.metrics().await;
+    assert_eq!(proxy_outcome(&m, "prefill_error"), 2.0, "{m}");
+    proxy.stop().await;
+    p.stop().await;
+    d.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_disconnect_aborts_both_upstream_requests() {
+    let (p, d) = paused_pair().await;
+    let proxy = ProxyServer::start(&[&p], &[&d]).await;
+
+    let mut body = chat("a long answer please", 64);
+    body["stream"] = json!(true);
+    let resp = proxy.client.post(proxy.url("/v1/chat/completions")).json(&body).send().await.unwrap();
+    assert_eq!(resp.status(), StatusCode::OK);
+    let mut events = Events::new(resp);
+    events.next().await.expect("role event");
+    wait_waiting(&p, 1.0).await;
+    wait_waiting(&d, 1.0).await;
+    drop(events);
+
+    for s in [&p, &d] {
+        let m = wait_waiting(s, 0.0).await;
+        assert_eq!(finished(&m, "abort"), 1.0, "{m}");
+        admin(s, "/resume", None).await;
+        let m = s.wait_all_blocks_free().await;
+        assert_eq!(finished(&m, "length") + finished(&m, "stop"), 0.0, "{m}");
+    }
+    let m = proxy.metrics().await;
+    assert_eq!(proxy_outcome(&m, "cancelled"), 1.0, "{m}");
+    proxy.stop().await;
+    p.stop().await;
+    d.stop().await;
+}

@@ -1,0 +1,92 @@
+//! `pdkv proxy`: the P/D proxy ([`pdkv_server::proxy`]) in front of prefill
+//! and decode servers, until Ctrl-C or SIGTERM.
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use anyhow::Context;
+use clap::Args;
+use pdkv_server::proxy::{Proxy, ProxyConfig};
+
+#[derive(Args, Debug)]
+pub struct ProxyArgs {
+    /// Prefill server base URLs, comma-separated (`http://127.0.0.1:8100`).
+    #[arg(long, value_delimiter = ',', required = true)]
+    pub prefill: Vec<String>,
+    /// Decode server base URLs, comma-separated.
+    #[arg(long, value_delimiter = ',', required = true)]
+    pub decode: Vec<String>,
+    #[arg(long, default_value = "127.0.0.1")]
+    pub host: String,
+    /// TCP port; 0 picks a free one (the log shows which).
+    #[arg(long, default_value_t = 8000)]
+    pub port: u16,
+    /// Bound on a whole upstream generation request, in seconds.
+    #[arg(long, default_value_t = 600)]
+    pub request_timeout: u64,
+    /// Time between health checks of the backends, in milliseconds.
+    #[arg(long, default_value_t = 2000)]
+    pub health_interval_ms: u64,
+}
+
+pub fn run(args: ProxyArgs) -> anyhow::Result<()> {
+    anyhow::ensure!(args.request_timeout > 0, "--request-timeout must be at least 1 second");
+    anyhow::ensure!(args.health_interval_ms > 0, "--health-interval-ms must be at least 1");
+    let mut config = ProxyConfig::new(args.prefill, args.decode);
+    config.request_timeout = Duration::from_secs(args.request_timeout);
+    config.health_interval = Duration::from_millis(args.health_interval_ms);
+    let proxy = Proxy::new(config)?;
+    let addr: SocketAddr = format!("{}:{}", args.host, args.port)
+        .parse()
+        .or_else(|_| {
+            use std::net::ToSocketAddrs;
+            (args.host.as_str(), args.port).to_socket_addrs()?.next().ok_or_else(|| std::io::Error::other("no address"))
+        })
+        .with_context(|| format!("resolving --host {}", args.host))?;
+    let runtime =
+        tokio::runtime::Builder::new_multi_thread().enable_all().build().context("starting the async runtime")?;
+    runtime.block_on(async move {
+        let listener = tokio::net::TcpListener::bind(addr).await.with_context(|| format!("binding {addr}"))?;
+        let local = listener.local_addr().context("reading the bound address")?;
+        for b in proxy.backends() {
+            tracing::info!(role = %b.role, url = %b.url, "backend");
+        }
+        tracing::info!("proxy listening on http://{local}");
+        proxy
+            .serve(listener, async {
+                wait_for_signal().await;
+                tracing::info!("shutting down");
+            })
+            .await
+            .context("serving HTTP")?;
+        tracing::info!("stopped");
+        Ok(())
+    })
+}
+
+/// Resolves on Ctrl-C or SIGTERM (pending forever when neither can be
+/// listened for).
+pub async fn wait_for_signal() {
+    use tokio::signal::unix::{signal, SignalKind};
+    let term = async {
+        match signal(SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(e) => {
+                tracing::warn!("cannot listen for SIGTERM: {e}");
+                std::future::pending::<()>().await;
+            }
+        }
+    };
+    let int = async {
+        if let Err(e) = tokio::signal::ctrl_c().await {
+            tracing::warn!("cannot listen for Ctrl-C: {e}");
+            std::future::pending::<()>().await;
+        }
+    };
+    tokio::select! {
+        _ = term => {}
+        _ = int => {}
+    }
+}

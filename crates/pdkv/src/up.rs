@@ -1,0 +1,324 @@
+//! `pdkv up`: a whole P/D deployment on loopback in one command — a prefill
+//! server, a decode server and the proxy, each a child process running this
+//! same executable (`pdkv serve ...`, `pdkv proxy ...`).
+//!
+//! Lifecycle: the children start (P and D load the model side by side), `up`
+//! waits until each answers `GET /health` (bounded, progress on stderr),
+//! prints the proxy's URL and a curl example on stdout, and then watches
+//! them. Ctrl-C or SIGTERM stops all three: SIGTERM to each (the proxy
+//! first, so no request reaches a stopping server), a bounded wait, then
+//! SIGKILL for any that did not exit. If a child exits on its own, the
+//! others are stopped the same way and `up` fails with the child's last log
+//! lines.
+//!
+//! Invariant: every child is reaped before `up` returns, on every path (a
+//! child is also asked to exit by the kernel if `up` itself dies, through
+//! `PR_SET_PDEATHSIG`).
+
+use std::collections::VecDeque;
+use std::io::{BufRead, BufReader, Write};
+use std::net::TcpListener;
+use std::os::unix::process::CommandExt;
+use std::path::PathBuf;
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context};
+use clap::{Args, ValueEnum};
+
+use crate::fetch;
+use crate::proxy_cmd::wait_for_signal;
+
+#[derive(Clone, Copy, Debug, ValueEnum)]
+pub enum Transport {
+    Tcp,
+    Shm,
+}
+
+impl Transport {
+    fn as_str(self) -> &'static str {
+        match self {
+            Transport::Tcp => "tcp",
+            Transport::Shm => "shm",
+        }
+    }
+}
+
+#[derive(Args, Debug)]
+pub struct UpArgs {
+    /// A `.gguf` file or a checkpoint directory (default: SmolLM2-135M-Instruct
+    /// from the model cache, fetched if missing).
+    #[arg(long)]
+    pub model: Option<PathBuf>,
+    /// How KV moves from the prefill to the decode server.
+    #[arg(long, value_enum, default_value = "tcp")]
+    pub transport: Transport,
+    /// The proxy's port (the one clients use).
+    #[arg(long, default_value_t = 8000)]
+    pub port: u16,
+    /// The prefill server's port (default: a free one).
+    #[arg(long)]
+    pub prefill_port: Option<u16>,
+    /// The decode server's port (default: a free one).
+    #[arg(long)]
+    pub decode_port: Option<u16>,
+    /// KV cache size of each server, in blocks of 16 tokens.
+    #[arg(long)]
+    pub num_kv_blocks: Option<usize>,
+    /// Bound on the start-up (model loading included), in seconds.
+    #[arg(long, default_value_t = 300)]
+    pub startup_timeout: u64,
+}
+
+/// How long stopped children get to exit before SIGKILL.
+const STOP_GRACE: Duration = Duration::from_secs(15);
+/// Log lines of a child kept for an error report.
+const TAIL_LINES: usize = 30;
+/// Interval of health polls and child-exit checks.
+const POLL: Duration = Duration::from_millis(200);
+const HOST: &str = "127.0.0.1";
+
+/// A child process with its stderr forwarded (prefixed) to ours.
+struct Proc {
+    name: &'static str,
+    child: Child,
+    base: String,
+    tail: Arc<Mutex<VecDeque<String>>>,
+}
+
+impl Proc {
+    fn spawn(name: &'static str, port: u16, args: &[String]) -> anyhow::Result<Proc> {
+        let exe = std::env::current_exe().context("finding the pdkv executable")?;
+        let mut cmd = Command::new(&exe);
+        cmd.args(args).stdin(Stdio::null()).stdout(Stdio::null()).stderr(Stdio::piped());
+        // SAFETY: prctl is async-signal-safe; the closure touches nothing else.
+        unsafe {
+            cmd.pre_exec(|| {
+                if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM) != 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                Ok(())
+            });
+        }
+        let mut child = cmd.spawn().with_context(|| format!("starting the {name} ({})", exe.display()))?;
+        eprintln!("pdkv up: started the {name} (pid {}) on port {port}", child.id());
+        let tail = Arc::new(Mutex::new(VecDeque::with_capacity(TAIL_LINES)));
+        if let Some(stderr) = child.stderr.take() {
+            let tail = tail.clone();
+            std::thread::spawn(move || {
+                for line in BufReader::new(stderr).lines() {
+                    let Ok(line) = line else { break };
+                    let _ = writeln!(std::io::stderr().lock(), "[{name}] {line}");
+                    let mut t = tail.lock().unwrap_or_else(|e| e.into_inner());
+                    if t.len() == TAIL_LINES {
+                        t.pop_front();
+                    }
+                    t.push_back(line);
+                }
+            });
+        }
+        Ok(Proc { name, child, base: format!("http://{HOST}:{port}"), tail })
+    }
+
+    fn exited(&mut self) -> Option<ExitStatus> {
+        self.child.try_wait().ok().flatten()
+    }
+
+    fn tail(&self) -> String {
+        self.tail.lock().unwrap_or_else(|e| e.into_inner()).iter().cloned().collect::<Vec<_>>().join("\n")
+    }
+
+    fn terminate(&mut self) {
+        if self.exited().is_none() {
+            let pid = self.child.id() as libc::pid_t;
+            // SAFETY: a plain syscall on our own child, not yet reaped.
+            unsafe { libc::kill(pid, libc::SIGTERM) };
+        }
+    }
+}
+
+/// A port that was free a moment ago.
+fn free_port() -> anyhow::Result<u16> {
+    let l = TcpListener::bind((HOST, 0)).context("finding a free port")?;
+    Ok(l.local_addr()?.port())
+}
+
+pub fn run(args: UpArgs) -> anyhow::Result<()> {
+    // Resolve (and fetch) the model once, before two servers load it.
+    let model = match args.model.clone() {
+        Some(p) => p,
+        None => fetch::default_model_path()?,
+    };
+    let prefill_port = args.prefill_port.map_or_else(free_port, Ok)?;
+    let decode_port = args.decode_port.map_or_else(free_port, Ok)?;
+    let proxy_port = args.port;
+    anyhow::ensure!(
+        prefill_port != decode_port && proxy_port != prefill_port && proxy_port != decode_port,
+        "the proxy, prefill and decode ports must differ ({proxy_port}, {prefill_port}, {decode_port})"
+    );
+    let runtime =
+        tokio::runtime::Builder::new_multi_thread().enable_all().build().context("starting the async runtime")?;
+    runtime.block_on(async move {
+        let mut procs: Vec<Proc> = Vec::new();
+        let result = supervise(&args, &model, [prefill_port, decode_port, proxy_port], &mut procs).await;
+        stop_all(&mut procs).await;
+        result
+    })
+}
+
+fn serve_args(args: &UpArgs, model: &std::path::Path, port: u16, role: &str, engine_id: &str) -> Vec<String> {
+    let config = serde_json::json!({"kv_connector": "pdkv", "kv_role": role, "transport": args.transport.as_str()});
+    let mut v = vec![
+        "serve".to_string(),
+        "--model".to_string(),
+        model.display().to_string(),
+        "--host".to_string(),
+        HOST.to_string(),
+        "--port".to_string(),
+        port.to_string(),
+        "--kv-transfer-config".to_string(),
+        config.to_string(),
+        "--engine-id".to_string(),
+        engine_id.to_string(),
+    ];
+    if let Some(n) = args.num_kv_blocks {
+        v.extend(["--num-kv-blocks".to_string(), n.to_string()]);
+    }
+    v
+}
+
+/// Starts the three children (pushed onto `procs`), reports readiness, and
+/// runs until a signal (`Ok`) or a child's exit (`Err`).
+async fn supervise(
+    args: &UpArgs,
+    model: &std::path::Path,
+    [prefill_port, decode_port, proxy_port]: [u16; 3],
+    procs: &mut Vec<Proc>,
+) -> anyhow::Result<()> {
+    let signal = wait_for_signal();
+    tokio::pin!(signal);
+    let id = std::process::id();
+    procs.push(Proc::spawn(
+        "prefill",
+        prefill_port,
+        &serve_args(args, model, prefill_port, "kv_producer", &format!("up-{id}-prefill")),
+    )?);
+    procs.push(Proc::spawn(
+        "decode",
+        decode_port,
+        &serve_args(args, model, decode_port, "kv_consumer", &format!("up-{id}-decode")),
+    )?);
+    let client = reqwest::Client::builder()
+        .timeout(Duration::from_secs(2))
+        .build()
+        .context("building the HTTP client")?;
+    let deadline = Instant::now() + Duration::from_secs(args.startup_timeout);
+    tokio::select! {
+        r = wait_healthy(&client, procs, deadline) => r?,
+        _ = &mut signal => {
+            eprintln!("pdkv up: interrupted during start-up");
+            return Ok(());
+        }
+    }
+    let (p_url, d_url) = (procs[0].base.clone(), procs[1].base.clone());
+    let proxy_args = vec![
+        "proxy".to_string(),
+        "--prefill".to_string(),
+        p_url.clone(),
+        "--decode".to_string(),
+        d_url.clone(),
+        "--host".to_string(),
+        HOST.to_string(),
+        "--port".to_string(),
+        proxy_port.to_string(),
+    ];
+    procs.push(Proc::spawn("proxy", proxy_port, &proxy_args)?);
+    tokio::select! {
+        r = wait_healthy(&client, procs, deadline) => r?,
+        _ = &mut signal => {
+            eprintln!("pdkv up: interrupted during start-up");
+            return Ok(());
+        }
+    }
+    let url = format!("http://{HOST}:{proxy_port}");
+    println!("pdkv up: ready (transport {}; prefill {p_url}, decode {d_url})", args.transport.as_str());
+    println!("proxy: {url}");
+    println!("try:");
+    println!(
+        "  curl -s {url}/v1/chat/completions -H 'Content-Type: application/json' \\\n    -d '{{\"messages\":[{{\"role\":\"user\",\"content\":\"What is the capital of France?\"}}],\"max_tokens\":32}}'"
+    );
+    let _ = std::io::stdout().flush();
+
+    let mut tick = tokio::time::interval(POLL);
+    loop {
+        tokio::select! {
+            _ = &mut signal => {
+                eprintln!("pdkv up: stopping");
+                return Ok(());
+            }
+            _ = tick.tick() => check_children(procs)?,
+        }
+    }
+}
+
+/// Fails when a child has exited, with its last log lines.
+fn check_children(procs: &mut [Proc]) -> anyhow::Result<()> {
+    for p in procs.iter_mut() {
+        if let Some(status) = p.exited() {
+            bail!("the {} exited early ({status}); its last log lines:\n{}", p.name, p.tail());
+        }
+    }
+    Ok(())
+}
+
+/// Waits until every child answers `GET /health` with 200, or fails at the
+/// deadline or when a child exits.
+async fn wait_healthy(client: &reqwest::Client, procs: &mut [Proc], deadline: Instant) -> anyhow::Result<()> {
+    let started = Instant::now();
+    let mut last_report = Instant::now();
+    loop {
+        check_children(procs)?;
+        let mut waiting = Vec::new();
+        for p in procs.iter() {
+            let ok = client.get(format!("{}/health", p.base)).send().await.is_ok_and(|r| r.status().is_success());
+            if !ok {
+                waiting.push(p.name);
+            }
+        }
+        if waiting.is_empty() {
+            return Ok(());
+        }
+        if Instant::now() >= deadline {
+            bail!("not healthy within the start-up timeout: {}", waiting.join(", "));
+        }
+        if last_report.elapsed() >= Duration::from_secs(5) {
+            last_report = Instant::now();
+            eprintln!("pdkv up: waiting for {} ({}s)", waiting.join(", "), started.elapsed().as_secs());
+        }
+        tokio::time::sleep(POLL).await;
+    }
+}
+
+/// SIGTERM to every child (the proxy first), a bounded wait, then SIGKILL;
+/// every child is reaped.
+async fn stop_all(procs: &mut [Proc]) {
+    for p in procs.iter_mut().rev() {
+        p.terminate();
+    }
+    let deadline = Instant::now() + STOP_GRACE;
+    while Instant::now() < deadline && procs.iter_mut().any(|p| p.exited().is_none()) {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    for p in procs.iter_mut() {
+        match p.exited() {
+            Some(status) if status.success() => {}
+            Some(status) => eprintln!("pdkv up: the {} exited with {status}", p.name),
+            None => {
+                eprintln!("pdkv up: the {} did not stop within {}s; killing it", p.name, STOP_GRACE.as_secs());
+                let _ = p.child.kill();
+                let _ = p.child.wait();
+            }
+        }
+    }
+}
