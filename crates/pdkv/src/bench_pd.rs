@@ -114,6 +114,7 @@ fn start_engine(args: &PdArgs, connector: Option<Box<dyn pdkv_engine::KvConnecto
         num_kv_blocks: args.num_kv_blocks,
         enable_prefix_caching: true,
         max_model_len: None,
+        enable_sleep_mode: connector.as_ref().is_some_and(|c| c.supports_sleep_mode()),
         ..EngineConfig::default()
     };
     Engine::start_with_connector(model, pool, config, connector)
@@ -228,6 +229,41 @@ fn run_pd(p: &EngineHandle, d: &EngineHandle, prompts: &[Vec<u32>], max_tokens: 
     Ok(level)
 }
 
+/// Steady-state requests the after-wake comparison takes the median of.
+const AFTER_WAKE_STEADY: usize = 5;
+
+struct AfterWake {
+    first_ms: f64,
+    steady_ms: f64,
+}
+
+/// TTFT of the first P/D request after both engines slept (level 1) and
+/// woke, against the median of steady-state requests of the same length
+/// sent right before. Skipped (None) when the connector cannot sleep.
+fn first_request_after_wake(args: &PdArgs, p: &EngineHandle, d: &EngineHandle, vocab: usize) -> anyhow::Result<Option<AfterWake>> {
+    if !(p.config().enable_sleep_mode && d.config().enable_sleep_mode) {
+        return Ok(None);
+    }
+    let len = args.prompt_lens[0];
+    let ps = prompts(AFTER_WAKE_STEADY + 1, len, vocab, 99);
+    let mut steady = Vec::new();
+    for (i, pr) in ps[..AFTER_WAKE_STEADY].iter().enumerate() {
+        let r = run_pd(p, d, std::slice::from_ref(pr), 1, &format!("steady-{i}"))?;
+        steady.push(r.ttft_ms[0]);
+    }
+    for e in [p, d] {
+        wait_quiet(e, "P/D")?;
+        e.sleep(pdkv_engine::SleepLevel::L1, pdkv_engine::PauseMode::Abort, Duration::from_secs(60))
+            .map_err(|e| anyhow::anyhow!("sleep: {e}"))?;
+    }
+    for e in [p, d] {
+        e.wake_up(None).map_err(|e| anyhow::anyhow!("wake: {e}"))?;
+    }
+    let first = run_pd(p, d, &ps[AFTER_WAKE_STEADY..], 1, "after-wake")?;
+    steady.sort_by(f64::total_cmp);
+    Ok(Some(AfterWake { first_ms: first.ttft_ms[0], steady_ms: steady[steady.len() / 2] }))
+}
+
 /// Waits until an engine has no request and no held block.
 fn wait_quiet(e: &EngineHandle, what: &str) -> anyhow::Result<()> {
     e.wait_stats(Duration::from_secs(60), |s| {
@@ -276,6 +312,7 @@ pub fn run_pd_bench(args: PdArgs) -> anyhow::Result<()> {
         wait_quiet(&d, "decode")?;
         pd_results.insert((len, conc), r);
     }
+    let after_wake = first_request_after_wake(&args, &p, &d, vocab)?;
     p.shutdown();
     d.shutdown();
 
@@ -319,7 +356,19 @@ pub fn run_pd_bench(args: PdArgs) -> anyhow::Result<()> {
         }));
     }
     println!("outputs equal to colocated: {}", if all_equal { "yes" } else { "NO" });
-    println!("{}", json!({"bench": "pd", "transport": args.transport, "max_tokens": args.max_tokens, "levels": rows}));
+    if let Some(w) = &after_wake {
+        println!(
+            "first request after P and D slept (level 1) and woke: ttft {:.1} ms vs steady {:.1} ms (median of {}): ratio {:.2}",
+            w.first_ms, w.steady_ms, AFTER_WAKE_STEADY, w.first_ms / w.steady_ms
+        );
+    }
+    let after_wake = after_wake.map(|w| {
+        json!({"first_ttft_ms": w.first_ms, "steady_ttft_ms": w.steady_ms, "ratio": w.first_ms / w.steady_ms})
+    });
+    println!(
+        "{}",
+        json!({"bench": "pd", "transport": args.transport, "max_tokens": args.max_tokens, "levels": rows, "after_wake": after_wake})
+    );
     if !all_equal {
         bail!("P/D outputs differ from the colocated engine's");
     }
