@@ -679,7 +679,7 @@ impl Scheduler {
                     break;
                 }
                 self.pool.touch(&hit);
-                self.pool.record_lookup(req.tokens.len(), num_hit_tokens);
+                self.pool.record_lookup(req.tokens.len(), num_hit_tokens - ext.num_tokens);
                 let fresh = self.pool.allocate(need).expect("counted above");
                 let req = self.requests.get_mut(&id).expect("waiting request exists");
                 req.blocks = hit;
