@@ -3,9 +3,14 @@
 //! [`build`] turns a `--kv-transfer-config` JSON ([`config`]) into the P/D
 //! connector ([`pd::PdConnector`]), which speaks the control protocol of
 //! [`wire`] and keeps the prefill side's sending state in the sans-IO
-//! [`send::SendMachine`].
+//! [`send::SendMachine`]. Two more connectors share the same entry point:
+//! the host-memory offload tier ([`offload::OffloadConnector`],
+//! `"kv_connector": "offload"`) and the multi-connector that combines
+//! several ([`multi::MultiConnector`], `"kv_connector": "multi"`).
 
 pub mod config;
+pub mod multi;
+pub mod offload;
 pub mod pd;
 pub mod send;
 pub mod wire;
@@ -17,13 +22,34 @@ use crate::config::{KvTransferConfig, TransferMode};
 /// Builds the connector a `--kv-transfer-config` JSON asks for. A bad
 /// configuration is refused with a message naming the bad field.
 pub fn build(config_json: &str, engine_id: &str) -> anyhow::Result<Box<dyn KvConnector>> {
+    // The offload and multi connectors have configurations of their own.
+    let kind = serde_json::from_str::<serde_json::Value>(config_json)
+        .ok()
+        .and_then(|v| v.get("kv_connector").and_then(|k| k.as_str()).map(str::to_string));
+    match kind.as_deref() {
+        Some(offload::CONNECTOR_NAME) => {
+            check_engine_id(engine_id)?;
+            let cfg = offload::OffloadConfig::parse(config_json)?;
+            return Ok(Box::new(offload::OffloadConnector::new(cfg, engine_id)));
+        }
+        Some(multi::CONNECTOR_NAME) => {
+            check_engine_id(engine_id)?;
+            return Ok(Box::new(multi::MultiConnector::from_json(config_json, engine_id)?));
+        }
+        _ => {}
+    }
     let cfg = KvTransferConfig::parse(config_json)?;
     if cfg.transfer_mode == TransferMode::Read {
         anyhow::bail!("kv_transfer_config: transfer_mode: transfer_mode \"read\" is not available yet; use \"write\"");
     }
+    check_engine_id(engine_id)?;
+    Ok(Box::new(pd::PdConnector::new(cfg, engine_id)?))
+}
+
+fn check_engine_id(engine_id: &str) -> anyhow::Result<()> {
     anyhow::ensure!(
         !engine_id.is_empty() && engine_id.chars().all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c)),
         "engine id {engine_id:?} must be non-empty and use only letters, digits, '-', '_' and '.'"
     );
-    Ok(Box::new(pd::PdConnector::new(cfg, engine_id)?))
+    Ok(())
 }

@@ -19,12 +19,29 @@
 //! transfer, the drop too (or D's `load_timeout` passed): only then is the
 //! request reported in `get_finished().recving`, so nothing writes its
 //! blocks after the engine learns of it.
+//!
+//! Sleep mode. A registration pins the pages it covers (see
+//! `pdkv_transfer::registry`), so before the KV cache is unmapped the
+//! engine calls `release_kv_caches`: it waits (bounded) until no READY block
+//! waits for D and no write reads or writes our blocks, then deregisters,
+//! over shared memory only after every peer that mapped the segment
+//! acknowledged the unmap. From the moment the release stops waiting until
+//! `restore_kv_caches` the connector is *asleep*: P answers every pull at
+//! once with an error and D fails every load at once, so nothing reaches the
+//! region while it has no pages. Restore registers the same range again:
+//! same segment, next epoch, new key. D's pulls always carry its current
+//! registration, and an access naming an older epoch is refused by the
+//! registry (TCP) or by the importer's epoch check (shared memory, which
+//! maps the newer epoch on the first pull that names it), so stale pages
+//! are never served. `abort_transfers` (before a cache reset) stops P
+//! holding KV for D and ends D's loads, reported as load errors with
+//! [`CUT_SHORT`] so the engine recomputes them.
 
 use std::collections::{HashMap, HashSet};
 use std::net::SocketAddr;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
@@ -43,11 +60,23 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{oneshot, Notify};
 
 use crate::config::{KvRole, KvTransferConfig, Transport};
-use crate::send::{Action, DropId, PullId, PullSpec, SendConfig, SendMachine};
+use crate::send::{Action, DropId, PullId, PullSpec, SendConfig, SendMachine, ASLEEP};
 use crate::wire::{self, Destination, Message, Pull};
 
 /// Bounds one control socket operation (connect, one read, one write).
 const CONTROL_IO: Duration = Duration::from_secs(5);
+
+/// The load error of a D load that [`KvConnector::abort_transfers`] ended
+/// (the engine recomputes the request).
+pub const CUT_SHORT: &str = "load cut short by a cache reset";
+
+/// Why D starts no load while its KV cache registration is released.
+pub const D_ASLEEP: &str = "the decode engine's KV cache is released (asleep); the load was not started";
+
+/// The least time [`KvConnector::release_kv_caches`] gives shared-memory
+/// peers to acknowledge an unmap, even when waiting for transfers used up
+/// the caller's timeout (never more than that timeout).
+const MIN_UNMAP_WAIT: Duration = Duration::from_secs(1);
 
 /// A request's `kv_transfer_params`, as this connector reads them.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -106,7 +135,12 @@ impl PdParams {
 /// This engine's KV cache, once registered.
 #[derive(Clone)]
 struct KvInfo {
+    /// The current registration (released while the connector is asleep;
+    /// `restore_kv_caches` replaces it with the next epoch).
     reg: Registration,
+    /// The region and length registered, to register them again.
+    region: Arc<pdkv_vmem::Region>,
+    len: usize,
     block_bytes: u64,
     block_size: usize,
     layout: String,
@@ -155,6 +189,9 @@ struct LoadState {
     drop: DropPhase,
     /// The engine finished the request (its blocks wait for `recving`).
     request_gone: bool,
+    /// `abort_transfers` ended the load: its blocks are reported with
+    /// [`CUT_SHORT`] whatever P answered.
+    cut_short: bool,
     deadline: Option<Instant>,
 }
 
@@ -167,6 +204,55 @@ struct LoadTable {
     errors: Vec<(u32, String)>,
     /// Failed blocks of loads `get_finished` reported already.
     reported_errors: Vec<(u32, String)>,
+}
+
+/// A generation counter bumped whenever a send or a load changes state, so
+/// a blocking caller ([`KvConnector::release_kv_caches`]) waits for a
+/// condition on them without polling.
+#[derive(Default)]
+struct Progress {
+    generation: Mutex<u64>,
+    changed: Condvar,
+}
+
+impl Progress {
+    fn bump(&self) {
+        *self.generation.lock().unwrap() += 1;
+        self.changed.notify_all();
+    }
+
+    fn current(&self) -> u64 {
+        *self.generation.lock().unwrap()
+    }
+
+    /// Waits until the generation moved past `seen`, or `until`.
+    fn wait_past(&self, seen: u64, until: Instant) {
+        let mut g = self.generation.lock().unwrap();
+        while *g == seen {
+            let now = Instant::now();
+            if now >= until {
+                return;
+            }
+            g = self.changed.wait_timeout(g, until - now).unwrap().0;
+        }
+    }
+}
+
+/// What still used the KV cache registration when a release stopped waiting.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+struct InFlight {
+    /// P: blocks of READY transfers D has not pulled.
+    ready_blocks: usize,
+    /// P: writes reading this engine's blocks.
+    writes: usize,
+    /// D: loads writing into this engine's blocks.
+    loads: usize,
+}
+
+impl InFlight {
+    fn is_idle(&self) -> bool {
+        *self == InFlight::default()
+    }
 }
 
 /// A shared-memory peer P writes into, and what it mapped (segment → epoch).
@@ -195,6 +281,13 @@ struct Ctx {
     waker: Mutex<Option<Waker>>,
     next_id: AtomicU64,
     counters: Counters,
+    /// The KV cache registration is released (between `release_kv_caches`
+    /// and `restore_kv_caches`). Set with the send and load locks held, and
+    /// read under them, so no pull or load starts after the release decided.
+    asleep: AtomicBool,
+    /// A `release_kv_caches` waits for transfers now (a gauge).
+    releasing: AtomicBool,
+    progress: Progress,
 }
 
 impl Ctx {
@@ -251,6 +344,7 @@ impl Ctx {
             self.wake();
         }
         self.send_changed.notify_one();
+        self.progress.bump();
     }
 
     /// Applies `f` to a load and reports it once it ended.
@@ -264,15 +358,38 @@ impl Ctx {
             return;
         }
         let l = t.loads.remove(req).expect("present");
-        let counter = if matches!(l.pull_result, Some(Ok(()))) { &self.counters.loads_ok } else { &self.counters.loads_failed };
+        self.finish_load(&mut t, l);
+        drop(t);
+        self.progress.bump();
+        self.wake();
+    }
+
+    /// Reports an ended load (taken out of the table) in `recving`, with its
+    /// blocks as load errors when it failed or was cut short.
+    fn finish_load(&self, t: &mut LoadTable, l: LoadState) {
+        let counter = if l.cut_short {
+            &self.counters.loads_cut_short
+        } else if matches!(l.pull_result, Some(Ok(()))) {
+            &self.counters.loads_ok
+        } else {
+            &self.counters.loads_failed
+        };
         counter.fetch_add(1, Ordering::Relaxed);
-        if let (Some(Err(why)), false) = (&l.pull_result, l.request_gone) {
-            tracing::warn!(request = %req, "KV load failed: {why}");
-            t.errors.extend(l.spec.dst_blocks.iter().map(|&b| (b, why.clone())));
+        let req = &l.spec.req;
+        if !l.request_gone {
+            let why = match &l.pull_result {
+                _ if l.cut_short => Some(CUT_SHORT.to_string()),
+                Some(Err(why)) => {
+                    tracing::warn!(request = %req, "KV load failed: {why}");
+                    Some(why.clone())
+                }
+                _ => None,
+            };
+            if let Some(why) = why {
+                t.errors.extend(l.spec.dst_blocks.iter().map(|&b| (b, why.clone())));
+            }
         }
         t.recving.push(req.clone());
-        drop(t);
-        self.wake();
     }
 
     /// Asks P to drop the load's transfer (once); the load ends after P answered.
@@ -367,6 +484,9 @@ impl PdConnector {
             waker: Mutex::new(None),
             next_id: AtomicU64::new(1),
             counters: Counters::default(),
+            asleep: AtomicBool::new(false),
+            releasing: AtomicBool::new(false),
+            progress: Progress::default(),
         });
         runtime.spawn(accept_loop(ctx.clone(), listener));
         runtime.spawn(send_timer(ctx.clone()));
@@ -443,6 +563,12 @@ async fn serve_control(ctx: &Arc<Ctx>, mut s: TcpStream) -> Result<(), wire::Wir
             let (tx, rx) = oneshot::channel();
             {
                 let mut st = ctx.send.lock().unwrap();
+                if ctx.asleep.load(Ordering::Acquire) {
+                    drop(st);
+                    ctx.counters.pulls_failed.fetch_add(1, Ordering::Relaxed);
+                    let answer = Message::PullErr { reason: ASLEEP.into() };
+                    return wire::write_message(&mut s, &answer, CONTROL_IO).await;
+                }
                 let spec = PullSpec {
                     transfer_id: p.transfer_id.clone(),
                     first_block: p.first_block,
@@ -657,6 +783,7 @@ struct Counters {
     pulls_failed: AtomicU64,
     loads_ok: AtomicU64,
     loads_failed: AtomicU64,
+    loads_cut_short: AtomicU64,
     bytes_sent: AtomicU64,
 }
 
@@ -666,7 +793,7 @@ impl KvConnector for PdConnector {
     }
 
     fn supports_sleep_mode(&self) -> bool {
-        false
+        true
     }
 
     fn info(&self) -> serde_json::Value {
@@ -681,6 +808,9 @@ impl KvConnector for PdConnector {
                 Some(p) => p.display().to_string(),
                 None => self.ctx.agent.local_addr().to_string(),
             },
+            "supports_sleep_mode": true,
+            "registration_epoch": self.ctx.kv.lock().unwrap().as_ref().map(|k| k.reg.epoch),
+            "kv_released": self.ctx.asleep.load(Ordering::Acquire),
         })
     }
 
@@ -698,6 +828,7 @@ impl KvConnector for PdConnector {
         Some(Arc::new(move || {
             let c = &ctx.counters;
             let get = |a: &AtomicU64| a.load(Ordering::Relaxed) as f64;
+            let get_flag = |a: &AtomicBool| if a.load(Ordering::Acquire) { 1.0 } else { 0.0 };
             let (held, pulls) = {
                 let st = ctx.send.lock().unwrap();
                 (st.machine.held_blocks() as f64, st.machine.live_pulls() as f64)
@@ -707,9 +838,12 @@ impl KvConnector for PdConnector {
                 ("pulls_failed_total", "Pulls this prefill engine answered with an error", get(&c.pulls_failed)),
                 ("loads_ok_total", "KV loads this decode engine completed", get(&c.loads_ok)),
                 ("loads_failed_total", "KV loads this decode engine failed", get(&c.loads_failed)),
+                ("loads_cut_short_total", "KV loads this decode engine ended early for a cache reset", get(&c.loads_cut_short)),
                 ("bytes_sent_total", "KV bytes this prefill engine wrote to decode engines", get(&c.bytes_sent)),
                 ("send_held_blocks", "KV blocks held for decode engines now", held),
                 ("pulls_pending", "Pulls received and not yet answered (or still writing)", pulls),
+                ("release_waiting", "1 while a KV cache release waits for transfers in flight", get_flag(&ctx.releasing)),
+                ("kv_released", "1 while the KV cache registration is released (asleep)", get_flag(&ctx.asleep)),
             ]
         }))
     }
@@ -771,7 +905,15 @@ impl KvConnector for PdConnector {
         self.decided.insert(req.id.clone());
         self.ctx.loads.lock().unwrap().loads.insert(
             req.id.clone(),
-            LoadState { spec, started: false, pull_result: None, drop: DropPhase::None, request_gone: false, deadline: None },
+            LoadState {
+                spec,
+                started: false,
+                pull_result: None,
+                drop: DropPhase::None,
+                request_gone: false,
+                cut_short: false,
+                deadline: None,
+            },
         );
         self.new_loads.push(req.id.clone());
     }
@@ -830,6 +972,10 @@ impl KvConnector for PdConnector {
         }
     }
 
+    /// P: stops holding KV for D (see [`SendMachine::abort_all`]). D: ends
+    /// every load: one not started yet ends now, one in flight asks P to
+    /// drop its transfer and ends once P answered (or by D's deadline); all
+    /// are reported with [`CUT_SHORT`] so the engine recomputes them.
     fn abort_transfers(&mut self) {
         {
             let mut st = self.ctx.send.lock().unwrap();
@@ -837,8 +983,21 @@ impl KvConnector for PdConnector {
             self.ctx.drive(&mut st);
         }
         let mut t = self.ctx.loads.lock().unwrap();
-        for l in t.loads.values_mut().filter(|l| l.started) {
+        let unstarted: Vec<Arc<str>> = t.loads.iter().filter(|(_, l)| !l.started).map(|(r, _)| r.clone()).collect();
+        for req in &unstarted {
+            let mut l = t.loads.remove(req).expect("listed above");
+            l.cut_short = true;
+            self.ctx.finish_load(&mut t, l);
+        }
+        self.new_loads.retain(|r| !unstarted.contains(r));
+        for l in t.loads.values_mut() {
+            l.cut_short = true;
             self.ctx.start_drop(l);
+        }
+        drop(t);
+        if !unstarted.is_empty() {
+            self.ctx.progress.bump();
+            self.ctx.wake();
         }
     }
 
@@ -857,6 +1016,8 @@ impl KvConnector for PdConnector {
             .with_context(|| format!("registering the KV cache ({len} bytes) for transfers"))?;
         *self.ctx.kv.lock().unwrap() = Some(KvInfo {
             reg,
+            region: spec.region.clone(),
+            len,
             block_bytes: spec.block_bytes as u64,
             block_size: spec.block_size,
             layout: spec.layout.clone(),
@@ -870,9 +1031,19 @@ impl KvConnector for PdConnector {
         let Ok(reqs) = meta.0.downcast::<Vec<Arc<str>>>() else { return };
         let now = Instant::now();
         let mut t = self.ctx.loads.lock().unwrap();
+        let asleep = self.ctx.asleep.load(Ordering::Acquire);
+        let mut refused = false;
         for req in *reqs {
             let Some(l) = t.loads.get_mut(&req) else { continue };
             if l.started {
+                continue;
+            }
+            if asleep {
+                // Nothing may write into the released region: fail at once.
+                let mut l = t.loads.remove(&req).expect("present");
+                l.pull_result = Some(Err(D_ASLEEP.into()));
+                self.ctx.finish_load(&mut t, l);
+                refused = true;
                 continue;
             }
             l.started = true;
@@ -895,6 +1066,11 @@ impl KvConnector for PdConnector {
                 ctx.load_event(&spec.req, |l| l.pull_result = Some(res));
             });
         }
+        drop(t);
+        if refused {
+            self.ctx.progress.bump();
+            self.ctx.wake();
+        }
     }
 
     fn get_finished(&mut self) -> FinishedTransfers {
@@ -910,5 +1086,90 @@ impl KvConnector for PdConnector {
 
     fn get_block_ids_with_load_errors(&mut self) -> Vec<(u32, String)> {
         std::mem::take(&mut self.ctx.loads.lock().unwrap().reported_errors)
+    }
+
+    /// Waits (at most `timeout`) until no READY block waits for D and no
+    /// transfer writes from or into this engine's blocks, then deregisters
+    /// the KV cache: over shared memory after every peer that mapped it
+    /// acknowledged the unmap (waiting for the acks at most the time left,
+    /// and at least [`MIN_UNMAP_WAIT`] capped by `timeout`), over TCP at
+    /// once. From the moment it stops waiting, pulls and loads are refused at
+    /// once and READY transfers end with [`ASLEEP`]. The registration is
+    /// gone even when the wait timed out; the `Err` then says what was still
+    /// in flight. Idempotent.
+    fn release_kv_caches(&mut self, timeout: Duration) -> anyhow::Result<()> {
+        let ctx = &self.ctx;
+        let Some(kv) = ctx.kv.lock().unwrap().clone() else { return Ok(()) };
+        if ctx.asleep.load(Ordering::Acquire) {
+            return Ok(());
+        }
+        let t0 = Instant::now();
+        let deadline = t0 + timeout;
+        ctx.releasing.store(true, Ordering::Release);
+        let left_over = loop {
+            let seen = ctx.progress.current();
+            {
+                let mut st = ctx.send.lock().unwrap();
+                let t = ctx.loads.lock().unwrap();
+                let busy = InFlight {
+                    ready_blocks: st.machine.ready_blocks(),
+                    writes: st.machine.writes_in_flight(),
+                    loads: t.loads.values().filter(|l| l.started).count(),
+                };
+                if busy.is_idle() || Instant::now() >= deadline {
+                    ctx.asleep.store(true, Ordering::Release);
+                    drop(t);
+                    st.machine.end_ready(Instant::now(), ASLEEP);
+                    ctx.drive(&mut st);
+                    break busy;
+                }
+            }
+            ctx.progress.wait_past(seen, deadline);
+        };
+        ctx.releasing.store(false, Ordering::Release);
+        let segment = kv.reg.segment;
+        let unmapped = match &ctx._exporter {
+            Some(exp) => {
+                let ack_wait = deadline.saturating_duration_since(Instant::now()).max(MIN_UNMAP_WAIT.min(timeout));
+                exp.deregister(segment, ack_wait)
+                    .map_err(|e| anyhow::anyhow!("shared-memory peers did not unmap the KV cache (segment {segment}): {e}"))
+            }
+            None => {
+                ctx.registry.deregister(segment);
+                Ok(())
+            }
+        };
+        tracing::info!(segment, epoch = kv.reg.epoch, waited = ?t0.elapsed(), ?left_over, "KV cache registration released");
+        if !left_over.is_idle() {
+            anyhow::bail!(
+                "connector {}: released the KV cache registration after waiting {timeout:?} with transfers still in flight: \
+                 {} blocks held for decode engines, {} writes reading this engine's blocks, {} loads writing into them",
+                self.name(),
+                left_over.ready_blocks,
+                left_over.writes,
+                left_over.loads
+            );
+        }
+        unmapped
+    }
+
+    /// Registers the KV cache again: the same segment with a new epoch and
+    /// key. D's next pulls carry them, so P writes to the new pages at once;
+    /// an access naming the old epoch is refused. Idempotent.
+    fn restore_kv_caches(&mut self) -> anyhow::Result<()> {
+        let mut kv = self.ctx.kv.lock().unwrap();
+        let Some(k) = kv.as_mut() else { return Ok(()) };
+        if !self.ctx.asleep.load(Ordering::Acquire) {
+            return Ok(());
+        }
+        let reg = self
+            .ctx
+            .registry
+            .register(&k.region, 0, k.len)
+            .with_context(|| format!("registering the KV cache ({} bytes) again after a wake", k.len))?;
+        tracing::info!(segment = reg.segment, epoch = reg.epoch, "KV cache registered again");
+        k.reg = reg;
+        self.ctx.asleep.store(false, Ordering::Release);
+        Ok(())
     }
 }

@@ -39,6 +39,14 @@ pub type DropId = u64;
 /// The reason a pull gets when D released the transfer.
 pub const RELEASED: &str = "released by the decode engine";
 
+/// The reason a pull gets when P stopped holding KV for a cache reset
+/// ([`SendMachine::abort_all`]).
+pub const CACHE_RESET: &str = "the prefill engine released the KV (cache reset)";
+
+/// The reason a pull gets when P's KV cache registration is released
+/// (the engine sleeps).
+pub const ASLEEP: &str = "the prefill engine's KV cache is released (asleep)";
+
 #[derive(Clone, Debug)]
 pub struct SendConfig {
     pub abort_timeout: Duration,
@@ -97,6 +105,24 @@ struct Transfer {
     writing: Option<PullId>,
     /// Drops answered once no write reads the blocks.
     drop_waiters: Vec<DropId>,
+    /// Set by [`SendMachine::abort_all`] while WAITING: the send ends (with
+    /// [`CACHE_RESET`]) instead of becoming READY when the request finishes.
+    reset: bool,
+}
+
+impl Transfer {
+    fn waiting(req: Option<Arc<str>>) -> Transfer {
+        Transfer {
+            req,
+            phase: Phase::Waiting,
+            holding: false,
+            blocks: Vec::new(),
+            prompt_len: 0,
+            writing: None,
+            drop_waiters: Vec::new(),
+            reset: false,
+        }
+    }
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -189,17 +215,7 @@ impl SendMachine {
 
     /// P admitted the request of `transfer_id`: WAITING (unless known).
     pub fn on_request_running(&mut self, transfer_id: &str, req: &Arc<str>) {
-        self.transfers
-            .entry(transfer_id.to_string())
-            .or_insert_with(|| Transfer {
-                req: Some(req.clone()),
-                phase: Phase::Waiting,
-                holding: false,
-                blocks: Vec::new(),
-                prompt_len: 0,
-                writing: None,
-                drop_waiters: Vec::new(),
-            });
+        self.transfers.entry(transfer_id.to_string()).or_insert_with(|| Transfer::waiting(Some(req.clone())));
     }
 
     /// P's request ended holding `blocks`. `completed`: it stopped normally
@@ -222,6 +238,10 @@ impl SendMachine {
             return false;
         }
         t.req = Some(req.clone());
+        if t.reset {
+            self.end_send(now, transfer_id, CACHE_RESET.into(), false);
+            return false;
+        }
         if !completed {
             self.end_send(now, transfer_id, "the prefill request was aborted before it finished".into(), false);
             return false;
@@ -283,9 +303,11 @@ impl SendMachine {
                 self.try_start();
             }
             Err(why) => {
+                // Out of the table first, so ending the send does not answer
+                // this pull with the tombstone's reason as well.
                 let tid = p.spec.transfer_id.clone();
-                self.end_send(now, &tid, format!("transfer {tid:?} refused an earlier pull: {why}"), false);
                 self.remove_pull(pull);
+                self.end_send(now, &tid, format!("transfer {tid:?} refused an earlier pull: {why}"), false);
                 self.answer(pull, Err(why));
             }
         }
@@ -345,18 +367,7 @@ impl SendMachine {
         if !known {
             // A pull parked on the unknown transfer is answered, and the
             // tombstone refuses the request's blocks when it finishes.
-            self.transfers.insert(
-                transfer_id.to_string(),
-                Transfer {
-                    req: None,
-                    phase: Phase::Waiting,
-                    holding: false,
-                    blocks: Vec::new(),
-                    prompt_len: 0,
-                    writing: None,
-                    drop_waiters: Vec::new(),
-                },
-            );
+            self.transfers.insert(transfer_id.to_string(), Transfer::waiting(None));
         }
         if !matches!(self.transfers[transfer_id].phase, Phase::Done { .. }) {
             self.end_send(now, transfer_id, RELEASED.into(), true);
@@ -369,9 +380,34 @@ impl SendMachine {
         }
     }
 
-    /// Stop holding every READY transfer (the engine is about to reset its
-    /// cache). Writes in flight end by their deadlines.
+    /// Stop holding KV for D (the engine is about to reset its cache): every
+    /// READY transfer ends now with [`CACHE_RESET`] (its queued pull is
+    /// answered at once; a write in flight keeps the blocks until it ends, by
+    /// its deadline); every WAITING transfer answers its parked pull at once
+    /// and will end, not become READY, when its request finishes.
+    /// Idempotent; transfers that start afterwards are not affected.
     pub fn abort_all(&mut self, now: Instant) {
+        self.end_ready(now, CACHE_RESET);
+        let waiting: Vec<String> = self
+            .transfers
+            .iter_mut()
+            .filter(|(_, t)| matches!(t.phase, Phase::Waiting))
+            .map(|(k, t)| {
+                t.reset = true;
+                k.clone()
+            })
+            .collect();
+        for tid in waiting {
+            let parked = self.pull_of.get(&tid).copied().filter(|p| self.pulls.get(p).is_some_and(|p| p.state == PullState::Parked));
+            if let Some(pull) = parked {
+                self.remove_pull(pull);
+                self.answer(pull, Err(CACHE_RESET.into()));
+            }
+        }
+    }
+
+    /// Ends every READY transfer with `reason` (see [`SendMachine::end_send`]).
+    pub fn end_ready(&mut self, now: Instant, reason: &str) {
         let ready: Vec<String> = self
             .transfers
             .iter()
@@ -379,8 +415,22 @@ impl SendMachine {
             .map(|(k, _)| k.clone())
             .collect();
         for tid in ready {
-            self.end_send(now, &tid, "the prefill engine released its transfers".into(), false);
+            self.end_send(now, &tid, reason.to_string(), false);
         }
+    }
+
+    /// Blocks of READY transfers no write reads yet: KV waiting for D.
+    pub fn ready_blocks(&self) -> usize {
+        self.transfers
+            .values()
+            .filter(|t| matches!(t.phase, Phase::Ready { .. }) && t.writing.is_none())
+            .map(|t| t.blocks.len())
+            .sum()
+    }
+
+    /// Writes reading this engine's blocks now.
+    pub fn writes_in_flight(&self) -> usize {
+        self.pulls.values().filter(|p| matches!(p.state, PullState::Writing { .. })).count()
     }
 
     /// Ends the send of `transfer_id`: DONE with `reason`, pulls not writing
@@ -696,7 +746,10 @@ mod tests {
             let mut m = machine(1);
             ready(&mut m, t0);
             m.on_pull(t0, 1, spec);
-            let e = err_of(&actions(&mut m), 1);
+            let a = actions(&mut m);
+            assert_eq!(a.len(), 1, "answered once: {a:?}");
+            let e = err_of(&a, 1);
+            assert!(!e.contains("earlier pull"), "{e}");
             for n in needles {
                 assert!(e.contains(n), "{e:?} lacks {n:?}");
             }
@@ -755,4 +808,69 @@ mod tests {
         assert_eq!(actions(&mut m), vec![Action::Answer { pull: 1, result: Ok(()) }]);
         assert_eq!(m.take_finished(), vec![rid("r")]);
     }
+    #[test]
+    fn abort_all_answers_parked_pulls_at_once_and_waiting_transfers_never_become_ready() {
+        let t0 = Instant::now();
+        let mut m = machine(1);
+        // "w" is READY and being written, "q" READY with a queued pull (no
+        // permit), "r" READY and idle, "s" WAITING with a parked pull.
+        for (t, r) in [("w", "rw"), ("q", "rq"), ("r", "rr")] {
+            m.on_request_running(t, &rid(r));
+            assert!(m.on_request_finished(t0, t, &rid(r), &[1, 2, 3], 40, true));
+        }
+        m.on_pull(t0, 1, pull("w", 0));
+        m.on_pull(t0, 2, pull("q", 0));
+        m.on_request_running("s", &rid("rs"));
+        m.on_pull(t0, 3, pull("s", 0));
+        assert!(matches!(actions(&mut m)[..], [Action::StartWrite { pull: 1, .. }]));
+        assert_eq!((m.ready_blocks(), m.writes_in_flight()), (6, 1));
+
+        m.abort_all(t0);
+        let a = actions(&mut m);
+        assert_eq!(err_of(&a, 2), CACHE_RESET);
+        assert_eq!(err_of(&a, 3), CACHE_RESET);
+        assert_eq!(a.len(), 2, "the writing pull is answered by its write: {a:?}");
+        let mut done = m.take_finished();
+        done.sort();
+        assert_eq!(done, vec![rid("rq"), rid("rr")]);
+        assert_eq!((m.ready_blocks(), m.writes_in_flight(), m.held_blocks()), (0, 1, 3));
+        // Idempotent: nothing more happens.
+        m.abort_all(t0);
+        assert!(actions(&mut m).is_empty() && m.take_finished().is_empty());
+
+        // The write ends: its pull gets the write's result, the blocks go back.
+        m.on_write_done(t0, 1, Ok(()));
+        assert_eq!(actions(&mut m), vec![Action::Answer { pull: 1, result: Ok(()) }]);
+        assert_eq!(m.take_finished(), vec![rid("rw")]);
+        // The WAITING request finishes: its send ends instead of holding blocks.
+        assert!(!m.on_request_finished(t0, "s", &rid("rs"), &[4, 5, 6], 40, true));
+        assert_eq!(m.phase("s"), Some(PhaseName::Done));
+        m.on_pull(t0, 4, pull("s", 0));
+        assert_eq!(err_of(&actions(&mut m), 4), CACHE_RESET);
+        // A transfer that starts after the abort works normally.
+        m.on_request_running("n", &rid("rn"));
+        assert!(m.on_request_finished(t0, "n", &rid("rn"), &[7, 8, 9], 40, true));
+        m.on_pull(t0, 5, pull("n", 0));
+        assert!(matches!(actions(&mut m)[..], [Action::StartWrite { pull: 5, .. }]));
+        assert_eq!(m.held_blocks(), 3);
+    }
+
+    #[test]
+    fn end_ready_spares_writes_in_flight() {
+        let t0 = Instant::now();
+        let mut m = machine(1);
+        ready(&mut m, t0);
+        m.on_pull(t0, 1, pull("t", 0));
+        actions(&mut m);
+        m.on_request_running("u", &rid("q"));
+        assert!(m.on_request_finished(t0, "u", &rid("q"), &[1, 2, 3], 40, true));
+        m.end_ready(t0, ASLEEP);
+        assert_eq!(m.take_finished(), vec![rid("q")]);
+        m.on_pull(t0, 2, pull("u", 0));
+        assert_eq!(err_of(&actions(&mut m), 2), ASLEEP);
+        assert_eq!(m.writes_in_flight(), 1);
+        m.on_write_done(t0, 1, Ok(()));
+        assert_eq!(m.take_finished(), vec![rid("r")]);
+    }
 }
+

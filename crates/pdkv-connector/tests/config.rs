@@ -93,7 +93,9 @@ fn build_refuses_read_mode_and_bad_configs_and_reports_its_addresses() {
     assert!(std::net::TcpStream::connect(boot).is_ok());
     let xfer: std::net::SocketAddr = info["transfer_addr"].as_str().unwrap().parse().unwrap();
     assert_ne!(xfer.port(), 0);
-    assert!(!c.supports_sleep_mode());
+    assert!(c.supports_sleep_mode());
+    assert_eq!(info["supports_sleep_mode"], true);
+    assert_eq!(info["registration_epoch"], serde_json::Value::Null, "nothing registered before register_kv_caches");
 }
 
 #[test]

@@ -322,3 +322,27 @@ fn a_cache_reset_cuts_loads_short_and_they_recompute_under_either_policy() {
         assert_eq!(s.counts().num_free_blocks, NUM_BLOCKS);
     }
 }
+
+#[test]
+fn sleep_mode_refuses_a_connector_that_cannot_release_and_gates_sleep_without_it() {
+    use pdkv_engine::{Engine, EngineConfig, LifecycleError, PauseMode, SleepLevel};
+    let dir = tempfile::tempdir().unwrap();
+    pdkv_model::init::write_random_checkpoint(pdkv_model::Arch::Llama, "tiny", 7, dir.path()).unwrap();
+    let load = || {
+        let pool = pdkv_vmem::Pool::default();
+        let model = pdkv_model::load_model(dir.path(), &pool, &mut |_| {}).unwrap();
+        (model, pool)
+    };
+    // `Scripted` says it cannot release its registrations.
+    let (model, pool) = load();
+    let config = EngineConfig { enable_sleep_mode: true, ..EngineConfig::default() };
+    let err = Engine::start_with_connector(model, pool, config, Some(Box::new(Scripted::default()))).err().expect("refused");
+    assert!(err.to_string().contains("scripted") && err.to_string().contains("sleep"), "{err}");
+    // Without sleep mode it starts, and refuses to release KV memory.
+    let (model, pool) = load();
+    let e = Engine::start_with_connector(model, pool, EngineConfig::default(), Some(Box::new(Scripted::default()))).unwrap();
+    let r = e.sleep(SleepLevel::L1, PauseMode::Abort, std::time::Duration::from_secs(10));
+    assert!(matches!(r, Err(LifecycleError::Conflict(ref m)) if m.contains("--enable-sleep-mode")), "{r:?}");
+    assert!(e.lifecycle_status().sleeping.is_none());
+    e.shutdown();
+}

@@ -1,0 +1,375 @@
+//! The multi-connector (`"kv_connector": "multi"`): several connectors
+//! behind one, e.g. P/D transfer plus a host-memory offload tier.
+//!
+//! Rules:
+//! - At admission every child is asked, in order; the first that offers
+//!   tokens serves the request (it gets the real `update_state_after_alloc`,
+//!   the others one with no external tokens, so they drop what they noted).
+//! - A finished request goes to every child. Its blocks stay held while any
+//!   child holds them: the request is named in `get_finished` once every
+//!   child that kept its blocks has named it (in either list). A child's
+//!   report about a held request it did not keep is swallowed, so that it
+//!   cannot free blocks another child still uses.
+//! - Sleep mode only when every child supports it; lifecycle calls
+//!   (release, restore, abort, reset) go to every child, and release and
+//!   restore are attempted on all children even after one failed.
+
+use std::collections::{BTreeSet, HashMap, HashSet};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::Duration;
+
+use pdkv_engine::connector::{
+    ConnectorMeta, ConnectorRequest, ExternalMatch, FinishedTransfers, KvCacheSpec, KvTransferParams,
+    LoadFailurePolicy, MetricsReader, ParamsValidator, Waker,
+};
+use pdkv_engine::{FinishReason, KvConnector};
+use serde::Deserialize;
+use serde_json::json;
+
+use crate::config::ConfigError;
+
+/// The connector name that selects this connector.
+pub const CONNECTOR_NAME: &str = "multi";
+
+/// Most children a multi-connector takes.
+pub const MAX_CHILDREN: usize = 4;
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Raw {
+    kv_connector: String,
+    connectors: Vec<serde_json::Value>,
+}
+
+/// A child's configuration error, reported under `connectors[i]`.
+fn child_error(i: usize, e: anyhow::Error) -> anyhow::Error {
+    match e.downcast::<ConfigError>() {
+        Ok(c) => ConfigError { field: format!("connectors[{i}].{}", c.field), message: c.message }.into(),
+        Err(e) => e.context(format!("kv_transfer_config: connectors[{i}]")),
+    }
+}
+
+/// Metric names made unique by a prefix, leaked once each (the set of
+/// names is small and fixed), so readers can hand out `&'static str`.
+fn intern(name: String) -> &'static str {
+    static NAMES: OnceLock<Mutex<HashSet<&'static str>>> = OnceLock::new();
+    let mut names = NAMES.get_or_init(Default::default).lock().unwrap();
+    if let Some(n) = names.get(name.as_str()) {
+        return n;
+    }
+    let leaked: &'static str = Box::leak(name.into_boxed_str());
+    names.insert(leaked);
+    leaked
+}
+
+/// See the module docs.
+pub struct MultiConnector {
+    children: Vec<Box<dyn KvConnector>>,
+    /// Each child's `kv_connector` name, for metric prefixes.
+    kinds: Vec<String>,
+    /// The child serving each request admitted with external tokens.
+    winner: HashMap<Arc<str>, usize>,
+    /// Finished requests whose blocks some children keep: which ones.
+    holders: HashMap<Arc<str>, BTreeSet<usize>>,
+}
+
+impl MultiConnector {
+    /// Builds the children of `{"kv_connector":"multi","connectors":[...]}`
+    /// with [`crate::build`]; an error names the field, under
+    /// `connectors[i]` for a child's.
+    pub fn from_json(json: &str, engine_id: &str) -> anyhow::Result<MultiConnector> {
+        let raw: Raw = crate::offload::parse_fields(json)?;
+        if raw.kv_connector != CONNECTOR_NAME {
+            return Err(ConfigError {
+                field: "kv_connector".into(),
+                message: format!("expected {CONNECTOR_NAME:?}, got {:?}", raw.kv_connector),
+            }
+            .into());
+        }
+        if raw.connectors.is_empty() || raw.connectors.len() > MAX_CHILDREN {
+            return Err(ConfigError {
+                field: "connectors".into(),
+                message: format!("takes 1 to {MAX_CHILDREN} connectors, got {}", raw.connectors.len()),
+            }
+            .into());
+        }
+        let mut children = Vec::new();
+        let mut kinds = Vec::new();
+        for (i, child) in raw.connectors.iter().enumerate() {
+            let kind = child.get("kv_connector").and_then(|k| k.as_str()).unwrap_or_default().to_string();
+            children.push(crate::build(&child.to_string(), engine_id).map_err(|e| child_error(i, e))?);
+            kinds.push(kind);
+        }
+        Ok(MultiConnector::new(children, kinds))
+    }
+
+    /// A multi-connector over built children; `kinds` names them in metrics.
+    pub fn new(children: Vec<Box<dyn KvConnector>>, kinds: Vec<String>) -> MultiConnector {
+        assert_eq!(children.len(), kinds.len(), "one kind per child");
+        MultiConnector { children, kinds, winner: HashMap::new(), holders: HashMap::new() }
+    }
+
+    /// Metric names for child `i`: its own names where no other child uses
+    /// them, else prefixed with its kind (and index if kinds repeat).
+    fn metric_prefixes(&self, names: &[Vec<&'static str>]) -> Vec<Option<String>> {
+        let mut seen: HashMap<&str, usize> = HashMap::new();
+        for n in names.iter().flat_map(|v| v.iter().collect::<HashSet<_>>()) {
+            *seen.entry(n).or_default() += 1;
+        }
+        let clash = |i: usize| names[i].iter().any(|n| seen[n] > 1);
+        (0..self.children.len())
+            .map(|i| {
+                clash(i).then(|| {
+                    let kind = &self.kinds[i];
+                    if self.kinds.iter().filter(|k| *k == kind).count() > 1 {
+                        format!("{kind}{i}_")
+                    } else {
+                        format!("{kind}_")
+                    }
+                })
+            })
+            .collect()
+    }
+}
+
+impl KvConnector for MultiConnector {
+    fn name(&self) -> &str {
+        CONNECTOR_NAME
+    }
+
+    fn supports_sleep_mode(&self) -> bool {
+        self.children.iter().all(|c| c.supports_sleep_mode())
+    }
+
+    /// The children's infos; the first child with a bootstrap address (the
+    /// P/D one) also lends its fields to the top level, so a proxy reads a
+    /// multi-connector's P like any other.
+    fn info(&self) -> serde_json::Value {
+        let children: Vec<serde_json::Value> = self.children.iter().map(|c| c.info()).collect();
+        let mut info = serde_json::Map::new();
+        if let Some(serde_json::Value::Object(pd)) = children.iter().find(|c| c.get("bootstrap_addr").is_some()) {
+            info.extend(pd.clone());
+        }
+        info.insert("kv_connector".into(), json!(CONNECTOR_NAME));
+        info.insert("connectors".into(), json!(children));
+        serde_json::Value::Object(info)
+    }
+
+    fn validate_params(&self, params: Option<&KvTransferParams>) -> Result<(), String> {
+        self.children.iter().try_for_each(|c| c.validate_params(params))
+    }
+
+    fn params_validator(&self) -> ParamsValidator {
+        let all: Vec<ParamsValidator> = self.children.iter().map(|c| c.params_validator()).collect();
+        Arc::new(move |p| all.iter().try_for_each(|v| v(p)))
+    }
+
+    fn metrics_reader(&self) -> Option<MetricsReader> {
+        let readers: Vec<Option<MetricsReader>> = self.children.iter().map(|c| c.metrics_reader()).collect();
+        if readers.iter().all(Option::is_none) {
+            return None;
+        }
+        // Which names clash is fixed by the children: decide it once.
+        let names: Vec<Vec<&'static str>> =
+            readers.iter().map(|r| r.as_ref().map(|r| r().into_iter().map(|m| m.0).collect()).unwrap_or_default()).collect();
+        let prefixes = self.metric_prefixes(&names);
+        Some(Arc::new(move || {
+            let mut out = Vec::new();
+            for (r, prefix) in readers.iter().zip(&prefixes) {
+                let Some(r) = r else { continue };
+                for (name, help, value) in r() {
+                    let name = match prefix {
+                        Some(p) => intern(format!("{p}{name}")),
+                        None => name,
+                    };
+                    out.push((name, help, value));
+                }
+            }
+            out
+        }))
+    }
+
+    fn set_waker(&mut self, waker: Waker) {
+        for c in &mut self.children {
+            c.set_waker(waker.clone());
+        }
+    }
+
+    fn load_failure_policy(&self) -> LoadFailurePolicy {
+        self.children[0].load_failure_policy()
+    }
+
+    fn get_num_new_matched_tokens(&mut self, req: ConnectorRequest<'_>, num_computed_tokens: usize) -> ExternalMatch {
+        self.winner.remove(req.id);
+        let mut best = ExternalMatch::default();
+        // Every child is asked (some note the request's arrival); the first
+        // offer wins.
+        for (i, c) in self.children.iter_mut().enumerate() {
+            let m = c.get_num_new_matched_tokens(req, num_computed_tokens);
+            if best.num_tokens == 0 && m.num_tokens > 0 {
+                best = m;
+                self.winner.insert(req.id.clone(), i);
+            }
+        }
+        best
+    }
+
+    fn update_state_after_alloc(
+        &mut self,
+        req: ConnectorRequest<'_>,
+        block_ids: &[u32],
+        num_computed_tokens: usize,
+        num_external_tokens: usize,
+    ) {
+        let winner = self.winner.remove(req.id);
+        for (i, c) in self.children.iter_mut().enumerate() {
+            let n = if winner == Some(i) { num_external_tokens } else { 0 };
+            c.update_state_after_alloc(req, block_ids, num_computed_tokens, n);
+        }
+    }
+
+    fn build_connector_meta(&mut self) -> ConnectorMeta {
+        let metas: Vec<ConnectorMeta> = self.children.iter_mut().map(|c| c.build_connector_meta()).collect();
+        ConnectorMeta(Box::new(metas))
+    }
+
+    fn request_finished(
+        &mut self,
+        req: ConnectorRequest<'_>,
+        block_ids: &[u32],
+        reason: FinishReason,
+    ) -> (bool, Option<KvTransferParams>) {
+        self.winner.remove(req.id);
+        let mut keep = BTreeSet::new();
+        let mut params = None;
+        for (i, c) in self.children.iter_mut().enumerate() {
+            let (delay, p) = c.request_finished(req, block_ids, reason);
+            if delay {
+                keep.insert(i);
+            }
+            if params.is_none() {
+                params = p;
+            }
+        }
+        let delay = !keep.is_empty();
+        if delay {
+            self.holders.insert(req.id.clone(), keep);
+        }
+        (delay, params)
+    }
+
+    fn update_connector_output(&mut self, finished: &FinishedTransfers) {
+        for c in &mut self.children {
+            c.update_connector_output(finished);
+        }
+    }
+
+    fn reset_cache(&mut self) -> bool {
+        // Every child resets, even after one could not.
+        let mut ok = true;
+        for c in &mut self.children {
+            ok &= c.reset_cache();
+        }
+        ok
+    }
+
+    fn abort_transfers(&mut self) {
+        for c in &mut self.children {
+            c.abort_transfers();
+        }
+    }
+
+    /// The largest child count: children hold the same blocks (a request's
+    /// table), so their counts overlap.
+    fn num_held_blocks(&self) -> usize {
+        self.children.iter().map(|c| c.num_held_blocks()).max().unwrap_or(0)
+    }
+
+    fn register_kv_caches(&mut self, spec: &KvCacheSpec) -> anyhow::Result<()> {
+        for (i, c) in self.children.iter_mut().enumerate() {
+            c.register_kv_caches(spec).map_err(|e| e.context(format!("connector {i} ({})", self.kinds[i])))?;
+        }
+        Ok(())
+    }
+
+    fn start_load_kv(&mut self, meta: ConnectorMeta) {
+        let Ok(metas) = meta.0.downcast::<Vec<ConnectorMeta>>() else {
+            tracing::error!("the multi-connector was handed another connector's metadata");
+            return;
+        };
+        for (c, m) in self.children.iter_mut().zip(*metas) {
+            c.start_load_kv(m);
+        }
+    }
+
+    fn wait_for_save(&mut self) {
+        for c in &mut self.children {
+            c.wait_for_save();
+        }
+    }
+
+    fn get_finished(&mut self) -> FinishedTransfers {
+        let mut out = FinishedTransfers::default();
+        let mut reported: HashSet<Arc<str>> = HashSet::new();
+        for (i, c) in self.children.iter_mut().enumerate() {
+            let f = c.get_finished();
+            for (ids, sending) in [(f.sending, true), (f.recving, false)] {
+                for id in ids {
+                    let pass = match self.holders.get_mut(&id) {
+                        // Not held: a live request's load, passed on as is.
+                        None => true,
+                        Some(held) => {
+                            if !held.remove(&i) {
+                                tracing::debug!(id = %id, child = i, "report about a request this child does not hold; ignored");
+                                false
+                            } else if held.is_empty() {
+                                self.holders.remove(&id);
+                                true
+                            } else {
+                                false
+                            }
+                        }
+                    };
+                    if pass && reported.insert(id.clone()) {
+                        if sending {
+                            out.sending.push(id);
+                        } else {
+                            out.recving.push(id);
+                        }
+                    }
+                }
+            }
+        }
+        out
+    }
+
+    fn get_block_ids_with_load_errors(&mut self) -> Vec<(u32, String)> {
+        self.children.iter_mut().flat_map(|c| c.get_block_ids_with_load_errors()).collect()
+    }
+
+    fn release_kv_caches(&mut self, timeout: Duration) -> anyhow::Result<()> {
+        let mut first = Ok(());
+        for (i, c) in self.children.iter_mut().enumerate() {
+            if let Err(e) = c.release_kv_caches(timeout) {
+                tracing::error!(child = i, error = %format!("{e:#}"), "a child connector failed to release the KV cache");
+                if first.is_ok() {
+                    first = Err(e.context(format!("connector {i} ({})", self.kinds[i])));
+                }
+            }
+        }
+        first
+    }
+
+    fn restore_kv_caches(&mut self) -> anyhow::Result<()> {
+        let mut first = Ok(());
+        for (i, c) in self.children.iter_mut().enumerate() {
+            if let Err(e) = c.restore_kv_caches() {
+                tracing::error!(child = i, error = %format!("{e:#}"), "a child connector failed to restore the KV cache");
+                if first.is_ok() {
+                    first = Err(e.context(format!("connector {i} ({})", self.kinds[i])));
+                }
+            }
+        }
+        first
+    }
+}

@@ -1,0 +1,593 @@
+//! Sleep mode on the P/D connector, on real registered KV regions, real
+//! sockets and real memory release: `release_kv_caches` waits for transfers
+//! (bounded) and deregisters, the region sleeps and wakes
+//! (`Pool::discard` / `Pool::wake`), `restore_kv_caches` registers it again
+//! at a new epoch, and `abort_transfers` ends what a cache reset must end.
+//!
+//! What "freed" means here: the pool's live memfd bytes for the KV tag
+//! (`Pool::device_bytes`), chunks alive but no longer in any region
+//! (`Pool::pinned_bytes`), and mappings of the old memfds anywhere in this
+//! process (`/proc/self/maps`, by inode), which is where a shared-memory
+//! peer's mapping would pin them.
+
+use std::io::{Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::os::unix::fs::MetadataExt;
+use std::sync::mpsc;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use pdkv_connector::send::{ASLEEP, CACHE_RESET};
+use pdkv_connector::wire::{self, Destination, Message, Pull};
+use pdkv_engine::connector::{ConnectorRequest, FinishedTransfers, KvCacheSpec, MetricsReader};
+use pdkv_engine::{FinishReason, KvConnector};
+use pdkv_transfer::frame::Limits;
+use pdkv_transfer::shm::ShmImporter;
+use pdkv_transfer::tcp::{Agent, AgentConfig, LocalSlice};
+use pdkv_transfer::{Registration, Registry, RegistryOptions, RemoteDescriptor};
+use pdkv_vmem::{Pool, PoolOptions, Region, Tag};
+use serde_json::{json, Value};
+
+const BLOCKS: usize = 32;
+const BB: usize = 1024;
+const WAIT: Duration = Duration::from_secs(10);
+/// Slack allowed over a timeout before a wait counts as unbounded.
+const SLACK: Duration = Duration::from_millis(900);
+
+struct Side {
+    c: Box<dyn KvConnector>,
+    region: Arc<Region>,
+    woke: mpsc::Receiver<()>,
+    pool: Pool,
+    metrics: MetricsReader,
+}
+
+fn side(role: &str, transport: &str, id: &str, extra: &str) -> Side {
+    let cfg = format!(r#"{{"kv_connector":"pdkv","kv_role":"{role}","transport":"{transport}"{extra}}}"#);
+    let mut c = pdkv_connector::build(&cfg, id).unwrap();
+    let pool = Pool::new(PoolOptions { chunk_size: 8 << 10, single_allocation: false });
+    let region = pool.allocate(Tag::KvCache, BLOCKS * BB).unwrap();
+    let (tx, woke) = mpsc::channel();
+    let tx = std::sync::Mutex::new(tx);
+    c.set_waker(Arc::new(move || {
+        let _ = tx.lock().unwrap().send(());
+    }));
+    let spec = KvCacheSpec { region: region.clone(), num_blocks: BLOCKS, block_bytes: BB, block_size: 16, layout: "test-layout".into() };
+    c.register_kv_caches(&spec).unwrap();
+    let metrics = c.metrics_reader().expect("the connector has metrics");
+    Side { c, region, woke, pool, metrics }
+}
+
+impl Side {
+    /// Polls `get_finished` (after each wake) until `pred` holds.
+    fn wait_finished(&mut self, mut pred: impl FnMut(&FinishedTransfers) -> bool) -> FinishedTransfers {
+        let deadline = Instant::now() + WAIT;
+        let mut all = FinishedTransfers::default();
+        loop {
+            let f = self.c.get_finished();
+            all.sending.extend(f.sending);
+            all.recving.extend(f.recving);
+            if pred(&all) {
+                return all;
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            assert!(!left.is_zero(), "timed out waiting; got {all:?}");
+            let _ = self.woke.recv_timeout(left);
+        }
+    }
+
+    fn block(&self, b: u32) -> Vec<u8> {
+        let mut v = vec![0; BB];
+        self.region.read_bytes(b as usize * BB, &mut v).unwrap();
+        v
+    }
+
+    fn gauge(&self, name: &str) -> f64 {
+        (self.metrics)().into_iter().find(|m| m.0 == name).unwrap_or_else(|| panic!("no metric {name}")).2
+    }
+
+    fn epoch(&self) -> u64 {
+        self.c.info()["registration_epoch"].as_u64().expect("registered")
+    }
+
+    fn kv_device_bytes(&self) -> u64 {
+        self.pool.device_bytes().get(Tag::KvCache)
+    }
+}
+
+/// Waits (yielding, bounded) until `cond` holds; `what` names it on failure.
+fn wait_until(what: &str, mut cond: impl FnMut() -> bool) {
+    let t0 = Instant::now();
+    while !cond() {
+        assert!(t0.elapsed() < WAIT, "{what}: not within {WAIT:?}");
+        std::thread::yield_now();
+    }
+}
+
+fn pattern(block: u32) -> Vec<u8> {
+    (0..BB).map(|i| (i as u32).wrapping_mul(31).wrapping_add(block * 7) as u8).collect()
+}
+
+fn req<'a>(id: &'a Arc<str>, prompt: &'a [u32], params: &'a Value) -> ConnectorRequest<'a> {
+    ConnectorRequest { id, prompt_tokens: prompt, kv_transfer_params: Some(params) }
+}
+
+fn p_params(tid: &str) -> Value {
+    json!({"do_remote_decode": true, "transfer_id": tid})
+}
+
+/// P admits the request of `tid` (WAITING).
+fn admit(p: &mut Side, rid: &str, tid: &str, len: usize) {
+    let id: Arc<str> = Arc::from(rid);
+    let prompt = vec![1u32; len];
+    let params = p_params(tid);
+    assert_eq!(p.c.get_num_new_matched_tokens(req(&id, &prompt, &params), 0).num_tokens, 0);
+}
+
+/// P's request finishes with its KV in `p_blocks`; returns whether P holds them.
+fn finish(p: &mut Side, rid: &str, tid: &str, len: usize, p_blocks: &[u32]) -> bool {
+    for &b in p_blocks {
+        p.region.write_bytes(b as usize * BB, &pattern(b)).unwrap();
+    }
+    let id: Arc<str> = Arc::from(rid);
+    let prompt = vec![1u32; len];
+    let params = p_params(tid);
+    p.c.request_finished(req(&id, &prompt, &params), p_blocks, FinishReason::Length).0
+}
+
+/// P computes a prompt of `len` tokens into `p_blocks` and holds it for D
+/// (READY); returns D's params.
+fn prefill(p: &mut Side, rid: &str, tid: &str, len: usize, p_blocks: &[u32]) -> Value {
+    admit(p, rid, tid, len);
+    assert!(finish(p, rid, tid, len, p_blocks), "P holds the blocks for D");
+    d_params(p, tid)
+}
+
+fn d_params(p: &Side, tid: &str) -> Value {
+    let info = p.c.info();
+    json!({"do_remote_prefill": true, "remote_engine_id": info["engine_id"], "remote_bootstrap_addr": info["bootstrap_addr"], "transfer_id": tid})
+}
+
+/// D admits the request (nothing local) and decides its load into `d_blocks`.
+fn decide_load(d: &mut Side, rid: &str, len: usize, d_blocks: &[u32], params: &Value) {
+    let id: Arc<str> = Arc::from(rid);
+    let prompt = vec![1u32; len];
+    let m = d.c.get_num_new_matched_tokens(req(&id, &prompt, params), 0);
+    assert!(m.load_async);
+    assert_eq!(m.num_tokens, len - 1);
+    d.c.update_state_after_alloc(req(&id, &prompt, params), d_blocks, 0, m.num_tokens);
+}
+
+/// D decides and starts the load.
+fn start_load(d: &mut Side, rid: &str, len: usize, d_blocks: &[u32], params: &Value) {
+    decide_load(d, rid, len, d_blocks, params);
+    let meta = d.c.build_connector_meta();
+    d.c.start_load_kv(meta);
+}
+
+/// A full 40-token transfer (blocks 0..3 of the request) that must succeed;
+/// checks the bytes landed in D's region.
+fn transfer_ok(p: &mut Side, d: &mut Side, tag: &str, p_blocks: [u32; 3], d_blocks: [u32; 3]) {
+    let params = prefill(p, &format!("p-{tag}"), tag, 40, &p_blocks);
+    start_load(d, &format!("d-{tag}"), 40, &d_blocks, &params);
+    d.wait_finished(|f| f.recving.len() == 1);
+    assert_eq!(d.c.get_block_ids_with_load_errors(), vec![], "transfer {tag}");
+    for (pb, db) in p_blocks.into_iter().zip(d_blocks) {
+        assert_eq!(d.block(db), pattern(pb), "transfer {tag}: D block {db}");
+    }
+    p.wait_finished(|f| f.sending.len() == 1);
+    assert_eq!((p.c.num_held_blocks(), d.c.num_held_blocks()), (0, 0));
+}
+
+// ---- a stand-in prefill engine that records what D's pull names ----
+
+fn send_msg(s: &mut TcpStream, m: &Message) {
+    s.write_all(&wire::encode(m).unwrap()).unwrap();
+}
+
+fn recv_msg(s: &mut TcpStream) -> Message {
+    let mut n = [0u8; 4];
+    s.read_exact(&mut n).unwrap();
+    let mut body = vec![0; wire::decode_len(n).unwrap()];
+    s.read_exact(&mut body).unwrap();
+    wire::decode_body(&body).unwrap()
+}
+
+/// Has D load `rid` from a control server that answers the bootstrap, keeps
+/// the pull (D's destination: segment, key, epoch, offsets) and refuses it.
+fn capture_pull(d: &mut Side, rid: &str, d_blocks: &[u32]) -> Pull {
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
+    let server = std::thread::spawn(move || loop {
+        let (mut s, _) = listener.accept().unwrap();
+        s.set_read_timeout(Some(WAIT)).unwrap();
+        match recv_msg(&mut s) {
+            Message::Bootstrap => send_msg(
+                &mut s,
+                &Message::BootstrapOk { engine_id: "recorder".into(), layout: "test-layout".into(), block_bytes: BB as u64 },
+            ),
+            Message::Pull(p) => {
+                send_msg(&mut s, &Message::PullErr { reason: "recorded".into() });
+                return p;
+            }
+            other => panic!("unexpected {other:?}"),
+        }
+    });
+    let params = json!({"do_remote_prefill": true, "remote_engine_id": "recorder", "remote_bootstrap_addr": addr, "transfer_id": rid});
+    start_load(d, rid, 40, d_blocks, &params);
+    let pull = server.join().unwrap();
+    d.wait_finished(|f| f.recving.iter().any(|r| &**r == rid));
+    let errs = d.c.get_block_ids_with_load_errors();
+    assert!(!errs.is_empty() && errs.iter().all(|e| e.1.contains("recorded")), "{errs:?}");
+    pull
+}
+
+/// Writes `bytes` into D's first destination block of `pull`, as P would,
+/// addressing D's registration exactly as the pull names it (a fresh
+/// initiator, so nothing cached helps or hides a stale descriptor).
+fn write_as_pulled(pull: &Pull, bytes: &[u8]) -> Result<(), String> {
+    let offset = pull.block_offsets[0];
+    match &pull.dst {
+        Destination::Tcp { addr } => {
+            let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+            let pool = Pool::new(PoolOptions { chunk_size: 8 << 10, single_allocation: false });
+            let src = pool.allocate(Tag::KvCache, BB).unwrap();
+            src.write_bytes(0, bytes).unwrap();
+            let registry = Arc::new(Registry::new(RegistryOptions::default()));
+            let reg = registry.register(&src, 0, BB).unwrap();
+            rt.block_on(async {
+                let agent = Agent::bind("127.0.0.1:0", registry.clone(), AgentConfig::default()).await.unwrap();
+                let local = LocalSlice::grant(&registry, &reg, 0, BB as u64).unwrap();
+                let remote = RemoteDescriptor {
+                    agent_addr: addr.clone(),
+                    segment: pull.segment,
+                    key: pull.key,
+                    epoch: pull.epoch,
+                    offset,
+                    len: BB as u64,
+                };
+                agent.write(vec![(local, remote)], None, WAIT).await.map_err(|e| e.to_string())
+            })
+        }
+        Destination::Shm { path } => {
+            let imp = ShmImporter::connect(std::path::Path::new(path), Limits::default()).map_err(|e| e.to_string())?;
+            imp.map(&registration(pull), WAIT).map_err(|e| e.to_string())?;
+            imp.write(pull.segment, pull.epoch, offset, bytes).map_err(|e| e.to_string())
+        }
+    }
+}
+
+fn registration(pull: &Pull) -> Registration {
+    Registration { segment: pull.segment, key: pull.key, epoch: pull.epoch, len: pull.region_len }
+}
+
+/// Inodes of the memfds backing `region` now.
+fn inodes(region: &Region) -> Vec<u64> {
+    region
+        .chunks()
+        .iter()
+        .map(|m| std::fs::metadata(format!("/proc/self/fd/{}", m.chunk.raw_fd())).unwrap().ino())
+        .collect()
+}
+
+/// Mappings in this process of a memfd with one of `inos`.
+fn mappings_of(inos: &[u64]) -> usize {
+    std::fs::read_to_string("/proc/self/maps")
+        .unwrap()
+        .lines()
+        .filter(|l| l.contains("memfd:"))
+        .filter(|l| l.split_whitespace().nth(4).and_then(|i| i.parse::<u64>().ok()).is_some_and(|i| inos.contains(&i)))
+        .count()
+}
+
+// ---- release / restore ----
+
+#[test]
+fn release_and_restore_are_immediate_when_idle_and_idempotent() {
+    let mut p = side("kv_producer", "tcp", "p1", "");
+    let mut d = side("kv_consumer", "tcp", "d1", "");
+    for s in [&p, &d] {
+        assert!(s.c.supports_sleep_mode());
+        assert_eq!((s.c.info()["supports_sleep_mode"].as_bool(), s.epoch()), (Some(true), 1));
+    }
+    for s in [&mut p, &mut d] {
+        let t0 = Instant::now();
+        s.c.release_kv_caches(Duration::from_secs(5)).unwrap();
+        assert!(t0.elapsed() < Duration::from_millis(200), "idle release took {:?}", t0.elapsed());
+        s.c.release_kv_caches(Duration::from_secs(5)).unwrap();
+        assert_eq!(s.c.info()["kv_released"], true);
+        assert_eq!(s.gauge("kv_released"), 1.0);
+        s.c.restore_kv_caches().unwrap();
+        s.c.restore_kv_caches().unwrap();
+        assert_eq!((s.epoch(), s.gauge("kv_released")), (2, 0.0), "one new epoch per release/restore cycle");
+    }
+    transfer_ok(&mut p, &mut d, "t1", [5, 9, 2], [7, 3, 20]);
+}
+
+#[test]
+fn release_waits_for_a_ready_send_until_d_pulls() {
+    let mut p = side("kv_producer", "tcp", "p1", "");
+    let mut d = side("kv_consumer", "tcp", "d1", "");
+    let params = prefill(&mut p, "rp", "t1", 40, &[5, 9, 2]);
+    let timeout = Duration::from_secs(8);
+    let p_metrics = p.metrics.clone();
+    let (result, took) = std::thread::scope(|s| {
+        let pc = &mut p.c;
+        let release = s.spawn(move || {
+            let t0 = Instant::now();
+            (pc.release_kv_caches(timeout), t0.elapsed())
+        });
+        let waiting = || p_metrics().into_iter().any(|m| m.0 == "release_waiting" && m.2 == 1.0);
+        wait_until("P's release waits", waiting);
+        assert!(!release.is_finished(), "P must not deregister while D's KV waits");
+        start_load(&mut d, "rd", 40, &[7, 3, 20], &params);
+        d.wait_finished(|f| f.recving.len() == 1);
+        release.join().unwrap()
+    });
+    result.unwrap();
+    assert!(took < timeout, "the release returned when D pulled, after {took:?}");
+    assert_eq!(d.c.get_block_ids_with_load_errors(), vec![]);
+    assert_eq!((d.block(3), d.block(20)), (pattern(9), pattern(2)));
+    p.wait_finished(|f| f.sending == vec![Arc::from("rp")]);
+    assert_eq!(p.gauge("release_waiting"), 0.0);
+}
+
+#[test]
+fn release_times_out_when_d_never_pulls_and_deregisters_anyway() {
+    let mut p = side("kv_producer", "tcp", "p1", "");
+    let mut d = side("kv_consumer", "tcp", "d1", "");
+    let params = prefill(&mut p, "rp", "t1", 40, &[5, 9, 2]);
+    let timeout = Duration::from_millis(400);
+    let t0 = Instant::now();
+    let e = p.c.release_kv_caches(timeout).expect_err("D never pulled").to_string();
+    let took = t0.elapsed();
+    assert!(took >= timeout && took < timeout + SLACK, "release took {took:?} for a timeout of {timeout:?}");
+    assert!(e.contains("3 blocks held for decode engines") && e.contains("400ms"), "{e}");
+    // The send ended: P gives the blocks back.
+    p.wait_finished(|f| f.sending == vec![Arc::from("rp")]);
+    assert_eq!(p.c.num_held_blocks(), 0);
+    // The registration is gone: the region's pages are freed when it sleeps.
+    p.pool.discard(&[Tag::KvCache]).unwrap();
+    assert_eq!((p.kv_device_bytes(), p.pool.pinned_bytes()), (0, 0));
+    // A pull arriving while P is asleep is answered at once.
+    let t1 = Instant::now();
+    start_load(&mut d, "rd", 40, &[7, 3, 20], &params);
+    d.wait_finished(|f| f.recving.len() == 1);
+    assert!(t1.elapsed() < Duration::from_secs(1), "answered after {:?}", t1.elapsed());
+    let errs = d.c.get_block_ids_with_load_errors();
+    assert_eq!(errs.len(), 3);
+    assert!(errs[0].1.contains(ASLEEP), "{}", errs[0].1);
+    // So is a pull for a transfer P has not seen (no waiting for its arrival).
+    let t2 = Instant::now();
+    start_load(&mut d, "rd9", 40, &[8, 10, 12], &d_params(&p, "t9"));
+    d.wait_finished(|f| f.recving.len() == 1);
+    assert!(t2.elapsed() < Duration::from_secs(1), "answered after {:?}", t2.elapsed());
+    let errs = d.c.get_block_ids_with_load_errors();
+    assert!(errs.len() == 3 && errs[0].1.contains(ASLEEP), "{errs:?}");
+    // Wake and restore: P serves again.
+    p.pool.wake(&[Tag::KvCache]).unwrap();
+    p.c.restore_kv_caches().unwrap();
+    transfer_ok(&mut p, &mut d, "t2", [1, 4, 6], [8, 10, 12]);
+}
+
+#[test]
+fn release_on_d_waits_for_a_load_in_flight() {
+    let mut p = side("kv_producer", "tcp", "p1", "");
+    let mut d = side("kv_consumer", "tcp", "d1", "");
+    // P's request still runs; D's pull is parked on P.
+    admit(&mut p, "rp", "t1", 40);
+    start_load(&mut d, "rd", 40, &[7, 3, 20], &d_params(&p, "t1"));
+    wait_until("D's pull reaches P", || p.gauge("pulls_pending") >= 1.0);
+    let timeout = Duration::from_secs(8);
+    let d_metrics = d.metrics.clone();
+    let (result, took) = std::thread::scope(|s| {
+        let dc = &mut d.c;
+        let release = s.spawn(move || {
+            let t0 = Instant::now();
+            (dc.release_kv_caches(timeout), t0.elapsed())
+        });
+        wait_until("D's release waits", || d_metrics().into_iter().any(|m| m.0 == "release_waiting" && m.2 == 1.0));
+        assert!(!release.is_finished(), "D must not deregister while P may write into its blocks");
+        assert!(finish(&mut p, "rp", "t1", 40, &[5, 9, 2]));
+        release.join().unwrap()
+    });
+    result.unwrap();
+    assert!(took < timeout, "{took:?}");
+    d.wait_finished(|f| f.recving.len() == 1);
+    assert_eq!(d.c.get_block_ids_with_load_errors(), vec![]);
+    assert_eq!((d.block(7), d.block(3)), (pattern(5), pattern(9)), "the load completed before the release");
+    // While D is asleep it starts no load.
+    let params = prefill(&mut p, "rp2", "t2", 40, &[1, 4, 6]);
+    let t0 = Instant::now();
+    start_load(&mut d, "rd2", 40, &[8, 10, 12], &params);
+    d.wait_finished(|f| f.recving.len() == 1);
+    assert!(t0.elapsed() < Duration::from_millis(200));
+    let errs = d.c.get_block_ids_with_load_errors();
+    assert_eq!(errs.len(), 3);
+    assert!(errs[0].1.contains("decode engine's KV cache is released"), "{}", errs[0].1);
+}
+
+#[test]
+fn a_release_on_d_is_bounded_and_a_late_write_never_lands() {
+    let mut p = side("kv_producer", "tcp", "p1", "");
+    let mut d = side("kv_consumer", "tcp", "d1", "");
+    admit(&mut p, "rp", "t1", 40);
+    start_load(&mut d, "rd", 40, &[7, 3, 20], &d_params(&p, "t1"));
+    wait_until("D's pull reaches P", || p.gauge("pulls_pending") >= 1.0);
+    let timeout = Duration::from_millis(400);
+    let t0 = Instant::now();
+    let e = d.c.release_kv_caches(timeout).expect_err("the load never ended").to_string();
+    let took = t0.elapsed();
+    assert!(took >= timeout && took < timeout + SLACK, "release took {took:?}");
+    assert!(e.contains("1 loads writing into them"), "{e}");
+    // P finishes now and writes to D's registration, which is gone.
+    assert!(finish(&mut p, "rp", "t1", 40, &[5, 9, 2]));
+    d.wait_finished(|f| f.recving.len() == 1);
+    let errs = d.c.get_block_ids_with_load_errors();
+    assert_eq!(errs.len(), 3);
+    assert!(errs[0].1.contains("not registered"), "{}", errs[0].1);
+    for b in [7, 3, 20] {
+        assert_eq!(d.block(b), vec![0; BB], "no byte reached block {b}");
+    }
+}
+
+/// Sleep and wake both engines around transfers: the KV memory is freed
+/// while asleep, a transfer after the wake lands in the new pages, and D's
+/// old registration is refused, never served.
+fn sleep_cycle(transport: &str) {
+    let mut p = side("kv_producer", transport, "p1", "");
+    let mut d = side("kv_consumer", transport, "d1", "");
+    transfer_ok(&mut p, &mut d, "t1", [5, 9, 2], [7, 3, 20]);
+    let old = capture_pull(&mut d, "cap1", &[24, 25, 26]);
+    assert_eq!(old.epoch, 1);
+    let old_inodes = inodes(&d.region);
+    assert!(mappings_of(&old_inodes) > 0);
+
+    for s in [&mut p, &mut d] {
+        s.c.release_kv_caches(Duration::from_secs(5)).unwrap();
+        s.pool.discard(&[Tag::KvCache]).unwrap();
+        assert_eq!((s.kv_device_bytes(), s.pool.pinned_bytes()), (0, 0), "asleep: the KV pages are freed");
+    }
+    assert_eq!(mappings_of(&old_inodes), 0, "no mapping (P's included) keeps D's old pages");
+    let e = write_as_pulled(&old, &[0xEE; BB]).expect_err("D is asleep");
+    assert!(e.contains("not registered"), "{e}");
+
+    for s in [&mut p, &mut d] {
+        s.pool.wake(&[Tag::KvCache]).unwrap();
+        s.c.restore_kv_caches().unwrap();
+        assert_eq!(s.epoch(), 2);
+        assert!(s.kv_device_bytes() > 0);
+    }
+    // A write addressed to the old registration is refused; nothing lands.
+    let e = write_as_pulled(&old, &[0xEE; BB]).expect_err("stale epoch");
+    assert!(e.contains("stale epoch"), "{e}");
+    assert_eq!(d.block(24), vec![0; BB]);
+    // The same write addressed as D pulls now lands in the new pages.
+    let new = capture_pull(&mut d, "cap2", &[24, 25, 26]);
+    assert_eq!((new.segment, new.epoch), (old.segment, 2), "same segment, next epoch");
+    assert_ne!(new.key, old.key);
+    write_as_pulled(&new, &[0xEE; BB]).unwrap();
+    assert_eq!(d.block(24), vec![0xEE; BB]);
+    // P's first transfer after the wake succeeds without a retry, into the
+    // new pages (fresh pages read zero, so the pattern proves the write).
+    transfer_ok(&mut p, &mut d, "t2", [1, 4, 6], [8, 10, 12]);
+    assert_eq!(p.gauge("pulls_failed_total"), 0.0);
+}
+
+#[test]
+fn a_sleep_cycle_over_tcp_frees_the_kv_and_refuses_the_old_epoch() {
+    sleep_cycle("tcp");
+}
+
+#[test]
+fn a_sleep_cycle_over_shared_memory_frees_the_kv_and_refuses_the_old_epoch() {
+    sleep_cycle("shm");
+}
+
+#[test]
+fn without_a_release_the_registration_and_the_peer_mapping_pin_the_old_pages() {
+    let mut p = side("kv_producer", "shm", "p1", "");
+    let mut d = side("kv_consumer", "shm", "d1", "");
+    transfer_ok(&mut p, &mut d, "t1", [5, 9, 2], [7, 3, 20]);
+    let old_inodes = inodes(&d.region);
+    // A peer mapped D's segment before the sleep (P did too, for t1).
+    let pull = capture_pull(&mut d, "cap1", &[24, 25, 26]);
+    let Destination::Shm { path } = &pull.dst else { panic!("{:?}", pull.dst) };
+    let peer = ShmImporter::connect(std::path::Path::new(path), Limits::default()).unwrap();
+    peer.map(&registration(&pull), WAIT).unwrap();
+
+    // The seeds' bug: the region sleeps, its pages do not.
+    d.pool.discard(&[Tag::KvCache]).unwrap();
+    let region_bytes = (BLOCKS * BB) as u64;
+    assert_eq!(d.kv_device_bytes(), region_bytes, "the registration pins every page");
+    assert_eq!(d.pool.pinned_bytes(), region_bytes);
+    assert!(mappings_of(&old_inodes) >= 2, "the registration's and the peers' mappings");
+    peer.write(pull.segment, pull.epoch, pull.block_offsets[0], &[1; BB]).expect("the stale mapping still reaches the old pages");
+
+    // Releasing now makes every peer unmap (acks awaited) and drops the pins.
+    d.c.release_kv_caches(Duration::from_secs(5)).unwrap();
+    assert_eq!((d.kv_device_bytes(), d.pool.pinned_bytes(), mappings_of(&old_inodes)), (0, 0, 0));
+    assert!(peer.unmapped() >= 1);
+    let e = peer.write(pull.segment, pull.epoch, pull.block_offsets[0], &[1; BB]).expect_err("unmapped").to_string();
+    assert!(e.contains("not mapped"), "{e}");
+
+    d.pool.wake(&[Tag::KvCache]).unwrap();
+    d.c.restore_kv_caches().unwrap();
+    transfer_ok(&mut p, &mut d, "t2", [1, 4, 6], [8, 10, 12]);
+}
+
+// ---- abort_transfers ----
+
+#[test]
+fn abort_on_p_answers_pulls_at_once_and_gives_the_blocks_back() {
+    let mut p = side("kv_producer", "tcp", "p1", "");
+    let mut d = side("kv_consumer", "tcp", "d1", "");
+    // "t1" runs on P with D's pull parked on it; "t2" is READY, not pulled.
+    admit(&mut p, "rp1", "t1", 40);
+    start_load(&mut d, "rd1", 40, &[7, 3, 20], &d_params(&p, "t1"));
+    wait_until("D's pull reaches P", || p.gauge("pulls_pending") >= 1.0);
+    let t2 = prefill(&mut p, "rp2", "t2", 40, &[5, 9, 2]);
+    assert_eq!(p.c.num_held_blocks(), 3);
+
+    let t0 = Instant::now();
+    p.c.abort_transfers();
+    p.c.abort_transfers();
+    let f = p.wait_finished(|f| !f.sending.is_empty());
+    assert_eq!(f.sending, vec![Arc::from("rp2")]);
+    assert_eq!(p.c.num_held_blocks(), 0);
+    d.wait_finished(|f| f.recving.len() == 1);
+    let took = t0.elapsed();
+    assert!(took < Duration::from_secs(1), "the parked pull was answered after {took:?}");
+    let errs = d.c.get_block_ids_with_load_errors();
+    assert_eq!(errs.len(), 3);
+    assert!(errs[0].1.contains(CACHE_RESET), "{}", errs[0].1);
+    // The running request ends without holding its blocks for D.
+    assert!(!finish(&mut p, "rp1", "t1", 40, &[11, 12, 13]));
+    // A pull for the released READY transfer learns why at once.
+    start_load(&mut d, "rd2", 40, &[8, 10, 12], &t2);
+    d.wait_finished(|f| f.recving.len() == 1);
+    assert!(d.c.get_block_ids_with_load_errors()[0].1.contains(CACHE_RESET));
+    // New transfers work normally.
+    transfer_ok(&mut p, &mut d, "t3", [1, 4, 6], [14, 15, 16]);
+}
+
+#[test]
+fn abort_on_d_cuts_loads_short_after_p_answered() {
+    let mut p = side("kv_producer", "tcp", "p1", "");
+    let mut d = side("kv_consumer", "tcp", "d1", "");
+    // "rd1" is in flight (its pull parked on P); "rd2" is decided, not started.
+    admit(&mut p, "rp1", "t1", 40);
+    start_load(&mut d, "rd1", 40, &[7, 3, 20], &d_params(&p, "t1"));
+    wait_until("D's pull reaches P", || p.gauge("pulls_pending") >= 1.0);
+    let t2 = prefill(&mut p, "rp2", "t2", 40, &[5, 9, 2]);
+    decide_load(&mut d, "rd2", 40, &[8, 10, 12], &t2);
+    assert_eq!(d.c.num_held_blocks(), 6);
+
+    d.c.abort_transfers();
+    d.c.abort_transfers();
+    let f = d.wait_finished(|f| f.recving.len() == 2);
+    let mut got: Vec<&str> = f.recving.iter().map(|r| &**r).collect();
+    got.sort();
+    assert_eq!(got, ["rd1", "rd2"]);
+    assert_eq!(d.c.num_held_blocks(), 0);
+    let mut errs = d.c.get_block_ids_with_load_errors();
+    errs.sort();
+    let want: Vec<(u32, String)> = [3, 7, 8, 10, 12, 20].into_iter().map(|b| (b, pdkv_connector::pd::CUT_SHORT.to_string())).collect();
+    assert_eq!(errs, want);
+    // The meta built before the abort starts nothing now.
+    let meta = d.c.build_connector_meta();
+    d.c.start_load_kv(meta);
+    // P learned that D dropped t1: the request ends without holding blocks,
+    // and a later pull for it learns why.
+    assert!(!finish(&mut p, "rp1", "t1", 40, &[11, 12, 13]));
+    assert!(d.c.get_finished().is_empty());
+    // The cut-short requests recompute locally: no external tokens again.
+    let id: Arc<str> = Arc::from("rd1");
+    let prompt = vec![1u32; 40];
+    assert_eq!(d.c.get_num_new_matched_tokens(req(&id, &prompt, &d_params(&p, "t1")), 0).num_tokens, 0);
+    // t2 is still READY on P (D never pulled it); a new load of it works.
+    start_load(&mut d, "rd3", 40, &[14, 15, 16], &t2);
+    d.wait_finished(|f| f.recving.len() == 1);
+    assert_eq!(d.c.get_block_ids_with_load_errors(), vec![]);
+    assert_eq!(d.block(14), pattern(5));
+}
