@@ -279,15 +279,7 @@ impl Scheduler {
             self.held.entry(id.clone()).or_default().extend(blocks);
             self.waiting.push_front(id.clone());
         }
-        for id in &self.waiting {
-            let req = self.requests.get_mut(id).expect("waiting request exists");
-            if !req.blocks.is_empty() {
-                self.pool.free(&req.blocks);
-                req.blocks.clear();
-                req.num_computed_tokens = 0;
-                req.num_cached_blocks = 0;
-            }
-        }
+        self.drop_waiting_blocks();
         if let Some(c) = self.connector.as_deref_mut() {
             c.abort_transfers();
         }
@@ -496,7 +488,13 @@ impl Scheduler {
         while let Some(id) = self.running.pop() {
             self.preempt(id);
         }
-        // Waiting requests whose external KV landed hold blocks too.
+        self.drop_waiting_blocks();
+        n
+    }
+
+    /// Waiting requests whose external KV landed (and were not scheduled
+    /// yet) give their blocks up and will recompute from scratch.
+    fn drop_waiting_blocks(&mut self) {
         for id in &self.waiting {
             let req = self.requests.get_mut(id).expect("waiting request exists");
             if !req.blocks.is_empty() {
@@ -506,7 +504,6 @@ impl Scheduler {
                 req.num_cached_blocks = 0;
             }
         }
-        n
     }
 
     /// Drops the prefix-cache hashes of free blocks only (see
