@@ -10,6 +10,7 @@ mod bench_pd;
 mod bench_sleep;
 mod bench_transfer;
 mod fetch;
+mod lifecycle_cmd;
 mod progress;
 mod proxy_cmd;
 mod serve;
@@ -35,6 +36,9 @@ enum Command {
     Proxy(proxy_cmd::ProxyArgs),
     /// Start a prefill server, a decode server and the proxy on loopback.
     Up(up::UpArgs),
+    /// Run the lifecycle matrix (pause, sleep, wake, release, reload) under
+    /// load across a prefill server, a decode server and the proxy.
+    Lifecycle(lifecycle_cmd::LifecycleArgs),
     /// Fetch or create model checkpoints.
     #[command(subcommand)]
     Model(ModelCommand),
@@ -113,6 +117,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Serve(args) => serve::run(args),
         Command::Proxy(args) => proxy_cmd::run(args),
         Command::Up(args) => up::run(args),
+        Command::Lifecycle(args) => lifecycle_cmd::run(args),
         Command::Model(ModelCommand::Fetch { dir }) => {
             let dir = dir.map_or_else(fetch::default_model_dir, Ok)?;
             let path = fetch::fetch_default_model(&dir)?;
