@@ -728,6 +728,33 @@ mod tests {
     }
 
     #[test]
+    fn names_parse_both_ways() {
+        for m in [PauseMode::Abort, PauseMode::Wait, PauseMode::Keep] {
+            assert_eq!(PauseMode::parse(m.as_str()), Some(m));
+        }
+        assert_eq!(PauseMode::parse("freeze"), None);
+        for (n, l) in [(0, SleepLevel::L0), (1, SleepLevel::L1), (2, SleepLevel::L2)] {
+            assert_eq!(SleepLevel::parse(n), Some(l));
+            assert_eq!(l.as_u32(), n);
+        }
+        assert_eq!(SleepLevel::parse(3), None);
+        assert_eq!(Then::Sleep(SleepLevel::L1).name(), "sleep");
+        assert_eq!(Then::Pause { clear_cache: true }.name(), "pause");
+        assert_eq!(Then::ReleaseKv.name(), "release_kv_cache_memory");
+    }
+
+    #[test]
+    fn the_earliest_pending_deadline_is_the_next_one() {
+        let mut m = Machine::new();
+        assert_eq!((m.next_deadline(), m.has_pending()), (None, false));
+        let t0 = Instant::now();
+        m.pause(PauseMode::Wait, false, 1, t0 + Duration::from_secs(9), true);
+        m.sleep(SleepLevel::L1, PauseMode::Wait, 2, t0 + Duration::from_secs(3), true);
+        assert!(m.has_pending());
+        assert_eq!(m.next_deadline(), Some(t0 + Duration::from_secs(3)));
+    }
+
+    #[test]
     fn cache_resets_release_transfers_first_and_wait_for_them() {
         let sleep_actions = vec![
             Action::PreemptRunning,
