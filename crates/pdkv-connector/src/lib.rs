@@ -17,7 +17,7 @@ pub mod wire;
 
 use pdkv_engine::KvConnector;
 
-use crate::config::{KvTransferConfig, TransferMode};
+use crate::config::KvTransferConfig;
 
 /// Builds the connector a `--kv-transfer-config` JSON asks for. A bad
 /// configuration is refused with a message naming the bad field.
@@ -39,9 +39,6 @@ pub fn build(config_json: &str, engine_id: &str) -> anyhow::Result<Box<dyn KvCon
         _ => {}
     }
     let cfg = KvTransferConfig::parse(config_json)?;
-    if cfg.transfer_mode == TransferMode::Read {
-        anyhow::bail!("kv_transfer_config: transfer_mode: transfer_mode \"read\" is not available yet; use \"write\"");
-    }
     check_engine_id(engine_id)?;
     Ok(Box::new(pd::PdConnector::new(cfg, engine_id)?))
 }

@@ -1,6 +1,7 @@
-//! The P/D connector in write mode: the prefill engine (P) writes a
-//! finished prompt's KV blocks into the decode engine's (D) blocks when D
-//! pulls them.
+//! The P/D connector. Write mode: the prefill engine (P) writes a finished
+//! prompt's KV blocks into the decode engine's (D) blocks when D pulls them.
+//! Read mode (`"transfer_mode":"read"`): P *leases* the blocks and D reads
+//! them one-sided.
 //!
 //! Threads: the engine calls every [`KvConnector`] method on its core
 //! thread, and none of them blocks on I/O. All I/O runs on the connector's
@@ -36,6 +37,23 @@
 //! are never served. `abort_transfers` (before a cache reset) stops P
 //! holding KV for D and ends D's loads, reported as load errors with
 //! [`CUT_SHORT`] so the engine recomputes them.
+//!
+//! Read mode. A finished `do_remote_decode` request on P becomes READY with
+//! a lease (`abort_timeout` from the finish) and its params name P's blocks
+//! (`remote_block_ids`) and P's registration epoch
+//! (`remote_registration_generation`). D handshakes with P once per address
+//! (the answer carries P's transfer address and registration) and again
+//! *before* reading whenever the params name a newer generation than the one
+//! it holds, so the first read after P woke needs no failed attempt. D reads
+//! with the params' generation: if P's registration moved on (P slept) or is
+//! gone, the transfer layer refuses the access (stale epoch, not registered)
+//! and no byte is read. After the read D sends `read_done`; P ends the lease
+//! at once and answers whether the lease still held the blocks, and D keeps
+//! the data only then (a read that outlived the lease fails the load: its
+//! blocks may have been reused). Over shared memory P runs the exporter and
+//! D maps P's segment; P's release waits (bounded) for leased blocks to be
+//! read or expire and deregisters only after D's importer acknowledged the
+//! unmap. `abort_transfers` ends leases at once.
 
 use std::collections::{HashMap, HashSet};
 use std::net::SocketAddr;
@@ -59,9 +77,9 @@ use serde_json::json;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{oneshot, Notify};
 
-use crate::config::{KvRole, KvTransferConfig, Transport};
+use crate::config::{KvRole, KvTransferConfig, TransferMode, Transport};
 use crate::send::{Action, DropId, PullId, PullSpec, SendConfig, SendMachine, ASLEEP};
-use crate::wire::{self, Destination, Message, Pull};
+use crate::wire::{self, Destination, HandshakeInfo, Message, Pull};
 
 /// Bounds one control socket operation (connect, one read, one write).
 const CONTROL_IO: Duration = Duration::from_secs(5);
@@ -83,8 +101,42 @@ const MIN_UNMAP_WAIT: Duration = Duration::from_secs(1);
 pub enum PdParams {
     /// To P: compute the prompt and hold its KV for D.
     RemoteDecode { transfer_id: String },
-    /// To D: load the prompt's KV from P.
-    RemotePrefill { transfer_id: String, remote_engine_id: String, remote_bootstrap_addr: String },
+    /// To D: load the prompt's KV from P; `read` set in read mode.
+    RemotePrefill {
+        transfer_id: String,
+        remote_engine_id: String,
+        remote_bootstrap_addr: String,
+        read: Option<ReadParams>,
+    },
+}
+
+/// Read mode: what D reads from P.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ReadParams {
+    /// P's blocks holding tokens `0..prompt_len-1`, in order.
+    pub block_ids: Vec<u32>,
+    /// P's registration epoch when it leased them.
+    pub generation: u64,
+}
+
+fn read_params(obj: &serde_json::Map<String, serde_json::Value>) -> Result<Option<ReadParams>, String> {
+    let ids = match obj.get("remote_block_ids") {
+        None | Some(serde_json::Value::Null) => return Ok(None),
+        Some(serde_json::Value::Array(a)) => a,
+        Some(v) => return Err(format!("kv_transfer_params.remote_block_ids must be an array of block ids, got {v}")),
+    };
+    let block_ids = ids
+        .iter()
+        .map(|v| v.as_u64().and_then(|b| u32::try_from(b).ok()))
+        .collect::<Option<Vec<u32>>>()
+        .ok_or_else(|| "kv_transfer_params.remote_block_ids must hold block ids (integers from 0 to 2^32-1)".to_string())?;
+    let generation = match obj.get("remote_registration_generation") {
+        Some(v) => v.as_u64().ok_or_else(|| {
+            format!("kv_transfer_params.remote_registration_generation must be a non-negative integer, got {v}")
+        })?,
+        None => return Err("kv_transfer_params.remote_registration_generation is required with remote_block_ids".into()),
+    };
+    Ok(Some(ReadParams { block_ids, generation }))
 }
 
 fn flag(obj: &serde_json::Map<String, serde_json::Value>, name: &str) -> Result<bool, String> {
@@ -125,7 +177,12 @@ impl PdParams {
                         "kv_transfer_params.remote_bootstrap_addr {remote_bootstrap_addr:?} is not an ip:port address"
                     ));
                 }
-                Ok(Some(PdParams::RemotePrefill { transfer_id: text(obj, "transfer_id")?, remote_engine_id, remote_bootstrap_addr }))
+                Ok(Some(PdParams::RemotePrefill {
+                    transfer_id: text(obj, "transfer_id")?,
+                    remote_engine_id,
+                    remote_bootstrap_addr,
+                    read: read_params(obj)?,
+                }))
             }
             (false, false) => Ok(None),
         }
@@ -154,6 +211,16 @@ struct BootInfo {
     block_bytes: u64,
 }
 
+/// P's answer to a read-mode handshake, cached per address.
+#[derive(Clone, Debug)]
+struct PeerInfo {
+    engine_id: String,
+    layout: String,
+    block_bytes: u64,
+    transfer: Destination,
+    registration: Option<Registration>,
+}
+
 /// P's sending side: the machine plus the answers its actions go to.
 struct SendSide {
     machine: SendMachine,
@@ -173,6 +240,8 @@ struct LoadSpec {
     prompt_len: usize,
     first_block: usize,
     dst_blocks: Vec<u32>,
+    /// Read mode: P's blocks and generation, from the params.
+    read: Option<ReadParams>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -255,7 +324,9 @@ impl InFlight {
     }
 }
 
-/// A shared-memory peer P writes into, and what it mapped (segment → epoch).
+/// A shared-memory peer this engine copies to or from (P writing into D's
+/// segment in write mode, D reading P's in read mode), and what it mapped
+/// (segment → epoch).
 struct Imported {
     importer: ShmImporter,
     mapped: Mutex<HashMap<u64, u64>>,
@@ -278,6 +349,8 @@ struct Ctx {
     loads: Mutex<LoadTable>,
     importers: Mutex<HashMap<String, Arc<Imported>>>,
     boots: Mutex<HashMap<String, BootInfo>>,
+    /// D, read mode: P's handshake answers, by bootstrap address.
+    peers: Mutex<HashMap<String, PeerInfo>>,
     waker: Mutex<Option<Waker>>,
     next_id: AtomicU64,
     counters: Counters,
@@ -435,6 +508,24 @@ impl Drop for PdConnector {
 }
 
 impl PdConnector {
+    /// Read mode: adds the leased blocks and P's registration epoch to the
+    /// params of a finished request (no blocks for a one-token prompt, which
+    /// has nothing to send). A request whose blocks
+    /// are not leased (its send ended, e.g. by a cache reset) gets no params,
+    /// so D computes the prompt itself instead of reading blocks no lease
+    /// holds.
+    fn read_params(&self, mut params: serde_json::Value, held: bool, block_ids: &[u32], prompt_len: usize) -> Option<serde_json::Value> {
+        let bs = self.ctx.kv.lock().unwrap().as_ref().map_or(pdkv_model::BLOCK_SIZE, |k| k.block_size);
+        let needed = prompt_len.saturating_sub(1).div_ceil(bs);
+        if needed > 0 && (!held || block_ids.len() < needed) {
+            return None;
+        }
+        let generation = self.ctx.kv.lock().unwrap().as_ref().map(|k| k.reg.epoch)?;
+        params["remote_block_ids"] = json!(&block_ids[..needed]);
+        params["remote_registration_generation"] = json!(generation);
+        Some(params)
+    }
+
     /// Starts the runtime, binds the control listener and the transfer
     /// agent (and, for a shared-memory consumer, the exporter).
     pub fn new(cfg: KvTransferConfig, engine_id: &str) -> anyhow::Result<PdConnector> {
@@ -456,7 +547,13 @@ impl PdConnector {
             anyhow::Ok((agent, listener))
         })?;
         let control_addr = listener.local_addr()?;
-        let (shm_path, exporter) = if cfg.kv_role.consumes() && cfg.transport == Transport::Shm {
+        // The exporter serves the side whose memory the peer copies to or
+        // from: D's in write mode, P's in read mode.
+        let exports = match cfg.transfer_mode {
+            TransferMode::Write => cfg.kv_role.consumes(),
+            TransferMode::Read => cfg.kv_role.produces(),
+        };
+        let (shm_path, exporter) = if exports && cfg.transport == Transport::Shm {
             let path = cfg.shm_dir.join(format!("pdkv-{engine_id}-{}.sock", std::process::id()));
             let _ = std::fs::remove_file(&path);
             let exp = ShmExporter::bind(&path, registry.clone(), Limits::default())
@@ -481,6 +578,7 @@ impl PdConnector {
             loads: Mutex::new(LoadTable::default()),
             importers: Mutex::new(HashMap::new()),
             boots: Mutex::new(HashMap::new()),
+            peers: Mutex::new(HashMap::new()),
             waker: Mutex::new(None),
             next_id: AtomicU64::new(1),
             counters: Counters::default(),
@@ -558,6 +656,52 @@ async fn serve_control(ctx: &Arc<Ctx>, mut s: TcpStream) -> Result<(), wire::Wir
                 None => Message::Error { reason: format!("engine {} has not registered its KV cache yet", ctx.engine_id) },
             }
         }
+        Message::Handshake => {
+            // The registration and the asleep flag are read together under
+            // the send lock (the release decides to sleep holding it; the
+            // restore swaps both under the kv lock): the answer names P's
+            // live registration, or none while P is asleep.
+            let (kv, asleep) = {
+                let _st = ctx.send.lock().unwrap();
+                let kv = ctx.kv.lock().unwrap().clone();
+                (kv, ctx.asleep.load(Ordering::Acquire))
+            };
+            match kv {
+                Some(kv) => {
+                    let transfer = match (&ctx.shm_path, ctx.cfg.transport) {
+                        (Some(p), Transport::Shm) => Destination::Shm { path: p.display().to_string() },
+                        _ => Destination::Tcp { addr: ctx.agent.local_addr().to_string() },
+                    };
+                    let registration = (!asleep).then_some(kv.reg);
+                    Message::HandshakeOk(HandshakeInfo {
+                        engine_id: ctx.engine_id.clone(),
+                        layout: kv.layout,
+                        block_bytes: kv.block_bytes,
+                        transfer,
+                        registration,
+                    })
+                }
+                None => Message::Error { reason: format!("engine {} has not registered its KV cache yet", ctx.engine_id) },
+            }
+        }
+        Message::ReadDone { transfer_id } if ctx.cfg.kv_role.produces() => {
+            let res = {
+                let mut st = ctx.send.lock().unwrap();
+                let r = st.machine.on_read_done(Instant::now(), &transfer_id);
+                ctx.drive(&mut st);
+                r
+            };
+            match res {
+                Ok(()) => {
+                    ctx.counters.reads_done.fetch_add(1, Ordering::Relaxed);
+                    Message::ReadDoneOk
+                }
+                Err(reason) => {
+                    ctx.counters.reads_late.fetch_add(1, Ordering::Relaxed);
+                    Message::ReadDoneErr { reason }
+                }
+            }
+        }
         Message::Pull(p) if ctx.cfg.kv_role.produces() => {
             let id = ctx.next_id();
             let (tx, rx) = oneshot::channel();
@@ -603,7 +747,7 @@ async fn serve_control(ctx: &Arc<Ctx>, mut s: TcpStream) -> Result<(), wire::Wir
                 _ => Message::Error { reason: "the prefill engine lost the drop".into() },
             }
         }
-        Message::Pull(_) | Message::Drop { .. } => {
+        Message::Pull(_) | Message::Drop { .. } | Message::ReadDone { .. } => {
             Message::Error { reason: format!("engine {} is a {} and sends no KV", ctx.engine_id, ctx.cfg.kv_role.as_str()) }
         }
         other => Message::Error { reason: format!("unexpected message {other:?}") },
@@ -643,7 +787,8 @@ async fn write_blocks(ctx: &Arc<Ctx>, dst: &Pull, src: &[u32], deadline: Instant
             ctx.agent.write(transfers, None, left).await.map_err(|e| e.to_string())
         }
         Destination::Shm { path } => {
-            let imp = importer(ctx, path, dst, left).await;
+            let reg = Registration { segment: dst.segment, key: dst.key, epoch: dst.epoch, len: dst.region_len };
+            let imp = importer(ctx, path, &reg, left).await;
             let imp = match imp {
                 Ok(i) => i,
                 Err(e) => {
@@ -670,9 +815,9 @@ async fn write_blocks(ctx: &Arc<Ctx>, dst: &Pull, src: &[u32], deadline: Instant
     }
 }
 
-/// The importer for D's socket `path`, connected and with D's registration
-/// (at the pull's epoch) mapped.
-async fn importer(ctx: &Arc<Ctx>, path: &str, dst: &Pull, left: Duration) -> Result<Arc<Imported>, String> {
+/// The importer for the peer's socket `path`, connected and with the peer's
+/// registration `reg` (at its epoch) mapped.
+async fn importer(ctx: &Arc<Ctx>, path: &str, reg: &Registration, left: Duration) -> Result<Arc<Imported>, String> {
     let cached = ctx.importers.lock().unwrap().get(path).cloned();
     let imp = match cached {
         Some(i) => i,
@@ -687,15 +832,14 @@ async fn importer(ctx: &Arc<Ctx>, path: &str, dst: &Pull, left: Duration) -> Res
             i
         }
     };
-    let have = imp.mapped.lock().unwrap().get(&dst.segment).copied();
-    if have != Some(dst.epoch) {
-        let reg = Registration { segment: dst.segment, key: dst.key, epoch: dst.epoch, len: dst.region_len };
-        let i = imp.clone();
-        tokio::task::spawn_blocking(move || i.importer.map(&reg, left))
+    let have = imp.mapped.lock().unwrap().get(&reg.segment).copied();
+    if have != Some(reg.epoch) {
+        let (i, r) = (imp.clone(), *reg);
+        tokio::task::spawn_blocking(move || i.importer.map(&r, left))
             .await
             .map_err(|e| e.to_string())?
-            .map_err(|e| format!("mapping the decode engine's KV cache: {e}"))?;
-        imp.mapped.lock().unwrap().insert(dst.segment, dst.epoch);
+            .map_err(|e| format!("mapping the peer's KV cache (segment {}, epoch {}): {e}", reg.segment, reg.epoch))?;
+        imp.mapped.lock().unwrap().insert(reg.segment, reg.epoch);
     }
     Ok(imp)
 }
@@ -719,8 +863,163 @@ async fn bootstrap(ctx: &Arc<Ctx>, addr: &str, refresh: bool) -> Result<BootInfo
     }
 }
 
+/// D's read-mode handshake with P at `addr` (cached; made again when `refresh`).
+async fn handshake(ctx: &Arc<Ctx>, addr: &str, refresh: bool) -> Result<PeerInfo, String> {
+    if !refresh {
+        if let Some(p) = ctx.peers.lock().unwrap().get(addr) {
+            return Ok(p.clone());
+        }
+    }
+    match wire::exchange(addr, &Message::Handshake, CONTROL_IO, CONTROL_IO).await {
+        Ok(Message::HandshakeOk(h)) => {
+            ctx.counters.handshakes.fetch_add(1, Ordering::Relaxed);
+            let p = PeerInfo {
+                engine_id: h.engine_id,
+                layout: h.layout,
+                block_bytes: h.block_bytes,
+                transfer: h.transfer,
+                registration: h.registration,
+            };
+            tracing::debug!(addr, engine_id = %p.engine_id, epoch = ?p.registration.map(|r| r.epoch), "handshake");
+            ctx.peers.lock().unwrap().insert(addr.to_string(), p.clone());
+            Ok(p)
+        }
+        Ok(Message::Error { reason }) => Err(format!("handshake with {addr} refused: {reason}")),
+        Ok(other) => Err(format!("handshake with {addr}: unexpected answer {other:?}")),
+        Err(e) => Err(format!("handshake with {addr} failed: {e}")),
+    }
+}
+
+/// D's read-mode load: handshake (again first when the params name a newer
+/// generation than the one held), checks, the one-sided read of P's leased
+/// blocks at the params' generation, then `read_done`; `Ok` only when P
+/// confirms its lease held the blocks until the read ended.
+async fn run_read(ctx: &Arc<Ctx>, spec: &LoadSpec, rp: &ReadParams) -> Result<(), String> {
+    let kv = ctx.kv.lock().unwrap().clone().ok_or("the KV cache is not registered")?;
+    let mut peer = handshake(ctx, &spec.addr, false).await?;
+    let behind = peer.registration.is_none_or(|r| r.epoch < rp.generation);
+    if peer.engine_id != spec.remote_engine_id || behind {
+        peer = handshake(ctx, &spec.addr, true).await?;
+    }
+    if peer.engine_id != spec.remote_engine_id {
+        return Err(format!(
+            "remote_engine_id mismatch: the request names {:?}, the prefill engine at {} is {:?}",
+            spec.remote_engine_id, spec.addr, peer.engine_id
+        ));
+    }
+    let res = read_blocks(ctx, spec, rp, &kv, &peer).await;
+    if let Err(e) = &res {
+        // The next load starts from a fresh handshake and mapping.
+        ctx.peers.lock().unwrap().remove(&spec.addr);
+        if let Destination::Shm { path } = &peer.transfer {
+            ctx.importers.lock().unwrap().remove(path);
+        }
+        tracing::warn!(transfer_id = %spec.transfer_id, "read failed: {e}");
+    }
+    // Ends the lease either way; after a successful read P's answer says
+    // whether the data is valid.
+    let done = wire::exchange(&spec.addr, &Message::ReadDone { transfer_id: spec.transfer_id.clone() }, CONTROL_IO, CONTROL_IO).await;
+    res?;
+    match done {
+        Ok(Message::ReadDoneOk) => {
+            let bytes = kv.block_bytes * spec.dst_blocks.len() as u64;
+            ctx.counters.bytes_read.fetch_add(bytes, Ordering::Relaxed);
+            Ok(())
+        }
+        Ok(Message::ReadDoneErr { reason }) => Err(format!(
+            "the KV read of transfer {:?} is void: the prefill engine {:?} no longer held the blocks when the read ended: {reason}",
+            spec.transfer_id, peer.engine_id
+        )),
+        Ok(other) => Err(format!("read_done for transfer {:?}: unexpected answer {other:?}", spec.transfer_id)),
+        Err(e) => Err(format!("read_done for transfer {:?} to {} failed, the read is unconfirmed: {e}", spec.transfer_id, spec.addr)),
+    }
+}
+
+/// Checks the params against P's handshake and this engine, then reads P's
+/// blocks `rp.block_ids[first..]` into D's `dst_blocks` (same indices).
+async fn read_blocks(ctx: &Arc<Ctx>, spec: &LoadSpec, rp: &ReadParams, kv: &KvInfo, peer: &PeerInfo) -> Result<(), String> {
+    if peer.layout != kv.layout || peer.block_bytes != kv.block_bytes {
+        return Err(format!(
+            "KV layout mismatch: the prefill engine {:?} has {:?} ({} bytes per block), this engine has {:?} ({} bytes per block)",
+            peer.engine_id, peer.layout, peer.block_bytes, kv.layout, kv.block_bytes
+        ));
+    }
+    let tokens = spec.prompt_len.saturating_sub(1);
+    let needed = tokens.div_ceil(kv.block_size);
+    if rp.block_ids.len() != needed {
+        return Err(format!(
+            "block count mismatch: kv_transfer_params.remote_block_ids names {} blocks, the KV of {} tokens fills {} blocks of {} tokens",
+            rp.block_ids.len(),
+            tokens,
+            needed,
+            kv.block_size
+        ));
+    }
+    let end = spec.first_block + spec.dst_blocks.len();
+    let Some(src) = rp.block_ids.get(spec.first_block..end).filter(|s| !s.is_empty()) else {
+        return Err(format!(
+            "no blocks to read: blocks {}..{end} of the {} in kv_transfer_params.remote_block_ids",
+            spec.first_block, needed
+        ));
+    };
+    let Some(reg) = peer.registration else {
+        return Err(format!(
+            "the prefill engine {:?} has released its KV cache (asleep): generation {} cannot be read",
+            peer.engine_id, rp.generation
+        ));
+    };
+    let bb = kv.block_bytes;
+    let mut pairs = Vec::with_capacity(src.len());
+    for (&s, &d) in src.iter().zip(&spec.dst_blocks) {
+        let local = LocalSlice::grant(&ctx.registry, &kv.reg, d as u64 * bb, bb).map_err(|e| format!("local block {d}: {e}"))?;
+        // The params' generation, not the handshake's: a registration that
+        // moved on since P leased the blocks refuses the access.
+        pairs.push((local, Target { segment: reg.segment, key: reg.key, epoch: rp.generation, offset: s as u64 * bb, len: bb }));
+    }
+    let limit = ctx.cfg.load_timeout;
+    let n = src.len();
+    let what = |e: String| {
+        format!(
+            "reading {n} blocks of transfer {:?} (generation {}) from the prefill engine {:?}: {e}",
+            spec.transfer_id,
+            rp.generation,
+            peer.engine_id
+        )
+    };
+    match &peer.transfer {
+        Destination::Tcp { addr } => {
+            let transfers = pairs
+                .into_iter()
+                .map(|(local, t)| {
+                    let d = RemoteDescriptor {
+                        agent_addr: addr.clone(),
+                        segment: t.segment,
+                        key: t.key,
+                        epoch: t.epoch,
+                        offset: t.offset,
+                        len: t.len,
+                    };
+                    (d, local)
+                })
+                .collect();
+            ctx.agent.read(transfers, limit).await.map_err(|e| what(e.to_string()))
+        }
+        Destination::Shm { path } => {
+            let imp = importer(ctx, path, &reg, limit).await.map_err(what)?;
+            let transfers = pairs.into_iter().map(|(local, remote)| Transfer { local, remote }).collect();
+            match imp.importer.start(Direction::Read, transfers, None, Instant::now() + limit) {
+                Ok(h) => h.wait().await.map_err(|e| what(e.to_string())),
+                Err(e) => Err(what(e.to_string())),
+            }
+        }
+    }
+}
+
 /// D's load: bootstrap, checks, pull; `Ok` once P wrote every block.
 async fn run_load(ctx: &Arc<Ctx>, spec: &LoadSpec) -> Result<(), String> {
+    if let Some(rp) = &spec.read {
+        return run_read(ctx, spec, rp).await;
+    }
     let kv = ctx.kv.lock().unwrap().clone().ok_or("the KV cache is not registered")?;
     let mut boot = bootstrap(ctx, &spec.addr, false).await?;
     if boot.engine_id != spec.remote_engine_id {
@@ -785,6 +1084,14 @@ struct Counters {
     loads_failed: AtomicU64,
     loads_cut_short: AtomicU64,
     bytes_sent: AtomicU64,
+    /// D: read-mode handshakes with prefill engines.
+    handshakes: AtomicU64,
+    /// D: KV bytes read from prefill engines (read mode).
+    bytes_read: AtomicU64,
+    /// P: leases a decode engine's `read_done` ended while they held.
+    reads_done: AtomicU64,
+    /// P: `read_done` reports that came after the lease had ended.
+    reads_late: AtomicU64,
 }
 
 impl KvConnector for PdConnector {
@@ -840,6 +1147,10 @@ impl KvConnector for PdConnector {
                 ("loads_failed_total", "KV loads this decode engine failed", get(&c.loads_failed)),
                 ("loads_cut_short_total", "KV loads this decode engine ended early for a cache reset", get(&c.loads_cut_short)),
                 ("bytes_sent_total", "KV bytes this prefill engine wrote to decode engines", get(&c.bytes_sent)),
+                ("handshakes_total", "Read-mode handshakes this decode engine made with prefill engines", get(&c.handshakes)),
+                ("bytes_read_total", "KV bytes this decode engine read from prefill engines", get(&c.bytes_read)),
+                ("reads_done_total", "Leases ended by a decode engine's read_done while they held", get(&c.reads_done)),
+                ("reads_late_total", "read_done reports that came after the lease had ended", get(&c.reads_late)),
                 ("send_held_blocks", "KV blocks held for decode engines now", held),
                 ("pulls_pending", "Pulls received and not yet answered (or still writing)", pulls),
                 ("release_waiting", "1 while a KV cache release waits for transfers in flight", get_flag(&ctx.releasing)),
@@ -889,7 +1200,7 @@ impl KvConnector for PdConnector {
         if num_external_tokens == 0 {
             return;
         }
-        let PdParams::RemotePrefill { transfer_id, remote_engine_id, remote_bootstrap_addr } = params else { return };
+        let PdParams::RemotePrefill { transfer_id, remote_engine_id, remote_bootstrap_addr, read } = params else { return };
         let bs = self.ctx.kv.lock().unwrap().as_ref().map_or(pdkv_model::BLOCK_SIZE, |k| k.block_size);
         let first = num_computed_tokens / bs;
         let last = (num_computed_tokens + num_external_tokens).div_ceil(bs).min(block_ids.len());
@@ -901,6 +1212,7 @@ impl KvConnector for PdConnector {
             prompt_len,
             first_block: first,
             dst_blocks: block_ids.get(first..last).unwrap_or(&[]).to_vec(),
+            read,
         };
         self.decided.insert(req.id.clone());
         self.ctx.loads.lock().unwrap().loads.insert(
@@ -940,7 +1252,7 @@ impl KvConnector for PdConnector {
                     self.ctx.drive(&mut st);
                     held
                 };
-                let params = completed.then(|| {
+                let mut params = completed.then(|| {
                     json!({
                         "do_remote_prefill": true,
                         "remote_engine_id": self.ctx.engine_id,
@@ -949,6 +1261,9 @@ impl KvConnector for PdConnector {
                         "remote_num_tokens": prompt_len,
                     })
                 });
+                if self.ctx.cfg.transfer_mode == TransferMode::Read {
+                    params = params.and_then(|p| self.read_params(p, held, block_ids, prompt_len));
+                }
                 (held, params)
             }
             Ok(Some(PdParams::RemotePrefill { .. })) => {

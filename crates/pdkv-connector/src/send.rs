@@ -28,6 +28,13 @@
 //!   A lease does not expire while a write reads the blocks;
 //! - every parked or queued pull has a deadline (`abort_timeout` from its
 //!   receipt; `arrival_timeout` while its transfer is unknown).
+//!
+//! Read mode uses the same states with no pull: D reads the READY blocks
+//! one-sided while the *lease* (`abort_timeout` from the finish) holds them,
+//! then reports [`SendMachine::on_read_done`], which ends the send at once.
+//! The read is valid only if the transfer was still READY when that report
+//! came: a lease that expired, was aborted or released gave the blocks back
+//! meanwhile, and the report learns why.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
@@ -377,6 +384,21 @@ impl SendMachine {
             t.drop_waiters.push(drop);
         } else {
             self.actions.push_back(Action::DropAnswer { drop, known });
+        }
+    }
+
+    /// Read mode: D finished reading `transfer_id`'s blocks. `Ok` when the
+    /// lease still held them (the send ends now and the blocks go back);
+    /// otherwise why the lease had ended, so D discards what it read.
+    pub fn on_read_done(&mut self, now: Instant, transfer_id: &str) -> Result<(), String> {
+        match self.transfers.get(transfer_id).map(|t| &t.phase) {
+            Some(Phase::Ready { .. }) => {
+                self.end_send(now, transfer_id, format!("transfer {transfer_id:?} was read already"), false);
+                Ok(())
+            }
+            Some(Phase::Done { reason, .. }) => Err(reason.clone()),
+            Some(Phase::Waiting) => Err(format!("the prefill request of transfer {transfer_id:?} has not finished")),
+            None => Err(format!("transfer {transfer_id:?} is unknown to the prefill engine")),
         }
     }
 
@@ -853,6 +875,30 @@ mod tests {
         m.on_pull(t0, 5, pull("n", 0));
         assert!(matches!(actions(&mut m)[..], [Action::StartWrite { pull: 5, .. }]));
         assert_eq!(m.held_blocks(), 3);
+    }
+
+    #[test]
+    fn a_read_done_ends_the_lease_at_once_and_a_late_one_learns_why() {
+        let t0 = Instant::now();
+        let mut m = machine(1);
+        ready(&mut m, t0);
+        assert_eq!(m.on_read_done(t0, "t"), Ok(()));
+        assert_eq!(m.take_finished(), vec![rid("r")], "the lease ends on the report");
+        assert_eq!((m.held_blocks(), m.phase("t")), (0, Some(PhaseName::Done)));
+        assert!(m.on_read_done(t0, "t").unwrap_err().contains("was read already"));
+
+        // Expired before the report: the read is refused with the reason.
+        let mut m = machine(1);
+        ready(&mut m, t0);
+        m.handle_timeout(t0 + ABORT);
+        assert_eq!(m.take_finished(), vec![rid("r")]);
+        assert!(m.on_read_done(t0 + ABORT, "t").unwrap_err().contains("lease"));
+        // Aborted (cache reset) and unknown transfers.
+        let mut m = machine(1);
+        ready(&mut m, t0);
+        m.abort_all(t0);
+        assert_eq!(m.on_read_done(t0, "t"), Err(CACHE_RESET.into()));
+        assert!(m.on_read_done(t0, "zz").unwrap_err().contains("unknown"));
     }
 
     #[test]

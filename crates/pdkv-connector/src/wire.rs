@@ -6,9 +6,18 @@
 //! [`MAX_MESSAGE`] bytes. Every socket operation has a timeout, and the
 //! decoder never panics: a bad length, truncated input or malformed JSON is
 //! an error that closes that connection and nothing else.
+//!
+//! Write mode: `bootstrap` (D learns P's engine id and layout), `pull` (P
+//! writes into D's blocks), `drop`. Read mode adds `handshake` (D also
+//! learns P's transfer address and current KV registration, whose epoch is
+//! the `remote_registration_generation` P stamps on its params) and
+//! `read_done` (D read a leased transfer; P ends the lease and says whether
+//! it still held the blocks when the read ended, which is what makes the
+//! data D read valid).
 
 use std::time::Duration;
 
+use pdkv_transfer::Registration;
 use serde::{Deserialize, Serialize};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
@@ -46,6 +55,20 @@ pub struct Pull {
     pub block_offsets: Vec<u64>,
 }
 
+/// P's answer to a read-mode handshake.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct HandshakeInfo {
+    pub engine_id: String,
+    pub layout: String,
+    pub block_bytes: u64,
+    /// Where P's KV cache is reached: its TCP agent, or its shared-memory
+    /// exporter's socket.
+    pub transfer: Destination,
+    /// P's current KV cache registration; `None` while it is released
+    /// (asleep).
+    pub registration: Option<Registration>,
+}
+
 /// Every control message.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "type", rename_all = "snake_case")]
@@ -57,6 +80,16 @@ pub enum Message {
     PullErr { reason: String },
     Drop { transfer_id: String },
     DropOk { known: bool },
+    /// Read mode: D asks for what it needs to read P's blocks one-sided.
+    Handshake,
+    HandshakeOk(HandshakeInfo),
+    /// Read mode: D finished reading `transfer_id`'s leased blocks.
+    ReadDone { transfer_id: String },
+    /// The lease held the blocks until the read ended: the data is valid.
+    ReadDoneOk,
+    /// The lease had ended (expired, aborted, released): the data D read
+    /// may come from reused blocks and must not be used.
+    ReadDoneErr { reason: String },
     /// The server could not make sense of the request.
     Error { reason: String },
 }
@@ -168,6 +201,17 @@ mod tests {
             Message::PullErr { reason: "r".into() },
             Message::Drop { transfer_id: "t".into() },
             Message::DropOk { known: true },
+            Message::Handshake,
+            Message::HandshakeOk(HandshakeInfo {
+                engine_id: "p".into(),
+                layout: "l".into(),
+                block_bytes: 64,
+                transfer: Destination::Tcp { addr: "127.0.0.1:9".into() },
+                registration: Some(Registration { segment: 1, key: 2, epoch: 3, len: 4096 }),
+            }),
+            Message::ReadDone { transfer_id: "t".into() },
+            Message::ReadDoneOk,
+            Message::ReadDoneErr { reason: "expired".into() },
         ];
         for m in msgs {
             let b = encode(&m).unwrap();

@@ -17,18 +17,17 @@
 //! reaches P before that pass is parked as for an unknown transfer, which
 //! these tests treat the same way.
 
+mod common;
+
 use std::time::{Duration, Instant};
 
-use pdkv_engine::{
-    AddRequestError, Engine, EngineConfig, EngineHandle, EngineRequest, FinishReason, PauseMode, RequestOutput,
-    RequestStream, SamplingParams,
+use common::{
+    all_idle, assert_finished, assert_idle, bootstrap_addr, collect, colocated, config, consumer, decode_params,
+    engine, error_of, fingerprint, last, metric, pd, producer, prompt, pull_params, remote_prefill, request, run,
+    start, wait_metric, Started, WAIT,
 };
-use pdkv_model::Arch;
-use pdkv_vmem::Pool;
+use pdkv_engine::{AddRequestError, EngineConfig, EngineHandle, FinishReason, PauseMode, RequestOutput, RequestStream};
 use serde_json::{json, Value};
-
-/// Bound on waits that only depend on the engines making progress.
-const WAIT: Duration = Duration::from_secs(60);
 
 /// The prefill engine's id in every test (D requests name it).
 const P_ID: &str = "p1";
@@ -40,158 +39,18 @@ const HOLD_LEN: usize = 200;
 /// Prompts of the P requests that stay queued behind it (7 blocks each).
 const TARGET_LEN: usize = 100;
 
-struct Started {
-    handle: EngineHandle,
-    _dir: tempfile::TempDir,
-}
-
-impl Drop for Started {
-    fn drop(&mut self) {
-        self.handle.shutdown();
-    }
-}
-
-fn config(num_kv_blocks: usize, max_num_seqs: usize) -> EngineConfig {
-    EngineConfig {
-        max_num_seqs,
-        max_num_batched_tokens: 256,
-        num_kv_blocks,
-        enable_prefix_caching: true,
-        max_model_len: None,
-        ..EngineConfig::default()
-    }
-}
-
-/// An engine on the tiny random llama (the same weights every time), with
-/// the connector `cfg` under `engine_id` when given.
-fn engine(connector: Option<(&str, &str)>, config: EngineConfig) -> Started {
-    let dir = tempfile::tempdir().unwrap();
-    pdkv_model::init::write_random_checkpoint(Arch::Llama, "tiny", 7, dir.path()).unwrap();
-    let pool = Pool::default();
-    let model = pdkv_model::load_model(dir.path(), &pool, &mut |_| {}).unwrap();
-    let c = connector.map(|(cfg, id)| pdkv_connector::build(cfg, id).unwrap());
-    let handle = Engine::start_with_connector(model, pool, config, c).unwrap();
-    Started { handle, _dir: dir }
-}
-
-/// A consumer connector configuration with `extra` fields (`,"k":v...`).
-fn consumer(extra: &str) -> String {
-    format!(r#"{{"kv_connector":"pdkv","kv_role":"kv_consumer"{extra}}}"#)
-}
-
-fn producer(extra: &str) -> String {
-    format!(r#"{{"kv_connector":"pdkv","kv_role":"kv_producer"{extra}}}"#)
-}
-
-fn colocated() -> Started {
-    engine(None, config(64, 8))
-}
-
-fn prompt(seed: u64, len: usize) -> Vec<u32> {
-    (0..len as u64)
-        .map(|i| (pdkv_engine::sampling::splitmix64(seed.wrapping_mul(1_000_003) ^ i) % 500) as u32)
-        .collect()
-}
-
-fn request(id: &str, tokens: Vec<u32>, max_tokens: u32, params: Option<Value>) -> EngineRequest {
-    let sp = SamplingParams {
-        temperature: 0.0,
-        max_tokens,
-        ignore_eos: true,
-        return_logits: true,
-        ..SamplingParams::default()
-    };
-    EngineRequest { id: id.into(), prompt_tokens: tokens, params: sp, kv_transfer_params: params }
-}
-
-fn start(e: &EngineHandle, id: &str, tokens: Vec<u32>, max_tokens: u32, params: Option<Value>) -> RequestStream {
-    e.add_request(request(id, tokens, max_tokens, params)).unwrap_or_else(|err| panic!("request {id} refused: {err}"))
-}
-
-/// Every output up to and including the final one.
-fn collect(mut s: RequestStream) -> Vec<RequestOutput> {
-    let mut out = Vec::new();
-    while let Some(o) = s.blocking_next() {
-        let last = o.finish_reason.is_some();
-        out.push(o);
-        if last {
-            break;
-        }
-    }
-    assert!(out.last().is_some_and(|o| o.finish_reason.is_some()), "stream ended without a final output");
-    out
-}
-
-fn run(e: &EngineHandle, id: &str, tokens: Vec<u32>, max_tokens: u32, params: Option<Value>) -> Vec<RequestOutput> {
-    collect(start(e, id, tokens, max_tokens, params))
-}
-
-fn last(outs: &[RequestOutput]) -> &RequestOutput {
-    outs.last().expect("at least the final output")
-}
-
-fn assert_finished(outs: &[RequestOutput], reason: FinishReason, what: &str) {
-    let l = last(outs);
-    assert_eq!(l.finish_reason, Some(reason), "{what}: {:?}", l.error);
-}
-
-/// The error of a request that ended with [`FinishReason::Error`].
-fn error_of(outs: &[RequestOutput], what: &str) -> String {
-    assert_finished(outs, FinishReason::Error, what);
-    last(outs).error.clone().unwrap_or_else(|| panic!("{what}: an Error finish without a message"))
-}
-
-fn tokens_and_bits(outs: &[RequestOutput]) -> (Vec<u32>, Vec<Vec<u32>>) {
-    let toks = outs.iter().flat_map(|o| o.token_ids.clone()).collect();
-    let bits = outs.iter().flat_map(|o| o.logits.iter().map(|r| r.iter().map(|x| x.to_bits()).collect())).collect();
-    (toks, bits)
+/// [`config`] with a cache of `num_kv_blocks` blocks.
+fn blocks(num_kv_blocks: usize) -> EngineConfig {
+    EngineConfig { num_kv_blocks, ..config() }
 }
 
 /// D's outputs equal a colocated run of the same prompt: tokens and logits bits.
 fn assert_matches_colocated(colo: &EngineHandle, outs: &[RequestOutput], tokens: &[u32], max_tokens: u32, what: &str) {
     assert_finished(outs, FinishReason::Length, what);
     let c = run(colo, &format!("colo-{what}"), tokens.to_vec(), max_tokens, None);
-    let (got, want) = (tokens_and_bits(outs), tokens_and_bits(&c));
+    let (got, want) = (fingerprint(outs), fingerprint(&c));
     assert_eq!(got.0, want.0, "{what}: tokens differ from the colocated run");
     assert!(got.1 == want.1, "{what}: logits differ from the colocated run");
-}
-
-fn metric(e: &EngineHandle, name: &str) -> f64 {
-    e.kv_connector_metrics().into_iter().find(|m| m.0 == name).unwrap_or_else(|| panic!("no connector metric {name}")).2
-}
-
-/// Waits until the connector metric `name` reads `value`. The predicate is
-/// checked again at every stats publication of the engine's core, which
-/// happens at least once per idle turn.
-fn wait_metric(e: &EngineHandle, name: &str, value: f64, what: &str) {
-    let ok = e.wait_stats(WAIT, |_| metric(e, name) == value);
-    assert!(ok.is_some(), "{what}: {name} stayed {} (wanted {value})", metric(e, name));
-}
-
-/// Waits (at most `within`) until the engine is idle with every block free
-/// and none held.
-fn assert_idle(e: &EngineHandle, within: Duration, what: &str) {
-    let ok = e.wait_stats(within, |s| {
-        s.kv_blocks_free == s.kv_blocks_total && s.kv_blocks_held == 0 && s.num_running == 0 && s.num_waiting == 0
-    });
-    assert!(ok.is_some(), "{what}: not idle within {within:?}: {:?}", e.stats());
-}
-
-fn bootstrap_addr(p: &EngineHandle) -> String {
-    p.kv_connector_info().expect("P has a connector")["bootstrap_addr"]
-        .as_str()
-        .expect("a bootstrap address")
-        .to_string()
-}
-
-/// The params a D request uses to load `transfer_id` from P (what P's final
-/// output returns, written out before P finished).
-fn pull_params(p: &EngineHandle, transfer_id: &str) -> Value {
-    json!({"do_remote_prefill": true, "remote_engine_id": P_ID, "remote_bootstrap_addr": bootstrap_addr(p), "transfer_id": transfer_id})
-}
-
-fn decode_params(transfer_id: &str) -> Value {
-    json!({"do_remote_decode": true, "transfer_id": transfer_id})
 }
 
 /// A P whose cache is held by a finished transfer: see the module docs.
@@ -203,11 +62,9 @@ struct Blocked {
 
 /// Starts a P with a small cache and fills it with the held transfer "hold".
 fn block_prefill(extra: &str) -> Blocked {
-    let p = engine(Some((&producer(extra), P_ID)), config(BLOCKED_P_BLOCKS, 8));
+    let p = engine(Some((&producer(extra), P_ID)), blocks(BLOCKED_P_BLOCKS));
     let hold_prompt = prompt(77, HOLD_LEN);
-    let out = run(&p.handle, "hold", hold_prompt.clone(), 1, Some(decode_params("hold")));
-    assert_finished(&out, FinishReason::Length, "hold on P");
-    let hold_params = last(&out).kv_transfer_params.clone().expect("P returns the hold transfer's params");
+    let hold_params = remote_prefill(&p.handle, "hold", &hold_prompt, "hold");
     let s = p.handle.wait_stats(WAIT, |s| s.num_running == 0 && s.num_waiting == 0).unwrap();
     let need = TARGET_LEN.div_ceil(pdkv_model::BLOCK_SIZE);
     assert!(s.kv_blocks_held > 0 && s.kv_blocks_free < need, "P is not blocked: {s:?}");
@@ -243,8 +100,8 @@ fn wait_parked(p: &EngineHandle, d: &EngineHandle, pulls: f64) {
 fn an_aborted_prefill_ends_the_waiting_decode_at_once() {
     let b = block_prefill(r#","arrival_timeout_s":20"#);
     let p = &b.p.handle;
-    let d = engine(Some((&consumer(""), "d1-fail")), config(64, 8));
-    let dr = engine(Some((&consumer(r#","kv_load_failure_policy":"recompute""#), "d1-rec")), config(64, 8));
+    let d = engine(Some((&consumer(""), "d1-fail")), config());
+    let dr = engine(Some((&consumer(r#","kv_load_failure_policy":"recompute""#), "d1-rec")), config());
     let colo = colocated();
 
     for (i, (dh, policy)) in [(&d.handle, "fail"), (&dr.handle, "recompute")].into_iter().enumerate() {
@@ -277,9 +134,7 @@ fn an_aborted_prefill_ends_the_waiting_decode_at_once() {
     assert_eq!(metric(p, "pulls_failed_total"), 2.0);
 
     b.release(&d.handle, &colo.handle);
-    for (e, what) in [(p, "P"), (&d.handle, "D fail"), (&dr.handle, "D recompute"), (&colo.handle, "colocated")] {
-        assert_idle(e, WAIT, what);
-    }
+    all_idle(&[(p, "P"), (&d.handle, "D fail"), (&dr.handle, "D recompute"), (&colo.handle, "colocated")]);
 }
 
 /// D's request is aborted while its load waits at P: D keeps the
@@ -290,7 +145,7 @@ fn an_aborted_prefill_ends_the_waiting_decode_at_once() {
 fn an_aborted_decode_releases_the_transfer_on_both_sides() {
     let b = block_prefill(r#","abort_timeout_s":30,"arrival_timeout_s":20"#);
     let p = &b.p.handle;
-    let d = engine(Some((&consumer(""), "d2")), config(64, 8));
+    let d = engine(Some((&consumer(""), "d2")), config());
     let colo = colocated();
 
     let (ps, pr) = b.queue("p-t", 20, "t");
@@ -323,28 +178,24 @@ fn an_aborted_decode_releases_the_transfer_on_both_sides() {
     let out = run(&d.handle, "d-late", pr.clone(), 2, Some(late));
     let why = error_of(&out, "a pull of the released transfer");
     assert!(why.contains(pdkv_connector::send::RELEASED), "{why}");
-    for (e, what) in [(p, "P"), (&d.handle, "D"), (&colo.handle, "colocated")] {
-        assert_idle(e, WAIT, what);
-    }
+    all_idle(&[(p, "P"), (&d.handle, "D"), (&colo.handle, "colocated")]);
 }
 
 /// Bad `kv_transfer_params` fail only their own request while a good P/D
 /// request runs at the same time; malformed ones are refused at once.
 #[test]
 fn bad_transfer_params_fail_only_their_request() {
-    let p = engine(Some((&producer(r#","arrival_timeout_s":0.5"#), P_ID)), config(64, 8));
-    let d = engine(Some((&consumer(""), "d3")), config(64, 8));
+    let p = engine(Some((&producer(r#","arrival_timeout_s":0.5"#), P_ID)), config());
+    let d = engine(Some((&consumer(""), "d3")), config());
     let colo = colocated();
     let (ph, dh) = (&p.handle, &d.handle);
 
     // Two finished transfers on P: one pulled properly, one by a D prompt one
     // block longer than P's.
     let good = prompt(30, 40);
-    let out = run(ph, "p-good", good.clone(), 1, Some(decode_params("good")));
-    let good_params = last(&out).kv_transfer_params.clone().expect("params");
+    let good_params = remote_prefill(ph, "p-good", &good, "good");
     let short = prompt(31, 40);
-    let out = run(ph, "p-short", short.clone(), 1, Some(decode_params("short")));
-    let short_params = last(&out).kv_transfer_params.clone().expect("params");
+    let short_params = remote_prefill(ph, "p-short", &short, "short");
     let long = [&short[..], &prompt(32, pdkv_model::BLOCK_SIZE)[..]].concat();
 
     let mut other_engine = pull_params(ph, "x-engine");
@@ -396,9 +247,7 @@ fn bad_transfer_params_fail_only_their_request() {
     assert_eq!(metric(dh, "loads_ok_total"), 1.0);
     assert_eq!(metric(dh, "loads_failed_total"), 3.0);
     assert_eq!(metric(ph, "pulls_ok_total"), 1.0);
-    for (e, what) in [(ph, "P"), (dh, "D"), (&colo.handle, "colocated")] {
-        assert_idle(e, WAIT, what);
-    }
+    all_idle(&[(ph, "P"), (dh, "D"), (&colo.handle, "colocated")]);
 }
 
 /// A pull refused for a mismatch is answered once, with its own reason; the
@@ -406,13 +255,12 @@ fn bad_transfer_params_fail_only_their_request() {
 /// reason.
 #[test]
 fn a_mismatched_pull_is_answered_once_with_its_own_reason() {
-    let p = engine(Some((&producer(""), P_ID)), config(64, 8));
-    let d = engine(Some((&consumer(""), "d3m")), config(64, 8));
+    let p = engine(Some((&producer(""), P_ID)), config());
+    let d = engine(Some((&consumer(""), "d3m")), config());
     let colo = colocated();
     let (ph, dh) = (&p.handle, &d.handle);
     let pr = prompt(36, 40);
-    let out = run(ph, "p-m", pr.clone(), 1, Some(decode_params("m")));
-    let params = last(&out).kv_transfer_params.clone().expect("params");
+    let params = remote_prefill(ph, "p-m", &pr, "m");
     let long = [&pr[..], &prompt(37, pdkv_model::BLOCK_SIZE)[..]].concat();
 
     let why = error_of(&run(dh, "d-long", long.clone(), 2, Some(params.clone())), "the mismatched pull");
@@ -429,9 +277,7 @@ fn a_mismatched_pull_is_answered_once_with_its_own_reason() {
     assert!(why.contains("refused an earlier pull") && why.contains("prompt length mismatch"), "{why}");
     assert_eq!(metric(ph, "pulls_failed_total"), 2.0);
     assert_eq!(metric(dh, "loads_failed_total"), 2.0);
-    for (e, what) in [(ph, "P"), (dh, "D"), (&colo.handle, "colocated")] {
-        assert_idle(e, WAIT, what);
-    }
+    all_idle(&[(ph, "P"), (dh, "D"), (&colo.handle, "colocated")]);
 }
 
 /// P shuts down (paused, its requests frozen) while D waits for a WAITING
@@ -445,11 +291,9 @@ fn a_prefill_engine_shut_down_mid_transfer_fails_or_recomputes_the_load() {
     let p = &b.p.handle;
     let boot = bootstrap_addr(p);
     let timeouts = r#","abort_timeout_s":1,"load_timeout_s":2"#;
-    let d = engine(Some((&consumer(timeouts), "d4-fail")), config(64, 8));
-    let dr = engine(
-        Some((&consumer(&format!(r#"{timeouts},"kv_load_failure_policy":"recompute""#)), "d4-rec")),
-        config(64, 8),
-    );
+    let d = engine(Some((&consumer(timeouts), "d4-fail")), config());
+    let dr =
+        engine(Some((&consumer(&format!(r#"{timeouts},"kv_load_failure_policy":"recompute""#)), "d4-rec")), config());
     let colo = colocated();
 
     let (psf, prf) = b.queue("p-fail", 40, "t-fail");
@@ -479,9 +323,7 @@ fn a_prefill_engine_shut_down_mid_transfer_fails_or_recomputes_the_load() {
     assert_eq!((s.num_running, s.num_waiting), (0, 0), "{s:?}");
     assert_eq!(metric(&d.handle, "loads_failed_total"), 1.0);
     assert_eq!(metric(&dr.handle, "loads_failed_total"), 1.0);
-    for (e, what) in [(&d.handle, "D fail"), (&dr.handle, "D recompute"), (&colo.handle, "colocated")] {
-        assert_idle(e, WAIT, what);
-    }
+    all_idle(&[(&d.handle, "D fail"), (&dr.handle, "D recompute"), (&colo.handle, "colocated")]);
 }
 
 /// Many P/D pairs at once, with shared prefixes and more requests than
@@ -489,9 +331,9 @@ fn a_prefill_engine_shut_down_mid_transfer_fails_or_recomputes_the_load() {
 fn many_concurrent(transport: &str, tag: &str) {
     const N: usize = 24;
     let t = format!(r#","transport":"{transport}""#);
-    let p = engine(Some((&producer(&t), P_ID)), config(256, 8));
-    let d = engine(Some((&consumer(&t), &format!("d5-{tag}"))), config(256, 8));
-    let colo = engine(None, config(256, 8));
+    let p = engine(Some((&producer(&t), P_ID)), blocks(256));
+    let d = engine(Some((&consumer(&t), &format!("d5-{tag}"))), blocks(256));
+    let colo = engine(None, blocks(256));
     let base = prompt(50, 64);
     let prompts: Vec<Vec<u32>> = (0..N)
         .map(|i| {
@@ -503,24 +345,12 @@ fn many_concurrent(transport: &str, tag: &str) {
     // One pair first, so that D's prefix cache holds the shared prefix when
     // the others arrive: their loads start past D's local hit.
     let warm = [&base[..], &prompt(59, 5)[..]].concat();
-    let pout = run(ph, "p-warm", warm.clone(), 1, Some(decode_params("x-warm")));
-    let kp = last(&pout).kv_transfer_params.clone().expect("P returns transfer params");
-    let dout = run(dh, "d-warm", warm.clone(), 5, Some(kp));
+    let dout = pd(ph, dh, "x-warm", &warm, 5).unwrap_or_else(|e| panic!("the first pair over {transport}: {e}"));
     assert_matches_colocated(ch, &dout, &warm, 5, &format!("the first pair over {transport}"));
     assert!(dh.wait_stats(WAIT, |s| s.num_running == 0 && s.num_waiting == 0).unwrap().prefix_cache_hits == 0);
     let (pd_outs, colo_outs) = std::thread::scope(|s| {
-        let pd: Vec<_> = prompts
-            .iter()
-            .enumerate()
-            .map(|(i, pr)| {
-                s.spawn(move || {
-                    let pout = run(ph, &format!("p{i}"), pr.clone(), 1, Some(decode_params(&format!("x{i}"))));
-                    assert_finished(&pout, FinishReason::Length, "P");
-                    let kp = last(&pout).kv_transfer_params.clone().expect("P returns transfer params");
-                    run(dh, &format!("d{i}"), pr.clone(), 5, Some(kp))
-                })
-            })
-            .collect();
+        let pd: Vec<_> =
+            prompts.iter().enumerate().map(|(i, pr)| s.spawn(move || pd(ph, dh, &format!("x{i}"), pr, 5))).collect();
         let colo: Vec<_> = prompts
             .iter()
             .enumerate()
@@ -532,17 +362,15 @@ fn many_concurrent(transport: &str, tag: &str) {
         )
     });
     for (i, (dout, cout)) in pd_outs.iter().zip(&colo_outs).enumerate() {
-        assert_finished(dout, FinishReason::Length, &format!("D request {i} over {transport}"));
+        let dout = dout.as_ref().unwrap_or_else(|e| panic!("P/D request {i} over {transport}: {e}"));
         assert_finished(cout, FinishReason::Length, "colocated");
-        assert!(tokens_and_bits(dout) == tokens_and_bits(cout), "request {i} over {transport} differs from colocated");
+        assert!(fingerprint(dout) == fingerprint(cout), "request {i} over {transport} differs from colocated");
     }
     assert_eq!(metric(dh, "loads_ok_total"), (N + 1) as f64);
     assert_eq!(metric(dh, "loads_failed_total"), 0.0);
     assert_eq!(metric(ph, "pulls_ok_total"), (N + 1) as f64);
     assert_eq!(metric(ph, "pulls_failed_total"), 0.0);
-    for (e, what) in [(ph, "P"), (dh, "D"), (ch, "colocated")] {
-        assert_idle(e, WAIT, what);
-    }
+    all_idle(&[(ph, "P"), (dh, "D"), (ch, "colocated")]);
     assert!(dh.stats().prefix_cache_hits > 0, "no D request reused the shared prefix");
 }
 

@@ -4,92 +4,30 @@
 //! store survives a KV sleep, eviction keeps it within its budget, and a
 //! multi-connector of P/D transfer plus offload does both jobs.
 
-use std::time::Duration;
+mod common;
 
-use pdkv_engine::{
-    Engine, EngineConfig, EngineHandle, EngineRequest, FinishReason, PauseMode, RequestOutput, SamplingParams, SleepLevel,
+use common::{
+    assert_finished, colocated, config, engine, fingerprint, idle_and_free, metric, prompt, remote_prefill, WAIT,
 };
-use pdkv_model::Arch;
-use pdkv_vmem::Pool;
+use pdkv_engine::{EngineConfig, EngineHandle, FinishReason, PauseMode, RequestOutput, SleepLevel};
 use serde_json::json;
 
-const WAIT: Duration = Duration::from_secs(60);
-
-struct Started {
-    handle: EngineHandle,
-    _dir: tempfile::TempDir,
+/// [`config`] with prefix caching and sleep mode as given.
+fn opts(prefix_caching: bool, sleep_mode: bool) -> EngineConfig {
+    EngineConfig { enable_prefix_caching: prefix_caching, enable_sleep_mode: sleep_mode, ..config() }
 }
 
-impl Drop for Started {
-    fn drop(&mut self) {
-        self.handle.shutdown();
-    }
-}
-
-struct Opts {
-    prefix_caching: bool,
-    sleep_mode: bool,
-}
-
-fn engine(connector: Option<(&str, &str)>, opts: Opts) -> Started {
-    let dir = tempfile::tempdir().unwrap();
-    pdkv_model::init::write_random_checkpoint(Arch::Llama, "tiny", 7, dir.path()).unwrap();
-    let pool = Pool::default();
-    let model = pdkv_model::load_model(dir.path(), &pool, &mut |_| {}).unwrap();
-    let config = EngineConfig {
-        max_num_seqs: 8,
-        max_num_batched_tokens: 256,
-        num_kv_blocks: 64,
-        enable_prefix_caching: opts.prefix_caching,
-        enable_sleep_mode: opts.sleep_mode,
-        ..EngineConfig::default()
-    };
-    let c = connector.map(|(cfg, id)| pdkv_connector::build(cfg, id).unwrap());
-    let handle = Engine::start_with_connector(model, pool, config, c).unwrap();
-    Started { handle, _dir: dir }
-}
-
-fn colocated() -> Started {
-    engine(None, Opts { prefix_caching: true, sleep_mode: false })
-}
-
-fn prompt(seed: u64, len: usize) -> Vec<u32> {
-    (0..len as u64).map(|i| (pdkv_engine::sampling::splitmix64(seed.wrapping_mul(1_000_003) ^ i) % 500) as u32).collect()
-}
-
-fn run(e: &EngineHandle, id: &str, tokens: Vec<u32>, max_tokens: u32, params: Option<serde_json::Value>) -> Vec<RequestOutput> {
-    let sp = SamplingParams { temperature: 0.0, max_tokens, ignore_eos: true, return_logits: true, ..SamplingParams::default() };
-    let mut s = e
-        .add_request(EngineRequest { id: id.into(), prompt_tokens: tokens, params: sp, kv_transfer_params: params })
-        .unwrap();
-    let mut out = Vec::new();
-    while let Some(o) = s.blocking_next() {
-        let last = o.finish_reason.is_some();
-        out.push(o);
-        if last {
-            break;
-        }
-    }
-    let last = out.last().expect("a request ends with an output");
-    assert_eq!(last.finish_reason, Some(FinishReason::Length), "request {id}: {:?}", last.error);
+/// Runs a request that must finish by length (every request here does).
+fn run(
+    e: &EngineHandle,
+    id: &str,
+    tokens: Vec<u32>,
+    max_tokens: u32,
+    params: Option<serde_json::Value>,
+) -> Vec<RequestOutput> {
+    let out = common::run(e, id, tokens, max_tokens, params);
+    assert_finished(&out, FinishReason::Length, &format!("request {id}"));
     out
-}
-
-fn tokens_and_bits(outs: &[RequestOutput]) -> (Vec<u32>, Vec<Vec<u32>>) {
-    let toks = outs.iter().flat_map(|o| o.token_ids.clone()).collect();
-    let bits = outs.iter().flat_map(|o| o.logits.iter().map(|r| r.iter().map(|x| x.to_bits()).collect())).collect();
-    (toks, bits)
-}
-
-/// Every block free and none held for transfers.
-fn all_free(e: &EngineHandle) {
-    let ok = e.wait_stats(WAIT, |s| s.kv_blocks_free == s.kv_blocks_total && s.kv_blocks_held == 0);
-    assert!(ok.is_some(), "blocks leaked: {:?}", e.stats());
-}
-
-fn metric(e: &EngineHandle, name: &str) -> f64 {
-    let all = e.kv_connector_metrics();
-    all.iter().find(|m| m.0 == name).unwrap_or_else(|| panic!("no metric {name} in {all:?}")).2
 }
 
 const OFFLOAD: &str = r#"{"kv_connector":"offload"}"#;
@@ -98,13 +36,13 @@ const OFFLOAD: &str = r#"{"kv_connector":"offload"}"#;
 fn check_equal(e: &EngineHandle, colo: &EngineHandle, id: &str, tokens: &[u32], max_tokens: u32) {
     let out = run(e, id, tokens.to_vec(), max_tokens, None);
     let want = run(colo, &format!("colo-{id}"), tokens.to_vec(), max_tokens, None);
-    assert_eq!(tokens_and_bits(&out), tokens_and_bits(&want), "request {id}");
+    assert_eq!(fingerprint(&out), fingerprint(&want), "request {id}");
 }
 
 #[test]
 fn blocks_loaded_from_host_memory_give_the_colocated_output() {
     // No local prefix cache: only the offload store can serve a prefix.
-    let e = engine(Some((OFFLOAD, "o1")), Opts { prefix_caching: false, sleep_mode: false });
+    let e = engine(Some((OFFLOAD, "o1")), opts(false, false));
     let colo = colocated();
     let h = &e.handle;
     let bb = metric(h, "offload_block_bytes");
@@ -148,7 +86,7 @@ fn blocks_loaded_from_host_memory_give_the_colocated_output() {
     assert_eq!(metric(h, "offload_hit_blocks_total"), 9.0);
     assert_eq!(metric(h, "offload_lookup_misses_total"), misses + 2.0);
     assert_eq!(metric(h, "offload_evicted_blocks_total"), 0.0);
-    all_free(h);
+    idle_and_free(h);
 
     // An explicit prefix-cache reset empties the store too.
     assert!(h.reset_prefix_cache_with(false));
@@ -157,12 +95,12 @@ fn blocks_loaded_from_host_memory_give_the_colocated_output() {
     check_equal(h, &colo.handle, "a3", &a, 4);
     assert_eq!(metric(h, "offload_hit_blocks_total"), 9.0);
     assert_eq!(metric(h, "offload_lookup_misses_total"), misses + 3.0);
-    all_free(h);
+    idle_and_free(h);
 }
 
 #[test]
 fn the_offload_store_survives_a_kv_sleep() {
-    let e = engine(Some((OFFLOAD, "o2")), Opts { prefix_caching: true, sleep_mode: true });
+    let e = engine(Some((OFFLOAD, "o2")), opts(true, true));
     let colo = colocated();
     let h = &e.handle;
     let a = prompt(11, 70);
@@ -181,18 +119,18 @@ fn the_offload_store_survives_a_kv_sleep() {
     let b = [&a[..], &prompt(12, 10)[..]].concat();
     check_equal(h, &colo.handle, "b", &b, 6);
     assert_eq!(metric(h, "offload_hit_blocks_total"), 4.0);
-    all_free(h);
+    idle_and_free(h);
 }
 
 #[test]
 fn eviction_keeps_the_store_within_max_bytes() {
     // Learn the block size from a first engine's connector.
-    let probe = engine(Some((OFFLOAD, "probe")), Opts { prefix_caching: false, sleep_mode: false });
+    let probe = engine(Some((OFFLOAD, "probe")), opts(false, false));
     let bb = metric(&probe.handle, "offload_block_bytes") as u64;
     drop(probe);
     let max = 3 * bb + bb / 2;
     let cfg = json!({"kv_connector": "offload", "max_bytes": max}).to_string();
-    let e = engine(Some((&cfg, "o3")), Opts { prefix_caching: false, sleep_mode: false });
+    let e = engine(Some((&cfg, "o3")), opts(false, false));
     let colo = colocated();
     let h = &e.handle;
     // Four prompts of two full blocks each, into room for three blocks.
@@ -217,7 +155,7 @@ fn eviction_keeps_the_store_within_max_bytes() {
     check_equal(h, &colo.handle, "first", &first, 3);
     assert_eq!(metric(h, "offload_hit_blocks_total"), 3.0);
     assert!(metric(h, "offload_bytes_held") <= max as f64);
-    all_free(h);
+    idle_and_free(h);
 }
 
 #[test]
@@ -225,8 +163,8 @@ fn multi_of_pd_and_offload_transfers_and_saves_on_both_sides() {
     let pc = r#"{"kv_connector":"multi","connectors":[{"kv_connector":"pdkv","kv_role":"kv_producer"},{"kv_connector":"offload"}]}"#;
     let dc = r#"{"kv_connector":"multi","connectors":[{"kv_connector":"pdkv","kv_role":"kv_consumer"},{"kv_connector":"offload"}]}"#;
     // No local prefix cache, so that repeats are served by the offload tier.
-    let p = engine(Some((pc, "mp")), Opts { prefix_caching: false, sleep_mode: true });
-    let d = engine(Some((dc, "md")), Opts { prefix_caching: false, sleep_mode: true });
+    let p = engine(Some((pc, "mp")), opts(false, true));
+    let d = engine(Some((dc, "md")), opts(false, true));
     let colo = colocated();
     let info = d.handle.kv_connector_info().unwrap();
     assert_eq!(info["kv_connector"], "multi");
@@ -235,15 +173,13 @@ fn multi_of_pd_and_offload_transfers_and_saves_on_both_sides() {
     let prompts = [prompt(40, 70), prompt(41, 33)];
     let pd_round = |round: usize| {
         for (i, pr) in prompts.iter().enumerate() {
-            let tid = format!("t{round}-{i}");
-            let pout = run(&p.handle, &format!("p{round}-{i}"), pr.clone(), 1, Some(json!({"do_remote_decode": true, "transfer_id": tid})));
-            let kp = pout.last().unwrap().kv_transfer_params.clone().expect("P returns transfer params");
+            let kp = remote_prefill(&p.handle, &format!("p{round}-{i}"), pr, &format!("t{round}-{i}"));
             // The P/D child keeps P's blocks for D, so the multi does too.
             let held = p.handle.wait_stats(WAIT, |s| s.kv_blocks_held > 0);
             assert!(held.is_some(), "P freed the blocks before D pulled: {:?}", p.handle.stats());
             let dout = run(&d.handle, &format!("d{round}-{i}"), pr.clone(), 6, Some(kp));
             let cout = run(&colo.handle, &format!("c{round}-{i}"), pr.clone(), 6, None);
-            assert_eq!(tokens_and_bits(&dout), tokens_and_bits(&cout), "round {round}, prompt {i}");
+            assert_eq!(fingerprint(&dout), fingerprint(&cout), "round {round}, prompt {i}");
         }
     };
     pd_round(0);
@@ -276,7 +212,7 @@ fn multi_of_pd_and_offload_transfers_and_saves_on_both_sides() {
     assert_eq!(metric(&d.handle, "offload_hit_blocks_total"), 4.0);
     assert_eq!(metric(&d.handle, "loads_ok_total"), 4.0);
     for e in [&p.handle, &d.handle] {
-        all_free(e);
+        idle_and_free(e);
     }
 }
 
@@ -291,7 +227,10 @@ fn multi_configuration_is_checked_and_sleep_support_is_the_and_of_children() {
     assert_eq!(ok.name(), "multi");
     // Two children of one kind: their metrics are told apart by index.
     let names: Vec<&str> = ok.metrics_reader().unwrap()().into_iter().map(|m| m.0).collect();
-    assert!(names.contains(&"offload0_offload_max_bytes") && names.contains(&"offload1_offload_max_bytes"), "{names:?}");
+    assert!(
+        names.contains(&"offload0_offload_max_bytes") && names.contains(&"offload1_offload_max_bytes"),
+        "{names:?}"
+    );
     let unique: std::collections::HashSet<_> = names.iter().collect();
     assert_eq!(unique.len(), names.len(), "metric names are unique");
 
@@ -303,7 +242,9 @@ fn multi_configuration_is_checked_and_sleep_support_is_the_and_of_children() {
     assert!(e.contains("1 to 4"), "{e}");
     let e = err(r#"{"kv_connector":"multi","connectors":[{"kv_connector":"offload"}],"extra":1}"#);
     assert!(e.contains("kv_transfer_config: extra:"), "{e}");
-    let e = err(r#"{"kv_connector":"multi","connectors":[{"kv_connector":"offload"},{"kv_connector":"offload","max_bytes":0}]}"#);
+    let e = err(
+        r#"{"kv_connector":"multi","connectors":[{"kv_connector":"offload"},{"kv_connector":"offload","max_bytes":0}]}"#,
+    );
     assert!(e.starts_with("kv_transfer_config: connectors[1].max_bytes:"), "{e}");
     let e = err(r#"{"kv_connector":"multi","connectors":[{"kv_connector":"pdkv","kv_role":"nobody"}]}"#);
     assert!(e.starts_with("kv_transfer_config: connectors[0].kv_role:"), "{e}");

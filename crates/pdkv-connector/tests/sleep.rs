@@ -10,17 +10,19 @@
 //! process (`/proc/self/maps`, by inode), which is where a shared-memory
 //! peer's mapping would pin them.
 
-use std::io::{Read, Write};
-use std::net::{TcpListener, TcpStream};
+mod common;
+
+use std::net::TcpListener;
 use std::os::unix::fs::MetadataExt;
-use std::sync::mpsc;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use common::{
+    d_params, decide_load, failed_load, finish, park_pull, pattern, prefill, recv_msg, req, send_msg, side, start_load,
+    transfer_ok, wait_until, Side, BB, BLOCKS, SIDE_WAIT as WAIT,
+};
 use pdkv_connector::send::{ASLEEP, CACHE_RESET};
-use pdkv_connector::wire::{self, Destination, Message, Pull};
-use pdkv_engine::connector::{ConnectorRequest, FinishedTransfers, KvCacheSpec, MetricsReader};
-use pdkv_engine::{FinishReason, KvConnector};
+use pdkv_connector::wire::{Destination, Message, Pull};
 use pdkv_transfer::frame::Limits;
 use pdkv_transfer::shm::ShmImporter;
 use pdkv_transfer::tcp::{Agent, AgentConfig, LocalSlice};
@@ -28,170 +30,10 @@ use pdkv_transfer::{Registration, Registry, RegistryOptions, RemoteDescriptor};
 use pdkv_vmem::{Pool, PoolOptions, Region, Tag};
 use serde_json::{json, Value};
 
-const BLOCKS: usize = 32;
-const BB: usize = 1024;
-const WAIT: Duration = Duration::from_secs(10);
 /// Slack allowed over a timeout before a wait counts as unbounded.
 const SLACK: Duration = Duration::from_millis(900);
 
-struct Side {
-    c: Box<dyn KvConnector>,
-    region: Arc<Region>,
-    woke: mpsc::Receiver<()>,
-    pool: Pool,
-    metrics: MetricsReader,
-}
-
-fn side(role: &str, transport: &str, id: &str, extra: &str) -> Side {
-    let cfg = format!(r#"{{"kv_connector":"pdkv","kv_role":"{role}","transport":"{transport}"{extra}}}"#);
-    let mut c = pdkv_connector::build(&cfg, id).unwrap();
-    let pool = Pool::new(PoolOptions { chunk_size: 8 << 10, single_allocation: false });
-    let region = pool.allocate(Tag::KvCache, BLOCKS * BB).unwrap();
-    let (tx, woke) = mpsc::channel();
-    let tx = std::sync::Mutex::new(tx);
-    c.set_waker(Arc::new(move || {
-        let _ = tx.lock().unwrap().send(());
-    }));
-    let spec = KvCacheSpec { region: region.clone(), num_blocks: BLOCKS, block_bytes: BB, block_size: 16, layout: "test-layout".into() };
-    c.register_kv_caches(&spec).unwrap();
-    let metrics = c.metrics_reader().expect("the connector has metrics");
-    Side { c, region, woke, pool, metrics }
-}
-
-impl Side {
-    /// Polls `get_finished` (after each wake) until `pred` holds.
-    fn wait_finished(&mut self, mut pred: impl FnMut(&FinishedTransfers) -> bool) -> FinishedTransfers {
-        let deadline = Instant::now() + WAIT;
-        let mut all = FinishedTransfers::default();
-        loop {
-            let f = self.c.get_finished();
-            all.sending.extend(f.sending);
-            all.recving.extend(f.recving);
-            if pred(&all) {
-                return all;
-            }
-            let left = deadline.saturating_duration_since(Instant::now());
-            assert!(!left.is_zero(), "timed out waiting; got {all:?}");
-            let _ = self.woke.recv_timeout(left);
-        }
-    }
-
-    fn block(&self, b: u32) -> Vec<u8> {
-        let mut v = vec![0; BB];
-        self.region.read_bytes(b as usize * BB, &mut v).unwrap();
-        v
-    }
-
-    fn gauge(&self, name: &str) -> f64 {
-        (self.metrics)().into_iter().find(|m| m.0 == name).unwrap_or_else(|| panic!("no metric {name}")).2
-    }
-
-    fn epoch(&self) -> u64 {
-        self.c.info()["registration_epoch"].as_u64().expect("registered")
-    }
-
-    fn kv_device_bytes(&self) -> u64 {
-        self.pool.device_bytes().get(Tag::KvCache)
-    }
-}
-
-/// Waits (yielding, bounded) until `cond` holds; `what` names it on failure.
-fn wait_until(what: &str, mut cond: impl FnMut() -> bool) {
-    let t0 = Instant::now();
-    while !cond() {
-        assert!(t0.elapsed() < WAIT, "{what}: not within {WAIT:?}");
-        std::thread::yield_now();
-    }
-}
-
-fn pattern(block: u32) -> Vec<u8> {
-    (0..BB).map(|i| (i as u32).wrapping_mul(31).wrapping_add(block * 7) as u8).collect()
-}
-
-fn req<'a>(id: &'a Arc<str>, prompt: &'a [u32], params: &'a Value) -> ConnectorRequest<'a> {
-    ConnectorRequest { id, prompt_tokens: prompt, kv_transfer_params: Some(params) }
-}
-
-fn p_params(tid: &str) -> Value {
-    json!({"do_remote_decode": true, "transfer_id": tid})
-}
-
-/// P admits the request of `tid` (WAITING).
-fn admit(p: &mut Side, rid: &str, tid: &str, len: usize) {
-    let id: Arc<str> = Arc::from(rid);
-    let prompt = vec![1u32; len];
-    let params = p_params(tid);
-    assert_eq!(p.c.get_num_new_matched_tokens(req(&id, &prompt, &params), 0).num_tokens, 0);
-}
-
-/// P's request finishes with its KV in `p_blocks`; returns whether P holds them.
-fn finish(p: &mut Side, rid: &str, tid: &str, len: usize, p_blocks: &[u32]) -> bool {
-    for &b in p_blocks {
-        p.region.write_bytes(b as usize * BB, &pattern(b)).unwrap();
-    }
-    let id: Arc<str> = Arc::from(rid);
-    let prompt = vec![1u32; len];
-    let params = p_params(tid);
-    p.c.request_finished(req(&id, &prompt, &params), p_blocks, FinishReason::Length).0
-}
-
-/// P computes a prompt of `len` tokens into `p_blocks` and holds it for D
-/// (READY); returns D's params.
-fn prefill(p: &mut Side, rid: &str, tid: &str, len: usize, p_blocks: &[u32]) -> Value {
-    admit(p, rid, tid, len);
-    assert!(finish(p, rid, tid, len, p_blocks), "P holds the blocks for D");
-    d_params(p, tid)
-}
-
-fn d_params(p: &Side, tid: &str) -> Value {
-    let info = p.c.info();
-    json!({"do_remote_prefill": true, "remote_engine_id": info["engine_id"], "remote_bootstrap_addr": info["bootstrap_addr"], "transfer_id": tid})
-}
-
-/// D admits the request (nothing local) and decides its load into `d_blocks`.
-fn decide_load(d: &mut Side, rid: &str, len: usize, d_blocks: &[u32], params: &Value) {
-    let id: Arc<str> = Arc::from(rid);
-    let prompt = vec![1u32; len];
-    let m = d.c.get_num_new_matched_tokens(req(&id, &prompt, params), 0);
-    assert!(m.load_async);
-    assert_eq!(m.num_tokens, len - 1);
-    d.c.update_state_after_alloc(req(&id, &prompt, params), d_blocks, 0, m.num_tokens);
-}
-
-/// D decides and starts the load.
-fn start_load(d: &mut Side, rid: &str, len: usize, d_blocks: &[u32], params: &Value) {
-    decide_load(d, rid, len, d_blocks, params);
-    let meta = d.c.build_connector_meta();
-    d.c.start_load_kv(meta);
-}
-
-/// A full 40-token transfer (blocks 0..3 of the request) that must succeed;
-/// checks the bytes landed in D's region.
-fn transfer_ok(p: &mut Side, d: &mut Side, tag: &str, p_blocks: [u32; 3], d_blocks: [u32; 3]) {
-    let params = prefill(p, &format!("p-{tag}"), tag, 40, &p_blocks);
-    start_load(d, &format!("d-{tag}"), 40, &d_blocks, &params);
-    d.wait_finished(|f| f.recving.len() == 1);
-    assert_eq!(d.c.get_block_ids_with_load_errors(), vec![], "transfer {tag}");
-    for (pb, db) in p_blocks.into_iter().zip(d_blocks) {
-        assert_eq!(d.block(db), pattern(pb), "transfer {tag}: D block {db}");
-    }
-    p.wait_finished(|f| f.sending.len() == 1);
-    assert_eq!((p.c.num_held_blocks(), d.c.num_held_blocks()), (0, 0));
-}
-
 // ---- a stand-in prefill engine that records what D's pull names ----
-
-fn send_msg(s: &mut TcpStream, m: &Message) {
-    s.write_all(&wire::encode(m).unwrap()).unwrap();
-}
-
-fn recv_msg(s: &mut TcpStream) -> Message {
-    let mut n = [0u8; 4];
-    s.read_exact(&mut n).unwrap();
-    let mut body = vec![0; wire::decode_len(n).unwrap()];
-    s.read_exact(&mut body).unwrap();
-    wire::decode_body(&body).unwrap()
-}
 
 /// Has D load `rid` from a control server that answers the bootstrap, keeps
 /// the pull (D's destination: segment, key, epoch, offsets) and refuses it.
@@ -204,7 +46,11 @@ fn capture_pull(d: &mut Side, rid: &str, d_blocks: &[u32]) -> Pull {
         match recv_msg(&mut s) {
             Message::Bootstrap => send_msg(
                 &mut s,
-                &Message::BootstrapOk { engine_id: "recorder".into(), layout: "test-layout".into(), block_bytes: BB as u64 },
+                &Message::BootstrapOk {
+                    engine_id: "recorder".into(),
+                    layout: "test-layout".into(),
+                    block_bytes: BB as u64,
+                },
             ),
             Message::Pull(p) => {
                 send_msg(&mut s, &Message::PullErr { reason: "recorded".into() });
@@ -214,7 +60,7 @@ fn capture_pull(d: &mut Side, rid: &str, d_blocks: &[u32]) -> Pull {
         }
     });
     let params = json!({"do_remote_prefill": true, "remote_engine_id": "recorder", "remote_bootstrap_addr": addr, "transfer_id": rid});
-    start_load(d, rid, 40, d_blocks, &params);
+    start_load(d, rid, 40, 0, d_blocks, &params);
     let pull = server.join().unwrap();
     d.wait_finished(|f| f.recving.iter().any(|r| &**r == rid));
     let errs = d.c.get_block_ids_with_load_errors();
@@ -280,6 +126,48 @@ fn mappings_of(inos: &[u64]) -> usize {
         .count()
 }
 
+/// A pair over TCP where P's request `p_rid` (transfer "t1", 40 tokens) still
+/// runs and D's pull for it (`d_rid`, into D's blocks 7, 3, 20) is parked on
+/// P.
+fn parked(p_rid: &str, d_rid: &str) -> (Side, Side) {
+    let mut p = side("kv_producer", "tcp", "p1", "");
+    let mut d = side("kv_consumer", "tcp", "d1", "");
+    park_pull(&mut p, &mut d, p_rid, "t1", d_rid, &[7, 3, 20]);
+    (p, d)
+}
+
+/// Releases `side`'s KV caches with a `timeout` that must pass: returns the
+/// release's error once the release took the timeout (and no more than
+/// [`SLACK`] over it).
+fn release_timing_out(side: &mut Side, timeout: Duration) -> String {
+    let t0 = Instant::now();
+    let e = side.c.release_kv_caches(timeout).expect_err("the release waits for the whole timeout").to_string();
+    let took = t0.elapsed();
+    assert!(took >= timeout && took < timeout + SLACK, "release took {took:?} for a timeout of {timeout:?}");
+    e
+}
+
+/// Releases `side`'s KV caches (bounded by `timeout`) on another thread;
+/// once the release waits (its `release_waiting` gauge reads 1) and has not
+/// returned (`why` says why it must not), runs `unblock`, which must let it
+/// succeed. Returns how long the release took.
+fn release_while_waiting(side: &mut Side, timeout: Duration, why: &str, unblock: impl FnOnce()) -> Duration {
+    let metrics = side.metrics.clone();
+    let (result, took) = std::thread::scope(|s| {
+        let c = &mut side.c;
+        let release = s.spawn(move || {
+            let t0 = Instant::now();
+            (c.release_kv_caches(timeout), t0.elapsed())
+        });
+        wait_until("the release waits", || metrics().into_iter().any(|m| m.0 == "release_waiting" && m.2 == 1.0));
+        assert!(!release.is_finished(), "{why}");
+        unblock();
+        release.join().unwrap()
+    });
+    result.unwrap();
+    took
+}
+
 // ---- release / restore ----
 
 #[test]
@@ -310,21 +198,10 @@ fn release_waits_for_a_ready_send_until_d_pulls() {
     let mut d = side("kv_consumer", "tcp", "d1", "");
     let params = prefill(&mut p, "rp", "t1", 40, &[5, 9, 2]);
     let timeout = Duration::from_secs(8);
-    let p_metrics = p.metrics.clone();
-    let (result, took) = std::thread::scope(|s| {
-        let pc = &mut p.c;
-        let release = s.spawn(move || {
-            let t0 = Instant::now();
-            (pc.release_kv_caches(timeout), t0.elapsed())
-        });
-        let waiting = || p_metrics().into_iter().any(|m| m.0 == "release_waiting" && m.2 == 1.0);
-        wait_until("P's release waits", waiting);
-        assert!(!release.is_finished(), "P must not deregister while D's KV waits");
-        start_load(&mut d, "rd", 40, &[7, 3, 20], &params);
+    let took = release_while_waiting(&mut p, timeout, "P must not deregister while D's KV waits", || {
+        start_load(&mut d, "rd", 40, 0, &[7, 3, 20], &params);
         d.wait_finished(|f| f.recving.len() == 1);
-        release.join().unwrap()
     });
-    result.unwrap();
     assert!(took < timeout, "the release returned when D pulled, after {took:?}");
     assert_eq!(d.c.get_block_ids_with_load_errors(), vec![]);
     assert_eq!((d.block(3), d.block(20)), (pattern(9), pattern(2)));
@@ -337,11 +214,7 @@ fn release_times_out_when_d_never_pulls_and_deregisters_anyway() {
     let mut p = side("kv_producer", "tcp", "p1", "");
     let mut d = side("kv_consumer", "tcp", "d1", "");
     let params = prefill(&mut p, "rp", "t1", 40, &[5, 9, 2]);
-    let timeout = Duration::from_millis(400);
-    let t0 = Instant::now();
-    let e = p.c.release_kv_caches(timeout).expect_err("D never pulled").to_string();
-    let took = t0.elapsed();
-    assert!(took >= timeout && took < timeout + SLACK, "release took {took:?} for a timeout of {timeout:?}");
+    let e = release_timing_out(&mut p, Duration::from_millis(400));
     assert!(e.contains("3 blocks held for decode engines") && e.contains("400ms"), "{e}");
     // The send ended: P gives the blocks back.
     p.wait_finished(|f| f.sending == vec![Arc::from("rp")]);
@@ -350,20 +223,13 @@ fn release_times_out_when_d_never_pulls_and_deregisters_anyway() {
     p.pool.discard(&[Tag::KvCache]).unwrap();
     assert_eq!((p.kv_device_bytes(), p.pool.pinned_bytes()), (0, 0));
     // A pull arriving while P is asleep is answered at once.
-    let t1 = Instant::now();
-    start_load(&mut d, "rd", 40, &[7, 3, 20], &params);
-    d.wait_finished(|f| f.recving.len() == 1);
-    assert!(t1.elapsed() < Duration::from_secs(1), "answered after {:?}", t1.elapsed());
-    let errs = d.c.get_block_ids_with_load_errors();
-    assert_eq!(errs.len(), 3);
+    let (errs, took) = failed_load(&mut d, "rd", &[7, 3, 20], &params);
+    assert!(took < Duration::from_secs(1), "answered after {took:?}");
     assert!(errs[0].1.contains(ASLEEP), "{}", errs[0].1);
     // So is a pull for a transfer P has not seen (no waiting for its arrival).
-    let t2 = Instant::now();
-    start_load(&mut d, "rd9", 40, &[8, 10, 12], &d_params(&p, "t9"));
-    d.wait_finished(|f| f.recving.len() == 1);
-    assert!(t2.elapsed() < Duration::from_secs(1), "answered after {:?}", t2.elapsed());
-    let errs = d.c.get_block_ids_with_load_errors();
-    assert!(errs.len() == 3 && errs[0].1.contains(ASLEEP), "{errs:?}");
+    let (errs, took) = failed_load(&mut d, "rd9", &[8, 10, 12], &d_params(&p, "t9"));
+    assert!(took < Duration::from_secs(1), "answered after {took:?}");
+    assert!(errs[0].1.contains(ASLEEP), "{errs:?}");
     // Wake and restore: P serves again.
     p.pool.wake(&[Tag::KvCache]).unwrap();
     p.c.restore_kv_caches().unwrap();
@@ -372,53 +238,27 @@ fn release_times_out_when_d_never_pulls_and_deregisters_anyway() {
 
 #[test]
 fn release_on_d_waits_for_a_load_in_flight() {
-    let mut p = side("kv_producer", "tcp", "p1", "");
-    let mut d = side("kv_consumer", "tcp", "d1", "");
-    // P's request still runs; D's pull is parked on P.
-    admit(&mut p, "rp", "t1", 40);
-    start_load(&mut d, "rd", 40, &[7, 3, 20], &d_params(&p, "t1"));
-    wait_until("D's pull reaches P", || p.gauge("pulls_pending") >= 1.0);
+    let (mut p, mut d) = parked("rp", "rd");
     let timeout = Duration::from_secs(8);
-    let d_metrics = d.metrics.clone();
-    let (result, took) = std::thread::scope(|s| {
-        let dc = &mut d.c;
-        let release = s.spawn(move || {
-            let t0 = Instant::now();
-            (dc.release_kv_caches(timeout), t0.elapsed())
+    let took =
+        release_while_waiting(&mut d, timeout, "D must not deregister while P may write into its blocks", || {
+            assert!(finish(&mut p, "rp", "t1", 40, &[5, 9, 2]));
         });
-        wait_until("D's release waits", || d_metrics().into_iter().any(|m| m.0 == "release_waiting" && m.2 == 1.0));
-        assert!(!release.is_finished(), "D must not deregister while P may write into its blocks");
-        assert!(finish(&mut p, "rp", "t1", 40, &[5, 9, 2]));
-        release.join().unwrap()
-    });
-    result.unwrap();
     assert!(took < timeout, "{took:?}");
     d.wait_finished(|f| f.recving.len() == 1);
     assert_eq!(d.c.get_block_ids_with_load_errors(), vec![]);
     assert_eq!((d.block(7), d.block(3)), (pattern(5), pattern(9)), "the load completed before the release");
     // While D is asleep it starts no load.
     let params = prefill(&mut p, "rp2", "t2", 40, &[1, 4, 6]);
-    let t0 = Instant::now();
-    start_load(&mut d, "rd2", 40, &[8, 10, 12], &params);
-    d.wait_finished(|f| f.recving.len() == 1);
-    assert!(t0.elapsed() < Duration::from_millis(200));
-    let errs = d.c.get_block_ids_with_load_errors();
-    assert_eq!(errs.len(), 3);
+    let (errs, took) = failed_load(&mut d, "rd2", &[8, 10, 12], &params);
+    assert!(took < Duration::from_millis(200), "answered after {took:?}");
     assert!(errs[0].1.contains("decode engine's KV cache is released"), "{}", errs[0].1);
 }
 
 #[test]
 fn a_release_on_d_is_bounded_and_a_late_write_never_lands() {
-    let mut p = side("kv_producer", "tcp", "p1", "");
-    let mut d = side("kv_consumer", "tcp", "d1", "");
-    admit(&mut p, "rp", "t1", 40);
-    start_load(&mut d, "rd", 40, &[7, 3, 20], &d_params(&p, "t1"));
-    wait_until("D's pull reaches P", || p.gauge("pulls_pending") >= 1.0);
-    let timeout = Duration::from_millis(400);
-    let t0 = Instant::now();
-    let e = d.c.release_kv_caches(timeout).expect_err("the load never ended").to_string();
-    let took = t0.elapsed();
-    assert!(took >= timeout && took < timeout + SLACK, "release took {took:?}");
+    let (mut p, mut d) = parked("rp", "rd");
+    let e = release_timing_out(&mut d, Duration::from_millis(400));
     assert!(e.contains("1 loads writing into them"), "{e}");
     // P finishes now and writes to D's registration, which is gone.
     assert!(finish(&mut p, "rp", "t1", 40, &[5, 9, 2]));
@@ -502,7 +342,8 @@ fn without_a_release_the_registration_and_the_peer_mapping_pin_the_old_pages() {
     assert_eq!(d.kv_device_bytes(), region_bytes, "the registration pins every page");
     assert_eq!(d.pool.pinned_bytes(), region_bytes);
     assert!(mappings_of(&old_inodes) >= 2, "the registration's and the peers' mappings");
-    peer.write(pull.segment, pull.epoch, pull.block_offsets[0], &[1; BB]).expect("the stale mapping still reaches the old pages");
+    peer.write(pull.segment, pull.epoch, pull.block_offsets[0], &[1; BB])
+        .expect("the stale mapping still reaches the old pages");
 
     // Releasing now makes every peer unmap (acks awaited) and drops the pins.
     d.c.release_kv_caches(Duration::from_secs(5)).unwrap();
@@ -518,15 +359,18 @@ fn without_a_release_the_registration_and_the_peer_mapping_pin_the_old_pages() {
 
 // ---- abort_transfers ----
 
+/// A pair over TCP where "rp1" (transfer "t1") runs on P with D's pull for
+/// it ("rd1") parked on it (see [`parked`]), and "t2" is READY on P (blocks
+/// 5, 9, 2), not pulled; returns the pair and D's params for "t2".
+fn parked_and_ready() -> (Side, Side, Value) {
+    let (mut p, d) = parked("rp1", "rd1");
+    let t2 = prefill(&mut p, "rp2", "t2", 40, &[5, 9, 2]);
+    (p, d, t2)
+}
+
 #[test]
 fn abort_on_p_answers_pulls_at_once_and_gives_the_blocks_back() {
-    let mut p = side("kv_producer", "tcp", "p1", "");
-    let mut d = side("kv_consumer", "tcp", "d1", "");
-    // "t1" runs on P with D's pull parked on it; "t2" is READY, not pulled.
-    admit(&mut p, "rp1", "t1", 40);
-    start_load(&mut d, "rd1", 40, &[7, 3, 20], &d_params(&p, "t1"));
-    wait_until("D's pull reaches P", || p.gauge("pulls_pending") >= 1.0);
-    let t2 = prefill(&mut p, "rp2", "t2", 40, &[5, 9, 2]);
+    let (mut p, mut d, t2) = parked_and_ready();
     assert_eq!(p.c.num_held_blocks(), 3);
 
     let t0 = Instant::now();
@@ -544,23 +388,17 @@ fn abort_on_p_answers_pulls_at_once_and_gives_the_blocks_back() {
     // The running request ends without holding its blocks for D.
     assert!(!finish(&mut p, "rp1", "t1", 40, &[11, 12, 13]));
     // A pull for the released READY transfer learns why at once.
-    start_load(&mut d, "rd2", 40, &[8, 10, 12], &t2);
-    d.wait_finished(|f| f.recving.len() == 1);
-    assert!(d.c.get_block_ids_with_load_errors()[0].1.contains(CACHE_RESET));
+    let (errs, _) = failed_load(&mut d, "rd2", &[8, 10, 12], &t2);
+    assert!(errs[0].1.contains(CACHE_RESET), "{errs:?}");
     // New transfers work normally.
     transfer_ok(&mut p, &mut d, "t3", [1, 4, 6], [14, 15, 16]);
 }
 
 #[test]
 fn abort_on_d_cuts_loads_short_after_p_answered() {
-    let mut p = side("kv_producer", "tcp", "p1", "");
-    let mut d = side("kv_consumer", "tcp", "d1", "");
-    // "rd1" is in flight (its pull parked on P); "rd2" is decided, not started.
-    admit(&mut p, "rp1", "t1", 40);
-    start_load(&mut d, "rd1", 40, &[7, 3, 20], &d_params(&p, "t1"));
-    wait_until("D's pull reaches P", || p.gauge("pulls_pending") >= 1.0);
-    let t2 = prefill(&mut p, "rp2", "t2", 40, &[5, 9, 2]);
-    decide_load(&mut d, "rd2", 40, &[8, 10, 12], &t2);
+    let (mut p, mut d, t2) = parked_and_ready();
+    // "rd1" is in flight; "rd2" is decided, not started.
+    decide_load(&mut d, "rd2", 40, 0, &[8, 10, 12], &t2);
     assert_eq!(d.c.num_held_blocks(), 6);
 
     d.c.abort_transfers();
@@ -572,7 +410,8 @@ fn abort_on_d_cuts_loads_short_after_p_answered() {
     assert_eq!(d.c.num_held_blocks(), 0);
     let mut errs = d.c.get_block_ids_with_load_errors();
     errs.sort();
-    let want: Vec<(u32, String)> = [3, 7, 8, 10, 12, 20].into_iter().map(|b| (b, pdkv_connector::pd::CUT_SHORT.to_string())).collect();
+    let want: Vec<(u32, String)> =
+        [3, 7, 8, 10, 12, 20].into_iter().map(|b| (b, pdkv_connector::pd::CUT_SHORT.to_string())).collect();
     assert_eq!(errs, want);
     // The meta built before the abort starts nothing now.
     let meta = d.c.build_connector_meta();
@@ -586,7 +425,7 @@ fn abort_on_d_cuts_loads_short_after_p_answered() {
     let prompt = vec![1u32; 40];
     assert_eq!(d.c.get_num_new_matched_tokens(req(&id, &prompt, &d_params(&p, "t1")), 0).num_tokens, 0);
     // t2 is still READY on P (D never pulled it); a new load of it works.
-    start_load(&mut d, "rd3", 40, &[14, 15, 16], &t2);
+    start_load(&mut d, "rd3", 40, 0, &[14, 15, 16], &t2);
     d.wait_finished(|f| f.recving.len() == 1);
     assert_eq!(d.c.get_block_ids_with_load_errors(), vec![]);
     assert_eq!(d.block(14), pattern(5));

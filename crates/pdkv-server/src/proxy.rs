@@ -12,6 +12,13 @@
 //! answer is what the client receives: JSON as D sent it, or D's server-sent
 //! events forwarded unchanged.
 //!
+//! Read mode (P's `/kv_transfer/info` says `"transfer_mode":"read"`): D reads
+//! the blocks P leases, which P names only in its answer, so P goes first
+//! (same body as above); D then gets the client's body with exactly the
+//! `kv_transfer_params` of P's JSON answer (none when P returned none, so D
+//! computes the prompt itself). A P failure is the client's answer and D is
+//! never asked.
+//!
 //! Failure rules:
 //! - P fails (an error status, a transport error, or a request that P
 //!   aborted, after which D would wait for KV that never comes): D's request
@@ -586,11 +593,18 @@ impl Proxy {
             "routing request"
         );
         let p_body = prefill_body(&req, endpoint, &transfer_id);
-        let d_body = decode_body(&req, &transfer_id, p_status.kv_info.as_ref());
         let request_id = headers.get("x-request-id").cloned();
+        let read_mode = p_status.kv_info.as_ref().and_then(|i| i.transfer_mode.as_deref()) == Some("read");
 
-        let mut watch = PrefillWatch {
-            fut: Some(Box::pin(self.clone().prefill(p, endpoint, p_body, request_id.clone()))),
+        let (mut watch, d_body) = if read_mode {
+            match self.clone().prefill_answer(p, endpoint, p_body, request_id.clone()).await {
+                // P is done: nothing more to watch.
+                Ok(params) => (PrefillWatch { fut: None }, decode_body_with(&req, params)),
+                Err(f) => return self.prefill_failed(&mut guard, f),
+            }
+        } else {
+            let d_body = decode_body(&req, &transfer_id, p_status.kv_info.as_ref());
+            (PrefillWatch { fut: Some(Box::pin(self.clone().prefill(p, endpoint, p_body, request_id.clone()))) }, d_body)
         };
         let d_send = self.post(&d, endpoint, d_body, request_id);
         tokio::pin!(d_send);
@@ -629,8 +643,16 @@ impl Proxy {
             };
         }
 
-        // Streaming: wait for D's first complete event (or P's failure) before
-        // committing to D's status.
+        // Streaming: D produces no token before P's KV arrived, so waiting
+        // for P's answer costs nothing and lets a P failure (a P that is
+        // paused or asleep answers 503) reach the client as a status rather
+        // than as an error event inside a 200 stream.
+        if let Some(fut) = watch.fut.take() {
+            if let Err(f) = fut.await {
+                return self.prefill_failed(&mut guard, f);
+            }
+        }
+        // Then D's first complete event before committing to D's status.
         let mut relay = Relay {
             proxy: self.clone(),
             watch,
@@ -662,6 +684,18 @@ impl Proxy {
         body: Vec<u8>,
         request_id: Option<HeaderValue>,
     ) -> Result<(), Failure> {
+        self.prefill_answer(p, endpoint, body, request_id).await.map(|_| ())
+    }
+
+    /// The prefill call, giving the `kv_transfer_params` of P's answer
+    /// (`None` when it has none).
+    async fn prefill_answer(
+        self,
+        p: Arc<Backend>,
+        endpoint: Endpoint,
+        body: Vec<u8>,
+        request_id: Option<HeaderValue>,
+    ) -> Result<Option<Value>, Failure> {
         let failure = |f: Failure| Err(f.at(Role::Prefill, &p.url));
         let resp = match self.post(&p, endpoint, body, request_id).await {
             Ok(r) => r,
@@ -676,14 +710,13 @@ impl Proxy {
         if !status.is_success() {
             return failure(Failure::Status { status, content_type, body: bytes });
         }
-        let finish = serde_json::from_slice::<Value>(&bytes)
-            .ok()
-            .and_then(|v| v["choices"][0]["finish_reason"].as_str().map(str::to_string));
+        let answer = serde_json::from_slice::<Value>(&bytes).ok();
+        let finish = answer.as_ref().and_then(|v| v["choices"][0]["finish_reason"].as_str().map(str::to_string));
         if finish.as_deref() == Some("abort") {
             return failure(Failure::Aborted);
         }
         tracing::debug!(prefill = %p.url, "prefill done");
-        Ok(())
+        Ok(answer.and_then(|mut v| v.get_mut("kv_transfer_params").map(Value::take)).filter(|v| !v.is_null()))
     }
 
     /// Posts `body` to a backend. A connection failure marks the backend
@@ -800,6 +833,17 @@ fn decode_body(req: &Map<String, Value>, transfer_id: &str, p_info: Option<&KvTr
     serde_json::to_vec(&body).unwrap_or_default()
 }
 
+/// D's body in read mode: the client's, with exactly P's params (none when
+/// P returned none).
+fn decode_body_with(req: &Map<String, Value>, params: Option<Value>) -> Vec<u8> {
+    let mut body = req.clone();
+    match params {
+        Some(p) => body.insert("kv_transfer_params".into(), p),
+        None => body.remove("kv_transfer_params"),
+    };
+    serde_json::to_vec(&body).unwrap_or_default()
+}
+
 /// Why an upstream call produced no usable answer.
 #[derive(Debug)]
 enum Failure {
@@ -857,6 +901,11 @@ impl Failure {
             if let Some(ct) = content_type {
                 head.push((header::CONTENT_TYPE, ct.clone()));
             }
+            // A P that is not serving now (paused, asleep) clears by itself:
+            // the client may retry, as it would with the engine itself.
+            if *status == StatusCode::SERVICE_UNAVAILABLE {
+                head.push((header::RETRY_AFTER, HeaderValue::from_static("1")));
+            }
             return build_response(*status, head, Body::from(body.clone()));
         }
         let aborted = matches!(self.root(), Failure::Aborted);
@@ -892,7 +941,7 @@ fn retryable(err: ApiError) -> Response {
 
 /// The response headers worth passing through from an upstream answer.
 fn passthrough_headers(h: &HeaderMap) -> Vec<(HeaderName, HeaderValue)> {
-    [header::CONTENT_TYPE, header::CACHE_CONTROL, HeaderName::from_static("x-request-id")]
+    [header::CONTENT_TYPE, header::CACHE_CONTROL, header::RETRY_AFTER, HeaderName::from_static("x-request-id")]
         .into_iter()
         .filter_map(|name| h.get(&name).cloned().map(|v| (name, v)))
         .collect()
@@ -1130,6 +1179,18 @@ mod tests {
         assert_eq!(d["stream"], true);
         let d: Value = serde_json::from_slice(&decode_body(&req, "t3", None)).unwrap();
         assert_eq!(d["kv_transfer_params"], json!({"do_remote_prefill": true, "transfer_id": "t3"}));
+    }
+
+    #[test]
+    fn read_mode_decode_body_carries_exactly_p_params() {
+        let req = obj(json!({"prompt": "hi", "max_tokens": 50, "kv_transfer_params": {"client": 1}}));
+        let params = json!({"do_remote_prefill": true, "transfer_id": "t", "remote_block_ids": [4, 5],
+                            "remote_registration_generation": 2});
+        let d: Value = serde_json::from_slice(&decode_body_with(&req, Some(params.clone()))).unwrap();
+        assert_eq!(d["kv_transfer_params"], params);
+        assert_eq!((d["prompt"].as_str(), d["max_tokens"].as_u64()), (Some("hi"), Some(50)));
+        let d: Value = serde_json::from_slice(&decode_body_with(&req, None)).unwrap();
+        assert!(d.get("kv_transfer_params").is_none(), "{d}");
     }
 
     #[test]

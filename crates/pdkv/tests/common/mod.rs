@@ -22,10 +22,23 @@ pub struct Proc {
     pub lines: mpsc::Receiver<String>,
 }
 
+/// The `pdkv` binary with `RUST_LOG=info`, for a subcommand run to its end.
+pub fn pdkv() -> Command {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_pdkv"));
+    c.env("RUST_LOG", "info");
+    c
+}
+
 impl Proc {
     /// `pdkv ARGS...` (prefixed with `prefix`, e.g. `ip netns exec NS`),
     /// waiting for its `listening on` line.
     pub fn start(prefix: &[&str], args: &[&str]) -> Proc {
+        Proc::start_env(prefix, args, &[])
+    }
+
+    /// [`Proc::start`] with the environment variables `envs` added (after
+    /// `RUST_LOG=info`, so they may override it).
+    pub fn start_env(prefix: &[&str], args: &[&str], envs: &[(&str, &str)]) -> Proc {
         let exe = env!("CARGO_BIN_EXE_pdkv");
         let mut cmd = match prefix.split_first() {
             Some((first, rest)) => {
@@ -37,6 +50,7 @@ impl Proc {
         };
         let mut child = cmd
             .env("RUST_LOG", "info")
+            .envs(envs.iter().copied())
             .args(args)
             .stdin(Stdio::null())
             .stdout(Stdio::null())
