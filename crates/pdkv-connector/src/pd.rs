@@ -380,7 +380,11 @@ impl Ctx {
         while let Some(a) = st.machine.poll_action() {
             match a {
                 Action::Answer { pull, result } => {
-                    let counter = if result.is_ok() { &self.counters.pulls_ok } else { &self.counters.pulls_failed };
+                    let counter = match &result {
+                        Ok(()) => &self.counters.pulls_ok,
+                        Err(why) if why == crate::send::RELEASED => &self.counters.pulls_cancelled,
+                        Err(_) => &self.counters.pulls_failed,
+                    };
                     counter.fetch_add(1, Ordering::Relaxed);
                     if let Some((tx, _)) = st.pull_tx.remove(&pull) {
                         let _ = tx.send(result);
@@ -442,6 +446,8 @@ impl Ctx {
     fn finish_load(&self, t: &mut LoadTable, l: LoadState) {
         let counter = if l.cut_short {
             &self.counters.loads_cut_short
+        } else if l.request_gone {
+            &self.counters.loads_cancelled
         } else if matches!(l.pull_result, Some(Ok(()))) {
             &self.counters.loads_ok
         } else {
@@ -463,6 +469,22 @@ impl Ctx {
             }
         }
         t.recving.push(req.clone());
+    }
+
+    /// Tells P to drop a transfer this engine will never pull, so P frees
+    /// its blocks now rather than when the lease expires. Best effort and
+    /// bounded; P answers a drop for a transfer it has not seen yet with a
+    /// tombstone that frees the blocks when the request finishes.
+    fn drop_unpulled(self: &Arc<Self>, addr: String, transfer_id: String) {
+        self.counters.drops_unpulled.fetch_add(1, Ordering::Relaxed);
+        self.handle.spawn(async move {
+            let msg = Message::Drop { transfer_id: transfer_id.clone() };
+            match wire::exchange(&addr, &msg, CONTROL_IO, CONTROL_IO).await {
+                Ok(Message::DropOk { .. }) => tracing::debug!(%transfer_id, "dropped a transfer this engine does not pull"),
+                Ok(other) => tracing::warn!(%transfer_id, "drop answered with {other:?}"),
+                Err(e) => tracing::warn!(%transfer_id, "drop to {addr} failed: {e}"),
+            }
+        });
     }
 
     /// Asks P to drop the load's transfer (once); the load ends after P answered.
@@ -1083,6 +1105,13 @@ struct Counters {
     loads_ok: AtomicU64,
     loads_failed: AtomicU64,
     loads_cut_short: AtomicU64,
+    /// P: pulls ended because D dropped the transfer (its request ended).
+    pulls_cancelled: AtomicU64,
+    /// D: loads ended because their request ended first (client gone, abort).
+    loads_cancelled: AtomicU64,
+    /// D: transfers D will never pull (nothing left to load, or the request
+    /// ended before its load started), dropped at P so it frees the blocks.
+    drops_unpulled: AtomicU64,
     bytes_sent: AtomicU64,
     /// D: read-mode handshakes with prefill engines.
     handshakes: AtomicU64,
@@ -1146,6 +1175,9 @@ impl KvConnector for PdConnector {
                 ("loads_ok_total", "KV loads this decode engine completed", get(&c.loads_ok)),
                 ("loads_failed_total", "KV loads this decode engine failed", get(&c.loads_failed)),
                 ("loads_cut_short_total", "KV loads this decode engine ended early for a cache reset", get(&c.loads_cut_short)),
+                ("pulls_cancelled_total", "Pulls ended because the decode engine dropped the transfer", get(&c.pulls_cancelled)),
+                ("loads_cancelled_total", "KV loads ended because their request ended first", get(&c.loads_cancelled)),
+                ("drops_unpulled_total", "Transfers this decode engine dropped without pulling", get(&c.drops_unpulled)),
                 ("bytes_sent_total", "KV bytes this prefill engine wrote to decode engines", get(&c.bytes_sent)),
                 ("handshakes_total", "Read-mode handshakes this decode engine made with prefill engines", get(&c.handshakes)),
                 ("bytes_read_total", "KV bytes this decode engine read from prefill engines", get(&c.bytes_read)),
@@ -1180,6 +1212,11 @@ impl KvConnector for PdConnector {
                 }
                 let n = req.prompt_tokens.len().saturating_sub(1).saturating_sub(num_computed_tokens);
                 if n == 0 {
+                    // Everything is in the local cache: P need not keep it.
+                    self.decided.insert(req.id.clone());
+                    if let PdParams::RemotePrefill { transfer_id, remote_bootstrap_addr, .. } = p {
+                        self.ctx.drop_unpulled(remote_bootstrap_addr, transfer_id);
+                    }
                     return ExternalMatch::default();
                 }
                 self.pending.insert(req.id.clone(), (p, req.prompt_tokens.len()));
@@ -1241,7 +1278,7 @@ impl KvConnector for PdConnector {
         reason: FinishReason,
     ) -> (bool, Option<KvTransferParams>) {
         self.pending.remove(req.id);
-        self.decided.remove(req.id);
+        let decided = self.decided.remove(req.id);
         match PdParams::parse(req.kv_transfer_params) {
             Ok(Some(PdParams::RemoteDecode { transfer_id })) if self.ctx.cfg.kv_role.produces() => {
                 let completed = matches!(reason, FinishReason::Stop | FinishReason::Length);
@@ -1273,10 +1310,25 @@ impl KvConnector for PdConnector {
                     t.errors.retain(|(b, _)| !block_ids.contains(b));
                     return (true, None);
                 }
-                let Some(l) = t.loads.get_mut(req.id) else { return (false, None) };
+                let unpulled = |ctx: &Arc<Ctx>| {
+                    if let Ok(Some(PdParams::RemotePrefill { transfer_id, remote_bootstrap_addr, .. })) =
+                        PdParams::parse(req.kv_transfer_params)
+                    {
+                        ctx.drop_unpulled(remote_bootstrap_addr, transfer_id);
+                    }
+                };
+                let Some(l) = t.loads.get_mut(req.id) else {
+                    // Ended before its load was decided: P would hold the
+                    // blocks until its lease expired.
+                    if !decided && self.ctx.cfg.kv_role.consumes() {
+                        unpulled(&self.ctx);
+                    }
+                    return (false, None);
+                };
                 if !l.started {
                     t.loads.remove(req.id);
                     self.new_loads.retain(|r| r != req.id);
+                    unpulled(&self.ctx);
                     return (false, None);
                 }
                 l.request_gone = true;

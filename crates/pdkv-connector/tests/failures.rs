@@ -156,11 +156,14 @@ fn an_aborted_decode_releases_the_transfer_on_both_sides() {
     assert!(d.handle.abort("d-t"));
     assert_finished(&collect(ds), FinishReason::Abort, "D's aborted request");
     // D's blocks come back only once the load ended: by then P answered the
-    // parked pull (as released) and D counted the load as failed.
+    // parked pull (as released) and D counted the load as cancelled (its
+    // request ended first), not as a failed transfer.
     assert_idle(&d.handle, Duration::from_secs(2), "D after its abort");
-    assert_eq!(metric(p, "pulls_failed_total"), 1.0, "P answered the parked pull before D freed the blocks");
+    assert_eq!(metric(p, "pulls_cancelled_total"), 1.0, "P answered the parked pull before D freed the blocks");
+    assert_eq!(metric(p, "pulls_failed_total"), 0.0);
     assert_eq!(metric(p, "pulls_pending"), 0.0);
-    assert_eq!(metric(&d.handle, "loads_failed_total"), 1.0, "the load ended before D freed the blocks");
+    assert_eq!(metric(&d.handle, "loads_cancelled_total"), 1.0, "the load ended before D freed the blocks");
+    assert_eq!(metric(&d.handle, "loads_failed_total"), 0.0);
     assert_eq!(metric(&d.handle, "loads_ok_total"), 0.0);
 
     // Unblock P: its request runs and finishes; the transfer is released
@@ -382,4 +385,27 @@ fn many_concurrent_pairs_equal_colocated_over_tcp() {
 #[test]
 fn many_concurrent_pairs_equal_colocated_over_shm() {
     many_concurrent("shm", "shm");
+}
+
+/// D finds every token it needs in its own prefix cache, so it pulls
+/// nothing: it tells P to drop the transfer, and P frees the blocks at once
+/// rather than when the 30 s lease expires.
+#[test]
+fn a_transfer_d_does_not_need_is_dropped_at_p_at_once() {
+    let p = engine(Some((&producer(r#","abort_timeout_s":30"#), P_ID)), config());
+    let d = engine(Some((&consumer(""), "d1")), config());
+    // 33 tokens: D's first request loads 2 full blocks and caches them.
+    let pr = prompt(77, 33);
+    pd(&p.handle, &d.handle, "first", &pr, 2).expect("first request");
+    assert_idle(&p.handle, WAIT, "P after the first transfer");
+    // The same prompt again: tokens 0..32 are in D's cache, so nothing loads.
+    let out = pd(&p.handle, &d.handle, "second", &pr, 2).expect("second request");
+    assert_finished(&out, FinishReason::Length, "the second request");
+    let t0 = Instant::now();
+    assert_idle(&p.handle, Duration::from_secs(2), "P after a transfer D did not pull");
+    assert!(t0.elapsed() < Duration::from_secs(2));
+    assert_eq!(metric(&d.handle, "drops_unpulled_total"), 1.0);
+    assert_eq!(metric(&d.handle, "loads_ok_total"), 1.0);
+    assert_eq!(metric(&p.handle, "pulls_ok_total"), 1.0);
+    assert_idle(&d.handle, WAIT, "D");
 }
