@@ -744,6 +744,24 @@ mod tests {
     }
 
     #[test]
+    fn sleeping_again_only_goes_deeper() {
+        let mut m = Machine::new();
+        m.sleep(SleepLevel::L1, PauseMode::Abort, 1, later(), false);
+        // L2 while at L1: the weights are discarded too.
+        let out = m.sleep(SleepLevel::L2, PauseMode::Abort, 2, later(), false);
+        assert!(out.actions.contains(&Action::Discard(vec![Tag::Weights, Tag::KvCache, Tag::Runtime])), "{out:?}");
+        assert_eq!((m.status().sleeping, m.status().weights_discarded), (Some(SleepLevel::L2), true));
+        // L1 while at L2 stays at L2.
+        m.sleep(SleepLevel::L1, PauseMode::Abort, 3, later(), false);
+        assert_eq!(m.status().sleeping, Some(SleepLevel::L2));
+        // L0 while at L1 stays at L1.
+        let mut m = Machine::new();
+        m.sleep(SleepLevel::L1, PauseMode::Abort, 1, later(), false);
+        m.sleep(SleepLevel::L0, PauseMode::Abort, 2, later(), false);
+        assert_eq!(m.status().sleeping, Some(SleepLevel::L1));
+    }
+
+    #[test]
     fn the_earliest_pending_deadline_is_the_next_one() {
         let mut m = Machine::new();
         assert_eq!((m.next_deadline(), m.has_pending()), (None, false));
