@@ -226,3 +226,17 @@ mod tests {
         }
     }
 }
+
+/// Asks the prefill engine whose control listener is at `addr` to drop
+/// transfer `transfer_id` (a proxy whose decode request failed: nobody will
+/// pull it). Returns whether P knew the transfer; P frees its blocks now
+/// rather than when the lease expires, and one it has not seen yet is
+/// refused when its request finishes.
+pub async fn drop_transfer(addr: &str, transfer_id: &str, limit: Duration) -> Result<bool, String> {
+    let msg = Message::Drop { transfer_id: transfer_id.to_string() };
+    match exchange(addr, &msg, limit, limit).await {
+        Ok(Message::DropOk { known }) => Ok(known),
+        Ok(other) => Err(format!("unexpected answer to a drop: {other:?}")),
+        Err(e) => Err(e.to_string()),
+    }
+}

@@ -614,11 +614,17 @@ impl Proxy {
             f = watch.failed() => return self.prefill_failed(&mut guard, f),
             r = &mut d_send => r,
         };
+        // D failed: nobody will take P's KV, so P is told to drop it now.
+        let p_bootstrap = p_status.kv_info.as_ref().and_then(|i| i.bootstrap_addr.clone());
         let d_resp = match d_resp {
             Ok(r) => r,
-            Err(e) => return self.decode_failed(&mut guard, &d, e),
+            Err(e) => {
+                self.drop_at_prefill(p_bootstrap, &transfer_id);
+                return self.decode_failed(&mut guard, &d, e);
+            }
         };
         if !d_resp.status().is_success() {
+            self.drop_at_prefill(p_bootstrap, &transfer_id);
             let status = d_resp.status();
             let head = passthrough_headers(d_resp.headers());
             let body = d_resp.bytes().await.unwrap_or_default();
@@ -752,6 +758,21 @@ impl Proxy {
         self.inner.metrics.upstream_error(Role::Prefill);
         guard.set(Outcome::PrefillError);
         f.into_response()
+    }
+
+    /// Tells P (in the background, bounded) to drop a transfer no decode
+    /// request will take, so its blocks are freed now rather than when the
+    /// lease expires.
+    fn drop_at_prefill(&self, bootstrap: Option<String>, transfer_id: &str) {
+        let Some(addr) = bootstrap else { return };
+        let transfer_id = transfer_id.to_string();
+        let limit = self.inner.config.health_timeout.max(Duration::from_secs(2));
+        tokio::spawn(async move {
+            match pdkv_connector::wire::drop_transfer(&addr, &transfer_id, limit).await {
+                Ok(known) => tracing::debug!(%transfer_id, known, "dropped the transfer at the prefill server"),
+                Err(e) => tracing::warn!(%transfer_id, "could not drop the transfer at {addr}: {e}"),
+            }
+        });
     }
 
     fn decode_failed(&self, guard: &mut OutcomeGuard, d: &Backend, e: reqwest::Error) -> Response {

@@ -208,3 +208,28 @@ async fn p_killed_while_d_waits_fails_or_recomputes_by_policy() {
     assert!(took < Duration::from_secs(60), "took {took:?}");
     println!("policy recompute: D answered {took:?} after P was killed");
 }
+
+/// D refuses a request (it is paused) after P already computed the KV: the
+/// proxy tells P to drop the transfer, so P frees the blocks at once instead
+/// of holding them for the whole lease (30 s by default).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_transfer_whose_decode_request_failed_is_dropped_at_p() {
+    let Some(model) = smollm2_path("a_transfer_whose_decode_request_failed_is_dropped_at_p") else { return };
+    let model = model.to_str().unwrap();
+    let common = ["serve", "--port", "0", "--model", model, "--num-kv-blocks", "256", "--admin-token", "t0k"];
+    let p = Proc::start(&[], &[&common[..], &["--kv-transfer-config", &kv_config("kv_producer", "tcp", "")]].concat());
+    let d = Proc::start(&[], &[&common[..], &["--kv-transfer-config", &kv_config("kv_consumer", "tcp", "")]].concat());
+    let proxy = Proc::start(&[], &["proxy", "--port", "0", "--prefill", &p.base, "--decode", &d.base]);
+    let client = reqwest::Client::new();
+    wait_healthy(&client, &proxy.url("/health")).await;
+    let paused = client.post(d.url("/pause?mode=abort")).bearer_auth("t0k").send().await.unwrap();
+    assert!(paused.status().is_success(), "{:?}", paused.text().await);
+    for i in 0..3 {
+        let r = client.post(proxy.url("/v1/completions")).json(&body(&format!("{} {i}", PREFIXES[i]), false)).send().await;
+        let r = r.unwrap();
+        assert_eq!(r.status(), 503, "D is paused: {:?}", r.text().await);
+    }
+    let t0 = Instant::now();
+    wait_metrics(&client, &p.base, "P holds nothing", quiescent).await;
+    assert!(t0.elapsed() < Duration::from_secs(10), "P held the KV for {:?}", t0.elapsed());
+}
