@@ -293,6 +293,12 @@ impl Machine {
         if let Some(level) = self.sleeping {
             return Err(format!("the engine is asleep (sleep level {}); retry after /wake_up", level.as_u32()));
         }
+        // A sleep still releasing transfers refuses already: a request let in
+        // now would meet the sleep in the queue.
+        if let Some(p) = self.pending.iter().find(|p| matches!(p.then, Then::Sleep(_))) {
+            let Then::Sleep(level) = p.then else { unreachable!() };
+            return Err(format!("the engine is going to sleep (sleep level {}); retry after /wake_up", level.as_u32()));
+        }
         if self.weights_discarded {
             return Err(WEIGHTS_DISCARDED.to_string());
         }
@@ -785,6 +791,7 @@ mod tests {
         let out = m.sleep(SleepLevel::L1, PauseMode::Keep, 1, later(), true);
         assert_eq!((out.actions, out.reply), (vec![Action::ReleaseTransfers], None));
         assert_eq!(m.status().sleeping, None, "nothing is released before the transfers gave their blocks back");
+        assert!(m.admission().is_err(), "a sleep on its way refuses new requests, even in keep mode");
         assert!(m.poll(true, Instant::now()).is_empty());
         m.set_transfers(false);
         let done = m.poll(true, Instant::now());
