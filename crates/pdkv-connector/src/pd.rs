@@ -383,6 +383,7 @@ impl Ctx {
                     let counter = match &result {
                         Ok(()) => &self.counters.pulls_ok,
                         Err(why) if why == crate::send::RELEASED => &self.counters.pulls_cancelled,
+                        Err(why) if is_lifecycle_release(why) => &self.counters.pulls_released,
                         Err(_) => &self.counters.pulls_failed,
                     };
                     counter.fetch_add(1, Ordering::Relaxed);
@@ -448,6 +449,8 @@ impl Ctx {
             &self.counters.loads_cut_short
         } else if l.request_gone {
             &self.counters.loads_cancelled
+        } else if matches!(&l.pull_result, Some(Err(why)) if is_lifecycle_release(why)) {
+            &self.counters.loads_released
         } else if matches!(l.pull_result, Some(Ok(()))) {
             &self.counters.loads_ok
         } else {
@@ -507,6 +510,12 @@ impl Ctx {
             ctx.load_event(&req, |l| l.drop = DropPhase::Done);
         });
     }
+}
+
+/// Whether a transfer ended because P's lifecycle released the KV on
+/// purpose (a cache reset or a sleep), as opposed to a failure.
+fn is_lifecycle_release(why: &str) -> bool {
+    why.contains(crate::send::CACHE_RESET) || why.contains(crate::send::ASLEEP)
 }
 
 /// The P/D connector; see the module docs.
@@ -731,7 +740,7 @@ async fn serve_control(ctx: &Arc<Ctx>, mut s: TcpStream) -> Result<(), wire::Wir
                 let mut st = ctx.send.lock().unwrap();
                 if ctx.asleep.load(Ordering::Acquire) {
                     drop(st);
-                    ctx.counters.pulls_failed.fetch_add(1, Ordering::Relaxed);
+                    ctx.counters.pulls_released.fetch_add(1, Ordering::Relaxed);
                     let answer = Message::PullErr { reason: ASLEEP.into() };
                     return wire::write_message(&mut s, &answer, CONTROL_IO).await;
                 }
@@ -1109,6 +1118,11 @@ struct Counters {
     pulls_cancelled: AtomicU64,
     /// D: loads ended because their request ended first (client gone, abort).
     loads_cancelled: AtomicU64,
+    /// P: pulls refused because P's own lifecycle released the KV (a cache
+    /// reset or a sleep ended the transfer on purpose).
+    pulls_released: AtomicU64,
+    /// D: loads that failed because P released the KV on purpose.
+    loads_released: AtomicU64,
     /// D: transfers D will never pull (nothing left to load, or the request
     /// ended before its load started), dropped at P so it frees the blocks.
     drops_unpulled: AtomicU64,
@@ -1177,6 +1191,8 @@ impl KvConnector for PdConnector {
                 ("loads_cut_short_total", "KV loads this decode engine ended early for a cache reset", get(&c.loads_cut_short)),
                 ("pulls_cancelled_total", "Pulls ended because the decode engine dropped the transfer", get(&c.pulls_cancelled)),
                 ("loads_cancelled_total", "KV loads ended because their request ended first", get(&c.loads_cancelled)),
+                ("pulls_released_total", "Pulls refused because this prefill engine released the KV (cache reset, sleep)", get(&c.pulls_released)),
+                ("loads_released_total", "KV loads refused because the prefill engine released the KV (cache reset, sleep)", get(&c.loads_released)),
                 ("drops_unpulled_total", "Transfers this decode engine dropped without pulling", get(&c.drops_unpulled)),
                 ("bytes_sent_total", "KV bytes this prefill engine wrote to decode engines", get(&c.bytes_sent)),
                 ("handshakes_total", "Read-mode handshakes this decode engine made with prefill engines", get(&c.handshakes)),

@@ -999,6 +999,8 @@ struct CaseResult {
     loads_ok: f64,
     loads_failed: f64,
     loads_cut_short: f64,
+    /// Transfers P's own lifecycle ended on purpose (cache reset, sleep).
+    released: f64,
     p_awake: u64,
     d_awake: u64,
     p_asleep: Option<u64>,
@@ -1077,7 +1079,7 @@ impl CaseResult {
             "reasons": self.reasons, "notes": self.notes,
             "transfers": {"pulls_ok": self.pulls_ok, "pulls_failed": self.pulls_failed,
                           "loads_ok": self.loads_ok, "loads_failed": self.loads_failed,
-                          "loads_cut_short": self.loads_cut_short},
+                          "loads_cut_short": self.loads_cut_short, "released_by_p": self.released},
             "load": {"sent": self.load.sent, "complete": self.load.complete, "retry_503": self.load.retryable,
                      "aborted": self.load.aborted, "disconnected": self.load.disconnected,
                      "lost": self.load.lost.len(), "lost_503_without_retry_after": self.load.bare_503},
@@ -1097,6 +1099,7 @@ struct Counters {
     loads_ok: f64,
     loads_failed: f64,
     loads_cut_short: f64,
+    released: f64,
 }
 
 async fn counters(c: &Cluster) -> anyhow::Result<Counters> {
@@ -1111,6 +1114,7 @@ async fn counters(c: &Cluster) -> anyhow::Result<Counters> {
         loads_ok: get(&d, "pdkv_kv_loads_ok_total")?,
         loads_failed: get(&d, "pdkv_kv_loads_failed_total")?,
         loads_cut_short: metric(&d, "pdkv_kv_loads_cut_short_total").unwrap_or(0.0),
+        released: metric(&p, "pdkv_kv_pulls_released_total").unwrap_or(0.0),
     })
 }
 
@@ -1465,6 +1469,10 @@ impl Runner<'_> {
         res.loads_cut_short = after.loads_cut_short - before.loads_cut_short;
         if res.loads_cut_short > 0.0 {
             res.notes.push(format!("{} loads cut short", res.loads_cut_short));
+        }
+        res.released = after.released - before.released;
+        if res.released > 0.0 {
+            res.notes.push(format!("{} transfers released by P's lifecycle", res.released));
         }
         if (res.pulls_failed > 0.0 || res.loads_failed > 0.0) && !case.may_fail_transfers() {
             res.reasons.push(format!(
