@@ -676,6 +676,27 @@ mod tests {
     }
 
     #[test]
+    fn a_done_transfer_is_forgotten_by_the_timer_once_nothing_holds_it() {
+        let t0 = Instant::now();
+        let mut m = machine(1);
+        ready(&mut m, t0);
+        m.on_drop(t0, "t", 7);
+        assert_eq!(m.take_finished(), vec![rid("r")]);
+        // The tombstone's forget time is the next timeout, and it goes then.
+        let forget = t0 + ABORT + ARRIVAL;
+        assert_eq!(m.poll_timeout(), Some(forget));
+        m.handle_timeout(forget);
+        assert_eq!(m.poll_timeout(), None);
+        // While a write still reads a DONE transfer's blocks, no forget time.
+        let mut m = machine(1);
+        ready(&mut m, t0);
+        m.on_pull(t0, 1, pull("t", 0));
+        assert!(matches!(actions(&mut m)[..], [Action::StartWrite { pull: 1, .. }]));
+        m.on_drop(t0, "t", 8);
+        assert_eq!(m.poll_timeout(), None, "the write in flight keeps the transfer");
+    }
+
+    #[test]
     fn the_lease_expires_and_a_later_pull_learns_why() {
         let t0 = Instant::now();
         let mut m = machine(1);
