@@ -228,6 +228,12 @@ impl KvConnector for MultiConnector {
         }
     }
 
+    fn request_added(&mut self, req: ConnectorRequest<'_>) {
+        for c in &mut self.children {
+            c.request_added(req);
+        }
+    }
+
     fn build_connector_meta(&mut self) -> ConnectorMeta {
         let metas: Vec<ConnectorMeta> = self.children.iter_mut().map(|c| c.build_connector_meta()).collect();
         ConnectorMeta(Box::new(metas))

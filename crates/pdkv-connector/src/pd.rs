@@ -1215,6 +1215,17 @@ impl KvConnector for PdConnector {
         self.ctx.cfg.kv_load_failure_policy
     }
 
+    fn request_added(&mut self, req: ConnectorRequest<'_>) {
+        if let Ok(Some(PdParams::RemoteDecode { transfer_id })) = PdParams::parse(req.kv_transfer_params) {
+            if self.ctx.cfg.kv_role.produces() {
+                let mut st = self.ctx.send.lock().unwrap();
+                st.machine.on_request_running(&transfer_id, req.id);
+                // A pull parked as unknown now waits for the request instead.
+                self.ctx.drive(&mut st);
+            }
+        }
+    }
+
     fn get_num_new_matched_tokens(&mut self, req: ConnectorRequest<'_>, num_computed_tokens: usize) -> ExternalMatch {
         match PdParams::parse(req.kv_transfer_params) {
             Ok(Some(PdParams::RemoteDecode { transfer_id })) if self.ctx.cfg.kv_role.produces() => {

@@ -145,6 +145,8 @@ enum PullState {
 struct PendingPull {
     spec: PullSpec,
     deadline: Instant,
+    /// The abort timeout from receipt: the deadline once the transfer is known.
+    full_deadline: Instant,
     state: PullState,
     src_blocks: Vec<u32>,
 }
@@ -223,6 +225,11 @@ impl SendMachine {
     /// P admitted the request of `transfer_id`: WAITING (unless known).
     pub fn on_request_running(&mut self, transfer_id: &str, req: &Arc<str>) {
         self.transfers.entry(transfer_id.to_string()).or_insert_with(|| Transfer::waiting(Some(req.clone())));
+        // A pull parked while the transfer was unknown now waits for the
+        // request, up to the abort timeout from its receipt.
+        if let Some(p) = self.pull_of.get(transfer_id).and_then(|id| self.pulls.get_mut(id)) {
+            p.deadline = p.full_deadline;
+        }
     }
 
     /// P's request ended holding `blocks`. `completed`: it stopped normally
@@ -279,7 +286,8 @@ impl SendMachine {
             self.answer(pull, Err(format!("transfer {tid:?} already has a pull in progress")));
             return;
         }
-        let mut deadline = now + self.cfg.abort_timeout;
+        let full_deadline = now + self.cfg.abort_timeout;
+        let mut deadline = full_deadline;
         match self.transfers.get(&tid).map(|t| &t.phase) {
             Some(Phase::Done { reason, .. }) => {
                 let reason = reason.clone();
@@ -290,7 +298,7 @@ impl SendMachine {
             Some(_) => {}
         }
         self.pull_of.insert(tid.clone(), pull);
-        self.pulls.insert(pull, PendingPull { spec, deadline, state: PullState::Parked, src_blocks: Vec::new() });
+        self.pulls.insert(pull, PendingPull { spec, deadline, full_deadline, state: PullState::Parked, src_blocks: Vec::new() });
         if matches!(self.transfers.get(&tid).map(|t| &t.phase), Some(Phase::Ready { .. })) {
             self.admit(now, pull);
         }
@@ -673,6 +681,18 @@ mod tests {
         // The request finishes later: READY, and its lease runs.
         assert!(m.on_request_finished(t0 + ABORT, "t", &rid("r"), &[1, 2, 3], 40, true));
         assert_eq!(m.poll_timeout(), Some(t0 + ABORT + ABORT));
+    }
+
+    #[test]
+    fn a_pull_parked_as_unknown_waits_the_full_deadline_once_the_request_is_queued() {
+        let t0 = Instant::now();
+        let mut m = machine(1);
+        m.on_pull(t0, 1, pull("t", 0));
+        assert_eq!(m.poll_timeout(), Some(t0 + ARRIVAL));
+        m.on_request_running("t", &rid("r"));
+        assert_eq!(m.poll_timeout(), Some(t0 + ABORT), "known now: the pull waits for the request");
+        m.handle_timeout(t0 + ARRIVAL);
+        assert!(actions(&mut m).is_empty());
     }
 
     #[test]

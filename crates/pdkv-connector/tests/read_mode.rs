@@ -9,45 +9,17 @@
 //! one handshake before reading; params from before the sleep can never read
 //! the new pages; bad params fail only their own request.
 
+mod common;
+
 use std::time::Duration;
 
-use pdkv_engine::{
-    Engine, EngineConfig, EngineHandle, EngineRequest, FinishReason, PauseMode, RequestOutput, SamplingParams,
-    SleepLevel,
-};
-use pdkv_model::Arch;
-use pdkv_vmem::Pool;
+use common::{config, fingerprint, idle_and_free, metric, prompt, run, Fingerprint, Started, WAIT};
+use pdkv_engine::{EngineConfig, EngineHandle, EngineRequest, FinishReason, PauseMode, SamplingParams, SleepLevel};
 use serde_json::{json, Value};
 
-const WAIT: Duration = Duration::from_secs(60);
-
-struct Started {
-    handle: EngineHandle,
-    _dir: tempfile::TempDir,
-}
-
-impl Drop for Started {
-    fn drop(&mut self) {
-        self.handle.shutdown();
-    }
-}
-
+/// An engine on the tiny random llama; with a connector, sleep mode is on.
 fn engine(connector: Option<(&str, &str)>) -> Started {
-    let dir = tempfile::tempdir().unwrap();
-    pdkv_model::init::write_random_checkpoint(Arch::Llama, "tiny", 7, dir.path()).unwrap();
-    let pool = Pool::default();
-    let model = pdkv_model::load_model(dir.path(), &pool, &mut |_| {}).unwrap();
-    let config = EngineConfig {
-        max_num_seqs: 8,
-        max_num_batched_tokens: 256,
-        num_kv_blocks: 64,
-        enable_prefix_caching: true,
-        enable_sleep_mode: connector.is_some(),
-        ..EngineConfig::default()
-    };
-    let c = connector.map(|(cfg, id)| pdkv_connector::build(cfg, id).unwrap());
-    let handle = Engine::start_with_connector(model, pool, config, c).unwrap();
-    Started { handle, _dir: dir }
+    common::engine(connector, EngineConfig { enable_sleep_mode: connector.is_some(), ..config() })
 }
 
 /// A P (producer) and D (consumer) in read mode, plus a colocated engine.
@@ -59,34 +31,6 @@ fn trio(name: &str, transport: &str, producer_extra: &str) -> (Started, Started,
     );
     let dc = format!(r#"{{"kv_connector":"pdkv","kv_role":"kv_consumer","transport":"{transport}","transfer_mode":"read"}}"#);
     (engine(Some((&pc, &format!("p-{name}-{transport}")))), engine(Some((&dc, &format!("d-{name}-{transport}")))), engine(None))
-}
-
-fn prompt(seed: u64, len: usize) -> Vec<u32> {
-    (0..len as u64).map(|i| (pdkv_engine::sampling::splitmix64(seed.wrapping_mul(1_000_003) ^ i) % 500) as u32).collect()
-}
-
-fn run(e: &EngineHandle, id: &str, tokens: Vec<u32>, max_tokens: u32, params: Option<Value>) -> Vec<RequestOutput> {
-    let sp = SamplingParams { temperature: 0.0, max_tokens, ignore_eos: true, return_logits: true, ..SamplingParams::default() };
-    let mut s = e
-        .add_request(EngineRequest { id: id.into(), prompt_tokens: tokens, params: sp, kv_transfer_params: params })
-        .unwrap();
-    let mut out = Vec::new();
-    while let Some(o) = s.blocking_next() {
-        let last = o.finish_reason.is_some();
-        out.push(o);
-        if last {
-            break;
-        }
-    }
-    out
-}
-
-type Fingerprint = (Vec<u32>, Vec<Vec<u32>>);
-
-fn fingerprint(outs: &[RequestOutput]) -> Fingerprint {
-    let toks = outs.iter().flat_map(|o| o.token_ids.clone()).collect();
-    let bits = outs.iter().flat_map(|o| o.logits.iter().map(|r| r.iter().map(|x| x.to_bits()).collect())).collect();
-    (toks, bits)
 }
 
 /// P's part of a transfer: the params it returns (its blocks stay leased).
@@ -122,17 +66,6 @@ fn assert_same(got: Result<Fingerprint, String>, want: Fingerprint, what: &str) 
         }
         Err(e) => panic!("{what}: D failed: {e}"),
     }
-}
-
-fn metric(e: &EngineHandle, name: &str) -> f64 {
-    e.kv_connector_metrics().into_iter().find(|m| m.0 == name).unwrap_or_else(|| panic!("no metric {name}")).2
-}
-
-fn idle_and_free(e: &EngineHandle) {
-    let ok = e.wait_stats(WAIT, |s| {
-        s.num_running == 0 && s.num_waiting == 0 && s.kv_blocks_held == 0 && s.kv_blocks_free == s.kv_blocks_total
-    });
-    assert!(ok.is_some(), "not idle with all blocks free: {:?}", e.stats());
 }
 
 /// Waits until P's stats show `n` blocks held for transfers (the stats

@@ -172,6 +172,11 @@ pub trait KvConnector: Send {
 
     // ---- scheduler side ----
 
+    /// A request was queued (before any admission): a connector that
+    /// serves other engines' pulls learns of it now, so a pull that arrives
+    /// while the request waits its turn is not mistaken for an unknown one.
+    fn request_added(&mut self, _req: ConnectorRequest<'_>) {}
+
     /// How many tokens beyond `num_computed_tokens` (already in the local
     /// cache) the connector can provide for `req`, and whether they arrive
     /// asynchronously. Never more than `prompt_tokens.len() - 1 -

@@ -369,6 +369,9 @@ impl Scheduler {
             connector_consulted: false,
             num_loading_tokens: 0,
         };
+        if let Some(c) = self.connector.as_deref_mut() {
+            c.request_added(r.conn());
+        }
         self.requests.insert(req.id.clone(), r);
         self.waiting.push_back(req.id);
     }

@@ -300,7 +300,14 @@ pub fn run_pd_bench(args: PdArgs) -> anyhow::Result<()> {
     drop(colo);
 
     eprintln!("bench pd: prefill + decode engines ({})", args.transport);
-    let cfg = |role: &str| format!(r#"{{"kv_connector":"pdkv","kv_role":"{role}","transport":"{}"}}"#, args.transport);
+    // At 32 concurrent 2048-token prompts P's queue holds requests for
+    // minutes: pulls and D's wait must outlast it.
+    let cfg = |role: &str| {
+        format!(
+            r#"{{"kv_connector":"pdkv","kv_role":"{role}","transport":"{}","abort_timeout_s":900,"load_timeout_s":960}}"#,
+            args.transport
+        )
+    };
     let p = start_engine(&args, Some(pdkv_connector::build(&cfg("kv_producer"), "bench-p")?))?;
     let d = start_engine(&args, Some(pdkv_connector::build(&cfg("kv_consumer"), "bench-d")?))?;
     run_pd(&p, &d, &prompts(1, 64, vocab, 7), 2, "warm")?;
