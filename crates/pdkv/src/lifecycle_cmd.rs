@@ -51,9 +51,7 @@
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::io::{BufRead, BufReader, Write};
-use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -317,20 +315,9 @@ impl ChildProc {
     /// Starts `pdkv ARGS` and waits (until `deadline`) for its `listening
     /// on http://ADDR` line.
     async fn start(name: &'static str, args: &[String], show_logs: bool, deadline: Instant) -> anyhow::Result<ChildProc> {
-        let exe = std::env::current_exe().context("finding the pdkv executable")?;
-        let mut cmd = Command::new(&exe);
-        cmd.args(args).stdin(Stdio::null()).stdout(Stdio::null()).stderr(Stdio::piped());
+        let (exe, mut cmd) = crate::up::child_command(args)?;
         if std::env::var_os("RUST_LOG").is_none() {
             cmd.env("RUST_LOG", "info");
-        }
-        // SAFETY: prctl is async-signal-safe; the closure touches nothing else.
-        unsafe {
-            cmd.pre_exec(|| {
-                if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM) != 0 {
-                    return Err(std::io::Error::last_os_error());
-                }
-                Ok(())
-            });
         }
         let mut child = cmd.spawn().with_context(|| format!("starting the {name} ({})", exe.display()))?;
         eprintln!("pdkv lifecycle: started the {name} (pid {})", child.id());

@@ -87,20 +87,27 @@ struct Proc {
     tail: Arc<Mutex<VecDeque<String>>>,
 }
 
+/// `pdkv ARGS` (this executable) as a child: stdin and stdout closed,
+/// stderr piped, and SIGTERM sent to it if this process dies.
+pub(crate) fn child_command(args: &[String]) -> anyhow::Result<(PathBuf, Command)> {
+    let exe = std::env::current_exe().context("finding the pdkv executable")?;
+    let mut cmd = Command::new(&exe);
+    cmd.args(args).stdin(Stdio::null()).stdout(Stdio::null()).stderr(Stdio::piped());
+    // SAFETY: prctl is async-signal-safe; the closure touches nothing else.
+    unsafe {
+        cmd.pre_exec(|| {
+            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    Ok((exe, cmd))
+}
+
 impl Proc {
     fn spawn(name: &'static str, port: u16, args: &[String]) -> anyhow::Result<Proc> {
-        let exe = std::env::current_exe().context("finding the pdkv executable")?;
-        let mut cmd = Command::new(&exe);
-        cmd.args(args).stdin(Stdio::null()).stdout(Stdio::null()).stderr(Stdio::piped());
-        // SAFETY: prctl is async-signal-safe; the closure touches nothing else.
-        unsafe {
-            cmd.pre_exec(|| {
-                if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM) != 0 {
-                    return Err(std::io::Error::last_os_error());
-                }
-                Ok(())
-            });
-        }
+        let (exe, mut cmd) = child_command(args)?;
         let mut child = cmd.spawn().with_context(|| format!("starting the {name} ({})", exe.display()))?;
         eprintln!("pdkv up: started the {name} (pid {}) on port {port}", child.id());
         let tail = Arc::new(Mutex::new(VecDeque::with_capacity(TAIL_LINES)));
