@@ -57,6 +57,13 @@ pub struct PdArgs {
     /// Most tokens computed in one engine step.
     #[arg(long, default_value_t = 512)]
     pub max_num_batched_tokens: usize,
+    /// Sleep/wake rounds for the first-request-after-wake comparison (0: skip).
+    #[arg(long, default_value_t = 5)]
+    pub wake_rounds: usize,
+    /// Only the first-request-after-wake comparison (P and D alone, no
+    /// colocated engine, no table).
+    #[arg(long)]
+    pub wake_only: bool,
 }
 
 /// One (setup, prompt length, concurrency) measurement.
@@ -229,39 +236,138 @@ fn run_pd(p: &EngineHandle, d: &EngineHandle, prompts: &[Vec<u32>], max_tokens: 
     Ok(level)
 }
 
-/// Steady-state requests the after-wake comparison takes the median of.
-const AFTER_WAKE_STEADY: usize = 5;
+/// Steady-state requests measured after each round's first request.
+const STEADY_PER_ROUND: usize = 3;
 
-struct AfterWake {
-    first_ms: f64,
-    steady_ms: f64,
+/// One P/D request's timing: TTFT and the part of it before P answered.
+#[derive(Clone, Copy)]
+struct Timing {
+    ttft_ms: f64,
+    p_ms: f64,
 }
 
-/// TTFT of the first P/D request after both engines slept (level 1) and
-/// woke, against the median of steady-state requests of the same length
-/// sent right before. Skipped (None) when the connector cannot sleep.
-fn first_request_after_wake(args: &PdArgs, p: &EngineHandle, d: &EngineHandle, vocab: usize) -> anyhow::Result<Option<AfterWake>> {
-    if !(p.config().enable_sleep_mode && d.config().enable_sleep_mode) {
+/// The first P/D request after both engines slept (level 1) and woke,
+/// against steady-state requests of the same length, over several rounds.
+struct AfterWake {
+    first: Vec<Timing>,
+    steady: Vec<Timing>,
+}
+
+fn median(v: impl Iterator<Item = f64>) -> f64 {
+    let mut s: Vec<f64> = v.collect();
+    if s.is_empty() {
+        return f64::NAN;
+    }
+    s.sort_by(f64::total_cmp);
+    s[s.len() / 2]
+}
+
+impl AfterWake {
+    fn first_ms(&self) -> f64 {
+        median(self.first.iter().map(|t| t.ttft_ms))
+    }
+    fn steady_ms(&self) -> f64 {
+        median(self.steady.iter().map(|t| t.ttft_ms))
+    }
+    fn ratio(&self) -> f64 {
+        self.first_ms() / self.steady_ms()
+    }
+    fn json(&self) -> serde_json::Value {
+        let part = |v: &[Timing]| {
+            json!({
+                "ttft_ms_median": median(v.iter().map(|t| t.ttft_ms)),
+                "p_answered_ms_median": median(v.iter().map(|t| t.p_ms)),
+                "after_p_ms_median": median(v.iter().map(|t| t.ttft_ms - t.p_ms)),
+                "ttft_ms": v.iter().map(|t| t.ttft_ms).collect::<Vec<_>>(),
+            })
+        };
+        json!({"rounds": self.first.len(), "first": part(&self.first), "steady": part(&self.steady), "ratio": self.ratio()})
+    }
+}
+
+/// Runs one P/D request alone and returns its timing.
+fn timed_pd(p: &EngineHandle, d: &EngineHandle, prompt: &[u32], tag: &str) -> anyhow::Result<Timing> {
+    let r = run_pd(p, d, &[prompt.to_vec()], 1, tag)?;
+    Ok(Timing { ttft_ms: r.ttft_ms[0], p_ms: r.ttft_ms[0] - r.after_prefill_ms[0] })
+}
+
+/// `rounds` times: both engines sleep (level 1) and wake, then one request
+/// (the first after the wake) and `STEADY_PER_ROUND` more (steady state),
+/// each alone, prompts distinct. Skipped (None) when the connector cannot
+/// sleep or no round is asked for.
+fn first_request_after_wake(
+    args: &PdArgs,
+    p: &EngineHandle,
+    d: &EngineHandle,
+    vocab: usize,
+) -> anyhow::Result<Option<AfterWake>> {
+    if !(p.config().enable_sleep_mode && d.config().enable_sleep_mode) || args.wake_rounds == 0 {
         return Ok(None);
     }
     let len = args.prompt_lens[0];
-    let ps = prompts(AFTER_WAKE_STEADY + 1, len, vocab, 99);
-    let mut steady = Vec::new();
-    for (i, pr) in ps[..AFTER_WAKE_STEADY].iter().enumerate() {
-        let r = run_pd(p, d, std::slice::from_ref(pr), 1, &format!("steady-{i}"))?;
-        steady.push(r.ttft_ms[0]);
+    let per_round = 1 + STEADY_PER_ROUND;
+    let ps = prompts(args.wake_rounds * per_round, len, vocab, 99);
+    let mut out = AfterWake { first: Vec::new(), steady: Vec::new() };
+    for round in 0..args.wake_rounds {
+        for e in [p, d] {
+            wait_quiet(e, "P/D")?;
+            e.sleep(pdkv_engine::SleepLevel::L1, pdkv_engine::PauseMode::Abort, Duration::from_secs(60))
+                .map_err(|e| anyhow::anyhow!("sleep: {e}"))?;
+        }
+        for e in [p, d] {
+            e.wake_up(None).map_err(|e| anyhow::anyhow!("wake: {e}"))?;
+        }
+        let mine = &ps[round * per_round..(round + 1) * per_round];
+        let first = timed_pd(p, d, &mine[0], &format!("wake{round}-first"))?;
+        eprintln!(
+            "  wake round {round}: first request ttft {:.1} ms (P answered at {:.1} ms)",
+            first.ttft_ms, first.p_ms
+        );
+        out.first.push(first);
+        for (i, pr) in mine[1..].iter().enumerate() {
+            let t = timed_pd(p, d, pr, &format!("wake{round}-steady{i}"))?;
+            eprintln!("  wake round {round}: steady request ttft {:.1} ms (P answered at {:.1} ms)", t.ttft_ms, t.p_ms);
+            out.steady.push(t);
+        }
     }
-    for e in [p, d] {
-        wait_quiet(e, "P/D")?;
-        e.sleep(pdkv_engine::SleepLevel::L1, pdkv_engine::PauseMode::Abort, Duration::from_secs(60))
-            .map_err(|e| anyhow::anyhow!("sleep: {e}"))?;
-    }
-    for e in [p, d] {
-        e.wake_up(None).map_err(|e| anyhow::anyhow!("wake: {e}"))?;
-    }
-    let first = run_pd(p, d, &ps[AFTER_WAKE_STEADY..], 1, "after-wake")?;
-    steady.sort_by(f64::total_cmp);
-    Ok(Some(AfterWake { first_ms: first.ttft_ms[0], steady_ms: steady[steady.len() / 2] }))
+    Ok(Some(out))
+}
+
+/// Starts P and D with `pdkv` connectors and warms them with one short request.
+fn start_pd(args: &PdArgs) -> anyhow::Result<(EngineHandle, EngineHandle)> {
+    // At 32 concurrent 2048-token prompts P's queue holds requests for
+    // minutes: pulls and D's wait must outlast it.
+    let cfg = |role: &str| {
+        format!(
+            r#"{{"kv_connector":"pdkv","kv_role":"{role}","transport":"{}","abort_timeout_s":900,"load_timeout_s":960}}"#,
+            args.transport
+        )
+    };
+    let p = start_engine(args, Some(pdkv_connector::build(&cfg("kv_producer"), "bench-p")?))?;
+    let d = start_engine(args, Some(pdkv_connector::build(&cfg("kv_consumer"), "bench-d")?))?;
+    run_pd(&p, &d, &prompts(1, 64, p.model_config().vocab_size, 7), 2, "warm")?;
+    Ok((p, d))
+}
+
+/// `--wake-only`: P and D alone, the after-wake comparison and nothing else.
+fn run_wake_only(args: &PdArgs) -> anyhow::Result<()> {
+    anyhow::ensure!(args.wake_rounds >= 1, "--wake-only needs --wake-rounds of at least 1");
+    eprintln!("bench pd: prefill + decode engines ({}), after-wake comparison only", args.transport);
+    let (p, d) = start_pd(args)?;
+    let vocab = p.model_config().vocab_size;
+    let w = first_request_after_wake(args, &p, &d, vocab)?.context("the engines cannot sleep")?;
+    p.shutdown();
+    d.shutdown();
+    println!(
+        "first request after P and D slept (level 1) and woke: ttft {:.1} ms (median of {} rounds) vs steady {:.1} ms (median of {}): ratio {:.2}",
+        w.first_ms(),
+        w.first.len(),
+        w.steady_ms(),
+        w.steady.len(),
+        w.ratio()
+    );
+    println!("{}", json!({"bench": "pd", "transport": args.transport, "after_wake": w.json()}));
+    Ok(())
 }
 
 /// Waits until an engine has no request and no held block.
@@ -276,6 +382,9 @@ fn wait_quiet(e: &EngineHandle, what: &str) -> anyhow::Result<()> {
 pub fn run_pd_bench(args: PdArgs) -> anyhow::Result<()> {
     anyhow::ensure!(!args.prompt_lens.is_empty() && !args.concurrency.is_empty(), "nothing to measure");
     anyhow::ensure!(args.max_tokens >= 1, "--max-tokens must be at least 1");
+    if args.wake_only {
+        return run_wake_only(&args);
+    }
     let levels: Vec<(usize, usize)> =
         args.prompt_lens.iter().flat_map(|&l| args.concurrency.iter().map(move |&c| (l, c))).collect();
 
@@ -300,17 +409,7 @@ pub fn run_pd_bench(args: PdArgs) -> anyhow::Result<()> {
     drop(colo);
 
     eprintln!("bench pd: prefill + decode engines ({})", args.transport);
-    // At 32 concurrent 2048-token prompts P's queue holds requests for
-    // minutes: pulls and D's wait must outlast it.
-    let cfg = |role: &str| {
-        format!(
-            r#"{{"kv_connector":"pdkv","kv_role":"{role}","transport":"{}","abort_timeout_s":900,"load_timeout_s":960}}"#,
-            args.transport
-        )
-    };
-    let p = start_engine(&args, Some(pdkv_connector::build(&cfg("kv_producer"), "bench-p")?))?;
-    let d = start_engine(&args, Some(pdkv_connector::build(&cfg("kv_consumer"), "bench-d")?))?;
-    run_pd(&p, &d, &prompts(1, 64, vocab, 7), 2, "warm")?;
+    let (p, d) = start_pd(&args)?;
     let mut pd_results = HashMap::new();
     for &(len, conc) in &levels {
         let r = run_pd(&p, &d, &inputs[&(len, conc)], args.max_tokens, &format!("pd{len}x{conc}"))?;
@@ -365,13 +464,15 @@ pub fn run_pd_bench(args: PdArgs) -> anyhow::Result<()> {
     println!("outputs equal to colocated: {}", if all_equal { "yes" } else { "NO" });
     if let Some(w) = &after_wake {
         println!(
-            "first request after P and D slept (level 1) and woke: ttft {:.1} ms vs steady {:.1} ms (median of {}): ratio {:.2}",
-            w.first_ms, w.steady_ms, AFTER_WAKE_STEADY, w.first_ms / w.steady_ms
+            "first request after P and D slept (level 1) and woke: ttft {:.1} ms (median of {} rounds) vs steady {:.1} ms (median of {}): ratio {:.2}",
+            w.first_ms(),
+            w.first.len(),
+            w.steady_ms(),
+            w.steady.len(),
+            w.ratio()
         );
     }
-    let after_wake = after_wake.map(|w| {
-        json!({"first_ttft_ms": w.first_ms, "steady_ttft_ms": w.steady_ms, "ratio": w.first_ms / w.steady_ms})
-    });
+    let after_wake = after_wake.map(|w| w.json());
     println!(
         "{}",
         json!({"bench": "pd", "transport": args.transport, "max_tokens": args.max_tokens, "levels": rows, "after_wake": after_wake})
