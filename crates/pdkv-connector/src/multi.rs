@@ -379,3 +379,298 @@ impl KvConnector for MultiConnector {
         first
     }
 }
+
+#[cfg(test)]
+mod tests {
+    //! The multi-connector's routing, with scripted children: each child
+    //! answers what its script says and logs the calls it got.
+
+    use super::*;
+
+    #[derive(Default)]
+    struct Script {
+        sleep: bool,
+        offer: usize,
+        keep: bool,
+        params: Option<serde_json::Value>,
+        reset_refused: bool,
+        held: usize,
+        finished: FinishedTransfers,
+        load_errors: Vec<(u32, String)>,
+        release_fails: bool,
+        restore_fails: bool,
+        invalid: Option<String>,
+        policy: LoadFailurePolicy,
+        metric: Option<&'static str>,
+        calls: Vec<String>,
+    }
+
+    struct Child(Arc<Mutex<Script>>);
+
+    impl Child {
+        fn log(&self, call: String) {
+            self.0.lock().unwrap().calls.push(call);
+        }
+    }
+
+    impl KvConnector for Child {
+        fn name(&self) -> &str {
+            "scripted"
+        }
+        fn supports_sleep_mode(&self) -> bool {
+            self.0.lock().unwrap().sleep
+        }
+        fn info(&self) -> serde_json::Value {
+            json!({})
+        }
+        fn validate_params(&self, _params: Option<&KvTransferParams>) -> Result<(), String> {
+            self.0.lock().unwrap().invalid.clone().map_or(Ok(()), Err)
+        }
+        fn params_validator(&self) -> ParamsValidator {
+            let invalid = self.0.lock().unwrap().invalid.clone();
+            Arc::new(move |_| invalid.clone().map_or(Ok(()), Err))
+        }
+        fn metrics_reader(&self) -> Option<MetricsReader> {
+            let name = self.0.lock().unwrap().metric?;
+            Some(Arc::new(move || vec![(name, "a scripted counter", 1.0)]))
+        }
+        fn set_waker(&mut self, _waker: Waker) {}
+        fn load_failure_policy(&self) -> LoadFailurePolicy {
+            self.0.lock().unwrap().policy
+        }
+        fn get_num_new_matched_tokens(&mut self, _req: ConnectorRequest<'_>, _computed: usize) -> ExternalMatch {
+            let offer = self.0.lock().unwrap().offer;
+            self.log("match".into());
+            ExternalMatch { num_tokens: offer, load_async: offer > 0 }
+        }
+        fn update_state_after_alloc(&mut self, _req: ConnectorRequest<'_>, _blocks: &[u32], _computed: usize, external: usize) {
+            self.log(format!("alloc {external}"));
+        }
+        fn build_connector_meta(&mut self) -> ConnectorMeta {
+            ConnectorMeta::empty()
+        }
+        fn request_finished(
+            &mut self,
+            _req: ConnectorRequest<'_>,
+            _blocks: &[u32],
+            _reason: FinishReason,
+        ) -> (bool, Option<KvTransferParams>) {
+            let s = self.0.lock().unwrap();
+            (s.keep, s.params.clone())
+        }
+        fn reset_cache(&mut self) -> bool {
+            self.log("reset".into());
+            !self.0.lock().unwrap().reset_refused
+        }
+        fn abort_transfers(&mut self) {
+            self.log("abort".into());
+        }
+        fn num_held_blocks(&self) -> usize {
+            self.0.lock().unwrap().held
+        }
+        fn register_kv_caches(&mut self, _spec: &KvCacheSpec) -> anyhow::Result<()> {
+            Ok(())
+        }
+        fn start_load_kv(&mut self, _meta: ConnectorMeta) {}
+        fn get_finished(&mut self) -> FinishedTransfers {
+            std::mem::take(&mut self.0.lock().unwrap().finished)
+        }
+        fn get_block_ids_with_load_errors(&mut self) -> Vec<(u32, String)> {
+            std::mem::take(&mut self.0.lock().unwrap().load_errors)
+        }
+        fn release_kv_caches(&mut self, _timeout: Duration) -> anyhow::Result<()> {
+            self.log("release".into());
+            if self.0.lock().unwrap().release_fails {
+                anyhow::bail!("release refused");
+            }
+            Ok(())
+        }
+        fn restore_kv_caches(&mut self) -> anyhow::Result<()> {
+            self.log("restore".into());
+            if self.0.lock().unwrap().restore_fails {
+                anyhow::bail!("restore refused");
+            }
+            Ok(())
+        }
+    }
+
+    /// A multi-connector over children scripted by `scripts`, named k0, k1, …
+    fn multi(scripts: Vec<Script>) -> (MultiConnector, Vec<Arc<Mutex<Script>>>) {
+        let shared: Vec<_> = scripts.into_iter().map(|s| Arc::new(Mutex::new(s))).collect();
+        let children: Vec<Box<dyn KvConnector>> =
+            shared.iter().map(|s| Box::new(Child(s.clone())) as Box<dyn KvConnector>).collect();
+        let kinds = (0..shared.len()).map(|i| format!("k{i}")).collect();
+        (MultiConnector::new(children, kinds), shared)
+    }
+
+    fn calls(s: &Arc<Mutex<Script>>) -> Vec<String> {
+        std::mem::take(&mut s.lock().unwrap().calls)
+    }
+
+    fn request(id: &Arc<str>) -> ConnectorRequest<'_> {
+        ConnectorRequest { id, prompt_tokens: &[1, 2, 3], kv_transfer_params: None }
+    }
+
+    #[test]
+    fn sleep_support_is_the_and_of_the_children() {
+        for (a, b) in [(true, true), (true, false), (false, true), (false, false)] {
+            let (m, _) = multi(vec![Script { sleep: a, ..Script::default() }, Script { sleep: b, ..Script::default() }]);
+            assert_eq!(m.supports_sleep_mode(), a && b, "children {a} {b}");
+        }
+    }
+
+    #[test]
+    fn release_and_restore_reach_every_child_and_name_the_first_that_failed() {
+        let (mut m, s) = multi(vec![Script::default(), Script::default(), Script::default()]);
+        m.release_kv_caches(Duration::from_secs(1)).unwrap();
+        m.restore_kv_caches().unwrap();
+        for c in &s {
+            assert_eq!(calls(c), ["release", "restore"]);
+        }
+
+        s[1].lock().unwrap().release_fails = true;
+        s[2].lock().unwrap().release_fails = true;
+        s[0].lock().unwrap().restore_fails = true;
+        let e = format!("{:#}", m.release_kv_caches(Duration::from_secs(1)).unwrap_err());
+        assert!(e.contains("connector 1 (k1)") && e.contains("release refused"), "{e}");
+        let e = format!("{:#}", m.restore_kv_caches().unwrap_err());
+        assert!(e.contains("connector 0 (k0)") && e.contains("restore refused"), "{e}");
+        for c in &s {
+            assert_eq!(calls(c), ["release", "restore"], "every child is asked even after one failed");
+        }
+    }
+
+    #[test]
+    fn aborts_and_resets_reach_every_child() {
+        let (mut m, s) = multi(vec![Script::default(), Script::default()]);
+        m.abort_transfers();
+        assert!(m.reset_cache());
+        for c in &s {
+            assert_eq!(calls(c), ["abort", "reset"]);
+        }
+        s[0].lock().unwrap().reset_refused = true;
+        assert!(!m.reset_cache(), "one child that cannot reset makes the reset fail");
+        assert_eq!(calls(&s[1]), ["reset"], "the other child still resets");
+        s[0].lock().unwrap().reset_refused = false;
+        s[1].lock().unwrap().reset_refused = true;
+        assert!(!m.reset_cache());
+    }
+
+    #[test]
+    fn held_blocks_are_the_largest_childs_count() {
+        let (m, s) = multi(vec![Script { held: 3, ..Script::default() }, Script { held: 7, ..Script::default() }]);
+        assert_eq!(m.num_held_blocks(), 7);
+        s[0].lock().unwrap().held = 9;
+        assert_eq!(m.num_held_blocks(), 9);
+    }
+
+    #[test]
+    fn every_child_checks_the_params() {
+        let (m, s) = multi(vec![Script::default(), Script::default()]);
+        assert_eq!(m.validate_params(None), Ok(()));
+        assert_eq!(m.params_validator()(None), Ok(()));
+        s[1].lock().unwrap().invalid = Some("transfer_id: missing".into());
+        assert_eq!(m.validate_params(None), Err("transfer_id: missing".into()));
+        assert_eq!(m.params_validator()(None), Err("transfer_id: missing".into()));
+    }
+
+    #[test]
+    fn the_first_offer_wins_and_only_the_winner_loads() {
+        let (mut m, s) = multi(vec![
+            Script::default(),
+            Script { offer: 32, ..Script::default() },
+            Script { offer: 16, ..Script::default() },
+        ]);
+        let id: Arc<str> = "r1".into();
+        assert_eq!(m.get_num_new_matched_tokens(request(&id), 0), ExternalMatch { num_tokens: 32, load_async: true });
+        m.update_state_after_alloc(request(&id), &[4, 5], 0, 32);
+        assert_eq!(calls(&s[0]), ["match", "alloc 0"]);
+        assert_eq!(calls(&s[1]), ["match", "alloc 32"]);
+        assert_eq!(calls(&s[2]), ["match", "alloc 0"], "every child is asked; a later offer loses");
+
+        // Nobody offers: nobody loads.
+        s[1].lock().unwrap().offer = 0;
+        s[2].lock().unwrap().offer = 0;
+        assert_eq!(m.get_num_new_matched_tokens(request(&id), 0), ExternalMatch::default());
+        m.update_state_after_alloc(request(&id), &[4, 5], 0, 0);
+        for c in &s {
+            assert_eq!(calls(c), ["match", "alloc 0"]);
+        }
+    }
+
+    #[test]
+    fn finished_blocks_stay_held_until_every_keeping_child_names_them() {
+        let (mut m, s) = multi(vec![
+            Script { keep: true, ..Script::default() },
+            Script { keep: true, params: Some(json!({"from": 1})), ..Script::default() },
+            Script { params: Some(json!({"from": 2})), ..Script::default() },
+        ]);
+        let id: Arc<str> = "r1".into();
+        let (delay, params) = m.request_finished(request(&id), &[1, 2], FinishReason::Length);
+        assert!(delay);
+        assert_eq!(params, Some(json!({"from": 1})), "the first child's params");
+        let report = |c: &Arc<Mutex<Script>>| c.lock().unwrap().finished.sending.push(id.clone());
+
+        report(&s[2]); // does not hold it: must not free the blocks
+        report(&s[0]);
+        assert!(m.get_finished().is_empty(), "child 1 still holds the blocks");
+        report(&s[1]);
+        assert_eq!(m.get_finished().sending, std::slice::from_ref(&id));
+        assert!(m.get_finished().is_empty());
+
+        // A request no child keeps is freed at once; a live request's load
+        // report passes through as it is.
+        for c in &s {
+            c.lock().unwrap().keep = false;
+        }
+        let id2: Arc<str> = "r2".into();
+        assert!(!m.request_finished(request(&id2), &[3], FinishReason::Stop).0);
+        s[0].lock().unwrap().finished.recving.push(id2.clone());
+        s[1].lock().unwrap().finished.recving.push(id2.clone());
+        assert_eq!(m.get_finished().recving, [id2], "reported once");
+    }
+
+    #[test]
+    fn load_errors_come_from_every_child_and_the_policy_from_the_first() {
+        let (mut m, s) = multi(vec![
+            Script { policy: LoadFailurePolicy::Recompute, ..Script::default() },
+            Script::default(),
+        ]);
+        s[0].lock().unwrap().load_errors.push((1, "a".into()));
+        s[1].lock().unwrap().load_errors.push((2, "b".into()));
+        assert_eq!(m.get_block_ids_with_load_errors(), [(1, "a".to_string()), (2, "b".to_string())]);
+        assert_eq!(m.load_failure_policy(), LoadFailurePolicy::Recompute);
+        s[0].lock().unwrap().policy = LoadFailurePolicy::Fail;
+        s[1].lock().unwrap().policy = LoadFailurePolicy::Recompute;
+        assert_eq!(m.load_failure_policy(), LoadFailurePolicy::Fail);
+    }
+
+    #[test]
+    fn clashing_metric_names_get_the_kind_as_prefix() {
+        let (m, _) = multi(vec![
+            Script { metric: Some("multi_test_clash_total"), ..Script::default() },
+            Script { metric: Some("multi_test_clash_total"), ..Script::default() },
+            Script { metric: Some("multi_test_own_total"), ..Script::default() },
+        ]);
+        let names: Vec<&str> = m.metrics_reader().unwrap()().into_iter().map(|x| x.0).collect();
+        assert_eq!(names, ["k0_multi_test_clash_total", "k1_multi_test_clash_total", "multi_test_own_total"]);
+        let (m, _) = multi(vec![Script::default()]);
+        assert!(m.metrics_reader().is_none(), "no child has metrics");
+    }
+
+    #[test]
+    fn takes_up_to_max_children() {
+        let child = json!({"kv_connector": "offload"});
+        for n in 1..=MAX_CHILDREN {
+            let cfg = json!({"kv_connector": "multi", "connectors": vec![child.clone(); n]}).to_string();
+            let m = MultiConnector::from_json(&cfg, "e").unwrap_or_else(|e| panic!("{n} children: {e:#}"));
+            assert_eq!(m.children.len(), n);
+        }
+        let cfg = json!({"kv_connector": "multi", "connectors": vec![child; MAX_CHILDREN + 1]}).to_string();
+        assert!(MultiConnector::from_json(&cfg, "e").is_err());
+        let e = MultiConnector::from_json(r#"{"kv_connector":"pdkv","connectors":[{"kv_connector":"offload"}]}"#, "e")
+            .err()
+            .unwrap();
+        assert!(format!("{e:#}").contains("kv_connector"), "{e:#}");
+    }
+}
