@@ -402,6 +402,7 @@ mod tests {
         invalid: Option<String>,
         policy: LoadFailurePolicy,
         metric: Option<&'static str>,
+        waker: Option<Waker>,
         calls: Vec<String>,
     }
 
@@ -434,7 +435,9 @@ mod tests {
             let name = self.0.lock().unwrap().metric?;
             Some(Arc::new(move || vec![(name, "a scripted counter", 1.0)]))
         }
-        fn set_waker(&mut self, _waker: Waker) {}
+        fn set_waker(&mut self, waker: Waker) {
+            self.0.lock().unwrap().waker = Some(waker);
+        }
         fn load_failure_policy(&self) -> LoadFailurePolicy {
             self.0.lock().unwrap().policy
         }
@@ -656,6 +659,21 @@ mod tests {
         assert_eq!(names, ["k0_multi_test_clash_total", "k1_multi_test_clash_total", "multi_test_own_total"]);
         let (m, _) = multi(vec![Script::default()]);
         assert!(m.metrics_reader().is_none(), "no child has metrics");
+    }
+
+    #[test]
+    fn every_child_can_wake_the_engine() {
+        let (mut m, s) = multi(vec![Script::default(), Script::default()]);
+        let woken = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let w = woken.clone();
+        m.set_waker(Arc::new(move || {
+            w.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        }));
+        for c in &s {
+            let waker = c.lock().unwrap().waker.clone().expect("the child got the waker");
+            waker();
+        }
+        assert_eq!(woken.load(std::sync::atomic::Ordering::SeqCst), 2);
     }
 
     #[test]
