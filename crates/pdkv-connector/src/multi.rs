@@ -449,8 +449,18 @@ mod tests {
         fn update_state_after_alloc(&mut self, _req: ConnectorRequest<'_>, _blocks: &[u32], _computed: usize, external: usize) {
             self.log(format!("alloc {external}"));
         }
+        fn request_added(&mut self, req: ConnectorRequest<'_>) {
+            self.log(format!("added {}", req.id));
+        }
         fn build_connector_meta(&mut self) -> ConnectorMeta {
-            ConnectorMeta::empty()
+            let n = self.0.lock().unwrap().calls.len();
+            ConnectorMeta(Box::new(n))
+        }
+        fn update_connector_output(&mut self, finished: &FinishedTransfers) {
+            self.log(format!("output {}", finished.sending.len() + finished.recving.len()));
+        }
+        fn wait_for_save(&mut self) {
+            self.log("save".into());
         }
         fn request_finished(
             &mut self,
@@ -474,7 +484,10 @@ mod tests {
         fn register_kv_caches(&mut self, _spec: &KvCacheSpec) -> anyhow::Result<()> {
             Ok(())
         }
-        fn start_load_kv(&mut self, _meta: ConnectorMeta) {}
+        fn start_load_kv(&mut self, meta: ConnectorMeta) {
+            let mine = meta.0.downcast::<usize>().expect("this child's own metadata");
+            self.log(format!("load {mine}"));
+        }
         fn get_finished(&mut self) -> FinishedTransfers {
             std::mem::take(&mut self.0.lock().unwrap().finished)
         }
@@ -659,6 +672,24 @@ mod tests {
         assert_eq!(names, ["k0_multi_test_clash_total", "k1_multi_test_clash_total", "multi_test_own_total"]);
         let (m, _) = multi(vec![Script::default()]);
         assert!(m.metrics_reader().is_none(), "no child has metrics");
+    }
+
+    #[test]
+    fn per_step_calls_reach_every_child_with_its_own_metadata() {
+        let (mut m, s) = multi(vec![Script::default(), Script::default()]);
+        let id: Arc<str> = "r1".into();
+        m.request_added(request(&id));
+        s[1].lock().unwrap().calls.push("extra".into());
+        // Each child's metadata is the number of calls it had logged.
+        let meta = m.build_connector_meta();
+        m.start_load_kv(meta);
+        m.wait_for_save();
+        m.update_connector_output(&FinishedTransfers { sending: vec![id.clone()], recving: vec![] });
+        assert_eq!(calls(&s[0]), ["added r1", "load 1", "save", "output 1"]);
+        assert_eq!(calls(&s[1]), ["added r1", "extra", "load 2", "save", "output 1"]);
+        // Another connector's metadata is refused, not misrouted.
+        m.start_load_kv(ConnectorMeta::empty());
+        assert!(calls(&s[0]).is_empty() && calls(&s[1]).is_empty());
     }
 
     #[test]

@@ -1567,3 +1567,59 @@ impl KvConnector for PdConnector {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn progress_counts_bumps_and_wakes_a_waiter() {
+        let p = Arc::new(Progress::default());
+        assert_eq!(p.current(), 0);
+        p.bump();
+        p.bump();
+        assert_eq!(p.current(), 2);
+
+        // Nothing changes: the wait lasts until its deadline, not less.
+        let t0 = Instant::now();
+        p.wait_past(2, t0 + Duration::from_millis(30));
+        assert!(t0.elapsed() >= Duration::from_millis(30));
+        // Already past: no wait at all, whatever the deadline.
+        let t0 = Instant::now();
+        p.wait_past(1, t0 + Duration::from_secs(600));
+        assert!(t0.elapsed() < Duration::from_secs(600));
+
+        // A bump from another thread ends the wait (the deadline is far).
+        let (tx, rx) = std::sync::mpsc::channel();
+        let waiter = {
+            let p = p.clone();
+            std::thread::spawn(move || {
+                tx.send(()).unwrap();
+                p.wait_past(2, Instant::now() + Duration::from_secs(600));
+                p.current()
+            })
+        };
+        rx.recv().unwrap();
+        p.bump();
+        assert_eq!(waiter.join().unwrap(), 3);
+    }
+
+    #[test]
+    fn in_flight_is_idle_only_when_nothing_is() {
+        assert!(InFlight::default().is_idle());
+        for busy in [
+            InFlight { ready_blocks: 1, ..InFlight::default() },
+            InFlight { writes: 1, ..InFlight::default() },
+            InFlight { loads: 1, ..InFlight::default() },
+        ] {
+            assert!(!busy.is_idle(), "{busy:?}");
+        }
+    }
+
+    #[test]
+    fn lifecycle_releases_are_told_from_failures() {
+        assert!(is_lifecycle_release(&format!("transfer ended: {}", crate::send::CACHE_RESET)));
+        assert!(is_lifecycle_release(&format!("transfer ended: {}", crate::send::ASLEEP)));
+        assert!(!is_lifecycle_release("connection reset by peer"));
+    }
+}
