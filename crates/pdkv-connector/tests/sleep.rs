@@ -385,6 +385,9 @@ fn abort_on_p_answers_pulls_at_once_and_gives_the_blocks_back() {
     let errs = d.c.get_block_ids_with_load_errors();
     assert_eq!(errs.len(), 3);
     assert!(errs[0].1.contains(CACHE_RESET), "{}", errs[0].1);
+    // Ended on purpose by P's lifecycle: released, not failed.
+    assert_eq!((p.gauge("pulls_released_total"), p.gauge("pulls_failed_total")), (1.0, 0.0));
+    assert_eq!((d.gauge("loads_released_total"), d.gauge("loads_failed_total")), (1.0, 0.0));
     // The running request ends without holding its blocks for D.
     assert!(!finish(&mut p, "rp1", "t1", 40, &[11, 12, 13]));
     // A pull for the released READY transfer learns why at once.
@@ -392,6 +395,28 @@ fn abort_on_p_answers_pulls_at_once_and_gives_the_blocks_back() {
     assert!(errs[0].1.contains(CACHE_RESET), "{errs:?}");
     // New transfers work normally.
     transfer_ok(&mut p, &mut d, "t3", [1, 4, 6], [14, 15, 16]);
+}
+
+#[test]
+fn abort_on_d_ends_a_load_not_started_at_once_and_wakes_the_engine() {
+    let mut p = side("kv_producer", "tcp", "p1", "");
+    let mut d = side("kv_consumer", "tcp", "d1", "");
+    let params = prefill(&mut p, "rp", "t1", 40, &[5, 9, 2]);
+    decide_load(&mut d, "rd", 40, 0, &[7, 3, 20], &params);
+    d.drain_wakes();
+    d.c.abort_transfers();
+    assert!(d.drain_wakes(), "the abort woke the engine");
+    assert_eq!(d.c.get_finished().recving, vec![Arc::from("rd")]);
+    assert_eq!(d.c.get_block_ids_with_load_errors().len(), 3);
+    // The step's metadata no longer names the load.
+    let meta = d.c.build_connector_meta();
+    let loads = meta.0.downcast::<Vec<Arc<str>>>().expect("the pdkv connector's metadata");
+    assert!(loads.is_empty(), "{loads:?}");
+    // P's READY send is untouched: a new load of it works.
+    start_load(&mut d, "rd2", 40, 0, &[8, 10, 12], &params);
+    d.wait_finished(|f| f.recving.len() == 1);
+    assert_eq!(d.c.get_block_ids_with_load_errors(), vec![]);
+    assert_eq!(d.block(8), pattern(5));
 }
 
 #[test]

@@ -304,6 +304,16 @@ impl Side {
         }
     }
 
+    /// Whether the connector called its waker since the last call (drains
+    /// the wakes).
+    pub fn drain_wakes(&self) -> bool {
+        let mut any = false;
+        while self.woke.try_recv().is_ok() {
+            any = true;
+        }
+        any
+    }
+
     /// The bytes of block `b` of the region.
     pub fn block(&self, b: u32) -> Vec<u8> {
         let mut v = vec![0; BB];
