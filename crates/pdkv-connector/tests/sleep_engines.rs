@@ -15,8 +15,11 @@
 
 mod common;
 
+use std::time::Duration;
+
 use common::{
-    colocated, config, consumer, engine, fingerprint, idle_and_free, metric, pd, producer, prompt, run, WAIT,
+    assert_idle, colocated, config, consumer, engine, error_of, fingerprint, idle_and_free, metric, pd, producer, prompt,
+    remote_prefill, run, WAIT,
 };
 use pdkv_engine::{EngineConfig, EngineHandle, PauseMode, SleepLevel};
 use pdkv_vmem::Tag;
@@ -70,4 +73,30 @@ fn pd_outputs_after_sleep_and_wake_equal_colocated_over_tcp() {
 #[test]
 fn pd_outputs_after_sleep_and_wake_equal_colocated_over_shm() {
     survives_sleep("shm");
+}
+
+/// KV that P holds for D was computed with P's weights: a weight reload
+/// releases it before writing the new weights, so D's pull is refused
+/// (never served KV of the old weights), and P holds nothing afterwards.
+#[test]
+fn a_weight_reload_on_p_releases_the_kv_held_for_d_first() {
+    let sleepy = EngineConfig { enable_sleep_mode: true, ..config() };
+    // A lease far longer than the test: only the reload can end the send.
+    let lease = r#","abort_timeout_s":300,"load_timeout_s":310"#;
+    let p = engine(Some((&producer(lease), "p-reload")), sleepy.clone());
+    let d = engine(Some((&consumer(""), "d-reload")), sleepy);
+    let pr = prompt(900, 40);
+    let params = remote_prefill(&p.handle, "rp", &pr, "t1");
+    assert!(p.handle.wait_stats(WAIT, |s| s.kv_blocks_held > 0).is_some(), "P holds the KV for D");
+
+    let new_weights = tempfile::tempdir().unwrap();
+    pdkv_model::init::write_random_checkpoint(pdkv_model::Arch::Llama, "tiny", 8, new_weights.path()).unwrap();
+    p.handle.update_weights(new_weights.path(), Some("seed-8".into())).unwrap();
+    assert_idle(&p.handle, Duration::from_secs(5), "P after the reload");
+
+    let out = run(&d.handle, "rd", pr, 3, Some(params));
+    let e = error_of(&out, "D's load of KV computed with the old weights");
+    assert!(e.contains(pdkv_connector::send::CACHE_RESET), "{e}");
+    assert_eq!(metric(&p.handle, "pulls_released_total"), 1.0);
+    idle_and_free(&d.handle);
 }
