@@ -346,3 +346,48 @@ fn sleep_mode_refuses_a_connector_that_cannot_release_and_gates_sleep_without_it
     assert!(e.lifecycle_status().sleeping.is_none());
     e.shutdown();
 }
+
+/// A weight reload first releases the KV that transfers hold (it was
+/// computed with the old weights) and waits, bounded, until the connector
+/// gave every block back; only then are the weights written.
+#[test]
+fn a_weight_reload_waits_for_transfers_to_give_their_blocks_back() {
+    use pdkv_engine::{Engine, EngineConfig, EngineRequest, FinishReason, SamplingParams};
+    use std::time::{Duration, Instant};
+    let dir = tempfile::tempdir().unwrap();
+    pdkv_model::init::write_random_checkpoint(pdkv_model::Arch::Llama, "tiny", 7, dir.path()).unwrap();
+    let pool = pdkv_vmem::Pool::default();
+    let model = pdkv_model::load_model(dir.path(), &pool, &mut |_| {}).unwrap();
+    let conn = Scripted::default();
+    conn.0.lock().unwrap().hold_on_finish.insert("held".into());
+    let e = Engine::start_with_connector(model, pool, EngineConfig::default(), Some(Box::new(conn.clone()))).unwrap();
+    let mut stream = e
+        .add_request(EngineRequest {
+            id: "held".into(),
+            prompt_tokens: (0..40).map(|i| 10 + i).collect(),
+            params: SamplingParams { max_tokens: 1, ..SamplingParams::default() },
+            kv_transfer_params: None,
+        })
+        .unwrap();
+    let mut last = None;
+    while let Some(out) = stream.blocking_next() {
+        last = out.finish_reason;
+    }
+    assert_eq!(last, Some(FinishReason::Length));
+
+    std::thread::scope(|s| {
+        let reload = s.spawn(|| e.update_weights(dir.path(), Some("again".into())));
+        // The reload asked the connector to stop holding KV...
+        let t0 = Instant::now();
+        while conn.0.lock().unwrap().aborts == 0 {
+            assert!(t0.elapsed() < Duration::from_secs(30), "the reload never released the transfers");
+            std::thread::yield_now();
+        }
+        // ...and waits while the blocks are still held.
+        assert!(!reload.is_finished(), "the reload went on while a transfer held blocks");
+        conn.send_done("held");
+        reload.join().unwrap().expect("the reload succeeds once the blocks came back");
+    });
+    assert_eq!(e.weight_info().version.as_deref(), Some("again"));
+    e.shutdown();
+}
