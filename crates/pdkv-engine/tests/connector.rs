@@ -361,6 +361,10 @@ fn a_weight_reload_waits_for_transfers_to_give_their_blocks_back() {
     let conn = Scripted::default();
     conn.0.lock().unwrap().hold_on_finish.insert("held".into());
     let e = Engine::start_with_connector(model, pool, EngineConfig::default(), Some(Box::new(conn.clone()))).unwrap();
+    // From the start (before the core's first publication too) the stats
+    // show every block free.
+    let (total, s) = (e.config().num_kv_blocks, e.stats());
+    assert_eq!((s.kv_blocks_total, s.kv_blocks_free), (total, total));
     let mut stream = e
         .add_request(EngineRequest {
             id: "held".into(),
