@@ -1,4 +1,5 @@
-//! The seeds' bug cannot come back: P/D engines that sleep (level 1) and
+//! The seeds' bug cannot come back: P/D engines that sleep (level 1 or 2,
+//! or release only their KV memory) and
 //! wake keep serving exactly the KV their engines compute — never KV from
 //! the pages the KV cache had before the sleep — and a sleeping engine holds
 //! (almost) no device memory, also while a shared-memory peer had its KV
@@ -24,15 +25,43 @@ use common::{
 use pdkv_engine::{EngineConfig, EngineHandle, PauseMode, SleepLevel};
 use pdkv_vmem::Tag;
 
-fn sleep_and_wake(engines: &[&EngineHandle]) -> Vec<(u64, u64)> {
+/// How a round takes the KV cache's memory away.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Release {
+    /// Sleep level 1 (weights offloaded to host memory).
+    Level1,
+    /// Sleep level 2 (weights discarded, reloaded after the wake).
+    Level2,
+    /// `release_kv_cache_memory` (weights stay).
+    KvOnly,
+}
+
+/// Takes the KV memory of `engines` away as `how` says, checks its pages
+/// are free, and brings it back; returns each engine's device bytes
+/// (awake, released).
+fn sleep_and_wake(engines: &[&EngineHandle], how: Release, checkpoint: &std::path::Path) -> Vec<(u64, u64)> {
     let awake: Vec<u64> = engines.iter().map(|e| e.pool().device_bytes().total()).collect();
     for e in engines {
-        e.sleep(SleepLevel::L1, PauseMode::Abort, WAIT).expect("sleep");
+        match how {
+            Release::Level1 => e.sleep(SleepLevel::L1, PauseMode::Abort, WAIT).expect("sleep"),
+            Release::Level2 => e.sleep(SleepLevel::L2, PauseMode::Abort, WAIT).expect("sleep"),
+            Release::KvOnly => {
+                e.pause(PauseMode::Abort, false, WAIT).expect("pause");
+                e.release_kv_cache_memory().expect("release_kv_cache_memory");
+            }
+        }
     }
     let asleep: Vec<u64> = engines.iter().map(|e| e.pool().device_bytes().total()).collect();
     for e in engines {
-        assert_eq!(e.pool().device_bytes().get(Tag::KvCache), 0, "the KV cache's pages must be free while asleep");
-        e.wake_up(None).expect("wake");
+        assert_eq!(e.pool().device_bytes().get(Tag::KvCache), 0, "{how:?}: the KV cache's pages must be free");
+        match how {
+            // A resume maps the KV cache again and ends the pause.
+            Release::KvOnly => e.resume().expect("resume"),
+            _ => e.wake_up(None).expect("wake"),
+        }
+        if how == Release::Level2 {
+            e.update_weights(checkpoint, None).expect("reload after a level-2 sleep");
+        }
     }
     awake.into_iter().zip(asleep).collect()
 }
@@ -43,11 +72,19 @@ fn survives_sleep(transport: &str) {
     let p = engine(Some((&producer(&t), "p-sleep")), sleepy.clone());
     let d = engine(Some((&consumer(&t), "d-sleep")), sleepy);
     let colo = colocated();
-    let rounds: [(&str, Vec<&EngineHandle>); 4] =
-        [("awake", vec![]), ("P", vec![&p.handle]), ("D", vec![&d.handle]), ("both", vec![&p.handle, &d.handle])];
-    for (r, (name, sleepers)) in rounds.iter().enumerate() {
-        for (awake, asleep) in sleep_and_wake(sleepers) {
-            assert!(asleep * 50 <= awake, "{transport}/{name}: {asleep} bytes asleep of {awake} awake (over 2%)");
+    let rounds: [(&str, Vec<&EngineHandle>, Release); 6] = [
+        ("awake", vec![], Release::Level1),
+        ("P", vec![&p.handle], Release::Level1),
+        ("D", vec![&d.handle], Release::Level1),
+        ("both", vec![&p.handle, &d.handle], Release::Level1),
+        ("both, level 2", vec![&p.handle, &d.handle], Release::Level2),
+        ("both, KV memory only", vec![&p.handle, &d.handle], Release::KvOnly),
+    ];
+    for (r, (name, sleepers, how)) in rounds.iter().enumerate() {
+        for (awake, asleep) in sleep_and_wake(sleepers, *how, p.checkpoint()) {
+            if *how != Release::KvOnly {
+                assert!(asleep * 50 <= awake, "{transport}/{name}: {asleep} bytes asleep of {awake} awake (over 2%)");
+            }
         }
         for i in 0..4u64 {
             let pr = prompt(100 * r as u64 + i, 20 + 9 * i as usize);
@@ -58,7 +95,7 @@ fn survives_sleep(transport: &str) {
         idle_and_free(&p.handle);
         idle_and_free(&d.handle);
     }
-    assert_eq!(metric(&d.handle, "loads_ok_total"), 16.0);
+    assert_eq!(metric(&d.handle, "loads_ok_total"), 24.0);
     assert_eq!(metric(&d.handle, "loads_failed_total"), 0.0);
     // Nothing stays pinned: every live chunk belongs to a mapped region.
     assert_eq!(p.handle.pool().pinned_bytes(), 0);

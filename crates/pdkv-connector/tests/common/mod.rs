@@ -43,6 +43,13 @@ pub struct Started {
     _dir: tempfile::TempDir,
 }
 
+impl Started {
+    /// The checkpoint the engine loaded (for weight reloads).
+    pub fn checkpoint(&self) -> &std::path::Path {
+        self._dir.path()
+    }
+}
+
 impl Drop for Started {
     fn drop(&mut self) {
         self.handle.shutdown();
