@@ -393,5 +393,7 @@ fn a_weight_reload_waits_for_transfers_to_give_their_blocks_back() {
         reload.join().unwrap().expect("the reload succeeds once the blocks came back");
     });
     assert_eq!(e.weight_info().version.as_deref(), Some("again"));
+    let counted = e.wait_stats(Duration::from_secs(30), |s| s.num_weight_updates == 1);
+    assert!(counted.is_some(), "one weight update counted: {:?}", e.stats());
     e.shutdown();
 }
