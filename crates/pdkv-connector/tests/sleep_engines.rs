@@ -137,3 +137,20 @@ fn a_weight_reload_on_p_releases_the_kv_held_for_d_first() {
     assert_eq!(metric(&p.handle, "pulls_released_total"), 1.0);
     idle_and_free(&d.handle);
 }
+
+/// A sleep over a `keep` pause preempts the frozen requests for recompute;
+/// they are requests, not transfers, so the release does not wait for them
+/// (its bound here is far longer than the sleep's own).
+#[test]
+fn a_sleep_over_a_keep_pause_does_not_wait_for_frozen_requests() {
+    let config = EngineConfig { enable_sleep_mode: true, kv_release_timeout: Duration::from_secs(120), ..config() };
+    let e = engine(Some((&producer(""), "p-keep")), config);
+    let stream = common::start(&e.handle, "long", prompt(5, 30), 150, None);
+    assert!(e.handle.wait_stats(WAIT, |s| s.num_running == 1).is_some());
+    e.handle.pause(PauseMode::Keep, false, WAIT).expect("keep pause");
+    e.handle.sleep(SleepLevel::L1, PauseMode::Keep, Duration::from_secs(20)).expect("sleep over the keep pause");
+    e.handle.wake_up(None).expect("wake");
+    e.handle.resume().expect("resume");
+    common::assert_finished(&common::collect(stream), pdkv_engine::FinishReason::Length, "the frozen request");
+    idle_and_free(&e.handle);
+}
