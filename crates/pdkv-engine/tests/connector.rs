@@ -14,6 +14,8 @@ use pdkv_engine::connector::{
 use pdkv_engine::scheduler::{NewRequest, Scheduler, SchedulerConfig, SchedulerOutput};
 use pdkv_engine::FinishReason;
 
+mod common;
+
 /// What the test tells the connector, and what the connector saw.
 #[derive(Default)]
 struct Script {
@@ -352,35 +354,20 @@ fn sleep_mode_refuses_a_connector_that_cannot_release_and_gates_sleep_without_it
 /// gave every block back; only then are the weights written.
 #[test]
 fn a_weight_reload_waits_for_transfers_to_give_their_blocks_back() {
-    use pdkv_engine::{Engine, EngineConfig, EngineRequest, FinishReason, SamplingParams};
+    use pdkv_engine::EngineConfig;
     use std::time::{Duration, Instant};
-    let dir = tempfile::tempdir().unwrap();
-    pdkv_model::init::write_random_checkpoint(pdkv_model::Arch::Llama, "tiny", 7, dir.path()).unwrap();
-    let pool = pdkv_vmem::Pool::default();
-    let model = pdkv_model::load_model(dir.path(), &pool, &mut |_| {}).unwrap();
     let conn = Scripted::default();
     conn.0.lock().unwrap().hold_on_finish.insert("held".into());
-    let e = Engine::start_with_connector(model, pool, EngineConfig::default(), Some(Box::new(conn.clone()))).unwrap();
+    let e = common::start_with_connector(pdkv_model::Arch::Llama, EngineConfig::default(), Some(Box::new(conn.clone())));
     // From the start (before the core's first publication too) the stats
     // show every block free.
     let (total, s) = (e.config().num_kv_blocks, e.stats());
     assert_eq!((s.kv_blocks_total, s.kv_blocks_free), (total, total));
-    let mut stream = e
-        .add_request(EngineRequest {
-            id: "held".into(),
-            prompt_tokens: (0..40).map(|i| 10 + i).collect(),
-            params: SamplingParams { max_tokens: 1, ..SamplingParams::default() },
-            kv_transfer_params: None,
-        })
-        .unwrap();
-    let mut last = None;
-    while let Some(out) = stream.blocking_next() {
-        last = out.finish_reason;
-    }
-    assert_eq!(last, Some(FinishReason::Length));
+    let out = common::run_one(&e, common::request("held", common::prompt(3, 40), common::greedy(1)));
+    assert_eq!(out.finish, Some(FinishReason::Length));
 
     std::thread::scope(|s| {
-        let reload = s.spawn(|| e.update_weights(dir.path(), Some("again".into())));
+        let reload = s.spawn(|| e.update_weights(e.checkpoint(), Some("again".into())));
         // The reload asked the connector to stop holding KV...
         let t0 = Instant::now();
         while conn.0.lock().unwrap().aborts == 0 {
@@ -395,5 +382,4 @@ fn a_weight_reload_waits_for_transfers_to_give_their_blocks_back() {
     assert_eq!(e.weight_info().version.as_deref(), Some("again"));
     let counted = e.wait_stats(Duration::from_secs(30), |s| s.num_weight_updates == 1);
     assert!(counted.is_some(), "one weight update counted: {:?}", e.stats());
-    e.shutdown();
 }

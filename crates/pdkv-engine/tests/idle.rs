@@ -3,7 +3,10 @@
 
 use std::time::{Duration, Instant};
 
-use pdkv_engine::{Engine, EngineConfig, EngineRequest, FinishReason, SamplingParams};
+mod common;
+
+use pdkv_engine::{EngineConfig, FinishReason};
+use pdkv_model::Arch;
 
 /// User + system CPU time of this process (all threads), from /proc.
 fn cpu_time() -> Duration {
@@ -18,26 +21,11 @@ fn cpu_time() -> Duration {
 
 #[test]
 fn an_idle_engine_does_not_spin() {
-    let dir = tempfile::tempdir().unwrap();
-    pdkv_model::init::write_random_checkpoint(pdkv_model::Arch::Llama, "tiny", 7, dir.path()).unwrap();
-    let pool = pdkv_vmem::Pool::default();
-    let model = pdkv_model::load_model(dir.path(), &pool, &mut |_| {}).unwrap();
-    let e = Engine::start(model, pool, EngineConfig::default()).unwrap();
+    let e = common::start(Arch::Llama, EngineConfig::default());
     // One request first, so every thread the engine uses has started.
-    let mut stream = e
-        .add_request(EngineRequest {
-            id: "warm".into(),
-            prompt_tokens: (10..40).collect(),
-            params: SamplingParams { max_tokens: 2, ..SamplingParams::default() },
-            kv_transfer_params: None,
-        })
-        .unwrap();
-    let mut last = None;
-    while let Some(out) = stream.blocking_next() {
-        last = out.finish_reason;
-    }
-    assert_eq!(last, Some(FinishReason::Length));
-    assert!(e.wait_stats(Duration::from_secs(30), |s| s.num_running == 0 && s.num_waiting == 0).is_some());
+    let out = common::run_one(&e, common::request("warm", common::prompt(1, 30), common::greedy(2)));
+    assert_eq!(out.finish, Some(FinishReason::Length));
+    common::wait_idle(&e);
 
     // Idle for a second: wait for a request that never comes.
     let (cpu0, t0) = (cpu_time(), Instant::now());
@@ -45,5 +33,4 @@ fn an_idle_engine_does_not_spin() {
     let (cpu, wall) = (cpu_time() - cpu0, t0.elapsed());
     eprintln!("idle engine: {cpu:?} of CPU in {wall:?}");
     assert!(cpu * 4 < wall, "the idle engine used {cpu:?} of CPU in {wall:?}");
-    e.shutdown();
 }

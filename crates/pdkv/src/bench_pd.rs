@@ -272,6 +272,16 @@ impl AfterWake {
     fn ratio(&self) -> f64 {
         self.first_ms() / self.steady_ms()
     }
+    fn summary(&self) -> String {
+        format!(
+            "first request after P and D slept (level 1) and woke: ttft {:.1} ms (median of {} rounds) vs steady {:.1} ms (median of {}): ratio {:.2}",
+            self.first_ms(),
+            self.first.len(),
+            self.steady_ms(),
+            self.steady.len(),
+            self.ratio()
+        )
+    }
     fn json(&self) -> serde_json::Value {
         let part = |v: &[Timing]| {
             json!({
@@ -358,14 +368,7 @@ fn run_wake_only(args: &PdArgs) -> anyhow::Result<()> {
     let w = first_request_after_wake(args, &p, &d, vocab)?.context("the engines cannot sleep")?;
     p.shutdown();
     d.shutdown();
-    println!(
-        "first request after P and D slept (level 1) and woke: ttft {:.1} ms (median of {} rounds) vs steady {:.1} ms (median of {}): ratio {:.2}",
-        w.first_ms(),
-        w.first.len(),
-        w.steady_ms(),
-        w.steady.len(),
-        w.ratio()
-    );
+    println!("{}", w.summary());
     println!("{}", json!({"bench": "pd", "transport": args.transport, "after_wake": w.json()}));
     Ok(())
 }
@@ -463,14 +466,7 @@ pub fn run_pd_bench(args: PdArgs) -> anyhow::Result<()> {
     }
     println!("outputs equal to colocated: {}", if all_equal { "yes" } else { "NO" });
     if let Some(w) = &after_wake {
-        println!(
-            "first request after P and D slept (level 1) and woke: ttft {:.1} ms (median of {} rounds) vs steady {:.1} ms (median of {}): ratio {:.2}",
-            w.first_ms(),
-            w.first.len(),
-            w.steady_ms(),
-            w.steady.len(),
-            w.ratio()
-        );
+        println!("{}", w.summary());
     }
     let after_wake = after_wake.map(|w| w.json());
     println!(

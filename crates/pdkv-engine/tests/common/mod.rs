@@ -6,7 +6,8 @@
 use std::time::Duration;
 
 use pdkv_engine::{
-    Engine, EngineConfig, EngineHandle, EngineRequest, EngineStats, FinishReason, RequestStream, SamplingParams,
+    Engine, EngineConfig, EngineHandle, EngineRequest, EngineStats, FinishReason, KvConnector, RequestStream,
+    SamplingParams,
 };
 use pdkv_model::Arch;
 use pdkv_vmem::Pool;
@@ -32,13 +33,25 @@ impl Drop for TestEngine {
     }
 }
 
+impl TestEngine {
+    /// The checkpoint the engine loaded (for weight reloads).
+    pub fn checkpoint(&self) -> &std::path::Path {
+        self._dir.path()
+    }
+}
+
 /// Starts an engine on the tiny random checkpoint of `arch` (seed 7).
 pub fn start(arch: Arch, config: EngineConfig) -> TestEngine {
+    start_with_connector(arch, config, None)
+}
+
+/// [`start`] with a KV connector.
+pub fn start_with_connector(arch: Arch, config: EngineConfig, connector: Option<Box<dyn KvConnector>>) -> TestEngine {
     let dir = tempfile::tempdir().expect("temp dir");
     pdkv_model::init::write_random_checkpoint(arch, "tiny", 7, dir.path()).expect("write checkpoint");
     let pool = Pool::default();
     let model = pdkv_model::load_model(dir.path(), &pool, &mut |_| {}).expect("load checkpoint");
-    let handle = Engine::start(model, pool, config).expect("start engine");
+    let handle = Engine::start_with_connector(model, pool, config, connector).expect("start engine");
     TestEngine { handle, _dir: dir }
 }
 
