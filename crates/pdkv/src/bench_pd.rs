@@ -251,6 +251,8 @@ struct Timing {
 struct AfterWake {
     first: Vec<Timing>,
     steady: Vec<Timing>,
+    /// How long each engine's wake took (ms), P then D, every round.
+    wake_ms: Vec<f64>,
 }
 
 fn median(v: impl Iterator<Item = f64>) -> f64 {
@@ -274,12 +276,13 @@ impl AfterWake {
     }
     fn summary(&self) -> String {
         format!(
-            "first request after P and D slept (level 1) and woke: ttft {:.1} ms (median of {} rounds) vs steady {:.1} ms (median of {}): ratio {:.2}",
+            "first request after P and D slept (level 1) and woke: ttft {:.1} ms (median of {} rounds) vs steady {:.1} ms (median of {}): ratio {:.2}; wake {:.0} ms (median per engine)",
             self.first_ms(),
             self.first.len(),
             self.steady_ms(),
             self.steady.len(),
-            self.ratio()
+            self.ratio(),
+            median(self.wake_ms.iter().copied())
         )
     }
     fn json(&self) -> serde_json::Value {
@@ -291,7 +294,13 @@ impl AfterWake {
                 "ttft_ms": v.iter().map(|t| t.ttft_ms).collect::<Vec<_>>(),
             })
         };
-        json!({"rounds": self.first.len(), "first": part(&self.first), "steady": part(&self.steady), "ratio": self.ratio()})
+        json!({
+            "rounds": self.first.len(),
+            "first": part(&self.first),
+            "steady": part(&self.steady),
+            "ratio": self.ratio(),
+            "wake_ms_median": median(self.wake_ms.iter().copied()),
+        })
     }
 }
 
@@ -317,7 +326,7 @@ fn first_request_after_wake(
     let len = args.prompt_lens[0];
     let per_round = 1 + STEADY_PER_ROUND;
     let ps = prompts(args.wake_rounds * per_round, len, vocab, 99);
-    let mut out = AfterWake { first: Vec::new(), steady: Vec::new() };
+    let mut out = AfterWake { first: Vec::new(), steady: Vec::new(), wake_ms: Vec::new() };
     for round in 0..args.wake_rounds {
         for e in [p, d] {
             wait_quiet(e, "P/D")?;
@@ -325,7 +334,9 @@ fn first_request_after_wake(
                 .map_err(|e| anyhow::anyhow!("sleep: {e}"))?;
         }
         for e in [p, d] {
+            let t = Instant::now();
             e.wake_up(None).map_err(|e| anyhow::anyhow!("wake: {e}"))?;
+            out.wake_ms.push(t.elapsed().as_secs_f64() * 1e3);
         }
         let mine = &ps[round * per_round..(round + 1) * per_round];
         let first = timed_pd(p, d, &mine[0], &format!("wake{round}-first"))?;
