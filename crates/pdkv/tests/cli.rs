@@ -204,3 +204,30 @@ async fn smollm2_answers_paris() {
     let status = s.terminate();
     assert!(status.success(), "pdkv serve exited with {status}");
 }
+
+#[test]
+fn bench_pd_checks_outputs_and_compares_the_first_request_after_a_wake() {
+    let dir = tempfile::tempdir().unwrap();
+    let ckpt = dir.path().join("tiny");
+    init_checkpoint(&ckpt);
+    let o = pdkv()
+        .args(["bench", "pd", "--prompt-lens", "48", "--concurrency", "1,3", "--max-tokens", "4"])
+        .args(["--num-kv-blocks", "64", "--max-num-batched-tokens", "64", "--wake-rounds", "2", "--model"])
+        .arg(&ckpt)
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&o.stdout);
+    assert!(o.status.success(), "bench pd failed:\n{stdout}\n{}", String::from_utf8_lossy(&o.stderr));
+    assert!(stdout.contains("outputs equal to colocated: yes"), "{stdout}");
+    let last: Value = serde_json::from_str(stdout.lines().last().unwrap()).expect("last line is JSON");
+    assert_eq!(last["levels"].as_array().unwrap().len(), 2, "{last}");
+    for level in last["levels"].as_array().unwrap() {
+        assert_eq!(level["outputs_equal"], true, "{last}");
+        assert!(level["pd"]["ttft_ms_mean"].as_f64().unwrap() > 0.0, "{last}");
+    }
+    let w = &last["after_wake"];
+    assert_eq!(w["rounds"], 2, "{last}");
+    assert_eq!(w["first"]["ttft_ms"].as_array().unwrap().len(), 2, "{last}");
+    assert_eq!(w["steady"]["ttft_ms"].as_array().unwrap().len(), 6, "{last}");
+    assert!(w["ratio"].as_f64().unwrap() > 0.0 && w["wake_ms_median"].as_f64().unwrap() > 0.0, "{last}");
+}
