@@ -490,6 +490,20 @@ mod tests {
     }
 
     #[test]
+    fn field_errors_name_the_field_without_a_position() {
+        let err = |json: &str| parse_fields::<Raw>(json).err().expect("refused");
+        let missing = err(r#"{"max_bytes":1}"#);
+        assert_eq!(missing.field, "kv_connector");
+        assert_eq!(missing.message, "missing field `kv_connector`");
+        let unknown = err(r#"{"kv_connector":"offload","extra":1}"#);
+        assert_eq!(unknown.field, "extra");
+        assert!(unknown.message.starts_with("unknown field `extra`"), "{}", unknown.message);
+        let typed = err(r#"{"kv_connector":5}"#);
+        assert_eq!(typed.field, "kv_connector");
+        assert_eq!(typed.message, "invalid type: integer `5`, expected a string");
+    }
+
+    #[test]
     fn config_defaults_and_errors_name_the_field() {
         let c = OffloadConfig::parse(r#"{"kv_connector":"offload"}"#).unwrap();
         assert_eq!(c.max_bytes, DEFAULT_MAX_BYTES);
