@@ -489,6 +489,79 @@ mod tests {
         vec![fill; len].into()
     }
 
+    /// An offload connector over a real 16-block KV region of `BB`-byte
+    /// blocks, storing at most `max_blocks` blocks; block `b` holds bytes `b`.
+    fn connector(max_blocks: u64) -> (OffloadConnector, Arc<pdkv_vmem::Region>) {
+        const BB: usize = 256;
+        let pool = pdkv_vmem::Pool::default();
+        let region = pool.allocate(pdkv_vmem::Tag::KvCache, 16 * BB).unwrap();
+        for b in 0..16u8 {
+            region.write_bytes(b as usize * BB, &[b; BB]).unwrap();
+        }
+        let mut c = OffloadConnector::new(OffloadConfig { max_bytes: max_blocks * BB as u64 }, "o1");
+        let spec = KvCacheSpec {
+            region: region.clone(),
+            num_blocks: 16,
+            block_bytes: BB,
+            block_size: pdkv_model::BLOCK_SIZE,
+            layout: "test".into(),
+        };
+        c.register_kv_caches(&spec).unwrap();
+        (c, region)
+    }
+
+    fn counter(c: &OffloadConnector, name: &str) -> f64 {
+        c.metrics_reader().unwrap()().into_iter().find(|m| m.0 == name).unwrap().2
+    }
+
+    /// `id` asks with `computed` tokens already local; returns the tokens
+    /// offered and, once loaded into `blocks`, the first byte of each.
+    fn lookup_and_load(c: &mut OffloadConnector, region: &pdkv_vmem::Region, id: &str, prompt: &[u32], computed: usize, blocks: &[u32]) -> (usize, Vec<u8>) {
+        let id: Arc<str> = id.into();
+        let req = ConnectorRequest { id: &id, prompt_tokens: prompt, kv_transfer_params: None };
+        let m = c.get_num_new_matched_tokens(req, computed);
+        c.update_state_after_alloc(req, blocks, computed, m.num_tokens);
+        let meta = c.build_connector_meta();
+        c.start_load_kv(meta);
+        let first = computed / pdkv_model::BLOCK_SIZE;
+        let n = m.num_tokens / pdkv_model::BLOCK_SIZE;
+        let bytes = blocks[first..first + n]
+            .iter()
+            .map(|&b| {
+                let mut x = [0u8; 1];
+                region.read_bytes(b as usize * 256, &mut x).unwrap();
+                x[0]
+            })
+            .collect();
+        (m.num_tokens, bytes)
+    }
+
+    #[test]
+    fn saves_full_prompt_blocks_and_loads_the_ones_past_the_local_prefix() {
+        let (mut c, region) = connector(4);
+        assert_eq!(c.name(), "offload");
+        // A 64-token prompt (4 full blocks) ends in blocks 0..4: all saved.
+        let a: Vec<u32> = (100..164).collect();
+        let id: Arc<str> = "a".into();
+        c.request_finished(ConnectorRequest { id: &id, prompt_tokens: &a, kv_transfer_params: None }, &[0, 1, 2, 3], FinishReason::Length);
+        assert_eq!(counter(&c, "offload_saved_blocks_total"), 4.0);
+        assert_eq!(counter(&c, "offload_saved_bytes_total"), 4.0 * 256.0);
+        // The same prompt with its first block local: blocks 1 and 2 load
+        // (block 3 holds the last token, which is always computed).
+        let (tokens, got) = lookup_and_load(&mut c, &region, "b", &a, 16, &[8, 9, 10, 11]);
+        assert_eq!((tokens, got), (32, vec![1, 2]));
+        // Another prompt's two blocks evict the two least recently used:
+        // blocks 3 and 0 (the lookup just used 1 and 2).
+        let other: Vec<u32> = (300..332).collect();
+        let id: Arc<str> = "c".into();
+        c.request_finished(ConnectorRequest { id: &id, prompt_tokens: &other, kv_transfer_params: None }, &[4, 5], FinishReason::Stop);
+        assert_eq!(counter(&c, "offload_evicted_blocks_total"), 2.0);
+        let (tokens, got) = lookup_and_load(&mut c, &region, "d", &a, 32, &[12, 13, 14, 15]);
+        assert_eq!((tokens, got), (16, vec![2]), "block 2 was used recently and stayed");
+        let (tokens, _) = lookup_and_load(&mut c, &region, "e", &a, 0, &[12, 13, 14, 15]);
+        assert_eq!(tokens, 0, "block 0 was evicted");
+    }
+
     #[test]
     fn field_errors_name_the_field_without_a_position() {
         let err = |json: &str| parse_fields::<Raw>(json).err().expect("refused");
