@@ -256,12 +256,7 @@ struct AfterWake {
 }
 
 fn median(v: impl Iterator<Item = f64>) -> f64 {
-    let mut s: Vec<f64> = v.collect();
-    if s.is_empty() {
-        return f64::NAN;
-    }
-    s.sort_by(f64::total_cmp);
-    s[s.len() / 2]
+    percentile(&v.collect::<Vec<_>>(), 0.5)
 }
 
 impl AfterWake {
