@@ -11,6 +11,7 @@
 pub mod config;
 pub mod multi;
 pub mod offload;
+pub mod params;
 pub mod pd;
 pub mod send;
 pub mod wire;

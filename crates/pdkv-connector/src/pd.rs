@@ -78,6 +78,7 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{oneshot, Notify};
 
 use crate::config::{KvRole, KvTransferConfig, TransferMode, Transport};
+use crate::params::{self, PdParams, ReadParams};
 use crate::send::{Action, DropId, PullId, PullSpec, SendConfig, SendMachine, ASLEEP};
 use crate::wire::{self, Destination, HandshakeInfo, Message, Pull};
 
@@ -95,99 +96,6 @@ pub const D_ASLEEP: &str = "the decode engine's KV cache is released (asleep); t
 /// peers to acknowledge an unmap, even when waiting for transfers used up
 /// the caller's timeout (never more than that timeout).
 const MIN_UNMAP_WAIT: Duration = Duration::from_secs(1);
-
-/// A request's `kv_transfer_params`, as this connector reads them.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum PdParams {
-    /// To P: compute the prompt and hold its KV for D.
-    RemoteDecode { transfer_id: String },
-    /// To D: load the prompt's KV from P; `read` set in read mode.
-    RemotePrefill {
-        transfer_id: String,
-        remote_engine_id: String,
-        remote_bootstrap_addr: String,
-        read: Option<ReadParams>,
-    },
-}
-
-/// Read mode: what D reads from P.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct ReadParams {
-    /// P's blocks holding tokens `0..prompt_len-1`, in order.
-    pub block_ids: Vec<u32>,
-    /// P's registration epoch when it leased them.
-    pub generation: u64,
-}
-
-fn read_params(obj: &serde_json::Map<String, serde_json::Value>) -> Result<Option<ReadParams>, String> {
-    let ids = match obj.get("remote_block_ids") {
-        None | Some(serde_json::Value::Null) => return Ok(None),
-        Some(serde_json::Value::Array(a)) => a,
-        Some(v) => return Err(format!("kv_transfer_params.remote_block_ids must be an array of block ids, got {v}")),
-    };
-    let block_ids = ids
-        .iter()
-        .map(|v| v.as_u64().and_then(|b| u32::try_from(b).ok()))
-        .collect::<Option<Vec<u32>>>()
-        .ok_or_else(|| "kv_transfer_params.remote_block_ids must hold block ids (integers from 0 to 2^32-1)".to_string())?;
-    let generation = match obj.get("remote_registration_generation") {
-        Some(v) => v.as_u64().ok_or_else(|| {
-            format!("kv_transfer_params.remote_registration_generation must be a non-negative integer, got {v}")
-        })?,
-        None => return Err("kv_transfer_params.remote_registration_generation is required with remote_block_ids".into()),
-    };
-    Ok(Some(ReadParams { block_ids, generation }))
-}
-
-fn flag(obj: &serde_json::Map<String, serde_json::Value>, name: &str) -> Result<bool, String> {
-    match obj.get(name) {
-        None | Some(serde_json::Value::Null) => Ok(false),
-        Some(serde_json::Value::Bool(b)) => Ok(*b),
-        Some(v) => Err(format!("kv_transfer_params.{name} must be a boolean, got {v}")),
-    }
-}
-
-fn text(obj: &serde_json::Map<String, serde_json::Value>, name: &str) -> Result<String, String> {
-    match obj.get(name) {
-        Some(serde_json::Value::String(s)) if !s.is_empty() => Ok(s.clone()),
-        Some(serde_json::Value::String(_)) => Err(format!("kv_transfer_params.{name} must not be empty")),
-        None | Some(serde_json::Value::Null) => Err(format!("kv_transfer_params.{name} is required")),
-        Some(v) => Err(format!("kv_transfer_params.{name} must be a string, got {v}")),
-    }
-}
-
-impl PdParams {
-    /// Reads the params; `Ok(None)` when they ask for no transfer.
-    pub fn parse(params: Option<&KvTransferParams>) -> Result<Option<PdParams>, String> {
-        let Some(v) = params else { return Ok(None) };
-        if v.is_null() {
-            return Ok(None);
-        }
-        let obj = v.as_object().ok_or_else(|| format!("kv_transfer_params must be a JSON object, got {v}"))?;
-        let decode = flag(obj, "do_remote_decode")?;
-        let prefill = flag(obj, "do_remote_prefill")?;
-        match (decode, prefill) {
-            (true, true) => Err("kv_transfer_params: do_remote_decode and do_remote_prefill are both set".into()),
-            (true, false) => Ok(Some(PdParams::RemoteDecode { transfer_id: text(obj, "transfer_id")? })),
-            (false, true) => {
-                let remote_engine_id = text(obj, "remote_engine_id")?;
-                let remote_bootstrap_addr = text(obj, "remote_bootstrap_addr")?;
-                if remote_bootstrap_addr.parse::<SocketAddr>().is_err() {
-                    return Err(format!(
-                        "kv_transfer_params.remote_bootstrap_addr {remote_bootstrap_addr:?} is not an ip:port address"
-                    ));
-                }
-                Ok(Some(PdParams::RemotePrefill {
-                    transfer_id: text(obj, "transfer_id")?,
-                    remote_engine_id,
-                    remote_bootstrap_addr,
-                    read: read_params(obj)?,
-                }))
-            }
-            (false, false) => Ok(None),
-        }
-    }
-}
 
 /// This engine's KV cache, once registered.
 #[derive(Clone)]
@@ -481,7 +389,7 @@ impl Ctx {
     fn drop_unpulled(self: &Arc<Self>, addr: String, transfer_id: String) {
         self.counters.drops_unpulled.fetch_add(1, Ordering::Relaxed);
         self.handle.spawn(async move {
-            let msg = Message::Drop { transfer_id: transfer_id.clone() };
+            let msg = Message::Drop { transfer_id: transfer_id.clone(), code: wire::FailCode::Dropped };
             match wire::exchange(&addr, &msg, CONTROL_IO, CONTROL_IO).await {
                 Ok(Message::DropOk { .. }) => tracing::debug!(%transfer_id, "dropped a transfer this engine does not pull"),
                 Ok(other) => tracing::warn!(%transfer_id, "drop answered with {other:?}"),
@@ -501,7 +409,7 @@ impl Ctx {
         let deadline = l.deadline.unwrap_or_else(|| Instant::now() + self.cfg.load_timeout);
         self.handle.spawn(async move {
             let left = deadline.saturating_duration_since(Instant::now());
-            let msg = Message::Drop { transfer_id: tid.clone() };
+            let msg = Message::Drop { transfer_id: tid.clone(), code: wire::FailCode::Dropped };
             match wire::exchange(&addr, &msg, CONTROL_IO.min(left), left).await {
                 Ok(Message::DropOk { .. }) => {}
                 Ok(other) => tracing::warn!(transfer_id = %tid, "drop answered with {other:?}"),
@@ -539,22 +447,21 @@ impl Drop for PdConnector {
 }
 
 impl PdConnector {
-    /// Read mode: adds the leased blocks and P's registration epoch to the
-    /// params of a finished request (no blocks for a one-token prompt, which
-    /// has nothing to send). A request whose blocks
-    /// are not leased (its send ended, e.g. by a cache reset) gets no params,
-    /// so D computes the prompt itself instead of reading blocks no lease
-    /// holds.
-    fn read_params(&self, mut params: serde_json::Value, held: bool, block_ids: &[u32], prompt_len: usize) -> Option<serde_json::Value> {
-        let bs = self.ctx.kv.lock().unwrap().as_ref().map_or(pdkv_model::BLOCK_SIZE, |k| k.block_size);
+    /// Read mode: the leased blocks and P's registration epoch for the
+    /// params of a finished request (no blocks for a one-token prompt,
+    /// which has nothing to send). `None` when the blocks are not leased
+    /// (the send ended, e.g. by a cache reset): the request then gets no
+    /// params, so D computes the prompt itself instead of reading blocks no
+    /// lease holds.
+    fn read_params(&self, held: bool, block_ids: &[u32], prompt_len: usize) -> Option<ReadParams> {
+        let kv = self.ctx.kv.lock().unwrap();
+        let bs = kv.as_ref().map_or(pdkv_model::BLOCK_SIZE, |k| k.block_size);
         let needed = prompt_len.saturating_sub(1).div_ceil(bs);
         if needed > 0 && (!held || block_ids.len() < needed) {
             return None;
         }
-        let generation = self.ctx.kv.lock().unwrap().as_ref().map(|k| k.reg.epoch)?;
-        params["remote_block_ids"] = json!(&block_ids[..needed]);
-        params["remote_registration_generation"] = json!(generation);
-        Some(params)
+        let generation = kv.as_ref().map(|k| k.reg.epoch)?;
+        Some(ReadParams { block_ids: block_ids[..needed].to_vec(), generation })
     }
 
     /// Starts the runtime, binds the control listener and the transfer
@@ -763,7 +670,7 @@ async fn serve_control(ctx: &Arc<Ctx>, mut s: TcpStream) -> Result<(), wire::Wir
                 _ => Message::PullErr { reason: "the prefill engine lost the pull".into() },
             }
         }
-        Message::Drop { transfer_id } if ctx.cfg.kv_role.produces() => {
+        Message::Drop { transfer_id, .. } if ctx.cfg.kv_role.produces() => {
             let id = ctx.next_id();
             let (tx, rx) = oneshot::channel();
             {
@@ -1316,18 +1223,16 @@ impl KvConnector for PdConnector {
                     self.ctx.drive(&mut st);
                     held
                 };
-                let mut params = completed.then(|| {
-                    json!({
-                        "do_remote_prefill": true,
-                        "remote_engine_id": self.ctx.engine_id,
-                        "remote_bootstrap_addr": self.ctx.control_addr.to_string(),
-                        "transfer_id": transfer_id,
-                        "remote_num_tokens": prompt_len,
+                let bootstrap = self.ctx.control_addr.to_string();
+                let params = if !completed {
+                    None
+                } else if self.ctx.cfg.transfer_mode == TransferMode::Read {
+                    self.read_params(held, block_ids, prompt_len).map(|r| {
+                        params::returned_by_prefill(&transfer_id, &self.ctx.engine_id, &bootstrap, prompt_len, Some(&r))
                     })
-                });
-                if self.ctx.cfg.transfer_mode == TransferMode::Read {
-                    params = params.and_then(|p| self.read_params(p, held, block_ids, prompt_len));
-                }
+                } else {
+                    Some(params::returned_by_prefill(&transfer_id, &self.ctx.engine_id, &bootstrap, prompt_len, None))
+                };
                 (held, params)
             }
             Ok(Some(PdParams::RemotePrefill { .. })) => {

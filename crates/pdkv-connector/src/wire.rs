@@ -69,6 +69,112 @@ pub struct HandshakeInfo {
     pub registration: Option<Registration>,
 }
 
+/// Why a transfer did not deliver its KV. It crosses the wire as this code
+/// (plus a message for people), and every decision about a failed transfer
+/// is made on the code, never on the text.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FailCode {
+    /// P's lifecycle released the KV on purpose (a pause that clears the
+    /// cache, a sleep, a KV release, a weight reload).
+    CacheReset,
+    /// P's KV cache registration is released (P is asleep).
+    Asleep,
+    /// P's request was aborted (an abort pause, `abort_requests`, shutdown).
+    PrefillAborted,
+    /// P refused the request (not serving now: paused or asleep); a proxy
+    /// tells P so, and P answers D's pull with it.
+    PrefillRefused,
+    /// P computed the KV with other weights than D serves.
+    WeightsMismatch,
+    /// D released the transfer (its request ended, or it gave up the load).
+    Dropped,
+    /// P never saw the transfer's request within the arrival timeout.
+    Unknown,
+    /// P's lease on the blocks ended before D took them.
+    LeaseExpired,
+    /// A deadline passed: no sender was free, or P's request outlived the
+    /// longest prefill a pull waits for.
+    Deadline,
+    /// The pull does not match the transfer (lengths, blocks, layout, engine).
+    Mismatch,
+    /// The transfer was sent or read already.
+    AlreadyDone,
+    /// Moving the bytes failed.
+    TransferFailed,
+    /// P could not be reached, or the connection broke.
+    PeerLost,
+    /// No answer within D's deadline.
+    Timeout,
+    /// An answer that makes no sense here.
+    Protocol,
+}
+
+impl FailCode {
+    /// The transfer was ended on purpose by a lifecycle operation or a
+    /// refusal, not by a failure: the decode engine recomputes the prompt
+    /// whatever its `kv_load_failure_policy`.
+    pub fn on_purpose(self) -> bool {
+        matches!(
+            self,
+            FailCode::CacheReset
+                | FailCode::Asleep
+                | FailCode::PrefillAborted
+                | FailCode::PrefillRefused
+                | FailCode::WeightsMismatch
+        )
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FailCode::CacheReset => "cache_reset",
+            FailCode::Asleep => "asleep",
+            FailCode::PrefillAborted => "prefill_aborted",
+            FailCode::PrefillRefused => "prefill_refused",
+            FailCode::WeightsMismatch => "weights_mismatch",
+            FailCode::Dropped => "dropped",
+            FailCode::Unknown => "unknown",
+            FailCode::LeaseExpired => "lease_expired",
+            FailCode::Deadline => "deadline",
+            FailCode::Mismatch => "mismatch",
+            FailCode::AlreadyDone => "already_done",
+            FailCode::TransferFailed => "transfer_failed",
+            FailCode::PeerLost => "peer_lost",
+            FailCode::Timeout => "timeout",
+            FailCode::Protocol => "protocol",
+        }
+    }
+}
+
+impl std::fmt::Display for FailCode {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// A failed transfer: the code decides, the message explains.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Failure {
+    pub code: FailCode,
+    pub message: String,
+}
+
+impl Failure {
+    pub fn new(code: FailCode, message: impl Into<String>) -> Failure {
+        Failure { code, message: message.into() }
+    }
+}
+
+impl std::fmt::Display for Failure {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} ({})", self.message, self.code)
+    }
+}
+
+fn dropped() -> FailCode {
+    FailCode::Dropped
+}
+
 /// Every control message.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "type", rename_all = "snake_case")]
@@ -78,7 +184,13 @@ pub enum Message {
     Pull(Pull),
     PullOk,
     PullErr { reason: String },
-    Drop { transfer_id: String },
+    /// Ends the transfer at P; `code` says why (D released it, or a proxy
+    /// saw P refuse the request), and a pull waiting for it gets that code.
+    Drop {
+        transfer_id: String,
+        #[serde(default = "dropped")]
+        code: FailCode,
+    },
     DropOk { known: bool },
     /// Read mode: D asks for what it needs to read P's blocks one-sided.
     Handshake,
@@ -199,7 +311,7 @@ mod tests {
             }),
             Message::PullOk,
             Message::PullErr { reason: "r".into() },
-            Message::Drop { transfer_id: "t".into() },
+            Message::Drop { transfer_id: "t".into(), code: FailCode::PrefillRefused },
             Message::DropOk { known: true },
             Message::Handshake,
             Message::HandshakeOk(HandshakeInfo {
@@ -228,12 +340,13 @@ mod tests {
 }
 
 /// Asks the prefill engine whose control listener is at `addr` to drop
-/// transfer `transfer_id` (a proxy whose decode request failed: nobody will
-/// pull it). Returns whether P knew the transfer; P frees its blocks now
-/// rather than when the lease expires, and one it has not seen yet is
-/// refused when its request finishes.
-pub async fn drop_transfer(addr: &str, transfer_id: &str, limit: Duration) -> Result<bool, String> {
-    let msg = Message::Drop { transfer_id: transfer_id.to_string() };
+/// transfer `transfer_id` for `code` (a proxy whose decode request failed:
+/// nobody will pull it; or whose prefill request P refused: D's pull gets
+/// the code at once). Returns whether P knew the transfer; P frees its
+/// blocks now rather than when the lease expires, and one it has not seen
+/// yet is refused when its request finishes.
+pub async fn drop_transfer(addr: &str, transfer_id: &str, code: FailCode, limit: Duration) -> Result<bool, String> {
+    let msg = Message::Drop { transfer_id: transfer_id.to_string(), code };
     match exchange(addr, &msg, limit, limit).await {
         Ok(Message::DropOk { known }) => Ok(known),
         Ok(other) => Err(format!("unexpected answer to a drop: {other:?}")),

@@ -768,7 +768,7 @@ impl Proxy {
         let transfer_id = transfer_id.to_string();
         let limit = self.inner.config.health_timeout.max(Duration::from_secs(2));
         tokio::spawn(async move {
-            match pdkv_connector::wire::drop_transfer(&addr, &transfer_id, limit).await {
+            match pdkv_connector::wire::drop_transfer(&addr, &transfer_id, pdkv_connector::wire::FailCode::Dropped, limit).await {
                 Ok(known) => tracing::debug!(%transfer_id, known, "dropped the transfer at the prefill server"),
                 Err(e) => tracing::warn!(%transfer_id, "could not drop the transfer at {addr}: {e}"),
             }
@@ -836,20 +836,18 @@ fn prefill_body(req: &Map<String, Value>, endpoint: Endpoint, transfer_id: &str)
     }
     body.insert("stream".into(), json!(false));
     body.remove("stream_options");
-    body.insert("kv_transfer_params".into(), json!({"do_remote_decode": true, "transfer_id": transfer_id}));
+    body.insert("kv_transfer_params".into(), pdkv_connector::params::for_prefill(transfer_id));
     serde_json::to_vec(&body).unwrap_or_default()
 }
 
 /// D's body: the client's, with `do_remote_prefill` naming P.
 fn decode_body(req: &Map<String, Value>, transfer_id: &str, p_info: Option<&KvTransferInfo>) -> Vec<u8> {
     let mut body = req.clone();
-    let mut params = json!({"do_remote_prefill": true, "transfer_id": transfer_id});
-    if let Some(info) = p_info {
-        params["remote_engine_id"] = json!(info.engine_id);
-        if let Some(addr) = &info.bootstrap_addr {
-            params["remote_bootstrap_addr"] = json!(addr);
-        }
-    }
+    let params = pdkv_connector::params::for_decode(
+        transfer_id,
+        p_info.map(|i| i.engine_id.as_str()),
+        p_info.and_then(|i| i.bootstrap_addr.as_deref()),
+    );
     body.insert("kv_transfer_params".into(), params);
     serde_json::to_vec(&body).unwrap_or_default()
 }

@@ -25,6 +25,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 use clap::Args;
+use pdkv_connector::params;
 use pdkv_engine::{Engine, EngineConfig, EngineHandle, EngineRequest, FinishReason, SamplingParams};
 use pdkv_vmem::Pool;
 use serde_json::json;
@@ -193,8 +194,8 @@ impl Level {
 /// Runs `prompts` through P and D, each request sent to both at once.
 fn run_pd(p: &EngineHandle, d: &EngineHandle, prompts: &[Vec<u32>], max_tokens: u32, tag: &str) -> anyhow::Result<Level> {
     let info = p.kv_connector_info().context("the prefill engine has no connector")?;
-    let engine_id = info["engine_id"].clone();
-    let bootstrap = info["bootstrap_addr"].clone();
+    let engine_id = info["engine_id"].as_str().map(str::to_string);
+    let bootstrap = info["bootstrap_addr"].as_str().map(str::to_string);
     let t0 = Instant::now();
     let mut handles = Vec::new();
     for (i, prompt) in prompts.iter().enumerate() {
@@ -203,18 +204,13 @@ fn run_pd(p: &EngineHandle, d: &EngineHandle, prompts: &[Vec<u32>], max_tokens: 
             id: format!("{tag}-p-{i}"),
             prompt_tokens: prompt.clone(),
             params: params(1),
-            kv_transfer_params: Some(json!({"do_remote_decode": true, "transfer_id": transfer_id})),
+            kv_transfer_params: Some(params::for_prefill(&transfer_id)),
         })?;
         let mut d_stream = d.add_request(EngineRequest {
             id: format!("{tag}-d-{i}"),
             prompt_tokens: prompt.clone(),
             params: params(max_tokens),
-            kv_transfer_params: Some(json!({
-                "do_remote_prefill": true,
-                "remote_engine_id": engine_id,
-                "remote_bootstrap_addr": bootstrap,
-                "transfer_id": transfer_id,
-            })),
+            kv_transfer_params: Some(params::for_decode(&transfer_id, engine_id.as_deref(), bootstrap.as_deref())),
         })?;
         let p_done = std::thread::spawn(move || -> anyhow::Result<Duration> {
             collect(&mut p_stream, t0)?;

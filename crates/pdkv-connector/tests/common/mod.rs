@@ -22,6 +22,7 @@ use std::net::TcpStream;
 use std::sync::{mpsc, Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use pdkv_connector::params;
 use pdkv_connector::wire::{self, Message};
 use pdkv_engine::connector::{ConnectorRequest, FinishedTransfers, KvCacheSpec, MetricsReader};
 use pdkv_engine::{
@@ -168,7 +169,7 @@ pub fn fingerprint(outs: &[RequestOutput]) -> Fingerprint {
 
 /// The params of a P request that computes a prompt for a decode engine.
 pub fn decode_params(transfer_id: &str) -> Value {
-    json!({"do_remote_decode": true, "transfer_id": transfer_id})
+    params::for_prefill(transfer_id)
 }
 
 /// P's control address, from its connector's info.
@@ -183,7 +184,7 @@ pub fn bootstrap_addr(p: &EngineHandle) -> String {
 /// output returns, written out before P finished).
 pub fn pull_params(p: &EngineHandle, transfer_id: &str) -> Value {
     let info = p.kv_connector_info().expect("P has a connector");
-    json!({"do_remote_prefill": true, "remote_engine_id": info["engine_id"], "remote_bootstrap_addr": bootstrap_addr(p), "transfer_id": transfer_id})
+    params::for_decode(transfer_id, info["engine_id"].as_str(), Some(&bootstrap_addr(p)))
 }
 
 /// P computes `tokens` for a decode engine as request `id` under
