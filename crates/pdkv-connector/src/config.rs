@@ -116,6 +116,8 @@ struct Raw {
     abort_timeout_s: Option<f64>,
     load_timeout_s: Option<f64>,
     arrival_timeout_s: Option<f64>,
+    prefill_timeout_s: Option<f64>,
+    heartbeat_s: Option<f64>,
     #[serde(default)]
     kv_load_failure_policy: LoadFailurePolicy,
     shm_dir: Option<PathBuf>,
@@ -134,13 +136,20 @@ pub struct KvTransferConfig {
     pub kv_port: u16,
     /// The producer's concurrent senders.
     pub num_workers: usize,
-    /// The producer's deadline for a pull (from its receipt) and the lease of
-    /// blocks held for a consumer.
+    /// The producer's deadline for a pull's write (from when the KV is
+    /// ready) and the lease of blocks held for a consumer.
     pub abort_timeout: Duration,
-    /// The consumer's own wait for a pull answer; longer than `abort_timeout`.
+    /// The consumer gives up a load this long after it last heard from the
+    /// producer; longer than `abort_timeout`.
     pub load_timeout: Duration,
     /// How long the producer keeps a pull for a transfer it has not seen yet.
     pub arrival_timeout: Duration,
+    /// The longest a pull waits for the producer to finish computing the
+    /// prompt (a long prompt takes long; the pull waits, not fails).
+    pub prefill_timeout: Duration,
+    /// How often a waiting pull hears from the producer; shorter than
+    /// `load_timeout`.
+    pub heartbeat: Duration,
     pub kv_load_failure_policy: LoadFailurePolicy,
     /// Where a consumer's shared-memory socket lives.
     pub shm_dir: PathBuf,
@@ -206,6 +215,15 @@ impl KvTransferConfig {
             ));
         }
         let arrival_timeout = seconds("arrival_timeout_s", raw.arrival_timeout_s.unwrap_or(10.0))?;
+        let prefill_timeout = seconds("prefill_timeout_s", raw.prefill_timeout_s.unwrap_or(600.0))?;
+        let beat_s = raw.heartbeat_s.unwrap_or(2.0_f64.min(load_s / 4.0));
+        let heartbeat = seconds("heartbeat_s", beat_s)?;
+        if heartbeat >= load_timeout {
+            return Err(ConfigError::new(
+                "heartbeat_s",
+                format!("heartbeat_s ({beat_s}) must be less than load_timeout_s ({load_s})"),
+            ));
+        }
         Ok(KvTransferConfig {
             kv_connector: raw.kv_connector,
             kv_role: raw.kv_role,
@@ -217,6 +235,8 @@ impl KvTransferConfig {
             abort_timeout,
             load_timeout,
             arrival_timeout,
+            prefill_timeout,
+            heartbeat,
             kv_load_failure_policy: raw.kv_load_failure_policy,
             shm_dir: raw.shm_dir.unwrap_or_else(std::env::temp_dir),
         })

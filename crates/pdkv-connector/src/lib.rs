@@ -2,8 +2,11 @@
 //!
 //! [`build`] turns a `--kv-transfer-config` JSON ([`config`]) into the P/D
 //! connector ([`pd::PdConnector`]), which speaks the control protocol of
-//! [`wire`] and keeps the prefill side's sending state in the sans-IO
-//! [`send::SendMachine`]. Two more connectors share the same entry point:
+//! [`wire`], reads and writes `kv_transfer_params` through [`params`] (the
+//! one module that spells their keys), and decides in sans-IO machines:
+//! the prefill side's [`send::SendMachine`], the decode side's
+//! [`recv::RecvMachine`], glued by [`pd::core::PdCore`]. Two more
+//! connectors share the same entry point:
 //! the host-memory offload tier ([`offload::OffloadConnector`],
 //! `"kv_connector": "offload"`) and the multi-connector that combines
 //! several ([`multi::MultiConnector`], `"kv_connector": "multi"`).
@@ -13,6 +16,7 @@ pub mod multi;
 pub mod offload;
 pub mod params;
 pub mod pd;
+pub mod recv;
 pub mod send;
 pub mod wire;
 

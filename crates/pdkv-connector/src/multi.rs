@@ -11,15 +11,16 @@
 //!   report about a held request it did not keep is swallowed, so that it
 //!   cannot free blocks another child still uses.
 //! - Sleep mode only when every child supports it; lifecycle calls
-//!   (release, restore, abort, reset) go to every child, and release and
-//!   restore are attempted on all children even after one failed.
+//!   (release, restore, abort, reset) go to every child. Release is all or
+//!   nothing (a child that refuses makes the ones before it register
+//!   again); restore is attempted on all children even after one failed.
 
 use std::collections::{BTreeSet, HashMap, HashSet};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
 use pdkv_engine::connector::{
-    ConnectorMeta, ConnectorRequest, ExternalMatch, FinishedTransfers, KvCacheSpec, KvTransferParams,
+    ConnectorMeta, ConnectorRequest, ExternalMatch, FinishedTransfers, KvCacheSpec, KvTransferParams, LoadError,
     LoadFailurePolicy, MetricsReader, ParamsValidator, Waker,
 };
 use pdkv_engine::{FinishReason, KvConnector};
@@ -319,6 +320,8 @@ impl KvConnector for MultiConnector {
         let mut reported: HashSet<Arc<str>> = HashSet::new();
         for (i, c) in self.children.iter_mut().enumerate() {
             let f = c.get_finished();
+            // A given-up load belongs to a live request: passed on as is.
+            out.abandoned.extend(f.abandoned);
             for (ids, sending) in [(f.sending, true), (f.recving, false)] {
                 for id in ids {
                     let pass = match self.holders.get_mut(&id) {
@@ -349,21 +352,32 @@ impl KvConnector for MultiConnector {
         out
     }
 
-    fn get_block_ids_with_load_errors(&mut self) -> Vec<(u32, String)> {
+    fn get_block_ids_with_load_errors(&mut self) -> Vec<(u32, LoadError)> {
         self.children.iter_mut().flat_map(|c| c.get_block_ids_with_load_errors()).collect()
     }
 
+    fn set_weights_version(&mut self, version: Option<&str>) {
+        for c in &mut self.children {
+            c.set_weights_version(version);
+        }
+    }
+
+    /// All or nothing: when a child refuses, the children that released
+    /// already register again, so the connectors stay in one state that a
+    /// retry moves on from.
     fn release_kv_caches(&mut self, timeout: Duration) -> anyhow::Result<()> {
-        let mut first = Ok(());
-        for (i, c) in self.children.iter_mut().enumerate() {
-            if let Err(e) = c.release_kv_caches(timeout) {
-                tracing::error!(child = i, error = %format!("{e:#}"), "a child connector failed to release the KV cache");
-                if first.is_ok() {
-                    first = Err(e.context(format!("connector {i} ({})", self.kinds[i])));
+        for i in 0..self.children.len() {
+            let Err(e) = self.children[i].release_kv_caches(timeout) else { continue };
+            tracing::error!(child = i, error = %format!("{e:#}"), "a child connector failed to release the KV cache; undoing the others");
+            let mut e = e.context(format!("connector {i} ({})", self.kinds[i]));
+            for (j, c) in self.children[..i].iter_mut().enumerate() {
+                if let Err(r) = c.restore_kv_caches() {
+                    e = e.context(format!("and connector {j} ({}) could not register again: {r:#}", self.kinds[j]));
                 }
             }
+            return Err(e);
         }
-        first
+        Ok(())
     }
 
     fn restore_kv_caches(&mut self) -> anyhow::Result<()> {
@@ -396,7 +410,7 @@ mod tests {
         reset_refused: bool,
         held: usize,
         finished: FinishedTransfers,
-        load_errors: Vec<(u32, String)>,
+        load_errors: Vec<(u32, LoadError)>,
         release_fails: bool,
         restore_fails: bool,
         invalid: Option<String>,
@@ -491,7 +505,7 @@ mod tests {
         fn get_finished(&mut self) -> FinishedTransfers {
             std::mem::take(&mut self.0.lock().unwrap().finished)
         }
-        fn get_block_ids_with_load_errors(&mut self) -> Vec<(u32, String)> {
+        fn get_block_ids_with_load_errors(&mut self) -> Vec<(u32, LoadError)> {
             std::mem::take(&mut self.0.lock().unwrap().load_errors)
         }
         fn release_kv_caches(&mut self, _timeout: Duration) -> anyhow::Result<()> {
@@ -536,7 +550,7 @@ mod tests {
     }
 
     #[test]
-    fn release_and_restore_reach_every_child_and_name_the_first_that_failed() {
+    fn release_is_all_or_nothing_and_restore_reaches_every_child() {
         let (mut m, s) = multi(vec![Script::default(), Script::default(), Script::default()]);
         m.release_kv_caches(Duration::from_secs(1)).unwrap();
         m.restore_kv_caches().unwrap();
@@ -544,15 +558,25 @@ mod tests {
             assert_eq!(calls(c), ["release", "restore"]);
         }
 
+        // Child 1 refuses: child 0 registers again, child 2 is not asked.
         s[1].lock().unwrap().release_fails = true;
-        s[2].lock().unwrap().release_fails = true;
-        s[0].lock().unwrap().restore_fails = true;
         let e = format!("{:#}", m.release_kv_caches(Duration::from_secs(1)).unwrap_err());
         assert!(e.contains("connector 1 (k1)") && e.contains("release refused"), "{e}");
+        assert_eq!(calls(&s[0]), ["release", "restore"], "undone");
+        assert_eq!(calls(&s[1]), ["release"]);
+        assert!(calls(&s[2]).is_empty(), "nothing released after the refusal");
+        // A failed undo is named too.
+        s[0].lock().unwrap().restore_fails = true;
+        let e = format!("{:#}", m.release_kv_caches(Duration::from_secs(1)).unwrap_err());
+        assert!(e.contains("connector 0 (k0) could not register again"), "{e}");
+        calls(&s[0]);
+        calls(&s[1]);
+
+        s[1].lock().unwrap().release_fails = false;
         let e = format!("{:#}", m.restore_kv_caches().unwrap_err());
         assert!(e.contains("connector 0 (k0)") && e.contains("restore refused"), "{e}");
         for c in &s {
-            assert_eq!(calls(c), ["release", "restore"], "every child is asked even after one failed");
+            assert_eq!(calls(c), ["restore"], "every child is asked even after one failed");
         }
     }
 
@@ -652,9 +676,9 @@ mod tests {
             Script { policy: LoadFailurePolicy::Recompute, ..Script::default() },
             Script::default(),
         ]);
-        s[0].lock().unwrap().load_errors.push((1, "a".into()));
-        s[1].lock().unwrap().load_errors.push((2, "b".into()));
-        assert_eq!(m.get_block_ids_with_load_errors(), [(1, "a".to_string()), (2, "b".to_string())]);
+        s[0].lock().unwrap().load_errors.push((1, LoadError::failed("a")));
+        s[1].lock().unwrap().load_errors.push((2, LoadError::recompute("b")));
+        assert_eq!(m.get_block_ids_with_load_errors(), [(1, LoadError::failed("a")), (2, LoadError::recompute("b"))]);
         assert_eq!(m.load_failure_policy(), LoadFailurePolicy::Recompute);
         s[0].lock().unwrap().policy = LoadFailurePolicy::Fail;
         s[1].lock().unwrap().policy = LoadFailurePolicy::Recompute;

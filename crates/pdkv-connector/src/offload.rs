@@ -463,7 +463,7 @@ impl KvConnector for OffloadConnector {
         FinishedTransfers::default()
     }
 
-    fn get_block_ids_with_load_errors(&mut self) -> Vec<(u32, String)> {
+    fn get_block_ids_with_load_errors(&mut self) -> Vec<(u32, pdkv_engine::LoadError)> {
         Vec::new()
     }
 

@@ -29,6 +29,9 @@ pub const REMOTE_BLOCK_IDS: &str = "remote_block_ids";
 pub const REMOTE_REGISTRATION_GENERATION: &str = "remote_registration_generation";
 /// The prompt length P computed (informational).
 pub const REMOTE_NUM_TOKENS: &str = "remote_num_tokens";
+/// Read mode: the weights version P computed the KV with (`null`: the
+/// weights it started with); D reads only KV of the weights it serves.
+pub const REMOTE_WEIGHTS_VERSION: &str = "remote_weights_version";
 
 /// The params a proxy puts on P's request.
 pub fn for_prefill(transfer_id: &str) -> Value {
@@ -68,6 +71,7 @@ pub fn returned_by_prefill(
     if let Some(r) = read {
         p[REMOTE_BLOCK_IDS] = json!(r.block_ids);
         p[REMOTE_REGISTRATION_GENERATION] = json!(r.generation);
+        p[REMOTE_WEIGHTS_VERSION] = json!(r.weights_version);
     }
     p
 }
@@ -93,6 +97,8 @@ pub struct ReadParams {
     pub block_ids: Vec<u32>,
     /// P's registration epoch when it leased them.
     pub generation: u64,
+    /// The weights P computed the KV with.
+    pub weights_version: Option<String>,
 }
 
 type Obj = Map<String, Value>;
@@ -118,7 +124,12 @@ fn read_params(obj: &Obj) -> Result<Option<ReadParams>, String> {
             ))
         }
     };
-    Ok(Some(ReadParams { block_ids, generation }))
+    let weights_version = match obj.get(REMOTE_WEIGHTS_VERSION) {
+        None | Some(Value::Null) => None,
+        Some(Value::String(v)) => Some(v.clone()),
+        Some(v) => return Err(format!("kv_transfer_params.{REMOTE_WEIGHTS_VERSION} must be a string or null, got {v}")),
+    };
+    Ok(Some(ReadParams { block_ids, generation, weights_version }))
 }
 
 fn flag(obj: &Obj, name: &str) -> Result<bool, String> {
@@ -197,7 +208,7 @@ mod tests {
                 read: None
             })
         );
-        let read = ReadParams { block_ids: vec![3, 4], generation: 2 };
+        let read = ReadParams { block_ids: vec![3, 4], generation: 2, weights_version: Some("v7".into()) };
         let back = returned_by_prefill("t", "p0", "127.0.0.1:9", 30, Some(&read));
         match PdParams::parse(Some(&back)).unwrap() {
             Some(PdParams::RemotePrefill { read: Some(r), .. }) => assert_eq!(r, read),

@@ -2,19 +2,31 @@
 //!
 //! No I/O, no clock, no threads: the driver passes events and the time in and
 //! carries out the [`Action`]s that come out of [`SendMachine::poll_action`].
+//! Every table is ordered (`BTreeMap`), so the same events give the same
+//! actions in the same order: a simulation replays exactly.
 //!
 //! Per transfer (one request on P, named by its `transfer_id`):
-//! - **WAITING**: the request is running; a pull that arrives now is parked;
+//! - **WAITING**: the request is queued or running; a pull that arrives now
+//!   is parked;
 //! - **READY**: the request finished; its blocks are held for D until a pull
 //!   took them or the lease (`abort_timeout` from the finish) expired;
 //! - **DONE**: nothing more to send; kept a while as a tombstone so a late
-//!   pull or drop gets a precise answer.
+//!   pull or drop gets a precise answer ([`Failure`] with its [`FailCode`]).
+//!
+//! Deadlines count from when P's KV is ready, not from a pull's receipt: a
+//! pull parked on a WAITING transfer waits while P computes (however long
+//! the prompt), bounded only by `prefill_timeout`, and gets a
+//! [`Action::Progress`] every `heartbeat` so that D, which gives up
+//! `load_timeout` after it last heard from P, knows P is alive. Once the
+//! transfer is READY and the pull matched, the pull has `abort_timeout` for
+//! its write (P tells D with one more progress at that moment, so D's clock
+//! restarts then too and outlasts P's).
 //!
 //! Invariants:
 //! - every pull is answered exactly once ([`Action::Answer`]): success, or an
 //!   error at once when P aborted the request, D released the transfer, the
 //!   lease expired, the pull does not match the transfer (both numbers
-//!   named), the pull's deadline passed, or the write failed;
+//!   named), a deadline passed, or the write failed;
 //! - [`SendMachine::end_send`] is the only way a send ends; it queues the
 //!   request for [`SendMachine::take_finished`] (the engine frees the blocks)
 //!   once no write reads the blocks;
@@ -23,11 +35,13 @@
 //! - a pull takes one of `num_workers` permits only when its transfer is
 //!   READY and it matched, and gives it back when its write ended;
 //! - a write in flight is never cut short: it ends by the pull's deadline.
-//!   Only D's drop answers the writing pull early; the drop itself is
-//!   answered once the write ended, so no byte lands after D got its answer.
-//!   A lease does not expire while a write reads the blocks;
-//! - every parked or queued pull has a deadline (`abort_timeout` from its
-//!   receipt; `arrival_timeout` while its transfer is unknown).
+//!   Only D's drop answers the writing pull early (with
+//!   [`FailCode::Dropped`]); every other answer comes once no write of the
+//!   pull is in flight, and so does the drop's own answer: D may reuse its
+//!   blocks on any answer but that early one;
+//! - every parked or queued pull has a deadline (`arrival_timeout` from its
+//!   receipt while its transfer is unknown, `prefill_timeout` from its
+//!   receipt while the transfer waits, `abort_timeout` from its admission).
 //!
 //! Read mode uses the same states with no pull: D reads the READY blocks
 //! one-sided while the *lease* (`abort_timeout` from the finish) holds them,
@@ -36,21 +50,23 @@
 //! came: a lease that expired, was aborted or released gave the blocks back
 //! meanwhile, and the report learns why.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{BTreeMap, VecDeque};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+
+pub use crate::wire::{FailCode, Failure};
 
 pub type PullId = u64;
 pub type DropId = u64;
 
-/// The reason a pull gets when D released the transfer.
+/// The message a pull gets when D released the transfer.
 pub const RELEASED: &str = "released by the decode engine";
 
-/// The reason a pull gets when P stopped holding KV for a cache reset
+/// The message a pull gets when P stopped holding KV for a cache reset
 /// ([`SendMachine::abort_all`]).
 pub const CACHE_RESET: &str = "the prefill engine released the KV (cache reset)";
 
-/// The reason a pull gets when P's KV cache registration is released
+/// The message a pull gets when P's KV cache registration is released
 /// (the engine sleeps).
 pub const ASLEEP: &str = "the prefill engine's KV cache is released (asleep)";
 
@@ -58,6 +74,10 @@ pub const ASLEEP: &str = "the prefill engine's KV cache is released (asleep)";
 pub struct SendConfig {
     pub abort_timeout: Duration,
     pub arrival_timeout: Duration,
+    /// The longest a pull waits for its request to finish computing.
+    pub prefill_timeout: Duration,
+    /// How often a waiting pull hears that P is still computing.
+    pub heartbeat: Duration,
     pub num_workers: usize,
     /// Tokens per block.
     pub block_size: usize,
@@ -71,13 +91,18 @@ pub struct PullSpec {
     pub num_tokens: usize,
     /// Destination blocks D sent.
     pub num_blocks: usize,
+    /// The weights version D serves; KV computed with other weights is refused.
+    pub weights_version: Option<String>,
 }
 
 /// What the driver must do.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Action {
     /// Answer the pull (once).
-    Answer { pull: PullId, result: Result<(), String> },
+    Answer { pull: PullId, result: Result<(), Failure> },
+    /// Tell the pull's D that P is alive and working on it (D's deadline
+    /// restarts).
+    Progress { pull: PullId },
     /// Write `src_blocks` (P's block ids, in the order of D's offsets), by
     /// `deadline`, then report [`SendMachine::on_write_done`].
     StartWrite { pull: PullId, src_blocks: Vec<u32>, deadline: Instant },
@@ -89,7 +114,7 @@ pub enum Action {
 enum Phase {
     Waiting,
     Ready { expires: Instant },
-    Done { reason: String, forget_at: Instant },
+    Done { failure: Failure, forget_at: Instant },
 }
 
 /// The state of one transfer as a test sees it.
@@ -108,12 +133,15 @@ struct Transfer {
     holding: bool,
     blocks: Vec<u32>,
     prompt_len: usize,
+    /// The weights version the KV was computed with (set at READY).
+    weights_version: Option<String>,
     /// The pull whose write reads the blocks now.
     writing: Option<PullId>,
     /// Drops answered once no write reads the blocks.
     drop_waiters: Vec<DropId>,
     /// Set by [`SendMachine::abort_all`] while WAITING: the send ends (with
-    /// [`CACHE_RESET`]) instead of becoming READY when the request finishes.
+    /// [`FailCode::CacheReset`]) instead of becoming READY when the request
+    /// finishes.
     reset: bool,
 }
 
@@ -125,6 +153,7 @@ impl Transfer {
             holding: false,
             blocks: Vec::new(),
             prompt_len: 0,
+            weights_version: None,
             writing: None,
             drop_waiters: Vec::new(),
             reset: false,
@@ -145,8 +174,10 @@ enum PullState {
 struct PendingPull {
     spec: PullSpec,
     deadline: Instant,
-    /// The abort timeout from receipt: the deadline once the transfer is known.
+    /// `prefill_timeout` from receipt: the deadline once the transfer is known.
     full_deadline: Instant,
+    /// When a parked pull next tells D that P is alive.
+    next_heartbeat: Instant,
     state: PullState,
     src_blocks: Vec<u32>,
 }
@@ -154,14 +185,16 @@ struct PendingPull {
 /// See the module docs.
 pub struct SendMachine {
     cfg: SendConfig,
-    transfers: HashMap<String, Transfer>,
-    pulls: HashMap<PullId, PendingPull>,
+    transfers: BTreeMap<String, Transfer>,
+    pulls: BTreeMap<PullId, PendingPull>,
     /// The pull of each transfer (one at most).
-    pull_of: HashMap<String, PullId>,
+    pull_of: BTreeMap<String, PullId>,
     queue: VecDeque<PullId>,
     permits: usize,
     actions: VecDeque<Action>,
     finished: Vec<Arc<str>>,
+    /// The weights P serves now.
+    weights_version: Option<String>,
 }
 
 impl SendMachine {
@@ -169,19 +202,26 @@ impl SendMachine {
         let permits = cfg.num_workers.max(1);
         SendMachine {
             cfg,
-            transfers: HashMap::new(),
-            pulls: HashMap::new(),
-            pull_of: HashMap::new(),
+            transfers: BTreeMap::new(),
+            pulls: BTreeMap::new(),
+            pull_of: BTreeMap::new(),
             queue: VecDeque::new(),
             permits,
             actions: VecDeque::new(),
             finished: Vec::new(),
+            weights_version: None,
         }
     }
 
     /// How long a DONE transfer is remembered.
     fn retention(&self) -> Duration {
         self.cfg.abort_timeout + self.cfg.arrival_timeout
+    }
+
+    /// The weights P serves from now on: transfers that become READY later
+    /// carry it, and a pull naming another version is refused.
+    pub fn set_weights_version(&mut self, version: Option<String>) {
+        self.weights_version = version;
     }
 
     /// The next action for the driver.
@@ -218,17 +258,24 @@ impl SendMachine {
         self.pulls.len()
     }
 
-    fn answer(&mut self, pull: PullId, result: Result<(), String>) {
+    /// Transfers remembered (any phase), for bounds and tests.
+    pub fn num_transfers(&self) -> usize {
+        self.transfers.len()
+    }
+
+    fn answer(&mut self, pull: PullId, result: Result<(), Failure>) {
         self.actions.push_back(Action::Answer { pull, result });
     }
 
-    /// P admitted the request of `transfer_id`: WAITING (unless known).
+    /// P queued the request of `transfer_id`: WAITING (unless known).
     pub fn on_request_running(&mut self, transfer_id: &str, req: &Arc<str>) {
         self.transfers.entry(transfer_id.to_string()).or_insert_with(|| Transfer::waiting(Some(req.clone())));
         // A pull parked while the transfer was unknown now waits for the
-        // request, up to the abort timeout from its receipt.
+        // request, up to the prefill timeout from its receipt.
         if let Some(p) = self.pull_of.get(transfer_id).and_then(|id| self.pulls.get_mut(id)) {
-            p.deadline = p.full_deadline;
+            if p.state == PullState::Parked {
+                p.deadline = p.full_deadline;
+            }
         }
     }
 
@@ -252,25 +299,27 @@ impl SendMachine {
             return false;
         }
         t.req = Some(req.clone());
-        if t.reset {
-            self.end_send(now, transfer_id, CACHE_RESET.into(), false);
-            return false;
-        }
-        if !completed {
-            self.end_send(now, transfer_id, "the prefill request was aborted before it finished".into(), false);
-            return false;
-        }
-        let needed = (prompt_len.saturating_sub(1)).div_ceil(self.cfg.block_size);
-        if needed == 0 {
-            self.end_send(now, transfer_id, "nothing to send: the prompt has a single token".into(), false);
+        let end = if t.reset {
+            Some(Failure::new(FailCode::CacheReset, CACHE_RESET))
+        } else if !completed {
+            Some(Failure::new(FailCode::PrefillAborted, "the prefill request was aborted before it finished"))
+        } else if prompt_len.saturating_sub(1).div_ceil(self.cfg.block_size) == 0 {
+            Some(Failure::new(FailCode::Mismatch, "nothing to send: the prompt has a single token"))
+        } else {
+            None
+        };
+        if let Some(f) = end {
+            self.end_send(now, transfer_id, f, false);
             return false;
         }
         let expires = now + self.cfg.abort_timeout;
+        let version = self.weights_version.clone();
         let t = self.transfers.get_mut(transfer_id).expect("known");
         t.phase = Phase::Ready { expires };
         t.holding = true;
         t.blocks = blocks.to_vec();
         t.prompt_len = prompt_len;
+        t.weights_version = version;
         if let Some(&pull) = self.pull_of.get(transfer_id) {
             if self.pulls.get(&pull).is_some_and(|p| p.state == PullState::Parked) {
                 self.admit(now, pull);
@@ -283,47 +332,53 @@ impl SendMachine {
     pub fn on_pull(&mut self, now: Instant, pull: PullId, spec: PullSpec) {
         let tid = spec.transfer_id.clone();
         if self.pull_of.contains_key(&tid) {
-            self.answer(pull, Err(format!("transfer {tid:?} already has a pull in progress")));
+            self.answer(pull, Err(Failure::new(FailCode::Mismatch, format!("transfer {tid:?} already has a pull in progress"))));
             return;
         }
-        let full_deadline = now + self.cfg.abort_timeout;
-        let mut deadline = full_deadline;
-        match self.transfers.get(&tid).map(|t| &t.phase) {
-            Some(Phase::Done { reason, .. }) => {
-                let reason = reason.clone();
-                self.answer(pull, Err(reason));
+        let full_deadline = now + self.cfg.prefill_timeout;
+        let deadline = match self.transfers.get(&tid).map(|t| &t.phase) {
+            Some(Phase::Done { failure, .. }) => {
+                let f = failure.clone();
+                self.answer(pull, Err(f));
                 return;
             }
-            None => deadline = deadline.min(now + self.cfg.arrival_timeout),
-            Some(_) => {}
-        }
+            None => full_deadline.min(now + self.cfg.arrival_timeout),
+            Some(_) => full_deadline,
+        };
         self.pull_of.insert(tid.clone(), pull);
-        self.pulls.insert(pull, PendingPull { spec, deadline, full_deadline, state: PullState::Parked, src_blocks: Vec::new() });
+        let next_heartbeat = now + self.cfg.heartbeat;
+        let p = PendingPull { spec, deadline, full_deadline, next_heartbeat, state: PullState::Parked, src_blocks: Vec::new() };
+        self.pulls.insert(pull, p);
         if matches!(self.transfers.get(&tid).map(|t| &t.phase), Some(Phase::Ready { .. })) {
             self.admit(now, pull);
         }
     }
 
-    /// Checks a parked pull against its READY transfer and queues it (or
-    /// answers the mismatch and ends the send).
+    /// Checks a parked pull against its READY transfer and queues it with
+    /// `abort_timeout` from now for its write (or answers the mismatch and
+    /// ends the send).
     fn admit(&mut self, now: Instant, pull: PullId) {
         let p = &self.pulls[&pull];
         let t = &self.transfers[&p.spec.transfer_id];
         match check(&p.spec, t, self.cfg.block_size) {
             Ok(src) => {
+                let deadline = now + self.cfg.abort_timeout;
                 let p = self.pulls.get_mut(&pull).expect("known");
                 p.src_blocks = src;
                 p.state = PullState::Queued;
+                p.deadline = deadline;
+                self.actions.push_back(Action::Progress { pull });
                 self.queue.push_back(pull);
                 self.try_start();
             }
-            Err(why) => {
+            Err(f) => {
                 // Out of the table first, so ending the send does not answer
-                // this pull with the tombstone's reason as well.
+                // this pull with the tombstone's failure as well.
                 let tid = p.spec.transfer_id.clone();
                 self.remove_pull(pull);
-                self.end_send(now, &tid, format!("transfer {tid:?} refused an earlier pull: {why}"), false);
-                self.answer(pull, Err(why));
+                let tomb = Failure::new(f.code, format!("transfer {tid:?} refused an earlier pull: {}", f.message));
+                self.end_send(now, &tid, tomb, false);
+                self.answer(pull, Err(f));
             }
         }
     }
@@ -363,21 +418,24 @@ impl SendMachine {
             t.writing = None;
         }
         if !answered {
-            let result = result.map_err(|e| format!("writing the KV blocks failed: {e}"));
-            let reason = match &result {
-                Ok(()) => format!("transfer {tid:?} was sent already"),
-                Err(e) => format!("transfer {tid:?} failed: {e}"),
+            let result =
+                result.map_err(|e| Failure::new(FailCode::TransferFailed, format!("writing the KV blocks failed: {e}")));
+            let tomb = match &result {
+                Ok(()) => Failure::new(FailCode::AlreadyDone, format!("transfer {tid:?} was sent already")),
+                Err(e) => Failure::new(e.code, format!("transfer {tid:?} failed: {}", e.message)),
             };
             self.answer(pull, result);
-            self.end_send(now, &tid, reason, false);
+            self.end_send(now, &tid, tomb, false);
         }
         self.release_if_idle(&tid);
         self.try_start();
     }
 
-    /// D released `transfer_id` (its request ended or its load was
-    /// abandoned). The drop is answered once no write reads the blocks.
-    pub fn on_drop(&mut self, now: Instant, transfer_id: &str, drop: DropId) {
+    /// `transfer_id` is released by D (its request ended or its load was
+    /// abandoned: [`FailCode::Dropped`]) or by a proxy that saw P refuse or
+    /// abort the request (a pull then learns that code). The drop is
+    /// answered once no write reads the blocks.
+    pub fn on_drop(&mut self, now: Instant, transfer_id: &str, drop: DropId, code: FailCode) {
         let known = self.transfers.contains_key(transfer_id);
         if !known {
             // A pull parked on the unknown transfer is answered, and the
@@ -385,7 +443,11 @@ impl SendMachine {
             self.transfers.insert(transfer_id.to_string(), Transfer::waiting(None));
         }
         if !matches!(self.transfers[transfer_id].phase, Phase::Done { .. }) {
-            self.end_send(now, transfer_id, RELEASED.into(), true);
+            let message = match code {
+                FailCode::Dropped => RELEASED.to_string(),
+                other => format!("the transfer was dropped at the prefill engine ({other})"),
+            };
+            self.end_send(now, transfer_id, Failure::new(code, message), true);
         }
         let t = self.transfers.get_mut(transfer_id).expect("known");
         if t.writing.is_some() {
@@ -398,26 +460,30 @@ impl SendMachine {
     /// Read mode: D finished reading `transfer_id`'s blocks. `Ok` when the
     /// lease still held them (the send ends now and the blocks go back);
     /// otherwise why the lease had ended, so D discards what it read.
-    pub fn on_read_done(&mut self, now: Instant, transfer_id: &str) -> Result<(), String> {
+    pub fn on_read_done(&mut self, now: Instant, transfer_id: &str) -> Result<(), Failure> {
         match self.transfers.get(transfer_id).map(|t| &t.phase) {
             Some(Phase::Ready { .. }) => {
-                self.end_send(now, transfer_id, format!("transfer {transfer_id:?} was read already"), false);
+                let tomb = Failure::new(FailCode::AlreadyDone, format!("transfer {transfer_id:?} was read already"));
+                self.end_send(now, transfer_id, tomb, false);
                 Ok(())
             }
-            Some(Phase::Done { reason, .. }) => Err(reason.clone()),
-            Some(Phase::Waiting) => Err(format!("the prefill request of transfer {transfer_id:?} has not finished")),
-            None => Err(format!("transfer {transfer_id:?} is unknown to the prefill engine")),
+            Some(Phase::Done { failure, .. }) => Err(failure.clone()),
+            Some(Phase::Waiting) => Err(Failure::new(
+                FailCode::Protocol,
+                format!("the prefill request of transfer {transfer_id:?} has not finished"),
+            )),
+            None => Err(Failure::new(FailCode::Unknown, format!("transfer {transfer_id:?} is unknown to the prefill engine"))),
         }
     }
 
     /// Stop holding KV for D (the engine is about to reset its cache): every
-    /// READY transfer ends now with [`CACHE_RESET`] (its queued pull is
-    /// answered at once; a write in flight keeps the blocks until it ends, by
-    /// its deadline); every WAITING transfer answers its parked pull at once
-    /// and will end, not become READY, when its request finishes.
-    /// Idempotent; transfers that start afterwards are not affected.
+    /// READY transfer ends now with [`FailCode::CacheReset`] (its queued pull
+    /// is answered at once; a write in flight keeps the blocks until it
+    /// ends, by its deadline); every WAITING transfer answers its parked
+    /// pull at once and will end, not become READY, when its request
+    /// finishes. Idempotent; transfers that start afterwards are not affected.
     pub fn abort_all(&mut self, now: Instant) {
-        self.end_ready(now, CACHE_RESET);
+        self.end_ready(now, Failure::new(FailCode::CacheReset, CACHE_RESET));
         let waiting: Vec<String> = self
             .transfers
             .iter_mut()
@@ -431,13 +497,13 @@ impl SendMachine {
             let parked = self.pull_of.get(&tid).copied().filter(|p| self.pulls.get(p).is_some_and(|p| p.state == PullState::Parked));
             if let Some(pull) = parked {
                 self.remove_pull(pull);
-                self.answer(pull, Err(CACHE_RESET.into()));
+                self.answer(pull, Err(Failure::new(FailCode::CacheReset, CACHE_RESET)));
             }
         }
     }
 
-    /// Ends every READY transfer with `reason` (see [`SendMachine::end_send`]).
-    pub fn end_ready(&mut self, now: Instant, reason: &str) {
+    /// Ends every READY transfer with `failure` (see [`SendMachine::end_send`]).
+    pub fn end_ready(&mut self, now: Instant, failure: Failure) {
         let ready: Vec<String> = self
             .transfers
             .iter()
@@ -445,7 +511,7 @@ impl SendMachine {
             .map(|(k, _)| k.clone())
             .collect();
         for tid in ready {
-            self.end_send(now, &tid, reason.to_string(), false);
+            self.end_send(now, &tid, failure.clone(), false);
         }
     }
 
@@ -463,28 +529,29 @@ impl SendMachine {
         self.pulls.values().filter(|p| matches!(p.state, PullState::Writing { .. })).count()
     }
 
-    /// Ends the send of `transfer_id`: DONE with `reason`, pulls not writing
-    /// answered with it (the writing one too when `answer_writer`), and the
-    /// blocks given back once no write reads them. The only place a send ends.
-    pub fn end_send(&mut self, now: Instant, transfer_id: &str, reason: String, answer_writer: bool) {
+    /// Ends the send of `transfer_id`: DONE with `failure` (what later pulls
+    /// learn), pulls not writing answered with it (the writing one too when
+    /// `answer_writer`), and the blocks given back once no write reads them.
+    /// The only place a send ends.
+    pub fn end_send(&mut self, now: Instant, transfer_id: &str, failure: Failure, answer_writer: bool) {
         let forget_at = now + self.retention();
         let Some(t) = self.transfers.get_mut(transfer_id) else { return };
         if matches!(t.phase, Phase::Done { .. }) {
             return;
         }
-        t.phase = Phase::Done { reason: reason.clone(), forget_at };
+        t.phase = Phase::Done { failure: failure.clone(), forget_at };
         if let Some(&pull) = self.pull_of.get(transfer_id) {
             match self.pulls.get(&pull).map(|p| p.state) {
                 Some(PullState::Writing { answered: false }) if answer_writer => {
                     if let Some(p) = self.pulls.get_mut(&pull) {
                         p.state = PullState::Writing { answered: true };
                     }
-                    self.answer(pull, Err(reason));
+                    self.answer(pull, Err(failure));
                 }
                 Some(PullState::Writing { .. }) | None => {}
                 Some(_) => {
                     self.remove_pull(pull);
-                    self.answer(pull, Err(reason));
+                    self.answer(pull, Err(failure));
                 }
             }
         }
@@ -512,7 +579,11 @@ impl SendMachine {
 
     /// When [`SendMachine::handle_timeout`] must run next.
     pub fn poll_timeout(&self) -> Option<Instant> {
-        let pulls = self.pulls.values().filter(|p| !matches!(p.state, PullState::Writing { .. })).map(|p| p.deadline);
+        let pulls = self.pulls.values().filter_map(|p| match p.state {
+            PullState::Parked => Some(p.deadline.min(p.next_heartbeat)),
+            PullState::Queued => Some(p.deadline),
+            PullState::Writing { .. } => None,
+        });
         let transfers = self.transfers.values().filter_map(|t| match &t.phase {
             Phase::Ready { expires } if t.writing.is_none() => Some(*expires),
             Phase::Done { forget_at, .. } if t.writing.is_none() && !t.holding => Some(*forget_at),
@@ -521,8 +592,8 @@ impl SendMachine {
         pulls.chain(transfers).min()
     }
 
-    /// Answers pulls whose deadline passed, ends sends whose lease expired,
-    /// forgets old tombstones.
+    /// Answers pulls whose deadline passed, tells parked pulls that P is
+    /// alive, ends sends whose lease expired, forgets old tombstones.
     pub fn handle_timeout(&mut self, now: Instant) {
         let due: Vec<PullId> = self
             .pulls
@@ -531,17 +602,14 @@ impl SendMachine {
             .map(|(&id, _)| id)
             .collect();
         for pull in due {
-            let Some(p) = self.remove_pull(pull) else { continue };
-            let tid = p.spec.transfer_id;
-            let why = match self.transfers.get(&tid).map(|t| &t.phase) {
-                None => format!("transfer {tid:?} is unknown to the prefill engine (not seen within the arrival timeout)"),
-                Some(Phase::Waiting) => format!("the prefill request of transfer {tid:?} did not finish before the pull deadline"),
-                Some(_) => format!("no sender was free for transfer {tid:?} before the pull deadline"),
-            };
-            if matches!(self.transfers.get(&tid).map(|t| &t.phase), Some(Phase::Ready { .. })) {
-                self.end_send(now, &tid, why.clone(), false);
+            self.expire_pull(now, pull);
+        }
+        let beat = self.cfg.heartbeat;
+        for (&pull, p) in self.pulls.iter_mut() {
+            if p.state == PullState::Parked && p.next_heartbeat <= now {
+                p.next_heartbeat = now + beat;
+                self.actions.push_back(Action::Progress { pull });
             }
-            self.answer(pull, Err(why));
         }
         let expired: Vec<String> = self
             .transfers
@@ -551,36 +619,71 @@ impl SendMachine {
             .collect();
         for tid in expired {
             let why = format!("the lease of transfer {tid:?} expired before the decode engine pulled it");
-            self.end_send(now, &tid, why, false);
+            self.end_send(now, &tid, Failure::new(FailCode::LeaseExpired, why), false);
         }
         self.transfers.retain(|_, t| {
             !matches!(t.phase, Phase::Done { forget_at, .. } if forget_at <= now && t.writing.is_none() && !t.holding)
         });
     }
+
+    /// A parked or queued pull reached its deadline: answered with why.
+    fn expire_pull(&mut self, now: Instant, pull: PullId) {
+        let Some(p) = self.remove_pull(pull) else { return };
+        let tid = p.spec.transfer_id;
+        let phase = self.transfers.get(&tid).map(|t| &t.phase);
+        let failure = match phase {
+            None => Failure::new(
+                FailCode::Unknown,
+                format!("transfer {tid:?} is unknown to the prefill engine (not seen within the arrival timeout)"),
+            ),
+            Some(Phase::Waiting) => Failure::new(
+                FailCode::Deadline,
+                format!(
+                    "the prefill request of transfer {tid:?} did not finish within prefill_timeout_s ({:?})",
+                    self.cfg.prefill_timeout
+                ),
+            ),
+            Some(_) => Failure::new(FailCode::Deadline, format!("no sender was free for transfer {tid:?} before the pull deadline")),
+        };
+        if matches!(phase, Some(Phase::Ready { .. })) {
+            self.end_send(now, &tid, failure.clone(), false);
+        }
+        self.answer(pull, Err(failure));
+    }
 }
 
 /// Checks a pull against a READY transfer; gives P's source blocks.
-fn check(spec: &PullSpec, t: &Transfer, block_size: usize) -> Result<Vec<u32>, String> {
+fn check(spec: &PullSpec, t: &Transfer, block_size: usize) -> Result<Vec<u32>, Failure> {
+    let mismatch = |m: String| Failure::new(FailCode::Mismatch, m);
+    if spec.weights_version != t.weights_version {
+        return Err(Failure::new(
+            FailCode::WeightsMismatch,
+            format!(
+                "weights mismatch: the decode engine serves weights {:?}, the prefill engine computed this KV with {:?}",
+                spec.weights_version, t.weights_version
+            ),
+        ));
+    }
     let want = t.prompt_len.saturating_sub(1);
     if spec.num_tokens != want {
-        return Err(format!(
+        return Err(mismatch(format!(
             "prompt length mismatch: the decode engine asks for the KV of {} tokens, the prefill engine computed {} ({}-token prompt)",
             spec.num_tokens, want, t.prompt_len
-        ));
+        )));
     }
     let needed = want.div_ceil(block_size);
     if spec.first_block >= needed {
-        return Err(format!("first_block {} is past the {} blocks of the transfer", spec.first_block, needed));
+        return Err(mismatch(format!("first_block {} is past the {} blocks of the transfer", spec.first_block, needed)));
     }
     let n = needed - spec.first_block;
     if spec.num_blocks != n {
-        return Err(format!(
+        return Err(mismatch(format!(
             "block count mismatch: the decode engine sent {} destination blocks, the transfer has {} from block {}",
             spec.num_blocks, n, spec.first_block
-        ));
+        )));
     }
     if needed > t.blocks.len() {
-        return Err(format!("the prefill engine holds {} blocks for the transfer, {} are needed", t.blocks.len(), needed));
+        return Err(mismatch(format!("the prefill engine holds {} blocks for the transfer, {} are needed", t.blocks.len(), needed)));
     }
     Ok(t.blocks[spec.first_block..needed].to_vec())
 }
@@ -591,9 +694,18 @@ mod tests {
 
     const ABORT: Duration = Duration::from_secs(30);
     const ARRIVAL: Duration = Duration::from_secs(10);
+    const PREFILL: Duration = Duration::from_secs(600);
+    const BEAT: Duration = Duration::from_secs(2);
 
     fn machine(workers: usize) -> SendMachine {
-        SendMachine::new(SendConfig { abort_timeout: ABORT, arrival_timeout: ARRIVAL, num_workers: workers, block_size: 16 })
+        SendMachine::new(SendConfig {
+            abort_timeout: ABORT,
+            arrival_timeout: ARRIVAL,
+            prefill_timeout: PREFILL,
+            heartbeat: BEAT,
+            num_workers: workers,
+            block_size: 16,
+        })
     }
 
     fn rid(s: &str) -> Arc<str> {
@@ -602,18 +714,31 @@ mod tests {
 
     /// A pull for a 40-token prompt (39 tokens: blocks 0..3) from block `first`.
     fn pull(tid: &str, first: usize) -> PullSpec {
-        PullSpec { transfer_id: tid.into(), first_block: first, num_tokens: 39, num_blocks: 3 - first }
+        PullSpec { transfer_id: tid.into(), first_block: first, num_tokens: 39, num_blocks: 3 - first, weights_version: None }
     }
 
+    /// The actions but progress reports (see the heartbeat tests for those).
     fn actions(m: &mut SendMachine) -> Vec<Action> {
+        all_actions(m).into_iter().filter(|a| !matches!(a, Action::Progress { .. })).collect()
+    }
+
+    fn all_actions(m: &mut SendMachine) -> Vec<Action> {
         std::iter::from_fn(|| m.poll_action()).collect()
     }
 
-    fn err_of(a: &[Action], pull: PullId) -> String {
+    fn failure_of(a: &[Action], pull: PullId) -> Failure {
         match a.iter().find(|x| matches!(x, Action::Answer { pull: p, .. } if *p == pull)) {
             Some(Action::Answer { result: Err(e), .. }) => e.clone(),
             other => panic!("no error answer for pull {pull}: {other:?} in {a:?}"),
         }
+    }
+
+    fn err_of(a: &[Action], pull: PullId) -> String {
+        failure_of(a, pull).message
+    }
+
+    fn fail(code: FailCode, message: &str) -> Failure {
+        Failure::new(code, message)
     }
 
     /// A READY transfer "t" for request "r" with blocks 10..14 of a 40-token prompt.
@@ -632,10 +757,14 @@ mod tests {
         m.on_request_running("t", &rid("r"));
         m.on_pull(t0, 1, pull("t", 1));
         assert!(actions(&mut m).is_empty(), "parked while WAITING");
-        assert_eq!(m.poll_timeout(), Some(t0 + ABORT), "a parked pull has its deadline");
+        assert_eq!(m.poll_timeout(), Some(t0 + BEAT), "a parked pull hears from P every heartbeat");
         let t1 = t0 + Duration::from_secs(1);
         assert!(m.on_request_finished(t1, "t", &rid("r"), &[10, 11, 12, 13], 40, true));
-        assert_eq!(actions(&mut m), vec![Action::StartWrite { pull: 1, src_blocks: vec![11, 12], deadline: t0 + ABORT }]);
+        // The write's deadline counts from when the KV was ready, and D hears of it.
+        assert_eq!(
+            all_actions(&mut m),
+            vec![Action::Progress { pull: 1 }, Action::StartWrite { pull: 1, src_blocks: vec![11, 12], deadline: t1 + ABORT }]
+        );
         assert_eq!(m.free_permits(), 1);
         assert_eq!(m.poll_timeout(), None, "no lease expiry while the write reads the blocks");
         m.on_write_done(t1, 1, Ok(()));
@@ -656,7 +785,9 @@ mod tests {
         let t0 = Instant::now();
         let mut m = machine(1);
         m.on_pull(t0, 1, pull("t", 0));
-        assert_eq!(m.poll_timeout(), Some(t0 + ARRIVAL));
+        assert_eq!(m.poll_timeout(), Some(t0 + BEAT));
+        m.handle_timeout(t0 + BEAT);
+        assert_eq!(all_actions(&mut m), vec![Action::Progress { pull: 1 }]);
         // Arrives in time: it is served.
         ready(&mut m, t0 + Duration::from_secs(2));
         assert!(matches!(actions(&mut m)[..], [Action::StartWrite { pull: 1, .. }]));
@@ -671,16 +802,45 @@ mod tests {
     }
 
     #[test]
-    fn a_pull_on_a_request_still_running_at_its_deadline_gets_an_error() {
+    fn a_long_prefill_keeps_its_pull_alive_with_heartbeats_until_the_kv_is_ready() {
+        // A prompt that takes longer than abort_timeout to compute: the pull
+        // waits (hearing from P every heartbeat), and its write deadline
+        // counts from when the KV is ready.
         let t0 = Instant::now();
         let mut m = machine(1);
         m.on_request_running("t", &rid("r"));
         m.on_pull(t0, 1, pull("t", 0));
-        m.handle_timeout(t0 + ABORT);
-        assert!(err_of(&actions(&mut m), 1).contains("did not finish before the pull deadline"));
+        let mut now = t0;
+        let mut beats = 0;
+        while now < t0 + 3 * ABORT {
+            now = m.poll_timeout().expect("a parked pull has a timeout");
+            m.handle_timeout(now);
+            let a = all_actions(&mut m);
+            assert!(a.iter().all(|x| *x == Action::Progress { pull: 1 }), "only heartbeats while P computes: {a:?}");
+            beats += a.len();
+        }
+        assert_eq!(beats as u32, (3 * ABORT).as_secs() as u32 / BEAT.as_secs() as u32);
+        assert!(m.on_request_finished(now, "t", &rid("r"), &[1, 2, 3], 40, true));
+        let a = all_actions(&mut m);
+        assert_eq!(a[0], Action::Progress { pull: 1 });
+        assert!(matches!(a[1], Action::StartWrite { pull: 1, deadline, .. } if deadline == now + ABORT), "{a:?}");
+    }
+
+    #[test]
+    fn a_pull_on_a_request_still_running_at_the_prefill_timeout_gets_an_error() {
+        let t0 = Instant::now();
+        let mut m = machine(1);
+        m.on_request_running("t", &rid("r"));
+        m.on_pull(t0, 1, pull("t", 0));
+        m.handle_timeout(t0 + PREFILL - Duration::from_millis(1));
+        assert!(actions(&mut m).is_empty());
+        m.handle_timeout(t0 + PREFILL);
+        let f = failure_of(&actions(&mut m), 1);
+        assert_eq!(f.code, FailCode::Deadline);
+        assert!(f.message.contains("prefill_timeout_s"), "{f}");
         // The request finishes later: READY, and its lease runs.
-        assert!(m.on_request_finished(t0 + ABORT, "t", &rid("r"), &[1, 2, 3], 40, true));
-        assert_eq!(m.poll_timeout(), Some(t0 + ABORT + ABORT));
+        assert!(m.on_request_finished(t0 + PREFILL, "t", &rid("r"), &[1, 2, 3], 40, true));
+        assert_eq!(m.poll_timeout(), Some(t0 + PREFILL + ABORT));
     }
 
     #[test]
@@ -688,11 +848,70 @@ mod tests {
         let t0 = Instant::now();
         let mut m = machine(1);
         m.on_pull(t0, 1, pull("t", 0));
-        assert_eq!(m.poll_timeout(), Some(t0 + ARRIVAL));
         m.on_request_running("t", &rid("r"));
-        assert_eq!(m.poll_timeout(), Some(t0 + ABORT), "known now: the pull waits for the request");
         m.handle_timeout(t0 + ARRIVAL);
-        assert!(actions(&mut m).is_empty());
+        assert!(actions(&mut m).is_empty(), "known now: the pull waits for the request");
+        m.handle_timeout(t0 + PREFILL);
+        assert_eq!(failure_of(&actions(&mut m), 1).code, FailCode::Deadline);
+    }
+
+    #[test]
+    fn kv_computed_with_other_weights_is_refused_with_its_code() {
+        let t0 = Instant::now();
+        let mut m = machine(1);
+        m.set_weights_version(Some("v2".into()));
+        ready(&mut m, t0);
+        m.on_pull(t0, 1, pull("t", 0));
+        let f = failure_of(&actions(&mut m), 1);
+        assert_eq!(f.code, FailCode::WeightsMismatch);
+        assert!(f.code.on_purpose() && f.message.contains("v2"), "{f}");
+        assert_eq!(m.take_finished(), vec![rid("r")], "the refused pull ends the send");
+        let mut m = machine(1);
+        m.set_weights_version(Some("v2".into()));
+        ready(&mut m, t0);
+        m.on_pull(t0, 1, PullSpec { weights_version: Some("v2".into()), ..pull("t", 0) });
+        assert!(matches!(actions(&mut m)[..], [Action::StartWrite { pull: 1, .. }]));
+    }
+
+    #[test]
+    fn a_drop_from_a_proxy_gives_a_parked_pull_its_code_at_once() {
+        let t0 = Instant::now();
+        let mut m = machine(1);
+        m.on_pull(t0, 1, pull("t", 0));
+        m.on_drop(t0, "t", 7, FailCode::PrefillRefused);
+        let a = actions(&mut m);
+        assert_eq!(failure_of(&a, 1).code, FailCode::PrefillRefused);
+        assert!(a.contains(&Action::DropAnswer { drop: 7, known: false }));
+        // A later pull learns the same code from the tombstone.
+        m.on_pull(t0, 2, pull("t", 0));
+        assert_eq!(failure_of(&actions(&mut m), 2).code, FailCode::PrefillRefused);
+    }
+
+    #[test]
+    fn the_same_events_give_the_same_actions_in_the_same_order() {
+        // Many transfers ended at once (abort_all, a lease sweep) come out in
+        // one fixed order, so a simulation replays.
+        let run = || {
+            let t0 = Instant::now();
+            let mut m = machine(1);
+            for i in (0..50).rev() {
+                let (t, r) = (format!("t{i}"), rid(&format!("r{i}")));
+                m.on_request_running(&t, &r);
+                if i % 2 == 0 {
+                    assert!(m.on_request_finished(t0, &t, &r, &[1, 2, 3], 40, true));
+                }
+                m.on_pull(t0, 100 + i, pull(&t, 0));
+            }
+            m.abort_all(t0);
+            let mut out = format!("{:?}", all_actions(&mut m));
+            out.push_str(&format!("{:?}", m.take_finished()));
+            out
+        };
+        let first = run();
+        assert!(first.contains("CacheReset"));
+        for _ in 0..5 {
+            assert_eq!(run(), first);
+        }
     }
 
     #[test]
@@ -700,7 +919,7 @@ mod tests {
         let t0 = Instant::now();
         let mut m = machine(1);
         ready(&mut m, t0);
-        m.on_drop(t0, "t", 7);
+        m.on_drop(t0, "t", 7, FailCode::Dropped);
         assert_eq!(m.take_finished(), vec![rid("r")]);
         // The tombstone's forget time is the next timeout, and it goes then.
         let forget = t0 + ABORT + ARRIVAL;
@@ -712,7 +931,7 @@ mod tests {
         ready(&mut m, t0);
         m.on_pull(t0, 1, pull("t", 0));
         assert!(matches!(actions(&mut m)[..], [Action::StartWrite { pull: 1, .. }]));
-        m.on_drop(t0, "t", 8);
+        m.on_drop(t0, "t", 8, FailCode::Dropped);
         assert_eq!(m.poll_timeout(), None, "the write in flight keeps the transfer");
     }
 
@@ -755,27 +974,27 @@ mod tests {
         let t0 = Instant::now();
         // Unknown: not known; the request's blocks are refused later.
         let mut m = machine(1);
-        m.on_drop(t0, "t", 7);
+        m.on_drop(t0, "t", 7, FailCode::Dropped);
         assert_eq!(actions(&mut m), vec![Action::DropAnswer { drop: 7, known: false }]);
         m.on_request_running("t", &rid("r"));
         assert!(!m.on_request_finished(t0, "t", &rid("r"), &[1, 2, 3], 40, true));
         m.on_pull(t0, 1, pull("t", 0));
-        assert_eq!(err_of(&actions(&mut m), 1), RELEASED);
+        assert_eq!(failure_of(&actions(&mut m), 1), fail(FailCode::Dropped, RELEASED));
 
         // WAITING with a parked pull: the pull is answered at once.
         let mut m = machine(1);
         m.on_request_running("t", &rid("r"));
         m.on_pull(t0, 1, pull("t", 0));
-        m.on_drop(t0, "t", 7);
+        m.on_drop(t0, "t", 7, FailCode::Dropped);
         let a = actions(&mut m);
-        assert_eq!(err_of(&a, 1), RELEASED);
+        assert_eq!(failure_of(&a, 1), fail(FailCode::Dropped, RELEASED));
         assert!(a.contains(&Action::DropAnswer { drop: 7, known: true }));
         assert!(!m.on_request_finished(t0, "t", &rid("r"), &[1, 2, 3], 40, true));
 
         // READY: blocks given back at once.
         let mut m = machine(1);
         ready(&mut m, t0);
-        m.on_drop(t0, "t", 7);
+        m.on_drop(t0, "t", 7, FailCode::Dropped);
         assert_eq!(actions(&mut m), vec![Action::DropAnswer { drop: 7, known: true }]);
         assert_eq!(m.take_finished(), vec![rid("r")]);
     }
@@ -787,8 +1006,8 @@ mod tests {
         ready(&mut m, t0);
         m.on_pull(t0, 1, pull("t", 0));
         assert!(matches!(actions(&mut m)[..], [Action::StartWrite { pull: 1, .. }]));
-        m.on_drop(t0, "t", 7);
-        assert_eq!(actions(&mut m), vec![Action::Answer { pull: 1, result: Err(RELEASED.into()) }]);
+        m.on_drop(t0, "t", 7, FailCode::Dropped);
+        assert_eq!(actions(&mut m), vec![Action::Answer { pull: 1, result: Err(fail(FailCode::Dropped, RELEASED)) }]);
         assert!(m.take_finished().is_empty(), "the write still reads the blocks");
         assert_eq!(m.held_blocks(), 4);
         m.on_write_done(t0, 1, Err("cancelled".into()));
@@ -801,9 +1020,9 @@ mod tests {
     fn mismatched_pulls_are_refused_naming_both_numbers() {
         let t0 = Instant::now();
         let cases = [
-            (PullSpec { transfer_id: "t".into(), first_block: 0, num_tokens: 41, num_blocks: 3 }, ["41", "39"]),
-            (PullSpec { transfer_id: "t".into(), first_block: 0, num_tokens: 39, num_blocks: 2 }, ["sent 2", "has 3"]),
-            (PullSpec { transfer_id: "t".into(), first_block: 3, num_tokens: 39, num_blocks: 0 }, ["first_block 3", "3 blocks"]),
+            (PullSpec { transfer_id: "t".into(), first_block: 0, num_tokens: 41, num_blocks: 3, weights_version: None }, ["41", "39"]),
+            (PullSpec { transfer_id: "t".into(), first_block: 0, num_tokens: 39, num_blocks: 2, weights_version: None }, ["sent 2", "has 3"]),
+            (PullSpec { transfer_id: "t".into(), first_block: 3, num_tokens: 39, num_blocks: 0, weights_version: None }, ["first_block 3", "3 blocks"]),
         ];
         for (spec, needles) in cases {
             let mut m = machine(1);
@@ -890,8 +1109,8 @@ mod tests {
 
         m.abort_all(t0);
         let a = actions(&mut m);
-        assert_eq!(err_of(&a, 2), CACHE_RESET);
-        assert_eq!(err_of(&a, 3), CACHE_RESET);
+        assert_eq!(failure_of(&a, 2), fail(FailCode::CacheReset, CACHE_RESET));
+        assert_eq!(failure_of(&a, 3), fail(FailCode::CacheReset, CACHE_RESET));
         assert_eq!(a.len(), 2, "the writing pull is answered by its write: {a:?}");
         let mut done = m.take_finished();
         done.sort();
@@ -909,7 +1128,7 @@ mod tests {
         assert!(!m.on_request_finished(t0, "s", &rid("rs"), &[4, 5, 6], 40, true));
         assert_eq!(m.phase("s"), Some(PhaseName::Done));
         m.on_pull(t0, 4, pull("s", 0));
-        assert_eq!(err_of(&actions(&mut m), 4), CACHE_RESET);
+        assert_eq!(failure_of(&actions(&mut m), 4).code, FailCode::CacheReset);
         // A transfer that starts after the abort works normally.
         m.on_request_running("n", &rid("rn"));
         assert!(m.on_request_finished(t0, "n", &rid("rn"), &[7, 8, 9], 40, true));
@@ -926,20 +1145,20 @@ mod tests {
         assert_eq!(m.on_read_done(t0, "t"), Ok(()));
         assert_eq!(m.take_finished(), vec![rid("r")], "the lease ends on the report");
         assert_eq!((m.held_blocks(), m.phase("t")), (0, Some(PhaseName::Done)));
-        assert!(m.on_read_done(t0, "t").unwrap_err().contains("was read already"));
+        assert!(m.on_read_done(t0, "t").unwrap_err().message.contains("was read already"));
 
         // Expired before the report: the read is refused with the reason.
         let mut m = machine(1);
         ready(&mut m, t0);
         m.handle_timeout(t0 + ABORT);
         assert_eq!(m.take_finished(), vec![rid("r")]);
-        assert!(m.on_read_done(t0 + ABORT, "t").unwrap_err().contains("lease"));
+        assert_eq!(m.on_read_done(t0 + ABORT, "t").unwrap_err().code, FailCode::LeaseExpired);
         // Aborted (cache reset) and unknown transfers.
         let mut m = machine(1);
         ready(&mut m, t0);
         m.abort_all(t0);
-        assert_eq!(m.on_read_done(t0, "t"), Err(CACHE_RESET.into()));
-        assert!(m.on_read_done(t0, "zz").unwrap_err().contains("unknown"));
+        assert_eq!(m.on_read_done(t0, "t"), Err(fail(FailCode::CacheReset, CACHE_RESET)));
+        assert_eq!(m.on_read_done(t0, "zz").unwrap_err().code, FailCode::Unknown);
     }
 
     #[test]
@@ -951,10 +1170,10 @@ mod tests {
         actions(&mut m);
         m.on_request_running("u", &rid("q"));
         assert!(m.on_request_finished(t0, "u", &rid("q"), &[1, 2, 3], 40, true));
-        m.end_ready(t0, ASLEEP);
+        m.end_ready(t0, fail(FailCode::Asleep, ASLEEP));
         assert_eq!(m.take_finished(), vec![rid("q")]);
         m.on_pull(t0, 2, pull("u", 0));
-        assert_eq!(err_of(&actions(&mut m), 2), ASLEEP);
+        assert_eq!(failure_of(&actions(&mut m), 2), fail(FailCode::Asleep, ASLEEP));
         assert_eq!(m.writes_in_flight(), 1);
         m.on_write_done(t0, 1, Ok(()));
         assert_eq!(m.take_finished(), vec![rid("r")]);

@@ -53,6 +53,13 @@ pub struct Pull {
     pub region_len: u64,
     /// Byte offset, inside D's registration, of each destination block.
     pub block_offsets: Vec<u64>,
+    /// A key that opens exactly the destination blocks, revoked by D when
+    /// it stops waiting (its fence); TCP writes use it.
+    #[serde(default)]
+    pub grant_key: Option<u64>,
+    /// The weights D serves; P refuses KV computed with others.
+    #[serde(default)]
+    pub weights_version: Option<String>,
 }
 
 /// P's answer to a read-mode handshake.
@@ -182,8 +189,14 @@ pub enum Message {
     Bootstrap,
     BootstrapOk { engine_id: String, layout: String, block_bytes: u64 },
     Pull(Pull),
+    /// P is alive and working on the pull (sent while P computes the
+    /// prompt and when the write is about to start); D's deadline restarts.
+    PullProgress,
     PullOk,
-    PullErr { reason: String },
+    PullErr {
+        code: FailCode,
+        reason: String,
+    },
     /// Ends the transfer at P; `code` says why (D released it, or a proxy
     /// saw P refuse the request), and a pull waiting for it gets that code.
     Drop {
@@ -201,7 +214,10 @@ pub enum Message {
     ReadDoneOk,
     /// The lease had ended (expired, aborted, released): the data D read
     /// may come from reused blocks and must not be used.
-    ReadDoneErr { reason: String },
+    ReadDoneErr {
+        code: FailCode,
+        reason: String,
+    },
     /// The server could not make sense of the request.
     Error { reason: String },
 }
@@ -308,9 +324,12 @@ mod tests {
                 epoch: 3,
                 region_len: 128,
                 block_offsets: vec![0, 64],
+                grant_key: Some(9),
+                weights_version: Some("v1".into()),
             }),
+            Message::PullProgress,
             Message::PullOk,
-            Message::PullErr { reason: "r".into() },
+            Message::PullErr { code: FailCode::CacheReset, reason: "r".into() },
             Message::Drop { transfer_id: "t".into(), code: FailCode::PrefillRefused },
             Message::DropOk { known: true },
             Message::Handshake,
@@ -323,7 +342,7 @@ mod tests {
             }),
             Message::ReadDone { transfer_id: "t".into() },
             Message::ReadDoneOk,
-            Message::ReadDoneErr { reason: "expired".into() },
+            Message::ReadDoneErr { code: FailCode::LeaseExpired, reason: "expired".into() },
         ];
         for m in msgs {
             let b = encode(&m).unwrap();

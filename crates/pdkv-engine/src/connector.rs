@@ -109,11 +109,38 @@ pub struct FinishedTransfers {
     /// [`KvConnector::get_block_ids_with_load_errors`]); nothing writes their
     /// blocks any more.
     pub recving: Vec<Arc<str>>,
+    /// Requests whose load the connector gave up (its errors come with it)
+    /// while the transfer may still write into its blocks: the request
+    /// fails or recomputes *now*, on fresh blocks, and the load's blocks
+    /// stay held until the request is named in `recving`.
+    pub abandoned: Vec<Arc<str>>,
 }
 
 impl FinishedTransfers {
     pub fn is_empty(&self) -> bool {
-        self.sending.is_empty() && self.recving.is_empty()
+        self.sending.is_empty() && self.recving.is_empty() && self.abandoned.is_empty()
+    }
+}
+
+/// Why a block's load failed.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LoadError {
+    pub message: String,
+    /// The load was ended on purpose (the producer's lifecycle released the
+    /// KV, a cache reset cut it short): the request recomputes whatever the
+    /// `kv_load_failure_policy`.
+    pub recompute: bool,
+}
+
+impl LoadError {
+    /// A failure the policy decides about.
+    pub fn failed(message: impl Into<String>) -> LoadError {
+        LoadError { message: message.into(), recompute: false }
+    }
+
+    /// An end on purpose: the request recomputes.
+    pub fn recompute(message: impl Into<String>) -> LoadError {
+        LoadError { message: message.into(), recompute: true }
     }
 }
 
@@ -169,6 +196,11 @@ pub trait KvConnector: Send {
     fn load_failure_policy(&self) -> LoadFailurePolicy {
         LoadFailurePolicy::Fail
     }
+
+    /// The weights the engine serves from now on (its `update_weights`
+    /// version; `None` for the weights it started with). A connector that
+    /// moves KV between engines refuses KV computed with other weights.
+    fn set_weights_version(&mut self, _version: Option<&str>) {}
 
     // ---- scheduler side ----
 
@@ -243,12 +275,16 @@ pub trait KvConnector: Send {
     fn get_finished(&mut self) -> FinishedTransfers;
 
     /// Blocks whose load failed since the last call (each belongs to a
-    /// request reported in `get_finished().recving` in the same or an
-    /// earlier call), with the reason.
-    fn get_block_ids_with_load_errors(&mut self) -> Vec<(u32, String)>;
+    /// request reported in `get_finished().recving` or `.abandoned` in the
+    /// same or an earlier call), with the reason.
+    fn get_block_ids_with_load_errors(&mut self) -> Vec<(u32, LoadError)>;
 
-    /// Gives up the registrations of the KV cache before it is unmapped,
-    /// waiting at most `timeout` for transfers in flight. Idempotent.
+    /// Gives up the registrations of the KV cache before it is unmapped.
+    /// The engine calls it only once no transfer holds blocks; a connector
+    /// that still has transfers in flight refuses (`Err`, naming them) and
+    /// changes nothing. `timeout` bounds waiting for peers to acknowledge.
+    /// On `Err` the registrations are in place as before (a retry may
+    /// succeed). Idempotent.
     fn release_kv_caches(&mut self, _timeout: Duration) -> anyhow::Result<()> {
         anyhow::bail!("connector {} cannot release its KV cache registrations", self.name())
     }

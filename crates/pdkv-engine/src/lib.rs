@@ -28,7 +28,7 @@ pub mod scheduler;
 
 pub use crate::core::{Engine, EngineHandle, RequestStream};
 pub use block_pool::{BlockHash, BlockPool};
-pub use connector::{KvConnector, KvTransferParams, LoadFailurePolicy};
+pub use connector::{KvConnector, KvTransferParams, LoadError, LoadFailurePolicy};
 pub use lifecycle::{LifecycleError, LifecycleStatus, PauseMode, SleepLevel, WeightInfo};
 pub use scheduler::{Scheduler, SchedulerConfig, SchedulerOutput};
 

@@ -179,6 +179,15 @@ pub enum Action {
     /// requests recompute), finished requests' KV is no longer kept for
     /// remote readers. Blocks come back as the transfers end.
     ReleaseTransfers,
+    /// The KV connector gives up its registrations of the KV cache (before
+    /// the KV cache is unmapped). If it cannot, the core applies nothing
+    /// after it and restores the machine's state from before the operation
+    /// ([`Machine::snapshot`] / [`Machine::restore`]): the operation fails,
+    /// the engine stays as it was, and a retry can succeed.
+    ReleaseRegistrations,
+    /// Write the weights of the `update_weights` call with this ticket into
+    /// the weights region; then apply [`Machine::weights_written`].
+    ReloadWeights(Ticket),
 }
 
 /// The answer to an event: actions to apply now, then (unless deferred) the
@@ -225,13 +234,18 @@ enum Then {
     Sleep(SleepLevel),
     /// `release_kv_cache_memory`.
     ReleaseKv,
+    /// `update_weights`.
+    UpdateWeights,
 }
 
 impl Then {
     /// The operation resets the KV cache, so transfers must give their
     /// blocks back first.
     fn resets_cache(self) -> bool {
-        matches!(self, Then::Pause { clear_cache: true } | Then::Sleep(SleepLevel::L1 | SleepLevel::L2) | Then::ReleaseKv)
+        matches!(
+            self,
+            Then::Pause { clear_cache: true } | Then::Sleep(SleepLevel::L1 | SleepLevel::L2) | Then::ReleaseKv | Then::UpdateWeights
+        )
     }
 
     fn name(self) -> &'static str {
@@ -239,6 +253,7 @@ impl Then {
             Then::Pause { .. } => "pause",
             Then::Sleep(_) => "sleep",
             Then::ReleaseKv => "release_kv_cache_memory",
+            Then::UpdateWeights => "update_weights",
         }
     }
 }
@@ -250,6 +265,16 @@ struct Pending {
     then: Then,
     /// Past the pause: waiting for transfers to give their blocks back.
     releasing: bool,
+}
+
+/// The machine's state apart from pending operations: what
+/// [`Machine::restore`] brings back when an operation's actions failed.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Snapshot {
+    pause: Option<(PauseMode, Origin)>,
+    sleeping: Option<SleepLevel>,
+    asleep: BTreeSet<Tag>,
+    weights_discarded: bool,
 }
 
 /// The lifecycle state machine (see the module docs).
@@ -278,6 +303,29 @@ impl Machine {
         Machine::default()
     }
 
+    /// The state before an operation, for [`Machine::restore`].
+    pub fn snapshot(&self) -> Snapshot {
+        Snapshot {
+            pause: self.pause,
+            sleeping: self.sleeping,
+            asleep: self.asleep.clone(),
+            weights_discarded: self.weights_discarded,
+        }
+    }
+
+    /// An operation's actions failed part-way (the connector could not
+    /// release or restore its registrations, a memory operation failed):
+    /// the machine goes back to the state before it. Memory operations are
+    /// idempotent, so whatever part did happen is redone or undone by the
+    /// next sleep or wake; until then no step runs that the old state
+    /// forbids.
+    pub fn restore(&mut self, s: Snapshot) {
+        self.pause = s.pause;
+        self.sleeping = s.sleeping;
+        self.asleep = s.asleep;
+        self.weights_discarded = s.weights_discarded;
+    }
+
     pub fn status(&self) -> LifecycleStatus {
         LifecycleStatus {
             paused: self.pause.map(|(m, _)| m),
@@ -298,6 +346,10 @@ impl Machine {
         if let Some(p) = self.pending.iter().find(|p| matches!(p.then, Then::Sleep(_))) {
             let Then::Sleep(level) = p.then else { unreachable!() };
             return Err(format!("the engine is going to sleep (sleep level {}); retry after /wake_up", level.as_u32()));
+        }
+        // So is a weight update releasing transfers: it needs the engine idle.
+        if self.pending.iter().any(|p| p.then == Then::UpdateWeights) {
+            return Err("the engine is updating its weights; retry in a moment".to_string());
         }
         if self.weights_discarded {
             return Err(WEIGHTS_DISCARDED.to_string());
@@ -348,13 +400,14 @@ impl Machine {
             self.pending.push(Pending { ticket, deadline, then, releasing: true });
             return Outcome { actions: vec![Action::ReleaseTransfers], reply: None, is_sleep: false };
         }
-        self.reset(then)
+        self.reset(then, ticket)
     }
 
     /// What an operation does once its pause is complete and no transfer
     /// holds blocks.
-    fn reset(&mut self, then: Then) -> Outcome {
+    fn reset(&mut self, then: Then, ticket: Ticket) -> Outcome {
         match then {
+            Then::UpdateWeights => Outcome::done(vec![Action::ReloadWeights(ticket)]),
             Then::Pause { clear_cache } => {
                 let actions = if clear_cache {
                     vec![Action::ForgetFreeCachedBlocks]
@@ -369,6 +422,7 @@ impl Machine {
                 Outcome::done(vec![
                     Action::PreemptRunning,
                     Action::InvalidatePrefixCache,
+                    Action::ReleaseRegistrations,
                     Action::Discard(vec![Tag::KvCache]),
                 ])
             }
@@ -442,6 +496,7 @@ impl Machine {
                 Outcome::done(vec![
                     Action::PreemptRunning,
                     Action::InvalidatePrefixCache,
+                    Action::ReleaseRegistrations,
                     Action::Offload(vec![Tag::Weights]),
                     Action::Discard(vec![Tag::KvCache, Tag::Runtime]),
                 ])
@@ -452,6 +507,7 @@ impl Machine {
                 Outcome::done(vec![
                     Action::PreemptRunning,
                     Action::InvalidatePrefixCache,
+                    Action::ReleaseRegistrations,
                     Action::Discard(vec![Tag::Weights, Tag::KvCache, Tag::Runtime]),
                 ])
             }
@@ -469,7 +525,7 @@ impl Machine {
         for p in pending {
             if p.releasing {
                 if !self.transfers {
-                    out.push(Completion { ticket: p.ticket, outcome: self.reset(p.then) });
+                    out.push(Completion { ticket: p.ticket, outcome: self.reset(p.then, p.ticket) });
                 } else if now >= p.deadline {
                     out.push(Completion {
                         ticket: p.ticket,
@@ -574,6 +630,23 @@ impl Machine {
         Ok(())
     }
 
+    /// Starts a weight update (see [`Machine::check_update_weights`]): at
+    /// once when no transfer holds KV ([`Action::ReloadWeights`]), else
+    /// after releasing the transfers' KV, like every cache reset (requests
+    /// are refused meanwhile; a resume cancels it; `deadline` bounds it).
+    pub fn update_weights(&mut self, ticket: Ticket, deadline: Instant, live: bool) -> Outcome {
+        if let Err(e) = self.check_update_weights(live) {
+            return Outcome::err(e);
+        }
+        if let Some(p) = self.pending.first() {
+            return Outcome::err(LifecycleError::Conflict(format!(
+                "update_weights: a {} is still in progress",
+                p.then.name()
+            )));
+        }
+        self.after_pause(Then::UpdateWeights, ticket, deadline)
+    }
+
     /// New weights are in place (`complete`), or writing them failed part-way
     /// (the weights are then unusable until a reload succeeds). Either way no
     /// KV computed with the old weights may be reused.
@@ -656,6 +729,7 @@ mod tests {
             vec![
                 Action::PreemptRunning,
                 Action::InvalidatePrefixCache,
+                Action::ReleaseRegistrations,
                 Action::Offload(vec![Tag::Weights]),
                 Action::Discard(vec![Tag::KvCache, Tag::Runtime]),
             ]
@@ -725,7 +799,12 @@ mod tests {
         m.pause(PauseMode::Keep, false, 1, later(), true);
         assert_eq!(
             m.release_kv(),
-            ok(vec![Action::PreemptRunning, Action::InvalidatePrefixCache, Action::Discard(vec![Tag::KvCache])])
+            ok(vec![
+                Action::PreemptRunning,
+                Action::InvalidatePrefixCache,
+                Action::ReleaseRegistrations,
+                Action::Discard(vec![Tag::KvCache])
+            ])
         );
         assert!(m.admission().is_ok(), "keep still queues");
         let (out, _) = m.resume();
@@ -747,6 +826,7 @@ mod tests {
         assert_eq!(Then::Sleep(SleepLevel::L1).name(), "sleep");
         assert_eq!(Then::Pause { clear_cache: true }.name(), "pause");
         assert_eq!(Then::ReleaseKv.name(), "release_kv_cache_memory");
+        assert_eq!(Then::UpdateWeights.name(), "update_weights");
     }
 
     #[test]
@@ -783,6 +863,7 @@ mod tests {
         let sleep_actions = vec![
             Action::PreemptRunning,
             Action::InvalidatePrefixCache,
+            Action::ReleaseRegistrations,
             Action::Offload(vec![Tag::Weights]),
             Action::Discard(vec![Tag::KvCache, Tag::Runtime]),
         ];
@@ -816,7 +897,12 @@ mod tests {
         let done = m.poll(false, Instant::now());
         assert_eq!(
             done[0].outcome,
-            ok(vec![Action::PreemptRunning, Action::InvalidatePrefixCache, Action::Discard(vec![Tag::KvCache])])
+            ok(vec![
+                Action::PreemptRunning,
+                Action::InvalidatePrefixCache,
+                Action::ReleaseRegistrations,
+                Action::Discard(vec![Tag::KvCache])
+            ])
         );
     }
 
@@ -858,5 +944,68 @@ mod tests {
         assert!(m.check_update_weights(false).is_ok());
         m.weights_written(false);
         assert!(m.status().weights_discarded, "a partial write leaves unusable weights");
+    }
+
+    #[test]
+    fn a_failed_operation_restores_the_state_before_it() {
+        let mut m = Machine::new();
+        m.pause(PauseMode::Keep, false, 1, later(), true);
+        let before = m.snapshot();
+        let out = m.sleep(SleepLevel::L1, PauseMode::Keep, 2, later(), true);
+        assert!(out.actions.contains(&Action::ReleaseRegistrations));
+        assert_eq!(m.status().sleeping, Some(SleepLevel::L1));
+        // The connector could not release: the sleep did not happen.
+        m.restore(before.clone());
+        assert_eq!(m.status().sleeping, None);
+        assert_eq!(m.status().paused, Some(PauseMode::Keep), "the pause stays");
+        assert!(m.admission().is_ok(), "keep still queues");
+        // A retry goes through the same way.
+        assert_eq!(m.sleep(SleepLevel::L1, PauseMode::Keep, 3, later(), true).actions, out.actions);
+
+        // A wake whose registration restore failed: still asleep, and the
+        // next wake does the work again (not a no-op).
+        let asleep = m.snapshot();
+        let woke = m.wake(None);
+        assert_eq!(m.status().sleeping, None);
+        m.restore(asleep);
+        assert_eq!(m.status().sleeping, Some(SleepLevel::L1));
+        assert!(!m.may_step());
+        assert_eq!(m.wake(None), woke, "the retry wakes the same tags");
+        assert!(m.status().asleep_tags.is_empty());
+        assert_ne!(m.snapshot(), before, "the explicit keep pause remains after the wake");
+    }
+
+    #[test]
+    fn a_weight_update_goes_through_release_then_reset() {
+        let t0 = Instant::now();
+        // Idle, no transfers: at once.
+        let mut m = Machine::new();
+        assert_eq!(m.update_weights(1, later(), false), ok(vec![Action::ReloadWeights(1)]));
+        assert!(matches!(m.update_weights(2, later(), true).reply, Some(Err(LifecycleError::Conflict(_)))));
+        // Transfers hold KV: released first, requests refused meanwhile,
+        // then the reload.
+        m.set_transfers(true);
+        let out = m.update_weights(3, t0 + Duration::from_secs(5), false);
+        assert_eq!((out.actions, out.reply), (vec![Action::ReleaseTransfers], None));
+        assert!(m.admission().unwrap_err().contains("updating its weights"));
+        assert!(matches!(m.update_weights(4, later(), false).reply, Some(Err(LifecycleError::Conflict(_)))));
+        assert!(m.poll(false, t0).is_empty());
+        m.set_transfers(false);
+        let done = m.poll(false, t0);
+        assert_eq!(done, vec![Completion { ticket: 3, outcome: ok(vec![Action::ReloadWeights(3)]) }]);
+        assert!(m.admission().is_ok());
+        // Bounded, and a resume cancels it.
+        m.set_transfers(true);
+        m.update_weights(5, t0 + Duration::from_secs(5), false);
+        let done = m.poll(false, t0 + Duration::from_secs(5));
+        assert!(matches!(done[0].outcome.reply, Some(Err(LifecycleError::Timeout(_)))), "{done:?}");
+        m.update_weights(6, later(), false);
+        let (_, cancelled) = m.resume();
+        assert!(matches!(cancelled[0].outcome.reply, Some(Err(LifecycleError::Cancelled(_)))));
+        assert!(m.admission().is_ok());
+        // Frozen by a keep pause: allowed with live requests.
+        let mut m = Machine::new();
+        m.pause(PauseMode::Keep, false, 1, later(), true);
+        assert_eq!(m.update_weights(7, later(), true), ok(vec![Action::ReloadWeights(7)]));
     }
 }

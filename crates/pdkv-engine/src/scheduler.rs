@@ -49,7 +49,7 @@ use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 
 use crate::block_pool::{blocks_for, BlockHash, BlockPool};
-use crate::connector::{ConnectorRequest, KvConnector, KvTransferParams, LoadFailurePolicy};
+use crate::connector::{ConnectorRequest, KvConnector, KvTransferParams, LoadError, LoadFailurePolicy};
 use crate::FinishReason;
 
 /// Scheduler limits.
@@ -415,12 +415,15 @@ impl Scheduler {
     /// Takes what the connector finished since the last call: frees the
     /// blocks of finished transfers, moves loaded requests back to the
     /// waiting queue (loaded tokens computed), and applies the failure
-    /// policy to failed loads. Returns the requests the `fail` policy ended
+    /// policy to failed loads (a load ended on purpose always recomputes).
+    /// An abandoned load's request gives its blocks to the transfer (held
+    /// until the load is reported in `recving`) and fails or recomputes
+    /// from scratch now. Returns the requests the `fail` policy ended
     /// (already removed; the caller reports them).
     pub fn update_from_connector(&mut self) -> Vec<FailedLoad> {
         let Some(c) = self.connector.as_deref_mut() else { return Vec::new() };
         let finished = c.get_finished();
-        let errors: HashMap<u32, String> = c.get_block_ids_with_load_errors().into_iter().collect();
+        let errors: HashMap<u32, LoadError> = c.get_block_ids_with_load_errors().into_iter().collect();
         let policy = c.load_failure_policy();
         if finished.is_empty() && errors.is_empty() {
             return Vec::new();
@@ -431,46 +434,88 @@ impl Scheduler {
                 self.pool.free(&blocks);
             }
         }
+        for id in &finished.abandoned {
+            if let Some(f) = self.abandon_load(id, &errors, policy) {
+                failed.push(f);
+            }
+        }
         for id in &finished.recving {
             if let Some(blocks) = self.held.remove(id) {
-                // A load whose request ended while it ran.
+                // A load whose request ended (or gave it up) while it ran.
                 self.pool.free(&blocks);
                 continue;
             }
-            let Some(req) = self.requests.get_mut(id) else { continue };
-            if req.status != Status::WaitingForRemoteKv {
-                continue;
-            }
-            let first = req.num_computed_tokens / pdkv_model::BLOCK_SIZE;
-            let error = req.blocks[first..].iter().find_map(|b| errors.get(b).cloned());
-            let pos = self.loading.iter().position(|w| w == id).expect("loading request is listed");
-            self.loading.remove(pos);
-            let loaded = std::mem::take(&mut req.num_loading_tokens);
-            match (error, policy) {
-                (None, _) => {
-                    req.num_computed_tokens += loaded;
-                    req.status = Status::Waiting;
-                    self.waiting.push_front(id.clone());
-                }
-                (Some(e), LoadFailurePolicy::Recompute) => {
-                    tracing::warn!(id = %id, error = %e, "external KV failed to load; recomputing it");
-                    req.status = Status::Waiting;
-                    self.waiting.push_front(id.clone());
-                }
-                (Some(e), LoadFailurePolicy::Fail) => {
-                    tracing::warn!(id = %id, error = %e, "external KV failed to load; failing the request");
-                    // Back in the waiting queue for `finish_request` to find.
-                    req.status = Status::Waiting;
-                    self.waiting.push_front(id.clone());
-                    self.finish_request(id, FinishReason::Error);
-                    failed.push(FailedLoad { request_id: id.clone(), error: e });
-                }
+            if let Some(f) = self.end_load(id, &errors, policy) {
+                failed.push(f);
             }
         }
         if let Some(c) = self.connector.as_deref_mut() {
             c.update_connector_output(&finished);
         }
         failed
+    }
+
+    /// The first load error among a loading request's external blocks.
+    fn load_error(req: &Request, errors: &HashMap<u32, LoadError>) -> Option<LoadError> {
+        let first = req.num_computed_tokens / pdkv_model::BLOCK_SIZE;
+        req.blocks[first..].iter().find_map(|b| errors.get(b).cloned())
+    }
+
+    /// A loaded (or failed) request goes back to the front of the waiting
+    /// queue, holding its blocks; the `fail` policy ends a failed one.
+    fn end_load(&mut self, id: &Arc<str>, errors: &HashMap<u32, LoadError>, policy: LoadFailurePolicy) -> Option<FailedLoad> {
+        let req = self.requests.get_mut(id)?;
+        if req.status != Status::WaitingForRemoteKv {
+            return None;
+        }
+        let error = Self::load_error(req, errors);
+        let pos = self.loading.iter().position(|w| w == id).expect("loading request is listed");
+        self.loading.remove(pos);
+        let loaded = std::mem::take(&mut req.num_loading_tokens);
+        req.status = Status::Waiting;
+        self.waiting.push_front(id.clone());
+        match error {
+            None => {
+                req.num_computed_tokens += loaded;
+                None
+            }
+            Some(e) if e.recompute || policy == LoadFailurePolicy::Recompute => {
+                tracing::warn!(id = %id, error = %e.message, "external KV failed to load; recomputing it");
+                None
+            }
+            Some(e) => {
+                tracing::warn!(id = %id, error = %e.message, "external KV failed to load; failing the request");
+                self.finish_request(id, FinishReason::Error);
+                Some(FailedLoad { request_id: id.clone(), error: e.message })
+            }
+        }
+    }
+
+    /// The connector gave up a load that may still write its blocks: the
+    /// blocks become the transfer's (held until `recving` names the
+    /// request), and the request recomputes from scratch or fails now.
+    fn abandon_load(&mut self, id: &Arc<str>, errors: &HashMap<u32, LoadError>, policy: LoadFailurePolicy) -> Option<FailedLoad> {
+        let req = self.requests.get_mut(id)?;
+        if req.status != Status::WaitingForRemoteKv {
+            return None;
+        }
+        let error = Self::load_error(req, errors).unwrap_or_else(|| LoadError::failed("the KV load was given up"));
+        let pos = self.loading.iter().position(|w| w == id).expect("loading request is listed");
+        self.loading.remove(pos);
+        let blocks = std::mem::take(&mut req.blocks);
+        req.num_computed_tokens = 0;
+        req.num_cached_blocks = 0;
+        req.num_loading_tokens = 0;
+        req.status = Status::Waiting;
+        self.held.entry(id.clone()).or_default().extend(blocks);
+        self.waiting.push_front(id.clone());
+        if error.recompute || policy == LoadFailurePolicy::Recompute {
+            tracing::warn!(id = %id, error = %error.message, "external KV load given up; recomputing the prompt");
+            return None;
+        }
+        tracing::warn!(id = %id, error = %error.message, "external KV load given up; failing the request");
+        self.finish_request(id, FinishReason::Error);
+        Some(FailedLoad { request_id: id.clone(), error: error.message })
     }
 
     /// Aborts a request in any state. Returns false for an unknown id.

@@ -1,0 +1,974 @@
+//! Everything the P/D connector decides for one engine, without I/O.
+//!
+//! [`PdCore`] holds P's [`SendMachine`] and D's [`RecvMachine`], the KV
+//! cache registration and the engine-side bookkeeping. It takes the
+//! engine's connector calls and the driver's I/O results, each with the
+//! time, and queues [`Io`] for the driver. The production driver
+//! (`net.rs`) runs it over TCP and shared memory; a simulator runs the same
+//! core over a simulated network. Registering, granting and forgetting
+//! memory are in-process calls on the real [`Registry`] and happen here;
+//! only what waits on a peer (the network, an unmap acknowledgement, the end
+//! of an access in flight) is the driver's.
+
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use pdkv_engine::connector::{ConnectorRequest, ExternalMatch, FinishedTransfers, KvCacheSpec, LoadError};
+use pdkv_engine::FinishReason;
+use pdkv_transfer::{Registration, Registry};
+use serde_json::Value;
+
+use crate::config::{KvRole, KvTransferConfig, TransferMode};
+use crate::params::{self, PdParams, ReadParams};
+use crate::recv::{self, BootInfo, LoadEnd, LoadFailure, LoadId, LoadSpec, LocalKv, PullResult, RecvConfig, RecvMachine};
+use crate::send::{self, PullSpec, SendConfig, SendMachine, ASLEEP};
+use crate::wire::{Destination, FailCode, Failure, HandshakeInfo, Message, Pull};
+
+/// Names a control connection a peer opened to this engine (one exchange).
+pub type ConnId = u64;
+
+/// Bounds one control exchange that needs no long wait.
+pub const CONTROL_IO: Duration = Duration::from_secs(5);
+
+/// What a D-side control exchange is for, so its answer finds its way back.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Op {
+    Bootstrap { addr: String },
+    Handshake { addr: String },
+    Pull { load: LoadId },
+    Drop { load: LoadId },
+    ReadDone { load: LoadId },
+    /// Best effort; the answer is only logged.
+    DropUnpulled { transfer_id: String },
+}
+
+/// A block copy: this engine's byte offset and the peer's.
+pub type BlockPair = (u64, u64);
+
+/// I/O for the driver. Results come back through the `on_*` methods.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Io {
+    /// P: send `msg` on connection `conn` (opened by a peer); `last` ends the
+    /// exchange and closes it.
+    Reply { conn: ConnId, msg: Message, last: bool },
+    /// P: write this engine's blocks into the pull's destination, by
+    /// `deadline`; report with [`PdCore::on_write_done`].
+    Write { conn: ConnId, local: Registration, pairs: Vec<BlockPair>, block_bytes: u64, dst: Pull, deadline: Instant },
+    /// D: one exchange with the control listener at `addr`: send `msg`,
+    /// hand every frame back to [`PdCore::on_reply`] until a final one (a
+    /// pull's `PullProgress` frames are not final), bounded by `deadline`;
+    /// a failure goes to [`PdCore::on_exchange_failed`].
+    Send { op: Op, addr: String, msg: Message, deadline: Instant },
+    /// D, read mode: read the peer's blocks into this engine's, by
+    /// `deadline`; report with [`PdCore::on_read_result`].
+    Read {
+        load: LoadId,
+        local: Registration,
+        remote: Registration,
+        transfer: Destination,
+        pairs: Vec<BlockPair>,
+        block_bytes: u64,
+        deadline: Instant,
+    },
+    /// D: stop the load's read at once (its result still comes).
+    CancelRead { load: LoadId },
+    /// D: make sure nothing a peer still sends lands in the load's blocks:
+    /// revoke `grant` on this engine's registration (TCP) and, over shared
+    /// memory, have every peer unmap the segment; report with
+    /// [`PdCore::on_fenced`].
+    Fence { load: LoadId, segment: u64, grant: Option<u64> },
+}
+
+/// This engine's KV cache, once registered.
+#[derive(Clone)]
+pub struct KvInfo {
+    /// The current registration (gone while asleep; restore makes the next epoch).
+    pub reg: Registration,
+    pub region: Arc<pdkv_vmem::Region>,
+    pub len: usize,
+    pub block_bytes: u64,
+    pub block_size: usize,
+    pub layout: String,
+}
+
+/// Transfer counters, for metrics.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Counters {
+    pub pulls_ok: u64,
+    /// P: pulls answered with a genuine failure.
+    pub pulls_failed: u64,
+    /// P: pulls ended because D (or a proxy) dropped the transfer.
+    pub pulls_cancelled: u64,
+    /// P: pulls refused because a lifecycle operation or a refusal ended the
+    /// transfer on purpose (D recomputes).
+    pub pulls_released: u64,
+    pub loads_ok: u64,
+    pub loads_failed: u64,
+    /// D: loads a cache reset cut short.
+    pub loads_cut_short: u64,
+    /// D: loads whose request ended first.
+    pub loads_cancelled: u64,
+    /// D: loads P's lifecycle (or a refusal) ended on purpose.
+    pub loads_released: u64,
+    /// D: loads given up (deadline, lost connection) before their fence.
+    pub loads_abandoned: u64,
+    /// D: fences of loads P may still have been writing.
+    pub fences: u64,
+    pub drops_unpulled: u64,
+    pub bytes_sent: u64,
+    pub handshakes: u64,
+    pub bytes_read: u64,
+    pub reads_done: u64,
+    pub reads_late: u64,
+}
+
+/// What a connector release found still in flight.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct InFlight {
+    /// P: blocks of READY transfers D has not taken.
+    pub ready_blocks: usize,
+    /// P: writes reading this engine's blocks.
+    pub writes: usize,
+    /// D: loads that may write into this engine's blocks.
+    pub loads: usize,
+}
+
+impl InFlight {
+    pub fn is_idle(&self) -> bool {
+        *self == InFlight::default()
+    }
+}
+
+impl std::fmt::Display for InFlight {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{} blocks held for decode engines, {} writes reading this engine's blocks, {} loads writing into them",
+            self.ready_blocks, self.writes, self.loads
+        )
+    }
+}
+
+/// See the module docs.
+pub struct PdCore {
+    cfg: KvTransferConfig,
+    engine_id: String,
+    /// This engine's control listener (`ip:port`), for P's params.
+    bootstrap_addr: String,
+    /// Where peers reach this engine's KV (its TCP agent or shm socket).
+    transfer_dest: Destination,
+    registry: Arc<Registry>,
+    kv: Option<KvInfo>,
+    asleep: bool,
+    weights_version: Option<String>,
+    send: SendMachine,
+    recv: RecvMachine,
+    /// D: remote prefills noted at admission, by request.
+    pending: BTreeMap<Arc<str>, (PdParams, usize)>,
+    /// D: loads decided and not yet handed to the worker side.
+    new_loads: Vec<Arc<str>>,
+    /// D: requests whose load was decided (a later admission loads nothing).
+    decided: BTreeSet<Arc<str>>,
+    /// P: the destination of every pull being served.
+    pulls: BTreeMap<ConnId, Pull>,
+    /// D: the grant key of each load's pull.
+    grants: BTreeMap<LoadId, u64>,
+    io: VecDeque<Io>,
+    sending_done: Vec<Arc<str>>,
+    recving: Vec<Arc<str>>,
+    abandoned: Vec<Arc<str>>,
+    errors: Vec<(u32, LoadError)>,
+    reported_errors: Vec<(u32, LoadError)>,
+    news: bool,
+    counters: Counters,
+}
+
+impl PdCore {
+    pub fn new(
+        cfg: KvTransferConfig,
+        engine_id: &str,
+        bootstrap_addr: String,
+        transfer_dest: Destination,
+        registry: Arc<Registry>,
+    ) -> PdCore {
+        let send = SendMachine::new(send_config(&cfg, pdkv_model::BLOCK_SIZE));
+        let recv = RecvMachine::new(RecvConfig { load_timeout: cfg.load_timeout, block_size: pdkv_model::BLOCK_SIZE });
+        PdCore {
+            cfg,
+            engine_id: engine_id.to_string(),
+            bootstrap_addr,
+            transfer_dest,
+            registry,
+            kv: None,
+            asleep: false,
+            weights_version: None,
+            send,
+            recv,
+            pending: BTreeMap::new(),
+            new_loads: Vec::new(),
+            decided: BTreeSet::new(),
+            pulls: BTreeMap::new(),
+            grants: BTreeMap::new(),
+            io: VecDeque::new(),
+            sending_done: Vec::new(),
+            recving: Vec::new(),
+            abandoned: Vec::new(),
+            errors: Vec::new(),
+            reported_errors: Vec::new(),
+            news: false,
+            counters: Counters::default(),
+        }
+    }
+
+    pub fn config(&self) -> &KvTransferConfig {
+        &self.cfg
+    }
+
+    pub fn engine_id(&self) -> &str {
+        &self.engine_id
+    }
+
+    pub fn bootstrap_addr(&self) -> &str {
+        &self.bootstrap_addr
+    }
+
+    pub fn transfer_dest(&self) -> &Destination {
+        &self.transfer_dest
+    }
+
+    pub fn kv(&self) -> Option<&KvInfo> {
+        self.kv.as_ref()
+    }
+
+    pub fn counters(&self) -> Counters {
+        self.counters
+    }
+
+    pub fn is_asleep(&self) -> bool {
+        self.asleep
+    }
+
+    pub fn send_machine(&self) -> &SendMachine {
+        &self.send
+    }
+
+    pub fn recv_machine(&self) -> &RecvMachine {
+        &self.recv
+    }
+
+    /// The next I/O for the driver.
+    pub fn poll_io(&mut self) -> Option<Io> {
+        self.io.pop_front()
+    }
+
+    /// Whether the engine has something to pick up (`get_finished`) since
+    /// the last call; the driver wakes the engine then.
+    pub fn take_news(&mut self) -> bool {
+        std::mem::take(&mut self.news)
+    }
+
+    /// What still uses the KV cache registration.
+    pub fn in_flight(&self) -> InFlight {
+        InFlight { ready_blocks: self.send.ready_blocks(), writes: self.send.writes_in_flight(), loads: self.recv.num_active() }
+    }
+
+    /// The next time [`PdCore::handle_timeout`] must run.
+    pub fn poll_timeout(&self) -> Option<Instant> {
+        [self.send.poll_timeout(), self.recv.poll_timeout()].into_iter().flatten().min()
+    }
+
+    pub fn handle_timeout(&mut self, now: Instant) {
+        self.send.handle_timeout(now);
+        self.recv.handle_timeout(now);
+        self.drive(now);
+    }
+
+    // ---- the engine's calls ----
+
+    pub fn register_kv_caches(&mut self, spec: &KvCacheSpec) -> anyhow::Result<()> {
+        use anyhow::Context;
+        let len = spec.num_blocks * spec.block_bytes;
+        let reg = self
+            .registry
+            .register(&spec.region, 0, len)
+            .with_context(|| format!("registering the KV cache ({len} bytes) for transfers"))?;
+        self.kv = Some(KvInfo {
+            reg,
+            region: spec.region.clone(),
+            len,
+            block_bytes: spec.block_bytes as u64,
+            block_size: spec.block_size,
+            layout: spec.layout.clone(),
+        });
+        self.send = SendMachine::new(send_config(&self.cfg, spec.block_size));
+        self.send.set_weights_version(self.weights_version.clone());
+        self.recv = RecvMachine::new(RecvConfig { load_timeout: self.cfg.load_timeout, block_size: spec.block_size });
+        self.set_local();
+        Ok(())
+    }
+
+    fn set_local(&mut self) {
+        if let Some(kv) = &self.kv {
+            self.recv.set_local(LocalKv {
+                layout: kv.layout.clone(),
+                block_bytes: kv.block_bytes,
+                weights_version: self.weights_version.clone(),
+            });
+        }
+    }
+
+    pub fn set_weights_version(&mut self, version: Option<&str>) {
+        self.weights_version = version.map(str::to_string);
+        self.send.set_weights_version(self.weights_version.clone());
+        self.set_local();
+    }
+
+    fn block_size(&self) -> usize {
+        self.kv.as_ref().map_or(pdkv_model::BLOCK_SIZE, |k| k.block_size)
+    }
+
+    pub fn request_added(&mut self, now: Instant, req: ConnectorRequest<'_>) {
+        if let Ok(Some(PdParams::RemoteDecode { transfer_id })) = PdParams::parse(req.kv_transfer_params) {
+            if self.cfg.kv_role.produces() {
+                self.send.on_request_running(&transfer_id, req.id);
+                self.drive(now);
+            }
+        }
+    }
+
+    pub fn get_num_new_matched_tokens(
+        &mut self,
+        now: Instant,
+        req: ConnectorRequest<'_>,
+        num_computed_tokens: usize,
+    ) -> ExternalMatch {
+        match PdParams::parse(req.kv_transfer_params) {
+            Ok(Some(PdParams::RemoteDecode { transfer_id })) if self.cfg.kv_role.produces() => {
+                self.send.on_request_running(&transfer_id, req.id);
+                self.drive(now);
+                ExternalMatch::default()
+            }
+            Ok(Some(p @ PdParams::RemotePrefill { .. })) if self.cfg.kv_role.consumes() => {
+                if self.decided.contains(req.id) {
+                    return ExternalMatch::default();
+                }
+                let n = req.prompt_tokens.len().saturating_sub(1).saturating_sub(num_computed_tokens);
+                if n == 0 {
+                    // Everything is in the local cache: P need not keep it.
+                    self.decided.insert(req.id.clone());
+                    if let PdParams::RemotePrefill { transfer_id, remote_bootstrap_addr, .. } = p {
+                        self.drop_unpulled(now, remote_bootstrap_addr, transfer_id);
+                    }
+                    return ExternalMatch::default();
+                }
+                self.pending.insert(req.id.clone(), (p, req.prompt_tokens.len()));
+                ExternalMatch { num_tokens: n, load_async: true }
+            }
+            _ => ExternalMatch::default(),
+        }
+    }
+
+    pub fn update_state_after_alloc(
+        &mut self,
+        req: ConnectorRequest<'_>,
+        block_ids: &[u32],
+        num_computed_tokens: usize,
+        num_external_tokens: usize,
+    ) {
+        let Some((params, prompt_len)) = self.pending.remove(req.id) else { return };
+        if num_external_tokens == 0 {
+            return;
+        }
+        let PdParams::RemotePrefill { transfer_id, remote_engine_id, remote_bootstrap_addr, read } = params else { return };
+        let bs = self.block_size();
+        let first = num_computed_tokens / bs;
+        let last = (num_computed_tokens + num_external_tokens).div_ceil(bs).min(block_ids.len());
+        let spec = LoadSpec {
+            req: req.id.clone(),
+            transfer_id,
+            remote_engine_id,
+            addr: remote_bootstrap_addr,
+            prompt_len,
+            first_block: first,
+            dst_blocks: block_ids.get(first..last).unwrap_or(&[]).to_vec(),
+            read,
+        };
+        self.decided.insert(req.id.clone());
+        self.recv.decide(spec);
+        self.new_loads.push(req.id.clone());
+    }
+
+    /// The loads decided since the last call (the engine's step metadata).
+    pub fn take_new_loads(&mut self) -> Vec<Arc<str>> {
+        std::mem::take(&mut self.new_loads)
+    }
+
+    pub fn start_load_kv(&mut self, now: Instant, reqs: Vec<Arc<str>>) {
+        for req in reqs {
+            // Nothing may write into a released region: fail at once.
+            let refused = self.asleep.then(|| {
+                Failure::new(FailCode::Asleep, "the decode engine's KV cache is released (asleep); the load was not started")
+            });
+            self.recv.start(now, &req, refused);
+        }
+        self.drive(now);
+    }
+
+    pub fn request_finished(
+        &mut self,
+        now: Instant,
+        req: ConnectorRequest<'_>,
+        block_ids: &[u32],
+        reason: FinishReason,
+    ) -> (bool, Option<Value>) {
+        self.pending.remove(req.id);
+        let decided = self.decided.remove(req.id);
+        let out = match PdParams::parse(req.kv_transfer_params) {
+            Ok(Some(PdParams::RemoteDecode { transfer_id })) if self.cfg.kv_role.produces() => {
+                self.prefill_finished(now, &transfer_id, req, block_ids, reason)
+            }
+            Ok(Some(PdParams::RemotePrefill { transfer_id, remote_bootstrap_addr, .. })) if self.cfg.kv_role.consumes() => {
+                if self.recv.load_of(req.id).is_some() {
+                    self.new_loads.retain(|r| r != req.id);
+                    (self.recv.request_gone(now, req.id), None)
+                } else if self.recving.iter().any(|r| r == req.id) {
+                    // Ended, not yet reported: the engine frees the blocks then.
+                    self.errors.retain(|(b, _)| !block_ids.contains(b));
+                    (true, None)
+                } else {
+                    if !decided {
+                        // Ended before its load was decided: P would hold the
+                        // blocks until its lease expired.
+                        self.drop_unpulled(now, remote_bootstrap_addr, transfer_id);
+                    }
+                    (false, None)
+                }
+            }
+            _ => (false, None),
+        };
+        self.drive(now);
+        out
+    }
+
+    /// P's request ended: its blocks are held for D (READY) unless the send
+    /// ended; the params tell D where to load from.
+    fn prefill_finished(
+        &mut self,
+        now: Instant,
+        transfer_id: &str,
+        req: ConnectorRequest<'_>,
+        block_ids: &[u32],
+        reason: FinishReason,
+    ) -> (bool, Option<Value>) {
+        let completed = matches!(reason, FinishReason::Stop | FinishReason::Length);
+        let prompt_len = req.prompt_tokens.len();
+        let held = self.send.on_request_finished(now, transfer_id, req.id, block_ids, prompt_len, completed);
+        if !completed {
+            return (held, None);
+        }
+        let read = match self.cfg.transfer_mode {
+            TransferMode::Write => None,
+            TransferMode::Read => match self.read_params(held, block_ids, prompt_len) {
+                Some(r) => Some(r),
+                // Not leased: no params, so D computes the prompt itself.
+                None => return (held, None),
+            },
+        };
+        let p = params::returned_by_prefill(transfer_id, &self.engine_id, &self.bootstrap_addr, prompt_len, read.as_ref());
+        (held, Some(p))
+    }
+
+    /// Read mode: the leased blocks, P's registration epoch and weights for
+    /// a finished request's params (no blocks for a one-token prompt).
+    /// `None` when the blocks are not leased (the send ended).
+    fn read_params(&self, held: bool, block_ids: &[u32], prompt_len: usize) -> Option<ReadParams> {
+        let needed = prompt_len.saturating_sub(1).div_ceil(self.block_size());
+        if needed > 0 && (!held || block_ids.len() < needed) {
+            return None;
+        }
+        let generation = self.kv.as_ref().map(|k| k.reg.epoch)?;
+        Some(ReadParams {
+            block_ids: block_ids[..needed].to_vec(),
+            generation,
+            weights_version: self.weights_version.clone(),
+        })
+    }
+
+    /// P: stops holding KV for D; D: cuts every load short (the engine
+    /// holds their blocks and recomputes the requests).
+    pub fn abort_transfers(&mut self, now: Instant) {
+        self.send.abort_all(now);
+        self.recv.abort_all(now);
+        self.new_loads.clear();
+        self.drive(now);
+    }
+
+    /// Blocks held for transfers now (sending and receiving).
+    pub fn num_held_blocks(&self) -> usize {
+        self.send.held_blocks() + self.recv.held_blocks()
+    }
+
+    pub fn get_finished(&mut self) -> FinishedTransfers {
+        let errors = std::mem::take(&mut self.errors);
+        self.reported_errors.extend(errors);
+        FinishedTransfers {
+            sending: std::mem::take(&mut self.sending_done),
+            recving: std::mem::take(&mut self.recving),
+            abandoned: std::mem::take(&mut self.abandoned),
+        }
+    }
+
+    pub fn get_block_ids_with_load_errors(&mut self) -> Vec<(u32, LoadError)> {
+        std::mem::take(&mut self.reported_errors)
+    }
+
+    /// Decides whether the KV cache registration can be released now:
+    /// nothing in flight. Then P refuses pulls and D loads at once
+    /// (`asleep`), READY transfers end with [`FailCode::Asleep`], and the
+    /// segment to deregister is returned (the driver deregisters it, over
+    /// shared memory after the peers' acknowledgements). `Ok(None)`: not
+    /// registered, or released already. `Err`: what was in flight; nothing
+    /// changed.
+    pub fn begin_release(&mut self, now: Instant) -> Result<Option<Registration>, InFlight> {
+        let Some(kv) = &self.kv else { return Ok(None) };
+        if self.asleep {
+            return Ok(None);
+        }
+        let busy = self.in_flight();
+        if !busy.is_idle() {
+            return Err(busy);
+        }
+        let reg = kv.reg;
+        self.asleep = true;
+        self.send.end_ready(now, Failure::new(FailCode::Asleep, ASLEEP));
+        self.drive(now);
+        Ok(Some(reg))
+    }
+
+    /// Registers the KV cache again (the same segment, a new epoch and key)
+    /// and serves again. Idempotent. Also undoes a release whose
+    /// deregistration failed.
+    pub fn restore(&mut self) -> anyhow::Result<()> {
+        use anyhow::Context;
+        let Some(k) = self.kv.as_mut() else { return Ok(()) };
+        if !self.asleep {
+            return Ok(());
+        }
+        let reg = self
+            .registry
+            .register(&k.region, 0, k.len)
+            .with_context(|| format!("registering the KV cache ({} bytes) again", k.len))?;
+        tracing::info!(segment = reg.segment, epoch = reg.epoch, "KV cache registered again");
+        k.reg = reg;
+        self.asleep = false;
+        Ok(())
+    }
+
+    // ---- the driver's events ----
+
+    /// A peer's control message on connection `conn` (P side, and the
+    /// bootstrap/handshake every engine answers).
+    pub fn on_control(&mut self, now: Instant, conn: ConnId, msg: Message) {
+        let reply = match msg {
+            Message::Bootstrap => Some(self.bootstrap_answer()),
+            Message::Handshake => Some(self.handshake_answer()),
+            Message::ReadDone { transfer_id } if self.cfg.kv_role.produces() => Some(self.read_done(now, &transfer_id)),
+            Message::Pull(p) if self.cfg.kv_role.produces() => self.pull(now, conn, p),
+            Message::Drop { transfer_id, code } if self.cfg.kv_role.produces() => {
+                self.send.on_drop(now, &transfer_id, conn, code);
+                None
+            }
+            Message::Pull(_) | Message::Drop { .. } | Message::ReadDone { .. } => Some(Message::Error {
+                reason: format!("engine {} is a {} and sends no KV", self.engine_id, self.cfg.kv_role.as_str()),
+            }),
+            other => Some(Message::Error { reason: format!("unexpected message {other:?}") }),
+        };
+        if let Some(msg) = reply {
+            self.io.push_back(Io::Reply { conn, msg, last: true });
+        }
+        self.drive(now);
+    }
+
+    fn not_registered(&self) -> Message {
+        Message::Error { reason: format!("engine {} has not registered its KV cache yet", self.engine_id) }
+    }
+
+    fn bootstrap_answer(&self) -> Message {
+        match &self.kv {
+            Some(kv) => Message::BootstrapOk {
+                engine_id: self.engine_id.clone(),
+                layout: kv.layout.clone(),
+                block_bytes: kv.block_bytes,
+            },
+            None => self.not_registered(),
+        }
+    }
+
+    /// The answer names P's live registration, or none while P is asleep.
+    fn handshake_answer(&self) -> Message {
+        match &self.kv {
+            Some(kv) => Message::HandshakeOk(HandshakeInfo {
+                engine_id: self.engine_id.clone(),
+                layout: kv.layout.clone(),
+                block_bytes: kv.block_bytes,
+                transfer: self.transfer_dest.clone(),
+                registration: (!self.asleep).then_some(kv.reg),
+            }),
+            None => self.not_registered(),
+        }
+    }
+
+    fn read_done(&mut self, now: Instant, transfer_id: &str) -> Message {
+        match self.send.on_read_done(now, transfer_id) {
+            Ok(()) => {
+                self.counters.reads_done += 1;
+                Message::ReadDoneOk
+            }
+            Err(f) => {
+                self.counters.reads_late += 1;
+                Message::ReadDoneErr { code: f.code, reason: f.message }
+            }
+        }
+    }
+
+    /// P: a pull arrives; answered at once while asleep.
+    fn pull(&mut self, now: Instant, conn: ConnId, p: Pull) -> Option<Message> {
+        if self.asleep {
+            self.counters.pulls_released += 1;
+            return Some(Message::PullErr { code: FailCode::Asleep, reason: ASLEEP.into() });
+        }
+        let spec = PullSpec {
+            transfer_id: p.transfer_id.clone(),
+            first_block: p.first_block,
+            num_tokens: p.num_tokens,
+            num_blocks: p.block_offsets.len(),
+            weights_version: p.weights_version.clone(),
+        };
+        self.pulls.insert(conn, p);
+        self.send.on_pull(now, conn, spec);
+        None
+    }
+
+    /// P: a write ended.
+    pub fn on_write_done(&mut self, now: Instant, conn: ConnId, result: Result<(), String>, bytes: u64) {
+        if result.is_ok() {
+            self.counters.bytes_sent += bytes;
+        }
+        self.send.on_write_done(now, conn, result);
+        self.drive(now);
+    }
+
+    /// D: a frame answering an exchange.
+    pub fn on_reply(&mut self, now: Instant, op: Op, msg: Message) {
+        match op {
+            Op::Bootstrap { addr } => {
+                let answer = match msg {
+                    Message::BootstrapOk { engine_id, layout, block_bytes } => Ok(BootInfo { engine_id, layout, block_bytes }),
+                    Message::Error { reason } => Err(Failure::new(FailCode::Protocol, format!("bootstrap with {addr} refused: {reason}"))),
+                    other => Err(Failure::new(FailCode::Protocol, format!("bootstrap with {addr}: unexpected answer {other:?}"))),
+                };
+                self.recv.on_bootstrap(now, &addr, answer);
+            }
+            Op::Handshake { addr } => {
+                let answer = match msg {
+                    Message::HandshakeOk(h) => {
+                        self.counters.handshakes += 1;
+                        Ok(h)
+                    }
+                    Message::Error { reason } => Err(Failure::new(FailCode::Protocol, format!("handshake with {addr} refused: {reason}"))),
+                    other => Err(Failure::new(FailCode::Protocol, format!("handshake with {addr}: unexpected answer {other:?}"))),
+                };
+                self.recv.on_handshake(now, &addr, answer);
+            }
+            Op::Pull { load } => match msg {
+                Message::PullProgress => self.recv.on_progress(now, load),
+                Message::PullOk => self.recv.on_pull_result(now, load, PullResult::Answered(Ok(()))),
+                Message::PullErr { code, reason } => {
+                    let f = Failure::new(code, format!("the prefill engine refused the pull: {reason}"));
+                    self.recv.on_pull_result(now, load, PullResult::Answered(Err(f)));
+                }
+                other => {
+                    // Not an answer P sends: it may still be writing.
+                    let f = Failure::new(FailCode::Protocol, format!("pull: unexpected answer {other:?}"));
+                    self.recv.on_pull_result(now, load, PullResult::Lost(f));
+                }
+            },
+            Op::Drop { load } => {
+                let answer = match msg {
+                    Message::DropOk { known } => Ok(known),
+                    other => Err(Failure::new(FailCode::Protocol, format!("drop answered with {other:?}"))),
+                };
+                self.recv.on_drop_answer(now, load, answer);
+            }
+            Op::ReadDone { load } => {
+                let answer = match msg {
+                    Message::ReadDoneOk => Ok(()),
+                    Message::ReadDoneErr { code, reason } => Err(Failure::new(code, reason)),
+                    other => Err(Failure::new(FailCode::Protocol, format!("read_done: unexpected answer {other:?}"))),
+                };
+                if answer.is_ok() {
+                    if let Some(spec) = self.recv.spec(load) {
+                        self.counters.bytes_read += spec.dst_blocks.len() as u64 * self.kv.as_ref().map_or(0, |k| k.block_bytes);
+                    }
+                }
+                self.recv.on_read_done_answer(now, load, answer);
+            }
+            Op::DropUnpulled { transfer_id } => tracing::debug!(%transfer_id, answer = ?msg, "dropped a transfer this engine does not pull"),
+        }
+        self.drive(now);
+    }
+
+    /// D: an exchange failed. `sent`: the message may have reached the peer.
+    pub fn on_exchange_failed(&mut self, now: Instant, op: Op, failure: Failure, sent: bool) {
+        match op {
+            Op::Bootstrap { addr } => self.recv.on_bootstrap(now, &addr, Err(failure)),
+            Op::Handshake { addr } => self.recv.on_handshake(now, &addr, Err(failure)),
+            Op::Pull { load } => {
+                let r = if sent { PullResult::Lost(failure) } else { PullResult::NotSent(failure) };
+                self.recv.on_pull_result(now, load, r);
+            }
+            Op::Drop { load } => self.recv.on_drop_answer(now, load, Err(failure)),
+            Op::ReadDone { load } => {
+                let f = Failure::new(failure.code, format!("read_done failed, the read is unconfirmed: {}", failure.message));
+                self.recv.on_read_done_answer(now, load, Err(f));
+            }
+            Op::DropUnpulled { transfer_id } => tracing::warn!(%transfer_id, "drop failed: {failure}"),
+        }
+        self.drive(now);
+    }
+
+    /// D, read mode: the load's read ended.
+    pub fn on_read_result(&mut self, now: Instant, load: LoadId, result: Result<(), Failure>) {
+        self.recv.on_read_result(now, load, result);
+        self.drive(now);
+    }
+
+    /// D: the load's local fence ended.
+    pub fn on_fenced(&mut self, now: Instant, load: LoadId, result: Result<(), Failure>) {
+        if let Err(f) = &result {
+            tracing::warn!(load, "fence failed, will try again: {f}");
+        }
+        self.recv.on_fenced(now, load, result);
+        self.drive(now);
+    }
+
+    fn drop_unpulled(&mut self, now: Instant, addr: String, transfer_id: String) {
+        self.counters.drops_unpulled += 1;
+        let msg = Message::Drop { transfer_id: transfer_id.clone(), code: FailCode::Dropped };
+        self.io.push_back(Io::Send { op: Op::DropUnpulled { transfer_id }, addr, msg, deadline: now + CONTROL_IO });
+    }
+
+    // ---- turning machine actions into I/O ----
+
+    /// Carries out what the machines decided, and collects their reports.
+    fn drive(&mut self, now: Instant) {
+        while let Some(a) = self.send.poll_action() {
+            self.send_action(now, a);
+        }
+        for r in self.send.take_finished() {
+            self.sending_done.push(r);
+            self.news = true;
+        }
+        while let Some(a) = self.recv.poll_action() {
+            self.recv_action(now, a);
+        }
+        for (req, lf) in self.recv.take_abandoned() {
+            self.counters.loads_abandoned += 1;
+            tracing::warn!(request = %req, "KV load given up before its transfer was fenced: {}", lf.failure);
+            if let Some(id) = self.recv.load_of(&req) {
+                if let Some(spec) = self.recv.spec(id) {
+                    let e = load_error(&lf);
+                    self.errors.extend(spec.dst_blocks.iter().map(|&b| (b, e.clone())));
+                }
+            }
+            self.abandoned.push(req);
+            self.news = true;
+        }
+        for f in self.recv.take_finished() {
+            self.load_finished(f);
+        }
+    }
+
+    fn send_action(&mut self, now: Instant, a: send::Action) {
+        match a {
+            send::Action::Answer { pull, result } => {
+                self.pulls.remove(&pull);
+                let c = &mut self.counters;
+                let msg = match result {
+                    Ok(()) => {
+                        c.pulls_ok += 1;
+                        Message::PullOk
+                    }
+                    Err(f) => {
+                        match f.code {
+                            FailCode::Dropped => c.pulls_cancelled += 1,
+                            code if code.on_purpose() => c.pulls_released += 1,
+                            _ => c.pulls_failed += 1,
+                        }
+                        Message::PullErr { code: f.code, reason: f.message }
+                    }
+                };
+                self.io.push_back(Io::Reply { conn: pull, msg, last: true });
+            }
+            send::Action::Progress { pull } => self.io.push_back(Io::Reply { conn: pull, msg: Message::PullProgress, last: false }),
+            send::Action::DropAnswer { drop, known } => {
+                self.io.push_back(Io::Reply { conn: drop, msg: Message::DropOk { known }, last: true })
+            }
+            send::Action::StartWrite { pull, src_blocks, deadline } => {
+                let (Some(dst), Some(kv)) = (self.pulls.get(&pull).cloned(), self.kv.as_ref()) else {
+                    self.send.on_write_done(deadline, pull, Err("the pull's destination is gone".into()));
+                    return;
+                };
+                let bb = kv.block_bytes;
+                let pairs = src_blocks.iter().zip(&dst.block_offsets).map(|(&b, &off)| (b as u64 * bb, off)).collect();
+                self.io.push_back(Io::Write { conn: pull, local: kv.reg, pairs, block_bytes: bb, dst, deadline });
+            }
+        }
+    }
+
+    fn recv_action(&mut self, now: Instant, a: recv::Action) {
+        match a {
+            recv::Action::Bootstrap { addr } => {
+                let op = Op::Bootstrap { addr: addr.clone() };
+                self.io.push_back(Io::Send { op, addr, msg: Message::Bootstrap, deadline: now + CONTROL_IO });
+            }
+            recv::Action::Handshake { addr } => {
+                let op = Op::Handshake { addr: addr.clone() };
+                self.io.push_back(Io::Send { op, addr, msg: Message::Handshake, deadline: now + CONTROL_IO });
+            }
+            recv::Action::Pull { load, spec, weights_version } => self.send_pull(now, load, spec, weights_version),
+            recv::Action::Read { load, spec, peer, generation, deadline } => self.start_read(now, load, spec, peer, generation, deadline),
+            recv::Action::ReadDone { load, addr, transfer_id } => {
+                let msg = Message::ReadDone { transfer_id };
+                self.io.push_back(Io::Send { op: Op::ReadDone { load }, addr, msg, deadline: now + CONTROL_IO });
+            }
+            recv::Action::CancelRead { load } => self.io.push_back(Io::CancelRead { load }),
+            recv::Action::Drop { load, addr, transfer_id } => {
+                let msg = Message::Drop { transfer_id, code: FailCode::Dropped };
+                // P answers a drop once no write reads the blocks: as long as
+                // a write may take.
+                let wait = self.cfg.abort_timeout + CONTROL_IO;
+                self.io.push_back(Io::Send { op: Op::Drop { load }, addr, msg, deadline: now + wait });
+            }
+            recv::Action::Fence { load } => {
+                self.counters.fences += 1;
+                let segment = self.kv.as_ref().map_or(0, |k| k.reg.segment);
+                self.io.push_back(Io::Fence { load, segment, grant: self.grants.get(&load).copied() });
+            }
+            recv::Action::DropUnpulled { addr, transfer_id } => self.drop_unpulled(now, addr, transfer_id),
+            recv::Action::Forget { load } => {
+                if let (Some(key), Some(kv)) = (self.grants.remove(&load), &self.kv) {
+                    // Nothing uses it any more (the load is fenced or ended).
+                    let _ = self.registry.revoke(kv.reg.segment, key, Duration::ZERO);
+                }
+            }
+        }
+    }
+
+    /// D: the pull for a load, with a grant that opens exactly its blocks.
+    fn send_pull(&mut self, now: Instant, load: LoadId, spec: LoadSpec, weights_version: Option<String>) {
+        let Some(kv) = self.kv.clone() else {
+            let f = Failure::new(FailCode::Protocol, "the KV cache is not registered");
+            self.recv.on_pull_result(now, load, PullResult::NotSent(f));
+            return;
+        };
+        let bb = kv.block_bytes;
+        let block_offsets: Vec<u64> = spec.dst_blocks.iter().map(|&b| b as u64 * bb).collect();
+        let ranges: Vec<(u64, u64)> = block_offsets.iter().map(|&o| (o, bb)).collect();
+        let grant_key = match self.registry.grant(&kv.reg, &ranges) {
+            Ok(g) => Some(g.key),
+            Err(e) => {
+                let f = Failure::new(FailCode::Protocol, format!("granting the load's blocks failed: {e}"));
+                self.recv.on_pull_result(now, load, PullResult::NotSent(f));
+                return;
+            }
+        };
+        if let Some(k) = grant_key {
+            self.grants.insert(load, k);
+        }
+        let pull = Pull {
+            transfer_id: spec.transfer_id.clone(),
+            engine_id: self.engine_id.clone(),
+            first_block: spec.first_block,
+            num_tokens: spec.prompt_len - 1,
+            dst: self.transfer_dest.clone(),
+            segment: kv.reg.segment,
+            key: kv.reg.key,
+            epoch: kv.reg.epoch,
+            region_len: kv.reg.len,
+            block_offsets,
+            grant_key,
+            weights_version,
+        };
+        // The machine's deadline bounds the load; the exchange itself may
+        // last as long as P heartbeats.
+        let deadline = now + self.cfg.prefill_timeout + self.cfg.load_timeout;
+        self.io.push_back(Io::Send { op: Op::Pull { load }, addr: spec.addr, msg: Message::Pull(pull), deadline });
+    }
+
+    /// D, read mode: reads P's blocks `read.block_ids[first..]` at the
+    /// params' generation (a registration that moved on refuses it).
+    fn start_read(&mut self, now: Instant, load: LoadId, spec: LoadSpec, peer: HandshakeInfo, generation: u64, deadline: Instant) {
+        let (Some(kv), Some(rp), Some(reg)) = (self.kv.clone(), spec.read.clone(), peer.registration) else {
+            let f = Failure::new(FailCode::Protocol, "read mode without a registration");
+            self.recv.on_read_result(now, load, Err(f));
+            return;
+        };
+        let bb = kv.block_bytes;
+        let src = &rp.block_ids[spec.first_block..spec.first_block + spec.dst_blocks.len()];
+        let pairs = spec.dst_blocks.iter().zip(src).map(|(&d, &s)| (d as u64 * bb, s as u64 * bb)).collect();
+        let remote = Registration { epoch: generation, ..reg };
+        self.io.push_back(Io::Read { load, local: kv.reg, remote, transfer: peer.transfer, pairs, block_bytes: bb, deadline });
+    }
+
+    /// A load ended and nothing writes its blocks: reported in `recving`,
+    /// with its blocks as load errors when it failed.
+    fn load_finished(&mut self, f: recv::Finished) {
+        let c = &mut self.counters;
+        match &f.end {
+            LoadEnd::Loaded => c.loads_ok += 1,
+            LoadEnd::Gone => c.loads_cancelled += 1,
+            LoadEnd::Failed(lf) if lf.failure.message == recv::CUT_SHORT => c.loads_cut_short += 1,
+            LoadEnd::Failed(lf) if lf.recompute => c.loads_released += 1,
+            LoadEnd::Failed(_) => c.loads_failed += 1,
+        }
+        if let LoadEnd::Failed(lf) = &f.end {
+            if lf.failure.message != recv::CUT_SHORT {
+                tracing::warn!(request = %f.req, "KV load failed: {}", lf.failure);
+            }
+            let e = load_error(lf);
+            self.errors.extend(f.dst_blocks.iter().map(|&b| (b, e.clone())));
+        }
+        self.recving.push(f.req);
+        self.news = true;
+    }
+}
+
+fn load_error(lf: &LoadFailure) -> LoadError {
+    LoadError { message: lf.failure.message.clone(), recompute: lf.recompute }
+}
+
+pub(crate) fn send_config(cfg: &KvTransferConfig, block_size: usize) -> SendConfig {
+    SendConfig {
+        abort_timeout: cfg.abort_timeout,
+        arrival_timeout: cfg.arrival_timeout,
+        prefill_timeout: cfg.prefill_timeout,
+        heartbeat: cfg.heartbeat,
+        num_workers: cfg.num_workers,
+        block_size,
+    }
+}
+
+/// Whether `role` may take a request with these params.
+pub fn validate(role: KvRole, params: Option<&Value>) -> Result<(), String> {
+    match PdParams::parse(params)? {
+        Some(PdParams::RemoteDecode { .. }) if !role.produces() => {
+            Err(format!("kv_transfer_params.do_remote_decode: this engine is a {} and sends no KV", role.as_str()))
+        }
+        Some(PdParams::RemotePrefill { .. }) if !role.consumes() => {
+            Err(format!("kv_transfer_params.do_remote_prefill: this engine is a {} and receives no KV", role.as_str()))
+        }
+        _ => Ok(()),
+    }
+}

@@ -1,0 +1,420 @@
+//! The production driver of the P/D connector: the control listener, the
+//! control exchanges, the TCP agent's writes and reads, the shared-memory
+//! exporter and importers, the fences, and the core's timer, on the
+//! connector's tokio runtime. It decides nothing: every message and result
+//! goes to [`PdCore`] through [`Shared::event`], and it carries out the
+//! [`Io`] the core queues.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use pdkv_transfer::frame::{Limits, Target};
+use pdkv_transfer::proto::{Direction, Transfer};
+use pdkv_transfer::shm::{ShmExporter, ShmImporter};
+use pdkv_transfer::tcp::{Agent, AgentConfig, LocalSlice};
+use pdkv_transfer::{Registration, Registry, RegistryOptions, RemoteDescriptor};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{mpsc, Notify};
+
+use super::core::{BlockPair, ConnId, Io, Op, PdCore, CONTROL_IO};
+use super::{Driver, Shared};
+use crate::config::{KvTransferConfig, TransferMode, Transport};
+use crate::recv::LoadId;
+use crate::wire::{self, Destination, FailCode, Failure, Message, Pull};
+
+/// How long a fence waits for accesses in flight (or peers' unmap acks).
+const FENCE_WAIT: Duration = Duration::from_secs(5);
+
+/// Binds the listener, the agent and (when a peer maps this engine's
+/// memory) the shared-memory exporter, and starts the accept loop and the
+/// core's timer on `runtime`.
+pub fn start(runtime: &tokio::runtime::Runtime, cfg: KvTransferConfig, engine_id: &str) -> anyhow::Result<Arc<Shared>> {
+    let registry = Arc::new(Registry::new(RegistryOptions::default()));
+    let ip = cfg.kv_ip.clone();
+    let (agent, listener) = runtime.block_on(async {
+        let agent = Agent::bind(&format!("{ip}:0"), registry.clone(), AgentConfig::default())
+            .await
+            .with_context(|| format!("binding the KV transfer agent on {ip}"))?;
+        let listener = TcpListener::bind((ip.as_str(), cfg.kv_port))
+            .await
+            .with_context(|| format!("binding the KV control listener on {ip}:{}", cfg.kv_port))?;
+        anyhow::Ok((agent, listener))
+    })?;
+    let control_addr = listener.local_addr()?;
+    // The exporter serves the side whose memory the peer copies to or
+    // from: D's in write mode, P's in read mode.
+    let exports = match cfg.transfer_mode {
+        TransferMode::Write => cfg.kv_role.consumes(),
+        TransferMode::Read => cfg.kv_role.produces(),
+    };
+    let (dest, exporter) = if exports && cfg.transport == Transport::Shm {
+        let path = cfg.shm_dir.join(format!("pdkv-{engine_id}-{}.sock", std::process::id()));
+        let _ = std::fs::remove_file(&path);
+        let exp = ShmExporter::bind(&path, registry.clone(), Limits::default())
+            .with_context(|| format!("binding the shared-memory exporter at {}", path.display()))?;
+        (Destination::Shm { path: path.display().to_string() }, Some(exp))
+    } else {
+        (Destination::Tcp { addr: agent.local_addr().to_string() }, None)
+    };
+    let core = PdCore::new(cfg, engine_id, control_addr.to_string(), dest, registry.clone());
+    let inner = Arc::new(Net {
+        handle: runtime.handle().clone(),
+        registry,
+        agent,
+        exporter,
+        replies: Mutex::new(HashMap::new()),
+        reads: Mutex::new(HashMap::new()),
+        importers: Mutex::new(HashMap::new()),
+        timer: Arc::new(Notify::new()),
+        next_conn: AtomicU64::new(1),
+    });
+    let shared = Shared::new(core, Box::new(NetDriver(inner.clone())));
+    runtime.spawn(accept_loop(shared.clone(), inner.clone(), listener));
+    runtime.spawn(core_timer(shared.clone(), inner.timer.clone()));
+    Ok(shared)
+}
+
+/// The replies a connection waits for (P side).
+type ReplyTx = mpsc::UnboundedSender<(Message, bool)>;
+
+struct NetDriver(Arc<Net>);
+
+/// The driver's state, shared with its tasks.
+struct Net {
+    handle: tokio::runtime::Handle,
+    registry: Arc<Registry>,
+    agent: Agent,
+    /// This engine's shared-memory exporter, alive as long as the connector
+    /// (its drop removes the socket file).
+    exporter: Option<ShmExporter>,
+    replies: Mutex<HashMap<ConnId, ReplyTx>>,
+    /// Cancels a read in flight, by load.
+    reads: Mutex<HashMap<LoadId, Box<dyn Fn() + Send>>>,
+    /// Shared-memory peers this engine copies to or from, by socket path.
+    importers: Mutex<HashMap<String, Arc<ShmImporter>>>,
+    timer: Arc<Notify>,
+    next_conn: AtomicU64,
+}
+
+impl Driver for NetDriver {
+    fn now(&self) -> Instant {
+        Instant::now()
+    }
+
+    fn execute(&self, shared: &Arc<Shared>, io: Io) {
+        let d = &self.0;
+        match io {
+            Io::Reply { conn, msg, last } => {
+                let tx = if last { d.replies.lock().unwrap().remove(&conn) } else { d.replies.lock().unwrap().get(&conn).cloned() };
+                if let Some(tx) = tx {
+                    let _ = tx.send((msg, last));
+                }
+            }
+            Io::Write { conn, local, pairs, block_bytes, dst, deadline } => {
+                let (s, n) = (shared.clone(), d.clone());
+                d.handle.spawn(async move {
+                    let res = write_blocks(&n, &local, &pairs, block_bytes, &dst, deadline).await;
+                    let bytes = block_bytes * pairs.len() as u64;
+                    s.event(|c, now| c.on_write_done(now, conn, res, bytes));
+                });
+            }
+            Io::Send { op, addr, msg, deadline } => {
+                let s = shared.clone();
+                d.handle.spawn(async move { exchange(&s, op, &addr, &msg, deadline).await });
+            }
+            Io::Read { load, local, remote, transfer, pairs, block_bytes, deadline } => {
+                let (s, n) = (shared.clone(), d.clone());
+                d.handle.spawn(async move {
+                    let res = read_blocks(&n, load, &local, &remote, &transfer, &pairs, block_bytes, deadline).await;
+                    n.reads.lock().unwrap().remove(&load);
+                    s.event(|c, now| c.on_read_result(now, load, res));
+                });
+            }
+            Io::CancelRead { load } => {
+                if let Some(cancel) = d.reads.lock().unwrap().get(&load) {
+                    cancel();
+                }
+            }
+            Io::Fence { load, segment, grant } => {
+                let (s, n) = (shared.clone(), d.clone());
+                d.handle.spawn(async move {
+                    let res = tokio::task::spawn_blocking(move || n.fence(segment, grant))
+                    .await
+                    .unwrap_or_else(|e| Err(Failure::new(FailCode::Protocol, format!("the fence task failed: {e}"))));
+                    s.event(|c, now| c.on_fenced(now, load, res));
+                });
+            }
+        }
+    }
+
+    fn deregister(&self, segment: u64, timeout: Duration) -> anyhow::Result<()> {
+        match &self.0.exporter {
+            Some(exp) => exp
+                .deregister(segment, timeout)
+                .map_err(|e| anyhow::anyhow!("shared-memory peers did not unmap the KV cache (segment {segment}): {e}")),
+            None => {
+                self.0.registry.deregister(segment);
+                Ok(())
+            }
+        }
+    }
+
+    fn timer_changed(&self, _shared: &Arc<Shared>) {
+        self.0.timer.notify_one();
+    }
+}
+
+impl Net {
+    /// Nothing of the load can land any more: its grant revoked (a TCP
+    /// write holding it finishes first) and, over shared memory, every
+    /// peer's mapping of the segment gone.
+    fn fence(&self, segment: u64, grant: Option<u64>) -> Result<(), Failure> {
+        let lost = |e: String| Failure::new(FailCode::Timeout, e);
+        if let Some(key) = grant {
+            self.registry.revoke(segment, key, FENCE_WAIT).map_err(|e| lost(format!("revoking the load's grant: {e}")))?;
+        }
+        if let Some(exp) = &self.exporter {
+            exp.fence(segment, FENCE_WAIT).map_err(|e| lost(format!("peers did not unmap the KV cache: {e}")))?;
+        }
+        Ok(())
+    }
+}
+
+/// Runs the core's timer: deadlines, heartbeats, leases, tombstones, fence
+/// retries.
+async fn core_timer(shared: Arc<Shared>, changed: Arc<Notify>) {
+    loop {
+        let next = shared.inspect(|c| c.poll_timeout());
+        match next {
+            Some(t) => {
+                tokio::select! {
+                    _ = tokio::time::sleep_until(tokio::time::Instant::from_std(t)) => {
+                        shared.event(|c, now| c.handle_timeout(now));
+                    }
+                    _ = changed.notified() => {}
+                }
+            }
+            None => changed.notified().await,
+        }
+    }
+}
+
+async fn accept_loop(shared: Arc<Shared>, d: Arc<Net>, listener: TcpListener) {
+    loop {
+        let (stream, from) = match listener.accept().await {
+            Ok(c) => c,
+            Err(e) => {
+                // Out of descriptors, say: back off instead of spinning.
+                tracing::warn!("control accept failed: {e}");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                continue;
+            }
+        };
+        let (shared, d) = (shared.clone(), d.clone());
+        tokio::spawn(async move {
+            if let Err(e) = serve_control(&shared, &d, stream).await {
+                tracing::debug!(%from, "control connection closed: {e}");
+            }
+        });
+    }
+}
+
+/// Serves one control exchange: the request goes to the core, its replies
+/// (progress frames, then the final answer) back to the peer.
+async fn serve_control(shared: &Arc<Shared>, d: &Net, mut s: TcpStream) -> Result<(), wire::WireError> {
+    let _ = s.set_nodelay(true);
+    let msg = wire::read_message(&mut s, CONTROL_IO).await?;
+    let conn = d.next_conn.fetch_add(1, Ordering::Relaxed);
+    let (tx, mut rx) = mpsc::unbounded_channel();
+    d.replies.lock().unwrap().insert(conn, tx);
+    shared.event(|c, now| c.on_control(now, conn, msg));
+    // The core answers every exchange by its deadlines (a pull: at most the
+    // prefill timeout plus a write); the bound only guards a lost answer.
+    let limit = shared.inspect(|c| {
+        let cfg = c.config();
+        cfg.prefill_timeout + cfg.abort_timeout + cfg.arrival_timeout + CONTROL_IO
+    });
+    let until = tokio::time::Instant::now() + limit;
+    loop {
+        match tokio::time::timeout_at(until, rx.recv()).await {
+            Ok(Some((msg, last))) => {
+                wire::write_message(&mut s, &msg, CONTROL_IO).await?;
+                if last {
+                    return Ok(());
+                }
+            }
+            _ => {
+                d.replies.lock().unwrap().remove(&conn);
+                let msg = Message::Error { reason: "the engine lost the exchange".into() };
+                return wire::write_message(&mut s, &msg, CONTROL_IO).await;
+            }
+        }
+    }
+}
+
+/// D's side of one exchange: every frame of the answer goes to the core.
+async fn exchange(shared: &Arc<Shared>, op: Op, addr: &str, msg: &Message, deadline: Instant) {
+    let failed = |f: Failure, sent: bool| shared.event(|c, now| c.on_exchange_failed(now, op.clone(), f, sent));
+    let connect = tokio::time::timeout(CONTROL_IO, TcpStream::connect(addr)).await;
+    let mut s = match connect {
+        Ok(Ok(s)) => s,
+        Ok(Err(e)) => return failed(Failure::new(FailCode::PeerLost, format!("connecting to {addr}: {e}")), false),
+        Err(_) => return failed(Failure::new(FailCode::PeerLost, format!("connecting to {addr}: timed out")), false),
+    };
+    let _ = s.set_nodelay(true);
+    if let Err(e) = wire::write_message(&mut s, msg, CONTROL_IO).await {
+        return failed(Failure::new(FailCode::PeerLost, format!("sending to {addr}: {e}")), true);
+    }
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        match wire::read_message(&mut s, left).await {
+            Ok(m) => {
+                let last = m != Message::PullProgress;
+                shared.event(|c, now| c.on_reply(now, op.clone(), m));
+                if last {
+                    return;
+                }
+            }
+            Err(wire::WireError::Timeout { .. }) => {
+                return failed(Failure::new(FailCode::Timeout, format!("no answer from {addr} in time")), true)
+            }
+            Err(e) => return failed(Failure::new(FailCode::PeerLost, format!("the exchange with {addr} broke: {e}")), true),
+        }
+    }
+}
+
+/// P writes its blocks into D's blocks named by `dst`, by `deadline`.
+async fn write_blocks(
+    d: &Net,
+    local: &Registration,
+    pairs: &[BlockPair],
+    bb: u64,
+    dst: &Pull,
+    deadline: Instant,
+) -> Result<(), String> {
+    let mut slices = Vec::with_capacity(pairs.len());
+    for &(src, off) in pairs {
+        let l = LocalSlice::grant(&d.registry, local, src, bb).map_err(|e| format!("local block at {src}: {e}"))?;
+        slices.push((l, off));
+    }
+    let left = deadline.saturating_duration_since(Instant::now());
+    if left.is_zero() {
+        return Err("the pull deadline passed before the write started".into());
+    }
+    match &dst.dst {
+        Destination::Tcp { addr } => {
+            // The grant opens exactly D's blocks; D revokes it as its fence.
+            let key = dst.grant_key.unwrap_or(dst.key);
+            let transfers = slices
+                .into_iter()
+                .map(|(l, off)| {
+                    let r = RemoteDescriptor { agent_addr: addr.clone(), segment: dst.segment, key, epoch: dst.epoch, offset: off, len: bb };
+                    (l, r)
+                })
+                .collect();
+            d.agent.write(transfers, None, left).await.map_err(|e| e.to_string())
+        }
+        Destination::Shm { path } => {
+            let reg = Registration { segment: dst.segment, key: dst.key, epoch: dst.epoch, len: dst.region_len };
+            let imp = importer(d, path, &reg, left).await?;
+            let transfers = slices
+                .into_iter()
+                .map(|(local, off)| Transfer {
+                    local,
+                    remote: Target { segment: dst.segment, key: dst.key, epoch: dst.epoch, offset: off, len: bb },
+                })
+                .collect();
+            let res = match imp.start(Direction::Write, transfers, None, deadline) {
+                Ok(h) => h.wait().await.map_err(|e| e.to_string()),
+                Err(e) => Err(e.to_string()),
+            };
+            if res.is_err() {
+                d.importers.lock().unwrap().remove(path);
+            }
+            res
+        }
+    }
+}
+
+/// The importer for the peer's socket `path`, connected, with `reg` (at its
+/// epoch) mapped.
+async fn importer(d: &Net, path: &str, reg: &Registration, left: Duration) -> Result<Arc<ShmImporter>, String> {
+    let cached = d.importers.lock().unwrap().get(path).cloned();
+    let imp = match cached {
+        Some(i) => i,
+        None => {
+            let p = PathBuf::from(path);
+            let i = tokio::task::spawn_blocking(move || ShmImporter::connect(&p, Limits::default()))
+                .await
+                .map_err(|e| e.to_string())?
+                .map_err(|e| format!("connecting to {path}: {e}"))?;
+            let i = Arc::new(i);
+            d.importers.lock().unwrap().insert(path.to_string(), i.clone());
+            i
+        }
+    };
+    if imp.mapped_epoch(reg.segment) != Some(reg.epoch) {
+        let (i, r) = (imp.clone(), *reg);
+        let mapped = tokio::task::spawn_blocking(move || i.map(&r, left)).await.map_err(|e| e.to_string())?;
+        if let Err(e) = mapped {
+            d.importers.lock().unwrap().remove(path);
+            return Err(format!("mapping the peer's KV cache (segment {}, epoch {}): {e}", reg.segment, reg.epoch));
+        }
+    }
+    Ok(imp)
+}
+
+/// D reads P's blocks into its own, by `deadline`; cancellable through the
+/// driver's `reads` table.
+#[allow(clippy::too_many_arguments)]
+async fn read_blocks(
+    d: &Net,
+    load: LoadId,
+    local: &Registration,
+    remote: &Registration,
+    transfer: &Destination,
+    pairs: &[BlockPair],
+    bb: u64,
+    deadline: Instant,
+) -> Result<(), Failure> {
+    let what = |code: FailCode, e: String| {
+        Failure::new(code, format!("reading {} blocks (generation {}): {e}", pairs.len(), remote.epoch))
+    };
+    let mut slices = Vec::with_capacity(pairs.len());
+    for &(dst, src) in pairs {
+        let l = LocalSlice::grant(&d.registry, local, dst, bb).map_err(|e| what(FailCode::Protocol, format!("local block at {dst}: {e}")))?;
+        slices.push((l, Target { segment: remote.segment, key: remote.key, epoch: remote.epoch, offset: src, len: bb }));
+    }
+    let left = deadline.saturating_duration_since(Instant::now());
+    match transfer {
+        Destination::Tcp { addr } => {
+            let transfers = slices
+                .into_iter()
+                .map(|(l, t)| {
+                    let r = RemoteDescriptor { agent_addr: addr.clone(), segment: t.segment, key: t.key, epoch: t.epoch, offset: t.offset, len: t.len };
+                    (l, r)
+                })
+                .collect();
+            let h = d.agent.start(Direction::Read, transfers, None, left).await.map_err(|e| what(FailCode::TransferFailed, e.to_string()))?;
+            let cancel = h.canceller();
+            d.reads.lock().unwrap().insert(load, Box::new(move || cancel()));
+            h.wait().await.map_err(|e| what(FailCode::TransferFailed, e.to_string()))
+        }
+        Destination::Shm { path } => {
+            let imp = importer(d, path, remote, left).await.map_err(|e| what(FailCode::TransferFailed, e))?;
+            let transfers = slices.into_iter().map(|(local, remote)| Transfer { local, remote }).collect();
+            let h = imp.start(Direction::Read, transfers, None, deadline).map_err(|e| what(FailCode::TransferFailed, e.to_string()))?;
+            let cancel = h.canceller();
+            d.reads.lock().unwrap().insert(load, Box::new(move || cancel()));
+            let res = h.wait().await.map_err(|e| what(FailCode::TransferFailed, e.to_string()));
+            if res.is_err() {
+                d.importers.lock().unwrap().remove(path);
+            }
+            res
+        }
+    }
+}
