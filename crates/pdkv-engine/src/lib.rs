@@ -19,14 +19,18 @@
 //!   [`AddRequestError::Unavailable`].
 
 pub mod block_pool;
+pub mod clock;
 pub mod connector;
 mod core;
 pub mod detok;
 pub mod lifecycle;
+pub mod model;
 pub mod sampling;
 pub mod scheduler;
 
 pub use crate::core::{Engine, EngineHandle, RequestStream};
+pub use clock::{Clock, SystemClock};
+pub use model::{CpuModelRunner, ModelRunner};
 pub use block_pool::{BlockHash, BlockPool};
 pub use connector::{KvConnector, KvTransferParams, LoadFailurePolicy};
 pub use lifecycle::{LifecycleError, LifecycleStatus, PauseMode, SleepLevel, WeightInfo};
