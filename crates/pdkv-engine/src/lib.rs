@@ -1,6 +1,8 @@
 //! The engine: requests, a sans-IO scheduler (continuous batching, block
-//! pool, prefix cache, preemption), sampling, stops, and the engine core loop
-//! that runs on its own thread.
+//! pool, prefix cache, preemption), sampling, stops, and the engine core: a
+//! stepper ([`EngineCore`]) with the model behind [`ModelRunner`] and time
+//! from [`Clock`], which a thread drives in production and a simulator can
+//! drive itself.
 //!
 //! Public API contract (used by `pdkv-server` and the `pdkv` binary):
 //! - [`Engine::start`] takes a loaded model and an [`EngineConfig`], allocates
@@ -17,16 +19,26 @@
 //!   runs on the core thread between steps and blocks the caller (bounded)
 //!   until the core applied it; requests refused meanwhile get
 //!   [`AddRequestError::Unavailable`].
+//! - [`EngineCore::new`] builds the stepper from any [`ModelRunner`],
+//!   [`Clock`] and [`Publisher`]; a driver applies [`Command`]s to it and
+//!   ticks it, single-threaded (see [`EngineCore`] for the contract).
 
 pub mod block_pool;
+pub mod clock;
 pub mod connector;
 mod core;
 pub mod detok;
 pub mod lifecycle;
+pub mod model;
 pub mod sampling;
 pub mod scheduler;
 
-pub use crate::core::{Engine, EngineHandle, RequestStream};
+pub use crate::core::{
+    AddRequest, Command, CoreParts, Engine, EngineCore, EngineHandle, LifecycleReply, LifecycleUpdate, NoPublisher,
+    OutputSink, Publisher, Reply, RequestStream,
+};
+pub use clock::{Clock, SystemClock};
+pub use model::{CpuModelRunner, ModelRunner};
 pub use block_pool::{BlockHash, BlockPool};
 pub use connector::{KvConnector, KvTransferParams, LoadError, LoadFailurePolicy};
 pub use lifecycle::{LifecycleError, LifecycleStatus, PauseMode, SleepLevel, WeightInfo};

@@ -605,7 +605,9 @@ impl Machine {
     }
 
     /// [`Machine::release_kv_with`] for an engine without transfers (it
-    /// never waits, so it needs no ticket or deadline).
+    /// never waits, so it needs no ticket or deadline). Tests only: it
+    /// reads the system clock.
+    #[cfg(test)]
     pub fn release_kv(&mut self) -> Outcome {
         debug_assert!(!self.transfers, "an engine with transfers uses release_kv_with");
         self.release_kv_with(0, Instant::now())

@@ -1,0 +1,140 @@
+//! What callers ask of the engine core: one [`Command`] per request, abort or
+//! lifecycle operation, answered through the closures it carries (so the
+//! stepper needs no channels; the production handle wraps its own).
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Instant;
+
+use pdkv_vmem::Tag;
+
+use crate::lifecycle::{LifecycleError, PauseMode, SleepLevel};
+use crate::{EngineRequest, FinishReason, RequestOutput};
+
+/// Receives a request's outputs, in order; the last one carries a finish
+/// reason. Returns whether the receiver is still there (false: the request is
+/// aborted at once, as when a client disconnects).
+pub type OutputSink = Box<dyn FnMut(RequestOutput) -> bool + Send>;
+
+/// Receives the answer to a command, once.
+pub type Reply<T> = Box<dyn FnOnce(T) + Send>;
+
+/// The answer to a lifecycle command.
+pub type LifecycleReply = Reply<Result<(), LifecycleError>>;
+
+/// A request for the core, with where its outputs go. Through
+/// [`Command::Add`] the sender has checked it
+/// ([`crate::EngineCore::check_request`]; the handle does);
+/// [`crate::EngineCore::add`] checks it itself.
+pub struct AddRequest {
+    /// The caller's tag for this incarnation of the request id:
+    /// [`Command::Abort`] with `serial: Some(s)` aborts only the incarnation
+    /// tagged `s` (a dropped stream must not abort a newer request that
+    /// reuses its id). Callers that never abort by serial may pass 0.
+    pub serial: u64,
+    pub req: EngineRequest,
+    /// The sampling seed (`SamplingParams::seed`, or one the caller drew).
+    pub seed: u64,
+    pub output: OutputSink,
+}
+
+/// One thing for the core to do. Applied by [`crate::EngineCore::apply`]
+/// between steps, in the order given.
+pub enum Command {
+    Add(Box<AddRequest>),
+    /// `serial` set: only that incarnation of the id (a dropped stream).
+    Abort {
+        id: Arc<str>,
+        serial: Option<u64>,
+    },
+    ResetPrefixCache {
+        reset_running: bool,
+        reply: Reply<bool>,
+    },
+    Pause {
+        mode: PauseMode,
+        clear_cache: bool,
+        /// When a `wait` pause gives up (on the core's clock).
+        deadline: Instant,
+        reply: LifecycleReply,
+    },
+    Resume(LifecycleReply),
+    Sleep {
+        level: SleepLevel,
+        mode: PauseMode,
+        /// When a `wait` sleep gives up (on the core's clock).
+        deadline: Instant,
+        reply: LifecycleReply,
+    },
+    Wake {
+        tags: Option<Vec<Tag>>,
+        reply: LifecycleReply,
+    },
+    ReleaseKv(LifecycleReply),
+    AbortRequests {
+        ids: Vec<String>,
+        reply: Reply<Vec<String>>,
+    },
+    UpdateWeights {
+        path: PathBuf,
+        version: Option<String>,
+        reply: LifecycleReply,
+    },
+    /// The KV connector has news (a finished transfer); nothing else.
+    Nudge,
+    Shutdown,
+}
+
+impl Command {
+    /// Whether the command refuses new requests once applied. The handle
+    /// counts such a command as closing admission from the moment it sends
+    /// it until the core published its refusal (see
+    /// [`crate::LifecycleUpdate::closed_admission`]).
+    pub fn closes_admission(&self) -> bool {
+        matches!(
+            self,
+            Command::Pause { mode: PauseMode::Abort | PauseMode::Wait, .. } | Command::Sleep { .. }
+        )
+    }
+
+    /// Whether applying the command may change the lifecycle state (it is
+    /// published afterwards).
+    pub(crate) fn is_lifecycle(&self) -> bool {
+        !matches!(self, Command::Add(_) | Command::Abort { .. } | Command::Nudge | Command::Shutdown)
+    }
+
+    /// Answers a command that will never be applied: requests end with
+    /// `Abort`, lifecycle operations with `Stopped`, queries with nothing.
+    pub(crate) fn refuse_stopped(self) {
+        match self {
+            Command::Add(add) => {
+                let AddRequest { req, mut output, .. } = *add;
+                output(abort_output(&req));
+            }
+            Command::ResetPrefixCache { reply, .. } => reply(false),
+            Command::AbortRequests { reply, .. } => reply(Vec::new()),
+            Command::Pause { reply, .. }
+            | Command::Resume(reply)
+            | Command::Sleep { reply, .. }
+            | Command::Wake { reply, .. }
+            | Command::ReleaseKv(reply)
+            | Command::UpdateWeights { reply, .. } => reply(Err(LifecycleError::Stopped)),
+            Command::Abort { .. } | Command::Nudge | Command::Shutdown => {}
+        }
+    }
+}
+
+/// The final output of a request that ends before it produced anything.
+pub(crate) fn abort_output(req: &EngineRequest) -> RequestOutput {
+    RequestOutput {
+        request_id: req.id.clone(),
+        token_ids: Vec::new(),
+        text: String::new(),
+        finish_reason: Some(FinishReason::Abort),
+        num_prompt_tokens: req.prompt_tokens.len(),
+        num_cached_tokens: 0,
+        logits: Vec::new(),
+        kv_transfer_params: None,
+        error: None,
+    }
+}

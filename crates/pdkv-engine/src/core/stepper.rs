@@ -1,0 +1,706 @@
+//! The stepper: everything the engine core decides and does, with no
+//! threads, channels or system clock. It owns the scheduler, the lifecycle
+//! machine and the model runner; a driver feeds it [`Command`]s and calls
+//! [`EngineCore::tick`]. The production driver is a thread
+//! (`core/driver.rs`); a simulator drives it from its own loop with a
+//! simulated [`ModelRunner`] and a virtual [`Clock`].
+//!
+//! The driver contract and the invariants are on [`EngineCore`].
+
+use std::collections::HashMap;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use pdkv_model::SeqInput;
+use pdkv_vmem::Pool;
+
+use super::command::{abort_output, AddRequest, Command, LifecycleReply, OutputSink, Reply};
+use super::executor::PendingReload;
+use super::limits::{check_config, RequestLimits};
+use crate::clock::Clock;
+use crate::connector::{KvConnector, Waker};
+use crate::detok::{Decode, IncrementalDetokenizer, StopChecker};
+use crate::lifecycle::{LifecycleStatus, Machine, SleepLevel, Ticket, WeightInfo};
+use crate::model::ModelRunner;
+use crate::sampling::{sample, SamplingConfig};
+use crate::scheduler::{NewRequest, Scheduler, SchedulerConfig, SchedulerOutput};
+use crate::{AddRequestError, EngineConfig, EngineRequest, EngineStats, FinishReason, RequestOutput};
+
+/// Where the stepper publishes its state for readers elsewhere (the
+/// production handle's shared snapshot). A simulator may read the stepper
+/// directly instead and pass [`NoPublisher`].
+pub trait Publisher: Send {
+    /// The lifecycle state after a lifecycle command, a completed
+    /// operation or a refused command (always before the answer that
+    /// follows it).
+    fn lifecycle(&mut self, update: &LifecycleUpdate<'_>);
+
+    /// The stats after every tick and before every answer.
+    fn stats(&mut self, stats: &EngineStats);
+}
+
+/// A lifecycle publication.
+pub struct LifecycleUpdate<'a> {
+    pub status: LifecycleStatus,
+    /// Why new requests are refused now (`None`: accepted).
+    pub refusal: Option<String>,
+    pub weight_info: &'a WeightInfo,
+    /// Set on the first publication after applying a command that closes
+    /// admission ([`Command::closes_admission`]): from now on the refusal it
+    /// causes is visible.
+    pub closed_admission: bool,
+}
+
+/// Publishes nothing.
+pub struct NoPublisher;
+
+impl Publisher for NoPublisher {
+    fn lifecycle(&mut self, _update: &LifecycleUpdate<'_>) {}
+    fn stats(&mut self, _stats: &EngineStats) {}
+}
+
+/// What a stepper is built from.
+pub struct CoreParts {
+    pub runner: Box<dyn ModelRunner>,
+    /// Holds the regions the lifecycle offloads, discards and wakes (a
+    /// runner without memory may pass an empty pool: every tag counts as
+    /// awake).
+    pub pool: Pool,
+    pub config: EngineConfig,
+    pub connector: Option<Box<dyn KvConnector>>,
+    /// Given to the connector (before it registers the KV cache): how it
+    /// tells the driver it has news. Unused without a connector.
+    pub waker: Waker,
+    /// Turns output tokens into text.
+    pub decoder: Arc<dyn Decode + Send + Sync>,
+    /// End a request unless it sets `ignore_eos`.
+    pub eos_token_ids: Vec<u32>,
+    /// The weights being served at start.
+    pub weight_info: WeightInfo,
+    pub clock: Arc<dyn Clock>,
+    pub publisher: Box<dyn Publisher>,
+}
+
+/// Per-request state the core keeps next to the scheduler's.
+struct ActiveRequest {
+    serial: u64,
+    output: OutputSink,
+    sampling: SamplingConfig,
+    return_logits: bool,
+    detok: IncrementalDetokenizer,
+    stops: StopChecker,
+    num_prompt_tokens: usize,
+    num_cached_tokens: usize,
+}
+
+impl ActiveRequest {
+    fn output(&self, id: &str) -> RequestOutput {
+        RequestOutput {
+            request_id: id.to_string(),
+            token_ids: Vec::new(),
+            text: String::new(),
+            finish_reason: None,
+            num_prompt_tokens: self.num_prompt_tokens,
+            num_cached_tokens: self.num_cached_tokens,
+            logits: Vec::new(),
+            kv_transfer_params: None,
+            error: None,
+        }
+    }
+}
+
+/// Lifecycle counters published with the stats.
+#[derive(Default)]
+pub(super) struct LifecycleStats {
+    pub last_sleep_seconds: f64,
+    pub last_wake_seconds: f64,
+    pub last_weight_update_seconds: f64,
+    pub num_sleeps: u64,
+    pub num_wakes: u64,
+    pub num_weight_updates: u64,
+}
+
+/// The engine core as a state machine, stepped by a driver.
+///
+/// Driver contract:
+/// - [`EngineCore::apply`] applies one command at once (lifecycle
+///   operations between steps, as every call here is); answers go through
+///   the closures the command carries, each after the new state was
+///   published to the [`Publisher`];
+/// - [`EngineCore::tick`] is one turn of the core: complete due lifecycle
+///   operations, run one step if allowed (else only look at the KV
+///   connector), publish the stats, complete due operations again (so a
+///   `wait` pause completes in the turn its last request finished);
+/// - when [`EngineCore::has_runnable_work`] is false, ticking again changes
+///   nothing until a command arrives, the KV connector calls its waker, or
+///   the time reaches [`EngineCore::next_deadline`]; a driver waits for the
+///   first of those;
+/// - while [`EngineCore::weight_reload_waiting`] is true (a weight reload
+///   waits for KV transfers to give their blocks back) a driver should only
+///   tick; the production driver leaves commands in its channel meanwhile.
+///   Commands applied anyway are applied at once;
+/// - after [`EngineCore::shutdown`] every command is refused (`Abort`,
+///   `Stopped`).
+///
+/// Invariants (the core's, whoever drives it):
+/// - every accepted request ends exactly once: its last [`RequestOutput`]
+///   carries a finish reason;
+/// - a request whose output sink reports the receiver gone is aborted, and
+///   its blocks freed, at that output;
+/// - a failing (or panicking) forward pass ends the requests of that step
+///   with [`FinishReason::Abort`] and the core keeps serving;
+/// - a step runs only when the lifecycle machine allows it *and* the
+///   weights, KV cache and runtime regions are all mapped;
+/// - every timestamp comes from the [`Clock`]; nothing here sleeps.
+pub struct EngineCore {
+    pub(super) sched: Scheduler,
+    pub(super) runner: Box<dyn ModelRunner>,
+    decoder: Arc<dyn Decode + Send + Sync>,
+    vocab: usize,
+    eos_ids: Vec<u32>,
+    limits: RequestLimits,
+    reqs: HashMap<Arc<str>, ActiveRequest>,
+    logits: Vec<f32>,
+    steps: u64,
+    pub(super) pool: Pool,
+    pub(super) lc: Machine,
+    /// Deferred lifecycle replies by ticket.
+    pub(super) replies: HashMap<Ticket, LifecycleReply>,
+    pub(super) next_ticket: Ticket,
+    /// Weights, KV cache and runtime regions are all mapped (checked after
+    /// every lifecycle command; a step needs it).
+    pub(super) mapped: bool,
+    /// The scheduler has a KV connector.
+    pub(super) has_connector: bool,
+    /// `EngineConfig::enable_sleep_mode`.
+    pub(super) sleep_mode: bool,
+    /// How long releasing transfer-held KV and registrations may take.
+    pub(super) release_timeout: Duration,
+    pub(super) lc_stats: LifecycleStats,
+    /// The command being applied closes admission and its refusal is not
+    /// published yet.
+    closing: bool,
+    pub(super) weight_info: WeightInfo,
+    /// A weight reload waiting for transfers to give their blocks back.
+    pub(super) reload: Option<PendingReload>,
+    pub(super) clock: Arc<dyn Clock>,
+    publisher: Box<dyn Publisher>,
+    stopped: bool,
+}
+
+impl EngineCore {
+    /// Checks the configuration, registers the KV cache with the connector
+    /// (after giving it the waker) and builds the scheduler.
+    pub fn new(parts: CoreParts) -> anyhow::Result<EngineCore> {
+        let CoreParts { runner, pool, config, connector, waker, decoder, eos_token_ids, weight_info, clock, publisher } =
+            parts;
+        check_config(&config)?;
+        let max_model_len = config.max_model_len.unwrap_or(runner.max_context_len());
+        anyhow::ensure!(max_model_len > 0, "max_model_len must be at least 1");
+        let capacity = config.num_kv_blocks * pdkv_model::BLOCK_SIZE;
+        if max_model_len > capacity {
+            tracing::warn!(
+                max_model_len,
+                capacity,
+                "the KV cache holds fewer tokens than the context; longer requests are refused"
+            );
+        }
+        let limits = RequestLimits {
+            vocab_size: runner.vocab_size(),
+            max_model_len,
+            num_kv_blocks: config.num_kv_blocks,
+            params_validator: connector.as_ref().map(|c| c.params_validator()),
+        };
+        let sched_config = SchedulerConfig {
+            max_num_seqs: config.max_num_seqs,
+            max_num_batched_tokens: config.max_num_batched_tokens,
+            num_blocks: config.num_kv_blocks,
+            enable_prefix_caching: config.enable_prefix_caching,
+        };
+        let has_connector = connector.is_some();
+        if let Some(c) = &connector {
+            anyhow::ensure!(
+                !config.enable_sleep_mode || c.supports_sleep_mode(),
+                "sleep mode is enabled but KV connector {} does not support it (it cannot release and restore its KV cache registrations)",
+                c.name()
+            );
+        }
+        let sched = match connector {
+            Some(mut c) => {
+                c.set_waker(waker);
+                let spec = runner.kv_cache_spec();
+                c.register_kv_caches(&spec).with_context(|| format!("registering the KV cache with connector {}", c.name()))?;
+                Scheduler::with_connector(sched_config, c)
+            }
+            None => Scheduler::new(sched_config),
+        };
+        Ok(EngineCore {
+            sched,
+            vocab: limits.vocab_size,
+            runner,
+            decoder,
+            eos_ids: eos_token_ids,
+            limits,
+            reqs: HashMap::new(),
+            logits: Vec::new(),
+            steps: 0,
+            pool,
+            lc: Machine::new(),
+            replies: HashMap::new(),
+            next_ticket: 0,
+            mapped: true,
+            has_connector,
+            sleep_mode: config.enable_sleep_mode,
+            release_timeout: config.kv_release_timeout,
+            lc_stats: LifecycleStats::default(),
+            closing: false,
+            weight_info,
+            reload: None,
+            clock,
+            publisher,
+            stopped: false,
+        })
+    }
+
+    /// Applies one command (see the module docs).
+    pub fn apply(&mut self, cmd: Command) {
+        if self.stopped {
+            self.refuse(cmd);
+            return;
+        }
+        if let Command::Shutdown = cmd {
+            self.shutdown();
+            return;
+        }
+        self.closing = cmd.closes_admission();
+        let lifecycle = cmd.is_lifecycle();
+        self.apply_command(cmd);
+        if lifecycle {
+            self.publish_lifecycle();
+        }
+    }
+
+    /// Checks `req` as the production handle does and queues it; its
+    /// outputs go to `output`. The request gets serial 0 (see
+    /// [`AddRequest::serial`]). A request the lifecycle refuses now (see
+    /// [`EngineCore::admission`]) ends at once with `Abort`.
+    pub fn add(&mut self, req: EngineRequest, seed: u64, output: OutputSink) -> Result<(), AddRequestError> {
+        if self.stopped {
+            return Err(AddRequestError::Stopped);
+        }
+        self.check_request(&req)?;
+        if self.reqs.contains_key(req.id.as_str()) {
+            return Err(AddRequestError::DuplicateId(req.id));
+        }
+        self.admit(AddRequest { serial: 0, req, seed, output });
+        Ok(())
+    }
+
+    /// Why `req` can never run here (empty prompt, bad parameters, too long
+    /// for the context or the KV cache), if it cannot.
+    pub fn check_request(&self, req: &EngineRequest) -> Result<(), AddRequestError> {
+        self.limits.check(req)
+    }
+
+    /// One turn of the core (see the module docs).
+    pub fn tick(&mut self) {
+        if self.stopped {
+            return;
+        }
+        if self.reload.is_some() {
+            self.poll_weight_reload();
+            return;
+        }
+        self.poll_lifecycle();
+        if self.can_step() {
+            self.step();
+        } else {
+            self.poll_connector();
+        }
+        self.publish_stats();
+        self.poll_lifecycle();
+    }
+
+    /// Whether a tick now would run a step: a request waits or runs and
+    /// the lifecycle and memory allow steps.
+    pub fn has_runnable_work(&self) -> bool {
+        !self.stopped && self.reload.is_none() && self.sched.has_runnable() && self.can_step()
+    }
+
+    /// The earliest time at which a tick completes something by the clock
+    /// alone (a pending operation's deadline).
+    pub fn next_deadline(&self) -> Option<Instant> {
+        let reload = self.reload.as_ref().map(|r| r.deadline);
+        self.lc.next_deadline().into_iter().chain(reload).min()
+    }
+
+    /// TEMPORARY (until the weight reload's transfer release moves into the
+    /// lifecycle machine): a weight reload waits for KV transfers to give
+    /// their blocks back; each tick looks again, and it times out at
+    /// [`EngineCore::next_deadline`].
+    pub fn weight_reload_waiting(&self) -> bool {
+        self.reload.is_some()
+    }
+
+    /// The counters as the core sees them now.
+    pub fn stats(&self) -> EngineStats {
+        let c = self.sched.counts();
+        let lc = self.lc.status();
+        let l = &self.lc_stats;
+        EngineStats {
+            num_running: c.num_running,
+            num_waiting: c.num_waiting + c.num_waiting_for_remote_kv,
+            kv_blocks_total: c.num_blocks,
+            kv_blocks_free: c.num_free_blocks,
+            kv_blocks_held: c.num_held_blocks,
+            num_waiting_for_remote_kv: c.num_waiting_for_remote_kv,
+            prefix_cache_queries: c.prefix_cache_queries,
+            prefix_cache_hits: c.prefix_cache_hits,
+            num_preemptions: c.num_preemptions,
+            steps: self.steps,
+            paused: lc.paused.is_some(),
+            sleep_level: lc.sleeping.map(SleepLevel::as_u32),
+            weights_discarded: lc.weights_discarded,
+            last_sleep_seconds: l.last_sleep_seconds,
+            last_wake_seconds: l.last_wake_seconds,
+            last_weight_update_seconds: l.last_weight_update_seconds,
+            num_sleeps: l.num_sleeps,
+            num_wakes: l.num_wakes,
+            num_weight_updates: l.num_weight_updates,
+        }
+    }
+
+    pub fn lifecycle_status(&self) -> LifecycleStatus {
+        self.lc.status()
+    }
+
+    /// `Ok` when a new request is accepted now, else why it is refused.
+    pub fn admission(&self) -> Result<(), String> {
+        self.lc.admission()
+    }
+
+    pub fn weight_info(&self) -> &WeightInfo {
+        &self.weight_info
+    }
+
+    /// The scheduler, for invariant checks.
+    pub fn scheduler(&self) -> &Scheduler {
+        &self.sched
+    }
+
+    /// The longest prompt plus output accepted, in tokens.
+    pub fn max_model_len(&self) -> usize {
+        self.limits.max_model_len
+    }
+
+    pub(crate) fn limits(&self) -> &RequestLimits {
+        &self.limits
+    }
+
+    pub fn is_stopped(&self) -> bool {
+        self.stopped
+    }
+
+    /// Stops the core: live requests end with `Abort`, pending operations
+    /// with `Stopped`; every command from now on is refused.
+    pub fn shutdown(&mut self) {
+        if self.stopped {
+            return;
+        }
+        self.stopped = true;
+        self.abort_all();
+        for (_, reply) in self.replies.drain() {
+            reply(Err(crate::LifecycleError::Stopped));
+        }
+        if let Some(r) = self.reload.take() {
+            r.stop();
+        }
+        self.publish_stats();
+    }
+
+    /// Answers a command the core will not apply (it stopped).
+    fn refuse(&mut self, cmd: Command) {
+        self.closing = cmd.closes_admission();
+        if self.closing {
+            self.publish_lifecycle();
+        }
+        cmd.refuse_stopped();
+        self.publish_stats();
+    }
+
+    /// A step may run: the lifecycle allows it and all memory is mapped.
+    pub(super) fn can_step(&self) -> bool {
+        self.lc.may_step() && self.mapped
+    }
+
+    fn apply_command(&mut self, cmd: Command) {
+        match cmd {
+            Command::Add(add) => self.admit(*add),
+            Command::Abort { id, serial } => {
+                let matches = self.reqs.get(&id).is_some_and(|r| serial.is_none_or(|s| s == r.serial));
+                if matches {
+                    self.finish(&id, FinishReason::Abort, None);
+                }
+            }
+            Command::AbortRequests { ids, reply } => {
+                let mut found = Vec::new();
+                for id in ids {
+                    let key = self.reqs.get_key_value(id.as_str()).map(|(k, _)| k.clone());
+                    if let Some(key) = key {
+                        self.finish(&key, FinishReason::Abort, None);
+                        found.push(id);
+                    }
+                }
+                self.answer(reply, found);
+            }
+            Command::ResetPrefixCache { reset_running, reply } => self.reset_prefix_cache(reset_running, reply),
+            Command::Pause { mode, clear_cache, deadline, reply } => self.pause(mode, clear_cache, deadline, reply),
+            Command::Resume(reply) => self.resume(reply),
+            Command::Sleep { level, mode, deadline, reply } => self.sleep(level, mode, deadline, reply),
+            Command::Wake { tags, reply } => self.wake(tags, reply),
+            Command::ReleaseKv(reply) => self.release_kv(reply),
+            Command::UpdateWeights { path, version, reply } => self.update_weights(path, version, reply),
+            Command::Nudge => {}
+            // `apply` handles it.
+            Command::Shutdown => {}
+        }
+    }
+
+    /// Publishes the new state, then answers a caller: whatever the caller
+    /// does next (add a request, read stats or status) sees the state its
+    /// command produced.
+    pub(super) fn answer<T>(&mut self, reply: Reply<T>, value: T) {
+        self.publish_lifecycle();
+        self.publish_stats();
+        reply(value);
+    }
+
+    /// Publishes the lifecycle snapshot and the admission decision; the
+    /// first publication after a command that closes admission says so.
+    pub(super) fn publish_lifecycle(&mut self) {
+        let update = LifecycleUpdate {
+            status: self.lc.status(),
+            refusal: self.lc.admission().err(),
+            weight_info: &self.weight_info,
+            closed_admission: std::mem::take(&mut self.closing),
+        };
+        self.publisher.lifecycle(&update);
+    }
+
+    pub(super) fn publish_stats(&mut self) {
+        let stats = self.stats();
+        self.publisher.stats(&stats);
+    }
+
+    /// Queues a request the sender checked, unless the lifecycle refuses it
+    /// or its id still names a request whose KV is being transferred (it
+    /// then ends at once).
+    fn admit(&mut self, add: AddRequest) {
+        let AddRequest { serial, req, seed, mut output } = add;
+        if let Err(reason) = self.lc.admission() {
+            // The handle's gate makes this unreachable for pauses and
+            // sleeps; it covers weights left unusable by a failed reload.
+            tracing::warn!(id = %req.id, reason, "request reached a core that refuses requests; aborted");
+            output(abort_output(&req));
+            return;
+        }
+        if self.sched.is_held(&req.id) {
+            // Its blocks are keyed by id until the transfer ends.
+            tracing::warn!(id = %req.id, "request id still names a finished request whose KV is being transferred; refused");
+            let mut out = abort_output(&req);
+            out.finish_reason = Some(FinishReason::Error);
+            out.error = Some(format!("request id {} is still in use by a KV transfer", req.id));
+            output(out);
+            return;
+        }
+        let id: Arc<str> = Arc::from(req.id.as_str());
+        let p = &req.params;
+        let mut stop_token_ids = p.stop_token_ids.clone();
+        if !p.ignore_eos {
+            stop_token_ids.extend(&self.eos_ids);
+        }
+        let active = ActiveRequest {
+            serial,
+            output,
+            sampling: SamplingConfig::from_params(p, seed),
+            return_logits: p.return_logits,
+            detok: IncrementalDetokenizer::new(&req.prompt_tokens),
+            stops: StopChecker::new(p.stop.clone()),
+            num_prompt_tokens: req.prompt_tokens.len(),
+            num_cached_tokens: 0,
+        };
+        self.sched.add_request(NewRequest {
+            id: id.clone(),
+            prompt_tokens: req.prompt_tokens,
+            max_tokens: p.max_tokens as usize,
+            stop_token_ids,
+            kv_transfer_params: if self.has_connector { req.kv_transfer_params } else { None },
+        });
+        self.reqs.insert(id, active);
+    }
+
+    /// Ends a request: frees its blocks and sends the final output (with
+    /// `last`'s tokens and text when given).
+    fn finish(&mut self, id: &Arc<str>, reason: FinishReason, last: Option<RequestOutput>) {
+        let params = self.sched.finish_request_with(id, reason).flatten();
+        self.finish_active(id, reason, last, params, None);
+    }
+
+    /// Ends the core's side of a request the scheduler already ended.
+    fn finish_active(
+        &mut self,
+        id: &Arc<str>,
+        reason: FinishReason,
+        last: Option<RequestOutput>,
+        params: Option<crate::KvTransferParams>,
+        error: Option<String>,
+    ) {
+        let Some(mut active) = self.reqs.remove(id) else { return };
+        let mut out = last.unwrap_or_else(|| active.output(id));
+        out.finish_reason = Some(reason);
+        out.kv_transfer_params = params;
+        out.error = error;
+        // A receiver that is gone only means the client left.
+        (active.output)(out);
+    }
+
+    pub(super) fn abort_all(&mut self) {
+        let ids: Vec<Arc<str>> = self.reqs.keys().cloned().collect();
+        for id in ids {
+            self.finish(&id, FinishReason::Abort, None);
+        }
+    }
+
+    /// Runs the model on `plan`; a panic of the runner is an error too.
+    fn forward(&mut self, plan: &SchedulerOutput) -> anyhow::Result<()> {
+        let inputs: Vec<SeqInput<'_>> = plan
+            .seqs
+            .iter()
+            .map(|s| SeqInput {
+                tokens: &s.tokens,
+                start_pos: s.start_pos,
+                block_table: &s.block_table,
+                want_logits: s.sample,
+            })
+            .collect();
+        let (runner, logits) = (&mut self.runner, &mut self.logits);
+        match catch_unwind(AssertUnwindSafe(|| runner.forward(&inputs, logits))) {
+            Ok(r) => r?,
+            Err(panic) => {
+                let msg = panic
+                    .downcast_ref::<&str>()
+                    .map(|s| s.to_string())
+                    .or_else(|| panic.downcast_ref::<String>().cloned())
+                    .unwrap_or_else(|| "unknown panic".into());
+                anyhow::bail!("the forward pass panicked: {msg}");
+            }
+        }
+        let want = plan.num_sampled() * self.vocab;
+        anyhow::ensure!(
+            self.logits.len() == want,
+            "the forward pass returned {} logits, expected {want}",
+            self.logits.len()
+        );
+        Ok(())
+    }
+
+    /// Applies what the connector finished: freed transfers, loaded
+    /// requests, failed loads (ended here with their error).
+    pub(super) fn poll_connector(&mut self) {
+        for f in self.sched.update_from_connector() {
+            let error = format!("loading the request's KV failed: {}", f.error);
+            self.finish_active(&f.request_id, FinishReason::Error, None, None, Some(error));
+        }
+    }
+
+    fn step(&mut self) {
+        self.poll_connector();
+        let plan = self.sched.schedule();
+        if let Some(c) = self.sched.connector_mut() {
+            // Admission may have started loads even when nothing runs.
+            let meta = c.build_connector_meta();
+            c.start_load_kv(meta);
+        }
+        if plan.is_empty() {
+            return;
+        }
+        self.steps += 1;
+        if let Err(e) = self.forward(&plan) {
+            tracing::error!(error = %format!("{e:#}"), seqs = plan.seqs.len(), "forward failed; aborting the step's requests");
+            for s in &plan.seqs {
+                self.finish(&s.request_id, FinishReason::Abort, None);
+            }
+            return;
+        }
+        if let Some(c) = self.sched.connector_mut() {
+            c.wait_for_save();
+        }
+        let (sampled, rows) = self.sample(&plan);
+        let updates = self.sched.update_from_output(&plan, &sampled);
+        for u in updates {
+            let Some(tok) = u.new_token else { continue };
+            let Some(active) = self.reqs.get_mut(&u.request_id) else { continue };
+            active.num_cached_tokens = u.num_cached_tokens;
+            let mut out = active.output(&u.request_id);
+            out.token_ids.push(tok);
+            if active.return_logits {
+                let r = rows[&u.request_id];
+                out.logits.push(self.logits[r * self.vocab..(r + 1) * self.vocab].to_vec());
+            }
+            let mut finish = u.finished;
+            // A stop token (EOS or stop_token_ids) is not part of the text.
+            if finish != Some(FinishReason::Stop) {
+                let delta = active.detok.push(&*self.decoder, tok);
+                let (text, hit) = active.stops.push(&delta);
+                out.text.push_str(&text);
+                if hit {
+                    finish = Some(FinishReason::Stop);
+                }
+            }
+            if finish.is_some() && !active.stops.stopped() {
+                let rest = active.detok.flush(&*self.decoder);
+                let (text, _) = active.stops.push(&rest);
+                out.text.push_str(&text);
+                if !active.stops.stopped() {
+                    out.text.push_str(&active.stops.flush());
+                }
+            }
+            match finish {
+                // The scheduler already ended it (stop token, length).
+                Some(reason) if u.finished.is_some() => {
+                    self.finish_active(&u.request_id, reason, Some(out), u.kv_transfer_params, None)
+                }
+                Some(reason) => self.finish(&u.request_id, reason, Some(out)),
+                None => {
+                    if !(active.output)(out) {
+                        // The client is gone: free the blocks now.
+                        tracing::debug!(id = %u.request_id, "output receiver closed; aborting");
+                        self.finish(&u.request_id, FinishReason::Abort, None);
+                    }
+                }
+            }
+        }
+    }
+
+    /// Samples from the logits rows, in order: the token per seq (`None`
+    /// for a seq that does not sample) and each sampling request's row.
+    fn sample(&self, plan: &SchedulerOutput) -> (Vec<Option<u32>>, HashMap<Arc<str>, usize>) {
+        let mut sampled = Vec::with_capacity(plan.seqs.len());
+        let mut rows: HashMap<Arc<str>, usize> = HashMap::new();
+        let mut row = 0;
+        for s in &plan.seqs {
+            if !s.sample {
+                sampled.push(None);
+                continue;
+            }
+            let logits = &self.logits[row * self.vocab..(row + 1) * self.vocab];
+            let active = self.reqs.get(&s.request_id).expect("scheduled request is active");
+            sampled.push(Some(sample(logits, &active.sampling, s.output_index as u64)));
+            rows.insert(s.request_id.clone(), row);
+            row += 1;
+        }
+        (sampled, rows)
+    }
+}

@@ -1,0 +1,104 @@
+//! What the engine core needs of a model, as a trait ([`ModelRunner`]), and
+//! the real implementation ([`CpuModelRunner`]) over `pdkv_model`'s
+//! transformer, KV cache and workspace.
+//!
+//! The core hands the runner a batch of sequences (their tokens, positions
+//! and block tables, as the scheduler planned them) and reads back one logits
+//! row per sequence that samples. A simulator implements the trait with a
+//! model of its own (deterministic logits, no memory) and drives the real
+//! scheduler, lifecycle machine and core logic with it.
+
+use std::path::Path;
+
+use anyhow::Context;
+use pdkv_model::loader::{reload_weights_into, ReloadError};
+use pdkv_model::{KvCache, Model, SeqInput, Workspace};
+use pdkv_vmem::Pool;
+
+use crate::connector::KvCacheSpec;
+
+/// A model the engine core runs. Called on the core's thread only.
+pub trait ModelRunner: Send {
+    /// Runs one step: computes (and caches the K/V of) every token in `seqs`
+    /// and writes into `logits`, cleared first, one [`ModelRunner::vocab_size`]
+    /// row per sequence with `want_logits`, in order. An `Err` (or a panic)
+    /// ends the step's requests with `Abort`; the core keeps serving.
+    fn forward(&mut self, seqs: &[SeqInput<'_>], logits: &mut Vec<f32>) -> anyhow::Result<()>;
+
+    /// Entries per logits row; token ids are below it.
+    fn vocab_size(&self) -> usize;
+
+    /// Positions the model can encode; the engine's `max_model_len`
+    /// defaults to it.
+    fn max_context_len(&self) -> usize;
+
+    /// What a KV connector learns of the KV cache (asked once, at start, and
+    /// only when the engine has a connector).
+    fn kv_cache_spec(&self) -> KvCacheSpec;
+
+    /// Writes the weights of the checkpoint at `path` over the running ones,
+    /// in place. The error tells whether anything was written
+    /// ([`ReloadError::Partial`]: the weights are unusable until a reload
+    /// succeeds) or not (the old weights keep serving).
+    fn reload_weights(&mut self, path: &Path) -> Result<(), ReloadError>;
+}
+
+/// The real model: `pdkv_model`'s forward pass over a KV cache and a runtime
+/// workspace allocated in the engine's pool.
+pub struct CpuModelRunner {
+    model: Model,
+    kv: KvCache,
+    ws: Workspace,
+}
+
+impl CpuModelRunner {
+    /// Allocates a KV cache of `num_kv_blocks` blocks and a workspace for
+    /// steps of `max_num_batched_tokens` tokens in `pool`.
+    pub fn new(
+        model: Model,
+        pool: &Pool,
+        num_kv_blocks: usize,
+        max_num_batched_tokens: usize,
+    ) -> anyhow::Result<CpuModelRunner> {
+        let config = model.config();
+        let kv = KvCache::new(pool, config, num_kv_blocks).context("allocating the KV cache")?;
+        let ws = Workspace::new(pool, config, max_num_batched_tokens).context("allocating the runtime workspace")?;
+        Ok(CpuModelRunner { model, kv, ws })
+    }
+}
+
+impl ModelRunner for CpuModelRunner {
+    fn forward(&mut self, seqs: &[SeqInput<'_>], logits: &mut Vec<f32>) -> anyhow::Result<()> {
+        self.model.forward(&self.kv, &mut self.ws, seqs, logits)
+    }
+
+    fn vocab_size(&self) -> usize {
+        self.model.config().vocab_size
+    }
+
+    fn max_context_len(&self) -> usize {
+        self.model.config().max_position_embeddings
+    }
+
+    fn kv_cache_spec(&self) -> KvCacheSpec {
+        let kv = &self.kv;
+        KvCacheSpec {
+            region: kv.region().clone(),
+            num_blocks: kv.num_blocks(),
+            block_bytes: kv.block_bytes(),
+            block_size: kv.block_size(),
+            layout: format!(
+                "{}:layers={}:kv_dim={}:block={}:f32",
+                self.model.config().arch.as_str(),
+                kv.num_layers(),
+                kv.kv_dim(),
+                kv.block_size()
+            ),
+        }
+    }
+
+    fn reload_weights(&mut self, path: &Path) -> Result<(), ReloadError> {
+        let expected = self.model.config().clone();
+        reload_weights_into(self.model.weights(), &expected, path, &mut |_| {})
+    }
+}
