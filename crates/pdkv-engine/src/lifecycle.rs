@@ -974,7 +974,7 @@ mod tests {
         assert!(!m.may_step());
         assert_eq!(m.wake(None), woke, "the retry wakes the same tags");
         assert!(m.status().asleep_tags.is_empty());
-        assert_ne!(m.snapshot(), before, "the explicit keep pause remains after the wake");
+        assert_eq!(m.snapshot(), before, "after the wake: paused (keep) as before the sleep");
     }
 
     #[test]

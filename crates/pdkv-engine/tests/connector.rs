@@ -29,7 +29,7 @@ struct Script {
     /// Loads in flight (request ids), as `request_finished` must know.
     loading: HashSet<String>,
     finished: FinishedTransfers,
-    errors: Vec<(u32, String)>,
+    errors: Vec<(u32, pdkv_engine::LoadError)>,
     /// `request_finished` calls: (request, reason, blocks).
     ended: Vec<(String, FinishReason, Vec<u32>)>,
     /// `abort_transfers` calls.
@@ -89,7 +89,7 @@ impl KvConnector for Scripted {
     fn get_finished(&mut self) -> FinishedTransfers {
         std::mem::take(&mut self.0.lock().unwrap().finished)
     }
-    fn get_block_ids_with_load_errors(&mut self) -> Vec<(u32, String)> {
+    fn get_block_ids_with_load_errors(&mut self) -> Vec<(u32, pdkv_engine::LoadError)> {
         std::mem::take(&mut self.0.lock().unwrap().errors)
     }
 }
@@ -100,7 +100,7 @@ impl Scripted {
         assert!(s.loading.remove(id), "{id} was not loading");
         if let Some(e) = error {
             let blocks = s.allocs.iter().rev().find(|a| a.0 == id).expect("allocated").1.clone();
-            s.errors.extend(blocks.into_iter().map(|b| (b, e.to_string())));
+            s.errors.extend(blocks.into_iter().map(|b| (b, pdkv_engine::LoadError::failed(e.to_string()))));
         }
         s.finished.recving.push(Arc::from(id));
     }

@@ -245,8 +245,11 @@ async fn is_paused(State(state): State<AppState>, RawQuery(raw): RawQuery) -> Re
     Ok(json_ok(json!({"is_paused": st.paused.is_some()})))
 }
 
-/// `POST /sleep?level=0|1|2&mode=abort|wait|keep&timeout=60` (level 1 and
-/// mode abort by default).
+/// `POST /sleep?level=0|1|2&mode=abort|wait|keep&timeout=60` (level 1 by
+/// default). Without `mode`, a sleep over a pause keeps that pause's mode
+/// (an RL trainer's `pause?mode=keep` then `sleep`: frozen requests are
+/// preempted and recompute after the wake, none is aborted); an engine not
+/// paused is paused with `abort`.
 async fn sleep(State(state): State<AppState>, RawQuery(raw): RawQuery) -> Result<Response, ApiError> {
     let q = QueryParams::parse(raw.as_deref(), &["level", "mode", "timeout"])?;
     let level = match q.single("level")? {
@@ -257,7 +260,10 @@ async fn sleep(State(state): State<AppState>, RawQuery(raw): RawQuery) -> Result
             .and_then(SleepLevel::parse)
             .ok_or_else(|| ApiError::invalid_param("level", format!("`level` must be 0, 1 or 2, got {v:?}")))?,
     };
-    let mode = q.pause_mode("mode")?.unwrap_or(PauseMode::Abort);
+    let mode = match q.pause_mode("mode")? {
+        Some(m) => m,
+        None => lifecycle_status(&state).paused.unwrap_or(PauseMode::Abort),
+    };
     let timeout = q.timeout()?;
     let started = Instant::now();
     on_engine(&state, move |e| e.sleep(level, mode, timeout)).await??;

@@ -20,10 +20,6 @@ pub(super) const COMMAND_CAPACITY: usize = 4096;
 /// How long an idle core sleeps on the command channel before looking again.
 const IDLE_WAIT: Duration = Duration::from_millis(200);
 
-/// How often the thread looks again at a weight reload that waits for KV
-/// transfers.
-const RELOAD_POLL: Duration = Duration::from_millis(2);
-
 pub(super) struct Driver {
     core: EngineCore,
     rx: Receiver<Command>,
@@ -112,14 +108,6 @@ impl Driver {
         }
         self.take(&cmd);
         self.core.apply(cmd);
-        // TEMPORARY (until the weight reload's transfer release moves into
-        // the lifecycle machine): a weight reload waits here, with every
-        // other command left in the channel, until the transfers gave their
-        // blocks back or its deadline passed.
-        while self.core.weight_reload_waiting() {
-            std::thread::park_timeout(RELOAD_POLL);
-            self.core.tick();
-        }
         true
     }
 }

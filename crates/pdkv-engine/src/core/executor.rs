@@ -12,21 +12,14 @@ use pdkv_vmem::Tag;
 
 use super::command::{LifecycleReply, Reply};
 use super::stepper::EngineCore;
-use crate::lifecycle::{Action, Completion, LifecycleError, Outcome, PauseMode, SleepLevel, Ticket, WeightInfo};
+use crate::lifecycle::{Action, Completion, LifecycleError, Outcome, PauseMode, SleepLevel, Snapshot, Ticket, WeightInfo};
 
-/// A weight reload waiting for KV transfers to give their blocks back
-/// before it writes (see [`EngineCore::weight_reload_waiting`]).
-pub(super) struct PendingReload {
-    path: PathBuf,
-    version: Option<String>,
-    reply: LifecycleReply,
-    pub(super) deadline: Instant,
-}
-
-impl PendingReload {
-    pub(super) fn stop(self) {
-        (self.reply)(Err(LifecycleError::Stopped));
-    }
+/// An action that failed, and whether the operation must be undone (the
+/// machine goes back to its state from before the operation; nothing after
+/// the failed action was applied).
+struct Failed {
+    error: LifecycleError,
+    undo: bool,
 }
 
 impl EngineCore {
@@ -46,14 +39,16 @@ impl EngineCore {
         self.report_transfers(mode == PauseMode::Abort);
         let ticket = self.ticket();
         let live = self.sched.has_work();
+        let before = self.lc.snapshot();
         let out = self.lc.pause(mode, clear_cache, ticket, deadline, live);
-        self.finish_outcome(ticket, out, reply);
+        self.finish_outcome(ticket, out, reply, before);
     }
 
     pub(super) fn resume(&mut self, reply: LifecycleReply) {
+        let before = self.lc.snapshot();
         let (out, cancelled) = self.lc.resume();
-        self.complete(cancelled);
-        self.finish_outcome(self.next_ticket, out, reply);
+        self.complete(cancelled, &before);
+        self.finish_outcome(self.next_ticket, out, reply, before);
     }
 
     pub(super) fn sleep(&mut self, level: SleepLevel, mode: PauseMode, deadline: Instant, reply: LifecycleReply) {
@@ -64,15 +59,17 @@ impl EngineCore {
         self.report_transfers(mode == PauseMode::Abort);
         let ticket = self.ticket();
         let live = self.sched.has_work();
+        let before = self.lc.snapshot();
         let out = self.lc.sleep(level, mode, ticket, deadline, live);
-        self.finish_outcome(ticket, out, reply);
+        self.finish_outcome(ticket, out, reply, before);
     }
 
     pub(super) fn wake(&mut self, tags: Option<Vec<Tag>>, reply: LifecycleReply) {
+        let before = self.lc.snapshot();
         let out = self.lc.wake(tags.as_deref());
         let timed = !out.actions.is_empty();
         let t0 = self.clock.now();
-        let result = self.run_outcome(out);
+        let result = self.run_outcome(out, &before);
         if timed {
             self.lc_stats.last_wake_seconds = self.seconds_since(t0);
             self.lc_stats.num_wakes += 1;
@@ -89,8 +86,9 @@ impl EngineCore {
         }
         self.report_transfers(false);
         let ticket = self.ticket();
+        let before = self.lc.snapshot();
         let out = self.lc.release_kv_with(ticket, self.clock.now() + self.release_timeout);
-        self.finish_outcome(ticket, out, reply);
+        self.finish_outcome(ticket, out, reply, before);
     }
 
     /// Completes pending `wait` pauses and sleeps that are due.
@@ -99,9 +97,10 @@ impl EngineCore {
             return;
         }
         self.report_transfers(false);
+        let before = self.lc.snapshot();
         let done = self.lc.poll(self.sched.has_work(), self.clock.now());
         if !done.is_empty() {
-            self.complete(done);
+            self.complete(done, &before);
             self.publish_lifecycle();
         }
     }
@@ -127,36 +126,48 @@ impl EngineCore {
     }
 
     /// Applies an outcome's actions and returns its reply (`None`: deferred).
-    /// A failed action turns the reply into that error.
-    fn run_outcome(&mut self, out: Outcome) -> Option<Result<(), LifecycleError>> {
+    /// A failed action turns the reply into that error; one that must be
+    /// undone puts the machine back to `before`.
+    fn run_outcome(&mut self, out: Outcome, before: &Snapshot) -> Option<Result<(), LifecycleError>> {
         let t0 = self.clock.now();
         let applied = self.apply_actions(&out.actions);
-        if out.is_sleep {
+        if out.is_sleep && applied.is_ok() {
             self.lc_stats.last_sleep_seconds = self.seconds_since(t0);
             self.lc_stats.num_sleeps += 1;
         }
         match applied {
-            Err(e) => Some(Err(e)),
+            Err(f) => {
+                if f.undo {
+                    tracing::warn!(error = %f.error, "lifecycle operation failed; the engine stays as it was before it");
+                    self.lc.restore(before.clone());
+                }
+                Some(Err(f.error))
+            }
             Ok(()) => out.reply,
         }
     }
 
     /// Applies an outcome and answers `reply` now, or files it under
     /// `ticket` when the machine deferred the answer.
-    fn finish_outcome(&mut self, ticket: Ticket, out: Outcome, reply: LifecycleReply) {
-        match self.run_outcome(out) {
-            Some(r) => self.answer(reply, r),
+    fn finish_outcome(&mut self, ticket: Ticket, out: Outcome, reply: LifecycleReply, before: Snapshot) {
+        match self.run_outcome(out, &before) {
+            Some(r) => {
+                self.reloads.remove(&ticket);
+                self.answer(reply, r);
+            }
             None => {
                 self.replies.insert(ticket, reply);
             }
         }
     }
 
-    /// Applies and answers deferred outcomes.
-    fn complete(&mut self, done: Vec<Completion>) {
+    /// Applies and answers deferred outcomes (`before`: the machine's state
+    /// before the event that completed them).
+    fn complete(&mut self, done: Vec<Completion>, before: &Snapshot) {
         for c in done {
             let reply = self.replies.remove(&c.ticket);
-            let r = self.run_outcome(c.outcome).unwrap_or(Ok(()));
+            let r = self.run_outcome(c.outcome, before).unwrap_or(Ok(()));
+            self.reloads.remove(&c.ticket);
             if let Some(reply) = reply {
                 self.answer(reply, r);
             }
@@ -169,16 +180,21 @@ impl EngineCore {
         self.lc.set_transfers(held);
     }
 
-    fn apply_actions(&mut self, actions: &[Action]) -> Result<(), LifecycleError> {
+    /// Applies actions in order. A memory operation that fails does not
+    /// stop the others (the machine already counts the tags as released,
+    /// the safe side: no step runs, and a later wake retries); a failed
+    /// registration release or wake stops here and is undone.
+    fn apply_actions(&mut self, actions: &[Action]) -> Result<(), Failed> {
         let mut result = Ok(());
         for a in actions {
-            // Go on after a failure: the machine already counts the tags as
-            // released, which is the safe side (no step runs); a later wake
-            // retries.
-            if let Err(e) = self.apply_action(a) {
-                tracing::error!(error = %e, "lifecycle action failed");
-                if result.is_ok() {
-                    result = Err(e);
+            if let Err(f) = self.apply_action(a) {
+                tracing::error!(error = %f.error, "lifecycle action failed");
+                let undo = f.undo;
+                if result.is_ok() || undo {
+                    result = Err(f);
+                }
+                if undo {
+                    break;
                 }
             }
         }
@@ -186,7 +202,9 @@ impl EngineCore {
         result
     }
 
-    fn apply_action(&mut self, action: &Action) -> Result<(), LifecycleError> {
+    fn apply_action(&mut self, action: &Action) -> Result<(), Failed> {
+        let go_on = |error: LifecycleError| Failed { error, undo: false };
+        let undo = |error: LifecycleError| Failed { error, undo: true };
         let mem = |op: &str, tags: &[Tag], r: pdkv_vmem::Result<()>| {
             r.map_err(|e| {
                 let names: Vec<&str> = tags.iter().map(|t| t.as_str()).collect();
@@ -194,120 +212,93 @@ impl EngineCore {
             })
         };
         match action {
-            Action::AbortAll => {
-                self.abort_all();
-                Ok(())
-            }
+            Action::AbortAll => self.abort_all(),
             Action::PreemptRunning => {
                 self.sched.preempt_all_running();
-                Ok(())
             }
             Action::InvalidatePrefixCache => {
-                if self.sched.reset_prefix_cache() {
-                    Ok(())
-                } else {
-                    Err(LifecycleError::Internal("the prefix cache could not be invalidated: blocks are in use".into()))
+                if !self.sched.reset_prefix_cache() {
+                    return Err(go_on(LifecycleError::Internal(
+                        "the prefix cache could not be invalidated: blocks are in use".into(),
+                    )));
                 }
             }
             Action::ForgetFreeCachedBlocks => {
                 self.sched.forget_free_cached_blocks();
-                Ok(())
             }
             Action::ReleaseTransfers => {
                 self.sched.release_transfer_kv();
-                Ok(())
             }
-            Action::Offload(tags) => {
-                self.release_registrations(tags);
-                mem("offload", tags, self.pool.offload(tags))
-            }
-            Action::Discard(tags) => {
-                self.release_registrations(tags);
-                mem("discard", tags, self.pool.discard(tags))
-            }
+            Action::ReleaseRegistrations => return self.release_registrations().map_err(undo),
+            Action::Offload(tags) => return mem("offload", tags, self.pool.offload(tags)).map_err(go_on),
+            Action::Discard(tags) => return mem("discard", tags, self.pool.discard(tags)).map_err(go_on),
             Action::Wake(tags) => {
-                mem("wake", tags, self.pool.wake(tags))?;
-                self.restore_registrations(tags)
+                mem("wake", tags, self.pool.wake(tags)).map_err(undo)?;
+                return self.restore_registrations(tags).map_err(undo);
+            }
+            Action::ReloadWeights(ticket) => {
+                let Some((path, version)) = self.reloads.remove(ticket) else {
+                    return Err(go_on(LifecycleError::Internal(format!("no checkpoint for weight update {ticket}"))));
+                };
+                return self.reload_weights(path, version).map_err(go_on);
             }
         }
+        Ok(())
     }
 
     /// Before the KV cache is unmapped: the connector gives up its
-    /// registrations of it (bounded). A failure is logged; the connector
-    /// drops its registrations in any case, so no one reaches the old pages.
-    fn release_registrations(&mut self, tags: &[Tag]) {
-        if !tags.contains(&Tag::KvCache) || !self.pool.is_awake(Tag::KvCache) {
-            return;
+    /// registrations of it. A failure (transfers still in flight, a peer
+    /// that does not acknowledge its unmap) fails the operation with what
+    /// the connector said, and nothing is released.
+    fn release_registrations(&mut self) -> Result<(), LifecycleError> {
+        if !self.pool.is_awake(Tag::KvCache) {
+            return Ok(());
         }
         let timeout = self.release_timeout;
         let t0 = self.clock.now();
-        let Some(c) = self.sched.connector_mut() else { return };
+        let Some(c) = self.sched.connector_mut() else { return Ok(()) };
         let r = c.release_kv_caches(timeout);
         let ms = self.clock.now().saturating_duration_since(t0).as_millis() as u64;
         match r {
-            Ok(()) => tracing::info!(ms, "KV connector released its registrations"),
-            Err(e) => tracing::error!(error = %format!("{e:#}"), "KV connector release failed"),
+            Ok(()) => {
+                tracing::info!(ms, "KV connector released its registrations");
+                Ok(())
+            }
+            Err(e) => Err(LifecycleError::Conflict(format!(
+                "the KV connector could not release its registrations of the KV cache, so nothing was released and the engine stays as it was: {e:#}"
+            ))),
         }
     }
 
     /// After the KV cache is mapped again: the connector registers it anew
-    /// (a new epoch). A failure fails the wake.
+    /// (a new epoch). A failure fails the wake, which is then undone (the
+    /// KV cache counts as asleep, and the next wake tries again).
     fn restore_registrations(&mut self, tags: &[Tag]) -> Result<(), LifecycleError> {
         if !tags.contains(&Tag::KvCache) {
             return Ok(());
         }
         match self.sched.connector_mut() {
             Some(c) => c.restore_kv_caches().map_err(|e| {
-                LifecycleError::Internal(format!("the KV connector could not register the KV cache again: {e:#}"))
+                LifecycleError::Internal(format!(
+                    "the KV connector could not register the KV cache again, so the KV cache stays asleep (wake again to retry): {e:#}"
+                ))
             }),
             None => Ok(()),
         }
     }
 
-    /// Reloads weights in place, once no request runs (or a keep pause
-    /// froze them) and no transfer holds KV computed with the old ones.
+    /// Reloads weights in place through the lifecycle machine: at once, or
+    /// (when transfers hold KV computed with the old weights) after
+    /// releasing that KV, like every cache reset. Requests are refused
+    /// meanwhile; a resume cancels it.
     pub(super) fn update_weights(&mut self, path: PathBuf, version: Option<String>, reply: LifecycleReply) {
-        if let Err(e) = self.lc.check_update_weights(self.sched.has_work()) {
-            self.answer(reply, Err(e));
-            return;
-        }
-        if !self.sched.has_transfers() {
-            let r = self.reload_weights(path, version);
-            self.answer(reply, r);
-            return;
-        }
-        // KV that transfers hold was computed with the old weights: release
-        // it before writing new ones, and wait (bounded) until every block
-        // is back.
-        // TEMPORARY: this wait moves into the lifecycle machine; until then
-        // the reload is parked here and each tick looks again.
-        self.sched.release_transfer_kv();
+        self.report_transfers(false);
+        let ticket = self.ticket();
+        self.reloads.insert(ticket, (path, version));
+        let before = self.lc.snapshot();
         let deadline = self.clock.now() + self.release_timeout;
-        self.reload = Some(PendingReload { path, version, reply, deadline });
-        self.poll_weight_reload();
-    }
-
-    /// The parked weight reload: writes once the transfers gave their blocks
-    /// back, times out at its deadline, else waits on.
-    pub(super) fn poll_weight_reload(&mut self) {
-        self.poll_connector();
-        let held = self.sched.has_transfers();
-        let Some(pending) = &self.reload else { return };
-        if held && self.clock.now() < pending.deadline {
-            return;
-        }
-        let PendingReload { path, version, reply, .. } = self.reload.take().expect("checked above");
-        let r = if held {
-            Err(LifecycleError::Timeout(format!(
-                "KV transfers still held blocks after {:?}; the weights were not changed",
-                self.release_timeout
-            )))
-        } else {
-            self.reload_weights(path, version)
-        };
-        self.answer(reply, r);
-        // As `apply` does after every lifecycle command.
-        self.publish_lifecycle();
+        let out = self.lc.update_weights(ticket, deadline, self.sched.has_work());
+        self.finish_outcome(ticket, out, reply, before);
     }
 
     fn reload_weights(&mut self, path: PathBuf, version: Option<String>) -> Result<(), LifecycleError> {
@@ -315,12 +306,14 @@ impl EngineCore {
         match self.runner.reload_weights(&path) {
             Ok(()) => {
                 let actions = self.lc.weights_written(true);
-                self.apply_actions(&actions)?;
-                // KV a connector saved was computed with the old weights.
+                self.apply_actions(&actions).map_err(|f| f.error)?;
+                // KV a connector saved was computed with the old weights, and
+                // a transfer must not mix them.
                 if let Some(c) = self.sched.connector_mut() {
                     if !c.reset_cache() {
                         tracing::warn!(connector = c.name(), "the KV connector could not drop its cached KV after a weight update");
                     }
+                    c.set_weights_version(version.as_deref());
                 }
                 self.weight_info = WeightInfo { version, path };
                 let seconds = self.seconds_since(t0);

@@ -17,7 +17,6 @@ use pdkv_model::SeqInput;
 use pdkv_vmem::Pool;
 
 use super::command::{abort_output, AddRequest, Command, LifecycleReply, OutputSink, Reply};
-use super::executor::PendingReload;
 use super::limits::{check_config, RequestLimits};
 use crate::clock::Clock;
 use crate::connector::{KvConnector, Waker};
@@ -137,10 +136,6 @@ pub(super) struct LifecycleStats {
 ///   nothing until a command arrives, the KV connector calls its waker, or
 ///   the time reaches [`EngineCore::next_deadline`]; a driver waits for the
 ///   first of those;
-/// - while [`EngineCore::weight_reload_waiting`] is true (a weight reload
-///   waits for KV transfers to give their blocks back) a driver should only
-///   tick; the production driver leaves commands in its channel meanwhile.
-///   Commands applied anyway are applied at once;
 /// - after [`EngineCore::shutdown`] every command is refused (`Abort`,
 ///   `Stopped`).
 ///
@@ -183,8 +178,9 @@ pub struct EngineCore {
     /// published yet.
     closing: bool,
     pub(super) weight_info: WeightInfo,
-    /// A weight reload waiting for transfers to give their blocks back.
-    pub(super) reload: Option<PendingReload>,
+    /// The checkpoint of each `update_weights` the machine has not
+    /// finished yet, by ticket.
+    pub(super) reloads: HashMap<Ticket, (std::path::PathBuf, Option<String>)>,
     pub(super) clock: Arc<dyn Clock>,
     publisher: Box<dyn Publisher>,
     stopped: bool,
@@ -230,6 +226,7 @@ impl EngineCore {
         let sched = match connector {
             Some(mut c) => {
                 c.set_waker(waker);
+                c.set_weights_version(weight_info.version.as_deref());
                 let spec = runner.kv_cache_spec();
                 c.register_kv_caches(&spec).with_context(|| format!("registering the KV cache with connector {}", c.name()))?;
                 Scheduler::with_connector(sched_config, c)
@@ -257,7 +254,7 @@ impl EngineCore {
             lc_stats: LifecycleStats::default(),
             closing: false,
             weight_info,
-            reload: None,
+            reloads: HashMap::new(),
             clock,
             publisher,
             stopped: false,
@@ -309,10 +306,6 @@ impl EngineCore {
         if self.stopped {
             return;
         }
-        if self.reload.is_some() {
-            self.poll_weight_reload();
-            return;
-        }
         self.poll_lifecycle();
         if self.can_step() {
             self.step();
@@ -326,22 +319,13 @@ impl EngineCore {
     /// Whether a tick now would run a step: a request waits or runs and
     /// the lifecycle and memory allow steps.
     pub fn has_runnable_work(&self) -> bool {
-        !self.stopped && self.reload.is_none() && self.sched.has_runnable() && self.can_step()
+        !self.stopped && self.sched.has_runnable() && self.can_step()
     }
 
     /// The earliest time at which a tick completes something by the clock
     /// alone (a pending operation's deadline).
     pub fn next_deadline(&self) -> Option<Instant> {
-        let reload = self.reload.as_ref().map(|r| r.deadline);
-        self.lc.next_deadline().into_iter().chain(reload).min()
-    }
-
-    /// TEMPORARY (until the weight reload's transfer release moves into the
-    /// lifecycle machine): a weight reload waits for KV transfers to give
-    /// their blocks back; each tick looks again, and it times out at
-    /// [`EngineCore::next_deadline`].
-    pub fn weight_reload_waiting(&self) -> bool {
-        self.reload.is_some()
+        self.lc.next_deadline()
     }
 
     /// The counters as the core sees them now.
@@ -414,9 +398,7 @@ impl EngineCore {
         for (_, reply) in self.replies.drain() {
             reply(Err(crate::LifecycleError::Stopped));
         }
-        if let Some(r) = self.reload.take() {
-            r.stop();
-        }
+        self.reloads.clear();
         self.publish_stats();
     }
 
