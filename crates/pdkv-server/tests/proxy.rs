@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use common::{assert_openai_error, metric, Server, DEADLINE};
 use futures::StreamExt;
-use pdkv_engine::EngineConfig;
+use pdkv_engine::{EngineConfig, PauseMode, SleepLevel};
 use pdkv_server::proxy::{Proxy, ProxyConfig, Role};
 use reqwest::StatusCode;
 use serde_json::{json, Value};
@@ -458,6 +458,59 @@ async fn an_aborted_prefill_leaves_d_to_compute_the_prompt() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_paused_prefill_server_refuses_and_d_computes_the_prompt() {
+    let p = Server::spawn("tiny", 7, Some(TOKEN), EngineConfig::default()).await;
+    let d = Server::spawn("tiny", 7, None, EngineConfig::default()).await;
+    let proxy = ProxyServer::start(&[&p], &[&d]).await;
+    // Paused in abort mode, P refuses new requests: a retryable 503.
+    admin(&p, "/pause?mode=abort", None).await;
+    let (status, v) = post_json(&proxy.client, p.url("/v1/completions"), &greedy("x", 1)).await;
+    assert_eq!(
+        (status, v["error"]["code"].as_str()),
+        (StatusCode::SERVICE_UNAVAILABLE, Some("engine_not_serving")),
+        "{v}"
+    );
+
+    for (n, (path, body)) in generation_cases().into_iter().enumerate() {
+        let (status, text) = spawn_request(&proxy, path, &body, &format!("req-{n}")).await.unwrap();
+        let got = proxied(status, &text, body["stream"] == json!(true));
+        assert_eq!(got, direct(&d, path, &body).await, "{path}");
+    }
+    let m = proxy.metrics().await;
+    assert_eq!(proxy_outcome(&m, "ok"), 2.0, "{m}");
+    assert_eq!(metric(&m, "pdkv_proxy_prefill_skipped_total{reason=\"refused\"}"), 2.0, "{m}");
+    assert_eq!(metric(&m, "pdkv_proxy_upstream_errors_total{role=\"prefill\"}"), 0.0, "{m}");
+    let pm = p.metrics().await;
+    assert_eq!(finished(&pm, "length") + finished(&pm, "abort"), 0.0, "P ran nothing: {pm}");
+
+    proxy.stop().await;
+    p.stop().await;
+    d.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn upstream_timeouts_are_504_naming_request_timeout() {
+    let (p, d) = paused_pair().await;
+    let proxy = ProxyServer::start_urls(vec![p.base.clone()], vec![d.base.clone()], Duration::from_millis(300)).await;
+    let (status, v) = post_json(&proxy.client, proxy.url("/v1/completions"), &greedy("never answered", 4)).await;
+    assert_openai_error(status, &v, StatusCode::GATEWAY_TIMEOUT, "timed out");
+    assert_eq!(v["error"]["code"], "upstream_timeout");
+    assert_eq!(v["error"]["type"], "timeout_error");
+    assert!(v["error"]["message"].as_str().unwrap().contains("request_timeout"), "{v}");
+    let m = proxy.metrics().await;
+    assert_eq!(proxy_outcome(&m, "prefill_error") + proxy_outcome(&m, "decode_error"), 1.0, "{m}");
+    // Both calls were dropped: neither server keeps the request.
+    for s in [&p, &d] {
+        wait_waiting(s, 0.0).await;
+        admin(s, "/resume", None).await;
+        s.wait_all_blocks_free().await;
+    }
+    proxy.stop().await;
+    p.stop().await;
+    d.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_disconnect_aborts_both_upstream_requests() {
     let (p, d) = paused_pair().await;
     let proxy = ProxyServer::start(&[&p], &[&d]).await;
@@ -541,7 +594,7 @@ async fn read_mode_sends_p_first_and_d_reads_with_p_params() {
         format!(r#"{{"kv_connector":"pdkv","kv_role":"{role}","transfer_mode":"read","abort_timeout_s":120}}"#)
     };
     // P's short context makes a long prompt a 400 from P alone.
-    let p_config = EngineConfig { max_model_len: Some(48), ..EngineConfig::default() };
+    let p_config = EngineConfig { max_model_len: Some(48), enable_sleep_mode: true, ..EngineConfig::default() };
     let p = ConnServer::spawn(&read("kv_producer"), "p-proxy-read", p_config).await;
     let d = ConnServer::spawn(&read("kv_consumer"), "d-proxy-read", EngineConfig::default()).await;
     let colo = Server::spawn("tiny", 7, None, EngineConfig::default()).await;
@@ -597,8 +650,79 @@ async fn read_mode_sends_p_first_and_d_reads_with_p_params() {
     assert_eq!(d.engine.stats().steps, steps_before, "D ran no step for the failed request");
     assert_eq!(d.connector_metric("loads_ok_total") + d.connector_metric("loads_failed_total"), 4.0);
 
+    // P asleep refuses (503 engine_not_serving): D gets the client's body
+    // without params, computes the prompt itself, and no request is lost.
+    let engine = p.engine.clone();
+    let slept = tokio::task::spawn_blocking(move || engine.sleep(SleepLevel::L1, PauseMode::Abort, DEADLINE));
+    slept.await.expect("join").expect("P sleeps");
+    for (path, body) in &cases {
+        let (s1, via) = post_json(&c, format!("{base}{path}"), body).await;
+        let (_, direct) = post_json(&c, colo.url(path), body).await;
+        assert_eq!(s1, StatusCode::OK, "{via}");
+        assert_eq!(strip_ids(via)["choices"], strip_ids(direct)["choices"], "{path} while P sleeps");
+    }
+    assert_eq!(d.connector_metric("loads_ok_total") + d.connector_metric("loads_failed_total"), 4.0, "no load tried");
+    let m = c.get(format!("{base}/metrics")).send().await.unwrap().text().await.unwrap();
+    assert_eq!(metric(&m, "pdkv_proxy_prefill_skipped_total{reason=\"refused\"}"), 2.0, "{m}");
+    let engine = p.engine.clone();
+    tokio::task::spawn_blocking(move || engine.wake_up(None)).await.expect("join").expect("P wakes");
+
     let _ = stop.send(());
     tokio::time::timeout(DEADLINE, task).await.expect("proxy stops").expect("join").expect("serve");
+    p.stop().await;
+    d.stop().await;
+    colo.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn write_mode_refused_prefill_answers_ds_parked_pull_at_once() {
+    // Without the proxy's drop, D's pull would wait at P for P's arrival
+    // timeout (120 s) for a request P never admitted. D recomputes after
+    // the failed pull by its policy here; a connector that acts on the
+    // drop's code (`prefill_refused` is on purpose) recomputes whatever the
+    // policy.
+    let p_json = r#"{"kv_connector":"pdkv","kv_role":"kv_producer","abort_timeout_s":120,"arrival_timeout_s":120}"#;
+    let d_json =
+        r#"{"kv_connector":"pdkv","kv_role":"kv_consumer","abort_timeout_s":120,"kv_load_failure_policy":"recompute"}"#;
+    let p = ConnServer::spawn(p_json, "p-proxy-write", EngineConfig::default()).await;
+    let d = ConnServer::spawn(d_json, "d-proxy-write", EngineConfig::default()).await;
+    let colo = Server::spawn("tiny", 7, None, EngineConfig::default()).await;
+    let proxy = ProxyServer::start_urls(vec![p.base.clone()], vec![d.base.clone()], DEADLINE).await;
+    let info = proxy.proxy.backends().into_iter().find(|b| b.role == Role::Prefill).and_then(|b| b.kv_info);
+    assert!(info.is_some_and(|i| i.bootstrap_addr.is_some()), "P's bootstrap address is known");
+    let c = &proxy.client;
+    let body = greedy("The river bends and the valley opens", 8);
+    let (_, want) = post_json(c, colo.url("/v1/completions"), &body).await;
+
+    // Served: D pulled P's KV.
+    let (status, via) = post_json(c, proxy.url("/v1/completions"), &body).await;
+    assert_eq!(status, StatusCode::OK, "{via}");
+    assert_eq!(strip_ids(via)["choices"], strip_ids(want.clone())["choices"]);
+    assert_eq!(d.connector_metric("loads_ok_total"), 1.0);
+
+    // P paused (abort mode) refuses: D's answer still comes, at once.
+    let engine = p.engine.clone();
+    let paused = tokio::task::spawn_blocking(move || engine.pause(PauseMode::Abort, false, DEADLINE));
+    paused.await.expect("join").expect("P pauses");
+    let mut stream_body = body.clone();
+    stream_body["stream"] = json!(true);
+    let want_events = stream_events(&colo.client, colo.url("/v1/completions"), &stream_body).await;
+    let started = std::time::Instant::now();
+    let (status, via) = post_json(c, proxy.url("/v1/completions"), &body).await;
+    assert_eq!(status, StatusCode::OK, "{via}");
+    assert_eq!(strip_ids(via)["choices"], strip_ids(want)["choices"]);
+    let via_events = stream_events(c, proxy.url("/v1/completions"), &stream_body).await;
+    assert_eq!(via_events, want_events);
+    assert!(started.elapsed() < Duration::from_secs(20), "D waited for P: {:?}", started.elapsed());
+    assert_eq!(d.connector_metric("loads_ok_total"), 1.0, "D computed the prompts itself");
+    assert_eq!(p.connector_metric("pulls_ok_total"), 1.0);
+    let m = proxy.metrics().await;
+    assert_eq!(metric(&m, "pdkv_proxy_prefill_skipped_total{reason=\"refused\"}"), 2.0, "{m}");
+    assert_eq!(proxy_outcome(&m, "ok"), 3.0, "{m}");
+
+    let engine = p.engine.clone();
+    tokio::task::spawn_blocking(move || engine.resume()).await.expect("join").expect("P resumes");
+    proxy.stop().await;
     p.stop().await;
     d.stop().await;
     colo.stop().await;
