@@ -1,32 +1,54 @@
 //! The P/D proxy: one OpenAI endpoint in front of prefill (P) and decode (D)
 //! engine servers.
 //!
-//! Each generation request goes to one healthy P and one healthy D at the
-//! same time (round robin over the healthy ones of each role). P gets the
-//! client's body with `max_tokens: 1`, `stream: false` and
-//! `kv_transfer_params: {"do_remote_decode": true, "transfer_id": T}`; its
-//! answer text is ignored. D gets the client's body with
-//! `kv_transfer_params: {"do_remote_prefill": true, "remote_engine_id": ..,
-//! "remote_bootstrap_addr": .., "transfer_id": T}` (P's engine id and
-//! bootstrap address as its `GET /kv_transfer/info` last said), and D's
-//! answer is what the client receives: JSON as D sent it, or D's server-sent
-//! events forwarded unchanged.
+//! Each generation request goes to one healthy P and one healthy D (round
+//! robin over the healthy ones of each role). P gets the client's body with
+//! `max_tokens: 1`, `stream: false` and `kv_transfer_params:
+//! {"do_remote_decode": true, "transfer_id": T}`; its answer text is
+//! ignored. D's answer is what the client receives: JSON as D sent it, or
+//! D's server-sent events forwarded unchanged.
 //!
-//! Read mode (P's `/kv_transfer/info` says `"transfer_mode":"read"`): D reads
-//! the blocks P leases, which P names only in its answer, so P goes first
-//! (same body as above); D then gets the client's body with exactly the
-//! `kv_transfer_params` of P's JSON answer (none when P returned none, so D
-//! computes the prompt itself). A P failure is the client's answer and D is
-//! never asked.
+//! Write mode: P and D are asked at once; D gets `kv_transfer_params:
+//! {"do_remote_prefill": true, "remote_engine_id": .., "remote_bootstrap_addr":
+//! .., "transfer_id": T}` (P's engine id and bootstrap address as its `GET
+//! /kv_transfer/info` last said) and pulls the KV from P. Read mode (P's
+//! info says `"transfer_mode":"read"`): D reads the blocks P leases, which
+//! P names only in its answer, so P goes first and D gets exactly the
+//! `kv_transfer_params` of P's answer.
 //!
-//! Failure rules:
-//! - P fails (an error status, a transport error, or a request that P
-//!   aborted, after which D would wait for KV that never comes): D's request
-//!   is dropped, and the client gets P's error (an error status passed
-//!   through with its body) or, when D's events were already being
-//!   forwarded, an SSE error event and `data: [DONE]`.
-//! - D answers an error status: passed through; P's request is dropped.
+//! Plan and driver: what to do for one request is decided by a sans-IO
+//! state machine, [`plan::RelayPlan`] (events in: P's answer, D's head,
+//! body and end, failed calls, the client leaving; actions out: send,
+//! cancel, drop the transfer at P, answer or stream to the client, count).
+//! It has no HTTP types, clock or threads, so a simulator can drive it with
+//! simulated time and network. This module (backends, health checks,
+//! routes, metrics) and `relay.rs` (one request's calls) are its driver:
+//! they move bytes, and decide nothing about a request.
+//!
+//! Failure rules (see [`plan`] for the exact actions):
+//! - P stopping on purpose is not the client's failure, because a P
+//!   lifecycle operation (pause, sleep, weight reload, abort) must never
+//!   lose a request: P answered 503 `engine_not_serving` (paused, asleep) or
+//!   its answer's `finish_reason` is `abort`. Write mode: D keeps running
+//!   and P is told to drop the transfer with `prefill_refused` /
+//!   `prefill_aborted`, so that a pull D parked at P is answered at once
+//!   and D computes the prompt itself. Read mode: D gets the client's body
+//!   without `kv_transfer_params`. The client gets D's answer; the request
+//!   is counted in `pdkv_proxy_prefill_skipped_total{reason}`.
+//! - Any other P failure (another error status, a transport error or
+//!   timeout, an answer that is not a completion): D's request is dropped,
+//!   and the client gets P's error (an error status passed through with its
+//!   body, or the proxy's own error). It is always a status, since no
+//!   stream is committed while P runs.
+//! - D answers an error status: passed through. A failing D (error status,
+//!   transport error, broken stream) drops a P request still running and
+//!   tells P to drop the transfer, so P frees its blocks now.
 //! - D finishes first: its answer stands and P's request is dropped.
+//! - The client's own bad request (400, 404, 409, 413 or 422 from P or D,
+//!   or a body the proxy cannot parse) is counted as `bad_request` and
+//!   logged at debug, not as a backend's error.
+//! - An upstream call past `request_timeout` is a 504 whose OpenAI error
+//!   (`upstream_timeout`) names that setting; any other failed call a 502.
 //! - The client disconnects: both upstream requests are dropped with the
 //!   handler or the response body, which closes their connections, and a
 //!   pdkv server aborts a request whose connection closes.
@@ -35,18 +57,19 @@
 //! - Both upstream requests of a client request are owned by its handler
 //!   future or its response body and by nothing else (no spawned task), so
 //!   nothing outlives the client's request.
-//! - Forwarded event streams are cut only at event boundaries (`\n\n`), so
-//!   an error event appended after a failure is never glued to half an event.
+//! - Streaming: D's status is committed only after P answered (or D's whole
+//!   answer is in), so a P failure reaches the client as a status; D's
+//!   events are cut only at event boundaries (`\n\n`), so an error event
+//!   appended after a failure is never glued to half an event.
 //! - Every upstream call is bounded: a connect timeout and an overall
-//!   request timeout; health checks have their own short timeout.
+//!   request timeout; health checks have their own short timeout; the plan
+//!   buffers at most [`plan::MAX_BUFFERED`] bytes of an answer.
 //! - Each client request is counted in `pdkv_proxy_requests_total` exactly
 //!   once (as `cancelled` when it is dropped before an outcome).
 
 use std::collections::hash_map::RandomState;
-use std::convert::Infallible;
 use std::future::Future;
 use std::hash::{BuildHasher, Hasher};
-use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -57,14 +80,19 @@ use axum::http::{header, HeaderMap, HeaderName, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::Router;
-use futures::stream::BoxStream;
-use futures::StreamExt;
 use serde::Deserialize;
 use serde_json::{json, Map, Value};
 
 use crate::error::{parse_json, ApiError};
 use crate::metrics::Exposition;
 use crate::MAX_BODY_BYTES;
+
+pub mod plan;
+mod relay;
+
+use pdkv_connector::wire::FailCode;
+pub use plan::Role;
+use plan::{Mode, OnPurpose, Outcome, RelayPlan};
 
 /// Where the proxy sends requests and how long it waits.
 #[derive(Clone, Debug)]
@@ -109,28 +137,6 @@ pub enum ProxyError {
     Duplicate { role: Role, url: String },
     #[error("building the HTTP client: {0}")]
     Client(#[from] reqwest::Error),
-}
-
-/// The part a backend plays.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum Role {
-    Prefill,
-    Decode,
-}
-
-impl Role {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Role::Prefill => "prefill",
-            Role::Decode => "decode",
-        }
-    }
-}
-
-impl std::fmt::Display for Role {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(self.as_str())
-    }
 }
 
 /// What a server's `GET /kv_transfer/info` reports about its KV connector.
@@ -256,70 +262,26 @@ impl Pool {
     }
 }
 
-/// How a client request ended, as counted in `pdkv_proxy_requests_total`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Outcome {
-    Ok,
-    BadRequest,
-    NoBackend,
-    PrefillError,
-    DecodeError,
-    Cancelled,
-}
-
-const OUTCOMES: [Outcome; 6] =
-    [Outcome::Ok, Outcome::BadRequest, Outcome::NoBackend, Outcome::PrefillError, Outcome::DecodeError, Outcome::Cancelled];
-
-impl Outcome {
-    fn as_str(self) -> &'static str {
-        match self {
-            Outcome::Ok => "ok",
-            Outcome::BadRequest => "bad_request",
-            Outcome::NoBackend => "no_backend",
-            Outcome::PrefillError => "prefill_error",
-            Outcome::DecodeError => "decode_error",
-            Outcome::Cancelled => "cancelled",
-        }
-    }
-
-    fn index(self) -> usize {
-        OUTCOMES.iter().position(|&o| o == self).unwrap_or(0)
-    }
-}
-
 #[derive(Default)]
 struct ProxyMetrics {
-    outcomes: [AtomicU64; OUTCOMES.len()],
+    outcomes: [AtomicU64; Outcome::ALL.len()],
     /// Failed upstream generation calls, by role (prefill, decode).
     upstream_errors: [AtomicU64; 2],
+    /// Prefills that stopped on purpose, by [`OnPurpose`].
+    prefill_skipped: [AtomicU64; OnPurpose::ALL.len()],
 }
 
 impl ProxyMetrics {
+    fn count(&self, outcome: Outcome) {
+        self.outcomes[outcome.index()].fetch_add(1, Ordering::Relaxed);
+    }
+
     fn upstream_error(&self, role: Role) {
         self.upstream_errors[role as usize].fetch_add(1, Ordering::Relaxed);
     }
-}
 
-/// Counts a request's outcome exactly once: the one set, or `cancelled` if
-/// it is dropped before one was set.
-struct OutcomeGuard {
-    metrics: Arc<ProxyMetrics>,
-    outcome: Option<Outcome>,
-}
-
-impl OutcomeGuard {
-    fn set(&mut self, o: Outcome) {
-        self.outcome.get_or_insert(o);
-    }
-}
-
-impl Drop for OutcomeGuard {
-    fn drop(&mut self) {
-        let o = self.outcome.unwrap_or(Outcome::Cancelled);
-        if o == Outcome::Cancelled {
-            tracing::debug!("client went away; upstream requests dropped");
-        }
-        self.metrics.outcomes[o.index()].fetch_add(1, Ordering::Relaxed);
+    fn prefill_skipped(&self, why: OnPurpose) {
+        self.prefill_skipped[why as usize].fetch_add(1, Ordering::Relaxed);
     }
 }
 
@@ -533,19 +495,36 @@ impl Proxy {
     pub fn render_metrics(&self) -> String {
         let m = &self.inner.metrics;
         let mut e = Exposition::new();
-        let outcomes: Vec<[(&str, &str); 1]> = OUTCOMES.iter().map(|o| [("outcome", o.as_str())]).collect();
+        let outcomes: Vec<[(&str, &str); 1]> = Outcome::ALL.iter().map(|o| [("outcome", o.as_str())]).collect();
         let samples: Vec<(&[(&str, &str)], f64)> = outcomes
             .iter()
-            .zip(OUTCOMES)
+            .zip(Outcome::ALL)
             .map(|(l, o)| (&l[..], m.outcomes[o.index()].load(Ordering::Relaxed) as f64))
             .collect();
         e.family("pdkv_proxy_requests_total", "Client generation requests by outcome.", "counter", &samples);
         let roles = [[("role", "prefill")], [("role", "decode")]];
-        let samples: Vec<(&[(&str, &str)], f64)> =
-            roles.iter().enumerate().map(|(i, l)| (&l[..], m.upstream_errors[i].load(Ordering::Relaxed) as f64)).collect();
+        let samples: Vec<(&[(&str, &str)], f64)> = roles
+            .iter()
+            .enumerate()
+            .map(|(i, l)| (&l[..], m.upstream_errors[i].load(Ordering::Relaxed) as f64))
+            .collect();
         e.family(
             "pdkv_proxy_upstream_errors_total",
-            "Failed upstream generation calls (error status, transport error or aborted prefill), by role.",
+            "Failed upstream generation calls (an error status other than the client's own bad request, a transport \
+             error, a timeout or an unusable answer), by role.",
+            "counter",
+            &samples,
+        );
+        let reasons: Vec<[(&str, &str); 1]> = OnPurpose::ALL.iter().map(|w| [("reason", w.as_str())]).collect();
+        let samples: Vec<(&[(&str, &str)], f64)> = reasons
+            .iter()
+            .zip(OnPurpose::ALL)
+            .map(|(l, w)| (&l[..], m.prefill_skipped[w as usize].load(Ordering::Relaxed) as f64))
+            .collect();
+        e.family(
+            "pdkv_proxy_prefill_skipped_total",
+            "Requests whose prefill server refused (paused, asleep) or aborted them on purpose; the decode server \
+             computed the prompt itself.",
             "counter",
             &samples,
         );
@@ -558,23 +537,20 @@ impl Proxy {
         e.finish()
     }
 
-    fn guard(&self) -> OutcomeGuard {
-        OutcomeGuard { metrics: self.inner.metrics.clone(), outcome: None }
-    }
-
-    /// Routes one generation request through a P and a D.
+    /// Routes one generation request through a P and a D: picks them, then
+    /// hands the request to its [`relay::Relay`], which drives its plan.
     async fn relay(&self, endpoint: Endpoint, headers: HeaderMap, body: Bytes) -> Response {
-        let mut guard = self.guard();
         let req: Map<String, Value> = match parse_json(&body) {
             Ok(m) => m,
             Err(e) => {
-                guard.set(Outcome::BadRequest);
+                self.inner.metrics.count(Outcome::BadRequest);
+                tracing::debug!("refusing a request: {}", e.message);
                 return e.into_response();
             }
         };
         let streaming = req.get("stream").and_then(Value::as_bool).unwrap_or(false);
         let (Some((p, p_status)), Some((d, _))) = (self.inner.prefill.pick(), self.inner.decode.pick()) else {
-            guard.set(Outcome::NoBackend);
+            self.inner.metrics.count(Outcome::NoBackend);
             let missing = match (self.inner.prefill.any_healthy(), self.inner.decode.any_healthy()) {
                 (false, false) => "no prefill and no decode server is healthy",
                 (false, true) => "no prefill server is healthy",
@@ -584,149 +560,25 @@ impl Proxy {
             return retryable(ApiError::unavailable(missing).with_code("no_healthy_backend"));
         };
         let transfer_id = self.new_transfer_id();
+        let mode = plan_mode(p_status.kv_info.as_ref());
         tracing::debug!(
             endpoint = endpoint.path(),
             prefill = %p.url,
             decode = %d.url,
             %transfer_id,
             streaming,
+            read_mode = (mode == Mode::Read),
             "routing request"
         );
-        let p_body = prefill_body(&req, endpoint, &transfer_id);
-        let request_id = headers.get("x-request-id").cloned();
-        let read_mode = p_status.kv_info.as_ref().and_then(|i| i.transfer_mode.as_deref()) == Some("read");
-
-        let (mut watch, d_body) = if read_mode {
-            match self.clone().prefill_answer(p, endpoint, p_body, request_id.clone()).await {
-                // P is done: nothing more to watch.
-                Ok(params) => (PrefillWatch { fut: None }, decode_body_with(&req, params)),
-                Err(f) => return self.prefill_failed(&mut guard, f),
-            }
-        } else {
-            let d_body = decode_body(&req, &transfer_id, p_status.kv_info.as_ref());
-            (PrefillWatch { fut: Some(Box::pin(self.clone().prefill(p, endpoint, p_body, request_id.clone()))) }, d_body)
-        };
-        let d_send = self.post(&d, endpoint, d_body, request_id);
-        tokio::pin!(d_send);
-
-        // Until D has answered, a P failure is reported with P's status.
-        let d_resp = tokio::select! {
-            f = watch.failed() => return self.prefill_failed(&mut guard, f),
-            r = &mut d_send => r,
-        };
-        // D failed: nobody will take P's KV, so P is told to drop it now.
-        let p_bootstrap = p_status.kv_info.as_ref().and_then(|i| i.bootstrap_addr.clone());
-        let d_resp = match d_resp {
-            Ok(r) => r,
-            Err(e) => {
-                self.drop_at_prefill(p_bootstrap, &transfer_id);
-                return self.decode_failed(&mut guard, &d, e);
-            }
-        };
-        if !d_resp.status().is_success() {
-            self.drop_at_prefill(p_bootstrap, &transfer_id);
-            let status = d_resp.status();
-            let head = passthrough_headers(d_resp.headers());
-            let body = d_resp.bytes().await.unwrap_or_default();
-            tracing::warn!(decode = %d.url, %status, "decode server answered an error; passing it through");
-            self.inner.metrics.upstream_error(Role::Decode);
-            guard.set(Outcome::DecodeError);
-            return build_response(status, head, Body::from(body));
-        }
-        let status = d_resp.status();
-        let head = passthrough_headers(d_resp.headers());
-        if !streaming {
-            let body = tokio::select! {
-                f = watch.failed() => return self.prefill_failed(&mut guard, f),
-                b = d_resp.bytes() => b,
-            };
-            return match body {
-                Ok(b) => {
-                    guard.set(Outcome::Ok);
-                    build_response(status, head, Body::from(b))
-                }
-                Err(e) => self.decode_failed(&mut guard, &d, e),
-            };
-        }
-
-        // Streaming: D produces no token before P's KV arrived, so waiting
-        // for P's answer costs nothing and lets a P failure (a P that is
-        // paused or asleep answers 503) reach the client as a status rather
-        // than as an error event inside a 200 stream.
-        if let Some(fut) = watch.fut.take() {
-            if let Err(f) = fut.await {
-                return self.prefill_failed(&mut guard, f);
-            }
-        }
-        // Then D's first complete event before committing to D's status.
-        let mut relay = Relay {
-            proxy: self.clone(),
-            watch,
-            events: Events { d: Some(d_resp.bytes_stream().boxed()), d_url: d.url.clone(), buf: Vec::new() },
-            guard,
-            done: false,
-        };
-        let first = tokio::select! {
-            f = relay.watch.failed() => return self.prefill_failed(&mut relay.guard, f),
-            item = relay.events.next() => relay.on_events(item),
-        };
-        tracing::debug!(decode = %d.url, "streaming the decode server's events");
-        let body = futures::stream::unfold((relay, first), |(mut relay, first)| async move {
-            let piece = match first {
-                Some(p) => p,
-                None => relay.next_piece().await?,
-            };
-            Some((Ok::<_, Infallible>(piece), (relay, None)))
-        });
-        build_response(status, head, Body::from_stream(body))
+        let call = relay::Call { endpoint, req, request_id: headers.get("x-request-id").cloned() };
+        let p_bootstrap = p_status.kv_info.and_then(|i| i.bootstrap_addr);
+        let plan = RelayPlan::new(mode, streaming, &transfer_id);
+        relay::Relay::new(self.clone(), plan, call, (p, p_bootstrap), d).respond().await
     }
 
-    /// The prefill call: `Ok` once P answered 2xx with a request that was
-    /// not aborted.
-    async fn prefill(
-        self,
-        p: Arc<Backend>,
-        endpoint: Endpoint,
-        body: Vec<u8>,
-        request_id: Option<HeaderValue>,
-    ) -> Result<(), Failure> {
-        self.prefill_answer(p, endpoint, body, request_id).await.map(|_| ())
-    }
-
-    /// The prefill call, giving the `kv_transfer_params` of P's answer
-    /// (`None` when it has none).
-    async fn prefill_answer(
-        self,
-        p: Arc<Backend>,
-        endpoint: Endpoint,
-        body: Vec<u8>,
-        request_id: Option<HeaderValue>,
-    ) -> Result<Option<Value>, Failure> {
-        let failure = |f: Failure| Err(f.at(Role::Prefill, &p.url));
-        let resp = match self.post(&p, endpoint, body, request_id).await {
-            Ok(r) => r,
-            Err(e) => return failure(Failure::Transport(error_chain(&e))),
-        };
-        let status = resp.status();
-        let content_type = resp.headers().get(header::CONTENT_TYPE).cloned();
-        let bytes = match resp.bytes().await {
-            Ok(b) => b,
-            Err(e) => return failure(Failure::Transport(error_chain(&e))),
-        };
-        if !status.is_success() {
-            return failure(Failure::Status { status, content_type, body: bytes });
-        }
-        let answer = serde_json::from_slice::<Value>(&bytes).ok();
-        let finish = answer.as_ref().and_then(|v| v["choices"][0]["finish_reason"].as_str().map(str::to_string));
-        if finish.as_deref() == Some("abort") {
-            return failure(Failure::Aborted);
-        }
-        tracing::debug!(prefill = %p.url, "prefill done");
-        Ok(answer.and_then(|mut v| v.get_mut("kv_transfer_params").map(Value::take)).filter(|v| !v.is_null()))
-    }
-
-    /// Posts `body` to a backend. A connection failure marks the backend
-    /// unhealthy at once (the next health check may restore it).
+    /// Posts `body` to a backend, bounded by `request_timeout`. A connection
+    /// failure marks the backend unhealthy at once (the next health check
+    /// may restore it).
     async fn post(
         &self,
         b: &Arc<Backend>,
@@ -753,34 +605,22 @@ impl Proxy {
         r
     }
 
-    fn prefill_failed(&self, guard: &mut OutcomeGuard, f: Failure) -> Response {
-        tracing::warn!("{}; dropping the decode request", f.describe());
-        self.inner.metrics.upstream_error(Role::Prefill);
-        guard.set(Outcome::PrefillError);
-        f.into_response()
-    }
-
-    /// Tells P (in the background, bounded) to drop a transfer no decode
-    /// request will take, so its blocks are freed now rather than when the
-    /// lease expires.
-    fn drop_at_prefill(&self, bootstrap: Option<String>, transfer_id: &str) {
+    /// Tells P (in the background, bounded) to drop a transfer for `code`:
+    /// no decode request will take it (P frees the blocks now rather than
+    /// when the lease expires), or P refused or aborted it (a pull D parked
+    /// at P is answered at once).
+    fn drop_at_prefill(&self, bootstrap: Option<String>, transfer_id: &str, code: FailCode) {
         let Some(addr) = bootstrap else { return };
+        // A relay dropped while the runtime shuts down has no one to tell.
+        let Ok(rt) = tokio::runtime::Handle::try_current() else { return };
         let transfer_id = transfer_id.to_string();
         let limit = self.inner.config.health_timeout.max(Duration::from_secs(2));
-        tokio::spawn(async move {
-            match pdkv_connector::wire::drop_transfer(&addr, &transfer_id, pdkv_connector::wire::FailCode::Dropped, limit).await {
-                Ok(known) => tracing::debug!(%transfer_id, known, "dropped the transfer at the prefill server"),
-                Err(e) => tracing::warn!(%transfer_id, "could not drop the transfer at {addr}: {e}"),
+        rt.spawn(async move {
+            match pdkv_connector::wire::drop_transfer(&addr, &transfer_id, code, limit).await {
+                Ok(known) => tracing::debug!(%transfer_id, %code, known, "dropped the transfer at the prefill server"),
+                Err(e) => tracing::warn!(%transfer_id, %code, "could not drop the transfer at {addr}: {e}"),
             }
         });
-    }
-
-    fn decode_failed(&self, guard: &mut OutcomeGuard, d: &Backend, e: reqwest::Error) -> Response {
-        let f = Failure::Transport(error_chain(&e)).at(Role::Decode, &d.url);
-        tracing::warn!("{}; dropping the prefill request", f.describe());
-        self.inner.metrics.upstream_error(Role::Decode);
-        guard.set(Outcome::DecodeError);
-        f.into_response()
     }
 
     /// Any healthy decode server's answer to `GET path`.
@@ -797,15 +637,13 @@ impl Proxy {
             .await;
         let resp = match resp {
             Ok(r) => r,
-            Err(e) => {
-                return Failure::Transport(error_chain(&e)).at(Role::Decode, &d.url).into_response();
-            }
+            Err(e) => return forward_failed(&d, &e),
         };
         let status = resp.status();
         let head = passthrough_headers(resp.headers());
         match resp.bytes().await {
             Ok(b) => build_response(status, head, Body::from(b)),
-            Err(e) => Failure::Transport(error_chain(&e)).at(Role::Decode, &d.url).into_response(),
+            Err(e) => forward_failed(&d, &e),
         }
     }
 }
@@ -826,9 +664,21 @@ impl Endpoint {
     }
 }
 
+/// The plan's mode for a P as its `/kv_transfer/info` described it: read
+/// mode when it says so, else write mode naming P (as far as it is known).
+fn plan_mode(info: Option<&KvTransferInfo>) -> Mode {
+    match info {
+        Some(i) if i.transfer_mode.as_deref() == Some("read") => Mode::Read,
+        _ => Mode::Write {
+            remote_engine_id: info.map(|i| i.engine_id.clone()),
+            remote_bootstrap_addr: info.and_then(|i| i.bootstrap_addr.clone()),
+        },
+    }
+}
+
 /// P's body: the client's, generating one token without streaming, with
-/// `do_remote_decode`.
-fn prefill_body(req: &Map<String, Value>, endpoint: Endpoint, transfer_id: &str) -> Vec<u8> {
+/// the plan's `kv_transfer_params`.
+fn prefill_body(req: &Map<String, Value>, endpoint: Endpoint, params: Value) -> Vec<u8> {
     let mut body = req.clone();
     body.insert("max_tokens".into(), json!(1));
     if endpoint == Endpoint::ChatCompletions && body.contains_key("max_completion_tokens") {
@@ -836,25 +686,13 @@ fn prefill_body(req: &Map<String, Value>, endpoint: Endpoint, transfer_id: &str)
     }
     body.insert("stream".into(), json!(false));
     body.remove("stream_options");
-    body.insert("kv_transfer_params".into(), pdkv_connector::params::for_prefill(transfer_id));
-    serde_json::to_vec(&body).unwrap_or_default()
-}
-
-/// D's body: the client's, with `do_remote_prefill` naming P.
-fn decode_body(req: &Map<String, Value>, transfer_id: &str, p_info: Option<&KvTransferInfo>) -> Vec<u8> {
-    let mut body = req.clone();
-    let params = pdkv_connector::params::for_decode(
-        transfer_id,
-        p_info.map(|i| i.engine_id.as_str()),
-        p_info.and_then(|i| i.bootstrap_addr.as_deref()),
-    );
     body.insert("kv_transfer_params".into(), params);
     serde_json::to_vec(&body).unwrap_or_default()
 }
 
-/// D's body in read mode: the client's, with exactly P's params (none when
-/// P returned none).
-fn decode_body_with(req: &Map<String, Value>, params: Option<Value>) -> Vec<u8> {
+/// D's body: the client's, with exactly the plan's `kv_transfer_params`
+/// (none at all for `None`, whatever the client sent).
+fn decode_body(req: &Map<String, Value>, params: Option<Value>) -> Vec<u8> {
     let mut body = req.clone();
     match params {
         Some(p) => body.insert("kv_transfer_params".into(), p),
@@ -863,92 +701,17 @@ fn decode_body_with(req: &Map<String, Value>, params: Option<Value>) -> Vec<u8> 
     serde_json::to_vec(&body).unwrap_or_default()
 }
 
-/// Why an upstream call produced no usable answer.
-#[derive(Debug)]
-enum Failure {
-    /// An error status; its body is passed to the client unchanged.
-    Status { status: StatusCode, content_type: Option<HeaderValue>, body: Bytes },
-    /// No answer: connection refused or reset, timeout, broken body.
-    Transport(String),
-    /// P answered, but its request was aborted (paused, shut down or aborted
-    /// by an admin), so its KV will never reach D.
-    Aborted,
-    /// Any of the above, naming the backend.
-    At { role: Role, url: String, inner: Box<Failure> },
-}
-
-impl Failure {
-    fn at(self, role: Role, url: &str) -> Failure {
-        Failure::At { role, url: url.to_string(), inner: Box::new(self) }
+/// A 502 for a `GET` forwarded to D that got no answer.
+fn forward_failed(d: &Backend, e: &reqwest::Error) -> Response {
+    let message = format!("decode server {} failed: {}", d.url, error_chain(e));
+    ApiError {
+        status: StatusCode::BAD_GATEWAY,
+        message,
+        kind: "server_error",
+        param: None,
+        code: Some("upstream_error"),
     }
-
-    fn describe(&self) -> String {
-        match self {
-            Failure::Status { status, .. } => format!("answered {status}"),
-            Failure::Transport(e) => format!("failed: {e}"),
-            Failure::Aborted => "aborted the request".to_string(),
-            Failure::At { role, url, inner } => format!("{role} server {url} {}", inner.describe()),
-        }
-    }
-
-    /// The error as an OpenAI error (for errors that carry no body of their own).
-    fn api_error(&self) -> ApiError {
-        match self {
-            Failure::At { inner, .. } if matches!(**inner, Failure::Aborted) => {
-                ApiError::unavailable(self.describe()).with_code("prefill_aborted")
-            }
-            _ => ApiError {
-                status: StatusCode::BAD_GATEWAY,
-                message: self.describe(),
-                kind: "server_error",
-                param: None,
-                code: Some("upstream_error"),
-            },
-        }
-    }
-
-    fn root(&self) -> &Failure {
-        match self {
-            Failure::At { inner, .. } => inner.root(),
-            f => f,
-        }
-    }
-
-    fn into_response(self) -> Response {
-        if let Failure::Status { status, content_type, body } = self.root() {
-            let mut head = Vec::new();
-            if let Some(ct) = content_type {
-                head.push((header::CONTENT_TYPE, ct.clone()));
-            }
-            // A P that is not serving now (paused, asleep) clears by itself:
-            // the client may retry, as it would with the engine itself.
-            if *status == StatusCode::SERVICE_UNAVAILABLE {
-                head.push((header::RETRY_AFTER, HeaderValue::from_static("1")));
-            }
-            return build_response(*status, head, Body::from(body.clone()));
-        }
-        let aborted = matches!(self.root(), Failure::Aborted);
-        let err = self.api_error();
-        if aborted {
-            retryable(err)
-        } else {
-            err.into_response()
-        }
-    }
-
-    /// The SSE events ending a stream that this failure cut short: the
-    /// error (the upstream JSON error body when there is one) and `[DONE]`.
-    fn sse_tail(&self) -> Bytes {
-        let payload = match self.root() {
-            Failure::Status { body, .. } => serde_json::from_slice::<Value>(body)
-                .ok()
-                .filter(|v| v.get("error").is_some())
-                .map(|v| v.to_string()),
-            _ => None,
-        }
-        .unwrap_or_else(|| self.api_error().body_json());
-        Bytes::from(format!("data: {payload}\n\ndata: [DONE]\n\n"))
-    }
+    .into_response()
 }
 
 /// A 503 with `Retry-After`.
@@ -971,135 +734,6 @@ fn build_response(status: StatusCode, head: Vec<(HeaderName, HeaderValue)>, body
     *resp.status_mut() = status;
     resp.headers_mut().extend(head);
     resp
-}
-
-type PrefillFuture = Pin<Box<dyn Future<Output = Result<(), Failure>> + Send>>;
-
-/// P's request, polled alongside D's. Dropping it drops P's request.
-struct PrefillWatch {
-    fut: Option<PrefillFuture>,
-}
-
-impl PrefillWatch {
-    /// Resolves when P's request fails; pends forever once it succeeded.
-    /// Cancel-safe: the request lives in `self`, not in this future.
-    async fn failed(&mut self) -> Failure {
-        if let Some(fut) = self.fut.as_mut() {
-            let result = fut.await;
-            self.fut = None;
-            if let Err(f) = result {
-                return f;
-            }
-        }
-        std::future::pending().await
-    }
-}
-
-/// D's event stream on its way to the client, with P still watched.
-struct Relay {
-    proxy: Proxy,
-    watch: PrefillWatch,
-    events: Events,
-    guard: OutcomeGuard,
-    done: bool,
-}
-
-/// D's response body, cut at event boundaries.
-struct Events {
-    d: Option<BoxStream<'static, reqwest::Result<Bytes>>>,
-    d_url: String,
-    /// Received bytes after the last complete event.
-    buf: Vec<u8>,
-}
-
-/// What D's stream produced next.
-enum EventsItem {
-    /// Complete events, unchanged.
-    Events(Bytes),
-    /// D's stream ended; whatever trailed the last complete event.
-    End(Option<Bytes>),
-    Failed(Failure),
-}
-
-/// The length of the longest prefix of `buf` made of complete events.
-fn complete_events_len(buf: &[u8]) -> usize {
-    buf.windows(2).rposition(|w| w == b"\n\n").map_or(0, |i| i + 2)
-}
-
-impl Events {
-    async fn next(&mut self) -> EventsItem {
-        loop {
-            let Some(d) = self.d.as_mut() else { return EventsItem::End(None) };
-            match d.next().await {
-                Some(Ok(chunk)) => {
-                    self.buf.extend_from_slice(&chunk);
-                    let n = complete_events_len(&self.buf);
-                    if n > 0 {
-                        let rest = self.buf.split_off(n);
-                        return EventsItem::Events(Bytes::from(std::mem::replace(&mut self.buf, rest)));
-                    }
-                }
-                Some(Err(e)) => {
-                    self.d = None;
-                    self.buf.clear();
-                    return EventsItem::Failed(Failure::Transport(error_chain(&e)).at(Role::Decode, &self.d_url));
-                }
-                None => {
-                    self.d = None;
-                    let rest = std::mem::take(&mut self.buf);
-                    return EventsItem::End((!rest.is_empty()).then(|| Bytes::from(rest)));
-                }
-            }
-        }
-    }
-}
-
-impl Relay {
-    /// Turns D's next item into the client's next piece of body.
-    fn on_events(&mut self, item: EventsItem) -> Option<Bytes> {
-        match item {
-            EventsItem::Events(b) => Some(b),
-            EventsItem::End(rest) => {
-                self.guard.set(Outcome::Ok);
-                self.finish();
-                rest
-            }
-            EventsItem::Failed(f) => {
-                tracing::warn!("{}; ending the stream", f.describe());
-                self.proxy.inner.metrics.upstream_error(Role::Decode);
-                self.guard.set(Outcome::DecodeError);
-                self.finish();
-                Some(f.sse_tail())
-            }
-        }
-    }
-
-    fn on_prefill_failed(&mut self, f: Failure) -> Option<Bytes> {
-        tracing::warn!("{}; ending the decode stream", f.describe());
-        self.proxy.inner.metrics.upstream_error(Role::Prefill);
-        self.guard.set(Outcome::PrefillError);
-        self.finish();
-        Some(f.sse_tail())
-    }
-
-    /// The next piece of the client's body, or `None` at the end.
-    async fn next_piece(&mut self) -> Option<Bytes> {
-        if self.done {
-            return None;
-        }
-        tokio::select! {
-            f = self.watch.failed() => self.on_prefill_failed(f),
-            item = self.events.next() => self.on_events(item),
-        }
-    }
-
-    /// Drops both upstream requests (P's, if still running, is aborted).
-    fn finish(&mut self) {
-        self.done = true;
-        self.events.d = None;
-        self.events.buf.clear();
-        self.watch.fut = None;
-    }
 }
 
 /// An error with its sources, on one line.
@@ -1163,24 +797,24 @@ mod tests {
             "prompt": "hi", "max_tokens": 50, "stream": true, "stream_options": {"include_usage": true},
             "kv_transfer_params": {"client": 1}, "temperature": 0,
         }));
-        let p: Value = serde_json::from_slice(&prefill_body(&req, Endpoint::Completions, "t1")).unwrap();
+        let params = pdkv_connector::params::for_prefill("t1");
+        let p: Value = serde_json::from_slice(&prefill_body(&req, Endpoint::Completions, params.clone())).unwrap();
         assert_eq!(p["max_tokens"], 1);
         assert_eq!(p["stream"], false);
         assert!(p.get("stream_options").is_none());
-        assert_eq!(p["kv_transfer_params"], json!({"do_remote_decode": true, "transfer_id": "t1"}));
+        assert_eq!(p["kv_transfer_params"], params);
         assert_eq!(p["prompt"], "hi");
         assert_eq!(p["temperature"], 0);
 
         let chat = obj(json!({"messages": [], "max_completion_tokens": 9}));
-        let p: Value = serde_json::from_slice(&prefill_body(&chat, Endpoint::ChatCompletions, "t")).unwrap();
+        let p: Value = serde_json::from_slice(&prefill_body(&chat, Endpoint::ChatCompletions, params)).unwrap();
         assert_eq!(p["max_completion_tokens"], 1);
         assert_eq!(p["max_tokens"], 1);
     }
 
     #[test]
-    fn decode_body_names_the_prefill_server() {
-        let req = obj(json!({"prompt": "hi", "max_tokens": 50, "stream": true}));
-        let info = KvTransferInfo {
+    fn write_mode_names_the_prefill_server_and_read_mode_follows_its_info() {
+        let mut info = KvTransferInfo {
             engine_id: "p0".into(),
             kv_role: Some("kv_producer".into()),
             transport: Some("tcp".into()),
@@ -1188,36 +822,28 @@ mod tests {
             bootstrap_addr: Some("127.0.0.1:7000".into()),
             transfer_addr: Some("127.0.0.1:7001".into()),
         };
-        let d: Value = serde_json::from_slice(&decode_body(&req, "t2", Some(&info))).unwrap();
-        assert_eq!(
-            d["kv_transfer_params"],
-            json!({"do_remote_prefill": true, "transfer_id": "t2", "remote_engine_id": "p0",
-                   "remote_bootstrap_addr": "127.0.0.1:7000"})
-        );
-        assert_eq!(d["max_tokens"], 50);
-        assert_eq!(d["stream"], true);
-        let d: Value = serde_json::from_slice(&decode_body(&req, "t3", None)).unwrap();
-        assert_eq!(d["kv_transfer_params"], json!({"do_remote_prefill": true, "transfer_id": "t3"}));
+        let write =
+            Mode::Write { remote_engine_id: Some("p0".into()), remote_bootstrap_addr: Some("127.0.0.1:7000".into()) };
+        assert_eq!(plan_mode(Some(&info)), write);
+        assert_eq!(plan_mode(None), Mode::Write { remote_engine_id: None, remote_bootstrap_addr: None });
+        info.transfer_mode = Some("read".into());
+        assert_eq!(plan_mode(Some(&info)), Mode::Read);
     }
 
     #[test]
-    fn read_mode_decode_body_carries_exactly_p_params() {
-        let req = obj(json!({"prompt": "hi", "max_tokens": 50, "kv_transfer_params": {"client": 1}}));
+    fn decode_body_carries_exactly_the_plans_params() {
+        let req = obj(json!({"prompt": "hi", "max_tokens": 50, "stream": true, "kv_transfer_params": {"client": 1}}));
         let params = json!({"do_remote_prefill": true, "transfer_id": "t", "remote_block_ids": [4, 5],
                             "remote_registration_generation": 2});
-        let d: Value = serde_json::from_slice(&decode_body_with(&req, Some(params.clone()))).unwrap();
+        let d: Value = serde_json::from_slice(&decode_body(&req, Some(params.clone()))).unwrap();
         assert_eq!(d["kv_transfer_params"], params);
-        assert_eq!((d["prompt"].as_str(), d["max_tokens"].as_u64()), (Some("hi"), Some(50)));
-        let d: Value = serde_json::from_slice(&decode_body_with(&req, None)).unwrap();
+        assert_eq!(
+            (d["prompt"].as_str(), d["max_tokens"].as_u64(), d["stream"].as_bool()),
+            (Some("hi"), Some(50), Some(true))
+        );
+        // D computes the prompt itself: the client's own params go too.
+        let d: Value = serde_json::from_slice(&decode_body(&req, None)).unwrap();
         assert!(d.get("kv_transfer_params").is_none(), "{d}");
-    }
-
-    #[test]
-    fn events_are_cut_at_boundaries() {
-        assert_eq!(complete_events_len(b"data: {\"a\""), 0);
-        assert_eq!(complete_events_len(b"data: 1\n\ndata: 2"), 9);
-        assert_eq!(complete_events_len(b"data: 1\n\ndata: 2\n\n"), 18);
-        assert_eq!(complete_events_len(b""), 0);
     }
 
     #[test]
@@ -1239,17 +865,5 @@ mod tests {
         assert_ne!(a, b);
         assert_eq!(a.len(), 32);
         assert!(a.chars().all(|c| c.is_ascii_hexdigit()));
-    }
-
-    #[test]
-    fn sse_tail_carries_the_upstream_error_body() {
-        let body = Bytes::from_static(br#"{"error":{"message":"too long","type":"invalid_request_error","param":null,"code":null}}"#);
-        let f = Failure::Status { status: StatusCode::BAD_REQUEST, content_type: None, body }.at(Role::Prefill, "http://p");
-        let tail = String::from_utf8(f.sse_tail().to_vec()).unwrap();
-        assert!(tail.starts_with("data: {\"error\":"), "{tail}");
-        assert!(tail.contains("too long"));
-        assert!(tail.ends_with("\n\ndata: [DONE]\n\n"));
-        let aborted = String::from_utf8(Failure::Aborted.at(Role::Prefill, "http://p").sse_tail().to_vec()).unwrap();
-        assert!(aborted.contains("prefill_aborted"), "{aborted}");
     }
 }

@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use common::{assert_openai_error, metric, Server, DEADLINE};
 use futures::StreamExt;
-use pdkv_engine::EngineConfig;
+use pdkv_engine::{EngineConfig, PauseMode, SleepLevel};
 use pdkv_server::proxy::{Proxy, ProxyConfig, Role};
 use reqwest::StatusCode;
 use serde_json::{json, Value};
@@ -32,12 +32,16 @@ struct ProxyServer {
 
 impl ProxyServer {
     async fn start(prefill: &[&Server], decode: &[&Server]) -> ProxyServer {
-        let mut config = ProxyConfig::new(
-            prefill.iter().map(|s| s.base.clone()).collect(),
-            decode.iter().map(|s| s.base.clone()).collect(),
-        );
+        let urls = |servers: &[&Server]| servers.iter().map(|s| s.base.clone()).collect();
+        ProxyServer::start_urls(urls(prefill), urls(decode), DEADLINE).await
+    }
+
+    /// A proxy over backends by URL, bounding each upstream call by
+    /// `request_timeout`.
+    async fn start_urls(prefill: Vec<String>, decode: Vec<String>, request_timeout: Duration) -> ProxyServer {
+        let mut config = ProxyConfig::new(prefill, decode);
         config.health_interval = Duration::from_secs(3600);
-        config.request_timeout = DEADLINE;
+        config.request_timeout = request_timeout;
         let proxy = Proxy::new(config).expect("proxy config");
         // Healthy before the first request, as `serve` also checks first.
         proxy.check_backends().await;
@@ -60,6 +64,19 @@ impl ProxyServer {
 
     async fn metrics(&self) -> String {
         self.client.get(self.url("/metrics")).send().await.expect("metrics").text().await.expect("text")
+    }
+
+    /// Polls the proxy's metrics until sample `name` is `value`.
+    async fn wait_metric(&self, name: &str, value: f64) -> String {
+        let deadline = std::time::Instant::now() + DEADLINE;
+        loop {
+            let m = self.metrics().await;
+            if metric(&m, name) == value {
+                return m;
+            }
+            assert!(std::time::Instant::now() < deadline, "timed out waiting for {name} = {value}:\n{m}");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
     }
 
     async fn stop(mut self) {
@@ -96,14 +113,19 @@ impl Events {
             if let Some(i) = self.buf.windows(2).position(|w| w == b"\n\n") {
                 let event: Vec<u8> = self.buf.drain(..i + 2).collect();
                 let text = String::from_utf8(event).expect("utf-8 event");
-                let data = text.trim_end().strip_prefix("data: ").unwrap_or_else(|| panic!("not a data event: {text:?}"));
+                let data =
+                    text.trim_end().strip_prefix("data: ").unwrap_or_else(|| panic!("not a data event: {text:?}"));
                 return Some(data.to_string());
             }
             let chunk = tokio::time::timeout(DEADLINE, self.stream.next()).await.expect("next event in time");
             match chunk {
                 Some(c) => self.buf.extend_from_slice(&c.expect("body chunk")),
                 None => {
-                    assert!(self.buf.is_empty(), "stream ended inside an event: {:?}", String::from_utf8_lossy(&self.buf));
+                    assert!(
+                        self.buf.is_empty(),
+                        "stream ended inside an event: {:?}",
+                        String::from_utf8_lossy(&self.buf)
+                    );
                     return None;
                 }
             }
@@ -286,7 +308,7 @@ async fn round_robin_skips_dead_backends_and_refuses_when_none_is_healthy() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn prefill_errors_pass_through_and_decode_requests_are_dropped() {
+async fn a_prefill_client_error_passes_through_drops_d_and_counts_as_bad_request() {
     // P has a short context, so a long prompt is a 400 from P alone.
     let p = Server::spawn("tiny", 7, None, EngineConfig { max_model_len: Some(24), ..EngineConfig::default() }).await;
     let d = Server::spawn("tiny", 7, Some(TOKEN), EngineConfig::default()).await;
@@ -318,9 +340,11 @@ async fn prefill_errors_pass_through_and_decode_requests_are_dropped() {
     admin(&d, "/resume", None).await;
     let dm = d.wait_all_blocks_free().await;
     assert_eq!(finished(&dm, "length") + finished(&dm, "stop"), 0.0, "{dm}");
+    // The client's own bad request, not a prefill server's failure.
     let m = proxy.metrics().await;
-    assert_eq!(proxy_outcome(&m, "prefill_error"), 2.0, "{m}");
-    assert_eq!(metric(&m, "pdkv_proxy_upstream_errors_total{role=\"prefill\"}"), 2.0, "{m}");
+    assert_eq!(proxy_outcome(&m, "bad_request"), 2.0, "{m}");
+    assert_eq!(proxy_outcome(&m, "prefill_error"), 0.0, "{m}");
+    assert_eq!(metric(&m, "pdkv_proxy_upstream_errors_total{role=\"prefill\"}"), 0.0, "{m}");
 
     proxy.stop().await;
     p.stop().await;
@@ -340,59 +364,147 @@ async fn wait_waiting(s: &Server, n: f64) -> String {
     s.wait_metrics(&format!("{n} waiting request(s)"), |m| metric(m, "pdkv_num_requests_waiting") == n).await
 }
 
+/// Sends `body` to the proxy in the background; the status and the text.
+fn spawn_request(
+    proxy: &ProxyServer,
+    path: &str,
+    body: &Value,
+    id: &str,
+) -> tokio::task::JoinHandle<(StatusCode, String)> {
+    let req = proxy.client.post(proxy.url(path)).header("x-request-id", id).json(body);
+    tokio::spawn(async move {
+        let resp = req.send().await.expect("send");
+        (resp.status(), resp.text().await.expect("body"))
+    })
+}
+
+/// A whole SSE body as JSON events, without the per-request fields.
+fn sse_values(text: &str) -> Vec<Value> {
+    assert!(text.ends_with("\n\n"), "{text:?}");
+    text.split_terminator("\n\n")
+        .map(|e| {
+            let data = e.strip_prefix("data: ").unwrap_or_else(|| panic!("not a data event: {e:?}"));
+            if data == "[DONE]" {
+                json!("[DONE]")
+            } else {
+                strip_ids(serde_json::from_str(data).expect("JSON event"))
+            }
+        })
+        .collect()
+}
+
+/// What D itself answers to `body` (JSON, or events when streaming).
+async fn direct(s: &Server, path: &str, body: &Value) -> Value {
+    if body["stream"] == json!(true) {
+        return Value::Array(stream_events(&s.client, s.url(path), body).await);
+    }
+    let (status, v) = post_json(&s.client, s.url(path), body).await;
+    assert_eq!(status, StatusCode::OK, "{v}");
+    strip_ids(v)
+}
+
+/// A proxied answer as [`direct`] gives it.
+fn proxied(status: StatusCode, text: &str, streaming: bool) -> Value {
+    assert_eq!(status, StatusCode::OK, "{text}");
+    if streaming {
+        Value::Array(sse_values(text))
+    } else {
+        strip_ids(serde_json::from_str(text).expect("JSON answer"))
+    }
+}
+
+fn generation_cases() -> [(&'static str, Value); 2] {
+    let mut streaming = chat("keep talking", 12);
+    streaming["stream"] = json!(true);
+    [("/v1/completions", greedy("abort me", 8)), ("/v1/chat/completions", streaming)]
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_aborted_prefill_ends_the_decode_request() {
+async fn an_aborted_prefill_leaves_d_to_compute_the_prompt() {
     let (p, d) = paused_pair().await;
     let proxy = ProxyServer::start(&[&p], &[&d]).await;
 
-    // Before D has sent anything: the client gets a retryable 503.
-    let client = proxy.client.clone();
-    let url = proxy.url("/v1/completions");
-    let pending = tokio::spawn(async move {
-        let resp =
-            client.post(url).header("x-request-id", "req-a").json(&greedy("abort me", 8)).send().await.expect("send");
-        let retry = resp.headers().get("retry-after").is_some();
-        (resp.status(), retry, resp.json::<Value>().await.expect("json"))
-    });
-    wait_waiting(&p, 1.0).await;
-    wait_waiting(&d, 1.0).await;
-    let v = admin(&p, "/abort_requests", Some(json!({"request_ids": ["req-a"]}))).await;
-    assert_eq!(v["aborted"], json!(["req-a"]));
-    let (status, retry, body) = tokio::time::timeout(DEADLINE, pending).await.expect("answer in time").unwrap();
-    assert_openai_error(status, &body, StatusCode::SERVICE_UNAVAILABLE, "aborted prefill");
-    assert_eq!(body["error"]["code"], "prefill_aborted");
-    assert!(retry);
-    let dm = wait_waiting(&d, 0.0).await;
-    assert_eq!(finished(&dm, "abort"), 1.0, "{dm}");
+    // P's abort (an admin's or its lifecycle's) does not lose the request:
+    // D, which holds it, computes the prompt itself once it runs again.
+    for (n, (path, body)) in generation_cases().into_iter().enumerate() {
+        let id = format!("req-{n}");
+        let pending = spawn_request(&proxy, path, &body, &id);
+        wait_waiting(&p, 1.0).await;
+        wait_waiting(&d, 1.0).await;
+        let v = admin(&p, "/abort_requests", Some(json!({"request_ids": [id]}))).await;
+        assert_eq!(v["aborted"], json!([id]));
+        proxy.wait_metric("pdkv_proxy_prefill_skipped_total{reason=\"aborted\"}", (n + 1) as f64).await;
+        // The proxy kept D's request: D still holds it, the client waits.
+        assert!(!pending.is_finished(), "the client was answered before D ran");
+        assert_eq!(metric(&d.metrics().await, "pdkv_num_requests_waiting"), 1.0);
+        admin(&d, "/resume", None).await;
+        let (status, text) = tokio::time::timeout(DEADLINE, pending).await.expect("answer in time").unwrap();
+        let got = proxied(status, &text, body["stream"] == json!(true));
+        assert_eq!(got, direct(&d, path, &body).await, "{path}");
+        admin(&d, "/pause?mode=keep", None).await;
+    }
 
-    // A streaming request too: the proxy answers only once P did (D
-    // produces no token before P's KV arrives), so an aborted prefill is a
-    // retryable 503 status, not an error event inside a 200 stream.
-    let mut body = chat("keep talking", 16);
-    body["stream"] = json!(true);
-    let client = proxy.client.clone();
-    let url = proxy.url("/v1/chat/completions");
-    let pending = tokio::spawn(async move {
-        let resp = client.post(url).header("x-request-id", "req-b").json(&body).send().await.expect("send");
-        let retry = resp.headers().get("retry-after").is_some();
-        (resp.status(), retry, resp.json::<Value>().await.expect("json"))
-    });
-    wait_waiting(&p, 1.0).await;
-    wait_waiting(&d, 1.0).await;
-    admin(&p, "/abort_requests", Some(json!({"request_ids": ["req-b"]}))).await;
-    let (status, retry, body) = tokio::time::timeout(DEADLINE, pending).await.expect("answer in time").unwrap();
-    assert_openai_error(status, &body, StatusCode::SERVICE_UNAVAILABLE, "aborted prefill, streaming");
-    assert_eq!(body["error"]["code"], "prefill_aborted");
-    assert!(retry);
-    let dm = wait_waiting(&d, 0.0).await;
-    assert_eq!(finished(&dm, "abort"), 2.0, "{dm}");
-
+    let m = proxy.metrics().await;
+    assert_eq!(proxy_outcome(&m, "ok"), 2.0, "{m}");
+    assert_eq!(proxy_outcome(&m, "prefill_error"), 0.0, "{m}");
+    assert_eq!(metric(&m, "pdkv_proxy_prefill_skipped_total{reason=\"aborted\"}"), 2.0, "{m}");
     for s in [&p, &d] {
         admin(s, "/resume", None).await;
         s.wait_all_blocks_free().await;
     }
+    proxy.stop().await;
+    p.stop().await;
+    d.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_paused_prefill_server_refuses_and_d_computes_the_prompt() {
+    let p = Server::spawn("tiny", 7, Some(TOKEN), EngineConfig::default()).await;
+    let d = Server::spawn("tiny", 7, None, EngineConfig::default()).await;
+    let proxy = ProxyServer::start(&[&p], &[&d]).await;
+    // Paused in abort mode, P refuses new requests: a retryable 503.
+    admin(&p, "/pause?mode=abort", None).await;
+    let (status, v) = post_json(&proxy.client, p.url("/v1/completions"), &greedy("x", 1)).await;
+    assert_eq!(
+        (status, v["error"]["code"].as_str()),
+        (StatusCode::SERVICE_UNAVAILABLE, Some("engine_not_serving")),
+        "{v}"
+    );
+
+    for (n, (path, body)) in generation_cases().into_iter().enumerate() {
+        let (status, text) = spawn_request(&proxy, path, &body, &format!("req-{n}")).await.unwrap();
+        let got = proxied(status, &text, body["stream"] == json!(true));
+        assert_eq!(got, direct(&d, path, &body).await, "{path}");
+    }
     let m = proxy.metrics().await;
-    assert_eq!(proxy_outcome(&m, "prefill_error"), 2.0, "{m}");
+    assert_eq!(proxy_outcome(&m, "ok"), 2.0, "{m}");
+    assert_eq!(metric(&m, "pdkv_proxy_prefill_skipped_total{reason=\"refused\"}"), 2.0, "{m}");
+    assert_eq!(metric(&m, "pdkv_proxy_upstream_errors_total{role=\"prefill\"}"), 0.0, "{m}");
+    let pm = p.metrics().await;
+    assert_eq!(finished(&pm, "length") + finished(&pm, "abort"), 0.0, "P ran nothing: {pm}");
+
+    proxy.stop().await;
+    p.stop().await;
+    d.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn upstream_timeouts_are_504_naming_request_timeout() {
+    let (p, d) = paused_pair().await;
+    let proxy = ProxyServer::start_urls(vec![p.base.clone()], vec![d.base.clone()], Duration::from_millis(300)).await;
+    let (status, v) = post_json(&proxy.client, proxy.url("/v1/completions"), &greedy("never answered", 4)).await;
+    assert_openai_error(status, &v, StatusCode::GATEWAY_TIMEOUT, "timed out");
+    assert_eq!(v["error"]["code"], "upstream_timeout");
+    assert_eq!(v["error"]["type"], "timeout_error");
+    assert!(v["error"]["message"].as_str().unwrap().contains("request_timeout"), "{v}");
+    let m = proxy.metrics().await;
+    assert_eq!(proxy_outcome(&m, "prefill_error") + proxy_outcome(&m, "decode_error"), 1.0, "{m}");
+    // Both calls were dropped: neither server keeps the request.
+    for s in [&p, &d] {
+        wait_waiting(s, 0.0).await;
+        admin(s, "/resume", None).await;
+        s.wait_all_blocks_free().await;
+    }
     proxy.stop().await;
     p.stop().await;
     d.stop().await;
@@ -478,9 +590,11 @@ impl ConnServer {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn read_mode_sends_p_first_and_d_reads_with_p_params() {
-    let read = |role: &str| format!(r#"{{"kv_connector":"pdkv","kv_role":"{role}","transfer_mode":"read","abort_timeout_s":120}}"#);
+    let read = |role: &str| {
+        format!(r#"{{"kv_connector":"pdkv","kv_role":"{role}","transfer_mode":"read","abort_timeout_s":120}}"#)
+    };
     // P's short context makes a long prompt a 400 from P alone.
-    let p_config = EngineConfig { max_model_len: Some(48), ..EngineConfig::default() };
+    let p_config = EngineConfig { max_model_len: Some(48), enable_sleep_mode: true, ..EngineConfig::default() };
     let p = ConnServer::spawn(&read("kv_producer"), "p-proxy-read", p_config).await;
     let d = ConnServer::spawn(&read("kv_consumer"), "d-proxy-read", EngineConfig::default()).await;
     let colo = Server::spawn("tiny", 7, None, EngineConfig::default()).await;
@@ -489,7 +603,8 @@ async fn read_mode_sends_p_first_and_d_reads_with_p_params() {
     config.request_timeout = DEADLINE;
     let proxy = Proxy::new(config).expect("proxy config");
     proxy.check_backends().await;
-    let info = proxy.backends().into_iter().find(|b| b.role == Role::Prefill).and_then(|b| b.kv_info).expect("P's info");
+    let info =
+        proxy.backends().into_iter().find(|b| b.role == Role::Prefill).and_then(|b| b.kv_info).expect("P's info");
     assert_eq!(info.transfer_mode.as_deref(), Some("read"));
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
     let base = format!("http://{}", listener.local_addr().unwrap());
@@ -501,7 +616,10 @@ async fn read_mode_sends_p_first_and_d_reads_with_p_params() {
 
     // D's answers equal a colocated server's: D read P's KV (a D that got
     // no params would compute the prompt itself, so the loads are counted).
-    let cases = [("/v1/completions", greedy("The river bends and the valley opens", 8)), ("/v1/chat/completions", chat("Say hello", 6))];
+    let cases = [
+        ("/v1/completions", greedy("The river bends and the valley opens", 8)),
+        ("/v1/chat/completions", chat("Say hello", 6)),
+    ];
     for (path, body) in &cases {
         let (s1, via) = post_json(&c, format!("{base}{path}"), body).await;
         let (s2, direct) = post_json(&c, colo.url(path), body).await;
@@ -518,7 +636,9 @@ async fn read_mode_sends_p_first_and_d_reads_with_p_params() {
     assert_eq!(p.connector_metric("reads_done_total"), 4.0, "every lease ended by D's read_done");
 
     // P fails: its error is the answer and D is never asked.
-    let idle = d.engine.wait_stats(DEADLINE, |s| s.num_running == 0 && s.num_waiting == 0 && s.kv_blocks_free == s.kv_blocks_total);
+    let idle = d
+        .engine
+        .wait_stats(DEADLINE, |s| s.num_running == 0 && s.num_waiting == 0 && s.kv_blocks_free == s.kv_blocks_total);
     let steps_before = idle.expect("D idle").steps;
     let long = greedy(&"many words in a long prompt ".repeat(8), 4);
     let mut as_p = long.clone();
@@ -530,8 +650,79 @@ async fn read_mode_sends_p_first_and_d_reads_with_p_params() {
     assert_eq!(d.engine.stats().steps, steps_before, "D ran no step for the failed request");
     assert_eq!(d.connector_metric("loads_ok_total") + d.connector_metric("loads_failed_total"), 4.0);
 
+    // P asleep refuses (503 engine_not_serving): D gets the client's body
+    // without params, computes the prompt itself, and no request is lost.
+    let engine = p.engine.clone();
+    let slept = tokio::task::spawn_blocking(move || engine.sleep(SleepLevel::L1, PauseMode::Abort, DEADLINE));
+    slept.await.expect("join").expect("P sleeps");
+    for (path, body) in &cases {
+        let (s1, via) = post_json(&c, format!("{base}{path}"), body).await;
+        let (_, direct) = post_json(&c, colo.url(path), body).await;
+        assert_eq!(s1, StatusCode::OK, "{via}");
+        assert_eq!(strip_ids(via)["choices"], strip_ids(direct)["choices"], "{path} while P sleeps");
+    }
+    assert_eq!(d.connector_metric("loads_ok_total") + d.connector_metric("loads_failed_total"), 4.0, "no load tried");
+    let m = c.get(format!("{base}/metrics")).send().await.unwrap().text().await.unwrap();
+    assert_eq!(metric(&m, "pdkv_proxy_prefill_skipped_total{reason=\"refused\"}"), 2.0, "{m}");
+    let engine = p.engine.clone();
+    tokio::task::spawn_blocking(move || engine.wake_up(None)).await.expect("join").expect("P wakes");
+
     let _ = stop.send(());
     tokio::time::timeout(DEADLINE, task).await.expect("proxy stops").expect("join").expect("serve");
+    p.stop().await;
+    d.stop().await;
+    colo.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn write_mode_refused_prefill_answers_ds_parked_pull_at_once() {
+    // Without the proxy's drop, D's pull would wait at P for P's arrival
+    // timeout (120 s) for a request P never admitted. D recomputes after
+    // the failed pull by its policy here; a connector that acts on the
+    // drop's code (`prefill_refused` is on purpose) recomputes whatever the
+    // policy.
+    let p_json = r#"{"kv_connector":"pdkv","kv_role":"kv_producer","abort_timeout_s":120,"arrival_timeout_s":120}"#;
+    let d_json =
+        r#"{"kv_connector":"pdkv","kv_role":"kv_consumer","abort_timeout_s":120,"kv_load_failure_policy":"recompute"}"#;
+    let p = ConnServer::spawn(p_json, "p-proxy-write", EngineConfig::default()).await;
+    let d = ConnServer::spawn(d_json, "d-proxy-write", EngineConfig::default()).await;
+    let colo = Server::spawn("tiny", 7, None, EngineConfig::default()).await;
+    let proxy = ProxyServer::start_urls(vec![p.base.clone()], vec![d.base.clone()], DEADLINE).await;
+    let info = proxy.proxy.backends().into_iter().find(|b| b.role == Role::Prefill).and_then(|b| b.kv_info);
+    assert!(info.is_some_and(|i| i.bootstrap_addr.is_some()), "P's bootstrap address is known");
+    let c = &proxy.client;
+    let body = greedy("The river bends and the valley opens", 8);
+    let (_, want) = post_json(c, colo.url("/v1/completions"), &body).await;
+
+    // Served: D pulled P's KV.
+    let (status, via) = post_json(c, proxy.url("/v1/completions"), &body).await;
+    assert_eq!(status, StatusCode::OK, "{via}");
+    assert_eq!(strip_ids(via)["choices"], strip_ids(want.clone())["choices"]);
+    assert_eq!(d.connector_metric("loads_ok_total"), 1.0);
+
+    // P paused (abort mode) refuses: D's answer still comes, at once.
+    let engine = p.engine.clone();
+    let paused = tokio::task::spawn_blocking(move || engine.pause(PauseMode::Abort, false, DEADLINE));
+    paused.await.expect("join").expect("P pauses");
+    let mut stream_body = body.clone();
+    stream_body["stream"] = json!(true);
+    let want_events = stream_events(&colo.client, colo.url("/v1/completions"), &stream_body).await;
+    let started = std::time::Instant::now();
+    let (status, via) = post_json(c, proxy.url("/v1/completions"), &body).await;
+    assert_eq!(status, StatusCode::OK, "{via}");
+    assert_eq!(strip_ids(via)["choices"], strip_ids(want)["choices"]);
+    let via_events = stream_events(c, proxy.url("/v1/completions"), &stream_body).await;
+    assert_eq!(via_events, want_events);
+    assert!(started.elapsed() < Duration::from_secs(20), "D waited for P: {:?}", started.elapsed());
+    assert_eq!(d.connector_metric("loads_ok_total"), 1.0, "D computed the prompts itself");
+    assert_eq!(p.connector_metric("pulls_ok_total"), 1.0);
+    let m = proxy.metrics().await;
+    assert_eq!(metric(&m, "pdkv_proxy_prefill_skipped_total{reason=\"refused\"}"), 2.0, "{m}");
+    assert_eq!(proxy_outcome(&m, "ok"), 3.0, "{m}");
+
+    let engine = p.engine.clone();
+    tokio::task::spawn_blocking(move || engine.resume()).await.expect("join").expect("P resumes");
+    proxy.stop().await;
     p.stop().await;
     d.stop().await;
     colo.stop().await;

@@ -1,0 +1,299 @@
+//! The driver of one client request's [`RelayPlan`]: it makes the HTTP
+//! calls the plan asks for, turns what they give into plan events, and
+//! turns the plan's answer into the client's response. Every decision is
+//! the plan's; this module only moves bytes.
+//!
+//! A [`Relay`] is owned by the handler future until the client's answer is
+//! decided, then (when streaming) by the response body, and by nothing else:
+//! dropping it drops both calls (closing their connections, which aborts a
+//! pdkv server's request) and tells the plan the client went away.
+
+use std::convert::Infallible;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+
+use axum::body::{Body, Bytes};
+use axum::http::{header, HeaderName, HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use futures::stream::BoxStream;
+use futures::StreamExt;
+use serde_json::{Map, Value};
+
+use super::plan::{Action, CallError, Cause, Event, Head, Outcome, PrefillAnswer, RelayPlan, Reply, Role};
+use super::{build_response, decode_body, error_chain, passthrough_headers, prefill_body, Backend, Endpoint, Proxy};
+use crate::error::ApiError;
+
+/// The client's request as the calls need it.
+pub(super) struct Call {
+    pub endpoint: Endpoint,
+    pub req: Map<String, Value>,
+    pub request_id: Option<HeaderValue>,
+}
+
+type PrefillCall = Pin<Box<dyn Future<Output = (Event, Option<HeaderValue>)> + Send>>;
+type DecodeSend = Pin<Box<dyn Future<Output = reqwest::Result<reqwest::Response>> + Send>>;
+
+/// D's call: not made, waiting for its head, or reading its body.
+enum DecodeCall {
+    Idle,
+    Sending(DecodeSend),
+    Body(BoxStream<'static, reqwest::Result<Bytes>>),
+}
+
+/// What an action gives the client.
+enum Output {
+    Reply(Response),
+    StreamHead(u16),
+    Piece(Bytes),
+}
+
+/// One client request in flight: its plan and the calls the plan made.
+pub(super) struct Relay {
+    proxy: Proxy,
+    plan: RelayPlan,
+    call: Call,
+    p: Arc<Backend>,
+    /// P's control listener, where drops go.
+    p_bootstrap: Option<String>,
+    d: Arc<Backend>,
+    prefill: Option<PrefillCall>,
+    /// The content type of P's answer.
+    prefill_type: Option<HeaderValue>,
+    decode: DecodeCall,
+    /// D's headers worth passing on.
+    decode_head: Vec<(HeaderName, HeaderValue)>,
+}
+
+/// P's call: its answer read whole and classified, with its content type.
+async fn prefill_call(
+    proxy: Proxy,
+    p: Arc<Backend>,
+    endpoint: Endpoint,
+    body: Vec<u8>,
+    request_id: Option<HeaderValue>,
+) -> (Event, Option<HeaderValue>) {
+    let resp = match proxy.post(&p, endpoint, body, request_id).await {
+        Ok(r) => r,
+        Err(e) => return (Event::PrefillFailed(call_error(&e)), None),
+    };
+    let status = resp.status().as_u16();
+    let content_type = resp.headers().get(header::CONTENT_TYPE).cloned();
+    match resp.bytes().await {
+        Ok(b) => (Event::Prefill(PrefillAnswer::parse(status, &b)), content_type),
+        Err(e) => (Event::PrefillFailed(call_error(&e)), None),
+    }
+}
+
+fn call_error(e: &reqwest::Error) -> CallError {
+    CallError { timed_out: e.is_timeout(), detail: error_chain(e) }
+}
+
+/// P's next event; pends forever when P's call is not running.
+async fn next_prefill(slot: &mut Option<PrefillCall>) -> (Event, Option<HeaderValue>) {
+    let Some(fut) = slot.as_mut() else { return std::future::pending().await };
+    let out = fut.await;
+    *slot = None;
+    out
+}
+
+/// D's next event; pends forever when D's call is not running.
+async fn next_decode(call: &mut DecodeCall, head: &mut Vec<(HeaderName, HeaderValue)>) -> Event {
+    let event = match call {
+        DecodeCall::Idle => return std::future::pending().await,
+        DecodeCall::Sending(fut) => match fut.await {
+            Ok(resp) => {
+                *head = passthrough_headers(resp.headers());
+                let status = resp.status().as_u16();
+                *call = DecodeCall::Body(resp.bytes_stream().boxed());
+                return Event::DecodeHead { status };
+            }
+            Err(e) => Event::DecodeFailed(call_error(&e)),
+        },
+        DecodeCall::Body(body) => match body.next().await {
+            Some(Ok(chunk)) => return Event::DecodeBody(Vec::from(chunk)),
+            Some(Err(e)) => Event::DecodeFailed(call_error(&e)),
+            None => Event::DecodeEnd,
+        },
+    };
+    *call = DecodeCall::Idle;
+    event
+}
+
+impl Relay {
+    pub(super) fn new(
+        proxy: Proxy,
+        plan: RelayPlan,
+        call: Call,
+        (p, p_bootstrap): (Arc<Backend>, Option<String>),
+        d: Arc<Backend>,
+    ) -> Relay {
+        Relay {
+            proxy,
+            plan,
+            call,
+            p,
+            p_bootstrap,
+            d,
+            prefill: None,
+            prefill_type: None,
+            decode: DecodeCall::Idle,
+            decode_head: Vec::new(),
+        }
+    }
+
+    /// Drives the plan until the client's answer is decided: a whole reply,
+    /// or the head of a stream whose body then drives the rest.
+    pub(super) async fn respond(mut self) -> Response {
+        let mut reply = None;
+        loop {
+            while let Some(a) = self.plan.poll_action() {
+                match self.apply(a) {
+                    None => {}
+                    Some(Output::Reply(r)) => reply = Some(r),
+                    Some(Output::StreamHead(status)) => return self.into_stream(status),
+                    Some(Output::Piece(_)) => tracing::error!("the relay plan streamed before it started a stream"),
+                }
+            }
+            if let Some(r) = reply {
+                return r;
+            }
+            if self.plan.is_finished() {
+                return ApiError::internal("the relay plan ended without an answer").into_response();
+            }
+            let event = self.next_event().await;
+            self.plan.handle(event);
+        }
+    }
+
+    fn into_stream(self, status: u16) -> Response {
+        let head = self.decode_head.clone();
+        tracing::debug!(decode = %self.d.url, "streaming the decode server's events");
+        let body = futures::stream::unfold(self, |mut relay| async move {
+            let piece = relay.next_piece().await?;
+            Some((Ok::<_, Infallible>(piece), relay))
+        });
+        build_response(StatusCode::from_u16(status).unwrap_or(StatusCode::OK), head, Body::from_stream(body))
+    }
+
+    /// The next piece of the client's stream; `None` at its end.
+    async fn next_piece(&mut self) -> Option<Bytes> {
+        loop {
+            while let Some(a) = self.plan.poll_action() {
+                match self.apply(a) {
+                    None => {}
+                    Some(Output::Piece(b)) => return Some(b),
+                    Some(Output::Reply(_) | Output::StreamHead(_)) => {
+                        tracing::error!("the relay plan answered again inside a stream")
+                    }
+                }
+            }
+            if self.plan.is_finished() {
+                return None;
+            }
+            let event = self.next_event().await;
+            self.plan.handle(event);
+        }
+    }
+
+    /// What the calls the plan made give next.
+    async fn next_event(&mut self) -> Event {
+        if self.prefill.is_none() && matches!(self.decode, DecodeCall::Idle) {
+            // The plan waits for nothing that can come: end it rather than hang.
+            let detail = "the relay waits for no call (a bug)".to_string();
+            return Event::DecodeFailed(CallError { timed_out: false, detail });
+        }
+        tokio::select! {
+            (event, content_type) = next_prefill(&mut self.prefill) => {
+                self.prefill_type = content_type;
+                event
+            }
+            event = next_decode(&mut self.decode, &mut self.decode_head) => event,
+        }
+    }
+
+    /// Carries out one action; what it gives the client, if anything.
+    fn apply(&mut self, a: Action) -> Option<Output> {
+        match a {
+            Action::SendPrefill { params } => {
+                let body = prefill_body(&self.call.req, self.call.endpoint, params);
+                let (proxy, p, endpoint, id) =
+                    (self.proxy.clone(), self.p.clone(), self.call.endpoint, self.call.request_id.clone());
+                self.prefill = Some(Box::pin(prefill_call(proxy, p, endpoint, body, id)));
+            }
+            Action::SendDecode { params } => {
+                let body = decode_body(&self.call.req, params);
+                let (proxy, d, endpoint, id) =
+                    (self.proxy.clone(), self.d.clone(), self.call.endpoint, self.call.request_id.clone());
+                self.decode = DecodeCall::Sending(Box::pin(async move { proxy.post(&d, endpoint, body, id).await }));
+            }
+            Action::CancelPrefill => self.prefill = None,
+            Action::CancelDecode => self.decode = DecodeCall::Idle,
+            Action::DropAtPrefill { code } => {
+                self.proxy.drop_at_prefill(self.p_bootstrap.clone(), self.plan.transfer_id(), code)
+            }
+            Action::PrefillSkipped(why) => {
+                self.proxy.inner.metrics.prefill_skipped(why);
+                tracing::info!(
+                    prefill = %self.p.url,
+                    transfer_id = self.plan.transfer_id(),
+                    reason = why.as_str(),
+                    "the prefill server stopped on purpose; the decode server computes the prompt itself"
+                );
+            }
+            Action::Reply(r) => return Some(Output::Reply(self.reply(r))),
+            Action::StartStream { status } => return Some(Output::StreamHead(status)),
+            Action::Stream(b) => return Some(Output::Piece(Bytes::from(b))),
+            Action::FailStream { event } => return Some(Output::Piece(Bytes::from(event))),
+            Action::EndStream => {}
+            Action::Count { outcome, cause } => self.count(outcome, cause),
+        }
+        None
+    }
+
+    fn reply(&self, r: Reply) -> Response {
+        let mut head = match r.head {
+            Head::Decode => self.decode_head.clone(),
+            Head::Prefill => self.prefill_type.iter().map(|v| (header::CONTENT_TYPE, v.clone())).collect(),
+            Head::Json => vec![(header::CONTENT_TYPE, HeaderValue::from_static("application/json"))],
+        };
+        if r.retry_after {
+            head.retain(|(name, _)| name != header::RETRY_AFTER);
+            head.push((header::RETRY_AFTER, HeaderValue::from_static("1")));
+        }
+        let status = StatusCode::from_u16(r.status).unwrap_or(StatusCode::BAD_GATEWAY);
+        build_response(status, head, Body::from(r.body))
+    }
+
+    fn count(&self, outcome: Outcome, cause: Option<Cause>) {
+        let metrics = &self.proxy.inner.metrics;
+        metrics.count(outcome);
+        let Some(Cause { role, what }) = cause else {
+            if outcome == Outcome::Cancelled {
+                tracing::debug!("client went away; upstream requests dropped");
+            }
+            return;
+        };
+        let url = match role {
+            Role::Prefill => &self.p.url,
+            Role::Decode => &self.d.url,
+        };
+        if outcome == Outcome::BadRequest {
+            tracing::debug!("{role} server {url} {what}: the client's request is refused");
+        } else {
+            metrics.upstream_error(role);
+            tracing::warn!("{role} server {url} {what}; the request failed");
+        }
+    }
+}
+
+impl Drop for Relay {
+    /// The client went away (or the answer is complete): the plan is told,
+    /// so the request is counted once, and the calls drop with `self`.
+    fn drop(&mut self) {
+        self.plan.handle(Event::ClientGone);
+        while let Some(a) = self.plan.poll_action() {
+            let _ = self.apply(a);
+        }
+    }
+}
