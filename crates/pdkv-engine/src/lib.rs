@@ -42,7 +42,7 @@ pub use model::{CpuModelRunner, ModelRunner};
 pub use block_pool::{BlockHash, BlockPool};
 pub use connector::{KvConnector, KvTransferParams, LoadError, LoadFailurePolicy};
 pub use lifecycle::{LifecycleError, LifecycleStatus, PauseMode, SleepLevel, WeightInfo};
-pub use scheduler::{Scheduler, SchedulerConfig, SchedulerOutput};
+pub use scheduler::{ScheduledSeq, Scheduler, SchedulerConfig, SchedulerOutput};
 
 /// Engine limits.
 #[derive(Clone, Debug)]

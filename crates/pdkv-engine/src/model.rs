@@ -16,14 +16,17 @@ use pdkv_model::{KvCache, Model, SeqInput, Workspace};
 use pdkv_vmem::Pool;
 
 use crate::connector::KvCacheSpec;
+use crate::scheduler::ScheduledSeq;
 
 /// A model the engine core runs. Called on the core's thread only.
 pub trait ModelRunner: Send {
     /// Runs one step: computes (and caches the K/V of) every token in `seqs`
-    /// and writes into `logits`, cleared first, one [`ModelRunner::vocab_size`]
-    /// row per sequence with `want_logits`, in order. An `Err` (or a panic)
-    /// ends the step's requests with `Abort`; the core keeps serving.
-    fn forward(&mut self, seqs: &[SeqInput<'_>], logits: &mut Vec<f32>) -> anyhow::Result<()>;
+    /// (the scheduler's plan: each sequence's request, new tokens, position
+    /// and block table) and writes into `logits`, cleared first, one
+    /// [`ModelRunner::vocab_size`] row per sequence that samples, in order.
+    /// An `Err` (or a panic) ends the step's requests with `Abort`; the core
+    /// keeps serving.
+    fn forward(&mut self, seqs: &[ScheduledSeq], logits: &mut Vec<f32>) -> anyhow::Result<()>;
 
     /// Entries per logits row; token ids are below it.
     fn vocab_size(&self) -> usize;
@@ -68,8 +71,12 @@ impl CpuModelRunner {
 }
 
 impl ModelRunner for CpuModelRunner {
-    fn forward(&mut self, seqs: &[SeqInput<'_>], logits: &mut Vec<f32>) -> anyhow::Result<()> {
-        self.model.forward(&self.kv, &mut self.ws, seqs, logits)
+    fn forward(&mut self, seqs: &[ScheduledSeq], logits: &mut Vec<f32>) -> anyhow::Result<()> {
+        let inputs: Vec<SeqInput<'_>> = seqs
+            .iter()
+            .map(|s| SeqInput { tokens: &s.tokens, start_pos: s.start_pos, block_table: &s.block_table, want_logits: s.sample })
+            .collect();
+        self.model.forward(&self.kv, &mut self.ws, &inputs, logits)
     }
 
     fn vocab_size(&self) -> usize {

@@ -14,7 +14,8 @@ use pdkv_engine::{
     ModelRunner, NoPublisher, OutputSink, PauseMode, RequestOutput, SamplingParams,
 };
 use pdkv_model::loader::ReloadError;
-use pdkv_model::{SeqInput, BLOCK_SIZE};
+use pdkv_engine::scheduler::ScheduledSeq;
+use pdkv_model::BLOCK_SIZE;
 use pdkv_vmem::{Pool, Region, Tag};
 
 const VOCAB: usize = 64;
@@ -48,7 +49,7 @@ impl FakeModel {
 }
 
 impl ModelRunner for FakeModel {
-    fn forward(&mut self, seqs: &[SeqInput<'_>], logits: &mut Vec<f32>) -> anyhow::Result<()> {
+    fn forward(&mut self, seqs: &[ScheduledSeq], logits: &mut Vec<f32>) -> anyhow::Result<()> {
         logits.clear();
         self.calls += 1;
         match self.faults.get(&self.calls) {
@@ -59,7 +60,7 @@ impl ModelRunner for FakeModel {
         for s in seqs {
             assert!(s.block_table.len() * BLOCK_SIZE >= s.start_pos + s.tokens.len(), "block table too short");
             assert!(s.block_table.iter().all(|&b| (b as usize) < self.num_blocks));
-            if s.want_logits {
+            if s.sample {
                 let mut row = vec![0.0f32; VOCAB];
                 row[next(*s.tokens.last().expect("a seq has tokens")) as usize] = 1.0;
                 logits.extend(row);

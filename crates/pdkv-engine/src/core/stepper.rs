@@ -13,7 +13,6 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
-use pdkv_model::SeqInput;
 use pdkv_vmem::Pool;
 
 use super::command::{abort_output, AddRequest, Command, LifecycleReply, OutputSink, Reply};
@@ -557,18 +556,8 @@ impl EngineCore {
 
     /// Runs the model on `plan`; a panic of the runner is an error too.
     fn forward(&mut self, plan: &SchedulerOutput) -> anyhow::Result<()> {
-        let inputs: Vec<SeqInput<'_>> = plan
-            .seqs
-            .iter()
-            .map(|s| SeqInput {
-                tokens: &s.tokens,
-                start_pos: s.start_pos,
-                block_table: &s.block_table,
-                want_logits: s.sample,
-            })
-            .collect();
         let (runner, logits) = (&mut self.runner, &mut self.logits);
-        match catch_unwind(AssertUnwindSafe(|| runner.forward(&inputs, logits))) {
+        match catch_unwind(AssertUnwindSafe(|| runner.forward(&plan.seqs, logits))) {
             Ok(r) => r?,
             Err(panic) => {
                 let msg = panic
