@@ -344,6 +344,24 @@ impl Registry {
         }
     }
 
+    /// Grants the whole live registration of `segment` to the holder of its
+    /// own key (not a grant's): what sharing its memory with a peer needs.
+    pub fn access_whole(&self, segment: u64, key: u64, epoch: u64) -> Result<Access, AccessError> {
+        let len = self.get(segment).filter(|r| r.key == key).map_or(1, |r| r.len);
+        let a = self.access(segment, key, epoch, 0, len)?;
+        // A grant's key passed `access` only where the registration's own key would have.
+        match a.registration().key == key {
+            true => Ok(a),
+            false => Err(AccessError::BadKey { segment }),
+        }
+    }
+
+    /// How many memfds (chunks) the live registration of `segment` spans.
+    pub fn chunk_count(&self, segment: u64) -> Option<usize> {
+        let inner = self.inner.lock().unwrap();
+        inner.slots.get(&segment)?.live.as_ref().map(|p| p.chunks.len())
+    }
+
     /// Grants access to a local registration by its handle.
     pub fn local(&self, reg: &Registration, offset: u64, len: u64) -> Result<Access, AccessError> {
         self.access(reg.segment, reg.key, reg.epoch, offset, len)

@@ -84,8 +84,9 @@ pub struct ServeStats {
     pub bytes_out: AtomicU64,
     pub ops_served: AtomicU64,
     /// Refused accesses by reason: unknown segment, not registered, bad key,
-    /// stale epoch, out of bounds, busy.
-    pub refused: [AtomicU64; 6],
+    /// stale epoch, out of bounds, busy, too many chunks (shared memory
+    /// only, never counted here).
+    pub refused: [AtomicU64; 7],
     pub malformed: AtomicU64,
     /// Signalled after every operation served (tests wait on progress).
     pub progress: Notify,
@@ -105,6 +106,7 @@ fn refusal_index(e: &RemoteError) -> usize {
         RemoteError::Access(AccessError::StaleEpoch { .. }) => 3,
         RemoteError::Access(AccessError::OutOfBounds { .. }) => 4,
         RemoteError::Busy => 5,
+        RemoteError::TooManyChunks { .. } => 6,
     }
 }
 
@@ -257,8 +259,8 @@ async fn conn_writer(shared: Arc<PeerShared>, id: ConnId, mut w: OwnedWriteHalf)
         let res = match &req {
             Request::Write { op, target, local } => {
                 let h = Header::WriteReq { op: *op, target: *target }.encode();
-                // SAFETY: the batch protocol schedules no write into a range it sends from.
                 match w.write_all(&h).await {
+                    // SAFETY: the batch protocol schedules no write into a range it sends from.
                     Ok(()) => w.write_all(unsafe { local.bytes() }).await,
                     Err(e) => Err(e),
                 }
