@@ -163,6 +163,7 @@ fn error_to_raw(e: &RemoteError, r: &mut Raw) {
         RemoteError::Access(AccessError::OutOfBounds { offset, len, registered }) => (5, offset, len, registered),
         RemoteError::Busy => (6, 0, 0, 0),
         RemoteError::TooManyChunks { chunks, limit } => (7, chunks, limit, 0),
+        RemoteError::Access(AccessError::OutsideGrant { segment, offset, len }) => (8, segment, offset, len),
     };
     r.code = code;
     (r.segment, r.offset, r.len) = (a, b, c);
@@ -178,6 +179,7 @@ fn error_from_raw(r: &Raw) -> Result<RemoteError, FrameError> {
         5 => AccessError::OutOfBounds { offset: a, len: b, registered: c }.into(),
         6 => RemoteError::Busy,
         7 => RemoteError::TooManyChunks { chunks: a, limit: b },
+        8 => AccessError::OutsideGrant { segment: a, offset: b, len: c }.into(),
         other => return Err(FrameError::BadCode(other)),
     })
 }
@@ -450,6 +452,7 @@ mod tests {
                 vec![],
             ),
             Frame::new(Header::Error { op: 9, error: RemoteError::Busy }, vec![]),
+            Frame::new(Header::Error { op: 9, error: AccessError::OutsideGrant { segment: 3, offset: 7, len: 9 }.into() }, vec![]),
             Frame::new(Header::Notify { op: 4, len: 2 }, b"ok".to_vec()),
             Frame::new(Header::NotifyAck { op: 4 }, vec![]),
             Frame::new(Header::Unmap { op: 5, segment: 3 }, vec![]),

@@ -6,6 +6,8 @@
 //! deadline and an optional notification delivered after all data landed.
 //!
 //! Modules: [`registry`] (registrations, keys, epochs, checked access),
+//! [`grant`] (revocable, range-restricted keys to a registration: the
+//! fence against late writes over TCP),
 //! [`frame`] (wire format, a decoder that never panics), [`proto`] (the
 //! initiator's sans-IO state machine: slicing, deadlines, completion,
 //! notification after all data), [`tcp`] (the tokio driver: [`tcp::Agent`]),
@@ -20,18 +22,20 @@
 //! - `pdkv-transfer` never interprets the bytes it moves (KV contents are
 //!   opaque);
 //! - every remote access is checked against a live registration (segment,
-//!   epoch, key, bounds) before any byte is touched; nothing outside a
-//!   registration can be read or written;
+//!   epoch, key, bounds — and, through a grant, its ranges) before any byte
+//!   is touched; nothing outside a registration can be read or written;
 //! - every wait has a deadline, and every queue and buffer a bound;
 //! - the protocol logic ([`frame`], [`proto`]) is sans-IO: it does no I/O
 //!   and reads no clock; drivers pass time and bytes in.
 
 pub mod frame;
+pub mod grant;
 pub mod proto;
 pub mod registry;
 pub mod shm;
 pub mod tcp;
 
+pub use grant::{Grant, GrantError, GrantHook, RevokeError};
 pub use registry::{Access, AccessError, RegisterError, Registration, Registry, RegistryOptions};
 
 /// What a peer needs to address a registration: where the owning agent
@@ -51,5 +55,12 @@ impl RemoteDescriptor {
     /// Describes `[offset, offset+len)` of `reg`, owned by the agent at `agent_addr`.
     pub fn new(agent_addr: impl Into<String>, reg: &Registration, offset: u64, len: u64) -> RemoteDescriptor {
         RemoteDescriptor { agent_addr: agent_addr.into(), segment: reg.segment, key: reg.key, epoch: reg.epoch, offset, len }
+    }
+
+    /// Describes `[offset, offset+len)` of the registration `grant` opens,
+    /// addressed with the grant's key: refused outside its ranges and once
+    /// it is revoked.
+    pub fn granted(agent_addr: impl Into<String>, grant: &Grant, offset: u64, len: u64) -> RemoteDescriptor {
+        RemoteDescriptor { agent_addr: agent_addr.into(), segment: grant.segment, key: grant.key, epoch: grant.epoch, offset, len }
     }
 }

@@ -20,7 +20,7 @@ fn sock_path(name: &str) -> std::path::PathBuf {
 fn an_importer_copies_directly_and_every_check_holds() {
     let pool = Pool::new(PoolOptions { chunk_size: 64 << 10, single_allocation: false });
     let region = pool.allocate(Tag::KvCache, 512 << 10).unwrap();
-    let registry = Arc::new(Registry::new(RegistryOptions { max_segments: 8, key_seed: Some(1) }));
+    let registry = Arc::new(Registry::new(RegistryOptions { max_segments: 8, key_seed: Some(1), ..Default::default() }));
     // A range starting mid-chunk: the importer must honour the skew.
     let off = (64 << 10) + 4096;
     let reg = registry.register(&region, off, 256 << 10).unwrap();
@@ -86,7 +86,7 @@ fn raw_frame(raw: &std::os::unix::net::UnixStream, fds: &mut Vec<std::os::fd::Ow
 fn a_peer_that_never_acks_bounds_the_deregistration_by_its_deadline() {
     let pool = Pool::new(PoolOptions { chunk_size: 64 << 10, single_allocation: false });
     let region = pool.allocate(Tag::KvCache, 128 << 10).unwrap();
-    let registry = Arc::new(Registry::new(RegistryOptions { max_segments: 8, key_seed: Some(2) }));
+    let registry = Arc::new(Registry::new(RegistryOptions { max_segments: 8, key_seed: Some(2), ..Default::default() }));
     let reg = registry.register(&region, 0, 128 << 10).unwrap();
     let path = sock_path("noack");
     let exp = ShmExporter::bind(&path, registry.clone(), Limits::default()).unwrap();
@@ -139,9 +139,9 @@ fn pair(name: &str, len: usize, cfg: ShmImporterConfig) -> Pair {
     let pool = Pool::new(PoolOptions { chunk_size: 1 << 20, single_allocation: false });
     let remote = pool.allocate(Tag::KvCache, len).unwrap();
     let local = pool.allocate(Tag::KvCache, len).unwrap();
-    let registry = Arc::new(Registry::new(RegistryOptions { max_segments: 8, key_seed: Some(11) }));
+    let registry = Arc::new(Registry::new(RegistryOptions { max_segments: 8, key_seed: Some(11), ..Default::default() }));
     let remote_reg = registry.register(&remote, 0, len).unwrap();
-    let local_registry = Registry::new(RegistryOptions { max_segments: 8, key_seed: Some(12) });
+    let local_registry = Registry::new(RegistryOptions { max_segments: 8, key_seed: Some(12), ..Default::default() });
     let local_reg = local_registry.register(&local, 0, len).unwrap();
     let path = sock_path(name);
     let exp = ShmExporter::bind_with_queue(&path, registry.clone(), Limits::default(), 64).unwrap();
@@ -635,7 +635,7 @@ fn mapping_a_segment_again_retires_the_old_mapping_under_a_batch() {
 fn a_fence_with_no_holder_returns_at_once_and_a_silent_one_is_named_by_the_deadline() {
     let pool = Pool::new(PoolOptions { chunk_size: 64 << 10, single_allocation: false });
     let region = pool.allocate(Tag::KvCache, 128 << 10).unwrap();
-    let registry = Arc::new(Registry::new(RegistryOptions { max_segments: 8, key_seed: Some(41) }));
+    let registry = Arc::new(Registry::new(RegistryOptions { max_segments: 8, key_seed: Some(41), ..Default::default() }));
     let reg = registry.register(&region, 0, 128 << 10).unwrap();
     let path = sock_path("fence-silent");
     let exp = ShmExporter::bind(&path, registry.clone(), Limits::default()).unwrap();
@@ -685,7 +685,7 @@ fn registry_chunks(reg: &Registration) -> usize {
 fn an_unmap_acked_after_a_new_map_went_out_leaves_that_map_known() {
     let pool = Pool::new(PoolOptions { chunk_size: 64 << 10, single_allocation: false });
     let region = pool.allocate(Tag::KvCache, 128 << 10).unwrap();
-    let registry = Arc::new(Registry::new(RegistryOptions { max_segments: 8, key_seed: Some(42) }));
+    let registry = Arc::new(Registry::new(RegistryOptions { max_segments: 8, key_seed: Some(42), ..Default::default() }));
     let reg = registry.register(&region, 0, 128 << 10).unwrap();
     let path = sock_path("fence-gen");
     let exp = Arc::new(ShmExporter::bind(&path, registry.clone(), Limits::default()).unwrap());

@@ -31,9 +31,13 @@ struct Side {
 }
 
 async fn side(len: usize, seed: u64, slice: u64) -> Side {
+    side_with(len, slice, RegistryOptions { max_segments: 64, key_seed: Some(seed), ..Default::default() }).await
+}
+
+async fn side_with(len: usize, slice: u64, opts: RegistryOptions) -> Side {
     let pool = Pool::new(PoolOptions { chunk_size: 256 << 10, single_allocation: false });
     let region = pool.allocate(Tag::KvCache, len).unwrap();
-    let registry = Arc::new(Registry::new(RegistryOptions { max_segments: 64, key_seed: Some(seed) }));
+    let registry = Arc::new(Registry::new(opts));
     let reg = registry.register(&region, 0, len).unwrap();
     let agent = Agent::bind("127.0.0.1:0", registry, cfg(slice)).await.unwrap();
     Side { pool, region, reg, agent }
@@ -428,4 +432,79 @@ async fn cancel_ends_a_batch_at_once_and_the_peer_stays_usable() {
     assert!(read_region(&server.region, at, 4096) == data);
     let stats = client.agent.peer_stats().await;
     assert_eq!(stats[0].1.failures, [0, 0, 1, 0]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_grant_confines_writes_and_revoke_fences_them_even_mid_payload() {
+    use pdkv_transfer::{GrantHook, RevokeError};
+    // The server tells the test each time it hands out an access through a grant.
+    let (used_tx, mut used) = tokio::sync::mpsc::unbounded_channel();
+    let hook = GrantHook(Arc::new(move |segment, key| {
+        let _ = used_tx.send((segment, key));
+    }));
+    let opts = RegistryOptions { key_seed: Some(12), on_grant_use: Some(hook), ..Default::default() };
+    let server = side_with(4 * MIB, 64 << 10, opts).await;
+    let client = side(4 * MIB, 13, 64 << 10).await;
+    let registry = server.agent.registry().clone();
+    const AT: u64 = MIB as u64;
+    const LEN: usize = 64 << 10;
+    let grant = registry.grant(&server.reg, &[(AT, LEN as u64)]).unwrap();
+    let write = |offset: u64, seed: u64| {
+        let (client, server) = (&client, &server);
+        async move {
+            client.region.write_bytes(0, &pattern(LEN, seed)).unwrap();
+            let ops = vec![(client.agent.local(&client.reg, 0, LEN as u64).unwrap(), server.agent.describe_grant(&grant, offset, LEN as u64))];
+            client.agent.write(ops, None, DL).await
+        }
+    };
+    let next_use = |used: &mut tokio::sync::mpsc::UnboundedReceiver<(u64, u64)>| {
+        let got = used.try_recv();
+        assert_eq!(got, Ok((grant.segment, grant.key)), "the write went through the grant");
+    };
+
+    // Inside the grant: lands.
+    write(AT, 1).await.unwrap();
+    next_use(&mut used);
+    assert!(read_region(&server.region, AT as usize, LEN) == pattern(LEN, 1));
+    // Outside it (but inside the registration): refused, nothing changed.
+    let before = read_region(&server.region, 0, 4 * MIB);
+    let err = write(0, 2).await.unwrap_err();
+    let outside = AccessError::OutsideGrant { segment: grant.segment, offset: 0, len: 64 << 10 };
+    assert!(matches!(err, BatchError::Transfer(TransferError::Remote(e)) if e == outside.into()), "{err:?}");
+    assert!(read_region(&server.region, 0, 4 * MIB) == before);
+
+    // Mid-payload: a raw peer sends a write's header and half its data; the
+    // agent holds the access while it waits for the rest.
+    let mut s = TcpStream::connect(server.agent.local_addr()).await.unwrap();
+    let target = Target { segment: grant.segment, key: grant.key, epoch: grant.epoch, offset: AT, len: LEN as u64 };
+    let payload = pattern(LEN, 3);
+    s.write_all(&Header::WriteReq { op: 1, target }.encode()).await.unwrap();
+    s.write_all(&payload[..LEN / 2]).await.unwrap();
+    let got = tokio::time::timeout(DL, used.recv()).await.expect("the agent took the access");
+    assert_eq!(got, Some((grant.segment, grant.key)));
+    let reg2 = registry.clone();
+    let held = tokio::task::spawn_blocking(move || reg2.revoke(grant.segment, grant.key, Duration::from_millis(50))).await.unwrap();
+    assert_eq!(held, Err(RevokeError::InUse { segment: grant.segment, key: grant.key, accesses: 1 }));
+    let reg2 = registry.clone();
+    let fence = tokio::task::spawn_blocking(move || reg2.revoke(grant.segment, grant.key, DL));
+    s.write_all(&payload[LEN / 2..]).await.unwrap();
+    assert!(matches!(answer(&mut s).await, Some(Header::WriteAck { op: 1 })), "the write in flight completes");
+    assert_eq!(fence.await.unwrap(), Ok(()), "the fence held until its last byte landed");
+    let fenced = read_region(&server.region, 0, 4 * MIB);
+    assert!(fenced[AT as usize..AT as usize + LEN] == payload[..]);
+
+    // After the fence: the same write is refused, and no byte changes.
+    let err = write(AT, 4).await.unwrap_err();
+    let revoked = AccessError::BadKey { segment: grant.segment };
+    assert!(matches!(err, BatchError::Transfer(TransferError::Remote(e)) if e == revoked.into()), "{err:?}");
+    let got = raw(&mut s, Header::WriteReq { op: 2, target }, &pattern(LEN, 5)).await;
+    assert!(matches!(got, Some(Header::Error { op: 2, error }) if error == revoked.into()));
+    assert!(read_region(&server.region, 0, 4 * MIB) == fenced, "no byte changed after the fence");
+    assert!(used.try_recv().is_err(), "no access was handed out after the revoke");
+    let stats = server.agent.serve_stats();
+    assert_eq!(stats.refused[2].load(std::sync::atomic::Ordering::Relaxed), 2, "bad key (revoked)");
+    assert_eq!(stats.refused[7].load(std::sync::atomic::Ordering::Relaxed), 1, "outside the grant");
+    // The registration's own key still writes.
+    let ops = vec![(client.agent.local(&client.reg, 0, 4096).unwrap(), server.agent.describe(&server.reg, AT, 4096))];
+    client.agent.write(ops, None, DL).await.unwrap();
 }
