@@ -613,6 +613,35 @@ fn a_fence_stops_a_batch_in_flight_even_across_a_new_map_and_the_new_mapping_wor
 }
 
 #[test]
+fn a_batch_queued_before_a_fence_never_runs_on_the_mapping_after_it() {
+    const LEN: usize = 8 << 20;
+    let (cfg, gate) = gated(1, 4096);
+    let p = pair("fence-queued", LEN, cfg);
+    let seg = p.remote_reg.segment;
+    let (old, new) = (pattern(LEN, 13), pattern(LEN, 14));
+    p.remote.write_bytes(0, &old).unwrap();
+    p.local.write_bytes(0, &new).unwrap();
+    // The only worker is held inside batch A; batch B waits in the queue.
+    let a = p.write_one(0, 1 << 20, None, Instant::now() + DL);
+    gate.wait_reached();
+    let b_range = (4u64 << 20, 4096u64);
+    let t = Transfer { local: p.slice(b_range.0, b_range.1), remote: p.target(&p.remote_reg, b_range.0, b_range.1) };
+    let b = p.imp.start(Direction::Write, vec![t], None, Instant::now() + DL).unwrap();
+    p.exp.fence(seg, DL).unwrap();
+    p.imp.map(&p.remote_reg, DL).unwrap();
+    gate.release();
+    let gone = Err(TransferError::Remote(AccessError::NotRegistered { segment: seg }.into()));
+    assert_eq!(a.wait_blocking(), gone);
+    assert_eq!(b.wait_blocking(), gone, "started before the fence: bound to the mapping it unmapped");
+    prefix_landed(&p, LEN, &new, &old, 4096);
+    // Started after the re-map: runs.
+    let t = Transfer { local: p.slice(b_range.0, b_range.1), remote: p.target(&p.remote_reg, b_range.0, b_range.1) };
+    p.imp.start(Direction::Write, vec![t], None, Instant::now() + DL).unwrap().wait_blocking().unwrap();
+    let at = b_range.0 as usize;
+    assert!(remote_bytes(&p, at, 4096) == new[at..at + 4096]);
+}
+
+#[test]
 fn mapping_a_segment_again_retires_the_old_mapping_under_a_batch() {
     const LEN: usize = 8 << 20;
     let (cfg, gate) = gated(1, 4096);

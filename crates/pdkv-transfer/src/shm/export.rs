@@ -109,8 +109,8 @@ impl ShmExporter {
     /// Whether `reg`, live now, can be shared under this exporter's limits
     /// (the check a map request passes; see [`super::check_shareable`]).
     pub fn check_shareable(&self, reg: &Registration) -> Result<(), ShmError> {
-        let chunks = self.inner.registry.chunk_count(reg.segment).ok_or(AccessError::NotRegistered { segment: reg.segment })?;
-        check_shareable(chunks, &self.inner.limits)
+        let a = self.inner.registry.access_whole(reg.segment, reg.key, reg.epoch)?;
+        check_shareable(a.pinned().layout().0.len(), &self.inner.limits)
     }
 
     /// Asks every peer that mapped `segment` to unmap it, waits up to

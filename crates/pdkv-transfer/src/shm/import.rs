@@ -92,6 +92,9 @@ struct ImpInner {
 struct Job {
     dir: Direction,
     transfers: Vec<Transfer<LocalSlice>>,
+    /// Per transfer, the mapping of its segment when the batch started: the
+    /// batch runs on that mapping or fails, never on a later one.
+    slots: Vec<Option<Slot>>,
     notify: Option<Vec<u8>>,
     deadline: Instant,
     cancel: Arc<AtomicBool>,
@@ -195,9 +198,12 @@ impl ShmImporter {
     }
 
     /// Starts a batch on a worker: `Write` copies each local range into its
-    /// remote range, `Read` the other way. Every remote range is checked
-    /// against the mapped registration (segment mapped, key, epoch, bounds)
-    /// before the first byte moves; a refusal fails the batch with
+    /// remote range, `Read` the other way. The batch is bound to the
+    /// mappings present now: one unmapped (or replaced by a new map) before
+    /// or while it runs fails it with `NotRegistered`, even if the segment
+    /// is mapped again meanwhile. Every remote range is checked against its
+    /// mapped registration (segment mapped, key, epoch, bounds) before the
+    /// first byte moves; a refusal fails the batch with
     /// `Remote(..)` and touches no memory. Copies go slice by slice
     /// (`max_slice`); between slices the worker checks cancellation and the
     /// deadline and starts no slice after either. `notify` is sent to the
@@ -228,7 +234,11 @@ impl ShmImporter {
         }
         let cancel = Arc::new(AtomicBool::new(false));
         let (done, rx) = tokio::sync::oneshot::channel();
-        let job = Job { dir, transfers, notify, deadline, cancel: cancel.clone(), done };
+        let slots = {
+            let maps = self.inner.maps.lock().unwrap();
+            transfers.iter().map(|t| maps.get(&t.remote.segment).cloned()).collect()
+        };
+        let job = Job { dir, transfers, slots, notify, deadline, cancel: cancel.clone(), done };
         let sent = self.jobs.lock().unwrap().as_ref().map(|tx| tx.send(job));
         if !matches!(sent, Some(Ok(()))) {
             // Workers gone: the batch ends at once (its sender dropped).
@@ -468,12 +478,13 @@ struct Checked {
     len: usize,
 }
 
-/// Checks `t` against what this importer mapped: the segment is mapped, and
-/// key, epoch and bounds match the imported registration.
-fn check(inner: &ImpInner, t: &Target) -> Result<Checked, TransferError> {
+/// Checks `t` against the mapping its batch started with: the segment is
+/// still mapped by it, and key, epoch and bounds match the imported
+/// registration.
+fn check(t: &Target, slot: &Option<Slot>) -> Result<Checked, TransferError> {
     let refuse = |e: AccessError| TransferError::Remote(RemoteError::Access(e));
     let not_mapped = || refuse(AccessError::NotRegistered { segment: t.segment });
-    let slot = inner.maps.lock().unwrap().get(&t.segment).cloned().ok_or_else(not_mapped)?;
+    let slot = slot.clone().ok_or_else(not_mapped)?;
     let guard = slot.read().unwrap();
     let imp = guard.as_ref().ok_or_else(not_mapped)?;
     if t.epoch != imp.reg.epoch {
@@ -505,7 +516,7 @@ fn run_batch(inner: &ImpInner, job: &Job) -> Result<(), TransferError> {
     };
     stop()?;
     // Every range is checked before any byte moves.
-    let checked = job.transfers.iter().map(|t| check(inner, &t.remote)).collect::<Result<Vec<_>, _>>()?;
+    let checked = job.transfers.iter().zip(&job.slots).map(|(t, s)| check(&t.remote, s)).collect::<Result<Vec<_>, _>>()?;
     let max_slice = inner.cfg.max_slice.max(1) as usize;
     let mut slices = 0u64;
     for (t, c) in job.transfers.iter().zip(&checked) {
