@@ -11,9 +11,11 @@
 //! [`frame`] (wire format, a decoder that never panics), [`proto`] (the
 //! initiator's sans-IO state machine: slicing, deadlines, completion,
 //! notification after all data), [`tcp`] (the tokio driver: [`tcp::Agent`]),
-//! [`shm`] (memfds over a Unix socket; batches copied on worker threads
-//! with the same batch, error and [`proto::Stats`] types as TCP; unmap acks
-//! before deregistration).
+//! [`shm`] (memfds over a Unix socket, in batches of at most
+//! [`shm::MAX_FDS`] so a registration of any number of chunks can be
+//! shared; batches copied on worker threads with the same batch, error and
+//! [`proto::Stats`] types as TCP; unmap acks before deregistration, and
+//! [`shm::ShmExporter::fence`], the fence over shared memory).
 //! Metrics: bytes, operations and failures by reason per peer
 //! ([`proto::Stats`]), and refusals by reason on the serving side
 //! ([`tcp::ServeStats`]).
