@@ -28,13 +28,31 @@ pub struct Limits {
     pub max_data: u32,
     /// Largest notification payload.
     pub max_notify: u32,
+    /// Most memfds (chunks) one registration may span to be shared over
+    /// shared memory, on either side. Each chunk is one mapping (one entry
+    /// against `vm.max_map_count`, 65530 by default) in the exporter's
+    /// region, its registration and every importer: the default, 16384,
+    /// is 32 GiB in 2 MiB chunks.
+    pub max_map_chunks: u32,
 }
 
 impl Default for Limits {
     fn default() -> Self {
-        Limits { max_data: 4 << 20, max_notify: 64 << 10 }
+        Limits { max_data: 4 << 20, max_notify: 64 << 10, max_map_chunks: 16 << 10 }
     }
 }
+
+/// Most descriptors one `MapPart` carries: the kernel's SCM_RIGHTS limit
+/// per message (SCM_MAX_FD).
+pub const MAX_PART_FDS: usize = 253;
+
+/// Data bytes of a `MapResp`: skew, registration length, chunk count,
+/// bytes of all chunks (four little-endian u64).
+pub const MAP_RESP_LEN: u32 = 32;
+
+/// Largest data part of a `MapPart`: the first chunk's index, then one
+/// length per descriptor (little-endian u64 each).
+pub const MAX_MAP_PART_LEN: u32 = 8 * (1 + MAX_PART_FDS as u32);
 
 /// The remote range an operation addresses.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -53,6 +71,8 @@ pub enum RemoteError {
     Access(#[from] AccessError),
     #[error("the remote's notification queue is full")]
     Busy,
+    #[error("registration spans {chunks} memfds; at most {limit} can be shared")]
+    TooManyChunks { chunks: u64, limit: u64 },
 }
 
 /// One decoded header; `data_len()` bytes of data follow it on the wire.
@@ -70,8 +90,13 @@ pub enum Header {
     UnmapAck { op: u64, segment: u64 },
     /// Shared memory: ask for the memfds of a whole registration (`target.len` is its length).
     MapReq { op: u64, target: Target },
-    /// Shared memory: the layout (`len` bytes) follows; the memfds ride along (SCM_RIGHTS).
+    /// Shared memory: the layout's head ([`MAP_RESP_LEN`] bytes) follows;
+    /// the memfds come in the `MapPart`s after it.
     MapResp { op: u64, len: u32 },
+    /// Shared memory: one batch of a map reply, `len` bytes (at most
+    /// [`MAX_MAP_PART_LEN`]) naming the chunks whose memfds ride along
+    /// (SCM_RIGHTS, at most [`MAX_PART_FDS`]).
+    MapPart { op: u64, len: u32 },
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
@@ -105,6 +130,7 @@ mod kind {
     pub const UNMAP_ACK: u8 = 10;
     pub const MAP_REQ: u8 = 11;
     pub const MAP_RESP: u8 = 12;
+    pub const MAP_PART: u8 = 13;
 }
 
 /// The raw fields of a header, before their meaning is checked.
@@ -136,6 +162,8 @@ fn error_to_raw(e: &RemoteError, r: &mut Raw) {
         RemoteError::Access(AccessError::StaleEpoch { have, want }) => (4, have, want, 0),
         RemoteError::Access(AccessError::OutOfBounds { offset, len, registered }) => (5, offset, len, registered),
         RemoteError::Busy => (6, 0, 0, 0),
+        RemoteError::TooManyChunks { chunks, limit } => (7, chunks, limit, 0),
+        RemoteError::Access(AccessError::OutsideGrant { segment, offset, len }) => (8, segment, offset, len),
     };
     r.code = code;
     (r.segment, r.offset, r.len) = (a, b, c);
@@ -150,6 +178,8 @@ fn error_from_raw(r: &Raw) -> Result<RemoteError, FrameError> {
         4 => AccessError::StaleEpoch { have: a, want: b }.into(),
         5 => AccessError::OutOfBounds { offset: a, len: b, registered: c }.into(),
         6 => RemoteError::Busy,
+        7 => RemoteError::TooManyChunks { chunks: a, limit: b },
+        8 => AccessError::OutsideGrant { segment: a, offset: b, len: c }.into(),
         other => return Err(FrameError::BadCode(other)),
     })
 }
@@ -159,7 +189,10 @@ impl Header {
     pub fn data_len(&self) -> usize {
         match *self {
             Header::WriteReq { target, .. } => target.len as usize,
-            Header::ReadResp { len, .. } | Header::Notify { len, .. } | Header::MapResp { len, .. } => len as usize,
+            Header::ReadResp { len, .. }
+            | Header::Notify { len, .. }
+            | Header::MapResp { len, .. }
+            | Header::MapPart { len, .. } => len as usize,
             _ => 0,
         }
     }
@@ -199,6 +232,7 @@ impl Header {
                 set_target(&mut r, target);
             }
             Header::MapResp { op, len } => (r.kind, r.op, r.len) = (kind::MAP_RESP, *op, *len as u64),
+            Header::MapPart { op, len } => (r.kind, r.op, r.len) = (kind::MAP_PART, *op, *len as u64),
         }
         r.data_len = self.data_len() as u32;
         let mut b = [0u8; HEADER_LEN];
@@ -294,8 +328,16 @@ impl Header {
                 Header::MapReq { op: r.op, target }
             }
             kind::MAP_RESP => {
-                expect(r.len, limits.max_notify as u64)?;
+                expect(MAP_RESP_LEN as u64, MAP_RESP_LEN as u64)?;
                 Header::MapResp { op: r.op, len: r.data_len }
+            }
+            kind::MAP_PART => {
+                // The first chunk's index and at least one length, in whole words.
+                if data < 16 || !data.is_multiple_of(8) {
+                    return Err(FrameError::BadLength { len: data, limit: MAX_MAP_PART_LEN as u64 });
+                }
+                expect(r.len, MAX_MAP_PART_LEN as u64)?;
+                Header::MapPart { op: r.op, len: r.data_len }
             }
             other => return Err(FrameError::BadKind(other)),
         };
@@ -339,7 +381,8 @@ impl Decoder {
     }
 
     fn capacity(&self) -> usize {
-        2 * (HEADER_LEN + self.limits.max_data.max(self.limits.max_notify) as usize)
+        let largest = self.limits.max_data.max(self.limits.max_notify).max(MAX_MAP_PART_LEN);
+        2 * (HEADER_LEN + largest as usize)
     }
 
     /// Appends received bytes. Fails (and stays failed) if the peer sends
@@ -409,12 +452,15 @@ mod tests {
                 vec![],
             ),
             Frame::new(Header::Error { op: 9, error: RemoteError::Busy }, vec![]),
+            Frame::new(Header::Error { op: 9, error: AccessError::OutsideGrant { segment: 3, offset: 7, len: 9 }.into() }, vec![]),
             Frame::new(Header::Notify { op: 4, len: 2 }, b"ok".to_vec()),
             Frame::new(Header::NotifyAck { op: 4 }, vec![]),
             Frame::new(Header::Unmap { op: 5, segment: 3 }, vec![]),
             Frame::new(Header::UnmapAck { op: 5, segment: 3 }, vec![]),
             Frame::new(Header::MapReq { op: 6, target: Target { offset: 0, ..t } }, vec![]),
-            Frame::new(Header::MapResp { op: 6, len: 4 }, vec![1, 0, 0, 0]),
+            Frame::new(Header::MapResp { op: 6, len: MAP_RESP_LEN }, vec![3; MAP_RESP_LEN as usize]),
+            Frame::new(Header::MapPart { op: 6, len: 24 }, vec![4; 24]),
+            Frame::new(Header::Error { op: 6, error: RemoteError::TooManyChunks { chunks: 9000, limit: 8192 } }, vec![]),
         ]
     }
 
@@ -440,7 +486,7 @@ mod tests {
 
     #[test]
     fn bad_headers_are_refused_with_their_reason() {
-        let lim = Limits { max_data: 1024, max_notify: 16 };
+        let lim = Limits { max_data: 1024, max_notify: 16, ..Limits::default() };
         let ok = Header::WriteReq { op: 1, target: Target { segment: 1, key: 1, epoch: 1, offset: 0, len: 8 } }.encode();
         let check = |mutate: &dyn Fn(&mut [u8; HEADER_LEN]), want: FrameError| {
             let mut b = ok;
@@ -469,6 +515,14 @@ mod tests {
         let mut err = Header::Error { op: 1, error: RemoteError::Busy }.encode();
         err[6] = 77;
         assert_eq!(Header::decode(&err, &lim), Err(FrameError::BadCode(77)));
+        // Map replies: a head of exactly its size, parts of whole words within the bound.
+        let head = Header::MapResp { op: 1, len: MAP_RESP_LEN + 8 };
+        assert_eq!(Header::decode(&head.encode(), &lim), Err(FrameError::BadLength { len: 40, limit: 32 }));
+        for len in [0, 8, 20, MAX_MAP_PART_LEN + 8] {
+            let part = Header::MapPart { op: 1, len };
+            assert!(matches!(Header::decode(&part.encode(), &lim), Err(FrameError::BadLength { .. })), "part of {len} bytes");
+        }
+        assert!(Header::decode(&Header::MapPart { op: 1, len: MAX_MAP_PART_LEN }.encode(), &lim).is_ok());
     }
 
     /// Fuzz-style: random bytes, mutated valid frames and truncations never
@@ -476,7 +530,7 @@ mod tests {
     /// stays failed. Deterministic (fixed seed), thousands of cases.
     #[test]
     fn arbitrary_bytes_never_panic() {
-        let lim = Limits { max_data: 4096, max_notify: 256 };
+        let lim = Limits { max_data: 4096, max_notify: 256, ..Limits::default() };
         let mut wire = Vec::new();
         for f in samples() {
             f.encode(&mut wire);
@@ -506,7 +560,7 @@ mod tests {
                 }
                 h[0..4].copy_from_slice(&MAGIC);
                 h[4] = VERSION;
-                h[5] = 1 + (splitmix64(&mut seed) % 12) as u8;
+                h[5] = 1 + (splitmix64(&mut seed) % 13) as u8;
                 h[12..16].fill(0);
                 bytes.splice(0..0, h);
             }
@@ -521,7 +575,7 @@ mod tests {
                     match d.next_frame() {
                         Ok(Some(f)) => {
                             assert_eq!(f.data.len(), f.header.data_len());
-                            assert!(f.data.len() <= lim.max_data as usize);
+                            assert!(f.data.len() <= lim.max_data.max(MAX_MAP_PART_LEN) as usize);
                             decoded += 1;
                         }
                         Ok(None) => break,
@@ -539,7 +593,7 @@ mod tests {
 
     #[test]
     fn a_peer_cannot_grow_the_buffer_without_bound() {
-        let lim = Limits { max_data: 1024, max_notify: 16 };
+        let lim = Limits { max_data: 1024, max_notify: 16, ..Limits::default() };
         let mut d = Decoder::new(lim);
         let mut fed = 0usize;
         let err = loop {
@@ -549,8 +603,9 @@ mod tests {
             }
             assert!(fed < 100_000, "the bound holds");
         };
-        assert_eq!(err, FrameError::Overflow(2 * (HEADER_LEN + 1024)));
-        assert!(fed <= 2 * (HEADER_LEN + 1024));
+        let bound = 2 * (HEADER_LEN + MAX_MAP_PART_LEN as usize); // the largest frame these limits allow
+        assert_eq!(err, FrameError::Overflow(bound));
+        assert!(fed <= bound);
         assert_eq!(d.next_frame(), Err(err), "and the decoder stays failed");
     }
 }

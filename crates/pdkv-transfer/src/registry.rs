@@ -17,21 +17,30 @@
 //! and an access with any other epoch is refused, so stale pages are never
 //! served once the range has been registered again.
 //!
+//! Besides its own key, a registration can be reached through *grants*
+//! ([`Registry::grant`], see [`crate::grant`]): keys of their own to some of
+//! its ranges, revocable at any time with a bounded wait for the accesses
+//! in flight ([`Registry::revoke`]), and ended with the registration.
+//!
 //! Invariants:
 //! - every access goes through [`Registry::access`], which checks segment,
-//!   epoch, key and bounds before handing out an [`Access`]; on error no
-//!   byte is touched;
+//!   epoch, key (the registration's, or a live grant's and its ranges) and
+//!   bounds before handing out an [`Access`]; on error no byte is touched;
 //! - an [`Access`] holds the registration alive, so memory stays mapped for
 //!   as long as an operation uses it, even if it is deregistered meanwhile;
 //!   the pins drop when the last access ends;
-//! - the number of segments a registry remembers is bounded.
+//! - the number of segments a registry remembers is bounded, and so are
+//!   its grants (count and ranges, live and draining).
 
 use std::collections::HashMap;
 use std::io::Read;
 use std::os::fd::RawFd;
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use pdkv_vmem::{Chunk, Region};
+
+use crate::grant::{normalize, Grant, GrantError, GrantHook, GrantState, GrantTable, GrantUse, RevokeError};
 
 /// A handle to a live registration; what a peer needs (with the agent
 /// address) to address the memory. Copyable and cheap.
@@ -57,6 +66,9 @@ pub enum AccessError {
     StaleEpoch { have: u64, want: u64 },
     #[error("range {offset}+{len} is outside the registration of {registered} bytes")]
     OutOfBounds { offset: u64, len: u64, registered: u64 },
+    /// Inside the registration, but outside every range of the grant named.
+    #[error("range {offset}+{len} is outside the ranges granted by this key of segment {segment}")]
+    OutsideGrant { segment: u64, offset: u64, len: u64 },
 }
 
 /// Why a registration could not be made.
@@ -82,13 +94,24 @@ pub struct RegistryOptions {
     /// beyond this fails with [`RegisterError::Full`].
     pub max_segments: usize,
     /// Seed for a deterministic key sequence (tests); `None` draws every key
-    /// from the operating system's random source.
+    /// (registrations' and grants') from the operating system's random source.
     pub key_seed: Option<u64>,
+    /// Grants held at once, live or revoked with accesses still in flight;
+    /// more fail with [`GrantError::Full`].
+    pub max_grants: usize,
+    /// Ranges (after merging) all those grants may name together; more fail
+    /// with [`GrantError::TooManyRanges`].
+    pub max_grant_ranges: usize,
+    /// Called with `(segment, key)` each time an access through a grant is
+    /// handed out, after the registry's lock is released. A seam for
+    /// deterministic tests of revocation ("the agent holds an access now");
+    /// `None` in production.
+    pub on_grant_use: Option<GrantHook>,
 }
 
 impl Default for RegistryOptions {
     fn default() -> Self {
-        RegistryOptions { max_segments: 4096, key_seed: None }
+        RegistryOptions { max_segments: 4096, key_seed: None, max_grants: 1 << 16, max_grant_ranges: 1 << 20, on_grant_use: None }
     }
 }
 
@@ -138,11 +161,14 @@ impl Pinned {
 }
 
 /// A checked grant to a byte range of a live registration. Holding it keeps
-/// the registration's pages mapped.
+/// the registration's pages mapped, and, if it came through a [`Grant`],
+/// keeps that grant's revocation waiting.
 pub struct Access {
     pinned: Arc<Pinned>,
     offset: usize,
     len: usize,
+    /// The grant it came through, if any (dropped with the access).
+    _grant: Option<GrantUse>,
 }
 
 impl Access {
@@ -212,6 +238,25 @@ struct Inner {
     by_range: HashMap<(usize, usize, usize), u64>,
     next_segment: u64,
     keys: KeySource,
+    grants: GrantTable,
+}
+
+impl Inner {
+    /// The live registration of `segment` if `epoch` is its current one:
+    /// the checks every access starts with, in order.
+    fn current(&self, segment: u64, epoch: u64) -> Result<&Arc<Pinned>, AccessError> {
+        let slot = self.slots.get(&segment).ok_or(AccessError::UnknownSegment { segment })?;
+        let Some(pinned) = slot.live.as_ref() else {
+            if epoch < slot.epoch {
+                return Err(AccessError::StaleEpoch { have: epoch, want: slot.epoch });
+            }
+            return Err(AccessError::NotRegistered { segment });
+        };
+        if epoch != slot.epoch {
+            return Err(AccessError::StaleEpoch { have: epoch, want: slot.epoch });
+        }
+        Ok(pinned)
+    }
 }
 
 /// All registrations of one agent.
@@ -226,6 +271,7 @@ impl Registry {
             Some(seed) => KeySource::Seeded(seed),
             None => KeySource::Os,
         };
+        let grants = GrantTable::new(opts.max_grants, opts.max_grant_ranges);
         Registry {
             opts,
             inner: Mutex::new(Inner {
@@ -233,6 +279,7 @@ impl Registry {
                 by_range: HashMap::new(),
                 next_segment: 1,
                 keys,
+                grants,
             }),
         }
     }
@@ -257,7 +304,7 @@ impl Registry {
                 (seg, 1)
             }
         };
-        let key = inner.keys.next()?;
+        let key = inner.keys.next().map_err(|source| RegisterError::Os { op: "read /dev/urandom", source })?;
         let reg = Registration { segment, key, epoch, len: len as u64 };
         let pinned = Arc::new(Pinned::map(reg, region, offset)?);
         if segment == inner.next_segment {
@@ -268,17 +315,21 @@ impl Registry {
             segment,
             Slot { epoch, live: Some(pinned) },
         );
+        inner.grants.retire_segment(segment); // the older epoch's grants end with it
         drop(inner);
         drop(old); // an older live registration of the range: its pins go now (or when its last access ends)
         tracing::debug!(segment, epoch, len, "registered");
         Ok(reg)
     }
 
-    /// Drops the registration of `segment`; its pages are unpinned once the
-    /// accesses in flight end. Returns whether one was live.
+    /// Drops the registration of `segment` and revokes its grants (without
+    /// waiting: [`Registry::revoke`] still waits for a grant's accesses in
+    /// flight); its pages are unpinned once the accesses in flight end.
+    /// Returns whether one was live.
     pub fn deregister(&self, segment: u64) -> bool {
         let mut inner = self.inner.lock().unwrap();
         let old = inner.slots.get_mut(&segment).and_then(|s| s.live.take());
+        inner.grants.retire_segment(segment);
         drop(inner);
         let was = old.is_some();
         drop(old);
@@ -316,32 +367,98 @@ impl Registry {
 
     /// Checks an access against the live registration of `segment` and
     /// grants it. The checks, in order: the segment is known, it is
-    /// registered now, the epoch is its current one, the key matches, and
-    /// `offset+len` lies inside it.
+    /// registered now, the epoch is its current one, the key is the
+    /// registration's (then `offset+len` must lie inside it) or a live
+    /// grant's of it (then inside the registration, `OutOfBounds` otherwise,
+    /// and inside the union of the grant's ranges, `OutsideGrant`
+    /// otherwise). Any other key, a revoked grant's included, is `BadKey`.
     pub fn access(&self, segment: u64, key: u64, epoch: u64, offset: u64, len: u64) -> Result<Access, AccessError> {
         let inner = self.inner.lock().unwrap();
-        let slot = inner.slots.get(&segment).ok_or(AccessError::UnknownSegment { segment })?;
-        let Some(pinned) = slot.live.as_ref() else {
-            if epoch < slot.epoch {
-                return Err(AccessError::StaleEpoch { have: epoch, want: slot.epoch });
-            }
-            return Err(AccessError::NotRegistered { segment });
+        let pinned = inner.current(segment, epoch)?;
+        let registered = pinned.reg.len;
+        let grant = match key == pinned.reg.key {
+            true => None,
+            false => Some(inner.grants.live(segment, key, epoch).ok_or(AccessError::BadKey { segment })?),
         };
-        if epoch != slot.epoch {
-            return Err(AccessError::StaleEpoch { have: epoch, want: slot.epoch });
+        if offset.checked_add(len).is_none_or(|end| end > registered) {
+            return Err(AccessError::OutOfBounds { offset, len, registered });
         }
+        if grant.is_some_and(|g| !g.covers(offset, len)) {
+            return Err(AccessError::OutsideGrant { segment, offset, len });
+        }
+        let access = Access { pinned: pinned.clone(), offset: offset as usize, len: len as usize, _grant: grant.map(GrantUse::new) };
+        drop(inner);
+        if let (Some(hook), true) = (&self.opts.on_grant_use, access._grant.is_some()) {
+            (hook.0)(segment, key);
+        }
+        Ok(access)
+    }
+
+    /// Grants the whole live registration of `segment` to the holder of its
+    /// own key (not a grant's): what sharing its memory with a peer needs.
+    pub fn access_whole(&self, segment: u64, key: u64, epoch: u64) -> Result<Access, AccessError> {
+        let inner = self.inner.lock().unwrap();
+        let pinned = inner.current(segment, epoch)?;
         if key != pinned.reg.key {
             return Err(AccessError::BadKey { segment });
         }
-        let registered = pinned.reg.len;
-        match offset.checked_add(len) {
-            Some(end) if end <= registered => Ok(Access {
-                pinned: pinned.clone(),
-                offset: offset as usize,
-                len: len as usize,
-            }),
-            _ => Err(AccessError::OutOfBounds { offset, len, registered }),
+        Ok(Access { pinned: pinned.clone(), offset: 0, len: pinned.reg.len as usize, _grant: None })
+    }
+
+    /// Makes a grant: a key of its own to `ranges` (offset, len) of the live
+    /// registration `reg`, accepted by [`Registry::access`] for ranges
+    /// inside their union (see [`crate::grant`]). Every range must be
+    /// non-empty and inside the registration. The grant ends when revoked
+    /// or when the registration does (deregistered or registered again).
+    pub fn grant(&self, reg: &Registration, ranges: &[(u64, u64)]) -> Result<Grant, GrantError> {
+        let mut inner = self.inner.lock().unwrap();
+        let pinned = inner.current(reg.segment, reg.epoch)?;
+        if reg.key != pinned.reg.key {
+            return Err(AccessError::BadKey { segment: reg.segment }.into());
         }
+        let spans = normalize(ranges, pinned.reg.len)?;
+        inner.grants.admit(spans.len())?;
+        let key = loop {
+            let key = inner.keys.next().map_err(|source| GrantError::Os { op: "read /dev/urandom", source })?;
+            if key != reg.key && !inner.grants.contains(reg.segment, key) {
+                break key;
+            }
+        };
+        let grant = Grant { segment: reg.segment, key, epoch: reg.epoch };
+        inner.grants.insert(GrantState::new(grant, spans));
+        drop(inner);
+        tracing::debug!(segment = grant.segment, epoch = grant.epoch, ranges = ranges.len(), "granted");
+        Ok(grant)
+    }
+
+    /// Revokes the grant `key` of `segment`. From the moment this returns,
+    /// `Ok` or not, no new access through it succeeds; then it waits, at
+    /// most `timeout`, until every [`Access`] handed out through it has been
+    /// dropped, and `Ok` means no byte can land through the grant any more.
+    /// [`RevokeError::InUse`] names how many accesses outlived the wait;
+    /// revoking again waits for them again. Idempotent: an unknown grant, or
+    /// one revoked and drained already, is `Ok` at once.
+    pub fn revoke(&self, segment: u64, key: u64, timeout: Duration) -> Result<(), RevokeError> {
+        let Some(state) = self.inner.lock().unwrap().grants.mark_revoked(segment, key) else {
+            return Ok(());
+        };
+        // The registry's lock is not held while waiting: accesses go on.
+        state.wait_idle(timeout).map_err(|accesses| RevokeError::InUse { segment, key, accesses })?;
+        self.inner.lock().unwrap().grants.forget_if_drained(&state);
+        tracing::debug!(segment, "grant revoked");
+        Ok(())
+    }
+
+    /// Grants held now (live, or revoked with accesses in flight) and the
+    /// merged ranges they name.
+    pub fn grants(&self) -> (usize, usize) {
+        self.inner.lock().unwrap().grants.len()
+    }
+
+    /// How many memfds (chunks) the live registration of `segment` spans.
+    pub fn chunk_count(&self, segment: u64) -> Option<usize> {
+        let inner = self.inner.lock().unwrap();
+        inner.slots.get(&segment)?.live.as_ref().map(|p| p.chunks.len())
     }
 
     /// Grants access to a local registration by its handle.
@@ -359,13 +476,11 @@ enum KeySource {
 }
 
 impl KeySource {
-    fn next(&mut self) -> Result<u64, RegisterError> {
+    fn next(&mut self) -> std::io::Result<u64> {
         match self {
             KeySource::Os => {
                 let mut b = [0u8; 8];
-                std::fs::File::open("/dev/urandom")
-                    .and_then(|mut f| f.read_exact(&mut b))
-                    .map_err(|source| RegisterError::Os { op: "read /dev/urandom", source })?;
+                std::fs::File::open("/dev/urandom").and_then(|mut f| f.read_exact(&mut b))?;
                 Ok(u64::from_le_bytes(b))
             }
             KeySource::Seeded(state) => Ok(splitmix64(state)),
@@ -392,7 +507,7 @@ mod tests {
     }
 
     fn registry() -> Registry {
-        Registry::new(RegistryOptions { max_segments: 8, key_seed: Some(7) })
+        Registry::new(RegistryOptions { max_segments: 8, key_seed: Some(7), ..Default::default() })
     }
 
     fn pattern(len: usize, seed: u8) -> Vec<u8> {
@@ -502,6 +617,149 @@ mod tests {
         assert_eq!(Arc::strong_count(&chunk), 2, "pinned by the grant and by this test");
         drop(grant);
         assert_eq!(Arc::strong_count(&chunk), 1, "the last grant unpinned it");
+    }
+
+    use crate::grant::{Grant, GrantError, RevokeError};
+    use std::time::{Duration, Instant};
+
+    const DL: Duration = Duration::from_secs(10);
+
+    #[test]
+    fn a_grant_opens_exactly_its_ranges_and_the_registrations_key_keeps_working() {
+        let pool = pool();
+        let region = pool.allocate(Tag::KvCache, 64 << 10).unwrap();
+        let reg_ = registry();
+        let r = reg_.register(&region, 4096, 32 << 10).unwrap();
+        let g = reg_.grant(&r, &[(8192, 4096), (0, 100), (12288, 100)]).unwrap();
+        assert_eq!((g.segment, g.epoch), (r.segment, r.epoch));
+        assert_ne!(g.key, r.key);
+        let through = |off, len| reg_.access(g.segment, g.key, g.epoch, off, len).map(|_| ());
+        assert_eq!(through(0, 100), Ok(()));
+        assert_eq!(through(8192, 4196), Ok(()), "two adjacent ranges: their union");
+        assert_eq!(through(50, 51), Err(AccessError::OutsideGrant { segment: r.segment, offset: 50, len: 51 }));
+        assert_eq!(through(4096, 1), Err(AccessError::OutsideGrant { segment: r.segment, offset: 4096, len: 1 }));
+        assert_eq!(through(12288, 101), Err(AccessError::OutsideGrant { segment: r.segment, offset: 12288, len: 101 }));
+        assert_eq!(through(32 << 10, 1), Err(AccessError::OutOfBounds { offset: 32 << 10, len: 1, registered: 32 << 10 }));
+        assert_eq!(
+            reg_.access(g.segment, g.key, g.epoch + 1, 0, 1).err(),
+            Some(AccessError::StaleEpoch { have: g.epoch + 1, want: g.epoch })
+        );
+        // Writes through the grant land in the region, at the registration's offsets.
+        reg_.access(g.segment, g.key, g.epoch, 8192, 4).unwrap().write_from(&[1, 2, 3, 4]);
+        let mut b = [0; 4];
+        region.read_bytes(4096 + 8192, &mut b).unwrap();
+        assert_eq!(b, [1, 2, 3, 4]);
+        assert!(reg_.access(r.segment, r.key, r.epoch, 0, 32 << 10).is_ok(), "the registration's key reaches it all");
+        assert!(matches!(reg_.access_whole(r.segment, g.key, g.epoch), Err(AccessError::BadKey { .. })), "a grant never opens it whole");
+
+        // Refused grants.
+        assert!(matches!(reg_.grant(&r, &[]), Err(GrantError::NoRanges)));
+        assert!(matches!(reg_.grant(&r, &[(0, 1), (32 << 10, 1)]), Err(GrantError::BadRange { offset, .. }) if offset == 32 << 10));
+        assert!(matches!(reg_.grant(&r, &[(5, 0)]), Err(GrantError::BadRange { .. })));
+        let wrong_key = Registration { key: r.key ^ 1, ..r };
+        assert!(matches!(reg_.grant(&wrong_key, &[(0, 1)]), Err(GrantError::Access(AccessError::BadKey { .. }))));
+        let as_grant = Registration { key: g.key, ..r };
+        assert!(matches!(reg_.grant(&as_grant, &[(0, 1)]), Err(GrantError::Access(AccessError::BadKey { .. }))), "no grant of a grant");
+        assert_eq!(reg_.grants(), (1, 2), "three ranges, two of them adjacent: two after merging");
+    }
+
+    #[test]
+    fn revoke_refuses_at_once_and_waits_for_the_access_in_flight() {
+        let pool = pool();
+        let region = pool.allocate(Tag::KvCache, 64 << 10).unwrap();
+        let reg_ = Arc::new(registry());
+        let r = reg_.register(&region, 0, 64 << 10).unwrap();
+        let g = reg_.grant(&r, &[(0, 4096)]).unwrap();
+        // Another thread holds an access through the grant until told to drop it.
+        let (take, taken) = std::sync::mpsc::channel();
+        let (release, released) = std::sync::mpsc::channel::<()>();
+        let dropped = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let holder = {
+            let (reg_, dropped) = (reg_.clone(), dropped.clone());
+            std::thread::spawn(move || {
+                let a = reg_.access(g.segment, g.key, g.epoch, 0, 4096).unwrap();
+                take.send(()).unwrap();
+                released.recv_timeout(DL).expect("the test releases the access");
+                dropped.store(true, std::sync::atomic::Ordering::SeqCst);
+                drop(a);
+            })
+        };
+        taken.recv_timeout(DL).unwrap();
+
+        let t0 = Instant::now();
+        let held = reg_.revoke(g.segment, g.key, Duration::from_millis(50));
+        assert_eq!(held, Err(RevokeError::InUse { segment: g.segment, key: g.key, accesses: 1 }));
+        assert!(t0.elapsed() >= Duration::from_millis(50), "it waited its timeout");
+        assert_eq!(reg_.access(g.segment, g.key, g.epoch, 0, 1).err(), Some(AccessError::BadKey { segment: g.segment }), "refused even so");
+        assert_eq!(reg_.grants(), (1, 1), "remembered while an access is in flight");
+
+        // Revoking again waits for that access, and returns once it is dropped.
+        let revoker = {
+            let (reg_, dropped) = (reg_.clone(), dropped.clone());
+            std::thread::spawn(move || {
+                let res = reg_.revoke(g.segment, g.key, DL);
+                (res, dropped.load(std::sync::atomic::Ordering::SeqCst), Instant::now())
+            })
+        };
+        let t1 = Instant::now();
+        release.send(()).unwrap();
+        holder.join().unwrap();
+        let (res, was_dropped, at) = revoker.join().unwrap();
+        assert_eq!(res, Ok(()));
+        assert!(was_dropped, "revoke returned only after the access was dropped");
+        assert!(at.duration_since(t1) < DL, "woken by the drop, not by its deadline");
+        assert_eq!(reg_.grants(), (0, 0), "a drained grant is forgotten");
+        assert_eq!(reg_.revoke(g.segment, g.key, Duration::ZERO), Ok(()), "idempotent");
+        assert_eq!(reg_.revoke(g.segment, 12345, Duration::ZERO), Ok(()), "an unknown grant");
+        assert!(reg_.access(r.segment, r.key, r.epoch, 0, 1).is_ok(), "the registration is untouched");
+    }
+
+    #[test]
+    fn grants_end_with_their_registration() {
+        let pool = pool();
+        let region = pool.allocate(Tag::KvCache, 64 << 10).unwrap();
+        let reg_ = registry();
+        let r = reg_.register(&region, 0, 64 << 10).unwrap();
+        let g = reg_.grant(&r, &[(0, 4096)]).unwrap();
+        let again = reg_.register(&region, 0, 64 << 10).unwrap();
+        assert_eq!(reg_.grants(), (0, 0));
+        assert_eq!(reg_.access(g.segment, g.key, again.epoch, 0, 1).err(), Some(AccessError::BadKey { segment: g.segment }));
+        assert_eq!(reg_.access(g.segment, g.key, g.epoch, 0, 1).err(), Some(AccessError::StaleEpoch { have: g.epoch, want: again.epoch }));
+        assert!(matches!(reg_.grant(&r, &[(0, 1)]), Err(GrantError::Access(AccessError::StaleEpoch { .. }))));
+
+        // Deregistered under an access in flight: the grant drains, and
+        // revoke still waits for it.
+        let g2 = reg_.grant(&again, &[(0, 4096)]).unwrap();
+        let a = reg_.access(g2.segment, g2.key, g2.epoch, 0, 4096).unwrap();
+        assert!(reg_.deregister(again.segment));
+        assert_eq!(reg_.access(g2.segment, g2.key, g2.epoch, 0, 1).err(), Some(AccessError::NotRegistered { segment: g2.segment }));
+        assert_eq!(reg_.grants(), (1, 1));
+        assert_eq!(reg_.revoke(g2.segment, g2.key, Duration::ZERO), Err(RevokeError::InUse { segment: g2.segment, key: g2.key, accesses: 1 }));
+        drop(a);
+        assert_eq!(reg_.revoke(g2.segment, g2.key, Duration::ZERO), Ok(()));
+        assert_eq!(reg_.grants(), (0, 0));
+    }
+
+    #[test]
+    fn the_grant_table_is_bounded_and_revoking_makes_room() {
+        let pool = pool();
+        let region = pool.allocate(Tag::KvCache, 64 << 10).unwrap();
+        let reg_ = Registry::new(RegistryOptions { key_seed: Some(8), max_grants: 3, max_grant_ranges: 10, ..Default::default() });
+        let r = reg_.register(&region, 0, 64 << 10).unwrap();
+        let gs: Vec<Grant> = (0..3).map(|i| reg_.grant(&r, &[(i * 4096, 4096)]).unwrap()).collect();
+        assert!(matches!(reg_.grant(&r, &[(0, 1)]), Err(GrantError::Full(3))));
+        reg_.revoke(gs[0].segment, gs[0].key, DL).unwrap();
+        let wide: Vec<(u64, u64)> = (0..9).map(|i| (i * 100, 10)).collect();
+        assert!(matches!(reg_.grant(&r, &wide), Err(GrantError::TooManyRanges { ranges: 9, limit: 10 })), "2 held + 9 > 10");
+        // Adjacent ranges merge and count once.
+        let touching: Vec<(u64, u64)> = (0..8).map(|i| (i * 10, 10)).collect();
+        let g = reg_.grant(&r, &touching).unwrap();
+        assert_eq!(reg_.grants(), (3, 3));
+        assert!(reg_.access(g.segment, g.key, g.epoch, 0, 80).is_ok());
+        let mut keys: Vec<u64> = gs.iter().map(|g| g.key).chain([g.key, r.key]).collect();
+        keys.sort_unstable();
+        keys.dedup();
+        assert_eq!(keys.len(), 5, "every key distinct");
     }
 
     #[test]

@@ -83,9 +83,11 @@ pub struct ServeStats {
     pub bytes_in: AtomicU64,
     pub bytes_out: AtomicU64,
     pub ops_served: AtomicU64,
-    /// Refused accesses by reason: unknown segment, not registered, bad key,
-    /// stale epoch, out of bounds, busy.
-    pub refused: [AtomicU64; 6],
+    /// Refused accesses by reason: unknown segment, not registered, bad key
+    /// (a revoked grant's included), stale epoch, out of bounds, busy, too
+    /// many chunks (shared memory only, never counted here), outside the
+    /// grant's ranges.
+    pub refused: [AtomicU64; 8],
     pub malformed: AtomicU64,
     /// Signalled after every operation served (tests wait on progress).
     pub progress: Notify,
@@ -105,6 +107,8 @@ fn refusal_index(e: &RemoteError) -> usize {
         RemoteError::Access(AccessError::StaleEpoch { .. }) => 3,
         RemoteError::Access(AccessError::OutOfBounds { .. }) => 4,
         RemoteError::Busy => 5,
+        RemoteError::TooManyChunks { .. } => 6,
+        RemoteError::Access(AccessError::OutsideGrant { .. }) => 7,
     }
 }
 
@@ -257,8 +261,8 @@ async fn conn_writer(shared: Arc<PeerShared>, id: ConnId, mut w: OwnedWriteHalf)
         let res = match &req {
             Request::Write { op, target, local } => {
                 let h = Header::WriteReq { op: *op, target: *target }.encode();
-                // SAFETY: the batch protocol schedules no write into a range it sends from.
                 match w.write_all(&h).await {
+                    // SAFETY: the batch protocol schedules no write into a range it sends from.
                     Ok(()) => w.write_all(unsafe { local.bytes() }).await,
                     Err(e) => Err(e),
                 }
@@ -434,6 +438,13 @@ impl Agent {
     /// Describes `[offset, offset+len)` of a local registration for a peer.
     pub fn describe(&self, reg: &Registration, offset: u64, len: u64) -> RemoteDescriptor {
         RemoteDescriptor::new(self.addr.to_string(), reg, offset, len)
+    }
+
+    /// Describes `[offset, offset+len)` of a local registration for a peer,
+    /// through `grant`: the peer's accesses are confined to the grant's
+    /// ranges and end when it is revoked.
+    pub fn describe_grant(&self, grant: &crate::Grant, offset: u64, len: u64) -> RemoteDescriptor {
+        RemoteDescriptor::granted(self.addr.to_string(), grant, offset, len)
     }
 
     /// A checked local range for a batch.

@@ -47,7 +47,7 @@ fn released_memory_is_freed_only_after_deregistration_and_the_last_access() {
     const LEN: usize = 4 << 20;
     let pool = Pool::new(PoolOptions { chunk_size: 1 << 20, single_allocation: false });
     let region = pool.allocate(Tag::KvCache, LEN).unwrap();
-    let registry = Arc::new(Registry::new(RegistryOptions { max_segments: 4, key_seed: Some(1) }));
+    let registry = Arc::new(Registry::new(RegistryOptions { max_segments: 4, key_seed: Some(1), ..Default::default() }));
     assert_eq!(live_kv_memfd_bytes(), LEN as u64);
 
     // Register half the region: the two chunks under it are pinned.
@@ -89,7 +89,7 @@ fn shared_memory_is_freed_only_after_every_peer_acked_its_unmap() {
     const LEN: usize = 2 << 20;
     let pool = Pool::new(PoolOptions { chunk_size: 1 << 20, single_allocation: false });
     let region = pool.allocate(Tag::KvCache, LEN).unwrap();
-    let registry = Arc::new(Registry::new(RegistryOptions { max_segments: 4, key_seed: Some(2) }));
+    let registry = Arc::new(Registry::new(RegistryOptions { max_segments: 4, key_seed: Some(2), ..Default::default() }));
     let reg = registry.register(&region, 0, LEN).unwrap();
     let path = std::env::temp_dir().join(format!("pdkv-acct-{}.sock", std::process::id()));
     let _ = std::fs::remove_file(&path);

@@ -20,7 +20,7 @@ fn sock_path(name: &str) -> std::path::PathBuf {
 fn an_importer_copies_directly_and_every_check_holds() {
     let pool = Pool::new(PoolOptions { chunk_size: 64 << 10, single_allocation: false });
     let region = pool.allocate(Tag::KvCache, 512 << 10).unwrap();
-    let registry = Arc::new(Registry::new(RegistryOptions { max_segments: 8, key_seed: Some(1) }));
+    let registry = Arc::new(Registry::new(RegistryOptions { max_segments: 8, key_seed: Some(1), ..Default::default() }));
     // A range starting mid-chunk: the importer must honour the skew.
     let off = (64 << 10) + 4096;
     let reg = registry.register(&region, off, 256 << 10).unwrap();
@@ -72,11 +72,21 @@ fn an_importer_copies_directly_and_every_check_holds() {
     assert!(matches!(imp.read(again.segment, reg.epoch, 0, &mut small), Err(ShmError::Remote(_))), "old epoch refused");
 }
 
+/// Reads one frame on a hand-written peer's socket, collecting its memfds.
+fn raw_frame(raw: &std::os::unix::net::UnixStream, fds: &mut Vec<std::os::fd::OwnedFd>) -> (Header, Vec<u8>) {
+    let mut h = [0u8; HEADER_LEN];
+    recv_with_fds(raw, &mut h, fds).unwrap();
+    let header = Header::decode(&h, &Limits::default()).unwrap();
+    let mut data = vec![0; header.data_len()];
+    recv_with_fds(raw, &mut data, fds).unwrap();
+    (header, data)
+}
+
 #[test]
 fn a_peer_that_never_acks_bounds_the_deregistration_by_its_deadline() {
     let pool = Pool::new(PoolOptions { chunk_size: 64 << 10, single_allocation: false });
     let region = pool.allocate(Tag::KvCache, 128 << 10).unwrap();
-    let registry = Arc::new(Registry::new(RegistryOptions { max_segments: 8, key_seed: Some(2) }));
+    let registry = Arc::new(Registry::new(RegistryOptions { max_segments: 8, key_seed: Some(2), ..Default::default() }));
     let reg = registry.register(&region, 0, 128 << 10).unwrap();
     let path = sock_path("noack");
     let exp = ShmExporter::bind(&path, registry.clone(), Limits::default()).unwrap();
@@ -86,12 +96,11 @@ fn a_peer_that_never_acks_bounds_the_deregistration_by_its_deadline() {
     let target = Target { segment: reg.segment, key: reg.key, epoch: reg.epoch, offset: 0, len: reg.len };
     std::io::Write::write_all(&mut &raw, &Header::MapReq { op: 1, target }.encode()).unwrap();
     let mut fds = Vec::new();
-    let mut h = [0u8; HEADER_LEN];
-    recv_with_fds(&raw, &mut h, &mut fds).unwrap();
-    let header = Header::decode(&h, &Limits::default()).unwrap();
+    let (header, _) = raw_frame(&raw, &mut fds);
     assert!(matches!(header, Header::MapResp { op: 1, .. }));
-    let mut layout = vec![0; header.data_len()];
-    recv_with_fds(&raw, &mut layout, &mut fds).unwrap();
+    assert!(fds.is_empty(), "the head carries no memfd");
+    let (header, _) = raw_frame(&raw, &mut fds);
+    assert!(matches!(header, Header::MapPart { op: 1, .. }));
     assert_eq!(fds.len(), 2, "one memfd per 64 KiB chunk");
 
     let t0 = Instant::now();
@@ -130,9 +139,9 @@ fn pair(name: &str, len: usize, cfg: ShmImporterConfig) -> Pair {
     let pool = Pool::new(PoolOptions { chunk_size: 1 << 20, single_allocation: false });
     let remote = pool.allocate(Tag::KvCache, len).unwrap();
     let local = pool.allocate(Tag::KvCache, len).unwrap();
-    let registry = Arc::new(Registry::new(RegistryOptions { max_segments: 8, key_seed: Some(11) }));
+    let registry = Arc::new(Registry::new(RegistryOptions { max_segments: 8, key_seed: Some(11), ..Default::default() }));
     let remote_reg = registry.register(&remote, 0, len).unwrap();
-    let local_registry = Registry::new(RegistryOptions { max_segments: 8, key_seed: Some(12) });
+    let local_registry = Registry::new(RegistryOptions { max_segments: 8, key_seed: Some(12), ..Default::default() });
     let local_reg = local_registry.register(&local, 0, len).unwrap();
     let path = sock_path(name);
     let exp = ShmExporter::bind_with_queue(&path, registry.clone(), Limits::default(), 64).unwrap();
@@ -408,4 +417,329 @@ fn deregistering_during_a_batch_ends_it_cleanly() {
     prefix_landed(&p, LEN, &new, &old, st.bytes_written as usize);
     assert_eq!(p.exp.recv_notification(Duration::from_millis(50)), None);
     assert!(p.registry.get(p.remote_reg.segment).is_none());
+}
+
+// ---- Map replies in batches: limits, and exporters that lie.
+
+use pdkv_transfer::shm::{check_shareable, send_with_fds, BadMap};
+use std::os::fd::RawFd;
+
+#[test]
+fn too_many_chunks_is_refused_with_its_own_reason_on_either_side() {
+    let pool = Pool::new(PoolOptions { chunk_size: 4096, single_allocation: false });
+    let region = pool.allocate(Tag::KvCache, 200 * 4096).unwrap();
+    let registry = Arc::new(Registry::new(RegistryOptions { key_seed: Some(31), ..Default::default() }));
+    let reg = registry.register(&region, 0, region.len()).unwrap();
+    let small = Limits { max_map_chunks: 100, ..Limits::default() };
+    let want = |e: &ShmError| matches!(e, ShmError::TooManyChunks { chunks: 200, limit: 100 });
+    assert!(matches!(check_shareable(200, &small), Err(ref e) if want(e)));
+    check_shareable(100, &small).unwrap();
+
+    // The exporter's limit: refused before any memfd is sent.
+    let path = sock_path("limit-exp");
+    let exp = ShmExporter::bind(&path, registry.clone(), small).unwrap();
+    assert!(matches!(exp.check_shareable(&reg), Err(ref e) if want(e)));
+    let imp = ShmImporter::connect(&path, Limits::default()).unwrap();
+    assert!(matches!(imp.map(&reg, DL), Err(ref e) if want(e)));
+    assert_eq!(imp.mapped_epoch(reg.segment), None);
+    drop((imp, exp));
+
+    // The importer's limit, against an exporter that would send them all.
+    let path = sock_path("limit-imp");
+    let exp = ShmExporter::bind(&path, registry.clone(), Limits::default()).unwrap();
+    exp.check_shareable(&reg).unwrap();
+    let imp = ShmImporter::connect(&path, small).unwrap();
+    assert!(matches!(imp.map(&reg, DL), Err(ref e) if want(e)));
+    assert_eq!(imp.mapped_epoch(reg.segment), None);
+    let roomy = ShmImporter::connect(&path, Limits::default()).unwrap();
+    roomy.map(&reg, DL).unwrap();
+    assert_eq!(roomy.mapped_epoch(reg.segment), Some(reg.epoch));
+}
+
+/// What a map call must fail with.
+type Expect<'a> = &'a dyn Fn(&ShmError) -> bool;
+
+/// What a hand-written exporter sends in answer to one map request.
+enum Say {
+    Head(Vec<u8>),
+    Part(Vec<u8>, Vec<RawFd>),
+    /// A part for the previous request (one the importer gave up on).
+    StalePart(Vec<u8>, Vec<RawFd>),
+    /// A header with a bad magic.
+    Garbage,
+}
+
+fn words(w: &[u64]) -> Vec<u8> {
+    w.iter().flat_map(|v| v.to_le_bytes()).collect()
+}
+
+/// An exporter that reads map requests and answers each with its script.
+fn lying_exporter(path: &std::path::Path, script: Vec<Vec<Say>>) -> std::thread::JoinHandle<()> {
+    let listener = std::os::unix::net::UnixListener::bind(path).unwrap();
+    std::thread::spawn(move || {
+        let (s, _) = listener.accept().unwrap();
+        let mut last_op = 0;
+        for answer in script {
+            let mut fds = Vec::new();
+            let (h, _) = raw_frame(&s, &mut fds);
+            let Header::MapReq { op, .. } = h else { panic!("a map request, got {h:?}") };
+            for say in answer {
+                let frame = |h: Header, d: &[u8]| [&h.encode()[..], d].concat();
+                let (bytes, fds) = match say {
+                    Say::Head(d) => (frame(Header::MapResp { op, len: d.len() as u32 }, &d), vec![]),
+                    Say::Part(d, f) => (frame(Header::MapPart { op, len: d.len() as u32 }, &d), f),
+                    Say::StalePart(d, f) => (frame(Header::MapPart { op: last_op, len: d.len() as u32 }, &d), f),
+                    Say::Garbage => (vec![b'X'; HEADER_LEN], vec![]),
+                };
+                let _ = send_with_fds(&s, &bytes, &fds);
+            }
+            last_op = op;
+        }
+    })
+}
+
+#[test]
+fn an_exporter_that_lies_in_its_map_reply_is_refused_with_the_reason_and_nothing_stays_mapped() {
+    const C: u64 = 64 << 10;
+    let pool = Pool::new(PoolOptions { chunk_size: C as usize, single_allocation: false });
+    let region = pool.allocate(Tag::KvCache, 2 * C as usize).unwrap();
+    let chunks = region.chunks();
+    let (f0, f1) = (chunks[0].chunk.raw_fd(), chunks[1].chunk.raw_fd());
+    let reg = Registration { segment: 1, key: 2, epoch: 3, len: 100_000 };
+    let head = words(&[4096, 100_000, 2, 2 * C]);
+    let part = |first: u64, lens: &[u64]| words(&[&[first][..], lens].concat());
+    use Say::*;
+    let cases: Vec<(Vec<Say>, Expect)> = vec![
+        (vec![Head(words(&[4096, 99_999, 2, 2 * C]))], &|e| matches!(e, ShmError::BadMap(BadMap::Head))),
+        (vec![Part(part(0, &[C]), vec![f0])], &|e| matches!(e, ShmError::BadMap(BadMap::NoHead))),
+        (vec![Head(head.clone()), Head(head.clone())], &|e| matches!(e, ShmError::BadMap(BadMap::SecondHead))),
+        (
+            vec![Head(head.clone()), Part(part(1, &[C]), vec![f1])],
+            &|e| matches!(e, ShmError::BadMap(BadMap::OutOfOrder { want: 0, got: 1 })),
+        ),
+        (
+            vec![Head(head.clone()), Part(part(0, &[C, C]), vec![f0])],
+            &|e| matches!(e, ShmError::BadMap(BadMap::FdCount { lens: 2, fds: 1 })),
+        ),
+        (
+            vec![Head(words(&[4096, 100_000, 1, 2 * C])), Part(part(0, &[C, C]), vec![f0, f1])],
+            &|e| matches!(e, ShmError::BadMap(BadMap::PastEnd { chunks: 1, .. })),
+        ),
+        (
+            vec![Head(words(&[4096, 100_000, 2, 3 * C])), Part(part(0, &[C, C]), vec![f0, f1])],
+            &|e| matches!(e, ShmError::BadMap(BadMap::ShortTotal { want, got }) if *want == 3 * C && *got == 2 * C),
+        ),
+        (
+            vec![Head(words(&[4096, 100_000, 1 << 40, 2 * C]))],
+            &|e| matches!(e, ShmError::TooManyChunks { chunks, limit } if *chunks == 1 << 40 && *limit == Limits::default().max_map_chunks as u64),
+        ),
+        (
+            vec![Head(words(&[0, 100_000, 1, 1 << 60]))],
+            &|e| matches!(e, ShmError::Io(_)), // an address range that cannot be reserved
+        ),
+        (
+            vec![Head(words(&[0, 100_000, 2, 100_000 + 4096])), Part(part(0, &[100_000, 4096]), vec![f0, f1])],
+            &|e| matches!(e, ShmError::Io(ref io) if io.kind() == std::io::ErrorKind::InvalidInput), // not whole pages
+        ),
+        (
+            vec![Head(words(&[0, 100_000, 1, 4 * C])), Part(part(0, &[4 * C]), vec![f0])],
+            &|e| matches!(e, ShmError::Io(ref io) if io.kind() == std::io::ErrorKind::InvalidInput), // longer than the memfd
+        ),
+        // Half a reply, then silence: the call ends by its deadline.
+        (vec![Head(head.clone()), Part(part(0, &[C]), vec![f0])], &|e| matches!(e, ShmError::Timeout)),
+    ];
+    let n = cases.len();
+    let (mut script, checks): (Vec<Vec<Say>>, Vec<_>) = cases.into_iter().unzip();
+    // Then: the rest of the abandoned reply (ignored), a valid reply, and garbage.
+    script.push(vec![StalePart(part(1, &[C]), vec![f1]), Head(head.clone()), Part(part(0, &[C]), vec![f0]), Part(part(1, &[C]), vec![f1])]);
+    script.push(vec![Garbage]);
+    let path = sock_path("liar");
+    let liar = lying_exporter(&path, script);
+    let imp = ShmImporter::connect(&path, Limits::default()).unwrap();
+    for (i, check) in checks.iter().enumerate() {
+        let timeout = if i == n - 1 { Duration::from_millis(200) } else { DL };
+        let err = imp.map(&reg, timeout).unwrap_err();
+        assert!(check(&err), "case {i}: {err:?}");
+        assert_eq!(imp.mapped_epoch(reg.segment), None, "case {i}: nothing mapped");
+    }
+    // The connection survived every lie: a true reply maps, and writes land.
+    imp.map(&reg, DL).unwrap();
+    assert_eq!(imp.mapped_epoch(reg.segment), Some(reg.epoch));
+    imp.write(reg.segment, reg.epoch, 0, &[7; 100]).unwrap();
+    let mut back = [0; 100];
+    region.read_bytes(4096, &mut back).unwrap();
+    assert_eq!(back, [7; 100], "the skew was honoured");
+    // A malformed frame closes the connection: the call fails, never hangs.
+    assert!(matches!(imp.map(&reg, DL), Err(ShmError::PeerLost)));
+    liar.join().unwrap();
+}
+
+// ---- The fence: unmap everywhere, keep the registration.
+
+#[test]
+fn a_fence_stops_a_batch_in_flight_even_across_a_new_map_and_the_new_mapping_works() {
+    const LEN: usize = 8 << 20;
+    let (cfg, gate) = gated(1, 4096);
+    let p = pair("fence", LEN, cfg);
+    let seg = p.remote_reg.segment;
+    let (old, new) = (pattern(LEN, 9), pattern(LEN, 10));
+    p.remote.write_bytes(0, &old).unwrap();
+    p.local.write_bytes(0, &new).unwrap();
+    let h = p.write_one(0, LEN as u64, Some(b"late".to_vec()), Instant::now() + DL);
+    gate.wait_reached();
+
+    p.exp.fence(seg, DL).unwrap();
+    assert_eq!(p.imp.unmapped(), 1, "the peer unmapped between two slices and acked");
+    assert_eq!(p.imp.mapped_epoch(seg), None, "the caller can tell it must map again");
+    assert_eq!(p.registry.get(seg), Some(p.remote_reg), "the registration stays");
+    // The peer maps the segment again before the old batch's next slice.
+    p.imp.map(&p.remote_reg, DL).unwrap();
+    assert_eq!(p.imp.mapped_epoch(seg), Some(p.remote_reg.epoch));
+    gate.release();
+    assert_eq!(h.wait_blocking(), Err(TransferError::Remote(AccessError::NotRegistered { segment: seg }.into())));
+    let st = p.imp.stats();
+    assert_eq!(st.bytes_written, 4096, "the old batch never reached the new mapping: {st:?}");
+    prefix_landed(&p, LEN, &new, &old, 4096);
+    assert_eq!(p.exp.recv_notification(Duration::from_millis(50)), None);
+
+    // A batch on the new mapping lands (one slice: the gate is not involved).
+    let at = 1 << 20;
+    let t = Transfer { local: p.slice(at, 4096), remote: p.target(&p.remote_reg, at, 4096) };
+    p.imp.start(Direction::Write, vec![t], None, Instant::now() + DL).unwrap().wait_blocking().unwrap();
+    assert!(remote_bytes(&p, at as usize, 4096) == new[at as usize..at as usize + 4096]);
+    // The exporter knows about the new mapping: deregistering asks again.
+    p.exp.deregister(seg, DL).unwrap();
+    assert_eq!(p.imp.unmapped(), 2);
+}
+
+#[test]
+fn a_batch_queued_before_a_fence_never_runs_on_the_mapping_after_it() {
+    const LEN: usize = 8 << 20;
+    let (cfg, gate) = gated(1, 4096);
+    let p = pair("fence-queued", LEN, cfg);
+    let seg = p.remote_reg.segment;
+    let (old, new) = (pattern(LEN, 13), pattern(LEN, 14));
+    p.remote.write_bytes(0, &old).unwrap();
+    p.local.write_bytes(0, &new).unwrap();
+    // The only worker is held inside batch A; batch B waits in the queue.
+    let a = p.write_one(0, 1 << 20, None, Instant::now() + DL);
+    gate.wait_reached();
+    let b_range = (4u64 << 20, 4096u64);
+    let t = Transfer { local: p.slice(b_range.0, b_range.1), remote: p.target(&p.remote_reg, b_range.0, b_range.1) };
+    let b = p.imp.start(Direction::Write, vec![t], None, Instant::now() + DL).unwrap();
+    p.exp.fence(seg, DL).unwrap();
+    p.imp.map(&p.remote_reg, DL).unwrap();
+    gate.release();
+    let gone = Err(TransferError::Remote(AccessError::NotRegistered { segment: seg }.into()));
+    assert_eq!(a.wait_blocking(), gone);
+    assert_eq!(b.wait_blocking(), gone, "started before the fence: bound to the mapping it unmapped");
+    prefix_landed(&p, LEN, &new, &old, 4096);
+    // Started after the re-map: runs.
+    let t = Transfer { local: p.slice(b_range.0, b_range.1), remote: p.target(&p.remote_reg, b_range.0, b_range.1) };
+    p.imp.start(Direction::Write, vec![t], None, Instant::now() + DL).unwrap().wait_blocking().unwrap();
+    let at = b_range.0 as usize;
+    assert!(remote_bytes(&p, at, 4096) == new[at..at + 4096]);
+}
+
+#[test]
+fn mapping_a_segment_again_retires_the_old_mapping_under_a_batch() {
+    const LEN: usize = 8 << 20;
+    let (cfg, gate) = gated(1, 4096);
+    let p = pair("remap", LEN, cfg);
+    let (old, new) = (pattern(LEN, 11), pattern(LEN, 12));
+    p.remote.write_bytes(0, &old).unwrap();
+    p.local.write_bytes(0, &new).unwrap();
+    let h = p.write_one(0, LEN as u64, None, Instant::now() + DL);
+    gate.wait_reached();
+    p.imp.map(&p.remote_reg, DL).unwrap();
+    gate.release();
+    let seg = p.remote_reg.segment;
+    assert_eq!(h.wait_blocking(), Err(TransferError::Remote(AccessError::NotRegistered { segment: seg }.into())));
+    prefix_landed(&p, LEN, &new, &old, 4096);
+    assert_eq!(p.imp.mapped_epoch(seg), Some(p.remote_reg.epoch), "the new mapping serves");
+    p.imp.write(seg, p.remote_reg.epoch, 0, &[1; 8]).unwrap();
+}
+
+#[test]
+fn a_fence_with_no_holder_returns_at_once_and_a_silent_one_is_named_by_the_deadline() {
+    let pool = Pool::new(PoolOptions { chunk_size: 64 << 10, single_allocation: false });
+    let region = pool.allocate(Tag::KvCache, 128 << 10).unwrap();
+    let registry = Arc::new(Registry::new(RegistryOptions { max_segments: 8, key_seed: Some(41), ..Default::default() }));
+    let reg = registry.register(&region, 0, 128 << 10).unwrap();
+    let path = sock_path("fence-silent");
+    let exp = ShmExporter::bind(&path, registry.clone(), Limits::default()).unwrap();
+    exp.fence(reg.segment, Duration::ZERO).unwrap();
+
+    let raw = raw_mapper(&path, &reg, 1);
+    let t0 = Instant::now();
+    let err = exp.fence(reg.segment, Duration::from_millis(200)).unwrap_err();
+    assert!(matches!(err, ShmError::UnmapTimeout { segment, ref peers } if segment == reg.segment && peers.len() == 1), "{err:?}");
+    assert!(t0.elapsed() >= Duration::from_millis(200) && t0.elapsed() < Duration::from_secs(2));
+    assert_eq!(registry.get(reg.segment), Some(reg), "a fence keeps the registration");
+    // Others still map it.
+    let imp = ShmImporter::connect(&path, Limits::default()).unwrap();
+    imp.map(&reg, DL).unwrap();
+    drop(raw);
+}
+
+/// A hand-written importer that mapped `reg` (and keeps the memfds).
+fn raw_mapper(path: &std::path::Path, reg: &Registration, op: u64) -> (std::os::unix::net::UnixStream, Vec<std::os::fd::OwnedFd>) {
+    let raw = std::os::unix::net::UnixStream::connect(path).unwrap();
+    raw.set_read_timeout(Some(DL)).unwrap();
+    let mut fds = Vec::new();
+    raw_map(&raw, reg, op, &mut fds);
+    (raw, fds)
+}
+
+/// Sends a map request on `raw` and reads the whole reply.
+fn raw_map(raw: &std::os::unix::net::UnixStream, reg: &Registration, op: u64, fds: &mut Vec<std::os::fd::OwnedFd>) {
+    let target = Target { segment: reg.segment, key: reg.key, epoch: reg.epoch, offset: 0, len: reg.len };
+    std::io::Write::write_all(&mut &*raw, &Header::MapReq { op, target }.encode()).unwrap();
+    assert!(matches!(raw_frame(raw, fds).0, Header::MapResp { .. }));
+    let n = registry_chunks(reg);
+    let mut got = 0;
+    while got < n {
+        let before = fds.len();
+        assert!(matches!(raw_frame(raw, fds).0, Header::MapPart { .. }));
+        got += fds.len() - before;
+    }
+}
+
+/// Chunks of the registrations these tests make: 64 KiB each.
+fn registry_chunks(reg: &Registration) -> usize {
+    (reg.len as usize).div_ceil(64 << 10)
+}
+
+#[test]
+fn an_unmap_acked_after_a_new_map_went_out_leaves_that_map_known() {
+    let pool = Pool::new(PoolOptions { chunk_size: 64 << 10, single_allocation: false });
+    let region = pool.allocate(Tag::KvCache, 128 << 10).unwrap();
+    let registry = Arc::new(Registry::new(RegistryOptions { max_segments: 8, key_seed: Some(42), ..Default::default() }));
+    let reg = registry.register(&region, 0, 128 << 10).unwrap();
+    let path = sock_path("fence-gen");
+    let exp = Arc::new(ShmExporter::bind(&path, registry.clone(), Limits::default()).unwrap());
+    let (raw, mut fds) = raw_mapper(&path, &reg, 1);
+
+    // The fence's unmap request reaches the peer; before acking it, the
+    // peer maps the segment again, so that map's reply follows the request.
+    let fence = {
+        let exp = exp.clone();
+        std::thread::spawn(move || exp.fence(reg.segment, DL))
+    };
+    let Header::Unmap { op: unmap_op, segment } = raw_frame(&raw, &mut fds).0 else { panic!("an unmap request") };
+    assert_eq!(segment, reg.segment);
+    raw_map(&raw, &reg, 2, &mut fds);
+    std::io::Write::write_all(&mut &raw, &Header::UnmapAck { op: unmap_op, segment }.encode()).unwrap();
+    fence.join().unwrap().unwrap();
+
+    // The ack answered the request, not the later map: deregistering must
+    // still ask this peer (were it forgotten, this read would time out).
+    let dereg = {
+        let exp = exp.clone();
+        std::thread::spawn(move || exp.deregister(reg.segment, DL))
+    };
+    let Header::Unmap { op, segment } = raw_frame(&raw, &mut fds).0 else { panic!("a second unmap request") };
+    fds.clear();
+    std::io::Write::write_all(&mut &raw, &Header::UnmapAck { op, segment }.encode()).unwrap();
+    dereg.join().unwrap().unwrap();
 }

@@ -9,7 +9,9 @@ use pdkv_transfer::tcp::{Agent, AgentConfig, BatchError};
 use pdkv_transfer::{AccessError, Registration, Registry, RegistryOptions};
 use pdkv_vmem::{Pool, PoolOptions, Region, Tag};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::watch;
 
 const MIB: usize = 1 << 20;
 
@@ -29,9 +31,13 @@ struct Side {
 }
 
 async fn side(len: usize, seed: u64, slice: u64) -> Side {
+    side_with(len, slice, RegistryOptions { max_segments: 64, key_seed: Some(seed), ..Default::default() }).await
+}
+
+async fn side_with(len: usize, slice: u64, opts: RegistryOptions) -> Side {
     let pool = Pool::new(PoolOptions { chunk_size: 256 << 10, single_allocation: false });
     let region = pool.allocate(Tag::KvCache, len).unwrap();
-    let registry = Arc::new(Registry::new(RegistryOptions { max_segments: 64, key_seed: Some(seed) }));
+    let registry = Arc::new(Registry::new(opts));
     let reg = registry.register(&region, 0, len).unwrap();
     let agent = Agent::bind("127.0.0.1:0", registry, cfg(slice)).await.unwrap();
     Side { pool, region, reg, agent }
@@ -54,6 +60,81 @@ fn read_region(r: &Region, off: usize, len: usize) -> Vec<u8> {
 }
 
 const DL: Duration = Duration::from_secs(10);
+
+/// A TCP relay in front of a real agent that holds the initiator's bytes:
+/// each connection forwards at most `budget` bytes towards the agent until
+/// [`Relay::open`], then everything. Replies flow freely, and a close on
+/// either side closes the other. A test uses it to stop a batch at a known
+/// point ("the agent has seen nothing", "each connection delivered one
+/// request") by an event, whatever the machine's speed.
+struct Relay {
+    addr: String,
+    open: watch::Sender<bool>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Relay {
+    async fn start(to: std::net::SocketAddr, budget: u64) -> Relay {
+        let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = l.local_addr().unwrap().to_string();
+        let (open, open_rx) = watch::channel(false);
+        let task = tokio::spawn(async move {
+            while let Ok((client, _)) = l.accept().await {
+                tokio::spawn(relay_conn(client, to, budget, open_rx.clone()));
+            }
+        });
+        Relay { addr, open, task }
+    }
+
+    /// Lets every byte through from now on.
+    fn open(&self) {
+        self.open.send_replace(true);
+    }
+
+    /// `d` addressed through this relay.
+    fn via(&self, d: pdkv_transfer::RemoteDescriptor) -> pdkv_transfer::RemoteDescriptor {
+        pdkv_transfer::RemoteDescriptor { agent_addr: self.addr.clone(), ..d }
+    }
+}
+
+impl Drop for Relay {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+async fn relay_conn(client: TcpStream, to: std::net::SocketAddr, budget: u64, open: watch::Receiver<bool>) {
+    let Ok(server) = TcpStream::connect(to).await else { return };
+    let (cr, mut cw) = client.into_split();
+    let (mut sr, sw) = server.into_split();
+    let up = tokio::spawn(pump_gated(cr, sw, budget, open));
+    let _ = tokio::io::copy(&mut sr, &mut cw).await;
+    up.abort(); // the agent closed: close towards the initiator too (cw drops)
+}
+
+/// Forwards `r` to `w`, at most `budget` bytes until the gate opens; waits
+/// for the gate at most `DL`.
+async fn pump_gated(mut r: OwnedReadHalf, mut w: OwnedWriteHalf, budget: u64, mut open: watch::Receiver<bool>) {
+    let mut buf = vec![0u8; 64 << 10];
+    let mut sent = 0u64;
+    loop {
+        let room = if *open.borrow() { buf.len() } else { (budget - sent).min(buf.len() as u64) as usize };
+        if room == 0 {
+            match tokio::time::timeout(DL, open.wait_for(|o| *o)).await {
+                Ok(Ok(_)) => continue,
+                _ => return,
+            }
+        }
+        let n = match r.read(&mut buf[..room]).await {
+            Ok(0) | Err(_) => return,
+            Ok(n) => n,
+        };
+        if w.write_all(&buf[..n]).await.is_err() {
+            return;
+        }
+        sent += n as u64;
+    }
+}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn many_concurrent_batches_from_many_tasks_land_correctly() {
@@ -280,10 +361,12 @@ fn a_real_agent_killed_mid_transfer_fails_the_batch_with_peer_lost() {
     let client_rt = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build().unwrap();
     client_rt.block_on(async {
         let client = side(16 * MIB, 7, MIB as u64).await;
+        // Each connection delivers exactly one 1 MiB write frame, then the
+        // relay holds the rest: the batch cannot end before the kill.
+        let relay = Relay::start(server.agent.local_addr(), (HEADER_LEN + MIB) as u64).await;
         let local = client.agent.local(&client.reg, 0, 16 * MIB as u64).unwrap();
-        // 32 x 16 MiB into distinct ranges: far more than moves before the kill.
         let ops: Vec<_> = (0..32u64)
-            .map(|i| (local.clone(), server.agent.describe(&server.reg, i * 16 * MIB as u64, 16 * MIB as u64)))
+            .map(|i| (local.clone(), relay.via(server.agent.describe(&server.reg, i * 16 * MIB as u64, 16 * MIB as u64))))
             .collect();
         let progress = stats.progress.notified();
         let t0 = Instant::now();
@@ -293,7 +376,8 @@ fn a_real_agent_killed_mid_transfer_fails_the_batch_with_peer_lost() {
         let res = batch.wait().await;
         assert_eq!(res, Err(TransferError::PeerLost));
         assert!(t0.elapsed() < DL, "failed by the deadline");
-        assert!(stats.bytes_in.load(std::sync::atomic::Ordering::Relaxed) < SERVER as u64);
+        let landed = stats.bytes_in.load(std::sync::atomic::Ordering::Relaxed);
+        assert!(landed >= MIB as u64 && landed <= 3 * MIB as u64, "one slice per connection at most: {landed}");
     });
     drop(server);
 }
@@ -302,7 +386,10 @@ fn a_real_agent_killed_mid_transfer_fails_the_batch_with_peer_lost() {
 async fn deregistering_under_an_operation_in_flight_ends_it_cleanly() {
     let server = side(2 * MIB, 8, 256 << 10).await;
     let client = side(64 * MIB, 9, 256 << 10).await;
-    let desc = server.agent.describe(&server.reg, 0, 2 * MIB as u64);
+    // Each connection delivers one read request, then the relay holds the
+    // rest until the segment is gone: the batch is in flight, by construction.
+    let relay = Relay::start(server.agent.local_addr(), HEADER_LEN as u64).await;
+    let desc = relay.via(server.agent.describe(&server.reg, 0, 2 * MIB as u64));
     // 32 reads of the same remote range into distinct local ranges.
     let ops: Vec<_> =
         (0..32u64).map(|i| (client.agent.local(&client.reg, i * 2 * MIB as u64, 2 * MIB as u64).unwrap(), desc.clone())).collect();
@@ -310,14 +397,9 @@ async fn deregistering_under_an_operation_in_flight_ends_it_cleanly() {
     let batch = client.agent.start(pdkv_transfer::proto::Direction::Read, ops, None, DL).await.unwrap();
     tokio::time::timeout(DL, progress).await.expect("the server served a slice");
     assert!(server.agent.registry().deregister(server.reg.segment));
+    relay.open();
     let res = tokio::time::timeout(DL + Duration::from_secs(1), batch.wait()).await.expect("never hangs");
-    match res {
-        Ok(()) => {}
-        Err(TransferError::Remote(e)) => {
-            assert_eq!(e, AccessError::NotRegistered { segment: server.reg.segment }.into())
-        }
-        Err(other) => panic!("unexpected end: {other:?}"),
-    }
+    assert_eq!(res, Err(TransferError::Remote(AccessError::NotRegistered { segment: server.reg.segment }.into())));
     // The next access is refused.
     let err = client.agent.read(vec![(server.agent.describe(&server.reg, 0, 8), client.agent.local(&client.reg, 0, 8).unwrap())], DL).await;
     assert!(matches!(err, Err(BatchError::Transfer(TransferError::Remote(_)))));
@@ -327,20 +409,102 @@ async fn deregistering_under_an_operation_in_flight_ends_it_cleanly() {
 async fn cancel_ends_a_batch_at_once_and_the_peer_stays_usable() {
     let server = side(16 * MIB, 10, 256 << 10).await;
     let client = side(16 * MIB, 11, 256 << 10).await;
+    // The relay delivers nothing until opened: the batch cannot finish
+    // before the cancel, and it ends without waiting for the server.
+    let relay = Relay::start(server.agent.local_addr(), 0).await;
     // The cancelled batch covers [0, 8 MiB) on both sides; the check after
     // it uses [12 MiB, +4 KiB), which late slices of it cannot reach.
-    let desc = server.agent.describe(&server.reg, 0, 8 * MIB as u64);
+    let desc = relay.via(server.agent.describe(&server.reg, 0, 8 * MIB as u64));
     let local = client.agent.local(&client.reg, 0, 8 * MIB as u64).unwrap();
     let ops = vec![(local, desc)];
     let batch = client.agent.start(pdkv_transfer::proto::Direction::Write, ops, None, DL).await.unwrap();
     batch.cancel();
     assert_eq!(batch.wait().await, Err(TransferError::Cancelled));
+    assert_eq!(server.agent.serve_stats().bytes_in.load(std::sync::atomic::Ordering::Relaxed), 0, "ended before any byte arrived");
+    // The slices already on the wire reach the server now; the connections
+    // carry on, and the next batch over them lands.
+    relay.open();
     let data = pattern(4096, 3);
     let at = 12 * MIB;
     client.region.write_bytes(at, &data).unwrap();
-    let ops = vec![(client.agent.local(&client.reg, at as u64, 4096).unwrap(), server.agent.describe(&server.reg, at as u64, 4096))];
+    let ops = vec![(client.agent.local(&client.reg, at as u64, 4096).unwrap(), relay.via(server.agent.describe(&server.reg, at as u64, 4096)))];
     client.agent.write(ops, None, DL).await.unwrap();
     assert!(read_region(&server.region, at, 4096) == data);
     let stats = client.agent.peer_stats().await;
     assert_eq!(stats[0].1.failures, [0, 0, 1, 0]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_grant_confines_writes_and_revoke_fences_them_even_mid_payload() {
+    use pdkv_transfer::{GrantHook, RevokeError};
+    // The server tells the test each time it hands out an access through a grant.
+    let (used_tx, mut used) = tokio::sync::mpsc::unbounded_channel();
+    let hook = GrantHook(Arc::new(move |segment, key| {
+        let _ = used_tx.send((segment, key));
+    }));
+    let opts = RegistryOptions { key_seed: Some(12), on_grant_use: Some(hook), ..Default::default() };
+    let server = side_with(4 * MIB, 64 << 10, opts).await;
+    let client = side(4 * MIB, 13, 64 << 10).await;
+    let registry = server.agent.registry().clone();
+    const AT: u64 = MIB as u64;
+    const LEN: usize = 64 << 10;
+    let grant = registry.grant(&server.reg, &[(AT, LEN as u64)]).unwrap();
+    let write = |offset: u64, seed: u64| {
+        let (client, server) = (&client, &server);
+        async move {
+            client.region.write_bytes(0, &pattern(LEN, seed)).unwrap();
+            let ops = vec![(client.agent.local(&client.reg, 0, LEN as u64).unwrap(), server.agent.describe_grant(&grant, offset, LEN as u64))];
+            client.agent.write(ops, None, DL).await
+        }
+    };
+    let next_use = |used: &mut tokio::sync::mpsc::UnboundedReceiver<(u64, u64)>| {
+        let got = used.try_recv();
+        assert_eq!(got, Ok((grant.segment, grant.key)), "the write went through the grant");
+    };
+
+    // Inside the grant: lands.
+    write(AT, 1).await.unwrap();
+    next_use(&mut used);
+    assert!(read_region(&server.region, AT as usize, LEN) == pattern(LEN, 1));
+    // Outside it (but inside the registration): refused, nothing changed.
+    let before = read_region(&server.region, 0, 4 * MIB);
+    let err = write(0, 2).await.unwrap_err();
+    let outside = AccessError::OutsideGrant { segment: grant.segment, offset: 0, len: 64 << 10 };
+    assert!(matches!(err, BatchError::Transfer(TransferError::Remote(e)) if e == outside.into()), "{err:?}");
+    assert!(read_region(&server.region, 0, 4 * MIB) == before);
+
+    // Mid-payload: a raw peer sends a write's header and half its data; the
+    // agent holds the access while it waits for the rest.
+    let mut s = TcpStream::connect(server.agent.local_addr()).await.unwrap();
+    let target = Target { segment: grant.segment, key: grant.key, epoch: grant.epoch, offset: AT, len: LEN as u64 };
+    let payload = pattern(LEN, 3);
+    s.write_all(&Header::WriteReq { op: 1, target }.encode()).await.unwrap();
+    s.write_all(&payload[..LEN / 2]).await.unwrap();
+    let got = tokio::time::timeout(DL, used.recv()).await.expect("the agent took the access");
+    assert_eq!(got, Some((grant.segment, grant.key)));
+    let reg2 = registry.clone();
+    let held = tokio::task::spawn_blocking(move || reg2.revoke(grant.segment, grant.key, Duration::from_millis(50))).await.unwrap();
+    assert_eq!(held, Err(RevokeError::InUse { segment: grant.segment, key: grant.key, accesses: 1 }));
+    let reg2 = registry.clone();
+    let fence = tokio::task::spawn_blocking(move || reg2.revoke(grant.segment, grant.key, DL));
+    s.write_all(&payload[LEN / 2..]).await.unwrap();
+    assert!(matches!(answer(&mut s).await, Some(Header::WriteAck { op: 1 })), "the write in flight completes");
+    assert_eq!(fence.await.unwrap(), Ok(()), "the fence held until its last byte landed");
+    let fenced = read_region(&server.region, 0, 4 * MIB);
+    assert!(fenced[AT as usize..AT as usize + LEN] == payload[..]);
+
+    // After the fence: the same write is refused, and no byte changes.
+    let err = write(AT, 4).await.unwrap_err();
+    let revoked = AccessError::BadKey { segment: grant.segment };
+    assert!(matches!(err, BatchError::Transfer(TransferError::Remote(e)) if e == revoked.into()), "{err:?}");
+    let got = raw(&mut s, Header::WriteReq { op: 2, target }, &pattern(LEN, 5)).await;
+    assert!(matches!(got, Some(Header::Error { op: 2, error }) if error == revoked.into()));
+    assert!(read_region(&server.region, 0, 4 * MIB) == fenced, "no byte changed after the fence");
+    assert!(used.try_recv().is_err(), "no access was handed out after the revoke");
+    let stats = server.agent.serve_stats();
+    assert_eq!(stats.refused[2].load(std::sync::atomic::Ordering::Relaxed), 2, "bad key (revoked)");
+    assert_eq!(stats.refused[7].load(std::sync::atomic::Ordering::Relaxed), 1, "outside the grant");
+    // The registration's own key still writes.
+    let ops = vec![(client.agent.local(&client.reg, 0, 4096).unwrap(), server.agent.describe(&server.reg, AT, 4096))];
+    client.agent.write(ops, None, DL).await.unwrap();
 }

@@ -145,6 +145,7 @@ impl Chunk {
         }
         // Allocate the pages now, as cuMemCreate does: accounting then shows
         // what the chunk really holds, and first-touch cost is paid up front.
+        // SAFETY: a plain syscall on an fd we own.
         if unsafe { libc::fallocate(fd.as_raw_fd(), 0, 0, len as libc::off_t) } != 0 {
             return Err(os_err("fallocate"));
         }
@@ -195,6 +196,17 @@ impl fmt::Debug for Chunk {
 pub struct MappedChunk {
     pub offset: usize,
     pub chunk: Arc<Chunk>,
+}
+
+/// The size in bytes of the file behind `fd`.
+fn fd_size(fd: RawFd) -> io::Result<u64> {
+    let mut st = std::mem::MaybeUninit::<libc::stat>::uninit();
+    // SAFETY: fstat writes a stat struct into st on success; a bad fd is an error.
+    if unsafe { libc::fstat(fd, st.as_mut_ptr()) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: fstat succeeded, st is initialised.
+    Ok(unsafe { st.assume_init() }.st_size.max(0) as u64)
 }
 
 /// Reserves `len` bytes of address space, `PROT_NONE`: nothing is backed.
@@ -252,25 +264,58 @@ pub struct FdMapping {
 // concurrent access to the bytes is governed by its users (the transfer
 // protocol), as with device memory a NIC reads and writes.
 unsafe impl Send for FdMapping {}
+// SAFETY: as for Send; `&self` methods only read the base and length.
 unsafe impl Sync for FdMapping {}
 
 impl FdMapping {
     /// Maps each `(fd, len)` read-write, shared, one after the other. Every
-    /// `len` must be a whole number of pages.
+    /// `len` must be a whole number of pages (see [`FdMapping::map_at`]).
     pub fn map(parts: &[(RawFd, usize)]) -> io::Result<FdMapping> {
         let len: usize = parts.iter().map(|p| p.1).sum();
-        if len == 0 {
-            return Err(io::Error::new(io::ErrorKind::InvalidInput, "empty mapping"));
-        }
-        let mapping = FdMapping { base: reserve(len)?, len };
+        let mut mapping = FdMapping::reserve(len)?;
         let mut at = 0;
         for &(fd, plen) in parts {
-            // SAFETY: [base+at, +plen) lies inside our reservation. On error,
-            // Drop unmaps whatever was mapped.
-            unsafe { map_shared_fixed(mapping.base.add(at), fd, plen)? };
+            // On error, Drop unmaps whatever was mapped.
+            mapping.map_at(at, fd, plen)?;
             at += plen;
         }
         Ok(mapping)
+    }
+
+    /// Reserves `len` bytes of address space (`PROT_NONE`, nothing backed),
+    /// to be filled part by part with [`FdMapping::map_at`]: a peer that
+    /// receives thousands of descriptors in batches maps each batch as it
+    /// arrives and closes it, instead of holding them all open at once.
+    pub fn reserve(len: usize) -> io::Result<FdMapping> {
+        if len == 0 {
+            return Err(io::Error::new(io::ErrorKind::InvalidInput, "empty mapping"));
+        }
+        Ok(FdMapping { base: reserve(len)?, len })
+    }
+
+    /// Maps the first `len` bytes of `fd` read-write, shared, at `offset`
+    /// inside this mapping, replacing what was there (the reservation, or
+    /// an earlier part). Refused, with nothing changed, unless `offset` and
+    /// `len` are whole pages, `len > 0`, the range lies inside the mapping,
+    /// and `fd` holds at least `len` bytes — a shorter file would leave
+    /// pages that fault (`SIGBUS`) on first touch. The mapping keeps the
+    /// pages alive once mapped: the caller may close `fd` right after.
+    /// `&mut self`: nothing reads the bytes while the mapping is being filled.
+    pub fn map_at(&mut self, offset: usize, fd: RawFd, len: usize) -> io::Result<()> {
+        let invalid = |why: &str| io::Error::new(io::ErrorKind::InvalidInput, format!("map_at({offset}, {len}): {why}"));
+        let page = page_size();
+        if len == 0 || !offset.is_multiple_of(page) || !len.is_multiple_of(page) {
+            return Err(invalid("not whole, non-empty pages"));
+        }
+        if offset.checked_add(len).is_none_or(|end| end > self.len) {
+            return Err(invalid("outside the mapping"));
+        }
+        if fd_size(fd)? < len as u64 {
+            return Err(invalid("the file is shorter than the part"));
+        }
+        // SAFETY: [base+offset, +len) lies inside our own reservation
+        // (checked above); MAP_FIXED replaces exactly that part of it.
+        unsafe { map_shared_fixed(self.base.add(offset), fd, len) }
     }
 
     pub fn base(&self) -> *mut u8 {
@@ -372,6 +417,7 @@ struct RegionState {
 // SAFETY: the region owns its mapping; concurrent access to the bytes is
 // governed by the callers (they hand out disjoint ranges), like a device buffer.
 unsafe impl Send for Region {}
+// SAFETY: as for Send; the backing state is behind a mutex.
 unsafe impl Sync for Region {}
 
 impl Region {
@@ -380,7 +426,7 @@ impl Region {
             return Err(VmemError::ZeroLength);
         }
         let page = page_size();
-        if opts.chunk_size == 0 || opts.chunk_size % page != 0 {
+        if opts.chunk_size == 0 || !opts.chunk_size.is_multiple_of(page) {
             return Err(VmemError::BadChunkSize(opts.chunk_size, page));
         }
         let len = round_up(len, page);
@@ -782,6 +828,7 @@ mod tests {
     fn typed_views_share_the_bytes() {
         let pool = Pool::default();
         let r = pool.allocate(Tag::Runtime, 4096).unwrap();
+        // SAFETY: offset 64 is aligned for f32; the mutable view is last used before the shared one is made.
         unsafe {
             let w = r.slice_mut::<f32>(64, 4);
             w.copy_from_slice(&[1.0, 2.0, 3.0, 4.0]);
@@ -853,6 +900,51 @@ mod tests {
         drop(pinned);
         assert_eq!(pool.device_bytes().total(), 0, "freed when the last holder lets go");
         assert_eq!(pool.pinned_bytes(), 0);
+    }
+
+    #[test]
+    fn a_reservation_filled_part_by_part_reaches_the_chunks() {
+        let pool = Pool::new(PoolOptions { chunk_size: 64 << 10, single_allocation: false });
+        let r = pool.allocate(Tag::KvCache, 192 << 10).unwrap();
+        let data = fill(&r, 4);
+        let chunks = r.chunks();
+        let mut m = FdMapping::reserve(r.len()).unwrap();
+        // Out of order: the last chunk first, then the others.
+        for c in chunks.iter().rev() {
+            m.map_at(c.offset, c.chunk.raw_fd(), c.chunk.len()).unwrap();
+        }
+        // SAFETY: the whole range was just mapped, and nothing else writes it.
+        let seen = unsafe { std::slice::from_raw_parts(m.base(), m.len()) };
+        assert!(seen == &data[..], "every part shows its chunk's bytes");
+        // SAFETY: in bounds and mapped read-write.
+        unsafe { *m.base().add(70_000) = 0xEE };
+        let mut b = [0u8];
+        r.read_bytes(70_000, &mut b).unwrap();
+        assert_eq!(b, [0xEE], "shared with the region");
+    }
+
+    #[test]
+    fn map_at_refuses_what_would_fault_or_escape() {
+        let page = page_size();
+        let pool = Pool::new(PoolOptions { chunk_size: 64 << 10, single_allocation: false });
+        let r = pool.allocate(Tag::KvCache, 64 << 10).unwrap();
+        let fd = r.chunks()[0].chunk.raw_fd();
+        let mut m = FdMapping::reserve(128 << 10).unwrap();
+        let refused = [
+            (1, page),                     // misaligned offset
+            (0, page + 1),                 // a partial page
+            (0, 0),                        // empty
+            (128 << 10, page),             // past the end
+            (usize::MAX - page + 1, page), // overflowing
+            (0, 128 << 10),                // longer than the file
+        ];
+        for (off, len) in refused {
+            let e = m.map_at(off, fd, len).unwrap_err();
+            assert_eq!(e.kind(), io::ErrorKind::InvalidInput, "({off}, {len}): {e}");
+        }
+        assert!(m.map_at(0, -1, page).is_err(), "a bad descriptor");
+        assert!(FdMapping::reserve(0).is_err());
+        m.map_at(64 << 10, fd, 64 << 10).unwrap();
     }
 
     #[test]
