@@ -708,7 +708,7 @@ mod tests {
         let meta = m.build_connector_meta();
         m.start_load_kv(meta);
         m.wait_for_save();
-        m.update_connector_output(&FinishedTransfers { sending: vec![id.clone()], recving: vec![] });
+        m.update_connector_output(&FinishedTransfers { sending: vec![id.clone()], recving: vec![], abandoned: vec![] });
         assert_eq!(calls(&s[0]), ["added r1", "load 1", "save", "output 1"]);
         assert_eq!(calls(&s[1]), ["added r1", "extra", "load 2", "save", "output 1"]);
         // Another connector's metadata is refused, not misrouted.

@@ -180,7 +180,7 @@ enum After {
 #[derive(Clone, Debug, PartialEq, Eq)]
 enum Phase {
     Decided,
-    Booting { deadline: Instant },
+    Booting { deadline: Instant, refreshed: bool },
     Pulling { deadline: Instant },
     Handshaking { deadline: Instant, refreshed: bool },
     Reading { deadline: Instant },
@@ -352,7 +352,7 @@ impl RecvMachine {
                 None => self.ask_handshake(addr),
             }
         } else {
-            self.set_phase(id, Phase::Booting { deadline });
+            self.set_phase(id, Phase::Booting { deadline, refreshed: false });
             match self.boots.get(&addr).cloned() {
                 Some(boot) => self.with_boot(now, id, &boot),
                 None => self.ask_bootstrap(addr),
@@ -416,11 +416,14 @@ impl RecvMachine {
     /// Checks P's bootstrap against the load and this engine, then pulls.
     fn with_boot(&mut self, now: Instant, id: LoadId, boot: &BootInfo) {
         let Some(l) = self.loads.get(&id) else { return };
+        let Phase::Booting { deadline, refreshed } = l.phase else { return };
         if boot.engine_id != l.spec.remote_engine_id {
             // A P restarted under another id at the same address: ask again
-            // once, then refuse.
-            if self.boots.remove(&l.spec.addr).is_some() {
+            // once (the cache may be old), then refuse.
+            if !refreshed {
                 let addr = l.spec.addr.clone();
+                self.set_phase(id, Phase::Booting { deadline, refreshed: true });
+                self.boots.remove(&addr);
                 self.ask_bootstrap(addr);
                 return;
             }
@@ -780,7 +783,7 @@ impl RecvMachine {
         self.loads
             .values()
             .filter_map(|l| match &l.phase {
-                Phase::Booting { deadline }
+                Phase::Booting { deadline, .. }
                 | Phase::Pulling { deadline }
                 | Phase::Handshaking { deadline, .. }
                 | Phase::Reading { deadline }
@@ -806,7 +809,7 @@ impl RecvMachine {
                 )
             };
             match &l.phase {
-                Phase::Booting { deadline } | Phase::Handshaking { deadline, .. } if *deadline <= now => {
+                Phase::Booting { deadline, .. } | Phase::Handshaking { deadline, .. } if *deadline <= now => {
                     let f = timeout();
                     self.finish(id, LoadEnd::Failed(LoadFailure::new(f)));
                 }
@@ -872,6 +875,7 @@ mod tests {
 
     /// A load of `req` whose pull is at P (bootstrapped already or now).
     fn pulling(m: &mut RecvMachine, now: Instant, req: &str) -> LoadId {
+        actions(m);
         let id = m.decide(spec(req));
         m.start(now, req, None);
         if m.phase(req) == Some(PhaseName::Booting) {
@@ -1034,6 +1038,7 @@ mod tests {
             other => panic!("{other:?}"),
         }
         // Another engine id: asked again once, then refused.
+        let mut m = machine();
         m.decide(spec("b"));
         m.start(t0, "b", None);
         m.on_bootstrap(t0, "127.0.0.1:9", Ok(BootInfo { engine_id: "p9".into(), ..boot() }));
@@ -1079,6 +1084,7 @@ mod tests {
 
         // P slept and woke: the params name generation 2, the cached
         // handshake says 1, so D handshakes again before reading.
+        actions(&mut m);
         m.decide(read_spec("b", 2, None));
         m.start(t0, "b", None);
         assert_eq!(actions(&mut m), vec![Action::Handshake { addr: "127.0.0.1:9".into() }]);

@@ -891,8 +891,8 @@ mod tests {
     fn the_same_events_give_the_same_actions_in_the_same_order() {
         // Many transfers ended at once (abort_all, a lease sweep) come out in
         // one fixed order, so a simulation replays.
+        let t0 = Instant::now();
         let run = || {
-            let t0 = Instant::now();
             let mut m = machine(1);
             for i in (0..50).rev() {
                 let (t, r) = (format!("t{i}"), rid(&format!("r{i}")));

@@ -358,6 +358,12 @@ pub struct BatchHandle {
     rx: Option<oneshot::Receiver<Result<(), TransferError>>>,
 }
 
+fn cancel_batch(shared: &PeerShared, batch: BatchId) {
+    let mut st = shared.state.lock().unwrap();
+    st.init.cancel(batch);
+    shared.dispatch(&mut st);
+}
+
 impl BatchHandle {
     pub fn id(&self) -> BatchId {
         self.batch
@@ -365,9 +371,14 @@ impl BatchHandle {
 
     /// Ends the batch with `Cancelled` unless it already ended.
     pub fn cancel(&self) {
-        let mut st = self.shared.state.lock().unwrap();
-        st.init.cancel(self.batch);
-        self.shared.dispatch(&mut st);
+        cancel_batch(&self.shared, self.batch);
+    }
+
+    /// A function that cancels the batch, for whoever must stop it while
+    /// another task waits for it.
+    pub fn canceller(&self) -> impl Fn() + Send + Sync + 'static {
+        let (shared, batch) = (self.shared.clone(), self.batch);
+        move || cancel_batch(&shared, batch)
     }
 
     /// Waits for the batch to end (by its deadline at the latest).

@@ -790,7 +790,7 @@ impl PdCore {
         }
     }
 
-    fn send_action(&mut self, now: Instant, a: send::Action) {
+    fn send_action(&mut self, _now: Instant, a: send::Action) {
         match a {
             send::Action::Answer { pull, result } => {
                 self.pulls.remove(&pull);

@@ -121,6 +121,13 @@ impl ShmBatchHandle {
         self.cancel.store(true, Ordering::Release);
     }
 
+    /// A function that cancels the batch, for whoever must stop it while
+    /// another task waits for it.
+    pub fn canceller(&self) -> impl Fn() + Send + Sync + 'static {
+        let cancel = self.cancel.clone();
+        move || cancel.store(true, Ordering::Release)
+    }
+
     /// Waits for the batch to end (by its deadline at the latest, plus at
     /// most the slice in progress).
     pub async fn wait(mut self) -> Result<(), TransferError> {
