@@ -336,11 +336,11 @@ impl RecvMachine {
             return;
         }
         if let Some(f) = refused {
-            self.finish(id, LoadEnd::Failed(LoadFailure::new(f)));
+            self.fail_unsent(id, f);
             return;
         }
         if l.spec.dst_blocks.is_empty() {
-            self.finish(id, LoadEnd::Failed(LoadFailure::new(fail(FailCode::Protocol, "no destination blocks for the load"))));
+            self.fail_unsent(id, fail(FailCode::Protocol, "no destination blocks for the load"));
             return;
         }
         let deadline = now + self.cfg.load_timeout;
@@ -407,7 +407,7 @@ impl RecvMachine {
             Err(f) => {
                 self.boots.remove(addr);
                 for id in self.waiting_on(addr, true) {
-                    self.finish(id, LoadEnd::Failed(LoadFailure::new(f.clone())));
+                    self.fail_unsent(id, f.clone());
                 }
             }
         }
@@ -434,11 +434,12 @@ impl RecvMachine {
                     l.spec.remote_engine_id, l.spec.addr, boot.engine_id
                 ),
             );
+            // Another engine than the params name: leave its transfers alone.
             self.finish(id, LoadEnd::Failed(LoadFailure::new(f)));
             return;
         }
         if let Err(f) = self.check_layout(&boot.engine_id, &boot.layout, boot.block_bytes) {
-            self.finish(id, LoadEnd::Failed(LoadFailure::new(f)));
+            self.fail_unsent(id, f);
             return;
         }
         let deadline = now + self.cfg.load_timeout;
@@ -481,9 +482,10 @@ impl RecvMachine {
             (Phase::Pulling { .. }, PullResult::Answered(Err(f))) if f.code == FailCode::Dropped => {
                 self.abandon(now, load, f);
             }
-            (Phase::Pulling { .. }, PullResult::Answered(Err(f)) | PullResult::NotSent(f)) => {
+            (Phase::Pulling { .. }, PullResult::Answered(Err(f))) => {
                 self.finish(load, LoadEnd::Failed(LoadFailure::new(f)));
             }
+            (Phase::Pulling { .. }, PullResult::NotSent(f)) => self.fail_unsent(load, f),
             (Phase::Pulling { .. }, PullResult::Lost(f)) => self.abandon(now, load, f),
             (Phase::Fencing { .. }, PullResult::Answered(Err(f))) if f.code == FailCode::Dropped => {}
             (Phase::Fencing { .. }, PullResult::Answered(_) | PullResult::NotSent(_)) => self.fenced(load),
@@ -575,7 +577,7 @@ impl RecvMachine {
             Err(f) => {
                 self.peers.remove(addr);
                 for id in self.waiting_on(addr, false) {
-                    self.finish(id, LoadEnd::Failed(LoadFailure::new(f.clone())));
+                    self.fail_unsent(id, f.clone());
                 }
             }
         }
@@ -595,7 +597,6 @@ impl RecvMachine {
             self.ask_handshake(addr);
             return;
         }
-        let end = |f: Failure| LoadEnd::Failed(LoadFailure::new(f));
         if peer.engine_id != l.spec.remote_engine_id {
             let f = fail(
                 FailCode::Mismatch,
@@ -604,11 +605,12 @@ impl RecvMachine {
                     l.spec.remote_engine_id, l.spec.addr, peer.engine_id
                 ),
             );
-            self.finish(id, end(f));
+            // Another engine than the params name: leave its transfers alone.
+            self.finish(id, LoadEnd::Failed(LoadFailure::new(f)));
             return;
         }
         if let Err(f) = self.check_read(&l.spec, &rp, peer) {
-            self.finish(id, end(f));
+            self.fail_unsent(id, f);
             return;
         }
         let deadline = now + self.cfg.load_timeout;
@@ -770,6 +772,16 @@ impl RecvMachine {
         self.finished.push(Finished { req: l.spec.req, end, dst_blocks: l.spec.dst_blocks });
     }
 
+    /// Ends a load that failed before anything reached P's blocks: P is
+    /// told to drop the transfer (best effort), so it frees the blocks it
+    /// keeps for D now instead of when its lease expires.
+    fn fail_unsent(&mut self, id: LoadId, f: Failure) {
+        let Some(l) = self.loads.get(&id) else { return };
+        let (addr, transfer_id) = (l.spec.addr.clone(), l.spec.transfer_id.clone());
+        self.finish(id, LoadEnd::Failed(LoadFailure::new(f)));
+        self.actions.push_back(Action::DropUnpulled { addr, transfer_id });
+    }
+
     fn remove(&mut self, id: LoadId) -> Option<Load> {
         let l = self.loads.remove(&id)?;
         if self.by_req.get(&l.spec.req) == Some(&id) {
@@ -811,7 +823,7 @@ impl RecvMachine {
             match &l.phase {
                 Phase::Booting { deadline, .. } | Phase::Handshaking { deadline, .. } if *deadline <= now => {
                     let f = timeout();
-                    self.finish(id, LoadEnd::Failed(LoadFailure::new(f)));
+                    self.fail_unsent(id, f);
                 }
                 Phase::Confirming { deadline } if *deadline <= now => {
                     let f = timeout();

@@ -19,7 +19,7 @@ mod common;
 use std::time::Duration;
 
 use common::{
-    assert_idle, colocated, config, consumer, engine, error_of, fingerprint, idle_and_free, metric, pd, producer, prompt,
+    assert_idle, assert_matches_colocated, colocated, config, consumer, engine, fingerprint, idle_and_free, metric, pd, producer, prompt,
     remote_prefill, run, WAIT,
 };
 use pdkv_engine::{EngineConfig, EngineHandle, PauseMode, SleepLevel};
@@ -131,10 +131,13 @@ fn a_weight_reload_on_p_releases_the_kv_held_for_d_first() {
     p.handle.update_weights(new_weights.path(), Some("seed-8".into())).unwrap();
     assert_idle(&p.handle, Duration::from_secs(5), "P after the reload");
 
-    let out = run(&d.handle, "rd", pr, 3, Some(params));
-    let e = error_of(&out, "D's load of KV computed with the old weights");
-    assert!(e.contains(pdkv_connector::send::CACHE_RESET), "{e}");
+    // D's pull is refused as released on purpose (never served old-weight
+    // KV), and D computes the prompt itself under its default `fail` policy.
+    let out = run(&d.handle, "rd", pr.clone(), 3, Some(params));
+    let colo = colocated();
+    assert_matches_colocated(&colo.handle, &out, &pr, 3, "D after P's reload");
     assert_eq!(metric(&p.handle, "pulls_released_total"), 1.0);
+    assert_eq!((metric(&d.handle, "loads_released_total"), metric(&d.handle, "loads_failed_total")), (1.0, 0.0));
     idle_and_free(&d.handle);
 }
 

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use common::{
     admit, d_params, decode_params, failed_load, finish_with, park_pull, pattern, recv_msg, req, send_msg, side,
-    start_load, start_pull, Side, BB, SIDE_WAIT as WAIT,
+    start_load, start_pull, wait_until, Side, BB, SIDE_WAIT as WAIT,
 };
 use pdkv_connector::wire::Message;
 use pdkv_engine::FinishReason;
@@ -46,7 +46,7 @@ fn transfer(transport: &str) {
     assert!(d.c.num_held_blocks() > 0);
     let f = d.wait_finished(|f| !f.recving.is_empty());
     assert_eq!(f.recving, vec![Arc::from("rd")]);
-    assert_eq!(d.c.get_block_ids_with_load_errors(), vec![]);
+    assert_eq!(common::load_errors(&mut d), Vec::<(u32, String)>::new());
     assert_eq!(d.block(3), pattern(9));
     assert_eq!(d.block(20), pattern(2));
     assert_eq!(d.block(7), vec![0; BB], "the locally cached block is not written");
@@ -83,7 +83,7 @@ fn load_failures_name_the_problem_and_other_loads_go_on() {
     start_load(&mut d, "bogus", 20, 0, &[6, 8], &bogus);
     start_load(&mut d, "len", 30, 0, &[10, 12], &good); // wrong prompt length, same transfer
     let f = d.wait_finished(|f| f.recving.len() == 3);
-    let errs = d.c.get_block_ids_with_load_errors();
+    let errs = common::load_errors(&mut d);
     let reason =
         |b: u32| errs.iter().find(|e| e.0 == b).map(|e| e.1.clone()).unwrap_or_else(|| panic!("block {b}: {errs:?}"));
     assert!(reason(4).contains("remote_engine_id mismatch") && reason(4).contains("p9"), "{}", reason(4));
@@ -100,14 +100,14 @@ fn load_failures_name_the_problem_and_other_loads_go_on() {
     let ok = prefill_output(&mut p, "rp2", "t3", 20, &[3, 4]);
     start_load(&mut d, "ok", 20, 0, &[14, 15], &ok);
     d.wait_finished(|f| f.recving.len() == 1);
-    assert_eq!(d.c.get_block_ids_with_load_errors(), vec![]);
+    assert_eq!(common::load_errors(&mut d), Vec::<(u32, String)>::new());
     assert_eq!(d.block(14), pattern(3));
     p.wait_finished(|f| f.sending.len() == 1);
     assert_eq!((p.c.num_held_blocks(), d.c.num_held_blocks()), (0, 0));
 }
 
 #[test]
-fn an_aborted_prefill_fails_the_waiting_load_at_once() {
+fn an_aborted_prefill_ends_the_waiting_load_at_once_for_recompute() {
     let mut p = side("kv_producer", "tcp", "p1", "");
     let mut d = side("kv_consumer", "tcp", "d1", "");
     // P's request runs; D's pull is parked on it.
@@ -119,11 +119,12 @@ fn an_aborted_prefill_fails_the_waiting_load_at_once() {
     assert!(took < Duration::from_secs(1), "D learned of the abort after {took:?}");
     let errs = d.c.get_block_ids_with_load_errors();
     assert_eq!(errs.len(), 3);
-    assert!(errs[0].1.contains("aborted"), "{}", errs[0].1);
+    assert!(errs[0].1.message.contains("aborted"), "{:?}", errs[0].1);
+    assert!(errs.iter().all(|(_, e)| e.recompute), "an abort on P is on purpose: D recomputes whatever its policy");
 }
 
 #[test]
-fn a_decode_request_ended_mid_load_frees_only_after_p_answered() {
+fn a_decode_request_ended_mid_load_frees_once_fenced_and_p_releases_the_transfer() {
     let mut p = side("kv_producer", "tcp", "p1", "");
     let mut d = side("kv_consumer", "tcp", "d1", "");
     // D's pull may or may not have reached P when D's request ends.
@@ -131,12 +132,14 @@ fn a_decode_request_ended_mid_load_frees_only_after_p_answered() {
     let prompt = vec![1u32; 40];
     let did: Arc<str> = Arc::from("rd");
     let (delay, params) = d.c.request_finished(req(&did, &prompt, &dp), &[1, 2, 3], FinishReason::Abort);
-    assert_eq!((delay, params), (true, None), "D keeps the blocks until P answered");
+    assert_eq!((delay, params), (true, None), "D keeps the blocks until the load is fenced");
     let f = d.wait_finished(|f| f.recving.len() == 1);
     assert_eq!(f.recving, vec![did.clone()]);
-    assert_eq!(d.c.get_block_ids_with_load_errors(), vec![], "a finished request gets no load errors");
+    assert_eq!(common::load_errors(&mut d), Vec::<(u32, String)>::new(), "a finished request gets no load errors");
     assert_eq!(d.c.num_held_blocks(), 0);
-    // P finishes afterwards: the transfer was released, nothing is held.
+    // D's drop reaches P (with or without a pull before it); P finishes
+    // afterwards and holds nothing.
+    wait_until("P learns of D's drop", || p.gauge("drops_received_total") == 1.0);
     assert!(!finish_with(&mut p, "rp", "t1", 40, &[1, 2, 3], FinishReason::Length).0);
     assert_eq!(p.c.num_held_blocks(), 0);
 }

@@ -116,6 +116,8 @@ pub struct Counters {
     /// D: fences of loads P may still have been writing.
     pub fences: u64,
     pub drops_unpulled: u64,
+    /// P: drops received (from decode engines or proxies).
+    pub drops_received: u64,
     pub bytes_sent: u64,
     pub handshakes: u64,
     pub bytes_read: u64,
@@ -576,6 +578,7 @@ impl PdCore {
             Message::ReadDone { transfer_id } if self.cfg.kv_role.produces() => Some(self.read_done(now, &transfer_id)),
             Message::Pull(p) if self.cfg.kv_role.produces() => self.pull(now, conn, p),
             Message::Drop { transfer_id, code } if self.cfg.kv_role.produces() => {
+                self.counters.drops_received += 1;
                 self.send.on_drop(now, &transfer_id, conn, code);
                 None
             }

@@ -86,6 +86,9 @@ pub trait Driver: Send + Sync + 'static {
     fn deregister(&self, segment: u64, timeout: Duration) -> anyhow::Result<()>;
     /// The core's next timeout may have changed.
     fn timer_changed(&self, shared: &Arc<Shared>);
+
+    /// The connector is being dropped: deliver what is on its way (bounded).
+    fn flush(&self, _timeout: Duration) {}
 }
 
 /// The core, its driver and the engine's waker.
@@ -144,8 +147,12 @@ pub struct PdConnector {
     runtime: Option<tokio::runtime::Runtime>,
 }
 
+/// How long a dropped connector gives its final answers to reach the peers.
+const FLUSH_WAIT: Duration = Duration::from_millis(500);
+
 impl Drop for PdConnector {
     fn drop(&mut self) {
+        self.shared.driver.flush(FLUSH_WAIT);
         if let Some(rt) = self.runtime.take() {
             rt.shutdown_background();
         }
@@ -368,6 +375,7 @@ fn metrics(core: &PdCore) -> Vec<(&'static str, &'static str, f64)> {
         ("loads_abandoned_total", "KV loads given up (deadline, lost peer) before their transfer was fenced", f(c.loads_abandoned)),
         ("fences_total", "Fences of loads a prefill engine might still have been writing", f(c.fences)),
         ("drops_unpulled_total", "Transfers this decode engine dropped without pulling", f(c.drops_unpulled)),
+        ("drops_received_total", "Drops of transfers this prefill engine received", f(c.drops_received)),
         ("bytes_sent_total", "KV bytes this prefill engine wrote to decode engines", f(c.bytes_sent)),
         ("handshakes_total", "Read-mode handshakes this decode engine made with prefill engines", f(c.handshakes)),
         ("bytes_read_total", "KV bytes this decode engine read from prefill engines", f(c.bytes_read)),

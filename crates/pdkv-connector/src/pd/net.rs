@@ -71,6 +71,8 @@ pub fn start(runtime: &tokio::runtime::Runtime, cfg: KvTransferConfig, engine_id
         importers: Mutex::new(HashMap::new()),
         timer: Arc::new(Notify::new()),
         next_conn: AtomicU64::new(1),
+        unwritten: Mutex::new(0),
+        written: std::sync::Condvar::new(),
     });
     let shared = Shared::new(core, Box::new(NetDriver(inner.clone())));
     runtime.spawn(accept_loop(shared.clone(), inner.clone(), listener));
@@ -98,6 +100,10 @@ struct Net {
     importers: Mutex<HashMap<String, Arc<ShmImporter>>>,
     timer: Arc<Notify>,
     next_conn: AtomicU64,
+    /// Final answers handed to a connection and not yet written, so a
+    /// shutdown can deliver them (bounded) before the runtime stops.
+    unwritten: Mutex<usize>,
+    written: std::sync::Condvar,
 }
 
 impl Driver for NetDriver {
@@ -111,7 +117,12 @@ impl Driver for NetDriver {
             Io::Reply { conn, msg, last } => {
                 let tx = if last { d.replies.lock().unwrap().remove(&conn) } else { d.replies.lock().unwrap().get(&conn).cloned() };
                 if let Some(tx) = tx {
-                    let _ = tx.send((msg, last));
+                    if last {
+                        *d.unwritten.lock().unwrap() += 1;
+                    }
+                    if tx.send((msg, last)).is_err() && last {
+                        d.final_written();
+                    }
                 }
             }
             Io::Write { conn, local, pairs, block_bytes, dst, deadline } => {
@@ -166,9 +177,31 @@ impl Driver for NetDriver {
     fn timer_changed(&self, _shared: &Arc<Shared>) {
         self.0.timer.notify_one();
     }
+
+    /// Waits (at most `timeout`) until every final answer the core gave a
+    /// connection was written: an engine that aborts its requests as it
+    /// stops tells the decode engines so, instead of vanishing.
+    fn flush(&self, timeout: Duration) {
+        let deadline = Instant::now() + timeout;
+        let mut n = self.0.unwritten.lock().unwrap();
+        while *n > 0 {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                tracing::warn!(answers = *n, "stopping with control answers not yet written");
+                return;
+            }
+            n = self.0.written.wait_timeout(n, left).unwrap().0;
+        }
+    }
 }
 
 impl Net {
+    fn final_written(&self) {
+        let mut n = self.unwritten.lock().unwrap();
+        *n = n.saturating_sub(1);
+        self.written.notify_all();
+    }
+
     /// Nothing of the load can land any more: its grant revoked (a TCP
     /// write holding it finishes first) and, over shared memory, every
     /// peer's mapping of the segment gone.
@@ -242,10 +275,12 @@ async fn serve_control(shared: &Arc<Shared>, d: &Net, mut s: TcpStream) -> Resul
     loop {
         match tokio::time::timeout_at(until, rx.recv()).await {
             Ok(Some((msg, last))) => {
-                wire::write_message(&mut s, &msg, CONTROL_IO).await?;
+                let r = wire::write_message(&mut s, &msg, CONTROL_IO).await;
                 if last {
-                    return Ok(());
+                    d.final_written();
+                    return r;
                 }
+                r?;
             }
             _ => {
                 d.replies.lock().unwrap().remove(&conn);

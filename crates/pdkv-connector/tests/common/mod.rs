@@ -456,9 +456,14 @@ pub fn failed_load(d: &mut Side, rid: &str, d_blocks: &[u32], params: &Value) ->
     start_load(d, rid, 40, 0, d_blocks, params);
     d.wait_finished(|f| f.recving.iter().any(|r| &**r == rid));
     let took = t0.elapsed();
-    let errs = d.c.get_block_ids_with_load_errors();
+    let errs = load_errors(d);
     assert_eq!(errs.len(), d_blocks.len(), "load {rid}: every block fails: {errs:?}");
     (errs, took)
+}
+
+/// The load errors a side reports now, as their messages.
+pub fn load_errors(d: &mut Side) -> Vec<(u32, String)> {
+    d.c.get_block_ids_with_load_errors().into_iter().map(|(b, e)| (b, e.message)).collect()
 }
 
 /// Writes one control message to `s`.
@@ -487,4 +492,13 @@ pub fn transfer_ok(p: &mut Side, d: &mut Side, tag: &str, p_blocks: [u32; 3], d_
     }
     p.wait_finished(|f| f.sending.len() == 1);
     assert_eq!((p.c.num_held_blocks(), d.c.num_held_blocks()), (0, 0));
+}
+
+/// D's outputs equal a colocated run of the same prompt: tokens and logits bits.
+pub fn assert_matches_colocated(colo: &EngineHandle, outs: &[RequestOutput], tokens: &[u32], max_tokens: u32, what: &str) {
+    assert_finished(outs, FinishReason::Length, what);
+    let c = run(colo, &format!("colo-{what}"), tokens.to_vec(), max_tokens, None);
+    let (got, want) = (fingerprint(outs), fingerprint(&c));
+    assert_eq!(got.0, want.0, "{what}: tokens differ from the colocated run");
+    assert!(got.1 == want.1, "{what}: logits differ from the colocated run");
 }
