@@ -1168,14 +1168,22 @@ impl Runner<'_> {
         }
     }
 
-    /// Reloads the weights the servers started with on `target`.
-    async fn reload(&self, target: Target, version: &str) -> Result<(), String> {
+    /// Reloads the weights the servers started with on `target`. P and D
+    /// must serve one weights version (a decode engine refuses KV computed
+    /// with other weights, and recomputes): both get `fresh`, a single
+    /// engine the version the other one serves (the checkpoint is the same).
+    async fn reload(&self, target: Target, fresh: &str) -> Result<(), String> {
+        let version = match target {
+            Target::Both => json!(fresh),
+            Target::P => self.c.admin(Role::D, false, "/weight_info", None).await?["version"].clone(),
+            Target::D => self.c.admin(Role::P, false, "/weight_info", None).await?["version"].clone(),
+        };
         let body = json!({"path": self.c.model.display().to_string(), "version": version});
         self.c.on_all(target, true, "/update_weights", Some(body)).await?;
         for role in [Role::P, Role::D] {
             if target.has(role) {
                 let info = self.c.admin(role, false, "/weight_info", None).await?;
-                if info["version"] != json!(version) {
+                if info["version"] != version {
                     return Err(format!("{} reports weights {info} after loading version {version}", role.name()));
                 }
             }
