@@ -207,8 +207,9 @@ struct Load {
     /// itself: it holds the blocks until the load is finished and needs no
     /// other report.
     engine_knows: bool,
-    /// Read mode: the read itself succeeded (Confirming).
-    read_ok: bool,
+    /// Read mode: why the read failed (Confirming): P's answer to
+    /// `read_done` may say the lease ended on purpose.
+    read_err: Option<Failure>,
 }
 
 /// See the module docs.
@@ -323,7 +324,7 @@ impl RecvMachine {
         let id = self.next;
         self.next += 1;
         self.by_req.insert(spec.req.clone(), id);
-        self.loads.insert(id, Load { spec, phase: Phase::Decided, engine_knows: false, read_ok: false });
+        self.loads.insert(id, Load { spec, phase: Phase::Decided, engine_knows: false, read_err: None });
         id
     }
 
@@ -632,14 +633,28 @@ impl RecvMachine {
                 ),
             ));
         }
-        if peer.registration.is_none() {
-            return Err(fail(
-                FailCode::Asleep,
-                format!(
-                    "the prefill engine {:?} has released its KV cache (asleep): generation {} cannot be read",
-                    peer.engine_id, rp.generation
-                ),
-            ));
+        match peer.registration {
+            None => {
+                return Err(fail(
+                    FailCode::Asleep,
+                    format!(
+                        "the prefill engine {:?} has released its KV cache (asleep): generation {} cannot be read",
+                        peer.engine_id, rp.generation
+                    ),
+                ))
+            }
+            // Registered again since it leased the blocks: a release (a
+            // sleep) ended the lease on purpose.
+            Some(r) if r.epoch != rp.generation => {
+                return Err(fail(
+                    FailCode::Asleep,
+                    format!(
+                        "the prefill engine {:?} released and registered its KV cache again since it leased these blocks (generation {} is now {}): the lease ended",
+                        peer.engine_id, rp.generation, r.epoch
+                    ),
+                ))
+            }
+            Some(_) => {}
         }
         let tokens = spec.prompt_len.saturating_sub(1);
         let needed = tokens.div_ceil(self.cfg.block_size);
@@ -663,25 +678,21 @@ impl RecvMachine {
         Ok(())
     }
 
-    /// Read mode: D's own read of the load's blocks ended.
+    /// Read mode: D's own read of the load's blocks ended (nothing writes
+    /// them any more). Either way P is told `read_done`: it ends the lease,
+    /// and its answer says whether the data is valid — or, for a failed
+    /// read, whether P had ended the lease on purpose (D then recomputes).
     pub fn on_read_result(&mut self, now: Instant, load: LoadId, result: Result<(), Failure>) {
         let Some(l) = self.loads.get_mut(&load) else { return };
         match &l.phase {
             Phase::Reading { .. } => {
                 let (addr, tid) = (l.spec.addr.clone(), l.spec.transfer_id.clone());
-                l.read_ok = result.is_ok();
-                if let Err(f) = &result {
+                if result.is_err() {
                     // A fresh handshake next time (P may have moved on).
-                    let f = f.clone();
                     self.peers.remove(&addr);
-                    self.actions.push_back(Action::ReadDone { load, addr, transfer_id: tid });
-                    // The read ended: nothing writes the blocks any more.
-                    self.finish(load, LoadEnd::Failed(LoadFailure::new(f)));
-                    return;
                 }
-                // Ends the lease; P's answer says whether the data is valid.
-                let deadline = now + self.cfg.load_timeout;
-                l.phase = Phase::Confirming { deadline };
+                l.read_err = result.err();
+                l.phase = Phase::Confirming { deadline: now + self.cfg.load_timeout };
                 self.actions.push_back(Action::ReadDone { load, addr, transfer_id: tid });
             }
             Phase::Fencing { .. } => self.fenced(load),
@@ -696,13 +707,17 @@ impl RecvMachine {
         if !matches!(l.phase, Phase::Confirming { .. }) {
             return;
         }
-        let end = match answer {
-            Ok(()) => LoadEnd::Loaded,
-            Err(f) => LoadEnd::Failed(LoadFailure::new(Failure::new(
+        let tid = &l.spec.transfer_id;
+        let end = match (answer, &l.read_err) {
+            (Ok(()), None) => LoadEnd::Loaded,
+            // P had ended the lease on purpose: that is why the read failed.
+            (Err(f), Some(_)) if f.code.on_purpose() => LoadEnd::Failed(LoadFailure::new(f)),
+            (_, Some(read)) => LoadEnd::Failed(LoadFailure::new(read.clone())),
+            (Err(f), None) => LoadEnd::Failed(LoadFailure::new(Failure::new(
                 f.code,
                 format!(
-                    "the KV read of transfer {:?} is void: the prefill engine no longer held the blocks when the read ended: {}",
-                    l.spec.transfer_id, f.message
+                    "the KV read of transfer {tid:?} is void: the prefill engine no longer held the blocks when the read ended: {}",
+                    f.message
                 ),
             ))),
         };

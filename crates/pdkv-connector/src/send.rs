@@ -59,6 +59,9 @@ pub use crate::wire::{FailCode, Failure};
 pub type PullId = u64;
 pub type DropId = u64;
 
+/// Most ended transfers remembered at once (the oldest go first).
+pub const MAX_TOMBSTONES: usize = 1 << 16;
+
 /// The message a pull gets when D released the transfer.
 pub const RELEASED: &str = "released by the decode engine";
 
@@ -195,6 +198,8 @@ pub struct SendMachine {
     finished: Vec<Arc<str>>,
     /// The weights P serves now.
     weights_version: Option<String>,
+    /// Sends ended since the tombstones were last bounded.
+    done_since_bound: usize,
 }
 
 impl SendMachine {
@@ -210,12 +215,36 @@ impl SendMachine {
             actions: VecDeque::new(),
             finished: Vec::new(),
             weights_version: None,
+            done_since_bound: 0,
         }
     }
 
-    /// How long a DONE transfer is remembered.
+    /// How long a DONE transfer is remembered: as long as a decode engine
+    /// may still come for it (its request may wait in D's queue as long as
+    /// a pull may wait here), so a late pull learns why the transfer ended
+    /// (a lease that expired is recomputed) instead of finding it unknown.
     fn retention(&self) -> Duration {
-        self.cfg.abort_timeout + self.cfg.arrival_timeout
+        self.cfg.abort_timeout + self.cfg.arrival_timeout + self.cfg.prefill_timeout
+    }
+
+    /// Forgets the oldest tombstones beyond [`MAX_TOMBSTONES`].
+    fn bound_tombstones(&mut self) {
+        let mut done: Vec<(Instant, String)> = self
+            .transfers
+            .iter()
+            .filter_map(|(k, t)| match &t.phase {
+                Phase::Done { forget_at, .. } if t.writing.is_none() && !t.holding => Some((*forget_at, k.clone())),
+                _ => None,
+            })
+            .collect();
+        if done.len() <= MAX_TOMBSTONES {
+            return;
+        }
+        done.sort();
+        let excess = done.len() - MAX_TOMBSTONES;
+        for (_, k) in done.into_iter().take(excess) {
+            self.transfers.remove(&k);
+        }
     }
 
     /// The weights P serves from now on: transfers that become READY later
@@ -540,6 +569,7 @@ impl SendMachine {
             return;
         }
         t.phase = Phase::Done { failure: failure.clone(), forget_at };
+        self.done_since_bound += 1;
         if let Some(&pull) = self.pull_of.get(transfer_id) {
             match self.pulls.get(&pull).map(|p| p.state) {
                 Some(PullState::Writing { answered: false }) if answer_writer => {
@@ -556,6 +586,10 @@ impl SendMachine {
             }
         }
         self.release_if_idle(transfer_id);
+        if self.done_since_bound >= MAX_TOMBSTONES / 8 {
+            self.done_since_bound = 0;
+            self.bound_tombstones();
+        }
     }
 
     /// A DONE transfer whose blocks no write reads gives them back and
@@ -776,7 +810,7 @@ mod tests {
         m.on_pull(t1, 2, pull("t", 0));
         assert!(err_of(&actions(&mut m), 2).contains("was sent already"));
         // The tombstone is forgotten after its retention.
-        m.handle_timeout(t1 + ABORT + ARRIVAL);
+        m.handle_timeout(t1 + ABORT + ARRIVAL + PREFILL);
         assert_eq!(m.phase("t"), None);
     }
 
@@ -922,7 +956,7 @@ mod tests {
         m.on_drop(t0, "t", 7, FailCode::Dropped);
         assert_eq!(m.take_finished(), vec![rid("r")]);
         // The tombstone's forget time is the next timeout, and it goes then.
-        let forget = t0 + ABORT + ARRIVAL;
+        let forget = t0 + ABORT + ARRIVAL + PREFILL;
         assert_eq!(m.poll_timeout(), Some(forget));
         m.handle_timeout(forget);
         assert_eq!(m.poll_timeout(), None);
@@ -1177,6 +1211,21 @@ mod tests {
         assert_eq!(m.writes_in_flight(), 1);
         m.on_write_done(t0, 1, Ok(()));
         assert_eq!(m.take_finished(), vec![rid("r")]);
+    }
+
+    #[test]
+    fn tombstones_are_bounded_and_the_oldest_go_first() {
+        let t0 = Instant::now();
+        let mut m = machine(1);
+        let n = MAX_TOMBSTONES + MAX_TOMBSTONES / 8;
+        for i in 0..n {
+            let t = format!("t{i}");
+            m.on_drop(t0 + Duration::from_millis(i as u64), &t, i as u64, FailCode::Dropped);
+        }
+        assert!(m.num_transfers() <= MAX_TOMBSTONES + MAX_TOMBSTONES / 8, "{}", m.num_transfers());
+        assert!(m.num_transfers() >= MAX_TOMBSTONES);
+        assert_eq!(m.phase("t0"), None, "the oldest is forgotten");
+        assert_eq!(m.phase(&format!("t{}", n - 1)), Some(PhaseName::Done), "the newest is kept");
     }
 }
 

@@ -98,7 +98,9 @@ pub enum FailCode {
     Dropped,
     /// P never saw the transfer's request within the arrival timeout.
     Unknown,
-    /// P's lease on the blocks ended before D took them.
+    /// P's lease on the blocks ended before D took them: P reclaimed the KV
+    /// after holding it as long as it promised (typically D was paused or
+    /// asleep meanwhile, its requests queued).
     LeaseExpired,
     /// A deadline passed: no sender was free, or P's request outlived the
     /// longest prefill a pull waits for.
@@ -118,9 +120,12 @@ pub enum FailCode {
 }
 
 impl FailCode {
-    /// The transfer was ended on purpose by a lifecycle operation or a
-    /// refusal, not by a failure: the decode engine recomputes the prompt
-    /// whatever its `kv_load_failure_policy`.
+    /// The transfer was ended on purpose — by a lifecycle operation, a
+    /// refusal, other weights, or P reclaiming KV it held for its whole
+    /// lease — not by a failure: the decode engine recomputes the prompt
+    /// whatever its `kv_load_failure_policy`. What is left for the policy
+    /// is what went wrong: a peer lost or silent past D's deadline, a
+    /// transfer that failed, a pull that does not match, a protocol error.
     pub fn on_purpose(self) -> bool {
         matches!(
             self,
@@ -129,6 +134,7 @@ impl FailCode {
                 | FailCode::PrefillAborted
                 | FailCode::PrefillRefused
                 | FailCode::WeightsMismatch
+                | FailCode::LeaseExpired
         )
     }
 
@@ -304,6 +310,21 @@ pub async fn exchange(addr: &str, msg: &Message, io_limit: Duration, answer_limi
     read_message(&mut s, answer_limit).await
 }
 
+/// Asks the prefill engine whose control listener is at `addr` to drop
+/// transfer `transfer_id` for `code` (a proxy whose decode request failed:
+/// nobody will pull it; or whose prefill request P refused: D's pull gets
+/// the code at once). Returns whether P knew the transfer; P frees its
+/// blocks now rather than when the lease expires, and one it has not seen
+/// yet is refused when its request finishes.
+pub async fn drop_transfer(addr: &str, transfer_id: &str, code: FailCode, limit: Duration) -> Result<bool, String> {
+    let msg = Message::Drop { transfer_id: transfer_id.to_string(), code };
+    match exchange(addr, &msg, limit, limit).await {
+        Ok(Message::DropOk { known }) => Ok(known),
+        Ok(other) => Err(format!("unexpected answer to a drop: {other:?}")),
+        Err(e) => Err(e.to_string()),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -355,20 +376,5 @@ mod tests {
         for junk in [&b""[..], b"{", b"\x00\xff", b"{\"type\":\"nope\"}", b"[1,2]", b"{\"type\":\"pull\"}"] {
             assert!(matches!(decode_body(junk), Err(WireError::Malformed(_))), "{junk:?}");
         }
-    }
-}
-
-/// Asks the prefill engine whose control listener is at `addr` to drop
-/// transfer `transfer_id` for `code` (a proxy whose decode request failed:
-/// nobody will pull it; or whose prefill request P refused: D's pull gets
-/// the code at once). Returns whether P knew the transfer; P frees its
-/// blocks now rather than when the lease expires, and one it has not seen
-/// yet is refused when its request finishes.
-pub async fn drop_transfer(addr: &str, transfer_id: &str, code: FailCode, limit: Duration) -> Result<bool, String> {
-    let msg = Message::Drop { transfer_id: transfer_id.to_string(), code };
-    match exchange(addr, &msg, limit, limit).await {
-        Ok(Message::DropOk { known }) => Ok(known),
-        Ok(other) => Err(format!("unexpected answer to a drop: {other:?}")),
-        Err(e) => Err(e.to_string()),
     }
 }

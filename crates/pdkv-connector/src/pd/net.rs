@@ -436,7 +436,7 @@ async fn read_blocks(
                 .collect();
             let h = d.agent.start(Direction::Read, transfers, None, left).await.map_err(|e| what(FailCode::TransferFailed, e.to_string()))?;
             let cancel = h.canceller();
-            d.reads.lock().unwrap().insert(load, Box::new(move || cancel()));
+            d.reads.lock().unwrap().insert(load, Box::new(cancel));
             h.wait().await.map_err(|e| what(FailCode::TransferFailed, e.to_string()))
         }
         Destination::Shm { path } => {
@@ -444,7 +444,7 @@ async fn read_blocks(
             let transfers = slices.into_iter().map(|(local, remote)| Transfer { local, remote }).collect();
             let h = imp.start(Direction::Read, transfers, None, deadline).map_err(|e| what(FailCode::TransferFailed, e.to_string()))?;
             let cancel = h.canceller();
-            d.reads.lock().unwrap().insert(load, Box::new(move || cancel()));
+            d.reads.lock().unwrap().insert(load, Box::new(cancel));
             let res = h.wait().await.map_err(|e| what(FailCode::TransferFailed, e.to_string()));
             if res.is_err() {
                 d.importers.lock().unwrap().remove(path);

@@ -7,7 +7,7 @@
 //!
 //! The driver contract and the invariants are on [`EngineCore`].
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -155,13 +155,15 @@ pub struct EngineCore {
     vocab: usize,
     eos_ids: Vec<u32>,
     limits: RequestLimits,
-    reqs: HashMap<Arc<str>, ActiveRequest>,
+    /// Ordered, so ending them all (an abort pause, a shutdown) happens in
+    /// one fixed order and a simulation replays.
+    reqs: BTreeMap<Arc<str>, ActiveRequest>,
     logits: Vec<f32>,
     steps: u64,
     pub(super) pool: Pool,
     pub(super) lc: Machine,
     /// Deferred lifecycle replies by ticket.
-    pub(super) replies: HashMap<Ticket, LifecycleReply>,
+    pub(super) replies: BTreeMap<Ticket, LifecycleReply>,
     pub(super) next_ticket: Ticket,
     /// Weights, KV cache and runtime regions are all mapped (checked after
     /// every lifecycle command; a step needs it).
@@ -239,12 +241,12 @@ impl EngineCore {
             decoder,
             eos_ids: eos_token_ids,
             limits,
-            reqs: HashMap::new(),
+            reqs: BTreeMap::new(),
             logits: Vec::new(),
             steps: 0,
             pool,
             lc: Machine::new(),
-            replies: HashMap::new(),
+            replies: BTreeMap::new(),
             next_ticket: 0,
             mapped: true,
             has_connector,
@@ -394,7 +396,7 @@ impl EngineCore {
         }
         self.stopped = true;
         self.abort_all();
-        for (_, reply) in self.replies.drain() {
+        for (_, reply) in std::mem::take(&mut self.replies) {
             reply(Err(crate::LifecycleError::Stopped));
         }
         self.reloads.clear();

@@ -1,0 +1,157 @@
+//! A deterministic simulator of a P/D deployment (see [`world`]).
+//!
+//! [`run`] plays one seed: a safety phase (clients under load, operators
+//! driving lifecycle operations on P and D at random, faults when asked),
+//! then a liveness phase (faults healed, every engine brought back to
+//! serving, no new work) that must end with every client request ended and
+//! every engine idle with every block free. Checked at every event:
+//! - no token is computed from stale or foreign KV (the simulated model
+//!   checks every attended position's tag: this request's tokens, these
+//!   weights) and D's answers equal a colocated engine's when its weights
+//!   did not change meanwhile;
+//! - no KV frame lands in blocks D has given back;
+//! - the scheduler's invariants (block references, queues) hold;
+//! - every engine request ends exactly once, every client request is
+//!   counted exactly once, every pull is answered at most once (and, at the
+//!   end, at least once by a live prefill engine);
+//! - no connector deadline stays pending past its time;
+//! - a KV cache that is asleep holds no memory;
+//! - every lifecycle call is answered within 60 simulated seconds;
+//! - without network faults, no client request is lost (a 5xx other than a
+//!   retryable 503) to lifecycle operations.
+//!
+//! The same seed gives the same run: every table is ordered, the one
+//! random source is the seed's, and time is the simulator's.
+
+pub mod model;
+pub mod node;
+mod rng;
+pub mod world;
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+/// What one run does.
+#[derive(Clone, Debug)]
+pub struct Options {
+    pub seed: u64,
+    /// D reads P's leased blocks (else P writes into D's).
+    pub read_mode: bool,
+    /// `kv_load_failure_policy` of the decode engine: `fail` or `recompute`.
+    pub policy: &'static str,
+    /// Lifecycle operations on the engines during the safety phase.
+    pub lifecycle: bool,
+    /// Network faults (delays with long spikes, lost and duplicated frames,
+    /// broken connections, partitions).
+    pub faults: bool,
+    /// Engines that crash and restart (with `faults`).
+    pub crashes: bool,
+    /// Client requests in the safety phase, at most.
+    pub clients: u64,
+    /// Simulated length of the safety phase.
+    pub safety: Duration,
+    /// Bound on the liveness phase.
+    pub liveness: Duration,
+}
+
+impl Options {
+    /// A run of `seed` with its variant drawn from the seed: mode, policy,
+    /// and whether network faults are on.
+    pub fn for_seed(seed: u64) -> Options {
+        Options {
+            seed,
+            read_mode: seed % 2 == 1,
+            policy: if (seed / 2).is_multiple_of(2) { "fail" } else { "recompute" },
+            lifecycle: true,
+            faults: (seed / 4) % 2 == 1,
+            crashes: (seed / 4) % 4 == 3,
+            clients: 400,
+            safety: Duration::from_secs(60),
+            liveness: Duration::from_secs(600),
+        }
+    }
+}
+
+/// What a run saw.
+#[derive(Clone, Debug, Default)]
+pub struct Report {
+    pub seed: u64,
+    pub events: u64,
+    pub simulated: Duration,
+    pub clients: u64,
+    pub outcomes: BTreeMap<&'static str, u64>,
+    /// Client requests that failed on the server side (a 5xx but a
+    /// retryable 503).
+    pub lost: u64,
+    /// The first few lost requests' answers.
+    pub losses: Vec<String>,
+    pub prefill_skipped: u64,
+    pub checked_outputs: u64,
+    pub frames: u64,
+    /// The engines' connector counters at the end (a restarted engine's
+    /// count from its restart).
+    pub loads_ok: u64,
+    pub loads_released: u64,
+    pub loads_failed: u64,
+    pub loads_abandoned: u64,
+    pub pulls_ok: u64,
+    pub operations: u64,
+    pub operations_ok: u64,
+    pub operations_failed: u64,
+    pub operation_errors: BTreeMap<String, u64>,
+    pub crashes: u64,
+    pub violations: Vec<String>,
+}
+
+impl Report {
+    pub fn ok(&self) -> bool {
+        self.violations.is_empty()
+    }
+
+    /// One line for a log.
+    pub fn line(&self) -> String {
+        format!(
+            "seed {} {}: {} events, {:.1} s simulated, {} clients {:?}, lost {}, {} outputs checked, {} KV frames, loads ok/released/failed/abandoned {}/{}/{}/{}, {} lifecycle calls ({} failed), {} crashes{}",
+            self.seed,
+            if self.ok() { "ok" } else { "VIOLATION" },
+            self.events,
+            self.simulated.as_secs_f64(),
+            self.clients,
+            self.outcomes,
+            self.lost,
+            self.checked_outputs,
+            self.frames,
+            self.loads_ok,
+            self.loads_released,
+            self.loads_failed,
+            self.loads_abandoned,
+            self.operations,
+            self.operations_failed,
+            self.crashes,
+            self.violations.first().map(|v| format!(": {v}")).unwrap_or_default()
+        )
+    }
+}
+
+/// Plays one run. A panic inside the real code (an invariant check) is a
+/// violation too.
+pub fn run(opts: Options) -> Report {
+    let seed = opts.seed;
+    let played = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| -> anyhow::Result<Report> {
+        let mut w = world::World::new(opts)?;
+        w.run()?;
+        Ok(w.report)
+    }));
+    match played {
+        Ok(Ok(r)) => r,
+        Ok(Err(e)) => Report { seed, violations: vec![format!("the run could not be set up: {e:#}")], ..Report::default() },
+        Err(p) => {
+            let msg = p
+                .downcast_ref::<&str>()
+                .map(|s| s.to_string())
+                .or_else(|| p.downcast_ref::<String>().cloned())
+                .unwrap_or_else(|| "a panic".into());
+            Report { seed, violations: vec![format!("panic: {msg}")], ..Report::default() }
+        }
+    }
+}
