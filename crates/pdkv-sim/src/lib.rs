@@ -46,6 +46,12 @@ pub struct Options {
     pub faults: bool,
     /// Engines that crash and restart (with `faults`).
     pub crashes: bool,
+    /// The prefill engine computes slowly: long prompts outlast every
+    /// transfer timeout.
+    pub slow_prefill: bool,
+    /// How long (ms, uniform) an engine serves between two lifecycle
+    /// sequences.
+    pub op_idle_ms: (u64, u64),
     /// Client requests in the safety phase, at most.
     pub clients: u64,
     /// Simulated length of the safety phase.
@@ -58,6 +64,7 @@ impl Options {
     /// A run of `seed` with its variant drawn from the seed: mode, policy,
     /// and whether network faults are on.
     pub fn for_seed(seed: u64) -> Options {
+        let slow_prefill = (seed / 8) % 4 == 1;
         Options {
             seed,
             read_mode: seed % 2 == 1,
@@ -65,9 +72,15 @@ impl Options {
             lifecycle: true,
             faults: (seed / 4) % 2 == 1,
             crashes: (seed / 4) % 4 == 3,
-            clients: 400,
+            slow_prefill,
+            // A slow prefill engine gets fewer requests, so its backlog
+            // drains within the liveness bound.
+            clients: if slow_prefill { 60 } else { 400 },
+            // Rarer lifecycle operations when prefills are slow, so that
+            // some long ones run undisturbed.
+            op_idle_ms: if slow_prefill { (5_000, 40_000) } else { (200, 8_000) },
             safety: Duration::from_secs(60),
-            liveness: Duration::from_secs(600),
+            liveness: Duration::from_secs(if slow_prefill { 1800 } else { 600 }),
         }
     }
 }

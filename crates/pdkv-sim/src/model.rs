@@ -39,6 +39,8 @@ pub struct Oracle {
     tokens: BTreeMap<String, Vec<u32>>,
     /// What the model found wrong, in order.
     pub violations: Vec<String>,
+    /// Tokens the model computed in its last step (how long it took).
+    pub last_step_tokens: usize,
 }
 
 pub type SharedOracle = Arc<Mutex<Oracle>>;
@@ -203,6 +205,7 @@ impl ModelRunner for SimModel {
             self.violation("a step ran on discarded weights".into());
             anyhow::bail!("discarded weights");
         }
+        self.oracle.lock().unwrap().last_step_tokens = seqs.iter().map(|s| s.tokens.len()).sum();
         for s in seqs {
             let h = self.run_seq(s, w)?;
             if s.sample {

@@ -214,6 +214,10 @@ struct Slot {
     /// Scheduled connector timer times (deduplicated).
     timers: BTreeSet<Instant>,
     tick_at: Option<Instant>,
+    /// Compute time per token of this engine's steps.
+    per_token: Duration,
+    /// The engine computes its last step until then.
+    busy_until: Option<Instant>,
 }
 
 pub struct World {
@@ -308,7 +312,14 @@ impl World {
             reloads: 0,
             timers: BTreeSet::new(),
             tick_at: None,
+            per_token: Duration::from_micros(20),
+            busy_until: None,
         };
+        if is_p && self.opts.slow_prefill {
+            // A prefill engine slow enough that a long prompt outlasts every
+            // transfer timeout (as a 7,000-token prompt does on a CPU).
+            slot.per_token = Duration::from_millis(self.rng.range(30, 120));
+        }
         slot.node = Some(self.build_node(&slot.spec_name, &slot.addr, &slot.transfer_addr, &slot.kv_config, 1)?);
         self.nodes.push(slot);
         Ok(())
@@ -503,8 +514,13 @@ impl World {
         let deadline = n.core.next_deadline();
         let timer = n.conn.inspect(|c| c.poll_timeout());
         let now = self.now();
+        let tokens = std::mem::take(&mut n.oracle.lock().unwrap().last_step_tokens);
+        if tokens > 0 {
+            self.nodes[ix].busy_until = Some(now + STEP_COST + self.nodes[ix].per_token * tokens as u32);
+        }
+        let busy = self.nodes[ix].busy_until.filter(|&b| b > now);
         let tick = if runnable {
-            Some(now + STEP_COST)
+            Some(busy.unwrap_or(now + STEP_COST))
         } else if woke {
             Some(now + IDLE_COST)
         } else {
@@ -1202,7 +1218,11 @@ impl World {
             if self.healed {
                 return;
             }
+            // Serving for a while between two lifecycle sequences.
+            let (lo, hi) = self.opts.op_idle_ms;
+            let idle = Duration::from_millis(self.rng.range(lo, hi));
             let s = self.pick_script(ix);
+            self.nodes[ix].op.script.push_back(Step::Hold(idle));
             self.nodes[ix].op.script.extend(s);
         }
         let step = self.nodes[ix].op.script.pop_front().expect("not empty");
