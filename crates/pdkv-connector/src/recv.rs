@@ -310,6 +310,12 @@ impl RecvMachine {
         })
     }
 
+    /// Whether a load of `transfer_id` that is not finished has `block`
+    /// among its destination blocks (a write may land there).
+    pub fn is_loading_into(&self, transfer_id: &str, block: u32) -> bool {
+        self.loads.values().any(|l| l.spec.transfer_id == transfer_id && l.spec.dst_blocks.contains(&block))
+    }
+
     /// The load of `req`, if one is not finished.
     pub fn load_of(&self, req: &str) -> Option<LoadId> {
         self.by_req.get(req).copied()

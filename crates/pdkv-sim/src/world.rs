@@ -828,13 +828,15 @@ impl World {
         let Some(n) = self.live(to, to_inc) else { return };
         let res = match n.registry.access(seg, key, epoch, pair.1, bytes.len() as u64) {
             Ok(a) => {
-                // It lands: it must be for a load D has not given back.
-                let load = self.grants.get(&(to, key)).copied();
-                let alive = load.is_some_and(|l| n.conn.inspect(|c| c.recv_machine().spec(l).is_some()));
+                // It lands: it must be in a block of a load of this transfer
+                // that D has not given back.
+                let block = (pair.1 / w.block_bytes) as u32;
+                let tid = w.dst.transfer_id.clone();
+                let alive = n.conn.inspect(|c| c.recv_machine().is_loading_into(&tid, block));
                 if !alive {
                     let what = format!(
-                        "a KV frame landed in {}'s block at offset {} after D gave the load back (grant {key:#x}, load {load:?})",
-                        n.name, pair.1
+                        "a KV frame of transfer {tid} landed in {}'s block {block} after D gave the load back (key {key:#x})",
+                        n.name
                     );
                     self.violation(what);
                     return;
