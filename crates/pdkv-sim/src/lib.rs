@@ -101,6 +101,9 @@ pub struct Report {
     pub prefill_skipped: u64,
     pub checked_outputs: u64,
     pub frames: u64,
+    /// KV frames that arrived after their write had ended (refused by D's
+    /// registry, or a violation).
+    pub late_frames: u64,
     /// The engines' connector counters at the end (a restarted engine's
     /// count from its restart).
     pub loads_ok: u64,
@@ -124,7 +127,7 @@ impl Report {
     /// One line for a log.
     pub fn line(&self) -> String {
         format!(
-            "seed {} {}: {} events, {:.1} s simulated, {} clients {:?}, lost {}, {} outputs checked, {} KV frames, loads ok/released/failed/abandoned {}/{}/{}/{}, {} lifecycle calls ({} failed), {} crashes{}",
+            "seed {} {}: {} events, {:.1} s simulated, {} clients {:?}, lost {}, {} outputs checked, {} KV frames ({} late), loads ok/released/failed/abandoned {}/{}/{}/{}, {} lifecycle calls ({} failed), {} crashes{}",
             self.seed,
             if self.ok() { "ok" } else { "VIOLATION" },
             self.events,
@@ -134,6 +137,7 @@ impl Report {
             self.lost,
             self.checked_outputs,
             self.frames,
+            self.late_frames,
             self.loads_ok,
             self.loads_released,
             self.loads_failed,

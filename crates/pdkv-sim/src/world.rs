@@ -808,7 +808,11 @@ impl World {
             if self.faults && self.rng.chance(0.01) {
                 continue;
             }
-            let d = self.link_delay(ix, to);
+            let mut d = self.link_delay(ix, to);
+            if self.faults && self.rng.chance(0.02) {
+                // A frame held up in the network past every deadline.
+                d += Duration::from_millis(self.rng.range(20_000, 90_000));
+            }
             if self.faults && self.rng.chance(0.01) {
                 let d2 = d + self.delay();
                 self.at(d2, Ev::WriteFrame { write, part, pair, bytes: bytes.clone() });
@@ -822,6 +826,9 @@ impl World {
     /// epoch, key (the pull's grant) and bounds before a byte lands.
     fn write_frame(&mut self, write: u64, part: usize, pair: BlockPair, bytes: Vec<u8>) {
         let Some(w) = self.writes.get(&write) else { return };
+        if w.done {
+            self.report.late_frames += 1;
+        }
         let (to, to_inc, from) = (w.to, w.to_inc, w.from);
         let key = w.dst.grant_key.unwrap_or(w.dst.key);
         let (seg, epoch) = (w.dst.segment, w.dst.epoch);
