@@ -116,6 +116,9 @@ pub struct Report {
     pub operations_failed: u64,
     pub operation_errors: BTreeMap<String, u64>,
     pub crashes: u64,
+    /// A hash of every event's time, schedule place and kind: a replay
+    /// must reproduce it exactly.
+    pub trace: u64,
     pub violations: Vec<String>,
 }
 

@@ -393,6 +393,7 @@ impl World {
             }
             self.clock.set(t.at);
             self.report.events += 1;
+            self.trace(&t);
             self.handle(t.ev);
             if !self.report.violations.is_empty() {
                 return Ok(());
@@ -404,6 +405,18 @@ impl World {
         self.report.simulated = self.now() - self.t0;
         self.final_checks();
         Ok(())
+    }
+
+    /// Folds the event (its time, its place in the schedule, its kind)
+    /// into the run's trace hash: two runs of a seed must agree on it.
+    fn trace(&mut self, t: &Timed) {
+        use std::hash::{Hash, Hasher};
+        let mut h = std::collections::hash_map::DefaultHasher::new();
+        self.report.trace.hash(&mut h);
+        (t.at - self.t0).hash(&mut h);
+        t.seq.hash(&mut h);
+        std::mem::discriminant(&t.ev).hash(&mut h);
+        self.report.trace = h.finish();
     }
 
     fn handle(&mut self, ev: Ev) {

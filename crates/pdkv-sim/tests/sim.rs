@@ -29,11 +29,12 @@ fn fixed_seeds_hold_every_safety_and_liveness_check() {
 
 #[test]
 fn a_seed_replays_exactly() {
-    for seed in [5, 12, 31] {
+    // Seeds where an unordered table in a machine made two runs differ.
+    for seed in [4, 6, 20] {
         let a = run(Options::for_seed(seed));
         let b = run(Options::for_seed(seed));
         assert!(a.ok(), "{}", a.line());
         assert_eq!(a.line(), b.line(), "seed {seed} did not replay");
-        assert_eq!(a.events, b.events);
+        assert_eq!((a.events, a.trace), (b.events, b.trace), "seed {seed}: the event sequence differs");
     }
 }

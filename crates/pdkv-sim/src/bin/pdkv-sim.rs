@@ -28,6 +28,10 @@ struct Args {
     /// Read mode on or off for every run (default: drawn from the seed).
     #[arg(long)]
     read_mode: Option<bool>,
+    /// Run every seed twice and fail when the two runs differ (a replay
+    /// must be exact).
+    #[arg(long)]
+    replay: bool,
     /// Print every run's line (else only violations and a summary).
     #[arg(long)]
     verbose: bool,
@@ -69,7 +73,14 @@ fn main() -> anyhow::Result<()> {
         if let Some(s) = args.safety_s {
             opts.safety = std::time::Duration::from_secs(s);
         }
-        let r = pdkv_sim::run(opts);
+        let r = pdkv_sim::run(opts.clone());
+        if args.replay {
+            let again = pdkv_sim::run(opts);
+            if (again.events, again.trace, again.line()) != (r.events, r.trace, r.line()) {
+                println!("seed {seed} does not replay: {} events (trace {:x}) then {} (trace {:x})", r.events, r.trace, again.events, again.trace);
+                bad.push(seed);
+            }
+        }
         runs += 1;
         events += r.events;
         simulated += r.simulated.as_secs_f64();
