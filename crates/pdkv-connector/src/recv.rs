@@ -207,8 +207,9 @@ struct Load {
     /// itself: it holds the blocks until the load is finished and needs no
     /// other report.
     engine_knows: bool,
-    /// Read mode: the read itself succeeded (Confirming).
-    read_ok: bool,
+    /// Read mode: why the read itself failed (Confirming): P's answer to
+    /// `read_done` then only says whether P ended the lease on purpose.
+    read_failure: Option<Failure>,
 }
 
 /// See the module docs.
@@ -323,7 +324,7 @@ impl RecvMachine {
         let id = self.next;
         self.next += 1;
         self.by_req.insert(spec.req.clone(), id);
-        self.loads.insert(id, Load { spec, phase: Phase::Decided, engine_knows: false, read_ok: false });
+        self.loads.insert(id, Load { spec, phase: Phase::Decided, engine_knows: false, read_failure: None });
         id
     }
 
@@ -669,15 +670,15 @@ impl RecvMachine {
         match &l.phase {
             Phase::Reading { .. } => {
                 let (addr, tid) = (l.spec.addr.clone(), l.spec.transfer_id.clone());
-                l.read_ok = result.is_ok();
-                if let Err(f) = &result {
+                if let Err(f) = result {
                     // A fresh handshake next time (P may have moved on).
-                    let f = f.clone();
                     self.peers.remove(&addr);
-                    self.actions.push_back(Action::ReadDone { load, addr, transfer_id: tid });
-                    // The read ended: nothing writes the blocks any more.
-                    self.finish(load, LoadEnd::Failed(LoadFailure::new(f)));
-                    return;
+                    // The read ended: nothing writes the blocks any more. P's
+                    // answer to read_done tells whether P itself ended the
+                    // lease on purpose (a cache reset or sleep, after which
+                    // it registered again: the read, naming the lease's older
+                    // generation, is refused); the load then recomputes.
+                    l.read_failure = Some(f);
                 }
                 // Ends the lease; P's answer says whether the data is valid.
                 let deadline = now + self.cfg.load_timeout;
@@ -696,15 +697,24 @@ impl RecvMachine {
         if !matches!(l.phase, Phase::Confirming { .. }) {
             return;
         }
-        let end = match answer {
-            Ok(()) => LoadEnd::Loaded,
-            Err(f) => LoadEnd::Failed(LoadFailure::new(Failure::new(
+        let tid = &l.spec.transfer_id;
+        let end = match (&l.read_failure, answer) {
+            (None, Ok(())) => LoadEnd::Loaded,
+            (None, Err(f)) => LoadEnd::Failed(LoadFailure::new(Failure::new(
                 f.code,
                 format!(
-                    "the KV read of transfer {:?} is void: the prefill engine no longer held the blocks when the read ended: {}",
-                    l.spec.transfer_id, f.message
+                    "the KV read of transfer {tid:?} is void: the prefill engine no longer held the blocks when the read ended: {}",
+                    f.message
                 ),
             ))),
+            (Some(read), Err(f)) if f.code.on_purpose() => LoadEnd::Failed(LoadFailure::new(Failure::new(
+                f.code,
+                format!(
+                    "the KV read of transfer {tid:?} failed ({}): the prefill engine had ended the lease on purpose: {}",
+                    read.message, f.message
+                ),
+            ))),
+            (Some(read), _) => LoadEnd::Failed(LoadFailure::new(read.clone())),
         };
         self.finish(load, end);
     }
@@ -826,7 +836,7 @@ impl RecvMachine {
                     self.fail_unsent(id, f);
                 }
                 Phase::Confirming { deadline } if *deadline <= now => {
-                    let f = timeout();
+                    let f = l.read_failure.clone().unwrap_or_else(timeout);
                     self.finish(id, LoadEnd::Failed(LoadFailure::new(f)));
                 }
                 Phase::Pulling { deadline } | Phase::Reading { deadline } if *deadline <= now => {
@@ -1122,6 +1132,51 @@ mod tests {
         m.on_read_result(t0, b, Ok(()));
         m.on_read_done_answer(t0, b, Err(Failure::new(FailCode::LeaseExpired, "expired")));
         assert!(matches!(&ends(&mut m)[..], [(_, LoadEnd::Failed(lf))] if lf.failure.message.contains("void")));
+    }
+
+    /// P slept (or released its KV) and registered again while D held a
+    /// lease's params: D's read names the lease's older generation and is
+    /// refused. P's answer to read_done says P ended the lease on purpose,
+    /// so the load recomputes; without such an answer the read's own
+    /// failure stands. Catches the old behaviour, in which the refused read
+    /// failed the load at once (under `fail`, the request).
+    #[test]
+    fn a_read_refused_after_p_released_the_lease_on_purpose_recomputes() {
+        let t0 = Instant::now();
+        let stale = || Failure::new(FailCode::TransferFailed, "stale epoch: access names epoch 1, the registration is at epoch 2");
+        for (answer, recompute) in [
+            (Err(Failure::new(FailCode::CacheReset, "released (cache reset)")), true),
+            (Err(Failure::new(FailCode::LeaseExpired, "the lease expired")), false),
+            (Ok(()), false),
+        ] {
+            let mut m = machine();
+            m.decide(read_spec("a", 1, None));
+            m.start(t0, "a", None);
+            m.on_handshake(t0, "127.0.0.1:9", Ok(peer(Some(1))));
+            actions(&mut m);
+            let a = m.load_of("a").unwrap();
+            m.on_read_result(t0, a, Err(stale()));
+            assert!(m.take_finished().is_empty(), "the load waits for P's word on the lease");
+            assert!(actions(&mut m).iter().any(|x| matches!(x, Action::ReadDone { load, .. } if *load == a)));
+            m.on_read_done_answer(t0, a, answer.clone());
+            match &ends(&mut m)[..] {
+                [(_, LoadEnd::Failed(lf))] => {
+                    assert_eq!(lf.recompute, recompute, "{answer:?}: {lf:?}");
+                    assert!(lf.failure.message.contains("stale epoch"), "{lf:?}");
+                }
+                other => panic!("{answer:?}: {other:?}"),
+            }
+        }
+        // P never answers: the read's failure, at the deadline.
+        let mut m = machine();
+        m.decide(read_spec("b", 1, None));
+        m.start(t0, "b", None);
+        m.on_handshake(t0, "127.0.0.1:9", Ok(peer(Some(1))));
+        actions(&mut m);
+        let b = m.load_of("b").unwrap();
+        m.on_read_result(t0, b, Err(stale()));
+        m.handle_timeout(t0 + LOAD);
+        assert!(matches!(&ends(&mut m)[..], [(_, LoadEnd::Failed(lf))] if !lf.recompute && lf.failure.message.contains("stale epoch")));
     }
 
     #[test]
