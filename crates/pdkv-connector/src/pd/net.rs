@@ -69,6 +69,7 @@ pub fn start(runtime: &tokio::runtime::Runtime, cfg: KvTransferConfig, engine_id
         replies: Mutex::new(HashMap::new()),
         reads: Mutex::new(HashMap::new()),
         importers: Mutex::new(HashMap::new()),
+        mapping: tokio::sync::Mutex::new(()),
         timer: Arc::new(Notify::new()),
         next_conn: AtomicU64::new(1),
         unwritten: Mutex::new(0),
@@ -98,6 +99,11 @@ struct Net {
     reads: Mutex<HashMap<LoadId, Box<dyn Fn() + Send>>>,
     /// Shared-memory peers this engine copies to or from, by socket path.
     importers: Mutex<HashMap<String, Arc<ShmImporter>>>,
+    /// Held while connecting to a peer or mapping its KV cache: two
+    /// transfers that find it unmapped at once must not both map it, as
+    /// the second map retires the first mapping under the first transfer's
+    /// batch (which then fails with `NotRegistered`).
+    mapping: tokio::sync::Mutex<()>,
     timer: Arc<Notify>,
     next_conn: AtomicU64,
     /// Final answers handed to a connection and not yet written, so a
@@ -400,6 +406,20 @@ async fn write_blocks(
 /// The importer for the peer's socket `path`, connected, with `reg` (at its
 /// epoch) mapped.
 async fn importer(d: &Net, path: &str, reg: &Registration, left: Duration) -> Result<Arc<ShmImporter>, String> {
+    let mapped = || {
+        let cached = d.importers.lock().unwrap().get(path).cloned();
+        cached.filter(|i| i.mapped_epoch(reg.segment) == Some(reg.epoch))
+    };
+    if let Some(i) = mapped() {
+        return Ok(i);
+    }
+    // One transfer connects and maps at a time; the others find it done.
+    let _mapping = tokio::time::timeout(left, d.mapping.lock())
+        .await
+        .map_err(|_| format!("mapping the peer's KV cache at {path}: another map did not end in time"))?;
+    if let Some(i) = mapped() {
+        return Ok(i);
+    }
     let cached = d.importers.lock().unwrap().get(path).cloned();
     let imp = match cached {
         Some(i) => i,
