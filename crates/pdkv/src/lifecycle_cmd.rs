@@ -1554,7 +1554,7 @@ impl Runner<'_> {
                 rep.check(c.on_all(Target::P, true, &format!("/sleep?level=1&mode=keep&timeout={timeout}"), None).await);
                 // Release, then reset: the sleep ended every transfer first.
                 match c.gauge(Role::P, "pdkv_kv_send_held_blocks").await {
-                    Ok(v) if v == 0.0 => {}
+                    Ok(0.0) => {}
                     Ok(v) => rep.errors.push(format!("P holds {v} blocks for transfers while asleep")),
                     Err(e) => rep.errors.push(e),
                 }
