@@ -717,7 +717,13 @@ impl RecvMachine {
         let end = match (answer, &l.read_err) {
             (Ok(()), None) => LoadEnd::Loaded,
             // P had ended the lease on purpose: that is why the read failed.
-            (Err(f), Some(_)) if f.code.on_purpose() => LoadEnd::Failed(LoadFailure::new(f)),
+            (Err(f), Some(read)) if f.code.on_purpose() => LoadEnd::Failed(LoadFailure::new(Failure::new(
+                f.code,
+                format!(
+                    "the KV read of transfer {tid:?} failed ({}): the prefill engine had ended the lease on purpose: {}",
+                    read.message, f.message
+                ),
+            ))),
             (_, Some(read)) => LoadEnd::Failed(LoadFailure::new(read.clone())),
             (Err(f), None) => LoadEnd::Failed(LoadFailure::new(Failure::new(
                 f.code,
@@ -847,7 +853,7 @@ impl RecvMachine {
                     self.fail_unsent(id, f);
                 }
                 Phase::Confirming { deadline } if *deadline <= now => {
-                    let f = timeout();
+                    let f = l.read_err.clone().unwrap_or_else(timeout);
                     self.finish(id, LoadEnd::Failed(LoadFailure::new(f)));
                 }
                 Phase::Pulling { deadline } | Phase::Reading { deadline } if *deadline <= now => {
@@ -1143,6 +1149,53 @@ mod tests {
         m.on_read_result(t0, b, Ok(()));
         m.on_read_done_answer(t0, b, Err(Failure::new(FailCode::LeaseExpired, "expired")));
         assert!(matches!(&ends(&mut m)[..], [(_, LoadEnd::Failed(lf))] if lf.failure.message.contains("void")));
+    }
+
+    /// P slept (or released its KV) and registered again while D held a
+    /// lease's params: D's read names the lease's older generation and is
+    /// refused. P's answer to read_done says P ended the lease on purpose,
+    /// so the load recomputes; without such an answer the read's own
+    /// failure stands. Catches the old behaviour, in which the refused read
+    /// failed the load at once (under `fail`, the request).
+    #[test]
+    fn a_read_refused_after_p_released_the_lease_on_purpose_recomputes() {
+        let t0 = Instant::now();
+        let stale = || Failure::new(FailCode::TransferFailed, "stale epoch: access names epoch 1, the registration is at epoch 2");
+        for (answer, recompute) in [
+            (Err(Failure::new(FailCode::CacheReset, "released (cache reset)")), true),
+            // P reclaimed the KV after its lease: on purpose too.
+            (Err(Failure::new(FailCode::LeaseExpired, "the lease expired")), true),
+            (Err(Failure::new(FailCode::TransferFailed, "P lost the transfer")), false),
+            (Ok(()), false),
+        ] {
+            let mut m = machine();
+            m.decide(read_spec("a", 1, None));
+            m.start(t0, "a", None);
+            m.on_handshake(t0, "127.0.0.1:9", Ok(peer(Some(1))));
+            actions(&mut m);
+            let a = m.load_of("a").unwrap();
+            m.on_read_result(t0, a, Err(stale()));
+            assert!(m.take_finished().is_empty(), "the load waits for P's word on the lease");
+            assert!(actions(&mut m).iter().any(|x| matches!(x, Action::ReadDone { load, .. } if *load == a)));
+            m.on_read_done_answer(t0, a, answer.clone());
+            match &ends(&mut m)[..] {
+                [(_, LoadEnd::Failed(lf))] => {
+                    assert_eq!(lf.recompute, recompute, "{answer:?}: {lf:?}");
+                    assert!(lf.failure.message.contains("stale epoch"), "{lf:?}");
+                }
+                other => panic!("{answer:?}: {other:?}"),
+            }
+        }
+        // P never answers: the read's failure, at the deadline.
+        let mut m = machine();
+        m.decide(read_spec("b", 1, None));
+        m.start(t0, "b", None);
+        m.on_handshake(t0, "127.0.0.1:9", Ok(peer(Some(1))));
+        actions(&mut m);
+        let b = m.load_of("b").unwrap();
+        m.on_read_result(t0, b, Err(stale()));
+        m.handle_timeout(t0 + LOAD);
+        assert!(matches!(&ends(&mut m)[..], [(_, LoadEnd::Failed(lf))] if !lf.recompute && lf.failure.message.contains("stale epoch")));
     }
 
     #[test]

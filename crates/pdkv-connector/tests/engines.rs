@@ -70,3 +70,36 @@ fn a_bogus_transfer_fails_only_its_request_and_recompute_recovers() {
         idle_and_free(e);
     }
 }
+
+/// Requests at once on a fresh pair over shared memory: the first
+/// transfers all find D's KV cache not yet mapped at P, and every one must
+/// succeed. Catches the race in which two of them both mapped the segment
+/// and the second map retired the first mapping under the first write
+/// (which then failed with "segment 1 is not registered now"). Several
+/// fresh pairs, since the race needs two maps to overlap.
+#[test]
+fn the_first_transfers_at_once_over_shm_all_succeed() {
+    const PAIRS: usize = 8;
+    const AT_ONCE: usize = 8;
+    let t = r#","transport":"shm""#;
+    let colo = colocated();
+    let prompts: Vec<Vec<u32>> = (0..AT_ONCE).map(|i| prompt(70 + i as u64, 20 + 3 * i)).collect();
+    let want: Vec<_> = prompts.iter().enumerate().map(|(i, pr)| fingerprint(&run(&colo.handle, &format!("c{i}"), pr.clone(), 3, None))).collect();
+    for pair in 0..PAIRS {
+        let p = engine(Some((&producer(t), &format!("p-cold{pair}"))), config());
+        let d = engine(Some((&consumer(t), &format!("d-cold{pair}"))), config());
+        let (ph, dh) = (&p.handle, &d.handle);
+        let outs: Vec<_> = std::thread::scope(|s| {
+            let runs: Vec<_> =
+                prompts.iter().enumerate().map(|(i, pr)| s.spawn(move || pd(ph, dh, &format!("x{i}"), pr, 3))).collect();
+            runs.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        for (i, out) in outs.iter().enumerate() {
+            let out = out.as_ref().unwrap_or_else(|e| panic!("pair {pair}, request {i}: {e}"));
+            assert_eq!(fingerprint(out), want[i], "pair {pair}, request {i}");
+        }
+        assert_eq!(metric(dh, "loads_failed_total"), 0.0, "pair {pair}");
+        idle_and_free(ph);
+        idle_and_free(dh);
+    }
+}

@@ -7,7 +7,9 @@
 //! lease at once; an unread lease expires and a read after it is void; P's
 //! sleep and wake publish a new registration generation that D picks up with
 //! one handshake before reading; params from before the sleep can never read
-//! the new pages; bad params fail only their own request.
+//! the new pages (the read is refused, and as P's sleep ended that lease on
+//! purpose, D computes the prompt itself); bad params fail only their own
+//! request.
 
 mod common;
 

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use common::{
     admit, d_params, decode_params, failed_load, finish_with, park_pull, pattern, recv_msg, req, send_msg, side,
-    start_load, start_pull, wait_until, Side, BB, SIDE_WAIT as WAIT,
+    side_with, start_load, start_pull, transfer_ok, wait_until, Geometry, Side, BB, SIDE_WAIT as WAIT,
 };
 use pdkv_connector::wire::Message;
 use pdkv_engine::FinishReason;
@@ -68,6 +68,31 @@ fn blocks_move_over_tcp() {
 #[test]
 fn blocks_move_over_shared_memory() {
     transfer("shm");
+}
+
+/// D's KV cache spans 768 memfds (3 MiB in 4 KiB chunks), three times
+/// what one shared-memory message can carry (253): P maps it in parts and
+/// writes blocks that lie in the first, a middle and the last part, before
+/// and after a release and restore of D's registration (which P must map
+/// again, in parts, under the new epoch). Catches a transport that refused
+/// (or could not map) a registration of more than one message's memfds.
+#[test]
+fn a_kv_cache_of_more_memfds_than_one_message_carries_moves_over_shared_memory() {
+    const D_BLOCKS: usize = 3072;
+    let many = Geometry { blocks: D_BLOCKS, chunk_size: 4 << 10 };
+    assert!(D_BLOCKS * BB / many.chunk_size > 3 * 253);
+    // Engine ids of their own: a socket path is per engine id and process.
+    let mut p = side("kv_producer", "shm", "p-many", "");
+    let mut d = side_with("kv_consumer", "shm", "d-many", "", many).expect("D registers a KV cache of 768 memfds");
+    transfer_ok(&mut p, &mut d, "t1", [5, 9, 2], [3, 1500, D_BLOCKS as u32 - 1]);
+    transfer_ok(&mut p, &mut d, "t2", [1, 4, 6], [1013, 7, 2040]);
+
+    d.c.release_kv_caches(Duration::from_secs(5)).expect("P acknowledges the unmap of every part");
+    d.pool.discard(&[pdkv_vmem::Tag::KvCache]).unwrap();
+    assert_eq!((d.kv_device_bytes(), d.pool.pinned_bytes()), (0, 0), "no mapping of P pins D's pages");
+    d.pool.wake(&[pdkv_vmem::Tag::KvCache]).unwrap();
+    d.c.restore_kv_caches().unwrap();
+    transfer_ok(&mut p, &mut d, "t3", [7, 8, 10], [2900, 260, 0]);
 }
 
 #[test]

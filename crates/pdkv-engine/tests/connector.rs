@@ -34,22 +34,35 @@ struct Script {
     ended: Vec<(String, FinishReason, Vec<u32>)>,
     /// `abort_transfers` calls.
     aborts: usize,
+    /// Says it can release and restore its registrations (sleep mode).
+    sleep_mode: bool,
+    /// What `release_kv_caches` answers while set (else `Ok`).
+    release_error: Option<String>,
+    /// What `restore_kv_caches` answers while set (else `Ok`).
+    restore_error: Option<String>,
+    /// `release_kv_caches` / `restore_kv_caches` calls, failed ones included.
+    releases: usize,
+    restores: usize,
+    /// The engine's waker, once it gave it.
+    waker: Option<Waker>,
 }
 
 #[derive(Clone, Default)]
-struct Scripted(Arc<Mutex<Script>>);
+struct Scripted(Arc<Mutex<Script>>, Arc<std::sync::Condvar>);
 
 impl KvConnector for Scripted {
     fn name(&self) -> &str {
         "scripted"
     }
     fn supports_sleep_mode(&self) -> bool {
-        false
+        self.0.lock().unwrap().sleep_mode
     }
     fn info(&self) -> serde_json::Value {
         serde_json::json!({})
     }
-    fn set_waker(&mut self, _waker: Waker) {}
+    fn set_waker(&mut self, waker: Waker) {
+        self.0.lock().unwrap().waker = Some(waker);
+    }
     fn load_failure_policy(&self) -> LoadFailurePolicy {
         self.0.lock().unwrap().policy
     }
@@ -81,6 +94,7 @@ impl KvConnector for Scripted {
     }
     fn abort_transfers(&mut self) {
         self.0.lock().unwrap().aborts += 1;
+        self.1.notify_all();
     }
     fn register_kv_caches(&mut self, _spec: &KvCacheSpec) -> anyhow::Result<()> {
         Ok(())
@@ -91,6 +105,22 @@ impl KvConnector for Scripted {
     }
     fn get_block_ids_with_load_errors(&mut self) -> Vec<(u32, pdkv_engine::LoadError)> {
         std::mem::take(&mut self.0.lock().unwrap().errors)
+    }
+    fn release_kv_caches(&mut self, _timeout: std::time::Duration) -> anyhow::Result<()> {
+        let mut s = self.0.lock().unwrap();
+        s.releases += 1;
+        match &s.release_error {
+            Some(e) => anyhow::bail!("{e}"),
+            None => Ok(()),
+        }
+    }
+    fn restore_kv_caches(&mut self) -> anyhow::Result<()> {
+        let mut s = self.0.lock().unwrap();
+        s.restores += 1;
+        match &s.restore_error {
+            Some(e) => anyhow::bail!("{e}"),
+            None => Ok(()),
+        }
     }
 }
 
@@ -106,6 +136,22 @@ impl Scripted {
     }
     fn send_done(&self, id: &str) {
         self.0.lock().unwrap().finished.sending.push(Arc::from(id));
+    }
+
+    /// [`Scripted::send_done`], then wakes the engine as a real connector
+    /// does when a transfer ended.
+    fn send_done_and_wake(&self, id: &str) {
+        self.send_done(id);
+        let waker = self.0.lock().unwrap().waker.clone().expect("the engine gave its waker");
+        waker();
+    }
+
+    /// Waits (bounded) until the script satisfies `pred`; panics naming
+    /// `what` otherwise.
+    fn wait_for(&self, what: &str, pred: impl Fn(&Script) -> bool) {
+        let s = self.0.lock().unwrap();
+        let (_s, timeout) = self.1.wait_timeout_while(s, common::WAIT, |s| !pred(s)).unwrap();
+        assert!(!timeout.timed_out(), "{what}: not within {:?}", common::WAIT);
     }
 }
 
@@ -382,4 +428,188 @@ fn a_weight_reload_waits_for_transfers_to_give_their_blocks_back() {
     assert_eq!(e.weight_info().version.as_deref(), Some("again"));
     let counted = e.wait_stats(Duration::from_secs(30), |s| s.num_weight_updates == 1);
     assert!(counted.is_some(), "one weight update counted: {:?}", e.stats());
+}
+
+// ---- lifecycle operations whose connector calls fail, or wait ----
+
+/// A sleep-mode engine on the tiny checkpoint with `conn`, which says it
+/// can release and restore its registrations.
+fn sleepy(conn: &Scripted, config: pdkv_engine::EngineConfig) -> common::TestEngine {
+    conn.0.lock().unwrap().sleep_mode = true;
+    let config = pdkv_engine::EngineConfig { enable_sleep_mode: true, ..config };
+    common::start_with_connector(pdkv_model::Arch::Llama, config, Some(Box::new(conn.clone())))
+}
+
+/// The tokens and logits bits of the greedy reference request.
+fn probe(e: &pdkv_engine::EngineHandle, id: &str) -> (Vec<u32>, Vec<Vec<u32>>) {
+    let out = common::run_one(e, common::request(id, common::prompt(5, 40), common::greedy(4)));
+    assert_eq!(out.finish, Some(FinishReason::Length), "{id}");
+    (out.tokens.clone(), out.logit_bits())
+}
+
+/// Live device bytes of `tag`.
+fn device_bytes(e: &pdkv_engine::EngineHandle, tag: pdkv_vmem::Tag) -> u64 {
+    e.pool().device_bytes().get(tag)
+}
+
+/// The connector refuses to release its registrations (say, a transfer
+/// still in flight): `sleep(1)` and `release_kv_cache_memory` fail with
+/// what the connector said and leave the engine as it was — awake, its
+/// memory mapped, its keep pause in place — and a retry once the connector
+/// can release succeeds. Catches the old behaviour, in which the failed
+/// release was only logged and the sleep went on to unmap the KV cache
+/// under a registration that still pinned (and exposed) its pages.
+#[test]
+fn a_failed_registration_release_fails_sleep_and_kv_release_and_changes_nothing() {
+    use pdkv_engine::{LifecycleError, PauseMode, SleepLevel};
+    use pdkv_vmem::Tag;
+    use std::time::Duration;
+    const REFUSAL: &str = "1 loads writing into them (scripted refusal)";
+    let conn = Scripted::default();
+    let e = sleepy(&conn, pdkv_engine::EngineConfig::default());
+    let want = probe(&e, "before");
+    let (kv, weights) = (device_bytes(&e, Tag::KvCache), device_bytes(&e, Tag::Weights));
+    assert!(kv > 0 && weights > 0);
+
+    conn.0.lock().unwrap().release_error = Some(REFUSAL.into());
+    e.pause(PauseMode::Keep, false, Duration::from_secs(10)).unwrap();
+    for (i, what) in ["sleep(1)", "release_kv_cache_memory"].into_iter().enumerate() {
+        let r = match what {
+            "sleep(1)" => e.sleep(SleepLevel::L1, PauseMode::Keep, Duration::from_secs(10)),
+            _ => e.release_kv_cache_memory(),
+        };
+        let err = r.expect_err("the connector refused to release");
+        assert!(matches!(err, LifecycleError::Conflict(_)), "{what}: {err:?}");
+        assert!(err.to_string().contains(REFUSAL), "{what} does not say what the connector said: {err}");
+        assert_eq!(conn.0.lock().unwrap().releases, i + 1, "{what} asked the connector once");
+        let st = e.lifecycle_status();
+        assert_eq!((st.sleeping, st.asleep_tags.clone(), st.paused), (None, vec![], Some(PauseMode::Keep)), "{what}");
+        assert_eq!(e.stats().sleep_level, None, "{what}");
+        assert_eq!((device_bytes(&e, Tag::KvCache), device_bytes(&e, Tag::Weights)), (kv, weights), "{what}: memory");
+    }
+    // Still the same engine: it serves once resumed...
+    e.resume().unwrap();
+    assert_eq!(probe(&e, "after-refusals"), want);
+
+    // ...and, once the connector can release, both operations work.
+    conn.0.lock().unwrap().release_error = None;
+    e.pause(PauseMode::Keep, false, Duration::from_secs(10)).unwrap();
+    e.sleep(SleepLevel::L1, PauseMode::Keep, Duration::from_secs(10)).expect("the retried sleep");
+    assert_eq!(e.lifecycle_status().sleeping, Some(SleepLevel::L1));
+    assert_eq!((device_bytes(&e, Tag::KvCache), device_bytes(&e, Tag::Weights)), (0, 0), "asleep");
+    e.wake_up(None).unwrap();
+    e.resume().unwrap();
+    assert_eq!(probe(&e, "after-sleep"), want);
+    e.pause(PauseMode::Keep, false, Duration::from_secs(10)).unwrap();
+    e.release_kv_cache_memory().expect("the retried release");
+    assert_eq!(device_bytes(&e, Tag::KvCache), 0);
+    e.resume().unwrap();
+    assert_eq!(device_bytes(&e, Tag::KvCache), kv);
+    assert_eq!(probe(&e, "after-release"), want);
+    let s = conn.0.lock().unwrap();
+    assert_eq!((s.releases, s.restores), (4, 2));
+}
+
+/// The connector cannot register the KV cache again after it was mapped:
+/// `wake_up` fails, the lifecycle still shows the KV cache asleep (no step
+/// may run on a KV cache no transfer can reach at its new epoch), and a
+/// second `wake_up` calls `restore_kv_caches` again and, once it succeeds,
+/// serves. Catches the old behaviour, in which the failed wake left the
+/// machine saying "awake", so the second wake changed nothing and never
+/// retried the restore.
+#[test]
+fn a_failed_registration_restore_fails_the_wake_and_the_next_wake_retries_it() {
+    use pdkv_engine::{PauseMode, SleepLevel};
+    use pdkv_vmem::Tag;
+    use std::time::Duration;
+    const REFUSAL: &str = "the transfer agent is gone (scripted refusal)";
+    let conn = Scripted::default();
+    let e = sleepy(&conn, pdkv_engine::EngineConfig::default());
+    let want = probe(&e, "before");
+    e.sleep(SleepLevel::L1, PauseMode::Keep, Duration::from_secs(10)).unwrap();
+
+    conn.0.lock().unwrap().restore_error = Some(REFUSAL.into());
+    let err = e.wake_up(None).expect_err("the connector could not restore");
+    assert!(err.to_string().contains(REFUSAL), "the wake does not say what the connector said: {err}");
+    assert_eq!(conn.0.lock().unwrap().restores, 1);
+    let st = e.lifecycle_status();
+    assert_eq!(st.sleeping, Some(SleepLevel::L1), "{st:?}");
+    assert!(st.asleep_tags.contains(&Tag::KvCache), "the KV cache counts as asleep: {st:?}");
+    assert_eq!(e.stats().sleep_level, Some(1));
+    let refused = e.add_request(common::request("while-asleep", common::prompt(5, 40), common::greedy(4)));
+    assert!(matches!(refused, Err(pdkv_engine::AddRequestError::Unavailable(_))), "{:?}", refused.err());
+
+    conn.0.lock().unwrap().restore_error = None;
+    e.wake_up(None).expect("the second wake restores the registrations");
+    assert_eq!(conn.0.lock().unwrap().restores, 2, "the second wake called restore again");
+    let st = e.lifecycle_status();
+    assert_eq!((st.sleeping, st.asleep_tags, st.paused), (None, vec![], None));
+    assert!(device_bytes(&e, Tag::KvCache) > 0);
+    assert_eq!(probe(&e, "after-wake"), want);
+}
+
+/// A weight update that waits for transfers to give their blocks back
+/// waits inside the lifecycle machine: the core goes on answering other
+/// commands meanwhile (it aborts a request, reports status, refuses new
+/// requests), and a `resume` cancels the update, which then returns
+/// `Cancelled` without touching the weights (the version is unchanged and
+/// outputs are those of the old weights although the checkpoint asked for
+/// differs). Catches the old behaviour, in which the update parked the
+/// core thread with every other command left in its channel until the
+/// transfers ended or the release timeout passed, so the resume could not
+/// cancel it.
+#[test]
+fn a_weight_update_waiting_for_transfers_leaves_the_core_answering_and_a_resume_cancels_it() {
+    use pdkv_engine::{AddRequestError, LifecycleError, PauseMode};
+    use std::time::{Duration, Instant};
+    let conn = Scripted::default();
+    conn.0.lock().unwrap().hold_on_finish.insert("held".into());
+    // A release timeout far longer than any wait below: an update that
+    // blocked the core would show as a core that does not answer.
+    let config = pdkv_engine::EngineConfig { kv_release_timeout: Duration::from_secs(120), ..Default::default() };
+    let e = common::start_with_connector(pdkv_model::Arch::Llama, config, Some(Box::new(conn.clone())));
+    let other = tempfile::tempdir().unwrap();
+    pdkv_model::init::write_random_checkpoint(pdkv_model::Arch::Llama, "tiny", 8, other.path()).unwrap();
+    let want = probe(&e, "before");
+    let info = e.weight_info();
+    let out = common::run_one(&e, common::request("held", common::prompt(3, 40), common::greedy(1)));
+    assert_eq!(out.finish, Some(FinishReason::Length));
+    // Two requests frozen by a keep pause (an update may run under it).
+    e.pause(PauseMode::Keep, false, Duration::from_secs(10)).unwrap();
+    let q1 = e.add_request(common::request("q1", common::prompt(6, 30), common::greedy(3))).unwrap();
+    let q2 = e.add_request(common::request("q2", common::prompt(5, 40), common::greedy(4))).unwrap();
+
+    std::thread::scope(|s| {
+        let update = s.spawn(|| e.update_weights(other.path(), Some("other".into())));
+        conn.wait_for("the update released the transfers", |s| s.aborts == 1);
+        assert!(!update.is_finished(), "the update went on while a transfer held blocks");
+
+        let t0 = Instant::now();
+        assert_eq!(e.abort_requests(&["q1".to_string()]), vec!["q1".to_string()], "the core answers meanwhile");
+        assert_eq!(common::collect(q1).finish, Some(FinishReason::Abort));
+        assert!(!e.reset_prefix_cache(), "a transfer holds blocks");
+        assert_eq!(e.lifecycle_status().paused, Some(PauseMode::Keep));
+        let refused = e.add_request(common::request("new", common::prompt(7, 20), common::greedy(1)));
+        assert!(
+            matches!(refused, Err(AddRequestError::Unavailable(ref m)) if m.contains("updating its weights")),
+            "{:?}",
+            refused.err()
+        );
+        assert!(e.stats().kv_blocks_held > 0);
+        e.resume().expect("the resume is answered");
+        assert!(t0.elapsed() < Duration::from_secs(10), "the core answered after {:?}", t0.elapsed());
+        match update.join().unwrap() {
+            Err(LifecycleError::Cancelled(_)) => {}
+            other => panic!("the update ended as {other:?}, not Cancelled"),
+        }
+    });
+    assert_eq!(e.weight_info(), info, "the weights are unchanged");
+    assert_eq!(info.version, None);
+    assert_eq!(e.stats().num_weight_updates, 0);
+    // q2, frozen during the update, runs on the old weights.
+    let q2 = common::collect(q2);
+    assert_eq!((q2.tokens.clone(), q2.logit_bits()), want, "q2 ran on other weights");
+    conn.send_done_and_wake("held");
+    common::wait_idle(&e);
+    assert_eq!(probe(&e, "after"), want);
 }

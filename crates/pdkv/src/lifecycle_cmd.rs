@@ -19,31 +19,59 @@
 //!    quiescent, and the probe set again.
 //!
 //! A case passes when every admin call answered as expected, every probe
-//! equals the baseline, no load request was lost, P and D are quiescent, the
-//! device bytes after the wake equal the awake baseline, and a sleeping
-//! engine (level 1 or 2) held at most 2% of its awake bytes while asleep.
+//! equals the baseline (each probe's KV loaded from P), no load request was
+//! lost, no transfer failed, P and D are quiescent, the device bytes after
+//! the wake equal the awake baseline, and a sleeping engine (level 1 or 2)
+//! held at most 2% of its awake bytes while asleep.
 //!
 //! A load request is *lost* unless it got: a 200 with a complete body (JSON
 //! with a finish reason, or events ending with a finish reason and
-//! `[DONE]`); a 503 carrying `Retry-After` (an engine not serving); a finish
-//! reason `abort` (or the proxy's `prefill_aborted` error event) in a case
-//! that aborts deliberately (an abort pause; for `abort_requests` only the
-//! requests that D reported as aborted); or the client's own deliberate
-//! disconnect. Every kind is counted.
+//! `[DONE]`); a 503 carrying `Retry-After` (D not serving, passed on by the
+//! proxy); a finish reason `abort` in a case that aborts D's requests on
+//! purpose (an abort pause of D; for `abort_requests` only the requests D
+//! reported as aborted); or the client's own deliberate disconnect. A P that
+//! stops on purpose (paused, asleep, aborting) never reaches the client: the
+//! proxy lets D compute the prompt, so an abort pause of P alone aborts
+//! nothing a client sees. An error the proxy reports (`upstream_error`,
+//! `upstream_timeout`, an error event ending a stream) is lost. Every kind
+//! is counted.
 //!
-//! Failed transfers (deltas of P's `pdkv_kv_pulls_failed_total` and D's
-//! `pdkv_kv_loads_failed_total`) are allowed only in cases that abort or
-//! release transfer-held KV on purpose (abort pauses, `abort_requests`, and
-//! operations that reset a KV cache: `clear_cache`, sleep level >= 1,
-//! `release_kv_cache_memory`); they are reported for every case. A client
-//! disconnect happens after the first event, when the KV has already
-//! arrived, so it cannot fail a transfer.
+//! No case tolerates a failed transfer: the deltas of P's
+//! `pdkv_kv_pulls_failed_total` and D's `pdkv_kv_loads_failed_total` must be
+//! 0. A transfer that a lifecycle operation or a refusal ends on purpose is
+//! not a failure and is counted apart, and reported: on P
+//! `pdkv_kv_pulls_released_total` (its cache reset or sleep, a refused or
+//! aborted prefill, other weights) and `pdkv_kv_pulls_cancelled_total` (D
+//! dropped the transfer); on D `pdkv_kv_loads_released_total` (P ended it on
+//! purpose; D recomputes), `pdkv_kv_loads_cut_short_total` (D's own cache
+//! reset) and `pdkv_kv_loads_cancelled_total` (its request ended first). D's
+//! `--kv-load-failure-policy` is `fail` by default, the strict setting (a
+//! failed load would also fail its request); the matrix passes under
+//! `recompute` too.
 //!
 //! Sleeps use mode `keep` (running requests are frozen and, when the KV
 //! cache is released, recompute after the wake), the mode in which no
 //! request may be lost. Level 2 follows a trainer's sequence: pause (keep),
 //! sleep, wake, reload the weights from the checkpoint the servers started
-//! with, resume.
+//! with, resume. `trainer_sequence_{p,both}` are the calls an RL trainer
+//! makes: `/pause?mode=keep`, `/sleep?level=1` without a mode (it keeps the
+//! pause's mode), `/wake_up` (the explicit pause stays), `/resume`.
+//!
+//! Moments a case needs are arranged, not waited for by luck:
+//! - `p_sleeps_while_d_pulls` sleeps P only while a transfer waits at P, and
+//!   fails if none ever does. Write mode: P is paused (`keep`) first, so D's
+//!   pulls park at P (P's `pdkv_kv_pulls_pending` >= 1, and it stays so while
+//!   P computes nothing); read mode: D is paused (`keep`) first, so the
+//!   blocks P leased for D's reads stay held (`pdkv_kv_send_held_blocks`
+//!   >= 1).
+//! - `reset_prefix_cache_{p,d}` must answer `true` idle and `false` while a
+//!   transfer holds blocks, which the case holds on purpose under load: on
+//!   P a `do_remote_decode` request whose transfer no D has pulled yet
+//!   (READY for its lease), on D a load whose first control exchange goes to
+//!   a listener of this command that never answers (in flight, holding its
+//!   blocks, for the connector's 5 s control bound). Both are released
+//!   right after the reset (a D request loads P's transfer; D's request is
+//!   aborted), and once the load stopped the reset answers `true` again.
 //!
 //! Invariants: every wait is bounded; every child is killed and reaped when
 //! the run ends, fails or is interrupted (and gets SIGTERM from the kernel
@@ -112,8 +140,9 @@ pub struct LifecycleArgs {
     /// Who moves the bytes: P writes into D's blocks, or D reads P's.
     #[arg(long, value_enum, default_value = "write")]
     pub transfer_mode: TransferModeArg,
-    /// D's policy for a KV load that failed (P aborted, KV released).
-    #[arg(long, value_enum, default_value = "recompute")]
+    /// D's policy for a KV load that failed (a load that P ended on purpose
+    /// recomputes under either).
+    #[arg(long, value_enum, default_value = "fail")]
     pub kv_load_failure_policy: FailurePolicyArg,
     /// P's bound on holding KV for a pull and answering it, in seconds
     /// (the connector's `abort_timeout_s`; default: the connector's).
@@ -200,8 +229,12 @@ enum Op {
     ReleaseKv,
     /// Pause (keep), `/update_weights` with the same checkpoint, `/resume`.
     WeightReload,
-    /// Level-1 sleep (keep) of P while D has KV loads in flight, then wake.
+    /// Level-1 sleep (keep) of P while a transfer waits at P (see the
+    /// module docs), then wake.
     PSleepsWhileDPulls,
+    /// The RL trainer's calls: `/pause?mode=keep`, `/sleep?level=1` (no
+    /// mode), `/wake_up`, `/resume`.
+    TrainerSequence,
 }
 
 #[derive(Clone, Debug)]
@@ -216,26 +249,11 @@ impl Case {
         Case { name: name.into(), op, target }
     }
 
-    /// Whether requests may end with finish reason `abort` (any request).
+    /// Whether any load request may end with finish reason `abort`: D
+    /// aborts its requests. (P's aborted requests never reach a client: D
+    /// computes their prompts.)
     fn aborts_all(&self) -> bool {
-        matches!(self.op, Op::Pause { mode: "abort", .. })
-    }
-
-    /// Whether transfers may fail: the case aborts requests or releases
-    /// transfer-held KV on purpose.
-    fn may_fail_transfers(&self) -> bool {
-        match self.op {
-            Op::Pause { mode, clear } => mode == "abort" || clear,
-            Op::Sleep { level } => level >= 1,
-            // A weight reload preempts requests and invalidates their KV, so
-            // loads in flight end early and recompute (as for a cache reset).
-            Op::SelectiveWake { .. }
-            | Op::AbortRequests
-            | Op::ReleaseKv
-            | Op::PSleepsWhileDPulls
-            | Op::WeightReload => true,
-            Op::ResetPrefixCache => false,
-        }
+        matches!(self.op, Op::Pause { mode: "abort", .. }) && self.target.has(Role::D)
     }
 
     /// The engines whose memory must drop to at most 2% while asleep.
@@ -244,6 +262,7 @@ impl Case {
             Op::Sleep { level } if level >= 1 => Some(self.target),
             Op::SelectiveWake { .. } => Some(Target::D),
             Op::PSleepsWhileDPulls => Some(Target::P),
+            Op::TrainerSequence => Some(self.target),
             _ => None,
         }
     }
@@ -279,6 +298,9 @@ fn all_cases() -> Vec<Case> {
         v.push(Case::new(format!("weight_reload_{}", t.suffix()), Op::WeightReload, t));
     }
     v.push(Case::new("p_sleeps_while_d_pulls", Op::PSleepsWhileDPulls, Target::P));
+    for t in [Target::P, Target::Both] {
+        v.push(Case::new(format!("trainer_sequence_{}", t.suffix()), Op::TrainerSequence, t));
+    }
     v
 }
 
@@ -620,6 +642,59 @@ impl Cluster {
         Ok(v as u64)
     }
 
+    /// The unlabelled metric `name` of `role` now.
+    async fn gauge(&self, role: Role, name: &str) -> Result<f64, String> {
+        let text = self.metrics(role).await.map_err(|e| format!("{e:#}"))?;
+        metric(&text, name).ok_or_else(|| format!("{} exports no {name}", role.name()))
+    }
+
+    /// Waits (polling, until `deadline`) until `role`'s metric `name` is at
+    /// least `min`; its value then, or why not.
+    async fn wait_gauge(&self, role: Role, name: &str, min: f64, deadline: Instant) -> Result<f64, String> {
+        loop {
+            let v = self.gauge(role, name).await?;
+            if v >= min {
+                return Ok(v);
+            }
+            if Instant::now() >= deadline {
+                return Err(format!("{} {name} stayed {v} (at least {min} needed)", role.name()));
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    }
+
+    /// A completion sent straight to `role` (not through the proxy) as
+    /// request `id`; its JSON body when it answered 200.
+    async fn completion(&self, role: Role, body: Value, id: &str) -> Result<Value, String> {
+        let url = format!("{}/v1/completions", self.base(role));
+        let what = format!("{} POST /v1/completions ({id})", role.name());
+        let resp = self
+            .client
+            .post(&url)
+            .header("x-request-id", id)
+            .json(&body)
+            .timeout(REQUEST_DEADLINE)
+            .send()
+            .await
+            .map_err(|e| format!("{what}: {e}"))?;
+        let status = resp.status();
+        let text = resp.text().await.map_err(|e| format!("{what}: reading the body: {e}"))?;
+        if status != reqwest::StatusCode::OK {
+            return Err(format!("{what} answered {status}: {}", text.trim()));
+        }
+        serde_json::from_str(&text).map_err(|e| format!("{what}: not JSON ({e}): {text}"))
+    }
+
+    /// `POST /reset_prefix_cache?reset_running_requests=true` on `role`
+    /// must answer `success: want`.
+    async fn expect_reset(&self, role: Role, want: bool, when: &str) -> Result<(), String> {
+        let v = self.admin(role, true, "/reset_prefix_cache?reset_running_requests=true", None).await?;
+        if v["success"] != json!(want) {
+            return Err(format!("{} /reset_prefix_cache {when} answered {v} (expected success {want})", role.name()));
+        }
+        Ok(())
+    }
+
     /// Waits until `role` is idle with every KV block free. Returns what
     /// was still busy a few seconds in, if it took that long.
     async fn wait_quiescent(&self, role: Role) -> Result<Option<String>, String> {
@@ -791,6 +866,49 @@ async fn complete(client: &reqwest::Client, url: &str, body: &Value, id: Option<
     reply
 }
 
+/// A control listener that accepts connections and never answers: a D load
+/// whose first control exchange (bootstrap or handshake) goes here stays in
+/// flight, holding its blocks, until the connector's bound on that exchange.
+/// Stops (closing what it holds) on drop.
+struct Unanswering {
+    addr: std::net::SocketAddr,
+    accepted: tokio::sync::watch::Receiver<usize>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Unanswering {
+    /// Connections held at most; later ones are closed at once.
+    const MAX_HELD: usize = 16;
+
+    async fn bind() -> anyhow::Result<Unanswering> {
+        let listener = tokio::net::TcpListener::bind((HOST, 0)).await.context("binding an unanswering listener")?;
+        let addr = listener.local_addr()?;
+        let (tx, accepted) = tokio::sync::watch::channel(0);
+        let task = tokio::spawn(async move {
+            let mut held = Vec::new();
+            while let Ok((stream, _)) = listener.accept().await {
+                if held.len() < Self::MAX_HELD {
+                    held.push(stream);
+                }
+                tx.send_modify(|n| *n += 1);
+            }
+        });
+        Ok(Unanswering { addr, accepted, task })
+    }
+
+    /// Waits (until `deadline`) for a first connection.
+    async fn wait_accepted(&mut self, deadline: Instant) -> bool {
+        let wait = self.accepted.wait_for(|n| *n >= 1);
+        matches!(tokio::time::timeout_at(tokio::time::Instant::from_std(deadline), wait).await, Ok(Ok(_)))
+    }
+}
+
+impl Drop for Unanswering {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
 // ---------------------------------------------------------------------------
 // Probes
 
@@ -858,7 +976,7 @@ async fn run_probes(c: &Cluster, prompts: &[String], tokens: u32) -> Vec<Result<
 enum RawOutcome {
     Complete,
     Retryable,
-    /// Finish reason `abort`, or the proxy's `prefill_aborted` error event.
+    /// Finish reason `abort` (D aborted the request).
     Aborted,
     Disconnected,
     /// A 503 without `Retry-After`: lost (a client cannot tell that it
@@ -912,10 +1030,9 @@ fn raw_outcome(r: Reply) -> RawOutcome {
     if r.status != 200 {
         return RawOutcome::Lost(format!("status {}: {}", r.status, r.error.unwrap_or_default()));
     }
+    // The proxy's own errors (`upstream_error`, `upstream_timeout`, an error
+    // event ending a stream D broke) are all failures.
     if let Some(err) = r.error {
-        if err["code"] == json!("prefill_aborted") {
-            return RawOutcome::Aborted;
-        }
         return RawOutcome::Lost(format!("an error in the body: {err}"));
     }
     if r.streamed && !r.done {
@@ -981,13 +1098,8 @@ struct CaseResult {
     reasons: Vec<String>,
     notes: Vec<String>,
     load: LoadCounts,
-    pulls_ok: f64,
-    pulls_failed: f64,
-    loads_ok: f64,
-    loads_failed: f64,
-    loads_cut_short: f64,
-    /// Transfers P's own lifecycle ended on purpose (cache reset, sleep).
-    released: f64,
+    /// Transfer counter deltas over the case (before the probes).
+    t: Counters,
     p_awake: u64,
     d_awake: u64,
     p_asleep: Option<u64>,
@@ -1031,13 +1143,16 @@ impl CaseResult {
     fn line(&self) -> String {
         let mib = |b: u64| format!("{:.1}", b as f64 / MIB);
         let asleep = |b: Option<u64>| b.map_or("-".to_string(), mib);
+        let t = &self.t;
         let mut s = format!(
-            "{} {} {}  transfers {}/{}  lost {}{}  P {}/{} MiB  D {}/{} MiB  probes {}/{}  load ok {} 503 {} abort {} disc {}",
+            "{} {} {}  transfers {}/{} ended on purpose P {} D {}  lost {}{}  P {}/{} MiB  D {}/{} MiB  probes {}/{}  load ok {} 503 {} abort {} disc {}",
             if self.passed() { "PASS" } else { "FAIL" },
             self.name,
             self.cycle,
-            self.pulls_ok + self.loads_ok,
-            self.pulls_failed + self.loads_failed,
+            t.pulls_ok + t.loads_ok,
+            t.pulls_failed + t.loads_failed,
+            t.on_purpose().0,
+            t.on_purpose().1,
             self.load.lost.len(),
             if self.load.bare_503 > 0 { format!(" ({} 503s without Retry-After)", self.load.bare_503) } else { String::new() },
             mib(self.p_awake),
@@ -1064,9 +1179,11 @@ impl CaseResult {
         json!({
             "name": self.name, "cycle": self.cycle, "pass": self.passed(),
             "reasons": self.reasons, "notes": self.notes,
-            "transfers": {"pulls_ok": self.pulls_ok, "pulls_failed": self.pulls_failed,
-                          "loads_ok": self.loads_ok, "loads_failed": self.loads_failed,
-                          "loads_cut_short": self.loads_cut_short, "released_by_p": self.released},
+            "transfers": {"pulls_ok": self.t.pulls_ok, "pulls_failed": self.t.pulls_failed,
+                          "pulls_released": self.t.pulls_released, "pulls_cancelled": self.t.pulls_cancelled,
+                          "loads_ok": self.t.loads_ok, "loads_failed": self.t.loads_failed,
+                          "loads_released": self.t.loads_released, "loads_cut_short": self.t.loads_cut_short,
+                          "loads_cancelled": self.t.loads_cancelled},
             "load": {"sent": self.load.sent, "complete": self.load.complete, "retry_503": self.load.retryable,
                      "aborted": self.load.aborted, "disconnected": self.load.disconnected,
                      "lost": self.load.lost.len(), "lost_503_without_retry_after": self.load.bare_503},
@@ -1078,15 +1195,62 @@ impl CaseResult {
     }
 }
 
-/// Transfer counters of P and D at one moment.
-#[derive(Clone, Copy, Default)]
+/// Transfer counters of P and D at one moment (or their change over a case).
+#[derive(Clone, Copy, Debug, Default)]
 struct Counters {
+    /// P: pulls served, or (read mode) reads D confirmed.
     pulls_ok: f64,
     pulls_failed: f64,
+    /// P: pulls refused because P ended the transfer on purpose.
+    pulls_released: f64,
+    /// P: pulls ended because D dropped the transfer.
+    pulls_cancelled: f64,
     loads_ok: f64,
     loads_failed: f64,
+    /// D: loads P ended on purpose (recomputed).
+    loads_released: f64,
+    /// D: loads its own cache reset ended (recomputed).
     loads_cut_short: f64,
-    released: f64,
+    /// D: loads whose request ended first.
+    loads_cancelled: f64,
+}
+
+impl Counters {
+    fn minus(&self, b: &Counters) -> Counters {
+        Counters {
+            pulls_ok: self.pulls_ok - b.pulls_ok,
+            pulls_failed: self.pulls_failed - b.pulls_failed,
+            pulls_released: self.pulls_released - b.pulls_released,
+            pulls_cancelled: self.pulls_cancelled - b.pulls_cancelled,
+            loads_ok: self.loads_ok - b.loads_ok,
+            loads_failed: self.loads_failed - b.loads_failed,
+            loads_released: self.loads_released - b.loads_released,
+            loads_cut_short: self.loads_cut_short - b.loads_cut_short,
+            loads_cancelled: self.loads_cancelled - b.loads_cancelled,
+        }
+    }
+
+    /// Transfers ended on purpose, as P and as D counted them (one transfer
+    /// may count on both sides).
+    fn on_purpose(&self) -> (f64, f64) {
+        (self.pulls_released + self.pulls_cancelled, self.loads_released + self.loads_cut_short + self.loads_cancelled)
+    }
+
+    /// The non-zero on-purpose counters, for a case's notes.
+    fn on_purpose_note(&self) -> Option<String> {
+        let parts: Vec<String> = [
+            ("P pulls released", self.pulls_released),
+            ("P pulls cancelled by D", self.pulls_cancelled),
+            ("D loads released by P", self.loads_released),
+            ("D loads cut short", self.loads_cut_short),
+            ("D loads cancelled", self.loads_cancelled),
+        ]
+        .iter()
+        .filter(|(_, v)| *v > 0.0)
+        .map(|(n, v)| format!("{v} {n}"))
+        .collect();
+        (!parts.is_empty()).then(|| format!("ended on purpose: {}", parts.join(", ")))
+    }
 }
 
 async fn counters(c: &Cluster) -> anyhow::Result<Counters> {
@@ -1098,10 +1262,13 @@ async fn counters(c: &Cluster) -> anyhow::Result<Counters> {
     Ok(Counters {
         pulls_ok: served,
         pulls_failed: get(&p, "pdkv_kv_pulls_failed_total")?,
+        pulls_released: get(&p, "pdkv_kv_pulls_released_total")?,
+        pulls_cancelled: get(&p, "pdkv_kv_pulls_cancelled_total")?,
         loads_ok: get(&d, "pdkv_kv_loads_ok_total")?,
         loads_failed: get(&d, "pdkv_kv_loads_failed_total")?,
-        loads_cut_short: metric(&d, "pdkv_kv_loads_cut_short_total").unwrap_or(0.0),
-        released: metric(&p, "pdkv_kv_pulls_released_total").unwrap_or(0.0),
+        loads_released: get(&d, "pdkv_kv_loads_released_total")?,
+        loads_cut_short: get(&d, "pdkv_kv_loads_cut_short_total")?,
+        loads_cancelled: get(&d, "pdkv_kv_loads_cancelled_total")?,
     })
 }
 
@@ -1191,6 +1358,82 @@ impl Runner<'_> {
         Ok(())
     }
 
+    /// `reset_prefix_cache_p` under load: P computes a prompt for a D
+    /// (`do_remote_decode`) and holds its blocks READY, as no D pulled them
+    /// yet; the reset must refuse. Then D loads them (which releases them).
+    async fn reset_while_p_holds_a_send(&self, tag: &str) -> Result<String, String> {
+        let c = &self.c;
+        let tid = format!("lc-hold-{tag}");
+        let prompt = format!("{} A transfer held on purpose: {tid}.", PREFIXES[1]);
+        let body = json!({"prompt": prompt, "max_tokens": 1, "temperature": 0, "stream": false,
+                          "kv_transfer_params": pdkv_connector::params::for_prefill(&tid)});
+        let out = c.completion(Role::P, body, &format!("{tid}-p")).await?;
+        let params = out
+            .get("kv_transfer_params")
+            .filter(|v| v.is_object())
+            .cloned()
+            .ok_or_else(|| format!("P returned no kv_transfer_params for {tid}: {out}"))?;
+        let held = c.gauge(Role::P, "pdkv_kv_send_held_blocks").await;
+        let reset = c.expect_reset(Role::P, false, "while a transfer holds blocks").await;
+        // Released whatever the reset said.
+        let body = json!({"prompt": prompt, "max_tokens": 2, "temperature": 0, "ignore_eos": true, "stream": false,
+                          "kv_transfer_params": params});
+        let loaded = c.completion(Role::D, body, &format!("{tid}-d")).await;
+        let held = held?;
+        if held < 1.0 {
+            return Err(format!("P held no blocks for {tid} ({held})"));
+        }
+        reset?;
+        match loaded?["choices"][0]["finish_reason"].as_str() {
+            Some("length") => Ok(format!("under load: false while P held {held} blocks for a transfer, which D then loaded")),
+            other => Err(format!("D's load of the held transfer {tid} finished with {other:?}")),
+        }
+    }
+
+    /// `reset_prefix_cache_d` under load: a D request whose first control
+    /// exchange goes to a listener that never answers is a load in flight
+    /// holding its blocks; the reset must refuse. Then the request is
+    /// aborted (which ends the load).
+    async fn reset_while_d_holds_a_load(&self, tag: &str) -> Result<String, String> {
+        let c = &self.c;
+        let mut fake = Unanswering::bind().await.map_err(|e| format!("{e:#}"))?;
+        let tid = format!("lc-hold-{tag}");
+        let mut params =
+            pdkv_connector::params::for_decode(&tid, Some("lc-unanswering"), Some(&fake.addr.to_string()));
+        if let TransferModeArg::Read = self.args.transfer_mode {
+            // Never checked: the handshake that would is never answered.
+            params[pdkv_connector::params::REMOTE_BLOCK_IDS] = json!([0]);
+            params[pdkv_connector::params::REMOTE_REGISTRATION_GENERATION] = json!(1);
+        }
+        let prompt = format!("{} A load held on purpose: {tid}.", PREFIXES[2]);
+        let body = json!({"prompt": prompt, "max_tokens": 2, "temperature": 0, "stream": false,
+                          "kv_transfer_params": params});
+        let id = format!("{tid}-d");
+        let request = {
+            let (c, id) = (c.clone(), id.clone());
+            tokio::spawn(async move { c.completion(Role::D, body, &id).await })
+        };
+        let reached = fake.wait_accepted(Instant::now() + PROGRESS_DEADLINE).await;
+        let reset = c.expect_reset(Role::D, false, "while a load holds blocks").await;
+        let aborted = c.admin(Role::D, true, "/abort_requests", Some(json!({"request_ids": [id]}))).await;
+        let out = tokio::time::timeout(REQUEST_DEADLINE, request).await;
+        if !reached {
+            return Err("D's held load never reached the unanswering listener".into());
+        }
+        reset?;
+        if aborted?["aborted"] != json!([id]) {
+            return Err(format!("D did not abort the held request {id}"));
+        }
+        match out {
+            Ok(Ok(Ok(v))) if v["choices"][0]["finish_reason"] == json!("abort") => {
+                Ok("under load: false while a load was in flight, whose request was then aborted".into())
+            }
+            Ok(Ok(r)) => Err(format!("the held request {id} ended with {r:?}, not aborted")),
+            Ok(Err(e)) => Err(format!("the held request's task: {e}")),
+            Err(_) => Err(format!("the held request {id} did not end after its abort")),
+        }
+    }
+
     /// Runs the case's lifecycle operations (the load is running).
     async fn operate(&self, case: &Case, cycle: usize, load: &Load) -> OpReport {
         let mut rep = OpReport::default();
@@ -1274,11 +1517,13 @@ impl Runner<'_> {
                 }
             }
             Op::ResetPrefixCache => {
-                let role = if t == Target::P { Role::P } else { Role::D };
-                match c.admin(role, true, "/reset_prefix_cache?reset_running_requests=true", None).await {
-                    Ok(v) if v["success"] == json!(true) => rep.notes.push("under load: success true".into()),
-                    Ok(v) if v["success"] == json!(false) => rep.notes.push("under load: success false".into()),
-                    Ok(v) => rep.errors.push(format!("{} /reset_prefix_cache answered {v}", role.name())),
+                let tag = format!("{}-{}-{cycle}", self.run_id, case.name);
+                let r = match t {
+                    Target::P => self.reset_while_p_holds_a_send(&tag).await,
+                    _ => self.reset_while_d_holds_a_load(&tag).await,
+                };
+                match r {
+                    Ok(note) => rep.notes.push(note),
                     Err(e) => rep.errors.push(e),
                 }
             }
@@ -1295,33 +1540,52 @@ impl Runner<'_> {
                 rep.check(c.on_all(t, true, "/resume", None).await);
             }
             Op::PSleepsWhileDPulls => {
-                // Sleep P the moment D waits for KV from it.
-                let deadline = Instant::now() + PROGRESS_DEADLINE;
-                let mut seen = None;
-                while Instant::now() < deadline {
-                    match c.metrics(Role::D).await {
-                        Ok(text) => {
-                            let n = metric(&text, "pdkv_num_requests_waiting_for_remote_kv").unwrap_or(0.0);
-                            if n >= 1.0 {
-                                seen = Some(n);
-                                break;
-                            }
-                        }
-                        Err(e) => {
-                            rep.errors.push(format!("{e:#}"));
-                            break;
-                        }
-                    }
-                    tokio::time::sleep(Duration::from_millis(2)).await;
-                }
-                match seen {
-                    Some(n) => rep.notes.push(format!("D had {n} loads in flight")),
-                    None => rep.errors.push("D never had a KV load in flight to sleep P under".into()),
+                // Hold the transfers at P: write mode pauses P (D's pulls park
+                // there), read mode pauses D (the blocks P leased stay held).
+                let (paused, gauge) = match self.args.transfer_mode {
+                    TransferModeArg::Write => (Target::P, "pdkv_kv_pulls_pending"),
+                    TransferModeArg::Read => (Target::D, "pdkv_kv_send_held_blocks"),
+                };
+                rep.check(c.on_all(paused, true, &format!("/pause?mode=keep&timeout={timeout}"), None).await);
+                match c.wait_gauge(Role::P, gauge, 1.0, Instant::now() + PROGRESS_DEADLINE).await {
+                    Ok(n) => rep.notes.push(format!("P slept with {gauge} {n}")),
+                    Err(e) => rep.errors.push(format!("no transfer waited at P to sleep it under: {e}")),
                 }
                 rep.check(c.on_all(Target::P, true, &format!("/sleep?level=1&mode=keep&timeout={timeout}"), None).await);
+                // Release, then reset: the sleep ended every transfer first.
+                match c.gauge(Role::P, "pdkv_kv_send_held_blocks").await {
+                    Ok(0.0) => {}
+                    Ok(v) => rep.errors.push(format!("P holds {v} blocks for transfers while asleep")),
+                    Err(e) => rep.errors.push(e),
+                }
                 self.record_asleep(&mut rep, Target::P).await;
                 tokio::time::sleep(self.hold()).await;
                 rep.check(c.on_all(Target::P, true, "/wake_up", None).await);
+                rep.check(c.on_all(paused, true, "/resume", None).await);
+            }
+            Op::TrainerSequence => {
+                rep.check(c.on_all(t, true, &format!("/pause?mode=keep&timeout={timeout}"), None).await);
+                // No mode: the sleep keeps the pause's (keep), aborting nothing.
+                rep.check(c.on_all(t, true, &format!("/sleep?level=1&timeout={timeout}"), None).await);
+                self.record_asleep(&mut rep, t).await;
+                tokio::time::sleep(self.hold()).await;
+                rep.check(c.on_all(t, true, "/wake_up", None).await);
+                for role in [Role::P, Role::D] {
+                    if !t.has(role) {
+                        continue;
+                    }
+                    let paused = c.admin(role, false, "/is_paused", None).await;
+                    let sleeping = c.admin(role, false, "/is_sleeping", None).await;
+                    match (paused, sleeping) {
+                        (Ok(p), Ok(s)) if p["is_paused"] == json!(true) && s["is_sleeping"] == json!(false) => {}
+                        (Ok(p), Ok(s)) => rep.errors.push(format!(
+                            "{} after /wake_up: {p} {s} (expected awake and still paused until /resume)",
+                            role.name()
+                        )),
+                        (Err(e), _) | (_, Err(e)) => rep.errors.push(e),
+                    }
+                }
+                rep.check(c.on_all(t, true, "/resume", None).await);
             }
         }
         rep
@@ -1345,10 +1609,8 @@ impl Runner<'_> {
                 Ok(slow) => res.notes.extend(slow),
                 Err(e) => res.reasons.push(e),
             }
-            match c.admin(role, true, "/reset_prefix_cache?reset_running_requests=true", None).await {
-                Ok(v) if v["success"] == json!(true) => {}
-                Ok(v) => res.reasons.push(format!("{} idle /reset_prefix_cache answered {v}", role.name())),
-                Err(e) => res.reasons.push(e),
+            if let Err(e) = c.expect_reset(role, true, "idle").await {
+                res.reasons.push(e);
             }
         }
 
@@ -1438,6 +1700,13 @@ impl Runner<'_> {
                 res.reasons.push(format!("{} device bytes {awake} after the case, {base} at the baseline", role.name()));
             }
         }
+        if let Op::ResetPrefixCache = case.op {
+            // Idle again, with the held transfer released: it succeeds.
+            let role = if case.target == Target::P { Role::P } else { Role::D };
+            if let Err(e) = c.expect_reset(role, true, "idle after the load").await {
+                res.reasons.push(e);
+            }
+        }
         clock.lap("quiescence");
         if let Some(t) = case.sleeping() {
             for (role, awake, asleep) in [(Role::P, res.p_awake, res.p_asleep), (Role::D, res.d_awake, res.d_asleep)] {
@@ -1456,23 +1725,12 @@ impl Runner<'_> {
             }
         }
 
-        let after = counters(c).await?;
-        res.pulls_ok = after.pulls_ok - before.pulls_ok;
-        res.pulls_failed = after.pulls_failed - before.pulls_failed;
-        res.loads_ok = after.loads_ok - before.loads_ok;
-        res.loads_failed = after.loads_failed - before.loads_failed;
-        res.loads_cut_short = after.loads_cut_short - before.loads_cut_short;
-        if res.loads_cut_short > 0.0 {
-            res.notes.push(format!("{} loads cut short", res.loads_cut_short));
-        }
-        res.released = after.released - before.released;
-        if res.released > 0.0 {
-            res.notes.push(format!("{} transfers released by P's lifecycle", res.released));
-        }
-        if (res.pulls_failed > 0.0 || res.loads_failed > 0.0) && !case.may_fail_transfers() {
+        res.t = counters(c).await?.minus(&before);
+        res.notes.extend(res.t.on_purpose_note());
+        if res.t.pulls_failed > 0.0 || res.t.loads_failed > 0.0 {
             res.reasons.push(format!(
-                "failed transfers in a case that aborts nothing: {} pulls on P, {} loads on D",
-                res.pulls_failed, res.loads_failed
+                "failed transfers: {} pulls on P, {} loads on D (a transfer ended on purpose is counted apart)",
+                res.t.pulls_failed, res.t.loads_failed
             ));
         }
 
@@ -1550,13 +1808,14 @@ pub fn run(args: LifecycleArgs) -> anyhow::Result<()> {
     })?;
     let failed: Vec<&CaseResult> = results.iter().filter(|r| !r.passed()).collect();
     println!(
-        "summary: {}/{} case runs passed ({} cases x {} cycles, transport {:?}, transfer mode {:?})",
+        "summary: {}/{} case runs passed ({} cases x {} cycles, transport {:?}, transfer mode {:?}, kv_load_failure_policy {:?})",
         results.len() - failed.len(),
         results.len(),
         cases.len(),
         args.cycles,
         args.transport,
-        args.transfer_mode
+        args.transfer_mode,
+        args.kv_load_failure_policy
     );
     for f in &failed {
         println!("failed: {} cycle {}: {}", f.name, f.cycle, f.reasons.join("; "));
@@ -1564,6 +1823,7 @@ pub fn run(args: LifecycleArgs) -> anyhow::Result<()> {
     let summary = json!({
         "transport": format!("{:?}", args.transport).to_lowercase(),
         "transfer_mode": format!("{:?}", args.transfer_mode).to_lowercase(),
+        "kv_load_failure_policy": format!("{:?}", args.kv_load_failure_policy).to_lowercase(),
         "passed": results.len() - failed.len(),
         "failed": failed.len(),
         "cases": results.iter().map(CaseResult::json).collect::<Vec<_>>(),
@@ -1639,7 +1899,16 @@ mod tests {
         assert_eq!(names.len(), cases.len());
         assert_eq!(cases.iter().filter(|c| c.name.starts_with("pause_")).count(), 18);
         assert_eq!(cases.iter().filter(|c| c.name.starts_with("sleep_l")).count(), 9);
-        for n in ["pause_keep_clear_both", "sleep_l2_d", "wake_kv_first_d", "abort_requests", "p_sleeps_while_d_pulls"] {
+        assert_eq!(cases.len(), 40);
+        for n in [
+            "pause_keep_clear_both",
+            "sleep_l2_d",
+            "wake_kv_first_d",
+            "abort_requests",
+            "p_sleeps_while_d_pulls",
+            "trainer_sequence_p",
+            "trainer_sequence_both",
+        ] {
             assert!(names.contains(n), "{n}");
         }
         assert_eq!(select_cases("sleep_l1_p, abort_requests").unwrap().len(), 2);
@@ -1667,8 +1936,12 @@ mod tests {
         assert!(matches!(raw_outcome(bare), RawOutcome::Bare503(_)));
         let abort = Reply { status: 200, finish: Some("abort".into()), ..Reply::default() };
         assert!(matches!(raw_outcome(abort), RawOutcome::Aborted));
-        let abort = Reply { status: 200, streamed: true, done: true, error: Some(json!({"code": "prefill_aborted"})), ..Reply::default() };
-        assert!(matches!(raw_outcome(abort), RawOutcome::Aborted));
+        // The proxy has no error event for an aborted prefill (D computes
+        // the prompt): every error event is a failure.
+        let event = Reply { status: 200, streamed: true, done: true, error: Some(json!({"code": "upstream_error"})), ..Reply::default() };
+        assert!(matches!(raw_outcome(event), RawOutcome::Lost(_)));
+        let timeout = Reply { status: 504, error: Some(json!({"code": "upstream_timeout"})), ..Reply::default() };
+        assert!(matches!(raw_outcome(timeout), RawOutcome::Lost(_)));
         let unfinished = Reply { status: 200, ..Reply::default() };
         assert!(matches!(raw_outcome(unfinished), RawOutcome::Lost(_)));
         let no_done = Reply { status: 200, streamed: true, finish: Some("stop".into()), ..Reply::default() };

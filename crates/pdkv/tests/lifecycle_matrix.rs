@@ -1,5 +1,7 @@
 //! The lifecycle matrix end to end: `pdkv lifecycle --cases all` on a tiny
-//! random Llama checkpoint, in write mode over TCP and read mode over shared memory.
+//! random Llama checkpoint, in write mode over TCP and read mode over shared
+//! memory, both with D's `kv_load_failure_policy` `fail` (where a failed
+//! transfer would fail its request, and every case requires none).
 //! The command starts P, D and the proxy itself, runs every case under load
 //! with client disconnects, and checks outputs against the awake baseline,
 //! lost requests, quiescence and device memory; here its exit status must
@@ -67,7 +69,7 @@ fn every_lifecycle_case_passes_under_load_in_write_and_read_mode() {
     let (ok, list, err) = run_bounded(&["lifecycle", "--list"]);
     assert!(ok, "--list failed: {err}");
     let cases: Vec<&str> = list.lines().map(str::trim).filter(|l| !l.is_empty()).collect();
-    assert_eq!(cases.len(), 38, "{list}");
+    assert_eq!(cases.len(), 40, "{list}");
 
     // Write mode over TCP and read mode over shared memory: each transfer
     // mode and each transport once (the other two pairings run by hand with
@@ -83,6 +85,8 @@ fn every_lifecycle_case_passes_under_load_in_write_and_read_mode() {
             transport,
             "--transfer-mode",
             mode,
+            "--kv-load-failure-policy",
+            "fail",
             "--probes",
             "30",
             "--load-concurrency",
@@ -93,7 +97,7 @@ fn every_lifecycle_case_passes_under_load_in_write_and_read_mode() {
             "5",
         ]);
         let tail: String = err.lines().rev().take(40).collect::<Vec<_>>().into_iter().rev().collect::<Vec<_>>().join("\n");
-        println!("{transport} {mode}:\n{out}");
+        println!("{transport} {mode} fail:\n{out}");
         let missing: Vec<&&str> =
             cases.iter().filter(|c| !out.lines().any(|l| l.starts_with(&format!("PASS {c} 1 ")))).collect();
         assert!(missing.is_empty(), "{transport} {mode}: cases not passing: {missing:?}\nstdout:\n{out}\nstderr tail:\n{tail}");

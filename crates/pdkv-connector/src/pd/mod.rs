@@ -87,6 +87,14 @@ pub trait Driver: Send + Sync + 'static {
     /// The core's next timeout may have changed.
     fn timer_changed(&self, shared: &Arc<Shared>);
 
+    /// Whether the KV cache registration `reg` can be served over this
+    /// driver's transport, checked once at start-up (after the core
+    /// registered it) so that a registration a peer could never map is
+    /// refused there, with its reason, rather than on the first transfer.
+    fn check_registration(&self, _reg: &pdkv_transfer::Registration) -> anyhow::Result<()> {
+        Ok(())
+    }
+
     /// The connector is being dropped: deliver what is on its way (bounded).
     fn flush(&self, _timeout: Duration) {}
 }
@@ -292,8 +300,17 @@ impl KvConnector for PdConnector {
         self.shared.inspect(|c| c.num_held_blocks())
     }
 
+    /// Registers the KV cache, then asks the driver whether its transport
+    /// can serve the registration (over shared memory: whether a peer may
+    /// map that many memfds); a refusal fails the engine's start, naming
+    /// why.
     fn register_kv_caches(&mut self, spec: &KvCacheSpec) -> anyhow::Result<()> {
-        self.call(|c, _| c.register_kv_caches(spec))
+        self.call(|c, _| c.register_kv_caches(spec))?;
+        let reg = self.shared.inspect(|c| c.kv().map(|k| k.reg));
+        match reg {
+            Some(reg) => self.shared.driver.check_registration(&reg).context("connector pdkv: the KV cache cannot be transferred"),
+            None => Ok(()),
+        }
     }
 
     fn start_load_kv(&mut self, meta: ConnectorMeta) {

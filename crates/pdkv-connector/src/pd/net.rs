@@ -69,6 +69,7 @@ pub fn start(runtime: &tokio::runtime::Runtime, cfg: KvTransferConfig, engine_id
         replies: Mutex::new(HashMap::new()),
         reads: Mutex::new(HashMap::new()),
         importers: Mutex::new(HashMap::new()),
+        mapping: tokio::sync::Mutex::new(()),
         timer: Arc::new(Notify::new()),
         next_conn: AtomicU64::new(1),
         unwritten: Mutex::new(0),
@@ -98,6 +99,11 @@ struct Net {
     reads: Mutex<HashMap<LoadId, Box<dyn Fn() + Send>>>,
     /// Shared-memory peers this engine copies to or from, by socket path.
     importers: Mutex<HashMap<String, Arc<ShmImporter>>>,
+    /// Held while connecting to a peer or mapping its KV cache: two
+    /// transfers that find it unmapped at once must not both map it, as
+    /// the second map retires the first mapping under the first transfer's
+    /// batch (which then fails with `NotRegistered`).
+    mapping: tokio::sync::Mutex<()>,
     timer: Arc<Notify>,
     next_conn: AtomicU64,
     /// Final answers handed to a connection and not yet written, so a
@@ -178,6 +184,15 @@ impl Driver for NetDriver {
         self.0.timer.notify_one();
     }
 
+    /// Over shared memory (the side a peer maps): whether the peer may map
+    /// the registration's memfds at all.
+    fn check_registration(&self, reg: &Registration) -> anyhow::Result<()> {
+        match &self.0.exporter {
+            Some(exp) => check_shareable(exp, reg),
+            None => Ok(()),
+        }
+    }
+
     /// Waits (at most `timeout`) until every final answer the core gave a
     /// connection was written: an engine that aborts its requests as it
     /// stops tells the decode engines so, instead of vanishing.
@@ -193,6 +208,19 @@ impl Driver for NetDriver {
             n = self.0.written.wait_timeout(n, left).unwrap().0;
         }
     }
+}
+
+/// Whether `exp` can share `reg` with its peers (see
+/// [`ShmExporter::check_shareable`]); the error keeps the typed
+/// [`pdkv_transfer::shm::ShmError`] as its source.
+fn check_shareable(exp: &ShmExporter, reg: &Registration) -> anyhow::Result<()> {
+    exp.check_shareable(reg).with_context(|| {
+        format!(
+            "the shared-memory transport cannot share the KV cache registration (segment {}, {} bytes) with its peers; \
+             use \"transport\":\"tcp\" or a KV cache in fewer memory chunks",
+            reg.segment, reg.len
+        )
+    })
 }
 
 impl Net {
@@ -378,6 +406,20 @@ async fn write_blocks(
 /// The importer for the peer's socket `path`, connected, with `reg` (at its
 /// epoch) mapped.
 async fn importer(d: &Net, path: &str, reg: &Registration, left: Duration) -> Result<Arc<ShmImporter>, String> {
+    let mapped = || {
+        let cached = d.importers.lock().unwrap().get(path).cloned();
+        cached.filter(|i| i.mapped_epoch(reg.segment) == Some(reg.epoch))
+    };
+    if let Some(i) = mapped() {
+        return Ok(i);
+    }
+    // One transfer connects and maps at a time; the others find it done.
+    let _mapping = tokio::time::timeout(left, d.mapping.lock())
+        .await
+        .map_err(|_| format!("mapping the peer's KV cache at {path}: another map did not end in time"))?;
+    if let Some(i) = mapped() {
+        return Ok(i);
+    }
     let cached = d.importers.lock().unwrap().get(path).cloned();
     let imp = match cached {
         Some(i) => i,
@@ -451,5 +493,40 @@ async fn read_blocks(
             }
             res
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use pdkv_transfer::shm::ShmError;
+    use pdkv_vmem::{Pool, PoolOptions, Tag};
+
+    /// A registration of 16 memfds of 4 KiB, and an exporter for it
+    /// allowing at most `max_map_chunks` per shared registration.
+    fn exporter(dir: &std::path::Path, max_map_chunks: u32) -> (ShmExporter, Registration, Pool) {
+        let pool = Pool::new(PoolOptions { chunk_size: 4 << 10, single_allocation: false });
+        let region = pool.allocate(Tag::KvCache, 16 << 12).unwrap();
+        let registry = Arc::new(Registry::new(RegistryOptions::default()));
+        let reg = registry.register(&region, 0, region.len()).unwrap();
+        let limits = Limits { max_map_chunks, ..Limits::default() };
+        let exp = ShmExporter::bind(&dir.join(format!("x{max_map_chunks}.sock")), registry, limits).unwrap();
+        (exp, reg, pool)
+    }
+
+    #[test]
+    fn a_registration_of_more_memfds_than_the_limit_is_refused_with_the_typed_reason() {
+        let dir = tempfile::tempdir().unwrap();
+        let (exp, reg, _pool) = exporter(dir.path(), 15);
+        let err = check_shareable(&exp, &reg).expect_err("16 memfds over a limit of 15");
+        match err.downcast_ref::<ShmError>() {
+            Some(ShmError::TooManyChunks { chunks: 16, limit: 15 }) => {}
+            other => panic!("refused as {other:?}: {err:#}"),
+        }
+        let msg = format!("{err:#}");
+        assert!(msg.contains("16 memfds") && msg.contains("at most 15") && msg.contains("tcp"), "{msg}");
+        // At the limit it is shared.
+        let (exp, reg, _pool) = exporter(dir.path(), 16);
+        check_shareable(&exp, &reg).expect("16 memfds within a limit of 16");
     }
 }

@@ -269,13 +269,30 @@ pub struct Side {
     pub metrics: MetricsReader,
 }
 
+/// The shape of a side's KV region: `blocks` blocks of [`BB`] bytes, in
+/// memfd chunks of `chunk_size` bytes.
+#[derive(Clone, Copy, Debug)]
+pub struct Geometry {
+    pub blocks: usize,
+    pub chunk_size: usize,
+}
+
+/// [`BLOCKS`] blocks in chunks of 8 KiB (4 memfds).
+pub const SMALL: Geometry = Geometry { blocks: BLOCKS, chunk_size: 8 << 10 };
+
 /// A `pdkv` connector of `role` over `transport` (`extra` fields appended to
-/// its configuration) under `id`, with its KV region registered.
+/// its configuration) under `id`, with its [`SMALL`] KV region registered.
 pub fn side(role: &str, transport: &str, id: &str, extra: &str) -> Side {
+    side_with(role, transport, id, extra, SMALL).unwrap()
+}
+
+/// [`side`] with a KV region of `geometry`; the error is the connector's
+/// refusal to register it.
+pub fn side_with(role: &str, transport: &str, id: &str, extra: &str, geometry: Geometry) -> anyhow::Result<Side> {
     let cfg = format!(r#"{{"kv_connector":"pdkv","kv_role":"{role}","transport":"{transport}"{extra}}}"#);
     let mut c = pdkv_connector::build(&cfg, id).unwrap();
-    let pool = Pool::new(PoolOptions { chunk_size: 8 << 10, single_allocation: false });
-    let region = pool.allocate(Tag::KvCache, BLOCKS * BB).unwrap();
+    let pool = Pool::new(PoolOptions { chunk_size: geometry.chunk_size, single_allocation: false });
+    let region = pool.allocate(Tag::KvCache, geometry.blocks * BB).unwrap();
     let (tx, woke) = mpsc::channel();
     let tx = Mutex::new(tx);
     c.set_waker(Arc::new(move || {
@@ -283,14 +300,14 @@ pub fn side(role: &str, transport: &str, id: &str, extra: &str) -> Side {
     }));
     let spec = KvCacheSpec {
         region: region.clone(),
-        num_blocks: BLOCKS,
+        num_blocks: geometry.blocks,
         block_bytes: BB,
         block_size: 16,
         layout: "test-layout".into(),
     };
-    c.register_kv_caches(&spec).unwrap();
+    c.register_kv_caches(&spec)?;
     let metrics = c.metrics_reader().expect("the connector has metrics");
-    Side { c, region, woke, pool, metrics }
+    Ok(Side { c, region, woke, pool, metrics })
 }
 
 impl Side {
