@@ -562,12 +562,18 @@ impl RecvMachine {
         }
     }
 
-    /// Nothing can land in the load's blocks any more: report it.
+    /// Nothing can land in the load's blocks any more: report it. A read
+    /// given up also ends P's lease now (else P keeps the blocks until the
+    /// lease expires).
     fn fenced(&mut self, load: LoadId) {
         let Some(l) = self.loads.get(&load) else { return };
         if let Phase::Fencing { after: After::Report(end), .. } = &l.phase {
             let end = end.clone();
+            let lease = l.spec.read.is_some().then(|| (l.spec.addr.clone(), l.spec.transfer_id.clone()));
             self.finish(load, end);
+            if let Some((addr, transfer_id)) = lease {
+                self.actions.push_back(Action::DropUnpulled { addr, transfer_id });
+            }
         }
     }
 
@@ -1213,6 +1219,8 @@ mod tests {
         assert!(m.take_finished().is_empty(), "our own read may still write the blocks");
         m.on_read_result(t0 + LOAD, a, Err(Failure::new(FailCode::TransferFailed, "cancelled")));
         assert_eq!(m.take_finished().len(), 1);
+        // P's lease ends now, not when it expires.
+        assert!(actions(&mut m).iter().any(|x| matches!(x, Action::DropUnpulled { transfer_id, .. } if transfer_id == "t-a")));
     }
 
     #[test]

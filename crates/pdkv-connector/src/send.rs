@@ -486,6 +486,16 @@ impl SendMachine {
         }
     }
 
+    /// Ends `transfer_id` with `failure` whatever its phase (a tombstone if
+    /// P has not seen it yet): P refused a pull for it at once (its KV cache
+    /// is released), so its request, if it runs later, holds nothing for D.
+    pub fn end_transfer(&mut self, now: Instant, transfer_id: &str, failure: Failure) {
+        if !self.transfers.contains_key(transfer_id) {
+            self.transfers.insert(transfer_id.to_string(), Transfer::waiting(None));
+        }
+        self.end_send(now, transfer_id, failure, false);
+    }
+
     /// Read mode: D finished reading `transfer_id`'s blocks. `Ok` when the
     /// lease still held them (the send ends now and the blocks go back);
     /// otherwise why the lease had ended, so D discards what it read.
@@ -1226,6 +1236,25 @@ mod tests {
         assert!(m.num_transfers() >= MAX_TOMBSTONES);
         assert_eq!(m.phase("t0"), None, "the oldest is forgotten");
         assert_eq!(m.phase(&format!("t{}", n - 1)), Some(PhaseName::Done), "the newest is kept");
+    }
+
+    #[test]
+    fn a_transfer_refused_while_asleep_holds_nothing_when_its_request_finishes() {
+        // P's KV cache was released: a pull is refused at once and its
+        // transfer ends, so the request (queued by a keep pause) holds no
+        // blocks for D when it runs after the resume.
+        let t0 = Instant::now();
+        let mut m = machine(1);
+        m.on_request_running("t", &rid("r"));
+        m.end_transfer(t0, "t", fail(FailCode::Asleep, ASLEEP));
+        assert!(!m.on_request_finished(t0, "t", &rid("r"), &[1, 2, 3], 40, true));
+        assert_eq!(m.held_blocks(), 0);
+        // Unknown when refused: the tombstone does the same later.
+        m.end_transfer(t0, "u", fail(FailCode::Asleep, ASLEEP));
+        m.on_request_running("u", &rid("q"));
+        assert!(!m.on_request_finished(t0, "u", &rid("q"), &[4, 5, 6], 40, true));
+        m.on_pull(t0, 1, pull("u", 0));
+        assert_eq!(failure_of(&actions(&mut m), 1).code, FailCode::Asleep);
     }
 }
 

@@ -554,6 +554,31 @@ impl Scheduler {
         }
     }
 
+    /// The head of the waiting queue cannot get its blocks. When nothing
+    /// runs (no step will free any) and waiting requests behind it hold
+    /// blocks (KV that loaded, or a failed load they recompute into), those
+    /// give the blocks back and will recompute: otherwise waiting requests
+    /// could hold the cache forever while the head waits for it. Returns
+    /// whether blocks were freed (the head is tried again).
+    fn unjam(&mut self, head: &Arc<str>) -> bool {
+        if !self.running.is_empty() {
+            return false;
+        }
+        let holders: Vec<Arc<str>> =
+            self.waiting.iter().filter(|id| **id != *head && !self.requests[*id].blocks.is_empty()).cloned().collect();
+        for id in &holders {
+            let req = self.requests.get_mut(id).expect("waiting request exists");
+            self.pool.free(&req.blocks);
+            req.blocks.clear();
+            req.num_computed_tokens = 0;
+            req.num_cached_blocks = 0;
+        }
+        if !holders.is_empty() {
+            tracing::info!(requests = holders.len(), "waiting requests gave their blocks back so the first in line can run");
+        }
+        !holders.is_empty()
+    }
+
     /// Drops the prefix-cache hashes of free blocks only (see
     /// [`BlockPool::forget_free_cached_blocks`]).
     pub fn forget_free_cached_blocks(&mut self) -> usize {
@@ -656,6 +681,9 @@ impl Scheduler {
                     let target = req.num_computed_tokens + num_new;
                     let need = blocks_for(target).saturating_sub(req.blocks.len());
                     if need > self.pool.num_free() {
+                        if self.unjam(&id) {
+                            continue;
+                        }
                         break;
                     }
                     let fresh = self.pool.allocate(need).expect("counted above");
@@ -695,6 +723,9 @@ impl Scheduler {
                     if need > available {
                         // Ask again once blocks are free.
                         req.connector_consulted = false;
+                        if self.unjam(&id) {
+                            continue;
+                        }
                         break;
                     }
                     self.pool.touch(&hit);
@@ -721,6 +752,9 @@ impl Scheduler {
                 let need = blocks_for(num_hit_tokens + num_new) - hit.len();
                 let available = self.pool.num_free() - self.pool.count_free(&hit);
                 if need > available {
+                    if self.unjam(&id) {
+                        continue;
+                    }
                     break;
                 }
                 self.pool.touch(&hit);
@@ -845,6 +879,25 @@ impl Scheduler {
         if self.requests.is_empty() && self.held.is_empty() {
             assert_eq!(self.pool.num_free(), self.pool.num_blocks(), "blocks leaked at quiescence");
         }
+    }
+
+    /// The waiting queue as text (front first), for diagnostics.
+    pub fn describe_waiting(&self, n: usize) -> Vec<String> {
+        self.waiting
+            .iter()
+            .take(n)
+            .map(|id| {
+                let r = &self.requests[id];
+                format!(
+                    "{id}: tokens {} computed {} blocks {} loading {} consulted {}",
+                    r.tokens.len(),
+                    r.num_computed_tokens,
+                    r.blocks.len(),
+                    r.num_loading_tokens,
+                    r.connector_consulted
+                )
+            })
+            .collect()
     }
 
     /// Output tokens generated so far by a live request.

@@ -1456,7 +1456,14 @@ impl World {
             let Some(n) = &s.node else { continue };
             let st = n.core.stats();
             if st.kv_blocks_free != st.kv_blocks_total || st.kv_blocks_held != 0 || st.num_running + st.num_waiting != 0 {
-                let what = format!("liveness: node {i} not quiescent at the end: {st:?}");
+                let waiting = n.core.scheduler().describe_waiting(4);
+                let what = format!(
+                    "liveness: node {i} not quiescent at the end: {st:?}; waiting: {waiting:?}; lifecycle {:?}; runnable {} tick {:?} busy {:?}",
+                    n.core.lifecycle_status(),
+                    n.core.has_runnable_work(),
+                    s.tick_at.map(|t| t - self.t0),
+                    s.busy_until.map(|t| t - self.t0)
+                );
                 self.report.violations.push(what);
             }
         }

@@ -639,6 +639,8 @@ impl PdCore {
     fn pull(&mut self, now: Instant, conn: ConnId, p: Pull) -> Option<Message> {
         if self.asleep {
             self.counters.pulls_released += 1;
+            // D recomputes the prompt: P keeps nothing for this transfer.
+            self.send.end_transfer(now, &p.transfer_id, Failure::new(FailCode::Asleep, ASLEEP));
             return Some(Message::PullErr { code: FailCode::Asleep, reason: ASLEEP.into() });
         }
         let spec = PullSpec {
