@@ -270,14 +270,7 @@ impl Scheduler {
     pub fn release_transfer_kv(&mut self) -> usize {
         let cut = std::mem::take(&mut self.loading);
         for id in cut.iter().rev() {
-            let req = self.requests.get_mut(id).expect("loading request exists");
-            let blocks = std::mem::take(&mut req.blocks);
-            req.num_computed_tokens = 0;
-            req.num_cached_blocks = 0;
-            req.num_loading_tokens = 0;
-            req.status = Status::Waiting;
-            self.held.entry(id.clone()).or_default().extend(blocks);
-            self.waiting.push_front(id.clone());
+            self.requeue_from_scratch(id);
         }
         self.drop_waiting_blocks();
         if let Some(c) = self.connector.as_deref_mut() {
@@ -491,6 +484,20 @@ impl Scheduler {
         }
     }
 
+    /// A loading request goes back to the front of the queue to start from
+    /// scratch; the blocks its load may still write stay the transfer's
+    /// (held until the connector names the request finished).
+    fn requeue_from_scratch(&mut self, id: &Arc<str>) {
+        let req = self.requests.get_mut(id).expect("loading request exists");
+        let blocks = std::mem::take(&mut req.blocks);
+        req.num_computed_tokens = 0;
+        req.num_cached_blocks = 0;
+        req.num_loading_tokens = 0;
+        req.status = Status::Waiting;
+        self.held.entry(id.clone()).or_default().extend(blocks);
+        self.waiting.push_front(id.clone());
+    }
+
     /// The connector gave up a load that may still write its blocks: the
     /// blocks become the transfer's (held until `recving` names the
     /// request), and the request recomputes from scratch or fails now.
@@ -502,13 +509,7 @@ impl Scheduler {
         let error = Self::load_error(req, errors).unwrap_or_else(|| LoadError::failed("the KV load was given up"));
         let pos = self.loading.iter().position(|w| w == id).expect("loading request is listed");
         self.loading.remove(pos);
-        let blocks = std::mem::take(&mut req.blocks);
-        req.num_computed_tokens = 0;
-        req.num_cached_blocks = 0;
-        req.num_loading_tokens = 0;
-        req.status = Status::Waiting;
-        self.held.entry(id.clone()).or_default().extend(blocks);
-        self.waiting.push_front(id.clone());
+        self.requeue_from_scratch(id);
         if error.recompute || policy == LoadFailurePolicy::Recompute {
             tracing::warn!(id = %id, error = %error.message, "external KV load given up; recomputing the prompt");
             return None;
