@@ -264,10 +264,6 @@ impl RecvMachine {
         self.local = Some(local);
     }
 
-    pub fn local(&self) -> Option<&LocalKv> {
-        self.local.as_ref()
-    }
-
     pub fn poll_action(&mut self) -> Option<Action> {
         self.actions.pop_front()
     }
@@ -934,6 +930,30 @@ mod tests {
 
     fn ends(m: &mut RecvMachine) -> Vec<(String, LoadEnd)> {
         m.take_finished().into_iter().map(|f| (f.req.to_string(), f.end)).collect()
+    }
+
+    #[test]
+    fn counts_and_the_block_oracle_follow_a_load_from_decided_to_finished() {
+        let t0 = Instant::now();
+        let mut m = machine();
+        assert_eq!((m.num_loads(), m.num_active(), m.held_blocks()), (0, 0, 0));
+        let a = m.decide(spec("a"));
+        // Decided: D's blocks are held, nothing may write into them yet.
+        assert_eq!((m.num_loads(), m.num_active(), m.held_blocks()), (1, 0, 3));
+        assert!(m.is_loading_into("t-a", 5) && m.is_loading_into("t-a", 7));
+        assert!(!m.is_loading_into("t-a", 8), "a block outside the load");
+        assert!(!m.is_loading_into("t-b", 5), "a block of the load, another transfer");
+        m.decide(LoadSpec { dst_blocks: vec![9, 10], ..spec("b") });
+        assert_eq!((m.num_loads(), m.num_active(), m.held_blocks()), (2, 0, 5));
+        m.start(t0, "a", None);
+        m.on_bootstrap(t0, "127.0.0.1:9", Ok(boot()));
+        assert_eq!(m.phase("a"), Some(PhaseName::Pulling));
+        assert_eq!((m.num_loads(), m.num_active(), m.held_blocks()), (2, 1, 5));
+        m.on_pull_result(t0, a, PullResult::Answered(Ok(())));
+        assert_eq!(ends(&mut m), vec![("a".into(), LoadEnd::Loaded)]);
+        assert_eq!((m.num_loads(), m.num_active(), m.held_blocks()), (1, 0, 2));
+        assert!(!m.is_loading_into("t-a", 5), "a finished load holds no block");
+        assert!(m.is_loading_into("t-b", 9));
     }
 
     #[test]
