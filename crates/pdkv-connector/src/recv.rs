@@ -1106,10 +1106,23 @@ mod tests {
         let mut m = machine();
         m.decide(spec("b"));
         m.start(t0, "b", None);
+        assert_eq!(actions(&mut m), vec![Action::Bootstrap { addr: "127.0.0.1:9".into() }]);
         m.on_bootstrap(t0, "127.0.0.1:9", Ok(BootInfo { engine_id: "p9".into(), ..boot() }));
-        assert!(actions(&mut m).iter().any(|a| matches!(a, Action::Bootstrap { .. })));
+        assert_eq!(actions(&mut m), vec![Action::Bootstrap { addr: "127.0.0.1:9".into() }]);
+        assert_eq!((ends(&mut m), m.phase("b")), (vec![], Some(PhaseName::Booting)));
         m.on_bootstrap(t0, "127.0.0.1:9", Ok(BootInfo { engine_id: "p9".into(), ..boot() }));
         assert!(matches!(&ends(&mut m)[..], [(_, LoadEnd::Failed(lf))] if lf.failure.message.contains("remote_engine_id")));
+        // A stale answer cached for the address: the second answer names the
+        // engine the params name, and the load pulls.
+        let mut m = machine();
+        m.decide(spec("c"));
+        m.start(t0, "c", None);
+        actions(&mut m);
+        m.on_bootstrap(t0, "127.0.0.1:9", Ok(BootInfo { engine_id: "p9".into(), ..boot() }));
+        assert_eq!(actions(&mut m), vec![Action::Bootstrap { addr: "127.0.0.1:9".into() }]);
+        m.on_bootstrap(t0, "127.0.0.1:9", Ok(boot()));
+        assert!(matches!(actions(&mut m)[..], [Action::Pull { .. }]));
+        assert_eq!((ends(&mut m), m.phase("c")), (vec![], Some(PhaseName::Pulling)));
     }
 
     fn read_spec(req: &str, generation: u64, weights: Option<&str>) -> LoadSpec {
