@@ -1040,6 +1040,14 @@ mod tests {
         assert_eq!(actions(&mut m).len(), 2, "drop and fence again");
         m.on_fenced(t0 + FENCE_RETRY, a, Ok(()));
         assert_eq!(ends(&mut m), vec![("a".into(), LoadEnd::Gone)]);
+        // The other order: a failed local fence waits for the drop's answer.
+        let b = pulling(&mut m, t0, "b");
+        m.request_gone(t0, "b");
+        actions(&mut m);
+        m.on_fenced(t0, b, Err(Failure::new(FailCode::Timeout, "in use")));
+        assert_eq!(m.poll_timeout(), None, "the drop is still pending");
+        m.on_drop_answer(t0, b, Ok(true));
+        assert_eq!(ends(&mut m), vec![("b".into(), LoadEnd::Gone)]);
     }
 
     #[test]
