@@ -954,6 +954,27 @@ mod tests {
         assert_eq!((m.num_loads(), m.num_active(), m.held_blocks()), (1, 0, 2));
         assert!(!m.is_loading_into("t-a", 5), "a finished load holds no block");
         assert!(m.is_loading_into("t-b", 9));
+        assert_eq!((m.load_of("a"), m.phase("a")), (None, None));
+        assert!(m.load_of("b").is_some());
+    }
+
+    #[test]
+    fn a_drop_answered_early_at_p_fences_the_load_before_its_blocks_go_back() {
+        let t0 = Instant::now();
+        let mut m = machine();
+        let a = pulling(&mut m, t0, "a");
+        // A proxy dropped the transfer at P while P may still be writing.
+        m.on_pull_result(t0, a, PullResult::Answered(Err(Failure::new(FailCode::Dropped, "released"))));
+        assert!(m.take_finished().is_empty(), "no block goes back before the fence");
+        assert_eq!(m.take_abandoned().len(), 1);
+        assert_eq!(m.phase("a"), Some(PhaseName::Fencing));
+        assert!(m.is_loading_into("t-a", 5));
+        m.on_fenced(t0, a, Ok(()));
+        assert!(matches!(&ends(&mut m)[..], [(_, LoadEnd::Failed(lf))] if lf.failure.code == FailCode::Dropped));
+        // Any other refusal ends the load at once: nothing of P writes.
+        let b = pulling(&mut m, t0, "b");
+        m.on_pull_result(t0, b, PullResult::Answered(Err(Failure::new(FailCode::CacheReset, "reset"))));
+        assert!(matches!(&ends(&mut m)[..], [(_, LoadEnd::Failed(lf))] if lf.failure.code == FailCode::CacheReset));
     }
 
     #[test]
@@ -1151,6 +1172,96 @@ mod tests {
     }
 
     #[test]
+    fn every_phase_s_deadline_holds_until_it_is_due_and_no_longer() {
+        let t0 = Instant::now();
+        let just_before = t0 + LOAD - Duration::from_millis(1);
+        let timed_out = |m: &mut RecvMachine| match &ends(m)[..] {
+            [(_, LoadEnd::Failed(lf))] => lf.failure.code == FailCode::Timeout && lf.failure.message.contains("load_timeout_s"),
+            _ => false,
+        };
+        // Booting (write mode) and Handshaking (read mode): no answer.
+        for read in [false, true] {
+            let mut m = machine();
+            m.decide(if read { read_spec("a", 1, None) } else { spec("a") });
+            m.start(t0, "a", None);
+            actions(&mut m);
+            let waiting = if read { PhaseName::Handshaking } else { PhaseName::Booting };
+            assert_eq!(m.poll_timeout(), Some(t0 + LOAD));
+            m.handle_timeout(just_before);
+            assert_eq!((ends(&mut m), m.phase("a")), (vec![], Some(waiting)));
+            m.handle_timeout(t0 + LOAD);
+            assert!(timed_out(&mut m), "read mode {read}");
+            let acts = actions(&mut m);
+            assert!(acts.iter().any(|x| matches!(x, Action::DropUnpulled { .. })), "P's lease ends now: {acts:?}");
+        }
+        // Confirming: P never answers read_done.
+        let mut m = machine();
+        m.decide(read_spec("a", 1, None));
+        m.start(t0, "a", None);
+        m.on_handshake(t0, "127.0.0.1:9", Ok(peer(Some(1))));
+        let a = m.load_of("a").unwrap();
+        m.on_read_result(t0, a, Ok(()));
+        m.handle_timeout(just_before);
+        assert_eq!((ends(&mut m), m.phase("a")), (vec![], Some(PhaseName::Confirming)));
+        m.handle_timeout(t0 + LOAD);
+        assert!(timed_out(&mut m));
+        // Fencing: a retry waits for its time.
+        let b = pulling(&mut m, t0, "b");
+        m.request_gone(t0, "b");
+        actions(&mut m);
+        m.on_drop_answer(t0, b, Err(Failure::new(FailCode::PeerLost, "down")));
+        m.on_fenced(t0, b, Err(Failure::new(FailCode::Timeout, "in use")));
+        m.handle_timeout(t0 + FENCE_RETRY - Duration::from_millis(1));
+        assert_eq!(actions(&mut m), vec![], "no retry before FENCE_RETRY");
+        // Another load's deadline does not end the ones not due.
+        let mut m = machine();
+        m.decide(spec("c"));
+        m.start(t0, "c", None);
+        actions(&mut m);
+        let late = t0 + Duration::from_secs(5);
+        m.decide(LoadSpec { addr: "127.0.0.1:11".into(), ..spec("d") });
+        m.start(late, "d", None);
+        m.handle_timeout(t0 + LOAD);
+        assert!(timed_out(&mut m));
+        assert_eq!(m.phase("d"), Some(PhaseName::Booting));
+        assert_eq!(m.poll_timeout(), Some(late + LOAD));
+    }
+
+    #[test]
+    fn read_mode_refuses_a_lease_of_a_registration_p_has_replaced_and_blocks_past_p_s_kv() {
+        let t0 = Instant::now();
+        // The params name generation 1, P is registered at 2 (it slept and
+        // woke since it leased the blocks): the lease ended on purpose.
+        let mut m = machine();
+        m.decide(read_spec("a", 1, None));
+        m.start(t0, "a", None);
+        actions(&mut m);
+        m.on_handshake(t0, "127.0.0.1:9", Ok(peer(Some(2))));
+        assert!(!actions(&mut m).iter().any(|x| matches!(x, Action::Read { .. })), "nothing is read");
+        match &ends(&mut m)[..] {
+            [(_, LoadEnd::Failed(lf))] => {
+                assert_eq!((lf.failure.code, lf.recompute), (FailCode::Asleep, true));
+                assert!(lf.failure.message.contains("generation 1 is now 2"), "{}", lf.failure);
+            }
+            other => panic!("{other:?}"),
+        }
+        // D's blocks reach past the blocks P's KV fills.
+        let mut m = machine();
+        m.decide(LoadSpec { first_block: 1, ..read_spec("b", 1, None) });
+        m.start(t0, "b", None);
+        actions(&mut m);
+        m.on_handshake(t0, "127.0.0.1:9", Ok(peer(Some(1))));
+        assert!(!actions(&mut m).iter().any(|x| matches!(x, Action::Read { .. })), "nothing is read");
+        match &ends(&mut m)[..] {
+            [(_, LoadEnd::Failed(lf))] => {
+                assert_eq!(lf.failure.code, FailCode::Mismatch);
+                assert!(lf.failure.message.contains("no blocks to read: blocks 1..4 of the 3"), "{}", lf.failure);
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
     fn read_mode_handshakes_again_for_a_newer_generation_reads_then_confirms() {
         let t0 = Instant::now();
         let mut m = machine();
@@ -1212,7 +1323,7 @@ mod tests {
             (Err(Failure::new(FailCode::CacheReset, "released (cache reset)")), true),
             // P reclaimed the KV after its lease: on purpose too.
             (Err(Failure::new(FailCode::LeaseExpired, "the lease expired")), true),
-            (Err(Failure::new(FailCode::TransferFailed, "P lost the transfer")), false),
+            (Err(Failure::new(FailCode::Protocol, "P lost the transfer")), false),
             (Ok(()), false),
         ] {
             let mut m = machine();
@@ -1229,6 +1340,10 @@ mod tests {
                 [(_, LoadEnd::Failed(lf))] => {
                     assert_eq!(lf.recompute, recompute, "{answer:?}: {lf:?}");
                     assert!(lf.failure.message.contains("stale epoch"), "{lf:?}");
+                    if !recompute {
+                        // Not on purpose: the read's own failure stands.
+                        assert_eq!(lf.failure, stale(), "{answer:?}");
+                    }
                 }
                 other => panic!("{answer:?}: {other:?}"),
             }
