@@ -977,3 +977,112 @@ pub fn validate(role: KvRole, params: Option<&Value>) -> Result<(), String> {
         _ => Ok(()),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use pdkv_transfer::RegistryOptions;
+    use pdkv_vmem::{Pool, PoolOptions, Tag};
+
+    const BS: usize = pdkv_model::BLOCK_SIZE;
+    const BLOCKS: usize = 8;
+
+    /// A core of `role` with a registered KV cache of real memory.
+    fn core(role: &str) -> (PdCore, Pool) {
+        let cfg = KvTransferConfig::parse(&format!(r#"{{"kv_connector":"pdkv","kv_role":"{role}"}}"#)).unwrap();
+        let pool = Pool::new(PoolOptions { chunk_size: 4096, single_allocation: false });
+        let region = pool.allocate(Tag::KvCache, BLOCKS * 4096).unwrap();
+        let registry = Arc::new(Registry::new(RegistryOptions::default()));
+        let dest = Destination::Tcp { addr: "127.0.0.1:10".into() };
+        let mut c = PdCore::new(cfg, "e0", "127.0.0.1:9".into(), dest, registry);
+        let spec = KvCacheSpec { region, num_blocks: BLOCKS, block_bytes: 4096, block_size: BS, layout: "l".into() };
+        c.register_kv_caches(&spec).unwrap();
+        (c, pool)
+    }
+
+    fn prompt() -> Vec<u32> {
+        (0..3 * BS as u32 + 1).collect()
+    }
+
+    #[test]
+    fn d_loads_only_the_blocks_past_its_local_prefix_and_a_release_waits_for_the_load() {
+        let t0 = Instant::now();
+        let (mut c, _pool) = core("kv_both");
+        let id: Arc<str> = Arc::from("r1");
+        let toks = prompt();
+        let params = params::for_decode("t1", Some("p0"), Some("127.0.0.1:20"));
+        let req = || ConnectorRequest { id: &id, prompt_tokens: &toks, kv_transfer_params: Some(&params) };
+        // One block is in D's prefix cache: P's KV of the other two comes.
+        let m = c.get_num_new_matched_tokens(t0, req(), BS);
+        assert_eq!(m, ExternalMatch { num_tokens: 2 * BS, load_async: true });
+        c.update_state_after_alloc(req(), &[4, 5, 6, 7], BS, 2 * BS);
+        assert_eq!(c.take_new_loads(), vec![id.clone()]);
+        let load = c.recv_machine().load_of("r1").expect("decided");
+        let spec = c.recv_machine().spec(load).unwrap();
+        assert_eq!((spec.first_block, &spec.dst_blocks[..]), (1, &[5, 6][..]));
+        assert_eq!(c.num_held_blocks(), 2);
+        // Asked again in a later step: decided already.
+        assert_eq!(c.get_num_new_matched_tokens(t0, req(), BS), ExternalMatch::default());
+        // A started load may write into the blocks: no release meanwhile.
+        c.start_load_kv(t0, vec![id.clone()]);
+        let busy = c.begin_release(t0).unwrap_err();
+        assert_eq!(busy, InFlight { ready_blocks: 0, writes: 0, loads: 1 });
+        assert!(!busy.is_idle());
+        assert!(busy.to_string().contains("1 loads writing into them"), "{busy}");
+        assert!(!c.is_asleep());
+        // Cut short before its pull left: nothing can write, it ends at once.
+        c.abort_transfers(t0);
+        assert_eq!(c.in_flight(), InFlight::default());
+        assert!(c.begin_release(t0).unwrap().is_some());
+    }
+
+    #[test]
+    fn a_release_marks_the_core_asleep_until_it_is_restored() {
+        let t0 = Instant::now();
+        let (mut c, _pool) = core("kv_both");
+        assert!(c.in_flight().is_idle() && !c.is_asleep());
+        let reg = c.begin_release(t0).unwrap().expect("registered");
+        assert_eq!(reg, c.kv().unwrap().reg);
+        assert!(c.is_asleep());
+        assert_eq!(c.begin_release(t0).unwrap(), None, "released already");
+        // A load started while asleep ends at once: nothing may write.
+        let id: Arc<str> = Arc::from("r1");
+        let toks = prompt();
+        let params = params::for_decode("t1", Some("p0"), Some("127.0.0.1:20"));
+        let req = || ConnectorRequest { id: &id, prompt_tokens: &toks, kv_transfer_params: Some(&params) };
+        c.get_num_new_matched_tokens(t0, req(), 0);
+        c.update_state_after_alloc(req(), &[1, 2, 3], 0, 3 * BS);
+        let loads = c.take_new_loads();
+        c.start_load_kv(t0, loads);
+        let f = c.get_finished();
+        assert_eq!(f.recving, vec![id.clone()]);
+        c.restore().unwrap();
+        assert!(!c.is_asleep());
+        assert_ne!(c.kv().unwrap().reg.epoch, reg.epoch, "a new epoch");
+    }
+
+    #[test]
+    fn each_role_takes_only_its_own_params() {
+        let t0 = Instant::now();
+        let id: Arc<str> = Arc::from("r1");
+        let toks = prompt();
+        let for_d = params::for_decode("t1", Some("p0"), Some("127.0.0.1:20"));
+        let for_p = params::for_prefill("t2");
+        // A producer loads nothing.
+        let (mut p, _pool) = core("kv_producer");
+        let req = ConnectorRequest { id: &id, prompt_tokens: &toks, kv_transfer_params: Some(&for_d) };
+        assert_eq!(p.get_num_new_matched_tokens(t0, req, 0), ExternalMatch::default());
+        // A consumer keeps nothing for a decode engine, a producer does —
+        // from whichever call comes first.
+        let (mut d, _pool2) = core("kv_consumer");
+        let req = || ConnectorRequest { id: &id, prompt_tokens: &toks, kv_transfer_params: Some(&for_p) };
+        d.request_added(t0, req());
+        assert_eq!(d.get_num_new_matched_tokens(t0, req(), 0), ExternalMatch::default());
+        assert_eq!(d.send_machine().phase("t2"), None);
+        p.request_added(t0, req());
+        assert!(p.send_machine().phase("t2").is_some());
+        let (mut p2, _pool3) = core("kv_producer");
+        assert_eq!(p2.get_num_new_matched_tokens(t0, req(), 0), ExternalMatch::default());
+        assert!(p2.send_machine().phase("t2").is_some());
+    }
+}
