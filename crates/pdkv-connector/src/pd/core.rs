@@ -1061,6 +1061,50 @@ mod tests {
         assert_ne!(c.kv().unwrap().reg.epoch, reg.epoch, "a new epoch");
     }
 
+    fn drops_unpulled(c: &mut PdCore) -> Vec<String> {
+        std::iter::from_fn(|| c.poll_io())
+            .filter_map(|io| match io {
+                Io::Send { op: Op::DropUnpulled { transfer_id }, .. } => Some(transfer_id),
+                _ => None,
+            })
+            .collect()
+    }
+
+    #[test]
+    fn a_request_that_ends_before_its_load_is_decided_or_started_tells_p_and_holds_nothing() {
+        let t0 = Instant::now();
+        let toks = prompt();
+        let (mut d, _pool) = core("kv_consumer");
+        let (r1, r2, r3): (Arc<str>, Arc<str>, Arc<str>) = (Arc::from("r1"), Arc::from("r2"), Arc::from("r3"));
+        let pa = params::for_decode("t1", Some("p0"), Some("127.0.0.1:20"));
+        let pb = params::for_decode("t2", Some("p0"), Some("127.0.0.1:20"));
+        let pc = params::for_decode("t3", Some("p0"), Some("127.0.0.1:20"));
+        let req = |id, params| ConnectorRequest { id, prompt_tokens: &toks, kv_transfer_params: Some(params) };
+        // r1 ends before D decided its load: P is told to drop t1 now.
+        d.get_num_new_matched_tokens(t0, req(&r1, &pa), 0);
+        assert_eq!(d.request_finished(t0, req(&r1, &pa), &[], FinishReason::Abort), (false, None));
+        assert_eq!(drops_unpulled(&mut d), vec!["t1".to_string()]);
+        // r2 and r3 decided; r2 ends before the step started its load.
+        for (id, params, blocks) in [(&r2, &pb, [1, 2, 3]), (&r3, &pc, [4, 5, 6])] {
+            d.get_num_new_matched_tokens(t0, req(id, params), 0);
+            d.update_state_after_alloc(req(id, params), &blocks, 0, 3 * BS);
+        }
+        let (freed, _) = d.request_finished(t0, req(&r2, &pb), &[1, 2, 3], FinishReason::Abort);
+        assert!(!freed, "a load never started holds nothing");
+        assert_eq!(d.take_new_loads(), vec![r3.clone()]);
+        assert_eq!(drops_unpulled(&mut d), vec!["t2".to_string()]);
+        assert_eq!(d.recv_machine().load_of("r2"), None);
+        // A producer's request with decode params is not D's: nothing to drop.
+        let (mut p, _pool2) = core("kv_producer");
+        p.get_num_new_matched_tokens(t0, req(&r1, &pa), 0);
+        assert_eq!(p.request_finished(t0, req(&r1, &pa), &[], FinishReason::Abort), (false, None));
+        assert_eq!(drops_unpulled(&mut p), Vec::<String>::new());
+        // A consumer's request with prefill params holds nothing for D.
+        let pp = params::for_prefill("t9");
+        assert_eq!(d.request_finished(t0, req(&r1, &pp), &[7, 8], FinishReason::Stop), (false, None));
+        assert_eq!(d.send_machine().phase("t9"), None);
+    }
+
     #[test]
     fn each_role_takes_only_its_own_params() {
         let t0 = Instant::now();
