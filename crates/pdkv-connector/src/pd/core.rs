@@ -989,7 +989,12 @@ mod tests {
 
     /// A core of `role` with a registered KV cache of real memory.
     fn core(role: &str) -> (PdCore, Pool) {
-        let cfg = KvTransferConfig::parse(&format!(r#"{{"kv_connector":"pdkv","kv_role":"{role}"}}"#)).unwrap();
+        core_in(role, "write")
+    }
+
+    fn core_in(role: &str, mode: &str) -> (PdCore, Pool) {
+        let cfg = KvTransferConfig::parse(&format!(r#"{{"kv_connector":"pdkv","kv_role":"{role}","transfer_mode":"{mode}"}}"#))
+            .unwrap();
         let pool = Pool::new(PoolOptions { chunk_size: 4096, single_allocation: false });
         let region = pool.allocate(Tag::KvCache, BLOCKS * 4096).unwrap();
         let registry = Arc::new(Registry::new(RegistryOptions::default()));
@@ -1103,6 +1108,87 @@ mod tests {
         let pp = params::for_prefill("t9");
         assert_eq!(d.request_finished(t0, req(&r1, &pp), &[7, 8], FinishReason::Stop), (false, None));
         assert_eq!(d.send_machine().phase("t9"), None);
+    }
+
+    #[test]
+    fn read_mode_p_returns_the_leased_blocks_and_its_generation_or_no_params() {
+        let t0 = Instant::now();
+        let (mut p, _pool) = core_in("kv_producer", "read");
+        let epoch = p.kv().unwrap().reg.epoch;
+        let finish = |p: &mut PdCore, tid: &str, toks: &[u32], blocks: &[u32], reason| {
+            let id: Arc<str> = Arc::from(format!("r-{tid}"));
+            let params = params::for_prefill(tid);
+            let req = || ConnectorRequest { id: &id, prompt_tokens: toks, kv_transfer_params: Some(&params) };
+            p.request_added(t0, req());
+            p.request_finished(t0, req(), blocks, reason)
+        };
+        let toks = prompt(); // 3 blocks of KV
+        let (held, out) = finish(&mut p, "t1", &toks, &[4, 5, 6], FinishReason::Stop);
+        let out = out.expect("params for D");
+        assert!(held);
+        assert_eq!(out[params::REMOTE_BLOCK_IDS], serde_json::json!([4, 5, 6]));
+        assert_eq!(out[params::REMOTE_REGISTRATION_GENERATION], serde_json::json!(epoch));
+        assert_eq!(out[params::TRANSFER_ID], serde_json::json!("t1"));
+        // Fewer blocks than the KV needs: nothing to lease, D computes.
+        assert_eq!(finish(&mut p, "t2", &toks, &[7, 8], FinishReason::Length).1, None);
+        // An aborted prefill holds nothing for D.
+        assert_eq!(finish(&mut p, "t3", &toks, &[1, 2, 3], FinishReason::Abort).1, None);
+        // A one-token prompt has no KV to read: params without blocks.
+        let (_, out) = finish(&mut p, "t4", &[7], &[], FinishReason::Stop);
+        assert_eq!(out.expect("params")[params::REMOTE_BLOCK_IDS], serde_json::json!([]));
+    }
+
+    fn replies(c: &mut PdCore) -> Vec<Message> {
+        std::iter::from_fn(|| c.poll_io())
+            .filter_map(|io| match io {
+                Io::Reply { msg, .. } => Some(msg),
+                _ => None,
+            })
+            .collect()
+    }
+
+    #[test]
+    fn control_messages_are_answered_by_role_and_counted() {
+        let t0 = Instant::now();
+        let (mut p, _pool) = core_in("kv_producer", "read");
+        let reg = p.kv().unwrap().reg;
+        p.on_control(t0, 1, Message::Handshake);
+        assert!(matches!(&replies(&mut p)[..], [Message::HandshakeOk(h)] if h.registration == Some(reg) && h.engine_id == "e0"));
+        p.on_control(t0, 2, Message::Drop { transfer_id: "t1".into(), code: FailCode::Dropped });
+        assert_eq!(replies(&mut p), vec![Message::DropOk { known: false }]);
+        p.on_control(t0, 3, Message::ReadDone { transfer_id: "t9".into() });
+        assert!(matches!(&replies(&mut p)[..], [Message::ReadDoneErr { .. }]));
+        let c = p.counters();
+        assert_eq!((c.drops_received, c.reads_late, c.reads_done), (1, 1, 0));
+        // Asleep: the handshake names no registration.
+        p.begin_release(t0).unwrap();
+        p.on_control(t0, 4, Message::Handshake);
+        assert!(matches!(&replies(&mut p)[..], [Message::HandshakeOk(h)] if h.registration.is_none()));
+        // A decode engine sends no KV.
+        let (mut d, _pool2) = core("kv_consumer");
+        let pull = Pull {
+            transfer_id: "t1".into(),
+            engine_id: "d9".into(),
+            first_block: 0,
+            num_tokens: 3 * BS,
+            dst: Destination::Tcp { addr: "127.0.0.1:11".into() },
+            segment: 1,
+            key: 2,
+            epoch: 1,
+            region_len: 4096 * 3,
+            block_offsets: vec![0, 4096, 8192],
+            grant_key: None,
+            weights_version: None,
+        };
+        for msg in [
+            Message::Pull(pull),
+            Message::Drop { transfer_id: "t1".into(), code: FailCode::Dropped },
+            Message::ReadDone { transfer_id: "t1".into() },
+        ] {
+            d.on_control(t0, 5, msg);
+            assert!(matches!(&replies(&mut d)[..], [Message::Error { reason }] if reason.contains("sends no KV")));
+        }
+        assert_eq!(d.counters().drops_received, 0);
     }
 
     #[test]
