@@ -106,15 +106,15 @@ fn params_are_validated_naming_the_bad_field() {
     let good_d = r#"{"do_remote_prefill":true,"remote_engine_id":"p1","remote_bootstrap_addr":"127.0.0.1:5","transfer_id":"x"}"#;
     assert!(d.validate_params(Some(&v(good_d))).is_ok());
     assert!((d.params_validator())(Some(&v(good_d))).is_ok());
-    let cases: [(&Box<dyn pdkv_engine::KvConnector>, &str, &str); 8] = [
-        (&p, r#"{"do_remote_decode":"yes","transfer_id":"x"}"#, "do_remote_decode must be a boolean"),
-        (&p, r#"{"do_remote_decode":true}"#, "transfer_id is required"),
-        (&p, r#"{"do_remote_decode":true,"transfer_id":7}"#, "transfer_id must be a string"),
-        (&p, r#"[1]"#, "must be a JSON object"),
-        (&d, r#"{"do_remote_prefill":true,"remote_bootstrap_addr":"127.0.0.1:5","transfer_id":"x"}"#, "remote_engine_id is required"),
-        (&d, r#"{"do_remote_prefill":true,"remote_engine_id":"p","remote_bootstrap_addr":"nowhere","transfer_id":"x"}"#, "remote_bootstrap_addr"),
-        (&d, r#"{"do_remote_decode":true,"transfer_id":"x"}"#, "kv_consumer and sends no KV"),
-        (&p, good_d, "kv_producer and receives no KV"),
+    let cases: [(&dyn pdkv_engine::KvConnector, &str, &str); 8] = [
+        (&*p, r#"{"do_remote_decode":"yes","transfer_id":"x"}"#, "do_remote_decode must be a boolean"),
+        (&*p, r#"{"do_remote_decode":true}"#, "transfer_id is required"),
+        (&*p, r#"{"do_remote_decode":true,"transfer_id":7}"#, "transfer_id must be a string"),
+        (&*p, r#"[1]"#, "must be a JSON object"),
+        (&*d, r#"{"do_remote_prefill":true,"remote_bootstrap_addr":"127.0.0.1:5","transfer_id":"x"}"#, "remote_engine_id is required"),
+        (&*d, r#"{"do_remote_prefill":true,"remote_engine_id":"p","remote_bootstrap_addr":"nowhere","transfer_id":"x"}"#, "remote_bootstrap_addr"),
+        (&*d, r#"{"do_remote_decode":true,"transfer_id":"x"}"#, "kv_consumer and sends no KV"),
+        (&*p, good_d, "kv_producer and receives no KV"),
     ];
     for (c, params, needle) in cases {
         let e = c.validate_params(Some(&v(params))).expect_err(params);

@@ -53,12 +53,12 @@ impl ModelConfig {
         anyhow::ensure!(self.num_layers > 0, "num_layers must be > 0");
         anyhow::ensure!(self.hidden_size > 0 && self.vocab_size > 0, "empty model");
         anyhow::ensure!(
-            self.num_kv_heads > 0 && self.num_heads % self.num_kv_heads == 0,
+            self.num_kv_heads > 0 && self.num_heads.is_multiple_of(self.num_kv_heads),
             "num_heads {} is not a multiple of num_kv_heads {}",
             self.num_heads,
             self.num_kv_heads
         );
-        anyhow::ensure!(self.head_dim % 2 == 0, "head_dim {} must be even for RoPE", self.head_dim);
+        anyhow::ensure!(self.head_dim.is_multiple_of(2), "head_dim {} must be even for RoPE", self.head_dim);
         Ok(())
     }
 }
