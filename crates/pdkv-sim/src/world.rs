@@ -244,6 +244,7 @@ pub struct World {
     /// decode engines' successful loads before them.
     probes: Vec<u64>,
     loads_ok_before_probes: u64,
+    heal_rounds: u32,
     cluster_weights: u64,
     pub report: Report,
 }
@@ -280,6 +281,7 @@ impl World {
             healed: false,
             probes: Vec::new(),
             loads_ok_before_probes: 0,
+            heal_rounds: 0,
             cluster_weights: 1,
             report: Report { seed: opts.seed, ..Report::default() },
             opts,
@@ -408,6 +410,14 @@ impl World {
                 return Ok(());
             }
             if self.healed && self.quiescent() {
+                // An operator's heal script can fail a step (a weight update
+                // that timed out on transfers): heal again, as an operator
+                // would, until every engine serves the cluster's weights.
+                if self.probes.is_empty() && !self.weights_agree() && self.heal_rounds < 5 {
+                    self.heal_rounds += 1;
+                    self.heal();
+                    continue;
+                }
                 if self.probes.is_empty() {
                     self.send_probes();
                     continue;
@@ -1042,6 +1052,11 @@ impl World {
         }
     }
 
+    /// Every live engine serves the cluster's weights.
+    fn weights_agree(&self) -> bool {
+        self.nodes.iter().filter_map(|s| s.node.as_ref()).all(|n| n.weights == self.cluster_weights)
+    }
+
     fn live_loads_ok(&self) -> u64 {
         self.nodes.iter().filter_map(|s| s.node.as_ref()).map(|n| n.conn.inspect(|c| c.counters().loads_ok)).sum()
     }
@@ -1535,8 +1550,14 @@ impl World {
                 let c = n.conn.inspect(|c| c.counters());
                 (a.0 + c.loads_ok, a.1 + c.loads_released + c.loads_cut_short, a.2 + c.loads_failed)
             });
+            let states: Vec<String> = self
+                .nodes
+                .iter()
+                .filter_map(|s| s.node.as_ref())
+                .map(|n| format!("{:?} connector asleep {} weights {}", n.core.lifecycle_status(), n.conn.inspect(|c| c.is_asleep()), n.weights))
+                .collect();
             self.violation(format!(
-                "liveness: {PROBES} probes of the healed cluster, {loaded} KV loads from P (the rest computed on D); loads now ok/released/failed {ok}/{released}/{failed}; prefills skipped {}",
+                "liveness: {PROBES} probes of the healed cluster, {loaded} KV loads from P (the rest computed on D); loads now ok/released/failed {ok}/{released}/{failed}; prefills skipped {}; nodes: {states:?}",
                 self.report.prefill_skipped
             ));
         }
