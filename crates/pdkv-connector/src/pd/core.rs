@@ -1192,6 +1192,33 @@ mod tests {
     }
 
     #[test]
+    fn a_failed_exchange_ends_the_load_at_once_not_at_its_deadline() {
+        let t0 = Instant::now();
+        let (mut d, _pool) = core("kv_consumer");
+        let id: Arc<str> = Arc::from("r1");
+        let toks = prompt();
+        let params = params::for_decode("t1", Some("p0"), Some("127.0.0.1:20"));
+        let req = || ConnectorRequest { id: &id, prompt_tokens: &toks, kv_transfer_params: Some(&params) };
+        d.get_num_new_matched_tokens(t0, req(), 0);
+        d.update_state_after_alloc(req(), &[1, 2, 3], 0, 3 * BS);
+        let loads = d.take_new_loads();
+        d.start_load_kv(t0, loads);
+        let op = std::iter::from_fn(|| d.poll_io())
+            .find_map(|io| match io {
+                Io::Send { op: op @ Op::Bootstrap { .. }, .. } => Some(op),
+                _ => None,
+            })
+            .expect("a bootstrap");
+        // Nobody listens at P's address.
+        d.on_exchange_failed(t0, op, Failure::new(FailCode::PeerLost, "connection refused"), false);
+        assert_eq!(d.get_finished().recving, vec![id.clone()]);
+        let errors = d.get_block_ids_with_load_errors();
+        assert_eq!(errors.iter().map(|(b, _)| *b).collect::<Vec<_>>(), vec![1, 2, 3]);
+        assert!(errors[0].1.message.contains("connection refused"), "{:?}", errors[0].1);
+        assert_eq!(d.recv_machine().num_loads(), 0);
+    }
+
+    #[test]
     fn each_role_takes_only_its_own_params() {
         let t0 = Instant::now();
         let id: Arc<str> = Arc::from("r1");
