@@ -1230,35 +1230,30 @@ mod tests {
     #[test]
     fn read_mode_refuses_a_lease_of_a_registration_p_has_replaced_and_blocks_past_p_s_kv() {
         let t0 = Instant::now();
+        // The load of `spec` after a handshake naming P's registration at
+        // `epoch`: refused without a read.
+        let refused = |spec: LoadSpec, epoch: u64| {
+            let mut m = machine();
+            let req = spec.req.to_string();
+            m.decide(spec);
+            m.start(t0, &req, None);
+            actions(&mut m);
+            m.on_handshake(t0, "127.0.0.1:9", Ok(peer(Some(epoch))));
+            assert!(!actions(&mut m).iter().any(|x| matches!(x, Action::Read { .. })), "nothing is read");
+            match &ends(&mut m)[..] {
+                [(_, LoadEnd::Failed(lf))] => lf.clone(),
+                other => panic!("{other:?}"),
+            }
+        };
         // The params name generation 1, P is registered at 2 (it slept and
         // woke since it leased the blocks): the lease ended on purpose.
-        let mut m = machine();
-        m.decide(read_spec("a", 1, None));
-        m.start(t0, "a", None);
-        actions(&mut m);
-        m.on_handshake(t0, "127.0.0.1:9", Ok(peer(Some(2))));
-        assert!(!actions(&mut m).iter().any(|x| matches!(x, Action::Read { .. })), "nothing is read");
-        match &ends(&mut m)[..] {
-            [(_, LoadEnd::Failed(lf))] => {
-                assert_eq!((lf.failure.code, lf.recompute), (FailCode::Asleep, true));
-                assert!(lf.failure.message.contains("generation 1 is now 2"), "{}", lf.failure);
-            }
-            other => panic!("{other:?}"),
-        }
+        let lf = refused(read_spec("a", 1, None), 2);
+        assert_eq!((lf.failure.code, lf.recompute), (FailCode::Asleep, true));
+        assert!(lf.failure.message.contains("generation 1 is now 2"), "{}", lf.failure);
         // D's blocks reach past the blocks P's KV fills.
-        let mut m = machine();
-        m.decide(LoadSpec { first_block: 1, ..read_spec("b", 1, None) });
-        m.start(t0, "b", None);
-        actions(&mut m);
-        m.on_handshake(t0, "127.0.0.1:9", Ok(peer(Some(1))));
-        assert!(!actions(&mut m).iter().any(|x| matches!(x, Action::Read { .. })), "nothing is read");
-        match &ends(&mut m)[..] {
-            [(_, LoadEnd::Failed(lf))] => {
-                assert_eq!(lf.failure.code, FailCode::Mismatch);
-                assert!(lf.failure.message.contains("no blocks to read: blocks 1..4 of the 3"), "{}", lf.failure);
-            }
-            other => panic!("{other:?}"),
-        }
+        let lf = refused(LoadSpec { first_block: 1, ..read_spec("b", 1, None) }, 1);
+        assert_eq!(lf.failure.code, FailCode::Mismatch);
+        assert!(lf.failure.message.contains("no blocks to read: blocks 1..4 of the 3"), "{}", lf.failure);
     }
 
     #[test]

@@ -1544,12 +1544,9 @@ impl World {
         if held && !failed.is_empty() {
             self.violation(format!("liveness: probes of the healed cluster failed: {failed:?}"));
         }
-        let loaded = self.live_loads_ok() - self.loads_ok_before_probes;
+        // The engines' counters were summed into the report above.
+        let loaded = self.report.loads_ok - self.loads_ok_before_probes;
         if held && loaded < PROBES as u64 {
-            let (ok, released, failed) = self.nodes.iter().filter_map(|s| s.node.as_ref()).fold((0, 0, 0), |a, n| {
-                let c = n.conn.inspect(|c| c.counters());
-                (a.0 + c.loads_ok, a.1 + c.loads_released + c.loads_cut_short, a.2 + c.loads_failed)
-            });
             let states: Vec<String> = self
                 .nodes
                 .iter()
@@ -1557,7 +1554,10 @@ impl World {
                 .map(|n| format!("{:?} connector asleep {} weights {}", n.core.lifecycle_status(), n.conn.inspect(|c| c.is_asleep()), n.weights))
                 .collect();
             self.violation(format!(
-                "liveness: {PROBES} probes of the healed cluster, {loaded} KV loads from P (the rest computed on D); loads now ok/released/failed {ok}/{released}/{failed}; prefills skipped {}; nodes: {states:?}",
+                "liveness: {PROBES} probes of the healed cluster, {loaded} KV loads from P (the rest computed on D); loads now ok/released/failed {}/{}/{}; prefills skipped {}; nodes: {states:?}",
+                self.report.loads_ok,
+                self.report.loads_released,
+                self.report.loads_failed,
                 self.report.prefill_skipped
             ));
         }

@@ -1009,6 +1009,20 @@ mod tests {
         (0..3 * BS as u32 + 1).collect()
     }
 
+    /// D decides and starts the load of request "r1" (transfer "t1", the
+    /// whole prompt's KV into blocks 1, 2, 3); returns the request id.
+    fn start_load(c: &mut PdCore, now: Instant) -> Arc<str> {
+        let id: Arc<str> = Arc::from("r1");
+        let toks = prompt();
+        let params = params::for_decode("t1", Some("p0"), Some("127.0.0.1:20"));
+        let req = || ConnectorRequest { id: &id, prompt_tokens: &toks, kv_transfer_params: Some(&params) };
+        c.get_num_new_matched_tokens(now, req(), 0);
+        c.update_state_after_alloc(req(), &[1, 2, 3], 0, 3 * BS);
+        let loads = c.take_new_loads();
+        c.start_load_kv(now, loads);
+        id
+    }
+
     #[test]
     fn d_loads_only_the_blocks_past_its_local_prefix_and_a_release_waits_for_the_load() {
         let t0 = Instant::now();
@@ -1051,14 +1065,7 @@ mod tests {
         assert!(c.is_asleep());
         assert_eq!(c.begin_release(t0).unwrap(), None, "released already");
         // A load started while asleep ends at once: nothing may write.
-        let id: Arc<str> = Arc::from("r1");
-        let toks = prompt();
-        let params = params::for_decode("t1", Some("p0"), Some("127.0.0.1:20"));
-        let req = || ConnectorRequest { id: &id, prompt_tokens: &toks, kv_transfer_params: Some(&params) };
-        c.get_num_new_matched_tokens(t0, req(), 0);
-        c.update_state_after_alloc(req(), &[1, 2, 3], 0, 3 * BS);
-        let loads = c.take_new_loads();
-        c.start_load_kv(t0, loads);
+        let id = start_load(&mut c, t0);
         let f = c.get_finished();
         assert_eq!(f.recving, vec![id.clone()]);
         c.restore().unwrap();
@@ -1195,14 +1202,7 @@ mod tests {
     fn a_failed_exchange_ends_the_load_at_once_not_at_its_deadline() {
         let t0 = Instant::now();
         let (mut d, _pool) = core("kv_consumer");
-        let id: Arc<str> = Arc::from("r1");
-        let toks = prompt();
-        let params = params::for_decode("t1", Some("p0"), Some("127.0.0.1:20"));
-        let req = || ConnectorRequest { id: &id, prompt_tokens: &toks, kv_transfer_params: Some(&params) };
-        d.get_num_new_matched_tokens(t0, req(), 0);
-        d.update_state_after_alloc(req(), &[1, 2, 3], 0, 3 * BS);
-        let loads = d.take_new_loads();
-        d.start_load_kv(t0, loads);
+        let id = start_load(&mut d, t0);
         let op = std::iter::from_fn(|| d.poll_io())
             .find_map(|io| match io {
                 Io::Send { op: op @ Op::Bootstrap { .. }, .. } => Some(op),
