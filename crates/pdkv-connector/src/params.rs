@@ -8,8 +8,19 @@
 //! [`for_decode`], and P's answer is built by [`returned_by_prefill`], so a
 //! key cannot drift between the side that writes it and the side that reads
 //! it.
-
-use std::net::SocketAddr;
+//!
+//! Third-party routers speak two other dialects, which [`canonical`] maps
+//! onto pdkv's before anything parses them (the server calls it when a
+//! request arrives, knowing the request's id):
+//! - *read-mode routers* (vLLM's NIXL shape) send P no transfer id, so P
+//!   names the transfer after its own request id and returns it as
+//!   `remote_request_id`, with its control address split into `remote_host`
+//!   and `remote_port`; the router copies P's answer verbatim into D's
+//!   request, where those keys stand for `transfer_id` and
+//!   `remote_bootstrap_addr`.
+//! - *write-mode routers* (vLLM's Mooncake shape) learn P's engine id from
+//!   `GET /query` on P's bootstrap port (pdkv's control listener answers it)
+//!   and send D `remote_bootstrap_addr` as a URL, `http://HOST:PORT`.
 
 use serde_json::{json, Map, Value};
 
@@ -33,6 +44,76 @@ pub const REMOTE_NUM_TOKENS: &str = "remote_num_tokens";
 /// weights it started with); D reads only KV of the weights it serves.
 pub const REMOTE_WEIGHTS_VERSION: &str = "remote_weights_version";
 
+/// Read-mode routers: P's request id, which names the transfer when the
+/// router sent none.
+pub const REMOTE_REQUEST_ID: &str = "remote_request_id";
+/// Read-mode routers: the host of P's control listener.
+pub const REMOTE_HOST: &str = "remote_host";
+/// Read-mode routers: the port of P's control listener.
+pub const REMOTE_PORT: &str = "remote_port";
+/// Read-mode routers: P's tensor-parallel size (pdkv engines are TP 1).
+pub const TP_SIZE: &str = "tp_size";
+
+/// Maps a router's dialect onto pdkv's keys (see the module docs), for a
+/// request this engine names `request_id`. Keys already in pdkv's shape win;
+/// anything that is not an object is returned as it came (the parser
+/// refuses it with its reason).
+pub fn canonical(mut params: Value, request_id: &str) -> Value {
+    let Some(obj) = params.as_object_mut() else { return params };
+    let set = |obj: &Obj, k: &str| obj.get(k).is_some_and(|v| !v.is_null());
+    if obj.get(DO_REMOTE_DECODE) == Some(&Value::Bool(true)) && !set(obj, TRANSFER_ID) {
+        obj.insert(TRANSFER_ID.into(), json!(request_id));
+    }
+    if obj.get(DO_REMOTE_PREFILL) == Some(&Value::Bool(true)) {
+        if !set(obj, TRANSFER_ID) {
+            if let Some(id) = obj.get(REMOTE_REQUEST_ID).filter(|v| v.is_string()).cloned() {
+                obj.insert(TRANSFER_ID.into(), id);
+            }
+        }
+        match obj.get(REMOTE_BOOTSTRAP_ADDR) {
+            Some(Value::String(url)) => {
+                if let Some(rest) = url.strip_prefix("http://") {
+                    let addr = rest.trim_end_matches('/').to_string();
+                    obj.insert(REMOTE_BOOTSTRAP_ADDR.into(), json!(addr));
+                }
+            }
+            None | Some(Value::Null) => {
+                if let (Some(Value::String(host)), Some(port)) =
+                    (obj.get(REMOTE_HOST), obj.get(REMOTE_PORT).and_then(Value::as_u64))
+                {
+                    let addr = join_host_port(host, port);
+                    obj.insert(REMOTE_BOOTSTRAP_ADDR.into(), json!(addr));
+                }
+            }
+            Some(_) => {}
+        }
+    }
+    params
+}
+
+/// `host:port`, with an IPv6 literal in brackets.
+fn join_host_port(host: &str, port: u64) -> String {
+    if host.contains(':') && !host.starts_with('[') {
+        format!("[{host}]:{port}")
+    } else {
+        format!("{host}:{port}")
+    }
+}
+
+/// Splits `host:port` (a name, an IPv4 or a bracketed IPv6 literal, and a
+/// port from 1 to 65535).
+pub fn split_host_port(addr: &str) -> Option<(&str, u16)> {
+    let (host, port) = addr.rsplit_once(':')?;
+    let port: u16 = port.parse().ok().filter(|&p| p > 0)?;
+    let bare = host.strip_prefix('[').and_then(|h| h.strip_suffix(']')).unwrap_or(host);
+    let ok = if host.starts_with('[') {
+        bare.parse::<std::net::Ipv6Addr>().is_ok()
+    } else {
+        !host.is_empty() && host.chars().all(|c| c.is_ascii_alphanumeric() || c == '.' || c == '-' || c == '_')
+    };
+    ok.then_some((bare, port))
+}
+
 /// The params a proxy puts on P's request.
 pub fn for_prefill(transfer_id: &str) -> Value {
     json!({ DO_REMOTE_DECODE: true, TRANSFER_ID: transfer_id })
@@ -53,7 +134,10 @@ pub fn for_decode(transfer_id: &str, remote_engine_id: Option<&str>, remote_boot
 }
 
 /// The params P returns on a request's last output: what D needs to load
-/// the KV (`read` adds the leased blocks and P's registration epoch).
+/// the KV (`read` adds the leased blocks and P's registration epoch). The
+/// read-mode router keys (`remote_request_id`, `remote_host`,
+/// `remote_port`, `tp_size`) repeat the transfer id and the control address
+/// for routers that copy them into D's request as they are.
 pub fn returned_by_prefill(
     transfer_id: &str,
     engine_id: &str,
@@ -63,11 +147,18 @@ pub fn returned_by_prefill(
 ) -> Value {
     let mut p = json!({
         DO_REMOTE_PREFILL: true,
+        DO_REMOTE_DECODE: false,
         REMOTE_ENGINE_ID: engine_id,
         REMOTE_BOOTSTRAP_ADDR: bootstrap_addr,
         TRANSFER_ID: transfer_id,
+        REMOTE_REQUEST_ID: transfer_id,
         REMOTE_NUM_TOKENS: prompt_len,
+        TP_SIZE: 1,
     });
+    if let Some((host, port)) = split_host_port(bootstrap_addr) {
+        p[REMOTE_HOST] = json!(host);
+        p[REMOTE_PORT] = json!(port);
+    }
     if let Some(r) = read {
         p[REMOTE_BLOCK_IDS] = json!(r.block_ids);
         p[REMOTE_REGISTRATION_GENERATION] = json!(r.generation);
@@ -165,9 +256,9 @@ impl PdParams {
             (false, true) => {
                 let remote_engine_id = text(obj, REMOTE_ENGINE_ID)?;
                 let remote_bootstrap_addr = text(obj, REMOTE_BOOTSTRAP_ADDR)?;
-                if remote_bootstrap_addr.parse::<SocketAddr>().is_err() {
+                if split_host_port(&remote_bootstrap_addr).is_none() {
                     return Err(format!(
-                        "kv_transfer_params.{REMOTE_BOOTSTRAP_ADDR} {remote_bootstrap_addr:?} is not an ip:port address"
+                        "kv_transfer_params.{REMOTE_BOOTSTRAP_ADDR} {remote_bootstrap_addr:?} is not a host:port address"
                     ));
                 }
                 Ok(Some(PdParams::RemotePrefill {
@@ -224,7 +315,9 @@ mod tests {
             (json!({"do_remote_decode": 1, "transfer_id": "t"}), "do_remote_decode must be a boolean"),
             (json!({"do_remote_decode": true, "do_remote_prefill": true}), "both set"),
             (for_decode("t", None, Some("127.0.0.1:9")), "remote_engine_id is required"),
-            (for_decode("t", Some("p"), Some("nowhere")), "not an ip:port"),
+            (for_decode("t", Some("p"), Some("nowhere")), "not a host:port"),
+            (for_decode("t", Some("p"), Some("host:0")), "not a host:port"),
+            (for_decode("t", Some("p"), Some("a b:9")), "not a host:port"),
             (json!([1]), "must be a JSON object"),
         ];
         for (v, needle) in cases {
@@ -239,5 +332,57 @@ mod tests {
         assert!(PdParams::parse(Some(&d)).unwrap_err().contains("block ids"));
         assert_eq!(PdParams::parse(None).unwrap(), None);
         assert_eq!(PdParams::parse(Some(&json!({}))).unwrap(), None);
+    }
+
+    /// The shapes vLLM-compatible routers send, after [`canonical`], read
+    /// as pdkv's own.
+    #[test]
+    fn router_dialects_read_as_pdkv_params() {
+        // Read mode: P gets no transfer id and names it after its request.
+        let to_p = json!({"do_remote_decode": true, "do_remote_prefill": false, "remote_engine_id": null,
+            "remote_block_ids": null, "remote_host": null, "remote_port": null});
+        assert_eq!(
+            PdParams::parse(Some(&canonical(to_p, "cmpl-7"))).unwrap(),
+            Some(PdParams::RemoteDecode { transfer_id: "cmpl-7".into() })
+        );
+        // P's answer, copied verbatim to D with only the router keys kept.
+        let read = ReadParams { block_ids: vec![5], generation: 3, weights_version: None };
+        let back = returned_by_prefill("cmpl-7", "p0", "10.0.0.5:7100", 20, Some(&read));
+        assert_eq!((back[REMOTE_HOST].as_str(), back[REMOTE_PORT].as_u64()), (Some("10.0.0.5"), Some(7100)));
+        let mut only_router_keys = back.clone();
+        let o = only_router_keys.as_object_mut().unwrap();
+        o.remove(TRANSFER_ID);
+        o.remove(REMOTE_BOOTSTRAP_ADDR);
+        for to_d in [back, only_router_keys] {
+            let got = PdParams::parse(Some(&canonical(to_d, "d-req"))).unwrap();
+            assert_eq!(
+                got,
+                Some(PdParams::RemotePrefill {
+                    transfer_id: "cmpl-7".into(),
+                    remote_engine_id: "p0".into(),
+                    remote_bootstrap_addr: "10.0.0.5:7100".into(),
+                    read: Some(read.clone()),
+                })
+            );
+        }
+        // Write mode: the bootstrap address comes as a URL.
+        let to_d = json!({"do_remote_decode": false, "do_remote_prefill": true, "transfer_id": "xfer-1",
+            "remote_bootstrap_addr": "http://prefill-0:7100", "remote_engine_id": "p0"});
+        assert_eq!(
+            PdParams::parse(Some(&canonical(to_d, "d-req"))).unwrap(),
+            Some(PdParams::RemotePrefill {
+                transfer_id: "xfer-1".into(),
+                remote_engine_id: "p0".into(),
+                remote_bootstrap_addr: "prefill-0:7100".into(),
+                read: None,
+            })
+        );
+        // pdkv's own keys win over the router's.
+        let mine = canonical(json!({"do_remote_decode": true, "transfer_id": "t"}), "cmpl-8");
+        assert_eq!(mine[TRANSFER_ID], "t");
+        // Not an object: left for the parser to refuse.
+        assert_eq!(canonical(json!([1]), "x"), json!([1]));
+        assert_eq!(split_host_port("[::1]:80"), Some(("::1", 80)));
+        assert_eq!(split_host_port("[nope]:80"), None);
     }
 }

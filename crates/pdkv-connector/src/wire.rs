@@ -285,8 +285,19 @@ async fn timed<T>(
 
 /// Reads one message, each socket read bounded by `limit`.
 pub async fn read_message(s: &mut TcpStream, limit: Duration) -> Result<Message, WireError> {
+    let prefix = read_prefix(s, limit).await?;
+    read_message_after(s, prefix, limit).await
+}
+
+/// Reads the 4 bytes that open a message (its length prefix).
+pub async fn read_prefix(s: &mut TcpStream, limit: Duration) -> Result<[u8; 4], WireError> {
     let mut prefix = [0u8; 4];
     timed(limit, "reading a length prefix", s.read_exact(&mut prefix)).await?;
+    Ok(prefix)
+}
+
+/// Reads the rest of a message whose `prefix` was read already.
+pub async fn read_message_after(s: &mut TcpStream, prefix: [u8; 4], limit: Duration) -> Result<Message, WireError> {
     let n = decode_len(prefix)?;
     let mut body = vec![0u8; n];
     timed(limit, "reading a message body", s.read_exact(&mut body)).await?;

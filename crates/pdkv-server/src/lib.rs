@@ -2,7 +2,8 @@
 //!
 //! Endpoints: `POST /v1/completions`, `POST /v1/chat/completions` (both with
 //! `"stream": true` as server-sent events), `GET /v1/models`, `GET /health`
-//! and `GET /metrics` (Prometheus text). With an admin token
+//! and `GET /metrics` (Prometheus text), and what P/D routers call on every
+//! worker ([`compat`]: `/flush_cache`, `/get_model_info`, `/get_server_info`). With an admin token
 //! ([`AppState::with_admin_token`]) also the lifecycle API of [`admin`]
 //! (`/pause`, `/sleep`, `/wake_up`, `/update_weights`, ...), each route
 //! behind `Authorization: Bearer <token>`; without one those routes do not
@@ -23,6 +24,7 @@
 //!   status; handlers never panic on input.
 
 pub mod admin;
+mod compat;
 pub mod error;
 pub mod metrics;
 pub mod openai;
@@ -131,6 +133,9 @@ pub fn router(state: AppState) -> Router {
         .route("/health", get(routes::health))
         .route("/kv_transfer/info", get(routes::kv_transfer_info))
         .route("/metrics", get(routes::metrics))
+        .route("/flush_cache", post(compat::flush_cache))
+        .route("/get_model_info", get(compat::get_model_info))
+        .route("/get_server_info", get(compat::get_server_info))
         .fallback(routes::not_found)
         .method_not_allowed_fallback(routes::method_not_allowed)
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))

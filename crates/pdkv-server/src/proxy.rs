@@ -161,6 +161,8 @@ pub struct BackendSnapshot {
     pub role: Role,
     pub url: String,
     pub healthy: bool,
+    /// Why a healthy backend refuses new requests for now (paused, asleep).
+    pub refusing: Option<String>,
     /// The connector info of a prefill server (`None` for a server without a
     /// KV connector, and for decode servers, which are not asked).
     pub kv_info: Option<KvTransferInfo>,
@@ -171,6 +173,11 @@ pub struct BackendSnapshot {
 #[derive(Clone, Debug, Default)]
 struct BackendStatus {
     healthy: bool,
+    /// Up, but refusing new requests for now (its `/health` answered a 503
+    /// with `Retry-After`: paused, asleep): picked only when no backend of
+    /// its role serves. A refusing P then answers its 503 and D computes
+    /// the prompt itself; a refusing D passes its retryable 503 on.
+    refusing: Option<String>,
     kv_info: Option<KvTransferInfo>,
     last_error: Option<String>,
 }
@@ -198,6 +205,16 @@ impl Backend {
                 reason = new.last_error.as_deref().unwrap_or("unknown"),
                 "backend is unhealthy; skipping it"
             ),
+            _ => {}
+        }
+        match (&st.refusing, &new.refusing) {
+            (None, Some(why)) if new.healthy => tracing::info!(
+                role = %self.role,
+                url = %self.url,
+                reason = %why,
+                "backend is up but not serving; preferring others"
+            ),
+            (Some(_), None) if new.healthy => tracing::info!(role = %self.role, url = %self.url, "backend serves again"),
             _ => {}
         }
         if st.kv_info != new.kv_info {
@@ -232,6 +249,7 @@ impl Backend {
             role: self.role,
             url: self.url.clone(),
             healthy: st.healthy,
+            refusing: st.refusing,
             kv_info: st.kv_info,
             last_error: st.last_error,
         }
@@ -245,10 +263,13 @@ struct Pool {
 }
 
 impl Pool {
-    /// The next healthy backend in round-robin order, with its status.
+    /// The next healthy backend in round-robin order, with its status: one
+    /// that serves, else one that is up but refusing for now.
     fn pick(&self) -> Option<(Arc<Backend>, BackendStatus)> {
-        let healthy: Vec<(&Arc<Backend>, BackendStatus)> =
+        let up: Vec<(&Arc<Backend>, BackendStatus)> =
             self.backends.iter().map(|b| (b, b.status())).filter(|(_, st)| st.healthy).collect();
+        let serving: Vec<_> = up.iter().filter(|(_, st)| st.refusing.is_none()).cloned().collect();
+        let healthy = if serving.is_empty() { up } else { serving };
         if healthy.is_empty() {
             return None;
         }
@@ -391,14 +412,29 @@ impl Proxy {
     async fn check_one(&self, b: Arc<Backend>) {
         let timeout = self.inner.config.health_timeout;
         let health = self.inner.client.get(format!("{}/health", b.url)).timeout(timeout).send().await;
-        let problem = match health {
-            Ok(r) if r.status().is_success() => None,
-            Ok(r) => Some(format!("/health answered {}", r.status())),
-            Err(e) => Some(format!("/health failed: {}", error_chain(&e))),
+        let (problem, refusing) = match health {
+            Ok(r) if r.status().is_success() => (None, None),
+            Ok(r) if r.status() == StatusCode::SERVICE_UNAVAILABLE
+                && r.headers().contains_key(reqwest::header::RETRY_AFTER) =>
+            {
+                let body = r.bytes().await.unwrap_or_default();
+                let why = serde_json::from_slice::<Value>(&body)
+                    .ok()
+                    .and_then(|v| v["error"]["message"].as_str().map(str::to_string))
+                    .unwrap_or_else(|| "not serving for now".into());
+                (None, Some(why))
+            }
+            Ok(r) => (Some(format!("/health answered {}", r.status())), None),
+            Err(e) => (Some(format!("/health failed: {}", error_chain(&e))), None),
         };
         if let Some(reason) = problem {
             tracing::debug!(role = %b.role, url = %b.url, %reason, "health check failed");
-            b.set_status(BackendStatus { healthy: false, kv_info: b.status().kv_info, last_error: Some(reason) });
+            b.set_status(BackendStatus {
+                healthy: false,
+                refusing: None,
+                kv_info: b.status().kv_info,
+                last_error: Some(reason),
+            });
             return;
         }
         let kv_info = match b.role {
@@ -408,12 +444,12 @@ impl Proxy {
                 Err(reason) => {
                     // A server that is up but cannot describe its connector is
                     // not usable as P: D would get no bootstrap address.
-                    b.set_status(BackendStatus { healthy: false, kv_info: None, last_error: Some(reason) });
+                    b.set_status(BackendStatus { healthy: false, refusing: None, kv_info: None, last_error: Some(reason) });
                     return;
                 }
             },
         };
-        b.set_status(BackendStatus { healthy: true, kv_info, last_error: None });
+        b.set_status(BackendStatus { healthy: true, refusing, kv_info, last_error: None });
     }
 
     /// A prefill server's connector info; `Ok(None)` when it has none (404).
@@ -549,7 +585,14 @@ impl Proxy {
             }
         };
         let streaming = req.get("stream").and_then(Value::as_bool).unwrap_or(false);
-        let (Some((p, p_status)), Some((d, _))) = (self.inner.prefill.pick(), self.inner.decode.pick()) else {
+        let mut picked = (self.inner.prefill.pick(), self.inner.decode.pick());
+        if picked.0.is_none() || picked.1.is_none() {
+            // The last check may be stale (an engine woke since, say): look
+            // again now, bounded by the health timeout, before refusing.
+            self.check_backends().await;
+            picked = (self.inner.prefill.pick(), self.inner.decode.pick());
+        }
+        let (Some((p, p_status)), Some((d, _))) = picked else {
             self.inner.metrics.count(Outcome::NoBackend);
             let missing = match (self.inner.prefill.any_healthy(), self.inner.decode.any_healthy()) {
                 (false, false) => "no prefill and no decode server is healthy",

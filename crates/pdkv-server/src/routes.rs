@@ -105,12 +105,13 @@ struct Admitted {
     created: u64,
 }
 
-/// Checks the shape of `kv_transfer_params` (the connector checks its
-/// contents when the request is added).
-fn kv_params(v: Option<Value>) -> Result<Option<Value>, ApiError> {
+/// Checks the shape of `kv_transfer_params` and maps a router's dialect
+/// onto pdkv's keys for request `id` (the connector checks the contents
+/// when the request is added).
+fn kv_params(v: Option<Value>, id: &str) -> Result<Option<Value>, ApiError> {
     match v {
         None | Some(Value::Null) => Ok(None),
-        Some(v @ Value::Object(_)) => Ok(Some(v)),
+        Some(v @ Value::Object(_)) => Ok(Some(pdkv_connector::params::canonical(v, id))),
         Some(_) => Err(ApiError::invalid_param("kv_transfer_params", "kv_transfer_params must be an object")),
     }
 }
@@ -201,7 +202,7 @@ pub async fn completions(
         }
     };
     check_token_ids(&state, &prompt_tokens)?;
-    let kv = kv_params(req.kv_transfer_params)?;
+    let kv = kv_params(req.kv_transfer_params, &id)?;
     let mut admitted = admit(&state, id, prompt_tokens, params, kv, arrived)?;
     let model = state.served_model_name().to_string();
 
@@ -292,7 +293,7 @@ pub async fn chat_completions(
             u32::try_from(room.max(1)).unwrap_or(u32::MAX)
         }
     };
-    let kv = kv_params(req.kv_transfer_params)?;
+    let kv = kv_params(req.kv_transfer_params, &id)?;
     let mut admitted = admit(&state, id, prompt_tokens, params, kv, arrived)?;
     let model = state.served_model_name().to_string();
 
@@ -485,12 +486,30 @@ pub async fn models(State(state): State<AppState>) -> Response {
     }))
 }
 
-/// `GET /health`: 200 while the engine accepts requests.
+/// `GET /health`: 200 exactly when a new request would be admitted. While
+/// the engine is paused (abort or wait), asleep, without weights after a
+/// level-2 sleep, or stopped, it is a 503 with `Retry-After` and the reason,
+/// so a router's health check steers traffic to engines that serve (a
+/// router that keeps sending meanwhile gets the same retryable 503 from the
+/// generation routes, never a wrong answer).
 pub async fn health(State(state): State<AppState>) -> Response {
-    if !state.engine().is_stopped() {
-        StatusCode::OK.into_response()
-    } else {
-        ApiError::unavailable("the engine has stopped").into_response()
+    match state.engine().refusal() {
+        None => StatusCode::OK.into_response(),
+        Some(reason) => {
+            let st = crate::admin::lifecycle_status(&state);
+            let code = if st.sleeping.is_some() {
+                "sleeping"
+            } else if st.paused.is_some() {
+                "paused"
+            } else if state.engine().is_stopped() {
+                "stopped"
+            } else {
+                "unavailable"
+            };
+            let mut resp = ApiError::unavailable(reason).with_code(code).into_response();
+            resp.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+            resp
+        }
     }
 }
 

@@ -303,9 +303,17 @@ async fn sleep_level_1_then_wake_restores_outputs_and_frees_memory() {
     assert!(!s.is_sleeping().await);
     assert_eq!(s.probe().await, before);
 
+    assert_eq!(s.client.get(s.url("/health")).send().await.unwrap().status(), StatusCode::OK);
     let v = s.admin_ok(Method::POST, "/sleep?level=1", None).await;
     assert_eq!(v["status"], "sleeping");
     assert!(s.is_sleeping().await);
+    // Asleep, /health is a retryable 503 naming the state, so a router's
+    // health check steers traffic away.
+    let resp = s.client.get(s.url("/health")).send().await.unwrap();
+    assert_eq!(resp.status(), StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(resp.headers().get("retry-after").map(|v| v.to_str().unwrap()), Some("1"));
+    let body: Value = resp.json().await.unwrap();
+    assert_eq!(body["error"]["code"], "sleeping", "{body}");
     let (status, body) = s.post("/v1/completions", &greedy_body("asleep")).await;
     assert_openai_error(status, &body, StatusCode::SERVICE_UNAVAILABLE, "completion while asleep");
     assert_eq!(body["error"]["code"], "engine_not_serving", "a retryable 503: {body}");
@@ -330,6 +338,7 @@ async fn sleep_level_1_then_wake_restores_outputs_and_frees_memory() {
     assert_eq!(v["is_sleeping"], false, "{v}");
     assert!(!s.is_sleeping().await);
     assert!(!s.is_paused().await);
+    assert_eq!(s.client.get(s.url("/health")).send().await.unwrap().status(), StatusCode::OK);
     assert_eq!(s.probe().await, before);
     let m = s.wait_all_blocks_free().await;
     assert_eq!(metric(&m, "pdkv_sleeping"), 0.0);
@@ -614,5 +623,24 @@ async fn reset_prefix_cache_reports_success() {
     assert_eq!(metric(&m, "pdkv_prefix_cache_hits_total"), hits);
     let v = s.admin_ok(Method::POST, "/reset_prefix_cache?reset_running_requests=true", None).await;
     assert_eq!(v, json!({"success": true}));
+    // A router's `/flush_cache` (no token needed) empties the cache too.
+    s.greedy(prompt).await;
+    let m = s.wait_all_blocks_free().await;
+    let hits = metric(&m, "pdkv_prefix_cache_hits_total");
+    let (status, v) = s.send(Method::POST, "/flush_cache", None, None).await;
+    assert_eq!((status, &v["success"]), (StatusCode::OK, &json!(true)), "{v}");
+    s.greedy(prompt).await;
+    let m = s.wait_all_blocks_free().await;
+    assert_eq!(metric(&m, "pdkv_prefix_cache_hits_total"), hits, "nothing was cached after the flush");
+    // While blocks are in use the flush is refused, not half done.
+    let stream = s.client.post(s.url("/v1/completions")).json(&json!({"prompt": prompt, "max_tokens": 400, "stream": true, "ignore_eos": true, "temperature": 0})).send().await.unwrap();
+    s.wait_metrics("1 running request", |m| metric(m, "pdkv_num_requests_running") == 1.0).await;
+    let (status, v) = s.send(Method::POST, "/flush_cache", None, None).await;
+    assert_eq!((status, v["error"]["code"].as_str()), (StatusCode::CONFLICT, Some("cache_in_use")), "{v}");
+    drop(stream);
+    let (status, v) = s.send(Method::GET, "/get_model_info", None, None).await;
+    assert_eq!((status, &v["is_generation"]), (StatusCode::OK, &json!(true)), "{v}");
+    let (status, v) = s.send(Method::GET, "/get_server_info", None, None).await;
+    assert_eq!((status, &v["accepting_requests"]), (StatusCode::OK, &json!(true)), "{v}");
     s.stop().await;
 }

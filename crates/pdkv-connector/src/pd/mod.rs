@@ -53,6 +53,7 @@
 //! refused prefill, other weights) is not a failure: D recomputes the
 //! prompt whatever `kv_load_failure_policy` says.
 
+mod bootstrap;
 pub mod core;
 mod net;
 

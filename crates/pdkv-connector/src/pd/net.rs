@@ -20,6 +20,7 @@ use pdkv_transfer::{Registration, Registry, RegistryOptions, RemoteDescriptor};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{mpsc, Notify};
 
+use super::bootstrap;
 use super::core::{BlockPair, ConnId, Io, Op, PdCore, CONTROL_IO};
 use super::{Driver, Shared};
 use crate::config::{KvTransferConfig, TransferMode, Transport};
@@ -288,7 +289,13 @@ async fn accept_loop(shared: Arc<Shared>, d: Arc<Net>, listener: TcpListener) {
 /// (progress frames, then the final answer) back to the peer.
 async fn serve_control(shared: &Arc<Shared>, d: &Net, mut s: TcpStream) -> Result<(), wire::WireError> {
     let _ = s.set_nodelay(true);
-    let msg = wire::read_message(&mut s, CONTROL_IO).await?;
+    let prefix = wire::read_prefix(&mut s, CONTROL_IO).await?;
+    if &prefix == b"GET " {
+        // A router's bootstrap query. No message is this long (the prefix
+        // would announce over 1 GB), so the two cannot be confused.
+        return bootstrap::serve(shared, s).await;
+    }
+    let msg = wire::read_message_after(&mut s, prefix, CONTROL_IO).await?;
     let conn = d.next_conn.fetch_add(1, Ordering::Relaxed);
     let (tx, mut rx) = mpsc::unbounded_channel();
     d.replies.lock().unwrap().insert(conn, tx);

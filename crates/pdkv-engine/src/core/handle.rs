@@ -194,6 +194,19 @@ fn random_seed() -> u64 {
 }
 
 impl EngineHandle {
+    /// Why a new request would be refused now (paused, pausing, asleep,
+    /// weights discarded, stopped), or `None` while requests are admitted.
+    pub fn refusal(&self) -> Option<String> {
+        let shared = &self.inner.shared;
+        if shared.stopped.load(Ordering::SeqCst) {
+            return Some("the engine has stopped".into());
+        }
+        if shared.closing_in_flight.load(Ordering::SeqCst) > 0 {
+            return Some("the engine is pausing; retry after /resume".into());
+        }
+        shared.refusal.lock().unwrap().clone()
+    }
+
     /// Validates and enqueues a request.
     pub fn add_request(&self, req: EngineRequest) -> Result<RequestStream, AddRequestError> {
         let shared = &self.inner.shared;
