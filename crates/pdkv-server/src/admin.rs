@@ -93,7 +93,7 @@ pub(crate) fn routes(token: Arc<AdminToken>) -> Router<AppState> {
 }
 
 /// Lets a request through only with `Authorization: Bearer <token>`.
-async fn require_token(State(token): State<Arc<AdminToken>>, req: Request, next: Next) -> Response {
+pub(crate) async fn require_token(State(token): State<Arc<AdminToken>>, req: Request, next: Next) -> Response {
     let presented = req
         .headers()
         .get(header::AUTHORIZATION)

@@ -87,6 +87,7 @@ use crate::error::{parse_json, ApiError};
 use crate::metrics::Exposition;
 use crate::MAX_BODY_BYTES;
 
+mod fanout;
 pub mod plan;
 mod relay;
 
@@ -107,8 +108,13 @@ pub struct ProxyConfig {
     pub health_timeout: Duration,
     /// Bound on opening a connection to a backend.
     pub connect_timeout: Duration,
-    /// Bound on a whole upstream generation request, streamed body included.
+    /// Bound on a whole upstream generation request, streamed body included
+    /// (and on each engine's answer to a fanned-out admin call).
     pub request_timeout: Duration,
+    /// Enables the deployment's lifecycle admin API ([`fanout`]), behind
+    /// `Authorization: Bearer <token>`; the proxy calls the engines with the
+    /// same token.
+    pub admin_token: Option<String>,
 }
 
 impl ProxyConfig {
@@ -122,6 +128,7 @@ impl ProxyConfig {
             health_timeout: Duration::from_secs(1),
             connect_timeout: Duration::from_secs(5),
             request_timeout: Duration::from_secs(600),
+            admin_token: None,
         }
     }
 }
@@ -137,6 +144,8 @@ pub enum ProxyError {
     Duplicate { role: Role, url: String },
     #[error("building the HTTP client: {0}")]
     Client(#[from] reqwest::Error),
+    #[error("the admin token must not be empty")]
+    EmptyAdminToken,
 }
 
 /// What a server's `GET /kv_transfer/info` reports about its KV connector.
@@ -361,6 +370,9 @@ impl Proxy {
     /// unhealthy until [`Proxy::check_backends`] has seen it answer
     /// ([`Proxy::serve`] runs one round before it accepts connections).
     pub fn new(config: ProxyConfig) -> Result<Proxy, ProxyError> {
+        if config.admin_token.as_deref() == Some("") {
+            return Err(ProxyError::EmptyAdminToken);
+        }
         let prefill = pool(Role::Prefill, &config.prefill)?;
         let decode = pool(Role::Decode, &config.decode)?;
         let client = reqwest::Client::builder().connect_timeout(config.connect_timeout).build()?;
@@ -490,8 +502,15 @@ impl Proxy {
 
     /// The proxy's routes.
     pub fn router(&self) -> Router {
-        Router::new()
-            .route("/v1/completions", post(completions))
+        let mut app = Router::new();
+        if let Some(t) = &self.inner.config.admin_token {
+            match crate::admin::AdminToken::new(t.clone()) {
+                Ok(token) => app = app.merge(fanout::routes(Arc::new(token))),
+                Err(e) => tracing::error!("the admin API is off: {e}"),
+            }
+        }
+        app.route("/v1/completions", post(completions))
+            .route("/flush_cache", post(fanout::flush_cache))
             .route("/v1/chat/completions", post(chat_completions))
             .route("/v1/models", get(models))
             .route("/health", get(health))

@@ -27,6 +27,12 @@ pub struct ProxyArgs {
     /// Time between health checks of the backends, in milliseconds.
     #[arg(long, default_value_t = 2000)]
     pub health_interval_ms: u64,
+    /// Enables the deployment's lifecycle admin API (`/pause`, `/sleep`,
+    /// `/wake_up`, `/update_weights`, ... fanned out to every engine behind
+    /// the proxy), each route requiring `Authorization: Bearer TOKEN`; the
+    /// engines must have been started with the same token.
+    #[arg(long, env = "PDKV_ADMIN_TOKEN", hide_env_values = true)]
+    pub admin_token: Option<String>,
 }
 
 pub fn run(args: ProxyArgs) -> anyhow::Result<()> {
@@ -35,6 +41,7 @@ pub fn run(args: ProxyArgs) -> anyhow::Result<()> {
     let mut config = ProxyConfig::new(args.prefill, args.decode);
     config.request_timeout = Duration::from_secs(args.request_timeout);
     config.health_interval = Duration::from_millis(args.health_interval_ms);
+    config.admin_token = args.admin_token;
     let proxy = Proxy::new(config)?;
     let addr: SocketAddr = format!("{}:{}", args.host, args.port)
         .parse()

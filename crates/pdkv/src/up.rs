@@ -1,6 +1,10 @@
-//! `pdkv up`: a whole P/D deployment on loopback in one command — a prefill
-//! server, a decode server and the proxy, each a child process running this
-//! same executable (`pdkv serve ...`, `pdkv proxy ...`).
+//! `pdkv up`: a whole P/D deployment on loopback in one command — N prefill
+//! servers, M decode servers (one of each by default) and the proxy, each a
+//! child process running this same executable (`pdkv serve ...`,
+//! `pdkv proxy ...`). With `--admin-token` every engine runs with the admin
+//! API and sleep mode, and the proxy fans each lifecycle call out to all of
+//! them, so one `/pause`, `/sleep`, `/wake_up`, `/resume` on the proxy's
+//! address drives the whole deployment.
 //!
 //! Lifecycle: the children start (P and D load the model side by side), `up`
 //! waits until each answers `GET /health` (bounded, progress on stderr),
@@ -45,24 +49,61 @@ impl Transport {
     }
 }
 
+#[derive(Clone, Copy, Debug, ValueEnum)]
+pub enum TransferMode {
+    /// P writes into D's blocks (D pulls).
+    Write,
+    /// D reads P's leased blocks.
+    Read,
+}
+
+impl TransferMode {
+    fn as_str(self) -> &'static str {
+        match self {
+            TransferMode::Write => "write",
+            TransferMode::Read => "read",
+        }
+    }
+}
+
 #[derive(Args, Debug)]
 pub struct UpArgs {
     /// A `.gguf` file or a checkpoint directory (default: SmolLM2-135M-Instruct
     /// from the model cache, fetched if missing).
     #[arg(long)]
     pub model: Option<PathBuf>,
-    /// How KV moves from the prefill to the decode server.
+    /// How many prefill servers.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=64))]
+    pub prefill: u16,
+    /// How many decode servers.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=64))]
+    pub decode: u16,
+    /// How KV moves from the prefill to the decode servers.
     #[arg(long, value_enum, default_value = "tcp")]
     pub transport: Transport,
+    /// Who moves the KV bytes.
+    #[arg(long, value_enum, default_value = "write")]
+    pub transfer_mode: TransferMode,
     /// The proxy's port (the one clients use).
     #[arg(long, default_value_t = 8000)]
     pub port: u16,
-    /// The prefill server's port (default: a free one).
+    /// The first prefill server's port; the others follow it (default: free
+    /// ones).
     #[arg(long)]
     pub prefill_port: Option<u16>,
-    /// The decode server's port (default: a free one).
+    /// The first decode server's port; the others follow it (default: free
+    /// ones).
     #[arg(long)]
     pub decode_port: Option<u16>,
+    /// The first prefill server's KV control (bootstrap) port, which
+    /// write-mode routers query; the others follow it (default: free ones).
+    #[arg(long)]
+    pub kv_port: Option<u16>,
+    /// Enables the lifecycle admin API on every engine (with sleep mode) and
+    /// on the proxy, which fans each call out to all of them; every route
+    /// needs `Authorization: Bearer TOKEN`.
+    #[arg(long, env = "PDKV_ADMIN_TOKEN", hide_env_values = true)]
+    pub admin_token: Option<String>,
     /// KV cache size of each server, in blocks of 16 tokens.
     #[arg(long)]
     pub num_kv_blocks: Option<usize>,
@@ -81,7 +122,7 @@ const HOST: &str = "127.0.0.1";
 
 /// A child process with its stderr forwarded (prefixed) to ours.
 struct Proc {
-    name: &'static str,
+    name: String,
     child: Child,
     base: String,
     tail: Arc<Mutex<VecDeque<String>>>,
@@ -106,13 +147,19 @@ pub(crate) fn child_command(args: &[String]) -> anyhow::Result<(PathBuf, Command
 }
 
 impl Proc {
-    fn spawn(name: &'static str, port: u16, args: &[String]) -> anyhow::Result<Proc> {
+    fn spawn(name: String, port: u16, args: &[String], admin_token: Option<&str>) -> anyhow::Result<Proc> {
         let (exe, mut cmd) = child_command(args)?;
+        // The token goes by environment, not argv (which `ps` shows).
+        match admin_token {
+            Some(t) => cmd.env("PDKV_ADMIN_TOKEN", t),
+            None => cmd.env_remove("PDKV_ADMIN_TOKEN"),
+        };
         let mut child = cmd.spawn().with_context(|| format!("starting the {name} ({})", exe.display()))?;
         eprintln!("pdkv up: started the {name} (pid {}) on port {port}", child.id());
         let tail = Arc::new(Mutex::new(VecDeque::with_capacity(TAIL_LINES)));
         if let Some(stderr) = child.stderr.take() {
             let tail = tail.clone();
+            let name = name.clone();
             std::thread::spawn(move || {
                 for line in BufReader::new(stderr).lines() {
                     let Ok(line) = line else { break };
@@ -151,31 +198,68 @@ fn free_port() -> anyhow::Result<u16> {
     Ok(l.local_addr()?.port())
 }
 
+/// The ports of a deployment: the proxy's, then each server's HTTP port
+/// and each prefill server's KV control port.
+struct Ports {
+    proxy: u16,
+    prefill: Vec<u16>,
+    decode: Vec<u16>,
+    kv: Vec<u16>,
+}
+
+/// `n` ports from `first` on, or `n` free ones.
+fn ports(first: Option<u16>, n: u16, what: &str) -> anyhow::Result<Vec<u16>> {
+    match first {
+        Some(p) => (0..n)
+            .map(|i| p.checked_add(i).with_context(|| format!("{what} ports from {p} run past 65535")))
+            .collect(),
+        None => (0..n).map(|_| free_port()).collect(),
+    }
+}
+
+impl Ports {
+    fn choose(args: &UpArgs) -> anyhow::Result<Ports> {
+        let p = Ports {
+            proxy: args.port,
+            prefill: ports(args.prefill_port, args.prefill, "prefill")?,
+            decode: ports(args.decode_port, args.decode, "decode")?,
+            kv: ports(args.kv_port, args.prefill, "KV")?,
+        };
+        let mut all: Vec<u16> = [p.proxy].into_iter().chain(p.prefill.iter().copied()).chain(p.decode.iter().copied()).chain(p.kv.iter().copied()).collect();
+        all.sort_unstable();
+        if let Some(w) = all.windows(2).find(|w| w[0] == w[1]) {
+            bail!("port {} would be used twice (proxy {}, prefill {:?}, decode {:?}, KV {:?})", w[0], p.proxy, p.prefill, p.decode, p.kv);
+        }
+        Ok(p)
+    }
+}
+
 pub fn run(args: UpArgs) -> anyhow::Result<()> {
-    // Resolve (and fetch) the model once, before two servers load it.
+    anyhow::ensure!(args.admin_token.as_deref() != Some(""), "--admin-token must not be empty");
+    // Resolve (and fetch) the model once, before the servers load it.
     let model = match args.model.clone() {
         Some(p) => p,
         None => fetch::default_model_path()?,
     };
-    let prefill_port = args.prefill_port.map_or_else(free_port, Ok)?;
-    let decode_port = args.decode_port.map_or_else(free_port, Ok)?;
-    let proxy_port = args.port;
-    anyhow::ensure!(
-        prefill_port != decode_port && proxy_port != prefill_port && proxy_port != decode_port,
-        "the proxy, prefill and decode ports must differ ({proxy_port}, {prefill_port}, {decode_port})"
-    );
+    let ports = Ports::choose(&args)?;
     let runtime =
         tokio::runtime::Builder::new_multi_thread().enable_all().build().context("starting the async runtime")?;
     runtime.block_on(async move {
         let mut procs: Vec<Proc> = Vec::new();
-        let result = supervise(&args, &model, [prefill_port, decode_port, proxy_port], &mut procs).await;
+        let result = supervise(&args, &model, &ports, &mut procs).await;
         stop_all(&mut procs).await;
         result
     })
 }
 
-fn serve_args(args: &UpArgs, model: &std::path::Path, port: u16, role: &str, engine_id: &str) -> Vec<String> {
-    let config = serde_json::json!({"kv_connector": "pdkv", "kv_role": role, "transport": args.transport.as_str()});
+fn serve_args(args: &UpArgs, model: &std::path::Path, port: u16, role: &str, kv_port: u16, engine_id: &str) -> Vec<String> {
+    let config = serde_json::json!({
+        "kv_connector": "pdkv",
+        "kv_role": role,
+        "transport": args.transport.as_str(),
+        "transfer_mode": args.transfer_mode.as_str(),
+        "kv_port": kv_port,
+    });
     let mut v = vec![
         "serve".to_string(),
         "--model".to_string(),
@@ -192,30 +276,30 @@ fn serve_args(args: &UpArgs, model: &std::path::Path, port: u16, role: &str, eng
     if let Some(n) = args.num_kv_blocks {
         v.extend(["--num-kv-blocks".to_string(), n.to_string()]);
     }
+    if args.admin_token.is_some() {
+        // The admin API is for sleeping between rollouts: sleep mode with it.
+        v.push("--enable-sleep-mode".to_string());
+    }
     v
 }
 
-/// Starts the three children (pushed onto `procs`), reports readiness, and
-/// runs until a signal (`Ok`) or a child's exit (`Err`).
-async fn supervise(
-    args: &UpArgs,
-    model: &std::path::Path,
-    [prefill_port, decode_port, proxy_port]: [u16; 3],
-    procs: &mut Vec<Proc>,
-) -> anyhow::Result<()> {
+/// Starts the children (pushed onto `procs`), reports readiness, and runs
+/// until a signal (`Ok`) or a child's exit (`Err`).
+async fn supervise(args: &UpArgs, model: &std::path::Path, ports: &Ports, procs: &mut Vec<Proc>) -> anyhow::Result<()> {
     let signal = wait_for_signal();
     tokio::pin!(signal);
     let id = std::process::id();
-    procs.push(Proc::spawn(
-        "prefill",
-        prefill_port,
-        &serve_args(args, model, prefill_port, "kv_producer", &format!("up-{id}-prefill")),
-    )?);
-    procs.push(Proc::spawn(
-        "decode",
-        decode_port,
-        &serve_args(args, model, decode_port, "kv_consumer", &format!("up-{id}-decode")),
-    )?);
+    let token = args.admin_token.as_deref();
+    let (np, nd) = (ports.prefill.len(), ports.decode.len());
+    let name = |role: &str, i: usize, n: usize| if n == 1 { role.to_string() } else { format!("{role} {i}") };
+    for (i, (&port, &kv)) in ports.prefill.iter().zip(&ports.kv).enumerate() {
+        let a = serve_args(args, model, port, "kv_producer", kv, &format!("up-{id}-prefill-{i}"));
+        procs.push(Proc::spawn(name("prefill", i, np), port, &a, token)?);
+    }
+    for (i, &port) in ports.decode.iter().enumerate() {
+        let a = serve_args(args, model, port, "kv_consumer", 0, &format!("up-{id}-decode-{i}"));
+        procs.push(Proc::spawn(name("decode", i, nd), port, &a, token)?);
+    }
     let client = reqwest::Client::builder()
         .timeout(Duration::from_secs(2))
         .build()
@@ -228,19 +312,20 @@ async fn supervise(
             return Ok(());
         }
     }
-    let (p_url, d_url) = (procs[0].base.clone(), procs[1].base.clone());
+    let p_urls: Vec<String> = procs[..np].iter().map(|p| p.base.clone()).collect();
+    let d_urls: Vec<String> = procs[np..].iter().map(|p| p.base.clone()).collect();
     let proxy_args = vec![
         "proxy".to_string(),
         "--prefill".to_string(),
-        p_url.clone(),
+        p_urls.join(","),
         "--decode".to_string(),
-        d_url.clone(),
+        d_urls.join(","),
         "--host".to_string(),
         HOST.to_string(),
         "--port".to_string(),
-        proxy_port.to_string(),
+        ports.proxy.to_string(),
     ];
-    procs.push(Proc::spawn("proxy", proxy_port, &proxy_args)?);
+    procs.push(Proc::spawn("proxy".to_string(), ports.proxy, &proxy_args, token)?);
     tokio::select! {
         r = wait_healthy(&client, procs, deadline) => r?,
         _ = &mut signal => {
@@ -248,8 +333,19 @@ async fn supervise(
             return Ok(());
         }
     }
-    let url = format!("http://{HOST}:{proxy_port}");
-    println!("pdkv up: ready (transport {}; prefill {p_url}, decode {d_url})", args.transport.as_str());
+    let url = format!("http://{HOST}:{}", ports.proxy);
+    println!(
+        "pdkv up: ready ({np} prefill, {nd} decode; transport {}, transfer mode {}; admin API {})",
+        args.transport.as_str(),
+        args.transfer_mode.as_str(),
+        if token.is_some() { "on" } else { "off" }
+    );
+    for (i, (u, kv)) in p_urls.iter().zip(&ports.kv).enumerate() {
+        println!("prefill {i}: {u} (KV bootstrap port {kv})");
+    }
+    for (i, u) in d_urls.iter().enumerate() {
+        println!("decode {i}: {u}");
+    }
     println!("proxy: {url}");
     println!("try:");
     println!(
@@ -290,7 +386,7 @@ async fn wait_healthy(client: &reqwest::Client, procs: &mut [Proc], deadline: In
         for p in procs.iter() {
             let ok = client.get(format!("{}/health", p.base)).send().await.is_ok_and(|r| r.status().is_success());
             if !ok {
-                waiting.push(p.name);
+                waiting.push(p.name.clone());
             }
         }
         if waiting.is_empty() {
