@@ -486,31 +486,34 @@ pub async fn models(State(state): State<AppState>) -> Response {
     }))
 }
 
-/// `GET /health`: 200 exactly when a new request would be admitted. While
-/// the engine is paused (abort or wait), asleep, without weights after a
-/// level-2 sleep, or stopped, it is a 503 with `Retry-After` and the reason,
-/// so a router's health check steers traffic to engines that serve (a
-/// router that keeps sending meanwhile gets the same retryable 503 from the
-/// generation routes, never a wrong answer).
+/// `GET /health`: 200 while the engine serves. While it is paused (in any
+/// mode), asleep, without weights after a level-2 sleep, or stopped, it is a
+/// 503 with `Retry-After` and the reason, so a router's health check steers
+/// traffic to engines that serve. Meanwhile the generation routes answer
+/// the same retryable 503 (paused `abort`/`wait`, asleep), or hold new
+/// requests until `/resume` (paused `keep`) — never a wrong answer. So
+/// `pause?mode=keep`, then waiting for the router to mark the engine
+/// unhealthy, then sleeping, takes an engine out of a router's rotation
+/// without losing a request.
 pub async fn health(State(state): State<AppState>) -> Response {
-    match state.engine().refusal() {
-        None => StatusCode::OK.into_response(),
-        Some(reason) => {
-            let st = crate::admin::lifecycle_status(&state);
-            let code = if st.sleeping.is_some() {
-                "sleeping"
-            } else if st.paused.is_some() {
-                "paused"
-            } else if state.engine().is_stopped() {
-                "stopped"
-            } else {
-                "unavailable"
-            };
-            let mut resp = ApiError::unavailable(reason).with_code(code).into_response();
-            resp.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
-            resp
-        }
+    let st = crate::admin::lifecycle_status(&state);
+    let refusal = state.engine().refusal();
+    if refusal.is_none() && st.paused.is_none() && st.sleeping.is_none() {
+        return StatusCode::OK.into_response();
     }
+    let code = if state.engine().is_stopped() {
+        "stopped"
+    } else if st.sleeping.is_some() {
+        "sleeping"
+    } else if st.paused.is_some() {
+        "paused"
+    } else {
+        "unavailable"
+    };
+    let reason = refusal.unwrap_or_else(|| "the engine is paused (keep): new requests wait for /resume".into());
+    let mut resp = ApiError::unavailable(reason).with_code(code).into_response();
+    resp.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+    resp
 }
 
 /// `GET /metrics` in the Prometheus text format.

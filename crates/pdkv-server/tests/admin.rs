@@ -419,8 +419,12 @@ async fn pause_keep_holds_requests_until_resume() {
     let m = s.wait_metrics("the request to queue", |m| metric(m, "pdkv_num_requests_waiting") >= 1.0).await;
     assert_eq!(metric(&m, "pdkv_paused"), 1.0);
     assert!(!queued.is_finished());
+    // Paused, /health steers routers away (requests sent anyway are held).
+    let (status, v) = s.send(Method::GET, "/health", None, None).await;
+    assert_eq!((status, v["error"]["code"].as_str()), (StatusCode::SERVICE_UNAVAILABLE, Some("paused")), "{v}");
 
     s.admin_ok(Method::POST, "/resume", None).await;
+    assert_eq!(s.client.get(s.url("/health")).send().await.unwrap().status(), StatusCode::OK);
     let (status, body) = tokio::time::timeout(DEADLINE, queued).await.expect("queued request ends").unwrap();
     assert_eq!(status, StatusCode::OK, "{body}");
     assert_eq!(body["choices"][0]["text"], before.as_str());
