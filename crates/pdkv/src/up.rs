@@ -334,23 +334,25 @@ async fn supervise(args: &UpArgs, model: &std::path::Path, ports: &Ports, procs:
         }
     }
     let url = format!("http://{HOST}:{}", ports.proxy);
-    println!(
-        "pdkv up: ready ({np} prefill, {nd} decode; transport {}, transfer mode {}; admin API {})",
+    // Written whole, errors ignored: a reader that went away must not stop
+    // the deployment.
+    let mut ready = format!(
+        "pdkv up: ready ({np} prefill, {nd} decode; transport {}, transfer mode {}; admin API {})\n",
         args.transport.as_str(),
         args.transfer_mode.as_str(),
         if token.is_some() { "on" } else { "off" }
     );
     for (i, (u, kv)) in p_urls.iter().zip(&ports.kv).enumerate() {
-        println!("prefill {i}: {u} (KV bootstrap port {kv})");
+        ready.push_str(&format!("prefill {i}: {u} (KV bootstrap port {kv})\n"));
     }
     for (i, u) in d_urls.iter().enumerate() {
-        println!("decode {i}: {u}");
+        ready.push_str(&format!("decode {i}: {u}\n"));
     }
-    println!("proxy: {url}");
-    println!("try:");
-    println!(
-        "  curl -s {url}/v1/chat/completions -H 'Content-Type: application/json' \\\n    -d '{{\"messages\":[{{\"role\":\"user\",\"content\":\"What is the capital of France?\"}}],\"max_tokens\":32}}'"
-    );
+    ready.push_str(&format!("proxy: {url}\ntry:\n"));
+    ready.push_str(&format!(
+        "  curl -s {url}/v1/chat/completions -H 'Content-Type: application/json' \\\n    -d '{{\"messages\":[{{\"role\":\"user\",\"content\":\"What is the capital of France?\"}}],\"max_tokens\":32}}'\n"
+    ));
+    let _ = std::io::stdout().lock().write_all(ready.as_bytes());
     let _ = std::io::stdout().flush();
 
     let mut tick = tokio::time::interval(POLL);
