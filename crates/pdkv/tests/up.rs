@@ -115,3 +115,117 @@ async fn up_serves_through_the_proxy_and_stops_every_child() {
         assert!(!alive(pid), "child {pid} outlived pdkv up");
     }
 }
+
+/// Starts `pdkv up ARGS` and returns it with the proxy's URL (from stdout).
+fn start_up(args: &[&str]) -> (std::process::Child, String, mpsc::Receiver<String>) {
+    let mut up = pdkv()
+        .arg("up")
+        .args(args)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn pdkv up");
+    let out = lines(up.stdout.take().unwrap());
+    let err = lines(up.stderr.take().unwrap());
+    let deadline = Instant::now() + DEADLINE;
+    loop {
+        match out.recv_timeout(deadline.saturating_duration_since(Instant::now())) {
+            Ok(line) => {
+                if let Some(u) = line.strip_prefix("proxy: ") {
+                    return (up, u.trim().to_string(), err);
+                }
+            }
+            Err(e) => {
+                let _ = up.kill();
+                let logs: Vec<String> = err.try_iter().collect();
+                panic!("no proxy line ({e}); stderr:\n{}", logs.join("\n"));
+            }
+        }
+    }
+}
+
+/// `pdkv up --prefill 2 --decode 2 --admin-token T`: one `/pause`,
+/// `/sleep`, `/wake_up`, `/resume` on the proxy's address reaches every
+/// engine, in order, and outputs after the wake equal those before; a call
+/// that fails names the engines that refused it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn up_admin_token_drives_every_engine_with_one_call() {
+    let dir = tempfile::tempdir().unwrap();
+    let ckpt = dir.path().join("tiny");
+    let o = pdkv()
+        .args(["model", "init", "--arch", "llama", "--preset", "tiny", "--seed", "5", "--out"])
+        .arg(&ckpt)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let port = free_port().to_string();
+    let args = ["--model", ckpt.to_str().unwrap(), "--num-kv-blocks", "64", "--port", &port];
+    let (mut up, url, _err) = start_up(&[&args[..], &["--prefill", "2", "--decode", "2", "--admin-token", "T"]].concat());
+    let client = reqwest::Client::new();
+    let probe = |i: usize| json!({"prompt": format!("probe {i}: the river"), "max_tokens": 6, "temperature": 0, "ignore_eos": true});
+    let generate = |body: Value| {
+        let (client, url) = (client.clone(), url.clone());
+        async move {
+            let v: Value = client.post(format!("{url}/v1/completions")).json(&body).send().await.unwrap().json().await.unwrap();
+            v["choices"][0]["text"].as_str().unwrap_or_else(|| panic!("{v}")).to_string()
+        }
+    };
+    let mut before = Vec::new();
+    for i in 0..4 {
+        before.push(generate(probe(i)).await);
+    }
+    let call = |method: reqwest::Method, path: &'static str, token: &'static str| {
+        let (client, url) = (client.clone(), url.clone());
+        async move {
+            let resp = client.request(method, format!("{url}{path}")).bearer_auth(token).send().await.unwrap();
+            let status = resp.status().as_u16();
+            (status, resp.json::<Value>().await.unwrap())
+        }
+    };
+    use reqwest::Method;
+    // Without the token: refused, nothing changes.
+    let (status, _) = call(Method::POST, "/pause", "wrong").await;
+    assert_eq!(status, 401);
+    for (path, first) in [("/pause?mode=keep", "prefill"), ("/sleep?level=1", "prefill")] {
+        let (status, v) = call(Method::POST, path, "T").await;
+        assert_eq!(status, 200, "{path}: {v}");
+        let engines = v["engines"].as_array().unwrap();
+        assert_eq!(engines.len(), 4, "{path}: every engine answered: {v}");
+        assert!(engines.iter().all(|e| e["status"] == 200), "{v}");
+        assert_eq!(engines[0]["role"], first, "{path}: stopping calls reach P first: {v}");
+    }
+    let (status, v) = call(Method::GET, "/is_sleeping", "T").await;
+    assert_eq!((status, &v["is_sleeping"], &v["agree"]), (200, &json!(true), &json!(true)), "{v}");
+    // Each engine itself is asleep.
+    for e in v["engines"].as_array().unwrap() {
+        let u = e["url"].as_str().unwrap();
+        let own: Value =
+            client.get(format!("{u}/is_sleeping")).bearer_auth("T").send().await.unwrap().json().await.unwrap();
+        assert_eq!(own["is_sleeping"], true, "{u}");
+    }
+    // A call every engine refuses names each of them.
+    let (status, v) = call(Method::POST, "/sleep?level=9", "T").await;
+    assert_eq!(status, 400, "{v}");
+    let msg = v["error"]["message"].as_str().unwrap();
+    assert!(msg.contains("failed on 2 of 4 engines") && msg.matches("prefill http://").count() == 2, "{msg}");
+    assert!(v["engines"].as_array().unwrap().iter().filter(|e| e["body"] == "not called").count() == 2, "{v}");
+    for (path, first) in [("/wake_up", "decode"), ("/resume", "decode")] {
+        let (status, v) = call(Method::POST, path, "T").await;
+        assert_eq!(status, 200, "{path}: {v}");
+        assert_eq!(v["engines"][0]["role"], first, "{path}: starting calls reach D first: {v}");
+    }
+    let (_, v) = call(Method::GET, "/is_paused", "T").await;
+    assert_eq!((&v["is_paused"], &v["agree"]), (&json!(false), &json!(true)), "{v}");
+    for (i, b) in before.iter().enumerate() {
+        assert_eq!(&generate(probe(i)).await, b, "probe {i} after the wake");
+    }
+    // SAFETY: plain syscall on our own child, not yet reaped.
+    assert_eq!(unsafe { libc::kill(up.id() as i32, libc::SIGTERM) }, 0);
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(up.wait());
+    });
+    let status = rx.recv_timeout(DEADLINE).expect("pdkv up exits after SIGTERM").unwrap();
+    assert!(status.success(), "pdkv up exited with {status}");
+}
