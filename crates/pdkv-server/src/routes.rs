@@ -15,7 +15,8 @@ use serde_json::{json, Value};
 use crate::error::{ApiError, ApiJson};
 use crate::metrics::LifecycleGauges;
 use crate::openai::{
-    message_text, parse_max_tokens, parse_prompt, ChatRequest, CompletionRequest, Prompt, DEFAULT_COMPLETION_MAX_TOKENS,
+    message_text, parse_max_tokens, parse_prompt, ChatRequest, CompletionRequest, Endpoint, Prompt,
+    DEFAULT_COMPLETION_MAX_TOKENS,
 };
 use crate::tracker::TrackedStream;
 use crate::AppState;
@@ -49,6 +50,25 @@ fn check_token_ids(state: &AppState, ids: &[u32]) -> Result<(), ApiError> {
         return Err(ApiError::invalid_param(
             "prompt",
             format!("token id {bad} is out of range for a vocabulary of {vocab}"),
+        ));
+    }
+    Ok(())
+}
+
+/// Validates the token ids of `logit_bias` and `stop_token_ids` against the
+/// vocabulary, naming the field (the engine checks them too, without one).
+fn check_sampling_ids(state: &AppState, params: &SamplingParams) -> Result<(), ApiError> {
+    let vocab = state.engine().model_config().vocab_size;
+    if let Some((bad, _)) = params.logit_bias.iter().find(|(t, _)| *t as usize >= vocab) {
+        return Err(ApiError::invalid_param(
+            "logit_bias",
+            format!("logit_bias token id {bad} is out of range for a vocabulary of {vocab}"),
+        ));
+    }
+    if let Some(bad) = params.stop_token_ids.iter().find(|&&t| t as usize >= vocab) {
+        return Err(ApiError::invalid_param(
+            "stop_token_ids",
+            format!("stop token id {bad} is out of range for a vocabulary of {vocab}"),
         ));
     }
     Ok(())
@@ -188,7 +208,8 @@ pub async fn completions(
         return Err(ApiError::invalid_param("suffix", "suffix is not supported"));
     }
     let max_tokens = parse_max_tokens("max_tokens", req.max_tokens)?.unwrap_or(DEFAULT_COMPLETION_MAX_TOKENS);
-    let params = req.sampling().to_params(max_tokens)?;
+    let params = req.sampling().to_params(max_tokens, Endpoint::Completions)?;
+    check_sampling_ids(&state, &params)?;
     let prompt_tokens = match parse_prompt(&req.prompt)? {
         Prompt::Tokens(ids) => ids,
         Prompt::Text(text) => {
@@ -265,8 +286,13 @@ pub async fn chat_completions(
         Some(n) => Some(n),
         None => parse_max_tokens("max_tokens", req.max_tokens)?,
     };
-    // Validate sampling fields before the (costly) template and tokenizer.
-    let mut params = req.sampling().to_params(max_tokens.unwrap_or(1))?;
+    if req.echo == Some(true) {
+        return Err(ApiError::invalid_param("echo", "echo is not supported on chat completions"));
+    }
+    // Validate sampling fields before the (costly) template and tokenizer
+    // (`max_tokens` is settled below once the prompt's length is known).
+    let mut params = req.sampling().to_params(max_tokens.unwrap_or(u32::MAX), Endpoint::Chat)?;
+    check_sampling_ids(&state, &params)?;
 
     let engine = state.engine().clone();
     let prompt_tokens = blocking(move || {
