@@ -23,11 +23,14 @@
 //!   status; handlers never panic on input.
 
 pub mod admin;
+mod choices;
 pub mod error;
+mod logprobs;
 pub mod metrics;
 pub mod openai;
 pub mod proxy;
 mod routes;
+mod sse;
 pub mod tracker;
 
 use std::future::Future;

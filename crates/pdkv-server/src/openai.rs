@@ -327,16 +327,7 @@ impl SamplingFields {
     /// Validates the fields into engine sampling parameters (with
     /// `max_tokens` left at the given value), for a body sent to `endpoint`.
     pub fn to_params(&self, max_tokens: u32, endpoint: Endpoint) -> Result<SamplingParams, ApiError> {
-        if let Some(n) = self.n {
-            if n != 1 {
-                return Err(ApiError::invalid_param("n", format!("only n=1 is supported, got {n}")));
-            }
-        }
-        if let Some(b) = self.best_of {
-            if b != 1 {
-                return Err(ApiError::invalid_param("best_of", format!("only best_of=1 is supported, got {b}")));
-            }
-        }
+        // `n` and `best_of` shape the group of choices (`choices::parse_n`).
         self.refuse_unsupported()?;
         let logprobs = self.logprobs(endpoint)?;
         let prompt_logprobs = count_field("prompt_logprobs", self.prompt_logprobs.as_ref(), MAX_LOGPROBS)?;
@@ -525,7 +516,6 @@ mod tests {
         let p = ok.to_params(5, Endpoint::Completions).unwrap();
         assert_eq!((p.temperature, p.top_k, p.max_tokens), (0.0, 0, 5));
         let cases: Vec<(SamplingFields, &str)> = vec![
-            (SamplingFields { n: Some(2), ..Default::default() }, "n"),
             (SamplingFields { temperature: Some(-0.5), ..Default::default() }, "temperature"),
             (SamplingFields { top_p: Some(0.0), ..Default::default() }, "top_p"),
             (SamplingFields { top_k: Some(-2), ..Default::default() }, "top_k"),
