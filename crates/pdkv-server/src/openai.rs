@@ -274,6 +274,15 @@ pub fn message_text(index: usize, content: &Value) -> Result<String, ApiError> {
     }
 }
 
+/// The messages of a conversation with their text contents.
+pub fn chat_messages(messages: &[ChatMessageIn]) -> Result<Vec<pdkv_model::ChatMessage>, ApiError> {
+    messages
+        .iter()
+        .enumerate()
+        .map(|(i, m)| Ok(pdkv_model::ChatMessage { role: m.role.clone(), content: message_text(i, &m.content)? }))
+        .collect()
+}
+
 /// Checks `max_tokens`-like fields: at least 1 and fits a u32.
 pub fn parse_max_tokens(param: &str, v: Option<i64>) -> Result<Option<u32>, ApiError> {
     match v {

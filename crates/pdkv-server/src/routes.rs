@@ -16,7 +16,7 @@ use crate::error::{ApiError, ApiJson};
 use crate::logprobs;
 use crate::metrics::LifecycleGauges;
 use crate::openai::{
-    message_text, parse_max_tokens, parse_prompt, ChatRequest, CompletionRequest, Endpoint, Prompt,
+    chat_messages, parse_max_tokens, parse_prompt, ChatRequest, CompletionRequest, Endpoint, Prompt,
     DEFAULT_COMPLETION_MAX_TOKENS,
 };
 use crate::sse::{sse_response, ChunkHead};
@@ -27,7 +27,7 @@ fn unix_now() -> u64 {
     SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0)
 }
 
-fn check_model(state: &AppState, model: Option<&str>) -> Result<(), ApiError> {
+pub(crate) fn check_model(state: &AppState, model: Option<&str>) -> Result<(), ApiError> {
     match model {
         Some(m) if m != state.served_model_name() => Err(ApiError::model_not_found(m)),
         _ => Ok(()),
@@ -36,10 +36,34 @@ fn check_model(state: &AppState, model: Option<&str>) -> Result<(), ApiError> {
 
 /// Runs CPU-heavy prompt preparation (tokenization, templates) off the
 /// async workers.
-async fn blocking<T: Send + 'static>(f: impl FnOnce() -> Result<T, ApiError> + Send + 'static) -> Result<T, ApiError> {
+pub(crate) async fn blocking<T: Send + 'static>(f: impl FnOnce() -> Result<T, ApiError> + Send + 'static) -> Result<T, ApiError> {
     tokio::task::spawn_blocking(f)
         .await
         .unwrap_or_else(|e| Err(ApiError::internal(format!("prompt preparation failed: {e}"))))
+}
+
+/// The tokens of a conversation rendered with the model's chat template
+/// (`add_special_tokens`: let the tokenizer add BOS and the like too).
+pub(crate) async fn chat_prompt_tokens(
+    state: &AppState,
+    messages: Vec<ChatMessage>,
+    add_generation_prompt: bool,
+    add_special_tokens: bool,
+) -> Result<Vec<u32>, ApiError> {
+    let engine = state.engine().clone();
+    blocking(move || {
+        let template = engine
+            .chat_template()
+            .ok_or_else(|| ApiError::invalid_param("messages", "this model has no chat template"))?;
+        let text = template
+            .render(&messages, add_generation_prompt)
+            .map_err(|e| ApiError::invalid_param("messages", format!("could not apply the chat template: {e:#}")))?;
+        engine
+            .tokenizer()
+            .encode(&text, add_special_tokens)
+            .map_err(|e| ApiError::invalid_param("messages", format!("could not tokenize the conversation: {e:#}")))
+    })
+    .await
 }
 
 /// Validates token ids against the vocabulary.
@@ -162,7 +186,7 @@ pub(crate) fn usage_json(prompt: usize, completion: usize) -> Value {
     json!({"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion})
 }
 
-fn json_response(v: &Value) -> Response {
+pub(crate) fn json_response(v: &Value) -> Response {
     ([(header::CONTENT_TYPE, "application/json")], v.to_string()).into_response()
 }
 
@@ -378,12 +402,7 @@ pub async fn chat_completions(
         )
         .with_code("no_chat_template"));
     }
-    let messages = req
-        .messages
-        .iter()
-        .enumerate()
-        .map(|(i, m)| Ok(ChatMessage { role: m.role.clone(), content: message_text(i, &m.content)? }))
-        .collect::<Result<Vec<_>, ApiError>>()?;
+    let messages = chat_messages(&req.messages)?;
     let max_tokens = match parse_max_tokens("max_completion_tokens", req.max_completion_tokens)? {
         Some(n) => Some(n),
         None => parse_max_tokens("max_tokens", req.max_tokens)?,
@@ -397,21 +416,8 @@ pub async fn chat_completions(
     let mut params = req.sampling().to_params(max_tokens.unwrap_or(u32::MAX), Endpoint::Chat)?;
     check_sampling_ids(&state, &params)?;
 
-    let engine = state.engine().clone();
-    let prompt_tokens = blocking(move || {
-        let template = engine
-            .chat_template()
-            .ok_or_else(|| ApiError::invalid_param("messages", "this model has no chat template"))?;
-        let text = template
-            .render(&messages, true)
-            .map_err(|e| ApiError::invalid_param("messages", format!("could not apply the chat template: {e:#}")))?;
-        // The template already placed BOS and other special tokens.
-        engine
-            .tokenizer()
-            .encode(&text, false)
-            .map_err(|e| ApiError::invalid_param("messages", format!("could not tokenize the conversation: {e:#}")))
-    })
-    .await?;
+    // The template already places BOS and other special tokens.
+    let prompt_tokens = chat_prompt_tokens(&state, messages, true, false).await?;
     check_token_ids(&state, &prompt_tokens)?;
     // Without a limit a chat reply may use the rest of the context.
     params.max_tokens = match max_tokens {

@@ -265,3 +265,75 @@ async fn refused_fields_answer_400_naming_them() {
     ok(&client, s.url("/v1/chat/completions"), &router).await;
     assert!(s.terminate().success());
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tokenize_detokenize_version_and_the_api_key() {
+    let Some(path) = smollm2_path("tokenize_detokenize_version_and_the_api_key") else { return };
+    let args = ["serve", "--port", "0", "--model", path.to_str().unwrap(), "--num-kv-blocks", "64"];
+    let s = Proc::start_env(&[], &args, &[("PDKV_API_KEY", "k3y")]);
+    let client = reqwest::Client::new();
+    // Probes and scrapers need no key.
+    wait_healthy(&client, &s.url("/health")).await;
+    assert_eq!(client.get(s.url("/metrics")).send().await.unwrap().status(), 200);
+    let version: Value = client.get(s.url("/version")).send().await.unwrap().json().await.unwrap();
+    assert_eq!(version["version"], env!("CARGO_PKG_VERSION"));
+
+    let body = json!({"prompt": PROMPT, "add_special_tokens": false});
+    for (path, key) in [("/tokenize", None), ("/tokenize", Some("wrong")), ("/v1/completions", None), ("/v1/models", None)] {
+        let mut req = if path == "/v1/models" { client.get(s.url(path)) } else { client.post(s.url(path)).json(&body) };
+        if let Some(k) = key {
+            req = req.bearer_auth(k);
+        }
+        let resp = req.send().await.unwrap();
+        assert_eq!(resp.status(), 401, "{path} with key {key:?}");
+        let v: Value = resp.json().await.unwrap();
+        assert_eq!(v["error"]["type"], "authentication_error", "{v}");
+    }
+
+    let tokenized: Value =
+        client.post(s.url("/tokenize")).bearer_auth("k3y").json(&body).send().await.unwrap().json().await.unwrap();
+    let tokens = ids(&tokenized["tokens"]);
+    assert_eq!(tokenized["count"], json!(tokens.len()));
+    assert!(tokenized["max_model_len"].as_u64().unwrap() >= 2048, "{tokenized}");
+    let detok: Value = client
+        .post(s.url("/detokenize"))
+        .bearer_auth("k3y")
+        .json(&json!({"tokens": tokens}))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(detok["prompt"], PROMPT);
+    let (status, bad) = {
+        let resp = client.post(s.url("/detokenize")).bearer_auth("k3y").json(&json!({"tokens": [99999999]})).send().await.unwrap();
+        (resp.status().as_u16(), resp.json::<Value>().await.unwrap())
+    };
+    assert_eq!((status, &bad["error"]["param"]), (400, &json!("tokens")), "{bad}");
+
+    // A conversation tokenizes to the prompt the chat endpoint generates from.
+    let messages = json!([{"role": "user", "content": "Hello there"}]);
+    let conv: Value = client
+        .post(s.url("/tokenize"))
+        .bearer_auth("k3y")
+        .json(&json!({"messages": messages}))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let chat: Value = client
+        .post(s.url("/v1/chat/completions"))
+        .bearer_auth("k3y")
+        .json(&json!({"messages": messages, "max_tokens": 1, "return_token_ids": true}))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(conv["tokens"], chat["prompt_token_ids"], "{conv} vs {chat}");
+    assert!(s.terminate().success());
+}
