@@ -258,7 +258,10 @@ pub async fn completions(
             let mut choice = view.choice(i, out, first.then_some(shared_prompt_lp.as_deref()).flatten(), first, c.offset);
             c.offset += view.offset_advance(out, first);
             let text_empty = choice["text"].as_str().is_some_and(str::is_empty);
-            if text_empty && out.finish_reason.is_none() && !first && !view.logprobs && !view.return_token_ids {
+            // The first piece carries the echoed prompt and prompt logprobs.
+            let carries_prompt = first && (view.echo_text.is_some() || view.want_prompt_logprobs);
+            let shows_tokens = view.logprobs || view.return_token_ids;
+            if text_empty && out.finish_reason.is_none() && !carries_prompt && !shows_tokens {
                 return None;
             }
             choice["finish_reason"] = json!(out.finish_reason.map(FinishReason::as_str));
