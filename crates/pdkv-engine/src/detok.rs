@@ -121,7 +121,9 @@ impl StopChecker {
         }
         // A match must end inside the new text; start early enough to see one
         // that began in held-back text.
-        let mut from = before.saturating_sub(self.max_stop_len.saturating_sub(1));
+        // Never before emitted text: with `push_unmatched` a stop string
+        // may lie in text already handed out, and that text stays.
+        let mut from = before.saturating_sub(self.max_stop_len.saturating_sub(1)).max(self.emitted);
         while !self.text.is_char_boundary(from) {
             from -= 1;
         }
@@ -133,6 +135,17 @@ impl StopChecker {
         }
         let safe = self.text.len() - self.held_back();
         (self.drain_to(safe), false)
+    }
+
+    /// Appends `delta` without looking for stop strings (before
+    /// `min_tokens` were generated) and returns the text safe to emit now:
+    /// a suffix that may still begin a stop string is held back, since a
+    /// later push may complete the match.
+    pub fn push_unmatched(&mut self, delta: &str) -> String {
+        assert!(!self.stopped, "text pushed after a stop string matched");
+        self.text.push_str(delta);
+        let safe = self.text.len() - self.held_back();
+        self.drain_to(safe)
     }
 
     /// Everything not yet emitted (at the end of a request that did not stop
@@ -269,5 +282,16 @@ mod tests {
         assert!(hit);
         assert_eq!(text, "cafés ");
         assert_eq!(out.concat(), "cafés ");
+    }
+
+    #[test]
+    fn unmatched_text_is_kept_and_a_later_match_cuts_only_new_text() {
+        let mut c = StopChecker::new(vec!["ab".into()]);
+        // Before min_tokens: "ab" does not stop, a trailing "a" is held back.
+        assert_eq!(c.push_unmatched("xab"), "xab");
+        assert_eq!(c.push_unmatched("a"), "");
+        // The held-back "a" and the new "b" make a match after min_tokens.
+        assert_eq!(c.push("b"), (String::new(), true));
+        assert_eq!(c.text(), "xab");
     }
 }

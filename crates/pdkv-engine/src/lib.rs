@@ -95,9 +95,31 @@ pub struct SamplingParams {
     pub stop: Vec<String>,
     pub stop_token_ids: Vec<u32>,
     pub ignore_eos: bool,
-    /// Return the logits row each token was sampled from (tests, tools).
+    /// EOS and `stop_token_ids` cannot be sampled before this many output
+    /// tokens exist, and stop strings do not match before then.
+    pub min_tokens: u32,
+    /// 1.0 is off; must be > 0 (see [`sampling::LogitsAdjust`]).
+    pub repetition_penalty: f32,
+    /// In [-2, 2]; 0 is off.
+    pub presence_penalty: f32,
+    /// In [-2, 2]; 0 is off.
+    pub frequency_penalty: f32,
+    /// `(token id, bias in [-100, 100])`, added to the logit before sampling.
+    pub logit_bias: Vec<(u32, f32)>,
+    /// Return the raw logits row each token was sampled from (tests, tools).
     pub return_logits: bool,
+    /// Report each output token's log-probability plus this many most likely
+    /// tokens' ([`RequestOutput::logprobs`]); at most [`MAX_LOGPROBS`].
+    pub logprobs: Option<u32>,
+    /// Report each prompt token's log-probability given the tokens before it
+    /// plus this many most likely tokens' ([`RequestOutput::prompt_logprobs`]).
+    /// Such a request computes its whole prompt (no prefix-cache hit) and
+    /// cannot take external KV.
+    pub prompt_logprobs: Option<u32>,
 }
+
+/// The most top log-probabilities a request may ask for per position.
+pub const MAX_LOGPROBS: u32 = 20;
 
 impl Default for SamplingParams {
     fn default() -> Self {
@@ -110,7 +132,14 @@ impl Default for SamplingParams {
             stop: Vec::new(),
             stop_token_ids: Vec::new(),
             ignore_eos: false,
+            min_tokens: 0,
+            repetition_penalty: 1.0,
+            presence_penalty: 0.0,
+            frequency_penalty: 0.0,
+            logit_bias: Vec::new(),
             return_logits: false,
+            logprobs: None,
+            prompt_logprobs: None,
         }
     }
 }
@@ -164,6 +193,12 @@ pub struct RequestOutput {
     pub num_cached_tokens: usize,
     /// One logits row per token in `token_ids` when `return_logits` was set.
     pub logits: Vec<Vec<f32>>,
+    /// One entry per token in `token_ids` when `logprobs` was set (from the
+    /// raw logits, before temperature, penalties and bias).
+    pub logprobs: Vec<sampling::TokenLogprobs>,
+    /// With `prompt_logprobs`, on the output carrying the first token: one
+    /// entry per prompt token, `None` for the first (nothing precedes it).
+    pub prompt_logprobs: Option<Vec<Option<sampling::TokenLogprobs>>>,
     /// On the last output: what the KV connector returns for the request
     /// (a prefill engine's transfer handle for the decode engine).
     pub kv_transfer_params: Option<KvTransferParams>,

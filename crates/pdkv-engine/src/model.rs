@@ -22,8 +22,10 @@ use crate::scheduler::ScheduledSeq;
 pub trait ModelRunner: Send {
     /// Runs one step: computes (and caches the K/V of) every token in `seqs`
     /// (the scheduler's plan: each sequence's request, new tokens, position
-    /// and block table) and writes into `logits`, cleared first, one
-    /// [`ModelRunner::vocab_size`] row per sequence that samples, in order.
+    /// and block table) and writes into `logits`, cleared first,
+    /// [`ScheduledSeq::num_logit_rows`] rows of [`ModelRunner::vocab_size`]
+    /// per sequence, in order: one for a sequence that samples, one per
+    /// token for one with `all_logits`.
     /// An `Err` (or a panic) ends the step's requests with `Abort`; the core
     /// keeps serving.
     fn forward(&mut self, seqs: &[ScheduledSeq], logits: &mut Vec<f32>) -> anyhow::Result<()>;
@@ -76,7 +78,8 @@ impl ModelRunner for CpuModelRunner {
             .iter()
             .map(|s| SeqInput { tokens: &s.tokens, start_pos: s.start_pos, block_table: &s.block_table, want_logits: s.sample })
             .collect();
-        self.model.forward(&self.kv, &mut self.ws, &inputs, logits)
+        let every_row: Vec<bool> = seqs.iter().map(|s| s.all_logits).collect();
+        self.model.forward_with_rows(&self.kv, &mut self.ws, &inputs, &every_row, logits)
     }
 
     fn vocab_size(&self) -> usize {

@@ -72,6 +72,11 @@ pub struct NewRequest {
     pub stop_token_ids: Vec<u32>,
     /// For the KV connector (opaque here).
     pub kv_transfer_params: Option<KvTransferParams>,
+    /// The caller needs the logits of every prompt position (prompt
+    /// log-probabilities): until the first output token, the request takes
+    /// no prefix-cache hit and its seqs ask for every position's row
+    /// ([`ScheduledSeq::all_logits`]).
+    pub prompt_logits: bool,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -107,6 +112,7 @@ struct Request {
     connector_consulted: bool,
     /// External tokens being loaded (status `WaitingForRemoteKv`).
     num_loading_tokens: usize,
+    prompt_logits: bool,
 }
 
 impl Request {
@@ -120,6 +126,12 @@ impl Request {
 
     fn num_output_tokens(&self) -> usize {
         self.tokens.len() - self.num_prompt_tokens
+    }
+
+    /// Every position's logits are still needed (see
+    /// [`NewRequest::prompt_logits`]); the first output ends that.
+    fn wants_all_logits(&self) -> bool {
+        self.prompt_logits && self.num_output_tokens() == 0
     }
 }
 
@@ -137,6 +149,21 @@ pub struct ScheduledSeq {
     pub sample: bool,
     /// Index of the output token that sampling produces (0 for the first).
     pub output_index: usize,
+    /// The model returns a logits row for every token of `tokens`, not only
+    /// for the last one when sampling (prompt log-probabilities).
+    pub all_logits: bool,
+}
+
+impl ScheduledSeq {
+    /// Logits rows the model returns for this seq: one per token with
+    /// `all_logits`, else one when it samples.
+    pub fn num_logit_rows(&self) -> usize {
+        if self.all_logits {
+            self.tokens.len()
+        } else {
+            usize::from(self.sample)
+        }
+    }
 }
 
 /// The plan of one step.
@@ -158,6 +185,11 @@ impl SchedulerOutput {
 
     pub fn num_sampled(&self) -> usize {
         self.seqs.iter().filter(|s| s.sample).count()
+    }
+
+    /// Logits rows the model returns for the whole step.
+    pub fn num_logit_rows(&self) -> usize {
+        self.seqs.iter().map(ScheduledSeq::num_logit_rows).sum()
     }
 }
 
@@ -361,6 +393,7 @@ impl Scheduler {
             kv_transfer_params: req.kv_transfer_params,
             connector_consulted: false,
             num_loading_tokens: 0,
+            prompt_logits: req.prompt_logits,
         };
         if let Some(c) = self.connector.as_deref_mut() {
             c.request_added(r.conn());
@@ -624,6 +657,7 @@ impl Scheduler {
             block_table: req.blocks[..blocks_for(end)].to_vec(),
             sample: end == req.tokens.len(),
             output_index: req.num_output_tokens(),
+            all_logits: req.wants_all_logits(),
         }
     }
 
@@ -701,7 +735,12 @@ impl Scheduler {
                 if self.pool.caching_enabled() {
                     BlockHash::extend_chain(&mut req.block_hashes, &req.tokens);
                 }
-                let hit = self.pool.get_computed_blocks(&req.tokens, &req.block_hashes);
+                // Cached blocks would skip positions whose logits are wanted.
+                let hit = if req.wants_all_logits() {
+                    Vec::new()
+                } else {
+                    self.pool.get_computed_blocks(&req.tokens, &req.block_hashes)
+                };
                 let num_hit_tokens = hit.len() * pdkv_model::BLOCK_SIZE;
                 let ext = match self.connector.as_deref_mut() {
                     Some(c) if !req.connector_consulted => {

@@ -163,7 +163,7 @@ fn sched(conn: &Scripted) -> Scheduler {
 }
 
 fn req(id: &str, prompt: Vec<u32>, max_tokens: usize) -> NewRequest {
-    NewRequest { id: Arc::from(id), prompt_tokens: prompt, max_tokens, stop_token_ids: vec![], kv_transfer_params: None }
+    NewRequest { id: Arc::from(id), prompt_tokens: prompt, max_tokens, stop_token_ids: vec![], kv_transfer_params: None, prompt_logits: false }
 }
 
 /// Runs one step with token 7 sampled everywhere; checks invariants.

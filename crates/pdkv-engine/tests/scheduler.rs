@@ -20,7 +20,7 @@ fn sched(max_num_seqs: usize, budget: usize, num_blocks: usize, caching: bool) -
 }
 
 fn req(id: &str, prompt: Vec<u32>, max_tokens: usize) -> NewRequest {
-    NewRequest { id: Arc::from(id), prompt_tokens: prompt, max_tokens, stop_token_ids: vec![0], kv_transfer_params: None }
+    NewRequest { id: Arc::from(id), prompt_tokens: prompt, max_tokens, stop_token_ids: vec![0], kv_transfer_params: None, prompt_logits: false }
 }
 
 /// The token a request samples at output `index`: a pure function, so a
@@ -378,7 +378,7 @@ fn random_workload(seed: u64, caching: bool) -> (u64, u64) {
                 next_id += 1;
                 tokens_of.insert(id.clone(), p.clone());
                 live.push(id.clone());
-                s.add_request(NewRequest { id, prompt_tokens: p, max_tokens, stop_token_ids: vec![0], kv_transfer_params: None });
+                s.add_request(NewRequest { id, prompt_tokens: p, max_tokens, stop_token_ids: vec![0], kv_transfer_params: None, prompt_logits: false });
             }
             3 if !live.is_empty() => {
                 let id = live.remove(rng.below(live.len() as u64) as usize);

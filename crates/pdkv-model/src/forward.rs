@@ -256,6 +256,22 @@ impl Model {
         seqs: &[SeqInput<'_>],
         logits: &mut Vec<f32>,
     ) -> anyhow::Result<()> {
+        self.forward_with_rows(kv, ws, seqs, &[], logits)
+    }
+
+    /// [`Model::forward`], where sequence `i` with `every_row[i]` set gets a
+    /// logits row for each of its tokens (in order, instead of the one
+    /// `want_logits` asks for): prompt log-probabilities need them. Missing
+    /// entries of `every_row` count as unset. Each row is the same as the one
+    /// `want_logits` would give at that position.
+    pub fn forward_with_rows(
+        &self,
+        kv: &KvCache,
+        ws: &mut Workspace,
+        seqs: &[SeqInput<'_>],
+        every_row: &[bool],
+        logits: &mut Vec<f32>,
+    ) -> anyhow::Result<()> {
         logits.clear();
         let cfg = &self.config;
         ensure!(
@@ -279,10 +295,14 @@ impl Model {
         ws.logit_rows.clear();
         let mut max_ctx = 0;
         for (si, s) in seqs.iter().enumerate() {
+            let every = every_row.get(si).copied().unwrap_or(false);
             for i in 0..s.tokens.len() {
                 ws.tokens.push(TokenMeta { seq: si, pos: s.start_pos + i });
+                if every {
+                    ws.logit_rows.push(ws.tokens.len() - 1);
+                }
             }
-            if s.want_logits {
+            if s.want_logits && !every {
                 ws.logit_rows.push(ws.tokens.len() - 1);
             }
             max_ctx = max_ctx.max(s.start_pos + s.tokens.len());

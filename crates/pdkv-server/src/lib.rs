@@ -1,9 +1,12 @@
 //! The OpenAI-compatible HTTP front end of a pdkv engine (axum).
 //!
 //! Endpoints: `POST /v1/completions`, `POST /v1/chat/completions` (both with
-//! `"stream": true` as server-sent events), `GET /v1/models`, `GET /health`
-//! and `GET /metrics` (Prometheus text), and what P/D routers call on every
-//! worker ([`compat`]: `/flush_cache`, `/get_model_info`, `/get_server_info`). With an admin token
+//! `"stream": true` as server-sent events), `GET /v1/models`, `POST
+//! /tokenize`, `POST /detokenize`, `GET /version`, `GET /health`, `GET
+//! /metrics` (Prometheus text), and what P/D routers call on every worker
+//! ([`compat`]: `/flush_cache`, `/get_model_info`, `/get_server_info`). With
+//! an API key ([`AppState::with_api_key`]) the OpenAI routes and the
+//! tokenizer routes need `Authorization: Bearer <key>`. With an admin token
 //! ([`AppState::with_admin_token`]) also the lifecycle API of [`admin`]
 //! (`/pause`, `/sleep`, `/wake_up`, `/update_weights`, ...), each route
 //! behind `Authorization: Bearer <token>`; without one those routes do not
@@ -24,12 +27,17 @@
 //!   status; handlers never panic on input.
 
 pub mod admin;
+mod api_key;
+mod choices;
 mod compat;
 pub mod error;
+mod logprobs;
 pub mod metrics;
 pub mod openai;
 pub mod proxy;
 mod routes;
+mod sse;
+mod tokenize;
 pub mod tracker;
 
 use std::future::Future;
@@ -54,6 +62,7 @@ pub const MAX_BODY_BYTES: usize = 4 * 1024 * 1024;
 pub struct AppState {
     inner: Arc<StateInner>,
     admin_token: Option<Arc<admin::AdminToken>>,
+    api_key: Option<Arc<api_key::ApiKey>>,
 }
 
 struct StateInner {
@@ -81,7 +90,15 @@ impl AppState {
                 next_id: AtomicU64::new(0),
             }),
             admin_token: None,
+            api_key: None,
         }
+    }
+
+    /// Requires `Authorization: Bearer <key>` on the OpenAI routes (`/v1/*`,
+    /// `/tokenize`, `/detokenize`; see [`api_key`]). An empty key is refused.
+    pub fn with_api_key(mut self, key: impl Into<String>) -> Result<AppState, admin::EmptyTokenError> {
+        self.api_key = Some(Arc::new(api_key::ApiKey::new(key.into())?));
+        Ok(self)
     }
 
     /// Enables the lifecycle admin API, guarded by `token` (sent by clients
@@ -127,9 +144,17 @@ pub fn router(state: AppState) -> Router {
     if let Some(token) = &state.admin_token {
         app = app.merge(admin::routes(token.clone()));
     }
-    app.route("/v1/completions", post(routes::completions))
+    let mut openai = Router::new()
+        .route("/v1/completions", post(routes::completions))
         .route("/v1/chat/completions", post(routes::chat_completions))
         .route("/v1/models", get(routes::models))
+        .route("/tokenize", post(tokenize::tokenize))
+        .route("/detokenize", post(tokenize::detokenize));
+    if let Some(key) = &state.api_key {
+        openai = openai.route_layer(axum::middleware::from_fn_with_state(key.clone(), api_key::require_key));
+    }
+    app.merge(openai)
+        .route("/version", get(tokenize::version))
         .route("/health", get(routes::health))
         .route("/kv_transfer/info", get(routes::kv_transfer_info))
         .route("/metrics", get(routes::metrics))

@@ -1,11 +1,14 @@
 //! OpenAI request bodies and their validation into engine terms.
 //!
-//! Fields the server does not implement but that change what a client gets
-//! back (`n`, `best_of`, `echo`, `logprobs`, `suffix`) are refused with a 400
-//! rather than silently ignored; fields that only tune behaviour the server
-//! lacks (`user`, `presence_penalty` at 0, ...) are ignored.
+//! Every field the server accepts takes effect. Fields it does not implement
+//! but that change what a client gets back (`best_of` above `n`, `suffix`,
+//! a `response_format` other than text, `tools`, `skip_special_tokens:
+//! false`, ...) are refused with a 400 naming the field rather than silently
+//! ignored. Ignored are only fields that change nothing here: `user`, and
+//! the reasoning-parser switches vllm-router adds to every request
+//! (`separate_reasoning`, `stream_reasoning`, `include_reasoning`).
 
-use pdkv_engine::SamplingParams;
+use pdkv_engine::{SamplingParams, MAX_LOGPROBS};
 use serde::Deserialize;
 use serde_json::Value;
 
@@ -42,6 +45,23 @@ macro_rules! request_with_sampling {
             pub top_logprobs: Option<Value>,
             pub presence_penalty: Option<f64>,
             pub frequency_penalty: Option<f64>,
+            pub repetition_penalty: Option<f64>,
+            pub min_tokens: Option<i64>,
+            pub logit_bias: Option<Value>,
+            pub prompt_logprobs: Option<Value>,
+            pub return_token_ids: Option<bool>,
+            pub response_format: Option<Value>,
+            pub tools: Option<Value>,
+            pub tool_choice: Option<Value>,
+            pub skip_special_tokens: Option<bool>,
+            pub no_stop_trim: Option<bool>,
+            pub return_hidden_states: Option<bool>,
+            pub continue_final_message: Option<bool>,
+            // Reasoning-parser switches: there is no reasoning parser here,
+            // so they change nothing (typed, so a wrong type is still a 400).
+            pub separate_reasoning: Option<bool>,
+            pub stream_reasoning: Option<bool>,
+            pub include_reasoning: Option<bool>,
         }
 
         impl $name {
@@ -61,6 +81,17 @@ macro_rules! request_with_sampling {
                     top_logprobs: self.top_logprobs.clone(),
                     presence_penalty: self.presence_penalty,
                     frequency_penalty: self.frequency_penalty,
+                    repetition_penalty: self.repetition_penalty,
+                    min_tokens: self.min_tokens,
+                    logit_bias: self.logit_bias.clone(),
+                    prompt_logprobs: self.prompt_logprobs.clone(),
+                    response_format: self.response_format.clone(),
+                    tools: self.tools.clone(),
+                    tool_choice: self.tool_choice.clone(),
+                    skip_special_tokens: self.skip_special_tokens,
+                    no_stop_trim: self.no_stop_trim,
+                    return_hidden_states: self.return_hidden_states,
+                    continue_final_message: self.continue_final_message,
                 }
             }
         }
@@ -83,6 +114,26 @@ pub struct SamplingFields {
     pub top_logprobs: Option<Value>,
     pub presence_penalty: Option<f64>,
     pub frequency_penalty: Option<f64>,
+    pub repetition_penalty: Option<f64>,
+    pub min_tokens: Option<i64>,
+    pub logit_bias: Option<Value>,
+    pub prompt_logprobs: Option<Value>,
+    pub response_format: Option<Value>,
+    pub tools: Option<Value>,
+    pub tool_choice: Option<Value>,
+    pub skip_special_tokens: Option<bool>,
+    pub no_stop_trim: Option<bool>,
+    pub return_hidden_states: Option<bool>,
+    pub continue_final_message: Option<bool>,
+}
+
+/// Which endpoint a body came to: they spell `logprobs` differently.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Endpoint {
+    /// `logprobs: k`, an integer in `0..=20`.
+    Completions,
+    /// `logprobs: true` plus `top_logprobs: k`.
+    Chat,
 }
 
 request_with_sampling! {
@@ -110,6 +161,8 @@ request_with_sampling! {
         pub max_tokens: Option<i64>,
         pub max_completion_tokens: Option<i64>,
         pub stream: Option<bool>,
+        /// vLLM's chat `echo` (the last message prepended): only false.
+        pub echo: Option<bool>,
         pub stream_options: Option<StreamOptions>,
         /// The engine request id to use (an `X-Request-Id` header wins).
         pub request_id: Option<String>,
@@ -221,6 +274,15 @@ pub fn message_text(index: usize, content: &Value) -> Result<String, ApiError> {
     }
 }
 
+/// The messages of a conversation with their text contents.
+pub fn chat_messages(messages: &[ChatMessageIn]) -> Result<Vec<pdkv_model::ChatMessage>, ApiError> {
+    messages
+        .iter()
+        .enumerate()
+        .map(|(i, m)| Ok(pdkv_model::ChatMessage { role: m.role.clone(), content: message_text(i, &m.content)? }))
+        .collect()
+}
+
 /// Checks `max_tokens`-like fields: at least 1 and fits a u32.
 pub fn parse_max_tokens(param: &str, v: Option<i64>) -> Result<Option<u32>, ApiError> {
     match v {
@@ -232,32 +294,76 @@ pub fn parse_max_tokens(param: &str, v: Option<i64>) -> Result<Option<u32>, ApiE
     }
 }
 
+/// Reads an optional count field that must be an integer in `0..=max`
+/// (null means absent).
+fn count_field(param: &str, v: Option<&Value>, max: u32) -> Result<Option<u32>, ApiError> {
+    match v {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::Number(n)) => match n.as_u64() {
+            Some(k) if k <= max as u64 => Ok(Some(k as u32)),
+            _ => Err(ApiError::invalid_param(param, format!("{param} must be an integer from 0 to {max}, got {n}"))),
+        },
+        Some(other) => Err(ApiError::invalid_param(param, format!("{param} must be an integer from 0 to {max}, got {other}"))),
+    }
+}
+
+/// Reads `logit_bias`: an object from token id (a decimal string) to a
+/// number. As vLLM does, a bias outside [-100, 100] is clamped into it; an id
+/// outside the vocabulary is refused when the request is checked.
+pub fn parse_logit_bias(v: Option<&Value>) -> Result<Vec<(u32, f32)>, ApiError> {
+    let bad = |m: String| ApiError::invalid_param("logit_bias", m);
+    let map = match v {
+        None | Some(Value::Null) => return Ok(Vec::new()),
+        Some(Value::Object(map)) => map,
+        Some(_) => return Err(bad("logit_bias must be an object from token id to bias".into())),
+    };
+    let mut out = Vec::with_capacity(map.len());
+    for (key, bias) in map {
+        let id: u32 =
+            key.parse().map_err(|_| bad(format!("logit_bias keys must be token ids, got {key:?}")))?;
+        let b = bias
+            .as_f64()
+            .filter(|b| b.is_finite())
+            .ok_or_else(|| bad(format!("logit_bias[{key:?}] must be a number, got {bias}")))?;
+        out.push((id, b.clamp(-100.0, 100.0) as f32));
+    }
+    out.sort_unstable_by_key(|&(id, _)| id);
+    out.dedup_by_key(|&mut (id, _)| id);
+    Ok(out)
+}
+
 impl SamplingFields {
     /// Validates the fields into engine sampling parameters (with
-    /// `max_tokens` left at the given value).
-    pub fn to_params(&self, max_tokens: u32) -> Result<SamplingParams, ApiError> {
-        if let Some(n) = self.n {
-            if n != 1 {
-                return Err(ApiError::invalid_param("n", format!("only n=1 is supported, got {n}")));
-            }
-        }
-        if let Some(b) = self.best_of {
-            if b != 1 {
-                return Err(ApiError::invalid_param("best_of", format!("only best_of=1 is supported, got {b}")));
-            }
-        }
-        match &self.logprobs {
-            None | Some(Value::Null) | Some(Value::Bool(false)) => {}
-            Some(_) => return Err(ApiError::invalid_param("logprobs", "logprobs are not supported")),
-        }
-        if !matches!(self.top_logprobs, None | Some(Value::Null)) {
-            return Err(ApiError::invalid_param("top_logprobs", "logprobs are not supported"));
-        }
+    /// `max_tokens` left at the given value), for a body sent to `endpoint`.
+    pub fn to_params(&self, max_tokens: u32, endpoint: Endpoint) -> Result<SamplingParams, ApiError> {
+        // `n` and `best_of` shape the group of choices (`choices::parse_n`).
+        self.refuse_unsupported()?;
+        let logprobs = self.logprobs(endpoint)?;
+        let prompt_logprobs = count_field("prompt_logprobs", self.prompt_logprobs.as_ref(), MAX_LOGPROBS)?;
         for (name, v) in [("presence_penalty", self.presence_penalty), ("frequency_penalty", self.frequency_penalty)] {
-            if matches!(v, Some(p) if p != 0.0) {
-                return Err(ApiError::invalid_param(name, format!("{name} is not supported (only 0)")));
+            if let Some(p) = v.filter(|p| !(-2.0..=2.0).contains(p)) {
+                return Err(ApiError::invalid_param(name, format!("{name} must be in [-2, 2], got {p}")));
             }
         }
+        let repetition_penalty = self.repetition_penalty.unwrap_or(1.0);
+        if !(repetition_penalty > 0.0 && repetition_penalty.is_finite()) {
+            return Err(ApiError::invalid_param(
+                "repetition_penalty",
+                format!("repetition_penalty must be greater than 0, got {repetition_penalty}"),
+            ));
+        }
+        let min_tokens = match self.min_tokens.unwrap_or(0) {
+            m if m < 0 => {
+                return Err(ApiError::invalid_param("min_tokens", format!("min_tokens must be at least 0, got {m}")))
+            }
+            m if m > max_tokens as i64 => {
+                return Err(ApiError::invalid_param(
+                    "min_tokens",
+                    format!("min_tokens ({m}) must not exceed max_tokens ({max_tokens})"),
+                ))
+            }
+            m => m as u32,
+        };
         let temperature = self.temperature.unwrap_or(1.0);
         if !temperature.is_finite() || !(0.0..=100.0).contains(&temperature) {
             return Err(ApiError::invalid_param(
@@ -285,8 +391,86 @@ impl SamplingFields {
             stop: parse_stop(self.stop.as_ref())?,
             stop_token_ids: self.stop_token_ids.clone().unwrap_or_default(),
             ignore_eos: self.ignore_eos.unwrap_or(false),
+            min_tokens,
+            repetition_penalty: repetition_penalty as f32,
+            presence_penalty: self.presence_penalty.unwrap_or(0.0) as f32,
+            frequency_penalty: self.frequency_penalty.unwrap_or(0.0) as f32,
+            logit_bias: parse_logit_bias(self.logit_bias.as_ref())?,
             return_logits: false,
+            logprobs,
+            prompt_logprobs,
         })
+    }
+
+    /// The number of top log-probabilities per output token, as each
+    /// endpoint spells it (`None`: no log-probabilities).
+    fn logprobs(&self, endpoint: Endpoint) -> Result<Option<u32>, ApiError> {
+        match endpoint {
+            Endpoint::Completions => {
+                if !matches!(self.top_logprobs, None | Some(Value::Null)) {
+                    return Err(ApiError::invalid_param(
+                        "top_logprobs",
+                        "top_logprobs is a chat completions field; /v1/completions takes logprobs: k",
+                    ));
+                }
+                match &self.logprobs {
+                    // vllm-router sends `logprobs: false` with every request.
+                    Some(Value::Bool(false)) => Ok(None),
+                    v => count_field("logprobs", v.as_ref(), MAX_LOGPROBS),
+                }
+            }
+            Endpoint::Chat => {
+                let on = match &self.logprobs {
+                    None | Some(Value::Null) => false,
+                    Some(Value::Bool(b)) => *b,
+                    Some(other) => {
+                        return Err(ApiError::invalid_param("logprobs", format!("logprobs must be a boolean, got {other}")))
+                    }
+                };
+                let top = count_field("top_logprobs", self.top_logprobs.as_ref(), MAX_LOGPROBS)?;
+                match (on, top) {
+                    (true, top) => Ok(Some(top.unwrap_or(0))),
+                    (false, Some(k)) if k > 0 => {
+                        Err(ApiError::invalid_param("top_logprobs", "top_logprobs needs logprobs: true"))
+                    }
+                    (false, _) => Ok(None),
+                }
+            }
+        }
+    }
+
+    /// Refuses fields whose effect the server does not implement (see the
+    /// module docs); their defaults are accepted.
+    fn refuse_unsupported(&self) -> Result<(), ApiError> {
+        let refuse = |param: &str, m: &str| Err(ApiError::invalid_param(param, m.to_string()));
+        match &self.response_format {
+            None | Some(Value::Null) => {}
+            Some(v) if v.get("type").and_then(Value::as_str) == Some("text") => {}
+            Some(_) => return refuse("response_format", "only response_format {\"type\": \"text\"} is supported (no structured output)"),
+        }
+        match &self.tools {
+            None | Some(Value::Null) => {}
+            Some(Value::Array(t)) if t.is_empty() => {}
+            Some(_) => return refuse("tools", "tools are not supported (no tool calling)"),
+        }
+        match &self.tool_choice {
+            None | Some(Value::Null) => {}
+            Some(Value::String(c)) if c == "none" => {}
+            Some(_) => return refuse("tool_choice", "only tool_choice \"none\" is supported (no tool calling)"),
+        }
+        if self.skip_special_tokens == Some(false) {
+            return refuse("skip_special_tokens", "only skip_special_tokens=true is supported (special tokens are always left out of the text)");
+        }
+        if self.no_stop_trim == Some(true) {
+            return refuse("no_stop_trim", "only no_stop_trim=false is supported (a matched stop string is cut from the text)");
+        }
+        if self.return_hidden_states == Some(true) {
+            return refuse("return_hidden_states", "return_hidden_states is not supported");
+        }
+        if self.continue_final_message == Some(true) {
+            return refuse("continue_final_message", "continue_final_message is not supported");
+        }
+        Ok(())
     }
 }
 
@@ -338,20 +522,88 @@ mod tests {
     #[test]
     fn sampling_validation() {
         let ok = SamplingFields { temperature: Some(0.0), top_k: Some(-1), ..Default::default() };
-        let p = ok.to_params(5).unwrap();
+        let p = ok.to_params(5, Endpoint::Completions).unwrap();
         assert_eq!((p.temperature, p.top_k, p.max_tokens), (0.0, 0, 5));
         let cases: Vec<(SamplingFields, &str)> = vec![
-            (SamplingFields { n: Some(2), ..Default::default() }, "n"),
             (SamplingFields { temperature: Some(-0.5), ..Default::default() }, "temperature"),
             (SamplingFields { top_p: Some(0.0), ..Default::default() }, "top_p"),
             (SamplingFields { top_k: Some(-2), ..Default::default() }, "top_k"),
-            (SamplingFields { logprobs: Some(json!(3)), ..Default::default() }, "logprobs"),
+            (SamplingFields { logprobs: Some(json!(21)), ..Default::default() }, "logprobs"),
+            (SamplingFields { logprobs: Some(json!(-1)), ..Default::default() }, "logprobs"),
+            (SamplingFields { top_logprobs: Some(json!(2)), ..Default::default() }, "top_logprobs"),
+            (SamplingFields { prompt_logprobs: Some(json!(25)), ..Default::default() }, "prompt_logprobs"),
+            (SamplingFields { presence_penalty: Some(2.5), ..Default::default() }, "presence_penalty"),
+            (SamplingFields { frequency_penalty: Some(-2.1), ..Default::default() }, "frequency_penalty"),
+            (SamplingFields { repetition_penalty: Some(0.0), ..Default::default() }, "repetition_penalty"),
+            (SamplingFields { min_tokens: Some(6), ..Default::default() }, "min_tokens"),
+            (SamplingFields { min_tokens: Some(-1), ..Default::default() }, "min_tokens"),
+            (SamplingFields { logit_bias: Some(json!({"x": 1})), ..Default::default() }, "logit_bias"),
+            (SamplingFields { logit_bias: Some(json!({"3": "high"})), ..Default::default() }, "logit_bias"),
+            (SamplingFields { logit_bias: Some(json!([1])), ..Default::default() }, "logit_bias"),
+            (SamplingFields { response_format: Some(json!({"type": "json_object"})), ..Default::default() }, "response_format"),
+            (SamplingFields { tools: Some(json!([{"type": "function"}])), ..Default::default() }, "tools"),
+            (SamplingFields { tool_choice: Some(json!("auto")), ..Default::default() }, "tool_choice"),
+            (SamplingFields { skip_special_tokens: Some(false), ..Default::default() }, "skip_special_tokens"),
+            (SamplingFields { no_stop_trim: Some(true), ..Default::default() }, "no_stop_trim"),
+            (SamplingFields { return_hidden_states: Some(true), ..Default::default() }, "return_hidden_states"),
+            (SamplingFields { continue_final_message: Some(true), ..Default::default() }, "continue_final_message"),
         ];
         for (fields, param) in cases {
-            assert_eq!(fields.to_params(1).unwrap_err().param.as_deref(), Some(param));
+            let err = fields.to_params(5, Endpoint::Completions).unwrap_err();
+            assert_eq!(err.param.as_deref(), Some(param), "{fields:?}: {err:?}");
         }
         assert!(parse_max_tokens("max_tokens", Some(0)).is_err());
         assert_eq!(parse_max_tokens("max_tokens", Some(3)).unwrap(), Some(3));
+    }
+
+    #[test]
+    fn extras_reach_the_engine_params() {
+        let fields = SamplingFields {
+            min_tokens: Some(3),
+            repetition_penalty: Some(1.3),
+            presence_penalty: Some(-0.5),
+            frequency_penalty: Some(0.25),
+            logit_bias: Some(json!({"7": 150, "2": -3.5})),
+            stop_token_ids: Some(vec![9]),
+            ignore_eos: Some(true),
+            prompt_logprobs: Some(json!(2)),
+            // The defaults vllm-router sends are accepted.
+            response_format: Some(json!({"type": "text"})),
+            tools: Some(json!([])),
+            tool_choice: Some(json!("none")),
+            skip_special_tokens: Some(true),
+            no_stop_trim: Some(false),
+            return_hidden_states: Some(false),
+            continue_final_message: Some(false),
+            ..Default::default()
+        };
+        let p = fields.to_params(8, Endpoint::Completions).unwrap();
+        assert_eq!(p.min_tokens, 3);
+        assert!((p.repetition_penalty - 1.3).abs() < 1e-6);
+        assert_eq!((p.presence_penalty, p.frequency_penalty), (-0.5, 0.25));
+        assert_eq!(p.logit_bias, vec![(2, -3.5), (7, 100.0)], "sorted by id, clamped as vLLM does");
+        assert_eq!((p.stop_token_ids.as_slice(), p.ignore_eos), (&[9u32][..], true));
+        assert_eq!((p.logprobs, p.prompt_logprobs), (None, Some(2)));
+    }
+
+    #[test]
+    fn logprobs_as_each_endpoint_spells_them() {
+        let with = |logprobs: Value, top: Option<Value>| SamplingFields {
+            logprobs: Some(logprobs),
+            top_logprobs: top,
+            ..Default::default()
+        };
+        let cmpl = |f: SamplingFields| f.to_params(4, Endpoint::Completions).map(|p| p.logprobs);
+        let chat = |f: SamplingFields| f.to_params(4, Endpoint::Chat).map(|p| p.logprobs);
+        assert_eq!(cmpl(with(json!(3), None)).unwrap(), Some(3));
+        assert_eq!(cmpl(with(json!(0), None)).unwrap(), Some(0));
+        assert_eq!(cmpl(with(json!(false), None)).unwrap(), None);
+        assert_eq!(cmpl(with(json!(true), None)).unwrap_err().param.as_deref(), Some("logprobs"));
+        assert_eq!(chat(with(json!(true), Some(json!(5)))).unwrap(), Some(5));
+        assert_eq!(chat(with(json!(true), None)).unwrap(), Some(0));
+        assert_eq!(chat(with(json!(false), None)).unwrap(), None);
+        assert_eq!(chat(with(json!(false), Some(json!(2)))).unwrap_err().param.as_deref(), Some("top_logprobs"));
+        assert_eq!(chat(with(json!(3), None)).unwrap_err().param.as_deref(), Some("logprobs"));
     }
 }
 
@@ -362,8 +614,10 @@ mod body_tests {
 
     #[test]
     fn sampling_fields_parse_and_type_errors_name_them() {
-        let req: CompletionRequest =
-            parse_json(br#"{"prompt":"a","temperature":1,"top_k":5,"seed":9,"stop":["x"],"user":"u"}"#).unwrap();
+        let req: CompletionRequest = parse_json(
+            br#"{"prompt":"a","temperature":1,"top_k":5,"seed":9,"stop":["x"],"user":"u","separate_reasoning":true,"stream_reasoning":false,"include_reasoning":true,"echo":false,"logprobs":false,"min_tokens":0}"#,
+        )
+        .unwrap();
         let sampling = req.sampling();
         assert_eq!(sampling.temperature, Some(1.0));
         assert_eq!(sampling.top_k, Some(5));

@@ -1,22 +1,25 @@
 //! Request handlers: the OpenAI endpoints, health, models and metrics.
 
-use std::convert::Infallible;
+use std::sync::Arc;
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
-use axum::body::{Body, Bytes};
 use axum::extract::State;
 use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
-use futures::Stream;
-use pdkv_engine::{EngineRequest, FinishReason, SamplingParams};
-use pdkv_model::ChatMessage;
+use pdkv_engine::sampling::TokenLogprobs;
+use pdkv_engine::{EngineRequest, FinishReason, RequestOutput, SamplingParams};
+use pdkv_model::{ChatMessage, Tokenizer};
 use serde_json::{json, Value};
 
+use crate::choices::{admit_group, parse_n, Choice};
 use crate::error::{ApiError, ApiJson};
+use crate::logprobs;
 use crate::metrics::LifecycleGauges;
 use crate::openai::{
-    message_text, parse_max_tokens, parse_prompt, ChatRequest, CompletionRequest, Prompt, DEFAULT_COMPLETION_MAX_TOKENS,
+    chat_messages, parse_max_tokens, parse_prompt, ChatRequest, CompletionRequest, Endpoint, Prompt,
+    DEFAULT_COMPLETION_MAX_TOKENS,
 };
+use crate::sse::{sse_response, ChunkHead};
 use crate::tracker::TrackedStream;
 use crate::AppState;
 
@@ -24,7 +27,7 @@ fn unix_now() -> u64 {
     SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0)
 }
 
-fn check_model(state: &AppState, model: Option<&str>) -> Result<(), ApiError> {
+pub(crate) fn check_model(state: &AppState, model: Option<&str>) -> Result<(), ApiError> {
     match model {
         Some(m) if m != state.served_model_name() => Err(ApiError::model_not_found(m)),
         _ => Ok(()),
@@ -33,10 +36,34 @@ fn check_model(state: &AppState, model: Option<&str>) -> Result<(), ApiError> {
 
 /// Runs CPU-heavy prompt preparation (tokenization, templates) off the
 /// async workers.
-async fn blocking<T: Send + 'static>(f: impl FnOnce() -> Result<T, ApiError> + Send + 'static) -> Result<T, ApiError> {
+pub(crate) async fn blocking<T: Send + 'static>(f: impl FnOnce() -> Result<T, ApiError> + Send + 'static) -> Result<T, ApiError> {
     tokio::task::spawn_blocking(f)
         .await
         .unwrap_or_else(|e| Err(ApiError::internal(format!("prompt preparation failed: {e}"))))
+}
+
+/// The tokens of a conversation rendered with the model's chat template
+/// (`add_special_tokens`: let the tokenizer add BOS and the like too).
+pub(crate) async fn chat_prompt_tokens(
+    state: &AppState,
+    messages: Vec<ChatMessage>,
+    add_generation_prompt: bool,
+    add_special_tokens: bool,
+) -> Result<Vec<u32>, ApiError> {
+    let engine = state.engine().clone();
+    blocking(move || {
+        let template = engine
+            .chat_template()
+            .ok_or_else(|| ApiError::invalid_param("messages", "this model has no chat template"))?;
+        let text = template
+            .render(&messages, add_generation_prompt)
+            .map_err(|e| ApiError::invalid_param("messages", format!("could not apply the chat template: {e:#}")))?;
+        engine
+            .tokenizer()
+            .encode(&text, add_special_tokens)
+            .map_err(|e| ApiError::invalid_param("messages", format!("could not tokenize the conversation: {e:#}")))
+    })
+    .await
 }
 
 /// Validates token ids against the vocabulary.
@@ -49,6 +76,25 @@ fn check_token_ids(state: &AppState, ids: &[u32]) -> Result<(), ApiError> {
         return Err(ApiError::invalid_param(
             "prompt",
             format!("token id {bad} is out of range for a vocabulary of {vocab}"),
+        ));
+    }
+    Ok(())
+}
+
+/// Validates the token ids of `logit_bias` and `stop_token_ids` against the
+/// vocabulary, naming the field (the engine checks them too, without one).
+fn check_sampling_ids(state: &AppState, params: &SamplingParams) -> Result<(), ApiError> {
+    let vocab = state.engine().model_config().vocab_size;
+    if let Some((bad, _)) = params.logit_bias.iter().find(|(t, _)| *t as usize >= vocab) {
+        return Err(ApiError::invalid_param(
+            "logit_bias",
+            format!("logit_bias token id {bad} is out of range for a vocabulary of {vocab}"),
+        ));
+    }
+    if let Some(bad) = params.stop_token_ids.iter().find(|&&t| t as usize >= vocab) {
+        return Err(ApiError::invalid_param(
+            "stop_token_ids",
+            format!("stop token id {bad} is out of range for a vocabulary of {vocab}"),
         ));
     }
     Ok(())
@@ -97,12 +143,10 @@ fn with_request_id(mut resp: Response, id: &str) -> Response {
     resp
 }
 
-/// What a generation endpoint needs to answer, in either shape.
-struct Admitted {
-    stream: TrackedStream,
-    num_prompt_tokens: usize,
-    id: String,
-    created: u64,
+/// One admitted engine request.
+pub(crate) struct Admitted {
+    pub stream: TrackedStream,
+    pub created: u64,
 }
 
 /// Checks the shape of `kv_transfer_params` and maps a router's dialect
@@ -116,7 +160,7 @@ fn kv_params(v: Option<Value>, id: &str) -> Result<Option<Value>, ApiError> {
     }
 }
 
-fn admit(
+pub(crate) fn admit(
     state: &AppState,
     id: String,
     prompt_tokens: Vec<u32>,
@@ -130,46 +174,20 @@ fn admit(
         .add_request(EngineRequest { id: id.clone(), prompt_tokens, params, kv_transfer_params })
         .map_err(ApiError::from)?;
     let stream = TrackedStream::new(stream, state.metrics().clone(), arrived, num_prompt_tokens);
-    Ok(Admitted { stream, num_prompt_tokens, id, created: unix_now() })
-}
-
-/// The whole generation of a non-streaming request.
-struct Collected {
-    text: String,
-    finish_reason: FinishReason,
-    completion_tokens: usize,
-    kv_transfer_params: Option<Value>,
+    Ok(Admitted { stream, created: unix_now() })
 }
 
 /// The error a request that ended with [`FinishReason::Error`] answers with.
-fn failed_request(message: Option<String>) -> ApiError {
+pub(crate) fn failed_request(message: Option<String>) -> ApiError {
     let message = message.unwrap_or_else(|| "the request failed".into());
     ApiError::internal(message).with_code("kv_transfer_failed")
 }
 
-/// Collects a whole generation; a request that failed becomes its error.
-async fn collect(stream: &mut TrackedStream) -> Result<Collected, ApiError> {
-    let mut text = String::new();
-    let mut finish_reason = FinishReason::Abort;
-    let mut kv_transfer_params = None;
-    while let Some(out) = stream.next().await {
-        text.push_str(&out.text);
-        if let Some(r) = out.finish_reason {
-            finish_reason = r;
-            kv_transfer_params = out.kv_transfer_params;
-            if r == FinishReason::Error {
-                return Err(failed_request(out.error));
-            }
-        }
-    }
-    Ok(Collected { text, finish_reason, completion_tokens: stream.generated(), kv_transfer_params })
-}
-
-fn usage_json(prompt: usize, completion: usize) -> Value {
+pub(crate) fn usage_json(prompt: usize, completion: usize) -> Value {
     json!({"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion})
 }
 
-fn json_response(v: &Value) -> Response {
+pub(crate) fn json_response(v: &Value) -> Response {
     ([(header::CONTENT_TYPE, "application/json")], v.to_string()).into_response()
 }
 
@@ -182,20 +200,28 @@ pub async fn completions(
     let arrived = Instant::now();
     check_model(&state, req.model.as_deref())?;
     let id = choose_request_id(&state, &headers, req.request_id.as_deref(), "cmpl-")?;
-    if req.echo == Some(true) {
-        return Err(ApiError::invalid_param("echo", "echo is not supported"));
-    }
     if req.suffix.as_deref().is_some_and(|s| !s.is_empty()) {
         return Err(ApiError::invalid_param("suffix", "suffix is not supported"));
     }
     let max_tokens = parse_max_tokens("max_tokens", req.max_tokens)?.unwrap_or(DEFAULT_COMPLETION_MAX_TOKENS);
-    let params = req.sampling().to_params(max_tokens)?;
-    let prompt_tokens = match parse_prompt(&req.prompt)? {
-        Prompt::Tokens(ids) => ids,
+    let n = parse_n(req.n, req.best_of)?;
+    let mut params = req.sampling().to_params(max_tokens, Endpoint::Completions)?;
+    check_sampling_ids(&state, &params)?;
+    let echo = req.echo.unwrap_or(false);
+    if echo && params.logprobs.is_some() {
+        // The prompt's tokens are listed with their log-probabilities, as
+        // vLLM does: prompt_logprobs at the same k unless asked otherwise.
+        params.prompt_logprobs = params.prompt_logprobs.or(params.logprobs);
+    }
+    let given = parse_prompt(&req.prompt)?;
+    let tok = state.engine().tokenizer().clone();
+    let (prompt_tokens, prompt_text) = match given {
+        Prompt::Tokens(ids) => (ids, None),
         Prompt::Text(text) => {
-            let tok = state.engine().tokenizer().clone();
+            let tok = tok.clone();
             blocking(move || {
                 tok.encode(&text, true)
+                    .map(|ids| (ids, Some(text)))
                     .map_err(|e| ApiError::invalid_param("prompt", format!("could not tokenize the prompt: {e:#}")))
             })
             .await?
@@ -203,38 +229,162 @@ pub async fn completions(
     };
     check_token_ids(&state, &prompt_tokens)?;
     let kv = kv_params(req.kv_transfer_params, &id)?;
-    let mut admitted = admit(&state, id, prompt_tokens, params, kv, arrived)?;
+    let return_token_ids = req.return_token_ids.unwrap_or(false);
+    // vLLM echoes a text prompt as given and a token prompt decoded.
+    let echo_text = echo.then(|| prompt_text.unwrap_or_else(|| tok.decode(&prompt_tokens, false)));
+    let view = CompletionView {
+        tok,
+        logprobs: params.logprobs.is_some(),
+        want_prompt_logprobs: req.prompt_logprobs.as_ref().is_some_and(|v| !v.is_null()),
+        return_token_ids,
+        prompt_tokens: prompt_tokens.clone(),
+        echo_text,
+    };
+    let mut group = admit_group(&state, id, prompt_tokens, params, kv, arrived, n).await?;
     let model = state.served_model_name().to_string();
 
     if req.stream.unwrap_or(false) {
         let include_usage = req.stream_options.is_some_and(|o| o.include_usage);
-        let (id, created) = (admitted.id.clone(), admitted.created);
-        let head = ChunkHead { object: "text_completion", model: model.clone() };
-        let chunk = move |text: &str, finish: Option<FinishReason>, usage: bool| {
-            let mut v = json!({
-                "id": id, "object": "text_completion", "created": created, "model": model,
-                "choices": [{"index": 0, "text": text, "logprobs": null, "finish_reason": finish.map(FinishReason::as_str)}],
-            });
+        let (id, created) = (group.id.clone(), group.created);
+        let head = ChunkHead { id: id.clone(), created, object: "text_completion", model: model.clone() };
+        let mut per_choice = vec![StreamedChoice::default(); group.n()];
+        let mut shared_prompt_lp: Option<Vec<Option<TokenLogprobs>>> = None;
+        let chunk = move |i: usize, out: &RequestOutput, usage: bool| {
+            if out.prompt_logprobs.is_some() {
+                shared_prompt_lp = out.prompt_logprobs.clone();
+            }
+            let c = &mut per_choice[i];
+            let first = !c.started;
+            c.started = true;
+            let mut choice = view.choice(i, out, first.then_some(shared_prompt_lp.as_deref()).flatten(), first, c.offset);
+            c.offset += view.offset_advance(out, first);
+            let text_empty = choice["text"].as_str().is_some_and(str::is_empty);
+            // The first piece carries the echoed prompt and prompt logprobs.
+            let carries_prompt = first && (view.echo_text.is_some() || view.want_prompt_logprobs);
+            let shows_tokens = view.logprobs || view.return_token_ids;
+            if text_empty && out.finish_reason.is_none() && !carries_prompt && !shows_tokens {
+                return None;
+            }
+            choice["finish_reason"] = json!(out.finish_reason.map(FinishReason::as_str));
+            let mut v = json!({"id": id, "object": "text_completion", "created": created, "model": model, "choices": [choice]});
             if usage {
                 v["usage"] = Value::Null;
             }
-            v
+            Some(v)
         };
-        let id = admitted.id.clone();
-        return Ok(with_request_id(sse_response(admitted, head, include_usage, None, chunk), &id));
+        let id = group.id.clone();
+        return Ok(with_request_id(sse_response(group, head, include_usage, Vec::new(), chunk), &id));
     }
 
-    let done = collect(&mut admitted.stream).await?;
+    let done = group.collect().await?;
+    let kv_out = done[0].kv_transfer_params.clone();
+    let choices: Vec<Value> = done.iter().enumerate().map(|(i, c)| view.whole_choice(i, c)).collect();
     let resp = json_response(&json!({
-        "id": admitted.id,
+        "id": group.id,
         "object": "text_completion",
-        "created": admitted.created,
+        "created": group.created,
         "model": model,
-        "choices": [{"index": 0, "text": done.text, "logprobs": null, "finish_reason": done.finish_reason.as_str()}],
-        "usage": usage_json(admitted.num_prompt_tokens, done.completion_tokens),
-        "kv_transfer_params": done.kv_transfer_params,
+        "choices": choices,
+        "usage": usage_json(group.num_prompt_tokens, group.generated()),
+        "kv_transfer_params": kv_out,
     }));
-    Ok(with_request_id(resp, &admitted.id))
+    Ok(with_request_id(resp, &group.id))
+}
+
+/// How a completion's choices are shown: the options that shape them and
+/// the prompt they may echo.
+struct CompletionView {
+    tok: Arc<Tokenizer>,
+    logprobs: bool,
+    /// The client asked for `prompt_logprobs` itself (not only through echo).
+    want_prompt_logprobs: bool,
+    return_token_ids: bool,
+    prompt_tokens: Vec<u32>,
+    /// The prompt as echoed, when `echo` is set.
+    echo_text: Option<String>,
+}
+
+/// A streamed choice's progress.
+#[derive(Clone, Default)]
+struct StreamedChoice {
+    started: bool,
+    /// Characters of the text sent so far (`text_offset` of the next token).
+    offset: usize,
+}
+
+impl CompletionView {
+    /// A choice object for `out` (a whole choice or a stream's piece); on
+    /// the `first` piece the echoed prompt leads. `prompt_lp` are the
+    /// prompt log-probabilities (choice 0's), `offset` the text offset of
+    /// the first token.
+    fn choice(
+        &self,
+        index: usize,
+        out: &RequestOutput,
+        prompt_lp: Option<&[Option<TokenLogprobs>]>,
+        first: bool,
+        offset: usize,
+    ) -> Value {
+        let echo = self.echo_text.as_deref().filter(|_| first);
+        let text = format!("{}{}", echo.unwrap_or(""), out.text);
+        self.shape(index, text, &out.token_ids, &out.logprobs, prompt_lp, echo.is_some(), first, offset)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn shape(
+        &self,
+        index: usize,
+        text: String,
+        ids: &[u32],
+        lps: &[TokenLogprobs],
+        prompt_lp: Option<&[Option<TokenLogprobs>]>,
+        echoed: bool,
+        first: bool,
+        offset: usize,
+    ) -> Value {
+        let mut choice = json!({"index": index, "text": text, "logprobs": null, "finish_reason": null});
+        if self.logprobs {
+            let mut all_ids = Vec::new();
+            let mut entries: Vec<Option<&TokenLogprobs>> = Vec::new();
+            if echoed {
+                all_ids.extend_from_slice(&self.prompt_tokens);
+                let prompt = prompt_lp.unwrap_or(&[]);
+                entries.extend((0..self.prompt_tokens.len()).map(|p| prompt.get(p).and_then(Option::as_ref)));
+            }
+            all_ids.extend_from_slice(ids);
+            entries.extend(lps.iter().map(Some));
+            choice["logprobs"] = logprobs::completion_logprobs(&self.tok, &all_ids, &entries, offset);
+        }
+        if first && self.want_prompt_logprobs {
+            choice["prompt_logprobs"] = prompt_lp.map_or(Value::Null, |p| logprobs::prompt_logprobs(&self.tok, p));
+        }
+        if self.return_token_ids {
+            if first {
+                choice["prompt_token_ids"] = json!(self.prompt_tokens);
+            }
+            choice["token_ids"] = json!(ids);
+        }
+        choice
+    }
+
+    /// How far `out` (a stream's piece) moves the text offset.
+    fn offset_advance(&self, out: &RequestOutput, first: bool) -> usize {
+        if !self.logprobs {
+            return 0;
+        }
+        let echoed = if first && self.echo_text.is_some() { logprobs::text_len(&self.tok, &self.prompt_tokens) } else { 0 };
+        echoed + logprobs::text_len(&self.tok, &out.token_ids)
+    }
+
+    /// A whole (non-streamed) choice.
+    fn whole_choice(&self, index: usize, c: &Choice) -> Value {
+        let text = format!("{}{}", self.echo_text.as_deref().unwrap_or(""), c.text);
+        let prompt_lp = c.prompt_logprobs.as_deref();
+        let echoed = self.echo_text.is_some();
+        let mut v = self.shape(index, text, &c.token_ids, &c.logprobs, prompt_lp, echoed, true, 0);
+        v["finish_reason"] = json!(c.finish_reason.unwrap_or(FinishReason::Abort).as_str());
+        v
+    }
 }
 
 /// `POST /v1/chat/completions`.
@@ -256,34 +406,22 @@ pub async fn chat_completions(
         )
         .with_code("no_chat_template"));
     }
-    let messages = req
-        .messages
-        .iter()
-        .enumerate()
-        .map(|(i, m)| Ok(ChatMessage { role: m.role.clone(), content: message_text(i, &m.content)? }))
-        .collect::<Result<Vec<_>, ApiError>>()?;
+    let messages = chat_messages(&req.messages)?;
     let max_tokens = match parse_max_tokens("max_completion_tokens", req.max_completion_tokens)? {
         Some(n) => Some(n),
         None => parse_max_tokens("max_tokens", req.max_tokens)?,
     };
-    // Validate sampling fields before the (costly) template and tokenizer.
-    let mut params = req.sampling().to_params(max_tokens.unwrap_or(1))?;
+    if req.echo == Some(true) {
+        return Err(ApiError::invalid_param("echo", "echo is not supported on chat completions"));
+    }
+    // Validate sampling fields before the (costly) template and tokenizer
+    // (`max_tokens` is settled below once the prompt's length is known).
+    let n = parse_n(req.n, req.best_of)?;
+    let mut params = req.sampling().to_params(max_tokens.unwrap_or(u32::MAX), Endpoint::Chat)?;
+    check_sampling_ids(&state, &params)?;
 
-    let engine = state.engine().clone();
-    let prompt_tokens = blocking(move || {
-        let template = engine
-            .chat_template()
-            .ok_or_else(|| ApiError::invalid_param("messages", "this model has no chat template"))?;
-        let text = template
-            .render(&messages, true)
-            .map_err(|e| ApiError::invalid_param("messages", format!("could not apply the chat template: {e:#}")))?;
-        // The template already placed BOS and other special tokens.
-        engine
-            .tokenizer()
-            .encode(&text, false)
-            .map_err(|e| ApiError::invalid_param("messages", format!("could not tokenize the conversation: {e:#}")))
-    })
-    .await?;
+    // The template already places BOS and other special tokens.
+    let prompt_tokens = chat_prompt_tokens(&state, messages, true, false).await?;
     check_token_ids(&state, &prompt_tokens)?;
     // Without a limit a chat reply may use the rest of the context.
     params.max_tokens = match max_tokens {
@@ -294,171 +432,100 @@ pub async fn chat_completions(
         }
     };
     let kv = kv_params(req.kv_transfer_params, &id)?;
-    let mut admitted = admit(&state, id, prompt_tokens, params, kv, arrived)?;
+    let tok = state.engine().tokenizer().clone();
+    let top = params.logprobs.map(|k| k as usize);
+    let want_prompt_logprobs = params.prompt_logprobs.is_some();
+    let return_token_ids = req.return_token_ids.unwrap_or(false);
+    let prompt_ids = return_token_ids.then(|| prompt_tokens.clone());
+    let group = admit_group(&state, id, prompt_tokens, params, kv, arrived, n).await?;
     let model = state.served_model_name().to_string();
+    let content_logprobs = move |lps: &[TokenLogprobs]| match top {
+        Some(k) => json!({"content": logprobs::chat_content(&tok, lps, k)}),
+        None => Value::Null,
+    };
+    let tok = state.engine().tokenizer().clone();
 
     if req.stream.unwrap_or(false) {
         let include_usage = req.stream_options.is_some_and(|o| o.include_usage);
-        let (id, created) = (admitted.id.clone(), admitted.created);
-        let head = ChunkHead { object: "chat.completion.chunk", model: model.clone() };
+        let (id, created) = (group.id.clone(), group.created);
+        let head = ChunkHead { id: id.clone(), created, object: "chat.completion.chunk", model: model.clone() };
         let base = json!({"id": id, "object": "chat.completion.chunk", "created": created, "model": model});
-        let first = {
-            let mut v = base.clone();
-            v["choices"] = json!([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": null, "finish_reason": null}]);
-            if include_usage {
-                v["usage"] = Value::Null;
+        let first: Vec<Value> = (0..group.n())
+            .map(|i| {
+                let mut v = base.clone();
+                v["choices"] = json!([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": null, "finish_reason": null}]);
+                if include_usage {
+                    v["usage"] = Value::Null;
+                }
+                if i == 0 {
+                    if let Some(ids) = &prompt_ids {
+                        v["prompt_token_ids"] = json!(ids);
+                    }
+                }
+                v
+            })
+            .collect();
+        let chunk = move |i: usize, out: &RequestOutput, usage: bool| {
+            let shows_tokens = top.is_some() || return_token_ids;
+            let sends_prompt_lp = want_prompt_logprobs && out.prompt_logprobs.is_some();
+            if out.text.is_empty() && out.finish_reason.is_none() && !shows_tokens && !sends_prompt_lp {
+                return None;
             }
-            v
-        };
-        let chunk = move |text: &str, finish: Option<FinishReason>, usage: bool| {
             let mut v = base.clone();
-            let delta = if text.is_empty() { json!({}) } else { json!({"content": text}) };
-            v["choices"] = json!([{"index": 0, "delta": delta, "logprobs": null, "finish_reason": finish.map(FinishReason::as_str)}]);
+            let delta = if out.text.is_empty() { json!({}) } else { json!({"content": out.text}) };
+            let mut choice = json!({"index": i, "delta": delta, "logprobs": content_logprobs(&out.logprobs), "finish_reason": out.finish_reason.map(FinishReason::as_str)});
+            if return_token_ids {
+                choice["token_ids"] = json!(out.token_ids);
+            }
+            v["choices"] = json!([choice]);
+            if sends_prompt_lp {
+                v["prompt_logprobs"] = logprobs::prompt_logprobs(&tok, out.prompt_logprobs.as_deref().unwrap_or(&[]));
+            }
             if usage {
                 v["usage"] = Value::Null;
             }
-            v
+            Some(v)
         };
-        let id = admitted.id.clone();
-        return Ok(with_request_id(sse_response(admitted, head, include_usage, Some(first), chunk), &id));
+        let id = group.id.clone();
+        return Ok(with_request_id(sse_response(group, head, include_usage, first, chunk), &id));
     }
 
-    let done = collect(&mut admitted.stream).await?;
-    let resp = json_response(&json!({
-        "id": admitted.id,
-        "object": "chat.completion",
-        "created": admitted.created,
-        "model": model,
-        "choices": [{
-            "index": 0,
-            "message": {"role": "assistant", "content": done.text},
-            "logprobs": null,
-            "finish_reason": done.finish_reason.as_str(),
-        }],
-        "usage": usage_json(admitted.num_prompt_tokens, done.completion_tokens),
-        "kv_transfer_params": done.kv_transfer_params,
-    }));
-    Ok(with_request_id(resp, &admitted.id))
-}
-
-/// Where a server-sent-event stream is.
-enum Phase {
-    /// The optional opening chunk is still to be sent.
-    Start,
-    Generating,
-    /// The final chunk went out; usage and `[DONE]` remain.
-    Tail,
-    Done,
-}
-
-struct SseState<F> {
-    stream: TrackedStream,
-    num_prompt_tokens: usize,
-    include_usage: bool,
-    first: Option<Value>,
-    chunk: F,
-    phase: Phase,
-    id: String,
-    created: u64,
-    object: &'static str,
-    model: String,
-}
-
-fn sse_event(v: &Value) -> String {
-    format!("data: {v}\n\n")
-}
-
-impl<F: FnMut(&str, Option<FinishReason>, bool) -> Value> SseState<F> {
-    /// The next piece of the body, or `None` at the end.
-    async fn step(&mut self) -> Option<String> {
-        loop {
-            match self.phase {
-                Phase::Start => {
-                    self.phase = Phase::Generating;
-                    if let Some(first) = self.first.take() {
-                        return Some(sse_event(&first));
-                    }
-                }
-                Phase::Generating => {
-                    let (text, finish) = match self.stream.next().await {
-                        Some(out) if out.finish_reason == Some(FinishReason::Error) => {
-                            // A failed request: an error event, then `[DONE]`.
-                            self.phase = Phase::Done;
-                            let err = failed_request(out.error);
-                            return Some(format!("data: {}\n\ndata: [DONE]\n\n", err.body_json()));
-                        }
-                        Some(out) => (out.text, out.finish_reason),
-                        // The engine ended the stream without a final output.
-                        None => (String::new(), Some(FinishReason::Abort)),
-                    };
-                    if finish.is_none() && text.is_empty() {
-                        continue;
-                    }
-                    if finish.is_some() {
-                        self.phase = Phase::Tail;
-                    }
-                    return Some(sse_event(&(self.chunk)(&text, finish, self.include_usage)));
-                }
-                Phase::Tail => {
-                    self.phase = Phase::Done;
-                    let mut out = String::new();
-                    if self.include_usage {
-                        out.push_str(&sse_event(&json!({
-                            "id": self.id, "object": self.object, "created": self.created, "model": self.model,
-                            "choices": [],
-                            "usage": usage_json(self.num_prompt_tokens, self.stream.generated()),
-                        })));
-                    }
-                    out.push_str("data: [DONE]\n\n");
-                    return Some(out);
-                }
-                Phase::Done => return None,
+    let mut group = group;
+    let done = group.collect().await?;
+    let choices: Vec<Value> = done
+        .iter()
+        .enumerate()
+        .map(|(i, c)| {
+            let mut v = json!({
+                "index": i,
+                "message": {"role": "assistant", "content": c.text},
+                "logprobs": content_logprobs(&c.logprobs),
+                "finish_reason": c.finish_reason.unwrap_or(FinishReason::Abort).as_str(),
+            });
+            if return_token_ids {
+                v["token_ids"] = json!(c.token_ids);
             }
-        }
-    }
-}
-
-/// A `text/event-stream` response that owns the request's stream: when the
-/// client disconnects, hyper drops the body and with it the request.
-fn sse_response<F>(admitted: Admitted, head: ChunkHead, include_usage: bool, first: Option<Value>, chunk: F) -> Response
-where
-    F: FnMut(&str, Option<FinishReason>, bool) -> Value + Send + 'static,
-{
-    let ChunkHead { object, model } = head;
-    let state = SseState {
-        stream: admitted.stream,
-        num_prompt_tokens: admitted.num_prompt_tokens,
-        include_usage,
-        first,
-        chunk,
-        phase: Phase::Start,
-        id: admitted.id,
-        created: admitted.created,
-        object,
-        model,
-    };
-    let body = futures::stream::unfold(state, |mut st| async move {
-        let piece = st.step().await?;
-        Some((Ok::<_, Infallible>(Bytes::from(piece)), st))
+            v
+        })
+        .collect();
+    let mut body = json!({
+        "id": group.id,
+        "object": "chat.completion",
+        "created": group.created,
+        "model": model,
+        "choices": choices,
+        "usage": usage_json(group.num_prompt_tokens, group.generated()),
+        "kv_transfer_params": done[0].kv_transfer_params,
     });
-    sse_body(body)
-}
-
-/// The fields of a stream's final usage chunk besides id and time.
-struct ChunkHead {
-    object: &'static str,
-    model: String,
-}
-
-fn sse_body<S>(body: S) -> Response
-where
-    S: Stream<Item = Result<Bytes, Infallible>> + Send + 'static,
-{
-    Response::builder()
-        .header(header::CONTENT_TYPE, "text/event-stream")
-        .header(header::CACHE_CONTROL, "no-cache")
-        .body(Body::from_stream(body))
-        .unwrap_or_else(|e| ApiError::internal(format!("could not build the response: {e}")).into_response())
+    if want_prompt_logprobs {
+        body["prompt_logprobs"] =
+            done[0].prompt_logprobs.as_deref().map_or(Value::Null, |p| logprobs::prompt_logprobs(&tok, p));
+    }
+    if let Some(ids) = prompt_ids {
+        body["prompt_token_ids"] = json!(ids);
+    }
+    let resp = json_response(&body);
+    Ok(with_request_id(resp, &group.id))
 }
 
 /// `GET /kv_transfer/info`: what the KV connector says about itself

@@ -49,6 +49,11 @@ pub struct ServeArgs {
     /// TOKEN`. Without it those routes do not exist.
     #[arg(long, env = "PDKV_ADMIN_TOKEN", hide_env_values = true)]
     pub admin_token: Option<String>,
+    /// Requires `Authorization: Bearer KEY` on the OpenAI routes (/v1/*,
+    /// /tokenize, /detokenize), as vLLM's --api-key; /health, /metrics and
+    /// /version stay open.
+    #[arg(long, env = "PDKV_API_KEY", hide_env_values = true)]
+    pub api_key: Option<String>,
     /// KV connector configuration (JSON) for prefill/decode disaggregation,
     /// e.g. `{"kv_connector":"pdkv","kv_role":"kv_producer","transport":"tcp"}`.
     #[arg(long)]
@@ -86,6 +91,9 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     anyhow::ensure!(config.num_kv_blocks > 0, "--num-kv-blocks must be at least 1");
     if args.admin_token.as_deref() == Some("") {
         anyhow::bail!("--admin-token (or PDKV_ADMIN_TOKEN) is empty; give a secret or leave it unset");
+    }
+    if args.api_key.as_deref() == Some("") {
+        anyhow::bail!("--api-key (or PDKV_API_KEY) is empty; give a key or leave it unset");
     }
     let addr: SocketAddr = format!("{}:{}", args.host, args.port)
         .parse()
@@ -133,7 +141,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
 
     let runtime =
         tokio::runtime::Builder::new_multi_thread().enable_all().build().context("starting the async runtime")?;
-    let result = runtime.block_on(serve(addr, engine.clone(), served_name, args.admin_token));
+    let result = runtime.block_on(serve(addr, engine.clone(), served_name, args.admin_token, args.api_key));
     engine.shutdown();
     result
 }
@@ -151,10 +159,14 @@ async fn serve(
     engine: EngineHandle,
     served_name: String,
     admin_token: Option<String>,
+    api_key: Option<String>,
 ) -> anyhow::Result<()> {
     let mut state = AppState::new(engine.clone(), served_name.clone());
     if let Some(token) = admin_token {
         state = state.with_admin_token(token)?;
+    }
+    if let Some(key) = api_key {
+        state = state.with_api_key(key)?;
     }
     let listener = tokio::net::TcpListener::bind(addr).await.with_context(|| format!("binding {addr}"))?;
     let local = listener.local_addr().context("reading the bound address")?;

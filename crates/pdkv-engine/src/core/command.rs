@@ -134,6 +134,8 @@ pub(crate) fn abort_output(req: &EngineRequest) -> RequestOutput {
         num_prompt_tokens: req.prompt_tokens.len(),
         num_cached_tokens: 0,
         logits: Vec::new(),
+        logprobs: Vec::new(),
+        prompt_logprobs: None,
         kv_transfer_params: None,
         error: None,
     }

@@ -49,7 +49,35 @@ impl RequestLimits {
         if p.stop.iter().any(|s| s.is_empty()) {
             return invalid("stop strings must not be empty".into());
         }
+        if !(p.repetition_penalty > 0.0 && p.repetition_penalty.is_finite()) {
+            return invalid(format!("repetition_penalty must be > 0, got {}", p.repetition_penalty));
+        }
+        for (name, v) in [("presence_penalty", p.presence_penalty), ("frequency_penalty", p.frequency_penalty)] {
+            if !(-2.0..=2.0).contains(&v) {
+                return invalid(format!("{name} must be in [-2, 2], got {v}"));
+            }
+        }
+        if p.min_tokens > p.max_tokens {
+            return invalid(format!("min_tokens ({}) must not exceed max_tokens ({})", p.min_tokens, p.max_tokens));
+        }
+        for (name, k) in [("logprobs", p.logprobs), ("prompt_logprobs", p.prompt_logprobs)] {
+            if let Some(k) = k.filter(|&k| k > crate::MAX_LOGPROBS) {
+                return invalid(format!("{name} must be at most {}, got {k}", crate::MAX_LOGPROBS));
+            }
+        }
+        if p.prompt_logprobs.is_some() && req.kv_transfer_params.is_some() {
+            // Its prompt must be computed here, position by position.
+            return invalid("prompt_logprobs cannot be combined with kv_transfer_params".into());
+        }
         let vocab = self.vocab_size;
+        for &(t, bias) in &p.logit_bias {
+            if t as usize >= vocab {
+                return invalid(format!("logit_bias token id {t} is outside the vocabulary of {vocab}"));
+            }
+            if !(-100.0..=100.0).contains(&bias) {
+                return invalid(format!("logit_bias for token {t} must be in [-100, 100], got {bias}"));
+            }
+        }
         if let Some(&t) = req.prompt_tokens.iter().find(|&&t| t as usize >= vocab) {
             return invalid(format!("prompt token id {t} is outside the vocabulary of {vocab}"));
         }

@@ -22,7 +22,7 @@ use crate::connector::{KvConnector, Waker};
 use crate::detok::{Decode, IncrementalDetokenizer, StopChecker};
 use crate::lifecycle::{LifecycleStatus, Machine, SleepLevel, Ticket, WeightInfo};
 use crate::model::ModelRunner;
-use crate::sampling::{sample, SamplingConfig};
+use crate::sampling::{logprobs, sample, LogitsAdjust, SamplingConfig, TokenHistory, TokenLogprobs};
 use crate::scheduler::{NewRequest, Scheduler, SchedulerConfig, SchedulerOutput};
 use crate::{AddRequestError, EngineConfig, EngineRequest, EngineStats, FinishReason, RequestOutput};
 
@@ -86,11 +86,41 @@ struct ActiveRequest {
     serial: u64,
     output: OutputSink,
     sampling: SamplingConfig,
+    adjust: LogitsAdjust,
+    /// The tokens seen so far (penalties, `min_tokens`).
+    history: TokenHistory,
     return_logits: bool,
+    /// Top log-probabilities per output token, when asked.
+    logprobs: Option<usize>,
+    prompt_logprobs: Option<PromptLogprobs>,
     detok: IncrementalDetokenizer,
     stops: StopChecker,
+    /// Stop strings match only once this many tokens were generated.
+    min_tokens: usize,
     num_prompt_tokens: usize,
     num_cached_tokens: usize,
+}
+
+/// A request's prompt log-probabilities, gathered from its prefill's rows
+/// (chunk by chunk; a preempted prefill computes them again and the rows
+/// already gathered are skipped).
+struct PromptLogprobs {
+    top: usize,
+    prompt: Vec<u32>,
+    /// One per prompt token so far; the first is `None`.
+    entries: Vec<Option<TokenLogprobs>>,
+    sent: bool,
+}
+
+impl PromptLogprobs {
+    /// Takes the row computed at prompt position `pos`: it predicts the
+    /// token at `pos + 1`.
+    fn take_row(&mut self, pos: usize, row: &[f32]) {
+        let next = pos + 1;
+        if next == self.entries.len() && next < self.prompt.len() {
+            self.entries.push(Some(logprobs(row, self.prompt[next], self.top)));
+        }
+    }
 }
 
 impl ActiveRequest {
@@ -103,6 +133,8 @@ impl ActiveRequest {
             num_prompt_tokens: self.num_prompt_tokens,
             num_cached_tokens: self.num_cached_tokens,
             logits: Vec::new(),
+            logprobs: Vec::new(),
+            prompt_logprobs: None,
             kv_transfer_params: None,
             error: None,
         }
@@ -159,6 +191,8 @@ pub struct EngineCore {
     /// one fixed order and a simulation replays.
     reqs: BTreeMap<Arc<str>, ActiveRequest>,
     logits: Vec<f32>,
+    /// A row adjusted before sampling (penalties, bias, `min_tokens`).
+    scratch: Vec<f32>,
     steps: u64,
     pub(super) pool: Pool,
     pub(super) lc: Machine,
@@ -243,6 +277,7 @@ impl EngineCore {
             limits,
             reqs: BTreeMap::new(),
             logits: Vec::new(),
+            scratch: Vec::new(),
             steps: 0,
             pool,
             lc: Machine::new(),
@@ -504,13 +539,26 @@ impl EngineCore {
         if !p.ignore_eos {
             stop_token_ids.extend(&self.eos_ids);
         }
+        let adjust = LogitsAdjust::from_params(p, &stop_token_ids);
+        let history = TokenHistory::new(&req.prompt_tokens, adjust.repetition_penalty != 1.0);
+        let prompt_logprobs = p.prompt_logprobs.map(|k| PromptLogprobs {
+            top: k as usize,
+            prompt: req.prompt_tokens.clone(),
+            entries: vec![None],
+            sent: false,
+        });
         let active = ActiveRequest {
             serial,
             output,
             sampling: SamplingConfig::from_params(p, seed),
+            adjust,
+            history,
             return_logits: p.return_logits,
+            logprobs: p.logprobs.map(|k| k as usize),
+            prompt_logprobs,
             detok: IncrementalDetokenizer::new(&req.prompt_tokens),
             stops: StopChecker::new(p.stop.clone()),
+            min_tokens: p.min_tokens as usize,
             num_prompt_tokens: req.prompt_tokens.len(),
             num_cached_tokens: 0,
         };
@@ -520,6 +568,7 @@ impl EngineCore {
             max_tokens: p.max_tokens as usize,
             stop_token_ids,
             kv_transfer_params: if self.has_connector { req.kv_transfer_params } else { None },
+            prompt_logits: p.prompt_logprobs.is_some(),
         });
         self.reqs.insert(id, active);
     }
@@ -570,7 +619,7 @@ impl EngineCore {
                 anyhow::bail!("the forward pass panicked: {msg}");
             }
         }
-        let want = plan.num_sampled() * self.vocab;
+        let want = plan.num_logit_rows() * self.vocab;
         anyhow::ensure!(
             self.logits.len() == want,
             "the forward pass returned {} logits, expected {want}",
@@ -618,15 +667,29 @@ impl EngineCore {
             active.num_cached_tokens = u.num_cached_tokens;
             let mut out = active.output(&u.request_id);
             out.token_ids.push(tok);
+            let r = rows[&u.request_id];
+            let row = &self.logits[r * self.vocab..(r + 1) * self.vocab];
             if active.return_logits {
-                let r = rows[&u.request_id];
-                out.logits.push(self.logits[r * self.vocab..(r + 1) * self.vocab].to_vec());
+                out.logits.push(row.to_vec());
             }
+            if let Some(k) = active.logprobs {
+                out.logprobs.push(logprobs(row, tok, k));
+            }
+            if let Some(pl) = active.prompt_logprobs.as_mut().filter(|pl| !pl.sent) {
+                // Every prompt row was computed before the first token.
+                pl.sent = true;
+                out.prompt_logprobs = Some(std::mem::take(&mut pl.entries));
+            }
+            active.history.push(tok);
             let mut finish = u.finished;
             // A stop token (EOS or stop_token_ids) is not part of the text.
             if finish != Some(FinishReason::Stop) {
                 let delta = active.detok.push(&*self.decoder, tok);
-                let (text, hit) = active.stops.push(&delta);
+                let (text, hit) = if active.history.num_outputs() > active.min_tokens {
+                    active.stops.push(&delta)
+                } else {
+                    (active.stops.push_unmatched(&delta), false)
+                };
                 out.text.push_str(&text);
                 if hit {
                     finish = Some(FinishReason::Stop);
@@ -659,20 +722,40 @@ impl EngineCore {
 
     /// Samples from the logits rows, in order: the token per seq (`None`
     /// for a seq that does not sample) and each sampling request's row.
-    fn sample(&self, plan: &SchedulerOutput) -> (Vec<Option<u32>>, HashMap<Arc<str>, usize>) {
+    /// Rows of seqs with `all_logits` feed their prompt log-probabilities.
+    fn sample(&mut self, plan: &SchedulerOutput) -> (Vec<Option<u32>>, HashMap<Arc<str>, usize>) {
+        let vocab = self.vocab;
         let mut sampled = Vec::with_capacity(plan.seqs.len());
         let mut rows: HashMap<Arc<str>, usize> = HashMap::new();
-        let mut row = 0;
+        let mut next_row = 0;
         for s in &plan.seqs {
+            let first = next_row;
+            next_row += s.num_logit_rows();
+            let active = self.reqs.get_mut(&s.request_id).expect("scheduled request is active");
+            if s.all_logits {
+                if let Some(pl) = active.prompt_logprobs.as_mut() {
+                    for (i, r) in (first..next_row).enumerate() {
+                        pl.take_row(s.start_pos + i, &self.logits[r * vocab..(r + 1) * vocab]);
+                    }
+                }
+            }
             if !s.sample {
                 sampled.push(None);
                 continue;
             }
-            let logits = &self.logits[row * self.vocab..(row + 1) * self.vocab];
-            let active = self.reqs.get(&s.request_id).expect("scheduled request is active");
-            sampled.push(Some(sample(logits, &active.sampling, s.output_index as u64)));
+            let row = next_row - 1;
+            let logits = &self.logits[row * vocab..(row + 1) * vocab];
+            let index = s.output_index as u64;
+            let token = if active.adjust.is_active() {
+                self.scratch.clear();
+                self.scratch.extend_from_slice(logits);
+                active.adjust.apply(&mut self.scratch, &active.history);
+                sample(&self.scratch, &active.sampling, index)
+            } else {
+                sample(logits, &active.sampling, index)
+            };
+            sampled.push(Some(token));
             rows.insert(s.request_id.clone(), row);
-            row += 1;
         }
         (sampled, rows)
     }

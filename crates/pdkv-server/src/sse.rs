@@ -1,0 +1,164 @@
+//! Server-sent events for streamed generations: the chunks of every choice
+//! of a [`Group`] as they come, then the optional usage chunk and `[DONE]`.
+
+use std::collections::VecDeque;
+use std::convert::Infallible;
+
+use axum::body::{Body, Bytes};
+use axum::http::header;
+use axum::response::{IntoResponse, Response};
+use futures::stream::BoxStream;
+use futures::{Stream, StreamExt};
+use pdkv_engine::{FinishReason, RequestOutput};
+use serde_json::{json, Value};
+
+use crate::choices::Group;
+use crate::error::ApiError;
+use crate::routes::{failed_request, usage_json};
+
+/// Builds the chunk for one output of choice `index`, or `None` when the
+/// output shows nothing (no text, no tokens the client asked to see, not
+/// the end). `usage_null`: add `"usage": null` (`include_usage` is set).
+pub trait ChunkFn: FnMut(usize, &RequestOutput, bool) -> Option<Value> + Send + 'static {}
+impl<F: FnMut(usize, &RequestOutput, bool) -> Option<Value> + Send + 'static> ChunkFn for F {}
+
+/// Where a stream is.
+enum Phase {
+    /// The opening chunks are still to be sent.
+    Start,
+    Generating,
+    /// Every choice's final chunk went out; usage and `[DONE]` remain.
+    Tail,
+    Done,
+}
+
+struct SseState<F> {
+    outputs: BoxStream<'static, (usize, Option<RequestOutput>)>,
+    num_prompt_tokens: usize,
+    generated: usize,
+    /// Choices not finished yet.
+    open: usize,
+    include_usage: bool,
+    first: VecDeque<Value>,
+    chunk: F,
+    phase: Phase,
+    head: ChunkHead,
+}
+
+/// The fields every chunk of a stream shares.
+pub struct ChunkHead {
+    pub id: String,
+    pub created: u64,
+    pub object: &'static str,
+    pub model: String,
+}
+
+fn sse_event(v: &Value) -> String {
+    format!("data: {v}\n\n")
+}
+
+/// The final output of a choice whose stream ended without one.
+fn ended(index: usize) -> RequestOutput {
+    RequestOutput {
+        request_id: index.to_string(),
+        token_ids: Vec::new(),
+        text: String::new(),
+        finish_reason: Some(FinishReason::Abort),
+        num_prompt_tokens: 0,
+        num_cached_tokens: 0,
+        logits: Vec::new(),
+        logprobs: Vec::new(),
+        prompt_logprobs: None,
+        kv_transfer_params: None,
+        error: None,
+    }
+}
+
+impl<F: ChunkFn> SseState<F> {
+    /// The next piece of the body, or `None` at the end.
+    async fn step(&mut self) -> Option<String> {
+        loop {
+            match self.phase {
+                Phase::Start => match self.first.pop_front() {
+                    Some(v) => return Some(sse_event(&v)),
+                    None => self.phase = Phase::Generating,
+                },
+                Phase::Generating => {
+                    let (index, out) = match self.outputs.next().await {
+                        Some((i, Some(out))) => (i, out),
+                        Some((i, None)) => (i, ended(i)),
+                        // Every choice's stream ended.
+                        None => {
+                            self.phase = Phase::Tail;
+                            continue;
+                        }
+                    };
+                    if out.finish_reason == Some(FinishReason::Error) {
+                        // A failed request: an error event, then `[DONE]`.
+                        self.phase = Phase::Done;
+                        let err = failed_request(out.error);
+                        return Some(format!("data: {}\n\ndata: [DONE]\n\n", err.body_json()));
+                    }
+                    self.generated += out.token_ids.len();
+                    if out.finish_reason.is_some() {
+                        self.open -= 1;
+                        if self.open == 0 {
+                            self.phase = Phase::Tail;
+                        }
+                    }
+                    if let Some(v) = (self.chunk)(index, &out, self.include_usage) {
+                        return Some(sse_event(&v));
+                    }
+                }
+                Phase::Tail => {
+                    self.phase = Phase::Done;
+                    let mut out = String::new();
+                    if self.include_usage {
+                        let h = &self.head;
+                        out.push_str(&sse_event(&json!({
+                            "id": h.id, "object": h.object, "created": h.created, "model": h.model,
+                            "choices": [],
+                            "usage": usage_json(self.num_prompt_tokens, self.generated),
+                        })));
+                    }
+                    out.push_str("data: [DONE]\n\n");
+                    return Some(out);
+                }
+                Phase::Done => return None,
+            }
+        }
+    }
+}
+
+/// A `text/event-stream` response that owns the group's streams: when the
+/// client disconnects, hyper drops the body and with it every choice.
+/// `first` are opening chunks sent before any output.
+pub fn sse_response<F: ChunkFn>(group: Group, head: ChunkHead, include_usage: bool, first: Vec<Value>, chunk: F) -> Response {
+    let state = SseState {
+        num_prompt_tokens: group.num_prompt_tokens,
+        generated: 0,
+        open: group.n(),
+        outputs: group.into_stream().boxed(),
+        include_usage,
+        first: first.into(),
+        chunk,
+        phase: Phase::Start,
+        head,
+    };
+    let body = futures::stream::unfold(state, |mut st| async move {
+        let piece = st.step().await?;
+        Some((Ok::<_, Infallible>(Bytes::from(piece)), st))
+    });
+    sse_body(body)
+}
+
+fn sse_body<S>(body: S) -> Response
+where
+    S: Stream<Item = Result<Bytes, Infallible>> + Send + 'static,
+{
+    Response::builder()
+        .header(header::CONTENT_TYPE, "text/event-stream")
+        .header(header::CACHE_CONTROL, "no-cache")
+        .body(Body::from_stream(body))
+        .unwrap_or_else(|e| ApiError::internal(format!("could not build the response: {e}")).into_response())
+}

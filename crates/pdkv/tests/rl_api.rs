@@ -1,0 +1,389 @@
+//! What RL rollout clients (verl, OpenRLHF) send to vLLM, against a real
+//! `pdkv serve` on loopback with SmolLM2: log-probabilities that agree with
+//! the prompt log-probabilities of the same text, seeded groups of `n`
+//! choices, logit_bias, min_tokens and stop token ids, and the fields that
+//! must be refused.
+
+mod common;
+
+use std::collections::BTreeSet;
+
+use common::*;
+use serde_json::{json, Value};
+
+const PROMPT: &str = "The three most useful things to pack for a long hike in the mountains are";
+
+fn serve(path: &std::path::Path) -> Proc {
+    Proc::start(&[], &["serve", "--port", "0", "--model", path.to_str().unwrap(), "--num-kv-blocks", "128"])
+}
+
+async fn post(client: &reqwest::Client, url: String, body: &Value) -> (u16, Value) {
+    let resp = client.post(url).json(body).send().await.unwrap();
+    let status = resp.status().as_u16();
+    let text = resp.text().await.unwrap();
+    (status, serde_json::from_str(&text).unwrap_or_else(|e| panic!("{e}: {text}")))
+}
+
+async fn ok(client: &reqwest::Client, url: String, body: &Value) -> Value {
+    let (status, v) = post(client, url, body).await;
+    assert_eq!(status, 200, "{body} -> {v}");
+    v
+}
+
+fn ids(v: &Value) -> Vec<u64> {
+    v.as_array().unwrap_or_else(|| panic!("not a list: {v}")).iter().map(|t| t.as_u64().unwrap()).collect()
+}
+
+/// The data of every event of a server-sent-event body, `[DONE]` last.
+fn events(text: &str) -> Vec<Value> {
+    assert!(text.ends_with("data: [DONE]\n\n"), "{text}");
+    text.split("\n\n")
+        .filter(|e| !e.is_empty() && *e != "data: [DONE]")
+        .map(|e| serde_json::from_str(e.strip_prefix("data: ").unwrap()).unwrap())
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sampled_logprobs_equal_the_prompt_logprobs_of_the_completed_text() {
+    let Some(path) = smollm2_path("sampled_logprobs_equal_the_prompt_logprobs_of_the_completed_text") else { return };
+    let s = serve(&path);
+    let client = reqwest::Client::new();
+    wait_healthy(&client, &s.url("/health")).await;
+    let url = s.url("/v1/completions");
+
+    // A hot temperature: the reported values must still be the raw model's.
+    let body = json!({"prompt": PROMPT, "max_tokens": 12, "temperature": 1.5, "seed": 11, "logprobs": 3,
+        "return_token_ids": true, "ignore_eos": true});
+    let v = ok(&client, url.clone(), &body).await;
+    let choice = &v["choices"][0];
+    let prompt_ids = ids(&choice["prompt_token_ids"]);
+    let out_ids = ids(&choice["token_ids"]);
+    assert_eq!(out_ids.len(), 12);
+    let lp = &choice["logprobs"];
+    let sampled: Vec<f64> = lp["token_logprobs"].as_array().unwrap().iter().map(|x| x.as_f64().unwrap()).collect();
+    assert_eq!(sampled.len(), 12);
+    let tokens = lp["tokens"].as_array().unwrap();
+    let offsets = ids(&lp["text_offset"]);
+    for (j, top) in lp["top_logprobs"].as_array().unwrap().iter().enumerate() {
+        let top = top.as_object().unwrap();
+        let token = tokens[j].as_str().unwrap();
+        // k tokens plus the sampled one, keyed by text (tokens that decode
+        // alone to the same text, such as partial characters, share a key).
+        assert!((1..=4).contains(&top.len()), "{top:?}");
+        assert_eq!(top[token].as_f64().unwrap(), sampled[j], "the sampled token is listed with its logprob");
+        assert!(sampled[j] <= 0.0);
+        if j > 0 {
+            assert_eq!(offsets[j], offsets[j - 1] + tokens[j - 1].as_str().unwrap().chars().count() as u64);
+        }
+    }
+
+    // The same text as a prompt: its prompt logprobs at the sampled positions.
+    let full: Vec<u64> = prompt_ids.iter().chain(&out_ids).copied().collect();
+    let again = ok(&client, url.clone(), &json!({"prompt": full, "max_tokens": 1, "temperature": 0, "prompt_logprobs": 0})).await;
+    let plp = again["choices"][0]["prompt_logprobs"].as_array().unwrap();
+    assert_eq!(plp.len(), full.len());
+    assert!(plp[0].is_null(), "the first prompt token has no logprob");
+    let mut max_diff = 0.0f64;
+    for (j, &t) in out_ids.iter().enumerate() {
+        let entry = &plp[prompt_ids.len() + j][t.to_string()];
+        let diff = (entry["logprob"].as_f64().unwrap() - sampled[j]).abs();
+        max_diff = max_diff.max(diff);
+        assert!(entry["rank"].as_u64().unwrap() >= 1);
+    }
+    println!("largest |sampled logprob - prompt logprob| over {} tokens: {max_diff:e}", out_ids.len());
+    assert!(max_diff < 1e-4, "largest difference {max_diff}");
+
+    // Echo with logprobs: the prompt's tokens first, the first one null.
+    let echoed = ok(&client, url.clone(), &json!({"prompt": PROMPT, "max_tokens": 2, "temperature": 0, "echo": true, "logprobs": 1})).await;
+    let c = &echoed["choices"][0];
+    assert!(c["text"].as_str().unwrap().starts_with(PROMPT), "{c}");
+    let echo_lp = c["logprobs"]["token_logprobs"].as_array().unwrap();
+    assert_eq!(echo_lp.len(), prompt_ids.len() + 2);
+    assert!(echo_lp[0].is_null());
+    for p in 1..prompt_ids.len() {
+        let want = plp[p][prompt_ids[p].to_string()]["logprob"].as_f64().unwrap();
+        assert!((echo_lp[p].as_f64().unwrap() - want).abs() < 1e-9, "prompt position {p}");
+    }
+
+    // Chat: greedy, so the chosen token leads its top list; streamed the same.
+    let chat_url = s.url("/v1/chat/completions");
+    let messages = json!([{"role": "user", "content": "Name a colour."}]);
+    let chat = json!({"messages": messages, "max_tokens": 6, "temperature": 0, "logprobs": true, "top_logprobs": 2});
+    let v = ok(&client, chat_url.clone(), &chat).await;
+    let content = v["choices"][0]["logprobs"]["content"].as_array().unwrap().clone();
+    assert!(!content.is_empty());
+    for e in &content {
+        let top = e["top_logprobs"].as_array().unwrap();
+        assert_eq!(top.len(), 2);
+        assert_eq!((&top[0]["token"], &top[0]["logprob"]), (&e["token"], &e["logprob"]), "{e}");
+        assert_eq!(e["bytes"], json!(e["token"].as_str().unwrap().as_bytes()));
+    }
+    let mut streamed_body = chat.clone();
+    streamed_body["stream"] = json!(true);
+    let text = client.post(chat_url).json(&streamed_body).send().await.unwrap().text().await.unwrap();
+    let streamed: Vec<Value> = events(&text)
+        .iter()
+        .filter_map(|e| e["choices"][0]["logprobs"]["content"].as_array().cloned())
+        .flatten()
+        .collect();
+    assert_eq!(streamed, content, "streamed chunks carry the same logprobs");
+    assert!(s.terminate().success());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn n8_seeded_choices_reproduce_and_differ() {
+    let Some(path) = smollm2_path("n8_seeded_choices_reproduce_and_differ") else { return };
+    let s = serve(&path);
+    let client = reqwest::Client::new();
+    wait_healthy(&client, &s.url("/health")).await;
+    let url = s.url("/v1/completions");
+    // Over one 16-token block, so the choices have a full block to share.
+    let prompt = format!("{PROMPT} water, a map and");
+    let body = json!({"prompt": prompt, "n": 8, "seed": 42, "temperature": 1.0, "max_tokens": 8,
+        "ignore_eos": true, "return_token_ids": true});
+    let before = client.get(s.url("/metrics")).send().await.unwrap().text().await.unwrap();
+    let a = ok(&client, url.clone(), &body).await;
+    let after = client.get(s.url("/metrics")).send().await.unwrap().text().await.unwrap();
+    let b = ok(&client, url.clone(), &body).await;
+    let choices = |v: &Value| -> Vec<(u64, Vec<u64>, String)> {
+        v["choices"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|c| (c["index"].as_u64().unwrap(), ids(&c["token_ids"]), c["text"].as_str().unwrap().to_string()))
+            .collect()
+    };
+    let (ca, cb) = (choices(&a), choices(&b));
+    assert_eq!(ca.iter().map(|c| c.0).collect::<Vec<_>>(), (0..8).collect::<Vec<_>>());
+    assert_eq!(ca, cb, "the same seed gives the same 8 choices");
+    let distinct: BTreeSet<&Vec<u64>> = ca.iter().map(|c| &c.1).collect();
+    assert_eq!(distinct.len(), 8, "the 8 choices differ: {ca:?}");
+    let prompt_tokens = ids(&a["choices"][0]["prompt_token_ids"]).len() as u64;
+    assert!(prompt_tokens > 16, "the prompt fills a block ({prompt_tokens} tokens)");
+    assert_eq!(a["usage"]["prompt_tokens"], json!(prompt_tokens), "the prompt counts once");
+    assert_eq!(a["usage"]["completion_tokens"], json!(64), "completion tokens over all choices");
+    // Choices 1..8 took the prompt's full blocks from choice 0's prefill.
+    let hits = |t: &str| metric(t, "pdkv_prefix_cache_hits_total").unwrap_or(0.0);
+    let full_blocks = (prompt_tokens as usize - 1) / 16 * 16;
+    assert!(hits(&after) - hits(&before) >= (7 * full_blocks) as f64, "prefix hits {} -> {}", hits(&before), hits(&after));
+
+    // Choice 0 is the n=1 request with the same seed.
+    let mut one = body.clone();
+    one["n"] = json!(1);
+    let single = ok(&client, url.clone(), &one).await;
+    assert_eq!(ids(&single["choices"][0]["token_ids"]), ca[0].1);
+
+    // Streamed, each chunk names its choice; the texts are the same.
+    let mut streamed = body.clone();
+    streamed["stream"] = json!(true);
+    let text = client.post(url).json(&streamed).send().await.unwrap().text().await.unwrap();
+    let mut texts = vec![String::new(); 8];
+    let mut finished = vec![0; 8];
+    for e in events(&text) {
+        let c = &e["choices"][0];
+        let i = c["index"].as_u64().unwrap() as usize;
+        texts[i].push_str(c["text"].as_str().unwrap());
+        if !c["finish_reason"].is_null() {
+            finished[i] += 1;
+        }
+    }
+    assert_eq!(finished, vec![1; 8], "one final chunk per choice");
+    assert_eq!(texts, ca.iter().map(|c| c.2.clone()).collect::<Vec<_>>());
+    assert!(s.terminate().success());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn logit_bias_min_tokens_and_stop_token_ids_take_effect() {
+    let Some(path) = smollm2_path("logit_bias_min_tokens_and_stop_token_ids_take_effect") else { return };
+    let s = serve(&path);
+    let client = reqwest::Client::new();
+    wait_healthy(&client, &s.url("/health")).await;
+    let url = s.url("/v1/completions");
+
+    // A +100 bias makes one token certain, even when sampling.
+    let forced = 1010u64;
+    let v = ok(&client, url.clone(), &json!({"prompt": PROMPT, "max_tokens": 4, "temperature": 1.0, "seed": 3,
+        "logit_bias": {forced.to_string(): 100}, "return_token_ids": true})).await;
+    assert_eq!(ids(&v["choices"][0]["token_ids"]), vec![forced; 4], "{v}");
+
+    // A greedy chat answer ends early on EOS; min_tokens keeps it going.
+    let chat_url = s.url("/v1/chat/completions");
+    let messages = json!([{"role": "user", "content": "What is the capital of France?"}]);
+    let plain = ok(&client, chat_url.clone(), &json!({"messages": messages, "max_tokens": 40, "temperature": 0, "return_token_ids": true})).await;
+    let plain_ids = ids(&plain["choices"][0]["token_ids"]);
+    assert_eq!(plain["choices"][0]["finish_reason"], "stop", "{plain}");
+    assert!(plain_ids.len() < 40);
+    let long = ok(&client, chat_url.clone(), &json!({"messages": messages, "max_tokens": 40, "min_tokens": 40, "temperature": 0})).await;
+    assert_eq!(long["usage"]["completion_tokens"], json!(40), "{long}");
+    assert_eq!(long["choices"][0]["finish_reason"], "length");
+
+    // A stop token id ends the answer at its first occurrence, on either
+    // endpoint; ignore_eos runs to max_tokens.
+    let stop = plain_ids[1];
+    let first = plain_ids.iter().position(|&t| t == stop).unwrap();
+    let stopped = ok(&client, chat_url, &json!({"messages": messages, "max_tokens": 40, "temperature": 0,
+        "stop_token_ids": [stop], "return_token_ids": true})).await;
+    assert_eq!(stopped["choices"][0]["finish_reason"], "stop");
+    assert_eq!(ids(&stopped["choices"][0]["token_ids"]), plain_ids[..=first].to_vec());
+    let v = ok(&client, url, &json!({"prompt": PROMPT, "max_tokens": 6, "temperature": 0, "ignore_eos": true, "stop_token_ids": [2]})).await;
+    assert_eq!(v["usage"]["completion_tokens"], json!(6), "{v}");
+    assert!(s.terminate().success());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn refused_fields_answer_400_naming_them() {
+    let Some(path) = smollm2_path("refused_fields_answer_400_naming_them") else { return };
+    let s = serve(&path);
+    let client = reqwest::Client::new();
+    wait_healthy(&client, &s.url("/health")).await;
+    let messages = json!([{"role": "user", "content": "hi"}]);
+    let cases = [
+        ("/v1/completions", json!({"prompt": "a", "suffix": "b"}), "suffix"),
+        ("/v1/completions", json!({"prompt": "a", "n": 2, "best_of": 3}), "best_of"),
+        ("/v1/completions", json!({"prompt": "a", "logit_bias": {"99999999": 5}}), "logit_bias"),
+        ("/v1/completions", json!({"prompt": "a", "logprobs": 21}), "logprobs"),
+        ("/v1/completions", json!({"prompt": "a", "n": 2, "kv_transfer_params": {"do_remote_decode": true}}), "n"),
+        ("/v1/completions", json!({"prompt": "a", "repetition_penalty": 0}), "repetition_penalty"),
+        ("/v1/completions", json!({"prompt": "a", "presence_penalty": 3}), "presence_penalty"),
+        ("/v1/chat/completions", json!({"messages": messages, "response_format": {"type": "json_object"}}), "response_format"),
+        ("/v1/chat/completions", json!({"messages": messages, "tools": [{"type": "function", "function": {"name": "f"}}]}), "tools"),
+        ("/v1/chat/completions", json!({"messages": messages, "tool_choice": "required"}), "tool_choice"),
+        ("/v1/chat/completions", json!({"messages": messages, "skip_special_tokens": false}), "skip_special_tokens"),
+        ("/v1/chat/completions", json!({"messages": messages, "echo": true}), "echo"),
+        ("/v1/chat/completions", json!({"messages": messages, "top_logprobs": 2}), "top_logprobs"),
+    ];
+    for (path, body, param) in cases {
+        let (status, v) = post(&client, s.url(path), &body).await;
+        assert_eq!(status, 400, "{path} {body} -> {v}");
+        assert_eq!(v["error"]["param"], param, "{path} {body} -> {v}");
+        assert_eq!(v["error"]["type"], "invalid_request_error");
+    }
+    // What vllm-router adds to every request is accepted.
+    let router = json!({"messages": messages, "max_tokens": 2, "no_stop_trim": false, "skip_special_tokens": true,
+        "return_hidden_states": false, "continue_final_message": false, "separate_reasoning": true,
+        "stream_reasoning": false, "include_reasoning": true, "min_tokens": 0, "echo": false, "logprobs": false});
+    ok(&client, s.url("/v1/chat/completions"), &router).await;
+    assert!(s.terminate().success());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tokenize_detokenize_version_and_the_api_key() {
+    let Some(path) = smollm2_path("tokenize_detokenize_version_and_the_api_key") else { return };
+    let args = ["serve", "--port", "0", "--model", path.to_str().unwrap(), "--num-kv-blocks", "64"];
+    let s = Proc::start_env(&[], &args, &[("PDKV_API_KEY", "k3y")]);
+    let client = reqwest::Client::new();
+    // Probes and scrapers need no key.
+    wait_healthy(&client, &s.url("/health")).await;
+    assert_eq!(client.get(s.url("/metrics")).send().await.unwrap().status(), 200);
+    let version: Value = client.get(s.url("/version")).send().await.unwrap().json().await.unwrap();
+    assert_eq!(version["version"], env!("CARGO_PKG_VERSION"));
+
+    let body = json!({"prompt": PROMPT, "add_special_tokens": false});
+    for (path, key) in [("/tokenize", None), ("/tokenize", Some("wrong")), ("/v1/completions", None), ("/v1/models", None)] {
+        let mut req = if path == "/v1/models" { client.get(s.url(path)) } else { client.post(s.url(path)).json(&body) };
+        if let Some(k) = key {
+            req = req.bearer_auth(k);
+        }
+        let resp = req.send().await.unwrap();
+        assert_eq!(resp.status(), 401, "{path} with key {key:?}");
+        let v: Value = resp.json().await.unwrap();
+        assert_eq!(v["error"]["type"], "authentication_error", "{v}");
+    }
+
+    let tokenized: Value =
+        client.post(s.url("/tokenize")).bearer_auth("k3y").json(&body).send().await.unwrap().json().await.unwrap();
+    let tokens = ids(&tokenized["tokens"]);
+    assert_eq!(tokenized["count"], json!(tokens.len()));
+    assert!(tokenized["max_model_len"].as_u64().unwrap() >= 2048, "{tokenized}");
+    let detok: Value = client
+        .post(s.url("/detokenize"))
+        .bearer_auth("k3y")
+        .json(&json!({"tokens": tokens}))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(detok["prompt"], PROMPT);
+    let (status, bad) = {
+        let resp = client.post(s.url("/detokenize")).bearer_auth("k3y").json(&json!({"tokens": [99999999]})).send().await.unwrap();
+        (resp.status().as_u16(), resp.json::<Value>().await.unwrap())
+    };
+    assert_eq!((status, &bad["error"]["param"]), (400, &json!("tokens")), "{bad}");
+
+    // A conversation tokenizes to the prompt the chat endpoint generates from.
+    let messages = json!([{"role": "user", "content": "Hello there"}]);
+    let conv: Value = client
+        .post(s.url("/tokenize"))
+        .bearer_auth("k3y")
+        .json(&json!({"messages": messages}))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let chat: Value = client
+        .post(s.url("/v1/chat/completions"))
+        .bearer_auth("k3y")
+        .json(&json!({"messages": messages, "max_tokens": 1, "return_token_ids": true}))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(conv["tokens"], chat["prompt_token_ids"], "{conv} vs {chat}");
+    assert!(s.terminate().success());
+}
+
+/// A GRPO-style group through P/D (P, D and `pdkv proxy`): the same 8
+/// seeded choices and logprobs as a colocated engine, for one KV transfer
+/// (P computes the prompt once, D loads it once and its other choices take
+/// the loaded blocks from its prefix cache).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_n8_group_through_the_pd_proxy_is_one_transfer_and_equals_colocated() {
+    let Some(path) = smollm2_path("an_n8_group_through_the_pd_proxy_is_one_transfer_and_equals_colocated") else {
+        return;
+    };
+    let model = path.to_str().unwrap();
+    let client = reqwest::Client::new();
+    let colo = serve(&path);
+    let common = ["serve", "--port", "0", "--model", model, "--num-kv-blocks", "128"];
+    let kv = |role: &str| format!(r#"{{"kv_connector":"pdkv","kv_role":"{role}"}}"#);
+    let p = Proc::start(&[], &[&common[..], &["--kv-transfer-config", &kv("kv_producer"), "--engine-id", "p0"]].concat());
+    let d = Proc::start(&[], &[&common[..], &["--kv-transfer-config", &kv("kv_consumer"), "--engine-id", "d0"]].concat());
+    let proxy = Proc::start(&[], &["proxy", "--port", "0", "--prefill", &p.base, "--decode", &d.base]);
+    for s in [&colo, &p, &d, &proxy] {
+        wait_healthy(&client, &s.url("/health")).await;
+    }
+    let prompt = format!("{PROMPT} water, a map and");
+    let body = json!({"prompt": prompt, "n": 8, "seed": 7, "temperature": 1.0, "max_tokens": 6,
+        "ignore_eos": true, "logprobs": 1, "return_token_ids": true});
+    let want = ok(&client, colo.url("/v1/completions"), &body).await;
+    let loads = |t: &str| metric(t, "pdkv_kv_loads_ok_total").unwrap_or(0.0);
+    let before = client.get(d.url("/metrics")).send().await.unwrap().text().await.unwrap();
+    let got = ok(&client, proxy.url("/v1/completions"), &body).await;
+    let after = client.get(d.url("/metrics")).send().await.unwrap().text().await.unwrap();
+    assert_eq!(loads(&after) - loads(&before), 1.0, "one KV load for the group");
+    let (w, g) = (want["choices"].as_array().unwrap(), got["choices"].as_array().unwrap());
+    assert_eq!(g.len(), 8, "{got}");
+    let mut largest: f64 = 0.0;
+    for (a, b) in w.iter().zip(g) {
+        assert_eq!(a["index"], b["index"]);
+        assert_eq!(ids(&a["token_ids"]), ids(&b["token_ids"]), "choice {}: the same tokens", a["index"]);
+        let lp = |c: &Value| -> Vec<f64> {
+            c["logprobs"]["token_logprobs"].as_array().unwrap().iter().map(|x| x.as_f64().unwrap()).collect()
+        };
+        for (x, y) in lp(a).iter().zip(lp(b)) {
+            largest = largest.max((x - y).abs());
+        }
+    }
+    println!("largest logprob difference, P/D against colocated: {largest:e}");
+    assert!(largest <= 1e-4, "logprobs through P/D differ by {largest}");
+    assert_eq!(got["usage"], want["usage"]);
+    for s in [proxy, d, p, colo] {
+        assert!(s.terminate().success());
+    }
+}
