@@ -265,6 +265,15 @@ impl Backend {
     }
 }
 
+/// The client's headers a generation request carries on to P and D: its
+/// request id, and its `Authorization` (engines started with `--api-key`
+/// check it themselves).
+#[derive(Clone, Debug, Default)]
+struct Forwarded {
+    request_id: Option<HeaderValue>,
+    authorization: Option<HeaderValue>,
+}
+
 /// The backends of one role with the round-robin cursor.
 struct Pool {
     backends: Vec<Arc<Backend>>,
@@ -632,7 +641,11 @@ impl Proxy {
             read_mode = (mode == Mode::Read),
             "routing request"
         );
-        let call = relay::Call { endpoint, req, request_id: headers.get("x-request-id").cloned() };
+        let forwarded = Forwarded {
+            request_id: headers.get("x-request-id").cloned(),
+            authorization: headers.get(header::AUTHORIZATION).cloned(),
+        };
+        let call = relay::Call { endpoint, req, headers: forwarded };
         let p_bootstrap = p_status.kv_info.and_then(|i| i.bootstrap_addr);
         let plan = RelayPlan::new(mode, streaming, &transfer_id);
         relay::Relay::new(self.clone(), plan, call, (p, p_bootstrap), d).respond().await
@@ -646,7 +659,7 @@ impl Proxy {
         b: &Arc<Backend>,
         endpoint: Endpoint,
         body: Vec<u8>,
-        request_id: Option<HeaderValue>,
+        forwarded: &Forwarded,
     ) -> Result<reqwest::Response, reqwest::Error> {
         let mut req = self
             .inner
@@ -655,7 +668,10 @@ impl Proxy {
             .timeout(self.inner.config.request_timeout)
             .header(header::CONTENT_TYPE, "application/json")
             .body(body);
-        if let Some(id) = request_id {
+        if let Some(a) = &forwarded.authorization {
+            req = req.header(header::AUTHORIZATION, a.clone());
+        }
+        if let Some(id) = forwarded.request_id.clone() {
             req = req.header("x-request-id", id);
         }
         let r = req.send().await;

@@ -64,6 +64,7 @@ pub struct ServeArgs {
     pub engine_id: Option<String>,
     /// Allows sleep and KV release with a KV connector; a connector that
     /// cannot release and restore its registrations is refused at start-up.
+    /// On whenever `--admin-token` is given and the connector supports it.
     #[arg(long)]
     pub enable_sleep_mode: bool,
     /// Bound, in seconds, on releasing KV held by transfers before a cache
@@ -73,7 +74,7 @@ pub struct ServeArgs {
 }
 
 pub fn run(args: ServeArgs) -> anyhow::Result<()> {
-    let config = EngineConfig {
+    let mut config = EngineConfig {
         max_num_seqs: args.max_num_seqs,
         max_num_batched_tokens: args.max_num_batched_tokens,
         num_kv_blocks: args.num_kv_blocks,
@@ -114,6 +115,18 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
                     "--enable-sleep-mode: KV connector {} does not support sleep mode (it cannot release and restore its KV cache registrations)",
                     c.name()
                 );
+            }
+            if args.admin_token.is_some() && !args.enable_sleep_mode {
+                if c.supports_sleep_mode() {
+                    // The admin API is there to sleep between rollouts.
+                    config.enable_sleep_mode = true;
+                    tracing::info!("sleep mode on (the admin API is)");
+                } else {
+                    tracing::warn!(
+                        connector = c.name(),
+                        "the KV connector cannot release its registrations: /sleep and KV release are refused"
+                    );
+                }
             }
             tracing::info!(info = %c.info(), "KV connector ready");
             Some(c)

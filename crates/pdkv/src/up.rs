@@ -104,6 +104,10 @@ pub struct UpArgs {
     /// needs `Authorization: Bearer TOKEN`.
     #[arg(long, env = "PDKV_ADMIN_TOKEN", hide_env_values = true)]
     pub admin_token: Option<String>,
+    /// Every engine's OpenAI routes need `Authorization: Bearer KEY`; the
+    /// proxy passes the client's header on.
+    #[arg(long, env = "PDKV_API_KEY", hide_env_values = true)]
+    pub api_key: Option<String>,
     /// KV cache size of each server, in blocks of 16 tokens.
     #[arg(long)]
     pub num_kv_blocks: Option<usize>,
@@ -147,13 +151,16 @@ pub(crate) fn child_command(args: &[String]) -> anyhow::Result<(PathBuf, Command
 }
 
 impl Proc {
-    fn spawn(name: String, port: u16, args: &[String], admin_token: Option<&str>) -> anyhow::Result<Proc> {
+    /// `secrets`: environment variables set (or removed when `None`) for
+    /// the child; secrets go by environment, not argv (which `ps` shows).
+    fn spawn(name: String, port: u16, args: &[String], secrets: &[(&str, Option<&str>)]) -> anyhow::Result<Proc> {
         let (exe, mut cmd) = child_command(args)?;
-        // The token goes by environment, not argv (which `ps` shows).
-        match admin_token {
-            Some(t) => cmd.env("PDKV_ADMIN_TOKEN", t),
-            None => cmd.env_remove("PDKV_ADMIN_TOKEN"),
-        };
+        for (k, v) in secrets {
+            match v {
+                Some(v) => cmd.env(k, v),
+                None => cmd.env_remove(k),
+            };
+        }
         let mut child = cmd.spawn().with_context(|| format!("starting the {name} ({})", exe.display()))?;
         eprintln!("pdkv up: started the {name} (pid {}) on port {port}", child.id());
         let tail = Arc::new(Mutex::new(VecDeque::with_capacity(TAIL_LINES)));
@@ -236,6 +243,7 @@ impl Ports {
 
 pub fn run(args: UpArgs) -> anyhow::Result<()> {
     anyhow::ensure!(args.admin_token.as_deref() != Some(""), "--admin-token must not be empty");
+    anyhow::ensure!(args.api_key.as_deref() != Some(""), "--api-key must not be empty");
     // Resolve (and fetch) the model once, before the servers load it.
     let model = match args.model.clone() {
         Some(p) => p,
@@ -290,15 +298,17 @@ async fn supervise(args: &UpArgs, model: &std::path::Path, ports: &Ports, procs:
     tokio::pin!(signal);
     let id = std::process::id();
     let token = args.admin_token.as_deref();
+    let engine_env = [("PDKV_ADMIN_TOKEN", token), ("PDKV_API_KEY", args.api_key.as_deref())];
+    let proxy_env = [("PDKV_ADMIN_TOKEN", token), ("PDKV_API_KEY", None)];
     let (np, nd) = (ports.prefill.len(), ports.decode.len());
     let name = |role: &str, i: usize, n: usize| if n == 1 { role.to_string() } else { format!("{role} {i}") };
     for (i, (&port, &kv)) in ports.prefill.iter().zip(&ports.kv).enumerate() {
         let a = serve_args(args, model, port, "kv_producer", kv, &format!("up-{id}-prefill-{i}"));
-        procs.push(Proc::spawn(name("prefill", i, np), port, &a, token)?);
+        procs.push(Proc::spawn(name("prefill", i, np), port, &a, &engine_env)?);
     }
     for (i, &port) in ports.decode.iter().enumerate() {
         let a = serve_args(args, model, port, "kv_consumer", 0, &format!("up-{id}-decode-{i}"));
-        procs.push(Proc::spawn(name("decode", i, nd), port, &a, token)?);
+        procs.push(Proc::spawn(name("decode", i, nd), port, &a, &engine_env)?);
     }
     let client = reqwest::Client::builder()
         .timeout(Duration::from_secs(2))
@@ -325,7 +335,7 @@ async fn supervise(args: &UpArgs, model: &std::path::Path, ports: &Ports, procs:
         "--port".to_string(),
         ports.proxy.to_string(),
     ];
-    procs.push(Proc::spawn("proxy".to_string(), ports.proxy, &proxy_args, token)?);
+    procs.push(Proc::spawn("proxy".to_string(), ports.proxy, &proxy_args, &proxy_env)?);
     tokio::select! {
         r = wait_healthy(&client, procs, deadline) => r?,
         _ = &mut signal => {

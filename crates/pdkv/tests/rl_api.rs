@@ -341,7 +341,8 @@ async fn tokenize_detokenize_version_and_the_api_key() {
 /// A GRPO-style group through P/D (P, D and `pdkv proxy`): the same 8
 /// seeded choices and logprobs as a colocated engine, for one KV transfer
 /// (P computes the prompt once, D loads it once and its other choices take
-/// the loaded blocks from its prefix cache).
+/// the loaded blocks from its prefix cache). P and D check an API key,
+/// which the proxy passes on from the client.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_n8_group_through_the_pd_proxy_is_one_transfer_and_equals_colocated() {
     let Some(path) = smollm2_path("an_n8_group_through_the_pd_proxy_is_one_transfer_and_equals_colocated") else {
@@ -352,8 +353,12 @@ async fn an_n8_group_through_the_pd_proxy_is_one_transfer_and_equals_colocated()
     let colo = serve(&path);
     let common = ["serve", "--port", "0", "--model", model, "--num-kv-blocks", "128"];
     let kv = |role: &str| format!(r#"{{"kv_connector":"pdkv","kv_role":"{role}"}}"#);
-    let p = Proc::start(&[], &[&common[..], &["--kv-transfer-config", &kv("kv_producer"), "--engine-id", "p0"]].concat());
-    let d = Proc::start(&[], &[&common[..], &["--kv-transfer-config", &kv("kv_consumer"), "--engine-id", "d0"]].concat());
+    let key = [("PDKV_API_KEY", "rollout-key")];
+    let (p_kv, d_kv) = (kv("kv_producer"), kv("kv_consumer"));
+    let p_args = [&common[..], &["--kv-transfer-config", &p_kv, "--engine-id", "p0"]].concat();
+    let d_args = [&common[..], &["--kv-transfer-config", &d_kv, "--engine-id", "d0"]].concat();
+    let p = Proc::start_env(&[], &p_args, &key);
+    let d = Proc::start_env(&[], &d_args, &key);
     let proxy = Proc::start(&[], &["proxy", "--port", "0", "--prefill", &p.base, "--decode", &d.base]);
     for s in [&colo, &p, &d, &proxy] {
         wait_healthy(&client, &s.url("/health")).await;
@@ -364,7 +369,11 @@ async fn an_n8_group_through_the_pd_proxy_is_one_transfer_and_equals_colocated()
     let want = ok(&client, colo.url("/v1/completions"), &body).await;
     let loads = |t: &str| metric(t, "pdkv_kv_loads_ok_total").unwrap_or(0.0);
     let before = client.get(d.url("/metrics")).send().await.unwrap().text().await.unwrap();
-    let got = ok(&client, proxy.url("/v1/completions"), &body).await;
+    let resp = client.post(proxy.url("/v1/completions")).json(&body).send().await.unwrap();
+    assert_eq!(resp.status().as_u16(), 401, "without the key: {}", resp.text().await.unwrap());
+    let resp = client.post(proxy.url("/v1/completions")).bearer_auth("rollout-key").json(&body).send().await.unwrap();
+    assert_eq!(resp.status().as_u16(), 200);
+    let got: Value = resp.json().await.unwrap();
     let after = client.get(d.url("/metrics")).send().await.unwrap().text().await.unwrap();
     assert_eq!(loads(&after) - loads(&before), 1.0, "one KV load for the group");
     let (w, g) = (want["choices"].as_array().unwrap(), got["choices"].as_array().unwrap());

@@ -28,7 +28,7 @@ use crate::error::ApiError;
 pub(super) struct Call {
     pub endpoint: Endpoint,
     pub req: Map<String, Value>,
-    pub request_id: Option<HeaderValue>,
+    pub headers: super::Forwarded,
 }
 
 type PrefillCall = Pin<Box<dyn Future<Output = (Event, Option<HeaderValue>)> + Send>>;
@@ -71,9 +71,9 @@ async fn prefill_call(
     p: Arc<Backend>,
     endpoint: Endpoint,
     body: Vec<u8>,
-    request_id: Option<HeaderValue>,
+    headers: super::Forwarded,
 ) -> (Event, Option<HeaderValue>) {
-    let resp = match proxy.post(&p, endpoint, body, request_id).await {
+    let resp = match proxy.post(&p, endpoint, body, &headers).await {
         Ok(r) => r,
         Err(e) => return (Event::PrefillFailed(call_error(&e)), None),
     };
@@ -218,14 +218,14 @@ impl Relay {
             Action::SendPrefill { params } => {
                 let body = prefill_body(&self.call.req, self.call.endpoint, params);
                 let (proxy, p, endpoint, id) =
-                    (self.proxy.clone(), self.p.clone(), self.call.endpoint, self.call.request_id.clone());
+                    (self.proxy.clone(), self.p.clone(), self.call.endpoint, self.call.headers.clone());
                 self.prefill = Some(Box::pin(prefill_call(proxy, p, endpoint, body, id)));
             }
             Action::SendDecode { params } => {
                 let body = decode_body(&self.call.req, params);
                 let (proxy, d, endpoint, id) =
-                    (self.proxy.clone(), self.d.clone(), self.call.endpoint, self.call.request_id.clone());
-                self.decode = DecodeCall::Sending(Box::pin(async move { proxy.post(&d, endpoint, body, id).await }));
+                    (self.proxy.clone(), self.d.clone(), self.call.endpoint, self.call.headers.clone());
+                self.decode = DecodeCall::Sending(Box::pin(async move { proxy.post(&d, endpoint, body, &id).await }));
             }
             Action::CancelPrefill => self.prefill = None,
             Action::CancelDecode => self.decode = DecodeCall::Idle,
