@@ -242,7 +242,6 @@ async fn refused_fields_answer_400_naming_them() {
         ("/v1/completions", json!({"prompt": "a", "n": 2, "best_of": 3}), "best_of"),
         ("/v1/completions", json!({"prompt": "a", "logit_bias": {"99999999": 5}}), "logit_bias"),
         ("/v1/completions", json!({"prompt": "a", "logprobs": 21}), "logprobs"),
-        ("/v1/completions", json!({"prompt": "a", "n": 2, "kv_transfer_params": {"do_remote_decode": true}}), "n"),
         ("/v1/completions", json!({"prompt": "a", "repetition_penalty": 0}), "repetition_penalty"),
         ("/v1/completions", json!({"prompt": "a", "presence_penalty": 3}), "presence_penalty"),
         ("/v1/chat/completions", json!({"messages": messages, "response_format": {"type": "json_object"}}), "response_format"),
