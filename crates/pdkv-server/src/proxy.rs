@@ -630,6 +630,13 @@ impl Proxy {
             tracing::warn!("refusing a request: {missing}");
             return retryable(ApiError::unavailable(missing).with_code("no_healthy_backend"));
         };
+        let forwarded = Forwarded {
+            request_id: headers.get("x-request-id").cloned(),
+            authorization: headers.get(header::AUTHORIZATION).cloned(),
+        };
+        if needs_prompt_logits(&req) {
+            return self.decode_alone(&d, endpoint, body, &forwarded).await;
+        }
         let transfer_id = self.new_transfer_id();
         let mode = plan_mode(p_status.kv_info.as_ref());
         tracing::debug!(
@@ -641,14 +648,33 @@ impl Proxy {
             read_mode = (mode == Mode::Read),
             "routing request"
         );
-        let forwarded = Forwarded {
-            request_id: headers.get("x-request-id").cloned(),
-            authorization: headers.get(header::AUTHORIZATION).cloned(),
-        };
         let call = relay::Call { endpoint, req, headers: forwarded };
         let p_bootstrap = p_status.kv_info.and_then(|i| i.bootstrap_addr);
         let plan = RelayPlan::new(mode, streaming, &transfer_id);
         relay::Relay::new(self.clone(), plan, call, (p, p_bootstrap), d).respond().await
+    }
+
+    /// A request sent to D alone, which computes the prompt itself: its
+    /// answer (status, headers, body, streamed or not) passes through, and
+    /// it counts once, by its status.
+    async fn decode_alone(&self, d: &Arc<Backend>, endpoint: Endpoint, body: Bytes, forwarded: &Forwarded) -> Response {
+        tracing::debug!(endpoint = endpoint.path(), decode = %d.url, "prompt logits wanted: D computes the prompt");
+        match self.post(d, endpoint, body.to_vec(), forwarded).await {
+            Ok(resp) => {
+                let status = resp.status();
+                self.inner.metrics.count(match status.as_u16() {
+                    200..=299 => Outcome::Ok,
+                    400..=499 => Outcome::BadRequest,
+                    _ => Outcome::DecodeError,
+                });
+                let head = passthrough_headers(resp.headers());
+                build_response(status, head, Body::from_stream(resp.bytes_stream()))
+            }
+            Err(e) => {
+                self.inner.metrics.count(Outcome::DecodeError);
+                forward_failed(d, &e)
+            }
+        }
     }
 
     /// Posts `body` to a backend, bounded by `request_timeout`. A connection
@@ -790,6 +816,14 @@ fn forward_failed(d: &Backend, e: &reqwest::Error) -> Response {
         code: Some("upstream_error"),
     }
     .into_response()
+}
+
+/// Whether a request wants logits of its prompt's positions
+/// (`prompt_logprobs`, or `echo` with `logprobs`): only the engine that
+/// computes the prompt has them, so P cannot help and D computes it.
+fn needs_prompt_logits(req: &Map<String, Value>) -> bool {
+    let set = |k: &str| req.get(k).is_some_and(|v| !v.is_null() && *v != Value::Bool(false));
+    set("prompt_logprobs") || (req.get("echo") == Some(&Value::Bool(true)) && set("logprobs"))
 }
 
 /// A 503 with `Retry-After`.

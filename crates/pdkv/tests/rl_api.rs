@@ -391,6 +391,17 @@ async fn an_n8_group_through_the_pd_proxy_is_one_transfer_and_equals_colocated()
     println!("largest logprob difference, P/D against colocated: {largest:e}");
     assert!(largest <= 1e-4, "logprobs through P/D differ by {largest}");
     assert_eq!(got["usage"], want["usage"]);
+    // Prompt logprobs need the prompt's logits where the answer is made:
+    // the proxy sends such a request to D alone, which computes the prompt.
+    let pl = json!({"prompt": prompt, "max_tokens": 1, "temperature": 0, "prompt_logprobs": 1});
+    let want = ok(&client, colo.url("/v1/completions"), &pl).await;
+    let resp = client.post(proxy.url("/v1/completions")).bearer_auth("rollout-key").json(&pl).send().await.unwrap();
+    assert_eq!(resp.status().as_u16(), 200);
+    let got: Value = resp.json().await.unwrap();
+    assert!(want["choices"][0]["prompt_logprobs"].as_array().is_some_and(|a| a.len() > 1), "{want}");
+    assert_eq!(got["choices"][0]["prompt_logprobs"], want["choices"][0]["prompt_logprobs"]);
+    let last = client.get(d.url("/metrics")).send().await.unwrap().text().await.unwrap();
+    assert_eq!(loads(&last), loads(&after), "no KV load for a request D computed alone");
     for s in [proxy, d, p, colo] {
         assert!(s.terminate().success());
     }
