@@ -131,8 +131,8 @@ async fn a_client_leaving_mid_stream_frees_blocks_on_p_and_d() {
     let dep = deploy(model.to_str().unwrap(), "tcp", "");
     let client = reqwest::Client::new();
     wait_healthy(&client, &dep.proxy.url("/health")).await;
-    for i in 0..4 {
-        let prompt = format!("{} Request {i}: tell a long story about it.", PREFIXES[i]);
+    for (i, prefix) in PREFIXES.iter().enumerate().take(4) {
+        let prompt = format!("{prefix} Request {i}: tell a long story about it.");
         let body = json!({"prompt": prompt, "max_tokens": 200, "temperature": 0, "stream": true, "ignore_eos": true});
         let resp = client.post(dep.proxy.url("/v1/completions")).json(&body).send().await.unwrap();
         assert_eq!(resp.status(), 200);
@@ -224,8 +224,8 @@ async fn a_transfer_whose_decode_request_failed_is_dropped_at_p() {
     wait_healthy(&client, &proxy.url("/health")).await;
     let paused = client.post(d.url("/pause?mode=abort")).bearer_auth("t0k").send().await.unwrap();
     assert!(paused.status().is_success(), "{:?}", paused.text().await);
-    for i in 0..3 {
-        let r = client.post(proxy.url("/v1/completions")).json(&body(&format!("{} {i}", PREFIXES[i]), false)).send().await;
+    for (i, prefix) in PREFIXES.iter().enumerate().take(3) {
+        let r = client.post(proxy.url("/v1/completions")).json(&body(&format!("{prefix} {i}"), false)).send().await;
         let r = r.unwrap();
         assert_eq!(r.status(), 503, "D is paused: {:?}", r.text().await);
     }

@@ -35,7 +35,7 @@ use serde_json::{json, Value};
 const TOKEN: &str = "router-test-token";
 
 /// The two tests start five engines each: one at a time.
-static SERIAL: Mutex<()> = Mutex::new(());
+static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
 fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
@@ -161,7 +161,7 @@ fn request(i: usize) -> (&'static str, Value) {
     let round = (i / PROMPTS.len()) % 2;
     let p = format!("{}{}", PROMPTS[i % PROMPTS.len()], if round == 0 { "" } else { " Think again:" });
     let stream = i % 4 >= 2;
-    if i % 2 == 0 {
+    if i.is_multiple_of(2) {
         ("/v1/completions", json!({"prompt": p, "max_tokens": 8, "temperature": 0, "stream": stream}))
     } else {
         let messages = json!([{"role": "user", "content": p}]);
@@ -271,7 +271,7 @@ async fn traffic(client: reqwest::Client, router: String, expected: Arc<Vec<Stri
 async fn router_drives_pdkv(test: &str, mode: &str, connector: &str) {
     let Some(model) = smollm2_path(test) else { return };
     let Some(router_bin) = router_path(test) else { return };
-    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let _serial = SERIAL.lock().await;
     let model = model.to_str().unwrap().to_string();
     let client = reqwest::Client::builder().timeout(Duration::from_secs(120)).build().unwrap();
 

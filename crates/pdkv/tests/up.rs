@@ -138,6 +138,7 @@ fn start_up(args: &[&str]) -> (std::process::Child, String, mpsc::Receiver<Strin
             }
             Err(e) => {
                 let _ = up.kill();
+                let _ = up.wait();
                 let logs: Vec<String> = err.try_iter().collect();
                 panic!("no proxy line ({e}); stderr:\n{}", logs.join("\n"));
             }
