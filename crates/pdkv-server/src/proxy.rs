@@ -518,7 +518,8 @@ impl Proxy {
                 Err(e) => tracing::error!("the admin API is off: {e}"),
             }
         }
-        app.route("/v1/completions", post(completions))
+        app.merge(forwarded_routes())
+            .route("/v1/completions", post(completions))
             .route("/flush_cache", post(fanout::flush_cache))
             .route("/v1/chat/completions", post(chat_completions))
             .route("/v1/models", get(models))
@@ -729,16 +730,34 @@ impl Proxy {
 
     /// Any healthy decode server's answer to `GET path`.
     async fn forward_get(&self, path: &str) -> Response {
+        self.forward(reqwest::Method::GET, path, None, None).await
+    }
+
+    /// Any healthy decode server's answer to `method path` with `body` (the
+    /// client's `Authorization` passed on): the routes that ask about the
+    /// model, which every engine answers alike.
+    async fn forward(
+        &self,
+        method: reqwest::Method,
+        path: &str,
+        auth: Option<HeaderValue>,
+        body: Option<Bytes>,
+    ) -> Response {
         let Some((d, _)) = self.inner.decode.pick() else {
             return retryable(ApiError::unavailable("no decode server is healthy").with_code("no_healthy_backend"));
         };
-        let resp = self
+        let mut req = self
             .inner
             .client
-            .get(format!("{}{path}", d.url))
-            .timeout(self.inner.config.health_timeout.max(Duration::from_secs(10)))
-            .send()
-            .await;
+            .request(method, format!("{}{path}", d.url))
+            .timeout(self.inner.config.health_timeout.max(Duration::from_secs(10)));
+        if let Some(a) = auth {
+            req = req.header(header::AUTHORIZATION, a);
+        }
+        if let Some(b) = body {
+            req = req.header(header::CONTENT_TYPE, "application/json").body(b);
+        }
+        let resp = req.send().await;
         let resp = match resp {
             Ok(r) => r,
             Err(e) => return forward_failed(&d, &e),
@@ -871,8 +890,27 @@ async fn chat_completions(State(proxy): State<Proxy>, headers: HeaderMap, body: 
     proxy.relay(Endpoint::ChatCompletions, headers, body).await
 }
 
-async fn models(State(proxy): State<Proxy>) -> Response {
-    proxy.forward_get("/v1/models").await
+async fn models(State(proxy): State<Proxy>, headers: HeaderMap) -> Response {
+    let auth = headers.get(header::AUTHORIZATION).cloned();
+    proxy.forward(reqwest::Method::GET, "/v1/models", auth, None).await
+}
+
+/// `POST /tokenize` and `/detokenize`, `GET /version`, `/get_model_info`
+/// and `/get_server_info`: a decode server's answer.
+fn forwarded_routes() -> Router<Proxy> {
+    let post_to = |path: &'static str| {
+        post(move |State(proxy): State<Proxy>, headers: HeaderMap, body: Bytes| async move {
+            let auth = headers.get(header::AUTHORIZATION).cloned();
+            proxy.forward(reqwest::Method::POST, path, auth, Some(body)).await
+        })
+    };
+    let get_from = |path: &'static str| get(move |State(proxy): State<Proxy>| async move { proxy.forward_get(path).await });
+    Router::new()
+        .route("/tokenize", post_to("/tokenize"))
+        .route("/detokenize", post_to("/detokenize"))
+        .route("/version", get_from("/version"))
+        .route("/get_model_info", get_from("/get_model_info"))
+        .route("/get_server_info", get_from("/get_server_info"))
 }
 
 async fn health(State(proxy): State<Proxy>) -> Response {

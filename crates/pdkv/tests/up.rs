@@ -172,6 +172,17 @@ async fn up_admin_token_drives_every_engine_with_one_call() {
             v["choices"][0]["text"].as_str().unwrap_or_else(|| panic!("{v}")).to_string()
         }
     };
+    // The model's routes answer through the proxy too.
+    let v: Value = client.post(format!("{url}/tokenize")).json(&json!({"prompt": "the river"})).send().await.unwrap().json().await.unwrap();
+    let tokens = v["tokens"].as_array().unwrap_or_else(|| panic!("{v}"));
+    assert!(!tokens.is_empty() && v["count"] == json!(tokens.len()), "{v}");
+    let back: Value =
+        client.post(format!("{url}/detokenize")).json(&json!({"tokens": tokens})).send().await.unwrap().json().await.unwrap();
+    assert!(back["prompt"].as_str().is_some_and(|p| p.contains("river")), "{back}");
+    for path in ["/version", "/get_model_info", "/get_server_info", "/v1/models"] {
+        let resp = client.get(format!("{url}{path}")).send().await.unwrap();
+        assert_eq!(resp.status(), 200, "{path}");
+    }
     let mut before = Vec::new();
     for i in 0..4 {
         before.push(generate(probe(i)).await);
