@@ -94,6 +94,15 @@ pub(crate) fn routes(token: Arc<AdminToken>) -> Router<AppState> {
 
 /// Lets a request through only with `Authorization: Bearer <token>`.
 pub(crate) async fn require_token(State(token): State<Arc<AdminToken>>, req: Request, next: Next) -> Response {
+    match check_bearer(&token, &req, "invalid admin token", "the admin API needs an `Authorization: Bearer <token>` header") {
+        Ok(()) => next.run(req).await,
+        Err(resp) => resp,
+    }
+}
+
+/// Checks `Authorization: Bearer <secret>` against `secret`; the 401 to
+/// answer otherwise, with `invalid` (a wrong secret) or `missing` (none).
+pub(crate) fn check_bearer(secret: &AdminToken, req: &Request, invalid: &str, missing: &str) -> Result<(), Response> {
     let presented = req
         .headers()
         .get(header::AUTHORIZATION)
@@ -102,13 +111,13 @@ pub(crate) async fn require_token(State(token): State<Arc<AdminToken>>, req: Req
         .filter(|(scheme, _)| scheme.eq_ignore_ascii_case("bearer"))
         .map(|(_, t)| t.trim());
     let err = match presented {
-        Some(t) if token.matches(t.as_bytes()) => return next.run(req).await,
-        Some(_) => ApiError::unauthorized("invalid admin token"),
-        None => ApiError::unauthorized("the admin API needs an `Authorization: Bearer <token>` header"),
+        Some(t) if secret.matches(t.as_bytes()) => return Ok(()),
+        Some(_) => ApiError::unauthorized(invalid),
+        None => ApiError::unauthorized(missing),
     };
     let mut resp = err.into_response();
     resp.headers_mut().insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
-    resp
+    Err(resp)
 }
 
 /// A parsed query string: name/value pairs in order, repeats kept.

@@ -8,31 +8,19 @@
 use std::sync::Arc;
 
 use axum::extract::{Request, State};
-use axum::http::{header, HeaderValue};
 use axum::middleware::Next;
-use axum::response::{IntoResponse, Response};
+use axum::response::Response;
 
-use crate::admin::AdminToken;
-use crate::error::ApiError;
+use crate::admin::{check_bearer, AdminToken};
 
 /// The key clients must present.
 pub type ApiKey = AdminToken;
 
 /// Lets a request through only with `Authorization: Bearer <key>`.
 pub(crate) async fn require_key(State(key): State<Arc<ApiKey>>, req: Request, next: Next) -> Response {
-    let presented = req
-        .headers()
-        .get(header::AUTHORIZATION)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.split_once(' '))
-        .filter(|(scheme, _)| scheme.eq_ignore_ascii_case("bearer"))
-        .map(|(_, t)| t.trim());
-    let err = match presented {
-        Some(t) if key.matches(t.as_bytes()) => return next.run(req).await,
-        Some(_) => ApiError::unauthorized("invalid API key"),
-        None => ApiError::unauthorized("this server needs an API key: send `Authorization: Bearer <key>`"),
-    };
-    let mut resp = err.into_response();
-    resp.headers_mut().insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
-    resp
+    let missing = "this server needs an API key: send `Authorization: Bearer <key>`";
+    match check_bearer(&key, &req, "invalid API key", missing) {
+        Ok(()) => next.run(req).await,
+        Err(resp) => resp,
+    }
 }

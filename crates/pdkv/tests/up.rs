@@ -41,47 +41,25 @@ fn alive(pid: i32) -> bool {
     unsafe { libc::kill(pid, 0) == 0 }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn up_serves_through_the_proxy_and_stops_every_child() {
-    let dir = tempfile::tempdir().unwrap();
-    let ckpt = dir.path().join("tiny");
+/// A tiny random-weight checkpoint in `dir`.
+fn tiny_checkpoint(dir: &std::path::Path, seed: u32) -> std::path::PathBuf {
+    let ckpt = dir.join("tiny");
     let o = pdkv()
-        .args(["model", "init", "--arch", "llama", "--preset", "tiny", "--seed", "3", "--out"])
+        .args(["model", "init", "--arch", "llama", "--preset", "tiny", "--seed", &seed.to_string(), "--out"])
         .arg(&ckpt)
         .output()
         .unwrap();
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    ckpt
+}
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn up_serves_through_the_proxy_and_stops_every_child() {
+    let dir = tempfile::tempdir().unwrap();
+    let ckpt = tiny_checkpoint(dir.path(), 3);
     let port = free_port();
-    let mut up = pdkv()
-        .args(["up", "--model", ckpt.to_str().unwrap(), "--num-kv-blocks", "64", "--port", &port.to_string()])
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("spawn pdkv up");
-    let out = lines(up.stdout.take().unwrap());
-    let err = lines(up.stderr.take().unwrap());
-
-    // Ready: the proxy's URL on stdout.
-    let deadline = Instant::now() + DEADLINE;
-    let mut stdout = Vec::new();
-    let url = loop {
-        let left = deadline.saturating_duration_since(Instant::now());
-        match out.recv_timeout(left) {
-            Ok(line) => {
-                if let Some(u) = line.strip_prefix("proxy: ") {
-                    break u.trim().to_string();
-                }
-                stdout.push(line);
-            }
-            Err(e) => {
-                let _ = up.kill();
-                let logs: Vec<String> = err.try_iter().collect();
-                panic!("no proxy line ({e}); stdout {stdout:?}; stderr:\n{}", logs.join("\n"));
-            }
-        }
-    };
+    let (mut up, url, err) =
+        start_up(&["--model", ckpt.to_str().unwrap(), "--num-kv-blocks", "64", "--port", &port.to_string()]);
     assert_eq!(url, format!("http://127.0.0.1:{port}"));
 
     let client = reqwest::Client::new();
@@ -153,13 +131,7 @@ fn start_up(args: &[&str]) -> (std::process::Child, String, mpsc::Receiver<Strin
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn up_admin_token_drives_every_engine_with_one_call() {
     let dir = tempfile::tempdir().unwrap();
-    let ckpt = dir.path().join("tiny");
-    let o = pdkv()
-        .args(["model", "init", "--arch", "llama", "--preset", "tiny", "--seed", "5", "--out"])
-        .arg(&ckpt)
-        .output()
-        .unwrap();
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let ckpt = tiny_checkpoint(dir.path(), 5);
     let port = free_port().to_string();
     let args = ["--model", ckpt.to_str().unwrap(), "--num-kv-blocks", "64", "--port", &port];
     let (mut up, url, _err) = start_up(&[&args[..], &["--prefill", "2", "--decode", "2", "--admin-token", "T"]].concat());
