@@ -96,13 +96,20 @@ pub(crate) fn routes(token: Arc<AdminToken>) -> Router<AppState> {
 pub(crate) async fn require_token(State(token): State<Arc<AdminToken>>, req: Request, next: Next) -> Response {
     match check_bearer(&token, &req, "invalid admin token", "the admin API needs an `Authorization: Bearer <token>` header") {
         Ok(()) => next.run(req).await,
-        Err(resp) => resp,
+        Err(e) => unauthorized(e),
     }
+}
+
+/// A 401 response asking for a bearer token.
+pub(crate) fn unauthorized(e: ApiError) -> Response {
+    let mut resp = e.into_response();
+    resp.headers_mut().insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+    resp
 }
 
 /// Checks `Authorization: Bearer <secret>` against `secret`; the 401 to
 /// answer otherwise, with `invalid` (a wrong secret) or `missing` (none).
-pub(crate) fn check_bearer(secret: &AdminToken, req: &Request, invalid: &str, missing: &str) -> Result<(), Response> {
+pub(crate) fn check_bearer(secret: &AdminToken, req: &Request, invalid: &str, missing: &str) -> Result<(), ApiError> {
     let presented = req
         .headers()
         .get(header::AUTHORIZATION)
@@ -110,14 +117,11 @@ pub(crate) fn check_bearer(secret: &AdminToken, req: &Request, invalid: &str, mi
         .and_then(|v| v.split_once(' '))
         .filter(|(scheme, _)| scheme.eq_ignore_ascii_case("bearer"))
         .map(|(_, t)| t.trim());
-    let err = match presented {
-        Some(t) if secret.matches(t.as_bytes()) => return Ok(()),
-        Some(_) => ApiError::unauthorized(invalid),
-        None => ApiError::unauthorized(missing),
-    };
-    let mut resp = err.into_response();
-    resp.headers_mut().insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
-    Err(resp)
+    match presented {
+        Some(t) if secret.matches(t.as_bytes()) => Ok(()),
+        Some(_) => Err(ApiError::unauthorized(invalid)),
+        None => Err(ApiError::unauthorized(missing)),
+    }
 }
 
 /// A parsed query string: name/value pairs in order, repeats kept.

@@ -11,7 +11,7 @@ use axum::extract::{Request, State};
 use axum::middleware::Next;
 use axum::response::Response;
 
-use crate::admin::{check_bearer, AdminToken};
+use crate::admin::{check_bearer, unauthorized, AdminToken};
 
 /// The key clients must present.
 pub type ApiKey = AdminToken;
@@ -21,6 +21,6 @@ pub(crate) async fn require_key(State(key): State<Arc<ApiKey>>, req: Request, ne
     let missing = "this server needs an API key: send `Authorization: Bearer <key>`";
     match check_bearer(&key, &req, "invalid API key", missing) {
         Ok(()) => next.run(req).await,
-        Err(resp) => resp,
+        Err(e) => unauthorized(e),
     }
 }
