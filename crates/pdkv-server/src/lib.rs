@@ -31,6 +31,7 @@ mod api_key;
 mod choices;
 mod compat;
 pub mod error;
+pub mod listen;
 mod logprobs;
 pub mod metrics;
 pub mod openai;
@@ -167,12 +168,23 @@ pub fn router(state: AppState) -> Router {
         .with_state(state)
 }
 
-/// Serves `state` on `listener` until `shutdown` resolves, then stops
-/// accepting connections and waits for the open ones to finish.
+/// Serves `state` on `listener` with the default [`listen::HttpLimits`]
+/// until `shutdown` resolves, then stops accepting connections and waits
+/// for the open ones to finish.
 pub async fn serve(
     listener: tokio::net::TcpListener,
     state: AppState,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
-    axum::serve(listener, router(state)).with_graceful_shutdown(shutdown).await
+    serve_with(listener, state, listen::HttpLimits::default(), shutdown).await
+}
+
+/// [`serve`] within `limits`.
+pub async fn serve_with(
+    listener: tokio::net::TcpListener,
+    state: AppState,
+    limits: listen::HttpLimits,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    listen::serve(listener, router(state), limits, shutdown).await
 }

@@ -115,6 +115,8 @@ pub struct ProxyConfig {
     /// `Authorization: Bearer <token>`; the proxy calls the engines with the
     /// same token.
     pub admin_token: Option<String>,
+    /// The bounds on client connections.
+    pub http: crate::listen::HttpLimits,
 }
 
 impl ProxyConfig {
@@ -129,6 +131,7 @@ impl ProxyConfig {
             connect_timeout: Duration::from_secs(5),
             request_timeout: Duration::from_secs(600),
             admin_token: None,
+            http: crate::listen::HttpLimits::default(),
         }
     }
 }
@@ -551,7 +554,7 @@ impl Proxy {
             }
         }
         let health = self.spawn_health_loop();
-        let result = axum::serve(listener, self.router()).with_graceful_shutdown(shutdown).await;
+        let result = crate::listen::serve(listener, self.router(), self.inner.config.http, shutdown).await;
         health.abort();
         result
     }

@@ -10,6 +10,7 @@ mod bench_pd;
 mod bench_sleep;
 mod bench_transfer;
 mod fetch;
+mod http_args;
 mod lifecycle_cmd;
 mod progress;
 mod proxy_cmd;
@@ -34,7 +35,7 @@ enum Command {
     Serve(serve::ServeArgs),
     /// Run the P/D proxy in front of prefill and decode servers.
     Proxy(proxy_cmd::ProxyArgs),
-    /// Start a prefill server, a decode server and the proxy on loopback.
+    /// Start prefill and decode servers and the proxy on loopback.
     Up(up::UpArgs),
     /// Run the lifecycle matrix (pause, sleep, wake, release, reload) under
     /// load across a prefill server, a decode server and the proxy.

@@ -33,6 +33,8 @@ pub struct ProxyArgs {
     /// engines must have been started with the same token.
     #[arg(long, env = "PDKV_ADMIN_TOKEN", hide_env_values = true)]
     pub admin_token: Option<String>,
+    #[command(flatten)]
+    pub http: crate::http_args::HttpArgs,
 }
 
 pub fn run(args: ProxyArgs) -> anyhow::Result<()> {
@@ -42,6 +44,7 @@ pub fn run(args: ProxyArgs) -> anyhow::Result<()> {
     config.request_timeout = Duration::from_secs(args.request_timeout);
     config.health_interval = Duration::from_millis(args.health_interval_ms);
     config.admin_token = args.admin_token;
+    config.http = args.http.limits()?;
     let proxy = Proxy::new(config)?;
     let addr: SocketAddr = format!("{}:{}", args.host, args.port)
         .parse()

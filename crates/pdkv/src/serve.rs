@@ -71,6 +71,8 @@ pub struct ServeArgs {
     /// reset and on the connector's release of its registrations.
     #[arg(long, default_value_t = 5.0)]
     pub kv_release_timeout_s: f64,
+    #[command(flatten)]
+    pub http: crate::http_args::HttpArgs,
 }
 
 pub fn run(args: ServeArgs) -> anyhow::Result<()> {
@@ -154,7 +156,8 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
 
     let runtime =
         tokio::runtime::Builder::new_multi_thread().enable_all().build().context("starting the async runtime")?;
-    let result = runtime.block_on(serve(addr, engine.clone(), served_name, args.admin_token, args.api_key));
+    let limits = args.http.limits()?;
+    let result = runtime.block_on(serve(addr, engine.clone(), served_name, args.admin_token, args.api_key, limits));
     engine.shutdown();
     result
 }
@@ -173,6 +176,7 @@ async fn serve(
     served_name: String,
     admin_token: Option<String>,
     api_key: Option<String>,
+    limits: pdkv_server::listen::HttpLimits,
 ) -> anyhow::Result<()> {
     let mut state = AppState::new(engine.clone(), served_name.clone());
     if let Some(token) = admin_token {
@@ -191,7 +195,7 @@ async fn serve(
         // graceful shutdown does not wait for them.
         let _ = tokio::task::spawn_blocking(move || engine.shutdown()).await;
     };
-    pdkv_server::serve(listener, state, shutdown).await.context("serving HTTP")?;
+    pdkv_server::serve_with(listener, state, limits, shutdown).await.context("serving HTTP")?;
     tracing::info!("stopped");
     Ok(())
 }

@@ -39,6 +39,17 @@ impl Server {
     /// A server for a random checkpoint (`preset`, `seed`), with the admin
     /// API on when `token` is given.
     pub async fn spawn(preset: &str, seed: u64, token: Option<&str>, config: EngineConfig) -> Server {
+        Server::spawn_with_limits(preset, seed, token, config, pdkv_server::listen::HttpLimits::default()).await
+    }
+
+    /// [`Server::spawn`] with the given bounds on client connections.
+    pub async fn spawn_with_limits(
+        preset: &str,
+        seed: u64,
+        token: Option<&str>,
+        config: EngineConfig,
+        limits: pdkv_server::listen::HttpLimits,
+    ) -> Server {
         let dir = checkpoint(preset, seed);
         let pool = Pool::default();
         let model = pdkv_model::load_model(dir.path(), &pool, &mut |_| {}).expect("load model");
@@ -50,7 +61,7 @@ impl Server {
         if let Some(t) = token {
             state = state.with_admin_token(t).expect("admin token");
         }
-        let task = tokio::spawn(pdkv_server::serve(listener, state, async move {
+        let task = tokio::spawn(pdkv_server::serve_with(listener, state, limits, async move {
             let _ = stopped.await;
         }));
         Server {

@@ -1,0 +1,84 @@
+//! Hostile connections against a real server on loopback: thousands of
+//! clients that connect and send nothing do not keep real requests from
+//! being served, and each is closed once its header timeout passes; at the
+//! connection cap new clients wait (not fail) until a slot frees.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use pdkv_engine::EngineConfig;
+use pdkv_server::listen::HttpLimits;
+use serde_json::json;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+
+use common::{Server, DEADLINE};
+
+/// Waits (bounded) until the server closes `s`: a read returns 0 bytes (or
+/// the connection is reset).
+async fn closed_by_server(s: &mut TcpStream) -> bool {
+    let mut buf = [0u8; 64];
+    matches!(tokio::time::timeout(DEADLINE, s.read(&mut buf)).await, Ok(Ok(0)) | Ok(Err(_)))
+}
+
+async fn completion(server: &Server) -> Duration {
+    let started = Instant::now();
+    let resp = server
+        .client
+        .post(server.url("/v1/completions"))
+        .json(&json!({"prompt": "hello", "max_tokens": 2, "temperature": 0}))
+        .send()
+        .await
+        .expect("send");
+    assert_eq!(resp.status(), 200, "{}", resp.text().await.unwrap());
+    started.elapsed()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idle_connections_do_not_starve_requests_and_are_closed_at_their_timeout() {
+    let limits = HttpLimits { max_connections: 4096, header_timeout: Duration::from_secs(2) };
+    let s = Server::spawn_with_limits("tiny", 7, None, EngineConfig::default(), limits).await;
+    let addr = s.base.trim_start_matches("http://").to_string();
+    // 3000 clients that connect and never send a byte, and one that sends
+    // half a request head.
+    let mut idle = Vec::with_capacity(3001);
+    for _ in 0..3000 {
+        idle.push(TcpStream::connect(&addr).await.expect("connect"));
+    }
+    let mut half = TcpStream::connect(&addr).await.expect("connect");
+    half.write_all(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n").await.unwrap();
+    // Real requests are served meanwhile.
+    let mut slowest = Duration::ZERO;
+    for _ in 0..5 {
+        slowest = slowest.max(completion(&s).await);
+    }
+    eprintln!("slowest of 5 requests beside 3000 idle connections: {slowest:?}");
+    let health = s.client.get(s.url("/health")).send().await.unwrap();
+    assert_eq!(health.status(), 200);
+    // Every idle connection is closed by the server once its timeout passed.
+    assert!(closed_by_server(&mut half).await, "the half-sent head was not closed");
+    for (i, c) in idle.iter_mut().enumerate() {
+        assert!(closed_by_server(c).await, "idle connection {i} was not closed");
+    }
+    s.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn at_the_connection_cap_a_new_client_waits_for_a_slot() {
+    let limits = HttpLimits { max_connections: 4, header_timeout: Duration::from_secs(600) };
+    let s = Server::spawn_with_limits("tiny", 7, None, EngineConfig::default(), limits).await;
+    let addr = s.base.trim_start_matches("http://").to_string();
+    let mut idle = Vec::new();
+    for _ in 0..4 {
+        idle.push(TcpStream::connect(&addr).await.expect("connect"));
+    }
+    // The fifth client waits in the backlog (never refused) while the cap
+    // is reached...
+    let mut fifth = Box::pin(completion(&s));
+    assert!(tokio::time::timeout(Duration::from_millis(300), &mut fifth).await.is_err(), "served beyond the cap");
+    // ...and is served once a slot frees.
+    drop(idle.pop());
+    tokio::time::timeout(DEADLINE, fifth).await.expect("served once a slot freed");
+    s.stop().await;
+}
