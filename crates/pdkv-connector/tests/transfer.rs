@@ -42,8 +42,9 @@ fn transfer(transport: &str) {
     let params = prefill_output(&mut p, "rp", "t1", 40, &p_blocks);
     assert_eq!(p.c.num_held_blocks(), 4);
     let d_blocks = [7, 3, 20, 11];
+    // (Whether D still holds the blocks here races with the transfer,
+    // which may already be done on loopback: not asserted.)
     start_load(&mut d, "rd", 40, 16, &d_blocks, &params);
-    assert!(d.c.num_held_blocks() > 0);
     let f = d.wait_finished(|f| !f.recving.is_empty());
     assert_eq!(f.recving, vec![Arc::from("rd")]);
     assert_eq!(common::load_errors(&mut d), Vec::<(u32, String)>::new());
