@@ -9,10 +9,20 @@
 //! read's data likewise, with no staging buffer.
 //!
 //! Serving side, per connection and in order: read a header (bounded by the
-//! idle timeout), check it, check the access against the registry, move the
-//! data (bounded by the I/O timeout), answer. A refused access is answered
-//! with its reason and its data drained; a malformed frame closes that
-//! connection and nothing else.
+//! idle timeout, or the shorter unproven timeout until the connection made an
+//! access the registry accepted), check it,
+//! check the access against the registry, move the data (bounded by the I/O
+//! timeout), answer. A refused access is answered with its reason and its
+//! data drained; a malformed frame closes that connection and nothing else.
+//!
+//! Connections are capped (`max_conns`). A connection is *proven* once it
+//! made an access the registry accepted (it knew a live key, which only a
+//! peer told over the control channel has); until then it may wait at most
+//! `unproven_timeout` for each frame, and at the cap the oldest unproven
+//! connection is closed to make room. So clients that connect and idle, or
+//! send garbage or stale keys, cannot keep a working peer out, and a proven
+//! connection is never closed for a newcomer. Only when every slot is held
+//! by proven connections is a new one refused.
 //!
 //! Initiating side, per peer: one writer and one reader task per connection
 //! and one timer task, all sharing the peer's [`Initiator`] behind a mutex
@@ -49,6 +59,9 @@ pub struct AgentConfig {
     pub max_conns: usize,
     /// How long a served connection may sit between frames.
     pub idle_timeout: Duration,
+    /// How long a connection not yet proven (no access accepted) may wait
+    /// for each frame.
+    pub unproven_timeout: Duration,
     /// How long moving one frame's data may take.
     pub io_timeout: Duration,
     /// How long connecting to a peer may take.
@@ -64,6 +77,7 @@ impl Default for AgentConfig {
             notify_queue: 256,
             max_conns: 256,
             idle_timeout: Duration::from_secs(300),
+            unproven_timeout: Duration::from_secs(10),
             io_timeout: Duration::from_secs(30),
             connect_timeout: Duration::from_secs(5),
         }
@@ -89,6 +103,8 @@ pub struct ServeStats {
     /// grant's ranges.
     pub refused: [AtomicU64; 8],
     pub malformed: AtomicU64,
+    /// Unproven connections closed to make room for a newcomer at the cap.
+    pub evicted: AtomicU64,
     /// Signalled after every operation served (tests wait on progress).
     pub progress: Notify,
 }
@@ -542,6 +558,33 @@ impl Agent {
     }
 }
 
+/// The connections being served, for making room at the cap.
+#[derive(Default)]
+struct ConnTable {
+    next: u64,
+    /// By accept order: whether it is proven, and its task.
+    conns: std::collections::BTreeMap<u64, (Arc<std::sync::atomic::AtomicBool>, tokio::task::AbortHandle)>,
+}
+
+impl ConnTable {
+    /// Closes the oldest unproven connection; false if none.
+    fn evict_oldest_unproven(&mut self) -> bool {
+        let oldest = self.conns.iter().find(|(_, (proven, _))| !proven.load(Ordering::Relaxed)).map(|(&id, _)| id);
+        match oldest.and_then(|id| self.conns.remove(&id)) {
+            Some((_, task)) => {
+                task.abort();
+                true
+            }
+            None => false,
+        }
+    }
+}
+
+/// Pause after a failed accept (out of descriptors, say).
+const ACCEPT_BACKOFF: Duration = Duration::from_millis(100);
+/// How long a newcomer waits for the slot an eviction frees.
+const EVICT_WAIT: Duration = Duration::from_secs(1);
+
 async fn accept_loop(
     listener: TcpListener,
     registry: Arc<Registry>,
@@ -550,20 +593,52 @@ async fn accept_loop(
     stats: Arc<ServeStats>,
 ) {
     let slots = Arc::new(Semaphore::new(cfg.max_conns));
+    let table = Arc::new(Mutex::new(ConnTable::default()));
     loop {
-        let Ok((stream, from)) = listener.accept().await else { continue };
-        let Ok(permit) = slots.clone().try_acquire_owned() else {
-            tracing::warn!(%from, "connection refused: {} served already", cfg.max_conns);
-            continue;
+        let (stream, from) = match listener.accept().await {
+            Ok(c) => c,
+            Err(e) => {
+                tracing::warn!("transfer accept failed: {e}; retrying in {ACCEPT_BACKOFF:?}");
+                tokio::time::sleep(ACCEPT_BACKOFF).await;
+                continue;
+            }
+        };
+        let permit = match slots.clone().try_acquire_owned() {
+            Ok(p) => p,
+            Err(_) => {
+                let evicted = table.lock().unwrap().evict_oldest_unproven();
+                let freed = if evicted {
+                    tokio::time::timeout(EVICT_WAIT, slots.clone().acquire_owned()).await.ok().and_then(Result::ok)
+                } else {
+                    None
+                };
+                match freed {
+                    Some(p) => {
+                        stats.evicted.fetch_add(1, Ordering::Relaxed);
+                        p
+                    }
+                    None => {
+                        tracing::warn!(%from, "connection refused: {} served already, all active", cfg.max_conns);
+                        continue;
+                    }
+                }
+            }
         };
         let _ = stream.set_nodelay(true);
+        let spoke = Arc::new(std::sync::atomic::AtomicBool::new(false));
         let (registry, cfg, notify_tx, stats) = (registry.clone(), cfg.clone(), notify_tx.clone(), stats.clone());
-        tokio::spawn(async move {
-            if let Err(why) = serve_conn(stream, from, &registry, &cfg, &notify_tx, &stats).await {
+        let (t, flag) = (table.clone(), spoke.clone());
+        let mut guard = table.lock().unwrap();
+        let id = guard.next;
+        guard.next += 1;
+        let task = tokio::spawn(async move {
+            let _permit = permit;
+            if let Err(why) = serve_conn(stream, from, &registry, &cfg, &notify_tx, &stats, &flag).await {
                 tracing::debug!(%from, "connection closed: {why}");
             }
-            drop(permit);
+            t.lock().unwrap().conns.remove(&id);
         });
+        guard.conns.insert(id, (spoke, task.abort_handle()));
     }
 }
 
@@ -588,12 +663,16 @@ async fn serve_conn(
     cfg: &AgentConfig,
     notify_tx: &mpsc::Sender<Notification>,
     stats: &ServeStats,
+    proven: &std::sync::atomic::AtomicBool,
 ) -> Result<(), String> {
     let (mut r, mut w) = stream.into_split();
     let mut scratch = Vec::new();
     loop {
         let mut h = [0u8; HEADER_LEN];
-        match tokio::time::timeout(cfg.idle_timeout, r.read_exact(&mut h)).await {
+        let unproven = !proven.load(Ordering::Relaxed);
+        let wait = if unproven { cfg.unproven_timeout } else { cfg.idle_timeout };
+        match tokio::time::timeout(wait, r.read_exact(&mut h)).await {
+            Err(_) if unproven => return Err("no accepted access in time".into()),
             Err(_) => return Err("idle timeout".into()),
             Ok(Err(e)) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(()),
             Ok(Err(e)) => return Err(e.to_string()),
@@ -609,6 +688,7 @@ async fn serve_conn(
             Header::WriteReq { op, target } => {
                 match registry.access(target.segment, target.key, target.epoch, target.offset, target.len) {
                     Ok(a) => {
+                        proven.store(true, Ordering::Relaxed);
                         // SAFETY: a write's target range is written by this write only.
                         timed(t, r.read_exact(unsafe { a.as_mut_slice() }), "write data").await?;
                         stats.bytes_in.fetch_add(target.len, Ordering::Relaxed);
@@ -623,6 +703,7 @@ async fn serve_conn(
             Header::ReadReq { op, target } => {
                 match registry.access(target.segment, target.key, target.epoch, target.offset, target.len) {
                     Ok(a) => {
+                        proven.store(true, Ordering::Relaxed);
                         let head = Header::ReadResp { op, len: target.len as u32 }.encode();
                         timed(t, w.write_all(&head), "read resp").await?;
                         // SAFETY: no write is scheduled into a range being read.

@@ -508,3 +508,63 @@ async fn a_grant_confines_writes_and_revoke_fences_them_even_mid_payload() {
     let ops = vec![(client.agent.local(&client.reg, 0, 4096).unwrap(), server.agent.describe(&server.reg, AT, 4096))];
     client.agent.write(ops, None, DL).await.unwrap();
 }
+
+/// At the connection cap, clients that connect and idle (or send garbage or
+/// a stale key) give way to a real peer: the oldest unproven connection is
+/// closed for each newcomer, the peer's writes land, and a proven
+/// connection is never the one closed. Unproven connections are closed at
+/// their (short) timeout.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idle_and_hostile_connections_at_the_cap_do_not_keep_a_real_peer_out() {
+    let pool = Pool::new(PoolOptions { chunk_size: 256 << 10, single_allocation: false });
+    let len = MIB;
+    let region = pool.allocate(Tag::KvCache, len).unwrap();
+    let registry = Arc::new(Registry::new(RegistryOptions { max_segments: 8, key_seed: Some(9), ..Default::default() }));
+    let reg = registry.register(&region, 0, len).unwrap();
+    let server_cfg = AgentConfig { max_conns: 8, unproven_timeout: Duration::from_secs(3), ..cfg(64 << 10) };
+    let server = Agent::bind("127.0.0.1:0", registry, server_cfg).await.unwrap();
+    let addr = server.local_addr();
+
+    // 30 idle connections, one sending garbage, one presenting a stale key:
+    // far more than the 8 slots.
+    let mut idle = Vec::new();
+    for _ in 0..30 {
+        idle.push(TcpStream::connect(addr).await.unwrap());
+    }
+    let mut garbage = TcpStream::connect(addr).await.unwrap();
+    garbage.write_all(&[0xff; HEADER_LEN]).await.unwrap();
+    let mut stale = TcpStream::connect(addr).await.unwrap();
+    let d = server.describe(&reg, 0, 16);
+    let bad = Target { segment: d.segment, key: d.key ^ 1, epoch: d.epoch, offset: d.offset, len: 16 };
+    let refused = raw(&mut stale, Header::WriteReq { op: 1, target: bad }, &[0; 16]).await;
+    assert!(matches!(refused, Some(Header::Error { .. })), "{refused:?}");
+
+    // A real peer's write lands all the same.
+    let client = side(MIB, 3, 64 << 10).await;
+    let data = pattern(256 << 10, 5);
+    client.region.write_bytes(0, &data).unwrap();
+    let ops = vec![(client.agent.local(&client.reg, 0, data.len() as u64).unwrap(), server.describe(&reg, 0, data.len() as u64))];
+    client.agent.write(ops, None, DL).await.expect("the real peer's write");
+    assert!(read_region(&region, 0, data.len()) == data);
+    let evicted = server.serve_stats().evicted.load(std::sync::atomic::Ordering::Relaxed);
+    assert!(evicted > 0, "room was made by closing unproven connections");
+    // Again, now that the peer's connections are proven: more newcomers do
+    // not close them (the next write needs no new connection).
+    for _ in 0..20 {
+        idle.push(TcpStream::connect(addr).await.unwrap());
+    }
+    let again = pattern(64 << 10, 6);
+    client.region.write_bytes(0, &again).unwrap();
+    let ops = vec![(client.agent.local(&client.reg, 0, again.len() as u64).unwrap(), server.describe(&reg, 0, again.len() as u64))];
+    client.agent.write(ops, None, DL).await.expect("the second write");
+    assert!(read_region(&region, 0, again.len()) == again);
+    let stats = client.agent.peer_stats().await;
+    assert_eq!(stats[0].1.failures, [0; 4], "no connection of the peer failed");
+
+    // Every unproven connection still open is closed at its timeout.
+    let mut buf = [0u8; 8];
+    for (i, c) in idle.iter_mut().chain([&mut garbage, &mut stale]).enumerate() {
+        let r = tokio::time::timeout(DL, c.read(&mut buf)).await;
+        assert!(matches!(r, Ok(Ok(0)) | Ok(Err(_))), "connection {i} was not closed: {r:?}");
+    }
+}
