@@ -228,3 +228,46 @@ fn garbage_on_the_control_socket_closes_that_connection_only() {
         Message::BootstrapOk { engine_id: "p1".into(), layout: "test-layout".into(), block_bytes: BB as u64 }
     );
 }
+
+/// 300 clients that connect and idle on D's transfer port (past its cap of
+/// 256) and 300 on P's control port, plus garbage on both: the real P and
+/// D still move a prompt's KV, and the idle connections are closed.
+#[test]
+fn idle_connections_on_both_kv_ports_do_not_break_a_transfer() {
+    let mut p = side("kv_producer", "tcp", "p1", "");
+    let mut d = side("kv_consumer", "tcp", "d1", "");
+    let (p_info, d_info) = (p.c.info(), d.c.info());
+    let control = p_info["bootstrap_addr"].as_str().unwrap().to_string();
+    let transfer_port = d_info["transfer_addr"].as_str().unwrap().to_string();
+    let mut idle = Vec::new();
+    for addr in [&transfer_port, &control] {
+        for _ in 0..300 {
+            idle.push(TcpStream::connect(addr).unwrap());
+        }
+        let mut garbage = TcpStream::connect(addr).unwrap();
+        garbage.write_all(&[0xab; 64]).unwrap();
+        idle.push(garbage);
+    }
+    let p_blocks = [5, 9, 2, 30];
+    let params = prefill_output(&mut p, "rp", "t1", 40, &p_blocks);
+    let d_blocks = [7, 3, 20, 11];
+    start_load(&mut d, "rd", 40, 0, &d_blocks, &params);
+    let f = d.wait_finished(|f| !f.recving.is_empty());
+    assert_eq!(f.recving, vec![Arc::from("rd")]);
+    assert_eq!(common::load_errors(&mut d), Vec::<(u32, String)>::new());
+    assert_eq!(d.block(3), pattern(9));
+    assert_eq!(d.block(20), pattern(2));
+    // The servers close what never proved itself (the control port within
+    // its I/O bound, the transfer port within its unproven timeout).
+    let deadline = Instant::now() + Duration::from_secs(60);
+    for (i, c) in idle.iter_mut().enumerate() {
+        c.set_read_timeout(Some(deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(1)))).unwrap();
+        let mut buf = [0u8; 8];
+        let closed = match c.read(&mut buf) {
+            Ok(0) => true,
+            Err(e) => !matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut),
+            Ok(_) => false,
+        };
+        assert!(closed, "idle connection {i} was not closed by the deadline");
+    }
+}

@@ -30,6 +30,7 @@
 //! - the protocol logic ([`frame`], [`proto`]) is sans-IO: it does no I/O
 //!   and reads no clock; drivers pass time and bytes in.
 
+pub mod conns;
 pub mod frame;
 pub mod grant;
 pub mod proto;

@@ -37,9 +37,10 @@ use std::time::{Duration, Instant};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::{mpsc, oneshot, Notify, Semaphore};
+use tokio::sync::{mpsc, oneshot, Notify};
 use tokio::task::JoinHandle;
 
+use crate::conns::{Admitted, ConnSlots, Slot};
 use crate::frame::{Header, Limits, RemoteError, HEADER_LEN};
 use crate::proto::{
     BatchId, ConnId, Direction, Initiator, InitiatorConfig, LocalRange, Request, Response, StartError, Stats,
@@ -558,32 +559,8 @@ impl Agent {
     }
 }
 
-/// The connections being served, for making room at the cap.
-#[derive(Default)]
-struct ConnTable {
-    next: u64,
-    /// By accept order: whether it is proven, and its task.
-    conns: std::collections::BTreeMap<u64, (Arc<std::sync::atomic::AtomicBool>, tokio::task::AbortHandle)>,
-}
-
-impl ConnTable {
-    /// Closes the oldest unproven connection; false if none.
-    fn evict_oldest_unproven(&mut self) -> bool {
-        let oldest = self.conns.iter().find(|(_, (proven, _))| !proven.load(Ordering::Relaxed)).map(|(&id, _)| id);
-        match oldest.and_then(|id| self.conns.remove(&id)) {
-            Some((_, task)) => {
-                task.abort();
-                true
-            }
-            None => false,
-        }
-    }
-}
-
 /// Pause after a failed accept (out of descriptors, say).
 const ACCEPT_BACKOFF: Duration = Duration::from_millis(100);
-/// How long a newcomer waits for the slot an eviction frees.
-const EVICT_WAIT: Duration = Duration::from_secs(1);
 
 async fn accept_loop(
     listener: TcpListener,
@@ -592,8 +569,7 @@ async fn accept_loop(
     notify_tx: mpsc::Sender<Notification>,
     stats: Arc<ServeStats>,
 ) {
-    let slots = Arc::new(Semaphore::new(cfg.max_conns));
-    let table = Arc::new(Mutex::new(ConnTable::default()));
+    let slots = ConnSlots::new(cfg.max_conns);
     loop {
         let (stream, from) = match listener.accept().await {
             Ok(c) => c,
@@ -603,42 +579,27 @@ async fn accept_loop(
                 continue;
             }
         };
-        let permit = match slots.clone().try_acquire_owned() {
-            Ok(p) => p,
-            Err(_) => {
-                let evicted = table.lock().unwrap().evict_oldest_unproven();
-                let freed = if evicted {
-                    tokio::time::timeout(EVICT_WAIT, slots.clone().acquire_owned()).await.ok().and_then(Result::ok)
-                } else {
-                    None
-                };
-                match freed {
-                    Some(p) => {
-                        stats.evicted.fetch_add(1, Ordering::Relaxed);
-                        p
-                    }
-                    None => {
-                        tracing::warn!(%from, "connection refused: {} served already, all active", cfg.max_conns);
-                        continue;
-                    }
+        let slot = match slots.admit().await {
+            Some((slot, how)) => {
+                if how == Admitted::Evicted {
+                    stats.evicted.fetch_add(1, Ordering::Relaxed);
                 }
+                slot
+            }
+            None => {
+                tracing::warn!(%from, "connection refused: {} served already, all proven", cfg.max_conns);
+                continue;
             }
         };
         let _ = stream.set_nodelay(true);
-        let spoke = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let id = slot.id();
         let (registry, cfg, notify_tx, stats) = (registry.clone(), cfg.clone(), notify_tx.clone(), stats.clone());
-        let (t, flag) = (table.clone(), spoke.clone());
-        let mut guard = table.lock().unwrap();
-        let id = guard.next;
-        guard.next += 1;
         let task = tokio::spawn(async move {
-            let _permit = permit;
-            if let Err(why) = serve_conn(stream, from, &registry, &cfg, &notify_tx, &stats, &flag).await {
+            if let Err(why) = serve_conn(stream, from, &registry, &cfg, &notify_tx, &stats, &slot).await {
                 tracing::debug!(%from, "connection closed: {why}");
             }
-            t.lock().unwrap().conns.remove(&id);
         });
-        guard.conns.insert(id, (spoke, task.abort_handle()));
+        slots.attach(id, task.abort_handle());
     }
 }
 
@@ -663,13 +624,13 @@ async fn serve_conn(
     cfg: &AgentConfig,
     notify_tx: &mpsc::Sender<Notification>,
     stats: &ServeStats,
-    proven: &std::sync::atomic::AtomicBool,
+    slot: &Slot,
 ) -> Result<(), String> {
     let (mut r, mut w) = stream.into_split();
     let mut scratch = Vec::new();
     loop {
         let mut h = [0u8; HEADER_LEN];
-        let unproven = !proven.load(Ordering::Relaxed);
+        let unproven = !slot.is_proven();
         let wait = if unproven { cfg.unproven_timeout } else { cfg.idle_timeout };
         match tokio::time::timeout(wait, r.read_exact(&mut h)).await {
             Err(_) if unproven => return Err("no accepted access in time".into()),
@@ -688,7 +649,7 @@ async fn serve_conn(
             Header::WriteReq { op, target } => {
                 match registry.access(target.segment, target.key, target.epoch, target.offset, target.len) {
                     Ok(a) => {
-                        proven.store(true, Ordering::Relaxed);
+                        slot.prove();
                         // SAFETY: a write's target range is written by this write only.
                         timed(t, r.read_exact(unsafe { a.as_mut_slice() }), "write data").await?;
                         stats.bytes_in.fetch_add(target.len, Ordering::Relaxed);
@@ -703,7 +664,7 @@ async fn serve_conn(
             Header::ReadReq { op, target } => {
                 match registry.access(target.segment, target.key, target.epoch, target.offset, target.len) {
                     Ok(a) => {
-                        proven.store(true, Ordering::Relaxed);
+                        slot.prove();
                         let head = Header::ReadResp { op, len: target.len as u32 }.encode();
                         timed(t, w.write_all(&head), "read resp").await?;
                         // SAFETY: no write is scheduled into a range being read.

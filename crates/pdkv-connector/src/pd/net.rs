@@ -12,6 +12,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
+use pdkv_transfer::conns::{ConnSlots, Slot};
 use pdkv_transfer::frame::{Limits, Target};
 use pdkv_transfer::proto::{Direction, Transfer};
 use pdkv_transfer::shm::{ShmExporter, ShmImporter};
@@ -265,7 +266,15 @@ async fn core_timer(shared: Arc<Shared>, changed: Arc<Notify>) {
     }
 }
 
+/// Control connections served at once. One that has not yet sent a
+/// well-formed message is unproven (it must within `CONTROL_IO`), and at
+/// the cap the oldest unproven one is closed for a newcomer
+/// ([`pdkv_transfer::conns`]), so clients that connect and idle or send
+/// garbage cannot keep D's exchanges out.
+const MAX_CONTROL_CONNS: usize = 1024;
+
 async fn accept_loop(shared: Arc<Shared>, d: Arc<Net>, listener: TcpListener) {
+    let slots = ConnSlots::new(MAX_CONTROL_CONNS);
     loop {
         let (stream, from) = match listener.accept().await {
             Ok(c) => c,
@@ -276,18 +285,24 @@ async fn accept_loop(shared: Arc<Shared>, d: Arc<Net>, listener: TcpListener) {
                 continue;
             }
         };
+        let Some((slot, _)) = slots.admit().await else {
+            tracing::warn!(%from, "control connection refused: {MAX_CONTROL_CONNS} exchanges in flight");
+            continue;
+        };
+        let id = slot.id();
         let (shared, d) = (shared.clone(), d.clone());
-        tokio::spawn(async move {
-            if let Err(e) = serve_control(&shared, &d, stream).await {
+        let task = tokio::spawn(async move {
+            if let Err(e) = serve_control(&shared, &d, stream, &slot).await {
                 tracing::debug!(%from, "control connection closed: {e}");
             }
         });
+        slots.attach(id, task.abort_handle());
     }
 }
 
 /// Serves one control exchange: the request goes to the core, its replies
 /// (progress frames, then the final answer) back to the peer.
-async fn serve_control(shared: &Arc<Shared>, d: &Net, mut s: TcpStream) -> Result<(), wire::WireError> {
+async fn serve_control(shared: &Arc<Shared>, d: &Net, mut s: TcpStream, slot: &Slot) -> Result<(), wire::WireError> {
     let _ = s.set_nodelay(true);
     let prefix = wire::read_prefix(&mut s, CONTROL_IO).await?;
     if &prefix == b"GET " {
@@ -296,6 +311,9 @@ async fn serve_control(shared: &Arc<Shared>, d: &Net, mut s: TcpStream) -> Resul
         return bootstrap::serve(shared, s).await;
     }
     let msg = wire::read_message_after(&mut s, prefix, CONTROL_IO).await?;
+    // Well formed: from here on the exchange is bounded by the core's
+    // deadlines, and it is not closed for a newcomer.
+    slot.prove();
     let conn = d.next_conn.fetch_add(1, Ordering::Relaxed);
     let (tx, mut rx) = mpsc::unbounded_channel();
     d.replies.lock().unwrap().insert(conn, tx);

@@ -1,0 +1,158 @@
+//! Connection slots for a listener facing untrusted clients: at most `cap`
+//! connections at once, each *unproven* until the server marks it proven
+//! (it did something only a real peer can: presented a live key, sent a
+//! well-formed request). At the cap the oldest unproven connection is
+//! closed to make room for the newcomer; a proven connection is never
+//! closed for one, so only when every slot is proven is a newcomer refused.
+//! Clients that connect and idle, or send garbage, thus cannot keep a real
+//! peer out, whose connections prove themselves at once.
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio::task::AbortHandle;
+
+/// How long a newcomer waits for the slot an eviction frees.
+const EVICT_WAIT: Duration = Duration::from_secs(1);
+
+struct Entry {
+    proven: Arc<AtomicBool>,
+    task: Option<AbortHandle>,
+}
+
+/// The slots of one listener.
+pub struct ConnSlots {
+    permits: Arc<Semaphore>,
+    table: Mutex<(u64, BTreeMap<u64, Entry>)>,
+}
+
+/// One connection's slot, given back on drop.
+pub struct Slot {
+    id: u64,
+    proven: Arc<AtomicBool>,
+    owner: Arc<ConnSlots>,
+    _permit: OwnedSemaphorePermit,
+}
+
+/// What [`ConnSlots::admit`] did to make room.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Admitted {
+    /// A slot was free.
+    Free,
+    /// The oldest unproven connection was closed for it.
+    Evicted,
+}
+
+impl ConnSlots {
+    pub fn new(cap: usize) -> Arc<ConnSlots> {
+        Arc::new(ConnSlots { permits: Arc::new(Semaphore::new(cap.max(1))), table: Mutex::new((0, BTreeMap::new())) })
+    }
+
+    /// A slot for a new connection (closing the oldest unproven one at the
+    /// cap), or `None` when every slot is held by a proven connection.
+    pub async fn admit(self: &Arc<Self>) -> Option<(Slot, Admitted)> {
+        let (permit, how) = match self.permits.clone().try_acquire_owned() {
+            Ok(p) => (p, Admitted::Free),
+            Err(_) => {
+                if !self.evict_oldest_unproven() {
+                    return None;
+                }
+                let p = tokio::time::timeout(EVICT_WAIT, self.permits.clone().acquire_owned()).await.ok()?.ok()?;
+                (p, Admitted::Evicted)
+            }
+        };
+        let proven = Arc::new(AtomicBool::new(false));
+        let mut t = self.table.lock().unwrap();
+        let id = t.0;
+        t.0 += 1;
+        t.1.insert(id, Entry { proven: proven.clone(), task: None });
+        Some((Slot { id, proven, owner: self.clone(), _permit: permit }, how))
+    }
+
+    /// Names the task serving `slot`'s connection (what an eviction aborts).
+    pub fn attach(&self, slot_id: u64, task: AbortHandle) {
+        if let Some(e) = self.table.lock().unwrap().1.get_mut(&slot_id) {
+            e.task = Some(task);
+        }
+    }
+
+    fn evict_oldest_unproven(&self) -> bool {
+        let mut t = self.table.lock().unwrap();
+        let oldest = t.1.iter().find(|(_, e)| !e.proven.load(Ordering::Relaxed) && e.task.is_some()).map(|(&id, _)| id);
+        match oldest.and_then(|id| t.1.remove(&id)) {
+            Some(Entry { task: Some(task), .. }) => {
+                task.abort();
+                true
+            }
+            _ => false,
+        }
+    }
+
+    /// Connections held now.
+    pub fn len(&self) -> usize {
+        self.table.lock().unwrap().1.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+impl Slot {
+    pub fn id(&self) -> u64 {
+        self.id
+    }
+
+    /// The connection did what only a real peer can.
+    pub fn prove(&self) {
+        self.proven.store(true, Ordering::Relaxed);
+    }
+
+    pub fn is_proven(&self) -> bool {
+        self.proven.load(Ordering::Relaxed)
+    }
+}
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        self.owner.table.lock().unwrap().1.remove(&self.id);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn at_the_cap_the_oldest_unproven_connection_gives_way_and_proven_ones_never() {
+        let slots = ConnSlots::new(2);
+        let park = || tokio::spawn(std::future::pending::<()>());
+        let (a, how) = slots.admit().await.unwrap();
+        assert_eq!(how, Admitted::Free);
+        let ta = park();
+        slots.attach(a.id(), ta.abort_handle());
+        let (b, _) = slots.admit().await.unwrap();
+        let b_id = b.id();
+        let tb = tokio::spawn(async move {
+            let _slot = b;
+            std::future::pending::<()>().await
+        });
+        slots.attach(b_id, tb.abort_handle());
+        a.prove();
+        // Full: the newcomer evicts b (unproven), never a (proven).
+        let (c, how) = slots.admit().await.unwrap();
+        assert_eq!(how, Admitted::Evicted);
+        assert!(tb.await.unwrap_err().is_cancelled());
+        assert!(!ta.is_finished());
+        c.prove();
+        // Every slot proven: refused.
+        assert!(slots.admit().await.is_none());
+        drop(c);
+        assert!(slots.admit().await.is_some());
+        ta.abort();
+        drop(a);
+    }
+}
