@@ -193,7 +193,12 @@ impl ShmImporter {
                     }
                 }
                 inner.live_batches.fetch_sub(1, Ordering::AcqRel);
-                let _ = job.done.send(result);
+                // The batch's local slices pin registered chunks: they go
+                // before the waiter hears, so a caller that releases its
+                // memory once the write is done finds nothing pinned.
+                let Job { dir, transfers, slots, notify, deadline, cancel, done } = job;
+                drop((dir, transfers, slots, notify, deadline, cancel));
+                let _ = done.send(result);
             })?;
         }
         Ok(ShmImporter { inner, jobs: Mutex::new(Some(tx)) })
