@@ -239,7 +239,9 @@ pub fn parse_json<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, ApiError> {
     }
 }
 
-fn body_rejection(r: BytesRejection) -> ApiError {
+/// A body that could not be read (over the size limit: a 413), as an
+/// OpenAI-shaped error.
+pub fn body_rejection(r: BytesRejection) -> ApiError {
     let status = r.status();
     if status == StatusCode::PAYLOAD_TOO_LARGE {
         ApiError {

@@ -658,6 +658,13 @@ impl Proxy {
         relay::Relay::new(self.clone(), plan, call, (p, p_bootstrap), d).respond().await
     }
 
+    /// A generation request whose body could not be read: the client's own
+    /// error, counted once as such.
+    fn refuse_body(&self, r: axum::extract::rejection::BytesRejection) -> Response {
+        self.inner.metrics.count(Outcome::BadRequest);
+        crate::error::body_rejection(r).into_response()
+    }
+
     /// A request sent to D alone, which computes the prompt itself: its
     /// answer (status, headers, body, streamed or not) passes through, and
     /// it counts once, by its status.
@@ -885,12 +892,22 @@ fn error_chain(e: &dyn std::error::Error) -> String {
     s
 }
 
-async fn completions(State(proxy): State<Proxy>, headers: HeaderMap, body: Bytes) -> Response {
-    proxy.relay(Endpoint::Completions, headers, body).await
+/// A request body, or the OpenAI-shaped error for one the proxy will not
+/// read (over [`MAX_BODY_BYTES`]: a 413, as the engines answer).
+type BodyOrRefusal = Result<Bytes, axum::extract::rejection::BytesRejection>;
+
+async fn completions(State(proxy): State<Proxy>, headers: HeaderMap, body: BodyOrRefusal) -> Response {
+    match body {
+        Ok(body) => proxy.relay(Endpoint::Completions, headers, body).await,
+        Err(r) => proxy.refuse_body(r),
+    }
 }
 
-async fn chat_completions(State(proxy): State<Proxy>, headers: HeaderMap, body: Bytes) -> Response {
-    proxy.relay(Endpoint::ChatCompletions, headers, body).await
+async fn chat_completions(State(proxy): State<Proxy>, headers: HeaderMap, body: BodyOrRefusal) -> Response {
+    match body {
+        Ok(body) => proxy.relay(Endpoint::ChatCompletions, headers, body).await,
+        Err(r) => proxy.refuse_body(r),
+    }
 }
 
 async fn models(State(proxy): State<Proxy>, headers: HeaderMap) -> Response {
@@ -902,7 +919,11 @@ async fn models(State(proxy): State<Proxy>, headers: HeaderMap) -> Response {
 /// and `/get_server_info`: a decode server's answer.
 fn forwarded_routes() -> Router<Proxy> {
     let post_to = |path: &'static str| {
-        post(move |State(proxy): State<Proxy>, headers: HeaderMap, body: Bytes| async move {
+        post(move |State(proxy): State<Proxy>, headers: HeaderMap, body: BodyOrRefusal| async move {
+            let body = match body {
+                Ok(b) => b,
+                Err(r) => return crate::error::body_rejection(r).into_response(),
+            };
             let auth = headers.get(header::AUTHORIZATION).cloned();
             proxy.forward(reqwest::Method::POST, path, auth, Some(body)).await
         })

@@ -351,6 +351,28 @@ async fn a_prefill_client_error_passes_through_drops_d_and_counts_as_bad_request
     d.stop().await;
 }
 
+/// A body over the limit is a 413 in OpenAI's shape from the proxy, as
+/// from an engine, and counts as the client's bad request.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_oversize_body_is_the_same_413_from_the_proxy_and_an_engine() {
+    let p = Server::spawn("tiny", 7, None, EngineConfig::default()).await;
+    let d = Server::spawn("tiny", 7, None, EngineConfig::default()).await;
+    let proxy = ProxyServer::start(&[&p], &[&d]).await;
+    let huge = json!({"prompt": "x".repeat(pdkv_server::MAX_BODY_BYTES + 1), "max_tokens": 1});
+    let (engine_status, engine) = post_json(&proxy.client, d.url("/v1/completions"), &huge).await;
+    assert_openai_error(engine_status, &engine, StatusCode::PAYLOAD_TOO_LARGE, "engine");
+    for path in ["/v1/completions", "/v1/chat/completions", "/tokenize"] {
+        let (status, v) = post_json(&proxy.client, proxy.url(path), &huge).await;
+        assert_openai_error(status, &v, StatusCode::PAYLOAD_TOO_LARGE, path);
+        assert_eq!(v, engine, "{path}: the proxy's 413 is the engine's");
+    }
+    let m = proxy.metrics().await;
+    assert_eq!(proxy_outcome(&m, "bad_request"), 2.0, "{m}");
+    proxy.stop().await;
+    p.stop().await;
+    d.stop().await;
+}
+
 /// Both servers keep-paused: each holds the proxied request without running it.
 async fn paused_pair() -> (Server, Server) {
     let p = Server::spawn("tiny", 7, Some(TOKEN), EngineConfig::default()).await;
