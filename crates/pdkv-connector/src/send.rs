@@ -438,7 +438,7 @@ impl SendMachine {
     }
 
     /// A write ended (`Err` says why it failed).
-    pub fn on_write_done(&mut self, now: Instant, pull: PullId, result: Result<(), String>) {
+    pub fn on_write_done(&mut self, now: Instant, pull: PullId, result: Result<(), Failure>) {
         let Some(p) = self.remove_pull(pull) else { return };
         let PullState::Writing { answered } = p.state else { return };
         self.permits += 1;
@@ -447,8 +447,6 @@ impl SendMachine {
             t.writing = None;
         }
         if !answered {
-            let result =
-                result.map_err(|e| Failure::new(FailCode::TransferFailed, format!("writing the KV blocks failed: {e}")));
             let tomb = match &result {
                 Ok(()) => Failure::new(FailCode::AlreadyDone, format!("transfer {tid:?} was sent already")),
                 Err(e) => Failure::new(e.code, format!("transfer {tid:?} failed: {}", e.message)),
@@ -1054,7 +1052,7 @@ mod tests {
         assert_eq!(actions(&mut m), vec![Action::Answer { pull: 1, result: Err(fail(FailCode::Dropped, RELEASED)) }]);
         assert!(m.take_finished().is_empty(), "the write still reads the blocks");
         assert_eq!(m.held_blocks(), 4);
-        m.on_write_done(t0, 1, Err("cancelled".into()));
+        m.on_write_done(t0, 1, Err(crate::wire::write_failure(false, "cancelled")));
         assert_eq!(actions(&mut m), vec![Action::DropAnswer { drop: 7, known: true }], "the pull is not answered twice");
         assert_eq!(m.take_finished(), vec![rid("r")]);
         assert_eq!(m.free_permits(), 1);
@@ -1088,6 +1086,28 @@ mod tests {
         assert!(err_of(&actions(&mut m), 1).contains("holds 2 blocks"));
     }
 
+    /// D revokes its grant at the same time as it drops a load it gives up
+    /// (a sleep): a write refused by D's registry before the drop arrives
+    /// is D's drop, not a failed transfer.
+    #[test]
+    fn a_write_refused_by_the_destination_is_ds_drop() {
+        let t0 = Instant::now();
+        for (refused, code) in [(true, FailCode::Dropped), (false, FailCode::TransferFailed)] {
+            let mut m = machine(1);
+            ready(&mut m, t0);
+            m.on_pull(t0, 1, pull("t", 0));
+            assert!(matches!(actions(&mut m)[..], [Action::StartWrite { pull: 1, .. }]));
+            m.on_write_done(t0, 1, Err(crate::wire::write_failure(refused, "bad key")));
+            let a = actions(&mut m);
+            let answered = a.iter().find_map(|x| match x {
+                Action::Answer { pull: 1, result: Err(f) } => Some(f.code),
+                _ => None,
+            });
+            assert_eq!(answered, Some(code), "{a:?}");
+            assert_eq!(m.take_finished(), vec![rid("r")]);
+        }
+    }
+
     #[test]
     fn permits_bound_the_writes_and_a_queued_pull_has_a_deadline() {
         let t0 = Instant::now();
@@ -1101,7 +1121,7 @@ mod tests {
         let t1 = t0 + Duration::from_secs(5);
         m.on_pull(t1, 3, pull("c", 0));
         assert!(actions(&mut m).is_empty());
-        m.on_write_done(t1, 1, Err("peer lost".into()));
+        m.on_write_done(t1, 1, Err(crate::wire::write_failure(false, "peer lost")));
         let a = actions(&mut m);
         assert!(err_of(&a, 1).contains("writing the KV blocks failed: peer lost"));
         assert!(a.iter().any(|x| matches!(x, Action::StartWrite { pull: 2, .. })), "the permit goes to the next pull");

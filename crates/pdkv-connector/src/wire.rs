@@ -178,6 +178,20 @@ impl Failure {
     }
 }
 
+/// The failure of P's write into D's blocks. A refusal by D's registry
+/// (its grant revoked, its registration released or renewed) means D
+/// withdrew the destination, i.e. gave the load up — in a sleep, say, where
+/// D revokes the grant at the same time as it sends the drop — so it counts
+/// as D's drop ([`FailCode::Dropped`], on purpose) whichever reaches P
+/// first; anything else failed the transfer.
+pub fn write_failure(refused_by_destination: bool, detail: impl std::fmt::Display) -> Failure {
+    if refused_by_destination {
+        Failure::new(FailCode::Dropped, format!("D withdrew the destination during the write: {detail}"))
+    } else {
+        Failure::new(FailCode::TransferFailed, format!("writing the KV blocks failed: {detail}"))
+    }
+}
+
 impl std::fmt::Display for Failure {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "{} ({})", self.message, self.code)

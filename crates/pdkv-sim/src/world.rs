@@ -23,7 +23,7 @@ use std::time::{Duration, Instant};
 
 use pdkv_connector::pd::core::{BlockPair, ConnId, Io, Op};
 use pdkv_connector::recv::LoadId;
-use pdkv_connector::wire::{Destination, FailCode, Failure, Message, Pull};
+use pdkv_connector::wire::{write_failure, Destination, FailCode, Failure, Message, Pull};
 use pdkv_engine::{
     AddRequestError, Command, EngineRequest, FinishReason, LifecycleError, PauseMode, RequestOutput, SamplingParams,
     SleepLevel,
@@ -80,7 +80,7 @@ enum Ev {
     /// `conn` breaks (both ends learn it).
     CtrlBreak { conn: u64 },
     WriteFrame { write: u64, part: usize, pair: BlockPair, bytes: Vec<u8> },
-    WriteAck { write: u64, part: usize, ok: Result<(), String> },
+    WriteAck { write: u64, part: usize, ok: Result<(), Failure> },
     WriteDeadline { write: u64 },
     ReadReq { read: u64, part: usize, pair: BlockPair },
     ReadResp { read: u64, part: usize, pair: BlockPair, bytes: Result<Vec<u8>, String> },
@@ -457,7 +457,7 @@ impl World {
             }
             Ev::WriteFrame { write, part, pair, bytes } => self.write_frame(write, part, pair, bytes),
             Ev::WriteAck { write, part, ok } => self.write_ack(write, part, ok),
-            Ev::WriteDeadline { write } => self.write_end(write, Err("the write's deadline passed".into())),
+            Ev::WriteDeadline { write } => self.write_end(write, Err(write_failure(false, "the write's deadline passed"))),
             Ev::ReadReq { read, part, pair } => self.read_req(read, part, pair),
             Ev::ReadResp { read, part, pair, bytes } => self.read_resp(read, part, pair, bytes),
             Ev::ReadDeadline { read } => self.read_end(read, Err(Failure::new(FailCode::Timeout, "the read's deadline passed"))),
@@ -812,7 +812,7 @@ impl World {
             Destination::Tcp { addr } | Destination::Shm { path: addr } => self.by_addr(addr),
         };
         let Some(to) = to else {
-            let res = Err("no engine at the pull's destination".to_string());
+            let res = Err(write_failure(false, "no engine at the pull's destination"));
             if let Some(n) = self.node(ix) {
                 n.conn.event(|c, now| c.on_write_done(now, conn, res, 0));
             }
@@ -826,7 +826,7 @@ impl World {
             match n.registry.local(&local, src, bb) {
                 Ok(a) => a.read_into(&mut buf),
                 Err(e) => {
-                    let res = Err(format!("local block at {src}: {e}"));
+                    let res = Err(write_failure(false, format!("local block at {src}: {e}")));
                     n.conn.event(|c, now| c.on_write_done(now, conn, res, 0));
                     self.after(ix);
                     return;
@@ -887,14 +887,15 @@ impl World {
                 a.write_from(&bytes);
                 Ok(())
             }
-            Err(e) => Err(e.to_string()),
+            // Refused by D's registry: D withdrew the destination.
+            Err(e) => Err(write_failure(true, e)),
         };
         self.report.frames += 1;
         let d = self.link_delay(to, from);
         self.at(d, Ev::WriteAck { write, part, ok: res });
     }
 
-    fn write_ack(&mut self, write: u64, part: usize, ok: Result<(), String>) {
+    fn write_ack(&mut self, write: u64, part: usize, ok: Result<(), Failure>) {
         let Some(w) = self.writes.get_mut(&write) else { return };
         if w.done {
             return;
@@ -910,7 +911,7 @@ impl World {
         }
     }
 
-    fn write_end(&mut self, write: u64, res: Result<(), String>) {
+    fn write_end(&mut self, write: u64, res: Result<(), Failure>) {
         let Some(w) = self.writes.get_mut(&write) else { return };
         if w.done {
             return;

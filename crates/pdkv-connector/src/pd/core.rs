@@ -656,7 +656,7 @@ impl PdCore {
     }
 
     /// P: a write ended.
-    pub fn on_write_done(&mut self, now: Instant, conn: ConnId, result: Result<(), String>, bytes: u64) {
+    pub fn on_write_done(&mut self, now: Instant, conn: ConnId, result: Result<(), Failure>, bytes: u64) {
         if result.is_ok() {
             self.counters.bytes_sent += bytes;
         }
@@ -822,7 +822,7 @@ impl PdCore {
             }
             send::Action::StartWrite { pull, src_blocks, deadline } => {
                 let (Some(dst), Some(kv)) = (self.pulls.get(&pull).cloned(), self.kv.as_ref()) else {
-                    self.send.on_write_done(deadline, pull, Err("the pull's destination is gone".into()));
+                    self.send.on_write_done(deadline, pull, Err(crate::wire::write_failure(false, "the pull's destination is gone")));
                     return;
                 };
                 let bb = kv.block_bytes;

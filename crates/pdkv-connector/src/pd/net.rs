@@ -13,10 +13,10 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use pdkv_transfer::conns::{ConnSlots, Slot};
-use pdkv_transfer::frame::{Limits, Target};
-use pdkv_transfer::proto::{Direction, Transfer};
+use pdkv_transfer::frame::{Limits, RemoteError, Target};
+use pdkv_transfer::proto::{Direction, Transfer, TransferError};
 use pdkv_transfer::shm::{ShmExporter, ShmImporter};
-use pdkv_transfer::tcp::{Agent, AgentConfig, LocalSlice};
+use pdkv_transfer::tcp::{Agent, AgentConfig, BatchError, LocalSlice};
 use pdkv_transfer::{Registration, Registry, RegistryOptions, RemoteDescriptor};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{mpsc, Notify};
@@ -383,15 +383,16 @@ async fn write_blocks(
     bb: u64,
     dst: &Pull,
     deadline: Instant,
-) -> Result<(), String> {
+) -> Result<(), Failure> {
+    let failed = |e: String| wire::write_failure(false, e);
     let mut slices = Vec::with_capacity(pairs.len());
     for &(src, off) in pairs {
-        let l = LocalSlice::grant(&d.registry, local, src, bb).map_err(|e| format!("local block at {src}: {e}"))?;
+        let l = LocalSlice::grant(&d.registry, local, src, bb).map_err(|e| failed(format!("local block at {src}: {e}")))?;
         slices.push((l, off));
     }
     let left = deadline.saturating_duration_since(Instant::now());
     if left.is_zero() {
-        return Err("the pull deadline passed before the write started".into());
+        return Err(failed("the pull deadline passed before the write started".into()));
     }
     match &dst.dst {
         Destination::Tcp { addr } => {
@@ -404,11 +405,14 @@ async fn write_blocks(
                     (l, r)
                 })
                 .collect();
-            d.agent.write(transfers, None, left).await.map_err(|e| e.to_string())
+            d.agent.write(transfers, None, left).await.map_err(|e| {
+                let refused = matches!(&e, BatchError::Transfer(TransferError::Remote(RemoteError::Access(_))));
+                wire::write_failure(refused, e)
+            })
         }
         Destination::Shm { path } => {
             let reg = Registration { segment: dst.segment, key: dst.key, epoch: dst.epoch, len: dst.region_len };
-            let imp = importer(d, path, &reg, left).await?;
+            let imp = importer(d, path, &reg, left).await.map_err(failed)?;
             let transfers = slices
                 .into_iter()
                 .map(|(local, off)| Transfer {
@@ -417,8 +421,11 @@ async fn write_blocks(
                 })
                 .collect();
             let res = match imp.start(Direction::Write, transfers, None, deadline) {
-                Ok(h) => h.wait().await.map_err(|e| e.to_string()),
-                Err(e) => Err(e.to_string()),
+                Ok(h) => h.wait().await.map_err(|e| {
+                    let refused = matches!(&e, TransferError::Remote(RemoteError::Access(_)));
+                    wire::write_failure(refused, e)
+                }),
+                Err(e) => Err(failed(e.to_string())),
             };
             if res.is_err() {
                 d.importers.lock().unwrap().remove(path);
