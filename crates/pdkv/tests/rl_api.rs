@@ -17,6 +17,16 @@ fn serve(path: &std::path::Path) -> Proc {
     Proc::start(&[], &["serve", "--port", "0", "--model", path.to_str().unwrap(), "--num-kv-blocks", "128"])
 }
 
+/// A healthy server of the SmolLM2 GGUF and a client, or `None` (with a
+/// note) when this machine has no model outside CI.
+async fn started(test: &str) -> Option<(Proc, reqwest::Client)> {
+    let path = smollm2_path(test)?;
+    let s = serve(&path);
+    let client = reqwest::Client::new();
+    wait_healthy(&client, &s.url("/health")).await;
+    Some((s, client))
+}
+
 async fn post(client: &reqwest::Client, url: String, body: &Value) -> (u16, Value) {
     let resp = client.post(url).json(body).send().await.unwrap();
     let status = resp.status().as_u16();
@@ -45,10 +55,7 @@ fn events(text: &str) -> Vec<Value> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sampled_logprobs_equal_the_prompt_logprobs_of_the_completed_text() {
-    let Some(path) = smollm2_path("sampled_logprobs_equal_the_prompt_logprobs_of_the_completed_text") else { return };
-    let s = serve(&path);
-    let client = reqwest::Client::new();
-    wait_healthy(&client, &s.url("/health")).await;
+    let Some((s, client)) = started("sampled_logprobs_equal_the_prompt_logprobs_of_the_completed_text").await else { return };
     let url = s.url("/v1/completions");
 
     // A hot temperature: the reported values must still be the raw model's.
@@ -132,10 +139,7 @@ async fn sampled_logprobs_equal_the_prompt_logprobs_of_the_completed_text() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn n8_seeded_choices_reproduce_and_differ() {
-    let Some(path) = smollm2_path("n8_seeded_choices_reproduce_and_differ") else { return };
-    let s = serve(&path);
-    let client = reqwest::Client::new();
-    wait_healthy(&client, &s.url("/health")).await;
+    let Some((s, client)) = started("n8_seeded_choices_reproduce_and_differ").await else { return };
     let url = s.url("/v1/completions");
     // Over one 16-token block, so the choices have a full block to share.
     let prompt = format!("{PROMPT} water, a map and");
@@ -194,10 +198,7 @@ async fn n8_seeded_choices_reproduce_and_differ() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn logit_bias_min_tokens_and_stop_token_ids_take_effect() {
-    let Some(path) = smollm2_path("logit_bias_min_tokens_and_stop_token_ids_take_effect") else { return };
-    let s = serve(&path);
-    let client = reqwest::Client::new();
-    wait_healthy(&client, &s.url("/health")).await;
+    let Some((s, client)) = started("logit_bias_min_tokens_and_stop_token_ids_take_effect").await else { return };
     let url = s.url("/v1/completions");
 
     // A +100 bias makes one token certain, even when sampling.
@@ -232,10 +233,7 @@ async fn logit_bias_min_tokens_and_stop_token_ids_take_effect() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn refused_fields_answer_400_naming_them() {
-    let Some(path) = smollm2_path("refused_fields_answer_400_naming_them") else { return };
-    let s = serve(&path);
-    let client = reqwest::Client::new();
-    wait_healthy(&client, &s.url("/health")).await;
+    let Some((s, client)) = started("refused_fields_answer_400_naming_them").await else { return };
     let messages = json!([{"role": "user", "content": "hi"}]);
     let cases = [
         ("/v1/completions", json!({"prompt": "a", "suffix": "b"}), "suffix"),

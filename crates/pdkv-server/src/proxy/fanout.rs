@@ -116,22 +116,22 @@ async fn call_one(proxy: &Proxy, b: &Backend, method: Method, path: &str, query:
     EngineResult { role: b.role, url: b.url.clone(), status, body }
 }
 
+/// The backends of `role`.
+fn backends(proxy: &Proxy, role: Role) -> &[Arc<Backend>] {
+    match role {
+        Role::Prefill => &proxy.inner.prefill.backends,
+        Role::Decode => &proxy.inner.decode.backends,
+    }
+}
+
 /// Calls `path` on every backend of `role` at once.
 async fn call_role(proxy: &Proxy, role: Role, method: &Method, path: &str, query: Option<&str>, body: &Bytes) -> Vec<EngineResult> {
-    let pool = match role {
-        Role::Prefill => &proxy.inner.prefill,
-        Role::Decode => &proxy.inner.decode,
-    };
-    let calls = pool.backends.iter().map(|b| call_one(proxy, b, method.clone(), path, query, body));
+    let calls = backends(proxy, role).iter().map(|b| call_one(proxy, b, method.clone(), path, query, body));
     futures::future::join_all(calls).await
 }
 
 fn not_called(proxy: &Proxy, role: Role) -> Vec<EngineResult> {
-    let pool = match role {
-        Role::Prefill => &proxy.inner.prefill,
-        Role::Decode => &proxy.inner.decode,
-    };
-    pool.backends
+    backends(proxy, role)
         .iter()
         .map(|b| EngineResult { role, url: b.url.clone(), status: None, body: json!("not called") })
         .collect()
