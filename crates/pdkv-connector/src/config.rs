@@ -9,6 +9,7 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
+use pdkv_transfer::auth::KvSecret;
 use pdkv_engine::LoadFailurePolicy;
 use serde::Deserialize;
 
@@ -153,6 +154,11 @@ pub struct KvTransferConfig {
     pub kv_load_failure_policy: LoadFailurePolicy,
     /// Where a consumer's shared-memory socket lives.
     pub shm_dir: PathBuf,
+    /// The deployment's KV secret, proven by both ends of every KV
+    /// connection ([`pdkv_transfer::auth`]). Never part of the JSON (which
+    /// shows up in process lists and logs): `pdkv serve` takes it from
+    /// `--kv-secret` / `PDKV_KV_SECRET`. Open when unset.
+    pub kv_secret: KvSecret,
 }
 
 /// The one connector name this crate serves.
@@ -239,6 +245,7 @@ impl KvTransferConfig {
             heartbeat,
             kv_load_failure_policy: raw.kv_load_failure_policy,
             shm_dir: raw.shm_dir.unwrap_or_else(std::env::temp_dir),
+            kv_secret: KvSecret::open(),
         })
     }
 }

@@ -26,7 +26,20 @@ use crate::config::KvTransferConfig;
 
 /// Builds the connector a `--kv-transfer-config` JSON asks for. A bad
 /// configuration is refused with a message naming the bad field.
+/// The deployment's KV secret ([`pdkv_transfer::auth`]).
+pub use pdkv_transfer::auth::KvSecret;
+
 pub fn build(config_json: &str, engine_id: &str) -> anyhow::Result<Box<dyn KvConnector>> {
+    build_with_secret(config_json, engine_id, &pdkv_transfer::auth::KvSecret::open())
+}
+
+/// [`build`], with the deployment's KV secret for every P/D connector in
+/// it (a multi-connector's children included).
+pub fn build_with_secret(
+    config_json: &str,
+    engine_id: &str,
+    secret: &pdkv_transfer::auth::KvSecret,
+) -> anyhow::Result<Box<dyn KvConnector>> {
     // The offload and multi connectors have configurations of their own.
     let kind = serde_json::from_str::<serde_json::Value>(config_json)
         .ok()
@@ -39,11 +52,12 @@ pub fn build(config_json: &str, engine_id: &str) -> anyhow::Result<Box<dyn KvCon
         }
         Some(multi::CONNECTOR_NAME) => {
             check_engine_id(engine_id)?;
-            return Ok(Box::new(multi::MultiConnector::from_json(config_json, engine_id)?));
+            return Ok(Box::new(multi::MultiConnector::from_json(config_json, engine_id, secret)?));
         }
         _ => {}
     }
-    let cfg = KvTransferConfig::parse(config_json)?;
+    let mut cfg = KvTransferConfig::parse(config_json)?;
+    cfg.kv_secret = secret.clone();
     check_engine_id(engine_id)?;
     Ok(Box::new(pd::PdConnector::new(cfg, engine_id)?))
 }

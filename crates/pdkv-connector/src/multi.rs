@@ -78,7 +78,7 @@ impl MultiConnector {
     /// Builds the children of `{"kv_connector":"multi","connectors":[...]}`
     /// with [`crate::build`]; an error names the field, under
     /// `connectors[i]` for a child's.
-    pub fn from_json(json: &str, engine_id: &str) -> anyhow::Result<MultiConnector> {
+    pub fn from_json(json: &str, engine_id: &str, secret: &pdkv_transfer::auth::KvSecret) -> anyhow::Result<MultiConnector> {
         let raw: Raw = crate::offload::parse_fields(json)?;
         if raw.kv_connector != CONNECTOR_NAME {
             return Err(ConfigError {
@@ -98,7 +98,7 @@ impl MultiConnector {
         let mut kinds = Vec::new();
         for (i, child) in raw.connectors.iter().enumerate() {
             let kind = child.get("kv_connector").and_then(|k| k.as_str()).unwrap_or_default().to_string();
-            children.push(crate::build(&child.to_string(), engine_id).map_err(|e| child_error(i, e))?);
+            children.push(crate::build_with_secret(&child.to_string(), engine_id, secret).map_err(|e| child_error(i, e))?);
             kinds.push(kind);
         }
         Ok(MultiConnector::new(children, kinds))
@@ -736,12 +736,12 @@ mod tests {
         let child = json!({"kv_connector": "offload"});
         for n in 1..=MAX_CHILDREN {
             let cfg = json!({"kv_connector": "multi", "connectors": vec![child.clone(); n]}).to_string();
-            let m = MultiConnector::from_json(&cfg, "e").unwrap_or_else(|e| panic!("{n} children: {e:#}"));
+            let m = MultiConnector::from_json(&cfg, "e", &Default::default()).unwrap_or_else(|e| panic!("{n} children: {e:#}"));
             assert_eq!(m.children.len(), n);
         }
         let cfg = json!({"kv_connector": "multi", "connectors": vec![child; MAX_CHILDREN + 1]}).to_string();
-        assert!(MultiConnector::from_json(&cfg, "e").is_err());
-        let e = MultiConnector::from_json(r#"{"kv_connector":"pdkv","connectors":[{"kv_connector":"offload"}]}"#, "e")
+        assert!(MultiConnector::from_json(&cfg, "e", &Default::default()).is_err());
+        let e = MultiConnector::from_json(r#"{"kv_connector":"pdkv","connectors":[{"kv_connector":"offload"}]}"#, "e", &Default::default())
             .err()
             .unwrap();
         assert!(format!("{e:#}").contains("kv_connector"), "{e:#}");

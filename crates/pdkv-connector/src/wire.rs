@@ -17,6 +17,7 @@
 
 use std::time::Duration;
 
+use pdkv_transfer::auth::{self, KvSecret, Port};
 use pdkv_transfer::Registration;
 use serde::{Deserialize, Serialize};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -257,6 +258,8 @@ pub enum WireError {
     TooLarge(usize),
     #[error("malformed message: {0}")]
     Malformed(String),
+    #[error("KV handshake: {0}")]
+    Auth(#[from] pdkv_transfer::auth::AuthError),
 }
 
 /// Serialises a message with its length prefix.
@@ -325,12 +328,26 @@ pub async fn write_message(s: &mut TcpStream, msg: &Message, limit: Duration) ->
     timed(limit, "flushing a message", s.flush()).await
 }
 
+/// A control connection to `addr`, connected and through the handshake
+/// ([`pdkv_transfer::auth`]) with `secret`, each step bounded by `io_limit`.
+pub async fn open(addr: &str, secret: &KvSecret, io_limit: Duration) -> Result<TcpStream, WireError> {
+    let mut s = timed(io_limit, "connecting", TcpStream::connect(addr)).await?;
+    let _ = s.set_nodelay(true);
+    auth::connect(&mut s, secret, Port::Control, io_limit).await?;
+    Ok(s)
+}
+
 /// One exchange with the control server at `addr`: connect, send `msg`, read
 /// the answer. `io_limit` bounds connecting and each write; the answer may
 /// take up to `answer_limit` (a pull is answered when its write ended).
-pub async fn exchange(addr: &str, msg: &Message, io_limit: Duration, answer_limit: Duration) -> Result<Message, WireError> {
-    let mut s = timed(io_limit, "connecting", TcpStream::connect(addr)).await?;
-    let _ = s.set_nodelay(true);
+pub async fn exchange(
+    addr: &str,
+    secret: &KvSecret,
+    msg: &Message,
+    io_limit: Duration,
+    answer_limit: Duration,
+) -> Result<Message, WireError> {
+    let mut s = open(addr, secret, io_limit).await?;
     write_message(&mut s, msg, io_limit).await?;
     read_message(&mut s, answer_limit).await
 }
@@ -341,9 +358,15 @@ pub async fn exchange(addr: &str, msg: &Message, io_limit: Duration, answer_limi
 /// the code at once). Returns whether P knew the transfer; P frees its
 /// blocks now rather than when the lease expires, and one it has not seen
 /// yet is refused when its request finishes.
-pub async fn drop_transfer(addr: &str, transfer_id: &str, code: FailCode, limit: Duration) -> Result<bool, String> {
+pub async fn drop_transfer(
+    addr: &str,
+    secret: &KvSecret,
+    transfer_id: &str,
+    code: FailCode,
+    limit: Duration,
+) -> Result<bool, String> {
     let msg = Message::Drop { transfer_id: transfer_id.to_string(), code };
-    match exchange(addr, &msg, limit, limit).await {
+    match exchange(addr, secret, &msg, limit, limit).await {
         Ok(Message::DropOk { known }) => Ok(known),
         Ok(other) => Err(format!("unexpected answer to a drop: {other:?}")),
         Err(e) => Err(e.to_string()),

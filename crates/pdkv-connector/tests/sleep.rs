@@ -41,6 +41,7 @@ fn capture_pull(d: &mut Side, rid: &str, d_blocks: &[u32]) -> Pull {
     let server = std::thread::spawn(move || loop {
         let (mut s, _) = listener.accept().unwrap();
         s.set_read_timeout(Some(WAIT)).unwrap();
+        common::accept_control(&mut s);
         match recv_msg(&mut s) {
             Message::Bootstrap => send_msg(
                 &mut s,
@@ -145,6 +146,7 @@ fn silent_prefill() -> (String, std::sync::mpsc::Receiver<Pull>) {
         let mut held = Vec::new();
         while let Ok((mut s, _)) = listener.accept() {
             s.set_read_timeout(Some(WAIT)).unwrap();
+            common::accept_control(&mut s);
             match recv_msg(&mut s) {
                 Message::Bootstrap => send_msg(
                     &mut s,

@@ -115,6 +115,9 @@ pub struct ProxyConfig {
     /// `Authorization: Bearer <token>`; the proxy calls the engines with the
     /// same token.
     pub admin_token: Option<String>,
+    /// The deployment's KV secret, proven to a prefill engine's control
+    /// port when the proxy asks it to drop a transfer.
+    pub kv_secret: pdkv_connector::KvSecret,
     /// The bounds on client connections.
     pub http: crate::listen::HttpLimits,
 }
@@ -131,6 +134,7 @@ impl ProxyConfig {
             connect_timeout: Duration::from_secs(5),
             request_timeout: Duration::from_secs(600),
             admin_token: None,
+            kv_secret: pdkv_connector::KvSecret::open(),
             http: crate::listen::HttpLimits::default(),
         }
     }
@@ -730,8 +734,9 @@ impl Proxy {
         let Ok(rt) = tokio::runtime::Handle::try_current() else { return };
         let transfer_id = transfer_id.to_string();
         let limit = self.inner.config.health_timeout.max(Duration::from_secs(2));
+        let secret = self.inner.config.kv_secret.clone();
         rt.spawn(async move {
-            match pdkv_connector::wire::drop_transfer(&addr, &transfer_id, code, limit).await {
+            match pdkv_connector::wire::drop_transfer(&addr, &secret, &transfer_id, code, limit).await {
                 Ok(known) => tracing::debug!(%transfer_id, %code, known, "dropped the transfer at the prefill server"),
                 Err(e) => tracing::warn!(%transfer_id, %code, "could not drop the transfer at {addr}: {e}"),
             }

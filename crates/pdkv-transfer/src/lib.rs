@@ -5,7 +5,8 @@
 //! [`RemoteDescriptor`] reads or writes them one-sided, in batches with a
 //! deadline and an optional notification delivered after all data landed.
 //!
-//! Modules: [`registry`] (registrations, keys, epochs, checked access),
+//! Modules: [`auth`] (the handshake every KV connection opens with: both
+//! ends prove they hold the deployment's secret), [`registry`] (registrations, keys, epochs, checked access),
 //! [`grant`] (revocable, range-restricted keys to a registration: the
 //! fence against late writes over TCP),
 //! [`frame`] (wire format, a decoder that never panics), [`proto`] (the
@@ -30,6 +31,7 @@
 //! - the protocol logic ([`frame`], [`proto`]) is sans-IO: it does no I/O
 //!   and reads no clock; drivers pass time and bytes in.
 
+pub mod auth;
 pub mod conns;
 pub mod frame;
 pub mod grant;

@@ -8,6 +8,11 @@
 //! sent from the local registration and received into the remote one, a
 //! read's data likewise, with no staging buffer.
 //!
+//! Every connection opens with the handshake of [`crate::auth`]: the
+//! initiator and the server prove they hold the deployment's KV secret
+//! (`AgentConfig::secret`) within `connect_timeout` / `unproven_timeout`,
+//! or the connection is closed before any frame is read.
+//!
 //! Serving side, per connection and in order: read a header (bounded by the
 //! idle timeout, or the shorter unproven timeout until the connection made an
 //! access the registry accepted), check it,
@@ -15,7 +20,9 @@
 //! timeout), answer. A refused access is answered with its reason and its
 //! data drained; a malformed frame closes that connection and nothing else.
 //!
-//! Connections are capped (`max_conns`). A connection is *proven* once it
+//! Connections are capped (`max_conns`), and unproven ones per source
+//! address (`max_unproven_per_source`). A connection is *proven* once it
+//! completed the handshake with a secret set, or (with none) once it
 //! made an access the registry accepted (it knew a live key, which only a
 //! peer told over the control channel has); until then it may wait at most
 //! `unproven_timeout` for each frame, and at the cap the oldest unproven
@@ -40,6 +47,7 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{mpsc, oneshot, Notify};
 use tokio::task::JoinHandle;
 
+use crate::auth::{self, KvSecret, Port};
 use crate::conns::{Admitted, ConnSlots, Slot};
 use crate::frame::{Header, Limits, RemoteError, HEADER_LEN};
 use crate::proto::{
@@ -58,6 +66,10 @@ pub struct AgentConfig {
     pub notify_queue: usize,
     /// Connections served at once; more are closed on accept.
     pub max_conns: usize,
+    /// Unproven connections one source address may hold at once.
+    pub max_unproven_per_source: usize,
+    /// The deployment's KV secret, proven by both ends of every connection.
+    pub secret: KvSecret,
     /// How long a served connection may sit between frames.
     pub idle_timeout: Duration,
     /// How long a connection not yet proven (no access accepted) may wait
@@ -77,6 +89,8 @@ impl Default for AgentConfig {
             initiator: InitiatorConfig::default(),
             notify_queue: 256,
             max_conns: 256,
+            max_unproven_per_source: 64,
+            secret: KvSecret::open(),
             idle_timeout: Duration::from_secs(300),
             unproven_timeout: Duration::from_secs(10),
             io_timeout: Duration::from_secs(30),
@@ -104,6 +118,9 @@ pub struct ServeStats {
     /// grant's ranges.
     pub refused: [AtomicU64; 8],
     pub malformed: AtomicU64,
+    /// Connections whose handshake failed (not one, another port, a wrong
+    /// secret, too slow).
+    pub auth_refused: AtomicU64,
     /// Unproven connections closed to make room for a newcomer at the cap.
     pub evicted: AtomicU64,
     /// Signalled after every operation served (tests wait on progress).
@@ -236,11 +253,14 @@ impl Peer {
         let connect_err = |reason: String| BatchError::Connect { addr: addr.to_string(), reason };
         let mut streams = Vec::with_capacity(cfg.conns_per_peer);
         for _ in 0..cfg.conns_per_peer.max(1) {
-            let s = tokio::time::timeout(cfg.connect_timeout, TcpStream::connect(addr))
+            let mut s = tokio::time::timeout(cfg.connect_timeout, TcpStream::connect(addr))
                 .await
                 .map_err(|_| connect_err("timed out".into()))?
                 .map_err(|e| connect_err(e.to_string()))?;
             s.set_nodelay(true).map_err(|e| connect_err(e.to_string()))?;
+            auth::connect(&mut s, &cfg.secret, Port::Transfer, cfg.connect_timeout)
+                .await
+                .map_err(|e| connect_err(format!("handshake: {e}")))?;
             streams.push(s);
         }
         let mut init = Initiator::new(cfg.initiator.clone());
@@ -569,7 +589,7 @@ async fn accept_loop(
     notify_tx: mpsc::Sender<Notification>,
     stats: Arc<ServeStats>,
 ) {
-    let slots = ConnSlots::new(cfg.max_conns);
+    let slots = ConnSlots::new(cfg.max_conns, cfg.max_unproven_per_source);
     loop {
         let (stream, from) = match listener.accept().await {
             Ok(c) => c,
@@ -579,9 +599,9 @@ async fn accept_loop(
                 continue;
             }
         };
-        let slot = match slots.admit().await {
+        let slot = match slots.admit(from.ip()).await {
             Some((slot, how)) => {
-                if how == Admitted::Evicted {
+                if how != Admitted::Free {
                     stats.evicted.fetch_add(1, Ordering::Relaxed);
                 }
                 slot
@@ -626,6 +646,18 @@ async fn serve_conn(
     stats: &ServeStats,
     slot: &Slot,
 ) -> Result<(), String> {
+    let mut stream = stream;
+    if let Err(e) = auth::accept(&mut stream, &cfg.secret, Port::Transfer, cfg.unproven_timeout).await {
+        stats.auth_refused.fetch_add(1, Ordering::Relaxed);
+        stats.progress.notify_waiters();
+        if matches!(e, auth::AuthError::BadProof | auth::AuthError::WrongPort { .. }) {
+            tracing::info!(%from, "KV transfer connection refused: {e}");
+        }
+        return Err(format!("handshake: {e}"));
+    }
+    if !cfg.secret.is_open() {
+        slot.prove();
+    }
     let (mut r, mut w) = stream.into_split();
     let mut scratch = Vec::new();
     loop {

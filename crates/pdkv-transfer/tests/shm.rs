@@ -3,6 +3,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use pdkv_transfer::auth::{self, KvSecret, Port};
 use pdkv_transfer::frame::{Header, Limits, Target, HEADER_LEN};
 use pdkv_transfer::shm::{recv_with_fds, ShmError, ShmExporter, ShmImporter};
 use pdkv_transfer::{AccessError, Registry, RegistryOptions};
@@ -92,7 +93,7 @@ fn a_peer_that_never_acks_bounds_the_deregistration_by_its_deadline() {
     let exp = ShmExporter::bind(&path, registry.clone(), Limits::default()).unwrap();
 
     // A hand-written peer: asks for the memfds, keeps them, never answers.
-    let raw = std::os::unix::net::UnixStream::connect(&path).unwrap();
+    let raw = shaken(&path);
     let target = Target { segment: reg.segment, key: reg.key, epoch: reg.epoch, offset: 0, len: reg.len };
     std::io::Write::write_all(&mut &raw, &Header::MapReq { op: 1, target }.encode()).unwrap();
     let mut fds = Vec::new();
@@ -477,7 +478,8 @@ fn words(w: &[u64]) -> Vec<u8> {
 fn lying_exporter(path: &std::path::Path, script: Vec<Vec<Say>>) -> std::thread::JoinHandle<()> {
     let listener = std::os::unix::net::UnixListener::bind(path).unwrap();
     std::thread::spawn(move || {
-        let (s, _) = listener.accept().unwrap();
+        let (mut s, _) = listener.accept().unwrap();
+        auth::accept_blocking(&mut s, &KvSecret::open(), Port::Shm, DL).expect("the importer's handshake");
         let mut last_op = 0;
         for answer in script {
             let mut fds = Vec::new();
@@ -682,9 +684,19 @@ fn a_fence_with_no_holder_returns_at_once_and_a_silent_one_is_named_by_the_deadl
     drop(raw);
 }
 
+/// A raw connection to the exporter at `path`, through the handshake (no
+/// secret), ready for frames.
+fn shaken(path: &std::path::Path) -> std::os::unix::net::UnixStream {
+    let mut raw = std::os::unix::net::UnixStream::connect(path).unwrap();
+    raw.set_read_timeout(Some(DL)).unwrap();
+    auth::connect_blocking(&mut raw, &KvSecret::open(), Port::Shm, DL).expect("handshake");
+    raw.set_read_timeout(None).unwrap();
+    raw
+}
+
 /// A hand-written importer that mapped `reg` (and keeps the memfds).
 fn raw_mapper(path: &std::path::Path, reg: &Registration, op: u64) -> (std::os::unix::net::UnixStream, Vec<std::os::fd::OwnedFd>) {
-    let raw = std::os::unix::net::UnixStream::connect(path).unwrap();
+    let raw = shaken(path);
     raw.set_read_timeout(Some(DL)).unwrap();
     let mut fds = Vec::new();
     raw_map(&raw, reg, op, &mut fds);

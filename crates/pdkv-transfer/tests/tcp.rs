@@ -3,6 +3,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use pdkv_transfer::auth::{self, KvSecret, Port};
 use pdkv_transfer::frame::{Header, Target, HEADER_LEN};
 use pdkv_transfer::proto::{InitiatorConfig, TransferError};
 use pdkv_transfer::tcp::{Agent, AgentConfig, BatchError};
@@ -74,7 +75,9 @@ struct Relay {
 }
 
 impl Relay {
+    /// `budget`: bytes after each connection's handshake, which always passes.
     async fn start(to: std::net::SocketAddr, budget: u64) -> Relay {
+        let budget = budget + (auth::HELLO_LEN + auth::PROOF_LEN) as u64;
         let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = l.local_addr().unwrap().to_string();
         let (open, open_rx) = watch::channel(false);
@@ -191,6 +194,14 @@ async fn many_concurrent_batches_from_many_tasks_land_correctly() {
 }
 
 /// Sends one raw frame and returns the header of the answer (None: closed).
+/// A raw connection to the agent at `addr`, through the handshake (no
+/// secret), ready for frames.
+async fn shaken(addr: impl tokio::net::ToSocketAddrs) -> TcpStream {
+    let mut s = TcpStream::connect(addr).await.unwrap();
+    auth::connect(&mut s, &KvSecret::open(), Port::Transfer, DL).await.expect("handshake");
+    s
+}
+
 async fn raw(s: &mut TcpStream, h: Header, data: &[u8]) -> Option<Header> {
     s.write_all(&h.encode()).await.ok()?;
     s.write_all(data).await.ok()?;
@@ -225,7 +236,7 @@ async fn a_hostile_client_is_refused_every_time_and_others_keep_being_served() {
         }
     };
 
-    let mut s = TcpStream::connect(addr).await.unwrap();
+    let mut s = shaken(addr).await;
     let refusals: Vec<(Header, Vec<u8>, AccessError)> = vec![
         (Header::WriteReq { op: 1, target: target(reg.key ^ 1, reg.epoch, 0, 8) }, vec![0xAA; 8], AccessError::BadKey { segment: reg.segment }),
         (Header::ReadReq { op: 2, target: target(reg.key ^ 1, reg.epoch, 0, 8) }, vec![], AccessError::BadKey { segment: reg.segment }),
@@ -277,7 +288,7 @@ async fn a_hostile_client_is_refused_every_time_and_others_keep_being_served() {
     good.agent.read(vec![(new_desc, good.agent.local(&good.reg, 0, 4096).unwrap())], DL).await.unwrap();
     assert!(read_region(&good.region, 0, 4096) == fresh[..4096], "the new epoch serves the new pages");
 
-    // Garbage: each kind closes that connection only.
+    // Garbage after the handshake: each kind closes that connection only.
     let garbage: Vec<Vec<u8>> = vec![
         b"GET / HTTP/1.1\r\nHost: x\r\n\r\n".iter().copied().cycle().take(HEADER_LEN).collect(),
         {
@@ -293,7 +304,7 @@ async fn a_hostile_client_is_refused_every_time_and_others_keep_being_served() {
         Header::WriteAck { op: 1 }.encode().to_vec(),
     ];
     for (n, g) in garbage.into_iter().enumerate() {
-        let mut bad = TcpStream::connect(addr).await.unwrap();
+        let mut bad = shaken(addr).await;
         bad.write_all(&g).await.unwrap();
         let mut b = [0u8; 1];
         let r = tokio::time::timeout(DL, bad.read(&mut b)).await.expect("closed, not hung");
@@ -314,6 +325,7 @@ async fn fake_peer(die: bool) -> (String, tokio::task::JoinHandle<()>) {
         let mut held = Vec::new();
         loop {
             let (mut s, _) = l.accept().await.unwrap();
+            auth::accept(&mut s, &KvSecret::open(), Port::Transfer, DL).await.expect("the client's handshake");
             let mut b = [0u8; HEADER_LEN];
             if die {
                 tokio::spawn(async move {
@@ -475,7 +487,7 @@ async fn a_grant_confines_writes_and_revoke_fences_them_even_mid_payload() {
 
     // Mid-payload: a raw peer sends a write's header and half its data; the
     // agent holds the access while it waits for the rest.
-    let mut s = TcpStream::connect(server.agent.local_addr()).await.unwrap();
+    let mut s = shaken(server.agent.local_addr()).await;
     let target = Target { segment: grant.segment, key: grant.key, epoch: grant.epoch, offset: AT, len: LEN as u64 };
     let payload = pattern(LEN, 3);
     s.write_all(&Header::WriteReq { op: 1, target }.encode()).await.unwrap();
@@ -533,7 +545,7 @@ async fn idle_and_hostile_connections_at_the_cap_do_not_keep_a_real_peer_out() {
     }
     let mut garbage = TcpStream::connect(addr).await.unwrap();
     garbage.write_all(&[0xff; HEADER_LEN]).await.unwrap();
-    let mut stale = TcpStream::connect(addr).await.unwrap();
+    let mut stale = shaken(addr).await;
     let d = server.describe(&reg, 0, 16);
     let bad = Target { segment: d.segment, key: d.key ^ 1, epoch: d.epoch, offset: d.offset, len: 16 };
     let refused = raw(&mut stale, Header::WriteReq { op: 1, target: bad }, &[0; 16]).await;
@@ -561,10 +573,125 @@ async fn idle_and_hostile_connections_at_the_cap_do_not_keep_a_real_peer_out() {
     let stats = client.agent.peer_stats().await;
     assert_eq!(stats[0].1.failures, [0; 4], "no connection of the peer failed");
 
-    // Every unproven connection still open is closed at its timeout.
-    let mut buf = [0u8; 8];
+    // Every unproven connection still open is closed at its timeout (the
+    // garbage one after a denial of its "handshake").
+    let mut buf = [0u8; 128];
     for (i, c) in idle.iter_mut().chain([&mut garbage, &mut stale]).enumerate() {
-        let r = tokio::time::timeout(DL, c.read(&mut buf)).await;
-        assert!(matches!(r, Ok(Ok(0)) | Ok(Err(_))), "connection {i} was not closed: {r:?}");
+        let r = tokio::time::timeout(DL, async {
+            loop {
+                match c.read(&mut buf).await {
+                    Ok(0) | Err(_) => return,
+                    Ok(_) => {}
+                }
+            }
+        })
+        .await;
+        assert!(r.is_ok(), "connection {i} was not closed");
     }
+}
+
+/// A hostile client's handshake: a well-formed hello, then whatever the
+/// challenge, a proof made with `key` (not the server's secret). Returns
+/// what the server answered in place of `OKAY`.
+async fn forged_proof(addr: std::net::SocketAddr, port: Port) -> Vec<u8> {
+    let mut s = TcpStream::connect(addr).await.unwrap();
+    let mut hello = [0u8; auth::HELLO_LEN];
+    hello[..8].copy_from_slice(b"PDKVAUTH");
+    hello[8] = 1;
+    hello[9] = port as u8;
+    s.write_all(&hello).await.unwrap();
+    let mut ch = [0u8; auth::CHALLENGE_LEN];
+    if tokio::time::timeout(DL, s.read_exact(&mut ch)).await.expect("a challenge or a close").is_err() {
+        return Vec::new();
+    }
+    if ch.starts_with(b"PDKVDENY") {
+        return ch.to_vec(); // refused at the hello
+    }
+    let mut proof = [0x5a; auth::PROOF_LEN];
+    proof[..8].copy_from_slice(b"PDKVPROF");
+    s.write_all(&proof).await.unwrap();
+    let mut rest = Vec::new();
+    let _ = tokio::time::timeout(DL, s.read_to_end(&mut rest)).await.expect("the server closes");
+    rest
+}
+
+/// Agents holding the same secret move data; one holding another secret is
+/// refused with an error that names the secrets, and so are forged proofs,
+/// proofs for another port, truncated hellos and garbage — none of which
+/// disturbs a transfer between the real peers running at the same time.
+/// With a secret, a connection that completed the handshake is proven:
+/// unproven floods at the cap never close it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn only_peers_holding_the_deployment_secret_get_in_and_the_rest_never_disturb_them() {
+    let secret = KvSecret::new("correct horse battery staple").unwrap();
+    let with = |secret: &KvSecret| AgentConfig { secret: secret.clone(), max_conns: 16, unproven_timeout: Duration::from_secs(3), ..cfg(64 << 10) };
+    let agent = |len: usize, seed: u64, c: AgentConfig| async move {
+        let pool = Pool::new(PoolOptions { chunk_size: 256 << 10, single_allocation: false });
+        let region = pool.allocate(Tag::KvCache, len).unwrap();
+        let registry = Arc::new(Registry::new(RegistryOptions { max_segments: 8, key_seed: Some(seed), ..Default::default() }));
+        let reg = registry.register(&region, 0, len).unwrap();
+        Side { pool, region, reg, agent: Agent::bind("127.0.0.1:0", registry, c).await.unwrap() }
+    };
+    let server = agent(4 * MIB, 21, with(&secret)).await;
+    let client = agent(4 * MIB, 22, with(&secret)).await;
+    let intruder = agent(MIB, 23, with(&KvSecret::new("another deployment's secret").unwrap())).await;
+    let open = agent(MIB, 24, with(&KvSecret::open())).await;
+    let addr = server.agent.local_addr();
+    let stats = server.agent.serve_stats().clone();
+    let refused = || stats.auth_refused.load(std::sync::atomic::Ordering::Relaxed);
+
+    // The real peer writes, and keeps its connections (proven).
+    let data = pattern(4 * MIB, 7);
+    client.region.write_bytes(0, &data).unwrap();
+    let write_all = || {
+        let ops = vec![(client.agent.local(&client.reg, 0, 4 * MIB as u64).unwrap(), server.agent.describe(&server.reg, 0, 4 * MIB as u64))];
+        client.agent.write(ops, None, DL)
+    };
+    write_all().await.expect("the peer holding the secret");
+
+    // Peers without the secret: refused on connect, and told why.
+    for (who, side) in [("another secret", &intruder), ("no secret", &open)] {
+        let ops = vec![(side.agent.local(&side.reg, 0, 4096).unwrap(), server.agent.describe(&server.reg, 0, 4096))];
+        let err = side.agent.write(ops, None, DL).await.unwrap_err();
+        let BatchError::Connect { reason, .. } = &err else { panic!("{who}: {err:?}") };
+        assert!(reason.contains("KV secret"), "{who}: {reason}");
+    }
+    // Forged proofs, for this port and for another: denied.
+    for port in [Port::Transfer, Port::Control] {
+        let answer = forged_proof(addr, port).await;
+        assert!(answer.starts_with(b"PDKVDENY"), "{port}: {answer:?}");
+    }
+    // Truncated hellos and garbage, then a flood of idle connections past the
+    // cap; the real peer writes between each.
+    let mut idle = Vec::new();
+    for bytes in [&b"PDKVAUTH\x01\x01"[..], &[0xab; 64][..], &Header::WriteAck { op: 1 }.encode()[..]] {
+        let mut s = TcpStream::connect(addr).await.unwrap();
+        s.write_all(bytes).await.unwrap();
+        idle.push(s);
+        write_all().await.expect("a write beside garbage");
+    }
+    for _ in 0..40 {
+        idle.push(TcpStream::connect(addr).await.unwrap());
+    }
+    write_all().await.expect("a write beside the flood");
+    assert!(read_region(&server.region, 0, 4 * MIB) == data);
+    let stats_c = client.agent.peer_stats().await;
+    assert_eq!(stats_c[0].1.failures, [0; 4], "no connection of the real peer failed");
+    // Every refused handshake counted, once its connection closed: 2 peers
+    // (each with its connections), 2 forged proofs, then the garbage.
+    let mut buf = [0u8; 128];
+    for c in &mut idle {
+        let closed = tokio::time::timeout(DL, async {
+            loop {
+                match c.read(&mut buf).await {
+                    Ok(0) | Err(_) => return,
+                    Ok(_) => {}
+                }
+            }
+        })
+        .await;
+        assert!(closed.is_ok(), "a connection that never proved itself stays open");
+    }
+    assert!(refused() >= 2 * 3 + 2, "handshakes refused: {}", refused());
+    let _ = (&server.pool, &client.pool, &intruder.pool, &open.pool);
 }

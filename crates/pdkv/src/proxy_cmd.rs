@@ -33,6 +33,10 @@ pub struct ProxyArgs {
     /// engines must have been started with the same token.
     #[arg(long, env = "PDKV_ADMIN_TOKEN", hide_env_values = true)]
     pub admin_token: Option<String>,
+    /// The deployment's KV secret (as the engines' `--kv-secret`): the proxy
+    /// proves it when it asks a prefill engine to drop a transfer.
+    #[arg(long, env = "PDKV_KV_SECRET", hide_env_values = true)]
+    pub kv_secret: Option<String>,
     #[command(flatten)]
     pub http: crate::http_args::HttpArgs,
 }
@@ -44,6 +48,7 @@ pub fn run(args: ProxyArgs) -> anyhow::Result<()> {
     config.request_timeout = Duration::from_secs(args.request_timeout);
     config.health_interval = Duration::from_millis(args.health_interval_ms);
     config.admin_token = args.admin_token;
+    config.kv_secret = crate::serve::kv_secret(args.kv_secret.as_deref())?;
     config.http = args.http.limits()?;
     let proxy = Proxy::new(config)?;
     let addr: SocketAddr = format!("{}:{}", args.host, args.port)

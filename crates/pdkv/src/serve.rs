@@ -58,6 +58,13 @@ pub struct ServeArgs {
     /// e.g. `{"kv_connector":"pdkv","kv_role":"kv_producer","transport":"tcp"}`.
     #[arg(long)]
     pub kv_transfer_config: Option<String>,
+    /// The deployment's KV secret (at least 16 bytes; every P, D and proxy
+    /// of a deployment gets the same): each KV connection opens with a
+    /// handshake in which both ends prove they hold it. Without one the KV
+    /// ports admit any process that speaks the handshake. Give it by
+    /// environment rather than on the command line, which `ps` shows.
+    #[arg(long, env = "PDKV_KV_SECRET", hide_env_values = true)]
+    pub kv_secret: Option<String>,
     /// This engine's id, which peers check during the KV handshake
     /// (default: a random one).
     #[arg(long)]
@@ -73,6 +80,14 @@ pub struct ServeArgs {
     pub kv_release_timeout_s: f64,
     #[command(flatten)]
     pub http: crate::http_args::HttpArgs,
+}
+
+/// The KV secret given by `--kv-secret` / `PDKV_KV_SECRET` (open when unset).
+pub(crate) fn kv_secret(given: Option<&str>) -> anyhow::Result<pdkv_connector::KvSecret> {
+    match given {
+        None => Ok(pdkv_connector::KvSecret::open()),
+        Some(s) => pdkv_connector::KvSecret::new(s).map_err(|e| anyhow::anyhow!("--kv-secret (or PDKV_KV_SECRET): {e}")),
+    }
 }
 
 pub fn run(args: ServeArgs) -> anyhow::Result<()> {
@@ -111,7 +126,8 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     let connector = match &args.kv_transfer_config {
         Some(json) => {
             let engine_id = args.engine_id.clone().unwrap_or_else(random_engine_id);
-            let c = pdkv_connector::build(json, &engine_id).context("--kv-transfer-config")?;
+            let secret = kv_secret(args.kv_secret.as_deref())?;
+            let c = pdkv_connector::build_with_secret(json, &engine_id, &secret).context("--kv-transfer-config")?;
             if args.enable_sleep_mode && !c.supports_sleep_mode() {
                 anyhow::bail!(
                     "--enable-sleep-mode: KV connector {} does not support sleep mode (it cannot release and restore its KV cache registrations)",

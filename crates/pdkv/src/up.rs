@@ -298,8 +298,12 @@ async fn supervise(args: &UpArgs, model: &std::path::Path, ports: &Ports, procs:
     tokio::pin!(signal);
     let id = std::process::id();
     let token = args.admin_token.as_deref();
-    let engine_env = [("PDKV_ADMIN_TOKEN", token), ("PDKV_API_KEY", args.api_key.as_deref())];
-    let proxy_env = [("PDKV_ADMIN_TOKEN", token), ("PDKV_API_KEY", None)];
+    // The deployment's KV secret, made fresh for it (children only learn
+    // it by environment).
+    let secret = pdkv_connector::KvSecret::generate().context("making the deployment's KV secret")?;
+    let secret = Some(secret.as_str());
+    let engine_env = [("PDKV_ADMIN_TOKEN", token), ("PDKV_API_KEY", args.api_key.as_deref()), ("PDKV_KV_SECRET", secret)];
+    let proxy_env = [("PDKV_ADMIN_TOKEN", token), ("PDKV_API_KEY", None), ("PDKV_KV_SECRET", secret)];
     let (np, nd) = (ports.prefill.len(), ports.decode.len());
     let name = |role: &str, i: usize, n: usize| if n == 1 { role.to_string() } else { format!("{role} {i}") };
     for (i, (&port, &kv)) in ports.prefill.iter().zip(&ports.kv).enumerate() {

@@ -15,7 +15,8 @@ use anyhow::Context;
 use pdkv_transfer::conns::{ConnSlots, Slot};
 use pdkv_transfer::frame::{Limits, RemoteError, Target};
 use pdkv_transfer::proto::{Direction, Transfer, TransferError};
-use pdkv_transfer::shm::{ShmExporter, ShmImporter};
+use pdkv_transfer::auth::{self, KvSecret, Port};
+use pdkv_transfer::shm::{ExportOptions, ShmExporter, ShmImporter, ShmImporterConfig};
 use pdkv_transfer::tcp::{Agent, AgentConfig, BatchError, LocalSlice};
 use pdkv_transfer::{Registration, Registry, RegistryOptions, RemoteDescriptor};
 use tokio::net::{TcpListener, TcpStream};
@@ -38,7 +39,8 @@ pub fn start(runtime: &tokio::runtime::Runtime, cfg: KvTransferConfig, engine_id
     let registry = Arc::new(Registry::new(RegistryOptions::default()));
     let ip = cfg.kv_ip.clone();
     let (agent, listener) = runtime.block_on(async {
-        let agent = Agent::bind(&format!("{ip}:0"), registry.clone(), AgentConfig::default())
+        let agent_cfg = AgentConfig { secret: cfg.kv_secret.clone(), ..AgentConfig::default() };
+        let agent = Agent::bind(&format!("{ip}:0"), registry.clone(), agent_cfg)
             .await
             .with_context(|| format!("binding the KV transfer agent on {ip}"))?;
         let listener = TcpListener::bind((ip.as_str(), cfg.kv_port))
@@ -56,15 +58,24 @@ pub fn start(runtime: &tokio::runtime::Runtime, cfg: KvTransferConfig, engine_id
     let (dest, exporter) = if exports && cfg.transport == Transport::Shm {
         let path = cfg.shm_dir.join(format!("pdkv-{engine_id}-{}.sock", std::process::id()));
         let _ = std::fs::remove_file(&path);
-        let exp = ShmExporter::bind(&path, registry.clone(), Limits::default())
+        let opts = ExportOptions { secret: cfg.kv_secret.clone(), ..ExportOptions::default() };
+        let exp = ShmExporter::bind_with(&path, registry.clone(), Limits::default(), opts)
             .with_context(|| format!("binding the shared-memory exporter at {}", path.display()))?;
         (Destination::Shm { path: path.display().to_string() }, Some(exp))
     } else {
         (Destination::Tcp { addr: agent.local_addr().to_string() }, None)
     };
+    if cfg.kv_secret.is_open() {
+        tracing::warn!(
+            "no KV secret (--kv-secret / PDKV_KV_SECRET): any process that reaches the KV ports and speaks pdkv's handshake can use them"
+        );
+    }
+    let secret = cfg.kv_secret.clone();
     let core = PdCore::new(cfg, engine_id, control_addr.to_string(), dest, registry.clone());
     let inner = Arc::new(Net {
         handle: runtime.handle().clone(),
+        secret,
+        auth_refused: AtomicU64::new(0),
         registry,
         agent,
         exporter,
@@ -91,6 +102,10 @@ struct NetDriver(Arc<Net>);
 /// The driver's state, shared with its tasks.
 struct Net {
     handle: tokio::runtime::Handle,
+    /// The deployment's KV secret, for the control port and its exchanges.
+    secret: KvSecret,
+    /// Control connections whose handshake failed.
+    auth_refused: AtomicU64,
     registry: Arc<Registry>,
     agent: Agent,
     /// This engine's shared-memory exporter, alive as long as the connector
@@ -142,8 +157,8 @@ impl Driver for NetDriver {
                 });
             }
             Io::Send { op, addr, msg, deadline } => {
-                let s = shared.clone();
-                d.handle.spawn(async move { exchange(&s, op, &addr, &msg, deadline).await });
+                let (s, secret) = (shared.clone(), d.secret.clone());
+                d.handle.spawn(async move { exchange(&s, &secret, op, &addr, &msg, deadline).await });
             }
             Io::Read { load, local, remote, transfer, pairs, block_bytes, deadline } => {
                 let (s, n) = (shared.clone(), d.clone());
@@ -272,9 +287,11 @@ async fn core_timer(shared: Arc<Shared>, changed: Arc<Notify>) {
 /// ([`pdkv_transfer::conns`]), so clients that connect and idle or send
 /// garbage cannot keep D's exchanges out.
 const MAX_CONTROL_CONNS: usize = 1024;
+/// Unproven control connections one source address may hold at once.
+const MAX_UNPROVEN_PER_SOURCE: usize = 128;
 
 async fn accept_loop(shared: Arc<Shared>, d: Arc<Net>, listener: TcpListener) {
-    let slots = ConnSlots::new(MAX_CONTROL_CONNS);
+    let slots = ConnSlots::new(MAX_CONTROL_CONNS, MAX_UNPROVEN_PER_SOURCE);
     loop {
         let (stream, from) = match listener.accept().await {
             Ok(c) => c,
@@ -285,7 +302,7 @@ async fn accept_loop(shared: Arc<Shared>, d: Arc<Net>, listener: TcpListener) {
                 continue;
             }
         };
-        let Some((slot, _)) = slots.admit().await else {
+        let Some((slot, _)) = slots.admit(from.ip()).await else {
             tracing::warn!(%from, "control connection refused: {MAX_CONTROL_CONNS} exchanges in flight");
             continue;
         };
@@ -310,9 +327,16 @@ async fn serve_control(shared: &Arc<Shared>, d: &Net, mut s: TcpStream, slot: &S
         // would announce over 1 GB), so the two cannot be confused.
         return bootstrap::serve(shared, s).await;
     }
-    let msg = wire::read_message_after(&mut s, prefix, CONTROL_IO).await?;
-    // Well formed: from here on the exchange is bounded by the core's
-    // deadlines, and it is not closed for a newcomer.
+    if let Err(e) = auth::accept_after(&mut s, &prefix, &d.secret, Port::Control, CONTROL_IO).await {
+        d.auth_refused.fetch_add(1, Ordering::Relaxed);
+        if matches!(e, auth::AuthError::BadProof | auth::AuthError::WrongPort { .. }) {
+            tracing::info!("KV control connection refused: {e}");
+        }
+        return Err(e.into());
+    }
+    let msg = wire::read_message(&mut s, CONTROL_IO).await?;
+    // Authentic and well formed: from here on the exchange is bounded by
+    // the core's deadlines, and it is not closed for a newcomer.
     slot.prove();
     let conn = d.next_conn.fetch_add(1, Ordering::Relaxed);
     let (tx, mut rx) = mpsc::unbounded_channel();
@@ -345,15 +369,12 @@ async fn serve_control(shared: &Arc<Shared>, d: &Net, mut s: TcpStream, slot: &S
 }
 
 /// D's side of one exchange: every frame of the answer goes to the core.
-async fn exchange(shared: &Arc<Shared>, op: Op, addr: &str, msg: &Message, deadline: Instant) {
+async fn exchange(shared: &Arc<Shared>, secret: &KvSecret, op: Op, addr: &str, msg: &Message, deadline: Instant) {
     let failed = |f: Failure, sent: bool| shared.event(|c, now| c.on_exchange_failed(now, op.clone(), f, sent));
-    let connect = tokio::time::timeout(CONTROL_IO, TcpStream::connect(addr)).await;
-    let mut s = match connect {
-        Ok(Ok(s)) => s,
-        Ok(Err(e)) => return failed(Failure::new(FailCode::PeerLost, format!("connecting to {addr}: {e}")), false),
-        Err(_) => return failed(Failure::new(FailCode::PeerLost, format!("connecting to {addr}: timed out")), false),
+    let mut s = match wire::open(addr, secret, CONTROL_IO).await {
+        Ok(s) => s,
+        Err(e) => return failed(Failure::new(FailCode::PeerLost, format!("connecting to {addr}: {e}")), false),
     };
-    let _ = s.set_nodelay(true);
     if let Err(e) = wire::write_message(&mut s, msg, CONTROL_IO).await {
         return failed(Failure::new(FailCode::PeerLost, format!("sending to {addr}: {e}")), true);
     }
@@ -435,6 +456,10 @@ async fn write_blocks(
     }
 }
 
+/// Shared-memory peers (a socket, a reader and copy threads each) one
+/// engine maps at most.
+const MAX_SHM_PEERS: usize = 64;
+
 /// The importer for the peer's socket `path`, connected, with `reg` (at its
 /// epoch) mapped.
 async fn importer(d: &Net, path: &str, reg: &Registration, left: Duration) -> Result<Arc<ShmImporter>, String> {
@@ -457,7 +482,11 @@ async fn importer(d: &Net, path: &str, reg: &Registration, left: Duration) -> Re
         Some(i) => i,
         None => {
             let p = PathBuf::from(path);
-            let i = tokio::task::spawn_blocking(move || ShmImporter::connect(&p, Limits::default()))
+            if d.importers.lock().unwrap().len() >= MAX_SHM_PEERS {
+                return Err(format!("connecting to {path}: this engine maps {MAX_SHM_PEERS} shared-memory peers already"));
+            }
+            let cfg = ShmImporterConfig { secret: d.secret.clone(), ..ShmImporterConfig::default() };
+            let i = tokio::task::spawn_blocking(move || ShmImporter::connect_with(&p, Limits::default(), cfg))
                 .await
                 .map_err(|e| e.to_string())?
                 .map_err(|e| format!("connecting to {path}: {e}"))?;

@@ -23,6 +23,7 @@ use std::sync::{mpsc, Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use pdkv_connector::params;
+use pdkv_transfer::auth::{self, KvSecret, Port};
 use pdkv_connector::wire::{self, Message};
 use pdkv_engine::connector::{ConnectorRequest, FinishedTransfers, KvCacheSpec, MetricsReader};
 use pdkv_engine::{
@@ -481,6 +482,20 @@ pub fn failed_load(d: &mut Side, rid: &str, d_blocks: &[u32], params: &Value) ->
 /// The load errors a side reports now, as their messages.
 pub fn load_errors(d: &mut Side) -> Vec<(u32, String)> {
     d.c.get_block_ids_with_load_errors().into_iter().map(|(b, e)| (b, e.message)).collect()
+}
+
+/// A control connection to `addr`, through the handshake (no secret).
+pub fn control(addr: &str) -> TcpStream {
+    let mut s = TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    auth::connect_blocking(&mut s, &KvSecret::open(), Port::Control, Duration::from_secs(10)).expect("control handshake");
+    s
+}
+
+/// The server's side of the control handshake, on a connection accepted by
+/// a stand-in engine.
+pub fn accept_control(s: &mut TcpStream) {
+    auth::accept_blocking(s, &KvSecret::open(), Port::Control, Duration::from_secs(10)).expect("the peer's handshake");
 }
 
 /// Writes one control message to `s`.

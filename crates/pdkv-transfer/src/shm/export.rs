@@ -5,15 +5,16 @@ use std::io::{self, Write};
 use std::os::fd::RawFd;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{mpsc, Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
+use crate::auth::{self, KvSecret, Port};
 use crate::frame::{Header, Limits, RemoteError, Target};
 use crate::registry::{Access, AccessError, Registration, Registry};
 
 use super::layout::{encode_part, MapHead};
-use super::{check_shareable, read_header, send_with_fds, ShmError, MAX_FDS, WRITE_TIMEOUT};
+use super::{check_shareable, read_header, send_with_fds, ShmError, HANDSHAKE_TIMEOUT, MAX_FDS, WRITE_TIMEOUT};
 
 struct ExpPeer {
     writer: Mutex<UnixStream>,
@@ -34,6 +35,12 @@ struct PendingUnmap {
 struct ExpInner {
     registry: Arc<Registry>,
     limits: Limits,
+    secret: KvSecret,
+    max_peers: usize,
+    /// Peer threads alive (handshaking or served).
+    threads: AtomicUsize,
+    /// Connections refused: their handshake failed, or `max_peers` were served.
+    refused: AtomicU64,
     peers: Mutex<HashMap<u64, Arc<ExpPeer>>>,
     /// By op id. Entries go on ack or when their waiter's deadline passes.
     pending: Mutex<HashMap<u64, PendingUnmap>>,
@@ -51,6 +58,26 @@ struct ExpInner {
 
 /// Notifications an exporter queues by default before refusing more.
 pub const DEFAULT_NOTIFY_QUEUE: usize = 256;
+
+/// Peers (each served by a thread of its own) an exporter serves at once by default.
+pub const DEFAULT_MAX_PEERS: usize = 64;
+
+/// How an exporter serves its peers.
+#[derive(Clone, Debug)]
+pub struct ExportOptions {
+    /// Notifications waiting for [`ShmExporter::recv_notification`]; more are refused with `Busy`.
+    pub notify_queue: usize,
+    /// Peers served at once (a thread each); more are closed on accept.
+    pub max_peers: usize,
+    /// The deployment's KV secret, which every peer proves on connect.
+    pub secret: KvSecret,
+}
+
+impl Default for ExportOptions {
+    fn default() -> Self {
+        ExportOptions { notify_queue: DEFAULT_NOTIFY_QUEUE, max_peers: DEFAULT_MAX_PEERS, secret: KvSecret::open() }
+    }
+}
 
 /// A notification a peer sent after all data of its batch landed.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -76,11 +103,22 @@ impl ShmExporter {
     /// Listens on `path`; at most `notify_queue` notifications wait for
     /// [`ShmExporter::recv_notification`], more are refused with `Busy`.
     pub fn bind_with_queue(path: &Path, registry: Arc<Registry>, limits: Limits, notify_queue: usize) -> io::Result<ShmExporter> {
+        ShmExporter::bind_with(path, registry, limits, ExportOptions { notify_queue, ..ExportOptions::default() })
+    }
+
+    /// Listens on `path` (a socket only its owner may open) with `opts`.
+    pub fn bind_with(path: &Path, registry: Arc<Registry>, limits: Limits, opts: ExportOptions) -> io::Result<ShmExporter> {
+        use std::os::unix::fs::PermissionsExt;
         let listener = UnixListener::bind(path)?;
-        let (notify_tx, notify_rx) = mpsc::sync_channel(notify_queue.max(1));
+        std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))?;
+        let (notify_tx, notify_rx) = mpsc::sync_channel(opts.notify_queue.max(1));
         let inner = Arc::new(ExpInner {
             registry,
             limits,
+            secret: opts.secret,
+            max_peers: opts.max_peers.max(1),
+            threads: AtomicUsize::new(0),
+            refused: AtomicU64::new(0),
             peers: Mutex::new(HashMap::new()),
             pending: Mutex::new(HashMap::new()),
             acked: Condvar::new(),
@@ -102,6 +140,11 @@ impl ShmExporter {
     }
 
     /// Peers connected now.
+    /// Connections refused so far: a failed handshake, or `max_peers` served.
+    pub fn refused(&self) -> u64 {
+        self.inner.refused.load(Ordering::Relaxed)
+    }
+
     pub fn peers(&self) -> usize {
         self.inner.peers.lock().unwrap().len()
     }
@@ -294,21 +337,53 @@ fn accept_loop(inner: Arc<ExpInner>, listener: UnixListener) {
         if inner.stop.load(Ordering::Acquire) {
             return;
         }
-        let Ok(stream) = stream else { continue };
-        let Ok(writer) = stream.try_clone() else { continue };
-        if writer.set_write_timeout(Some(WRITE_TIMEOUT)).is_err() {
+        let stream = match stream {
+            Ok(s) => s,
+            Err(e) => {
+                // Out of descriptors, say: back off instead of spinning.
+                tracing::warn!("shared-memory accept failed: {e}");
+                std::thread::sleep(Duration::from_millis(100));
+                continue;
+            }
+        };
+        if inner.threads.fetch_add(1, Ordering::AcqRel) >= inner.max_peers {
+            inner.threads.fetch_sub(1, Ordering::AcqRel);
+            inner.refused.fetch_add(1, Ordering::Relaxed);
+            tracing::warn!("shared-memory connection refused: {} peers served already", inner.max_peers);
             continue;
         }
         let id = next_peer;
         next_peer += 1;
-        let peer = Arc::new(ExpPeer { writer: Mutex::new(writer), mapped: Mutex::new(HashMap::new()) });
-        inner.peers.lock().unwrap().insert(id, peer.clone());
-        let inner = inner.clone();
-        let _ = std::thread::Builder::new().name("pdkv-shm-peer".into()).spawn(move || serve_peer(inner, id, peer, stream));
+        let inner2 = inner.clone();
+        let spawned = std::thread::Builder::new().name("pdkv-shm-peer".into()).spawn(move || {
+            serve_peer(&inner2, id, stream);
+            inner2.threads.fetch_sub(1, Ordering::AcqRel);
+        });
+        if spawned.is_err() {
+            inner.threads.fetch_sub(1, Ordering::AcqRel);
+        }
     }
 }
 
-fn serve_peer(inner: Arc<ExpInner>, id: u64, peer: Arc<ExpPeer>, stream: UnixStream) {
+/// Proves the connection (within [`HANDSHAKE_TIMEOUT`]), then serves it.
+fn serve_peer(inner: &Arc<ExpInner>, id: u64, mut stream: UnixStream) {
+    let shaken = stream
+        .set_read_timeout(Some(HANDSHAKE_TIMEOUT))
+        .and_then(|()| stream.set_write_timeout(Some(HANDSHAKE_TIMEOUT)))
+        .map_err(|e| e.to_string())
+        .and_then(|()| auth::accept_blocking(&mut stream, &inner.secret, Port::Shm, HANDSHAKE_TIMEOUT).map_err(|e| e.to_string()))
+        .and_then(|()| stream.set_read_timeout(None).map_err(|e| e.to_string()));
+    if let Err(e) = shaken {
+        inner.refused.fetch_add(1, Ordering::Relaxed);
+        tracing::debug!("shared-memory connection refused: {e}");
+        return;
+    }
+    let Ok(writer) = stream.try_clone() else { return };
+    if writer.set_write_timeout(Some(WRITE_TIMEOUT)).is_err() {
+        return;
+    }
+    let peer = Arc::new(ExpPeer { writer: Mutex::new(writer), mapped: Mutex::new(HashMap::new()) });
+    inner.peers.lock().unwrap().insert(id, peer.clone());
     let mut junk = Vec::new();
     while let Ok((header, data)) = read_header(&stream, &inner.limits, &mut junk) {
         junk.clear(); // a peer has no business sending memfds; they are closed

@@ -10,13 +10,14 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{mpsc, Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
+use crate::auth::{self, KvSecret, Port};
 use crate::frame::{Header, Limits, RemoteError, Target};
 use crate::proto::{Direction, LocalRange, StartError, Stats, Transfer, TransferError};
 use crate::registry::{AccessError, Registration};
 use crate::tcp::{BatchError, LocalSlice};
 
 use super::layout::{Assembly, Imported};
-use super::{read_header, BadMap, ShmError, WRITE_TIMEOUT};
+use super::{read_header, BadMap, ShmError, HANDSHAKE_TIMEOUT, WRITE_TIMEOUT};
 
 /// One mapping of a segment, for its whole life: an unmap, or a new map
 /// of the segment, empties it (under its write lock, so after the copy in
@@ -50,6 +51,8 @@ pub struct ShmImporterConfig {
     /// what happens between two slices (cancel, deadline, unmap); `None` in
     /// production.
     pub before_slice: Option<SliceHook>,
+    /// The deployment's KV secret, proven to the exporter on connect.
+    pub secret: KvSecret,
 }
 
 /// See [`ShmImporterConfig::before_slice`].
@@ -64,7 +67,7 @@ impl std::fmt::Debug for SliceHook {
 
 impl Default for ShmImporterConfig {
     fn default() -> Self {
-        ShmImporterConfig { workers: 2, max_batches: 1024, max_slice: 1 << 20, before_slice: None }
+        ShmImporterConfig { workers: 2, max_batches: 1024, max_slice: 1 << 20, before_slice: None, secret: KvSecret::open() }
     }
 }
 
@@ -156,7 +159,12 @@ impl ShmImporter {
     }
 
     pub fn connect_with(path: &Path, limits: Limits, cfg: ShmImporterConfig) -> io::Result<ShmImporter> {
-        let stream = UnixStream::connect(path)?;
+        let mut stream = UnixStream::connect(path)?;
+        stream.set_read_timeout(Some(HANDSHAKE_TIMEOUT))?;
+        stream.set_write_timeout(Some(HANDSHAKE_TIMEOUT))?;
+        auth::connect_blocking(&mut stream, &cfg.secret, Port::Shm, HANDSHAKE_TIMEOUT)
+            .map_err(|e| io::Error::new(io::ErrorKind::PermissionDenied, format!("handshake: {e}")))?;
+        stream.set_read_timeout(None)?;
         let writer = stream.try_clone()?;
         writer.set_write_timeout(Some(WRITE_TIMEOUT))?;
         let workers = cfg.workers.max(1);

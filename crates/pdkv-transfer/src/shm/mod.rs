@@ -64,7 +64,7 @@ use std::time::Duration;
 
 use crate::frame::{FrameError, Header, Limits, RemoteError, HEADER_LEN, MAX_PART_FDS};
 
-pub use export::{ShmExporter, ShmNotification, DEFAULT_NOTIFY_QUEUE};
+pub use export::{ExportOptions, ShmExporter, ShmNotification, DEFAULT_MAX_PEERS, DEFAULT_NOTIFY_QUEUE};
 pub use fds::{recv_with_fds, send_with_fds};
 pub use import::{ShmBatchHandle, ShmImporter, ShmImporterConfig, SliceHook};
 
@@ -74,6 +74,8 @@ pub const MAX_FDS: usize = MAX_PART_FDS;
 
 /// How long one control write may block on a peer that does not read.
 const WRITE_TIMEOUT: Duration = Duration::from_secs(5);
+/// How long a connection's handshake ([`crate::auth`]) may take, each side.
+const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
 
 #[derive(Debug, thiserror::Error)]
 pub enum ShmError {
