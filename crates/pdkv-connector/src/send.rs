@@ -59,6 +59,11 @@ pub use crate::wire::{FailCode, Failure};
 pub type PullId = u64;
 pub type DropId = u64;
 
+/// Most pulls held at once (parked, queued or writing); one more is
+/// refused at once. A pull for a transfer P has not seen yet waits up to
+/// `arrival_timeout`, so without a bound a peer could park them without end.
+pub const MAX_PULLS: usize = 4096;
+
 /// Most ended transfers remembered at once (the oldest go first).
 pub const MAX_TOMBSTONES: usize = 1 << 16;
 
@@ -360,6 +365,11 @@ impl SendMachine {
     /// D asks for a transfer's blocks.
     pub fn on_pull(&mut self, now: Instant, pull: PullId, spec: PullSpec) {
         let tid = spec.transfer_id.clone();
+        if self.pulls.len() >= MAX_PULLS {
+            let why = format!("P holds {MAX_PULLS} pulls already, the most it keeps; transfer {tid:?} was not pulled");
+            self.answer(pull, Err(Failure::new(FailCode::TransferFailed, why)));
+            return;
+        }
         if self.pull_of.contains_key(&tid) {
             self.answer(pull, Err(Failure::new(FailCode::Mismatch, format!("transfer {tid:?} already has a pull in progress"))));
             return;
@@ -676,7 +686,7 @@ impl SendMachine {
         let failure = match phase {
             None => Failure::new(
                 FailCode::Unknown,
-                format!("transfer {tid:?} is unknown to the prefill engine (not seen within the arrival timeout)"),
+                format!("transfer {tid:?} is unknown to the prefill engine (not seen within arrival_timeout_s, {:?})", self.cfg.arrival_timeout),
             ),
             Some(Phase::Waiting) => Failure::new(
                 FailCode::Deadline,
@@ -685,7 +695,13 @@ impl SendMachine {
                     self.cfg.prefill_timeout
                 ),
             ),
-            Some(_) => Failure::new(FailCode::Deadline, format!("no sender was free for transfer {tid:?} before the pull deadline")),
+            Some(_) => Failure::new(
+                FailCode::Deadline,
+                format!(
+                    "no sender was free for transfer {tid:?} within abort_timeout_s ({:?}; num_workers {} senders)",
+                    self.cfg.abort_timeout, self.cfg.num_workers
+                ),
+            ),
         };
         if matches!(phase, Some(Phase::Ready { .. })) {
             self.end_send(now, &tid, failure.clone(), false);
@@ -1106,6 +1122,26 @@ mod tests {
             assert_eq!(answered, Some(code), "{a:?}");
             assert_eq!(m.take_finished(), vec![rid("r")]);
         }
+    }
+
+    #[test]
+    fn pulls_are_bounded_and_one_beyond_the_bound_is_refused_at_once() {
+        let t0 = Instant::now();
+        let mut m = machine(1);
+        // Pulls for transfers P has not seen park until their arrival timeout.
+        for i in 0..MAX_PULLS as u64 {
+            m.on_pull(t0, i, pull(&format!("t{i}"), 0));
+        }
+        assert!(actions(&mut m).is_empty());
+        assert_eq!(m.live_pulls(), MAX_PULLS);
+        m.on_pull(t0, MAX_PULLS as u64, pull("one-more", 0));
+        assert!(err_of(&actions(&mut m), MAX_PULLS as u64).contains("pulls already"));
+        assert_eq!(m.live_pulls(), MAX_PULLS);
+        // Once the parked ones time out, pulls are taken again.
+        m.handle_timeout(t0 + Duration::from_secs(3600));
+        assert_eq!(m.live_pulls(), 0);
+        m.on_pull(t0 + Duration::from_secs(3600), MAX_PULLS as u64 + 1, pull("later", 0));
+        assert_eq!(m.live_pulls(), 1);
     }
 
     #[test]

@@ -130,17 +130,25 @@ pub struct LoadError {
     /// KV, a cache reset cut it short): the request recomputes whatever the
     /// `kv_load_failure_policy`.
     pub recompute: bool,
+    /// A deadline passed (the message names the setting to raise).
+    pub timed_out: bool,
 }
 
 impl LoadError {
     /// A failure the policy decides about.
     pub fn failed(message: impl Into<String>) -> LoadError {
-        LoadError { message: message.into(), recompute: false }
+        LoadError { message: message.into(), recompute: false, timed_out: false }
+    }
+
+    /// A deadline passed: a failure the policy decides about, which HTTP
+    /// answers with 504.
+    pub fn timed_out(message: impl Into<String>) -> LoadError {
+        LoadError { message: message.into(), recompute: false, timed_out: true }
     }
 
     /// An end on purpose: the request recomputes.
     pub fn recompute(message: impl Into<String>) -> LoadError {
-        LoadError { message: message.into(), recompute: true }
+        LoadError { message: message.into(), recompute: true, timed_out: false }
     }
 }
 

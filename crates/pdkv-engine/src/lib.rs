@@ -204,6 +204,9 @@ pub struct RequestOutput {
     pub kv_transfer_params: Option<KvTransferParams>,
     /// On a last output with [`FinishReason::Error`]: why.
     pub error: Option<String>,
+    /// With `error`: the failure was a deadline passing (the message names
+    /// the setting), which HTTP answers with 504 rather than 500.
+    pub timed_out: bool,
 }
 
 /// Why a request was refused.

@@ -229,6 +229,8 @@ pub struct SchedulerCounts {
 pub struct FailedLoad {
     pub request_id: Arc<str>,
     pub error: String,
+    /// The load ended because a deadline passed ([`LoadError::timed_out`]).
+    pub timed_out: bool,
 }
 
 pub struct Scheduler {
@@ -512,7 +514,7 @@ impl Scheduler {
             Some(e) => {
                 tracing::warn!(id = %id, error = %e.message, "external KV failed to load; failing the request");
                 self.finish_request(id, FinishReason::Error);
-                Some(FailedLoad { request_id: id.clone(), error: e.message })
+                Some(FailedLoad { request_id: id.clone(), error: e.message, timed_out: e.timed_out })
             }
         }
     }
@@ -549,7 +551,7 @@ impl Scheduler {
         }
         tracing::warn!(id = %id, error = %error.message, "external KV load given up; failing the request");
         self.finish_request(id, FinishReason::Error);
-        Some(FailedLoad { request_id: id.clone(), error: error.message })
+        Some(FailedLoad { request_id: id.clone(), error: error.message, timed_out: error.timed_out })
     }
 
     /// Aborts a request in any state. Returns false for an unknown id.

@@ -116,7 +116,7 @@ pub async fn admit_group(
     }
     // Wait for choice 0's prompt to be in the KV cache.
     match group.streams[0].next().await {
-        Some(out) if out.finish_reason == Some(FinishReason::Error) => return Err(failed_request(out.error)),
+        Some(out) if out.finish_reason == Some(FinishReason::Error) => return Err(failed_request(&out)),
         Some(out) => group.early.push_back((0, out)),
         None => return Err(ApiError::unavailable("the engine ended the request before its first token")),
     }
@@ -145,7 +145,7 @@ impl Choice {
     /// Adds one output; a failed request becomes its error.
     fn push(&mut self, out: RequestOutput) -> Result<(), ApiError> {
         if out.finish_reason == Some(FinishReason::Error) {
-            return Err(failed_request(out.error));
+            return Err(failed_request(&out));
         }
         self.text.push_str(&out.text);
         self.token_ids.extend(&out.token_ids);

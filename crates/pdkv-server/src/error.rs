@@ -108,6 +108,11 @@ impl ApiError {
         }
     }
 
+    /// 504: a deadline passed (the message names the setting to raise).
+    pub fn timeout(message: impl Into<String>) -> ApiError {
+        ApiError { status: StatusCode::GATEWAY_TIMEOUT, message: message.into(), kind: "timeout_error", param: None, code: Some("timeout") }
+    }
+
     pub fn internal(message: impl Into<String>) -> ApiError {
         ApiError {
             status: StatusCode::INTERNAL_SERVER_ERROR,
@@ -185,13 +190,7 @@ impl From<LifecycleError> for ApiError {
             LifecycleError::Cancelled(_) => ApiError::conflict(message).with_code("cancelled"),
             LifecycleError::Invalid(_) => ApiError::invalid(message),
             LifecycleError::IncompatibleWeights(_) => ApiError::invalid(message).with_code("incompatible_weights"),
-            LifecycleError::Timeout(_) => ApiError {
-                status: StatusCode::GATEWAY_TIMEOUT,
-                message,
-                kind: "timeout_error",
-                param: None,
-                code: Some("timeout"),
-            },
+            LifecycleError::Timeout(_) => ApiError::timeout(message),
             LifecycleError::Stopped => ApiError::unavailable(message),
             LifecycleError::Internal(_) => ApiError::internal(message),
         }

@@ -177,9 +177,14 @@ pub(crate) fn admit(
     Ok(Admitted { stream, created: unix_now() })
 }
 
-/// The error a request that ended with [`FinishReason::Error`] answers with.
-pub(crate) fn failed_request(message: Option<String>) -> ApiError {
-    let message = message.unwrap_or_else(|| "the request failed".into());
+/// The error a request that ended with [`FinishReason::Error`] answers
+/// with: a 504 `kv_transfer_timeout` when a deadline passed (the message
+/// names the setting to raise), a 500 `kv_transfer_failed` otherwise.
+pub(crate) fn failed_request(out: &pdkv_engine::RequestOutput) -> ApiError {
+    let message = out.error.clone().unwrap_or_else(|| "the request failed".into());
+    if out.timed_out {
+        return ApiError::timeout(message).with_code("kv_transfer_timeout");
+    }
     ApiError::internal(message).with_code("kv_transfer_failed")
 }
 

@@ -71,6 +71,7 @@ fn ended(index: usize) -> RequestOutput {
         prompt_logprobs: None,
         kv_transfer_params: None,
         error: None,
+        timed_out: false,
     }
 }
 
@@ -96,7 +97,7 @@ impl<F: ChunkFn> SseState<F> {
                     if out.finish_reason == Some(FinishReason::Error) {
                         // A failed request: an error event, then `[DONE]`.
                         self.phase = Phase::Done;
-                        let err = failed_request(out.error);
+                        let err = failed_request(&out);
                         return Some(format!("data: {}\n\ndata: [DONE]\n\n", err.body_json()));
                     }
                     self.generated += out.token_ids.len();

@@ -68,6 +68,9 @@ pub struct AgentConfig {
     pub max_conns: usize,
     /// Unproven connections one source address may hold at once.
     pub max_unproven_per_source: usize,
+    /// Peers this agent initiates to at once (each with `conns_per_peer`
+    /// connections and their tasks).
+    pub max_peers: usize,
     /// The deployment's KV secret, proven by both ends of every connection.
     pub secret: KvSecret,
     /// How long a served connection may sit between frames.
@@ -90,6 +93,7 @@ impl Default for AgentConfig {
             notify_queue: 256,
             max_conns: 256,
             max_unproven_per_source: 64,
+            max_peers: 256,
             secret: KvSecret::open(),
             idle_timeout: Duration::from_secs(300),
             unproven_timeout: Duration::from_secs(10),
@@ -518,6 +522,15 @@ impl Agent {
             if p.shared.state.lock().unwrap().init.live_conns() > 0 {
                 return Ok(p.clone());
             }
+        }
+        // Peers whose connections all broke are forgotten before a new one
+        // is counted against the bound.
+        peers.retain(|_, p| p.shared.state.lock().unwrap().init.live_conns() > 0);
+        if peers.len() >= self.cfg.max_peers {
+            return Err(BatchError::Connect {
+                addr: addr.to_string(),
+                reason: format!("this agent is connected to {} peers already, the most it keeps", self.cfg.max_peers),
+            });
         }
         let p = Arc::new(Peer::connect(addr, &self.cfg).await?);
         peers.insert(addr.to_string(), p.clone());

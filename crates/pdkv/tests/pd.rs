@@ -209,6 +209,59 @@ async fn p_killed_while_d_waits_fails_or_recomputes_by_policy() {
     println!("policy recompute: D answered {took:?} after P was killed");
 }
 
+/// P hangs (SIGSTOP) while D waits for its KV: D gives up `load_timeout_s`
+/// after it last heard from P and answers 504 `kv_transfer_timeout`, whose
+/// message names the setting to raise; P, resumed, finishes and both
+/// engines end quiescent.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_hung_p_is_a_504_naming_the_setting_to_raise() {
+    let Some(model) = smollm2_path("a_hung_p_is_a_504_naming_the_setting_to_raise") else { return };
+    let model = model.to_str().unwrap();
+    let extra = r#","abort_timeout_s":2,"load_timeout_s":4,"kv_load_failure_policy":"fail""#;
+    let common = ["serve", "--port", "0", "--model", model, "--num-kv-blocks", "256"];
+    let p = Proc::start(&[], &[&common[..], &["--kv-transfer-config", &kv_config("kv_producer", "tcp", extra)]].concat());
+    let d = Proc::start(&[], &[&common[..], &["--kv-transfer-config", &kv_config("kv_consumer", "tcp", extra)]].concat());
+    let client = reqwest::Client::builder().timeout(DEADLINE).build().unwrap();
+    let info: Value = client.get(p.url("/kv_transfer/info")).send().await.unwrap().json().await.unwrap();
+    let prompt = PREFIXES.iter().cycle().take(30).cloned().collect::<Vec<_>>().join(" ");
+    let p_req = client.post(p.url("/v1/completions")).json(&json!({
+        "prompt": prompt, "max_tokens": 1, "temperature": 0,
+        "kv_transfer_params": {"do_remote_decode": true, "transfer_id": "t-hung"},
+    }));
+    let d_req = client.post(d.url("/v1/completions")).json(&json!({
+        "prompt": prompt, "max_tokens": 4, "temperature": 0,
+        "kv_transfer_params": {"do_remote_prefill": true, "remote_engine_id": info["engine_id"],
+                               "remote_bootstrap_addr": info["bootstrap_addr"], "transfer_id": "t-hung"},
+    }));
+    let p_task = tokio::spawn(async move { p_req.send().await.map(|r| r.status().as_u16()) });
+    let d_task = tokio::spawn(async move {
+        let r = d_req.send().await.unwrap();
+        (r.status().as_u16(), r.text().await.unwrap())
+    });
+    wait_metrics(&client, &d.base, "D waiting for remote KV", |t| {
+        metric(t, "pdkv_num_requests_waiting_for_remote_kv") == Some(1.0)
+    })
+    .await;
+    let pid = p.pid() as libc::pid_t;
+    // SAFETY: plain syscalls on our own child, not reaped.
+    assert_eq!(unsafe { libc::kill(pid, libc::SIGSTOP) }, 0);
+    let stopped = Instant::now();
+    let answered = tokio::time::timeout(DEADLINE, d_task).await.expect("D answers in time").unwrap();
+    let took = stopped.elapsed();
+    assert_eq!(unsafe { libc::kill(pid, libc::SIGCONT) }, 0);
+    let (status, text) = answered;
+    assert_eq!(status, 504, "{text}");
+    let body: Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(body["error"]["code"], "kv_transfer_timeout", "{text}");
+    assert_eq!(body["error"]["type"], "timeout_error", "{text}");
+    assert!(body["error"]["message"].as_str().unwrap().contains("load_timeout_s"), "{text}");
+    assert!(took >= Duration::from_secs(2) && took < Duration::from_secs(30), "D gave up after {took:?}");
+    println!("hung P: D answered 504 {took:?} after P stopped: {text}");
+    assert_eq!(p_task.await.unwrap().ok(), Some(200), "P, resumed, finishes its request");
+    wait_metrics(&client, &d.base, "D quiescent", quiescent).await;
+    wait_metrics(&client, &p.base, "P quiescent", quiescent).await;
+}
+
 /// D refuses a request (it is paused) after P already computed the KV: the
 /// proxy tells P to drop the transfer, so P frees the blocks at once instead
 /// of holding them for the whole lease (30 s by default).

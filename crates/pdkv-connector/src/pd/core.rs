@@ -951,7 +951,8 @@ impl PdCore {
 }
 
 fn load_error(lf: &LoadFailure) -> LoadError {
-    LoadError { message: lf.failure.message.clone(), recompute: lf.recompute }
+    let timed_out = matches!(lf.failure.code, FailCode::Timeout | FailCode::Deadline);
+    LoadError { message: lf.failure.message.clone(), recompute: lf.recompute, timed_out }
 }
 
 pub(crate) fn send_config(cfg: &KvTransferConfig, block_size: usize) -> SendConfig {

@@ -389,7 +389,7 @@ async fn exchange(shared: &Arc<Shared>, secret: &KvSecret, op: Op, addr: &str, m
                 }
             }
             Err(wire::WireError::Timeout { .. }) => {
-                return failed(Failure::new(FailCode::Timeout, format!("no answer from {addr} in time")), true)
+                return failed(Failure::new(FailCode::Timeout, format!("no answer from {addr} within load_timeout_s of last hearing from it")), true)
             }
             Err(e) => return failed(Failure::new(FailCode::PeerLost, format!("the exchange with {addr} broke: {e}")), true),
         }

@@ -138,5 +138,6 @@ pub(crate) fn abort_output(req: &EngineRequest) -> RequestOutput {
         prompt_logprobs: None,
         kv_transfer_params: None,
         error: None,
+        timed_out: false,
     }
 }

@@ -137,6 +137,7 @@ impl ActiveRequest {
             prompt_logprobs: None,
             kv_transfer_params: None,
             error: None,
+            timed_out: false,
         }
     }
 }
@@ -577,7 +578,7 @@ impl EngineCore {
     /// `last`'s tokens and text when given).
     fn finish(&mut self, id: &Arc<str>, reason: FinishReason, last: Option<RequestOutput>) {
         let params = self.sched.finish_request_with(id, reason).flatten();
-        self.finish_active(id, reason, last, params, None);
+        self.finish_active(id, reason, last, params, None, false);
     }
 
     /// Ends the core's side of a request the scheduler already ended.
@@ -588,12 +589,14 @@ impl EngineCore {
         last: Option<RequestOutput>,
         params: Option<crate::KvTransferParams>,
         error: Option<String>,
+        timed_out: bool,
     ) {
         let Some(mut active) = self.reqs.remove(id) else { return };
         let mut out = last.unwrap_or_else(|| active.output(id));
         out.finish_reason = Some(reason);
         out.kv_transfer_params = params;
         out.error = error;
+        out.timed_out = timed_out;
         // A receiver that is gone only means the client left.
         (active.output)(out);
     }
@@ -633,7 +636,7 @@ impl EngineCore {
     pub(super) fn poll_connector(&mut self) {
         for f in self.sched.update_from_connector() {
             let error = format!("loading the request's KV failed: {}", f.error);
-            self.finish_active(&f.request_id, FinishReason::Error, None, None, Some(error));
+            self.finish_active(&f.request_id, FinishReason::Error, None, None, Some(error), f.timed_out);
         }
     }
 
@@ -706,7 +709,7 @@ impl EngineCore {
             match finish {
                 // The scheduler already ended it (stop token, length).
                 Some(reason) if u.finished.is_some() => {
-                    self.finish_active(&u.request_id, reason, Some(out), u.kv_transfer_params, None)
+                    self.finish_active(&u.request_id, reason, Some(out), u.kv_transfer_params, None, false)
                 }
                 Some(reason) => self.finish(&u.request_id, reason, Some(out)),
                 None => {
