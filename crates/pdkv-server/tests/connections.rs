@@ -1,7 +1,9 @@
 //! Hostile connections against a real server on loopback: thousands of
 //! clients that connect and send nothing do not keep real requests from
 //! being served, and each is closed once its header timeout passes; at the
-//! connection cap new clients wait (not fail) until a slot frees.
+//! connection cap idle connections give way to newcomers, and only when
+//! every connection carries a request do new clients wait (not fail)
+//! until a slot frees.
 
 mod common;
 
@@ -65,7 +67,7 @@ async fn idle_connections_do_not_starve_requests_and_are_closed_at_their_timeout
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn at_the_connection_cap_a_new_client_waits_for_a_slot() {
+async fn at_the_cap_idle_connections_give_way_so_health_metrics_and_requests_are_served() {
     let limits = HttpLimits { max_connections: 4, header_timeout: Duration::from_secs(600) };
     let s = Server::spawn_with_limits("tiny", 7, None, EngineConfig::default(), limits).await;
     let addr = s.base.trim_start_matches("http://").to_string();
@@ -73,12 +75,38 @@ async fn at_the_connection_cap_a_new_client_waits_for_a_slot() {
     for _ in 0..4 {
         idle.push(TcpStream::connect(&addr).await.expect("connect"));
     }
-    // The fifth client waits in the backlog (never refused) while the cap
-    // is reached...
-    let mut fifth = Box::pin(completion(&s));
-    assert!(tokio::time::timeout(Duration::from_millis(300), &mut fifth).await.is_err(), "served beyond the cap");
-    // ...and is served once a slot frees.
-    drop(idle.pop());
-    tokio::time::timeout(DEADLINE, fifth).await.expect("served once a slot freed");
+    // Every slot is held by a client that sends nothing (and will not for
+    // 600 s): a newcomer closes the oldest of them and is served at once.
+    for path in ["/health", "/metrics"] {
+        let r = tokio::time::timeout(DEADLINE, s.client.get(s.url(path)).send()).await.expect("served at the cap").unwrap();
+        assert_eq!(r.status(), 200, "{path}");
+    }
+    tokio::time::timeout(DEADLINE, completion(&s)).await.expect("a request served at the cap");
+    assert!(closed_by_server(&mut idle[0]).await, "the oldest idle connection gave way");
+    s.stop().await;
+}
+
+/// A head sent and its body held back: the request is in flight.
+async fn stalled_body(addr: &str) -> TcpStream {
+    let mut c = TcpStream::connect(addr).await.expect("connect");
+    c.write_all(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{")
+        .await
+        .unwrap();
+    c
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_body_that_stops_coming_fails_its_request_at_the_header_timeout() {
+    let limits = HttpLimits { max_connections: 16, header_timeout: Duration::from_secs(1) };
+    let s = Server::spawn_with_limits("tiny", 7, None, EngineConfig::default(), limits).await;
+    let addr = s.base.trim_start_matches("http://").to_string();
+    let mut c = stalled_body(&addr).await;
+    let t0 = Instant::now();
+    let mut answer = Vec::new();
+    tokio::time::timeout(DEADLINE, c.read_to_end(&mut answer)).await.expect("closed, not held").unwrap();
+    let answer = String::from_utf8_lossy(&answer);
+    assert!(answer.starts_with("HTTP/1.1 400"), "{answer}");
+    assert!(answer.contains("invalid_request_error"), "an OpenAI error body: {answer}");
+    assert!(t0.elapsed() >= Duration::from_millis(900), "{:?}", t0.elapsed());
     s.stop().await;
 }
