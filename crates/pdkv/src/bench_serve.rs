@@ -50,6 +50,10 @@ use crate::up::{self, ChildLogs, Proc, TransferMode, Transport, UpArgs};
 /// The name on this command's notices.
 const WHO: &str = "bench serve";
 const MIB: f64 = 1024.0 * 1024.0;
+/// Bound on one `/metrics` scrape (and `/kv_transfer/info`).
+const SCRAPE_TIMEOUT: Duration = Duration::from_secs(5);
+/// A scrape this slow is shown beside the progress line.
+const SLOW_SCRAPE: Duration = Duration::from_secs(1);
 
 #[derive(Args, Debug)]
 pub struct ServeBenchArgs {
@@ -233,15 +237,19 @@ async fn start_deployment(args: &ServeBenchArgs, procs: &mut Vec<Proc>) -> anyho
 /// `--url` and `--engine`s, each engine named by its KV role when it has one.
 async fn existing(args: &ServeBenchArgs, url: &str, client: &reqwest::Client) -> Target {
     let mut engines = Vec::new();
-    for (i, e) in args.engines.iter().enumerate() {
+    // Numbered within each role: prefill 0, prefill 1, decode 0, ...
+    let mut seen = std::collections::HashMap::<&str, usize>::new();
+    for e in &args.engines {
         let e = e.trim_end_matches('/').to_string();
         let role = kv_info(client, &e).await.and_then(|v| v["kv_role"].as_str().map(str::to_string));
-        let name = match role.as_deref() {
-            Some("kv_producer") => format!("prefill {i}"),
-            Some("kv_consumer") => format!("decode {i}"),
-            _ => format!("engine {i}"),
+        let role = match role.as_deref() {
+            Some("kv_producer") => "prefill",
+            Some("kv_consumer") => "decode",
+            _ => "engine",
         };
-        engines.push(memory::Engine { name, url: e });
+        let n = seen.entry(role).or_default();
+        engines.push(memory::Engine { name: format!("{role} {n}"), url: e });
+        *n += 1;
     }
     let proxy = url.trim_end_matches('/').to_string();
     Target { proxy, engines, pids: Vec::new(), names: Vec::new(), log_dir: None }
@@ -278,6 +286,10 @@ async fn flood_targets(args: &ServeBenchArgs, t: &Target, client: &reqwest::Clie
             if out.iter().any(|o: &flood::Target| o.addr == addr) {
                 continue;
             }
+            if addr.starts_with('/') {
+                eprintln!("{WHO}: {} {field} {addr} is a Unix socket (shm), not TCP; no KV flood on it", e.name);
+                continue;
+            }
             match flood::listening(addr).await {
                 Ok(()) => out.push(flood::Target {
                     label: format!("{} {field}", e.name),
@@ -293,13 +305,17 @@ async fn flood_targets(args: &ServeBenchArgs, t: &Target, client: &reqwest::Clie
 
 /// One sample of every engine and child.
 async fn sample(client: &reqwest::Client, t: &Target, t0: Instant, c: &load::Counters) -> memory::Sample {
-    let mut engines = Vec::with_capacity(t.engines.len());
+    let (mut engines, mut scrapes) = (Vec::with_capacity(t.engines.len()), Vec::with_capacity(t.engines.len()));
     for e in &t.engines {
-        engines.push(memory::scrape(client, &e.url).await.ok());
+        let asked = Instant::now();
+        let r = memory::scrape(client, &e.url).await;
+        scrapes.push(r.as_ref().map(|_| asked.elapsed()).map_err(Clone::clone));
+        engines.push(r.ok());
     }
     memory::Sample {
         elapsed: t0.elapsed(),
         engines,
+        scrapes,
         rss: t.pids.iter().map(|&p| memory::rss_bytes(p)).collect(),
         ok: c.ok.load(Ordering::Relaxed),
         failed: c.failed.load(Ordering::Relaxed),
@@ -348,6 +364,13 @@ fn progress_line(s: &memory::Sample, prev: Option<&memory::Sample>, t: &Target, 
     }
     if flood_open > 0 {
         line.push_str(&format!("  idle conns {flood_open}"));
+    }
+    for (e, r) in t.engines.iter().zip(&s.scrapes) {
+        match r {
+            Err(why) => line.push_str(&format!("\n{WHO}:   {} /metrics failed: {why}", e.name)),
+            Ok(d) if *d >= SLOW_SCRAPE => line.push_str(&format!("\n{WHO}:   {} /metrics took {:.1}s", e.name, d.as_secs_f64())),
+            Ok(_) => {}
+        }
     }
     line
 }
@@ -421,7 +444,7 @@ async fn drive(
 /// The whole bench but the children's stop: start or reach the target,
 /// flood, load, quiet wait, final sample.
 async fn bench(args: &ServeBenchArgs, procs: &mut Vec<Proc>) -> anyhow::Result<Value> {
-    let client = reqwest::Client::builder().timeout(Duration::from_secs(5)).build().context("building the HTTP client")?;
+    let client = reqwest::Client::builder().timeout(SCRAPE_TIMEOUT).build().context("building the HTTP client")?;
     let t = match &args.url {
         Some(url) => existing(args, url, &client).await,
         None => start_deployment(args, procs).await?,
@@ -458,6 +481,7 @@ async fn bench(args: &ServeBenchArgs, procs: &mut Vec<Proc>) -> anyhow::Result<V
             .collect(),
         quiet_wait: quiet.waited,
         flood: flood.iter().map(flood::TargetReport::json).collect(),
+        scrapes: report::scrapes(&run.samples, &engine_names),
     };
     print!("{}", summary.table());
     if let Some(d) = &t.log_dir {
@@ -502,8 +526,17 @@ fn sample_json(s: &memory::Sample, t: &Target) -> Value {
         })
         .collect();
     let rss: Vec<Value> = t.names.iter().zip(&s.rss).map(|(n, r)| json!({"process": n, "rss_bytes": r})).collect();
+    let scrapes: Vec<Value> = t
+        .engines
+        .iter()
+        .zip(&s.scrapes)
+        .map(|(e, r)| match r {
+            Ok(d) => json!({"engine": e.name, "ms": d.as_secs_f64() * 1e3}),
+            Err(why) => json!({"engine": e.name, "error": why}),
+        })
+        .collect();
     json!({"elapsed_s": s.elapsed.as_secs_f64(), "ok": s.ok, "failed": s.failed, "disconnected": s.disconnected,
-           "tokens": s.tokens, "engines": engines, "rss": rss})
+           "tokens": s.tokens, "engines": engines, "rss": rss, "metrics_scrapes": scrapes})
 }
 
 pub fn run_serve_bench(args: ServeBenchArgs) -> anyhow::Result<()> {
@@ -527,7 +560,7 @@ pub fn run_serve_bench(args: ServeBenchArgs) -> anyhow::Result<()> {
         for p in &problems {
             eprintln!("{WHO}: {p}");
         }
-        bail!("{} problem(s): {}", problems.len(), problems.join("; "));
+        bail!("{} problem(s), listed above", problems.len());
     }
     Ok(())
 }

@@ -87,6 +87,8 @@ pub struct Sample {
     pub elapsed: Duration,
     /// Per engine, in the order of the engines (`None`: the scrape failed).
     pub engines: Vec<Option<EngineSample>>,
+    /// Per engine: how long its `/metrics` took to answer, or why it failed.
+    pub scrapes: Vec<Result<Duration, String>>,
     /// Per child process, in the order of the processes.
     pub rss: Vec<Option<u64>>,
     pub ok: u64,

@@ -168,6 +168,42 @@ pub fn drift(samples: &[Sample], warmup: Duration, end: &Sample, procs: &[String
     out
 }
 
+/// How one engine's `/metrics` answered over the run.
+pub struct Scrapes {
+    pub engine: String,
+    pub total: usize,
+    pub failed: usize,
+    pub example_error: Option<String>,
+    pub slowest_ms: Option<f64>,
+}
+
+pub fn scrapes(samples: &[Sample], engines: &[String]) -> Vec<Scrapes> {
+    let mut out: Vec<Scrapes> = engines
+        .iter()
+        .map(|e| Scrapes { engine: e.clone(), total: 0, failed: 0, example_error: None, slowest_ms: None })
+        .collect();
+    for s in samples {
+        for (o, r) in out.iter_mut().zip(&s.scrapes) {
+            o.total += 1;
+            match r {
+                Ok(d) => o.slowest_ms = Some(o.slowest_ms.unwrap_or(0.0).max(ms(*d))),
+                Err(why) => {
+                    o.failed += 1;
+                    o.example_error.get_or_insert_with(|| why.clone());
+                }
+            }
+        }
+    }
+    out
+}
+
+impl Scrapes {
+    fn json(&self) -> Value {
+        json!({"engine": self.engine, "total": self.total, "failed": self.failed,
+               "example_error": self.example_error, "slowest_ms": self.slowest_ms})
+    }
+}
+
 /// One engine's KV blocks once the load stopped.
 pub struct Blocks {
     pub engine: String,
@@ -211,6 +247,7 @@ pub struct Summary {
     pub blocks: Vec<Blocks>,
     pub quiet_wait: Duration,
     pub flood: Vec<Value>,
+    pub scrapes: Vec<Scrapes>,
 }
 
 impl Summary {
@@ -264,9 +301,17 @@ impl Summary {
                 d.pct()
             );
         }
+        if self.blocks.is_empty() {
+            let _ = writeln!(s, "KV blocks: not checked (no engine to read; --engine URL with --url)");
+        }
         for b in &self.blocks {
             let verdict = if b.all_free() { "yes" } else { "NO" };
             let _ = writeln!(s, "KV blocks free == total on {}: {verdict} ({})", b.engine, b.describe());
+        }
+        for m in &self.scrapes {
+            let slowest = m.slowest_ms.map_or("-".to_string(), |v| format!("{v:.0} ms"));
+            let _ = write!(s, "/metrics of {}: {} of {} scrapes failed, slowest answer {slowest}", m.engine, m.failed, m.total);
+            let _ = writeln!(s, "{}", m.example_error.as_ref().map_or(String::new(), |e| format!(" (e.g. {e})")));
         }
         for f in &self.flood {
             let _ = writeln!(
@@ -298,6 +343,7 @@ impl Summary {
             "memory_drift": self.drift.iter().map(Drift::json).collect::<Vec<_>>(),
             "blocks": self.blocks.iter().map(Blocks::json).collect::<Vec<_>>(),
             "idle_flood": self.flood,
+            "metrics_scrapes": self.scrapes.iter().map(Scrapes::json).collect::<Vec<_>>(),
             "problems": self.problems(),
         })
     }
