@@ -344,23 +344,20 @@ fn progress_line(s: &memory::Sample, prev: Option<&memory::Sample>, t: &Target, 
         line.push_str(&format!("  rss MiB {}", rss.join(" ")));
     }
     if !t.engines.is_empty() {
-        let dev: Vec<String> = t
-            .engines
-            .iter()
-            .zip(&s.engines)
-            .map(|(e, x)| format!("{} {}", e.name, mib(x.and_then(|x| x.device_bytes))))
-            .collect();
-        line.push_str(&format!("  device MiB {}", dev.join(" ")));
-        let free: Vec<String> = t
-            .engines
-            .iter()
-            .zip(&s.engines)
-            .map(|(e, x)| match x {
-                Some(x) => format!("{} {}/{}", e.name, x.blocks_free.unwrap_or(f64::NAN), x.blocks_total.unwrap_or(f64::NAN)),
-                None => format!("{} ?", e.name),
-            })
-            .collect();
-        line.push_str(&format!("  free blocks {}", free.join(" ")));
+        // One `name value` piece per engine, `?` where its scrape failed.
+        let each = |f: &dyn Fn(&memory::EngineSample) -> String| -> String {
+            let v: Vec<String> = t
+                .engines
+                .iter()
+                .zip(&s.engines)
+                .map(|(e, x)| format!("{} {}", e.name, x.as_ref().map_or("?".to_string(), f)))
+                .collect();
+            v.join(" ")
+        };
+        let n = |v: Option<f64>| v.map_or("?".to_string(), |v| format!("{v}"));
+        line.push_str(&format!("  device MiB {}", each(&|x| mib(x.device_bytes))));
+        line.push_str(&format!("  free blocks {}", each(&|x| format!("{}/{}", n(x.blocks_free), n(x.blocks_total)))));
+        line.push_str(&format!("  running/waiting {}", each(&|x| format!("{}/{}", n(x.running), n(x.waiting)))));
     }
     if flood_open > 0 {
         line.push_str(&format!("  idle conns {flood_open}"));
@@ -488,13 +485,21 @@ async fn bench(args: &ServeBenchArgs, procs: &mut Vec<Proc>) -> anyhow::Result<V
         println!("servers' logs: {}", d.display());
     }
     let mut out = summary.json();
-    let samples: Vec<Value> = run.samples.iter().map(|s| sample_json(s, &t)).collect();
-    let extra = json!({
+    if let (Value::Object(o), Value::Object(x)) = (&mut out, run_json(args, &t, &run)) {
+        o.extend(x);
+    }
+    Ok(out)
+}
+
+/// The JSON fields that say what ran: the target, the knobs, the samples.
+fn run_json(args: &ServeBenchArgs, t: &Target, run: &Run) -> Value {
+    let own = args.url.is_none();
+    json!({
         "bench": "serve",
         "url": t.proxy,
-        "own_deployment": args.url.is_none(),
-        "transport": args.url.is_none().then(|| args.transport.as_str()),
-        "transfer_mode": args.url.is_none().then(|| args.transfer_mode.as_str()),
+        "own_deployment": own,
+        "transport": own.then(|| args.transport.as_str()),
+        "transfer_mode": own.then(|| args.transfer_mode.as_str()),
         "concurrency": args.concurrency,
         "max_tokens": args.max_tokens,
         "prompt_words": args.prompt_words,
@@ -506,12 +511,8 @@ async fn bench(args: &ServeBenchArgs, procs: &mut Vec<Proc>) -> anyhow::Result<V
         "interrupted": run.interrupted,
         "log_dir": t.log_dir.as_ref().map(|d| d.display().to_string()),
         "engines": t.engines.iter().map(|e| json!({"name": e.name, "url": e.url})).collect::<Vec<_>>(),
-        "samples": samples,
-    });
-    if let (Value::Object(o), Value::Object(x)) = (&mut out, extra) {
-        o.extend(x);
-    }
-    Ok(out)
+        "samples": run.samples.iter().map(|s| sample_json(s, t)).collect::<Vec<_>>(),
+    })
 }
 
 fn sample_json(s: &memory::Sample, t: &Target) -> Value {
@@ -522,7 +523,8 @@ fn sample_json(s: &memory::Sample, t: &Target) -> Value {
         .map(|(e, x)| {
             let x = x.unwrap_or_default();
             json!({"engine": e.name, "device_bytes": x.device_bytes, "blocks_free": x.blocks_free,
-                   "blocks_total": x.blocks_total, "blocks_held": x.blocks_held})
+                   "blocks_total": x.blocks_total, "blocks_held": x.blocks_held,
+                   "running": x.running, "waiting": x.waiting})
         })
         .collect();
     let rss: Vec<Value> = t.names.iter().zip(&s.rss).map(|(n, r)| json!({"process": n, "rss_bytes": r})).collect();
