@@ -1,12 +1,14 @@
 //! `pdkv`: serve a model over an OpenAI-compatible HTTP API (with the
 //! lifecycle admin API behind `--admin-token`), fetch the default model,
-//! write random test checkpoints, and benchmark decoding and sleep mode.
+//! write random test checkpoints, and benchmark decoding, sleep mode and
+//! sustained serving through the P/D proxy.
 //!
 //! Logs go to stderr (`RUST_LOG`, default `info`); results a script may
 //! consume (a fetched model's path, the benchmark's JSON line) go to stdout.
 
 mod bench;
 mod bench_pd;
+mod bench_serve;
 mod bench_sleep;
 mod bench_transfer;
 mod fetch;
@@ -100,6 +102,10 @@ enum BenchCommand {
     Transfer(bench_transfer::TransferArgs),
     /// Time to first token and throughput of 1P1D against a colocated engine.
     Pd(bench_pd::PdArgs),
+    /// Sustained load through the P/D proxy (its own 1P1D deployment, or
+    /// `--url`): failures by cause, throughput, TTFT and inter-token
+    /// latency, memory drift, and every KV block free at the end.
+    Serve(bench_serve::ServeBenchArgs),
 }
 
 fn init_logging() {
@@ -134,6 +140,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Bench(BenchCommand::Sleep(args)) => bench_sleep::run_sleep(args),
         Command::Bench(BenchCommand::Transfer(args)) => bench_transfer::run_transfer(args),
         Command::Bench(BenchCommand::Pd(args)) => bench_pd::run_pd_bench(args),
+        Command::Bench(BenchCommand::Serve(args)) => bench_serve::run_serve_bench(args),
     }
 }
 

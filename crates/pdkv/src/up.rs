@@ -41,7 +41,7 @@ pub enum Transport {
 }
 
 impl Transport {
-    fn as_str(self) -> &'static str {
+    pub(crate) fn as_str(self) -> &'static str {
         match self {
             Transport::Tcp => "tcp",
             Transport::Shm => "shm",
@@ -58,7 +58,7 @@ pub enum TransferMode {
 }
 
 impl TransferMode {
-    fn as_str(self) -> &'static str {
+    pub(crate) fn as_str(self) -> &'static str {
         match self {
             TransferMode::Write => "write",
             TransferMode::Read => "read",
@@ -124,12 +124,23 @@ const TAIL_LINES: usize = 30;
 const POLL: Duration = Duration::from_millis(200);
 const HOST: &str = "127.0.0.1";
 
-/// A child process with its stderr forwarded (prefixed) to ours.
-struct Proc {
-    name: String,
+/// A child process with its stderr forwarded (prefixed) to ours, or
+/// written to a log file.
+pub(crate) struct Proc {
+    pub(crate) name: String,
     child: Child,
     base: String,
     tail: Arc<Mutex<VecDeque<String>>>,
+}
+
+/// Where children's log lines go, and the name that starts this process's
+/// notices about them (`pdkv up`).
+#[derive(Clone, Debug)]
+pub(crate) struct ChildLogs {
+    pub(crate) who: &'static str,
+    /// A log file per child in this directory (`prefill.log`, ...); `None`:
+    /// our stderr, each line prefixed with the child's name.
+    pub(crate) dir: Option<PathBuf>,
 }
 
 /// `pdkv ARGS` (this executable) as a child: stdin and stdout closed,
@@ -153,7 +164,7 @@ pub(crate) fn child_command(args: &[String]) -> anyhow::Result<(PathBuf, Command
 impl Proc {
     /// `secrets`: environment variables set (or removed when `None`) for
     /// the child; secrets go by environment, not argv (which `ps` shows).
-    fn spawn(name: String, port: u16, args: &[String], secrets: &[(&str, Option<&str>)]) -> anyhow::Result<Proc> {
+    fn spawn(name: String, port: u16, args: &[String], secrets: &[(&str, Option<&str>)], logs: &ChildLogs) -> anyhow::Result<Proc> {
         let (exe, mut cmd) = child_command(args)?;
         for (k, v) in secrets {
             match v {
@@ -161,8 +172,16 @@ impl Proc {
                 None => cmd.env_remove(k),
             };
         }
+        let mut file = match &logs.dir {
+            Some(dir) => {
+                let path = dir.join(format!("{}.log", name.replace(' ', "-")));
+                let f = std::fs::File::create(&path).with_context(|| format!("creating {}", path.display()))?;
+                Some(std::io::BufWriter::new(f))
+            }
+            None => None,
+        };
         let mut child = cmd.spawn().with_context(|| format!("starting the {name} ({})", exe.display()))?;
-        eprintln!("pdkv up: started the {name} (pid {}) on port {port}", child.id());
+        eprintln!("{}: started the {name} (pid {}) on port {port}", logs.who, child.id());
         let tail = Arc::new(Mutex::new(VecDeque::with_capacity(TAIL_LINES)));
         if let Some(stderr) = child.stderr.take() {
             let tail = tail.clone();
@@ -170,7 +189,15 @@ impl Proc {
             std::thread::spawn(move || {
                 for line in BufReader::new(stderr).lines() {
                     let Ok(line) = line else { break };
-                    let _ = writeln!(std::io::stderr().lock(), "[{name}] {line}");
+                    match file.as_mut() {
+                        // Flushed per line: the file is read while the child runs.
+                        Some(f) => {
+                            let _ = writeln!(f, "{line}").and_then(|()| f.flush());
+                        }
+                        None => {
+                            let _ = writeln!(std::io::stderr().lock(), "[{name}] {line}");
+                        }
+                    }
                     let mut t = tail.lock().unwrap_or_else(|e| e.into_inner());
                     if t.len() == TAIL_LINES {
                         t.pop_front();
@@ -180,6 +207,10 @@ impl Proc {
             });
         }
         Ok(Proc { name, child, base: format!("http://{HOST}:{port}"), tail })
+    }
+
+    pub(crate) fn pid(&self) -> u32 {
+        self.child.id()
     }
 
     fn exited(&mut self) -> Option<ExitStatus> {
@@ -200,14 +231,14 @@ impl Proc {
 }
 
 /// A port that was free a moment ago.
-fn free_port() -> anyhow::Result<u16> {
+pub(crate) fn free_port() -> anyhow::Result<u16> {
     let l = TcpListener::bind((HOST, 0)).context("finding a free port")?;
     Ok(l.local_addr()?.port())
 }
 
 /// The ports of a deployment: the proxy's, then each server's HTTP port
 /// and each prefill server's KV control port.
-struct Ports {
+pub(crate) struct Ports {
     proxy: u16,
     prefill: Vec<u16>,
     decode: Vec<u16>,
@@ -225,7 +256,7 @@ fn ports(first: Option<u16>, n: u16, what: &str) -> anyhow::Result<Vec<u16>> {
 }
 
 impl Ports {
-    fn choose(args: &UpArgs) -> anyhow::Result<Ports> {
+    pub(crate) fn choose(args: &UpArgs) -> anyhow::Result<Ports> {
         let p = Ports {
             proxy: args.port,
             prefill: ports(args.prefill_port, args.prefill, "prefill")?,
@@ -255,7 +286,7 @@ pub fn run(args: UpArgs) -> anyhow::Result<()> {
     runtime.block_on(async move {
         let mut procs: Vec<Proc> = Vec::new();
         let result = supervise(&args, &model, &ports, &mut procs).await;
-        stop_all(&mut procs).await;
+        stop_all(&mut procs, "pdkv up").await;
         result
     })
 }
@@ -291,11 +322,23 @@ fn serve_args(args: &UpArgs, model: &std::path::Path, port: u16, role: &str, kv_
     v
 }
 
-/// Starts the children (pushed onto `procs`), reports readiness, and runs
-/// until a signal (`Ok`) or a child's exit (`Err`).
-async fn supervise(args: &UpArgs, model: &std::path::Path, ports: &Ports, procs: &mut Vec<Proc>) -> anyhow::Result<()> {
-    let signal = wait_for_signal();
-    tokio::pin!(signal);
+/// The URLs of a started deployment.
+pub(crate) struct Started {
+    pub(crate) prefill: Vec<String>,
+    pub(crate) decode: Vec<String>,
+    pub(crate) proxy: String,
+}
+
+/// Starts the children (pushed onto `procs`: the prefill servers, the
+/// decode servers, then the proxy) and waits until all are healthy, bounded
+/// by `--startup-timeout`; fails when a child exits first.
+pub(crate) async fn start(
+    args: &UpArgs,
+    model: &std::path::Path,
+    ports: &Ports,
+    procs: &mut Vec<Proc>,
+    logs: &ChildLogs,
+) -> anyhow::Result<Started> {
     let id = std::process::id();
     let token = args.admin_token.as_deref();
     // The deployment's KV secret, made fresh for it (children only learn
@@ -308,24 +351,18 @@ async fn supervise(args: &UpArgs, model: &std::path::Path, ports: &Ports, procs:
     let name = |role: &str, i: usize, n: usize| if n == 1 { role.to_string() } else { format!("{role} {i}") };
     for (i, (&port, &kv)) in ports.prefill.iter().zip(&ports.kv).enumerate() {
         let a = serve_args(args, model, port, "kv_producer", kv, &format!("up-{id}-prefill-{i}"));
-        procs.push(Proc::spawn(name("prefill", i, np), port, &a, &engine_env)?);
+        procs.push(Proc::spawn(name("prefill", i, np), port, &a, &engine_env, logs)?);
     }
     for (i, &port) in ports.decode.iter().enumerate() {
         let a = serve_args(args, model, port, "kv_consumer", 0, &format!("up-{id}-decode-{i}"));
-        procs.push(Proc::spawn(name("decode", i, nd), port, &a, &engine_env)?);
+        procs.push(Proc::spawn(name("decode", i, nd), port, &a, &engine_env, logs)?);
     }
     let client = reqwest::Client::builder()
         .timeout(Duration::from_secs(2))
         .build()
         .context("building the HTTP client")?;
     let deadline = Instant::now() + Duration::from_secs(args.startup_timeout);
-    tokio::select! {
-        r = wait_healthy(&client, procs, deadline) => r?,
-        _ = &mut signal => {
-            eprintln!("pdkv up: interrupted during start-up");
-            return Ok(());
-        }
-    }
+    wait_healthy(&client, procs, deadline, logs.who).await?;
     let p_urls: Vec<String> = procs[..np].iter().map(|p| p.base.clone()).collect();
     let d_urls: Vec<String> = procs[np..].iter().map(|p| p.base.clone()).collect();
     let proxy_args = vec![
@@ -339,15 +376,27 @@ async fn supervise(args: &UpArgs, model: &std::path::Path, ports: &Ports, procs:
         "--port".to_string(),
         ports.proxy.to_string(),
     ];
-    procs.push(Proc::spawn("proxy".to_string(), ports.proxy, &proxy_args, &proxy_env)?);
-    tokio::select! {
-        r = wait_healthy(&client, procs, deadline) => r?,
+    procs.push(Proc::spawn("proxy".to_string(), ports.proxy, &proxy_args, &proxy_env, logs)?);
+    wait_healthy(&client, procs, deadline, logs.who).await?;
+    Ok(Started { prefill: p_urls, decode: d_urls, proxy: format!("http://{HOST}:{}", ports.proxy) })
+}
+
+/// Starts the children (pushed onto `procs`), reports readiness, and runs
+/// until a signal (`Ok`) or a child's exit (`Err`).
+async fn supervise(args: &UpArgs, model: &std::path::Path, ports: &Ports, procs: &mut Vec<Proc>) -> anyhow::Result<()> {
+    let signal = wait_for_signal();
+    tokio::pin!(signal);
+    let token = args.admin_token.as_deref();
+    let logs = ChildLogs { who: "pdkv up", dir: None };
+    let started = tokio::select! {
+        r = start(args, model, ports, procs, &logs) => r?,
         _ = &mut signal => {
             eprintln!("pdkv up: interrupted during start-up");
             return Ok(());
         }
-    }
-    let url = format!("http://{HOST}:{}", ports.proxy);
+    };
+    let Started { prefill: p_urls, decode: d_urls, proxy: url } = started;
+    let (np, nd) = (p_urls.len(), d_urls.len());
     // Written whole, errors ignored: a reader that went away must not stop
     // the deployment.
     let mut ready = format!(
@@ -382,7 +431,7 @@ async fn supervise(args: &UpArgs, model: &std::path::Path, ports: &Ports, procs:
 }
 
 /// Fails when a child has exited, with its last log lines.
-fn check_children(procs: &mut [Proc]) -> anyhow::Result<()> {
+pub(crate) fn check_children(procs: &mut [Proc]) -> anyhow::Result<()> {
     for p in procs.iter_mut() {
         if let Some(status) = p.exited() {
             bail!("the {} exited early ({status}); its last log lines:\n{}", p.name, p.tail());
@@ -393,7 +442,7 @@ fn check_children(procs: &mut [Proc]) -> anyhow::Result<()> {
 
 /// Waits until every child answers `GET /health` with 200, or fails at the
 /// deadline or when a child exits.
-async fn wait_healthy(client: &reqwest::Client, procs: &mut [Proc], deadline: Instant) -> anyhow::Result<()> {
+async fn wait_healthy(client: &reqwest::Client, procs: &mut [Proc], deadline: Instant, who: &str) -> anyhow::Result<()> {
     let started = Instant::now();
     let mut last_report = Instant::now();
     loop {
@@ -413,7 +462,7 @@ async fn wait_healthy(client: &reqwest::Client, procs: &mut [Proc], deadline: In
         }
         if last_report.elapsed() >= Duration::from_secs(5) {
             last_report = Instant::now();
-            eprintln!("pdkv up: waiting for {} ({}s)", waiting.join(", "), started.elapsed().as_secs());
+            eprintln!("{who}: waiting for {} ({}s)", waiting.join(", "), started.elapsed().as_secs());
         }
         tokio::time::sleep(POLL).await;
     }
@@ -421,7 +470,7 @@ async fn wait_healthy(client: &reqwest::Client, procs: &mut [Proc], deadline: In
 
 /// SIGTERM to every child (the proxy first), a bounded wait, then SIGKILL;
 /// every child is reaped.
-async fn stop_all(procs: &mut [Proc]) {
+pub(crate) async fn stop_all(procs: &mut [Proc], who: &str) {
     for p in procs.iter_mut().rev() {
         p.terminate();
     }
@@ -432,9 +481,9 @@ async fn stop_all(procs: &mut [Proc]) {
     for p in procs.iter_mut() {
         match p.exited() {
             Some(status) if status.success() => {}
-            Some(status) => eprintln!("pdkv up: the {} exited with {status}", p.name),
+            Some(status) => eprintln!("{who}: the {} exited with {status}", p.name),
             None => {
-                eprintln!("pdkv up: the {} did not stop within {}s; killing it", p.name, STOP_GRACE.as_secs());
+                eprintln!("{who}: the {} did not stop within {}s; killing it", p.name, STOP_GRACE.as_secs());
                 let _ = p.child.kill();
                 let _ = p.child.wait();
             }
