@@ -215,8 +215,47 @@ where
     }
 }
 
+/// The deepest nesting of arrays and objects a request body may have. The
+/// same bound on engines and the proxy (which must parse a whole body to
+/// rewrite it, where a typed parse skips unknown fields), and below the
+/// JSON parser's own recursion limit, so every server answers the same.
+pub const MAX_JSON_DEPTH: usize = 100;
+
+/// How deep `bytes` nests arrays and objects (outside strings), stopping
+/// early once past `limit`.
+fn json_depth(bytes: &[u8], limit: usize) -> usize {
+    let (mut depth, mut deepest, mut in_string, mut escaped) = (0usize, 0usize, false, false);
+    for &b in bytes {
+        if in_string {
+            match b {
+                _ if escaped => escaped = false,
+                b'\\' => escaped = true,
+                b'"' => in_string = false,
+                _ => {}
+            }
+            continue;
+        }
+        match b {
+            b'"' => in_string = true,
+            b'[' | b'{' => {
+                depth += 1;
+                deepest = deepest.max(depth);
+                if deepest > limit {
+                    return deepest;
+                }
+            }
+            b']' | b'}' => depth = depth.saturating_sub(1),
+            _ => {}
+        }
+    }
+    deepest
+}
+
 /// Parses `bytes` as `T`, naming the offending field on type errors.
 pub fn parse_json<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, ApiError> {
+    if json_depth(bytes, MAX_JSON_DEPTH) > MAX_JSON_DEPTH {
+        return Err(ApiError::invalid(format!("request body nests arrays and objects deeper than {MAX_JSON_DEPTH} levels")));
+    }
     let de = &mut serde_json::Deserializer::from_slice(bytes);
     match serde_path_to_error::deserialize::<_, T>(de) {
         Ok(v) => Ok(v),
@@ -258,6 +297,19 @@ pub fn body_rejection(r: BytesRejection) -> ApiError {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn nesting_is_measured_outside_strings_only() {
+        assert_eq!(json_depth(br#"{"a": [1, {"b": []}]}"#, 100), 4);
+        assert_eq!(json_depth(br#"{"a": "[[[[{{{{", "b": "\"[["}"#, 100), 1);
+        assert_eq!(json_depth(b"1", 100), 0);
+        let deep = format!("{}{}", "[".repeat(150), "]".repeat(150));
+        assert_eq!(json_depth(deep.as_bytes(), 100), 101, "stops once past the limit");
+        let err = parse_json::<serde_json::Value>(deep.as_bytes()).unwrap_err();
+        assert!(err.message.contains("deeper than 100 levels"), "{}", err.message);
+        let ok = format!("{}{}", "[".repeat(100), "]".repeat(100));
+        assert!(parse_json::<serde_json::Value>(ok.as_bytes()).is_ok());
+    }
     use serde::Deserialize;
 
     #[derive(Debug, Deserialize)]

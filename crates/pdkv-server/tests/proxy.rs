@@ -373,6 +373,36 @@ async fn an_oversize_body_is_the_same_413_from_the_proxy_and_an_engine() {
     d.stop().await;
 }
 
+/// JSON nested past the parser's depth limit is the same 400 from the proxy
+/// as from an engine (the client's bad request), and one nested within it
+/// gets the engine's own answer through the proxy.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn json_nesting_is_judged_the_same_by_the_proxy_and_an_engine() {
+    let p = Server::spawn("tiny", 7, None, EngineConfig::default()).await;
+    let d = Server::spawn("tiny", 7, None, EngineConfig::default()).await;
+    let proxy = ProxyServer::start(&[&p], &[&d]).await;
+    let nested = |depth: usize| {
+        let mut v = json!(1);
+        for _ in 0..depth {
+            v = json!([v]);
+        }
+        json!({"prompt": "hello", "max_tokens": 1, "temperature": 0, "user": v})
+    };
+    let (engine_status, engine) = post_json(&proxy.client, d.url("/v1/completions"), &nested(200)).await;
+    assert_openai_error(engine_status, &engine, StatusCode::BAD_REQUEST, "engine, 200 deep");
+    let (status, via) = post_json(&proxy.client, proxy.url("/v1/completions"), &nested(200)).await;
+    assert_eq!((status, &via), (engine_status, &engine), "the proxy's answer to 200 levels is the engine's");
+    let (engine_status, engine) = post_json(&proxy.client, d.url("/v1/completions"), &nested(100)).await;
+    let (status, via) = post_json(&proxy.client, proxy.url("/v1/completions"), &nested(100)).await;
+    assert_eq!(status, engine_status, "100 levels: {via} vs {engine}");
+    let m = proxy.metrics().await;
+    assert_eq!(proxy_outcome(&m, "prefill_error") + proxy_outcome(&m, "decode_error"), 0.0, "{m}");
+    assert_eq!(proxy_outcome(&m, "bad_request"), if status.is_success() { 1.0 } else { 2.0 }, "{m}");
+    proxy.stop().await;
+    p.stop().await;
+    d.stop().await;
+}
+
 /// Both servers keep-paused: each holds the proxied request without running it.
 async fn paused_pair() -> (Server, Server) {
     let p = Server::spawn("tiny", 7, Some(TOKEN), EngineConfig::default()).await;
