@@ -1,10 +1,12 @@
-//! A 1P1D deployment (P, D and `pdkv proxy` as processes, SmolLM2) under
-//! hostile connections: 3,000 idle HTTP connections on the proxy and on
-//! each engine, and 300 idle connections plus garbage on each KV port (P's
-//! control port, D's control port and D's transfer port). Requests through
-//! the proxy all succeed with the colocated engine's outputs, every KV load
-//! succeeds, and the servers close every idle connection within their
-//! timeouts.
+//! A 1P1D deployment (P, D and `pdkv proxy` as processes, SmolLM2, one KV
+//! secret) under hostile connections: 3,000 idle HTTP connections on the
+//! proxy and on each engine; on each KV port (P's control port, D's control
+//! port and D's transfer port) 300 idle connections, garbage, a truncated
+//! handshake and forged proofs; and a decode engine holding another
+//! deployment's secret. Requests through the proxy all succeed with the
+//! colocated engine's outputs, every KV load succeeds, the intruder's load
+//! fails naming the secrets, and the servers close every idle connection
+//! within their timeouts.
 
 mod common;
 
@@ -45,6 +47,27 @@ async fn hold(addr: &str, n: usize, garbage: bool) -> Vec<TcpStream> {
     v
 }
 
+/// A client that speaks the KV handshake without the secret: a well-formed
+/// hello for `port` (1 transfer, 3 control), then a made-up proof. Returns
+/// the server's answer in place of its `OKAY`.
+async fn forged_proof(addr: &str, port: u8) -> Vec<u8> {
+    let mut s = TcpStream::connect(addr).await.unwrap();
+    let mut hello = [0u8; 48];
+    hello[..8].copy_from_slice(b"PDKVAUTH");
+    hello[8] = 1;
+    hello[9] = port;
+    s.write_all(&hello).await.unwrap();
+    let mut challenge = [0u8; 72];
+    s.read_exact(&mut challenge).await.expect("a challenge");
+    assert_eq!(&challenge[..8], b"PDKVCHAL", "{addr}");
+    let mut proof = [0x42u8; 40];
+    proof[..8].copy_from_slice(b"PDKVPROF");
+    s.write_all(&proof).await.unwrap();
+    let mut rest = Vec::new();
+    let _ = tokio::time::timeout(DEADLINE, s.read_to_end(&mut rest)).await.expect("the server closes");
+    rest
+}
+
 fn host_port(url: &str) -> String {
     url.trim_start_matches("http://").trim_end_matches('/').to_string()
 }
@@ -71,9 +94,11 @@ async fn idle_and_garbage_connections_on_every_port_do_not_break_pd() {
     let common = ["serve", "--port", "0", "--model", &model, "--num-kv-blocks", "128"];
     let kv = |role: &str| format!(r#"{{"kv_connector":"pdkv","kv_role":"{role}"}}"#);
     let (p_kv, d_kv) = (kv("kv_producer"), kv("kv_consumer"));
-    let p = Proc::start(&[], &[&common[..], &http, &["--kv-transfer-config", &p_kv, "--engine-id", "p0"]].concat());
-    let d = Proc::start(&[], &[&common[..], &http, &["--kv-transfer-config", &d_kv, "--engine-id", "d0"]].concat());
-    let proxy = Proc::start(&[], &[&["proxy", "--port", "0", "--prefill", &p.base, "--decode", &d.base][..], &http].concat());
+    let secret = [("PDKV_KV_SECRET", "this deployment's KV secret, 42")];
+    let p = Proc::start_env(&[], &[&common[..], &http, &["--kv-transfer-config", &p_kv, "--engine-id", "p0"]].concat(), &secret);
+    let d = Proc::start_env(&[], &[&common[..], &http, &["--kv-transfer-config", &d_kv, "--engine-id", "d0"]].concat(), &secret);
+    let proxy_args = [&["proxy", "--port", "0", "--prefill", &p.base, "--decode", &d.base][..], &http].concat();
+    let proxy = Proc::start_env(&[], &proxy_args, &secret);
     wait_healthy(&client, &proxy.url("/health")).await;
     let info = |s: &Proc| {
         let (client, url) = (client.clone(), s.url("/kv_transfer/info"));
@@ -85,9 +110,34 @@ async fn idle_and_garbage_connections_on_every_port_do_not_break_pd() {
     for s in [&proxy, &p, &d] {
         held.extend(hold(&host_port(&s.base), 3000, false).await);
     }
-    for addr in [&p_info["bootstrap_addr"], &d_info["bootstrap_addr"], &d_info["transfer_addr"]] {
-        held.extend(hold(addr.as_str().unwrap(), 300, true).await);
+    let kv_ports = [(&p_info["bootstrap_addr"], 3u8), (&d_info["bootstrap_addr"], 3), (&d_info["transfer_addr"], 1)];
+    for (addr, port) in kv_ports {
+        let addr = addr.as_str().unwrap();
+        held.extend(hold(addr, 300, true).await);
+        // A handshake cut short, and proofs made without the secret.
+        let mut cut = TcpStream::connect(addr).await.unwrap();
+        cut.write_all(b"PDKVAUTH\x01").await.unwrap();
+        held.push(cut);
+        for _ in 0..3 {
+            let answer = forged_proof(addr, port).await;
+            assert!(answer.starts_with(b"PDKVDENY"), "{addr}: a forged proof was not denied: {answer:?}");
+        }
     }
+
+    // A decode engine of another deployment (another secret) loads from P:
+    // its load fails naming the secrets, P is undisturbed.
+    let intruder_secret = [("PDKV_KV_SECRET", "another deployment's KV secret")];
+    let intruder = Proc::start_env(&[], &[&common[..], &["--kv-transfer-config", &d_kv, "--engine-id", "d9"]].concat(), &intruder_secret);
+    let stolen = json!({
+        "prompt": prompts[0], "max_tokens": 2, "temperature": 0,
+        "kv_transfer_params": {"do_remote_prefill": true, "remote_engine_id": "p0",
+                               "remote_bootstrap_addr": p_info["bootstrap_addr"], "transfer_id": "stolen"},
+    });
+    let r = client.post(intruder.url("/v1/completions")).json(&stolen).send().await.unwrap();
+    let (status, text) = (r.status().as_u16(), r.text().await.unwrap());
+    assert_eq!(status, 500, "{text}");
+    assert!(text.contains("KV secret"), "the intruder's error names the secrets: {text}");
+    assert!(intruder.terminate().success());
 
     let mut slowest = Duration::ZERO;
     for (i, prompt) in prompts.iter().enumerate() {
