@@ -140,6 +140,10 @@ impl ProxyConfig {
     }
 }
 
+/// How long a pooled connection to an engine may sit idle before the proxy
+/// drops it; engines' `--header-timeout-s` must be longer (default 10 s).
+pub const UPSTREAM_IDLE: Duration = Duration::from_secs(2);
+
 /// A configuration the proxy cannot start with.
 #[derive(Debug, thiserror::Error)]
 pub enum ProxyError {
@@ -391,7 +395,15 @@ impl Proxy {
         }
         let prefill = pool(Role::Prefill, &config.prefill)?;
         let decode = pool(Role::Decode, &config.decode)?;
-        let client = reqwest::Client::builder().connect_timeout(config.connect_timeout).build()?;
+        // Pooled connections to the engines are given up after a short idle
+        // time, below any engine's header timeout (which closes idle
+        // keep-alive connections): otherwise a request sent on one just as
+        // the engine closes it fails as "connection closed before message
+        // completed".
+        let client = reqwest::Client::builder()
+            .connect_timeout(config.connect_timeout)
+            .pool_idle_timeout(UPSTREAM_IDLE)
+            .build()?;
         let mut h = RandomState::new().build_hasher();
         h.write_u32(std::process::id());
         h.write_u128(SystemTime::now().duration_since(UNIX_EPOCH).unwrap_or_default().as_nanos());

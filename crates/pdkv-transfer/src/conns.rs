@@ -24,6 +24,12 @@ use tokio::task::AbortHandle;
 /// How long a newcomer waits for the slot an eviction frees.
 const EVICT_WAIT: Duration = Duration::from_secs(1);
 
+/// The pause an accept loop takes after closing a connection for a
+/// newcomer: a client that reconnects as fast as it is closed would
+/// otherwise spin the loop (and the host's CPU) without end. At most 500
+/// such closes a second; a real peer's connection waits at most this long.
+pub const EVICT_BACKOFF: Duration = Duration::from_millis(2);
+
 struct Entry {
     source: IpAddr,
     proven: Arc<AtomicBool>,

@@ -616,6 +616,7 @@ async fn accept_loop(
             Some((slot, how)) => {
                 if how != Admitted::Free {
                     stats.evicted.fetch_add(1, Ordering::Relaxed);
+                    tokio::time::sleep(crate::conns::EVICT_BACKOFF).await;
                 }
                 slot
             }

@@ -202,6 +202,22 @@ async fn shaken(addr: impl tokio::net::ToSocketAddrs) -> TcpStream {
     s
 }
 
+/// Whether the server closes `c` within `DL` (after whatever it says first,
+/// a denial say).
+async fn closed_by_server(c: &mut TcpStream) -> bool {
+    let mut buf = [0u8; 128];
+    tokio::time::timeout(DL, async {
+        loop {
+            match c.read(&mut buf).await {
+                Ok(0) | Err(_) => return,
+                Ok(_) => {}
+            }
+        }
+    })
+    .await
+    .is_ok()
+}
+
 async fn raw(s: &mut TcpStream, h: Header, data: &[u8]) -> Option<Header> {
     s.write_all(&h.encode()).await.ok()?;
     s.write_all(data).await.ok()?;
@@ -575,18 +591,8 @@ async fn idle_and_hostile_connections_at_the_cap_do_not_keep_a_real_peer_out() {
 
     // Every unproven connection still open is closed at its timeout (the
     // garbage one after a denial of its "handshake").
-    let mut buf = [0u8; 128];
     for (i, c) in idle.iter_mut().chain([&mut garbage, &mut stale]).enumerate() {
-        let r = tokio::time::timeout(DL, async {
-            loop {
-                match c.read(&mut buf).await {
-                    Ok(0) | Err(_) => return,
-                    Ok(_) => {}
-                }
-            }
-        })
-        .await;
-        assert!(r.is_ok(), "connection {i} was not closed");
+        assert!(closed_by_server(c).await, "connection {i} was not closed");
     }
 }
 
@@ -679,18 +685,8 @@ async fn only_peers_holding_the_deployment_secret_get_in_and_the_rest_never_dist
     assert_eq!(stats_c[0].1.failures, [0; 4], "no connection of the real peer failed");
     // Every refused handshake counted, once its connection closed: 2 peers
     // (each with its connections), 2 forged proofs, then the garbage.
-    let mut buf = [0u8; 128];
     for c in &mut idle {
-        let closed = tokio::time::timeout(DL, async {
-            loop {
-                match c.read(&mut buf).await {
-                    Ok(0) | Err(_) => return,
-                    Ok(_) => {}
-                }
-            }
-        })
-        .await;
-        assert!(closed.is_ok(), "a connection that never proved itself stays open");
+        assert!(closed_by_server(c).await, "a connection that never proved itself stays open");
     }
     assert!(refused() >= 2 * 3 + 2, "handshakes refused: {}", refused());
     let _ = (&server.pool, &client.pool, &intruder.pool, &open.pool);

@@ -441,7 +441,13 @@ async fn drive(
 /// The whole bench but the children's stop: start or reach the target,
 /// flood, load, quiet wait, final sample.
 async fn bench(args: &ServeBenchArgs, procs: &mut Vec<Proc>) -> anyhow::Result<Value> {
-    let client = reqwest::Client::builder().timeout(SCRAPE_TIMEOUT).build().context("building the HTTP client")?;
+    // Idle pooled connections are dropped before the servers' idle timeout
+    // closes them under a scrape.
+    let client = reqwest::Client::builder()
+        .timeout(SCRAPE_TIMEOUT)
+        .pool_idle_timeout(pdkv_server::proxy::UPSTREAM_IDLE)
+        .build()
+        .context("building the HTTP client")?;
     let t = match &args.url {
         Some(url) => existing(args, url, &client).await,
         None => start_deployment(args, procs).await?,

@@ -150,6 +150,10 @@ async fn idle_and_garbage_connections_on_every_port_do_not_break_pd() {
     let m = client.get(d.url("/metrics")).send().await.unwrap().text().await.unwrap();
     assert_eq!(metric(&m, "pdkv_kv_loads_ok_total"), Some(prompts.len() as f64), "{m}");
     assert_eq!(metric(&m, "pdkv_kv_loads_failed_total"), Some(0.0));
+    // The forged proofs (3 on each KV port) were counted as refused handshakes.
+    assert!(metric(&m, "pdkv_kv_handshakes_refused_total").unwrap() >= 6.0, "{m}");
+    let pm = client.get(p.url("/metrics")).send().await.unwrap().text().await.unwrap();
+    assert!(metric(&pm, "pdkv_kv_handshakes_refused_total").unwrap() >= 3.0, "{pm}");
 
     // Every held connection is closed by its server (HTTP at its 3 s header
     // timeout, the KV ports within their unproven bounds).

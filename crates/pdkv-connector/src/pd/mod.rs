@@ -98,6 +98,11 @@ pub trait Driver: Send + Sync + 'static {
 
     /// The connector is being dropped: deliver what is on its way (bounded).
     fn flush(&self, _timeout: Duration) {}
+
+    /// The driver's own counters for `/metrics` (what its listeners refused).
+    fn counters(&self) -> Vec<(&'static str, &'static str, f64)> {
+        Vec::new()
+    }
 }
 
 /// The core, its driver and the engine's waker.
@@ -243,7 +248,11 @@ impl KvConnector for PdConnector {
 
     fn metrics_reader(&self) -> Option<MetricsReader> {
         let shared = self.shared.clone();
-        Some(Arc::new(move || shared.inspect(metrics)))
+        Some(Arc::new(move || {
+            let mut m = shared.inspect(metrics);
+            m.extend(shared.driver.counters());
+            m
+        }))
     }
 
     fn set_waker(&mut self, waker: Waker) {

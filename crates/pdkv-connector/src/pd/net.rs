@@ -210,6 +210,25 @@ impl Driver for NetDriver {
         }
     }
 
+    fn counters(&self) -> Vec<(&'static str, &'static str, f64)> {
+        let n = &self.0;
+        let serve = n.agent.serve_stats();
+        let f = |a: &AtomicU64| a.load(Ordering::Relaxed) as f64;
+        vec![
+            (
+                "handshakes_refused_total",
+                "KV transfer, shared-memory and control connections whose handshake failed (not one, too slow, or without the KV secret)",
+                f(&serve.auth_refused) + f(&n.auth_refused) + n.exporter.as_ref().map_or(0.0, |e| e.refused() as f64),
+            ),
+            (
+                "unproven_closed_total",
+                "Unproven KV transfer connections closed to make room for a newcomer",
+                f(&serve.evicted),
+            ),
+            ("malformed_frames_total", "Malformed frames on the KV transfer port (each closed its connection)", f(&serve.malformed)),
+        ]
+    }
+
     /// Waits (at most `timeout`) until every final answer the core gave a
     /// connection was written: an engine that aborts its requests as it
     /// stops tells the decode engines so, instead of vanishing.
@@ -302,10 +321,13 @@ async fn accept_loop(shared: Arc<Shared>, d: Arc<Net>, listener: TcpListener) {
                 continue;
             }
         };
-        let Some((slot, _)) = slots.admit(from.ip()).await else {
+        let Some((slot, how)) = slots.admit(from.ip()).await else {
             tracing::warn!(%from, "control connection refused: {MAX_CONTROL_CONNS} exchanges in flight");
             continue;
         };
+        if how != pdkv_transfer::conns::Admitted::Free {
+            tokio::time::sleep(pdkv_transfer::conns::EVICT_BACKOFF).await;
+        }
         let id = slot.id();
         let (shared, d) = (shared.clone(), d.clone());
         let task = tokio::spawn(async move {

@@ -436,6 +436,7 @@ pub async fn run(cfg: Arc<LoadConfig>, counters: Arc<Counters>) -> anyhow::Resul
     let client = reqwest::Client::builder()
         .connect_timeout(Duration::from_secs(10))
         .pool_max_idle_per_host(cfg.concurrency)
+        .pool_idle_timeout(pdkv_server::proxy::UPSTREAM_IDLE)
         .build()?;
     let next = Arc::new(AtomicU64::new(0));
     let mut workers = tokio::task::JoinSet::new();
