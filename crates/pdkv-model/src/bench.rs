@@ -151,32 +151,81 @@ pub fn argmax(row: &[f32]) -> u32 {
     best as u32
 }
 
+/// Writes `values` (whole 32-value blocks) in the block format `q`, as a
+/// GGUF writer does: Q8_0 `d = max|x|/127`, Q4_1 `d = (max-min)/15`, `m = min`.
+pub fn quantize_row(q: crate::qkernels::QType, values: &[f32], out: &mut [u8]) {
+    use crate::qkernels::QType;
+    use half::f16;
+    let bb = q.block_bytes();
+    for (x, o) in values.chunks(crate::qkernels::QK).zip(out.chunks_mut(bb)) {
+        match q {
+            QType::Q8_0 => {
+                let amax = x.iter().fold(0f32, |a, v| a.max(v.abs()));
+                let d = f16::from_f32(amax / 127.0);
+                let id = if d.to_f32() == 0.0 { 0.0 } else { 1.0 / d.to_f32() };
+                o[..2].copy_from_slice(&d.to_le_bytes());
+                for (i, v) in x.iter().enumerate() {
+                    o[2 + i] = ((v * id).round().clamp(-127.0, 127.0) as i8) as u8;
+                }
+            }
+            QType::Q4_1 => {
+                let lo = x.iter().copied().fold(f32::INFINITY, f32::min);
+                let hi = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                let d = f16::from_f32((hi - lo) / 15.0);
+                let m = f16::from_f32(lo);
+                let id = if d.to_f32() == 0.0 { 0.0 } else { 1.0 / d.to_f32() };
+                o[..2].copy_from_slice(&d.to_le_bytes());
+                o[2..4].copy_from_slice(&m.to_le_bytes());
+                let nib = |v: f32| ((v - m.to_f32()) * id).round().clamp(0.0, 15.0) as u8;
+                for i in 0..16 {
+                    o[4 + i] = nib(x[i]) | (nib(x[i + 16]) << 4);
+                }
+            }
+        }
+    }
+}
+
 /// A model of shape `cfg` with seeded pseudo-random weights (linear layers
 /// uniform in `±1/sqrt(in_features)`, norm weights near 1), for benchmarks
 /// and tests that need no checkpoint.
 pub fn synthetic_model(pool: &Pool, cfg: &crate::ModelConfig, seed: u64) -> anyhow::Result<Model> {
-    use crate::weights::{LayerWeights, TensorRef, Weights, WeightsLayout};
+    synthetic_model_with(pool, cfg, seed, None)
+}
+
+/// [`synthetic_model`] whose linear layers (those with rows of whole
+/// 32-value blocks) are stored in the block format `quant`: the same
+/// pseudo-random values, quantised as a GGUF writer would.
+pub fn synthetic_model_with(
+    pool: &Pool,
+    cfg: &crate::ModelConfig,
+    seed: u64,
+    quant: Option<crate::qkernels::QType>,
+) -> anyhow::Result<Model> {
+    use crate::weights::{DType, LayerWeights, TensorRef, Weights, WeightsLayout};
     use crate::Arch;
     cfg.validate()?;
     let (h, q, kv, inter, hd) = (cfg.hidden_size, cfg.q_dim(), cfg.kv_dim(), cfg.intermediate_size, cfg.head_dim);
     let mut lay = WeightsLayout::new();
     let embed = lay.push(&[cfg.vocab_size, h]);
+    let linear = |lay: &mut WeightsLayout, shape: &[usize]| match quant {
+        Some(qt) if shape[1] % crate::qkernels::QK == 0 => lay.push_typed(shape, DType::Quant(qt)),
+        _ => lay.push(shape),
+    };
     let mut layers = Vec::with_capacity(cfg.num_layers);
     for _ in 0..cfg.num_layers {
         let qwen = cfg.arch == Arch::Qwen3;
-        layers.push(LayerWeights {
-            attn_norm: lay.push(&[h]),
-            wq: lay.push(&[q, h]),
-            wk: lay.push(&[kv, h]),
-            wv: lay.push(&[kv, h]),
-            wo: lay.push(&[h, q]),
-            q_norm: qwen.then(|| lay.push(&[hd])),
-            k_norm: qwen.then(|| lay.push(&[hd])),
-            ffn_norm: lay.push(&[h]),
-            w_gate: lay.push(&[inter, h]),
-            w_up: lay.push(&[inter, h]),
-            w_down: lay.push(&[h, inter]),
-        });
+        let attn_norm = lay.push(&[h]);
+        let wq = linear(&mut lay, &[q, h]);
+        let wk = linear(&mut lay, &[kv, h]);
+        let wv = linear(&mut lay, &[kv, h]);
+        let wo = linear(&mut lay, &[h, q]);
+        let q_norm = qwen.then(|| lay.push(&[hd]));
+        let k_norm = qwen.then(|| lay.push(&[hd]));
+        let ffn_norm = lay.push(&[h]);
+        let w_gate = linear(&mut lay, &[inter, h]);
+        let w_up = linear(&mut lay, &[inter, h]);
+        let w_down = linear(&mut lay, &[h, inter]);
+        layers.push(LayerWeights { attn_norm, wq, wk, wv, wo, q_norm, k_norm, ffn_norm, w_gate, w_up, w_down });
     }
     let final_norm = lay.push(&[h]);
     let lm_head = if cfg.tie_word_embeddings { embed.clone() } else { lay.push(&[cfg.vocab_size, h]) };
@@ -184,15 +233,24 @@ pub fn synthetic_model(pool: &Pool, cfg: &crate::ModelConfig, seed: u64) -> anyh
 
     let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ 0xD1B5_4A32_D192_ED03;
     let mut fill = |t: &TensorRef, center: f32, spread: f32| {
-        // SAFETY: the region was just allocated and has no other views;
-        // tensors from the layout never overlap.
-        let dst = unsafe { region.slice_mut::<f32>(t.offset, t.numel()) };
-        for v in dst {
+        let mut values = vec![0f32; t.numel()];
+        for v in values.iter_mut() {
             state ^= state << 13;
             state ^= state >> 7;
             state ^= state << 17;
             let u = (state >> 40) as f32 / (1u64 << 24) as f32;
             *v = center + spread * (2.0 * u - 1.0);
+        }
+        // SAFETY: the region was just allocated and has no other views;
+        // tensors from the layout never overlap.
+        match t.dtype {
+            DType::F32 => unsafe { region.slice_mut::<f32>(t.offset, t.numel()) }.copy_from_slice(&values),
+            DType::Quant(qt) => {
+                let dst = unsafe { region.slice_mut::<u8>(t.offset, t.bytes()) };
+                for (row, out) in values.chunks(t.shape[1]).zip(dst.chunks_mut(qt.row_bytes(t.shape[1]))) {
+                    quantize_row(qt, row, out);
+                }
+            }
         }
     };
     fill(&embed, 0.0, 1.0);

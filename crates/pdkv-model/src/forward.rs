@@ -15,6 +15,8 @@ use pdkv_vmem::{Pool, Region, Tag};
 use rayon::prelude::*;
 
 use crate::kernels::{self, AttendArgs, Linear};
+use crate::qkernels::{self, QActs, QLinear};
+use crate::weights::Mat;
 use crate::kv::KvCache;
 use crate::weights::Weights;
 use crate::{Arch, ModelConfig, BLOCK_SIZE};
@@ -121,6 +123,8 @@ pub struct Workspace {
     tasks: Vec<AttnTask>,
     logit_rows: Vec<usize>,
     written: Vec<(u32, usize)>,
+    /// The step's activations quantised for block-format weights.
+    qacts: QActs,
 }
 
 impl Workspace {
@@ -140,6 +144,7 @@ impl Workspace {
             tasks: Vec::new(),
             logit_rows: Vec::new(),
             written: Vec::new(),
+            qacts: QActs::new(),
         })
     }
 
@@ -374,6 +379,7 @@ impl Model {
         let tokens = std::mem::take(&mut ws.tokens);
         let mut tasks = std::mem::take(&mut ws.tasks);
         let logit_rows = std::mem::take(&mut ws.logit_rows);
+        let mut qa = std::mem::replace(&mut ws.qacts, QActs::new());
         let scores = ws.scores.clone().expect("reserved before the step");
         let scores_len = ws.scores_len;
         let b = ws.bufs(t_all);
@@ -419,15 +425,12 @@ impl Model {
                 let x = &*b.x;
                 for_rows(b.h, hidden, |i, h| kernels::rmsnorm(&x[i * hidden..(i + 1) * hidden], attn_norm, eps, h));
             }
-            kernels::matmul_many(
+            project(
+                &mut qa,
                 b.h,
                 t_all,
                 hidden,
-                &mut [
-                    Linear { w: w.get(&lw.wq), n: q_dim, y: b.q },
-                    Linear { w: w.get(&lw.wk), n: kv_dim, y: b.k },
-                    Linear { w: w.get(&lw.wv), n: kv_dim, y: b.v },
-                ],
+                [(w.mat(&lw.wq), q_dim, &mut *b.q), (w.mat(&lw.wk), kv_dim, &mut *b.k), (w.mat(&lw.wv), kv_dim, &mut *b.v)],
             );
             let qn = lw.q_norm.as_ref().filter(|_| cfg.arch == Arch::Qwen3).map(|t| w.get(t));
             let kn = lw.k_norm.as_ref().filter(|_| cfg.arch == Arch::Qwen3).map(|t| w.get(t));
@@ -480,7 +483,7 @@ impl Model {
                     }
                 });
             }
-            kernels::matmul(b.att, t_all, q_dim, w.get(&lw.wo), hidden, b.h);
+            project(&mut qa, b.att, t_all, q_dim, [(w.mat(&lw.wo), hidden, &mut *b.h)]);
             add_into(b.x, b.h);
 
             // MLP block.
@@ -489,20 +492,12 @@ impl Model {
                 let x = &*b.x;
                 for_rows(b.h, hidden, |i, h| kernels::rmsnorm(&x[i * hidden..(i + 1) * hidden], ffn_norm, eps, h));
             }
-            kernels::matmul_many(
-                b.h,
-                t_all,
-                hidden,
-                &mut [
-                    Linear { w: w.get(&lw.w_gate), n: inter, y: b.gate },
-                    Linear { w: w.get(&lw.w_up), n: inter, y: b.up },
-                ],
-            );
+            project(&mut qa, b.h, t_all, hidden, [(w.mat(&lw.w_gate), inter, &mut *b.gate), (w.mat(&lw.w_up), inter, &mut *b.up)]);
             {
                 let up = &*b.up;
                 for_rows(b.gate, inter, |i, g| kernels::silu_mul(g, &up[i * inter..(i + 1) * inter]));
             }
-            kernels::matmul(b.gate, t_all, inter, w.get(&lw.w_down), hidden, b.h);
+            project(&mut qa, b.gate, t_all, inter, [(w.mat(&lw.w_down), hidden, &mut *b.h)]);
             add_into(b.x, b.h);
         }
 
@@ -521,6 +516,37 @@ impl Model {
         ws.tokens = tokens;
         ws.tasks = tasks;
         ws.logit_rows = logit_rows;
+        ws.qacts = qa;
+    }
+}
+
+/// `y = x · wᵀ` for each `(w, n, y)` of a group sharing the activations
+/// `x` (`[m, k]`): f32 matrices through [`kernels::matmul_many`], block-format
+/// ones through [`qkernels::qmatmul_many`] (`x` quantised once, into `qa`).
+fn project<const N: usize>(qa: &mut QActs, x: &[f32], m: usize, k: usize, outs: [(Mat<'_>, usize, &mut [f32]); N]) {
+    let quantised = outs.iter().filter(|o| matches!(o.0, Mat::Quant(..))).count();
+    if quantised > 0 {
+        qa.quantize(&x[..m * k], m, k);
+    }
+    if quantised == 0 {
+        let mut ls = outs.map(|(w, n, y)| match w {
+            Mat::F32(w) => Linear { w, n, y },
+            Mat::Quant(..) => unreachable!("counted none"),
+        });
+        kernels::matmul_many(x, m, k, &mut ls);
+    } else if quantised == N {
+        let mut ls = outs.map(|(w, n, y)| match w {
+            Mat::Quant(ty, w) => QLinear { ty, w, n, y },
+            Mat::F32(_) => unreachable!("counted all"),
+        });
+        qkernels::qmatmul_many(qa, &mut ls);
+    } else {
+        for (w, n, y) in outs {
+            match w {
+                Mat::F32(w) => kernels::matmul(x, m, k, w, n, y),
+                Mat::Quant(ty, w) => qkernels::qmatmul_many(qa, &mut [QLinear { ty, w, n, y }]),
+            }
+        }
     }
 }
 

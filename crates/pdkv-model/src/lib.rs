@@ -15,6 +15,7 @@ pub mod init;
 pub mod kernels;
 pub mod kv;
 pub mod loader;
+pub mod qkernels;
 pub mod safetensors;
 pub mod tokenizer;
 pub mod weights;

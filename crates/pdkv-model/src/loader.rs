@@ -21,7 +21,8 @@ use serde_json::Value;
 
 use crate::gguf::GgufFile;
 use crate::safetensors::SafetensorsFile;
-use crate::weights::{LayerWeights, TensorRef, Weights, WeightsLayout};
+use crate::qkernels::{QType, QK};
+use crate::weights::{quant_of, DType, LayerWeights, TensorRef, Weights, WeightsLayout};
 use crate::{Arch, ChatTemplate, Model, ModelConfig, Tokenizer};
 
 /// Progress of a load, for a progress display.
@@ -230,7 +231,10 @@ pub fn reload_weights_into(
         Some(s) => s,
         None => Source::Hf(open_hf_shards(path).map_err(ReloadError::Unreadable)?),
     };
-    let plan = WeightsPlan::new(expected);
+    let plan = match &source {
+        Source::Hf(_) => WeightsPlan::new(expected, &|_| None),
+        Source::Gguf(g) => WeightsPlan::new(expected, &gguf_quant(g)),
+    };
     let layout_matches = plan.embed == weights.embed
         && plan.final_norm == weights.final_norm
         && plan.lm_head == weights.lm_head
@@ -267,17 +271,35 @@ pub fn reload_weights_into(
         // SAFETY: each slot is its own 64-byte-aligned range inside the
         // region (the layout was checked above), and the caller guarantees
         // that no view of the weights is alive while this runs.
-        let dst = unsafe { weights.region.slice_mut::<f32>(slot.dest.offset, slot.dest.numel()) };
+        let dst = unsafe { slot_dst(&weights.region, &slot.dest) };
         let filled = match &source {
             Source::Hf(h) => h.fill(slot, dst),
             Source::Gguf(g) => fill_gguf_slot(g, expected, slot, dst),
         };
         filled.map_err(ReloadError::Partial)?;
         p.tensors_done += 1;
-        p.bytes_done += slot.dest.numel() as u64 * 4;
+        p.bytes_done += slot.dest.bytes() as u64;
         progress(&p);
     }
     Ok(())
+}
+
+/// Where a slot's values go: f32 values, or a block-format tensor's bytes.
+enum SlotDst<'a> {
+    F32(&'a mut [f32]),
+    Raw(&'a mut [u8]),
+}
+
+/// The destination of `t` in `region`.
+///
+/// # Safety
+/// `t` lies inside `region` and no other view of its range exists while the
+/// destination lives.
+unsafe fn slot_dst<'a>(region: &'a pdkv_vmem::Region, t: &TensorRef) -> SlotDst<'a> {
+    match t.dtype {
+        DType::F32 => SlotDst::F32(region.slice_mut::<f32>(t.offset, t.numel())),
+        DType::Quant(_) => SlotDst::Raw(region.slice_mut::<u8>(t.offset, t.bytes())),
+    }
 }
 
 /// One tensor of the plan.
@@ -301,11 +323,18 @@ struct WeightsPlan {
 }
 
 impl WeightsPlan {
-    fn new(cfg: &ModelConfig) -> WeightsPlan {
+    /// The plan for `cfg`; `quant(gguf_name)` names the block format a
+    /// linear layer keeps (a GGUF file's Q8_0 / Q4_1 tensors), `None` for f32.
+    fn new(cfg: &ModelConfig, quant: &dyn Fn(&str) -> Option<QType>) -> WeightsPlan {
         let mut layout = WeightsLayout::new();
         let mut slots = Vec::new();
-        let mut push = |gguf: String, hf: String, shape: &[usize], rope_heads: Option<usize>| {
-            let dest = layout.push(shape);
+        let mut push = |gguf: String, hf: String, shape: &[usize], rope_heads: Option<usize>, linear: bool| {
+            let cols = shape.last().copied().unwrap_or(1);
+            let dtype = match quant(&gguf) {
+                Some(q) if linear && shape.len() == 2 && cols % QK == 0 => DType::Quant(q),
+                _ => DType::F32,
+            };
+            let dest = layout.push_typed(shape, dtype);
             slots.push(Slot {
                 gguf_name: gguf,
                 hf_name: hf,
@@ -326,27 +355,30 @@ impl WeightsPlan {
             "model.embed_tokens.weight".into(),
             &[v, h],
             None,
+            false,
         );
         let llama = cfg.arch == Arch::Llama;
         let mut layers = Vec::with_capacity(cfg.num_layers);
         for i in 0..cfg.num_layers {
             let g = |n: &str| format!("blk.{i}.{n}.weight");
             let f = |n: &str| format!("model.layers.{i}.{n}.weight");
-            let attn_norm = push(g("attn_norm"), f("input_layernorm"), &[h], None);
+            let attn_norm = push(g("attn_norm"), f("input_layernorm"), &[h], None, false);
             let wq = push(
                 g("attn_q"),
                 f("self_attn.q_proj"),
                 &[q, h],
                 llama.then_some(cfg.num_heads),
+                true,
             );
             let wk = push(
                 g("attn_k"),
                 f("self_attn.k_proj"),
                 &[kv, h],
                 llama.then_some(cfg.num_kv_heads),
+                true,
             );
-            let wv = push(g("attn_v"), f("self_attn.v_proj"), &[kv, h], None);
-            let wo = push(g("attn_output"), f("self_attn.o_proj"), &[h, q], None);
+            let wv = push(g("attn_v"), f("self_attn.v_proj"), &[kv, h], None, true);
+            let wo = push(g("attn_output"), f("self_attn.o_proj"), &[h, q], None, true);
             let (q_norm, k_norm) = if cfg.arch == Arch::Qwen3 {
                 (
                     Some(push(
@@ -354,21 +386,23 @@ impl WeightsPlan {
                         f("self_attn.q_norm"),
                         &[cfg.head_dim],
                         None,
+                        false,
                     )),
                     Some(push(
                         g("attn_k_norm"),
                         f("self_attn.k_norm"),
                         &[cfg.head_dim],
                         None,
+                        false,
                     )),
                 )
             } else {
                 (None, None)
             };
-            let ffn_norm = push(g("ffn_norm"), f("post_attention_layernorm"), &[h], None);
-            let w_gate = push(g("ffn_gate"), f("mlp.gate_proj"), &[ff, h], None);
-            let w_up = push(g("ffn_up"), f("mlp.up_proj"), &[ff, h], None);
-            let w_down = push(g("ffn_down"), f("mlp.down_proj"), &[h, ff], None);
+            let ffn_norm = push(g("ffn_norm"), f("post_attention_layernorm"), &[h], None, false);
+            let w_gate = push(g("ffn_gate"), f("mlp.gate_proj"), &[ff, h], None, true);
+            let w_up = push(g("ffn_up"), f("mlp.up_proj"), &[ff, h], None, true);
+            let w_down = push(g("ffn_down"), f("mlp.down_proj"), &[h, ff], None, true);
             layers.push(LayerWeights {
                 attn_norm,
                 wq,
@@ -388,6 +422,7 @@ impl WeightsPlan {
             "model.norm.weight".into(),
             &[h],
             None,
+            false,
         );
         let lm_head = if cfg.tie_word_embeddings {
             embed.clone()
@@ -397,6 +432,7 @@ impl WeightsPlan {
                 "lm_head.weight".into(),
                 &[v, h],
                 None,
+                false,
             )
         };
         WeightsPlan {
@@ -410,7 +446,7 @@ impl WeightsPlan {
     }
 
     fn bytes_total(&self) -> u64 {
-        self.slots.iter().map(|s| s.dest.numel() as u64 * 4).sum()
+        self.slots.iter().map(|s| s.dest.bytes() as u64).sum()
     }
 
     /// Allocates the region, fills every slot with `fill(slot, dest)`, and
@@ -419,7 +455,7 @@ impl WeightsPlan {
         self,
         pool: &Pool,
         progress: &mut dyn FnMut(&LoadProgress),
-        mut fill: impl FnMut(&Slot, &mut [f32]) -> anyhow::Result<()>,
+        mut fill: impl FnMut(&Slot, SlotDst<'_>) -> anyhow::Result<()>,
     ) -> anyhow::Result<Weights> {
         let region = pool
             .allocate(Tag::Weights, self.total_bytes)
@@ -434,10 +470,10 @@ impl WeightsPlan {
             // SAFETY: the layout gives every slot its own 64-byte-aligned
             // range inside the region, and no other view of the region exists
             // until the weights are returned.
-            let dst = unsafe { region.slice_mut::<f32>(slot.dest.offset, slot.dest.numel()) };
+            let dst = unsafe { slot_dst(&region, &slot.dest) };
             fill(slot, dst)?;
             p.tensors_done += 1;
-            p.bytes_done += slot.dest.numel() as u64 * 4;
+            p.bytes_done += slot.dest.bytes() as u64;
             progress(&p);
         }
         Ok(Weights {
@@ -544,28 +580,48 @@ fn load_gguf_weights(
     pool: &Pool,
     progress: &mut dyn FnMut(&LoadProgress),
 ) -> anyhow::Result<Weights> {
-    WeightsPlan::new(cfg).load(pool, progress, |slot, dst| fill_gguf_slot(g, cfg, slot, dst))
+    WeightsPlan::new(cfg, &gguf_quant(g)).load(pool, progress, |slot, dst| fill_gguf_slot(g, cfg, slot, dst))
 }
 
-/// Converts the GGUF tensor of `slot` into `dst` (Q/K rows un-permuted).
-fn fill_gguf_slot(g: &GgufFile, cfg: &ModelConfig, slot: &Slot, dst: &mut [f32]) -> anyhow::Result<()> {
+/// The block format a GGUF tensor keeps in the weights region, by name.
+fn gguf_quant(g: &GgufFile) -> impl Fn(&str) -> Option<QType> + '_ {
+    move |name| g.tensor(name).and_then(|i| quant_of(i.ty))
+}
+
+/// Converts the GGUF tensor of `slot` into `dst` (Q/K rows un-permuted):
+/// dequantised to f32, or its blocks copied row by row.
+fn fill_gguf_slot(g: &GgufFile, cfg: &ModelConfig, slot: &Slot, dst: SlotDst<'_>) -> anyhow::Result<()> {
     let head_dim = cfg.head_dim;
     let name = &slot.gguf_name;
     let info = g
         .tensor(name)
         .with_context(|| format!("GGUF lacks tensor `{name}`"))?;
     check_shape(name, &info.shape(), &slot.dest.shape)?;
-    match slot.rope_heads {
-        // Stored row h*hd + 2i + j holds Hugging Face row h*hd + j*hd/2 + i.
-        Some(_) => {
-            let half = head_dim / 2;
-            let map = move |r: usize| {
-                let (h, within) = (r / head_dim, r % head_dim);
-                h * head_dim + (within % 2) * half + within / 2
-            };
-            g.dequantize_rows_into(info, dst, &map)?
+    // Stored row h*hd + 2i + j holds Hugging Face row h*hd + j*hd/2 + i.
+    let half = head_dim / 2;
+    let unpermute = move |r: usize| {
+        let (h, within) = (r / head_dim, r % head_dim);
+        h * head_dim + (within % 2) * half + within / 2
+    };
+    match (dst, slot.rope_heads) {
+        (SlotDst::F32(dst), Some(_)) => g.dequantize_rows_into(info, dst, &unpermute)?,
+        (SlotDst::F32(dst), None) => g.dequantize_into(info, dst)?,
+        (SlotDst::Raw(dst), rope) => {
+            let DType::Quant(q) = slot.dest.dtype else { bail!("tensor `{name}` is planned as f32") };
+            if quant_of(info.ty) != Some(q) {
+                bail!("tensor `{name}` has ggml type {}, the running model keeps {q:?}", info.ty);
+            }
+            let data = g.tensor_data(info)?;
+            let cols = slot.dest.shape[1];
+            let rb = q.row_bytes(cols);
+            if data.len() != dst.len() || data.len() % rb != 0 {
+                bail!("tensor `{name}` has {} bytes, expected {}", data.len(), dst.len());
+            }
+            for r in 0..data.len() / rb {
+                let to = if rope.is_some() { unpermute(r) } else { r };
+                dst[to * rb..(to + 1) * rb].copy_from_slice(&data[r * rb..(r + 1) * rb]);
+            }
         }
-        None => g.dequantize_into(info, dst)?,
     }
     Ok(())
 }
@@ -748,9 +804,12 @@ impl HfShards {
         Ok(())
     }
 
-    fn fill(&self, slot: &Slot, dst: &mut [f32]) -> anyhow::Result<()> {
+    fn fill(&self, slot: &Slot, dst: SlotDst<'_>) -> anyhow::Result<()> {
         let (i, _) = self.entry(slot)?;
-        self.shards[i].read_f32(&slot.hf_name, dst)
+        match dst {
+            SlotDst::F32(dst) => self.shards[i].read_f32(&slot.hf_name, dst),
+            SlotDst::Raw(_) => bail!("tensor `{}`: a safetensors checkpoint has no block-format tensors", slot.hf_name),
+        }
     }
 }
 
@@ -761,7 +820,7 @@ fn load_hf_weights(
     progress: &mut dyn FnMut(&LoadProgress),
 ) -> anyhow::Result<Weights> {
     let shards = open_hf_shards(dir)?;
-    WeightsPlan::new(cfg).load(pool, progress, |slot, dst| shards.fill(slot, dst))
+    WeightsPlan::new(cfg, &|_| None).load(pool, progress, |slot, dst| shards.fill(slot, dst))
 }
 
 fn open_hf_shards(dir: &Path) -> anyhow::Result<HfShards> {

@@ -1,13 +1,26 @@
 //! Weight tensors laid out in one `weights` region of `pdkv-vmem`.
 //!
-//! All weights are stored as f32, row-major, in Hugging Face orientation:
-//! a linear layer is `[out_features, in_features]` and computes `y = x W^T`.
+//! Weights are stored row-major, in Hugging Face orientation: a linear layer
+//! is `[out_features, in_features]` and computes `y = x W^T`. Norms,
+//! embeddings and checkpoints of float types are f32; the linear layers of
+//! a GGUF file in a block format the kernels compute on
+//! ([`crate::qkernels::QType`]) keep the file's blocks, row by row.
 //! Q and K projections are in Hugging Face order (rotate-half RoPE); loaders
 //! of GGUF files un-permute them on load.
 
 use std::sync::Arc;
 
 use pdkv_vmem::Region;
+
+use crate::qkernels::QType;
+
+/// How a tensor's values are stored.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DType {
+    F32,
+    /// A matrix in a GGUF block format, each row `QType::row_bytes(cols)` bytes.
+    Quant(QType),
+}
 
 /// A tensor inside the weights region.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -16,12 +29,48 @@ pub struct TensorRef {
     pub offset: usize,
     /// Row-major shape; `[out, in]` for linear layers, `[n]` for norms.
     pub shape: Vec<usize>,
+    pub dtype: DType,
 }
 
 impl TensorRef {
     pub fn numel(&self) -> usize {
         self.shape.iter().product()
     }
+
+    /// Bytes the tensor takes in the region.
+    pub fn bytes(&self) -> usize {
+        match self.dtype {
+            DType::F32 => self.numel() * 4,
+            DType::Quant(q) => {
+                let cols = self.shape.last().copied().unwrap_or(1);
+                (self.numel() / cols.max(1)) * q.row_bytes(cols)
+            }
+        }
+    }
+}
+
+/// The GGUF type of a block format.
+pub fn ggml_type(q: QType) -> crate::gguf::GgmlType {
+    match q {
+        QType::Q8_0 => crate::gguf::GgmlType::Q8_0,
+        QType::Q4_1 => crate::gguf::GgmlType::Q4_1,
+    }
+}
+
+/// The block format of a GGUF type the kernels compute on, if any.
+pub fn quant_of(t: crate::gguf::GgmlType) -> Option<QType> {
+    match t {
+        crate::gguf::GgmlType::Q8_0 => Some(QType::Q8_0),
+        crate::gguf::GgmlType::Q4_1 => Some(QType::Q4_1),
+        _ => None,
+    }
+}
+
+/// A weight matrix as the kernels take it.
+#[derive(Clone, Copy)]
+pub enum Mat<'a> {
+    F32(&'a [f32]),
+    Quant(QType, &'a [u8]),
 }
 
 #[derive(Clone, Debug)]
@@ -53,26 +102,68 @@ pub struct Weights {
 }
 
 impl Weights {
-    /// The f32 contents of a tensor.
+    /// The f32 contents of a tensor stored as f32.
     pub fn get(&self, t: &TensorRef) -> &[f32] {
+        assert_eq!(t.dtype, DType::F32, "tensor at {} of shape {:?} is not stored as f32", t.offset, t.shape);
         // SAFETY: tensors are written once at load time, before any reader
         // exists, and never overlap; offsets are 64-byte aligned.
         unsafe { self.region.slice::<f32>(t.offset, t.numel()) }
     }
 
+    /// A matrix as stored, for the kernels.
+    pub fn mat(&self, t: &TensorRef) -> Mat<'_> {
+        match t.dtype {
+            DType::F32 => Mat::F32(self.get(t)),
+            // SAFETY: as in `get`; the bytes of a block-format tensor.
+            DType::Quant(q) => Mat::Quant(q, unsafe { self.region.slice::<u8>(t.offset, t.bytes()) }),
+        }
+    }
+
+    /// Row `r` of a matrix as f32 values (block formats dequantised).
+    pub fn row_f32(&self, t: &TensorRef, r: usize) -> Vec<f32> {
+        let cols = t.shape.last().copied().unwrap_or(1);
+        match self.mat(t) {
+            Mat::F32(v) => v[r * cols..(r + 1) * cols].to_vec(),
+            Mat::Quant(q, b) => {
+                let rb = q.row_bytes(cols);
+                let mut out = vec![0f32; cols];
+                crate::gguf::dequantize(ggml_type(q), &b[r * rb..(r + 1) * rb], &mut out)
+                    .expect("a stored row dequantises");
+                out
+            }
+        }
+    }
+
+    /// Bytes of all weights in the region (what a level-1 sleep backs up).
+    pub fn bytes_total(&self) -> usize {
+        let mut n = self.embed.bytes() + self.final_norm.bytes();
+        if self.lm_head != self.embed {
+            n += self.lm_head.bytes();
+        }
+        for l in &self.layers {
+            for t in [&l.attn_norm, &l.wq, &l.wk, &l.wv, &l.wo, &l.ffn_norm, &l.w_gate, &l.w_up, &l.w_down] {
+                n += t.bytes();
+            }
+            for t in [&l.q_norm, &l.k_norm].into_iter().flatten() {
+                n += t.bytes();
+            }
+        }
+        n
+    }
+
     /// Bytes of weights that one decode step reads (each tensor once; the
     /// embedding table is read only as the LM head).
     pub fn bytes_read_per_token(&self) -> usize {
-        let mut n = self.lm_head.numel() + self.final_norm.numel();
+        let mut n = self.lm_head.bytes() + self.final_norm.bytes();
         for l in &self.layers {
             for t in [&l.attn_norm, &l.wq, &l.wk, &l.wv, &l.wo, &l.ffn_norm, &l.w_gate, &l.w_up, &l.w_down] {
-                n += t.numel();
+                n += t.bytes();
             }
             for t in [&l.q_norm, &l.k_norm].into_iter().flatten() {
-                n += t.numel();
+                n += t.bytes();
             }
         }
-        n * 4
+        n
     }
 }
 
@@ -94,10 +185,15 @@ impl WeightsLayout {
 
     /// Reserves space for a tensor of `shape` and returns where it goes.
     pub fn push(&mut self, shape: &[usize]) -> TensorRef {
+        self.push_typed(shape, DType::F32)
+    }
+
+    /// Reserves space for a tensor of `shape` stored as `dtype`.
+    pub fn push_typed(&mut self, shape: &[usize], dtype: DType) -> TensorRef {
         let offset = self.next;
-        let bytes = shape.iter().product::<usize>() * 4;
-        self.next = (offset + bytes).div_ceil(64) * 64;
-        TensorRef { offset, shape: shape.to_vec() }
+        let t = TensorRef { offset, shape: shape.to_vec(), dtype };
+        self.next = (offset + t.bytes()).div_ceil(64) * 64;
+        t
     }
 
     /// Total bytes needed so far.

@@ -1,7 +1,9 @@
 //! The forward pass: batch invariance (bit-exact), chunking and block
 //! placement invariance, and agreement with a plain f64 reference.
 
-use pdkv_model::bench::synthetic_model;
+use pdkv_model::bench::synthetic_model_with;
+use pdkv_model::qkernels::QType;
+use pdkv_model::weights::DType;
 use pdkv_model::{Arch, KvCache, Model, ModelConfig, SeqInput, Workspace, BLOCK_SIZE};
 use pdkv_vmem::Pool;
 
@@ -48,6 +50,23 @@ fn configs() -> Vec<ModelConfig> {
     vec![llama_cfg(), qwen3_cfg()]
 }
 
+/// Shapes whose linear layers have rows of whole 32-value blocks.
+fn block_cfgs() -> Vec<ModelConfig> {
+    let llama = ModelConfig { hidden_size: 64, intermediate_size: 96, num_heads: 4, num_kv_heads: 2, head_dim: 16, ..llama_cfg() };
+    let qwen3 = ModelConfig { hidden_size: 64, intermediate_size: 96, num_heads: 4, num_kv_heads: 2, head_dim: 24, ..qwen3_cfg() };
+    vec![llama, qwen3]
+}
+
+/// The invariance cases: f32 weights, and weights in each block format the
+/// kernels compute on.
+fn cases() -> Vec<(ModelConfig, Option<QType>)> {
+    let mut v: Vec<_> = configs().into_iter().map(|c| (c, None)).collect();
+    for q in [QType::Q8_0, QType::Q4_1] {
+        v.extend(block_cfgs().into_iter().map(|c| (c, Some(q))));
+    }
+    v
+}
+
 fn tokens(seed: u32, n: usize, vocab: usize) -> Vec<u32> {
     (0..n as u32).map(|i| (i.wrapping_mul(2_654_435_761).wrapping_add(seed.wrapping_mul(97)) >> 7) % vocab as u32).collect()
 }
@@ -60,8 +79,15 @@ struct Harness {
 
 impl Harness {
     fn new(cfg: &ModelConfig, blocks: usize, ws_tokens: usize) -> Harness {
+        Harness::with(cfg, None, blocks, ws_tokens)
+    }
+
+    fn with(cfg: &ModelConfig, quant: Option<QType>, blocks: usize, ws_tokens: usize) -> Harness {
         let pool = Pool::default();
-        let model = synthetic_model(&pool, cfg, 42).unwrap();
+        let model = synthetic_model_with(&pool, cfg, 42, quant).unwrap();
+        if quant.is_some() {
+            assert!(matches!(model.weights().layers[0].wq.dtype, DType::Quant(_)), "{:?} keeps its blocks", cfg.arch);
+        }
         let kv = KvCache::new(&pool, cfg, blocks).unwrap();
         let ws = Workspace::new(&pool, cfg, ws_tokens).unwrap();
         Harness { model, kv, ws }
@@ -118,10 +144,10 @@ fn contiguous(first: u32, n: usize) -> Vec<u32> {
 
 #[test]
 fn prefill_chunking_and_block_placement_do_not_change_results() {
-    for cfg in configs() {
+    for (cfg, quant) in cases() {
         let toks = tokens(1, 70, cfg.vocab_size);
         let nb = toks.len().div_ceil(BLOCK_SIZE) + 2;
-        let mut h = Harness::new(&cfg, 64, 128);
+        let mut h = Harness::with(&cfg, quant, 64, 128);
         let base_table = contiguous(0, nb);
         let want = h.prefill(&toks, &base_table, &[toks.len()]);
         let want_kv = h.kv_bits(&base_table, toks.len());
@@ -145,12 +171,12 @@ fn prefill_chunking_and_block_placement_do_not_change_results() {
 
 #[test]
 fn decode_after_chunked_prefill_equals_unchunked() {
-    for cfg in configs() {
+    for (cfg, quant) in cases() {
         let toks = tokens(2, 37, cfg.vocab_size);
         let gen = tokens(3, 6, cfg.vocab_size);
         let len = toks.len() + gen.len();
         let nb = len.div_ceil(BLOCK_SIZE);
-        let mut h = Harness::new(&cfg, 32, 64);
+        let mut h = Harness::with(&cfg, quant, 32, 64);
         let mut run = |chunks: &[usize], table: &[u32]| {
             let mut all = vec![bits(&h.prefill(&toks, table, chunks))];
             for (i, t) in gen.iter().enumerate() {
@@ -170,13 +196,13 @@ fn decode_after_chunked_prefill_equals_unchunked() {
 /// positions in the batch: its logits and KV are bit-identical.
 #[test]
 fn logits_do_not_depend_on_the_rest_of_the_batch() {
-    for cfg in configs() {
+    for (cfg, quant) in cases() {
         let vocab = cfg.vocab_size;
         let prompt = tokens(4, 45, vocab);
         let gen = tokens(5, 4, vocab);
         let target_len = prompt.len() + gen.len();
         let per_seq = 6; // blocks per sequence: up to 96 positions
-        let mut h = Harness::new(&cfg, 32 * per_seq, 64);
+        let mut h = Harness::with(&cfg, quant, 32 * per_seq, 64);
 
         // Alone: one prefill step, then one decode step per generated token.
         let table_alone = contiguous(0, per_seq);
@@ -221,8 +247,8 @@ fn logits_do_not_depend_on_the_rest_of_the_batch() {
             let row = inputs[..at].iter().filter(|s| s.want_logits).count();
             batched.push(bits(&logits[row * vocab..(row + 1) * vocab]));
         }
-        assert_eq!(batched, alone, "{:?}: target logits differ in a batch", cfg.arch);
-        assert_eq!(h.kv_bits(target_table, target_len), alone_kv, "{:?}: target KV differs", cfg.arch);
+        assert_eq!(batched, alone, "{:?} {quant:?}: target logits differ in a batch", cfg.arch);
+        assert_eq!(h.kv_bits(target_table, target_len), alone_kv, "{:?} {quant:?}: target KV differs", cfg.arch);
     }
 }
 
@@ -230,8 +256,8 @@ fn logits_do_not_depend_on_the_rest_of_the_batch() {
 /// computes only its suffix gets the logits of a full recompute.
 #[test]
 fn shared_prefix_blocks_give_the_same_logits_as_recompute() {
-    for cfg in configs() {
-        let mut h = Harness::new(&cfg, 16, 64);
+    for (cfg, quant) in cases() {
+        let mut h = Harness::with(&cfg, quant, 16, 64);
         let a = tokens(6, 40, cfg.vocab_size);
         let mut b = a[..32].to_vec();
         b.extend(tokens(7, 9, cfg.vocab_size));
@@ -305,6 +331,11 @@ fn ref_rope(v: &mut [f64], pos: usize, theta: f64) {
     }
 }
 
+/// A matrix's values as f32 (block formats dequantised).
+fn mat_f32(w: &pdkv_model::weights::Weights, t: &pdkv_model::weights::TensorRef) -> Vec<f32> {
+    (0..t.shape[0]).flat_map(|r| w.row_f32(t, r)).collect()
+}
+
 /// Logits of the last token of `toks`, computed from scratch.
 fn reference_logits(model: &Model, toks: &[u32]) -> Vec<f64> {
     let cfg = model.config();
@@ -320,9 +351,9 @@ fn reference_logits(model: &Model, toks: &[u32]) -> Vec<f64> {
         let mut vs = Vec::new();
         for (pos, x) in xs.iter().enumerate() {
             let hn = ref_rmsnorm(x, w.get(&lw.attn_norm), eps);
-            let mut q = ref_linear(w.get(&lw.wq), nh * hd, &hn);
-            let mut k = ref_linear(w.get(&lw.wk), nkv * hd, &hn);
-            let v = ref_linear(w.get(&lw.wv), nkv * hd, &hn);
+            let mut q = ref_linear(&mat_f32(w, &lw.wq), nh * hd, &hn);
+            let mut k = ref_linear(&mat_f32(w, &lw.wk), nkv * hd, &hn);
+            let v = ref_linear(&mat_f32(w, &lw.wv), nkv * hd, &hn);
             for (buf, norm) in [(&mut q, &lw.q_norm), (&mut k, &lw.k_norm)] {
                 for head in buf.chunks_mut(hd) {
                     if let (Arch::Qwen3, Some(n)) = (cfg.arch, norm) {
@@ -353,15 +384,15 @@ fn reference_logits(model: &Model, toks: &[u32]) -> Vec<f64> {
                     }
                 }
             }
-            let o = ref_linear(w.get(&lw.wo), h, &att);
+            let o = ref_linear(&mat_f32(w, &lw.wo), h, &att);
             for (a, b) in x.iter_mut().zip(&o) {
                 *a += b;
             }
             let hn = ref_rmsnorm(x, w.get(&lw.ffn_norm), eps);
-            let gate = ref_linear(w.get(&lw.w_gate), cfg.intermediate_size, &hn);
-            let up = ref_linear(w.get(&lw.w_up), cfg.intermediate_size, &hn);
+            let gate = ref_linear(&mat_f32(w, &lw.w_gate), cfg.intermediate_size, &hn);
+            let up = ref_linear(&mat_f32(w, &lw.w_up), cfg.intermediate_size, &hn);
             let act: Vec<f64> = gate.iter().zip(&up).map(|(g, u)| g / (1.0 + (-g).exp()) * u).collect();
-            let d = ref_linear(w.get(&lw.w_down), h, &act);
+            let d = ref_linear(&mat_f32(w, &lw.w_down), h, &act);
             for (a, b) in x.iter_mut().zip(&d) {
                 *a += b;
             }
@@ -369,6 +400,26 @@ fn reference_logits(model: &Model, toks: &[u32]) -> Vec<f64> {
     }
     let last = ref_rmsnorm(xs.last().unwrap(), w.get(&w.final_norm), eps);
     ref_linear(w.get(&w.lm_head), cfg.vocab_size, &last)
+}
+
+/// Weights in a block format: the f64 reference on the dequantised
+/// weights, within what quantising the activations to 8 bits per 32-value
+/// block costs (llama.cpp makes the same trade).
+#[test]
+fn block_format_forward_agrees_with_f64_reference_on_dequantised_weights() {
+    for q in [QType::Q8_0, QType::Q4_1] {
+        for cfg in block_cfgs() {
+            let mut h = Harness::with(&cfg, Some(q), 16, 64);
+            let toks = tokens(8, 50, cfg.vocab_size);
+            let got = h.prefill(&toks, &contiguous(3, 4), &[17]);
+            let want = reference_logits(&h.model, &toks);
+            let scale = want.iter().fold(0f64, |m, v| m.max(v.abs()));
+            assert!(scale > 0.1, "logits are not degenerate");
+            let worst = got.iter().zip(&want).map(|(g, w)| (*g as f64 - w).abs() / scale).fold(0f64, f64::max);
+            println!("{:?} {q:?}: worst relative logit error {worst:.2e}", cfg.arch);
+            assert!(worst < 1e-2, "{:?} {q:?}: relative logit error {worst:e}", cfg.arch);
+        }
+    }
 }
 
 #[test]
