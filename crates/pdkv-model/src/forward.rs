@@ -385,12 +385,10 @@ impl Model {
         let b = ws.bufs(t_all);
 
         // Embeddings and the rotary table of every token.
-        let embed = w.get(&w.embed);
         let mut row = 0;
         for s in seqs {
             for &tok in s.tokens {
-                let t = tok as usize;
-                b.x[row * hidden..(row + 1) * hidden].copy_from_slice(&embed[t * hidden..(t + 1) * hidden]);
+                w.row_into(&w.embed, tok as usize, &mut b.x[row * hidden..(row + 1) * hidden]);
                 row += 1;
             }
         }
@@ -510,7 +508,7 @@ impl Model {
         if n_out > 0 {
             let vocab = cfg.vocab_size;
             logits.resize(n_out * vocab, 0.0);
-            kernels::matmul(&b.h[..n_out * hidden], n_out, hidden, w.get(&w.lm_head), vocab, logits);
+            project(&mut qa, &b.h[..n_out * hidden], n_out, hidden, [(w.mat(&w.lm_head), vocab, &mut logits[..])]);
         }
 
         ws.tokens = tokens;

@@ -355,7 +355,7 @@ impl WeightsPlan {
             "model.embed_tokens.weight".into(),
             &[v, h],
             None,
-            false,
+            true,
         );
         let llama = cfg.arch == Arch::Llama;
         let mut layers = Vec::with_capacity(cfg.num_layers);
@@ -432,7 +432,7 @@ impl WeightsPlan {
                 "lm_head.weight".into(),
                 &[v, h],
                 None,
-                false,
+                true,
             )
         };
         WeightsPlan {

@@ -121,15 +121,19 @@ impl Weights {
 
     /// Row `r` of a matrix as f32 values (block formats dequantised).
     pub fn row_f32(&self, t: &TensorRef, r: usize) -> Vec<f32> {
+        let mut out = vec![0f32; t.shape.last().copied().unwrap_or(1)];
+        self.row_into(t, r, &mut out);
+        out
+    }
+
+    /// Writes row `r` of a matrix into `out` (its width) as f32 values.
+    pub fn row_into(&self, t: &TensorRef, r: usize, out: &mut [f32]) {
         let cols = t.shape.last().copied().unwrap_or(1);
         match self.mat(t) {
-            Mat::F32(v) => v[r * cols..(r + 1) * cols].to_vec(),
+            Mat::F32(v) => out.copy_from_slice(&v[r * cols..(r + 1) * cols]),
             Mat::Quant(q, b) => {
                 let rb = q.row_bytes(cols);
-                let mut out = vec![0f32; cols];
-                crate::gguf::dequantize(ggml_type(q), &b[r * rb..(r + 1) * rb], &mut out)
-                    .expect("a stored row dequantises");
-                out
+                crate::gguf::dequantize(ggml_type(q), &b[r * rb..(r + 1) * rb], out).expect("a stored row dequantises");
             }
         }
     }

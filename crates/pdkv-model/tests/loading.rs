@@ -527,3 +527,33 @@ fn smollm2_gguf_loads_and_matches_transformers() {
         }
     }
 }
+
+/// The weights region of the SmolLM2 GGUF holds the file's tensor bytes:
+/// its Q8_0 / Q4_1 (and f32) tensors as they are in the file, any other
+/// type dequantised to f32; and the region is no larger than that plus
+/// alignment.
+#[test]
+fn smollm2_weights_region_holds_the_files_tensor_bytes() {
+    let Some(path) = smollm2_gguf() else {
+        println!("skipped: SmolLM2-135M-Instruct.Q4_1.gguf not found (set PDKV_SMOLLM2_GGUF)");
+        return;
+    };
+    let g = pdkv_model::gguf::GgufFile::open(&path).unwrap();
+    let mut kept = 0usize;
+    let mut types = std::collections::BTreeMap::new();
+    for t in &g.tensors {
+        *types.entry(t.ty.to_string()).or_insert(0usize) += 1;
+        let raw = g.tensor_data(t).unwrap().len();
+        kept += match t.ty {
+            GgmlType::F32 | GgmlType::Q8_0 | GgmlType::Q4_1 => raw,
+            _ => t.shape().iter().product::<usize>() * 4,
+        };
+    }
+    let pool = Pool::default();
+    let lm = load_model(&path, &pool, &mut |_| {}).unwrap();
+    let w = lm.model.weights();
+    println!("tensor types {types:?}: {kept} bytes kept; weights region {} bytes", w.region.len());
+    assert_eq!(w.bytes_total(), kept);
+    assert!(w.region.len() >= kept && w.region.len() <= kept + 64 * g.tensors.len() + (2 << 20), "{}", w.region.len());
+    assert!(matches!(w.layers[0].wq.dtype, pdkv_model::weights::DType::Quant(_)), "the projections keep their blocks");
+}
