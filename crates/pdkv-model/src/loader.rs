@@ -247,8 +247,17 @@ pub fn reload_weights_into(
         })
         && plan.total_bytes <= weights.region.len();
     if !layout_matches {
+        // Name a tensor the checkpoint stores in another format, if any.
+        let running = weights.tensors_by_offset();
+        let differs = plan.slots.iter().find_map(|s| {
+            running
+                .iter()
+                .find(|t| t.offset == s.dest.offset && t.shape == s.dest.shape && t.dtype != s.dest.dtype)
+                .map(|t| format!("the checkpoint stores `{}` as {:?}, the running model as {:?}", s.gguf_name, s.dest.dtype, t.dtype))
+        });
         return Err(ReloadError::Incompatible(anyhow::anyhow!(
-            "the running model's weights are not laid out as its config plans them"
+            "{}",
+            differs.unwrap_or_else(|| "the running model's weights are not laid out as its config plans them".into())
         )));
     }
     for slot in &plan.slots {

@@ -1,11 +1,39 @@
-//! Matrix multiply on weights kept in GGUF block formats (placeholder:
-//! scalar reference, replaced by the kernels of the `qk` branch).
+//! Matrix multiply of f32 activations against weights kept in GGUF block
+//! formats (Q8_0, Q4_1), computing on the blocks directly.
+//!
+//! Activations are quantised once per step ([`QActs`]): every 32-value block
+//! of a row gets an f32 scale `d = max|x| / 127` and 32 `i8` values
+//! `q = round(x / d)`. They are stored interleaved in groups of 8 rows, so
+//! that one 256-bit vector holds the same 4 values of a block for 8 rows and
+//! the SIMD kernels compute 8 output rows at once, one per lane.
+//!
+//! Invariant (as in [`crate::kernels`]): every output element is produced by
+//! one fixed sequence of floating-point operations on its own inputs. Per
+//! block `b` the integer dot `I_b = Σ qw·qx` is exact in i32 (however it is
+//! computed: its magnitude stays below 2^20), and then, from `acc = 0` and
+//! for `b = 0, 1, ...` in order,
+//!
+//! - Q8_0: `acc = fma(I_b, dw_b * dx_b, acc)`,
+//! - Q4_1: the same, then `acc = fma(mw_b, dx_b * Σqx_b, acc)`,
+//!
+//! and `y = acc` (the portable backend rounds the multiply and the add
+//! separately instead of fusing them). A vector lane is one output element,
+//! never part of one, so the batch size, a row's position in it, the tiling
+//! and the thread split change nothing. The AVX2 and AVX-512 VNNI flavours
+//! differ only in how they reach the exact `I_b`, so they agree bit for bit
+//! and the choice between them cannot show in results.
 
-use half::f16;
+use std::cell::RefCell;
+use std::sync::OnceLock;
+
 use rayon::prelude::*;
 
+use crate::kernels::Backend;
+
+/// Values per quantisation block.
 pub const QK: usize = 32;
 
+/// A GGUF block format the kernels read directly.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum QType {
     Q8_0,
@@ -13,6 +41,7 @@ pub enum QType {
 }
 
 impl QType {
+    /// Bytes of one 32-value block: Q8_0 34 (f16 d, 32 x i8), Q4_1 20 (f16 d, f16 m, 16 bytes of nibbles).
     pub fn block_bytes(self) -> usize {
         match self {
             QType::Q8_0 => 34,
@@ -20,46 +49,102 @@ impl QType {
         }
     }
 
+    /// Bytes of one row of `k` values (k a multiple of 32).
     pub fn row_bytes(self, k: usize) -> usize {
         k / QK * self.block_bytes()
     }
 }
 
-#[derive(Default)]
+/// Activation rows per interleaved group: one per lane of an 8 x f32 vector.
+const GROUP: usize = 8;
+/// Bytes of one block of one group: 8 chunks of 4 values, each for 8 rows.
+const GROUP_BLOCK: usize = GROUP * QK;
+
+/// Activations quantised once per step: each row of `k` values in 32-value
+/// blocks, each block an f32 scale d = max|x|/127 (0 for an all-zero block),
+/// 32 i8 q = round(x/d) (round half away from zero), and the block's sum of
+/// q as i32 (Q4_1 needs it).
+///
+/// Layout: rows in groups of 8 (the last one padded with zero rows). Value
+/// `i` of block `b` of row `8g + l` is `qs[(g*nb + b)*256 + (i/4)*32 + l*4 + i%4]`;
+/// its scale, sum and `d * sum` are at `(g*nb + b)*8 + l`.
+///
+/// Reusable: [`QActs::quantize`] keeps its buffers' capacity (a step
+/// allocates nothing once warm).
 pub struct QActs {
     m: usize,
     k: usize,
+    qs: Vec<i8>,
+    /// The same values row-major (`[m, k]`), for rows computed one at a time.
+    rowq: Vec<i8>,
     d: Vec<f32>,
-    s: Vec<i32>,
-    q: Vec<i8>,
+    sum: Vec<i32>,
+    /// `d * (sum as f32)`, the activation side of the Q4_1 minimum term.
+    dsum: Vec<f32>,
+}
+
+impl Default for QActs {
+    fn default() -> Self {
+        Self::new()
+    }
 }
 
 impl QActs {
     pub fn new() -> QActs {
-        QActs::default()
+        QActs { m: 0, k: 0, qs: Vec::new(), rowq: Vec::new(), d: Vec::new(), sum: Vec::new(), dsum: Vec::new() }
     }
 
+    /// Quantises `x` = `[m, k]` row-major (k % 32 == 0; panics otherwise with a message).
     pub fn quantize(&mut self, x: &[f32], m: usize, k: usize) {
-        assert!(k % QK == 0, "activations of {k} columns are not whole 32-value blocks");
-        let nb = m * k / QK;
+        assert!(k.is_multiple_of(QK), "QActs::quantize: k = {k} is not a multiple of the block size {QK}");
+        assert!(x.len() >= m * k, "x has {} floats, need {}x{}", x.len(), m, k);
+        let nb = k / QK;
+        let groups = m.div_ceil(GROUP);
         self.m = m;
         self.k = k;
-        self.d.clear();
-        self.s.clear();
-        self.q.clear();
-        for b in 0..nb {
-            let xs = &x[b * QK..(b + 1) * QK];
-            let amax = xs.iter().fold(0f32, |a, v| a.max(v.abs()));
-            let d = amax / 127.0;
-            let id = if d == 0.0 { 0.0 } else { 1.0 / d };
-            let mut sum = 0i32;
-            for &v in xs {
-                let q = (v * id).round() as i8;
-                sum += q as i32;
-                self.q.push(q);
+        self.qs.clear();
+        self.qs.resize(groups * nb * GROUP_BLOCK, 0);
+        self.rowq.clear();
+        self.rowq.resize(m * k, 0);
+        for v in [&mut self.d, &mut self.dsum] {
+            v.clear();
+            v.resize(groups * nb * GROUP, 0.0);
+        }
+        self.sum.clear();
+        self.sum.resize(groups * nb * GROUP, 0);
+        #[cfg(target_arch = "x86_64")]
+        if has(Flavour::Avx2) {
+            // SAFETY: the CPU has AVX2 and FMA.
+            return unsafe { self.fill_avx2(x) };
+        }
+        self.fill(x)
+    }
+
+    /// The same IEEE operations compiled for AVX2, so the block loops vectorise.
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn fill_avx2(&mut self, x: &[f32]) {
+        self.fill(x)
+    }
+
+    #[inline(always)]
+    fn fill(&mut self, x: &[f32]) {
+        let (m, k, nb) = (self.m, self.k, self.blocks());
+        for r in 0..m {
+            let (g, lane) = (r / GROUP, r % GROUP);
+            for b in 0..nb {
+                let xb: &[f32; QK] = x[r * k + b * QK..][..QK].try_into().expect("a whole block");
+                let (d, q, sum) = quantize_block(xb);
+                let s = (g * nb + b) * GROUP + lane;
+                self.d[s] = d;
+                self.sum[s] = sum;
+                self.dsum[s] = d * sum as f32;
+                self.rowq[r * k + b * QK..][..QK].copy_from_slice(&q);
+                let base = (g * nb + b) * GROUP_BLOCK + lane * 4;
+                for (t, chunk) in q.chunks_exact(4).enumerate() {
+                    self.qs[base + t * 32..][..4].copy_from_slice(chunk);
+                }
             }
-            self.d.push(d);
-            self.s.push(sum);
         }
     }
 
@@ -70,8 +155,55 @@ impl QActs {
     pub fn cols(&self) -> usize {
         self.k
     }
+
+    fn blocks(&self) -> usize {
+        self.k / QK
+    }
+
+    fn groups(&self) -> usize {
+        self.m.div_ceil(GROUP)
+    }
 }
 
+/// One block: `(d, q, Σq)`.
+#[inline(always)]
+fn quantize_block(x: &[f32; QK]) -> (f32, [i8; QK], i32) {
+    let amax = x.iter().fold(0f32, |a, v| a.max(v.abs()));
+    let d = amax / 127.0;
+    let mut q = [0i8; QK];
+    let mut sum = 0;
+    if d != 0.0 {
+        for (qi, &v) in q.iter_mut().zip(x) {
+            *qi = (v / d).round().clamp(-127.0, 127.0) as i8;
+            sum += *qi as i32;
+        }
+    }
+    (if d != 0.0 { d } else { 0.0 }, q, sum)
+}
+
+/// Exact f16 -> f32 by bit manipulation (normal, subnormal, infinite and NaN
+/// values), so no F16C instruction is needed. Subnormals rely on the default
+/// floating-point environment (no flush to zero).
+#[inline(always)]
+fn f16_to_f32(h: u16) -> f32 {
+    let em = (h as u32 & 0x7fff) << 13;
+    let sign = (h as u32 & 0x8000) << 16;
+    let bits = if em >= 0x7c00 << 13 {
+        em | 0x7f80_0000
+    } else {
+        // 2^112 moves the exponent bias from 15 to 127, exactly.
+        (f32::from_bits(em) * f32::from_bits((127 + 112) << 23)).to_bits()
+    };
+    f32::from_bits(bits | sign)
+}
+
+#[inline(always)]
+fn f16_at(p: *const u8) -> f32 {
+    // SAFETY (callers): `p` points at 2 readable bytes.
+    f16_to_f32(u16::from_le_bytes(unsafe { [*p, *p.add(1)] }))
+}
+
+/// One quantised weight matrix `[n, k]` (rows of `ty.row_bytes(k)` bytes, GGUF block layout) and its output `[m, n]`.
 pub struct QLinear<'a> {
     pub ty: QType,
     pub w: &'a [u8],
@@ -79,47 +211,861 @@ pub struct QLinear<'a> {
     pub y: &'a mut [f32],
 }
 
-fn dot(ty: QType, x: &QActs, r: usize, w: &[u8]) -> f32 {
-    let nb = x.k / QK;
-    let mut acc = 0f32;
-    for b in 0..nb {
-        let xi = r * nb + b;
-        let (dx, sx, qx) = (x.d[xi], x.s[xi], &x.q[xi * QK..(xi + 1) * QK]);
-        let blk = &w[b * ty.block_bytes()..(b + 1) * ty.block_bytes()];
-        let dw = f16::from_le_bytes([blk[0], blk[1]]).to_f32();
-        match ty {
-            QType::Q8_0 => {
-                let isum: i32 = (0..QK).map(|i| blk[2 + i] as i8 as i32 * qx[i] as i32).sum();
-                acc += dw * dx * isum as f32;
-            }
-            QType::Q4_1 => {
-                let mw = f16::from_le_bytes([blk[2], blk[3]]).to_f32();
-                let isum: i32 = (0..16)
-                    .map(|i| (blk[4 + i] & 0xF) as i32 * qx[i] as i32 + (blk[4 + i] >> 4) as i32 * qx[i + 16] as i32)
-                    .sum();
-                acc += dw * dx * isum as f32 + mw * dx * sx as f32;
-            }
-        }
-    }
-    acc
-}
-
+/// `y[r][j] = Σ_blocks dot(x_block, w_block)` for every matrix, on the
+/// current rayon pool (like [`crate::kernels::matmul_many`]: output features
+/// `j` are split into jobs, never `k`).
 pub fn qmatmul_many(x: &QActs, outs: &mut [QLinear<'_>]) {
     qmatmul_many_with(crate::kernels::backend(), x, outs)
 }
 
-pub fn qmatmul_many_with(_be: crate::kernels::Backend, x: &QActs, outs: &mut [QLinear<'_>]) {
+/// [`qmatmul_many`] with an explicit backend (tests exercise every one available).
+pub fn qmatmul_many_with(be: Backend, x: &QActs, outs: &mut [QLinear<'_>]) {
+    run_many(Flavour::of(be), x, outs)
+}
+
+/// How a backend computes the integer block dots.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Flavour {
+    Portable,
+    /// `maddubs` + `madd`, AVX2 and FMA.
+    Avx2,
+    /// `vpdpbusd` on 256-bit vectors (AVX-512 VNNI and VL), plus AVX2 and FMA.
+    Vnni,
+}
+
+impl Flavour {
+    /// The flavour of a backend: [`Backend::Avx2Fma`] uses VNNI when the CPU has it.
+    fn of(be: Backend) -> Flavour {
+        match be {
+            Backend::Portable => Flavour::Portable,
+            Backend::Avx2Fma => {
+                assert!(has(Flavour::Avx2), "the Avx2Fma backend needs a CPU with AVX2 and FMA");
+                if has(Flavour::Vnni) {
+                    Flavour::Vnni
+                } else {
+                    Flavour::Avx2
+                }
+            }
+        }
+    }
+}
+
+/// Whether this CPU can run `f` (detected once).
+fn has(f: Flavour) -> bool {
+    static CPU: OnceLock<(bool, bool)> = OnceLock::new();
+    let &(avx2, vnni) = CPU.get_or_init(|| {
+        #[cfg(target_arch = "x86_64")]
+        {
+            let avx2 = is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma");
+            let vnni = avx2 && is_x86_feature_detected!("avx512vnni") && is_x86_feature_detected!("avx512vl");
+            (avx2, vnni)
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        (false, false)
+    });
+    match f {
+        Flavour::Portable => true,
+        Flavour::Avx2 => avx2,
+        Flavour::Vnni => vnni,
+    }
+}
+
+/// Matrices per dispatch.
+const MAX_MANY: usize = 4;
+/// Weight rows per register tile of the SIMD flavours.
+const NR: usize = 4;
+const _: () = assert!(NR == 4, "the row path gathers exactly 4 weight rows");
+
+#[derive(Clone, Copy)]
+struct SendPtr(*mut f32);
+// SAFETY: used only for disjoint writes coordinated by `run_many`.
+unsafe impl Send for SendPtr {}
+unsafe impl Sync for SendPtr {}
+
+#[derive(Clone, Copy)]
+struct SendConstPtr(*const u8);
+// SAFETY: read-only shared data.
+unsafe impl Send for SendConstPtr {}
+unsafe impl Sync for SendConstPtr {}
+
+impl SendConstPtr {
+    /// A method (not a field access) so closures capture the whole wrapper.
+    fn get(self) -> *const u8 {
+        self.0
+    }
+}
+
+/// Columns `j0..j1` of one matrix's output.
+struct Job {
+    ty: QType,
+    w: *const u8,
+    y: *mut f32,
+    n: usize,
+    j0: usize,
+    j1: usize,
+}
+
+fn run_many(fl: Flavour, x: &QActs, outs: &mut [QLinear<'_>]) {
     let (m, k) = (x.m, x.k);
-    for o in outs.iter_mut() {
+    for o in outs.iter() {
         let rb = o.ty.row_bytes(k);
-        let n = o.n;
-        let cols: Vec<Vec<f32>> = (0..n)
-            .into_par_iter()
-            .map(|j| (0..m).map(|r| dot(o.ty, x, r, &o.w[j * rb..(j + 1) * rb])).collect())
-            .collect();
-        for (j, c) in cols.iter().enumerate() {
-            for r in 0..m {
-                o.y[r * n + j] = c[r];
+        assert!(o.w.len() >= o.n * rb, "w has {} bytes, need {} rows of {} ({:?}, k = {})", o.w.len(), o.n, rb, o.ty, k);
+        assert!(o.y.len() >= m * o.n, "y has {} floats, need {}x{}", o.y.len(), m, o.n);
+    }
+    assert!(has(fl), "{fl:?} is not available on this CPU");
+    if m == 0 {
+        return;
+    }
+    if outs.len() > MAX_MANY {
+        for group in outs.chunks_mut(MAX_MANY) {
+            run_many(fl, x, group);
+        }
+        return;
+    }
+    // As in `kernels::matmul_many_with`: every matrix's output features are
+    // split into jobs of `per` rows; descriptors live on the stack.
+    let threads = rayon::current_num_threads().max(1);
+    let mut mats = [(QType::Q8_0, SendConstPtr(std::ptr::null()), SendPtr(std::ptr::null_mut()), 0usize, 0usize, 0usize); MAX_MANY];
+    let mut total = 0;
+    for (slot, o) in mats.iter_mut().zip(outs.iter_mut()) {
+        let per = o.n.div_ceil(threads * 4).div_ceil(NR).max(1) * NR;
+        let count = o.n.div_ceil(per);
+        *slot = (o.ty, SendConstPtr(o.w.as_ptr()), SendPtr(o.y.as_mut_ptr()), o.n, per, total);
+        total += count;
+    }
+    let mats = &mats[..outs.len()];
+    let run = |i: usize| {
+        let &(ty, w, y, n, per, first) = mats.iter().rev().find(|mat| mat.5 <= i).expect("job index in range");
+        let j0 = (i - first) * per;
+        let job = Job { ty, w: w.get(), y: y.0, n, j0, j1: (j0 + per).min(n) };
+        // SAFETY: shapes were checked above; jobs write disjoint column
+        // ranges of their `y`, every `y` is a distinct &mut borrow, and the
+        // flavour was checked against the CPU.
+        unsafe { run_job(fl, x, &job) }
+    };
+    if total == 1 || threads == 1 {
+        (0..total).for_each(run);
+    } else {
+        (0..total).into_par_iter().for_each(run);
+    }
+}
+
+/// # Safety
+/// `job.w` holds `job.n` rows, `job.y` `m * job.n` floats of which no one
+/// else writes columns `j0..j1`; the CPU supports `fl`.
+unsafe fn run_job(fl: Flavour, x: &QActs, job: &Job) {
+    match fl {
+        #[cfg(target_arch = "x86_64")]
+        Flavour::Avx2 | Flavour::Vnni => SCRATCH.with(|s| {
+            let s = &mut *s.borrow_mut();
+            if fl == Flavour::Vnni {
+                simd::run_job_vnni(x, job, s)
+            } else {
+                simd::run_job_avx2(x, job, s)
+            }
+        }),
+        _ => portable::run_job(x, job),
+    }
+}
+
+/// Weight rows of one register tile, unpacked once and reused by every
+/// activation group: per row `c`, block `b`, the scale `dw[c*nb + b]`, and
+/// for Q4_1 the minimum `mw[c*nb + b]` and the 32 nibbles as bytes at
+/// `vals[(c*nb + b)*32..]` (Q8_0 values are read from the blocks in place).
+#[derive(Default)]
+struct Scratch {
+    vals: Vec<u8>,
+    dw: Vec<f32>,
+    mw: Vec<f32>,
+}
+
+thread_local! {
+    static SCRATCH: RefCell<Scratch> = RefCell::new(Scratch::default());
+}
+
+impl Scratch {
+    /// Makes room for `rows` weight rows of `nb` blocks (growing only).
+    fn reserve(&mut self, rows: usize, nb: usize) {
+        let grow = |len: usize, want: usize| want.saturating_sub(len);
+        self.vals.extend(std::iter::repeat_n(0, grow(self.vals.len(), rows * nb * QK)));
+        self.dw.extend(std::iter::repeat_n(0.0, grow(self.dw.len(), rows * nb)));
+        self.mw.extend(std::iter::repeat_n(0.0, grow(self.mw.len(), rows * nb)));
+    }
+}
+
+mod portable {
+    use super::{f16_at, Job, QActs, QType, GROUP, GROUP_BLOCK, QK};
+
+    /// One element at a time, straight from the GGUF blocks.
+    pub(super) unsafe fn run_job(x: &QActs, job: &Job) {
+        let (nb, bb) = (x.blocks(), job.ty.block_bytes());
+        for j in job.j0..job.j1 {
+            let wr = job.w.add(j * nb * bb);
+            for r in 0..x.m {
+                let (g, lane) = (r / GROUP, r % GROUP);
+                let mut acc = 0f32;
+                for b in 0..nb {
+                    let blk = std::slice::from_raw_parts(wr.add(b * bb), bb);
+                    let s = (g * nb + b) * GROUP + lane;
+                    let xq = &x.qs[(g * nb + b) * GROUP_BLOCK + lane * 4..];
+                    let qx = |i: usize| xq[(i / 4) * 32 + i % 4] as i32;
+                    let dw = f16_at(blk.as_ptr());
+                    match job.ty {
+                        QType::Q8_0 => {
+                            let isum: i32 = (0..QK).map(|i| blk[2 + i] as i8 as i32 * qx(i)).sum();
+                            acc += isum as f32 * (dw * x.d[s]);
+                        }
+                        QType::Q4_1 => {
+                            let mw = f16_at(blk.as_ptr().add(2));
+                            let isum: i32 = (0..QK / 2)
+                                .map(|i| (blk[4 + i] & 0x0f) as i32 * qx(i) + (blk[4 + i] >> 4) as i32 * qx(i + 16))
+                                .sum();
+                            acc += isum as f32 * (dw * x.d[s]);
+                            acc += mw * x.dsum[s];
+                        }
+                    }
+                }
+                *job.y.add(r * job.n + j) = acc;
+            }
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod simd {
+    use std::arch::x86_64::*;
+
+    use super::{f16_at, Job, QActs, QType, Scratch, GROUP, GROUP_BLOCK, NR, QK};
+
+    /// Where a tile's weights are: `C` rows from `w` (stride `rb` bytes)
+    /// and their unpacked form in `s`.
+    struct Tile<'a> {
+        w: *const u8,
+        rb: usize,
+        nb: usize,
+        s: &'a Scratch,
+    }
+
+    /// The integer half of a block dot: 8 exact i32 lanes (one per activation
+    /// row of the group) for each of `C` weight rows.
+    trait IDot {
+        /// # Safety
+        /// `xb` is a group's block `b` (256 bytes), `sumx` its 8 sums; `t`
+        /// holds `C` rows.
+        unsafe fn q8<const C: usize>(xb: *const i8, sumx: *const i32, t: &Tile<'_>, b: usize) -> [__m256i; C];
+        unsafe fn q4<const C: usize>(xb: *const i8, t: &Tile<'_>, b: usize) -> [__m256i; C];
+        /// Whether [`IDot::r8`] leaves `128 * Σx` to subtract.
+        const R8_OFFSET: bool;
+        /// One row's Q8_0 block `xr` (32 i8) against weight block values `wq`:
+        /// 8 i32 lanes summing to the dot.
+        unsafe fn r8(xr: *const i8, wq: *const u8) -> __m256i;
+        /// The same for unpacked Q4_1 nibbles.
+        unsafe fn r4(xr: *const i8, nib: *const u8) -> __m256i;
+    }
+
+    /// A 4-value chunk of a weight row, broadcast to every lane.
+    #[inline(always)]
+    unsafe fn bcast(p: *const u8) -> __m256i {
+        _mm256_set1_epi32((p as *const i32).read_unaligned())
+    }
+
+    /// Chunk `i` (values `4i..4i+4`) of Q8_0 block `b` of tile row `c`.
+    #[inline(always)]
+    unsafe fn q8_chunk(t: &Tile<'_>, c: usize, b: usize, i: usize) -> __m256i {
+        bcast(t.w.add(c * t.rb + b * 34 + 2 + i * 4))
+    }
+
+    /// Chunk `i` of the unpacked Q4_1 block `b` of tile row `c`.
+    #[inline(always)]
+    unsafe fn q4_chunk(t: &Tile<'_>, c: usize, b: usize, i: usize) -> __m256i {
+        bcast(t.s.vals.as_ptr().add((c * t.nb + b) * QK + i * 4))
+    }
+
+    struct Avx2;
+
+    impl IDot for Avx2 {
+        /// `|w|` as unsigned times `x` with the sign of `w` (`|w|` may be 128;
+        /// pair sums stay within i16), then pairs of i16 summed to i32.
+        #[inline(always)]
+        unsafe fn q8<const C: usize>(xb: *const i8, _sumx: *const i32, t: &Tile<'_>, b: usize) -> [__m256i; C] {
+            let ones = _mm256_set1_epi16(1);
+            let mut isum = [_mm256_setzero_si256(); C];
+            for i in 0..QK / 4 {
+                let xv = _mm256_loadu_si256(xb.add(i * 32) as *const __m256i);
+                for (c, acc) in isum.iter_mut().enumerate() {
+                    let wv = q8_chunk(t, c, b, i);
+                    let p = _mm256_maddubs_epi16(_mm256_abs_epi8(wv), _mm256_sign_epi8(xv, wv));
+                    *acc = _mm256_add_epi32(*acc, _mm256_madd_epi16(p, ones));
+                }
+            }
+            isum
+        }
+
+        /// Nibbles (unsigned) times `x`; 8 chunks of i16 pair sums stay
+        /// below 8 * 2 * 15 * 127 = 30480, so they add up in i16.
+        #[inline(always)]
+        unsafe fn q4<const C: usize>(xb: *const i8, t: &Tile<'_>, b: usize) -> [__m256i; C] {
+            let mut s16 = [_mm256_setzero_si256(); C];
+            for i in 0..QK / 4 {
+                let xv = _mm256_loadu_si256(xb.add(i * 32) as *const __m256i);
+                for (c, acc) in s16.iter_mut().enumerate() {
+                    *acc = _mm256_add_epi16(*acc, _mm256_maddubs_epi16(q4_chunk(t, c, b, i), xv));
+                }
+            }
+            let ones = _mm256_set1_epi16(1);
+            s16.map(|v| _mm256_madd_epi16(v, ones))
+        }
+
+        const R8_OFFSET: bool = false;
+
+        #[inline(always)]
+        unsafe fn r8(xr: *const i8, wq: *const u8) -> __m256i {
+            let (xv, wv) = (_mm256_loadu_si256(xr as *const __m256i), _mm256_loadu_si256(wq as *const __m256i));
+            let p = _mm256_maddubs_epi16(_mm256_abs_epi8(wv), _mm256_sign_epi8(xv, wv));
+            _mm256_madd_epi16(p, _mm256_set1_epi16(1))
+        }
+
+        #[inline(always)]
+        unsafe fn r4(xr: *const i8, nib: *const u8) -> __m256i {
+            let (xv, wv) = (_mm256_loadu_si256(xr as *const __m256i), _mm256_loadu_si256(nib as *const __m256i));
+            _mm256_madd_epi16(_mm256_maddubs_epi16(wv, xv), _mm256_set1_epi16(1))
+        }
+    }
+
+    struct Vnni;
+
+    impl IDot for Vnni {
+        /// `(w + 128)` as unsigned times `x`, minus `128 * Σx`.
+        #[inline(always)]
+        unsafe fn q8<const C: usize>(xb: *const i8, sumx: *const i32, t: &Tile<'_>, b: usize) -> [__m256i; C] {
+            let flip = _mm256_set1_epi8(-128);
+            let mut isum = [_mm256_setzero_si256(); C];
+            for i in 0..QK / 4 {
+                let xv = _mm256_loadu_si256(xb.add(i * 32) as *const __m256i);
+                for (c, acc) in isum.iter_mut().enumerate() {
+                    *acc = _mm256_dpbusd_epi32(*acc, _mm256_xor_si256(q8_chunk(t, c, b, i), flip), xv);
+                }
+            }
+            let corr = _mm256_slli_epi32::<7>(_mm256_loadu_si256(sumx as *const __m256i));
+            isum.map(|v| _mm256_sub_epi32(v, corr))
+        }
+
+        #[inline(always)]
+        unsafe fn q4<const C: usize>(xb: *const i8, t: &Tile<'_>, b: usize) -> [__m256i; C] {
+            let mut isum = [_mm256_setzero_si256(); C];
+            for i in 0..QK / 4 {
+                let xv = _mm256_loadu_si256(xb.add(i * 32) as *const __m256i);
+                for (c, acc) in isum.iter_mut().enumerate() {
+                    *acc = _mm256_dpbusd_epi32(*acc, q4_chunk(t, c, b, i), xv);
+                }
+            }
+            isum
+        }
+
+        const R8_OFFSET: bool = true;
+
+        #[inline(always)]
+        unsafe fn r8(xr: *const i8, wq: *const u8) -> __m256i {
+            let (xv, wv) = (_mm256_loadu_si256(xr as *const __m256i), _mm256_loadu_si256(wq as *const __m256i));
+            _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_xor_si256(wv, _mm256_set1_epi8(-128)), xv)
+        }
+
+        #[inline(always)]
+        unsafe fn r4(xr: *const i8, nib: *const u8) -> __m256i {
+            let (xv, wv) = (_mm256_loadu_si256(xr as *const __m256i), _mm256_loadu_si256(nib as *const __m256i));
+            _mm256_dpbusd_epi32(_mm256_setzero_si256(), wv, xv)
+        }
+    }
+
+    /// Unpacks the scales (and Q4_1's minimums and nibbles) of `rows` rows.
+    #[inline(always)]
+    unsafe fn prep(s: &mut Scratch, ty: QType, w: *const u8, rb: usize, rows: usize, nb: usize) {
+        s.reserve(rows, nb);
+        let bb = ty.block_bytes();
+        let low = _mm_set1_epi8(0x0f);
+        for c in 0..rows {
+            for b in 0..nb {
+                let blk = w.add(c * rb + b * bb);
+                let i = c * nb + b;
+                s.dw[i] = f16_at(blk);
+                if ty == QType::Q4_1 {
+                    s.mw[i] = f16_at(blk.add(2));
+                    let q = _mm_loadu_si128(blk.add(4) as *const __m128i);
+                    let v = s.vals.as_mut_ptr().add(i * QK);
+                    _mm_storeu_si128(v as *mut __m128i, _mm_and_si128(q, low));
+                    _mm_storeu_si128(v.add(16) as *mut __m128i, _mm_and_si128(_mm_srli_epi16::<4>(q), low));
+                }
+            }
+        }
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn run_job_avx2(x: &QActs, job: &Job, s: &mut Scratch) {
+        run_job::<Avx2>(x, job, s)
+    }
+
+    #[target_feature(enable = "avx2,fma,avx512vnni,avx512vl")]
+    pub(super) unsafe fn run_job_vnni(x: &QActs, job: &Job, s: &mut Scratch) {
+        run_job::<Vnni>(x, job, s)
+    }
+
+    /// Tiles of `NR` weight rows; each tile is unpacked once, then every
+    /// activation group sweeps it.
+    #[inline(always)]
+    unsafe fn run_job<D: IDot>(x: &QActs, job: &Job, s: &mut Scratch) {
+        let (nb, rb) = (x.blocks(), job.ty.row_bytes(x.k));
+        let mut j = job.j0;
+        while j < job.j1 {
+            let nr = NR.min(job.j1 - j);
+            prep(s, job.ty, job.w.add(j * rb), rb, nr, nb);
+            let t = Tile { w: job.w.add(j * rb), rb, nb, s };
+            for g in 0..x.groups() {
+                let rows = GROUP.min(x.m - g * GROUP);
+                if rows <= ROW_PATH_MAX {
+                    for r in g * GROUP..g * GROUP + rows {
+                        let out = match job.ty {
+                            QType::Q8_0 => row::<D, false>(x, &t, r, nr),
+                            QType::Q4_1 => row::<D, true>(x, &t, r, nr),
+                        };
+                        for (c, &v) in out[..nr].iter().enumerate() {
+                            *job.y.add(r * job.n + j + c) = v;
+                        }
+                    }
+                    continue;
+                }
+                let out = &mut [[0f32; GROUP]; NR];
+                match (job.ty, nr) {
+                    (QType::Q8_0, 4) => tile::<D, 4, false>(x, &t, g, out),
+                    (QType::Q8_0, 3) => tile::<D, 3, false>(x, &t, g, out),
+                    (QType::Q8_0, 2) => tile::<D, 2, false>(x, &t, g, out),
+                    (QType::Q8_0, _) => tile::<D, 1, false>(x, &t, g, out),
+                    (QType::Q4_1, 4) => tile::<D, 4, true>(x, &t, g, out),
+                    (QType::Q4_1, 3) => tile::<D, 3, true>(x, &t, g, out),
+                    (QType::Q4_1, 2) => tile::<D, 2, true>(x, &t, g, out),
+                    (QType::Q4_1, _) => tile::<D, 1, true>(x, &t, g, out),
+                }
+                for (c, col) in out[..nr].iter().enumerate() {
+                    for (l, &v) in col[..rows].iter().enumerate() {
+                        *job.y.add((g * GROUP + l) * job.n + j + c) = v;
+                    }
+                }
+            }
+            j += nr;
+        }
+    }
+
+    /// A group with at most this many rows is computed a row at a time.
+    const ROW_PATH_MAX: usize = 4;
+
+    /// One activation row against the `nr <= 4` weight rows of `t`, a lane
+    /// per weight row: the exact block dots are gathered into lanes with
+    /// integer horizontal adds, then the float sequence is the group path's.
+    #[inline(always)]
+    unsafe fn row<D: IDot, const Q4: bool>(x: &QActs, t: &Tile<'_>, r: usize, nr: usize) -> [f32; NR] {
+        let (nb, s) = (x.blocks(), t.s);
+        let (g, l) = (r / GROUP, r % GROUP);
+        let xr = x.rowq.as_ptr().add(r * x.k);
+        let mut acc = _mm_setzero_ps();
+        for b in 0..nb {
+            let mut v = [_mm256_setzero_si256(); NR];
+            let mut dw = [0f32; NR];
+            let mut mw = [0f32; NR];
+            for c in 0..nr {
+                v[c] = if Q4 {
+                    D::r4(xr.add(b * QK), s.vals.as_ptr().add((c * nb + b) * QK))
+                } else {
+                    D::r8(xr.add(b * QK), t.w.add(c * t.rb + b * 34 + 2))
+                };
+                dw[c] = s.dw[c * nb + b];
+                mw[c] = s.mw[c * nb + b];
+            }
+            let h = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
+            let mut isum = _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256::<1>(h));
+            let si = (g * nb + b) * GROUP + l;
+            if !Q4 && D::R8_OFFSET {
+                isum = _mm_sub_epi32(isum, _mm_set1_epi32(x.sum[si] << 7));
+            }
+            let sc = _mm_mul_ps(_mm_loadu_ps(dw.as_ptr()), _mm_set1_ps(x.d[si]));
+            acc = _mm_fmadd_ps(_mm_cvtepi32_ps(isum), sc, acc);
+            if Q4 {
+                acc = _mm_fmadd_ps(_mm_loadu_ps(mw.as_ptr()), _mm_set1_ps(x.dsum[si]), acc);
+            }
+        }
+        let mut out = [0f32; NR];
+        _mm_storeu_ps(out.as_mut_ptr(), acc);
+        out
+    }
+
+    /// One activation group (8 rows, one per lane) against the `C` weight
+    /// rows in `s`: the float sequence of the module invariant, per lane.
+    #[inline(always)]
+    unsafe fn tile<D: IDot, const C: usize, const Q4: bool>(x: &QActs, t: &Tile<'_>, g: usize, out: &mut [[f32; GROUP]; NR]) {
+        let (nb, s) = (x.blocks(), t.s);
+        let mut acc = [_mm256_setzero_ps(); C];
+        for b in 0..nb {
+            let xb = x.qs.as_ptr().add((g * nb + b) * GROUP_BLOCK);
+            let si = (g * nb + b) * GROUP;
+            let isum = if Q4 { D::q4::<C>(xb, t, b) } else { D::q8::<C>(xb, x.sum.as_ptr().add(si), t, b) };
+            let dx = _mm256_loadu_ps(x.d.as_ptr().add(si));
+            for c in 0..C {
+                let sc = _mm256_mul_ps(_mm256_set1_ps(s.dw[c * nb + b]), dx);
+                acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[c]), sc, acc[c]);
+                if Q4 {
+                    let dsum = _mm256_loadu_ps(x.dsum.as_ptr().add(si));
+                    acc[c] = _mm256_fmadd_ps(_mm256_set1_ps(s.mw[c * nb + b]), dsum, acc[c]);
+                }
+            }
+        }
+        for c in 0..C {
+            _mm256_storeu_ps(out[c].as_mut_ptr(), acc[c]);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::gguf::{dequantize, GgmlType};
+    use crate::kernels;
+
+    /// Deterministic xorshift stream.
+    struct Rng(u64);
+
+    impl Rng {
+        fn new(seed: u64) -> Rng {
+            Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1)
+        }
+
+        fn next(&mut self) -> u64 {
+            self.0 ^= self.0 << 13;
+            self.0 ^= self.0 >> 7;
+            self.0 ^= self.0 << 17;
+            self.0
+        }
+
+        /// In [-1, 1).
+        fn f32(&mut self) -> f32 {
+            ((self.next() >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+        }
+    }
+
+    /// Activations with some all-zero blocks and a few large outliers.
+    fn rand_acts(seed: u64, m: usize, k: usize) -> Vec<f32> {
+        let mut rng = Rng::new(seed);
+        let mut x: Vec<f32> = (0..m * k).map(|_| rng.f32()).collect();
+        for (i, blk) in x.chunks_mut(QK).enumerate() {
+            match rng.next() % 11 {
+                0 => blk.fill(0.0),
+                1 => blk[i % QK] *= 40.0,
+                _ => {}
+            }
+        }
+        x
+    }
+
+    /// A random weight matrix in GGUF layout; Q8_0 includes -128 values and
+    /// negative scales, Q4_1 negative minimums.
+    fn rand_weights(seed: u64, ty: QType, n: usize, k: usize) -> Vec<u8> {
+        let mut rng = Rng::new(seed);
+        let mut w = Vec::with_capacity(n * ty.row_bytes(k));
+        for _ in 0..n * k / QK {
+            let d = half::f16::from_f32(0.001 + 0.02 * rng.f32().abs()) * if rng.next() % 5 == 0 { -half::f16::ONE } else { half::f16::ONE };
+            w.extend_from_slice(&d.to_le_bytes());
+            if ty == QType::Q4_1 {
+                w.extend_from_slice(&half::f16::from_f32(0.1 * rng.f32()).to_le_bytes());
+            }
+            for _ in 0..ty.block_bytes() - w.len() % ty.block_bytes() {
+                w.push(rng.next() as u8);
+            }
+        }
+        w
+    }
+
+    fn dequant(ty: QType, w: &[u8], n: usize, k: usize) -> Vec<f32> {
+        let gt = match ty {
+            QType::Q8_0 => GgmlType::Q8_0,
+            QType::Q4_1 => GgmlType::Q4_1,
+        };
+        let mut out = vec![0f32; n * k];
+        dequantize(gt, w, &mut out).expect("dequantising test weights");
+        out
+    }
+
+    /// The activations as the kernels see them: `d * q` per value.
+    fn dequant_acts(x: &QActs) -> Vec<f64> {
+        let (m, k, nb) = (x.m, x.k, x.blocks());
+        let mut out = vec![0f64; m * k];
+        for r in 0..m {
+            let (g, l) = (r / GROUP, r % GROUP);
+            for b in 0..nb {
+                let d = x.d[(g * nb + b) * GROUP + l] as f64;
+                for i in 0..QK {
+                    let q = x.qs[(g * nb + b) * GROUP_BLOCK + (i / 4) * 32 + l * 4 + i % 4];
+                    out[r * k + b * QK + i] = d * q as f64;
+                }
+            }
+        }
+        out
+    }
+
+    fn flavours() -> Vec<Flavour> {
+        [Flavour::Portable, Flavour::Avx2, Flavour::Vnni].into_iter().filter(|&f| has(f)).collect()
+    }
+
+    fn run(fl: Flavour, x: &QActs, ty: QType, w: &[u8], n: usize) -> Vec<f32> {
+        let mut y = vec![f32::NAN; x.rows() * n];
+        run_many(fl, x, &mut [QLinear { ty, w, n, y: &mut y }]);
+        y
+    }
+
+    const TYPES: [QType; 2] = [QType::Q8_0, QType::Q4_1];
+
+    #[test]
+    fn f16_conversion_is_exact() {
+        for h in 0..=u16::MAX {
+            let want = half::f16::from_bits(h).to_f32();
+            let got = f16_to_f32(h);
+            if want.is_nan() {
+                assert!(got.is_nan(), "{h:#06x}");
+            } else {
+                assert_eq!(got.to_bits(), want.to_bits(), "{h:#06x}");
+            }
+        }
+    }
+
+    #[test]
+    fn matches_f64_reference_on_dequantised_values() {
+        for fl in flavours() {
+            for ty in TYPES {
+                for &(m, k, n) in &[(1, 32, 1), (5, 96, 7), (13, 256, 10), (40, 576, 33), (9, 0, 3)] {
+                    let xf = rand_acts(1, m, k);
+                    let mut x = QActs::new();
+                    x.quantize(&xf, m, k);
+                    let wq = rand_weights(2, ty, n, k);
+                    let w = dequant(ty, &wq, n, k);
+                    let xd = dequant_acts(&x);
+                    let y = run(fl, &x, ty, &wq, n);
+                    for r in 0..m {
+                        for j in 0..n {
+                            let (mut want, mut mag) = (0f64, 0f64);
+                            for t in 0..k {
+                                want += w[j * k + t] as f64 * xd[r * k + t];
+                                mag += (w[j * k + t] as f64 * xd[r * k + t]).abs();
+                            }
+                            let got = y[r * n + j] as f64;
+                            assert!((got - want).abs() <= 1e-5 * mag + 1e-30, "{fl:?} {ty:?} m={m} k={k} n={n} ({r},{j}): {got} vs {want}");
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// Against the original f32 activations the error is the activation
+    /// rounding: `|x - d*q| <= d/2` per value (plus float rounding, here a
+    /// 1e-3 slack on it and 1e-5 of Σ|w||x|), so
+    /// `|y - Σ w·x| <= Σ_b d_b/2 · Σ_{i in b} |w_i| · (1 + 1e-3) + 1e-5 · Σ|w·x|`.
+    #[test]
+    fn error_against_f32_activations_is_within_the_quantisation_bound() {
+        let (m, k, n) = (11, 320, 9);
+        let xf = rand_acts(3, m, k);
+        let mut x = QActs::new();
+        x.quantize(&xf, m, k);
+        for fl in flavours() {
+            for ty in TYPES {
+                let wq = rand_weights(4, ty, n, k);
+                let w = dequant(ty, &wq, n, k);
+                let y = run(fl, &x, ty, &wq, n);
+                for r in 0..m {
+                    for j in 0..n {
+                        let (mut want, mut mag, mut bound) = (0f64, 0f64, 0f64);
+                        for b in 0..k / QK {
+                            let d = x.d[((r / GROUP) * (k / QK) + b) * GROUP + r % GROUP] as f64;
+                            for t in b * QK..(b + 1) * QK {
+                                let p = w[j * k + t] as f64 * xf[r * k + t] as f64;
+                                want += p;
+                                mag += p.abs();
+                                bound += (w[j * k + t] as f64).abs() * d / 2.0 * (1.0 + 1e-3);
+                            }
+                        }
+                        let err = (y[r * n + j] as f64 - want).abs();
+                        assert!(err <= bound + 1e-5 * mag, "{fl:?} {ty:?} ({r},{j}): error {err} over bound {bound}");
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn rows_are_bit_identical_for_every_m_position_and_thread_count() {
+        let (k, n) = (96, 13);
+        let pool_rows = rand_acts(5, 50, k);
+        let row = |r: usize| &pool_rows[r * k..(r + 1) * k];
+        let pools: Vec<rayon::ThreadPool> =
+            [1, 3].iter().map(|&t| rayon::ThreadPoolBuilder::new().num_threads(t).build().unwrap()).collect();
+        let mut x = QActs::new();
+        for ty in TYPES {
+            let w = rand_weights(6, ty, n, k);
+            for fl in flavours() {
+                let alone: Vec<Vec<u32>> = (0..50)
+                    .map(|r| {
+                        x.quantize(row(r), 1, k);
+                        run(fl, &x, ty, &w, n).iter().map(|v| v.to_bits()).collect()
+                    })
+                    .collect();
+                for m in 1..=70 {
+                    for shift in [0, 3] {
+                        let idx: Vec<usize> = (0..m).map(|i| (i + shift * m) % 50).collect();
+                        let xf: Vec<f32> = idx.iter().flat_map(|&r| row(r).to_vec()).collect();
+                        x.quantize(&xf, m, k);
+                        for pool in &pools {
+                            let y = pool.install(|| run(fl, &x, ty, &w, n));
+                            for (i, &r) in idx.iter().enumerate() {
+                                let got: Vec<u32> = y[i * n..(i + 1) * n].iter().map(|v| v.to_bits()).collect();
+                                assert_eq!(got, alone[r], "{fl:?} {ty:?}: row {r} at position {i} of m={m}, {} threads", pool.current_num_threads());
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn avx2_and_vnni_agree_bit_for_bit() {
+        if !has(Flavour::Vnni) {
+            return;
+        }
+        let (m, k, n) = (21, 1024, 19);
+        let mut x = QActs::new();
+        x.quantize(&rand_acts(7, m, k), m, k);
+        for ty in TYPES {
+            let w = rand_weights(8, ty, n, k);
+            let a: Vec<u32> = run(Flavour::Avx2, &x, ty, &w, n).iter().map(|v| v.to_bits()).collect();
+            let b: Vec<u32> = run(Flavour::Vnni, &x, ty, &w, n).iter().map(|v| v.to_bits()).collect();
+            assert_eq!(a, b, "{ty:?}");
+        }
+    }
+
+    #[test]
+    fn qmatmul_many_equals_separate_calls() {
+        let (m, k) = (10, 128);
+        let mut x = QActs::new();
+        x.quantize(&rand_acts(9, m, k), m, k);
+        let shapes = [(QType::Q8_0, 17), (QType::Q4_1, 5), (QType::Q4_1, 32), (QType::Q8_0, 3), (QType::Q4_1, 9)];
+        let ws: Vec<Vec<u8>> = shapes.iter().enumerate().map(|(i, &(ty, n))| rand_weights(10 + i as u64, ty, n, k)).collect();
+        for be in [Backend::Portable, kernels::backend()] {
+            for count in 1..=shapes.len() {
+                let mut ys: Vec<Vec<f32>> = shapes[..count].iter().map(|&(_, n)| vec![f32::NAN; m * n]).collect();
+                let mut outs: Vec<QLinear<'_>> =
+                    shapes.iter().zip(&ws).zip(ys.iter_mut()).map(|((&(ty, n), w), y)| QLinear { ty, w, n, y }).collect();
+                qmatmul_many_with(be, &x, &mut outs);
+                drop(outs);
+                for (i, &(ty, n)) in shapes[..count].iter().enumerate() {
+                    let mut z = vec![f32::NAN; m * n];
+                    qmatmul_many_with(be, &x, &mut [QLinear { ty, w: &ws[i], n, y: &mut z }]);
+                    let a: Vec<u32> = ys[i].iter().map(|v| v.to_bits()).collect();
+                    let b: Vec<u32> = z.iter().map(|v| v.to_bits()).collect();
+                    assert_eq!(a, b, "{be:?}: matrix {i} of {count}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn quantize_round_trips_maxima_and_zero_blocks() {
+        let k = 64;
+        let mut xf = vec![0f32; 2 * k];
+        // Row 0, block 0: maxima ±127 give d = 1 and exact values.
+        for (i, v) in xf[..32].iter_mut().enumerate() {
+            *v = (i as f32 - 15.0) * 4.0;
+        }
+        xf[3] = 127.0;
+        xf[7] = -127.0;
+        // Row 0, block 1: a ±max of 0.37 goes to ±127 and back within rounding of d.
+        xf[32 + 5] = 0.37;
+        xf[32 + 9] = -0.37;
+        xf[32 + 10] = 0.1;
+        // Row 1: block 0 all zero, block 1 one value.
+        xf[k + 40] = -2.5;
+        let mut x = QActs::new();
+        x.quantize(&xf, 2, k);
+        let (nb, q) = (2, |x: &QActs, r: usize, b: usize, i: usize| {
+            x.qs[((r / GROUP) * 2 + b) * GROUP_BLOCK + (i / 4) * 32 + (r % GROUP) * 4 + i % 4]
+        });
+        let s = |r: usize, b: usize| ((r / GROUP) * nb + b) * GROUP + r % GROUP;
+        assert_eq!(x.d[s(0, 0)], 1.0);
+        for i in 0..32 {
+            assert_eq!(x.d[s(0, 0)] * q(&x, 0, 0, i) as f32, xf[i], "value {i}");
+        }
+        assert_eq!(x.sum[s(0, 0)], (0..32).map(|i| q(&x, 0, 0, i) as i32).sum::<i32>());
+        assert_eq!((q(&x, 0, 1, 5), q(&x, 0, 1, 9), q(&x, 0, 1, 10)), (127, -127, 34));
+        assert_eq!(x.d[s(0, 1)], 0.37 / 127.0);
+        assert!((x.d[s(0, 1)] * 127.0 - 0.37).abs() <= f32::EPSILON * 0.37);
+        assert_eq!(x.sum[s(0, 1)], 34);
+        assert_eq!((x.d[s(1, 0)], x.sum[s(1, 0)], x.dsum[s(1, 0)]), (0.0, 0, 0.0));
+        assert!((0..32).all(|i| q(&x, 1, 0, i) == 0));
+        assert_eq!((q(&x, 1, 1, 8), x.sum[s(1, 1)]), (-127, -127));
+        // Half away from zero: 0.5 -> 1, -0.5 -> -1, 1.5 -> 2.
+        let mut h = [0f32; 32];
+        h[0] = 127.0;
+        h[1] = 0.5;
+        h[2] = -0.5;
+        h[3] = 1.5;
+        h[4] = -2.5;
+        let (d, qb, _) = quantize_block(&h);
+        assert_eq!((d, qb[1], qb[2], qb[3], qb[4]), (1.0, 1, -1, 2, -3));
+        assert_eq!((x.rows(), x.cols()), (2, 64));
+    }
+
+    #[test]
+    #[should_panic(expected = "is not a multiple of the block size 32")]
+    fn quantize_rejects_k_not_a_multiple_of_32() {
+        QActs::new().quantize(&[0.0; 40], 1, 40);
+    }
+
+    /// `cargo test --release -p pdkv-model --lib qkernels -- --ignored --nocapture`
+    #[test]
+    #[ignore]
+    fn bench_against_f32_matmul() {
+        let (k, n) = (576, 1536);
+        let threads = std::env::var("PDKV_THREADS").ok().and_then(|s| s.parse().ok()).unwrap_or(2);
+        let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
+        let time = |f: &mut dyn FnMut()| {
+            f();
+            let mut best = f64::INFINITY;
+            for _ in 0..5 {
+                let t = std::time::Instant::now();
+                let mut reps = 0;
+                while t.elapsed().as_secs_f64() < 0.05 || reps == 0 {
+                    f();
+                    reps += 1;
+                }
+                best = best.min(t.elapsed().as_secs_f64() / reps as f64);
+            }
+            best
+        };
+        println!("threads {threads}, k {k}, n {n}, flavour {:?}", Flavour::of(kernels::backend()));
+        for m in [1, 32, 512] {
+            let xf = rand_acts(20, m, k);
+            let gflop = 2.0 * (m * k * n) as f64 / 1e9;
+            for ty in TYPES {
+                let wq = rand_weights(21, ty, n, k);
+                let w = dequant(ty, &wq, n, k);
+                let mut y = vec![0f32; m * n];
+                let tf = pool.install(|| time(&mut || kernels::matmul(&xf, m, k, &w, n, &mut y)));
+                let mut x = QActs::new();
+                let tqz = pool.install(|| time(&mut || x.quantize(&xf, m, k)));
+                let tq = pool.install(|| time(&mut || qmatmul_many(&x, &mut [QLinear { ty, w: &wq, n, y: &mut y }])));
+                println!(
+                    "m={m:3} {ty:?}: f32 {:8.1} us {:6.1} GFLOP/s | q {:8.1} us {:6.1} GFLOP/s (+quantize {:6.1} us) | speedup {:.2}x",
+                    tf * 1e6,
+                    gflop / tf,
+                    tq * 1e6,
+                    gflop / tq,
+                    tqz * 1e6,
+                    tf / (tq + tqz)
+                );
             }
         }
     }

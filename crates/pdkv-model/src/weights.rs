@@ -138,6 +138,17 @@ impl Weights {
         }
     }
 
+    /// Every tensor, for comparisons of layouts.
+    pub fn tensors_by_offset(&self) -> Vec<&TensorRef> {
+        let mut v = vec![&self.embed, &self.final_norm, &self.lm_head];
+        for l in &self.layers {
+            v.extend([&l.attn_norm, &l.wq, &l.wk, &l.wv, &l.wo, &l.ffn_norm, &l.w_gate, &l.w_up, &l.w_down]);
+            v.extend([&l.q_norm, &l.k_norm].into_iter().flatten());
+        }
+        v.sort_by_key(|t| t.offset);
+        v
+    }
+
     /// Bytes of all weights in the region (what a level-1 sleep backs up).
     pub fn bytes_total(&self) -> usize {
         let mut n = self.embed.bytes() + self.final_norm.bytes();
