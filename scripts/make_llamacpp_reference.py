@@ -24,6 +24,17 @@ import sys
 import numpy as np
 from llama_cpp import Llama, __version__ as LLAMA_CPP_PY
 
+# More prompts than the transformers fixture's four (which come first), so
+# greedy agreement is checked on at least eight.
+EXTRA_TEXTS = [
+    "The quick brown fox jumps over the lazy",
+    "In 1969, the first humans landed on the",
+    "<|im_start|>user\nName three primary colors.<|im_end|>\n<|im_start|>assistant\n",
+    "import numpy as np\n\ndef mean(xs):\n    return",
+    "Water boils at one hundred degrees",
+    "Once upon a time, in a small village by the sea, there lived an old fisherman who",
+]
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OUT = os.path.join(ROOT, "crates", "pdkv-model", "tests", "fixtures", "reference")
 
@@ -32,12 +43,13 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--gguf", default=os.path.expanduser(
         "~/.cache/pdkv/models/SmolLM2-135M-Instruct.Q4_1.gguf"))
-    ap.add_argument("--tolerance", type=float, default=0.02)
+    ap.add_argument("--tolerance", type=float, default=0.06)
     args = ap.parse_args()
     with open(os.path.join(OUT, "smollm2.json")) as f:
         prompts = json.load(f)["prompts"]
     llm = Llama(model_path=args.gguf, n_ctx=512, n_batch=512, n_threads=2,
                 logits_all=True, verbose=False)
+    prompts += [llm.tokenize(t.encode(), add_bos=False, special=True) for t in EXTRA_TEXTS]
     logits = []
     for ids in prompts:
         llm.reset()
