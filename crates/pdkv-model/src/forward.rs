@@ -41,6 +41,11 @@ pub struct Model {
     weights: Weights,
     /// RoPE inverse frequencies, `head_dim / 2`.
     inv_freq: Vec<f32>,
+    /// Block-format matrices multiply activations quantised to 8 bits per
+    /// 32-value block ([`qkernels`], llama.cpp's numerics: faster at large
+    /// batches) instead of the f32 activations (the default: the f32 path's
+    /// results bit for bit, with the weights read in their blocks).
+    int8_activations: bool,
 }
 
 /// Per-token activation buffers, in floats per token.
@@ -240,7 +245,19 @@ fn for_rows(buf: &mut [f32], len: usize, f: impl Fn(usize, &mut [f32]) + Sync) {
 impl Model {
     pub fn new(config: ModelConfig, weights: Weights) -> Model {
         let inv_freq = kernels::rope_inv_freq(config.rope_theta, config.head_dim);
-        Model { config, weights, inv_freq }
+        // PDKV_INT8_ACTIVATIONS=1 chooses the int8 path for the process.
+        let int8_activations = std::env::var("PDKV_INT8_ACTIVATIONS").is_ok_and(|v| v == "1");
+        Model { config, weights, inv_freq, int8_activations }
+    }
+
+    /// Chooses how block-format matrices are multiplied (see the field).
+    pub fn with_int8_activations(mut self, on: bool) -> Model {
+        self.int8_activations = on;
+        self
+    }
+
+    pub fn int8_activations(&self) -> bool {
+        self.int8_activations
     }
 
     pub fn config(&self) -> &ModelConfig {
@@ -380,6 +397,7 @@ impl Model {
         let mut tasks = std::mem::take(&mut ws.tasks);
         let logit_rows = std::mem::take(&mut ws.logit_rows);
         let mut qa = std::mem::replace(&mut ws.qacts, QActs::new());
+        let int8 = self.int8_activations;
         let scores = ws.scores.clone().expect("reserved before the step");
         let scores_len = ws.scores_len;
         let b = ws.bufs(t_all);
@@ -424,6 +442,7 @@ impl Model {
                 for_rows(b.h, hidden, |i, h| kernels::rmsnorm(&x[i * hidden..(i + 1) * hidden], attn_norm, eps, h));
             }
             project(
+                int8,
                 &mut qa,
                 b.h,
                 t_all,
@@ -481,7 +500,7 @@ impl Model {
                     }
                 });
             }
-            project(&mut qa, b.att, t_all, q_dim, [(w.mat(&lw.wo), hidden, &mut *b.h)]);
+            project(int8, &mut qa, b.att, t_all, q_dim, [(w.mat(&lw.wo), hidden, &mut *b.h)]);
             add_into(b.x, b.h);
 
             // MLP block.
@@ -490,12 +509,12 @@ impl Model {
                 let x = &*b.x;
                 for_rows(b.h, hidden, |i, h| kernels::rmsnorm(&x[i * hidden..(i + 1) * hidden], ffn_norm, eps, h));
             }
-            project(&mut qa, b.h, t_all, hidden, [(w.mat(&lw.w_gate), inter, &mut *b.gate), (w.mat(&lw.w_up), inter, &mut *b.up)]);
+            project(int8, &mut qa, b.h, t_all, hidden, [(w.mat(&lw.w_gate), inter, &mut *b.gate), (w.mat(&lw.w_up), inter, &mut *b.up)]);
             {
                 let up = &*b.up;
                 for_rows(b.gate, inter, |i, g| kernels::silu_mul(g, &up[i * inter..(i + 1) * inter]));
             }
-            project(&mut qa, b.gate, t_all, inter, [(w.mat(&lw.w_down), hidden, &mut *b.h)]);
+            project(int8, &mut qa, b.gate, t_all, inter, [(w.mat(&lw.w_down), hidden, &mut *b.h)]);
             add_into(b.x, b.h);
         }
 
@@ -508,7 +527,7 @@ impl Model {
         if n_out > 0 {
             let vocab = cfg.vocab_size;
             logits.resize(n_out * vocab, 0.0);
-            project(&mut qa, &b.h[..n_out * hidden], n_out, hidden, [(w.mat(&w.lm_head), vocab, &mut logits[..])]);
+            project(int8, &mut qa, &b.h[..n_out * hidden], n_out, hidden, [(w.mat(&w.lm_head), vocab, &mut logits[..])]);
         }
 
         ws.tokens = tokens;
@@ -521,8 +540,26 @@ impl Model {
 /// `y = x · wᵀ` for each `(w, n, y)` of a group sharing the activations
 /// `x` (`[m, k]`): f32 matrices through [`kernels::matmul_many`], block-format
 /// ones through [`qkernels::qmatmul_many`] (`x` quantised once, into `qa`).
-fn project<const N: usize>(qa: &mut QActs, x: &[f32], m: usize, k: usize, outs: [(Mat<'_>, usize, &mut [f32]); N]) {
+fn project<const N: usize>(
+    int8: bool,
+    qa: &mut QActs,
+    x: &[f32],
+    m: usize,
+    k: usize,
+    outs: [(Mat<'_>, usize, &mut [f32]); N],
+) {
     let quantised = outs.iter().filter(|o| matches!(o.0, Mat::Quant(..))).count();
+    if quantised > 0 && !int8 {
+        // f32 activations: each matrix through the f32 tiles, block-format
+        // rows dequantised a panel at a time.
+        for (w, n, y) in outs {
+            match w {
+                Mat::F32(w) => kernels::matmul(x, m, k, w, n, y),
+                Mat::Quant(ty, w) => kernels::matmul_blocks_many(x, m, k, &mut [kernels::BlockLinear { ty, w, n, y }]),
+            }
+        }
+        return;
+    }
     if quantised > 0 {
         qa.quantize(&x[..m * k], m, k);
     }

@@ -145,6 +145,100 @@ pub fn matmul_many_with(be: Backend, x: &[f32], m: usize, k: usize, outs: &mut [
     }
 }
 
+/// One weight matrix in a GGUF block format applied to f32 activations.
+pub struct BlockLinear<'a> {
+    pub ty: crate::qkernels::QType,
+    /// `n` rows of `ty.row_bytes(k)` bytes.
+    pub w: &'a [u8],
+    pub n: usize,
+    pub y: &'a mut [f32],
+}
+
+/// `y = x · wᵀ` for block-format matrices, bit-identical to [`matmul_many`]
+/// on the dequantised weights: each job dequantises its weight rows a panel
+/// at a time (one that fits in L1) into a per-thread scratch and runs the
+/// same tiles over it. The weights are read in their blocks (a fraction of
+/// the f32 bytes); the activations and the arithmetic are the f32 path's.
+pub fn matmul_blocks_many(x: &[f32], m: usize, k: usize, outs: &mut [BlockLinear<'_>]) {
+    matmul_blocks_many_with(backend(), x, m, k, outs)
+}
+
+/// [`matmul_blocks_many`] with an explicit backend.
+pub fn matmul_blocks_many_with(be: Backend, x: &[f32], m: usize, k: usize, outs: &mut [BlockLinear<'_>]) {
+    assert!(x.len() >= m * k, "x has {} floats, need {}x{}", x.len(), m, k);
+    assert!(k % crate::qkernels::QK == 0, "rows of {k} values are not whole 32-value blocks");
+    for o in outs.iter() {
+        assert!(o.w.len() >= o.n * o.ty.row_bytes(k), "w has {} bytes, need {} rows", o.w.len(), o.n);
+        assert!(o.y.len() >= m * o.n, "y has {} floats, need {}x{}", o.y.len(), m, o.n);
+    }
+    if m == 0 {
+        return;
+    }
+    let threads = rayon::current_num_threads().max(1);
+    let mut jobs: Vec<(usize, usize, usize)> = Vec::new();
+    for (i, o) in outs.iter().enumerate() {
+        let per = o.n.div_ceil(threads * 4).div_ceil(NR).max(1) * NR;
+        let mut j0 = 0;
+        while j0 < o.n {
+            jobs.push((i, j0, (j0 + per).min(o.n)));
+            j0 += per;
+        }
+    }
+    let mats: Vec<(crate::qkernels::QType, SendConstPtr, usize, SendPtr, usize)> = outs
+        .iter_mut()
+        .map(|o| (o.ty, SendConstPtr(o.w.as_ptr() as *const f32), o.w.len(), SendPtr(o.y.as_mut_ptr()), o.n))
+        .collect();
+    let xp = SendConstPtr(x.as_ptr());
+    let run = |&(i, j0, j1): &(usize, usize, usize)| {
+        let (ty, w, wlen, y, n) = (mats[i].0, mats[i].1, mats[i].2, mats[i].3, mats[i].4);
+        let rb = ty.row_bytes(k);
+        // SAFETY: `w` points at the matrix's `wlen` bytes (checked above).
+        let wb = unsafe { std::slice::from_raw_parts(w.get() as *const u8, wlen) };
+        let panel = (W_L1_BYTES / (4 * k) / NR * NR).max(NR);
+        BLOCK_SCRATCH.with(|cell| {
+            let mut scratch = cell.borrow_mut();
+            if scratch.len() < panel * k {
+                scratch.resize(panel * k, 0.0);
+            }
+            let mut p0 = j0;
+            while p0 < j1 {
+                let p1 = (p0 + panel).min(j1);
+                for r in p0..p1 {
+                    dequantize_row(be, ty, &wb[r * rb..(r + 1) * rb], &mut scratch[(r - p0) * k..(r - p0 + 1) * k]);
+                }
+                // SAFETY: the scratch holds rows p0..p1 as f32; the job owns
+                // columns p0..p1 of `y`, which start `p0` floats in.
+                let job = Job { w: scratch.as_ptr(), y: SendPtr(unsafe { y.0.add(p0) }), n, j0: 0, j1: p1 - p0 };
+                unsafe { run_job(be, xp.get(), m, k, &job) };
+                p0 = p1;
+            }
+        });
+    };
+    if jobs.len() == 1 || threads == 1 {
+        jobs.iter().for_each(run);
+    } else {
+        jobs.par_iter().for_each(run);
+    }
+}
+
+thread_local! {
+    /// Dequantised weight rows of the panel a thread is working on.
+    static BLOCK_SCRATCH: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// One row of a block-format matrix as f32, exactly as
+/// [`crate::gguf::dequantize`] computes it (`d*q`, `d*q + m`).
+fn dequantize_row(be: Backend, ty: crate::qkernels::QType, src: &[u8], out: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if be == Backend::Avx2Fma {
+        // SAFETY: the backend is AVX2 only where the CPU has it; lengths are
+        // whole blocks (checked by the caller).
+        return unsafe { avx2::dequantize_row(ty, src, out) };
+    }
+    let _ = be;
+    crate::gguf::dequantize(crate::weights::ggml_type(ty), src, out).expect("whole blocks");
+}
+
 /// Matrices per [`matmul_many_with`] dispatch.
 const MAX_MANY: usize = 4;
 
@@ -264,6 +358,39 @@ mod avx2 {
                 dispatch_tile!(tile, mr, nr, xt, wt, k, yt, n)
             }
         });
+    }
+
+    /// A block-format row as f32: `d*q` (Q8_0), `d*q + m` (Q4_1), with a
+    /// separate multiply and add, as the scalar dequantiser rounds.
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn dequantize_row(ty: crate::qkernels::QType, src: &[u8], out: &mut [f32]) {
+        use crate::qkernels::QType;
+        let f16 = |b: &[u8]| half::f16::from_le_bytes([b[0], b[1]]).to_f32();
+        let bb = ty.block_bytes();
+        for (b, o) in src.chunks_exact(bb).zip(out.chunks_exact_mut(32)) {
+            let d = _mm256_set1_ps(f16(&b[0..2]));
+            let o = o.as_mut_ptr();
+            match ty {
+                QType::Q8_0 => {
+                    for g in 0..4 {
+                        let q8 = _mm_loadl_epi64(b.as_ptr().add(2 + 8 * g) as *const __m128i);
+                        let q = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q8));
+                        _mm256_storeu_ps(o.add(8 * g), _mm256_mul_ps(d, q));
+                    }
+                }
+                QType::Q4_1 => {
+                    let m = _mm256_set1_ps(f16(&b[2..4]));
+                    let bytes = _mm_loadu_si128(b.as_ptr().add(4) as *const __m128i);
+                    let mask = _mm_set1_epi8(0x0f);
+                    let lo = _mm_and_si128(bytes, mask);
+                    let hi = _mm_and_si128(_mm_srli_epi16::<4>(bytes), mask);
+                    for (g, v) in [lo, _mm_srli_si128::<8>(lo), hi, _mm_srli_si128::<8>(hi)].into_iter().enumerate() {
+                        let q = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v));
+                        _mm256_storeu_ps(o.add(8 * g), _mm256_add_ps(_mm256_mul_ps(d, q), m));
+                    }
+                }
+            }
+        }
     }
 
     /// Fixed-order horizontal sum of 8 lanes: (i + i+4), then (+2), then (+1).
@@ -766,6 +893,39 @@ mod tests {
             v.push(Backend::Avx2Fma);
         }
         v
+    }
+
+    #[test]
+    fn block_matmul_equals_f32_matmul_on_the_dequantised_weights_bit_for_bit() {
+        use crate::qkernels::QType;
+        let (k, n) = (96, 29);
+        for ty in [QType::Q8_0, QType::Q4_1] {
+            // Random blocks: f16 scales (and minima) from random values, random codes.
+            let vals = rand_vec(11, n * k);
+            let mut blocks = vec![0u8; n * ty.row_bytes(k)];
+            for (row, out) in vals.chunks(k).zip(blocks.chunks_mut(ty.row_bytes(k))) {
+                crate::bench::quantize_row(ty, row, out);
+            }
+            let mut deq = vec![0f32; n * k];
+            crate::gguf::dequantize(crate::weights::ggml_type(ty), &blocks, &mut deq).unwrap();
+            for be in backends() {
+                for m in [1usize, 2, 3, 5, 8, 33, 70] {
+                    let x = rand_vec(m as u64, m * k);
+                    let want = run(be, &x, m, k, &deq, n);
+                    let mut got = vec![0f32; m * n];
+                    matmul_blocks_many_with(be, &x, m, k, &mut [BlockLinear { ty, w: &blocks, n, y: &mut got }]);
+                    assert_eq!(
+                        got.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                        want.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                        "{ty:?} {be:?} m={m}"
+                    );
+                }
+                // The dequantiser of the backend equals the scalar one.
+                let mut row = vec![0f32; k];
+                dequantize_row(be, ty, &blocks[..ty.row_bytes(k)], &mut row);
+                assert_eq!(row, deq[..k], "{ty:?} {be:?}");
+            }
+        }
     }
 
     #[test]
