@@ -194,6 +194,17 @@ pub fn matmul_blocks_many_with(be: Backend, x: &[f32], m: usize, k: usize, outs:
         let rb = ty.row_bytes(k);
         // SAFETY: `w` points at the matrix's `wlen` bytes (checked above).
         let wb = unsafe { std::slice::from_raw_parts(w.get() as *const u8, wlen) };
+        // A few rows (decode): each weight block is dequantised in
+        // registers and multiplied at once, the tiles' very arithmetic.
+        #[cfg(target_arch = "x86_64")]
+        if be == Backend::Avx2Fma && m <= FUSED_ROWS {
+            for j in j0..j1 {
+                // SAFETY: AVX2 is present (the backend); row `j` of `w`,
+                // `m` rows of `x` and column `j` of `y` are in bounds.
+                unsafe { avx2::block_rows(ty, &wb[j * rb..(j + 1) * rb], xp.get(), m, k, y.0.add(j), n) };
+            }
+            return;
+        }
         let panel = (W_L1_BYTES / (4 * k) / NR * NR).max(NR);
         BLOCK_SCRATCH.with(|cell| {
             let mut scratch = cell.borrow_mut();
@@ -220,6 +231,10 @@ pub fn matmul_blocks_many_with(be: Backend, x: &[f32], m: usize, k: usize, outs:
         jobs.par_iter().for_each(run);
     }
 }
+
+/// Activation rows up to which block rows are multiplied straight from
+/// their blocks rather than through a dequantised panel.
+const FUSED_ROWS: usize = 4;
 
 thread_local! {
     /// Dequantised weight rows of the panel a thread is working on.
@@ -390,6 +405,62 @@ mod avx2 {
                     }
                 }
             }
+        }
+    }
+
+    /// `y[r*ldy] = dot(x[r], w)` for the `m` (at most 4) rows of `x`, with
+    /// `w` one block-format row of `k` values: each 8-value group is
+    /// dequantised in registers exactly as `dequantize_row` does and enters
+    /// the same 8-lane accumulation as the f32 tiles, then the same
+    /// horizontal sum (`k` is whole blocks, so there is no tail).
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn block_rows(ty: crate::qkernels::QType, w: &[u8], x: *const f32, m: usize, k: usize, y: *mut f32, ldy: usize) {
+        match m {
+            1 => block_rows_n::<1>(ty, w, x, k, y, ldy),
+            2 => block_rows_n::<2>(ty, w, x, k, y, ldy),
+            3 => block_rows_n::<3>(ty, w, x, k, y, ldy),
+            4 => block_rows_n::<4>(ty, w, x, k, y, ldy),
+            _ => unreachable!("at most 4 rows"),
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn block_rows_n<const R: usize>(ty: crate::qkernels::QType, w: &[u8], x: *const f32, k: usize, y: *mut f32, ldy: usize) {
+        use crate::qkernels::QType;
+        let f16 = |b: &[u8]| half::f16::from_le_bytes([b[0], b[1]]).to_f32();
+        let mut acc = [_mm256_setzero_ps(); R];
+        for (bi, b) in w.chunks_exact(ty.block_bytes()).enumerate() {
+            let d = _mm256_set1_ps(f16(&b[0..2]));
+            let mut g = [_mm256_setzero_ps(); 4];
+            match ty {
+                QType::Q8_0 => {
+                    for (i, gv) in g.iter_mut().enumerate() {
+                        let q8 = _mm_loadl_epi64(b.as_ptr().add(2 + 8 * i) as *const __m128i);
+                        *gv = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q8)));
+                    }
+                }
+                QType::Q4_1 => {
+                    let mn = _mm256_set1_ps(f16(&b[2..4]));
+                    let bytes = _mm_loadu_si128(b.as_ptr().add(4) as *const __m128i);
+                    let mask = _mm_set1_epi8(0x0f);
+                    let lo = _mm_and_si128(bytes, mask);
+                    let hi = _mm_and_si128(_mm_srli_epi16::<4>(bytes), mask);
+                    for (gv, v) in g.iter_mut().zip([lo, _mm_srli_si128::<8>(lo), hi, _mm_srli_si128::<8>(hi)]) {
+                        let q = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v));
+                        *gv = _mm256_add_ps(_mm256_mul_ps(d, q), mn);
+                    }
+                }
+            }
+            for (i, gv) in g.iter().enumerate() {
+                let p = bi * 32 + 8 * i;
+                for (r, a) in acc.iter_mut().enumerate() {
+                    *a = _mm256_fmadd_ps(_mm256_loadu_ps(x.add(r * k + p)), *gv, *a);
+                }
+            }
+        }
+        debug_assert_eq!(k % 8, 0);
+        for (r, a) in acc.iter().enumerate() {
+            *y.add(r * ldy) = hsum(*a);
         }
     }
 
@@ -909,7 +980,7 @@ mod tests {
             let mut deq = vec![0f32; n * k];
             crate::gguf::dequantize(crate::weights::ggml_type(ty), &blocks, &mut deq).unwrap();
             for be in backends() {
-                for m in [1usize, 2, 3, 5, 8, 33, 70] {
+                for m in [1usize, 2, 3, 4, 5, 8, 33, 70] {
                     let x = rand_vec(m as u64, m * k);
                     let want = run(be, &x, m, k, &deq, n);
                     let mut got = vec![0f32; m * n];
