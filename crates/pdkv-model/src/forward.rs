@@ -549,18 +549,7 @@ fn project<const N: usize>(
     outs: [(Mat<'_>, usize, &mut [f32]); N],
 ) {
     let quantised = outs.iter().filter(|o| matches!(o.0, Mat::Quant(..))).count();
-    if quantised > 0 && !int8 {
-        // f32 activations: each matrix through the f32 tiles, block-format
-        // rows dequantised a panel at a time.
-        for (w, n, y) in outs {
-            match w {
-                Mat::F32(w) => kernels::matmul(x, m, k, w, n, y),
-                Mat::Quant(ty, w) => kernels::matmul_blocks_many(x, m, k, &mut [kernels::BlockLinear { ty, w, n, y }]),
-            }
-        }
-        return;
-    }
-    if quantised > 0 {
+    if quantised > 0 && int8 {
         qa.quantize(&x[..m * k], m, k);
     }
     if quantised == 0 {
@@ -569,17 +558,25 @@ fn project<const N: usize>(
             Mat::Quant(..) => unreachable!("counted none"),
         });
         kernels::matmul_many(x, m, k, &mut ls);
-    } else if quantised == N {
+    } else if quantised == N && int8 {
         let mut ls = outs.map(|(w, n, y)| match w {
             Mat::Quant(ty, w) => QLinear { ty, w, n, y },
             Mat::F32(_) => unreachable!("counted all"),
         });
         qkernels::qmatmul_many(qa, &mut ls);
+    } else if quantised == N {
+        // f32 activations: block-format rows dequantised into the f32 tiles.
+        let mut ls = outs.map(|(w, n, y)| match w {
+            Mat::Quant(ty, w) => kernels::BlockLinear { ty, w, n, y },
+            Mat::F32(_) => unreachable!("counted all"),
+        });
+        kernels::matmul_blocks_many(x, m, k, &mut ls);
     } else {
         for (w, n, y) in outs {
             match w {
                 Mat::F32(w) => kernels::matmul(x, m, k, w, n, y),
-                Mat::Quant(ty, w) => qkernels::qmatmul_many(qa, &mut [QLinear { ty, w, n, y }]),
+                Mat::Quant(ty, w) if int8 => qkernels::qmatmul_many(qa, &mut [QLinear { ty, w, n, y }]),
+                Mat::Quant(ty, w) => kernels::matmul_blocks_many(x, m, k, &mut [kernels::BlockLinear { ty, w, n, y }]),
             }
         }
     }

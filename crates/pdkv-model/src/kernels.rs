@@ -116,32 +116,46 @@ pub fn matmul_many_with(be: Backend, x: &[f32], m: usize, k: usize, outs: &mut [
         }
         return;
     }
-    // Split every matrix's output features into jobs of `per` rows; a job
-    // owns a column range of `y` and the matching contiguous rows of `w`.
-    // Job descriptors live on the stack: a step allocates nothing here.
-    let threads = rayon::current_num_threads().max(1);
-    let mut mats = [(SendConstPtr(std::ptr::null()), SendPtr(std::ptr::null_mut()), 0usize, 0usize, 0usize); MAX_MANY];
-    let mut total = 0;
+    let mut mats = [(SendConstPtr(std::ptr::null()), SendPtr(std::ptr::null_mut()), 0usize); MAX_MANY];
     for (slot, o) in mats.iter_mut().zip(outs.iter_mut()) {
-        let per = o.n.div_ceil(threads * 4).div_ceil(NR).max(1) * NR;
-        let count = o.n.div_ceil(per);
-        *slot = (SendConstPtr(o.w.as_ptr()), SendPtr(o.y.as_mut_ptr()), o.n, per, total);
-        total += count;
+        *slot = (SendConstPtr(o.w.as_ptr()), SendPtr(o.y.as_mut_ptr()), o.n);
     }
     let mats = &mats[..outs.len()];
     let x = SendConstPtr(x.as_ptr());
-    let run = |i: usize| {
-        let &(w, y, n, per, first) = mats.iter().rev().find(|mat| mat.4 <= i).expect("job index in range");
-        let j0 = (i - first) * per;
-        let job = Job { w: w.get(), y, n, j0, j1: (j0 + per).min(n) };
+    for_each_job(mats.iter().map(|m| m.2), NR, |i, j0, j1| {
+        let (w, y, n) = mats[i];
         // SAFETY: shapes were checked above; jobs write disjoint column
         // ranges of their `y`, and every `y` is a distinct &mut borrow.
-        unsafe { run_job(be, x.get(), m, k, &job) }
+        unsafe { run_job(be, x.get(), m, k, &Job { w: w.get(), y, n, j0, j1 }) }
+    });
+}
+
+/// Splits the output features of up to [`MAX_MANY`] matrices (of `ns`
+/// features each) into jobs of whole `tile`-row register tiles, and runs
+/// `run(matrix, j0, j1)` for each on the current rayon pool. A job owns a
+/// column range of its matrix's `y` and the matching rows of its `w`. Job
+/// descriptors live on the stack: a step allocates nothing here.
+pub(crate) fn for_each_job(ns: impl Iterator<Item = usize>, tile: usize, run: impl Fn(usize, usize, usize) + Sync) {
+    let threads = rayon::current_num_threads().max(1);
+    // Per matrix: features, features per job, index of its first job.
+    let mut mats = [(0usize, 0usize, 0usize); MAX_MANY];
+    let (mut count, mut total) = (0, 0);
+    for (slot, n) in mats.iter_mut().zip(ns) {
+        let per = n.div_ceil(threads * 4).div_ceil(tile).max(1) * tile;
+        *slot = (n, per, total);
+        total += n.div_ceil(per);
+        count += 1;
+    }
+    let mats = &mats[..count];
+    let job = |i: usize| {
+        let (mi, &(n, per, first)) = mats.iter().enumerate().rev().find(|(_, mat)| mat.2 <= i).expect("job index in range");
+        let j0 = (i - first) * per;
+        run(mi, j0, (j0 + per).min(n));
     };
     if total == 1 || threads == 1 {
-        (0..total).for_each(run);
+        (0..total).for_each(job);
     } else {
-        (0..total).into_par_iter().for_each(run);
+        (0..total).into_par_iter().for_each(job);
     }
 }
 
@@ -174,26 +188,23 @@ pub fn matmul_blocks_many_with(be: Backend, x: &[f32], m: usize, k: usize, outs:
     if m == 0 {
         return;
     }
-    let threads = rayon::current_num_threads().max(1);
-    let mut jobs: Vec<(usize, usize, usize)> = Vec::new();
-    for (i, o) in outs.iter().enumerate() {
-        let per = o.n.div_ceil(threads * 4).div_ceil(NR).max(1) * NR;
-        let mut j0 = 0;
-        while j0 < o.n {
-            jobs.push((i, j0, (j0 + per).min(o.n)));
-            j0 += per;
+    if outs.len() > MAX_MANY {
+        for group in outs.chunks_mut(MAX_MANY) {
+            matmul_blocks_many_with(be, x, m, k, group);
         }
+        return;
     }
-    let mats: Vec<(crate::qkernels::QType, SendConstPtr, usize, SendPtr, usize)> = outs
-        .iter_mut()
-        .map(|o| (o.ty, SendConstPtr(o.w.as_ptr() as *const f32), o.w.len(), SendPtr(o.y.as_mut_ptr()), o.n))
-        .collect();
+    let mut mats = [(crate::qkernels::QType::Q8_0, SendConstPtr(std::ptr::null()), 0usize, SendPtr(std::ptr::null_mut()), 0usize); MAX_MANY];
+    for (slot, o) in mats.iter_mut().zip(outs.iter_mut()) {
+        *slot = (o.ty, SendConstPtr(o.w.as_ptr()), o.w.len(), SendPtr(o.y.as_mut_ptr()), o.n);
+    }
+    let mats = &mats[..outs.len()];
     let xp = SendConstPtr(x.as_ptr());
-    let run = |&(i, j0, j1): &(usize, usize, usize)| {
-        let (ty, w, wlen, y, n) = (mats[i].0, mats[i].1, mats[i].2, mats[i].3, mats[i].4);
+    for_each_job(mats.iter().map(|m| m.4), NR, |i, j0, j1| {
+        let (ty, w, wlen, y, n) = mats[i];
         let rb = ty.row_bytes(k);
         // SAFETY: `w` points at the matrix's `wlen` bytes (checked above).
-        let wb = unsafe { std::slice::from_raw_parts(w.get() as *const u8, wlen) };
+        let wb = unsafe { std::slice::from_raw_parts(w.get(), wlen) };
         // A few rows (decode): each weight block is dequantised in
         // registers and multiplied at once, the tiles' very arithmetic.
         #[cfg(target_arch = "x86_64")]
@@ -224,12 +235,7 @@ pub fn matmul_blocks_many_with(be: Backend, x: &[f32], m: usize, k: usize, outs:
                 p0 = p1;
             }
         });
-    };
-    if jobs.len() == 1 || threads == 1 {
-        jobs.iter().for_each(run);
-    } else {
-        jobs.par_iter().for_each(run);
-    }
+    });
 }
 
 /// Activation rows up to which block rows are multiplied straight from
@@ -254,31 +260,44 @@ fn dequantize_row(be: Backend, ty: crate::qkernels::QType, src: &[u8], out: &mut
     crate::gguf::dequantize(crate::weights::ggml_type(ty), src, out).expect("whole blocks");
 }
 
-/// Matrices per [`matmul_many_with`] dispatch.
-const MAX_MANY: usize = 4;
+/// Matrices per [`matmul_many_with`] dispatch (and per [`for_each_job`]).
+pub(crate) const MAX_MANY: usize = 4;
 
-#[derive(Clone, Copy)]
-struct SendPtr(*mut f32);
-// SAFETY: used only for disjoint writes coordinated by `matmul_many_with`.
-unsafe impl Send for SendPtr {}
-unsafe impl Sync for SendPtr {}
+/// A pointer for disjoint writes from several threads, coordinated by the
+/// matmul dispatchers (here and in [`crate::qkernels`]).
+pub(crate) struct SendPtr<T>(pub(crate) *mut T);
+impl<T> Clone for SendPtr<T> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl<T> Copy for SendPtr<T> {}
+// SAFETY: used only for disjoint writes coordinated by a dispatcher.
+unsafe impl<T> Send for SendPtr<T> {}
+unsafe impl<T> Sync for SendPtr<T> {}
 
-#[derive(Clone, Copy)]
-struct SendConstPtr(*const f32);
+/// A pointer to data that several threads only read.
+pub(crate) struct SendConstPtr<T>(pub(crate) *const T);
+impl<T> Clone for SendConstPtr<T> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl<T> Copy for SendConstPtr<T> {}
 // SAFETY: read-only shared data.
-unsafe impl Send for SendConstPtr {}
-unsafe impl Sync for SendConstPtr {}
+unsafe impl<T> Send for SendConstPtr<T> {}
+unsafe impl<T> Sync for SendConstPtr<T> {}
 
-impl SendConstPtr {
+impl<T> SendConstPtr<T> {
     /// A method (not a field access) so closures capture the whole wrapper.
-    fn get(self) -> *const f32 {
+    pub(crate) fn get(self) -> *const T {
         self.0
     }
 }
 
 struct Job {
     w: *const f32,
-    y: SendPtr,
+    y: SendPtr<f32>,
     n: usize,
     j0: usize,
     j1: usize,

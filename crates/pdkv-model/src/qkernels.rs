@@ -26,7 +26,6 @@
 use std::cell::RefCell;
 use std::sync::OnceLock;
 
-use rayon::prelude::*;
 
 use crate::kernels::Backend;
 
@@ -270,30 +269,11 @@ fn has(f: Flavour) -> bool {
     }
 }
 
-/// Matrices per dispatch.
-const MAX_MANY: usize = 4;
+use crate::kernels::{for_each_job, SendConstPtr, SendPtr, MAX_MANY};
+
 /// Weight rows per register tile of the SIMD flavours.
 const NR: usize = 4;
 const _: () = assert!(NR == 4, "the row path gathers exactly 4 weight rows");
-
-#[derive(Clone, Copy)]
-struct SendPtr(*mut f32);
-// SAFETY: used only for disjoint writes coordinated by `run_many`.
-unsafe impl Send for SendPtr {}
-unsafe impl Sync for SendPtr {}
-
-#[derive(Clone, Copy)]
-struct SendConstPtr(*const u8);
-// SAFETY: read-only shared data.
-unsafe impl Send for SendConstPtr {}
-unsafe impl Sync for SendConstPtr {}
-
-impl SendConstPtr {
-    /// A method (not a field access) so closures capture the whole wrapper.
-    fn get(self) -> *const u8 {
-        self.0
-    }
-}
 
 /// Columns `j0..j1` of one matrix's output.
 struct Job {
@@ -322,32 +302,19 @@ fn run_many(fl: Flavour, x: &QActs, outs: &mut [QLinear<'_>]) {
         }
         return;
     }
-    // As in `kernels::matmul_many_with`: every matrix's output features are
-    // split into jobs of `per` rows; descriptors live on the stack.
-    let threads = rayon::current_num_threads().max(1);
-    let mut mats = [(QType::Q8_0, SendConstPtr(std::ptr::null()), SendPtr(std::ptr::null_mut()), 0usize, 0usize, 0usize); MAX_MANY];
-    let mut total = 0;
+    let mut mats = [(QType::Q8_0, SendConstPtr(std::ptr::null()), SendPtr(std::ptr::null_mut()), 0usize); MAX_MANY];
     for (slot, o) in mats.iter_mut().zip(outs.iter_mut()) {
-        let per = o.n.div_ceil(threads * 4).div_ceil(NR).max(1) * NR;
-        let count = o.n.div_ceil(per);
-        *slot = (o.ty, SendConstPtr(o.w.as_ptr()), SendPtr(o.y.as_mut_ptr()), o.n, per, total);
-        total += count;
+        *slot = (o.ty, SendConstPtr(o.w.as_ptr()), SendPtr(o.y.as_mut_ptr()), o.n);
     }
     let mats = &mats[..outs.len()];
-    let run = |i: usize| {
-        let &(ty, w, y, n, per, first) = mats.iter().rev().find(|mat| mat.5 <= i).expect("job index in range");
-        let j0 = (i - first) * per;
-        let job = Job { ty, w: w.get(), y: y.0, n, j0, j1: (j0 + per).min(n) };
+    for_each_job(mats.iter().map(|m| m.3), NR, |i, j0, j1| {
+        let (ty, w, y, n) = mats[i];
+        let job = Job { ty, w: w.get(), y: y.0, n, j0, j1 };
         // SAFETY: shapes were checked above; jobs write disjoint column
         // ranges of their `y`, every `y` is a distinct &mut borrow, and the
         // flavour was checked against the CPU.
         unsafe { run_job(fl, x, &job) }
-    };
-    if total == 1 || threads == 1 {
-        (0..total).for_each(run);
-    } else {
-        (0..total).into_par_iter().for_each(run);
-    }
+    });
 }
 
 /// # Safety
