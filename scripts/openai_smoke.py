@@ -11,7 +11,7 @@ from openai import OpenAI
 base = sys.argv[1] if len(sys.argv) > 1 else "http://127.0.0.1:8000/v1"
 client = OpenAI(base_url=base, api_key="unused")
 model = client.models.list().data[0].id
-messages = [{"role": "user", "content": "What is the capital of France?"}]
+messages = [{"role": "user", "content": "Name the capital city of France."}]
 plain = client.chat.completions.create(model=model, messages=messages, max_tokens=32, temperature=0)
 text = plain.choices[0].message.content
 stream = client.chat.completions.create(model=model, messages=messages, max_tokens=32, temperature=0, stream=True)

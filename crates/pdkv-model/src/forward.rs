@@ -42,9 +42,9 @@ pub struct Model {
     /// RoPE inverse frequencies, `head_dim / 2`.
     inv_freq: Vec<f32>,
     /// Block-format matrices multiply activations quantised to 8 bits per
-    /// 32-value block ([`qkernels`], llama.cpp's numerics: faster at large
-    /// batches) instead of the f32 activations (the default: the f32 path's
-    /// results bit for bit, with the weights read in their blocks).
+    /// 32-value block ([`qkernels`], llama.cpp's numerics and speed: the
+    /// default) instead of the f32 activations (the f32 path's results bit
+    /// for bit, with the weights read in their blocks).
     int8_activations: bool,
 }
 
@@ -100,14 +100,18 @@ struct TokenMeta {
 }
 
 /// One unit of attention work: query rows `row0..row1` of sequence `seq`
-/// (rows of the step's activation matrix), every query head that shares KV
-/// head `kv_head` (so its K/V rows are read from cache while warm).
+/// (rows of the step's activation matrix), the query heads `h0..h1` that
+/// share KV head `kv_head` (all of them, so its K/V rows are read from
+/// cache while warm, unless the step is too small to keep threads busy).
 #[derive(Clone, Copy, Debug)]
 struct AttnTask {
     seq: usize,
     kv_head: usize,
     row0: usize,
     row1: usize,
+    /// Query heads `h0..h1` of the KV head's group.
+    h0: usize,
+    h1: usize,
 }
 
 /// Queries per attention task.
@@ -245,8 +249,9 @@ fn for_rows(buf: &mut [f32], len: usize, f: impl Fn(usize, &mut [f32]) + Sync) {
 impl Model {
     pub fn new(config: ModelConfig, weights: Weights) -> Model {
         let inv_freq = kernels::rope_inv_freq(config.rope_theta, config.head_dim);
-        // PDKV_INT8_ACTIVATIONS=1 chooses the int8 path for the process.
-        let int8_activations = std::env::var("PDKV_INT8_ACTIVATIONS").is_ok_and(|v| v == "1");
+        // Block-format matrices take int8 activations unless the process
+        // says PDKV_INT8_ACTIVATIONS=0 (f32 activations, the f32 path's bits).
+        let int8_activations = std::env::var("PDKV_INT8_ACTIVATIONS").map_or(true, |v| v.trim() != "0");
         Model { config, weights, inv_freq, int8_activations }
     }
 
@@ -415,7 +420,11 @@ impl Model {
             kernels::rope_cos_sin(tm.pos, &self.inv_freq, c, s);
         }
 
-        // Attention work units: (sequence, head, up to ATTN_ROWS queries).
+        // Attention work units: (sequence, KV head, up to ATTN_ROWS queries),
+        // every query head of the group. Too few of them to keep the math
+        // threads busy (decode at small batch), each query head is its own
+        // unit instead: the same calls, so the same bits.
+        let group = cfg.num_heads / cfg.num_kv_heads;
         tasks.clear();
         let mut row0 = 0;
         for (si, s) in seqs.iter().enumerate() {
@@ -424,14 +433,21 @@ impl Model {
                 let mut r = 0;
                 while r < n {
                     let r1 = (r + ATTN_ROWS).min(n);
-                    tasks.push(AttnTask { seq: si, kv_head, row0: row0 + r, row1: row0 + r1 });
+                    let (h0, h1) = (kv_head * group, (kv_head + 1) * group);
+                    tasks.push(AttnTask { seq: si, kv_head, row0: row0 + r, row1: row0 + r1, h0, h1 });
                     r = r1;
                 }
             }
             row0 += n;
         }
+        if group > 1 && tasks.len() < 2 * rayon::current_num_threads() {
+            for i in 0..tasks.len() {
+                let t = tasks[i];
+                tasks[i].h1 = t.h0 + 1;
+                tasks.extend((t.h0 + 1..t.h1).map(|h| AttnTask { h0: h, h1: h + 1, ..t }));
+            }
+        }
 
-        let group = cfg.num_heads / cfg.num_kv_heads;
         let scale = (1.0 / (hd as f64).sqrt()) as f32;
 
         for (li, lw) in w.layers.iter().enumerate() {
@@ -486,7 +502,7 @@ impl Model {
                         std::slice::from_raw_parts_mut(scores_base.get().add(tid * scores_len), scores_len)
                     };
                     for (r, tm) in tokens.iter().enumerate().take(task.row1).skip(task.row0) {
-                        for head in task.kv_head * group..(task.kv_head + 1) * group {
+                        for head in task.h0..task.h1 {
                             let off = r * q_dim + head * hd;
                             // SAFETY: tasks cover disjoint (row, head) slices
                             // of `att`; the blocks hold every position up to

@@ -226,7 +226,7 @@ pub fn qmatmul_many_with(be: Backend, x: &QActs, outs: &mut [QLinear<'_>]) {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Flavour {
     Portable,
-    /// `maddubs` + `madd`, AVX2 and FMA.
+    /// `maddubs` + `madd`, AVX2, FMA and F16C.
     Avx2,
     /// `vpdpbusd` on 256-bit vectors (AVX-512 VNNI and VL), plus AVX2 and FMA.
     Vnni,
@@ -255,7 +255,7 @@ fn has(f: Flavour) -> bool {
     let &(avx2, vnni) = CPU.get_or_init(|| {
         #[cfg(target_arch = "x86_64")]
         {
-            let avx2 = is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma");
+            let avx2 = is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c");
             let vnni = avx2 && is_x86_feature_detected!("avx512vnni") && is_x86_feature_detected!("avx512vl");
             (avx2, vnni)
         }
@@ -273,7 +273,6 @@ use crate::kernels::{for_each_job, SendConstPtr, SendPtr, MAX_MANY};
 
 /// Weight rows per register tile of the SIMD flavours.
 const NR: usize = 4;
-const _: () = assert!(NR == 4, "the row path gathers exactly 4 weight rows");
 
 /// Columns `j0..j1` of one matrix's output.
 struct Job {
@@ -423,11 +422,13 @@ mod simd {
         unsafe fn q4<const C: usize>(xb: *const i8, t: &Tile<'_>, b: usize) -> [__m256i; C];
         /// Whether [`IDot::r8`] leaves `128 * Σx` to subtract.
         const R8_OFFSET: bool;
-        /// One row's Q8_0 block `xr` (32 i8) against weight block values `wq`:
-        /// 8 i32 lanes summing to the dot.
-        unsafe fn r8(xr: *const i8, wq: *const u8) -> __m256i;
-        /// The same for unpacked Q4_1 nibbles.
-        unsafe fn r4(xr: *const i8, nib: *const u8) -> __m256i;
+        /// How [`IDot::r8`] wants a Q8_0 block's 32 values (as loaded).
+        unsafe fn w8(w: __m256i) -> __m256i;
+        /// One row's block `x` (32 i8) against a weight block prepared by
+        /// [`IDot::w8`]: 8 i32 lanes summing to the dot.
+        unsafe fn r8(x: __m256i, w: __m256i) -> __m256i;
+        /// The same for 32 unsigned weight values (Q4_1's nibbles as bytes).
+        unsafe fn r4(x: __m256i, nib: __m256i) -> __m256i;
     }
 
     /// A 4-value chunk of a weight row, broadcast to every lane.
@@ -486,16 +487,19 @@ mod simd {
         const R8_OFFSET: bool = false;
 
         #[inline(always)]
-        unsafe fn r8(xr: *const i8, wq: *const u8) -> __m256i {
-            let (xv, wv) = (_mm256_loadu_si256(xr as *const __m256i), _mm256_loadu_si256(wq as *const __m256i));
-            let p = _mm256_maddubs_epi16(_mm256_abs_epi8(wv), _mm256_sign_epi8(xv, wv));
+        unsafe fn w8(w: __m256i) -> __m256i {
+            w
+        }
+
+        #[inline(always)]
+        unsafe fn r8(x: __m256i, w: __m256i) -> __m256i {
+            let p = _mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(x, w));
             _mm256_madd_epi16(p, _mm256_set1_epi16(1))
         }
 
         #[inline(always)]
-        unsafe fn r4(xr: *const i8, nib: *const u8) -> __m256i {
-            let (xv, wv) = (_mm256_loadu_si256(xr as *const __m256i), _mm256_loadu_si256(nib as *const __m256i));
-            _mm256_madd_epi16(_mm256_maddubs_epi16(wv, xv), _mm256_set1_epi16(1))
+        unsafe fn r4(x: __m256i, nib: __m256i) -> __m256i {
+            _mm256_madd_epi16(_mm256_maddubs_epi16(nib, x), _mm256_set1_epi16(1))
         }
     }
 
@@ -531,16 +535,20 @@ mod simd {
 
         const R8_OFFSET: bool = true;
 
+        /// `w + 128` as unsigned bytes.
         #[inline(always)]
-        unsafe fn r8(xr: *const i8, wq: *const u8) -> __m256i {
-            let (xv, wv) = (_mm256_loadu_si256(xr as *const __m256i), _mm256_loadu_si256(wq as *const __m256i));
-            _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_xor_si256(wv, _mm256_set1_epi8(-128)), xv)
+        unsafe fn w8(w: __m256i) -> __m256i {
+            _mm256_xor_si256(w, _mm256_set1_epi8(-128))
         }
 
         #[inline(always)]
-        unsafe fn r4(xr: *const i8, nib: *const u8) -> __m256i {
-            let (xv, wv) = (_mm256_loadu_si256(xr as *const __m256i), _mm256_loadu_si256(nib as *const __m256i));
-            _mm256_dpbusd_epi32(_mm256_setzero_si256(), wv, xv)
+        unsafe fn r8(x: __m256i, w: __m256i) -> __m256i {
+            _mm256_dpbusd_epi32(_mm256_setzero_si256(), w, x)
+        }
+
+        #[inline(always)]
+        unsafe fn r4(x: __m256i, nib: __m256i) -> __m256i {
+            _mm256_dpbusd_epi32(_mm256_setzero_si256(), nib, x)
         }
     }
 
@@ -566,20 +574,27 @@ mod simd {
         }
     }
 
-    #[target_feature(enable = "avx2,fma")]
+    #[target_feature(enable = "avx2,fma,f16c")]
     pub(super) unsafe fn run_job_avx2(x: &QActs, job: &Job, s: &mut Scratch) {
         run_job::<Avx2>(x, job, s)
     }
 
-    #[target_feature(enable = "avx2,fma,avx512vnni,avx512vl")]
+    #[target_feature(enable = "avx2,fma,f16c,avx512vnni,avx512vl")]
     pub(super) unsafe fn run_job_vnni(x: &QActs, job: &Job, s: &mut Scratch) {
         run_job::<Vnni>(x, job, s)
     }
 
     /// Tiles of `NR` weight rows; each tile is unpacked once, then every
-    /// activation group sweeps it.
+    /// activation group sweeps it. A step of at most [`DIRECT_MAX`] rows
+    /// (decode at small batch) reads the blocks in place instead.
     #[inline(always)]
     unsafe fn run_job<D: IDot>(x: &QActs, job: &Job, s: &mut Scratch) {
+        if x.m <= DIRECT_MAX {
+            return match job.ty {
+                QType::Q8_0 => direct::<D, false>(x, job),
+                QType::Q4_1 => direct::<D, true>(x, job),
+            };
+        }
         let (nb, rb) = (x.blocks(), job.ty.row_bytes(x.k));
         let mut j = job.j0;
         while j < job.j1 {
@@ -588,18 +603,6 @@ mod simd {
             let t = Tile { w: job.w.add(j * rb), rb, nb, s };
             for g in 0..x.groups() {
                 let rows = GROUP.min(x.m - g * GROUP);
-                if rows <= ROW_PATH_MAX {
-                    for r in g * GROUP..g * GROUP + rows {
-                        let out = match job.ty {
-                            QType::Q8_0 => row::<D, false>(x, &t, r, nr),
-                            QType::Q4_1 => row::<D, true>(x, &t, r, nr),
-                        };
-                        for (c, &v) in out[..nr].iter().enumerate() {
-                            *job.y.add(r * job.n + j + c) = v;
-                        }
-                    }
-                    continue;
-                }
                 let out = &mut [[0f32; GROUP]; NR];
                 match (job.ty, nr) {
                     (QType::Q8_0, 4) => tile::<D, 4, false>(x, &t, g, out),
@@ -621,46 +624,111 @@ mod simd {
         }
     }
 
-    /// A group with at most this many rows is computed a row at a time.
-    const ROW_PATH_MAX: usize = 4;
+    /// Steps with at most this many activation rows take [`direct`].
+    pub(super) const DIRECT_MAX: usize = 4;
+    /// Weight rows per [`direct`] tile: one per lane.
+    const DR: usize = 8;
 
-    /// One activation row against the `nr <= 4` weight rows of `t`, a lane
-    /// per weight row: the exact block dots are gathered into lanes with
-    /// integer horizontal adds, then the float sequence is the group path's.
+    /// Activation rows (at most [`DIRECT_MAX`], all in group 0) against 8
+    /// weight rows at a time, a lane per weight row, reading each block in
+    /// place: the values are unpacked in registers, the 8 scales (and
+    /// minimums) gathered and widened from f16 in one go, and the exact
+    /// block dots brought into lanes with integer horizontal adds. The float
+    /// sequence per element is the tile path's, so the results are its bits.
     #[inline(always)]
-    unsafe fn row<D: IDot, const Q4: bool>(x: &QActs, t: &Tile<'_>, r: usize, nr: usize) -> [f32; NR] {
-        let (nb, s) = (x.blocks(), t.s);
-        let (g, l) = (r / GROUP, r % GROUP);
-        let xr = x.rowq.as_ptr().add(r * x.k);
-        let mut acc = _mm_setzero_ps();
-        for b in 0..nb {
-            let mut v = [_mm256_setzero_si256(); NR];
-            let mut dw = [0f32; NR];
-            let mut mw = [0f32; NR];
-            for c in 0..nr {
-                v[c] = if Q4 {
-                    D::r4(xr.add(b * QK), s.vals.as_ptr().add((c * nb + b) * QK))
+    unsafe fn direct<D: IDot, const Q4: bool>(x: &QActs, job: &Job) {
+        let (nb, k, m) = (x.blocks(), x.k, x.m);
+        let (rb, bb) = (job.ty.row_bytes(k), job.ty.block_bytes());
+        let low = _mm_set1_epi8(0x0f);
+        let mut j = job.j0;
+        while j < job.j1 {
+            let nr = DR.min(job.j1 - j);
+            // A short tile repeats its last row; the extra lanes are dropped.
+            let row = |c: usize| c.min(nr - 1) * rb;
+            let base = job.w.add(j * rb);
+            let mut acc = [_mm256_setzero_ps(); DIRECT_MAX];
+            // The tile's 8 rows are 8 streams too short for the hardware
+            // prefetcher to pick up, so the next tile (contiguous) is fetched
+            // ahead, a block column's worth of its bytes per block.
+            let next = base.wrapping_add(DR * rb);
+            for b in 0..nb {
+                let ahead = next.wrapping_add(b * DR * bb);
+                let mut o = 0;
+                while o < DR * bb {
+                    _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(o) as *const i8);
+                    o += 64;
+                }
+                let blk = base.add(b * bb);
+                let mut wv = [_mm256_setzero_si256(); DR];
+                for (c, w) in wv.iter_mut().enumerate() {
+                    let p = blk.add(row(c));
+                    *w = if Q4 {
+                        let q = _mm_loadu_si128(p.add(4) as *const __m128i);
+                        let hi = _mm_and_si128(_mm_srli_epi16::<4>(q), low);
+                        _mm256_set_m128i(hi, _mm_and_si128(q, low))
+                    } else {
+                        D::w8(_mm256_loadu_si256(p.add(2) as *const __m256i))
+                    };
+                }
+                // Each row's f16 scale (and, Q4_1, the f16 minimum after it).
+                let h16 = |o: usize| (blk.add(o) as *const i16).read_unaligned();
+                let dw = _mm256_cvtph_ps(_mm_setr_epi16(
+                    h16(row(0)),
+                    h16(row(1)),
+                    h16(row(2)),
+                    h16(row(3)),
+                    h16(row(4)),
+                    h16(row(5)),
+                    h16(row(6)),
+                    h16(row(7)),
+                ));
+                let mw = if Q4 {
+                    _mm256_cvtph_ps(_mm_setr_epi16(
+                        h16(row(0) + 2),
+                        h16(row(1) + 2),
+                        h16(row(2) + 2),
+                        h16(row(3) + 2),
+                        h16(row(4) + 2),
+                        h16(row(5) + 2),
+                        h16(row(6) + 2),
+                        h16(row(7) + 2),
+                    ))
                 } else {
-                    D::r8(xr.add(b * QK), t.w.add(c * t.rb + b * 34 + 2))
+                    _mm256_setzero_ps()
                 };
-                dw[c] = s.dw[c * nb + b];
-                mw[c] = s.mw[c * nb + b];
+                for (r, a) in acc[..m].iter_mut().enumerate() {
+                    let xv = _mm256_loadu_si256(x.rowq.as_ptr().add(r * k + b * QK) as *const __m256i);
+                    let v: [__m256i; DR] = std::array::from_fn(|c| if Q4 { D::r4(xv, wv[c]) } else { D::r8(xv, wv[c]) });
+                    let mut isum = lanes8(&v);
+                    let si = b * GROUP + r;
+                    if !Q4 && D::R8_OFFSET {
+                        isum = _mm256_sub_epi32(isum, _mm256_set1_epi32(x.sum[si] << 7));
+                    }
+                    let sc = _mm256_mul_ps(dw, _mm256_set1_ps(x.d[si]));
+                    *a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), sc, *a);
+                    if Q4 {
+                        *a = _mm256_fmadd_ps(mw, _mm256_set1_ps(x.dsum[si]), *a);
+                    }
+                }
             }
-            let h = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
-            let mut isum = _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256::<1>(h));
-            let si = (g * nb + b) * GROUP + l;
-            if !Q4 && D::R8_OFFSET {
-                isum = _mm_sub_epi32(isum, _mm_set1_epi32(x.sum[si] << 7));
+            for (r, a) in acc[..m].iter().enumerate() {
+                let mut out = [0f32; DR];
+                _mm256_storeu_ps(out.as_mut_ptr(), *a);
+                for (c, &v) in out[..nr].iter().enumerate() {
+                    *job.y.add(r * job.n + j + c) = v;
+                }
             }
-            let sc = _mm_mul_ps(_mm_loadu_ps(dw.as_ptr()), _mm_set1_ps(x.d[si]));
-            acc = _mm_fmadd_ps(_mm_cvtepi32_ps(isum), sc, acc);
-            if Q4 {
-                acc = _mm_fmadd_ps(_mm_loadu_ps(mw.as_ptr()), _mm_set1_ps(x.dsum[si]), acc);
-            }
+            j += nr;
         }
-        let mut out = [0f32; NR];
-        _mm_storeu_ps(out.as_mut_ptr(), acc);
-        out
+    }
+
+    /// Lane `c` of the result is the sum of the 8 lanes of `v[c]`.
+    #[inline(always)]
+    unsafe fn lanes8(v: &[__m256i; DR]) -> __m256i {
+        let a = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
+        let b = _mm256_hadd_epi32(_mm256_hadd_epi32(v[4], v[5]), _mm256_hadd_epi32(v[6], v[7]));
+        // a = [v0..v3 low-half sums | v0..v3 high-half sums], b likewise for v4..v7.
+        _mm256_add_epi32(_mm256_permute2x128_si256::<0x20>(a, b), _mm256_permute2x128_si256::<0x31>(a, b))
     }
 
     /// One activation group (8 rows, one per lane) against the `C` weight

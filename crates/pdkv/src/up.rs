@@ -413,7 +413,7 @@ async fn supervise(args: &UpArgs, model: &std::path::Path, ports: &Ports, procs:
     }
     ready.push_str(&format!("proxy: {url}\ntry:\n"));
     ready.push_str(&format!(
-        "  curl -s {url}/v1/chat/completions -H 'Content-Type: application/json' \\\n    -d '{{\"messages\":[{{\"role\":\"user\",\"content\":\"What is the capital of France?\"}}],\"max_tokens\":32}}'\n"
+        "  curl -s {url}/v1/chat/completions -H 'Content-Type: application/json' \\\n    -d '{{\"messages\":[{{\"role\":\"user\",\"content\":\"Name the capital city of France.\"}}],\"max_tokens\":32}}'\n"
     ));
     let _ = std::io::stdout().lock().write_all(ready.as_bytes());
     let _ = std::io::stdout().flush();

@@ -165,7 +165,7 @@ async fn smollm2_answers_paris() {
     let s = serve(&["--model", path.to_str().unwrap(), "--num-kv-blocks", "128"], &[]);
     let client = reqwest::Client::new();
     wait_healthy(&client, &s.url("/health")).await;
-    let question = json!([{"role": "user", "content": "What is the capital of France?"}]);
+    let question = json!([{"role": "user", "content": "Name the capital city of France."}]);
 
     let body: Value = client
         .post(s.url("/v1/chat/completions"))

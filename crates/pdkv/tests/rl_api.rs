@@ -209,7 +209,7 @@ async fn logit_bias_min_tokens_and_stop_token_ids_take_effect() {
 
     // A greedy chat answer ends early on EOS; min_tokens keeps it going.
     let chat_url = s.url("/v1/chat/completions");
-    let messages = json!([{"role": "user", "content": "What is the capital of France?"}]);
+    let messages = json!([{"role": "user", "content": "Name the capital city of France."}]);
     let plain = ok(&client, chat_url.clone(), &json!({"messages": messages, "max_tokens": 40, "temperature": 0, "return_token_ids": true})).await;
     let plain_ids = ids(&plain["choices"][0]["token_ids"]);
     assert_eq!(plain["choices"][0]["finish_reason"], "stop", "{plain}");
