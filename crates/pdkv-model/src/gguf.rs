@@ -57,7 +57,12 @@ impl GgmlType {
     pub const F16: GgmlType = GgmlType(1);
     pub const Q4_0: GgmlType = GgmlType(2);
     pub const Q4_1: GgmlType = GgmlType(3);
+    pub const Q5_0: GgmlType = GgmlType(6);
+    pub const Q5_1: GgmlType = GgmlType(7);
     pub const Q8_0: GgmlType = GgmlType(8);
+    pub const Q4_K: GgmlType = GgmlType(12);
+    pub const Q5_K: GgmlType = GgmlType(13);
+    pub const Q6_K: GgmlType = GgmlType(14);
     pub const BF16: GgmlType = GgmlType(30);
 
     /// The name ggml uses for this type, when known.
@@ -122,7 +127,12 @@ impl GgmlType {
                 | GgmlType::BF16
                 | GgmlType::Q4_0
                 | GgmlType::Q4_1
+                | GgmlType::Q5_0
+                | GgmlType::Q5_1
                 | GgmlType::Q8_0
+                | GgmlType::Q4_K
+                | GgmlType::Q5_K
+                | GgmlType::Q6_K
         )
     }
 }
@@ -635,6 +645,32 @@ impl GgufFile {
     }
 }
 
+/// Scale and minimum (6 bits each) of sub-block `j` (0..8) of a Q4_K/Q5_K
+/// super-block: sub-blocks 0..4 in the low 6 bits of bytes `j` and `j+4`,
+/// 4..8 in the nibbles of bytes `j+4` with their top 2 bits in the top
+/// bits of bytes `j-4` and `j`.
+pub(crate) fn k_scale_min(s: &[u8; 12], j: usize) -> (u8, u8) {
+    if j < 4 {
+        (s[j] & 63, s[j + 4] & 63)
+    } else {
+        ((s[j + 4] & 0x0f) | (s[j - 4] >> 6) << 4, (s[j + 4] >> 4) | (s[j] >> 6) << 4)
+    }
+}
+
+/// Value `i` (0..256, unsigned 6 bits) of a Q6_K super-block `b`. In each
+/// 128-value half, value `32*g + l` (g = 0..4) takes its low nibble from
+/// byte `l` (g even) or `l + 32` (g odd) of the half's 64 bytes of `ql`,
+/// the low nibble for g < 2 and the high one after; its top 2 bits are bits
+/// `2g..2g+2` of byte `l` of the half's 32 bytes of `qh`.
+pub(crate) fn k6_value(b: &[u8], i: usize) -> u8 {
+    let (half, r) = (i / 128, i % 128);
+    let (g, l) = (r / 32, r % 32);
+    let ql = b[half * 64 + l + (g % 2) * 32];
+    let lo = if g < 2 { ql & 0x0f } else { ql >> 4 };
+    let hi = (b[128 + half * 32 + l] >> (2 * g)) & 3;
+    lo | hi << 4
+}
+
 /// Dequantises `data` of type `ty` into `out`; `out.len()` values must be a
 /// whole number of blocks and `data` exactly their size.
 pub fn dequantize(ty: GgmlType, data: &[u8], out: &mut [f32]) -> Result<()> {
@@ -699,6 +735,68 @@ pub fn dequantize(ty: GgmlType, data: &[u8], out: &mut [f32]) -> Result<()> {
                 for (j, &q) in b[4..20].iter().enumerate() {
                     o[j] = d * f32::from(q & 0x0f) + m;
                     o[j + 16] = d * f32::from(q >> 4) + m;
+                }
+            }
+        }
+        GgmlType::Q5_0 | GgmlType::Q5_1 => {
+            // f16 d, (Q5_1) f16 m, 32 fifth bits, 16 bytes of low nibbles
+            // laid out as in Q4_0; Q5_0 x = d*(q - 16), Q5_1 x = d*q + m.
+            let one = ty == GgmlType::Q5_1;
+            let bb = if one { 24 } else { 22 };
+            for (o, b) in out.chunks_exact_mut(32).zip(data.chunks_exact(bb)) {
+                let d = f16_at(b, 0);
+                let m = if one { f16_at(b, 2) } else { 0.0 };
+                let h = if one { 4 } else { 2 };
+                let qh = u32::from_le_bytes([b[h], b[h + 1], b[h + 2], b[h + 3]]);
+                for (j, &q) in b[h + 4..h + 20].iter().enumerate() {
+                    let lo = (q & 0x0f) as u32 | ((qh >> j) & 1) << 4;
+                    let hi = (q >> 4) as u32 | ((qh >> (j + 16)) & 1) << 4;
+                    if one {
+                        o[j] = d * lo as f32 + m;
+                        o[j + 16] = d * hi as f32 + m;
+                    } else {
+                        o[j] = d * (lo as f32 - 16.0);
+                        o[j + 16] = d * (hi as f32 - 16.0);
+                    }
+                }
+            }
+        }
+        GgmlType::Q4_K | GgmlType::Q5_K => {
+            // Super-blocks of 256: f16 d, f16 dmin, 12 bytes of 6-bit scales
+            // and minimums for 8 sub-blocks of 32, (Q5_K) 32 bytes of fifth
+            // bits, 128 bytes of nibbles (a 64-value chunk's 32 bytes hold
+            // sub-block 2i in the low nibbles, 2i+1 in the high ones);
+            // x = d*sc*q - dmin*m.
+            let five = ty == GgmlType::Q5_K;
+            let bb = if five { 176 } else { 144 };
+            for (o, b) in out.chunks_exact_mut(256).zip(data.chunks_exact(bb)) {
+                let (d, dmin) = (f16_at(b, 0), f16_at(b, 2));
+                let scales: &[u8; 12] = b[4..16].try_into().expect("12 bytes");
+                let (qh, qs) = if five { (&b[16..48], &b[48..176]) } else { (&b[0..0], &b[16..144]) };
+                for sub in 0..8 {
+                    let (sc, mn) = k_scale_min(scales, sub);
+                    let (dl, ml) = (d * sc as f32, dmin * mn as f32);
+                    let chunk = &qs[sub / 2 * 32..sub / 2 * 32 + 32];
+                    for (l, &q) in chunk.iter().enumerate() {
+                        let mut v = if sub % 2 == 0 { q & 0x0f } else { q >> 4 };
+                        if five && qh[l] >> sub & 1 == 1 {
+                            v += 16;
+                        }
+                        o[sub * 32 + l] = dl * v as f32 - ml;
+                    }
+                }
+            }
+        }
+        GgmlType::Q6_K => {
+            // Super-blocks of 256: 128 bytes of low nibbles, 64 bytes of
+            // high 2-bit pairs, 16 i8 scales (one per 16 values), f16 d;
+            // x = d*sc*(q - 32).
+            for (o, b) in out.chunks_exact_mut(256).zip(data.chunks_exact(210)) {
+                let d = f16_at(b, 208);
+                for i in 0..256 {
+                    let q = k6_value(b, i);
+                    let sc = b[192 + i / 16] as i8;
+                    o[i] = d * sc as f32 * (q as f32 - 32.0);
                 }
             }
         }

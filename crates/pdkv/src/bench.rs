@@ -31,6 +31,53 @@ pub struct DecodeArgs {
     pub steps: usize,
 }
 
+#[derive(Args, Debug)]
+pub struct PrefillArgs {
+    /// A `.gguf` file or Hugging Face directory (default: the cached SmolLM2).
+    #[arg(long)]
+    pub model: Option<PathBuf>,
+    /// Comma-separated prompt lengths in tokens.
+    #[arg(long, value_delimiter = ',', default_value = "512,2048")]
+    pub tokens: Vec<usize>,
+    /// Tokens per forward step (the server's `--max-num-batched-tokens`).
+    #[arg(long, default_value_t = 512)]
+    pub chunk: usize,
+    /// Timed prompts per length (the best is reported; one untimed prompt warms up first).
+    #[arg(long, default_value_t = 2)]
+    pub repeats: usize,
+}
+
+pub fn run_prefill(args: PrefillArgs) -> anyhow::Result<()> {
+    anyhow::ensure!(!args.tokens.is_empty(), "--tokens is empty");
+    anyhow::ensure!(args.tokens.iter().all(|&t| t > 0), "prompt lengths must be positive");
+    anyhow::ensure!(args.chunk > 0 && args.repeats > 0, "--chunk and --repeats must be positive");
+    let pool = Pool::default();
+    let (path, loaded) = progress::load_model(args.model, &pool)?;
+    let model = &loaded.model;
+    let max_len = model.config().max_position_embeddings;
+    if let Some(&t) = args.tokens.iter().find(|&&t| t > max_len) {
+        anyhow::bail!("--tokens {t} exceeds the model's context of {max_len}");
+    }
+    println!("model: {} ({})", loaded.name, path.display());
+    println!("chunks of {} tokens, best of {} prompts", args.chunk, args.repeats);
+    println!("{:>7} {:>12}", "tokens", "tok/s");
+    pdkv_model::bench::prefill_throughput(model, &pool, args.tokens[0].min(args.chunk), args.chunk)?;
+    let mut per_len: Vec<(usize, f64)> = Vec::new();
+    for &tokens in &args.tokens {
+        let mut best = 0f64;
+        for _ in 0..args.repeats {
+            let t = pdkv_model::bench::prefill_throughput(model, &pool, tokens, args.chunk)
+                .with_context(|| format!("a prompt of {tokens} tokens"))?;
+            best = best.max(t);
+        }
+        println!("{tokens:>7} {best:>12.1}");
+        per_len.push((tokens, best));
+    }
+    let fields: Vec<String> = per_len.iter().map(|(n, t)| format!("\"{n}\":{}", json!(t))).collect();
+    println!("{{\"chunk\":{},\"prefill_tok_s\":{{{}}}}}", args.chunk, fields.join(","));
+    Ok(())
+}
+
 pub fn run_decode(args: DecodeArgs) -> anyhow::Result<()> {
     anyhow::ensure!(!args.batch_sizes.is_empty(), "--batch-sizes is empty");
     anyhow::ensure!(args.batch_sizes.iter().all(|&b| b > 0), "batch sizes must be positive");

@@ -95,6 +95,8 @@ struct InitArgs {
 enum BenchCommand {
     /// Decode throughput per batch size, against the memory-bandwidth roofline.
     Decode(bench::DecodeArgs),
+    /// Prompt-processing throughput: one prompt per length, computed in chunks as the server would.
+    Prefill(bench::PrefillArgs),
     /// Sleep and wake latency and memory per sleep level, with a greedy
     /// probe checking that outputs after every wake equal the awake run.
     Sleep(bench_sleep::SleepArgs),
@@ -137,6 +139,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             Ok(())
         }
         Command::Bench(BenchCommand::Decode(args)) => bench::run_decode(args),
+        Command::Bench(BenchCommand::Prefill(args)) => bench::run_prefill(args),
         Command::Bench(BenchCommand::Sleep(args)) => bench_sleep::run_sleep(args),
         Command::Bench(BenchCommand::Transfer(args)) => bench_transfer::run_transfer(args),
         Command::Bench(BenchCommand::Pd(args)) => bench_pd::run_pd_bench(args),

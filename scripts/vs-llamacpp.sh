@@ -1,0 +1,157 @@
+#!/usr/bin/env bash
+# pdkv beside llama.cpp on the same GGUF files, in one run on this machine, as ratios.
+#
+#   scripts/vs-llamacpp.sh [--runs N] [--only decode,prefill,http] [--threads T]
+#
+# Builds llama.cpp's tools once (../shared/tools/build-llama-cpp.sh, ~10 min,
+# cached), makes a Q8_0 file from the shipped Q4_1 SmolLM2 with llama-quantize
+# (cached beside it), then, each pair measured back to back and repeated
+# --runs times (the median is reported; the machine's noise shows as the
+# spread):
+#   decode   llama-batched-bench -npp 128 -ntg 32 -npl 1,32  vs  pdkv bench decode --context 128
+#   prefill  llama-bench -p 512,2048 -n 0                      vs  pdkv bench prefill --tokens 512,2048
+#   http     llama-server -np 32 and pdkv serve on the Q8_0 file, the same client
+#            (pdkv bench serve --url: streamed /v1/completions, greedy, EOS ignored)
+#            at concurrency 1 and 32
+# Prints one table and writes the raw figures as JSON to target/vs-llamacpp.json.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+RUNS=3
+ONLY=decode,prefill,http
+THREADS=$(nproc)
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --runs) RUNS=$2; shift 2 ;;
+    --only) ONLY=$2; shift 2 ;;
+    --threads) THREADS=$2; shift 2 ;;
+    *) echo "unknown argument: $1" >&2; exit 2 ;;
+  esac
+done
+want() { [[ ",$ONLY," == *",$1,"* ]]; }
+
+echo "building pdkv (release)" >&2
+cargo build --release -q -p pdkv
+PDKV=$PWD/target/release/pdkv
+echo "building llama.cpp's tools (cached after the first time)" >&2
+B=$(../shared/tools/build-llama-cpp.sh | tail -1)
+export LD_LIBRARY_PATH=$B
+Q41=$("$PDKV" model fetch 2>/dev/null | tail -1)
+[ -f "$Q41" ] || Q41=~/.cache/pdkv/models/SmolLM2-135M-Instruct.Q4_1.gguf
+[ -f "$Q41" ] || { echo "no SmolLM2 GGUF: run pdkv model fetch" >&2; exit 1; }
+Q80=${Q41%.Q4_1.gguf}.Q8_0.gguf
+if [ ! -f "$Q80" ]; then
+  echo "making $Q80 with llama-quantize" >&2
+  "$B/llama-quantize" --allow-requantize "$Q41" "$Q80.tmp" Q8_0 "$THREADS" >/dev/null 2>&1
+  mv "$Q80.tmp" "$Q80"
+fi
+OUT=$(mktemp -d)
+trap 'kill $(jobs -p) 2>/dev/null || true; rm -rf "$OUT"' EXIT
+export PDKV_THREADS=$THREADS
+
+# One JSON line per measurement: {"what":..., "file":..., "tool":..., "value":...}
+RES=$OUT/results.jsonl
+: > "$RES"
+record() { printf '{"what":"%s","file":"%s","tool":"%s","value":%s}\n' "$1" "$2" "$3" "$4" >> "$RES"; }
+
+if want decode; then
+  for f in "$Q80" "$Q41"; do
+    name=$(basename "$f")
+    for r in $(seq "$RUNS"); do
+      echo "decode $name run $r/$RUNS" >&2
+      "$B/llama-batched-bench" -m "$f" -t "$THREADS" -tb "$THREADS" -c 8192 -b 2048 -ub 512 \
+        -npp 128 -ntg 32 -npl 1,32 > "$OUT/bb.txt" 2>/dev/null
+      # | PP | TG | B | N_KV | T_PP | S_PP | T_TG | S_TG | T | S |
+      awk -F'|' '$4+0 > 0 { gsub(/ /, "", $4); gsub(/ /, "", $9); print $4, $9 }' "$OUT/bb.txt" |
+        while read -r b tg; do record "decode_b$b" "$name" llama.cpp "$tg"; done
+      "$PDKV" bench decode --model "$f" --batch-sizes 1,32 --context 128 --steps 32 2>/dev/null | tail -1 > "$OUT/pd.json"
+      python3 -c 'import json,sys; d=json.load(open(sys.argv[1]))["decode_tok_s"]; [print(b, v) for b, v in d.items()]' "$OUT/pd.json" |
+        while read -r b tg; do record "decode_b$b" "$name" pdkv "$tg"; done
+    done
+  done
+fi
+
+if want prefill; then
+  name=$(basename "$Q80")
+  for r in $(seq "$RUNS"); do
+    echo "prefill $name run $r/$RUNS" >&2
+    "$B/llama-bench" -m "$Q80" -t "$THREADS" -p 512,2048 -n 0 -r 1 -o json > "$OUT/lb.json" 2>/dev/null
+    python3 -c 'import json,sys; [print(x["n_prompt"], x["avg_ts"]) for x in json.load(open(sys.argv[1]))]' "$OUT/lb.json" |
+      while read -r n ts; do record "prefill_$n" "$name" llama.cpp "$ts"; done
+    "$PDKV" bench prefill --model "$Q80" --tokens 512,2048 2>/dev/null | tail -1 > "$OUT/pp.json"
+    python3 -c 'import json,sys; d=json.load(open(sys.argv[1]))["prefill_tok_s"]; [print(n, v) for n, v in d.items()]' "$OUT/pp.json" |
+      while read -r n ts; do record "prefill_$n" "$name" pdkv "$ts"; done
+  done
+fi
+
+# Waits (bounded) until $1/health answers 200.
+wait_health() {
+  for _ in $(seq 600); do
+    curl -sf -o /dev/null "$1/health" && return 0
+    sleep 0.5
+  done
+  echo "$1 did not become healthy within 300 s" >&2
+  return 1
+}
+
+http_load() { # url concurrency requests -> output tok/s
+  "$PDKV" bench serve --url "$1" --concurrency "$2" --requests "$3" --max-tokens 64 --prompt-words 80 \
+    --disconnect-share 0 --warmup-s 0 --sample-s 5 --request-timeout-s 300 2>"$OUT/serve.err" | tail -1 > "$OUT/serve.json"
+  python3 - "$OUT/serve.json" <<'EOF'
+import json, sys
+d = json.load(open(sys.argv[1]))
+r = d["requests"]
+if r["failed"]:
+    sys.exit(f"{r['failed']} requests failed: {d['requests']['failed_by_cause']}")
+print(d["output_tok_per_s"])
+EOF
+}
+
+if want http; then
+  name=$(basename "$Q80")
+  LPORT=18431
+  PPORT=18432
+  for r in $(seq "$RUNS"); do
+    for c in 1 32; do
+      n=$((c == 1 ? 8 : 96))
+      echo "http c$c run $r/$RUNS: llama-server" >&2
+      "$B/llama-server" -m "$Q80" -t "$THREADS" -tb "$THREADS" -np 32 -c $((32 * 512)) --port $LPORT \
+        --host 127.0.0.1 > "$OUT/ls.log" 2>&1 &
+      lpid=$!
+      wait_health "http://127.0.0.1:$LPORT"
+      v=$(http_load "http://127.0.0.1:$LPORT" "$c" "$n")
+      record "http_c$c" "$name" llama.cpp "$v"
+      kill $lpid; wait $lpid 2>/dev/null || true
+      echo "http c$c run $r/$RUNS: pdkv serve" >&2
+      "$PDKV" serve --model "$Q80" --port $PPORT > "$OUT/ps.log" 2>&1 &
+      ppid=$!
+      wait_health "http://127.0.0.1:$PPORT"
+      v=$(http_load "http://127.0.0.1:$PPORT" "$c" "$n")
+      record "http_c$c" "$name" pdkv "$v"
+      kill $ppid; wait $ppid 2>/dev/null || true
+    done
+  done
+fi
+
+mkdir -p target
+python3 - "$RES" target/vs-llamacpp.json "$(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs)" "$THREADS" <<'EOF'
+import json, statistics, sys
+rows = [json.loads(l) for l in open(sys.argv[1])]
+keys = []
+for r in rows:
+    k = (r["what"], r["file"])
+    if k not in keys:
+        keys.append(k)
+print(f"cpu: {sys.argv[3]}, {sys.argv[4]} threads; medians of the runs (tok/s)")
+print(f"{'measure':<14} {'file':<34} {'llama.cpp':>10} {'pdkv':>10} {'ratio':>7}   runs pdkv / llama.cpp")
+table = []
+for what, f in keys:
+    v = {t: [r["value"] for r in rows if (r["what"], r["file"], r["tool"]) == (what, f, t)] for t in ("llama.cpp", "pdkv")}
+    if not v["llama.cpp"] or not v["pdkv"]:
+        continue
+    l, p = statistics.median(v["llama.cpp"]), statistics.median(v["pdkv"])
+    spread = " ".join(f"{x:.0f}" for x in v["pdkv"]) + " / " + " ".join(f"{x:.0f}" for x in v["llama.cpp"])
+    print(f"{what:<14} {f:<34} {l:>10.1f} {p:>10.1f} {p / l:>6.2f}x   {spread}")
+    table.append({"measure": what, "file": f, "llama_cpp": l, "pdkv": p, "ratio": p / l, "runs": v})
+json.dump({"cpu": sys.argv[3], "threads": int(sys.argv[4]), "results": table}, open(sys.argv[2], "w"), indent=1)
+EOF
