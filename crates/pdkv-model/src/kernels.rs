@@ -494,6 +494,26 @@ mod avx2 {
         _mm_cvtss_f32(s1)
     }
 
+    /// Lane `i` of the result is `hsum(v[i])`, with the very same additions:
+    /// `((a0+a4) + (a2+a6)) + ((a1+a5) + (a3+a7))`.
+    #[inline(always)]
+    pub(super) unsafe fn hsum8(v: &[__m256; 8]) -> __m256 {
+        // [x.lo + x.hi | y.lo + y.hi]: hsum's first step for two vectors.
+        let halves = |x: __m256, y: __m256| {
+            _mm256_add_ps(_mm256_permute2f128_ps::<0x20>(x, y), _mm256_permute2f128_ps::<0x31>(x, y))
+        };
+        // Per 128-bit lane [b0+b2, b1+b3] of x, then of y: the second step.
+        let pairs = |x: __m256, y: __m256| {
+            _mm256_add_ps(_mm256_shuffle_ps::<0b01_00_01_00>(x, y), _mm256_shuffle_ps::<0b11_10_11_10>(x, y))
+        };
+        // The last step leaves lanes in the order (0, 2, 1, 3) per half, so
+        // the inputs go in as 0, 2, 1, 3, 4, 6, 5, 7.
+        let (w0, w1) = (halves(v[0], v[4]), halves(v[2], v[6]));
+        let (w2, w3) = (halves(v[1], v[5]), halves(v[3], v[7]));
+        let (u, z) = (pairs(w0, w2), pairs(w1, w3));
+        _mm256_add_ps(_mm256_shuffle_ps::<0b10_00_10_00>(u, z), _mm256_shuffle_ps::<0b11_01_11_01>(u, z))
+    }
+
     /// `MR x NR` register tile: `MR` rows of `x` (stride `k`) against `NR`
     /// rows of `w` (stride `k`), into `y` (row stride `ldy`).
     #[inline(always)]
@@ -603,9 +623,36 @@ mod avx2 {
         let n = args.pos + 1;
         let scores = &mut scores[..n];
         let rows = &args.rows;
-        let mut max = f32::NEG_INFINITY;
-        for (t, s) in scores.iter_mut().enumerate() {
-            *s = dot(args.q.as_ptr(), rows.k_row(t), hd) * args.scale;
+        let q = args.q.as_ptr();
+        // Keys 8 at a time (a group of 8 never straddles a block when the
+        // block size is a multiple of 8): 8 dots side by side, reduced
+        // together in `hsum`'s order, so each score has `dot`'s bits.
+        let mut t = 0;
+        let mut maxv = _mm256_set1_ps(f32::NEG_INFINITY);
+        if rows.block_size % 8 == 0 && hd % 8 == 0 {
+            let scale = _mm256_set1_ps(args.scale);
+            while t + 8 <= n {
+                let k0 = rows.k_row(t);
+                let mut acc = [_mm256_setzero_ps(); 8];
+                let mut p = 0;
+                while p < hd {
+                    let qv = _mm256_loadu_ps(q.add(p));
+                    for (i, a) in acc.iter_mut().enumerate() {
+                        *a = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0.add(i * rows.row_stride + p)), *a);
+                    }
+                    p += 8;
+                }
+                let s = _mm256_mul_ps(hsum8(&acc), scale);
+                _mm256_storeu_ps(scores.as_mut_ptr().add(t), s);
+                maxv = _mm256_max_ps(maxv, s);
+                t += 8;
+            }
+        }
+        let mut lanes = [0f32; 8];
+        _mm256_storeu_ps(lanes.as_mut_ptr(), maxv);
+        let mut max = lanes.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
+        for (t, s) in scores.iter_mut().enumerate().skip(t) {
+            *s = dot(q, rows.k_row(t), hd) * args.scale;
             max = max.max(*s);
         }
         let n8 = n & !7;
@@ -619,44 +666,67 @@ mod avx2 {
         for s in &mut scores[n8..] {
             *s = exp1(*s - max);
         }
-        let mut sum = 0f64;
-        for &e in scores.iter() {
-            sum += e as f64;
+        // Four running sums (position t into sum t % 4), so the additions
+        // do not wait on each other; a fixed order all the same.
+        let mut sums = [0f64; 4];
+        let quads = scores.chunks_exact(4);
+        let rest = quads.remainder();
+        for quad in quads {
+            for (acc, &e) in sums.iter_mut().zip(quad) {
+                *acc += e as f64;
+            }
         }
-        let inv = (1.0 / sum) as f32;
+        for (acc, &e) in sums.iter_mut().zip(rest) {
+            *acc += e as f64;
+        }
+        let inv = (1.0 / ((sums[0] + sums[1]) + (sums[2] + sums[3]))) as f32;
         for s in scores.iter_mut() {
             *s *= inv;
         }
 
+        // out = Σ p_t · v_t in position order, a block of positions at a
+        // time (its rows at a fixed stride, no lookup per position).
+        let bs = rows.block_size;
+        let v_rows = |f: &mut dyn FnMut(*const f32, &[f32])| {
+            for (bi, &blk) in rows.block_table[..n.div_ceil(bs)].iter().enumerate() {
+                let base = rows.base.wrapping_add(blk as usize * rows.block_stride + rows.head_offset + rows.v_offset);
+                f(base, &scores[bi * bs..((bi + 1) * bs).min(n)]);
+            }
+        };
         let mut c = 0;
-        while c + 32 <= hd {
-            let mut acc = [_mm256_setzero_ps(); 4];
-            for (t, &p) in scores.iter().enumerate() {
-                let v = rows.k_row(t).add(rows.v_offset + c);
-                let pv = _mm256_set1_ps(p);
-                for (i, a) in acc.iter_mut().enumerate() {
-                    *a = _mm256_fmadd_ps(pv, _mm256_loadu_ps(v.add(8 * i)), *a);
+        while c + 64 <= hd {
+            let mut acc = [_mm256_setzero_ps(); 8];
+            v_rows(&mut |base, ps| {
+                for (i, &p) in ps.iter().enumerate() {
+                    let v = base.add(i * rows.row_stride + c);
+                    let pv = _mm256_set1_ps(p);
+                    for (j, a) in acc.iter_mut().enumerate() {
+                        *a = _mm256_fmadd_ps(pv, _mm256_loadu_ps(v.add(8 * j)), *a);
+                    }
                 }
+            });
+            for (j, a) in acc.iter().enumerate() {
+                _mm256_storeu_ps(out.as_mut_ptr().add(c + 8 * j), *a);
             }
-            for (i, a) in acc.iter().enumerate() {
-                _mm256_storeu_ps(out.as_mut_ptr().add(c + 8 * i), *a);
-            }
-            c += 32;
+            c += 64;
         }
         while c + 8 <= hd {
             let mut acc = _mm256_setzero_ps();
-            for (t, &p) in scores.iter().enumerate() {
-                let v = rows.k_row(t).add(rows.v_offset + c);
-                acc = _mm256_fmadd_ps(_mm256_set1_ps(p), _mm256_loadu_ps(v), acc);
-            }
+            v_rows(&mut |base, ps| {
+                for (i, &p) in ps.iter().enumerate() {
+                    acc = _mm256_fmadd_ps(_mm256_set1_ps(p), _mm256_loadu_ps(base.add(i * rows.row_stride + c)), acc);
+                }
+            });
             _mm256_storeu_ps(out.as_mut_ptr().add(c), acc);
             c += 8;
         }
         while c < hd {
             let mut acc = 0f32;
-            for (t, &p) in scores.iter().enumerate() {
-                acc = p.mul_add(*rows.k_row(t).add(rows.v_offset + c), acc);
-            }
+            v_rows(&mut |base, ps| {
+                for (i, &p) in ps.iter().enumerate() {
+                    acc = p.mul_add(*base.add(i * rows.row_stride + c), acc);
+                }
+            });
             out[c] = acc;
             c += 1;
         }
@@ -1097,6 +1167,70 @@ mod tests {
         let mut y = [0f32];
         matmul(&a, 1, k, &b, 1, &mut y);
         assert_eq!(dot(&a, &b).to_bits(), y[0].to_bits());
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn hsum8_lanes_are_hsum_bit_for_bit() {
+        if backend() != Backend::Avx2Fma {
+            return;
+        }
+        for seed in 0..200 {
+            let vals = rand_vec(100 + seed, 64);
+            // Wide exponent spread, so any change in the order of additions shows.
+            let vals: Vec<f32> = vals.iter().enumerate().map(|(i, v)| v * 2f32.powi((i % 13) as i32 * 3 - 18)).collect();
+            // SAFETY: AVX2 is present (the backend); 64 floats are read.
+            unsafe {
+                use std::arch::x86_64::*;
+                let v: [__m256; 8] = std::array::from_fn(|i| _mm256_loadu_ps(vals.as_ptr().add(8 * i)));
+                let mut got = [0f32; 8];
+                _mm256_storeu_ps(got.as_mut_ptr(), avx2::hsum8(&v));
+                for i in 0..8 {
+                    assert_eq!(got[i].to_bits(), avx2::hsum(v[i]).to_bits(), "seed {seed} lane {i}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn attend_matches_an_f64_softmax_over_paged_rows() {
+        // Two heads of `hd` in rows of `2*hd + 8` floats (V a slab of K rows
+        // further), in blocks of 8 positions laid out out of order; head
+        // sizes that take every path of the kernels (64-, 32-, 8-wide, single).
+        for hd in [16, 20, 64, 72, 100] {
+            let (row_stride, block_size) = (2 * hd + 8, 8);
+            let table = [3u32, 0, 2, 1, 4];
+            let slab = block_size * row_stride;
+            let kv = rand_vec(21, table.len() * 2 * slab);
+            let q = rand_vec(22, hd);
+            let mut scores = vec![0f32; 64];
+            for head in 0..2 {
+                let rows = PagedRows {
+                    base: kv.as_ptr(),
+                    block_table: &table,
+                    block_size,
+                    block_stride: 2 * slab,
+                    row_stride,
+                    head_offset: head * hd,
+                    v_offset: slab,
+                };
+                for pos in [0, 6, 7, 8, 15, 16, 30, 39] {
+                    let mut out = vec![0f32; hd];
+                    // SAFETY: every position up to 39 has K and V rows in `kv`.
+                    unsafe { attend(&AttendArgs { q: &q, pos, rows, scale: 0.25 }, &mut scores, &mut out) };
+                    let k_off = |t: usize| table[t / block_size] as usize * 2 * slab + (t % block_size) * row_stride + head * hd;
+                    let s: Vec<f64> =
+                        (0..=pos).map(|t| 0.25 * q.iter().zip(&kv[k_off(t)..]).map(|(a, b)| *a as f64 * *b as f64).sum::<f64>()).collect();
+                    let max = s.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                    let e: Vec<f64> = s.iter().map(|v| (v - max).exp()).collect();
+                    let z: f64 = e.iter().sum();
+                    for c in 0..hd {
+                        let want: f64 = (0..=pos).map(|t| e[t] / z * kv[k_off(t) + slab + c] as f64).sum();
+                        assert!((out[c] as f64 - want).abs() < 1e-5, "hd {hd} head {head} pos {pos} dim {c}: {} vs {want}", out[c]);
+                    }
+                }
+            }
+        }
     }
 
     #[test]
