@@ -96,13 +96,18 @@ wait_health() {
 
 http_load() { # url concurrency requests -> output tok/s
   "$PDKV" bench serve --url "$1" --concurrency "$2" --requests "$3" --max-tokens 64 --prompt-words 80 \
-    --disconnect-share 0 --warmup-s 0 --sample-s 5 --request-timeout-s 300 2>"$OUT/serve.err" | tail -1 > "$OUT/serve.json"
+    --disconnect-share 0 --warmup-s 0 --sample-s 5 --request-timeout-s 300 --fresh-connections 2>"$OUT/serve.err" | tail -1 > "$OUT/serve.json"
   python3 - "$OUT/serve.json" <<'EOF'
 import json, sys
 d = json.load(open(sys.argv[1]))
 r = d["requests"]
+# A server may close a kept-alive connection just as the client reuses it
+# (llama-server does, now and then): a few such failures are reported and
+# the throughput of the rest stands; more mean the run is void.
 if r["failed"]:
-    sys.exit(f"{r['failed']} requests failed: {d['requests']['failed_by_cause']}")
+    print(f"{r['failed']} of {r['ok'] + r['failed']} requests failed: {r['failed_by_cause']}", file=sys.stderr)
+if r["failed"] > 0.05 * (r["ok"] + r["failed"]):
+    sys.exit("too many failures")
 print(d["output_tok_per_s"])
 EOF
 }

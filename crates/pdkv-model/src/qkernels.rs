@@ -336,8 +336,9 @@ unsafe fn run_job(fl: Flavour, x: &QActs, job: &Job) {
 
 /// Weight rows of one register tile, unpacked once and reused by every
 /// activation group: per row `c`, block `b`, the scale `dw[c*nb + b]`, and
-/// for Q4_1 the minimum `mw[c*nb + b]` and the 32 nibbles as bytes at
-/// `vals[(c*nb + b)*32..]` (Q8_0 values are read from the blocks in place).
+/// the 32 values as bytes at `vals[(c*nb + b)*32..]` (Q4_1's nibbles; Q8_0's
+/// values plus 128, for VNNI's unsigned operand), and Q4_1's minimum
+/// `mw[c*nb + b]`.
 #[derive(Default)]
 struct Scratch {
     vals: Vec<u8>,
@@ -509,12 +510,12 @@ mod simd {
         /// `(w + 128)` as unsigned times `x`, minus `128 * Σx`.
         #[inline(always)]
         unsafe fn q8<const C: usize>(xb: *const i8, sumx: *const i32, t: &Tile<'_>, b: usize) -> [__m256i; C] {
-            let flip = _mm256_set1_epi8(-128);
+            // `prep` left `w + 128` in the scratch, where Q4_1 keeps its nibbles.
             let mut isum = [_mm256_setzero_si256(); C];
             for i in 0..QK / 4 {
                 let xv = _mm256_loadu_si256(xb.add(i * 32) as *const __m256i);
                 for (c, acc) in isum.iter_mut().enumerate() {
-                    *acc = _mm256_dpbusd_epi32(*acc, _mm256_xor_si256(q8_chunk(t, c, b, i), flip), xv);
+                    *acc = _mm256_dpbusd_epi32(*acc, q4_chunk(t, c, b, i), xv);
                 }
             }
             let corr = _mm256_slli_epi32::<7>(_mm256_loadu_si256(sumx as *const __m256i));
@@ -552,7 +553,7 @@ mod simd {
         }
     }
 
-    /// Unpacks the scales (and Q4_1's minimums and nibbles) of `rows` rows.
+    /// Unpacks the scales, values (and Q4_1's minimums) of `rows` rows.
     #[inline(always)]
     unsafe fn prep(s: &mut Scratch, ty: QType, w: *const u8, rb: usize, rows: usize, nb: usize) {
         s.reserve(rows, nb);
@@ -563,12 +564,19 @@ mod simd {
                 let blk = w.add(c * rb + b * bb);
                 let i = c * nb + b;
                 s.dw[i] = f16_at(blk);
+                let v = s.vals.as_mut_ptr().add(i * QK);
                 if ty == QType::Q4_1 {
                     s.mw[i] = f16_at(blk.add(2));
                     let q = _mm_loadu_si128(blk.add(4) as *const __m128i);
-                    let v = s.vals.as_mut_ptr().add(i * QK);
                     _mm_storeu_si128(v as *mut __m128i, _mm_and_si128(q, low));
                     _mm_storeu_si128(v.add(16) as *mut __m128i, _mm_and_si128(_mm_srli_epi16::<4>(q), low));
+                } else {
+                    // Q8_0's values as `w + 128`, the unsigned operand VNNI takes.
+                    let flip = _mm_set1_epi8(-128);
+                    for h in [0, 16] {
+                        let q = _mm_loadu_si128(blk.add(2 + h) as *const __m128i);
+                        _mm_storeu_si128(v.add(h) as *mut __m128i, _mm_xor_si128(q, flip));
+                    }
                 }
             }
         }

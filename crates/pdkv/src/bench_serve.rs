@@ -113,6 +113,10 @@ pub struct ServeBenchArgs {
     /// Deadline of each request, in seconds.
     #[arg(long, default_value_t = 120)]
     pub request_timeout_s: u64,
+    /// A new connection per request instead of kept-alive ones (for servers
+    /// that close a kept-alive connection just as a client reuses it).
+    #[arg(long)]
+    pub fresh_connections: bool,
     /// Idle TCP connections held open on the proxy's HTTP port.
     #[arg(long, default_value_t = 0)]
     pub idle_flood: usize,
@@ -401,6 +405,7 @@ async fn drive(
         seed: args.seed,
         request_timeout: Duration::from_secs(args.request_timeout_s),
         requests: args.requests,
+        fresh_connections: args.fresh_connections,
     });
     let counters = Arc::new(load::Counters::default());
     let t0 = Instant::now();

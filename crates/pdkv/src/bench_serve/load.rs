@@ -30,6 +30,8 @@ pub struct LoadConfig {
     pub request_timeout: Duration,
     /// Total requests (`--requests`); `None`: until [`Counters::stop`].
     pub requests: Option<u64>,
+    /// No connection is kept for a later request.
+    pub fresh_connections: bool,
 }
 
 /// Live counts, read by the sampler while the workers run.
@@ -435,7 +437,7 @@ async fn drive(client: &reqwest::Client, cfg: &LoadConfig, plan: &Plan, ex: &mut
 pub async fn run(cfg: Arc<LoadConfig>, counters: Arc<Counters>) -> anyhow::Result<Vec<Record>> {
     let client = reqwest::Client::builder()
         .connect_timeout(Duration::from_secs(10))
-        .pool_max_idle_per_host(cfg.concurrency)
+        .pool_max_idle_per_host(if cfg.fresh_connections { 0 } else { cfg.concurrency })
         .pool_idle_timeout(pdkv_server::proxy::UPSTREAM_IDLE)
         .build()?;
     let next = Arc::new(AtomicU64::new(0));
@@ -485,6 +487,7 @@ mod tests {
             seed: 7,
             request_timeout: Duration::from_secs(1),
             requests: None,
+            fresh_connections: false,
         }
     }
 
