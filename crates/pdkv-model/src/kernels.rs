@@ -141,7 +141,7 @@ pub(crate) fn for_each_job(ns: impl Iterator<Item = usize>, tile: usize, run: im
     let mut mats = [(0usize, 0usize, 0usize); MAX_MANY];
     let (mut count, mut total) = (0, 0);
     for (slot, n) in mats.iter_mut().zip(ns) {
-        let per = n.div_ceil(threads * 4).div_ceil(tile).max(1) * tile;
+        let per = n.div_ceil(threads * JOBS_PER_THREAD).div_ceil(tile).max(1) * tile;
         *slot = (n, per, total);
         total += n.div_ceil(per);
         count += 1;
@@ -259,6 +259,11 @@ fn dequantize_row(be: Backend, ty: crate::qkernels::QType, src: &[u8], out: &mut
     let _ = be;
     crate::gguf::dequantize(crate::weights::ggml_type(ty), src, out).expect("whole blocks");
 }
+
+/// Jobs per thread and matrix of [`for_each_job`]: a few, so that a thread
+/// slowed down is made up for (measured at decode batch 1: 4 and 2 alike,
+/// 1 slower).
+const JOBS_PER_THREAD: usize = 4;
 
 /// Matrices per [`matmul_many_with`] dispatch (and per [`for_each_job`]).
 pub(crate) const MAX_MANY: usize = 4;

@@ -648,6 +648,14 @@ mod simd {
         let (nb, k, m) = (x.blocks(), x.k, x.m);
         let (rb, bb) = (job.ty.row_bytes(k), job.ty.block_bytes());
         let low = _mm_set1_epi8(0x0f);
+        // The job's first tile is fetched up front (its later tiles are
+        // fetched ahead, one by one, while the tile before is computed).
+        let first = job.w.wrapping_add(job.j0 * rb);
+        let mut o = 0;
+        while o < DR.min(job.j1 - job.j0) * rb {
+            _mm_prefetch::<_MM_HINT_T0>(first.wrapping_add(o) as *const i8);
+            o += 64;
+        }
         let mut j = job.j0;
         while j < job.j1 {
             let nr = DR.min(job.j1 - j);
