@@ -151,8 +151,25 @@ pub fn argmax(row: &[f32]) -> u32 {
     best as u32
 }
 
+/// 32 values of 4 (or, `five`, 5) bits into a block's tail: the 32 fifth
+/// bits first (little-endian u32) when `five`, then the nibbles (value
+/// `i < 16` low in byte `i`, value `i + 16` high).
+fn pack_nibbles(q: &[u8], five: bool, out: &mut [u8]) {
+    let mut at = 0;
+    if five {
+        let bits = q.iter().enumerate().fold(0u32, |b, (i, &v)| b | (((v >> 4) & 1) as u32) << i);
+        out[..4].copy_from_slice(&bits.to_le_bytes());
+        at = 4;
+    }
+    for i in 0..16 {
+        out[at + i] = (q[i] & 0x0f) | (q[i + 16] & 0x0f) << 4;
+    }
+}
+
 /// Writes `values` (whole 32-value blocks) in the block format `q`, as a
-/// GGUF writer does: Q8_0 `d = max|x|/127`, Q4_1 `d = (max-min)/15`, `m = min`.
+/// GGUF writer does: Q8_0 `d = max|x|/127`; Q4_0/Q5_0 `d = max/-8` (`-16`)
+/// with `max` the value of largest magnitude; Q4_1/Q5_1 `d = (max-min)/15`
+/// (`31`), `m = min`.
 pub fn quantize_row(q: crate::qkernels::QType, values: &[f32], out: &mut [u8]) {
     use crate::qkernels::QType;
     use half::f16;
@@ -180,6 +197,29 @@ pub fn quantize_row(q: crate::qkernels::QType, values: &[f32], out: &mut [u8]) {
                 for i in 0..16 {
                     o[4 + i] = nib(x[i]) | (nib(x[i + 16]) << 4);
                 }
+            }
+            QType::Q4_0 | QType::Q5_0 => {
+                // d = (the value of largest magnitude) / -2^(bits-1), q = round(x/d) + 2^(bits-1).
+                let five = q == QType::Q5_0;
+                let half = if five { 16.0 } else { 8.0 };
+                let max = x.iter().copied().fold(0f32, |a, v| if v.abs() > a.abs() { v } else { a });
+                let d = f16::from_f32(max / -half);
+                let id = if d.to_f32() == 0.0 { 0.0 } else { 1.0 / d.to_f32() };
+                let top = 2.0 * half - 1.0;
+                let qv: Vec<u8> = x.iter().map(|v| (v * id + half).round().clamp(0.0, top) as u8).collect();
+                o[..2].copy_from_slice(&d.to_le_bytes());
+                pack_nibbles(&qv, five, &mut o[2..]);
+            }
+            QType::Q5_1 => {
+                let lo = x.iter().copied().fold(f32::INFINITY, f32::min);
+                let hi = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                let d = f16::from_f32((hi - lo) / 31.0);
+                let m = f16::from_f32(lo);
+                let id = if d.to_f32() == 0.0 { 0.0 } else { 1.0 / d.to_f32() };
+                let qv: Vec<u8> = x.iter().map(|v| ((v - m.to_f32()) * id).round().clamp(0.0, 31.0) as u8).collect();
+                o[..2].copy_from_slice(&d.to_le_bytes());
+                o[2..4].copy_from_slice(&m.to_le_bytes());
+                pack_nibbles(&qv, true, &mut o[4..]);
             }
         }
     }

@@ -208,7 +208,7 @@ pub fn matmul_blocks_many_with(be: Backend, x: &[f32], m: usize, k: usize, outs:
         // A few rows (decode): each weight block is dequantised in
         // registers and multiplied at once, the tiles' very arithmetic.
         #[cfg(target_arch = "x86_64")]
-        if be == Backend::Avx2Fma && m <= FUSED_ROWS {
+        if be == Backend::Avx2Fma && m <= FUSED_ROWS && avx2::has_block_kernels(ty) {
             for j in j0..j1 {
                 // SAFETY: AVX2 is present (the backend); row `j` of `w`,
                 // `m` rows of `x` and column `j` of `y` are in bounds.
@@ -251,7 +251,7 @@ thread_local! {
 /// [`crate::gguf::dequantize`] computes it (`d*q`, `d*q + m`).
 fn dequantize_row(be: Backend, ty: crate::qkernels::QType, src: &[u8], out: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
-    if be == Backend::Avx2Fma {
+    if be == Backend::Avx2Fma && avx2::has_block_kernels(ty) {
         // SAFETY: the backend is AVX2 only where the CPU has it; lengths are
         // whole blocks (checked by the caller).
         return unsafe { avx2::dequantize_row(ty, src, out) };
@@ -399,6 +399,12 @@ mod avx2 {
         });
     }
 
+    /// The formats [`dequantize_row`] and [`block_rows`] handle (the others
+    /// go through [`crate::gguf::dequantize`] and the f32 tiles).
+    pub(super) fn has_block_kernels(ty: crate::qkernels::QType) -> bool {
+        matches!(ty, crate::qkernels::QType::Q8_0 | crate::qkernels::QType::Q4_1)
+    }
+
     /// A block-format row as f32: `d*q` (Q8_0), `d*q + m` (Q4_1), with a
     /// separate multiply and add, as the scalar dequantiser rounds.
     #[target_feature(enable = "avx2,fma")]
@@ -428,6 +434,7 @@ mod avx2 {
                         _mm256_storeu_ps(o.add(8 * g), _mm256_add_ps(_mm256_mul_ps(d, q), m));
                     }
                 }
+                other => unreachable!("{other:?} has no AVX2 dequantiser (has_block_kernels)"),
             }
         }
     }
@@ -474,6 +481,7 @@ mod avx2 {
                         *gv = _mm256_add_ps(_mm256_mul_ps(d, q), mn);
                     }
                 }
+                other => unreachable!("{other:?} has no fused kernel (has_block_kernels)"),
             }
             for (i, gv) in g.iter().enumerate() {
                 let p = bi * 32 + 8 * i;
@@ -1064,7 +1072,7 @@ mod tests {
     fn block_matmul_equals_f32_matmul_on_the_dequantised_weights_bit_for_bit() {
         use crate::qkernels::QType;
         let (k, n) = (96, 29);
-        for ty in [QType::Q8_0, QType::Q4_1] {
+        for ty in QType::ALL {
             // Random blocks: f16 scales (and minima) from random values, random codes.
             let vals = rand_vec(11, n * k);
             let mut blocks = vec![0u8; n * ty.row_bytes(k)];

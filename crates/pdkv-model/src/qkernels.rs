@@ -1,5 +1,5 @@
 //! Matrix multiply of f32 activations against weights kept in GGUF block
-//! formats (Q8_0, Q4_1), computing on the blocks directly.
+//! formats (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1), computing on the blocks directly.
 //!
 //! Activations are quantised once per step ([`QActs`]): every 32-value block
 //! of a row gets an f32 scale `d = max|x| / 127` and 32 `i8` values
@@ -13,8 +13,10 @@
 //! computed: its magnitude stays below 2^20), and then, from `acc = 0` and
 //! for `b = 0, 1, ...` in order,
 //!
-//! - Q8_0: `acc = fma(I_b, dw_b * dx_b, acc)`,
-//! - Q4_1: the same, then `acc = fma(mw_b, dx_b * Σqx_b, acc)`,
+//! - Q8_0 (signed values): `acc = fma(I_b, dw_b * dx_b, acc)`,
+//! - the unsigned formats (Q4_0, Q4_1, Q5_0, Q5_1; `x = dw*q + mw` with
+//!   `mw` Q4_0's `-8 dw`, Q5_0's `-16 dw`, or the stored minimum): the same,
+//!   then `acc = fma(mw_b, dx_b * Σqx_b, acc)`,
 //!
 //! and `y = acc` (the portable backend rounds the multiply and the add
 //! separately instead of fusing them). A vector lane is one output element,
@@ -36,16 +38,70 @@ pub const QK: usize = 32;
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum QType {
     Q8_0,
+    Q4_0,
     Q4_1,
+    Q5_0,
+    Q5_1,
 }
 
 impl QType {
-    /// Bytes of one 32-value block: Q8_0 34 (f16 d, 32 x i8), Q4_1 20 (f16 d, f16 m, 16 bytes of nibbles).
+    /// Every block format, for tests and dispatch tables.
+    pub const ALL: [QType; 5] = [QType::Q8_0, QType::Q4_0, QType::Q4_1, QType::Q5_0, QType::Q5_1];
+
+    /// Bytes of one 32-value block: Q8_0 34 (f16 d, 32 x i8); Q4_0 18 (f16 d,
+    /// 16 bytes of nibbles); Q4_1 20 (f16 d, f16 m, nibbles); Q5_0 22 (f16
+    /// d, 32 fifth bits, nibbles); Q5_1 24 (f16 d, f16 m, fifth bits, nibbles).
     pub fn block_bytes(self) -> usize {
         match self {
             QType::Q8_0 => 34,
+            QType::Q4_0 => 18,
             QType::Q4_1 => 20,
+            QType::Q5_0 => 22,
+            QType::Q5_1 => 24,
         }
+    }
+
+    /// Offset in a block of the 16 bytes of low nibbles (all but Q8_0):
+    /// value `i < 16` is the low nibble of byte `i`, value `i + 16` its high one.
+    fn nibbles_at(self) -> usize {
+        match self {
+            QType::Q8_0 => unreachable!("Q8_0 has whole bytes"),
+            QType::Q4_0 => 2,
+            QType::Q4_1 => 4,
+            QType::Q5_0 => 6,
+            QType::Q5_1 => 8,
+        }
+    }
+
+    /// Offset of the 32 fifth bits (bit `i` of the little-endian u32 is
+    /// value `i`'s bit 4), for Q5_0 and Q5_1.
+    fn high_bits_at(self) -> Option<usize> {
+        match self {
+            QType::Q5_0 => Some(2),
+            QType::Q5_1 => Some(4),
+            _ => None,
+        }
+    }
+
+    /// Whether the block stores its minimum as an f16 after the scale
+    /// (Q4_1, Q5_1); Q4_0's and Q5_0's minimums are `-8d` and `-16d`.
+    fn stored_min(self) -> bool {
+        matches!(self, QType::Q4_1 | QType::Q5_1)
+    }
+
+    /// The factor `f` of `mw = f * d` for Q4_0 (-8) and Q5_0 (-16).
+    fn min_factor(self) -> f32 {
+        match self {
+            QType::Q4_0 => -8.0,
+            QType::Q5_0 => -16.0,
+            _ => unreachable!("{self:?} stores its minimum"),
+        }
+    }
+
+    /// Unsigned values `q` with `x = d*q + mw`: every format but Q8_0
+    /// (signed, `x = d*q`).
+    fn unsigned(self) -> bool {
+        self != QType::Q8_0
     }
 
     /// Bytes of one row of `k` values (k a multiple of 32).
@@ -360,8 +416,28 @@ impl Scratch {
     }
 }
 
+/// Value `i` (0..32) of an unsigned-format block.
+fn unsigned_value(ty: QType, blk: &[u8], i: usize) -> u8 {
+    let byte = blk[ty.nibbles_at() + i % 16];
+    let mut v = if i < 16 { byte & 0x0f } else { byte >> 4 };
+    if let Some(h) = ty.high_bits_at() {
+        let bits = u32::from_le_bytes([blk[h], blk[h + 1], blk[h + 2], blk[h + 3]]);
+        v |= (((bits >> i) & 1) as u8) << 4;
+    }
+    v
+}
+
+/// `mw` of an unsigned-format block: `x = d*q + mw`.
+fn min_of(ty: QType, blk: &[u8]) -> f32 {
+    if ty.stored_min() {
+        f16_at(blk[2..].as_ptr())
+    } else {
+        ty.min_factor() * f16_at(blk.as_ptr())
+    }
+}
+
 mod portable {
-    use super::{f16_at, Job, QActs, QType, GROUP, GROUP_BLOCK, QK};
+    use super::{f16_at, min_of, unsigned_value, Job, QActs, GROUP, GROUP_BLOCK, QK};
 
     /// One element at a time, straight from the GGUF blocks.
     pub(super) unsafe fn run_job(x: &QActs, job: &Job) {
@@ -377,19 +453,13 @@ mod portable {
                     let xq = &x.qs[(g * nb + b) * GROUP_BLOCK + lane * 4..];
                     let qx = |i: usize| xq[(i / 4) * 32 + i % 4] as i32;
                     let dw = f16_at(blk.as_ptr());
-                    match job.ty {
-                        QType::Q8_0 => {
-                            let isum: i32 = (0..QK).map(|i| blk[2 + i] as i8 as i32 * qx(i)).sum();
-                            acc += isum as f32 * (dw * x.d[s]);
-                        }
-                        QType::Q4_1 => {
-                            let mw = f16_at(blk.as_ptr().add(2));
-                            let isum: i32 = (0..QK / 2)
-                                .map(|i| (blk[4 + i] & 0x0f) as i32 * qx(i) + (blk[4 + i] >> 4) as i32 * qx(i + 16))
-                                .sum();
-                            acc += isum as f32 * (dw * x.d[s]);
-                            acc += mw * x.dsum[s];
-                        }
+                    if job.ty.unsigned() {
+                        let isum: i32 = (0..QK).map(|i| unsigned_value(job.ty, blk, i) as i32 * qx(i)).sum();
+                        acc += isum as f32 * (dw * x.d[s]);
+                        acc += min_of(job.ty, blk) * x.dsum[s];
+                    } else {
+                        let isum: i32 = (0..QK).map(|i| blk[2 + i] as i8 as i32 * qx(i)).sum();
+                        acc += isum as f32 * (dw * x.d[s]);
                     }
                 }
                 *job.y.add(r * job.n + j) = acc;
@@ -402,7 +472,7 @@ mod portable {
 mod simd {
     use std::arch::x86_64::*;
 
-    use super::{f16_at, Job, QActs, QType, Scratch, GROUP, GROUP_BLOCK, NR, QK};
+    use super::{f16_at, min_of, Job, QActs, QType, Scratch, GROUP, GROUP_BLOCK, NR, QK};
 
     /// Where a tile's weights are: `C` rows from `w` (stride `rb` bytes)
     /// and their unpacked form in `s`.
@@ -470,19 +540,26 @@ mod simd {
             isum
         }
 
-        /// Nibbles (unsigned) times `x`; 8 chunks of i16 pair sums stay
-        /// below 8 * 2 * 15 * 127 = 30480, so they add up in i16.
+        /// Unsigned values (at most 31) times `x`; 4 chunks of i16 pair sums
+        /// stay below 4 * 2 * 31 * 127 = 31496, so each half block adds up
+        /// in i16 before it is widened.
         #[inline(always)]
         unsafe fn q4<const C: usize>(xb: *const i8, t: &Tile<'_>, b: usize) -> [__m256i; C] {
-            let mut s16 = [_mm256_setzero_si256(); C];
-            for i in 0..QK / 4 {
-                let xv = _mm256_loadu_si256(xb.add(i * 32) as *const __m256i);
-                for (c, acc) in s16.iter_mut().enumerate() {
-                    *acc = _mm256_add_epi16(*acc, _mm256_maddubs_epi16(q4_chunk(t, c, b, i), xv));
+            let ones = _mm256_set1_epi16(1);
+            let mut isum = [_mm256_setzero_si256(); C];
+            for half in [0, QK / 8] {
+                let mut s16 = [_mm256_setzero_si256(); C];
+                for i in half..half + QK / 8 {
+                    let xv = _mm256_loadu_si256(xb.add(i * 32) as *const __m256i);
+                    for (c, acc) in s16.iter_mut().enumerate() {
+                        *acc = _mm256_add_epi16(*acc, _mm256_maddubs_epi16(q4_chunk(t, c, b, i), xv));
+                    }
+                }
+                for (acc, v) in isum.iter_mut().zip(s16) {
+                    *acc = _mm256_add_epi32(*acc, _mm256_madd_epi16(v, ones));
                 }
             }
-            let ones = _mm256_set1_epi16(1);
-            s16.map(|v| _mm256_madd_epi16(v, ones))
+            isum
         }
 
         const R8_OFFSET: bool = false;
@@ -558,18 +635,15 @@ mod simd {
     unsafe fn prep(s: &mut Scratch, ty: QType, w: *const u8, rb: usize, rows: usize, nb: usize) {
         s.reserve(rows, nb);
         let bb = ty.block_bytes();
-        let low = _mm_set1_epi8(0x0f);
         for c in 0..rows {
             for b in 0..nb {
                 let blk = w.add(c * rb + b * bb);
                 let i = c * nb + b;
                 s.dw[i] = f16_at(blk);
                 let v = s.vals.as_mut_ptr().add(i * QK);
-                if ty == QType::Q4_1 {
-                    s.mw[i] = f16_at(blk.add(2));
-                    let q = _mm_loadu_si128(blk.add(4) as *const __m128i);
-                    _mm_storeu_si128(v as *mut __m128i, _mm_and_si128(q, low));
-                    _mm_storeu_si128(v.add(16) as *mut __m128i, _mm_and_si128(_mm_srli_epi16::<4>(q), low));
+                if ty.unsigned() {
+                    s.mw[i] = min_of(ty, std::slice::from_raw_parts(blk, bb));
+                    _mm256_storeu_si256(v as *mut __m256i, unpack_unsigned(ty, blk));
                 } else {
                     // Q8_0's values as `w + 128`, the unsigned operand VNNI takes.
                     let flip = _mm_set1_epi8(-128);
@@ -580,6 +654,27 @@ mod simd {
                 }
             }
         }
+    }
+
+    /// The 32 values of an unsigned-format block as bytes, in order (the
+    /// low 128 bits hold values 0..16).
+    #[inline(always)]
+    unsafe fn unpack_unsigned(ty: QType, blk: *const u8) -> __m256i {
+        let low = _mm_set1_epi8(0x0f);
+        let q = _mm_loadu_si128(blk.add(ty.nibbles_at()) as *const __m128i);
+        let mut v = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16::<4>(q), low), _mm_and_si128(q, low));
+        if let Some(h) = ty.high_bits_at() {
+            // Byte i takes byte i/8 of the 32 bits, then keeps its bit i%8.
+            let bits = _mm256_set1_epi32((blk.add(h) as *const i32).read_unaligned());
+            let spread = _mm256_shuffle_epi8(
+                bits,
+                _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3),
+            );
+            let mask = _mm256_set1_epi64x(0x8040_2010_0804_0201_u64 as i64);
+            let set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, mask), mask);
+            v = _mm256_or_si256(v, _mm256_and_si256(set, _mm256_set1_epi8(0x10)));
+        }
+        v
     }
 
     #[target_feature(enable = "avx2,fma,f16c")]
@@ -599,8 +694,11 @@ mod simd {
     unsafe fn run_job<D: IDot>(x: &QActs, job: &Job, s: &mut Scratch) {
         if x.m <= DIRECT_MAX {
             return match job.ty {
-                QType::Q8_0 => direct::<D, false>(x, job),
-                QType::Q4_1 => direct::<D, true>(x, job),
+                QType::Q8_0 => direct::<D, 0>(x, job),
+                QType::Q4_0 => direct::<D, 1>(x, job),
+                QType::Q4_1 => direct::<D, 2>(x, job),
+                QType::Q5_0 => direct::<D, 3>(x, job),
+                QType::Q5_1 => direct::<D, 4>(x, job),
             };
         }
         let (nb, rb) = (x.blocks(), job.ty.row_bytes(x.k));
@@ -612,15 +710,15 @@ mod simd {
             for g in 0..x.groups() {
                 let rows = GROUP.min(x.m - g * GROUP);
                 let out = &mut [[0f32; GROUP]; NR];
-                match (job.ty, nr) {
-                    (QType::Q8_0, 4) => tile::<D, 4, false>(x, &t, g, out),
-                    (QType::Q8_0, 3) => tile::<D, 3, false>(x, &t, g, out),
-                    (QType::Q8_0, 2) => tile::<D, 2, false>(x, &t, g, out),
-                    (QType::Q8_0, _) => tile::<D, 1, false>(x, &t, g, out),
-                    (QType::Q4_1, 4) => tile::<D, 4, true>(x, &t, g, out),
-                    (QType::Q4_1, 3) => tile::<D, 3, true>(x, &t, g, out),
-                    (QType::Q4_1, 2) => tile::<D, 2, true>(x, &t, g, out),
-                    (QType::Q4_1, _) => tile::<D, 1, true>(x, &t, g, out),
+                match (job.ty.unsigned(), nr) {
+                    (false, 4) => tile::<D, 4, false>(x, &t, g, out),
+                    (false, 3) => tile::<D, 3, false>(x, &t, g, out),
+                    (false, 2) => tile::<D, 2, false>(x, &t, g, out),
+                    (false, _) => tile::<D, 1, false>(x, &t, g, out),
+                    (true, 4) => tile::<D, 4, true>(x, &t, g, out),
+                    (true, 3) => tile::<D, 3, true>(x, &t, g, out),
+                    (true, 2) => tile::<D, 2, true>(x, &t, g, out),
+                    (true, _) => tile::<D, 1, true>(x, &t, g, out),
                 }
                 for (c, col) in out[..nr].iter().enumerate() {
                     for (l, &v) in col[..rows].iter().enumerate() {
@@ -644,10 +742,12 @@ mod simd {
     /// block dots brought into lanes with integer horizontal adds. The float
     /// sequence per element is the tile path's, so the results are its bits.
     #[inline(always)]
-    unsafe fn direct<D: IDot, const Q4: bool>(x: &QActs, job: &Job) {
+    unsafe fn direct<D: IDot, const T: usize>(x: &QActs, job: &Job) {
+        // The format is a constant of each instance: its branches fold away.
+        let ty = QType::ALL[T];
+        let u = ty.unsigned();
         let (nb, k, m) = (x.blocks(), x.k, x.m);
-        let (rb, bb) = (job.ty.row_bytes(k), job.ty.block_bytes());
-        let low = _mm_set1_epi8(0x0f);
+        let (rb, bb) = (ty.row_bytes(k), ty.block_bytes());
         // The job's first tile is fetched up front (its later tiles are
         // fetched ahead, one by one, while the tile before is computed).
         let first = job.w.wrapping_add(job.j0 * rb);
@@ -678,15 +778,9 @@ mod simd {
                 let mut wv = [_mm256_setzero_si256(); DR];
                 for (c, w) in wv.iter_mut().enumerate() {
                     let p = blk.add(row(c));
-                    *w = if Q4 {
-                        let q = _mm_loadu_si128(p.add(4) as *const __m128i);
-                        let hi = _mm_and_si128(_mm_srli_epi16::<4>(q), low);
-                        _mm256_set_m128i(hi, _mm_and_si128(q, low))
-                    } else {
-                        D::w8(_mm256_loadu_si256(p.add(2) as *const __m256i))
-                    };
+                    *w = if u { unpack_unsigned(ty, p) } else { D::w8(_mm256_loadu_si256(p.add(2) as *const __m256i)) };
                 }
-                // Each row's f16 scale (and, Q4_1, the f16 minimum after it).
+                // Each row's f16 scale (and Q4_1's and Q5_1's f16 minimum after it).
                 let h16 = |o: usize| (blk.add(o) as *const i16).read_unaligned();
                 let dw = _mm256_cvtph_ps(_mm_setr_epi16(
                     h16(row(0)),
@@ -698,7 +792,12 @@ mod simd {
                     h16(row(6)),
                     h16(row(7)),
                 ));
-                let mw = if Q4 {
+                let mw = if !u {
+                    _mm256_setzero_ps()
+                } else if !ty.stored_min() {
+                    // Exact: a power of two times the scale, as `min_of` computes it.
+                    _mm256_mul_ps(_mm256_set1_ps(ty.min_factor()), dw)
+                } else {
                     _mm256_cvtph_ps(_mm_setr_epi16(
                         h16(row(0) + 2),
                         h16(row(1) + 2),
@@ -709,20 +808,18 @@ mod simd {
                         h16(row(6) + 2),
                         h16(row(7) + 2),
                     ))
-                } else {
-                    _mm256_setzero_ps()
                 };
                 for (r, a) in acc[..m].iter_mut().enumerate() {
                     let xv = _mm256_loadu_si256(x.rowq.as_ptr().add(r * k + b * QK) as *const __m256i);
-                    let v: [__m256i; DR] = std::array::from_fn(|c| if Q4 { D::r4(xv, wv[c]) } else { D::r8(xv, wv[c]) });
+                    let v: [__m256i; DR] = std::array::from_fn(|c| if u { D::r4(xv, wv[c]) } else { D::r8(xv, wv[c]) });
                     let mut isum = lanes8(&v);
                     let si = b * GROUP + r;
-                    if !Q4 && D::R8_OFFSET {
+                    if !u && D::R8_OFFSET {
                         isum = _mm256_sub_epi32(isum, _mm256_set1_epi32(x.sum[si] << 7));
                     }
                     let sc = _mm256_mul_ps(dw, _mm256_set1_ps(x.d[si]));
                     *a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), sc, *a);
-                    if Q4 {
+                    if u {
                         *a = _mm256_fmadd_ps(mw, _mm256_set1_ps(x.dsum[si]), *a);
                     }
                 }
@@ -822,7 +919,7 @@ mod tests {
         for _ in 0..n * k / QK {
             let d = half::f16::from_f32(0.001 + 0.02 * rng.f32().abs()) * if rng.next() % 5 == 0 { -half::f16::ONE } else { half::f16::ONE };
             w.extend_from_slice(&d.to_le_bytes());
-            if ty == QType::Q4_1 {
+            if ty.stored_min() {
                 w.extend_from_slice(&half::f16::from_f32(0.1 * rng.f32()).to_le_bytes());
             }
             for _ in 0..ty.block_bytes() - w.len() % ty.block_bytes() {
@@ -833,10 +930,7 @@ mod tests {
     }
 
     fn dequant(ty: QType, w: &[u8], n: usize, k: usize) -> Vec<f32> {
-        let gt = match ty {
-            QType::Q8_0 => GgmlType::Q8_0,
-            QType::Q4_1 => GgmlType::Q4_1,
-        };
+        let gt = crate::weights::ggml_type(ty);
         let mut out = vec![0f32; n * k];
         dequantize(gt, w, &mut out).expect("dequantising test weights");
         out
@@ -869,7 +963,7 @@ mod tests {
         y
     }
 
-    const TYPES: [QType; 2] = [QType::Q8_0, QType::Q4_1];
+    const TYPES: [QType; 5] = QType::ALL;
 
     #[test]
     fn f16_conversion_is_exact() {

@@ -53,7 +53,10 @@ impl TensorRef {
 pub fn ggml_type(q: QType) -> crate::gguf::GgmlType {
     match q {
         QType::Q8_0 => crate::gguf::GgmlType::Q8_0,
+        QType::Q4_0 => crate::gguf::GgmlType::Q4_0,
         QType::Q4_1 => crate::gguf::GgmlType::Q4_1,
+        QType::Q5_0 => crate::gguf::GgmlType::Q5_0,
+        QType::Q5_1 => crate::gguf::GgmlType::Q5_1,
     }
 }
 
@@ -61,7 +64,10 @@ pub fn ggml_type(q: QType) -> crate::gguf::GgmlType {
 pub fn quant_of(t: crate::gguf::GgmlType) -> Option<QType> {
     match t {
         crate::gguf::GgmlType::Q8_0 => Some(QType::Q8_0),
+        crate::gguf::GgmlType::Q4_0 => Some(QType::Q4_0),
         crate::gguf::GgmlType::Q4_1 => Some(QType::Q4_1),
+        crate::gguf::GgmlType::Q5_0 => Some(QType::Q5_0),
+        crate::gguf::GgmlType::Q5_1 => Some(QType::Q5_1),
         _ => None,
     }
 }

@@ -61,7 +61,7 @@ fn block_cfgs() -> Vec<ModelConfig> {
 /// kernels compute on, with f32 and with int8 activations.
 fn cases() -> Vec<(ModelConfig, Option<QType>, bool)> {
     let mut v: Vec<_> = configs().into_iter().map(|c| (c, None, false)).collect();
-    for q in [QType::Q8_0, QType::Q4_1] {
+    for q in QType::ALL {
         for int8 in [false, true] {
             v.extend(block_cfgs().into_iter().map(|c| (c, Some(q), int8)));
         }
@@ -410,7 +410,7 @@ fn reference_logits(model: &Model, toks: &[u32]) -> Vec<f64> {
 /// activations (llama.cpp's trade).
 #[test]
 fn block_format_forward_agrees_with_f64_reference_on_dequantised_weights() {
-    for (q, int8) in [(QType::Q8_0, false), (QType::Q4_1, false), (QType::Q8_0, true), (QType::Q4_1, true)] {
+    for (q, int8) in QType::ALL.into_iter().flat_map(|q| [(q, false), (q, true)]) {
         for cfg in block_cfgs() {
             let mut h = Harness::with(&cfg, Some(q), int8, 16, 64);
             let toks = tokens(8, 50, cfg.vocab_size);
