@@ -319,6 +319,18 @@ impl Machine {
     /// idempotent, so whatever part did happen is redone or undone by the
     /// next sleep or wake; until then no step runs that the old state
     /// forbids.
+    /// The state to go back to when an operation requested in state
+    /// `requested` fails after waiting: that state, except that an explicit
+    /// pause made while the operation waited stays (its own implicit pause,
+    /// a sleep's, goes with it).
+    pub fn rollback_target(&self, requested: &Snapshot) -> Snapshot {
+        let mut s = requested.clone();
+        if let Some((mode, Origin::Explicit)) = self.pause {
+            s.pause = Some((mode, Origin::Explicit));
+        }
+        s
+    }
+
     pub fn restore(&mut self, s: Snapshot) {
         self.pause = s.pause;
         self.sleeping = s.sleeping;

@@ -510,6 +510,53 @@ fn a_failed_registration_release_fails_sleep_and_kv_release_and_changes_nothing(
     assert_eq!((s.releases, s.restores), (4, 2));
 }
 
+/// A sleep that first waits for a transfer to give its blocks back, and then
+/// finds the connector unable to release its registrations, fails and
+/// leaves the engine as it was before the sleep was asked for: awake and
+/// *not paused* (the sleep's own pause goes with it), so it serves at once
+/// and a retry succeeds. Catches the old behaviour, in which the failure
+/// restored the state the sleep had waited in, so the engine stayed paused
+/// with nobody left to resume it.
+#[test]
+fn a_sleep_that_waited_for_transfers_and_then_failed_leaves_no_pause_behind() {
+    use pdkv_engine::{LifecycleError, PauseMode, SleepLevel};
+    use std::time::{Duration, Instant};
+    const REFUSAL: &str = "a peer did not acknowledge its unmap (scripted refusal)";
+    let conn = Scripted::default();
+    conn.0.lock().unwrap().hold_on_finish.insert("held".into());
+    let e = sleepy(&conn, pdkv_engine::EngineConfig::default());
+    let out = common::run_one(&e, common::request("held", common::prompt(3, 40), common::greedy(1)));
+    assert_eq!(out.finish, Some(FinishReason::Length));
+    conn.0.lock().unwrap().release_error = Some(REFUSAL.into());
+
+    std::thread::scope(|s| {
+        let sleep = s.spawn(|| e.sleep(SleepLevel::L1, PauseMode::Keep, Duration::from_secs(30)));
+        // The sleep waits (paused) while the transfer holds its blocks...
+        let t0 = Instant::now();
+        while e.lifecycle_status().paused.is_none() {
+            assert!(t0.elapsed() < Duration::from_secs(30), "the sleep never paused the engine");
+            std::thread::yield_now();
+        }
+        assert!(!sleep.is_finished(), "the sleep went on while a transfer held blocks");
+        // ...then the blocks come back and the release is refused.
+        conn.send_done_and_wake("held");
+        let err = sleep.join().unwrap().expect_err("the connector refused to release");
+        assert!(matches!(err, LifecycleError::Conflict(ref m) if m.contains(REFUSAL)), "{err:?}");
+    });
+    let st = e.lifecycle_status();
+    assert_eq!((st.sleeping, st.asleep_tags.clone(), st.paused), (None, vec![], None), "{st:?}");
+    // It serves without a resume, and the retried sleep works.
+    let out = common::run_one(&e, common::request("after", common::prompt(5, 40), common::greedy(2)));
+    assert_eq!(out.finish, Some(FinishReason::Length));
+    conn.0.lock().unwrap().release_error = None;
+    e.sleep(SleepLevel::L1, PauseMode::Keep, Duration::from_secs(10)).expect("the retried sleep");
+    assert_eq!(e.lifecycle_status().sleeping, Some(SleepLevel::L1));
+    e.wake_up(None).unwrap();
+    e.resume().unwrap();
+    let out = common::run_one(&e, common::request("woken", common::prompt(5, 40), common::greedy(2)));
+    assert_eq!(out.finish, Some(FinishReason::Length));
+}
+
 /// The connector cannot register the KV cache again after it was mapped:
 /// `wake_up` fails, the lifecycle still shows the KV cache asleep (no step
 /// may run on a KV cache no transfer can reach at its new epoch), and a

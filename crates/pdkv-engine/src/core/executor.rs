@@ -157,16 +157,25 @@ impl EngineCore {
             }
             None => {
                 self.replies.insert(ticket, reply);
+                self.requested.insert(ticket, before);
             }
         }
     }
 
     /// Applies and answers deferred outcomes (`before`: the machine's state
-    /// before the event that completed them).
+    /// before the event that completed them). One whose actions fail goes
+    /// back to the state it was requested in (see
+    /// [`crate::lifecycle::Machine::rollback_target`]), so a sleep that
+    /// waited for transfers and then could not release its registrations
+    /// does not leave its own pause behind.
     fn complete(&mut self, done: Vec<Completion>, before: &Snapshot) {
         for c in done {
             let reply = self.replies.remove(&c.ticket);
-            let r = self.run_outcome(c.outcome, before).unwrap_or(Ok(()));
+            let back = match self.requested.remove(&c.ticket) {
+                Some(requested) => self.lc.rollback_target(&requested),
+                None => before.clone(),
+            };
+            let r = self.run_outcome(c.outcome, &back).unwrap_or(Ok(()));
             self.reloads.remove(&c.ticket);
             if let Some(reply) = reply {
                 self.answer(reply, r);

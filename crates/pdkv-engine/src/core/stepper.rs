@@ -199,6 +199,10 @@ pub struct EngineCore {
     pub(super) lc: Machine,
     /// Deferred lifecycle replies by ticket.
     pub(super) replies: BTreeMap<Ticket, LifecycleReply>,
+    /// The machine's state when each deferred operation was requested: a
+    /// failure when it completes goes back there, not to the state it
+    /// waited in (which holds the operation's own pause).
+    pub(super) requested: BTreeMap<Ticket, crate::lifecycle::Snapshot>,
     pub(super) next_ticket: Ticket,
     /// Weights, KV cache and runtime regions are all mapped (checked after
     /// every lifecycle command; a step needs it).
@@ -283,6 +287,7 @@ impl EngineCore {
             pool,
             lc: Machine::new(),
             replies: BTreeMap::new(),
+            requested: BTreeMap::new(),
             next_ticket: 0,
             mapped: true,
             has_connector,
@@ -435,6 +440,7 @@ impl EngineCore {
         for (_, reply) in std::mem::take(&mut self.replies) {
             reply(Err(crate::LifecycleError::Stopped));
         }
+        self.requested.clear();
         self.reloads.clear();
         self.publish_stats();
     }
