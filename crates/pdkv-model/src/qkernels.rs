@@ -392,9 +392,9 @@ unsafe fn run_job(fl: Flavour, x: &QActs, job: &Job) {
 
 /// Weight rows of one register tile, unpacked once and reused by every
 /// activation group: per row `c`, block `b`, the scale `dw[c*nb + b]`, and
-/// the 32 values as bytes at `vals[(c*nb + b)*32..]` (Q4_1's nibbles; Q8_0's
-/// values plus 128, for VNNI's unsigned operand), and Q4_1's minimum
-/// `mw[c*nb + b]`.
+/// the 32 values as bytes at `vals[(c*nb + b)*32..]` (an unsigned format's
+/// values; Q8_0's plus 128, for VNNI's unsigned operand), and an unsigned
+/// format's minimum `mw[c*nb + b]`.
 #[derive(Default)]
 struct Scratch {
     vals: Vec<u8>,
@@ -490,7 +490,7 @@ mod simd {
         /// `xb` is a group's block `b` (256 bytes), `sumx` its 8 sums; `t`
         /// holds `C` rows.
         unsafe fn q8<const C: usize>(xb: *const i8, sumx: *const i32, t: &Tile<'_>, b: usize) -> [__m256i; C];
-        unsafe fn q4<const C: usize>(xb: *const i8, t: &Tile<'_>, b: usize) -> [__m256i; C];
+        unsafe fn qu<const C: usize>(xb: *const i8, t: &Tile<'_>, b: usize) -> [__m256i; C];
         /// Whether [`IDot::r8`] leaves `128 * Σx` to subtract.
         const R8_OFFSET: bool;
         /// How [`IDot::r8`] wants a Q8_0 block's 32 values (as loaded).
@@ -498,7 +498,7 @@ mod simd {
         /// One row's block `x` (32 i8) against a weight block prepared by
         /// [`IDot::w8`]: 8 i32 lanes summing to the dot.
         unsafe fn r8(x: __m256i, w: __m256i) -> __m256i;
-        /// The same for 32 unsigned weight values (Q4_1's nibbles as bytes).
+        /// The same for 32 unsigned weight values (at most 31) as bytes.
         unsafe fn r4(x: __m256i, nib: __m256i) -> __m256i;
     }
 
@@ -514,9 +514,10 @@ mod simd {
         bcast(t.w.add(c * t.rb + b * 34 + 2 + i * 4))
     }
 
-    /// Chunk `i` of the unpacked Q4_1 block `b` of tile row `c`.
+    /// Chunk `i` of the unpacked block `b` of tile row `c` (an unsigned
+    /// format's values, or Q8_0's plus 128).
     #[inline(always)]
-    unsafe fn q4_chunk(t: &Tile<'_>, c: usize, b: usize, i: usize) -> __m256i {
+    unsafe fn unpacked_chunk(t: &Tile<'_>, c: usize, b: usize, i: usize) -> __m256i {
         bcast(t.s.vals.as_ptr().add((c * t.nb + b) * QK + i * 4))
     }
 
@@ -544,7 +545,7 @@ mod simd {
         /// stay below 4 * 2 * 31 * 127 = 31496, so each half block adds up
         /// in i16 before it is widened.
         #[inline(always)]
-        unsafe fn q4<const C: usize>(xb: *const i8, t: &Tile<'_>, b: usize) -> [__m256i; C] {
+        unsafe fn qu<const C: usize>(xb: *const i8, t: &Tile<'_>, b: usize) -> [__m256i; C] {
             let ones = _mm256_set1_epi16(1);
             let mut isum = [_mm256_setzero_si256(); C];
             for half in [0, QK / 8] {
@@ -552,7 +553,7 @@ mod simd {
                 for i in half..half + QK / 8 {
                     let xv = _mm256_loadu_si256(xb.add(i * 32) as *const __m256i);
                     for (c, acc) in s16.iter_mut().enumerate() {
-                        *acc = _mm256_add_epi16(*acc, _mm256_maddubs_epi16(q4_chunk(t, c, b, i), xv));
+                        *acc = _mm256_add_epi16(*acc, _mm256_maddubs_epi16(unpacked_chunk(t, c, b, i), xv));
                     }
                 }
                 for (acc, v) in isum.iter_mut().zip(s16) {
@@ -592,7 +593,7 @@ mod simd {
             for i in 0..QK / 4 {
                 let xv = _mm256_loadu_si256(xb.add(i * 32) as *const __m256i);
                 for (c, acc) in isum.iter_mut().enumerate() {
-                    *acc = _mm256_dpbusd_epi32(*acc, q4_chunk(t, c, b, i), xv);
+                    *acc = _mm256_dpbusd_epi32(*acc, unpacked_chunk(t, c, b, i), xv);
                 }
             }
             let corr = _mm256_slli_epi32::<7>(_mm256_loadu_si256(sumx as *const __m256i));
@@ -600,12 +601,12 @@ mod simd {
         }
 
         #[inline(always)]
-        unsafe fn q4<const C: usize>(xb: *const i8, t: &Tile<'_>, b: usize) -> [__m256i; C] {
+        unsafe fn qu<const C: usize>(xb: *const i8, t: &Tile<'_>, b: usize) -> [__m256i; C] {
             let mut isum = [_mm256_setzero_si256(); C];
             for i in 0..QK / 4 {
                 let xv = _mm256_loadu_si256(xb.add(i * 32) as *const __m256i);
                 for (c, acc) in isum.iter_mut().enumerate() {
-                    *acc = _mm256_dpbusd_epi32(*acc, q4_chunk(t, c, b, i), xv);
+                    *acc = _mm256_dpbusd_epi32(*acc, unpacked_chunk(t, c, b, i), xv);
                 }
             }
             isum
@@ -630,7 +631,7 @@ mod simd {
         }
     }
 
-    /// Unpacks the scales, values (and Q4_1's minimums) of `rows` rows.
+    /// Unpacks the scales, values (and unsigned formats' minimums) of `rows` rows.
     #[inline(always)]
     unsafe fn prep(s: &mut Scratch, ty: QType, w: *const u8, rb: usize, rows: usize, nb: usize) {
         s.reserve(rows, nb);
@@ -731,7 +732,7 @@ mod simd {
     }
 
     /// Steps with at most this many activation rows take [`direct`].
-    pub(super) const DIRECT_MAX: usize = 4;
+    const DIRECT_MAX: usize = 4;
     /// Weight rows per [`direct`] tile: one per lane.
     const DR: usize = 8;
 
@@ -847,18 +848,18 @@ mod simd {
     /// One activation group (8 rows, one per lane) against the `C` weight
     /// rows in `s`: the float sequence of the module invariant, per lane.
     #[inline(always)]
-    unsafe fn tile<D: IDot, const C: usize, const Q4: bool>(x: &QActs, t: &Tile<'_>, g: usize, out: &mut [[f32; GROUP]; NR]) {
+    unsafe fn tile<D: IDot, const C: usize, const U: bool>(x: &QActs, t: &Tile<'_>, g: usize, out: &mut [[f32; GROUP]; NR]) {
         let (nb, s) = (x.blocks(), t.s);
         let mut acc = [_mm256_setzero_ps(); C];
         for b in 0..nb {
             let xb = x.qs.as_ptr().add((g * nb + b) * GROUP_BLOCK);
             let si = (g * nb + b) * GROUP;
-            let isum = if Q4 { D::q4::<C>(xb, t, b) } else { D::q8::<C>(xb, x.sum.as_ptr().add(si), t, b) };
+            let isum = if U { D::qu::<C>(xb, t, b) } else { D::q8::<C>(xb, x.sum.as_ptr().add(si), t, b) };
             let dx = _mm256_loadu_ps(x.d.as_ptr().add(si));
             for c in 0..C {
                 let sc = _mm256_mul_ps(_mm256_set1_ps(s.dw[c * nb + b]), dx);
                 acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[c]), sc, acc[c]);
-                if Q4 {
+                if U {
                     let dsum = _mm256_loadu_ps(x.dsum.as_ptr().add(si));
                     acc[c] = _mm256_fmadd_ps(_mm256_set1_ps(s.mw[c * nb + b]), dsum, acc[c]);
                 }
@@ -873,7 +874,7 @@ mod simd {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::gguf::{dequantize, GgmlType};
+    use crate::gguf::dequantize;
     use crate::kernels;
 
     /// Deterministic xorshift stream.
