@@ -9,8 +9,8 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
-use pdkv_transfer::auth::KvSecret;
 use pdkv_engine::LoadFailurePolicy;
+use pdkv_transfer::auth::KvSecret;
 use serde::Deserialize;
 
 /// A configuration refused, naming the field.
@@ -24,7 +24,10 @@ pub struct ConfigError {
 
 impl ConfigError {
     fn new(field: impl Into<String>, message: impl Into<String>) -> ConfigError {
-        ConfigError { field: field.into(), message: message.into() }
+        ConfigError {
+            field: field.into(),
+            message: message.into(),
+        }
     }
 }
 
@@ -166,7 +169,10 @@ pub const CONNECTOR_NAME: &str = "pdkv";
 
 fn seconds(field: &str, v: f64) -> Result<Duration, ConfigError> {
     if !v.is_finite() || v <= 0.0 || v > 1e9 {
-        return Err(ConfigError::new(field, format!("must be a positive number of seconds, got {v}")));
+        return Err(ConfigError::new(
+            field,
+            format!("must be a positive number of seconds, got {v}"),
+        ));
     }
     Ok(Duration::from_secs_f64(v))
 }
@@ -199,12 +205,18 @@ impl KvTransferConfig {
         if raw.kv_connector != CONNECTOR_NAME {
             return Err(ConfigError::new(
                 "kv_connector",
-                format!("unknown connector {:?}; this build offers {CONNECTOR_NAME:?}", raw.kv_connector),
+                format!(
+                    "unknown connector {:?}; this build offers {CONNECTOR_NAME:?}",
+                    raw.kv_connector
+                ),
             ));
         }
         let kv_ip = raw.kv_ip.unwrap_or_else(|| "127.0.0.1".to_string());
         if kv_ip.parse::<std::net::IpAddr>().is_err() {
-            return Err(ConfigError::new("kv_ip", format!("{kv_ip:?} is not an IP address")));
+            return Err(ConfigError::new(
+                "kv_ip",
+                format!("{kv_ip:?} is not an IP address"),
+            ));
         }
         let num_workers = raw.num_workers.unwrap_or(4);
         if num_workers == 0 {
@@ -217,7 +229,9 @@ impl KvTransferConfig {
         if load_timeout <= abort_timeout {
             return Err(ConfigError::new(
                 "load_timeout_s",
-                format!("load_timeout_s ({load_s}) must be greater than abort_timeout_s ({abort_s})"),
+                format!(
+                    "load_timeout_s ({load_s}) must be greater than abort_timeout_s ({abort_s})"
+                ),
             ));
         }
         let arrival_timeout = seconds("arrival_timeout_s", raw.arrival_timeout_s.unwrap_or(10.0))?;

@@ -30,7 +30,11 @@ use crate::config::KvTransferConfig;
 pub use pdkv_transfer::auth::KvSecret;
 
 pub fn build(config_json: &str, engine_id: &str) -> anyhow::Result<Box<dyn KvConnector>> {
-    build_with_secret(config_json, engine_id, &pdkv_transfer::auth::KvSecret::open())
+    build_with_secret(
+        config_json,
+        engine_id,
+        &pdkv_transfer::auth::KvSecret::open(),
+    )
 }
 
 /// [`build`], with the deployment's KV secret for every P/D connector in
@@ -43,7 +47,11 @@ pub fn build_with_secret(
     // The offload and multi connectors have configurations of their own.
     let kind = serde_json::from_str::<serde_json::Value>(config_json)
         .ok()
-        .and_then(|v| v.get("kv_connector").and_then(|k| k.as_str()).map(str::to_string));
+        .and_then(|v| {
+            v.get("kv_connector")
+                .and_then(|k| k.as_str())
+                .map(str::to_string)
+        });
     match kind.as_deref() {
         Some(offload::CONNECTOR_NAME) => {
             check_engine_id(engine_id)?;
@@ -52,7 +60,11 @@ pub fn build_with_secret(
         }
         Some(multi::CONNECTOR_NAME) => {
             check_engine_id(engine_id)?;
-            return Ok(Box::new(multi::MultiConnector::from_json(config_json, engine_id, secret)?));
+            return Ok(Box::new(multi::MultiConnector::from_json(
+                config_json,
+                engine_id,
+                secret,
+            )?));
         }
         _ => {}
     }
@@ -64,7 +76,10 @@ pub fn build_with_secret(
 
 fn check_engine_id(engine_id: &str) -> anyhow::Result<()> {
     anyhow::ensure!(
-        !engine_id.is_empty() && engine_id.chars().all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c)),
+        !engine_id.is_empty()
+            && engine_id
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c)),
         "engine id {engine_id:?} must be non-empty and use only letters, digits, '-', '_' and '.'"
     );
     Ok(())

@@ -20,8 +20,8 @@ use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
 use pdkv_engine::connector::{
-    ConnectorMeta, ConnectorRequest, ExternalMatch, FinishedTransfers, KvCacheSpec, KvTransferParams, LoadError,
-    LoadFailurePolicy, MetricsReader, ParamsValidator, Waker,
+    ConnectorMeta, ConnectorRequest, ExternalMatch, FinishedTransfers, KvCacheSpec,
+    KvTransferParams, LoadError, LoadFailurePolicy, MetricsReader, ParamsValidator, Waker,
 };
 use pdkv_engine::{FinishReason, KvConnector};
 use serde::Deserialize;
@@ -45,7 +45,11 @@ struct Raw {
 /// A child's configuration error, reported under `connectors[i]`.
 fn child_error(i: usize, e: anyhow::Error) -> anyhow::Error {
     match e.downcast::<ConfigError>() {
-        Ok(c) => ConfigError { field: format!("connectors[{i}].{}", c.field), message: c.message }.into(),
+        Ok(c) => ConfigError {
+            field: format!("connectors[{i}].{}", c.field),
+            message: c.message,
+        }
+        .into(),
         Err(e) => e.context(format!("kv_transfer_config: connectors[{i}]")),
     }
 }
@@ -78,7 +82,11 @@ impl MultiConnector {
     /// Builds the children of `{"kv_connector":"multi","connectors":[...]}`
     /// with [`crate::build`]; an error names the field, under
     /// `connectors[i]` for a child's.
-    pub fn from_json(json: &str, engine_id: &str, secret: &pdkv_transfer::auth::KvSecret) -> anyhow::Result<MultiConnector> {
+    pub fn from_json(
+        json: &str,
+        engine_id: &str,
+        secret: &pdkv_transfer::auth::KvSecret,
+    ) -> anyhow::Result<MultiConnector> {
         let raw: Raw = crate::offload::parse_fields(json)?;
         if raw.kv_connector != CONNECTOR_NAME {
             return Err(ConfigError {
@@ -90,15 +98,25 @@ impl MultiConnector {
         if raw.connectors.is_empty() || raw.connectors.len() > MAX_CHILDREN {
             return Err(ConfigError {
                 field: "connectors".into(),
-                message: format!("takes 1 to {MAX_CHILDREN} connectors, got {}", raw.connectors.len()),
+                message: format!(
+                    "takes 1 to {MAX_CHILDREN} connectors, got {}",
+                    raw.connectors.len()
+                ),
             }
             .into());
         }
         let mut children = Vec::new();
         let mut kinds = Vec::new();
         for (i, child) in raw.connectors.iter().enumerate() {
-            let kind = child.get("kv_connector").and_then(|k| k.as_str()).unwrap_or_default().to_string();
-            children.push(crate::build_with_secret(&child.to_string(), engine_id, secret).map_err(|e| child_error(i, e))?);
+            let kind = child
+                .get("kv_connector")
+                .and_then(|k| k.as_str())
+                .unwrap_or_default()
+                .to_string();
+            children.push(
+                crate::build_with_secret(&child.to_string(), engine_id, secret)
+                    .map_err(|e| child_error(i, e))?,
+            );
             kinds.push(kind);
         }
         Ok(MultiConnector::new(children, kinds))
@@ -107,7 +125,12 @@ impl MultiConnector {
     /// A multi-connector over built children; `kinds` names them in metrics.
     pub fn new(children: Vec<Box<dyn KvConnector>>, kinds: Vec<String>) -> MultiConnector {
         assert_eq!(children.len(), kinds.len(), "one kind per child");
-        MultiConnector { children, kinds, winner: HashMap::new(), holders: HashMap::new() }
+        MultiConnector {
+            children,
+            kinds,
+            winner: HashMap::new(),
+            holders: HashMap::new(),
+        }
     }
 
     /// Metric names for child `i`: its own names where no other child uses
@@ -148,7 +171,9 @@ impl KvConnector for MultiConnector {
     fn info(&self) -> serde_json::Value {
         let children: Vec<serde_json::Value> = self.children.iter().map(|c| c.info()).collect();
         let mut info = serde_json::Map::new();
-        if let Some(serde_json::Value::Object(pd)) = children.iter().find(|c| c.get("bootstrap_addr").is_some()) {
+        if let Some(serde_json::Value::Object(pd)) =
+            children.iter().find(|c| c.get("bootstrap_addr").is_some())
+        {
             info.extend(pd.clone());
         }
         info.insert("kv_connector".into(), json!(CONNECTOR_NAME));
@@ -157,22 +182,32 @@ impl KvConnector for MultiConnector {
     }
 
     fn validate_params(&self, params: Option<&KvTransferParams>) -> Result<(), String> {
-        self.children.iter().try_for_each(|c| c.validate_params(params))
+        self.children
+            .iter()
+            .try_for_each(|c| c.validate_params(params))
     }
 
     fn params_validator(&self) -> ParamsValidator {
-        let all: Vec<ParamsValidator> = self.children.iter().map(|c| c.params_validator()).collect();
+        let all: Vec<ParamsValidator> =
+            self.children.iter().map(|c| c.params_validator()).collect();
         Arc::new(move |p| all.iter().try_for_each(|v| v(p)))
     }
 
     fn metrics_reader(&self) -> Option<MetricsReader> {
-        let readers: Vec<Option<MetricsReader>> = self.children.iter().map(|c| c.metrics_reader()).collect();
+        let readers: Vec<Option<MetricsReader>> =
+            self.children.iter().map(|c| c.metrics_reader()).collect();
         if readers.iter().all(Option::is_none) {
             return None;
         }
         // Which names clash is fixed by the children: decide it once.
-        let names: Vec<Vec<&'static str>> =
-            readers.iter().map(|r| r.as_ref().map(|r| r().into_iter().map(|m| m.0).collect()).unwrap_or_default()).collect();
+        let names: Vec<Vec<&'static str>> = readers
+            .iter()
+            .map(|r| {
+                r.as_ref()
+                    .map(|r| r().into_iter().map(|m| m.0).collect())
+                    .unwrap_or_default()
+            })
+            .collect();
         let prefixes = self.metric_prefixes(&names);
         Some(Arc::new(move || {
             let mut out = Vec::new();
@@ -200,7 +235,11 @@ impl KvConnector for MultiConnector {
         self.children[0].load_failure_policy()
     }
 
-    fn get_num_new_matched_tokens(&mut self, req: ConnectorRequest<'_>, num_computed_tokens: usize) -> ExternalMatch {
+    fn get_num_new_matched_tokens(
+        &mut self,
+        req: ConnectorRequest<'_>,
+        num_computed_tokens: usize,
+    ) -> ExternalMatch {
         self.winner.remove(req.id);
         let mut best = ExternalMatch::default();
         // Every child is asked (some note the request's arrival); the first
@@ -224,7 +263,11 @@ impl KvConnector for MultiConnector {
     ) {
         let winner = self.winner.remove(req.id);
         for (i, c) in self.children.iter_mut().enumerate() {
-            let n = if winner == Some(i) { num_external_tokens } else { 0 };
+            let n = if winner == Some(i) {
+                num_external_tokens
+            } else {
+                0
+            };
             c.update_state_after_alloc(req, block_ids, num_computed_tokens, n);
         }
     }
@@ -236,7 +279,11 @@ impl KvConnector for MultiConnector {
     }
 
     fn build_connector_meta(&mut self) -> ConnectorMeta {
-        let metas: Vec<ConnectorMeta> = self.children.iter_mut().map(|c| c.build_connector_meta()).collect();
+        let metas: Vec<ConnectorMeta> = self
+            .children
+            .iter_mut()
+            .map(|c| c.build_connector_meta())
+            .collect();
         ConnectorMeta(Box::new(metas))
     }
 
@@ -289,12 +336,17 @@ impl KvConnector for MultiConnector {
     /// The largest child count: children hold the same blocks (a request's
     /// table), so their counts overlap.
     fn num_held_blocks(&self) -> usize {
-        self.children.iter().map(|c| c.num_held_blocks()).max().unwrap_or(0)
+        self.children
+            .iter()
+            .map(|c| c.num_held_blocks())
+            .max()
+            .unwrap_or(0)
     }
 
     fn register_kv_caches(&mut self, spec: &KvCacheSpec) -> anyhow::Result<()> {
         for (i, c) in self.children.iter_mut().enumerate() {
-            c.register_kv_caches(spec).map_err(|e| e.context(format!("connector {i} ({})", self.kinds[i])))?;
+            c.register_kv_caches(spec)
+                .map_err(|e| e.context(format!("connector {i} ({})", self.kinds[i])))?;
         }
         Ok(())
     }
@@ -353,7 +405,10 @@ impl KvConnector for MultiConnector {
     }
 
     fn get_block_ids_with_load_errors(&mut self) -> Vec<(u32, LoadError)> {
-        self.children.iter_mut().flat_map(|c| c.get_block_ids_with_load_errors()).collect()
+        self.children
+            .iter_mut()
+            .flat_map(|c| c.get_block_ids_with_load_errors())
+            .collect()
     }
 
     fn set_weights_version(&mut self, version: Option<&str>) {
@@ -367,12 +422,17 @@ impl KvConnector for MultiConnector {
     /// retry moves on from.
     fn release_kv_caches(&mut self, timeout: Duration) -> anyhow::Result<()> {
         for i in 0..self.children.len() {
-            let Err(e) = self.children[i].release_kv_caches(timeout) else { continue };
+            let Err(e) = self.children[i].release_kv_caches(timeout) else {
+                continue;
+            };
             tracing::error!(child = i, error = %format!("{e:#}"), "a child connector failed to release the KV cache; undoing the others");
             let mut e = e.context(format!("connector {i} ({})", self.kinds[i]));
             for (j, c) in self.children[..i].iter_mut().enumerate() {
                 if let Err(r) = c.restore_kv_caches() {
-                    e = e.context(format!("and connector {j} ({}) could not register again: {r:#}", self.kinds[j]));
+                    e = e.context(format!(
+                        "and connector {j} ({}) could not register again: {r:#}",
+                        self.kinds[j]
+                    ));
                 }
             }
             return Err(e);
@@ -455,12 +515,25 @@ mod tests {
         fn load_failure_policy(&self) -> LoadFailurePolicy {
             self.0.lock().unwrap().policy
         }
-        fn get_num_new_matched_tokens(&mut self, _req: ConnectorRequest<'_>, _computed: usize) -> ExternalMatch {
+        fn get_num_new_matched_tokens(
+            &mut self,
+            _req: ConnectorRequest<'_>,
+            _computed: usize,
+        ) -> ExternalMatch {
             let offer = self.0.lock().unwrap().offer;
             self.log("match".into());
-            ExternalMatch { num_tokens: offer, load_async: offer > 0 }
+            ExternalMatch {
+                num_tokens: offer,
+                load_async: offer > 0,
+            }
         }
-        fn update_state_after_alloc(&mut self, _req: ConnectorRequest<'_>, _blocks: &[u32], _computed: usize, external: usize) {
+        fn update_state_after_alloc(
+            &mut self,
+            _req: ConnectorRequest<'_>,
+            _blocks: &[u32],
+            _computed: usize,
+            external: usize,
+        ) {
             self.log(format!("alloc {external}"));
         }
         fn request_added(&mut self, req: ConnectorRequest<'_>) {
@@ -471,7 +544,10 @@ mod tests {
             ConnectorMeta(Box::new(n))
         }
         fn update_connector_output(&mut self, finished: &FinishedTransfers) {
-            self.log(format!("output {}", finished.sending.len() + finished.recving.len()));
+            self.log(format!(
+                "output {}",
+                finished.sending.len() + finished.recving.len()
+            ));
         }
         fn wait_for_save(&mut self) {
             self.log("save".into());
@@ -499,7 +575,10 @@ mod tests {
             Ok(())
         }
         fn start_load_kv(&mut self, meta: ConnectorMeta) {
-            let mine = meta.0.downcast::<usize>().expect("this child's own metadata");
+            let mine = meta
+                .0
+                .downcast::<usize>()
+                .expect("this child's own metadata");
             self.log(format!("load {mine}"));
         }
         fn get_finished(&mut self) -> FinishedTransfers {
@@ -526,9 +605,14 @@ mod tests {
 
     /// A multi-connector over children scripted by `scripts`, named k0, k1, …
     fn multi(scripts: Vec<Script>) -> (MultiConnector, Vec<Arc<Mutex<Script>>>) {
-        let shared: Vec<_> = scripts.into_iter().map(|s| Arc::new(Mutex::new(s))).collect();
-        let children: Vec<Box<dyn KvConnector>> =
-            shared.iter().map(|s| Box::new(Child(s.clone())) as Box<dyn KvConnector>).collect();
+        let shared: Vec<_> = scripts
+            .into_iter()
+            .map(|s| Arc::new(Mutex::new(s)))
+            .collect();
+        let children: Vec<Box<dyn KvConnector>> = shared
+            .iter()
+            .map(|s| Box::new(Child(s.clone())) as Box<dyn KvConnector>)
+            .collect();
         let kinds = (0..shared.len()).map(|i| format!("k{i}")).collect();
         (MultiConnector::new(children, kinds), shared)
     }
@@ -538,20 +622,37 @@ mod tests {
     }
 
     fn request(id: &Arc<str>) -> ConnectorRequest<'_> {
-        ConnectorRequest { id, prompt_tokens: &[1, 2, 3], kv_transfer_params: None }
+        ConnectorRequest {
+            id,
+            prompt_tokens: &[1, 2, 3],
+            kv_transfer_params: None,
+        }
     }
 
     #[test]
     fn sleep_support_is_the_and_of_the_children() {
         for (a, b) in [(true, true), (true, false), (false, true), (false, false)] {
-            let (m, _) = multi(vec![Script { sleep: a, ..Script::default() }, Script { sleep: b, ..Script::default() }]);
+            let (m, _) = multi(vec![
+                Script {
+                    sleep: a,
+                    ..Script::default()
+                },
+                Script {
+                    sleep: b,
+                    ..Script::default()
+                },
+            ]);
             assert_eq!(m.supports_sleep_mode(), a && b, "children {a} {b}");
         }
     }
 
     #[test]
     fn release_is_all_or_nothing_and_restore_reaches_every_child() {
-        let (mut m, s) = multi(vec![Script::default(), Script::default(), Script::default()]);
+        let (mut m, s) = multi(vec![
+            Script::default(),
+            Script::default(),
+            Script::default(),
+        ]);
         m.release_kv_caches(Duration::from_secs(1)).unwrap();
         m.restore_kv_caches().unwrap();
         for c in &s {
@@ -560,23 +661,45 @@ mod tests {
 
         // Child 1 refuses: child 0 registers again, child 2 is not asked.
         s[1].lock().unwrap().release_fails = true;
-        let e = format!("{:#}", m.release_kv_caches(Duration::from_secs(1)).unwrap_err());
-        assert!(e.contains("connector 1 (k1)") && e.contains("release refused"), "{e}");
+        let e = format!(
+            "{:#}",
+            m.release_kv_caches(Duration::from_secs(1)).unwrap_err()
+        );
+        assert!(
+            e.contains("connector 1 (k1)") && e.contains("release refused"),
+            "{e}"
+        );
         assert_eq!(calls(&s[0]), ["release", "restore"], "undone");
         assert_eq!(calls(&s[1]), ["release"]);
-        assert!(calls(&s[2]).is_empty(), "nothing released after the refusal");
+        assert!(
+            calls(&s[2]).is_empty(),
+            "nothing released after the refusal"
+        );
         // A failed undo is named too.
         s[0].lock().unwrap().restore_fails = true;
-        let e = format!("{:#}", m.release_kv_caches(Duration::from_secs(1)).unwrap_err());
-        assert!(e.contains("connector 0 (k0) could not register again"), "{e}");
+        let e = format!(
+            "{:#}",
+            m.release_kv_caches(Duration::from_secs(1)).unwrap_err()
+        );
+        assert!(
+            e.contains("connector 0 (k0) could not register again"),
+            "{e}"
+        );
         calls(&s[0]);
         calls(&s[1]);
 
         s[1].lock().unwrap().release_fails = false;
         let e = format!("{:#}", m.restore_kv_caches().unwrap_err());
-        assert!(e.contains("connector 0 (k0)") && e.contains("restore refused"), "{e}");
+        assert!(
+            e.contains("connector 0 (k0)") && e.contains("restore refused"),
+            "{e}"
+        );
         for c in &s {
-            assert_eq!(calls(c), ["restore"], "every child is asked even after one failed");
+            assert_eq!(
+                calls(c),
+                ["restore"],
+                "every child is asked even after one failed"
+            );
         }
     }
 
@@ -589,7 +712,10 @@ mod tests {
             assert_eq!(calls(c), ["abort", "reset"]);
         }
         s[0].lock().unwrap().reset_refused = true;
-        assert!(!m.reset_cache(), "one child that cannot reset makes the reset fail");
+        assert!(
+            !m.reset_cache(),
+            "one child that cannot reset makes the reset fail"
+        );
         assert_eq!(calls(&s[1]), ["reset"], "the other child still resets");
         s[0].lock().unwrap().reset_refused = false;
         s[1].lock().unwrap().reset_refused = true;
@@ -598,7 +724,16 @@ mod tests {
 
     #[test]
     fn held_blocks_are_the_largest_childs_count() {
-        let (m, s) = multi(vec![Script { held: 3, ..Script::default() }, Script { held: 7, ..Script::default() }]);
+        let (m, s) = multi(vec![
+            Script {
+                held: 3,
+                ..Script::default()
+            },
+            Script {
+                held: 7,
+                ..Script::default()
+            },
+        ]);
         assert_eq!(m.num_held_blocks(), 7);
         s[0].lock().unwrap().held = 9;
         assert_eq!(m.num_held_blocks(), 9);
@@ -611,27 +746,49 @@ mod tests {
         assert_eq!(m.params_validator()(None), Ok(()));
         s[1].lock().unwrap().invalid = Some("transfer_id: missing".into());
         assert_eq!(m.validate_params(None), Err("transfer_id: missing".into()));
-        assert_eq!(m.params_validator()(None), Err("transfer_id: missing".into()));
+        assert_eq!(
+            m.params_validator()(None),
+            Err("transfer_id: missing".into())
+        );
     }
 
     #[test]
     fn the_first_offer_wins_and_only_the_winner_loads() {
         let (mut m, s) = multi(vec![
             Script::default(),
-            Script { offer: 32, ..Script::default() },
-            Script { offer: 16, ..Script::default() },
+            Script {
+                offer: 32,
+                ..Script::default()
+            },
+            Script {
+                offer: 16,
+                ..Script::default()
+            },
         ]);
         let id: Arc<str> = "r1".into();
-        assert_eq!(m.get_num_new_matched_tokens(request(&id), 0), ExternalMatch { num_tokens: 32, load_async: true });
+        assert_eq!(
+            m.get_num_new_matched_tokens(request(&id), 0),
+            ExternalMatch {
+                num_tokens: 32,
+                load_async: true
+            }
+        );
         m.update_state_after_alloc(request(&id), &[4, 5], 0, 32);
         assert_eq!(calls(&s[0]), ["match", "alloc 0"]);
         assert_eq!(calls(&s[1]), ["match", "alloc 32"]);
-        assert_eq!(calls(&s[2]), ["match", "alloc 0"], "every child is asked; a later offer loses");
+        assert_eq!(
+            calls(&s[2]),
+            ["match", "alloc 0"],
+            "every child is asked; a later offer loses"
+        );
 
         // Nobody offers: nobody loads.
         s[1].lock().unwrap().offer = 0;
         s[2].lock().unwrap().offer = 0;
-        assert_eq!(m.get_num_new_matched_tokens(request(&id), 0), ExternalMatch::default());
+        assert_eq!(
+            m.get_num_new_matched_tokens(request(&id), 0),
+            ExternalMatch::default()
+        );
         m.update_state_after_alloc(request(&id), &[4, 5], 0, 0);
         for c in &s {
             assert_eq!(calls(c), ["match", "alloc 0"]);
@@ -641,9 +798,19 @@ mod tests {
     #[test]
     fn finished_blocks_stay_held_until_every_keeping_child_names_them() {
         let (mut m, s) = multi(vec![
-            Script { keep: true, ..Script::default() },
-            Script { keep: true, params: Some(json!({"from": 1})), ..Script::default() },
-            Script { params: Some(json!({"from": 2})), ..Script::default() },
+            Script {
+                keep: true,
+                ..Script::default()
+            },
+            Script {
+                keep: true,
+                params: Some(json!({"from": 1})),
+                ..Script::default()
+            },
+            Script {
+                params: Some(json!({"from": 2})),
+                ..Script::default()
+            },
         ]);
         let id: Arc<str> = "r1".into();
         let (delay, params) = m.request_finished(request(&id), &[1, 2], FinishReason::Length);
@@ -653,7 +820,10 @@ mod tests {
 
         report(&s[2]); // does not hold it: must not free the blocks
         report(&s[0]);
-        assert!(m.get_finished().is_empty(), "child 1 still holds the blocks");
+        assert!(
+            m.get_finished().is_empty(),
+            "child 1 still holds the blocks"
+        );
         report(&s[1]);
         assert_eq!(m.get_finished().sending, std::slice::from_ref(&id));
         assert!(m.get_finished().is_empty());
@@ -664,7 +834,10 @@ mod tests {
             c.lock().unwrap().keep = false;
         }
         let id2: Arc<str> = "r2".into();
-        assert!(!m.request_finished(request(&id2), &[3], FinishReason::Stop).0);
+        assert!(
+            !m.request_finished(request(&id2), &[3], FinishReason::Stop)
+                .0
+        );
         s[0].lock().unwrap().finished.recving.push(id2.clone());
         s[1].lock().unwrap().finished.recving.push(id2.clone());
         assert_eq!(m.get_finished().recving, [id2], "reported once");
@@ -673,12 +846,24 @@ mod tests {
     #[test]
     fn load_errors_come_from_every_child_and_the_policy_from_the_first() {
         let (mut m, s) = multi(vec![
-            Script { policy: LoadFailurePolicy::Recompute, ..Script::default() },
+            Script {
+                policy: LoadFailurePolicy::Recompute,
+                ..Script::default()
+            },
             Script::default(),
         ]);
-        s[0].lock().unwrap().load_errors.push((1, LoadError::failed("a")));
-        s[1].lock().unwrap().load_errors.push((2, LoadError::recompute("b")));
-        assert_eq!(m.get_block_ids_with_load_errors(), [(1, LoadError::failed("a")), (2, LoadError::recompute("b"))]);
+        s[0].lock()
+            .unwrap()
+            .load_errors
+            .push((1, LoadError::failed("a")));
+        s[1].lock()
+            .unwrap()
+            .load_errors
+            .push((2, LoadError::recompute("b")));
+        assert_eq!(
+            m.get_block_ids_with_load_errors(),
+            [(1, LoadError::failed("a")), (2, LoadError::recompute("b"))]
+        );
         assert_eq!(m.load_failure_policy(), LoadFailurePolicy::Recompute);
         s[0].lock().unwrap().policy = LoadFailurePolicy::Fail;
         s[1].lock().unwrap().policy = LoadFailurePolicy::Recompute;
@@ -688,12 +873,31 @@ mod tests {
     #[test]
     fn clashing_metric_names_get_the_kind_as_prefix() {
         let (m, _) = multi(vec![
-            Script { metric: Some("multi_test_clash_total"), ..Script::default() },
-            Script { metric: Some("multi_test_clash_total"), ..Script::default() },
-            Script { metric: Some("multi_test_own_total"), ..Script::default() },
+            Script {
+                metric: Some("multi_test_clash_total"),
+                ..Script::default()
+            },
+            Script {
+                metric: Some("multi_test_clash_total"),
+                ..Script::default()
+            },
+            Script {
+                metric: Some("multi_test_own_total"),
+                ..Script::default()
+            },
         ]);
-        let names: Vec<&str> = m.metrics_reader().unwrap()().into_iter().map(|x| x.0).collect();
-        assert_eq!(names, ["k0_multi_test_clash_total", "k1_multi_test_clash_total", "multi_test_own_total"]);
+        let names: Vec<&str> = m.metrics_reader().unwrap()()
+            .into_iter()
+            .map(|x| x.0)
+            .collect();
+        assert_eq!(
+            names,
+            [
+                "k0_multi_test_clash_total",
+                "k1_multi_test_clash_total",
+                "multi_test_own_total"
+            ]
+        );
         let (m, _) = multi(vec![Script::default()]);
         assert!(m.metrics_reader().is_none(), "no child has metrics");
     }
@@ -708,9 +912,16 @@ mod tests {
         let meta = m.build_connector_meta();
         m.start_load_kv(meta);
         m.wait_for_save();
-        m.update_connector_output(&FinishedTransfers { sending: vec![id.clone()], recving: vec![], abandoned: vec![] });
+        m.update_connector_output(&FinishedTransfers {
+            sending: vec![id.clone()],
+            recving: vec![],
+            abandoned: vec![],
+        });
         assert_eq!(calls(&s[0]), ["added r1", "load 1", "save", "output 1"]);
-        assert_eq!(calls(&s[1]), ["added r1", "extra", "load 2", "save", "output 1"]);
+        assert_eq!(
+            calls(&s[1]),
+            ["added r1", "extra", "load 2", "save", "output 1"]
+        );
         // Another connector's metadata is refused, not misrouted.
         m.start_load_kv(ConnectorMeta::empty());
         assert!(calls(&s[0]).is_empty() && calls(&s[1]).is_empty());
@@ -725,7 +936,12 @@ mod tests {
             w.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
         }));
         for c in &s {
-            let waker = c.lock().unwrap().waker.clone().expect("the child got the waker");
+            let waker = c
+                .lock()
+                .unwrap()
+                .waker
+                .clone()
+                .expect("the child got the waker");
             waker();
         }
         assert_eq!(woken.load(std::sync::atomic::Ordering::SeqCst), 2);
@@ -735,15 +951,22 @@ mod tests {
     fn takes_up_to_max_children() {
         let child = json!({"kv_connector": "offload"});
         for n in 1..=MAX_CHILDREN {
-            let cfg = json!({"kv_connector": "multi", "connectors": vec![child.clone(); n]}).to_string();
-            let m = MultiConnector::from_json(&cfg, "e", &Default::default()).unwrap_or_else(|e| panic!("{n} children: {e:#}"));
+            let cfg =
+                json!({"kv_connector": "multi", "connectors": vec![child.clone(); n]}).to_string();
+            let m = MultiConnector::from_json(&cfg, "e", &Default::default())
+                .unwrap_or_else(|e| panic!("{n} children: {e:#}"));
             assert_eq!(m.children.len(), n);
         }
-        let cfg = json!({"kv_connector": "multi", "connectors": vec![child; MAX_CHILDREN + 1]}).to_string();
+        let cfg = json!({"kv_connector": "multi", "connectors": vec![child; MAX_CHILDREN + 1]})
+            .to_string();
         assert!(MultiConnector::from_json(&cfg, "e", &Default::default()).is_err());
-        let e = MultiConnector::from_json(r#"{"kv_connector":"pdkv","connectors":[{"kv_connector":"offload"}]}"#, "e", &Default::default())
-            .err()
-            .unwrap();
+        let e = MultiConnector::from_json(
+            r#"{"kv_connector":"pdkv","connectors":[{"kv_connector":"offload"}]}"#,
+            "e",
+            &Default::default(),
+        )
+        .err()
+        .unwrap();
         assert!(format!("{e:#}").contains("kv_connector"), "{e:#}");
     }
 }

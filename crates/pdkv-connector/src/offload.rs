@@ -33,8 +33,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use pdkv_engine::connector::{
-    ConnectorMeta, ConnectorRequest, ExternalMatch, FinishedTransfers, KvCacheSpec, KvTransferParams, MetricsReader,
-    Waker,
+    ConnectorMeta, ConnectorRequest, ExternalMatch, FinishedTransfers, KvCacheSpec,
+    KvTransferParams, MetricsReader, Waker,
 };
 use pdkv_engine::{BlockHash, FinishReason, KvConnector};
 use serde::de::DeserializeOwned;
@@ -104,7 +104,10 @@ impl OffloadConfig {
         }
         let max_bytes = raw.max_bytes.unwrap_or(DEFAULT_MAX_BYTES);
         if max_bytes == 0 {
-            return Err(ConfigError { field: "max_bytes".into(), message: "must be at least 1".into() });
+            return Err(ConfigError {
+                field: "max_bytes".into(),
+                message: "must be at least 1".into(),
+            });
         }
         Ok(OffloadConfig { max_bytes })
     }
@@ -132,7 +135,13 @@ struct Store {
 
 impl Store {
     fn new(max_bytes: u64) -> Store {
-        Store { entries: HashMap::new(), lru: BTreeMap::new(), next_tick: 0, bytes: 0, max_bytes }
+        Store {
+            entries: HashMap::new(),
+            lru: BTreeMap::new(),
+            next_tick: 0,
+            bytes: 0,
+            max_bytes,
+        }
     }
 
     /// The block stored for `key`, if it really is the block of `tokens`
@@ -165,7 +174,13 @@ impl Store {
     /// recently used ones to stay within `max_bytes`. Returns whether it was
     /// stored (a block larger than the whole store is not) and how many
     /// blocks were evicted. An entry already under `key` is replaced.
-    fn insert(&mut self, key: BlockHash, parent: Option<BlockHash>, tokens: &[u32], data: Arc<[u8]>) -> (bool, usize) {
+    fn insert(
+        &mut self,
+        key: BlockHash,
+        parent: Option<BlockHash>,
+        tokens: &[u32],
+        data: Arc<[u8]>,
+    ) -> (bool, usize) {
         let len = data.len() as u64;
         if len > self.max_bytes {
             return (false, 0);
@@ -173,15 +188,29 @@ impl Store {
         self.remove(key);
         let mut evicted = 0;
         while self.bytes + len > self.max_bytes {
-            let (_, victim) = self.lru.pop_first().expect("bytes held imply a stored block");
-            let e = self.entries.remove(&victim).expect("the LRU order lists stored blocks");
+            let (_, victim) = self
+                .lru
+                .pop_first()
+                .expect("bytes held imply a stored block");
+            let e = self
+                .entries
+                .remove(&victim)
+                .expect("the LRU order lists stored blocks");
             self.bytes -= e.data.len() as u64;
             evicted += 1;
         }
         let tick = self.next_tick;
         self.next_tick += 1;
         self.lru.insert(tick, key);
-        self.entries.insert(key, Entry { parent, tokens: tokens.into(), data, tick });
+        self.entries.insert(
+            key,
+            Entry {
+                parent,
+                tokens: tokens.into(),
+                data,
+                tick,
+            },
+        );
         self.bytes += len;
         (true, evicted)
     }
@@ -246,8 +275,12 @@ impl OffloadConnector {
     }
 
     fn publish_size(&self) {
-        self.counters.bytes_held.store(self.store.bytes, Ordering::Relaxed);
-        self.counters.blocks_held.store(self.store.len() as u64, Ordering::Relaxed);
+        self.counters
+            .bytes_held
+            .store(self.store.bytes, Ordering::Relaxed);
+        self.counters
+            .blocks_held
+            .store(self.store.len() as u64, Ordering::Relaxed);
     }
 
     /// Copies `req`'s full prompt blocks that are not stored yet out of the
@@ -282,7 +315,8 @@ impl OffloadConnector {
         }
         let c = &self.counters;
         c.saved_blocks.fetch_add(saved, Ordering::Relaxed);
-        c.bytes_saved.fetch_add(saved * kv.block_bytes as u64, Ordering::Relaxed);
+        c.bytes_saved
+            .fetch_add(saved * kv.block_bytes as u64, Ordering::Relaxed);
         c.evicted_blocks.fetch_add(evicted, Ordering::Relaxed);
         self.publish_size();
     }
@@ -314,18 +348,66 @@ impl KvConnector for OffloadConnector {
         Some(Arc::new(move || {
             let get = |a: &AtomicU64| a.load(Ordering::Relaxed) as f64;
             vec![
-                ("offload_bytes_held", "KV bytes held in the host offload store", get(&c.bytes_held)),
-                ("offload_blocks_held", "KV blocks held in the host offload store", get(&c.blocks_held)),
-                ("offload_max_bytes", "Capacity of the host offload store in bytes", max),
-                ("offload_block_bytes", "Bytes of one KV block in the host offload store", get(&c.block_bytes)),
-                ("offload_lookups_total", "Requests looked up in the host offload store", get(&c.lookups)),
-                ("offload_lookup_misses_total", "Lookups that found no block to load", get(&c.lookup_misses)),
-                ("offload_hit_blocks_total", "KV blocks loaded from the host offload store", get(&c.hit_blocks)),
-                ("offload_loaded_bytes_total", "KV bytes loaded from the host offload store", get(&c.bytes_loaded)),
-                ("offload_saved_blocks_total", "KV blocks saved to the host offload store", get(&c.saved_blocks)),
-                ("offload_saved_bytes_total", "KV bytes saved to the host offload store", get(&c.bytes_saved)),
-                ("offload_evicted_blocks_total", "KV blocks evicted from the host offload store", get(&c.evicted_blocks)),
-                ("offload_resets_total", "Times the host offload store was emptied by a cache reset", get(&c.resets)),
+                (
+                    "offload_bytes_held",
+                    "KV bytes held in the host offload store",
+                    get(&c.bytes_held),
+                ),
+                (
+                    "offload_blocks_held",
+                    "KV blocks held in the host offload store",
+                    get(&c.blocks_held),
+                ),
+                (
+                    "offload_max_bytes",
+                    "Capacity of the host offload store in bytes",
+                    max,
+                ),
+                (
+                    "offload_block_bytes",
+                    "Bytes of one KV block in the host offload store",
+                    get(&c.block_bytes),
+                ),
+                (
+                    "offload_lookups_total",
+                    "Requests looked up in the host offload store",
+                    get(&c.lookups),
+                ),
+                (
+                    "offload_lookup_misses_total",
+                    "Lookups that found no block to load",
+                    get(&c.lookup_misses),
+                ),
+                (
+                    "offload_hit_blocks_total",
+                    "KV blocks loaded from the host offload store",
+                    get(&c.hit_blocks),
+                ),
+                (
+                    "offload_loaded_bytes_total",
+                    "KV bytes loaded from the host offload store",
+                    get(&c.bytes_loaded),
+                ),
+                (
+                    "offload_saved_blocks_total",
+                    "KV blocks saved to the host offload store",
+                    get(&c.saved_blocks),
+                ),
+                (
+                    "offload_saved_bytes_total",
+                    "KV bytes saved to the host offload store",
+                    get(&c.bytes_saved),
+                ),
+                (
+                    "offload_evicted_blocks_total",
+                    "KV blocks evicted from the host offload store",
+                    get(&c.evicted_blocks),
+                ),
+                (
+                    "offload_resets_total",
+                    "Times the host offload store was emptied by a cache reset",
+                    get(&c.resets),
+                ),
             ]
         }))
     }
@@ -333,21 +415,38 @@ impl KvConnector for OffloadConnector {
     /// Loads are synchronous: nothing to wake the core for.
     fn set_waker(&mut self, _waker: Waker) {}
 
-    fn get_num_new_matched_tokens(&mut self, req: ConnectorRequest<'_>, num_computed_tokens: usize) -> ExternalMatch {
-        let Some(kv) = &self.kv else { return ExternalMatch::default() };
+    fn get_num_new_matched_tokens(
+        &mut self,
+        req: ConnectorRequest<'_>,
+        num_computed_tokens: usize,
+    ) -> ExternalMatch {
+        let Some(kv) = &self.kv else {
+            return ExternalMatch::default();
+        };
         let bs = kv.block_size;
         self.counters.lookups.fetch_add(1, Ordering::Relaxed);
         self.matched.remove(req.id);
         let first = num_computed_tokens / bs;
         // Whole blocks, and the last prompt token always left to compute.
-        let room = req.prompt_tokens.len().saturating_sub(1 + num_computed_tokens) / bs;
-        let end = if num_computed_tokens.is_multiple_of(bs) { first + room } else { first };
+        let room = req
+            .prompt_tokens
+            .len()
+            .saturating_sub(1 + num_computed_tokens)
+            / bs;
+        let end = if num_computed_tokens.is_multiple_of(bs) {
+            first + room
+        } else {
+            first
+        };
         let mut keys = Vec::with_capacity(end);
         BlockHash::extend_chain(&mut keys, &req.prompt_tokens[..end * bs]);
         let mut found = Vec::new();
         for i in first..end {
             let parent = i.checked_sub(1).map(|p| keys[p]);
-            match self.store.get(keys[i], parent, &req.prompt_tokens[i * bs..(i + 1) * bs]) {
+            match self
+                .store
+                .get(keys[i], parent, &req.prompt_tokens[i * bs..(i + 1) * bs])
+            {
                 Some(data) => found.push(data.clone()),
                 None => break,
             }
@@ -361,7 +460,10 @@ impl KvConnector for OffloadConnector {
         }
         let num_tokens = found.len() * bs;
         self.matched.insert(req.id.clone(), found);
-        ExternalMatch { num_tokens, load_async: false }
+        ExternalMatch {
+            num_tokens,
+            load_async: false,
+        }
     }
 
     fn update_state_after_alloc(
@@ -371,7 +473,9 @@ impl KvConnector for OffloadConnector {
         num_computed_tokens: usize,
         num_external_tokens: usize,
     ) {
-        let Some(found) = self.matched.remove(req.id) else { return };
+        let Some(found) = self.matched.remove(req.id) else {
+            return;
+        };
         if num_external_tokens == 0 {
             return;
         }
@@ -379,17 +483,23 @@ impl KvConnector for OffloadConnector {
         let bs = kv.block_size;
         let first = num_computed_tokens / bs;
         let n = num_external_tokens / bs;
-        if !num_external_tokens.is_multiple_of(bs) || n > found.len() || first + n > block_ids.len() {
+        if !num_external_tokens.is_multiple_of(bs) || n > found.len() || first + n > block_ids.len()
+        {
             // The scheduler only trims a match to whole blocks it has room for.
             tracing::error!(id = %req.id, num_external_tokens, offered = found.len() * bs, blocks = block_ids.len(),
                 "offload match does not fit the allocated blocks");
         }
-        let n = n.min(found.len()).min(block_ids.len().saturating_sub(first));
-        self.pending.extend(block_ids[first..first + n].iter().copied().zip(found));
+        let n = n
+            .min(found.len())
+            .min(block_ids.len().saturating_sub(first));
+        self.pending
+            .extend(block_ids[first..first + n].iter().copied().zip(found));
     }
 
     fn build_connector_meta(&mut self) -> ConnectorMeta {
-        ConnectorMeta(Box::new(OffloadMeta { loads: std::mem::take(&mut self.pending) }))
+        ConnectorMeta(Box::new(OffloadMeta {
+            loads: std::mem::take(&mut self.pending),
+        }))
     }
 
     fn request_finished(
@@ -423,13 +533,17 @@ impl KvConnector for OffloadConnector {
             spec.block_size
         );
         anyhow::ensure!(
-            spec.num_blocks.checked_mul(spec.block_bytes).is_some_and(|n| n <= spec.region.len()),
+            spec.num_blocks
+                .checked_mul(spec.block_bytes)
+                .is_some_and(|n| n <= spec.region.len()),
             "the KV cache region ({} bytes) is smaller than {} blocks of {} bytes",
             spec.region.len(),
             spec.num_blocks,
             spec.block_bytes
         );
-        self.counters.block_bytes.store(spec.block_bytes as u64, Ordering::Relaxed);
+        self.counters
+            .block_bytes
+            .store(spec.block_bytes as u64, Ordering::Relaxed);
         self.kv = Some(spec.clone());
         Ok(())
     }
@@ -445,18 +559,30 @@ impl KvConnector for OffloadConnector {
         let Some(kv) = &self.kv else { return };
         if !kv.region.is_mapped() {
             // The core never steps while the KV cache is released.
-            tracing::error!(blocks = meta.loads.len(), "KV cache released; offloaded blocks not loaded");
+            tracing::error!(
+                blocks = meta.loads.len(),
+                "KV cache released; offloaded blocks not loaded"
+            );
             return;
         }
         let mut bytes = 0u64;
         for (block, data) in &meta.loads {
-            match kv.region.write_bytes(*block as usize * kv.block_bytes, data) {
+            match kv
+                .region
+                .write_bytes(*block as usize * kv.block_bytes, data)
+            {
                 Ok(()) => bytes += data.len() as u64,
-                Err(e) => tracing::error!(block, error = %e, "loading an offloaded KV block failed"),
+                Err(e) => {
+                    tracing::error!(block, error = %e, "loading an offloaded KV block failed")
+                }
             }
         }
-        self.counters.hit_blocks.fetch_add(meta.loads.len() as u64, Ordering::Relaxed);
-        self.counters.bytes_loaded.fetch_add(bytes, Ordering::Relaxed);
+        self.counters
+            .hit_blocks
+            .fetch_add(meta.loads.len() as u64, Ordering::Relaxed);
+        self.counters
+            .bytes_loaded
+            .fetch_add(bytes, Ordering::Relaxed);
     }
 
     fn get_finished(&mut self) -> FinishedTransfers {
@@ -498,7 +624,12 @@ mod tests {
         for b in 0..16u8 {
             region.write_bytes(b as usize * BB, &[b; BB]).unwrap();
         }
-        let mut c = OffloadConnector::new(OffloadConfig { max_bytes: max_blocks * BB as u64 }, "o1");
+        let mut c = OffloadConnector::new(
+            OffloadConfig {
+                max_bytes: max_blocks * BB as u64,
+            },
+            "o1",
+        );
         let spec = KvCacheSpec {
             region: region.clone(),
             num_blocks: 16,
@@ -511,14 +642,29 @@ mod tests {
     }
 
     fn counter(c: &OffloadConnector, name: &str) -> f64 {
-        c.metrics_reader().unwrap()().into_iter().find(|m| m.0 == name).unwrap().2
+        c.metrics_reader().unwrap()()
+            .into_iter()
+            .find(|m| m.0 == name)
+            .unwrap()
+            .2
     }
 
     /// `id` asks with `computed` tokens already local; returns the tokens
     /// offered and, once loaded into `blocks`, the first byte of each.
-    fn lookup_and_load(c: &mut OffloadConnector, region: &pdkv_vmem::Region, id: &str, prompt: &[u32], computed: usize, blocks: &[u32]) -> (usize, Vec<u8>) {
+    fn lookup_and_load(
+        c: &mut OffloadConnector,
+        region: &pdkv_vmem::Region,
+        id: &str,
+        prompt: &[u32],
+        computed: usize,
+        blocks: &[u32],
+    ) -> (usize, Vec<u8>) {
         let id: Arc<str> = id.into();
-        let req = ConnectorRequest { id: &id, prompt_tokens: prompt, kv_transfer_params: None };
+        let req = ConnectorRequest {
+            id: &id,
+            prompt_tokens: prompt,
+            kv_transfer_params: None,
+        };
         let m = c.get_num_new_matched_tokens(req, computed);
         c.update_state_after_alloc(req, blocks, computed, m.num_tokens);
         let meta = c.build_connector_meta();
@@ -543,7 +689,15 @@ mod tests {
         // A 64-token prompt (4 full blocks) ends in blocks 0..4: all saved.
         let a: Vec<u32> = (100..164).collect();
         let id: Arc<str> = "a".into();
-        c.request_finished(ConnectorRequest { id: &id, prompt_tokens: &a, kv_transfer_params: None }, &[0, 1, 2, 3], FinishReason::Length);
+        c.request_finished(
+            ConnectorRequest {
+                id: &id,
+                prompt_tokens: &a,
+                kv_transfer_params: None,
+            },
+            &[0, 1, 2, 3],
+            FinishReason::Length,
+        );
         assert_eq!(counter(&c, "offload_saved_blocks_total"), 4.0);
         assert_eq!(counter(&c, "offload_saved_bytes_total"), 4.0 * 256.0);
         // The same prompt with its first block local: blocks 1 and 2 load
@@ -554,10 +708,22 @@ mod tests {
         // blocks 3 and 0 (the lookup just used 1 and 2).
         let other: Vec<u32> = (300..332).collect();
         let id: Arc<str> = "c".into();
-        c.request_finished(ConnectorRequest { id: &id, prompt_tokens: &other, kv_transfer_params: None }, &[4, 5], FinishReason::Stop);
+        c.request_finished(
+            ConnectorRequest {
+                id: &id,
+                prompt_tokens: &other,
+                kv_transfer_params: None,
+            },
+            &[4, 5],
+            FinishReason::Stop,
+        );
         assert_eq!(counter(&c, "offload_evicted_blocks_total"), 2.0);
         let (tokens, got) = lookup_and_load(&mut c, &region, "d", &a, 32, &[12, 13, 14, 15]);
-        assert_eq!((tokens, got), (16, vec![2]), "block 2 was used recently and stayed");
+        assert_eq!(
+            (tokens, got),
+            (16, vec![2]),
+            "block 2 was used recently and stayed"
+        );
         let (tokens, _) = lookup_and_load(&mut c, &region, "e", &a, 0, &[12, 13, 14, 15]);
         assert_eq!(tokens, 0, "block 0 was evicted");
     }
@@ -570,17 +736,27 @@ mod tests {
         assert_eq!(missing.message, "missing field `kv_connector`");
         let unknown = err(r#"{"kv_connector":"offload","extra":1}"#);
         assert_eq!(unknown.field, "extra");
-        assert!(unknown.message.starts_with("unknown field `extra`"), "{}", unknown.message);
+        assert!(
+            unknown.message.starts_with("unknown field `extra`"),
+            "{}",
+            unknown.message
+        );
         let typed = err(r#"{"kv_connector":5}"#);
         assert_eq!(typed.field, "kv_connector");
-        assert_eq!(typed.message, "invalid type: integer `5`, expected a string");
+        assert_eq!(
+            typed.message,
+            "invalid type: integer `5`, expected a string"
+        );
     }
 
     #[test]
     fn config_defaults_and_errors_name_the_field() {
         let c = OffloadConfig::parse(r#"{"kv_connector":"offload"}"#).unwrap();
         assert_eq!(c.max_bytes, DEFAULT_MAX_BYTES);
-        let c = OffloadConfig::parse(r#"{"kv_connector":"offload","max_bytes":4096,"kv_role":"kv_both"}"#).unwrap();
+        let c = OffloadConfig::parse(
+            r#"{"kv_connector":"offload","max_bytes":4096,"kv_role":"kv_both"}"#,
+        )
+        .unwrap();
         assert_eq!(c.max_bytes, 4096);
         let e = OffloadConfig::parse(r#"{"kv_connector":"offload","max_byte":1}"#).unwrap_err();
         assert_eq!(e.field, "max_byte");
@@ -588,9 +764,13 @@ mod tests {
         assert_eq!(e.field, "max_bytes");
         let e = OffloadConfig::parse(r#"{"kv_connector":"offload","max_bytes":0}"#).unwrap_err();
         assert_eq!(e.field, "max_bytes");
-        let e = OffloadConfig::parse(r#"{"kv_connector":"offload","kv_role":"sideways"}"#).unwrap_err();
+        let e =
+            OffloadConfig::parse(r#"{"kv_connector":"offload","kv_role":"sideways"}"#).unwrap_err();
         assert_eq!(e.field, "kv_role");
-        assert!(e.to_string().starts_with("kv_transfer_config: kv_role: "), "{e}");
+        assert!(
+            e.to_string().starts_with("kv_transfer_config: kv_role: "),
+            "{e}"
+        );
     }
 
     #[test]
@@ -599,8 +779,14 @@ mod tests {
         s.insert(key(1), None, &[1, 2], data(10, 7));
         s.insert(key(2), Some(key(1)), &[3, 4], data(10, 8));
         assert_eq!(s.get(key(1), None, &[1, 2]).unwrap()[0], 7);
-        assert!(s.get(key(1), None, &[1, 3]).is_none(), "other tokens under a colliding key");
-        assert!(s.get(key(2), Some(key(9)), &[3, 4]).is_none(), "another parent under a colliding key");
+        assert!(
+            s.get(key(1), None, &[1, 3]).is_none(),
+            "other tokens under a colliding key"
+        );
+        assert!(
+            s.get(key(2), Some(key(9)), &[3, 4]).is_none(),
+            "another parent under a colliding key"
+        );
         assert!(s.get(key(2), None, &[3, 4]).is_none());
         assert_eq!(s.get(key(2), Some(key(1)), &[3, 4]).unwrap()[0], 8);
     }
@@ -609,7 +795,10 @@ mod tests {
     fn eviction_is_lru_and_keeps_bytes_under_the_limit() {
         let mut s = Store::new(30);
         for k in 1..=3 {
-            assert_eq!(s.insert(key(k), None, &[k as u32], data(10, k as u8)), (true, 0));
+            assert_eq!(
+                s.insert(key(k), None, &[k as u32], data(10, k as u8)),
+                (true, 0)
+            );
         }
         s.touch(key(1));
         // Key 2 is now the least recently used.

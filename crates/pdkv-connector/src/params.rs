@@ -59,14 +59,20 @@ pub const TP_SIZE: &str = "tp_size";
 /// anything that is not an object is returned as it came (the parser
 /// refuses it with its reason).
 pub fn canonical(mut params: Value, request_id: &str) -> Value {
-    let Some(obj) = params.as_object_mut() else { return params };
+    let Some(obj) = params.as_object_mut() else {
+        return params;
+    };
     let set = |obj: &Obj, k: &str| obj.get(k).is_some_and(|v| !v.is_null());
     if obj.get(DO_REMOTE_DECODE) == Some(&Value::Bool(true)) && !set(obj, TRANSFER_ID) {
         obj.insert(TRANSFER_ID.into(), json!(request_id));
     }
     if obj.get(DO_REMOTE_PREFILL) == Some(&Value::Bool(true)) {
         if !set(obj, TRANSFER_ID) {
-            if let Some(id) = obj.get(REMOTE_REQUEST_ID).filter(|v| v.is_string()).cloned() {
+            if let Some(id) = obj
+                .get(REMOTE_REQUEST_ID)
+                .filter(|v| v.is_string())
+                .cloned()
+            {
                 obj.insert(TRANSFER_ID.into(), id);
             }
         }
@@ -78,9 +84,10 @@ pub fn canonical(mut params: Value, request_id: &str) -> Value {
                 }
             }
             None | Some(Value::Null) => {
-                if let (Some(Value::String(host)), Some(port)) =
-                    (obj.get(REMOTE_HOST), obj.get(REMOTE_PORT).and_then(Value::as_u64))
-                {
+                if let (Some(Value::String(host)), Some(port)) = (
+                    obj.get(REMOTE_HOST),
+                    obj.get(REMOTE_PORT).and_then(Value::as_u64),
+                ) {
                     let addr = join_host_port(host, port);
                     obj.insert(REMOTE_BOOTSTRAP_ADDR.into(), json!(addr));
                 }
@@ -105,11 +112,17 @@ fn join_host_port(host: &str, port: u64) -> String {
 pub fn split_host_port(addr: &str) -> Option<(&str, u16)> {
     let (host, port) = addr.rsplit_once(':')?;
     let port: u16 = port.parse().ok().filter(|&p| p > 0)?;
-    let bare = host.strip_prefix('[').and_then(|h| h.strip_suffix(']')).unwrap_or(host);
+    let bare = host
+        .strip_prefix('[')
+        .and_then(|h| h.strip_suffix(']'))
+        .unwrap_or(host);
     let ok = if host.starts_with('[') {
         bare.parse::<std::net::Ipv6Addr>().is_ok()
     } else {
-        !host.is_empty() && host.chars().all(|c| c.is_ascii_alphanumeric() || c == '.' || c == '-' || c == '_')
+        !host.is_empty()
+            && host
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || c == '.' || c == '-' || c == '_')
     };
     ok.then_some((bare, port))
 }
@@ -122,7 +135,11 @@ pub fn for_prefill(transfer_id: &str) -> Value {
 /// The params a proxy puts on D's request in write mode: P's engine id and
 /// bootstrap address as P's `/kv_transfer/info` said (absent when unknown;
 /// D then refuses the request naming the missing key).
-pub fn for_decode(transfer_id: &str, remote_engine_id: Option<&str>, remote_bootstrap_addr: Option<&str>) -> Value {
+pub fn for_decode(
+    transfer_id: &str,
+    remote_engine_id: Option<&str>,
+    remote_bootstrap_addr: Option<&str>,
+) -> Value {
     let mut p = json!({ DO_REMOTE_PREFILL: true, TRANSFER_ID: transfer_id });
     if let Some(e) = remote_engine_id {
         p[REMOTE_ENGINE_ID] = json!(e);
@@ -198,7 +215,11 @@ fn read_params(obj: &Obj) -> Result<Option<ReadParams>, String> {
     let ids = match obj.get(REMOTE_BLOCK_IDS) {
         None | Some(Value::Null) => return Ok(None),
         Some(Value::Array(a)) => a,
-        Some(v) => return Err(format!("kv_transfer_params.{REMOTE_BLOCK_IDS} must be an array of block ids, got {v}")),
+        Some(v) => {
+            return Err(format!(
+                "kv_transfer_params.{REMOTE_BLOCK_IDS} must be an array of block ids, got {v}"
+            ))
+        }
     };
     let block_ids = ids
         .iter()
@@ -218,16 +239,26 @@ fn read_params(obj: &Obj) -> Result<Option<ReadParams>, String> {
     let weights_version = match obj.get(REMOTE_WEIGHTS_VERSION) {
         None | Some(Value::Null) => None,
         Some(Value::String(v)) => Some(v.clone()),
-        Some(v) => return Err(format!("kv_transfer_params.{REMOTE_WEIGHTS_VERSION} must be a string or null, got {v}")),
+        Some(v) => {
+            return Err(format!(
+                "kv_transfer_params.{REMOTE_WEIGHTS_VERSION} must be a string or null, got {v}"
+            ))
+        }
     };
-    Ok(Some(ReadParams { block_ids, generation, weights_version }))
+    Ok(Some(ReadParams {
+        block_ids,
+        generation,
+        weights_version,
+    }))
 }
 
 fn flag(obj: &Obj, name: &str) -> Result<bool, String> {
     match obj.get(name) {
         None | Some(Value::Null) => Ok(false),
         Some(Value::Bool(b)) => Ok(*b),
-        Some(v) => Err(format!("kv_transfer_params.{name} must be a boolean, got {v}")),
+        Some(v) => Err(format!(
+            "kv_transfer_params.{name} must be a boolean, got {v}"
+        )),
     }
 }
 
@@ -236,7 +267,9 @@ fn text(obj: &Obj, name: &str) -> Result<String, String> {
         Some(Value::String(s)) if !s.is_empty() => Ok(s.clone()),
         Some(Value::String(_)) => Err(format!("kv_transfer_params.{name} must not be empty")),
         None | Some(Value::Null) => Err(format!("kv_transfer_params.{name} is required")),
-        Some(v) => Err(format!("kv_transfer_params.{name} must be a string, got {v}")),
+        Some(v) => Err(format!(
+            "kv_transfer_params.{name} must be a string, got {v}"
+        )),
     }
 }
 
@@ -247,12 +280,18 @@ impl PdParams {
         if v.is_null() {
             return Ok(None);
         }
-        let obj = v.as_object().ok_or_else(|| format!("kv_transfer_params must be a JSON object, got {v}"))?;
+        let obj = v
+            .as_object()
+            .ok_or_else(|| format!("kv_transfer_params must be a JSON object, got {v}"))?;
         let decode = flag(obj, DO_REMOTE_DECODE)?;
         let prefill = flag(obj, DO_REMOTE_PREFILL)?;
         match (decode, prefill) {
-            (true, true) => Err(format!("kv_transfer_params: {DO_REMOTE_DECODE} and {DO_REMOTE_PREFILL} are both set")),
-            (true, false) => Ok(Some(PdParams::RemoteDecode { transfer_id: text(obj, TRANSFER_ID)? })),
+            (true, true) => Err(format!(
+                "kv_transfer_params: {DO_REMOTE_DECODE} and {DO_REMOTE_PREFILL} are both set"
+            )),
+            (true, false) => Ok(Some(PdParams::RemoteDecode {
+                transfer_id: text(obj, TRANSFER_ID)?,
+            })),
             (false, true) => {
                 let remote_engine_id = text(obj, REMOTE_ENGINE_ID)?;
                 let remote_bootstrap_addr = text(obj, REMOTE_BOOTSTRAP_ADDR)?;
@@ -274,7 +313,8 @@ impl PdParams {
 
     pub fn transfer_id(&self) -> &str {
         match self {
-            PdParams::RemoteDecode { transfer_id } | PdParams::RemotePrefill { transfer_id, .. } => transfer_id,
+            PdParams::RemoteDecode { transfer_id }
+            | PdParams::RemotePrefill { transfer_id, .. } => transfer_id,
         }
     }
 }
@@ -287,7 +327,9 @@ mod tests {
     fn what_the_builders_write_the_parser_reads() {
         assert_eq!(
             PdParams::parse(Some(&for_prefill("t"))).unwrap(),
-            Some(PdParams::RemoteDecode { transfer_id: "t".into() })
+            Some(PdParams::RemoteDecode {
+                transfer_id: "t".into()
+            })
         );
         let d = for_decode("t", Some("p0"), Some("127.0.0.1:9"));
         assert_eq!(
@@ -299,7 +341,11 @@ mod tests {
                 read: None
             })
         );
-        let read = ReadParams { block_ids: vec![3, 4], generation: 2, weights_version: Some("v7".into()) };
+        let read = ReadParams {
+            block_ids: vec![3, 4],
+            generation: 2,
+            weights_version: Some("v7".into()),
+        };
         let back = returned_by_prefill("t", "p0", "127.0.0.1:9", 30, Some(&read));
         match PdParams::parse(Some(&back)).unwrap() {
             Some(PdParams::RemotePrefill { read: Some(r), .. }) => assert_eq!(r, read),
@@ -312,11 +358,26 @@ mod tests {
     fn bad_params_name_the_key() {
         let cases = [
             (json!({"do_remote_decode": true}), "transfer_id is required"),
-            (json!({"do_remote_decode": 1, "transfer_id": "t"}), "do_remote_decode must be a boolean"),
-            (json!({"do_remote_decode": true, "do_remote_prefill": true}), "both set"),
-            (for_decode("t", None, Some("127.0.0.1:9")), "remote_engine_id is required"),
-            (for_decode("t", Some("p"), Some("nowhere")), "not a host:port"),
-            (for_decode("t", Some("p"), Some("host:0")), "not a host:port"),
+            (
+                json!({"do_remote_decode": 1, "transfer_id": "t"}),
+                "do_remote_decode must be a boolean",
+            ),
+            (
+                json!({"do_remote_decode": true, "do_remote_prefill": true}),
+                "both set",
+            ),
+            (
+                for_decode("t", None, Some("127.0.0.1:9")),
+                "remote_engine_id is required",
+            ),
+            (
+                for_decode("t", Some("p"), Some("nowhere")),
+                "not a host:port",
+            ),
+            (
+                for_decode("t", Some("p"), Some("host:0")),
+                "not a host:port",
+            ),
             (for_decode("t", Some("p"), Some("a b:9")), "not a host:port"),
             (json!([1]), "must be a JSON object"),
         ];
@@ -326,7 +387,9 @@ mod tests {
         }
         let mut d = for_decode("t", Some("p"), Some("127.0.0.1:9"));
         d[REMOTE_BLOCK_IDS] = json!([1, 2]);
-        assert!(PdParams::parse(Some(&d)).unwrap_err().contains("remote_registration_generation is required"));
+        assert!(PdParams::parse(Some(&d))
+            .unwrap_err()
+            .contains("remote_registration_generation is required"));
         d[REMOTE_BLOCK_IDS] = json!([-1]);
         d[REMOTE_REGISTRATION_GENERATION] = json!(1);
         assert!(PdParams::parse(Some(&d)).unwrap_err().contains("block ids"));
@@ -343,12 +406,21 @@ mod tests {
             "remote_block_ids": null, "remote_host": null, "remote_port": null});
         assert_eq!(
             PdParams::parse(Some(&canonical(to_p, "cmpl-7"))).unwrap(),
-            Some(PdParams::RemoteDecode { transfer_id: "cmpl-7".into() })
+            Some(PdParams::RemoteDecode {
+                transfer_id: "cmpl-7".into()
+            })
         );
         // P's answer, copied verbatim to D with only the router keys kept.
-        let read = ReadParams { block_ids: vec![5], generation: 3, weights_version: None };
+        let read = ReadParams {
+            block_ids: vec![5],
+            generation: 3,
+            weights_version: None,
+        };
         let back = returned_by_prefill("cmpl-7", "p0", "10.0.0.5:7100", 20, Some(&read));
-        assert_eq!((back[REMOTE_HOST].as_str(), back[REMOTE_PORT].as_u64()), (Some("10.0.0.5"), Some(7100)));
+        assert_eq!(
+            (back[REMOTE_HOST].as_str(), back[REMOTE_PORT].as_u64()),
+            (Some("10.0.0.5"), Some(7100))
+        );
         let mut only_router_keys = back.clone();
         let o = only_router_keys.as_object_mut().unwrap();
         o.remove(TRANSFER_ID);
@@ -378,7 +450,10 @@ mod tests {
             })
         );
         // pdkv's own keys win over the router's.
-        let mine = canonical(json!({"do_remote_decode": true, "transfer_id": "t"}), "cmpl-8");
+        let mine = canonical(
+            json!({"do_remote_decode": true, "transfer_id": "t"}),
+            "cmpl-8",
+        );
         assert_eq!(mine[TRANSFER_ID], "t");
         // Not an object: left for the parser to refuse.
         assert_eq!(canonical(json!([1]), "x"), json!([1]));

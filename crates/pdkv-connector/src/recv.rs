@@ -148,19 +148,37 @@ pub enum Action {
     /// Send the pull for the load (P writes `spec.dst_blocks`); report with
     /// [`RecvMachine::on_pull_result`], and every progress from P with
     /// [`RecvMachine::on_progress`].
-    Pull { load: LoadId, spec: LoadSpec, weights_version: Option<String> },
+    Pull {
+        load: LoadId,
+        spec: LoadSpec,
+        weights_version: Option<String>,
+    },
     /// Read mode: read P's blocks `read.block_ids[first..]` at `generation`
     /// into `spec.dst_blocks`, by `deadline`; report with
     /// [`RecvMachine::on_read_result`].
-    Read { load: LoadId, spec: LoadSpec, peer: PeerInfo, generation: u64, deadline: Instant },
+    Read {
+        load: LoadId,
+        spec: LoadSpec,
+        peer: PeerInfo,
+        generation: u64,
+        deadline: Instant,
+    },
     /// Read mode: tell P the read ended; report P's answer with
     /// [`RecvMachine::on_read_done_answer`].
-    ReadDone { load: LoadId, addr: String, transfer_id: String },
+    ReadDone {
+        load: LoadId,
+        addr: String,
+        transfer_id: String,
+    },
     /// Stop the load's own read at once (its end still comes as
     /// [`RecvMachine::on_read_result`]).
     CancelRead { load: LoadId },
     /// Ask P to drop the transfer; report with [`RecvMachine::on_drop_answer`].
-    Drop { load: LoadId, addr: String, transfer_id: String },
+    Drop {
+        load: LoadId,
+        addr: String,
+        transfer_id: String,
+    },
     /// Make sure nothing P still sends can land in the load's blocks;
     /// report with [`RecvMachine::on_fenced`].
     Fence { load: LoadId },
@@ -180,12 +198,29 @@ enum After {
 #[derive(Clone, Debug, PartialEq, Eq)]
 enum Phase {
     Decided,
-    Booting { deadline: Instant, refreshed: bool },
-    Pulling { deadline: Instant },
-    Handshaking { deadline: Instant, refreshed: bool },
-    Reading { deadline: Instant },
-    Confirming { deadline: Instant },
-    Fencing { after: After, drop_pending: bool, fence_pending: bool, retry_at: Option<Instant> },
+    Booting {
+        deadline: Instant,
+        refreshed: bool,
+    },
+    Pulling {
+        deadline: Instant,
+    },
+    Handshaking {
+        deadline: Instant,
+        refreshed: bool,
+    },
+    Reading {
+        deadline: Instant,
+    },
+    Confirming {
+        deadline: Instant,
+    },
+    Fencing {
+        after: After,
+        drop_pending: bool,
+        fence_pending: bool,
+        retry_at: Option<Instant>,
+    },
 }
 
 /// The phase of a load, for tests and metrics.
@@ -285,7 +320,10 @@ impl RecvMachine {
 
     /// Loads that may write into this engine's blocks (started, not finished).
     pub fn num_active(&self) -> usize {
-        self.loads.values().filter(|l| l.phase != Phase::Decided).count()
+        self.loads
+            .values()
+            .filter(|l| l.phase != Phase::Decided)
+            .count()
     }
 
     /// Destination blocks of every load not finished.
@@ -309,7 +347,9 @@ impl RecvMachine {
     /// Whether a load of `transfer_id` that is not finished has `block`
     /// among its destination blocks (a write may land there).
     pub fn is_loading_into(&self, transfer_id: &str, block: u32) -> bool {
-        self.loads.values().any(|l| l.spec.transfer_id == transfer_id && l.spec.dst_blocks.contains(&block))
+        self.loads
+            .values()
+            .any(|l| l.spec.transfer_id == transfer_id && l.spec.dst_blocks.contains(&block))
     }
 
     /// The load of `req`, if one is not finished.
@@ -326,14 +366,24 @@ impl RecvMachine {
         let id = self.next;
         self.next += 1;
         self.by_req.insert(spec.req.clone(), id);
-        self.loads.insert(id, Load { spec, phase: Phase::Decided, engine_knows: false, read_err: None });
+        self.loads.insert(
+            id,
+            Load {
+                spec,
+                phase: Phase::Decided,
+                engine_knows: false,
+                read_err: None,
+            },
+        );
         id
     }
 
     /// Starts a decided load. `refused`: the engine's KV cache is released
     /// (nothing may write into it), so the load ends at once.
     pub fn start(&mut self, now: Instant, req: &str, refused: Option<Failure>) {
-        let Some(&id) = self.by_req.get(req) else { return };
+        let Some(&id) = self.by_req.get(req) else {
+            return;
+        };
         let Some(l) = self.loads.get(&id) else { return };
         if l.phase != Phase::Decided {
             return;
@@ -343,19 +393,34 @@ impl RecvMachine {
             return;
         }
         if l.spec.dst_blocks.is_empty() {
-            self.fail_unsent(id, fail(FailCode::Protocol, "no destination blocks for the load"));
+            self.fail_unsent(
+                id,
+                fail(FailCode::Protocol, "no destination blocks for the load"),
+            );
             return;
         }
         let deadline = now + self.cfg.load_timeout;
         let addr = l.spec.addr.clone();
         if l.spec.read.is_some() {
-            self.set_phase(id, Phase::Handshaking { deadline, refreshed: false });
+            self.set_phase(
+                id,
+                Phase::Handshaking {
+                    deadline,
+                    refreshed: false,
+                },
+            );
             match self.peers.get(&addr).cloned() {
                 Some(peer) => self.with_peer(now, id, &peer),
                 None => self.ask_handshake(addr),
             }
         } else {
-            self.set_phase(id, Phase::Booting { deadline, refreshed: false });
+            self.set_phase(
+                id,
+                Phase::Booting {
+                    deadline,
+                    refreshed: false,
+                },
+            );
             match self.boots.get(&addr).cloned() {
                 Some(boot) => self.with_boot(now, id, &boot),
                 None => self.ask_bootstrap(addr),
@@ -419,13 +484,25 @@ impl RecvMachine {
     /// Checks P's bootstrap against the load and this engine, then pulls.
     fn with_boot(&mut self, now: Instant, id: LoadId, boot: &BootInfo) {
         let Some(l) = self.loads.get(&id) else { return };
-        let Phase::Booting { deadline, refreshed } = l.phase else { return };
+        let Phase::Booting {
+            deadline,
+            refreshed,
+        } = l.phase
+        else {
+            return;
+        };
         if boot.engine_id != l.spec.remote_engine_id {
             // A P restarted under another id at the same address: ask again
             // once (the cache may be old), then refuse.
             if !refreshed {
                 let addr = l.spec.addr.clone();
-                self.set_phase(id, Phase::Booting { deadline, refreshed: true });
+                self.set_phase(
+                    id,
+                    Phase::Booting {
+                        deadline,
+                        refreshed: true,
+                    },
+                );
                 self.boots.remove(&addr);
                 self.ask_bootstrap(addr);
                 return;
@@ -449,7 +526,11 @@ impl RecvMachine {
         let spec = l.spec.clone();
         let weights_version = self.local.as_ref().and_then(|k| k.weights_version.clone());
         self.set_phase(id, Phase::Pulling { deadline });
-        self.actions.push_back(Action::Pull { load: id, spec, weights_version });
+        self.actions.push_back(Action::Pull {
+            load: id,
+            spec,
+            weights_version,
+        });
     }
 
     fn check_layout(&self, engine_id: &str, layout: &str, block_bytes: u64) -> Result<(), Failure> {
@@ -471,18 +552,28 @@ impl RecvMachine {
     /// P reported progress on the load's pull: D's deadline restarts.
     pub fn on_progress(&mut self, now: Instant, load: LoadId) {
         let t = self.cfg.load_timeout;
-        if let Some(Load { phase: Phase::Pulling { deadline }, .. }) = self.loads.get_mut(&load) {
+        if let Some(Load {
+            phase: Phase::Pulling { deadline },
+            ..
+        }) = self.loads.get_mut(&load)
+        {
             *deadline = now + t;
         }
     }
 
     /// The load's pull ended.
     pub fn on_pull_result(&mut self, now: Instant, load: LoadId, result: PullResult) {
-        let Some(l) = self.loads.get(&load) else { return };
+        let Some(l) = self.loads.get(&load) else {
+            return;
+        };
         match (&l.phase, result) {
-            (Phase::Pulling { .. }, PullResult::Answered(Ok(()))) => self.finish(load, LoadEnd::Loaded),
+            (Phase::Pulling { .. }, PullResult::Answered(Ok(()))) => {
+                self.finish(load, LoadEnd::Loaded)
+            }
             // The early answer to a drop (a proxy's): P may still write.
-            (Phase::Pulling { .. }, PullResult::Answered(Err(f))) if f.code == FailCode::Dropped => {
+            (Phase::Pulling { .. }, PullResult::Answered(Err(f)))
+                if f.code == FailCode::Dropped =>
+            {
                 self.abandon(now, load, f);
             }
             (Phase::Pulling { .. }, PullResult::Answered(Err(f))) => {
@@ -490,8 +581,11 @@ impl RecvMachine {
             }
             (Phase::Pulling { .. }, PullResult::NotSent(f)) => self.fail_unsent(load, f),
             (Phase::Pulling { .. }, PullResult::Lost(f)) => self.abandon(now, load, f),
-            (Phase::Fencing { .. }, PullResult::Answered(Err(f))) if f.code == FailCode::Dropped => {}
-            (Phase::Fencing { .. }, PullResult::Answered(_) | PullResult::NotSent(_)) => self.fenced(load),
+            (Phase::Fencing { .. }, PullResult::Answered(Err(f)))
+                if f.code == FailCode::Dropped => {}
+            (Phase::Fencing { .. }, PullResult::Answered(_) | PullResult::NotSent(_)) => {
+                self.fenced(load)
+            }
             _ => {}
         }
     }
@@ -499,7 +593,9 @@ impl RecvMachine {
     /// D stops waiting for a load P may still write: the engine learns the
     /// failure now (its blocks stay held), the fence starts.
     fn abandon(&mut self, now: Instant, load: LoadId, f: Failure) {
-        let Some(l) = self.loads.get_mut(&load) else { return };
+        let Some(l) = self.loads.get_mut(&load) else {
+            return;
+        };
         let lf = LoadFailure::new(f);
         if !l.engine_knows {
             l.engine_knows = true;
@@ -511,11 +607,18 @@ impl RecvMachine {
     /// Moves a load to Fencing: in write mode a drop and the local fence at
     /// once (either ends it), in read mode a cancel of the read.
     fn start_fence(&mut self, _now: Instant, load: LoadId, end: LoadEnd) {
-        let Some(l) = self.loads.get_mut(&load) else { return };
+        let Some(l) = self.loads.get_mut(&load) else {
+            return;
+        };
         let read = l.spec.read.is_some();
         let (addr, tid) = (l.spec.addr.clone(), l.spec.transfer_id.clone());
         let reading = matches!(l.phase, Phase::Reading { .. });
-        l.phase = Phase::Fencing { after: After::Report(end), drop_pending: !read, fence_pending: !read, retry_at: None };
+        l.phase = Phase::Fencing {
+            after: After::Report(end),
+            drop_pending: !read,
+            fence_pending: !read,
+            retry_at: None,
+        };
         if read {
             if reading {
                 self.actions.push_back(Action::CancelRead { load });
@@ -525,7 +628,11 @@ impl RecvMachine {
             }
             return;
         }
-        self.actions.push_back(Action::Drop { load, addr, transfer_id: tid });
+        self.actions.push_back(Action::Drop {
+            load,
+            addr,
+            transfer_id: tid,
+        });
         self.actions.push_back(Action::Fence { load });
     }
 
@@ -546,7 +653,17 @@ impl RecvMachine {
     }
 
     fn fence_attempt_failed(&mut self, now: Instant, load: LoadId, was_drop: bool) {
-        if let Some(Load { phase: Phase::Fencing { drop_pending, fence_pending, retry_at, .. }, .. }) = self.loads.get_mut(&load) {
+        if let Some(Load {
+            phase:
+                Phase::Fencing {
+                    drop_pending,
+                    fence_pending,
+                    retry_at,
+                    ..
+                },
+            ..
+        }) = self.loads.get_mut(&load)
+        {
             if was_drop {
                 *drop_pending = false;
             } else {
@@ -562,13 +679,24 @@ impl RecvMachine {
     /// given up also ends P's lease now (else P keeps the blocks until the
     /// lease expires).
     fn fenced(&mut self, load: LoadId) {
-        let Some(l) = self.loads.get(&load) else { return };
-        if let Phase::Fencing { after: After::Report(end), .. } = &l.phase {
+        let Some(l) = self.loads.get(&load) else {
+            return;
+        };
+        if let Phase::Fencing {
+            after: After::Report(end),
+            ..
+        } = &l.phase
+        {
             let end = end.clone();
-            let lease = l.spec.read.is_some().then(|| (l.spec.addr.clone(), l.spec.transfer_id.clone()));
+            let lease = l
+                .spec
+                .read
+                .is_some()
+                .then(|| (l.spec.addr.clone(), l.spec.transfer_id.clone()));
             self.finish(load, end);
             if let Some((addr, transfer_id)) = lease {
-                self.actions.push_back(Action::DropUnpulled { addr, transfer_id });
+                self.actions
+                    .push_back(Action::DropUnpulled { addr, transfer_id });
             }
         }
     }
@@ -596,12 +724,24 @@ impl RecvMachine {
     /// params name another engine or a newer generation), then reads.
     fn with_peer(&mut self, now: Instant, id: LoadId, peer: &PeerInfo) {
         let Some(l) = self.loads.get(&id) else { return };
-        let Phase::Handshaking { deadline, refreshed } = l.phase else { return };
+        let Phase::Handshaking {
+            deadline,
+            refreshed,
+        } = l.phase
+        else {
+            return;
+        };
         let rp = l.spec.read.clone().expect("read mode");
         let behind = peer.registration.is_none_or(|r| r.epoch < rp.generation);
         if (peer.engine_id != l.spec.remote_engine_id || behind) && !refreshed {
             let addr = l.spec.addr.clone();
-            self.set_phase(id, Phase::Handshaking { deadline, refreshed: true });
+            self.set_phase(
+                id,
+                Phase::Handshaking {
+                    deadline,
+                    refreshed: true,
+                },
+            );
             self.peers.remove(&addr);
             self.ask_handshake(addr);
             return;
@@ -625,7 +765,13 @@ impl RecvMachine {
         let deadline = now + self.cfg.load_timeout;
         let spec = l.spec.clone();
         self.set_phase(id, Phase::Reading { deadline });
-        self.actions.push_back(Action::Read { load: id, spec, peer: peer.clone(), generation: rp.generation, deadline });
+        self.actions.push_back(Action::Read {
+            load: id,
+            spec,
+            peer: peer.clone(),
+            generation: rp.generation,
+            deadline,
+        });
     }
 
     /// What must hold before D reads P's leased blocks.
@@ -691,7 +837,9 @@ impl RecvMachine {
     /// and its answer says whether the data is valid — or, for a failed
     /// read, whether P had ended the lease on purpose (D then recomputes).
     pub fn on_read_result(&mut self, now: Instant, load: LoadId, result: Result<(), Failure>) {
-        let Some(l) = self.loads.get_mut(&load) else { return };
+        let Some(l) = self.loads.get_mut(&load) else {
+            return;
+        };
         match &l.phase {
             Phase::Reading { .. } => {
                 let (addr, tid) = (l.spec.addr.clone(), l.spec.transfer_id.clone());
@@ -700,8 +848,14 @@ impl RecvMachine {
                     self.peers.remove(&addr);
                 }
                 l.read_err = result.err();
-                l.phase = Phase::Confirming { deadline: now + self.cfg.load_timeout };
-                self.actions.push_back(Action::ReadDone { load, addr, transfer_id: tid });
+                l.phase = Phase::Confirming {
+                    deadline: now + self.cfg.load_timeout,
+                };
+                self.actions.push_back(Action::ReadDone {
+                    load,
+                    addr,
+                    transfer_id: tid,
+                });
             }
             Phase::Fencing { .. } => self.fenced(load),
             _ => {}
@@ -710,8 +864,15 @@ impl RecvMachine {
 
     /// Read mode: P's answer to `read_done` (`Ok`: its lease held the
     /// blocks until the read ended, so the data is valid).
-    pub fn on_read_done_answer(&mut self, _now: Instant, load: LoadId, answer: Result<(), Failure>) {
-        let Some(l) = self.loads.get(&load) else { return };
+    pub fn on_read_done_answer(
+        &mut self,
+        _now: Instant,
+        load: LoadId,
+        answer: Result<(), Failure>,
+    ) {
+        let Some(l) = self.loads.get(&load) else {
+            return;
+        };
         if !matches!(l.phase, Phase::Confirming { .. }) {
             return;
         }
@@ -742,13 +903,18 @@ impl RecvMachine {
     /// the request's blocks until the load is finished (a load P may still
     /// write into; a load not started is dropped at P and needs nothing).
     pub fn request_gone(&mut self, now: Instant, req: &str) -> bool {
-        let Some(&id) = self.by_req.get(req) else { return false };
-        let Some(l) = self.loads.get_mut(&id) else { return false };
+        let Some(&id) = self.by_req.get(req) else {
+            return false;
+        };
+        let Some(l) = self.loads.get_mut(&id) else {
+            return false;
+        };
         match l.phase {
             Phase::Decided => {
                 let (addr, transfer_id) = (l.spec.addr.clone(), l.spec.transfer_id.clone());
                 self.remove(id);
-                self.actions.push_back(Action::DropUnpulled { addr, transfer_id });
+                self.actions
+                    .push_back(Action::DropUnpulled { addr, transfer_id });
                 false
             }
             // Its blocks went to the engine's held set when it learned.
@@ -758,7 +924,8 @@ impl RecvMachine {
                 l.engine_knows = true;
                 let (addr, transfer_id) = (l.spec.addr.clone(), l.spec.transfer_id.clone());
                 self.finish(id, LoadEnd::Gone);
-                self.actions.push_back(Action::DropUnpulled { addr, transfer_id });
+                self.actions
+                    .push_back(Action::DropUnpulled { addr, transfer_id });
                 true
             }
             Phase::Confirming { .. } => {
@@ -780,13 +947,16 @@ impl RecvMachine {
     pub fn abort_all(&mut self, now: Instant) {
         let ids: Vec<LoadId> = self.loads.keys().copied().collect();
         for id in ids {
-            let Some(l) = self.loads.get_mut(&id) else { continue };
+            let Some(l) = self.loads.get_mut(&id) else {
+                continue;
+            };
             l.engine_knows = true;
             let cut = LoadEnd::Failed(LoadFailure::new(fail(FailCode::CacheReset, CUT_SHORT)));
             match l.phase {
-                Phase::Decided | Phase::Booting { .. } | Phase::Handshaking { .. } | Phase::Confirming { .. } => {
-                    self.finish(id, cut)
-                }
+                Phase::Decided
+                | Phase::Booting { .. }
+                | Phase::Handshaking { .. }
+                | Phase::Confirming { .. } => self.finish(id, cut),
                 Phase::Pulling { .. } | Phase::Reading { .. } => self.start_fence(now, id, cut),
                 Phase::Fencing { .. } => {}
             }
@@ -798,7 +968,11 @@ impl RecvMachine {
     fn finish(&mut self, id: LoadId, end: LoadEnd) {
         let Some(l) = self.remove(id) else { return };
         self.actions.push_back(Action::Forget { load: id });
-        self.finished.push(Finished { req: l.spec.req, end, dst_blocks: l.spec.dst_blocks });
+        self.finished.push(Finished {
+            req: l.spec.req,
+            end,
+            dst_blocks: l.spec.dst_blocks,
+        });
     }
 
     /// Ends a load that failed before anything reached P's blocks: P is
@@ -808,7 +982,8 @@ impl RecvMachine {
         let Some(l) = self.loads.get(&id) else { return };
         let (addr, transfer_id) = (l.spec.addr.clone(), l.spec.transfer_id.clone());
         self.finish(id, LoadEnd::Failed(LoadFailure::new(f)));
-        self.actions.push_back(Action::DropUnpulled { addr, transfer_id });
+        self.actions
+            .push_back(Action::DropUnpulled { addr, transfer_id });
     }
 
     fn remove(&mut self, id: LoadId) -> Option<Load> {
@@ -839,7 +1014,9 @@ impl RecvMachine {
     pub fn handle_timeout(&mut self, now: Instant) {
         let ids: Vec<LoadId> = self.loads.keys().copied().collect();
         for id in ids {
-            let Some(l) = self.loads.get(&id) else { continue };
+            let Some(l) = self.loads.get(&id) else {
+                continue;
+            };
             let timeout = || {
                 fail(
                     FailCode::Timeout,
@@ -850,7 +1027,9 @@ impl RecvMachine {
                 )
             };
             match &l.phase {
-                Phase::Booting { deadline, .. } | Phase::Handshaking { deadline, .. } if *deadline <= now => {
+                Phase::Booting { deadline, .. } | Phase::Handshaking { deadline, .. }
+                    if *deadline <= now =>
+                {
                     let f = timeout();
                     self.fail_unsent(id, f);
                 }
@@ -862,21 +1041,35 @@ impl RecvMachine {
                     let f = timeout();
                     self.abandon(now, id, f);
                 }
-                Phase::Fencing { retry_at: Some(at), .. } if *at <= now => self.retry_fence(id),
+                Phase::Fencing {
+                    retry_at: Some(at), ..
+                } if *at <= now => self.retry_fence(id),
                 _ => {}
             }
         }
     }
 
     fn retry_fence(&mut self, id: LoadId) {
-        let Some(l) = self.loads.get_mut(&id) else { return };
+        let Some(l) = self.loads.get_mut(&id) else {
+            return;
+        };
         let (addr, tid) = (l.spec.addr.clone(), l.spec.transfer_id.clone());
-        if let Phase::Fencing { drop_pending, fence_pending, retry_at, .. } = &mut l.phase {
+        if let Phase::Fencing {
+            drop_pending,
+            fence_pending,
+            retry_at,
+            ..
+        } = &mut l.phase
+        {
             *drop_pending = true;
             *fence_pending = true;
             *retry_at = None;
         }
-        self.actions.push_back(Action::Drop { load: id, addr, transfer_id: tid });
+        self.actions.push_back(Action::Drop {
+            load: id,
+            addr,
+            transfer_id: tid,
+        });
         self.actions.push_back(Action::Fence { load: id });
     }
 }
@@ -888,8 +1081,15 @@ mod tests {
     const LOAD: Duration = Duration::from_secs(40);
 
     fn machine() -> RecvMachine {
-        let mut m = RecvMachine::new(RecvConfig { load_timeout: LOAD, block_size: 16 });
-        m.set_local(LocalKv { layout: "l".into(), block_bytes: 64, weights_version: None });
+        let mut m = RecvMachine::new(RecvConfig {
+            load_timeout: LOAD,
+            block_size: 16,
+        });
+        m.set_local(LocalKv {
+            layout: "l".into(),
+            block_bytes: 64,
+            weights_version: None,
+        });
         m
     }
 
@@ -907,7 +1107,11 @@ mod tests {
     }
 
     fn boot() -> BootInfo {
-        BootInfo { engine_id: "p0".into(), layout: "l".into(), block_bytes: 64 }
+        BootInfo {
+            engine_id: "p0".into(),
+            layout: "l".into(),
+            block_bytes: 64,
+        }
     }
 
     fn actions(m: &mut RecvMachine) -> Vec<Action> {
@@ -920,7 +1124,12 @@ mod tests {
         let id = m.decide(spec(req));
         m.start(now, req, None);
         if m.phase(req) == Some(PhaseName::Booting) {
-            assert_eq!(actions(m), vec![Action::Bootstrap { addr: "127.0.0.1:9".into() }]);
+            assert_eq!(
+                actions(m),
+                vec![Action::Bootstrap {
+                    addr: "127.0.0.1:9".into()
+                }]
+            );
             m.on_bootstrap(now, "127.0.0.1:9", Ok(boot()));
         }
         assert!(matches!(actions(m)[..], [Action::Pull { load, .. }] if load == id));
@@ -929,7 +1138,10 @@ mod tests {
     }
 
     fn ends(m: &mut RecvMachine) -> Vec<(String, LoadEnd)> {
-        m.take_finished().into_iter().map(|f| (f.req.to_string(), f.end)).collect()
+        m.take_finished()
+            .into_iter()
+            .map(|f| (f.req.to_string(), f.end))
+            .collect()
     }
 
     #[test]
@@ -942,8 +1154,14 @@ mod tests {
         assert_eq!((m.num_loads(), m.num_active(), m.held_blocks()), (1, 0, 3));
         assert!(m.is_loading_into("t-a", 5) && m.is_loading_into("t-a", 7));
         assert!(!m.is_loading_into("t-a", 8), "a block outside the load");
-        assert!(!m.is_loading_into("t-b", 5), "a block of the load, another transfer");
-        m.decide(LoadSpec { dst_blocks: vec![9, 10], ..spec("b") });
+        assert!(
+            !m.is_loading_into("t-b", 5),
+            "a block of the load, another transfer"
+        );
+        m.decide(LoadSpec {
+            dst_blocks: vec![9, 10],
+            ..spec("b")
+        });
         assert_eq!((m.num_loads(), m.num_active(), m.held_blocks()), (2, 0, 5));
         m.start(t0, "a", None);
         m.on_bootstrap(t0, "127.0.0.1:9", Ok(boot()));
@@ -952,7 +1170,10 @@ mod tests {
         m.on_pull_result(t0, a, PullResult::Answered(Ok(())));
         assert_eq!(ends(&mut m), vec![("a".into(), LoadEnd::Loaded)]);
         assert_eq!((m.num_loads(), m.num_active(), m.held_blocks()), (1, 0, 2));
-        assert!(!m.is_loading_into("t-a", 5), "a finished load holds no block");
+        assert!(
+            !m.is_loading_into("t-a", 5),
+            "a finished load holds no block"
+        );
         assert!(m.is_loading_into("t-b", 9));
         assert_eq!((m.load_of("a"), m.phase("a")), (None, None));
         assert!(m.load_of("b").is_some());
@@ -964,17 +1185,32 @@ mod tests {
         let mut m = machine();
         let a = pulling(&mut m, t0, "a");
         // A proxy dropped the transfer at P while P may still be writing.
-        m.on_pull_result(t0, a, PullResult::Answered(Err(Failure::new(FailCode::Dropped, "released"))));
-        assert!(m.take_finished().is_empty(), "no block goes back before the fence");
+        m.on_pull_result(
+            t0,
+            a,
+            PullResult::Answered(Err(Failure::new(FailCode::Dropped, "released"))),
+        );
+        assert!(
+            m.take_finished().is_empty(),
+            "no block goes back before the fence"
+        );
         assert_eq!(m.take_abandoned().len(), 1);
         assert_eq!(m.phase("a"), Some(PhaseName::Fencing));
         assert!(m.is_loading_into("t-a", 5));
         m.on_fenced(t0, a, Ok(()));
-        assert!(matches!(&ends(&mut m)[..], [(_, LoadEnd::Failed(lf))] if lf.failure.code == FailCode::Dropped));
+        assert!(
+            matches!(&ends(&mut m)[..], [(_, LoadEnd::Failed(lf))] if lf.failure.code == FailCode::Dropped)
+        );
         // Any other refusal ends the load at once: nothing of P writes.
         let b = pulling(&mut m, t0, "b");
-        m.on_pull_result(t0, b, PullResult::Answered(Err(Failure::new(FailCode::CacheReset, "reset"))));
-        assert!(matches!(&ends(&mut m)[..], [(_, LoadEnd::Failed(lf))] if lf.failure.code == FailCode::CacheReset));
+        m.on_pull_result(
+            t0,
+            b,
+            PullResult::Answered(Err(Failure::new(FailCode::CacheReset, "reset"))),
+        );
+        assert!(
+            matches!(&ends(&mut m)[..], [(_, LoadEnd::Failed(lf))] if lf.failure.code == FailCode::CacheReset)
+        );
     }
 
     #[test]
@@ -989,7 +1225,16 @@ mod tests {
         assert_eq!(actions(&mut m), vec![Action::Forget { load: a }]);
         let f = Failure::new(FailCode::CacheReset, "reset");
         m.on_pull_result(t0, b, PullResult::Answered(Err(f.clone())));
-        assert_eq!(ends(&mut m), vec![("b".into(), LoadEnd::Failed(LoadFailure { failure: f, recompute: true }))]);
+        assert_eq!(
+            ends(&mut m),
+            vec![(
+                "b".into(),
+                LoadEnd::Failed(LoadFailure {
+                    failure: f,
+                    recompute: true
+                })
+            )]
+        );
         assert_eq!(m.num_loads(), 0);
     }
 
@@ -1011,12 +1256,22 @@ mod tests {
         // Given up: the engine learns now, the blocks wait for a fence.
         let ab = m.take_abandoned();
         assert_eq!(ab.len(), 1);
-        assert_eq!((ab[0].1.failure.code, ab[0].1.recompute), (FailCode::Timeout, false));
-        assert!(m.take_finished().is_empty(), "no block is given back before the fence");
+        assert_eq!(
+            (ab[0].1.failure.code, ab[0].1.recompute),
+            (FailCode::Timeout, false)
+        );
+        assert!(
+            m.take_finished().is_empty(),
+            "no block is given back before the fence"
+        );
         assert_eq!(
             actions(&mut m),
             vec![
-                Action::Drop { load: a, addr: "127.0.0.1:9".into(), transfer_id: "t-a".into() },
+                Action::Drop {
+                    load: a,
+                    addr: "127.0.0.1:9".into(),
+                    transfer_id: "t-a".into()
+                },
                 Action::Fence { load: a }
             ]
         );
@@ -1029,20 +1284,42 @@ mod tests {
         for how in 0..4 {
             let mut m = machine();
             let a = pulling(&mut m, t0, "a");
-            assert!(m.request_gone(t0, "a"), "the engine keeps the blocks until the fence");
+            assert!(
+                m.request_gone(t0, "a"),
+                "the engine keeps the blocks until the fence"
+            );
             actions(&mut m);
             // The early answer to our drop, and a broken connection: no fence.
-            m.on_pull_result(t0, a, PullResult::Answered(Err(Failure::new(FailCode::Dropped, "released"))));
-            m.on_pull_result(t0, a, PullResult::Lost(Failure::new(FailCode::PeerLost, "reset")));
+            m.on_pull_result(
+                t0,
+                a,
+                PullResult::Answered(Err(Failure::new(FailCode::Dropped, "released"))),
+            );
+            m.on_pull_result(
+                t0,
+                a,
+                PullResult::Lost(Failure::new(FailCode::PeerLost, "reset")),
+            );
             assert!(m.take_finished().is_empty(), "case {how}");
             match how {
                 0 => m.on_drop_answer(t0, a, Ok(true)),
                 1 => m.on_fenced(t0, a, Ok(())),
                 2 => m.on_pull_result(t0, a, PullResult::Answered(Ok(()))),
-                _ => m.on_pull_result(t0, a, PullResult::Answered(Err(Failure::new(FailCode::TransferFailed, "x")))),
+                _ => m.on_pull_result(
+                    t0,
+                    a,
+                    PullResult::Answered(Err(Failure::new(FailCode::TransferFailed, "x"))),
+                ),
             }
-            assert_eq!(ends(&mut m), vec![("a".into(), LoadEnd::Gone)], "case {how}");
-            assert!(m.take_abandoned().is_empty(), "a gone request is not abandoned");
+            assert_eq!(
+                ends(&mut m),
+                vec![("a".into(), LoadEnd::Gone)],
+                "case {how}"
+            );
+            assert!(
+                m.take_abandoned().is_empty(),
+                "a gone request is not abandoned"
+            );
         }
     }
 
@@ -1076,16 +1353,26 @@ mod tests {
         let t0 = Instant::now();
         let mut m = machine();
         let a = pulling(&mut m, t0, "a");
-        m.on_pull_result(t0, a, PullResult::Lost(Failure::new(FailCode::PeerLost, "reset")));
+        m.on_pull_result(
+            t0,
+            a,
+            PullResult::Lost(Failure::new(FailCode::PeerLost, "reset")),
+        );
         assert_eq!(m.take_abandoned()[0].1.failure.code, FailCode::PeerLost);
         m.on_fenced(t0, a, Ok(()));
         match &ends(&mut m)[..] {
-            [(r, LoadEnd::Failed(lf))] => assert_eq!((r.as_str(), lf.failure.code), ("a", FailCode::PeerLost)),
+            [(r, LoadEnd::Failed(lf))] => {
+                assert_eq!((r.as_str(), lf.failure.code), ("a", FailCode::PeerLost))
+            }
             other => panic!("{other:?}"),
         }
         // Failed before the pull left D: nothing to fence.
         let b = pulling(&mut m, t0, "b");
-        m.on_pull_result(t0, b, PullResult::NotSent(Failure::new(FailCode::PeerLost, "refused")));
+        m.on_pull_result(
+            t0,
+            b,
+            PullResult::NotSent(Failure::new(FailCode::PeerLost, "refused")),
+        );
         assert!(m.take_abandoned().is_empty());
         assert_eq!(ends(&mut m).len(), 1);
     }
@@ -1096,7 +1383,13 @@ mod tests {
         let mut m = machine();
         m.decide(spec("a"));
         assert!(!m.request_gone(t0, "a"));
-        assert_eq!(actions(&mut m), vec![Action::DropUnpulled { addr: "127.0.0.1:9".into(), transfer_id: "t-a".into() }]);
+        assert_eq!(
+            actions(&mut m),
+            vec![Action::DropUnpulled {
+                addr: "127.0.0.1:9".into(),
+                transfer_id: "t-a".into()
+            }]
+        );
         assert_eq!((m.num_loads(), m.take_finished().len()), (0, 0));
     }
 
@@ -1109,11 +1402,18 @@ mod tests {
         m.abort_all(t0);
         let e = ends(&mut m);
         assert_eq!(e.len(), 1);
-        assert!(matches!(&e[0], (r, LoadEnd::Failed(lf)) if r == "idle" && lf.recompute && lf.failure.message == CUT_SHORT));
-        assert!(m.take_abandoned().is_empty(), "the engine cut them short itself");
+        assert!(
+            matches!(&e[0], (r, LoadEnd::Failed(lf)) if r == "idle" && lf.recompute && lf.failure.message == CUT_SHORT)
+        );
+        assert!(
+            m.take_abandoned().is_empty(),
+            "the engine cut them short itself"
+        );
         assert!(actions(&mut m).contains(&Action::Fence { load: a }));
         m.on_drop_answer(t0, a, Ok(true));
-        assert!(matches!(&ends(&mut m)[..], [(r, LoadEnd::Failed(lf))] if r == "a" && lf.failure.code == FailCode::CacheReset));
+        assert!(
+            matches!(&ends(&mut m)[..], [(r, LoadEnd::Failed(lf))] if r == "a" && lf.failure.code == FailCode::CacheReset)
+        );
     }
 
     #[test]
@@ -1123,11 +1423,22 @@ mod tests {
         m.decide(spec("a"));
         m.start(t0, "a", None);
         actions(&mut m);
-        m.on_bootstrap(t0, "127.0.0.1:9", Ok(BootInfo { layout: "other".into(), ..boot() }));
+        m.on_bootstrap(
+            t0,
+            "127.0.0.1:9",
+            Ok(BootInfo {
+                layout: "other".into(),
+                ..boot()
+            }),
+        );
         match &ends(&mut m)[..] {
             [(_, LoadEnd::Failed(lf))] => {
                 assert_eq!(lf.failure.code, FailCode::Mismatch);
-                assert!(lf.failure.message.contains("layout mismatch"), "{}", lf.failure);
+                assert!(
+                    lf.failure.message.contains("layout mismatch"),
+                    "{}",
+                    lf.failure
+                );
             }
             other => panic!("{other:?}"),
         }
@@ -1135,28 +1446,76 @@ mod tests {
         let mut m = machine();
         m.decide(spec("b"));
         m.start(t0, "b", None);
-        assert_eq!(actions(&mut m), vec![Action::Bootstrap { addr: "127.0.0.1:9".into() }]);
-        m.on_bootstrap(t0, "127.0.0.1:9", Ok(BootInfo { engine_id: "p9".into(), ..boot() }));
-        assert_eq!(actions(&mut m), vec![Action::Bootstrap { addr: "127.0.0.1:9".into() }]);
-        assert_eq!((ends(&mut m), m.phase("b")), (vec![], Some(PhaseName::Booting)));
-        m.on_bootstrap(t0, "127.0.0.1:9", Ok(BootInfo { engine_id: "p9".into(), ..boot() }));
-        assert!(matches!(&ends(&mut m)[..], [(_, LoadEnd::Failed(lf))] if lf.failure.message.contains("remote_engine_id")));
+        assert_eq!(
+            actions(&mut m),
+            vec![Action::Bootstrap {
+                addr: "127.0.0.1:9".into()
+            }]
+        );
+        m.on_bootstrap(
+            t0,
+            "127.0.0.1:9",
+            Ok(BootInfo {
+                engine_id: "p9".into(),
+                ..boot()
+            }),
+        );
+        assert_eq!(
+            actions(&mut m),
+            vec![Action::Bootstrap {
+                addr: "127.0.0.1:9".into()
+            }]
+        );
+        assert_eq!(
+            (ends(&mut m), m.phase("b")),
+            (vec![], Some(PhaseName::Booting))
+        );
+        m.on_bootstrap(
+            t0,
+            "127.0.0.1:9",
+            Ok(BootInfo {
+                engine_id: "p9".into(),
+                ..boot()
+            }),
+        );
+        assert!(
+            matches!(&ends(&mut m)[..], [(_, LoadEnd::Failed(lf))] if lf.failure.message.contains("remote_engine_id"))
+        );
         // A stale answer cached for the address: the second answer names the
         // engine the params name, and the load pulls.
         let mut m = machine();
         m.decide(spec("c"));
         m.start(t0, "c", None);
         actions(&mut m);
-        m.on_bootstrap(t0, "127.0.0.1:9", Ok(BootInfo { engine_id: "p9".into(), ..boot() }));
-        assert_eq!(actions(&mut m), vec![Action::Bootstrap { addr: "127.0.0.1:9".into() }]);
+        m.on_bootstrap(
+            t0,
+            "127.0.0.1:9",
+            Ok(BootInfo {
+                engine_id: "p9".into(),
+                ..boot()
+            }),
+        );
+        assert_eq!(
+            actions(&mut m),
+            vec![Action::Bootstrap {
+                addr: "127.0.0.1:9".into()
+            }]
+        );
         m.on_bootstrap(t0, "127.0.0.1:9", Ok(boot()));
         assert!(matches!(actions(&mut m)[..], [Action::Pull { .. }]));
-        assert_eq!((ends(&mut m), m.phase("c")), (vec![], Some(PhaseName::Pulling)));
+        assert_eq!(
+            (ends(&mut m), m.phase("c")),
+            (vec![], Some(PhaseName::Pulling))
+        );
     }
 
     fn read_spec(req: &str, generation: u64, weights: Option<&str>) -> LoadSpec {
         LoadSpec {
-            read: Some(ReadParams { block_ids: vec![1, 2, 3], generation, weights_version: weights.map(str::to_string) }),
+            read: Some(ReadParams {
+                block_ids: vec![1, 2, 3],
+                generation,
+                weights_version: weights.map(str::to_string),
+            }),
             ..spec(req)
         }
     }
@@ -1166,8 +1525,15 @@ mod tests {
             engine_id: "p0".into(),
             layout: "l".into(),
             block_bytes: 64,
-            transfer: crate::wire::Destination::Tcp { addr: "127.0.0.1:10".into() },
-            registration: epoch.map(|e| pdkv_transfer::Registration { segment: 1, key: 2, epoch: e, len: 4096 }),
+            transfer: crate::wire::Destination::Tcp {
+                addr: "127.0.0.1:10".into(),
+            },
+            registration: epoch.map(|e| pdkv_transfer::Registration {
+                segment: 1,
+                key: 2,
+                epoch: e,
+                len: 4096,
+            }),
         }
     }
 
@@ -1176,23 +1542,38 @@ mod tests {
         let t0 = Instant::now();
         let just_before = t0 + LOAD - Duration::from_millis(1);
         let timed_out = |m: &mut RecvMachine| match &ends(m)[..] {
-            [(_, LoadEnd::Failed(lf))] => lf.failure.code == FailCode::Timeout && lf.failure.message.contains("load_timeout_s"),
+            [(_, LoadEnd::Failed(lf))] => {
+                lf.failure.code == FailCode::Timeout
+                    && lf.failure.message.contains("load_timeout_s")
+            }
             _ => false,
         };
         // Booting (write mode) and Handshaking (read mode): no answer.
         for read in [false, true] {
             let mut m = machine();
-            m.decide(if read { read_spec("a", 1, None) } else { spec("a") });
+            m.decide(if read {
+                read_spec("a", 1, None)
+            } else {
+                spec("a")
+            });
             m.start(t0, "a", None);
             actions(&mut m);
-            let waiting = if read { PhaseName::Handshaking } else { PhaseName::Booting };
+            let waiting = if read {
+                PhaseName::Handshaking
+            } else {
+                PhaseName::Booting
+            };
             assert_eq!(m.poll_timeout(), Some(t0 + LOAD));
             m.handle_timeout(just_before);
             assert_eq!((ends(&mut m), m.phase("a")), (vec![], Some(waiting)));
             m.handle_timeout(t0 + LOAD);
             assert!(timed_out(&mut m), "read mode {read}");
             let acts = actions(&mut m);
-            assert!(acts.iter().any(|x| matches!(x, Action::DropUnpulled { .. })), "P's lease ends now: {acts:?}");
+            assert!(
+                acts.iter()
+                    .any(|x| matches!(x, Action::DropUnpulled { .. })),
+                "P's lease ends now: {acts:?}"
+            );
         }
         // Confirming: P never answers read_done.
         let mut m = machine();
@@ -1202,7 +1583,10 @@ mod tests {
         let a = m.load_of("a").unwrap();
         m.on_read_result(t0, a, Ok(()));
         m.handle_timeout(just_before);
-        assert_eq!((ends(&mut m), m.phase("a")), (vec![], Some(PhaseName::Confirming)));
+        assert_eq!(
+            (ends(&mut m), m.phase("a")),
+            (vec![], Some(PhaseName::Confirming))
+        );
         m.handle_timeout(t0 + LOAD);
         assert!(timed_out(&mut m));
         // Fencing: a retry waits for its time.
@@ -1219,7 +1603,10 @@ mod tests {
         m.start(t0, "c", None);
         actions(&mut m);
         let late = t0 + Duration::from_secs(5);
-        m.decide(LoadSpec { addr: "127.0.0.1:11".into(), ..spec("d") });
+        m.decide(LoadSpec {
+            addr: "127.0.0.1:11".into(),
+            ..spec("d")
+        });
         m.start(late, "d", None);
         m.handle_timeout(t0 + LOAD);
         assert!(timed_out(&mut m));
@@ -1239,7 +1626,12 @@ mod tests {
             m.start(t0, &req, None);
             actions(&mut m);
             m.on_handshake(t0, "127.0.0.1:9", Ok(peer(Some(epoch))));
-            assert!(!actions(&mut m).iter().any(|x| matches!(x, Action::Read { .. })), "nothing is read");
+            assert!(
+                !actions(&mut m)
+                    .iter()
+                    .any(|x| matches!(x, Action::Read { .. })),
+                "nothing is read"
+            );
             match &ends(&mut m)[..] {
                 [(_, LoadEnd::Failed(lf))] => lf.clone(),
                 other => panic!("{other:?}"),
@@ -1249,11 +1641,27 @@ mod tests {
         // woke since it leased the blocks): the lease ended on purpose.
         let lf = refused(read_spec("a", 1, None), 2);
         assert_eq!((lf.failure.code, lf.recompute), (FailCode::Asleep, true));
-        assert!(lf.failure.message.contains("generation 1 is now 2"), "{}", lf.failure);
+        assert!(
+            lf.failure.message.contains("generation 1 is now 2"),
+            "{}",
+            lf.failure
+        );
         // D's blocks reach past the blocks P's KV fills.
-        let lf = refused(LoadSpec { first_block: 1, ..read_spec("b", 1, None) }, 1);
+        let lf = refused(
+            LoadSpec {
+                first_block: 1,
+                ..read_spec("b", 1, None)
+            },
+            1,
+        );
         assert_eq!(lf.failure.code, FailCode::Mismatch);
-        assert!(lf.failure.message.contains("no blocks to read: blocks 1..4 of the 3"), "{}", lf.failure);
+        assert!(
+            lf.failure
+                .message
+                .contains("no blocks to read: blocks 1..4 of the 3"),
+            "{}",
+            lf.failure
+        );
     }
 
     #[test]
@@ -1262,10 +1670,19 @@ mod tests {
         let mut m = machine();
         m.decide(read_spec("a", 1, None));
         m.start(t0, "a", None);
-        assert_eq!(actions(&mut m), vec![Action::Handshake { addr: "127.0.0.1:9".into() }]);
+        assert_eq!(
+            actions(&mut m),
+            vec![Action::Handshake {
+                addr: "127.0.0.1:9".into()
+            }]
+        );
         m.on_handshake(t0, "127.0.0.1:9", Ok(peer(Some(1))));
         let a = match &actions(&mut m)[..] {
-            [Action::Read { load, generation: 1, .. }] => *load,
+            [Action::Read {
+                load,
+                generation: 1,
+                ..
+            }] => *load,
             other => panic!("{other:?}"),
         };
         m.on_read_result(t0, a, Ok(()));
@@ -1279,9 +1696,17 @@ mod tests {
         actions(&mut m);
         m.decide(read_spec("b", 2, None));
         m.start(t0, "b", None);
-        assert_eq!(actions(&mut m), vec![Action::Handshake { addr: "127.0.0.1:9".into() }]);
+        assert_eq!(
+            actions(&mut m),
+            vec![Action::Handshake {
+                addr: "127.0.0.1:9".into()
+            }]
+        );
         m.on_handshake(t0, "127.0.0.1:9", Ok(peer(Some(2))));
-        assert!(matches!(actions(&mut m)[..], [Action::Read { generation: 2, .. }]));
+        assert!(matches!(
+            actions(&mut m)[..],
+            [Action::Read { generation: 2, .. }]
+        ));
     }
 
     #[test]
@@ -1292,7 +1717,9 @@ mod tests {
         m.start(t0, "a", None);
         m.on_handshake(t0, "127.0.0.1:9", Ok(peer(Some(1))));
         match &ends(&mut m)[..] {
-            [(_, LoadEnd::Failed(lf))] => assert!(lf.recompute && lf.failure.code == FailCode::WeightsMismatch),
+            [(_, LoadEnd::Failed(lf))] => {
+                assert!(lf.recompute && lf.failure.code == FailCode::WeightsMismatch)
+            }
             other => panic!("{other:?}"),
         }
         m.decide(read_spec("b", 1, None));
@@ -1301,7 +1728,9 @@ mod tests {
         let b = m.load_of("b").unwrap();
         m.on_read_result(t0, b, Ok(()));
         m.on_read_done_answer(t0, b, Err(Failure::new(FailCode::LeaseExpired, "expired")));
-        assert!(matches!(&ends(&mut m)[..], [(_, LoadEnd::Failed(lf))] if lf.failure.message.contains("void")));
+        assert!(
+            matches!(&ends(&mut m)[..], [(_, LoadEnd::Failed(lf))] if lf.failure.message.contains("void"))
+        );
     }
 
     /// P slept (or released its KV) and registered again while D held a
@@ -1313,12 +1742,26 @@ mod tests {
     #[test]
     fn a_read_refused_after_p_released_the_lease_on_purpose_recomputes() {
         let t0 = Instant::now();
-        let stale = || Failure::new(FailCode::TransferFailed, "stale epoch: access names epoch 1, the registration is at epoch 2");
+        let stale = || {
+            Failure::new(
+                FailCode::TransferFailed,
+                "stale epoch: access names epoch 1, the registration is at epoch 2",
+            )
+        };
         for (answer, recompute) in [
-            (Err(Failure::new(FailCode::CacheReset, "released (cache reset)")), true),
+            (
+                Err(Failure::new(FailCode::CacheReset, "released (cache reset)")),
+                true,
+            ),
             // P reclaimed the KV after its lease: on purpose too.
-            (Err(Failure::new(FailCode::LeaseExpired, "the lease expired")), true),
-            (Err(Failure::new(FailCode::Protocol, "P lost the transfer")), false),
+            (
+                Err(Failure::new(FailCode::LeaseExpired, "the lease expired")),
+                true,
+            ),
+            (
+                Err(Failure::new(FailCode::Protocol, "P lost the transfer")),
+                false,
+            ),
             (Ok(()), false),
         ] {
             let mut m = machine();
@@ -1328,8 +1771,13 @@ mod tests {
             actions(&mut m);
             let a = m.load_of("a").unwrap();
             m.on_read_result(t0, a, Err(stale()));
-            assert!(m.take_finished().is_empty(), "the load waits for P's word on the lease");
-            assert!(actions(&mut m).iter().any(|x| matches!(x, Action::ReadDone { load, .. } if *load == a)));
+            assert!(
+                m.take_finished().is_empty(),
+                "the load waits for P's word on the lease"
+            );
+            assert!(actions(&mut m)
+                .iter()
+                .any(|x| matches!(x, Action::ReadDone { load, .. } if *load == a)));
             m.on_read_done_answer(t0, a, answer.clone());
             match &ends(&mut m)[..] {
                 [(_, LoadEnd::Failed(lf))] => {
@@ -1352,7 +1800,9 @@ mod tests {
         let b = m.load_of("b").unwrap();
         m.on_read_result(t0, b, Err(stale()));
         m.handle_timeout(t0 + LOAD);
-        assert!(matches!(&ends(&mut m)[..], [(_, LoadEnd::Failed(lf))] if !lf.recompute && lf.failure.message.contains("stale epoch")));
+        assert!(
+            matches!(&ends(&mut m)[..], [(_, LoadEnd::Failed(lf))] if !lf.recompute && lf.failure.message.contains("stale epoch"))
+        );
     }
 
     #[test]
@@ -1367,11 +1817,20 @@ mod tests {
         m.handle_timeout(t0 + LOAD);
         assert_eq!(m.take_abandoned().len(), 1);
         assert_eq!(actions(&mut m), vec![Action::CancelRead { load: a }]);
-        assert!(m.take_finished().is_empty(), "our own read may still write the blocks");
-        m.on_read_result(t0 + LOAD, a, Err(Failure::new(FailCode::TransferFailed, "cancelled")));
+        assert!(
+            m.take_finished().is_empty(),
+            "our own read may still write the blocks"
+        );
+        m.on_read_result(
+            t0 + LOAD,
+            a,
+            Err(Failure::new(FailCode::TransferFailed, "cancelled")),
+        );
         assert_eq!(m.take_finished().len(), 1);
         // P's lease ends now, not when it expires.
-        assert!(actions(&mut m).iter().any(|x| matches!(x, Action::DropUnpulled { transfer_id, .. } if transfer_id == "t-a")));
+        assert!(actions(&mut m).iter().any(
+            |x| matches!(x, Action::DropUnpulled { transfer_id, .. } if transfer_id == "t-a")
+        ));
     }
 
     #[test]
@@ -1381,6 +1840,8 @@ mod tests {
         m.decide(spec("a"));
         m.start(t0, "a", Some(Failure::new(FailCode::Asleep, "asleep")));
         assert!(matches!(&ends(&mut m)[..], [(_, LoadEnd::Failed(lf))] if lf.recompute));
-        assert!(!actions(&mut m).iter().any(|a| matches!(a, Action::Bootstrap { .. } | Action::Pull { .. })));
+        assert!(!actions(&mut m)
+            .iter()
+            .any(|a| matches!(a, Action::Bootstrap { .. } | Action::Pull { .. })));
     }
 }

@@ -107,13 +107,20 @@ pub struct PullSpec {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Action {
     /// Answer the pull (once).
-    Answer { pull: PullId, result: Result<(), Failure> },
+    Answer {
+        pull: PullId,
+        result: Result<(), Failure>,
+    },
     /// Tell the pull's D that P is alive and working on it (D's deadline
     /// restarts).
     Progress { pull: PullId },
     /// Write `src_blocks` (P's block ids, in the order of D's offsets), by
     /// `deadline`, then report [`SendMachine::on_write_done`].
-    StartWrite { pull: PullId, src_blocks: Vec<u32>, deadline: Instant },
+    StartWrite {
+        pull: PullId,
+        src_blocks: Vec<u32>,
+        deadline: Instant,
+    },
     /// Answer the drop (once).
     DropAnswer { drop: DropId, known: bool },
 }
@@ -121,8 +128,13 @@ pub enum Action {
 #[derive(Clone, Debug, PartialEq)]
 enum Phase {
     Waiting,
-    Ready { expires: Instant },
-    Done { failure: Failure, forget_at: Instant },
+    Ready {
+        expires: Instant,
+    },
+    Done {
+        failure: Failure,
+        forget_at: Instant,
+    },
 }
 
 /// The state of one transfer as a test sees it.
@@ -238,7 +250,9 @@ impl SendMachine {
             .transfers
             .iter()
             .filter_map(|(k, t)| match &t.phase {
-                Phase::Done { forget_at, .. } if t.writing.is_none() && !t.holding => Some((*forget_at, k.clone())),
+                Phase::Done { forget_at, .. } if t.writing.is_none() && !t.holding => {
+                    Some((*forget_at, k.clone()))
+                }
                 _ => None,
             })
             .collect();
@@ -270,7 +284,11 @@ impl SendMachine {
 
     /// Blocks held for D now.
     pub fn held_blocks(&self) -> usize {
-        self.transfers.values().filter(|t| t.holding).map(|t| t.blocks.len()).sum()
+        self.transfers
+            .values()
+            .filter(|t| t.holding)
+            .map(|t| t.blocks.len())
+            .sum()
     }
 
     /// Sender permits free now.
@@ -303,10 +321,16 @@ impl SendMachine {
 
     /// P queued the request of `transfer_id`: WAITING (unless known).
     pub fn on_request_running(&mut self, transfer_id: &str, req: &Arc<str>) {
-        self.transfers.entry(transfer_id.to_string()).or_insert_with(|| Transfer::waiting(Some(req.clone())));
+        self.transfers
+            .entry(transfer_id.to_string())
+            .or_insert_with(|| Transfer::waiting(Some(req.clone())));
         // A pull parked while the transfer was unknown now waits for the
         // request, up to the prefill timeout from its receipt.
-        if let Some(p) = self.pull_of.get(transfer_id).and_then(|id| self.pulls.get_mut(id)) {
+        if let Some(p) = self
+            .pull_of
+            .get(transfer_id)
+            .and_then(|id| self.pulls.get_mut(id))
+        {
             if p.state == PullState::Parked {
                 p.deadline = p.full_deadline;
             }
@@ -336,9 +360,15 @@ impl SendMachine {
         let end = if t.reset {
             Some(Failure::new(FailCode::CacheReset, CACHE_RESET))
         } else if !completed {
-            Some(Failure::new(FailCode::PrefillAborted, "the prefill request was aborted before it finished"))
+            Some(Failure::new(
+                FailCode::PrefillAborted,
+                "the prefill request was aborted before it finished",
+            ))
         } else if prompt_len.saturating_sub(1).div_ceil(self.cfg.block_size) == 0 {
-            Some(Failure::new(FailCode::Mismatch, "nothing to send: the prompt has a single token"))
+            Some(Failure::new(
+                FailCode::Mismatch,
+                "nothing to send: the prompt has a single token",
+            ))
         } else {
             None
         };
@@ -355,7 +385,11 @@ impl SendMachine {
         t.prompt_len = prompt_len;
         t.weights_version = version;
         if let Some(&pull) = self.pull_of.get(transfer_id) {
-            if self.pulls.get(&pull).is_some_and(|p| p.state == PullState::Parked) {
+            if self
+                .pulls
+                .get(&pull)
+                .is_some_and(|p| p.state == PullState::Parked)
+            {
                 self.admit(now, pull);
             }
         }
@@ -371,7 +405,13 @@ impl SendMachine {
             return;
         }
         if self.pull_of.contains_key(&tid) {
-            self.answer(pull, Err(Failure::new(FailCode::Mismatch, format!("transfer {tid:?} already has a pull in progress"))));
+            self.answer(
+                pull,
+                Err(Failure::new(
+                    FailCode::Mismatch,
+                    format!("transfer {tid:?} already has a pull in progress"),
+                )),
+            );
             return;
         }
         let full_deadline = now + self.cfg.prefill_timeout;
@@ -386,9 +426,19 @@ impl SendMachine {
         };
         self.pull_of.insert(tid.clone(), pull);
         let next_heartbeat = now + self.cfg.heartbeat;
-        let p = PendingPull { spec, deadline, full_deadline, next_heartbeat, state: PullState::Parked, src_blocks: Vec::new() };
+        let p = PendingPull {
+            spec,
+            deadline,
+            full_deadline,
+            next_heartbeat,
+            state: PullState::Parked,
+            src_blocks: Vec::new(),
+        };
         self.pulls.insert(pull, p);
-        if matches!(self.transfers.get(&tid).map(|t| &t.phase), Some(Phase::Ready { .. })) {
+        if matches!(
+            self.transfers.get(&tid).map(|t| &t.phase),
+            Some(Phase::Ready { .. })
+        ) {
             self.admit(now, pull);
         }
     }
@@ -415,7 +465,10 @@ impl SendMachine {
                 // this pull with the tombstone's failure as well.
                 let tid = p.spec.transfer_id.clone();
                 self.remove_pull(pull);
-                let tomb = Failure::new(f.code, format!("transfer {tid:?} refused an earlier pull: {}", f.message));
+                let tomb = Failure::new(
+                    f.code,
+                    format!("transfer {tid:?} refused an earlier pull: {}", f.message),
+                );
                 self.end_send(now, &tid, tomb, false);
                 self.answer(pull, Err(f));
             }
@@ -434,8 +487,12 @@ impl SendMachine {
     /// Hands permits to queued pulls.
     fn try_start(&mut self) {
         while self.permits > 0 {
-            let Some(pull) = self.queue.pop_front() else { return };
-            let Some(p) = self.pulls.get_mut(&pull) else { continue };
+            let Some(pull) = self.queue.pop_front() else {
+                return;
+            };
+            let Some(p) = self.pulls.get_mut(&pull) else {
+                continue;
+            };
             self.permits -= 1;
             p.state = PullState::Writing { answered: false };
             let tid = p.spec.transfer_id.clone();
@@ -443,14 +500,22 @@ impl SendMachine {
             if let Some(t) = self.transfers.get_mut(&tid) {
                 t.writing = Some(pull);
             }
-            self.actions.push_back(Action::StartWrite { pull, src_blocks, deadline });
+            self.actions.push_back(Action::StartWrite {
+                pull,
+                src_blocks,
+                deadline,
+            });
         }
     }
 
     /// A write ended (`Err` says why it failed).
     pub fn on_write_done(&mut self, now: Instant, pull: PullId, result: Result<(), Failure>) {
-        let Some(p) = self.remove_pull(pull) else { return };
-        let PullState::Writing { answered } = p.state else { return };
+        let Some(p) = self.remove_pull(pull) else {
+            return;
+        };
+        let PullState::Writing { answered } = p.state else {
+            return;
+        };
         self.permits += 1;
         let tid = p.spec.transfer_id;
         if let Some(t) = self.transfers.get_mut(&tid) {
@@ -458,7 +523,10 @@ impl SendMachine {
         }
         if !answered {
             let tomb = match &result {
-                Ok(()) => Failure::new(FailCode::AlreadyDone, format!("transfer {tid:?} was sent already")),
+                Ok(()) => Failure::new(
+                    FailCode::AlreadyDone,
+                    format!("transfer {tid:?} was sent already"),
+                ),
                 Err(e) => Failure::new(e.code, format!("transfer {tid:?} failed: {}", e.message)),
             };
             self.answer(pull, result);
@@ -477,7 +545,8 @@ impl SendMachine {
         if !known {
             // A pull parked on the unknown transfer is answered, and the
             // tombstone refuses the request's blocks when it finishes.
-            self.transfers.insert(transfer_id.to_string(), Transfer::waiting(None));
+            self.transfers
+                .insert(transfer_id.to_string(), Transfer::waiting(None));
         }
         if !matches!(self.transfers[transfer_id].phase, Phase::Done { .. }) {
             let message = match code {
@@ -499,7 +568,8 @@ impl SendMachine {
     /// is released), so its request, if it runs later, holds nothing for D.
     pub fn end_transfer(&mut self, now: Instant, transfer_id: &str, failure: Failure) {
         if !self.transfers.contains_key(transfer_id) {
-            self.transfers.insert(transfer_id.to_string(), Transfer::waiting(None));
+            self.transfers
+                .insert(transfer_id.to_string(), Transfer::waiting(None));
         }
         self.end_send(now, transfer_id, failure, false);
     }
@@ -510,7 +580,10 @@ impl SendMachine {
     pub fn on_read_done(&mut self, now: Instant, transfer_id: &str) -> Result<(), Failure> {
         match self.transfers.get(transfer_id).map(|t| &t.phase) {
             Some(Phase::Ready { .. }) => {
-                let tomb = Failure::new(FailCode::AlreadyDone, format!("transfer {transfer_id:?} was read already"));
+                let tomb = Failure::new(
+                    FailCode::AlreadyDone,
+                    format!("transfer {transfer_id:?} was read already"),
+                );
                 self.end_send(now, transfer_id, tomb, false);
                 Ok(())
             }
@@ -519,7 +592,10 @@ impl SendMachine {
                 FailCode::Protocol,
                 format!("the prefill request of transfer {transfer_id:?} has not finished"),
             )),
-            None => Err(Failure::new(FailCode::Unknown, format!("transfer {transfer_id:?} is unknown to the prefill engine"))),
+            None => Err(Failure::new(
+                FailCode::Unknown,
+                format!("transfer {transfer_id:?} is unknown to the prefill engine"),
+            )),
         }
     }
 
@@ -541,7 +617,11 @@ impl SendMachine {
             })
             .collect();
         for tid in waiting {
-            let parked = self.pull_of.get(&tid).copied().filter(|p| self.pulls.get(p).is_some_and(|p| p.state == PullState::Parked));
+            let parked = self.pull_of.get(&tid).copied().filter(|p| {
+                self.pulls
+                    .get(p)
+                    .is_some_and(|p| p.state == PullState::Parked)
+            });
             if let Some(pull) = parked {
                 self.remove_pull(pull);
                 self.answer(pull, Err(Failure::new(FailCode::CacheReset, CACHE_RESET)));
@@ -573,20 +653,34 @@ impl SendMachine {
 
     /// Writes reading this engine's blocks now.
     pub fn writes_in_flight(&self) -> usize {
-        self.pulls.values().filter(|p| matches!(p.state, PullState::Writing { .. })).count()
+        self.pulls
+            .values()
+            .filter(|p| matches!(p.state, PullState::Writing { .. }))
+            .count()
     }
 
     /// Ends the send of `transfer_id`: DONE with `failure` (what later pulls
     /// learn), pulls not writing answered with it (the writing one too when
     /// `answer_writer`), and the blocks given back once no write reads them.
     /// The only place a send ends.
-    pub fn end_send(&mut self, now: Instant, transfer_id: &str, failure: Failure, answer_writer: bool) {
+    pub fn end_send(
+        &mut self,
+        now: Instant,
+        transfer_id: &str,
+        failure: Failure,
+        answer_writer: bool,
+    ) {
         let forget_at = now + self.retention();
-        let Some(t) = self.transfers.get_mut(transfer_id) else { return };
+        let Some(t) = self.transfers.get_mut(transfer_id) else {
+            return;
+        };
         if matches!(t.phase, Phase::Done { .. }) {
             return;
         }
-        t.phase = Phase::Done { failure: failure.clone(), forget_at };
+        t.phase = Phase::Done {
+            failure: failure.clone(),
+            forget_at,
+        };
         self.done_since_bound += 1;
         if let Some(&pull) = self.pull_of.get(transfer_id) {
             match self.pulls.get(&pull).map(|p| p.state) {
@@ -613,7 +707,9 @@ impl SendMachine {
     /// A DONE transfer whose blocks no write reads gives them back and
     /// answers the drops that waited for that.
     fn release_if_idle(&mut self, transfer_id: &str) {
-        let Some(t) = self.transfers.get_mut(transfer_id) else { return };
+        let Some(t) = self.transfers.get_mut(transfer_id) else {
+            return;
+        };
         if !matches!(t.phase, Phase::Done { .. }) || t.writing.is_some() {
             return;
         }
@@ -625,7 +721,8 @@ impl SendMachine {
             }
         }
         for drop in std::mem::take(&mut t.drop_waiters) {
-            self.actions.push_back(Action::DropAnswer { drop, known: true });
+            self.actions
+                .push_back(Action::DropAnswer { drop, known: true });
         }
     }
 
@@ -666,11 +763,14 @@ impl SendMachine {
         let expired: Vec<String> = self
             .transfers
             .iter()
-            .filter(|(_, t)| t.writing.is_none() && matches!(t.phase, Phase::Ready { expires } if expires <= now))
+            .filter(|(_, t)| {
+                t.writing.is_none() && matches!(t.phase, Phase::Ready { expires } if expires <= now)
+            })
             .map(|(k, _)| k.clone())
             .collect();
         for tid in expired {
-            let why = format!("the lease of transfer {tid:?} expired before the decode engine pulled it");
+            let why =
+                format!("the lease of transfer {tid:?} expired before the decode engine pulled it");
             self.end_send(now, &tid, Failure::new(FailCode::LeaseExpired, why), false);
         }
         self.transfers.retain(|_, t| {
@@ -680,7 +780,9 @@ impl SendMachine {
 
     /// A parked or queued pull reached its deadline: answered with why.
     fn expire_pull(&mut self, now: Instant, pull: PullId) {
-        let Some(p) = self.remove_pull(pull) else { return };
+        let Some(p) = self.remove_pull(pull) else {
+            return;
+        };
         let tid = p.spec.transfer_id;
         let phase = self.transfers.get(&tid).map(|t| &t.phase);
         let failure = match phase {
@@ -731,7 +833,10 @@ fn check(spec: &PullSpec, t: &Transfer, block_size: usize) -> Result<Vec<u32>, F
     }
     let needed = want.div_ceil(block_size);
     if spec.first_block >= needed {
-        return Err(mismatch(format!("first_block {} is past the {} blocks of the transfer", spec.first_block, needed)));
+        return Err(mismatch(format!(
+            "first_block {} is past the {} blocks of the transfer",
+            spec.first_block, needed
+        )));
     }
     let n = needed - spec.first_block;
     if spec.num_blocks != n {
@@ -741,7 +846,11 @@ fn check(spec: &PullSpec, t: &Transfer, block_size: usize) -> Result<Vec<u32>, F
         )));
     }
     if needed > t.blocks.len() {
-        return Err(mismatch(format!("the prefill engine holds {} blocks for the transfer, {} are needed", t.blocks.len(), needed)));
+        return Err(mismatch(format!(
+            "the prefill engine holds {} blocks for the transfer, {} are needed",
+            t.blocks.len(),
+            needed
+        )));
     }
     Ok(t.blocks[spec.first_block..needed].to_vec())
 }
@@ -772,12 +881,21 @@ mod tests {
 
     /// A pull for a 40-token prompt (39 tokens: blocks 0..3) from block `first`.
     fn pull(tid: &str, first: usize) -> PullSpec {
-        PullSpec { transfer_id: tid.into(), first_block: first, num_tokens: 39, num_blocks: 3 - first, weights_version: None }
+        PullSpec {
+            transfer_id: tid.into(),
+            first_block: first,
+            num_tokens: 39,
+            num_blocks: 3 - first,
+            weights_version: None,
+        }
     }
 
     /// The actions but progress reports (see the heartbeat tests for those).
     fn actions(m: &mut SendMachine) -> Vec<Action> {
-        all_actions(m).into_iter().filter(|a| !matches!(a, Action::Progress { .. })).collect()
+        all_actions(m)
+            .into_iter()
+            .filter(|a| !matches!(a, Action::Progress { .. }))
+            .collect()
     }
 
     fn all_actions(m: &mut SendMachine) -> Vec<Action> {
@@ -785,7 +903,10 @@ mod tests {
     }
 
     fn failure_of(a: &[Action], pull: PullId) -> Failure {
-        match a.iter().find(|x| matches!(x, Action::Answer { pull: p, .. } if *p == pull)) {
+        match a
+            .iter()
+            .find(|x| matches!(x, Action::Answer { pull: p, .. } if *p == pull))
+        {
             Some(Action::Answer { result: Err(e), .. }) => e.clone(),
             other => panic!("no error answer for pull {pull}: {other:?} in {a:?}"),
         }
@@ -815,20 +936,44 @@ mod tests {
         m.on_request_running("t", &rid("r"));
         m.on_pull(t0, 1, pull("t", 1));
         assert!(actions(&mut m).is_empty(), "parked while WAITING");
-        assert_eq!(m.poll_timeout(), Some(t0 + BEAT), "a parked pull hears from P every heartbeat");
+        assert_eq!(
+            m.poll_timeout(),
+            Some(t0 + BEAT),
+            "a parked pull hears from P every heartbeat"
+        );
         let t1 = t0 + Duration::from_secs(1);
         assert!(m.on_request_finished(t1, "t", &rid("r"), &[10, 11, 12, 13], 40, true));
         // The write's deadline counts from when the KV was ready, and D hears of it.
         assert_eq!(
             all_actions(&mut m),
-            vec![Action::Progress { pull: 1 }, Action::StartWrite { pull: 1, src_blocks: vec![11, 12], deadline: t1 + ABORT }]
+            vec![
+                Action::Progress { pull: 1 },
+                Action::StartWrite {
+                    pull: 1,
+                    src_blocks: vec![11, 12],
+                    deadline: t1 + ABORT
+                }
+            ]
         );
         assert_eq!(m.free_permits(), 1);
-        assert_eq!(m.poll_timeout(), None, "no lease expiry while the write reads the blocks");
+        assert_eq!(
+            m.poll_timeout(),
+            None,
+            "no lease expiry while the write reads the blocks"
+        );
         m.on_write_done(t1, 1, Ok(()));
-        assert_eq!(actions(&mut m), vec![Action::Answer { pull: 1, result: Ok(()) }]);
+        assert_eq!(
+            actions(&mut m),
+            vec![Action::Answer {
+                pull: 1,
+                result: Ok(())
+            }]
+        );
         assert_eq!(m.take_finished(), vec![rid("r")]);
-        assert_eq!((m.held_blocks(), m.free_permits(), m.live_pulls()), (0, 2, 0));
+        assert_eq!(
+            (m.held_blocks(), m.free_permits(), m.live_pulls()),
+            (0, 2, 0)
+        );
         assert_eq!(m.phase("t"), Some(PhaseName::Done));
         // A second pull is refused with the reason, at once.
         m.on_pull(t1, 2, pull("t", 0));
@@ -848,7 +993,10 @@ mod tests {
         assert_eq!(all_actions(&mut m), vec![Action::Progress { pull: 1 }]);
         // Arrives in time: it is served.
         ready(&mut m, t0 + Duration::from_secs(2));
-        assert!(matches!(actions(&mut m)[..], [Action::StartWrite { pull: 1, .. }]));
+        assert!(matches!(
+            actions(&mut m)[..],
+            [Action::StartWrite { pull: 1, .. }]
+        ));
 
         let mut m = machine(1);
         m.on_pull(t0, 1, pull("t", 0));
@@ -874,14 +1022,23 @@ mod tests {
             now = m.poll_timeout().expect("a parked pull has a timeout");
             m.handle_timeout(now);
             let a = all_actions(&mut m);
-            assert!(a.iter().all(|x| *x == Action::Progress { pull: 1 }), "only heartbeats while P computes: {a:?}");
+            assert!(
+                a.iter().all(|x| *x == Action::Progress { pull: 1 }),
+                "only heartbeats while P computes: {a:?}"
+            );
             beats += a.len();
         }
-        assert_eq!(beats as u32, (3 * ABORT).as_secs() as u32 / BEAT.as_secs() as u32);
+        assert_eq!(
+            beats as u32,
+            (3 * ABORT).as_secs() as u32 / BEAT.as_secs() as u32
+        );
         assert!(m.on_request_finished(now, "t", &rid("r"), &[1, 2, 3], 40, true));
         let a = all_actions(&mut m);
         assert_eq!(a[0], Action::Progress { pull: 1 });
-        assert!(matches!(a[1], Action::StartWrite { pull: 1, deadline, .. } if deadline == now + ABORT), "{a:?}");
+        assert!(
+            matches!(a[1], Action::StartWrite { pull: 1, deadline, .. } if deadline == now + ABORT),
+            "{a:?}"
+        );
     }
 
     #[test]
@@ -908,7 +1065,10 @@ mod tests {
         m.on_pull(t0, 1, pull("t", 0));
         m.on_request_running("t", &rid("r"));
         m.handle_timeout(t0 + ARRIVAL);
-        assert!(actions(&mut m).is_empty(), "known now: the pull waits for the request");
+        assert!(
+            actions(&mut m).is_empty(),
+            "known now: the pull waits for the request"
+        );
         m.handle_timeout(t0 + PREFILL);
         assert_eq!(failure_of(&actions(&mut m), 1).code, FailCode::Deadline);
     }
@@ -923,12 +1083,26 @@ mod tests {
         let f = failure_of(&actions(&mut m), 1);
         assert_eq!(f.code, FailCode::WeightsMismatch);
         assert!(f.code.on_purpose() && f.message.contains("v2"), "{f}");
-        assert_eq!(m.take_finished(), vec![rid("r")], "the refused pull ends the send");
+        assert_eq!(
+            m.take_finished(),
+            vec![rid("r")],
+            "the refused pull ends the send"
+        );
         let mut m = machine(1);
         m.set_weights_version(Some("v2".into()));
         ready(&mut m, t0);
-        m.on_pull(t0, 1, PullSpec { weights_version: Some("v2".into()), ..pull("t", 0) });
-        assert!(matches!(actions(&mut m)[..], [Action::StartWrite { pull: 1, .. }]));
+        m.on_pull(
+            t0,
+            1,
+            PullSpec {
+                weights_version: Some("v2".into()),
+                ..pull("t", 0)
+            },
+        );
+        assert!(matches!(
+            actions(&mut m)[..],
+            [Action::StartWrite { pull: 1, .. }]
+        ));
     }
 
     #[test]
@@ -939,10 +1113,16 @@ mod tests {
         m.on_drop(t0, "t", 7, FailCode::PrefillRefused);
         let a = actions(&mut m);
         assert_eq!(failure_of(&a, 1).code, FailCode::PrefillRefused);
-        assert!(a.contains(&Action::DropAnswer { drop: 7, known: false }));
+        assert!(a.contains(&Action::DropAnswer {
+            drop: 7,
+            known: false
+        }));
         // A later pull learns the same code from the tombstone.
         m.on_pull(t0, 2, pull("t", 0));
-        assert_eq!(failure_of(&actions(&mut m), 2).code, FailCode::PrefillRefused);
+        assert_eq!(
+            failure_of(&actions(&mut m), 2).code,
+            FailCode::PrefillRefused
+        );
     }
 
     #[test]
@@ -988,9 +1168,16 @@ mod tests {
         let mut m = machine(1);
         ready(&mut m, t0);
         m.on_pull(t0, 1, pull("t", 0));
-        assert!(matches!(actions(&mut m)[..], [Action::StartWrite { pull: 1, .. }]));
+        assert!(matches!(
+            actions(&mut m)[..],
+            [Action::StartWrite { pull: 1, .. }]
+        ));
         m.on_drop(t0, "t", 8, FailCode::Dropped);
-        assert_eq!(m.poll_timeout(), None, "the write in flight keeps the transfer");
+        assert_eq!(
+            m.poll_timeout(),
+            None,
+            "the write in flight keeps the transfer"
+        );
     }
 
     #[test]
@@ -1002,7 +1189,11 @@ mod tests {
         m.handle_timeout(t0 + ABORT - Duration::from_millis(1));
         assert!(m.take_finished().is_empty());
         m.handle_timeout(t0 + ABORT);
-        assert_eq!(m.take_finished(), vec![rid("r")], "the expiry gives the blocks back");
+        assert_eq!(
+            m.take_finished(),
+            vec![rid("r")],
+            "the expiry gives the blocks back"
+        );
         assert_eq!(m.held_blocks(), 0);
         m.on_pull(t0 + ABORT, 1, pull("t", 0));
         assert!(err_of(&actions(&mut m), 1).contains("lease"));
@@ -1033,11 +1224,20 @@ mod tests {
         // Unknown: not known; the request's blocks are refused later.
         let mut m = machine(1);
         m.on_drop(t0, "t", 7, FailCode::Dropped);
-        assert_eq!(actions(&mut m), vec![Action::DropAnswer { drop: 7, known: false }]);
+        assert_eq!(
+            actions(&mut m),
+            vec![Action::DropAnswer {
+                drop: 7,
+                known: false
+            }]
+        );
         m.on_request_running("t", &rid("r"));
         assert!(!m.on_request_finished(t0, "t", &rid("r"), &[1, 2, 3], 40, true));
         m.on_pull(t0, 1, pull("t", 0));
-        assert_eq!(failure_of(&actions(&mut m), 1), fail(FailCode::Dropped, RELEASED));
+        assert_eq!(
+            failure_of(&actions(&mut m), 1),
+            fail(FailCode::Dropped, RELEASED)
+        );
 
         // WAITING with a parked pull: the pull is answered at once.
         let mut m = machine(1);
@@ -1046,14 +1246,23 @@ mod tests {
         m.on_drop(t0, "t", 7, FailCode::Dropped);
         let a = actions(&mut m);
         assert_eq!(failure_of(&a, 1), fail(FailCode::Dropped, RELEASED));
-        assert!(a.contains(&Action::DropAnswer { drop: 7, known: true }));
+        assert!(a.contains(&Action::DropAnswer {
+            drop: 7,
+            known: true
+        }));
         assert!(!m.on_request_finished(t0, "t", &rid("r"), &[1, 2, 3], 40, true));
 
         // READY: blocks given back at once.
         let mut m = machine(1);
         ready(&mut m, t0);
         m.on_drop(t0, "t", 7, FailCode::Dropped);
-        assert_eq!(actions(&mut m), vec![Action::DropAnswer { drop: 7, known: true }]);
+        assert_eq!(
+            actions(&mut m),
+            vec![Action::DropAnswer {
+                drop: 7,
+                known: true
+            }]
+        );
         assert_eq!(m.take_finished(), vec![rid("r")]);
     }
 
@@ -1063,13 +1272,32 @@ mod tests {
         let mut m = machine(1);
         ready(&mut m, t0);
         m.on_pull(t0, 1, pull("t", 0));
-        assert!(matches!(actions(&mut m)[..], [Action::StartWrite { pull: 1, .. }]));
+        assert!(matches!(
+            actions(&mut m)[..],
+            [Action::StartWrite { pull: 1, .. }]
+        ));
         m.on_drop(t0, "t", 7, FailCode::Dropped);
-        assert_eq!(actions(&mut m), vec![Action::Answer { pull: 1, result: Err(fail(FailCode::Dropped, RELEASED)) }]);
-        assert!(m.take_finished().is_empty(), "the write still reads the blocks");
+        assert_eq!(
+            actions(&mut m),
+            vec![Action::Answer {
+                pull: 1,
+                result: Err(fail(FailCode::Dropped, RELEASED))
+            }]
+        );
+        assert!(
+            m.take_finished().is_empty(),
+            "the write still reads the blocks"
+        );
         assert_eq!(m.held_blocks(), 4);
         m.on_write_done(t0, 1, Err(crate::wire::write_failure(false, "cancelled")));
-        assert_eq!(actions(&mut m), vec![Action::DropAnswer { drop: 7, known: true }], "the pull is not answered twice");
+        assert_eq!(
+            actions(&mut m),
+            vec![Action::DropAnswer {
+                drop: 7,
+                known: true
+            }],
+            "the pull is not answered twice"
+        );
         assert_eq!(m.take_finished(), vec![rid("r")]);
         assert_eq!(m.free_permits(), 1);
     }
@@ -1078,9 +1306,36 @@ mod tests {
     fn mismatched_pulls_are_refused_naming_both_numbers() {
         let t0 = Instant::now();
         let cases = [
-            (PullSpec { transfer_id: "t".into(), first_block: 0, num_tokens: 41, num_blocks: 3, weights_version: None }, ["41", "39"]),
-            (PullSpec { transfer_id: "t".into(), first_block: 0, num_tokens: 39, num_blocks: 2, weights_version: None }, ["sent 2", "has 3"]),
-            (PullSpec { transfer_id: "t".into(), first_block: 3, num_tokens: 39, num_blocks: 0, weights_version: None }, ["first_block 3", "3 blocks"]),
+            (
+                PullSpec {
+                    transfer_id: "t".into(),
+                    first_block: 0,
+                    num_tokens: 41,
+                    num_blocks: 3,
+                    weights_version: None,
+                },
+                ["41", "39"],
+            ),
+            (
+                PullSpec {
+                    transfer_id: "t".into(),
+                    first_block: 0,
+                    num_tokens: 39,
+                    num_blocks: 2,
+                    weights_version: None,
+                },
+                ["sent 2", "has 3"],
+            ),
+            (
+                PullSpec {
+                    transfer_id: "t".into(),
+                    first_block: 3,
+                    num_tokens: 39,
+                    num_blocks: 0,
+                    weights_version: None,
+                },
+                ["first_block 3", "3 blocks"],
+            ),
         ];
         for (spec, needles) in cases {
             let mut m = machine(1);
@@ -1093,7 +1348,11 @@ mod tests {
             for n in needles {
                 assert!(e.contains(n), "{e:?} lacks {n:?}");
             }
-            assert_eq!(m.take_finished(), vec![rid("r")], "a refused pull ends the send");
+            assert_eq!(
+                m.take_finished(),
+                vec![rid("r")],
+                "a refused pull ends the send"
+            );
         }
         // Fewer blocks held than the prompt needs.
         let mut m = machine(1);
@@ -1112,11 +1371,17 @@ mod tests {
             let mut m = machine(1);
             ready(&mut m, t0);
             m.on_pull(t0, 1, pull("t", 0));
-            assert!(matches!(actions(&mut m)[..], [Action::StartWrite { pull: 1, .. }]));
+            assert!(matches!(
+                actions(&mut m)[..],
+                [Action::StartWrite { pull: 1, .. }]
+            ));
             m.on_write_done(t0, 1, Err(crate::wire::write_failure(refused, "bad key")));
             let a = actions(&mut m);
             let answered = a.iter().find_map(|x| match x {
-                Action::Answer { pull: 1, result: Err(f) } => Some(f.code),
+                Action::Answer {
+                    pull: 1,
+                    result: Err(f),
+                } => Some(f.code),
                 _ => None,
             });
             assert_eq!(answered, Some(code), "{a:?}");
@@ -1140,7 +1405,11 @@ mod tests {
         // Once the parked ones time out, pulls are taken again.
         m.handle_timeout(t0 + Duration::from_secs(3600));
         assert_eq!(m.live_pulls(), 0);
-        m.on_pull(t0 + Duration::from_secs(3600), MAX_PULLS as u64 + 1, pull("later", 0));
+        m.on_pull(
+            t0 + Duration::from_secs(3600),
+            MAX_PULLS as u64 + 1,
+            pull("later", 0),
+        );
         assert_eq!(m.live_pulls(), 1);
     }
 
@@ -1153,21 +1422,31 @@ mod tests {
         }
         m.on_pull(t0, 1, pull("a", 0));
         m.on_pull(t0, 2, pull("b", 0));
-        assert!(matches!(actions(&mut m)[..], [Action::StartWrite { pull: 1, .. }]), "one permit");
+        assert!(
+            matches!(actions(&mut m)[..], [Action::StartWrite { pull: 1, .. }]),
+            "one permit"
+        );
         let t1 = t0 + Duration::from_secs(5);
         m.on_pull(t1, 3, pull("c", 0));
         assert!(actions(&mut m).is_empty());
         m.on_write_done(t1, 1, Err(crate::wire::write_failure(false, "peer lost")));
         let a = actions(&mut m);
         assert!(err_of(&a, 1).contains("writing the KV blocks failed: peer lost"));
-        assert!(a.iter().any(|x| matches!(x, Action::StartWrite { pull: 2, .. })), "the permit goes to the next pull");
+        assert!(
+            a.iter()
+                .any(|x| matches!(x, Action::StartWrite { pull: 2, .. })),
+            "the permit goes to the next pull"
+        );
         assert_eq!(m.take_finished(), vec![rid("ra")]);
         // Pull 3 waits for the permit until its deadline (the lease of "c"
         // expires at the same moment).
         m.handle_timeout(t1 + ABORT);
         let a = actions(&mut m);
         let e = err_of(&a, 3);
-        assert!(e.contains("no sender was free") || e.contains("lease"), "{e}");
+        assert!(
+            e.contains("no sender was free") || e.contains("lease"),
+            "{e}"
+        );
         assert_eq!(m.take_finished(), vec![rid("rc")]);
         assert_eq!(m.live_pulls(), 1, "pull 2 still writing");
     }
@@ -1181,13 +1460,29 @@ mod tests {
         m.on_pull(t0, 2, pull("t", 0));
         assert!(err_of(&actions(&mut m), 2).contains("already has a pull"));
         assert!(m.on_request_finished(t0, "t", &rid("r"), &[1, 2, 3], 40, true));
-        assert!(matches!(actions(&mut m)[..], [Action::StartWrite { pull: 1, .. }]));
+        assert!(matches!(
+            actions(&mut m)[..],
+            [Action::StartWrite { pull: 1, .. }]
+        ));
         assert!(m.on_request_finished(t0, "u", &rid("q"), &[4, 5, 6], 40, true));
         m.abort_all(t0);
-        assert_eq!(m.take_finished(), vec![rid("q")], "the idle transfer is released at once");
-        assert!(actions(&mut m).is_empty(), "the writing pull is answered when its write ends");
+        assert_eq!(
+            m.take_finished(),
+            vec![rid("q")],
+            "the idle transfer is released at once"
+        );
+        assert!(
+            actions(&mut m).is_empty(),
+            "the writing pull is answered when its write ends"
+        );
         m.on_write_done(t0, 1, Ok(()));
-        assert_eq!(actions(&mut m), vec![Action::Answer { pull: 1, result: Ok(()) }]);
+        assert_eq!(
+            actions(&mut m),
+            vec![Action::Answer {
+                pull: 1,
+                result: Ok(())
+            }]
+        );
         assert_eq!(m.take_finished(), vec![rid("r")]);
     }
     #[test]
@@ -1204,25 +1499,41 @@ mod tests {
         m.on_pull(t0, 2, pull("q", 0));
         m.on_request_running("s", &rid("rs"));
         m.on_pull(t0, 3, pull("s", 0));
-        assert!(matches!(actions(&mut m)[..], [Action::StartWrite { pull: 1, .. }]));
+        assert!(matches!(
+            actions(&mut m)[..],
+            [Action::StartWrite { pull: 1, .. }]
+        ));
         assert_eq!((m.ready_blocks(), m.writes_in_flight()), (6, 1));
 
         m.abort_all(t0);
         let a = actions(&mut m);
         assert_eq!(failure_of(&a, 2), fail(FailCode::CacheReset, CACHE_RESET));
         assert_eq!(failure_of(&a, 3), fail(FailCode::CacheReset, CACHE_RESET));
-        assert_eq!(a.len(), 2, "the writing pull is answered by its write: {a:?}");
+        assert_eq!(
+            a.len(),
+            2,
+            "the writing pull is answered by its write: {a:?}"
+        );
         let mut done = m.take_finished();
         done.sort();
         assert_eq!(done, vec![rid("rq"), rid("rr")]);
-        assert_eq!((m.ready_blocks(), m.writes_in_flight(), m.held_blocks()), (0, 1, 3));
+        assert_eq!(
+            (m.ready_blocks(), m.writes_in_flight(), m.held_blocks()),
+            (0, 1, 3)
+        );
         // Idempotent: nothing more happens.
         m.abort_all(t0);
         assert!(actions(&mut m).is_empty() && m.take_finished().is_empty());
 
         // The write ends: its pull gets the write's result, the blocks go back.
         m.on_write_done(t0, 1, Ok(()));
-        assert_eq!(actions(&mut m), vec![Action::Answer { pull: 1, result: Ok(()) }]);
+        assert_eq!(
+            actions(&mut m),
+            vec![Action::Answer {
+                pull: 1,
+                result: Ok(())
+            }]
+        );
         assert_eq!(m.take_finished(), vec![rid("rw")]);
         // The WAITING request finishes: its send ends instead of holding blocks.
         assert!(!m.on_request_finished(t0, "s", &rid("rs"), &[4, 5, 6], 40, true));
@@ -1233,7 +1544,10 @@ mod tests {
         m.on_request_running("n", &rid("rn"));
         assert!(m.on_request_finished(t0, "n", &rid("rn"), &[7, 8, 9], 40, true));
         m.on_pull(t0, 5, pull("n", 0));
-        assert!(matches!(actions(&mut m)[..], [Action::StartWrite { pull: 5, .. }]));
+        assert!(matches!(
+            actions(&mut m)[..],
+            [Action::StartWrite { pull: 5, .. }]
+        ));
         assert_eq!(m.held_blocks(), 3);
     }
 
@@ -1243,22 +1557,39 @@ mod tests {
         let mut m = machine(1);
         ready(&mut m, t0);
         assert_eq!(m.on_read_done(t0, "t"), Ok(()));
-        assert_eq!(m.take_finished(), vec![rid("r")], "the lease ends on the report");
+        assert_eq!(
+            m.take_finished(),
+            vec![rid("r")],
+            "the lease ends on the report"
+        );
         assert_eq!((m.held_blocks(), m.phase("t")), (0, Some(PhaseName::Done)));
-        assert!(m.on_read_done(t0, "t").unwrap_err().message.contains("was read already"));
+        assert!(m
+            .on_read_done(t0, "t")
+            .unwrap_err()
+            .message
+            .contains("was read already"));
 
         // Expired before the report: the read is refused with the reason.
         let mut m = machine(1);
         ready(&mut m, t0);
         m.handle_timeout(t0 + ABORT);
         assert_eq!(m.take_finished(), vec![rid("r")]);
-        assert_eq!(m.on_read_done(t0 + ABORT, "t").unwrap_err().code, FailCode::LeaseExpired);
+        assert_eq!(
+            m.on_read_done(t0 + ABORT, "t").unwrap_err().code,
+            FailCode::LeaseExpired
+        );
         // Aborted (cache reset) and unknown transfers.
         let mut m = machine(1);
         ready(&mut m, t0);
         m.abort_all(t0);
-        assert_eq!(m.on_read_done(t0, "t"), Err(fail(FailCode::CacheReset, CACHE_RESET)));
-        assert_eq!(m.on_read_done(t0, "zz").unwrap_err().code, FailCode::Unknown);
+        assert_eq!(
+            m.on_read_done(t0, "t"),
+            Err(fail(FailCode::CacheReset, CACHE_RESET))
+        );
+        assert_eq!(
+            m.on_read_done(t0, "zz").unwrap_err().code,
+            FailCode::Unknown
+        );
     }
 
     #[test]
@@ -1273,7 +1604,10 @@ mod tests {
         m.end_ready(t0, fail(FailCode::Asleep, ASLEEP));
         assert_eq!(m.take_finished(), vec![rid("q")]);
         m.on_pull(t0, 2, pull("u", 0));
-        assert_eq!(failure_of(&actions(&mut m), 2), fail(FailCode::Asleep, ASLEEP));
+        assert_eq!(
+            failure_of(&actions(&mut m), 2),
+            fail(FailCode::Asleep, ASLEEP)
+        );
         assert_eq!(m.writes_in_flight(), 1);
         m.on_write_done(t0, 1, Ok(()));
         assert_eq!(m.take_finished(), vec![rid("r")]);
@@ -1286,12 +1620,25 @@ mod tests {
         let n = MAX_TOMBSTONES + MAX_TOMBSTONES / 8;
         for i in 0..n {
             let t = format!("t{i}");
-            m.on_drop(t0 + Duration::from_millis(i as u64), &t, i as u64, FailCode::Dropped);
+            m.on_drop(
+                t0 + Duration::from_millis(i as u64),
+                &t,
+                i as u64,
+                FailCode::Dropped,
+            );
         }
-        assert!(m.num_transfers() <= MAX_TOMBSTONES + MAX_TOMBSTONES / 8, "{}", m.num_transfers());
+        assert!(
+            m.num_transfers() <= MAX_TOMBSTONES + MAX_TOMBSTONES / 8,
+            "{}",
+            m.num_transfers()
+        );
         assert!(m.num_transfers() >= MAX_TOMBSTONES);
         assert_eq!(m.phase("t0"), None, "the oldest is forgotten");
-        assert_eq!(m.phase(&format!("t{}", n - 1)), Some(PhaseName::Done), "the newest is kept");
+        assert_eq!(
+            m.phase(&format!("t{}", n - 1)),
+            Some(PhaseName::Done),
+            "the newest is kept"
+        );
     }
 
     #[test]
@@ -1313,4 +1660,3 @@ mod tests {
         assert_eq!(failure_of(&actions(&mut m), 1).code, FailCode::Asleep);
     }
 }
-

@@ -175,7 +175,10 @@ pub struct Failure {
 
 impl Failure {
     pub fn new(code: FailCode, message: impl Into<String>) -> Failure {
-        Failure { code, message: message.into() }
+        Failure {
+            code,
+            message: message.into(),
+        }
     }
 }
 
@@ -187,9 +190,15 @@ impl Failure {
 /// first; anything else failed the transfer.
 pub fn write_failure(refused_by_destination: bool, detail: impl std::fmt::Display) -> Failure {
     if refused_by_destination {
-        Failure::new(FailCode::Dropped, format!("D withdrew the destination during the write: {detail}"))
+        Failure::new(
+            FailCode::Dropped,
+            format!("D withdrew the destination during the write: {detail}"),
+        )
     } else {
-        Failure::new(FailCode::TransferFailed, format!("writing the KV blocks failed: {detail}"))
+        Failure::new(
+            FailCode::TransferFailed,
+            format!("writing the KV blocks failed: {detail}"),
+        )
     }
 }
 
@@ -208,7 +217,11 @@ fn dropped() -> FailCode {
 #[serde(tag = "type", rename_all = "snake_case")]
 pub enum Message {
     Bootstrap,
-    BootstrapOk { engine_id: String, layout: String, block_bytes: u64 },
+    BootstrapOk {
+        engine_id: String,
+        layout: String,
+        block_bytes: u64,
+    },
     Pull(Pull),
     /// P is alive and working on the pull (sent while P computes the
     /// prompt and when the write is about to start); D's deadline restarts.
@@ -225,12 +238,16 @@ pub enum Message {
         #[serde(default = "dropped")]
         code: FailCode,
     },
-    DropOk { known: bool },
+    DropOk {
+        known: bool,
+    },
     /// Read mode: D asks for what it needs to read P's blocks one-sided.
     Handshake,
     HandshakeOk(HandshakeInfo),
     /// Read mode: D finished reading `transfer_id`'s leased blocks.
-    ReadDone { transfer_id: String },
+    ReadDone {
+        transfer_id: String,
+    },
     /// The lease held the blocks until the read ended: the data is valid.
     ReadDoneOk,
     /// The lease had ended (expired, aborted, released): the data D read
@@ -240,7 +257,9 @@ pub enum Message {
         reason: String,
     },
     /// The server could not make sense of the request.
-    Error { reason: String },
+    Error {
+        reason: String,
+    },
 }
 
 /// Why an exchange failed.
@@ -314,7 +333,11 @@ pub async fn read_prefix(s: &mut TcpStream, limit: Duration) -> Result<[u8; 4], 
 }
 
 /// Reads the rest of a message whose `prefix` was read already.
-pub async fn read_message_after(s: &mut TcpStream, prefix: [u8; 4], limit: Duration) -> Result<Message, WireError> {
+pub async fn read_message_after(
+    s: &mut TcpStream,
+    prefix: [u8; 4],
+    limit: Duration,
+) -> Result<Message, WireError> {
     let n = decode_len(prefix)?;
     let mut body = vec![0u8; n];
     timed(limit, "reading a message body", s.read_exact(&mut body)).await?;
@@ -322,7 +345,11 @@ pub async fn read_message_after(s: &mut TcpStream, prefix: [u8; 4], limit: Durat
 }
 
 /// Writes one message, bounded by `limit`.
-pub async fn write_message(s: &mut TcpStream, msg: &Message, limit: Duration) -> Result<(), WireError> {
+pub async fn write_message(
+    s: &mut TcpStream,
+    msg: &Message,
+    limit: Duration,
+) -> Result<(), WireError> {
     let bytes = encode(msg)?;
     timed(limit, "writing a message", s.write_all(&bytes)).await?;
     timed(limit, "flushing a message", s.flush()).await
@@ -330,7 +357,11 @@ pub async fn write_message(s: &mut TcpStream, msg: &Message, limit: Duration) ->
 
 /// A control connection to `addr`, connected and through the handshake
 /// ([`pdkv_transfer::auth`]) with `secret`, each step bounded by `io_limit`.
-pub async fn open(addr: &str, secret: &KvSecret, io_limit: Duration) -> Result<TcpStream, WireError> {
+pub async fn open(
+    addr: &str,
+    secret: &KvSecret,
+    io_limit: Duration,
+) -> Result<TcpStream, WireError> {
     let mut s = timed(io_limit, "connecting", TcpStream::connect(addr)).await?;
     let _ = s.set_nodelay(true);
     auth::connect(&mut s, secret, Port::Control, io_limit).await?;
@@ -365,7 +396,10 @@ pub async fn drop_transfer(
     code: FailCode,
     limit: Duration,
 ) -> Result<bool, String> {
-    let msg = Message::Drop { transfer_id: transfer_id.to_string(), code };
+    let msg = Message::Drop {
+        transfer_id: transfer_id.to_string(),
+        code,
+    };
     match exchange(addr, secret, &msg, limit, limit).await {
         Ok(Message::DropOk { known }) => Ok(known),
         Ok(other) => Err(format!("unexpected answer to a drop: {other:?}")),
@@ -381,13 +415,19 @@ mod tests {
     fn messages_round_trip_and_bad_input_is_an_error() {
         let msgs = [
             Message::Bootstrap,
-            Message::BootstrapOk { engine_id: "p".into(), layout: "l".into(), block_bytes: 64 },
+            Message::BootstrapOk {
+                engine_id: "p".into(),
+                layout: "l".into(),
+                block_bytes: 64,
+            },
             Message::Pull(Pull {
                 transfer_id: "t".into(),
                 engine_id: "d".into(),
                 first_block: 1,
                 num_tokens: 40,
-                dst: Destination::Shm { path: "/tmp/x.sock".into() },
+                dst: Destination::Shm {
+                    path: "/tmp/x.sock".into(),
+                },
                 segment: 1,
                 key: 2,
                 epoch: 3,
@@ -398,20 +438,38 @@ mod tests {
             }),
             Message::PullProgress,
             Message::PullOk,
-            Message::PullErr { code: FailCode::CacheReset, reason: "r".into() },
-            Message::Drop { transfer_id: "t".into(), code: FailCode::PrefillRefused },
+            Message::PullErr {
+                code: FailCode::CacheReset,
+                reason: "r".into(),
+            },
+            Message::Drop {
+                transfer_id: "t".into(),
+                code: FailCode::PrefillRefused,
+            },
             Message::DropOk { known: true },
             Message::Handshake,
             Message::HandshakeOk(HandshakeInfo {
                 engine_id: "p".into(),
                 layout: "l".into(),
                 block_bytes: 64,
-                transfer: Destination::Tcp { addr: "127.0.0.1:9".into() },
-                registration: Some(Registration { segment: 1, key: 2, epoch: 3, len: 4096 }),
+                transfer: Destination::Tcp {
+                    addr: "127.0.0.1:9".into(),
+                },
+                registration: Some(Registration {
+                    segment: 1,
+                    key: 2,
+                    epoch: 3,
+                    len: 4096,
+                }),
             }),
-            Message::ReadDone { transfer_id: "t".into() },
+            Message::ReadDone {
+                transfer_id: "t".into(),
+            },
             Message::ReadDoneOk,
-            Message::ReadDoneErr { code: FailCode::LeaseExpired, reason: "expired".into() },
+            Message::ReadDoneErr {
+                code: FailCode::LeaseExpired,
+                reason: "expired".into(),
+            },
         ];
         for m in msgs {
             let b = encode(&m).unwrap();
@@ -419,10 +477,23 @@ mod tests {
             assert_eq!(n, b.len() - 4);
             assert_eq!(decode_body(&b[4..]).unwrap(), m);
         }
-        assert!(matches!(decode_len((MAX_MESSAGE as u32 + 1).to_be_bytes()), Err(WireError::TooLarge(_))));
+        assert!(matches!(
+            decode_len((MAX_MESSAGE as u32 + 1).to_be_bytes()),
+            Err(WireError::TooLarge(_))
+        ));
         assert!(matches!(decode_len([0xff; 4]), Err(WireError::TooLarge(_))));
-        for junk in [&b""[..], b"{", b"\x00\xff", b"{\"type\":\"nope\"}", b"[1,2]", b"{\"type\":\"pull\"}"] {
-            assert!(matches!(decode_body(junk), Err(WireError::Malformed(_))), "{junk:?}");
+        for junk in [
+            &b""[..],
+            b"{",
+            b"\x00\xff",
+            b"{\"type\":\"nope\"}",
+            b"[1,2]",
+            b"{\"type\":\"pull\"}",
+        ] {
+            assert!(
+                matches!(decode_body(junk), Err(WireError::Malformed(_))),
+                "{junk:?}"
+            );
         }
     }
 }

@@ -5,8 +5,8 @@
 mod common;
 
 use common::{
-    assert_finished, colocated, config, consumer, engine, error_of, fingerprint, idle_and_free, metric, pd, producer,
-    prompt, pull_params, run,
+    assert_finished, colocated, config, consumer, engine, error_of, fingerprint, idle_and_free,
+    metric, pd, producer, prompt, pull_params, run,
 };
 use pdkv_engine::FinishReason;
 
@@ -28,7 +28,11 @@ fn pd_matches_colocated(transport: &str) {
         let dout = pd(&p.handle, &d.handle, &format!("x{i}"), pr, 6)
             .unwrap_or_else(|e| panic!("prompt {i} over {transport}: {e}"));
         let cout = run(&colo.handle, &format!("c{i}"), pr.clone(), 6, None);
-        assert_eq!(fingerprint(&dout), fingerprint(&cout), "prompt {i} over {transport}");
+        assert_eq!(
+            fingerprint(&dout),
+            fingerprint(&cout),
+            "prompt {i} over {transport}"
+        );
     }
     idle_and_free(&p.handle);
     idle_and_free(&d.handle);
@@ -52,18 +56,33 @@ fn decode_after_remote_prefill_equals_colocated_over_shm() {
 
 #[test]
 fn a_bogus_transfer_fails_only_its_request_and_recompute_recovers() {
-    let p = engine(Some((&producer(r#","arrival_timeout_s":0.2"#), "p1")), config());
+    let p = engine(
+        Some((&producer(r#","arrival_timeout_s":0.2"#), "p1")),
+        config(),
+    );
     let d = engine(Some((&consumer(""), "d1")), config());
-    let dr = engine(Some((&consumer(r#","kv_load_failure_policy":"recompute""#), "d2")), config());
+    let dr = engine(
+        Some((&consumer(r#","kv_load_failure_policy":"recompute""#), "d2")),
+        config(),
+    );
     let colo = colocated();
     let bogus = pull_params(&p.handle, "nope");
     let pr = prompt(9, 33);
-    let why = error_of(&run(&d.handle, "bad", pr.clone(), 3, Some(bogus.clone())), "D under fail");
-    assert!(why.contains("nope") && why.contains("unknown to the prefill engine"), "{why}");
+    let why = error_of(
+        &run(&d.handle, "bad", pr.clone(), 3, Some(bogus.clone())),
+        "D under fail",
+    );
+    assert!(
+        why.contains("nope") && why.contains("unknown to the prefill engine"),
+        "{why}"
+    );
     // Recompute: the same failure, then the tokens equal a colocated run.
     let out = run(&dr.handle, "bad", pr.clone(), 3, Some(bogus));
     assert_finished(&out, FinishReason::Length, "D under recompute");
-    assert_eq!(fingerprint(&out), fingerprint(&run(&colo.handle, "c", pr.clone(), 3, None)));
+    assert_eq!(
+        fingerprint(&out),
+        fingerprint(&run(&colo.handle, "c", pr.clone(), 3, None))
+    );
     // A good request on D afterwards.
     pd(&p.handle, &d.handle, "good", &pr, 3).expect("a good transfer after the bogus one");
     for e in [&p.handle, &d.handle, &dr.handle] {
@@ -83,19 +102,30 @@ fn the_first_transfers_at_once_over_shm_all_succeed() {
     const AT_ONCE: usize = 8;
     let t = r#","transport":"shm""#;
     let colo = colocated();
-    let prompts: Vec<Vec<u32>> = (0..AT_ONCE).map(|i| prompt(70 + i as u64, 20 + 3 * i)).collect();
-    let want: Vec<_> = prompts.iter().enumerate().map(|(i, pr)| fingerprint(&run(&colo.handle, &format!("c{i}"), pr.clone(), 3, None))).collect();
+    let prompts: Vec<Vec<u32>> = (0..AT_ONCE)
+        .map(|i| prompt(70 + i as u64, 20 + 3 * i))
+        .collect();
+    let want: Vec<_> = prompts
+        .iter()
+        .enumerate()
+        .map(|(i, pr)| fingerprint(&run(&colo.handle, &format!("c{i}"), pr.clone(), 3, None)))
+        .collect();
     for pair in 0..PAIRS {
         let p = engine(Some((&producer(t), &format!("p-cold{pair}"))), config());
         let d = engine(Some((&consumer(t), &format!("d-cold{pair}"))), config());
         let (ph, dh) = (&p.handle, &d.handle);
         let outs: Vec<_> = std::thread::scope(|s| {
-            let runs: Vec<_> =
-                prompts.iter().enumerate().map(|(i, pr)| s.spawn(move || pd(ph, dh, &format!("x{i}"), pr, 3))).collect();
+            let runs: Vec<_> = prompts
+                .iter()
+                .enumerate()
+                .map(|(i, pr)| s.spawn(move || pd(ph, dh, &format!("x{i}"), pr, 3)))
+                .collect();
             runs.into_iter().map(|h| h.join().unwrap()).collect()
         });
         for (i, out) in outs.iter().enumerate() {
-            let out = out.as_ref().unwrap_or_else(|e| panic!("pair {pair}, request {i}: {e}"));
+            let out = out
+                .as_ref()
+                .unwrap_or_else(|e| panic!("pair {pair}, request {i}: {e}"));
             assert_eq!(fingerprint(out), want[i], "pair {pair}, request {i}");
         }
         assert_eq!(metric(dh, "loads_failed_total"), 0.0, "pair {pair}");

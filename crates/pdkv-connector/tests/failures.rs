@@ -22,11 +22,13 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::{
-    all_idle, assert_finished, assert_matches_colocated, assert_idle, collect, colocated, config, consumer, decode_params,
-    engine, error_of, fingerprint, last, metric, pd, producer, prompt, pull_params, remote_prefill, request, run,
-    start, wait_metric, Started, WAIT,
+    all_idle, assert_finished, assert_idle, assert_matches_colocated, collect, colocated, config,
+    consumer, decode_params, engine, error_of, fingerprint, last, metric, pd, producer, prompt,
+    pull_params, remote_prefill, request, run, start, wait_metric, Started, WAIT,
 };
-use pdkv_engine::{AddRequestError, EngineConfig, EngineHandle, FinishReason, PauseMode, RequestStream};
+use pdkv_engine::{
+    AddRequestError, EngineConfig, EngineHandle, FinishReason, PauseMode, RequestStream,
+};
 use serde_json::{json, Value};
 
 /// The prefill engine's id in every test (D requests name it).
@@ -41,7 +43,10 @@ const TARGET_LEN: usize = 100;
 
 /// [`config`] with a cache of `num_kv_blocks` blocks.
 fn blocks(num_kv_blocks: usize) -> EngineConfig {
-    EngineConfig { num_kv_blocks, ..config() }
+    EngineConfig {
+        num_kv_blocks,
+        ..config()
+    }
 }
 
 /// A P whose cache is held by a finished transfer: see the module docs.
@@ -56,10 +61,20 @@ fn block_prefill(extra: &str) -> Blocked {
     let p = engine(Some((&producer(extra), P_ID)), blocks(BLOCKED_P_BLOCKS));
     let hold_prompt = prompt(77, HOLD_LEN);
     let hold_params = remote_prefill(&p.handle, "hold", &hold_prompt, "hold");
-    let s = p.handle.wait_stats(WAIT, |s| s.num_running == 0 && s.num_waiting == 0).unwrap();
+    let s = p
+        .handle
+        .wait_stats(WAIT, |s| s.num_running == 0 && s.num_waiting == 0)
+        .unwrap();
     let need = TARGET_LEN.div_ceil(pdkv_model::BLOCK_SIZE);
-    assert!(s.kv_blocks_held > 0 && s.kv_blocks_free < need, "P is not blocked: {s:?}");
-    Blocked { p, hold_prompt, hold_params }
+    assert!(
+        s.kv_blocks_held > 0 && s.kv_blocks_free < need,
+        "P is not blocked: {s:?}"
+    );
+    Blocked {
+        p,
+        hold_prompt,
+        hold_params,
+    }
 }
 
 impl Blocked {
@@ -67,12 +82,27 @@ impl Blocked {
     /// by the caller: dropping it would abort the request).
     fn queue(&self, id: &str, seed: u64, transfer_id: &str) -> (RequestStream, Vec<u32>) {
         let pr = prompt(seed, TARGET_LEN);
-        (start(&self.p.handle, id, pr.clone(), 1, Some(decode_params(transfer_id))), pr)
+        (
+            start(
+                &self.p.handle,
+                id,
+                pr.clone(),
+                1,
+                Some(decode_params(transfer_id)),
+            ),
+            pr,
+        )
     }
 
     /// D pulls "hold", which unblocks P; D's tokens equal a colocated run.
     fn release(&self, d: &EngineHandle, colo: &EngineHandle) {
-        let out = run(d, "d-hold", self.hold_prompt.clone(), 3, Some(self.hold_params.clone()));
+        let out = run(
+            d,
+            "d-hold",
+            self.hold_prompt.clone(),
+            3,
+            Some(self.hold_params.clone()),
+        );
         assert_matches_colocated(colo, &out, &self.hold_prompt, 3, "D after pulling hold");
     }
 }
@@ -80,7 +110,12 @@ impl Blocked {
 /// Waits until D's request is waiting for its KV and its pull is parked at P
 /// (`pulls` pulls pending there in all).
 fn wait_parked(p: &EngineHandle, d: &EngineHandle, pulls: f64) {
-    assert!(d.wait_stats(WAIT, |s| s.num_waiting_for_remote_kv == 1).is_some(), "D is not loading: {:?}", d.stats());
+    assert!(
+        d.wait_stats(WAIT, |s| s.num_waiting_for_remote_kv == 1)
+            .is_some(),
+        "D is not loading: {:?}",
+        d.stats()
+    );
     wait_metric(p, "pulls_pending", pulls, "the pull parked at P");
 }
 
@@ -92,10 +127,19 @@ fn an_aborted_prefill_makes_the_waiting_decode_recompute_at_once_under_either_po
     let b = block_prefill(r#","arrival_timeout_s":20"#);
     let p = &b.p.handle;
     let d = engine(Some((&consumer(""), "d1-fail")), config());
-    let dr = engine(Some((&consumer(r#","kv_load_failure_policy":"recompute""#), "d1-rec")), config());
+    let dr = engine(
+        Some((
+            &consumer(r#","kv_load_failure_policy":"recompute""#),
+            "d1-rec",
+        )),
+        config(),
+    );
     let colo = colocated();
 
-    for (i, (dh, policy)) in [(&d.handle, "fail"), (&dr.handle, "recompute")].into_iter().enumerate() {
+    for (i, (dh, policy)) in [(&d.handle, "fail"), (&dr.handle, "recompute")]
+        .into_iter()
+        .enumerate()
+    {
         let tid = format!("t-{policy}");
         let (ps, pr) = b.queue(&format!("p-{policy}"), 10 + i as u64, &tid);
         let ds = start(dh, "d", pr.clone(), 4, Some(pull_params(p, &tid)));
@@ -103,13 +147,20 @@ fn an_aborted_prefill_makes_the_waiting_decode_recompute_at_once_under_either_po
         // Stats are republished after each core turn; wait for the turn
         // that saw the queue as it is now.
         let queued = p.wait_stats(WAIT, |s| s.num_waiting == 1 && s.num_running == 0);
-        assert!(queued.is_some(), "P's request is not queued: {:?}", p.stats());
+        assert!(
+            queued.is_some(),
+            "P's request is not queued: {:?}",
+            p.stats()
+        );
 
         let t0 = Instant::now();
         assert!(p.abort(&format!("p-{policy}")));
         let out = collect(ds);
         let took = t0.elapsed();
-        assert!(took < Duration::from_secs(1), "{policy}: D ended {took:?} after P's abort");
+        assert!(
+            took < Duration::from_secs(1),
+            "{policy}: D ended {took:?} after P's abort"
+        );
         assert_finished(&collect(ps), FinishReason::Abort, "P's request");
         // Aborted on purpose at P: not a failed transfer; D computes the
         // prompt itself under either policy.
@@ -124,7 +175,12 @@ fn an_aborted_prefill_makes_the_waiting_decode_recompute_at_once_under_either_po
     assert_eq!(metric(p, "pulls_released_total"), 2.0);
 
     b.release(&d.handle, &colo.handle);
-    all_idle(&[(p, "P"), (&d.handle, "D fail"), (&dr.handle, "D recompute"), (&colo.handle, "colocated")]);
+    all_idle(&[
+        (p, "P"),
+        (&d.handle, "D fail"),
+        (&dr.handle, "D recompute"),
+        (&colo.handle, "colocated"),
+    ]);
 }
 
 /// D's request is aborted while its load waits at P: D keeps the
@@ -142,7 +198,10 @@ fn an_aborted_decode_releases_the_transfer_on_both_sides() {
     let (ps, pr) = b.queue("p-t", 20, "t");
     let ds = start(&d.handle, "d-t", pr.clone(), 4, Some(pull_params(p, "t")));
     wait_parked(p, &d.handle, 1.0);
-    assert!(d.handle.stats().kv_blocks_free < d.handle.stats().kv_blocks_total, "D holds the load's blocks");
+    assert!(
+        d.handle.stats().kv_blocks_free < d.handle.stats().kv_blocks_total,
+        "D holds the load's blocks"
+    );
 
     assert!(d.handle.abort("d-t"));
     assert_finished(&collect(ds), FinishReason::Abort, "D's aborted request");
@@ -153,7 +212,11 @@ fn an_aborted_decode_releases_the_transfer_on_both_sides() {
     wait_metric(p, "pulls_cancelled_total", 1.0, "P after D's drop");
     assert_eq!(metric(p, "pulls_failed_total"), 0.0);
     assert_eq!(metric(p, "pulls_pending"), 0.0);
-    assert_eq!(metric(&d.handle, "loads_cancelled_total"), 1.0, "the load ended before D freed the blocks");
+    assert_eq!(
+        metric(&d.handle, "loads_cancelled_total"),
+        1.0,
+        "the load ended before D freed the blocks"
+    );
     assert_eq!(metric(&d.handle, "loads_failed_total"), 0.0);
     assert_eq!(metric(&d.handle, "loads_ok_total"), 0.0);
 
@@ -163,12 +226,19 @@ fn an_aborted_decode_releases_the_transfer_on_both_sides() {
     let pout = collect(ps);
     assert_finished(&pout, FinishReason::Length, "P's request after the release");
     let t1 = Instant::now();
-    assert_idle(p, Duration::from_secs(2), "P after its released request finished");
+    assert_idle(
+        p,
+        Duration::from_secs(2),
+        "P after its released request finished",
+    );
     assert!(t1.elapsed() < Duration::from_secs(2));
     assert_eq!(metric(p, "send_held_blocks"), 0.0);
 
     // A late pull of the released transfer learns why it is gone.
-    let late = last(&pout).kv_transfer_params.clone().expect("P returns params for a completed request");
+    let late = last(&pout)
+        .kv_transfer_params
+        .clone()
+        .expect("P returns params for a completed request");
     let out = run(&d.handle, "d-late", pr.clone(), 2, Some(late));
     let why = error_of(&out, "a pull of the released transfer");
     assert!(why.contains(pdkv_connector::send::RELEASED), "{why}");
@@ -179,7 +249,10 @@ fn an_aborted_decode_releases_the_transfer_on_both_sides() {
 /// request runs at the same time; malformed ones are refused at once.
 #[test]
 fn bad_transfer_params_fail_only_their_request() {
-    let p = engine(Some((&producer(r#","arrival_timeout_s":0.5"#), P_ID)), config());
+    let p = engine(
+        Some((&producer(r#","arrival_timeout_s":0.5"#), P_ID)),
+        config(),
+    );
     let d = engine(Some((&consumer(""), "d3")), config());
     let colo = colocated();
     let (ph, dh) = (&p.handle, &d.handle);
@@ -207,12 +280,21 @@ fn bad_transfer_params_fail_only_their_request() {
     assert_matches_colocated(&colo.handle, &good_out, &good, 6, "the good request");
 
     let why = error_of(&engine_out, "unknown remote_engine_id");
-    assert!(why.contains("p-elsewhere") && why.contains(&format!("{P_ID:?}")), "{why}");
+    assert!(
+        why.contains("p-elsewhere") && why.contains(&format!("{P_ID:?}")),
+        "{why}"
+    );
     let why = error_of(&bogus_out, "bogus transfer_id");
-    assert!(why.contains("no-such-transfer") && why.contains("unknown to the prefill engine"), "{why}");
+    assert!(
+        why.contains("no-such-transfer") && why.contains("unknown to the prefill engine"),
+        "{why}"
+    );
     let why = error_of(&long_out, "prompt one block longer");
     let (asked, computed) = (long.len() - 1, short.len() - 1);
-    assert!(why.contains(&format!("{asked} tokens")) && why.contains(&format!("computed {computed}")), "{why}");
+    assert!(
+        why.contains(&format!("{asked} tokens")) && why.contains(&format!("computed {computed}")),
+        "{why}"
+    );
 
     // Malformed params are refused by add_request, naming the field.
     let invalid = |e: &EngineHandle, params: Value, field: &str| match e.add_request(request(
@@ -221,7 +303,9 @@ fn bad_transfer_params_fail_only_their_request() {
         2,
         Some(params),
     )) {
-        Err(AddRequestError::Invalid(msg)) => assert!(msg.contains(field), "{msg} does not name {field}"),
+        Err(AddRequestError::Invalid(msg)) => {
+            assert!(msg.contains(field), "{msg} does not name {field}")
+        }
         Err(other) => panic!("{field}: refused as {other:?}, not Invalid"),
         Ok(_) => panic!("{field}: malformed params accepted"),
     };
@@ -229,13 +313,24 @@ fn bad_transfer_params_fail_only_their_request() {
     numeric_id["transfer_id"] = json!(5);
     invalid(dh, numeric_id, "transfer_id");
     let mut no_addr = pull_params(ph, "x");
-    no_addr.as_object_mut().unwrap().remove("remote_bootstrap_addr");
+    no_addr
+        .as_object_mut()
+        .unwrap()
+        .remove("remote_bootstrap_addr");
     invalid(dh, no_addr, "remote_bootstrap_addr");
     let mut bad_addr = pull_params(ph, "x");
     bad_addr["remote_bootstrap_addr"] = json!("not-an-address");
     invalid(dh, bad_addr, "remote_bootstrap_addr");
-    invalid(ph, json!({"do_remote_decode": true, "transfer_id": 5}), "transfer_id");
-    invalid(ph, json!({"do_remote_decode": "yes", "transfer_id": "x"}), "do_remote_decode");
+    invalid(
+        ph,
+        json!({"do_remote_decode": true, "transfer_id": 5}),
+        "transfer_id",
+    );
+    invalid(
+        ph,
+        json!({"do_remote_decode": "yes", "transfer_id": "x"}),
+        "do_remote_decode",
+    );
     invalid(dh, decode_params("x"), "do_remote_decode");
 
     assert_eq!(metric(dh, "loads_ok_total"), 1.0);
@@ -257,18 +352,36 @@ fn a_mismatched_pull_is_answered_once_with_its_own_reason() {
     let params = remote_prefill(ph, "p-m", &pr, "m");
     let long = [&pr[..], &prompt(37, pdkv_model::BLOCK_SIZE)[..]].concat();
 
-    let why = error_of(&run(dh, "d-long", long.clone(), 2, Some(params.clone())), "the mismatched pull");
+    let why = error_of(
+        &run(dh, "d-long", long.clone(), 2, Some(params.clone())),
+        "the mismatched pull",
+    );
     assert!(
-        why.contains("prompt length mismatch") && why.contains("55 tokens") && why.contains("computed 39"),
+        why.contains("prompt length mismatch")
+            && why.contains("55 tokens")
+            && why.contains("computed 39"),
         "{why}"
     );
-    assert!(!why.contains("earlier pull"), "the refused pull is told that an earlier pull was refused: {why}");
-    assert_eq!(metric(ph, "pulls_failed_total"), 1.0, "one refused pull is counted (answered) once");
+    assert!(
+        !why.contains("earlier pull"),
+        "the refused pull is told that an earlier pull was refused: {why}"
+    );
+    assert_eq!(
+        metric(ph, "pulls_failed_total"),
+        1.0,
+        "one refused pull is counted (answered) once"
+    );
     assert_idle(ph, WAIT, "P after the refused pull");
 
     // The transfer ended with the refusal: a matching pull now learns why.
-    let why = error_of(&run(dh, "d-again", pr.clone(), 2, Some(params)), "a pull after the refusal");
-    assert!(why.contains("refused an earlier pull") && why.contains("prompt length mismatch"), "{why}");
+    let why = error_of(
+        &run(dh, "d-again", pr.clone(), 2, Some(params)),
+        "a pull after the refusal",
+    );
+    assert!(
+        why.contains("refused an earlier pull") && why.contains("prompt length mismatch"),
+        "{why}"
+    );
     assert_eq!(metric(ph, "pulls_failed_total"), 2.0);
     assert_eq!(metric(dh, "loads_failed_total"), 2.0);
     all_idle(&[(ph, "P"), (dh, "D"), (&colo.handle, "colocated")]);
@@ -285,17 +398,40 @@ fn a_prefill_engine_shut_down_mid_transfer_tells_d_which_recomputes() {
     let p = &b.p.handle;
     let timeouts = r#","abort_timeout_s":1,"load_timeout_s":2"#;
     let d = engine(Some((&consumer(timeouts), "d4-fail")), config());
-    let dr =
-        engine(Some((&consumer(&format!(r#"{timeouts},"kv_load_failure_policy":"recompute""#)), "d4-rec")), config());
+    let dr = engine(
+        Some((
+            &consumer(&format!(
+                r#"{timeouts},"kv_load_failure_policy":"recompute""#
+            )),
+            "d4-rec",
+        )),
+        config(),
+    );
     let colo = colocated();
 
     let (psf, prf) = b.queue("p-fail", 40, "t-fail");
     let (psr, prr) = b.queue("p-rec", 41, "t-rec");
-    let dsf = start(&d.handle, "d-fail", prf.clone(), 4, Some(pull_params(p, "t-fail")));
-    let dsr = start(&dr.handle, "d-rec", prr.clone(), 4, Some(pull_params(p, "t-rec")));
-    assert!(d.handle.wait_stats(WAIT, |s| s.num_waiting_for_remote_kv == 1).is_some());
+    let dsf = start(
+        &d.handle,
+        "d-fail",
+        prf.clone(),
+        4,
+        Some(pull_params(p, "t-fail")),
+    );
+    let dsr = start(
+        &dr.handle,
+        "d-rec",
+        prr.clone(),
+        4,
+        Some(pull_params(p, "t-rec")),
+    );
+    assert!(d
+        .handle
+        .wait_stats(WAIT, |s| s.num_waiting_for_remote_kv == 1)
+        .is_some());
     wait_parked(p, &dr.handle, 2.0);
-    p.pause(PauseMode::Keep, false, Duration::from_secs(10)).unwrap();
+    p.pause(PauseMode::Keep, false, Duration::from_secs(10))
+        .unwrap();
 
     let t0 = Instant::now();
     p.shutdown();
@@ -303,8 +439,14 @@ fn a_prefill_engine_shut_down_mid_transfer_tells_d_which_recomputes() {
     let fail_took = t0.elapsed();
     let rec_out = collect(dsr);
     let rec_took = t0.elapsed();
-    assert!(fail_took < Duration::from_secs(3), "D under fail ended {fail_took:?} after P's shutdown");
-    assert!(rec_took < Duration::from_secs(3), "D under recompute ended {rec_took:?} after P's shutdown");
+    assert!(
+        fail_took < Duration::from_secs(3),
+        "D under fail ended {fail_took:?} after P's shutdown"
+    );
+    assert!(
+        rec_took < Duration::from_secs(3),
+        "D under recompute ended {rec_took:?} after P's shutdown"
+    );
     // P aborted its requests as it stopped and told the decode engines so
     // before going: ended on purpose, recomputed under either policy.
     assert_matches_colocated(&colo.handle, &fail_out, &prf, 4, "D under fail");
@@ -319,7 +461,11 @@ fn a_prefill_engine_shut_down_mid_transfer_tells_d_which_recomputes() {
         assert_eq!(metric(dh, "loads_failed_total"), 0.0);
         assert_eq!(metric(dh, "loads_released_total"), 1.0);
     }
-    all_idle(&[(&d.handle, "D fail"), (&dr.handle, "D recompute"), (&colo.handle, "colocated")]);
+    all_idle(&[
+        (&d.handle, "D fail"),
+        (&dr.handle, "D recompute"),
+        (&colo.handle, "colocated"),
+    ]);
 }
 
 /// Many P/D pairs at once, with shared prefixes and more requests than
@@ -334,40 +480,71 @@ fn many_concurrent(transport: &str, tag: &str) {
     let prompts: Vec<Vec<u32>> = (0..N)
         .map(|i| {
             let shared = [0, 16, 24, 32, 48, 64][i % 6];
-            [&base[..shared], &prompt(60 + i as u64, 2 + (i * 7) % 29)[..]].concat()
+            [
+                &base[..shared],
+                &prompt(60 + i as u64, 2 + (i * 7) % 29)[..],
+            ]
+            .concat()
         })
         .collect();
     let (ph, dh, ch) = (&p.handle, &d.handle, &colo.handle);
     // One pair first, so that D's prefix cache holds the shared prefix when
     // the others arrive: their loads start past D's local hit.
     let warm = [&base[..], &prompt(59, 5)[..]].concat();
-    let dout = pd(ph, dh, "x-warm", &warm, 5).unwrap_or_else(|e| panic!("the first pair over {transport}: {e}"));
-    assert_matches_colocated(ch, &dout, &warm, 5, &format!("the first pair over {transport}"));
-    assert!(dh.wait_stats(WAIT, |s| s.num_running == 0 && s.num_waiting == 0).unwrap().prefix_cache_hits == 0);
+    let dout = pd(ph, dh, "x-warm", &warm, 5)
+        .unwrap_or_else(|e| panic!("the first pair over {transport}: {e}"));
+    assert_matches_colocated(
+        ch,
+        &dout,
+        &warm,
+        5,
+        &format!("the first pair over {transport}"),
+    );
+    assert!(
+        dh.wait_stats(WAIT, |s| s.num_running == 0 && s.num_waiting == 0)
+            .unwrap()
+            .prefix_cache_hits
+            == 0
+    );
     let (pd_outs, colo_outs) = std::thread::scope(|s| {
-        let pd: Vec<_> =
-            prompts.iter().enumerate().map(|(i, pr)| s.spawn(move || pd(ph, dh, &format!("x{i}"), pr, 5))).collect();
+        let pd: Vec<_> = prompts
+            .iter()
+            .enumerate()
+            .map(|(i, pr)| s.spawn(move || pd(ph, dh, &format!("x{i}"), pr, 5)))
+            .collect();
         let colo: Vec<_> = prompts
             .iter()
             .enumerate()
             .map(|(i, pr)| s.spawn(move || run(ch, &format!("c{i}"), pr.clone(), 5, None)))
             .collect();
         (
-            pd.into_iter().map(|h| h.join().unwrap()).collect::<Vec<_>>(),
-            colo.into_iter().map(|h| h.join().unwrap()).collect::<Vec<_>>(),
+            pd.into_iter()
+                .map(|h| h.join().unwrap())
+                .collect::<Vec<_>>(),
+            colo.into_iter()
+                .map(|h| h.join().unwrap())
+                .collect::<Vec<_>>(),
         )
     });
     for (i, (dout, cout)) in pd_outs.iter().zip(&colo_outs).enumerate() {
-        let dout = dout.as_ref().unwrap_or_else(|e| panic!("P/D request {i} over {transport}: {e}"));
+        let dout = dout
+            .as_ref()
+            .unwrap_or_else(|e| panic!("P/D request {i} over {transport}: {e}"));
         assert_finished(cout, FinishReason::Length, "colocated");
-        assert!(fingerprint(dout) == fingerprint(cout), "request {i} over {transport} differs from colocated");
+        assert!(
+            fingerprint(dout) == fingerprint(cout),
+            "request {i} over {transport} differs from colocated"
+        );
     }
     assert_eq!(metric(dh, "loads_ok_total"), (N + 1) as f64);
     assert_eq!(metric(dh, "loads_failed_total"), 0.0);
     assert_eq!(metric(ph, "pulls_ok_total"), (N + 1) as f64);
     assert_eq!(metric(ph, "pulls_failed_total"), 0.0);
     all_idle(&[(ph, "P"), (dh, "D"), (ch, "colocated")]);
-    assert!(dh.stats().prefix_cache_hits > 0, "no D request reused the shared prefix");
+    assert!(
+        dh.stats().prefix_cache_hits > 0,
+        "no D request reused the shared prefix"
+    );
 }
 
 #[test]
@@ -385,7 +562,10 @@ fn many_concurrent_pairs_equal_colocated_over_shm() {
 /// rather than when the 30 s lease expires.
 #[test]
 fn a_transfer_d_does_not_need_is_dropped_at_p_at_once() {
-    let p = engine(Some((&producer(r#","abort_timeout_s":30"#), P_ID)), config());
+    let p = engine(
+        Some((&producer(r#","abort_timeout_s":30"#), P_ID)),
+        config(),
+    );
     let d = engine(Some((&consumer(""), "d1")), config());
     // 33 tokens: D's first request loads 2 full blocks and caches them.
     let pr = prompt(77, 33);
@@ -395,7 +575,11 @@ fn a_transfer_d_does_not_need_is_dropped_at_p_at_once() {
     let out = pd(&p.handle, &d.handle, "second", &pr, 2).expect("second request");
     assert_finished(&out, FinishReason::Length, "the second request");
     let t0 = Instant::now();
-    assert_idle(&p.handle, Duration::from_secs(2), "P after a transfer D did not pull");
+    assert_idle(
+        &p.handle,
+        Duration::from_secs(2),
+        "P after a transfer D did not pull",
+    );
     assert!(t0.elapsed() < Duration::from_secs(2));
     assert_eq!(metric(&d.handle, "drops_unpulled_total"), 1.0);
     assert_eq!(metric(&d.handle, "loads_ok_total"), 1.0);

@@ -19,8 +19,9 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::{
-    all_idle, assert_finished, assert_matches_colocated, collect, colocated, config, consumer, decode_params, engine,
-    error_of, metric, producer, prompt, pull_params, start, wait_metric, WAIT,
+    all_idle, assert_finished, assert_matches_colocated, collect, colocated, config, consumer,
+    decode_params, engine, error_of, metric, producer, prompt, pull_params, start, wait_metric,
+    WAIT,
 };
 use pdkv_engine::{EngineHandle, FinishReason, PauseMode};
 
@@ -32,12 +33,23 @@ const HOLD: Duration = Duration::from_millis(1500);
 /// P paused in `keep` mode with the request `p-{tid}` (for transfer `tid`)
 /// queued; returns its stream (kept by the caller: dropping it aborts).
 fn queue_at_paused_p(p: &EngineHandle, tid: &str, tokens: &[u32]) -> pdkv_engine::RequestStream {
-    p.pause(PauseMode::Keep, false, Duration::from_secs(10)).expect("P pauses (keep)");
-    let s = start(p, &format!("p-{tid}"), tokens.to_vec(), 1, Some(decode_params(tid)));
+    p.pause(PauseMode::Keep, false, Duration::from_secs(10))
+        .expect("P pauses (keep)");
+    let s = start(
+        p,
+        &format!("p-{tid}"),
+        tokens.to_vec(),
+        1,
+        Some(decode_params(tid)),
+    );
     // The core published the stats of the turn that queued it, so the
     // connector has seen the request (its transfer is WAITING).
     let queued = p.wait_stats(WAIT, |s| s.num_waiting == 1 && s.num_running == 0);
-    assert!(queued.is_some(), "P's request is not queued: {:?}", p.stats());
+    assert!(
+        queued.is_some(),
+        "P's request is not queued: {:?}",
+        p.stats()
+    );
     s
 }
 
@@ -45,9 +57,21 @@ fn queue_at_paused_p(p: &EngineHandle, tid: &str, tokens: &[u32]) -> pdkv_engine
 /// [`HOLD`]: neither side gave up.
 fn assert_still_loading(p: &EngineHandle, d: &EngineHandle, what: &str) {
     let gave_up = d.wait_stats(HOLD, |s| s.num_waiting_for_remote_kv == 0);
-    assert!(gave_up.is_none(), "{what}: D stopped waiting for its KV within {HOLD:?}: {:?}", d.stats());
-    assert_eq!(metric(p, "pulls_pending"), 1.0, "{what}: the pull is no longer parked at P");
-    assert_eq!(metric(d, "loads_abandoned_total"), 0.0, "{what}: D gave the load up");
+    assert!(
+        gave_up.is_none(),
+        "{what}: D stopped waiting for its KV within {HOLD:?}: {:?}",
+        d.stats()
+    );
+    assert_eq!(
+        metric(p, "pulls_pending"),
+        1.0,
+        "{what}: the pull is no longer parked at P"
+    );
+    assert_eq!(
+        metric(d, "loads_abandoned_total"),
+        0.0,
+        "{what}: D gave the load up"
+    );
     assert_eq!(metric(d, "loads_failed_total"), 0.0, "{what}");
     assert_eq!(metric(p, "pulls_failed_total"), 0.0, "{what}");
 }
@@ -59,14 +83,22 @@ fn assert_still_loading(p: &EngineHandle, d: &EngineHandle, what: &str) {
 fn long_prefill(transport: &str) {
     let cfg = format!(r#"{TIMEOUTS},"transport":"{transport}""#);
     let p = engine(Some((&producer(&cfg), "p-long")), config());
-    let d = engine(Some((&consumer(&cfg), &format!("d-long-{transport}"))), config());
+    let d = engine(
+        Some((&consumer(&cfg), &format!("d-long-{transport}"))),
+        config(),
+    );
     let colo = colocated();
     let (ph, dh) = (&p.handle, &d.handle);
     let pr = prompt(90, 120);
 
     let ps = queue_at_paused_p(ph, "long", &pr);
     let ds = start(dh, "d-long", pr.clone(), 5, Some(pull_params(ph, "long")));
-    assert!(dh.wait_stats(WAIT, |s| s.num_waiting_for_remote_kv == 1).is_some(), "D is not loading: {:?}", dh.stats());
+    assert!(
+        dh.wait_stats(WAIT, |s| s.num_waiting_for_remote_kv == 1)
+            .is_some(),
+        "D is not loading: {:?}",
+        dh.stats()
+    );
     wait_metric(ph, "pulls_pending", 1.0, "D's pull parked at P");
     let t0 = Instant::now();
     assert_still_loading(ph, dh, transport);
@@ -76,10 +108,20 @@ fn long_prefill(transport: &str) {
     ph.resume().expect("P resumes");
     assert_finished(&collect(ps), FinishReason::Length, "P's request");
     let out = collect(ds);
-    assert_matches_colocated(&colo.handle, &out, &pr, 5, &format!("D after a long prefill over {transport}"));
+    assert_matches_colocated(
+        &colo.handle,
+        &out,
+        &pr,
+        5,
+        &format!("D after a long prefill over {transport}"),
+    );
     assert_eq!(metric(dh, "loads_ok_total"), 1.0);
     assert_eq!(metric(ph, "pulls_ok_total"), 1.0);
-    for (e, name) in [(dh, "loads_failed_total"), (dh, "loads_abandoned_total"), (ph, "pulls_failed_total")] {
+    for (e, name) in [
+        (dh, "loads_failed_total"),
+        (dh, "loads_abandoned_total"),
+        (ph, "pulls_failed_total"),
+    ] {
         assert_eq!(metric(e, name), 0.0, "{name}");
     }
     all_idle(&[(ph, "P"), (dh, "D"), (&colo.handle, "colocated")]);
@@ -109,7 +151,13 @@ fn a_prefill_past_prefill_timeout_fails_the_load_at_that_deadline() {
 
     let ps = queue_at_paused_p(ph, "bound", &pr);
     let t0 = Instant::now();
-    let out = collect(start(dh, "d-bound", pr.clone(), 3, Some(pull_params(ph, "bound"))));
+    let out = collect(start(
+        dh,
+        "d-bound",
+        pr.clone(),
+        3,
+        Some(pull_params(ph, "bound")),
+    ));
     let took = t0.elapsed();
     let why = error_of(&out, "D's request past the prefill timeout");
     assert!(why.contains("prefill_timeout_s"), "{why}");
@@ -118,7 +166,11 @@ fn a_prefill_past_prefill_timeout_fails_the_load_at_that_deadline() {
         "the load ended {took:?} after it started (prefill_timeout_s is 1 s)"
     );
     assert_eq!(metric(dh, "loads_failed_total"), 1.0);
-    assert_eq!(metric(dh, "loads_abandoned_total"), 0.0, "D did not give up on its own");
+    assert_eq!(
+        metric(dh, "loads_abandoned_total"),
+        0.0,
+        "D did not give up on its own"
+    );
 
     // P's request runs once resumed; its transfer was never pulled, so it
     // is held for D until its 0.3 s lease ends.

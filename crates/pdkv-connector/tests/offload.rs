@@ -7,14 +7,19 @@
 mod common;
 
 use common::{
-    assert_finished, colocated, config, engine, fingerprint, idle_and_free, metric, prompt, remote_prefill, WAIT,
+    assert_finished, colocated, config, engine, fingerprint, idle_and_free, metric, prompt,
+    remote_prefill, WAIT,
 };
 use pdkv_engine::{EngineConfig, EngineHandle, FinishReason, PauseMode, RequestOutput, SleepLevel};
 use serde_json::json;
 
 /// [`config`] with prefix caching and sleep mode as given.
 fn opts(prefix_caching: bool, sleep_mode: bool) -> EngineConfig {
-    EngineConfig { enable_prefix_caching: prefix_caching, enable_sleep_mode: sleep_mode, ..config() }
+    EngineConfig {
+        enable_prefix_caching: prefix_caching,
+        enable_sleep_mode: sleep_mode,
+        ..config()
+    }
 }
 
 /// Runs a request that must finish by length (every request here does).
@@ -35,7 +40,13 @@ const OFFLOAD: &str = r#"{"kv_connector":"offload"}"#;
 /// Checks `e`'s output for `tokens` against a colocated engine's.
 fn check_equal(e: &EngineHandle, colo: &EngineHandle, id: &str, tokens: &[u32], max_tokens: u32) {
     let out = run(e, id, tokens.to_vec(), max_tokens, None);
-    let want = run(colo, &format!("colo-{id}"), tokens.to_vec(), max_tokens, None);
+    let want = run(
+        colo,
+        &format!("colo-{id}"),
+        tokens.to_vec(),
+        max_tokens,
+        None,
+    );
     assert_eq!(fingerprint(&out), fingerprint(&want), "request {id}");
 }
 
@@ -108,8 +119,15 @@ fn the_offload_store_survives_a_kv_sleep() {
     assert_eq!(metric(h, "offload_saved_blocks_total"), 4.0);
 
     h.sleep(SleepLevel::L1, PauseMode::Abort, WAIT).unwrap();
-    assert!(!h.pool().is_awake(pdkv_vmem::Tag::KvCache), "level 1 releases the KV cache");
-    assert_eq!(metric(h, "offload_blocks_held"), 4.0, "a sleep leaves the host store alone");
+    assert!(
+        !h.pool().is_awake(pdkv_vmem::Tag::KvCache),
+        "level 1 releases the KV cache"
+    );
+    assert_eq!(
+        metric(h, "offload_blocks_held"),
+        4.0,
+        "a sleep leaves the host store alone"
+    );
     h.wake_up(None).unwrap();
 
     // The sleep invalidated the local prefix cache: the whole prefix comes
@@ -137,7 +155,10 @@ fn eviction_keeps_the_store_within_max_bytes() {
     let prompts: Vec<Vec<u32>> = (0..4).map(|i| prompt(20 + i, 40)).collect();
     for (i, p) in prompts.iter().enumerate() {
         run(h, &format!("p{i}"), p.clone(), 2, None);
-        assert!(metric(h, "offload_bytes_held") <= max as f64, "over budget after prompt {i}");
+        assert!(
+            metric(h, "offload_bytes_held") <= max as f64,
+            "over budget after prompt {i}"
+        );
     }
     assert_eq!(metric(h, "offload_saved_blocks_total"), 8.0);
     assert_eq!(metric(h, "offload_blocks_held"), 3.0);
@@ -173,13 +194,26 @@ fn multi_of_pd_and_offload_transfers_and_saves_on_both_sides() {
     let prompts = [prompt(40, 70), prompt(41, 33)];
     let pd_round = |round: usize| {
         for (i, pr) in prompts.iter().enumerate() {
-            let kp = remote_prefill(&p.handle, &format!("p{round}-{i}"), pr, &format!("t{round}-{i}"));
+            let kp = remote_prefill(
+                &p.handle,
+                &format!("p{round}-{i}"),
+                pr,
+                &format!("t{round}-{i}"),
+            );
             // The P/D child keeps P's blocks for D, so the multi does too.
             let held = p.handle.wait_stats(WAIT, |s| s.kv_blocks_held > 0);
-            assert!(held.is_some(), "P freed the blocks before D pulled: {:?}", p.handle.stats());
+            assert!(
+                held.is_some(),
+                "P freed the blocks before D pulled: {:?}",
+                p.handle.stats()
+            );
             let dout = run(&d.handle, &format!("d{round}-{i}"), pr.clone(), 6, Some(kp));
             let cout = run(&colo.handle, &format!("c{round}-{i}"), pr.clone(), 6, None);
-            assert_eq!(fingerprint(&dout), fingerprint(&cout), "round {round}, prompt {i}");
+            assert_eq!(
+                fingerprint(&dout),
+                fingerprint(&cout),
+                "round {round}, prompt {i}"
+            );
         }
     };
     pd_round(0);
@@ -226,15 +260,24 @@ fn multi_configuration_is_checked_and_sleep_support_is_the_and_of_children() {
     assert!(ok.supports_sleep_mode());
     assert_eq!(ok.name(), "multi");
     // Two children of one kind: their metrics are told apart by index.
-    let names: Vec<&str> = ok.metrics_reader().unwrap()().into_iter().map(|m| m.0).collect();
+    let names: Vec<&str> = ok.metrics_reader().unwrap()()
+        .into_iter()
+        .map(|m| m.0)
+        .collect();
     assert!(
-        names.contains(&"offload0_offload_max_bytes") && names.contains(&"offload1_offload_max_bytes"),
+        names.contains(&"offload0_offload_max_bytes")
+            && names.contains(&"offload1_offload_max_bytes"),
         "{names:?}"
     );
     let unique: std::collections::HashSet<_> = names.iter().collect();
     assert_eq!(unique.len(), names.len(), "metric names are unique");
 
-    let err = |cfg: &str| pdkv_connector::build(cfg, "m1").err().map(|e| format!("{e:#}")).expect("refused");
+    let err = |cfg: &str| {
+        pdkv_connector::build(cfg, "m1")
+            .err()
+            .map(|e| format!("{e:#}"))
+            .expect("refused")
+    };
     let e = err(r#"{"kv_connector":"multi","connectors":[]}"#);
     assert!(e.contains("connectors") && e.contains("1 to 4"), "{e}");
     let five = vec![json!({"kv_connector": "offload"}); 5];
@@ -245,9 +288,17 @@ fn multi_configuration_is_checked_and_sleep_support_is_the_and_of_children() {
     let e = err(
         r#"{"kv_connector":"multi","connectors":[{"kv_connector":"offload"},{"kv_connector":"offload","max_bytes":0}]}"#,
     );
-    assert!(e.starts_with("kv_transfer_config: connectors[1].max_bytes:"), "{e}");
-    let e = err(r#"{"kv_connector":"multi","connectors":[{"kv_connector":"pdkv","kv_role":"nobody"}]}"#);
-    assert!(e.starts_with("kv_transfer_config: connectors[0].kv_role:"), "{e}");
+    assert!(
+        e.starts_with("kv_transfer_config: connectors[1].max_bytes:"),
+        "{e}"
+    );
+    let e = err(
+        r#"{"kv_connector":"multi","connectors":[{"kv_connector":"pdkv","kv_role":"nobody"}]}"#,
+    );
+    assert!(
+        e.starts_with("kv_transfer_config: connectors[0].kv_role:"),
+        "{e}"
+    );
     let e = err(r#"{"kv_connector":"offload","max_bytes":"lots"}"#);
     assert!(e.starts_with("kv_transfer_config: max_bytes:"), "{e}");
 }

@@ -16,12 +16,20 @@ mod common;
 use std::time::Duration;
 
 use common::{config, fingerprint, idle_and_free, metric, prompt, run, Fingerprint, Started, WAIT};
-use pdkv_engine::{EngineConfig, EngineHandle, EngineRequest, FinishReason, PauseMode, SamplingParams, SleepLevel};
+use pdkv_engine::{
+    EngineConfig, EngineHandle, EngineRequest, FinishReason, PauseMode, SamplingParams, SleepLevel,
+};
 use serde_json::{json, Value};
 
 /// An engine on the tiny random llama; with a connector, sleep mode is on.
 fn engine(connector: Option<(&str, &str)>) -> Started {
-    common::engine(connector, EngineConfig { enable_sleep_mode: connector.is_some(), ..config() })
+    common::engine(
+        connector,
+        EngineConfig {
+            enable_sleep_mode: connector.is_some(),
+            ..config()
+        },
+    )
 }
 
 /// A P (producer) and D (consumer) in read mode, plus a colocated engine.
@@ -31,16 +39,35 @@ fn trio(name: &str, transport: &str, producer_extra: &str) -> (Started, Started,
     let pc = format!(
         r#"{{"kv_connector":"pdkv","kv_role":"kv_producer","transport":"{transport}","transfer_mode":"read"{producer_extra}}}"#
     );
-    let dc = format!(r#"{{"kv_connector":"pdkv","kv_role":"kv_consumer","transport":"{transport}","transfer_mode":"read"}}"#);
-    (engine(Some((&pc, &format!("p-{name}-{transport}")))), engine(Some((&dc, &format!("d-{name}-{transport}")))), engine(None))
+    let dc = format!(
+        r#"{{"kv_connector":"pdkv","kv_role":"kv_consumer","transport":"{transport}","transfer_mode":"read"}}"#
+    );
+    (
+        engine(Some((&pc, &format!("p-{name}-{transport}")))),
+        engine(Some((&dc, &format!("d-{name}-{transport}")))),
+        engine(None),
+    )
 }
 
 /// P's part of a transfer: the params it returns (its blocks stay leased).
 fn prefill(p: &EngineHandle, tid: &str, pr: &[u32]) -> Value {
-    let out = run(p, &format!("{tid}-p"), pr.to_vec(), 1, Some(json!({"do_remote_decode": true, "transfer_id": tid})));
+    let out = run(
+        p,
+        &format!("{tid}-p"),
+        pr.to_vec(),
+        1,
+        Some(json!({"do_remote_decode": true, "transfer_id": tid})),
+    );
     let last = out.last().unwrap();
-    assert_eq!(last.finish_reason, Some(FinishReason::Length), "{:?}", last.error);
-    last.kv_transfer_params.clone().expect("P returns transfer params")
+    assert_eq!(
+        last.finish_reason,
+        Some(FinishReason::Length),
+        "{:?}",
+        last.error
+    );
+    last.kv_transfer_params
+        .clone()
+        .expect("P returns transfer params")
 }
 
 /// D's part: its output, or the error that ended the request (then no token
@@ -51,8 +78,15 @@ fn decode(d: &EngineHandle, id: &str, pr: &[u32], params: Value) -> Result<Finge
     if last.finish_reason == Some(FinishReason::Length) {
         return Ok(fingerprint(&out));
     }
-    assert!(out.iter().all(|o| o.token_ids.is_empty()), "a failed load produced tokens: {out:?}");
-    Err(format!("{:?}: {}", last.finish_reason, last.error.clone().unwrap_or_default()))
+    assert!(
+        out.iter().all(|o| o.token_ids.is_empty()),
+        "a failed load produced tokens: {out:?}"
+    );
+    Err(format!(
+        "{:?}: {}",
+        last.finish_reason,
+        last.error.clone().unwrap_or_default()
+    ))
 }
 
 fn colocated(c: &EngineHandle, id: &str, pr: &[u32]) -> Fingerprint {
@@ -77,7 +111,9 @@ fn wait_held(p: &EngineHandle, n: usize, within: Duration) -> bool {
 }
 
 fn generation(params: &Value) -> u64 {
-    params["remote_registration_generation"].as_u64().expect("read-mode params carry the generation")
+    params["remote_registration_generation"]
+        .as_u64()
+        .expect("read-mode params carry the generation")
 }
 
 fn matches_colocated(transport: &str) {
@@ -85,27 +121,62 @@ fn matches_colocated(transport: &str) {
     // be the read_done's doing.
     let (p, d, colo) = trio("same", transport, r#","abort_timeout_s":120"#);
     let base = prompt(1, 40);
-    let prompts = [base.clone(), [&base[..32], &prompt(2, 9)[..]].concat(), [&base[..16], &prompt(3, 30)[..]].concat(), prompt(4, 5)];
+    let prompts = [
+        base.clone(),
+        [&base[..32], &prompt(2, 9)[..]].concat(),
+        [&base[..16], &prompt(3, 30)[..]].concat(),
+        prompt(4, 5),
+    ];
     for (i, pr) in prompts.iter().enumerate() {
         let tid = format!("r{i}");
         let params = prefill(&p.handle, &tid, pr);
-        let ids = params["remote_block_ids"].as_array().expect("read-mode params name P's blocks");
-        assert_eq!(ids.len(), (pr.len() - 1).div_ceil(16), "prompt {i}: {params}");
+        let ids = params["remote_block_ids"]
+            .as_array()
+            .expect("read-mode params name P's blocks");
+        assert_eq!(
+            ids.len(),
+            (pr.len() - 1).div_ceil(16),
+            "prompt {i}: {params}"
+        );
         assert_eq!(generation(&params), 1, "P has registered its KV cache once");
-        assert_eq!(metric(&p.handle, "send_held_blocks"), ids.len() as f64, "prompt {i}: P leases the blocks");
-        assert!(wait_held(&p.handle, ids.len(), WAIT), "prompt {i}: {:?}", p.handle.stats());
+        assert_eq!(
+            metric(&p.handle, "send_held_blocks"),
+            ids.len() as f64,
+            "prompt {i}: P leases the blocks"
+        );
+        assert!(
+            wait_held(&p.handle, ids.len(), WAIT),
+            "prompt {i}: {:?}",
+            p.handle.stats()
+        );
         let got = decode(&d.handle, &format!("d{i}"), pr, params);
-        assert_same(got, colocated(&colo.handle, &format!("c{i}"), pr), &format!("prompt {i} over {transport}"));
-        assert!(wait_held(&p.handle, 0, Duration::from_secs(20)), "P still leases blocks after the read: {:?}", p.handle.stats());
+        assert_same(
+            got,
+            colocated(&colo.handle, &format!("c{i}"), pr),
+            &format!("prompt {i} over {transport}"),
+        );
+        assert!(
+            wait_held(&p.handle, 0, Duration::from_secs(20)),
+            "P still leases blocks after the read: {:?}",
+            p.handle.stats()
+        );
     }
     idle_and_free(&p.handle);
     idle_and_free(&d.handle);
     assert_eq!(metric(&d.handle, "loads_ok_total"), 4.0);
     assert_eq!(metric(&d.handle, "loads_failed_total"), 0.0);
-    assert_eq!(metric(&d.handle, "handshakes_total"), 1.0, "one handshake per prefill engine");
+    assert_eq!(
+        metric(&d.handle, "handshakes_total"),
+        1.0,
+        "one handshake per prefill engine"
+    );
     assert!(metric(&d.handle, "bytes_read_total") > 0.0);
     assert_eq!(metric(&p.handle, "reads_done_total"), 4.0);
-    assert_eq!(metric(&p.handle, "pulls_ok_total"), 0.0, "nothing was pulled");
+    assert_eq!(
+        metric(&p.handle, "pulls_ok_total"),
+        0.0,
+        "nothing was pulled"
+    );
 }
 
 #[test]
@@ -126,26 +197,41 @@ fn an_unread_lease_expires_and_a_late_read_is_void_and_recomputed() {
     assert_eq!(metric(&p.handle, "send_held_blocks"), 3.0);
     // Nobody reads: the lease gives the blocks back by itself, and the
     // connector no longer holds them.
-    let back = p.handle.wait_stats(WAIT, |s| s.kv_blocks_held == 0 && metric(&p.handle, "send_held_blocks") == 0.0);
-    assert!(back.is_some(), "the expired lease kept its blocks: {:?}", p.handle.stats());
+    let back = p.handle.wait_stats(WAIT, |s| {
+        s.kv_blocks_held == 0 && metric(&p.handle, "send_held_blocks") == 0.0
+    });
+    assert!(
+        back.is_some(),
+        "the expired lease kept its blocks: {:?}",
+        p.handle.stats()
+    );
     assert!(wait_held(&p.handle, 0, WAIT));
     // The read comes too late: P's read_done answer says the lease expired,
     // so D drops what it read and computes the prompt itself (P reclaimed
     // the KV on purpose: not a failed transfer).
     let got = decode(&d.handle, "late-d", &pr, params);
-    assert_same(got, colocated(&colo.handle, "c-late", &pr), "D after the lease expired");
+    assert_same(
+        got,
+        colocated(&colo.handle, "c-late", &pr),
+        "D after the lease expired",
+    );
     assert_eq!(metric(&p.handle, "reads_late_total"), 1.0);
     assert_eq!(metric(&d.handle, "loads_failed_total"), 0.0);
     assert_eq!(metric(&d.handle, "loads_released_total"), 1.0);
     // The pair still works.
     let params = prefill(&p.handle, "fresh", &pr);
-    assert_same(decode(&d.handle, "fresh-d", &pr, params), colocated(&colo.handle, "c", &pr), "D vs colocated");
+    assert_same(
+        decode(&d.handle, "fresh-d", &pr, params),
+        colocated(&colo.handle, "c", &pr),
+        "D vs colocated",
+    );
     idle_and_free(&p.handle);
     idle_and_free(&d.handle);
 }
 
 fn sleep_and_wake(e: &EngineHandle) {
-    e.sleep(SleepLevel::L1, PauseMode::Abort, WAIT).expect("sleep");
+    e.sleep(SleepLevel::L1, PauseMode::Abort, WAIT)
+        .expect("sleep");
     e.wake_up(None).expect("wake");
 }
 
@@ -154,7 +240,11 @@ fn survives_p_sleep(transport: &str) {
     let pr = prompt(11, 45);
     let first = prefill(&p.handle, "s0", &pr);
     let g0 = generation(&first);
-    assert_same(decode(&d.handle, "s0-d", &pr, first), colocated(&colo.handle, "c0", &pr), "D vs colocated");
+    assert_same(
+        decode(&d.handle, "s0-d", &pr, first),
+        colocated(&colo.handle, "c0", &pr),
+        "D vs colocated",
+    );
     assert_eq!(metric(&d.handle, "handshakes_total"), 1.0);
     // Leased when P sleeps: the sleep ends the lease; these params are stale.
     let stale = prefill(&p.handle, "old", &prompt(12, 30));
@@ -162,20 +252,50 @@ fn survives_p_sleep(transport: &str) {
         sleep_and_wake(&p.handle);
         let pr = prompt(11 + 10 * round, 28 + round as usize);
         let params = prefill(&p.handle, &format!("s{round}"), &pr);
-        assert_eq!(generation(&params), g0 + round, "round {round}: the wake's generation is published");
+        assert_eq!(
+            generation(&params),
+            g0 + round,
+            "round {round}: the wake's generation is published"
+        );
         let got = decode(&d.handle, &format!("s{round}-d"), &pr, params);
-        assert_same(got, colocated(&colo.handle, &format!("c{round}"), &pr), &format!("{transport}: after P woke ({round})"));
-        assert_eq!(metric(&d.handle, "handshakes_total"), 1.0 + round as f64, "one handshake, before the read");
-        assert_eq!(metric(&d.handle, "loads_failed_total"), 0.0, "no failed first read after a wake");
+        assert_same(
+            got,
+            colocated(&colo.handle, &format!("c{round}"), &pr),
+            &format!("{transport}: after P woke ({round})"),
+        );
+        assert_eq!(
+            metric(&d.handle, "handshakes_total"),
+            1.0 + round as f64,
+            "one handshake, before the read"
+        );
+        assert_eq!(
+            metric(&d.handle, "loads_failed_total"),
+            0.0,
+            "no failed first read after a wake"
+        );
     }
     // D holds P's current generation now: params of an older one are
     // refused before any read (the sleep ended that lease on purpose), and
     // D computes the prompt itself.
     let read_before = metric(&d.handle, "bytes_read_total");
     let got = decode(&d.handle, "old-d", &prompt(12, 30), stale);
-    assert_same(got, colocated(&colo.handle, "c-old", &prompt(12, 30)), "D with params from before P's sleep");
-    assert_eq!(metric(&d.handle, "bytes_read_total"), read_before, "nothing was read");
-    assert_eq!((metric(&d.handle, "loads_failed_total"), metric(&d.handle, "loads_released_total")), (0.0, 1.0));
+    assert_same(
+        got,
+        colocated(&colo.handle, "c-old", &prompt(12, 30)),
+        "D with params from before P's sleep",
+    );
+    assert_eq!(
+        metric(&d.handle, "bytes_read_total"),
+        read_before,
+        "nothing was read"
+    );
+    assert_eq!(
+        (
+            metric(&d.handle, "loads_failed_total"),
+            metric(&d.handle, "loads_released_total")
+        ),
+        (0.0, 1.0)
+    );
     idle_and_free(&p.handle);
     idle_and_free(&d.handle);
 }
@@ -196,7 +316,11 @@ fn params_from_before_a_sleep_never_read_the_new_pages() {
         let (p, d, colo) = trio("stale", transport, "");
         let pr = prompt(31, 40);
         let first = prefill(&p.handle, "a", &pr);
-        assert_same(decode(&d.handle, "a-d", &pr, first), colocated(&colo.handle, "ca", &pr), "D vs colocated");
+        assert_same(
+            decode(&d.handle, "a-d", &pr, first),
+            colocated(&colo.handle, "ca", &pr),
+            "D vs colocated",
+        );
         // The same prompt again, leased with the pre-sleep generation; after
         // the wake P's new pages hold other KV (or none).
         let stale = prefill(&p.handle, "b", &pr);
@@ -207,13 +331,25 @@ fn params_from_before_a_sleep_never_read_the_new_pages() {
         // computes the prompt itself.
         let read_before = metric(&d.handle, "bytes_read_total");
         let got = decode(&d.handle, "b-d", &pr, stale);
-        assert_same(got, colocated(&colo.handle, "cb", &pr), &format!("{transport}: D with stale params"));
+        assert_same(
+            got,
+            colocated(&colo.handle, "cb", &pr),
+            &format!("{transport}: D with stale params"),
+        );
         assert_eq!(metric(&d.handle, "handshakes_total"), 1.0, "{transport}");
-        assert_eq!(metric(&d.handle, "bytes_read_total"), read_before, "{transport}: nothing was read");
+        assert_eq!(
+            metric(&d.handle, "bytes_read_total"),
+            read_before,
+            "{transport}: nothing was read"
+        );
         assert_eq!(metric(&d.handle, "loads_failed_total"), 0.0, "{transport}");
         // A fresh request after the wake reads the new pages correctly.
         let params = prefill(&p.handle, "c", &pr);
-        assert_eq!(decode(&d.handle, "c-d", &pr, params), Ok(colocated(&colo.handle, "cc", &pr)), "{transport}");
+        assert_eq!(
+            decode(&d.handle, "c-d", &pr, params),
+            Ok(colocated(&colo.handle, "cc", &pr)),
+            "{transport}"
+        );
         idle_and_free(&p.handle);
         idle_and_free(&d.handle);
     }
@@ -230,30 +366,56 @@ fn bad_read_params_fail_only_their_request() {
     let mut short = params.clone();
     short["remote_block_ids"].as_array_mut().unwrap().pop();
     let err = decode(&d.handle, "short", &pr, short).unwrap_err();
-    assert!(err.contains("block count mismatch") && err.contains("names 3 blocks") && err.contains("fills 4 blocks"), "{err}");
+    assert!(
+        err.contains("block count mismatch")
+            && err.contains("names 3 blocks")
+            && err.contains("fills 4 blocks"),
+        "{err}"
+    );
 
     // An engine id that is not P's.
     let other = prefill(&p.handle, "other", &pr);
     let mut wrong = other.clone();
     wrong["remote_engine_id"] = json!("nope");
     let err = decode(&d.handle, "wrong", &pr, wrong).unwrap_err();
-    assert!(err.contains("remote_engine_id mismatch") && err.contains("nope") && err.contains("p-bad-tcp"), "{err}");
+    assert!(
+        err.contains("remote_engine_id mismatch")
+            && err.contains("nope")
+            && err.contains("p-bad-tcp"),
+        "{err}"
+    );
     // Malformed params are refused at admission.
     let mut junk = other.clone();
     junk["remote_block_ids"] = json!(["x"]);
-    let sp = SamplingParams { max_tokens: 1, ..SamplingParams::default() };
+    let sp = SamplingParams {
+        max_tokens: 1,
+        ..SamplingParams::default()
+    };
     let e = d
         .handle
-        .add_request(EngineRequest { id: "junk".into(), prompt_tokens: pr.clone(), params: sp, kv_transfer_params: Some(junk) })
+        .add_request(EngineRequest {
+            id: "junk".into(),
+            prompt_tokens: pr.clone(),
+            params: sp,
+            kv_transfer_params: Some(junk),
+        })
         .err()
         .expect("malformed read params refused");
     assert!(format!("{e}").contains("remote_block_ids"), "{e}");
 
     // The transfer whose engine id was wrong is still leased: the right
     // params read it, and D's other requests are unaffected.
-    assert_same(decode(&d.handle, "right", &pr, other), want.clone(), "D vs colocated");
+    assert_same(
+        decode(&d.handle, "right", &pr, other),
+        want.clone(),
+        "D vs colocated",
+    );
     let params = prefill(&p.handle, "good", &pr);
-    assert_same(decode(&d.handle, "good-d", &pr, params), want, "D vs colocated");
+    assert_same(
+        decode(&d.handle, "good-d", &pr, params),
+        want,
+        "D vs colocated",
+    );
     assert_eq!(metric(&d.handle, "loads_failed_total"), 2.0);
     assert_eq!(metric(&d.handle, "loads_ok_total"), 2.0);
     idle_and_free(&p.handle);

@@ -19,8 +19,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::{
-    d_params, decide_load, failed_load, finish, park_pull, pattern, prefill, recv_msg, req, send_msg, side, start_load,
-    transfer_ok, wait_until, Side, BB, BLOCKS, SIDE_WAIT as WAIT,
+    d_params, decide_load, failed_load, finish, park_pull, pattern, prefill, recv_msg, req,
+    send_msg, side, start_load, transfer_ok, wait_until, Side, BB, BLOCKS, SIDE_WAIT as WAIT,
 };
 use pdkv_connector::send::{ASLEEP, CACHE_RESET};
 use pdkv_connector::wire::{Destination, Message, Pull};
@@ -52,7 +52,13 @@ fn capture_pull(d: &mut Side, rid: &str, d_blocks: &[u32]) -> Pull {
                 },
             ),
             Message::Pull(p) => {
-                send_msg(&mut s, &Message::PullErr { code: pdkv_connector::wire::FailCode::TransferFailed, reason: "recorded".into() });
+                send_msg(
+                    &mut s,
+                    &Message::PullErr {
+                        code: pdkv_connector::wire::FailCode::TransferFailed,
+                        reason: "recorded".into(),
+                    },
+                );
                 return p;
             }
             other => panic!("unexpected {other:?}"),
@@ -63,7 +69,10 @@ fn capture_pull(d: &mut Side, rid: &str, d_blocks: &[u32]) -> Pull {
     let pull = server.join().unwrap();
     d.wait_finished(|f| f.recving.iter().any(|r| &**r == rid));
     let errs = common::load_errors(d);
-    assert!(!errs.is_empty() && errs.iter().all(|e| e.1.contains("recorded")), "{errs:?}");
+    assert!(
+        !errs.is_empty() && errs.iter().all(|e| e.1.contains("recorded")),
+        "{errs:?}"
+    );
     pull
 }
 
@@ -74,14 +83,22 @@ fn write_as_pulled(pull: &Pull, bytes: &[u8]) -> Result<(), String> {
     let offset = pull.block_offsets[0];
     match &pull.dst {
         Destination::Tcp { addr } => {
-            let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
-            let pool = Pool::new(PoolOptions { chunk_size: 8 << 10, single_allocation: false });
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .unwrap();
+            let pool = Pool::new(PoolOptions {
+                chunk_size: 8 << 10,
+                single_allocation: false,
+            });
             let src = pool.allocate(Tag::KvCache, BB).unwrap();
             src.write_bytes(0, bytes).unwrap();
             let registry = Arc::new(Registry::new(RegistryOptions::default()));
             let reg = registry.register(&src, 0, BB).unwrap();
             rt.block_on(async {
-                let agent = Agent::bind("127.0.0.1:0", registry.clone(), AgentConfig::default()).await.unwrap();
+                let agent = Agent::bind("127.0.0.1:0", registry.clone(), AgentConfig::default())
+                    .await
+                    .unwrap();
                 let local = LocalSlice::grant(&registry, &reg, 0, BB as u64).unwrap();
                 let remote = RemoteDescriptor {
                     agent_addr: addr.clone(),
@@ -91,19 +108,30 @@ fn write_as_pulled(pull: &Pull, bytes: &[u8]) -> Result<(), String> {
                     offset,
                     len: BB as u64,
                 };
-                agent.write(vec![(local, remote)], None, WAIT).await.map_err(|e| e.to_string())
+                agent
+                    .write(vec![(local, remote)], None, WAIT)
+                    .await
+                    .map_err(|e| e.to_string())
             })
         }
         Destination::Shm { path } => {
-            let imp = ShmImporter::connect(std::path::Path::new(path), Limits::default()).map_err(|e| e.to_string())?;
-            imp.map(&registration(pull), WAIT).map_err(|e| e.to_string())?;
-            imp.write(pull.segment, pull.epoch, offset, bytes).map_err(|e| e.to_string())
+            let imp = ShmImporter::connect(std::path::Path::new(path), Limits::default())
+                .map_err(|e| e.to_string())?;
+            imp.map(&registration(pull), WAIT)
+                .map_err(|e| e.to_string())?;
+            imp.write(pull.segment, pull.epoch, offset, bytes)
+                .map_err(|e| e.to_string())
         }
     }
 }
 
 fn registration(pull: &Pull) -> Registration {
-    Registration { segment: pull.segment, key: pull.key, epoch: pull.epoch, len: pull.region_len }
+    Registration {
+        segment: pull.segment,
+        key: pull.key,
+        epoch: pull.epoch,
+        len: pull.region_len,
+    }
 }
 
 /// Inodes of the memfds backing `region` now.
@@ -111,7 +139,11 @@ fn inodes(region: &Region) -> Vec<u64> {
     region
         .chunks()
         .iter()
-        .map(|m| std::fs::metadata(format!("/proc/self/fd/{}", m.chunk.raw_fd())).unwrap().ino())
+        .map(|m| {
+            std::fs::metadata(format!("/proc/self/fd/{}", m.chunk.raw_fd()))
+                .unwrap()
+                .ino()
+        })
         .collect()
 }
 
@@ -121,7 +153,12 @@ fn mappings_of(inos: &[u64]) -> usize {
         .unwrap()
         .lines()
         .filter(|l| l.contains("memfd:"))
-        .filter(|l| l.split_whitespace().nth(4).and_then(|i| i.parse::<u64>().ok()).is_some_and(|i| inos.contains(&i)))
+        .filter(|l| {
+            l.split_whitespace()
+                .nth(4)
+                .and_then(|i| i.parse::<u64>().ok())
+                .is_some_and(|i| inos.contains(&i))
+        })
         .count()
 }
 
@@ -173,7 +210,10 @@ fn silent_prefill() -> (String, std::sync::mpsc::Receiver<Pull>) {
 /// Writes `bytes` into D's first destination block of `pull` with the key
 /// P would use over TCP (the pull's grant when it has one).
 fn write_as_p_would(pull: &Pull, bytes: &[u8]) -> Result<(), String> {
-    let with_grant = Pull { key: pull.grant_key.unwrap_or(pull.key), ..pull.clone() };
+    let with_grant = Pull {
+        key: pull.grant_key.unwrap_or(pull.key),
+        ..pull.clone()
+    };
     write_as_pulled(&with_grant, bytes)
 }
 
@@ -185,18 +225,29 @@ fn release_and_restore_are_immediate_when_idle_and_idempotent() {
     let mut d = side("kv_consumer", "tcp", "d1", "");
     for s in [&p, &d] {
         assert!(s.c.supports_sleep_mode());
-        assert_eq!((s.c.info()["supports_sleep_mode"].as_bool(), s.epoch()), (Some(true), 1));
+        assert_eq!(
+            (s.c.info()["supports_sleep_mode"].as_bool(), s.epoch()),
+            (Some(true), 1)
+        );
     }
     for s in [&mut p, &mut d] {
         let t0 = Instant::now();
         s.c.release_kv_caches(Duration::from_secs(5)).unwrap();
-        assert!(t0.elapsed() < Duration::from_millis(200), "idle release took {:?}", t0.elapsed());
+        assert!(
+            t0.elapsed() < Duration::from_millis(200),
+            "idle release took {:?}",
+            t0.elapsed()
+        );
         s.c.release_kv_caches(Duration::from_secs(5)).unwrap();
         assert_eq!(s.c.info()["kv_released"], true);
         assert_eq!(s.gauge("kv_released"), 1.0);
         s.c.restore_kv_caches().unwrap();
         s.c.restore_kv_caches().unwrap();
-        assert_eq!((s.epoch(), s.gauge("kv_released")), (2, 0.0), "one new epoch per release/restore cycle");
+        assert_eq!(
+            (s.epoch(), s.gauge("kv_released")),
+            (2, 0.0),
+            "one new epoch per release/restore cycle"
+        );
     }
     transfer_ok(&mut p, &mut d, "t1", [5, 9, 2], [7, 3, 20]);
 }
@@ -207,10 +258,24 @@ fn a_release_with_a_ready_send_refuses_and_changes_nothing() {
     let mut d = side("kv_consumer", "tcp", "d1", "");
     let params = prefill(&mut p, "rp", "t1", 40, &[5, 9, 2]);
     let t0 = Instant::now();
-    let e = format!("{:#}", p.c.release_kv_caches(Duration::from_secs(8)).unwrap_err());
-    assert!(t0.elapsed() < Duration::from_millis(200), "a busy release answers at once: {:?}", t0.elapsed());
-    assert!(e.contains("3 blocks held for decode engines") && e.contains("nothing was released"), "{e}");
-    assert_eq!((p.epoch(), p.gauge("kv_released")), (1, 0.0), "the registration is as it was");
+    let e = format!(
+        "{:#}",
+        p.c.release_kv_caches(Duration::from_secs(8)).unwrap_err()
+    );
+    assert!(
+        t0.elapsed() < Duration::from_millis(200),
+        "a busy release answers at once: {:?}",
+        t0.elapsed()
+    );
+    assert!(
+        e.contains("3 blocks held for decode engines") && e.contains("nothing was released"),
+        "{e}"
+    );
+    assert_eq!(
+        (p.epoch(), p.gauge("kv_released")),
+        (1, 0.0),
+        "the registration is as it was"
+    );
     // D's pull is served from the same registration.
     start_load(&mut d, "rd", 40, 0, &[7, 3, 20], &params);
     d.wait_finished(|f| f.recving.len() == 1);
@@ -239,7 +304,11 @@ fn a_release_after_the_transfers_ended_frees_the_pages_and_pulls_are_refused_at_
     // A pull arriving while P is asleep is answered at once.
     let (errs, took) = failed_load(&mut d, "rd", &[7, 3, 20], &params);
     assert!(took < Duration::from_secs(1), "answered after {took:?}");
-    assert!(errs[0].1.contains(CACHE_RESET) || errs[0].1.contains(ASLEEP), "{}", errs[0].1);
+    assert!(
+        errs[0].1.contains(CACHE_RESET) || errs[0].1.contains(ASLEEP),
+        "{}",
+        errs[0].1
+    );
     // So is a pull for a transfer P has not seen (no waiting for its arrival).
     let (errs, took) = failed_load(&mut d, "rd9", &[8, 10, 12], &d_params(&p, "t9"));
     assert!(took < Duration::from_secs(1), "answered after {took:?}");
@@ -253,18 +322,29 @@ fn a_release_after_the_transfers_ended_frees_the_pages_and_pulls_are_refused_at_
 #[test]
 fn a_release_on_d_with_a_load_in_flight_refuses_and_the_load_completes() {
     let (mut p, mut d) = parked("rp", "rd");
-    let e = format!("{:#}", d.c.release_kv_caches(Duration::from_secs(8)).unwrap_err());
+    let e = format!(
+        "{:#}",
+        d.c.release_kv_caches(Duration::from_secs(8)).unwrap_err()
+    );
     assert!(e.contains("1 loads writing into them"), "{e}");
     assert!(finish(&mut p, "rp", "t1", 40, &[5, 9, 2]));
     d.wait_finished(|f| f.recving.len() == 1);
     assert_eq!(common::load_errors(&mut d), Vec::<(u32, String)>::new());
-    assert_eq!((d.block(7), d.block(3)), (pattern(5), pattern(9)), "the load completed");
+    assert_eq!(
+        (d.block(7), d.block(3)),
+        (pattern(5), pattern(9)),
+        "the load completed"
+    );
     d.c.release_kv_caches(Duration::from_secs(8)).unwrap();
     // While D is asleep it starts no load.
     let params = prefill(&mut p, "rp2", "t2", 40, &[1, 4, 6]);
     let (errs, took) = failed_load(&mut d, "rd2", &[8, 10, 12], &params);
     assert!(took < Duration::from_millis(200), "answered after {took:?}");
-    assert!(errs[0].1.contains("decode engine's KV cache is released"), "{}", errs[0].1);
+    assert!(
+        errs[0].1.contains("decode engine's KV cache is released"),
+        "{}",
+        errs[0].1
+    );
 }
 
 /// The hole a fixed margin between D's and P's timeouts left open: D gives
@@ -275,12 +355,20 @@ fn a_release_on_d_with_a_load_in_flight_refuses_and_the_load_completes() {
 /// lands in blocks the engine may have reused.
 #[test]
 fn a_load_given_up_at_its_deadline_is_fenced_and_a_late_write_never_lands() {
-    let mut d = side("kv_consumer", "tcp", "d1", r#","abort_timeout_s":0.2,"load_timeout_s":0.5,"heartbeat_s":0.1"#);
+    let mut d = side(
+        "kv_consumer",
+        "tcp",
+        "d1",
+        r#","abort_timeout_s":0.2,"load_timeout_s":0.5,"heartbeat_s":0.1"#,
+    );
     let (addr, pulls) = silent_prefill();
     let params = json!({"do_remote_prefill": true, "remote_engine_id": "silent", "remote_bootstrap_addr": addr, "transfer_id": "t"});
     start_load(&mut d, "rd", 40, 0, &[7, 3, 20], &params);
     let pull = pulls.recv_timeout(WAIT).expect("D's pull reaches P");
-    assert!(pull.grant_key.is_some_and(|k| k != pull.key), "the pull names a grant, not the registration's key");
+    assert!(
+        pull.grant_key.is_some_and(|k| k != pull.key),
+        "the pull names a grant, not the registration's key"
+    );
     // While D waits, P's write lands.
     write_as_p_would(&pull, &pattern(1)).unwrap();
     assert_eq!(d.block(7), pattern(1));
@@ -310,9 +398,17 @@ fn sleep_cycle(transport: &str) {
     for s in [&mut p, &mut d] {
         s.c.release_kv_caches(Duration::from_secs(5)).unwrap();
         s.pool.discard(&[Tag::KvCache]).unwrap();
-        assert_eq!((s.kv_device_bytes(), s.pool.pinned_bytes()), (0, 0), "asleep: the KV pages are freed");
+        assert_eq!(
+            (s.kv_device_bytes(), s.pool.pinned_bytes()),
+            (0, 0),
+            "asleep: the KV pages are freed"
+        );
     }
-    assert_eq!(mappings_of(&old_inodes), 0, "no mapping (P's included) keeps D's old pages");
+    assert_eq!(
+        mappings_of(&old_inodes),
+        0,
+        "no mapping (P's included) keeps D's old pages"
+    );
     let e = write_as_pulled(&old, &[0xEE; BB]).expect_err("D is asleep");
     assert!(e.contains("not registered"), "{e}");
 
@@ -328,7 +424,11 @@ fn sleep_cycle(transport: &str) {
     assert_eq!(d.block(24), vec![0; BB]);
     // The same write addressed as D pulls now lands in the new pages.
     let new = capture_pull(&mut d, "cap2", &[24, 25, 26]);
-    assert_eq!((new.segment, new.epoch), (old.segment, 2), "same segment, next epoch");
+    assert_eq!(
+        (new.segment, new.epoch),
+        (old.segment, 2),
+        "same segment, next epoch"
+    );
     assert_ne!(new.key, old.key);
     write_as_pulled(&new, &[0xEE; BB]).unwrap();
     assert_eq!(d.block(24), vec![0xEE; BB]);
@@ -356,24 +456,43 @@ fn without_a_release_the_registration_and_the_peer_mapping_pin_the_old_pages() {
     let old_inodes = inodes(&d.region);
     // A peer mapped D's segment before the sleep (P did too, for t1).
     let pull = capture_pull(&mut d, "cap1", &[24, 25, 26]);
-    let Destination::Shm { path } = &pull.dst else { panic!("{:?}", pull.dst) };
+    let Destination::Shm { path } = &pull.dst else {
+        panic!("{:?}", pull.dst)
+    };
     let peer = ShmImporter::connect(std::path::Path::new(path), Limits::default()).unwrap();
     peer.map(&registration(&pull), WAIT).unwrap();
 
     // The seeds' bug: the region sleeps, its pages do not.
     d.pool.discard(&[Tag::KvCache]).unwrap();
     let region_bytes = (BLOCKS * BB) as u64;
-    assert_eq!(d.kv_device_bytes(), region_bytes, "the registration pins every page");
+    assert_eq!(
+        d.kv_device_bytes(),
+        region_bytes,
+        "the registration pins every page"
+    );
     assert_eq!(d.pool.pinned_bytes(), region_bytes);
-    assert!(mappings_of(&old_inodes) >= 2, "the registration's and the peers' mappings");
+    assert!(
+        mappings_of(&old_inodes) >= 2,
+        "the registration's and the peers' mappings"
+    );
     peer.write(pull.segment, pull.epoch, pull.block_offsets[0], &[1; BB])
         .expect("the stale mapping still reaches the old pages");
 
     // Releasing now makes every peer unmap (acks awaited) and drops the pins.
     d.c.release_kv_caches(Duration::from_secs(5)).unwrap();
-    assert_eq!((d.kv_device_bytes(), d.pool.pinned_bytes(), mappings_of(&old_inodes)), (0, 0, 0));
+    assert_eq!(
+        (
+            d.kv_device_bytes(),
+            d.pool.pinned_bytes(),
+            mappings_of(&old_inodes)
+        ),
+        (0, 0, 0)
+    );
     assert!(peer.unmapped() >= 1);
-    let e = peer.write(pull.segment, pull.epoch, pull.block_offsets[0], &[1; BB]).expect_err("unmapped").to_string();
+    let e = peer
+        .write(pull.segment, pull.epoch, pull.block_offsets[0], &[1; BB])
+        .expect_err("unmapped")
+        .to_string();
     assert!(e.contains("not mapped"), "{e}");
 
     d.pool.wake(&[Tag::KvCache]).unwrap();
@@ -405,13 +524,28 @@ fn abort_on_p_answers_pulls_at_once_and_gives_the_blocks_back() {
     assert_eq!(p.c.num_held_blocks(), 0);
     d.wait_finished(|f| f.recving.len() == 1);
     let took = t0.elapsed();
-    assert!(took < Duration::from_secs(1), "the parked pull was answered after {took:?}");
+    assert!(
+        took < Duration::from_secs(1),
+        "the parked pull was answered after {took:?}"
+    );
     let errs = common::load_errors(&mut d);
     assert_eq!(errs.len(), 3);
     assert!(errs[0].1.contains(CACHE_RESET), "{}", errs[0].1);
     // Ended on purpose by P's lifecycle: released, not failed.
-    assert_eq!((p.gauge("pulls_released_total"), p.gauge("pulls_failed_total")), (1.0, 0.0));
-    assert_eq!((d.gauge("loads_released_total"), d.gauge("loads_failed_total")), (1.0, 0.0));
+    assert_eq!(
+        (
+            p.gauge("pulls_released_total"),
+            p.gauge("pulls_failed_total")
+        ),
+        (1.0, 0.0)
+    );
+    assert_eq!(
+        (
+            d.gauge("loads_released_total"),
+            d.gauge("loads_failed_total")
+        ),
+        (1.0, 0.0)
+    );
     // The running request ends without holding its blocks for D.
     assert!(!finish(&mut p, "rp1", "t1", 40, &[11, 12, 13]));
     // A pull for the released READY transfer learns why at once.
@@ -434,7 +568,10 @@ fn abort_on_d_ends_a_load_not_started_at_once_and_wakes_the_engine() {
     assert_eq!(common::load_errors(&mut d).len(), 3);
     // The step's metadata no longer names the load.
     let meta = d.c.build_connector_meta();
-    let loads = meta.0.downcast::<Vec<Arc<str>>>().expect("the pdkv connector's metadata");
+    let loads = meta
+        .0
+        .downcast::<Vec<Arc<str>>>()
+        .expect("the pdkv connector's metadata");
     assert!(loads.is_empty(), "{loads:?}");
     // P's READY send is untouched: a new load of it works.
     start_load(&mut d, "rd2", 40, 0, &[8, 10, 12], &params);
@@ -459,21 +596,29 @@ fn abort_on_d_cuts_loads_short_after_p_answered() {
     assert_eq!(d.c.num_held_blocks(), 0);
     let mut errs = common::load_errors(&mut d);
     errs.sort();
-    let want: Vec<(u32, String)> =
-        [3, 7, 8, 10, 12, 20].into_iter().map(|b| (b, pdkv_connector::pd::CUT_SHORT.to_string())).collect();
+    let want: Vec<(u32, String)> = [3, 7, 8, 10, 12, 20]
+        .into_iter()
+        .map(|b| (b, pdkv_connector::pd::CUT_SHORT.to_string()))
+        .collect();
     assert_eq!(errs, want);
     // The meta built before the abort starts nothing now.
     let meta = d.c.build_connector_meta();
     d.c.start_load_kv(meta);
     // D's own fence ended rd1; its drop reaches P too, which answers the
     // parked pull as dropped; then P's request ends without holding blocks.
-    wait_until("P learns of D's drop", || p.gauge("pulls_cancelled_total") == 1.0);
+    wait_until("P learns of D's drop", || {
+        p.gauge("pulls_cancelled_total") == 1.0
+    });
     assert!(!finish(&mut p, "rp1", "t1", 40, &[11, 12, 13]));
     assert!(d.c.get_finished().is_empty());
     // The cut-short requests recompute locally: no external tokens again.
     let id: Arc<str> = Arc::from("rd1");
     let prompt = vec![1u32; 40];
-    assert_eq!(d.c.get_num_new_matched_tokens(req(&id, &prompt, &d_params(&p, "t1")), 0).num_tokens, 0);
+    assert_eq!(
+        d.c.get_num_new_matched_tokens(req(&id, &prompt, &d_params(&p, "t1")), 0)
+            .num_tokens,
+        0
+    );
     // t2 is still READY on P (D never pulled it); a new load of it works.
     start_load(&mut d, "rd3", 40, 0, &[14, 15, 16], &t2);
     d.wait_finished(|f| f.recving.len() == 1);

@@ -19,8 +19,8 @@ mod common;
 use std::time::Duration;
 
 use common::{
-    assert_idle, assert_matches_colocated, colocated, config, consumer, engine, fingerprint, idle_and_free, metric, pd, producer, prompt,
-    remote_prefill, run, WAIT,
+    assert_idle, assert_matches_colocated, colocated, config, consumer, engine, fingerprint,
+    idle_and_free, metric, pd, producer, prompt, remote_prefill, run, WAIT,
 };
 use pdkv_engine::{EngineConfig, EngineHandle, PauseMode, SleepLevel};
 use pdkv_vmem::Tag;
@@ -39,28 +39,48 @@ enum Release {
 /// Takes the KV memory of `engines` away as `how` says, checks its pages
 /// are free, and brings it back; returns each engine's device bytes
 /// (awake, released).
-fn sleep_and_wake(engines: &[&EngineHandle], how: Release, checkpoint: &std::path::Path) -> Vec<(u64, u64)> {
-    let awake: Vec<u64> = engines.iter().map(|e| e.pool().device_bytes().total()).collect();
+fn sleep_and_wake(
+    engines: &[&EngineHandle],
+    how: Release,
+    checkpoint: &std::path::Path,
+) -> Vec<(u64, u64)> {
+    let awake: Vec<u64> = engines
+        .iter()
+        .map(|e| e.pool().device_bytes().total())
+        .collect();
     for e in engines {
         match how {
-            Release::Level1 => e.sleep(SleepLevel::L1, PauseMode::Abort, WAIT).expect("sleep"),
-            Release::Level2 => e.sleep(SleepLevel::L2, PauseMode::Abort, WAIT).expect("sleep"),
+            Release::Level1 => e
+                .sleep(SleepLevel::L1, PauseMode::Abort, WAIT)
+                .expect("sleep"),
+            Release::Level2 => e
+                .sleep(SleepLevel::L2, PauseMode::Abort, WAIT)
+                .expect("sleep"),
             Release::KvOnly => {
                 e.pause(PauseMode::Abort, false, WAIT).expect("pause");
-                e.release_kv_cache_memory().expect("release_kv_cache_memory");
+                e.release_kv_cache_memory()
+                    .expect("release_kv_cache_memory");
             }
         }
     }
-    let asleep: Vec<u64> = engines.iter().map(|e| e.pool().device_bytes().total()).collect();
+    let asleep: Vec<u64> = engines
+        .iter()
+        .map(|e| e.pool().device_bytes().total())
+        .collect();
     for e in engines {
-        assert_eq!(e.pool().device_bytes().get(Tag::KvCache), 0, "{how:?}: the KV cache's pages must be free");
+        assert_eq!(
+            e.pool().device_bytes().get(Tag::KvCache),
+            0,
+            "{how:?}: the KV cache's pages must be free"
+        );
         match how {
             // A resume maps the KV cache again and ends the pause.
             Release::KvOnly => e.resume().expect("resume"),
             _ => e.wake_up(None).expect("wake"),
         }
         if how == Release::Level2 {
-            e.update_weights(checkpoint, None).expect("reload after a level-2 sleep");
+            e.update_weights(checkpoint, None)
+                .expect("reload after a level-2 sleep");
         }
     }
     awake.into_iter().zip(asleep).collect()
@@ -68,7 +88,10 @@ fn sleep_and_wake(engines: &[&EngineHandle], how: Release, checkpoint: &std::pat
 
 fn survives_sleep(transport: &str) {
     let t = format!(r#","transport":"{transport}""#);
-    let sleepy = EngineConfig { enable_sleep_mode: true, ..config() };
+    let sleepy = EngineConfig {
+        enable_sleep_mode: true,
+        ..config()
+    };
     let p = engine(Some((&producer(&t), "p-sleep")), sleepy.clone());
     let d = engine(Some((&consumer(&t), "d-sleep")), sleepy);
     let colo = colocated();
@@ -78,19 +101,37 @@ fn survives_sleep(transport: &str) {
         ("D", vec![&d.handle], Release::Level1),
         ("both", vec![&p.handle, &d.handle], Release::Level1),
         ("both, level 2", vec![&p.handle, &d.handle], Release::Level2),
-        ("both, KV memory only", vec![&p.handle, &d.handle], Release::KvOnly),
+        (
+            "both, KV memory only",
+            vec![&p.handle, &d.handle],
+            Release::KvOnly,
+        ),
     ];
     for (r, (name, sleepers, how)) in rounds.iter().enumerate() {
         for (awake, asleep) in sleep_and_wake(sleepers, *how, p.checkpoint()) {
             if *how != Release::KvOnly {
-                assert!(asleep * 50 <= awake, "{transport}/{name}: {asleep} bytes asleep of {awake} awake (over 2%)");
+                assert!(
+                    asleep * 50 <= awake,
+                    "{transport}/{name}: {asleep} bytes asleep of {awake} awake (over 2%)"
+                );
             }
         }
         for i in 0..4u64 {
             let pr = prompt(100 * r as u64 + i, 20 + 9 * i as usize);
-            let want = fingerprint(&run(&colo.handle, &format!("c{r}-{i}"), pr.clone(), 5, None));
-            let got = pd(&p.handle, &d.handle, &format!("t{r}-{i}"), &pr, 5).map(|out| fingerprint(&out));
-            assert_eq!(got.as_ref(), Ok(&want), "{transport}: after {name} slept and woke, prompt {i}");
+            let want = fingerprint(&run(
+                &colo.handle,
+                &format!("c{r}-{i}"),
+                pr.clone(),
+                5,
+                None,
+            ));
+            let got =
+                pd(&p.handle, &d.handle, &format!("t{r}-{i}"), &pr, 5).map(|out| fingerprint(&out));
+            assert_eq!(
+                got.as_ref(),
+                Ok(&want),
+                "{transport}: after {name} slept and woke, prompt {i}"
+            );
         }
         idle_and_free(&p.handle);
         idle_and_free(&d.handle);
@@ -117,18 +158,34 @@ fn pd_outputs_after_sleep_and_wake_equal_colocated_over_shm() {
 /// (never served KV of the old weights), and P holds nothing afterwards.
 #[test]
 fn a_weight_reload_on_p_releases_the_kv_held_for_d_first() {
-    let sleepy = EngineConfig { enable_sleep_mode: true, ..config() };
+    let sleepy = EngineConfig {
+        enable_sleep_mode: true,
+        ..config()
+    };
     // A lease far longer than the test: only the reload can end the send.
     let lease = r#","abort_timeout_s":300,"load_timeout_s":310"#;
     let p = engine(Some((&producer(lease), "p-reload")), sleepy.clone());
     let d = engine(Some((&consumer(""), "d-reload")), sleepy);
     let pr = prompt(900, 40);
     let params = remote_prefill(&p.handle, "rp", &pr, "t1");
-    assert!(p.handle.wait_stats(WAIT, |s| s.kv_blocks_held > 0).is_some(), "P holds the KV for D");
+    assert!(
+        p.handle
+            .wait_stats(WAIT, |s| s.kv_blocks_held > 0)
+            .is_some(),
+        "P holds the KV for D"
+    );
 
     let new_weights = tempfile::tempdir().unwrap();
-    pdkv_model::init::write_random_checkpoint(pdkv_model::Arch::Llama, "tiny", 8, new_weights.path()).unwrap();
-    p.handle.update_weights(new_weights.path(), Some("seed-8".into())).unwrap();
+    pdkv_model::init::write_random_checkpoint(
+        pdkv_model::Arch::Llama,
+        "tiny",
+        8,
+        new_weights.path(),
+    )
+    .unwrap();
+    p.handle
+        .update_weights(new_weights.path(), Some("seed-8".into()))
+        .unwrap();
     assert_idle(&p.handle, Duration::from_secs(5), "P after the reload");
 
     // D's pull is refused as released on purpose (never served old-weight
@@ -137,7 +194,13 @@ fn a_weight_reload_on_p_releases_the_kv_held_for_d_first() {
     let colo = colocated();
     assert_matches_colocated(&colo.handle, &out, &pr, 3, "D after P's reload");
     assert_eq!(metric(&p.handle, "pulls_released_total"), 1.0);
-    assert_eq!((metric(&d.handle, "loads_released_total"), metric(&d.handle, "loads_failed_total")), (1.0, 0.0));
+    assert_eq!(
+        (
+            metric(&d.handle, "loads_released_total"),
+            metric(&d.handle, "loads_failed_total")
+        ),
+        (1.0, 0.0)
+    );
     idle_and_free(&d.handle);
 }
 
@@ -146,14 +209,26 @@ fn a_weight_reload_on_p_releases_the_kv_held_for_d_first() {
 /// (its bound here is far longer than the sleep's own).
 #[test]
 fn a_sleep_over_a_keep_pause_does_not_wait_for_frozen_requests() {
-    let config = EngineConfig { enable_sleep_mode: true, kv_release_timeout: Duration::from_secs(120), ..config() };
+    let config = EngineConfig {
+        enable_sleep_mode: true,
+        kv_release_timeout: Duration::from_secs(120),
+        ..config()
+    };
     let e = engine(Some((&producer(""), "p-keep")), config);
     let stream = common::start(&e.handle, "long", prompt(5, 30), 150, None);
     assert!(e.handle.wait_stats(WAIT, |s| s.num_running == 1).is_some());
-    e.handle.pause(PauseMode::Keep, false, WAIT).expect("keep pause");
-    e.handle.sleep(SleepLevel::L1, PauseMode::Keep, Duration::from_secs(20)).expect("sleep over the keep pause");
+    e.handle
+        .pause(PauseMode::Keep, false, WAIT)
+        .expect("keep pause");
+    e.handle
+        .sleep(SleepLevel::L1, PauseMode::Keep, Duration::from_secs(20))
+        .expect("sleep over the keep pause");
     e.handle.wake_up(None).expect("wake");
     e.handle.resume().expect("resume");
-    common::assert_finished(&common::collect(stream), pdkv_engine::FinishReason::Length, "the frozen request");
+    common::assert_finished(
+        &common::collect(stream),
+        pdkv_engine::FinishReason::Length,
+        "the frozen request",
+    );
     idle_and_free(&e.handle);
 }

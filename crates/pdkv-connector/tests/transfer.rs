@@ -10,8 +10,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::{
-    admit, d_params, decode_params, failed_load, finish_with, park_pull, pattern, recv_msg, req, send_msg, side,
-    side_with, start_load, start_pull, transfer_ok, wait_until, Geometry, Side, BB, SIDE_WAIT as WAIT,
+    admit, d_params, decode_params, failed_load, finish_with, park_pull, pattern, recv_msg, req,
+    send_msg, side, side_with, start_load, start_pull, transfer_ok, wait_until, Geometry, Side, BB,
+    SIDE_WAIT as WAIT,
 };
 use pdkv_connector::wire::Message;
 use pdkv_engine::FinishReason;
@@ -50,15 +51,26 @@ fn transfer(transport: &str) {
     assert_eq!(common::load_errors(&mut d), Vec::<(u32, String)>::new());
     assert_eq!(d.block(3), pattern(9));
     assert_eq!(d.block(20), pattern(2));
-    assert_eq!(d.block(7), vec![0; BB], "the locally cached block is not written");
-    assert_eq!(d.block(11), vec![0; BB], "the block beyond the 39 tokens is not written");
+    assert_eq!(
+        d.block(7),
+        vec![0; BB],
+        "the locally cached block is not written"
+    );
+    assert_eq!(
+        d.block(11),
+        vec![0; BB],
+        "the block beyond the 39 tokens is not written"
+    );
     let f = p.wait_finished(|f| !f.sending.is_empty());
     assert_eq!(f.sending, vec![Arc::from("rp")]);
     assert_eq!((p.c.num_held_blocks(), d.c.num_held_blocks()), (0, 0));
     // D's request ends normally: nothing to delay.
     let id: Arc<str> = Arc::from("rd");
     let prompt = vec![1u32; 40];
-    assert_eq!(d.c.request_finished(req(&id, &prompt, &params), &d_blocks, FinishReason::Length), (false, None));
+    assert_eq!(
+        d.c.request_finished(req(&id, &prompt, &params), &d_blocks, FinishReason::Length),
+        (false, None)
+    );
 }
 
 #[test]
@@ -80,17 +92,32 @@ fn blocks_move_over_shared_memory() {
 #[test]
 fn a_kv_cache_of_more_memfds_than_one_message_carries_moves_over_shared_memory() {
     const D_BLOCKS: usize = 3072;
-    let many = Geometry { blocks: D_BLOCKS, chunk_size: 4 << 10 };
+    let many = Geometry {
+        blocks: D_BLOCKS,
+        chunk_size: 4 << 10,
+    };
     assert!(D_BLOCKS * BB / many.chunk_size > 3 * 253);
     // Engine ids of their own: a socket path is per engine id and process.
     let mut p = side("kv_producer", "shm", "p-many", "");
-    let mut d = side_with("kv_consumer", "shm", "d-many", "", many).expect("D registers a KV cache of 768 memfds");
-    transfer_ok(&mut p, &mut d, "t1", [5, 9, 2], [3, 1500, D_BLOCKS as u32 - 1]);
+    let mut d = side_with("kv_consumer", "shm", "d-many", "", many)
+        .expect("D registers a KV cache of 768 memfds");
+    transfer_ok(
+        &mut p,
+        &mut d,
+        "t1",
+        [5, 9, 2],
+        [3, 1500, D_BLOCKS as u32 - 1],
+    );
     transfer_ok(&mut p, &mut d, "t2", [1, 4, 6], [1013, 7, 2040]);
 
-    d.c.release_kv_caches(Duration::from_secs(5)).expect("P acknowledges the unmap of every part");
+    d.c.release_kv_caches(Duration::from_secs(5))
+        .expect("P acknowledges the unmap of every part");
     d.pool.discard(&[pdkv_vmem::Tag::KvCache]).unwrap();
-    assert_eq!((d.kv_device_bytes(), d.pool.pinned_bytes()), (0, 0), "no mapping of P pins D's pages");
+    assert_eq!(
+        (d.kv_device_bytes(), d.pool.pinned_bytes()),
+        (0, 0),
+        "no mapping of P pins D's pages"
+    );
     d.pool.wake(&[pdkv_vmem::Tag::KvCache]).unwrap();
     d.c.restore_kv_caches().unwrap();
     transfer_ok(&mut p, &mut d, "t3", [7, 8, 10], [2900, 260, 0]);
@@ -98,7 +125,12 @@ fn a_kv_cache_of_more_memfds_than_one_message_carries_moves_over_shared_memory()
 
 #[test]
 fn load_failures_name_the_problem_and_other_loads_go_on() {
-    let mut p = side("kv_producer", "tcp", "p1", r#","abort_timeout_s":2,"arrival_timeout_s":0.2"#);
+    let mut p = side(
+        "kv_producer",
+        "tcp",
+        "p1",
+        r#","abort_timeout_s":2,"arrival_timeout_s":0.2"#,
+    );
     let mut d = side("kv_consumer", "tcp", "d1", "");
     let good = prefill_output(&mut p, "rp", "t1", 20, &[1, 2]);
     let mut wrong_engine = good.clone();
@@ -110,12 +142,26 @@ fn load_failures_name_the_problem_and_other_loads_go_on() {
     start_load(&mut d, "len", 30, 0, &[10, 12], &good); // wrong prompt length, same transfer
     let f = d.wait_finished(|f| f.recving.len() == 3);
     let errs = common::load_errors(&mut d);
-    let reason =
-        |b: u32| errs.iter().find(|e| e.0 == b).map(|e| e.1.clone()).unwrap_or_else(|| panic!("block {b}: {errs:?}"));
-    assert!(reason(4).contains("remote_engine_id mismatch") && reason(4).contains("p9"), "{}", reason(4));
-    assert!(reason(6).contains("unknown to the prefill engine"), "{}", reason(6));
+    let reason = |b: u32| {
+        errs.iter()
+            .find(|e| e.0 == b)
+            .map(|e| e.1.clone())
+            .unwrap_or_else(|| panic!("block {b}: {errs:?}"))
+    };
     assert!(
-        reason(10).contains("prompt length mismatch") && reason(10).contains("29") && reason(10).contains("19"),
+        reason(4).contains("remote_engine_id mismatch") && reason(4).contains("p9"),
+        "{}",
+        reason(4)
+    );
+    assert!(
+        reason(6).contains("unknown to the prefill engine"),
+        "{}",
+        reason(6)
+    );
+    assert!(
+        reason(10).contains("prompt length mismatch")
+            && reason(10).contains("29")
+            && reason(10).contains("19"),
         "{}",
         reason(10)
     );
@@ -139,14 +185,23 @@ fn an_aborted_prefill_ends_the_waiting_load_at_once_for_recompute() {
     // P's request runs; D's pull is parked on it.
     park_pull(&mut p, &mut d, "rp", "t1", "rd", &[1, 2, 3]);
     let t_abort = Instant::now();
-    assert_eq!(finish_with(&mut p, "rp", "t1", 40, &[1, 2, 3], FinishReason::Abort), (false, None));
+    assert_eq!(
+        finish_with(&mut p, "rp", "t1", 40, &[1, 2, 3], FinishReason::Abort),
+        (false, None)
+    );
     d.wait_finished(|f| f.recving.len() == 1);
     let took = t_abort.elapsed();
-    assert!(took < Duration::from_secs(1), "D learned of the abort after {took:?}");
+    assert!(
+        took < Duration::from_secs(1),
+        "D learned of the abort after {took:?}"
+    );
     let errs = d.c.get_block_ids_with_load_errors();
     assert_eq!(errs.len(), 3);
     assert!(errs[0].1.message.contains("aborted"), "{:?}", errs[0].1);
-    assert!(errs.iter().all(|(_, e)| e.recompute), "an abort on P is on purpose: D recomputes whatever its policy");
+    assert!(
+        errs.iter().all(|(_, e)| e.recompute),
+        "an abort on P is on purpose: D recomputes whatever its policy"
+    );
 }
 
 #[test]
@@ -157,24 +212,44 @@ fn a_decode_request_ended_mid_load_frees_once_fenced_and_p_releases_the_transfer
     let dp = start_pull(&mut p, &mut d, "rp", "t1", "rd", &[1, 2, 3]);
     let prompt = vec![1u32; 40];
     let did: Arc<str> = Arc::from("rd");
-    let (delay, params) = d.c.request_finished(req(&did, &prompt, &dp), &[1, 2, 3], FinishReason::Abort);
-    assert_eq!((delay, params), (true, None), "D keeps the blocks until the load is fenced");
+    let (delay, params) =
+        d.c.request_finished(req(&did, &prompt, &dp), &[1, 2, 3], FinishReason::Abort);
+    assert_eq!(
+        (delay, params),
+        (true, None),
+        "D keeps the blocks until the load is fenced"
+    );
     let f = d.wait_finished(|f| f.recving.len() == 1);
     assert_eq!(f.recving, vec![did.clone()]);
-    assert_eq!(common::load_errors(&mut d), Vec::<(u32, String)>::new(), "a finished request gets no load errors");
+    assert_eq!(
+        common::load_errors(&mut d),
+        Vec::<(u32, String)>::new(),
+        "a finished request gets no load errors"
+    );
     assert_eq!(d.c.num_held_blocks(), 0);
     // D's drop reaches P (with or without a pull before it); P finishes
     // afterwards and holds nothing.
-    wait_until("P learns of D's drop", || p.gauge("drops_received_total") == 1.0);
+    wait_until("P learns of D's drop", || {
+        p.gauge("drops_received_total") == 1.0
+    });
     assert!(!finish_with(&mut p, "rp", "t1", 40, &[1, 2, 3], FinishReason::Length).0);
     assert_eq!(p.c.num_held_blocks(), 0);
 }
 
 #[test]
 fn a_dead_producer_fails_the_load_by_the_deadline() {
-    let mut d = side("kv_consumer", "tcp", "d1", r#","abort_timeout_s":0.3,"load_timeout_s":0.6"#);
+    let mut d = side(
+        "kv_consumer",
+        "tcp",
+        "d1",
+        r#","abort_timeout_s":0.3,"load_timeout_s":0.6"#,
+    );
     // An address nobody serves: bind then drop a listener.
-    let addr = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().to_string();
+    let addr = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .to_string();
     let dp = json!({"do_remote_prefill": true, "remote_engine_id": "p1", "remote_bootstrap_addr": addr, "transfer_id": "t1"});
     let (errs, took) = failed_load(&mut d, "rd", &[1, 2, 3], &dp);
     assert!(took < Duration::from_secs(2), "{took:?}");
@@ -199,11 +274,11 @@ fn garbage_on_the_control_socket_closes_that_connection_only() {
     let inputs: Vec<Vec<u8>> = vec![
         junk(64),
         junk(4096),
-        u32::MAX.to_be_bytes().to_vec(),              // huge length prefix
+        u32::MAX.to_be_bytes().to_vec(), // huge length prefix
         [&8u32.to_be_bytes()[..], b"{\"ty"].concat(), // truncated body
         [&5u32.to_be_bytes()[..], b"hello"].concat(), // not JSON
         [&17u32.to_be_bytes()[..], b"{\"type\":\"pull\"} "].concat(), // missing fields
-        vec![0, 0],                                   // truncated prefix
+        vec![0, 0],                      // truncated prefix
     ];
     for bytes in inputs {
         // Before the handshake: refused, with a denial at most.
@@ -234,7 +309,11 @@ fn garbage_on_the_control_socket_closes_that_connection_only() {
     send_msg(&mut s, &Message::Bootstrap);
     assert_eq!(
         recv_msg(&mut s),
-        Message::BootstrapOk { engine_id: "p1".into(), layout: "test-layout".into(), block_bytes: BB as u64 }
+        Message::BootstrapOk {
+            engine_id: "p1".into(),
+            layout: "test-layout".into(),
+            block_bytes: BB as u64
+        }
     );
 }
 
@@ -270,13 +349,23 @@ fn idle_connections_on_both_kv_ports_do_not_break_a_transfer() {
     // its I/O bound, the transfer port within its unproven timeout).
     let deadline = Instant::now() + Duration::from_secs(60);
     for (i, c) in idle.iter_mut().enumerate() {
-        c.set_read_timeout(Some(deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(1)))).unwrap();
+        c.set_read_timeout(Some(
+            deadline
+                .saturating_duration_since(Instant::now())
+                .max(Duration::from_millis(1)),
+        ))
+        .unwrap();
         // A garbage sender hears a denial of its "handshake" first.
         let mut buf = [0u8; 128];
         let closed = loop {
             match c.read(&mut buf) {
                 Ok(0) => break true,
-                Err(e) => break !matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut),
+                Err(e) => {
+                    break !matches!(
+                        e.kind(),
+                        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                    )
+                }
                 Ok(_) => {}
             }
         };

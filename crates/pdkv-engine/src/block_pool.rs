@@ -69,7 +69,10 @@ impl BlockHash {
         let full = tokens.len() / BLOCK_SIZE;
         for i in hashes.len()..full {
             let parent = hashes.last().copied();
-            hashes.push(BlockHash::of_block(parent, &tokens[i * BLOCK_SIZE..(i + 1) * BLOCK_SIZE]));
+            hashes.push(BlockHash::of_block(
+                parent,
+                &tokens[i * BLOCK_SIZE..(i + 1) * BLOCK_SIZE],
+            ));
         }
     }
 }
@@ -161,8 +164,10 @@ impl BlockPool {
     }
 
     fn remove_free(&mut self, id: u32) {
-        let stamp =
-            self.blocks[id as usize].free_stamp.take().unwrap_or_else(|| panic!("block {id} is not in the free list"));
+        let stamp = self.blocks[id as usize]
+            .free_stamp
+            .take()
+            .unwrap_or_else(|| panic!("block {id} is not in the free list"));
         let removed = self.free.remove(&stamp);
         assert_eq!(removed, Some(id), "free list out of sync for block {id}");
     }
@@ -198,7 +203,9 @@ impl BlockPool {
 
     /// How many of `ids` are free now (they leave the free list when touched).
     pub fn count_free(&self, ids: &[u32]) -> usize {
-        ids.iter().filter(|&&id| self.blocks[id as usize].ref_cnt == 0).count()
+        ids.iter()
+            .filter(|&&id| self.blocks[id as usize].ref_cnt == 0)
+            .count()
     }
 
     /// Takes one more reference on each of `ids` (prefix-cache hits).
@@ -260,7 +267,11 @@ impl BlockPool {
         let meta = &self.blocks[id as usize];
         assert!(meta.ref_cnt > 0, "caching block {id} that nobody holds");
         if meta.hash.is_some() {
-            debug_assert_eq!(meta.hash, Some(hash), "block {id} re-cached with another hash");
+            debug_assert_eq!(
+                meta.hash,
+                Some(hash),
+                "block {id} re-cached with another hash"
+            );
             return;
         }
         if let std::collections::hash_map::Entry::Vacant(e) = self.cached.entry(hash) {
@@ -305,18 +316,34 @@ impl BlockPool {
             match meta.free_stamp {
                 Some(s) => {
                     assert_eq!(meta.ref_cnt, 0, "block {id} is listed free but referenced");
-                    assert_eq!(self.free.get(&s), Some(&(id as u32)), "block {id} stamp not in free list");
+                    assert_eq!(
+                        self.free.get(&s),
+                        Some(&(id as u32)),
+                        "block {id} stamp not in free list"
+                    );
                     free_count += 1;
                 }
                 None => assert!(meta.ref_cnt > 0, "block {id} is unreferenced but not free"),
             }
             if let Some(h) = meta.hash {
-                assert_eq!(self.cached.get(&h), Some(&(id as u32)), "block {id} hash missing from map");
+                assert_eq!(
+                    self.cached.get(&h),
+                    Some(&(id as u32)),
+                    "block {id} hash missing from map"
+                );
             }
         }
-        assert_eq!(free_count, self.free.len(), "free list holds unknown entries");
+        assert_eq!(
+            free_count,
+            self.free.len(),
+            "free list holds unknown entries"
+        );
         for (h, &id) in &self.cached {
-            assert_eq!(self.blocks[id as usize].hash, Some(*h), "map entry for block {id} is stale");
+            assert_eq!(
+                self.blocks[id as usize].hash,
+                Some(*h),
+                "map entry for block {id} is stale"
+            );
         }
         if !self.enable_caching {
             assert!(self.cached.is_empty());
@@ -414,7 +441,11 @@ mod tests {
         let mut q = seq.clone();
         q.push(1);
         let hit = p.get_computed_blocks(&q, &chain(&q));
-        assert_eq!(hit, vec![ids[0], ids[1]], "prefix survives, evicted tail misses");
+        assert_eq!(
+            hit,
+            vec![ids[0], ids[1]],
+            "prefix survives, evicted tail misses"
+        );
         p.free(&got);
         p.check_invariants();
     }
@@ -442,7 +473,9 @@ mod tests {
         p.free(&ids);
         assert!(p.reset_prefix_cache());
         assert_eq!(p.num_cached_blocks(), 0);
-        assert!(p.get_computed_blocks(&toks(0, 17), &chain(&toks(0, 17))).is_empty());
+        assert!(p
+            .get_computed_blocks(&toks(0, 17), &chain(&toks(0, 17)))
+            .is_empty());
         p.check_invariants();
     }
 

@@ -52,7 +52,8 @@ pub type Waker = Arc<dyn Fn() + Send + Sync>;
 
 /// Checks a request's `kv_transfer_params` on the caller's thread when it
 /// is added (an `Err` names the problem; the request is refused).
-pub type ParamsValidator = Arc<dyn Fn(Option<&KvTransferParams>) -> Result<(), String> + Send + Sync>;
+pub type ParamsValidator =
+    Arc<dyn Fn(Option<&KvTransferParams>) -> Result<(), String> + Send + Sync>;
 
 /// Reads a connector's counters from any thread: `(name, help, value)`
 /// triples, exported as Prometheus metrics `pdkv_kv_<name>`. Names ending
@@ -137,18 +138,30 @@ pub struct LoadError {
 impl LoadError {
     /// A failure the policy decides about.
     pub fn failed(message: impl Into<String>) -> LoadError {
-        LoadError { message: message.into(), recompute: false, timed_out: false }
+        LoadError {
+            message: message.into(),
+            recompute: false,
+            timed_out: false,
+        }
     }
 
     /// A deadline passed: a failure the policy decides about, which HTTP
     /// answers with 504.
     pub fn timed_out(message: impl Into<String>) -> LoadError {
-        LoadError { message: message.into(), recompute: false, timed_out: true }
+        LoadError {
+            message: message.into(),
+            recompute: false,
+            timed_out: true,
+        }
     }
 
     /// An end on purpose: the request recomputes.
     pub fn recompute(message: impl Into<String>) -> LoadError {
-        LoadError { message: message.into(), recompute: true, timed_out: false }
+        LoadError {
+            message: message.into(),
+            recompute: true,
+            timed_out: false,
+        }
     }
 }
 
@@ -222,7 +235,11 @@ pub trait KvConnector: Send {
     /// asynchronously. Never more than `prompt_tokens.len() - 1 -
     /// num_computed_tokens`: the last prompt token is always computed locally
     /// (its logits are needed).
-    fn get_num_new_matched_tokens(&mut self, req: ConnectorRequest<'_>, num_computed_tokens: usize) -> ExternalMatch;
+    fn get_num_new_matched_tokens(
+        &mut self,
+        req: ConnectorRequest<'_>,
+        num_computed_tokens: usize,
+    ) -> ExternalMatch;
 
     /// The request's blocks exist now: `block_ids` is its whole table, whose
     /// blocks `num_computed_tokens / block_size ..` receive the
@@ -294,12 +311,18 @@ pub trait KvConnector: Send {
     /// On `Err` the registrations are in place as before (a retry may
     /// succeed). Idempotent.
     fn release_kv_caches(&mut self, _timeout: Duration) -> anyhow::Result<()> {
-        anyhow::bail!("connector {} cannot release its KV cache registrations", self.name())
+        anyhow::bail!(
+            "connector {} cannot release its KV cache registrations",
+            self.name()
+        )
     }
 
     /// Registers the KV cache again (a new epoch) after it was mapped again.
     /// Idempotent.
     fn restore_kv_caches(&mut self) -> anyhow::Result<()> {
-        anyhow::bail!("connector {} cannot restore its KV cache registrations", self.name())
+        anyhow::bail!(
+            "connector {} cannot restore its KV cache registrations",
+            self.name()
+        )
     }
 }

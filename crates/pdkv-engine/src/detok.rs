@@ -41,7 +41,11 @@ impl IncrementalDetokenizer {
     /// Starts after `prompt`, whose last few tokens serve as context.
     pub fn new(prompt: &[u32]) -> IncrementalDetokenizer {
         let ctx = &prompt[prompt.len().saturating_sub(PROMPT_CONTEXT)..];
-        IncrementalDetokenizer { ids: ctx.to_vec(), prefix_offset: 0, read_offset: ctx.len() }
+        IncrementalDetokenizer {
+            ids: ctx.to_vec(),
+            prefix_offset: 0,
+            read_offset: ctx.len(),
+        }
     }
 
     /// Adds one token and returns the text it completes (possibly empty).
@@ -96,7 +100,13 @@ pub struct StopChecker {
 impl StopChecker {
     pub fn new(stops: Vec<String>) -> StopChecker {
         let max_stop_len = stops.iter().map(|s| s.len()).max().unwrap_or(0);
-        StopChecker { stops, max_stop_len, text: String::new(), emitted: 0, stopped: false }
+        StopChecker {
+            stops,
+            max_stop_len,
+            text: String::new(),
+            emitted: 0,
+            stopped: false,
+        }
     }
 
     /// The text kept so far (cut before a stop string once one matched).
@@ -123,11 +133,17 @@ impl StopChecker {
         // that began in held-back text.
         // Never before emitted text: with `push_unmatched` a stop string
         // may lie in text already handed out, and that text stays.
-        let mut from = before.saturating_sub(self.max_stop_len.saturating_sub(1)).max(self.emitted);
+        let mut from = before
+            .saturating_sub(self.max_stop_len.saturating_sub(1))
+            .max(self.emitted);
         while !self.text.is_char_boundary(from) {
             from -= 1;
         }
-        let earliest = self.stops.iter().filter_map(|s| self.text[from..].find(s.as_str()).map(|p| from + p)).min();
+        let earliest = self
+            .stops
+            .iter()
+            .filter_map(|s| self.text[from..].find(s.as_str()).map(|p| from + p))
+            .min();
         if let Some(pos) = earliest {
             self.text.truncate(pos);
             self.stopped = true;

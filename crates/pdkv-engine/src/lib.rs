@@ -34,14 +34,14 @@ pub mod sampling;
 pub mod scheduler;
 
 pub use crate::core::{
-    AddRequest, Command, CoreParts, Engine, EngineCore, EngineHandle, LifecycleReply, LifecycleUpdate, NoPublisher,
-    OutputSink, Publisher, Reply, RequestStream,
+    AddRequest, Command, CoreParts, Engine, EngineCore, EngineHandle, LifecycleReply,
+    LifecycleUpdate, NoPublisher, OutputSink, Publisher, Reply, RequestStream,
 };
-pub use clock::{Clock, SystemClock};
-pub use model::{CpuModelRunner, ModelRunner};
 pub use block_pool::{BlockHash, BlockPool};
+pub use clock::{Clock, SystemClock};
 pub use connector::{KvConnector, KvTransferParams, LoadError, LoadFailurePolicy};
 pub use lifecycle::{LifecycleError, LifecycleStatus, PauseMode, SleepLevel, WeightInfo};
+pub use model::{CpuModelRunner, ModelRunner};
 pub use scheduler::{ScheduledSeq, Scheduler, SchedulerConfig, SchedulerOutput};
 
 /// Engine limits.
@@ -215,7 +215,11 @@ pub enum AddRequestError {
     #[error(
         "prompt has {prompt} tokens plus max_tokens {max_tokens}, over the model's context of {max_model_len} tokens"
     )]
-    TooLong { prompt: usize, max_tokens: usize, max_model_len: usize },
+    TooLong {
+        prompt: usize,
+        max_tokens: usize,
+        max_model_len: usize,
+    },
     /// `needed` counts the blocks of the prompt plus `max_tokens - 1` outputs
     /// (the request at its longest must fit the cache alone).
     #[error("the request needs {needed} KV blocks at its longest (prompt plus max_tokens), more than the {total} the cache holds")]

@@ -147,10 +147,12 @@ pub enum LifecycleError {
 }
 
 /// Why requests are refused after a level-2 sleep until weights are reloaded.
-pub const WEIGHTS_DISCARDED: &str = "weights were discarded by sleep level 2; reload them with update_weights";
+pub const WEIGHTS_DISCARDED: &str =
+    "weights were discarded by sleep level 2; reload them with update_weights";
 
 /// The message of `release_kv_cache_memory` without a pause.
-pub const RELEASE_NEEDS_PAUSE: &str = "release_kv_cache_memory needs the engine paused first (POST /pause)";
+pub const RELEASE_NEEDS_PAUSE: &str =
+    "release_kv_cache_memory needs the engine paused first (POST /pause)";
 
 /// Identifies a command whose reply may be deferred (a `wait` pause or sleep).
 pub type Ticket = u64;
@@ -204,11 +206,19 @@ pub struct Outcome {
 
 impl Outcome {
     fn done(actions: Vec<Action>) -> Outcome {
-        Outcome { actions, reply: Some(Ok(())), is_sleep: false }
+        Outcome {
+            actions,
+            reply: Some(Ok(())),
+            is_sleep: false,
+        }
     }
 
     fn err(e: LifecycleError) -> Outcome {
-        Outcome { actions: Vec::new(), reply: Some(Err(e)), is_sleep: false }
+        Outcome {
+            actions: Vec::new(),
+            reply: Some(Err(e)),
+            is_sleep: false,
+        }
     }
 }
 
@@ -230,7 +240,9 @@ enum Origin {
 /// What a pending `wait` does once the engine is idle.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Then {
-    Pause { clear_cache: bool },
+    Pause {
+        clear_cache: bool,
+    },
     Sleep(SleepLevel),
     /// `release_kv_cache_memory`.
     ReleaseKv,
@@ -244,7 +256,10 @@ impl Then {
     fn resets_cache(self) -> bool {
         matches!(
             self,
-            Then::Pause { clear_cache: true } | Then::Sleep(SleepLevel::L1 | SleepLevel::L2) | Then::ReleaseKv | Then::UpdateWeights
+            Then::Pause { clear_cache: true }
+                | Then::Sleep(SleepLevel::L1 | SleepLevel::L2)
+                | Then::ReleaseKv
+                | Then::UpdateWeights
         )
     }
 
@@ -351,13 +366,25 @@ impl Machine {
     /// pause), else why it is refused.
     pub fn admission(&self) -> Result<(), String> {
         if let Some(level) = self.sleeping {
-            return Err(format!("the engine is asleep (sleep level {}); retry after /wake_up", level.as_u32()));
+            return Err(format!(
+                "the engine is asleep (sleep level {}); retry after /wake_up",
+                level.as_u32()
+            ));
         }
         // A sleep still releasing transfers refuses already: a request let in
         // now would meet the sleep in the queue.
-        if let Some(p) = self.pending.iter().find(|p| matches!(p.then, Then::Sleep(_))) {
-            let Then::Sleep(level) = p.then else { unreachable!() };
-            return Err(format!("the engine is going to sleep (sleep level {}); retry after /wake_up", level.as_u32()));
+        if let Some(p) = self
+            .pending
+            .iter()
+            .find(|p| matches!(p.then, Then::Sleep(_)))
+        {
+            let Then::Sleep(level) = p.then else {
+                unreachable!()
+            };
+            return Err(format!(
+                "the engine is going to sleep (sleep level {}); retry after /wake_up",
+                level.as_u32()
+            ));
         }
         // So is a weight update releasing transfers: it needs the engine idle.
         if self.pending.iter().any(|p| p.then == Then::UpdateWeights) {
@@ -367,9 +394,10 @@ impl Machine {
             return Err(WEIGHTS_DISCARDED.to_string());
         }
         match self.pause {
-            Some((mode @ (PauseMode::Abort | PauseMode::Wait), _)) => {
-                Err(format!("the engine is paused (mode {}); retry after /resume", mode.as_str()))
-            }
+            Some((mode @ (PauseMode::Abort | PauseMode::Wait), _)) => Err(format!(
+                "the engine is paused (mode {}); retry after /resume",
+                mode.as_str()
+            )),
             _ => Ok(()),
         }
     }
@@ -409,8 +437,17 @@ impl Machine {
     /// KV and wait for it (`ticket` and `deadline` of the operation).
     fn after_pause(&mut self, then: Then, ticket: Ticket, deadline: Instant) -> Outcome {
         if then.resets_cache() && self.transfers {
-            self.pending.push(Pending { ticket, deadline, then, releasing: true });
-            return Outcome { actions: vec![Action::ReleaseTransfers], reply: None, is_sleep: false };
+            self.pending.push(Pending {
+                ticket,
+                deadline,
+                then,
+                releasing: true,
+            });
+            return Outcome {
+                actions: vec![Action::ReleaseTransfers],
+                reply: None,
+                is_sleep: false,
+            };
         }
         self.reset(then, ticket)
     }
@@ -442,8 +479,22 @@ impl Machine {
     }
 
     /// Pause with `mode`. `live`: some request is waiting or running.
-    pub fn pause(&mut self, mode: PauseMode, clear_cache: bool, ticket: Ticket, deadline: Instant, live: bool) -> Outcome {
-        self.pause_then(mode, Origin::Explicit, Then::Pause { clear_cache }, ticket, deadline, live)
+    pub fn pause(
+        &mut self,
+        mode: PauseMode,
+        clear_cache: bool,
+        ticket: Ticket,
+        deadline: Instant,
+        live: bool,
+    ) -> Outcome {
+        self.pause_then(
+            mode,
+            Origin::Explicit,
+            Then::Pause { clear_cache },
+            ticket,
+            deadline,
+            live,
+        )
     }
 
     /// Enters a pause and runs `then` once it is complete: now, or when
@@ -464,8 +515,17 @@ impl Machine {
             out.actions = actions;
             out
         } else {
-            self.pending.push(Pending { ticket, deadline, then, releasing: false });
-            Outcome { actions, reply: None, is_sleep: false }
+            self.pending.push(Pending {
+                ticket,
+                deadline,
+                then,
+                releasing: false,
+            });
+            Outcome {
+                actions,
+                reply: None,
+                is_sleep: false,
+            }
         }
     }
 
@@ -477,7 +537,9 @@ impl Machine {
             .drain(..)
             .map(|p| Completion {
                 ticket: p.ticket,
-                outcome: Outcome::err(LifecycleError::Cancelled("a resume ended the pause first".into())),
+                outcome: Outcome::err(LifecycleError::Cancelled(
+                    "a resume ended the pause first".into(),
+                )),
             })
             .collect();
         let mut actions = Vec::new();
@@ -490,12 +552,30 @@ impl Machine {
 
     /// Pause with `mode`, then release memory per `level`. Sleeping again
     /// while asleep only re-applies the release of the deeper level.
-    pub fn sleep(&mut self, level: SleepLevel, mode: PauseMode, ticket: Ticket, deadline: Instant, live: bool) -> Outcome {
+    pub fn sleep(
+        &mut self,
+        level: SleepLevel,
+        mode: PauseMode,
+        ticket: Ticket,
+        deadline: Instant,
+        live: bool,
+    ) -> Outcome {
         if let Some(current) = self.sleeping {
-            let deeper = if level.as_u32() > current.as_u32() { level } else { current };
+            let deeper = if level.as_u32() > current.as_u32() {
+                level
+            } else {
+                current
+            };
             return self.release_for_sleep(deeper);
         }
-        self.pause_then(mode, Origin::Sleep, Then::Sleep(level), ticket, deadline, live)
+        self.pause_then(
+            mode,
+            Origin::Sleep,
+            Then::Sleep(level),
+            ticket,
+            deadline,
+            live,
+        )
     }
 
     /// The memory side of a sleep; the engine is paused and (for `wait`) idle.
@@ -537,7 +617,10 @@ impl Machine {
         for p in pending {
             if p.releasing {
                 if !self.transfers {
-                    out.push(Completion { ticket: p.ticket, outcome: self.reset(p.then, p.ticket) });
+                    out.push(Completion {
+                        ticket: p.ticket,
+                        outcome: self.reset(p.then, p.ticket),
+                    });
                 } else if now >= p.deadline {
                     out.push(Completion {
                         ticket: p.ticket,
@@ -558,7 +641,10 @@ impl Machine {
                 self.pending.append(&mut keep);
                 let outcome = self.after_pause(p.then, p.ticket, p.deadline);
                 keep = std::mem::take(&mut self.pending);
-                out.push(Completion { ticket: p.ticket, outcome });
+                out.push(Completion {
+                    ticket: p.ticket,
+                    outcome,
+                });
             } else if now >= p.deadline {
                 let what = p.then.name();
                 out.push(Completion {
@@ -610,7 +696,8 @@ impl Machine {
         }
         if !self.pending.is_empty() {
             return Outcome::err(LifecycleError::Conflict(
-                "release_kv_cache_memory needs a completed pause; requests are still finishing".into(),
+                "release_kv_cache_memory needs a completed pause; requests are still finishing"
+                    .into(),
             ));
         }
         self.after_pause(Then::ReleaseKv, ticket, deadline)
@@ -621,7 +708,10 @@ impl Machine {
     /// reads the system clock.
     #[cfg(test)]
     pub fn release_kv(&mut self) -> Outcome {
-        debug_assert!(!self.transfers, "an engine with transfers uses release_kv_with");
+        debug_assert!(
+            !self.transfers,
+            "an engine with transfers uses release_kv_with"
+        );
         self.release_kv_with(0, Instant::now())
     }
 
@@ -638,7 +728,8 @@ impl Machine {
         let frozen = matches!(self.pause, Some((PauseMode::Keep, _)));
         if live && !frozen {
             return Err(LifecycleError::Conflict(
-                "update_weights needs the engine idle or paused (POST /pause): requests are live".into(),
+                "update_weights needs the engine idle or paused (POST /pause): requests are live"
+                    .into(),
             ));
         }
         Ok(())
@@ -687,7 +778,10 @@ mod tests {
     fn pause_modes_decide_admission_and_steps() {
         let mut m = Machine::new();
         assert!(m.may_step() && m.admission().is_ok());
-        assert_eq!(m.pause(PauseMode::Abort, false, 1, later(), true), ok(vec![Action::AbortAll]));
+        assert_eq!(
+            m.pause(PauseMode::Abort, false, 1, later(), true),
+            ok(vec![Action::AbortAll])
+        );
         assert!(!m.may_step());
         assert!(m.admission().unwrap_err().contains("paused (mode abort)"));
         m.resume();
@@ -711,15 +805,34 @@ mod tests {
         assert!(m.admission().is_err());
         assert!(m.poll(true, Instant::now()).is_empty());
         let done = m.poll(false, Instant::now());
-        assert_eq!(done, vec![Completion { ticket: 7, outcome: ok(vec![Action::ForgetFreeCachedBlocks]) }]);
+        assert_eq!(
+            done,
+            vec![Completion {
+                ticket: 7,
+                outcome: ok(vec![Action::ForgetFreeCachedBlocks])
+            }]
+        );
         m.resume();
 
         let t0 = Instant::now();
-        m.pause(PauseMode::Wait, false, 8, t0 + Duration::from_millis(5), true);
+        m.pause(
+            PauseMode::Wait,
+            false,
+            8,
+            t0 + Duration::from_millis(5),
+            true,
+        );
         let done = m.poll(true, t0 + Duration::from_millis(6));
         assert_eq!(done.len(), 1);
-        assert!(matches!(done[0].outcome.reply, Some(Err(LifecycleError::Timeout(_)))));
-        assert_eq!(m.status().paused, Some(PauseMode::Wait), "the pause stays after a timeout");
+        assert!(matches!(
+            done[0].outcome.reply,
+            Some(Err(LifecycleError::Timeout(_)))
+        ));
+        assert_eq!(
+            m.status().paused,
+            Some(PauseMode::Wait),
+            "the pause stays after a timeout"
+        );
     }
 
     #[test]
@@ -729,9 +842,16 @@ mod tests {
         let (out, cancelled) = m.resume();
         assert_eq!(out, ok(vec![]));
         assert_eq!(cancelled.len(), 1);
-        assert!(matches!(cancelled[0].outcome.reply, Some(Err(LifecycleError::Cancelled(_)))));
+        assert!(matches!(
+            cancelled[0].outcome.reply,
+            Some(Err(LifecycleError::Cancelled(_)))
+        ));
         assert!(m.poll(false, Instant::now()).is_empty());
-        assert_eq!(m.status().sleeping, None, "a cancelled sleep releases nothing");
+        assert_eq!(
+            m.status().sleeping,
+            None,
+            "a cancelled sleep releases nothing"
+        );
     }
 
     #[test]
@@ -751,19 +871,40 @@ mod tests {
         assert!(out.is_sleep);
         assert!(!m.may_step() && m.admission().unwrap_err().contains("asleep"));
         // Idempotent: sleeping again re-applies the same (idempotent) release.
-        assert_eq!(m.sleep(SleepLevel::L1, PauseMode::Abort, 2, later(), false).actions, out.actions);
-        assert_eq!(m.wake(None), ok(vec![Action::Wake(vec![Tag::Weights, Tag::KvCache, Tag::Runtime])]));
-        assert!(m.may_step() && m.admission().is_ok(), "the final wake ends the sleep's pause");
+        assert_eq!(
+            m.sleep(SleepLevel::L1, PauseMode::Abort, 2, later(), false)
+                .actions,
+            out.actions
+        );
+        assert_eq!(
+            m.wake(None),
+            ok(vec![Action::Wake(vec![
+                Tag::Weights,
+                Tag::KvCache,
+                Tag::Runtime
+            ])])
+        );
+        assert!(
+            m.may_step() && m.admission().is_ok(),
+            "the final wake ends the sleep's pause"
+        );
         assert_eq!(m.status(), Machine::new().status());
 
         let out = m.sleep(SleepLevel::L2, PauseMode::Abort, 3, later(), false);
         assert_eq!(out.actions[0], Action::AbortAll);
-        assert!(out.actions.contains(&Action::Discard(vec![Tag::Weights, Tag::KvCache, Tag::Runtime])));
+        assert!(out.actions.contains(&Action::Discard(vec![
+            Tag::Weights,
+            Tag::KvCache,
+            Tag::Runtime
+        ])));
         m.wake(None);
         assert!(!m.may_step());
         assert_eq!(m.admission().unwrap_err(), WEIGHTS_DISCARDED);
         assert!(m.check_update_weights(false).is_ok());
-        assert_eq!(m.weights_written(true), vec![Action::PreemptRunning, Action::InvalidatePrefixCache]);
+        assert_eq!(
+            m.weights_written(true),
+            vec![Action::PreemptRunning, Action::InvalidatePrefixCache]
+        );
         assert!(m.may_step() && m.admission().is_ok());
 
         let out = m.sleep(SleepLevel::L0, PauseMode::Abort, 4, later(), false);
@@ -778,7 +919,10 @@ mod tests {
         for order in [[Tag::Weights, Tag::KvCache], [Tag::KvCache, Tag::Weights]] {
             let mut m = Machine::new();
             m.sleep(SleepLevel::L1, PauseMode::Abort, 1, later(), false);
-            assert_eq!(m.wake(Some(&order[..1])), ok(vec![Action::Wake(vec![order[0], Tag::Runtime])]));
+            assert_eq!(
+                m.wake(Some(&order[..1])),
+                ok(vec![Action::Wake(vec![order[0], Tag::Runtime])])
+            );
             assert!(!m.may_step() && m.admission().is_err());
             assert_eq!(m.status().asleep_tags, vec![order[1]]);
             m.wake(Some(&order[1..]));
@@ -809,7 +953,10 @@ mod tests {
     fn release_kv_needs_a_pause_and_resume_maps_it_again() {
         let mut m = Machine::new();
         let out = m.release_kv();
-        assert_eq!(out.reply, Some(Err(LifecycleError::Conflict(RELEASE_NEEDS_PAUSE.into()))));
+        assert_eq!(
+            out.reply,
+            Some(Err(LifecycleError::Conflict(RELEASE_NEEDS_PAUSE.into())))
+        );
         m.pause(PauseMode::Keep, false, 1, later(), true);
         assert_eq!(
             m.release_kv(),
@@ -822,7 +969,10 @@ mod tests {
         );
         assert!(m.admission().is_ok(), "keep still queues");
         let (out, _) = m.resume();
-        assert_eq!(out, ok(vec![Action::Wake(vec![Tag::KvCache, Tag::Runtime])]));
+        assert_eq!(
+            out,
+            ok(vec![Action::Wake(vec![Tag::KvCache, Tag::Runtime])])
+        );
         assert!(m.may_step());
     }
 
@@ -832,7 +982,11 @@ mod tests {
             assert_eq!(PauseMode::parse(m.as_str()), Some(m));
         }
         assert_eq!(PauseMode::parse("freeze"), None);
-        for (n, l) in [(0, SleepLevel::L0), (1, SleepLevel::L1), (2, SleepLevel::L2)] {
+        for (n, l) in [
+            (0, SleepLevel::L0),
+            (1, SleepLevel::L1),
+            (2, SleepLevel::L2),
+        ] {
             assert_eq!(SleepLevel::parse(n), Some(l));
             assert_eq!(l.as_u32(), n);
         }
@@ -849,8 +1003,18 @@ mod tests {
         m.sleep(SleepLevel::L1, PauseMode::Abort, 1, later(), false);
         // L2 while at L1: the weights are discarded too.
         let out = m.sleep(SleepLevel::L2, PauseMode::Abort, 2, later(), false);
-        assert!(out.actions.contains(&Action::Discard(vec![Tag::Weights, Tag::KvCache, Tag::Runtime])), "{out:?}");
-        assert_eq!((m.status().sleeping, m.status().weights_discarded), (Some(SleepLevel::L2), true));
+        assert!(
+            out.actions.contains(&Action::Discard(vec![
+                Tag::Weights,
+                Tag::KvCache,
+                Tag::Runtime
+            ])),
+            "{out:?}"
+        );
+        assert_eq!(
+            (m.status().sleeping, m.status().weights_discarded),
+            (Some(SleepLevel::L2), true)
+        );
         // L1 while at L2 stays at L2.
         m.sleep(SleepLevel::L1, PauseMode::Abort, 3, later(), false);
         assert_eq!(m.status().sleeping, Some(SleepLevel::L2));
@@ -867,7 +1031,13 @@ mod tests {
         assert_eq!((m.next_deadline(), m.has_pending()), (None, false));
         let t0 = Instant::now();
         m.pause(PauseMode::Wait, false, 1, t0 + Duration::from_secs(9), true);
-        m.sleep(SleepLevel::L1, PauseMode::Wait, 2, t0 + Duration::from_secs(3), true);
+        m.sleep(
+            SleepLevel::L1,
+            PauseMode::Wait,
+            2,
+            t0 + Duration::from_secs(3),
+            true,
+        );
         assert!(m.has_pending());
         assert_eq!(m.next_deadline(), Some(t0 + Duration::from_secs(3)));
     }
@@ -884,29 +1054,54 @@ mod tests {
         let mut m = Machine::new();
         m.set_transfers(true);
         let out = m.sleep(SleepLevel::L1, PauseMode::Keep, 1, later(), true);
-        assert_eq!((out.actions, out.reply), (vec![Action::ReleaseTransfers], None));
-        assert_eq!(m.status().sleeping, None, "nothing is released before the transfers gave their blocks back");
-        assert!(m.admission().is_err(), "a sleep on its way refuses new requests, even in keep mode");
+        assert_eq!(
+            (out.actions, out.reply),
+            (vec![Action::ReleaseTransfers], None)
+        );
+        assert_eq!(
+            m.status().sleeping,
+            None,
+            "nothing is released before the transfers gave their blocks back"
+        );
+        assert!(
+            m.admission().is_err(),
+            "a sleep on its way refuses new requests, even in keep mode"
+        );
         assert!(m.poll(true, Instant::now()).is_empty());
         m.set_transfers(false);
         let done = m.poll(true, Instant::now());
         assert_eq!(done.len(), 1);
-        assert_eq!((done[0].ticket, &done[0].outcome.actions), (1, &sleep_actions));
+        assert_eq!(
+            (done[0].ticket, &done[0].outcome.actions),
+            (1, &sleep_actions)
+        );
         assert_eq!(done[0].outcome.reply, Some(Ok(())));
         assert_eq!(m.status().sleeping, Some(SleepLevel::L1));
 
         // A pause that keeps the cache does not wait for transfers.
         let mut m = Machine::new();
         m.set_transfers(true);
-        assert_eq!(m.pause(PauseMode::Keep, false, 1, later(), true), ok(vec![]));
+        assert_eq!(
+            m.pause(PauseMode::Keep, false, 1, later(), true),
+            ok(vec![])
+        );
         // One that clears it does, and so does release_kv_cache_memory.
         let out = m.pause(PauseMode::Keep, true, 2, later(), true);
-        assert_eq!((out.actions, out.reply), (vec![Action::ReleaseTransfers], None));
+        assert_eq!(
+            (out.actions, out.reply),
+            (vec![Action::ReleaseTransfers], None)
+        );
         m.set_transfers(false);
-        assert_eq!(m.poll(false, Instant::now())[0].outcome, ok(vec![Action::ForgetFreeCachedBlocks]));
+        assert_eq!(
+            m.poll(false, Instant::now())[0].outcome,
+            ok(vec![Action::ForgetFreeCachedBlocks])
+        );
         m.set_transfers(true);
         let out = m.release_kv_with(3, later());
-        assert_eq!((out.actions, out.reply), (vec![Action::ReleaseTransfers], None));
+        assert_eq!(
+            (out.actions, out.reply),
+            (vec![Action::ReleaseTransfers], None)
+        );
         m.set_transfers(false);
         let done = m.poll(false, Instant::now());
         assert_eq!(
@@ -925,11 +1120,23 @@ mod tests {
         let mut m = Machine::new();
         m.set_transfers(true);
         let t0 = Instant::now();
-        m.sleep(SleepLevel::L2, PauseMode::Abort, 1, t0 + Duration::from_millis(5), false);
+        m.sleep(
+            SleepLevel::L2,
+            PauseMode::Abort,
+            1,
+            t0 + Duration::from_millis(5),
+            false,
+        );
         assert!(m.poll(false, t0 + Duration::from_millis(1)).is_empty());
         let done = m.poll(false, t0 + Duration::from_millis(6));
-        assert!(matches!(done[0].outcome.reply, Some(Err(LifecycleError::Timeout(_)))), "{done:?}");
-        assert!(done[0].outcome.actions.is_empty(), "nothing is discarded while transfers hold blocks");
+        assert!(
+            matches!(done[0].outcome.reply, Some(Err(LifecycleError::Timeout(_)))),
+            "{done:?}"
+        );
+        assert!(
+            done[0].outcome.actions.is_empty(),
+            "nothing is discarded while transfers hold blocks"
+        );
         assert_eq!(m.status().sleeping, None);
         assert!(!m.may_step(), "the pause stays");
 
@@ -939,7 +1146,10 @@ mod tests {
         let (out, cancelled) = m.resume();
         assert_eq!(out, ok(vec![]));
         assert_eq!(cancelled.len(), 1);
-        assert!(matches!(cancelled[0].outcome.reply, Some(Err(LifecycleError::Cancelled(_)))));
+        assert!(matches!(
+            cancelled[0].outcome.reply,
+            Some(Err(LifecycleError::Cancelled(_)))
+        ));
         assert!(m.may_step());
     }
 
@@ -947,9 +1157,15 @@ mod tests {
     fn weight_updates_need_mapped_weights_and_no_running_requests() {
         let mut m = Machine::new();
         assert!(m.check_update_weights(false).is_ok());
-        assert!(matches!(m.check_update_weights(true), Err(LifecycleError::Conflict(_))));
+        assert!(matches!(
+            m.check_update_weights(true),
+            Err(LifecycleError::Conflict(_))
+        ));
         m.pause(PauseMode::Keep, false, 1, later(), true);
-        assert!(m.check_update_weights(true).is_ok(), "frozen requests recompute");
+        assert!(
+            m.check_update_weights(true).is_ok(),
+            "frozen requests recompute"
+        );
         m.resume();
         m.sleep(SleepLevel::L1, PauseMode::Abort, 2, later(), false);
         let e = m.check_update_weights(false).unwrap_err();
@@ -957,7 +1173,10 @@ mod tests {
         m.wake(Some(&[Tag::Weights]));
         assert!(m.check_update_weights(false).is_ok());
         m.weights_written(false);
-        assert!(m.status().weights_discarded, "a partial write leaves unusable weights");
+        assert!(
+            m.status().weights_discarded,
+            "a partial write leaves unusable weights"
+        );
     }
 
     #[test]
@@ -974,7 +1193,11 @@ mod tests {
         assert_eq!(m.status().paused, Some(PauseMode::Keep), "the pause stays");
         assert!(m.admission().is_ok(), "keep still queues");
         // A retry goes through the same way.
-        assert_eq!(m.sleep(SleepLevel::L1, PauseMode::Keep, 3, later(), true).actions, out.actions);
+        assert_eq!(
+            m.sleep(SleepLevel::L1, PauseMode::Keep, 3, later(), true)
+                .actions,
+            out.actions
+        );
 
         // A wake whose registration restore failed: still asleep, and the
         // next wake does the work again (not a no-op).
@@ -986,7 +1209,11 @@ mod tests {
         assert!(!m.may_step());
         assert_eq!(m.wake(None), woke, "the retry wakes the same tags");
         assert!(m.status().asleep_tags.is_empty());
-        assert_eq!(m.snapshot(), before, "after the wake: paused (keep) as before the sleep");
+        assert_eq!(
+            m.snapshot(),
+            before,
+            "after the wake: paused (keep) as before the sleep"
+        );
     }
 
     #[test]
@@ -994,32 +1221,59 @@ mod tests {
         let t0 = Instant::now();
         // Idle, no transfers: at once.
         let mut m = Machine::new();
-        assert_eq!(m.update_weights(1, later(), false), ok(vec![Action::ReloadWeights(1)]));
-        assert!(matches!(m.update_weights(2, later(), true).reply, Some(Err(LifecycleError::Conflict(_)))));
+        assert_eq!(
+            m.update_weights(1, later(), false),
+            ok(vec![Action::ReloadWeights(1)])
+        );
+        assert!(matches!(
+            m.update_weights(2, later(), true).reply,
+            Some(Err(LifecycleError::Conflict(_)))
+        ));
         // Transfers hold KV: released first, requests refused meanwhile,
         // then the reload.
         m.set_transfers(true);
         let out = m.update_weights(3, t0 + Duration::from_secs(5), false);
-        assert_eq!((out.actions, out.reply), (vec![Action::ReleaseTransfers], None));
+        assert_eq!(
+            (out.actions, out.reply),
+            (vec![Action::ReleaseTransfers], None)
+        );
         assert!(m.admission().unwrap_err().contains("updating its weights"));
-        assert!(matches!(m.update_weights(4, later(), false).reply, Some(Err(LifecycleError::Conflict(_)))));
+        assert!(matches!(
+            m.update_weights(4, later(), false).reply,
+            Some(Err(LifecycleError::Conflict(_)))
+        ));
         assert!(m.poll(false, t0).is_empty());
         m.set_transfers(false);
         let done = m.poll(false, t0);
-        assert_eq!(done, vec![Completion { ticket: 3, outcome: ok(vec![Action::ReloadWeights(3)]) }]);
+        assert_eq!(
+            done,
+            vec![Completion {
+                ticket: 3,
+                outcome: ok(vec![Action::ReloadWeights(3)])
+            }]
+        );
         assert!(m.admission().is_ok());
         // Bounded, and a resume cancels it.
         m.set_transfers(true);
         m.update_weights(5, t0 + Duration::from_secs(5), false);
         let done = m.poll(false, t0 + Duration::from_secs(5));
-        assert!(matches!(done[0].outcome.reply, Some(Err(LifecycleError::Timeout(_)))), "{done:?}");
+        assert!(
+            matches!(done[0].outcome.reply, Some(Err(LifecycleError::Timeout(_)))),
+            "{done:?}"
+        );
         m.update_weights(6, later(), false);
         let (_, cancelled) = m.resume();
-        assert!(matches!(cancelled[0].outcome.reply, Some(Err(LifecycleError::Cancelled(_)))));
+        assert!(matches!(
+            cancelled[0].outcome.reply,
+            Some(Err(LifecycleError::Cancelled(_)))
+        ));
         assert!(m.admission().is_ok());
         // Frozen by a keep pause: allowed with live requests.
         let mut m = Machine::new();
         m.pause(PauseMode::Keep, false, 1, later(), true);
-        assert_eq!(m.update_weights(7, later(), true), ok(vec![Action::ReloadWeights(7)]));
+        assert_eq!(
+            m.update_weights(7, later(), true),
+            ok(vec![Action::ReloadWeights(7)])
+        );
     }
 }

@@ -67,7 +67,8 @@ impl CpuModelRunner {
     ) -> anyhow::Result<CpuModelRunner> {
         let config = model.config();
         let kv = KvCache::new(pool, config, num_kv_blocks).context("allocating the KV cache")?;
-        let ws = Workspace::new(pool, config, max_num_batched_tokens).context("allocating the runtime workspace")?;
+        let ws = Workspace::new(pool, config, max_num_batched_tokens)
+            .context("allocating the runtime workspace")?;
         Ok(CpuModelRunner { model, kv, ws })
     }
 }
@@ -76,10 +77,16 @@ impl ModelRunner for CpuModelRunner {
     fn forward(&mut self, seqs: &[ScheduledSeq], logits: &mut Vec<f32>) -> anyhow::Result<()> {
         let inputs: Vec<SeqInput<'_>> = seqs
             .iter()
-            .map(|s| SeqInput { tokens: &s.tokens, start_pos: s.start_pos, block_table: &s.block_table, want_logits: s.sample })
+            .map(|s| SeqInput {
+                tokens: &s.tokens,
+                start_pos: s.start_pos,
+                block_table: &s.block_table,
+                want_logits: s.sample,
+            })
             .collect();
         let every_row: Vec<bool> = seqs.iter().map(|s| s.all_logits).collect();
-        self.model.forward_with_rows(&self.kv, &mut self.ws, &inputs, &every_row, logits)
+        self.model
+            .forward_with_rows(&self.kv, &mut self.ws, &inputs, &every_row, logits)
     }
 
     fn vocab_size(&self) -> usize {

@@ -42,7 +42,12 @@ pub struct SamplingConfig {
 
 impl SamplingConfig {
     pub fn from_params(p: &SamplingParams, seed: u64) -> SamplingConfig {
-        SamplingConfig { temperature: p.temperature, top_p: p.top_p, top_k: p.top_k, seed }
+        SamplingConfig {
+            temperature: p.temperature,
+            top_p: p.top_p,
+            top_k: p.top_k,
+            seed,
+        }
     }
 
     pub fn is_greedy(&self) -> bool {
@@ -77,7 +82,11 @@ pub fn sample(logits: &[f32], cfg: &SamplingConfig, index: u64) -> u32 {
     }
     let inv_t = 1.0 / cfg.temperature as f64;
     let vocab = logits.len();
-    let top_k = if cfg.top_k == 0 { vocab } else { (cfg.top_k as usize).min(vocab) };
+    let top_k = if cfg.top_k == 0 {
+        vocab
+    } else {
+        (cfg.top_k as usize).min(vocab)
+    };
     let top_p = cfg.top_p as f64;
 
     // Candidates in the fixed order: logit descending, id ascending. Sorting
@@ -86,7 +95,9 @@ pub fn sample(logits: &[f32], cfg: &SamplingConfig, index: u64) -> u32 {
         let (va, vb) = (logits[*a as usize], logits[*b as usize]);
         vb.total_cmp(&va).then(a.cmp(b))
     };
-    let mut ids: Vec<u32> = (0..vocab as u32).filter(|&i| !logits[i as usize].is_nan()).collect();
+    let mut ids: Vec<u32> = (0..vocab as u32)
+        .filter(|&i| !logits[i as usize].is_nan())
+        .collect();
     if ids.is_empty() {
         return 0;
     }
@@ -97,11 +108,17 @@ pub fn sample(logits: &[f32], cfg: &SamplingConfig, index: u64) -> u32 {
     } else if top_p < 1.0 {
         ids.sort_unstable_by(key);
     }
-    let max = ids.iter().map(|&i| logits[i as usize]).fold(f32::NEG_INFINITY, f32::max) as f64;
+    let max = ids
+        .iter()
+        .map(|&i| logits[i as usize])
+        .fold(f32::NEG_INFINITY, f32::max) as f64;
     if max == f64::NEG_INFINITY {
         return argmax(logits);
     }
-    let mut probs: Vec<f64> = ids.iter().map(|&i| ((logits[i as usize] as f64 - max) * inv_t).exp()).collect();
+    let mut probs: Vec<f64> = ids
+        .iter()
+        .map(|&i| ((logits[i as usize] as f64 - max) * inv_t).exp())
+        .collect();
     let total: f64 = probs.iter().sum();
     // Top-p: the smallest prefix (in sorted order) with mass >= top_p.
     let mut keep = probs.len();
@@ -158,7 +175,11 @@ impl LogitsAdjust {
     pub fn from_params(p: &SamplingParams, stop_token_ids: &[u32]) -> LogitsAdjust {
         LogitsAdjust {
             min_tokens: p.min_tokens as usize,
-            stop_token_ids: if p.min_tokens > 0 { stop_token_ids.to_vec() } else { Vec::new() },
+            stop_token_ids: if p.min_tokens > 0 {
+                stop_token_ids.to_vec()
+            } else {
+                Vec::new()
+            },
             logit_bias: p.logit_bias.clone(),
             repetition_penalty: p.repetition_penalty,
             presence_penalty: p.presence_penalty,
@@ -173,7 +194,9 @@ impl LogitsAdjust {
 
     /// Whether the penalties need the tokens seen so far.
     pub fn uses_history(&self) -> bool {
-        self.repetition_penalty != 1.0 || self.presence_penalty != 0.0 || self.frequency_penalty != 0.0
+        self.repetition_penalty != 1.0
+            || self.presence_penalty != 0.0
+            || self.frequency_penalty != 0.0
     }
 
     /// Applies the adjustments to `logits`, the row for the output token
@@ -194,7 +217,12 @@ impl LogitsAdjust {
         if self.repetition_penalty != 1.0 {
             let r = self.repetition_penalty;
             // A token in both the prompt and the output is penalised once.
-            let mut seen: Vec<u32> = history.prompt.iter().chain(history.output.keys()).copied().collect();
+            let mut seen: Vec<u32> = history
+                .prompt
+                .iter()
+                .chain(history.output.keys())
+                .copied()
+                .collect();
             seen.sort_unstable();
             seen.dedup();
             for t in seen {
@@ -228,10 +256,18 @@ impl TokenHistory {
     /// `keep_prompt`: remember the prompt's tokens (the repetition penalty
     /// covers them; the other penalties count outputs only).
     pub fn new(prompt: &[u32], keep_prompt: bool) -> TokenHistory {
-        let mut p = if keep_prompt { prompt.to_vec() } else { Vec::new() };
+        let mut p = if keep_prompt {
+            prompt.to_vec()
+        } else {
+            Vec::new()
+        };
         p.sort_unstable();
         p.dedup();
-        TokenHistory { prompt: p, output: BTreeMap::new(), num_outputs: 0 }
+        TokenHistory {
+            prompt: p,
+            output: BTreeMap::new(),
+            num_outputs: 0,
+        }
     }
 
     /// Records a sampled output token.
@@ -265,8 +301,17 @@ pub struct TokenLogprobs {
 /// `exp(x - max)`), so a row gives the same values wherever it was computed;
 /// NaN entries count as excluded (`-inf`).
 pub fn logprobs(logits: &[f32], token: u32, k: usize) -> TokenLogprobs {
-    let val = |v: f32| if v.is_nan() { f64::NEG_INFINITY } else { v as f64 };
-    let max = logits.iter().map(|&v| val(v)).fold(f64::NEG_INFINITY, f64::max);
+    let val = |v: f32| {
+        if v.is_nan() {
+            f64::NEG_INFINITY
+        } else {
+            v as f64
+        }
+    };
+    let max = logits
+        .iter()
+        .map(|&v| val(v))
+        .fold(f64::NEG_INFINITY, f64::max);
     let lse = if max == f64::NEG_INFINITY {
         0.0
     } else {
@@ -274,21 +319,36 @@ pub fn logprobs(logits: &[f32], token: u32, k: usize) -> TokenLogprobs {
         max + sum.ln()
     };
     let lp = |v: f32| val(v) - lse;
-    let mine = logits.get(token as usize).copied().map_or(f64::NEG_INFINITY, lp);
+    let mine = logits
+        .get(token as usize)
+        .copied()
+        .map_or(f64::NEG_INFINITY, lp);
     let rank = 1 + logits.iter().filter(|&&v| lp(v) > mine).count() as u32;
     let mut top = Vec::new();
     let k = k.min(logits.len());
     if k > 0 {
-        let key = |a: &u32, b: &u32| val(logits[*b as usize]).total_cmp(&val(logits[*a as usize])).then(a.cmp(b));
+        let key = |a: &u32, b: &u32| {
+            val(logits[*b as usize])
+                .total_cmp(&val(logits[*a as usize]))
+                .then(a.cmp(b))
+        };
         let mut ids: Vec<u32> = (0..logits.len() as u32).collect();
         if k < ids.len() {
             ids.select_nth_unstable_by(k - 1, key);
             ids.truncate(k);
         }
         ids.sort_unstable_by(key);
-        top = ids.into_iter().map(|i| (i, lp(logits[i as usize]))).collect();
+        top = ids
+            .into_iter()
+            .map(|i| (i, lp(logits[i as usize])))
+            .collect();
     }
-    TokenLogprobs { token, logprob: mine, rank, top }
+    TokenLogprobs {
+        token,
+        logprob: mine,
+        rank,
+        top,
+    }
 }
 
 #[cfg(test)]
@@ -296,7 +356,12 @@ mod tests {
     use super::*;
 
     fn cfg(temperature: f32, top_p: f32, top_k: u32, seed: u64) -> SamplingConfig {
-        SamplingConfig { temperature, top_p, top_k, seed }
+        SamplingConfig {
+            temperature,
+            top_p,
+            top_k,
+            seed,
+        }
     }
 
     #[test]
@@ -347,16 +412,24 @@ mod tests {
             assert!((got - want).abs() < 0.01, "frequency {got} vs {want}");
         }
         // Low temperature sharpens towards the argmax.
-        let sharp = (0..1000).filter(|&i| sample(&logits, &cfg(0.05, 1.0, 0, 5), i) == 2).count();
+        let sharp = (0..1000)
+            .filter(|&i| sample(&logits, &cfg(0.05, 1.0, 0, 5), i) == 2)
+            .count();
         assert!(sharp > 990);
     }
 
     #[test]
     fn same_seed_same_tokens() {
         let logits: Vec<f32> = (0..100).map(|i| ((i * 37) % 11) as f32 * 0.3).collect();
-        let a: Vec<u32> = (0..50).map(|i| sample(&logits, &cfg(0.9, 0.95, 40, 77), i)).collect();
-        let b: Vec<u32> = (0..50).map(|i| sample(&logits, &cfg(0.9, 0.95, 40, 77), i)).collect();
-        let c: Vec<u32> = (0..50).map(|i| sample(&logits, &cfg(0.9, 0.95, 40, 78), i)).collect();
+        let a: Vec<u32> = (0..50)
+            .map(|i| sample(&logits, &cfg(0.9, 0.95, 40, 77), i))
+            .collect();
+        let b: Vec<u32> = (0..50)
+            .map(|i| sample(&logits, &cfg(0.9, 0.95, 40, 77), i))
+            .collect();
+        let c: Vec<u32> = (0..50)
+            .map(|i| sample(&logits, &cfg(0.9, 0.95, 40, 78), i))
+            .collect();
         assert_eq!(a, b);
         assert_ne!(a, c);
     }
@@ -376,68 +449,133 @@ mod tests {
     }
 
     fn off() -> LogitsAdjust {
-        LogitsAdjust { repetition_penalty: 1.0, ..Default::default() }
+        LogitsAdjust {
+            repetition_penalty: 1.0,
+            ..Default::default()
+        }
     }
 
     #[test]
     fn min_tokens_masks_stop_tokens_until_reached() {
-        let adj = LogitsAdjust { min_tokens: 2, stop_token_ids: vec![0, 3], ..off() };
+        let adj = LogitsAdjust {
+            min_tokens: 2,
+            stop_token_ids: vec![0, 3],
+            ..off()
+        };
         let logits = [9.0f32, 1.0, 2.0, 8.0];
         let greedy = cfg(0.0, 1.0, 0, 0);
         let row = adjusted(&adj, &logits, &history(&[1], &[]));
         assert_eq!(row, [f32::NEG_INFINITY, 1.0, 2.0, f32::NEG_INFINITY]);
-        assert_eq!(sample(&row, &greedy, 0), 2, "EOS (0) and the stop id (3) are masked");
-        assert_eq!(sample(&adjusted(&adj, &logits, &history(&[1], &[2])), &greedy, 1), 2);
+        assert_eq!(
+            sample(&row, &greedy, 0),
+            2,
+            "EOS (0) and the stop id (3) are masked"
+        );
+        assert_eq!(
+            sample(&adjusted(&adj, &logits, &history(&[1], &[2])), &greedy, 1),
+            2
+        );
         // Two outputs exist: the stop tokens may end the request now.
-        assert_eq!(sample(&adjusted(&adj, &logits, &history(&[1], &[2, 2])), &greedy, 2), 0);
+        assert_eq!(
+            sample(
+                &adjusted(&adj, &logits, &history(&[1], &[2, 2])),
+                &greedy,
+                2
+            ),
+            0
+        );
         assert!(adj.is_active() && !off().is_active());
     }
 
     #[test]
     fn logit_bias_adds_to_the_logit() {
-        let adj = LogitsAdjust { logit_bias: vec![(1, 100.0), (2, -100.0)], ..off() };
+        let adj = LogitsAdjust {
+            logit_bias: vec![(1, 100.0), (2, -100.0)],
+            ..off()
+        };
         let row = adjusted(&adj, &[5.0, 0.0, 4.0], &history(&[], &[]));
         assert_eq!(row, [5.0, 100.0, -96.0]);
         for i in 0..100 {
-            assert_eq!(sample(&row, &cfg(1.0, 1.0, 0, 3), i), 1, "a +100 bias forces the token");
+            assert_eq!(
+                sample(&row, &cfg(1.0, 1.0, 0, 3), i),
+                1,
+                "a +100 bias forces the token"
+            );
         }
     }
 
     #[test]
     fn repetition_penalty_divides_positive_and_multiplies_negative_logits_of_seen_tokens() {
-        let adj = LogitsAdjust { repetition_penalty: 2.0, ..off() };
+        let adj = LogitsAdjust {
+            repetition_penalty: 2.0,
+            ..off()
+        };
         // Token 0 in the prompt, 1 in the output (twice), 2 in both; 3 unseen.
         let h = history(&[0, 2], &[1, 2, 1]);
         let row = adjusted(&adj, &[4.0, -1.0, 3.0, 2.5], &h);
-        assert_eq!(row, [2.0, -2.0, 1.5, 2.5], "penalised once each, whatever the count");
-        assert_eq!(argmax(&row), 3, "the penalty moves the greedy choice to the unseen token");
+        assert_eq!(
+            row,
+            [2.0, -2.0, 1.5, 2.5],
+            "penalised once each, whatever the count"
+        );
+        assert_eq!(
+            argmax(&row),
+            3,
+            "the penalty moves the greedy choice to the unseen token"
+        );
     }
 
     #[test]
     fn presence_and_frequency_penalties_count_output_tokens_only() {
         let h = history(&[0, 0, 0], &[1, 1, 1, 2]);
-        let presence = LogitsAdjust { presence_penalty: 1.5, ..off() };
+        let presence = LogitsAdjust {
+            presence_penalty: 1.5,
+            ..off()
+        };
         assert_eq!(adjusted(&presence, &[3.0, 3.0, 3.0], &h), [3.0, 1.5, 1.5]);
-        let frequency = LogitsAdjust { frequency_penalty: 0.5, ..off() };
+        let frequency = LogitsAdjust {
+            frequency_penalty: 0.5,
+            ..off()
+        };
         assert_eq!(adjusted(&frequency, &[3.0, 3.0, 3.0], &h), [3.0, 1.5, 2.5]);
-        let both = LogitsAdjust { presence_penalty: 1.0, frequency_penalty: 1.0, ..off() };
+        let both = LogitsAdjust {
+            presence_penalty: 1.0,
+            frequency_penalty: 1.0,
+            ..off()
+        };
         assert_eq!(adjusted(&both, &[3.0, 3.0, 3.0], &h), [3.0, -1.0, 1.0]);
         // Negative values reward repeats: the repeated token wins greedily.
-        let reward = LogitsAdjust { presence_penalty: -2.0, ..off() };
+        let reward = LogitsAdjust {
+            presence_penalty: -2.0,
+            ..off()
+        };
         assert_eq!(argmax(&adjusted(&reward, &[3.0, 2.0, 1.0], &h)), 1);
     }
 
     #[test]
     fn logprobs_are_the_log_softmax_with_ranked_top_tokens() {
-        let logits = [0.0f32, (2.0f32).ln(), (4.0f32).ln(), (2.0f32).ln(), f32::NEG_INFINITY];
+        let logits = [
+            0.0f32,
+            (2.0f32).ln(),
+            (4.0f32).ln(),
+            (2.0f32).ln(),
+            f32::NEG_INFINITY,
+        ];
         let lp = logprobs(&logits, 1, 3);
-        assert!((lp.logprob - (2.0f64 / 9.0).ln()).abs() < 1e-6, "{}", lp.logprob);
+        assert!(
+            (lp.logprob - (2.0f64 / 9.0).ln()).abs() < 1e-6,
+            "{}",
+            lp.logprob
+        );
         assert_eq!(lp.rank, 2);
         let ids: Vec<u32> = lp.top.iter().map(|t| t.0).collect();
         assert_eq!(ids, [2, 1, 3], "descending, ties by id");
         assert!((lp.top[0].1 - (4.0f64 / 9.0).ln()).abs() < 1e-6);
         let excluded = logprobs(&logits, 4, 0);
-        assert_eq!((excluded.logprob, excluded.rank, excluded.top.len()), (f64::NEG_INFINITY, 5, 0));
+        assert_eq!(
+            (excluded.logprob, excluded.rank, excluded.top.len()),
+            (f64::NEG_INFINITY, 5, 0)
+        );
         let total: f64 = (0..5).map(|t| logprobs(&logits, t, 0).logprob.exp()).sum();
         assert!((total - 1.0).abs() < 1e-12);
     }

@@ -49,7 +49,9 @@ use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 
 use crate::block_pool::{blocks_for, BlockHash, BlockPool};
-use crate::connector::{ConnectorRequest, KvConnector, KvTransferParams, LoadError, LoadFailurePolicy};
+use crate::connector::{
+    ConnectorRequest, KvConnector, KvTransferParams, LoadError, LoadFailurePolicy,
+};
 use crate::FinishReason;
 
 /// Scheduler limits.
@@ -251,7 +253,9 @@ pub struct Scheduler {
 
 impl Scheduler {
     pub fn new(config: SchedulerConfig) -> Scheduler {
-        assert!(config.max_num_seqs > 0 && config.max_num_batched_tokens > 0 && config.num_blocks > 0);
+        assert!(
+            config.max_num_seqs > 0 && config.max_num_batched_tokens > 0 && config.num_blocks > 0
+        );
         Scheduler {
             pool: BlockPool::new(config.num_blocks, config.enable_prefix_caching),
             config,
@@ -311,7 +315,10 @@ impl Scheduler {
             c.abort_transfers();
         }
         if !cut.is_empty() {
-            tracing::info!(loads = cut.len(), "KV loads cut short by a cache reset; their requests recompute");
+            tracing::info!(
+                loads = cut.len(),
+                "KV loads cut short by a cache reset; their requests recompute"
+            );
         }
         cut.len()
     }
@@ -359,7 +366,12 @@ impl Scheduler {
 
     /// Ids of the live requests (waiting, running, loading), for shutdown.
     pub fn request_ids(&self) -> Vec<Arc<str>> {
-        self.waiting.iter().chain(self.running.iter()).chain(self.loading.iter()).cloned().collect()
+        self.waiting
+            .iter()
+            .chain(self.running.iter())
+            .chain(self.loading.iter())
+            .cloned()
+            .collect()
     }
 
     /// Queues a request. The caller has validated it: non-empty prompt,
@@ -371,10 +383,18 @@ impl Scheduler {
     /// When one of those preconditions does not hold.
     pub fn add_request(&mut self, req: NewRequest) {
         assert!(!req.prompt_tokens.is_empty(), "empty prompt");
-        assert!(!self.requests.contains_key(&req.id), "duplicate request id {}", req.id);
+        assert!(
+            !self.requests.contains_key(&req.id),
+            "duplicate request id {}",
+            req.id
+        );
         assert!(req.max_tokens > 0, "max_tokens must be at least 1");
         let max_blocks = Self::max_blocks_needed(req.prompt_tokens.len(), req.max_tokens);
-        assert!(max_blocks <= self.pool.num_blocks(), "request {} can never fit the KV cache", req.id);
+        assert!(
+            max_blocks <= self.pool.num_blocks(),
+            "request {} can never fit the KV cache",
+            req.id
+        );
         let mut block_hashes = Vec::new();
         if self.pool.caching_enabled() {
             BlockHash::extend_chain(&mut block_hashes, &req.prompt_tokens);
@@ -413,11 +433,19 @@ impl Scheduler {
 
     /// [`Scheduler::finish_request`], returning the connector's parameters
     /// for the request's last output (`None`: unknown id).
-    pub fn finish_request_with(&mut self, id: &str, reason: FinishReason) -> Option<Option<KvTransferParams>> {
+    pub fn finish_request_with(
+        &mut self,
+        id: &str,
+        reason: FinishReason,
+    ) -> Option<Option<KvTransferParams>> {
         let req = self.requests.remove(id)?;
         let list = match req.status {
             Status::Waiting => {
-                let pos = self.waiting.iter().position(|w| **w == *id).expect("waiting request is queued");
+                let pos = self
+                    .waiting
+                    .iter()
+                    .position(|w| **w == *id)
+                    .expect("waiting request is queued");
                 self.waiting.remove(pos);
                 None
             }
@@ -425,7 +453,10 @@ impl Scheduler {
             Status::WaitingForRemoteKv => Some(&mut self.loading),
         };
         if let Some(list) = list {
-            let pos = list.iter().position(|w| **w == *id).expect("request is listed");
+            let pos = list
+                .iter()
+                .position(|w| **w == *id)
+                .expect("request is listed");
             list.remove(pos);
         }
         let (delay, params) = match self.connector.as_deref_mut() {
@@ -433,7 +464,10 @@ impl Scheduler {
             None => (false, None),
         };
         if delay && !req.blocks.is_empty() {
-            self.held.entry(req.id.clone()).or_default().extend(req.blocks);
+            self.held
+                .entry(req.id.clone())
+                .or_default()
+                .extend(req.blocks);
         } else {
             self.pool.free(&req.blocks);
         }
@@ -449,9 +483,12 @@ impl Scheduler {
     /// from scratch now. Returns the requests the `fail` policy ended
     /// (already removed; the caller reports them).
     pub fn update_from_connector(&mut self) -> Vec<FailedLoad> {
-        let Some(c) = self.connector.as_deref_mut() else { return Vec::new() };
+        let Some(c) = self.connector.as_deref_mut() else {
+            return Vec::new();
+        };
         let finished = c.get_finished();
-        let errors: HashMap<u32, LoadError> = c.get_block_ids_with_load_errors().into_iter().collect();
+        let errors: HashMap<u32, LoadError> =
+            c.get_block_ids_with_load_errors().into_iter().collect();
         let policy = c.load_failure_policy();
         if finished.is_empty() && errors.is_empty() {
             return Vec::new();
@@ -486,18 +523,29 @@ impl Scheduler {
     /// The first load error among a loading request's external blocks.
     fn load_error(req: &Request, errors: &HashMap<u32, LoadError>) -> Option<LoadError> {
         let first = req.num_computed_tokens / pdkv_model::BLOCK_SIZE;
-        req.blocks[first..].iter().find_map(|b| errors.get(b).cloned())
+        req.blocks[first..]
+            .iter()
+            .find_map(|b| errors.get(b).cloned())
     }
 
     /// A loaded (or failed) request goes back to the front of the waiting
     /// queue, holding its blocks; the `fail` policy ends a failed one.
-    fn end_load(&mut self, id: &Arc<str>, errors: &HashMap<u32, LoadError>, policy: LoadFailurePolicy) -> Option<FailedLoad> {
+    fn end_load(
+        &mut self,
+        id: &Arc<str>,
+        errors: &HashMap<u32, LoadError>,
+        policy: LoadFailurePolicy,
+    ) -> Option<FailedLoad> {
         let req = self.requests.get_mut(id)?;
         if req.status != Status::WaitingForRemoteKv {
             return None;
         }
         let error = Self::load_error(req, errors);
-        let pos = self.loading.iter().position(|w| w == id).expect("loading request is listed");
+        let pos = self
+            .loading
+            .iter()
+            .position(|w| w == id)
+            .expect("loading request is listed");
         self.loading.remove(pos);
         let loaded = std::mem::take(&mut req.num_loading_tokens);
         req.status = Status::Waiting;
@@ -514,7 +562,11 @@ impl Scheduler {
             Some(e) => {
                 tracing::warn!(id = %id, error = %e.message, "external KV failed to load; failing the request");
                 self.finish_request(id, FinishReason::Error);
-                Some(FailedLoad { request_id: id.clone(), error: e.message, timed_out: e.timed_out })
+                Some(FailedLoad {
+                    request_id: id.clone(),
+                    error: e.message,
+                    timed_out: e.timed_out,
+                })
             }
         }
     }
@@ -536,13 +588,23 @@ impl Scheduler {
     /// The connector gave up a load that may still write its blocks: the
     /// blocks become the transfer's (held until `recving` names the
     /// request), and the request recomputes from scratch or fails now.
-    fn abandon_load(&mut self, id: &Arc<str>, errors: &HashMap<u32, LoadError>, policy: LoadFailurePolicy) -> Option<FailedLoad> {
+    fn abandon_load(
+        &mut self,
+        id: &Arc<str>,
+        errors: &HashMap<u32, LoadError>,
+        policy: LoadFailurePolicy,
+    ) -> Option<FailedLoad> {
         let req = self.requests.get_mut(id)?;
         if req.status != Status::WaitingForRemoteKv {
             return None;
         }
-        let error = Self::load_error(req, errors).unwrap_or_else(|| LoadError::failed("the KV load was given up"));
-        let pos = self.loading.iter().position(|w| w == id).expect("loading request is listed");
+        let error = Self::load_error(req, errors)
+            .unwrap_or_else(|| LoadError::failed("the KV load was given up"));
+        let pos = self
+            .loading
+            .iter()
+            .position(|w| w == id)
+            .expect("loading request is listed");
         self.loading.remove(pos);
         self.requeue_from_scratch(id);
         if error.recompute || policy == LoadFailurePolicy::Recompute {
@@ -551,7 +613,11 @@ impl Scheduler {
         }
         tracing::warn!(id = %id, error = %error.message, "external KV load given up; failing the request");
         self.finish_request(id, FinishReason::Error);
-        Some(FailedLoad { request_id: id.clone(), error: error.message, timed_out: error.timed_out })
+        Some(FailedLoad {
+            request_id: id.clone(),
+            error: error.message,
+            timed_out: error.timed_out,
+        })
     }
 
     /// Aborts a request in any state. Returns false for an unknown id.
@@ -600,8 +666,12 @@ impl Scheduler {
         if !self.running.is_empty() {
             return false;
         }
-        let holders: Vec<Arc<str>> =
-            self.waiting.iter().filter(|id| **id != *head && !self.requests[*id].blocks.is_empty()).cloned().collect();
+        let holders: Vec<Arc<str>> = self
+            .waiting
+            .iter()
+            .filter(|id| **id != *head && !self.requests[*id].blocks.is_empty())
+            .cloned()
+            .collect();
         for id in &holders {
             let req = self.requests.get_mut(id).expect("waiting request exists");
             self.pool.free(&req.blocks);
@@ -610,7 +680,10 @@ impl Scheduler {
             req.num_cached_blocks = 0;
         }
         if !holders.is_empty() {
-            tracing::info!(requests = holders.len(), "waiting requests gave their blocks back so the first in line can run");
+            tracing::info!(
+                requests = holders.len(),
+                "waiting requests gave their blocks back so the first in line can run"
+            );
         }
         !holders.is_empty()
     }
@@ -676,7 +749,10 @@ impl Scheduler {
             let id = self.running[i].clone();
             let req = self.requests.get(&id).expect("running request exists");
             let num_new = (req.tokens.len() - req.num_computed_tokens).min(budget);
-            debug_assert!(num_new > 0, "a running request always has a token to compute");
+            debug_assert!(
+                num_new > 0,
+                "a running request always has a token to compute"
+            );
             let target = req.num_computed_tokens + num_new;
             let mut scheduled = true;
             loop {
@@ -709,7 +785,9 @@ impl Scheduler {
                 && self.running.len() < self.config.max_num_seqs
                 && out.seqs.len() < self.config.max_num_seqs
             {
-                let Some(id) = self.waiting.front().cloned() else { break };
+                let Some(id) = self.waiting.front().cloned() else {
+                    break;
+                };
                 let req = self.requests.get_mut(&id).expect("waiting request exists");
                 if !req.blocks.is_empty() {
                     // Its external KV landed (or failed and is recomputed):
@@ -741,7 +819,8 @@ impl Scheduler {
                 let hit = if req.wants_all_logits() {
                     Vec::new()
                 } else {
-                    self.pool.get_computed_blocks(&req.tokens, &req.block_hashes)
+                    self.pool
+                        .get_computed_blocks(&req.tokens, &req.block_hashes)
                 };
                 let num_hit_tokens = hit.len() * pdkv_model::BLOCK_SIZE;
                 let ext = match self.connector.as_deref_mut() {
@@ -784,7 +863,12 @@ impl Scheduler {
                     self.waiting.pop_front();
                     self.loading.push(id.clone());
                     let c = self.connector.as_deref_mut().expect("consulted above");
-                    c.update_state_after_alloc(req.conn(), &req.blocks, num_hit_tokens, ext.num_tokens);
+                    c.update_state_after_alloc(
+                        req.conn(),
+                        &req.blocks,
+                        num_hit_tokens,
+                        ext.num_tokens,
+                    );
                     continue;
                 }
                 // KV the connector provides synchronously counts as computed
@@ -800,7 +884,8 @@ impl Scheduler {
                     break;
                 }
                 self.pool.touch(&hit);
-                self.pool.record_lookup(req.tokens.len(), num_hit_tokens - ext.num_tokens);
+                self.pool
+                    .record_lookup(req.tokens.len(), num_hit_tokens - ext.num_tokens);
                 let fresh = self.pool.allocate(need).expect("counted above");
                 let req = self.requests.get_mut(&id).expect("waiting request exists");
                 req.blocks = hit;
@@ -815,7 +900,12 @@ impl Scheduler {
                 self.running.push(id.clone());
                 if ext.num_tokens > 0 {
                     let c = self.connector.as_deref_mut().expect("consulted above");
-                    c.update_state_after_alloc(req.conn(), &req.blocks, num_hit_tokens - ext.num_tokens, ext.num_tokens);
+                    c.update_state_after_alloc(
+                        req.conn(),
+                        &req.blocks,
+                        num_hit_tokens - ext.num_tokens,
+                        ext.num_tokens,
+                    );
                 }
                 out.seqs.push(Self::seq_for(&self.requests[&id], num_new));
                 budget -= num_new;
@@ -828,17 +918,33 @@ impl Scheduler {
     /// `output.seqs[i]` (`Some` exactly when that seq had `sample`). Requests
     /// that ended (stop token, `max_tokens`) are removed and their blocks
     /// freed. Seqs of requests that ended since `schedule` are skipped.
-    pub fn update_from_output(&mut self, output: &SchedulerOutput, sampled: &[Option<u32>]) -> Vec<SeqUpdate> {
-        assert_eq!(output.seqs.len(), sampled.len(), "one sample slot per scheduled seq");
+    pub fn update_from_output(
+        &mut self,
+        output: &SchedulerOutput,
+        sampled: &[Option<u32>],
+    ) -> Vec<SeqUpdate> {
+        assert_eq!(
+            output.seqs.len(),
+            sampled.len(),
+            "one sample slot per scheduled seq"
+        );
         let mut updates = Vec::new();
         for (seq, tok) in output.seqs.iter().zip(sampled) {
-            let Some(req) = self.requests.get_mut(&seq.request_id) else { continue };
-            debug_assert_eq!(req.num_computed_tokens, seq.start_pos, "step results applied out of order");
+            let Some(req) = self.requests.get_mut(&seq.request_id) else {
+                continue;
+            };
+            debug_assert_eq!(
+                req.num_computed_tokens, seq.start_pos,
+                "step results applied out of order"
+            );
             req.num_computed_tokens = seq.start_pos + seq.tokens.len();
             // Offer newly completed blocks to the prefix cache.
             if self.pool.caching_enabled() {
                 let full = req.num_computed_tokens / pdkv_model::BLOCK_SIZE;
-                BlockHash::extend_chain(&mut req.block_hashes, &req.tokens[..full * pdkv_model::BLOCK_SIZE]);
+                BlockHash::extend_chain(
+                    &mut req.block_hashes,
+                    &req.tokens[..full * pdkv_model::BLOCK_SIZE],
+                );
                 for b in req.num_cached_blocks..full {
                     self.pool.cache_block(req.blocks[b], req.block_hashes[b]);
                 }
@@ -870,7 +976,8 @@ impl Scheduler {
                 kv_transfer_params: None,
             };
             if let Some(reason) = finished {
-                update.kv_transfer_params = self.finish_request_with(&seq.request_id, reason).flatten();
+                update.kv_transfer_params =
+                    self.finish_request_with(&seq.request_id, reason).flatten();
             }
             updates.push(update);
         }
@@ -897,29 +1004,50 @@ impl Scheduler {
                     assert!(self.waiting.contains(&req.id));
                 }
                 Status::Waiting => {
-                    assert_eq!(req.num_computed_tokens, 0, "waiting request {} without blocks computed tokens", req.id);
+                    assert_eq!(
+                        req.num_computed_tokens, 0,
+                        "waiting request {} without blocks computed tokens",
+                        req.id
+                    );
                     assert!(self.waiting.contains(&req.id));
                 }
                 Status::WaitingForRemoteKv => {
-                    assert!(blocks_for(req.num_computed_tokens + req.num_loading_tokens) <= req.blocks.len());
+                    assert!(
+                        blocks_for(req.num_computed_tokens + req.num_loading_tokens)
+                            <= req.blocks.len()
+                    );
                     assert!(req.num_loading_tokens > 0);
                     assert!(self.loading.contains(&req.id));
                 }
                 Status::Running => {
                     assert!(blocks_for(req.num_computed_tokens) <= req.blocks.len());
-                    assert!(req.num_computed_tokens < req.tokens.len(), "running request with nothing to compute");
+                    assert!(
+                        req.num_computed_tokens < req.tokens.len(),
+                        "running request with nothing to compute"
+                    );
                     assert!(self.running.contains(&req.id));
                 }
             }
             assert!(req.num_output_tokens() < req.max_tokens);
         }
         for (b, &n) in refs.iter().enumerate() {
-            assert_eq!(n, self.pool.ref_count(b as u32), "block {b}: table references != ref count");
+            assert_eq!(
+                n,
+                self.pool.ref_count(b as u32),
+                "block {b}: table references != ref count"
+            );
         }
-        assert_eq!(self.waiting.len() + self.running.len() + self.loading.len(), self.requests.len());
+        assert_eq!(
+            self.waiting.len() + self.running.len() + self.loading.len(),
+            self.requests.len()
+        );
         assert!(self.running.len() <= self.config.max_num_seqs);
         if self.requests.is_empty() && self.held.is_empty() {
-            assert_eq!(self.pool.num_free(), self.pool.num_blocks(), "blocks leaked at quiescence");
+            assert_eq!(
+                self.pool.num_free(),
+                self.pool.num_blocks(),
+                "blocks leaked at quiescence"
+            );
         }
     }
 
@@ -944,7 +1072,9 @@ impl Scheduler {
 
     /// Output tokens generated so far by a live request.
     pub fn output_tokens(&self, id: &str) -> Option<&[u32]> {
-        self.requests.get(id).map(|r| &r.tokens[r.num_prompt_tokens..])
+        self.requests
+            .get(id)
+            .map(|r| &r.tokens[r.num_prompt_tokens..])
     }
 
     /// Times a live request was preempted.

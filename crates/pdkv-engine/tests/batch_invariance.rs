@@ -49,15 +49,30 @@ fn run_batched(e: &EngineHandle, tag: &str) -> (Collected, Collected) {
         } else {
             greedy(5 + (i as u32 * 7) % 30)
         };
-        others.push(e.add_request(request(&format!("{tag}-other-{i}"), prompt(100 + i, len), params)).unwrap());
+        others.push(
+            e.add_request(request(
+                &format!("{tag}-other-{i}"),
+                prompt(100 + i, len),
+                params,
+            ))
+            .unwrap(),
+        );
         if i == 15 {
             // The targets join in the middle of the crowd.
-            others.push(e.add_request(request(&format!("{tag}-g"), target_prompt(), greedy(24))).unwrap());
-            others.push(e.add_request(request(&format!("{tag}-s"), target_prompt(), seeded(24))).unwrap());
+            others.push(
+                e.add_request(request(&format!("{tag}-g"), target_prompt(), greedy(24)))
+                    .unwrap(),
+            );
+            others.push(
+                e.add_request(request(&format!("{tag}-s"), target_prompt(), seeded(24)))
+                    .unwrap(),
+            );
         }
     }
-    let mut results: Vec<(String, Collected)> =
-        others.into_iter().map(|s| (s.request_id().to_string(), collect(s))).collect();
+    let mut results: Vec<(String, Collected)> = others
+        .into_iter()
+        .map(|s| (s.request_id().to_string(), collect(s)))
+        .collect();
     for (id, c) in &results {
         assert_ne!(c.finish, Some(FinishReason::Abort), "{id} was aborted");
     }
@@ -72,8 +87,15 @@ fn run_batched(e: &EngineHandle, tag: &str) -> (Collected, Collected) {
 
 fn assert_same(what: &str, got: &Collected, want: &Collected) {
     assert_eq!(got.tokens, want.tokens, "{what}: tokens differ");
-    assert_eq!(got.logits.len(), got.tokens.len(), "{what}: one logits row per token");
-    assert!(got.logit_bits() == want.logit_bits(), "{what}: logits are not bit-identical");
+    assert_eq!(
+        got.logits.len(),
+        got.tokens.len(),
+        "{what}: one logits row per token"
+    );
+    assert!(
+        got.logit_bits() == want.logit_bits(),
+        "{what}: logits are not bit-identical"
+    );
     assert_eq!(got.text, want.text, "{what}: text differs");
 }
 
@@ -88,18 +110,42 @@ fn check_arch(arch: Arch) {
     assert_ne!(ref_s.tokens, ref_g.tokens, "seeded sampling is not greedy");
     // The same seed alone again, now with a prefix-cache hit on 48 + 0 tokens.
     let again = run_one(&e, request("s2", target_prompt(), seeded(24)));
-    assert!(again.num_cached_tokens >= 48, "a repeated prompt hits the cache");
+    assert!(
+        again.num_cached_tokens >= 48,
+        "a repeated prompt hits the cache"
+    );
     assert_same(&format!("{arch:?} seeded, cache hit"), &again, &ref_s);
-    let other_seed = run_one(&e, request("s3", target_prompt(), SamplingParams { seed: Some(99), ..seeded(24) }));
-    assert_ne!(other_seed.tokens, ref_s.tokens, "another seed gives other tokens");
+    let other_seed = run_one(
+        &e,
+        request(
+            "s3",
+            target_prompt(),
+            SamplingParams {
+                seed: Some(99),
+                ..seeded(24)
+            },
+        ),
+    );
+    assert_ne!(
+        other_seed.tokens, ref_s.tokens,
+        "another seed gives other tokens"
+    );
     drop(e);
 
     // Batched with 31 others, for several chunk sizes.
     for budget in [7, 16, 64, 512] {
         let e = start(arch, config(budget, 256));
         let (g, s) = run_batched(&e, "b");
-        assert_same(&format!("{arch:?} greedy, batched, budget {budget}"), &g, &ref_g);
-        assert_same(&format!("{arch:?} seeded, batched, budget {budget}"), &s, &ref_s);
+        assert_same(
+            &format!("{arch:?} greedy, batched, budget {budget}"),
+            &g,
+            &ref_g,
+        );
+        assert_same(
+            &format!("{arch:?} seeded, batched, budget {budget}"),
+            &s,
+            &ref_s,
+        );
         wait_idle(&e);
     }
 
@@ -118,7 +164,10 @@ fn check_arch(arch: Arch) {
     let e = start(arch, config(64, 12));
     let (g, s) = run_batched(&e, "p");
     let stats = wait_idle(&e);
-    assert!(stats.num_preemptions > 0, "no preemption happened: {stats:?}");
+    assert!(
+        stats.num_preemptions > 0,
+        "no preemption happened: {stats:?}"
+    );
     assert_same(&format!("{arch:?} greedy, preempted"), &g, &ref_g);
     assert_same(&format!("{arch:?} seeded, preempted"), &s, &ref_s);
 }

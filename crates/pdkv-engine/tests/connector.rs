@@ -8,8 +8,8 @@ use std::collections::HashSet;
 use std::sync::{Arc, Mutex};
 
 use pdkv_engine::connector::{
-    ConnectorMeta, ConnectorRequest, ExternalMatch, FinishedTransfers, KvCacheSpec, KvConnector, LoadFailurePolicy,
-    Waker,
+    ConnectorMeta, ConnectorRequest, ExternalMatch, FinishedTransfers, KvCacheSpec, KvConnector,
+    LoadFailurePolicy, Waker,
 };
 use pdkv_engine::scheduler::{NewRequest, Scheduler, SchedulerConfig, SchedulerOutput};
 use pdkv_engine::FinishReason;
@@ -66,16 +66,30 @@ impl KvConnector for Scripted {
     fn load_failure_policy(&self) -> LoadFailurePolicy {
         self.0.lock().unwrap().policy
     }
-    fn get_num_new_matched_tokens(&mut self, req: ConnectorRequest<'_>, num_computed: usize) -> ExternalMatch {
+    fn get_num_new_matched_tokens(
+        &mut self,
+        req: ConnectorRequest<'_>,
+        num_computed: usize,
+    ) -> ExternalMatch {
         if self.0.lock().unwrap().remote.contains(&**req.id) {
-            ExternalMatch { num_tokens: req.prompt_tokens.len() - 1 - num_computed, load_async: true }
+            ExternalMatch {
+                num_tokens: req.prompt_tokens.len() - 1 - num_computed,
+                load_async: true,
+            }
         } else {
             ExternalMatch::default()
         }
     }
-    fn update_state_after_alloc(&mut self, req: ConnectorRequest<'_>, blocks: &[u32], computed: usize, ext: usize) {
+    fn update_state_after_alloc(
+        &mut self,
+        req: ConnectorRequest<'_>,
+        blocks: &[u32],
+        computed: usize,
+        ext: usize,
+    ) {
         let mut s = self.0.lock().unwrap();
-        s.allocs.push((req.id.to_string(), blocks.to_vec(), computed, ext));
+        s.allocs
+            .push((req.id.to_string(), blocks.to_vec(), computed, ext));
         s.loading.insert(req.id.to_string());
     }
     fn build_connector_meta(&mut self) -> ConnectorMeta {
@@ -90,7 +104,10 @@ impl KvConnector for Scripted {
         let mut s = self.0.lock().unwrap();
         s.ended.push((req.id.to_string(), reason, blocks.to_vec()));
         let delay = s.loading.contains(&**req.id) || s.hold_on_finish.contains(&**req.id);
-        (delay, delay.then(|| serde_json::json!({"held": req.id.to_string()})))
+        (
+            delay,
+            delay.then(|| serde_json::json!({"held": req.id.to_string()})),
+        )
     }
     fn abort_transfers(&mut self) {
         self.0.lock().unwrap().aborts += 1;
@@ -129,8 +146,19 @@ impl Scripted {
         let mut s = self.0.lock().unwrap();
         assert!(s.loading.remove(id), "{id} was not loading");
         if let Some(e) = error {
-            let blocks = s.allocs.iter().rev().find(|a| a.0 == id).expect("allocated").1.clone();
-            s.errors.extend(blocks.into_iter().map(|b| (b, pdkv_engine::LoadError::failed(e.to_string()))));
+            let blocks = s
+                .allocs
+                .iter()
+                .rev()
+                .find(|a| a.0 == id)
+                .expect("allocated")
+                .1
+                .clone();
+            s.errors.extend(
+                blocks
+                    .into_iter()
+                    .map(|b| (b, pdkv_engine::LoadError::failed(e.to_string()))),
+            );
         }
         s.finished.recving.push(Arc::from(id));
     }
@@ -142,7 +170,13 @@ impl Scripted {
     /// does when a transfer ended.
     fn send_done_and_wake(&self, id: &str) {
         self.send_done(id);
-        let waker = self.0.lock().unwrap().waker.clone().expect("the engine gave its waker");
+        let waker = self
+            .0
+            .lock()
+            .unwrap()
+            .waker
+            .clone()
+            .expect("the engine gave its waker");
         waker();
     }
 
@@ -150,20 +184,39 @@ impl Scripted {
     /// `what` otherwise.
     fn wait_for(&self, what: &str, pred: impl Fn(&Script) -> bool) {
         let s = self.0.lock().unwrap();
-        let (_s, timeout) = self.1.wait_timeout_while(s, common::WAIT, |s| !pred(s)).unwrap();
-        assert!(!timeout.timed_out(), "{what}: not within {:?}", common::WAIT);
+        let (_s, timeout) = self
+            .1
+            .wait_timeout_while(s, common::WAIT, |s| !pred(s))
+            .unwrap();
+        assert!(
+            !timeout.timed_out(),
+            "{what}: not within {:?}",
+            common::WAIT
+        );
     }
 }
 
 const NUM_BLOCKS: usize = 32;
 
 fn sched(conn: &Scripted) -> Scheduler {
-    let cfg = SchedulerConfig { max_num_seqs: 8, max_num_batched_tokens: 256, num_blocks: NUM_BLOCKS, enable_prefix_caching: true };
+    let cfg = SchedulerConfig {
+        max_num_seqs: 8,
+        max_num_batched_tokens: 256,
+        num_blocks: NUM_BLOCKS,
+        enable_prefix_caching: true,
+    };
     Scheduler::with_connector(cfg, Box::new(conn.clone()))
 }
 
 fn req(id: &str, prompt: Vec<u32>, max_tokens: usize) -> NewRequest {
-    NewRequest { id: Arc::from(id), prompt_tokens: prompt, max_tokens, stop_token_ids: vec![], kv_transfer_params: None, prompt_logits: false }
+    NewRequest {
+        id: Arc::from(id),
+        prompt_tokens: prompt,
+        max_tokens,
+        stop_token_ids: vec![],
+        kv_transfer_params: None,
+        prompt_logits: false,
+    }
 }
 
 /// Runs one step with token 7 sampled everywhere; checks invariants.
@@ -188,7 +241,10 @@ fn a_remote_load_parks_the_request_then_only_the_last_token_is_computed() {
     s.add_request(req("local", prompt(20, 2), 2));
     let out = step(&mut s);
     // Only the local request ran; `d` waits for its KV holding 3 blocks.
-    assert_eq!(out.seqs.iter().map(|q| &*q.request_id).collect::<Vec<_>>(), ["local"]);
+    assert_eq!(
+        out.seqs.iter().map(|q| &*q.request_id).collect::<Vec<_>>(),
+        ["local"]
+    );
     let c = s.counts();
     assert_eq!(c.num_waiting_for_remote_kv, 1);
     let allocs = conn.0.lock().unwrap().allocs.clone();
@@ -203,7 +259,11 @@ fn a_remote_load_parks_the_request_then_only_the_last_token_is_computed() {
     assert!(s.update_from_connector().is_empty());
     s.check_invariants();
     let out = step(&mut s);
-    let q = out.seqs.iter().find(|q| &*q.request_id == "d").expect("d runs after its load");
+    let q = out
+        .seqs
+        .iter()
+        .find(|q| &*q.request_id == "d")
+        .expect("d runs after its load");
     assert_eq!((q.start_pos, q.tokens.len(), q.sample), (39, 1, true));
     assert_eq!(q.block_table, allocs[0].1);
     while s.has_work() {
@@ -303,7 +363,10 @@ fn a_finished_producer_request_holds_its_blocks_until_sent() {
     let updates = s.update_from_output(&out, &[Some(7)]);
     s.check_invariants();
     assert_eq!(updates[0].finished, Some(FinishReason::Length));
-    assert_eq!(updates[0].kv_transfer_params, Some(serde_json::json!({"held": "p"})));
+    assert_eq!(
+        updates[0].kv_transfer_params,
+        Some(serde_json::json!({"held": "p"}))
+    );
     assert!(!s.has_work());
     assert_eq!(s.counts().num_held_blocks, 3);
     // Held blocks are out of reach: no one else's table gets them.
@@ -311,7 +374,10 @@ fn a_finished_producer_request_holds_its_blocks_until_sent() {
     s.add_request(req("big", prompt(NUM_BLOCKS * 16 - 3 * 16, 7), 1));
     while s.has_work() {
         let out = step(&mut s);
-        assert!(out.seqs.iter().all(|q| q.block_table.iter().all(|b| !held.contains(b))));
+        assert!(out
+            .seqs
+            .iter()
+            .all(|q| q.block_table.iter().all(|b| !held.contains(b))));
     }
     assert_eq!(s.counts().num_free_blocks, NUM_BLOCKS - 3);
     conn.send_done("p");
@@ -328,7 +394,8 @@ fn a_cache_reset_cuts_loads_short_and_they_recompute_under_either_policy() {
         {
             let mut s = conn.0.lock().unwrap();
             s.policy = policy;
-            s.remote.extend(["loading".to_string(), "landed".to_string()]);
+            s.remote
+                .extend(["loading".to_string(), "landed".to_string()]);
             s.hold_on_finish.insert("p".into());
         }
         let mut s = sched(&conn);
@@ -343,7 +410,10 @@ fn a_cache_reset_cuts_loads_short_and_they_recompute_under_either_policy() {
         s.update_from_connector();
         s.check_invariants();
         assert!(s.has_transfers());
-        assert!(!s.reset_prefix_cache(), "transfers hold blocks: the reset must refuse");
+        assert!(
+            !s.reset_prefix_cache(),
+            "transfers hold blocks: the reset must refuse"
+        );
 
         assert_eq!(s.release_transfer_kv(), 1);
         s.check_invariants();
@@ -354,16 +424,28 @@ fn a_cache_reset_cuts_loads_short_and_they_recompute_under_either_policy() {
         // The cut load ends (even as an error) and the send ends.
         conn.load_done("loading", Some("load cut short by a cache reset"));
         conn.send_done("p");
-        assert!(s.update_from_connector().is_empty(), "{policy:?}: a cut load is never failed");
+        assert!(
+            s.update_from_connector().is_empty(),
+            "{policy:?}: a cut load is never failed"
+        );
         s.check_invariants();
         assert!(!s.has_transfers());
         assert!(s.reset_prefix_cache());
         // Both recompute their whole prompts.
         let out = step(&mut s);
-        let starts: Vec<(String, usize, usize)> =
-            out.seqs.iter().map(|q| (q.request_id.to_string(), q.start_pos, q.tokens.len())).collect();
-        assert!(starts.contains(&("loading".to_string(), 0, 40)), "{starts:?}");
-        assert!(starts.contains(&("landed".to_string(), 0, 40)), "{starts:?}");
+        let starts: Vec<(String, usize, usize)> = out
+            .seqs
+            .iter()
+            .map(|q| (q.request_id.to_string(), q.start_pos, q.tokens.len()))
+            .collect();
+        assert!(
+            starts.contains(&("loading".to_string(), 0, 40)),
+            "{starts:?}"
+        );
+        assert!(
+            starts.contains(&("landed".to_string(), 0, 40)),
+            "{starts:?}"
+        );
         while s.has_work() {
             step(&mut s);
         }
@@ -375,7 +457,8 @@ fn a_cache_reset_cuts_loads_short_and_they_recompute_under_either_policy() {
 fn sleep_mode_refuses_a_connector_that_cannot_release_and_gates_sleep_without_it() {
     use pdkv_engine::{Engine, EngineConfig, LifecycleError, PauseMode, SleepLevel};
     let dir = tempfile::tempdir().unwrap();
-    pdkv_model::init::write_random_checkpoint(pdkv_model::Arch::Llama, "tiny", 7, dir.path()).unwrap();
+    pdkv_model::init::write_random_checkpoint(pdkv_model::Arch::Llama, "tiny", 7, dir.path())
+        .unwrap();
     let load = || {
         let pool = pdkv_vmem::Pool::default();
         let model = pdkv_model::load_model(dir.path(), &pool, &mut |_| {}).unwrap();
@@ -383,14 +466,36 @@ fn sleep_mode_refuses_a_connector_that_cannot_release_and_gates_sleep_without_it
     };
     // `Scripted` says it cannot release its registrations.
     let (model, pool) = load();
-    let config = EngineConfig { enable_sleep_mode: true, ..EngineConfig::default() };
-    let err = Engine::start_with_connector(model, pool, config, Some(Box::new(Scripted::default()))).err().expect("refused");
-    assert!(err.to_string().contains("scripted") && err.to_string().contains("sleep"), "{err}");
+    let config = EngineConfig {
+        enable_sleep_mode: true,
+        ..EngineConfig::default()
+    };
+    let err =
+        Engine::start_with_connector(model, pool, config, Some(Box::new(Scripted::default())))
+            .err()
+            .expect("refused");
+    assert!(
+        err.to_string().contains("scripted") && err.to_string().contains("sleep"),
+        "{err}"
+    );
     // Without sleep mode it starts, and refuses to release KV memory.
     let (model, pool) = load();
-    let e = Engine::start_with_connector(model, pool, EngineConfig::default(), Some(Box::new(Scripted::default()))).unwrap();
-    let r = e.sleep(SleepLevel::L1, PauseMode::Abort, std::time::Duration::from_secs(10));
-    assert!(matches!(r, Err(LifecycleError::Conflict(ref m)) if m.contains("--enable-sleep-mode")), "{r:?}");
+    let e = Engine::start_with_connector(
+        model,
+        pool,
+        EngineConfig::default(),
+        Some(Box::new(Scripted::default())),
+    )
+    .unwrap();
+    let r = e.sleep(
+        SleepLevel::L1,
+        PauseMode::Abort,
+        std::time::Duration::from_secs(10),
+    );
+    assert!(
+        matches!(r, Err(LifecycleError::Conflict(ref m)) if m.contains("--enable-sleep-mode")),
+        "{r:?}"
+    );
     assert!(e.lifecycle_status().sleeping.is_none());
     e.shutdown();
 }
@@ -404,12 +509,19 @@ fn a_weight_reload_waits_for_transfers_to_give_their_blocks_back() {
     use std::time::{Duration, Instant};
     let conn = Scripted::default();
     conn.0.lock().unwrap().hold_on_finish.insert("held".into());
-    let e = common::start_with_connector(pdkv_model::Arch::Llama, EngineConfig::default(), Some(Box::new(conn.clone())));
+    let e = common::start_with_connector(
+        pdkv_model::Arch::Llama,
+        EngineConfig::default(),
+        Some(Box::new(conn.clone())),
+    );
     // From the start (before the core's first publication too) the stats
     // show every block free.
     let (total, s) = (e.config().num_kv_blocks, e.stats());
     assert_eq!((s.kv_blocks_total, s.kv_blocks_free), (total, total));
-    let out = common::run_one(&e, common::request("held", common::prompt(3, 40), common::greedy(1)));
+    let out = common::run_one(
+        &e,
+        common::request("held", common::prompt(3, 40), common::greedy(1)),
+    );
     assert_eq!(out.finish, Some(FinishReason::Length));
 
     std::thread::scope(|s| {
@@ -417,17 +529,30 @@ fn a_weight_reload_waits_for_transfers_to_give_their_blocks_back() {
         // The reload asked the connector to stop holding KV...
         let t0 = Instant::now();
         while conn.0.lock().unwrap().aborts == 0 {
-            assert!(t0.elapsed() < Duration::from_secs(30), "the reload never released the transfers");
+            assert!(
+                t0.elapsed() < Duration::from_secs(30),
+                "the reload never released the transfers"
+            );
             std::thread::yield_now();
         }
         // ...and waits while the blocks are still held.
-        assert!(!reload.is_finished(), "the reload went on while a transfer held blocks");
+        assert!(
+            !reload.is_finished(),
+            "the reload went on while a transfer held blocks"
+        );
         conn.send_done("held");
-        reload.join().unwrap().expect("the reload succeeds once the blocks came back");
+        reload
+            .join()
+            .unwrap()
+            .expect("the reload succeeds once the blocks came back");
     });
     assert_eq!(e.weight_info().version.as_deref(), Some("again"));
     let counted = e.wait_stats(Duration::from_secs(30), |s| s.num_weight_updates == 1);
-    assert!(counted.is_some(), "one weight update counted: {:?}", e.stats());
+    assert!(
+        counted.is_some(),
+        "one weight update counted: {:?}",
+        e.stats()
+    );
 }
 
 // ---- lifecycle operations whose connector calls fail, or wait ----
@@ -436,13 +561,23 @@ fn a_weight_reload_waits_for_transfers_to_give_their_blocks_back() {
 /// can release and restore its registrations.
 fn sleepy(conn: &Scripted, config: pdkv_engine::EngineConfig) -> common::TestEngine {
     conn.0.lock().unwrap().sleep_mode = true;
-    let config = pdkv_engine::EngineConfig { enable_sleep_mode: true, ..config };
-    common::start_with_connector(pdkv_model::Arch::Llama, config, Some(Box::new(conn.clone())))
+    let config = pdkv_engine::EngineConfig {
+        enable_sleep_mode: true,
+        ..config
+    };
+    common::start_with_connector(
+        pdkv_model::Arch::Llama,
+        config,
+        Some(Box::new(conn.clone())),
+    )
 }
 
 /// The tokens and logits bits of the greedy reference request.
 fn probe(e: &pdkv_engine::EngineHandle, id: &str) -> (Vec<u32>, Vec<Vec<u32>>) {
-    let out = common::run_one(e, common::request(id, common::prompt(5, 40), common::greedy(4)));
+    let out = common::run_one(
+        e,
+        common::request(id, common::prompt(5, 40), common::greedy(4)),
+    );
     assert_eq!(out.finish, Some(FinishReason::Length), "{id}");
     (out.tokens.clone(), out.logit_bits())
 }
@@ -468,24 +603,52 @@ fn a_failed_registration_release_fails_sleep_and_kv_release_and_changes_nothing(
     let conn = Scripted::default();
     let e = sleepy(&conn, pdkv_engine::EngineConfig::default());
     let want = probe(&e, "before");
-    let (kv, weights) = (device_bytes(&e, Tag::KvCache), device_bytes(&e, Tag::Weights));
+    let (kv, weights) = (
+        device_bytes(&e, Tag::KvCache),
+        device_bytes(&e, Tag::Weights),
+    );
     assert!(kv > 0 && weights > 0);
 
     conn.0.lock().unwrap().release_error = Some(REFUSAL.into());
-    e.pause(PauseMode::Keep, false, Duration::from_secs(10)).unwrap();
-    for (i, what) in ["sleep(1)", "release_kv_cache_memory"].into_iter().enumerate() {
+    e.pause(PauseMode::Keep, false, Duration::from_secs(10))
+        .unwrap();
+    for (i, what) in ["sleep(1)", "release_kv_cache_memory"]
+        .into_iter()
+        .enumerate()
+    {
         let r = match what {
             "sleep(1)" => e.sleep(SleepLevel::L1, PauseMode::Keep, Duration::from_secs(10)),
             _ => e.release_kv_cache_memory(),
         };
         let err = r.expect_err("the connector refused to release");
-        assert!(matches!(err, LifecycleError::Conflict(_)), "{what}: {err:?}");
-        assert!(err.to_string().contains(REFUSAL), "{what} does not say what the connector said: {err}");
-        assert_eq!(conn.0.lock().unwrap().releases, i + 1, "{what} asked the connector once");
+        assert!(
+            matches!(err, LifecycleError::Conflict(_)),
+            "{what}: {err:?}"
+        );
+        assert!(
+            err.to_string().contains(REFUSAL),
+            "{what} does not say what the connector said: {err}"
+        );
+        assert_eq!(
+            conn.0.lock().unwrap().releases,
+            i + 1,
+            "{what} asked the connector once"
+        );
         let st = e.lifecycle_status();
-        assert_eq!((st.sleeping, st.asleep_tags.clone(), st.paused), (None, vec![], Some(PauseMode::Keep)), "{what}");
+        assert_eq!(
+            (st.sleeping, st.asleep_tags.clone(), st.paused),
+            (None, vec![], Some(PauseMode::Keep)),
+            "{what}"
+        );
         assert_eq!(e.stats().sleep_level, None, "{what}");
-        assert_eq!((device_bytes(&e, Tag::KvCache), device_bytes(&e, Tag::Weights)), (kv, weights), "{what}: memory");
+        assert_eq!(
+            (
+                device_bytes(&e, Tag::KvCache),
+                device_bytes(&e, Tag::Weights)
+            ),
+            (kv, weights),
+            "{what}: memory"
+        );
     }
     // Still the same engine: it serves once resumed...
     e.resume().unwrap();
@@ -493,14 +656,24 @@ fn a_failed_registration_release_fails_sleep_and_kv_release_and_changes_nothing(
 
     // ...and, once the connector can release, both operations work.
     conn.0.lock().unwrap().release_error = None;
-    e.pause(PauseMode::Keep, false, Duration::from_secs(10)).unwrap();
-    e.sleep(SleepLevel::L1, PauseMode::Keep, Duration::from_secs(10)).expect("the retried sleep");
+    e.pause(PauseMode::Keep, false, Duration::from_secs(10))
+        .unwrap();
+    e.sleep(SleepLevel::L1, PauseMode::Keep, Duration::from_secs(10))
+        .expect("the retried sleep");
     assert_eq!(e.lifecycle_status().sleeping, Some(SleepLevel::L1));
-    assert_eq!((device_bytes(&e, Tag::KvCache), device_bytes(&e, Tag::Weights)), (0, 0), "asleep");
+    assert_eq!(
+        (
+            device_bytes(&e, Tag::KvCache),
+            device_bytes(&e, Tag::Weights)
+        ),
+        (0, 0),
+        "asleep"
+    );
     e.wake_up(None).unwrap();
     e.resume().unwrap();
     assert_eq!(probe(&e, "after-sleep"), want);
-    e.pause(PauseMode::Keep, false, Duration::from_secs(10)).unwrap();
+    e.pause(PauseMode::Keep, false, Duration::from_secs(10))
+        .unwrap();
     e.release_kv_cache_memory().expect("the retried release");
     assert_eq!(device_bytes(&e, Tag::KvCache), 0);
     e.resume().unwrap();
@@ -525,7 +698,10 @@ fn a_sleep_that_waited_for_transfers_and_then_failed_leaves_no_pause_behind() {
     let conn = Scripted::default();
     conn.0.lock().unwrap().hold_on_finish.insert("held".into());
     let e = sleepy(&conn, pdkv_engine::EngineConfig::default());
-    let out = common::run_one(&e, common::request("held", common::prompt(3, 40), common::greedy(1)));
+    let out = common::run_one(
+        &e,
+        common::request("held", common::prompt(3, 40), common::greedy(1)),
+    );
     assert_eq!(out.finish, Some(FinishReason::Length));
     conn.0.lock().unwrap().release_error = Some(REFUSAL.into());
 
@@ -534,26 +710,49 @@ fn a_sleep_that_waited_for_transfers_and_then_failed_leaves_no_pause_behind() {
         // The sleep waits (paused) while the transfer holds its blocks...
         let t0 = Instant::now();
         while e.lifecycle_status().paused.is_none() {
-            assert!(t0.elapsed() < Duration::from_secs(30), "the sleep never paused the engine");
+            assert!(
+                t0.elapsed() < Duration::from_secs(30),
+                "the sleep never paused the engine"
+            );
             std::thread::yield_now();
         }
-        assert!(!sleep.is_finished(), "the sleep went on while a transfer held blocks");
+        assert!(
+            !sleep.is_finished(),
+            "the sleep went on while a transfer held blocks"
+        );
         // ...then the blocks come back and the release is refused.
         conn.send_done_and_wake("held");
-        let err = sleep.join().unwrap().expect_err("the connector refused to release");
-        assert!(matches!(err, LifecycleError::Conflict(ref m) if m.contains(REFUSAL)), "{err:?}");
+        let err = sleep
+            .join()
+            .unwrap()
+            .expect_err("the connector refused to release");
+        assert!(
+            matches!(err, LifecycleError::Conflict(ref m) if m.contains(REFUSAL)),
+            "{err:?}"
+        );
     });
     let st = e.lifecycle_status();
-    assert_eq!((st.sleeping, st.asleep_tags.clone(), st.paused), (None, vec![], None), "{st:?}");
+    assert_eq!(
+        (st.sleeping, st.asleep_tags.clone(), st.paused),
+        (None, vec![], None),
+        "{st:?}"
+    );
     // It serves without a resume, and the retried sleep works.
-    let out = common::run_one(&e, common::request("after", common::prompt(5, 40), common::greedy(2)));
+    let out = common::run_one(
+        &e,
+        common::request("after", common::prompt(5, 40), common::greedy(2)),
+    );
     assert_eq!(out.finish, Some(FinishReason::Length));
     conn.0.lock().unwrap().release_error = None;
-    e.sleep(SleepLevel::L1, PauseMode::Keep, Duration::from_secs(10)).expect("the retried sleep");
+    e.sleep(SleepLevel::L1, PauseMode::Keep, Duration::from_secs(10))
+        .expect("the retried sleep");
     assert_eq!(e.lifecycle_status().sleeping, Some(SleepLevel::L1));
     e.wake_up(None).unwrap();
     e.resume().unwrap();
-    let out = common::run_one(&e, common::request("woken", common::prompt(5, 40), common::greedy(2)));
+    let out = common::run_one(
+        &e,
+        common::request("woken", common::prompt(5, 40), common::greedy(2)),
+    );
     assert_eq!(out.finish, Some(FinishReason::Length));
 }
 
@@ -573,24 +772,49 @@ fn a_failed_registration_restore_fails_the_wake_and_the_next_wake_retries_it() {
     let conn = Scripted::default();
     let e = sleepy(&conn, pdkv_engine::EngineConfig::default());
     let want = probe(&e, "before");
-    e.sleep(SleepLevel::L1, PauseMode::Keep, Duration::from_secs(10)).unwrap();
+    e.sleep(SleepLevel::L1, PauseMode::Keep, Duration::from_secs(10))
+        .unwrap();
 
     conn.0.lock().unwrap().restore_error = Some(REFUSAL.into());
-    let err = e.wake_up(None).expect_err("the connector could not restore");
-    assert!(err.to_string().contains(REFUSAL), "the wake does not say what the connector said: {err}");
+    let err = e
+        .wake_up(None)
+        .expect_err("the connector could not restore");
+    assert!(
+        err.to_string().contains(REFUSAL),
+        "the wake does not say what the connector said: {err}"
+    );
     assert_eq!(conn.0.lock().unwrap().restores, 1);
     let st = e.lifecycle_status();
     assert_eq!(st.sleeping, Some(SleepLevel::L1), "{st:?}");
-    assert!(st.asleep_tags.contains(&Tag::KvCache), "the KV cache counts as asleep: {st:?}");
+    assert!(
+        st.asleep_tags.contains(&Tag::KvCache),
+        "the KV cache counts as asleep: {st:?}"
+    );
     assert_eq!(e.stats().sleep_level, Some(1));
-    let refused = e.add_request(common::request("while-asleep", common::prompt(5, 40), common::greedy(4)));
-    assert!(matches!(refused, Err(pdkv_engine::AddRequestError::Unavailable(_))), "{:?}", refused.err());
+    let refused = e.add_request(common::request(
+        "while-asleep",
+        common::prompt(5, 40),
+        common::greedy(4),
+    ));
+    assert!(
+        matches!(refused, Err(pdkv_engine::AddRequestError::Unavailable(_))),
+        "{:?}",
+        refused.err()
+    );
 
     conn.0.lock().unwrap().restore_error = None;
-    e.wake_up(None).expect("the second wake restores the registrations");
-    assert_eq!(conn.0.lock().unwrap().restores, 2, "the second wake called restore again");
+    e.wake_up(None)
+        .expect("the second wake restores the registrations");
+    assert_eq!(
+        conn.0.lock().unwrap().restores,
+        2,
+        "the second wake called restore again"
+    );
     let st = e.lifecycle_status();
-    assert_eq!((st.sleeping, st.asleep_tags, st.paused), (None, vec![], None));
+    assert_eq!(
+        (st.sleeping, st.asleep_tags, st.paused),
+        (None, vec![], None)
+    );
     assert!(device_bytes(&e, Tag::KvCache) > 0);
     assert_eq!(probe(&e, "after-wake"), want);
 }
@@ -613,30 +837,65 @@ fn a_weight_update_waiting_for_transfers_leaves_the_core_answering_and_a_resume_
     conn.0.lock().unwrap().hold_on_finish.insert("held".into());
     // A release timeout far longer than any wait below: an update that
     // blocked the core would show as a core that does not answer.
-    let config = pdkv_engine::EngineConfig { kv_release_timeout: Duration::from_secs(120), ..Default::default() };
-    let e = common::start_with_connector(pdkv_model::Arch::Llama, config, Some(Box::new(conn.clone())));
+    let config = pdkv_engine::EngineConfig {
+        kv_release_timeout: Duration::from_secs(120),
+        ..Default::default()
+    };
+    let e = common::start_with_connector(
+        pdkv_model::Arch::Llama,
+        config,
+        Some(Box::new(conn.clone())),
+    );
     let other = tempfile::tempdir().unwrap();
-    pdkv_model::init::write_random_checkpoint(pdkv_model::Arch::Llama, "tiny", 8, other.path()).unwrap();
+    pdkv_model::init::write_random_checkpoint(pdkv_model::Arch::Llama, "tiny", 8, other.path())
+        .unwrap();
     let want = probe(&e, "before");
     let info = e.weight_info();
-    let out = common::run_one(&e, common::request("held", common::prompt(3, 40), common::greedy(1)));
+    let out = common::run_one(
+        &e,
+        common::request("held", common::prompt(3, 40), common::greedy(1)),
+    );
     assert_eq!(out.finish, Some(FinishReason::Length));
     // Two requests frozen by a keep pause (an update may run under it).
-    e.pause(PauseMode::Keep, false, Duration::from_secs(10)).unwrap();
-    let q1 = e.add_request(common::request("q1", common::prompt(6, 30), common::greedy(3))).unwrap();
-    let q2 = e.add_request(common::request("q2", common::prompt(5, 40), common::greedy(4))).unwrap();
+    e.pause(PauseMode::Keep, false, Duration::from_secs(10))
+        .unwrap();
+    let q1 = e
+        .add_request(common::request(
+            "q1",
+            common::prompt(6, 30),
+            common::greedy(3),
+        ))
+        .unwrap();
+    let q2 = e
+        .add_request(common::request(
+            "q2",
+            common::prompt(5, 40),
+            common::greedy(4),
+        ))
+        .unwrap();
 
     std::thread::scope(|s| {
         let update = s.spawn(|| e.update_weights(other.path(), Some("other".into())));
         conn.wait_for("the update released the transfers", |s| s.aborts == 1);
-        assert!(!update.is_finished(), "the update went on while a transfer held blocks");
+        assert!(
+            !update.is_finished(),
+            "the update went on while a transfer held blocks"
+        );
 
         let t0 = Instant::now();
-        assert_eq!(e.abort_requests(&["q1".to_string()]), vec!["q1".to_string()], "the core answers meanwhile");
+        assert_eq!(
+            e.abort_requests(&["q1".to_string()]),
+            vec!["q1".to_string()],
+            "the core answers meanwhile"
+        );
         assert_eq!(common::collect(q1).finish, Some(FinishReason::Abort));
         assert!(!e.reset_prefix_cache(), "a transfer holds blocks");
         assert_eq!(e.lifecycle_status().paused, Some(PauseMode::Keep));
-        let refused = e.add_request(common::request("new", common::prompt(7, 20), common::greedy(1)));
+        let refused = e.add_request(common::request(
+            "new",
+            common::prompt(7, 20),
+            common::greedy(1),
+        ));
         assert!(
             matches!(refused, Err(AddRequestError::Unavailable(ref m)) if m.contains("updating its weights")),
             "{:?}",
@@ -644,7 +903,11 @@ fn a_weight_update_waiting_for_transfers_leaves_the_core_answering_and_a_resume_
         );
         assert!(e.stats().kv_blocks_held > 0);
         e.resume().expect("the resume is answered");
-        assert!(t0.elapsed() < Duration::from_secs(10), "the core answered after {:?}", t0.elapsed());
+        assert!(
+            t0.elapsed() < Duration::from_secs(10),
+            "the core answered after {:?}",
+            t0.elapsed()
+        );
         match update.join().unwrap() {
             Err(LifecycleError::Cancelled(_)) => {}
             other => panic!("the update ended as {other:?}, not Cancelled"),
@@ -655,7 +918,11 @@ fn a_weight_update_waiting_for_transfers_leaves_the_core_answering_and_a_resume_
     assert_eq!(e.stats().num_weight_updates, 0);
     // q2, frozen during the update, runs on the old weights.
     let q2 = common::collect(q2);
-    assert_eq!((q2.tokens.clone(), q2.logit_bits()), want, "q2 ran on other weights");
+    assert_eq!(
+        (q2.tokens.clone(), q2.logit_bits()),
+        want,
+        "q2 ran on other weights"
+    );
     conn.send_done_and_wake("held");
     common::wait_idle(&e);
     assert_eq!(probe(&e, "after"), want);

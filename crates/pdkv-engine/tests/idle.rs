@@ -23,14 +23,22 @@ fn cpu_time() -> Duration {
 fn an_idle_engine_does_not_spin() {
     let e = common::start(Arch::Llama, EngineConfig::default());
     // One request first, so every thread the engine uses has started.
-    let out = common::run_one(&e, common::request("warm", common::prompt(1, 30), common::greedy(2)));
+    let out = common::run_one(
+        &e,
+        common::request("warm", common::prompt(1, 30), common::greedy(2)),
+    );
     assert_eq!(out.finish, Some(FinishReason::Length));
     common::wait_idle(&e);
 
     // Idle for a second: wait for a request that never comes.
     let (cpu0, t0) = (cpu_time(), Instant::now());
-    assert!(e.wait_stats(Duration::from_secs(1), |s| s.num_running > 0).is_none());
+    assert!(e
+        .wait_stats(Duration::from_secs(1), |s| s.num_running > 0)
+        .is_none());
     let (cpu, wall) = (cpu_time() - cpu0, t0.elapsed());
     eprintln!("idle engine: {cpu:?} of CPU in {wall:?}");
-    assert!(cpu * 4 < wall, "the idle engine used {cpu:?} of CPU in {wall:?}");
+    assert!(
+        cpu * 4 < wall,
+        "the idle engine used {cpu:?} of CPU in {wall:?}"
+    );
 }

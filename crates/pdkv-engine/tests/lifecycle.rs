@@ -15,8 +15,8 @@ use std::time::Duration;
 use common::*;
 use pdkv_engine::lifecycle::{RELEASE_NEEDS_PAUSE, WEIGHTS_DISCARDED};
 use pdkv_engine::{
-    AddRequestError, Engine, EngineConfig, EngineHandle, FinishReason, LifecycleError, PauseMode, RequestStream,
-    SleepLevel,
+    AddRequestError, Engine, EngineConfig, EngineHandle, FinishReason, LifecycleError, PauseMode,
+    RequestStream, SleepLevel,
 };
 use pdkv_model::Arch;
 use pdkv_vmem::{Pool, Tag};
@@ -45,7 +45,8 @@ impl Drop for Eng {
 
 fn checkpoint(arch: Arch, preset: &str, seed: u64) -> tempfile::TempDir {
     let dir = tempfile::tempdir().expect("temp dir");
-    pdkv_model::init::write_random_checkpoint(arch, preset, seed, dir.path()).expect("write checkpoint");
+    pdkv_model::init::write_random_checkpoint(arch, preset, seed, dir.path())
+        .expect("write checkpoint");
     dir
 }
 
@@ -65,8 +66,12 @@ fn probes(e: &EngineHandle, tag: &str) -> Vec<Probe> {
     let streams: Vec<RequestStream> = (0..30u64)
         .map(|i| {
             let len = 5 + (i as usize * 7) % 41;
-            e.add_request(request(&format!("{tag}-probe-{i}"), prompt(900 + i, len), greedy(8)))
-                .unwrap_or_else(|err| panic!("probe {i} refused: {err}"))
+            e.add_request(request(
+                &format!("{tag}-probe-{i}"),
+                prompt(900 + i, len),
+                greedy(8),
+            ))
+            .unwrap_or_else(|err| panic!("probe {i} refused: {err}"))
         })
         .collect();
     streams
@@ -85,7 +90,12 @@ fn device_total(e: &EngineHandle) -> u64 {
 }
 
 fn weights_base(e: &EngineHandle) -> usize {
-    let r = e.pool().regions().into_iter().find(|r| r.tag() == Tag::Weights).expect("a weights region");
+    let r = e
+        .pool()
+        .regions()
+        .into_iter()
+        .find(|r| r.tag() == Tag::Weights)
+        .expect("a weights region");
     r.base() as usize
 }
 
@@ -99,7 +109,12 @@ fn refused(e: &EngineHandle, id: &str) -> String {
 
 fn rss_bytes() -> u64 {
     let statm = std::fs::read_to_string("/proc/self/statm").expect("read /proc/self/statm");
-    let pages: u64 = statm.split_whitespace().nth(1).expect("resident field").parse().expect("a number");
+    let pages: u64 = statm
+        .split_whitespace()
+        .nth(1)
+        .expect("resident field")
+        .parse()
+        .expect("a number");
     pages * pdkv_vmem::page_size() as u64
 }
 
@@ -120,33 +135,64 @@ fn sleep_levels_1_and_2_restore_exact_outputs() {
     assert_eq!(st.sleeping, Some(SleepLevel::L1));
     assert_eq!(st.asleep_tags, vec![Tag::Weights, Tag::KvCache]);
     let asleep = device_total(&e);
-    assert!(asleep * 50 <= awake, "asleep {asleep} B is over 2% of awake {awake} B");
-    assert!(e.pool().host_backup_bytes() > 0, "level 1 keeps a host copy of the weights");
+    assert!(
+        asleep * 50 <= awake,
+        "asleep {asleep} B is over 2% of awake {awake} B"
+    );
+    assert!(
+        e.pool().host_backup_bytes() > 0,
+        "level 1 keeps a host copy of the weights"
+    );
     assert!(refused(&e, "during-l1").contains("asleep"));
     assert_eq!(e.stats().sleep_level, Some(1));
     e.wake_up(None).unwrap();
     assert_eq!(e.lifecycle_status().sleeping, None);
-    assert_eq!(e.lifecycle_status().paused, None, "the sleep's own pause ends with the wake");
+    assert_eq!(
+        e.lifecycle_status().paused,
+        None,
+        "the sleep's own pause ends with the wake"
+    );
     assert_eq!(device_total(&e), awake);
-    assert_eq!(weights_base(&e), base_addr, "weights wake at the same address");
+    assert_eq!(
+        weights_base(&e),
+        base_addr,
+        "weights wake at the same address"
+    );
     assert_eq!(probes(&e, "l1"), baseline, "outputs after a level-1 wake");
 
     // Level 2: everything discarded; weights must be reloaded.
     e.sleep(SleepLevel::L2, PauseMode::Abort, T).unwrap();
     let asleep = device_total(&e);
-    assert!(asleep * 50 <= awake, "asleep {asleep} B is over 2% of awake {awake} B");
-    assert_eq!(e.pool().host_backup_bytes(), 0, "level 2 keeps no host copy");
+    assert!(
+        asleep * 50 <= awake,
+        "asleep {asleep} B is over 2% of awake {awake} B"
+    );
+    assert_eq!(
+        e.pool().host_backup_bytes(),
+        0,
+        "level 2 keeps no host copy"
+    );
     e.wake_up(None).unwrap();
     let st = e.lifecycle_status();
     assert!(st.weights_discarded && st.sleeping.is_none());
     assert_eq!(refused(&e, "after-l2-wake"), WEIGHTS_DISCARDED);
-    e.update_weights(dir.path(), Some("reloaded".into())).unwrap();
+    e.update_weights(dir.path(), Some("reloaded".into()))
+        .unwrap();
     assert!(!e.lifecycle_status().weights_discarded);
     assert_eq!(e.weight_info().version.as_deref(), Some("reloaded"));
     assert_eq!(weights_base(&e), base_addr, "the reload writes in place");
-    assert_eq!(probes(&e, "l2"), baseline, "outputs after a level-2 wake and reload");
+    assert_eq!(
+        probes(&e, "l2"),
+        baseline,
+        "outputs after a level-2 wake and reload"
+    );
     let s = wait_idle(&e);
-    assert!(s.num_sleeps >= 2 && s.num_wakes >= 2 && s.last_sleep_seconds > 0.0 && s.last_wake_seconds > 0.0);
+    assert!(
+        s.num_sleeps >= 2
+            && s.num_wakes >= 2
+            && s.last_sleep_seconds > 0.0
+            && s.last_wake_seconds > 0.0
+    );
     println!(
         "device bytes awake {awake}, asleep {asleep}; last sleep {:.6} s, last wake {:.6} s, reload {:.6} s",
         s.last_sleep_seconds, s.last_wake_seconds, s.last_weight_update_seconds
@@ -164,13 +210,20 @@ fn fifty_level_1_cycles_keep_memory_flat() {
     let mut rss_first = None;
     for cycle in 0..50 {
         e.sleep(SleepLevel::L1, PauseMode::Abort, T).unwrap();
-        assert!(device_total(&e) * 50 <= awake, "cycle {cycle}: memory not released");
+        assert!(
+            device_total(&e) * 50 <= awake,
+            "cycle {cycle}: memory not released"
+        );
         e.wake_up(None).unwrap();
         let c = run_one(&e, request(&format!("c{cycle}"), prompt(31, 40), greedy(8)));
         assert_eq!(c.tokens, reference.tokens, "cycle {cycle}");
         assert_eq!(c.logit_bits(), reference.logit_bits(), "cycle {cycle}");
         wait_idle(&e);
-        assert_eq!(device_total(&e), awake, "cycle {cycle}: device bytes awake changed");
+        assert_eq!(
+            device_total(&e),
+            awake,
+            "cycle {cycle}: device bytes awake changed"
+        );
         let rss = rss_bytes();
         let first = *rss_first.get_or_insert(rss);
         assert!(
@@ -189,7 +242,10 @@ fn selective_wake_in_both_orders() {
     let dir = checkpoint(Arch::Qwen3, "tiny", 3);
     let e = start_at(dir.path(), config(256, 512));
     let baseline = probes(&e, "base");
-    for (n, order) in [[Tag::Weights, Tag::KvCache], [Tag::KvCache, Tag::Weights]].iter().enumerate() {
+    for (n, order) in [[Tag::Weights, Tag::KvCache], [Tag::KvCache, Tag::Weights]]
+        .iter()
+        .enumerate()
+    {
         e.sleep(SleepLevel::L1, PauseMode::Abort, T).unwrap();
         e.wake_up(Some(&order[..1])).unwrap();
         let st = e.lifecycle_status();
@@ -206,13 +262,20 @@ fn selective_wake_in_both_orders() {
 fn load(e: &EngineHandle, tag: &str, max_tokens: u32) -> Vec<(RequestStream, Collected)> {
     let mut out: Vec<(RequestStream, Collected)> = (0..32u64)
         .map(|i| {
-            let s = e.add_request(request(&format!("{tag}-{i}"), prompt(300 + i, 8 + i as usize % 9), greedy(max_tokens)));
+            let s = e.add_request(request(
+                &format!("{tag}-{i}"),
+                prompt(300 + i, 8 + i as usize % 9),
+                greedy(max_tokens),
+            ));
             (s.expect("accepted"), Collected::default())
         })
         .collect();
     for (s, c) in &mut out {
         let o = s.blocking_next().expect("a first output");
-        assert!(o.finish_reason.is_none(), "request ended before the test could pause it");
+        assert!(
+            o.finish_reason.is_none(),
+            "request ended before the test could pause it"
+        );
         c.tokens.extend(o.token_ids);
         c.logits.extend(o.logits);
     }
@@ -250,7 +313,10 @@ fn pause_abort_under_load_aborts_everything() {
     assert!(refused(&e, "during-abort-pause").contains("paused"));
     e.resume().unwrap();
     assert_eq!(e.lifecycle_status().paused, None);
-    assert_eq!(run_one(&e, request("after", prompt(1, 10), greedy(4))).finish, Some(FinishReason::Length));
+    assert_eq!(
+        run_one(&e, request("after", prompt(1, 10), greedy(4))).finish,
+        Some(FinishReason::Length)
+    );
 }
 
 #[test]
@@ -258,7 +324,10 @@ fn pause_wait_under_load_finishes_everything_and_refuses_new_requests() {
     let _g = serial();
     let dir = checkpoint(Arch::Llama, "tiny", 7);
     let e = start_at(dir.path(), load_config());
-    let reference: Vec<Collected> = load(&e, "ref", 60).into_iter().map(|(s, c)| finish(s, c)).collect();
+    let reference: Vec<Collected> = load(&e, "ref", 60)
+        .into_iter()
+        .map(|(s, c)| finish(s, c))
+        .collect();
     wait_idle(&e);
 
     let running = load(&e, "w", 60);
@@ -267,20 +336,26 @@ fn pause_wait_under_load_finishes_everything_and_refuses_new_requests() {
         std::thread::spawn(move || h.pause(PauseMode::Wait, false, T))
     };
     // While the pause waits, new requests are refused.
-    e.wait_stats(T, |s| s.paused).expect("the pause is published");
+    e.wait_stats(T, |s| s.paused)
+        .expect("the pause is published");
     assert!(refused(&e, "while-waiting").contains("paused (mode wait)"));
     let results: Vec<Collected> = running.into_iter().map(|(s, c)| finish(s, c)).collect();
     pauser.join().unwrap().expect("the wait pause completes");
     for (i, (r, want)) in results.iter().zip(&reference).enumerate() {
         assert_eq!(r.finish, Some(FinishReason::Length), "request {i}");
-        assert_eq!(r.tokens, want.tokens, "request {i} runs to its end unchanged");
+        assert_eq!(
+            r.tokens, want.tokens,
+            "request {i} runs to its end unchanged"
+        );
     }
     assert!(refused(&e, "after-wait").contains("paused"));
     e.resume().unwrap();
 
     // A wait that cannot finish in time reports it; the pause stays.
     let running = load(&e, "slow", 1000);
-    let err = e.pause(PauseMode::Wait, false, Duration::from_millis(50)).unwrap_err();
+    let err = e
+        .pause(PauseMode::Wait, false, Duration::from_millis(50))
+        .unwrap_err();
     assert!(matches!(err, LifecycleError::Timeout(_)), "{err}");
     assert_eq!(e.lifecycle_status().paused, Some(PauseMode::Wait));
     e.pause(PauseMode::Abort, false, T).unwrap();
@@ -296,18 +371,27 @@ fn pause_keep_freezes_requests_which_continue_exactly_after_resume() {
     let _g = serial();
     let dir = checkpoint(Arch::Qwen3, "tiny", 5);
     let e = start_at(dir.path(), load_config());
-    let reference: Vec<Collected> = load(&e, "ref", 80).into_iter().map(|(s, c)| finish(s, c)).collect();
+    let reference: Vec<Collected> = load(&e, "ref", 80)
+        .into_iter()
+        .map(|(s, c)| finish(s, c))
+        .collect();
     let late_ref = run_one(&e, request("late-ref", prompt(77, 20), greedy(10)));
     wait_idle(&e);
 
     let running = load(&e, "k", 80);
     e.pause(PauseMode::Keep, true, T).unwrap();
     let frozen = e.stats();
-    assert!(frozen.num_running > 0 && frozen.kv_blocks_free < frozen.kv_blocks_total, "frozen requests keep their KV");
-    // Added during keep: accepted and queued.
-    let late = e.add_request(request("late", prompt(77, 20), greedy(10))).expect("keep queues new requests");
     assert!(
-        e.wait_stats(Duration::from_millis(300), |s| s.steps > frozen.steps).is_none(),
+        frozen.num_running > 0 && frozen.kv_blocks_free < frozen.kv_blocks_total,
+        "frozen requests keep their KV"
+    );
+    // Added during keep: accepted and queued.
+    let late = e
+        .add_request(request("late", prompt(77, 20), greedy(10)))
+        .expect("keep queues new requests");
+    assert!(
+        e.wait_stats(Duration::from_millis(300), |s| s.steps > frozen.steps)
+            .is_none(),
         "a step ran during a keep pause"
     );
     e.resume().unwrap();
@@ -327,13 +411,19 @@ fn sleep_with_keep_recomputes_frozen_requests_after_wake() {
     let _g = serial();
     let dir = checkpoint(Arch::Llama, "tiny", 7);
     let e = start_at(dir.path(), load_config());
-    let reference: Vec<Collected> = load(&e, "ref", 60).into_iter().map(|(s, c)| finish(s, c)).collect();
+    let reference: Vec<Collected> = load(&e, "ref", 60)
+        .into_iter()
+        .map(|(s, c)| finish(s, c))
+        .collect();
     wait_idle(&e);
 
     let running = load(&e, "k", 60);
     e.sleep(SleepLevel::L1, PauseMode::Keep, T).unwrap();
     let s = e.stats();
-    assert_eq!(s.kv_blocks_free, s.kv_blocks_total, "sleep frees every block, frozen requests included");
+    assert_eq!(
+        s.kv_blocks_free, s.kv_blocks_total,
+        "sleep frees every block, frozen requests included"
+    );
     assert_eq!(s.num_running, 0);
     assert!(s.num_waiting > 0, "frozen requests wait to recompute");
     e.wake_up(None).unwrap();
@@ -364,8 +454,12 @@ fn update_weights_in_place_and_refuse_incompatible_checkpoints() {
     let bytes = e.pool().device_bytes().get(Tag::Weights);
 
     // Not while requests run.
-    let busy = e.add_request(request("busy", prompt(2, 10), greedy(1000))).unwrap();
-    let err = e.update_weights(seed2.path(), Some("v2".into())).unwrap_err();
+    let busy = e
+        .add_request(request("busy", prompt(2, 10), greedy(1000)))
+        .unwrap();
+    let err = e
+        .update_weights(seed2.path(), Some("v2".into()))
+        .unwrap_err();
     assert!(matches!(err, LifecycleError::Conflict(_)), "{err}");
     drop(busy);
     wait_idle(&e);
@@ -375,15 +469,27 @@ fn update_weights_in_place_and_refuse_incompatible_checkpoints() {
     assert_eq!(info.version.as_deref(), Some("v2"));
     assert_eq!(info.path, seed2.path());
     assert_eq!(weights_base(&e), addr, "same addresses");
-    assert_eq!(e.pool().device_bytes().get(Tag::Weights), bytes, "no second copy");
-    assert_eq!(probes(&e, "s2"), want2, "serves exactly what a fresh engine on seed 2 serves");
+    assert_eq!(
+        e.pool().device_bytes().get(Tag::Weights),
+        bytes,
+        "no second copy"
+    );
+    assert_eq!(
+        probes(&e, "s2"),
+        want2,
+        "serves exactly what a fresh engine on seed 2 serves"
+    );
 
     // Another architecture, another size, a tensor of the wrong shape, a
     // missing path: refused, and the weights keep serving unchanged.
     let qwen = checkpoint(Arch::Qwen3, "tiny", 2);
     let small = checkpoint(Arch::Llama, "small", 2);
     let bad_tensor = tempfile::tempdir().unwrap();
-    write_with_bad_tensor(seed1.path(), bad_tensor.path(), "model.layers.1.mlp.up_proj.weight");
+    write_with_bad_tensor(
+        seed1.path(),
+        bad_tensor.path(),
+        "model.layers.1.mlp.up_proj.weight",
+    );
     for (path, needle) in [
         (qwen.path(), "arch"),
         (small.path(), "hidden_size"),
@@ -394,15 +500,24 @@ fn update_weights_in_place_and_refuse_incompatible_checkpoints() {
             other => panic!("expected IncompatibleWeights for {needle}, got {other:?}"),
         }
         assert_eq!(e.weight_info(), info);
-        assert_eq!(probes(&e, &format!("after-{needle}")), want2, "old weights untouched after {needle}");
+        assert_eq!(
+            probes(&e, &format!("after-{needle}")),
+            want2,
+            "old weights untouched after {needle}"
+        );
     }
-    let err = e.update_weights(&seed1.path().join("missing"), None).unwrap_err();
+    let err = e
+        .update_weights(&seed1.path().join("missing"), None)
+        .unwrap_err();
     assert!(matches!(err, LifecycleError::Invalid(_)), "{err}");
 
     // Asleep weights cannot be written.
     e.sleep(SleepLevel::L1, PauseMode::Abort, T).unwrap();
     let err = e.update_weights(seed1.path(), None).unwrap_err();
-    assert!(matches!(&err, LifecycleError::Conflict(m) if m.contains("wake weights first")), "{err}");
+    assert!(
+        matches!(&err, LifecycleError::Conflict(m) if m.contains("wake weights first")),
+        "{err}"
+    );
     e.wake_up(None).unwrap();
     assert_eq!(probes(&e, "woke"), want2);
 }
@@ -410,10 +525,16 @@ fn update_weights_in_place_and_refuse_incompatible_checkpoints() {
 /// Copies the checkpoint at `from` to `to` with the tensor `name` one row
 /// short (every earlier tensor intact).
 fn write_with_bad_tensor(from: &Path, to: &Path, name: &str) {
-    for f in ["config.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json"] {
+    for f in [
+        "config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "generation_config.json",
+    ] {
         std::fs::copy(from.join(f), to.join(f)).unwrap();
     }
-    let st = pdkv_model::safetensors::SafetensorsFile::open(&from.join("model.safetensors")).unwrap();
+    let st =
+        pdkv_model::safetensors::SafetensorsFile::open(&from.join("model.safetensors")).unwrap();
     let mut tensors = Vec::new();
     for (n, entry) in &st.tensors {
         let mut data = vec![0f32; entry.shape.iter().product()];
@@ -457,7 +578,9 @@ fn release_kv_needs_a_pause_and_wake_when_awake_changes_nothing() {
     e.release_kv_cache_memory().unwrap();
     assert_eq!(e.pool().device_bytes().get(Tag::KvCache), 0);
     assert_eq!(e.lifecycle_status().asleep_tags, vec![Tag::KvCache]);
-    let queued = e.add_request(request("queued", prompt(903, 26), greedy(8))).expect("keep queues");
+    let queued = e
+        .add_request(request("queued", prompt(903, 26), greedy(8)))
+        .expect("keep queues");
     e.resume().unwrap();
     assert_eq!(e.pool().device_bytes(), awake);
     let c = collect(queued);
@@ -477,16 +600,26 @@ fn abort_requests_and_reset_prefix_cache_with_running_requests() {
     let e = start_at(dir.path(), config(256, 512));
     let reference = run_one(&e, request("ref", prompt(8, 40), greedy(200)));
     wait_idle(&e);
-    let a = e.add_request(request("a", prompt(1, 10), greedy(1000))).unwrap();
-    let b = e.add_request(request("b", prompt(8, 40), greedy(200))).unwrap();
+    let a = e
+        .add_request(request("a", prompt(1, 10), greedy(1000)))
+        .unwrap();
+    let b = e
+        .add_request(request("b", prompt(8, 40), greedy(200)))
+        .unwrap();
     e.wait_stats(T, |s| s.num_running == 2).expect("both run");
     assert!(!e.reset_prefix_cache_with(false), "blocks are in use");
-    assert!(e.reset_prefix_cache_with(true), "running requests are preempted first");
+    assert!(
+        e.reset_prefix_cache_with(true),
+        "running requests are preempted first"
+    );
     let found = e.abort_requests(&["a".to_string(), "nope".to_string()]);
     assert_eq!(found, vec!["a".to_string()]);
     assert_eq!(collect(a).finish, Some(FinishReason::Abort));
     let b = collect(b);
-    assert_eq!(b.tokens, reference.tokens, "a preempted request continues exactly");
+    assert_eq!(
+        b.tokens, reference.tokens,
+        "a preempted request continues exactly"
+    );
     wait_idle(&e);
 }
 
@@ -508,18 +641,30 @@ fn sleep_invalidates_the_prefix_cache() {
     // Cache the shared prefix, check that it is reused while awake.
     run_one(&e, request("first", shared.clone(), greedy(4)));
     let hit = run_one(&e, request("hit", second.clone(), greedy(8)));
-    assert_eq!(hit.num_cached_tokens, 48, "the prefix cache serves the shared blocks");
+    assert_eq!(
+        hit.num_cached_tokens, 48,
+        "the prefix cache serves the shared blocks"
+    );
     assert_eq!(hit.tokens, want.tokens);
 
     for (level, name) in [(SleepLevel::L1, "l1"), (SleepLevel::L2, "l2")] {
-        run_one(&e, request(&format!("warm-{name}"), shared.clone(), greedy(4)));
+        run_one(
+            &e,
+            request(&format!("warm-{name}"), shared.clone(), greedy(4)),
+        );
         e.sleep(level, PauseMode::Abort, T).unwrap();
         e.wake_up(None).unwrap();
         if level == SleepLevel::L2 {
             e.update_weights(dir.path(), None).unwrap();
         }
-        let after = run_one(&e, request(&format!("after-{name}"), second.clone(), greedy(8)));
-        assert_eq!(after.num_cached_tokens, 0, "{name}: no prefix-cache hit on zeroed KV");
+        let after = run_one(
+            &e,
+            request(&format!("after-{name}"), second.clone(), greedy(8)),
+        );
+        assert_eq!(
+            after.num_cached_tokens, 0,
+            "{name}: no prefix-cache hit on zeroed KV"
+        );
         assert_eq!(after.tokens, want.tokens, "{name}");
         assert_eq!(after.logit_bits(), want.logit_bits(), "{name}");
     }

@@ -20,7 +20,14 @@ fn sched(max_num_seqs: usize, budget: usize, num_blocks: usize, caching: bool) -
 }
 
 fn req(id: &str, prompt: Vec<u32>, max_tokens: usize) -> NewRequest {
-    NewRequest { id: Arc::from(id), prompt_tokens: prompt, max_tokens, stop_token_ids: vec![0], kv_transfer_params: None, prompt_logits: false }
+    NewRequest {
+        id: Arc::from(id),
+        prompt_tokens: prompt,
+        max_tokens,
+        stop_token_ids: vec![0],
+        kv_transfer_params: None,
+        prompt_logits: false,
+    }
 }
 
 /// The token a request samples at output `index`: a pure function, so a
@@ -37,8 +44,11 @@ fn token_for(id: &str, index: usize) -> u32 {
 /// Runs a step, sampling with [`token_for`].
 fn step(s: &mut Scheduler) -> (SchedulerOutput, Vec<SeqUpdate>) {
     let plan = s.schedule();
-    let sampled: Vec<Option<u32>> =
-        plan.seqs.iter().map(|q| q.sample.then(|| token_for(&q.request_id, q.output_index))).collect();
+    let sampled: Vec<Option<u32>> = plan
+        .seqs
+        .iter()
+        .map(|q| q.sample.then(|| token_for(&q.request_id, q.output_index)))
+        .collect();
     let ups = s.update_from_output(&plan, &sampled);
     s.check_invariants();
     (plan, ups)
@@ -49,7 +59,9 @@ fn seq<'a>(plan: &'a SchedulerOutput, id: &str) -> Option<&'a ScheduledSeq> {
 }
 
 fn prompt(seed: u32, n: usize) -> Vec<u32> {
-    (0..n as u32).map(|i| 1 + (seed * 131 + i * 7) % 97).collect()
+    (0..n as u32)
+        .map(|i| 1 + (seed * 131 + i * 7) % 97)
+        .collect()
 }
 
 #[test]
@@ -62,12 +74,19 @@ fn chunked_prefill_respects_the_token_budget() {
         let q = seq(&plan, "a").unwrap();
         assert!(plan.num_tokens() <= 7);
         starts.push((q.start_pos, q.tokens.len(), q.sample));
-        assert_eq!(q.block_table.len(), (q.start_pos + q.tokens.len()).div_ceil(BLOCK_SIZE));
+        assert_eq!(
+            q.block_table.len(),
+            (q.start_pos + q.tokens.len()).div_ceil(BLOCK_SIZE)
+        );
         if q.sample {
             break;
         }
     }
-    assert_eq!(starts, vec![(0, 7, false), (7, 7, false), (14, 6, true)], "only the last chunk samples");
+    assert_eq!(
+        starts,
+        vec![(0, 7, false), (7, 7, false), (14, 6, true)],
+        "only the last chunk samples"
+    );
     // Then one token per step until max_tokens.
     let (plan, ups) = step(&mut s);
     assert_eq!(seq(&plan, "a").unwrap().tokens, vec![token_for("a", 0)]);
@@ -88,7 +107,10 @@ fn running_requests_go_first_and_max_num_seqs_holds() {
     assert_eq!(plan.seqs.len(), 2);
     assert!(seq(&plan, "c").is_none(), "max_num_seqs = 2");
     let (plan, _) = step(&mut s);
-    assert_eq!(plan.seqs.iter().map(|q| q.tokens.len()).collect::<Vec<_>>(), vec![1, 1]);
+    assert_eq!(
+        plan.seqs.iter().map(|q| q.tokens.len()).collect::<Vec<_>>(),
+        vec![1, 1]
+    );
     assert_eq!(s.counts().num_waiting, 1);
 }
 
@@ -250,7 +272,9 @@ fn preempt_all_running_frees_every_block_and_outputs_continue() {
     let mut want: HashMap<String, Vec<u32>> = HashMap::new();
     while r.has_work() {
         for u in step(&mut r).1 {
-            want.entry(u.request_id.to_string()).or_default().extend(u.new_token);
+            want.entry(u.request_id.to_string())
+                .or_default()
+                .extend(u.new_token);
         }
     }
 
@@ -260,13 +284,18 @@ fn preempt_all_running_frees_every_block_and_outputs_continue() {
     let mut got: HashMap<String, Vec<u32>> = HashMap::new();
     for _ in 0..3 {
         for u in step(&mut s).1 {
-            got.entry(u.request_id.to_string()).or_default().extend(u.new_token);
+            got.entry(u.request_id.to_string())
+                .or_default()
+                .extend(u.new_token);
         }
     }
     assert_eq!(s.preempt_all_running(), 2);
     s.check_invariants();
     let c = s.counts();
-    assert_eq!((c.num_running, c.num_waiting, c.num_free_blocks), (0, 2, 32));
+    assert_eq!(
+        (c.num_running, c.num_waiting, c.num_free_blocks),
+        (0, 2, 32)
+    );
     assert!(s.reset_prefix_cache(), "nothing holds a block");
     assert_eq!(s.block_pool().num_cached_blocks(), 0);
     // Admission order is kept: "a" is planned before "b" again.
@@ -274,11 +303,15 @@ fn preempt_all_running_frees_every_block_and_outputs_continue() {
     assert_eq!(&*plan.seqs[0].request_id, "a");
     assert_eq!(plan.seqs[0].start_pos, 0, "recomputed from scratch");
     for u in ups {
-        got.entry(u.request_id.to_string()).or_default().extend(u.new_token);
+        got.entry(u.request_id.to_string())
+            .or_default()
+            .extend(u.new_token);
     }
     while s.has_work() {
         for u in step(&mut s).1 {
-            got.entry(u.request_id.to_string()).or_default().extend(u.new_token);
+            got.entry(u.request_id.to_string())
+                .or_default()
+                .extend(u.new_token);
         }
     }
     assert_eq!(got, want);
@@ -314,7 +347,9 @@ fn random_workload(seed: u64, caching: bool) -> (u64, u64) {
     let num_blocks = 24;
     let mut s = sched(6, 1 + (seed as usize % 40), num_blocks, caching);
     let mut rng = Rng(seed);
-    let mut kv = SimKv { slots: vec![None; num_blocks * BLOCK_SIZE] };
+    let mut kv = SimKv {
+        slots: vec![None; num_blocks * BLOCK_SIZE],
+    };
     let mut tokens_of: HashMap<Arc<str>, Vec<u32>> = HashMap::new();
     let mut live: Vec<Arc<str>> = Vec::new();
     let mut next_id = 0;
@@ -334,17 +369,37 @@ fn random_workload(seed: u64, caching: bool) -> (u64, u64) {
         for q in &plan.seqs {
             let toks = &tokens_of[&q.request_id];
             let tags = prefix_tags(toks);
-            assert_eq!(&toks[q.start_pos..q.start_pos + q.tokens.len()], &q.tokens[..], "seed {seed}");
-            let slot = |p: usize| q.block_table[p / BLOCK_SIZE] as usize * BLOCK_SIZE + p % BLOCK_SIZE;
+            assert_eq!(
+                &toks[q.start_pos..q.start_pos + q.tokens.len()],
+                &q.tokens[..],
+                "seed {seed}"
+            );
+            let slot =
+                |p: usize| q.block_table[p / BLOCK_SIZE] as usize * BLOCK_SIZE + p % BLOCK_SIZE;
             for (p, tag) in tags.iter().enumerate().take(q.start_pos) {
-                assert_eq!(kv.slots[slot(p)], Some(*tag), "seed {seed}: stale KV at position {p} of {}", q.request_id);
+                assert_eq!(
+                    kv.slots[slot(p)],
+                    Some(*tag),
+                    "seed {seed}: stale KV at position {p} of {}",
+                    q.request_id
+                );
             }
-            for (p, tag) in tags.iter().enumerate().take(q.start_pos + q.tokens.len()).skip(q.start_pos) {
+            for (p, tag) in tags
+                .iter()
+                .enumerate()
+                .take(q.start_pos + q.tokens.len())
+                .skip(q.start_pos)
+            {
                 kv.slots[slot(p)] = Some(*tag);
             }
             // Occasionally sample the stop token.
-            sampled
-                .push(q.sample.then(|| if rng.below(40) == 0 { 0 } else { token_for(&q.request_id, q.output_index) }));
+            sampled.push(q.sample.then(|| {
+                if rng.below(40) == 0 {
+                    0
+                } else {
+                    token_for(&q.request_id, q.output_index)
+                }
+            }));
         }
         let ups = s.update_from_output(&plan, &sampled);
         let mut done = 0;
@@ -378,7 +433,14 @@ fn random_workload(seed: u64, caching: bool) -> (u64, u64) {
                 next_id += 1;
                 tokens_of.insert(id.clone(), p.clone());
                 live.push(id.clone());
-                s.add_request(NewRequest { id, prompt_tokens: p, max_tokens, stop_token_ids: vec![0], kv_transfer_params: None, prompt_logits: false });
+                s.add_request(NewRequest {
+                    id,
+                    prompt_tokens: p,
+                    max_tokens,
+                    stop_token_ids: vec![0],
+                    kv_transfer_params: None,
+                    prompt_logits: false,
+                });
             }
             3 if !live.is_empty() => {
                 let id = live.remove(rng.below(live.len() as u64) as usize);
@@ -397,8 +459,15 @@ fn random_workload(seed: u64, caching: bool) -> (u64, u64) {
         steps += 1;
         assert!(steps < 20_000, "seed {seed}: no progress");
     }
-    assert_eq!(finished, next_id, "seed {seed}: every request ended exactly once");
-    assert_eq!(s.block_pool().num_free(), num_blocks, "seed {seed}: blocks leaked");
+    assert_eq!(
+        finished, next_id,
+        "seed {seed}: every request ended exactly once"
+    );
+    assert_eq!(
+        s.block_pool().num_free(),
+        num_blocks,
+        "seed {seed}: blocks leaked"
+    );
     s.check_invariants();
     (s.counts().num_preemptions, s.counts().prefix_cache_hits)
 }

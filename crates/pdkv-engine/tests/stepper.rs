@@ -9,12 +9,13 @@ use std::time::{Duration, Instant};
 use pdkv_engine::connector::KvCacheSpec;
 use pdkv_engine::detok::Decode;
 use pdkv_engine::lifecycle::{LifecycleError, WeightInfo};
+use pdkv_engine::scheduler::ScheduledSeq;
 use pdkv_engine::{
-    AddRequestError, Clock, Command, CoreParts, EngineConfig, EngineCore, EngineRequest, FinishReason, LifecycleReply,
-    ModelRunner, NoPublisher, OutputSink, PauseMode, RequestOutput, SamplingParams,
+    AddRequestError, Clock, Command, CoreParts, EngineConfig, EngineCore, EngineRequest,
+    FinishReason, LifecycleReply, ModelRunner, NoPublisher, OutputSink, PauseMode, RequestOutput,
+    SamplingParams,
 };
 use pdkv_model::loader::ReloadError;
-use pdkv_engine::scheduler::ScheduledSeq;
 use pdkv_model::BLOCK_SIZE;
 use pdkv_vmem::{Pool, Region, Tag};
 
@@ -43,8 +44,15 @@ struct FakeModel {
 
 impl FakeModel {
     fn new(pool: &Pool, num_blocks: usize, faults: &[(usize, Fault)]) -> FakeModel {
-        let kv = pool.allocate(Tag::KvCache, num_blocks * 64).expect("KV region");
-        FakeModel { kv, num_blocks, calls: 0, faults: faults.iter().copied().collect() }
+        let kv = pool
+            .allocate(Tag::KvCache, num_blocks * 64)
+            .expect("KV region");
+        FakeModel {
+            kv,
+            num_blocks,
+            calls: 0,
+            faults: faults.iter().copied().collect(),
+        }
     }
 }
 
@@ -58,8 +66,14 @@ impl ModelRunner for FakeModel {
             None => {}
         }
         for s in seqs {
-            assert!(s.block_table.len() * BLOCK_SIZE >= s.start_pos + s.tokens.len(), "block table too short");
-            assert!(s.block_table.iter().all(|&b| (b as usize) < self.num_blocks));
+            assert!(
+                s.block_table.len() * BLOCK_SIZE >= s.start_pos + s.tokens.len(),
+                "block table too short"
+            );
+            assert!(s
+                .block_table
+                .iter()
+                .all(|&b| (b as usize) < self.num_blocks));
             if s.sample {
                 let mut row = vec![0.0f32; VOCAB];
                 row[next(*s.tokens.last().expect("a seq has tokens")) as usize] = 1.0;
@@ -97,7 +111,9 @@ struct Letters;
 
 impl Decode for Letters {
     fn decode(&self, ids: &[u32]) -> String {
-        ids.iter().map(|&i| char::from(b'a' + (i % 26) as u8)).collect()
+        ids.iter()
+            .map(|&i| char::from(b'a' + (i % 26) as u8))
+            .collect()
     }
 }
 
@@ -140,7 +156,10 @@ fn core_with(faults: &[(usize, Fault)]) -> (EngineCore, Arc<ManualClock>) {
         waker: Arc::new(|| {}),
         decoder: Arc::new(Letters),
         eos_token_ids: vec![],
-        weight_info: WeightInfo { version: None, path: "fake".into() },
+        weight_info: WeightInfo {
+            version: None,
+            path: "fake".into(),
+        },
         clock: clock.clone(),
         publisher: Box::new(NoPublisher),
     })
@@ -163,7 +182,12 @@ impl Outputs {
 
     /// The request's finish reason once its last output came.
     fn finish(&self, id: &str) -> Option<FinishReason> {
-        self.0.lock().unwrap().get(id).and_then(|v| v.last()).and_then(|o| o.finish_reason)
+        self.0
+            .lock()
+            .unwrap()
+            .get(id)
+            .and_then(|v| v.last())
+            .and_then(|o| o.finish_reason)
     }
 
     /// Tokens and text of a finished request; checks it ended exactly once.
@@ -172,8 +196,16 @@ impl Outputs {
         let outs = &all[id];
         let finals = outs.iter().filter(|o| o.finish_reason.is_some()).count();
         assert_eq!(finals, 1, "{id} ended {finals} times");
-        let last = outs.last().unwrap().finish_reason.expect("the final output is the last");
-        (outs.iter().flat_map(|o| o.token_ids.clone()).collect(), outs.iter().map(|o| o.text.as_str()).collect(), last)
+        let last = outs
+            .last()
+            .unwrap()
+            .finish_reason
+            .expect("the final output is the last");
+        (
+            outs.iter().flat_map(|o| o.token_ids.clone()).collect(),
+            outs.iter().map(|o| o.text.as_str()).collect(),
+            last,
+        )
     }
 }
 
@@ -181,13 +213,20 @@ fn request(id: &str, prompt_tokens: Vec<u32>, max_tokens: u32) -> EngineRequest 
     EngineRequest {
         id: id.into(),
         prompt_tokens,
-        params: SamplingParams { temperature: 0.0, max_tokens, ignore_eos: true, ..SamplingParams::default() },
+        params: SamplingParams {
+            temperature: 0.0,
+            max_tokens,
+            ignore_eos: true,
+            ..SamplingParams::default()
+        },
         kv_transfer_params: None,
     }
 }
 
 fn prompt(len: usize, salt: u32) -> Vec<u32> {
-    (0..len as u32).map(|i| (i * 13 + salt) % VOCAB as u32).collect()
+    (0..len as u32)
+        .map(|i| (i * 13 + salt) % VOCAB as u32)
+        .collect()
 }
 
 /// The fake model's greedy continuation of `prompt`.
@@ -233,39 +272,74 @@ fn requests_run_to_completion_on_a_fake_model_without_a_thread() {
     let mut c_req = request("c", pc.clone(), 10);
     c_req.params.stop_token_ids = vec![stop];
     c_req.params.return_logits = true;
-    core.add(request("a", pa.clone(), 6), 1, outs.sink("a")).unwrap();
-    core.add(request("b", pb.clone(), 4), 2, outs.sink("b")).unwrap();
+    core.add(request("a", pa.clone(), 6), 1, outs.sink("a"))
+        .unwrap();
+    core.add(request("b", pb.clone(), 4), 2, outs.sink("b"))
+        .unwrap();
     core.add(c_req, 3, outs.sink("c")).unwrap();
     assert!(core.has_runnable_work());
 
     // The handle's checks hold here too.
     let dup = core.add(request("a", pa.clone(), 1), 4, outs.sink("x"));
     assert_eq!(dup, Err(AddRequestError::DuplicateId("a".into())));
-    assert!(matches!(core.add(request("e", vec![], 1), 5, outs.sink("x")), Err(AddRequestError::Invalid(_))));
+    assert!(matches!(
+        core.add(request("e", vec![], 1), 5, outs.sink("x")),
+        Err(AddRequestError::Invalid(_))
+    ));
     let too_long = core.add(request("l", prompt(250, 4), 10), 6, outs.sink("x"));
-    assert!(matches!(too_long, Err(AddRequestError::TooLong { .. })), "{too_long:?}");
+    assert!(
+        matches!(too_long, Err(AddRequestError::TooLong { .. })),
+        "{too_long:?}"
+    );
 
-    tick_until(&mut core, || ["a", "b", "c"].iter().all(|id| outs.finish(id).is_some()));
+    tick_until(&mut core, || {
+        ["a", "b", "c"].iter().all(|id| outs.finish(id).is_some())
+    });
 
     let (tokens, text, finish) = outs.result("a");
-    assert_eq!((tokens.clone(), finish), (expected(&pa, 6), FinishReason::Length));
+    assert_eq!(
+        (tokens.clone(), finish),
+        (expected(&pa, 6), FinishReason::Length)
+    );
     assert_eq!(text, letters(&tokens));
     let (tokens, text, finish) = outs.result("b");
-    assert_eq!((tokens.clone(), finish), (expected(&pb, 4), FinishReason::Length));
+    assert_eq!(
+        (tokens.clone(), finish),
+        (expected(&pb, 4), FinishReason::Length)
+    );
     assert_eq!(text, letters(&tokens));
     let (tokens, text, finish) = outs.result("c");
     let n = c_tokens.iter().position(|&t| t == stop).unwrap() + 1;
-    assert_eq!((tokens.clone(), finish), (c_tokens[..n].to_vec(), FinishReason::Stop));
-    assert_eq!(text, letters(&tokens[..n - 1]), "a stop token is not part of the text");
-    let c_logits: Vec<Vec<f32>> = outs.0.lock().unwrap()["c"].iter().flat_map(|o| o.logits.clone()).collect();
+    assert_eq!(
+        (tokens.clone(), finish),
+        (c_tokens[..n].to_vec(), FinishReason::Stop)
+    );
+    assert_eq!(
+        text,
+        letters(&tokens[..n - 1]),
+        "a stop token is not part of the text"
+    );
+    let c_logits: Vec<Vec<f32>> = outs.0.lock().unwrap()["c"]
+        .iter()
+        .flat_map(|o| o.logits.clone())
+        .collect();
     assert_eq!(c_logits.len(), n);
-    assert!(c_logits.iter().zip(&tokens).all(|(row, &t)| row[t as usize] == 1.0));
-    assert!(!outs.0.lock().unwrap().contains_key("x"), "refused requests produce no output");
+    assert!(c_logits
+        .iter()
+        .zip(&tokens)
+        .all(|(row, &t)| row[t as usize] == 1.0));
+    assert!(
+        !outs.0.lock().unwrap().contains_key("x"),
+        "refused requests produce no output"
+    );
 
     assert_all_blocks_free(&core);
     assert!(core.stats().steps >= 6);
     core.shutdown();
-    assert_eq!(core.add(request("late", pa, 1), 7, outs.sink("late")), Err(AddRequestError::Stopped));
+    assert_eq!(
+        core.add(request("late", pa, 1), 7, outs.sink("late")),
+        Err(AddRequestError::Stopped)
+    );
 }
 
 #[test]
@@ -274,7 +348,8 @@ fn a_wait_pause_times_out_by_the_manual_clock_alone() {
     let (mut core, clock) = core_with(&[]);
     let outs = Outputs::default();
     let p = prompt(10, 5);
-    core.add(request("long", p.clone(), 50), 1, outs.sink("long")).unwrap();
+    core.add(request("long", p.clone(), 50), 1, outs.sink("long"))
+        .unwrap();
     core.tick();
     core.tick();
 
@@ -284,8 +359,17 @@ fn a_wait_pause_times_out_by_the_manual_clock_alone() {
         Box::new(move |r| *answer.lock().unwrap() = Some(r))
     };
     let deadline = clock.now() + Duration::from_secs(5);
-    core.apply(Command::Pause { mode: PauseMode::Wait, clear_cache: false, deadline, reply });
-    assert_eq!(*answer.lock().unwrap(), None, "deferred while a request runs");
+    core.apply(Command::Pause {
+        mode: PauseMode::Wait,
+        clear_cache: false,
+        deadline,
+        reply,
+    });
+    assert_eq!(
+        *answer.lock().unwrap(),
+        None,
+        "deferred while a request runs"
+    );
     assert_eq!(core.lifecycle_status().paused, Some(PauseMode::Wait));
     assert!(core.admission().unwrap_err().contains("paused (mode wait)"));
     assert_eq!(core.next_deadline(), Some(deadline));
@@ -296,14 +380,24 @@ fn a_wait_pause_times_out_by_the_manual_clock_alone() {
     clock.advance(Duration::from_millis(2));
     core.tick();
     assert!(
-        matches!(*answer.lock().unwrap(), Some(Err(LifecycleError::Timeout(_)))),
+        matches!(
+            *answer.lock().unwrap(),
+            Some(Err(LifecycleError::Timeout(_)))
+        ),
         "{:?}",
         answer.lock().unwrap()
     );
-    assert_eq!(core.lifecycle_status().paused, Some(PauseMode::Wait), "the pause stays after a timeout");
+    assert_eq!(
+        core.lifecycle_status().paused,
+        Some(PauseMode::Wait),
+        "the pause stays after a timeout"
+    );
     assert_eq!(core.next_deadline(), None);
     assert_eq!(outs.finish("long"), None, "the request is still running");
-    assert!(started.elapsed() < Duration::from_secs(5), "a 5 s deadline passed without waiting 5 s");
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "a 5 s deadline passed without waiting 5 s"
+    );
 
     // Under `wait` the request runs on to its end; resume reopens admission.
     tick_until(&mut core, || outs.finish("long").is_some());
@@ -325,7 +419,8 @@ fn a_failing_or_panicking_forward_aborts_its_step_and_the_core_serves_on() {
     let (mut core, _clock) = core_with(&[(2, Fault::Error), (4, Fault::Panic)]);
     let outs = Outputs::default();
     for (i, id) in ["err", "panic"].into_iter().enumerate() {
-        core.add(request(id, prompt(5, i as u32), 8), 1, outs.sink(id)).unwrap();
+        core.add(request(id, prompt(5, i as u32), 8), 1, outs.sink(id))
+            .unwrap();
         core.tick();
         assert_eq!(outs.finish(id), None, "{id}: the first step succeeds");
         core.tick();
@@ -333,7 +428,8 @@ fn a_failing_or_panicking_forward_aborts_its_step_and_the_core_serves_on() {
         assert_all_blocks_free(&core);
     }
     let p = prompt(7, 9);
-    core.add(request("after", p.clone(), 5), 1, outs.sink("after")).unwrap();
+    core.add(request("after", p.clone(), 5), 1, outs.sink("after"))
+        .unwrap();
     tick_until(&mut core, || outs.finish("after").is_some());
     let (tokens, _, finish) = outs.result("after");
     assert_eq!((tokens, finish), (expected(&p, 5), FinishReason::Length));

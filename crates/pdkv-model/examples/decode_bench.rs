@@ -5,7 +5,9 @@
 
 use std::path::PathBuf;
 
-use pdkv_model::bench::{decode_throughput, measure_copy_bandwidth, prefill_throughput, synthetic_model};
+use pdkv_model::bench::{
+    decode_throughput, measure_copy_bandwidth, prefill_throughput, synthetic_model,
+};
 use pdkv_model::{Arch, Model, ModelConfig};
 use pdkv_vmem::Pool;
 
@@ -34,7 +36,10 @@ fn main() -> anyhow::Result<()> {
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
         let mut num = |name: &str| -> anyhow::Result<usize> {
-            args.next().ok_or_else(|| anyhow::anyhow!("{name} needs a value"))?.parse().map_err(Into::into)
+            args.next()
+                .ok_or_else(|| anyhow::anyhow!("{name} needs a value"))?
+                .parse()
+                .map_err(Into::into)
         };
         match a.as_str() {
             "--context" => context = num("--context")?,

@@ -21,7 +21,12 @@ fn main() -> anyhow::Result<()> {
     let mut ws = Workspace::new(&pool, cfg, ids.len())?;
     let table: Vec<u32> = (0..blocks as u32).collect();
     let mut logits = Vec::new();
-    let input = SeqInput { tokens: &ids, start_pos: 0, block_table: &table, want_logits: true };
+    let input = SeqInput {
+        tokens: &ids,
+        start_pos: 0,
+        block_table: &table,
+        want_logits: true,
+    };
     m.model.forward(&kv, &mut ws, &[input], &mut logits)?;
     let bytes: Vec<u8> = logits.iter().flat_map(|v| v.to_le_bytes()).collect();
     std::fs::write(&out, bytes)?;

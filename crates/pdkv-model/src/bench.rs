@@ -22,7 +22,9 @@ pub fn measure_copy_bandwidth() -> f64 {
     kernels::thread_pool().install(|| {
         for _ in 0..PASSES {
             let t = Instant::now();
-            dst.par_chunks_mut(chunk).zip(src.par_chunks(chunk)).for_each(|(d, s)| d.copy_from_slice(s));
+            dst.par_chunks_mut(chunk)
+                .zip(src.par_chunks(chunk))
+                .for_each(|(d, s)| d.copy_from_slice(s));
             let secs = t.elapsed().as_secs_f64();
             best = best.max((2 * BYTES) as f64 / secs);
         }
@@ -56,17 +58,28 @@ pub fn decode_throughput(
     context: usize,
     steps: usize,
 ) -> anyhow::Result<DecodeResult> {
-    anyhow::ensure!(batch > 0 && context > 0 && steps > 0, "batch, context and steps must be positive");
+    anyhow::ensure!(
+        batch > 0 && context > 0 && steps > 0,
+        "batch, context and steps must be positive"
+    );
     let cfg = model.config();
     let blocks_per_seq = (context + steps).div_ceil(BLOCK_SIZE);
     let kv = KvCache::new(pool, cfg, batch * blocks_per_seq)?;
     let chunk = context.min(512);
     let mut ws = Workspace::new(pool, cfg, chunk.max(batch))?;
     let tables: Vec<Vec<u32>> = (0..batch)
-        .map(|s| (0..blocks_per_seq).map(|b| (s * blocks_per_seq + b) as u32).collect())
+        .map(|s| {
+            (0..blocks_per_seq)
+                .map(|b| (s * blocks_per_seq + b) as u32)
+                .collect()
+        })
         .collect();
     let vocab = cfg.vocab_size as u32;
-    let prompt = |s: usize| -> Vec<u32> { (0..context).map(|i| ((i * 7919 + s * 104_729 + 1) as u32) % vocab).collect() };
+    let prompt = |s: usize| -> Vec<u32> {
+        (0..context)
+            .map(|i| ((i * 7919 + s * 104_729 + 1) as u32) % vocab)
+            .collect()
+    };
 
     let mut logits = Vec::new();
     let mut next = vec![0u32; batch];
@@ -120,20 +133,32 @@ pub fn decode_throughput(
 
 /// Prefill throughput in tokens per second: one sequence of `tokens` tokens
 /// computed in steps of `chunk` tokens (logits only at the end).
-pub fn prefill_throughput(model: &Model, pool: &Pool, tokens: usize, chunk: usize) -> anyhow::Result<f64> {
+pub fn prefill_throughput(
+    model: &Model,
+    pool: &Pool,
+    tokens: usize,
+    chunk: usize,
+) -> anyhow::Result<f64> {
     anyhow::ensure!(tokens > 0 && chunk > 0, "tokens and chunk must be positive");
     let cfg = model.config();
     let blocks = tokens.div_ceil(BLOCK_SIZE);
     let kv = KvCache::new(pool, cfg, blocks)?;
     let mut ws = Workspace::new(pool, cfg, chunk.min(tokens))?;
     let table: Vec<u32> = (0..blocks as u32).collect();
-    let toks: Vec<u32> = (0..tokens).map(|i| ((i * 7919 + 1) % cfg.vocab_size) as u32).collect();
+    let toks: Vec<u32> = (0..tokens)
+        .map(|i| ((i * 7919 + 1) % cfg.vocab_size) as u32)
+        .collect();
     let mut logits = Vec::new();
     let t = Instant::now();
     let mut start = 0;
     while start < tokens {
         let end = (start + chunk).min(tokens);
-        let input = SeqInput { tokens: &toks[start..end], start_pos: start, block_table: &table, want_logits: end == tokens };
+        let input = SeqInput {
+            tokens: &toks[start..end],
+            start_pos: start,
+            block_table: &table,
+            want_logits: end == tokens,
+        };
         model.forward(&kv, &mut ws, std::slice::from_ref(&input), &mut logits)?;
         start = end;
     }
@@ -157,7 +182,10 @@ pub fn argmax(row: &[f32]) -> u32 {
 fn pack_nibbles(q: &[u8], five: bool, out: &mut [u8]) {
     let mut at = 0;
     if five {
-        let bits = q.iter().enumerate().fold(0u32, |b, (i, &v)| b | (((v >> 4) & 1) as u32) << i);
+        let bits = q
+            .iter()
+            .enumerate()
+            .fold(0u32, |b, (i, &v)| b | (((v >> 4) & 1) as u32) << i);
         out[..4].copy_from_slice(&bits.to_le_bytes());
         at = 4;
     }
@@ -179,7 +207,11 @@ pub fn quantize_row(q: crate::qkernels::QType, values: &[f32], out: &mut [u8]) {
             QType::Q8_0 => {
                 let amax = x.iter().fold(0f32, |a, v| a.max(v.abs()));
                 let d = f16::from_f32(amax / 127.0);
-                let id = if d.to_f32() == 0.0 { 0.0 } else { 1.0 / d.to_f32() };
+                let id = if d.to_f32() == 0.0 {
+                    0.0
+                } else {
+                    1.0 / d.to_f32()
+                };
                 o[..2].copy_from_slice(&d.to_le_bytes());
                 for (i, v) in x.iter().enumerate() {
                     o[2 + i] = ((v * id).round().clamp(-127.0, 127.0) as i8) as u8;
@@ -190,7 +222,11 @@ pub fn quantize_row(q: crate::qkernels::QType, values: &[f32], out: &mut [u8]) {
                 let hi = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
                 let d = f16::from_f32((hi - lo) / 15.0);
                 let m = f16::from_f32(lo);
-                let id = if d.to_f32() == 0.0 { 0.0 } else { 1.0 / d.to_f32() };
+                let id = if d.to_f32() == 0.0 {
+                    0.0
+                } else {
+                    1.0 / d.to_f32()
+                };
                 o[..2].copy_from_slice(&d.to_le_bytes());
                 o[2..4].copy_from_slice(&m.to_le_bytes());
                 let nib = |v: f32| ((v - m.to_f32()) * id).round().clamp(0.0, 15.0) as u8;
@@ -202,11 +238,21 @@ pub fn quantize_row(q: crate::qkernels::QType, values: &[f32], out: &mut [u8]) {
                 // d = (the value of largest magnitude) / -2^(bits-1), q = round(x/d) + 2^(bits-1).
                 let five = q == QType::Q5_0;
                 let half = if five { 16.0 } else { 8.0 };
-                let max = x.iter().copied().fold(0f32, |a, v| if v.abs() > a.abs() { v } else { a });
+                let max = x
+                    .iter()
+                    .copied()
+                    .fold(0f32, |a, v| if v.abs() > a.abs() { v } else { a });
                 let d = f16::from_f32(max / -half);
-                let id = if d.to_f32() == 0.0 { 0.0 } else { 1.0 / d.to_f32() };
+                let id = if d.to_f32() == 0.0 {
+                    0.0
+                } else {
+                    1.0 / d.to_f32()
+                };
                 let top = 2.0 * half - 1.0;
-                let qv: Vec<u8> = x.iter().map(|v| (v * id + half).round().clamp(0.0, top) as u8).collect();
+                let qv: Vec<u8> = x
+                    .iter()
+                    .map(|v| (v * id + half).round().clamp(0.0, top) as u8)
+                    .collect();
                 o[..2].copy_from_slice(&d.to_le_bytes());
                 pack_nibbles(&qv, five, &mut o[2..]);
             }
@@ -215,8 +261,15 @@ pub fn quantize_row(q: crate::qkernels::QType, values: &[f32], out: &mut [u8]) {
                 let hi = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
                 let d = f16::from_f32((hi - lo) / 31.0);
                 let m = f16::from_f32(lo);
-                let id = if d.to_f32() == 0.0 { 0.0 } else { 1.0 / d.to_f32() };
-                let qv: Vec<u8> = x.iter().map(|v| ((v - m.to_f32()) * id).round().clamp(0.0, 31.0) as u8).collect();
+                let id = if d.to_f32() == 0.0 {
+                    0.0
+                } else {
+                    1.0 / d.to_f32()
+                };
+                let qv: Vec<u8> = x
+                    .iter()
+                    .map(|v| ((v - m.to_f32()) * id).round().clamp(0.0, 31.0) as u8)
+                    .collect();
                 o[..2].copy_from_slice(&d.to_le_bytes());
                 o[2..4].copy_from_slice(&m.to_le_bytes());
                 pack_nibbles(&qv, true, &mut o[4..]);
@@ -244,7 +297,13 @@ pub fn synthetic_model_with(
     use crate::weights::{DType, LayerWeights, TensorRef, Weights, WeightsLayout};
     use crate::Arch;
     cfg.validate()?;
-    let (h, q, kv, inter, hd) = (cfg.hidden_size, cfg.q_dim(), cfg.kv_dim(), cfg.intermediate_size, cfg.head_dim);
+    let (h, q, kv, inter, hd) = (
+        cfg.hidden_size,
+        cfg.q_dim(),
+        cfg.kv_dim(),
+        cfg.intermediate_size,
+        cfg.head_dim,
+    );
     let mut lay = WeightsLayout::new();
     let embed = lay.push(&[cfg.vocab_size, h]);
     let linear = |lay: &mut WeightsLayout, shape: &[usize]| match quant {
@@ -265,10 +324,26 @@ pub fn synthetic_model_with(
         let w_gate = linear(&mut lay, &[inter, h]);
         let w_up = linear(&mut lay, &[inter, h]);
         let w_down = linear(&mut lay, &[h, inter]);
-        layers.push(LayerWeights { attn_norm, wq, wk, wv, wo, q_norm, k_norm, ffn_norm, w_gate, w_up, w_down });
+        layers.push(LayerWeights {
+            attn_norm,
+            wq,
+            wk,
+            wv,
+            wo,
+            q_norm,
+            k_norm,
+            ffn_norm,
+            w_gate,
+            w_up,
+            w_down,
+        });
     }
     let final_norm = lay.push(&[h]);
-    let lm_head = if cfg.tie_word_embeddings { embed.clone() } else { lay.push(&[cfg.vocab_size, h]) };
+    let lm_head = if cfg.tie_word_embeddings {
+        embed.clone()
+    } else {
+        lay.push(&[cfg.vocab_size, h])
+    };
     let region = pool.allocate(pdkv_vmem::Tag::Weights, lay.total_bytes())?;
 
     let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ 0xD1B5_4A32_D192_ED03;
@@ -284,10 +359,15 @@ pub fn synthetic_model_with(
         // SAFETY: the region was just allocated and has no other views;
         // tensors from the layout never overlap.
         match t.dtype {
-            DType::F32 => unsafe { region.slice_mut::<f32>(t.offset, t.numel()) }.copy_from_slice(&values),
+            DType::F32 => {
+                unsafe { region.slice_mut::<f32>(t.offset, t.numel()) }.copy_from_slice(&values)
+            }
             DType::Quant(qt) => {
                 let dst = unsafe { region.slice_mut::<u8>(t.offset, t.bytes()) };
-                for (row, out) in values.chunks(t.shape[1]).zip(dst.chunks_mut(qt.row_bytes(t.shape[1]))) {
+                for (row, out) in values
+                    .chunks(t.shape[1])
+                    .zip(dst.chunks_mut(qt.row_bytes(t.shape[1])))
+                {
                     quantize_row(qt, row, out);
                 }
             }
@@ -313,6 +393,12 @@ pub fn synthetic_model_with(
     if !cfg.tie_word_embeddings {
         fill(&lm_head, 0.0, 1.0 / (h as f32).sqrt());
     }
-    let weights = Weights { region, embed, layers, final_norm, lm_head };
+    let weights = Weights {
+        region,
+        embed,
+        layers,
+        final_norm,
+        lm_head,
+    };
     Ok(Model::new(cfg.clone(), weights))
 }

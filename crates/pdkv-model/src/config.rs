@@ -58,7 +58,11 @@ impl ModelConfig {
             self.num_heads,
             self.num_kv_heads
         );
-        anyhow::ensure!(self.head_dim.is_multiple_of(2), "head_dim {} must be even for RoPE", self.head_dim);
+        anyhow::ensure!(
+            self.head_dim.is_multiple_of(2),
+            "head_dim {} must be even for RoPE",
+            self.head_dim
+        );
         Ok(())
     }
 }

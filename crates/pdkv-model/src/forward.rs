@@ -15,9 +15,9 @@ use pdkv_vmem::{Pool, Region, Tag};
 use rayon::prelude::*;
 
 use crate::kernels::{self, AttendArgs, Linear};
+use crate::kv::KvCache;
 use crate::qkernels::{self, QActs, QLinear};
 use crate::weights::Mat;
-use crate::kv::KvCache;
 use crate::weights::Weights;
 use crate::{Arch, ModelConfig, BLOCK_SIZE};
 
@@ -193,7 +193,18 @@ impl Workspace {
         let d = self.dims;
         let cap = self.cap_tokens;
         assert!(t <= cap);
-        let sizes = [d.hidden, d.hidden, d.q, d.kv, d.kv, d.q, d.inter, d.inter, d.half_head, d.half_head];
+        let sizes = [
+            d.hidden,
+            d.hidden,
+            d.q,
+            d.kv,
+            d.kv,
+            d.q,
+            d.inter,
+            d.inter,
+            d.half_head,
+            d.half_head,
+        ];
         let base = self.act.base() as *mut f32;
         let mut off = 0;
         let mut take = |per: usize| {
@@ -240,9 +251,14 @@ const ROWS_PER_JOB: usize = 8;
 /// when there are enough rows. Each row is processed independently.
 fn for_rows(buf: &mut [f32], len: usize, f: impl Fn(usize, &mut [f32]) + Sync) {
     if buf.len() <= len * ROWS_PER_JOB {
-        buf.chunks_exact_mut(len).enumerate().for_each(|(i, r)| f(i, r));
+        buf.chunks_exact_mut(len)
+            .enumerate()
+            .for_each(|(i, r)| f(i, r));
     } else {
-        buf.par_chunks_exact_mut(len).with_min_len(ROWS_PER_JOB).enumerate().for_each(|(i, r)| f(i, r));
+        buf.par_chunks_exact_mut(len)
+            .with_min_len(ROWS_PER_JOB)
+            .enumerate()
+            .for_each(|(i, r)| f(i, r));
     }
 }
 
@@ -251,8 +267,14 @@ impl Model {
         let inv_freq = kernels::rope_inv_freq(config.rope_theta, config.head_dim);
         // Block-format matrices take int8 activations unless the process
         // says PDKV_INT8_ACTIVATIONS=0 (f32 activations, the f32 path's bits).
-        let int8_activations = std::env::var("PDKV_INT8_ACTIVATIONS").map_or(true, |v| v.trim() != "0");
-        Model { config, weights, inv_freq, int8_activations }
+        let int8_activations =
+            std::env::var("PDKV_INT8_ACTIVATIONS").map_or(true, |v| v.trim() != "0");
+        Model {
+            config,
+            weights,
+            inv_freq,
+            int8_activations,
+        }
     }
 
     /// Chooses how block-format matrices are multiplied (see the field).
@@ -324,7 +346,10 @@ impl Model {
         for (si, s) in seqs.iter().enumerate() {
             let every = every_row.get(si).copied().unwrap_or(false);
             for i in 0..s.tokens.len() {
-                ws.tokens.push(TokenMeta { seq: si, pos: s.start_pos + i });
+                ws.tokens.push(TokenMeta {
+                    seq: si,
+                    pos: s.start_pos + i,
+                });
                 if every {
                     ws.logit_rows.push(ws.tokens.len() - 1);
                 }
@@ -344,11 +369,19 @@ impl Model {
     /// bounds or race: tokens in vocabulary, block tables long enough with
     /// ids in range, and no block written by one sequence while another
     /// sequence of the step uses it.
-    fn validate(&self, kv: &KvCache, ws: &mut Workspace, seqs: &[SeqInput<'_>]) -> anyhow::Result<()> {
+    fn validate(
+        &self,
+        kv: &KvCache,
+        ws: &mut Workspace,
+        seqs: &[SeqInput<'_>],
+    ) -> anyhow::Result<()> {
         let vocab = self.config.vocab_size;
         ws.written.clear();
         for (si, s) in seqs.iter().enumerate() {
-            ensure!(!s.tokens.is_empty(), "sequence {si} of the step has no tokens");
+            ensure!(
+                !s.tokens.is_empty(),
+                "sequence {si} of the step has no tokens"
+            );
             if let Some(&t) = s.tokens.iter().find(|&&t| t as usize >= vocab) {
                 bail!("sequence {si}: token id {t} is outside the vocabulary of {vocab}");
             }
@@ -360,8 +393,14 @@ impl Model {
                 s.block_table.len(),
                 s.block_table.len() * BLOCK_SIZE
             );
-            if let Some(&b) = s.block_table[..need].iter().find(|&&b| b as usize >= kv.num_blocks()) {
-                bail!("sequence {si}: block id {b} is outside the cache of {} blocks", kv.num_blocks());
+            if let Some(&b) = s.block_table[..need]
+                .iter()
+                .find(|&&b| b as usize >= kv.num_blocks())
+            {
+                bail!(
+                    "sequence {si}: block id {b} is outside the cache of {} blocks",
+                    kv.num_blocks()
+                );
             }
             for &b in &s.block_table[s.start_pos / BLOCK_SIZE..need] {
                 ws.written.push((b, si));
@@ -383,14 +422,23 @@ impl Model {
             for &b in &s.block_table[..need] {
                 if let Ok(i) = ws.written.binary_search_by_key(&b, |&(wb, _)| wb) {
                     let writer = ws.written[i].1;
-                    ensure!(writer == si, "block {b} is written by sequence {writer} while sequence {si} reads it");
+                    ensure!(
+                        writer == si,
+                        "block {b} is written by sequence {writer} while sequence {si} reads it"
+                    );
                 }
             }
         }
         Ok(())
     }
 
-    fn run_step(&self, kv: &KvCache, ws: &mut Workspace, seqs: &[SeqInput<'_>], logits: &mut Vec<f32>) {
+    fn run_step(
+        &self,
+        kv: &KvCache,
+        ws: &mut Workspace,
+        seqs: &[SeqInput<'_>],
+        logits: &mut Vec<f32>,
+    ) {
         let cfg = &self.config;
         let w = &self.weights;
         let (hidden, hd, eps) = (cfg.hidden_size, cfg.head_dim, cfg.rms_norm_eps);
@@ -411,12 +459,19 @@ impl Model {
         let mut row = 0;
         for s in seqs {
             for &tok in s.tokens {
-                w.row_into(&w.embed, tok as usize, &mut b.x[row * hidden..(row + 1) * hidden]);
+                w.row_into(
+                    &w.embed,
+                    tok as usize,
+                    &mut b.x[row * hidden..(row + 1) * hidden],
+                );
                 row += 1;
             }
         }
         for (i, tm) in tokens.iter().enumerate() {
-            let (c, s) = (&mut b.cos[i * half..(i + 1) * half], &mut b.sin[i * half..(i + 1) * half]);
+            let (c, s) = (
+                &mut b.cos[i * half..(i + 1) * half],
+                &mut b.sin[i * half..(i + 1) * half],
+            );
             kernels::rope_cos_sin(tm.pos, &self.inv_freq, c, s);
         }
 
@@ -434,7 +489,14 @@ impl Model {
                 while r < n {
                     let r1 = (r + ATTN_ROWS).min(n);
                     let (h0, h1) = (kv_head * group, (kv_head + 1) * group);
-                    tasks.push(AttnTask { seq: si, kv_head, row0: row0 + r, row1: row0 + r1, h0, h1 });
+                    tasks.push(AttnTask {
+                        seq: si,
+                        kv_head,
+                        row0: row0 + r,
+                        row1: row0 + r1,
+                        h0,
+                        h1,
+                    });
                     r = r1;
                 }
             }
@@ -444,7 +506,11 @@ impl Model {
             for i in 0..tasks.len() {
                 let t = tasks[i];
                 tasks[i].h1 = t.h0 + 1;
-                tasks.extend((t.h0 + 1..t.h1).map(|h| AttnTask { h0: h, h1: h + 1, ..t }));
+                tasks.extend((t.h0 + 1..t.h1).map(|h| AttnTask {
+                    h0: h,
+                    h1: h + 1,
+                    ..t
+                }));
             }
         }
 
@@ -455,7 +521,9 @@ impl Model {
             let attn_norm = w.get(&lw.attn_norm);
             {
                 let x = &*b.x;
-                for_rows(b.h, hidden, |i, h| kernels::rmsnorm(&x[i * hidden..(i + 1) * hidden], attn_norm, eps, h));
+                for_rows(b.h, hidden, |i, h| {
+                    kernels::rmsnorm(&x[i * hidden..(i + 1) * hidden], attn_norm, eps, h)
+                });
             }
             project(
                 int8,
@@ -463,10 +531,22 @@ impl Model {
                 b.h,
                 t_all,
                 hidden,
-                [(w.mat(&lw.wq), q_dim, &mut *b.q), (w.mat(&lw.wk), kv_dim, &mut *b.k), (w.mat(&lw.wv), kv_dim, &mut *b.v)],
+                [
+                    (w.mat(&lw.wq), q_dim, &mut *b.q),
+                    (w.mat(&lw.wk), kv_dim, &mut *b.k),
+                    (w.mat(&lw.wv), kv_dim, &mut *b.v),
+                ],
             );
-            let qn = lw.q_norm.as_ref().filter(|_| cfg.arch == Arch::Qwen3).map(|t| w.get(t));
-            let kn = lw.k_norm.as_ref().filter(|_| cfg.arch == Arch::Qwen3).map(|t| w.get(t));
+            let qn = lw
+                .q_norm
+                .as_ref()
+                .filter(|_| cfg.arch == Arch::Qwen3)
+                .map(|t| w.get(t));
+            let kn = lw
+                .k_norm
+                .as_ref()
+                .filter(|_| cfg.arch == Arch::Qwen3)
+                .map(|t| w.get(t));
             norm_rope(b.q, hd, qn, eps, b.cos, b.sin);
             norm_rope(b.k, hd, kn, eps, b.cos, b.sin);
             // K/V of the step's tokens go into the cache before any query reads them.
@@ -499,7 +579,10 @@ impl Model {
                     // one task at a time, tasks do not nest); `reserve` sized
                     // the rows for the longest context of the step.
                     let sc = unsafe {
-                        std::slice::from_raw_parts_mut(scores_base.get().add(tid * scores_len), scores_len)
+                        std::slice::from_raw_parts_mut(
+                            scores_base.get().add(tid * scores_len),
+                            scores_len,
+                        )
                     };
                     for (r, tm) in tokens.iter().enumerate().take(task.row1).skip(task.row0) {
                         for head in task.h0..task.h1 {
@@ -509,28 +592,61 @@ impl Model {
                             // the query's, written above or by earlier steps.
                             unsafe {
                                 let out = std::slice::from_raw_parts_mut(att.get().add(off), hd);
-                                let args = AttendArgs { q: &q[off..off + hd], pos: tm.pos, rows, scale };
+                                let args = AttendArgs {
+                                    q: &q[off..off + hd],
+                                    pos: tm.pos,
+                                    rows,
+                                    scale,
+                                };
                                 kernels::attend(&args, sc, out);
                             }
                         }
                     }
                 });
             }
-            project(int8, &mut qa, b.att, t_all, q_dim, [(w.mat(&lw.wo), hidden, &mut *b.h)]);
+            project(
+                int8,
+                &mut qa,
+                b.att,
+                t_all,
+                q_dim,
+                [(w.mat(&lw.wo), hidden, &mut *b.h)],
+            );
             add_into(b.x, b.h);
 
             // MLP block.
             let ffn_norm = w.get(&lw.ffn_norm);
             {
                 let x = &*b.x;
-                for_rows(b.h, hidden, |i, h| kernels::rmsnorm(&x[i * hidden..(i + 1) * hidden], ffn_norm, eps, h));
+                for_rows(b.h, hidden, |i, h| {
+                    kernels::rmsnorm(&x[i * hidden..(i + 1) * hidden], ffn_norm, eps, h)
+                });
             }
-            project(int8, &mut qa, b.h, t_all, hidden, [(w.mat(&lw.w_gate), inter, &mut *b.gate), (w.mat(&lw.w_up), inter, &mut *b.up)]);
+            project(
+                int8,
+                &mut qa,
+                b.h,
+                t_all,
+                hidden,
+                [
+                    (w.mat(&lw.w_gate), inter, &mut *b.gate),
+                    (w.mat(&lw.w_up), inter, &mut *b.up),
+                ],
+            );
             {
                 let up = &*b.up;
-                for_rows(b.gate, inter, |i, g| kernels::silu_mul(g, &up[i * inter..(i + 1) * inter]));
+                for_rows(b.gate, inter, |i, g| {
+                    kernels::silu_mul(g, &up[i * inter..(i + 1) * inter])
+                });
             }
-            project(int8, &mut qa, b.gate, t_all, inter, [(w.mat(&lw.w_down), hidden, &mut *b.h)]);
+            project(
+                int8,
+                &mut qa,
+                b.gate,
+                t_all,
+                inter,
+                [(w.mat(&lw.w_down), hidden, &mut *b.h)],
+            );
             add_into(b.x, b.h);
         }
 
@@ -538,12 +654,24 @@ impl Model {
         let final_norm = w.get(&w.final_norm);
         let n_out = logit_rows.len();
         for (i, &r) in logit_rows.iter().enumerate() {
-            kernels::rmsnorm(&b.x[r * hidden..(r + 1) * hidden], final_norm, eps, &mut b.h[i * hidden..(i + 1) * hidden]);
+            kernels::rmsnorm(
+                &b.x[r * hidden..(r + 1) * hidden],
+                final_norm,
+                eps,
+                &mut b.h[i * hidden..(i + 1) * hidden],
+            );
         }
         if n_out > 0 {
             let vocab = cfg.vocab_size;
             logits.resize(n_out * vocab, 0.0);
-            project(int8, &mut qa, &b.h[..n_out * hidden], n_out, hidden, [(w.mat(&w.lm_head), vocab, &mut logits[..])]);
+            project(
+                int8,
+                &mut qa,
+                &b.h[..n_out * hidden],
+                n_out,
+                hidden,
+                [(w.mat(&w.lm_head), vocab, &mut logits[..])],
+            );
         }
 
         ws.tokens = tokens;
@@ -564,7 +692,10 @@ fn project<const N: usize>(
     k: usize,
     outs: [(Mat<'_>, usize, &mut [f32]); N],
 ) {
-    let quantised = outs.iter().filter(|o| matches!(o.0, Mat::Quant(..))).count();
+    let quantised = outs
+        .iter()
+        .filter(|o| matches!(o.0, Mat::Quant(..)))
+        .count();
     if quantised > 0 && int8 {
         qa.quantize(&x[..m * k], m, k);
     }
@@ -591,8 +722,15 @@ fn project<const N: usize>(
         for (w, n, y) in outs {
             match w {
                 Mat::F32(w) => kernels::matmul(x, m, k, w, n, y),
-                Mat::Quant(ty, w) if int8 => qkernels::qmatmul_many(qa, &mut [QLinear { ty, w, n, y }]),
-                Mat::Quant(ty, w) => kernels::matmul_blocks_many(x, m, k, &mut [kernels::BlockLinear { ty, w, n, y }]),
+                Mat::Quant(ty, w) if int8 => {
+                    qkernels::qmatmul_many(qa, &mut [QLinear { ty, w, n, y }])
+                }
+                Mat::Quant(ty, w) => kernels::matmul_blocks_many(
+                    x,
+                    m,
+                    k,
+                    &mut [kernels::BlockLinear { ty, w, n, y }],
+                ),
             }
         }
     }
@@ -605,7 +743,10 @@ fn norm_rope(buf: &mut [f32], hd: usize, norm: Option<&[f32]>, eps: f32, cos: &[
     let tokens = cos.len() / half;
     let row_len = buf.len() / tokens.max(1);
     for_rows(buf, row_len, |i, r| {
-        let (c, s) = (&cos[i * half..(i + 1) * half], &sin[i * half..(i + 1) * half]);
+        let (c, s) = (
+            &cos[i * half..(i + 1) * half],
+            &sin[i * half..(i + 1) * half],
+        );
         for head in r.chunks_exact_mut(hd) {
             if let Some(nw) = norm {
                 kernels::rmsnorm_inplace(head, nw, eps);

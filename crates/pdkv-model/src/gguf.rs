@@ -653,7 +653,10 @@ pub(crate) fn k_scale_min(s: &[u8; 12], j: usize) -> (u8, u8) {
     if j < 4 {
         (s[j] & 63, s[j + 4] & 63)
     } else {
-        ((s[j + 4] & 0x0f) | (s[j - 4] >> 6) << 4, (s[j + 4] >> 4) | (s[j] >> 6) << 4)
+        (
+            (s[j + 4] & 0x0f) | (s[j - 4] >> 6) << 4,
+            (s[j + 4] >> 4) | (s[j] >> 6) << 4,
+        )
     }
 }
 
@@ -772,7 +775,11 @@ pub fn dequantize(ty: GgmlType, data: &[u8], out: &mut [f32]) -> Result<()> {
             for (o, b) in out.chunks_exact_mut(256).zip(data.chunks_exact(bb)) {
                 let (d, dmin) = (f16_at(b, 0), f16_at(b, 2));
                 let scales: &[u8; 12] = b[4..16].try_into().expect("12 bytes");
-                let (qh, qs) = if five { (&b[16..48], &b[48..176]) } else { (&b[0..0], &b[16..144]) };
+                let (qh, qs) = if five {
+                    (&b[16..48], &b[48..176])
+                } else {
+                    (&b[0..0], &b[16..144])
+                };
                 for sub in 0..8 {
                     let (sc, mn) = k_scale_min(scales, sub);
                     let (dl, ml) = (d * sc as f32, dmin * mn as f32);

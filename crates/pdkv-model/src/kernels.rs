@@ -57,7 +57,11 @@ pub fn thread_pool() -> &'static rayon::ThreadPool {
             .ok()
             .and_then(|s| s.parse::<usize>().ok())
             .filter(|&n| n > 0)
-            .unwrap_or_else(|| std::thread::available_parallelism().map(|n| n.get()).unwrap_or(2));
+            .unwrap_or_else(|| {
+                std::thread::available_parallelism()
+                    .map(|n| n.get())
+                    .unwrap_or(2)
+            });
         rayon::ThreadPoolBuilder::new()
             .num_threads(n)
             .thread_name(|i| format!("pdkv-math-{i}"))
@@ -99,10 +103,28 @@ pub fn matmul_many(x: &[f32], m: usize, k: usize, outs: &mut [Linear<'_>]) {
 
 /// [`matmul_many`] with an explicit backend (tests exercise both).
 pub fn matmul_many_with(be: Backend, x: &[f32], m: usize, k: usize, outs: &mut [Linear<'_>]) {
-    assert!(x.len() >= m * k, "x has {} floats, need {}x{}", x.len(), m, k);
+    assert!(
+        x.len() >= m * k,
+        "x has {} floats, need {}x{}",
+        x.len(),
+        m,
+        k
+    );
     for o in outs.iter() {
-        assert!(o.w.len() >= o.n * k, "w has {} floats, need {}x{}", o.w.len(), o.n, k);
-        assert!(o.y.len() >= m * o.n, "y has {} floats, need {}x{}", o.y.len(), m, o.n);
+        assert!(
+            o.w.len() >= o.n * k,
+            "w has {} floats, need {}x{}",
+            o.w.len(),
+            o.n,
+            k
+        );
+        assert!(
+            o.y.len() >= m * o.n,
+            "y has {} floats, need {}x{}",
+            o.y.len(),
+            m,
+            o.n
+        );
     }
     if m == 0 || k == 0 {
         for o in outs.iter_mut() {
@@ -116,7 +138,11 @@ pub fn matmul_many_with(be: Backend, x: &[f32], m: usize, k: usize, outs: &mut [
         }
         return;
     }
-    let mut mats = [(SendConstPtr(std::ptr::null()), SendPtr(std::ptr::null_mut()), 0usize); MAX_MANY];
+    let mut mats = [(
+        SendConstPtr(std::ptr::null()),
+        SendPtr(std::ptr::null_mut()),
+        0usize,
+    ); MAX_MANY];
     for (slot, o) in mats.iter_mut().zip(outs.iter_mut()) {
         *slot = (SendConstPtr(o.w.as_ptr()), SendPtr(o.y.as_mut_ptr()), o.n);
     }
@@ -126,7 +152,21 @@ pub fn matmul_many_with(be: Backend, x: &[f32], m: usize, k: usize, outs: &mut [
         let (w, y, n) = mats[i];
         // SAFETY: shapes were checked above; jobs write disjoint column
         // ranges of their `y`, and every `y` is a distinct &mut borrow.
-        unsafe { run_job(be, x.get(), m, k, &Job { w: w.get(), y, n, j0, j1 }) }
+        unsafe {
+            run_job(
+                be,
+                x.get(),
+                m,
+                k,
+                &Job {
+                    w: w.get(),
+                    y,
+                    n,
+                    j0,
+                    j1,
+                },
+            )
+        }
     });
 }
 
@@ -135,7 +175,11 @@ pub fn matmul_many_with(be: Backend, x: &[f32], m: usize, k: usize, outs: &mut [
 /// `run(matrix, j0, j1)` for each on the current rayon pool. A job owns a
 /// column range of its matrix's `y` and the matching rows of its `w`. Job
 /// descriptors live on the stack: a step allocates nothing here.
-pub(crate) fn for_each_job(ns: impl Iterator<Item = usize>, tile: usize, run: impl Fn(usize, usize, usize) + Sync) {
+pub(crate) fn for_each_job(
+    ns: impl Iterator<Item = usize>,
+    tile: usize,
+    run: impl Fn(usize, usize, usize) + Sync,
+) {
     let threads = rayon::current_num_threads().max(1);
     // Per matrix: features, features per job, index of its first job.
     let mut mats = [(0usize, 0usize, 0usize); MAX_MANY];
@@ -148,7 +192,12 @@ pub(crate) fn for_each_job(ns: impl Iterator<Item = usize>, tile: usize, run: im
     }
     let mats = &mats[..count];
     let job = |i: usize| {
-        let (mi, &(n, per, first)) = mats.iter().enumerate().rev().find(|(_, mat)| mat.2 <= i).expect("job index in range");
+        let (mi, &(n, per, first)) = mats
+            .iter()
+            .enumerate()
+            .rev()
+            .find(|(_, mat)| mat.2 <= i)
+            .expect("job index in range");
         let j0 = (i - first) * per;
         run(mi, j0, (j0 + per).min(n));
     };
@@ -178,12 +227,38 @@ pub fn matmul_blocks_many(x: &[f32], m: usize, k: usize, outs: &mut [BlockLinear
 }
 
 /// [`matmul_blocks_many`] with an explicit backend.
-pub fn matmul_blocks_many_with(be: Backend, x: &[f32], m: usize, k: usize, outs: &mut [BlockLinear<'_>]) {
-    assert!(x.len() >= m * k, "x has {} floats, need {}x{}", x.len(), m, k);
-    assert!(k % crate::qkernels::QK == 0, "rows of {k} values are not whole 32-value blocks");
+pub fn matmul_blocks_many_with(
+    be: Backend,
+    x: &[f32],
+    m: usize,
+    k: usize,
+    outs: &mut [BlockLinear<'_>],
+) {
+    assert!(
+        x.len() >= m * k,
+        "x has {} floats, need {}x{}",
+        x.len(),
+        m,
+        k
+    );
+    assert!(
+        k % crate::qkernels::QK == 0,
+        "rows of {k} values are not whole 32-value blocks"
+    );
     for o in outs.iter() {
-        assert!(o.w.len() >= o.n * o.ty.row_bytes(k), "w has {} bytes, need {} rows", o.w.len(), o.n);
-        assert!(o.y.len() >= m * o.n, "y has {} floats, need {}x{}", o.y.len(), m, o.n);
+        assert!(
+            o.w.len() >= o.n * o.ty.row_bytes(k),
+            "w has {} bytes, need {} rows",
+            o.w.len(),
+            o.n
+        );
+        assert!(
+            o.y.len() >= m * o.n,
+            "y has {} floats, need {}x{}",
+            o.y.len(),
+            m,
+            o.n
+        );
     }
     if m == 0 {
         return;
@@ -194,9 +269,21 @@ pub fn matmul_blocks_many_with(be: Backend, x: &[f32], m: usize, k: usize, outs:
         }
         return;
     }
-    let mut mats = [(crate::qkernels::QType::Q8_0, SendConstPtr(std::ptr::null()), 0usize, SendPtr(std::ptr::null_mut()), 0usize); MAX_MANY];
+    let mut mats = [(
+        crate::qkernels::QType::Q8_0,
+        SendConstPtr(std::ptr::null()),
+        0usize,
+        SendPtr(std::ptr::null_mut()),
+        0usize,
+    ); MAX_MANY];
     for (slot, o) in mats.iter_mut().zip(outs.iter_mut()) {
-        *slot = (o.ty, SendConstPtr(o.w.as_ptr()), o.w.len(), SendPtr(o.y.as_mut_ptr()), o.n);
+        *slot = (
+            o.ty,
+            SendConstPtr(o.w.as_ptr()),
+            o.w.len(),
+            SendPtr(o.y.as_mut_ptr()),
+            o.n,
+        );
     }
     let mats = &mats[..outs.len()];
     let xp = SendConstPtr(x.as_ptr());
@@ -212,7 +299,9 @@ pub fn matmul_blocks_many_with(be: Backend, x: &[f32], m: usize, k: usize, outs:
             for j in j0..j1 {
                 // SAFETY: AVX2 is present (the backend); row `j` of `w`,
                 // `m` rows of `x` and column `j` of `y` are in bounds.
-                unsafe { avx2::block_rows(ty, &wb[j * rb..(j + 1) * rb], xp.get(), m, k, y.0.add(j), n) };
+                unsafe {
+                    avx2::block_rows(ty, &wb[j * rb..(j + 1) * rb], xp.get(), m, k, y.0.add(j), n)
+                };
             }
             return;
         }
@@ -226,11 +315,22 @@ pub fn matmul_blocks_many_with(be: Backend, x: &[f32], m: usize, k: usize, outs:
             while p0 < j1 {
                 let p1 = (p0 + panel).min(j1);
                 for r in p0..p1 {
-                    dequantize_row(be, ty, &wb[r * rb..(r + 1) * rb], &mut scratch[(r - p0) * k..(r - p0 + 1) * k]);
+                    dequantize_row(
+                        be,
+                        ty,
+                        &wb[r * rb..(r + 1) * rb],
+                        &mut scratch[(r - p0) * k..(r - p0 + 1) * k],
+                    );
                 }
                 // SAFETY: the scratch holds rows p0..p1 as f32; the job owns
                 // columns p0..p1 of `y`, which start `p0` floats in.
-                let job = Job { w: scratch.as_ptr(), y: SendPtr(unsafe { y.0.add(p0) }), n, j0: 0, j1: p1 - p0 };
+                let job = Job {
+                    w: scratch.as_ptr(),
+                    y: SendPtr(unsafe { y.0.add(p0) }),
+                    n,
+                    j0: 0,
+                    j1: p1 - p0,
+                };
                 unsafe { run_job(be, xp.get(), m, k, &job) };
                 p0 = p1;
             }
@@ -402,7 +502,10 @@ mod avx2 {
     /// The formats [`dequantize_row`] and [`block_rows`] handle (the others
     /// go through [`crate::gguf::dequantize`] and the f32 tiles).
     pub(super) fn has_block_kernels(ty: crate::qkernels::QType) -> bool {
-        matches!(ty, crate::qkernels::QType::Q8_0 | crate::qkernels::QType::Q4_1)
+        matches!(
+            ty,
+            crate::qkernels::QType::Q8_0 | crate::qkernels::QType::Q4_1
+        )
     }
 
     /// A block-format row as f32: `d*q` (Q8_0), `d*q + m` (Q4_1), with a
@@ -429,7 +532,10 @@ mod avx2 {
                     let mask = _mm_set1_epi8(0x0f);
                     let lo = _mm_and_si128(bytes, mask);
                     let hi = _mm_and_si128(_mm_srli_epi16::<4>(bytes), mask);
-                    for (g, v) in [lo, _mm_srli_si128::<8>(lo), hi, _mm_srli_si128::<8>(hi)].into_iter().enumerate() {
+                    for (g, v) in [lo, _mm_srli_si128::<8>(lo), hi, _mm_srli_si128::<8>(hi)]
+                        .into_iter()
+                        .enumerate()
+                    {
                         let q = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v));
                         _mm256_storeu_ps(o.add(8 * g), _mm256_add_ps(_mm256_mul_ps(d, q), m));
                     }
@@ -445,7 +551,15 @@ mod avx2 {
     /// the same 8-lane accumulation as the f32 tiles, then the same
     /// horizontal sum (`k` is whole blocks, so there is no tail).
     #[target_feature(enable = "avx2,fma")]
-    pub(super) unsafe fn block_rows(ty: crate::qkernels::QType, w: &[u8], x: *const f32, m: usize, k: usize, y: *mut f32, ldy: usize) {
+    pub(super) unsafe fn block_rows(
+        ty: crate::qkernels::QType,
+        w: &[u8],
+        x: *const f32,
+        m: usize,
+        k: usize,
+        y: *mut f32,
+        ldy: usize,
+    ) {
         match m {
             1 => block_rows_n::<1>(ty, w, x, k, y, ldy),
             2 => block_rows_n::<2>(ty, w, x, k, y, ldy),
@@ -456,7 +570,14 @@ mod avx2 {
     }
 
     #[inline(always)]
-    unsafe fn block_rows_n<const R: usize>(ty: crate::qkernels::QType, w: &[u8], x: *const f32, k: usize, y: *mut f32, ldy: usize) {
+    unsafe fn block_rows_n<const R: usize>(
+        ty: crate::qkernels::QType,
+        w: &[u8],
+        x: *const f32,
+        k: usize,
+        y: *mut f32,
+        ldy: usize,
+    ) {
         use crate::qkernels::QType;
         let f16 = |b: &[u8]| half::f16::from_le_bytes([b[0], b[1]]).to_f32();
         let mut acc = [_mm256_setzero_ps(); R];
@@ -476,7 +597,10 @@ mod avx2 {
                     let mask = _mm_set1_epi8(0x0f);
                     let lo = _mm_and_si128(bytes, mask);
                     let hi = _mm_and_si128(_mm_srli_epi16::<4>(bytes), mask);
-                    for (gv, v) in g.iter_mut().zip([lo, _mm_srli_si128::<8>(lo), hi, _mm_srli_si128::<8>(hi)]) {
+                    for (gv, v) in
+                        g.iter_mut()
+                            .zip([lo, _mm_srli_si128::<8>(lo), hi, _mm_srli_si128::<8>(hi)])
+                    {
                         let q = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v));
                         *gv = _mm256_add_ps(_mm256_mul_ps(d, q), mn);
                     }
@@ -513,18 +637,27 @@ mod avx2 {
     pub(super) unsafe fn hsum8(v: &[__m256; 8]) -> __m256 {
         // [x.lo + x.hi | y.lo + y.hi]: hsum's first step for two vectors.
         let halves = |x: __m256, y: __m256| {
-            _mm256_add_ps(_mm256_permute2f128_ps::<0x20>(x, y), _mm256_permute2f128_ps::<0x31>(x, y))
+            _mm256_add_ps(
+                _mm256_permute2f128_ps::<0x20>(x, y),
+                _mm256_permute2f128_ps::<0x31>(x, y),
+            )
         };
         // Per 128-bit lane [b0+b2, b1+b3] of x, then of y: the second step.
         let pairs = |x: __m256, y: __m256| {
-            _mm256_add_ps(_mm256_shuffle_ps::<0b01_00_01_00>(x, y), _mm256_shuffle_ps::<0b11_10_11_10>(x, y))
+            _mm256_add_ps(
+                _mm256_shuffle_ps::<0b01_00_01_00>(x, y),
+                _mm256_shuffle_ps::<0b11_10_11_10>(x, y),
+            )
         };
         // The last step leaves lanes in the order (0, 2, 1, 3) per half, so
         // the inputs go in as 0, 2, 1, 3, 4, 6, 5, 7.
         let (w0, w1) = (halves(v[0], v[4]), halves(v[2], v[6]));
         let (w2, w3) = (halves(v[1], v[5]), halves(v[3], v[7]));
         let (u, z) = (pairs(w0, w2), pairs(w1, w3));
-        _mm256_add_ps(_mm256_shuffle_ps::<0b10_00_10_00>(u, z), _mm256_shuffle_ps::<0b11_01_11_01>(u, z))
+        _mm256_add_ps(
+            _mm256_shuffle_ps::<0b10_00_10_00>(u, z),
+            _mm256_shuffle_ps::<0b11_01_11_01>(u, z),
+        )
     }
 
     /// `MR x NR` register tile: `MR` rows of `x` (stride `k`) against `NR`
@@ -586,14 +719,23 @@ mod avx2 {
     const LOG2E: f32 = std::f32::consts::LOG2_E;
     const LN2_HI: f32 = 0.693_359_4;
     const LN2_LO: f32 = -2.121_944_4e-4;
-    const EXP_C: [f32; 6] = [1.987_569_1e-4, 1.398_199_9e-3, 8.333_452e-3, 4.166_579_6e-2, 1.666_666_5e-1, 0.5];
+    const EXP_C: [f32; 6] = [
+        1.987_569_1e-4,
+        1.398_199_9e-3,
+        8.333_452e-3,
+        4.166_579_6e-2,
+        1.666_666_5e-1,
+        0.5,
+    ];
 
     /// `exp(x)` for 8 lanes with `x <= 0`; inputs below `EXP_LO` give 0.
     #[inline(always)]
     unsafe fn exp8(x: __m256) -> __m256 {
         let tiny = _mm256_cmp_ps::<_CMP_LT_OQ>(x, _mm256_set1_ps(EXP_LO));
         let x = _mm256_max_ps(x, _mm256_set1_ps(EXP_LO));
-        let n = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(_mm256_mul_ps(x, _mm256_set1_ps(LOG2E)));
+        let n = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(
+            _mm256_mul_ps(x, _mm256_set1_ps(LOG2E)),
+        );
         let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(LN2_HI), x);
         let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(LN2_LO), r);
         let mut p = _mm256_set1_ps(EXP_C[0]);
@@ -631,7 +773,11 @@ mod avx2 {
     /// positions in order, so each element is `fma(p_t, v_t, acc)` over
     /// `t = 0..=pos`.
     #[target_feature(enable = "avx2,fma")]
-    pub(super) unsafe fn attend_one(args: &super::AttendArgs<'_>, scores: &mut [f32], out: &mut [f32]) {
+    pub(super) unsafe fn attend_one(
+        args: &super::AttendArgs<'_>,
+        scores: &mut [f32],
+        out: &mut [f32],
+    ) {
         let hd = args.q.len();
         let n = args.pos + 1;
         let scores = &mut scores[..n];
@@ -651,7 +797,11 @@ mod avx2 {
                 while p < hd {
                     let qv = _mm256_loadu_ps(q.add(p));
                     for (i, a) in acc.iter_mut().enumerate() {
-                        *a = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0.add(i * rows.row_stride + p)), *a);
+                        *a = _mm256_fmadd_ps(
+                            qv,
+                            _mm256_loadu_ps(k0.add(i * rows.row_stride + p)),
+                            *a,
+                        );
                     }
                     p += 8;
                 }
@@ -673,7 +823,10 @@ mod avx2 {
         let sp = scores.as_mut_ptr();
         let mut t = 0;
         while t < n8 {
-            _mm256_storeu_ps(sp.add(t), exp8(_mm256_sub_ps(_mm256_loadu_ps(sp.add(t)), mv)));
+            _mm256_storeu_ps(
+                sp.add(t),
+                exp8(_mm256_sub_ps(_mm256_loadu_ps(sp.add(t)), mv)),
+            );
             t += 8;
         }
         for s in &mut scores[n8..] {
@@ -702,7 +855,9 @@ mod avx2 {
         let bs = rows.block_size;
         let v_rows = |f: &mut dyn FnMut(*const f32, &[f32])| {
             for (bi, &blk) in rows.block_table[..n.div_ceil(bs)].iter().enumerate() {
-                let base = rows.base.wrapping_add(blk as usize * rows.block_stride + rows.head_offset + rows.v_offset);
+                let base = rows.base.wrapping_add(
+                    blk as usize * rows.block_stride + rows.head_offset + rows.v_offset,
+                );
                 f(base, &scores[bi * bs..((bi + 1) * bs).min(n)]);
             }
         };
@@ -727,7 +882,11 @@ mod avx2 {
             let mut acc = _mm256_setzero_ps();
             v_rows(&mut |base, ps| {
                 for (i, &p) in ps.iter().enumerate() {
-                    acc = _mm256_fmadd_ps(_mm256_set1_ps(p), _mm256_loadu_ps(base.add(i * rows.row_stride + c)), acc);
+                    acc = _mm256_fmadd_ps(
+                        _mm256_set1_ps(p),
+                        _mm256_loadu_ps(base.add(i * rows.row_stride + c)),
+                        acc,
+                    );
                 }
             });
             _mm256_storeu_ps(out.as_mut_ptr().add(c), acc);
@@ -752,7 +911,10 @@ mod avx2 {
             if super::super::backend() != super::super::Backend::Avx2Fma {
                 return;
             }
-            let xs: Vec<f32> = (0..4000).map(|i| -(i as f32) * 0.0231).chain([0.0, -1e-30, -87.0, -88.0, -1000.0]).collect();
+            let xs: Vec<f32> = (0..4000)
+                .map(|i| -(i as f32) * 0.0231)
+                .chain([0.0, -1e-30, -87.0, -88.0, -1000.0])
+                .collect();
             for x in xs {
                 // SAFETY: the CPU has AVX2 and FMA (checked above).
                 let v = unsafe {
@@ -765,7 +927,10 @@ mod avx2 {
                 assert_eq!(v.to_bits(), s.to_bits(), "lane and tail differ at {x}");
                 let want = (x as f64).exp();
                 if x >= super::EXP_LO {
-                    assert!(((v as f64) - want).abs() <= 4.0 * f32::EPSILON as f64 * want, "exp({x}) = {v}, want {want}");
+                    assert!(
+                        ((v as f64) - want).abs() <= 4.0 * f32::EPSILON as f64 * want,
+                        "exp({x}) = {v}, want {want}"
+                    );
                 } else {
                     assert_eq!(v, 0.0);
                 }
@@ -804,7 +969,13 @@ mod portable {
     }
 
     #[inline(always)]
-    unsafe fn tile<const R: usize, const C: usize>(x: *const f32, w: *const f32, k: usize, y: *mut f32, ldy: usize) {
+    unsafe fn tile<const R: usize, const C: usize>(
+        x: *const f32,
+        w: *const f32,
+        k: usize,
+        y: *mut f32,
+        ldy: usize,
+    ) {
         let mut acc = [[[0f32; 8]; C]; R];
         let k8 = k & !7;
         let mut p = 0;
@@ -852,8 +1023,18 @@ mod portable {
         }
     }
 
-    pub(super) unsafe fn attend_one(args: &super::AttendArgs<'_>, scores: &mut [f32], out: &mut [f32]) {
-        super::attend_one_generic(args, scores, out, |a, b, k| dot(a, b, k), |acc, p, v, k| axpy(acc, p, v, k))
+    pub(super) unsafe fn attend_one(
+        args: &super::AttendArgs<'_>,
+        scores: &mut [f32],
+        out: &mut [f32],
+    ) {
+        super::attend_one_generic(
+            args,
+            scores,
+            out,
+            |a, b, k| dot(a, b, k),
+            |acc, p, v, k| axpy(acc, p, v, k),
+        )
     }
 }
 
@@ -970,7 +1151,8 @@ impl PagedRows<'_> {
     #[inline(always)]
     pub(crate) fn k_row(&self, t: usize) -> *const f32 {
         let b = self.block_table[t / self.block_size] as usize;
-        let off = b * self.block_stride + (t % self.block_size) * self.row_stride + self.head_offset;
+        let off =
+            b * self.block_stride + (t % self.block_size) * self.row_stride + self.head_offset;
         self.base.wrapping_add(off)
     }
 }
@@ -1023,7 +1205,12 @@ unsafe fn attend_one_generic(
     let inv = (1.0 / sum) as f32;
     out.fill(0.0);
     for (t, &e) in scores.iter().enumerate() {
-        axpy(out.as_mut_ptr(), e * inv, args.rows.k_row(t).wrapping_add(args.rows.v_offset), hd);
+        axpy(
+            out.as_mut_ptr(),
+            e * inv,
+            args.rows.k_row(t).wrapping_add(args.rows.v_offset),
+            hd,
+        );
     }
 }
 
@@ -1048,7 +1235,9 @@ mod tests {
         let mut y = vec![0f64; m * n];
         for r in 0..m {
             for j in 0..n {
-                y[r * n + j] = (0..k).map(|t| x[r * k + t] as f64 * w[j * k + t] as f64).sum();
+                y[r * n + j] = (0..k)
+                    .map(|t| x[r * k + t] as f64 * w[j * k + t] as f64)
+                    .sum();
             }
         }
         y
@@ -1086,7 +1275,18 @@ mod tests {
                     let x = rand_vec(m as u64, m * k);
                     let want = run(be, &x, m, k, &deq, n);
                     let mut got = vec![0f32; m * n];
-                    matmul_blocks_many_with(be, &x, m, k, &mut [BlockLinear { ty, w: &blocks, n, y: &mut got }]);
+                    matmul_blocks_many_with(
+                        be,
+                        &x,
+                        m,
+                        k,
+                        &mut [BlockLinear {
+                            ty,
+                            w: &blocks,
+                            n,
+                            y: &mut got,
+                        }],
+                    );
                     assert_eq!(
                         got.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
                         want.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
@@ -1104,13 +1304,22 @@ mod tests {
     #[test]
     fn matmul_matches_f64_reference() {
         for be in backends() {
-            for &(m, k, n) in &[(1, 8, 1), (5, 37, 7), (13, 64, 10), (40, 200, 33), (3, 1, 4)] {
+            for &(m, k, n) in &[
+                (1, 8, 1),
+                (5, 37, 7),
+                (13, 64, 10),
+                (40, 200, 33),
+                (3, 1, 4),
+            ] {
                 let x = rand_vec(1, m * k);
                 let w = rand_vec(2, n * k);
                 let y = run(be, &x, m, k, &w, n);
                 let r = reference(&x, m, k, &w, n);
                 for (a, b) in y.iter().zip(&r) {
-                    assert!((*a as f64 - b).abs() <= 1e-5 * (1.0 + b.abs()), "{be:?} m={m} k={k} n={n}: {a} vs {b}");
+                    assert!(
+                        (*a as f64 - b).abs() <= 1e-5 * (1.0 + b.abs()),
+                        "{be:?} m={m} k={k} n={n}: {a} vs {b}"
+                    );
                 }
             }
         }
@@ -1123,16 +1332,21 @@ mod tests {
         let pool_rows = rand_vec(4, 40 * k);
         for be in backends() {
             // Each row computed alone is the reference.
-            let alone: Vec<Vec<f32>> =
-                (0..40).map(|r| run(be, &pool_rows[r * k..(r + 1) * k], 1, k, &w, n)).collect();
+            let alone: Vec<Vec<f32>> = (0..40)
+                .map(|r| run(be, &pool_rows[r * k..(r + 1) * k], 1, k, &w, n))
+                .collect();
             for m in 1..=40 {
                 // Rows taken from a rotating window so every row lands at many offsets.
                 for shift in [0, 1, 3, 7] {
                     let idx: Vec<usize> = (0..m).map(|i| (i + shift * m) % 40).collect();
-                    let x: Vec<f32> = idx.iter().flat_map(|&r| pool_rows[r * k..(r + 1) * k].to_vec()).collect();
+                    let x: Vec<f32> = idx
+                        .iter()
+                        .flat_map(|&r| pool_rows[r * k..(r + 1) * k].to_vec())
+                        .collect();
                     let y = run(be, &x, m, k, &w, n);
                     for (i, &r) in idx.iter().enumerate() {
-                        let got: Vec<u32> = y[i * n..(i + 1) * n].iter().map(|v| v.to_bits()).collect();
+                        let got: Vec<u32> =
+                            y[i * n..(i + 1) * n].iter().map(|v| v.to_bits()).collect();
                         let want: Vec<u32> = alone[r].iter().map(|v| v.to_bits()).collect();
                         assert_eq!(got, want, "{be:?}: row {r} at position {i} of m={m}");
                     }
@@ -1149,11 +1363,17 @@ mod tests {
         for be in backends() {
             let mut results = Vec::new();
             for threads in [1, 2, 3, 5, 8] {
-                let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
+                let pool = rayon::ThreadPoolBuilder::new()
+                    .num_threads(threads)
+                    .build()
+                    .unwrap();
                 let y = pool.install(|| run(be, &x, m, k, &w, n));
                 results.push(y.iter().map(|v| v.to_bits()).collect::<Vec<_>>());
             }
-            assert!(results.windows(2).all(|p| p[0] == p[1]), "{be:?}: results differ across thread counts");
+            assert!(
+                results.windows(2).all(|p| p[0] == p[1]),
+                "{be:?}: results differ across thread counts"
+            );
         }
     }
 
@@ -1164,7 +1384,23 @@ mod tests {
         let w1 = rand_vec(8, 17 * k);
         let w2 = rand_vec(9, 5 * k);
         let (mut y1, mut y2) = (vec![0f32; m * 17], vec![0f32; m * 5]);
-        matmul_many(&x, m, k, &mut [Linear { w: &w1, n: 17, y: &mut y1 }, Linear { w: &w2, n: 5, y: &mut y2 }]);
+        matmul_many(
+            &x,
+            m,
+            k,
+            &mut [
+                Linear {
+                    w: &w1,
+                    n: 17,
+                    y: &mut y1,
+                },
+                Linear {
+                    w: &w2,
+                    n: 5,
+                    y: &mut y2,
+                },
+            ],
+        );
         let (mut z1, mut z2) = (vec![0f32; m * 17], vec![0f32; m * 5]);
         matmul(&x, m, k, &w1, 17, &mut z1);
         matmul(&x, m, k, &w2, 5, &mut z2);
@@ -1191,15 +1427,24 @@ mod tests {
         for seed in 0..200 {
             let vals = rand_vec(100 + seed, 64);
             // Wide exponent spread, so any change in the order of additions shows.
-            let vals: Vec<f32> = vals.iter().enumerate().map(|(i, v)| v * 2f32.powi((i % 13) as i32 * 3 - 18)).collect();
+            let vals: Vec<f32> = vals
+                .iter()
+                .enumerate()
+                .map(|(i, v)| v * 2f32.powi((i % 13) as i32 * 3 - 18))
+                .collect();
             // SAFETY: AVX2 is present (the backend); 64 floats are read.
             unsafe {
                 use std::arch::x86_64::*;
-                let v: [__m256; 8] = std::array::from_fn(|i| _mm256_loadu_ps(vals.as_ptr().add(8 * i)));
+                let v: [__m256; 8] =
+                    std::array::from_fn(|i| _mm256_loadu_ps(vals.as_ptr().add(8 * i)));
                 let mut got = [0f32; 8];
                 _mm256_storeu_ps(got.as_mut_ptr(), avx2::hsum8(&v));
                 for i in 0..8 {
-                    assert_eq!(got[i].to_bits(), avx2::hsum(v[i]).to_bits(), "seed {seed} lane {i}");
+                    assert_eq!(
+                        got[i].to_bits(),
+                        avx2::hsum(v[i]).to_bits(),
+                        "seed {seed} lane {i}"
+                    );
                 }
             }
         }
@@ -1230,16 +1475,44 @@ mod tests {
                 for pos in [0, 6, 7, 8, 15, 16, 30, 39] {
                     let mut out = vec![0f32; hd];
                     // SAFETY: every position up to 39 has K and V rows in `kv`.
-                    unsafe { attend(&AttendArgs { q: &q, pos, rows, scale: 0.25 }, &mut scores, &mut out) };
-                    let k_off = |t: usize| table[t / block_size] as usize * 2 * slab + (t % block_size) * row_stride + head * hd;
-                    let s: Vec<f64> =
-                        (0..=pos).map(|t| 0.25 * q.iter().zip(&kv[k_off(t)..]).map(|(a, b)| *a as f64 * *b as f64).sum::<f64>()).collect();
+                    unsafe {
+                        attend(
+                            &AttendArgs {
+                                q: &q,
+                                pos,
+                                rows,
+                                scale: 0.25,
+                            },
+                            &mut scores,
+                            &mut out,
+                        )
+                    };
+                    let k_off = |t: usize| {
+                        table[t / block_size] as usize * 2 * slab
+                            + (t % block_size) * row_stride
+                            + head * hd
+                    };
+                    let s: Vec<f64> = (0..=pos)
+                        .map(|t| {
+                            0.25 * q
+                                .iter()
+                                .zip(&kv[k_off(t)..])
+                                .map(|(a, b)| *a as f64 * *b as f64)
+                                .sum::<f64>()
+                        })
+                        .collect();
                     let max = s.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
                     let e: Vec<f64> = s.iter().map(|v| (v - max).exp()).collect();
                     let z: f64 = e.iter().sum();
                     for c in 0..hd {
-                        let want: f64 = (0..=pos).map(|t| e[t] / z * kv[k_off(t) + slab + c] as f64).sum();
-                        assert!((out[c] as f64 - want).abs() < 1e-5, "hd {hd} head {head} pos {pos} dim {c}: {} vs {want}", out[c]);
+                        let want: f64 = (0..=pos)
+                            .map(|t| e[t] / z * kv[k_off(t) + slab + c] as f64)
+                            .sum();
+                        assert!(
+                            (out[c] as f64 - want).abs() < 1e-5,
+                            "hd {hd} head {head} pos {pos} dim {c}: {} vs {want}",
+                            out[c]
+                        );
                     }
                 }
             }

@@ -25,7 +25,12 @@ impl KvCache {
         anyhow::ensure!(num_blocks > 0, "the KV cache needs at least one block");
         let block_bytes = Self::block_bytes_for(cfg);
         let region = pool.allocate(Tag::KvCache, block_bytes * num_blocks)?;
-        Ok(KvCache { region, num_blocks, num_layers: cfg.num_layers, kv_dim: cfg.kv_dim() })
+        Ok(KvCache {
+            region,
+            num_blocks,
+            num_layers: cfg.num_layers,
+            kv_dim: cfg.kv_dim(),
+        })
     }
 
     pub fn block_bytes_for(cfg: &ModelConfig) -> usize {
@@ -73,7 +78,8 @@ impl KvCache {
     /// # Safety
     /// No one may write this slab while the slice lives.
     pub unsafe fn slab(&self, block: usize, layer: usize, kv: usize) -> &[f32] {
-        self.region.slice::<f32>(self.slab_offset(block, layer, kv), self.slab_len())
+        self.region
+            .slice::<f32>(self.slab_offset(block, layer, kv), self.slab_len())
     }
 
     /// Writes into one slab.
@@ -83,14 +89,22 @@ impl KvCache {
     /// (the scheduler gives each block to one sequence at a time).
     #[allow(clippy::mut_from_ref)]
     pub unsafe fn slab_mut(&self, block: usize, layer: usize, kv: usize) -> &mut [f32] {
-        self.region.slice_mut::<f32>(self.slab_offset(block, layer, kv), self.slab_len())
+        self.region
+            .slice_mut::<f32>(self.slab_offset(block, layer, kv), self.slab_len())
     }
 
     /// Writes the K and V rows of the token in `slot` of `block` for `layer`.
     ///
     /// # Safety
     /// No one else may access that token's rows while this runs.
-    pub(crate) unsafe fn write_token(&self, block: usize, layer: usize, slot: usize, k: &[f32], v: &[f32]) {
+    pub(crate) unsafe fn write_token(
+        &self,
+        block: usize,
+        layer: usize,
+        slot: usize,
+        k: &[f32],
+        v: &[f32],
+    ) {
         assert!(block < self.num_blocks && layer < self.num_layers && slot < BLOCK_SIZE);
         assert!(k.len() == self.kv_dim && v.len() == self.kv_dim);
         let base = self.region.base() as *mut f32;
@@ -103,7 +117,13 @@ impl KvCache {
 
     /// Where KV head `kv_head` of `layer` lives for a sequence with `block_table`.
     /// Every id in `block_table` must be `< num_blocks` (checked by the caller).
-    pub(crate) fn paged_rows<'a>(&self, layer: usize, kv_head: usize, head_dim: usize, block_table: &'a [u32]) -> PagedRows<'a> {
+    pub(crate) fn paged_rows<'a>(
+        &self,
+        layer: usize,
+        kv_head: usize,
+        head_dim: usize,
+        block_table: &'a [u32],
+    ) -> PagedRows<'a> {
         let slab = BLOCK_SIZE * self.kv_dim;
         PagedRows {
             base: (self.region.base() as *const f32).wrapping_add(layer * 2 * slab),

@@ -20,8 +20,8 @@ use pdkv_vmem::{Pool, Tag};
 use serde_json::Value;
 
 use crate::gguf::GgufFile;
-use crate::safetensors::SafetensorsFile;
 use crate::qkernels::{QType, QK};
+use crate::safetensors::SafetensorsFile;
 use crate::weights::{quant_of, DType, LayerWeights, TensorRef, Weights, WeightsLayout};
 use crate::{Arch, ChatTemplate, Model, ModelConfig, Tokenizer};
 
@@ -143,32 +143,67 @@ pub enum ReloadError {
 /// `(name, checkpoint value, running value)` for each one that differs.
 /// Context length and special token ids are not compared: the running
 /// engine keeps its own.
-fn config_mismatches(found: &ModelConfig, expected: &ModelConfig) -> Vec<(&'static str, String, String)> {
+fn config_mismatches(
+    found: &ModelConfig,
+    expected: &ModelConfig,
+) -> Vec<(&'static str, String, String)> {
     let mut out = Vec::new();
     let mut cmp = |name: &'static str, a: String, b: String| {
         if a != b {
             out.push((name, a, b));
         }
     };
-    cmp("arch", found.arch.as_str().into(), expected.arch.as_str().into());
-    cmp("vocab_size", found.vocab_size.to_string(), expected.vocab_size.to_string());
-    cmp("hidden_size", found.hidden_size.to_string(), expected.hidden_size.to_string());
+    cmp(
+        "arch",
+        found.arch.as_str().into(),
+        expected.arch.as_str().into(),
+    );
+    cmp(
+        "vocab_size",
+        found.vocab_size.to_string(),
+        expected.vocab_size.to_string(),
+    );
+    cmp(
+        "hidden_size",
+        found.hidden_size.to_string(),
+        expected.hidden_size.to_string(),
+    );
     cmp(
         "intermediate_size",
         found.intermediate_size.to_string(),
         expected.intermediate_size.to_string(),
     );
-    cmp("num_layers", found.num_layers.to_string(), expected.num_layers.to_string());
-    cmp("num_heads", found.num_heads.to_string(), expected.num_heads.to_string());
-    cmp("num_kv_heads", found.num_kv_heads.to_string(), expected.num_kv_heads.to_string());
-    cmp("head_dim", found.head_dim.to_string(), expected.head_dim.to_string());
+    cmp(
+        "num_layers",
+        found.num_layers.to_string(),
+        expected.num_layers.to_string(),
+    );
+    cmp(
+        "num_heads",
+        found.num_heads.to_string(),
+        expected.num_heads.to_string(),
+    );
+    cmp(
+        "num_kv_heads",
+        found.num_kv_heads.to_string(),
+        expected.num_kv_heads.to_string(),
+    );
+    cmp(
+        "head_dim",
+        found.head_dim.to_string(),
+        expected.head_dim.to_string(),
+    );
     cmp(
         "tie_word_embeddings",
         found.tie_word_embeddings.to_string(),
         expected.tie_word_embeddings.to_string(),
     );
     // Bit patterns: a reload must not change the math, not even slightly.
-    cmp("rope_theta", found.rope_theta.to_bits().to_string(), expected.rope_theta.to_bits().to_string());
+    cmp(
+        "rope_theta",
+        found.rope_theta.to_bits().to_string(),
+        expected.rope_theta.to_bits().to_string(),
+    );
     cmp(
         "rms_norm_eps",
         found.rms_norm_eps.to_bits().to_string(),
@@ -240,9 +275,27 @@ pub fn reload_weights_into(
         && plan.lm_head == weights.lm_head
         && plan.layers.len() == weights.layers.len()
         && plan.layers.iter().zip(&weights.layers).all(|(a, b)| {
-            [&a.attn_norm, &a.wq, &a.wk, &a.wv, &a.wo, &a.ffn_norm, &a.w_gate, &a.w_up, &a.w_down]
-                == [&b.attn_norm, &b.wq, &b.wk, &b.wv, &b.wo, &b.ffn_norm, &b.w_gate, &b.w_up, &b.w_down]
-                && a.q_norm == b.q_norm
+            [
+                &a.attn_norm,
+                &a.wq,
+                &a.wk,
+                &a.wv,
+                &a.wo,
+                &a.ffn_norm,
+                &a.w_gate,
+                &a.w_up,
+                &a.w_down,
+            ] == [
+                &b.attn_norm,
+                &b.wq,
+                &b.wk,
+                &b.wv,
+                &b.wo,
+                &b.ffn_norm,
+                &b.w_gate,
+                &b.w_up,
+                &b.w_down,
+            ] && a.q_norm == b.q_norm
                 && a.k_norm == b.k_norm
         })
         && plan.total_bytes <= weights.region.len();
@@ -252,12 +305,21 @@ pub fn reload_weights_into(
         let differs = plan.slots.iter().find_map(|s| {
             running
                 .iter()
-                .find(|t| t.offset == s.dest.offset && t.shape == s.dest.shape && t.dtype != s.dest.dtype)
-                .map(|t| format!("the checkpoint stores `{}` as {:?}, the running model as {:?}", s.gguf_name, s.dest.dtype, t.dtype))
+                .find(|t| {
+                    t.offset == s.dest.offset && t.shape == s.dest.shape && t.dtype != s.dest.dtype
+                })
+                .map(|t| {
+                    format!(
+                        "the checkpoint stores `{}` as {:?}, the running model as {:?}",
+                        s.gguf_name, s.dest.dtype, t.dtype
+                    )
+                })
         });
         return Err(ReloadError::Incompatible(anyhow::anyhow!(
             "{}",
-            differs.unwrap_or_else(|| "the running model's weights are not laid out as its config plans them".into())
+            differs.unwrap_or_else(|| {
+                "the running model's weights are not laid out as its config plans them".into()
+            })
         )));
     }
     for slot in &plan.slots {
@@ -337,21 +399,22 @@ impl WeightsPlan {
     fn new(cfg: &ModelConfig, quant: &dyn Fn(&str) -> Option<QType>) -> WeightsPlan {
         let mut layout = WeightsLayout::new();
         let mut slots = Vec::new();
-        let mut push = |gguf: String, hf: String, shape: &[usize], rope_heads: Option<usize>, linear: bool| {
-            let cols = shape.last().copied().unwrap_or(1);
-            let dtype = match quant(&gguf) {
-                Some(q) if linear && shape.len() == 2 && cols % QK == 0 => DType::Quant(q),
-                _ => DType::F32,
+        let mut push =
+            |gguf: String, hf: String, shape: &[usize], rope_heads: Option<usize>, linear: bool| {
+                let cols = shape.last().copied().unwrap_or(1);
+                let dtype = match quant(&gguf) {
+                    Some(q) if linear && shape.len() == 2 && cols % QK == 0 => DType::Quant(q),
+                    _ => DType::F32,
+                };
+                let dest = layout.push_typed(shape, dtype);
+                slots.push(Slot {
+                    gguf_name: gguf,
+                    hf_name: hf,
+                    dest: dest.clone(),
+                    rope_heads,
+                });
+                dest
             };
-            let dest = layout.push_typed(shape, dtype);
-            slots.push(Slot {
-                gguf_name: gguf,
-                hf_name: hf,
-                dest: dest.clone(),
-                rope_heads,
-            });
-            dest
-        };
         let (h, q, kv, ff, v) = (
             cfg.hidden_size,
             cfg.q_dim(),
@@ -408,7 +471,13 @@ impl WeightsPlan {
             } else {
                 (None, None)
             };
-            let ffn_norm = push(g("ffn_norm"), f("post_attention_layernorm"), &[h], None, false);
+            let ffn_norm = push(
+                g("ffn_norm"),
+                f("post_attention_layernorm"),
+                &[h],
+                None,
+                false,
+            );
             let w_gate = push(g("ffn_gate"), f("mlp.gate_proj"), &[ff, h], None, true);
             let w_up = push(g("ffn_up"), f("mlp.up_proj"), &[ff, h], None, true);
             let w_down = push(g("ffn_down"), f("mlp.down_proj"), &[h, ff], None, true);
@@ -589,7 +658,9 @@ fn load_gguf_weights(
     pool: &Pool,
     progress: &mut dyn FnMut(&LoadProgress),
 ) -> anyhow::Result<Weights> {
-    WeightsPlan::new(cfg, &gguf_quant(g)).load(pool, progress, |slot, dst| fill_gguf_slot(g, cfg, slot, dst))
+    WeightsPlan::new(cfg, &gguf_quant(g)).load(pool, progress, |slot, dst| {
+        fill_gguf_slot(g, cfg, slot, dst)
+    })
 }
 
 /// The block format a GGUF tensor keeps in the weights region, by name.
@@ -599,7 +670,12 @@ fn gguf_quant(g: &GgufFile) -> impl Fn(&str) -> Option<QType> + '_ {
 
 /// Converts the GGUF tensor of `slot` into `dst` (Q/K rows un-permuted):
 /// dequantised to f32, or its blocks copied row by row.
-fn fill_gguf_slot(g: &GgufFile, cfg: &ModelConfig, slot: &Slot, dst: SlotDst<'_>) -> anyhow::Result<()> {
+fn fill_gguf_slot(
+    g: &GgufFile,
+    cfg: &ModelConfig,
+    slot: &Slot,
+    dst: SlotDst<'_>,
+) -> anyhow::Result<()> {
     let head_dim = cfg.head_dim;
     let name = &slot.gguf_name;
     let info = g
@@ -616,15 +692,24 @@ fn fill_gguf_slot(g: &GgufFile, cfg: &ModelConfig, slot: &Slot, dst: SlotDst<'_>
         (SlotDst::F32(dst), Some(_)) => g.dequantize_rows_into(info, dst, &unpermute)?,
         (SlotDst::F32(dst), None) => g.dequantize_into(info, dst)?,
         (SlotDst::Raw(dst), rope) => {
-            let DType::Quant(q) = slot.dest.dtype else { bail!("tensor `{name}` is planned as f32") };
+            let DType::Quant(q) = slot.dest.dtype else {
+                bail!("tensor `{name}` is planned as f32")
+            };
             if quant_of(info.ty) != Some(q) {
-                bail!("tensor `{name}` has ggml type {}, the running model keeps {q:?}", info.ty);
+                bail!(
+                    "tensor `{name}` has ggml type {}, the running model keeps {q:?}",
+                    info.ty
+                );
             }
             let data = g.tensor_data(info)?;
             let cols = slot.dest.shape[1];
             let rb = q.row_bytes(cols);
             if data.len() != dst.len() || data.len() % rb != 0 {
-                bail!("tensor `{name}` has {} bytes, expected {}", data.len(), dst.len());
+                bail!(
+                    "tensor `{name}` has {} bytes, expected {}",
+                    data.len(),
+                    dst.len()
+                );
             }
             for r in 0..data.len() / rb {
                 let to = if rope.is_some() { unpermute(r) } else { r };
@@ -651,7 +736,9 @@ fn precheck_gguf_slot(g: &GgufFile, slot: &Slot) -> anyhow::Result<()> {
         .with_context(|| format!("tensor `{name}` has a type this loader cannot convert"))?;
     let cols = slot.dest.shape.last().copied().unwrap_or(1);
     if cols % block != 0 {
-        bail!("tensor `{name}` has rows of {cols} values, not a whole number of {block}-value blocks");
+        bail!(
+            "tensor `{name}` has rows of {cols} values, not a whole number of {block}-value blocks"
+        );
     }
     g.tensor_data(info)?;
     Ok(())
@@ -817,7 +904,10 @@ impl HfShards {
         let (i, _) = self.entry(slot)?;
         match dst {
             SlotDst::F32(dst) => self.shards[i].read_f32(&slot.hf_name, dst),
-            SlotDst::Raw(_) => bail!("tensor `{}`: a safetensors checkpoint has no block-format tensors", slot.hf_name),
+            SlotDst::Raw(_) => bail!(
+                "tensor `{}`: a safetensors checkpoint has no block-format tensors",
+                slot.hf_name
+            ),
         }
     }
 }
@@ -859,7 +949,11 @@ fn open_hf_shards(dir: &Path) -> anyhow::Result<HfShards> {
             }
         }
     }
-    Ok(HfShards { dir: dir.to_path_buf(), shards, index })
+    Ok(HfShards {
+        dir: dir.to_path_buf(),
+        shards,
+        index,
+    })
 }
 
 /// A special token in tokenizer_config.json: a string or `{"content": ..}`.

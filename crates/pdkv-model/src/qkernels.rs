@@ -28,7 +28,6 @@
 use std::cell::RefCell;
 use std::sync::OnceLock;
 
-
 use crate::kernels::Backend;
 
 /// Values per quantisation block.
@@ -46,7 +45,13 @@ pub enum QType {
 
 impl QType {
     /// Every block format, for tests and dispatch tables.
-    pub const ALL: [QType; 5] = [QType::Q8_0, QType::Q4_0, QType::Q4_1, QType::Q5_0, QType::Q5_1];
+    pub const ALL: [QType; 5] = [
+        QType::Q8_0,
+        QType::Q4_0,
+        QType::Q4_1,
+        QType::Q5_0,
+        QType::Q5_1,
+    ];
 
     /// Bytes of one 32-value block: Q8_0 34 (f16 d, 32 x i8); Q4_0 18 (f16 d,
     /// 16 bytes of nibbles); Q4_1 20 (f16 d, f16 m, nibbles); Q5_0 22 (f16
@@ -146,13 +151,30 @@ impl Default for QActs {
 
 impl QActs {
     pub fn new() -> QActs {
-        QActs { m: 0, k: 0, qs: Vec::new(), rowq: Vec::new(), d: Vec::new(), sum: Vec::new(), dsum: Vec::new() }
+        QActs {
+            m: 0,
+            k: 0,
+            qs: Vec::new(),
+            rowq: Vec::new(),
+            d: Vec::new(),
+            sum: Vec::new(),
+            dsum: Vec::new(),
+        }
     }
 
     /// Quantises `x` = `[m, k]` row-major (k % 32 == 0; panics otherwise with a message).
     pub fn quantize(&mut self, x: &[f32], m: usize, k: usize) {
-        assert!(k.is_multiple_of(QK), "QActs::quantize: k = {k} is not a multiple of the block size {QK}");
-        assert!(x.len() >= m * k, "x has {} floats, need {}x{}", x.len(), m, k);
+        assert!(
+            k.is_multiple_of(QK),
+            "QActs::quantize: k = {k} is not a multiple of the block size {QK}"
+        );
+        assert!(
+            x.len() >= m * k,
+            "x has {} floats, need {}x{}",
+            x.len(),
+            m,
+            k
+        );
         let nb = k / QK;
         let groups = m.div_ceil(GROUP);
         self.m = m;
@@ -294,7 +316,10 @@ impl Flavour {
         match be {
             Backend::Portable => Flavour::Portable,
             Backend::Avx2Fma => {
-                assert!(has(Flavour::Avx2), "the Avx2Fma backend needs a CPU with AVX2 and FMA");
+                assert!(
+                    has(Flavour::Avx2),
+                    "the Avx2Fma backend needs a CPU with AVX2 and FMA"
+                );
                 if has(Flavour::Vnni) {
                     Flavour::Vnni
                 } else {
@@ -311,8 +336,12 @@ fn has(f: Flavour) -> bool {
     let &(avx2, vnni) = CPU.get_or_init(|| {
         #[cfg(target_arch = "x86_64")]
         {
-            let avx2 = is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c");
-            let vnni = avx2 && is_x86_feature_detected!("avx512vnni") && is_x86_feature_detected!("avx512vl");
+            let avx2 = is_x86_feature_detected!("avx2")
+                && is_x86_feature_detected!("fma")
+                && is_x86_feature_detected!("f16c");
+            let vnni = avx2
+                && is_x86_feature_detected!("avx512vnni")
+                && is_x86_feature_detected!("avx512vl");
             (avx2, vnni)
         }
         #[cfg(not(target_arch = "x86_64"))]
@@ -344,8 +373,22 @@ fn run_many(fl: Flavour, x: &QActs, outs: &mut [QLinear<'_>]) {
     let (m, k) = (x.m, x.k);
     for o in outs.iter() {
         let rb = o.ty.row_bytes(k);
-        assert!(o.w.len() >= o.n * rb, "w has {} bytes, need {} rows of {} ({:?}, k = {})", o.w.len(), o.n, rb, o.ty, k);
-        assert!(o.y.len() >= m * o.n, "y has {} floats, need {}x{}", o.y.len(), m, o.n);
+        assert!(
+            o.w.len() >= o.n * rb,
+            "w has {} bytes, need {} rows of {} ({:?}, k = {})",
+            o.w.len(),
+            o.n,
+            rb,
+            o.ty,
+            k
+        );
+        assert!(
+            o.y.len() >= m * o.n,
+            "y has {} floats, need {}x{}",
+            o.y.len(),
+            m,
+            o.n
+        );
     }
     assert!(has(fl), "{fl:?} is not available on this CPU");
     if m == 0 {
@@ -357,14 +400,31 @@ fn run_many(fl: Flavour, x: &QActs, outs: &mut [QLinear<'_>]) {
         }
         return;
     }
-    let mut mats = [(QType::Q8_0, SendConstPtr(std::ptr::null()), SendPtr(std::ptr::null_mut()), 0usize); MAX_MANY];
+    let mut mats = [(
+        QType::Q8_0,
+        SendConstPtr(std::ptr::null()),
+        SendPtr(std::ptr::null_mut()),
+        0usize,
+    ); MAX_MANY];
     for (slot, o) in mats.iter_mut().zip(outs.iter_mut()) {
-        *slot = (o.ty, SendConstPtr(o.w.as_ptr()), SendPtr(o.y.as_mut_ptr()), o.n);
+        *slot = (
+            o.ty,
+            SendConstPtr(o.w.as_ptr()),
+            SendPtr(o.y.as_mut_ptr()),
+            o.n,
+        );
     }
     let mats = &mats[..outs.len()];
     for_each_job(mats.iter().map(|m| m.3), NR, |i, j0, j1| {
         let (ty, w, y, n) = mats[i];
-        let job = Job { ty, w: w.get(), y: y.0, n, j0, j1 };
+        let job = Job {
+            ty,
+            w: w.get(),
+            y: y.0,
+            n,
+            j0,
+            j1,
+        };
         // SAFETY: shapes were checked above; jobs write disjoint column
         // ranges of their `y`, every `y` is a distinct &mut borrow, and the
         // flavour was checked against the CPU.
@@ -410,9 +470,14 @@ impl Scratch {
     /// Makes room for `rows` weight rows of `nb` blocks (growing only).
     fn reserve(&mut self, rows: usize, nb: usize) {
         let grow = |len: usize, want: usize| want.saturating_sub(len);
-        self.vals.extend(std::iter::repeat_n(0, grow(self.vals.len(), rows * nb * QK)));
-        self.dw.extend(std::iter::repeat_n(0.0, grow(self.dw.len(), rows * nb)));
-        self.mw.extend(std::iter::repeat_n(0.0, grow(self.mw.len(), rows * nb)));
+        self.vals.extend(std::iter::repeat_n(
+            0,
+            grow(self.vals.len(), rows * nb * QK),
+        ));
+        self.dw
+            .extend(std::iter::repeat_n(0.0, grow(self.dw.len(), rows * nb)));
+        self.mw
+            .extend(std::iter::repeat_n(0.0, grow(self.mw.len(), rows * nb)));
     }
 }
 
@@ -454,7 +519,9 @@ mod portable {
                     let qx = |i: usize| xq[(i / 4) * 32 + i % 4] as i32;
                     let dw = f16_at(blk.as_ptr());
                     if job.ty.unsigned() {
-                        let isum: i32 = (0..QK).map(|i| unsigned_value(job.ty, blk, i) as i32 * qx(i)).sum();
+                        let isum: i32 = (0..QK)
+                            .map(|i| unsigned_value(job.ty, blk, i) as i32 * qx(i))
+                            .sum();
                         acc += isum as f32 * (dw * x.d[s]);
                         acc += min_of(job.ty, blk) * x.dsum[s];
                     } else {
@@ -489,7 +556,12 @@ mod simd {
         /// # Safety
         /// `xb` is a group's block `b` (256 bytes), `sumx` its 8 sums; `t`
         /// holds `C` rows.
-        unsafe fn q8<const C: usize>(xb: *const i8, sumx: *const i32, t: &Tile<'_>, b: usize) -> [__m256i; C];
+        unsafe fn q8<const C: usize>(
+            xb: *const i8,
+            sumx: *const i32,
+            t: &Tile<'_>,
+            b: usize,
+        ) -> [__m256i; C];
         unsafe fn qu<const C: usize>(xb: *const i8, t: &Tile<'_>, b: usize) -> [__m256i; C];
         /// Whether [`IDot::r8`] leaves `128 * Σx` to subtract.
         const R8_OFFSET: bool;
@@ -527,7 +599,12 @@ mod simd {
         /// `|w|` as unsigned times `x` with the sign of `w` (`|w|` may be 128;
         /// pair sums stay within i16), then pairs of i16 summed to i32.
         #[inline(always)]
-        unsafe fn q8<const C: usize>(xb: *const i8, _sumx: *const i32, t: &Tile<'_>, b: usize) -> [__m256i; C] {
+        unsafe fn q8<const C: usize>(
+            xb: *const i8,
+            _sumx: *const i32,
+            t: &Tile<'_>,
+            b: usize,
+        ) -> [__m256i; C] {
             let ones = _mm256_set1_epi16(1);
             let mut isum = [_mm256_setzero_si256(); C];
             for i in 0..QK / 4 {
@@ -553,7 +630,10 @@ mod simd {
                 for i in half..half + QK / 8 {
                     let xv = _mm256_loadu_si256(xb.add(i * 32) as *const __m256i);
                     for (c, acc) in s16.iter_mut().enumerate() {
-                        *acc = _mm256_add_epi16(*acc, _mm256_maddubs_epi16(unpacked_chunk(t, c, b, i), xv));
+                        *acc = _mm256_add_epi16(
+                            *acc,
+                            _mm256_maddubs_epi16(unpacked_chunk(t, c, b, i), xv),
+                        );
                     }
                 }
                 for (acc, v) in isum.iter_mut().zip(s16) {
@@ -587,7 +667,12 @@ mod simd {
     impl IDot for Vnni {
         /// `(w + 128)` as unsigned times `x`, minus `128 * Σx`.
         #[inline(always)]
-        unsafe fn q8<const C: usize>(xb: *const i8, sumx: *const i32, t: &Tile<'_>, b: usize) -> [__m256i; C] {
+        unsafe fn q8<const C: usize>(
+            xb: *const i8,
+            sumx: *const i32,
+            t: &Tile<'_>,
+            b: usize,
+        ) -> [__m256i; C] {
             // `prep` left `w + 128` in the scratch, where Q4_1 keeps its nibbles.
             let mut isum = [_mm256_setzero_si256(); C];
             for i in 0..QK / 4 {
@@ -663,13 +748,19 @@ mod simd {
     unsafe fn unpack_unsigned(ty: QType, blk: *const u8) -> __m256i {
         let low = _mm_set1_epi8(0x0f);
         let q = _mm_loadu_si128(blk.add(ty.nibbles_at()) as *const __m128i);
-        let mut v = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16::<4>(q), low), _mm_and_si128(q, low));
+        let mut v = _mm256_set_m128i(
+            _mm_and_si128(_mm_srli_epi16::<4>(q), low),
+            _mm_and_si128(q, low),
+        );
         if let Some(h) = ty.high_bits_at() {
             // Byte i takes byte i/8 of the 32 bits, then keeps its bit i%8.
             let bits = _mm256_set1_epi32((blk.add(h) as *const i32).read_unaligned());
             let spread = _mm256_shuffle_epi8(
                 bits,
-                _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3),
+                _mm256_setr_epi8(
+                    0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3,
+                    3, 3, 3, 3, 3, 3,
+                ),
             );
             let mask = _mm256_set1_epi64x(0x8040_2010_0804_0201_u64 as i64);
             let set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, mask), mask);
@@ -707,7 +798,12 @@ mod simd {
         while j < job.j1 {
             let nr = NR.min(job.j1 - j);
             prep(s, job.ty, job.w.add(j * rb), rb, nr, nb);
-            let t = Tile { w: job.w.add(j * rb), rb, nb, s };
+            let t = Tile {
+                w: job.w.add(j * rb),
+                rb,
+                nb,
+                s,
+            };
             for g in 0..x.groups() {
                 let rows = GROUP.min(x.m - g * GROUP);
                 let out = &mut [[0f32; GROUP]; NR];
@@ -779,7 +875,11 @@ mod simd {
                 let mut wv = [_mm256_setzero_si256(); DR];
                 for (c, w) in wv.iter_mut().enumerate() {
                     let p = blk.add(row(c));
-                    *w = if u { unpack_unsigned(ty, p) } else { D::w8(_mm256_loadu_si256(p.add(2) as *const __m256i)) };
+                    *w = if u {
+                        unpack_unsigned(ty, p)
+                    } else {
+                        D::w8(_mm256_loadu_si256(p.add(2) as *const __m256i))
+                    };
                 }
                 // Each row's f16 scale (and Q4_1's and Q5_1's f16 minimum after it).
                 let h16 = |o: usize| (blk.add(o) as *const i16).read_unaligned();
@@ -811,8 +911,15 @@ mod simd {
                     ))
                 };
                 for (r, a) in acc[..m].iter_mut().enumerate() {
-                    let xv = _mm256_loadu_si256(x.rowq.as_ptr().add(r * k + b * QK) as *const __m256i);
-                    let v: [__m256i; DR] = std::array::from_fn(|c| if u { D::r4(xv, wv[c]) } else { D::r8(xv, wv[c]) });
+                    let xv =
+                        _mm256_loadu_si256(x.rowq.as_ptr().add(r * k + b * QK) as *const __m256i);
+                    let v: [__m256i; DR] = std::array::from_fn(|c| {
+                        if u {
+                            D::r4(xv, wv[c])
+                        } else {
+                            D::r8(xv, wv[c])
+                        }
+                    });
                     let mut isum = lanes8(&v);
                     let si = b * GROUP + r;
                     if !u && D::R8_OFFSET {
@@ -842,19 +949,31 @@ mod simd {
         let a = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
         let b = _mm256_hadd_epi32(_mm256_hadd_epi32(v[4], v[5]), _mm256_hadd_epi32(v[6], v[7]));
         // a = [v0..v3 low-half sums | v0..v3 high-half sums], b likewise for v4..v7.
-        _mm256_add_epi32(_mm256_permute2x128_si256::<0x20>(a, b), _mm256_permute2x128_si256::<0x31>(a, b))
+        _mm256_add_epi32(
+            _mm256_permute2x128_si256::<0x20>(a, b),
+            _mm256_permute2x128_si256::<0x31>(a, b),
+        )
     }
 
     /// One activation group (8 rows, one per lane) against the `C` weight
     /// rows in `s`: the float sequence of the module invariant, per lane.
     #[inline(always)]
-    unsafe fn tile<D: IDot, const C: usize, const U: bool>(x: &QActs, t: &Tile<'_>, g: usize, out: &mut [[f32; GROUP]; NR]) {
+    unsafe fn tile<D: IDot, const C: usize, const U: bool>(
+        x: &QActs,
+        t: &Tile<'_>,
+        g: usize,
+        out: &mut [[f32; GROUP]; NR],
+    ) {
         let (nb, s) = (x.blocks(), t.s);
         let mut acc = [_mm256_setzero_ps(); C];
         for b in 0..nb {
             let xb = x.qs.as_ptr().add((g * nb + b) * GROUP_BLOCK);
             let si = (g * nb + b) * GROUP;
-            let isum = if U { D::qu::<C>(xb, t, b) } else { D::q8::<C>(xb, x.sum.as_ptr().add(si), t, b) };
+            let isum = if U {
+                D::qu::<C>(xb, t, b)
+            } else {
+                D::q8::<C>(xb, x.sum.as_ptr().add(si), t, b)
+            };
             let dx = _mm256_loadu_ps(x.d.as_ptr().add(si));
             for c in 0..C {
                 let sc = _mm256_mul_ps(_mm256_set1_ps(s.dw[c * nb + b]), dx);
@@ -918,7 +1037,12 @@ mod tests {
         let mut rng = Rng::new(seed);
         let mut w = Vec::with_capacity(n * ty.row_bytes(k));
         for _ in 0..n * k / QK {
-            let d = half::f16::from_f32(0.001 + 0.02 * rng.f32().abs()) * if rng.next() % 5 == 0 { -half::f16::ONE } else { half::f16::ONE };
+            let d = half::f16::from_f32(0.001 + 0.02 * rng.f32().abs())
+                * if rng.next() % 5 == 0 {
+                    -half::f16::ONE
+                } else {
+                    half::f16::ONE
+                };
             w.extend_from_slice(&d.to_le_bytes());
             if ty.stored_min() {
                 w.extend_from_slice(&half::f16::from_f32(0.1 * rng.f32()).to_le_bytes());
@@ -955,12 +1079,24 @@ mod tests {
     }
 
     fn flavours() -> Vec<Flavour> {
-        [Flavour::Portable, Flavour::Avx2, Flavour::Vnni].into_iter().filter(|&f| has(f)).collect()
+        [Flavour::Portable, Flavour::Avx2, Flavour::Vnni]
+            .into_iter()
+            .filter(|&f| has(f))
+            .collect()
     }
 
     fn run(fl: Flavour, x: &QActs, ty: QType, w: &[u8], n: usize) -> Vec<f32> {
         let mut y = vec![f32::NAN; x.rows() * n];
-        run_many(fl, x, &mut [QLinear { ty, w, n, y: &mut y }]);
+        run_many(
+            fl,
+            x,
+            &mut [QLinear {
+                ty,
+                w,
+                n,
+                y: &mut y,
+            }],
+        );
         y
     }
 
@@ -983,7 +1119,13 @@ mod tests {
     fn matches_f64_reference_on_dequantised_values() {
         for fl in flavours() {
             for ty in TYPES {
-                for &(m, k, n) in &[(1, 32, 1), (5, 96, 7), (13, 256, 10), (40, 576, 33), (9, 0, 3)] {
+                for &(m, k, n) in &[
+                    (1, 32, 1),
+                    (5, 96, 7),
+                    (13, 256, 10),
+                    (40, 576, 33),
+                    (9, 0, 3),
+                ] {
                     let xf = rand_acts(1, m, k);
                     let mut x = QActs::new();
                     x.quantize(&xf, m, k);
@@ -999,7 +1141,10 @@ mod tests {
                                 mag += (w[j * k + t] as f64 * xd[r * k + t]).abs();
                             }
                             let got = y[r * n + j] as f64;
-                            assert!((got - want).abs() <= 1e-5 * mag + 1e-30, "{fl:?} {ty:?} m={m} k={k} n={n} ({r},{j}): {got} vs {want}");
+                            assert!(
+                                (got - want).abs() <= 1e-5 * mag + 1e-30,
+                                "{fl:?} {ty:?} m={m} k={k} n={n} ({r},{j}): {got} vs {want}"
+                            );
                         }
                     }
                 }
@@ -1035,7 +1180,10 @@ mod tests {
                             }
                         }
                         let err = (y[r * n + j] as f64 - want).abs();
-                        assert!(err <= bound + 1e-5 * mag, "{fl:?} {ty:?} ({r},{j}): error {err} over bound {bound}");
+                        assert!(
+                            err <= bound + 1e-5 * mag,
+                            "{fl:?} {ty:?} ({r},{j}): error {err} over bound {bound}"
+                        );
                     }
                 }
             }
@@ -1047,8 +1195,15 @@ mod tests {
         let (k, n) = (96, 13);
         let pool_rows = rand_acts(5, 50, k);
         let row = |r: usize| &pool_rows[r * k..(r + 1) * k];
-        let pools: Vec<rayon::ThreadPool> =
-            [1, 3].iter().map(|&t| rayon::ThreadPoolBuilder::new().num_threads(t).build().unwrap()).collect();
+        let pools: Vec<rayon::ThreadPool> = [1, 3]
+            .iter()
+            .map(|&t| {
+                rayon::ThreadPoolBuilder::new()
+                    .num_threads(t)
+                    .build()
+                    .unwrap()
+            })
+            .collect();
         let mut x = QActs::new();
         for ty in TYPES {
             let w = rand_weights(6, ty, n, k);
@@ -1067,8 +1222,14 @@ mod tests {
                         for pool in &pools {
                             let y = pool.install(|| run(fl, &x, ty, &w, n));
                             for (i, &r) in idx.iter().enumerate() {
-                                let got: Vec<u32> = y[i * n..(i + 1) * n].iter().map(|v| v.to_bits()).collect();
-                                assert_eq!(got, alone[r], "{fl:?} {ty:?}: row {r} at position {i} of m={m}, {} threads", pool.current_num_threads());
+                                let got: Vec<u32> =
+                                    y[i * n..(i + 1) * n].iter().map(|v| v.to_bits()).collect();
+                                assert_eq!(
+                                    got,
+                                    alone[r],
+                                    "{fl:?} {ty:?}: row {r} at position {i} of m={m}, {} threads",
+                                    pool.current_num_threads()
+                                );
                             }
                         }
                     }
@@ -1087,8 +1248,14 @@ mod tests {
         x.quantize(&rand_acts(7, m, k), m, k);
         for ty in TYPES {
             let w = rand_weights(8, ty, n, k);
-            let a: Vec<u32> = run(Flavour::Avx2, &x, ty, &w, n).iter().map(|v| v.to_bits()).collect();
-            let b: Vec<u32> = run(Flavour::Vnni, &x, ty, &w, n).iter().map(|v| v.to_bits()).collect();
+            let a: Vec<u32> = run(Flavour::Avx2, &x, ty, &w, n)
+                .iter()
+                .map(|v| v.to_bits())
+                .collect();
+            let b: Vec<u32> = run(Flavour::Vnni, &x, ty, &w, n)
+                .iter()
+                .map(|v| v.to_bits())
+                .collect();
             assert_eq!(a, b, "{ty:?}");
         }
     }
@@ -1098,18 +1265,44 @@ mod tests {
         let (m, k) = (10, 128);
         let mut x = QActs::new();
         x.quantize(&rand_acts(9, m, k), m, k);
-        let shapes = [(QType::Q8_0, 17), (QType::Q4_1, 5), (QType::Q4_1, 32), (QType::Q8_0, 3), (QType::Q4_1, 9)];
-        let ws: Vec<Vec<u8>> = shapes.iter().enumerate().map(|(i, &(ty, n))| rand_weights(10 + i as u64, ty, n, k)).collect();
+        let shapes = [
+            (QType::Q8_0, 17),
+            (QType::Q4_1, 5),
+            (QType::Q4_1, 32),
+            (QType::Q8_0, 3),
+            (QType::Q4_1, 9),
+        ];
+        let ws: Vec<Vec<u8>> = shapes
+            .iter()
+            .enumerate()
+            .map(|(i, &(ty, n))| rand_weights(10 + i as u64, ty, n, k))
+            .collect();
         for be in [Backend::Portable, kernels::backend()] {
             for count in 1..=shapes.len() {
-                let mut ys: Vec<Vec<f32>> = shapes[..count].iter().map(|&(_, n)| vec![f32::NAN; m * n]).collect();
-                let mut outs: Vec<QLinear<'_>> =
-                    shapes.iter().zip(&ws).zip(ys.iter_mut()).map(|((&(ty, n), w), y)| QLinear { ty, w, n, y }).collect();
+                let mut ys: Vec<Vec<f32>> = shapes[..count]
+                    .iter()
+                    .map(|&(_, n)| vec![f32::NAN; m * n])
+                    .collect();
+                let mut outs: Vec<QLinear<'_>> = shapes
+                    .iter()
+                    .zip(&ws)
+                    .zip(ys.iter_mut())
+                    .map(|((&(ty, n), w), y)| QLinear { ty, w, n, y })
+                    .collect();
                 qmatmul_many_with(be, &x, &mut outs);
                 drop(outs);
                 for (i, &(ty, n)) in shapes[..count].iter().enumerate() {
                     let mut z = vec![f32::NAN; m * n];
-                    qmatmul_many_with(be, &x, &mut [QLinear { ty, w: &ws[i], n, y: &mut z }]);
+                    qmatmul_many_with(
+                        be,
+                        &x,
+                        &mut [QLinear {
+                            ty,
+                            w: &ws[i],
+                            n,
+                            y: &mut z,
+                        }],
+                    );
                     let a: Vec<u32> = ys[i].iter().map(|v| v.to_bits()).collect();
                     let b: Vec<u32> = z.iter().map(|v| v.to_bits()).collect();
                     assert_eq!(a, b, "{be:?}: matrix {i} of {count}");
@@ -1144,12 +1337,21 @@ mod tests {
         for i in 0..32 {
             assert_eq!(x.d[s(0, 0)] * q(&x, 0, 0, i) as f32, xf[i], "value {i}");
         }
-        assert_eq!(x.sum[s(0, 0)], (0..32).map(|i| q(&x, 0, 0, i) as i32).sum::<i32>());
-        assert_eq!((q(&x, 0, 1, 5), q(&x, 0, 1, 9), q(&x, 0, 1, 10)), (127, -127, 34));
+        assert_eq!(
+            x.sum[s(0, 0)],
+            (0..32).map(|i| q(&x, 0, 0, i) as i32).sum::<i32>()
+        );
+        assert_eq!(
+            (q(&x, 0, 1, 5), q(&x, 0, 1, 9), q(&x, 0, 1, 10)),
+            (127, -127, 34)
+        );
         assert_eq!(x.d[s(0, 1)], 0.37 / 127.0);
         assert!((x.d[s(0, 1)] * 127.0 - 0.37).abs() <= f32::EPSILON * 0.37);
         assert_eq!(x.sum[s(0, 1)], 34);
-        assert_eq!((x.d[s(1, 0)], x.sum[s(1, 0)], x.dsum[s(1, 0)]), (0.0, 0, 0.0));
+        assert_eq!(
+            (x.d[s(1, 0)], x.sum[s(1, 0)], x.dsum[s(1, 0)]),
+            (0.0, 0, 0.0)
+        );
         assert!((0..32).all(|i| q(&x, 1, 0, i) == 0));
         assert_eq!((q(&x, 1, 1, 8), x.sum[s(1, 1)]), (-127, -127));
         // Half away from zero: 0.5 -> 1, -0.5 -> -1, 1.5 -> 2.
@@ -1175,8 +1377,14 @@ mod tests {
     #[ignore]
     fn bench_against_f32_matmul() {
         let (k, n) = (576, 1536);
-        let threads = std::env::var("PDKV_THREADS").ok().and_then(|s| s.parse().ok()).unwrap_or(2);
-        let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
+        let threads = std::env::var("PDKV_THREADS")
+            .ok()
+            .and_then(|s| s.parse().ok())
+            .unwrap_or(2);
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .build()
+            .unwrap();
         let time = |f: &mut dyn FnMut()| {
             f();
             let mut best = f64::INFINITY;
@@ -1191,7 +1399,10 @@ mod tests {
             }
             best
         };
-        println!("threads {threads}, k {k}, n {n}, flavour {:?}", Flavour::of(kernels::backend()));
+        println!(
+            "threads {threads}, k {k}, n {n}, flavour {:?}",
+            Flavour::of(kernels::backend())
+        );
         for m in [1, 32, 512] {
             let xf = rand_acts(20, m, k);
             let gflop = 2.0 * (m * k * n) as f64 / 1e9;
@@ -1202,7 +1413,19 @@ mod tests {
                 let tf = pool.install(|| time(&mut || kernels::matmul(&xf, m, k, &w, n, &mut y)));
                 let mut x = QActs::new();
                 let tqz = pool.install(|| time(&mut || x.quantize(&xf, m, k)));
-                let tq = pool.install(|| time(&mut || qmatmul_many(&x, &mut [QLinear { ty, w: &wq, n, y: &mut y }])));
+                let tq = pool.install(|| {
+                    time(&mut || {
+                        qmatmul_many(
+                            &x,
+                            &mut [QLinear {
+                                ty,
+                                w: &wq,
+                                n,
+                                y: &mut y,
+                            }],
+                        )
+                    })
+                });
                 println!(
                     "m={m:3} {ty:?}: f32 {:8.1} us {:6.1} GFLOP/s | q {:8.1} us {:6.1} GFLOP/s (+quantize {:6.1} us) | speedup {:.2}x",
                     tf * 1e6,

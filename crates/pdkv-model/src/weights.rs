@@ -110,7 +110,13 @@ pub struct Weights {
 impl Weights {
     /// The f32 contents of a tensor stored as f32.
     pub fn get(&self, t: &TensorRef) -> &[f32] {
-        assert_eq!(t.dtype, DType::F32, "tensor at {} of shape {:?} is not stored as f32", t.offset, t.shape);
+        assert_eq!(
+            t.dtype,
+            DType::F32,
+            "tensor at {} of shape {:?} is not stored as f32",
+            t.offset,
+            t.shape
+        );
         // SAFETY: tensors are written once at load time, before any reader
         // exists, and never overlap; offsets are 64-byte aligned.
         unsafe { self.region.slice::<f32>(t.offset, t.numel()) }
@@ -121,7 +127,9 @@ impl Weights {
         match t.dtype {
             DType::F32 => Mat::F32(self.get(t)),
             // SAFETY: as in `get`; the bytes of a block-format tensor.
-            DType::Quant(q) => Mat::Quant(q, unsafe { self.region.slice::<u8>(t.offset, t.bytes()) }),
+            DType::Quant(q) => {
+                Mat::Quant(q, unsafe { self.region.slice::<u8>(t.offset, t.bytes()) })
+            }
         }
     }
 
@@ -139,7 +147,8 @@ impl Weights {
             Mat::F32(v) => out.copy_from_slice(&v[r * cols..(r + 1) * cols]),
             Mat::Quant(q, b) => {
                 let rb = q.row_bytes(cols);
-                crate::gguf::dequantize(ggml_type(q), &b[r * rb..(r + 1) * rb], out).expect("a stored row dequantises");
+                crate::gguf::dequantize(ggml_type(q), &b[r * rb..(r + 1) * rb], out)
+                    .expect("a stored row dequantises");
             }
         }
     }
@@ -148,7 +157,17 @@ impl Weights {
     pub fn tensors_by_offset(&self) -> Vec<&TensorRef> {
         let mut v = vec![&self.embed, &self.final_norm, &self.lm_head];
         for l in &self.layers {
-            v.extend([&l.attn_norm, &l.wq, &l.wk, &l.wv, &l.wo, &l.ffn_norm, &l.w_gate, &l.w_up, &l.w_down]);
+            v.extend([
+                &l.attn_norm,
+                &l.wq,
+                &l.wk,
+                &l.wv,
+                &l.wo,
+                &l.ffn_norm,
+                &l.w_gate,
+                &l.w_up,
+                &l.w_down,
+            ]);
             v.extend([&l.q_norm, &l.k_norm].into_iter().flatten());
         }
         v.sort_by_key(|t| t.offset);
@@ -162,7 +181,17 @@ impl Weights {
             n += self.lm_head.bytes();
         }
         for l in &self.layers {
-            for t in [&l.attn_norm, &l.wq, &l.wk, &l.wv, &l.wo, &l.ffn_norm, &l.w_gate, &l.w_up, &l.w_down] {
+            for t in [
+                &l.attn_norm,
+                &l.wq,
+                &l.wk,
+                &l.wv,
+                &l.wo,
+                &l.ffn_norm,
+                &l.w_gate,
+                &l.w_up,
+                &l.w_down,
+            ] {
                 n += t.bytes();
             }
             for t in [&l.q_norm, &l.k_norm].into_iter().flatten() {
@@ -177,7 +206,17 @@ impl Weights {
     pub fn bytes_read_per_token(&self) -> usize {
         let mut n = self.lm_head.bytes() + self.final_norm.bytes();
         for l in &self.layers {
-            for t in [&l.attn_norm, &l.wq, &l.wk, &l.wv, &l.wo, &l.ffn_norm, &l.w_gate, &l.w_up, &l.w_down] {
+            for t in [
+                &l.attn_norm,
+                &l.wq,
+                &l.wk,
+                &l.wv,
+                &l.wo,
+                &l.ffn_norm,
+                &l.w_gate,
+                &l.w_up,
+                &l.w_down,
+            ] {
                 n += t.bytes();
             }
             for t in [&l.q_norm, &l.k_norm].into_iter().flatten() {
@@ -212,7 +251,11 @@ impl WeightsLayout {
     /// Reserves space for a tensor of `shape` stored as `dtype`.
     pub fn push_typed(&mut self, shape: &[usize], dtype: DType) -> TensorRef {
         let offset = self.next;
-        let t = TensorRef { offset, shape: shape.to_vec(), dtype };
+        let t = TensorRef {
+            offset,
+            shape: shape.to_vec(),
+            dtype,
+        };
         self.next = (offset + t.bytes()).div_ceil(64) * 64;
         t
     }

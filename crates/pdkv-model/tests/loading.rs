@@ -552,8 +552,18 @@ fn smollm2_weights_region_holds_the_files_tensor_bytes() {
     let pool = Pool::default();
     let lm = load_model(&path, &pool, &mut |_| {}).unwrap();
     let w = lm.model.weights();
-    println!("tensor types {types:?}: {kept} bytes kept; weights region {} bytes", w.region.len());
+    println!(
+        "tensor types {types:?}: {kept} bytes kept; weights region {} bytes",
+        w.region.len()
+    );
     assert_eq!(w.bytes_total(), kept);
-    assert!(w.region.len() >= kept && w.region.len() <= kept + 64 * g.tensors.len() + (2 << 20), "{}", w.region.len());
-    assert!(matches!(w.layers[0].wq.dtype, pdkv_model::weights::DType::Quant(_)), "the projections keep their blocks");
+    assert!(
+        w.region.len() >= kept && w.region.len() <= kept + 64 * g.tensors.len() + (2 << 20),
+        "{}",
+        w.region.len()
+    );
+    assert!(
+        matches!(w.layers[0].wq.dtype, pdkv_model::weights::DType::Quant(_)),
+        "the projections keep their blocks"
+    );
 }

@@ -52,8 +52,22 @@ fn configs() -> Vec<ModelConfig> {
 
 /// Shapes whose linear layers have rows of whole 32-value blocks.
 fn block_cfgs() -> Vec<ModelConfig> {
-    let llama = ModelConfig { hidden_size: 64, intermediate_size: 96, num_heads: 4, num_kv_heads: 2, head_dim: 16, ..llama_cfg() };
-    let qwen3 = ModelConfig { hidden_size: 64, intermediate_size: 96, num_heads: 4, num_kv_heads: 2, head_dim: 24, ..qwen3_cfg() };
+    let llama = ModelConfig {
+        hidden_size: 64,
+        intermediate_size: 96,
+        num_heads: 4,
+        num_kv_heads: 2,
+        head_dim: 16,
+        ..llama_cfg()
+    };
+    let qwen3 = ModelConfig {
+        hidden_size: 64,
+        intermediate_size: 96,
+        num_heads: 4,
+        num_kv_heads: 2,
+        head_dim: 24,
+        ..qwen3_cfg()
+    };
     vec![llama, qwen3]
 }
 
@@ -70,7 +84,14 @@ fn cases() -> Vec<(ModelConfig, Option<QType>, bool)> {
 }
 
 fn tokens(seed: u32, n: usize, vocab: usize) -> Vec<u32> {
-    (0..n as u32).map(|i| (i.wrapping_mul(2_654_435_761).wrapping_add(seed.wrapping_mul(97)) >> 7) % vocab as u32).collect()
+    (0..n as u32)
+        .map(|i| {
+            (i.wrapping_mul(2_654_435_761)
+                .wrapping_add(seed.wrapping_mul(97))
+                >> 7)
+                % vocab as u32
+        })
+        .collect()
 }
 
 struct Harness {
@@ -84,11 +105,23 @@ impl Harness {
         Harness::with(cfg, None, false, blocks, ws_tokens)
     }
 
-    fn with(cfg: &ModelConfig, quant: Option<QType>, int8: bool, blocks: usize, ws_tokens: usize) -> Harness {
+    fn with(
+        cfg: &ModelConfig,
+        quant: Option<QType>,
+        int8: bool,
+        blocks: usize,
+        ws_tokens: usize,
+    ) -> Harness {
         let pool = Pool::default();
-        let model = synthetic_model_with(&pool, cfg, 42, quant).unwrap().with_int8_activations(int8);
+        let model = synthetic_model_with(&pool, cfg, 42, quant)
+            .unwrap()
+            .with_int8_activations(int8);
         if quant.is_some() {
-            assert!(matches!(model.weights().layers[0].wq.dtype, DType::Quant(_)), "{:?} keeps its blocks", cfg.arch);
+            assert!(
+                matches!(model.weights().layers[0].wq.dtype, DType::Quant(_)),
+                "{:?} keeps its blocks",
+                cfg.arch
+            );
         }
         let kv = KvCache::new(&pool, cfg, blocks).unwrap();
         let ws = Workspace::new(&pool, cfg, ws_tokens).unwrap();
@@ -97,7 +130,9 @@ impl Harness {
 
     fn step(&mut self, seqs: &[SeqInput<'_>]) -> Vec<f32> {
         let mut logits = vec![1.0; 3];
-        self.model.forward(&self.kv, &mut self.ws, seqs, &mut logits).unwrap();
+        self.model
+            .forward(&self.kv, &mut self.ws, seqs, &mut logits)
+            .unwrap();
         logits
     }
 
@@ -109,7 +144,12 @@ impl Harness {
         let mut i = 0;
         while start < toks.len() {
             let end = (start + chunks[i % chunks.len()]).min(toks.len());
-            let input = SeqInput { tokens: &toks[start..end], start_pos: start, block_table: table, want_logits: end == toks.len() };
+            let input = SeqInput {
+                tokens: &toks[start..end],
+                start_pos: start,
+                block_table: table,
+                want_logits: end == toks.len(),
+            };
             last = self.step(&[input]);
             start = end;
             i += 1;
@@ -165,8 +205,18 @@ fn prefill_chunking_and_block_placement_do_not_change_results() {
             (vec![toks.len()], scattered.clone()),
         ] {
             let got = h.prefill(&toks, &table, &chunks);
-            assert_eq!(bits(&got), bits(&want), "{:?}: chunks {chunks:?} table {table:?}", cfg.arch);
-            assert_eq!(h.kv_bits(&table, toks.len()), want_kv, "{:?}: KV of chunks {chunks:?}", cfg.arch);
+            assert_eq!(
+                bits(&got),
+                bits(&want),
+                "{:?}: chunks {chunks:?} table {table:?}",
+                cfg.arch
+            );
+            assert_eq!(
+                h.kv_bits(&table, toks.len()),
+                want_kv,
+                "{:?}: KV of chunks {chunks:?}",
+                cfg.arch
+            );
         }
     }
 }
@@ -182,7 +232,12 @@ fn decode_after_chunked_prefill_equals_unchunked() {
         let mut run = |chunks: &[usize], table: &[u32]| {
             let mut all = vec![bits(&h.prefill(&toks, table, chunks))];
             for (i, t) in gen.iter().enumerate() {
-                let input = SeqInput { tokens: std::slice::from_ref(t), start_pos: toks.len() + i, block_table: table, want_logits: true };
+                let input = SeqInput {
+                    tokens: std::slice::from_ref(t),
+                    start_pos: toks.len() + i,
+                    block_table: table,
+                    want_logits: true,
+                };
                 all.push(bits(&h.step(&[input])));
             }
             (all, h.kv_bits(table, len))
@@ -210,7 +265,12 @@ fn logits_do_not_depend_on_the_rest_of_the_batch() {
         let table_alone = contiguous(0, per_seq);
         let mut alone = vec![bits(&h.prefill(&prompt, &table_alone, &[prompt.len()]))];
         for (i, t) in gen.iter().enumerate() {
-            let input = SeqInput { tokens: std::slice::from_ref(t), start_pos: prompt.len() + i, block_table: &table_alone, want_logits: true };
+            let input = SeqInput {
+                tokens: std::slice::from_ref(t),
+                start_pos: prompt.len() + i,
+                block_table: &table_alone,
+                want_logits: true,
+            };
             alone.push(bits(&h.step(&[input])));
         }
         let alone_kv = h.kv_bits(&table_alone, target_len);
@@ -220,8 +280,12 @@ fn logits_do_not_depend_on_the_rest_of_the_batch() {
         // Each other sequence has a prompt of `plen[i]` tokens followed by 8
         // tokens it consumes one decode step at a time.
         let plen: Vec<usize> = (0..31).map(|i| 3 + (i * 13) % 80).collect();
-        let others: Vec<Vec<u32>> = (0..31).map(|i| tokens(100 + i as u32, plen[i] + 8, vocab)).collect();
-        let tables: Vec<Vec<u32>> = (0..32).map(|s| contiguous((s * per_seq) as u32, per_seq)).collect();
+        let others: Vec<Vec<u32>> = (0..31)
+            .map(|i| tokens(100 + i as u32, plen[i] + 8, vocab))
+            .collect();
+        let tables: Vec<Vec<u32>> = (0..32)
+            .map(|s| contiguous((s * per_seq) as u32, per_seq))
+            .collect();
         // Sequence 31 of `tables` is the target's, in the last blocks.
         let target_table = &tables[31];
         let mut done = vec![0usize; 31];
@@ -232,15 +296,34 @@ fn logits_do_not_depend_on_the_rest_of_the_batch() {
                 let start = done[i];
                 if start < o.len() {
                     // A prefill chunk of 1..=23 tokens, or one decode token.
-                    let n = if start < plen[i] { (1 + (i * 5 + step * 3) % 23).min(plen[i] - start) } else { 1 };
-                    inputs.push(SeqInput { tokens: &o[start..start + n], start_pos: start, block_table: &tables[i], want_logits: (i + step) % 3 != 0 });
+                    let n = if start < plen[i] {
+                        (1 + (i * 5 + step * 3) % 23).min(plen[i] - start)
+                    } else {
+                        1
+                    };
+                    inputs.push(SeqInput {
+                        tokens: &o[start..start + n],
+                        start_pos: start,
+                        block_table: &tables[i],
+                        want_logits: (i + step) % 3 != 0,
+                    });
                     done[i] += n;
                 }
             }
             let target = if step == 0 {
-                SeqInput { tokens: &prompt, start_pos: 0, block_table: target_table, want_logits: true }
+                SeqInput {
+                    tokens: &prompt,
+                    start_pos: 0,
+                    block_table: target_table,
+                    want_logits: true,
+                }
             } else {
-                SeqInput { tokens: std::slice::from_ref(&gen[step - 1]), start_pos: prompt.len() + step - 1, block_table: target_table, want_logits: true }
+                SeqInput {
+                    tokens: std::slice::from_ref(&gen[step - 1]),
+                    start_pos: prompt.len() + step - 1,
+                    block_table: target_table,
+                    want_logits: true,
+                }
             };
             let at = (step * 11) % (inputs.len() + 1);
             inputs.insert(at, target);
@@ -249,8 +332,17 @@ fn logits_do_not_depend_on_the_rest_of_the_batch() {
             let row = inputs[..at].iter().filter(|s| s.want_logits).count();
             batched.push(bits(&logits[row * vocab..(row + 1) * vocab]));
         }
-        assert_eq!(batched, alone, "{:?} {quant:?} int8 {int8}: target logits differ in a batch", cfg.arch);
-        assert_eq!(h.kv_bits(target_table, target_len), alone_kv, "{:?} {quant:?}: target KV differs", cfg.arch);
+        assert_eq!(
+            batched, alone,
+            "{:?} {quant:?} int8 {int8}: target logits differ in a batch",
+            cfg.arch
+        );
+        assert_eq!(
+            h.kv_bits(target_table, target_len),
+            alone_kv,
+            "{:?} {quant:?}: target KV differs",
+            cfg.arch
+        );
     }
 }
 
@@ -266,7 +358,12 @@ fn shared_prefix_blocks_give_the_same_logits_as_recompute() {
         h.prefill(&a, &[0, 1, 2], &[40]);
         let full = h.prefill(&b, &[5, 6, 7], &[41]);
         // Blocks 0 and 1 hold positions 0..32 of `a`, identical to `b`'s.
-        let input = SeqInput { tokens: &b[32..], start_pos: 32, block_table: &[0, 1, 9], want_logits: true };
+        let input = SeqInput {
+            tokens: &b[32..],
+            start_pos: 32,
+            block_table: &[0, 1, 9],
+            want_logits: true,
+        };
         let reused = h.step(&[input]);
         assert_eq!(bits(&reused), bits(&full), "{:?}", cfg.arch);
     }
@@ -280,28 +377,73 @@ fn bad_steps_are_refused() {
     let toks = [1u32; 20];
     let mut try_step = |seqs: &[SeqInput<'_>]| h.model.forward(&h.kv, &mut h.ws, seqs, &mut logits);
     // Too few blocks for 20 positions.
-    let short = SeqInput { tokens: &toks, start_pos: 0, block_table: &[0], want_logits: true };
+    let short = SeqInput {
+        tokens: &toks,
+        start_pos: 0,
+        block_table: &[0],
+        want_logits: true,
+    };
     assert!(try_step(&[short]).is_err());
     // Block id outside the cache.
-    let outside = SeqInput { tokens: &toks, start_pos: 0, block_table: &[0, 4], want_logits: true };
+    let outside = SeqInput {
+        tokens: &toks,
+        start_pos: 0,
+        block_table: &[0, 4],
+        want_logits: true,
+    };
     assert!(try_step(&[outside]).is_err());
     // Token outside the vocabulary.
     let bad_tok = [cfg.vocab_size as u32];
-    let oov = SeqInput { tokens: &bad_tok, start_pos: 0, block_table: &[0], want_logits: true };
+    let oov = SeqInput {
+        tokens: &bad_tok,
+        start_pos: 0,
+        block_table: &[0],
+        want_logits: true,
+    };
     assert!(try_step(&[oov]).is_err());
     // Two sequences writing the same block.
-    let s1 = SeqInput { tokens: &toks[..3], start_pos: 0, block_table: &[2], want_logits: true };
-    let s2 = SeqInput { tokens: &toks[..3], start_pos: 0, block_table: &[2], want_logits: true };
+    let s1 = SeqInput {
+        tokens: &toks[..3],
+        start_pos: 0,
+        block_table: &[2],
+        want_logits: true,
+    };
+    let s2 = SeqInput {
+        tokens: &toks[..3],
+        start_pos: 0,
+        block_table: &[2],
+        want_logits: true,
+    };
     assert!(try_step(&[s1, s2]).is_err());
     // A block written by one sequence while another reads it.
-    let w = SeqInput { tokens: &toks[..3], start_pos: 16, block_table: &[0, 1], want_logits: true };
-    let r = SeqInput { tokens: &toks[..3], start_pos: 16, block_table: &[1, 3], want_logits: true };
+    let w = SeqInput {
+        tokens: &toks[..3],
+        start_pos: 16,
+        block_table: &[0, 1],
+        want_logits: true,
+    };
+    let r = SeqInput {
+        tokens: &toks[..3],
+        start_pos: 16,
+        block_table: &[1, 3],
+        want_logits: true,
+    };
     assert!(try_step(&[w, r]).is_err());
     // Empty sequence.
-    let empty = SeqInput { tokens: &[], start_pos: 0, block_table: &[0], want_logits: true };
+    let empty = SeqInput {
+        tokens: &[],
+        start_pos: 0,
+        block_table: &[0],
+        want_logits: true,
+    };
     assert!(try_step(&[empty]).is_err());
     // A valid step still works afterwards and a workspace grows on demand.
-    let ok = SeqInput { tokens: &toks, start_pos: 0, block_table: &[0, 1], want_logits: true };
+    let ok = SeqInput {
+        tokens: &toks,
+        start_pos: 0,
+        block_table: &[0, 1],
+        want_logits: true,
+    };
     assert!(try_step(&[ok]).is_ok());
     assert_eq!(logits.len(), cfg.vocab_size);
 }
@@ -312,7 +454,9 @@ fn bad_steps_are_refused() {
 
 fn ref_linear(w: &[f32], out: usize, x: &[f64]) -> Vec<f64> {
     let k = x.len();
-    (0..out).map(|j| (0..k).map(|t| w[j * k + t] as f64 * x[t]).sum()).collect()
+    (0..out)
+        .map(|j| (0..k).map(|t| w[j * k + t] as f64 * x[t]).sum())
+        .collect()
 }
 
 fn ref_rmsnorm(x: &[f64], w: &[f32], eps: f64) -> Vec<f64> {
@@ -346,7 +490,15 @@ fn reference_logits(model: &Model, toks: &[u32]) -> Vec<f64> {
     let eps = cfg.rms_norm_eps as f64;
     let embed = w.get(&w.embed);
     let h = cfg.hidden_size;
-    let mut xs: Vec<Vec<f64>> = toks.iter().map(|&t| embed[t as usize * h..(t as usize + 1) * h].iter().map(|&v| v as f64).collect()).collect();
+    let mut xs: Vec<Vec<f64>> = toks
+        .iter()
+        .map(|&t| {
+            embed[t as usize * h..(t as usize + 1) * h]
+                .iter()
+                .map(|&v| v as f64)
+                .collect()
+        })
+        .collect();
     for lw in &w.layers {
         let mut qs = Vec::new();
         let mut ks = Vec::new();
@@ -375,7 +527,13 @@ fn reference_logits(model: &Model, toks: &[u32]) -> Vec<f64> {
                 let g = head / (nh / nkv);
                 let q = &qs[p][head * hd..(head + 1) * hd];
                 let scores: Vec<f64> = (0..=p)
-                    .map(|t| q.iter().zip(&ks[t][g * hd..(g + 1) * hd]).map(|(a, b)| a * b).sum::<f64>() / (hd as f64).sqrt())
+                    .map(|t| {
+                        q.iter()
+                            .zip(&ks[t][g * hd..(g + 1) * hd])
+                            .map(|(a, b)| a * b)
+                            .sum::<f64>()
+                            / (hd as f64).sqrt()
+                    })
                     .collect();
                 let m = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
                 let e: Vec<f64> = scores.iter().map(|s| (s - m).exp()).collect();
@@ -393,7 +551,11 @@ fn reference_logits(model: &Model, toks: &[u32]) -> Vec<f64> {
             let hn = ref_rmsnorm(x, w.get(&lw.ffn_norm), eps);
             let gate = ref_linear(&mat_f32(w, &lw.w_gate), cfg.intermediate_size, &hn);
             let up = ref_linear(&mat_f32(w, &lw.w_up), cfg.intermediate_size, &hn);
-            let act: Vec<f64> = gate.iter().zip(&up).map(|(g, u)| g / (1.0 + (-g).exp()) * u).collect();
+            let act: Vec<f64> = gate
+                .iter()
+                .zip(&up)
+                .map(|(g, u)| g / (1.0 + (-g).exp()) * u)
+                .collect();
             let d = ref_linear(&mat_f32(w, &lw.w_down), h, &act);
             for (a, b) in x.iter_mut().zip(&d) {
                 *a += b;
@@ -418,12 +580,23 @@ fn block_format_forward_agrees_with_f64_reference_on_dequantised_weights() {
             let want = reference_logits(&h.model, &toks);
             let scale = want.iter().fold(0f64, |m, v| m.max(v.abs()));
             assert!(scale > 0.1, "logits are not degenerate");
-            let worst = got.iter().zip(&want).map(|(g, w)| (*g as f64 - w).abs() / scale).fold(0f64, f64::max);
-            println!("{:?} {q:?} int8 {int8}: worst relative logit error {worst:.2e}", cfg.arch);
+            let worst = got
+                .iter()
+                .zip(&want)
+                .map(|(g, w)| (*g as f64 - w).abs() / scale)
+                .fold(0f64, f64::max);
+            println!(
+                "{:?} {q:?} int8 {int8}: worst relative logit error {worst:.2e}",
+                cfg.arch
+            );
             // f32 activations: the f32 path's accuracy; int8: what quantising
             // the activations to 8 bits per 32-value block costs.
             let bound = if int8 { 1e-2 } else { 1e-4 };
-            assert!(worst < bound, "{:?} {q:?} int8 {int8}: relative logit error {worst:e}", cfg.arch);
+            assert!(
+                worst < bound,
+                "{:?} {q:?} int8 {int8}: relative logit error {worst:e}",
+                cfg.arch
+            );
         }
     }
 }
@@ -439,7 +612,11 @@ fn forward_agrees_with_f64_reference() {
         assert!(scale > 0.1, "logits are not degenerate");
         for (i, (g, w)) in got.iter().zip(&want).enumerate() {
             let err = (*g as f64 - w).abs() / scale;
-            assert!(err < 1e-4, "{:?}: logit {i}: {g} vs {w} (rel err {err:e})", cfg.arch);
+            assert!(
+                err < 1e-4,
+                "{:?}: logit {i}: {g} vs {w} (rel err {err:e})",
+                cfg.arch
+            );
         }
     }
 }

@@ -24,11 +24,24 @@ fn fixture(name: &str) -> Fixture {
         .as_array()
         .unwrap()
         .iter()
-        .map(|p| p.as_array().unwrap().iter().map(|t| t.as_u64().unwrap() as u32).collect())
+        .map(|p| {
+            p.as_array()
+                .unwrap()
+                .iter()
+                .map(|t| t.as_u64().unwrap() as u32)
+                .collect()
+        })
         .collect();
     let raw = std::fs::read(dir.join(format!("{name}.f32"))).unwrap();
-    assert_eq!(raw.len(), prompts.len() * vocab * 4, "{name}.f32 has the wrong size");
-    let all: Vec<f32> = raw.chunks_exact(4).map(|b| f32::from_le_bytes(b.try_into().unwrap())).collect();
+    assert_eq!(
+        raw.len(),
+        prompts.len() * vocab * 4,
+        "{name}.f32 has the wrong size"
+    );
+    let all: Vec<f32> = raw
+        .chunks_exact(4)
+        .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+        .collect();
     Fixture {
         logits: all.chunks(vocab).map(<[f32]>::to_vec).collect(),
         prompts,
@@ -44,12 +57,21 @@ fn run(m: &LoadedModel, pool: &Pool, prompts: &[Vec<u32>]) -> Vec<Vec<f32>> {
     let kv = KvCache::new(pool, cfg, blocks_per_seq * prompts.len()).unwrap();
     let mut ws = Workspace::new(pool, cfg, prompts.iter().map(Vec::len).sum()).unwrap();
     let tables: Vec<Vec<u32>> = (0..prompts.len())
-        .map(|i| (0..blocks_per_seq).map(|b| (i * blocks_per_seq + b) as u32).collect())
+        .map(|i| {
+            (0..blocks_per_seq)
+                .map(|b| (i * blocks_per_seq + b) as u32)
+                .collect()
+        })
         .collect();
     let seqs: Vec<SeqInput> = prompts
         .iter()
         .zip(&tables)
-        .map(|(p, t)| SeqInput { tokens: p, start_pos: 0, block_table: t, want_logits: true })
+        .map(|(p, t)| SeqInput {
+            tokens: p,
+            start_pos: 0,
+            block_table: t,
+            want_logits: true,
+        })
         .collect();
     let mut logits = Vec::new();
     m.model.forward(&kv, &mut ws, &seqs, &mut logits).unwrap();
@@ -62,10 +84,29 @@ fn compare(name: &str, ours: &[Vec<f32>], fx: &Fixture) {
         assert_eq!(a.len(), b.len(), "{name} prompt {i}: vocab differs");
         let scale = b.iter().fold(0f32, |m, x| m.max(x.abs()));
         let err = a.iter().zip(b).fold(0f32, |m, (x, y)| m.max((x - y).abs()));
-        let argmax = |v: &[f32]| v.iter().enumerate().max_by(|x, y| x.1.total_cmp(y.1)).unwrap().0;
-        println!("{name} prompt {i} ({} tokens): max abs err {err:.3e}, relative {:.3e}", fx.prompts[i].len(), err / scale);
-        assert!(err <= fx.tol * scale, "{name} prompt {i}: relative error {} > {}", err / scale, fx.tol);
-        assert_eq!(argmax(a), argmax(b), "{name} prompt {i}: greedy token differs");
+        let argmax = |v: &[f32]| {
+            v.iter()
+                .enumerate()
+                .max_by(|x, y| x.1.total_cmp(y.1))
+                .unwrap()
+                .0
+        };
+        println!(
+            "{name} prompt {i} ({} tokens): max abs err {err:.3e}, relative {:.3e}",
+            fx.prompts[i].len(),
+            err / scale
+        );
+        assert!(
+            err <= fx.tol * scale,
+            "{name} prompt {i}: relative error {} > {}",
+            err / scale,
+            fx.tol
+        );
+        assert_eq!(
+            argmax(a),
+            argmax(b),
+            "{name} prompt {i}: greedy token differs"
+        );
     }
 }
 
@@ -93,7 +134,8 @@ fn tiny_qwen3_matches_transformers() {
 pub fn smollm2_path() -> Option<PathBuf> {
     let candidates = [
         std::env::var_os("PDKV_SMOLLM2_GGUF").map(PathBuf::from),
-        std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache/pdkv/models/SmolLM2-135M-Instruct.Q4_1.gguf")),
+        std::env::var_os("HOME")
+            .map(|h| PathBuf::from(h).join(".cache/pdkv/models/SmolLM2-135M-Instruct.Q4_1.gguf")),
     ];
     candidates.into_iter().flatten().find(|p| p.is_file())
 }
@@ -109,15 +151,25 @@ fn smollm2_matches_transformers() {
     };
     let pool = Pool::default();
     let cpp = fixture("smollm2-llamacpp");
-    assert!(cpp.prompts.len() >= 8, "greedy agreement on at least 8 prompts");
+    assert!(
+        cpp.prompts.len() >= 8,
+        "greedy agreement on at least 8 prompts"
+    );
     let hf = fixture("smollm2");
-    assert_eq!(hf.prompts[..], cpp.prompts[..hf.prompts.len()], "the llama.cpp fixture starts with transformers' prompts");
+    assert_eq!(
+        hf.prompts[..],
+        cpp.prompts[..hf.prompts.len()],
+        "the llama.cpp fixture starts with transformers' prompts"
+    );
     let n_hf = hf.prompts.len();
     // The weights stay in their Q4_1/Q8_0 blocks. With f32 activations
     // (PDKV_INT8_ACTIVATIONS=0) the math is the f32 path's: transformers'
     // float32 logits on the dequantised weights within its tolerance (1e-3).
     let m = load_model(&path, &pool, &mut |_| {}).unwrap();
-    let m = pdkv_model::LoadedModel { model: m.model.with_int8_activations(false), ..m };
+    let m = pdkv_model::LoadedModel {
+        model: m.model.with_int8_activations(false),
+        ..m
+    };
     let ours = run(&m, &pool, &cpp.prompts);
     compare("smollm2 vs transformers", &ours[..n_hf], &hf);
     // The same GGUF through llama.cpp, which quantises activations to 8 bits
@@ -128,10 +180,20 @@ fn smollm2_matches_transformers() {
     // With int8 activations (the default), as llama.cpp computes: within the same bounds
     // of llama.cpp and of transformers (measured: up to 4.8e-2 and 4.2e-2).
     let m8 = load_model(&path, &pool, &mut |_| {}).unwrap();
-    let m8 = pdkv_model::LoadedModel { model: m8.model.with_int8_activations(true), ..m8 };
+    let m8 = pdkv_model::LoadedModel {
+        model: m8.model.with_int8_activations(true),
+        ..m8
+    };
     let ours8 = run(&m8, &pool, &cpp.prompts);
     compare("smollm2 int8 vs llama.cpp", &ours8, &cpp);
-    compare("smollm2 int8 vs transformers", &ours8[..n_hf], &Fixture { tol: TRANSFORMERS_TOL_ON_BLOCKS, ..hf });
+    compare(
+        "smollm2 int8 vs transformers",
+        &ours8[..n_hf],
+        &Fixture {
+            tol: TRANSFORMERS_TOL_ON_BLOCKS,
+            ..hf
+        },
+    );
 }
 
 /// How far next-token logits with int8 activations may stray from

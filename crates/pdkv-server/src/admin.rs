@@ -93,8 +93,17 @@ pub(crate) fn routes(token: Arc<AdminToken>) -> Router<AppState> {
 }
 
 /// Lets a request through only with `Authorization: Bearer <token>`.
-pub(crate) async fn require_token(State(token): State<Arc<AdminToken>>, req: Request, next: Next) -> Response {
-    match check_bearer(&token, &req, "invalid admin token", "the admin API needs an `Authorization: Bearer <token>` header") {
+pub(crate) async fn require_token(
+    State(token): State<Arc<AdminToken>>,
+    req: Request,
+    next: Next,
+) -> Response {
+    match check_bearer(
+        &token,
+        &req,
+        "invalid admin token",
+        "the admin API needs an `Authorization: Bearer <token>` header",
+    ) {
         Ok(()) => next.run(req).await,
         Err(e) => unauthorized(e),
     }
@@ -103,13 +112,19 @@ pub(crate) async fn require_token(State(token): State<Arc<AdminToken>>, req: Req
 /// A 401 response asking for a bearer token.
 pub(crate) fn unauthorized(e: ApiError) -> Response {
     let mut resp = e.into_response();
-    resp.headers_mut().insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+    resp.headers_mut()
+        .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
     resp
 }
 
 /// Checks `Authorization: Bearer <secret>` against `secret`; the 401 to
 /// answer otherwise, with `invalid` (a wrong secret) or `missing` (none).
-pub(crate) fn check_bearer(secret: &AdminToken, req: &Request, invalid: &str, missing: &str) -> Result<(), ApiError> {
+pub(crate) fn check_bearer(
+    secret: &AdminToken,
+    req: &Request,
+    invalid: &str,
+    missing: &str,
+) -> Result<(), ApiError> {
     let presented = req
         .headers()
         .get(header::AUTHORIZATION)
@@ -135,10 +150,18 @@ impl QueryParams {
     /// parameter not in `allowed`.
     pub fn parse(raw: Option<&str>, allowed: &[&str]) -> Result<QueryParams, ApiError> {
         let pairs: Vec<(String, String)> = raw
-            .map(|q| form_urlencoded::parse(q.as_bytes()).map(|(k, v)| (k.into_owned(), v.into_owned())).collect())
+            .map(|q| {
+                form_urlencoded::parse(q.as_bytes())
+                    .map(|(k, v)| (k.into_owned(), v.into_owned()))
+                    .collect()
+            })
             .unwrap_or_default();
         if let Some((name, _)) = pairs.iter().find(|(k, _)| !allowed.contains(&k.as_str())) {
-            let known = if allowed.is_empty() { "none".to_string() } else { allowed.join(", ") };
+            let known = if allowed.is_empty() {
+                "none".to_string()
+            } else {
+                allowed.join(", ")
+            };
             return Err(ApiError::invalid_param(
                 name,
                 format!("unknown query parameter `{name}` (this route takes: {known})"),
@@ -149,7 +172,11 @@ impl QueryParams {
 
     /// Every value of `name`, in order.
     pub fn all(&self, name: &str) -> Vec<&str> {
-        self.pairs.iter().filter(|(k, _)| k == name).map(|(_, v)| v.as_str()).collect()
+        self.pairs
+            .iter()
+            .filter(|(k, _)| k == name)
+            .map(|(_, v)| v.as_str())
+            .collect()
     }
 
     /// The value of a scalar parameter; given twice is an error.
@@ -157,16 +184,24 @@ impl QueryParams {
         match self.all(name)[..] {
             [] => Ok(None),
             [v] => Ok(Some(v)),
-            _ => Err(ApiError::invalid_param(name, format!("query parameter `{name}` is given more than once"))),
+            _ => Err(ApiError::invalid_param(
+                name,
+                format!("query parameter `{name}` is given more than once"),
+            )),
         }
     }
 
     pub fn bool(&self, name: &str, default: bool) -> Result<bool, ApiError> {
-        let Some(v) = self.single(name)? else { return Ok(default) };
+        let Some(v) = self.single(name)? else {
+            return Ok(default);
+        };
         match v.to_ascii_lowercase().as_str() {
             "true" | "1" => Ok(true),
             "false" | "0" => Ok(false),
-            _ => Err(ApiError::invalid_param(name, format!("`{name}` must be true or false, got {v:?}"))),
+            _ => Err(ApiError::invalid_param(
+                name,
+                format!("`{name}` must be true or false, got {v:?}"),
+            )),
         }
     }
 
@@ -174,7 +209,10 @@ impl QueryParams {
         self.single(name)?
             .map(|v| {
                 PauseMode::parse(v).ok_or_else(|| {
-                    ApiError::invalid_param(name, format!("`{name}` must be abort, wait or keep, got {v:?}"))
+                    ApiError::invalid_param(
+                        name,
+                        format!("`{name}` must be abort, wait or keep, got {v:?}"),
+                    )
                 })
             })
             .transpose()
@@ -182,11 +220,16 @@ impl QueryParams {
 
     /// `timeout` in seconds (fractions allowed), within (0, [`MAX_TIMEOUT`]].
     pub fn timeout(&self) -> Result<Duration, ApiError> {
-        let Some(v) = self.single("timeout")? else { return Ok(DEFAULT_TIMEOUT) };
+        let Some(v) = self.single("timeout")? else {
+            return Ok(DEFAULT_TIMEOUT);
+        };
         let bad = || {
             ApiError::invalid_param(
                 "timeout",
-                format!("`timeout` must be a number of seconds in (0, {}], got {v:?}", MAX_TIMEOUT.as_secs()),
+                format!(
+                    "`timeout` must be a number of seconds in (0, {}], got {v:?}",
+                    MAX_TIMEOUT.as_secs()
+                ),
             )
         };
         let secs: f64 = v.parse().map_err(|_| bad())?;
@@ -221,12 +264,26 @@ fn json_ok(v: Value) -> Response {
 /// `POST /pause?mode=abort|wait|keep&clear_cache=false&timeout=60`. vLLM's
 /// older `wait_for_inflight_requests=true|false` is accepted in place of
 /// `mode` (true = wait, false = abort).
-async fn pause(State(state): State<AppState>, RawQuery(raw): RawQuery) -> Result<Response, ApiError> {
-    let q = QueryParams::parse(raw.as_deref(), &["mode", "clear_cache", "timeout", "wait_for_inflight_requests"])?;
+async fn pause(
+    State(state): State<AppState>,
+    RawQuery(raw): RawQuery,
+) -> Result<Response, ApiError> {
+    let q = QueryParams::parse(
+        raw.as_deref(),
+        &[
+            "mode",
+            "clear_cache",
+            "timeout",
+            "wait_for_inflight_requests",
+        ],
+    )?;
     let legacy = q.single("wait_for_inflight_requests")?.is_some();
     let mode = match (q.pause_mode("mode")?, legacy) {
         (Some(_), true) => {
-            return Err(ApiError::invalid_param("mode", "give either `mode` or `wait_for_inflight_requests`, not both"))
+            return Err(ApiError::invalid_param(
+                "mode",
+                "give either `mode` or `wait_for_inflight_requests`, not both",
+            ))
         }
         (Some(m), false) => m,
         (None, true) => {
@@ -245,14 +302,20 @@ async fn pause(State(state): State<AppState>, RawQuery(raw): RawQuery) -> Result
 }
 
 /// `POST /resume`.
-async fn resume(State(state): State<AppState>, RawQuery(raw): RawQuery) -> Result<Response, ApiError> {
+async fn resume(
+    State(state): State<AppState>,
+    RawQuery(raw): RawQuery,
+) -> Result<Response, ApiError> {
     QueryParams::parse(raw.as_deref(), &[])?;
     on_engine(&state, |e| e.resume()).await??;
     Ok(json_ok(json!({"status": "resumed"})))
 }
 
 /// `GET /is_paused`.
-async fn is_paused(State(state): State<AppState>, RawQuery(raw): RawQuery) -> Result<Response, ApiError> {
+async fn is_paused(
+    State(state): State<AppState>,
+    RawQuery(raw): RawQuery,
+) -> Result<Response, ApiError> {
     QueryParams::parse(raw.as_deref(), &[])?;
     let st = lifecycle_status(&state);
     Ok(json_ok(json!({"is_paused": st.paused.is_some()})))
@@ -263,7 +326,10 @@ async fn is_paused(State(state): State<AppState>, RawQuery(raw): RawQuery) -> Re
 /// (an RL trainer's `pause?mode=keep` then `sleep`: frozen requests are
 /// preempted and recompute after the wake, none is aborted); an engine not
 /// paused is paused with `abort`.
-async fn sleep(State(state): State<AppState>, RawQuery(raw): RawQuery) -> Result<Response, ApiError> {
+async fn sleep(
+    State(state): State<AppState>,
+    RawQuery(raw): RawQuery,
+) -> Result<Response, ApiError> {
     let q = QueryParams::parse(raw.as_deref(), &["level", "mode", "timeout"])?;
     let level = match q.single("level")? {
         None => SleepLevel::L1,
@@ -271,7 +337,9 @@ async fn sleep(State(state): State<AppState>, RawQuery(raw): RawQuery) -> Result
             .parse::<u32>()
             .ok()
             .and_then(SleepLevel::parse)
-            .ok_or_else(|| ApiError::invalid_param("level", format!("`level` must be 0, 1 or 2, got {v:?}")))?,
+            .ok_or_else(|| {
+                ApiError::invalid_param("level", format!("`level` must be 0, 1 or 2, got {v:?}"))
+            })?,
     };
     let mode = match q.pause_mode("mode")? {
         Some(m) => m,
@@ -280,13 +348,20 @@ async fn sleep(State(state): State<AppState>, RawQuery(raw): RawQuery) -> Result
     let timeout = q.timeout()?;
     let started = Instant::now();
     on_engine(&state, move |e| e.sleep(level, mode, timeout)).await??;
-    state.metrics().observe_sleep(started.elapsed().as_secs_f64());
-    Ok(json_ok(json!({"status": "sleeping", "level": level.as_u32()})))
+    state
+        .metrics()
+        .observe_sleep(started.elapsed().as_secs_f64());
+    Ok(json_ok(
+        json!({"status": "sleeping", "level": level.as_u32()}),
+    ))
 }
 
 /// `POST /wake_up[?tags=weights&tags=kv_cache]`: wakes the given tags, or
 /// everything without `tags`. Waking what is awake changes nothing.
-async fn wake_up(State(state): State<AppState>, RawQuery(raw): RawQuery) -> Result<Response, ApiError> {
+async fn wake_up(
+    State(state): State<AppState>,
+    RawQuery(raw): RawQuery,
+) -> Result<Response, ApiError> {
     let q = QueryParams::parse(raw.as_deref(), &["tags"])?;
     let names = q.all("tags");
     let tags = if names.is_empty() {
@@ -296,7 +371,10 @@ async fn wake_up(State(state): State<AppState>, RawQuery(raw): RawQuery) -> Resu
         for name in names {
             let tag = Tag::parse(name).ok_or_else(|| {
                 let known: Vec<&str> = Tag::ALL.iter().map(|t| t.as_str()).collect();
-                ApiError::invalid_param("tags", format!("unknown tag {name:?} (known: {})", known.join(", ")))
+                ApiError::invalid_param(
+                    "tags",
+                    format!("unknown tag {name:?} (known: {})", known.join(", ")),
+                )
             })?;
             if !tags.contains(&tag) {
                 tags.push(tag);
@@ -305,8 +383,13 @@ async fn wake_up(State(state): State<AppState>, RawQuery(raw): RawQuery) -> Resu
         Some(tags)
     };
     let started = Instant::now();
-    let status = on_engine(&state, move |e| e.wake_up(tags.as_deref()).map(|()| e.lifecycle_status())).await??;
-    state.metrics().observe_wake(started.elapsed().as_secs_f64());
+    let status = on_engine(&state, move |e| {
+        e.wake_up(tags.as_deref()).map(|()| e.lifecycle_status())
+    })
+    .await??;
+    state
+        .metrics()
+        .observe_wake(started.elapsed().as_secs_f64());
     let asleep: Vec<&str> = status.asleep_tags.iter().map(|t| t.as_str()).collect();
     Ok(json_ok(json!({
         "status": if status.sleeping.is_some() { "sleeping" } else { "awake" },
@@ -317,14 +400,20 @@ async fn wake_up(State(state): State<AppState>, RawQuery(raw): RawQuery) -> Resu
 }
 
 /// `GET /is_sleeping`.
-async fn is_sleeping(State(state): State<AppState>, RawQuery(raw): RawQuery) -> Result<Response, ApiError> {
+async fn is_sleeping(
+    State(state): State<AppState>,
+    RawQuery(raw): RawQuery,
+) -> Result<Response, ApiError> {
     QueryParams::parse(raw.as_deref(), &[])?;
     let st = lifecycle_status(&state);
     Ok(json_ok(json!({"is_sleeping": st.sleeping.is_some()})))
 }
 
 /// `POST /release_kv_cache_memory`: needs a completed pause (409 otherwise).
-async fn release_kv_cache_memory(State(state): State<AppState>, RawQuery(raw): RawQuery) -> Result<Response, ApiError> {
+async fn release_kv_cache_memory(
+    State(state): State<AppState>,
+    RawQuery(raw): RawQuery,
+) -> Result<Response, ApiError> {
     QueryParams::parse(raw.as_deref(), &[])?;
     on_engine(&state, |e| e.release_kv_cache_memory()).await??;
     Ok(json_ok(json!({"status": "released"})))
@@ -332,7 +421,10 @@ async fn release_kv_cache_memory(State(state): State<AppState>, RawQuery(raw): R
 
 /// `POST /reset_prefix_cache?reset_running_requests=false` →
 /// `{"success":bool}` (false when the cache cannot be reset now).
-async fn reset_prefix_cache(State(state): State<AppState>, RawQuery(raw): RawQuery) -> Result<Response, ApiError> {
+async fn reset_prefix_cache(
+    State(state): State<AppState>,
+    RawQuery(raw): RawQuery,
+) -> Result<Response, ApiError> {
     let q = QueryParams::parse(raw.as_deref(), &["reset_running_requests"])?;
     let reset_running = q.bool("reset_running_requests", false)?;
     let success = on_engine(&state, move |e| e.reset_prefix_cache_with(reset_running)).await?;
@@ -386,10 +478,15 @@ async fn update_weights(
 }
 
 /// `GET /weight_info` → `{"version":..,"path":..}`.
-async fn weight_info(State(state): State<AppState>, RawQuery(raw): RawQuery) -> Result<Response, ApiError> {
+async fn weight_info(
+    State(state): State<AppState>,
+    RawQuery(raw): RawQuery,
+) -> Result<Response, ApiError> {
     QueryParams::parse(raw.as_deref(), &[])?;
     let info = on_engine(&state, |e| e.weight_info()).await?;
-    Ok(json_ok(json!({"version": info.version, "path": info.path.display().to_string()})))
+    Ok(json_ok(
+        json!({"version": info.version, "path": info.path.display().to_string()}),
+    ))
 }
 
 #[cfg(test)]
@@ -401,7 +498,14 @@ mod tests {
     fn token_compare() {
         let t = AdminToken::new("s3cret".into()).unwrap();
         assert!(t.matches(b"s3cret"));
-        for bad in [&b""[..], b"s3cre", b"s3cret!", b"S3cret", b"s3cres", b"xxxxxx"] {
+        for bad in [
+            &b""[..],
+            b"s3cre",
+            b"s3cret!",
+            b"S3cret",
+            b"s3cres",
+            b"xxxxxx",
+        ] {
             assert!(!t.matches(bad), "{:?}", String::from_utf8_lossy(bad));
         }
         assert!(AdminToken::new(String::new()).is_err());
@@ -409,19 +513,30 @@ mod tests {
 
     #[test]
     fn query_repeats_and_decoding() {
-        let q = QueryParams::parse(Some("tags=weights&tags=kv%5Fcache&mode=a+b"), &["tags", "mode"]).unwrap();
+        let q = QueryParams::parse(
+            Some("tags=weights&tags=kv%5Fcache&mode=a+b"),
+            &["tags", "mode"],
+        )
+        .unwrap();
         assert_eq!(q.all("tags"), vec!["weights", "kv_cache"]);
         assert_eq!(q.single("mode").unwrap(), Some("a b"));
         assert_eq!(q.single("tags").unwrap_err().param.as_deref(), Some("tags"));
         assert_eq!(q.single("absent").unwrap(), None);
         let unknown = QueryParams::parse(Some("levle=2"), &["level"]).unwrap_err();
-        assert_eq!((unknown.status, unknown.param.as_deref()), (StatusCode::BAD_REQUEST, Some("levle")));
+        assert_eq!(
+            (unknown.status, unknown.param.as_deref()),
+            (StatusCode::BAD_REQUEST, Some("levle"))
+        );
         assert!(QueryParams::parse(None, &[]).unwrap().all("x").is_empty());
     }
 
     #[test]
     fn query_values() {
-        let q = QueryParams::parse(Some("a=TRUE&b=0&c=maybe&timeout=2.5"), &["a", "b", "c", "timeout"]).unwrap();
+        let q = QueryParams::parse(
+            Some("a=TRUE&b=0&c=maybe&timeout=2.5"),
+            &["a", "b", "c", "timeout"],
+        )
+        .unwrap();
         assert!(q.bool("a", false).unwrap());
         assert!(!q.bool("b", true).unwrap());
         assert!(q.bool("d", true).unwrap());
@@ -429,7 +544,11 @@ mod tests {
         assert_eq!(q.timeout().unwrap(), Duration::from_millis(2500));
         for bad in ["0", "-1", "nan", "inf", "x", "7200"] {
             let q = QueryParams::parse(Some(&format!("timeout={bad}")), &["timeout"]).unwrap();
-            assert_eq!(q.timeout().unwrap_err().param.as_deref(), Some("timeout"), "{bad}");
+            assert_eq!(
+                q.timeout().unwrap_err().param.as_deref(),
+                Some("timeout"),
+                "{bad}"
+            );
         }
         assert_eq!(QueryParams::default().timeout().unwrap(), DEFAULT_TIMEOUT);
         let q = QueryParams::parse(Some("mode=keep&m2=pause"), &["mode", "m2"]).unwrap();

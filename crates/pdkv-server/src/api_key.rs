@@ -17,7 +17,11 @@ use crate::admin::{check_bearer, unauthorized, AdminToken};
 pub type ApiKey = AdminToken;
 
 /// Lets a request through only with `Authorization: Bearer <key>`.
-pub(crate) async fn require_key(State(key): State<Arc<ApiKey>>, req: Request, next: Next) -> Response {
+pub(crate) async fn require_key(
+    State(key): State<Arc<ApiKey>>,
+    req: Request,
+    next: Next,
+) -> Response {
     let missing = "this server needs an API key: send `Authorization: Bearer <key>`";
     match check_bearer(&key, &req, "invalid API key", missing) {
         Ok(()) => next.run(req).await,

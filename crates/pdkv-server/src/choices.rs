@@ -62,20 +62,28 @@ pub fn choice_id(id: &str, index: usize) -> String {
 pub fn parse_n(n: Option<i64>, best_of: Option<i64>) -> Result<usize, ApiError> {
     let n = match n.unwrap_or(1) {
         k if (1..=MAX_N as i64).contains(&k) => k as usize,
-        k => return Err(ApiError::invalid_param("n", format!("n must be from 1 to {MAX_N}, got {k}"))),
+        k => {
+            return Err(ApiError::invalid_param(
+                "n",
+                format!("n must be from 1 to {MAX_N}, got {k}"),
+            ))
+        }
     };
     match best_of {
         None => {}
         Some(b) if b == n as i64 => {}
         Some(b) if b < n as i64 => {
-            return Err(ApiError::invalid_param("best_of", format!("best_of ({b}) must not be smaller than n ({n})")))
-        }
-        Some(b) => {
             return Err(ApiError::invalid_param(
                 "best_of",
-                format!("best_of ({b}) above n ({n}) is not supported; ask for n={b} and rank the choices"),
+                format!("best_of ({b}) must not be smaller than n ({n})"),
             ))
         }
+        Some(b) => return Err(ApiError::invalid_param(
+            "best_of",
+            format!(
+                "best_of ({b}) above n ({n}) is not supported; ask for n={b} and rank the choices"
+            ),
+        )),
     }
     Ok(n)
 }
@@ -108,23 +116,49 @@ pub async fn admit_group(
     );
     let n = if prefill_for_remote_decode { 1 } else { n };
     let num_prompt_tokens = prompt_tokens.len();
-    let first = admit(state, id.clone(), prompt_tokens.clone(), params.clone(), kv_transfer_params, arrived)?;
+    let first = admit(
+        state,
+        id.clone(),
+        prompt_tokens.clone(),
+        params.clone(),
+        kv_transfer_params,
+        arrived,
+    )?;
     let created = first.created;
-    let mut group = Group { id, created, num_prompt_tokens, streams: vec![first.stream], early: VecDeque::new() };
+    let mut group = Group {
+        id,
+        created,
+        num_prompt_tokens,
+        streams: vec![first.stream],
+        early: VecDeque::new(),
+    };
     if n == 1 {
         return Ok(group);
     }
     // Wait for choice 0's prompt to be in the KV cache.
     match group.streams[0].next().await {
-        Some(out) if out.finish_reason == Some(FinishReason::Error) => return Err(failed_request(&out)),
+        Some(out) if out.finish_reason == Some(FinishReason::Error) => {
+            return Err(failed_request(&out))
+        }
         Some(out) => group.early.push_back((0, out)),
-        None => return Err(ApiError::unavailable("the engine ended the request before its first token")),
+        None => {
+            return Err(ApiError::unavailable(
+                "the engine ended the request before its first token",
+            ))
+        }
     }
     for i in 1..n {
         let mut p = params.clone();
         p.prompt_logprobs = None;
         p.seed = params.seed.map(|s| choice_seed(s, i));
-        let admitted = admit(state, choice_id(&group.id, i), prompt_tokens.clone(), p, None, arrived)?;
+        let admitted = admit(
+            state,
+            choice_id(&group.id, i),
+            prompt_tokens.clone(),
+            p,
+            None,
+            arrived,
+        )?;
         group.streams.push(admitted.stream);
     }
     Ok(group)
@@ -221,8 +255,17 @@ mod tests {
     fn n_and_best_of() {
         assert_eq!(parse_n(None, None).unwrap(), 1);
         assert_eq!(parse_n(Some(8), Some(8)).unwrap(), 8);
-        for (n, best_of, param) in [(0, None, "n"), (129, None, "n"), (2, Some(3), "best_of"), (4, Some(2), "best_of")] {
-            assert_eq!(parse_n(Some(n), best_of).unwrap_err().param.as_deref(), Some(param), "n={n} best_of={best_of:?}");
+        for (n, best_of, param) in [
+            (0, None, "n"),
+            (129, None, "n"),
+            (2, Some(3), "best_of"),
+            (4, Some(2), "best_of"),
+        ] {
+            assert_eq!(
+                parse_n(Some(n), best_of).unwrap_err().param.as_deref(),
+                Some(param),
+                "n={n} best_of={best_of:?}"
+            );
         }
     }
 

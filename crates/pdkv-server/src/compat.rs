@@ -12,7 +12,11 @@ use crate::error::ApiError;
 use crate::AppState;
 
 fn json_response(v: serde_json::Value) -> Response {
-    ([(axum::http::header::CONTENT_TYPE, "application/json")], v.to_string()).into_response()
+    (
+        [(axum::http::header::CONTENT_TYPE, "application/json")],
+        v.to_string(),
+    )
+        .into_response()
 }
 
 /// `POST /flush_cache`: drops every prefix-cache entry. A 409 while KV
@@ -25,7 +29,9 @@ pub async fn flush_cache(State(state): State<AppState>) -> Result<Response, ApiE
         .await
         .map_err(|e| ApiError::internal(format!("flushing the cache failed: {e}")))?;
     if flushed {
-        Ok(json_response(json!({"success": true, "message": "the prefix cache is empty"})))
+        Ok(json_response(
+            json!({"success": true, "message": "the prefix cache is empty"}),
+        ))
     } else {
         Err(ApiError::conflict("the prefix cache cannot be flushed while KV blocks are in use (requests running or KV held for a transfer); retry when idle")
             .with_code("cache_in_use"))

@@ -55,7 +55,10 @@ impl ApiError {
 
     /// A 400 `invalid_request_error` about one field.
     pub fn invalid_param(param: &str, message: impl Into<String>) -> ApiError {
-        ApiError { param: Some(param.to_string()), ..ApiError::invalid(message) }
+        ApiError {
+            param: Some(param.to_string()),
+            ..ApiError::invalid(message)
+        }
     }
 
     pub fn not_found(message: impl Into<String>) -> ApiError {
@@ -110,7 +113,13 @@ impl ApiError {
 
     /// 504: a deadline passed (the message names the setting to raise).
     pub fn timeout(message: impl Into<String>) -> ApiError {
-        ApiError { status: StatusCode::GATEWAY_TIMEOUT, message: message.into(), kind: "timeout_error", param: None, code: Some("timeout") }
+        ApiError {
+            status: StatusCode::GATEWAY_TIMEOUT,
+            message: message.into(),
+            kind: "timeout_error",
+            param: None,
+            code: Some("timeout"),
+        }
     }
 
     pub fn internal(message: impl Into<String>) -> ApiError {
@@ -144,7 +153,13 @@ impl ApiError {
 
 impl std::fmt::Display for ApiError {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "{} ({}): {}", self.status.as_u16(), self.kind, self.message)
+        write!(
+            f,
+            "{} ({}): {}",
+            self.status.as_u16(),
+            self.kind,
+            self.message
+        )
     }
 }
 
@@ -157,10 +172,17 @@ pub const RETRYABLE_CODE: &str = "engine_not_serving";
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         let body = self.body_json();
-        let mut resp =
-            (self.status, [(axum::http::header::CONTENT_TYPE, "application/json")], body).into_response();
+        let mut resp = (
+            self.status,
+            [(axum::http::header::CONTENT_TYPE, "application/json")],
+            body,
+        )
+            .into_response();
         if self.code == Some(RETRYABLE_CODE) {
-            resp.headers_mut().insert(axum::http::header::RETRY_AFTER, axum::http::HeaderValue::from_static("1"));
+            resp.headers_mut().insert(
+                axum::http::header::RETRY_AFTER,
+                axum::http::HeaderValue::from_static("1"),
+            );
         }
         resp
     }
@@ -175,9 +197,13 @@ impl From<AddRequestError> for ApiError {
             }
             AddRequestError::Invalid(_) => ApiError::invalid(message),
             // Ids can come from clients (`X-Request-Id`, `request_id`).
-            AddRequestError::DuplicateId(_) => ApiError::conflict(message).with_code("duplicate_request_id"),
+            AddRequestError::DuplicateId(_) => {
+                ApiError::conflict(message).with_code("duplicate_request_id")
+            }
             AddRequestError::Stopped => ApiError::unavailable(message),
-            AddRequestError::Unavailable(_) => ApiError::unavailable(message).with_code(RETRYABLE_CODE),
+            AddRequestError::Unavailable(_) => {
+                ApiError::unavailable(message).with_code(RETRYABLE_CODE)
+            }
         }
     }
 }
@@ -189,7 +215,9 @@ impl From<LifecycleError> for ApiError {
             LifecycleError::Conflict(_) => ApiError::conflict(message),
             LifecycleError::Cancelled(_) => ApiError::conflict(message).with_code("cancelled"),
             LifecycleError::Invalid(_) => ApiError::invalid(message),
-            LifecycleError::IncompatibleWeights(_) => ApiError::invalid(message).with_code("incompatible_weights"),
+            LifecycleError::IncompatibleWeights(_) => {
+                ApiError::invalid(message).with_code("incompatible_weights")
+            }
             LifecycleError::Timeout(_) => ApiError::timeout(message),
             LifecycleError::Stopped => ApiError::unavailable(message),
             LifecycleError::Internal(_) => ApiError::internal(message),
@@ -210,7 +238,9 @@ where
     type Rejection = ApiError;
 
     async fn from_request(req: Request, state: &S) -> Result<Self, Self::Rejection> {
-        let bytes = Bytes::from_request(req, state).await.map_err(body_rejection)?;
+        let bytes = Bytes::from_request(req, state)
+            .await
+            .map_err(body_rejection)?;
         parse_json(&bytes).map(ApiJson)
     }
 }
@@ -254,7 +284,9 @@ fn json_depth(bytes: &[u8], limit: usize) -> usize {
 /// Parses `bytes` as `T`, naming the offending field on type errors.
 pub fn parse_json<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, ApiError> {
     if json_depth(bytes, MAX_JSON_DEPTH) > MAX_JSON_DEPTH {
-        return Err(ApiError::invalid(format!("request body nests arrays and objects deeper than {MAX_JSON_DEPTH} levels")));
+        return Err(ApiError::invalid(format!(
+            "request body nests arrays and objects deeper than {MAX_JSON_DEPTH} levels"
+        )));
     }
     let de = &mut serde_json::Deserializer::from_slice(bytes);
     match serde_path_to_error::deserialize::<_, T>(de) {
@@ -290,7 +322,13 @@ pub fn body_rejection(r: BytesRejection) -> ApiError {
             code: Some("request_too_large"),
         }
     } else {
-        ApiError { status, ..ApiError::invalid(format!("could not read the request body: {}", r.body_text())) }
+        ApiError {
+            status,
+            ..ApiError::invalid(format!(
+                "could not read the request body: {}",
+                r.body_text()
+            ))
+        }
     }
 }
 
@@ -304,9 +342,17 @@ mod tests {
         assert_eq!(json_depth(br#"{"a": "[[[[{{{{", "b": "\"[["}"#, 100), 1);
         assert_eq!(json_depth(b"1", 100), 0);
         let deep = format!("{}{}", "[".repeat(150), "]".repeat(150));
-        assert_eq!(json_depth(deep.as_bytes(), 100), 101, "stops once past the limit");
+        assert_eq!(
+            json_depth(deep.as_bytes(), 100),
+            101,
+            "stops once past the limit"
+        );
         let err = parse_json::<serde_json::Value>(deep.as_bytes()).unwrap_err();
-        assert!(err.message.contains("deeper than 100 levels"), "{}", err.message);
+        assert!(
+            err.message.contains("deeper than 100 levels"),
+            "{}",
+            err.message
+        );
         let ok = format!("{}{}", "[".repeat(100), "]".repeat(100));
         assert!(parse_json::<serde_json::Value>(ok.as_bytes()).is_ok());
     }
@@ -341,7 +387,12 @@ mod tests {
 
     #[test]
     fn engine_errors_map_to_statuses() {
-        let too_long: ApiError = AddRequestError::TooLong { prompt: 10, max_tokens: 5, max_model_len: 12 }.into();
+        let too_long: ApiError = AddRequestError::TooLong {
+            prompt: 10,
+            max_tokens: 5,
+            max_model_len: 12,
+        }
+        .into();
         assert_eq!(too_long.status, StatusCode::BAD_REQUEST);
         let stopped: ApiError = AddRequestError::Stopped.into();
         assert_eq!(stopped.status, StatusCode::SERVICE_UNAVAILABLE);
@@ -352,13 +403,31 @@ mod tests {
     #[test]
     fn lifecycle_errors_map_to_statuses() {
         let cases: Vec<(LifecycleError, StatusCode)> = vec![
-            (LifecycleError::Conflict("not paused".into()), StatusCode::CONFLICT),
-            (LifecycleError::Cancelled("resumed".into()), StatusCode::CONFLICT),
-            (LifecycleError::Invalid("bad".into()), StatusCode::BAD_REQUEST),
-            (LifecycleError::IncompatibleWeights("shape".into()), StatusCode::BAD_REQUEST),
-            (LifecycleError::Timeout("pause".into()), StatusCode::GATEWAY_TIMEOUT),
+            (
+                LifecycleError::Conflict("not paused".into()),
+                StatusCode::CONFLICT,
+            ),
+            (
+                LifecycleError::Cancelled("resumed".into()),
+                StatusCode::CONFLICT,
+            ),
+            (
+                LifecycleError::Invalid("bad".into()),
+                StatusCode::BAD_REQUEST,
+            ),
+            (
+                LifecycleError::IncompatibleWeights("shape".into()),
+                StatusCode::BAD_REQUEST,
+            ),
+            (
+                LifecycleError::Timeout("pause".into()),
+                StatusCode::GATEWAY_TIMEOUT,
+            ),
             (LifecycleError::Stopped, StatusCode::SERVICE_UNAVAILABLE),
-            (LifecycleError::Internal("mmap".into()), StatusCode::INTERNAL_SERVER_ERROR),
+            (
+                LifecycleError::Internal("mmap".into()),
+                StatusCode::INTERNAL_SERVER_ERROR,
+            ),
         ];
         for (e, want) in cases {
             let text = e.to_string();

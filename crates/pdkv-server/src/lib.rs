@@ -80,7 +80,9 @@ impl AppState {
     /// `served_model_name` is the name clients use in `model` and see in
     /// `/v1/models`.
     pub fn new(engine: EngineHandle, served_model_name: impl Into<String>) -> AppState {
-        let now = SystemTime::now().duration_since(UNIX_EPOCH).unwrap_or_default();
+        let now = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .unwrap_or_default();
         AppState {
             inner: Arc::new(StateInner {
                 engine,
@@ -97,14 +99,20 @@ impl AppState {
 
     /// Requires `Authorization: Bearer <key>` on the OpenAI routes (`/v1/*`,
     /// `/tokenize`, `/detokenize`; see [`api_key`]). An empty key is refused.
-    pub fn with_api_key(mut self, key: impl Into<String>) -> Result<AppState, admin::EmptyTokenError> {
+    pub fn with_api_key(
+        mut self,
+        key: impl Into<String>,
+    ) -> Result<AppState, admin::EmptyTokenError> {
         self.api_key = Some(Arc::new(api_key::ApiKey::new(key.into())?));
         Ok(self)
     }
 
     /// Enables the lifecycle admin API, guarded by `token` (sent by clients
     /// as `Authorization: Bearer <token>`). An empty token is refused.
-    pub fn with_admin_token(mut self, token: impl Into<String>) -> Result<AppState, admin::EmptyTokenError> {
+    pub fn with_admin_token(
+        mut self,
+        token: impl Into<String>,
+    ) -> Result<AppState, admin::EmptyTokenError> {
         self.admin_token = Some(Arc::new(admin::AdminToken::new(token.into())?));
         Ok(self)
     }
@@ -152,7 +160,10 @@ pub fn router(state: AppState) -> Router {
         .route("/tokenize", post(tokenize::tokenize))
         .route("/detokenize", post(tokenize::detokenize));
     if let Some(key) = &state.api_key {
-        openai = openai.route_layer(axum::middleware::from_fn_with_state(key.clone(), api_key::require_key));
+        openai = openai.route_layer(axum::middleware::from_fn_with_state(
+            key.clone(),
+            api_key::require_key,
+        ));
     }
     app.merge(openai)
         .route("/version", get(tokenize::version))

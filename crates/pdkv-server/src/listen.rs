@@ -48,7 +48,10 @@ pub struct HttpLimits {
 impl Default for HttpLimits {
     /// 4096 connections, 10 s for a request head.
     fn default() -> HttpLimits {
-        HttpLimits { max_connections: 4096, header_timeout: Duration::from_secs(10) }
+        HttpLimits {
+            max_connections: 4096,
+            header_timeout: Duration::from_secs(10),
+        }
     }
 }
 
@@ -152,7 +155,10 @@ impl HttpBody for TimedBody {
             Poll::Pending => match self.idle.as_mut().poll(cx) {
                 Poll::Ready(()) => Poll::Ready(Some(Err(axum::Error::new(std::io::Error::new(
                     std::io::ErrorKind::TimedOut,
-                    format!("no byte of the request body within {:?} (the header timeout)", self.limit),
+                    format!(
+                        "no byte of the request body within {:?} (the header timeout)",
+                        self.limit
+                    ),
                 ))))),
                 Poll::Pending => Poll::Pending,
             },
@@ -186,7 +192,14 @@ pub async fn serve(
     limits: HttpLimits,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
-    serve_counted(listener, app, limits, Arc::new(HttpStats::default()), shutdown).await
+    serve_counted(
+        listener,
+        app,
+        limits,
+        Arc::new(HttpStats::default()),
+        shutdown,
+    )
+    .await
 }
 
 /// [`serve`], keeping `stats` up to date.
@@ -198,13 +211,17 @@ pub async fn serve_counted(
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
     if limits.max_connections == 0 || limits.header_timeout.is_zero() {
-        return Err(std::io::Error::other("the HTTP connection cap and header timeout must be positive"));
+        return Err(std::io::Error::other(
+            "the HTTP connection cap and header timeout must be positive",
+        ));
     }
     let permits = Arc::new(Semaphore::new(limits.max_connections));
     let conns = Arc::new(Mutex::new(Conns::default()));
     let (stop_tx, stop_rx) = watch::channel(false);
     let mut http = hyper::server::conn::http1::Builder::new();
-    http.timer(TokioTimer::new()).header_read_timeout(limits.header_timeout).keep_alive(true);
+    http.timer(TokioTimer::new())
+        .header_read_timeout(limits.header_timeout)
+        .keep_alive(true);
     tokio::pin!(shutdown);
     let mut at_cap_logged = false;
     loop {
@@ -250,7 +267,14 @@ pub async fn serve_counted(
             let mut c = conns.lock().unwrap();
             let id = c.next;
             c.next += 1;
-            c.open.insert(id, Conn { busy: busy.clone(), closing: closing.clone(), close: close.clone() });
+            c.open.insert(
+                id,
+                Conn {
+                    busy: busy.clone(),
+                    closing: closing.clone(),
+                    close: close.clone(),
+                },
+            );
             id
         };
         let app = app.clone();
@@ -268,7 +292,12 @@ pub async fn serve_counted(
             let app = app.clone();
             async move {
                 let resp = app.oneshot(req).await?;
-                Ok::<_, std::convert::Infallible>(resp.map(|b| Body::new(TrackedBody { inner: b, _in_flight: in_flight })))
+                Ok::<_, std::convert::Infallible>(resp.map(|b| {
+                    Body::new(TrackedBody {
+                        inner: b,
+                        _in_flight: in_flight,
+                    })
+                }))
             }
         });
         let conn = http.serve_connection(TokioIo::new(stream), TowerToHyperService::new(svc));
@@ -315,44 +344,73 @@ mod tests {
     const DL: Duration = Duration::from_secs(30);
 
     /// A server whose `/slow` answers only when the test lets it.
-    async fn start(max_connections: usize) -> (String, Arc<HttpStats>, Arc<Semaphore>, tokio::sync::oneshot::Sender<()>) {
+    async fn start(
+        max_connections: usize,
+    ) -> (
+        String,
+        Arc<HttpStats>,
+        Arc<Semaphore>,
+        tokio::sync::oneshot::Sender<()>,
+    ) {
         let gate = Arc::new(Semaphore::new(0));
         let g = gate.clone();
-        let app = Router::new().route("/health", get(|| async { "ok" })).route(
-            "/slow",
-            get(move || {
-                let g = g.clone();
-                async move {
-                    g.acquire().await.unwrap().forget();
-                    "slow"
-                }
-            }),
-        );
+        let app = Router::new()
+            .route("/health", get(|| async { "ok" }))
+            .route(
+                "/slow",
+                get(move || {
+                    let g = g.clone();
+                    async move {
+                        g.acquire().await.unwrap().forget();
+                        "slow"
+                    }
+                }),
+            );
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap().to_string();
         let stats = Arc::new(HttpStats::default());
         let (tx, rx) = tokio::sync::oneshot::channel();
-        let limits = HttpLimits { max_connections, header_timeout: Duration::from_secs(600) };
-        tokio::spawn(serve_counted(listener, app, limits, stats.clone(), async move {
-            let _ = rx.await;
-        }));
+        let limits = HttpLimits {
+            max_connections,
+            header_timeout: Duration::from_secs(600),
+        };
+        tokio::spawn(serve_counted(
+            listener,
+            app,
+            limits,
+            stats.clone(),
+            async move {
+                let _ = rx.await;
+            },
+        ));
         (addr, stats, gate, tx)
     }
 
     /// One `GET path` on a connection of its own; the status line.
     async fn get_once(addr: &str, path: &str) -> String {
         let mut c = TcpStream::connect(addr).await.unwrap();
-        c.write_all(format!("GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").as_bytes()).await.unwrap();
+        c.write_all(
+            format!("GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").as_bytes(),
+        )
+        .await
+        .unwrap();
         let mut out = Vec::new();
         c.read_to_end(&mut out).await.unwrap();
-        String::from_utf8_lossy(&out).lines().next().unwrap_or_default().to_string()
+        String::from_utf8_lossy(&out)
+            .lines()
+            .next()
+            .unwrap_or_default()
+            .to_string()
     }
 
     /// Waits (bounded) until `f` holds of the stats.
     async fn until(stats: &HttpStats, what: &str, f: impl Fn(&HttpStats) -> bool) {
         let deadline = tokio::time::Instant::now() + DL;
         while !f(stats) {
-            assert!(tokio::time::Instant::now() < deadline, "timed out waiting for {what}: {stats:?}");
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "timed out waiting for {what}: {stats:?}"
+            );
             tokio::task::yield_now().await;
         }
     }
@@ -365,30 +423,65 @@ mod tests {
             let addr = addr.clone();
             async move { get_once(&addr, "/slow").await }
         });
-        until(&stats, "the slow request in flight", |s| s.in_flight.load(Ordering::Acquire) == 1).await;
+        until(&stats, "the slow request in flight", |s| {
+            s.in_flight.load(Ordering::Acquire) == 1
+        })
+        .await;
         let mut idle = TcpStream::connect(&addr).await.unwrap();
-        until(&stats, "two connections open", |s| s.open.load(Ordering::Acquire) == 2).await;
+        until(&stats, "two connections open", |s| {
+            s.open.load(Ordering::Acquire) == 2
+        })
+        .await;
         // A newcomer at the cap: the idle one is closed for it, at once.
-        let got = tokio::time::timeout(DL, get_once(&addr, "/health")).await.expect("served at the cap");
+        let got = tokio::time::timeout(DL, get_once(&addr, "/health"))
+            .await
+            .expect("served at the cap");
         assert_eq!(got, "HTTP/1.1 200 OK");
         assert_eq!(stats.closed_for_newcomers.load(Ordering::Relaxed), 1);
         let mut b = [0u8; 8];
-        assert!(matches!(tokio::time::timeout(DL, idle.read(&mut b)).await, Ok(Ok(0)) | Ok(Err(_))), "the idle one closed");
+        assert!(
+            matches!(
+                tokio::time::timeout(DL, idle.read(&mut b)).await,
+                Ok(Ok(0)) | Ok(Err(_))
+            ),
+            "the idle one closed"
+        );
         // Two requests in flight: a newcomer waits (never refused), and is
         // served once one of them ends.
         let slow2 = tokio::spawn({
             let addr = addr.clone();
             async move { get_once(&addr, "/slow").await }
         });
-        until(&stats, "two slow requests in flight", |s| s.in_flight.load(Ordering::Acquire) == 2).await;
+        until(&stats, "two slow requests in flight", |s| {
+            s.in_flight.load(Ordering::Acquire) == 2
+        })
+        .await;
         let mut third = Box::pin(get_once(&addr, "/health"));
-        assert!(tokio::time::timeout(Duration::from_millis(300), &mut third).await.is_err(), "served beyond the cap");
-        assert_eq!(stats.closed_for_newcomers.load(Ordering::Relaxed), 1, "no busy connection was closed");
+        assert!(
+            tokio::time::timeout(Duration::from_millis(300), &mut third)
+                .await
+                .is_err(),
+            "served beyond the cap"
+        );
+        assert_eq!(
+            stats.closed_for_newcomers.load(Ordering::Relaxed),
+            1,
+            "no busy connection was closed"
+        );
         gate.add_permits(1);
-        assert_eq!(tokio::time::timeout(DL, third).await.expect("served once a slot freed"), "HTTP/1.1 200 OK");
+        assert_eq!(
+            tokio::time::timeout(DL, third)
+                .await
+                .expect("served once a slot freed"),
+            "HTTP/1.1 200 OK"
+        );
         gate.add_permits(1);
         for t in [slow, slow2] {
-            assert_eq!(t.await.unwrap(), "HTTP/1.1 200 OK", "a request in flight is never cut");
+            assert_eq!(
+                t.await.unwrap(),
+                "HTTP/1.1 200 OK",
+                "a request in flight is never cut"
+            );
         }
     }
 }

@@ -70,7 +70,9 @@ pub fn completion_logprobs(
 
 /// Characters the tokens `ids` decode to one by one (the text offset after them).
 pub fn text_len(tok: &Tokenizer, ids: &[u32]) -> usize {
-    ids.iter().map(|&id| token_text(tok, id).chars().count()).sum()
+    ids.iter()
+        .map(|&id| token_text(tok, id).chars().count())
+        .sum()
 }
 
 fn chat_entry(tok: &Tokenizer, id: u32, lp: f64) -> Value {
@@ -87,7 +89,11 @@ pub fn chat_content(tok: &Tokenizer, entries: &[TokenLogprobs], top: usize) -> V
         .iter()
         .map(|e| {
             let mut v = chat_entry(tok, e.token, e.logprob);
-            let tops: Vec<Value> = ranked(e).into_iter().take(top).map(|(t, lp)| chat_entry(tok, t, lp)).collect();
+            let tops: Vec<Value> = ranked(e)
+                .into_iter()
+                .take(top)
+                .map(|(t, lp)| chat_entry(tok, t, lp))
+                .collect();
             v["top_logprobs"] = Value::Array(tops);
             v
         })
@@ -111,7 +117,12 @@ pub fn prompt_logprobs(tok: &Tokenizer, entries: &[Option<TokenLogprobs>]) -> Va
         }
         Value::Object(m)
     };
-    Value::Array(entries.iter().map(|e| e.as_ref().map_or(Value::Null, one)).collect())
+    Value::Array(
+        entries
+            .iter()
+            .map(|e| e.as_ref().map_or(Value::Null, one))
+            .collect(),
+    )
 }
 
 #[cfg(test)]
@@ -120,9 +131,19 @@ mod tests {
 
     #[test]
     fn the_chosen_token_leads_and_is_listed_once() {
-        let e = TokenLogprobs { token: 5, logprob: -2.0, rank: 2, top: vec![(3, -0.5), (5, -2.0)] };
+        let e = TokenLogprobs {
+            token: 5,
+            logprob: -2.0,
+            rank: 2,
+            top: vec![(3, -0.5), (5, -2.0)],
+        };
         assert_eq!(ranked(&e), vec![(5, -2.0), (3, -0.5)]);
-        let outside = TokenLogprobs { token: 9, logprob: f64::NEG_INFINITY, rank: 7, top: vec![(3, -0.5)] };
+        let outside = TokenLogprobs {
+            token: 9,
+            logprob: f64::NEG_INFINITY,
+            rank: 7,
+            top: vec![(3, -0.5)],
+        };
         assert_eq!(ranked(&outside), vec![(9, f64::NEG_INFINITY), (3, -0.5)]);
         assert_eq!(clamp(f64::NEG_INFINITY), -9999.0);
     }

@@ -22,18 +22,21 @@ use pdkv_engine::{EngineStats, FinishReason};
 use pdkv_vmem::{Tag, TagBytes};
 
 /// Upper bounds (seconds) of the time-to-first-token buckets.
-pub const TTFT_BUCKETS: &[f64] =
-    &[0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0];
+pub const TTFT_BUCKETS: &[f64] = &[
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+    20.0, 40.0, 80.0,
+];
 
 /// Upper bounds (seconds) of the inter-token-latency buckets.
 pub const ITL_BUCKETS: &[f64] = &[
-    0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
-    2.5, 5.0,
+    0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3,
+    0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
 ];
 
 /// Upper bounds (seconds) of the sleep and wake duration buckets.
-pub const LIFECYCLE_BUCKETS: &[f64] =
-    &[0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0];
+pub const LIFECYCLE_BUCKETS: &[f64] = &[
+    0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0,
+];
 
 /// The engine's lifecycle state as the metrics report it, read at scrape time.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -62,7 +65,12 @@ impl Histogram {
     /// `bounds` must be strictly increasing and finite.
     pub fn new(bounds: &'static [f64]) -> Histogram {
         debug_assert!(bounds.windows(2).all(|w| w[0] < w[1]));
-        Histogram { bounds, counts: vec![0; bounds.len() + 1], sum: 0.0, count: 0 }
+        Histogram {
+            bounds,
+            counts: vec![0; bounds.len() + 1],
+            sum: 0.0,
+            count: 0,
+        }
     }
 
     /// Records one value. NaN is ignored (it belongs to no bucket).
@@ -128,7 +136,13 @@ impl Exposition {
     }
 
     /// One metric family with one sample per label set.
-    pub fn family(&mut self, name: &str, help: &str, kind: &str, samples: &[(&[(&str, &str)], f64)]) {
+    pub fn family(
+        &mut self,
+        name: &str,
+        help: &str,
+        kind: &str,
+        samples: &[(&[(&str, &str)], f64)],
+    ) {
         self.header(name, help, kind);
         for (labels, v) in samples {
             self.sample(name, labels, *v);
@@ -173,15 +187,21 @@ fn format_value(v: f64) -> String {
 }
 
 fn escape_label(v: &str) -> String {
-    v.replace('\\', "\\\\").replace('"', "\\\"").replace('\n', "\\n")
+    v.replace('\\', "\\\\")
+        .replace('"', "\\\"")
+        .replace('\n', "\\n")
 }
 
 fn escape_help(v: &str) -> String {
     v.replace('\\', "\\\\").replace('\n', "\\n")
 }
 
-const FINISH_REASONS: [FinishReason; 4] =
-    [FinishReason::Stop, FinishReason::Length, FinishReason::Abort, FinishReason::Error];
+const FINISH_REASONS: [FinishReason; 4] = [
+    FinishReason::Stop,
+    FinishReason::Length,
+    FinishReason::Abort,
+    FinishReason::Error,
+];
 
 fn reason_index(r: FinishReason) -> usize {
     match r {
@@ -239,26 +259,43 @@ impl Metrics {
     }
 
     pub fn observe_ttft(&self, seconds: f64) {
-        self.ttft.lock().unwrap_or_else(|p| p.into_inner()).observe(seconds);
+        self.ttft
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .observe(seconds);
     }
 
     pub fn observe_itl(&self, seconds: f64) {
-        self.itl.lock().unwrap_or_else(|p| p.into_inner()).observe(seconds);
+        self.itl
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .observe(seconds);
     }
 
     /// A successful sleep took `seconds` (pause plus memory release).
     pub fn observe_sleep(&self, seconds: f64) {
-        self.sleep_duration.lock().unwrap_or_else(|p| p.into_inner()).observe(seconds);
+        self.sleep_duration
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .observe(seconds);
     }
 
     /// A successful wake took `seconds` (mapping plus backup restore).
     pub fn observe_wake(&self, seconds: f64) {
-        self.wake_duration.lock().unwrap_or_else(|p| p.into_inner()).observe(seconds);
+        self.wake_duration
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .observe(seconds);
     }
 
     /// The full exposition: these metrics plus engine, lifecycle and memory
     /// gauges.
-    pub fn render(&self, stats: &EngineStats, device: &TagBytes, lifecycle: &LifecycleGauges) -> String {
+    pub fn render(
+        &self,
+        stats: &EngineStats,
+        device: &TagBytes,
+        lifecycle: &LifecycleGauges,
+    ) -> String {
         self.render_with(stats, device, lifecycle, &[])
     }
 
@@ -279,12 +316,25 @@ impl Metrics {
                 e.gauge(&full, help, value);
             }
         }
-        let reasons: Vec<(&str, f64)> =
-            FINISH_REASONS.iter().map(|&r| (r.as_str(), self.requests_finished(r) as f64)).collect();
-        let label_sets: Vec<[(&str, &str); 1]> = reasons.iter().map(|(r, _)| [("finish_reason", *r)]).collect();
-        let samples: Vec<(&[(&str, &str)], f64)> =
-            label_sets.iter().zip(&reasons).map(|(l, (_, v))| (&l[..], *v)).collect();
-        e.family("pdkv_requests_total", "Finished requests by finish reason.", "counter", &samples);
+        let reasons: Vec<(&str, f64)> = FINISH_REASONS
+            .iter()
+            .map(|&r| (r.as_str(), self.requests_finished(r) as f64))
+            .collect();
+        let label_sets: Vec<[(&str, &str); 1]> = reasons
+            .iter()
+            .map(|(r, _)| [("finish_reason", *r)])
+            .collect();
+        let samples: Vec<(&[(&str, &str)], f64)> = label_sets
+            .iter()
+            .zip(&reasons)
+            .map(|(l, (_, v))| (&l[..], *v))
+            .collect();
+        e.family(
+            "pdkv_requests_total",
+            "Finished requests by finish reason.",
+            "counter",
+            &samples,
+        );
         e.counter(
             "pdkv_prompt_tokens_total",
             "Prompt tokens of admitted requests.",
@@ -302,12 +352,32 @@ impl Metrics {
             &ttft,
         );
         let itl = self.itl.lock().unwrap_or_else(|p| p.into_inner()).clone();
-        e.histogram("pdkv_inter_token_latency_seconds", "Time between consecutive generated tokens.", &itl);
+        e.histogram(
+            "pdkv_inter_token_latency_seconds",
+            "Time between consecutive generated tokens.",
+            &itl,
+        );
 
-        e.gauge("pdkv_num_requests_running", "Requests scheduled in the engine.", stats.num_running as f64);
-        e.gauge("pdkv_num_requests_waiting", "Requests queued in the engine.", stats.num_waiting as f64);
-        e.gauge("pdkv_kv_blocks_total", "KV cache blocks.", stats.kv_blocks_total as f64);
-        e.gauge("pdkv_kv_blocks_free", "Free KV cache blocks.", stats.kv_blocks_free as f64);
+        e.gauge(
+            "pdkv_num_requests_running",
+            "Requests scheduled in the engine.",
+            stats.num_running as f64,
+        );
+        e.gauge(
+            "pdkv_num_requests_waiting",
+            "Requests queued in the engine.",
+            stats.num_waiting as f64,
+        );
+        e.gauge(
+            "pdkv_kv_blocks_total",
+            "KV cache blocks.",
+            stats.kv_blocks_total as f64,
+        );
+        e.gauge(
+            "pdkv_kv_blocks_free",
+            "Free KV cache blocks.",
+            stats.kv_blocks_free as f64,
+        );
         e.gauge(
             "pdkv_kv_blocks_used",
             "KV cache blocks in use.",
@@ -328,9 +398,21 @@ impl Metrics {
         } else {
             stats.prefix_cache_hits as f64 / stats.prefix_cache_queries as f64
         };
-        e.gauge("pdkv_prefix_cache_hit_rate", "Prefix cache hits / queries, cumulative.", hit_rate);
-        e.counter("pdkv_num_preemptions_total", "Requests preempted by the scheduler.", stats.num_preemptions as f64);
-        e.gauge("pdkv_kv_blocks_held", "KV blocks of finished requests held for transfers.", stats.kv_blocks_held as f64);
+        e.gauge(
+            "pdkv_prefix_cache_hit_rate",
+            "Prefix cache hits / queries, cumulative.",
+            hit_rate,
+        );
+        e.counter(
+            "pdkv_num_preemptions_total",
+            "Requests preempted by the scheduler.",
+            stats.num_preemptions as f64,
+        );
+        e.gauge(
+            "pdkv_kv_blocks_held",
+            "KV blocks of finished requests held for transfers.",
+            stats.kv_blocks_held as f64,
+        );
         e.gauge(
             "pdkv_num_requests_waiting_for_remote_kv",
             "Requests whose KV is being loaded from another engine.",
@@ -348,7 +430,11 @@ impl Metrics {
             "The level of the current sleep (0, 1 or 2); -1 while awake.",
             lifecycle.sleep_level.map_or(-1.0, f64::from),
         );
-        e.gauge("pdkv_paused", "1 while scheduling is paused (by /pause or a sleep), else 0.", flag(lifecycle.paused));
+        e.gauge(
+            "pdkv_paused",
+            "1 while scheduling is paused (by /pause or a sleep), else 0.",
+            flag(lifecycle.paused),
+        );
         e.gauge(
             "pdkv_weights_discarded",
             "1 after a level-2 wake until weights are reloaded (requests are refused), else 0.",
@@ -359,16 +445,44 @@ impl Metrics {
             "Host memory holding backups of released device memory.",
             lifecycle.host_backup_bytes as f64,
         );
-        let sleep = self.sleep_duration.lock().unwrap_or_else(|p| p.into_inner()).clone();
-        e.histogram("pdkv_sleep_duration_seconds", "Duration of successful /sleep calls.", &sleep);
-        let wake = self.wake_duration.lock().unwrap_or_else(|p| p.into_inner()).clone();
-        e.histogram("pdkv_wake_duration_seconds", "Duration of successful /wake_up calls.", &wake);
-        e.counter("pdkv_weight_updates_total", "In-place weight reloads.", stats.num_weight_updates as f64);
+        let sleep = self
+            .sleep_duration
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone();
+        e.histogram(
+            "pdkv_sleep_duration_seconds",
+            "Duration of successful /sleep calls.",
+            &sleep,
+        );
+        let wake = self
+            .wake_duration
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone();
+        e.histogram(
+            "pdkv_wake_duration_seconds",
+            "Duration of successful /wake_up calls.",
+            &wake,
+        );
+        e.counter(
+            "pdkv_weight_updates_total",
+            "In-place weight reloads.",
+            stats.num_weight_updates as f64,
+        );
 
         let tags: Vec<[(&str, &str); 1]> = Tag::ALL.iter().map(|t| [("tag", t.as_str())]).collect();
-        let mem: Vec<(&[(&str, &str)], f64)> =
-            tags.iter().zip(Tag::ALL).map(|(l, t)| (&l[..], device.get(t) as f64)).collect();
-        e.family("pdkv_device_memory_bytes", "Live physical bytes of the pool's memory, by tag.", "gauge", &mem);
+        let mem: Vec<(&[(&str, &str)], f64)> = tags
+            .iter()
+            .zip(Tag::ALL)
+            .map(|(l, t)| (&l[..], device.get(t) as f64))
+            .collect();
+        e.family(
+            "pdkv_device_memory_bytes",
+            "Live physical bytes of the pool's memory, by tag.",
+            "gauge",
+            &mem,
+        );
         e.finish()
     }
 }
@@ -387,7 +501,10 @@ mod tests {
         }
         assert_eq!(h.count(), 5);
         assert!((h.sum() - 8.45).abs() < 1e-12);
-        assert_eq!(h.cumulative(), vec![(0.1, 2), (0.5, 3), (1.0, 4), (f64::INFINITY, 5)]);
+        assert_eq!(
+            h.cumulative(),
+            vec![(0.1, 2), (0.5, 3), (1.0, 4), (f64::INFINITY, 5)]
+        );
     }
 
     #[test]
@@ -411,12 +528,20 @@ mod tests {
     #[test]
     fn labels_are_escaped_and_values_formatted() {
         let mut e = Exposition::new();
-        e.family("x_total", "Line1\nline2.", "counter", &[(&[("a", "q\"b\\c\nd")], 3.0)]);
+        e.family(
+            "x_total",
+            "Line1\nline2.",
+            "counter",
+            &[(&[("a", "q\"b\\c\nd")], 3.0)],
+        );
         e.gauge("g", "G.", 0.25);
         e.gauge("nan", "N.", f64::NAN);
         let text = e.finish();
         assert!(text.contains("# HELP x_total Line1\\nline2.\n"), "{text}");
-        assert!(text.contains("x_total{a=\"q\\\"b\\\\c\\nd\"} 3\n"), "{text}");
+        assert!(
+            text.contains("x_total{a=\"q\\\"b\\\\c\\nd\"} 3\n"),
+            "{text}"
+        );
         assert!(text.contains("\ng 0.25\n"), "{text}");
         assert!(text.contains("\nnan NaN\n"), "{text}");
     }
@@ -445,8 +570,12 @@ mod tests {
         m.observe_sleep(0.3);
         m.observe_wake(0.02);
         m.observe_wake(0.04);
-        let lifecycle =
-            LifecycleGauges { sleep_level: Some(1), paused: true, weights_discarded: false, host_backup_bytes: 4096 };
+        let lifecycle = LifecycleGauges {
+            sleep_level: Some(1),
+            paused: true,
+            weights_discarded: false,
+            host_backup_bytes: 4096,
+        };
         let text = m.render(&stats, &TagBytes([100, 200, 300]), &lifecycle);
         for line in [
             "pdkv_requests_total{finish_reason=\"stop\"} 0",
@@ -482,13 +611,22 @@ mod tests {
             "pdkv_weight_updates_total 2",
             "pdkv_wake_duration_seconds_bucket{le=\"0.025\"} 1",
         ] {
-            assert!(text.lines().any(|l| l == line), "missing {line:?} in\n{text}");
+            assert!(
+                text.lines().any(|l| l == line),
+                "missing {line:?} in\n{text}"
+            );
         }
         // Every sample line belongs to a family declared with # TYPE.
         for l in text.lines().filter(|l| !l.starts_with('#')) {
             let name = l.split(['{', ' ']).next().unwrap();
-            let family = name.trim_end_matches("_bucket").trim_end_matches("_sum").trim_end_matches("_count");
-            assert!(text.contains(&format!("# TYPE {family} ")), "{name} has no TYPE line");
+            let family = name
+                .trim_end_matches("_bucket")
+                .trim_end_matches("_sum")
+                .trim_end_matches("_count");
+            assert!(
+                text.contains(&format!("# TYPE {family} ")),
+                "{name} has no TYPE line"
+            );
         }
         // Awake: not sleeping, level -1.
         let awake = m.render(&stats, &TagBytes([1, 2, 3]), &LifecycleGauges::default());

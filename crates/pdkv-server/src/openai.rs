@@ -200,7 +200,9 @@ pub fn parse_prompt(v: &Value) -> Result<Prompt, ApiError> {
                 if items.len() != 1 {
                     return Err(bad("only one prompt per request is supported"));
                 }
-                return Ok(Prompt::Text(items[0].as_str().unwrap_or_default().to_string()));
+                return Ok(Prompt::Text(
+                    items[0].as_str().unwrap_or_default().to_string(),
+                ));
             }
             if items.iter().all(Value::is_array) {
                 if items.len() != 1 {
@@ -208,20 +210,24 @@ pub fn parse_prompt(v: &Value) -> Result<Prompt, ApiError> {
                 }
                 return parse_prompt(&items[0]).and_then(|p| match p {
                     Prompt::Tokens(t) => Ok(Prompt::Tokens(t)),
-                    Prompt::Text(_) => {
-                        Err(bad("prompt must be a string, a list of token ids, or a list of one of those"))
-                    }
+                    Prompt::Text(_) => Err(bad(
+                        "prompt must be a string, a list of token ids, or a list of one of those",
+                    )),
                 });
             }
             let ids = items
                 .iter()
                 .map(|x| x.as_u64().and_then(|i| u32::try_from(i).ok()))
                 .collect::<Option<Vec<u32>>>()
-                .ok_or_else(|| bad("prompt must be a string, a list of token ids, or a list of one of those"))?;
+                .ok_or_else(|| {
+                    bad("prompt must be a string, a list of token ids, or a list of one of those")
+                })?;
             Ok(Prompt::Tokens(ids))
         }
         Value::Null => Err(bad("prompt is required")),
-        _ => Err(bad("prompt must be a string, a list of token ids, or a list of one of those")),
+        _ => Err(bad(
+            "prompt must be a string, a list of token ids, or a list of one of those",
+        )),
     }
 }
 
@@ -254,23 +260,39 @@ pub fn message_text(index: usize, content: &Value) -> Result<String, ApiError> {
         Value::Array(parts) => {
             let mut texts = Vec::with_capacity(parts.len());
             for part in parts {
-                match (part.get("type").and_then(Value::as_str), part.get("text").and_then(Value::as_str)) {
+                match (
+                    part.get("type").and_then(Value::as_str),
+                    part.get("text").and_then(Value::as_str),
+                ) {
                     (Some("text"), Some(t)) => texts.push(t),
                     (Some("text"), None) => {
-                        return Err(ApiError::invalid_param(&param, "a text content part needs a string `text`"))
+                        return Err(ApiError::invalid_param(
+                            &param,
+                            "a text content part needs a string `text`",
+                        ))
                     }
                     (Some(other), _) => {
                         return Err(ApiError::invalid_param(
                             &param,
-                            format!("content parts of type `{other}` are not supported; only `text`"),
+                            format!(
+                                "content parts of type `{other}` are not supported; only `text`"
+                            ),
                         ))
                     }
-                    (None, _) => return Err(ApiError::invalid_param(&param, "each content part needs a `type`")),
+                    (None, _) => {
+                        return Err(ApiError::invalid_param(
+                            &param,
+                            "each content part needs a `type`",
+                        ))
+                    }
                 }
             }
             Ok(texts.join("\n"))
         }
-        _ => Err(ApiError::invalid_param(&param, "content must be a string or a list of content parts")),
+        _ => Err(ApiError::invalid_param(
+            &param,
+            "content must be a string or a list of content parts",
+        )),
     }
 }
 
@@ -279,7 +301,12 @@ pub fn chat_messages(messages: &[ChatMessageIn]) -> Result<Vec<pdkv_model::ChatM
     messages
         .iter()
         .enumerate()
-        .map(|(i, m)| Ok(pdkv_model::ChatMessage { role: m.role.clone(), content: message_text(i, &m.content)? }))
+        .map(|(i, m)| {
+            Ok(pdkv_model::ChatMessage {
+                role: m.role.clone(),
+                content: message_text(i, &m.content)?,
+            })
+        })
         .collect()
 }
 
@@ -287,10 +314,13 @@ pub fn chat_messages(messages: &[ChatMessageIn]) -> Result<Vec<pdkv_model::ChatM
 pub fn parse_max_tokens(param: &str, v: Option<i64>) -> Result<Option<u32>, ApiError> {
     match v {
         None => Ok(None),
-        Some(n) if n < 1 => Err(ApiError::invalid_param(param, format!("{param} must be at least 1, got {n}"))),
-        Some(n) => {
-            u32::try_from(n).map(Some).map_err(|_| ApiError::invalid_param(param, format!("{param} is too large: {n}")))
-        }
+        Some(n) if n < 1 => Err(ApiError::invalid_param(
+            param,
+            format!("{param} must be at least 1, got {n}"),
+        )),
+        Some(n) => u32::try_from(n)
+            .map(Some)
+            .map_err(|_| ApiError::invalid_param(param, format!("{param} is too large: {n}"))),
     }
 }
 
@@ -301,9 +331,15 @@ fn count_field(param: &str, v: Option<&Value>, max: u32) -> Result<Option<u32>, 
         None | Some(Value::Null) => Ok(None),
         Some(Value::Number(n)) => match n.as_u64() {
             Some(k) if k <= max as u64 => Ok(Some(k as u32)),
-            _ => Err(ApiError::invalid_param(param, format!("{param} must be an integer from 0 to {max}, got {n}"))),
+            _ => Err(ApiError::invalid_param(
+                param,
+                format!("{param} must be an integer from 0 to {max}, got {n}"),
+            )),
         },
-        Some(other) => Err(ApiError::invalid_param(param, format!("{param} must be an integer from 0 to {max}, got {other}"))),
+        Some(other) => Err(ApiError::invalid_param(
+            param,
+            format!("{param} must be an integer from 0 to {max}, got {other}"),
+        )),
     }
 }
 
@@ -315,12 +351,17 @@ pub fn parse_logit_bias(v: Option<&Value>) -> Result<Vec<(u32, f32)>, ApiError> 
     let map = match v {
         None | Some(Value::Null) => return Ok(Vec::new()),
         Some(Value::Object(map)) => map,
-        Some(_) => return Err(bad("logit_bias must be an object from token id to bias".into())),
+        Some(_) => {
+            return Err(bad(
+                "logit_bias must be an object from token id to bias".into()
+            ))
+        }
     };
     let mut out = Vec::with_capacity(map.len());
     for (key, bias) in map {
-        let id: u32 =
-            key.parse().map_err(|_| bad(format!("logit_bias keys must be token ids, got {key:?}")))?;
+        let id: u32 = key
+            .parse()
+            .map_err(|_| bad(format!("logit_bias keys must be token ids, got {key:?}")))?;
         let b = bias
             .as_f64()
             .filter(|b| b.is_finite())
@@ -335,14 +376,28 @@ pub fn parse_logit_bias(v: Option<&Value>) -> Result<Vec<(u32, f32)>, ApiError> 
 impl SamplingFields {
     /// Validates the fields into engine sampling parameters (with
     /// `max_tokens` left at the given value), for a body sent to `endpoint`.
-    pub fn to_params(&self, max_tokens: u32, endpoint: Endpoint) -> Result<SamplingParams, ApiError> {
+    pub fn to_params(
+        &self,
+        max_tokens: u32,
+        endpoint: Endpoint,
+    ) -> Result<SamplingParams, ApiError> {
         // `n` and `best_of` shape the group of choices (`choices::parse_n`).
         self.refuse_unsupported()?;
         let logprobs = self.logprobs(endpoint)?;
-        let prompt_logprobs = count_field("prompt_logprobs", self.prompt_logprobs.as_ref(), MAX_LOGPROBS)?;
-        for (name, v) in [("presence_penalty", self.presence_penalty), ("frequency_penalty", self.frequency_penalty)] {
+        let prompt_logprobs = count_field(
+            "prompt_logprobs",
+            self.prompt_logprobs.as_ref(),
+            MAX_LOGPROBS,
+        )?;
+        for (name, v) in [
+            ("presence_penalty", self.presence_penalty),
+            ("frequency_penalty", self.frequency_penalty),
+        ] {
             if let Some(p) = v.filter(|p| !(-2.0..=2.0).contains(p)) {
-                return Err(ApiError::invalid_param(name, format!("{name} must be in [-2, 2], got {p}")));
+                return Err(ApiError::invalid_param(
+                    name,
+                    format!("{name} must be in [-2, 2], got {p}"),
+                ));
             }
         }
         let repetition_penalty = self.repetition_penalty.unwrap_or(1.0);
@@ -354,7 +409,10 @@ impl SamplingFields {
         }
         let min_tokens = match self.min_tokens.unwrap_or(0) {
             m if m < 0 => {
-                return Err(ApiError::invalid_param("min_tokens", format!("min_tokens must be at least 0, got {m}")))
+                return Err(ApiError::invalid_param(
+                    "min_tokens",
+                    format!("min_tokens must be at least 0, got {m}"),
+                ))
             }
             m if m > max_tokens as i64 => {
                 return Err(ApiError::invalid_param(
@@ -373,13 +431,19 @@ impl SamplingFields {
         }
         let top_p = self.top_p.unwrap_or(1.0);
         if !(top_p > 0.0 && top_p <= 1.0) {
-            return Err(ApiError::invalid_param("top_p", format!("top_p must be in (0, 1], got {top_p}")));
+            return Err(ApiError::invalid_param(
+                "top_p",
+                format!("top_p must be in (0, 1], got {top_p}"),
+            ));
         }
         let top_k = match self.top_k.unwrap_or(0) {
             -1 | 0 => 0,
             k if k > 0 => u32::try_from(k).unwrap_or(u32::MAX),
             k => {
-                return Err(ApiError::invalid_param("top_k", format!("top_k must be -1, 0 (off) or positive, got {k}")))
+                return Err(ApiError::invalid_param(
+                    "top_k",
+                    format!("top_k must be -1, 0 (off) or positive, got {k}"),
+                ))
             }
         };
         Ok(SamplingParams {
@@ -424,15 +488,19 @@ impl SamplingFields {
                     None | Some(Value::Null) => false,
                     Some(Value::Bool(b)) => *b,
                     Some(other) => {
-                        return Err(ApiError::invalid_param("logprobs", format!("logprobs must be a boolean, got {other}")))
+                        return Err(ApiError::invalid_param(
+                            "logprobs",
+                            format!("logprobs must be a boolean, got {other}"),
+                        ))
                     }
                 };
                 let top = count_field("top_logprobs", self.top_logprobs.as_ref(), MAX_LOGPROBS)?;
                 match (on, top) {
                     (true, top) => Ok(Some(top.unwrap_or(0))),
-                    (false, Some(k)) if k > 0 => {
-                        Err(ApiError::invalid_param("top_logprobs", "top_logprobs needs logprobs: true"))
-                    }
+                    (false, Some(k)) if k > 0 => Err(ApiError::invalid_param(
+                        "top_logprobs",
+                        "top_logprobs needs logprobs: true",
+                    )),
                     (false, _) => Ok(None),
                 }
             }
@@ -446,7 +514,12 @@ impl SamplingFields {
         match &self.response_format {
             None | Some(Value::Null) => {}
             Some(v) if v.get("type").and_then(Value::as_str) == Some("text") => {}
-            Some(_) => return refuse("response_format", "only response_format {\"type\": \"text\"} is supported (no structured output)"),
+            Some(_) => {
+                return refuse(
+                    "response_format",
+                    "only response_format {\"type\": \"text\"} is supported (no structured output)",
+                )
+            }
         }
         match &self.tools {
             None | Some(Value::Null) => {}
@@ -456,19 +529,33 @@ impl SamplingFields {
         match &self.tool_choice {
             None | Some(Value::Null) => {}
             Some(Value::String(c)) if c == "none" => {}
-            Some(_) => return refuse("tool_choice", "only tool_choice \"none\" is supported (no tool calling)"),
+            Some(_) => {
+                return refuse(
+                    "tool_choice",
+                    "only tool_choice \"none\" is supported (no tool calling)",
+                )
+            }
         }
         if self.skip_special_tokens == Some(false) {
             return refuse("skip_special_tokens", "only skip_special_tokens=true is supported (special tokens are always left out of the text)");
         }
         if self.no_stop_trim == Some(true) {
-            return refuse("no_stop_trim", "only no_stop_trim=false is supported (a matched stop string is cut from the text)");
+            return refuse(
+                "no_stop_trim",
+                "only no_stop_trim=false is supported (a matched stop string is cut from the text)",
+            );
         }
         if self.return_hidden_states == Some(true) {
-            return refuse("return_hidden_states", "return_hidden_states is not supported");
+            return refuse(
+                "return_hidden_states",
+                "return_hidden_states is not supported",
+            );
         }
         if self.continue_final_message == Some(true) {
-            return refuse("continue_final_message", "continue_final_message is not supported");
+            return refuse(
+                "continue_final_message",
+                "continue_final_message is not supported",
+            );
         }
         Ok(())
     }
@@ -481,10 +568,22 @@ mod tests {
 
     #[test]
     fn prompt_shapes() {
-        assert_eq!(parse_prompt(&json!("hi")).unwrap(), Prompt::Text("hi".into()));
-        assert_eq!(parse_prompt(&json!(["hi"])).unwrap(), Prompt::Text("hi".into()));
-        assert_eq!(parse_prompt(&json!([1, 2, 3])).unwrap(), Prompt::Tokens(vec![1, 2, 3]));
-        assert_eq!(parse_prompt(&json!([[4, 5]])).unwrap(), Prompt::Tokens(vec![4, 5]));
+        assert_eq!(
+            parse_prompt(&json!("hi")).unwrap(),
+            Prompt::Text("hi".into())
+        );
+        assert_eq!(
+            parse_prompt(&json!(["hi"])).unwrap(),
+            Prompt::Text("hi".into())
+        );
+        assert_eq!(
+            parse_prompt(&json!([1, 2, 3])).unwrap(),
+            Prompt::Tokens(vec![1, 2, 3])
+        );
+        assert_eq!(
+            parse_prompt(&json!([[4, 5]])).unwrap(),
+            Prompt::Tokens(vec![4, 5])
+        );
         for bad in [
             json!([]),
             json!(["a", "b"]),
@@ -504,7 +603,10 @@ mod tests {
     fn stop_shapes() {
         assert_eq!(parse_stop(None).unwrap(), Vec::<String>::new());
         assert_eq!(parse_stop(Some(&json!("x"))).unwrap(), vec!["x"]);
-        assert_eq!(parse_stop(Some(&json!(["x", "y"]))).unwrap(), vec!["x", "y"]);
+        assert_eq!(
+            parse_stop(Some(&json!(["x", "y"]))).unwrap(),
+            vec!["x", "y"]
+        );
         assert!(parse_stop(Some(&json!([1]))).is_err());
         assert!(parse_stop(Some(&json!(""))).is_err());
     }
@@ -516,37 +618,176 @@ mod tests {
         let parts = json!([{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]);
         assert_eq!(message_text(0, &parts).unwrap(), "a\nb");
         let img = json!([{"type": "image_url", "image_url": {"url": "x"}}]);
-        assert_eq!(message_text(2, &img).unwrap_err().param.as_deref(), Some("messages[2].content"));
+        assert_eq!(
+            message_text(2, &img).unwrap_err().param.as_deref(),
+            Some("messages[2].content")
+        );
     }
 
     #[test]
     fn sampling_validation() {
-        let ok = SamplingFields { temperature: Some(0.0), top_k: Some(-1), ..Default::default() };
+        let ok = SamplingFields {
+            temperature: Some(0.0),
+            top_k: Some(-1),
+            ..Default::default()
+        };
         let p = ok.to_params(5, Endpoint::Completions).unwrap();
         assert_eq!((p.temperature, p.top_k, p.max_tokens), (0.0, 0, 5));
         let cases: Vec<(SamplingFields, &str)> = vec![
-            (SamplingFields { temperature: Some(-0.5), ..Default::default() }, "temperature"),
-            (SamplingFields { top_p: Some(0.0), ..Default::default() }, "top_p"),
-            (SamplingFields { top_k: Some(-2), ..Default::default() }, "top_k"),
-            (SamplingFields { logprobs: Some(json!(21)), ..Default::default() }, "logprobs"),
-            (SamplingFields { logprobs: Some(json!(-1)), ..Default::default() }, "logprobs"),
-            (SamplingFields { top_logprobs: Some(json!(2)), ..Default::default() }, "top_logprobs"),
-            (SamplingFields { prompt_logprobs: Some(json!(25)), ..Default::default() }, "prompt_logprobs"),
-            (SamplingFields { presence_penalty: Some(2.5), ..Default::default() }, "presence_penalty"),
-            (SamplingFields { frequency_penalty: Some(-2.1), ..Default::default() }, "frequency_penalty"),
-            (SamplingFields { repetition_penalty: Some(0.0), ..Default::default() }, "repetition_penalty"),
-            (SamplingFields { min_tokens: Some(6), ..Default::default() }, "min_tokens"),
-            (SamplingFields { min_tokens: Some(-1), ..Default::default() }, "min_tokens"),
-            (SamplingFields { logit_bias: Some(json!({"x": 1})), ..Default::default() }, "logit_bias"),
-            (SamplingFields { logit_bias: Some(json!({"3": "high"})), ..Default::default() }, "logit_bias"),
-            (SamplingFields { logit_bias: Some(json!([1])), ..Default::default() }, "logit_bias"),
-            (SamplingFields { response_format: Some(json!({"type": "json_object"})), ..Default::default() }, "response_format"),
-            (SamplingFields { tools: Some(json!([{"type": "function"}])), ..Default::default() }, "tools"),
-            (SamplingFields { tool_choice: Some(json!("auto")), ..Default::default() }, "tool_choice"),
-            (SamplingFields { skip_special_tokens: Some(false), ..Default::default() }, "skip_special_tokens"),
-            (SamplingFields { no_stop_trim: Some(true), ..Default::default() }, "no_stop_trim"),
-            (SamplingFields { return_hidden_states: Some(true), ..Default::default() }, "return_hidden_states"),
-            (SamplingFields { continue_final_message: Some(true), ..Default::default() }, "continue_final_message"),
+            (
+                SamplingFields {
+                    temperature: Some(-0.5),
+                    ..Default::default()
+                },
+                "temperature",
+            ),
+            (
+                SamplingFields {
+                    top_p: Some(0.0),
+                    ..Default::default()
+                },
+                "top_p",
+            ),
+            (
+                SamplingFields {
+                    top_k: Some(-2),
+                    ..Default::default()
+                },
+                "top_k",
+            ),
+            (
+                SamplingFields {
+                    logprobs: Some(json!(21)),
+                    ..Default::default()
+                },
+                "logprobs",
+            ),
+            (
+                SamplingFields {
+                    logprobs: Some(json!(-1)),
+                    ..Default::default()
+                },
+                "logprobs",
+            ),
+            (
+                SamplingFields {
+                    top_logprobs: Some(json!(2)),
+                    ..Default::default()
+                },
+                "top_logprobs",
+            ),
+            (
+                SamplingFields {
+                    prompt_logprobs: Some(json!(25)),
+                    ..Default::default()
+                },
+                "prompt_logprobs",
+            ),
+            (
+                SamplingFields {
+                    presence_penalty: Some(2.5),
+                    ..Default::default()
+                },
+                "presence_penalty",
+            ),
+            (
+                SamplingFields {
+                    frequency_penalty: Some(-2.1),
+                    ..Default::default()
+                },
+                "frequency_penalty",
+            ),
+            (
+                SamplingFields {
+                    repetition_penalty: Some(0.0),
+                    ..Default::default()
+                },
+                "repetition_penalty",
+            ),
+            (
+                SamplingFields {
+                    min_tokens: Some(6),
+                    ..Default::default()
+                },
+                "min_tokens",
+            ),
+            (
+                SamplingFields {
+                    min_tokens: Some(-1),
+                    ..Default::default()
+                },
+                "min_tokens",
+            ),
+            (
+                SamplingFields {
+                    logit_bias: Some(json!({"x": 1})),
+                    ..Default::default()
+                },
+                "logit_bias",
+            ),
+            (
+                SamplingFields {
+                    logit_bias: Some(json!({"3": "high"})),
+                    ..Default::default()
+                },
+                "logit_bias",
+            ),
+            (
+                SamplingFields {
+                    logit_bias: Some(json!([1])),
+                    ..Default::default()
+                },
+                "logit_bias",
+            ),
+            (
+                SamplingFields {
+                    response_format: Some(json!({"type": "json_object"})),
+                    ..Default::default()
+                },
+                "response_format",
+            ),
+            (
+                SamplingFields {
+                    tools: Some(json!([{"type": "function"}])),
+                    ..Default::default()
+                },
+                "tools",
+            ),
+            (
+                SamplingFields {
+                    tool_choice: Some(json!("auto")),
+                    ..Default::default()
+                },
+                "tool_choice",
+            ),
+            (
+                SamplingFields {
+                    skip_special_tokens: Some(false),
+                    ..Default::default()
+                },
+                "skip_special_tokens",
+            ),
+            (
+                SamplingFields {
+                    no_stop_trim: Some(true),
+                    ..Default::default()
+                },
+                "no_stop_trim",
+            ),
+            (
+                SamplingFields {
+                    return_hidden_states: Some(true),
+                    ..Default::default()
+                },
+                "return_hidden_states",
+            ),
+            (
+                SamplingFields {
+                    continue_final_message: Some(true),
+                    ..Default::default()
+                },
+                "continue_final_message",
+            ),
         ];
         for (fields, param) in cases {
             let err = fields.to_params(5, Endpoint::Completions).unwrap_err();
@@ -581,8 +822,15 @@ mod tests {
         assert_eq!(p.min_tokens, 3);
         assert!((p.repetition_penalty - 1.3).abs() < 1e-6);
         assert_eq!((p.presence_penalty, p.frequency_penalty), (-0.5, 0.25));
-        assert_eq!(p.logit_bias, vec![(2, -3.5), (7, 100.0)], "sorted by id, clamped as vLLM does");
-        assert_eq!((p.stop_token_ids.as_slice(), p.ignore_eos), (&[9u32][..], true));
+        assert_eq!(
+            p.logit_bias,
+            vec![(2, -3.5), (7, 100.0)],
+            "sorted by id, clamped as vLLM does"
+        );
+        assert_eq!(
+            (p.stop_token_ids.as_slice(), p.ignore_eos),
+            (&[9u32][..], true)
+        );
         assert_eq!((p.logprobs, p.prompt_logprobs), (None, Some(2)));
     }
 
@@ -598,12 +846,24 @@ mod tests {
         assert_eq!(cmpl(with(json!(3), None)).unwrap(), Some(3));
         assert_eq!(cmpl(with(json!(0), None)).unwrap(), Some(0));
         assert_eq!(cmpl(with(json!(false), None)).unwrap(), None);
-        assert_eq!(cmpl(with(json!(true), None)).unwrap_err().param.as_deref(), Some("logprobs"));
+        assert_eq!(
+            cmpl(with(json!(true), None)).unwrap_err().param.as_deref(),
+            Some("logprobs")
+        );
         assert_eq!(chat(with(json!(true), Some(json!(5)))).unwrap(), Some(5));
         assert_eq!(chat(with(json!(true), None)).unwrap(), Some(0));
         assert_eq!(chat(with(json!(false), None)).unwrap(), None);
-        assert_eq!(chat(with(json!(false), Some(json!(2)))).unwrap_err().param.as_deref(), Some("top_logprobs"));
-        assert_eq!(chat(with(json!(3), None)).unwrap_err().param.as_deref(), Some("logprobs"));
+        assert_eq!(
+            chat(with(json!(false), Some(json!(2))))
+                .unwrap_err()
+                .param
+                .as_deref(),
+            Some("top_logprobs")
+        );
+        assert_eq!(
+            chat(with(json!(3), None)).unwrap_err().param.as_deref(),
+            Some("logprobs")
+        );
     }
 }
 
@@ -622,7 +882,8 @@ mod body_tests {
         assert_eq!(sampling.temperature, Some(1.0));
         assert_eq!(sampling.top_k, Some(5));
         assert_eq!(sampling.seed, Some(9));
-        let err = parse_json::<CompletionRequest>(br#"{"prompt":"a","temperature":"hot"}"#).unwrap_err();
+        let err =
+            parse_json::<CompletionRequest>(br#"{"prompt":"a","temperature":"hot"}"#).unwrap_err();
         assert_eq!(err.status, axum::http::StatusCode::BAD_REQUEST);
         assert_eq!(err.param.as_deref(), Some("temperature"), "{err:?}");
     }

@@ -150,7 +150,11 @@ pub enum ProxyError {
     #[error("no {0} server given")]
     NoBackend(Role),
     #[error("invalid {role} server URL `{url}`: {reason}")]
-    BadUrl { role: Role, url: String, reason: String },
+    BadUrl {
+        role: Role,
+        url: String,
+        reason: String,
+    },
     #[error("{role} server `{url}` is listed twice")]
     Duplicate { role: Role, url: String },
     #[error("building the HTTP client: {0}")]
@@ -211,14 +215,19 @@ struct Backend {
 
 impl Backend {
     fn status(&self) -> BackendStatus {
-        self.status.lock().unwrap_or_else(|e| e.into_inner()).clone()
+        self.status
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
     }
 
     /// Records a check's result, logging changes of health.
     fn set_status(&self, new: BackendStatus) {
         let mut st = self.status.lock().unwrap_or_else(|e| e.into_inner());
         match (st.healthy, new.healthy) {
-            (false, true) => tracing::info!(role = %self.role, url = %self.url, "backend is healthy"),
+            (false, true) => {
+                tracing::info!(role = %self.role, url = %self.url, "backend is healthy")
+            }
             (true, false) => tracing::warn!(
                 role = %self.role,
                 url = %self.url,
@@ -234,7 +243,9 @@ impl Backend {
                 reason = %why,
                 "backend is up but not serving; preferring others"
             ),
-            (Some(_), None) if new.healthy => tracing::info!(role = %self.role, url = %self.url, "backend serves again"),
+            (Some(_), None) if new.healthy => {
+                tracing::info!(role = %self.role, url = %self.url, "backend serves again")
+            }
             _ => {}
         }
         if st.kv_info != new.kv_info {
@@ -295,9 +306,17 @@ impl Pool {
     /// The next healthy backend in round-robin order, with its status: one
     /// that serves, else one that is up but refusing for now.
     fn pick(&self) -> Option<(Arc<Backend>, BackendStatus)> {
-        let up: Vec<(&Arc<Backend>, BackendStatus)> =
-            self.backends.iter().map(|b| (b, b.status())).filter(|(_, st)| st.healthy).collect();
-        let serving: Vec<_> = up.iter().filter(|(_, st)| st.refusing.is_none()).cloned().collect();
+        let up: Vec<(&Arc<Backend>, BackendStatus)> = self
+            .backends
+            .iter()
+            .map(|b| (b, b.status()))
+            .filter(|(_, st)| st.healthy)
+            .collect();
+        let serving: Vec<_> = up
+            .iter()
+            .filter(|(_, st)| st.refusing.is_none())
+            .cloned()
+            .collect();
         let healthy = if serving.is_empty() { up } else { serving };
         if healthy.is_empty() {
             return None;
@@ -355,11 +374,22 @@ struct Inner {
 /// `http://host:port` from what a user typed (`host:port` gets `http://`).
 fn normalize_url(role: Role, raw: &str) -> Result<String, ProxyError> {
     let raw = raw.trim();
-    let with_scheme = if raw.contains("://") { raw.to_string() } else { format!("http://{raw}") };
-    let bad = |reason: String| ProxyError::BadUrl { role, url: raw.to_string(), reason };
+    let with_scheme = if raw.contains("://") {
+        raw.to_string()
+    } else {
+        format!("http://{raw}")
+    };
+    let bad = |reason: String| ProxyError::BadUrl {
+        role,
+        url: raw.to_string(),
+        reason,
+    };
     let url = reqwest::Url::parse(&with_scheme).map_err(|e| bad(e.to_string()))?;
     if url.scheme() != "http" {
-        return Err(bad(format!("scheme `{}` is not supported (only http)", url.scheme())));
+        return Err(bad(format!(
+            "scheme `{}` is not supported (only http)",
+            url.scheme()
+        )));
     }
     if url.host_str().is_none() {
         return Err(bad("no host".to_string()));
@@ -380,9 +410,16 @@ fn pool(role: Role, urls: &[String]) -> Result<Pool, ProxyError> {
         if backends.iter().any(|b| b.url == url) {
             return Err(ProxyError::Duplicate { role, url });
         }
-        backends.push(Arc::new(Backend { role, url, status: Mutex::new(BackendStatus::default()) }));
+        backends.push(Arc::new(Backend {
+            role,
+            url,
+            status: Mutex::new(BackendStatus::default()),
+        }));
     }
-    Ok(Pool { backends, next: AtomicUsize::new(0) })
+    Ok(Pool {
+        backends,
+        next: AtomicUsize::new(0),
+    })
 }
 
 impl Proxy {
@@ -406,7 +443,12 @@ impl Proxy {
             .build()?;
         let mut h = RandomState::new().build_hasher();
         h.write_u32(std::process::id());
-        h.write_u128(SystemTime::now().duration_since(UNIX_EPOCH).unwrap_or_default().as_nanos());
+        h.write_u128(
+            SystemTime::now()
+                .duration_since(UNIX_EPOCH)
+                .unwrap_or_default()
+                .as_nanos(),
+        );
         Ok(Proxy {
             inner: Arc::new(Inner {
                 config,
@@ -426,7 +468,11 @@ impl Proxy {
     }
 
     fn all_backends(&self) -> impl Iterator<Item = &Arc<Backend>> {
-        self.inner.prefill.backends.iter().chain(&self.inner.decode.backends)
+        self.inner
+            .prefill
+            .backends
+            .iter()
+            .chain(&self.inner.decode.backends)
     }
 
     /// Whether at least one prefill and one decode server are healthy.
@@ -451,11 +497,18 @@ impl Proxy {
 
     async fn check_one(&self, b: Arc<Backend>) {
         let timeout = self.inner.config.health_timeout;
-        let health = self.inner.client.get(format!("{}/health", b.url)).timeout(timeout).send().await;
+        let health = self
+            .inner
+            .client
+            .get(format!("{}/health", b.url))
+            .timeout(timeout)
+            .send()
+            .await;
         let (problem, refusing) = match health {
             Ok(r) if r.status().is_success() => (None, None),
-            Ok(r) if r.status() == StatusCode::SERVICE_UNAVAILABLE
-                && r.headers().contains_key(reqwest::header::RETRY_AFTER) =>
+            Ok(r)
+                if r.status() == StatusCode::SERVICE_UNAVAILABLE
+                    && r.headers().contains_key(reqwest::header::RETRY_AFTER) =>
             {
                 let body = r.bytes().await.unwrap_or_default();
                 let why = serde_json::from_slice::<Value>(&body)
@@ -484,12 +537,22 @@ impl Proxy {
                 Err(reason) => {
                     // A server that is up but cannot describe its connector is
                     // not usable as P: D would get no bootstrap address.
-                    b.set_status(BackendStatus { healthy: false, refusing: None, kv_info: None, last_error: Some(reason) });
+                    b.set_status(BackendStatus {
+                        healthy: false,
+                        refusing: None,
+                        kv_info: None,
+                        last_error: Some(reason),
+                    });
                     return;
                 }
             },
         };
-        b.set_status(BackendStatus { healthy: true, refusing, kv_info, last_error: None });
+        b.set_status(BackendStatus {
+            healthy: true,
+            refusing,
+            kv_info,
+            last_error: None,
+        });
     }
 
     /// A prefill server's connector info; `Ok(None)` when it has none (404).
@@ -506,7 +569,10 @@ impl Proxy {
         match resp.status() {
             StatusCode::NOT_FOUND => Ok(None),
             s if s.is_success() => {
-                let bytes = resp.bytes().await.map_err(|e| format!("/kv_transfer/info body: {}", error_chain(&e)))?;
+                let bytes = resp
+                    .bytes()
+                    .await
+                    .map_err(|e| format!("/kv_transfer/info body: {}", error_chain(&e)))?;
                 serde_json::from_slice::<KvTransferInfo>(&bytes)
                     .map(Some)
                     .map_err(|e| format!("/kv_transfer/info is not the expected JSON: {e}"))
@@ -570,7 +636,8 @@ impl Proxy {
             }
         }
         let health = self.spawn_health_loop();
-        let result = crate::listen::serve(listener, self.router(), self.inner.config.http, shutdown).await;
+        let result =
+            crate::listen::serve(listener, self.router(), self.inner.config.http, shutdown).await;
         health.abort();
         result
     }
@@ -579,13 +646,21 @@ impl Proxy {
     pub fn render_metrics(&self) -> String {
         let m = &self.inner.metrics;
         let mut e = Exposition::new();
-        let outcomes: Vec<[(&str, &str); 1]> = Outcome::ALL.iter().map(|o| [("outcome", o.as_str())]).collect();
+        let outcomes: Vec<[(&str, &str); 1]> = Outcome::ALL
+            .iter()
+            .map(|o| [("outcome", o.as_str())])
+            .collect();
         let samples: Vec<(&[(&str, &str)], f64)> = outcomes
             .iter()
             .zip(Outcome::ALL)
             .map(|(l, o)| (&l[..], m.outcomes[o.index()].load(Ordering::Relaxed) as f64))
             .collect();
-        e.family("pdkv_proxy_requests_total", "Client generation requests by outcome.", "counter", &samples);
+        e.family(
+            "pdkv_proxy_requests_total",
+            "Client generation requests by outcome.",
+            "counter",
+            &samples,
+        );
         let roles = [[("role", "prefill")], [("role", "decode")]];
         let samples: Vec<(&[(&str, &str)], f64)> = roles
             .iter()
@@ -599,11 +674,19 @@ impl Proxy {
             "counter",
             &samples,
         );
-        let reasons: Vec<[(&str, &str); 1]> = OnPurpose::ALL.iter().map(|w| [("reason", w.as_str())]).collect();
+        let reasons: Vec<[(&str, &str); 1]> = OnPurpose::ALL
+            .iter()
+            .map(|w| [("reason", w.as_str())])
+            .collect();
         let samples: Vec<(&[(&str, &str)], f64)> = reasons
             .iter()
             .zip(OnPurpose::ALL)
-            .map(|(l, w)| (&l[..], m.prefill_skipped[w as usize].load(Ordering::Relaxed) as f64))
+            .map(|(l, w)| {
+                (
+                    &l[..],
+                    m.prefill_skipped[w as usize].load(Ordering::Relaxed) as f64,
+                )
+            })
             .collect();
         e.family(
             "pdkv_proxy_prefill_skipped_total",
@@ -613,11 +696,21 @@ impl Proxy {
             &samples,
         );
         let snaps = self.backends();
-        let labels: Vec<[(&str, &str); 2]> =
-            snaps.iter().map(|b| [("role", b.role.as_str()), ("url", b.url.as_str())]).collect();
-        let samples: Vec<(&[(&str, &str)], f64)> =
-            labels.iter().zip(&snaps).map(|(l, b)| (&l[..], if b.healthy { 1.0 } else { 0.0 })).collect();
-        e.family("pdkv_proxy_backend_healthy", "1 if the backend passed its last health check.", "gauge", &samples);
+        let labels: Vec<[(&str, &str); 2]> = snaps
+            .iter()
+            .map(|b| [("role", b.role.as_str()), ("url", b.url.as_str())])
+            .collect();
+        let samples: Vec<(&[(&str, &str)], f64)> = labels
+            .iter()
+            .zip(&snaps)
+            .map(|(l, b)| (&l[..], if b.healthy { 1.0 } else { 0.0 }))
+            .collect();
+        e.family(
+            "pdkv_proxy_backend_healthy",
+            "1 if the backend passed its last health check.",
+            "gauge",
+            &samples,
+        );
         e.finish()
     }
 
@@ -642,7 +735,10 @@ impl Proxy {
         }
         let (Some((p, p_status)), Some((d, _))) = picked else {
             self.inner.metrics.count(Outcome::NoBackend);
-            let missing = match (self.inner.prefill.any_healthy(), self.inner.decode.any_healthy()) {
+            let missing = match (
+                self.inner.prefill.any_healthy(),
+                self.inner.decode.any_healthy(),
+            ) {
                 (false, false) => "no prefill and no decode server is healthy",
                 (false, true) => "no prefill server is healthy",
                 _ => "no decode server is healthy",
@@ -668,10 +764,16 @@ impl Proxy {
             read_mode = (mode == Mode::Read),
             "routing request"
         );
-        let call = relay::Call { endpoint, req, headers: forwarded };
+        let call = relay::Call {
+            endpoint,
+            req,
+            headers: forwarded,
+        };
         let p_bootstrap = p_status.kv_info.and_then(|i| i.bootstrap_addr);
         let plan = RelayPlan::new(mode, streaming, &transfer_id);
-        relay::Relay::new(self.clone(), plan, call, (p, p_bootstrap), d).respond().await
+        relay::Relay::new(self.clone(), plan, call, (p, p_bootstrap), d)
+            .respond()
+            .await
     }
 
     /// A generation request whose body could not be read: the client's own
@@ -684,7 +786,13 @@ impl Proxy {
     /// A request sent to D alone, which computes the prompt itself: its
     /// answer (status, headers, body, streamed or not) passes through, and
     /// it counts once, by its status.
-    async fn decode_alone(&self, d: &Arc<Backend>, endpoint: Endpoint, body: Bytes, forwarded: &Forwarded) -> Response {
+    async fn decode_alone(
+        &self,
+        d: &Arc<Backend>,
+        endpoint: Endpoint,
+        body: Bytes,
+        forwarded: &Forwarded,
+    ) -> Response {
         tracing::debug!(endpoint = endpoint.path(), decode = %d.url, "prompt logits wanted: D computes the prompt");
         match self.post(d, endpoint, body.to_vec(), forwarded).await {
             Ok(resp) => {
@@ -743,7 +851,9 @@ impl Proxy {
     fn drop_at_prefill(&self, bootstrap: Option<String>, transfer_id: &str, code: FailCode) {
         let Some(addr) = bootstrap else { return };
         // A relay dropped while the runtime shuts down has no one to tell.
-        let Ok(rt) = tokio::runtime::Handle::try_current() else { return };
+        let Ok(rt) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
         let transfer_id = transfer_id.to_string();
         let limit = self.inner.config.health_timeout.max(Duration::from_secs(2));
         let secret = self.inner.config.kv_secret.clone();
@@ -771,13 +881,21 @@ impl Proxy {
         body: Option<Bytes>,
     ) -> Response {
         let Some((d, _)) = self.inner.decode.pick() else {
-            return retryable(ApiError::unavailable("no decode server is healthy").with_code("no_healthy_backend"));
+            return retryable(
+                ApiError::unavailable("no decode server is healthy")
+                    .with_code("no_healthy_backend"),
+            );
         };
         let mut req = self
             .inner
             .client
             .request(method, format!("{}{path}", d.url))
-            .timeout(self.inner.config.health_timeout.max(Duration::from_secs(10)));
+            .timeout(
+                self.inner
+                    .config
+                    .health_timeout
+                    .max(Duration::from_secs(10)),
+            );
         if let Some(a) = auth {
             req = req.header(header::AUTHORIZATION, a);
         }
@@ -868,26 +986,39 @@ fn forward_failed(d: &Backend, e: &reqwest::Error) -> Response {
 /// (`prompt_logprobs`, or `echo` with `logprobs`): only the engine that
 /// computes the prompt has them, so P cannot help and D computes it.
 fn needs_prompt_logits(req: &Map<String, Value>) -> bool {
-    let set = |k: &str| req.get(k).is_some_and(|v| !v.is_null() && *v != Value::Bool(false));
+    let set = |k: &str| {
+        req.get(k)
+            .is_some_and(|v| !v.is_null() && *v != Value::Bool(false))
+    };
     set("prompt_logprobs") || (req.get("echo") == Some(&Value::Bool(true)) && set("logprobs"))
 }
 
 /// A 503 with `Retry-After`.
 fn retryable(err: ApiError) -> Response {
     let mut resp = err.into_response();
-    resp.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+    resp.headers_mut()
+        .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
     resp
 }
 
 /// The response headers worth passing through from an upstream answer.
 fn passthrough_headers(h: &HeaderMap) -> Vec<(HeaderName, HeaderValue)> {
-    [header::CONTENT_TYPE, header::CACHE_CONTROL, header::RETRY_AFTER, HeaderName::from_static("x-request-id")]
-        .into_iter()
-        .filter_map(|name| h.get(&name).cloned().map(|v| (name, v)))
-        .collect()
+    [
+        header::CONTENT_TYPE,
+        header::CACHE_CONTROL,
+        header::RETRY_AFTER,
+        HeaderName::from_static("x-request-id"),
+    ]
+    .into_iter()
+    .filter_map(|name| h.get(&name).cloned().map(|v| (name, v)))
+    .collect()
 }
 
-fn build_response(status: StatusCode, head: Vec<(HeaderName, HeaderValue)>, body: Body) -> Response {
+fn build_response(
+    status: StatusCode,
+    head: Vec<(HeaderName, HeaderValue)>,
+    body: Body,
+) -> Response {
     let mut resp = Response::new(body);
     *resp.status_mut() = status;
     resp.headers_mut().extend(head);
@@ -913,14 +1044,22 @@ fn error_chain(e: &dyn std::error::Error) -> String {
 /// read (over [`MAX_BODY_BYTES`]: a 413, as the engines answer).
 type BodyOrRefusal = Result<Bytes, axum::extract::rejection::BytesRejection>;
 
-async fn completions(State(proxy): State<Proxy>, headers: HeaderMap, body: BodyOrRefusal) -> Response {
+async fn completions(
+    State(proxy): State<Proxy>,
+    headers: HeaderMap,
+    body: BodyOrRefusal,
+) -> Response {
     match body {
         Ok(body) => proxy.relay(Endpoint::Completions, headers, body).await,
         Err(r) => proxy.refuse_body(r),
     }
 }
 
-async fn chat_completions(State(proxy): State<Proxy>, headers: HeaderMap, body: BodyOrRefusal) -> Response {
+async fn chat_completions(
+    State(proxy): State<Proxy>,
+    headers: HeaderMap,
+    body: BodyOrRefusal,
+) -> Response {
     match body {
         Ok(body) => proxy.relay(Endpoint::ChatCompletions, headers, body).await,
         Err(r) => proxy.refuse_body(r),
@@ -929,23 +1068,31 @@ async fn chat_completions(State(proxy): State<Proxy>, headers: HeaderMap, body: 
 
 async fn models(State(proxy): State<Proxy>, headers: HeaderMap) -> Response {
     let auth = headers.get(header::AUTHORIZATION).cloned();
-    proxy.forward(reqwest::Method::GET, "/v1/models", auth, None).await
+    proxy
+        .forward(reqwest::Method::GET, "/v1/models", auth, None)
+        .await
 }
 
 /// `POST /tokenize` and `/detokenize`, `GET /version`, `/get_model_info`
 /// and `/get_server_info`: a decode server's answer.
 fn forwarded_routes() -> Router<Proxy> {
     let post_to = |path: &'static str| {
-        post(move |State(proxy): State<Proxy>, headers: HeaderMap, body: BodyOrRefusal| async move {
-            let body = match body {
-                Ok(b) => b,
-                Err(r) => return crate::error::body_rejection(r).into_response(),
-            };
-            let auth = headers.get(header::AUTHORIZATION).cloned();
-            proxy.forward(reqwest::Method::POST, path, auth, Some(body)).await
-        })
+        post(
+            move |State(proxy): State<Proxy>, headers: HeaderMap, body: BodyOrRefusal| async move {
+                let body = match body {
+                    Ok(b) => b,
+                    Err(r) => return crate::error::body_rejection(r).into_response(),
+                };
+                let auth = headers.get(header::AUTHORIZATION).cloned();
+                proxy
+                    .forward(reqwest::Method::POST, path, auth, Some(body))
+                    .await
+            },
+        )
     };
-    let get_from = |path: &'static str| get(move |State(proxy): State<Proxy>| async move { proxy.forward_get(path).await });
+    let get_from = |path: &'static str| {
+        get(move |State(proxy): State<Proxy>| async move { proxy.forward_get(path).await })
+    };
     Router::new()
         .route("/tokenize", post_to("/tokenize"))
         .route("/detokenize", post_to("/detokenize"))
@@ -958,12 +1105,22 @@ async fn health(State(proxy): State<Proxy>) -> Response {
     if proxy.is_ready() {
         StatusCode::OK.into_response()
     } else {
-        retryable(ApiError::unavailable("no healthy prefill or decode server").with_code("no_healthy_backend"))
+        retryable(
+            ApiError::unavailable("no healthy prefill or decode server")
+                .with_code("no_healthy_backend"),
+        )
     }
 }
 
 async fn metrics(State(proxy): State<Proxy>) -> Response {
-    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")], proxy.render_metrics()).into_response()
+    (
+        [(
+            header::CONTENT_TYPE,
+            "text/plain; version=0.0.4; charset=utf-8",
+        )],
+        proxy.render_metrics(),
+    )
+        .into_response()
 }
 
 async fn not_found() -> ApiError {
@@ -971,7 +1128,10 @@ async fn not_found() -> ApiError {
 }
 
 async fn method_not_allowed() -> ApiError {
-    ApiError { status: StatusCode::METHOD_NOT_ALLOWED, ..ApiError::invalid("method not allowed on this route") }
+    ApiError {
+        status: StatusCode::METHOD_NOT_ALLOWED,
+        ..ApiError::invalid("method not allowed on this route")
+    }
 }
 
 #[cfg(test)]
@@ -989,7 +1149,9 @@ mod tests {
             "kv_transfer_params": {"client": 1}, "temperature": 0,
         }));
         let params = pdkv_connector::params::for_prefill("t1");
-        let p: Value = serde_json::from_slice(&prefill_body(&req, Endpoint::Completions, params.clone())).unwrap();
+        let p: Value =
+            serde_json::from_slice(&prefill_body(&req, Endpoint::Completions, params.clone()))
+                .unwrap();
         assert_eq!(p["max_tokens"], 1);
         assert_eq!(p["stream"], false);
         assert!(p.get("stream_options").is_none());
@@ -998,7 +1160,9 @@ mod tests {
         assert_eq!(p["temperature"], 0);
 
         let chat = obj(json!({"messages": [], "max_completion_tokens": 9}));
-        let p: Value = serde_json::from_slice(&prefill_body(&chat, Endpoint::ChatCompletions, params)).unwrap();
+        let p: Value =
+            serde_json::from_slice(&prefill_body(&chat, Endpoint::ChatCompletions, params))
+                .unwrap();
         assert_eq!(p["max_completion_tokens"], 1);
         assert_eq!(p["max_tokens"], 1);
     }
@@ -1013,23 +1177,37 @@ mod tests {
             bootstrap_addr: Some("127.0.0.1:7000".into()),
             transfer_addr: Some("127.0.0.1:7001".into()),
         };
-        let write =
-            Mode::Write { remote_engine_id: Some("p0".into()), remote_bootstrap_addr: Some("127.0.0.1:7000".into()) };
+        let write = Mode::Write {
+            remote_engine_id: Some("p0".into()),
+            remote_bootstrap_addr: Some("127.0.0.1:7000".into()),
+        };
         assert_eq!(plan_mode(Some(&info)), write);
-        assert_eq!(plan_mode(None), Mode::Write { remote_engine_id: None, remote_bootstrap_addr: None });
+        assert_eq!(
+            plan_mode(None),
+            Mode::Write {
+                remote_engine_id: None,
+                remote_bootstrap_addr: None
+            }
+        );
         info.transfer_mode = Some("read".into());
         assert_eq!(plan_mode(Some(&info)), Mode::Read);
     }
 
     #[test]
     fn decode_body_carries_exactly_the_plans_params() {
-        let req = obj(json!({"prompt": "hi", "max_tokens": 50, "stream": true, "kv_transfer_params": {"client": 1}}));
+        let req = obj(
+            json!({"prompt": "hi", "max_tokens": 50, "stream": true, "kv_transfer_params": {"client": 1}}),
+        );
         let params = json!({"do_remote_prefill": true, "transfer_id": "t", "remote_block_ids": [4, 5],
                             "remote_registration_generation": 2});
         let d: Value = serde_json::from_slice(&decode_body(&req, Some(params.clone()))).unwrap();
         assert_eq!(d["kv_transfer_params"], params);
         assert_eq!(
-            (d["prompt"].as_str(), d["max_tokens"].as_u64(), d["stream"].as_bool()),
+            (
+                d["prompt"].as_str(),
+                d["max_tokens"].as_u64(),
+                d["stream"].as_bool()
+            ),
             (Some("hi"), Some(50), Some(true))
         );
         // D computes the prompt itself: the client's own params go too.
@@ -1039,13 +1217,28 @@ mod tests {
 
     #[test]
     fn urls_are_normalized_and_checked() {
-        assert_eq!(normalize_url(Role::Prefill, "127.0.0.1:8100").unwrap(), "http://127.0.0.1:8100");
-        assert_eq!(normalize_url(Role::Decode, "http://localhost:9/").unwrap(), "http://localhost:9");
-        assert!(matches!(normalize_url(Role::Decode, "https://x:1"), Err(ProxyError::BadUrl { .. })));
-        assert!(matches!(normalize_url(Role::Decode, "http://x:1/?a=b"), Err(ProxyError::BadUrl { .. })));
+        assert_eq!(
+            normalize_url(Role::Prefill, "127.0.0.1:8100").unwrap(),
+            "http://127.0.0.1:8100"
+        );
+        assert_eq!(
+            normalize_url(Role::Decode, "http://localhost:9/").unwrap(),
+            "http://localhost:9"
+        );
+        assert!(matches!(
+            normalize_url(Role::Decode, "https://x:1"),
+            Err(ProxyError::BadUrl { .. })
+        ));
+        assert!(matches!(
+            normalize_url(Role::Decode, "http://x:1/?a=b"),
+            Err(ProxyError::BadUrl { .. })
+        ));
         let dup = ProxyConfig::new(vec!["a:1".into(), "http://a:1".into()], vec!["b:2".into()]);
         assert!(matches!(Proxy::new(dup), Err(ProxyError::Duplicate { .. })));
-        assert!(matches!(Proxy::new(ProxyConfig::new(vec![], vec!["b:2".into()])), Err(ProxyError::NoBackend(_))));
+        assert!(matches!(
+            Proxy::new(ProxyConfig::new(vec![], vec!["b:2".into()])),
+            Err(ProxyError::NoBackend(_))
+        ));
     }
 
     #[test]

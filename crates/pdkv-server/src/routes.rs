@@ -16,15 +16,18 @@ use crate::error::{ApiError, ApiJson};
 use crate::logprobs;
 use crate::metrics::LifecycleGauges;
 use crate::openai::{
-    chat_messages, parse_max_tokens, parse_prompt, ChatRequest, CompletionRequest, Endpoint, Prompt,
-    DEFAULT_COMPLETION_MAX_TOKENS,
+    chat_messages, parse_max_tokens, parse_prompt, ChatRequest, CompletionRequest, Endpoint,
+    Prompt, DEFAULT_COMPLETION_MAX_TOKENS,
 };
 use crate::sse::{sse_response, ChunkHead};
 use crate::tracker::TrackedStream;
 use crate::AppState;
 
 fn unix_now() -> u64 {
-    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0)
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
 }
 
 pub(crate) fn check_model(state: &AppState, model: Option<&str>) -> Result<(), ApiError> {
@@ -36,10 +39,14 @@ pub(crate) fn check_model(state: &AppState, model: Option<&str>) -> Result<(), A
 
 /// Runs CPU-heavy prompt preparation (tokenization, templates) off the
 /// async workers.
-pub(crate) async fn blocking<T: Send + 'static>(f: impl FnOnce() -> Result<T, ApiError> + Send + 'static) -> Result<T, ApiError> {
-    tokio::task::spawn_blocking(f)
-        .await
-        .unwrap_or_else(|e| Err(ApiError::internal(format!("prompt preparation failed: {e}"))))
+pub(crate) async fn blocking<T: Send + 'static>(
+    f: impl FnOnce() -> Result<T, ApiError> + Send + 'static,
+) -> Result<T, ApiError> {
+    tokio::task::spawn_blocking(f).await.unwrap_or_else(|e| {
+        Err(ApiError::internal(format!(
+            "prompt preparation failed: {e}"
+        )))
+    })
 }
 
 /// The tokens of a conversation rendered with the model's chat template
@@ -52,16 +59,26 @@ pub(crate) async fn chat_prompt_tokens(
 ) -> Result<Vec<u32>, ApiError> {
     let engine = state.engine().clone();
     blocking(move || {
-        let template = engine
-            .chat_template()
-            .ok_or_else(|| ApiError::invalid_param("messages", "this model has no chat template"))?;
+        let template = engine.chat_template().ok_or_else(|| {
+            ApiError::invalid_param("messages", "this model has no chat template")
+        })?;
         let text = template
             .render(&messages, add_generation_prompt)
-            .map_err(|e| ApiError::invalid_param("messages", format!("could not apply the chat template: {e:#}")))?;
+            .map_err(|e| {
+                ApiError::invalid_param(
+                    "messages",
+                    format!("could not apply the chat template: {e:#}"),
+                )
+            })?;
         engine
             .tokenizer()
             .encode(&text, add_special_tokens)
-            .map_err(|e| ApiError::invalid_param("messages", format!("could not tokenize the conversation: {e:#}")))
+            .map_err(|e| {
+                ApiError::invalid_param(
+                    "messages",
+                    format!("could not tokenize the conversation: {e:#}"),
+                )
+            })
     })
     .await
 }
@@ -69,7 +86,10 @@ pub(crate) async fn chat_prompt_tokens(
 /// Validates token ids against the vocabulary.
 fn check_token_ids(state: &AppState, ids: &[u32]) -> Result<(), ApiError> {
     if ids.is_empty() {
-        return Err(ApiError::invalid_param("prompt", "prompt must not be empty"));
+        return Err(ApiError::invalid_param(
+            "prompt",
+            "prompt must not be empty",
+        ));
     }
     let vocab = state.engine().model_config().vocab_size;
     if let Some(bad) = ids.iter().find(|&&t| t as usize >= vocab) {
@@ -114,22 +134,30 @@ fn choose_request_id(
 ) -> Result<String, ApiError> {
     let (param, given) = match headers.get("x-request-id") {
         Some(v) => {
-            let v = v
-                .to_str()
-                .map_err(|_| ApiError::invalid_param("X-Request-Id", "X-Request-Id must be visible ASCII"))?;
+            let v = v.to_str().map_err(|_| {
+                ApiError::invalid_param("X-Request-Id", "X-Request-Id must be visible ASCII")
+            })?;
             ("X-Request-Id", Some(v))
         }
         None => ("request_id", body_id),
     };
-    let Some(id) = given else { return Ok(state.next_request_id(prefix)) };
+    let Some(id) = given else {
+        return Ok(state.next_request_id(prefix));
+    };
     if id.is_empty() || id.len() > MAX_REQUEST_ID_LEN {
         return Err(ApiError::invalid_param(
             param,
-            format!("{param} must be 1 to {MAX_REQUEST_ID_LEN} bytes long, got {}", id.len()),
+            format!(
+                "{param} must be 1 to {MAX_REQUEST_ID_LEN} bytes long, got {}",
+                id.len()
+            ),
         ));
     }
     if id.chars().any(char::is_control) {
-        return Err(ApiError::invalid_param(param, format!("{param} must not contain control characters")));
+        return Err(ApiError::invalid_param(
+            param,
+            format!("{param} must not contain control characters"),
+        ));
     }
     Ok(id.to_string())
 }
@@ -156,7 +184,10 @@ fn kv_params(v: Option<Value>, id: &str) -> Result<Option<Value>, ApiError> {
     match v {
         None | Some(Value::Null) => Ok(None),
         Some(v @ Value::Object(_)) => Ok(Some(pdkv_connector::params::canonical(v, id))),
-        Some(_) => Err(ApiError::invalid_param("kv_transfer_params", "kv_transfer_params must be an object")),
+        Some(_) => Err(ApiError::invalid_param(
+            "kv_transfer_params",
+            "kv_transfer_params must be an object",
+        )),
     }
 }
 
@@ -171,17 +202,28 @@ pub(crate) fn admit(
     let num_prompt_tokens = prompt_tokens.len();
     let stream = state
         .engine()
-        .add_request(EngineRequest { id: id.clone(), prompt_tokens, params, kv_transfer_params })
+        .add_request(EngineRequest {
+            id: id.clone(),
+            prompt_tokens,
+            params,
+            kv_transfer_params,
+        })
         .map_err(ApiError::from)?;
     let stream = TrackedStream::new(stream, state.metrics().clone(), arrived, num_prompt_tokens);
-    Ok(Admitted { stream, created: unix_now() })
+    Ok(Admitted {
+        stream,
+        created: unix_now(),
+    })
 }
 
 /// The error a request that ended with [`FinishReason::Error`] answers
 /// with: a 504 `kv_transfer_timeout` when a deadline passed (the message
 /// names the setting to raise), a 500 `kv_transfer_failed` otherwise.
 pub(crate) fn failed_request(out: &pdkv_engine::RequestOutput) -> ApiError {
-    let message = out.error.clone().unwrap_or_else(|| "the request failed".into());
+    let message = out
+        .error
+        .clone()
+        .unwrap_or_else(|| "the request failed".into());
     if out.timed_out {
         return ApiError::timeout(message).with_code("kv_transfer_timeout");
     }
@@ -208,9 +250,12 @@ pub async fn completions(
     if req.suffix.as_deref().is_some_and(|s| !s.is_empty()) {
         return Err(ApiError::invalid_param("suffix", "suffix is not supported"));
     }
-    let max_tokens = parse_max_tokens("max_tokens", req.max_tokens)?.unwrap_or(DEFAULT_COMPLETION_MAX_TOKENS);
+    let max_tokens =
+        parse_max_tokens("max_tokens", req.max_tokens)?.unwrap_or(DEFAULT_COMPLETION_MAX_TOKENS);
     let n = parse_n(req.n, req.best_of)?;
-    let mut params = req.sampling().to_params(max_tokens, Endpoint::Completions)?;
+    let mut params = req
+        .sampling()
+        .to_params(max_tokens, Endpoint::Completions)?;
     check_sampling_ids(&state, &params)?;
     let echo = req.echo.unwrap_or(false);
     if echo && params.logprobs.is_some() {
@@ -227,7 +272,12 @@ pub async fn completions(
             blocking(move || {
                 tok.encode(&text, true)
                     .map(|ids| (ids, Some(text)))
-                    .map_err(|e| ApiError::invalid_param("prompt", format!("could not tokenize the prompt: {e:#}")))
+                    .map_err(|e| {
+                        ApiError::invalid_param(
+                            "prompt",
+                            format!("could not tokenize the prompt: {e:#}"),
+                        )
+                    })
             })
             .await?
         }
@@ -251,7 +301,12 @@ pub async fn completions(
     if req.stream.unwrap_or(false) {
         let include_usage = req.stream_options.is_some_and(|o| o.include_usage);
         let (id, created) = (group.id.clone(), group.created);
-        let head = ChunkHead { id: id.clone(), created, object: "text_completion", model: model.clone() };
+        let head = ChunkHead {
+            id: id.clone(),
+            created,
+            object: "text_completion",
+            model: model.clone(),
+        };
         let mut per_choice = vec![StreamedChoice::default(); group.n()];
         let mut shared_prompt_lp: Option<Vec<Option<TokenLogprobs>>> = None;
         let chunk = move |i: usize, out: &RequestOutput, usage: bool| {
@@ -261,7 +316,13 @@ pub async fn completions(
             let c = &mut per_choice[i];
             let first = !c.started;
             c.started = true;
-            let mut choice = view.choice(i, out, first.then_some(shared_prompt_lp.as_deref()).flatten(), first, c.offset);
+            let mut choice = view.choice(
+                i,
+                out,
+                first.then_some(shared_prompt_lp.as_deref()).flatten(),
+                first,
+                c.offset,
+            );
             c.offset += view.offset_advance(out, first);
             let text_empty = choice["text"].as_str().is_some_and(str::is_empty);
             // The first piece carries the echoed prompt and prompt logprobs.
@@ -278,12 +339,19 @@ pub async fn completions(
             Some(v)
         };
         let id = group.id.clone();
-        return Ok(with_request_id(sse_response(group, head, include_usage, Vec::new(), chunk), &id));
+        return Ok(with_request_id(
+            sse_response(group, head, include_usage, Vec::new(), chunk),
+            &id,
+        ));
     }
 
     let done = group.collect().await?;
     let kv_out = done[0].kv_transfer_params.clone();
-    let choices: Vec<Value> = done.iter().enumerate().map(|(i, c)| view.whole_choice(i, c)).collect();
+    let choices: Vec<Value> = done
+        .iter()
+        .enumerate()
+        .map(|(i, c)| view.whole_choice(i, c))
+        .collect();
     let resp = json_response(&json!({
         "id": group.id,
         "object": "text_completion",
@@ -332,7 +400,16 @@ impl CompletionView {
     ) -> Value {
         let echo = self.echo_text.as_deref().filter(|_| first);
         let text = format!("{}{}", echo.unwrap_or(""), out.text);
-        self.shape(index, text, &out.token_ids, &out.logprobs, prompt_lp, echo.is_some(), first, offset)
+        self.shape(
+            index,
+            text,
+            &out.token_ids,
+            &out.logprobs,
+            prompt_lp,
+            echo.is_some(),
+            first,
+            offset,
+        )
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -347,21 +424,26 @@ impl CompletionView {
         first: bool,
         offset: usize,
     ) -> Value {
-        let mut choice = json!({"index": index, "text": text, "logprobs": null, "finish_reason": null});
+        let mut choice =
+            json!({"index": index, "text": text, "logprobs": null, "finish_reason": null});
         if self.logprobs {
             let mut all_ids = Vec::new();
             let mut entries: Vec<Option<&TokenLogprobs>> = Vec::new();
             if echoed {
                 all_ids.extend_from_slice(&self.prompt_tokens);
                 let prompt = prompt_lp.unwrap_or(&[]);
-                entries.extend((0..self.prompt_tokens.len()).map(|p| prompt.get(p).and_then(Option::as_ref)));
+                entries.extend(
+                    (0..self.prompt_tokens.len()).map(|p| prompt.get(p).and_then(Option::as_ref)),
+                );
             }
             all_ids.extend_from_slice(ids);
             entries.extend(lps.iter().map(Some));
-            choice["logprobs"] = logprobs::completion_logprobs(&self.tok, &all_ids, &entries, offset);
+            choice["logprobs"] =
+                logprobs::completion_logprobs(&self.tok, &all_ids, &entries, offset);
         }
         if first && self.want_prompt_logprobs {
-            choice["prompt_logprobs"] = prompt_lp.map_or(Value::Null, |p| logprobs::prompt_logprobs(&self.tok, p));
+            choice["prompt_logprobs"] =
+                prompt_lp.map_or(Value::Null, |p| logprobs::prompt_logprobs(&self.tok, p));
         }
         if self.return_token_ids {
             if first {
@@ -377,7 +459,11 @@ impl CompletionView {
         if !self.logprobs {
             return 0;
         }
-        let echoed = if first && self.echo_text.is_some() { logprobs::text_len(&self.tok, &self.prompt_tokens) } else { 0 };
+        let echoed = if first && self.echo_text.is_some() {
+            logprobs::text_len(&self.tok, &self.prompt_tokens)
+        } else {
+            0
+        };
         echoed + logprobs::text_len(&self.tok, &out.token_ids)
     }
 
@@ -386,7 +472,16 @@ impl CompletionView {
         let text = format!("{}{}", self.echo_text.as_deref().unwrap_or(""), c.text);
         let prompt_lp = c.prompt_logprobs.as_deref();
         let echoed = self.echo_text.is_some();
-        let mut v = self.shape(index, text, &c.token_ids, &c.logprobs, prompt_lp, echoed, true, 0);
+        let mut v = self.shape(
+            index,
+            text,
+            &c.token_ids,
+            &c.logprobs,
+            prompt_lp,
+            echoed,
+            true,
+            0,
+        );
         v["finish_reason"] = json!(c.finish_reason.unwrap_or(FinishReason::Abort).as_str());
         v
     }
@@ -402,7 +497,10 @@ pub async fn chat_completions(
     check_model(&state, req.model.as_deref())?;
     let id = choose_request_id(&state, &headers, req.request_id.as_deref(), "chatcmpl-")?;
     if req.messages.is_empty() {
-        return Err(ApiError::invalid_param("messages", "messages must not be empty"));
+        return Err(ApiError::invalid_param(
+            "messages",
+            "messages must not be empty",
+        ));
     }
     if state.engine().chat_template().is_none() {
         return Err(ApiError::invalid_param(
@@ -417,12 +515,17 @@ pub async fn chat_completions(
         None => parse_max_tokens("max_tokens", req.max_tokens)?,
     };
     if req.echo == Some(true) {
-        return Err(ApiError::invalid_param("echo", "echo is not supported on chat completions"));
+        return Err(ApiError::invalid_param(
+            "echo",
+            "echo is not supported on chat completions",
+        ));
     }
     // Validate sampling fields before the (costly) template and tokenizer
     // (`max_tokens` is settled below once the prompt's length is known).
     let n = parse_n(req.n, req.best_of)?;
-    let mut params = req.sampling().to_params(max_tokens.unwrap_or(u32::MAX), Endpoint::Chat)?;
+    let mut params = req
+        .sampling()
+        .to_params(max_tokens.unwrap_or(u32::MAX), Endpoint::Chat)?;
     check_sampling_ids(&state, &params)?;
 
     // The template already places BOS and other special tokens.
@@ -432,7 +535,10 @@ pub async fn chat_completions(
     params.max_tokens = match max_tokens {
         Some(n) => n,
         None => {
-            let room = state.engine().max_model_len().saturating_sub(prompt_tokens.len());
+            let room = state
+                .engine()
+                .max_model_len()
+                .saturating_sub(prompt_tokens.len());
             u32::try_from(room.max(1)).unwrap_or(u32::MAX)
         }
     };
@@ -453,7 +559,12 @@ pub async fn chat_completions(
     if req.stream.unwrap_or(false) {
         let include_usage = req.stream_options.is_some_and(|o| o.include_usage);
         let (id, created) = (group.id.clone(), group.created);
-        let head = ChunkHead { id: id.clone(), created, object: "chat.completion.chunk", model: model.clone() };
+        let head = ChunkHead {
+            id: id.clone(),
+            created,
+            object: "chat.completion.chunk",
+            model: model.clone(),
+        };
         let base = json!({"id": id, "object": "chat.completion.chunk", "created": created, "model": model});
         let first: Vec<Value> = (0..group.n())
             .map(|i| {
@@ -473,18 +584,27 @@ pub async fn chat_completions(
         let chunk = move |i: usize, out: &RequestOutput, usage: bool| {
             let shows_tokens = top.is_some() || return_token_ids;
             let sends_prompt_lp = want_prompt_logprobs && out.prompt_logprobs.is_some();
-            if out.text.is_empty() && out.finish_reason.is_none() && !shows_tokens && !sends_prompt_lp {
+            if out.text.is_empty()
+                && out.finish_reason.is_none()
+                && !shows_tokens
+                && !sends_prompt_lp
+            {
                 return None;
             }
             let mut v = base.clone();
-            let delta = if out.text.is_empty() { json!({}) } else { json!({"content": out.text}) };
+            let delta = if out.text.is_empty() {
+                json!({})
+            } else {
+                json!({"content": out.text})
+            };
             let mut choice = json!({"index": i, "delta": delta, "logprobs": content_logprobs(&out.logprobs), "finish_reason": out.finish_reason.map(FinishReason::as_str)});
             if return_token_ids {
                 choice["token_ids"] = json!(out.token_ids);
             }
             v["choices"] = json!([choice]);
             if sends_prompt_lp {
-                v["prompt_logprobs"] = logprobs::prompt_logprobs(&tok, out.prompt_logprobs.as_deref().unwrap_or(&[]));
+                v["prompt_logprobs"] =
+                    logprobs::prompt_logprobs(&tok, out.prompt_logprobs.as_deref().unwrap_or(&[]));
             }
             if usage {
                 v["usage"] = Value::Null;
@@ -492,7 +612,10 @@ pub async fn chat_completions(
             Some(v)
         };
         let id = group.id.clone();
-        return Ok(with_request_id(sse_response(group, head, include_usage, first, chunk), &id));
+        return Ok(with_request_id(
+            sse_response(group, head, include_usage, first, chunk),
+            &id,
+        ));
     }
 
     let mut group = group;
@@ -523,8 +646,10 @@ pub async fn chat_completions(
         "kv_transfer_params": done[0].kv_transfer_params,
     });
     if want_prompt_logprobs {
-        body["prompt_logprobs"] =
-            done[0].prompt_logprobs.as_deref().map_or(Value::Null, |p| logprobs::prompt_logprobs(&tok, p));
+        body["prompt_logprobs"] = done[0]
+            .prompt_logprobs
+            .as_deref()
+            .map_or(Value::Null, |p| logprobs::prompt_logprobs(&tok, p));
     }
     if let Some(ids) = prompt_ids {
         body["prompt_token_ids"] = json!(ids);
@@ -582,9 +707,13 @@ pub async fn health(State(state): State<AppState>) -> Response {
     } else {
         "unavailable"
     };
-    let reason = refusal.unwrap_or_else(|| "the engine is paused (keep): new requests wait for /resume".into());
-    let mut resp = ApiError::unavailable(reason).with_code(code).into_response();
-    resp.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+    let reason = refusal
+        .unwrap_or_else(|| "the engine is paused (keep): new requests wait for /resume".into());
+    let mut resp = ApiError::unavailable(reason)
+        .with_code(code)
+        .into_response();
+    resp.headers_mut()
+        .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
     resp
 }
 
@@ -600,8 +729,17 @@ pub async fn metrics(State(state): State<AppState>) -> Response {
     let stats = state.engine().stats();
     let device = state.engine().pool().device_bytes();
     let connector = state.engine().kv_connector_metrics();
-    let text = state.metrics().render_with(&stats, &device, &lifecycle, &connector);
-    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")], text).into_response()
+    let text = state
+        .metrics()
+        .render_with(&stats, &device, &lifecycle, &connector);
+    (
+        [(
+            header::CONTENT_TYPE,
+            "text/plain; version=0.0.4; charset=utf-8",
+        )],
+        text,
+    )
+        .into_response()
 }
 
 pub async fn not_found() -> ApiError {
@@ -609,5 +747,8 @@ pub async fn not_found() -> ApiError {
 }
 
 pub async fn method_not_allowed() -> ApiError {
-    ApiError { status: StatusCode::METHOD_NOT_ALLOWED, ..ApiError::invalid("method not allowed on this route") }
+    ApiError {
+        status: StatusCode::METHOD_NOT_ALLOWED,
+        ..ApiError::invalid("method not allowed on this route")
+    }
 }

@@ -134,7 +134,13 @@ impl<F: ChunkFn> SseState<F> {
 /// A `text/event-stream` response that owns the group's streams: when the
 /// client disconnects, hyper drops the body and with it every choice.
 /// `first` are opening chunks sent before any output.
-pub fn sse_response<F: ChunkFn>(group: Group, head: ChunkHead, include_usage: bool, first: Vec<Value>, chunk: F) -> Response {
+pub fn sse_response<F: ChunkFn>(
+    group: Group,
+    head: ChunkHead,
+    include_usage: bool,
+    first: Vec<Value>,
+    chunk: F,
+) -> Response {
     let state = SseState {
         num_prompt_tokens: group.num_prompt_tokens,
         generated: 0,
@@ -161,5 +167,7 @@ where
         .header(header::CONTENT_TYPE, "text/event-stream")
         .header(header::CACHE_CONTROL, "no-cache")
         .body(Body::from_stream(body))
-        .unwrap_or_else(|e| ApiError::internal(format!("could not build the response: {e}")).into_response())
+        .unwrap_or_else(|e| {
+            ApiError::internal(format!("could not build the response: {e}")).into_response()
+        })
 }

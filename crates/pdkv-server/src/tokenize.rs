@@ -34,28 +34,53 @@ pub struct DetokenizeRequest {
 
 /// `POST /tokenize`: `{"count", "max_model_len", "tokens", "token_strs"}`
 /// (`token_strs` is null, as vLLM's default).
-pub async fn tokenize(State(state): State<AppState>, ApiJson(req): ApiJson<TokenizeRequest>) -> Result<Response, ApiError> {
+pub async fn tokenize(
+    State(state): State<AppState>,
+    ApiJson(req): ApiJson<TokenizeRequest>,
+) -> Result<Response, ApiError> {
     check_model(&state, req.model.as_deref())?;
     let tokens = match (req.prompt, req.messages) {
         (Some(prompt), None) => {
             let tok = state.engine().tokenizer().clone();
             let special = req.add_special_tokens.unwrap_or(true);
             blocking(move || {
-                tok.encode(&prompt, special)
-                    .map_err(|e| ApiError::invalid_param("prompt", format!("could not tokenize the prompt: {e:#}")))
+                tok.encode(&prompt, special).map_err(|e| {
+                    ApiError::invalid_param(
+                        "prompt",
+                        format!("could not tokenize the prompt: {e:#}"),
+                    )
+                })
             })
             .await?
         }
         (None, Some(messages)) => {
             if state.engine().chat_template().is_none() {
-                return Err(ApiError::invalid_param("messages", "this model has no chat template"));
+                return Err(ApiError::invalid_param(
+                    "messages",
+                    "this model has no chat template",
+                ));
             }
             let messages = chat_messages(&messages)?;
             let generation = req.add_generation_prompt.unwrap_or(true);
-            chat_prompt_tokens(&state, messages, generation, req.add_special_tokens.unwrap_or(false)).await?
+            chat_prompt_tokens(
+                &state,
+                messages,
+                generation,
+                req.add_special_tokens.unwrap_or(false),
+            )
+            .await?
         }
-        (Some(_), Some(_)) => return Err(ApiError::invalid("give either `prompt` or `messages`, not both")),
-        (None, None) => return Err(ApiError::invalid_param("prompt", "`prompt` or `messages` is required")),
+        (Some(_), Some(_)) => {
+            return Err(ApiError::invalid(
+                "give either `prompt` or `messages`, not both",
+            ))
+        }
+        (None, None) => {
+            return Err(ApiError::invalid_param(
+                "prompt",
+                "`prompt` or `messages` is required",
+            ))
+        }
     };
     Ok(json_response(&json!({
         "count": tokens.len(),

@@ -33,7 +33,14 @@ impl TrackedStream {
         num_prompt_tokens: usize,
     ) -> TrackedStream {
         metrics.add_prompt_tokens(num_prompt_tokens as u64);
-        TrackedStream { stream, metrics, arrived, last_token_at: None, generated: 0, finished: false }
+        TrackedStream {
+            stream,
+            metrics,
+            arrived,
+            last_token_at: None,
+            generated: 0,
+            finished: false,
+        }
     }
 
     pub fn request_id(&self) -> &str {
@@ -70,7 +77,8 @@ impl TrackedStream {
         self.metrics.add_generation_tokens(n as u64);
         match self.last_token_at {
             None => {
-                self.metrics.observe_ttft(now.duration_since(self.arrived).as_secs_f64());
+                self.metrics
+                    .observe_ttft(now.duration_since(self.arrived).as_secs_f64());
                 // Tokens that arrived together with the first one share its
                 // step, so they add no inter-token latency of their own.
             }

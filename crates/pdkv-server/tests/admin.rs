@@ -24,7 +24,12 @@ impl Server {
         Server::start_with("tiny", 7, Some(TOKEN), EngineConfig::default()).await
     }
 
-    async fn start_with(preset: &str, seed: u64, token: Option<&str>, config: EngineConfig) -> Server {
+    async fn start_with(
+        preset: &str,
+        seed: u64,
+        token: Option<&str>,
+        config: EngineConfig,
+    ) -> Server {
         Server::spawn(preset, seed, token, config).await
     }
 
@@ -34,7 +39,13 @@ impl Server {
 
     /// Sends a request with the given `Authorization` header (if any) and
     /// returns the status and the JSON body.
-    async fn send(&self, method: Method, path: &str, auth: Option<&str>, body: Option<&Value>) -> (StatusCode, Value) {
+    async fn send(
+        &self,
+        method: Method,
+        path: &str,
+        auth: Option<&str>,
+        body: Option<&Value>,
+    ) -> (StatusCode, Value) {
         let mut req = self.client.request(method, self.url(path));
         if let Some(a) = auth {
             req = req.header("authorization", a);
@@ -45,13 +56,15 @@ impl Server {
         let resp = req.send().await.expect("send");
         let status = resp.status();
         let text = resp.text().await.expect("body");
-        let v = serde_json::from_str(&text).unwrap_or_else(|e| panic!("{path}: non-JSON body ({e}): {text:?}"));
+        let v = serde_json::from_str(&text)
+            .unwrap_or_else(|e| panic!("{path}: non-JSON body ({e}): {text:?}"));
         (status, v)
     }
 
     /// An authorized admin call.
     async fn admin(&self, method: Method, path: &str, body: Option<&Value>) -> (StatusCode, Value) {
-        self.send(method, path, Some(&format!("Bearer {TOKEN}")), body).await
+        self.send(method, path, Some(&format!("Bearer {TOKEN}")), body)
+            .await
     }
 
     /// An authorized admin call that must succeed.
@@ -62,11 +75,15 @@ impl Server {
     }
 
     async fn is_sleeping(&self) -> bool {
-        self.admin_ok(Method::GET, "/is_sleeping", None).await["is_sleeping"].as_bool().expect("is_sleeping bool")
+        self.admin_ok(Method::GET, "/is_sleeping", None).await["is_sleeping"]
+            .as_bool()
+            .expect("is_sleeping bool")
     }
 
     async fn is_paused(&self) -> bool {
-        self.admin_ok(Method::GET, "/is_paused", None).await["is_paused"].as_bool().expect("is_paused bool")
+        self.admin_ok(Method::GET, "/is_paused", None).await["is_paused"]
+            .as_bool()
+            .expect("is_paused bool")
     }
 
     async fn post(&self, path: &str, body: &Value) -> (StatusCode, Value) {
@@ -77,7 +94,10 @@ impl Server {
     async fn greedy(&self, prompt: &str) -> String {
         let (status, body) = self.post("/v1/completions", &greedy_body(prompt)).await;
         assert_eq!(status, StatusCode::OK, "{body}");
-        body["choices"][0]["text"].as_str().expect("text").to_string()
+        body["choices"][0]["text"]
+            .as_str()
+            .expect("text")
+            .to_string()
     }
 
     /// Completions of [`PROMPTS`], greedy and seeded-sampled. Greedy text of
@@ -111,13 +131,23 @@ impl Server {
         }
         let resp = req.send().await.expect("send");
         assert_eq!(resp.status(), StatusCode::OK);
-        let header_id = resp.headers().get("x-request-id").map(|v| v.to_str().expect("ascii").to_string());
-        SseReader { body: Box::pin(resp.bytes_stream()), buf: String::new(), header_id }
+        let header_id = resp
+            .headers()
+            .get("x-request-id")
+            .map(|v| v.to_str().expect("ascii").to_string());
+        SseReader {
+            body: Box::pin(resp.bytes_stream()),
+            buf: String::new(),
+            header_id,
+        }
     }
-
 }
 
-const PROMPTS: [&str; 3] = ["The quick brown fox", "def main():", "In the evening the lights"];
+const PROMPTS: [&str; 3] = [
+    "The quick brown fox",
+    "def main():",
+    "In the evening the lights",
+];
 
 fn greedy_body(prompt: &str) -> Value {
     json!({"prompt": prompt, "temperature": 0, "max_tokens": 8, "ignore_eos": true})
@@ -136,11 +166,18 @@ impl SseReader {
         loop {
             if let Some(i) = self.buf.find("\n\n") {
                 let event: String = self.buf.drain(..i + 2).collect();
-                let payload = event.trim_end().strip_prefix("data: ").expect("data event").to_string();
+                let payload = event
+                    .trim_end()
+                    .strip_prefix("data: ")
+                    .expect("data event")
+                    .to_string();
                 return Some(payload);
             }
-            let chunk = tokio::time::timeout(DEADLINE, self.body.next()).await.expect("next SSE chunk in time")?;
-            self.buf.push_str(std::str::from_utf8(&chunk.expect("chunk")).expect("utf-8"));
+            let chunk = tokio::time::timeout(DEADLINE, self.body.next())
+                .await
+                .expect("next SSE chunk in time")?;
+            self.buf
+                .push_str(std::str::from_utf8(&chunk.expect("chunk")).expect("utf-8"));
         }
     }
 
@@ -168,14 +205,12 @@ impl SseReader {
     }
 }
 
-
 fn device_bytes(m: &str) -> f64 {
     ["weights", "kv_cache", "runtime"]
         .iter()
         .map(|t| metric(m, &format!("pdkv_device_memory_bytes{{tag=\"{t}\"}}")))
         .sum()
 }
-
 
 /// Every admin route, with a body where it needs one.
 fn admin_routes(ckpt: &Path) -> Vec<(Method, &'static str, Option<Value>)> {
@@ -188,8 +223,16 @@ fn admin_routes(ckpt: &Path) -> Vec<(Method, &'static str, Option<Value>)> {
         (Method::GET, "/is_sleeping", None),
         (Method::POST, "/release_kv_cache_memory", None),
         (Method::POST, "/reset_prefix_cache", None),
-        (Method::POST, "/abort_requests", Some(json!({"request_ids": []}))),
-        (Method::POST, "/update_weights", Some(json!({"path": ckpt.to_str().unwrap()}))),
+        (
+            Method::POST,
+            "/abort_requests",
+            Some(json!({"request_ids": []})),
+        ),
+        (
+            Method::POST,
+            "/update_weights",
+            Some(json!({"path": ckpt.to_str().unwrap()})),
+        ),
         (Method::GET, "/weight_info", None),
     ]
 }
@@ -199,8 +242,20 @@ async fn admin_routes_do_not_exist_without_a_token() {
     let s = Server::start_with("tiny", 7, None, EngineConfig::default()).await;
     for (method, path, body) in admin_routes(s.checkpoint_path()) {
         // Even with a token, the routes are absent.
-        let (status, v) = s.send(method.clone(), path, Some(&format!("Bearer {TOKEN}")), body.as_ref()).await;
-        assert_openai_error(status, &v, StatusCode::NOT_FOUND, &format!("{method} {path}"));
+        let (status, v) = s
+            .send(
+                method.clone(),
+                path,
+                Some(&format!("Bearer {TOKEN}")),
+                body.as_ref(),
+            )
+            .await;
+        assert_openai_error(
+            status,
+            &v,
+            StatusCode::NOT_FOUND,
+            &format!("{method} {path}"),
+        );
     }
     // The OpenAI API is unaffected.
     s.greedy("hello").await;
@@ -220,8 +275,15 @@ async fn admin_routes_need_the_token() {
     ];
     for (method, path, body) in admin_routes(s.checkpoint_path()) {
         for auth in &wrong {
-            let (status, v) = s.send(method.clone(), path, auth.as_deref(), body.as_ref()).await;
-            assert_openai_error(status, &v, StatusCode::UNAUTHORIZED, &format!("{method} {path} with {auth:?}"));
+            let (status, v) = s
+                .send(method.clone(), path, auth.as_deref(), body.as_ref())
+                .await;
+            assert_openai_error(
+                status,
+                &v,
+                StatusCode::UNAUTHORIZED,
+                &format!("{method} {path} with {auth:?}"),
+            );
         }
     }
     // Nothing was done: not paused, not asleep, same weights and outputs.
@@ -231,7 +293,14 @@ async fn admin_routes_need_the_token() {
     assert!(info["version"].is_null(), "{info}");
     assert_eq!(s.probe().await, before);
     // The token is case-sensitive but the scheme is not.
-    let (status, _) = s.send(Method::GET, "/is_paused", Some(&format!("bearer {TOKEN}")), None).await;
+    let (status, _) = s
+        .send(
+            Method::GET,
+            "/is_paused",
+            Some(&format!("bearer {TOKEN}")),
+            None,
+        )
+        .await;
     assert_eq!(status, StatusCode::OK);
     s.stop().await;
 }
@@ -249,20 +318,65 @@ async fn malformed_parameters_are_400_naming_the_parameter() {
         (Method::POST, "/sleep?timeout=0", None, Some("timeout")),
         (Method::POST, "/pause?mode=nope", None, Some("mode")),
         (Method::POST, "/pause?mode=", None, Some("mode")),
-        (Method::POST, "/pause?clear_cache=maybe", None, Some("clear_cache")),
+        (
+            Method::POST,
+            "/pause?clear_cache=maybe",
+            None,
+            Some("clear_cache"),
+        ),
         (Method::POST, "/pause?timeout=soon", None, Some("timeout")),
-        (Method::POST, "/pause?mode=wait&wait_for_inflight_requests=true", None, Some("mode")),
+        (
+            Method::POST,
+            "/pause?mode=wait&wait_for_inflight_requests=true",
+            None,
+            Some("mode"),
+        ),
         (Method::POST, "/wake_up?tags=gpu", None, Some("tags")),
-        (Method::POST, "/wake_up?tags=weights&tags=", None, Some("tags")),
+        (
+            Method::POST,
+            "/wake_up?tags=weights&tags=",
+            None,
+            Some("tags"),
+        ),
         (Method::POST, "/wake_up?tag=weights", None, Some("tag")),
-        (Method::POST, "/reset_prefix_cache?reset_running_requests=2", None, Some("reset_running_requests")),
+        (
+            Method::POST,
+            "/reset_prefix_cache?reset_running_requests=2",
+            None,
+            Some("reset_running_requests"),
+        ),
         (Method::POST, "/resume?now=1", None, Some("now")),
-        (Method::POST, "/abort_requests", Some(json!({"ids": ["x"]})), None),
-        (Method::POST, "/abort_requests", Some(json!({"request_ids": "x"})), Some("request_ids")),
-        (Method::POST, "/abort_requests", Some(json!({"request_ids": [1]})), Some("request_ids[0]")),
+        (
+            Method::POST,
+            "/abort_requests",
+            Some(json!({"ids": ["x"]})),
+            None,
+        ),
+        (
+            Method::POST,
+            "/abort_requests",
+            Some(json!({"request_ids": "x"})),
+            Some("request_ids"),
+        ),
+        (
+            Method::POST,
+            "/abort_requests",
+            Some(json!({"request_ids": [1]})),
+            Some("request_ids[0]"),
+        ),
         (Method::POST, "/update_weights", Some(json!({})), None),
-        (Method::POST, "/update_weights", Some(json!({"path": ""})), Some("path")),
-        (Method::POST, "/update_weights", Some(json!({"path": 3})), Some("path")),
+        (
+            Method::POST,
+            "/update_weights",
+            Some(json!({"path": ""})),
+            Some("path"),
+        ),
+        (
+            Method::POST,
+            "/update_weights",
+            Some(json!({"path": 3})),
+            Some("path"),
+        ),
     ];
     for (method, path, body, param) in &cases {
         let (status, v) = s.admin(method.clone(), path, body.as_ref()).await;
@@ -303,7 +417,15 @@ async fn sleep_level_1_then_wake_restores_outputs_and_frees_memory() {
     assert!(!s.is_sleeping().await);
     assert_eq!(s.probe().await, before);
 
-    assert_eq!(s.client.get(s.url("/health")).send().await.unwrap().status(), StatusCode::OK);
+    assert_eq!(
+        s.client
+            .get(s.url("/health"))
+            .send()
+            .await
+            .unwrap()
+            .status(),
+        StatusCode::OK
+    );
     let v = s.admin_ok(Method::POST, "/sleep?level=1", None).await;
     assert_eq!(v["status"], "sleeping");
     assert!(s.is_sleeping().await);
@@ -311,34 +433,80 @@ async fn sleep_level_1_then_wake_restores_outputs_and_frees_memory() {
     // health check steers traffic away.
     let resp = s.client.get(s.url("/health")).send().await.unwrap();
     assert_eq!(resp.status(), StatusCode::SERVICE_UNAVAILABLE);
-    assert_eq!(resp.headers().get("retry-after").map(|v| v.to_str().unwrap()), Some("1"));
+    assert_eq!(
+        resp.headers()
+            .get("retry-after")
+            .map(|v| v.to_str().unwrap()),
+        Some("1")
+    );
     let body: Value = resp.json().await.unwrap();
     assert_eq!(body["error"]["code"], "sleeping", "{body}");
     let (status, body) = s.post("/v1/completions", &greedy_body("asleep")).await;
-    assert_openai_error(status, &body, StatusCode::SERVICE_UNAVAILABLE, "completion while asleep");
-    assert_eq!(body["error"]["code"], "engine_not_serving", "a retryable 503: {body}");
-    let resp = s.client.post(s.url("/v1/completions")).json(&greedy_body("asleep")).send().await.unwrap();
-    assert_eq!(resp.headers().get("retry-after").map(|v| v.to_str().unwrap()), Some("1"));
+    assert_openai_error(
+        status,
+        &body,
+        StatusCode::SERVICE_UNAVAILABLE,
+        "completion while asleep",
+    );
+    assert_eq!(
+        body["error"]["code"], "engine_not_serving",
+        "a retryable 503: {body}"
+    );
+    let resp = s
+        .client
+        .post(s.url("/v1/completions"))
+        .json(&greedy_body("asleep"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(
+        resp.headers()
+            .get("retry-after")
+            .map(|v| v.to_str().unwrap()),
+        Some("1")
+    );
     let (status, body) = s
-        .post("/v1/chat/completions", &json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}))
+        .post(
+            "/v1/chat/completions",
+            &json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}),
+        )
         .await;
-    assert_openai_error(status, &body, StatusCode::SERVICE_UNAVAILABLE, "chat while asleep");
+    assert_openai_error(
+        status,
+        &body,
+        StatusCode::SERVICE_UNAVAILABLE,
+        "chat while asleep",
+    );
 
     let asleep = s.metrics().await;
     assert_eq!(metric(&asleep, "pdkv_sleeping"), 1.0);
     assert_eq!(metric(&asleep, "pdkv_sleep_level"), 1.0);
     assert_eq!(metric(&asleep, "pdkv_sleep_duration_seconds_count"), 1.0);
     let asleep_bytes = device_bytes(&asleep);
-    assert!(asleep_bytes <= 0.02 * awake_bytes, "asleep {asleep_bytes} bytes is more than 2% of awake {awake_bytes}");
+    assert!(
+        asleep_bytes <= 0.02 * awake_bytes,
+        "asleep {asleep_bytes} bytes is more than 2% of awake {awake_bytes}"
+    );
     // Level 1 keeps the weights in host memory.
     let weights = metric(&awake, "pdkv_device_memory_bytes{tag=\"weights\"}");
-    assert!(metric(&asleep, "pdkv_host_backup_bytes") >= weights, "{asleep}");
+    assert!(
+        metric(&asleep, "pdkv_host_backup_bytes") >= weights,
+        "{asleep}"
+    );
 
     let v = s.admin_ok(Method::POST, "/wake_up", None).await;
     assert_eq!(v["is_sleeping"], false, "{v}");
     assert!(!s.is_sleeping().await);
     assert!(!s.is_paused().await);
-    assert_eq!(s.client.get(s.url("/health")).send().await.unwrap().status(), StatusCode::OK);
+    assert_eq!(
+        s.client
+            .get(s.url("/health"))
+            .send()
+            .await
+            .unwrap()
+            .status(),
+        StatusCode::OK
+    );
     assert_eq!(s.probe().await, before);
     let m = s.wait_all_blocks_free().await;
     assert_eq!(metric(&m, "pdkv_sleeping"), 0.0);
@@ -354,20 +522,30 @@ async fn selective_wake_in_both_orders() {
     let before = s.probe().await;
     for order in [["weights", "kv_cache"], ["kv_cache", "weights"]] {
         s.admin_ok(Method::POST, "/sleep?level=1", None).await;
-        let v = s.admin_ok(Method::POST, &format!("/wake_up?tags={}", order[0]), None).await;
+        let v = s
+            .admin_ok(Method::POST, &format!("/wake_up?tags={}", order[0]), None)
+            .await;
         assert_eq!(v["is_sleeping"], true, "{order:?}: {v}");
         assert_eq!(v["asleep_tags"], json!([order[1]]), "{order:?}: {v}");
         assert!(s.is_sleeping().await);
         let (status, body) = s.post("/v1/completions", &greedy_body("half awake")).await;
-        assert_openai_error(status, &body, StatusCode::SERVICE_UNAVAILABLE, "completion while half awake");
-        let v = s.admin_ok(Method::POST, &format!("/wake_up?tags={}", order[1]), None).await;
+        assert_openai_error(
+            status,
+            &body,
+            StatusCode::SERVICE_UNAVAILABLE,
+            "completion while half awake",
+        );
+        let v = s
+            .admin_ok(Method::POST, &format!("/wake_up?tags={}", order[1]), None)
+            .await;
         assert_eq!(v["is_sleeping"], false, "{order:?}: {v}");
         assert!(!s.is_sleeping().await);
         assert_eq!(s.probe().await, before, "after waking {order:?}");
     }
     // Both tags in one call, repeated query parameters.
     s.admin_ok(Method::POST, "/sleep?level=1", None).await;
-    s.admin_ok(Method::POST, "/wake_up?tags=weights&tags=kv_cache", None).await;
+    s.admin_ok(Method::POST, "/wake_up?tags=weights&tags=kv_cache", None)
+        .await;
     assert!(!s.is_sleeping().await);
     assert_eq!(s.probe().await, before);
     s.wait_all_blocks_free().await;
@@ -378,15 +556,25 @@ async fn selective_wake_in_both_orders() {
 async fn release_kv_cache_memory_needs_a_pause() {
     let s = Server::start().await;
     let before = s.probe().await;
-    let (status, v) = s.admin(Method::POST, "/release_kv_cache_memory", None).await;
+    let (status, v) = s
+        .admin(Method::POST, "/release_kv_cache_memory", None)
+        .await;
     assert_openai_error(status, &v, StatusCode::CONFLICT, "release while not paused");
-    assert!(v["error"]["message"].as_str().unwrap().contains("pause"), "{v}");
+    assert!(
+        v["error"]["message"].as_str().unwrap().contains("pause"),
+        "{v}"
+    );
 
     s.admin_ok(Method::POST, "/pause", None).await;
     assert!(s.is_paused().await);
-    s.admin_ok(Method::POST, "/release_kv_cache_memory", None).await;
+    s.admin_ok(Method::POST, "/release_kv_cache_memory", None)
+        .await;
     let m = s.metrics().await;
-    assert_eq!(metric(&m, "pdkv_device_memory_bytes{tag=\"kv_cache\"}"), 0.0, "{m}");
+    assert_eq!(
+        metric(&m, "pdkv_device_memory_bytes{tag=\"kv_cache\"}"),
+        0.0,
+        "{m}"
+    );
     assert_eq!(metric(&m, "pdkv_paused"), 1.0);
     let v = s.admin_ok(Method::POST, "/resume", None).await;
     assert_eq!(v["status"], "resumed");
@@ -413,19 +601,43 @@ async fn pause_keep_holds_requests_until_resume() {
     let client = s.client.clone();
     let url = s.url("/v1/completions");
     let queued = tokio::spawn(async move {
-        let resp = client.post(url).json(&greedy_body("held back")).send().await.expect("send");
+        let resp = client
+            .post(url)
+            .json(&greedy_body("held back"))
+            .send()
+            .await
+            .expect("send");
         (resp.status(), resp.json::<Value>().await.expect("json"))
     });
-    let m = s.wait_metrics("the request to queue", |m| metric(m, "pdkv_num_requests_waiting") >= 1.0).await;
+    let m = s
+        .wait_metrics("the request to queue", |m| {
+            metric(m, "pdkv_num_requests_waiting") >= 1.0
+        })
+        .await;
     assert_eq!(metric(&m, "pdkv_paused"), 1.0);
     assert!(!queued.is_finished());
     // Paused, /health steers routers away (requests sent anyway are held).
     let (status, v) = s.send(Method::GET, "/health", None, None).await;
-    assert_eq!((status, v["error"]["code"].as_str()), (StatusCode::SERVICE_UNAVAILABLE, Some("paused")), "{v}");
+    assert_eq!(
+        (status, v["error"]["code"].as_str()),
+        (StatusCode::SERVICE_UNAVAILABLE, Some("paused")),
+        "{v}"
+    );
 
     s.admin_ok(Method::POST, "/resume", None).await;
-    assert_eq!(s.client.get(s.url("/health")).send().await.unwrap().status(), StatusCode::OK);
-    let (status, body) = tokio::time::timeout(DEADLINE, queued).await.expect("queued request ends").unwrap();
+    assert_eq!(
+        s.client
+            .get(s.url("/health"))
+            .send()
+            .await
+            .unwrap()
+            .status(),
+        StatusCode::OK
+    );
+    let (status, body) = tokio::time::timeout(DEADLINE, queued)
+        .await
+        .expect("queued request ends")
+        .unwrap();
     assert_eq!(status, StatusCode::OK, "{body}");
     assert_eq!(body["choices"][0]["text"], before.as_str());
     let (finish, done) = running.finish().await;
@@ -440,7 +652,10 @@ async fn pause_abort_ends_concurrent_streams_and_frees_blocks() {
     let s = Server::start_with("small", 7, Some(TOKEN), EngineConfig::default()).await;
     let mut streams = Vec::new();
     for i in 0..8 {
-        streams.push(s.open_stream(json!({"prompt": format!("stream number {i}")}), None).await);
+        streams.push(
+            s.open_stream(json!({"prompt": format!("stream number {i}")}), None)
+                .await,
+        );
     }
     for st in &mut streams {
         st.next_json().await;
@@ -452,10 +667,18 @@ async fn pause_abort_ends_concurrent_streams_and_frees_blocks() {
         assert!(done, "stream {i} ends with [DONE]");
     }
     let m = s.wait_all_blocks_free().await;
-    assert_eq!(metric(&m, "pdkv_requests_total{finish_reason=\"abort\"}"), 8.0);
+    assert_eq!(
+        metric(&m, "pdkv_requests_total{finish_reason=\"abort\"}"),
+        8.0
+    );
     // New requests during an abort pause are refused with a retryable 503.
     let (status, body) = s.post("/v1/completions", &greedy_body("paused")).await;
-    assert_openai_error(status, &body, StatusCode::SERVICE_UNAVAILABLE, "completion while paused");
+    assert_openai_error(
+        status,
+        &body,
+        StatusCode::SERVICE_UNAVAILABLE,
+        "completion while paused",
+    );
     s.admin_ok(Method::POST, "/resume", None).await;
     s.greedy("after resume").await;
     s.stop().await;
@@ -466,7 +689,8 @@ async fn pause_wait_lets_running_requests_finish() {
     let s = Server::start().await;
     let mut running = s.open_stream(json!({"max_tokens": 32}), None).await;
     running.next_json().await;
-    s.admin_ok(Method::POST, "/pause?mode=wait&timeout=30", None).await;
+    s.admin_ok(Method::POST, "/pause?mode=wait&timeout=30", None)
+        .await;
     let (finish, _) = running.finish().await;
     assert_eq!(finish.as_deref(), Some("length"));
     assert!(s.is_paused().await);
@@ -504,13 +728,22 @@ async fn update_weights_matches_a_fresh_server_and_refuses_incompatible_ones() {
     let seed2_dir = checkpoint("tiny", 2);
     let seed2_path = seed2_dir.path().to_str().unwrap().to_string();
     s.admin_ok(Method::POST, "/pause", None).await;
-    let v = s.admin_ok(Method::POST, "/update_weights", Some(&json!({"path": seed2_path, "version": "v2"}))).await;
+    let v = s
+        .admin_ok(
+            Method::POST,
+            "/update_weights",
+            Some(&json!({"path": seed2_path, "version": "v2"})),
+        )
+        .await;
     assert_eq!(v, json!({"status": "ok", "version": "v2"}));
     s.admin_ok(Method::POST, "/resume", None).await;
     let info = s.admin_ok(Method::GET, "/weight_info", None).await;
     assert_eq!(info, json!({"version": "v2", "path": seed2_path}));
     let reloaded = s.probe().await;
-    assert_ne!(reloaded, seed7, "seed 2 weights should change the sampled outputs");
+    assert_ne!(
+        reloaded, seed7,
+        "seed 2 weights should change the sampled outputs"
+    );
 
     let fresh = Server::start_with("tiny", 2, Some(TOKEN), EngineConfig::default()).await;
     assert_eq!(reloaded, fresh.probe().await);
@@ -526,21 +759,57 @@ async fn sleep_level_2_then_reload_serves_the_new_weights() {
     s.admin_ok(Method::POST, "/sleep?level=2", None).await;
     let asleep = s.metrics().await;
     assert_eq!(metric(&asleep, "pdkv_sleep_level"), 2.0);
-    assert_eq!(metric(&asleep, "pdkv_host_backup_bytes"), 0.0, "level 2 keeps no backup");
+    assert_eq!(
+        metric(&asleep, "pdkv_host_backup_bytes"),
+        0.0,
+        "level 2 keeps no backup"
+    );
     // Weights cannot be written while their memory is released.
     let path = s.checkpoint_path().to_str().unwrap().to_string();
-    let (status, v) = s.admin(Method::POST, "/update_weights", Some(&json!({"path": path}))).await;
-    assert_openai_error(status, &v, StatusCode::CONFLICT, "update_weights while the weights sleep");
+    let (status, v) = s
+        .admin(
+            Method::POST,
+            "/update_weights",
+            Some(&json!({"path": path})),
+        )
+        .await;
+    assert_openai_error(
+        status,
+        &v,
+        StatusCode::CONFLICT,
+        "update_weights while the weights sleep",
+    );
     s.admin_ok(Method::POST, "/wake_up", None).await;
     // Weights were discarded: nothing is served until they are reloaded.
     let (status, body) = s.post("/v1/completions", &greedy_body("no weights")).await;
-    assert_openai_error(status, &body, StatusCode::SERVICE_UNAVAILABLE, "completion before reload");
+    assert_openai_error(
+        status,
+        &body,
+        StatusCode::SERVICE_UNAVAILABLE,
+        "completion before reload",
+    );
     assert_eq!(metric(&s.metrics().await, "pdkv_weights_discarded"), 1.0);
     let path = s.checkpoint_path().to_str().unwrap().to_string();
     // A checkpoint that does not exist is the client's mistake.
-    let (status, v) = s.admin(Method::POST, "/update_weights", Some(&json!({"path": "/nonexistent/checkpoint"}))).await;
-    assert_openai_error(status, &v, StatusCode::BAD_REQUEST, "update_weights from a missing path");
-    s.admin_ok(Method::POST, "/update_weights", Some(&json!({"path": path, "version": "again"}))).await;
+    let (status, v) = s
+        .admin(
+            Method::POST,
+            "/update_weights",
+            Some(&json!({"path": "/nonexistent/checkpoint"})),
+        )
+        .await;
+    assert_openai_error(
+        status,
+        &v,
+        StatusCode::BAD_REQUEST,
+        "update_weights from a missing path",
+    );
+    s.admin_ok(
+        Method::POST,
+        "/update_weights",
+        Some(&json!({"path": path, "version": "again"})),
+    )
+    .await;
     assert_eq!(s.probe().await, before);
     assert_eq!(metric(&s.metrics().await, "pdkv_weights_discarded"), 0.0);
     s.stop().await;
@@ -554,7 +823,9 @@ async fn abort_requests_by_id_and_request_ids() {
     assert_eq!(a.header_id.as_deref(), Some("client-chosen-1"));
     assert_eq!(a.next_json().await["id"], "client-chosen-1");
     // One chosen with the body field, and a server-made one.
-    let mut b = s.open_stream(json!({"request_id": "body-chosen-2"}), None).await;
+    let mut b = s
+        .open_stream(json!({"request_id": "body-chosen-2"}), None)
+        .await;
     assert_eq!(b.next_json().await["id"], "body-chosen-2");
     let mut c = s.open_stream(json!({}), None).await;
     let c_id = c.next_json().await["id"].as_str().unwrap().to_string();
@@ -562,7 +833,12 @@ async fn abort_requests_by_id_and_request_ids() {
     assert_eq!(c.header_id.as_deref(), Some(c_id.as_str()));
 
     // A live id cannot be reused.
-    let (status, v) = s.post("/v1/completions", &json!({"prompt": "x", "request_id": "body-chosen-2"})).await;
+    let (status, v) = s
+        .post(
+            "/v1/completions",
+            &json!({"prompt": "x", "request_id": "body-chosen-2"}),
+        )
+        .await;
     assert_openai_error(status, &v, StatusCode::CONFLICT, "duplicate id");
 
     let v = s
@@ -572,8 +848,12 @@ async fn abort_requests_by_id_and_request_ids() {
             Some(&json!({"request_ids": ["client-chosen-1", "no-such-request", c_id]})),
         )
         .await;
-    let mut aborted: Vec<String> =
-        v["aborted"].as_array().unwrap().iter().map(|x| x.as_str().unwrap().to_string()).collect();
+    let mut aborted: Vec<String> = v["aborted"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_str().unwrap().to_string())
+        .collect();
     aborted.sort();
     let mut want = vec!["client-chosen-1".to_string(), c_id.clone()];
     want.sort();
@@ -581,10 +861,22 @@ async fn abort_requests_by_id_and_request_ids() {
     assert_eq!(a.finish().await, (Some("abort".to_string()), true));
     assert_eq!(c.finish().await, (Some("abort".to_string()), true));
     // The other request is still running; abort it too.
-    let v = s.admin_ok(Method::POST, "/abort_requests", Some(&json!({"request_ids": ["body-chosen-2"]}))).await;
+    let v = s
+        .admin_ok(
+            Method::POST,
+            "/abort_requests",
+            Some(&json!({"request_ids": ["body-chosen-2"]})),
+        )
+        .await;
     assert_eq!(v["aborted"], json!(["body-chosen-2"]));
     assert_eq!(b.finish().await, (Some("abort".to_string()), true));
-    let v = s.admin_ok(Method::POST, "/abort_requests", Some(&json!({"request_ids": []}))).await;
+    let v = s
+        .admin_ok(
+            Method::POST,
+            "/abort_requests",
+            Some(&json!({"request_ids": []})),
+        )
+        .await;
     assert_eq!(v["aborted"], json!([]));
     s.wait_all_blocks_free().await;
 
@@ -600,11 +892,17 @@ async fn abort_requests_by_id_and_request_ids() {
     assert_eq!(resp.status(), StatusCode::BAD_REQUEST);
     let v: Value = resp.json().await.unwrap();
     assert_eq!(v["error"]["param"], "X-Request-Id");
-    let (status, v) = s.post("/v1/completions", &json!({"prompt": "a", "request_id": ""})).await;
+    let (status, v) = s
+        .post("/v1/completions", &json!({"prompt": "a", "request_id": ""}))
+        .await;
     assert_openai_error(status, &v, StatusCode::BAD_REQUEST, "empty request_id");
     // A finished id is free again.
-    let (status, v) =
-        s.post("/v1/completions", &json!({"prompt": "a", "max_tokens": 2, "request_id": "body-chosen-2"})).await;
+    let (status, v) = s
+        .post(
+            "/v1/completions",
+            &json!({"prompt": "a", "max_tokens": 2, "request_id": "body-chosen-2"}),
+        )
+        .await;
     assert_eq!(status, StatusCode::OK, "{v}");
     assert_eq!(v["id"], "body-chosen-2");
     s.stop().await;
@@ -613,7 +911,8 @@ async fn abort_requests_by_id_and_request_ids() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn reset_prefix_cache_reports_success() {
     let s = Server::start().await;
-    let prompt = "a prompt long enough to fill more than one block of sixteen tokens, twice over for sure";
+    let prompt =
+        "a prompt long enough to fill more than one block of sixteen tokens, twice over for sure";
     s.greedy(prompt).await;
     s.greedy(prompt).await;
     let m = s.wait_all_blocks_free().await;
@@ -625,26 +924,55 @@ async fn reset_prefix_cache_reports_success() {
     s.greedy(prompt).await;
     let m = s.wait_all_blocks_free().await;
     assert_eq!(metric(&m, "pdkv_prefix_cache_hits_total"), hits);
-    let v = s.admin_ok(Method::POST, "/reset_prefix_cache?reset_running_requests=true", None).await;
+    let v = s
+        .admin_ok(
+            Method::POST,
+            "/reset_prefix_cache?reset_running_requests=true",
+            None,
+        )
+        .await;
     assert_eq!(v, json!({"success": true}));
     // A router's `/flush_cache` (no token needed) empties the cache too.
     s.greedy(prompt).await;
     let m = s.wait_all_blocks_free().await;
     let hits = metric(&m, "pdkv_prefix_cache_hits_total");
     let (status, v) = s.send(Method::POST, "/flush_cache", None, None).await;
-    assert_eq!((status, &v["success"]), (StatusCode::OK, &json!(true)), "{v}");
+    assert_eq!(
+        (status, &v["success"]),
+        (StatusCode::OK, &json!(true)),
+        "{v}"
+    );
     s.greedy(prompt).await;
     let m = s.wait_all_blocks_free().await;
-    assert_eq!(metric(&m, "pdkv_prefix_cache_hits_total"), hits, "nothing was cached after the flush");
+    assert_eq!(
+        metric(&m, "pdkv_prefix_cache_hits_total"),
+        hits,
+        "nothing was cached after the flush"
+    );
     // While blocks are in use the flush is refused, not half done.
     let stream = s.client.post(s.url("/v1/completions")).json(&json!({"prompt": prompt, "max_tokens": 400, "stream": true, "ignore_eos": true, "temperature": 0})).send().await.unwrap();
-    s.wait_metrics("1 running request", |m| metric(m, "pdkv_num_requests_running") == 1.0).await;
+    s.wait_metrics("1 running request", |m| {
+        metric(m, "pdkv_num_requests_running") == 1.0
+    })
+    .await;
     let (status, v) = s.send(Method::POST, "/flush_cache", None, None).await;
-    assert_eq!((status, v["error"]["code"].as_str()), (StatusCode::CONFLICT, Some("cache_in_use")), "{v}");
+    assert_eq!(
+        (status, v["error"]["code"].as_str()),
+        (StatusCode::CONFLICT, Some("cache_in_use")),
+        "{v}"
+    );
     drop(stream);
     let (status, v) = s.send(Method::GET, "/get_model_info", None, None).await;
-    assert_eq!((status, &v["is_generation"]), (StatusCode::OK, &json!(true)), "{v}");
+    assert_eq!(
+        (status, &v["is_generation"]),
+        (StatusCode::OK, &json!(true)),
+        "{v}"
+    );
     let (status, v) = s.send(Method::GET, "/get_server_info", None, None).await;
-    assert_eq!((status, &v["accepting_requests"]), (StatusCode::OK, &json!(true)), "{v}");
+    assert_eq!(
+        (status, &v["accepting_requests"]),
+        (StatusCode::OK, &json!(true)),
+        "{v}"
+    );
     s.stop().await;
 }

@@ -21,7 +21,10 @@ use common::{Server, DEADLINE};
 /// the connection is reset).
 async fn closed_by_server(s: &mut TcpStream) -> bool {
     let mut buf = [0u8; 64];
-    matches!(tokio::time::timeout(DEADLINE, s.read(&mut buf)).await, Ok(Ok(0)) | Ok(Err(_)))
+    matches!(
+        tokio::time::timeout(DEADLINE, s.read(&mut buf)).await,
+        Ok(Ok(0)) | Ok(Err(_))
+    )
 }
 
 async fn completion(server: &Server) -> Duration {
@@ -39,7 +42,10 @@ async fn completion(server: &Server) -> Duration {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn idle_connections_do_not_starve_requests_and_are_closed_at_their_timeout() {
-    let limits = HttpLimits { max_connections: 4096, header_timeout: Duration::from_secs(2) };
+    let limits = HttpLimits {
+        max_connections: 4096,
+        header_timeout: Duration::from_secs(2),
+    };
     let s = Server::spawn_with_limits("tiny", 7, None, EngineConfig::default(), limits).await;
     let addr = s.base.trim_start_matches("http://").to_string();
     // 3000 clients that connect and never send a byte, and one that sends
@@ -49,7 +55,9 @@ async fn idle_connections_do_not_starve_requests_and_are_closed_at_their_timeout
         idle.push(TcpStream::connect(&addr).await.expect("connect"));
     }
     let mut half = TcpStream::connect(&addr).await.expect("connect");
-    half.write_all(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n").await.unwrap();
+    half.write_all(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+        .await
+        .unwrap();
     // Real requests are served meanwhile.
     let mut slowest = Duration::ZERO;
     for _ in 0..5 {
@@ -59,16 +67,25 @@ async fn idle_connections_do_not_starve_requests_and_are_closed_at_their_timeout
     let health = s.client.get(s.url("/health")).send().await.unwrap();
     assert_eq!(health.status(), 200);
     // Every idle connection is closed by the server once its timeout passed.
-    assert!(closed_by_server(&mut half).await, "the half-sent head was not closed");
+    assert!(
+        closed_by_server(&mut half).await,
+        "the half-sent head was not closed"
+    );
     for (i, c) in idle.iter_mut().enumerate() {
-        assert!(closed_by_server(c).await, "idle connection {i} was not closed");
+        assert!(
+            closed_by_server(c).await,
+            "idle connection {i} was not closed"
+        );
     }
     s.stop().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn at_the_cap_idle_connections_give_way_so_health_metrics_and_requests_are_served() {
-    let limits = HttpLimits { max_connections: 4, header_timeout: Duration::from_secs(600) };
+    let limits = HttpLimits {
+        max_connections: 4,
+        header_timeout: Duration::from_secs(600),
+    };
     let s = Server::spawn_with_limits("tiny", 7, None, EngineConfig::default(), limits).await;
     let addr = s.base.trim_start_matches("http://").to_string();
     let mut idle = Vec::new();
@@ -78,11 +95,19 @@ async fn at_the_cap_idle_connections_give_way_so_health_metrics_and_requests_are
     // Every slot is held by a client that sends nothing (and will not for
     // 600 s): a newcomer closes the oldest of them and is served at once.
     for path in ["/health", "/metrics"] {
-        let r = tokio::time::timeout(DEADLINE, s.client.get(s.url(path)).send()).await.expect("served at the cap").unwrap();
+        let r = tokio::time::timeout(DEADLINE, s.client.get(s.url(path)).send())
+            .await
+            .expect("served at the cap")
+            .unwrap();
         assert_eq!(r.status(), 200, "{path}");
     }
-    tokio::time::timeout(DEADLINE, completion(&s)).await.expect("a request served at the cap");
-    assert!(closed_by_server(&mut idle[0]).await, "the oldest idle connection gave way");
+    tokio::time::timeout(DEADLINE, completion(&s))
+        .await
+        .expect("a request served at the cap");
+    assert!(
+        closed_by_server(&mut idle[0]).await,
+        "the oldest idle connection gave way"
+    );
     s.stop().await;
 }
 
@@ -97,16 +122,29 @@ async fn stalled_body(addr: &str) -> TcpStream {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_body_that_stops_coming_fails_its_request_at_the_header_timeout() {
-    let limits = HttpLimits { max_connections: 16, header_timeout: Duration::from_secs(1) };
+    let limits = HttpLimits {
+        max_connections: 16,
+        header_timeout: Duration::from_secs(1),
+    };
     let s = Server::spawn_with_limits("tiny", 7, None, EngineConfig::default(), limits).await;
     let addr = s.base.trim_start_matches("http://").to_string();
     let mut c = stalled_body(&addr).await;
     let t0 = Instant::now();
     let mut answer = Vec::new();
-    tokio::time::timeout(DEADLINE, c.read_to_end(&mut answer)).await.expect("closed, not held").unwrap();
+    tokio::time::timeout(DEADLINE, c.read_to_end(&mut answer))
+        .await
+        .expect("closed, not held")
+        .unwrap();
     let answer = String::from_utf8_lossy(&answer);
     assert!(answer.starts_with("HTTP/1.1 400"), "{answer}");
-    assert!(answer.contains("invalid_request_error"), "an OpenAI error body: {answer}");
-    assert!(t0.elapsed() >= Duration::from_millis(900), "{:?}", t0.elapsed());
+    assert!(
+        answer.contains("invalid_request_error"),
+        "an OpenAI error body: {answer}"
+    );
+    assert!(
+        t0.elapsed() >= Duration::from_millis(900),
+        "{:?}",
+        t0.elapsed()
+    );
     s.stop().await;
 }

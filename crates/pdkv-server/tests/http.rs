@@ -28,12 +28,18 @@ impl Server {
         Server::spawn(preset, 7, None, config).await
     }
 
-
     async fn post(&self, path: &str, body: &Value) -> (StatusCode, Value) {
-        let resp = self.client.post(self.url(path)).json(body).send().await.expect("send");
+        let resp = self
+            .client
+            .post(self.url(path))
+            .json(body)
+            .send()
+            .await
+            .expect("send");
         let status = resp.status();
         let text = resp.text().await.expect("body");
-        let v = serde_json::from_str(&text).unwrap_or_else(|e| panic!("non-JSON body ({e}): {text:?}"));
+        let v =
+            serde_json::from_str(&text).unwrap_or_else(|e| panic!("non-JSON body ({e}): {text:?}"));
         (status, v)
     }
 
@@ -48,29 +54,41 @@ impl Server {
             .expect("send");
         let status = resp.status();
         let text = resp.text().await.expect("body");
-        let v = serde_json::from_str(&text).unwrap_or_else(|e| panic!("non-JSON body ({e}): {text:?}"));
+        let v =
+            serde_json::from_str(&text).unwrap_or_else(|e| panic!("non-JSON body ({e}): {text:?}"));
         (status, v)
     }
 
     /// Posts a streaming request and returns the `data:` payloads, `[DONE]` included.
     async fn post_stream(&self, path: &str, body: &Value) -> Vec<String> {
-        let resp = self.client.post(self.url(path)).json(body).send().await.expect("send");
+        let resp = self
+            .client
+            .post(self.url(path))
+            .json(body)
+            .send()
+            .await
+            .expect("send");
         assert_eq!(resp.status(), StatusCode::OK);
         assert_eq!(resp.headers()["content-type"], "text/event-stream");
         let text = resp.text().await.expect("body");
         sse_payloads(&text)
     }
-
 }
 
 fn sse_payloads(text: &str) -> Vec<String> {
-    assert!(text.ends_with("\n\n"), "stream does not end with a blank line: {text:?}");
+    assert!(
+        text.ends_with("\n\n"),
+        "stream does not end with a blank line: {text:?}"
+    );
     text.split("\n\n")
         .filter(|e| !e.is_empty())
-        .map(|e| e.strip_prefix("data: ").unwrap_or_else(|| panic!("not a data event: {e:?}")).to_string())
+        .map(|e| {
+            e.strip_prefix("data: ")
+                .unwrap_or_else(|| panic!("not a data event: {e:?}"))
+                .to_string()
+        })
         .collect()
 }
-
 
 fn greedy(extra: Value) -> Value {
     let mut v = json!({"temperature": 0, "max_tokens": 6, "ignore_eos": true});
@@ -84,7 +102,12 @@ fn greedy(extra: Value) -> Value {
 async fn completions_text_tokens_and_stream_agree() {
     let s = Server::start().await;
     let prompt = "The quick brown fox";
-    let (status, body) = s.post("/v1/completions", &greedy(json!({"prompt": prompt, "model": SERVED}))).await;
+    let (status, body) = s
+        .post(
+            "/v1/completions",
+            &greedy(json!({"prompt": prompt, "model": SERVED})),
+        )
+        .await;
     assert_eq!(status, StatusCode::OK, "{body}");
     assert_eq!(body["object"], "text_completion");
     assert_eq!(body["model"], SERVED);
@@ -102,9 +125,15 @@ async fn completions_text_tokens_and_stream_agree() {
 
     // The same prompt as token ids (and as a list of one string) gives the same greedy text.
     for prompt in [json!(ids), json!([ids]), json!([prompt])] {
-        let (status, again) = s.post("/v1/completions", &greedy(json!({"prompt": prompt}))).await;
+        let (status, again) = s
+            .post("/v1/completions", &greedy(json!({"prompt": prompt})))
+            .await;
         assert_eq!(status, StatusCode::OK, "{again}");
-        assert_eq!(again["choices"][0]["text"], text.as_str(), "prompt {prompt}");
+        assert_eq!(
+            again["choices"][0]["text"],
+            text.as_str(),
+            "prompt {prompt}"
+        );
     }
 
     // Streaming: the chunks add up to the same text, then usage, then [DONE].
@@ -115,7 +144,10 @@ async fn completions_text_tokens_and_stream_agree() {
         )
         .await;
     assert_eq!(events.last().unwrap(), "[DONE]");
-    let chunks: Vec<Value> = events[..events.len() - 1].iter().map(|e| serde_json::from_str(e).unwrap()).collect();
+    let chunks: Vec<Value> = events[..events.len() - 1]
+        .iter()
+        .map(|e| serde_json::from_str(e).unwrap())
+        .collect();
     let usage = chunks.last().unwrap();
     assert_eq!(usage["choices"], json!([]));
     assert_eq!(usage["usage"]["completion_tokens"], 6);
@@ -126,11 +158,21 @@ async fn completions_text_tokens_and_stream_agree() {
         streamed.push_str(c["choices"][0]["text"].as_str().unwrap());
     }
     assert_eq!(streamed, text);
-    assert_eq!(chunks[chunks.len() - 2]["choices"][0]["finish_reason"], "length");
-    assert!(chunks[..chunks.len() - 2].iter().all(|c| c["choices"][0]["finish_reason"].is_null()));
+    assert_eq!(
+        chunks[chunks.len() - 2]["choices"][0]["finish_reason"],
+        "length"
+    );
+    assert!(chunks[..chunks.len() - 2]
+        .iter()
+        .all(|c| c["choices"][0]["finish_reason"].is_null()));
 
     // Without include_usage there is no usage chunk.
-    let events = s.post_stream("/v1/completions", &greedy(json!({"prompt": prompt, "stream": true}))).await;
+    let events = s
+        .post_stream(
+            "/v1/completions",
+            &greedy(json!({"prompt": prompt, "stream": true})),
+        )
+        .await;
     let last: Value = serde_json::from_str(&events[events.len() - 2]).unwrap();
     assert_eq!(last["choices"][0]["finish_reason"], "length");
     assert!(last.get("usage").is_none());
@@ -145,7 +187,12 @@ async fn chat_completions_stream_and_not() {
         {"role": "system", "content": "You are terse."},
         {"role": "user", "content": [{"type": "text", "text": "Say hi"}]},
     ]);
-    let (status, body) = s.post("/v1/chat/completions", &greedy(json!({"messages": messages}))).await;
+    let (status, body) = s
+        .post(
+            "/v1/chat/completions",
+            &greedy(json!({"messages": messages})),
+        )
+        .await;
     assert_eq!(status, StatusCode::OK, "{body}");
     assert_eq!(body["object"], "chat.completion");
     assert!(body["id"].as_str().unwrap().starts_with("chatcmpl-"));
@@ -161,15 +208,23 @@ async fn chat_completions_stream_and_not() {
         .unwrap()
         .render(
             &[
-                pdkv_model::ChatMessage { role: "system".into(), content: "You are terse.".into() },
-                pdkv_model::ChatMessage { role: "user".into(), content: "Say hi".into() },
+                pdkv_model::ChatMessage {
+                    role: "system".into(),
+                    content: "You are terse.".into(),
+                },
+                pdkv_model::ChatMessage {
+                    role: "user".into(),
+                    content: "Say hi".into(),
+                },
             ],
             true,
         )
         .unwrap();
     let ids = s.engine.tokenizer().encode(&rendered, false).unwrap();
     assert_eq!(body["usage"]["prompt_tokens"], ids.len());
-    let (_, raw) = s.post("/v1/completions", &greedy(json!({"prompt": ids}))).await;
+    let (_, raw) = s
+        .post("/v1/completions", &greedy(json!({"prompt": ids})))
+        .await;
     assert_eq!(raw["choices"][0]["text"], content.as_str());
 
     // max_completion_tokens takes precedence over max_tokens.
@@ -188,7 +243,10 @@ async fn chat_completions_stream_and_not() {
         )
         .await;
     assert_eq!(events.last().unwrap(), "[DONE]");
-    let chunks: Vec<Value> = events[..events.len() - 1].iter().map(|e| serde_json::from_str(e).unwrap()).collect();
+    let chunks: Vec<Value> = events[..events.len() - 1]
+        .iter()
+        .map(|e| serde_json::from_str(e).unwrap())
+        .collect();
     assert_eq!(chunks[0]["choices"][0]["delta"]["role"], "assistant");
     let mut streamed = String::new();
     for c in &chunks[..chunks.len() - 1] {
@@ -198,7 +256,10 @@ async fn chat_completions_stream_and_not() {
         }
     }
     assert_eq!(streamed, content);
-    assert_eq!(chunks[chunks.len() - 2]["choices"][0]["finish_reason"], "length");
+    assert_eq!(
+        chunks[chunks.len() - 2]["choices"][0]["finish_reason"],
+        "length"
+    );
     assert_eq!(chunks.last().unwrap()["usage"]["completion_tokens"], 6);
     s.wait_all_blocks_free().await;
     s.stop().await;
@@ -207,46 +268,168 @@ async fn chat_completions_stream_and_not() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_requests_get_openai_errors() {
     // 8 blocks of 16 tokens: 128 tokens of KV, less than the model's context.
-    let s = Server::start_with(EngineConfig { num_kv_blocks: 8, ..EngineConfig::default() }).await;
+    let s = Server::start_with(EngineConfig {
+        num_kv_blocks: 8,
+        ..EngineConfig::default()
+    })
+    .await;
     let max_len = s.engine.max_model_len();
-    assert!(max_len > 8 * 16 + 8, "the tiny model's context ({max_len}) must exceed the KV cache for this test");
+    assert!(
+        max_len > 8 * 16 + 8,
+        "the tiny model's context ({max_len}) must exceed the KV cache for this test"
+    );
     let vocab = s.engine.model_config().vocab_size;
     let bad = StatusCode::BAD_REQUEST;
     let cases: Vec<(&str, Value, StatusCode, Option<&str>)> = vec![
         ("/v1/completions", json!({"prompt": 5}), bad, Some("prompt")),
         ("/v1/completions", json!({"max_tokens": 3}), bad, None),
-        ("/v1/completions", json!({"prompt": "a", "max_tokens": "x"}), bad, Some("max_tokens")),
-        ("/v1/completions", json!({"prompt": "a", "max_tokens": 0}), bad, Some("max_tokens")),
-        ("/v1/completions", json!({"prompt": "a", "max_tokens": -3}), bad, Some("max_tokens")),
-        ("/v1/completions", json!({"prompt": "a", "n": 0}), bad, Some("n")),
-        ("/v1/completions", json!({"prompt": "a", "n": 2, "best_of": 4}), bad, Some("best_of")),
-        ("/v1/completions", json!({"prompt": "a", "logprobs": 21}), bad, Some("logprobs")),
-        ("/v1/completions", json!({"prompt": "a", "logit_bias": {vocab.to_string(): 1}}), bad, Some("logit_bias")),
-        ("/v1/completions", json!({"prompt": "a", "stop_token_ids": [vocab]}), bad, Some("stop_token_ids")),
-        ("/v1/completions", json!({"prompt": "a", "temperature": -1}), bad, Some("temperature")),
-        ("/v1/completions", json!({"prompt": "a", "temperature": "hot"}), bad, Some("temperature")),
-        ("/v1/completions", json!({"prompt": "a", "top_p": 1.5}), bad, Some("top_p")),
-        ("/v1/completions", json!({"prompt": "a", "stop": 3}), bad, Some("stop")),
-        ("/v1/completions", json!({"prompt": "a", "stream": "yes"}), bad, Some("stream")),
-        ("/v1/completions", json!({"prompt": []}), bad, Some("prompt")),
-        ("/v1/completions", json!({"prompt": ["a", "b"]}), bad, Some("prompt")),
-        ("/v1/completions", json!({"prompt": [1, vocab]}), bad, Some("prompt")),
+        (
+            "/v1/completions",
+            json!({"prompt": "a", "max_tokens": "x"}),
+            bad,
+            Some("max_tokens"),
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": "a", "max_tokens": 0}),
+            bad,
+            Some("max_tokens"),
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": "a", "max_tokens": -3}),
+            bad,
+            Some("max_tokens"),
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": "a", "n": 0}),
+            bad,
+            Some("n"),
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": "a", "n": 2, "best_of": 4}),
+            bad,
+            Some("best_of"),
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": "a", "logprobs": 21}),
+            bad,
+            Some("logprobs"),
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": "a", "logit_bias": {vocab.to_string(): 1}}),
+            bad,
+            Some("logit_bias"),
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": "a", "stop_token_ids": [vocab]}),
+            bad,
+            Some("stop_token_ids"),
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": "a", "temperature": -1}),
+            bad,
+            Some("temperature"),
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": "a", "temperature": "hot"}),
+            bad,
+            Some("temperature"),
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": "a", "top_p": 1.5}),
+            bad,
+            Some("top_p"),
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": "a", "stop": 3}),
+            bad,
+            Some("stop"),
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": "a", "stream": "yes"}),
+            bad,
+            Some("stream"),
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": []}),
+            bad,
+            Some("prompt"),
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": ["a", "b"]}),
+            bad,
+            Some("prompt"),
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": [1, vocab]}),
+            bad,
+            Some("prompt"),
+        ),
         // Over the model's context.
-        ("/v1/completions", json!({"prompt": "a", "max_tokens": max_len + 1}), bad, Some("prompt")),
+        (
+            "/v1/completions",
+            json!({"prompt": "a", "max_tokens": max_len + 1}),
+            bad,
+            Some("prompt"),
+        ),
         // Within the context, over the KV cache.
-        ("/v1/completions", json!({"prompt": "a", "max_tokens": 8 * 16 + 1}), bad, Some("prompt")),
-        ("/v1/completions", json!({"prompt": "a", "model": "nope"}), StatusCode::NOT_FOUND, Some("model")),
-        ("/v1/chat/completions", json!({"messages": "hi"}), bad, Some("messages")),
-        ("/v1/chat/completions", json!({"messages": []}), bad, Some("messages")),
+        (
+            "/v1/completions",
+            json!({"prompt": "a", "max_tokens": 8 * 16 + 1}),
+            bad,
+            Some("prompt"),
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": "a", "model": "nope"}),
+            StatusCode::NOT_FOUND,
+            Some("model"),
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"messages": "hi"}),
+            bad,
+            Some("messages"),
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"messages": []}),
+            bad,
+            Some("messages"),
+        ),
         ("/v1/chat/completions", json!({"model": SERVED}), bad, None),
-        ("/v1/chat/completions", json!({"messages": [{"content": "x"}]}), bad, None),
+        (
+            "/v1/chat/completions",
+            json!({"messages": [{"content": "x"}]}),
+            bad,
+            None,
+        ),
         (
             "/v1/chat/completions",
             json!({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}),
             bad,
             Some("messages[0].content"),
         ),
-        ("/v1/chat/completions", json!({"messages": [{"role": "user", "content": "x"}], "n": 200}), bad, Some("n")),
+        (
+            "/v1/chat/completions",
+            json!({"messages": [{"role": "user", "content": "x"}], "n": 200}),
+            bad,
+            Some("n"),
+        ),
         (
             "/v1/chat/completions",
             json!({"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0}),
@@ -268,19 +451,32 @@ async fn bad_requests_get_openai_errors() {
             assert_eq!(resp["error"]["param"], *p, "{ctx}: {resp}");
         }
     }
-    let (status, resp) = s.post("/v1/completions", &json!({"prompt": "a", "model": "nope"})).await;
-    assert_eq!((status, resp["error"]["code"].as_str()), (StatusCode::NOT_FOUND, Some("model_not_found")));
+    let (status, resp) = s
+        .post("/v1/completions", &json!({"prompt": "a", "model": "nope"}))
+        .await;
+    assert_eq!(
+        (status, resp["error"]["code"].as_str()),
+        (StatusCode::NOT_FOUND, Some("model_not_found"))
+    );
 
     for raw in [&b"{\"prompt\": "[..], b"not json", b"", b"[1,2]"] {
         let (status, resp) = s.post_raw("/v1/completions", raw.to_vec()).await;
-        assert_openai_error(status, &resp, bad, &format!("raw {:?}", String::from_utf8_lossy(raw)));
+        assert_openai_error(
+            status,
+            &resp,
+            bad,
+            &format!("raw {:?}", String::from_utf8_lossy(raw)),
+        );
     }
     // Over the 4 MiB body limit.
     // The server closes a connection whose body it refused unread, so this
     // request gets a connection of its own: the shared client's pool must not
     // hand the closed one to the next request.
     let big = serde_json::to_vec(&json!({"prompt": "a".repeat(5 << 20)})).unwrap();
-    let once = reqwest::Client::builder().pool_max_idle_per_host(0).build().unwrap();
+    let once = reqwest::Client::builder()
+        .pool_max_idle_per_host(0)
+        .build()
+        .unwrap();
     let resp = once
         .post(s.url("/v1/completions"))
         .header("content-type", "application/json")
@@ -290,7 +486,12 @@ async fn bad_requests_get_openai_errors() {
         .expect("send oversize body");
     let status = resp.status();
     let resp: Value = resp.json().await.expect("oversize body: JSON error");
-    assert_openai_error(status, &resp, StatusCode::PAYLOAD_TOO_LARGE, "oversize body");
+    assert_openai_error(
+        status,
+        &resp,
+        StatusCode::PAYLOAD_TOO_LARGE,
+        "oversize body",
+    );
 
     let resp = s.client.get(s.url("/v1/nothing")).send().await.unwrap();
     assert_eq!(resp.status(), StatusCode::NOT_FOUND);
@@ -302,7 +503,9 @@ async fn bad_requests_get_openai_errors() {
     assert!(v["error"]["message"].is_string());
 
     // Nothing was admitted, and the server still works.
-    let (status, ok) = s.post("/v1/completions", &greedy(json!({"prompt": "a"}))).await;
+    let (status, ok) = s
+        .post("/v1/completions", &greedy(json!({"prompt": "a"})))
+        .await;
     assert_eq!(status, StatusCode::OK, "{ok}");
     s.wait_all_blocks_free().await;
     s.stop().await;
@@ -311,11 +514,32 @@ async fn bad_requests_get_openai_errors() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn stopped_engine_is_503_and_unhealthy() {
     let s = Server::start().await;
-    assert_eq!(s.client.get(s.url("/health")).send().await.unwrap().status(), StatusCode::OK);
+    assert_eq!(
+        s.client
+            .get(s.url("/health"))
+            .send()
+            .await
+            .unwrap()
+            .status(),
+        StatusCode::OK
+    );
     s.engine.shutdown();
     let (status, body) = s.post("/v1/completions", &json!({"prompt": "a"})).await;
-    assert_openai_error(status, &body, StatusCode::SERVICE_UNAVAILABLE, "after shutdown");
-    assert_eq!(s.client.get(s.url("/health")).send().await.unwrap().status(), StatusCode::SERVICE_UNAVAILABLE);
+    assert_openai_error(
+        status,
+        &body,
+        StatusCode::SERVICE_UNAVAILABLE,
+        "after shutdown",
+    );
+    assert_eq!(
+        s.client
+            .get(s.url("/health"))
+            .send()
+            .await
+            .unwrap()
+            .status(),
+        StatusCode::SERVICE_UNAVAILABLE
+    );
     s.stop().await;
 }
 
@@ -330,17 +554,25 @@ async fn models_health_and_memory_metrics() {
     assert_eq!(v["data"][0]["object"], "model");
     assert_eq!(v["data"][0]["owned_by"], "pdkv");
 
-    let (status, _) = s.post("/v1/completions", &greedy(json!({"prompt": "hello"}))).await;
+    let (status, _) = s
+        .post("/v1/completions", &greedy(json!({"prompt": "hello"})))
+        .await;
     assert_eq!(status, StatusCode::OK);
     let m = s.wait_all_blocks_free().await;
     assert!(metric(&m, "pdkv_device_memory_bytes{tag=\"weights\"}") > 0.0);
     assert!(metric(&m, "pdkv_device_memory_bytes{tag=\"kv_cache\"}") > 0.0);
     metric(&m, "pdkv_device_memory_bytes{tag=\"runtime\"}");
-    assert_eq!(metric(&m, "pdkv_requests_total{finish_reason=\"length\"}"), 1.0);
+    assert_eq!(
+        metric(&m, "pdkv_requests_total{finish_reason=\"length\"}"),
+        1.0
+    );
     assert_eq!(metric(&m, "pdkv_generation_tokens_total"), 6.0);
     assert_eq!(metric(&m, "pdkv_time_to_first_token_seconds_count"), 1.0);
     assert_eq!(metric(&m, "pdkv_inter_token_latency_seconds_count"), 5.0);
-    assert_eq!(metric(&m, "pdkv_kv_blocks_total"), EngineConfig::default().num_kv_blocks as f64);
+    assert_eq!(
+        metric(&m, "pdkv_kv_blocks_total"),
+        EngineConfig::default().num_kv_blocks as f64
+    );
     for name in [
         "pdkv_prefix_cache_queries_total",
         "pdkv_prefix_cache_hits_total",
@@ -357,12 +589,21 @@ async fn models_health_and_memory_metrics() {
 async fn streaming_client_disconnect_aborts_and_frees_blocks() {
     let s = Server::start().await;
     let max_tokens = s.engine.max_model_len() - 16;
-    let body =
-        json!({"prompt": "a b c", "max_tokens": max_tokens, "ignore_eos": true, "stream": true, "temperature": 0});
-    let resp = s.client.post(s.url("/v1/completions")).json(&body).send().await.unwrap();
+    let body = json!({"prompt": "a b c", "max_tokens": max_tokens, "ignore_eos": true, "stream": true, "temperature": 0});
+    let resp = s
+        .client
+        .post(s.url("/v1/completions"))
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
     assert_eq!(resp.status(), StatusCode::OK);
     let mut chunks = resp.bytes_stream();
-    let first = tokio::time::timeout(DEADLINE, chunks.next()).await.expect("first chunk").expect("a chunk").unwrap();
+    let first = tokio::time::timeout(DEADLINE, chunks.next())
+        .await
+        .expect("first chunk")
+        .expect("a chunk")
+        .unwrap();
     assert!(first.starts_with(b"data: "));
     drop(chunks);
     let m = s
@@ -370,7 +611,10 @@ async fn streaming_client_disconnect_aborts_and_frees_blocks() {
             metric(m, "pdkv_requests_total{finish_reason=\"abort\"}") == 1.0
         })
         .await;
-    assert_eq!(metric(&m, "pdkv_requests_total{finish_reason=\"length\"}"), 0.0);
+    assert_eq!(
+        metric(&m, "pdkv_requests_total{finish_reason=\"length\"}"),
+        0.0
+    );
     s.wait_all_blocks_free().await;
     s.stop().await;
 }
@@ -391,7 +635,10 @@ async fn non_streaming_client_disconnect_aborts_and_frees_blocks() {
     );
     sock.write_all(head.as_bytes()).await.unwrap();
     sock.write_all(body.as_bytes()).await.unwrap();
-    s.wait_metrics("the request to generate", |m| metric(m, "pdkv_generation_tokens_total") > 0.0).await;
+    s.wait_metrics("the request to generate", |m| {
+        metric(m, "pdkv_generation_tokens_total") > 0.0
+    })
+    .await;
     drop(sock);
     let m = s
         .wait_metrics("the disconnected request to be aborted", |m| {
@@ -413,15 +660,26 @@ async fn burst_of_32_concurrent_requests_frees_every_block() {
         tasks.push(tokio::spawn(async move {
             let stream = i % 2 == 0;
             let (path, mut body) = if i % 3 == 0 {
-                ("/v1/chat/completions", json!({"messages": [{"role": "user", "content": format!("question {i}")}]}))
+                (
+                    "/v1/chat/completions",
+                    json!({"messages": [{"role": "user", "content": format!("question {i}")}]}),
+                )
             } else {
-                ("/v1/completions", json!({"prompt": format!("prompt number {i} and")}))
+                (
+                    "/v1/completions",
+                    json!({"prompt": format!("prompt number {i} and")}),
+                )
             };
             body["max_tokens"] = json!(4 + i % 7);
             body["ignore_eos"] = json!(true);
             body["seed"] = json!(i);
             body["stream"] = json!(stream);
-            let resp = client.post(format!("{base}{path}")).json(&body).send().await.unwrap();
+            let resp = client
+                .post(format!("{base}{path}"))
+                .json(&body)
+                .send()
+                .await
+                .unwrap();
             assert_eq!(resp.status(), StatusCode::OK);
             let text = resp.text().await.unwrap();
             if stream {
@@ -433,7 +691,10 @@ async fn burst_of_32_concurrent_requests_frees_every_block() {
         }));
     }
     for t in tasks {
-        tokio::time::timeout(DEADLINE, t).await.expect("request finishes").expect("request task");
+        tokio::time::timeout(DEADLINE, t)
+            .await
+            .expect("request finishes")
+            .expect("request task");
     }
     let m = s.wait_all_blocks_free().await;
     let finished: f64 = ["stop", "length", "abort"]
@@ -441,17 +702,24 @@ async fn burst_of_32_concurrent_requests_frees_every_block() {
         .map(|r| metric(&m, &format!("pdkv_requests_total{{finish_reason=\"{r}\"}}")))
         .sum();
     assert_eq!(finished, 32.0);
-    assert_eq!(metric(&m, "pdkv_requests_total{finish_reason=\"length\"}"), 32.0);
+    assert_eq!(
+        metric(&m, "pdkv_requests_total{finish_reason=\"length\"}"),
+        32.0
+    );
     s.stop().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn chat_without_template_is_a_clear_400() {
     let dir = tempfile::tempdir().expect("tempdir");
-    pdkv_model::init::write_random_checkpoint(Arch::Llama, "tiny", 3, dir.path()).expect("write checkpoint");
+    pdkv_model::init::write_random_checkpoint(Arch::Llama, "tiny", 3, dir.path())
+        .expect("write checkpoint");
     let cfg_path = dir.path().join("tokenizer_config.json");
     let mut cfg: Value = serde_json::from_slice(&std::fs::read(&cfg_path).unwrap()).unwrap();
-    cfg.as_object_mut().unwrap().remove("chat_template").expect("the checkpoint has a template to remove");
+    cfg.as_object_mut()
+        .unwrap()
+        .remove("chat_template")
+        .expect("the checkpoint has a template to remove");
     std::fs::write(&cfg_path, serde_json::to_vec(&cfg).unwrap()).unwrap();
     let pool = Pool::default();
     let model = pdkv_model::load_model(dir.path(), &pool, &mut |_| {}).expect("load model");
@@ -461,9 +729,13 @@ async fn chat_without_template_is_a_clear_400() {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let base = format!("http://{}", listener.local_addr().unwrap());
     let (stop, stopped) = oneshot::channel::<()>();
-    let task = tokio::spawn(pdkv_server::serve(listener, AppState::new(engine.clone(), SERVED), async move {
-        let _ = stopped.await;
-    }));
+    let task = tokio::spawn(pdkv_server::serve(
+        listener,
+        AppState::new(engine.clone(), SERVED),
+        async move {
+            let _ = stopped.await;
+        },
+    ));
     let client = reqwest::Client::new();
     let resp = client
         .post(format!("{base}/v1/chat/completions"))
@@ -474,12 +746,26 @@ async fn chat_without_template_is_a_clear_400() {
     let status = resp.status();
     let body: Value = resp.json().await.unwrap();
     assert_openai_error(status, &body, StatusCode::BAD_REQUEST, "no chat template");
-    assert!(body["error"]["message"].as_str().unwrap().contains("chat template"), "{body}");
+    assert!(
+        body["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("chat template"),
+        "{body}"
+    );
     // Plain completions still work.
-    let resp =
-        client.post(format!("{base}/v1/completions")).json(&greedy(json!({"prompt": "hi"}))).send().await.unwrap();
+    let resp = client
+        .post(format!("{base}/v1/completions"))
+        .json(&greedy(json!({"prompt": "hi"})))
+        .send()
+        .await
+        .unwrap();
     assert_eq!(resp.status(), StatusCode::OK);
     let _ = stop.send(());
-    tokio::time::timeout(DEADLINE, task).await.expect("server stops").unwrap().unwrap();
+    tokio::time::timeout(DEADLINE, task)
+        .await
+        .expect("server stops")
+        .unwrap()
+        .unwrap();
     engine.shutdown();
 }

@@ -38,20 +38,32 @@ impl ProxyServer {
 
     /// A proxy over backends by URL, bounding each upstream call by
     /// `request_timeout`.
-    async fn start_urls(prefill: Vec<String>, decode: Vec<String>, request_timeout: Duration) -> ProxyServer {
+    async fn start_urls(
+        prefill: Vec<String>,
+        decode: Vec<String>,
+        request_timeout: Duration,
+    ) -> ProxyServer {
         let mut config = ProxyConfig::new(prefill, decode);
         config.health_interval = Duration::from_secs(3600);
         config.request_timeout = request_timeout;
         let proxy = Proxy::new(config).expect("proxy config");
         // Healthy before the first request, as `serve` also checks first.
         proxy.check_backends().await;
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
         let addr: SocketAddr = listener.local_addr().expect("addr");
         let (stop, stopped) = oneshot::channel::<()>();
         let task = tokio::spawn(proxy.clone().serve(listener, async move {
             let _ = stopped.await;
         }));
-        ProxyServer { proxy, base: format!("http://{addr}"), client: reqwest::Client::new(), stop: Some(stop), task }
+        ProxyServer {
+            proxy,
+            base: format!("http://{addr}"),
+            client: reqwest::Client::new(),
+            stop: Some(stop),
+            task,
+        }
     }
 
     fn url(&self, path: &str) -> String {
@@ -63,7 +75,14 @@ impl ProxyServer {
     }
 
     async fn metrics(&self) -> String {
-        self.client.get(self.url("/metrics")).send().await.expect("metrics").text().await.expect("text")
+        self.client
+            .get(self.url("/metrics"))
+            .send()
+            .await
+            .expect("metrics")
+            .text()
+            .await
+            .expect("text")
     }
 
     /// Polls the proxy's metrics until sample `name` is `value`.
@@ -74,7 +93,10 @@ impl ProxyServer {
             if metric(&m, name) == value {
                 return m;
             }
-            assert!(std::time::Instant::now() < deadline, "timed out waiting for {name} = {value}:\n{m}");
+            assert!(
+                std::time::Instant::now() < deadline,
+                "timed out waiting for {name} = {value}:\n{m}"
+            );
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
     }
@@ -83,7 +105,11 @@ impl ProxyServer {
         if let Some(s) = self.stop.take() {
             let _ = s.send(());
         }
-        tokio::time::timeout(DEADLINE, self.task).await.expect("proxy stops").expect("join").expect("serve");
+        tokio::time::timeout(DEADLINE, self.task)
+            .await
+            .expect("proxy stops")
+            .expect("join")
+            .expect("serve");
     }
 }
 
@@ -104,7 +130,10 @@ struct Events {
 
 impl Events {
     fn new(resp: reqwest::Response) -> Events {
-        Events { stream: resp.bytes_stream().boxed(), buf: Vec::new() }
+        Events {
+            stream: resp.bytes_stream().boxed(),
+            buf: Vec::new(),
+        }
     }
 
     /// The next event's `data:` payload; `None` at the end of the body.
@@ -113,11 +142,15 @@ impl Events {
             if let Some(i) = self.buf.windows(2).position(|w| w == b"\n\n") {
                 let event: Vec<u8> = self.buf.drain(..i + 2).collect();
                 let text = String::from_utf8(event).expect("utf-8 event");
-                let data =
-                    text.trim_end().strip_prefix("data: ").unwrap_or_else(|| panic!("not a data event: {text:?}"));
+                let data = text
+                    .trim_end()
+                    .strip_prefix("data: ")
+                    .unwrap_or_else(|| panic!("not a data event: {text:?}"));
                 return Some(data.to_string());
             }
-            let chunk = tokio::time::timeout(DEADLINE, self.stream.next()).await.expect("next event in time");
+            let chunk = tokio::time::timeout(DEADLINE, self.stream.next())
+                .await
+                .expect("next event in time");
             match chunk {
                 Some(c) => self.buf.extend_from_slice(&c.expect("body chunk")),
                 None => {
@@ -148,7 +181,11 @@ async fn stream_events(client: &reqwest::Client, url: String, body: &Value) -> V
     assert_eq!(resp.status(), StatusCode::OK);
     assert_eq!(resp.headers()["content-type"], "text/event-stream");
     let events = Events::new(resp).rest().await;
-    assert_eq!(events.last().map(String::as_str), Some("[DONE]"), "{events:?}");
+    assert_eq!(
+        events.last().map(String::as_str),
+        Some("[DONE]"),
+        "{events:?}"
+    );
     events
         .iter()
         .map(|e| {
@@ -184,11 +221,17 @@ async fn admin(s: &Server, path: &str, body: Option<Value>) -> Value {
 }
 
 fn finished(m: &str, reason: &str) -> f64 {
-    metric(m, &format!("pdkv_requests_total{{finish_reason=\"{reason}\"}}"))
+    metric(
+        m,
+        &format!("pdkv_requests_total{{finish_reason=\"{reason}\"}}"),
+    )
 }
 
 fn proxy_outcome(m: &str, outcome: &str) -> f64 {
-    metric(m, &format!("pdkv_proxy_requests_total{{outcome=\"{outcome}\"}}"))
+    metric(
+        m,
+        &format!("pdkv_proxy_requests_total{{outcome=\"{outcome}\"}}"),
+    )
 }
 
 fn greedy(prompt: &str, max_tokens: u32) -> Value {
@@ -206,11 +249,18 @@ async fn answers_equal_the_decode_servers_own() {
     let proxy = ProxyServer::start(&[&p], &[&d]).await;
     let c = &proxy.client;
 
-    let cases = [("/v1/completions", greedy("The river bends", 12)), ("/v1/chat/completions", chat("Say hello", 10))];
+    let cases = [
+        ("/v1/completions", greedy("The river bends", 12)),
+        ("/v1/chat/completions", chat("Say hello", 10)),
+    ];
     for (path, body) in &cases {
         let (s1, via) = post_json(c, proxy.url(path), body).await;
         let (s2, direct) = post_json(c, d.url(path), body).await;
-        assert_eq!((s1, s2), (StatusCode::OK, StatusCode::OK), "{via} / {direct}");
+        assert_eq!(
+            (s1, s2),
+            (StatusCode::OK, StatusCode::OK),
+            "{via} / {direct}"
+        );
         assert_eq!(strip_ids(via), strip_ids(direct), "{path}");
 
         let mut stream_body = body.clone();
@@ -234,17 +284,44 @@ async fn answers_equal_the_decode_servers_own() {
     assert_eq!(finished(&dm, "length"), 8.0, "{dm}");
     let m = proxy.metrics().await;
     assert_eq!(proxy_outcome(&m, "ok"), 4.0, "{m}");
-    assert_eq!(metric(&m, "pdkv_proxy_upstream_errors_total{role=\"prefill\"}"), 0.0);
+    assert_eq!(
+        metric(&m, "pdkv_proxy_upstream_errors_total{role=\"prefill\"}"),
+        0.0
+    );
 
     // Other routes.
-    let models: Value = c.get(proxy.url("/v1/models")).send().await.unwrap().json().await.unwrap();
-    let direct: Value = c.get(d.url("/v1/models")).send().await.unwrap().json().await.unwrap();
+    let models: Value = c
+        .get(proxy.url("/v1/models"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let direct: Value = c
+        .get(d.url("/v1/models"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
     assert_eq!(models, direct);
     let resp = c.get(proxy.url("/v2/nothing")).send().await.unwrap();
     let status = resp.status();
-    assert_openai_error(status, &resp.json().await.unwrap(), StatusCode::NOT_FOUND, "unknown route");
+    assert_openai_error(
+        status,
+        &resp.json().await.unwrap(),
+        StatusCode::NOT_FOUND,
+        "unknown route",
+    );
     let (status, body) = {
-        let r = c.post(proxy.url("/v1/completions")).body("{not json").send().await.unwrap();
+        let r = c
+            .post(proxy.url("/v1/completions"))
+            .body("{not json")
+            .send()
+            .await
+            .unwrap();
         (r.status(), r.json::<Value>().await.unwrap())
     };
     assert_openai_error(status, &body, StatusCode::BAD_REQUEST, "malformed body");
@@ -261,8 +338,15 @@ async fn round_robin_skips_dead_backends_and_refuses_when_none_is_healthy() {
     let d2 = Server::spawn("tiny", 7, None, EngineConfig::default()).await;
     let proxy = ProxyServer::start(&[&p], &[&d1, &d2]).await;
     let c = &proxy.client;
-    assert!(proxy.proxy.backends().iter().all(|b| b.healthy), "{:?}", proxy.proxy.backends());
-    assert_eq!(c.get(proxy.url("/health")).send().await.unwrap().status(), StatusCode::OK);
+    assert!(
+        proxy.proxy.backends().iter().all(|b| b.healthy),
+        "{:?}",
+        proxy.proxy.backends()
+    );
+    assert_eq!(
+        c.get(proxy.url("/health")).send().await.unwrap().status(),
+        StatusCode::OK
+    );
 
     let body = greedy("round robin", 3);
     for _ in 0..4 {
@@ -278,26 +362,52 @@ async fn round_robin_skips_dead_backends_and_refuses_when_none_is_healthy() {
     proxy.check().await;
     let snap = proxy.proxy.backends();
     let dead = snap.iter().find(|b| b.url == d2_url).expect("d2 listed");
-    assert!(!dead.healthy && dead.role == Role::Decode && dead.last_error.is_some(), "{dead:?}");
-    assert_eq!(c.get(proxy.url("/health")).send().await.unwrap().status(), StatusCode::OK);
+    assert!(
+        !dead.healthy && dead.role == Role::Decode && dead.last_error.is_some(),
+        "{dead:?}"
+    );
+    assert_eq!(
+        c.get(proxy.url("/health")).send().await.unwrap().status(),
+        StatusCode::OK
+    );
     for _ in 0..3 {
         let (status, v) = post_json(c, proxy.url("/v1/completions"), &body).await;
         assert_eq!(status, StatusCode::OK, "{v}");
     }
     assert_eq!(finished(&d1.metrics().await, "length"), 5.0);
     let m = proxy.metrics().await;
-    assert!(m.contains(&format!("pdkv_proxy_backend_healthy{{role=\"decode\",url=\"{d2_url}\"}} 0\n")), "{m}");
+    assert!(
+        m.contains(&format!(
+            "pdkv_proxy_backend_healthy{{role=\"decode\",url=\"{d2_url}\"}} 0\n"
+        )),
+        "{m}"
+    );
 
     // Without a healthy prefill server: a retryable 503.
     p.stop().await;
     proxy.check().await;
     let resp = c.get(proxy.url("/health")).send().await.unwrap();
     assert_eq!(resp.status(), StatusCode::SERVICE_UNAVAILABLE);
-    let resp = c.post(proxy.url("/v1/completions")).json(&body).send().await.unwrap();
+    let resp = c
+        .post(proxy.url("/v1/completions"))
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
     let status = resp.status();
-    assert_eq!(resp.headers().get("retry-after").map(|v| v.to_str().unwrap()), Some("1"));
+    assert_eq!(
+        resp.headers()
+            .get("retry-after")
+            .map(|v| v.to_str().unwrap()),
+        Some("1")
+    );
     let v: Value = resp.json().await.unwrap();
-    assert_openai_error(status, &v, StatusCode::SERVICE_UNAVAILABLE, "no prefill server");
+    assert_openai_error(
+        status,
+        &v,
+        StatusCode::SERVICE_UNAVAILABLE,
+        "no prefill server",
+    );
     assert_eq!(v["error"]["code"], "no_healthy_backend");
     let m = proxy.metrics().await;
     assert_eq!(proxy_outcome(&m, "no_backend"), 1.0, "{m}");
@@ -310,7 +420,16 @@ async fn round_robin_skips_dead_backends_and_refuses_when_none_is_healthy() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_prefill_client_error_passes_through_drops_d_and_counts_as_bad_request() {
     // P has a short context, so a long prompt is a 400 from P alone.
-    let p = Server::spawn("tiny", 7, None, EngineConfig { max_model_len: Some(24), ..EngineConfig::default() }).await;
+    let p = Server::spawn(
+        "tiny",
+        7,
+        None,
+        EngineConfig {
+            max_model_len: Some(24),
+            ..EngineConfig::default()
+        },
+    )
+    .await;
     let d = Server::spawn("tiny", 7, Some(TOKEN), EngineConfig::default()).await;
     let proxy = ProxyServer::start(&[&p], &[&d]).await;
     let c = &proxy.client;
@@ -333,7 +452,8 @@ async fn a_prefill_client_error_passes_through_drops_d_and_counts_as_bad_request
     // D's copies were dropped while D was paused.
     let dm = d
         .wait_metrics("D's requests dropped", |m| {
-            metric(m, "pdkv_num_requests_waiting") == 0.0 && metric(m, "pdkv_num_requests_running") == 0.0
+            metric(m, "pdkv_num_requests_waiting") == 0.0
+                && metric(m, "pdkv_num_requests_running") == 0.0
         })
         .await;
     assert_eq!(metric(&dm, "pdkv_paused"), 1.0);
@@ -344,7 +464,11 @@ async fn a_prefill_client_error_passes_through_drops_d_and_counts_as_bad_request
     let m = proxy.metrics().await;
     assert_eq!(proxy_outcome(&m, "bad_request"), 2.0, "{m}");
     assert_eq!(proxy_outcome(&m, "prefill_error"), 0.0, "{m}");
-    assert_eq!(metric(&m, "pdkv_proxy_upstream_errors_total{role=\"prefill\"}"), 0.0, "{m}");
+    assert_eq!(
+        metric(&m, "pdkv_proxy_upstream_errors_total{role=\"prefill\"}"),
+        0.0,
+        "{m}"
+    );
 
     proxy.stop().await;
     p.stop().await;
@@ -360,7 +484,12 @@ async fn an_oversize_body_is_the_same_413_from_the_proxy_and_an_engine() {
     let proxy = ProxyServer::start(&[&p], &[&d]).await;
     let huge = json!({"prompt": "x".repeat(pdkv_server::MAX_BODY_BYTES + 1), "max_tokens": 1});
     let (engine_status, engine) = post_json(&proxy.client, d.url("/v1/completions"), &huge).await;
-    assert_openai_error(engine_status, &engine, StatusCode::PAYLOAD_TOO_LARGE, "engine");
+    assert_openai_error(
+        engine_status,
+        &engine,
+        StatusCode::PAYLOAD_TOO_LARGE,
+        "engine",
+    );
     for path in ["/v1/completions", "/v1/chat/completions", "/tokenize"] {
         let (status, v) = post_json(&proxy.client, proxy.url(path), &huge).await;
         assert_openai_error(status, &v, StatusCode::PAYLOAD_TOO_LARGE, path);
@@ -388,16 +517,35 @@ async fn json_nesting_is_judged_the_same_by_the_proxy_and_an_engine() {
         }
         json!({"prompt": "hello", "max_tokens": 1, "temperature": 0, "user": v})
     };
-    let (engine_status, engine) = post_json(&proxy.client, d.url("/v1/completions"), &nested(200)).await;
-    assert_openai_error(engine_status, &engine, StatusCode::BAD_REQUEST, "engine, 200 deep");
+    let (engine_status, engine) =
+        post_json(&proxy.client, d.url("/v1/completions"), &nested(200)).await;
+    assert_openai_error(
+        engine_status,
+        &engine,
+        StatusCode::BAD_REQUEST,
+        "engine, 200 deep",
+    );
     let (status, via) = post_json(&proxy.client, proxy.url("/v1/completions"), &nested(200)).await;
-    assert_eq!((status, &via), (engine_status, &engine), "the proxy's answer to 200 levels is the engine's");
-    let (engine_status, engine) = post_json(&proxy.client, d.url("/v1/completions"), &nested(100)).await;
+    assert_eq!(
+        (status, &via),
+        (engine_status, &engine),
+        "the proxy's answer to 200 levels is the engine's"
+    );
+    let (engine_status, engine) =
+        post_json(&proxy.client, d.url("/v1/completions"), &nested(100)).await;
     let (status, via) = post_json(&proxy.client, proxy.url("/v1/completions"), &nested(100)).await;
     assert_eq!(status, engine_status, "100 levels: {via} vs {engine}");
     let m = proxy.metrics().await;
-    assert_eq!(proxy_outcome(&m, "prefill_error") + proxy_outcome(&m, "decode_error"), 0.0, "{m}");
-    assert_eq!(proxy_outcome(&m, "bad_request"), if status.is_success() { 1.0 } else { 2.0 }, "{m}");
+    assert_eq!(
+        proxy_outcome(&m, "prefill_error") + proxy_outcome(&m, "decode_error"),
+        0.0,
+        "{m}"
+    );
+    assert_eq!(
+        proxy_outcome(&m, "bad_request"),
+        if status.is_success() { 1.0 } else { 2.0 },
+        "{m}"
+    );
     proxy.stop().await;
     p.stop().await;
     d.stop().await;
@@ -413,7 +561,10 @@ async fn paused_pair() -> (Server, Server) {
 }
 
 async fn wait_waiting(s: &Server, n: f64) -> String {
-    s.wait_metrics(&format!("{n} waiting request(s)"), |m| metric(m, "pdkv_num_requests_waiting") == n).await
+    s.wait_metrics(&format!("{n} waiting request(s)"), |m| {
+        metric(m, "pdkv_num_requests_waiting") == n
+    })
+    .await
 }
 
 /// Sends `body` to the proxy in the background; the status and the text.
@@ -423,7 +574,11 @@ fn spawn_request(
     body: &Value,
     id: &str,
 ) -> tokio::task::JoinHandle<(StatusCode, String)> {
-    let req = proxy.client.post(proxy.url(path)).header("x-request-id", id).json(body);
+    let req = proxy
+        .client
+        .post(proxy.url(path))
+        .header("x-request-id", id)
+        .json(body);
     tokio::spawn(async move {
         let resp = req.send().await.expect("send");
         (resp.status(), resp.text().await.expect("body"))
@@ -435,7 +590,9 @@ fn sse_values(text: &str) -> Vec<Value> {
     assert!(text.ends_with("\n\n"), "{text:?}");
     text.split_terminator("\n\n")
         .map(|e| {
-            let data = e.strip_prefix("data: ").unwrap_or_else(|| panic!("not a data event: {e:?}"));
+            let data = e
+                .strip_prefix("data: ")
+                .unwrap_or_else(|| panic!("not a data event: {e:?}"));
             if data == "[DONE]" {
                 json!("[DONE]")
             } else {
@@ -468,7 +625,10 @@ fn proxied(status: StatusCode, text: &str, streaming: bool) -> Value {
 fn generation_cases() -> [(&'static str, Value); 2] {
     let mut streaming = chat("keep talking", 12);
     streaming["stream"] = json!(true);
-    [("/v1/completions", greedy("abort me", 8)), ("/v1/chat/completions", streaming)]
+    [
+        ("/v1/completions", greedy("abort me", 8)),
+        ("/v1/chat/completions", streaming),
+    ]
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -485,12 +645,23 @@ async fn an_aborted_prefill_leaves_d_to_compute_the_prompt() {
         wait_waiting(&d, 1.0).await;
         let v = admin(&p, "/abort_requests", Some(json!({"request_ids": [id]}))).await;
         assert_eq!(v["aborted"], json!([id]));
-        proxy.wait_metric("pdkv_proxy_prefill_skipped_total{reason=\"aborted\"}", (n + 1) as f64).await;
+        proxy
+            .wait_metric(
+                "pdkv_proxy_prefill_skipped_total{reason=\"aborted\"}",
+                (n + 1) as f64,
+            )
+            .await;
         // The proxy kept D's request: D still holds it, the client waits.
-        assert!(!pending.is_finished(), "the client was answered before D ran");
+        assert!(
+            !pending.is_finished(),
+            "the client was answered before D ran"
+        );
         assert_eq!(metric(&d.metrics().await, "pdkv_num_requests_waiting"), 1.0);
         admin(&d, "/resume", None).await;
-        let (status, text) = tokio::time::timeout(DEADLINE, pending).await.expect("answer in time").unwrap();
+        let (status, text) = tokio::time::timeout(DEADLINE, pending)
+            .await
+            .expect("answer in time")
+            .unwrap();
         let got = proxied(status, &text, body["stream"] == json!(true));
         assert_eq!(got, direct(&d, path, &body).await, "{path}");
         admin(&d, "/pause?mode=keep", None).await;
@@ -499,7 +670,11 @@ async fn an_aborted_prefill_leaves_d_to_compute_the_prompt() {
     let m = proxy.metrics().await;
     assert_eq!(proxy_outcome(&m, "ok"), 2.0, "{m}");
     assert_eq!(proxy_outcome(&m, "prefill_error"), 0.0, "{m}");
-    assert_eq!(metric(&m, "pdkv_proxy_prefill_skipped_total{reason=\"aborted\"}"), 2.0, "{m}");
+    assert_eq!(
+        metric(&m, "pdkv_proxy_prefill_skipped_total{reason=\"aborted\"}"),
+        2.0,
+        "{m}"
+    );
     for s in [&p, &d] {
         admin(s, "/resume", None).await;
         s.wait_all_blocks_free().await;
@@ -524,16 +699,30 @@ async fn a_paused_prefill_server_refuses_and_d_computes_the_prompt() {
     );
 
     for (n, (path, body)) in generation_cases().into_iter().enumerate() {
-        let (status, text) = spawn_request(&proxy, path, &body, &format!("req-{n}")).await.unwrap();
+        let (status, text) = spawn_request(&proxy, path, &body, &format!("req-{n}"))
+            .await
+            .unwrap();
         let got = proxied(status, &text, body["stream"] == json!(true));
         assert_eq!(got, direct(&d, path, &body).await, "{path}");
     }
     let m = proxy.metrics().await;
     assert_eq!(proxy_outcome(&m, "ok"), 2.0, "{m}");
-    assert_eq!(metric(&m, "pdkv_proxy_prefill_skipped_total{reason=\"refused\"}"), 2.0, "{m}");
-    assert_eq!(metric(&m, "pdkv_proxy_upstream_errors_total{role=\"prefill\"}"), 0.0, "{m}");
+    assert_eq!(
+        metric(&m, "pdkv_proxy_prefill_skipped_total{reason=\"refused\"}"),
+        2.0,
+        "{m}"
+    );
+    assert_eq!(
+        metric(&m, "pdkv_proxy_upstream_errors_total{role=\"prefill\"}"),
+        0.0,
+        "{m}"
+    );
     let pm = p.metrics().await;
-    assert_eq!(finished(&pm, "length") + finished(&pm, "abort"), 0.0, "P ran nothing: {pm}");
+    assert_eq!(
+        finished(&pm, "length") + finished(&pm, "abort"),
+        0.0,
+        "P ran nothing: {pm}"
+    );
 
     proxy.stop().await;
     p.stop().await;
@@ -543,14 +732,34 @@ async fn a_paused_prefill_server_refuses_and_d_computes_the_prompt() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn upstream_timeouts_are_504_naming_request_timeout() {
     let (p, d) = paused_pair().await;
-    let proxy = ProxyServer::start_urls(vec![p.base.clone()], vec![d.base.clone()], Duration::from_millis(300)).await;
-    let (status, v) = post_json(&proxy.client, proxy.url("/v1/completions"), &greedy("never answered", 4)).await;
+    let proxy = ProxyServer::start_urls(
+        vec![p.base.clone()],
+        vec![d.base.clone()],
+        Duration::from_millis(300),
+    )
+    .await;
+    let (status, v) = post_json(
+        &proxy.client,
+        proxy.url("/v1/completions"),
+        &greedy("never answered", 4),
+    )
+    .await;
     assert_openai_error(status, &v, StatusCode::GATEWAY_TIMEOUT, "timed out");
     assert_eq!(v["error"]["code"], "upstream_timeout");
     assert_eq!(v["error"]["type"], "timeout_error");
-    assert!(v["error"]["message"].as_str().unwrap().contains("request_timeout"), "{v}");
+    assert!(
+        v["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("request_timeout"),
+        "{v}"
+    );
     let m = proxy.metrics().await;
-    assert_eq!(proxy_outcome(&m, "prefill_error") + proxy_outcome(&m, "decode_error"), 1.0, "{m}");
+    assert_eq!(
+        proxy_outcome(&m, "prefill_error") + proxy_outcome(&m, "decode_error"),
+        1.0,
+        "{m}"
+    );
     // Both calls were dropped: neither server keeps the request.
     for s in [&p, &d] {
         wait_waiting(s, 0.0).await;
@@ -612,15 +821,25 @@ impl ConnServer {
             .await
             .expect("join")
             .expect("connector");
-        let engine = pdkv_engine::Engine::start_with_connector(model, pool, config, Some(connector)).expect("engine");
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let engine =
+            pdkv_engine::Engine::start_with_connector(model, pool, config, Some(connector))
+                .expect("engine");
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
         let addr: SocketAddr = listener.local_addr().expect("addr");
         let (stop, stopped) = oneshot::channel::<()>();
         let state = pdkv_server::AppState::new(engine.clone(), common::SERVED);
         let task = tokio::spawn(pdkv_server::serve(listener, state, async move {
             let _ = stopped.await;
         }));
-        ConnServer { base: format!("http://{addr}"), engine, stop: Some(stop), task, _dir: dir }
+        ConnServer {
+            base: format!("http://{addr}"),
+            engine,
+            stop: Some(stop),
+            task,
+            _dir: dir,
+        }
     }
 
     fn url(&self, path: &str) -> String {
@@ -628,14 +847,22 @@ impl ConnServer {
     }
 
     fn connector_metric(&self, name: &str) -> f64 {
-        self.engine.kv_connector_metrics().into_iter().find(|m| m.0 == name).map_or(f64::NAN, |m| m.2)
+        self.engine
+            .kv_connector_metrics()
+            .into_iter()
+            .find(|m| m.0 == name)
+            .map_or(f64::NAN, |m| m.2)
     }
 
     async fn stop(mut self) {
         if let Some(s) = self.stop.take() {
             let _ = s.send(());
         }
-        tokio::time::timeout(DEADLINE, self.task).await.expect("server stops").expect("join").expect("serve");
+        tokio::time::timeout(DEADLINE, self.task)
+            .await
+            .expect("server stops")
+            .expect("join")
+            .expect("serve");
         self.engine.shutdown();
     }
 }
@@ -643,22 +870,39 @@ impl ConnServer {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn read_mode_sends_p_first_and_d_reads_with_p_params() {
     let read = |role: &str| {
-        format!(r#"{{"kv_connector":"pdkv","kv_role":"{role}","transfer_mode":"read","abort_timeout_s":120}}"#)
+        format!(
+            r#"{{"kv_connector":"pdkv","kv_role":"{role}","transfer_mode":"read","abort_timeout_s":120}}"#
+        )
     };
     // P's short context makes a long prompt a 400 from P alone.
-    let p_config = EngineConfig { max_model_len: Some(48), enable_sleep_mode: true, ..EngineConfig::default() };
+    let p_config = EngineConfig {
+        max_model_len: Some(48),
+        enable_sleep_mode: true,
+        ..EngineConfig::default()
+    };
     let p = ConnServer::spawn(&read("kv_producer"), "p-proxy-read", p_config).await;
-    let d = ConnServer::spawn(&read("kv_consumer"), "d-proxy-read", EngineConfig::default()).await;
+    let d = ConnServer::spawn(
+        &read("kv_consumer"),
+        "d-proxy-read",
+        EngineConfig::default(),
+    )
+    .await;
     let colo = Server::spawn("tiny", 7, None, EngineConfig::default()).await;
     let mut config = ProxyConfig::new(vec![p.base.clone()], vec![d.base.clone()]);
     config.health_interval = Duration::from_secs(3600);
     config.request_timeout = DEADLINE;
     let proxy = Proxy::new(config).expect("proxy config");
     proxy.check_backends().await;
-    let info =
-        proxy.backends().into_iter().find(|b| b.role == Role::Prefill).and_then(|b| b.kv_info).expect("P's info");
+    let info = proxy
+        .backends()
+        .into_iter()
+        .find(|b| b.role == Role::Prefill)
+        .and_then(|b| b.kv_info)
+        .expect("P's info");
     assert_eq!(info.transfer_mode.as_deref(), Some("read"));
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
     let base = format!("http://{}", listener.local_addr().unwrap());
     let (stop, stopped) = oneshot::channel::<()>();
     let task = tokio::spawn(proxy.clone().serve(listener, async move {
@@ -669,14 +913,25 @@ async fn read_mode_sends_p_first_and_d_reads_with_p_params() {
     // D's answers equal a colocated server's: D read P's KV (a D that got
     // no params would compute the prompt itself, so the loads are counted).
     let cases = [
-        ("/v1/completions", greedy("The river bends and the valley opens", 8)),
+        (
+            "/v1/completions",
+            greedy("The river bends and the valley opens", 8),
+        ),
         ("/v1/chat/completions", chat("Say hello", 6)),
     ];
     for (path, body) in &cases {
         let (s1, via) = post_json(&c, format!("{base}{path}"), body).await;
         let (s2, direct) = post_json(&c, colo.url(path), body).await;
-        assert_eq!((s1, s2), (StatusCode::OK, StatusCode::OK), "{via} / {direct}");
-        assert_eq!(strip_ids(via)["choices"], strip_ids(direct)["choices"], "{path}");
+        assert_eq!(
+            (s1, s2),
+            (StatusCode::OK, StatusCode::OK),
+            "{via} / {direct}"
+        );
+        assert_eq!(
+            strip_ids(via)["choices"],
+            strip_ids(direct)["choices"],
+            "{path}"
+        );
         let mut stream_body = body.clone();
         stream_body["stream"] = json!(true);
         let via = stream_events(&c, format!("{base}{path}"), &stream_body).await;
@@ -685,12 +940,16 @@ async fn read_mode_sends_p_first_and_d_reads_with_p_params() {
     }
     assert_eq!(d.connector_metric("loads_ok_total"), 4.0);
     assert_eq!(d.connector_metric("loads_failed_total"), 0.0);
-    assert_eq!(p.connector_metric("reads_done_total"), 4.0, "every lease ended by D's read_done");
+    assert_eq!(
+        p.connector_metric("reads_done_total"),
+        4.0,
+        "every lease ended by D's read_done"
+    );
 
     // P fails: its error is the answer and D is never asked.
-    let idle = d
-        .engine
-        .wait_stats(DEADLINE, |s| s.num_running == 0 && s.num_waiting == 0 && s.kv_blocks_free == s.kv_blocks_total);
+    let idle = d.engine.wait_stats(DEADLINE, |s| {
+        s.num_running == 0 && s.num_waiting == 0 && s.kv_blocks_free == s.kv_blocks_total
+    });
     let steps_before = idle.expect("D idle").steps;
     let long = greedy(&"many words in a long prompt ".repeat(8), 4);
     let mut as_p = long.clone();
@@ -699,28 +958,63 @@ async fn read_mode_sends_p_first_and_d_reads_with_p_params() {
     assert_openai_error(want_status, &want, StatusCode::BAD_REQUEST, "P alone");
     let (status, got) = post_json(&c, format!("{base}/v1/completions"), &long).await;
     assert_eq!((status, &got), (want_status, &want));
-    assert_eq!(d.engine.stats().steps, steps_before, "D ran no step for the failed request");
-    assert_eq!(d.connector_metric("loads_ok_total") + d.connector_metric("loads_failed_total"), 4.0);
+    assert_eq!(
+        d.engine.stats().steps,
+        steps_before,
+        "D ran no step for the failed request"
+    );
+    assert_eq!(
+        d.connector_metric("loads_ok_total") + d.connector_metric("loads_failed_total"),
+        4.0
+    );
 
     // P asleep refuses (503 engine_not_serving): D gets the client's body
     // without params, computes the prompt itself, and no request is lost.
     let engine = p.engine.clone();
-    let slept = tokio::task::spawn_blocking(move || engine.sleep(SleepLevel::L1, PauseMode::Abort, DEADLINE));
+    let slept = tokio::task::spawn_blocking(move || {
+        engine.sleep(SleepLevel::L1, PauseMode::Abort, DEADLINE)
+    });
     slept.await.expect("join").expect("P sleeps");
     for (path, body) in &cases {
         let (s1, via) = post_json(&c, format!("{base}{path}"), body).await;
         let (_, direct) = post_json(&c, colo.url(path), body).await;
         assert_eq!(s1, StatusCode::OK, "{via}");
-        assert_eq!(strip_ids(via)["choices"], strip_ids(direct)["choices"], "{path} while P sleeps");
+        assert_eq!(
+            strip_ids(via)["choices"],
+            strip_ids(direct)["choices"],
+            "{path} while P sleeps"
+        );
     }
-    assert_eq!(d.connector_metric("loads_ok_total") + d.connector_metric("loads_failed_total"), 4.0, "no load tried");
-    let m = c.get(format!("{base}/metrics")).send().await.unwrap().text().await.unwrap();
-    assert_eq!(metric(&m, "pdkv_proxy_prefill_skipped_total{reason=\"refused\"}"), 2.0, "{m}");
+    assert_eq!(
+        d.connector_metric("loads_ok_total") + d.connector_metric("loads_failed_total"),
+        4.0,
+        "no load tried"
+    );
+    let m = c
+        .get(format!("{base}/metrics"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert_eq!(
+        metric(&m, "pdkv_proxy_prefill_skipped_total{reason=\"refused\"}"),
+        2.0,
+        "{m}"
+    );
     let engine = p.engine.clone();
-    tokio::task::spawn_blocking(move || engine.wake_up(None)).await.expect("join").expect("P wakes");
+    tokio::task::spawn_blocking(move || engine.wake_up(None))
+        .await
+        .expect("join")
+        .expect("P wakes");
 
     let _ = stop.send(());
-    tokio::time::timeout(DEADLINE, task).await.expect("proxy stops").expect("join").expect("serve");
+    tokio::time::timeout(DEADLINE, task)
+        .await
+        .expect("proxy stops")
+        .expect("join")
+        .expect("serve");
     p.stop().await;
     d.stop().await;
     colo.stop().await;
@@ -734,14 +1028,21 @@ async fn write_mode_refused_prefill_answers_ds_parked_pull_at_once() {
     // drop's code (`prefill_refused` is on purpose) recomputes whatever the
     // policy.
     let p_json = r#"{"kv_connector":"pdkv","kv_role":"kv_producer","abort_timeout_s":120,"arrival_timeout_s":120}"#;
-    let d_json =
-        r#"{"kv_connector":"pdkv","kv_role":"kv_consumer","abort_timeout_s":120,"kv_load_failure_policy":"recompute"}"#;
+    let d_json = r#"{"kv_connector":"pdkv","kv_role":"kv_consumer","abort_timeout_s":120,"kv_load_failure_policy":"recompute"}"#;
     let p = ConnServer::spawn(p_json, "p-proxy-write", EngineConfig::default()).await;
     let d = ConnServer::spawn(d_json, "d-proxy-write", EngineConfig::default()).await;
     let colo = Server::spawn("tiny", 7, None, EngineConfig::default()).await;
     let proxy = ProxyServer::start_urls(vec![p.base.clone()], vec![d.base.clone()], DEADLINE).await;
-    let info = proxy.proxy.backends().into_iter().find(|b| b.role == Role::Prefill).and_then(|b| b.kv_info);
-    assert!(info.is_some_and(|i| i.bootstrap_addr.is_some()), "P's bootstrap address is known");
+    let info = proxy
+        .proxy
+        .backends()
+        .into_iter()
+        .find(|b| b.role == Role::Prefill)
+        .and_then(|b| b.kv_info);
+    assert!(
+        info.is_some_and(|i| i.bootstrap_addr.is_some()),
+        "P's bootstrap address is known"
+    );
     let c = &proxy.client;
     let body = greedy("The river bends and the valley opens", 8);
     let (_, want) = post_json(c, colo.url("/v1/completions"), &body).await;
@@ -749,12 +1050,16 @@ async fn write_mode_refused_prefill_answers_ds_parked_pull_at_once() {
     // Served: D pulled P's KV.
     let (status, via) = post_json(c, proxy.url("/v1/completions"), &body).await;
     assert_eq!(status, StatusCode::OK, "{via}");
-    assert_eq!(strip_ids(via)["choices"], strip_ids(want.clone())["choices"]);
+    assert_eq!(
+        strip_ids(via)["choices"],
+        strip_ids(want.clone())["choices"]
+    );
     assert_eq!(d.connector_metric("loads_ok_total"), 1.0);
 
     // P paused (abort mode) refuses: D's answer still comes, at once.
     let engine = p.engine.clone();
-    let paused = tokio::task::spawn_blocking(move || engine.pause(PauseMode::Abort, false, DEADLINE));
+    let paused =
+        tokio::task::spawn_blocking(move || engine.pause(PauseMode::Abort, false, DEADLINE));
     paused.await.expect("join").expect("P pauses");
     let mut stream_body = body.clone();
     stream_body["stream"] = json!(true);
@@ -765,15 +1070,30 @@ async fn write_mode_refused_prefill_answers_ds_parked_pull_at_once() {
     assert_eq!(strip_ids(via)["choices"], strip_ids(want)["choices"]);
     let via_events = stream_events(c, proxy.url("/v1/completions"), &stream_body).await;
     assert_eq!(via_events, want_events);
-    assert!(started.elapsed() < Duration::from_secs(20), "D waited for P: {:?}", started.elapsed());
-    assert_eq!(d.connector_metric("loads_ok_total"), 1.0, "D computed the prompts itself");
+    assert!(
+        started.elapsed() < Duration::from_secs(20),
+        "D waited for P: {:?}",
+        started.elapsed()
+    );
+    assert_eq!(
+        d.connector_metric("loads_ok_total"),
+        1.0,
+        "D computed the prompts itself"
+    );
     assert_eq!(p.connector_metric("pulls_ok_total"), 1.0);
     let m = proxy.metrics().await;
-    assert_eq!(metric(&m, "pdkv_proxy_prefill_skipped_total{reason=\"refused\"}"), 2.0, "{m}");
+    assert_eq!(
+        metric(&m, "pdkv_proxy_prefill_skipped_total{reason=\"refused\"}"),
+        2.0,
+        "{m}"
+    );
     assert_eq!(proxy_outcome(&m, "ok"), 3.0, "{m}");
 
     let engine = p.engine.clone();
-    tokio::task::spawn_blocking(move || engine.resume()).await.expect("join").expect("P resumes");
+    tokio::task::spawn_blocking(move || engine.resume())
+        .await
+        .expect("join")
+        .expect("P resumes");
     proxy.stop().await;
     p.stop().await;
     d.stop().await;

@@ -68,7 +68,11 @@ impl Options {
         Options {
             seed,
             read_mode: seed % 2 == 1,
-            policy: if (seed / 2).is_multiple_of(2) { "fail" } else { "recompute" },
+            policy: if (seed / 2).is_multiple_of(2) {
+                "fail"
+            } else {
+                "recompute"
+            },
             lifecycle: true,
             faults: (seed / 4) % 2 == 1,
             crashes: (seed / 4) % 4 == 3,
@@ -78,7 +82,11 @@ impl Options {
             clients: if slow_prefill { 60 } else { 400 },
             // Rarer lifecycle operations when prefills are slow, so that
             // some long ones run undisturbed.
-            op_idle_ms: if slow_prefill { (5_000, 40_000) } else { (200, 8_000) },
+            op_idle_ms: if slow_prefill {
+                (5_000, 40_000)
+            } else {
+                (200, 8_000)
+            },
             safety: Duration::from_secs(60),
             liveness: Duration::from_secs(if slow_prefill { 1800 } else { 600 }),
         }
@@ -157,21 +165,31 @@ impl Report {
 /// violation too.
 pub fn run(opts: Options) -> Report {
     let seed = opts.seed;
-    let played = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| -> anyhow::Result<Report> {
-        let mut w = world::World::new(opts)?;
-        w.run()?;
-        Ok(w.report)
-    }));
+    let played = std::panic::catch_unwind(std::panic::AssertUnwindSafe(
+        || -> anyhow::Result<Report> {
+            let mut w = world::World::new(opts)?;
+            w.run()?;
+            Ok(w.report)
+        },
+    ));
     match played {
         Ok(Ok(r)) => r,
-        Ok(Err(e)) => Report { seed, violations: vec![format!("the run could not be set up: {e:#}")], ..Report::default() },
+        Ok(Err(e)) => Report {
+            seed,
+            violations: vec![format!("the run could not be set up: {e:#}")],
+            ..Report::default()
+        },
         Err(p) => {
             let msg = p
                 .downcast_ref::<&str>()
                 .map(|s| s.to_string())
                 .or_else(|| p.downcast_ref::<String>().cloned())
                 .unwrap_or_else(|| "a panic".into());
-            Report { seed, violations: vec![format!("panic: {msg}")], ..Report::default() }
+            Report {
+                seed,
+                violations: vec![format!("panic: {msg}")],
+                ..Report::default()
+            }
         }
     }
 }

@@ -92,7 +92,9 @@ pub fn reference(prompt: &[u32], max_tokens: usize, w: u64) -> Vec<u32> {
     let mut toks = prompt.to_vec();
     let mut out = Vec::with_capacity(max_tokens);
     for _ in 0..max_tokens {
-        let h = *prefix_hashes(&toks).last().expect("a prompt is never empty");
+        let h = *prefix_hashes(&toks)
+            .last()
+            .expect("a prompt is never empty");
         let t = next_token(h, w);
         out.push(t);
         toks.push(t);
@@ -117,11 +119,23 @@ pub struct SimModel {
 impl SimModel {
     /// Allocates the KV region (`num_blocks` blocks) and the weights region
     /// (holding `weights_id`) in `pool`.
-    pub fn new(pool: &Pool, num_blocks: usize, name: &str, oracle: SharedOracle, weights_id: u64) -> anyhow::Result<SimModel> {
+    pub fn new(
+        pool: &Pool,
+        num_blocks: usize,
+        name: &str,
+        oracle: SharedOracle,
+        weights_id: u64,
+    ) -> anyhow::Result<SimModel> {
         let kv = pool.allocate(Tag::KvCache, num_blocks * BLOCK_BYTES)?;
         let weights = pool.allocate(Tag::Weights, 4096)?;
         weights.write_bytes(0, &weights_id.to_le_bytes())?;
-        Ok(SimModel { name: name.to_string(), kv, weights, num_blocks, oracle })
+        Ok(SimModel {
+            name: name.to_string(),
+            kv,
+            weights,
+            num_blocks,
+            oracle,
+        })
     }
 
     fn weights_id(&self) -> anyhow::Result<u64> {
@@ -131,8 +145,13 @@ impl SimModel {
     }
 
     fn slot_offset(&self, table: &[u32], pos: usize) -> anyhow::Result<usize> {
-        let block = *table.get(pos / BLOCK_SIZE).ok_or_else(|| anyhow::anyhow!("block table too short for position {pos}"))?;
-        anyhow::ensure!((block as usize) < self.num_blocks, "block {block} outside the cache");
+        let block = *table
+            .get(pos / BLOCK_SIZE)
+            .ok_or_else(|| anyhow::anyhow!("block table too short for position {pos}"))?;
+        anyhow::ensure!(
+            (block as usize) < self.num_blocks,
+            "block {block} outside the cache"
+        );
         Ok(block as usize * BLOCK_BYTES + (pos % BLOCK_SIZE) * SLOT)
     }
 
@@ -158,7 +177,10 @@ impl SimModel {
         let oracle = self.oracle.lock().unwrap();
         let Some(all) = oracle.tokens.get(&*s.request_id).cloned() else {
             drop(oracle);
-            self.violation(format!("the engine computes request {} that was never sent to it", s.request_id));
+            self.violation(format!(
+                "the engine computes request {} that was never sent to it",
+                s.request_id
+            ));
             anyhow::bail!("unknown request");
         };
         drop(oracle);
@@ -193,7 +215,11 @@ impl SimModel {
     }
 
     fn violation(&self, what: String) {
-        self.oracle.lock().unwrap().violations.push(format!("{}: {what}", self.name));
+        self.oracle
+            .lock()
+            .unwrap()
+            .violations
+            .push(format!("{}: {what}", self.name));
     }
 }
 
@@ -241,8 +267,15 @@ impl ModelRunner for SimModel {
             .and_then(|p| p.strip_prefix("sim/weights/"))
             .and_then(|id| id.parse::<u64>().ok())
             .filter(|&id| id != 0)
-            .ok_or_else(|| ReloadError::Unreadable(anyhow::anyhow!("not a simulated checkpoint: {}", path.display())))?;
-        self.weights.write_bytes(0, &id.to_le_bytes()).map_err(|_| ReloadError::RegionReleased)
+            .ok_or_else(|| {
+                ReloadError::Unreadable(anyhow::anyhow!(
+                    "not a simulated checkpoint: {}",
+                    path.display()
+                ))
+            })?;
+        self.weights
+            .write_bytes(0, &id.to_le_bytes())
+            .map_err(|_| ReloadError::RegionReleased)
     }
 }
 

@@ -69,11 +69,16 @@ impl Driver for SimDriver {
 
     fn deregister(&self, segment: u64, _timeout: Duration) -> anyhow::Result<()> {
         if !self.pool.is_awake(pdkv_vmem::Tag::KvCache) {
-            let v = format!("{}: the KV cache registration is released after the KV cache was unmapped", self.name);
+            let v = format!(
+                "{}: the KV cache registration is released after the KV cache was unmapped",
+                self.name
+            );
             self.oracle.lock().unwrap().violations.push(v);
         }
         if self.fail_next_release.swap(false, Ordering::AcqRel) {
-            anyhow::bail!("a shared-memory peer did not acknowledge unmapping segment {segment} (injected)");
+            anyhow::bail!(
+                "a shared-memory peer did not acknowledge unmapping segment {segment} (injected)"
+            );
         }
         self.registry.deregister(segment);
         Ok(())
@@ -129,13 +134,21 @@ pub fn engine_config() -> EngineConfig {
 
 impl Node {
     pub fn build(spec: NodeSpec<'_>, clock: Arc<SimClock>) -> anyhow::Result<Node> {
-        let pool = Pool::new(PoolOptions { chunk_size: 4096, single_allocation: false });
+        let pool = Pool::new(PoolOptions {
+            chunk_size: 4096,
+            single_allocation: false,
+        });
         let oracle: SharedOracle = Arc::new(Mutex::new(Oracle::default()));
         let model = SimModel::new(&pool, NUM_BLOCKS, spec.name, oracle.clone(), spec.weights)?;
-        let registry = Arc::new(Registry::new(RegistryOptions { key_seed: Some(spec.key_seed), ..RegistryOptions::default() }));
+        let registry = Arc::new(Registry::new(RegistryOptions {
+            key_seed: Some(spec.key_seed),
+            ..RegistryOptions::default()
+        }));
         let io = Arc::new(Mutex::new(VecDeque::new()));
         let cfg = KvTransferConfig::parse(spec.kv_config)?;
-        let dest = Destination::Tcp { addr: spec.transfer_addr.clone() };
+        let dest = Destination::Tcp {
+            addr: spec.transfer_addr.clone(),
+        };
         let pd = PdCore::new(cfg, spec.name, spec.addr.clone(), dest, registry.clone());
         let fail_next_release = Arc::new(AtomicBool::new(false));
         let driver = SimDriver {
@@ -162,7 +175,10 @@ impl Node {
             waker,
             decoder: Arc::new(Ids),
             eos_token_ids: Vec::new(),
-            weight_info: WeightInfo { version: Some(version(spec.weights)), path: weights_path(spec.weights).into() },
+            weight_info: WeightInfo {
+                version: Some(version(spec.weights)),
+                path: weights_path(spec.weights).into(),
+            },
             clock,
             publisher: Box::new(NoPublisher),
         })?;

@@ -25,8 +25,8 @@ use pdkv_connector::pd::core::{BlockPair, ConnId, Io, Op};
 use pdkv_connector::recv::LoadId;
 use pdkv_connector::wire::{write_failure, Destination, FailCode, Failure, Message, Pull};
 use pdkv_engine::{
-    AddRequestError, Command, EngineRequest, FinishReason, LifecycleError, PauseMode, RequestOutput, SamplingParams,
-    SleepLevel,
+    AddRequestError, Command, EngineRequest, FinishReason, LifecycleError, PauseMode,
+    RequestOutput, SamplingParams, SleepLevel,
 };
 use pdkv_server::error::RETRYABLE_CODE;
 use pdkv_server::proxy::plan::{Action, CallError, Event, Mode, Outcome, PrefillAnswer, RelayPlan};
@@ -72,32 +72,82 @@ enum Ev {
     /// A node's connector looks at its deadlines.
     ConnTimer(Ix),
     /// A control request reaches the node that serves `conn`.
-    CtrlRequest { conn: u64, msg: Message },
+    CtrlRequest {
+        conn: u64,
+        msg: Message,
+    },
     /// A frame of the answer reaches the node that opened `conn`.
-    CtrlFrame { conn: u64, msg: Message, last: bool },
+    CtrlFrame {
+        conn: u64,
+        msg: Message,
+        last: bool,
+    },
     /// The opener's bound on `conn`.
-    CtrlDeadline { conn: u64 },
+    CtrlDeadline {
+        conn: u64,
+    },
     /// `conn` breaks (both ends learn it).
-    CtrlBreak { conn: u64 },
-    WriteFrame { write: u64, part: usize, pair: BlockPair, bytes: Vec<u8> },
-    WriteAck { write: u64, part: usize, ok: Result<(), Failure> },
-    WriteDeadline { write: u64 },
-    ReadReq { read: u64, part: usize, pair: BlockPair },
-    ReadResp { read: u64, part: usize, pair: BlockPair, bytes: Result<Vec<u8>, String> },
-    ReadDeadline { read: u64 },
-    Fenced { node: Ix, inc: u64, load: LoadId },
+    CtrlBreak {
+        conn: u64,
+    },
+    WriteFrame {
+        write: u64,
+        part: usize,
+        pair: BlockPair,
+        bytes: Vec<u8>,
+    },
+    WriteAck {
+        write: u64,
+        part: usize,
+        ok: Result<(), Failure>,
+    },
+    WriteDeadline {
+        write: u64,
+    },
+    ReadReq {
+        read: u64,
+        part: usize,
+        pair: BlockPair,
+    },
+    ReadResp {
+        read: u64,
+        part: usize,
+        pair: BlockPair,
+        bytes: Result<Vec<u8>, String>,
+    },
+    ReadDeadline {
+        read: u64,
+    },
+    Fenced {
+        node: Ix,
+        inc: u64,
+        load: LoadId,
+    },
     /// An HTTP call reaches its engine.
-    Call { call: u64 },
+    Call {
+        call: u64,
+    },
     /// The proxy's connection for a call closes (the engine aborts it).
-    CallCancel { call: u64 },
+    CallCancel {
+        call: u64,
+    },
     /// An event for a client's plan arrives at the proxy.
-    Proxy { client: u64, event: Event },
+    Proxy {
+        client: u64,
+        event: Event,
+    },
     ClientArrives,
-    ClientLeaves { client: u64 },
+    ClientLeaves {
+        client: u64,
+    },
     Operator(Ix),
     Crash(Ix),
     Restart(Ix),
-    Partition { a: Ix, b: Ix, until: Instant },
+    Partition {
+        a: Ix,
+        b: Ix,
+        until: Instant,
+    },
     /// Faults stop, everything is brought back to serving.
     Heal,
 }
@@ -260,7 +310,9 @@ impl World {
         let t0 = Instant::now();
         let clock = Arc::new(SimClock::new(t0));
         let mut rng = Rng::new(opts.seed);
-        let documents = (0..4).map(|_| (0..400).map(|_| 1 + rng.below(511) as u32).collect()).collect();
+        let documents = (0..4)
+            .map(|_| (0..400).map(|_| 1 + rng.below(511) as u32).collect())
+            .collect();
         let mut w = World {
             rng,
             clock,
@@ -283,7 +335,10 @@ impl World {
             loads_ok_before_probes: 0,
             heal_rounds: 0,
             cluster_weights: 1,
-            report: Report { seed: opts.seed, ..Report::default() },
+            report: Report {
+                seed: opts.seed,
+                ..Report::default()
+            },
             opts,
         };
         for (i, is_p) in [true, false].into_iter().enumerate() {
@@ -305,7 +360,11 @@ impl World {
     }
 
     fn add_slot(&mut self, i: usize, is_p: bool) -> anyhow::Result<()> {
-        let (role, name) = if is_p { ("kv_producer", format!("p{i}")) } else { ("kv_consumer", format!("d{i}")) };
+        let (role, name) = if is_p {
+            ("kv_producer", format!("p{i}"))
+        } else {
+            ("kv_consumer", format!("d{i}"))
+        };
 
         let mode = if self.opts.read_mode { "read" } else { "write" };
         let kv_config = format!(
@@ -331,12 +390,25 @@ impl World {
             // transfer timeout (as a 7,000-token prompt does on a CPU).
             slot.per_token = Duration::from_millis(self.rng.range(30, 120));
         }
-        slot.node = Some(self.build_node(&slot.spec_name, &slot.addr, &slot.transfer_addr, &slot.kv_config, 1)?);
+        slot.node = Some(self.build_node(
+            &slot.spec_name,
+            &slot.addr,
+            &slot.transfer_addr,
+            &slot.kv_config,
+            1,
+        )?);
         self.nodes.push(slot);
         Ok(())
     }
 
-    fn build_node(&mut self, name: &str, addr: &str, transfer_addr: &str, kv_config: &str, weights: u64) -> anyhow::Result<Node> {
+    fn build_node(
+        &mut self,
+        name: &str,
+        addr: &str,
+        transfer_addr: &str,
+        kv_config: &str,
+        weights: u64,
+    ) -> anyhow::Result<Node> {
         let spec = NodeSpec {
             name,
             addr: addr.to_string(),
@@ -359,7 +431,11 @@ impl World {
 
     fn at_instant(&mut self, at: Instant, ev: Ev) {
         self.seq += 1;
-        self.queue.push(Timed { at, seq: self.seq, ev });
+        self.queue.push(Timed {
+            at,
+            seq: self.seq,
+            ev,
+        });
     }
 
     fn id(&mut self) -> u64 {
@@ -369,7 +445,9 @@ impl World {
 
     fn violation(&mut self, what: String) {
         let t = self.now() - self.t0;
-        self.report.violations.push(format!("t={:.3}s: {what}", t.as_secs_f64()));
+        self.report
+            .violations
+            .push(format!("t={:.3}s: {what}", t.as_secs_f64()));
     }
 
     /// A network delay: usually a few hundred microseconds, with faults
@@ -448,19 +526,40 @@ impl World {
             Ev::ConnTimer(ix) => self.conn_timer(ix),
             Ev::CtrlRequest { conn, msg } => self.ctrl_request(conn, msg),
             Ev::CtrlFrame { conn, msg, last } => self.ctrl_frame(conn, msg, last),
-            Ev::CtrlDeadline { conn } => self.ctrl_fail(conn, FailCode::Timeout, "no answer in time"),
+            Ev::CtrlDeadline { conn } => {
+                self.ctrl_fail(conn, FailCode::Timeout, "no answer in time")
+            }
             Ev::CtrlBreak { conn } => {
                 if let Some(c) = self.conns.get_mut(&conn) {
                     c.broken |= !c.done;
                 }
                 self.ctrl_fail(conn, FailCode::PeerLost, "the connection broke")
             }
-            Ev::WriteFrame { write, part, pair, bytes } => self.write_frame(write, part, pair, bytes),
+            Ev::WriteFrame {
+                write,
+                part,
+                pair,
+                bytes,
+            } => self.write_frame(write, part, pair, bytes),
             Ev::WriteAck { write, part, ok } => self.write_ack(write, part, ok),
-            Ev::WriteDeadline { write } => self.write_end(write, Err(write_failure(false, "the write's deadline passed"))),
+            Ev::WriteDeadline { write } => self.write_end(
+                write,
+                Err(write_failure(false, "the write's deadline passed")),
+            ),
             Ev::ReadReq { read, part, pair } => self.read_req(read, part, pair),
-            Ev::ReadResp { read, part, pair, bytes } => self.read_resp(read, part, pair, bytes),
-            Ev::ReadDeadline { read } => self.read_end(read, Err(Failure::new(FailCode::Timeout, "the read's deadline passed"))),
+            Ev::ReadResp {
+                read,
+                part,
+                pair,
+                bytes,
+            } => self.read_resp(read, part, pair, bytes),
+            Ev::ReadDeadline { read } => self.read_end(
+                read,
+                Err(Failure::new(
+                    FailCode::Timeout,
+                    "the read's deadline passed",
+                )),
+            ),
             Ev::Fenced { node, inc, load } => {
                 if let Some(n) = self.live(node, inc) {
                     n.conn.event(|c, now| c.on_fenced(now, load, Ok(())));
@@ -497,7 +596,9 @@ impl World {
     }
 
     fn by_addr(&self, addr: &str) -> Option<Ix> {
-        self.nodes.iter().position(|s| s.addr == addr || s.transfer_addr == addr)
+        self.nodes
+            .iter()
+            .position(|s| s.addr == addr || s.transfer_addr == addr)
     }
 
     // ---- engines ----
@@ -520,7 +621,10 @@ impl World {
         n.conn.event(|c, now| c.handle_timeout(now));
         let next = n.conn.inspect(|c| c.poll_timeout());
         if next.is_some_and(|t| t <= now) {
-            let what = format!("{}: a connector deadline at or before now is still pending after its timeout ran", n.name);
+            let what = format!(
+                "{}: a connector deadline at or before now is still pending after its timeout ran",
+                n.name
+            );
             self.violation(what);
         }
         self.after(ix);
@@ -531,7 +635,9 @@ impl World {
     fn after(&mut self, ix: Ix) {
         let Some(n) = self.node(ix) else { return };
         let outputs: Vec<(String, RequestOutput)> = std::mem::take(&mut *n.outputs.lock().unwrap());
-        let ios: Vec<Io> = std::mem::take(&mut *n.io.lock().unwrap()).into_iter().collect();
+        let ios: Vec<Io> = std::mem::take(&mut *n.io.lock().unwrap())
+            .into_iter()
+            .collect();
         for (id, out) in outputs {
             self.output(ix, &id, out);
         }
@@ -552,7 +658,8 @@ impl World {
         let now = self.now();
         let tokens = std::mem::take(&mut n.oracle.lock().unwrap().last_step_tokens);
         if tokens > 0 {
-            self.nodes[ix].busy_until = Some(now + STEP_COST + self.nodes[ix].per_token * tokens as u32);
+            self.nodes[ix].busy_until =
+                Some(now + STEP_COST + self.nodes[ix].per_token * tokens as u32);
         }
         let busy = self.nodes[ix].busy_until.filter(|&b| b > now);
         let tick = if runnable {
@@ -584,7 +691,10 @@ impl World {
         if st.asleep_tags.contains(&Tag::KvCache) {
             let bytes = n.pool.device_bytes().get(Tag::KvCache);
             if bytes != 0 {
-                found.push(format!("{}: the KV cache is asleep but {bytes} bytes of it are still allocated", n.name));
+                found.push(format!(
+                    "{}: the KV cache is asleep but {bytes} bytes of it are still allocated",
+                    n.name
+                ));
             }
         }
         for v in found {
@@ -596,7 +706,11 @@ impl World {
         let Some(n) = self.node(ix) else { return };
         n.oracle.lock().unwrap().extend(id, &out.token_ids);
         let inc = self.nodes[ix].inc;
-        let found = self.calls.iter().find(|(_, c)| c.node == ix && c.inc == inc && c.id == id).map(|(&k, _)| k);
+        let found = self
+            .calls
+            .iter()
+            .find(|(_, c)| c.node == ix && c.inc == inc && c.id == id)
+            .map(|(&k, _)| k);
         let Some(call_id) = found else { return };
         let call = self.calls.get_mut(&call_id).expect("found");
         if call.finals > 0 {
@@ -605,7 +719,9 @@ impl World {
             return;
         }
         call.tokens.extend_from_slice(&out.token_ids);
-        let Some(reason) = out.finish_reason else { return };
+        let Some(reason) = out.finish_reason else {
+            return;
+        };
         call.finals += 1;
         call.live = false;
         let (client, side) = (call.client, call.side);
@@ -620,14 +736,24 @@ impl World {
                     code: Some("kv_transfer_failed".into()),
                     body: out.error.clone().unwrap_or_default().into_bytes(),
                 },
-                _ => PrefillAnswer::Done { params: out.kv_transfer_params.clone() },
+                _ => PrefillAnswer::Done {
+                    params: out.kv_transfer_params.clone(),
+                },
             })],
             Side::D => {
                 self.check_reference(call_id, reason);
                 let call = &self.calls[&call_id];
-                let status = if reason == FinishReason::Error { 500 } else { 200 };
+                let status = if reason == FinishReason::Error {
+                    500
+                } else {
+                    200
+                };
                 let body = json!({"tokens": call.tokens, "finish_reason": reason.as_str(), "error": out.error}).to_string();
-                vec![Event::DecodeHead { status }, Event::DecodeBody(body.into_bytes()), Event::DecodeEnd]
+                vec![
+                    Event::DecodeHead { status },
+                    Event::DecodeBody(body.into_bytes()),
+                    Event::DecodeEnd,
+                ]
             }
         };
         let d = self.delay();
@@ -640,7 +766,8 @@ impl World {
     /// answer what a colocated engine answers.
     fn check_reference(&mut self, call_id: u64, reason: FinishReason) {
         let call = &self.calls[&call_id];
-        if !matches!(reason, FinishReason::Length) || self.nodes[call.node].reloads != call.reloads {
+        if !matches!(reason, FinishReason::Length) || self.nodes[call.node].reloads != call.reloads
+        {
             return;
         }
         let client = &self.clients[&call.client];
@@ -661,21 +788,54 @@ impl World {
     fn io(&mut self, ix: Ix, io: Io) {
         match io {
             Io::Reply { conn, msg, last } => self.reply(conn, msg, last),
-            Io::Send { op, addr, msg, deadline } => self.send(ix, op, &addr, msg, deadline),
-            Io::Write { conn, local, pairs, block_bytes, dst, deadline } => {
-                self.start_write(ix, conn, local, pairs, block_bytes, dst, deadline)
-            }
-            Io::Read { load, local, remote, transfer, pairs, block_bytes, deadline } => {
-                self.start_read(ix, load, local, remote, transfer, pairs, block_bytes, deadline)
-            }
+            Io::Send {
+                op,
+                addr,
+                msg,
+                deadline,
+            } => self.send(ix, op, &addr, msg, deadline),
+            Io::Write {
+                conn,
+                local,
+                pairs,
+                block_bytes,
+                dst,
+                deadline,
+            } => self.start_write(ix, conn, local, pairs, block_bytes, dst, deadline),
+            Io::Read {
+                load,
+                local,
+                remote,
+                transfer,
+                pairs,
+                block_bytes,
+                deadline,
+            } => self.start_read(
+                ix,
+                load,
+                local,
+                remote,
+                transfer,
+                pairs,
+                block_bytes,
+                deadline,
+            ),
             Io::CancelRead { load } => {
                 let inc = self.nodes[ix].inc;
-                let read = self.reads.iter().find(|(_, r)| r.node == ix && r.inc == inc && r.load == load && !r.done).map(|(&k, _)| k);
+                let read = self
+                    .reads
+                    .iter()
+                    .find(|(_, r)| r.node == ix && r.inc == inc && r.load == load && !r.done)
+                    .map(|(&k, _)| k);
                 if let Some(r) = read {
                     self.read_end(r, Err(Failure::new(FailCode::TransferFailed, "cancelled")));
                 }
             }
-            Io::Fence { load, segment, grant } => {
+            Io::Fence {
+                load,
+                segment,
+                grant,
+            } => {
                 let Some(n) = self.node(ix) else { return };
                 if let Some(key) = grant {
                     // Nothing holds an access across events here: at once.
@@ -686,7 +846,14 @@ impl World {
                 }
                 let inc = self.nodes[ix].inc;
                 let d = self.delay();
-                self.at(d, Ev::Fenced { node: ix, inc, load });
+                self.at(
+                    d,
+                    Ev::Fenced {
+                        node: ix,
+                        inc,
+                        load,
+                    },
+                );
             }
         }
     }
@@ -697,7 +864,8 @@ impl World {
         let Some(to) = self.by_addr(addr) else {
             let f = Failure::new(FailCode::PeerLost, format!("no engine at {addr}"));
             if let Some(n) = self.node(ix) {
-                n.conn.event(|c, now| c.on_exchange_failed(now, op, f, false));
+                n.conn
+                    .event(|c, now| c.on_exchange_failed(now, op, f, false));
             }
             return;
         };
@@ -709,7 +877,18 @@ impl World {
         let is_pull = matches!(msg, Message::Pull(_));
         let conn = self.id();
         let to_inc = self.nodes[to].inc;
-        self.conns.insert(conn, Conn { from: Some((ix, inc, op)), to, to_inc, done: false, is_pull, finals: 0, broken: false });
+        self.conns.insert(
+            conn,
+            Conn {
+                from: Some((ix, inc, op)),
+                to,
+                to_inc,
+                done: false,
+                is_pull,
+                finals: 0,
+                broken: false,
+            },
+        );
         let d = self.link_delay(ix, to);
         self.at(d, Ev::CtrlRequest { conn, msg });
         self.at_instant(deadline, Ev::CtrlDeadline { conn });
@@ -723,22 +902,52 @@ impl World {
     fn proxy_drop(&mut self, p: Ix, transfer_id: &str, code: FailCode) {
         let conn = self.id();
         let to_inc = self.nodes[p].inc;
-        self.conns.insert(conn, Conn { from: None, to: p, to_inc, done: false, is_pull: false, finals: 0, broken: false });
-        let msg = Message::Drop { transfer_id: transfer_id.to_string(), code };
+        self.conns.insert(
+            conn,
+            Conn {
+                from: None,
+                to: p,
+                to_inc,
+                done: false,
+                is_pull: false,
+                finals: 0,
+                broken: false,
+            },
+        );
+        let msg = Message::Drop {
+            transfer_id: transfer_id.to_string(),
+            code,
+        };
         let d = self.delay();
         self.at(d, Ev::CtrlRequest { conn, msg });
         if self.faults && self.rng.chance(0.05) {
             // A proxy that sends its drop twice.
             let conn2 = self.id();
-            self.conns.insert(conn2, Conn { from: None, to: p, to_inc, done: false, is_pull: false, finals: 0, broken: false });
-            let msg = Message::Drop { transfer_id: transfer_id.to_string(), code };
+            self.conns.insert(
+                conn2,
+                Conn {
+                    from: None,
+                    to: p,
+                    to_inc,
+                    done: false,
+                    is_pull: false,
+                    finals: 0,
+                    broken: false,
+                },
+            );
+            let msg = Message::Drop {
+                transfer_id: transfer_id.to_string(),
+                code,
+            };
             let d = self.delay();
             self.at(d, Ev::CtrlRequest { conn: conn2, msg });
         }
     }
 
     fn ctrl_request(&mut self, conn: u64, msg: Message) {
-        let Some(c) = self.conns.get(&conn) else { return };
+        let Some(c) = self.conns.get(&conn) else {
+            return;
+        };
         let (to, to_inc) = (c.to, c.to_inc);
         if c.done {
             return;
@@ -757,7 +966,9 @@ impl World {
 
     /// The serving node answers on `conn`.
     fn reply(&mut self, conn: u64, msg: Message, last: bool) {
-        let Some(c) = self.conns.get_mut(&conn) else { return };
+        let Some(c) = self.conns.get_mut(&conn) else {
+            return;
+        };
         if last {
             c.finals += 1;
             if c.finals > 1 && c.is_pull {
@@ -777,36 +988,54 @@ impl World {
     }
 
     fn ctrl_frame(&mut self, conn: u64, msg: Message, last: bool) {
-        let Some(c) = self.conns.get_mut(&conn) else { return };
+        let Some(c) = self.conns.get_mut(&conn) else {
+            return;
+        };
         if c.done {
             return;
         }
         if last {
             c.done = true;
         }
-        let Some((ix, inc, op)) = c.from.clone() else { return };
+        let Some((ix, inc, op)) = c.from.clone() else {
+            return;
+        };
         let Some(n) = self.live(ix, inc) else { return };
         n.conn.event(|c, now| c.on_reply(now, op, msg));
         self.after(ix);
     }
 
     fn ctrl_fail(&mut self, conn: u64, code: FailCode, what: &str) {
-        let Some(c) = self.conns.get_mut(&conn) else { return };
+        let Some(c) = self.conns.get_mut(&conn) else {
+            return;
+        };
         if c.done {
             return;
         }
         c.done = true;
-        let Some((ix, inc, op)) = c.from.clone() else { return };
+        let Some((ix, inc, op)) = c.from.clone() else {
+            return;
+        };
         let Some(n) = self.live(ix, inc) else { return };
         let f = Failure::new(code, format!("exchange {conn}: {what}"));
-        n.conn.event(|c, now| c.on_exchange_failed(now, op, f, true));
+        n.conn
+            .event(|c, now| c.on_exchange_failed(now, op, f, true));
         self.after(ix);
     }
 
     // ---- KV frames ----
 
     #[allow(clippy::too_many_arguments)]
-    fn start_write(&mut self, ix: Ix, conn: ConnId, local: Registration, pairs: Vec<BlockPair>, bb: u64, dst: Pull, deadline: Instant) {
+    fn start_write(
+        &mut self,
+        ix: Ix,
+        conn: ConnId,
+        local: Registration,
+        pairs: Vec<BlockPair>,
+        bb: u64,
+        dst: Pull,
+        deadline: Instant,
+    ) {
         let inc = self.nodes[ix].inc;
         let to = match &dst.dst {
             Destination::Tcp { addr } | Destination::Shm { path: addr } => self.by_addr(addr),
@@ -838,7 +1067,18 @@ impl World {
         let to_inc = self.nodes[to].inc;
         self.writes.insert(
             write,
-            Write { from: ix, from_inc: inc, conn, to, to_inc, dst, block_bytes: bb, parts: frames.len(), acked: BTreeSet::new(), done: false },
+            Write {
+                from: ix,
+                from_inc: inc,
+                conn,
+                to,
+                to_inc,
+                dst,
+                block_bytes: bb,
+                parts: frames.len(),
+                acked: BTreeSet::new(),
+                done: false,
+            },
         );
         for (part, (pair, bytes)) in frames.into_iter().enumerate() {
             if self.faults && self.rng.chance(0.01) {
@@ -851,9 +1091,25 @@ impl World {
             }
             if self.faults && self.rng.chance(0.01) {
                 let d2 = d + self.delay();
-                self.at(d2, Ev::WriteFrame { write, part, pair, bytes: bytes.clone() });
+                self.at(
+                    d2,
+                    Ev::WriteFrame {
+                        write,
+                        part,
+                        pair,
+                        bytes: bytes.clone(),
+                    },
+                );
             }
-            self.at(d, Ev::WriteFrame { write, part, pair, bytes });
+            self.at(
+                d,
+                Ev::WriteFrame {
+                    write,
+                    part,
+                    pair,
+                    bytes,
+                },
+            );
         }
         self.at_instant(deadline, Ev::WriteDeadline { write });
     }
@@ -861,21 +1117,30 @@ impl World {
     /// A KV frame reaches D: through D's registry, which checks segment,
     /// epoch, key (the pull's grant) and bounds before a byte lands.
     fn write_frame(&mut self, write: u64, part: usize, pair: BlockPair, bytes: Vec<u8>) {
-        let Some(w) = self.writes.get(&write) else { return };
+        let Some(w) = self.writes.get(&write) else {
+            return;
+        };
         if w.done {
             self.report.late_frames += 1;
         }
         let (to, to_inc, from) = (w.to, w.to_inc, w.from);
         let key = w.dst.grant_key.unwrap_or(w.dst.key);
         let (seg, epoch) = (w.dst.segment, w.dst.epoch);
-        let Some(n) = self.live(to, to_inc) else { return };
-        let res = match n.registry.access(seg, key, epoch, pair.1, bytes.len() as u64) {
+        let Some(n) = self.live(to, to_inc) else {
+            return;
+        };
+        let res = match n
+            .registry
+            .access(seg, key, epoch, pair.1, bytes.len() as u64)
+        {
             Ok(a) => {
                 // It lands: it must be in a block of a load of this transfer
                 // that D has not given back.
                 let block = (pair.1 / w.block_bytes) as u32;
                 let tid = w.dst.transfer_id.clone();
-                let alive = n.conn.inspect(|c| c.recv_machine().is_loading_into(&tid, block));
+                let alive = n
+                    .conn
+                    .inspect(|c| c.recv_machine().is_loading_into(&tid, block));
                 if !alive {
                     let what = format!(
                         "a KV frame of transfer {tid} landed in {}'s block {block} after D gave the load back (key {key:#x})",
@@ -892,11 +1157,20 @@ impl World {
         };
         self.report.frames += 1;
         let d = self.link_delay(to, from);
-        self.at(d, Ev::WriteAck { write, part, ok: res });
+        self.at(
+            d,
+            Ev::WriteAck {
+                write,
+                part,
+                ok: res,
+            },
+        );
     }
 
     fn write_ack(&mut self, write: u64, part: usize, ok: Result<(), Failure>) {
-        let Some(w) = self.writes.get_mut(&write) else { return };
+        let Some(w) = self.writes.get_mut(&write) else {
+            return;
+        };
         if w.done {
             return;
         }
@@ -912,14 +1186,19 @@ impl World {
     }
 
     fn write_end(&mut self, write: u64, res: Result<(), Failure>) {
-        let Some(w) = self.writes.get_mut(&write) else { return };
+        let Some(w) = self.writes.get_mut(&write) else {
+            return;
+        };
         if w.done {
             return;
         }
         w.done = true;
         let (from, inc, conn, bytes) = (w.from, w.from_inc, w.conn, w.block_bytes * w.parts as u64);
-        let Some(n) = self.live(from, inc) else { return };
-        n.conn.event(|c, now| c.on_write_done(now, conn, res, bytes));
+        let Some(n) = self.live(from, inc) else {
+            return;
+        };
+        n.conn
+            .event(|c, now| c.on_write_done(now, conn, res, bytes));
         self.after(from);
     }
 
@@ -949,7 +1228,21 @@ impl World {
         };
         let read = self.id();
         let parts = pairs.len();
-        self.reads.insert(read, Read { node: ix, inc, load, from, local, remote, block_bytes: bb, parts, got: BTreeSet::new(), done: false });
+        self.reads.insert(
+            read,
+            Read {
+                node: ix,
+                inc,
+                load,
+                from,
+                local,
+                remote,
+                block_bytes: bb,
+                parts,
+                got: BTreeSet::new(),
+                done: false,
+            },
+        );
         for (part, pair) in pairs.into_iter().enumerate() {
             if self.faults && self.rng.chance(0.01) {
                 continue;
@@ -961,10 +1254,15 @@ impl World {
     }
 
     fn read_req(&mut self, read: u64, part: usize, pair: BlockPair) {
-        let Some(r) = self.reads.get(&read) else { return };
+        let Some(r) = self.reads.get(&read) else {
+            return;
+        };
         let (from, node, remote, bb) = (r.from, r.node, r.remote, r.block_bytes);
         let Some(p) = self.node(from) else { return };
-        let bytes = match p.registry.access(remote.segment, remote.key, remote.epoch, pair.1, bb) {
+        let bytes = match p
+            .registry
+            .access(remote.segment, remote.key, remote.epoch, pair.1, bb)
+        {
             Ok(a) => {
                 let mut buf = vec![0u8; bb as usize];
                 a.read_into(&mut buf);
@@ -973,25 +1271,48 @@ impl World {
             Err(e) => Err(e.to_string()),
         };
         let d = self.link_delay(from, node);
-        self.at(d, Ev::ReadResp { read, part, pair, bytes });
+        self.at(
+            d,
+            Ev::ReadResp {
+                read,
+                part,
+                pair,
+                bytes,
+            },
+        );
     }
 
-    fn read_resp(&mut self, read: u64, part: usize, pair: BlockPair, bytes: Result<Vec<u8>, String>) {
-        let Some(r) = self.reads.get(&read) else { return };
+    fn read_resp(
+        &mut self,
+        read: u64,
+        part: usize,
+        pair: BlockPair,
+        bytes: Result<Vec<u8>, String>,
+    ) {
+        let Some(r) = self.reads.get(&read) else {
+            return;
+        };
         if r.done {
             // The read ended (cancelled, past its deadline): D's transfer
             // engine drops what comes late.
             return;
         }
         let (node, inc, local) = (r.node, r.inc, r.local);
-        let Some(n) = self.live(node, inc) else { return };
+        let Some(n) = self.live(node, inc) else {
+            return;
+        };
         let bytes = match bytes {
             Ok(b) => b,
             Err(e) => return self.read_end(read, Err(Failure::new(FailCode::TransferFailed, e))),
         };
         match n.registry.local(&local, pair.0, bytes.len() as u64) {
             Ok(a) => a.write_from(&bytes),
-            Err(e) => return self.read_end(read, Err(Failure::new(FailCode::TransferFailed, e.to_string()))),
+            Err(e) => {
+                return self.read_end(
+                    read,
+                    Err(Failure::new(FailCode::TransferFailed, e.to_string())),
+                )
+            }
         }
         self.report.frames += 1;
         let r = self.reads.get_mut(&read).expect("present");
@@ -1002,13 +1323,17 @@ impl World {
     }
 
     fn read_end(&mut self, read: u64, res: Result<(), Failure>) {
-        let Some(r) = self.reads.get_mut(&read) else { return };
+        let Some(r) = self.reads.get_mut(&read) else {
+            return;
+        };
         if r.done {
             return;
         }
         r.done = true;
         let (node, inc, load) = (r.node, r.inc, r.load);
-        let Some(n) = self.live(node, inc) else { return };
+        let Some(n) = self.live(node, inc) else {
+            return;
+        };
         n.conn.event(|c, now| c.on_read_result(now, load, res));
         self.after(node);
     }
@@ -1020,7 +1345,11 @@ impl World {
             return;
         }
         let doc = self.rng.below(self.documents.len() as u64) as usize;
-        let len = if self.rng.chance(0.1) { self.rng.range(100, 380) } else { self.rng.range(1, 90) } as usize;
+        let len = if self.rng.chance(0.1) {
+            self.rng.range(100, 380)
+        } else {
+            self.rng.range(1, 90)
+        } as usize;
         let mut prompt = self.documents[doc][..len].to_vec();
         if self.rng.chance(0.5) {
             // A prompt of its own from the first block on (no prefix hit).
@@ -1036,7 +1365,11 @@ impl World {
         }
         // Bursts of arrivals, spread over the safety phase.
         let gap = self.opts.safety.as_millis() as u64 * 2 / self.opts.clients.max(1);
-        let next = if self.rng.chance(0.7) { self.rng.range(0, 3) } else { self.rng.range(1, gap.max(2)) };
+        let next = if self.rng.chance(0.7) {
+            self.rng.range(0, 3)
+        } else {
+            self.rng.range(1, gap.max(2))
+        };
         self.at(Duration::from_millis(next), Ev::ClientArrives);
     }
 
@@ -1055,11 +1388,18 @@ impl World {
 
     /// Every live engine serves the cluster's weights.
     fn weights_agree(&self) -> bool {
-        self.nodes.iter().filter_map(|s| s.node.as_ref()).all(|n| n.weights == self.cluster_weights)
+        self.nodes
+            .iter()
+            .filter_map(|s| s.node.as_ref())
+            .all(|n| n.weights == self.cluster_weights)
     }
 
     fn live_loads_ok(&self) -> u64 {
-        self.nodes.iter().filter_map(|s| s.node.as_ref()).map(|n| n.conn.inspect(|c| c.counters().loads_ok)).sum()
+        self.nodes
+            .iter()
+            .filter_map(|s| s.node.as_ref())
+            .map(|n| n.conn.inspect(|c| c.counters().loads_ok))
+            .sum()
     }
 
     /// A client request through the proxy; returns the client's id.
@@ -1070,19 +1410,36 @@ impl World {
         let mode = if self.opts.read_mode {
             Mode::Read
         } else {
-            Mode::Write { remote_engine_id: Some(self.nodes[0].spec_name.clone()), remote_bootstrap_addr: Some(self.nodes[0].addr.clone()) }
+            Mode::Write {
+                remote_engine_id: Some(self.nodes[0].spec_name.clone()),
+                remote_bootstrap_addr: Some(self.nodes[0].addr.clone()),
+            }
         };
         let plan = RelayPlan::new(mode, false, &transfer_id);
         self.clients.insert(
             client,
-            Client { prompt, max_tokens, plan, p: 0, d: 1, p_call: None, d_call: None, status: None, body: Vec::new(), outcome: None, gone: false },
+            Client {
+                prompt,
+                max_tokens,
+                plan,
+                p: 0,
+                d: 1,
+                p_call: None,
+                d_call: None,
+                status: None,
+                body: Vec::new(),
+                outcome: None,
+                gone: false,
+            },
         );
         self.drive_plan(client);
         client
     }
 
     fn proxy_event(&mut self, client: u64, event: Event) {
-        let Some(c) = self.clients.get_mut(&client) else { return };
+        let Some(c) = self.clients.get_mut(&client) else {
+            return;
+        };
         if let Event::ClientGone = event {
             c.gone = true;
         }
@@ -1093,8 +1450,12 @@ impl World {
     /// Carries out what a client's plan decided.
     fn drive_plan(&mut self, client: u64) {
         loop {
-            let Some(c) = self.clients.get_mut(&client) else { return };
-            let Some(a) = c.plan.poll_action() else { return };
+            let Some(c) = self.clients.get_mut(&client) else {
+                return;
+            };
+            let Some(a) = c.plan.poll_action() else {
+                return;
+            };
             match a {
                 Action::SendPrefill { params } => {
                     let call = self.new_call(client, Side::P, 1, Some(params));
@@ -1127,7 +1488,10 @@ impl World {
                     c.status = Some(r.status);
                     c.body = r.body;
                 }
-                Action::StartStream { .. } | Action::Stream(_) | Action::EndStream | Action::FailStream { .. } => {}
+                Action::StartStream { .. }
+                | Action::Stream(_)
+                | Action::EndStream
+                | Action::FailStream { .. } => {}
                 Action::Count { outcome, .. } => self.count(client, outcome),
             }
         }
@@ -1148,23 +1512,65 @@ impl World {
             if s >= 500 && s != 503 {
                 self.report.lost += 1;
                 if self.report.losses.len() < 5 {
-                    let body = String::from_utf8_lossy(&self.clients[&client].body).chars().take(300).collect::<String>();
-                    self.report.losses.push(format!("client {client}: {s} {body}"));
+                    let body = String::from_utf8_lossy(&self.clients[&client].body)
+                        .chars()
+                        .take(300)
+                        .collect::<String>();
+                    self.report
+                        .losses
+                        .push(format!("client {client}: {s} {body}"));
                 }
             }
         }
     }
 
-    fn new_call(&mut self, client: u64, side: Side, max_tokens: u32, kv: Option<serde_json::Value>) -> u64 {
+    fn new_call(
+        &mut self,
+        client: u64,
+        side: Side,
+        max_tokens: u32,
+        kv: Option<serde_json::Value>,
+    ) -> u64 {
         let call = self.id();
         let c = &self.clients[&client];
         let node = if side == Side::P { c.p } else { c.d };
-        let id = format!("c{client}-{}-{call}", if side == Side::P { "p" } else { "d" });
-        let params = SamplingParams { temperature: 0.0, max_tokens, ignore_eos: true, ..SamplingParams::default() };
-        let req = EngineRequest { id: id.clone(), prompt_tokens: c.prompt.clone(), params, kv_transfer_params: kv };
+        let id = format!(
+            "c{client}-{}-{call}",
+            if side == Side::P { "p" } else { "d" }
+        );
+        let params = SamplingParams {
+            temperature: 0.0,
+            max_tokens,
+            ignore_eos: true,
+            ..SamplingParams::default()
+        };
+        let req = EngineRequest {
+            id: id.clone(),
+            prompt_tokens: c.prompt.clone(),
+            params,
+            kv_transfer_params: kv,
+        };
         let inc = self.nodes[node].inc;
-        let (weights, reloads) = (self.node(node).map_or(0, |n| n.weights), self.nodes[node].reloads);
-        self.calls.insert(call, Call { client, side, node, inc, id, req, live: false, finals: 0, tokens: Vec::new(), weights, reloads });
+        let (weights, reloads) = (
+            self.node(node).map_or(0, |n| n.weights),
+            self.nodes[node].reloads,
+        );
+        self.calls.insert(
+            call,
+            Call {
+                client,
+                side,
+                node,
+                inc,
+                id,
+                req,
+                live: false,
+                finals: 0,
+                tokens: Vec::new(),
+                weights,
+                reloads,
+            },
+        );
         let d = self.delay();
         self.at(d, Ev::Call { call });
         call
@@ -1202,10 +1608,16 @@ impl World {
                     AddRequestError::DuplicateId(_) => (409, None),
                     _ => (400, None),
                 };
-                let body = json!({"error": {"message": e.to_string(), "code": code}}).to_string().into_bytes();
+                let body = json!({"error": {"message": e.to_string(), "code": code}})
+                    .to_string()
+                    .into_bytes();
                 let events = match side {
                     Side::P => vec![Event::Prefill(PrefillAnswer::Error { status, code, body })],
-                    Side::D => vec![Event::DecodeHead { status }, Event::DecodeBody(body), Event::DecodeEnd],
+                    Side::D => vec![
+                        Event::DecodeHead { status },
+                        Event::DecodeBody(body),
+                        Event::DecodeEnd,
+                    ],
                 };
                 let d = self.delay();
                 for e in events {
@@ -1217,8 +1629,15 @@ impl World {
     }
 
     fn call_failed(&mut self, client: u64, side: Side, why: &str) {
-        let e = CallError { timed_out: false, detail: why.to_string() };
-        let event = if side == Side::P { Event::PrefillFailed(e) } else { Event::DecodeFailed(e) };
+        let e = CallError {
+            timed_out: false,
+            detail: why.to_string(),
+        };
+        let event = if side == Side::P {
+            Event::PrefillFailed(e)
+        } else {
+            Event::DecodeFailed(e)
+        };
         let d = self.delay();
         self.at(d, Ev::Proxy { client, event });
     }
@@ -1233,7 +1652,10 @@ impl World {
             return;
         }
         let n = self.node_mut(node).expect("live");
-        n.core.apply(Command::Abort { id: Arc::from(id.as_str()), serial: None });
+        n.core.apply(Command::Abort {
+            id: Arc::from(id.as_str()),
+            serial: None,
+        });
         self.after(node);
     }
 
@@ -1242,23 +1664,41 @@ impl World {
     fn pick_script(&mut self, ix: Ix) -> Vec<Step> {
         // Now and then a hold longer than every transfer timeout: requests a
         // keep pause froze on P wait for it, their pulls with them.
-        let hold = if self.rng.chance(0.05) { self.rng.range(30_000, 90_000) } else { self.rng.range(10, 3000) };
+        let hold = if self.rng.chance(0.05) {
+            self.rng.range(30_000, 90_000)
+        } else {
+            self.rng.range(10, 3000)
+        };
         let hold = Step::Hold(Duration::from_millis(hold));
-        let mode = *self.rng.pick(&[PauseMode::Abort, PauseMode::Wait, PauseMode::Keep]);
-        let level = *self.rng.pick(&[SleepLevel::L0, SleepLevel::L1, SleepLevel::L2]);
+        let mode = *self
+            .rng
+            .pick(&[PauseMode::Abort, PauseMode::Wait, PauseMode::Keep]);
+        let level = *self
+            .rng
+            .pick(&[SleepLevel::L0, SleepLevel::L1, SleepLevel::L2]);
         let weights = self.node(ix).map_or(1, |n| n.weights);
         let wake = match self.rng.below(3) {
             0 => vec![Step::Wake(None)],
-            1 => vec![Step::Wake(Some(vec![Tag::Weights])), Step::Wake(Some(vec![Tag::KvCache]))],
-            _ => vec![Step::Wake(Some(vec![Tag::KvCache])), Step::Wake(Some(vec![Tag::Weights]))],
+            1 => vec![
+                Step::Wake(Some(vec![Tag::Weights])),
+                Step::Wake(Some(vec![Tag::KvCache])),
+            ],
+            _ => vec![
+                Step::Wake(Some(vec![Tag::KvCache])),
+                Step::Wake(Some(vec![Tag::Weights])),
+            ],
         };
         match self.rng.below(8) {
             // The RL trainer's sequence.
-            0 | 1 => vec![Step::Pause(PauseMode::Keep, false), Step::Sleep(SleepLevel::L1, PauseMode::Keep), hold]
-                .into_iter()
-                .chain(wake)
-                .chain([Step::Resume])
-                .collect(),
+            0 | 1 => vec![
+                Step::Pause(PauseMode::Keep, false),
+                Step::Sleep(SleepLevel::L1, PauseMode::Keep),
+                hold,
+            ]
+            .into_iter()
+            .chain(wake)
+            .chain([Step::Resume])
+            .collect(),
             2 => vec![Step::Pause(mode, self.rng.chance(0.5)), hold, Step::Resume],
             3 => {
                 let mut s = vec![Step::Sleep(level, mode), hold];
@@ -1269,7 +1709,12 @@ impl World {
                 s.push(Step::Resume);
                 s
             }
-            4 => vec![Step::Pause(PauseMode::Keep, false), Step::ReleaseKv, hold, Step::Resume],
+            4 => vec![
+                Step::Pause(PauseMode::Keep, false),
+                Step::ReleaseKv,
+                hold,
+                Step::Resume,
+            ],
             5 => vec![Step::ResetPrefix(self.rng.chance(0.5))],
             6 => vec![Step::AbortSome],
             _ => {
@@ -1279,7 +1724,11 @@ impl World {
                     self.cluster_weights += 1;
                 }
                 let w = self.cluster_weights;
-                vec![Step::Pause(PauseMode::Keep, false), Step::Reload(w), Step::Resume]
+                vec![
+                    Step::Pause(PauseMode::Keep, false),
+                    Step::Reload(w),
+                    Step::Resume,
+                ]
             }
         }
     }
@@ -1310,33 +1759,60 @@ impl World {
         self.nodes[ix].op.waiting = Some((step.clone(), self.now()));
         let reply = {
             let slot = slot.clone();
-            Box::new(move |r: Result<(), LifecycleError>| *slot.lock().unwrap() = Some(r.map_err(|e| e.to_string())))
+            Box::new(move |r: Result<(), LifecycleError>| {
+                *slot.lock().unwrap() = Some(r.map_err(|e| e.to_string()))
+            })
         };
         let deadline = self.now() + Duration::from_secs(20);
-        if self.faults && matches!(step, Step::Sleep(..) | Step::ReleaseKv) && self.rng.chance(0.2) {
+        if self.faults && matches!(step, Step::Sleep(..) | Step::ReleaseKv) && self.rng.chance(0.2)
+        {
             if let Some(n) = self.node(ix) {
-                n.fail_next_release.store(true, std::sync::atomic::Ordering::Release);
+                n.fail_next_release
+                    .store(true, std::sync::atomic::Ordering::Release);
             }
         }
         let cmd = match step {
-            Step::Pause(mode, clear_cache) => Command::Pause { mode, clear_cache, deadline, reply },
+            Step::Pause(mode, clear_cache) => Command::Pause {
+                mode,
+                clear_cache,
+                deadline,
+                reply,
+            },
             Step::Resume => Command::Resume(reply),
-            Step::Sleep(level, mode) => Command::Sleep { level, mode, deadline, reply },
+            Step::Sleep(level, mode) => Command::Sleep {
+                level,
+                mode,
+                deadline,
+                reply,
+            },
             Step::Wake(tags) => Command::Wake { tags, reply },
             Step::ReleaseKv => Command::ReleaseKv(reply),
-            Step::Reload(w) => {
-                Command::UpdateWeights { path: weights_path(w).into(), version: Some(version(w)), reply }
-            }
+            Step::Reload(w) => Command::UpdateWeights {
+                path: weights_path(w).into(),
+                version: Some(version(w)),
+                reply,
+            },
             Step::ResetPrefix(reset_running) => {
                 let slot = slot.clone();
-                Command::ResetPrefixCache { reset_running, reply: Box::new(move |_| *slot.lock().unwrap() = Some(Ok(()))) }
+                Command::ResetPrefixCache {
+                    reset_running,
+                    reply: Box::new(move |_| *slot.lock().unwrap() = Some(Ok(()))),
+                }
             }
             Step::AbortSome => {
                 let inc = self.nodes[ix].inc;
-                let ids: Vec<String> =
-                    self.calls.values().filter(|c| c.node == ix && c.inc == inc && c.live).map(|c| c.id.clone()).take(3).collect();
+                let ids: Vec<String> = self
+                    .calls
+                    .values()
+                    .filter(|c| c.node == ix && c.inc == inc && c.live)
+                    .map(|c| c.id.clone())
+                    .take(3)
+                    .collect();
                 let slot = slot.clone();
-                Command::AbortRequests { ids, reply: Box::new(move |_| *slot.lock().unwrap() = Some(Ok(()))) }
+                Command::AbortRequests {
+                    ids,
+                    reply: Box::new(move |_| *slot.lock().unwrap() = Some(Ok(()))),
+                }
             }
             Step::Hold(_) => unreachable!("handled above"),
         };
@@ -1347,7 +1823,9 @@ impl World {
 
     /// The operator's call was answered: note it, go on with the script.
     fn answer_operator(&mut self, ix: Ix) {
-        let Some((step, since)) = self.nodes[ix].op.waiting.clone() else { return };
+        let Some((step, since)) = self.nodes[ix].op.waiting.clone() else {
+            return;
+        };
         let answer = self.nodes[ix].op.answer.lock().unwrap().take();
         let Some(answer) = answer else {
             if self.now() - since > Duration::from_secs(60) {
@@ -1403,11 +1881,15 @@ impl World {
         }
         self.report.crashes += 1;
         // Its requests are gone: the proxy's calls to it break.
-        let lost: Vec<(u64, Side)> =
-            self.calls.values_mut().filter(|c| c.node == ix && c.live).map(|c| {
+        let lost: Vec<(u64, Side)> = self
+            .calls
+            .values_mut()
+            .filter(|c| c.node == ix && c.live)
+            .map(|c| {
                 c.live = false;
                 (c.client, c.side)
-            }).collect();
+            })
+            .collect();
         self.nodes[ix].node = None;
         self.nodes[ix].inc += 1;
         self.nodes[ix].op = Operator::default();
@@ -1426,7 +1908,12 @@ impl World {
         }
         let w = self.cluster_weights;
         let s = &self.nodes[ix];
-        let (name, addr, transfer_addr, kv_config) = (s.spec_name.clone(), s.addr.clone(), s.transfer_addr.clone(), s.kv_config.clone());
+        let (name, addr, transfer_addr, kv_config) = (
+            s.spec_name.clone(),
+            s.addr.clone(),
+            s.transfer_addr.clone(),
+            s.kv_config.clone(),
+        );
         let node = self.build_node(&name, &addr, &transfer_addr, &kv_config, w);
         match node {
             Ok(n) => {
@@ -1453,8 +1940,16 @@ impl World {
             }
             let mut script = std::collections::VecDeque::new();
             script.extend([Step::Wake(None), Step::Resume]);
-            if self.node(ix).is_some_and(|n| n.weights != w) || self.node(ix).is_some_and(|n| n.core.lifecycle_status().weights_discarded) {
-                script.extend([Step::Pause(PauseMode::Keep, false), Step::Reload(w), Step::Resume]);
+            if self.node(ix).is_some_and(|n| n.weights != w)
+                || self
+                    .node(ix)
+                    .is_some_and(|n| n.core.lifecycle_status().weights_discarded)
+            {
+                script.extend([
+                    Step::Pause(PauseMode::Keep, false),
+                    Step::Reload(w),
+                    Step::Resume,
+                ]);
             }
             // What a script in progress still had to do is replaced.
             self.nodes[ix].op.script = script;
@@ -1468,7 +1963,10 @@ impl World {
             return false;
         }
         // Nothing on its way: every exchange, write and read has ended.
-        if self.conns.values().any(|c| !c.done) || self.writes.values().any(|w| !w.done) || self.reads.values().any(|r| !r.done) {
+        if self.conns.values().any(|c| !c.done)
+            || self.writes.values().any(|w| !w.done)
+            || self.reads.values().any(|r| !r.done)
+        {
             return false;
         }
         self.nodes.iter().all(|s| {
@@ -1480,7 +1978,11 @@ impl World {
                         && st.kv_blocks_held == 0
                         && st.num_running == 0
                         && st.num_waiting == 0
-                        && n.conn.inspect(|c| c.num_held_blocks() == 0 && c.send_machine().live_pulls() == 0 && c.recv_machine().num_loads() == 0)
+                        && n.conn.inspect(|c| {
+                            c.num_held_blocks() == 0
+                                && c.send_machine().live_pulls() == 0
+                                && c.recv_machine().num_loads() == 0
+                        })
                 })
         })
     }
@@ -1500,14 +2002,26 @@ impl World {
         if !self.report.violations.is_empty() {
             return;
         }
-        let open: Vec<u64> = self.clients.iter().filter(|(_, c)| c.outcome.is_none()).map(|(&k, _)| k).collect();
+        let open: Vec<u64> = self
+            .clients
+            .iter()
+            .filter(|(_, c)| c.outcome.is_none())
+            .map(|(&k, _)| k)
+            .collect();
         if !open.is_empty() {
-            self.violation(format!("liveness: {} client requests never ended (first: {:?})", open.len(), &open[..open.len().min(5)]));
+            self.violation(format!(
+                "liveness: {} client requests never ended (first: {:?})",
+                open.len(),
+                &open[..open.len().min(5)]
+            ));
         }
         for (i, s) in self.nodes.iter().enumerate() {
             let Some(n) = &s.node else { continue };
             let st = n.core.stats();
-            if st.kv_blocks_free != st.kv_blocks_total || st.kv_blocks_held != 0 || st.num_running + st.num_waiting != 0 {
+            if st.kv_blocks_free != st.kv_blocks_total
+                || st.kv_blocks_held != 0
+                || st.num_running + st.num_waiting != 0
+            {
                 let waiting = n.core.scheduler().describe_waiting(4);
                 let what = format!(
                     "liveness: node {i} not quiescent at the end: {st:?}; waiting: {waiting:?}; lifecycle {:?}; runnable {} tick {:?} busy {:?}",
@@ -1519,13 +2033,23 @@ impl World {
                 self.report.violations.push(what);
             }
         }
-        let unanswered =
-            self.conns.values().filter(|c| c.is_pull && c.finals == 0 && !c.broken && self.live(c.to, c.to_inc).is_some()).count();
+        let unanswered = self
+            .conns
+            .values()
+            .filter(|c| {
+                c.is_pull && c.finals == 0 && !c.broken && self.live(c.to, c.to_inc).is_some()
+            })
+            .count();
         if unanswered > 0 && self.report.violations.is_empty() {
-            self.violation(format!("liveness: {unanswered} pulls at a live prefill engine were never answered"));
+            self.violation(format!(
+                "liveness: {unanswered} pulls at a live prefill engine were never answered"
+            ));
         }
         if self.probes.is_empty() {
-            self.violation("liveness: the healed cluster never became quiescent, no probe was sent".to_string());
+            self.violation(
+                "liveness: the healed cluster never became quiescent, no probe was sent"
+                    .to_string(),
+            );
         }
         // After a crash and restart D's cached bootstrap and handshake of
         // the old engine can still fail a first transfer (seeds 108, 143,
@@ -1535,7 +2059,9 @@ impl World {
         let failed: Vec<String> = self
             .probes
             .iter()
-            .filter(|p| self.clients[p].status != Some(200) || self.clients[p].outcome != Some(Outcome::Ok))
+            .filter(|p| {
+                self.clients[p].status != Some(200) || self.clients[p].outcome != Some(Outcome::Ok)
+            })
             .map(|p| {
                 let c = &self.clients[p];
                 let body: String = String::from_utf8_lossy(&c.body).chars().take(300).collect();
@@ -1543,7 +2069,9 @@ impl World {
             })
             .collect();
         if held && !failed.is_empty() {
-            self.violation(format!("liveness: probes of the healed cluster failed: {failed:?}"));
+            self.violation(format!(
+                "liveness: probes of the healed cluster failed: {failed:?}"
+            ));
         }
         // The engines' counters were summed into the report above.
         let loaded = self.report.loads_ok - self.loads_ok_before_probes;
@@ -1552,7 +2080,14 @@ impl World {
                 .nodes
                 .iter()
                 .filter_map(|s| s.node.as_ref())
-                .map(|n| format!("{:?} connector asleep {} weights {}", n.core.lifecycle_status(), n.conn.inspect(|c| c.is_asleep()), n.weights))
+                .map(|n| {
+                    format!(
+                        "{:?} connector asleep {} weights {}",
+                        n.core.lifecycle_status(),
+                        n.conn.inspect(|c| c.is_asleep()),
+                        n.weights
+                    )
+                })
                 .collect();
             self.violation(format!(
                 "liveness: {PROBES} probes of the healed cluster, {loaded} KV loads from P (the rest computed on D); loads now ok/released/failed {}/{}/{}; prefills skipped {}; nodes: {states:?}",

@@ -27,9 +27,16 @@ fn fixed_seeds_hold_every_safety_and_liveness_check() {
             bad.push(format!("{}\n  {}", r.line(), r.violations.join("\n  ")));
         }
     }
-    assert!(bad.is_empty(), "replay with `cargo run --release -p pdkv-sim -- --seeds N --verbose`:\n{}", bad.join("\n"));
+    assert!(
+        bad.is_empty(),
+        "replay with `cargo run --release -p pdkv-sim -- --seeds N --verbose`:\n{}",
+        bad.join("\n")
+    );
     // The runs did real work: transfers moved KV and outputs were compared.
-    assert!(events > 100_000 && checked > 1000 && frames > 1000, "events {events}, outputs checked {checked}, KV frames {frames}");
+    assert!(
+        events > 100_000 && checked > 1000 && frames > 1000,
+        "events {events}, outputs checked {checked}, KV frames {frames}"
+    );
 }
 
 #[test]
@@ -40,6 +47,10 @@ fn a_seed_replays_exactly() {
         let b = run(Options::for_seed(seed));
         assert!(a.ok(), "{}", a.line());
         assert_eq!(a.line(), b.line(), "seed {seed} did not replay");
-        assert_eq!((a.events, a.trace), (b.events, b.trace), "seed {seed}: the event sequence differs");
+        assert_eq!(
+            (a.events, a.trace),
+            (b.events, b.trace),
+            "seed {seed}: the event sequence differs"
+        );
     }
 }

@@ -97,7 +97,11 @@ pub struct KvSecret {
 
 impl fmt::Debug for KvSecret {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(if self.key.is_some() { "KvSecret(set)" } else { "KvSecret(open)" })
+        f.write_str(if self.key.is_some() {
+            "KvSecret(set)"
+        } else {
+            "KvSecret(open)"
+        })
     }
 }
 
@@ -116,9 +120,14 @@ impl KvSecret {
     /// A secret of at least [`MIN_SECRET_LEN`] bytes.
     pub fn new(secret: &str) -> Result<KvSecret, String> {
         if secret.len() < MIN_SECRET_LEN {
-            return Err(format!("the KV secret must be at least {MIN_SECRET_LEN} bytes long (got {})", secret.len()));
+            return Err(format!(
+                "the KV secret must be at least {MIN_SECRET_LEN} bytes long (got {})",
+                secret.len()
+            ));
         }
-        Ok(KvSecret { key: Some(secret.as_bytes().to_vec()) })
+        Ok(KvSecret {
+            key: Some(secret.as_bytes().to_vec()),
+        })
     }
 
     /// A fresh random secret (64 hex digits), for a deployment that makes its own.
@@ -134,7 +143,8 @@ impl KvSecret {
 
     fn mac(&self, label: &[u8], port: Port, nonce_c: &[u8], nonce_s: &[u8]) -> Hmac<Sha256> {
         let key = self.key.as_deref().unwrap_or(&[]);
-        let mut m = <Hmac<Sha256> as KeyInit>::new_from_slice(key).expect("HMAC takes a key of any length");
+        let mut m =
+            <Hmac<Sha256> as KeyInit>::new_from_slice(key).expect("HMAC takes a key of any length");
         m.update(label);
         m.update(&[port as u8]);
         m.update(nonce_c);
@@ -248,7 +258,11 @@ impl ClientHandshake {
     }
 
     /// Checks the server's challenge; the proof to send.
-    pub fn on_challenge(&self, secret: &KvSecret, ch: &[u8; CHALLENGE_LEN]) -> Result<[u8; PROOF_LEN], AuthError> {
+    pub fn on_challenge(
+        &self,
+        secret: &KvSecret,
+        ch: &[u8; CHALLENGE_LEN],
+    ) -> Result<[u8; PROOF_LEN], AuthError> {
         check_denied(ch)?;
         if &ch[..8] != CHALLENGE {
             return Err(AuthError::NotHandshake);
@@ -258,7 +272,10 @@ impl ClientHandshake {
             .mac(SERVER_LABEL, self.port, &self.nonce_c, nonce_s)
             .verify_slice(&ch[8 + NONCE..])
             .map_err(|_| AuthError::ServerNotAuthentic)?;
-        let mac_c = secret.mac(CLIENT_LABEL, self.port, &self.nonce_c, nonce_s).finalize().into_bytes();
+        let mac_c = secret
+            .mac(CLIENT_LABEL, self.port, &self.nonce_c, nonce_s)
+            .finalize()
+            .into_bytes();
         let mut proof = [0u8; PROOF_LEN];
         proof[..8].copy_from_slice(PROOF);
         proof[8..].copy_from_slice(&mac_c);
@@ -302,24 +319,51 @@ impl ServerHandshake {
         }
         match Port::from_u8(hello[9]) {
             Some(p) if p == port => {}
-            Some(p) => return Err(refuse(AuthError::WrongPort { expected: port, asked: p.to_string() })),
-            None => return Err(refuse(AuthError::WrongPort { expected: port, asked: format!("unknown ({})", hello[9]) })),
+            Some(p) => {
+                return Err(refuse(AuthError::WrongPort {
+                    expected: port,
+                    asked: p.to_string(),
+                }))
+            }
+            None => {
+                return Err(refuse(AuthError::WrongPort {
+                    expected: port,
+                    asked: format!("unknown ({})", hello[9]),
+                }))
+            }
         }
         let mut nonce_c = [0u8; NONCE];
         nonce_c.copy_from_slice(&hello[16..]);
         let nonce_s = nonce().map_err(|e| (e, deny(Denial::NotHandshake, CHALLENGE_LEN)))?;
-        let mac_s = secret.mac(SERVER_LABEL, port, &nonce_c, &nonce_s).finalize().into_bytes();
+        let mac_s = secret
+            .mac(SERVER_LABEL, port, &nonce_c, &nonce_s)
+            .finalize()
+            .into_bytes();
         let mut ch = [0u8; CHALLENGE_LEN];
         ch[..8].copy_from_slice(CHALLENGE);
         ch[8..8 + NONCE].copy_from_slice(&nonce_s);
         ch[8 + NONCE..].copy_from_slice(&mac_s);
-        Ok((ServerHandshake { port, nonce_c, nonce_s }, ch))
+        Ok((
+            ServerHandshake {
+                port,
+                nonce_c,
+                nonce_s,
+            },
+            ch,
+        ))
     }
 
     /// Checks the client's proof: the verdict to send either way.
-    pub fn on_proof(&self, secret: &KvSecret, proof: &[u8; PROOF_LEN]) -> (Result<(), AuthError>, [u8; VERDICT_LEN]) {
+    pub fn on_proof(
+        &self,
+        secret: &KvSecret,
+        proof: &[u8; PROOF_LEN],
+    ) -> (Result<(), AuthError>, [u8; VERDICT_LEN]) {
         let ok = &proof[..8] == PROOF
-            && secret.mac(CLIENT_LABEL, self.port, &self.nonce_c, &self.nonce_s).verify_slice(&proof[8..]).is_ok();
+            && secret
+                .mac(CLIENT_LABEL, self.port, &self.nonce_c, &self.nonce_s)
+                .verify_slice(&proof[8..])
+                .is_ok();
         let mut v = [0u8; VERDICT_LEN];
         if ok {
             v[..8].copy_from_slice(OKAY);
@@ -335,8 +379,13 @@ fn io_err(what: &str, e: std::io::Error) -> AuthError {
     AuthError::Io(format!("{what}: {e}"))
 }
 
-async fn bounded<T>(limit: Duration, f: impl std::future::Future<Output = Result<T, AuthError>>) -> Result<T, AuthError> {
-    tokio::time::timeout(limit, f).await.map_err(|_| AuthError::Timeout(limit))?
+async fn bounded<T>(
+    limit: Duration,
+    f: impl std::future::Future<Output = Result<T, AuthError>>,
+) -> Result<T, AuthError> {
+    tokio::time::timeout(limit, f)
+        .await
+        .map_err(|_| AuthError::Timeout(limit))?
 }
 
 /// The server's side on a tokio stream, all of it within `limit`.
@@ -362,10 +411,14 @@ pub async fn accept_after<S: AsyncRead + AsyncWrite + Unpin>(
         let mut hello = [0u8; HELLO_LEN];
         let n = prefix.len().min(HELLO_LEN);
         hello[..n].copy_from_slice(&prefix[..n]);
-        s.read_exact(&mut hello[n..]).await.map_err(|e| io_err("reading the hello", e))?;
+        s.read_exact(&mut hello[n..])
+            .await
+            .map_err(|e| io_err("reading the hello", e))?;
         let hs = match ServerHandshake::on_hello(secret, port, &hello) {
             Ok((hs, ch)) => {
-                s.write_all(&ch).await.map_err(|e| io_err("sending the challenge", e))?;
+                s.write_all(&ch)
+                    .await
+                    .map_err(|e| io_err("sending the challenge", e))?;
                 hs
             }
             Err((e, denial)) => {
@@ -374,9 +427,14 @@ pub async fn accept_after<S: AsyncRead + AsyncWrite + Unpin>(
             }
         };
         let mut proof = [0u8; PROOF_LEN];
-        s.read_exact(&mut proof).await.map_err(|e| io_err("reading the proof", e))?;
+        s.read_exact(&mut proof)
+            .await
+            .map_err(|e| io_err("reading the proof", e))?;
         let (r, verdict) = hs.on_proof(secret, &proof);
-        let w = s.write_all(&verdict).await.map_err(|e| io_err("sending the verdict", e));
+        let w = s
+            .write_all(&verdict)
+            .await
+            .map_err(|e| io_err("sending the verdict", e));
         r.and(w)
     })
     .await
@@ -391,19 +449,32 @@ pub async fn connect<S: AsyncRead + AsyncWrite + Unpin>(
 ) -> Result<(), AuthError> {
     bounded(limit, async {
         let (hs, hello) = ClientHandshake::new(port)?;
-        s.write_all(&hello).await.map_err(|e| io_err("sending the hello", e))?;
+        s.write_all(&hello)
+            .await
+            .map_err(|e| io_err("sending the hello", e))?;
         let mut ch = [0u8; CHALLENGE_LEN];
-        s.read_exact(&mut ch).await.map_err(|e| io_err("reading the challenge", e))?;
+        s.read_exact(&mut ch)
+            .await
+            .map_err(|e| io_err("reading the challenge", e))?;
         let proof = hs.on_challenge(secret, &ch)?;
-        s.write_all(&proof).await.map_err(|e| io_err("sending the proof", e))?;
+        s.write_all(&proof)
+            .await
+            .map_err(|e| io_err("sending the proof", e))?;
         let mut v = [0u8; VERDICT_LEN];
-        s.read_exact(&mut v).await.map_err(|e| io_err("reading the verdict", e))?;
+        s.read_exact(&mut v)
+            .await
+            .map_err(|e| io_err("reading the verdict", e))?;
         hs.on_verdict(&v)
     })
     .await
 }
 
-fn read_blocking(s: &mut impl Read, buf: &mut [u8], what: &str, limit: Duration) -> Result<(), AuthError> {
+fn read_blocking(
+    s: &mut impl Read,
+    buf: &mut [u8],
+    what: &str,
+    limit: Duration,
+) -> Result<(), AuthError> {
     s.read_exact(buf).map_err(|e| match e.kind() {
         std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut => AuthError::Timeout(limit),
         _ => io_err(what, e),
@@ -412,12 +483,18 @@ fn read_blocking(s: &mut impl Read, buf: &mut [u8], what: &str, limit: Duration)
 
 /// The server's side on a blocking stream whose read and write timeouts
 /// the caller set to `limit`.
-pub fn accept_blocking(s: &mut (impl Read + Write), secret: &KvSecret, port: Port, limit: Duration) -> Result<(), AuthError> {
+pub fn accept_blocking(
+    s: &mut (impl Read + Write),
+    secret: &KvSecret,
+    port: Port,
+    limit: Duration,
+) -> Result<(), AuthError> {
     let mut hello = [0u8; HELLO_LEN];
     read_blocking(s, &mut hello, "reading the hello", limit)?;
     let hs = match ServerHandshake::on_hello(secret, port, &hello) {
         Ok((hs, ch)) => {
-            s.write_all(&ch).map_err(|e| io_err("sending the challenge", e))?;
+            s.write_all(&ch)
+                .map_err(|e| io_err("sending the challenge", e))?;
             hs
         }
         Err((e, denial)) => {
@@ -428,19 +505,28 @@ pub fn accept_blocking(s: &mut (impl Read + Write), secret: &KvSecret, port: Por
     let mut proof = [0u8; PROOF_LEN];
     read_blocking(s, &mut proof, "reading the proof", limit)?;
     let (r, verdict) = hs.on_proof(secret, &proof);
-    let w = s.write_all(&verdict).map_err(|e| io_err("sending the verdict", e));
+    let w = s
+        .write_all(&verdict)
+        .map_err(|e| io_err("sending the verdict", e));
     r.and(w)
 }
 
 /// The client's side on a blocking stream whose read and write timeouts
 /// the caller set to `limit`.
-pub fn connect_blocking(s: &mut (impl Read + Write), secret: &KvSecret, port: Port, limit: Duration) -> Result<(), AuthError> {
+pub fn connect_blocking(
+    s: &mut (impl Read + Write),
+    secret: &KvSecret,
+    port: Port,
+    limit: Duration,
+) -> Result<(), AuthError> {
     let (hs, hello) = ClientHandshake::new(port)?;
-    s.write_all(&hello).map_err(|e| io_err("sending the hello", e))?;
+    s.write_all(&hello)
+        .map_err(|e| io_err("sending the hello", e))?;
     let mut ch = [0u8; CHALLENGE_LEN];
     read_blocking(s, &mut ch, "reading the challenge", limit)?;
     let proof = hs.on_challenge(secret, &ch)?;
-    s.write_all(&proof).map_err(|e| io_err("sending the proof", e))?;
+    s.write_all(&proof)
+        .map_err(|e| io_err("sending the proof", e))?;
     let mut v = [0u8; VERDICT_LEN];
     read_blocking(s, &mut v, "reading the verdict", limit)?;
     hs.on_verdict(&v)
@@ -455,7 +541,12 @@ mod tests {
     }
 
     /// Runs both sides in memory; the client's and the server's results.
-    fn run(client: &KvSecret, cport: Port, server: &KvSecret, sport: Port) -> (Result<(), AuthError>, Result<(), AuthError>) {
+    fn run(
+        client: &KvSecret,
+        cport: Port,
+        server: &KvSecret,
+        sport: Port,
+    ) -> (Result<(), AuthError>, Result<(), AuthError>) {
         let (c, hello) = ClientHandshake::new(cport).unwrap();
         let (s, ch) = match ServerHandshake::on_hello(server, sport, &hello) {
             Ok(v) => v,
@@ -476,15 +567,32 @@ mod tests {
     fn equal_secrets_pass_and_unequal_ones_are_named_on_both_sides() {
         let a = secret("0123456789abcdef-one");
         let b = secret("0123456789abcdef-two");
-        assert_eq!(run(&a, Port::Transfer, &a, Port::Transfer), (Ok(()), Ok(())));
-        assert_eq!(run(&KvSecret::open(), Port::Control, &KvSecret::open(), Port::Control), (Ok(()), Ok(())));
+        assert_eq!(
+            run(&a, Port::Transfer, &a, Port::Transfer),
+            (Ok(()), Ok(()))
+        );
+        assert_eq!(
+            run(
+                &KvSecret::open(),
+                Port::Control,
+                &KvSecret::open(),
+                Port::Control
+            ),
+            (Ok(()), Ok(()))
+        );
         // The client finds out first: the server's MAC does not match its key.
         let (c, s) = run(&a, Port::Transfer, &b, Port::Transfer);
         assert_eq!(c, Err(AuthError::ServerNotAuthentic));
         assert!(s.is_err());
         // An open client against a server with a secret, and the reverse.
-        assert_eq!(run(&KvSecret::open(), Port::Control, &a, Port::Control).0, Err(AuthError::ServerNotAuthentic));
-        assert_eq!(run(&a, Port::Control, &KvSecret::open(), Port::Control).0, Err(AuthError::ServerNotAuthentic));
+        assert_eq!(
+            run(&KvSecret::open(), Port::Control, &a, Port::Control).0,
+            Err(AuthError::ServerNotAuthentic)
+        );
+        assert_eq!(
+            run(&a, Port::Control, &KvSecret::open(), Port::Control).0,
+            Err(AuthError::ServerNotAuthentic)
+        );
     }
 
     #[test]
@@ -492,7 +600,16 @@ mod tests {
         let a = secret("0123456789abcdef");
         let (c, s) = run(&a, Port::Control, &a, Port::Transfer);
         assert_eq!(c, Err(AuthError::Refused(Denial::WrongPort)));
-        assert!(matches!(s, Err(AuthError::WrongPort { expected: Port::Transfer, .. })), "{s:?}");
+        assert!(
+            matches!(
+                s,
+                Err(AuthError::WrongPort {
+                    expected: Port::Transfer,
+                    ..
+                })
+            ),
+            "{s:?}"
+        );
     }
 
     #[test]
@@ -534,7 +651,10 @@ mod tests {
             if let Ok((s, _)) = r {
                 // Only a well-formed hello gets a challenge, and junk as a proof fails.
                 assert_eq!(hello[8], VERSION);
-                assert_eq!(s.on_proof(&a, &[7u8; PROOF_LEN]).0, Err(AuthError::BadProof));
+                assert_eq!(
+                    s.on_proof(&a, &[7u8; PROOF_LEN]).0,
+                    Err(AuthError::BadProof)
+                );
             }
         }
     }
@@ -546,6 +666,9 @@ mod tests {
         assert_eq!(g1.len(), 64);
         assert_ne!(g1, g2);
         assert!(KvSecret::new(&g1).is_ok());
-        assert_eq!(format!("{:?}", KvSecret::new(&g1).unwrap()), "KvSecret(set)");
+        assert_eq!(
+            format!("{:?}", KvSecret::new(&g1).unwrap()),
+            "KvSecret(set)"
+        );
     }
 }

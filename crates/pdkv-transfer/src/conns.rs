@@ -79,7 +79,8 @@ impl ConnSlots {
     /// at the cap), or `None` when every slot is held by a proven connection.
     pub async fn admit(self: &Arc<Self>, source: IpAddr) -> Option<(Slot, Admitted)> {
         let mut how = Admitted::Free;
-        if self.unproven_from(source) >= self.per_source && self.evict_oldest_unproven(Some(source)) {
+        if self.unproven_from(source) >= self.per_source && self.evict_oldest_unproven(Some(source))
+        {
             how = Admitted::EvictedOwn;
         }
         let permit = match self.permits.clone().try_acquire_owned() {
@@ -91,20 +92,40 @@ impl ConnSlots {
                     }
                     how = Admitted::Evicted;
                 }
-                tokio::time::timeout(EVICT_WAIT, self.permits.clone().acquire_owned()).await.ok()?.ok()?
+                tokio::time::timeout(EVICT_WAIT, self.permits.clone().acquire_owned())
+                    .await
+                    .ok()?
+                    .ok()?
             }
         };
         let proven = Arc::new(AtomicBool::new(false));
         let mut t = self.table.lock().unwrap();
         let id = t.0;
         t.0 += 1;
-        t.1.insert(id, Entry { source, proven: proven.clone(), task: None });
-        Some((Slot { id, proven, owner: self.clone(), _permit: permit }, how))
+        t.1.insert(
+            id,
+            Entry {
+                source,
+                proven: proven.clone(),
+                task: None,
+            },
+        );
+        Some((
+            Slot {
+                id,
+                proven,
+                owner: self.clone(),
+                _permit: permit,
+            },
+            how,
+        ))
     }
 
     fn unproven_from(&self, source: IpAddr) -> usize {
         let t = self.table.lock().unwrap();
-        t.1.values().filter(|e| e.source == source && !e.proven.load(Ordering::Relaxed)).count()
+        t.1.values()
+            .filter(|e| e.source == source && !e.proven.load(Ordering::Relaxed))
+            .count()
     }
 
     /// Names the task serving `slot`'s connection (what an eviction aborts).
@@ -117,15 +138,18 @@ impl ConnSlots {
     /// Closes the oldest unproven connection (of `source` only, if named).
     fn evict_oldest_unproven(&self, source: Option<IpAddr>) -> bool {
         let mut t = self.table.lock().unwrap();
-        let oldest = t
-            .1
-            .iter()
-            .find(|(_, e)| {
-                !e.proven.load(Ordering::Relaxed) && e.task.is_some() && source.is_none_or(|s| s == e.source)
-            })
-            .map(|(&id, _)| id);
+        let oldest =
+            t.1.iter()
+                .find(|(_, e)| {
+                    !e.proven.load(Ordering::Relaxed)
+                        && e.task.is_some()
+                        && source.is_none_or(|s| s == e.source)
+                })
+                .map(|(&id, _)| id);
         match oldest.and_then(|id| t.1.remove(&id)) {
-            Some(Entry { task: Some(task), .. }) => {
+            Some(Entry {
+                task: Some(task), ..
+            }) => {
                 task.abort();
                 true
             }
@@ -205,10 +229,12 @@ mod tests {
         let slots = ConnSlots::new(16, 2);
         let other = IpAddr::V4(std::net::Ipv4Addr::new(10, 0, 0, 2));
         // Each parked task holds its slot, as a served connection does.
-        let park = |slot: Slot| tokio::spawn(async move {
-            let _slot = slot;
-            std::future::pending::<()>().await
-        });
+        let park = |slot: Slot| {
+            tokio::spawn(async move {
+                let _slot = slot;
+                std::future::pending::<()>().await
+            })
+        };
         let mut held = Vec::new();
         for src in [other, LOCAL, LOCAL] {
             let (slot, how) = slots.admit(src).await.unwrap();

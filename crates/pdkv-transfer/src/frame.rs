@@ -38,7 +38,11 @@ pub struct Limits {
 
 impl Default for Limits {
     fn default() -> Self {
-        Limits { max_data: 4 << 20, max_notify: 64 << 10, max_map_chunks: 16 << 10 }
+        Limits {
+            max_data: 4 << 20,
+            max_notify: 64 << 10,
+            max_map_chunks: 16 << 10,
+        }
     }
 }
 
@@ -78,25 +82,61 @@ pub enum RemoteError {
 /// One decoded header; `data_len()` bytes of data follow it on the wire.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Header {
-    Hello { agent: u64 },
-    WriteReq { op: u64, target: Target },
-    ReadReq { op: u64, target: Target },
-    WriteAck { op: u64 },
-    ReadResp { op: u64, len: u32 },
-    Error { op: u64, error: RemoteError },
-    Notify { op: u64, len: u32 },
-    NotifyAck { op: u64 },
-    Unmap { op: u64, segment: u64 },
-    UnmapAck { op: u64, segment: u64 },
+    Hello {
+        agent: u64,
+    },
+    WriteReq {
+        op: u64,
+        target: Target,
+    },
+    ReadReq {
+        op: u64,
+        target: Target,
+    },
+    WriteAck {
+        op: u64,
+    },
+    ReadResp {
+        op: u64,
+        len: u32,
+    },
+    Error {
+        op: u64,
+        error: RemoteError,
+    },
+    Notify {
+        op: u64,
+        len: u32,
+    },
+    NotifyAck {
+        op: u64,
+    },
+    Unmap {
+        op: u64,
+        segment: u64,
+    },
+    UnmapAck {
+        op: u64,
+        segment: u64,
+    },
     /// Shared memory: ask for the memfds of a whole registration (`target.len` is its length).
-    MapReq { op: u64, target: Target },
+    MapReq {
+        op: u64,
+        target: Target,
+    },
     /// Shared memory: the layout's head ([`MAP_RESP_LEN`] bytes) follows;
     /// the memfds come in the `MapPart`s after it.
-    MapResp { op: u64, len: u32 },
+    MapResp {
+        op: u64,
+        len: u32,
+    },
     /// Shared memory: one batch of a map reply, `len` bytes (at most
     /// [`MAX_MAP_PART_LEN`]) naming the chunks whose memfds ride along
     /// (SCM_RIGHTS, at most [`MAX_PART_FDS`]).
-    MapPart { op: u64, len: u32 },
+    MapPart {
+        op: u64,
+        len: u32,
+    },
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
@@ -160,10 +200,18 @@ fn error_to_raw(e: &RemoteError, r: &mut Raw) {
         RemoteError::Access(AccessError::NotRegistered { segment }) => (2, segment, 0, 0),
         RemoteError::Access(AccessError::BadKey { segment }) => (3, segment, 0, 0),
         RemoteError::Access(AccessError::StaleEpoch { have, want }) => (4, have, want, 0),
-        RemoteError::Access(AccessError::OutOfBounds { offset, len, registered }) => (5, offset, len, registered),
+        RemoteError::Access(AccessError::OutOfBounds {
+            offset,
+            len,
+            registered,
+        }) => (5, offset, len, registered),
         RemoteError::Busy => (6, 0, 0, 0),
         RemoteError::TooManyChunks { chunks, limit } => (7, chunks, limit, 0),
-        RemoteError::Access(AccessError::OutsideGrant { segment, offset, len }) => (8, segment, offset, len),
+        RemoteError::Access(AccessError::OutsideGrant {
+            segment,
+            offset,
+            len,
+        }) => (8, segment, offset, len),
     };
     r.code = code;
     (r.segment, r.offset, r.len) = (a, b, c);
@@ -176,10 +224,23 @@ fn error_from_raw(r: &Raw) -> Result<RemoteError, FrameError> {
         2 => AccessError::NotRegistered { segment: a }.into(),
         3 => AccessError::BadKey { segment: a }.into(),
         4 => AccessError::StaleEpoch { have: a, want: b }.into(),
-        5 => AccessError::OutOfBounds { offset: a, len: b, registered: c }.into(),
+        5 => AccessError::OutOfBounds {
+            offset: a,
+            len: b,
+            registered: c,
+        }
+        .into(),
         6 => RemoteError::Busy,
-        7 => RemoteError::TooManyChunks { chunks: a, limit: b },
-        8 => AccessError::OutsideGrant { segment: a, offset: b, len: c }.into(),
+        7 => RemoteError::TooManyChunks {
+            chunks: a,
+            limit: b,
+        },
+        8 => AccessError::OutsideGrant {
+            segment: a,
+            offset: b,
+            len: c,
+        }
+        .into(),
         other => return Err(FrameError::BadCode(other)),
     })
 }
@@ -202,7 +263,8 @@ impl Header {
     pub fn encode(&self) -> [u8; HEADER_LEN] {
         let mut r = Raw::default();
         let set_target = |r: &mut Raw, t: &Target| {
-            (r.segment, r.key, r.epoch, r.offset, r.len) = (t.segment, t.key, t.epoch, t.offset, t.len);
+            (r.segment, r.key, r.epoch, r.offset, r.len) =
+                (t.segment, t.key, t.epoch, t.offset, t.len);
         };
         match self {
             Header::Hello { agent } => {
@@ -218,21 +280,31 @@ impl Header {
                 set_target(&mut r, target);
             }
             Header::WriteAck { op } => (r.kind, r.op) = (kind::WRITE_ACK, *op),
-            Header::ReadResp { op, len } => (r.kind, r.op, r.len) = (kind::READ_RESP, *op, *len as u64),
+            Header::ReadResp { op, len } => {
+                (r.kind, r.op, r.len) = (kind::READ_RESP, *op, *len as u64)
+            }
             Header::Error { op, error } => {
                 (r.kind, r.op) = (kind::ERROR, *op);
                 error_to_raw(error, &mut r);
             }
             Header::Notify { op, len } => (r.kind, r.op, r.len) = (kind::NOTIFY, *op, *len as u64),
             Header::NotifyAck { op } => (r.kind, r.op) = (kind::NOTIFY_ACK, *op),
-            Header::Unmap { op, segment } => (r.kind, r.op, r.segment) = (kind::UNMAP, *op, *segment),
-            Header::UnmapAck { op, segment } => (r.kind, r.op, r.segment) = (kind::UNMAP_ACK, *op, *segment),
+            Header::Unmap { op, segment } => {
+                (r.kind, r.op, r.segment) = (kind::UNMAP, *op, *segment)
+            }
+            Header::UnmapAck { op, segment } => {
+                (r.kind, r.op, r.segment) = (kind::UNMAP_ACK, *op, *segment)
+            }
             Header::MapReq { op, target } => {
                 (r.kind, r.op) = (kind::MAP_REQ, *op);
                 set_target(&mut r, target);
             }
-            Header::MapResp { op, len } => (r.kind, r.op, r.len) = (kind::MAP_RESP, *op, *len as u64),
-            Header::MapPart { op, len } => (r.kind, r.op, r.len) = (kind::MAP_PART, *op, *len as u64),
+            Header::MapResp { op, len } => {
+                (r.kind, r.op, r.len) = (kind::MAP_RESP, *op, *len as u64)
+            }
+            Header::MapPart { op, len } => {
+                (r.kind, r.op, r.len) = (kind::MAP_PART, *op, *len as u64)
+            }
         }
         r.data_len = self.data_len() as u32;
         let mut b = [0u8; HEADER_LEN];
@@ -241,7 +313,14 @@ impl Header {
         b[5] = r.kind;
         b[6..8].copy_from_slice(&r.code.to_le_bytes());
         b[8..12].copy_from_slice(&r.data_len.to_le_bytes());
-        for (at, v) in [(16, r.op), (24, r.segment), (32, r.key), (40, r.epoch), (48, r.offset), (56, r.len)] {
+        for (at, v) in [
+            (16, r.op),
+            (24, r.segment),
+            (32, r.key),
+            (40, r.epoch),
+            (48, r.offset),
+            (56, r.len),
+        ] {
             b[at..at + 8].copy_from_slice(&v.to_le_bytes());
         }
         b
@@ -274,10 +353,19 @@ impl Header {
             if data == want && want <= limit {
                 Ok(())
             } else {
-                Err(FrameError::BadLength { len: data.max(want), limit })
+                Err(FrameError::BadLength {
+                    len: data.max(want),
+                    limit,
+                })
             }
         };
-        let target = Target { segment: r.segment, key: r.key, epoch: r.epoch, offset: r.offset, len: r.len };
+        let target = Target {
+            segment: r.segment,
+            key: r.key,
+            epoch: r.epoch,
+            offset: r.offset,
+            len: r.len,
+        };
         let max_data = limits.max_data as u64;
         let h = match r.kind {
             kind::HELLO => {
@@ -291,7 +379,10 @@ impl Header {
             kind::READ_REQ => {
                 expect(0, 0)?;
                 if r.len > max_data {
-                    return Err(FrameError::BadLength { len: r.len, limit: max_data });
+                    return Err(FrameError::BadLength {
+                        len: r.len,
+                        limit: max_data,
+                    });
                 }
                 Header::ReadReq { op: r.op, target }
             }
@@ -301,15 +392,24 @@ impl Header {
             }
             kind::READ_RESP => {
                 expect(r.len, max_data)?;
-                Header::ReadResp { op: r.op, len: r.data_len }
+                Header::ReadResp {
+                    op: r.op,
+                    len: r.data_len,
+                }
             }
             kind::ERROR => {
                 expect(0, 0)?;
-                Header::Error { op: r.op, error: error_from_raw(&r)? }
+                Header::Error {
+                    op: r.op,
+                    error: error_from_raw(&r)?,
+                }
             }
             kind::NOTIFY => {
                 expect(r.len, limits.max_notify as u64)?;
-                Header::Notify { op: r.op, len: r.data_len }
+                Header::Notify {
+                    op: r.op,
+                    len: r.data_len,
+                }
             }
             kind::NOTIFY_ACK => {
                 expect(0, 0)?;
@@ -317,11 +417,17 @@ impl Header {
             }
             kind::UNMAP => {
                 expect(0, 0)?;
-                Header::Unmap { op: r.op, segment: r.segment }
+                Header::Unmap {
+                    op: r.op,
+                    segment: r.segment,
+                }
             }
             kind::UNMAP_ACK => {
                 expect(0, 0)?;
-                Header::UnmapAck { op: r.op, segment: r.segment }
+                Header::UnmapAck {
+                    op: r.op,
+                    segment: r.segment,
+                }
             }
             kind::MAP_REQ => {
                 expect(0, 0)?;
@@ -329,15 +435,24 @@ impl Header {
             }
             kind::MAP_RESP => {
                 expect(MAP_RESP_LEN as u64, MAP_RESP_LEN as u64)?;
-                Header::MapResp { op: r.op, len: r.data_len }
+                Header::MapResp {
+                    op: r.op,
+                    len: r.data_len,
+                }
             }
             kind::MAP_PART => {
                 // The first chunk's index and at least one length, in whole words.
                 if data < 16 || !data.is_multiple_of(8) {
-                    return Err(FrameError::BadLength { len: data, limit: MAX_MAP_PART_LEN as u64 });
+                    return Err(FrameError::BadLength {
+                        len: data,
+                        limit: MAX_MAP_PART_LEN as u64,
+                    });
                 }
                 expect(r.len, MAX_MAP_PART_LEN as u64)?;
-                Header::MapPart { op: r.op, len: r.data_len }
+                Header::MapPart {
+                    op: r.op,
+                    len: r.data_len,
+                }
             }
             other => return Err(FrameError::BadKind(other)),
         };
@@ -377,11 +492,20 @@ pub struct Decoder {
 
 impl Decoder {
     pub fn new(limits: Limits) -> Decoder {
-        Decoder { limits, buf: Vec::new(), start: 0, failed: None }
+        Decoder {
+            limits,
+            buf: Vec::new(),
+            start: 0,
+            failed: None,
+        }
     }
 
     fn capacity(&self) -> usize {
-        let largest = self.limits.max_data.max(self.limits.max_notify).max(MAX_MAP_PART_LEN);
+        let largest = self
+            .limits
+            .max_data
+            .max(self.limits.max_notify)
+            .max(MAX_MAP_PART_LEN);
         2 * (HEADER_LEN + largest as usize)
     }
 
@@ -436,31 +560,92 @@ mod tests {
     use crate::registry::splitmix64;
 
     fn samples() -> Vec<Frame> {
-        let t = Target { segment: 3, key: 0xdead_beef, epoch: 2, offset: 4096, len: 5 };
+        let t = Target {
+            segment: 3,
+            key: 0xdead_beef,
+            epoch: 2,
+            offset: 4096,
+            len: 5,
+        };
         vec![
             Frame::new(Header::Hello { agent: 42 }, vec![]),
             Frame::new(Header::WriteReq { op: 1, target: t }, vec![1, 2, 3, 4, 5]),
-            Frame::new(Header::ReadReq { op: 2, target: Target { len: 1 << 20, ..t } }, vec![]),
-            Frame::new(Header::WriteAck { op: 1 }, vec![]),
-            Frame::new(Header::ReadResp { op: 2, len: 3 }, vec![7, 8, 9]),
-            Frame::new(Header::Error { op: 9, error: AccessError::StaleEpoch { have: 1, want: 2 }.into() }, vec![]),
             Frame::new(
-                Header::Error {
-                    op: 9,
-                    error: AccessError::OutOfBounds { offset: 10, len: 20, registered: 25 }.into(),
+                Header::ReadReq {
+                    op: 2,
+                    target: Target { len: 1 << 20, ..t },
                 },
                 vec![],
             ),
-            Frame::new(Header::Error { op: 9, error: RemoteError::Busy }, vec![]),
-            Frame::new(Header::Error { op: 9, error: AccessError::OutsideGrant { segment: 3, offset: 7, len: 9 }.into() }, vec![]),
+            Frame::new(Header::WriteAck { op: 1 }, vec![]),
+            Frame::new(Header::ReadResp { op: 2, len: 3 }, vec![7, 8, 9]),
+            Frame::new(
+                Header::Error {
+                    op: 9,
+                    error: AccessError::StaleEpoch { have: 1, want: 2 }.into(),
+                },
+                vec![],
+            ),
+            Frame::new(
+                Header::Error {
+                    op: 9,
+                    error: AccessError::OutOfBounds {
+                        offset: 10,
+                        len: 20,
+                        registered: 25,
+                    }
+                    .into(),
+                },
+                vec![],
+            ),
+            Frame::new(
+                Header::Error {
+                    op: 9,
+                    error: RemoteError::Busy,
+                },
+                vec![],
+            ),
+            Frame::new(
+                Header::Error {
+                    op: 9,
+                    error: AccessError::OutsideGrant {
+                        segment: 3,
+                        offset: 7,
+                        len: 9,
+                    }
+                    .into(),
+                },
+                vec![],
+            ),
             Frame::new(Header::Notify { op: 4, len: 2 }, b"ok".to_vec()),
             Frame::new(Header::NotifyAck { op: 4 }, vec![]),
             Frame::new(Header::Unmap { op: 5, segment: 3 }, vec![]),
             Frame::new(Header::UnmapAck { op: 5, segment: 3 }, vec![]),
-            Frame::new(Header::MapReq { op: 6, target: Target { offset: 0, ..t } }, vec![]),
-            Frame::new(Header::MapResp { op: 6, len: MAP_RESP_LEN }, vec![3; MAP_RESP_LEN as usize]),
+            Frame::new(
+                Header::MapReq {
+                    op: 6,
+                    target: Target { offset: 0, ..t },
+                },
+                vec![],
+            ),
+            Frame::new(
+                Header::MapResp {
+                    op: 6,
+                    len: MAP_RESP_LEN,
+                },
+                vec![3; MAP_RESP_LEN as usize],
+            ),
             Frame::new(Header::MapPart { op: 6, len: 24 }, vec![4; 24]),
-            Frame::new(Header::Error { op: 6, error: RemoteError::TooManyChunks { chunks: 9000, limit: 8192 } }, vec![]),
+            Frame::new(
+                Header::Error {
+                    op: 6,
+                    error: RemoteError::TooManyChunks {
+                        chunks: 9000,
+                        limit: 8192,
+                    },
+                },
+                vec![],
+            ),
         ]
     }
 
@@ -486,8 +671,22 @@ mod tests {
 
     #[test]
     fn bad_headers_are_refused_with_their_reason() {
-        let lim = Limits { max_data: 1024, max_notify: 16, ..Limits::default() };
-        let ok = Header::WriteReq { op: 1, target: Target { segment: 1, key: 1, epoch: 1, offset: 0, len: 8 } }.encode();
+        let lim = Limits {
+            max_data: 1024,
+            max_notify: 16,
+            ..Limits::default()
+        };
+        let ok = Header::WriteReq {
+            op: 1,
+            target: Target {
+                segment: 1,
+                key: 1,
+                epoch: 1,
+                offset: 0,
+                len: 8,
+            },
+        }
+        .encode();
         let check = |mutate: &dyn Fn(&mut [u8; HEADER_LEN]), want: FrameError| {
             let mut b = ok;
             mutate(&mut b);
@@ -499,30 +698,81 @@ mod tests {
         check(&|b| b[5] = 99, FrameError::BadKind(99));
         check(&|b| b[13] = 1, FrameError::Reserved);
         // data_len disagreeing with len.
-        check(&|b| b[8] = 9, FrameError::BadLength { len: 9, limit: 1024 });
+        check(
+            &|b| b[8] = 9,
+            FrameError::BadLength {
+                len: 9,
+                limit: 1024,
+            },
+        );
         // a write larger than the limit.
         check(
             &|b| {
                 b[8..12].copy_from_slice(&2048u32.to_le_bytes());
                 b[56..64].copy_from_slice(&2048u64.to_le_bytes());
             },
-            FrameError::BadLength { len: 2048, limit: 1024 },
+            FrameError::BadLength {
+                len: 2048,
+                limit: 1024,
+            },
         );
-        let read = Header::ReadReq { op: 1, target: Target { segment: 1, key: 1, epoch: 1, offset: 0, len: 4096 } };
-        assert_eq!(Header::decode(&read.encode(), &lim), Err(FrameError::BadLength { len: 4096, limit: 1024 }));
+        let read = Header::ReadReq {
+            op: 1,
+            target: Target {
+                segment: 1,
+                key: 1,
+                epoch: 1,
+                offset: 0,
+                len: 4096,
+            },
+        };
+        assert_eq!(
+            Header::decode(&read.encode(), &lim),
+            Err(FrameError::BadLength {
+                len: 4096,
+                limit: 1024
+            })
+        );
         let note = Header::Notify { op: 1, len: 17 };
-        assert_eq!(Header::decode(&note.encode(), &lim), Err(FrameError::BadLength { len: 17, limit: 16 }));
-        let mut err = Header::Error { op: 1, error: RemoteError::Busy }.encode();
+        assert_eq!(
+            Header::decode(&note.encode(), &lim),
+            Err(FrameError::BadLength { len: 17, limit: 16 })
+        );
+        let mut err = Header::Error {
+            op: 1,
+            error: RemoteError::Busy,
+        }
+        .encode();
         err[6] = 77;
         assert_eq!(Header::decode(&err, &lim), Err(FrameError::BadCode(77)));
         // Map replies: a head of exactly its size, parts of whole words within the bound.
-        let head = Header::MapResp { op: 1, len: MAP_RESP_LEN + 8 };
-        assert_eq!(Header::decode(&head.encode(), &lim), Err(FrameError::BadLength { len: 40, limit: 32 }));
+        let head = Header::MapResp {
+            op: 1,
+            len: MAP_RESP_LEN + 8,
+        };
+        assert_eq!(
+            Header::decode(&head.encode(), &lim),
+            Err(FrameError::BadLength { len: 40, limit: 32 })
+        );
         for len in [0, 8, 20, MAX_MAP_PART_LEN + 8] {
             let part = Header::MapPart { op: 1, len };
-            assert!(matches!(Header::decode(&part.encode(), &lim), Err(FrameError::BadLength { .. })), "part of {len} bytes");
+            assert!(
+                matches!(
+                    Header::decode(&part.encode(), &lim),
+                    Err(FrameError::BadLength { .. })
+                ),
+                "part of {len} bytes"
+            );
         }
-        assert!(Header::decode(&Header::MapPart { op: 1, len: MAX_MAP_PART_LEN }.encode(), &lim).is_ok());
+        assert!(Header::decode(
+            &Header::MapPart {
+                op: 1,
+                len: MAX_MAP_PART_LEN
+            }
+            .encode(),
+            &lim
+        )
+        .is_ok());
     }
 
     /// Fuzz-style: random bytes, mutated valid frames and truncations never
@@ -530,7 +780,11 @@ mod tests {
     /// stays failed. Deterministic (fixed seed), thousands of cases.
     #[test]
     fn arbitrary_bytes_never_panic() {
-        let lim = Limits { max_data: 4096, max_notify: 256, ..Limits::default() };
+        let lim = Limits {
+            max_data: 4096,
+            max_notify: 256,
+            ..Limits::default()
+        };
         let mut wire = Vec::new();
         for f in samples() {
             f.encode(&mut wire);
@@ -541,7 +795,9 @@ mod tests {
         for case in 0..20_000 {
             let mut bytes = if case % 2 == 0 {
                 let n = (splitmix64(&mut seed) % 300) as usize;
-                (0..n).map(|_| splitmix64(&mut seed) as u8).collect::<Vec<_>>()
+                (0..n)
+                    .map(|_| splitmix64(&mut seed) as u8)
+                    .collect::<Vec<_>>()
             } else {
                 let mut w = wire.clone();
                 for _ in 0..1 + splitmix64(&mut seed) % 4 {
@@ -588,12 +844,19 @@ mod tests {
                 }
             }
         }
-        assert!(decoded > 1000 && refused > 1000, "both paths exercised: {decoded} decoded, {refused} refused");
+        assert!(
+            decoded > 1000 && refused > 1000,
+            "both paths exercised: {decoded} decoded, {refused} refused"
+        );
     }
 
     #[test]
     fn a_peer_cannot_grow_the_buffer_without_bound() {
-        let lim = Limits { max_data: 1024, max_notify: 16, ..Limits::default() };
+        let lim = Limits {
+            max_data: 1024,
+            max_notify: 16,
+            ..Limits::default()
+        };
         let mut d = Decoder::new(lim);
         let mut fed = 0usize;
         let err = loop {

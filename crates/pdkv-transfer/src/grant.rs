@@ -43,7 +43,11 @@ pub enum GrantError {
     #[error("a grant names at least one range")]
     NoRanges,
     #[error("range {offset}+{len} is empty or outside the registration of {registered} bytes")]
-    BadRange { offset: u64, len: u64, registered: u64 },
+    BadRange {
+        offset: u64,
+        len: u64,
+        registered: u64,
+    },
     #[error("grant table full: {0} grants")]
     Full(usize),
     #[error("grant table full: {ranges} more ranges do not fit in the bound of {limit}")]
@@ -63,13 +67,20 @@ pub enum RevokeError {
     /// held when the wait ended: bytes may still land through them.
     /// Revoking again waits for them again.
     #[error("{accesses} accesses through grant {key:#x} of segment {segment} outlived the wait")]
-    InUse { segment: u64, key: u64, accesses: usize },
+    InUse {
+        segment: u64,
+        key: u64,
+        accesses: usize,
+    },
 }
 
 /// Sorts and merges `ranges` (offset, len) into disjoint, non-adjacent
 /// `(start, end)` pairs, each checked to be non-empty and inside
 /// `registered` bytes.
-pub(crate) fn normalize(ranges: &[(u64, u64)], registered: u64) -> Result<Vec<(u64, u64)>, GrantError> {
+pub(crate) fn normalize(
+    ranges: &[(u64, u64)],
+    registered: u64,
+) -> Result<Vec<(u64, u64)>, GrantError> {
     if ranges.is_empty() {
         return Err(GrantError::NoRanges);
     }
@@ -77,7 +88,13 @@ pub(crate) fn normalize(ranges: &[(u64, u64)], registered: u64) -> Result<Vec<(u
     for &(offset, len) in ranges {
         match offset.checked_add(len) {
             Some(end) if len > 0 && end <= registered => spans.push((offset, end)),
-            _ => return Err(GrantError::BadRange { offset, len, registered }),
+            _ => {
+                return Err(GrantError::BadRange {
+                    offset,
+                    len,
+                    registered,
+                })
+            }
         }
     }
     spans.sort_unstable();
@@ -93,7 +110,9 @@ pub(crate) fn normalize(ranges: &[(u64, u64)], registered: u64) -> Result<Vec<(u
 
 /// Whether `[offset, offset+len)` lies inside one of the merged `spans`.
 pub(crate) fn covers(spans: &[(u64, u64)], offset: u64, len: u64) -> bool {
-    let Some(end) = offset.checked_add(len) else { return false };
+    let Some(end) = offset.checked_add(len) else {
+        return false;
+    };
     let i = spans.partition_point(|s| s.0 <= offset);
     i > 0 && end <= spans[i - 1].1
 }
@@ -120,7 +139,12 @@ pub(crate) struct GrantState {
 
 impl GrantState {
     pub(crate) fn new(grant: Grant, spans: Vec<(u64, u64)>) -> Arc<GrantState> {
-        Arc::new(GrantState { grant, spans, users: Mutex::new(0), idle: Condvar::new() })
+        Arc::new(GrantState {
+            grant,
+            spans,
+            users: Mutex::new(0),
+            idle: Condvar::new(),
+        })
     }
 
     pub(crate) fn covers(&self, offset: u64, len: u64) -> bool {
@@ -185,11 +209,19 @@ pub(crate) struct GrantTable {
 
 impl GrantTable {
     pub(crate) fn new(max_grants: usize, max_spans: usize) -> GrantTable {
-        GrantTable { by_segment: HashMap::new(), grants: 0, spans: 0, max_grants, max_spans }
+        GrantTable {
+            by_segment: HashMap::new(),
+            grants: 0,
+            spans: 0,
+            max_grants,
+            max_spans,
+        }
     }
 
     pub(crate) fn contains(&self, segment: u64, key: u64) -> bool {
-        self.by_segment.get(&segment).is_some_and(|g| g.contains_key(&key))
+        self.by_segment
+            .get(&segment)
+            .is_some_and(|g| g.contains_key(&key))
     }
 
     /// Whether a grant of `spans` merged ranges fits; forgets drained
@@ -202,7 +234,10 @@ impl GrantTable {
             return Err(GrantError::Full(self.max_grants));
         }
         if !self.fits(spans) {
-            return Err(GrantError::TooManyRanges { ranges: spans, limit: self.max_spans });
+            return Err(GrantError::TooManyRanges {
+                ranges: spans,
+                limit: self.max_spans,
+            });
         }
         Ok(())
     }
@@ -215,7 +250,13 @@ impl GrantTable {
         let g = state.grant;
         self.grants += 1;
         self.spans += state.spans.len();
-        self.by_segment.entry(g.segment).or_default().insert(g.key, Entry { state, revoked: false });
+        self.by_segment.entry(g.segment).or_default().insert(
+            g.key,
+            Entry {
+                state,
+                revoked: false,
+            },
+        );
     }
 
     /// The live (not revoked) grant `key` of `segment` at `epoch`.
@@ -234,8 +275,13 @@ impl GrantTable {
     /// Forgets the grant `state` names, if it is still this entry and drained.
     pub(crate) fn forget_if_drained(&mut self, state: &Arc<GrantState>) {
         let g = state.grant;
-        let Some(keys) = self.by_segment.get_mut(&g.segment) else { return };
-        if keys.get(&g.key).is_some_and(|e| Arc::ptr_eq(&e.state, state) && e.revoked && state.is_idle()) {
+        let Some(keys) = self.by_segment.get_mut(&g.segment) else {
+            return;
+        };
+        if keys
+            .get(&g.key)
+            .is_some_and(|e| Arc::ptr_eq(&e.state, state) && e.revoked && state.is_idle())
+        {
             keys.remove(&g.key);
             self.grants -= 1;
             self.spans -= state.spans.len();
@@ -248,7 +294,9 @@ impl GrantTable {
     /// Revokes every grant of `segment` (its registration ended) and
     /// forgets those no access holds.
     pub(crate) fn retire_segment(&mut self, segment: u64) {
-        let Some(keys) = self.by_segment.get_mut(&segment) else { return };
+        let Some(keys) = self.by_segment.get_mut(&segment) else {
+            return;
+        };
         let states: Vec<Arc<GrantState>> = keys
             .values_mut()
             .map(|e| {
@@ -306,18 +354,34 @@ mod tests {
         }
         assert!(matches!(normalize(&[], 10), Err(GrantError::NoRanges)));
         for bad in [(0, 0), (5, 6), (u64::MAX, 2), (10, 1)] {
-            assert!(matches!(normalize(&[(0, 1), bad], 10), Err(GrantError::BadRange { .. })), "{bad:?}");
+            assert!(
+                matches!(
+                    normalize(&[(0, 1), bad], 10),
+                    Err(GrantError::BadRange { .. })
+                ),
+                "{bad:?}"
+            );
         }
     }
 
     #[test]
     fn the_table_is_bounded_and_forgets_drained_grants_to_make_room() {
         let mut t = GrantTable::new(2, 3);
-        let g = |key| Grant { segment: 1, key, epoch: 1 };
+        let g = |key| Grant {
+            segment: 1,
+            key,
+            epoch: 1,
+        };
         let a = GrantState::new(g(10), vec![(0, 1), (2, 3)]);
         t.admit(2).unwrap();
         t.insert(a.clone());
-        assert!(matches!(t.admit(2), Err(GrantError::TooManyRanges { ranges: 2, limit: 3 })));
+        assert!(matches!(
+            t.admit(2),
+            Err(GrantError::TooManyRanges {
+                ranges: 2,
+                limit: 3
+            })
+        ));
         t.admit(1).unwrap();
         t.insert(GrantState::new(g(11), vec![(0, 1)]));
         assert!(matches!(t.admit(1), Err(GrantError::Full(2))));

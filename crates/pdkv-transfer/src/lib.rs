@@ -58,14 +58,38 @@ pub struct RemoteDescriptor {
 
 impl RemoteDescriptor {
     /// Describes `[offset, offset+len)` of `reg`, owned by the agent at `agent_addr`.
-    pub fn new(agent_addr: impl Into<String>, reg: &Registration, offset: u64, len: u64) -> RemoteDescriptor {
-        RemoteDescriptor { agent_addr: agent_addr.into(), segment: reg.segment, key: reg.key, epoch: reg.epoch, offset, len }
+    pub fn new(
+        agent_addr: impl Into<String>,
+        reg: &Registration,
+        offset: u64,
+        len: u64,
+    ) -> RemoteDescriptor {
+        RemoteDescriptor {
+            agent_addr: agent_addr.into(),
+            segment: reg.segment,
+            key: reg.key,
+            epoch: reg.epoch,
+            offset,
+            len,
+        }
     }
 
     /// Describes `[offset, offset+len)` of the registration `grant` opens,
     /// addressed with the grant's key: refused outside its ranges and once
     /// it is revoked.
-    pub fn granted(agent_addr: impl Into<String>, grant: &Grant, offset: u64, len: u64) -> RemoteDescriptor {
-        RemoteDescriptor { agent_addr: agent_addr.into(), segment: grant.segment, key: grant.key, epoch: grant.epoch, offset, len }
+    pub fn granted(
+        agent_addr: impl Into<String>,
+        grant: &Grant,
+        offset: u64,
+        len: u64,
+    ) -> RemoteDescriptor {
+        RemoteDescriptor {
+            agent_addr: agent_addr.into(),
+            segment: grant.segment,
+            key: grant.key,
+            epoch: grant.epoch,
+            offset,
+            len,
+        }
     }
 }

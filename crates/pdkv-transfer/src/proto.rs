@@ -87,7 +87,11 @@ impl TransferError {
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 pub enum StartError {
     #[error("transfer {index}: local length {local} differs from remote length {remote}")]
-    LengthMismatch { index: usize, local: u64, remote: u64 },
+    LengthMismatch {
+        index: usize,
+        local: u64,
+        remote: u64,
+    },
     #[error("too many batches in flight ({0})")]
     TooManyBatches(usize),
     #[error("too many operations queued ({0})")]
@@ -112,7 +116,9 @@ pub enum Request<L> {
 pub enum Response {
     WriteAck,
     /// Read data of this length has been placed into the op's local range.
-    ReadDone { len: u64 },
+    ReadDone {
+        len: u64,
+    },
     NotifyAck,
     Error(RemoteError),
 }
@@ -228,7 +234,10 @@ impl<L: LocalRange> Initiator<L> {
 
     /// A new connection is up; returns its id.
     pub fn add_conn(&mut self) -> ConnId {
-        self.conns.push(Conn { live: true, inflight: 0 });
+        self.conns.push(Conn {
+            live: true,
+            inflight: 0,
+        });
         self.conns.len() - 1
     }
 
@@ -256,13 +265,20 @@ impl<L: LocalRange> Initiator<L> {
         }
         if let Some(n) = &notify {
             if n.len() > self.cfg.max_notify {
-                return Err(StartError::NotifyTooLarge { len: n.len(), limit: self.cfg.max_notify });
+                return Err(StartError::NotifyTooLarge {
+                    len: n.len(),
+                    limit: self.cfg.max_notify,
+                });
             }
         }
         let mut slices = 0u64;
         for (index, t) in transfers.iter().enumerate() {
             if t.local.len() != t.remote.len {
-                return Err(StartError::LengthMismatch { index, local: t.local.len(), remote: t.remote.len });
+                return Err(StartError::LengthMismatch {
+                    index,
+                    local: t.local.len(),
+                    remote: t.remote.len,
+                });
             }
             slices += t.remote.len.div_ceil(self.cfg.max_slice);
         }
@@ -277,7 +293,11 @@ impl<L: LocalRange> Initiator<L> {
             while off < t.remote.len {
                 let len = self.cfg.max_slice.min(t.remote.len - off);
                 // Saturating: an offset past the end is the remote's to refuse.
-                let target = Target { offset: t.remote.offset.saturating_add(off), len, ..t.remote };
+                let target = Target {
+                    offset: t.remote.offset.saturating_add(off),
+                    len,
+                    ..t.remote
+                };
                 let local = t.local.slice(off, len);
                 let kind = match dir {
                     Direction::Write => OpKind::Write { target, local },
@@ -288,7 +308,14 @@ impl<L: LocalRange> Initiator<L> {
                 off += len;
             }
         }
-        self.batches.insert(batch, Batch { pending, deadline, notify });
+        self.batches.insert(
+            batch,
+            Batch {
+                pending,
+                deadline,
+                notify,
+            },
+        );
         if pending == 0 {
             self.data_landed(batch);
         }
@@ -303,7 +330,15 @@ impl<L: LocalRange> Initiator<L> {
     fn enqueue(&mut self, batch: BatchId, kind: OpKind<L>, front: bool) {
         let op = self.next_op;
         self.next_op += 1;
-        self.ops.insert(op, Op { batch, kind, sent_on: None, live: true });
+        self.ops.insert(
+            op,
+            Op {
+                batch,
+                kind,
+                sent_on: None,
+                live: true,
+            },
+        );
         if front {
             self.queue.push_front(op);
         } else {
@@ -313,7 +348,9 @@ impl<L: LocalRange> Initiator<L> {
 
     /// All data of `batch` landed: send its notification, or complete it.
     fn data_landed(&mut self, batch: BatchId) {
-        let Some(b) = self.batches.get_mut(&batch) else { return };
+        let Some(b) = self.batches.get_mut(&batch) else {
+            return;
+        };
         match b.notify.take() {
             Some(payload) => self.enqueue(batch, OpKind::Notify { payload }, true),
             None => self.finish(batch, Ok(())),
@@ -330,7 +367,8 @@ impl<L: LocalRange> Initiator<L> {
         }
         // Unsent ops go; sent ones stay (not live) until answered or their
         // connection is lost, so in-flight accounting stays exact.
-        self.ops.retain(|_, op| op.batch != batch || op.sent_on.is_some());
+        self.ops
+            .retain(|_, op| op.batch != batch || op.sent_on.is_some());
         for op in self.ops.values_mut().filter(|op| op.batch == batch) {
             op.live = false;
         }
@@ -345,13 +383,25 @@ impl<L: LocalRange> Initiator<L> {
             return None;
         }
         while let Some(id) = self.queue.pop_front() {
-            let Some(op) = self.ops.get_mut(&id) else { continue };
+            let Some(op) = self.ops.get_mut(&id) else {
+                continue;
+            };
             op.sent_on = Some(conn);
             self.conns[conn].inflight += 1;
             return Some(match &op.kind {
-                OpKind::Write { target, local } => Request::Write { op: id, target: *target, local: local.clone() },
-                OpKind::Read { target, .. } => Request::Read { op: id, target: *target },
-                OpKind::Notify { payload } => Request::Notify { op: id, payload: payload.clone() },
+                OpKind::Write { target, local } => Request::Write {
+                    op: id,
+                    target: *target,
+                    local: local.clone(),
+                },
+                OpKind::Read { target, .. } => Request::Read {
+                    op: id,
+                    target: *target,
+                },
+                OpKind::Notify { payload } => Request::Notify {
+                    op: id,
+                    payload: payload.clone(),
+                },
             });
         }
         None
@@ -361,25 +411,42 @@ impl<L: LocalRange> Initiator<L> {
     /// length; `None` if the op's batch has ended (the driver drains the data).
     pub fn read_target(&self, op: OpId) -> Option<L> {
         match self.ops.get(&op) {
-            Some(Op { kind: OpKind::Read { local, .. }, live: true, .. }) => Some(local.clone()),
+            Some(Op {
+                kind: OpKind::Read { local, .. },
+                live: true,
+                ..
+            }) => Some(local.clone()),
             _ => None,
         }
     }
 
     /// A response for `op` arrived on `conn`.
-    pub fn on_response(&mut self, conn: ConnId, op_id: OpId, resp: Response) -> Result<(), ProtocolViolation> {
+    pub fn on_response(
+        &mut self,
+        conn: ConnId,
+        op_id: OpId,
+        resp: Response,
+    ) -> Result<(), ProtocolViolation> {
         let violation = |what: String| ProtocolViolation { conn, what };
         let Some(op) = self.ops.get(&op_id) else {
             return Err(violation(format!("response for unknown op {op_id}")));
         };
         if op.sent_on != Some(conn) {
-            return Err(violation(format!("response for op {op_id} on the wrong connection")));
+            return Err(violation(format!(
+                "response for op {op_id} on the wrong connection"
+            )));
         }
         let bytes = match (&op.kind, resp) {
             (OpKind::Write { target, .. }, Response::WriteAck) => target.len,
-            (OpKind::Read { target, .. }, Response::ReadDone { len }) if len == target.len => target.len,
+            (OpKind::Read { target, .. }, Response::ReadDone { len }) if len == target.len => {
+                target.len
+            }
             (OpKind::Notify { .. }, Response::NotifyAck) | (_, Response::Error(_)) => 0,
-            _ => return Err(violation(format!("response {resp:?} does not fit op {op_id}"))),
+            _ => {
+                return Err(violation(format!(
+                    "response {resp:?} does not fit op {op_id}"
+                )))
+            }
         };
         let op = self.ops.remove(&op_id).expect("looked up above");
         self.conns[conn].inflight -= 1;
@@ -395,7 +462,10 @@ impl<L: LocalRange> Initiator<L> {
                     OpKind::Write { .. } => self.stats.bytes_written += bytes,
                     _ => self.stats.bytes_read += bytes,
                 }
-                let b = self.batches.get_mut(&op.batch).expect("a live op has a live batch");
+                let b = self
+                    .batches
+                    .get_mut(&op.batch)
+                    .expect("a live op has a live batch");
                 b.pending -= 1;
                 if b.pending == 0 {
                     self.data_landed(op.batch);
@@ -408,7 +478,9 @@ impl<L: LocalRange> Initiator<L> {
     /// `conn` is gone: every batch with an operation on it fails with
     /// `PeerLost`, and so does every batch when no connection is left.
     pub fn conn_lost(&mut self, conn: ConnId) {
-        let Some(c) = self.conns.get_mut(conn) else { return };
+        let Some(c) = self.conns.get_mut(conn) else {
+            return;
+        };
         if !c.live {
             return;
         }
@@ -443,7 +515,12 @@ impl<L: LocalRange> Initiator<L> {
 
     /// Fails every batch whose deadline is at or before `now`.
     pub fn handle_timeout(&mut self, now: Instant) {
-        let due: Vec<BatchId> = self.batches.iter().filter(|(_, b)| b.deadline <= now).map(|(&id, _)| id).collect();
+        let due: Vec<BatchId> = self
+            .batches
+            .iter()
+            .filter(|(_, b)| b.deadline <= now)
+            .map(|(&id, _)| id)
+            .collect();
         for b in due {
             self.finish(b, Err(TransferError::Timeout));
         }
@@ -492,7 +569,13 @@ mod tests {
     fn t(local_off: u64, remote_off: u64, len: u64) -> Transfer<R> {
         Transfer {
             local: R(local_off, len),
-            remote: Target { segment: 1, key: 2, epoch: 3, offset: remote_off, len },
+            remote: Target {
+                segment: 1,
+                key: 2,
+                epoch: 3,
+                offset: remote_off,
+                len,
+            },
         }
     }
 
@@ -539,7 +622,13 @@ mod tests {
         let mut i = init(100, 2);
         let (a, b) = (i.add_conn(), i.add_conn());
         let id = i
-            .start(now, Direction::Write, vec![t(0, 1000, 250), t(500, 0, 100)], Some(b"done".to_vec()), now + Duration::from_secs(5))
+            .start(
+                now,
+                Direction::Write,
+                vec![t(0, 1000, 250), t(500, 0, 100)],
+                Some(b"done".to_vec()),
+                now + Duration::from_secs(5),
+            )
             .unwrap();
         let seen = drive(&mut i, &[a, b]);
         let writes: Vec<_> = seen
@@ -549,12 +638,26 @@ mod tests {
                 _ => None,
             })
             .collect();
-        assert_eq!(writes, vec![(1000, 100, 0), (1100, 100, 100), (1200, 50, 200), (0, 100, 500)]);
+        assert_eq!(
+            writes,
+            vec![
+                (1000, 100, 0),
+                (1100, 100, 100),
+                (1200, 50, 200),
+                (0, 100, 500)
+            ]
+        );
         assert!(
             matches!(seen.last(), Some(Request::Notify { payload, .. }) if payload == b"done"),
             "the notification goes last, after every write was acked"
         );
-        assert_eq!(i.poll_event(), Some(Completion { batch: id, result: Ok(()) }));
+        assert_eq!(
+            i.poll_event(),
+            Some(Completion {
+                batch: id,
+                result: Ok(())
+            })
+        );
         assert_eq!(i.poll_event(), None);
         assert_eq!(i.stats().bytes_written, 350);
         assert_eq!(i.ops_outstanding(), 0);
@@ -565,15 +668,35 @@ mod tests {
         let now = Instant::now();
         let mut i = init(100, 8);
         let c = i.add_conn();
-        i.start(now, Direction::Read, vec![t(0, 0, 300)], Some(b"n".to_vec()), now + Duration::from_secs(1)).unwrap();
+        i.start(
+            now,
+            Direction::Read,
+            vec![t(0, 0, 300)],
+            Some(b"n".to_vec()),
+            now + Duration::from_secs(1),
+        )
+        .unwrap();
         let reqs: Vec<_> = std::iter::from_fn(|| i.poll_transmit(c)).collect();
         assert_eq!(reqs.len(), 3);
-        let ops: Vec<OpId> = reqs.iter().map(|r| match r { Request::Read { op, .. } => *op, _ => unreachable!() }).collect();
+        let ops: Vec<OpId> = reqs
+            .iter()
+            .map(|r| match r {
+                Request::Read { op, .. } => *op,
+                _ => unreachable!(),
+            })
+            .collect();
         assert_eq!(i.read_target(ops[1]), Some(R(100, 100)));
-        i.on_response(c, ops[2], Response::ReadDone { len: 100 }).unwrap();
-        i.on_response(c, ops[0], Response::ReadDone { len: 100 }).unwrap();
-        assert_eq!(i.poll_transmit(c), None, "no notification while a slice is outstanding");
-        i.on_response(c, ops[1], Response::ReadDone { len: 100 }).unwrap();
+        i.on_response(c, ops[2], Response::ReadDone { len: 100 })
+            .unwrap();
+        i.on_response(c, ops[0], Response::ReadDone { len: 100 })
+            .unwrap();
+        assert_eq!(
+            i.poll_transmit(c),
+            None,
+            "no notification while a slice is outstanding"
+        );
+        i.on_response(c, ops[1], Response::ReadDone { len: 100 })
+            .unwrap();
         assert!(matches!(i.poll_transmit(c), Some(Request::Notify { .. })));
     }
 
@@ -582,17 +705,33 @@ mod tests {
         let t0 = Instant::now();
         let mut i = init(100, 1);
         let c = i.add_conn();
-        let id = i.start(t0, Direction::Write, vec![t(0, 0, 200)], None, t0 + Duration::from_secs(5)).unwrap();
+        let id = i
+            .start(
+                t0,
+                Direction::Write,
+                vec![t(0, 0, 200)],
+                None,
+                t0 + Duration::from_secs(5),
+            )
+            .unwrap();
         let r = i.poll_transmit(c).unwrap();
         assert_eq!(i.poll_transmit(c), None, "in-flight bound of one");
         assert_eq!(i.poll_timeout(), Some(t0 + Duration::from_secs(5)));
         i.handle_timeout(t0 + Duration::from_micros(4_999_999));
         assert_eq!(i.poll_event(), None);
         i.handle_timeout(t0 + Duration::from_secs(5));
-        assert_eq!(i.poll_event(), Some(Completion { batch: id, result: Err(TransferError::Timeout) }));
+        assert_eq!(
+            i.poll_event(),
+            Some(Completion {
+                batch: id,
+                result: Err(TransferError::Timeout)
+            })
+        );
         assert_eq!(i.poll_timeout(), None);
         // The late ack is absorbed and frees the connection's slot.
-        let Request::Write { op, .. } = r else { unreachable!() };
+        let Request::Write { op, .. } = r else {
+            unreachable!()
+        };
         i.on_response(c, op, Response::WriteAck).unwrap();
         assert_eq!(i.ops_outstanding(), 0);
         assert_eq!(i.poll_event(), None, "a batch ends exactly once");
@@ -605,21 +744,55 @@ mod tests {
         let dl = now + Duration::from_secs(1);
         let mut i = init(100, 1);
         let (a, b) = (i.add_conn(), i.add_conn());
-        let x = i.start(now, Direction::Write, vec![t(0, 0, 100)], None, dl).unwrap();
-        let y = i.start(now, Direction::Write, vec![t(0, 0, 100)], None, dl).unwrap();
+        let x = i
+            .start(now, Direction::Write, vec![t(0, 0, 100)], None, dl)
+            .unwrap();
+        let y = i
+            .start(now, Direction::Write, vec![t(0, 0, 100)], None, dl)
+            .unwrap();
         let _ = i.poll_transmit(a).unwrap();
         let rb = i.poll_transmit(b).unwrap();
         i.conn_lost(a);
-        assert_eq!(i.poll_event(), Some(Completion { batch: x, result: Err(TransferError::PeerLost) }));
-        let Request::Write { op, .. } = rb else { unreachable!() };
+        assert_eq!(
+            i.poll_event(),
+            Some(Completion {
+                batch: x,
+                result: Err(TransferError::PeerLost)
+            })
+        );
+        let Request::Write { op, .. } = rb else {
+            unreachable!()
+        };
         i.on_response(b, op, Response::WriteAck).unwrap();
-        assert_eq!(i.poll_event(), Some(Completion { batch: y, result: Ok(()) }));
+        assert_eq!(
+            i.poll_event(),
+            Some(Completion {
+                batch: y,
+                result: Ok(())
+            })
+        );
         // The last connection goes: queued batches fail at once, new ones too.
-        let z = i.start(now, Direction::Read, vec![t(0, 0, 100)], None, dl).unwrap();
+        let z = i
+            .start(now, Direction::Read, vec![t(0, 0, 100)], None, dl)
+            .unwrap();
         i.conn_lost(b);
-        assert_eq!(i.poll_event(), Some(Completion { batch: z, result: Err(TransferError::PeerLost) }));
-        let w = i.start(now, Direction::Read, vec![t(0, 0, 100)], None, dl).unwrap();
-        assert_eq!(i.poll_event(), Some(Completion { batch: w, result: Err(TransferError::PeerLost) }));
+        assert_eq!(
+            i.poll_event(),
+            Some(Completion {
+                batch: z,
+                result: Err(TransferError::PeerLost)
+            })
+        );
+        let w = i
+            .start(now, Direction::Read, vec![t(0, 0, 100)], None, dl)
+            .unwrap();
+        assert_eq!(
+            i.poll_event(),
+            Some(Completion {
+                batch: w,
+                result: Err(TransferError::PeerLost)
+            })
+        );
         assert_eq!(i.live_batches(), 0);
         assert_eq!(i.ops_outstanding(), 0);
     }
@@ -630,25 +803,61 @@ mod tests {
         let dl = now + Duration::from_secs(1);
         let mut i = init(100, 8);
         let c = i.add_conn();
-        let x = i.start(now, Direction::Write, vec![t(0, 0, 200)], None, dl).unwrap();
+        let x = i
+            .start(now, Direction::Write, vec![t(0, 0, 200)], None, dl)
+            .unwrap();
         let ops: Vec<OpId> = std::iter::from_fn(|| i.poll_transmit(c))
-            .map(|r| match r { Request::Write { op, .. } => op, _ => unreachable!() })
+            .map(|r| match r {
+                Request::Write { op, .. } => op,
+                _ => unreachable!(),
+            })
             .collect();
         let stale = RemoteError::Access(AccessError::StaleEpoch { have: 3, want: 4 });
         i.on_response(c, ops[0], Response::Error(stale)).unwrap();
-        assert_eq!(i.poll_event(), Some(Completion { batch: x, result: Err(TransferError::Remote(stale)) }));
+        assert_eq!(
+            i.poll_event(),
+            Some(Completion {
+                batch: x,
+                result: Err(TransferError::Remote(stale))
+            })
+        );
         i.on_response(c, ops[1], Response::WriteAck).unwrap();
         assert_eq!(i.poll_event(), None);
 
-        let y = i.start(now, Direction::Read, vec![t(0, 0, 50)], None, dl).unwrap();
-        let Some(Request::Read { op, .. }) = i.poll_transmit(c) else { panic!() };
-        assert!(i.on_response(c, op, Response::WriteAck).is_err(), "an ack that does not fit the op");
-        assert!(i.on_response(c, op, Response::ReadDone { len: 49 }).is_err(), "a short read");
-        assert!(i.on_response(c, 999, Response::WriteAck).is_err(), "an unknown op");
+        let y = i
+            .start(now, Direction::Read, vec![t(0, 0, 50)], None, dl)
+            .unwrap();
+        let Some(Request::Read { op, .. }) = i.poll_transmit(c) else {
+            panic!()
+        };
+        assert!(
+            i.on_response(c, op, Response::WriteAck).is_err(),
+            "an ack that does not fit the op"
+        );
+        assert!(
+            i.on_response(c, op, Response::ReadDone { len: 49 })
+                .is_err(),
+            "a short read"
+        );
+        assert!(
+            i.on_response(c, 999, Response::WriteAck).is_err(),
+            "an unknown op"
+        );
         i.cancel(y);
-        assert_eq!(i.poll_event(), Some(Completion { batch: y, result: Err(TransferError::Cancelled) }));
-        assert_eq!(i.read_target(op), None, "a cancelled read's data is drained, not placed");
-        i.on_response(c, op, Response::ReadDone { len: 50 }).unwrap();
+        assert_eq!(
+            i.poll_event(),
+            Some(Completion {
+                batch: y,
+                result: Err(TransferError::Cancelled)
+            })
+        );
+        assert_eq!(
+            i.read_target(op),
+            None,
+            "a cancelled read's data is drained, not placed"
+        );
+        i.on_response(c, op, Response::ReadDone { len: 50 })
+            .unwrap();
         assert_eq!(i.ops_outstanding(), 0);
     }
 
@@ -658,28 +867,67 @@ mod tests {
         let dl = now + Duration::from_secs(1);
         let mut i = init(10, 8);
         let c = i.add_conn();
-        let mismatch = Transfer { local: R(0, 5), remote: t(0, 0, 6).remote };
+        let mismatch = Transfer {
+            local: R(0, 5),
+            remote: t(0, 0, 6).remote,
+        };
         assert_eq!(
             i.start(now, Direction::Write, vec![mismatch], None, dl),
-            Err(StartError::LengthMismatch { index: 0, local: 5, remote: 6 })
+            Err(StartError::LengthMismatch {
+                index: 0,
+                local: 5,
+                remote: 6
+            })
         );
-        assert_eq!(i.start(now, Direction::Write, vec![t(0, 0, 1000)], None, dl), Err(StartError::TooManyOps(64)));
+        assert_eq!(
+            i.start(now, Direction::Write, vec![t(0, 0, 1000)], None, dl),
+            Err(StartError::TooManyOps(64))
+        );
         assert!(matches!(
             i.start(now, Direction::Write, vec![], Some(vec![0; 17]), dl),
             Err(StartError::NotifyTooLarge { .. })
         ));
         // An empty batch completes at once; with a notification it sends just that.
         let e = i.start(now, Direction::Write, vec![], None, dl).unwrap();
-        assert_eq!(i.poll_event(), Some(Completion { batch: e, result: Ok(()) }));
-        let n = i.start(now, Direction::Write, vec![], Some(b"x".to_vec()), dl).unwrap();
-        assert!(matches!(drive(&mut i, &[c]).as_slice(), [Request::Notify { .. }]));
-        assert_eq!(i.poll_event(), Some(Completion { batch: n, result: Ok(()) }));
+        assert_eq!(
+            i.poll_event(),
+            Some(Completion {
+                batch: e,
+                result: Ok(())
+            })
+        );
+        let n = i
+            .start(now, Direction::Write, vec![], Some(b"x".to_vec()), dl)
+            .unwrap();
+        assert!(matches!(
+            drive(&mut i, &[c]).as_slice(),
+            [Request::Notify { .. }]
+        ));
+        assert_eq!(
+            i.poll_event(),
+            Some(Completion {
+                batch: n,
+                result: Ok(())
+            })
+        );
         // A deadline already passed fails at once.
-        let p = i.start(now, Direction::Write, vec![t(0, 0, 5)], None, now).unwrap();
-        assert_eq!(i.poll_event(), Some(Completion { batch: p, result: Err(TransferError::Timeout) }));
+        let p = i
+            .start(now, Direction::Write, vec![t(0, 0, 5)], None, now)
+            .unwrap();
+        assert_eq!(
+            i.poll_event(),
+            Some(Completion {
+                batch: p,
+                result: Err(TransferError::Timeout)
+            })
+        );
         for _ in 0..4 {
-            i.start(now, Direction::Write, vec![t(0, 0, 5)], None, dl).unwrap();
+            i.start(now, Direction::Write, vec![t(0, 0, 5)], None, dl)
+                .unwrap();
         }
-        assert_eq!(i.start(now, Direction::Write, vec![], None, dl), Err(StartError::TooManyBatches(4)));
+        assert_eq!(
+            i.start(now, Direction::Write, vec![], None, dl),
+            Err(StartError::TooManyBatches(4))
+        );
     }
 }

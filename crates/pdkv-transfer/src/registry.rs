@@ -40,7 +40,9 @@ use std::time::Duration;
 
 use pdkv_vmem::{Chunk, Region};
 
-use crate::grant::{normalize, Grant, GrantError, GrantHook, GrantState, GrantTable, GrantUse, RevokeError};
+use crate::grant::{
+    normalize, Grant, GrantError, GrantHook, GrantState, GrantTable, GrantUse, RevokeError,
+};
 
 /// A handle to a live registration; what a peer needs (with the agent
 /// address) to address the memory. Copyable and cheap.
@@ -65,7 +67,11 @@ pub enum AccessError {
     #[error("stale epoch: access names epoch {have}, the registration is at epoch {want}")]
     StaleEpoch { have: u64, want: u64 },
     #[error("range {offset}+{len} is outside the registration of {registered} bytes")]
-    OutOfBounds { offset: u64, len: u64, registered: u64 },
+    OutOfBounds {
+        offset: u64,
+        len: u64,
+        registered: u64,
+    },
     /// Inside the registration, but outside every range of the grant named.
     #[error("range {offset}+{len} is outside the ranges granted by this key of segment {segment}")]
     OutsideGrant { segment: u64, offset: u64, len: u64 },
@@ -75,7 +81,11 @@ pub enum AccessError {
 #[derive(Debug, thiserror::Error)]
 pub enum RegisterError {
     #[error("range {offset}+{len} is empty or outside the region of {region_len} bytes")]
-    BadRange { offset: usize, len: usize, region_len: usize },
+    BadRange {
+        offset: usize,
+        len: usize,
+        region_len: usize,
+    },
     #[error("the region is released (asleep); nothing to register")]
     NotMapped,
     #[error("registry full: {0} segments")]
@@ -111,7 +121,13 @@ pub struct RegistryOptions {
 
 impl Default for RegistryOptions {
     fn default() -> Self {
-        RegistryOptions { max_segments: 4096, key_seed: None, max_grants: 1 << 16, max_grant_ranges: 1 << 20, on_grant_use: None }
+        RegistryOptions {
+            max_segments: 4096,
+            key_seed: None,
+            max_grants: 1 << 16,
+            max_grant_ranges: 1 << 20,
+            on_grant_use: None,
+        }
     }
 }
 
@@ -143,9 +159,20 @@ impl Pinned {
         if first > offset || last < end {
             return Err(RegisterError::NotMapped);
         }
-        let parts: Vec<(RawFd, usize)> = covering.iter().map(|m| (m.chunk.raw_fd(), m.chunk.len())).collect();
-        let mapping = Mapping::map(&parts).map_err(|source| RegisterError::Os { op: "mmap(registration)", source })?;
-        Ok(Pinned { reg, mapping, skew: offset - first, chunks: covering.into_iter().map(|m| m.chunk).collect() })
+        let parts: Vec<(RawFd, usize)> = covering
+            .iter()
+            .map(|m| (m.chunk.raw_fd(), m.chunk.len()))
+            .collect();
+        let mapping = Mapping::map(&parts).map_err(|source| RegisterError::Os {
+            op: "mmap(registration)",
+            source,
+        })?;
+        Ok(Pinned {
+            reg,
+            mapping,
+            skew: offset - first,
+            chunks: covering.into_iter().map(|m| m.chunk).collect(),
+        })
     }
 
     fn data(&self) -> *mut u8 {
@@ -156,7 +183,10 @@ impl Pinned {
     /// The memfds under this registration, their lengths, and where byte 0
     /// of the registration lies in them laid end to end.
     pub(crate) fn layout(&self) -> (Vec<(RawFd, usize)>, usize) {
-        (self.chunks.iter().map(|c| (c.raw_fd(), c.len())).collect(), self.skew)
+        (
+            self.chunks.iter().map(|c| (c.raw_fd(), c.len())).collect(),
+            self.skew,
+        )
     }
 }
 
@@ -190,7 +220,11 @@ impl Access {
 
     /// Copies `src` (exactly `len` bytes) into the granted range.
     pub fn write_from(&self, src: &[u8]) {
-        assert_eq!(src.len(), self.len, "write_from: length differs from the grant");
+        assert_eq!(
+            src.len(),
+            self.len,
+            "write_from: length differs from the grant"
+        );
         // SAFETY: checked against the registration when granted; the mapping
         // lives as long as `pinned`.
         unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), self.ptr(), self.len) };
@@ -198,7 +232,11 @@ impl Access {
 
     /// Copies the granted range out into `dst` (exactly `len` bytes).
     pub fn read_into(&self, dst: &mut [u8]) {
-        assert_eq!(dst.len(), self.len, "read_into: length differs from the grant");
+        assert_eq!(
+            dst.len(),
+            self.len,
+            "read_into: length differs from the grant"
+        );
         // SAFETY: as in `write_from`.
         unsafe { std::ptr::copy_nonoverlapping(self.ptr(), dst.as_mut_ptr(), self.len) };
     }
@@ -245,15 +283,24 @@ impl Inner {
     /// The live registration of `segment` if `epoch` is its current one:
     /// the checks every access starts with, in order.
     fn current(&self, segment: u64, epoch: u64) -> Result<&Arc<Pinned>, AccessError> {
-        let slot = self.slots.get(&segment).ok_or(AccessError::UnknownSegment { segment })?;
+        let slot = self
+            .slots
+            .get(&segment)
+            .ok_or(AccessError::UnknownSegment { segment })?;
         let Some(pinned) = slot.live.as_ref() else {
             if epoch < slot.epoch {
-                return Err(AccessError::StaleEpoch { have: epoch, want: slot.epoch });
+                return Err(AccessError::StaleEpoch {
+                    have: epoch,
+                    want: slot.epoch,
+                });
             }
             return Err(AccessError::NotRegistered { segment });
         };
         if epoch != slot.epoch {
-            return Err(AccessError::StaleEpoch { have: epoch, want: slot.epoch });
+            return Err(AccessError::StaleEpoch {
+                have: epoch,
+                want: slot.epoch,
+            });
         }
         Ok(pinned)
     }
@@ -287,8 +334,17 @@ impl Registry {
     /// Registers `[offset, offset+len)` of `region`. The same range registered
     /// again (live or not) keeps its segment id and gets the next epoch and a
     /// fresh key; a live older registration of it is dropped.
-    pub fn register(&self, region: &Arc<Region>, offset: usize, len: usize) -> Result<Registration, RegisterError> {
-        let bad = || RegisterError::BadRange { offset, len, region_len: region.len() };
+    pub fn register(
+        &self,
+        region: &Arc<Region>,
+        offset: usize,
+        len: usize,
+    ) -> Result<Registration, RegisterError> {
+        let bad = || RegisterError::BadRange {
+            offset,
+            len,
+            region_len: region.len(),
+        };
         if len == 0 || offset.checked_add(len).is_none_or(|e| e > region.len()) {
             return Err(bad());
         }
@@ -304,8 +360,16 @@ impl Registry {
                 (seg, 1)
             }
         };
-        let key = inner.keys.next().map_err(|source| RegisterError::Os { op: "read /dev/urandom", source })?;
-        let reg = Registration { segment, key, epoch, len: len as u64 };
+        let key = inner.keys.next().map_err(|source| RegisterError::Os {
+            op: "read /dev/urandom",
+            source,
+        })?;
+        let reg = Registration {
+            segment,
+            key,
+            epoch,
+            len: len as u64,
+        };
         let pinned = Arc::new(Pinned::map(reg, region, offset)?);
         if segment == inner.next_segment {
             inner.next_segment += 1;
@@ -313,7 +377,10 @@ impl Registry {
         }
         let old = inner.slots.insert(
             segment,
-            Slot { epoch, live: Some(pinned) },
+            Slot {
+                epoch,
+                live: Some(pinned),
+            },
         );
         inner.grants.retire_segment(segment); // the older epoch's grants end with it
         drop(inner);
@@ -362,7 +429,11 @@ impl Registry {
     /// Every live registration.
     pub fn live(&self) -> Vec<Registration> {
         let inner = self.inner.lock().unwrap();
-        inner.slots.values().filter_map(|s| s.live.as_ref().map(|p| p.reg)).collect()
+        inner
+            .slots
+            .values()
+            .filter_map(|s| s.live.as_ref().map(|p| p.reg))
+            .collect()
     }
 
     /// Checks an access against the live registration of `segment` and
@@ -372,21 +443,46 @@ impl Registry {
     /// grant's of it (then inside the registration, `OutOfBounds` otherwise,
     /// and inside the union of the grant's ranges, `OutsideGrant`
     /// otherwise). Any other key, a revoked grant's included, is `BadKey`.
-    pub fn access(&self, segment: u64, key: u64, epoch: u64, offset: u64, len: u64) -> Result<Access, AccessError> {
+    pub fn access(
+        &self,
+        segment: u64,
+        key: u64,
+        epoch: u64,
+        offset: u64,
+        len: u64,
+    ) -> Result<Access, AccessError> {
         let inner = self.inner.lock().unwrap();
         let pinned = inner.current(segment, epoch)?;
         let registered = pinned.reg.len;
         let grant = match key == pinned.reg.key {
             true => None,
-            false => Some(inner.grants.live(segment, key, epoch).ok_or(AccessError::BadKey { segment })?),
+            false => Some(
+                inner
+                    .grants
+                    .live(segment, key, epoch)
+                    .ok_or(AccessError::BadKey { segment })?,
+            ),
         };
         if offset.checked_add(len).is_none_or(|end| end > registered) {
-            return Err(AccessError::OutOfBounds { offset, len, registered });
+            return Err(AccessError::OutOfBounds {
+                offset,
+                len,
+                registered,
+            });
         }
         if grant.is_some_and(|g| !g.covers(offset, len)) {
-            return Err(AccessError::OutsideGrant { segment, offset, len });
+            return Err(AccessError::OutsideGrant {
+                segment,
+                offset,
+                len,
+            });
         }
-        let access = Access { pinned: pinned.clone(), offset: offset as usize, len: len as usize, _grant: grant.map(GrantUse::new) };
+        let access = Access {
+            pinned: pinned.clone(),
+            offset: offset as usize,
+            len: len as usize,
+            _grant: grant.map(GrantUse::new),
+        };
         drop(inner);
         if let (Some(hook), true) = (&self.opts.on_grant_use, access._grant.is_some()) {
             (hook.0)(segment, key);
@@ -402,7 +498,12 @@ impl Registry {
         if key != pinned.reg.key {
             return Err(AccessError::BadKey { segment });
         }
-        Ok(Access { pinned: pinned.clone(), offset: 0, len: pinned.reg.len as usize, _grant: None })
+        Ok(Access {
+            pinned: pinned.clone(),
+            offset: 0,
+            len: pinned.reg.len as usize,
+            _grant: None,
+        })
     }
 
     /// Makes a grant: a key of its own to `ranges` (offset, len) of the live
@@ -414,20 +515,35 @@ impl Registry {
         let mut inner = self.inner.lock().unwrap();
         let pinned = inner.current(reg.segment, reg.epoch)?;
         if reg.key != pinned.reg.key {
-            return Err(AccessError::BadKey { segment: reg.segment }.into());
+            return Err(AccessError::BadKey {
+                segment: reg.segment,
+            }
+            .into());
         }
         let spans = normalize(ranges, pinned.reg.len)?;
         inner.grants.admit(spans.len())?;
         let key = loop {
-            let key = inner.keys.next().map_err(|source| GrantError::Os { op: "read /dev/urandom", source })?;
+            let key = inner.keys.next().map_err(|source| GrantError::Os {
+                op: "read /dev/urandom",
+                source,
+            })?;
             if key != reg.key && !inner.grants.contains(reg.segment, key) {
                 break key;
             }
         };
-        let grant = Grant { segment: reg.segment, key, epoch: reg.epoch };
+        let grant = Grant {
+            segment: reg.segment,
+            key,
+            epoch: reg.epoch,
+        };
         inner.grants.insert(GrantState::new(grant, spans));
         drop(inner);
-        tracing::debug!(segment = grant.segment, epoch = grant.epoch, ranges = ranges.len(), "granted");
+        tracing::debug!(
+            segment = grant.segment,
+            epoch = grant.epoch,
+            ranges = ranges.len(),
+            "granted"
+        );
         Ok(grant)
     }
 
@@ -443,7 +559,13 @@ impl Registry {
             return Ok(());
         };
         // The registry's lock is not held while waiting: accesses go on.
-        state.wait_idle(timeout).map_err(|accesses| RevokeError::InUse { segment, key, accesses })?;
+        state
+            .wait_idle(timeout)
+            .map_err(|accesses| RevokeError::InUse {
+                segment,
+                key,
+                accesses,
+            })?;
         self.inner.lock().unwrap().grants.forget_if_drained(&state);
         tracing::debug!(segment, "grant revoked");
         Ok(())
@@ -458,7 +580,12 @@ impl Registry {
     /// How many memfds (chunks) the live registration of `segment` spans.
     pub fn chunk_count(&self, segment: u64) -> Option<usize> {
         let inner = self.inner.lock().unwrap();
-        inner.slots.get(&segment)?.live.as_ref().map(|p| p.chunks.len())
+        inner
+            .slots
+            .get(&segment)?
+            .live
+            .as_ref()
+            .map(|p| p.chunks.len())
     }
 
     /// Grants access to a local registration by its handle.
@@ -503,15 +630,24 @@ mod tests {
     use pdkv_vmem::{Pool, PoolOptions, Tag};
 
     fn pool() -> Pool {
-        Pool::new(PoolOptions { chunk_size: 64 << 10, single_allocation: false })
+        Pool::new(PoolOptions {
+            chunk_size: 64 << 10,
+            single_allocation: false,
+        })
     }
 
     fn registry() -> Registry {
-        Registry::new(RegistryOptions { max_segments: 8, key_seed: Some(7), ..Default::default() })
+        Registry::new(RegistryOptions {
+            max_segments: 8,
+            key_seed: Some(7),
+            ..Default::default()
+        })
     }
 
     fn pattern(len: usize, seed: u8) -> Vec<u8> {
-        (0..len).map(|i| (i as u8).wrapping_mul(13).wrapping_add(seed)).collect()
+        (0..len)
+            .map(|i| (i as u8).wrapping_mul(13).wrapping_add(seed))
+            .collect()
     }
 
     #[test]
@@ -533,7 +669,10 @@ mod tests {
         reg_.local(&r, 10, 5).unwrap().write_from(&[9; 5]);
         let mut five = [0; 5];
         region.read_bytes(off + 10, &mut five).unwrap();
-        assert_eq!(five, [9; 5], "the region sees writes through the registration");
+        assert_eq!(
+            five, [9; 5],
+            "the region sees writes through the registration"
+        );
     }
 
     #[test]
@@ -543,11 +682,56 @@ mod tests {
         let reg_ = registry();
         let r = reg_.register(&region, 0, 4096).unwrap();
         let cases = [
-            (r.segment + 1, r.key, r.epoch, 0, 1, AccessError::UnknownSegment { segment: r.segment + 1 }),
-            (r.segment, r.key ^ 1, r.epoch, 0, 1, AccessError::BadKey { segment: r.segment }),
-            (r.segment, r.key, r.epoch + 1, 0, 1, AccessError::StaleEpoch { have: 2, want: 1 }),
-            (r.segment, r.key, r.epoch, 4000, 97, AccessError::OutOfBounds { offset: 4000, len: 97, registered: 4096 }),
-            (r.segment, r.key, r.epoch, u64::MAX, 2, AccessError::OutOfBounds { offset: u64::MAX, len: 2, registered: 4096 }),
+            (
+                r.segment + 1,
+                r.key,
+                r.epoch,
+                0,
+                1,
+                AccessError::UnknownSegment {
+                    segment: r.segment + 1,
+                },
+            ),
+            (
+                r.segment,
+                r.key ^ 1,
+                r.epoch,
+                0,
+                1,
+                AccessError::BadKey { segment: r.segment },
+            ),
+            (
+                r.segment,
+                r.key,
+                r.epoch + 1,
+                0,
+                1,
+                AccessError::StaleEpoch { have: 2, want: 1 },
+            ),
+            (
+                r.segment,
+                r.key,
+                r.epoch,
+                4000,
+                97,
+                AccessError::OutOfBounds {
+                    offset: 4000,
+                    len: 97,
+                    registered: 4096,
+                },
+            ),
+            (
+                r.segment,
+                r.key,
+                r.epoch,
+                u64::MAX,
+                2,
+                AccessError::OutOfBounds {
+                    offset: u64::MAX,
+                    len: 2,
+                    registered: 4096,
+                },
+            ),
         ];
         for (seg, key, epoch, off, len, want) in cases {
             assert_eq!(reg_.access(seg, key, epoch, off, len).err(), Some(want));
@@ -577,8 +761,13 @@ mod tests {
 
         // The seeds' bug, reproduced: the old registration still serves the old pages.
         let mut back = vec![0; region.len()];
-        reg_.local(&old, 0, back.len() as u64).unwrap().read_into(&mut back);
-        assert!(back == old_bytes, "a registration pins and reaches the old pages");
+        reg_.local(&old, 0, back.len() as u64)
+            .unwrap()
+            .read_into(&mut back);
+        assert!(
+            back == old_bytes,
+            "a registration pins and reaches the old pages"
+        );
 
         // The fix: re-register; the old epoch is refused, never served.
         let new = reg_.register(&region, 0, region.len()).unwrap();
@@ -586,16 +775,27 @@ mod tests {
         assert_ne!(new.key, old.key);
         assert_eq!(
             reg_.local(&old, 0, 1).err(),
-            Some(AccessError::StaleEpoch { have: old.epoch, want: new.epoch })
+            Some(AccessError::StaleEpoch {
+                have: old.epoch,
+                want: new.epoch
+            })
         );
-        reg_.local(&new, 0, back.len() as u64).unwrap().read_into(&mut back);
-        assert!(back == new_bytes, "the new registration reaches the new pages");
+        reg_.local(&new, 0, back.len() as u64)
+            .unwrap()
+            .read_into(&mut back);
+        assert!(
+            back == new_bytes,
+            "the new registration reaches the new pages"
+        );
 
         // After deregistration too, the old epoch is named as stale.
         reg_.deregister(new.segment);
         assert_eq!(
             reg_.local(&old, 0, 1).err(),
-            Some(AccessError::StaleEpoch { have: old.epoch, want: new.epoch })
+            Some(AccessError::StaleEpoch {
+                have: old.epoch,
+                want: new.epoch
+            })
         );
     }
 
@@ -614,7 +814,11 @@ mod tests {
         let mut back = vec![0; data.len()];
         grant.read_into(&mut back);
         assert!(back == data, "the grant finishes on the pinned pages");
-        assert_eq!(Arc::strong_count(&chunk), 2, "pinned by the grant and by this test");
+        assert_eq!(
+            Arc::strong_count(&chunk),
+            2,
+            "pinned by the grant and by this test"
+        );
         drop(grant);
         assert_eq!(Arc::strong_count(&chunk), 1, "the last grant unpinned it");
     }
@@ -630,37 +834,106 @@ mod tests {
         let region = pool.allocate(Tag::KvCache, 64 << 10).unwrap();
         let reg_ = registry();
         let r = reg_.register(&region, 4096, 32 << 10).unwrap();
-        let g = reg_.grant(&r, &[(8192, 4096), (0, 100), (12288, 100)]).unwrap();
+        let g = reg_
+            .grant(&r, &[(8192, 4096), (0, 100), (12288, 100)])
+            .unwrap();
         assert_eq!((g.segment, g.epoch), (r.segment, r.epoch));
         assert_ne!(g.key, r.key);
         let through = |off, len| reg_.access(g.segment, g.key, g.epoch, off, len).map(|_| ());
         assert_eq!(through(0, 100), Ok(()));
-        assert_eq!(through(8192, 4196), Ok(()), "two adjacent ranges: their union");
-        assert_eq!(through(50, 51), Err(AccessError::OutsideGrant { segment: r.segment, offset: 50, len: 51 }));
-        assert_eq!(through(4096, 1), Err(AccessError::OutsideGrant { segment: r.segment, offset: 4096, len: 1 }));
-        assert_eq!(through(12288, 101), Err(AccessError::OutsideGrant { segment: r.segment, offset: 12288, len: 101 }));
-        assert_eq!(through(32 << 10, 1), Err(AccessError::OutOfBounds { offset: 32 << 10, len: 1, registered: 32 << 10 }));
+        assert_eq!(
+            through(8192, 4196),
+            Ok(()),
+            "two adjacent ranges: their union"
+        );
+        assert_eq!(
+            through(50, 51),
+            Err(AccessError::OutsideGrant {
+                segment: r.segment,
+                offset: 50,
+                len: 51
+            })
+        );
+        assert_eq!(
+            through(4096, 1),
+            Err(AccessError::OutsideGrant {
+                segment: r.segment,
+                offset: 4096,
+                len: 1
+            })
+        );
+        assert_eq!(
+            through(12288, 101),
+            Err(AccessError::OutsideGrant {
+                segment: r.segment,
+                offset: 12288,
+                len: 101
+            })
+        );
+        assert_eq!(
+            through(32 << 10, 1),
+            Err(AccessError::OutOfBounds {
+                offset: 32 << 10,
+                len: 1,
+                registered: 32 << 10
+            })
+        );
         assert_eq!(
             reg_.access(g.segment, g.key, g.epoch + 1, 0, 1).err(),
-            Some(AccessError::StaleEpoch { have: g.epoch + 1, want: g.epoch })
+            Some(AccessError::StaleEpoch {
+                have: g.epoch + 1,
+                want: g.epoch
+            })
         );
         // Writes through the grant land in the region, at the registration's offsets.
-        reg_.access(g.segment, g.key, g.epoch, 8192, 4).unwrap().write_from(&[1, 2, 3, 4]);
+        reg_.access(g.segment, g.key, g.epoch, 8192, 4)
+            .unwrap()
+            .write_from(&[1, 2, 3, 4]);
         let mut b = [0; 4];
         region.read_bytes(4096 + 8192, &mut b).unwrap();
         assert_eq!(b, [1, 2, 3, 4]);
-        assert!(reg_.access(r.segment, r.key, r.epoch, 0, 32 << 10).is_ok(), "the registration's key reaches it all");
-        assert!(matches!(reg_.access_whole(r.segment, g.key, g.epoch), Err(AccessError::BadKey { .. })), "a grant never opens it whole");
+        assert!(
+            reg_.access(r.segment, r.key, r.epoch, 0, 32 << 10).is_ok(),
+            "the registration's key reaches it all"
+        );
+        assert!(
+            matches!(
+                reg_.access_whole(r.segment, g.key, g.epoch),
+                Err(AccessError::BadKey { .. })
+            ),
+            "a grant never opens it whole"
+        );
 
         // Refused grants.
         assert!(matches!(reg_.grant(&r, &[]), Err(GrantError::NoRanges)));
-        assert!(matches!(reg_.grant(&r, &[(0, 1), (32 << 10, 1)]), Err(GrantError::BadRange { offset, .. }) if offset == 32 << 10));
-        assert!(matches!(reg_.grant(&r, &[(5, 0)]), Err(GrantError::BadRange { .. })));
-        let wrong_key = Registration { key: r.key ^ 1, ..r };
-        assert!(matches!(reg_.grant(&wrong_key, &[(0, 1)]), Err(GrantError::Access(AccessError::BadKey { .. }))));
+        assert!(
+            matches!(reg_.grant(&r, &[(0, 1), (32 << 10, 1)]), Err(GrantError::BadRange { offset, .. }) if offset == 32 << 10)
+        );
+        assert!(matches!(
+            reg_.grant(&r, &[(5, 0)]),
+            Err(GrantError::BadRange { .. })
+        ));
+        let wrong_key = Registration {
+            key: r.key ^ 1,
+            ..r
+        };
+        assert!(matches!(
+            reg_.grant(&wrong_key, &[(0, 1)]),
+            Err(GrantError::Access(AccessError::BadKey { .. }))
+        ));
         let as_grant = Registration { key: g.key, ..r };
-        assert!(matches!(reg_.grant(&as_grant, &[(0, 1)]), Err(GrantError::Access(AccessError::BadKey { .. }))), "no grant of a grant");
-        assert_eq!(reg_.grants(), (1, 2), "three ranges, two of them adjacent: two after merging");
+        assert!(
+            matches!(
+                reg_.grant(&as_grant, &[(0, 1)]),
+                Err(GrantError::Access(AccessError::BadKey { .. }))
+            ),
+            "no grant of a grant"
+        );
+        assert_eq!(
+            reg_.grants(),
+            (1, 2),
+            "three ranges, two of them adjacent: two after merging"
+        );
     }
 
     #[test]
@@ -679,7 +952,9 @@ mod tests {
             std::thread::spawn(move || {
                 let a = reg_.access(g.segment, g.key, g.epoch, 0, 4096).unwrap();
                 take.send(()).unwrap();
-                released.recv_timeout(DL).expect("the test releases the access");
+                released
+                    .recv_timeout(DL)
+                    .expect("the test releases the access");
                 dropped.store(true, std::sync::atomic::Ordering::SeqCst);
                 drop(a);
             })
@@ -688,17 +963,39 @@ mod tests {
 
         let t0 = Instant::now();
         let held = reg_.revoke(g.segment, g.key, Duration::from_millis(50));
-        assert_eq!(held, Err(RevokeError::InUse { segment: g.segment, key: g.key, accesses: 1 }));
-        assert!(t0.elapsed() >= Duration::from_millis(50), "it waited its timeout");
-        assert_eq!(reg_.access(g.segment, g.key, g.epoch, 0, 1).err(), Some(AccessError::BadKey { segment: g.segment }), "refused even so");
-        assert_eq!(reg_.grants(), (1, 1), "remembered while an access is in flight");
+        assert_eq!(
+            held,
+            Err(RevokeError::InUse {
+                segment: g.segment,
+                key: g.key,
+                accesses: 1
+            })
+        );
+        assert!(
+            t0.elapsed() >= Duration::from_millis(50),
+            "it waited its timeout"
+        );
+        assert_eq!(
+            reg_.access(g.segment, g.key, g.epoch, 0, 1).err(),
+            Some(AccessError::BadKey { segment: g.segment }),
+            "refused even so"
+        );
+        assert_eq!(
+            reg_.grants(),
+            (1, 1),
+            "remembered while an access is in flight"
+        );
 
         // Revoking again waits for that access, and returns once it is dropped.
         let revoker = {
             let (reg_, dropped) = (reg_.clone(), dropped.clone());
             std::thread::spawn(move || {
                 let res = reg_.revoke(g.segment, g.key, DL);
-                (res, dropped.load(std::sync::atomic::Ordering::SeqCst), Instant::now())
+                (
+                    res,
+                    dropped.load(std::sync::atomic::Ordering::SeqCst),
+                    Instant::now(),
+                )
             })
         };
         let t1 = Instant::now();
@@ -706,12 +1003,29 @@ mod tests {
         holder.join().unwrap();
         let (res, was_dropped, at) = revoker.join().unwrap();
         assert_eq!(res, Ok(()));
-        assert!(was_dropped, "revoke returned only after the access was dropped");
-        assert!(at.duration_since(t1) < DL, "woken by the drop, not by its deadline");
+        assert!(
+            was_dropped,
+            "revoke returned only after the access was dropped"
+        );
+        assert!(
+            at.duration_since(t1) < DL,
+            "woken by the drop, not by its deadline"
+        );
         assert_eq!(reg_.grants(), (0, 0), "a drained grant is forgotten");
-        assert_eq!(reg_.revoke(g.segment, g.key, Duration::ZERO), Ok(()), "idempotent");
-        assert_eq!(reg_.revoke(g.segment, 12345, Duration::ZERO), Ok(()), "an unknown grant");
-        assert!(reg_.access(r.segment, r.key, r.epoch, 0, 1).is_ok(), "the registration is untouched");
+        assert_eq!(
+            reg_.revoke(g.segment, g.key, Duration::ZERO),
+            Ok(()),
+            "idempotent"
+        );
+        assert_eq!(
+            reg_.revoke(g.segment, 12345, Duration::ZERO),
+            Ok(()),
+            "an unknown grant"
+        );
+        assert!(
+            reg_.access(r.segment, r.key, r.epoch, 0, 1).is_ok(),
+            "the registration is untouched"
+        );
     }
 
     #[test]
@@ -723,18 +1037,42 @@ mod tests {
         let g = reg_.grant(&r, &[(0, 4096)]).unwrap();
         let again = reg_.register(&region, 0, 64 << 10).unwrap();
         assert_eq!(reg_.grants(), (0, 0));
-        assert_eq!(reg_.access(g.segment, g.key, again.epoch, 0, 1).err(), Some(AccessError::BadKey { segment: g.segment }));
-        assert_eq!(reg_.access(g.segment, g.key, g.epoch, 0, 1).err(), Some(AccessError::StaleEpoch { have: g.epoch, want: again.epoch }));
-        assert!(matches!(reg_.grant(&r, &[(0, 1)]), Err(GrantError::Access(AccessError::StaleEpoch { .. }))));
+        assert_eq!(
+            reg_.access(g.segment, g.key, again.epoch, 0, 1).err(),
+            Some(AccessError::BadKey { segment: g.segment })
+        );
+        assert_eq!(
+            reg_.access(g.segment, g.key, g.epoch, 0, 1).err(),
+            Some(AccessError::StaleEpoch {
+                have: g.epoch,
+                want: again.epoch
+            })
+        );
+        assert!(matches!(
+            reg_.grant(&r, &[(0, 1)]),
+            Err(GrantError::Access(AccessError::StaleEpoch { .. }))
+        ));
 
         // Deregistered under an access in flight: the grant drains, and
         // revoke still waits for it.
         let g2 = reg_.grant(&again, &[(0, 4096)]).unwrap();
         let a = reg_.access(g2.segment, g2.key, g2.epoch, 0, 4096).unwrap();
         assert!(reg_.deregister(again.segment));
-        assert_eq!(reg_.access(g2.segment, g2.key, g2.epoch, 0, 1).err(), Some(AccessError::NotRegistered { segment: g2.segment }));
+        assert_eq!(
+            reg_.access(g2.segment, g2.key, g2.epoch, 0, 1).err(),
+            Some(AccessError::NotRegistered {
+                segment: g2.segment
+            })
+        );
         assert_eq!(reg_.grants(), (1, 1));
-        assert_eq!(reg_.revoke(g2.segment, g2.key, Duration::ZERO), Err(RevokeError::InUse { segment: g2.segment, key: g2.key, accesses: 1 }));
+        assert_eq!(
+            reg_.revoke(g2.segment, g2.key, Duration::ZERO),
+            Err(RevokeError::InUse {
+                segment: g2.segment,
+                key: g2.key,
+                accesses: 1
+            })
+        );
         drop(a);
         assert_eq!(reg_.revoke(g2.segment, g2.key, Duration::ZERO), Ok(()));
         assert_eq!(reg_.grants(), (0, 0));
@@ -744,13 +1082,32 @@ mod tests {
     fn the_grant_table_is_bounded_and_revoking_makes_room() {
         let pool = pool();
         let region = pool.allocate(Tag::KvCache, 64 << 10).unwrap();
-        let reg_ = Registry::new(RegistryOptions { key_seed: Some(8), max_grants: 3, max_grant_ranges: 10, ..Default::default() });
+        let reg_ = Registry::new(RegistryOptions {
+            key_seed: Some(8),
+            max_grants: 3,
+            max_grant_ranges: 10,
+            ..Default::default()
+        });
         let r = reg_.register(&region, 0, 64 << 10).unwrap();
-        let gs: Vec<Grant> = (0..3).map(|i| reg_.grant(&r, &[(i * 4096, 4096)]).unwrap()).collect();
-        assert!(matches!(reg_.grant(&r, &[(0, 1)]), Err(GrantError::Full(3))));
+        let gs: Vec<Grant> = (0..3)
+            .map(|i| reg_.grant(&r, &[(i * 4096, 4096)]).unwrap())
+            .collect();
+        assert!(matches!(
+            reg_.grant(&r, &[(0, 1)]),
+            Err(GrantError::Full(3))
+        ));
         reg_.revoke(gs[0].segment, gs[0].key, DL).unwrap();
         let wide: Vec<(u64, u64)> = (0..9).map(|i| (i * 100, 10)).collect();
-        assert!(matches!(reg_.grant(&r, &wide), Err(GrantError::TooManyRanges { ranges: 9, limit: 10 })), "2 held + 9 > 10");
+        assert!(
+            matches!(
+                reg_.grant(&r, &wide),
+                Err(GrantError::TooManyRanges {
+                    ranges: 9,
+                    limit: 10
+                })
+            ),
+            "2 held + 9 > 10"
+        );
         // Adjacent ranges merge and count once.
         let touching: Vec<(u64, u64)> = (0..8).map(|i| (i * 10, 10)).collect();
         let g = reg_.grant(&r, &touching).unwrap();
@@ -767,18 +1124,33 @@ mod tests {
         let pool = pool();
         let region = pool.allocate(Tag::KvCache, 64 << 10).unwrap();
         let reg_ = registry();
-        assert!(matches!(reg_.register(&region, 0, 0), Err(RegisterError::BadRange { .. })));
-        assert!(matches!(reg_.register(&region, 1, region.len()), Err(RegisterError::BadRange { .. })));
-        assert!(matches!(reg_.register(&region, usize::MAX, 2), Err(RegisterError::BadRange { .. })));
+        assert!(matches!(
+            reg_.register(&region, 0, 0),
+            Err(RegisterError::BadRange { .. })
+        ));
+        assert!(matches!(
+            reg_.register(&region, 1, region.len()),
+            Err(RegisterError::BadRange { .. })
+        ));
+        assert!(matches!(
+            reg_.register(&region, usize::MAX, 2),
+            Err(RegisterError::BadRange { .. })
+        ));
         for i in 0..8 {
             reg_.register(&region, i * 4096, 4096).unwrap();
         }
-        assert!(matches!(reg_.register(&region, 8 * 4096, 4096), Err(RegisterError::Full(8))));
+        assert!(matches!(
+            reg_.register(&region, 8 * 4096, 4096),
+            Err(RegisterError::Full(8))
+        ));
         // Re-registering a known range still works when full.
         assert_eq!(reg_.register(&region, 0, 4096).unwrap().epoch, 2);
         assert!(reg_.deregister(1) && reg_.forget(1));
         assert!(reg_.register(&region, 8 * 4096, 4096).is_ok());
         pool.discard(&[Tag::KvCache]).unwrap();
-        assert!(matches!(reg_.register(&region, 4096, 4096), Err(RegisterError::NotMapped)));
+        assert!(matches!(
+            reg_.register(&region, 4096, 4096),
+            Err(RegisterError::NotMapped)
+        ));
     }
 }

@@ -51,8 +51,8 @@ use crate::auth::{self, KvSecret, Port};
 use crate::conns::{Admitted, ConnSlots, Slot};
 use crate::frame::{Header, Limits, RemoteError, HEADER_LEN};
 use crate::proto::{
-    BatchId, ConnId, Direction, Initiator, InitiatorConfig, LocalRange, Request, Response, StartError, Stats,
-    Transfer, TransferError,
+    BatchId, ConnId, Direction, Initiator, InitiatorConfig, LocalRange, Request, Response,
+    StartError, Stats, Transfer, TransferError,
 };
 use crate::registry::{Access, AccessError, Registration, Registry};
 use crate::RemoteDescriptor;
@@ -162,9 +162,18 @@ pub struct LocalSlice {
 impl LocalSlice {
     /// A checked grant on `[offset, offset+len)` of the local registration
     /// `reg` of `registry` (the same check every remote access passes).
-    pub fn grant(registry: &Registry, reg: &Registration, offset: u64, len: u64) -> Result<LocalSlice, AccessError> {
+    pub fn grant(
+        registry: &Registry,
+        reg: &Registration,
+        offset: u64,
+        len: u64,
+    ) -> Result<LocalSlice, AccessError> {
         let access = registry.local(reg, offset, len)?;
-        Ok(LocalSlice { access: Arc::new(access), offset: 0, len })
+        Ok(LocalSlice {
+            access: Arc::new(access),
+            offset: 0,
+            len,
+        })
     }
 
     /// # Safety
@@ -187,7 +196,11 @@ impl LocalRange for LocalSlice {
     }
     fn slice(&self, offset: u64, len: u64) -> LocalSlice {
         assert!(offset + len <= self.len, "LocalSlice::slice out of range");
-        LocalSlice { access: self.access.clone(), offset: self.offset + offset, len }
+        LocalSlice {
+            access: self.access.clone(),
+            offset: self.offset + offset,
+            len,
+        }
     }
 }
 
@@ -254,14 +267,18 @@ impl Drop for Peer {
 
 impl Peer {
     async fn connect(addr: &str, cfg: &AgentConfig) -> Result<Peer, BatchError> {
-        let connect_err = |reason: String| BatchError::Connect { addr: addr.to_string(), reason };
+        let connect_err = |reason: String| BatchError::Connect {
+            addr: addr.to_string(),
+            reason,
+        };
         let mut streams = Vec::with_capacity(cfg.conns_per_peer);
         for _ in 0..cfg.conns_per_peer.max(1) {
             let mut s = tokio::time::timeout(cfg.connect_timeout, TcpStream::connect(addr))
                 .await
                 .map_err(|_| connect_err("timed out".into()))?
                 .map_err(|e| connect_err(e.to_string()))?;
-            s.set_nodelay(true).map_err(|e| connect_err(e.to_string()))?;
+            s.set_nodelay(true)
+                .map_err(|e| connect_err(e.to_string()))?;
             auth::connect(&mut s, &cfg.secret, Port::Transfer, cfg.connect_timeout)
                 .await
                 .map_err(|e| connect_err(format!("handshake: {e}")))?;
@@ -270,7 +287,10 @@ impl Peer {
         let mut init = Initiator::new(cfg.initiator.clone());
         let ids: Vec<ConnId> = streams.iter().map(|_| init.add_conn()).collect();
         let shared = Arc::new(PeerShared {
-            state: Mutex::new(PeerState { init, waiters: HashMap::new() }),
+            state: Mutex::new(PeerState {
+                init,
+                waiters: HashMap::new(),
+            }),
             writer_wake: streams.iter().map(|_| Notify::new()).collect(),
             timer_wake: Notify::new(),
             limits: cfg.limits,
@@ -301,16 +321,33 @@ async fn conn_writer(shared: Arc<PeerShared>, id: ConnId, mut w: OwnedWriteHalf)
         };
         let res = match &req {
             Request::Write { op, target, local } => {
-                let h = Header::WriteReq { op: *op, target: *target }.encode();
+                let h = Header::WriteReq {
+                    op: *op,
+                    target: *target,
+                }
+                .encode();
                 match w.write_all(&h).await {
                     // SAFETY: the batch protocol schedules no write into a range it sends from.
                     Ok(()) => w.write_all(unsafe { local.bytes() }).await,
                     Err(e) => Err(e),
                 }
             }
-            Request::Read { op, target } => w.write_all(&Header::ReadReq { op: *op, target: *target }.encode()).await,
+            Request::Read { op, target } => {
+                w.write_all(
+                    &Header::ReadReq {
+                        op: *op,
+                        target: *target,
+                    }
+                    .encode(),
+                )
+                .await
+            }
             Request::Notify { op, payload } => {
-                let h = Header::Notify { op: *op, len: payload.len() as u32 }.encode();
+                let h = Header::Notify {
+                    op: *op,
+                    len: payload.len() as u32,
+                }
+                .encode();
                 match w.write_all(&h).await {
                     Ok(()) => w.write_all(payload).await,
                     Err(e) => Err(e),
@@ -331,7 +368,9 @@ async fn conn_reader(shared: Arc<PeerShared>, id: ConnId, mut r: OwnedReadHalf) 
         if r.read_exact(&mut h).await.is_err() {
             break;
         }
-        let Ok(header) = Header::decode(&h, &shared.limits) else { break };
+        let Ok(header) = Header::decode(&h, &shared.limits) else {
+            break;
+        };
         let (op, resp) = match header {
             Header::WriteAck { op } => (op, Response::WriteAck),
             Header::NotifyAck { op } => (op, Response::NotifyAck),
@@ -340,7 +379,9 @@ async fn conn_reader(shared: Arc<PeerShared>, id: ConnId, mut r: OwnedReadHalf) 
                 let target = shared.state.lock().unwrap().init.read_target(op);
                 let ok = match target {
                     // SAFETY: the read's local range is written by this read only.
-                    Some(local) if local.len() == len as u64 => r.read_exact(unsafe { local.bytes_mut() }).await.is_ok(),
+                    Some(local) if local.len() == len as u64 => {
+                        r.read_exact(unsafe { local.bytes_mut() }).await.is_ok()
+                    }
                     Some(_) => false,
                     None => drain(&mut r, len as u64, &mut scratch).await.is_ok(),
                 };
@@ -458,12 +499,22 @@ impl Drop for Agent {
 
 impl Agent {
     /// Listens on `addr` (e.g. "127.0.0.1:0") and starts serving.
-    pub async fn bind(addr: &str, registry: Arc<Registry>, cfg: AgentConfig) -> std::io::Result<Agent> {
+    pub async fn bind(
+        addr: &str,
+        registry: Arc<Registry>,
+        cfg: AgentConfig,
+    ) -> std::io::Result<Agent> {
         let listener = TcpListener::bind(addr).await?;
         let addr = listener.local_addr()?;
         let (notify_tx, notify_rx) = mpsc::channel(cfg.notify_queue.max(1));
         let stats = Arc::new(ServeStats::default());
-        let accept = tokio::spawn(accept_loop(listener, registry.clone(), cfg.clone(), notify_tx, stats.clone()));
+        let accept = tokio::spawn(accept_loop(
+            listener,
+            registry.clone(),
+            cfg.clone(),
+            notify_tx,
+            stats.clone(),
+        ));
         Ok(Agent {
             registry,
             cfg,
@@ -500,20 +551,36 @@ impl Agent {
     }
 
     /// A checked local range for a batch.
-    pub fn local(&self, reg: &Registration, offset: u64, len: u64) -> Result<LocalSlice, BatchError> {
+    pub fn local(
+        &self,
+        reg: &Registration,
+        offset: u64,
+        len: u64,
+    ) -> Result<LocalSlice, BatchError> {
         LocalSlice::grant(&self.registry, reg, offset, len).map_err(BatchError::Local)
     }
 
     /// Per-peer initiator counters.
     pub async fn peer_stats(&self) -> Vec<(String, Stats)> {
         let peers = self.peers.lock().await;
-        peers.iter().map(|(a, p)| (a.clone(), p.shared.state.lock().unwrap().init.stats().clone())).collect()
+        peers
+            .iter()
+            .map(|(a, p)| {
+                (
+                    a.clone(),
+                    p.shared.state.lock().unwrap().init.stats().clone(),
+                )
+            })
+            .collect()
     }
 
     /// The next notification a peer delivered, waiting at most `timeout`.
     pub async fn recv_notification(&self, timeout: Duration) -> Option<Notification> {
         let mut rx = self.notify_rx.lock().await;
-        tokio::time::timeout(timeout, rx.recv()).await.ok().flatten()
+        tokio::time::timeout(timeout, rx.recv())
+            .await
+            .ok()
+            .flatten()
     }
 
     async fn peer(&self, addr: &str) -> Result<Arc<Peer>, BatchError> {
@@ -529,7 +596,10 @@ impl Agent {
         if peers.len() >= self.cfg.max_peers {
             return Err(BatchError::Connect {
                 addr: addr.to_string(),
-                reason: format!("this agent is connected to {} peers already, the most it keeps", self.cfg.max_peers),
+                reason: format!(
+                    "this agent is connected to {} peers already, the most it keeps",
+                    self.cfg.max_peers
+                ),
             });
         }
         let p = Arc::new(Peer::connect(addr, &self.cfg).await?);
@@ -562,17 +632,29 @@ impl Agent {
             .into_iter()
             .map(|(local, d)| Transfer {
                 local,
-                remote: crate::frame::Target { segment: d.segment, key: d.key, epoch: d.epoch, offset: d.offset, len: d.len },
+                remote: crate::frame::Target {
+                    segment: d.segment,
+                    key: d.key,
+                    epoch: d.epoch,
+                    offset: d.offset,
+                    len: d.len,
+                },
             })
             .collect();
         let (tx, rx) = oneshot::channel();
         let shared = peer.shared.clone();
         let mut st = shared.state.lock().unwrap();
-        let batch = st.init.start(Instant::now(), dir, transfers, notify, deadline)?;
+        let batch = st
+            .init
+            .start(Instant::now(), dir, transfers, notify, deadline)?;
         st.waiters.insert(batch, tx);
         shared.dispatch(&mut st);
         drop(st);
-        Ok(BatchHandle { shared, batch, rx: Some(rx) })
+        Ok(BatchHandle {
+            shared,
+            batch,
+            rx: Some(rx),
+        })
     }
 
     /// Writes local ranges to remote ranges and waits for the batch.
@@ -582,13 +664,25 @@ impl Agent {
         notify: Option<Vec<u8>>,
         timeout: Duration,
     ) -> Result<(), BatchError> {
-        Ok(self.start(Direction::Write, transfers, notify, timeout).await?.wait().await?)
+        Ok(self
+            .start(Direction::Write, transfers, notify, timeout)
+            .await?
+            .wait()
+            .await?)
     }
 
     /// Reads remote ranges into local ranges and waits for the batch.
-    pub async fn read(&self, transfers: Vec<(RemoteDescriptor, LocalSlice)>, timeout: Duration) -> Result<(), BatchError> {
+    pub async fn read(
+        &self,
+        transfers: Vec<(RemoteDescriptor, LocalSlice)>,
+        timeout: Duration,
+    ) -> Result<(), BatchError> {
         let t = transfers.into_iter().map(|(r, l)| (l, r)).collect();
-        Ok(self.start(Direction::Read, t, None, timeout).await?.wait().await?)
+        Ok(self
+            .start(Direction::Read, t, None, timeout)
+            .await?
+            .wait()
+            .await?)
     }
 }
 
@@ -627,9 +721,16 @@ async fn accept_loop(
         };
         let _ = stream.set_nodelay(true);
         let id = slot.id();
-        let (registry, cfg, notify_tx, stats) = (registry.clone(), cfg.clone(), notify_tx.clone(), stats.clone());
+        let (registry, cfg, notify_tx, stats) = (
+            registry.clone(),
+            cfg.clone(),
+            notify_tx.clone(),
+            stats.clone(),
+        );
         let task = tokio::spawn(async move {
-            if let Err(why) = serve_conn(stream, from, &registry, &cfg, &notify_tx, &stats, &slot).await {
+            if let Err(why) =
+                serve_conn(stream, from, &registry, &cfg, &notify_tx, &stats, &slot).await
+            {
                 tracing::debug!(%from, "connection closed: {why}");
             }
         });
@@ -661,10 +762,20 @@ async fn serve_conn(
     slot: &Slot,
 ) -> Result<(), String> {
     let mut stream = stream;
-    if let Err(e) = auth::accept(&mut stream, &cfg.secret, Port::Transfer, cfg.unproven_timeout).await {
+    if let Err(e) = auth::accept(
+        &mut stream,
+        &cfg.secret,
+        Port::Transfer,
+        cfg.unproven_timeout,
+    )
+    .await
+    {
         stats.auth_refused.fetch_add(1, Ordering::Relaxed);
         stats.progress.notify_waiters();
-        if matches!(e, auth::AuthError::BadProof | auth::AuthError::WrongPort { .. }) {
+        if matches!(
+            e,
+            auth::AuthError::BadProof | auth::AuthError::WrongPort { .. }
+        ) {
             tracing::info!(%from, "KV transfer connection refused: {e}");
         }
         return Err(format!("handshake: {e}"));
@@ -677,7 +788,11 @@ async fn serve_conn(
     loop {
         let mut h = [0u8; HEADER_LEN];
         let unproven = !slot.is_proven();
-        let wait = if unproven { cfg.unproven_timeout } else { cfg.idle_timeout };
+        let wait = if unproven {
+            cfg.unproven_timeout
+        } else {
+            cfg.idle_timeout
+        };
         match tokio::time::timeout(wait, r.read_exact(&mut h)).await {
             Err(_) if unproven => return Err("no accepted access in time".into()),
             Err(_) => return Err("idle timeout".into()),
@@ -693,7 +808,13 @@ async fn serve_conn(
         let reply = match header {
             Header::Hello { .. } => Header::Hello { agent: 0 },
             Header::WriteReq { op, target } => {
-                match registry.access(target.segment, target.key, target.epoch, target.offset, target.len) {
+                match registry.access(
+                    target.segment,
+                    target.key,
+                    target.epoch,
+                    target.offset,
+                    target.len,
+                ) {
                     Ok(a) => {
                         slot.prove();
                         // SAFETY: a write's target range is written by this write only.
@@ -703,15 +824,28 @@ async fn serve_conn(
                     }
                     Err(e) => {
                         timed(t, drain(&mut r, target.len, &mut scratch), "drain").await?;
-                        Header::Error { op, error: e.into() }
+                        Header::Error {
+                            op,
+                            error: e.into(),
+                        }
                     }
                 }
             }
             Header::ReadReq { op, target } => {
-                match registry.access(target.segment, target.key, target.epoch, target.offset, target.len) {
+                match registry.access(
+                    target.segment,
+                    target.key,
+                    target.epoch,
+                    target.offset,
+                    target.len,
+                ) {
                     Ok(a) => {
                         slot.prove();
-                        let head = Header::ReadResp { op, len: target.len as u32 }.encode();
+                        let head = Header::ReadResp {
+                            op,
+                            len: target.len as u32,
+                        }
+                        .encode();
                         timed(t, w.write_all(&head), "read resp").await?;
                         // SAFETY: no write is scheduled into a range being read.
                         timed(t, w.write_all(unsafe { a.as_slice() }), "read data").await?;
@@ -720,7 +854,10 @@ async fn serve_conn(
                         stats.progress.notify_waiters();
                         continue;
                     }
-                    Err(e) => Header::Error { op, error: e.into() },
+                    Err(e) => Header::Error {
+                        op,
+                        error: e.into(),
+                    },
                 }
             }
             Header::Notify { op, len } => {
@@ -728,7 +865,10 @@ async fn serve_conn(
                 timed(t, r.read_exact(&mut payload), "notify").await?;
                 match notify_tx.try_send(Notification { from, payload }) {
                     Ok(()) => Header::NotifyAck { op },
-                    Err(_) => Header::Error { op, error: RemoteError::Busy },
+                    Err(_) => Header::Error {
+                        op,
+                        error: RemoteError::Busy,
+                    },
                 }
             }
             other => {

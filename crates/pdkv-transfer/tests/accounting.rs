@@ -17,7 +17,9 @@ fn live_kv_memfd_bytes() -> u64 {
     use std::os::unix::fs::MetadataExt;
     let mut by_inode: HashMap<u64, u64> = HashMap::new();
     for e in std::fs::read_dir("/proc/self/fd").unwrap().flatten() {
-        let Ok(target) = std::fs::read_link(e.path()) else { continue };
+        let Ok(target) = std::fs::read_link(e.path()) else {
+            continue;
+        };
         if !target.to_string_lossy().starts_with("/memfd:pdkv-kv_cache") {
             continue;
         }
@@ -45,9 +47,16 @@ fn live_kv_memfd_bytes() -> u64 {
 fn released_memory_is_freed_only_after_deregistration_and_the_last_access() {
     let _serial = SERIAL.lock().unwrap();
     const LEN: usize = 4 << 20;
-    let pool = Pool::new(PoolOptions { chunk_size: 1 << 20, single_allocation: false });
+    let pool = Pool::new(PoolOptions {
+        chunk_size: 1 << 20,
+        single_allocation: false,
+    });
     let region = pool.allocate(Tag::KvCache, LEN).unwrap();
-    let registry = Arc::new(Registry::new(RegistryOptions { max_segments: 4, key_seed: Some(1), ..Default::default() }));
+    let registry = Arc::new(Registry::new(RegistryOptions {
+        max_segments: 4,
+        key_seed: Some(1),
+        ..Default::default()
+    }));
     assert_eq!(live_kv_memfd_bytes(), LEN as u64);
 
     // Register half the region: the two chunks under it are pinned.
@@ -55,8 +64,16 @@ fn released_memory_is_freed_only_after_deregistration_and_the_last_access() {
     let grant = registry.local(&reg, 0, 4096).unwrap();
     pool.discard(&[Tag::KvCache]).unwrap();
     assert_eq!(region.physical_bytes(), 0, "the region holds nothing");
-    assert_eq!(live_kv_memfd_bytes(), (LEN / 2) as u64, "the registration still pins its two chunks");
-    assert_eq!(pool.device_bytes().get(Tag::KvCache), (LEN / 2) as u64, "and the pool counts them");
+    assert_eq!(
+        live_kv_memfd_bytes(),
+        (LEN / 2) as u64,
+        "the registration still pins its two chunks"
+    );
+    assert_eq!(
+        pool.device_bytes().get(Tag::KvCache),
+        (LEN / 2) as u64,
+        "and the pool counts them"
+    );
     assert_eq!(pool.pinned_bytes(), (LEN / 2) as u64);
 
     // Waking maps fresh pages; the pinned old ones are still there too.
@@ -64,9 +81,17 @@ fn released_memory_is_freed_only_after_deregistration_and_the_last_access() {
     assert_eq!(live_kv_memfd_bytes(), (LEN + LEN / 2) as u64);
 
     assert!(registry.deregister(reg.segment));
-    assert_eq!(live_kv_memfd_bytes(), (LEN + LEN / 2) as u64, "an access in flight keeps them");
+    assert_eq!(
+        live_kv_memfd_bytes(),
+        (LEN + LEN / 2) as u64,
+        "an access in flight keeps them"
+    );
     drop(grant);
-    assert_eq!(live_kv_memfd_bytes(), LEN as u64, "freed after deregistration and the last access");
+    assert_eq!(
+        live_kv_memfd_bytes(),
+        LEN as u64,
+        "freed after deregistration and the last access"
+    );
     assert_eq!(pool.device_bytes().get(Tag::KvCache), LEN as u64);
     assert_eq!(pool.pinned_bytes(), 0);
 
@@ -78,7 +103,11 @@ fn released_memory_is_freed_only_after_deregistration_and_the_last_access() {
     pool.wake(&[Tag::KvCache]).unwrap();
     let again = registry.register(&region, 0, LEN).unwrap();
     assert_eq!(again.epoch, reg.epoch + 1);
-    assert_eq!(live_kv_memfd_bytes(), LEN as u64, "one set of pages, shared by region and registration");
+    assert_eq!(
+        live_kv_memfd_bytes(),
+        LEN as u64,
+        "one set of pages, shared by region and registration"
+    );
 }
 
 #[test]
@@ -87,25 +116,47 @@ fn shared_memory_is_freed_only_after_every_peer_acked_its_unmap() {
     use pdkv_transfer::shm::{ShmExporter, ShmImporter};
     let _serial = SERIAL.lock().unwrap();
     const LEN: usize = 2 << 20;
-    let pool = Pool::new(PoolOptions { chunk_size: 1 << 20, single_allocation: false });
+    let pool = Pool::new(PoolOptions {
+        chunk_size: 1 << 20,
+        single_allocation: false,
+    });
     let region = pool.allocate(Tag::KvCache, LEN).unwrap();
-    let registry = Arc::new(Registry::new(RegistryOptions { max_segments: 4, key_seed: Some(2), ..Default::default() }));
+    let registry = Arc::new(Registry::new(RegistryOptions {
+        max_segments: 4,
+        key_seed: Some(2),
+        ..Default::default()
+    }));
     let reg = registry.register(&region, 0, LEN).unwrap();
     let path = std::env::temp_dir().join(format!("pdkv-acct-{}.sock", std::process::id()));
     let _ = std::fs::remove_file(&path);
     let exp = ShmExporter::bind(&path, registry.clone(), Limits::default()).unwrap();
-    let importers: Vec<ShmImporter> = (0..3).map(|_| ShmImporter::connect(&path, Limits::default()).unwrap()).collect();
+    let importers: Vec<ShmImporter> = (0..3)
+        .map(|_| ShmImporter::connect(&path, Limits::default()).unwrap())
+        .collect();
     for imp in &importers {
         imp.map(&reg, std::time::Duration::from_secs(10)).unwrap();
     }
     pool.discard(&[Tag::KvCache]).unwrap();
     assert_eq!(region.physical_bytes(), 0);
-    assert_eq!(pool.device_bytes().total(), LEN as u64, "the registration pins the pages");
-    assert_eq!(live_kv_memfd_bytes(), LEN as u64, "registration and three peers' mappings pin the pages");
+    assert_eq!(
+        pool.device_bytes().total(),
+        LEN as u64,
+        "the registration pins the pages"
+    );
+    assert_eq!(
+        live_kv_memfd_bytes(),
+        LEN as u64,
+        "registration and three peers' mappings pin the pages"
+    );
     // Dropping the registry's registration alone would not free them: the
     // peers' mappings pin them too. The exporter waits for every ack.
-    exp.deregister(reg.segment, std::time::Duration::from_secs(10)).unwrap();
+    exp.deregister(reg.segment, std::time::Duration::from_secs(10))
+        .unwrap();
     assert!(importers.iter().all(|i| i.unmapped() == 1));
-    assert_eq!(live_kv_memfd_bytes(), 0, "freed once every peer acked and the registration went");
+    assert_eq!(
+        live_kv_memfd_bytes(),
+        0,
+        "freed once every peer acked and the registration went"
+    );
     assert_eq!(pool.device_bytes().total(), 0);
 }

@@ -19,9 +19,16 @@ fn sock_path(name: &str) -> std::path::PathBuf {
 
 #[test]
 fn an_importer_copies_directly_and_every_check_holds() {
-    let pool = Pool::new(PoolOptions { chunk_size: 64 << 10, single_allocation: false });
+    let pool = Pool::new(PoolOptions {
+        chunk_size: 64 << 10,
+        single_allocation: false,
+    });
     let region = pool.allocate(Tag::KvCache, 512 << 10).unwrap();
-    let registry = Arc::new(Registry::new(RegistryOptions { max_segments: 8, key_seed: Some(1), ..Default::default() }));
+    let registry = Arc::new(Registry::new(RegistryOptions {
+        max_segments: 8,
+        key_seed: Some(1),
+        ..Default::default()
+    }));
     // A range starting mid-chunk: the importer must honour the skew.
     let off = (64 << 10) + 4096;
     let reg = registry.register(&region, off, 256 << 10).unwrap();
@@ -29,7 +36,10 @@ fn an_importer_copies_directly_and_every_check_holds() {
     let exp = ShmExporter::bind(&path, registry.clone(), Limits::default()).unwrap();
     let imp = ShmImporter::connect(&path, Limits::default()).unwrap();
 
-    let bad = pdkv_transfer::Registration { key: reg.key ^ 1, ..reg };
+    let bad = pdkv_transfer::Registration {
+        key: reg.key ^ 1,
+        ..reg
+    };
     assert!(matches!(
         imp.map(&bad, DL),
         Err(ShmError::Remote(e)) if e == AccessError::BadKey { segment: reg.segment }.into()
@@ -42,7 +52,10 @@ fn an_importer_copies_directly_and_every_check_holds() {
     imp.write(reg.segment, reg.epoch, 1000, &data).unwrap();
     let mut back = vec![0; data.len()];
     region.read_bytes(off + 1000, &mut back).unwrap();
-    assert!(back == data, "the importer's write landed in the exporter's region");
+    assert!(
+        back == data,
+        "the importer's write landed in the exporter's region"
+    );
     region.write_bytes(off, &[5; 64]).unwrap();
     let mut small = [0; 64];
     imp.read(reg.segment, reg.epoch, 0, &mut small).unwrap();
@@ -52,15 +65,26 @@ fn an_importer_copies_directly_and_every_check_holds() {
         imp.read(reg.segment, reg.epoch, reg.len - 10, &mut small),
         Err(ShmError::Remote(e)) if matches!(e, pdkv_transfer::frame::RemoteError::Access(AccessError::OutOfBounds { .. }))
     ));
-    assert!(matches!(imp.write(reg.segment, reg.epoch + 1, 0, &[1]), Err(ShmError::Remote(_))));
-    assert!(matches!(imp.read(reg.segment + 1, reg.epoch, 0, &mut small), Err(ShmError::NotMapped(_))));
-    region.read_bytes(off + reg.len as usize - 10, &mut small[..10]).unwrap();
+    assert!(matches!(
+        imp.write(reg.segment, reg.epoch + 1, 0, &[1]),
+        Err(ShmError::Remote(_))
+    ));
+    assert!(matches!(
+        imp.read(reg.segment + 1, reg.epoch, 0, &mut small),
+        Err(ShmError::NotMapped(_))
+    ));
+    region
+        .read_bytes(off + reg.len as usize - 10, &mut small[..10])
+        .unwrap();
     assert_eq!(exp.peers(), 1);
 
     // Deregistration asks the importer to unmap and waits for its ack.
     exp.deregister(reg.segment, DL).unwrap();
     assert_eq!(imp.unmapped(), 1);
-    assert!(matches!(imp.read(reg.segment, reg.epoch, 0, &mut small), Err(ShmError::NotMapped(_))));
+    assert!(matches!(
+        imp.read(reg.segment, reg.epoch, 0, &mut small),
+        Err(ShmError::NotMapped(_))
+    ));
     assert!(matches!(
         imp.map(&reg, DL),
         Err(ShmError::Remote(e)) if e == AccessError::NotRegistered { segment: reg.segment }.into()
@@ -70,11 +94,20 @@ fn an_importer_copies_directly_and_every_check_holds() {
     imp.map(&again, DL).unwrap();
     imp.read(again.segment, again.epoch, 0, &mut small).unwrap();
     assert_eq!(small, [5; 64]);
-    assert!(matches!(imp.read(again.segment, reg.epoch, 0, &mut small), Err(ShmError::Remote(_))), "old epoch refused");
+    assert!(
+        matches!(
+            imp.read(again.segment, reg.epoch, 0, &mut small),
+            Err(ShmError::Remote(_))
+        ),
+        "old epoch refused"
+    );
 }
 
 /// Reads one frame on a hand-written peer's socket, collecting its memfds.
-fn raw_frame(raw: &std::os::unix::net::UnixStream, fds: &mut Vec<std::os::fd::OwnedFd>) -> (Header, Vec<u8>) {
+fn raw_frame(
+    raw: &std::os::unix::net::UnixStream,
+    fds: &mut Vec<std::os::fd::OwnedFd>,
+) -> (Header, Vec<u8>) {
     let mut h = [0u8; HEADER_LEN];
     recv_with_fds(raw, &mut h, fds).unwrap();
     let header = Header::decode(&h, &Limits::default()).unwrap();
@@ -85,16 +118,29 @@ fn raw_frame(raw: &std::os::unix::net::UnixStream, fds: &mut Vec<std::os::fd::Ow
 
 #[test]
 fn a_peer_that_never_acks_bounds_the_deregistration_by_its_deadline() {
-    let pool = Pool::new(PoolOptions { chunk_size: 64 << 10, single_allocation: false });
+    let pool = Pool::new(PoolOptions {
+        chunk_size: 64 << 10,
+        single_allocation: false,
+    });
     let region = pool.allocate(Tag::KvCache, 128 << 10).unwrap();
-    let registry = Arc::new(Registry::new(RegistryOptions { max_segments: 8, key_seed: Some(2), ..Default::default() }));
+    let registry = Arc::new(Registry::new(RegistryOptions {
+        max_segments: 8,
+        key_seed: Some(2),
+        ..Default::default()
+    }));
     let reg = registry.register(&region, 0, 128 << 10).unwrap();
     let path = sock_path("noack");
     let exp = ShmExporter::bind(&path, registry.clone(), Limits::default()).unwrap();
 
     // A hand-written peer: asks for the memfds, keeps them, never answers.
     let raw = shaken(&path);
-    let target = Target { segment: reg.segment, key: reg.key, epoch: reg.epoch, offset: 0, len: reg.len };
+    let target = Target {
+        segment: reg.segment,
+        key: reg.key,
+        epoch: reg.epoch,
+        offset: 0,
+        len: reg.len,
+    };
     std::io::Write::write_all(&mut &raw, &Header::MapReq { op: 1, target }.encode()).unwrap();
     let mut fds = Vec::new();
     let (header, _) = raw_frame(&raw, &mut fds);
@@ -105,11 +151,22 @@ fn a_peer_that_never_acks_bounds_the_deregistration_by_its_deadline() {
     assert_eq!(fds.len(), 2, "one memfd per 64 KiB chunk");
 
     let t0 = Instant::now();
-    let err = exp.deregister(reg.segment, Duration::from_millis(200)).unwrap_err();
+    let err = exp
+        .deregister(reg.segment, Duration::from_millis(200))
+        .unwrap_err();
     let took = t0.elapsed();
-    assert!(matches!(err, ShmError::UnmapTimeout { segment, ref peers } if segment == reg.segment && peers.len() == 1), "{err:?}");
-    assert!(took >= Duration::from_millis(200) && took < Duration::from_secs(2), "{took:?}");
-    assert!(registry.get(reg.segment).is_none(), "no new access is granted either way");
+    assert!(
+        matches!(err, ShmError::UnmapTimeout { segment, ref peers } if segment == reg.segment && peers.len() == 1),
+        "{err:?}"
+    );
+    assert!(
+        took >= Duration::from_millis(200) && took < Duration::from_secs(2),
+        "{took:?}"
+    );
+    assert!(
+        registry.get(reg.segment).is_none(),
+        "no new access is granted either way"
+    );
     drop(fds);
 }
 
@@ -137,18 +194,39 @@ struct Pair {
 }
 
 fn pair(name: &str, len: usize, cfg: ShmImporterConfig) -> Pair {
-    let pool = Pool::new(PoolOptions { chunk_size: 1 << 20, single_allocation: false });
+    let pool = Pool::new(PoolOptions {
+        chunk_size: 1 << 20,
+        single_allocation: false,
+    });
     let remote = pool.allocate(Tag::KvCache, len).unwrap();
     let local = pool.allocate(Tag::KvCache, len).unwrap();
-    let registry = Arc::new(Registry::new(RegistryOptions { max_segments: 8, key_seed: Some(11), ..Default::default() }));
+    let registry = Arc::new(Registry::new(RegistryOptions {
+        max_segments: 8,
+        key_seed: Some(11),
+        ..Default::default()
+    }));
     let remote_reg = registry.register(&remote, 0, len).unwrap();
-    let local_registry = Registry::new(RegistryOptions { max_segments: 8, key_seed: Some(12), ..Default::default() });
+    let local_registry = Registry::new(RegistryOptions {
+        max_segments: 8,
+        key_seed: Some(12),
+        ..Default::default()
+    });
     let local_reg = local_registry.register(&local, 0, len).unwrap();
     let path = sock_path(name);
     let exp = ShmExporter::bind_with_queue(&path, registry.clone(), Limits::default(), 64).unwrap();
     let imp = ShmImporter::connect_with(&path, Limits::default(), cfg).unwrap();
     imp.map(&remote_reg, DL).unwrap();
-    Pair { _pool: pool, remote, remote_reg, registry, local, local_reg, local_registry, exp, imp }
+    Pair {
+        _pool: pool,
+        remote,
+        remote_reg,
+        registry,
+        local,
+        local_reg,
+        local_registry,
+        exp,
+        imp,
+    }
 }
 
 impl Pair {
@@ -156,16 +234,35 @@ impl Pair {
         LocalSlice::grant(&self.local_registry, &self.local_reg, off, len).unwrap()
     }
     fn target(&self, reg: &Registration, off: u64, len: u64) -> Target {
-        Target { segment: reg.segment, key: reg.key, epoch: reg.epoch, offset: off, len }
+        Target {
+            segment: reg.segment,
+            key: reg.key,
+            epoch: reg.epoch,
+            offset: off,
+            len,
+        }
     }
-    fn write_one(&self, off: u64, len: u64, notify: Option<Vec<u8>>, deadline: Instant) -> ShmBatchHandle {
-        let t = Transfer { local: self.slice(off, len), remote: self.target(&self.remote_reg, off, len) };
-        self.imp.start(Direction::Write, vec![t], notify, deadline).unwrap()
+    fn write_one(
+        &self,
+        off: u64,
+        len: u64,
+        notify: Option<Vec<u8>>,
+        deadline: Instant,
+    ) -> ShmBatchHandle {
+        let t = Transfer {
+            local: self.slice(off, len),
+            remote: self.target(&self.remote_reg, off, len),
+        };
+        self.imp
+            .start(Direction::Write, vec![t], notify, deadline)
+            .unwrap()
     }
 }
 
 fn pattern(len: usize, seed: u8) -> Vec<u8> {
-    (0..len).map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed) ^ (i >> 12) as u8).collect()
+    (0..len)
+        .map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed) ^ (i >> 12) as u8)
+        .collect()
 }
 
 fn remote_bytes(p: &Pair, off: usize, len: usize) -> Vec<u8> {
@@ -178,10 +275,16 @@ fn remote_bytes(p: &Pair, off: usize, len: usize) -> Vec<u8> {
 async fn concurrent_batches_land_and_notifications_follow_their_data() {
     const TASKS: usize = 8;
     const PER: usize = 3 * (64 << 10) + 1000; // several slices, not slice-aligned
-    let cfg = ShmImporterConfig { workers: 2, max_slice: 64 << 10, ..Default::default() };
+    let cfg = ShmImporterConfig {
+        workers: 2,
+        max_slice: 64 << 10,
+        ..Default::default()
+    };
     let p = Arc::new(pair("batches", 4 << 20, cfg));
     for i in 0..TASKS {
-        p.local.write_bytes(i * PER, &pattern(PER, i as u8)).unwrap();
+        p.local
+            .write_bytes(i * PER, &pattern(PER, i as u8))
+            .unwrap();
     }
     // The exporter's side checks, as each notification arrives, that the
     // whole range of its batch already holds the batch's data.
@@ -190,9 +293,15 @@ async fn concurrent_batches_land_and_notifications_follow_their_data() {
         std::thread::spawn(move || {
             let mut seen = Vec::new();
             while seen.len() < TASKS {
-                let n = p.exp.recv_notification(DL).expect("a notification per batch");
+                let n = p
+                    .exp
+                    .recv_notification(DL)
+                    .expect("a notification per batch");
                 let i = n.payload[0] as usize;
-                assert!(remote_bytes(&p, i * PER, PER) == pattern(PER, i as u8), "batch {i}: data landed before its notification");
+                assert!(
+                    remote_bytes(&p, i * PER, PER) == pattern(PER, i as u8),
+                    "batch {i}: data landed before its notification"
+                );
                 seen.push(i);
             }
             seen.sort_unstable();
@@ -206,20 +315,28 @@ async fn concurrent_batches_land_and_notifications_follow_their_data() {
                 // Two transfers per batch: the range in two unequal parts.
                 let (off, cut) = ((i * PER) as u64, 70_000u64);
                 let transfers = vec![
-                    Transfer { local: p.slice(off, cut), remote: p.target(&p.remote_reg, off, cut) },
+                    Transfer {
+                        local: p.slice(off, cut),
+                        remote: p.target(&p.remote_reg, off, cut),
+                    },
                     Transfer {
                         local: p.slice(off + cut, PER as u64 - cut),
                         remote: p.target(&p.remote_reg, off + cut, PER as u64 - cut),
                     },
                 ];
-                p.imp.write_batch(transfers, Some(vec![i as u8]), DL).await.unwrap();
+                p.imp
+                    .write_batch(transfers, Some(vec![i as u8]), DL)
+                    .await
+                    .unwrap();
             })
         })
         .collect();
     for t in tasks {
         t.await.unwrap();
     }
-    let seen = tokio::task::spawn_blocking(move || checker.join().unwrap()).await.unwrap();
+    let seen = tokio::task::spawn_blocking(move || checker.join().unwrap())
+        .await
+        .unwrap();
     assert_eq!(seen, (0..TASKS).collect::<Vec<_>>());
 
     // Reads: fetch every range back into a cleared local region, concurrently.
@@ -229,7 +346,10 @@ async fn concurrent_batches_land_and_notifications_follow_their_data() {
             let p = p.clone();
             tokio::spawn(async move {
                 let off = (i * PER) as u64;
-                let t = Transfer { local: p.slice(off, PER as u64), remote: p.target(&p.remote_reg, off, PER as u64) };
+                let t = Transfer {
+                    local: p.slice(off, PER as u64),
+                    remote: p.target(&p.remote_reg, off, PER as u64),
+                };
                 p.imp.read_batch(vec![t], DL).await.unwrap();
             })
         })
@@ -240,10 +360,16 @@ async fn concurrent_batches_land_and_notifications_follow_their_data() {
     for i in 0..TASKS {
         let mut b = vec![0; PER];
         p.local.read_bytes(i * PER, &mut b).unwrap();
-        assert!(b == pattern(PER, i as u8), "read {i} brought the remote bytes");
+        assert!(
+            b == pattern(PER, i as u8),
+            "read {i} brought the remote bytes"
+        );
     }
     let st = p.imp.stats();
-    assert_eq!((st.bytes_written, st.bytes_read), ((TASKS * PER) as u64, (TASKS * PER) as u64));
+    assert_eq!(
+        (st.bytes_written, st.bytes_read),
+        ((TASKS * PER) as u64, (TASKS * PER) as u64)
+    );
     assert_eq!((st.batches_ok, st.failures), (2 * TASKS as u64, [0; 4]));
 }
 
@@ -263,16 +389,30 @@ fn gated(workers: usize, max_slice: u64) -> (ShmImporterConfig, Gate) {
     let hook = SliceHook(Arc::new(move |done| {
         if done == 1 {
             reached_tx.send(()).unwrap();
-            release_rx.lock().unwrap().recv_timeout(DL).expect("the test releases the batch");
+            release_rx
+                .lock()
+                .unwrap()
+                .recv_timeout(DL)
+                .expect("the test releases the batch");
         }
     }));
-    (ShmImporterConfig { workers, max_slice, before_slice: Some(hook), ..Default::default() }, Gate { reached, release })
+    (
+        ShmImporterConfig {
+            workers,
+            max_slice,
+            before_slice: Some(hook),
+            ..Default::default()
+        },
+        Gate { reached, release },
+    )
 }
 
 impl Gate {
     /// Waits until the batch copied its first slice and stands before the next.
     fn wait_reached(&self) {
-        self.reached.recv_timeout(DL).expect("the batch reaches its second slice");
+        self.reached
+            .recv_timeout(DL)
+            .expect("the batch reaches its second slice");
     }
 
     fn release(&self) {
@@ -284,8 +424,14 @@ impl Gate {
 /// stopped did so between slices, and nothing past its progress moved.
 fn prefix_landed(p: &Pair, len: usize, new: &[u8], old: &[u8], bytes: usize) {
     let now = remote_bytes(p, 0, len);
-    assert!(now[..bytes] == new[..bytes], "the slices copied hold the batch's data");
-    assert!(now[bytes..] == old[bytes..], "nothing past the stop was touched");
+    assert!(
+        now[..bytes] == new[..bytes],
+        "the slices copied hold the batch's data"
+    );
+    assert!(
+        now[bytes..] == old[bytes..],
+        "nothing past the stop was touched"
+    );
 }
 
 #[test]
@@ -302,10 +448,17 @@ fn cancelling_mid_batch_stops_between_slices_and_sends_no_notification() {
     gate.release();
     assert_eq!(h.wait_blocking(), Err(TransferError::Cancelled));
     let st = p.imp.stats();
-    assert_eq!(st.bytes_written, 4096, "exactly the first slice landed: {st:?}");
+    assert_eq!(
+        st.bytes_written, 4096,
+        "exactly the first slice landed: {st:?}"
+    );
     prefix_landed(&p, LEN, &new, &old, st.bytes_written as usize);
     assert_eq!(st.failures[TransferError::Cancelled.reason_index()], 1);
-    assert_eq!(p.exp.recv_notification(Duration::from_millis(50)), None, "no notification for a cancelled batch");
+    assert_eq!(
+        p.exp.recv_notification(Duration::from_millis(50)),
+        None,
+        "no notification for a cancelled batch"
+    );
 }
 
 #[test]
@@ -334,7 +487,10 @@ fn a_deadline_in_the_past_or_expiring_mid_batch_fails_with_timeout() {
     gate.release();
     assert_eq!(h.wait_blocking(), Err(TransferError::Timeout));
     let st = p.imp.stats();
-    assert_eq!(st.bytes_written, 4096, "only the slice before the deadline landed: {st:?}");
+    assert_eq!(
+        st.bytes_written, 4096,
+        "only the slice before the deadline landed: {st:?}"
+    );
     prefix_landed(&p, LEN, &new, &old, st.bytes_written as usize);
     assert_eq!(st.failures[TransferError::Timeout.reason_index()], 2);
     assert_eq!(p.exp.recv_notification(Duration::from_millis(50)), None);
@@ -355,28 +511,67 @@ async fn a_refused_range_fails_the_batch_before_any_byte_moves() {
     assert_eq!(fresh.epoch, stale.epoch + 1);
     p.imp.map(&fresh, DL).unwrap();
 
-    let good = |off: u64| Transfer { local: p.slice(off, 4096), remote: p.target(&fresh, off, 4096) };
+    let good = |off: u64| Transfer {
+        local: p.slice(off, 4096),
+        remote: p.target(&fresh, off, 4096),
+    };
     let cases: Vec<(Target, AccessError)> = vec![
-        (p.target(&stale, 8192, 4096), AccessError::StaleEpoch { have: stale.epoch, want: fresh.epoch }),
-        (Target { key: fresh.key ^ 1, ..p.target(&fresh, 8192, 4096) }, AccessError::BadKey { segment: fresh.segment }),
         (
-            p.target(&fresh, LEN as u64 - 100, 4096),
-            AccessError::OutOfBounds { offset: LEN as u64 - 100, len: 4096, registered: LEN as u64 },
+            p.target(&stale, 8192, 4096),
+            AccessError::StaleEpoch {
+                have: stale.epoch,
+                want: fresh.epoch,
+            },
         ),
         (
-            Target { segment: fresh.segment + 5, ..p.target(&fresh, 0, 4096) },
-            AccessError::NotRegistered { segment: fresh.segment + 5 },
+            Target {
+                key: fresh.key ^ 1,
+                ..p.target(&fresh, 8192, 4096)
+            },
+            AccessError::BadKey {
+                segment: fresh.segment,
+            },
+        ),
+        (
+            p.target(&fresh, LEN as u64 - 100, 4096),
+            AccessError::OutOfBounds {
+                offset: LEN as u64 - 100,
+                len: 4096,
+                registered: LEN as u64,
+            },
+        ),
+        (
+            Target {
+                segment: fresh.segment + 5,
+                ..p.target(&fresh, 0, 4096)
+            },
+            AccessError::NotRegistered {
+                segment: fresh.segment + 5,
+            },
         ),
     ];
     for (bad, why) in cases {
         // A valid transfer first: it must not run either.
-        let transfers = vec![good(0), Transfer { local: p.slice(LEN as u64 - 4096, 4096), remote: bad }];
-        let err = p.imp.write_batch(transfers, Some(b"n".to_vec()), DL).await.unwrap_err();
+        let transfers = vec![
+            good(0),
+            Transfer {
+                local: p.slice(LEN as u64 - 4096, 4096),
+                remote: bad,
+            },
+        ];
+        let err = p
+            .imp
+            .write_batch(transfers, Some(b"n".to_vec()), DL)
+            .await
+            .unwrap_err();
         assert!(
             matches!(err, pdkv_transfer::tcp::BatchError::Transfer(TransferError::Remote(RemoteError::Access(ref e))) if *e == why),
             "{err:?}"
         );
-        assert!(remote_bytes(&p, 0, LEN) == old, "memory untouched after {why:?}");
+        assert!(
+            remote_bytes(&p, 0, LEN) == old,
+            "memory untouched after {why:?}"
+        );
     }
     // Reads are checked the same way, and the local range stays as it was.
     let before = {
@@ -384,12 +579,18 @@ async fn a_refused_range_fails_the_batch_before_any_byte_moves() {
         p.local.read_bytes(0, &mut b).unwrap();
         b
     };
-    let t = Transfer { local: p.slice(0, 4096), remote: p.target(&stale, 0, 4096) };
+    let t = Transfer {
+        local: p.slice(0, 4096),
+        remote: p.target(&stale, 0, 4096),
+    };
     assert!(p.imp.read_batch(vec![t], DL).await.is_err());
     let mut after = vec![0; 4096];
     p.local.read_bytes(0, &mut after).unwrap();
     assert_eq!(before, after);
-    assert_eq!(p.imp.stats().failures[TransferError::Remote(RemoteError::Busy).reason_index()], 5);
+    assert_eq!(
+        p.imp.stats().failures[TransferError::Remote(RemoteError::Busy).reason_index()],
+        5
+    );
     assert_eq!(p.exp.recv_notification(Duration::from_millis(50)), None);
     // The fresh epoch works.
     p.imp.write_batch(vec![good(0)], None, DL).await.unwrap();
@@ -408,11 +609,23 @@ fn deregistering_during_a_batch_ends_it_cleanly() {
     gate.wait_reached();
     let t0 = Instant::now();
     p.exp.deregister(p.remote_reg.segment, DL).unwrap();
-    assert_eq!(p.imp.unmapped(), 1, "the peer unmapped between two slices and acked");
+    assert_eq!(
+        p.imp.unmapped(),
+        1,
+        "the peer unmapped between two slices and acked"
+    );
     gate.release();
     let res = h.wait_blocking();
     assert!(t0.elapsed() < DL);
-    assert_eq!(res, Err(TransferError::Remote(AccessError::NotRegistered { segment: p.remote_reg.segment }.into())));
+    assert_eq!(
+        res,
+        Err(TransferError::Remote(
+            AccessError::NotRegistered {
+                segment: p.remote_reg.segment
+            }
+            .into()
+        ))
+    );
     let st = p.imp.stats();
     assert_eq!(st.bytes_written, 4096, "no slice after the unmap: {st:?}");
     prefix_landed(&p, LEN, &new, &old, st.bytes_written as usize);
@@ -427,12 +640,29 @@ use std::os::fd::RawFd;
 
 #[test]
 fn too_many_chunks_is_refused_with_its_own_reason_on_either_side() {
-    let pool = Pool::new(PoolOptions { chunk_size: 4096, single_allocation: false });
+    let pool = Pool::new(PoolOptions {
+        chunk_size: 4096,
+        single_allocation: false,
+    });
     let region = pool.allocate(Tag::KvCache, 200 * 4096).unwrap();
-    let registry = Arc::new(Registry::new(RegistryOptions { key_seed: Some(31), ..Default::default() }));
+    let registry = Arc::new(Registry::new(RegistryOptions {
+        key_seed: Some(31),
+        ..Default::default()
+    }));
     let reg = registry.register(&region, 0, region.len()).unwrap();
-    let small = Limits { max_map_chunks: 100, ..Limits::default() };
-    let want = |e: &ShmError| matches!(e, ShmError::TooManyChunks { chunks: 200, limit: 100 });
+    let small = Limits {
+        max_map_chunks: 100,
+        ..Limits::default()
+    };
+    let want = |e: &ShmError| {
+        matches!(
+            e,
+            ShmError::TooManyChunks {
+                chunks: 200,
+                limit: 100
+            }
+        )
+    };
     assert!(matches!(check_shareable(200, &small), Err(ref e) if want(e)));
     check_shareable(100, &small).unwrap();
 
@@ -479,18 +709,48 @@ fn lying_exporter(path: &std::path::Path, script: Vec<Vec<Say>>) -> std::thread:
     let listener = std::os::unix::net::UnixListener::bind(path).unwrap();
     std::thread::spawn(move || {
         let (mut s, _) = listener.accept().unwrap();
-        auth::accept_blocking(&mut s, &KvSecret::open(), Port::Shm, DL).expect("the importer's handshake");
+        auth::accept_blocking(&mut s, &KvSecret::open(), Port::Shm, DL)
+            .expect("the importer's handshake");
         let mut last_op = 0;
         for answer in script {
             let mut fds = Vec::new();
             let (h, _) = raw_frame(&s, &mut fds);
-            let Header::MapReq { op, .. } = h else { panic!("a map request, got {h:?}") };
+            let Header::MapReq { op, .. } = h else {
+                panic!("a map request, got {h:?}")
+            };
             for say in answer {
                 let frame = |h: Header, d: &[u8]| [&h.encode()[..], d].concat();
                 let (bytes, fds) = match say {
-                    Say::Head(d) => (frame(Header::MapResp { op, len: d.len() as u32 }, &d), vec![]),
-                    Say::Part(d, f) => (frame(Header::MapPart { op, len: d.len() as u32 }, &d), f),
-                    Say::StalePart(d, f) => (frame(Header::MapPart { op: last_op, len: d.len() as u32 }, &d), f),
+                    Say::Head(d) => (
+                        frame(
+                            Header::MapResp {
+                                op,
+                                len: d.len() as u32,
+                            },
+                            &d,
+                        ),
+                        vec![],
+                    ),
+                    Say::Part(d, f) => (
+                        frame(
+                            Header::MapPart {
+                                op,
+                                len: d.len() as u32,
+                            },
+                            &d,
+                        ),
+                        f,
+                    ),
+                    Say::StalePart(d, f) => (
+                        frame(
+                            Header::MapPart {
+                                op: last_op,
+                                len: d.len() as u32,
+                            },
+                            &d,
+                        ),
+                        f,
+                    ),
                     Say::Garbage => (vec![b'X'; HEADER_LEN], vec![]),
                 };
                 let _ = send_with_fds(&s, &bytes, &fds);
@@ -503,18 +763,32 @@ fn lying_exporter(path: &std::path::Path, script: Vec<Vec<Say>>) -> std::thread:
 #[test]
 fn an_exporter_that_lies_in_its_map_reply_is_refused_with_the_reason_and_nothing_stays_mapped() {
     const C: u64 = 64 << 10;
-    let pool = Pool::new(PoolOptions { chunk_size: C as usize, single_allocation: false });
+    let pool = Pool::new(PoolOptions {
+        chunk_size: C as usize,
+        single_allocation: false,
+    });
     let region = pool.allocate(Tag::KvCache, 2 * C as usize).unwrap();
     let chunks = region.chunks();
     let (f0, f1) = (chunks[0].chunk.raw_fd(), chunks[1].chunk.raw_fd());
-    let reg = Registration { segment: 1, key: 2, epoch: 3, len: 100_000 };
+    let reg = Registration {
+        segment: 1,
+        key: 2,
+        epoch: 3,
+        len: 100_000,
+    };
     let head = words(&[4096, 100_000, 2, 2 * C]);
     let part = |first: u64, lens: &[u64]| words(&[&[first][..], lens].concat());
     use Say::*;
     let cases: Vec<(Vec<Say>, Expect)> = vec![
-        (vec![Head(words(&[4096, 99_999, 2, 2 * C]))], &|e| matches!(e, ShmError::BadMap(BadMap::Head))),
-        (vec![Part(part(0, &[C]), vec![f0])], &|e| matches!(e, ShmError::BadMap(BadMap::NoHead))),
-        (vec![Head(head.clone()), Head(head.clone())], &|e| matches!(e, ShmError::BadMap(BadMap::SecondHead))),
+        (vec![Head(words(&[4096, 99_999, 2, 2 * C]))], &|e| {
+            matches!(e, ShmError::BadMap(BadMap::Head))
+        }),
+        (vec![Part(part(0, &[C]), vec![f0])], &|e| {
+            matches!(e, ShmError::BadMap(BadMap::NoHead))
+        }),
+        (vec![Head(head.clone()), Head(head.clone())], &|e| {
+            matches!(e, ShmError::BadMap(BadMap::SecondHead))
+        }),
         (
             vec![Head(head.clone()), Part(part(1, &[C]), vec![f1])],
             &|e| matches!(e, ShmError::BadMap(BadMap::OutOfOrder { want: 0, got: 1 })),
@@ -524,11 +798,17 @@ fn an_exporter_that_lies_in_its_map_reply_is_refused_with_the_reason_and_nothing
             &|e| matches!(e, ShmError::BadMap(BadMap::FdCount { lens: 2, fds: 1 })),
         ),
         (
-            vec![Head(words(&[4096, 100_000, 1, 2 * C])), Part(part(0, &[C, C]), vec![f0, f1])],
+            vec![
+                Head(words(&[4096, 100_000, 1, 2 * C])),
+                Part(part(0, &[C, C]), vec![f0, f1]),
+            ],
             &|e| matches!(e, ShmError::BadMap(BadMap::PastEnd { chunks: 1, .. })),
         ),
         (
-            vec![Head(words(&[4096, 100_000, 2, 3 * C])), Part(part(0, &[C, C]), vec![f0, f1])],
+            vec![
+                Head(words(&[4096, 100_000, 2, 3 * C])),
+                Part(part(0, &[C, C]), vec![f0, f1]),
+            ],
             &|e| matches!(e, ShmError::BadMap(BadMap::ShortTotal { want, got }) if *want == 3 * C && *got == 2 * C),
         ),
         (
@@ -540,29 +820,51 @@ fn an_exporter_that_lies_in_its_map_reply_is_refused_with_the_reason_and_nothing
             &|e| matches!(e, ShmError::Io(_)), // an address range that cannot be reserved
         ),
         (
-            vec![Head(words(&[0, 100_000, 2, 100_000 + 4096])), Part(part(0, &[100_000, 4096]), vec![f0, f1])],
+            vec![
+                Head(words(&[0, 100_000, 2, 100_000 + 4096])),
+                Part(part(0, &[100_000, 4096]), vec![f0, f1]),
+            ],
             &|e| matches!(e, ShmError::Io(ref io) if io.kind() == std::io::ErrorKind::InvalidInput), // not whole pages
         ),
         (
-            vec![Head(words(&[0, 100_000, 1, 4 * C])), Part(part(0, &[4 * C]), vec![f0])],
+            vec![
+                Head(words(&[0, 100_000, 1, 4 * C])),
+                Part(part(0, &[4 * C]), vec![f0]),
+            ],
             &|e| matches!(e, ShmError::Io(ref io) if io.kind() == std::io::ErrorKind::InvalidInput), // longer than the memfd
         ),
         // Half a reply, then silence: the call ends by its deadline.
-        (vec![Head(head.clone()), Part(part(0, &[C]), vec![f0])], &|e| matches!(e, ShmError::Timeout)),
+        (
+            vec![Head(head.clone()), Part(part(0, &[C]), vec![f0])],
+            &|e| matches!(e, ShmError::Timeout),
+        ),
     ];
     let n = cases.len();
     let (mut script, checks): (Vec<Vec<Say>>, Vec<_>) = cases.into_iter().unzip();
     // Then: the rest of the abandoned reply (ignored), a valid reply, and garbage.
-    script.push(vec![StalePart(part(1, &[C]), vec![f1]), Head(head.clone()), Part(part(0, &[C]), vec![f0]), Part(part(1, &[C]), vec![f1])]);
+    script.push(vec![
+        StalePart(part(1, &[C]), vec![f1]),
+        Head(head.clone()),
+        Part(part(0, &[C]), vec![f0]),
+        Part(part(1, &[C]), vec![f1]),
+    ]);
     script.push(vec![Garbage]);
     let path = sock_path("liar");
     let liar = lying_exporter(&path, script);
     let imp = ShmImporter::connect(&path, Limits::default()).unwrap();
     for (i, check) in checks.iter().enumerate() {
-        let timeout = if i == n - 1 { Duration::from_millis(200) } else { DL };
+        let timeout = if i == n - 1 {
+            Duration::from_millis(200)
+        } else {
+            DL
+        };
         let err = imp.map(&reg, timeout).unwrap_err();
         assert!(check(&err), "case {i}: {err:?}");
-        assert_eq!(imp.mapped_epoch(reg.segment), None, "case {i}: nothing mapped");
+        assert_eq!(
+            imp.mapped_epoch(reg.segment),
+            None,
+            "case {i}: nothing mapped"
+        );
     }
     // The connection survived every lie: a true reply maps, and writes land.
     imp.map(&reg, DL).unwrap();
@@ -591,23 +893,50 @@ fn a_fence_stops_a_batch_in_flight_even_across_a_new_map_and_the_new_mapping_wor
     gate.wait_reached();
 
     p.exp.fence(seg, DL).unwrap();
-    assert_eq!(p.imp.unmapped(), 1, "the peer unmapped between two slices and acked");
-    assert_eq!(p.imp.mapped_epoch(seg), None, "the caller can tell it must map again");
-    assert_eq!(p.registry.get(seg), Some(p.remote_reg), "the registration stays");
+    assert_eq!(
+        p.imp.unmapped(),
+        1,
+        "the peer unmapped between two slices and acked"
+    );
+    assert_eq!(
+        p.imp.mapped_epoch(seg),
+        None,
+        "the caller can tell it must map again"
+    );
+    assert_eq!(
+        p.registry.get(seg),
+        Some(p.remote_reg),
+        "the registration stays"
+    );
     // The peer maps the segment again before the old batch's next slice.
     p.imp.map(&p.remote_reg, DL).unwrap();
     assert_eq!(p.imp.mapped_epoch(seg), Some(p.remote_reg.epoch));
     gate.release();
-    assert_eq!(h.wait_blocking(), Err(TransferError::Remote(AccessError::NotRegistered { segment: seg }.into())));
+    assert_eq!(
+        h.wait_blocking(),
+        Err(TransferError::Remote(
+            AccessError::NotRegistered { segment: seg }.into()
+        ))
+    );
     let st = p.imp.stats();
-    assert_eq!(st.bytes_written, 4096, "the old batch never reached the new mapping: {st:?}");
+    assert_eq!(
+        st.bytes_written, 4096,
+        "the old batch never reached the new mapping: {st:?}"
+    );
     prefix_landed(&p, LEN, &new, &old, 4096);
     assert_eq!(p.exp.recv_notification(Duration::from_millis(50)), None);
 
     // A batch on the new mapping lands (one slice: the gate is not involved).
     let at = 1 << 20;
-    let t = Transfer { local: p.slice(at, 4096), remote: p.target(&p.remote_reg, at, 4096) };
-    p.imp.start(Direction::Write, vec![t], None, Instant::now() + DL).unwrap().wait_blocking().unwrap();
+    let t = Transfer {
+        local: p.slice(at, 4096),
+        remote: p.target(&p.remote_reg, at, 4096),
+    };
+    p.imp
+        .start(Direction::Write, vec![t], None, Instant::now() + DL)
+        .unwrap()
+        .wait_blocking()
+        .unwrap();
     assert!(remote_bytes(&p, at as usize, 4096) == new[at as usize..at as usize + 4096]);
     // The exporter knows about the new mapping: deregistering asks again.
     p.exp.deregister(seg, DL).unwrap();
@@ -627,18 +956,37 @@ fn a_batch_queued_before_a_fence_never_runs_on_the_mapping_after_it() {
     let a = p.write_one(0, 1 << 20, None, Instant::now() + DL);
     gate.wait_reached();
     let b_range = (4u64 << 20, 4096u64);
-    let t = Transfer { local: p.slice(b_range.0, b_range.1), remote: p.target(&p.remote_reg, b_range.0, b_range.1) };
-    let b = p.imp.start(Direction::Write, vec![t], None, Instant::now() + DL).unwrap();
+    let t = Transfer {
+        local: p.slice(b_range.0, b_range.1),
+        remote: p.target(&p.remote_reg, b_range.0, b_range.1),
+    };
+    let b = p
+        .imp
+        .start(Direction::Write, vec![t], None, Instant::now() + DL)
+        .unwrap();
     p.exp.fence(seg, DL).unwrap();
     p.imp.map(&p.remote_reg, DL).unwrap();
     gate.release();
-    let gone = Err(TransferError::Remote(AccessError::NotRegistered { segment: seg }.into()));
+    let gone = Err(TransferError::Remote(
+        AccessError::NotRegistered { segment: seg }.into(),
+    ));
     assert_eq!(a.wait_blocking(), gone);
-    assert_eq!(b.wait_blocking(), gone, "started before the fence: bound to the mapping it unmapped");
+    assert_eq!(
+        b.wait_blocking(),
+        gone,
+        "started before the fence: bound to the mapping it unmapped"
+    );
     prefix_landed(&p, LEN, &new, &old, 4096);
     // Started after the re-map: runs.
-    let t = Transfer { local: p.slice(b_range.0, b_range.1), remote: p.target(&p.remote_reg, b_range.0, b_range.1) };
-    p.imp.start(Direction::Write, vec![t], None, Instant::now() + DL).unwrap().wait_blocking().unwrap();
+    let t = Transfer {
+        local: p.slice(b_range.0, b_range.1),
+        remote: p.target(&p.remote_reg, b_range.0, b_range.1),
+    };
+    p.imp
+        .start(Direction::Write, vec![t], None, Instant::now() + DL)
+        .unwrap()
+        .wait_blocking()
+        .unwrap();
     let at = b_range.0 as usize;
     assert!(remote_bytes(&p, at, 4096) == new[at..at + 4096]);
 }
@@ -656,17 +1004,33 @@ fn mapping_a_segment_again_retires_the_old_mapping_under_a_batch() {
     p.imp.map(&p.remote_reg, DL).unwrap();
     gate.release();
     let seg = p.remote_reg.segment;
-    assert_eq!(h.wait_blocking(), Err(TransferError::Remote(AccessError::NotRegistered { segment: seg }.into())));
+    assert_eq!(
+        h.wait_blocking(),
+        Err(TransferError::Remote(
+            AccessError::NotRegistered { segment: seg }.into()
+        ))
+    );
     prefix_landed(&p, LEN, &new, &old, 4096);
-    assert_eq!(p.imp.mapped_epoch(seg), Some(p.remote_reg.epoch), "the new mapping serves");
+    assert_eq!(
+        p.imp.mapped_epoch(seg),
+        Some(p.remote_reg.epoch),
+        "the new mapping serves"
+    );
     p.imp.write(seg, p.remote_reg.epoch, 0, &[1; 8]).unwrap();
 }
 
 #[test]
 fn a_fence_with_no_holder_returns_at_once_and_a_silent_one_is_named_by_the_deadline() {
-    let pool = Pool::new(PoolOptions { chunk_size: 64 << 10, single_allocation: false });
+    let pool = Pool::new(PoolOptions {
+        chunk_size: 64 << 10,
+        single_allocation: false,
+    });
     let region = pool.allocate(Tag::KvCache, 128 << 10).unwrap();
-    let registry = Arc::new(Registry::new(RegistryOptions { max_segments: 8, key_seed: Some(41), ..Default::default() }));
+    let registry = Arc::new(Registry::new(RegistryOptions {
+        max_segments: 8,
+        key_seed: Some(41),
+        ..Default::default()
+    }));
     let reg = registry.register(&region, 0, 128 << 10).unwrap();
     let path = sock_path("fence-silent");
     let exp = ShmExporter::bind(&path, registry.clone(), Limits::default()).unwrap();
@@ -674,10 +1038,19 @@ fn a_fence_with_no_holder_returns_at_once_and_a_silent_one_is_named_by_the_deadl
 
     let raw = raw_mapper(&path, &reg, 1);
     let t0 = Instant::now();
-    let err = exp.fence(reg.segment, Duration::from_millis(200)).unwrap_err();
-    assert!(matches!(err, ShmError::UnmapTimeout { segment, ref peers } if segment == reg.segment && peers.len() == 1), "{err:?}");
+    let err = exp
+        .fence(reg.segment, Duration::from_millis(200))
+        .unwrap_err();
+    assert!(
+        matches!(err, ShmError::UnmapTimeout { segment, ref peers } if segment == reg.segment && peers.len() == 1),
+        "{err:?}"
+    );
     assert!(t0.elapsed() >= Duration::from_millis(200) && t0.elapsed() < Duration::from_secs(2));
-    assert_eq!(registry.get(reg.segment), Some(reg), "a fence keeps the registration");
+    assert_eq!(
+        registry.get(reg.segment),
+        Some(reg),
+        "a fence keeps the registration"
+    );
     // Others still map it.
     let imp = ShmImporter::connect(&path, Limits::default()).unwrap();
     imp.map(&reg, DL).unwrap();
@@ -695,7 +1068,11 @@ fn shaken(path: &std::path::Path) -> std::os::unix::net::UnixStream {
 }
 
 /// A hand-written importer that mapped `reg` (and keeps the memfds).
-fn raw_mapper(path: &std::path::Path, reg: &Registration, op: u64) -> (std::os::unix::net::UnixStream, Vec<std::os::fd::OwnedFd>) {
+fn raw_mapper(
+    path: &std::path::Path,
+    reg: &Registration,
+    op: u64,
+) -> (std::os::unix::net::UnixStream, Vec<std::os::fd::OwnedFd>) {
     let raw = shaken(path);
     raw.set_read_timeout(Some(DL)).unwrap();
     let mut fds = Vec::new();
@@ -704,8 +1081,19 @@ fn raw_mapper(path: &std::path::Path, reg: &Registration, op: u64) -> (std::os::
 }
 
 /// Sends a map request on `raw` and reads the whole reply.
-fn raw_map(raw: &std::os::unix::net::UnixStream, reg: &Registration, op: u64, fds: &mut Vec<std::os::fd::OwnedFd>) {
-    let target = Target { segment: reg.segment, key: reg.key, epoch: reg.epoch, offset: 0, len: reg.len };
+fn raw_map(
+    raw: &std::os::unix::net::UnixStream,
+    reg: &Registration,
+    op: u64,
+    fds: &mut Vec<std::os::fd::OwnedFd>,
+) {
+    let target = Target {
+        segment: reg.segment,
+        key: reg.key,
+        epoch: reg.epoch,
+        offset: 0,
+        len: reg.len,
+    };
     std::io::Write::write_all(&mut &*raw, &Header::MapReq { op, target }.encode()).unwrap();
     assert!(matches!(raw_frame(raw, fds).0, Header::MapResp { .. }));
     let n = registry_chunks(reg);
@@ -724,9 +1112,16 @@ fn registry_chunks(reg: &Registration) -> usize {
 
 #[test]
 fn an_unmap_acked_after_a_new_map_went_out_leaves_that_map_known() {
-    let pool = Pool::new(PoolOptions { chunk_size: 64 << 10, single_allocation: false });
+    let pool = Pool::new(PoolOptions {
+        chunk_size: 64 << 10,
+        single_allocation: false,
+    });
     let region = pool.allocate(Tag::KvCache, 128 << 10).unwrap();
-    let registry = Arc::new(Registry::new(RegistryOptions { max_segments: 8, key_seed: Some(42), ..Default::default() }));
+    let registry = Arc::new(Registry::new(RegistryOptions {
+        max_segments: 8,
+        key_seed: Some(42),
+        ..Default::default()
+    }));
     let reg = registry.register(&region, 0, 128 << 10).unwrap();
     let path = sock_path("fence-gen");
     let exp = Arc::new(ShmExporter::bind(&path, registry.clone(), Limits::default()).unwrap());
@@ -738,10 +1133,24 @@ fn an_unmap_acked_after_a_new_map_went_out_leaves_that_map_known() {
         let exp = exp.clone();
         std::thread::spawn(move || exp.fence(reg.segment, DL))
     };
-    let Header::Unmap { op: unmap_op, segment } = raw_frame(&raw, &mut fds).0 else { panic!("an unmap request") };
+    let Header::Unmap {
+        op: unmap_op,
+        segment,
+    } = raw_frame(&raw, &mut fds).0
+    else {
+        panic!("an unmap request")
+    };
     assert_eq!(segment, reg.segment);
     raw_map(&raw, &reg, 2, &mut fds);
-    std::io::Write::write_all(&mut &raw, &Header::UnmapAck { op: unmap_op, segment }.encode()).unwrap();
+    std::io::Write::write_all(
+        &mut &raw,
+        &Header::UnmapAck {
+            op: unmap_op,
+            segment,
+        }
+        .encode(),
+    )
+    .unwrap();
     fence.join().unwrap().unwrap();
 
     // The ack answered the request, not the later map: deregistering must
@@ -750,7 +1159,9 @@ fn an_unmap_acked_after_a_new_map_went_out_leaves_that_map_known() {
         let exp = exp.clone();
         std::thread::spawn(move || exp.deregister(reg.segment, DL))
     };
-    let Header::Unmap { op, segment } = raw_frame(&raw, &mut fds).0 else { panic!("a second unmap request") };
+    let Header::Unmap { op, segment } = raw_frame(&raw, &mut fds).0 else {
+        panic!("a second unmap request")
+    };
     fds.clear();
     std::io::Write::write_all(&mut &raw, &Header::UnmapAck { op, segment }.encode()).unwrap();
     dereg.join().unwrap().unwrap();

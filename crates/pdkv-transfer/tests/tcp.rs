@@ -19,7 +19,11 @@ const MIB: usize = 1 << 20;
 fn cfg(slice: u64) -> AgentConfig {
     AgentConfig {
         conns_per_peer: 3,
-        initiator: InitiatorConfig { max_slice: slice, max_inflight_per_conn: 4, ..Default::default() },
+        initiator: InitiatorConfig {
+            max_slice: slice,
+            max_inflight_per_conn: 4,
+            ..Default::default()
+        },
         ..Default::default()
     }
 }
@@ -32,23 +36,44 @@ struct Side {
 }
 
 async fn side(len: usize, seed: u64, slice: u64) -> Side {
-    side_with(len, slice, RegistryOptions { max_segments: 64, key_seed: Some(seed), ..Default::default() }).await
+    side_with(
+        len,
+        slice,
+        RegistryOptions {
+            max_segments: 64,
+            key_seed: Some(seed),
+            ..Default::default()
+        },
+    )
+    .await
 }
 
 async fn side_with(len: usize, slice: u64, opts: RegistryOptions) -> Side {
-    let pool = Pool::new(PoolOptions { chunk_size: 256 << 10, single_allocation: false });
+    let pool = Pool::new(PoolOptions {
+        chunk_size: 256 << 10,
+        single_allocation: false,
+    });
     let region = pool.allocate(Tag::KvCache, len).unwrap();
     let registry = Arc::new(Registry::new(opts));
     let reg = registry.register(&region, 0, len).unwrap();
-    let agent = Agent::bind("127.0.0.1:0", registry, cfg(slice)).await.unwrap();
-    Side { pool, region, reg, agent }
+    let agent = Agent::bind("127.0.0.1:0", registry, cfg(slice))
+        .await
+        .unwrap();
+    Side {
+        pool,
+        region,
+        reg,
+        agent,
+    }
 }
 
 fn pattern(len: usize, seed: u64) -> Vec<u8> {
     let mut s = seed;
     (0..len)
         .map(|_| {
-            s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            s = s
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
             (s >> 56) as u8
         })
         .collect()
@@ -96,7 +121,10 @@ impl Relay {
 
     /// `d` addressed through this relay.
     fn via(&self, d: pdkv_transfer::RemoteDescriptor) -> pdkv_transfer::RemoteDescriptor {
-        pdkv_transfer::RemoteDescriptor { agent_addr: self.addr.clone(), ..d }
+        pdkv_transfer::RemoteDescriptor {
+            agent_addr: self.addr.clone(),
+            ..d
+        }
     }
 }
 
@@ -106,8 +134,15 @@ impl Drop for Relay {
     }
 }
 
-async fn relay_conn(client: TcpStream, to: std::net::SocketAddr, budget: u64, open: watch::Receiver<bool>) {
-    let Ok(server) = TcpStream::connect(to).await else { return };
+async fn relay_conn(
+    client: TcpStream,
+    to: std::net::SocketAddr,
+    budget: u64,
+    open: watch::Receiver<bool>,
+) {
+    let Ok(server) = TcpStream::connect(to).await else {
+        return;
+    };
     let (cr, mut cw) = client.into_split();
     let (mut sr, sw) = server.into_split();
     let up = tokio::spawn(pump_gated(cr, sw, budget, open));
@@ -117,11 +152,20 @@ async fn relay_conn(client: TcpStream, to: std::net::SocketAddr, budget: u64, op
 
 /// Forwards `r` to `w`, at most `budget` bytes until the gate opens; waits
 /// for the gate at most `DL`.
-async fn pump_gated(mut r: OwnedReadHalf, mut w: OwnedWriteHalf, budget: u64, mut open: watch::Receiver<bool>) {
+async fn pump_gated(
+    mut r: OwnedReadHalf,
+    mut w: OwnedWriteHalf,
+    budget: u64,
+    mut open: watch::Receiver<bool>,
+) {
     let mut buf = vec![0u8; 64 << 10];
     let mut sent = 0u64;
     loop {
-        let room = if *open.borrow() { buf.len() } else { (budget - sent).min(buf.len() as u64) as usize };
+        let room = if *open.borrow() {
+            buf.len()
+        } else {
+            (budget - sent).min(buf.len() as u64) as usize
+        };
         if room == 0 {
             match tokio::time::timeout(DL, open.wait_for(|o| *o)).await {
                 Ok(Ok(_)) => continue,
@@ -156,17 +200,40 @@ async fn many_concurrent_batches_from_many_tasks_land_correctly() {
             // Two transfers per batch, crossing slice boundaries oddly.
             let cut = 100_003;
             let ops = vec![
-                (client.agent.local(&client.reg, (t * PART) as u64, cut).unwrap(), server.agent.describe(&server.reg, (t * PART) as u64, cut)),
                 (
-                    client.agent.local(&client.reg, (t * PART) as u64 + cut, PART as u64 - cut).unwrap(),
-                    server.agent.describe(&server.reg, (t * PART) as u64 + cut, PART as u64 - cut),
+                    client
+                        .agent
+                        .local(&client.reg, (t * PART) as u64, cut)
+                        .unwrap(),
+                    server.agent.describe(&server.reg, (t * PART) as u64, cut),
+                ),
+                (
+                    client
+                        .agent
+                        .local(&client.reg, (t * PART) as u64 + cut, PART as u64 - cut)
+                        .unwrap(),
+                    server
+                        .agent
+                        .describe(&server.reg, (t * PART) as u64 + cut, PART as u64 - cut),
                 ),
             ];
-            client.agent.write(ops, Some(format!("task {t}").into_bytes()), DL).await.unwrap();
+            client
+                .agent
+                .write(ops, Some(format!("task {t}").into_bytes()), DL)
+                .await
+                .unwrap();
             let back = (4 * MIB + t * PART) as u64;
-            let ops = vec![(server.agent.describe(&server.reg, (t * PART) as u64, PART as u64), client.agent.local(&client.reg, back, PART as u64).unwrap())];
+            let ops = vec![(
+                server
+                    .agent
+                    .describe(&server.reg, (t * PART) as u64, PART as u64),
+                client.agent.local(&client.reg, back, PART as u64).unwrap(),
+            )];
             client.agent.read(ops, DL).await.unwrap();
-            assert!(read_region(&client.region, back as usize, PART) == data, "task {t} read back its bytes");
+            assert!(
+                read_region(&client.region, back as usize, PART) == data,
+                "task {t} read back its bytes"
+            );
             data
         }));
     }
@@ -175,12 +242,17 @@ async fn many_concurrent_batches_from_many_tasks_land_correctly() {
         all.push(j.await.unwrap());
     }
     for (t, data) in all.iter().enumerate() {
-        assert!(&read_region(&server.region, t * PART, PART) == data, "task {t}'s bytes landed on the server");
+        assert!(
+            &read_region(&server.region, t * PART, PART) == data,
+            "task {t}'s bytes landed on the server"
+        );
     }
     // Every notification arrived, each after its batch's data.
     let mut notes = Vec::new();
     for _ in 0..TASKS {
-        notes.push(String::from_utf8(server.agent.recv_notification(DL).await.unwrap().payload).unwrap());
+        notes.push(
+            String::from_utf8(server.agent.recv_notification(DL).await.unwrap().payload).unwrap(),
+        );
     }
     notes.sort();
     let mut want: Vec<String> = (0..TASKS).map(|t| format!("task {t}")).collect();
@@ -198,7 +270,9 @@ async fn many_concurrent_batches_from_many_tasks_land_correctly() {
 /// secret), ready for frames.
 async fn shaken(addr: impl tokio::net::ToSocketAddrs) -> TcpStream {
     let mut s = TcpStream::connect(addr).await.unwrap();
-    auth::connect(&mut s, &KvSecret::open(), Port::Transfer, DL).await.expect("handshake");
+    auth::connect(&mut s, &KvSecret::open(), Port::Transfer, DL)
+        .await
+        .expect("handshake");
     s
 }
 
@@ -226,7 +300,10 @@ async fn raw(s: &mut TcpStream, h: Header, data: &[u8]) -> Option<Header> {
 
 async fn answer(s: &mut TcpStream) -> Option<Header> {
     let mut b = [0u8; HEADER_LEN];
-    tokio::time::timeout(DL, s.read_exact(&mut b)).await.expect("an answer or a close, never a hang").ok()?;
+    tokio::time::timeout(DL, s.read_exact(&mut b))
+        .await
+        .expect("an answer or a close, never a hang")
+        .ok()?;
     let h = Header::decode(&b, &Default::default()).unwrap();
     let mut data = vec![0; h.data_len()];
     s.read_exact(&mut data).await.ok()?;
@@ -241,38 +318,94 @@ async fn a_hostile_client_is_refused_every_time_and_others_keep_being_served() {
     server.region.write_bytes(0, &secret).unwrap();
     let reg = server.reg;
     let addr = server.agent.local_addr();
-    let target = |key, epoch, offset, len| Target { segment: reg.segment, key, epoch, offset, len };
+    let target = |key, epoch, offset, len| Target {
+        segment: reg.segment,
+        key,
+        epoch,
+        offset,
+        len,
+    };
 
     let good_round = |n: u64| {
         let (good, server, secret) = (&good, &server, &secret);
         async move {
-            let ops = vec![(server.agent.describe(&server.reg, 4096 * n, 4096), good.agent.local(&good.reg, 0, 4096).unwrap())];
+            let ops = vec![(
+                server.agent.describe(&server.reg, 4096 * n, 4096),
+                good.agent.local(&good.reg, 0, 4096).unwrap(),
+            )];
             good.agent.read(ops, DL).await.unwrap();
-            assert!(read_region(&good.region, 0, 4096) == secret[4096 * n as usize..4096 * (n as usize + 1)]);
+            assert!(
+                read_region(&good.region, 0, 4096)
+                    == secret[4096 * n as usize..4096 * (n as usize + 1)]
+            );
         }
     };
 
     let mut s = shaken(addr).await;
     let refusals: Vec<(Header, Vec<u8>, AccessError)> = vec![
-        (Header::WriteReq { op: 1, target: target(reg.key ^ 1, reg.epoch, 0, 8) }, vec![0xAA; 8], AccessError::BadKey { segment: reg.segment }),
-        (Header::ReadReq { op: 2, target: target(reg.key ^ 1, reg.epoch, 0, 8) }, vec![], AccessError::BadKey { segment: reg.segment }),
         (
-            Header::ReadReq { op: 3, target: target(reg.key, reg.epoch, MIB as u64 - 4, 8) },
+            Header::WriteReq {
+                op: 1,
+                target: target(reg.key ^ 1, reg.epoch, 0, 8),
+            },
+            vec![0xAA; 8],
+            AccessError::BadKey {
+                segment: reg.segment,
+            },
+        ),
+        (
+            Header::ReadReq {
+                op: 2,
+                target: target(reg.key ^ 1, reg.epoch, 0, 8),
+            },
             vec![],
-            AccessError::OutOfBounds { offset: MIB as u64 - 4, len: 8, registered: MIB as u64 },
+            AccessError::BadKey {
+                segment: reg.segment,
+            },
         ),
         (
-            Header::WriteReq { op: 4, target: target(reg.key, reg.epoch, u64::MAX - 2, 8) },
+            Header::ReadReq {
+                op: 3,
+                target: target(reg.key, reg.epoch, MIB as u64 - 4, 8),
+            },
+            vec![],
+            AccessError::OutOfBounds {
+                offset: MIB as u64 - 4,
+                len: 8,
+                registered: MIB as u64,
+            },
+        ),
+        (
+            Header::WriteReq {
+                op: 4,
+                target: target(reg.key, reg.epoch, u64::MAX - 2, 8),
+            },
             vec![0xAA; 8],
-            AccessError::OutOfBounds { offset: u64::MAX - 2, len: 8, registered: MIB as u64 },
+            AccessError::OutOfBounds {
+                offset: u64::MAX - 2,
+                len: 8,
+                registered: MIB as u64,
+            },
         ),
         (
-            Header::WriteReq { op: 5, target: target(reg.key, reg.epoch + 5, 0, 8) },
+            Header::WriteReq {
+                op: 5,
+                target: target(reg.key, reg.epoch + 5, 0, 8),
+            },
             vec![0xAA; 8],
-            AccessError::StaleEpoch { have: reg.epoch + 5, want: reg.epoch },
+            AccessError::StaleEpoch {
+                have: reg.epoch + 5,
+                want: reg.epoch,
+            },
         ),
         (
-            Header::ReadReq { op: 6, target: Target { segment: 999, ..target(reg.key, reg.epoch, 0, 8) } },
+            Header::ReadReq {
+                op: 6,
+                target: Target {
+                    segment: 999,
+                    ..target(reg.key, reg.epoch, 0, 8)
+                },
+            },
             vec![],
             AccessError::UnknownSegment { segment: 999 },
         ),
@@ -285,7 +418,10 @@ async fn a_hostile_client_is_refused_every_time_and_others_keep_being_served() {
         }
         good_round(n as u64).await;
     }
-    assert!(read_region(&server.region, 0, MIB) == secret, "no refused write touched memory");
+    assert!(
+        read_region(&server.region, 0, MIB) == secret,
+        "no refused write touched memory"
+    );
     assert_eq!(server.agent.serve_stats().refused_total(), 6);
 
     // Old epoch after re-registration: refused, never the stale pages.
@@ -293,27 +429,73 @@ async fn a_hostile_client_is_refused_every_time_and_others_keep_being_served() {
     server.pool.wake(&[Tag::KvCache]).unwrap();
     let fresh = pattern(MIB, 10);
     server.region.write_bytes(0, &fresh).unwrap();
-    let new = server.agent.registry().register(&server.region, 0, MIB).unwrap();
+    let new = server
+        .agent
+        .registry()
+        .register(&server.region, 0, MIB)
+        .unwrap();
     assert_eq!(new.epoch, reg.epoch + 1);
-    let got = raw(&mut s, Header::ReadReq { op: 7, target: target(reg.key, reg.epoch, 0, 16) }, &[]).await;
-    assert!(matches!(got, Some(Header::Error { error, .. }) if error == AccessError::StaleEpoch { have: 1, want: 2 }.into()));
+    let got = raw(
+        &mut s,
+        Header::ReadReq {
+            op: 7,
+            target: target(reg.key, reg.epoch, 0, 16),
+        },
+        &[],
+    )
+    .await;
+    assert!(
+        matches!(got, Some(Header::Error { error, .. }) if error == AccessError::StaleEpoch { have: 1, want: 2 }.into())
+    );
     let old_desc = server.agent.describe(&reg, 0, 4096);
-    let err = good.agent.read(vec![(old_desc, good.agent.local(&good.reg, 0, 4096).unwrap())], DL).await.unwrap_err();
-    assert!(matches!(err, BatchError::Transfer(TransferError::Remote(_))), "{err:?}");
+    let err = good
+        .agent
+        .read(
+            vec![(old_desc, good.agent.local(&good.reg, 0, 4096).unwrap())],
+            DL,
+        )
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(err, BatchError::Transfer(TransferError::Remote(_))),
+        "{err:?}"
+    );
     let new_desc = server.agent.describe(&new, 0, 4096);
-    good.agent.read(vec![(new_desc, good.agent.local(&good.reg, 0, 4096).unwrap())], DL).await.unwrap();
-    assert!(read_region(&good.region, 0, 4096) == fresh[..4096], "the new epoch serves the new pages");
+    good.agent
+        .read(
+            vec![(new_desc, good.agent.local(&good.reg, 0, 4096).unwrap())],
+            DL,
+        )
+        .await
+        .unwrap();
+    assert!(
+        read_region(&good.region, 0, 4096) == fresh[..4096],
+        "the new epoch serves the new pages"
+    );
 
     // Garbage after the handshake: each kind closes that connection only.
     let garbage: Vec<Vec<u8>> = vec![
-        b"GET / HTTP/1.1\r\nHost: x\r\n\r\n".iter().copied().cycle().take(HEADER_LEN).collect(),
+        b"GET / HTTP/1.1\r\nHost: x\r\n\r\n"
+            .iter()
+            .copied()
+            .cycle()
+            .take(HEADER_LEN)
+            .collect(),
         {
-            let mut h = Header::ReadReq { op: 1, target: target(new.key, new.epoch, 0, 8) }.encode();
+            let mut h = Header::ReadReq {
+                op: 1,
+                target: target(new.key, new.epoch, 0, 8),
+            }
+            .encode();
             h[5] = 200;
             h.to_vec()
         },
         {
-            let mut h = Header::WriteReq { op: 1, target: target(new.key, new.epoch, 0, 8) }.encode();
+            let mut h = Header::WriteReq {
+                op: 1,
+                target: target(new.key, new.epoch, 0, 8),
+            }
+            .encode();
             h[8..12].copy_from_slice(&u32::MAX.to_le_bytes());
             h.to_vec()
         },
@@ -323,12 +505,27 @@ async fn a_hostile_client_is_refused_every_time_and_others_keep_being_served() {
         let mut bad = shaken(addr).await;
         bad.write_all(&g).await.unwrap();
         let mut b = [0u8; 1];
-        let r = tokio::time::timeout(DL, bad.read(&mut b)).await.expect("closed, not hung");
-        assert!(matches!(r, Ok(0) | Err(_)), "garbage {n}: the connection is closed");
-        let ops = vec![(server.agent.describe(&new, 0, 4096), good.agent.local(&good.reg, 0, 4096).unwrap())];
+        let r = tokio::time::timeout(DL, bad.read(&mut b))
+            .await
+            .expect("closed, not hung");
+        assert!(
+            matches!(r, Ok(0) | Err(_)),
+            "garbage {n}: the connection is closed"
+        );
+        let ops = vec![(
+            server.agent.describe(&new, 0, 4096),
+            good.agent.local(&good.reg, 0, 4096).unwrap(),
+        )];
         good.agent.read(ops, DL).await.unwrap();
     }
-    assert_eq!(server.agent.serve_stats().malformed.load(std::sync::atomic::Ordering::Relaxed), 4);
+    assert_eq!(
+        server
+            .agent
+            .serve_stats()
+            .malformed
+            .load(std::sync::atomic::Ordering::Relaxed),
+        4
+    );
     assert!(read_region(&server.region, 0, MIB) == fresh);
 }
 
@@ -341,7 +538,9 @@ async fn fake_peer(die: bool) -> (String, tokio::task::JoinHandle<()>) {
         let mut held = Vec::new();
         loop {
             let (mut s, _) = l.accept().await.unwrap();
-            auth::accept(&mut s, &KvSecret::open(), Port::Transfer, DL).await.expect("the client's handshake");
+            auth::accept(&mut s, &KvSecret::open(), Port::Transfer, DL)
+                .await
+                .expect("the client's handshake");
             let mut b = [0u8; HEADER_LEN];
             if die {
                 tokio::spawn(async move {
@@ -359,21 +558,46 @@ async fn fake_peer(die: bool) -> (String, tokio::task::JoinHandle<()>) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_dead_peer_fails_with_peer_lost_and_a_hung_one_by_the_deadline() {
     let client = side(4 * MIB, 5, 64 << 10).await;
-    let remote = Registration { segment: 1, key: 2, epoch: 1, len: 4 * MIB as u64 };
+    let remote = Registration {
+        segment: 1,
+        key: 2,
+        epoch: 1,
+        len: 4 * MIB as u64,
+    };
     for die in [true, false] {
         let (addr, task) = fake_peer(die).await;
         let desc = pdkv_transfer::RemoteDescriptor::new(addr, &remote, 0, 4 * MIB as u64);
         let deadline = Duration::from_millis(if die { 5000 } else { 300 });
         let t0 = Instant::now();
-        let err = client.agent.write(vec![(client.agent.local(&client.reg, 0, 4 * MIB as u64).unwrap(), desc)], None, deadline).await.unwrap_err();
+        let err = client
+            .agent
+            .write(
+                vec![(
+                    client.agent.local(&client.reg, 0, 4 * MIB as u64).unwrap(),
+                    desc,
+                )],
+                None,
+                deadline,
+            )
+            .await
+            .unwrap_err();
         let took = t0.elapsed();
         if die {
-            assert!(matches!(err, BatchError::Transfer(TransferError::PeerLost)), "{err:?}");
+            assert!(
+                matches!(err, BatchError::Transfer(TransferError::PeerLost)),
+                "{err:?}"
+            );
         } else {
-            assert!(matches!(err, BatchError::Transfer(TransferError::Timeout)), "{err:?}");
+            assert!(
+                matches!(err, BatchError::Transfer(TransferError::Timeout)),
+                "{err:?}"
+            );
             assert!(took >= deadline, "not before the deadline");
         }
-        assert!(took < deadline + Duration::from_secs(1), "by the deadline: {took:?}");
+        assert!(
+            took < deadline + Duration::from_secs(1),
+            "by the deadline: {took:?}"
+        );
         task.abort();
     }
 }
@@ -382,11 +606,19 @@ async fn a_dead_peer_fails_with_peer_lost_and_a_hung_one_by_the_deadline() {
 fn a_real_agent_killed_mid_transfer_fails_the_batch_with_peer_lost() {
     // The server agent lives in its own runtime; shutting that runtime down
     // drops its tasks and closes its sockets, as a killed process would.
-    let server_rt = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build().unwrap();
+    let server_rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .unwrap();
     const SERVER: usize = 512 * MIB;
     let server = server_rt.block_on(side(SERVER, 6, MIB as u64));
     let stats = server.agent.serve_stats().clone();
-    let client_rt = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build().unwrap();
+    let client_rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .unwrap();
     client_rt.block_on(async {
         let client = side(16 * MIB, 7, MIB as u64).await;
         // Each connection delivers exactly one 1 MiB write frame, then the
@@ -394,18 +626,36 @@ fn a_real_agent_killed_mid_transfer_fails_the_batch_with_peer_lost() {
         let relay = Relay::start(server.agent.local_addr(), (HEADER_LEN + MIB) as u64).await;
         let local = client.agent.local(&client.reg, 0, 16 * MIB as u64).unwrap();
         let ops: Vec<_> = (0..32u64)
-            .map(|i| (local.clone(), relay.via(server.agent.describe(&server.reg, i * 16 * MIB as u64, 16 * MIB as u64))))
+            .map(|i| {
+                (
+                    local.clone(),
+                    relay.via(server.agent.describe(
+                        &server.reg,
+                        i * 16 * MIB as u64,
+                        16 * MIB as u64,
+                    )),
+                )
+            })
             .collect();
         let progress = stats.progress.notified();
         let t0 = Instant::now();
-        let batch = client.agent.start(pdkv_transfer::proto::Direction::Write, ops, None, DL).await.unwrap();
-        tokio::time::timeout(DL, progress).await.expect("the server served a slice");
+        let batch = client
+            .agent
+            .start(pdkv_transfer::proto::Direction::Write, ops, None, DL)
+            .await
+            .unwrap();
+        tokio::time::timeout(DL, progress)
+            .await
+            .expect("the server served a slice");
         server_rt.shutdown_background();
         let res = batch.wait().await;
         assert_eq!(res, Err(TransferError::PeerLost));
         assert!(t0.elapsed() < DL, "failed by the deadline");
         let landed = stats.bytes_in.load(std::sync::atomic::Ordering::Relaxed);
-        assert!(landed >= MIB as u64 && landed <= 3 * MIB as u64, "one slice per connection at most: {landed}");
+        assert!(
+            landed >= MIB as u64 && landed <= 3 * MIB as u64,
+            "one slice per connection at most: {landed}"
+        );
     });
     drop(server);
 }
@@ -419,18 +669,55 @@ async fn deregistering_under_an_operation_in_flight_ends_it_cleanly() {
     let relay = Relay::start(server.agent.local_addr(), HEADER_LEN as u64).await;
     let desc = relay.via(server.agent.describe(&server.reg, 0, 2 * MIB as u64));
     // 32 reads of the same remote range into distinct local ranges.
-    let ops: Vec<_> =
-        (0..32u64).map(|i| (client.agent.local(&client.reg, i * 2 * MIB as u64, 2 * MIB as u64).unwrap(), desc.clone())).collect();
+    let ops: Vec<_> = (0..32u64)
+        .map(|i| {
+            (
+                client
+                    .agent
+                    .local(&client.reg, i * 2 * MIB as u64, 2 * MIB as u64)
+                    .unwrap(),
+                desc.clone(),
+            )
+        })
+        .collect();
     let progress = server.agent.serve_stats().progress.notified();
-    let batch = client.agent.start(pdkv_transfer::proto::Direction::Read, ops, None, DL).await.unwrap();
-    tokio::time::timeout(DL, progress).await.expect("the server served a slice");
+    let batch = client
+        .agent
+        .start(pdkv_transfer::proto::Direction::Read, ops, None, DL)
+        .await
+        .unwrap();
+    tokio::time::timeout(DL, progress)
+        .await
+        .expect("the server served a slice");
     assert!(server.agent.registry().deregister(server.reg.segment));
     relay.open();
-    let res = tokio::time::timeout(DL + Duration::from_secs(1), batch.wait()).await.expect("never hangs");
-    assert_eq!(res, Err(TransferError::Remote(AccessError::NotRegistered { segment: server.reg.segment }.into())));
+    let res = tokio::time::timeout(DL + Duration::from_secs(1), batch.wait())
+        .await
+        .expect("never hangs");
+    assert_eq!(
+        res,
+        Err(TransferError::Remote(
+            AccessError::NotRegistered {
+                segment: server.reg.segment
+            }
+            .into()
+        ))
+    );
     // The next access is refused.
-    let err = client.agent.read(vec![(server.agent.describe(&server.reg, 0, 8), client.agent.local(&client.reg, 0, 8).unwrap())], DL).await;
-    assert!(matches!(err, Err(BatchError::Transfer(TransferError::Remote(_)))));
+    let err = client
+        .agent
+        .read(
+            vec![(
+                server.agent.describe(&server.reg, 0, 8),
+                client.agent.local(&client.reg, 0, 8).unwrap(),
+            )],
+            DL,
+        )
+        .await;
+    assert!(matches!(
+        err,
+        Err(BatchError::Transfer(TransferError::Remote(_)))
+    ));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -445,17 +732,32 @@ async fn cancel_ends_a_batch_at_once_and_the_peer_stays_usable() {
     let desc = relay.via(server.agent.describe(&server.reg, 0, 8 * MIB as u64));
     let local = client.agent.local(&client.reg, 0, 8 * MIB as u64).unwrap();
     let ops = vec![(local, desc)];
-    let batch = client.agent.start(pdkv_transfer::proto::Direction::Write, ops, None, DL).await.unwrap();
+    let batch = client
+        .agent
+        .start(pdkv_transfer::proto::Direction::Write, ops, None, DL)
+        .await
+        .unwrap();
     batch.cancel();
     assert_eq!(batch.wait().await, Err(TransferError::Cancelled));
-    assert_eq!(server.agent.serve_stats().bytes_in.load(std::sync::atomic::Ordering::Relaxed), 0, "ended before any byte arrived");
+    assert_eq!(
+        server
+            .agent
+            .serve_stats()
+            .bytes_in
+            .load(std::sync::atomic::Ordering::Relaxed),
+        0,
+        "ended before any byte arrived"
+    );
     // The slices already on the wire reach the server now; the connections
     // carry on, and the next batch over them lands.
     relay.open();
     let data = pattern(4096, 3);
     let at = 12 * MIB;
     client.region.write_bytes(at, &data).unwrap();
-    let ops = vec![(client.agent.local(&client.reg, at as u64, 4096).unwrap(), relay.via(server.agent.describe(&server.reg, at as u64, 4096)))];
+    let ops = vec![(
+        client.agent.local(&client.reg, at as u64, 4096).unwrap(),
+        relay.via(server.agent.describe(&server.reg, at as u64, 4096)),
+    )];
     client.agent.write(ops, None, DL).await.unwrap();
     assert!(read_region(&server.region, at, 4096) == data);
     let stats = client.agent.peer_stats().await;
@@ -470,7 +772,11 @@ async fn a_grant_confines_writes_and_revoke_fences_them_even_mid_payload() {
     let hook = GrantHook(Arc::new(move |segment, key| {
         let _ = used_tx.send((segment, key));
     }));
-    let opts = RegistryOptions { key_seed: Some(12), on_grant_use: Some(hook), ..Default::default() };
+    let opts = RegistryOptions {
+        key_seed: Some(12),
+        on_grant_use: Some(hook),
+        ..Default::default()
+    };
     let server = side_with(4 * MIB, 64 << 10, opts).await;
     let client = side(4 * MIB, 13, 64 << 10).await;
     let registry = server.agent.registry().clone();
@@ -481,13 +787,20 @@ async fn a_grant_confines_writes_and_revoke_fences_them_even_mid_payload() {
         let (client, server) = (&client, &server);
         async move {
             client.region.write_bytes(0, &pattern(LEN, seed)).unwrap();
-            let ops = vec![(client.agent.local(&client.reg, 0, LEN as u64).unwrap(), server.agent.describe_grant(&grant, offset, LEN as u64))];
+            let ops = vec![(
+                client.agent.local(&client.reg, 0, LEN as u64).unwrap(),
+                server.agent.describe_grant(&grant, offset, LEN as u64),
+            )];
             client.agent.write(ops, None, DL).await
         }
     };
     let next_use = |used: &mut tokio::sync::mpsc::UnboundedReceiver<(u64, u64)>| {
         let got = used.try_recv();
-        assert_eq!(got, Ok((grant.segment, grant.key)), "the write went through the grant");
+        assert_eq!(
+            got,
+            Ok((grant.segment, grant.key)),
+            "the write went through the grant"
+        );
     };
 
     // Inside the grant: lands.
@@ -497,43 +810,100 @@ async fn a_grant_confines_writes_and_revoke_fences_them_even_mid_payload() {
     // Outside it (but inside the registration): refused, nothing changed.
     let before = read_region(&server.region, 0, 4 * MIB);
     let err = write(0, 2).await.unwrap_err();
-    let outside = AccessError::OutsideGrant { segment: grant.segment, offset: 0, len: 64 << 10 };
-    assert!(matches!(err, BatchError::Transfer(TransferError::Remote(e)) if e == outside.into()), "{err:?}");
+    let outside = AccessError::OutsideGrant {
+        segment: grant.segment,
+        offset: 0,
+        len: 64 << 10,
+    };
+    assert!(
+        matches!(err, BatchError::Transfer(TransferError::Remote(e)) if e == outside.into()),
+        "{err:?}"
+    );
     assert!(read_region(&server.region, 0, 4 * MIB) == before);
 
     // Mid-payload: a raw peer sends a write's header and half its data; the
     // agent holds the access while it waits for the rest.
     let mut s = shaken(server.agent.local_addr()).await;
-    let target = Target { segment: grant.segment, key: grant.key, epoch: grant.epoch, offset: AT, len: LEN as u64 };
+    let target = Target {
+        segment: grant.segment,
+        key: grant.key,
+        epoch: grant.epoch,
+        offset: AT,
+        len: LEN as u64,
+    };
     let payload = pattern(LEN, 3);
-    s.write_all(&Header::WriteReq { op: 1, target }.encode()).await.unwrap();
+    s.write_all(&Header::WriteReq { op: 1, target }.encode())
+        .await
+        .unwrap();
     s.write_all(&payload[..LEN / 2]).await.unwrap();
-    let got = tokio::time::timeout(DL, used.recv()).await.expect("the agent took the access");
+    let got = tokio::time::timeout(DL, used.recv())
+        .await
+        .expect("the agent took the access");
     assert_eq!(got, Some((grant.segment, grant.key)));
     let reg2 = registry.clone();
-    let held = tokio::task::spawn_blocking(move || reg2.revoke(grant.segment, grant.key, Duration::from_millis(50))).await.unwrap();
-    assert_eq!(held, Err(RevokeError::InUse { segment: grant.segment, key: grant.key, accesses: 1 }));
+    let held = tokio::task::spawn_blocking(move || {
+        reg2.revoke(grant.segment, grant.key, Duration::from_millis(50))
+    })
+    .await
+    .unwrap();
+    assert_eq!(
+        held,
+        Err(RevokeError::InUse {
+            segment: grant.segment,
+            key: grant.key,
+            accesses: 1
+        })
+    );
     let reg2 = registry.clone();
     let fence = tokio::task::spawn_blocking(move || reg2.revoke(grant.segment, grant.key, DL));
     s.write_all(&payload[LEN / 2..]).await.unwrap();
-    assert!(matches!(answer(&mut s).await, Some(Header::WriteAck { op: 1 })), "the write in flight completes");
-    assert_eq!(fence.await.unwrap(), Ok(()), "the fence held until its last byte landed");
+    assert!(
+        matches!(answer(&mut s).await, Some(Header::WriteAck { op: 1 })),
+        "the write in flight completes"
+    );
+    assert_eq!(
+        fence.await.unwrap(),
+        Ok(()),
+        "the fence held until its last byte landed"
+    );
     let fenced = read_region(&server.region, 0, 4 * MIB);
     assert!(fenced[AT as usize..AT as usize + LEN] == payload[..]);
 
     // After the fence: the same write is refused, and no byte changes.
     let err = write(AT, 4).await.unwrap_err();
-    let revoked = AccessError::BadKey { segment: grant.segment };
-    assert!(matches!(err, BatchError::Transfer(TransferError::Remote(e)) if e == revoked.into()), "{err:?}");
+    let revoked = AccessError::BadKey {
+        segment: grant.segment,
+    };
+    assert!(
+        matches!(err, BatchError::Transfer(TransferError::Remote(e)) if e == revoked.into()),
+        "{err:?}"
+    );
     let got = raw(&mut s, Header::WriteReq { op: 2, target }, &pattern(LEN, 5)).await;
     assert!(matches!(got, Some(Header::Error { op: 2, error }) if error == revoked.into()));
-    assert!(read_region(&server.region, 0, 4 * MIB) == fenced, "no byte changed after the fence");
-    assert!(used.try_recv().is_err(), "no access was handed out after the revoke");
+    assert!(
+        read_region(&server.region, 0, 4 * MIB) == fenced,
+        "no byte changed after the fence"
+    );
+    assert!(
+        used.try_recv().is_err(),
+        "no access was handed out after the revoke"
+    );
     let stats = server.agent.serve_stats();
-    assert_eq!(stats.refused[2].load(std::sync::atomic::Ordering::Relaxed), 2, "bad key (revoked)");
-    assert_eq!(stats.refused[7].load(std::sync::atomic::Ordering::Relaxed), 1, "outside the grant");
+    assert_eq!(
+        stats.refused[2].load(std::sync::atomic::Ordering::Relaxed),
+        2,
+        "bad key (revoked)"
+    );
+    assert_eq!(
+        stats.refused[7].load(std::sync::atomic::Ordering::Relaxed),
+        1,
+        "outside the grant"
+    );
     // The registration's own key still writes.
-    let ops = vec![(client.agent.local(&client.reg, 0, 4096).unwrap(), server.agent.describe(&server.reg, AT, 4096))];
+    let ops = vec![(
+        client.agent.local(&client.reg, 0, 4096).unwrap(),
+        server.agent.describe(&server.reg, AT, 4096),
+    )];
     client.agent.write(ops, None, DL).await.unwrap();
 }
 
@@ -544,13 +914,26 @@ async fn a_grant_confines_writes_and_revoke_fences_them_even_mid_payload() {
 /// their (short) timeout.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn idle_and_hostile_connections_at_the_cap_do_not_keep_a_real_peer_out() {
-    let pool = Pool::new(PoolOptions { chunk_size: 256 << 10, single_allocation: false });
+    let pool = Pool::new(PoolOptions {
+        chunk_size: 256 << 10,
+        single_allocation: false,
+    });
     let len = MIB;
     let region = pool.allocate(Tag::KvCache, len).unwrap();
-    let registry = Arc::new(Registry::new(RegistryOptions { max_segments: 8, key_seed: Some(9), ..Default::default() }));
+    let registry = Arc::new(Registry::new(RegistryOptions {
+        max_segments: 8,
+        key_seed: Some(9),
+        ..Default::default()
+    }));
     let reg = registry.register(&region, 0, len).unwrap();
-    let server_cfg = AgentConfig { max_conns: 8, unproven_timeout: Duration::from_secs(3), ..cfg(64 << 10) };
-    let server = Agent::bind("127.0.0.1:0", registry, server_cfg).await.unwrap();
+    let server_cfg = AgentConfig {
+        max_conns: 8,
+        unproven_timeout: Duration::from_secs(3),
+        ..cfg(64 << 10)
+    };
+    let server = Agent::bind("127.0.0.1:0", registry, server_cfg)
+        .await
+        .unwrap();
     let addr = server.local_addr();
 
     // 30 idle connections, one sending garbage, one presenting a stale key:
@@ -563,18 +946,42 @@ async fn idle_and_hostile_connections_at_the_cap_do_not_keep_a_real_peer_out() {
     garbage.write_all(&[0xff; HEADER_LEN]).await.unwrap();
     let mut stale = shaken(addr).await;
     let d = server.describe(&reg, 0, 16);
-    let bad = Target { segment: d.segment, key: d.key ^ 1, epoch: d.epoch, offset: d.offset, len: 16 };
-    let refused = raw(&mut stale, Header::WriteReq { op: 1, target: bad }, &[0; 16]).await;
+    let bad = Target {
+        segment: d.segment,
+        key: d.key ^ 1,
+        epoch: d.epoch,
+        offset: d.offset,
+        len: 16,
+    };
+    let refused = raw(
+        &mut stale,
+        Header::WriteReq { op: 1, target: bad },
+        &[0; 16],
+    )
+    .await;
     assert!(matches!(refused, Some(Header::Error { .. })), "{refused:?}");
 
     // A real peer's write lands all the same.
     let client = side(MIB, 3, 64 << 10).await;
     let data = pattern(256 << 10, 5);
     client.region.write_bytes(0, &data).unwrap();
-    let ops = vec![(client.agent.local(&client.reg, 0, data.len() as u64).unwrap(), server.describe(&reg, 0, data.len() as u64))];
-    client.agent.write(ops, None, DL).await.expect("the real peer's write");
+    let ops = vec![(
+        client
+            .agent
+            .local(&client.reg, 0, data.len() as u64)
+            .unwrap(),
+        server.describe(&reg, 0, data.len() as u64),
+    )];
+    client
+        .agent
+        .write(ops, None, DL)
+        .await
+        .expect("the real peer's write");
     assert!(read_region(&region, 0, data.len()) == data);
-    let evicted = server.serve_stats().evicted.load(std::sync::atomic::Ordering::Relaxed);
+    let evicted = server
+        .serve_stats()
+        .evicted
+        .load(std::sync::atomic::Ordering::Relaxed);
     assert!(evicted > 0, "room was made by closing unproven connections");
     // Again, now that the peer's connections are proven: more newcomers do
     // not close them (the next write needs no new connection).
@@ -583,15 +990,32 @@ async fn idle_and_hostile_connections_at_the_cap_do_not_keep_a_real_peer_out() {
     }
     let again = pattern(64 << 10, 6);
     client.region.write_bytes(0, &again).unwrap();
-    let ops = vec![(client.agent.local(&client.reg, 0, again.len() as u64).unwrap(), server.describe(&reg, 0, again.len() as u64))];
-    client.agent.write(ops, None, DL).await.expect("the second write");
+    let ops = vec![(
+        client
+            .agent
+            .local(&client.reg, 0, again.len() as u64)
+            .unwrap(),
+        server.describe(&reg, 0, again.len() as u64),
+    )];
+    client
+        .agent
+        .write(ops, None, DL)
+        .await
+        .expect("the second write");
     assert!(read_region(&region, 0, again.len()) == again);
     let stats = client.agent.peer_stats().await;
-    assert_eq!(stats[0].1.failures, [0; 4], "no connection of the peer failed");
+    assert_eq!(
+        stats[0].1.failures, [0; 4],
+        "no connection of the peer failed"
+    );
 
     // Every unproven connection still open is closed at its timeout (the
     // garbage one after a denial of its "handshake").
-    for (i, c) in idle.iter_mut().chain([&mut garbage, &mut stale]).enumerate() {
+    for (i, c) in idle
+        .iter_mut()
+        .chain([&mut garbage, &mut stale])
+        .enumerate()
+    {
         assert!(closed_by_server(c).await, "connection {i} was not closed");
     }
 }
@@ -607,7 +1031,11 @@ async fn forged_proof(addr: std::net::SocketAddr, port: Port) -> Vec<u8> {
     hello[9] = port as u8;
     s.write_all(&hello).await.unwrap();
     let mut ch = [0u8; auth::CHALLENGE_LEN];
-    if tokio::time::timeout(DL, s.read_exact(&mut ch)).await.expect("a challenge or a close").is_err() {
+    if tokio::time::timeout(DL, s.read_exact(&mut ch))
+        .await
+        .expect("a challenge or a close")
+        .is_err()
+    {
         return Vec::new();
     }
     if ch.starts_with(b"PDKVDENY") {
@@ -617,7 +1045,9 @@ async fn forged_proof(addr: std::net::SocketAddr, port: Port) -> Vec<u8> {
     proof[..8].copy_from_slice(b"PDKVPROF");
     s.write_all(&proof).await.unwrap();
     let mut rest = Vec::new();
-    let _ = tokio::time::timeout(DL, s.read_to_end(&mut rest)).await.expect("the server closes");
+    let _ = tokio::time::timeout(DL, s.read_to_end(&mut rest))
+        .await
+        .expect("the server closes");
     rest
 }
 
@@ -630,36 +1060,70 @@ async fn forged_proof(addr: std::net::SocketAddr, port: Port) -> Vec<u8> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn only_peers_holding_the_deployment_secret_get_in_and_the_rest_never_disturb_them() {
     let secret = KvSecret::new("correct horse battery staple").unwrap();
-    let with = |secret: &KvSecret| AgentConfig { secret: secret.clone(), max_conns: 16, unproven_timeout: Duration::from_secs(3), ..cfg(64 << 10) };
+    let with = |secret: &KvSecret| AgentConfig {
+        secret: secret.clone(),
+        max_conns: 16,
+        unproven_timeout: Duration::from_secs(3),
+        ..cfg(64 << 10)
+    };
     let agent = |len: usize, seed: u64, c: AgentConfig| async move {
-        let pool = Pool::new(PoolOptions { chunk_size: 256 << 10, single_allocation: false });
+        let pool = Pool::new(PoolOptions {
+            chunk_size: 256 << 10,
+            single_allocation: false,
+        });
         let region = pool.allocate(Tag::KvCache, len).unwrap();
-        let registry = Arc::new(Registry::new(RegistryOptions { max_segments: 8, key_seed: Some(seed), ..Default::default() }));
+        let registry = Arc::new(Registry::new(RegistryOptions {
+            max_segments: 8,
+            key_seed: Some(seed),
+            ..Default::default()
+        }));
         let reg = registry.register(&region, 0, len).unwrap();
-        Side { pool, region, reg, agent: Agent::bind("127.0.0.1:0", registry, c).await.unwrap() }
+        Side {
+            pool,
+            region,
+            reg,
+            agent: Agent::bind("127.0.0.1:0", registry, c).await.unwrap(),
+        }
     };
     let server = agent(4 * MIB, 21, with(&secret)).await;
     let client = agent(4 * MIB, 22, with(&secret)).await;
-    let intruder = agent(MIB, 23, with(&KvSecret::new("another deployment's secret").unwrap())).await;
+    let intruder = agent(
+        MIB,
+        23,
+        with(&KvSecret::new("another deployment's secret").unwrap()),
+    )
+    .await;
     let open = agent(MIB, 24, with(&KvSecret::open())).await;
     let addr = server.agent.local_addr();
     let stats = server.agent.serve_stats().clone();
-    let refused = || stats.auth_refused.load(std::sync::atomic::Ordering::Relaxed);
+    let refused = || {
+        stats
+            .auth_refused
+            .load(std::sync::atomic::Ordering::Relaxed)
+    };
 
     // The real peer writes, and keeps its connections (proven).
     let data = pattern(4 * MIB, 7);
     client.region.write_bytes(0, &data).unwrap();
     let write_all = || {
-        let ops = vec![(client.agent.local(&client.reg, 0, 4 * MIB as u64).unwrap(), server.agent.describe(&server.reg, 0, 4 * MIB as u64))];
+        let ops = vec![(
+            client.agent.local(&client.reg, 0, 4 * MIB as u64).unwrap(),
+            server.agent.describe(&server.reg, 0, 4 * MIB as u64),
+        )];
         client.agent.write(ops, None, DL)
     };
     write_all().await.expect("the peer holding the secret");
 
     // Peers without the secret: refused on connect, and told why.
     for (who, side) in [("another secret", &intruder), ("no secret", &open)] {
-        let ops = vec![(side.agent.local(&side.reg, 0, 4096).unwrap(), server.agent.describe(&server.reg, 0, 4096))];
+        let ops = vec![(
+            side.agent.local(&side.reg, 0, 4096).unwrap(),
+            server.agent.describe(&server.reg, 0, 4096),
+        )];
         let err = side.agent.write(ops, None, DL).await.unwrap_err();
-        let BatchError::Connect { reason, .. } = &err else { panic!("{who}: {err:?}") };
+        let BatchError::Connect { reason, .. } = &err else {
+            panic!("{who}: {err:?}")
+        };
         assert!(reason.contains("KV secret"), "{who}: {reason}");
     }
     // Forged proofs, for this port and for another: denied.
@@ -670,7 +1134,11 @@ async fn only_peers_holding_the_deployment_secret_get_in_and_the_rest_never_dist
     // Truncated hellos and garbage, then a flood of idle connections past the
     // cap; the real peer writes between each.
     let mut idle = Vec::new();
-    for bytes in [&b"PDKVAUTH\x01\x01"[..], &[0xab; 64][..], &Header::WriteAck { op: 1 }.encode()[..]] {
+    for bytes in [
+        &b"PDKVAUTH\x01\x01"[..],
+        &[0xab; 64][..],
+        &Header::WriteAck { op: 1 }.encode()[..],
+    ] {
         let mut s = TcpStream::connect(addr).await.unwrap();
         s.write_all(bytes).await.unwrap();
         idle.push(s);
@@ -682,11 +1150,17 @@ async fn only_peers_holding_the_deployment_secret_get_in_and_the_rest_never_dist
     write_all().await.expect("a write beside the flood");
     assert!(read_region(&server.region, 0, 4 * MIB) == data);
     let stats_c = client.agent.peer_stats().await;
-    assert_eq!(stats_c[0].1.failures, [0; 4], "no connection of the real peer failed");
+    assert_eq!(
+        stats_c[0].1.failures, [0; 4],
+        "no connection of the real peer failed"
+    );
     // Every refused handshake counted, once its connection closed: 2 peers
     // (each with its connections), 2 forged proofs, then the garbage.
     for c in &mut idle {
-        assert!(closed_by_server(c).await, "a connection that never proved itself stays open");
+        assert!(
+            closed_by_server(c).await,
+            "a connection that never proved itself stays open"
+        );
     }
     assert!(refused() >= 2 * 3 + 2, "handshakes refused: {}", refused());
     let _ = (&server.pool, &client.pool, &intruder.pool, &open.pool);

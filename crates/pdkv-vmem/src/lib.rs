@@ -290,7 +290,10 @@ impl FdMapping {
         if len == 0 {
             return Err(io::Error::new(io::ErrorKind::InvalidInput, "empty mapping"));
         }
-        Ok(FdMapping { base: reserve(len)?, len })
+        Ok(FdMapping {
+            base: reserve(len)?,
+            len,
+        })
     }
 
     /// Maps the first `len` bytes of `fd` read-write, shared, at `offset`
@@ -302,7 +305,12 @@ impl FdMapping {
     /// pages alive once mapped: the caller may close `fd` right after.
     /// `&mut self`: nothing reads the bytes while the mapping is being filled.
     pub fn map_at(&mut self, offset: usize, fd: RawFd, len: usize) -> io::Result<()> {
-        let invalid = |why: &str| io::Error::new(io::ErrorKind::InvalidInput, format!("map_at({offset}, {len}): {why}"));
+        let invalid = |why: &str| {
+            io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!("map_at({offset}, {len}): {why}"),
+            )
+        };
         let page = page_size();
         if len == 0 || !offset.is_multiple_of(page) || !len.is_multiple_of(page) {
             return Err(invalid("not whole, non-empty pages"));
@@ -366,7 +374,10 @@ impl HostBuffer {
         if p == libc::MAP_FAILED {
             return Err(os_err("mmap(host backup)"));
         }
-        Ok(HostBuffer { ptr: p as *mut u8, len })
+        Ok(HostBuffer {
+            ptr: p as *mut u8,
+            len,
+        })
     }
 }
 
@@ -402,7 +413,12 @@ impl Ledger {
     }
 
     fn live(&self) -> Vec<Arc<Chunk>> {
-        self.chunks.lock().unwrap().iter().filter_map(Weak::upgrade).collect()
+        self.chunks
+            .lock()
+            .unwrap()
+            .iter()
+            .filter_map(Weak::upgrade)
+            .collect()
     }
 }
 
@@ -430,13 +446,19 @@ impl Region {
             return Err(VmemError::BadChunkSize(opts.chunk_size, page));
         }
         let len = round_up(len, page);
-        let base = reserve(len).map_err(|source| VmemError::Os { op: "mmap(reserve)", source })?;
+        let base = reserve(len).map_err(|source| VmemError::Os {
+            op: "mmap(reserve)",
+            source,
+        })?;
         let region = Region {
             base,
             len,
             tag,
             opts: opts.clone(),
-            state: Mutex::new(RegionState { chunks: Vec::new(), backup: None }),
+            state: Mutex::new(RegionState {
+                chunks: Vec::new(),
+                backup: None,
+            }),
             ledger,
         };
         let chunks = region.map_fresh_chunks()?;
@@ -459,8 +481,12 @@ impl Region {
             self.ledger.record(&chunk);
             // SAFETY: [base+offset, +clen) lies inside our reservation;
             // MAP_FIXED replaces exactly that part of it.
-            unsafe { map_shared_fixed(self.base.add(offset), chunk.raw_fd(), clen) }
-                .map_err(|source| VmemError::Os { op: "mmap(chunk)", source })?;
+            unsafe { map_shared_fixed(self.base.add(offset), chunk.raw_fd(), clen) }.map_err(
+                |source| VmemError::Os {
+                    op: "mmap(chunk)",
+                    source,
+                },
+            )?;
             mapped.push(MappedChunk { offset, chunk });
             offset += clen;
         }
@@ -540,7 +566,12 @@ impl Region {
 
     /// Bytes held in host memory by an `offload` backup.
     pub fn host_backup_bytes(&self) -> u64 {
-        self.state.lock().unwrap().backup.as_ref().map_or(0, |b| b.len as u64)
+        self.state
+            .lock()
+            .unwrap()
+            .backup
+            .as_ref()
+            .map_or(0, |b| b.len as u64)
     }
 
     pub fn tag(&self) -> Tag {
@@ -599,7 +630,9 @@ impl Region {
     pub fn read_bytes(&self, offset: usize, dst: &mut [u8]) -> Result<()> {
         self.check(offset, dst.len())?;
         // SAFETY: bounds checked; the range is mapped readable.
-        unsafe { std::ptr::copy_nonoverlapping(self.base.add(offset), dst.as_mut_ptr(), dst.len()) };
+        unsafe {
+            std::ptr::copy_nonoverlapping(self.base.add(offset), dst.as_mut_ptr(), dst.len())
+        };
         Ok(())
     }
 
@@ -610,7 +643,10 @@ impl Region {
     /// the slice lives.
     pub unsafe fn slice<T: Copy>(&self, offset: usize, count: usize) -> &[T] {
         let bytes = count * std::mem::size_of::<T>();
-        assert!(offset.checked_add(bytes).is_some_and(|e| e <= self.len), "slice out of bounds");
+        assert!(
+            offset.checked_add(bytes).is_some_and(|e| e <= self.len),
+            "slice out of bounds"
+        );
         assert_eq!(offset % std::mem::align_of::<T>(), 0, "misaligned slice");
         std::slice::from_raw_parts(self.base.add(offset) as *const T, count)
     }
@@ -623,7 +659,10 @@ impl Region {
     #[allow(clippy::mut_from_ref)]
     pub unsafe fn slice_mut<T: Copy>(&self, offset: usize, count: usize) -> &mut [T] {
         let bytes = count * std::mem::size_of::<T>();
-        assert!(offset.checked_add(bytes).is_some_and(|e| e <= self.len), "slice out of bounds");
+        assert!(
+            offset.checked_add(bytes).is_some_and(|e| e <= self.len),
+            "slice out of bounds"
+        );
         assert_eq!(offset % std::mem::align_of::<T>(), 0, "misaligned slice");
         std::slice::from_raw_parts_mut(self.base.add(offset) as *mut T, count)
     }
@@ -698,7 +737,12 @@ impl Pool {
     /// Reserves `len` bytes (rounded up to whole pages) and backs them with
     /// fresh zeroed physical chunks.
     pub fn allocate(&self, tag: Tag, len: usize) -> Result<Arc<Region>> {
-        let region = Arc::new(Region::new(tag, len, &self.inner.opts, self.inner.ledger.clone())?);
+        let region = Arc::new(Region::new(
+            tag,
+            len,
+            &self.inner.opts,
+            self.inner.ledger.clone(),
+        )?);
         let mut regions = self.inner.regions.lock().unwrap();
         regions.retain(|w| w.strong_count() > 0);
         regions.push(Arc::downgrade(&region));
@@ -740,7 +784,10 @@ impl Pool {
 
     /// Tags whose regions are all mapped now (a tag with no region counts as awake).
     pub fn is_awake(&self, tag: Tag) -> bool {
-        self.regions().iter().filter(|r| r.tag() == tag).all(|r| r.is_mapped())
+        self.regions()
+            .iter()
+            .filter(|r| r.tag() == tag)
+            .all(|r| r.is_mapped())
     }
 
     /// Host memory held by offload backups.
@@ -762,8 +809,12 @@ impl Pool {
     /// Physical bytes of chunks that are alive but no longer mapped in any
     /// region of this pool: pinned by someone else after a release.
     pub fn pinned_bytes(&self) -> u64 {
-        let mapped: Vec<*const Chunk> =
-            self.regions().iter().flat_map(|r| r.chunks()).map(|m| Arc::as_ptr(&m.chunk)).collect();
+        let mapped: Vec<*const Chunk> = self
+            .regions()
+            .iter()
+            .flat_map(|r| r.chunks())
+            .map(|m| Arc::as_ptr(&m.chunk))
+            .collect();
         self.inner
             .ledger
             .live()
@@ -809,7 +860,11 @@ mod tests {
         ));
 
         drop(r);
-        assert_eq!(pool.device_bytes().total(), 0, "dropping the region frees its chunks");
+        assert_eq!(
+            pool.device_bytes().total(),
+            0,
+            "dropping the region frees its chunks"
+        );
     }
 
     #[test]
@@ -837,14 +892,19 @@ mod tests {
     }
 
     fn fill(r: &Region, seed: u8) -> Vec<u8> {
-        let data: Vec<u8> = (0..r.len()).map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed)).collect();
+        let data: Vec<u8> = (0..r.len())
+            .map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed))
+            .collect();
         r.write_bytes(0, &data).unwrap();
         data
     }
 
     #[test]
     fn offload_and_wake_restore_contents_at_the_same_address() {
-        let pool = Pool::new(PoolOptions { chunk_size: 64 << 10, single_allocation: false });
+        let pool = Pool::new(PoolOptions {
+            chunk_size: 64 << 10,
+            single_allocation: false,
+        });
         let w = pool.allocate(Tag::Weights, 300 << 10).unwrap();
         let base = w.base();
         let data = fill(&w, 3);
@@ -894,17 +954,32 @@ mod tests {
         let pinned = r.chunks()[0].chunk.clone();
         pool.discard(&[Tag::KvCache]).unwrap();
         assert_eq!(r.physical_bytes(), 0, "the region holds nothing");
-        assert_eq!(pinned.physical_bytes(), pinned.len() as u64, "but the held chunk keeps its pages");
-        assert_eq!(pool.device_bytes().get(Tag::KvCache), pinned.len() as u64, "and they are counted");
+        assert_eq!(
+            pinned.physical_bytes(),
+            pinned.len() as u64,
+            "but the held chunk keeps its pages"
+        );
+        assert_eq!(
+            pool.device_bytes().get(Tag::KvCache),
+            pinned.len() as u64,
+            "and they are counted"
+        );
         assert_eq!(pool.pinned_bytes(), pinned.len() as u64);
         drop(pinned);
-        assert_eq!(pool.device_bytes().total(), 0, "freed when the last holder lets go");
+        assert_eq!(
+            pool.device_bytes().total(),
+            0,
+            "freed when the last holder lets go"
+        );
         assert_eq!(pool.pinned_bytes(), 0);
     }
 
     #[test]
     fn a_reservation_filled_part_by_part_reaches_the_chunks() {
-        let pool = Pool::new(PoolOptions { chunk_size: 64 << 10, single_allocation: false });
+        let pool = Pool::new(PoolOptions {
+            chunk_size: 64 << 10,
+            single_allocation: false,
+        });
         let r = pool.allocate(Tag::KvCache, 192 << 10).unwrap();
         let data = fill(&r, 4);
         let chunks = r.chunks();
@@ -926,7 +1001,10 @@ mod tests {
     #[test]
     fn map_at_refuses_what_would_fault_or_escape() {
         let page = page_size();
-        let pool = Pool::new(PoolOptions { chunk_size: 64 << 10, single_allocation: false });
+        let pool = Pool::new(PoolOptions {
+            chunk_size: 64 << 10,
+            single_allocation: false,
+        });
         let r = pool.allocate(Tag::KvCache, 64 << 10).unwrap();
         let fd = r.chunks()[0].chunk.raw_fd();
         let mut m = FdMapping::reserve(128 << 10).unwrap();
@@ -953,7 +1031,13 @@ mod tests {
             chunk_size: 1000,
             single_allocation: false,
         });
-        assert!(matches!(pool.allocate(Tag::Runtime, 10), Err(VmemError::BadChunkSize(..))));
-        assert!(matches!(Pool::default().allocate(Tag::Runtime, 0), Err(VmemError::ZeroLength)));
+        assert!(matches!(
+            pool.allocate(Tag::Runtime, 10),
+            Err(VmemError::BadChunkSize(..))
+        ));
+        assert!(matches!(
+            Pool::default().allocate(Tag::Runtime, 0),
+            Err(VmemError::ZeroLength)
+        ));
     }
 }

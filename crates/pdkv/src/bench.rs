@@ -49,8 +49,14 @@ pub struct PrefillArgs {
 
 pub fn run_prefill(args: PrefillArgs) -> anyhow::Result<()> {
     anyhow::ensure!(!args.tokens.is_empty(), "--tokens is empty");
-    anyhow::ensure!(args.tokens.iter().all(|&t| t > 0), "prompt lengths must be positive");
-    anyhow::ensure!(args.chunk > 0 && args.repeats > 0, "--chunk and --repeats must be positive");
+    anyhow::ensure!(
+        args.tokens.iter().all(|&t| t > 0),
+        "prompt lengths must be positive"
+    );
+    anyhow::ensure!(
+        args.chunk > 0 && args.repeats > 0,
+        "--chunk and --repeats must be positive"
+    );
     let pool = Pool::default();
     let (path, loaded) = progress::load_model(args.model, &pool)?;
     let model = &loaded.model;
@@ -59,9 +65,17 @@ pub fn run_prefill(args: PrefillArgs) -> anyhow::Result<()> {
         anyhow::bail!("--tokens {t} exceeds the model's context of {max_len}");
     }
     println!("model: {} ({})", loaded.name, path.display());
-    println!("chunks of {} tokens, best of {} prompts", args.chunk, args.repeats);
+    println!(
+        "chunks of {} tokens, best of {} prompts",
+        args.chunk, args.repeats
+    );
     println!("{:>7} {:>12}", "tokens", "tok/s");
-    pdkv_model::bench::prefill_throughput(model, &pool, args.tokens[0].min(args.chunk), args.chunk)?;
+    pdkv_model::bench::prefill_throughput(
+        model,
+        &pool,
+        args.tokens[0].min(args.chunk),
+        args.chunk,
+    )?;
     let mut per_len: Vec<(usize, f64)> = Vec::new();
     for &tokens in &args.tokens {
         let mut best = 0f64;
@@ -73,15 +87,28 @@ pub fn run_prefill(args: PrefillArgs) -> anyhow::Result<()> {
         println!("{tokens:>7} {best:>12.1}");
         per_len.push((tokens, best));
     }
-    let fields: Vec<String> = per_len.iter().map(|(n, t)| format!("\"{n}\":{}", json!(t))).collect();
-    println!("{{\"chunk\":{},\"prefill_tok_s\":{{{}}}}}", args.chunk, fields.join(","));
+    let fields: Vec<String> = per_len
+        .iter()
+        .map(|(n, t)| format!("\"{n}\":{}", json!(t)))
+        .collect();
+    println!(
+        "{{\"chunk\":{},\"prefill_tok_s\":{{{}}}}}",
+        args.chunk,
+        fields.join(",")
+    );
     Ok(())
 }
 
 pub fn run_decode(args: DecodeArgs) -> anyhow::Result<()> {
     anyhow::ensure!(!args.batch_sizes.is_empty(), "--batch-sizes is empty");
-    anyhow::ensure!(args.batch_sizes.iter().all(|&b| b > 0), "batch sizes must be positive");
-    anyhow::ensure!(args.context > 0 && args.steps > 0, "--context and --steps must be positive");
+    anyhow::ensure!(
+        args.batch_sizes.iter().all(|&b| b > 0),
+        "batch sizes must be positive"
+    );
+    anyhow::ensure!(
+        args.context > 0 && args.steps > 0,
+        "--context and --steps must be positive"
+    );
     let pool = Pool::default();
     let (path, loaded) = progress::load_model(args.model, &pool)?;
     let model = &loaded.model;
@@ -97,7 +124,10 @@ pub fn run_decode(args: DecodeArgs) -> anyhow::Result<()> {
     let bandwidth = pdkv_model::bench::measure_copy_bandwidth();
     println!("model: {} ({})", loaded.name, path.display());
     println!("copy bandwidth: {:.2} GB/s", bandwidth / 1e9);
-    println!("context {} tokens, {} timed steps", args.context, args.steps);
+    println!(
+        "context {} tokens, {} timed steps",
+        args.context, args.steps
+    );
     println!("{:>6} {:>12} {:>10}", "batch", "tok/s", "ms/step");
 
     // In the order given (a JSON object from serde_json would sort the keys).
@@ -119,7 +149,10 @@ pub fn run_decode(args: DecodeArgs) -> anyhow::Result<()> {
         }
         per_batch.push((batch, r.tokens_per_s));
     }
-    let decode: Vec<String> = per_batch.iter().map(|(b, t)| format!("\"{b}\":{}", json!(t))).collect();
+    let decode: Vec<String> = per_batch
+        .iter()
+        .map(|(b, t)| format!("\"{b}\":{}", json!(t)))
+        .collect();
     println!(
         "{{\"bandwidth_gbs\":{},\"decode_tok_s\":{{{}}},\"roofline_fraction_b1\":{}}}",
         json!(bandwidth / 1e9),

@@ -26,7 +26,9 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context};
 use clap::Args;
 use pdkv_connector::params;
-use pdkv_engine::{Engine, EngineConfig, EngineHandle, EngineRequest, FinishReason, SamplingParams};
+use pdkv_engine::{
+    Engine, EngineConfig, EngineHandle, EngineRequest, FinishReason, SamplingParams,
+};
 use pdkv_vmem::Pool;
 use serde_json::json;
 
@@ -106,14 +108,24 @@ fn prompts(n: usize, len: usize, vocab: usize, salt: u64) -> Vec<Vec<u32>> {
         z ^ (z >> 31)
     };
     let span = (vocab - 100) as u64;
-    (0..n).map(|_| (0..len).map(|_| 100 + (next() % span) as u32).collect()).collect()
+    (0..n)
+        .map(|_| (0..len).map(|_| 100 + (next() % span) as u32).collect())
+        .collect()
 }
 
 fn params(max_tokens: u32) -> SamplingParams {
-    SamplingParams { temperature: 0.0, max_tokens, ignore_eos: true, ..SamplingParams::default() }
+    SamplingParams {
+        temperature: 0.0,
+        max_tokens,
+        ignore_eos: true,
+        ..SamplingParams::default()
+    }
 }
 
-fn start_engine(args: &PdArgs, connector: Option<Box<dyn pdkv_engine::KvConnector>>) -> anyhow::Result<EngineHandle> {
+fn start_engine(
+    args: &PdArgs,
+    connector: Option<Box<dyn pdkv_engine::KvConnector>>,
+) -> anyhow::Result<EngineHandle> {
     let pool = Pool::default();
     let (_, model) = progress::load_model(args.model.clone(), &pool)?;
     let config = EngineConfig {
@@ -129,7 +141,12 @@ fn start_engine(args: &PdArgs, connector: Option<Box<dyn pdkv_engine::KvConnecto
 }
 
 /// Runs `prompts` on a colocated engine, all at once.
-fn run_colocated(engine: &EngineHandle, prompts: &[Vec<u32>], max_tokens: u32, tag: &str) -> anyhow::Result<Level> {
+fn run_colocated(
+    engine: &EngineHandle,
+    prompts: &[Vec<u32>],
+    max_tokens: u32,
+    tag: &str,
+) -> anyhow::Result<Level> {
     let t0 = Instant::now();
     let handles: Vec<_> = prompts
         .iter()
@@ -147,7 +164,9 @@ fn run_colocated(engine: &EngineHandle, prompts: &[Vec<u32>], max_tokens: u32, t
         .collect::<anyhow::Result<_>>()?;
     let mut level = Level::empty(prompts);
     for h in handles {
-        let (ttft, toks) = h.join().map_err(|_| anyhow::anyhow!("a request thread panicked"))??;
+        let (ttft, toks) = h
+            .join()
+            .map_err(|_| anyhow::anyhow!("a request thread panicked"))??;
         level.ttft_ms.push(ttft.as_secs_f64() * 1e3);
         level.generated += toks.len();
         level.outputs.push(toks);
@@ -157,7 +176,10 @@ fn run_colocated(engine: &EngineHandle, prompts: &[Vec<u32>], max_tokens: u32, t
 }
 
 /// Reads a request to its end: (time to first token from `t0`, tokens).
-fn collect(stream: &mut pdkv_engine::RequestStream, t0: Instant) -> anyhow::Result<(Duration, Vec<u32>)> {
+fn collect(
+    stream: &mut pdkv_engine::RequestStream,
+    t0: Instant,
+) -> anyhow::Result<(Duration, Vec<u32>)> {
     let mut first = None;
     let mut toks = Vec::new();
     let deadline = Instant::now() + REQUEST_DEADLINE;
@@ -168,7 +190,12 @@ fn collect(stream: &mut pdkv_engine::RequestStream, t0: Instant) -> anyhow::Resu
         toks.extend(&out.token_ids);
         match out.finish_reason {
             Some(FinishReason::Length | FinishReason::Stop) => break,
-            Some(r) => bail!("request {} ended with {}: {}", out.request_id, r.as_str(), out.error.unwrap_or_default()),
+            Some(r) => bail!(
+                "request {} ended with {}: {}",
+                out.request_id,
+                r.as_str(),
+                out.error.unwrap_or_default()
+            ),
             None => {}
         }
         if Instant::now() > deadline {
@@ -192,8 +219,16 @@ impl Level {
 }
 
 /// Runs `prompts` through P and D, each request sent to both at once.
-fn run_pd(p: &EngineHandle, d: &EngineHandle, prompts: &[Vec<u32>], max_tokens: u32, tag: &str) -> anyhow::Result<Level> {
-    let info = p.kv_connector_info().context("the prefill engine has no connector")?;
+fn run_pd(
+    p: &EngineHandle,
+    d: &EngineHandle,
+    prompts: &[Vec<u32>],
+    max_tokens: u32,
+    tag: &str,
+) -> anyhow::Result<Level> {
+    let info = p
+        .kv_connector_info()
+        .context("the prefill engine has no connector")?;
     let engine_id = info["engine_id"].as_str().map(str::to_string);
     let bootstrap = info["bootstrap_addr"].as_str().map(str::to_string);
     let t0 = Instant::now();
@@ -210,7 +245,11 @@ fn run_pd(p: &EngineHandle, d: &EngineHandle, prompts: &[Vec<u32>], max_tokens: 
             id: format!("{tag}-d-{i}"),
             prompt_tokens: prompt.clone(),
             params: params(max_tokens),
-            kv_transfer_params: Some(params::for_decode(&transfer_id, engine_id.as_deref(), bootstrap.as_deref())),
+            kv_transfer_params: Some(params::for_decode(
+                &transfer_id,
+                engine_id.as_deref(),
+                bootstrap.as_deref(),
+            )),
         })?;
         let p_done = std::thread::spawn(move || -> anyhow::Result<Duration> {
             collect(&mut p_stream, t0)?;
@@ -221,10 +260,16 @@ fn run_pd(p: &EngineHandle, d: &EngineHandle, prompts: &[Vec<u32>], max_tokens: 
     }
     let mut level = Level::empty(prompts);
     for (p_done, d_done) in handles {
-        let p_at = p_done.join().map_err(|_| anyhow::anyhow!("a request thread panicked"))??;
-        let (ttft, toks) = d_done.join().map_err(|_| anyhow::anyhow!("a request thread panicked"))??;
+        let p_at = p_done
+            .join()
+            .map_err(|_| anyhow::anyhow!("a request thread panicked"))??;
+        let (ttft, toks) = d_done
+            .join()
+            .map_err(|_| anyhow::anyhow!("a request thread panicked"))??;
         level.ttft_ms.push(ttft.as_secs_f64() * 1e3);
-        level.after_prefill_ms.push((ttft.saturating_sub(p_at)).as_secs_f64() * 1e3);
+        level
+            .after_prefill_ms
+            .push((ttft.saturating_sub(p_at)).as_secs_f64() * 1e3);
         level.generated += toks.len();
         level.outputs.push(toks);
     }
@@ -296,9 +341,17 @@ impl AfterWake {
 }
 
 /// Runs one P/D request alone and returns its timing.
-fn timed_pd(p: &EngineHandle, d: &EngineHandle, prompt: &[u32], tag: &str) -> anyhow::Result<Timing> {
+fn timed_pd(
+    p: &EngineHandle,
+    d: &EngineHandle,
+    prompt: &[u32],
+    tag: &str,
+) -> anyhow::Result<Timing> {
     let r = run_pd(p, d, &[prompt.to_vec()], 1, tag)?;
-    Ok(Timing { ttft_ms: r.ttft_ms[0], p_ms: r.ttft_ms[0] - r.after_prefill_ms[0] })
+    Ok(Timing {
+        ttft_ms: r.ttft_ms[0],
+        p_ms: r.ttft_ms[0] - r.after_prefill_ms[0],
+    })
 }
 
 /// `rounds` times: both engines sleep (level 1) and wake, then one request
@@ -317,12 +370,20 @@ fn first_request_after_wake(
     let len = args.prompt_lens[0];
     let per_round = 1 + STEADY_PER_ROUND;
     let ps = prompts(args.wake_rounds * per_round, len, vocab, 99);
-    let mut out = AfterWake { first: Vec::new(), steady: Vec::new(), wake_ms: Vec::new() };
+    let mut out = AfterWake {
+        first: Vec::new(),
+        steady: Vec::new(),
+        wake_ms: Vec::new(),
+    };
     for round in 0..args.wake_rounds {
         for e in [p, d] {
             wait_quiet(e, "P/D")?;
-            e.sleep(pdkv_engine::SleepLevel::L1, pdkv_engine::PauseMode::Abort, Duration::from_secs(60))
-                .map_err(|e| anyhow::anyhow!("sleep: {e}"))?;
+            e.sleep(
+                pdkv_engine::SleepLevel::L1,
+                pdkv_engine::PauseMode::Abort,
+                Duration::from_secs(60),
+            )
+            .map_err(|e| anyhow::anyhow!("sleep: {e}"))?;
         }
         for e in [p, d] {
             let t = Instant::now();
@@ -338,7 +399,10 @@ fn first_request_after_wake(
         out.first.push(first);
         for (i, pr) in mine[1..].iter().enumerate() {
             let t = timed_pd(p, d, pr, &format!("wake{round}-steady{i}"))?;
-            eprintln!("  wake round {round}: steady request ttft {:.1} ms (P answered at {:.1} ms)", t.ttft_ms, t.p_ms);
+            eprintln!(
+                "  wake round {round}: steady request ttft {:.1} ms (P answered at {:.1} ms)",
+                t.ttft_ms, t.p_ms
+            );
             out.steady.push(t);
         }
     }
@@ -355,23 +419,44 @@ fn start_pd(args: &PdArgs) -> anyhow::Result<(EngineHandle, EngineHandle)> {
             args.transport
         )
     };
-    let p = start_engine(args, Some(pdkv_connector::build(&cfg("kv_producer"), "bench-p")?))?;
-    let d = start_engine(args, Some(pdkv_connector::build(&cfg("kv_consumer"), "bench-d")?))?;
-    run_pd(&p, &d, &prompts(1, 64, p.model_config().vocab_size, 7), 2, "warm")?;
+    let p = start_engine(
+        args,
+        Some(pdkv_connector::build(&cfg("kv_producer"), "bench-p")?),
+    )?;
+    let d = start_engine(
+        args,
+        Some(pdkv_connector::build(&cfg("kv_consumer"), "bench-d")?),
+    )?;
+    run_pd(
+        &p,
+        &d,
+        &prompts(1, 64, p.model_config().vocab_size, 7),
+        2,
+        "warm",
+    )?;
     Ok((p, d))
 }
 
 /// `--wake-only`: P and D alone, the after-wake comparison and nothing else.
 fn run_wake_only(args: &PdArgs) -> anyhow::Result<()> {
-    anyhow::ensure!(args.wake_rounds >= 1, "--wake-only needs --wake-rounds of at least 1");
-    eprintln!("bench pd: prefill + decode engines ({}), after-wake comparison only", args.transport);
+    anyhow::ensure!(
+        args.wake_rounds >= 1,
+        "--wake-only needs --wake-rounds of at least 1"
+    );
+    eprintln!(
+        "bench pd: prefill + decode engines ({}), after-wake comparison only",
+        args.transport
+    );
     let (p, d) = start_pd(args)?;
     let vocab = p.model_config().vocab_size;
     let w = first_request_after_wake(args, &p, &d, vocab)?.context("the engines cannot sleep")?;
     p.shutdown();
     d.shutdown();
     println!("{}", w.summary());
-    println!("{}", json!({"bench": "pd", "transport": args.transport, "after_wake": w.json()}));
+    println!(
+        "{}",
+        json!({"bench": "pd", "transport": args.transport, "after_wake": w.json()})
+    );
     Ok(())
 }
 
@@ -385,13 +470,19 @@ fn wait_quiet(e: &EngineHandle, what: &str) -> anyhow::Result<()> {
 }
 
 pub fn run_pd_bench(args: PdArgs) -> anyhow::Result<()> {
-    anyhow::ensure!(!args.prompt_lens.is_empty() && !args.concurrency.is_empty(), "nothing to measure");
+    anyhow::ensure!(
+        !args.prompt_lens.is_empty() && !args.concurrency.is_empty(),
+        "nothing to measure"
+    );
     anyhow::ensure!(args.max_tokens >= 1, "--max-tokens must be at least 1");
     if args.wake_only {
         return run_wake_only(&args);
     }
-    let levels: Vec<(usize, usize)> =
-        args.prompt_lens.iter().flat_map(|&l| args.concurrency.iter().map(move |&c| (l, c))).collect();
+    let levels: Vec<(usize, usize)> = args
+        .prompt_lens
+        .iter()
+        .flat_map(|&l| args.concurrency.iter().map(move |&c| (l, c)))
+        .collect();
 
     // Colocated first, alone.
     eprintln!("bench pd: colocated engine");
@@ -399,14 +490,26 @@ pub fn run_pd_bench(args: PdArgs) -> anyhow::Result<()> {
     let vocab = colo.model_config().vocab_size;
     let mut inputs = HashMap::new();
     for &(len, conc) in &levels {
-        inputs.insert((len, conc), prompts(conc, len, vocab, (len * 1000 + conc) as u64));
+        inputs.insert(
+            (len, conc),
+            prompts(conc, len, vocab, (len * 1000 + conc) as u64),
+        );
     }
     // Warm-up: one short request (first-touch of pages, thread pools).
     run_colocated(&colo, &prompts(1, 64, vocab, 7), 2, "warm")?;
     let mut colo_results = HashMap::new();
     for &(len, conc) in &levels {
-        let r = run_colocated(&colo, &inputs[&(len, conc)], args.max_tokens, &format!("c{len}x{conc}"))?;
-        eprintln!("  prompt {len:>5} x{conc:<3} ttft mean {:>8.1} ms  wall {:>6.2} s", mean(&r.ttft_ms), r.wall.as_secs_f64());
+        let r = run_colocated(
+            &colo,
+            &inputs[&(len, conc)],
+            args.max_tokens,
+            &format!("c{len}x{conc}"),
+        )?;
+        eprintln!(
+            "  prompt {len:>5} x{conc:<3} ttft mean {:>8.1} ms  wall {:>6.2} s",
+            mean(&r.ttft_ms),
+            r.wall.as_secs_f64()
+        );
         wait_quiet(&colo, "colocated")?;
         colo_results.insert((len, conc), r);
     }
@@ -417,8 +520,18 @@ pub fn run_pd_bench(args: PdArgs) -> anyhow::Result<()> {
     let (p, d) = start_pd(&args)?;
     let mut pd_results = HashMap::new();
     for &(len, conc) in &levels {
-        let r = run_pd(&p, &d, &inputs[&(len, conc)], args.max_tokens, &format!("pd{len}x{conc}"))?;
-        eprintln!("  prompt {len:>5} x{conc:<3} ttft mean {:>8.1} ms  wall {:>6.2} s", mean(&r.ttft_ms), r.wall.as_secs_f64());
+        let r = run_pd(
+            &p,
+            &d,
+            &inputs[&(len, conc)],
+            args.max_tokens,
+            &format!("pd{len}x{conc}"),
+        )?;
+        eprintln!(
+            "  prompt {len:>5} x{conc:<3} ttft mean {:>8.1} ms  wall {:>6.2} s",
+            mean(&r.ttft_ms),
+            r.wall.as_secs_f64()
+        );
         wait_quiet(&p, "prefill")?;
         wait_quiet(&d, "decode")?;
         pd_results.insert((len, conc), r);
@@ -429,7 +542,18 @@ pub fn run_pd_bench(args: PdArgs) -> anyhow::Result<()> {
 
     println!(
         "{:>6} {:>4} | {:>10} {:>10} {:>9} | {:>10} {:>10} {:>9} {:>9} | {:>7} {:>7} {:>6}",
-        "prompt", "conc", "colo ttft", "colo p90", "colo t/s", "pd ttft", "pd p90", "pd t/s", "xfer ms", "ttft x", "tput x", "equal"
+        "prompt",
+        "conc",
+        "colo ttft",
+        "colo p90",
+        "colo t/s",
+        "pd ttft",
+        "pd p90",
+        "pd t/s",
+        "xfer ms",
+        "ttft x",
+        "tput x",
+        "equal"
     );
     let mut rows = Vec::new();
     let mut all_equal = true;
@@ -466,7 +590,10 @@ pub fn run_pd_bench(args: PdArgs) -> anyhow::Result<()> {
             "outputs_equal": equal,
         }));
     }
-    println!("outputs equal to colocated: {}", if all_equal { "yes" } else { "NO" });
+    println!(
+        "outputs equal to colocated: {}",
+        if all_equal { "yes" } else { "NO" }
+    );
     if let Some(w) = &after_wake {
         println!("{}", w.summary());
     }

@@ -136,8 +136,14 @@ fn validate(args: &ServeBenchArgs) -> anyhow::Result<()> {
     anyhow::ensure!(args.concurrency >= 1, "--concurrency must be at least 1");
     anyhow::ensure!(args.max_tokens >= 1, "--max-tokens must be at least 1");
     anyhow::ensure!(args.sample_s >= 1, "--sample-s must be at least 1");
-    anyhow::ensure!(args.request_timeout_s >= 1, "--request-timeout-s must be at least 1");
-    anyhow::ensure!((0.0..=1.0).contains(&args.disconnect_share), "--disconnect-share must be within 0..=1");
+    anyhow::ensure!(
+        args.request_timeout_s >= 1,
+        "--request-timeout-s must be at least 1"
+    );
+    anyhow::ensure!(
+        (0.0..=1.0).contains(&args.disconnect_share),
+        "--disconnect-share must be within 0..=1"
+    );
     if args.requests.is_none() {
         anyhow::ensure!(
             args.warmup_s < args.duration_s,
@@ -153,11 +159,17 @@ fn validate(args: &ServeBenchArgs) -> anyhow::Result<()> {
 /// Raises this process's descriptor limit (the children inherit it) to at
 /// least `need`, or fails saying how to get there.
 fn raise_nofile(need: u64) -> anyhow::Result<()> {
-    let mut lim = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    let mut lim = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
     // SAFETY: plain syscalls on a local struct.
     unsafe {
         if libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) != 0 {
-            bail!("getrlimit(RLIMIT_NOFILE): {}", std::io::Error::last_os_error());
+            bail!(
+                "getrlimit(RLIMIT_NOFILE): {}",
+                std::io::Error::last_os_error()
+            );
         }
         if lim.rlim_cur >= need {
             return Ok(());
@@ -172,7 +184,10 @@ fn raise_nofile(need: u64) -> anyhow::Result<()> {
         }
         lim.rlim_cur = need;
         if libc::setrlimit(libc::RLIMIT_NOFILE, &lim) != 0 {
-            bail!("setrlimit(RLIMIT_NOFILE, {need}): {}", std::io::Error::last_os_error());
+            bail!(
+                "setrlimit(RLIMIT_NOFILE, {need}): {}",
+                std::io::Error::last_os_error()
+            );
         }
     }
     Ok(())
@@ -196,10 +211,15 @@ async fn start_deployment(args: &ServeBenchArgs, procs: &mut Vec<Proc>) -> anyho
     };
     let log_dir = match &args.log_dir {
         Some(d) => {
-            std::fs::create_dir_all(d).with_context(|| format!("creating --log-dir {}", d.display()))?;
+            std::fs::create_dir_all(d)
+                .with_context(|| format!("creating --log-dir {}", d.display()))?;
             d.clone()
         }
-        None => tempfile::Builder::new().prefix("pdkv-bench-serve-").tempdir().context("creating a log directory")?.keep(),
+        None => tempfile::Builder::new()
+            .prefix("pdkv-bench-serve-")
+            .tempdir()
+            .context("creating a log directory")?
+            .keep(),
     };
     eprintln!("{WHO}: the servers' logs are in {}", log_dir.display());
     let up_args = UpArgs {
@@ -218,17 +238,31 @@ async fn start_deployment(args: &ServeBenchArgs, procs: &mut Vec<Proc>) -> anyho
         startup_timeout: args.startup_timeout,
     };
     let ports = up::Ports::choose(&up_args)?;
-    let logs = ChildLogs { who: WHO, dir: Some(log_dir.clone()) };
+    let logs = ChildLogs {
+        who: WHO,
+        dir: Some(log_dir.clone()),
+    };
     let signal = wait_for_signal();
     let started = tokio::select! {
         r = up::start(&up_args, &model, &ports, procs, &logs) => r?,
         _ = signal => bail!("interrupted during start-up"),
     };
     let engines = vec![
-        memory::Engine { name: "prefill".to_string(), url: started.prefill[0].clone() },
-        memory::Engine { name: "decode".to_string(), url: started.decode[0].clone() },
+        memory::Engine {
+            name: "prefill".to_string(),
+            url: started.prefill[0].clone(),
+        },
+        memory::Engine {
+            name: "decode".to_string(),
+            url: started.decode[0].clone(),
+        },
     ];
-    eprintln!("{WHO}: 1P1D ready (transport {}, transfer mode {}), proxy {}", args.transport.as_str(), args.transfer_mode.as_str(), started.proxy);
+    eprintln!(
+        "{WHO}: 1P1D ready (transport {}, transfer mode {}), proxy {}",
+        args.transport.as_str(),
+        args.transfer_mode.as_str(),
+        started.proxy
+    );
     Ok(Target {
         proxy: started.proxy,
         engines,
@@ -245,22 +279,37 @@ async fn existing(args: &ServeBenchArgs, url: &str, client: &reqwest::Client) ->
     let mut seen = std::collections::HashMap::<&str, usize>::new();
     for e in &args.engines {
         let e = e.trim_end_matches('/').to_string();
-        let role = kv_info(client, &e).await.and_then(|v| v["kv_role"].as_str().map(str::to_string));
+        let role = kv_info(client, &e)
+            .await
+            .and_then(|v| v["kv_role"].as_str().map(str::to_string));
         let role = match role.as_deref() {
             Some("kv_producer") => "prefill",
             Some("kv_consumer") => "decode",
             _ => "engine",
         };
         let n = seen.entry(role).or_default();
-        engines.push(memory::Engine { name: format!("{role} {n}"), url: e });
+        engines.push(memory::Engine {
+            name: format!("{role} {n}"),
+            url: e,
+        });
         *n += 1;
     }
     let proxy = url.trim_end_matches('/').to_string();
-    Target { proxy, engines, pids: Vec::new(), names: Vec::new(), log_dir: None }
+    Target {
+        proxy,
+        engines,
+        pids: Vec::new(),
+        names: Vec::new(),
+        log_dir: None,
+    }
 }
 
 async fn kv_info(client: &reqwest::Client, engine: &str) -> Option<Value> {
-    let resp = client.get(format!("{engine}/kv_transfer/info")).send().await.ok()?;
+    let resp = client
+        .get(format!("{engine}/kv_transfer/info"))
+        .send()
+        .await
+        .ok()?;
     if !resp.status().is_success() {
         return None;
     }
@@ -269,29 +318,48 @@ async fn kv_info(client: &reqwest::Client, engine: &str) -> Option<Value> {
 
 /// The flood's targets: the proxy's HTTP port, and each engine's KV ports
 /// that accept connections.
-async fn flood_targets(args: &ServeBenchArgs, t: &Target, client: &reqwest::Client) -> anyhow::Result<Vec<flood::Target>> {
+async fn flood_targets(
+    args: &ServeBenchArgs,
+    t: &Target,
+    client: &reqwest::Client,
+) -> anyhow::Result<Vec<flood::Target>> {
     let mut out = Vec::new();
     if args.idle_flood > 0 {
-        let u = reqwest::Url::parse(&t.proxy).with_context(|| format!("parsing the proxy URL {}", t.proxy))?;
+        let u = reqwest::Url::parse(&t.proxy)
+            .with_context(|| format!("parsing the proxy URL {}", t.proxy))?;
         let host = u.host_str().context("the proxy URL has no host")?;
-        let port = u.port_or_known_default().context("the proxy URL has no port")?;
-        out.push(flood::Target { label: "proxy http".to_string(), addr: format!("{host}:{port}"), size: args.idle_flood });
+        let port = u
+            .port_or_known_default()
+            .context("the proxy URL has no port")?;
+        out.push(flood::Target {
+            label: "proxy http".to_string(),
+            addr: format!("{host}:{port}"),
+            size: args.idle_flood,
+        });
     }
     if args.idle_flood_kv == 0 {
         return Ok(out);
     }
     for e in &t.engines {
         let Some(info) = kv_info(client, &e.url).await else {
-            eprintln!("{WHO}: {} has no /kv_transfer/info; no KV flood on it", e.name);
+            eprintln!(
+                "{WHO}: {} has no /kv_transfer/info; no KV flood on it",
+                e.name
+            );
             continue;
         };
         for field in ["bootstrap_addr", "transfer_addr"] {
-            let Some(addr) = info[field].as_str() else { continue };
+            let Some(addr) = info[field].as_str() else {
+                continue;
+            };
             if out.iter().any(|o: &flood::Target| o.addr == addr) {
                 continue;
             }
             if addr.starts_with('/') {
-                eprintln!("{WHO}: {} {field} {addr} is a Unix socket (shm), not TCP; no KV flood on it", e.name);
+                eprintln!(
+                    "{WHO}: {} {field} {addr} is a Unix socket (shm), not TCP; no KV flood on it",
+                    e.name
+                );
                 continue;
             }
             match flood::listening(addr).await {
@@ -300,7 +368,10 @@ async fn flood_targets(args: &ServeBenchArgs, t: &Target, client: &reqwest::Clie
                     addr: addr.to_string(),
                     size: args.idle_flood_kv,
                 }),
-                Err(why) => eprintln!("{WHO}: {} {field} {addr} takes no connection ({why}); no KV flood on it", e.name),
+                Err(why) => eprintln!(
+                    "{WHO}: {} {field} {addr} takes no connection ({why}); no KV flood on it",
+                    e.name
+                ),
             }
         }
     }
@@ -308,8 +379,16 @@ async fn flood_targets(args: &ServeBenchArgs, t: &Target, client: &reqwest::Clie
 }
 
 /// One sample of every engine and child.
-async fn sample(client: &reqwest::Client, t: &Target, t0: Instant, c: &load::Counters) -> memory::Sample {
-    let (mut engines, mut scrapes) = (Vec::with_capacity(t.engines.len()), Vec::with_capacity(t.engines.len()));
+async fn sample(
+    client: &reqwest::Client,
+    t: &Target,
+    t0: Instant,
+    c: &load::Counters,
+) -> memory::Sample {
+    let (mut engines, mut scrapes) = (
+        Vec::with_capacity(t.engines.len()),
+        Vec::with_capacity(t.engines.len()),
+    );
     for e in &t.engines {
         let asked = Instant::now();
         let r = memory::scrape(client, &e.url).await;
@@ -328,7 +407,12 @@ async fn sample(client: &reqwest::Client, t: &Target, t0: Instant, c: &load::Cou
     }
 }
 
-fn progress_line(s: &memory::Sample, prev: Option<&memory::Sample>, t: &Target, flood_open: u64) -> String {
+fn progress_line(
+    s: &memory::Sample,
+    prev: Option<&memory::Sample>,
+    t: &Target,
+    flood_open: u64,
+) -> String {
     let (dt, dtok) = match prev {
         Some(p) => ((s.elapsed - p.elapsed).as_secs_f64(), s.tokens - p.tokens),
         None => (s.elapsed.as_secs_f64(), s.tokens),
@@ -343,8 +427,12 @@ fn progress_line(s: &memory::Sample, prev: Option<&memory::Sample>, t: &Target, 
     );
     let mib = |b: Option<f64>| b.map_or("?".to_string(), |b| format!("{:.1}", b / MIB));
     if !t.names.is_empty() {
-        let rss: Vec<String> =
-            t.names.iter().zip(&s.rss).map(|(n, r)| format!("{n} {}", mib(r.map(|r| r as f64)))).collect();
+        let rss: Vec<String> = t
+            .names
+            .iter()
+            .zip(&s.rss)
+            .map(|(n, r)| format!("{n} {}", mib(r.map(|r| r as f64))))
+            .collect();
         line.push_str(&format!("  rss MiB {}", rss.join(" ")));
     }
     if !t.engines.is_empty() {
@@ -360,8 +448,14 @@ fn progress_line(s: &memory::Sample, prev: Option<&memory::Sample>, t: &Target, 
         };
         let n = |v: Option<f64>| v.map_or("?".to_string(), |v| format!("{v}"));
         line.push_str(&format!("  device MiB {}", each(&|x| mib(x.device_bytes))));
-        line.push_str(&format!("  free blocks {}", each(&|x| format!("{}/{}", n(x.blocks_free), n(x.blocks_total)))));
-        line.push_str(&format!("  running/waiting {}", each(&|x| format!("{}/{}", n(x.running), n(x.waiting)))));
+        line.push_str(&format!(
+            "  free blocks {}",
+            each(&|x| format!("{}/{}", n(x.blocks_free), n(x.blocks_total)))
+        ));
+        line.push_str(&format!(
+            "  running/waiting {}",
+            each(&|x| format!("{}/{}", n(x.running), n(x.waiting)))
+        ));
     }
     if flood_open > 0 {
         line.push_str(&format!("  idle conns {flood_open}"));
@@ -369,7 +463,11 @@ fn progress_line(s: &memory::Sample, prev: Option<&memory::Sample>, t: &Target, 
     for (e, r) in t.engines.iter().zip(&s.scrapes) {
         match r {
             Err(why) => line.push_str(&format!("\n{WHO}:   {} /metrics failed: {why}", e.name)),
-            Ok(d) if *d >= SLOW_SCRAPE => line.push_str(&format!("\n{WHO}:   {} /metrics took {:.1}s", e.name, d.as_secs_f64())),
+            Ok(d) if *d >= SLOW_SCRAPE => line.push_str(&format!(
+                "\n{WHO}:   {} /metrics took {:.1}s",
+                e.name,
+                d.as_secs_f64()
+            )),
             Ok(_) => {}
         }
     }
@@ -440,7 +538,14 @@ async fn drive(
             }
         }
     };
-    Ok(Run { records, samples, t0, stopped: stopped.unwrap_or_else(Instant::now), interrupted, counters })
+    Ok(Run {
+        records,
+        samples,
+        t0,
+        stopped: stopped.unwrap_or_else(Instant::now),
+        interrupted,
+        counters,
+    })
 }
 
 /// The whole bench but the children's stop: start or reach the target,
@@ -470,12 +575,20 @@ async fn bench(args: &ServeBenchArgs, procs: &mut Vec<Proc>) -> anyhow::Result<V
     );
     let run = drive(args, &t, procs, &client, &flood).await?;
     let flood = flood.stop().await;
-    let quiet = memory::wait_quiet(&client, &t.engines, Duration::from_secs(args.quiet_timeout_s)).await;
+    let quiet = memory::wait_quiet(
+        &client,
+        &t.engines,
+        Duration::from_secs(args.quiet_timeout_s),
+    )
+    .await;
     let mut end = sample(&client, &t, run.t0, &run.counters).await;
     end.engines.clone_from(&quiet.engines);
 
     let warmup = Duration::from_secs(args.warmup_s);
-    let window = report::Window { from: run.t0 + warmup, to: run.stopped };
+    let window = report::Window {
+        from: run.t0 + warmup,
+        to: run.stopped,
+    };
     let engine_names: Vec<String> = t.engines.iter().map(|e| e.name.clone()).collect();
     let summary = report::Summary {
         requests: report::requests(&run.records),
@@ -485,7 +598,10 @@ async fn bench(args: &ServeBenchArgs, procs: &mut Vec<Proc>) -> anyhow::Result<V
             .engines
             .iter()
             .zip(&quiet.engines)
-            .map(|(e, s)| report::Blocks { engine: e.name.clone(), at_end: *s })
+            .map(|(e, s)| report::Blocks {
+                engine: e.name.clone(),
+                at_end: *s,
+            })
             .collect(),
         quiet_wait: quiet.waited,
         flood: flood.iter().map(flood::TargetReport::json).collect(),
@@ -538,7 +654,12 @@ fn sample_json(s: &memory::Sample, t: &Target) -> Value {
                    "running": x.running, "waiting": x.waiting})
         })
         .collect();
-    let rss: Vec<Value> = t.names.iter().zip(&s.rss).map(|(n, r)| json!({"process": n, "rss_bytes": r})).collect();
+    let rss: Vec<Value> = t
+        .names
+        .iter()
+        .zip(&s.rss)
+        .map(|(n, r)| json!({"process": n, "rss_bytes": r}))
+        .collect();
     let scrapes: Vec<Value> = t
         .engines
         .iter()
@@ -558,16 +679,22 @@ pub fn run_serve_bench(args: ServeBenchArgs) -> anyhow::Result<()> {
     // flood's sockets at both ends (the children inherit the limit).
     let flood = args.idle_flood as u64 + 4 * args.idle_flood_kv as u64;
     raise_nofile(1024 + 6 * args.concurrency as u64 + 2 * flood)?;
-    let runtime =
-        tokio::runtime::Builder::new_multi_thread().enable_all().build().context("starting the async runtime")?;
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("starting the async runtime")?;
     let result = runtime.block_on(async {
         let mut procs: Vec<Proc> = Vec::new();
         let result = bench(&args, &mut procs).await;
         up::stop_all(&mut procs, WHO).await;
         result
     })?;
-    let problems: Vec<String> =
-        result["problems"].as_array().into_iter().flatten().filter_map(|p| p.as_str().map(str::to_string)).collect();
+    let problems: Vec<String> = result["problems"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|p| p.as_str().map(str::to_string))
+        .collect();
     println!("{result}");
     if !problems.is_empty() {
         for p in &problems {

@@ -19,7 +19,9 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 use clap::Args;
-use pdkv_engine::{Engine, EngineConfig, EngineHandle, EngineRequest, PauseMode, SamplingParams, SleepLevel};
+use pdkv_engine::{
+    Engine, EngineConfig, EngineHandle, EngineRequest, PauseMode, SamplingParams, SleepLevel,
+};
 use pdkv_vmem::Pool;
 use serde_json::json;
 
@@ -89,10 +91,27 @@ fn ms(d: Duration) -> f64 {
 fn probe(engine: &EngineHandle, round: usize, max_tokens: u32) -> anyhow::Result<Vec<Vec<u32>>> {
     let mut streams = Vec::with_capacity(PROBE_PROMPTS.len());
     for (i, prompt) in PROBE_PROMPTS.iter().enumerate() {
-        let prompt_tokens = engine.tokenizer().encode(prompt, true).context("tokenizing a probe prompt")?;
-        let params = SamplingParams { temperature: 0.0, max_tokens, ignore_eos: true, ..SamplingParams::default() };
-        let req = EngineRequest { id: format!("probe-{round}-{i}"), prompt_tokens, params, kv_transfer_params: None };
-        streams.push(engine.add_request(req).with_context(|| format!("probe {round}: adding prompt {i}"))?);
+        let prompt_tokens = engine
+            .tokenizer()
+            .encode(prompt, true)
+            .context("tokenizing a probe prompt")?;
+        let params = SamplingParams {
+            temperature: 0.0,
+            max_tokens,
+            ignore_eos: true,
+            ..SamplingParams::default()
+        };
+        let req = EngineRequest {
+            id: format!("probe-{round}-{i}"),
+            prompt_tokens,
+            params,
+            kv_transfer_params: None,
+        };
+        streams.push(
+            engine
+                .add_request(req)
+                .with_context(|| format!("probe {round}: adding prompt {i}"))?,
+        );
     }
     let mut out = Vec::with_capacity(streams.len());
     for (i, mut s) in streams.into_iter().enumerate() {
@@ -104,7 +123,10 @@ fn probe(engine: &EngineHandle, round: usize, max_tokens: u32) -> anyhow::Result
         }
         match finish {
             Some(r) if r != pdkv_engine::FinishReason::Abort => {}
-            other => bail!("probe {round}: prompt {i} ended with {other:?} after {} tokens", tokens.len()),
+            other => bail!(
+                "probe {round}: prompt {i} ended with {other:?} after {} tokens",
+                tokens.len()
+            ),
         }
         out.push(tokens);
     }
@@ -114,7 +136,11 @@ fn probe(engine: &EngineHandle, round: usize, max_tokens: u32) -> anyhow::Result
 /// Fails unless the engine is awake, unpaused and has its weights.
 fn check_serving(engine: &EngineHandle, what: &str) -> anyhow::Result<()> {
     let st = engine.lifecycle_status();
-    if st.sleeping.is_some() || st.paused.is_some() || st.weights_discarded || !st.asleep_tags.is_empty() {
+    if st.sleeping.is_some()
+        || st.paused.is_some()
+        || st.weights_discarded
+        || !st.asleep_tags.is_empty()
+    {
         bail!("after {what} the engine is not serving: {st:?}");
     }
     Ok(())
@@ -127,7 +153,10 @@ pub fn run_sleep(args: SleepArgs) -> anyhow::Result<()> {
     let pool = Pool::default();
     let (path, loaded) = progress::load_model(args.model, &pool)?;
     let name = loaded.name.clone();
-    let config = EngineConfig { num_kv_blocks: args.num_kv_blocks, ..EngineConfig::default() };
+    let config = EngineConfig {
+        num_kv_blocks: args.num_kv_blocks,
+        ..EngineConfig::default()
+    };
     let engine = Engine::start(loaded, pool, config).context("starting the engine")?;
     let result = measure(&engine, &path, args.cycles, args.probe_tokens);
     engine.shutdown();
@@ -143,7 +172,15 @@ pub fn run_sleep(args: SleepArgs) -> anyhow::Result<()> {
     );
     println!(
         "{:>5} {:>10} {:>10} {:>10} {:>12} {:>12} {:>9} {:>12} {:>8}",
-        "level", "sleep ms", "wake ms", "reload ms", "awake MiB", "asleep MiB", "asleep %", "host MiB", "probes"
+        "level",
+        "sleep ms",
+        "wake ms",
+        "reload ms",
+        "awake MiB",
+        "asleep MiB",
+        "asleep %",
+        "host MiB",
+        "probes"
     );
     let mib = |b: u64| b as f64 / (1024.0 * 1024.0);
     let mut summary = BTreeMap::new();
@@ -156,7 +193,11 @@ pub fn run_sleep(args: SleepArgs) -> anyhow::Result<()> {
             level,
             median(&r.sleep_ms),
             median(&r.wake_ms),
-            if reload.is_nan() { "-".to_string() } else { format!("{reload:.2}") },
+            if reload.is_nan() {
+                "-".to_string()
+            } else {
+                format!("{reload:.2}")
+            },
             mib(r.awake_bytes),
             mib(r.asleep_bytes),
             100.0 * fraction,
@@ -179,9 +220,15 @@ pub fn run_sleep(args: SleepArgs) -> anyhow::Result<()> {
         }
         summary.insert(level.to_string(), v);
     }
-    println!("greedy probes after every wake equal the awake run: {}", if all_match { "PASS" } else { "FAIL" });
+    println!(
+        "greedy probes after every wake equal the awake run: {}",
+        if all_match { "PASS" } else { "FAIL" }
+    );
     println!("device bytes before the first sleep: {baseline}, the same after every wake");
-    println!("{}", json!({"levels": summary, "probes_match": all_match, "cycles": args.cycles}));
+    println!(
+        "{}",
+        json!({"levels": summary, "probes_match": all_match, "cycles": args.cycles})
+    );
     if !all_match {
         bail!("greedy output after a wake differs from the awake run");
     }
@@ -203,23 +250,32 @@ fn measure(
     let mut levels = Vec::new();
     for level in [SleepLevel::L0, SleepLevel::L1, SleepLevel::L2] {
         let n = level.as_u32();
-        let mut r = LevelResult { awake_bytes: baseline, ..LevelResult::default() };
+        let mut r = LevelResult {
+            awake_bytes: baseline,
+            ..LevelResult::default()
+        };
         for cycle in 0..cycles {
             eprintln!("level {n}, cycle {}/{cycles}", cycle + 1);
             let t = Instant::now();
-            engine.sleep(level, PauseMode::Abort, SLEEP_TIMEOUT).with_context(|| format!("sleep level {n}"))?;
+            engine
+                .sleep(level, PauseMode::Abort, SLEEP_TIMEOUT)
+                .with_context(|| format!("sleep level {n}"))?;
             r.sleep_ms.push(ms(t.elapsed()));
             r.asleep_bytes = r.asleep_bytes.max(pool.device_bytes().total());
             r.host_backup_bytes = r.host_backup_bytes.max(pool.host_backup_bytes());
 
             let t = Instant::now();
-            engine.wake_up(None).with_context(|| format!("wake after level {n}"))?;
+            engine
+                .wake_up(None)
+                .with_context(|| format!("wake after level {n}"))?;
             r.wake_ms.push(ms(t.elapsed()));
             if level == SleepLevel::L2 {
                 let t = Instant::now();
                 engine
                     .update_weights(path, Some(format!("bench-sleep-{cycle}")))
-                    .with_context(|| format!("reloading weights from {} after level 2", path.display()))?;
+                    .with_context(|| {
+                        format!("reloading weights from {} after level 2", path.display())
+                    })?;
                 r.reload_ms.push(ms(t.elapsed()));
             }
             check_serving(engine, &format!("waking from level {n}"))?;

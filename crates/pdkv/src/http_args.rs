@@ -19,11 +19,19 @@ pub struct HttpArgs {
 
 impl HttpArgs {
     pub fn limits(&self) -> anyhow::Result<HttpLimits> {
-        anyhow::ensure!(self.max_connections > 0, "--max-connections must be at least 1");
         anyhow::ensure!(
-            self.header_timeout_s.is_finite() && self.header_timeout_s > 0.0 && self.header_timeout_s <= 3600.0,
+            self.max_connections > 0,
+            "--max-connections must be at least 1"
+        );
+        anyhow::ensure!(
+            self.header_timeout_s.is_finite()
+                && self.header_timeout_s > 0.0
+                && self.header_timeout_s <= 3600.0,
             "--header-timeout-s must be a positive number of seconds (at most 3600)"
         );
-        Ok(HttpLimits { max_connections: self.max_connections, header_timeout: Duration::from_secs_f64(self.header_timeout_s) })
+        Ok(HttpLimits {
+            max_connections: self.max_connections,
+            header_timeout: Duration::from_secs_f64(self.header_timeout_s),
+        })
     }
 }

@@ -207,7 +207,10 @@ impl Target {
     }
 
     fn has(self, role: Role) -> bool {
-        matches!((self, role), (Target::Both, _) | (Target::P, Role::P) | (Target::D, Role::D))
+        matches!(
+            (self, role),
+            (Target::Both, _) | (Target::P, Role::P) | (Target::D, Role::D)
+        )
     }
 }
 
@@ -246,7 +249,11 @@ struct Case {
 
 impl Case {
     fn new(name: impl Into<String>, op: Op, target: Target) -> Case {
-        Case { name: name.into(), op, target }
+        Case {
+            name: name.into(),
+            op,
+            target,
+        }
     }
 
     /// Whether any load request may end with finish reason `abort`: D
@@ -275,31 +282,71 @@ fn all_cases() -> Vec<Case> {
     for mode in ["abort", "wait", "keep"] {
         for clear in [false, true] {
             for t in targets {
-                let name = format!("pause_{mode}{}_{}", if clear { "_clear" } else { "" }, t.suffix());
+                let name = format!(
+                    "pause_{mode}{}_{}",
+                    if clear { "_clear" } else { "" },
+                    t.suffix()
+                );
                 v.push(Case::new(name, Op::Pause { mode, clear }, t));
             }
         }
     }
     for level in [0, 1, 2] {
         for t in targets {
-            v.push(Case::new(format!("sleep_l{level}_{}", t.suffix()), Op::Sleep { level }, t));
+            v.push(Case::new(
+                format!("sleep_l{level}_{}", t.suffix()),
+                Op::Sleep { level },
+                t,
+            ));
         }
     }
-    v.push(Case::new("wake_weights_first_d", Op::SelectiveWake { weights_first: true }, Target::D));
-    v.push(Case::new("wake_kv_first_d", Op::SelectiveWake { weights_first: false }, Target::D));
+    v.push(Case::new(
+        "wake_weights_first_d",
+        Op::SelectiveWake {
+            weights_first: true,
+        },
+        Target::D,
+    ));
+    v.push(Case::new(
+        "wake_kv_first_d",
+        Op::SelectiveWake {
+            weights_first: false,
+        },
+        Target::D,
+    ));
     v.push(Case::new("abort_requests", Op::AbortRequests, Target::D));
     for t in [Target::P, Target::D] {
-        v.push(Case::new(format!("reset_prefix_cache_{}", t.suffix()), Op::ResetPrefixCache, t));
+        v.push(Case::new(
+            format!("reset_prefix_cache_{}", t.suffix()),
+            Op::ResetPrefixCache,
+            t,
+        ));
     }
     for t in targets {
-        v.push(Case::new(format!("release_kv_cache_memory_{}", t.suffix()), Op::ReleaseKv, t));
+        v.push(Case::new(
+            format!("release_kv_cache_memory_{}", t.suffix()),
+            Op::ReleaseKv,
+            t,
+        ));
     }
     for t in [Target::P, Target::D] {
-        v.push(Case::new(format!("weight_reload_{}", t.suffix()), Op::WeightReload, t));
+        v.push(Case::new(
+            format!("weight_reload_{}", t.suffix()),
+            Op::WeightReload,
+            t,
+        ));
     }
-    v.push(Case::new("p_sleeps_while_d_pulls", Op::PSleepsWhileDPulls, Target::P));
+    v.push(Case::new(
+        "p_sleeps_while_d_pulls",
+        Op::PSleepsWhileDPulls,
+        Target::P,
+    ));
     for t in [Target::P, Target::Both] {
-        v.push(Case::new(format!("trainer_sequence_{}", t.suffix()), Op::TrainerSequence, t));
+        v.push(Case::new(
+            format!("trainer_sequence_{}", t.suffix()),
+            Op::TrainerSequence,
+            t,
+        ));
     }
     v
 }
@@ -312,10 +359,9 @@ fn select_cases(spec: &str) -> anyhow::Result<Vec<Case>> {
     }
     let mut out = Vec::new();
     for name in spec.split(',').map(str::trim).filter(|s| !s.is_empty()) {
-        let case = all
-            .iter()
-            .find(|c| c.name == name)
-            .ok_or_else(|| anyhow!("unknown case `{name}` (`pdkv lifecycle --list` shows the cases)"))?;
+        let case = all.iter().find(|c| c.name == name).ok_or_else(|| {
+            anyhow!("unknown case `{name}` (`pdkv lifecycle --list` shows the cases)")
+        })?;
         out.push(case.clone());
     }
     anyhow::ensure!(!out.is_empty(), "--cases names no case");
@@ -336,12 +382,19 @@ struct ChildProc {
 impl ChildProc {
     /// Starts `pdkv ARGS` and waits (until `deadline`) for its `listening
     /// on http://ADDR` line.
-    async fn start(name: &'static str, args: &[String], show_logs: bool, deadline: Instant) -> anyhow::Result<ChildProc> {
+    async fn start(
+        name: &'static str,
+        args: &[String],
+        show_logs: bool,
+        deadline: Instant,
+    ) -> anyhow::Result<ChildProc> {
         let (exe, mut cmd) = crate::up::child_command(args)?;
         if std::env::var_os("RUST_LOG").is_none() {
             cmd.env("RUST_LOG", "info");
         }
-        let mut child = cmd.spawn().with_context(|| format!("starting the {name} ({})", exe.display()))?;
+        let mut child = cmd
+            .spawn()
+            .with_context(|| format!("starting the {name} ({})", exe.display()))?;
         eprintln!("pdkv lifecycle: started the {name} (pid {})", child.id());
         let tail = Arc::new(Mutex::new(VecDeque::with_capacity(TAIL_LINES)));
         let (addr_tx, mut addr_rx) = tokio::sync::mpsc::unbounded_channel::<String>();
@@ -357,7 +410,12 @@ impl ChildProc {
                     }
                     if let Some(rest) = line.split("listening on ").nth(1) {
                         if let Some(tx) = addr_tx.take() {
-                            let _ = tx.send(rest.split_whitespace().next().unwrap_or_default().to_string());
+                            let _ = tx.send(
+                                rest.split_whitespace()
+                                    .next()
+                                    .unwrap_or_default()
+                                    .to_string(),
+                            );
                         }
                     }
                     let mut t = tail.lock().unwrap_or_else(|e| e.into_inner());
@@ -368,20 +426,37 @@ impl ChildProc {
                 }
             });
         }
-        let mut proc = ChildProc { name, child, base: String::new(), tail };
+        let mut proc = ChildProc {
+            name,
+            child,
+            base: String::new(),
+            tail,
+        };
         let left = deadline.saturating_duration_since(Instant::now());
         match tokio::time::timeout(left, addr_rx.recv()).await {
             Ok(Some(base)) if base.starts_with("http://") => {
                 proc.base = base;
                 Ok(proc)
             }
-            Ok(_) => bail!("the {name} exited before listening; its last log lines:\n{}", proc.tail()),
-            Err(_) => bail!("the {name} did not listen within the start-up timeout; its last log lines:\n{}", proc.tail()),
+            Ok(_) => bail!(
+                "the {name} exited before listening; its last log lines:\n{}",
+                proc.tail()
+            ),
+            Err(_) => bail!(
+                "the {name} did not listen within the start-up timeout; its last log lines:\n{}",
+                proc.tail()
+            ),
         }
     }
 
     fn tail(&self) -> String {
-        self.tail.lock().unwrap_or_else(|e| e.into_inner()).iter().cloned().collect::<Vec<_>>().join("\n")
+        self.tail
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter()
+            .cloned()
+            .collect::<Vec<_>>()
+            .join("\n")
     }
 
     fn exited(&mut self) -> Option<std::process::ExitStatus> {
@@ -408,7 +483,11 @@ fn stop_all(procs: &mut [ChildProc]) {
     }
     for p in procs.iter_mut() {
         if p.exited().is_none() {
-            eprintln!("pdkv lifecycle: the {} did not stop within {}s; killing it", p.name, STOP_GRACE.as_secs());
+            eprintln!(
+                "pdkv lifecycle: the {} did not stop within {}s; killing it",
+                p.name,
+                STOP_GRACE.as_secs()
+            );
             let _ = p.child.kill();
             let _ = p.child.wait();
         }
@@ -431,14 +510,24 @@ impl Deployment {
     fn check_alive(&mut self) -> anyhow::Result<()> {
         for p in self.procs.iter_mut() {
             if let Some(status) = p.exited() {
-                bail!("the {} exited ({status}); its last log lines:\n{}", p.name, p.tail());
+                bail!(
+                    "the {} exited ({status}); its last log lines:\n{}",
+                    p.name,
+                    p.tail()
+                );
             }
         }
         Ok(())
     }
 }
 
-fn serve_args(args: &LifecycleArgs, model: &Path, role: &str, engine_id: &str, token: &str) -> Vec<String> {
+fn serve_args(
+    args: &LifecycleArgs,
+    model: &Path,
+    role: &str,
+    engine_id: &str,
+    token: &str,
+) -> Vec<String> {
     let transport = match args.transport {
         TransportArg::Tcp => "tcp",
         TransportArg::Shm => "shm",
@@ -482,12 +571,22 @@ fn serve_args(args: &LifecycleArgs, model: &Path, role: &str, engine_id: &str, t
 }
 
 /// Waits until `url` answers 2xx, failing at the deadline or when a child exits.
-async fn wait_healthy(client: &reqwest::Client, dep: &mut Deployment, url: &str, deadline: Instant) -> anyhow::Result<()> {
+async fn wait_healthy(
+    client: &reqwest::Client,
+    dep: &mut Deployment,
+    url: &str,
+    deadline: Instant,
+) -> anyhow::Result<()> {
     let started = Instant::now();
     let mut last_report = Instant::now();
     loop {
         dep.check_alive()?;
-        let ok = client.get(url).timeout(Duration::from_secs(2)).send().await.is_ok_and(|r| r.status().is_success());
+        let ok = client
+            .get(url)
+            .timeout(Duration::from_secs(2))
+            .send()
+            .await
+            .is_ok_and(|r| r.status().is_success());
         if ok {
             return Ok(());
         }
@@ -496,13 +595,21 @@ async fn wait_healthy(client: &reqwest::Client, dep: &mut Deployment, url: &str,
         }
         if last_report.elapsed() >= Duration::from_secs(5) {
             last_report = Instant::now();
-            eprintln!("pdkv lifecycle: waiting for {url} ({}s)", started.elapsed().as_secs());
+            eprintln!(
+                "pdkv lifecycle: waiting for {url} ({}s)",
+                started.elapsed().as_secs()
+            );
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
 }
 
-async fn deploy(args: &LifecycleArgs, model: &Path, token: &str, client: &reqwest::Client) -> anyhow::Result<Deployment> {
+async fn deploy(
+    args: &LifecycleArgs,
+    model: &Path,
+    token: &str,
+    client: &reqwest::Client,
+) -> anyhow::Result<Deployment> {
     let deadline = Instant::now() + Duration::from_secs(args.startup_timeout);
     let p_args = serve_args(args, model, "kv_producer", "lc-p", token);
     let d_args = serve_args(args, model, "kv_consumer", "lc-d", token);
@@ -530,11 +637,22 @@ async fn deploy(args: &LifecycleArgs, model: &Path, token: &str, client: &reqwes
     dep.procs.push(d);
     wait_healthy(client, &mut dep, &format!("{p_base}/health"), deadline).await?;
     wait_healthy(client, &mut dep, &format!("{d_base}/health"), deadline).await?;
-    let proxy_args: Vec<String> =
-        ["proxy", "--host", HOST, "--port", "0", "--prefill", &p_base, "--decode", &d_base, "--health-interval-ms", "200"]
-            .iter()
-            .map(|s| s.to_string())
-            .collect();
+    let proxy_args: Vec<String> = [
+        "proxy",
+        "--host",
+        HOST,
+        "--port",
+        "0",
+        "--prefill",
+        &p_base,
+        "--decode",
+        &d_base,
+        "--health-interval-ms",
+        "200",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
     let proxy = ChildProc::start("proxy", &proxy_args, args.show_logs, deadline).await?;
     let proxy_base = proxy.base.clone();
     dep.procs.push(proxy);
@@ -582,17 +700,34 @@ impl Cluster {
     }
 
     /// An admin call that must answer 200; returns its JSON body, or why not.
-    async fn admin(&self, role: Role, post: bool, path: &str, body: Option<Value>) -> Result<Value, String> {
+    async fn admin(
+        &self,
+        role: Role,
+        post: bool,
+        path: &str,
+        body: Option<Value>,
+    ) -> Result<Value, String> {
         let url = format!("{}{path}", self.base(role));
-        let req = if post { self.client.post(&url) } else { self.client.get(&url) };
+        let req = if post {
+            self.client.post(&url)
+        } else {
+            self.client.get(&url)
+        };
         let mut req = req.bearer_auth(&*self.token).timeout(self.op_timeout);
         if let Some(b) = body {
             req = req.json(&b);
         }
-        let what = format!("{} {} {path}", role.name(), if post { "POST" } else { "GET" });
+        let what = format!(
+            "{} {} {path}",
+            role.name(),
+            if post { "POST" } else { "GET" }
+        );
         let resp = req.send().await.map_err(|e| format!("{what}: {e}"))?;
         let status = resp.status();
-        let text = resp.text().await.map_err(|e| format!("{what}: reading the body: {e}"))?;
+        let text = resp
+            .text()
+            .await
+            .map_err(|e| format!("{what}: reading the body: {e}"))?;
         if status != reqwest::StatusCode::OK {
             return Err(format!("{what} answered {status}: {}", text.trim()));
         }
@@ -600,17 +735,28 @@ impl Cluster {
     }
 
     /// An admin call on every engine of `target`, concurrently; the first error.
-    async fn on_all(&self, target: Target, post: bool, path: &str, body: Option<Value>) -> Result<(), String> {
+    async fn on_all(
+        &self,
+        target: Target,
+        post: bool,
+        path: &str,
+        body: Option<Value>,
+    ) -> Result<(), String> {
         let mut tasks = Vec::new();
         for role in [Role::P, Role::D] {
             if target.has(role) {
                 let (c, path, body) = (self.clone(), path.to_string(), body.clone());
-                tasks.push(tokio::spawn(async move { c.admin(role, post, &path, body).await }));
+                tasks.push(tokio::spawn(async move {
+                    c.admin(role, post, &path, body).await
+                }));
             }
         }
         let mut first = Ok(());
         for t in tasks {
-            let r = t.await.map_err(|e| format!("admin task: {e}")).and_then(|r| r);
+            let r = t
+                .await
+                .map_err(|e| format!("admin task: {e}"))
+                .and_then(|r| r);
             if let (Err(e), true) = (r, first.is_ok()) {
                 first = Err(e);
             }
@@ -623,15 +769,28 @@ impl Cluster {
         let paused = self.admin(role, false, "/is_paused", None).await?;
         let sleeping = self.admin(role, false, "/is_sleeping", None).await?;
         if paused["is_paused"] != json!(false) || sleeping["is_sleeping"] != json!(false) {
-            return Err(format!("{} is not serving after the restore: {paused} {sleeping}", role.name()));
+            return Err(format!(
+                "{} is not serving after the restore: {paused} {sleeping}",
+                role.name()
+            ));
         }
         Ok(())
     }
 
     async fn metrics(&self, role: Role) -> anyhow::Result<String> {
         let url = format!("{}/metrics", self.base(role));
-        let resp = self.client.get(&url).timeout(Duration::from_secs(10)).send().await.with_context(|| url.clone())?;
-        anyhow::ensure!(resp.status().is_success(), "{url} answered {}", resp.status());
+        let resp = self
+            .client
+            .get(&url)
+            .timeout(Duration::from_secs(10))
+            .send()
+            .await
+            .with_context(|| url.clone())?;
+        anyhow::ensure!(
+            resp.status().is_success(),
+            "{url} answered {}",
+            resp.status()
+        );
         resp.text().await.with_context(|| url.clone())
     }
 
@@ -650,14 +809,23 @@ impl Cluster {
 
     /// Waits (polling, until `deadline`) until `role`'s metric `name` is at
     /// least `min`; its value then, or why not.
-    async fn wait_gauge(&self, role: Role, name: &str, min: f64, deadline: Instant) -> Result<f64, String> {
+    async fn wait_gauge(
+        &self,
+        role: Role,
+        name: &str,
+        min: f64,
+        deadline: Instant,
+    ) -> Result<f64, String> {
         loop {
             let v = self.gauge(role, name).await?;
             if v >= min {
                 return Ok(v);
             }
             if Instant::now() >= deadline {
-                return Err(format!("{} {name} stayed {v} (at least {min} needed)", role.name()));
+                return Err(format!(
+                    "{} {name} stayed {v} (at least {min} needed)",
+                    role.name()
+                ));
             }
             tokio::time::sleep(Duration::from_millis(5)).await;
         }
@@ -678,7 +846,10 @@ impl Cluster {
             .await
             .map_err(|e| format!("{what}: {e}"))?;
         let status = resp.status();
-        let text = resp.text().await.map_err(|e| format!("{what}: reading the body: {e}"))?;
+        let text = resp
+            .text()
+            .await
+            .map_err(|e| format!("{what}: reading the body: {e}"))?;
         if status != reqwest::StatusCode::OK {
             return Err(format!("{what} answered {status}: {}", text.trim()));
         }
@@ -688,9 +859,19 @@ impl Cluster {
     /// `POST /reset_prefix_cache?reset_running_requests=true` on `role`
     /// must answer `success: want`.
     async fn expect_reset(&self, role: Role, want: bool, when: &str) -> Result<(), String> {
-        let v = self.admin(role, true, "/reset_prefix_cache?reset_running_requests=true", None).await?;
+        let v = self
+            .admin(
+                role,
+                true,
+                "/reset_prefix_cache?reset_running_requests=true",
+                None,
+            )
+            .await?;
         if v["success"] != json!(want) {
-            return Err(format!("{} /reset_prefix_cache {when} answered {v} (expected success {want})", role.name()));
+            return Err(format!(
+                "{} /reset_prefix_cache {when} answered {v} (expected success {want})",
+                role.name()
+            ));
         }
         Ok(())
     }
@@ -707,10 +888,20 @@ impl Cluster {
             }
             let waited = started.elapsed();
             if waited >= QUIESCE_DEADLINE {
-                return Err(format!("{} not quiescent after {}s: {}", role.name(), waited.as_secs(), busy(&text)));
+                return Err(format!(
+                    "{} not quiescent after {}s: {}",
+                    role.name(),
+                    waited.as_secs(),
+                    busy(&text)
+                ));
             }
             if slow.is_none() && waited.as_secs_f64() > PhaseClock::SLOW {
-                slow = Some(format!("{} busy after {:.0}s: {}", role.name(), PhaseClock::SLOW, busy(&text)));
+                slow = Some(format!(
+                    "{} busy after {:.0}s: {}",
+                    role.name(),
+                    PhaseClock::SLOW,
+                    busy(&text)
+                ));
             }
             tokio::time::sleep(POLL).await;
         }
@@ -782,14 +973,25 @@ struct Reply {
 
 /// Posts a completion; with `leave_early`, a stream is dropped after its
 /// first event.
-async fn complete(client: &reqwest::Client, url: &str, body: &Value, id: Option<&str>, leave_early: bool) -> Reply {
+async fn complete(
+    client: &reqwest::Client,
+    url: &str,
+    body: &Value,
+    id: Option<&str>,
+    leave_early: bool,
+) -> Reply {
     let mut req = client.post(url).json(body).timeout(REQUEST_DEADLINE);
     if let Some(id) = id {
         req = req.header("x-request-id", id);
     }
     let mut resp = match req.send().await {
         Ok(r) => r,
-        Err(e) => return Reply { broken: Some(format!("sending: {e}")), ..Reply::default() },
+        Err(e) => {
+            return Reply {
+                broken: Some(format!("sending: {e}")),
+                ..Reply::default()
+            }
+        }
     };
     let mut reply = Reply {
         status: resp.status().as_u16(),
@@ -808,8 +1010,13 @@ async fn complete(client: &reqwest::Client, url: &str, body: &Value, id: Option<
         match serde_json::from_str::<Value>(&text) {
             Ok(v) if v.get("error").is_some() => reply.error = Some(v["error"].clone()),
             Ok(v) => {
-                reply.text = v["choices"][0]["text"].as_str().unwrap_or_default().to_string();
-                reply.finish = v["choices"][0]["finish_reason"].as_str().map(str::to_string);
+                reply.text = v["choices"][0]["text"]
+                    .as_str()
+                    .unwrap_or_default()
+                    .to_string();
+                reply.finish = v["choices"][0]["finish_reason"]
+                    .as_str()
+                    .map(str::to_string);
             }
             Err(_) => reply.broken = Some(format!("a body that is not JSON: {}", text.trim())),
         }
@@ -849,7 +1056,9 @@ async fn complete(client: &reqwest::Client, url: &str, body: &Value, id: Option<
                 continue;
             }
             if let Some(choice) = v["choices"].get(0) {
-                reply.text.push_str(choice["text"].as_str().unwrap_or_default());
+                reply
+                    .text
+                    .push_str(choice["text"].as_str().unwrap_or_default());
                 if let Some(f) = choice["finish_reason"].as_str() {
                     reply.finish = Some(f.to_string());
                 }
@@ -881,7 +1090,9 @@ impl Unanswering {
     const MAX_HELD: usize = 16;
 
     async fn bind() -> anyhow::Result<Unanswering> {
-        let listener = tokio::net::TcpListener::bind((HOST, 0)).await.context("binding an unanswering listener")?;
+        let listener = tokio::net::TcpListener::bind((HOST, 0))
+            .await
+            .context("binding an unanswering listener")?;
         let addr = listener.local_addr()?;
         let (tx, accepted) = tokio::sync::watch::channel(0);
         let task = tokio::spawn(async move {
@@ -893,13 +1104,20 @@ impl Unanswering {
                 tx.send_modify(|n| *n += 1);
             }
         });
-        Ok(Unanswering { addr, accepted, task })
+        Ok(Unanswering {
+            addr,
+            accepted,
+            task,
+        })
     }
 
     /// Waits (until `deadline`) for a first connection.
     async fn wait_accepted(&mut self, deadline: Instant) -> bool {
         let wait = self.accepted.wait_for(|n| *n >= 1);
-        matches!(tokio::time::timeout_at(tokio::time::Instant::from_std(deadline), wait).await, Ok(Ok(_)))
+        matches!(
+            tokio::time::timeout_at(tokio::time::Instant::from_std(deadline), wait).await,
+            Ok(Ok(_))
+        )
     }
 }
 
@@ -921,8 +1139,13 @@ const PREFIXES: [&str; 6] = [
     "The train left the station at noon, crossed the valley and climbed slowly towards the mountains.",
 ];
 
-const QUESTIONS: [&str; 5] =
-    [" Question: what is this about? Answer:", " In five words:", " The key detail is", " Next,", " A title for it:"];
+const QUESTIONS: [&str; 5] = [
+    " Question: what is this about? Answer:",
+    " In five words:",
+    " The key detail is",
+    " Next,",
+    " A title for it:",
+];
 
 /// `n` distinct prompts, groups of which share a prefix.
 fn probe_prompts(n: usize) -> Vec<String> {
@@ -951,15 +1174,19 @@ async fn run_probes(c: &Cluster, prompts: &[String], tokens: u32) -> Vec<Result<
             let i = b * 8 + j;
             let body = json!({"prompt": prompt, "max_tokens": tokens, "temperature": 0, "ignore_eos": true, "stream": i % 2 == 1});
             let (client, url) = (c.client.clone(), url.clone());
-            tasks.push(tokio::spawn(async move { complete(&client, &url, &body, None, false).await }));
+            tasks.push(tokio::spawn(async move {
+                complete(&client, &url, &body, None, false).await
+            }));
         }
         for t in tasks {
             let r = match t.await {
                 Err(e) => Err(format!("probe task: {e}")),
-                Ok(r) if r.status == 200 && r.broken.is_none() && r.error.is_none() => match r.finish.as_deref() {
-                    Some("length" | "stop") => Ok(r.text),
-                    other => Err(format!("finished with {other:?}")),
-                },
+                Ok(r) if r.status == 200 && r.broken.is_none() && r.error.is_none() => {
+                    match r.finish.as_deref() {
+                        Some("length" | "stop") => Ok(r.text),
+                        other => Err(format!("finished with {other:?}")),
+                    }
+                }
                 Ok(r) => Err(format!("status {} {:?} {:?}", r.status, r.broken, r.error)),
             };
             out.push(r);
@@ -1010,7 +1237,10 @@ fn load_body(i: u64, disconnect_every: usize) -> (Value, bool) {
         QUESTIONS[i as usize % QUESTIONS.len()]
     );
     let max_tokens = [4, 12, 24, 8, 16][(i % 5) as usize];
-    (json!({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": true, "stream": stream}), leave)
+    (
+        json!({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": true, "stream": stream}),
+        leave,
+    )
 }
 
 fn raw_outcome(r: Reply) -> RawOutcome {
@@ -1024,11 +1254,18 @@ fn raw_outcome(r: Reply) -> RawOutcome {
         return if r.retry_after {
             RawOutcome::Retryable
         } else {
-            RawOutcome::Bare503(format!("503 without Retry-After: {}", r.error.unwrap_or_default()))
+            RawOutcome::Bare503(format!(
+                "503 without Retry-After: {}",
+                r.error.unwrap_or_default()
+            ))
         };
     }
     if r.status != 200 {
-        return RawOutcome::Lost(format!("status {}: {}", r.status, r.error.unwrap_or_default()));
+        return RawOutcome::Lost(format!(
+            "status {}: {}",
+            r.status,
+            r.error.unwrap_or_default()
+        ));
     }
     // The proxy's own errors (`upstream_error`, `upstream_timeout`, an error
     // event ending a stream D broke) are all failures.
@@ -1036,7 +1273,10 @@ fn raw_outcome(r: Reply) -> RawOutcome {
         return RawOutcome::Lost(format!("an error in the body: {err}"));
     }
     if r.streamed && !r.done {
-        return RawOutcome::Lost(format!("the stream ended without [DONE] (finish {:?})", r.finish));
+        return RawOutcome::Lost(format!(
+            "the stream ended without [DONE] (finish {:?})",
+            r.finish
+        ));
     }
     match r.finish.as_deref() {
         Some("stop" | "length") => RawOutcome::Complete,
@@ -1050,9 +1290,19 @@ async fn load_worker(load: Arc<Load>) {
         let i = load.next.fetch_add(1, Ordering::Relaxed);
         let id = format!("lc-{}-{}-{i}", load.run_id, load.cycle_tag);
         let (body, leave) = load_body(i, load.disconnect_every);
-        load.inflight.lock().unwrap_or_else(|e| e.into_inner()).insert(id.clone());
-        let reply = tokio::time::timeout(REQUEST_DEADLINE, complete(&load.client, &load.url, &body, Some(&id), leave)).await;
-        load.inflight.lock().unwrap_or_else(|e| e.into_inner()).remove(&id);
+        load.inflight
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(id.clone());
+        let reply = tokio::time::timeout(
+            REQUEST_DEADLINE,
+            complete(&load.client, &load.url, &body, Some(&id), leave),
+        )
+        .await;
+        load.inflight
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(&id);
         let mut outcome = match reply {
             Ok(r) => raw_outcome(r),
             Err(_) => RawOutcome::Lost(format!("no answer within {}s", REQUEST_DEADLINE.as_secs())),
@@ -1066,7 +1316,10 @@ async fn load_worker(load: Arc<Load>) {
         if let RawOutcome::Lost(why) | RawOutcome::Bare503(why) = &mut outcome {
             *why = format!("{id}: {why}");
         }
-        load.outcomes.lock().unwrap_or_else(|e| e.into_inner()).push((id, outcome));
+        load.outcomes
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push((id, outcome));
         if backoff {
             tokio::time::sleep(RETRY_BACKOFF).await;
         }
@@ -1121,7 +1374,10 @@ impl PhaseClock {
     const SLOW: f64 = 5.0;
 
     fn new() -> PhaseClock {
-        PhaseClock { last: Instant::now(), laps: Vec::new() }
+        PhaseClock {
+            last: Instant::now(),
+            laps: Vec::new(),
+        }
     }
 
     fn lap(&mut self, name: &'static str) {
@@ -1131,7 +1387,11 @@ impl PhaseClock {
     }
 
     fn slow(&self) -> Vec<String> {
-        self.laps.iter().filter(|(_, s)| *s > Self::SLOW).map(|(n, s)| format!("slow: {n} {s:.1}s")).collect()
+        self.laps
+            .iter()
+            .filter(|(_, s)| *s > Self::SLOW)
+            .map(|(n, s)| format!("slow: {n} {s:.1}s"))
+            .collect()
     }
 }
 
@@ -1169,7 +1429,13 @@ impl CaseResult {
         let extra: Vec<&String> = self.reasons.iter().chain(&self.notes).collect();
         if !extra.is_empty() {
             s.push_str("  [");
-            s.push_str(&extra.iter().map(|s| s.as_str()).collect::<Vec<_>>().join("; "));
+            s.push_str(
+                &extra
+                    .iter()
+                    .map(|s| s.as_str())
+                    .collect::<Vec<_>>()
+                    .join("; "),
+            );
             s.push(']');
         }
         s
@@ -1233,7 +1499,10 @@ impl Counters {
     /// Transfers ended on purpose, as P and as D counted them (one transfer
     /// may count on both sides).
     fn on_purpose(&self) -> (f64, f64) {
-        (self.pulls_released + self.pulls_cancelled, self.loads_released + self.loads_cut_short + self.loads_cancelled)
+        (
+            self.pulls_released + self.pulls_cancelled,
+            self.loads_released + self.loads_cut_short + self.loads_cancelled,
+        )
     }
 
     /// The non-zero on-purpose counters, for a case's notes.
@@ -1258,7 +1527,8 @@ async fn counters(c: &Cluster) -> anyhow::Result<Counters> {
     let d = c.metrics(Role::D).await?;
     let get = |t: &str, n: &str| metric(t, n).ok_or_else(|| anyhow!("no {n} in the metrics"));
     // In read mode P serves no pulls: D reads, then tells P it is done.
-    let served = get(&p, "pdkv_kv_pulls_ok_total")? + metric(&p, "pdkv_kv_reads_done_total").unwrap_or(0.0);
+    let served =
+        get(&p, "pdkv_kv_pulls_ok_total")? + metric(&p, "pdkv_kv_reads_done_total").unwrap_or(0.0);
     Ok(Counters {
         pulls_ok: served,
         pulls_failed: get(&p, "pdkv_kv_pulls_failed_total")?,
@@ -1342,16 +1612,25 @@ impl Runner<'_> {
     async fn reload(&self, target: Target, fresh: &str) -> Result<(), String> {
         let version = match target {
             Target::Both => json!(fresh),
-            Target::P => self.c.admin(Role::D, false, "/weight_info", None).await?["version"].clone(),
-            Target::D => self.c.admin(Role::P, false, "/weight_info", None).await?["version"].clone(),
+            Target::P => {
+                self.c.admin(Role::D, false, "/weight_info", None).await?["version"].clone()
+            }
+            Target::D => {
+                self.c.admin(Role::P, false, "/weight_info", None).await?["version"].clone()
+            }
         };
         let body = json!({"path": self.c.model.display().to_string(), "version": version});
-        self.c.on_all(target, true, "/update_weights", Some(body)).await?;
+        self.c
+            .on_all(target, true, "/update_weights", Some(body))
+            .await?;
         for role in [Role::P, Role::D] {
             if target.has(role) {
                 let info = self.c.admin(role, false, "/weight_info", None).await?;
                 if info["version"] != version {
-                    return Err(format!("{} reports weights {info} after loading version {version}", role.name()));
+                    return Err(format!(
+                        "{} reports weights {info} after loading version {version}",
+                        role.name()
+                    ));
                 }
             }
         }
@@ -1374,7 +1653,9 @@ impl Runner<'_> {
             .cloned()
             .ok_or_else(|| format!("P returned no kv_transfer_params for {tid}: {out}"))?;
         let held = c.gauge(Role::P, "pdkv_kv_send_held_blocks").await;
-        let reset = c.expect_reset(Role::P, false, "while a transfer holds blocks").await;
+        let reset = c
+            .expect_reset(Role::P, false, "while a transfer holds blocks")
+            .await;
         // Released whatever the reset said.
         let body = json!({"prompt": prompt, "max_tokens": 2, "temperature": 0, "ignore_eos": true, "stream": false,
                           "kv_transfer_params": params});
@@ -1385,8 +1666,12 @@ impl Runner<'_> {
         }
         reset?;
         match loaded?["choices"][0]["finish_reason"].as_str() {
-            Some("length") => Ok(format!("under load: false while P held {held} blocks for a transfer, which D then loaded")),
-            other => Err(format!("D's load of the held transfer {tid} finished with {other:?}")),
+            Some("length") => Ok(format!(
+                "under load: false while P held {held} blocks for a transfer, which D then loaded"
+            )),
+            other => Err(format!(
+                "D's load of the held transfer {tid} finished with {other:?}"
+            )),
         }
     }
 
@@ -1398,8 +1683,11 @@ impl Runner<'_> {
         let c = &self.c;
         let mut fake = Unanswering::bind().await.map_err(|e| format!("{e:#}"))?;
         let tid = format!("lc-hold-{tag}");
-        let mut params =
-            pdkv_connector::params::for_decode(&tid, Some("lc-unanswering"), Some(&fake.addr.to_string()));
+        let mut params = pdkv_connector::params::for_decode(
+            &tid,
+            Some("lc-unanswering"),
+            Some(&fake.addr.to_string()),
+        );
         if let TransferModeArg::Read = self.args.transfer_mode {
             // Never checked: the handshake that would is never answered.
             params[pdkv_connector::params::REMOTE_BLOCK_IDS] = json!([0]);
@@ -1414,8 +1702,17 @@ impl Runner<'_> {
             tokio::spawn(async move { c.completion(Role::D, body, &id).await })
         };
         let reached = fake.wait_accepted(Instant::now() + PROGRESS_DEADLINE).await;
-        let reset = c.expect_reset(Role::D, false, "while a load holds blocks").await;
-        let aborted = c.admin(Role::D, true, "/abort_requests", Some(json!({"request_ids": [id]}))).await;
+        let reset = c
+            .expect_reset(Role::D, false, "while a load holds blocks")
+            .await;
+        let aborted = c
+            .admin(
+                Role::D,
+                true,
+                "/abort_requests",
+                Some(json!({"request_ids": [id]})),
+            )
+            .await;
         let out = tokio::time::timeout(REQUEST_DEADLINE, request).await;
         if !reached {
             return Err("D's held load never reached the unanswering listener".into());
@@ -1425,10 +1722,13 @@ impl Runner<'_> {
             return Err(format!("D did not abort the held request {id}"));
         }
         match out {
-            Ok(Ok(Ok(v))) if v["choices"][0]["finish_reason"] == json!("abort") => {
-                Ok("under load: false while a load was in flight, whose request was then aborted".into())
-            }
-            Ok(Ok(r)) => Err(format!("the held request {id} ended with {r:?}, not aborted")),
+            Ok(Ok(Ok(v))) if v["choices"][0]["finish_reason"] == json!("abort") => Ok(
+                "under load: false while a load was in flight, whose request was then aborted"
+                    .into(),
+            ),
+            Ok(Ok(r)) => Err(format!(
+                "the held request {id} ended with {r:?}, not aborted"
+            )),
             Ok(Err(e)) => Err(format!("the held request's task: {e}")),
             Err(_) => Err(format!("the held request {id} did not end after its abort")),
         }
@@ -1442,12 +1742,22 @@ impl Runner<'_> {
         let timeout = self.args.op_timeout;
         match case.op {
             Op::Pause { mode, clear } => {
-                rep.check(c.on_all(t, true, &format!("/pause?mode={mode}&clear_cache={clear}&timeout={timeout}"), None).await);
+                rep.check(
+                    c.on_all(
+                        t,
+                        true,
+                        &format!("/pause?mode={mode}&clear_cache={clear}&timeout={timeout}"),
+                        None,
+                    )
+                    .await,
+                );
                 for role in [Role::P, Role::D] {
                     if t.has(role) {
                         match c.admin(role, false, "/is_paused", None).await {
                             Ok(v) if v["is_paused"] == json!(true) => {}
-                            Ok(v) => rep.errors.push(format!("{} after /pause: {v}", role.name())),
+                            Ok(v) => rep
+                                .errors
+                                .push(format!("{} after /pause: {v}", role.name())),
                             Err(e) => rep.errors.push(e),
                         }
                     }
@@ -1457,9 +1767,25 @@ impl Runner<'_> {
             }
             Op::Sleep { level } => {
                 if level == 2 {
-                    rep.check(c.on_all(t, true, &format!("/pause?mode=keep&timeout={timeout}"), None).await);
+                    rep.check(
+                        c.on_all(
+                            t,
+                            true,
+                            &format!("/pause?mode=keep&timeout={timeout}"),
+                            None,
+                        )
+                        .await,
+                    );
                 }
-                rep.check(c.on_all(t, true, &format!("/sleep?level={level}&mode=keep&timeout={timeout}"), None).await);
+                rep.check(
+                    c.on_all(
+                        t,
+                        true,
+                        &format!("/sleep?level={level}&mode=keep&timeout={timeout}"),
+                        None,
+                    )
+                    .await,
+                );
                 self.record_asleep(&mut rep, t).await;
                 tokio::time::sleep(self.hold()).await;
                 rep.check(c.on_all(t, true, "/wake_up", None).await);
@@ -1469,18 +1795,42 @@ impl Runner<'_> {
                 }
             }
             Op::SelectiveWake { weights_first } => {
-                rep.check(c.on_all(t, true, &format!("/sleep?level=1&mode=keep&timeout={timeout}"), None).await);
+                rep.check(
+                    c.on_all(
+                        t,
+                        true,
+                        &format!("/sleep?level=1&mode=keep&timeout={timeout}"),
+                        None,
+                    )
+                    .await,
+                );
                 self.record_asleep(&mut rep, t).await;
                 tokio::time::sleep(self.hold()).await;
-                let (first, second) = if weights_first { ("weights", "kv_cache") } else { ("kv_cache", "weights") };
-                match c.admin(Role::D, true, &format!("/wake_up?tags={first}"), None).await {
-                    Ok(v) if v["is_sleeping"] == json!(true) && v["asleep_tags"] == json!([second]) => {}
-                    Ok(v) => rep.errors.push(format!("D after waking {first}: {v} (expected {second} still asleep)")),
+                let (first, second) = if weights_first {
+                    ("weights", "kv_cache")
+                } else {
+                    ("kv_cache", "weights")
+                };
+                match c
+                    .admin(Role::D, true, &format!("/wake_up?tags={first}"), None)
+                    .await
+                {
+                    Ok(v)
+                        if v["is_sleeping"] == json!(true)
+                            && v["asleep_tags"] == json!([second]) => {}
+                    Ok(v) => rep.errors.push(format!(
+                        "D after waking {first}: {v} (expected {second} still asleep)"
+                    )),
                     Err(e) => rep.errors.push(e),
                 }
-                match c.admin(Role::D, true, &format!("/wake_up?tags={second}"), None).await {
+                match c
+                    .admin(Role::D, true, &format!("/wake_up?tags={second}"), None)
+                    .await
+                {
                     Ok(v) if v["is_sleeping"] == json!(false) => {}
-                    Ok(v) => rep.errors.push(format!("D after waking {second}: {v} (expected awake)")),
+                    Ok(v) => rep
+                        .errors
+                        .push(format!("D after waking {second}: {v} (expected awake)")),
                     Err(e) => rep.errors.push(e),
                 }
             }
@@ -1488,17 +1838,38 @@ impl Runner<'_> {
                 // Ids of load requests in flight; retried until D had some live.
                 let deadline = Instant::now() + PROGRESS_DEADLINE;
                 loop {
-                    let ids: Vec<String> =
-                        load.inflight.lock().unwrap_or_else(|e| e.into_inner()).iter().cloned().collect();
+                    let ids: Vec<String> = load
+                        .inflight
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .iter()
+                        .cloned()
+                        .collect();
                     if !ids.is_empty() {
-                        match c.admin(Role::D, true, "/abort_requests", Some(json!({"request_ids": ids}))).await {
+                        match c
+                            .admin(
+                                Role::D,
+                                true,
+                                "/abort_requests",
+                                Some(json!({"request_ids": ids})),
+                            )
+                            .await
+                        {
                             Ok(v) => {
                                 let aborted: Vec<String> = v["aborted"]
                                     .as_array()
-                                    .map(|a| a.iter().filter_map(|x| x.as_str().map(str::to_string)).collect())
+                                    .map(|a| {
+                                        a.iter()
+                                            .filter_map(|x| x.as_str().map(str::to_string))
+                                            .collect()
+                                    })
                                     .unwrap_or_default();
                                 if !aborted.is_empty() {
-                                    rep.notes.push(format!("aborted {} of {} ids", aborted.len(), ids.len()));
+                                    rep.notes.push(format!(
+                                        "aborted {} of {} ids",
+                                        aborted.len(),
+                                        ids.len()
+                                    ));
                                     rep.aborted_ids.extend(aborted);
                                     break;
                                 }
@@ -1510,7 +1881,8 @@ impl Runner<'_> {
                         }
                     }
                     if Instant::now() >= deadline {
-                        rep.errors.push("D never had a live load request to abort".into());
+                        rep.errors
+                            .push("D never had a live load request to abort".into());
                         break;
                     }
                     tokio::time::sleep(POLL).await;
@@ -1528,14 +1900,30 @@ impl Runner<'_> {
                 }
             }
             Op::ReleaseKv => {
-                rep.check(c.on_all(t, true, &format!("/pause?mode=keep&timeout={timeout}"), None).await);
+                rep.check(
+                    c.on_all(
+                        t,
+                        true,
+                        &format!("/pause?mode=keep&timeout={timeout}"),
+                        None,
+                    )
+                    .await,
+                );
                 rep.check(c.on_all(t, true, "/release_kv_cache_memory", None).await);
                 self.record_asleep(&mut rep, t).await;
                 tokio::time::sleep(self.hold()).await;
                 rep.check(c.on_all(t, true, "/resume", None).await);
             }
             Op::WeightReload => {
-                rep.check(c.on_all(t, true, &format!("/pause?mode=keep&timeout={timeout}"), None).await);
+                rep.check(
+                    c.on_all(
+                        t,
+                        true,
+                        &format!("/pause?mode=keep&timeout={timeout}"),
+                        None,
+                    )
+                    .await,
+                );
                 rep.check(self.reload(t, &format!("lc-{}-{cycle}", case.name)).await);
                 rep.check(c.on_all(t, true, "/resume", None).await);
             }
@@ -1546,16 +1934,39 @@ impl Runner<'_> {
                     TransferModeArg::Write => (Target::P, "pdkv_kv_pulls_pending"),
                     TransferModeArg::Read => (Target::D, "pdkv_kv_send_held_blocks"),
                 };
-                rep.check(c.on_all(paused, true, &format!("/pause?mode=keep&timeout={timeout}"), None).await);
-                match c.wait_gauge(Role::P, gauge, 1.0, Instant::now() + PROGRESS_DEADLINE).await {
+                rep.check(
+                    c.on_all(
+                        paused,
+                        true,
+                        &format!("/pause?mode=keep&timeout={timeout}"),
+                        None,
+                    )
+                    .await,
+                );
+                match c
+                    .wait_gauge(Role::P, gauge, 1.0, Instant::now() + PROGRESS_DEADLINE)
+                    .await
+                {
                     Ok(n) => rep.notes.push(format!("P slept with {gauge} {n}")),
-                    Err(e) => rep.errors.push(format!("no transfer waited at P to sleep it under: {e}")),
+                    Err(e) => rep
+                        .errors
+                        .push(format!("no transfer waited at P to sleep it under: {e}")),
                 }
-                rep.check(c.on_all(Target::P, true, &format!("/sleep?level=1&mode=keep&timeout={timeout}"), None).await);
+                rep.check(
+                    c.on_all(
+                        Target::P,
+                        true,
+                        &format!("/sleep?level=1&mode=keep&timeout={timeout}"),
+                        None,
+                    )
+                    .await,
+                );
                 // Release, then reset: the sleep ended every transfer first.
                 match c.gauge(Role::P, "pdkv_kv_send_held_blocks").await {
                     Ok(0.0) => {}
-                    Ok(v) => rep.errors.push(format!("P holds {v} blocks for transfers while asleep")),
+                    Ok(v) => rep
+                        .errors
+                        .push(format!("P holds {v} blocks for transfers while asleep")),
                     Err(e) => rep.errors.push(e),
                 }
                 self.record_asleep(&mut rep, Target::P).await;
@@ -1564,9 +1975,20 @@ impl Runner<'_> {
                 rep.check(c.on_all(paused, true, "/resume", None).await);
             }
             Op::TrainerSequence => {
-                rep.check(c.on_all(t, true, &format!("/pause?mode=keep&timeout={timeout}"), None).await);
+                rep.check(
+                    c.on_all(
+                        t,
+                        true,
+                        &format!("/pause?mode=keep&timeout={timeout}"),
+                        None,
+                    )
+                    .await,
+                );
                 // No mode: the sleep keeps the pause's (keep), aborting nothing.
-                rep.check(c.on_all(t, true, &format!("/sleep?level=1&timeout={timeout}"), None).await);
+                rep.check(
+                    c.on_all(t, true, &format!("/sleep?level=1&timeout={timeout}"), None)
+                        .await,
+                );
                 self.record_asleep(&mut rep, t).await;
                 tokio::time::sleep(self.hold()).await;
                 rep.check(c.on_all(t, true, "/wake_up", None).await);
@@ -1604,7 +2026,11 @@ impl Runner<'_> {
 
         if let Op::ResetPrefixCache = case.op {
             // Idle, the reset must succeed.
-            let role = if case.target == Target::P { Role::P } else { Role::D };
+            let role = if case.target == Target::P {
+                Role::P
+            } else {
+                Role::D
+            };
             match c.wait_quiescent(role).await {
                 Ok(slow) => res.notes.extend(slow),
                 Err(e) => res.reasons.push(e),
@@ -1626,11 +2052,15 @@ impl Runner<'_> {
             url: format!("{}/v1/completions", c.proxy),
             client: c.client.clone(),
         });
-        let workers: Vec<_> = (0..self.args.load_concurrency).map(|_| tokio::spawn(load_worker(load.clone()))).collect();
+        let workers: Vec<_> = (0..self.args.load_concurrency)
+            .map(|_| tokio::spawn(load_worker(load.clone())))
+            .collect();
         let n = self.args.load_concurrency as u64;
         let mut clock = PhaseClock::new();
         if !wait_progress(&load, 0, n).await {
-            res.reasons.push(format!("the load completed no {n} requests before the operations"));
+            res.reasons.push(format!(
+                "the load completed no {n} requests before the operations"
+            ));
         }
 
         clock.lap("warm-up");
@@ -1644,25 +2074,37 @@ impl Runner<'_> {
         // Serving again under load, then the load stops.
         let done = load.completed.load(Ordering::Relaxed);
         if !wait_progress(&load, done, n).await {
-            res.reasons.push(format!("the load completed no {n} requests after the restore"));
+            res.reasons.push(format!(
+                "the load completed no {n} requests after the restore"
+            ));
         }
         clock.lap("load after restore");
         load.stop.store(true, Ordering::Release);
         for w in workers {
-            if tokio::time::timeout(REQUEST_DEADLINE + Duration::from_secs(10), w).await.is_err() {
-                res.reasons.push("a load worker did not stop in time".into());
+            if tokio::time::timeout(REQUEST_DEADLINE + Duration::from_secs(10), w)
+                .await
+                .is_err()
+            {
+                res.reasons
+                    .push("a load worker did not stop in time".into());
             }
         }
         clock.lap("stopping the load");
-        let outcomes = std::mem::take(&mut *load.outcomes.lock().unwrap_or_else(|e| e.into_inner()));
+        let outcomes =
+            std::mem::take(&mut *load.outcomes.lock().unwrap_or_else(|e| e.into_inner()));
         res.load.sent = outcomes.len();
         for (id, o) in outcomes {
             match o {
                 RawOutcome::Complete => res.load.complete += 1,
                 RawOutcome::Retryable => res.load.retryable += 1,
                 RawOutcome::Disconnected => res.load.disconnected += 1,
-                RawOutcome::Aborted if case.aborts_all() || rep.aborted_ids.contains(&id) => res.load.aborted += 1,
-                RawOutcome::Aborted => res.load.lost.push(format!("{id}: aborted outside an abort")),
+                RawOutcome::Aborted if case.aborts_all() || rep.aborted_ids.contains(&id) => {
+                    res.load.aborted += 1
+                }
+                RawOutcome::Aborted => res
+                    .load
+                    .lost
+                    .push(format!("{id}: aborted outside an abort")),
                 RawOutcome::Bare503(why) => {
                     res.load.bare_503 += 1;
                     res.load.lost.push(why);
@@ -1672,8 +2114,14 @@ impl Runner<'_> {
         }
         if !res.load.lost.is_empty() {
             // Other kinds first: they are rarer and say more.
-            let mut shown: Vec<&str> =
-                res.load.lost.iter().filter(|w| !w.contains("503 without Retry-After")).take(3).map(String::as_str).collect();
+            let mut shown: Vec<&str> = res
+                .load
+                .lost
+                .iter()
+                .filter(|w| !w.contains("503 without Retry-After"))
+                .take(3)
+                .map(String::as_str)
+                .collect();
             if shown.is_empty() {
                 shown.push(&res.load.lost[0]);
             }
@@ -1695,21 +2143,35 @@ impl Runner<'_> {
                 res.reasons.push(e);
             }
             let awake = c.device_bytes(role).await?;
-            let base = if role == Role::P { self.base.p_awake } else { self.base.d_awake };
+            let base = if role == Role::P {
+                self.base.p_awake
+            } else {
+                self.base.d_awake
+            };
             if awake != base {
-                res.reasons.push(format!("{} device bytes {awake} after the case, {base} at the baseline", role.name()));
+                res.reasons.push(format!(
+                    "{} device bytes {awake} after the case, {base} at the baseline",
+                    role.name()
+                ));
             }
         }
         if let Op::ResetPrefixCache = case.op {
             // Idle again, with the held transfer released: it succeeds.
-            let role = if case.target == Target::P { Role::P } else { Role::D };
+            let role = if case.target == Target::P {
+                Role::P
+            } else {
+                Role::D
+            };
             if let Err(e) = c.expect_reset(role, true, "idle after the load").await {
                 res.reasons.push(e);
             }
         }
         clock.lap("quiescence");
         if let Some(t) = case.sleeping() {
-            for (role, awake, asleep) in [(Role::P, res.p_awake, res.p_asleep), (Role::D, res.d_awake, res.d_asleep)] {
+            for (role, awake, asleep) in [
+                (Role::P, res.p_awake, res.p_asleep),
+                (Role::D, res.d_awake, res.d_asleep),
+            ] {
                 if !t.has(role) {
                     continue;
                 }
@@ -1720,7 +2182,9 @@ impl Runner<'_> {
                         role.name(),
                         100.0 * a as f64 / awake.max(1) as f64
                     )),
-                    None => res.reasons.push(format!("{} device bytes asleep not measured", role.name())),
+                    None => res
+                        .reasons
+                        .push(format!("{} device bytes asleep not measured", role.name())),
                 }
             }
         }
@@ -1739,8 +2203,10 @@ impl Runner<'_> {
         let before_probes = counters(c).await?;
         let got = run_probes(c, &self.base.prompts, self.args.probe_tokens).await;
         let after_probes = counters(c).await?;
-        let (loads, pulls) =
-            (after_probes.loads_ok - before_probes.loads_ok, after_probes.pulls_ok - before_probes.pulls_ok);
+        let (loads, pulls) = (
+            after_probes.loads_ok - before_probes.loads_ok,
+            after_probes.pulls_ok - before_probes.pulls_ok,
+        );
         if loads != got.len() as f64 || pulls != got.len() as f64 {
             res.reasons.push(format!(
                 "the {} probes after the restore loaded {loads} KV transfers on D ({} failed), P served {pulls} pulls or reads",
@@ -1758,7 +2224,8 @@ impl Runner<'_> {
             }
         }
         if !diffs.is_empty() {
-            res.reasons.push(format!("{} probes differ ({})", diffs.len(), diffs[0]));
+            res.reasons
+                .push(format!("{} probes differ ({})", diffs.len(), diffs[0]));
         }
         clock.lap("probes");
         res.notes.extend(clock.slow());
@@ -1776,7 +2243,11 @@ fn admin_token() -> String {
     use std::hash::{BuildHasher, Hasher};
     let mut h = std::collections::hash_map::RandomState::new().build_hasher();
     h.write_u32(std::process::id());
-    h.write_u128(std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos()));
+    h.write_u128(
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos()),
+    );
     format!("lc-{:016x}", h.finish())
 }
 
@@ -1789,17 +2260,26 @@ pub fn run(args: LifecycleArgs) -> anyhow::Result<()> {
     }
     let cases = select_cases(&args.cases)?;
     anyhow::ensure!(args.cycles > 0, "--cycles must be at least 1");
-    anyhow::ensure!(args.load_concurrency > 0, "--load-concurrency must be at least 1");
+    anyhow::ensure!(
+        args.load_concurrency > 0,
+        "--load-concurrency must be at least 1"
+    );
     anyhow::ensure!(args.probes > 0, "--probes must be at least 1");
     anyhow::ensure!(args.probe_tokens > 0, "--probe-tokens must be at least 1");
-    anyhow::ensure!(args.op_timeout > 0, "--op-timeout must be at least 1 second");
+    anyhow::ensure!(
+        args.op_timeout > 0,
+        "--op-timeout must be at least 1 second"
+    );
     let model = match args.model.clone() {
         Some(p) => p,
         None => fetch::default_model_path()?,
     };
-    let model = std::fs::canonicalize(&model).with_context(|| format!("finding {}", model.display()))?;
-    let runtime =
-        tokio::runtime::Builder::new_multi_thread().enable_all().build().context("starting the async runtime")?;
+    let model =
+        std::fs::canonicalize(&model).with_context(|| format!("finding {}", model.display()))?;
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("starting the async runtime")?;
     let results = runtime.block_on(async {
         tokio::select! {
             r = run_matrix(&args, &model, &cases) => r,
@@ -1818,7 +2298,12 @@ pub fn run(args: LifecycleArgs) -> anyhow::Result<()> {
         args.kv_load_failure_policy
     );
     for f in &failed {
-        println!("failed: {} cycle {}: {}", f.name, f.cycle, f.reasons.join("; "));
+        println!(
+            "failed: {} cycle {}: {}",
+            f.name,
+            f.cycle,
+            f.reasons.join("; ")
+        );
     }
     let summary = json!({
         "transport": format!("{:?}", args.transport).to_lowercase(),
@@ -1835,7 +2320,11 @@ pub fn run(args: LifecycleArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-async fn run_matrix(args: &LifecycleArgs, model: &Path, cases: &[Case]) -> anyhow::Result<Vec<CaseResult>> {
+async fn run_matrix(
+    args: &LifecycleArgs,
+    model: &Path,
+    cases: &[Case],
+) -> anyhow::Result<Vec<CaseResult>> {
     let client = reqwest::Client::builder()
         .connect_timeout(Duration::from_secs(5))
         .pool_max_idle_per_host(0)
@@ -1855,7 +2344,11 @@ async fn run_matrix(args: &LifecycleArgs, model: &Path, cases: &[Case]) -> anyho
 
     let prompts = probe_prompts(args.probes);
     let mut texts = Vec::with_capacity(prompts.len());
-    for (i, r) in run_probes(&c, &prompts, args.probe_tokens).await.into_iter().enumerate() {
+    for (i, r) in run_probes(&c, &prompts, args.probe_tokens)
+        .await
+        .into_iter()
+        .enumerate()
+    {
         texts.push(r.map_err(|e| anyhow!("baseline probe {i}: {e}"))?);
     }
     for role in [Role::P, Role::D] {
@@ -1871,14 +2364,27 @@ async fn run_matrix(args: &LifecycleArgs, model: &Path, cases: &[Case]) -> anyho
         p_awake as f64 / MIB,
         d_awake as f64 / MIB
     );
-    let runner = Runner { c, args, base: Baseline { prompts, texts, p_awake, d_awake }, run_id: run_id() };
+    let runner = Runner {
+        c,
+        args,
+        base: Baseline {
+            prompts,
+            texts,
+            p_awake,
+            d_awake,
+        },
+        run_id: run_id(),
+    };
 
     let mut results = Vec::new();
     for cycle in 1..=args.cycles {
         for case in cases {
             dep.check_alive()?;
             let started = Instant::now();
-            let r = runner.run_case(case, cycle).await.with_context(|| format!("case {} cycle {cycle}", case.name))?;
+            let r = runner
+                .run_case(case, cycle)
+                .await
+                .with_context(|| format!("case {} cycle {cycle}", case.name))?;
             println!("{}  ({:.1}s)", r.line(), started.elapsed().as_secs_f64());
             let _ = std::io::stdout().flush();
             results.push(r);
@@ -1897,8 +2403,20 @@ mod tests {
         let cases = all_cases();
         let names: HashSet<&str> = cases.iter().map(|c| c.name.as_str()).collect();
         assert_eq!(names.len(), cases.len());
-        assert_eq!(cases.iter().filter(|c| c.name.starts_with("pause_")).count(), 18);
-        assert_eq!(cases.iter().filter(|c| c.name.starts_with("sleep_l")).count(), 9);
+        assert_eq!(
+            cases
+                .iter()
+                .filter(|c| c.name.starts_with("pause_"))
+                .count(),
+            18
+        );
+        assert_eq!(
+            cases
+                .iter()
+                .filter(|c| c.name.starts_with("sleep_l"))
+                .count(),
+            9
+        );
         assert_eq!(cases.len(), 40);
         for n in [
             "pause_keep_clear_both",
@@ -1928,27 +2446,71 @@ mod tests {
 
     #[test]
     fn outcomes_are_classified() {
-        let ok = Reply { status: 200, streamed: true, finish: Some("length".into()), done: true, ..Reply::default() };
+        let ok = Reply {
+            status: 200,
+            streamed: true,
+            finish: Some("length".into()),
+            done: true,
+            ..Reply::default()
+        };
         assert!(matches!(raw_outcome(ok), RawOutcome::Complete));
-        let retry = Reply { status: 503, retry_after: true, ..Reply::default() };
+        let retry = Reply {
+            status: 503,
+            retry_after: true,
+            ..Reply::default()
+        };
         assert!(matches!(raw_outcome(retry), RawOutcome::Retryable));
-        let bare = Reply { status: 503, ..Reply::default() };
+        let bare = Reply {
+            status: 503,
+            ..Reply::default()
+        };
         assert!(matches!(raw_outcome(bare), RawOutcome::Bare503(_)));
-        let abort = Reply { status: 200, finish: Some("abort".into()), ..Reply::default() };
+        let abort = Reply {
+            status: 200,
+            finish: Some("abort".into()),
+            ..Reply::default()
+        };
         assert!(matches!(raw_outcome(abort), RawOutcome::Aborted));
         // The proxy has no error event for an aborted prefill (D computes
         // the prompt): every error event is a failure.
-        let event = Reply { status: 200, streamed: true, done: true, error: Some(json!({"code": "upstream_error"})), ..Reply::default() };
+        let event = Reply {
+            status: 200,
+            streamed: true,
+            done: true,
+            error: Some(json!({"code": "upstream_error"})),
+            ..Reply::default()
+        };
         assert!(matches!(raw_outcome(event), RawOutcome::Lost(_)));
-        let timeout = Reply { status: 504, error: Some(json!({"code": "upstream_timeout"})), ..Reply::default() };
+        let timeout = Reply {
+            status: 504,
+            error: Some(json!({"code": "upstream_timeout"})),
+            ..Reply::default()
+        };
         assert!(matches!(raw_outcome(timeout), RawOutcome::Lost(_)));
-        let unfinished = Reply { status: 200, ..Reply::default() };
+        let unfinished = Reply {
+            status: 200,
+            ..Reply::default()
+        };
         assert!(matches!(raw_outcome(unfinished), RawOutcome::Lost(_)));
-        let no_done = Reply { status: 200, streamed: true, finish: Some("stop".into()), ..Reply::default() };
+        let no_done = Reply {
+            status: 200,
+            streamed: true,
+            finish: Some("stop".into()),
+            ..Reply::default()
+        };
         assert!(matches!(raw_outcome(no_done), RawOutcome::Lost(_)));
-        let left = Reply { status: 200, streamed: true, disconnected: true, ..Reply::default() };
+        let left = Reply {
+            status: 200,
+            streamed: true,
+            disconnected: true,
+            ..Reply::default()
+        };
         assert!(matches!(raw_outcome(left), RawOutcome::Disconnected));
-        let failed = Reply { status: 200, error: Some(json!({"code": "kv_transfer_failed"})), ..Reply::default() };
+        let failed = Reply {
+            status: 200,
+            error: Some(json!({"code": "kv_transfer_failed"})),
+            ..Reply::default()
+        };
         assert!(matches!(raw_outcome(failed), RawOutcome::Lost(_)));
     }
 

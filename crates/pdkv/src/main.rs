@@ -25,7 +25,11 @@ use std::process::ExitCode;
 use clap::{Args, Parser, Subcommand, ValueEnum};
 
 #[derive(Parser)]
-#[command(name = "pdkv", version, about = "An LLM inference server on CPU with a paged KV cache")]
+#[command(
+    name = "pdkv",
+    version,
+    about = "An LLM inference server on CPU with a paged KV cache"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,

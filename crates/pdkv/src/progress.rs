@@ -35,11 +35,18 @@ pub struct LoadDisplay {
 
 impl LoadDisplay {
     pub fn new() -> LoadDisplay {
-        LoadDisplay { terminal: std::io::stderr().is_terminal(), last_percent: None }
+        LoadDisplay {
+            terminal: std::io::stderr().is_terminal(),
+            last_percent: None,
+        }
     }
 
     pub fn update(&mut self, p: &LoadProgress) {
-        let percent = p.bytes_done.saturating_mul(100).checked_div(p.bytes_total).unwrap_or(100);
+        let percent = p
+            .bytes_done
+            .saturating_mul(100)
+            .checked_div(p.bytes_total)
+            .unwrap_or(100);
         let step = if self.terminal { 1 } else { 10 };
         let due = match self.last_percent {
             None => true,

@@ -42,8 +42,14 @@ pub struct ProxyArgs {
 }
 
 pub fn run(args: ProxyArgs) -> anyhow::Result<()> {
-    anyhow::ensure!(args.request_timeout > 0, "--request-timeout must be at least 1 second");
-    anyhow::ensure!(args.health_interval_ms > 0, "--health-interval-ms must be at least 1");
+    anyhow::ensure!(
+        args.request_timeout > 0,
+        "--request-timeout must be at least 1 second"
+    );
+    anyhow::ensure!(
+        args.health_interval_ms > 0,
+        "--health-interval-ms must be at least 1"
+    );
     let mut config = ProxyConfig::new(args.prefill, args.decode);
     config.request_timeout = Duration::from_secs(args.request_timeout);
     config.health_interval = Duration::from_millis(args.health_interval_ms);
@@ -55,13 +61,20 @@ pub fn run(args: ProxyArgs) -> anyhow::Result<()> {
         .parse()
         .or_else(|_| {
             use std::net::ToSocketAddrs;
-            (args.host.as_str(), args.port).to_socket_addrs()?.next().ok_or_else(|| std::io::Error::other("no address"))
+            (args.host.as_str(), args.port)
+                .to_socket_addrs()?
+                .next()
+                .ok_or_else(|| std::io::Error::other("no address"))
         })
         .with_context(|| format!("resolving --host {}", args.host))?;
-    let runtime =
-        tokio::runtime::Builder::new_multi_thread().enable_all().build().context("starting the async runtime")?;
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("starting the async runtime")?;
     runtime.block_on(async move {
-        let listener = tokio::net::TcpListener::bind(addr).await.with_context(|| format!("binding {addr}"))?;
+        let listener = tokio::net::TcpListener::bind(addr)
+            .await
+            .with_context(|| format!("binding {addr}"))?;
         let local = listener.local_addr().context("reading the bound address")?;
         for b in proxy.backends() {
             tracing::info!(role = %b.role, url = %b.url, "backend");

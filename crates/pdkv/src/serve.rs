@@ -86,7 +86,8 @@ pub struct ServeArgs {
 pub(crate) fn kv_secret(given: Option<&str>) -> anyhow::Result<pdkv_connector::KvSecret> {
     match given {
         None => Ok(pdkv_connector::KvSecret::open()),
-        Some(s) => pdkv_connector::KvSecret::new(s).map_err(|e| anyhow::anyhow!("--kv-secret (or PDKV_KV_SECRET): {e}")),
+        Some(s) => pdkv_connector::KvSecret::new(s)
+            .map_err(|e| anyhow::anyhow!("--kv-secret (or PDKV_KV_SECRET): {e}")),
     }
 }
 
@@ -105,10 +106,18 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         "--kv-release-timeout-s must be a positive number of seconds"
     );
     anyhow::ensure!(config.max_num_seqs > 0, "--max-num-seqs must be at least 1");
-    anyhow::ensure!(config.max_num_batched_tokens > 0, "--max-num-batched-tokens must be at least 1");
-    anyhow::ensure!(config.num_kv_blocks > 0, "--num-kv-blocks must be at least 1");
+    anyhow::ensure!(
+        config.max_num_batched_tokens > 0,
+        "--max-num-batched-tokens must be at least 1"
+    );
+    anyhow::ensure!(
+        config.num_kv_blocks > 0,
+        "--num-kv-blocks must be at least 1"
+    );
     if args.admin_token.as_deref() == Some("") {
-        anyhow::bail!("--admin-token (or PDKV_ADMIN_TOKEN) is empty; give a secret or leave it unset");
+        anyhow::bail!(
+            "--admin-token (or PDKV_ADMIN_TOKEN) is empty; give a secret or leave it unset"
+        );
     }
     if args.api_key.as_deref() == Some("") {
         anyhow::bail!("--api-key (or PDKV_API_KEY) is empty; give a key or leave it unset");
@@ -117,7 +126,10 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         .parse()
         .or_else(|_| {
             use std::net::ToSocketAddrs;
-            (args.host.as_str(), args.port).to_socket_addrs()?.next().ok_or_else(|| std::io::Error::other("no address"))
+            (args.host.as_str(), args.port)
+                .to_socket_addrs()?
+                .next()
+                .ok_or_else(|| std::io::Error::other("no address"))
         })
         .with_context(|| format!("resolving --host {}", args.host))?;
 
@@ -127,7 +139,8 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         Some(json) => {
             let engine_id = args.engine_id.clone().unwrap_or_else(random_engine_id);
             let secret = kv_secret(args.kv_secret.as_deref())?;
-            let c = pdkv_connector::build_with_secret(json, &engine_id, &secret).context("--kv-transfer-config")?;
+            let c = pdkv_connector::build_with_secret(json, &engine_id, &secret)
+                .context("--kv-transfer-config")?;
             if args.enable_sleep_mode && !c.supports_sleep_mode() {
                 anyhow::bail!(
                     "--enable-sleep-mode: KV connector {} does not support sleep mode (it cannot release and restore its KV cache registrations)",
@@ -166,14 +179,31 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         secs = format!("{:.2}", started.elapsed().as_secs_f64()),
         "model loaded"
     );
-    let served_name = args.served_model_name.clone().unwrap_or_else(|| model.name.clone());
-    let engine = Engine::start_with_connector(model, pool, config, connector).context("starting the engine")?;
-    tracing::info!(kv_blocks = engine.config().num_kv_blocks, max_model_len = engine.max_model_len(), "engine started");
+    let served_name = args
+        .served_model_name
+        .clone()
+        .unwrap_or_else(|| model.name.clone());
+    let engine = Engine::start_with_connector(model, pool, config, connector)
+        .context("starting the engine")?;
+    tracing::info!(
+        kv_blocks = engine.config().num_kv_blocks,
+        max_model_len = engine.max_model_len(),
+        "engine started"
+    );
 
-    let runtime =
-        tokio::runtime::Builder::new_multi_thread().enable_all().build().context("starting the async runtime")?;
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("starting the async runtime")?;
     let limits = args.http.limits()?;
-    let result = runtime.block_on(serve(addr, engine.clone(), served_name, args.admin_token, args.api_key, limits));
+    let result = runtime.block_on(serve(
+        addr,
+        engine.clone(),
+        served_name,
+        args.admin_token,
+        args.api_key,
+        limits,
+    ));
     engine.shutdown();
     result
 }
@@ -181,7 +211,11 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
 fn random_engine_id() -> String {
     use std::hash::{BuildHasher, Hasher};
     let mut h = std::collections::hash_map::RandomState::new().build_hasher();
-    h.write_u128(std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos()));
+    h.write_u128(
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos()),
+    );
     h.write_u32(std::process::id());
     format!("engine-{:016x}", h.finish())
 }
@@ -201,7 +235,9 @@ async fn serve(
     if let Some(key) = api_key {
         state = state.with_api_key(key)?;
     }
-    let listener = tokio::net::TcpListener::bind(addr).await.with_context(|| format!("binding {addr}"))?;
+    let listener = tokio::net::TcpListener::bind(addr)
+        .await
+        .with_context(|| format!("binding {addr}"))?;
     let local = listener.local_addr().context("reading the bound address")?;
     tracing::info!(model = %served_name, admin_api = state.admin_enabled(), "listening on http://{local}");
     let shutdown = async move {
@@ -211,7 +247,9 @@ async fn serve(
         // graceful shutdown does not wait for them.
         let _ = tokio::task::spawn_blocking(move || engine.shutdown()).await;
     };
-    pdkv_server::serve_with(listener, state, limits, shutdown).await.context("serving HTTP")?;
+    pdkv_server::serve_with(listener, state, limits, shutdown)
+        .await
+        .context("serving HTTP")?;
     tracing::info!("stopped");
     Ok(())
 }

@@ -148,7 +148,10 @@ pub(crate) struct ChildLogs {
 pub(crate) fn child_command(args: &[String]) -> anyhow::Result<(PathBuf, Command)> {
     let exe = std::env::current_exe().context("finding the pdkv executable")?;
     let mut cmd = Command::new(&exe);
-    cmd.args(args).stdin(Stdio::null()).stdout(Stdio::null()).stderr(Stdio::piped());
+    cmd.args(args)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped());
     // SAFETY: prctl is async-signal-safe; the closure touches nothing else.
     unsafe {
         cmd.pre_exec(|| {
@@ -164,7 +167,13 @@ pub(crate) fn child_command(args: &[String]) -> anyhow::Result<(PathBuf, Command
 impl Proc {
     /// `secrets`: environment variables set (or removed when `None`) for
     /// the child; secrets go by environment, not argv (which `ps` shows).
-    fn spawn(name: String, port: u16, args: &[String], secrets: &[(&str, Option<&str>)], logs: &ChildLogs) -> anyhow::Result<Proc> {
+    fn spawn(
+        name: String,
+        port: u16,
+        args: &[String],
+        secrets: &[(&str, Option<&str>)],
+        logs: &ChildLogs,
+    ) -> anyhow::Result<Proc> {
         let (exe, mut cmd) = child_command(args)?;
         for (k, v) in secrets {
             match v {
@@ -175,13 +184,20 @@ impl Proc {
         let mut file = match &logs.dir {
             Some(dir) => {
                 let path = dir.join(format!("{}.log", name.replace(' ', "-")));
-                let f = std::fs::File::create(&path).with_context(|| format!("creating {}", path.display()))?;
+                let f = std::fs::File::create(&path)
+                    .with_context(|| format!("creating {}", path.display()))?;
                 Some(std::io::BufWriter::new(f))
             }
             None => None,
         };
-        let mut child = cmd.spawn().with_context(|| format!("starting the {name} ({})", exe.display()))?;
-        eprintln!("{}: started the {name} (pid {}) on port {port}", logs.who, child.id());
+        let mut child = cmd
+            .spawn()
+            .with_context(|| format!("starting the {name} ({})", exe.display()))?;
+        eprintln!(
+            "{}: started the {name} (pid {}) on port {port}",
+            logs.who,
+            child.id()
+        );
         let tail = Arc::new(Mutex::new(VecDeque::with_capacity(TAIL_LINES)));
         if let Some(stderr) = child.stderr.take() {
             let tail = tail.clone();
@@ -206,7 +222,12 @@ impl Proc {
                 }
             });
         }
-        Ok(Proc { name, child, base: format!("http://{HOST}:{port}"), tail })
+        Ok(Proc {
+            name,
+            child,
+            base: format!("http://{HOST}:{port}"),
+            tail,
+        })
     }
 
     pub(crate) fn pid(&self) -> u32 {
@@ -218,7 +239,13 @@ impl Proc {
     }
 
     fn tail(&self) -> String {
-        self.tail.lock().unwrap_or_else(|e| e.into_inner()).iter().cloned().collect::<Vec<_>>().join("\n")
+        self.tail
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter()
+            .cloned()
+            .collect::<Vec<_>>()
+            .join("\n")
     }
 
     fn terminate(&mut self) {
@@ -249,7 +276,10 @@ pub(crate) struct Ports {
 fn ports(first: Option<u16>, n: u16, what: &str) -> anyhow::Result<Vec<u16>> {
     match first {
         Some(p) => (0..n)
-            .map(|i| p.checked_add(i).with_context(|| format!("{what} ports from {p} run past 65535")))
+            .map(|i| {
+                p.checked_add(i)
+                    .with_context(|| format!("{what} ports from {p} run past 65535"))
+            })
             .collect(),
         None => (0..n).map(|_| free_port()).collect(),
     }
@@ -263,26 +293,46 @@ impl Ports {
             decode: ports(args.decode_port, args.decode, "decode")?,
             kv: ports(args.kv_port, args.prefill, "KV")?,
         };
-        let mut all: Vec<u16> = [p.proxy].into_iter().chain(p.prefill.iter().copied()).chain(p.decode.iter().copied()).chain(p.kv.iter().copied()).collect();
+        let mut all: Vec<u16> = [p.proxy]
+            .into_iter()
+            .chain(p.prefill.iter().copied())
+            .chain(p.decode.iter().copied())
+            .chain(p.kv.iter().copied())
+            .collect();
         all.sort_unstable();
         if let Some(w) = all.windows(2).find(|w| w[0] == w[1]) {
-            bail!("port {} would be used twice (proxy {}, prefill {:?}, decode {:?}, KV {:?})", w[0], p.proxy, p.prefill, p.decode, p.kv);
+            bail!(
+                "port {} would be used twice (proxy {}, prefill {:?}, decode {:?}, KV {:?})",
+                w[0],
+                p.proxy,
+                p.prefill,
+                p.decode,
+                p.kv
+            );
         }
         Ok(p)
     }
 }
 
 pub fn run(args: UpArgs) -> anyhow::Result<()> {
-    anyhow::ensure!(args.admin_token.as_deref() != Some(""), "--admin-token must not be empty");
-    anyhow::ensure!(args.api_key.as_deref() != Some(""), "--api-key must not be empty");
+    anyhow::ensure!(
+        args.admin_token.as_deref() != Some(""),
+        "--admin-token must not be empty"
+    );
+    anyhow::ensure!(
+        args.api_key.as_deref() != Some(""),
+        "--api-key must not be empty"
+    );
     // Resolve (and fetch) the model once, before the servers load it.
     let model = match args.model.clone() {
         Some(p) => p,
         None => fetch::default_model_path()?,
     };
     let ports = Ports::choose(&args)?;
-    let runtime =
-        tokio::runtime::Builder::new_multi_thread().enable_all().build().context("starting the async runtime")?;
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("starting the async runtime")?;
     runtime.block_on(async move {
         let mut procs: Vec<Proc> = Vec::new();
         let result = supervise(&args, &model, &ports, &mut procs).await;
@@ -291,7 +341,14 @@ pub fn run(args: UpArgs) -> anyhow::Result<()> {
     })
 }
 
-fn serve_args(args: &UpArgs, model: &std::path::Path, port: u16, role: &str, kv_port: u16, engine_id: &str) -> Vec<String> {
+fn serve_args(
+    args: &UpArgs,
+    model: &std::path::Path,
+    port: u16,
+    role: &str,
+    kv_port: u16,
+    engine_id: &str,
+) -> Vec<String> {
     let config = serde_json::json!({
         "kv_connector": "pdkv",
         "kv_role": role,
@@ -343,19 +400,60 @@ pub(crate) async fn start(
     let token = args.admin_token.as_deref();
     // The deployment's KV secret, made fresh for it (children only learn
     // it by environment).
-    let secret = pdkv_connector::KvSecret::generate().context("making the deployment's KV secret")?;
+    let secret =
+        pdkv_connector::KvSecret::generate().context("making the deployment's KV secret")?;
     let secret = Some(secret.as_str());
-    let engine_env = [("PDKV_ADMIN_TOKEN", token), ("PDKV_API_KEY", args.api_key.as_deref()), ("PDKV_KV_SECRET", secret)];
-    let proxy_env = [("PDKV_ADMIN_TOKEN", token), ("PDKV_API_KEY", None), ("PDKV_KV_SECRET", secret)];
+    let engine_env = [
+        ("PDKV_ADMIN_TOKEN", token),
+        ("PDKV_API_KEY", args.api_key.as_deref()),
+        ("PDKV_KV_SECRET", secret),
+    ];
+    let proxy_env = [
+        ("PDKV_ADMIN_TOKEN", token),
+        ("PDKV_API_KEY", None),
+        ("PDKV_KV_SECRET", secret),
+    ];
     let (np, nd) = (ports.prefill.len(), ports.decode.len());
-    let name = |role: &str, i: usize, n: usize| if n == 1 { role.to_string() } else { format!("{role} {i}") };
+    let name = |role: &str, i: usize, n: usize| {
+        if n == 1 {
+            role.to_string()
+        } else {
+            format!("{role} {i}")
+        }
+    };
     for (i, (&port, &kv)) in ports.prefill.iter().zip(&ports.kv).enumerate() {
-        let a = serve_args(args, model, port, "kv_producer", kv, &format!("up-{id}-prefill-{i}"));
-        procs.push(Proc::spawn(name("prefill", i, np), port, &a, &engine_env, logs)?);
+        let a = serve_args(
+            args,
+            model,
+            port,
+            "kv_producer",
+            kv,
+            &format!("up-{id}-prefill-{i}"),
+        );
+        procs.push(Proc::spawn(
+            name("prefill", i, np),
+            port,
+            &a,
+            &engine_env,
+            logs,
+        )?);
     }
     for (i, &port) in ports.decode.iter().enumerate() {
-        let a = serve_args(args, model, port, "kv_consumer", 0, &format!("up-{id}-decode-{i}"));
-        procs.push(Proc::spawn(name("decode", i, nd), port, &a, &engine_env, logs)?);
+        let a = serve_args(
+            args,
+            model,
+            port,
+            "kv_consumer",
+            0,
+            &format!("up-{id}-decode-{i}"),
+        );
+        procs.push(Proc::spawn(
+            name("decode", i, nd),
+            port,
+            &a,
+            &engine_env,
+            logs,
+        )?);
     }
     let client = reqwest::Client::builder()
         .timeout(Duration::from_secs(2))
@@ -376,18 +474,36 @@ pub(crate) async fn start(
         "--port".to_string(),
         ports.proxy.to_string(),
     ];
-    procs.push(Proc::spawn("proxy".to_string(), ports.proxy, &proxy_args, &proxy_env, logs)?);
+    procs.push(Proc::spawn(
+        "proxy".to_string(),
+        ports.proxy,
+        &proxy_args,
+        &proxy_env,
+        logs,
+    )?);
     wait_healthy(&client, procs, deadline, logs.who).await?;
-    Ok(Started { prefill: p_urls, decode: d_urls, proxy: format!("http://{HOST}:{}", ports.proxy) })
+    Ok(Started {
+        prefill: p_urls,
+        decode: d_urls,
+        proxy: format!("http://{HOST}:{}", ports.proxy),
+    })
 }
 
 /// Starts the children (pushed onto `procs`), reports readiness, and runs
 /// until a signal (`Ok`) or a child's exit (`Err`).
-async fn supervise(args: &UpArgs, model: &std::path::Path, ports: &Ports, procs: &mut Vec<Proc>) -> anyhow::Result<()> {
+async fn supervise(
+    args: &UpArgs,
+    model: &std::path::Path,
+    ports: &Ports,
+    procs: &mut Vec<Proc>,
+) -> anyhow::Result<()> {
     let signal = wait_for_signal();
     tokio::pin!(signal);
     let token = args.admin_token.as_deref();
-    let logs = ChildLogs { who: "pdkv up", dir: None };
+    let logs = ChildLogs {
+        who: "pdkv up",
+        dir: None,
+    };
     let started = tokio::select! {
         r = start(args, model, ports, procs, &logs) => r?,
         _ = &mut signal => {
@@ -395,7 +511,11 @@ async fn supervise(args: &UpArgs, model: &std::path::Path, ports: &Ports, procs:
             return Ok(());
         }
     };
-    let Started { prefill: p_urls, decode: d_urls, proxy: url } = started;
+    let Started {
+        prefill: p_urls,
+        decode: d_urls,
+        proxy: url,
+    } = started;
     let (np, nd) = (p_urls.len(), d_urls.len());
     // Written whole, errors ignored: a reader that went away must not stop
     // the deployment.
@@ -434,7 +554,11 @@ async fn supervise(args: &UpArgs, model: &std::path::Path, ports: &Ports, procs:
 pub(crate) fn check_children(procs: &mut [Proc]) -> anyhow::Result<()> {
     for p in procs.iter_mut() {
         if let Some(status) = p.exited() {
-            bail!("the {} exited early ({status}); its last log lines:\n{}", p.name, p.tail());
+            bail!(
+                "the {} exited early ({status}); its last log lines:\n{}",
+                p.name,
+                p.tail()
+            );
         }
     }
     Ok(())
@@ -442,14 +566,23 @@ pub(crate) fn check_children(procs: &mut [Proc]) -> anyhow::Result<()> {
 
 /// Waits until every child answers `GET /health` with 200, or fails at the
 /// deadline or when a child exits.
-async fn wait_healthy(client: &reqwest::Client, procs: &mut [Proc], deadline: Instant, who: &str) -> anyhow::Result<()> {
+async fn wait_healthy(
+    client: &reqwest::Client,
+    procs: &mut [Proc],
+    deadline: Instant,
+    who: &str,
+) -> anyhow::Result<()> {
     let started = Instant::now();
     let mut last_report = Instant::now();
     loop {
         check_children(procs)?;
         let mut waiting = Vec::new();
         for p in procs.iter() {
-            let ok = client.get(format!("{}/health", p.base)).send().await.is_ok_and(|r| r.status().is_success());
+            let ok = client
+                .get(format!("{}/health", p.base))
+                .send()
+                .await
+                .is_ok_and(|r| r.status().is_success());
             if !ok {
                 waiting.push(p.name.clone());
             }
@@ -458,11 +591,18 @@ async fn wait_healthy(client: &reqwest::Client, procs: &mut [Proc], deadline: In
             return Ok(());
         }
         if Instant::now() >= deadline {
-            bail!("not healthy within the start-up timeout: {}", waiting.join(", "));
+            bail!(
+                "not healthy within the start-up timeout: {}",
+                waiting.join(", ")
+            );
         }
         if last_report.elapsed() >= Duration::from_secs(5) {
             last_report = Instant::now();
-            eprintln!("{who}: waiting for {} ({}s)", waiting.join(", "), started.elapsed().as_secs());
+            eprintln!(
+                "{who}: waiting for {} ({}s)",
+                waiting.join(", "),
+                started.elapsed().as_secs()
+            );
         }
         tokio::time::sleep(POLL).await;
     }
@@ -483,7 +623,11 @@ pub(crate) async fn stop_all(procs: &mut [Proc], who: &str) {
             Some(status) if status.success() => {}
             Some(status) => eprintln!("{who}: the {} exited with {status}", p.name),
             None => {
-                eprintln!("{who}: the {} did not stop within {}s; killing it", p.name, STOP_GRACE.as_secs());
+                eprintln!(
+                    "{who}: the {} did not stop within {}s; killing it",
+                    p.name,
+                    STOP_GRACE.as_secs()
+                );
                 let _ = p.child.kill();
                 let _ = p.child.wait();
             }

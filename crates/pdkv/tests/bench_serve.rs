@@ -15,7 +15,13 @@ use serde_json::Value;
 
 /// Runs `pdkv ARGS`, bounded by [`DEADLINE`]: (exit success, stdout, stderr).
 fn run_bounded(args: &[&str]) -> (bool, String, String) {
-    let mut child = pdkv().args(args).stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
+    let mut child = pdkv()
+        .args(args)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
     let read = |mut pipe: Box<dyn Read + Send>| {
         std::thread::spawn(move || {
             let mut s = String::new();
@@ -35,24 +41,51 @@ fn run_bounded(args: &[&str]) -> (bool, String, String) {
         Err(_) => {
             // SAFETY: a plain syscall on our own child's pid, not yet reaped.
             unsafe { libc::kill(pid as libc::pid_t, libc::SIGKILL) };
-            panic!("`pdkv {}` did not finish within {DEADLINE:?}", args.join(" "));
+            panic!(
+                "`pdkv {}` did not finish within {DEADLINE:?}",
+                args.join(" ")
+            );
         }
     };
     (status.success(), out.join().unwrap(), err.join().unwrap())
 }
 
 fn ms(v: &Value, what: &str, p: &str) -> f64 {
-    v[what][p].as_f64().unwrap_or_else(|| panic!("{what}.{p} missing: {v}"))
+    v[what][p]
+        .as_f64()
+        .unwrap_or_else(|| panic!("{what}.{p} missing: {v}"))
 }
 
 #[test]
 fn bench_serve_holds_up_under_disconnects_and_an_idle_flood() {
-    let Some(model) = smollm2_path("bench_serve_holds_up_under_disconnects_and_an_idle_flood") else { return };
+    let Some(model) = smollm2_path("bench_serve_holds_up_under_disconnects_and_an_idle_flood")
+    else {
+        return;
+    };
     let logs = tempfile::tempdir().unwrap();
     let args = [
-        "bench", "serve", "--duration-s", "20", "--warmup-s", "5", "--concurrency", "8", "--max-tokens", "8",
-        "--disconnect-share", "0.2", "--idle-flood", "200", "--idle-flood-kv", "50", "--sample-s", "5",
-        "--model", model.to_str().unwrap(), "--log-dir", logs.path().to_str().unwrap(),
+        "bench",
+        "serve",
+        "--duration-s",
+        "20",
+        "--warmup-s",
+        "5",
+        "--concurrency",
+        "8",
+        "--max-tokens",
+        "8",
+        "--disconnect-share",
+        "0.2",
+        "--idle-flood",
+        "200",
+        "--idle-flood-kv",
+        "50",
+        "--sample-s",
+        "5",
+        "--model",
+        model.to_str().unwrap(),
+        "--log-dir",
+        logs.path().to_str().unwrap(),
     ];
     let (ok, stdout, stderr) = run_bounded(&args);
     println!("{stdout}");
@@ -61,9 +94,16 @@ fn bench_serve_holds_up_under_disconnects_and_an_idle_flood() {
     let v: Value = serde_json::from_str(last).unwrap_or_else(|e| panic!("{e}: {last}"));
 
     let req = &v["requests"];
-    assert_eq!(req["failed"], 0, "unintended failures: {}", req["failed_by_cause"]);
+    assert_eq!(
+        req["failed"], 0,
+        "unintended failures: {}",
+        req["failed_by_cause"]
+    );
     assert!(req["ok"].as_u64().unwrap() > 0, "{req}");
-    assert!(req["disconnected"].as_u64().unwrap() >= 1, "no intended disconnect: {req}");
+    assert!(
+        req["disconnected"].as_u64().unwrap() >= 1,
+        "no intended disconnect: {req}"
+    );
 
     let blocks = v["blocks"].as_array().unwrap();
     assert_eq!(blocks.len(), 2, "{v}");
@@ -72,18 +112,37 @@ fn bench_serve_holds_up_under_disconnects_and_an_idle_flood() {
         assert_eq!(b["free"], b["total"], "{b}");
     }
     for what in ["ttft_ms", "itl_ms"] {
-        let (p50, p90, p99, max) = (ms(&v, what, "p50"), ms(&v, what, "p90"), ms(&v, what, "p99"), ms(&v, what, "max"));
-        assert!(0.0 < p50 && p50 <= p90 && p90 <= p99 && p99 <= max, "{what}: {}", v[what]);
+        let (p50, p90, p99, max) = (
+            ms(&v, what, "p50"),
+            ms(&v, what, "p90"),
+            ms(&v, what, "p99"),
+            ms(&v, what, "max"),
+        );
+        assert!(
+            0.0 < p50 && p50 <= p90 && p90 <= p99 && p99 <= max,
+            "{what}: {}",
+            v[what]
+        );
     }
     assert!(v["output_tok_per_s"].as_f64().unwrap() > 0.0, "{v}");
     // The flood was held on the proxy and on every KV port, and the HTTP
     // side closed idle connections (after its 10 s header timeout).
     let flood = v["idle_flood"].as_array().unwrap();
     assert!(flood.len() >= 3, "{flood:?}");
-    assert!(flood[0]["closed_by_server"].as_u64().unwrap() > 0, "{}", flood[0]);
+    assert!(
+        flood[0]["closed_by_server"].as_u64().unwrap() > 0,
+        "{}",
+        flood[0]
+    );
     // The drift baseline is a sample after the warm-up; children's logs are files.
-    assert!(v["memory_drift"].as_array().is_some_and(|d| !d.is_empty()), "{v}");
+    assert!(
+        v["memory_drift"].as_array().is_some_and(|d| !d.is_empty()),
+        "{v}"
+    );
     for name in ["prefill", "decode", "proxy"] {
-        assert!(logs.path().join(format!("{name}.log")).is_file(), "no {name}.log");
+        assert!(
+            logs.path().join(format!("{name}.log")).is_file(),
+            "no {name}.log"
+        );
     }
 }

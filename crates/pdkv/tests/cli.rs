@@ -19,11 +19,17 @@ fn serve(args: &[&str], envs: &[(&str, &str)]) -> Proc {
 
 fn init_checkpoint(out: &Path) {
     let o = pdkv()
-        .args(["model", "init", "--arch", "llama", "--preset", "tiny", "--seed", "5", "--out"])
+        .args([
+            "model", "init", "--arch", "llama", "--preset", "tiny", "--seed", "5", "--out",
+        ])
         .arg(out)
         .output()
         .expect("run pdkv model init");
-    assert!(o.status.success(), "model init failed: {}", String::from_utf8_lossy(&o.stderr));
+    assert!(
+        o.status.success(),
+        "model init failed: {}",
+        String::from_utf8_lossy(&o.stderr)
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -31,15 +37,37 @@ async fn model_init_then_serve_answers_a_completion() {
     let dir = tempfile::tempdir().unwrap();
     let ckpt = dir.path().join("tiny");
     init_checkpoint(&ckpt);
-    for f in ["config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"] {
+    for f in [
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ] {
         assert!(ckpt.join(f).is_file(), "model init wrote no {f}");
     }
 
-    let s = serve(&["--model", ckpt.to_str().unwrap(), "--num-kv-blocks", "64", "--served-model-name", "tiny"], &[]);
+    let s = serve(
+        &[
+            "--model",
+            ckpt.to_str().unwrap(),
+            "--num-kv-blocks",
+            "64",
+            "--served-model-name",
+            "tiny",
+        ],
+        &[],
+    );
     let client = reqwest::Client::new();
     wait_healthy(&client, &s.url("/health")).await;
 
-    let models: Value = client.get(s.url("/v1/models")).send().await.unwrap().json().await.unwrap();
+    let models: Value = client
+        .get(s.url("/v1/models"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
     assert_eq!(models["data"][0]["id"], "tiny");
 
     let resp = client
@@ -54,14 +82,29 @@ async fn model_init_then_serve_answers_a_completion() {
     assert_eq!(body["choices"][0]["finish_reason"], "length");
     assert_eq!(body["usage"]["completion_tokens"], 5);
 
-    let metrics = client.get(s.url("/metrics")).send().await.unwrap().text().await.unwrap();
+    let metrics = client
+        .get(s.url("/metrics"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
     assert!(metrics.contains("pdkv_kv_blocks_total 64\n"), "{metrics}");
     // Without --admin-token the lifecycle API does not exist.
-    let resp = client.post(s.url("/sleep")).bearer_auth("anything").send().await.unwrap();
+    let resp = client
+        .post(s.url("/sleep"))
+        .bearer_auth("anything")
+        .send()
+        .await
+        .unwrap();
     assert_eq!(resp.status(), 404);
 
     let status = s.terminate();
-    assert!(status.success(), "pdkv serve exited with {status} after SIGTERM");
+    assert!(
+        status.success(),
+        "pdkv serve exited with {status} after SIGTERM"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -72,29 +115,75 @@ async fn admin_token_from_flag_or_env_guards_the_lifecycle_api() {
     let model = ckpt.to_str().unwrap();
     let client = reqwest::Client::new();
     for (args, envs) in [
-        (vec!["--model", model, "--num-kv-blocks", "32", "--admin-token", "flag-secret"], vec![]),
-        (vec!["--model", model, "--num-kv-blocks", "32"], vec![("PDKV_ADMIN_TOKEN", "flag-secret")]),
+        (
+            vec![
+                "--model",
+                model,
+                "--num-kv-blocks",
+                "32",
+                "--admin-token",
+                "flag-secret",
+            ],
+            vec![],
+        ),
+        (
+            vec!["--model", model, "--num-kv-blocks", "32"],
+            vec![("PDKV_ADMIN_TOKEN", "flag-secret")],
+        ),
     ] {
         let s = serve(&args, &envs);
         wait_healthy(&client, &s.url("/health")).await;
         let resp = client.get(s.url("/is_sleeping")).send().await.unwrap();
         assert_eq!(resp.status(), 401);
-        let resp = client.get(s.url("/is_sleeping")).bearer_auth("wrong").send().await.unwrap();
+        let resp = client
+            .get(s.url("/is_sleeping"))
+            .bearer_auth("wrong")
+            .send()
+            .await
+            .unwrap();
         assert_eq!(resp.status(), 401);
-        let resp = client.get(s.url("/is_sleeping")).bearer_auth("flag-secret").send().await.unwrap();
+        let resp = client
+            .get(s.url("/is_sleeping"))
+            .bearer_auth("flag-secret")
+            .send()
+            .await
+            .unwrap();
         assert_eq!(resp.status(), 200);
-        assert_eq!(resp.json::<Value>().await.unwrap(), json!({"is_sleeping": false}));
-        let v: Value =
-            client.post(s.url("/sleep?level=1")).bearer_auth("flag-secret").send().await.unwrap().json().await.unwrap();
+        assert_eq!(
+            resp.json::<Value>().await.unwrap(),
+            json!({"is_sleeping": false})
+        );
+        let v: Value = client
+            .post(s.url("/sleep?level=1"))
+            .bearer_auth("flag-secret")
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
         assert_eq!(v["status"], "sleeping", "{v}");
-        let resp = client.post(s.url("/wake_up")).bearer_auth("flag-secret").send().await.unwrap();
+        let resp = client
+            .post(s.url("/wake_up"))
+            .bearer_auth("flag-secret")
+            .send()
+            .await
+            .unwrap();
         assert_eq!(resp.status(), 200);
         let status = s.terminate();
         assert!(status.success(), "pdkv serve exited with {status}");
     }
     // An empty token is refused at start-up rather than guarding nothing.
     let o = pdkv()
-        .args(["serve", "--port", "0", "--model", model, "--admin-token", ""])
+        .args([
+            "serve",
+            "--port",
+            "0",
+            "--model",
+            model,
+            "--admin-token",
+            "",
+        ])
         .stdin(Stdio::null())
         .output()
         .unwrap();
@@ -108,14 +197,29 @@ fn bench_sleep_checks_outputs_and_reports_memory_per_level() {
     let ckpt = dir.path().join("tiny");
     init_checkpoint(&ckpt);
     let o = pdkv()
-        .args(["bench", "sleep", "--num-kv-blocks", "64", "--cycles", "2", "--probe-tokens", "6", "--model"])
+        .args([
+            "bench",
+            "sleep",
+            "--num-kv-blocks",
+            "64",
+            "--cycles",
+            "2",
+            "--probe-tokens",
+            "6",
+            "--model",
+        ])
         .arg(&ckpt)
         .output()
         .unwrap();
     let stdout = String::from_utf8_lossy(&o.stdout);
-    assert!(o.status.success(), "bench sleep failed:\n{stdout}\n{}", String::from_utf8_lossy(&o.stderr));
+    assert!(
+        o.status.success(),
+        "bench sleep failed:\n{stdout}\n{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
     assert!(stdout.contains("PASS"), "{stdout}");
-    let last: Value = serde_json::from_str(stdout.lines().last().unwrap()).expect("last line is JSON");
+    let last: Value =
+        serde_json::from_str(stdout.lines().last().unwrap()).expect("last line is JSON");
     assert_eq!(last["probes_match"], true);
     for level in ["0", "1", "2"] {
         let l = &last["levels"][level];
@@ -127,18 +231,29 @@ fn bench_sleep_checks_outputs_and_reports_memory_per_level() {
     // Level 0 only pauses; levels 1 and 2 release the weights and the KV cache.
     assert_eq!(last["levels"]["0"]["asleep_fraction"], 1.0, "{last}");
     for level in ["1", "2"] {
-        assert!(last["levels"][level]["asleep_fraction"].as_f64().unwrap() < 0.1, "{last}");
+        assert!(
+            last["levels"][level]["asleep_fraction"].as_f64().unwrap() < 0.1,
+            "{last}"
+        );
     }
-    assert!(last["levels"]["1"]["host_backup_bytes"].as_u64().unwrap() > 0, "{last}");
+    assert!(
+        last["levels"]["1"]["host_backup_bytes"].as_u64().unwrap() > 0,
+        "{last}"
+    );
     assert_eq!(last["levels"]["2"]["host_backup_bytes"], 0, "{last}");
-    assert!(last["levels"]["2"]["reload_ms"].as_f64().is_some(), "{last}");
+    assert!(
+        last["levels"]["2"]["reload_ms"].as_f64().is_some(),
+        "{last}"
+    );
 }
 
 #[test]
 fn model_init_rejects_an_unknown_preset() {
     let dir = tempfile::tempdir().unwrap();
     let o = pdkv()
-        .args(["model", "init", "--arch", "qwen3", "--preset", "huge", "--out"])
+        .args([
+            "model", "init", "--arch", "qwen3", "--preset", "huge", "--out",
+        ])
         .arg(dir.path().join("x"))
         .output()
         .unwrap();
@@ -156,13 +271,21 @@ fn serve_with_a_missing_model_fails_with_its_path() {
         .unwrap();
     assert!(!o.status.success());
     let err = String::from_utf8_lossy(&o.stderr);
-    assert!(err.contains("error:") && err.contains("/nonexistent/model.gguf"), "{err}");
+    assert!(
+        err.contains("error:") && err.contains("/nonexistent/model.gguf"),
+        "{err}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn smollm2_answers_paris() {
-    let Some(path) = smollm2_path("smollm2_answers_paris") else { return };
-    let s = serve(&["--model", path.to_str().unwrap(), "--num-kv-blocks", "128"], &[]);
+    let Some(path) = smollm2_path("smollm2_answers_paris") else {
+        return;
+    };
+    let s = serve(
+        &["--model", path.to_str().unwrap(), "--num-kv-blocks", "128"],
+        &[],
+    );
     let client = reqwest::Client::new();
     wait_healthy(&client, &s.url("/health")).await;
     let question = json!([{"role": "user", "content": "Name the capital city of France."}]);
@@ -176,7 +299,10 @@ async fn smollm2_answers_paris() {
         .json()
         .await
         .unwrap();
-    let answer = body["choices"][0]["message"]["content"].as_str().unwrap_or_default().to_string();
+    let answer = body["choices"][0]["message"]["content"]
+        .as_str()
+        .unwrap_or_default()
+        .to_string();
     assert!(answer.contains("Paris"), "answer: {answer:?} ({body})");
 
     let text = client
@@ -190,7 +316,9 @@ async fn smollm2_answers_paris() {
         .unwrap();
     let mut streamed = String::new();
     for event in text.split("\n\n").filter(|e| !e.is_empty()) {
-        let data = event.strip_prefix("data: ").unwrap_or_else(|| panic!("bad event {event:?}"));
+        let data = event
+            .strip_prefix("data: ")
+            .unwrap_or_else(|| panic!("bad event {event:?}"));
         if data == "[DONE]" {
             break;
         }
@@ -200,7 +328,10 @@ async fn smollm2_answers_paris() {
         }
     }
     assert!(text.ends_with("data: [DONE]\n\n"));
-    assert_eq!(streamed, answer, "greedy streaming and non-streaming answers differ");
+    assert_eq!(
+        streamed, answer,
+        "greedy streaming and non-streaming answers differ"
+    );
     let status = s.terminate();
     assert!(status.success(), "pdkv serve exited with {status}");
 }
@@ -211,23 +342,58 @@ fn bench_pd_checks_outputs_and_compares_the_first_request_after_a_wake() {
     let ckpt = dir.path().join("tiny");
     init_checkpoint(&ckpt);
     let o = pdkv()
-        .args(["bench", "pd", "--prompt-lens", "48", "--concurrency", "1,3", "--max-tokens", "4"])
-        .args(["--num-kv-blocks", "64", "--max-num-batched-tokens", "64", "--wake-rounds", "2", "--model"])
+        .args([
+            "bench",
+            "pd",
+            "--prompt-lens",
+            "48",
+            "--concurrency",
+            "1,3",
+            "--max-tokens",
+            "4",
+        ])
+        .args([
+            "--num-kv-blocks",
+            "64",
+            "--max-num-batched-tokens",
+            "64",
+            "--wake-rounds",
+            "2",
+            "--model",
+        ])
         .arg(&ckpt)
         .output()
         .unwrap();
     let stdout = String::from_utf8_lossy(&o.stdout);
-    assert!(o.status.success(), "bench pd failed:\n{stdout}\n{}", String::from_utf8_lossy(&o.stderr));
-    assert!(stdout.contains("outputs equal to colocated: yes"), "{stdout}");
-    let last: Value = serde_json::from_str(stdout.lines().last().unwrap()).expect("last line is JSON");
+    assert!(
+        o.status.success(),
+        "bench pd failed:\n{stdout}\n{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    assert!(
+        stdout.contains("outputs equal to colocated: yes"),
+        "{stdout}"
+    );
+    let last: Value =
+        serde_json::from_str(stdout.lines().last().unwrap()).expect("last line is JSON");
     assert_eq!(last["levels"].as_array().unwrap().len(), 2, "{last}");
     for level in last["levels"].as_array().unwrap() {
         assert_eq!(level["outputs_equal"], true, "{last}");
-        assert!(level["pd"]["ttft_ms_mean"].as_f64().unwrap() > 0.0, "{last}");
+        assert!(
+            level["pd"]["ttft_ms_mean"].as_f64().unwrap() > 0.0,
+            "{last}"
+        );
     }
     let w = &last["after_wake"];
     assert_eq!(w["rounds"], 2, "{last}");
     assert_eq!(w["first"]["ttft_ms"].as_array().unwrap().len(), 2, "{last}");
-    assert_eq!(w["steady"]["ttft_ms"].as_array().unwrap().len(), 6, "{last}");
-    assert!(w["ratio"].as_f64().unwrap() > 0.0 && w["wake_ms_median"].as_f64().unwrap() > 0.0, "{last}");
+    assert_eq!(
+        w["steady"]["ttft_ms"].as_array().unwrap().len(),
+        6,
+        "{last}"
+    );
+    assert!(
+        w["ratio"].as_f64().unwrap() > 0.0 && w["wake_ms_median"].as_f64().unwrap() > 0.0,
+        "{last}"
+    );
 }

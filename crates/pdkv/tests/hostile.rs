@@ -20,12 +20,19 @@ use tokio::net::TcpStream;
 /// Raises this process's descriptor limit (the servers inherit it) to at
 /// least `need`, or fails saying why.
 fn raise_nofile(need: u64) {
-    let mut lim = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    let mut lim = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
     // SAFETY: plain syscalls on a local struct.
     unsafe {
         assert_eq!(libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim), 0);
         if lim.rlim_cur < need {
-            assert!(lim.rlim_max >= need, "this test needs {need} descriptors; the hard limit is {}", lim.rlim_max);
+            assert!(
+                lim.rlim_max >= need,
+                "this test needs {need} descriptors; the hard limit is {}",
+                lim.rlim_max
+            );
             lim.rlim_cur = need;
             assert_eq!(libc::setrlimit(libc::RLIMIT_NOFILE, &lim), 0);
         }
@@ -37,7 +44,11 @@ fn raise_nofile(need: u64) {
 async fn hold(addr: &str, n: usize, garbage: bool) -> Vec<TcpStream> {
     let mut v = Vec::with_capacity(n + 1);
     for _ in 0..n {
-        v.push(TcpStream::connect(addr).await.unwrap_or_else(|e| panic!("connecting to {addr}: {e}")));
+        v.push(
+            TcpStream::connect(addr)
+                .await
+                .unwrap_or_else(|e| panic!("connecting to {addr}: {e}")),
+        );
     }
     if garbage {
         let mut g = TcpStream::connect(addr).await.unwrap();
@@ -64,45 +75,118 @@ async fn forged_proof(addr: &str, port: u8) -> Vec<u8> {
     proof[..8].copy_from_slice(b"PDKVPROF");
     s.write_all(&proof).await.unwrap();
     let mut rest = Vec::new();
-    let _ = tokio::time::timeout(DEADLINE, s.read_to_end(&mut rest)).await.expect("the server closes");
+    let _ = tokio::time::timeout(DEADLINE, s.read_to_end(&mut rest))
+        .await
+        .expect("the server closes");
     rest
 }
 
 fn host_port(url: &str) -> String {
-    url.trim_start_matches("http://").trim_end_matches('/').to_string()
+    url.trim_start_matches("http://")
+        .trim_end_matches('/')
+        .to_string()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn idle_and_garbage_connections_on_every_port_do_not_break_pd() {
-    let Some(model) = smollm2_path("idle_and_garbage_connections_on_every_port_do_not_break_pd") else { return };
+    let Some(model) = smollm2_path("idle_and_garbage_connections_on_every_port_do_not_break_pd")
+    else {
+        return;
+    };
     let model = model.to_str().unwrap().to_string();
     raise_nofile(16_384);
-    let client = reqwest::Client::builder().timeout(DEADLINE).build().unwrap();
-    let prompts: Vec<String> =
-        (0..8).map(|i| format!("Note {i}: the market opens at dawn and the baker sells bread. It sells")).collect();
+    let client = reqwest::Client::builder()
+        .timeout(DEADLINE)
+        .build()
+        .unwrap();
+    let prompts: Vec<String> = (0..8)
+        .map(|i| format!("Note {i}: the market opens at dawn and the baker sells bread. It sells"))
+        .collect();
     let body = |p: &str| json!({"prompt": p, "max_tokens": 6, "temperature": 0});
 
-    let colo = Proc::start(&[], &["serve", "--port", "0", "--model", &model, "--num-kv-blocks", "128"]);
+    let colo = Proc::start(
+        &[],
+        &[
+            "serve",
+            "--port",
+            "0",
+            "--model",
+            &model,
+            "--num-kv-blocks",
+            "128",
+        ],
+    );
     wait_healthy(&client, &colo.url("/health")).await;
     let mut expected = Vec::new();
     for p in &prompts {
-        expected.push(complete(&client, &colo.base, &body(p)).await.expect("colocated"));
+        expected.push(
+            complete(&client, &colo.base, &body(p))
+                .await
+                .expect("colocated"),
+        );
     }
     drop(colo);
 
     let http = ["--header-timeout-s", "3"];
-    let common = ["serve", "--port", "0", "--model", &model, "--num-kv-blocks", "128"];
+    let common = [
+        "serve",
+        "--port",
+        "0",
+        "--model",
+        &model,
+        "--num-kv-blocks",
+        "128",
+    ];
     let kv = |role: &str| format!(r#"{{"kv_connector":"pdkv","kv_role":"{role}"}}"#);
     let (p_kv, d_kv) = (kv("kv_producer"), kv("kv_consumer"));
     let secret = [("PDKV_KV_SECRET", "this deployment's KV secret, 42")];
-    let p = Proc::start_env(&[], &[&common[..], &http, &["--kv-transfer-config", &p_kv, "--engine-id", "p0"]].concat(), &secret);
-    let d = Proc::start_env(&[], &[&common[..], &http, &["--kv-transfer-config", &d_kv, "--engine-id", "d0"]].concat(), &secret);
-    let proxy_args = [&["proxy", "--port", "0", "--prefill", &p.base, "--decode", &d.base][..], &http].concat();
+    let p = Proc::start_env(
+        &[],
+        &[
+            &common[..],
+            &http,
+            &["--kv-transfer-config", &p_kv, "--engine-id", "p0"],
+        ]
+        .concat(),
+        &secret,
+    );
+    let d = Proc::start_env(
+        &[],
+        &[
+            &common[..],
+            &http,
+            &["--kv-transfer-config", &d_kv, "--engine-id", "d0"],
+        ]
+        .concat(),
+        &secret,
+    );
+    let proxy_args = [
+        &[
+            "proxy",
+            "--port",
+            "0",
+            "--prefill",
+            &p.base,
+            "--decode",
+            &d.base,
+        ][..],
+        &http,
+    ]
+    .concat();
     let proxy = Proc::start_env(&[], &proxy_args, &secret);
     wait_healthy(&client, &proxy.url("/health")).await;
     let info = |s: &Proc| {
         let (client, url) = (client.clone(), s.url("/kv_transfer/info"));
-        async move { client.get(url).send().await.unwrap().json::<Value>().await.unwrap() }
+        async move {
+            client
+                .get(url)
+                .send()
+                .await
+                .unwrap()
+                .json::<Value>()
+                .await
+                .unwrap()
+        }
     };
     let (p_info, d_info) = (info(&p).await, info(&d).await);
 
@@ -110,7 +194,11 @@ async fn idle_and_garbage_connections_on_every_port_do_not_break_pd() {
     for s in [&proxy, &p, &d] {
         held.extend(hold(&host_port(&s.base), 3000, false).await);
     }
-    let kv_ports = [(&p_info["bootstrap_addr"], 3u8), (&d_info["bootstrap_addr"], 3), (&d_info["transfer_addr"], 1)];
+    let kv_ports = [
+        (&p_info["bootstrap_addr"], 3u8),
+        (&d_info["bootstrap_addr"], 3),
+        (&d_info["transfer_addr"], 1),
+    ];
     for (addr, port) in kv_ports {
         let addr = addr.as_str().unwrap();
         held.extend(hold(addr, 300, true).await);
@@ -120,23 +208,42 @@ async fn idle_and_garbage_connections_on_every_port_do_not_break_pd() {
         held.push(cut);
         for _ in 0..3 {
             let answer = forged_proof(addr, port).await;
-            assert!(answer.starts_with(b"PDKVDENY"), "{addr}: a forged proof was not denied: {answer:?}");
+            assert!(
+                answer.starts_with(b"PDKVDENY"),
+                "{addr}: a forged proof was not denied: {answer:?}"
+            );
         }
     }
 
     // A decode engine of another deployment (another secret) loads from P:
     // its load fails naming the secrets, P is undisturbed.
     let intruder_secret = [("PDKV_KV_SECRET", "another deployment's KV secret")];
-    let intruder = Proc::start_env(&[], &[&common[..], &["--kv-transfer-config", &d_kv, "--engine-id", "d9"]].concat(), &intruder_secret);
+    let intruder = Proc::start_env(
+        &[],
+        &[
+            &common[..],
+            &["--kv-transfer-config", &d_kv, "--engine-id", "d9"],
+        ]
+        .concat(),
+        &intruder_secret,
+    );
     let stolen = json!({
         "prompt": prompts[0], "max_tokens": 2, "temperature": 0,
         "kv_transfer_params": {"do_remote_prefill": true, "remote_engine_id": "p0",
                                "remote_bootstrap_addr": p_info["bootstrap_addr"], "transfer_id": "stolen"},
     });
-    let r = client.post(intruder.url("/v1/completions")).json(&stolen).send().await.unwrap();
+    let r = client
+        .post(intruder.url("/v1/completions"))
+        .json(&stolen)
+        .send()
+        .await
+        .unwrap();
     let (status, text) = (r.status().as_u16(), r.text().await.unwrap());
     assert_eq!(status, 500, "{text}");
-    assert!(text.contains("KV secret"), "the intruder's error names the secrets: {text}");
+    assert!(
+        text.contains("KV secret"),
+        "the intruder's error names the secrets: {text}"
+    );
     assert!(intruder.terminate().success());
 
     let mut slowest = Duration::ZERO;
@@ -144,16 +251,48 @@ async fn idle_and_garbage_connections_on_every_port_do_not_break_pd() {
         let t0 = Instant::now();
         let got = complete(&client, &proxy.base, &body(prompt)).await;
         slowest = slowest.max(t0.elapsed());
-        assert_eq!(got.as_deref(), Ok(expected[i].as_str()), "request {i} through the proxy");
+        assert_eq!(
+            got.as_deref(),
+            Ok(expected[i].as_str()),
+            "request {i} through the proxy"
+        );
     }
-    println!("{} requests beside {} held connections; slowest {slowest:?}", prompts.len(), held.len());
-    let m = client.get(d.url("/metrics")).send().await.unwrap().text().await.unwrap();
-    assert_eq!(metric(&m, "pdkv_kv_loads_ok_total"), Some(prompts.len() as f64), "{m}");
+    println!(
+        "{} requests beside {} held connections; slowest {slowest:?}",
+        prompts.len(),
+        held.len()
+    );
+    let m = client
+        .get(d.url("/metrics"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert_eq!(
+        metric(&m, "pdkv_kv_loads_ok_total"),
+        Some(prompts.len() as f64),
+        "{m}"
+    );
     assert_eq!(metric(&m, "pdkv_kv_loads_failed_total"), Some(0.0));
     // The forged proofs (3 on each KV port) were counted as refused handshakes.
-    assert!(metric(&m, "pdkv_kv_handshakes_refused_total").unwrap() >= 6.0, "{m}");
-    let pm = client.get(p.url("/metrics")).send().await.unwrap().text().await.unwrap();
-    assert!(metric(&pm, "pdkv_kv_handshakes_refused_total").unwrap() >= 3.0, "{pm}");
+    assert!(
+        metric(&m, "pdkv_kv_handshakes_refused_total").unwrap() >= 6.0,
+        "{m}"
+    );
+    let pm = client
+        .get(p.url("/metrics"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(
+        metric(&pm, "pdkv_kv_handshakes_refused_total").unwrap() >= 3.0,
+        "{pm}"
+    );
 
     // Every held connection is closed by its server (HTTP at its 3 s header
     // timeout, the KV ports within their unproven bounds).
@@ -170,7 +309,10 @@ async fn idle_and_garbage_connections_on_every_port_do_not_break_pd() {
             }
         })
         .await;
-        assert!(closed.is_ok(), "held connection {i} was not closed by its server");
+        assert!(
+            closed.is_ok(),
+            "held connection {i} was not closed by its server"
+        );
     }
     for s in [proxy, d, p] {
         assert!(s.terminate().success());

@@ -52,10 +52,17 @@ fn run_bounded(args: &[&str]) -> (bool, String, String) {
         Err(_) => {
             // SAFETY: a plain syscall on our own child (its waiter has not reaped it).
             unsafe { libc::kill(pid as libc::pid_t, libc::SIGKILL) };
-            panic!("`pdkv {}` did not finish within {RUN_DEADLINE:?}", args.join(" "));
+            panic!(
+                "`pdkv {}` did not finish within {RUN_DEADLINE:?}",
+                args.join(" ")
+            );
         }
     };
-    (status.success(), out_reader.join().unwrap(), err_reader.join().unwrap())
+    (
+        status.success(),
+        out_reader.join().unwrap(),
+        err_reader.join().unwrap(),
+    )
 }
 
 #[test]
@@ -63,12 +70,18 @@ fn every_lifecycle_case_passes_under_load_in_write_and_read_mode() {
     let dir = tempfile::tempdir().unwrap();
     let model = dir.path().join("tiny-llama");
     let model = model.to_str().unwrap();
-    let (ok, _, err) = run_bounded(&["model", "init", "--arch", "llama", "--preset", "tiny", "--out", model]);
+    let (ok, _, err) = run_bounded(&[
+        "model", "init", "--arch", "llama", "--preset", "tiny", "--out", model,
+    ]);
     assert!(ok, "model init failed: {err}");
 
     let (ok, list, err) = run_bounded(&["lifecycle", "--list"]);
     assert!(ok, "--list failed: {err}");
-    let cases: Vec<&str> = list.lines().map(str::trim).filter(|l| !l.is_empty()).collect();
+    let cases: Vec<&str> = list
+        .lines()
+        .map(str::trim)
+        .filter(|l| !l.is_empty())
+        .collect();
     assert_eq!(cases.len(), 40, "{list}");
 
     // Write mode over TCP and read mode over shared memory: each transfer
@@ -96,14 +109,28 @@ fn every_lifecycle_case_passes_under_load_in_write_and_read_mode() {
             "--kv-abort-timeout-s",
             "5",
         ]);
-        let tail: String = err.lines().rev().take(40).collect::<Vec<_>>().into_iter().rev().collect::<Vec<_>>().join("\n");
+        let tail: String = err
+            .lines()
+            .rev()
+            .take(40)
+            .collect::<Vec<_>>()
+            .into_iter()
+            .rev()
+            .collect::<Vec<_>>()
+            .join("\n");
         println!("{transport} {mode} fail:\n{out}");
-        let missing: Vec<&&str> =
-            cases.iter().filter(|c| !out.lines().any(|l| l.starts_with(&format!("PASS {c} 1 ")))).collect();
+        let missing: Vec<&&str> = cases
+            .iter()
+            .filter(|c| !out.lines().any(|l| l.starts_with(&format!("PASS {c} 1 "))))
+            .collect();
         assert!(missing.is_empty(), "{transport} {mode}: cases not passing: {missing:?}\nstdout:\n{out}\nstderr tail:\n{tail}");
-        assert!(ok, "{transport} {mode}: pdkv lifecycle failed\nstdout:\n{out}\nstderr tail:\n{tail}");
+        assert!(
+            ok,
+            "{transport} {mode}: pdkv lifecycle failed\nstdout:\n{out}\nstderr tail:\n{tail}"
+        );
         let summary: serde_json::Value =
-            serde_json::from_str(out.lines().last().unwrap_or_default()).expect("a JSON summary last on stdout");
+            serde_json::from_str(out.lines().last().unwrap_or_default())
+                .expect("a JSON summary last on stdout");
         assert_eq!(summary["failed"], 0, "{summary}");
         assert_eq!(summary["passed"], cases.len(), "{summary}");
     }

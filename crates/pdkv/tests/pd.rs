@@ -16,7 +16,9 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use common::{complete, metric, quiescent, smollm2_path, wait_healthy, wait_metrics, Proc, DEADLINE};
+use common::{
+    complete, metric, quiescent, smollm2_path, wait_healthy, wait_metrics, Proc, DEADLINE,
+};
 use futures::StreamExt;
 use serde_json::{json, Value};
 
@@ -47,7 +49,10 @@ const QUESTIONS: [&str; 10] = [
 ];
 
 fn prompts() -> Vec<String> {
-    PREFIXES.iter().flat_map(|p| QUESTIONS.iter().map(move |q| format!("{p}{q}"))).collect()
+    PREFIXES
+        .iter()
+        .flat_map(|p| QUESTIONS.iter().map(move |q| format!("{p}{q}")))
+        .collect()
 }
 
 fn body(prompt: &str, stream: bool) -> Value {
@@ -82,26 +87,75 @@ struct Deployment {
 }
 
 fn deploy(model: &str, transport: &str, extra: &str) -> Deployment {
-    let common = ["serve", "--port", "0", "--model", model, "--num-kv-blocks", "256"];
+    let common = [
+        "serve",
+        "--port",
+        "0",
+        "--model",
+        model,
+        "--num-kv-blocks",
+        "256",
+    ];
     let p_cfg = kv_config("kv_producer", transport, extra);
     let d_cfg = kv_config("kv_consumer", transport, extra);
-    let p = Proc::start(&[], &[&common[..], &["--kv-transfer-config", &p_cfg, "--engine-id", "p0"]].concat());
-    let d = Proc::start(&[], &[&common[..], &["--kv-transfer-config", &d_cfg, "--engine-id", "d0"]].concat());
-    let proxy = Proc::start(&[], &["proxy", "--port", "0", "--prefill", &p.base, "--decode", &d.base]);
+    let p = Proc::start(
+        &[],
+        &[
+            &common[..],
+            &["--kv-transfer-config", &p_cfg, "--engine-id", "p0"],
+        ]
+        .concat(),
+    );
+    let d = Proc::start(
+        &[],
+        &[
+            &common[..],
+            &["--kv-transfer-config", &d_cfg, "--engine-id", "d0"],
+        ]
+        .concat(),
+    );
+    let proxy = Proc::start(
+        &[],
+        &[
+            "proxy",
+            "--port",
+            "0",
+            "--prefill",
+            &p.base,
+            "--decode",
+            &d.base,
+        ],
+    );
     Deployment { p, d, proxy }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn pd_through_the_proxy_equals_colocated_over_tcp_and_shm() {
-    let Some(model) = smollm2_path("pd_through_the_proxy_equals_colocated_over_tcp_and_shm") else { return };
+    let Some(model) = smollm2_path("pd_through_the_proxy_equals_colocated_over_tcp_and_shm") else {
+        return;
+    };
     let model = model.to_str().unwrap().to_string();
     let client = reqwest::Client::new();
     let prompts = prompts();
 
-    let colo = Proc::start(&[], &["serve", "--port", "0", "--model", &model, "--num-kv-blocks", "256"]);
+    let colo = Proc::start(
+        &[],
+        &[
+            "serve",
+            "--port",
+            "0",
+            "--model",
+            &model,
+            "--num-kv-blocks",
+            "256",
+        ],
+    );
     wait_healthy(&client, &colo.url("/health")).await;
     let expected = run_all(&client, &colo.base, &prompts).await;
-    assert!(expected.iter().any(|t| !t.trim().is_empty()), "the reference produced no text");
+    assert!(
+        expected.iter().any(|t| !t.trim().is_empty()),
+        "the reference produced no text"
+    );
     drop(colo);
 
     for transport in ["tcp", "shm"] {
@@ -111,58 +165,123 @@ async fn pd_through_the_proxy_equals_colocated_over_tcp_and_shm() {
         let got = run_all(&client, &dep.proxy.base, &prompts).await;
         let secs = t0.elapsed().as_secs_f64();
         for (i, (g, e)) in got.iter().zip(&expected).enumerate() {
-            assert_eq!(g, e, "{transport}: prompt {i} differs from the colocated output");
+            assert_eq!(
+                g, e,
+                "{transport}: prompt {i} differs from the colocated output"
+            );
         }
         let p_text = wait_metrics(&client, &dep.p.base, "P quiescent", quiescent).await;
         let d_text = wait_metrics(&client, &dep.d.base, "D quiescent", quiescent).await;
         // Every request's KV came from P (D computed only the rest).
-        let loads = metric(&d_text, "pdkv_kv_loads_ok_total").expect("D exports pdkv_kv_loads_ok_total");
-        let sends = metric(&p_text, "pdkv_kv_pulls_ok_total").expect("P exports pdkv_kv_pulls_ok_total");
+        let loads =
+            metric(&d_text, "pdkv_kv_loads_ok_total").expect("D exports pdkv_kv_loads_ok_total");
+        let sends =
+            metric(&p_text, "pdkv_kv_pulls_ok_total").expect("P exports pdkv_kv_pulls_ok_total");
         assert_eq!(loads, prompts.len() as f64, "{transport}: loads on D");
         assert_eq!(sends, prompts.len() as f64, "{transport}: sends on P");
         assert_eq!(metric(&d_text, "pdkv_kv_loads_failed_total"), Some(0.0));
-        println!("{transport}: {} prompts through the proxy in {secs:.1} s, all equal to colocated", prompts.len());
+        println!(
+            "{transport}: {} prompts through the proxy in {secs:.1} s, all equal to colocated",
+            prompts.len()
+        );
     }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_client_leaving_mid_stream_frees_blocks_on_p_and_d() {
-    let Some(model) = smollm2_path("a_client_leaving_mid_stream_frees_blocks_on_p_and_d") else { return };
+    let Some(model) = smollm2_path("a_client_leaving_mid_stream_frees_blocks_on_p_and_d") else {
+        return;
+    };
     let dep = deploy(model.to_str().unwrap(), "tcp", "");
     let client = reqwest::Client::new();
     wait_healthy(&client, &dep.proxy.url("/health")).await;
     for (i, prefix) in PREFIXES.iter().enumerate().take(4) {
         let prompt = format!("{prefix} Request {i}: tell a long story about it.");
         let body = json!({"prompt": prompt, "max_tokens": 200, "temperature": 0, "stream": true, "ignore_eos": true});
-        let resp = client.post(dep.proxy.url("/v1/completions")).json(&body).send().await.unwrap();
+        let resp = client
+            .post(dep.proxy.url("/v1/completions"))
+            .json(&body)
+            .send()
+            .await
+            .unwrap();
         assert_eq!(resp.status(), 200);
         let mut stream = resp.bytes_stream();
         // Wait for two events (the first text), then leave.
         let mut seen = String::new();
         while seen.matches("data: ").count() < 2 {
-            let chunk = tokio::time::timeout(DEADLINE, stream.next()).await.expect("a chunk in time");
-            seen.push_str(&String::from_utf8_lossy(&chunk.expect("stream open").unwrap()));
+            let chunk = tokio::time::timeout(DEADLINE, stream.next())
+                .await
+                .expect("a chunk in time");
+            seen.push_str(&String::from_utf8_lossy(
+                &chunk.expect("stream open").unwrap(),
+            ));
         }
         drop(stream);
     }
     wait_metrics(&client, &dep.p.base, "P quiescent", quiescent).await;
     let d = wait_metrics(&client, &dep.d.base, "D quiescent", quiescent).await;
     // D's requests ended by the disconnects, not by running to their end.
-    assert_eq!(metric(&d, "pdkv_requests_total{finish_reason=\"length\"}"), Some(0.0), "{d}");
+    assert_eq!(
+        metric(&d, "pdkv_requests_total{finish_reason=\"length\"}"),
+        Some(0.0),
+        "{d}"
+    );
 }
 
 /// Sends one request to P and D directly (as the proxy would) and kills P
 /// once D waits for the KV. Returns D's status, body and how long it took.
 async fn kill_p_while_d_waits(model: &str, policy: &str) -> (u16, String, Duration) {
     // Short deadlines: P's pull deadline 2 s, D's own wait 4 s.
-    let extra = format!(r#","abort_timeout_s":2,"load_timeout_s":4,"kv_load_failure_policy":"{policy}""#);
-    let common = ["serve", "--port", "0", "--model", model, "--num-kv-blocks", "256"];
-    let mut p = Proc::start(&[], &[&common[..], &["--kv-transfer-config", &kv_config("kv_producer", "tcp", &extra)]].concat());
-    let d = Proc::start(&[], &[&common[..], &["--kv-transfer-config", &kv_config("kv_consumer", "tcp", &extra)]].concat());
+    let extra =
+        format!(r#","abort_timeout_s":2,"load_timeout_s":4,"kv_load_failure_policy":"{policy}""#);
+    let common = [
+        "serve",
+        "--port",
+        "0",
+        "--model",
+        model,
+        "--num-kv-blocks",
+        "256",
+    ];
+    let mut p = Proc::start(
+        &[],
+        &[
+            &common[..],
+            &[
+                "--kv-transfer-config",
+                &kv_config("kv_producer", "tcp", &extra),
+            ],
+        ]
+        .concat(),
+    );
+    let d = Proc::start(
+        &[],
+        &[
+            &common[..],
+            &[
+                "--kv-transfer-config",
+                &kv_config("kv_consumer", "tcp", &extra),
+            ],
+        ]
+        .concat(),
+    );
     let client = reqwest::Client::new();
-    let info: Value = client.get(p.url("/kv_transfer/info")).send().await.unwrap().json().await.unwrap();
+    let info: Value = client
+        .get(p.url("/kv_transfer/info"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
     // A long prompt keeps P busy prefilling for a while.
-    let prompt = PREFIXES.iter().cycle().take(30).cloned().collect::<Vec<_>>().join(" ");
+    let prompt = PREFIXES
+        .iter()
+        .cycle()
+        .take(30)
+        .cloned()
+        .collect::<Vec<_>>()
+        .join(" ");
     let p_req = client.post(p.url("/v1/completions")).json(&json!({
         "prompt": prompt, "max_tokens": 1, "temperature": 0,
         "kv_transfer_params": {"do_remote_decode": true, "transfer_id": "t-kill"},
@@ -186,15 +305,23 @@ async fn kill_p_while_d_waits(model: &str, policy: &str) -> (u16, String, Durati
     .await;
     let killed = Instant::now();
     p.kill();
-    assert!(p_task.await.unwrap().is_err(), "P's request cannot succeed: P was killed");
-    let (status, text, at) = tokio::time::timeout(DEADLINE, d_task).await.expect("D answers in time").unwrap();
+    assert!(
+        p_task.await.unwrap().is_err(),
+        "P's request cannot succeed: P was killed"
+    );
+    let (status, text, at) = tokio::time::timeout(DEADLINE, d_task)
+        .await
+        .expect("D answers in time")
+        .unwrap();
     wait_metrics(&client, &d.base, "D quiescent", quiescent).await;
     (status, text, at - killed)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn p_killed_while_d_waits_fails_or_recomputes_by_policy() {
-    let Some(model) = smollm2_path("p_killed_while_d_waits_fails_or_recomputes_by_policy") else { return };
+    let Some(model) = smollm2_path("p_killed_while_d_waits_fails_or_recomputes_by_policy") else {
+        return;
+    };
     let model = model.to_str().unwrap();
     let (status, text, took) = kill_p_while_d_waits(model, "fail").await;
     assert_eq!(status, 500, "{text}");
@@ -215,15 +342,61 @@ async fn p_killed_while_d_waits_fails_or_recomputes_by_policy() {
 /// engines end quiescent.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_hung_p_is_a_504_naming_the_setting_to_raise() {
-    let Some(model) = smollm2_path("a_hung_p_is_a_504_naming_the_setting_to_raise") else { return };
+    let Some(model) = smollm2_path("a_hung_p_is_a_504_naming_the_setting_to_raise") else {
+        return;
+    };
     let model = model.to_str().unwrap();
     let extra = r#","abort_timeout_s":2,"load_timeout_s":4,"kv_load_failure_policy":"fail""#;
-    let common = ["serve", "--port", "0", "--model", model, "--num-kv-blocks", "256"];
-    let p = Proc::start(&[], &[&common[..], &["--kv-transfer-config", &kv_config("kv_producer", "tcp", extra)]].concat());
-    let d = Proc::start(&[], &[&common[..], &["--kv-transfer-config", &kv_config("kv_consumer", "tcp", extra)]].concat());
-    let client = reqwest::Client::builder().timeout(DEADLINE).build().unwrap();
-    let info: Value = client.get(p.url("/kv_transfer/info")).send().await.unwrap().json().await.unwrap();
-    let prompt = PREFIXES.iter().cycle().take(30).cloned().collect::<Vec<_>>().join(" ");
+    let common = [
+        "serve",
+        "--port",
+        "0",
+        "--model",
+        model,
+        "--num-kv-blocks",
+        "256",
+    ];
+    let p = Proc::start(
+        &[],
+        &[
+            &common[..],
+            &[
+                "--kv-transfer-config",
+                &kv_config("kv_producer", "tcp", extra),
+            ],
+        ]
+        .concat(),
+    );
+    let d = Proc::start(
+        &[],
+        &[
+            &common[..],
+            &[
+                "--kv-transfer-config",
+                &kv_config("kv_consumer", "tcp", extra),
+            ],
+        ]
+        .concat(),
+    );
+    let client = reqwest::Client::builder()
+        .timeout(DEADLINE)
+        .build()
+        .unwrap();
+    let info: Value = client
+        .get(p.url("/kv_transfer/info"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let prompt = PREFIXES
+        .iter()
+        .cycle()
+        .take(30)
+        .cloned()
+        .collect::<Vec<_>>()
+        .join(" ");
     let p_req = client.post(p.url("/v1/completions")).json(&json!({
         "prompt": prompt, "max_tokens": 1, "temperature": 0,
         "kv_transfer_params": {"do_remote_decode": true, "transfer_id": "t-hung"},
@@ -246,7 +419,10 @@ async fn a_hung_p_is_a_504_naming_the_setting_to_raise() {
     // SAFETY: plain syscalls on our own child, not reaped.
     assert_eq!(unsafe { libc::kill(pid, libc::SIGSTOP) }, 0);
     let stopped = Instant::now();
-    let answered = tokio::time::timeout(DEADLINE, d_task).await.expect("D answers in time").unwrap();
+    let answered = tokio::time::timeout(DEADLINE, d_task)
+        .await
+        .expect("D answers in time")
+        .unwrap();
     let took = stopped.elapsed();
     assert_eq!(unsafe { libc::kill(pid, libc::SIGCONT) }, 0);
     let (status, text) = answered;
@@ -254,10 +430,23 @@ async fn a_hung_p_is_a_504_naming_the_setting_to_raise() {
     let body: Value = serde_json::from_str(&text).unwrap();
     assert_eq!(body["error"]["code"], "kv_transfer_timeout", "{text}");
     assert_eq!(body["error"]["type"], "timeout_error", "{text}");
-    assert!(body["error"]["message"].as_str().unwrap().contains("load_timeout_s"), "{text}");
-    assert!(took >= Duration::from_secs(2) && took < Duration::from_secs(30), "D gave up after {took:?}");
+    assert!(
+        body["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("load_timeout_s"),
+        "{text}"
+    );
+    assert!(
+        took >= Duration::from_secs(2) && took < Duration::from_secs(30),
+        "D gave up after {took:?}"
+    );
     println!("hung P: D answered 504 {took:?} after P stopped: {text}");
-    assert_eq!(p_task.await.unwrap().ok(), Some(200), "P, resumed, finishes its request");
+    assert_eq!(
+        p_task.await.unwrap().ok(),
+        Some(200),
+        "P, resumed, finishes its request"
+    );
     wait_metrics(&client, &d.base, "D quiescent", quiescent).await;
     wait_metrics(&client, &p.base, "P quiescent", quiescent).await;
 }
@@ -267,22 +456,72 @@ async fn a_hung_p_is_a_504_naming_the_setting_to_raise() {
 /// of holding them for the whole lease (30 s by default).
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_transfer_whose_decode_request_failed_is_dropped_at_p() {
-    let Some(model) = smollm2_path("a_transfer_whose_decode_request_failed_is_dropped_at_p") else { return };
+    let Some(model) = smollm2_path("a_transfer_whose_decode_request_failed_is_dropped_at_p") else {
+        return;
+    };
     let model = model.to_str().unwrap();
-    let common = ["serve", "--port", "0", "--model", model, "--num-kv-blocks", "256", "--admin-token", "t0k"];
-    let p = Proc::start(&[], &[&common[..], &["--kv-transfer-config", &kv_config("kv_producer", "tcp", "")]].concat());
-    let d = Proc::start(&[], &[&common[..], &["--kv-transfer-config", &kv_config("kv_consumer", "tcp", "")]].concat());
-    let proxy = Proc::start(&[], &["proxy", "--port", "0", "--prefill", &p.base, "--decode", &d.base]);
+    let common = [
+        "serve",
+        "--port",
+        "0",
+        "--model",
+        model,
+        "--num-kv-blocks",
+        "256",
+        "--admin-token",
+        "t0k",
+    ];
+    let p = Proc::start(
+        &[],
+        &[
+            &common[..],
+            &["--kv-transfer-config", &kv_config("kv_producer", "tcp", "")],
+        ]
+        .concat(),
+    );
+    let d = Proc::start(
+        &[],
+        &[
+            &common[..],
+            &["--kv-transfer-config", &kv_config("kv_consumer", "tcp", "")],
+        ]
+        .concat(),
+    );
+    let proxy = Proc::start(
+        &[],
+        &[
+            "proxy",
+            "--port",
+            "0",
+            "--prefill",
+            &p.base,
+            "--decode",
+            &d.base,
+        ],
+    );
     let client = reqwest::Client::new();
     wait_healthy(&client, &proxy.url("/health")).await;
-    let paused = client.post(d.url("/pause?mode=abort")).bearer_auth("t0k").send().await.unwrap();
+    let paused = client
+        .post(d.url("/pause?mode=abort"))
+        .bearer_auth("t0k")
+        .send()
+        .await
+        .unwrap();
     assert!(paused.status().is_success(), "{:?}", paused.text().await);
     for (i, prefix) in PREFIXES.iter().enumerate().take(3) {
-        let r = client.post(proxy.url("/v1/completions")).json(&body(&format!("{prefix} {i}"), false)).send().await;
+        let r = client
+            .post(proxy.url("/v1/completions"))
+            .json(&body(&format!("{prefix} {i}"), false))
+            .send()
+            .await;
         let r = r.unwrap();
         assert_eq!(r.status(), 503, "D is paused: {:?}", r.text().await);
     }
     let t0 = Instant::now();
     wait_metrics(&client, &p.base, "P holds nothing", quiescent).await;
-    assert!(t0.elapsed() < Duration::from_secs(10), "P held the KV for {:?}", t0.elapsed());
+    assert!(
+        t0.elapsed() < Duration::from_secs(10),
+        "P held the KV for {:?}",
+        t0.elapsed()
+    );
 }

@@ -24,25 +24,38 @@ struct Hosts {
 }
 
 fn ip(args: &[&str]) -> Result<(), String> {
-    let out = Command::new("ip").args(args).output().map_err(|e| format!("running ip: {e}"))?;
+    let out = Command::new("ip")
+        .args(args)
+        .output()
+        .map_err(|e| format!("running ip: {e}"))?;
     if out.status.success() {
         Ok(())
     } else {
-        Err(format!("ip {}: {}", args.join(" "), String::from_utf8_lossy(&out.stderr).trim()))
+        Err(format!(
+            "ip {}: {}",
+            args.join(" "),
+            String::from_utf8_lossy(&out.stderr).trim()
+        ))
     }
 }
 
 impl Hosts {
     fn create() -> Result<Hosts, String> {
         let tag = std::process::id() % 100_000;
-        let hosts = Hosts { p: format!("pdkvP{tag}"), d: format!("pdkvD{tag}") };
+        let hosts = Hosts {
+            p: format!("pdkvP{tag}"),
+            d: format!("pdkvD{tag}"),
+        };
         ip(&["netns", "add", &hosts.p])?;
         ip(&["netns", "add", &hosts.d])?;
         let (vp, vd) = (format!("vp{tag}"), format!("vd{tag}"));
         ip(&["link", "add", &vp, "type", "veth", "peer", "name", &vd])?;
         ip(&["link", "set", &vp, "netns", &hosts.p])?;
         ip(&["link", "set", &vd, "netns", &hosts.d])?;
-        for (ns, dev, addr) in [(&hosts.p, &vp, "10.231.7.1/24"), (&hosts.d, &vd, "10.231.7.2/24")] {
+        for (ns, dev, addr) in [
+            (&hosts.p, &vp, "10.231.7.1/24"),
+            (&hosts.d, &vd, "10.231.7.2/24"),
+        ] {
             ip(&["-n", ns, "addr", "add", addr, "dev", dev])?;
             ip(&["-n", ns, "link", "set", dev, "up"])?;
             ip(&["-n", ns, "link", "set", "lo", "up"])?;
@@ -72,7 +85,12 @@ fn in_netns<T: Send + 'static>(ns: &str, f: impl FnOnce() -> T + Send + 'static)
         let file = std::fs::File::open(&path).unwrap_or_else(|e| panic!("opening {path}: {e}"));
         // SAFETY: setns on this thread only, with a valid namespace fd.
         let rc = unsafe { libc::setns(file.as_raw_fd(), libc::CLONE_NEWNET) };
-        assert_eq!(rc, 0, "setns into {path}: {}", std::io::Error::last_os_error());
+        assert_eq!(
+            rc,
+            0,
+            "setns into {path}: {}",
+            std::io::Error::last_os_error()
+        );
         f()
     })
     .join()
@@ -81,11 +99,17 @@ fn in_netns<T: Send + 'static>(ns: &str, f: impl FnOnce() -> T + Send + 'static)
 
 fn init_checkpoint(out: &Path) {
     let o = Command::new(env!("CARGO_BIN_EXE_pdkv"))
-        .args(["model", "init", "--arch", "llama", "--preset", "tiny", "--seed", "11", "--out"])
+        .args([
+            "model", "init", "--arch", "llama", "--preset", "tiny", "--seed", "11", "--out",
+        ])
         .arg(out)
         .output()
         .expect("run pdkv model init");
-    assert!(o.status.success(), "model init failed: {}", String::from_utf8_lossy(&o.stderr));
+    assert!(
+        o.status.success(),
+        "model init failed: {}",
+        String::from_utf8_lossy(&o.stderr)
+    );
 }
 
 #[test]
@@ -93,7 +117,10 @@ fn p_and_d_on_two_hosts_joined_by_veth() {
     let hosts = match Hosts::create() {
         Ok(h) => h,
         Err(e) => {
-            assert!(std::env::var_os("CI").is_none(), "network namespaces are needed under CI: {e}");
+            assert!(
+                std::env::var_os("CI").is_none(),
+                "network namespaces are needed under CI: {e}"
+            );
             println!("skipping p_and_d_on_two_hosts_joined_by_veth: network namespaces not permitted here ({e})");
             return;
         }
@@ -102,23 +129,72 @@ fn p_and_d_on_two_hosts_joined_by_veth() {
     let ckpt = dir.path().join("tiny");
     init_checkpoint(&ckpt);
     let model = ckpt.to_str().unwrap();
-    let serve = ["serve", "--port", "0", "--model", model, "--num-kv-blocks", "128"];
-    let p_cfg = r#"{"kv_connector":"pdkv","kv_role":"kv_producer","transport":"tcp","kv_ip":"10.231.7.1"}"#;
-    let d_cfg = r#"{"kv_connector":"pdkv","kv_role":"kv_consumer","transport":"tcp","kv_ip":"10.231.7.2"}"#;
+    let serve = [
+        "serve",
+        "--port",
+        "0",
+        "--model",
+        model,
+        "--num-kv-blocks",
+        "128",
+    ];
+    let p_cfg =
+        r#"{"kv_connector":"pdkv","kv_role":"kv_producer","transport":"tcp","kv_ip":"10.231.7.1"}"#;
+    let d_cfg =
+        r#"{"kv_connector":"pdkv","kv_role":"kv_consumer","transport":"tcp","kv_ip":"10.231.7.2"}"#;
     let p = Proc::start(
         &Hosts::exec(&hosts.p),
-        &[&serve[..], &["--host", "10.231.7.1", "--kv-transfer-config", p_cfg, "--engine-id", "p-host"]].concat(),
+        &[
+            &serve[..],
+            &[
+                "--host",
+                "10.231.7.1",
+                "--kv-transfer-config",
+                p_cfg,
+                "--engine-id",
+                "p-host",
+            ],
+        ]
+        .concat(),
     );
     let d = Proc::start(
         &Hosts::exec(&hosts.d),
-        &[&serve[..], &["--no-prefix-caching", "--kv-transfer-config", d_cfg, "--engine-id", "d-host"]].concat(),
+        &[
+            &serve[..],
+            &[
+                "--no-prefix-caching",
+                "--kv-transfer-config",
+                d_cfg,
+                "--engine-id",
+                "d-host",
+            ],
+        ]
+        .concat(),
     );
-    let proxy = Proc::start(&Hosts::exec(&hosts.d), &["proxy", "--port", "0", "--prefill", &p.base, "--decode", &d.base]);
-    assert!(p.base.contains("10.231.7.1"), "P listens on its own host: {}", p.base);
+    let proxy = Proc::start(
+        &Hosts::exec(&hosts.d),
+        &[
+            "proxy",
+            "--port",
+            "0",
+            "--prefill",
+            &p.base,
+            "--decode",
+            &d.base,
+        ],
+    );
+    assert!(
+        p.base.contains("10.231.7.1"),
+        "P listens on its own host: {}",
+        p.base
+    );
 
     let (p_base, d_base, proxy_base) = (p.base.clone(), d.base.clone(), proxy.base.clone());
     in_netns(&hosts.d, move || {
-        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
         rt.block_on(async move {
             let client = reqwest::Client::new();
             wait_healthy(&client, &format!("{proxy_base}/health")).await;

@@ -14,7 +14,18 @@ use serde_json::{json, Value};
 const PROMPT: &str = "The three most useful things to pack for a long hike in the mountains are";
 
 fn serve(path: &std::path::Path) -> Proc {
-    Proc::start(&[], &["serve", "--port", "0", "--model", path.to_str().unwrap(), "--num-kv-blocks", "128"])
+    Proc::start(
+        &[],
+        &[
+            "serve",
+            "--port",
+            "0",
+            "--model",
+            path.to_str().unwrap(),
+            "--num-kv-blocks",
+            "128",
+        ],
+    )
 }
 
 /// A healthy server of the SmolLM2 GGUF and a client, or `None` (with a
@@ -31,7 +42,10 @@ async fn post(client: &reqwest::Client, url: String, body: &Value) -> (u16, Valu
     let resp = client.post(url).json(body).send().await.unwrap();
     let status = resp.status().as_u16();
     let text = resp.text().await.unwrap();
-    (status, serde_json::from_str(&text).unwrap_or_else(|e| panic!("{e}: {text}")))
+    (
+        status,
+        serde_json::from_str(&text).unwrap_or_else(|e| panic!("{e}: {text}")),
+    )
 }
 
 async fn ok(client: &reqwest::Client, url: String, body: &Value) -> Value {
@@ -41,7 +55,11 @@ async fn ok(client: &reqwest::Client, url: String, body: &Value) -> Value {
 }
 
 fn ids(v: &Value) -> Vec<u64> {
-    v.as_array().unwrap_or_else(|| panic!("not a list: {v}")).iter().map(|t| t.as_u64().unwrap()).collect()
+    v.as_array()
+        .unwrap_or_else(|| panic!("not a list: {v}"))
+        .iter()
+        .map(|t| t.as_u64().unwrap())
+        .collect()
 }
 
 /// The data of every event of a server-sent-event body, `[DONE]` last.
@@ -55,7 +73,11 @@ fn events(text: &str) -> Vec<Value> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sampled_logprobs_equal_the_prompt_logprobs_of_the_completed_text() {
-    let Some((s, client)) = started("sampled_logprobs_equal_the_prompt_logprobs_of_the_completed_text").await else { return };
+    let Some((s, client)) =
+        started("sampled_logprobs_equal_the_prompt_logprobs_of_the_completed_text").await
+    else {
+        return;
+    };
     let url = s.url("/v1/completions");
 
     // A hot temperature: the reported values must still be the raw model's.
@@ -67,7 +89,12 @@ async fn sampled_logprobs_equal_the_prompt_logprobs_of_the_completed_text() {
     let out_ids = ids(&choice["token_ids"]);
     assert_eq!(out_ids.len(), 12);
     let lp = &choice["logprobs"];
-    let sampled: Vec<f64> = lp["token_logprobs"].as_array().unwrap().iter().map(|x| x.as_f64().unwrap()).collect();
+    let sampled: Vec<f64> = lp["token_logprobs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_f64().unwrap())
+        .collect();
     assert_eq!(sampled.len(), 12);
     let tokens = lp["tokens"].as_array().unwrap();
     let offsets = ids(&lp["text_offset"]);
@@ -77,16 +104,28 @@ async fn sampled_logprobs_equal_the_prompt_logprobs_of_the_completed_text() {
         // k tokens plus the sampled one, keyed by text (tokens that decode
         // alone to the same text, such as partial characters, share a key).
         assert!((1..=4).contains(&top.len()), "{top:?}");
-        assert_eq!(top[token].as_f64().unwrap(), sampled[j], "the sampled token is listed with its logprob");
+        assert_eq!(
+            top[token].as_f64().unwrap(),
+            sampled[j],
+            "the sampled token is listed with its logprob"
+        );
         assert!(sampled[j] <= 0.0);
         if j > 0 {
-            assert_eq!(offsets[j], offsets[j - 1] + tokens[j - 1].as_str().unwrap().chars().count() as u64);
+            assert_eq!(
+                offsets[j],
+                offsets[j - 1] + tokens[j - 1].as_str().unwrap().chars().count() as u64
+            );
         }
     }
 
     // The same text as a prompt: its prompt logprobs at the sampled positions.
     let full: Vec<u64> = prompt_ids.iter().chain(&out_ids).copied().collect();
-    let again = ok(&client, url.clone(), &json!({"prompt": full, "max_tokens": 1, "temperature": 0, "prompt_logprobs": 0})).await;
+    let again = ok(
+        &client,
+        url.clone(),
+        &json!({"prompt": full, "max_tokens": 1, "temperature": 0, "prompt_logprobs": 0}),
+    )
+    .await;
     let plp = again["choices"][0]["prompt_logprobs"].as_array().unwrap();
     assert_eq!(plp.len(), full.len());
     assert!(plp[0].is_null(), "the first prompt token has no logprob");
@@ -97,19 +136,32 @@ async fn sampled_logprobs_equal_the_prompt_logprobs_of_the_completed_text() {
         max_diff = max_diff.max(diff);
         assert!(entry["rank"].as_u64().unwrap() >= 1);
     }
-    println!("largest |sampled logprob - prompt logprob| over {} tokens: {max_diff:e}", out_ids.len());
+    println!(
+        "largest |sampled logprob - prompt logprob| over {} tokens: {max_diff:e}",
+        out_ids.len()
+    );
     assert!(max_diff < 1e-4, "largest difference {max_diff}");
 
     // Echo with logprobs: the prompt's tokens first, the first one null.
-    let echoed = ok(&client, url.clone(), &json!({"prompt": PROMPT, "max_tokens": 2, "temperature": 0, "echo": true, "logprobs": 1})).await;
+    let echoed = ok(
+        &client,
+        url.clone(),
+        &json!({"prompt": PROMPT, "max_tokens": 2, "temperature": 0, "echo": true, "logprobs": 1}),
+    )
+    .await;
     let c = &echoed["choices"][0];
     assert!(c["text"].as_str().unwrap().starts_with(PROMPT), "{c}");
     let echo_lp = c["logprobs"]["token_logprobs"].as_array().unwrap();
     assert_eq!(echo_lp.len(), prompt_ids.len() + 2);
     assert!(echo_lp[0].is_null());
     for p in 1..prompt_ids.len() {
-        let want = plp[p][prompt_ids[p].to_string()]["logprob"].as_f64().unwrap();
-        assert!((echo_lp[p].as_f64().unwrap() - want).abs() < 1e-9, "prompt position {p}");
+        let want = plp[p][prompt_ids[p].to_string()]["logprob"]
+            .as_f64()
+            .unwrap();
+        assert!(
+            (echo_lp[p].as_f64().unwrap() - want).abs() < 1e-9,
+            "prompt position {p}"
+        );
     }
 
     // Chat: greedy, so the chosen token leads its top list; streamed the same.
@@ -117,17 +169,32 @@ async fn sampled_logprobs_equal_the_prompt_logprobs_of_the_completed_text() {
     let messages = json!([{"role": "user", "content": "Name a colour."}]);
     let chat = json!({"messages": messages, "max_tokens": 6, "temperature": 0, "logprobs": true, "top_logprobs": 2});
     let v = ok(&client, chat_url.clone(), &chat).await;
-    let content = v["choices"][0]["logprobs"]["content"].as_array().unwrap().clone();
+    let content = v["choices"][0]["logprobs"]["content"]
+        .as_array()
+        .unwrap()
+        .clone();
     assert!(!content.is_empty());
     for e in &content {
         let top = e["top_logprobs"].as_array().unwrap();
         assert_eq!(top.len(), 2);
-        assert_eq!((&top[0]["token"], &top[0]["logprob"]), (&e["token"], &e["logprob"]), "{e}");
+        assert_eq!(
+            (&top[0]["token"], &top[0]["logprob"]),
+            (&e["token"], &e["logprob"]),
+            "{e}"
+        );
         assert_eq!(e["bytes"], json!(e["token"].as_str().unwrap().as_bytes()));
     }
     let mut streamed_body = chat.clone();
     streamed_body["stream"] = json!(true);
-    let text = client.post(chat_url).json(&streamed_body).send().await.unwrap().text().await.unwrap();
+    let text = client
+        .post(chat_url)
+        .json(&streamed_body)
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
     let streamed: Vec<Value> = events(&text)
         .iter()
         .filter_map(|e| e["choices"][0]["logprobs"]["content"].as_array().cloned())
@@ -139,37 +206,78 @@ async fn sampled_logprobs_equal_the_prompt_logprobs_of_the_completed_text() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn n8_seeded_choices_reproduce_and_differ() {
-    let Some((s, client)) = started("n8_seeded_choices_reproduce_and_differ").await else { return };
+    let Some((s, client)) = started("n8_seeded_choices_reproduce_and_differ").await else {
+        return;
+    };
     let url = s.url("/v1/completions");
     // Over one 16-token block, so the choices have a full block to share.
     let prompt = format!("{PROMPT} water, a map and");
     let body = json!({"prompt": prompt, "n": 8, "seed": 42, "temperature": 1.0, "max_tokens": 8,
         "ignore_eos": true, "return_token_ids": true});
-    let before = client.get(s.url("/metrics")).send().await.unwrap().text().await.unwrap();
+    let before = client
+        .get(s.url("/metrics"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
     let a = ok(&client, url.clone(), &body).await;
-    let after = client.get(s.url("/metrics")).send().await.unwrap().text().await.unwrap();
+    let after = client
+        .get(s.url("/metrics"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
     let b = ok(&client, url.clone(), &body).await;
     let choices = |v: &Value| -> Vec<(u64, Vec<u64>, String)> {
         v["choices"]
             .as_array()
             .unwrap()
             .iter()
-            .map(|c| (c["index"].as_u64().unwrap(), ids(&c["token_ids"]), c["text"].as_str().unwrap().to_string()))
+            .map(|c| {
+                (
+                    c["index"].as_u64().unwrap(),
+                    ids(&c["token_ids"]),
+                    c["text"].as_str().unwrap().to_string(),
+                )
+            })
             .collect()
     };
     let (ca, cb) = (choices(&a), choices(&b));
-    assert_eq!(ca.iter().map(|c| c.0).collect::<Vec<_>>(), (0..8).collect::<Vec<_>>());
+    assert_eq!(
+        ca.iter().map(|c| c.0).collect::<Vec<_>>(),
+        (0..8).collect::<Vec<_>>()
+    );
     assert_eq!(ca, cb, "the same seed gives the same 8 choices");
     let distinct: BTreeSet<&Vec<u64>> = ca.iter().map(|c| &c.1).collect();
     assert_eq!(distinct.len(), 8, "the 8 choices differ: {ca:?}");
     let prompt_tokens = ids(&a["choices"][0]["prompt_token_ids"]).len() as u64;
-    assert!(prompt_tokens > 16, "the prompt fills a block ({prompt_tokens} tokens)");
-    assert_eq!(a["usage"]["prompt_tokens"], json!(prompt_tokens), "the prompt counts once");
-    assert_eq!(a["usage"]["completion_tokens"], json!(64), "completion tokens over all choices");
+    assert!(
+        prompt_tokens > 16,
+        "the prompt fills a block ({prompt_tokens} tokens)"
+    );
+    assert_eq!(
+        a["usage"]["prompt_tokens"],
+        json!(prompt_tokens),
+        "the prompt counts once"
+    );
+    assert_eq!(
+        a["usage"]["completion_tokens"],
+        json!(64),
+        "completion tokens over all choices"
+    );
     // Choices 1..8 took the prompt's full blocks from choice 0's prefill.
     let hits = |t: &str| metric(t, "pdkv_prefix_cache_hits_total").unwrap_or(0.0);
     let full_blocks = (prompt_tokens as usize - 1) / 16 * 16;
-    assert!(hits(&after) - hits(&before) >= (7 * full_blocks) as f64, "prefix hits {} -> {}", hits(&before), hits(&after));
+    assert!(
+        hits(&after) - hits(&before) >= (7 * full_blocks) as f64,
+        "prefix hits {} -> {}",
+        hits(&before),
+        hits(&after)
+    );
 
     // Choice 0 is the n=1 request with the same seed.
     let mut one = body.clone();
@@ -180,7 +288,15 @@ async fn n8_seeded_choices_reproduce_and_differ() {
     // Streamed, each chunk names its choice; the texts are the same.
     let mut streamed = body.clone();
     streamed["stream"] = json!(true);
-    let text = client.post(url).json(&streamed).send().await.unwrap().text().await.unwrap();
+    let text = client
+        .post(url)
+        .json(&streamed)
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
     let mut texts = vec![String::new(); 8];
     let mut finished = vec![0; 8];
     for e in events(&text) {
@@ -198,13 +314,21 @@ async fn n8_seeded_choices_reproduce_and_differ() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn logit_bias_min_tokens_and_stop_token_ids_take_effect() {
-    let Some((s, client)) = started("logit_bias_min_tokens_and_stop_token_ids_take_effect").await else { return };
+    let Some((s, client)) = started("logit_bias_min_tokens_and_stop_token_ids_take_effect").await
+    else {
+        return;
+    };
     let url = s.url("/v1/completions");
 
     // A +100 bias makes one token certain, even when sampling.
     let forced = 1010u64;
-    let v = ok(&client, url.clone(), &json!({"prompt": PROMPT, "max_tokens": 4, "temperature": 1.0, "seed": 3,
-        "logit_bias": {forced.to_string(): 100}, "return_token_ids": true})).await;
+    let v = ok(
+        &client,
+        url.clone(),
+        &json!({"prompt": PROMPT, "max_tokens": 4, "temperature": 1.0, "seed": 3,
+        "logit_bias": {forced.to_string(): 100}, "return_token_ids": true}),
+    )
+    .await;
     assert_eq!(ids(&v["choices"][0]["token_ids"]), vec![forced; 4], "{v}");
 
     // A greedy chat answer ends early on EOS; min_tokens keeps it going.
@@ -214,7 +338,12 @@ async fn logit_bias_min_tokens_and_stop_token_ids_take_effect() {
     let plain_ids = ids(&plain["choices"][0]["token_ids"]);
     assert_eq!(plain["choices"][0]["finish_reason"], "stop", "{plain}");
     assert!(plain_ids.len() < 40);
-    let long = ok(&client, chat_url.clone(), &json!({"messages": messages, "max_tokens": 40, "min_tokens": 40, "temperature": 0})).await;
+    let long = ok(
+        &client,
+        chat_url.clone(),
+        &json!({"messages": messages, "max_tokens": 40, "min_tokens": 40, "temperature": 0}),
+    )
+    .await;
     assert_eq!(long["usage"]["completion_tokens"], json!(40), "{long}");
     assert_eq!(long["choices"][0]["finish_reason"], "length");
 
@@ -222,10 +351,18 @@ async fn logit_bias_min_tokens_and_stop_token_ids_take_effect() {
     // endpoint; ignore_eos runs to max_tokens.
     let stop = plain_ids[1];
     let first = plain_ids.iter().position(|&t| t == stop).unwrap();
-    let stopped = ok(&client, chat_url, &json!({"messages": messages, "max_tokens": 40, "temperature": 0,
-        "stop_token_ids": [stop], "return_token_ids": true})).await;
+    let stopped = ok(
+        &client,
+        chat_url,
+        &json!({"messages": messages, "max_tokens": 40, "temperature": 0,
+        "stop_token_ids": [stop], "return_token_ids": true}),
+    )
+    .await;
     assert_eq!(stopped["choices"][0]["finish_reason"], "stop");
-    assert_eq!(ids(&stopped["choices"][0]["token_ids"]), plain_ids[..=first].to_vec());
+    assert_eq!(
+        ids(&stopped["choices"][0]["token_ids"]),
+        plain_ids[..=first].to_vec()
+    );
     let v = ok(&client, url, &json!({"prompt": PROMPT, "max_tokens": 6, "temperature": 0, "ignore_eos": true, "stop_token_ids": [2]})).await;
     assert_eq!(v["usage"]["completion_tokens"], json!(6), "{v}");
     assert!(s.terminate().success());
@@ -233,21 +370,71 @@ async fn logit_bias_min_tokens_and_stop_token_ids_take_effect() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn refused_fields_answer_400_naming_them() {
-    let Some((s, client)) = started("refused_fields_answer_400_naming_them").await else { return };
+    let Some((s, client)) = started("refused_fields_answer_400_naming_them").await else {
+        return;
+    };
     let messages = json!([{"role": "user", "content": "hi"}]);
     let cases = [
-        ("/v1/completions", json!({"prompt": "a", "suffix": "b"}), "suffix"),
-        ("/v1/completions", json!({"prompt": "a", "n": 2, "best_of": 3}), "best_of"),
-        ("/v1/completions", json!({"prompt": "a", "logit_bias": {"99999999": 5}}), "logit_bias"),
-        ("/v1/completions", json!({"prompt": "a", "logprobs": 21}), "logprobs"),
-        ("/v1/completions", json!({"prompt": "a", "repetition_penalty": 0}), "repetition_penalty"),
-        ("/v1/completions", json!({"prompt": "a", "presence_penalty": 3}), "presence_penalty"),
-        ("/v1/chat/completions", json!({"messages": messages, "response_format": {"type": "json_object"}}), "response_format"),
-        ("/v1/chat/completions", json!({"messages": messages, "tools": [{"type": "function", "function": {"name": "f"}}]}), "tools"),
-        ("/v1/chat/completions", json!({"messages": messages, "tool_choice": "required"}), "tool_choice"),
-        ("/v1/chat/completions", json!({"messages": messages, "skip_special_tokens": false}), "skip_special_tokens"),
-        ("/v1/chat/completions", json!({"messages": messages, "echo": true}), "echo"),
-        ("/v1/chat/completions", json!({"messages": messages, "top_logprobs": 2}), "top_logprobs"),
+        (
+            "/v1/completions",
+            json!({"prompt": "a", "suffix": "b"}),
+            "suffix",
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": "a", "n": 2, "best_of": 3}),
+            "best_of",
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": "a", "logit_bias": {"99999999": 5}}),
+            "logit_bias",
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": "a", "logprobs": 21}),
+            "logprobs",
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": "a", "repetition_penalty": 0}),
+            "repetition_penalty",
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": "a", "presence_penalty": 3}),
+            "presence_penalty",
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"messages": messages, "response_format": {"type": "json_object"}}),
+            "response_format",
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"messages": messages, "tools": [{"type": "function", "function": {"name": "f"}}]}),
+            "tools",
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"messages": messages, "tool_choice": "required"}),
+            "tool_choice",
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"messages": messages, "skip_special_tokens": false}),
+            "skip_special_tokens",
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"messages": messages, "echo": true}),
+            "echo",
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"messages": messages, "top_logprobs": 2}),
+            "top_logprobs",
+        ),
     ];
     for (path, body, param) in cases {
         let (status, v) = post(&client, s.url(path), &body).await;
@@ -265,19 +452,48 @@ async fn refused_fields_answer_400_naming_them() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tokenize_detokenize_version_and_the_api_key() {
-    let Some(path) = smollm2_path("tokenize_detokenize_version_and_the_api_key") else { return };
-    let args = ["serve", "--port", "0", "--model", path.to_str().unwrap(), "--num-kv-blocks", "64"];
+    let Some(path) = smollm2_path("tokenize_detokenize_version_and_the_api_key") else {
+        return;
+    };
+    let args = [
+        "serve",
+        "--port",
+        "0",
+        "--model",
+        path.to_str().unwrap(),
+        "--num-kv-blocks",
+        "64",
+    ];
     let s = Proc::start_env(&[], &args, &[("PDKV_API_KEY", "k3y")]);
     let client = reqwest::Client::new();
     // Probes and scrapers need no key.
     wait_healthy(&client, &s.url("/health")).await;
-    assert_eq!(client.get(s.url("/metrics")).send().await.unwrap().status(), 200);
-    let version: Value = client.get(s.url("/version")).send().await.unwrap().json().await.unwrap();
+    assert_eq!(
+        client.get(s.url("/metrics")).send().await.unwrap().status(),
+        200
+    );
+    let version: Value = client
+        .get(s.url("/version"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
     assert_eq!(version["version"], env!("CARGO_PKG_VERSION"));
 
     let body = json!({"prompt": PROMPT, "add_special_tokens": false});
-    for (path, key) in [("/tokenize", None), ("/tokenize", Some("wrong")), ("/v1/completions", None), ("/v1/models", None)] {
-        let mut req = if path == "/v1/models" { client.get(s.url(path)) } else { client.post(s.url(path)).json(&body) };
+    for (path, key) in [
+        ("/tokenize", None),
+        ("/tokenize", Some("wrong")),
+        ("/v1/completions", None),
+        ("/v1/models", None),
+    ] {
+        let mut req = if path == "/v1/models" {
+            client.get(s.url(path))
+        } else {
+            client.post(s.url(path)).json(&body)
+        };
         if let Some(k) = key {
             req = req.bearer_auth(k);
         }
@@ -287,11 +503,22 @@ async fn tokenize_detokenize_version_and_the_api_key() {
         assert_eq!(v["error"]["type"], "authentication_error", "{v}");
     }
 
-    let tokenized: Value =
-        client.post(s.url("/tokenize")).bearer_auth("k3y").json(&body).send().await.unwrap().json().await.unwrap();
+    let tokenized: Value = client
+        .post(s.url("/tokenize"))
+        .bearer_auth("k3y")
+        .json(&body)
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
     let tokens = ids(&tokenized["tokens"]);
     assert_eq!(tokenized["count"], json!(tokens.len()));
-    assert!(tokenized["max_model_len"].as_u64().unwrap() >= 2048, "{tokenized}");
+    assert!(
+        tokenized["max_model_len"].as_u64().unwrap() >= 2048,
+        "{tokenized}"
+    );
     let detok: Value = client
         .post(s.url("/detokenize"))
         .bearer_auth("k3y")
@@ -304,10 +531,20 @@ async fn tokenize_detokenize_version_and_the_api_key() {
         .unwrap();
     assert_eq!(detok["prompt"], PROMPT);
     let (status, bad) = {
-        let resp = client.post(s.url("/detokenize")).bearer_auth("k3y").json(&json!({"tokens": [99999999]})).send().await.unwrap();
+        let resp = client
+            .post(s.url("/detokenize"))
+            .bearer_auth("k3y")
+            .json(&json!({"tokens": [99999999]}))
+            .send()
+            .await
+            .unwrap();
         (resp.status().as_u16(), resp.json::<Value>().await.unwrap())
     };
-    assert_eq!((status, &bad["error"]["param"]), (400, &json!("tokens")), "{bad}");
+    assert_eq!(
+        (status, &bad["error"]["param"]),
+        (400, &json!("tokens")),
+        "{bad}"
+    );
 
     // A conversation tokenizes to the prompt the chat endpoint generates from.
     let messages = json!([{"role": "user", "content": "Hello there"}]);
@@ -342,21 +579,50 @@ async fn tokenize_detokenize_version_and_the_api_key() {
 /// which the proxy passes on from the client.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_n8_group_through_the_pd_proxy_is_one_transfer_and_equals_colocated() {
-    let Some(path) = smollm2_path("an_n8_group_through_the_pd_proxy_is_one_transfer_and_equals_colocated") else {
+    let Some(path) =
+        smollm2_path("an_n8_group_through_the_pd_proxy_is_one_transfer_and_equals_colocated")
+    else {
         return;
     };
     let model = path.to_str().unwrap();
     let client = reqwest::Client::new();
     let colo = serve(&path);
-    let common = ["serve", "--port", "0", "--model", model, "--num-kv-blocks", "128"];
+    let common = [
+        "serve",
+        "--port",
+        "0",
+        "--model",
+        model,
+        "--num-kv-blocks",
+        "128",
+    ];
     let kv = |role: &str| format!(r#"{{"kv_connector":"pdkv","kv_role":"{role}"}}"#);
     let key = [("PDKV_API_KEY", "rollout-key")];
     let (p_kv, d_kv) = (kv("kv_producer"), kv("kv_consumer"));
-    let p_args = [&common[..], &["--kv-transfer-config", &p_kv, "--engine-id", "p0"]].concat();
-    let d_args = [&common[..], &["--kv-transfer-config", &d_kv, "--engine-id", "d0"]].concat();
+    let p_args = [
+        &common[..],
+        &["--kv-transfer-config", &p_kv, "--engine-id", "p0"],
+    ]
+    .concat();
+    let d_args = [
+        &common[..],
+        &["--kv-transfer-config", &d_kv, "--engine-id", "d0"],
+    ]
+    .concat();
     let p = Proc::start_env(&[], &p_args, &key);
     let d = Proc::start_env(&[], &d_args, &key);
-    let proxy = Proc::start(&[], &["proxy", "--port", "0", "--prefill", &p.base, "--decode", &d.base]);
+    let proxy = Proc::start(
+        &[],
+        &[
+            "proxy",
+            "--port",
+            "0",
+            "--prefill",
+            &p.base,
+            "--decode",
+            &d.base,
+        ],
+    );
     for s in [&colo, &p, &d, &proxy] {
         wait_healthy(&client, &s.url("/health")).await;
     }
@@ -365,22 +631,69 @@ async fn an_n8_group_through_the_pd_proxy_is_one_transfer_and_equals_colocated()
         "ignore_eos": true, "logprobs": 1, "return_token_ids": true});
     let want = ok(&client, colo.url("/v1/completions"), &body).await;
     let loads = |t: &str| metric(t, "pdkv_kv_loads_ok_total").unwrap_or(0.0);
-    let before = client.get(d.url("/metrics")).send().await.unwrap().text().await.unwrap();
-    let resp = client.post(proxy.url("/v1/completions")).json(&body).send().await.unwrap();
-    assert_eq!(resp.status().as_u16(), 401, "without the key: {}", resp.text().await.unwrap());
-    let resp = client.post(proxy.url("/v1/completions")).bearer_auth("rollout-key").json(&body).send().await.unwrap();
+    let before = client
+        .get(d.url("/metrics"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let resp = client
+        .post(proxy.url("/v1/completions"))
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(
+        resp.status().as_u16(),
+        401,
+        "without the key: {}",
+        resp.text().await.unwrap()
+    );
+    let resp = client
+        .post(proxy.url("/v1/completions"))
+        .bearer_auth("rollout-key")
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
     assert_eq!(resp.status().as_u16(), 200);
     let got: Value = resp.json().await.unwrap();
-    let after = client.get(d.url("/metrics")).send().await.unwrap().text().await.unwrap();
-    assert_eq!(loads(&after) - loads(&before), 1.0, "one KV load for the group");
-    let (w, g) = (want["choices"].as_array().unwrap(), got["choices"].as_array().unwrap());
+    let after = client
+        .get(d.url("/metrics"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert_eq!(
+        loads(&after) - loads(&before),
+        1.0,
+        "one KV load for the group"
+    );
+    let (w, g) = (
+        want["choices"].as_array().unwrap(),
+        got["choices"].as_array().unwrap(),
+    );
     assert_eq!(g.len(), 8, "{got}");
     let mut largest: f64 = 0.0;
     for (a, b) in w.iter().zip(g) {
         assert_eq!(a["index"], b["index"]);
-        assert_eq!(ids(&a["token_ids"]), ids(&b["token_ids"]), "choice {}: the same tokens", a["index"]);
+        assert_eq!(
+            ids(&a["token_ids"]),
+            ids(&b["token_ids"]),
+            "choice {}: the same tokens",
+            a["index"]
+        );
         let lp = |c: &Value| -> Vec<f64> {
-            c["logprobs"]["token_logprobs"].as_array().unwrap().iter().map(|x| x.as_f64().unwrap()).collect()
+            c["logprobs"]["token_logprobs"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|x| x.as_f64().unwrap())
+                .collect()
         };
         for (x, y) in lp(a).iter().zip(lp(b)) {
             largest = largest.max((x - y).abs());
@@ -393,13 +706,38 @@ async fn an_n8_group_through_the_pd_proxy_is_one_transfer_and_equals_colocated()
     // the proxy sends such a request to D alone, which computes the prompt.
     let pl = json!({"prompt": prompt, "max_tokens": 1, "temperature": 0, "prompt_logprobs": 1});
     let want = ok(&client, colo.url("/v1/completions"), &pl).await;
-    let resp = client.post(proxy.url("/v1/completions")).bearer_auth("rollout-key").json(&pl).send().await.unwrap();
+    let resp = client
+        .post(proxy.url("/v1/completions"))
+        .bearer_auth("rollout-key")
+        .json(&pl)
+        .send()
+        .await
+        .unwrap();
     assert_eq!(resp.status().as_u16(), 200);
     let got: Value = resp.json().await.unwrap();
-    assert!(want["choices"][0]["prompt_logprobs"].as_array().is_some_and(|a| a.len() > 1), "{want}");
-    assert_eq!(got["choices"][0]["prompt_logprobs"], want["choices"][0]["prompt_logprobs"]);
-    let last = client.get(d.url("/metrics")).send().await.unwrap().text().await.unwrap();
-    assert_eq!(loads(&last), loads(&after), "no KV load for a request D computed alone");
+    assert!(
+        want["choices"][0]["prompt_logprobs"]
+            .as_array()
+            .is_some_and(|a| a.len() > 1),
+        "{want}"
+    );
+    assert_eq!(
+        got["choices"][0]["prompt_logprobs"],
+        want["choices"][0]["prompt_logprobs"]
+    );
+    let last = client
+        .get(d.url("/metrics"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert_eq!(
+        loads(&last),
+        loads(&after),
+        "no KV load for a request D computed alone"
+    );
     for s in [proxy, d, p, colo] {
         assert!(s.terminate().success());
     }

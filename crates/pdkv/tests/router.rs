@@ -38,12 +38,18 @@ const TOKEN: &str = "router-test-token";
 static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
 fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
 }
 
 /// The router's launcher, or `None` (with a note) outside CI.
 fn router_path(test: &str) -> Option<PathBuf> {
-    let found = std::env::var_os("PDKV_VLLM_ROUTER").map(PathBuf::from).filter(|p| p.is_file());
+    let found = std::env::var_os("PDKV_VLLM_ROUTER")
+        .map(PathBuf::from)
+        .filter(|p| p.is_file());
     if found.is_none() {
         assert!(
             std::env::var_os("CI").is_none(),
@@ -83,8 +89,25 @@ struct Up {
 
 fn start_up(model: &str, mode: &str) -> Up {
     let mut child = Command::new(env!("CARGO_BIN_EXE_pdkv"))
-        .args(["up", "--model", model, "--prefill", "2", "--decode", "2", "--transfer-mode", mode])
-        .args(["--num-kv-blocks", "256", "--port", &free_port().to_string(), "--admin-token", TOKEN])
+        .args([
+            "up",
+            "--model",
+            model,
+            "--prefill",
+            "2",
+            "--decode",
+            "2",
+            "--transfer-mode",
+            mode,
+        ])
+        .args([
+            "--num-kv-blocks",
+            "256",
+            "--port",
+            &free_port().to_string(),
+            "--admin-token",
+            TOKEN,
+        ])
         .env("RUST_LOG", "info")
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
@@ -109,17 +132,40 @@ fn start_up(model: &str, mode: &str) -> Up {
             .unwrap_or_else(|e| panic!("pdkv up never became ready ({e})"));
         if let Some(rest) = line.strip_prefix("prefill ") {
             // "prefill I: URL (KV bootstrap port K)"
-            let url = rest.split_whitespace().nth(1).expect("prefill url").to_string();
-            let port = rest.rsplit(' ').next().unwrap().trim_end_matches(')').parse().expect("kv port");
+            let url = rest
+                .split_whitespace()
+                .nth(1)
+                .expect("prefill url")
+                .to_string();
+            let port = rest
+                .rsplit(' ')
+                .next()
+                .unwrap()
+                .trim_end_matches(')')
+                .parse()
+                .expect("kv port");
             prefill.push((url, port));
         } else if let Some(rest) = line.strip_prefix("decode ") {
-            decode.push(rest.split_whitespace().nth(1).expect("decode url").to_string());
+            decode.push(
+                rest.split_whitespace()
+                    .nth(1)
+                    .expect("decode url")
+                    .to_string(),
+            );
         } else if line.starts_with("proxy: ") {
             break;
         }
     }
-    assert_eq!((prefill.len(), decode.len()), (2, 2), "pdkv up printed its engines");
-    Up { _child: child, prefill, decode }
+    assert_eq!(
+        (prefill.len(), decode.len()),
+        (2, 2),
+        "pdkv up printed its engines"
+    );
+    Up {
+        _child: child,
+        prefill,
+        decode,
+    }
 }
 
 /// The router in P/D mode in front of `up`'s engines, health-checking
@@ -127,9 +173,27 @@ fn start_up(model: &str, mode: &str) -> Up {
 fn start_router(router: &PathBuf, up: &Up, connector: &str) -> (Kid, String) {
     let port = free_port();
     let mut cmd = Command::new(router);
-    cmd.args(["--vllm-pd-disaggregation", "--host", "127.0.0.1", "--port", &port.to_string()])
-        .args(["--prometheus-port", &free_port().to_string(), "--kv-connector", connector])
-        .args(["--policy", "round_robin", "--health-check-interval-secs", "1", "--worker-startup-check-interval", "1"]);
+    cmd.args([
+        "--vllm-pd-disaggregation",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        &port.to_string(),
+    ])
+    .args([
+        "--prometheus-port",
+        &free_port().to_string(),
+        "--kv-connector",
+        connector,
+    ])
+    .args([
+        "--policy",
+        "round_robin",
+        "--health-check-interval-secs",
+        "1",
+        "--worker-startup-check-interval",
+        "1",
+    ]);
     for (url, kv) in &up.prefill {
         cmd.arg("--prefill").arg(url);
         if connector == "mooncake" {
@@ -139,7 +203,12 @@ fn start_router(router: &PathBuf, up: &Up, connector: &str) -> (Kid, String) {
     for url in &up.decode {
         cmd.arg("--decode").arg(url);
     }
-    let child = cmd.stdin(Stdio::null()).stdout(Stdio::null()).stderr(Stdio::inherit()).spawn().expect("spawn vllm-router");
+    let child = cmd
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .expect("spawn vllm-router");
     (Kid(child), format!("http://127.0.0.1:{port}"))
 }
 
@@ -159,20 +228,40 @@ const PROMPTS: [&str; 8] = [
 /// tokens, so none is served whole from D's prefix cache (each loads KV).
 fn request(i: usize) -> (&'static str, Value) {
     let round = (i / PROMPTS.len()) % 2;
-    let p = format!("{}{}", PROMPTS[i % PROMPTS.len()], if round == 0 { "" } else { " Think again:" });
+    let p = format!(
+        "{}{}",
+        PROMPTS[i % PROMPTS.len()],
+        if round == 0 { "" } else { " Think again:" }
+    );
     let stream = i % 4 >= 2;
     if i.is_multiple_of(2) {
-        ("/v1/completions", json!({"prompt": p, "max_tokens": 8, "temperature": 0, "stream": stream}))
+        (
+            "/v1/completions",
+            json!({"prompt": p, "max_tokens": 8, "temperature": 0, "stream": stream}),
+        )
     } else {
         let messages = json!([{"role": "user", "content": p}]);
-        ("/v1/chat/completions", json!({"messages": messages, "max_tokens": 8, "temperature": 0, "stream": stream}))
+        (
+            "/v1/chat/completions",
+            json!({"messages": messages, "max_tokens": 8, "temperature": 0, "stream": stream}),
+        )
     }
 }
 
 /// The text of a generation (either endpoint, streamed or not), or the
 /// status and body of a refusal.
-async fn generate(client: &reqwest::Client, base: &str, path: &str, body: &Value) -> Result<String, (u16, String)> {
-    let resp = client.post(format!("{base}{path}")).json(body).send().await.map_err(|e| (0, e.to_string()))?;
+async fn generate(
+    client: &reqwest::Client,
+    base: &str,
+    path: &str,
+    body: &Value,
+) -> Result<String, (u16, String)> {
+    let resp = client
+        .post(format!("{base}{path}"))
+        .json(body)
+        .send()
+        .await
+        .map_err(|e| (0, e.to_string()))?;
     let status = resp.status().as_u16();
     let text = resp.text().await.map_err(|e| (status, e.to_string()))?;
     if status != 200 {
@@ -180,7 +269,12 @@ async fn generate(client: &reqwest::Client, base: &str, path: &str, body: &Value
     }
     let piece = |c: &Value| {
         let choice = &c["choices"][0];
-        choice["text"].as_str().or(choice["message"]["content"].as_str()).or(choice["delta"]["content"].as_str()).unwrap_or_default().to_string()
+        choice["text"]
+            .as_str()
+            .or(choice["message"]["content"].as_str())
+            .or(choice["delta"]["content"].as_str())
+            .unwrap_or_default()
+            .to_string()
     };
     if body["stream"] != json!(true) {
         let v: Value = serde_json::from_str(&text).map_err(|e| (status, format!("{e}: {text}")))?;
@@ -188,11 +282,15 @@ async fn generate(client: &reqwest::Client, base: &str, path: &str, body: &Value
     }
     let mut out = String::new();
     for event in text.split("\n\n").filter(|e| !e.trim().is_empty()) {
-        let data = event.trim().strip_prefix("data: ").ok_or((status, format!("bad event {event:?}")))?;
+        let data = event
+            .trim()
+            .strip_prefix("data: ")
+            .ok_or((status, format!("bad event {event:?}")))?;
         if data == "[DONE]" {
             return Ok(out);
         }
-        let chunk: Value = serde_json::from_str(data).map_err(|e| (status, format!("{e}: {data}")))?;
+        let chunk: Value =
+            serde_json::from_str(data).map_err(|e| (status, format!("{e}: {data}")))?;
         if chunk.get("error").is_some() {
             return Err((status, data.to_string()));
         }
@@ -202,7 +300,12 @@ async fn generate(client: &reqwest::Client, base: &str, path: &str, body: &Value
 }
 
 async fn admin(client: &reqwest::Client, base: &str, path: &str) -> Value {
-    let resp = client.post(format!("{base}{path}")).bearer_auth(TOKEN).send().await.expect("admin call");
+    let resp = client
+        .post(format!("{base}{path}"))
+        .bearer_auth(TOKEN)
+        .send()
+        .await
+        .expect("admin call");
     let status = resp.status();
     let v: Value = resp.json().await.expect("admin JSON");
     assert!(status.is_success(), "{base}{path}: {status} {v}");
@@ -210,15 +313,35 @@ async fn admin(client: &reqwest::Client, base: &str, path: &str) -> Value {
 }
 
 /// Waits until the router reports `url` healthy (or not), bounded.
-async fn wait_router_health(client: &reqwest::Client, router: &str, url: &str, healthy: bool) -> Duration {
+async fn wait_router_health(
+    client: &reqwest::Client,
+    router: &str,
+    url: &str,
+    healthy: bool,
+) -> Duration {
     let started = Instant::now();
     loop {
-        let v: Value = client.get(format!("{router}/workers")).send().await.unwrap().json().await.unwrap();
-        let w = v["workers"].as_array().unwrap().iter().find(|w| w["url"] == url).cloned();
+        let v: Value = client
+            .get(format!("{router}/workers"))
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        let w = v["workers"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|w| w["url"] == url)
+            .cloned();
         if w.as_ref().and_then(|w| w["is_healthy"].as_bool()) == Some(healthy) {
             return started.elapsed();
         }
-        assert!(started.elapsed() < DEADLINE, "the router never marked {url} healthy={healthy}: {v}");
+        assert!(
+            started.elapsed() < DEADLINE,
+            "the router never marked {url} healthy={healthy}: {v}"
+        );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
 }
@@ -228,7 +351,14 @@ fn counter(client_text: &str, name: &str) -> f64 {
 }
 
 async fn metrics(client: &reqwest::Client, base: &str) -> String {
-    client.get(format!("{base}/metrics")).send().await.unwrap().text().await.unwrap()
+    client
+        .get(format!("{base}/metrics"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap()
 }
 
 /// What the router's clients got during a phase.
@@ -243,10 +373,21 @@ struct Seen {
 
 /// Sends requests through the router (2 at a time) until `stop`, checking
 /// each answer against the colocated one.
-async fn traffic(client: reqwest::Client, router: String, expected: Arc<Vec<String>>, stop: Arc<AtomicBool>) -> Seen {
+async fn traffic(
+    client: reqwest::Client,
+    router: String,
+    expected: Arc<Vec<String>>,
+    stop: Arc<AtomicBool>,
+) -> Seen {
     let seen = Arc::new(Mutex::new(Seen::default()));
     let worker = |w: usize| {
-        let (client, router, expected, stop, seen) = (client.clone(), router.clone(), expected.clone(), stop.clone(), seen.clone());
+        let (client, router, expected, stop, seen) = (
+            client.clone(),
+            router.clone(),
+            expected.clone(),
+            stop.clone(),
+            seen.clone(),
+        );
         async move {
             let mut i = w;
             while !stop.load(Ordering::SeqCst) {
@@ -255,7 +396,10 @@ async fn traffic(client: reqwest::Client, router: String, expected: Arc<Vec<Stri
                 let mut s = seen.lock().unwrap();
                 match got {
                     Ok(text) if text == expected[i % expected.len()] => s.ok += 1,
-                    Ok(text) => s.bad.push(format!("request {i}: {text:?} != {:?}", expected[i % expected.len()])),
+                    Ok(text) => s.bad.push(format!(
+                        "request {i}: {text:?} != {:?}",
+                        expected[i % expected.len()]
+                    )),
                     Err((503, body)) if body.contains("engine_not_serving") => s.retryable += 1,
                     Err((status, body)) => s.bad.push(format!("request {i}: {status} {body}")),
                 }
@@ -269,19 +413,41 @@ async fn traffic(client: reqwest::Client, router: String, expected: Arc<Vec<Stri
 }
 
 async fn router_drives_pdkv(test: &str, mode: &str, connector: &str) {
-    let Some(model) = smollm2_path(test) else { return };
-    let Some(router_bin) = router_path(test) else { return };
+    let Some(model) = smollm2_path(test) else {
+        return;
+    };
+    let Some(router_bin) = router_path(test) else {
+        return;
+    };
     let _serial = SERIAL.lock().await;
     let model = model.to_str().unwrap().to_string();
-    let client = reqwest::Client::builder().timeout(Duration::from_secs(120)).build().unwrap();
+    let client = reqwest::Client::builder()
+        .timeout(Duration::from_secs(120))
+        .build()
+        .unwrap();
 
-    let colo = Proc::start(&[], &["serve", "--port", "0", "--model", &model, "--num-kv-blocks", "256"]);
+    let colo = Proc::start(
+        &[],
+        &[
+            "serve",
+            "--port",
+            "0",
+            "--model",
+            &model,
+            "--num-kv-blocks",
+            "256",
+        ],
+    );
     wait_healthy(&client, &colo.url("/health")).await;
     let n = 2 * PROMPTS.len();
     let mut expected = Vec::with_capacity(n);
     for i in 0..n {
         let (path, body) = request(i);
-        expected.push(generate(&client, &colo.base, path, &body).await.expect("colocated answer"));
+        expected.push(
+            generate(&client, &colo.base, path, &body)
+                .await
+                .expect("colocated answer"),
+        );
     }
     let expected = Arc::new(expected);
 
@@ -301,35 +467,61 @@ async fn router_drives_pdkv(test: &str, mode: &str, connector: &str) {
     .collect::<Vec<_>>()
     .await;
     for (i, r) in got {
-        let text = r.unwrap_or_else(|e| panic!("{mode}: request {i} through the router failed: {e:?}"));
+        let text =
+            r.unwrap_or_else(|e| panic!("{mode}: request {i} through the router failed: {e:?}"));
         assert_eq!(text, expected[i], "{mode}: request {i} through the router");
     }
     // Every request's KV came from a P: both Ds loaded, none failed.
     let mut loads = 0.0;
     for d in &up.decode {
         let m = metrics(&client, d).await;
-        let (ok, failed) = (counter(&m, "pdkv_kv_loads_ok_total"), counter(&m, "pdkv_kv_loads_failed_total"));
-        assert!(ok > 0.0 && failed == 0.0, "{mode}: decode {d} loaded {ok}, failed {failed}");
+        let (ok, failed) = (
+            counter(&m, "pdkv_kv_loads_ok_total"),
+            counter(&m, "pdkv_kv_loads_failed_total"),
+        );
+        assert!(
+            ok > 0.0 && failed == 0.0,
+            "{mode}: decode {d} loaded {ok}, failed {failed}"
+        );
         loads += ok;
     }
     assert_eq!(loads, n as f64, "{mode}: one KV load per request");
     // The router's cache flush reaches the engines.
-    let resp = client.post(format!("{router}/flush_cache")).send().await.unwrap();
-    assert!(resp.status().is_success(), "{mode}: /flush_cache through the router: {}", resp.text().await.unwrap());
+    let resp = client
+        .post(format!("{router}/flush_cache"))
+        .send()
+        .await
+        .unwrap();
+    assert!(
+        resp.status().is_success(),
+        "{mode}: /flush_cache through the router: {}",
+        resp.text().await.unwrap()
+    );
 
     // One D sleeps while traffic flows: retryable 503s until the router's
     // health check steers away, never a wrong answer.
     let (d_sleep, d_drain) = (up.decode[1].clone(), up.decode[0].clone());
     let stop = Arc::new(AtomicBool::new(false));
-    let flow = tokio::spawn(traffic(client.clone(), router.clone(), expected.clone(), stop.clone()));
+    let flow = tokio::spawn(traffic(
+        client.clone(),
+        router.clone(),
+        expected.clone(),
+        stop.clone(),
+    ));
     tokio::time::sleep(Duration::from_millis(500)).await;
     // `wait`: requests D is running finish; new ones are refused.
     admin(&client, &d_sleep, "/sleep?level=1&mode=wait").await;
     let steered = wait_router_health(&client, &router, &d_sleep, false).await;
     stop.store(true, Ordering::SeqCst);
     let seen = flow.await.unwrap();
-    eprintln!("{mode}: sleeping a D under load: {seen:?}; the router steered away after {steered:?}");
-    assert!(seen.bad.is_empty(), "{mode}: wrong answers or other errors while a D slept: {:?}", seen.bad);
+    eprintln!(
+        "{mode}: sleeping a D under load: {seen:?}; the router steered away after {steered:?}"
+    );
+    assert!(
+        seen.bad.is_empty(),
+        "{mode}: wrong answers or other errors while a D slept: {:?}",
+        seen.bad
+    );
     assert!(seen.ok > 0, "{mode}: traffic flowed: {seen:?}");
     admin(&client, &d_sleep, "/wake_up").await;
     wait_router_health(&client, &router, &d_sleep, true).await;
@@ -337,13 +529,26 @@ async fn router_drives_pdkv(test: &str, mode: &str, connector: &str) {
     // The sequence that loses nothing: pause keep (requests sent meanwhile
     // are held, /health steers the router away), sleep, wake, resume.
     let stop = Arc::new(AtomicBool::new(false));
-    let flow = tokio::spawn(traffic(client.clone(), router.clone(), expected.clone(), stop.clone()));
+    let flow = tokio::spawn(traffic(
+        client.clone(),
+        router.clone(),
+        expected.clone(),
+        stop.clone(),
+    ));
     tokio::time::sleep(Duration::from_millis(500)).await;
     admin(&client, &d_drain, "/pause?mode=keep").await;
     wait_router_health(&client, &router, &d_drain, false).await;
     admin(&client, &d_drain, "/sleep?level=1").await;
     admin(&client, &d_drain, "/wake_up").await;
-    let v: Value = client.get(format!("{d_drain}/is_paused")).bearer_auth(TOKEN).send().await.unwrap().json().await.unwrap();
+    let v: Value = client
+        .get(format!("{d_drain}/is_paused"))
+        .bearer_auth(TOKEN)
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
     if v["is_paused"] == json!(true) {
         admin(&client, &d_drain, "/resume").await;
     }
@@ -352,20 +557,37 @@ async fn router_drives_pdkv(test: &str, mode: &str, connector: &str) {
     stop.store(true, Ordering::SeqCst);
     let seen = flow.await.unwrap();
     eprintln!("{mode}: drain (pause keep), sleep, wake, resume under load: {seen:?}");
-    assert!(seen.bad.is_empty() && seen.retryable == 0, "{mode}: the drain lost requests: {seen:?}");
+    assert!(
+        seen.bad.is_empty() && seen.retryable == 0,
+        "{mode}: the drain lost requests: {seen:?}"
+    );
     assert!(seen.ok > 0, "{mode}: traffic flowed: {seen:?}");
     for d in &up.decode {
         let m = metrics(&client, d).await;
-        assert_eq!(counter(&m, "pdkv_kv_loads_failed_total"), 0.0, "{mode}: decode {d} failed a load: {m}");
+        assert_eq!(
+            counter(&m, "pdkv_kv_loads_failed_total"),
+            0.0,
+            "{mode}: decode {d} failed a load: {m}"
+        );
     }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn vllm_router_drives_pdkv_in_read_mode_as_nixl() {
-    router_drives_pdkv("vllm_router_drives_pdkv_in_read_mode_as_nixl", "read", "nixl").await;
+    router_drives_pdkv(
+        "vllm_router_drives_pdkv_in_read_mode_as_nixl",
+        "read",
+        "nixl",
+    )
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn vllm_router_drives_pdkv_in_write_mode_as_mooncake() {
-    router_drives_pdkv("vllm_router_drives_pdkv_in_write_mode_as_mooncake", "write", "mooncake").await;
+    router_drives_pdkv(
+        "vllm_router_drives_pdkv_in_write_mode_as_mooncake",
+        "write",
+        "mooncake",
+    )
+    .await;
 }

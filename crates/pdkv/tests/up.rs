@@ -19,7 +19,11 @@ fn pdkv() -> Command {
 }
 
 fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
 }
 
 /// Lines of a child's pipe, read on a thread.
@@ -45,7 +49,17 @@ fn alive(pid: i32) -> bool {
 fn tiny_checkpoint(dir: &std::path::Path, seed: u32) -> std::path::PathBuf {
     let ckpt = dir.join("tiny");
     let o = pdkv()
-        .args(["model", "init", "--arch", "llama", "--preset", "tiny", "--seed", &seed.to_string(), "--out"])
+        .args([
+            "model",
+            "init",
+            "--arch",
+            "llama",
+            "--preset",
+            "tiny",
+            "--seed",
+            &seed.to_string(),
+            "--out",
+        ])
         .arg(&ckpt)
         .output()
         .unwrap();
@@ -58,14 +72,22 @@ async fn up_serves_through_the_proxy_and_stops_every_child() {
     let dir = tempfile::tempdir().unwrap();
     let ckpt = tiny_checkpoint(dir.path(), 3);
     let port = free_port();
-    let (mut up, url, err) =
-        start_up(&["--model", ckpt.to_str().unwrap(), "--num-kv-blocks", "64", "--port", &port.to_string()]);
+    let (mut up, url, err) = start_up(&[
+        "--model",
+        ckpt.to_str().unwrap(),
+        "--num-kv-blocks",
+        "64",
+        "--port",
+        &port.to_string(),
+    ]);
     assert_eq!(url, format!("http://127.0.0.1:{port}"));
 
     let client = reqwest::Client::new();
     let resp = client
         .post(format!("{url}/v1/completions"))
-        .json(&json!({"prompt": "The river", "max_tokens": 5, "temperature": 0, "ignore_eos": true}))
+        .json(
+            &json!({"prompt": "The river", "max_tokens": 5, "temperature": 0, "ignore_eos": true}),
+        )
         .send()
         .await
         .unwrap();
@@ -81,14 +103,26 @@ async fn up_serves_through_the_proxy_and_stops_every_child() {
     std::thread::spawn(move || {
         let _ = tx.send(up.wait());
     });
-    let status = rx.recv_timeout(DEADLINE).expect("pdkv up exits after SIGTERM").unwrap();
+    let status = rx
+        .recv_timeout(DEADLINE)
+        .expect("pdkv up exits after SIGTERM")
+        .unwrap();
     let logs: Vec<String> = err.try_iter().collect();
-    assert!(status.success(), "pdkv up exited with {status}; stderr:\n{}", logs.join("\n"));
+    assert!(
+        status.success(),
+        "pdkv up exited with {status}; stderr:\n{}",
+        logs.join("\n")
+    );
     let pids: Vec<i32> = logs
         .iter()
         .filter_map(|l| l.split("(pid ").nth(1)?.split(')').next()?.parse().ok())
         .collect();
-    assert_eq!(pids.len(), 3, "three children started:\n{}", logs.join("\n"));
+    assert_eq!(
+        pids.len(),
+        3,
+        "three children started:\n{}",
+        logs.join("\n")
+    );
     for pid in pids {
         assert!(!alive(pid), "child {pid} outlived pdkv up");
     }
@@ -133,25 +167,75 @@ async fn up_admin_token_drives_every_engine_with_one_call() {
     let dir = tempfile::tempdir().unwrap();
     let ckpt = tiny_checkpoint(dir.path(), 5);
     let port = free_port().to_string();
-    let args = ["--model", ckpt.to_str().unwrap(), "--num-kv-blocks", "64", "--port", &port];
-    let (mut up, url, _err) = start_up(&[&args[..], &["--prefill", "2", "--decode", "2", "--admin-token", "T"]].concat());
+    let args = [
+        "--model",
+        ckpt.to_str().unwrap(),
+        "--num-kv-blocks",
+        "64",
+        "--port",
+        &port,
+    ];
+    let (mut up, url, _err) = start_up(
+        &[
+            &args[..],
+            &["--prefill", "2", "--decode", "2", "--admin-token", "T"],
+        ]
+        .concat(),
+    );
     let client = reqwest::Client::new();
     let probe = |i: usize| json!({"prompt": format!("probe {i}: the river"), "max_tokens": 6, "temperature": 0, "ignore_eos": true});
     let generate = |body: Value| {
         let (client, url) = (client.clone(), url.clone());
         async move {
-            let v: Value = client.post(format!("{url}/v1/completions")).json(&body).send().await.unwrap().json().await.unwrap();
-            v["choices"][0]["text"].as_str().unwrap_or_else(|| panic!("{v}")).to_string()
+            let v: Value = client
+                .post(format!("{url}/v1/completions"))
+                .json(&body)
+                .send()
+                .await
+                .unwrap()
+                .json()
+                .await
+                .unwrap();
+            v["choices"][0]["text"]
+                .as_str()
+                .unwrap_or_else(|| panic!("{v}"))
+                .to_string()
         }
     };
     // The model's routes answer through the proxy too.
-    let v: Value = client.post(format!("{url}/tokenize")).json(&json!({"prompt": "the river"})).send().await.unwrap().json().await.unwrap();
+    let v: Value = client
+        .post(format!("{url}/tokenize"))
+        .json(&json!({"prompt": "the river"}))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
     let tokens = v["tokens"].as_array().unwrap_or_else(|| panic!("{v}"));
-    assert!(!tokens.is_empty() && v["count"] == json!(tokens.len()), "{v}");
-    let back: Value =
-        client.post(format!("{url}/detokenize")).json(&json!({"tokens": tokens})).send().await.unwrap().json().await.unwrap();
-    assert!(back["prompt"].as_str().is_some_and(|p| p.contains("river")), "{back}");
-    for path in ["/version", "/get_model_info", "/get_server_info", "/v1/models"] {
+    assert!(
+        !tokens.is_empty() && v["count"] == json!(tokens.len()),
+        "{v}"
+    );
+    let back: Value = client
+        .post(format!("{url}/detokenize"))
+        .json(&json!({"tokens": tokens}))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert!(
+        back["prompt"].as_str().is_some_and(|p| p.contains("river")),
+        "{back}"
+    );
+    for path in [
+        "/version",
+        "/get_model_info",
+        "/get_server_info",
+        "/v1/models",
+    ] {
         let resp = client.get(format!("{url}{path}")).send().await.unwrap();
         assert_eq!(resp.status(), 200, "{path}");
     }
@@ -162,7 +246,12 @@ async fn up_admin_token_drives_every_engine_with_one_call() {
     let call = |method: reqwest::Method, path: &'static str, token: &'static str| {
         let (client, url) = (client.clone(), url.clone());
         async move {
-            let resp = client.request(method, format!("{url}{path}")).bearer_auth(token).send().await.unwrap();
+            let resp = client
+                .request(method, format!("{url}{path}"))
+                .bearer_auth(token)
+                .send()
+                .await
+                .unwrap();
             let status = resp.status().as_u16();
             (status, resp.json::<Value>().await.unwrap())
         }
@@ -171,36 +260,72 @@ async fn up_admin_token_drives_every_engine_with_one_call() {
     // Without the token: refused, nothing changes.
     let (status, _) = call(Method::POST, "/pause", "wrong").await;
     assert_eq!(status, 401);
-    for (path, first) in [("/pause?mode=keep", "prefill"), ("/sleep?level=1", "prefill")] {
+    for (path, first) in [
+        ("/pause?mode=keep", "prefill"),
+        ("/sleep?level=1", "prefill"),
+    ] {
         let (status, v) = call(Method::POST, path, "T").await;
         assert_eq!(status, 200, "{path}: {v}");
         let engines = v["engines"].as_array().unwrap();
         assert_eq!(engines.len(), 4, "{path}: every engine answered: {v}");
         assert!(engines.iter().all(|e| e["status"] == 200), "{v}");
-        assert_eq!(engines[0]["role"], first, "{path}: stopping calls reach P first: {v}");
+        assert_eq!(
+            engines[0]["role"], first,
+            "{path}: stopping calls reach P first: {v}"
+        );
     }
     let (status, v) = call(Method::GET, "/is_sleeping", "T").await;
-    assert_eq!((status, &v["is_sleeping"], &v["agree"]), (200, &json!(true), &json!(true)), "{v}");
+    assert_eq!(
+        (status, &v["is_sleeping"], &v["agree"]),
+        (200, &json!(true), &json!(true)),
+        "{v}"
+    );
     // Each engine itself is asleep.
     for e in v["engines"].as_array().unwrap() {
         let u = e["url"].as_str().unwrap();
-        let own: Value =
-            client.get(format!("{u}/is_sleeping")).bearer_auth("T").send().await.unwrap().json().await.unwrap();
+        let own: Value = client
+            .get(format!("{u}/is_sleeping"))
+            .bearer_auth("T")
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
         assert_eq!(own["is_sleeping"], true, "{u}");
     }
     // A call every engine refuses names each of them.
     let (status, v) = call(Method::POST, "/sleep?level=9", "T").await;
     assert_eq!(status, 400, "{v}");
     let msg = v["error"]["message"].as_str().unwrap();
-    assert!(msg.contains("failed on 2 of 4 engines") && msg.matches("prefill http://").count() == 2, "{msg}");
-    assert!(v["engines"].as_array().unwrap().iter().filter(|e| e["body"] == "not called").count() == 2, "{v}");
+    assert!(
+        msg.contains("failed on 2 of 4 engines") && msg.matches("prefill http://").count() == 2,
+        "{msg}"
+    );
+    assert!(
+        v["engines"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|e| e["body"] == "not called")
+            .count()
+            == 2,
+        "{v}"
+    );
     for (path, first) in [("/wake_up", "decode"), ("/resume", "decode")] {
         let (status, v) = call(Method::POST, path, "T").await;
         assert_eq!(status, 200, "{path}: {v}");
-        assert_eq!(v["engines"][0]["role"], first, "{path}: starting calls reach D first: {v}");
+        assert_eq!(
+            v["engines"][0]["role"], first,
+            "{path}: starting calls reach D first: {v}"
+        );
     }
     let (_, v) = call(Method::GET, "/is_paused", "T").await;
-    assert_eq!((&v["is_paused"], &v["agree"]), (&json!(false), &json!(true)), "{v}");
+    assert_eq!(
+        (&v["is_paused"], &v["agree"]),
+        (&json!(false), &json!(true)),
+        "{v}"
+    );
     for (i, b) in before.iter().enumerate() {
         assert_eq!(&generate(probe(i)).await, b, "probe {i} after the wake");
     }
@@ -210,6 +335,9 @@ async fn up_admin_token_drives_every_engine_with_one_call() {
     std::thread::spawn(move || {
         let _ = tx.send(up.wait());
     });
-    let status = rx.recv_timeout(DEADLINE).expect("pdkv up exits after SIGTERM").unwrap();
+    let status = rx
+        .recv_timeout(DEADLINE)
+        .expect("pdkv up exits after SIGTERM")
+        .unwrap();
     assert!(status.success(), "pdkv up exited with {status}");
 }

@@ -29,7 +29,10 @@ pub fn query_body(engine_id: &str, kv_role: &str, bootstrap_addr: &str) -> Value
 /// The status and JSON body answering a request head that followed `GET `
 /// (`rest` starts with the target, e.g. `/query HTTP/1.1\r\n...`).
 pub fn answer(rest: &[u8], body: impl FnOnce() -> Value) -> (u16, Value) {
-    let line = rest.split(|&b| b == b'\r' || b == b'\n').next().unwrap_or_default();
+    let line = rest
+        .split(|&b| b == b'\r' || b == b'\n')
+        .next()
+        .unwrap_or_default();
     let mut parts = line.split(|&b| b == b' ');
     let target = parts.next().unwrap_or_default();
     if !parts.next().is_some_and(|v| v.starts_with(b"HTTP/1.")) {
@@ -40,7 +43,10 @@ pub fn answer(rest: &[u8], body: impl FnOnce() -> Value) -> (u16, Value) {
         (200, body())
     } else {
         let shown = String::from_utf8_lossy(path);
-        (404, json!({"error": format!("no route {shown} on the KV bootstrap port; GET /query is served here")}))
+        (
+            404,
+            json!({"error": format!("no route {shown} on the KV bootstrap port; GET /query is served here")}),
+        )
     }
 }
 
@@ -51,7 +57,9 @@ pub async fn serve(shared: &Arc<Shared>, mut s: TcpStream) -> Result<(), WireErr
         let mut buf = [0u8; 1024];
         while !head.windows(4).any(|w| w == b"\r\n\r\n") {
             if head.len() >= MAX_HEAD {
-                return Err(std::io::Error::other(format!("request head over {MAX_HEAD} bytes")));
+                return Err(std::io::Error::other(format!(
+                    "request head over {MAX_HEAD} bytes"
+                )));
             }
             let n = s.read(&mut buf).await?;
             if n == 0 {
@@ -61,13 +69,26 @@ pub async fn serve(shared: &Arc<Shared>, mut s: TcpStream) -> Result<(), WireErr
         }
         Ok(())
     };
-    let io = |source| WireError::Io { what: "reading a bootstrap query", source };
+    let io = |source| WireError::Io {
+        what: "reading a bootstrap query",
+        source,
+    };
     match tokio::time::timeout(CONTROL_IO, read).await {
         Ok(r) => r.map_err(io)?,
-        Err(_) => return Err(WireError::Timeout { what: "reading a bootstrap query" }),
+        Err(_) => {
+            return Err(WireError::Timeout {
+                what: "reading a bootstrap query",
+            })
+        }
     }
     let (status, body) = answer(&head, || {
-        shared.inspect(|c| query_body(c.engine_id(), c.config().kv_role.as_str(), c.bootstrap_addr()))
+        shared.inspect(|c| {
+            query_body(
+                c.engine_id(),
+                c.config().kv_role.as_str(),
+                c.bootstrap_addr(),
+            )
+        })
     });
     let reason = match status {
         200 => "OK",
@@ -84,8 +105,13 @@ pub async fn serve(shared: &Arc<Shared>, mut s: TcpStream) -> Result<(), WireErr
         s.shutdown().await
     };
     match tokio::time::timeout(CONTROL_IO, write).await {
-        Ok(r) => r.map_err(|source| WireError::Io { what: "answering a bootstrap query", source }),
-        Err(_) => Err(WireError::Timeout { what: "answering a bootstrap query" }),
+        Ok(r) => r.map_err(|source| WireError::Io {
+            what: "answering a bootstrap query",
+            source,
+        }),
+        Err(_) => Err(WireError::Timeout {
+            what: "answering a bootstrap query",
+        }),
     }
 }
 

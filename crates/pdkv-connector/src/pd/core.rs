@@ -14,14 +14,19 @@ use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use pdkv_engine::connector::{ConnectorRequest, ExternalMatch, FinishedTransfers, KvCacheSpec, LoadError};
+use pdkv_engine::connector::{
+    ConnectorRequest, ExternalMatch, FinishedTransfers, KvCacheSpec, LoadError,
+};
 use pdkv_engine::FinishReason;
 use pdkv_transfer::{Registration, Registry};
 use serde_json::Value;
 
 use crate::config::{KvRole, KvTransferConfig, TransferMode};
 use crate::params::{self, PdParams, ReadParams};
-use crate::recv::{self, BootInfo, LoadEnd, LoadFailure, LoadId, LoadSpec, LocalKv, PullResult, RecvConfig, RecvMachine};
+use crate::recv::{
+    self, BootInfo, LoadEnd, LoadFailure, LoadId, LoadSpec, LocalKv, PullResult, RecvConfig,
+    RecvMachine,
+};
 use crate::send::{self, PullSpec, SendConfig, SendMachine, ASLEEP};
 use crate::wire::{Destination, FailCode, Failure, HandshakeInfo, Message, Pull};
 
@@ -34,13 +39,25 @@ pub const CONTROL_IO: Duration = Duration::from_secs(5);
 /// What a D-side control exchange is for, so its answer finds its way back.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Op {
-    Bootstrap { addr: String },
-    Handshake { addr: String },
-    Pull { load: LoadId },
-    Drop { load: LoadId },
-    ReadDone { load: LoadId },
+    Bootstrap {
+        addr: String,
+    },
+    Handshake {
+        addr: String,
+    },
+    Pull {
+        load: LoadId,
+    },
+    Drop {
+        load: LoadId,
+    },
+    ReadDone {
+        load: LoadId,
+    },
     /// Best effort; the answer is only logged.
-    DropUnpulled { transfer_id: String },
+    DropUnpulled {
+        transfer_id: String,
+    },
 }
 
 /// A block copy: this engine's byte offset and the peer's.
@@ -51,15 +68,31 @@ pub type BlockPair = (u64, u64);
 pub enum Io {
     /// P: send `msg` on connection `conn` (opened by a peer); `last` ends the
     /// exchange and closes it.
-    Reply { conn: ConnId, msg: Message, last: bool },
+    Reply {
+        conn: ConnId,
+        msg: Message,
+        last: bool,
+    },
     /// P: write this engine's blocks into the pull's destination, by
     /// `deadline`; report with [`PdCore::on_write_done`].
-    Write { conn: ConnId, local: Registration, pairs: Vec<BlockPair>, block_bytes: u64, dst: Pull, deadline: Instant },
+    Write {
+        conn: ConnId,
+        local: Registration,
+        pairs: Vec<BlockPair>,
+        block_bytes: u64,
+        dst: Pull,
+        deadline: Instant,
+    },
     /// D: one exchange with the control listener at `addr`: send `msg`,
     /// hand every frame back to [`PdCore::on_reply`] until a final one (a
     /// pull's `PullProgress` frames are not final), bounded by `deadline`;
     /// a failure goes to [`PdCore::on_exchange_failed`].
-    Send { op: Op, addr: String, msg: Message, deadline: Instant },
+    Send {
+        op: Op,
+        addr: String,
+        msg: Message,
+        deadline: Instant,
+    },
     /// D, read mode: read the peer's blocks into this engine's, by
     /// `deadline`; report with [`PdCore::on_read_result`].
     Read {
@@ -77,7 +110,11 @@ pub enum Io {
     /// revoke `grant` on this engine's registration (TCP) and, over shared
     /// memory, have every peer unmap the segment; report with
     /// [`PdCore::on_fenced`].
-    Fence { load: LoadId, segment: u64, grant: Option<u64> },
+    Fence {
+        load: LoadId,
+        segment: u64,
+        grant: Option<u64>,
+    },
 }
 
 /// This engine's KV cache, once registered.
@@ -195,7 +232,10 @@ impl PdCore {
         registry: Arc<Registry>,
     ) -> PdCore {
         let send = SendMachine::new(send_config(&cfg, pdkv_model::BLOCK_SIZE));
-        let recv = RecvMachine::new(RecvConfig { load_timeout: cfg.load_timeout, block_size: pdkv_model::BLOCK_SIZE });
+        let recv = RecvMachine::new(RecvConfig {
+            load_timeout: cfg.load_timeout,
+            block_size: pdkv_model::BLOCK_SIZE,
+        });
         PdCore {
             cfg,
             engine_id: engine_id.to_string(),
@@ -272,12 +312,19 @@ impl PdCore {
 
     /// What still uses the KV cache registration.
     pub fn in_flight(&self) -> InFlight {
-        InFlight { ready_blocks: self.send.ready_blocks(), writes: self.send.writes_in_flight(), loads: self.recv.num_active() }
+        InFlight {
+            ready_blocks: self.send.ready_blocks(),
+            writes: self.send.writes_in_flight(),
+            loads: self.recv.num_active(),
+        }
     }
 
     /// The next time [`PdCore::handle_timeout`] must run.
     pub fn poll_timeout(&self) -> Option<Instant> {
-        [self.send.poll_timeout(), self.recv.poll_timeout()].into_iter().flatten().min()
+        [self.send.poll_timeout(), self.recv.poll_timeout()]
+            .into_iter()
+            .flatten()
+            .min()
     }
 
     pub fn handle_timeout(&mut self, now: Instant) {
@@ -305,7 +352,10 @@ impl PdCore {
         });
         self.send = SendMachine::new(send_config(&self.cfg, spec.block_size));
         self.send.set_weights_version(self.weights_version.clone());
-        self.recv = RecvMachine::new(RecvConfig { load_timeout: self.cfg.load_timeout, block_size: spec.block_size });
+        self.recv = RecvMachine::new(RecvConfig {
+            load_timeout: self.cfg.load_timeout,
+            block_size: spec.block_size,
+        });
         self.set_local();
         Ok(())
     }
@@ -327,11 +377,15 @@ impl PdCore {
     }
 
     fn block_size(&self) -> usize {
-        self.kv.as_ref().map_or(pdkv_model::BLOCK_SIZE, |k| k.block_size)
+        self.kv
+            .as_ref()
+            .map_or(pdkv_model::BLOCK_SIZE, |k| k.block_size)
     }
 
     pub fn request_added(&mut self, now: Instant, req: ConnectorRequest<'_>) {
-        if let Ok(Some(PdParams::RemoteDecode { transfer_id })) = PdParams::parse(req.kv_transfer_params) {
+        if let Ok(Some(PdParams::RemoteDecode { transfer_id })) =
+            PdParams::parse(req.kv_transfer_params)
+        {
             if self.cfg.kv_role.produces() {
                 self.send.on_request_running(&transfer_id, req.id);
                 self.drive(now);
@@ -355,17 +409,30 @@ impl PdCore {
                 if self.decided.contains(req.id) {
                     return ExternalMatch::default();
                 }
-                let n = req.prompt_tokens.len().saturating_sub(1).saturating_sub(num_computed_tokens);
+                let n = req
+                    .prompt_tokens
+                    .len()
+                    .saturating_sub(1)
+                    .saturating_sub(num_computed_tokens);
                 if n == 0 {
                     // Everything is in the local cache: P need not keep it.
                     self.decided.insert(req.id.clone());
-                    if let PdParams::RemotePrefill { transfer_id, remote_bootstrap_addr, .. } = p {
+                    if let PdParams::RemotePrefill {
+                        transfer_id,
+                        remote_bootstrap_addr,
+                        ..
+                    } = p
+                    {
                         self.drop_unpulled(now, remote_bootstrap_addr, transfer_id);
                     }
                     return ExternalMatch::default();
                 }
-                self.pending.insert(req.id.clone(), (p, req.prompt_tokens.len()));
-                ExternalMatch { num_tokens: n, load_async: true }
+                self.pending
+                    .insert(req.id.clone(), (p, req.prompt_tokens.len()));
+                ExternalMatch {
+                    num_tokens: n,
+                    load_async: true,
+                }
             }
             _ => ExternalMatch::default(),
         }
@@ -378,14 +445,26 @@ impl PdCore {
         num_computed_tokens: usize,
         num_external_tokens: usize,
     ) {
-        let Some((params, prompt_len)) = self.pending.remove(req.id) else { return };
+        let Some((params, prompt_len)) = self.pending.remove(req.id) else {
+            return;
+        };
         if num_external_tokens == 0 {
             return;
         }
-        let PdParams::RemotePrefill { transfer_id, remote_engine_id, remote_bootstrap_addr, read } = params else { return };
+        let PdParams::RemotePrefill {
+            transfer_id,
+            remote_engine_id,
+            remote_bootstrap_addr,
+            read,
+        } = params
+        else {
+            return;
+        };
         let bs = self.block_size();
         let first = num_computed_tokens / bs;
-        let last = (num_computed_tokens + num_external_tokens).div_ceil(bs).min(block_ids.len());
+        let last = (num_computed_tokens + num_external_tokens)
+            .div_ceil(bs)
+            .min(block_ids.len());
         let spec = LoadSpec {
             req: req.id.clone(),
             transfer_id,
@@ -410,7 +489,10 @@ impl PdCore {
         for req in reqs {
             // Nothing may write into a released region: fail at once.
             let refused = self.asleep.then(|| {
-                Failure::new(FailCode::Asleep, "the decode engine's KV cache is released (asleep); the load was not started")
+                Failure::new(
+                    FailCode::Asleep,
+                    "the decode engine's KV cache is released (asleep); the load was not started",
+                )
             });
             self.recv.start(now, &req, refused);
         }
@@ -430,7 +512,11 @@ impl PdCore {
             Ok(Some(PdParams::RemoteDecode { transfer_id })) if self.cfg.kv_role.produces() => {
                 self.prefill_finished(now, &transfer_id, req, block_ids, reason)
             }
-            Ok(Some(PdParams::RemotePrefill { transfer_id, remote_bootstrap_addr, .. })) if self.cfg.kv_role.consumes() => {
+            Ok(Some(PdParams::RemotePrefill {
+                transfer_id,
+                remote_bootstrap_addr,
+                ..
+            })) if self.cfg.kv_role.consumes() => {
                 if self.recv.load_of(req.id).is_some() {
                     self.new_loads.retain(|r| r != req.id);
                     (self.recv.request_gone(now, req.id), None)
@@ -465,7 +551,14 @@ impl PdCore {
     ) -> (bool, Option<Value>) {
         let completed = matches!(reason, FinishReason::Stop | FinishReason::Length);
         let prompt_len = req.prompt_tokens.len();
-        let held = self.send.on_request_finished(now, transfer_id, req.id, block_ids, prompt_len, completed);
+        let held = self.send.on_request_finished(
+            now,
+            transfer_id,
+            req.id,
+            block_ids,
+            prompt_len,
+            completed,
+        );
         if !completed {
             return (held, None);
         }
@@ -477,7 +570,13 @@ impl PdCore {
                 None => return (held, None),
             },
         };
-        let p = params::returned_by_prefill(transfer_id, &self.engine_id, &self.bootstrap_addr, prompt_len, read.as_ref());
+        let p = params::returned_by_prefill(
+            transfer_id,
+            &self.engine_id,
+            &self.bootstrap_addr,
+            prompt_len,
+            read.as_ref(),
+        );
         (held, Some(p))
     }
 
@@ -543,7 +642,8 @@ impl PdCore {
         }
         let reg = kv.reg;
         self.asleep = true;
-        self.send.end_ready(now, Failure::new(FailCode::Asleep, ASLEEP));
+        self.send
+            .end_ready(now, Failure::new(FailCode::Asleep, ASLEEP));
         self.drive(now);
         Ok(Some(reg))
     }
@@ -553,7 +653,9 @@ impl PdCore {
     /// deregistration failed.
     pub fn restore(&mut self) -> anyhow::Result<()> {
         use anyhow::Context;
-        let Some(k) = self.kv.as_mut() else { return Ok(()) };
+        let Some(k) = self.kv.as_mut() else {
+            return Ok(());
+        };
         if !self.asleep {
             return Ok(());
         }
@@ -561,7 +663,11 @@ impl PdCore {
             .registry
             .register(&k.region, 0, k.len)
             .with_context(|| format!("registering the KV cache ({} bytes) again", k.len))?;
-        tracing::info!(segment = reg.segment, epoch = reg.epoch, "KV cache registered again");
+        tracing::info!(
+            segment = reg.segment,
+            epoch = reg.epoch,
+            "KV cache registered again"
+        );
         k.reg = reg;
         self.asleep = false;
         Ok(())
@@ -575,26 +681,45 @@ impl PdCore {
         let reply = match msg {
             Message::Bootstrap => Some(self.bootstrap_answer()),
             Message::Handshake => Some(self.handshake_answer()),
-            Message::ReadDone { transfer_id } if self.cfg.kv_role.produces() => Some(self.read_done(now, &transfer_id)),
+            Message::ReadDone { transfer_id } if self.cfg.kv_role.produces() => {
+                Some(self.read_done(now, &transfer_id))
+            }
             Message::Pull(p) if self.cfg.kv_role.produces() => self.pull(now, conn, p),
             Message::Drop { transfer_id, code } if self.cfg.kv_role.produces() => {
                 self.counters.drops_received += 1;
                 self.send.on_drop(now, &transfer_id, conn, code);
                 None
             }
-            Message::Pull(_) | Message::Drop { .. } | Message::ReadDone { .. } => Some(Message::Error {
-                reason: format!("engine {} is a {} and sends no KV", self.engine_id, self.cfg.kv_role.as_str()),
+            Message::Pull(_) | Message::Drop { .. } | Message::ReadDone { .. } => {
+                Some(Message::Error {
+                    reason: format!(
+                        "engine {} is a {} and sends no KV",
+                        self.engine_id,
+                        self.cfg.kv_role.as_str()
+                    ),
+                })
+            }
+            other => Some(Message::Error {
+                reason: format!("unexpected message {other:?}"),
             }),
-            other => Some(Message::Error { reason: format!("unexpected message {other:?}") }),
         };
         if let Some(msg) = reply {
-            self.io.push_back(Io::Reply { conn, msg, last: true });
+            self.io.push_back(Io::Reply {
+                conn,
+                msg,
+                last: true,
+            });
         }
         self.drive(now);
     }
 
     fn not_registered(&self) -> Message {
-        Message::Error { reason: format!("engine {} has not registered its KV cache yet", self.engine_id) }
+        Message::Error {
+            reason: format!(
+                "engine {} has not registered its KV cache yet",
+                self.engine_id
+            ),
+        }
     }
 
     fn bootstrap_answer(&self) -> Message {
@@ -630,7 +755,10 @@ impl PdCore {
             }
             Err(f) => {
                 self.counters.reads_late += 1;
-                Message::ReadDoneErr { code: f.code, reason: f.message }
+                Message::ReadDoneErr {
+                    code: f.code,
+                    reason: f.message,
+                }
             }
         }
     }
@@ -640,8 +768,12 @@ impl PdCore {
         if self.asleep {
             self.counters.pulls_released += 1;
             // D recomputes the prompt: P keeps nothing for this transfer.
-            self.send.end_transfer(now, &p.transfer_id, Failure::new(FailCode::Asleep, ASLEEP));
-            return Some(Message::PullErr { code: FailCode::Asleep, reason: ASLEEP.into() });
+            self.send
+                .end_transfer(now, &p.transfer_id, Failure::new(FailCode::Asleep, ASLEEP));
+            return Some(Message::PullErr {
+                code: FailCode::Asleep,
+                reason: ASLEEP.into(),
+            });
         }
         let spec = PullSpec {
             transfer_id: p.transfer_id.clone(),
@@ -656,7 +788,13 @@ impl PdCore {
     }
 
     /// P: a write ended.
-    pub fn on_write_done(&mut self, now: Instant, conn: ConnId, result: Result<(), Failure>, bytes: u64) {
+    pub fn on_write_done(
+        &mut self,
+        now: Instant,
+        conn: ConnId,
+        result: Result<(), Failure>,
+        bytes: u64,
+    ) {
         if result.is_ok() {
             self.counters.bytes_sent += bytes;
         }
@@ -669,9 +807,23 @@ impl PdCore {
         match op {
             Op::Bootstrap { addr } => {
                 let answer = match msg {
-                    Message::BootstrapOk { engine_id, layout, block_bytes } => Ok(BootInfo { engine_id, layout, block_bytes }),
-                    Message::Error { reason } => Err(Failure::new(FailCode::Protocol, format!("bootstrap with {addr} refused: {reason}"))),
-                    other => Err(Failure::new(FailCode::Protocol, format!("bootstrap with {addr}: unexpected answer {other:?}"))),
+                    Message::BootstrapOk {
+                        engine_id,
+                        layout,
+                        block_bytes,
+                    } => Ok(BootInfo {
+                        engine_id,
+                        layout,
+                        block_bytes,
+                    }),
+                    Message::Error { reason } => Err(Failure::new(
+                        FailCode::Protocol,
+                        format!("bootstrap with {addr} refused: {reason}"),
+                    )),
+                    other => Err(Failure::new(
+                        FailCode::Protocol,
+                        format!("bootstrap with {addr}: unexpected answer {other:?}"),
+                    )),
                 };
                 self.recv.on_bootstrap(now, &addr, answer);
             }
@@ -681,28 +833,47 @@ impl PdCore {
                         self.counters.handshakes += 1;
                         Ok(h)
                     }
-                    Message::Error { reason } => Err(Failure::new(FailCode::Protocol, format!("handshake with {addr} refused: {reason}"))),
-                    other => Err(Failure::new(FailCode::Protocol, format!("handshake with {addr}: unexpected answer {other:?}"))),
+                    Message::Error { reason } => Err(Failure::new(
+                        FailCode::Protocol,
+                        format!("handshake with {addr} refused: {reason}"),
+                    )),
+                    other => Err(Failure::new(
+                        FailCode::Protocol,
+                        format!("handshake with {addr}: unexpected answer {other:?}"),
+                    )),
                 };
                 self.recv.on_handshake(now, &addr, answer);
             }
             Op::Pull { load } => match msg {
                 Message::PullProgress => self.recv.on_progress(now, load),
-                Message::PullOk => self.recv.on_pull_result(now, load, PullResult::Answered(Ok(()))),
+                Message::PullOk => {
+                    self.recv
+                        .on_pull_result(now, load, PullResult::Answered(Ok(())))
+                }
                 Message::PullErr { code, reason } => {
-                    let f = Failure::new(code, format!("the prefill engine refused the pull: {reason}"));
-                    self.recv.on_pull_result(now, load, PullResult::Answered(Err(f)));
+                    let f = Failure::new(
+                        code,
+                        format!("the prefill engine refused the pull: {reason}"),
+                    );
+                    self.recv
+                        .on_pull_result(now, load, PullResult::Answered(Err(f)));
                 }
                 other => {
                     // Not an answer P sends: it may still be writing.
-                    let f = Failure::new(FailCode::Protocol, format!("pull: unexpected answer {other:?}"));
+                    let f = Failure::new(
+                        FailCode::Protocol,
+                        format!("pull: unexpected answer {other:?}"),
+                    );
                     self.recv.on_pull_result(now, load, PullResult::Lost(f));
                 }
             },
             Op::Drop { load } => {
                 let answer = match msg {
                     Message::DropOk { known } => Ok(known),
-                    other => Err(Failure::new(FailCode::Protocol, format!("drop answered with {other:?}"))),
+                    other => Err(Failure::new(
+                        FailCode::Protocol,
+                        format!("drop answered with {other:?}"),
+                    )),
                 };
                 self.recv.on_drop_answer(now, load, answer);
             }
@@ -710,16 +881,22 @@ impl PdCore {
                 let answer = match msg {
                     Message::ReadDoneOk => Ok(()),
                     Message::ReadDoneErr { code, reason } => Err(Failure::new(code, reason)),
-                    other => Err(Failure::new(FailCode::Protocol, format!("read_done: unexpected answer {other:?}"))),
+                    other => Err(Failure::new(
+                        FailCode::Protocol,
+                        format!("read_done: unexpected answer {other:?}"),
+                    )),
                 };
                 if answer.is_ok() {
                     if let Some(spec) = self.recv.spec(load) {
-                        self.counters.bytes_read += spec.dst_blocks.len() as u64 * self.kv.as_ref().map_or(0, |k| k.block_bytes);
+                        self.counters.bytes_read += spec.dst_blocks.len() as u64
+                            * self.kv.as_ref().map_or(0, |k| k.block_bytes);
                     }
                 }
                 self.recv.on_read_done_answer(now, load, answer);
             }
-            Op::DropUnpulled { transfer_id } => tracing::debug!(%transfer_id, answer = ?msg, "dropped a transfer this engine does not pull"),
+            Op::DropUnpulled { transfer_id } => {
+                tracing::debug!(%transfer_id, answer = ?msg, "dropped a transfer this engine does not pull")
+            }
         }
         self.drive(now);
     }
@@ -730,15 +907,27 @@ impl PdCore {
             Op::Bootstrap { addr } => self.recv.on_bootstrap(now, &addr, Err(failure)),
             Op::Handshake { addr } => self.recv.on_handshake(now, &addr, Err(failure)),
             Op::Pull { load } => {
-                let r = if sent { PullResult::Lost(failure) } else { PullResult::NotSent(failure) };
+                let r = if sent {
+                    PullResult::Lost(failure)
+                } else {
+                    PullResult::NotSent(failure)
+                };
                 self.recv.on_pull_result(now, load, r);
             }
             Op::Drop { load } => self.recv.on_drop_answer(now, load, Err(failure)),
             Op::ReadDone { load } => {
-                let f = Failure::new(failure.code, format!("read_done failed, the read is unconfirmed: {}", failure.message));
+                let f = Failure::new(
+                    failure.code,
+                    format!(
+                        "read_done failed, the read is unconfirmed: {}",
+                        failure.message
+                    ),
+                );
                 self.recv.on_read_done_answer(now, load, Err(f));
             }
-            Op::DropUnpulled { transfer_id } => tracing::warn!(%transfer_id, "drop failed: {failure}"),
+            Op::DropUnpulled { transfer_id } => {
+                tracing::warn!(%transfer_id, "drop failed: {failure}")
+            }
         }
         self.drive(now);
     }
@@ -760,8 +949,16 @@ impl PdCore {
 
     fn drop_unpulled(&mut self, now: Instant, addr: String, transfer_id: String) {
         self.counters.drops_unpulled += 1;
-        let msg = Message::Drop { transfer_id: transfer_id.clone(), code: FailCode::Dropped };
-        self.io.push_back(Io::Send { op: Op::DropUnpulled { transfer_id }, addr, msg, deadline: now + CONTROL_IO });
+        let msg = Message::Drop {
+            transfer_id: transfer_id.clone(),
+            code: FailCode::Dropped,
+        };
+        self.io.push_back(Io::Send {
+            op: Op::DropUnpulled { transfer_id },
+            addr,
+            msg,
+            deadline: now + CONTROL_IO,
+        });
     }
 
     // ---- turning machine actions into I/O ----
@@ -784,7 +981,8 @@ impl PdCore {
             if let Some(id) = self.recv.load_of(&req) {
                 if let Some(spec) = self.recv.spec(id) {
                     let e = load_error(&lf);
-                    self.errors.extend(spec.dst_blocks.iter().map(|&b| (b, e.clone())));
+                    self.errors
+                        .extend(spec.dst_blocks.iter().map(|&b| (b, e.clone())));
                 }
             }
             self.abandoned.push(req);
@@ -811,23 +1009,59 @@ impl PdCore {
                             code if code.on_purpose() => c.pulls_released += 1,
                             _ => c.pulls_failed += 1,
                         }
-                        Message::PullErr { code: f.code, reason: f.message }
+                        Message::PullErr {
+                            code: f.code,
+                            reason: f.message,
+                        }
                     }
                 };
-                self.io.push_back(Io::Reply { conn: pull, msg, last: true });
+                self.io.push_back(Io::Reply {
+                    conn: pull,
+                    msg,
+                    last: true,
+                });
             }
-            send::Action::Progress { pull } => self.io.push_back(Io::Reply { conn: pull, msg: Message::PullProgress, last: false }),
-            send::Action::DropAnswer { drop, known } => {
-                self.io.push_back(Io::Reply { conn: drop, msg: Message::DropOk { known }, last: true })
-            }
-            send::Action::StartWrite { pull, src_blocks, deadline } => {
-                let (Some(dst), Some(kv)) = (self.pulls.get(&pull).cloned(), self.kv.as_ref()) else {
-                    self.send.on_write_done(deadline, pull, Err(crate::wire::write_failure(false, "the pull's destination is gone")));
+            send::Action::Progress { pull } => self.io.push_back(Io::Reply {
+                conn: pull,
+                msg: Message::PullProgress,
+                last: false,
+            }),
+            send::Action::DropAnswer { drop, known } => self.io.push_back(Io::Reply {
+                conn: drop,
+                msg: Message::DropOk { known },
+                last: true,
+            }),
+            send::Action::StartWrite {
+                pull,
+                src_blocks,
+                deadline,
+            } => {
+                let (Some(dst), Some(kv)) = (self.pulls.get(&pull).cloned(), self.kv.as_ref())
+                else {
+                    self.send.on_write_done(
+                        deadline,
+                        pull,
+                        Err(crate::wire::write_failure(
+                            false,
+                            "the pull's destination is gone",
+                        )),
+                    );
                     return;
                 };
                 let bb = kv.block_bytes;
-                let pairs = src_blocks.iter().zip(&dst.block_offsets).map(|(&b, &off)| (b as u64 * bb, off)).collect();
-                self.io.push_back(Io::Write { conn: pull, local: kv.reg, pairs, block_bytes: bb, dst, deadline });
+                let pairs = src_blocks
+                    .iter()
+                    .zip(&dst.block_offsets)
+                    .map(|(&b, &off)| (b as u64 * bb, off))
+                    .collect();
+                self.io.push_back(Io::Write {
+                    conn: pull,
+                    local: kv.reg,
+                    pairs,
+                    block_bytes: bb,
+                    dst,
+                    deadline,
+                });
             }
         }
     }
@@ -836,32 +1070,79 @@ impl PdCore {
         match a {
             recv::Action::Bootstrap { addr } => {
                 let op = Op::Bootstrap { addr: addr.clone() };
-                self.io.push_back(Io::Send { op, addr, msg: Message::Bootstrap, deadline: now + CONTROL_IO });
+                self.io.push_back(Io::Send {
+                    op,
+                    addr,
+                    msg: Message::Bootstrap,
+                    deadline: now + CONTROL_IO,
+                });
             }
             recv::Action::Handshake { addr } => {
                 let op = Op::Handshake { addr: addr.clone() };
-                self.io.push_back(Io::Send { op, addr, msg: Message::Handshake, deadline: now + CONTROL_IO });
+                self.io.push_back(Io::Send {
+                    op,
+                    addr,
+                    msg: Message::Handshake,
+                    deadline: now + CONTROL_IO,
+                });
             }
-            recv::Action::Pull { load, spec, weights_version } => self.send_pull(now, load, spec, weights_version),
-            recv::Action::Read { load, spec, peer, generation, deadline } => self.start_read(now, load, spec, peer, generation, deadline),
-            recv::Action::ReadDone { load, addr, transfer_id } => {
+            recv::Action::Pull {
+                load,
+                spec,
+                weights_version,
+            } => self.send_pull(now, load, spec, weights_version),
+            recv::Action::Read {
+                load,
+                spec,
+                peer,
+                generation,
+                deadline,
+            } => self.start_read(now, load, spec, peer, generation, deadline),
+            recv::Action::ReadDone {
+                load,
+                addr,
+                transfer_id,
+            } => {
                 let msg = Message::ReadDone { transfer_id };
-                self.io.push_back(Io::Send { op: Op::ReadDone { load }, addr, msg, deadline: now + CONTROL_IO });
+                self.io.push_back(Io::Send {
+                    op: Op::ReadDone { load },
+                    addr,
+                    msg,
+                    deadline: now + CONTROL_IO,
+                });
             }
             recv::Action::CancelRead { load } => self.io.push_back(Io::CancelRead { load }),
-            recv::Action::Drop { load, addr, transfer_id } => {
-                let msg = Message::Drop { transfer_id, code: FailCode::Dropped };
+            recv::Action::Drop {
+                load,
+                addr,
+                transfer_id,
+            } => {
+                let msg = Message::Drop {
+                    transfer_id,
+                    code: FailCode::Dropped,
+                };
                 // P answers a drop once no write reads the blocks: as long as
                 // a write may take.
                 let wait = self.cfg.abort_timeout + CONTROL_IO;
-                self.io.push_back(Io::Send { op: Op::Drop { load }, addr, msg, deadline: now + wait });
+                self.io.push_back(Io::Send {
+                    op: Op::Drop { load },
+                    addr,
+                    msg,
+                    deadline: now + wait,
+                });
             }
             recv::Action::Fence { load } => {
                 self.counters.fences += 1;
                 let segment = self.kv.as_ref().map_or(0, |k| k.reg.segment);
-                self.io.push_back(Io::Fence { load, segment, grant: self.grants.get(&load).copied() });
+                self.io.push_back(Io::Fence {
+                    load,
+                    segment,
+                    grant: self.grants.get(&load).copied(),
+                });
             }
-            recv::Action::DropUnpulled { addr, transfer_id } => self.drop_unpulled(now, addr, transfer_id),
+            recv::Action::DropUnpulled { addr, transfer_id } => {
+                self.drop_unpulled(now, addr, transfer_id)
+            }
             recv::Action::Forget { load } => {
                 if let (Some(key), Some(kv)) = (self.grants.remove(&load), &self.kv) {
                     // Nothing uses it any more (the load is fenced or ended).
@@ -872,7 +1153,13 @@ impl PdCore {
     }
 
     /// D: the pull for a load, with a grant that opens exactly its blocks.
-    fn send_pull(&mut self, now: Instant, load: LoadId, spec: LoadSpec, weights_version: Option<String>) {
+    fn send_pull(
+        &mut self,
+        now: Instant,
+        load: LoadId,
+        spec: LoadSpec,
+        weights_version: Option<String>,
+    ) {
         let Some(kv) = self.kv.clone() else {
             let f = Failure::new(FailCode::Protocol, "the KV cache is not registered");
             self.recv.on_pull_result(now, load, PullResult::NotSent(f));
@@ -884,7 +1171,10 @@ impl PdCore {
         let grant_key = match self.registry.grant(&kv.reg, &ranges) {
             Ok(g) => Some(g.key),
             Err(e) => {
-                let f = Failure::new(FailCode::Protocol, format!("granting the load's blocks failed: {e}"));
+                let f = Failure::new(
+                    FailCode::Protocol,
+                    format!("granting the load's blocks failed: {e}"),
+                );
                 self.recv.on_pull_result(now, load, PullResult::NotSent(f));
                 return;
             }
@@ -909,22 +1199,53 @@ impl PdCore {
         // The machine's deadline bounds the load; the exchange itself may
         // last as long as P heartbeats.
         let deadline = now + self.cfg.prefill_timeout + self.cfg.load_timeout;
-        self.io.push_back(Io::Send { op: Op::Pull { load }, addr: spec.addr, msg: Message::Pull(pull), deadline });
+        self.io.push_back(Io::Send {
+            op: Op::Pull { load },
+            addr: spec.addr,
+            msg: Message::Pull(pull),
+            deadline,
+        });
     }
 
     /// D, read mode: reads P's blocks `read.block_ids[first..]` at the
     /// params' generation (a registration that moved on refuses it).
-    fn start_read(&mut self, now: Instant, load: LoadId, spec: LoadSpec, peer: HandshakeInfo, generation: u64, deadline: Instant) {
-        let (Some(kv), Some(rp), Some(reg)) = (self.kv.clone(), spec.read.clone(), peer.registration) else {
+    fn start_read(
+        &mut self,
+        now: Instant,
+        load: LoadId,
+        spec: LoadSpec,
+        peer: HandshakeInfo,
+        generation: u64,
+        deadline: Instant,
+    ) {
+        let (Some(kv), Some(rp), Some(reg)) =
+            (self.kv.clone(), spec.read.clone(), peer.registration)
+        else {
             let f = Failure::new(FailCode::Protocol, "read mode without a registration");
             self.recv.on_read_result(now, load, Err(f));
             return;
         };
         let bb = kv.block_bytes;
         let src = &rp.block_ids[spec.first_block..spec.first_block + spec.dst_blocks.len()];
-        let pairs = spec.dst_blocks.iter().zip(src).map(|(&d, &s)| (d as u64 * bb, s as u64 * bb)).collect();
-        let remote = Registration { epoch: generation, ..reg };
-        self.io.push_back(Io::Read { load, local: kv.reg, remote, transfer: peer.transfer, pairs, block_bytes: bb, deadline });
+        let pairs = spec
+            .dst_blocks
+            .iter()
+            .zip(src)
+            .map(|(&d, &s)| (d as u64 * bb, s as u64 * bb))
+            .collect();
+        let remote = Registration {
+            epoch: generation,
+            ..reg
+        };
+        self.io.push_back(Io::Read {
+            load,
+            local: kv.reg,
+            remote,
+            transfer: peer.transfer,
+            pairs,
+            block_bytes: bb,
+            deadline,
+        });
     }
 
     /// A load ended and nothing writes its blocks: reported in `recving`,
@@ -943,7 +1264,8 @@ impl PdCore {
                 tracing::warn!(request = %f.req, "KV load failed: {}", lf.failure);
             }
             let e = load_error(lf);
-            self.errors.extend(f.dst_blocks.iter().map(|&b| (b, e.clone())));
+            self.errors
+                .extend(f.dst_blocks.iter().map(|&b| (b, e.clone())));
         }
         self.recving.push(f.req);
         self.news = true;
@@ -952,7 +1274,11 @@ impl PdCore {
 
 fn load_error(lf: &LoadFailure) -> LoadError {
     let timed_out = matches!(lf.failure.code, FailCode::Timeout | FailCode::Deadline);
-    LoadError { message: lf.failure.message.clone(), recompute: lf.recompute, timed_out }
+    LoadError {
+        message: lf.failure.message.clone(),
+        recompute: lf.recompute,
+        timed_out,
+    }
 }
 
 pub(crate) fn send_config(cfg: &KvTransferConfig, block_size: usize) -> SendConfig {
@@ -969,12 +1295,14 @@ pub(crate) fn send_config(cfg: &KvTransferConfig, block_size: usize) -> SendConf
 /// Whether `role` may take a request with these params.
 pub fn validate(role: KvRole, params: Option<&Value>) -> Result<(), String> {
     match PdParams::parse(params)? {
-        Some(PdParams::RemoteDecode { .. }) if !role.produces() => {
-            Err(format!("kv_transfer_params.do_remote_decode: this engine is a {} and sends no KV", role.as_str()))
-        }
-        Some(PdParams::RemotePrefill { .. }) if !role.consumes() => {
-            Err(format!("kv_transfer_params.do_remote_prefill: this engine is a {} and receives no KV", role.as_str()))
-        }
+        Some(PdParams::RemoteDecode { .. }) if !role.produces() => Err(format!(
+            "kv_transfer_params.do_remote_decode: this engine is a {} and sends no KV",
+            role.as_str()
+        )),
+        Some(PdParams::RemotePrefill { .. }) if !role.consumes() => Err(format!(
+            "kv_transfer_params.do_remote_prefill: this engine is a {} and receives no KV",
+            role.as_str()
+        )),
         _ => Ok(()),
     }
 }
@@ -994,14 +1322,27 @@ mod tests {
     }
 
     fn core_in(role: &str, mode: &str) -> (PdCore, Pool) {
-        let cfg = KvTransferConfig::parse(&format!(r#"{{"kv_connector":"pdkv","kv_role":"{role}","transfer_mode":"{mode}"}}"#))
-            .unwrap();
-        let pool = Pool::new(PoolOptions { chunk_size: 4096, single_allocation: false });
+        let cfg = KvTransferConfig::parse(&format!(
+            r#"{{"kv_connector":"pdkv","kv_role":"{role}","transfer_mode":"{mode}"}}"#
+        ))
+        .unwrap();
+        let pool = Pool::new(PoolOptions {
+            chunk_size: 4096,
+            single_allocation: false,
+        });
         let region = pool.allocate(Tag::KvCache, BLOCKS * 4096).unwrap();
         let registry = Arc::new(Registry::new(RegistryOptions::default()));
-        let dest = Destination::Tcp { addr: "127.0.0.1:10".into() };
+        let dest = Destination::Tcp {
+            addr: "127.0.0.1:10".into(),
+        };
         let mut c = PdCore::new(cfg, "e0", "127.0.0.1:9".into(), dest, registry);
-        let spec = KvCacheSpec { region, num_blocks: BLOCKS, block_bytes: 4096, block_size: BS, layout: "l".into() };
+        let spec = KvCacheSpec {
+            region,
+            num_blocks: BLOCKS,
+            block_bytes: 4096,
+            block_size: BS,
+            layout: "l".into(),
+        };
         c.register_kv_caches(&spec).unwrap();
         (c, pool)
     }
@@ -1016,7 +1357,11 @@ mod tests {
         let id: Arc<str> = Arc::from("r1");
         let toks = prompt();
         let params = params::for_decode("t1", Some("p0"), Some("127.0.0.1:20"));
-        let req = || ConnectorRequest { id: &id, prompt_tokens: &toks, kv_transfer_params: Some(&params) };
+        let req = || ConnectorRequest {
+            id: &id,
+            prompt_tokens: &toks,
+            kv_transfer_params: Some(&params),
+        };
         c.get_num_new_matched_tokens(now, req(), 0);
         c.update_state_after_alloc(req(), &[1, 2, 3], 0, 3 * BS);
         let loads = c.take_new_loads();
@@ -1031,10 +1376,20 @@ mod tests {
         let id: Arc<str> = Arc::from("r1");
         let toks = prompt();
         let params = params::for_decode("t1", Some("p0"), Some("127.0.0.1:20"));
-        let req = || ConnectorRequest { id: &id, prompt_tokens: &toks, kv_transfer_params: Some(&params) };
+        let req = || ConnectorRequest {
+            id: &id,
+            prompt_tokens: &toks,
+            kv_transfer_params: Some(&params),
+        };
         // One block is in D's prefix cache: P's KV of the other two comes.
         let m = c.get_num_new_matched_tokens(t0, req(), BS);
-        assert_eq!(m, ExternalMatch { num_tokens: 2 * BS, load_async: true });
+        assert_eq!(
+            m,
+            ExternalMatch {
+                num_tokens: 2 * BS,
+                load_async: true
+            }
+        );
         c.update_state_after_alloc(req(), &[4, 5, 6, 7], BS, 2 * BS);
         assert_eq!(c.take_new_loads(), vec![id.clone()]);
         let load = c.recv_machine().load_of("r1").expect("decided");
@@ -1042,13 +1397,26 @@ mod tests {
         assert_eq!((spec.first_block, &spec.dst_blocks[..]), (1, &[5, 6][..]));
         assert_eq!(c.num_held_blocks(), 2);
         // Asked again in a later step: decided already.
-        assert_eq!(c.get_num_new_matched_tokens(t0, req(), BS), ExternalMatch::default());
+        assert_eq!(
+            c.get_num_new_matched_tokens(t0, req(), BS),
+            ExternalMatch::default()
+        );
         // A started load may write into the blocks: no release meanwhile.
         c.start_load_kv(t0, vec![id.clone()]);
         let busy = c.begin_release(t0).unwrap_err();
-        assert_eq!(busy, InFlight { ready_blocks: 0, writes: 0, loads: 1 });
+        assert_eq!(
+            busy,
+            InFlight {
+                ready_blocks: 0,
+                writes: 0,
+                loads: 1
+            }
+        );
         assert!(!busy.is_idle());
-        assert!(busy.to_string().contains("1 loads writing into them"), "{busy}");
+        assert!(
+            busy.to_string().contains("1 loads writing into them"),
+            "{busy}"
+        );
         assert!(!c.is_asleep());
         // Cut short before its pull left: nothing can write, it ends at once.
         c.abort_transfers(t0);
@@ -1077,7 +1445,10 @@ mod tests {
     fn drops_unpulled(c: &mut PdCore) -> Vec<String> {
         std::iter::from_fn(|| c.poll_io())
             .filter_map(|io| match io {
-                Io::Send { op: Op::DropUnpulled { transfer_id }, .. } => Some(transfer_id),
+                Io::Send {
+                    op: Op::DropUnpulled { transfer_id },
+                    ..
+                } => Some(transfer_id),
                 _ => None,
             })
             .collect()
@@ -1088,14 +1459,22 @@ mod tests {
         let t0 = Instant::now();
         let toks = prompt();
         let (mut d, _pool) = core("kv_consumer");
-        let (r1, r2, r3): (Arc<str>, Arc<str>, Arc<str>) = (Arc::from("r1"), Arc::from("r2"), Arc::from("r3"));
+        let (r1, r2, r3): (Arc<str>, Arc<str>, Arc<str>) =
+            (Arc::from("r1"), Arc::from("r2"), Arc::from("r3"));
         let pa = params::for_decode("t1", Some("p0"), Some("127.0.0.1:20"));
         let pb = params::for_decode("t2", Some("p0"), Some("127.0.0.1:20"));
         let pc = params::for_decode("t3", Some("p0"), Some("127.0.0.1:20"));
-        let req = |id, params| ConnectorRequest { id, prompt_tokens: &toks, kv_transfer_params: Some(params) };
+        let req = |id, params| ConnectorRequest {
+            id,
+            prompt_tokens: &toks,
+            kv_transfer_params: Some(params),
+        };
         // r1 ends before D decided its load: P is told to drop t1 now.
         d.get_num_new_matched_tokens(t0, req(&r1, &pa), 0);
-        assert_eq!(d.request_finished(t0, req(&r1, &pa), &[], FinishReason::Abort), (false, None));
+        assert_eq!(
+            d.request_finished(t0, req(&r1, &pa), &[], FinishReason::Abort),
+            (false, None)
+        );
         assert_eq!(drops_unpulled(&mut d), vec!["t1".to_string()]);
         // r2 and r3 decided; r2 ends before the step started its load.
         for (id, params, blocks) in [(&r2, &pb, [1, 2, 3]), (&r3, &pc, [4, 5, 6])] {
@@ -1110,11 +1489,17 @@ mod tests {
         // A producer's request with decode params is not D's: nothing to drop.
         let (mut p, _pool2) = core("kv_producer");
         p.get_num_new_matched_tokens(t0, req(&r1, &pa), 0);
-        assert_eq!(p.request_finished(t0, req(&r1, &pa), &[], FinishReason::Abort), (false, None));
+        assert_eq!(
+            p.request_finished(t0, req(&r1, &pa), &[], FinishReason::Abort),
+            (false, None)
+        );
         assert_eq!(drops_unpulled(&mut p), Vec::<String>::new());
         // A consumer's request with prefill params holds nothing for D.
         let pp = params::for_prefill("t9");
-        assert_eq!(d.request_finished(t0, req(&r1, &pp), &[7, 8], FinishReason::Stop), (false, None));
+        assert_eq!(
+            d.request_finished(t0, req(&r1, &pp), &[7, 8], FinishReason::Stop),
+            (false, None)
+        );
         assert_eq!(d.send_machine().phase("t9"), None);
     }
 
@@ -1126,7 +1511,11 @@ mod tests {
         let finish = |p: &mut PdCore, tid: &str, toks: &[u32], blocks: &[u32], reason| {
             let id: Arc<str> = Arc::from(format!("r-{tid}"));
             let params = params::for_prefill(tid);
-            let req = || ConnectorRequest { id: &id, prompt_tokens: toks, kv_transfer_params: Some(&params) };
+            let req = || ConnectorRequest {
+                id: &id,
+                prompt_tokens: toks,
+                kv_transfer_params: Some(&params),
+            };
             p.request_added(t0, req());
             p.request_finished(t0, req(), blocks, reason)
         };
@@ -1135,15 +1524,27 @@ mod tests {
         let out = out.expect("params for D");
         assert!(held);
         assert_eq!(out[params::REMOTE_BLOCK_IDS], serde_json::json!([4, 5, 6]));
-        assert_eq!(out[params::REMOTE_REGISTRATION_GENERATION], serde_json::json!(epoch));
+        assert_eq!(
+            out[params::REMOTE_REGISTRATION_GENERATION],
+            serde_json::json!(epoch)
+        );
         assert_eq!(out[params::TRANSFER_ID], serde_json::json!("t1"));
         // Fewer blocks than the KV needs: nothing to lease, D computes.
-        assert_eq!(finish(&mut p, "t2", &toks, &[7, 8], FinishReason::Length).1, None);
+        assert_eq!(
+            finish(&mut p, "t2", &toks, &[7, 8], FinishReason::Length).1,
+            None
+        );
         // An aborted prefill holds nothing for D.
-        assert_eq!(finish(&mut p, "t3", &toks, &[1, 2, 3], FinishReason::Abort).1, None);
+        assert_eq!(
+            finish(&mut p, "t3", &toks, &[1, 2, 3], FinishReason::Abort).1,
+            None
+        );
         // A one-token prompt has no KV to read: params without blocks.
         let (_, out) = finish(&mut p, "t4", &[7], &[], FinishReason::Stop);
-        assert_eq!(out.expect("params")[params::REMOTE_BLOCK_IDS], serde_json::json!([]));
+        assert_eq!(
+            out.expect("params")[params::REMOTE_BLOCK_IDS],
+            serde_json::json!([])
+        );
     }
 
     fn replies(c: &mut PdCore) -> Vec<Message> {
@@ -1161,17 +1562,37 @@ mod tests {
         let (mut p, _pool) = core_in("kv_producer", "read");
         let reg = p.kv().unwrap().reg;
         p.on_control(t0, 1, Message::Handshake);
-        assert!(matches!(&replies(&mut p)[..], [Message::HandshakeOk(h)] if h.registration == Some(reg) && h.engine_id == "e0"));
-        p.on_control(t0, 2, Message::Drop { transfer_id: "t1".into(), code: FailCode::Dropped });
+        assert!(
+            matches!(&replies(&mut p)[..], [Message::HandshakeOk(h)] if h.registration == Some(reg) && h.engine_id == "e0")
+        );
+        p.on_control(
+            t0,
+            2,
+            Message::Drop {
+                transfer_id: "t1".into(),
+                code: FailCode::Dropped,
+            },
+        );
         assert_eq!(replies(&mut p), vec![Message::DropOk { known: false }]);
-        p.on_control(t0, 3, Message::ReadDone { transfer_id: "t9".into() });
-        assert!(matches!(&replies(&mut p)[..], [Message::ReadDoneErr { .. }]));
+        p.on_control(
+            t0,
+            3,
+            Message::ReadDone {
+                transfer_id: "t9".into(),
+            },
+        );
+        assert!(matches!(
+            &replies(&mut p)[..],
+            [Message::ReadDoneErr { .. }]
+        ));
         let c = p.counters();
         assert_eq!((c.drops_received, c.reads_late, c.reads_done), (1, 1, 0));
         // Asleep: the handshake names no registration.
         p.begin_release(t0).unwrap();
         p.on_control(t0, 4, Message::Handshake);
-        assert!(matches!(&replies(&mut p)[..], [Message::HandshakeOk(h)] if h.registration.is_none()));
+        assert!(
+            matches!(&replies(&mut p)[..], [Message::HandshakeOk(h)] if h.registration.is_none())
+        );
         // A decode engine sends no KV.
         let (mut d, _pool2) = core("kv_consumer");
         let pull = Pull {
@@ -1179,7 +1600,9 @@ mod tests {
             engine_id: "d9".into(),
             first_block: 0,
             num_tokens: 3 * BS,
-            dst: Destination::Tcp { addr: "127.0.0.1:11".into() },
+            dst: Destination::Tcp {
+                addr: "127.0.0.1:11".into(),
+            },
             segment: 1,
             key: 2,
             epoch: 1,
@@ -1190,11 +1613,18 @@ mod tests {
         };
         for msg in [
             Message::Pull(pull),
-            Message::Drop { transfer_id: "t1".into(), code: FailCode::Dropped },
-            Message::ReadDone { transfer_id: "t1".into() },
+            Message::Drop {
+                transfer_id: "t1".into(),
+                code: FailCode::Dropped,
+            },
+            Message::ReadDone {
+                transfer_id: "t1".into(),
+            },
         ] {
             d.on_control(t0, 5, msg);
-            assert!(matches!(&replies(&mut d)[..], [Message::Error { reason }] if reason.contains("sends no KV")));
+            assert!(
+                matches!(&replies(&mut d)[..], [Message::Error { reason }] if reason.contains("sends no KV"))
+            );
         }
         assert_eq!(d.counters().drops_received, 0);
     }
@@ -1206,16 +1636,31 @@ mod tests {
         let id = start_load(&mut d, t0);
         let op = std::iter::from_fn(|| d.poll_io())
             .find_map(|io| match io {
-                Io::Send { op: op @ Op::Bootstrap { .. }, .. } => Some(op),
+                Io::Send {
+                    op: op @ Op::Bootstrap { .. },
+                    ..
+                } => Some(op),
                 _ => None,
             })
             .expect("a bootstrap");
         // Nobody listens at P's address.
-        d.on_exchange_failed(t0, op, Failure::new(FailCode::PeerLost, "connection refused"), false);
+        d.on_exchange_failed(
+            t0,
+            op,
+            Failure::new(FailCode::PeerLost, "connection refused"),
+            false,
+        );
         assert_eq!(d.get_finished().recving, vec![id.clone()]);
         let errors = d.get_block_ids_with_load_errors();
-        assert_eq!(errors.iter().map(|(b, _)| *b).collect::<Vec<_>>(), vec![1, 2, 3]);
-        assert!(errors[0].1.message.contains("connection refused"), "{:?}", errors[0].1);
+        assert_eq!(
+            errors.iter().map(|(b, _)| *b).collect::<Vec<_>>(),
+            vec![1, 2, 3]
+        );
+        assert!(
+            errors[0].1.message.contains("connection refused"),
+            "{:?}",
+            errors[0].1
+        );
         assert_eq!(d.recv_machine().num_loads(), 0);
     }
 
@@ -1228,19 +1673,36 @@ mod tests {
         let for_p = params::for_prefill("t2");
         // A producer loads nothing.
         let (mut p, _pool) = core("kv_producer");
-        let req = ConnectorRequest { id: &id, prompt_tokens: &toks, kv_transfer_params: Some(&for_d) };
-        assert_eq!(p.get_num_new_matched_tokens(t0, req, 0), ExternalMatch::default());
+        let req = ConnectorRequest {
+            id: &id,
+            prompt_tokens: &toks,
+            kv_transfer_params: Some(&for_d),
+        };
+        assert_eq!(
+            p.get_num_new_matched_tokens(t0, req, 0),
+            ExternalMatch::default()
+        );
         // A consumer keeps nothing for a decode engine, a producer does —
         // from whichever call comes first.
         let (mut d, _pool2) = core("kv_consumer");
-        let req = || ConnectorRequest { id: &id, prompt_tokens: &toks, kv_transfer_params: Some(&for_p) };
+        let req = || ConnectorRequest {
+            id: &id,
+            prompt_tokens: &toks,
+            kv_transfer_params: Some(&for_p),
+        };
         d.request_added(t0, req());
-        assert_eq!(d.get_num_new_matched_tokens(t0, req(), 0), ExternalMatch::default());
+        assert_eq!(
+            d.get_num_new_matched_tokens(t0, req(), 0),
+            ExternalMatch::default()
+        );
         assert_eq!(d.send_machine().phase("t2"), None);
         p.request_added(t0, req());
         assert!(p.send_machine().phase("t2").is_some());
         let (mut p2, _pool3) = core("kv_producer");
-        assert_eq!(p2.get_num_new_matched_tokens(t0, req(), 0), ExternalMatch::default());
+        assert_eq!(
+            p2.get_num_new_matched_tokens(t0, req(), 0),
+            ExternalMatch::default()
+        );
         assert!(p2.send_machine().phase("t2").is_some());
     }
 }

@@ -62,8 +62,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use pdkv_engine::connector::{
-    ConnectorMeta, ConnectorRequest, ExternalMatch, FinishedTransfers, KvCacheSpec, KvTransferParams, LoadError,
-    MetricsReader, ParamsValidator, Waker,
+    ConnectorMeta, ConnectorRequest, ExternalMatch, FinishedTransfers, KvCacheSpec,
+    KvTransferParams, LoadError, MetricsReader, ParamsValidator, Waker,
 };
 use pdkv_engine::{FinishReason, KvConnector, LoadFailurePolicy};
 use serde_json::json;
@@ -114,7 +114,11 @@ pub struct Shared {
 
 impl Shared {
     pub fn new(core: PdCore, driver: Box<dyn Driver>) -> Arc<Shared> {
-        Arc::new(Shared { core: Mutex::new(core), driver, waker: Mutex::new(None) })
+        Arc::new(Shared {
+            core: Mutex::new(core),
+            driver,
+            waker: Mutex::new(None),
+        })
     }
 
     pub fn now(&self) -> Instant {
@@ -185,12 +189,18 @@ impl PdConnector {
             .build()
             .context("starting the KV connector's runtime")?;
         let shared = net::start(&runtime, cfg, engine_id)?;
-        Ok(PdConnector { shared, runtime: Some(runtime) })
+        Ok(PdConnector {
+            shared,
+            runtime: Some(runtime),
+        })
     }
 
     /// A connector over any driver (a simulator's).
     pub fn with_driver(core: PdCore, driver: Box<dyn Driver>) -> PdConnector {
-        PdConnector { shared: Shared::new(core, driver), runtime: None }
+        PdConnector {
+            shared: Shared::new(core, driver),
+            runtime: None,
+        }
     }
 
     pub fn shared(&self) -> &Arc<Shared> {
@@ -271,7 +281,11 @@ impl KvConnector for PdConnector {
         self.call(|c, now| c.request_added(now, req));
     }
 
-    fn get_num_new_matched_tokens(&mut self, req: ConnectorRequest<'_>, num_computed_tokens: usize) -> ExternalMatch {
+    fn get_num_new_matched_tokens(
+        &mut self,
+        req: ConnectorRequest<'_>,
+        num_computed_tokens: usize,
+    ) -> ExternalMatch {
         self.call(|c, now| c.get_num_new_matched_tokens(now, req, num_computed_tokens))
     }
 
@@ -282,7 +296,9 @@ impl KvConnector for PdConnector {
         num_computed_tokens: usize,
         num_external_tokens: usize,
     ) {
-        self.call(|c, _| c.update_state_after_alloc(req, block_ids, num_computed_tokens, num_external_tokens));
+        self.call(|c, _| {
+            c.update_state_after_alloc(req, block_ids, num_computed_tokens, num_external_tokens)
+        });
     }
 
     fn build_connector_meta(&mut self) -> ConnectorMeta {
@@ -318,13 +334,19 @@ impl KvConnector for PdConnector {
         self.call(|c, _| c.register_kv_caches(spec))?;
         let reg = self.shared.inspect(|c| c.kv().map(|k| k.reg));
         match reg {
-            Some(reg) => self.shared.driver.check_registration(&reg).context("connector pdkv: the KV cache cannot be transferred"),
+            Some(reg) => self
+                .shared
+                .driver
+                .check_registration(&reg)
+                .context("connector pdkv: the KV cache cannot be transferred"),
             None => Ok(()),
         }
     }
 
     fn start_load_kv(&mut self, meta: ConnectorMeta) {
-        let Ok(reqs) = meta.0.downcast::<Vec<Arc<str>>>() else { return };
+        let Ok(reqs) = meta.0.downcast::<Vec<Arc<str>>>() else {
+            return;
+        };
         self.call(|c, now| c.start_load_kv(now, *reqs));
     }
 
@@ -360,7 +382,10 @@ impl KvConnector for PdConnector {
                 // Serve again under a new epoch: the old one is refused, and
                 // the pages a late peer still maps are freed when it unmaps.
                 let restored = self.call(|c, _| c.restore());
-                let e = e.context(format!("releasing the KV cache registration (segment {})", reg.segment));
+                let e = e.context(format!(
+                    "releasing the KV cache registration (segment {})",
+                    reg.segment
+                ));
                 match restored {
                     Ok(()) => Err(e.context("the registration was restored under a new epoch; the release can be retried")),
                     Err(r) => Err(e.context(format!("restoring the registration failed too: {r:#}"))),

@@ -12,10 +12,10 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
+use pdkv_transfer::auth::{self, KvSecret, Port};
 use pdkv_transfer::conns::{ConnSlots, Slot};
 use pdkv_transfer::frame::{Limits, RemoteError, Target};
 use pdkv_transfer::proto::{Direction, Transfer, TransferError};
-use pdkv_transfer::auth::{self, KvSecret, Port};
 use pdkv_transfer::shm::{ExportOptions, ShmExporter, ShmImporter, ShmImporterConfig};
 use pdkv_transfer::tcp::{Agent, AgentConfig, BatchError, LocalSlice};
 use pdkv_transfer::{Registration, Registry, RegistryOptions, RemoteDescriptor};
@@ -35,11 +35,18 @@ const FENCE_WAIT: Duration = Duration::from_secs(5);
 /// Binds the listener, the agent and (when a peer maps this engine's
 /// memory) the shared-memory exporter, and starts the accept loop and the
 /// core's timer on `runtime`.
-pub fn start(runtime: &tokio::runtime::Runtime, cfg: KvTransferConfig, engine_id: &str) -> anyhow::Result<Arc<Shared>> {
+pub fn start(
+    runtime: &tokio::runtime::Runtime,
+    cfg: KvTransferConfig,
+    engine_id: &str,
+) -> anyhow::Result<Arc<Shared>> {
     let registry = Arc::new(Registry::new(RegistryOptions::default()));
     let ip = cfg.kv_ip.clone();
     let (agent, listener) = runtime.block_on(async {
-        let agent_cfg = AgentConfig { secret: cfg.kv_secret.clone(), ..AgentConfig::default() };
+        let agent_cfg = AgentConfig {
+            secret: cfg.kv_secret.clone(),
+            ..AgentConfig::default()
+        };
         let agent = Agent::bind(&format!("{ip}:0"), registry.clone(), agent_cfg)
             .await
             .with_context(|| format!("binding the KV transfer agent on {ip}"))?;
@@ -56,14 +63,29 @@ pub fn start(runtime: &tokio::runtime::Runtime, cfg: KvTransferConfig, engine_id
         TransferMode::Read => cfg.kv_role.produces(),
     };
     let (dest, exporter) = if exports && cfg.transport == Transport::Shm {
-        let path = cfg.shm_dir.join(format!("pdkv-{engine_id}-{}.sock", std::process::id()));
+        let path = cfg
+            .shm_dir
+            .join(format!("pdkv-{engine_id}-{}.sock", std::process::id()));
         let _ = std::fs::remove_file(&path);
-        let opts = ExportOptions { secret: cfg.kv_secret.clone(), ..ExportOptions::default() };
+        let opts = ExportOptions {
+            secret: cfg.kv_secret.clone(),
+            ..ExportOptions::default()
+        };
         let exp = ShmExporter::bind_with(&path, registry.clone(), Limits::default(), opts)
             .with_context(|| format!("binding the shared-memory exporter at {}", path.display()))?;
-        (Destination::Shm { path: path.display().to_string() }, Some(exp))
+        (
+            Destination::Shm {
+                path: path.display().to_string(),
+            },
+            Some(exp),
+        )
     } else {
-        (Destination::Tcp { addr: agent.local_addr().to_string() }, None)
+        (
+            Destination::Tcp {
+                addr: agent.local_addr().to_string(),
+            },
+            None,
+        )
     };
     if cfg.kv_secret.is_open() {
         tracing::warn!(
@@ -71,7 +93,13 @@ pub fn start(runtime: &tokio::runtime::Runtime, cfg: KvTransferConfig, engine_id
         );
     }
     let secret = cfg.kv_secret.clone();
-    let core = PdCore::new(cfg, engine_id, control_addr.to_string(), dest, registry.clone());
+    let core = PdCore::new(
+        cfg,
+        engine_id,
+        control_addr.to_string(),
+        dest,
+        registry.clone(),
+    );
     let inner = Arc::new(Net {
         handle: runtime.handle().clone(),
         secret,
@@ -138,7 +166,11 @@ impl Driver for NetDriver {
         let d = &self.0;
         match io {
             Io::Reply { conn, msg, last } => {
-                let tx = if last { d.replies.lock().unwrap().remove(&conn) } else { d.replies.lock().unwrap().get(&conn).cloned() };
+                let tx = if last {
+                    d.replies.lock().unwrap().remove(&conn)
+                } else {
+                    d.replies.lock().unwrap().get(&conn).cloned()
+                };
                 if let Some(tx) = tx {
                     if last {
                         *d.unwritten.lock().unwrap() += 1;
@@ -148,7 +180,14 @@ impl Driver for NetDriver {
                     }
                 }
             }
-            Io::Write { conn, local, pairs, block_bytes, dst, deadline } => {
+            Io::Write {
+                conn,
+                local,
+                pairs,
+                block_bytes,
+                dst,
+                deadline,
+            } => {
                 let (s, n) = (shared.clone(), d.clone());
                 d.handle.spawn(async move {
                     let res = write_blocks(&n, &local, &pairs, block_bytes, &dst, deadline).await;
@@ -156,14 +195,38 @@ impl Driver for NetDriver {
                     s.event(|c, now| c.on_write_done(now, conn, res, bytes));
                 });
             }
-            Io::Send { op, addr, msg, deadline } => {
+            Io::Send {
+                op,
+                addr,
+                msg,
+                deadline,
+            } => {
                 let (s, secret) = (shared.clone(), d.secret.clone());
-                d.handle.spawn(async move { exchange(&s, &secret, op, &addr, &msg, deadline).await });
+                d.handle
+                    .spawn(async move { exchange(&s, &secret, op, &addr, &msg, deadline).await });
             }
-            Io::Read { load, local, remote, transfer, pairs, block_bytes, deadline } => {
+            Io::Read {
+                load,
+                local,
+                remote,
+                transfer,
+                pairs,
+                block_bytes,
+                deadline,
+            } => {
                 let (s, n) = (shared.clone(), d.clone());
                 d.handle.spawn(async move {
-                    let res = read_blocks(&n, load, &local, &remote, &transfer, &pairs, block_bytes, deadline).await;
+                    let res = read_blocks(
+                        &n,
+                        load,
+                        &local,
+                        &remote,
+                        &transfer,
+                        &pairs,
+                        block_bytes,
+                        deadline,
+                    )
+                    .await;
                     n.reads.lock().unwrap().remove(&load);
                     s.event(|c, now| c.on_read_result(now, load, res));
                 });
@@ -173,12 +236,21 @@ impl Driver for NetDriver {
                     cancel();
                 }
             }
-            Io::Fence { load, segment, grant } => {
+            Io::Fence {
+                load,
+                segment,
+                grant,
+            } => {
                 let (s, n) = (shared.clone(), d.clone());
                 d.handle.spawn(async move {
                     let res = tokio::task::spawn_blocking(move || n.fence(segment, grant))
-                    .await
-                    .unwrap_or_else(|e| Err(Failure::new(FailCode::Protocol, format!("the fence task failed: {e}"))));
+                        .await
+                        .unwrap_or_else(|e| {
+                            Err(Failure::new(
+                                FailCode::Protocol,
+                                format!("the fence task failed: {e}"),
+                            ))
+                        });
                     s.event(|c, now| c.on_fenced(now, load, res));
                 });
             }
@@ -187,9 +259,11 @@ impl Driver for NetDriver {
 
     fn deregister(&self, segment: u64, timeout: Duration) -> anyhow::Result<()> {
         match &self.0.exporter {
-            Some(exp) => exp
-                .deregister(segment, timeout)
-                .map_err(|e| anyhow::anyhow!("shared-memory peers did not unmap the KV cache (segment {segment}): {e}")),
+            Some(exp) => exp.deregister(segment, timeout).map_err(|e| {
+                anyhow::anyhow!(
+                    "shared-memory peers did not unmap the KV cache (segment {segment}): {e}"
+                )
+            }),
             None => {
                 self.0.registry.deregister(segment);
                 Ok(())
@@ -238,7 +312,10 @@ impl Driver for NetDriver {
         while *n > 0 {
             let left = deadline.saturating_duration_since(Instant::now());
             if left.is_zero() {
-                tracing::warn!(answers = *n, "stopping with control answers not yet written");
+                tracing::warn!(
+                    answers = *n,
+                    "stopping with control answers not yet written"
+                );
                 return;
             }
             n = self.0.written.wait_timeout(n, left).unwrap().0;
@@ -272,10 +349,13 @@ impl Net {
     fn fence(&self, segment: u64, grant: Option<u64>) -> Result<(), Failure> {
         let lost = |e: String| Failure::new(FailCode::Timeout, e);
         if let Some(key) = grant {
-            self.registry.revoke(segment, key, FENCE_WAIT).map_err(|e| lost(format!("revoking the load's grant: {e}")))?;
+            self.registry
+                .revoke(segment, key, FENCE_WAIT)
+                .map_err(|e| lost(format!("revoking the load's grant: {e}")))?;
         }
         if let Some(exp) = &self.exporter {
-            exp.fence(segment, FENCE_WAIT).map_err(|e| lost(format!("peers did not unmap the KV cache: {e}")))?;
+            exp.fence(segment, FENCE_WAIT)
+                .map_err(|e| lost(format!("peers did not unmap the KV cache: {e}")))?;
         }
         Ok(())
     }
@@ -341,7 +421,12 @@ async fn accept_loop(shared: Arc<Shared>, d: Arc<Net>, listener: TcpListener) {
 
 /// Serves one control exchange: the request goes to the core, its replies
 /// (progress frames, then the final answer) back to the peer.
-async fn serve_control(shared: &Arc<Shared>, d: &Net, mut s: TcpStream, slot: &Slot) -> Result<(), wire::WireError> {
+async fn serve_control(
+    shared: &Arc<Shared>,
+    d: &Net,
+    mut s: TcpStream,
+    slot: &Slot,
+) -> Result<(), wire::WireError> {
     let _ = s.set_nodelay(true);
     let prefix = wire::read_prefix(&mut s, CONTROL_IO).await?;
     if &prefix == b"GET " {
@@ -349,9 +434,13 @@ async fn serve_control(shared: &Arc<Shared>, d: &Net, mut s: TcpStream, slot: &S
         // would announce over 1 GB), so the two cannot be confused.
         return bootstrap::serve(shared, s).await;
     }
-    if let Err(e) = auth::accept_after(&mut s, &prefix, &d.secret, Port::Control, CONTROL_IO).await {
+    if let Err(e) = auth::accept_after(&mut s, &prefix, &d.secret, Port::Control, CONTROL_IO).await
+    {
         d.auth_refused.fetch_add(1, Ordering::Relaxed);
-        if matches!(e, auth::AuthError::BadProof | auth::AuthError::WrongPort { .. }) {
+        if matches!(
+            e,
+            auth::AuthError::BadProof | auth::AuthError::WrongPort { .. }
+        ) {
             tracing::info!("KV control connection refused: {e}");
         }
         return Err(e.into());
@@ -383,7 +472,9 @@ async fn serve_control(shared: &Arc<Shared>, d: &Net, mut s: TcpStream, slot: &S
             }
             _ => {
                 d.replies.lock().unwrap().remove(&conn);
-                let msg = Message::Error { reason: "the engine lost the exchange".into() };
+                let msg = Message::Error {
+                    reason: "the engine lost the exchange".into(),
+                };
                 return wire::write_message(&mut s, &msg, CONTROL_IO).await;
             }
         }
@@ -391,14 +482,31 @@ async fn serve_control(shared: &Arc<Shared>, d: &Net, mut s: TcpStream, slot: &S
 }
 
 /// D's side of one exchange: every frame of the answer goes to the core.
-async fn exchange(shared: &Arc<Shared>, secret: &KvSecret, op: Op, addr: &str, msg: &Message, deadline: Instant) {
-    let failed = |f: Failure, sent: bool| shared.event(|c, now| c.on_exchange_failed(now, op.clone(), f, sent));
+async fn exchange(
+    shared: &Arc<Shared>,
+    secret: &KvSecret,
+    op: Op,
+    addr: &str,
+    msg: &Message,
+    deadline: Instant,
+) {
+    let failed = |f: Failure, sent: bool| {
+        shared.event(|c, now| c.on_exchange_failed(now, op.clone(), f, sent))
+    };
     let mut s = match wire::open(addr, secret, CONTROL_IO).await {
         Ok(s) => s,
-        Err(e) => return failed(Failure::new(FailCode::PeerLost, format!("connecting to {addr}: {e}")), false),
+        Err(e) => {
+            return failed(
+                Failure::new(FailCode::PeerLost, format!("connecting to {addr}: {e}")),
+                false,
+            )
+        }
     };
     if let Err(e) = wire::write_message(&mut s, msg, CONTROL_IO).await {
-        return failed(Failure::new(FailCode::PeerLost, format!("sending to {addr}: {e}")), true);
+        return failed(
+            Failure::new(FailCode::PeerLost, format!("sending to {addr}: {e}")),
+            true,
+        );
     }
     loop {
         let left = deadline.saturating_duration_since(Instant::now());
@@ -411,9 +519,25 @@ async fn exchange(shared: &Arc<Shared>, secret: &KvSecret, op: Op, addr: &str, m
                 }
             }
             Err(wire::WireError::Timeout { .. }) => {
-                return failed(Failure::new(FailCode::Timeout, format!("no answer from {addr} within load_timeout_s of last hearing from it")), true)
+                return failed(
+                    Failure::new(
+                        FailCode::Timeout,
+                        format!(
+                            "no answer from {addr} within load_timeout_s of last hearing from it"
+                        ),
+                    ),
+                    true,
+                )
             }
-            Err(e) => return failed(Failure::new(FailCode::PeerLost, format!("the exchange with {addr} broke: {e}")), true),
+            Err(e) => {
+                return failed(
+                    Failure::new(
+                        FailCode::PeerLost,
+                        format!("the exchange with {addr} broke: {e}"),
+                    ),
+                    true,
+                )
+            }
         }
     }
 }
@@ -430,12 +554,15 @@ async fn write_blocks(
     let failed = |e: String| wire::write_failure(false, e);
     let mut slices = Vec::with_capacity(pairs.len());
     for &(src, off) in pairs {
-        let l = LocalSlice::grant(&d.registry, local, src, bb).map_err(|e| failed(format!("local block at {src}: {e}")))?;
+        let l = LocalSlice::grant(&d.registry, local, src, bb)
+            .map_err(|e| failed(format!("local block at {src}: {e}")))?;
         slices.push((l, off));
     }
     let left = deadline.saturating_duration_since(Instant::now());
     if left.is_zero() {
-        return Err(failed("the pull deadline passed before the write started".into()));
+        return Err(failed(
+            "the pull deadline passed before the write started".into(),
+        ));
     }
     match &dst.dst {
         Destination::Tcp { addr } => {
@@ -444,23 +571,44 @@ async fn write_blocks(
             let transfers = slices
                 .into_iter()
                 .map(|(l, off)| {
-                    let r = RemoteDescriptor { agent_addr: addr.clone(), segment: dst.segment, key, epoch: dst.epoch, offset: off, len: bb };
+                    let r = RemoteDescriptor {
+                        agent_addr: addr.clone(),
+                        segment: dst.segment,
+                        key,
+                        epoch: dst.epoch,
+                        offset: off,
+                        len: bb,
+                    };
                     (l, r)
                 })
                 .collect();
             d.agent.write(transfers, None, left).await.map_err(|e| {
-                let refused = matches!(&e, BatchError::Transfer(TransferError::Remote(RemoteError::Access(_))));
+                let refused = matches!(
+                    &e,
+                    BatchError::Transfer(TransferError::Remote(RemoteError::Access(_)))
+                );
                 wire::write_failure(refused, e)
             })
         }
         Destination::Shm { path } => {
-            let reg = Registration { segment: dst.segment, key: dst.key, epoch: dst.epoch, len: dst.region_len };
+            let reg = Registration {
+                segment: dst.segment,
+                key: dst.key,
+                epoch: dst.epoch,
+                len: dst.region_len,
+            };
             let imp = importer(d, path, &reg, left).await.map_err(failed)?;
             let transfers = slices
                 .into_iter()
                 .map(|(local, off)| Transfer {
                     local,
-                    remote: Target { segment: dst.segment, key: dst.key, epoch: dst.epoch, offset: off, len: bb },
+                    remote: Target {
+                        segment: dst.segment,
+                        key: dst.key,
+                        epoch: dst.epoch,
+                        offset: off,
+                        len: bb,
+                    },
                 })
                 .collect();
             let res = match imp.start(Direction::Write, transfers, None, deadline) {
@@ -484,7 +632,12 @@ const MAX_SHM_PEERS: usize = 64;
 
 /// The importer for the peer's socket `path`, connected, with `reg` (at its
 /// epoch) mapped.
-async fn importer(d: &Net, path: &str, reg: &Registration, left: Duration) -> Result<Arc<ShmImporter>, String> {
+async fn importer(
+    d: &Net,
+    path: &str,
+    reg: &Registration,
+    left: Duration,
+) -> Result<Arc<ShmImporter>, String> {
     let mapped = || {
         let cached = d.importers.lock().unwrap().get(path).cloned();
         cached.filter(|i| i.mapped_epoch(reg.segment) == Some(reg.epoch))
@@ -495,7 +648,9 @@ async fn importer(d: &Net, path: &str, reg: &Registration, left: Duration) -> Re
     // One transfer connects and maps at a time; the others find it done.
     let _mapping = tokio::time::timeout(left, d.mapping.lock())
         .await
-        .map_err(|_| format!("mapping the peer's KV cache at {path}: another map did not end in time"))?;
+        .map_err(|_| {
+            format!("mapping the peer's KV cache at {path}: another map did not end in time")
+        })?;
     if let Some(i) = mapped() {
         return Ok(i);
     }
@@ -507,22 +662,35 @@ async fn importer(d: &Net, path: &str, reg: &Registration, left: Duration) -> Re
             if d.importers.lock().unwrap().len() >= MAX_SHM_PEERS {
                 return Err(format!("connecting to {path}: this engine maps {MAX_SHM_PEERS} shared-memory peers already"));
             }
-            let cfg = ShmImporterConfig { secret: d.secret.clone(), ..ShmImporterConfig::default() };
-            let i = tokio::task::spawn_blocking(move || ShmImporter::connect_with(&p, Limits::default(), cfg))
-                .await
-                .map_err(|e| e.to_string())?
-                .map_err(|e| format!("connecting to {path}: {e}"))?;
+            let cfg = ShmImporterConfig {
+                secret: d.secret.clone(),
+                ..ShmImporterConfig::default()
+            };
+            let i = tokio::task::spawn_blocking(move || {
+                ShmImporter::connect_with(&p, Limits::default(), cfg)
+            })
+            .await
+            .map_err(|e| e.to_string())?
+            .map_err(|e| format!("connecting to {path}: {e}"))?;
             let i = Arc::new(i);
-            d.importers.lock().unwrap().insert(path.to_string(), i.clone());
+            d.importers
+                .lock()
+                .unwrap()
+                .insert(path.to_string(), i.clone());
             i
         }
     };
     if imp.mapped_epoch(reg.segment) != Some(reg.epoch) {
         let (i, r) = (imp.clone(), *reg);
-        let mapped = tokio::task::spawn_blocking(move || i.map(&r, left)).await.map_err(|e| e.to_string())?;
+        let mapped = tokio::task::spawn_blocking(move || i.map(&r, left))
+            .await
+            .map_err(|e| e.to_string())?;
         if let Err(e) = mapped {
             d.importers.lock().unwrap().remove(path);
-            return Err(format!("mapping the peer's KV cache (segment {}, epoch {}): {e}", reg.segment, reg.epoch));
+            return Err(format!(
+                "mapping the peer's KV cache (segment {}, epoch {}): {e}",
+                reg.segment, reg.epoch
+            ));
         }
     }
     Ok(imp)
@@ -542,12 +710,29 @@ async fn read_blocks(
     deadline: Instant,
 ) -> Result<(), Failure> {
     let what = |code: FailCode, e: String| {
-        Failure::new(code, format!("reading {} blocks (generation {}): {e}", pairs.len(), remote.epoch))
+        Failure::new(
+            code,
+            format!(
+                "reading {} blocks (generation {}): {e}",
+                pairs.len(),
+                remote.epoch
+            ),
+        )
     };
     let mut slices = Vec::with_capacity(pairs.len());
     for &(dst, src) in pairs {
-        let l = LocalSlice::grant(&d.registry, local, dst, bb).map_err(|e| what(FailCode::Protocol, format!("local block at {dst}: {e}")))?;
-        slices.push((l, Target { segment: remote.segment, key: remote.key, epoch: remote.epoch, offset: src, len: bb }));
+        let l = LocalSlice::grant(&d.registry, local, dst, bb)
+            .map_err(|e| what(FailCode::Protocol, format!("local block at {dst}: {e}")))?;
+        slices.push((
+            l,
+            Target {
+                segment: remote.segment,
+                key: remote.key,
+                epoch: remote.epoch,
+                offset: src,
+                len: bb,
+            },
+        ));
     }
     let left = deadline.saturating_duration_since(Instant::now());
     match transfer {
@@ -555,22 +740,45 @@ async fn read_blocks(
             let transfers = slices
                 .into_iter()
                 .map(|(l, t)| {
-                    let r = RemoteDescriptor { agent_addr: addr.clone(), segment: t.segment, key: t.key, epoch: t.epoch, offset: t.offset, len: t.len };
+                    let r = RemoteDescriptor {
+                        agent_addr: addr.clone(),
+                        segment: t.segment,
+                        key: t.key,
+                        epoch: t.epoch,
+                        offset: t.offset,
+                        len: t.len,
+                    };
                     (l, r)
                 })
                 .collect();
-            let h = d.agent.start(Direction::Read, transfers, None, left).await.map_err(|e| what(FailCode::TransferFailed, e.to_string()))?;
+            let h = d
+                .agent
+                .start(Direction::Read, transfers, None, left)
+                .await
+                .map_err(|e| what(FailCode::TransferFailed, e.to_string()))?;
             let cancel = h.canceller();
             d.reads.lock().unwrap().insert(load, Box::new(cancel));
-            h.wait().await.map_err(|e| what(FailCode::TransferFailed, e.to_string()))
+            h.wait()
+                .await
+                .map_err(|e| what(FailCode::TransferFailed, e.to_string()))
         }
         Destination::Shm { path } => {
-            let imp = importer(d, path, remote, left).await.map_err(|e| what(FailCode::TransferFailed, e))?;
-            let transfers = slices.into_iter().map(|(local, remote)| Transfer { local, remote }).collect();
-            let h = imp.start(Direction::Read, transfers, None, deadline).map_err(|e| what(FailCode::TransferFailed, e.to_string()))?;
+            let imp = importer(d, path, remote, left)
+                .await
+                .map_err(|e| what(FailCode::TransferFailed, e))?;
+            let transfers = slices
+                .into_iter()
+                .map(|(local, remote)| Transfer { local, remote })
+                .collect();
+            let h = imp
+                .start(Direction::Read, transfers, None, deadline)
+                .map_err(|e| what(FailCode::TransferFailed, e.to_string()))?;
             let cancel = h.canceller();
             d.reads.lock().unwrap().insert(load, Box::new(cancel));
-            let res = h.wait().await.map_err(|e| what(FailCode::TransferFailed, e.to_string()));
+            let res = h
+                .wait()
+                .await
+                .map_err(|e| what(FailCode::TransferFailed, e.to_string()));
             if res.is_err() {
                 d.importers.lock().unwrap().remove(path);
             }
@@ -588,12 +796,23 @@ mod tests {
     /// A registration of 16 memfds of 4 KiB, and an exporter for it
     /// allowing at most `max_map_chunks` per shared registration.
     fn exporter(dir: &std::path::Path, max_map_chunks: u32) -> (ShmExporter, Registration, Pool) {
-        let pool = Pool::new(PoolOptions { chunk_size: 4 << 10, single_allocation: false });
+        let pool = Pool::new(PoolOptions {
+            chunk_size: 4 << 10,
+            single_allocation: false,
+        });
         let region = pool.allocate(Tag::KvCache, 16 << 12).unwrap();
         let registry = Arc::new(Registry::new(RegistryOptions::default()));
         let reg = registry.register(&region, 0, region.len()).unwrap();
-        let limits = Limits { max_map_chunks, ..Limits::default() };
-        let exp = ShmExporter::bind(&dir.join(format!("x{max_map_chunks}.sock")), registry, limits).unwrap();
+        let limits = Limits {
+            max_map_chunks,
+            ..Limits::default()
+        };
+        let exp = ShmExporter::bind(
+            &dir.join(format!("x{max_map_chunks}.sock")),
+            registry,
+            limits,
+        )
+        .unwrap();
         (exp, reg, pool)
     }
 
@@ -603,11 +822,17 @@ mod tests {
         let (exp, reg, _pool) = exporter(dir.path(), 15);
         let err = check_shareable(&exp, &reg).expect_err("16 memfds over a limit of 15");
         match err.downcast_ref::<ShmError>() {
-            Some(ShmError::TooManyChunks { chunks: 16, limit: 15 }) => {}
+            Some(ShmError::TooManyChunks {
+                chunks: 16,
+                limit: 15,
+            }) => {}
             other => panic!("refused as {other:?}: {err:#}"),
         }
         let msg = format!("{err:#}");
-        assert!(msg.contains("16 memfds") && msg.contains("at most 15") && msg.contains("tcp"), "{msg}");
+        assert!(
+            msg.contains("16 memfds") && msg.contains("at most 15") && msg.contains("tcp"),
+            "{msg}"
+        );
         // At the limit it is shared.
         let (exp, reg, _pool) = exporter(dir.path(), 16);
         check_shareable(&exp, &reg).expect("16 memfds within a limit of 16");

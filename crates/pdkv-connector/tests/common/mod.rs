@@ -23,14 +23,14 @@ use std::sync::{mpsc, Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use pdkv_connector::params;
-use pdkv_transfer::auth::{self, KvSecret, Port};
 use pdkv_connector::wire::{self, Message};
 use pdkv_engine::connector::{ConnectorRequest, FinishedTransfers, KvCacheSpec, MetricsReader};
 use pdkv_engine::{
-    Engine, EngineConfig, EngineHandle, EngineRequest, FinishReason, KvConnector, RequestOutput, RequestStream,
-    SamplingParams,
+    Engine, EngineConfig, EngineHandle, EngineRequest, FinishReason, KvConnector, RequestOutput,
+    RequestStream, SamplingParams,
 };
 use pdkv_model::Arch;
+use pdkv_transfer::auth::{self, KvSecret, Port};
 use pdkv_vmem::{Pool, PoolOptions, Region, Tag};
 use serde_json::{json, Value};
 
@@ -108,7 +108,12 @@ pub fn prompt(seed: u64, len: usize) -> Vec<u32> {
 }
 
 /// A greedy request that ignores EOS and returns its logits.
-pub fn request(id: &str, tokens: Vec<u32>, max_tokens: u32, params: Option<Value>) -> EngineRequest {
+pub fn request(
+    id: &str,
+    tokens: Vec<u32>,
+    max_tokens: u32,
+    params: Option<Value>,
+) -> EngineRequest {
     let sp = SamplingParams {
         temperature: 0.0,
         max_tokens,
@@ -116,12 +121,24 @@ pub fn request(id: &str, tokens: Vec<u32>, max_tokens: u32, params: Option<Value
         return_logits: true,
         ..SamplingParams::default()
     };
-    EngineRequest { id: id.into(), prompt_tokens: tokens, params: sp, kv_transfer_params: params }
+    EngineRequest {
+        id: id.into(),
+        prompt_tokens: tokens,
+        params: sp,
+        kv_transfer_params: params,
+    }
 }
 
 /// Adds [`request`] to `e`; the stream must be kept (dropping it aborts).
-pub fn start(e: &EngineHandle, id: &str, tokens: Vec<u32>, max_tokens: u32, params: Option<Value>) -> RequestStream {
-    e.add_request(request(id, tokens, max_tokens, params)).unwrap_or_else(|err| panic!("request {id} refused: {err}"))
+pub fn start(
+    e: &EngineHandle,
+    id: &str,
+    tokens: Vec<u32>,
+    max_tokens: u32,
+    params: Option<Value>,
+) -> RequestStream {
+    e.add_request(request(id, tokens, max_tokens, params))
+        .unwrap_or_else(|err| panic!("request {id} refused: {err}"))
 }
 
 /// Every output up to and including the final one.
@@ -134,12 +151,21 @@ pub fn collect(mut s: RequestStream) -> Vec<RequestOutput> {
             break;
         }
     }
-    assert!(out.last().is_some_and(|o| o.finish_reason.is_some()), "stream ended without a final output");
+    assert!(
+        out.last().is_some_and(|o| o.finish_reason.is_some()),
+        "stream ended without a final output"
+    );
     out
 }
 
 /// Runs [`request`] on `e` to its end.
-pub fn run(e: &EngineHandle, id: &str, tokens: Vec<u32>, max_tokens: u32, params: Option<Value>) -> Vec<RequestOutput> {
+pub fn run(
+    e: &EngineHandle,
+    id: &str,
+    tokens: Vec<u32>,
+    max_tokens: u32,
+    params: Option<Value>,
+) -> Vec<RequestOutput> {
     collect(start(e, id, tokens, max_tokens, params))
 }
 
@@ -156,7 +182,10 @@ pub fn assert_finished(outs: &[RequestOutput], reason: FinishReason, what: &str)
 /// The error of a request that ended with [`FinishReason::Error`].
 pub fn error_of(outs: &[RequestOutput], what: &str) -> String {
     assert_finished(outs, FinishReason::Error, what);
-    last(outs).error.clone().unwrap_or_else(|| panic!("{what}: an Error finish without a message"))
+    last(outs)
+        .error
+        .clone()
+        .unwrap_or_else(|| panic!("{what}: an Error finish without a message"))
 }
 
 /// A request's tokens and the bits of its logits.
@@ -164,7 +193,14 @@ pub type Fingerprint = (Vec<u32>, Vec<Vec<u32>>);
 
 pub fn fingerprint(outs: &[RequestOutput]) -> Fingerprint {
     let toks = outs.iter().flat_map(|o| o.token_ids.clone()).collect();
-    let bits = outs.iter().flat_map(|o| o.logits.iter().map(|r| r.iter().map(|x| x.to_bits()).collect())).collect();
+    let bits = outs
+        .iter()
+        .flat_map(|o| {
+            o.logits
+                .iter()
+                .map(|r| r.iter().map(|x| x.to_bits()).collect())
+        })
+        .collect();
     (toks, bits)
 }
 
@@ -185,7 +221,11 @@ pub fn bootstrap_addr(p: &EngineHandle) -> String {
 /// output returns, written out before P finished).
 pub fn pull_params(p: &EngineHandle, transfer_id: &str) -> Value {
     let info = p.kv_connector_info().expect("P has a connector");
-    params::for_decode(transfer_id, info["engine_id"].as_str(), Some(&bootstrap_addr(p)))
+    params::for_decode(
+        transfer_id,
+        info["engine_id"].as_str(),
+        Some(&bootstrap_addr(p)),
+    )
 }
 
 /// P computes `tokens` for a decode engine as request `id` under
@@ -193,7 +233,10 @@ pub fn pull_params(p: &EngineHandle, transfer_id: &str) -> Value {
 pub fn remote_prefill(p: &EngineHandle, id: &str, tokens: &[u32], transfer_id: &str) -> Value {
     let out = run(p, id, tokens.to_vec(), 1, Some(decode_params(transfer_id)));
     assert_finished(&out, FinishReason::Length, &format!("P request {id}"));
-    last(&out).kv_transfer_params.clone().unwrap_or_else(|| panic!("P request {id} returned no transfer params"))
+    last(&out)
+        .kv_transfer_params
+        .clone()
+        .unwrap_or_else(|| panic!("P request {id} returned no transfer params"))
 }
 
 /// One P/D request under `transfer_id`: P computes `tokens` (request
@@ -208,7 +251,13 @@ pub fn pd(
     max_tokens: u32,
 ) -> Result<Vec<RequestOutput>, String> {
     let params = remote_prefill(p, &format!("{transfer_id}-p"), tokens, transfer_id);
-    let dout = run(d, &format!("{transfer_id}-d"), tokens.to_vec(), max_tokens, Some(params));
+    let dout = run(
+        d,
+        &format!("{transfer_id}-d"),
+        tokens.to_vec(),
+        max_tokens,
+        Some(params),
+    );
     let l = last(&dout);
     if l.finish_reason != Some(FinishReason::Length) {
         return Err(format!("D: {:?} {:?}", l.finish_reason, l.error));
@@ -219,7 +268,10 @@ pub fn pd(
 /// The connector metric `name` of `e` now.
 pub fn metric(e: &EngineHandle, name: &str) -> f64 {
     let all = e.kv_connector_metrics();
-    all.iter().find(|m| m.0 == name).unwrap_or_else(|| panic!("no connector metric {name} in {all:?}")).2
+    all.iter()
+        .find(|m| m.0 == name)
+        .unwrap_or_else(|| panic!("no connector metric {name} in {all:?}"))
+        .2
 }
 
 /// Waits until the connector metric `name` reads `value`. The predicate is
@@ -227,16 +279,27 @@ pub fn metric(e: &EngineHandle, name: &str) -> f64 {
 /// happens at least once per idle turn.
 pub fn wait_metric(e: &EngineHandle, name: &str, value: f64, what: &str) {
     let ok = e.wait_stats(WAIT, |_| metric(e, name) == value);
-    assert!(ok.is_some(), "{what}: {name} stayed {} (wanted {value})", metric(e, name));
+    assert!(
+        ok.is_some(),
+        "{what}: {name} stayed {} (wanted {value})",
+        metric(e, name)
+    );
 }
 
 /// Waits (at most `within`) until the engine is idle with every block free
 /// and none held for a transfer.
 pub fn assert_idle(e: &EngineHandle, within: Duration, what: &str) {
     let ok = e.wait_stats(within, |s| {
-        s.kv_blocks_free == s.kv_blocks_total && s.kv_blocks_held == 0 && s.num_running == 0 && s.num_waiting == 0
+        s.kv_blocks_free == s.kv_blocks_total
+            && s.kv_blocks_held == 0
+            && s.num_running == 0
+            && s.num_waiting == 0
     });
-    assert!(ok.is_some(), "{what}: not idle with all blocks free within {within:?}: {:?}", e.stats());
+    assert!(
+        ok.is_some(),
+        "{what}: not idle with all blocks free within {within:?}: {:?}",
+        e.stats()
+    );
 }
 
 /// [`assert_idle`] within [`WAIT`].
@@ -279,7 +342,10 @@ pub struct Geometry {
 }
 
 /// [`BLOCKS`] blocks in chunks of 8 KiB (4 memfds).
-pub const SMALL: Geometry = Geometry { blocks: BLOCKS, chunk_size: 8 << 10 };
+pub const SMALL: Geometry = Geometry {
+    blocks: BLOCKS,
+    chunk_size: 8 << 10,
+};
 
 /// A `pdkv` connector of `role` over `transport` (`extra` fields appended to
 /// its configuration) under `id`, with its [`SMALL`] KV region registered.
@@ -289,10 +355,20 @@ pub fn side(role: &str, transport: &str, id: &str, extra: &str) -> Side {
 
 /// [`side`] with a KV region of `geometry`; the error is the connector's
 /// refusal to register it.
-pub fn side_with(role: &str, transport: &str, id: &str, extra: &str, geometry: Geometry) -> anyhow::Result<Side> {
-    let cfg = format!(r#"{{"kv_connector":"pdkv","kv_role":"{role}","transport":"{transport}"{extra}}}"#);
+pub fn side_with(
+    role: &str,
+    transport: &str,
+    id: &str,
+    extra: &str,
+    geometry: Geometry,
+) -> anyhow::Result<Side> {
+    let cfg =
+        format!(r#"{{"kv_connector":"pdkv","kv_role":"{role}","transport":"{transport}"{extra}}}"#);
     let mut c = pdkv_connector::build(&cfg, id).unwrap();
-    let pool = Pool::new(PoolOptions { chunk_size: geometry.chunk_size, single_allocation: false });
+    let pool = Pool::new(PoolOptions {
+        chunk_size: geometry.chunk_size,
+        single_allocation: false,
+    });
     let region = pool.allocate(Tag::KvCache, geometry.blocks * BB).unwrap();
     let (tx, woke) = mpsc::channel();
     let tx = Mutex::new(tx);
@@ -308,13 +384,22 @@ pub fn side_with(role: &str, transport: &str, id: &str, extra: &str, geometry: G
     };
     c.register_kv_caches(&spec)?;
     let metrics = c.metrics_reader().expect("the connector has metrics");
-    Ok(Side { c, region, woke, pool, metrics })
+    Ok(Side {
+        c,
+        region,
+        woke,
+        pool,
+        metrics,
+    })
 }
 
 impl Side {
     /// Polls `get_finished` (after each wake) until `pred` holds for all
     /// that finished since the call; returns that.
-    pub fn wait_finished(&mut self, mut pred: impl FnMut(&FinishedTransfers) -> bool) -> FinishedTransfers {
+    pub fn wait_finished(
+        &mut self,
+        mut pred: impl FnMut(&FinishedTransfers) -> bool,
+    ) -> FinishedTransfers {
         let deadline = Instant::now() + SIDE_WAIT;
         let mut all = FinishedTransfers::default();
         loop {
@@ -349,12 +434,18 @@ impl Side {
 
     /// The connector metric `name` now.
     pub fn gauge(&self, name: &str) -> f64 {
-        (self.metrics)().into_iter().find(|m| m.0 == name).unwrap_or_else(|| panic!("no metric {name}")).2
+        (self.metrics)()
+            .into_iter()
+            .find(|m| m.0 == name)
+            .unwrap_or_else(|| panic!("no metric {name}"))
+            .2
     }
 
     /// The epoch of the region's current registration.
     pub fn epoch(&self) -> u64 {
-        self.c.info()["registration_epoch"].as_u64().expect("registered")
+        self.c.info()["registration_epoch"]
+            .as_u64()
+            .expect("registered")
     }
 
     /// Live bytes of the pool's KV memory.
@@ -375,11 +466,17 @@ pub fn wait_until(what: &str, mut cond: impl FnMut() -> bool) {
 
 /// The bytes P writes into its block `block`.
 pub fn pattern(block: u32) -> Vec<u8> {
-    (0..BB).map(|i| (i as u32).wrapping_mul(31).wrapping_add(block * 7) as u8).collect()
+    (0..BB)
+        .map(|i| (i as u32).wrapping_mul(31).wrapping_add(block * 7) as u8)
+        .collect()
 }
 
 pub fn req<'a>(id: &'a Arc<str>, prompt: &'a [u32], params: &'a Value) -> ConnectorRequest<'a> {
-    ConnectorRequest { id, prompt_tokens: prompt, kv_transfer_params: Some(params) }
+    ConnectorRequest {
+        id,
+        prompt_tokens: prompt,
+        kv_transfer_params: Some(params),
+    }
 }
 
 /// P admits the request `rid` of `len` tokens for `tid` (WAITING).
@@ -387,7 +484,11 @@ pub fn admit(p: &mut Side, rid: &str, tid: &str, len: usize) {
     let id: Arc<str> = Arc::from(rid);
     let prompt = vec![1u32; len];
     let params = decode_params(tid);
-    assert_eq!(p.c.get_num_new_matched_tokens(req(&id, &prompt, &params), 0).num_tokens, 0);
+    assert_eq!(
+        p.c.get_num_new_matched_tokens(req(&id, &prompt, &params), 0)
+            .num_tokens,
+        0
+    );
 }
 
 /// P's request ends for `reason` with its KV in `p_blocks` (each holding
@@ -418,7 +519,10 @@ pub fn finish(p: &mut Side, rid: &str, tid: &str, len: usize, p_blocks: &[u32]) 
 /// (READY); returns D's params.
 pub fn prefill(p: &mut Side, rid: &str, tid: &str, len: usize, p_blocks: &[u32]) -> Value {
     admit(p, rid, tid, len);
-    assert!(finish(p, rid, tid, len, p_blocks), "P holds the blocks for D");
+    assert!(
+        finish(p, rid, tid, len, p_blocks),
+        "P holds the blocks for D"
+    );
     d_params(p, tid)
 }
 
@@ -431,10 +535,18 @@ pub fn d_params(p: &Side, tid: &str) -> Value {
 /// D admits the request with `computed` local tokens and decides its load
 /// of the rest (but the last token) into `d_blocks`; returns the tokens to
 /// load.
-pub fn decide_load(d: &mut Side, rid: &str, len: usize, computed: usize, d_blocks: &[u32], params: &Value) -> usize {
+pub fn decide_load(
+    d: &mut Side,
+    rid: &str,
+    len: usize,
+    computed: usize,
+    d_blocks: &[u32],
+    params: &Value,
+) -> usize {
     let id: Arc<str> = Arc::from(rid);
     let prompt = vec![1u32; len];
-    let m = d.c.get_num_new_matched_tokens(req(&id, &prompt, params), computed);
+    let m =
+        d.c.get_num_new_matched_tokens(req(&id, &prompt, params), computed);
     assert!(m.load_async);
     assert_eq!(m.num_tokens, len - 1 - computed);
     d.c.update_state_after_alloc(req(&id, &prompt, params), d_blocks, computed, m.num_tokens);
@@ -442,7 +554,14 @@ pub fn decide_load(d: &mut Side, rid: &str, len: usize, computed: usize, d_block
 }
 
 /// D decides and starts the load.
-pub fn start_load(d: &mut Side, rid: &str, len: usize, computed: usize, d_blocks: &[u32], params: &Value) -> usize {
+pub fn start_load(
+    d: &mut Side,
+    rid: &str,
+    len: usize,
+    computed: usize,
+    d_blocks: &[u32],
+    params: &Value,
+) -> usize {
     let n = decide_load(d, rid, len, computed, d_blocks, params);
     let meta = d.c.build_connector_meta();
     d.c.start_load_kv(meta);
@@ -451,7 +570,14 @@ pub fn start_load(d: &mut Side, rid: &str, len: usize, computed: usize, d_blocks
 
 /// P admits `p_rid` (40 tokens) for `tid` and D starts loading it as
 /// `d_rid` into `d_blocks`; returns D's params.
-pub fn start_pull(p: &mut Side, d: &mut Side, p_rid: &str, tid: &str, d_rid: &str, d_blocks: &[u32]) -> Value {
+pub fn start_pull(
+    p: &mut Side,
+    d: &mut Side,
+    p_rid: &str,
+    tid: &str,
+    d_rid: &str,
+    d_blocks: &[u32],
+) -> Value {
     admit(p, p_rid, tid, 40);
     let params = d_params(p, tid);
     start_load(d, d_rid, 40, 0, d_blocks, &params);
@@ -460,7 +586,14 @@ pub fn start_pull(p: &mut Side, d: &mut Side, p_rid: &str, tid: &str, d_rid: &st
 
 /// [`start_pull`], then waits until D's pull is parked on P (P's request
 /// still runs); returns D's params.
-pub fn park_pull(p: &mut Side, d: &mut Side, p_rid: &str, tid: &str, d_rid: &str, d_blocks: &[u32]) -> Value {
+pub fn park_pull(
+    p: &mut Side,
+    d: &mut Side,
+    p_rid: &str,
+    tid: &str,
+    d_rid: &str,
+    d_blocks: &[u32],
+) -> Value {
     let params = start_pull(p, d, p_rid, tid, d_rid, d_blocks);
     wait_until("D's pull reaches P", || p.gauge("pulls_pending") >= 1.0);
     params
@@ -469,33 +602,52 @@ pub fn park_pull(p: &mut Side, d: &mut Side, p_rid: &str, tid: &str, d_rid: &str
 /// D loads `params` as `rid` (40 tokens, nothing local) into `d_blocks`
 /// and the load fails for every block; returns the errors and how long the
 /// load took from its start.
-pub fn failed_load(d: &mut Side, rid: &str, d_blocks: &[u32], params: &Value) -> (Vec<(u32, String)>, Duration) {
+pub fn failed_load(
+    d: &mut Side,
+    rid: &str,
+    d_blocks: &[u32],
+    params: &Value,
+) -> (Vec<(u32, String)>, Duration) {
     let t0 = Instant::now();
     start_load(d, rid, 40, 0, d_blocks, params);
     d.wait_finished(|f| f.recving.iter().any(|r| &**r == rid));
     let took = t0.elapsed();
     let errs = load_errors(d);
-    assert_eq!(errs.len(), d_blocks.len(), "load {rid}: every block fails: {errs:?}");
+    assert_eq!(
+        errs.len(),
+        d_blocks.len(),
+        "load {rid}: every block fails: {errs:?}"
+    );
     (errs, took)
 }
 
 /// The load errors a side reports now, as their messages.
 pub fn load_errors(d: &mut Side) -> Vec<(u32, String)> {
-    d.c.get_block_ids_with_load_errors().into_iter().map(|(b, e)| (b, e.message)).collect()
+    d.c.get_block_ids_with_load_errors()
+        .into_iter()
+        .map(|(b, e)| (b, e.message))
+        .collect()
 }
 
 /// A control connection to `addr`, through the handshake (no secret).
 pub fn control(addr: &str) -> TcpStream {
     let mut s = TcpStream::connect(addr).unwrap();
     s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-    auth::connect_blocking(&mut s, &KvSecret::open(), Port::Control, Duration::from_secs(10)).expect("control handshake");
+    auth::connect_blocking(
+        &mut s,
+        &KvSecret::open(),
+        Port::Control,
+        Duration::from_secs(10),
+    )
+    .expect("control handshake");
     s
 }
 
 /// The server's side of the control handshake, on a connection accepted by
 /// a stand-in engine.
 pub fn accept_control(s: &mut TcpStream) {
-    auth::accept_blocking(s, &KvSecret::open(), Port::Control, Duration::from_secs(10)).expect("the peer's handshake");
+    auth::accept_blocking(s, &KvSecret::open(), Port::Control, Duration::from_secs(10))
+        .expect("the peer's handshake");
 }
 
 /// Writes one control message to `s`.
@@ -518,7 +670,11 @@ pub fn transfer_ok(p: &mut Side, d: &mut Side, tag: &str, p_blocks: [u32; 3], d_
     let params = prefill(p, &format!("p-{tag}"), tag, 40, &p_blocks);
     start_load(d, &format!("d-{tag}"), 40, 0, &d_blocks, &params);
     d.wait_finished(|f| f.recving.len() == 1);
-    assert_eq!(d.c.get_block_ids_with_load_errors(), vec![], "transfer {tag}");
+    assert_eq!(
+        d.c.get_block_ids_with_load_errors(),
+        vec![],
+        "transfer {tag}"
+    );
     for (pb, db) in p_blocks.into_iter().zip(d_blocks) {
         assert_eq!(d.block(db), pattern(pb), "transfer {tag}: D block {db}");
     }
@@ -527,10 +683,28 @@ pub fn transfer_ok(p: &mut Side, d: &mut Side, tag: &str, p_blocks: [u32; 3], d_
 }
 
 /// D's outputs equal a colocated run of the same prompt: tokens and logits bits.
-pub fn assert_matches_colocated(colo: &EngineHandle, outs: &[RequestOutput], tokens: &[u32], max_tokens: u32, what: &str) {
+pub fn assert_matches_colocated(
+    colo: &EngineHandle,
+    outs: &[RequestOutput],
+    tokens: &[u32],
+    max_tokens: u32,
+    what: &str,
+) {
     assert_finished(outs, FinishReason::Length, what);
-    let c = run(colo, &format!("colo-{what}"), tokens.to_vec(), max_tokens, None);
+    let c = run(
+        colo,
+        &format!("colo-{what}"),
+        tokens.to_vec(),
+        max_tokens,
+        None,
+    );
     let (got, want) = (fingerprint(outs), fingerprint(&c));
-    assert_eq!(got.0, want.0, "{what}: tokens differ from the colocated run");
-    assert!(got.1 == want.1, "{what}: logits differ from the colocated run");
+    assert_eq!(
+        got.0, want.0,
+        "{what}: tokens differ from the colocated run"
+    );
+    assert!(
+        got.1 == want.1,
+        "{what}: logits differ from the colocated run"
+    );
 }

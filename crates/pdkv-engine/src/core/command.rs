@@ -86,21 +86,38 @@ pub enum Command {
 }
 
 impl Command {
-    /// Whether the command refuses new requests once applied. The handle
-    /// counts such a command as closing admission from the moment it sends
-    /// it until the core published its refusal (see
+    /// Whether the command refuses new requests once applied (a weight
+    /// update does while it waits for transfers and while it loads). The
+    /// handle counts such a command as closing admission from the moment it
+    /// sends it until the core published its refusal (see
     /// [`crate::LifecycleUpdate::closed_admission`]).
     pub fn closes_admission(&self) -> bool {
-        matches!(
-            self,
-            Command::Pause { mode: PauseMode::Abort | PauseMode::Wait, .. } | Command::Sleep { .. }
-        )
+        self.closing_refusal().is_some()
+    }
+
+    /// What a request refused while this admission-closing command is in
+    /// flight is told; `None` for a command that does not close admission.
+    pub fn closing_refusal(&self) -> Option<&'static str> {
+        match self {
+            Command::Pause {
+                mode: PauseMode::Abort | PauseMode::Wait,
+                ..
+            } => Some("the engine is pausing; retry after /resume"),
+            Command::Sleep { .. } => Some("the engine is going to sleep; retry after /wake_up"),
+            Command::UpdateWeights { .. } => {
+                Some("the engine is updating its weights; retry in a moment")
+            }
+            _ => None,
+        }
     }
 
     /// Whether applying the command may change the lifecycle state (it is
     /// published afterwards).
     pub(crate) fn is_lifecycle(&self) -> bool {
-        !matches!(self, Command::Add(_) | Command::Abort { .. } | Command::Nudge | Command::Shutdown)
+        !matches!(
+            self,
+            Command::Add(_) | Command::Abort { .. } | Command::Nudge | Command::Shutdown
+        )
     }
 
     /// Answers a command that will never be applied: requests end with
@@ -108,7 +125,9 @@ impl Command {
     pub(crate) fn refuse_stopped(self) {
         match self {
             Command::Add(add) => {
-                let AddRequest { req, mut output, .. } = *add;
+                let AddRequest {
+                    req, mut output, ..
+                } = *add;
                 output(abort_output(&req));
             }
             Command::ResetPrefixCache { reply, .. } => reply(false),
@@ -139,5 +158,67 @@ pub(crate) fn abort_output(req: &EngineRequest) -> RequestOutput {
         kv_transfer_params: None,
         error: None,
         timed_out: false,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn lifecycle_reply() -> LifecycleReply {
+        Box::new(|_| {})
+    }
+
+    /// Every command after which the core may refuse requests closes the
+    /// handle's gate from the moment it is sent; a request let through in
+    /// between would reach a refusing core and end as an abort instead of a
+    /// 503 the client retries. A weight update waiting for transfers is
+    /// such a command (it once was not: a load request racing a reload on D
+    /// came back aborted).
+    #[test]
+    fn the_commands_that_make_the_core_refuse_requests_close_admission_when_sent() {
+        let deadline = Instant::now();
+        let pause = |mode| Command::Pause {
+            mode,
+            clear_cache: false,
+            deadline,
+            reply: lifecycle_reply(),
+        };
+        let closing = [
+            pause(PauseMode::Abort),
+            pause(PauseMode::Wait),
+            Command::Sleep {
+                level: SleepLevel::L1,
+                mode: PauseMode::Abort,
+                deadline,
+                reply: lifecycle_reply(),
+            },
+            Command::UpdateWeights {
+                path: PathBuf::from("/nowhere"),
+                version: None,
+                reply: lifecycle_reply(),
+            },
+        ];
+        for cmd in &closing {
+            let reason = cmd.closing_refusal().expect("closes admission");
+            assert!(reason.contains("retry"), "{reason}");
+        }
+        assert!(closing[3]
+            .closing_refusal()
+            .unwrap()
+            .contains("updating its weights"));
+        let open = [
+            pause(PauseMode::Keep),
+            Command::Resume(lifecycle_reply()),
+            Command::Wake {
+                tags: None,
+                reply: lifecycle_reply(),
+            },
+            Command::ReleaseKv(lifecycle_reply()),
+            Command::Nudge,
+        ];
+        for cmd in &open {
+            assert!(!cmd.closes_admission());
+        }
     }
 }

@@ -41,8 +41,18 @@ impl Drop for StoppedGuard {
 }
 
 impl Driver {
-    pub fn new(core: EngineCore, rx: Receiver<Command>, shared: Arc<Shared>, clock: Arc<dyn Clock>) -> Driver {
-        Driver { core, rx, shared, clock }
+    pub fn new(
+        core: EngineCore,
+        rx: Receiver<Command>,
+        shared: Arc<Shared>,
+        clock: Arc<dyn Clock>,
+    ) -> Driver {
+        Driver {
+            core,
+            rx,
+            shared,
+            clock,
+        }
     }
 
     /// The thread's body: runs until a shutdown command or until every
@@ -68,7 +78,9 @@ impl Driver {
     fn drain_commands(&mut self) -> bool {
         if !self.core.has_runnable_work() {
             let now = self.clock.now();
-            let wait = self.core.next_deadline().map_or(IDLE_WAIT, |d| d.saturating_duration_since(now).min(IDLE_WAIT));
+            let wait = self.core.next_deadline().map_or(IDLE_WAIT, |d| {
+                d.saturating_duration_since(now).min(IDLE_WAIT)
+            });
             match self.rx.recv_timeout(wait) {
                 Ok(cmd) => {
                     if !self.apply(cmd) {

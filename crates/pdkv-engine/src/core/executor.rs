@@ -12,7 +12,10 @@ use pdkv_vmem::Tag;
 
 use super::command::{LifecycleReply, Reply};
 use super::stepper::EngineCore;
-use crate::lifecycle::{Action, Completion, LifecycleError, Outcome, PauseMode, SleepLevel, Snapshot, Ticket, WeightInfo};
+use crate::lifecycle::{
+    Action, Completion, LifecycleError, Outcome, PauseMode, SleepLevel, Snapshot, Ticket,
+    WeightInfo,
+};
 
 /// An action that failed, and whether the operation must be undone (the
 /// machine goes back to its state from before the operation; nothing after
@@ -35,7 +38,13 @@ impl EngineCore {
         self.answer(reply, done);
     }
 
-    pub(super) fn pause(&mut self, mode: PauseMode, clear_cache: bool, deadline: Instant, reply: LifecycleReply) {
+    pub(super) fn pause(
+        &mut self,
+        mode: PauseMode,
+        clear_cache: bool,
+        deadline: Instant,
+        reply: LifecycleReply,
+    ) {
         self.report_transfers(mode == PauseMode::Abort);
         let ticket = self.ticket();
         let live = self.sched.has_work();
@@ -51,7 +60,13 @@ impl EngineCore {
         self.finish_outcome(self.next_ticket, out, reply, before);
     }
 
-    pub(super) fn sleep(&mut self, level: SleepLevel, mode: PauseMode, deadline: Instant, reply: LifecycleReply) {
+    pub(super) fn sleep(
+        &mut self,
+        level: SleepLevel,
+        mode: PauseMode,
+        deadline: Instant,
+        reply: LifecycleReply,
+    ) {
         if let Err(e) = self.check_sleep_mode() {
             self.answer(reply, Err(e));
             return;
@@ -87,7 +102,9 @@ impl EngineCore {
         self.report_transfers(false);
         let ticket = self.ticket();
         let before = self.lc.snapshot();
-        let out = self.lc.release_kv_with(ticket, self.clock.now() + self.release_timeout);
+        let out = self
+            .lc
+            .release_kv_with(ticket, self.clock.now() + self.release_timeout);
         self.finish_outcome(ticket, out, reply, before);
     }
 
@@ -128,7 +145,11 @@ impl EngineCore {
     /// Applies an outcome's actions and returns its reply (`None`: deferred).
     /// A failed action turns the reply into that error; one that must be
     /// undone puts the machine back to `before`.
-    fn run_outcome(&mut self, out: Outcome, before: &Snapshot) -> Option<Result<(), LifecycleError>> {
+    fn run_outcome(
+        &mut self,
+        out: Outcome,
+        before: &Snapshot,
+    ) -> Option<Result<(), LifecycleError>> {
         let t0 = self.clock.now();
         let applied = self.apply_actions(&out.actions);
         if out.is_sleep && applied.is_ok() {
@@ -149,7 +170,13 @@ impl EngineCore {
 
     /// Applies an outcome and answers `reply` now, or files it under
     /// `ticket` when the machine deferred the answer.
-    fn finish_outcome(&mut self, ticket: Ticket, out: Outcome, reply: LifecycleReply, before: Snapshot) {
+    fn finish_outcome(
+        &mut self,
+        ticket: Ticket,
+        out: Outcome,
+        reply: LifecycleReply,
+        before: Snapshot,
+    ) {
         match self.run_outcome(out, &before) {
             Some(r) => {
                 self.reloads.remove(&ticket);
@@ -185,7 +212,8 @@ impl EngineCore {
 
     /// Tells the lifecycle machine whether transfers hold KV blocks.
     fn report_transfers(&mut self, aborting: bool) {
-        let held = self.has_connector && (self.sched.has_transfers() || (aborting && self.sched.has_work()));
+        let held = self.has_connector
+            && (self.sched.has_transfers() || (aborting && self.sched.has_work()));
         self.lc.set_transfers(held);
     }
 
@@ -207,7 +235,9 @@ impl EngineCore {
                 }
             }
         }
-        self.mapped = [Tag::Weights, Tag::KvCache, Tag::Runtime].into_iter().all(|t| self.pool.is_awake(t));
+        self.mapped = [Tag::Weights, Tag::KvCache, Tag::Runtime]
+            .into_iter()
+            .all(|t| self.pool.is_awake(t));
         result
     }
 
@@ -239,15 +269,21 @@ impl EngineCore {
                 self.sched.release_transfer_kv();
             }
             Action::ReleaseRegistrations => return self.release_registrations().map_err(undo),
-            Action::Offload(tags) => return mem("offload", tags, self.pool.offload(tags)).map_err(go_on),
-            Action::Discard(tags) => return mem("discard", tags, self.pool.discard(tags)).map_err(go_on),
+            Action::Offload(tags) => {
+                return mem("offload", tags, self.pool.offload(tags)).map_err(go_on)
+            }
+            Action::Discard(tags) => {
+                return mem("discard", tags, self.pool.discard(tags)).map_err(go_on)
+            }
             Action::Wake(tags) => {
                 mem("wake", tags, self.pool.wake(tags)).map_err(undo)?;
                 return self.restore_registrations(tags).map_err(undo);
             }
             Action::ReloadWeights(ticket) => {
                 let Some((path, version)) = self.reloads.remove(ticket) else {
-                    return Err(go_on(LifecycleError::Internal(format!("no checkpoint for weight update {ticket}"))));
+                    return Err(go_on(LifecycleError::Internal(format!(
+                        "no checkpoint for weight update {ticket}"
+                    ))));
                 };
                 return self.reload_weights(path, version).map_err(go_on);
             }
@@ -265,7 +301,9 @@ impl EngineCore {
         }
         let timeout = self.release_timeout;
         let t0 = self.clock.now();
-        let Some(c) = self.sched.connector_mut() else { return Ok(()) };
+        let Some(c) = self.sched.connector_mut() else {
+            return Ok(());
+        };
         let r = c.release_kv_caches(timeout);
         let ms = self.clock.now().saturating_duration_since(t0).as_millis() as u64;
         match r {
@@ -300,17 +338,28 @@ impl EngineCore {
     /// (when transfers hold KV computed with the old weights) after
     /// releasing that KV, like every cache reset. Requests are refused
     /// meanwhile; a resume cancels it.
-    pub(super) fn update_weights(&mut self, path: PathBuf, version: Option<String>, reply: LifecycleReply) {
+    pub(super) fn update_weights(
+        &mut self,
+        path: PathBuf,
+        version: Option<String>,
+        reply: LifecycleReply,
+    ) {
         self.report_transfers(false);
         let ticket = self.ticket();
         self.reloads.insert(ticket, (path, version));
         let before = self.lc.snapshot();
         let deadline = self.clock.now() + self.release_timeout;
-        let out = self.lc.update_weights(ticket, deadline, self.sched.has_work());
+        let out = self
+            .lc
+            .update_weights(ticket, deadline, self.sched.has_work());
         self.finish_outcome(ticket, out, reply, before);
     }
 
-    fn reload_weights(&mut self, path: PathBuf, version: Option<String>) -> Result<(), LifecycleError> {
+    fn reload_weights(
+        &mut self,
+        path: PathBuf,
+        version: Option<String>,
+    ) -> Result<(), LifecycleError> {
         let t0 = self.clock.now();
         match self.runner.reload_weights(&path) {
             Ok(()) => {
@@ -320,7 +369,10 @@ impl EngineCore {
                 // a transfer must not mix them.
                 if let Some(c) = self.sched.connector_mut() {
                     if !c.reset_cache() {
-                        tracing::warn!(connector = c.name(), "the KV connector could not drop its cached KV after a weight update");
+                        tracing::warn!(
+                            connector = c.name(),
+                            "the KV connector could not drop its cached KV after a weight update"
+                        );
                     }
                     c.set_weights_version(version.as_deref());
                 }
@@ -331,11 +383,13 @@ impl EngineCore {
                 tracing::info!(seconds, "weights reloaded in place");
                 Ok(())
             }
-            Err(ReloadError::Incompatible(e)) => Err(LifecycleError::IncompatibleWeights(format!("{e:#}"))),
-            Err(ReloadError::Unreadable(e)) => Err(LifecycleError::Invalid(format!("{e:#}"))),
-            Err(ReloadError::RegionReleased) => {
-                Err(LifecycleError::Conflict("the weights are asleep; wake weights first".into()))
+            Err(ReloadError::Incompatible(e)) => {
+                Err(LifecycleError::IncompatibleWeights(format!("{e:#}")))
             }
+            Err(ReloadError::Unreadable(e)) => Err(LifecycleError::Invalid(format!("{e:#}"))),
+            Err(ReloadError::RegionReleased) => Err(LifecycleError::Conflict(
+                "the weights are asleep; wake weights first".into(),
+            )),
             Err(ReloadError::Partial(e)) => {
                 let actions = self.lc.weights_written(false);
                 let _ = self.apply_actions(&actions);

@@ -60,6 +60,9 @@ pub(super) struct Shared {
     pub refusal: Mutex<Option<String>>,
     /// Admission-closing commands sent but not yet published by the core.
     pub closing_in_flight: AtomicUsize,
+    /// What the latest of them tells a refused request (written under the
+    /// send lock with the counter's increment).
+    pub closing_reason: Mutex<&'static str>,
     pub lifecycle: Mutex<LifecycleStatus>,
     pub weight_info: Mutex<WeightInfo>,
 }
@@ -67,13 +70,17 @@ pub(super) struct Shared {
 impl Shared {
     pub fn new(stats: EngineStats, lifecycle: LifecycleStatus, weight_info: WeightInfo) -> Shared {
         Shared {
-            stats: Mutex::new(StatsState { stats, pending_adds: 0 }),
+            stats: Mutex::new(StatsState {
+                stats,
+                pending_adds: 0,
+            }),
             stats_changed: Condvar::new(),
             live: Mutex::new(HashMap::new()),
             stopped: AtomicBool::new(false),
             next_serial: AtomicU64::new(0),
             refusal: Mutex::new(None),
             closing_in_flight: AtomicUsize::new(0),
+            closing_reason: Mutex::new(""),
             lifecycle: Mutex::new(lifecycle),
             weight_info: Mutex::new(weight_info),
         }
@@ -83,15 +90,25 @@ impl Shared {
     /// the snapshot counts it as waiting at once.
     fn add_pending(&self, delta: isize) {
         let mut st = self.stats.lock().unwrap();
-        st.pending_adds = st.pending_adds.checked_add_signed(delta).expect("pending add count underflow");
-        st.stats.num_waiting = st.stats.num_waiting.checked_add_signed(delta).expect("waiting count underflow");
+        st.pending_adds = st
+            .pending_adds
+            .checked_add_signed(delta)
+            .expect("pending add count underflow");
+        st.stats.num_waiting = st
+            .stats
+            .num_waiting
+            .checked_add_signed(delta)
+            .expect("waiting count underflow");
     }
 
     /// The core took an add from the channel. The snapshot keeps counting it
     /// as waiting until the core publishes the scheduler's view.
     pub fn add_taken(&self) {
         let mut st = self.stats.lock().unwrap();
-        st.pending_adds = st.pending_adds.checked_sub(1).expect("pending add count underflow");
+        st.pending_adds = st
+            .pending_adds
+            .checked_sub(1)
+            .expect("pending add count underflow");
     }
 
     /// A request ended: its id is free again (unless a newer incarnation
@@ -123,7 +140,10 @@ impl Publisher for SharedPublisher {
     fn stats(&mut self, stats: &EngineStats) {
         let mut st = self.0.stats.lock().unwrap();
         let pending = st.pending_adds;
-        st.stats = EngineStats { num_waiting: stats.num_waiting + pending, ..stats.clone() };
+        st.stats = EngineStats {
+            num_waiting: stats.num_waiting + pending,
+            ..stats.clone()
+        };
         drop(st);
         self.0.stats_changed.notify_all();
     }
@@ -131,7 +151,12 @@ impl Publisher for SharedPublisher {
 
 /// A request's outputs go to its stream; the final one frees its id first
 /// (so whoever sees it may reuse the id at once).
-fn output_sink(shared: Arc<Shared>, id: String, serial: u64, tx: UnboundedSender<RequestOutput>) -> OutputSink {
+fn output_sink(
+    shared: Arc<Shared>,
+    id: String,
+    serial: u64,
+    tx: UnboundedSender<RequestOutput>,
+) -> OutputSink {
     Box::new(move |out| {
         if out.finish_reason.is_some() {
             shared.release_id(&id, serial);
@@ -202,7 +227,7 @@ impl EngineHandle {
             return Some("the engine has stopped".into());
         }
         if shared.closing_in_flight.load(Ordering::SeqCst) > 0 {
-            return Some("the engine is pausing; retry after /resume".into());
+            return Some((*shared.closing_reason.lock().unwrap()).into());
         }
         shared.refusal.lock().unwrap().clone()
     }
@@ -220,7 +245,9 @@ impl EngineHandle {
         // The counter first: a closing command decrements it only after the
         // core published its refusal.
         if shared.closing_in_flight.load(Ordering::SeqCst) > 0 {
-            return Err(AddRequestError::Unavailable("the engine is pausing; retry after /resume".into()));
+            return Err(AddRequestError::Unavailable(
+                (*shared.closing_reason.lock().unwrap()).into(),
+            ));
         }
         if let Some(reason) = shared.refusal.lock().unwrap().clone() {
             return Err(AddRequestError::Unavailable(reason));
@@ -239,22 +266,46 @@ impl EngineHandle {
         let (tx, rx) = unbounded_channel();
         let id = req.id.clone();
         let output = output_sink(shared.clone(), id.clone(), serial, tx);
-        let cmd = Command::Add(Box::new(AddRequest { serial, req, seed, output }));
+        let cmd = Command::Add(Box::new(AddRequest {
+            serial,
+            req,
+            seed,
+            output,
+        }));
         shared.add_pending(1);
         if self.inner.cmd_tx.send(cmd).is_err() {
             shared.add_pending(-1);
             shared.live.lock().unwrap().remove(&id);
             return Err(AddRequestError::Stopped);
         }
-        Ok(RequestStream { id, serial, rx, cmd_tx: self.inner.cmd_tx.clone(), done: false })
+        Ok(RequestStream {
+            id,
+            serial,
+            rx,
+            cmd_tx: self.inner.cmd_tx.clone(),
+            done: false,
+        })
     }
 
     /// Aborts a request by id; unknown or finished ids are ignored (returns false).
     pub fn abort(&self, request_id: &str) -> bool {
-        if !self.inner.shared.live.lock().unwrap().contains_key(request_id) {
+        if !self
+            .inner
+            .shared
+            .live
+            .lock()
+            .unwrap()
+            .contains_key(request_id)
+        {
             return false;
         }
-        self.inner.cmd_tx.send(Command::Abort { id: Arc::from(request_id), serial: None }).is_ok()
+        self.inner
+            .cmd_tx
+            .send(Command::Abort {
+                id: Arc::from(request_id),
+                serial: None,
+            })
+            .is_ok()
     }
 
     /// Drops every prefix-cache entry. Returns false while any KV block is in
@@ -282,8 +333,10 @@ impl EngineHandle {
         }));
         {
             let _send = self.inner.send_lock.lock().unwrap();
-            let closes = cmd.closes_admission();
-            if closes {
+            let closing = cmd.closing_refusal();
+            let closes = closing.is_some();
+            if let Some(reason) = closing {
+                *shared.closing_reason.lock().unwrap() = reason;
                 shared.closing_in_flight.fetch_add(1, Ordering::SeqCst);
             }
             if self.inner.cmd_tx.send(cmd).is_err() {
@@ -310,7 +363,11 @@ impl EngineHandle {
     /// Waits until the stats satisfy `pred` (checked now and at every update
     /// by the core) and returns them, or `None` after `timeout`. Blocks the
     /// calling thread: for tests and tools, not for async handlers.
-    pub fn wait_stats(&self, timeout: Duration, mut pred: impl FnMut(&EngineStats) -> bool) -> Option<EngineStats> {
+    pub fn wait_stats(
+        &self,
+        timeout: Duration,
+        mut pred: impl FnMut(&EngineStats) -> bool,
+    ) -> Option<EngineStats> {
         // The caller's own real-time wait, not engine time.
         let deadline = Instant::now() + timeout;
         let shared = &self.inner.shared;
@@ -358,7 +415,11 @@ impl EngineHandle {
 
     /// The KV connector's counters now (see [`crate::connector::MetricsReader`]).
     pub fn kv_connector_metrics(&self) -> Vec<(&'static str, &'static str, f64)> {
-        self.inner.connector_metrics.as_ref().map(|m| m()).unwrap_or_default()
+        self.inner
+            .connector_metrics
+            .as_ref()
+            .map(|m| m())
+            .unwrap_or_default()
     }
 
     /// The model's context length as the engine enforces it.
@@ -377,9 +438,19 @@ impl EngineHandle {
     /// for `abort` (requests aborted) and `keep` (requests frozen), for `wait`
     /// when every live request finished — or `Timeout` at `timeout`, the
     /// pause staying in effect. Blocks the calling thread.
-    pub fn pause(&self, mode: PauseMode, clear_cache: bool, timeout: Duration) -> Result<(), LifecycleError> {
+    pub fn pause(
+        &self,
+        mode: PauseMode,
+        clear_cache: bool,
+        timeout: Duration,
+    ) -> Result<(), LifecycleError> {
         let deadline = self.inner.clock.now() + timeout;
-        self.control(timeout + CONTROL_WAIT, |reply| Command::Pause { mode, clear_cache, deadline, reply })?
+        self.control(timeout + CONTROL_WAIT, |reply| Command::Pause {
+            mode,
+            clear_cache,
+            deadline,
+            reply,
+        })?
     }
 
     /// Ends a pause (a no-op when not paused). A pending `wait` pause or
@@ -395,9 +466,19 @@ impl EngineHandle {
     /// with [`EngineHandle::update_weights`]). Level >= 1 preempts frozen
     /// requests for recompute and invalidates the prefix cache. Sleeping
     /// while asleep succeeds (a deeper level releases more).
-    pub fn sleep(&self, level: SleepLevel, mode: PauseMode, timeout: Duration) -> Result<(), LifecycleError> {
+    pub fn sleep(
+        &self,
+        level: SleepLevel,
+        mode: PauseMode,
+        timeout: Duration,
+    ) -> Result<(), LifecycleError> {
         let deadline = self.inner.clock.now() + timeout;
-        self.control(timeout + CONTROL_WAIT, |reply| Command::Sleep { level, mode, deadline, reply })?
+        self.control(timeout + CONTROL_WAIT, |reply| Command::Sleep {
+            level,
+            mode,
+            deadline,
+            reply,
+        })?
     }
 
     /// Maps memory back for `tags` (weights and KV cache when `None`; the
@@ -423,14 +504,18 @@ impl EngineHandle {
     /// requests are preempted for recompute first. Returns false when it
     /// cannot reset now (blocks in use) or the engine stopped.
     pub fn reset_prefix_cache_with(&self, reset_running_requests: bool) -> bool {
-        self.control(CONTROL_WAIT, |reply| Command::ResetPrefixCache { reset_running: reset_running_requests, reply })
-            .unwrap_or(false)
+        self.control(CONTROL_WAIT, |reply| Command::ResetPrefixCache {
+            reset_running: reset_running_requests,
+            reply,
+        })
+        .unwrap_or(false)
     }
 
     /// Aborts the given requests; returns the ids that were live.
     pub fn abort_requests(&self, ids: &[String]) -> Vec<String> {
         let ids = ids.to_vec();
-        self.control(CONTROL_WAIT, |reply| Command::AbortRequests { ids, reply }).unwrap_or_default()
+        self.control(CONTROL_WAIT, |reply| Command::AbortRequests { ids, reply })
+            .unwrap_or_default()
     }
 
     /// Reloads weights from a checkpoint in place (same addresses), after
@@ -441,9 +526,17 @@ impl EngineHandle {
     /// (they are preempted and recompute with the new weights after resume);
     /// `Conflict` otherwise. Afterwards the prefix cache is invalidated and a
     /// level-2 "weights discarded" state ends.
-    pub fn update_weights(&self, path: &std::path::Path, version: Option<String>) -> Result<(), LifecycleError> {
+    pub fn update_weights(
+        &self,
+        path: &std::path::Path,
+        version: Option<String>,
+    ) -> Result<(), LifecycleError> {
         let path = path.to_path_buf();
-        self.control(UPDATE_WEIGHTS_WAIT, |reply| Command::UpdateWeights { path, version, reply })?
+        self.control(UPDATE_WEIGHTS_WAIT, |reply| Command::UpdateWeights {
+            path,
+            version,
+            reply,
+        })?
     }
 
     /// Where the weights being served came from.
@@ -513,10 +606,15 @@ impl Drop for RequestStream {
         }
         // Never block in drop. If the channel is full, the core still aborts
         // the request when its next output finds this receiver closed.
-        let cmd = Command::Abort { id: Arc::from(self.id.as_str()), serial: Some(self.serial) };
+        let cmd = Command::Abort {
+            id: Arc::from(self.id.as_str()),
+            serial: Some(self.serial),
+        };
         match self.cmd_tx.try_send(cmd) {
             Ok(()) | Err(TrySendError::Disconnected(_)) => {}
-            Err(TrySendError::Full(_)) => tracing::debug!(id = %self.id, "command channel full; abort deferred"),
+            Err(TrySendError::Full(_)) => {
+                tracing::debug!(id = %self.id, "command channel full; abort deferred")
+            }
         }
     }
 }

@@ -9,7 +9,10 @@ use crate::{AddRequestError, EngineConfig, EngineRequest};
 /// Refuses a configuration the scheduler cannot run.
 pub(crate) fn check_config(config: &EngineConfig) -> anyhow::Result<()> {
     anyhow::ensure!(config.max_num_seqs > 0, "max_num_seqs must be at least 1");
-    anyhow::ensure!(config.max_num_batched_tokens > 0, "max_num_batched_tokens must be at least 1");
+    anyhow::ensure!(
+        config.max_num_batched_tokens > 0,
+        "max_num_batched_tokens must be at least 1"
+    );
     anyhow::ensure!(config.num_kv_blocks > 0, "num_kv_blocks must be at least 1");
     Ok(())
 }
@@ -50,19 +53,34 @@ impl RequestLimits {
             return invalid("stop strings must not be empty".into());
         }
         if !(p.repetition_penalty > 0.0 && p.repetition_penalty.is_finite()) {
-            return invalid(format!("repetition_penalty must be > 0, got {}", p.repetition_penalty));
+            return invalid(format!(
+                "repetition_penalty must be > 0, got {}",
+                p.repetition_penalty
+            ));
         }
-        for (name, v) in [("presence_penalty", p.presence_penalty), ("frequency_penalty", p.frequency_penalty)] {
+        for (name, v) in [
+            ("presence_penalty", p.presence_penalty),
+            ("frequency_penalty", p.frequency_penalty),
+        ] {
             if !(-2.0..=2.0).contains(&v) {
                 return invalid(format!("{name} must be in [-2, 2], got {v}"));
             }
         }
         if p.min_tokens > p.max_tokens {
-            return invalid(format!("min_tokens ({}) must not exceed max_tokens ({})", p.min_tokens, p.max_tokens));
+            return invalid(format!(
+                "min_tokens ({}) must not exceed max_tokens ({})",
+                p.min_tokens, p.max_tokens
+            ));
         }
-        for (name, k) in [("logprobs", p.logprobs), ("prompt_logprobs", p.prompt_logprobs)] {
+        for (name, k) in [
+            ("logprobs", p.logprobs),
+            ("prompt_logprobs", p.prompt_logprobs),
+        ] {
             if let Some(k) = k.filter(|&k| k > crate::MAX_LOGPROBS) {
-                return invalid(format!("{name} must be at most {}, got {k}", crate::MAX_LOGPROBS));
+                return invalid(format!(
+                    "{name} must be at most {}, got {k}",
+                    crate::MAX_LOGPROBS
+                ));
             }
         }
         if p.prompt_logprobs.is_some() && req.kv_transfer_params.is_some() {
@@ -72,22 +90,34 @@ impl RequestLimits {
         let vocab = self.vocab_size;
         for &(t, bias) in &p.logit_bias {
             if t as usize >= vocab {
-                return invalid(format!("logit_bias token id {t} is outside the vocabulary of {vocab}"));
+                return invalid(format!(
+                    "logit_bias token id {t} is outside the vocabulary of {vocab}"
+                ));
             }
             if !(-100.0..=100.0).contains(&bias) {
-                return invalid(format!("logit_bias for token {t} must be in [-100, 100], got {bias}"));
+                return invalid(format!(
+                    "logit_bias for token {t} must be in [-100, 100], got {bias}"
+                ));
             }
         }
         if let Some(&t) = req.prompt_tokens.iter().find(|&&t| t as usize >= vocab) {
-            return invalid(format!("prompt token id {t} is outside the vocabulary of {vocab}"));
+            return invalid(format!(
+                "prompt token id {t} is outside the vocabulary of {vocab}"
+            ));
         }
         if let Some(&t) = p.stop_token_ids.iter().find(|&&t| t as usize >= vocab) {
-            return invalid(format!("stop token id {t} is outside the vocabulary of {vocab}"));
+            return invalid(format!(
+                "stop token id {t} is outside the vocabulary of {vocab}"
+            ));
         }
         let prompt = req.prompt_tokens.len();
         let max_tokens = p.max_tokens as usize;
         if prompt + max_tokens > self.max_model_len {
-            return Err(AddRequestError::TooLong { prompt, max_tokens, max_model_len: self.max_model_len });
+            return Err(AddRequestError::TooLong {
+                prompt,
+                max_tokens,
+                max_model_len: self.max_model_len,
+            });
         }
         let needed = Scheduler::max_blocks_needed(prompt, max_tokens);
         let total = self.num_kv_blocks;

@@ -50,7 +50,11 @@ pub struct Engine;
 impl Engine {
     /// Allocates the KV cache (`num_kv_blocks` blocks) and workspace in `pool`
     /// and starts the engine core thread.
-    pub fn start(model: LoadedModel, pool: Pool, config: EngineConfig) -> anyhow::Result<EngineHandle> {
+    pub fn start(
+        model: LoadedModel,
+        pool: Pool,
+        config: EngineConfig,
+    ) -> anyhow::Result<EngineHandle> {
         Engine::start_with_connector(model, pool, config, None)
     }
 
@@ -64,19 +68,37 @@ impl Engine {
         connector: Option<Box<dyn KvConnector>>,
     ) -> anyhow::Result<EngineHandle> {
         limits::check_config(&config)?;
-        let LoadedModel { model, tokenizer, chat_template, name, source } = model;
+        let LoadedModel {
+            model,
+            tokenizer,
+            chat_template,
+            name,
+            source,
+        } = model;
         let model_config = model.config().clone();
-        let runner = CpuModelRunner::new(model, &pool, config.num_kv_blocks, config.max_num_batched_tokens)?;
+        let runner = CpuModelRunner::new(
+            model,
+            &pool,
+            config.num_kv_blocks,
+            config.max_num_batched_tokens,
+        )?;
         let tokenizer = Arc::new(tokenizer);
         let connector_info = connector.as_ref().map(|c| c.info());
         let connector_metrics = connector.as_ref().and_then(|c| c.metrics_reader());
-        let weight_info = WeightInfo { version: None, path: source };
+        let weight_info = WeightInfo {
+            version: None,
+            path: source,
+        };
         let stats = EngineStats {
             kv_blocks_total: config.num_kv_blocks,
             kv_blocks_free: config.num_kv_blocks,
             ..EngineStats::default()
         };
-        let shared = Arc::new(Shared::new(stats, Machine::new().status(), weight_info.clone()));
+        let shared = Arc::new(Shared::new(
+            stats,
+            Machine::new().status(),
+            weight_info.clone(),
+        ));
         let (cmd_tx, cmd_rx) = sync_channel(COMMAND_CAPACITY);
         let nudge = cmd_tx.clone();
         let waker: Waker = Arc::new(move || {

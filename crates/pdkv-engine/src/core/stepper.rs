@@ -22,9 +22,13 @@ use crate::connector::{KvConnector, Waker};
 use crate::detok::{Decode, IncrementalDetokenizer, StopChecker};
 use crate::lifecycle::{LifecycleStatus, Machine, SleepLevel, Ticket, WeightInfo};
 use crate::model::ModelRunner;
-use crate::sampling::{logprobs, sample, LogitsAdjust, SamplingConfig, TokenHistory, TokenLogprobs};
+use crate::sampling::{
+    logprobs, sample, LogitsAdjust, SamplingConfig, TokenHistory, TokenLogprobs,
+};
 use crate::scheduler::{NewRequest, Scheduler, SchedulerConfig, SchedulerOutput};
-use crate::{AddRequestError, EngineConfig, EngineRequest, EngineStats, FinishReason, RequestOutput};
+use crate::{
+    AddRequestError, EngineConfig, EngineRequest, EngineStats, FinishReason, RequestOutput,
+};
 
 /// Where the stepper publishes its state for readers elsewhere (the
 /// production handle's shared snapshot). A simulator may read the stepper
@@ -118,7 +122,8 @@ impl PromptLogprobs {
     fn take_row(&mut self, pos: usize, row: &[f32]) {
         let next = pos + 1;
         if next == self.entries.len() && next < self.prompt.len() {
-            self.entries.push(Some(logprobs(row, self.prompt[next], self.top)));
+            self.entries
+                .push(Some(logprobs(row, self.prompt[next], self.top)));
         }
     }
 }
@@ -230,8 +235,18 @@ impl EngineCore {
     /// Checks the configuration, registers the KV cache with the connector
     /// (after giving it the waker) and builds the scheduler.
     pub fn new(parts: CoreParts) -> anyhow::Result<EngineCore> {
-        let CoreParts { runner, pool, config, connector, waker, decoder, eos_token_ids, weight_info, clock, publisher } =
-            parts;
+        let CoreParts {
+            runner,
+            pool,
+            config,
+            connector,
+            waker,
+            decoder,
+            eos_token_ids,
+            weight_info,
+            clock,
+            publisher,
+        } = parts;
         check_config(&config)?;
         let max_model_len = config.max_model_len.unwrap_or(runner.max_context_len());
         anyhow::ensure!(max_model_len > 0, "max_model_len must be at least 1");
@@ -268,7 +283,9 @@ impl EngineCore {
                 c.set_waker(waker);
                 c.set_weights_version(weight_info.version.as_deref());
                 let spec = runner.kv_cache_spec();
-                c.register_kv_caches(&spec).with_context(|| format!("registering the KV cache with connector {}", c.name()))?;
+                c.register_kv_caches(&spec).with_context(|| {
+                    format!("registering the KV cache with connector {}", c.name())
+                })?;
                 Scheduler::with_connector(sched_config, c)
             }
             None => Scheduler::new(sched_config),
@@ -325,7 +342,12 @@ impl EngineCore {
     /// outputs go to `output`. The request gets serial 0 (see
     /// [`AddRequest::serial`]). A request the lifecycle refuses now (see
     /// [`EngineCore::admission`]) ends at once with `Abort`.
-    pub fn add(&mut self, req: EngineRequest, seed: u64, output: OutputSink) -> Result<(), AddRequestError> {
+    pub fn add(
+        &mut self,
+        req: EngineRequest,
+        seed: u64,
+        output: OutputSink,
+    ) -> Result<(), AddRequestError> {
         if self.stopped {
             return Err(AddRequestError::Stopped);
         }
@@ -333,7 +355,12 @@ impl EngineCore {
         if self.reqs.contains_key(req.id.as_str()) {
             return Err(AddRequestError::DuplicateId(req.id));
         }
-        self.admit(AddRequest { serial: 0, req, seed, output });
+        self.admit(AddRequest {
+            serial: 0,
+            req,
+            seed,
+            output,
+        });
         Ok(())
     }
 
@@ -464,7 +491,10 @@ impl EngineCore {
         match cmd {
             Command::Add(add) => self.admit(*add),
             Command::Abort { id, serial } => {
-                let matches = self.reqs.get(&id).is_some_and(|r| serial.is_none_or(|s| s == r.serial));
+                let matches = self
+                    .reqs
+                    .get(&id)
+                    .is_some_and(|r| serial.is_none_or(|s| s == r.serial));
                 if matches {
                     self.finish(&id, FinishReason::Abort, None);
                 }
@@ -480,13 +510,30 @@ impl EngineCore {
                 }
                 self.answer(reply, found);
             }
-            Command::ResetPrefixCache { reset_running, reply } => self.reset_prefix_cache(reset_running, reply),
-            Command::Pause { mode, clear_cache, deadline, reply } => self.pause(mode, clear_cache, deadline, reply),
+            Command::ResetPrefixCache {
+                reset_running,
+                reply,
+            } => self.reset_prefix_cache(reset_running, reply),
+            Command::Pause {
+                mode,
+                clear_cache,
+                deadline,
+                reply,
+            } => self.pause(mode, clear_cache, deadline, reply),
             Command::Resume(reply) => self.resume(reply),
-            Command::Sleep { level, mode, deadline, reply } => self.sleep(level, mode, deadline, reply),
+            Command::Sleep {
+                level,
+                mode,
+                deadline,
+                reply,
+            } => self.sleep(level, mode, deadline, reply),
             Command::Wake { tags, reply } => self.wake(tags, reply),
             Command::ReleaseKv(reply) => self.release_kv(reply),
-            Command::UpdateWeights { path, version, reply } => self.update_weights(path, version, reply),
+            Command::UpdateWeights {
+                path,
+                version,
+                reply,
+            } => self.update_weights(path, version, reply),
             Command::Nudge => {}
             // `apply` handles it.
             Command::Shutdown => {}
@@ -523,10 +570,16 @@ impl EngineCore {
     /// or its id still names a request whose KV is being transferred (it
     /// then ends at once).
     fn admit(&mut self, add: AddRequest) {
-        let AddRequest { serial, req, seed, mut output } = add;
+        let AddRequest {
+            serial,
+            req,
+            seed,
+            mut output,
+        } = add;
         if let Err(reason) = self.lc.admission() {
-            // The handle's gate makes this unreachable for pauses and
-            // sleeps; it covers weights left unusable by a failed reload.
+            // Unreachable through the handle, whose gate closes from the
+            // moment a pause, sleep or weight update is sent; callers of the
+            // core itself meet it.
             tracing::warn!(id = %req.id, reason, "request reached a core that refuses requests; aborted");
             output(abort_output(&req));
             return;
@@ -536,7 +589,10 @@ impl EngineCore {
             tracing::warn!(id = %req.id, "request id still names a finished request whose KV is being transferred; refused");
             let mut out = abort_output(&req);
             out.finish_reason = Some(FinishReason::Error);
-            out.error = Some(format!("request id {} is still in use by a KV transfer", req.id));
+            out.error = Some(format!(
+                "request id {} is still in use by a KV transfer",
+                req.id
+            ));
             output(out);
             return;
         }
@@ -574,7 +630,11 @@ impl EngineCore {
             prompt_tokens: req.prompt_tokens,
             max_tokens: p.max_tokens as usize,
             stop_token_ids,
-            kv_transfer_params: if self.has_connector { req.kv_transfer_params } else { None },
+            kv_transfer_params: if self.has_connector {
+                req.kv_transfer_params
+            } else {
+                None
+            },
             prompt_logits: p.prompt_logprobs.is_some(),
         });
         self.reqs.insert(id, active);
@@ -597,7 +657,9 @@ impl EngineCore {
         error: Option<String>,
         timed_out: bool,
     ) {
-        let Some(mut active) = self.reqs.remove(id) else { return };
+        let Some(mut active) = self.reqs.remove(id) else {
+            return;
+        };
         let mut out = last.unwrap_or_else(|| active.output(id));
         out.finish_reason = Some(reason);
         out.kv_transfer_params = params;
@@ -642,7 +704,14 @@ impl EngineCore {
     pub(super) fn poll_connector(&mut self) {
         for f in self.sched.update_from_connector() {
             let error = format!("loading the request's KV failed: {}", f.error);
-            self.finish_active(&f.request_id, FinishReason::Error, None, None, Some(error), f.timed_out);
+            self.finish_active(
+                &f.request_id,
+                FinishReason::Error,
+                None,
+                None,
+                Some(error),
+                f.timed_out,
+            );
         }
     }
 
@@ -672,7 +741,9 @@ impl EngineCore {
         let updates = self.sched.update_from_output(&plan, &sampled);
         for u in updates {
             let Some(tok) = u.new_token else { continue };
-            let Some(active) = self.reqs.get_mut(&u.request_id) else { continue };
+            let Some(active) = self.reqs.get_mut(&u.request_id) else {
+                continue;
+            };
             active.num_cached_tokens = u.num_cached_tokens;
             let mut out = active.output(&u.request_id);
             out.token_ids.push(tok);
@@ -714,9 +785,14 @@ impl EngineCore {
             }
             match finish {
                 // The scheduler already ended it (stop token, length).
-                Some(reason) if u.finished.is_some() => {
-                    self.finish_active(&u.request_id, reason, Some(out), u.kv_transfer_params, None, false)
-                }
+                Some(reason) if u.finished.is_some() => self.finish_active(
+                    &u.request_id,
+                    reason,
+                    Some(out),
+                    u.kv_transfer_params,
+                    None,
+                    false,
+                ),
                 Some(reason) => self.finish(&u.request_id, reason, Some(out)),
                 None => {
                     if !(active.output)(out) {
@@ -740,7 +816,10 @@ impl EngineCore {
         for s in &plan.seqs {
             let first = next_row;
             next_row += s.num_logit_rows();
-            let active = self.reqs.get_mut(&s.request_id).expect("scheduled request is active");
+            let active = self
+                .reqs
+                .get_mut(&s.request_id)
+                .expect("scheduled request is active");
             if s.all_logits {
                 if let Some(pl) = active.prompt_logprobs.as_mut() {
                     for (i, r) in (first..next_row).enumerate() {

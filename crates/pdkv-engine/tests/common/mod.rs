@@ -6,8 +6,8 @@
 use std::time::Duration;
 
 use pdkv_engine::{
-    Engine, EngineConfig, EngineHandle, EngineRequest, EngineStats, FinishReason, KvConnector, RequestStream,
-    SamplingParams,
+    Engine, EngineConfig, EngineHandle, EngineRequest, EngineStats, FinishReason, KvConnector,
+    RequestStream, SamplingParams,
 };
 use pdkv_model::Arch;
 use pdkv_vmem::Pool;
@@ -46,12 +46,18 @@ pub fn start(arch: Arch, config: EngineConfig) -> TestEngine {
 }
 
 /// [`start`] with a KV connector.
-pub fn start_with_connector(arch: Arch, config: EngineConfig, connector: Option<Box<dyn KvConnector>>) -> TestEngine {
+pub fn start_with_connector(
+    arch: Arch,
+    config: EngineConfig,
+    connector: Option<Box<dyn KvConnector>>,
+) -> TestEngine {
     let dir = tempfile::tempdir().expect("temp dir");
-    pdkv_model::init::write_random_checkpoint(arch, "tiny", 7, dir.path()).expect("write checkpoint");
+    pdkv_model::init::write_random_checkpoint(arch, "tiny", 7, dir.path())
+        .expect("write checkpoint");
     let pool = Pool::default();
     let model = pdkv_model::load_model(dir.path(), &pool, &mut |_| {}).expect("load checkpoint");
-    let handle = Engine::start_with_connector(model, pool, config, connector).expect("start engine");
+    let handle =
+        Engine::start_with_connector(model, pool, config, connector).expect("start engine");
     TestEngine { handle, _dir: dir }
 }
 
@@ -74,11 +80,22 @@ pub fn prompt(seed: u64, len: usize) -> Vec<u32> {
 }
 
 pub fn greedy(max_tokens: u32) -> SamplingParams {
-    SamplingParams { temperature: 0.0, max_tokens, ignore_eos: true, return_logits: true, ..SamplingParams::default() }
+    SamplingParams {
+        temperature: 0.0,
+        max_tokens,
+        ignore_eos: true,
+        return_logits: true,
+        ..SamplingParams::default()
+    }
 }
 
 pub fn request(id: &str, prompt_tokens: Vec<u32>, params: SamplingParams) -> EngineRequest {
-    EngineRequest { id: id.to_string(), prompt_tokens, params, kv_transfer_params: None }
+    EngineRequest {
+        id: id.to_string(),
+        prompt_tokens,
+        params,
+        kv_transfer_params: None,
+    }
 }
 
 /// Everything a request produced.
@@ -96,7 +113,10 @@ pub struct Collected {
 impl Collected {
     /// Logits as bits, for exact comparison.
     pub fn logit_bits(&self) -> Vec<Vec<u32>> {
-        self.logits.iter().map(|r| r.iter().map(|x| x.to_bits()).collect()).collect()
+        self.logits
+            .iter()
+            .map(|r| r.iter().map(|x| x.to_bits()).collect())
+            .collect()
     }
 }
 
@@ -124,6 +144,13 @@ pub fn run_one(e: &EngineHandle, req: EngineRequest) -> Collected {
 
 /// Waits until no request is live and every block is free again.
 pub fn wait_idle(e: &EngineHandle) -> EngineStats {
-    e.wait_stats(WAIT, |s| s.num_running == 0 && s.num_waiting == 0 && s.kv_blocks_free == s.kv_blocks_total)
-        .unwrap_or_else(|| panic!("engine did not go idle with all blocks free: {:?}", e.stats()))
+    e.wait_stats(WAIT, |s| {
+        s.num_running == 0 && s.num_waiting == 0 && s.kv_blocks_free == s.kv_blocks_total
+    })
+    .unwrap_or_else(|| {
+        panic!(
+            "engine did not go idle with all blocks free: {:?}",
+            e.stats()
+        )
+    })
 }

@@ -69,39 +69,93 @@ impl EngineResult {
 /// The admin routes of the proxy, behind `token`.
 pub(super) fn routes(token: Arc<AdminToken>) -> Router<Proxy> {
     Router::new()
-        .route("/pause", post(|s, q, b| call(s, Method::POST, "/pause", Order::PrefillFirst, q, b)))
-        .route("/sleep", post(|s, q, b| call(s, Method::POST, "/sleep", Order::PrefillFirst, q, b)))
+        .route(
+            "/pause",
+            post(|s, q, b| call(s, Method::POST, "/pause", Order::PrefillFirst, q, b)),
+        )
+        .route(
+            "/sleep",
+            post(|s, q, b| call(s, Method::POST, "/sleep", Order::PrefillFirst, q, b)),
+        )
         .route(
             "/release_kv_cache_memory",
-            post(|s, q, b| call(s, Method::POST, "/release_kv_cache_memory", Order::PrefillFirst, q, b)),
+            post(|s, q, b| {
+                call(
+                    s,
+                    Method::POST,
+                    "/release_kv_cache_memory",
+                    Order::PrefillFirst,
+                    q,
+                    b,
+                )
+            }),
         )
-        .route("/wake_up", post(|s, q, b| call(s, Method::POST, "/wake_up", Order::DecodeFirst, q, b)))
-        .route("/resume", post(|s, q, b| call(s, Method::POST, "/resume", Order::DecodeFirst, q, b)))
-        .route("/update_weights", post(|s, q, b| call(s, Method::POST, "/update_weights", Order::Together, q, b)))
+        .route(
+            "/wake_up",
+            post(|s, q, b| call(s, Method::POST, "/wake_up", Order::DecodeFirst, q, b)),
+        )
+        .route(
+            "/resume",
+            post(|s, q, b| call(s, Method::POST, "/resume", Order::DecodeFirst, q, b)),
+        )
+        .route(
+            "/update_weights",
+            post(|s, q, b| call(s, Method::POST, "/update_weights", Order::Together, q, b)),
+        )
         .route(
             "/reset_prefix_cache",
-            post(|s, q, b| call(s, Method::POST, "/reset_prefix_cache", Order::Together, q, b)),
+            post(|s, q, b| {
+                call(
+                    s,
+                    Method::POST,
+                    "/reset_prefix_cache",
+                    Order::Together,
+                    q,
+                    b,
+                )
+            }),
         )
-        .route("/abort_requests", post(|s, q, b| call(s, Method::POST, "/abort_requests", Order::Together, q, b)))
-        .route("/is_sleeping", get(|s, q| read_flag(s, "/is_sleeping", "is_sleeping", q)))
-        .route("/is_paused", get(|s, q| read_flag(s, "/is_paused", "is_paused", q)))
+        .route(
+            "/abort_requests",
+            post(|s, q, b| call(s, Method::POST, "/abort_requests", Order::Together, q, b)),
+        )
+        .route(
+            "/is_sleeping",
+            get(|s, q| read_flag(s, "/is_sleeping", "is_sleeping", q)),
+        )
+        .route(
+            "/is_paused",
+            get(|s, q| read_flag(s, "/is_paused", "is_paused", q)),
+        )
         .route("/weight_info", get(weight_info))
         .route_layer(middleware::from_fn_with_state(token, require_token))
 }
 
 /// Calls `path` on one engine with the proxy's admin token.
-async fn call_one(proxy: &Proxy, b: &Backend, method: Method, path: &str, query: Option<&str>, body: &Bytes) -> EngineResult {
+async fn call_one(
+    proxy: &Proxy,
+    b: &Backend,
+    method: Method,
+    path: &str,
+    query: Option<&str>,
+    body: &Bytes,
+) -> EngineResult {
     let url = match query {
         Some(q) if !q.is_empty() => format!("{}{path}?{q}", b.url),
         _ => format!("{}{path}", b.url),
     };
     let inner = &proxy.inner;
-    let mut req = inner.client.request(method, url).timeout(inner.config.request_timeout);
+    let mut req = inner
+        .client
+        .request(method, url)
+        .timeout(inner.config.request_timeout);
     if let Some(t) = &inner.config.admin_token {
         req = req.bearer_auth(t);
     }
     if !body.is_empty() {
-        req = req.header(header::CONTENT_TYPE, "application/json").body(body.clone());
+        req = req
+            .header(header::CONTENT_TYPE, "application/json")
+            .body(body.clone());
     }
     let (status, body) = match req.send().await {
         Ok(resp) => {
@@ -111,9 +165,17 @@ async fn call_one(proxy: &Proxy, b: &Backend, method: Method, path: &str, query:
                 .unwrap_or_else(|_| json!({"text": String::from_utf8_lossy(&bytes).into_owned()}));
             (Some(status), body)
         }
-        Err(e) => (None, json!({"error": {"message": format!("calling {}{path} failed: {}", b.url, super::error_chain(&e))}})),
+        Err(e) => (
+            None,
+            json!({"error": {"message": format!("calling {}{path} failed: {}", b.url, super::error_chain(&e))}}),
+        ),
     };
-    EngineResult { role: b.role, url: b.url.clone(), status, body }
+    EngineResult {
+        role: b.role,
+        url: b.url.clone(),
+        status,
+        body,
+    }
 }
 
 /// The backends of `role`.
@@ -125,15 +187,29 @@ fn backends(proxy: &Proxy, role: Role) -> &[Arc<Backend>] {
 }
 
 /// Calls `path` on every backend of `role` at once.
-async fn call_role(proxy: &Proxy, role: Role, method: &Method, path: &str, query: Option<&str>, body: &Bytes) -> Vec<EngineResult> {
-    let calls = backends(proxy, role).iter().map(|b| call_one(proxy, b, method.clone(), path, query, body));
+async fn call_role(
+    proxy: &Proxy,
+    role: Role,
+    method: &Method,
+    path: &str,
+    query: Option<&str>,
+    body: &Bytes,
+) -> Vec<EngineResult> {
+    let calls = backends(proxy, role)
+        .iter()
+        .map(|b| call_one(proxy, b, method.clone(), path, query, body));
     futures::future::join_all(calls).await
 }
 
 fn not_called(proxy: &Proxy, role: Role) -> Vec<EngineResult> {
     backends(proxy, role)
         .iter()
-        .map(|b| EngineResult { role, url: b.url.clone(), status: None, body: json!("not called") })
+        .map(|b| EngineResult {
+            role,
+            url: b.url.clone(),
+            status: None,
+            body: json!("not called"),
+        })
         .collect()
 }
 
@@ -180,7 +256,15 @@ async fn call(
 /// `POST /flush_cache` (no token, as on an engine): every engine's prefix
 /// cache at once.
 pub(super) async fn flush_cache(proxy: State<Proxy>, query: RawQuery) -> Response {
-    call(proxy, Method::POST, "/flush_cache", Order::Together, query, Bytes::new()).await
+    call(
+        proxy,
+        Method::POST,
+        "/flush_cache",
+        Order::Together,
+        query,
+        Bytes::new(),
+    )
+    .await
 }
 
 /// 200 with every engine's result when all succeeded; else the first
@@ -193,16 +277,31 @@ fn answer(path: &str, results: &[EngineResult]) -> Response {
 
 fn answer_json(path: &str, results: &[EngineResult]) -> (StatusCode, Value) {
     let engines: Vec<Value> = results.iter().map(EngineResult::json).collect();
-    let failed: Vec<&EngineResult> = results.iter().filter(|r| !r.ok() && r.body != json!("not called")).collect();
+    let failed: Vec<&EngineResult> = results
+        .iter()
+        .filter(|r| !r.ok() && r.body != json!("not called"))
+        .collect();
     if failed.is_empty() {
-        let status = results.first().map(|r| r.body["status"].clone()).unwrap_or(Value::Null);
-        return (StatusCode::OK, json!({"status": status, "engines": engines}));
+        let status = results
+            .first()
+            .map(|r| r.body["status"].clone())
+            .unwrap_or(Value::Null);
+        return (
+            StatusCode::OK,
+            json!({"status": status, "engines": engines}),
+        );
     }
-    let status = failed[0].status.and_then(|s| StatusCode::from_u16(s).ok()).unwrap_or(StatusCode::BAD_GATEWAY);
+    let status = failed[0]
+        .status
+        .and_then(|s| StatusCode::from_u16(s).ok())
+        .unwrap_or(StatusCode::BAD_GATEWAY);
     let names: Vec<String> = failed
         .iter()
         .map(|r| {
-            let msg = r.body["error"]["message"].as_str().map(str::to_string).unwrap_or_else(|| r.body.to_string());
+            let msg = r.body["error"]["message"]
+                .as_str()
+                .map(str::to_string)
+                .unwrap_or_else(|| r.body.to_string());
             match r.status {
                 Some(s) => format!("{} {} answered {s}: {msg}", r.role, r.url),
                 None => format!("{} {}: {msg}", r.role, r.url),
@@ -223,7 +322,12 @@ fn answer_json(path: &str, results: &[EngineResult]) -> (StatusCode, Value) {
 }
 
 fn json_response(status: StatusCode, v: &Value) -> Response {
-    (status, [(header::CONTENT_TYPE, "application/json")], v.to_string()).into_response()
+    (
+        status,
+        [(header::CONTENT_TYPE, "application/json")],
+        v.to_string(),
+    )
+        .into_response()
 }
 
 /// Every engine's answer to a read, at once.
@@ -239,16 +343,27 @@ async fn read_all(proxy: &Proxy, path: &str, query: Option<&str>) -> Vec<EngineR
 
 /// `GET /is_sleeping` / `GET /is_paused`: true only when every engine says
 /// so; `agree` tells whether they all answered the same.
-async fn read_flag(State(proxy): State<Proxy>, path: &'static str, key: &'static str, RawQuery(query): RawQuery) -> Response {
+async fn read_flag(
+    State(proxy): State<Proxy>,
+    path: &'static str,
+    key: &'static str,
+    RawQuery(query): RawQuery,
+) -> Response {
     let results = read_all(&proxy, path, query.as_deref()).await;
     if results.iter().any(|r| !r.ok()) {
         return answer(path, &results);
     }
-    let flags: Vec<bool> = results.iter().map(|r| r.body[key].as_bool().unwrap_or(false)).collect();
+    let flags: Vec<bool> = results
+        .iter()
+        .map(|r| r.body[key].as_bool().unwrap_or(false))
+        .collect();
     let all = flags.iter().all(|&f| f);
     let agree = flags.iter().all(|&f| f == flags[0]);
     let engines: Vec<Value> = results.iter().map(EngineResult::json).collect();
-    json_response(StatusCode::OK, &json!({key: all, "agree": agree, "engines": engines}))
+    json_response(
+        StatusCode::OK,
+        &json!({key: all, "agree": agree, "engines": engines}),
+    )
 }
 
 /// `GET /weight_info`: the version every engine serves (`null` and
@@ -261,8 +376,15 @@ async fn weight_info(State(proxy): State<Proxy>, RawQuery(query): RawQuery) -> R
     let versions: Vec<&Value> = results.iter().map(|r| &r.body["version"]).collect();
     let agree = versions.iter().all(|v| *v == versions[0]);
     let engines: Vec<Value> = results.iter().map(EngineResult::json).collect();
-    let version = if agree { versions[0].clone() } else { Value::Null };
-    json_response(StatusCode::OK, &json!({"version": version, "agree": agree, "engines": engines}))
+    let version = if agree {
+        versions[0].clone()
+    } else {
+        Value::Null
+    };
+    json_response(
+        StatusCode::OK,
+        &json!({"version": version, "agree": agree, "engines": engines}),
+    )
 }
 
 #[cfg(test)]
@@ -270,25 +392,48 @@ mod tests {
     use super::*;
 
     fn r(role: Role, status: Option<u16>, body: Value) -> EngineResult {
-        EngineResult { role, url: format!("http://{role}"), status, body }
+        EngineResult {
+            role,
+            url: format!("http://{role}"),
+            status,
+            body,
+        }
     }
 
     #[test]
     fn the_answer_names_each_engine_that_failed() {
-        let ok = [r(Role::Prefill, Some(200), json!({"status": "paused"})), r(Role::Decode, Some(200), json!({}))];
+        let ok = [
+            r(Role::Prefill, Some(200), json!({"status": "paused"})),
+            r(Role::Decode, Some(200), json!({})),
+        ];
         let (status, v) = answer_json("/pause", &ok);
-        assert_eq!((status, &v["status"]), (StatusCode::OK, &json!("paused")), "{v}");
+        assert_eq!(
+            (status, &v["status"]),
+            (StatusCode::OK, &json!("paused")),
+            "{v}"
+        );
         assert_eq!(v["engines"].as_array().unwrap().len(), 2);
         let failed = [
-            r(Role::Prefill, Some(504), json!({"error": {"message": "timed out: drain", "code": null}})),
-            r(Role::Prefill, None, json!({"error": {"message": "connection refused"}})),
+            r(
+                Role::Prefill,
+                Some(504),
+                json!({"error": {"message": "timed out: drain", "code": null}}),
+            ),
+            r(
+                Role::Prefill,
+                None,
+                json!({"error": {"message": "connection refused"}}),
+            ),
             r(Role::Decode, None, json!("not called")),
         ];
         let (status, v) = answer_json("/sleep", &failed);
         assert_eq!(status, StatusCode::GATEWAY_TIMEOUT);
         let msg = v["error"]["message"].as_str().unwrap();
         assert!(msg.starts_with("/sleep failed on 2 of 3 engines"), "{msg}");
-        assert!(msg.contains("prefill http://prefill answered 504: timed out: drain"), "{msg}");
+        assert!(
+            msg.contains("prefill http://prefill answered 504: timed out: drain"),
+            "{msg}"
+        );
         assert!(msg.contains("connection refused"), "{msg}");
         assert_eq!(v["error"]["code"], "engine_failed");
         assert_eq!(v["engines"][2]["body"], "not called");

@@ -89,7 +89,10 @@ pub enum Mode {
     /// P and D at once; D pulls the KV from the P named here (P's engine id
     /// and bootstrap address, as its `/kv_transfer/info` said; `None` when
     /// unknown).
-    Write { remote_engine_id: Option<String>, remote_bootstrap_addr: Option<String> },
+    Write {
+        remote_engine_id: Option<String>,
+        remote_bootstrap_addr: Option<String>,
+    },
     /// P first; D reads the blocks P's answer names.
     Read,
 }
@@ -187,7 +190,11 @@ pub enum PrefillAnswer {
     /// A completion whose `finish_reason` is `abort`.
     Aborted,
     /// An error status, with the OpenAI error `code` of its body if any.
-    Error { status: u16, code: Option<String>, body: Vec<u8> },
+    Error {
+        status: u16,
+        code: Option<String>,
+        body: Vec<u8>,
+    },
     /// A success status whose body is not a completion.
     Malformed { reason: String },
 }
@@ -199,14 +206,22 @@ impl PrefillAnswer {
             let code = serde_json::from_slice::<Value>(body)
                 .ok()
                 .and_then(|v| v.get("error")?.get("code")?.as_str().map(str::to_string));
-            return PrefillAnswer::Error { status, code, body: body.to_vec() };
+            return PrefillAnswer::Error {
+                status,
+                code,
+                body: body.to_vec(),
+            };
         }
         let malformed = |reason: String| PrefillAnswer::Malformed { reason };
         let mut v = match serde_json::from_slice::<Value>(body) {
             Ok(v) => v,
             Err(e) => return malformed(format!("not JSON: {e}")),
         };
-        let Some(choice) = v.get("choices").and_then(Value::as_array).and_then(|c| c.first()) else {
+        let Some(choice) = v
+            .get("choices")
+            .and_then(Value::as_array)
+            .and_then(|c| c.first())
+        else {
             return malformed("no choices".to_string());
         };
         if choice.get("finish_reason").and_then(Value::as_str) == Some("abort") {
@@ -296,7 +311,10 @@ pub enum Action {
     /// Send `event` (an SSE error event and `data: [DONE]`), then end.
     FailStream { event: Vec<u8> },
     /// Count the request's outcome (exactly once, last).
-    Count { outcome: Outcome, cause: Option<Cause> },
+    Count {
+        outcome: Outcome,
+        cause: Option<Cause>,
+    },
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -366,9 +384,19 @@ impl RelayPlan {
             outcome: None,
             actions: VecDeque::new(),
         };
-        plan.push(Action::SendPrefill { params: params::for_prefill(transfer_id) });
-        if let Mode::Write { remote_engine_id, remote_bootstrap_addr } = &mode {
-            let p = params::for_decode(transfer_id, remote_engine_id.as_deref(), remote_bootstrap_addr.as_deref());
+        plan.push(Action::SendPrefill {
+            params: params::for_prefill(transfer_id),
+        });
+        if let Mode::Write {
+            remote_engine_id,
+            remote_bootstrap_addr,
+        } = &mode
+        {
+            let p = params::for_decode(
+                transfer_id,
+                remote_engine_id.as_deref(),
+                remote_bootstrap_addr.as_deref(),
+            );
             plan.ask_decode(Some(p));
         }
         plan
@@ -444,11 +472,17 @@ impl RelayPlan {
                 }
             }
             PrefillAnswer::Aborted => self.prefill_skipped(OnPurpose::Aborted),
-            PrefillAnswer::Error { status: 503, code: Some(code), .. } if code == RETRYABLE_CODE => {
-                self.prefill_skipped(OnPurpose::Refused)
+            PrefillAnswer::Error {
+                status: 503,
+                code: Some(code),
+                ..
+            } if code == RETRYABLE_CODE => self.prefill_skipped(OnPurpose::Refused),
+            PrefillAnswer::Error { status, body, .. } => {
+                self.on_prefill_failed(Failure::Status { status, body })
             }
-            PrefillAnswer::Error { status, body, .. } => self.on_prefill_failed(Failure::Status { status, body }),
-            PrefillAnswer::Malformed { reason } => self.on_prefill_failed(Failure::Unusable(reason)),
+            PrefillAnswer::Malformed { reason } => {
+                self.on_prefill_failed(Failure::Unusable(reason))
+            }
         }
     }
 
@@ -474,8 +508,18 @@ impl RelayPlan {
             self.push(Action::CancelDecode);
         }
         self.push(Action::Reply(f.reply(Role::Prefill)));
-        let outcome = if f.is_client_error() { Outcome::BadRequest } else { Outcome::PrefillError };
-        self.finish(outcome, Some(Cause { role: Role::Prefill, what: f.describe() }));
+        let outcome = if f.is_client_error() {
+            Outcome::BadRequest
+        } else {
+            Outcome::PrefillError
+        };
+        self.finish(
+            outcome,
+            Some(Cause {
+                role: Role::Prefill,
+                what: f.describe(),
+            }),
+        );
     }
 
     fn prefill_answered(&self) -> bool {
@@ -488,7 +532,9 @@ impl RelayPlan {
         if !self.streaming || !self.prefill_answered() {
             return;
         }
-        let Decode::Gathering { status, buf } = &mut self.decode else { return };
+        let Decode::Gathering { status, buf } = &mut self.decode else {
+            return;
+        };
         if !(200..300).contains(status) {
             return;
         }
@@ -509,7 +555,10 @@ impl RelayPlan {
             // Nobody will take P's KV.
             self.release_prefill();
         }
-        self.decode = Decode::Gathering { status, buf: Vec::new() };
+        self.decode = Decode::Gathering {
+            status,
+            buf: Vec::new(),
+        };
         self.commit_if_ready();
     }
 
@@ -519,18 +568,25 @@ impl RelayPlan {
         match self.prefill {
             Prefill::Running => {
                 self.push(Action::CancelPrefill);
-                self.push(Action::DropAtPrefill { code: FailCode::Dropped });
+                self.push(Action::DropAtPrefill {
+                    code: FailCode::Dropped,
+                });
             }
-            Prefill::Done => self.push(Action::DropAtPrefill { code: FailCode::Dropped }),
+            Prefill::Done => self.push(Action::DropAtPrefill {
+                code: FailCode::Dropped,
+            }),
             Prefill::Skipped(_) | Prefill::Over => {}
         }
         self.prefill = Prefill::Over;
     }
 
     fn on_decode_body(&mut self, bytes: Vec<u8>) {
-        let (Decode::Gathering { buf, .. } | Decode::Streaming { buf }) = &mut self.decode else { return };
+        let (Decode::Gathering { buf, .. } | Decode::Streaming { buf }) = &mut self.decode else {
+            return;
+        };
         if buf.len() + bytes.len() > MAX_BUFFERED {
-            let reason = format!("its answer holds more than {MAX_BUFFERED} bytes this proxy would buffer");
+            let reason =
+                format!("its answer holds more than {MAX_BUFFERED} bytes this proxy would buffer");
             return self.on_decode_failed(Failure::Unusable(reason));
         }
         buf.extend_from_slice(&bytes);
@@ -558,14 +614,34 @@ impl RelayPlan {
                     }
                     self.push(Action::EndStream);
                 } else {
-                    self.push(Action::Reply(Reply { status, head: Head::Decode, retry_after: false, body: buf }));
+                    self.push(Action::Reply(Reply {
+                        status,
+                        head: Head::Decode,
+                        retry_after: false,
+                        body: buf,
+                    }));
                 }
                 self.finish(Outcome::Ok, None);
             }
             Decode::Gathering { status, buf } => {
-                self.push(Action::Reply(Reply { status, head: Head::Decode, retry_after: false, body: buf }));
-                let outcome = if is_client_error(status) { Outcome::BadRequest } else { Outcome::DecodeError };
-                self.finish(outcome, Some(Cause { role: Role::Decode, what: format!("answered {status}") }));
+                self.push(Action::Reply(Reply {
+                    status,
+                    head: Head::Decode,
+                    retry_after: false,
+                    body: buf,
+                }));
+                let outcome = if is_client_error(status) {
+                    Outcome::BadRequest
+                } else {
+                    Outcome::DecodeError
+                };
+                self.finish(
+                    outcome,
+                    Some(Cause {
+                        role: Role::Decode,
+                        what: format!("answered {status}"),
+                    }),
+                );
             }
             Decode::Streaming { buf } => {
                 if !buf.is_empty() {
@@ -580,24 +656,37 @@ impl RelayPlan {
 
     fn on_decode_failed(&mut self, f: Failure) {
         let f = match &self.decode {
-            Decode::Gathering { status, .. } if !(200..300).contains(status) => f.after_status(*status),
+            Decode::Gathering { status, .. } if !(200..300).contains(status) => {
+                f.after_status(*status)
+            }
             Decode::Asked | Decode::Gathering { .. } | Decode::Streaming { .. } => f,
             Decode::NotAsked | Decode::Over => return,
         };
         self.release_prefill();
         if matches!(self.decode, Decode::Streaming { .. }) {
-            self.push(Action::FailStream { event: f.sse_event(Role::Decode) });
+            self.push(Action::FailStream {
+                event: f.sse_event(Role::Decode),
+            });
         } else {
             self.push(Action::Reply(f.reply(Role::Decode)));
         }
-        self.finish(Outcome::DecodeError, Some(Cause { role: Role::Decode, what: f.describe() }));
+        self.finish(
+            Outcome::DecodeError,
+            Some(Cause {
+                role: Role::Decode,
+                what: f.describe(),
+            }),
+        );
     }
 
     fn on_client_gone(&mut self) {
         if self.prefill == Prefill::Running {
             self.push(Action::CancelPrefill);
         }
-        if matches!(self.decode, Decode::Asked | Decode::Gathering { .. } | Decode::Streaming { .. }) {
+        if matches!(
+            self.decode,
+            Decode::Asked | Decode::Gathering { .. } | Decode::Streaming { .. }
+        ) {
             self.push(Action::CancelDecode);
         }
         self.finish(Outcome::Cancelled, None);
@@ -606,7 +695,9 @@ impl RelayPlan {
 
 /// The length of the longest prefix of `buf` made of complete events.
 pub fn complete_events_len(buf: &[u8]) -> usize {
-    buf.windows(2).rposition(|w| w == b"\n\n").map_or(0, |i| i + 2)
+    buf.windows(2)
+        .rposition(|w| w == b"\n\n")
+        .map_or(0, |i| i + 2)
 }
 
 /// An OpenAI error body (the shape of [`crate::error::ApiError`]).
@@ -622,7 +713,10 @@ impl Failure {
     fn describe(&self) -> String {
         match self {
             Failure::Status { status, .. } => format!("answered {status}"),
-            Failure::Call(CallError { timed_out: true, detail }) => format!("timed out: {detail}"),
+            Failure::Call(CallError {
+                timed_out: true,
+                detail,
+            }) => format!("timed out: {detail}"),
             Failure::Call(CallError { detail, .. }) => format!("failed: {detail}"),
             Failure::Unusable(reason) => format!("gave an unusable answer: {reason}"),
         }
@@ -630,19 +724,27 @@ impl Failure {
 
     /// D's error answer whose body then broke off: said with D's status.
     fn after_status(self, status: u16) -> Failure {
-        Failure::Unusable(format!("answered {status}, then its body {}", self.describe()))
+        Failure::Unusable(format!(
+            "answered {status}, then its body {}",
+            self.describe()
+        ))
     }
 
     /// The proxy's own error for this failure: status and body.
     fn proxy_error(&self, role: Role) -> (u16, String) {
         let message = format!("{role} server {}", self.describe());
         match self {
-            Failure::Call(CallError { timed_out: true, .. }) => {
+            Failure::Call(CallError {
+                timed_out: true, ..
+            }) => {
                 let message = format!(
                     "{message}; the proxy's request_timeout bounds each upstream request: \
                      raise request_timeout (pdkv proxy --request-timeout) for longer requests"
                 );
-                (504, error_json(&message, "timeout_error", "upstream_timeout"))
+                (
+                    504,
+                    error_json(&message, "timeout_error", "upstream_timeout"),
+                )
             }
             _ => (502, error_json(&message, "server_error", "upstream_error")),
         }
@@ -650,12 +752,20 @@ impl Failure {
 
     fn reply(&self, role: Role) -> Reply {
         match self {
-            Failure::Status { status, body } => {
-                Reply { status: *status, head: Head::Prefill, retry_after: *status == 503, body: body.clone() }
-            }
+            Failure::Status { status, body } => Reply {
+                status: *status,
+                head: Head::Prefill,
+                retry_after: *status == 503,
+                body: body.clone(),
+            },
             _ => {
                 let (status, body) = self.proxy_error(role);
-                Reply { status, head: Head::Json, retry_after: false, body: body.into_bytes() }
+                Reply {
+                    status,
+                    head: Head::Json,
+                    retry_after: false,
+                    body: body.into_bytes(),
+                }
             }
         }
     }
@@ -674,7 +784,10 @@ mod tests {
     const TID: &str = "t1";
 
     fn write() -> Mode {
-        Mode::Write { remote_engine_id: Some("p0".into()), remote_bootstrap_addr: Some("127.0.0.1:7000".into()) }
+        Mode::Write {
+            remote_engine_id: Some("p0".into()),
+            remote_bootstrap_addr: Some("127.0.0.1:7000".into()),
+        }
     }
 
     fn p_params() -> Value {
@@ -689,9 +802,9 @@ mod tests {
         Event::Prefill(PrefillAnswer::parse(status, body.as_bytes()))
     }
 
-    const NOT_SERVING: &str =
-        r#"{"error":{"message":"paused","type":"service_unavailable_error","param":null,"code":"engine_not_serving"}}"#;
-    const P_DONE: &str = r#"{"choices":[{"text":"x","finish_reason":"length"}],"kv_transfer_params":null}"#;
+    const NOT_SERVING: &str = r#"{"error":{"message":"paused","type":"service_unavailable_error","param":null,"code":"engine_not_serving"}}"#;
+    const P_DONE: &str =
+        r#"{"choices":[{"text":"x","finish_reason":"length"}],"kv_transfer_params":null}"#;
     const P_ABORTED: &str = r#"{"choices":[{"text":"","finish_reason":"abort"}]}"#;
     const D_BODY: &str = r#"{"choices":[{"text":"hello","finish_reason":"length"}]}"#;
 
@@ -716,7 +829,10 @@ mod tests {
     }
 
     fn failed(timed_out: bool) -> CallError {
-        CallError { timed_out, detail: "connection reset".into() }
+        CallError {
+            timed_out,
+            detail: "connection reset".into(),
+        }
     }
 
     fn stream(s: &str) -> Action {
@@ -724,15 +840,29 @@ mod tests {
     }
 
     fn reply(status: u16, head: Head, body: &str) -> Action {
-        Action::Reply(Reply { status, head, retry_after: false, body: body.as_bytes().to_vec() })
+        Action::Reply(Reply {
+            status,
+            head,
+            retry_after: false,
+            body: body.as_bytes().to_vec(),
+        })
     }
 
     fn ok() -> Action {
-        Action::Count { outcome: Outcome::Ok, cause: None }
+        Action::Count {
+            outcome: Outcome::Ok,
+            cause: None,
+        }
     }
 
     fn count(outcome: Outcome, role: Role, what: &str) -> Action {
-        Action::Count { outcome, cause: Some(Cause { role, what: what.into() }) }
+        Action::Count {
+            outcome,
+            cause: Some(Cause {
+                role,
+                what: what.into(),
+            }),
+        }
     }
 
     fn drain(plan: &mut RelayPlan) -> Vec<Action> {
@@ -746,7 +876,9 @@ mod tests {
         let mut plan = RelayPlan::new(mode, streaming, TID);
         let mut first = vec![Action::SendPrefill { params: p_params() }];
         if !read {
-            first.push(Action::SendDecode { params: Some(d_params()) });
+            first.push(Action::SendDecode {
+                params: Some(d_params()),
+            });
         }
         assert_eq!(drain(&mut plan), first, "first actions");
         for (i, (event, want)) in steps.into_iter().enumerate() {
@@ -763,7 +895,10 @@ mod tests {
             panic!("no reply in {actions:?}")
         };
         assert_eq!(r.head, Head::Json);
-        (r.status, serde_json::from_slice(&r.body).expect("JSON error"))
+        (
+            r.status,
+            serde_json::from_slice(&r.body).expect("JSON error"),
+        )
     }
 
     #[test]
@@ -776,7 +911,10 @@ mod tests {
                 (head(200), vec![]),
                 (body(&D_BODY[..10]), vec![]),
                 (body(&D_BODY[10..]), vec![]),
-                (Event::DecodeEnd, vec![reply(200, Head::Decode, D_BODY), ok()]),
+                (
+                    Event::DecodeEnd,
+                    vec![reply(200, Head::Decode, D_BODY), ok()],
+                ),
             ],
         );
         assert_eq!(plan.outcome(), Some(Outcome::Ok));
@@ -791,9 +929,15 @@ mod tests {
                 (head(200), vec![]),
                 // Held until P answered; an unfinished event stays held.
                 (body("data: 1\n\ndata: 2"), vec![]),
-                (p_done(), vec![Action::StartStream { status: 200 }, stream("data: 1\n\n")]),
+                (
+                    p_done(),
+                    vec![Action::StartStream { status: 200 }, stream("data: 1\n\n")],
+                ),
                 (body("\n"), vec![]),
-                (body("\ndata: [DONE]\n\n"), vec![stream("data: 2\n\ndata: [DONE]\n\n")]),
+                (
+                    body("\ndata: [DONE]\n\n"),
+                    vec![stream("data: 2\n\ndata: [DONE]\n\n")],
+                ),
                 (Event::DecodeEnd, vec![Action::EndStream, ok()]),
             ],
         );
@@ -802,7 +946,12 @@ mod tests {
     #[test]
     fn write_mode_refused_prefill_keeps_d_and_drops_at_p_with_prefill_refused() {
         let skipped = || {
-            vec![Action::PrefillSkipped(OnPurpose::Refused), Action::DropAtPrefill { code: FailCode::PrefillRefused }]
+            vec![
+                Action::PrefillSkipped(OnPurpose::Refused),
+                Action::DropAtPrefill {
+                    code: FailCode::PrefillRefused,
+                },
+            ]
         };
         let plan = check(
             write(),
@@ -811,7 +960,10 @@ mod tests {
                 (refused(), skipped()),
                 (head(200), vec![]),
                 (body(D_BODY), vec![]),
-                (Event::DecodeEnd, vec![reply(200, Head::Decode, D_BODY), ok()]),
+                (
+                    Event::DecodeEnd,
+                    vec![reply(200, Head::Decode, D_BODY), ok()],
+                ),
             ],
         );
         assert_eq!(plan.outcome(), Some(Outcome::Ok));
@@ -832,7 +984,12 @@ mod tests {
     #[test]
     fn write_mode_aborted_prefill_keeps_d_and_drops_at_p_with_prefill_aborted() {
         let skipped = || {
-            vec![Action::PrefillSkipped(OnPurpose::Aborted), Action::DropAtPrefill { code: FailCode::PrefillAborted }]
+            vec![
+                Action::PrefillSkipped(OnPurpose::Aborted),
+                Action::DropAtPrefill {
+                    code: FailCode::PrefillAborted,
+                },
+            ]
         };
         check(
             write(),
@@ -841,7 +998,10 @@ mod tests {
                 (head(200), vec![]),
                 (aborted(), skipped()),
                 (body(D_BODY), vec![]),
-                (Event::DecodeEnd, vec![reply(200, Head::Decode, D_BODY), ok()]),
+                (
+                    Event::DecodeEnd,
+                    vec![reply(200, Head::Decode, D_BODY), ok()],
+                ),
             ],
         );
         let mut then_stream = skipped();
@@ -866,7 +1026,10 @@ mod tests {
                 (head(500), vec![]),
                 (
                     Event::DecodeEnd,
-                    vec![reply(500, Head::Decode, ""), count(Outcome::DecodeError, Role::Decode, "answered 500")],
+                    vec![
+                        reply(500, Head::Decode, ""),
+                        count(Outcome::DecodeError, Role::Decode, "answered 500"),
+                    ],
                 ),
             ],
         );
@@ -894,8 +1057,12 @@ mod tests {
                 ],
             );
             // A 503 that is not `engine_not_serving` is a failure, retryable.
-            let retryable =
-                Reply { status: 503, head: Head::Prefill, retry_after: true, body: p503.as_bytes().to_vec() };
+            let retryable = Reply {
+                status: 503,
+                head: Head::Prefill,
+                retry_after: true,
+                body: p503.as_bytes().to_vec(),
+            };
             check(
                 write(),
                 streaming,
@@ -932,13 +1099,22 @@ mod tests {
                 false,
                 vec![
                     (p_done(), vec![]),
-                    (head(status), vec![Action::DropAtPrefill { code: FailCode::Dropped }]),
+                    (
+                        head(status),
+                        vec![Action::DropAtPrefill {
+                            code: FailCode::Dropped,
+                        }],
+                    ),
                     (body("{}"), vec![]),
                     (
                         Event::DecodeEnd,
                         vec![
                             reply(status, Head::Decode, "{}"),
-                            count(Outcome::BadRequest, Role::Decode, &format!("answered {status}")),
+                            count(
+                                Outcome::BadRequest,
+                                Role::Decode,
+                                &format!("answered {status}"),
+                            ),
                         ],
                     ),
                 ],
@@ -949,41 +1125,94 @@ mod tests {
 
     #[test]
     fn failed_calls_are_502_and_timeouts_504_naming_request_timeout() {
-        for (timed_out, status, code) in [(false, 502, "upstream_error"), (true, 504, "upstream_timeout")] {
+        for (timed_out, status, code) in [
+            (false, 502, "upstream_error"),
+            (true, 504, "upstream_timeout"),
+        ] {
             let mut plan = RelayPlan::new(write(), false, TID);
             let _ = drain(&mut plan);
             plan.handle(Event::PrefillFailed(failed(timed_out)));
             let actions = drain(&mut plan);
             assert_eq!(actions[0], Action::CancelDecode);
             let (got, body) = error_reply(&actions);
-            assert_eq!((got, body["error"]["code"].as_str()), (status, Some(code)), "{body}");
+            assert_eq!(
+                (got, body["error"]["code"].as_str()),
+                (status, Some(code)),
+                "{body}"
+            );
             let message = body["error"]["message"].as_str().unwrap();
-            assert!(message.starts_with("prefill server") && message.contains("connection reset"), "{message}");
-            assert_eq!(message.contains("raise request_timeout"), timed_out, "{message}");
-            assert!(matches!(actions.last(), Some(Action::Count { outcome: Outcome::PrefillError, .. })));
+            assert!(
+                message.starts_with("prefill server") && message.contains("connection reset"),
+                "{message}"
+            );
+            assert_eq!(
+                message.contains("raise request_timeout"),
+                timed_out,
+                "{message}"
+            );
+            assert!(matches!(
+                actions.last(),
+                Some(Action::Count {
+                    outcome: Outcome::PrefillError,
+                    ..
+                })
+            ));
 
             let mut plan = RelayPlan::new(write(), true, TID);
             let _ = drain(&mut plan);
             plan.handle(Event::DecodeFailed(failed(timed_out)));
             let actions = drain(&mut plan);
-            assert_eq!(actions[..2], [Action::CancelPrefill, Action::DropAtPrefill { code: FailCode::Dropped }]);
+            assert_eq!(
+                actions[..2],
+                [
+                    Action::CancelPrefill,
+                    Action::DropAtPrefill {
+                        code: FailCode::Dropped
+                    }
+                ]
+            );
             let (got, body) = error_reply(&actions);
             assert_eq!(got, status);
-            assert!(body["error"]["message"].as_str().unwrap().starts_with("decode server"), "{body}");
-            assert!(matches!(actions.last(), Some(Action::Count { outcome: Outcome::DecodeError, .. })));
+            assert!(
+                body["error"]["message"]
+                    .as_str()
+                    .unwrap()
+                    .starts_with("decode server"),
+                "{body}"
+            );
+            assert!(matches!(
+                actions.last(),
+                Some(Action::Count {
+                    outcome: Outcome::DecodeError,
+                    ..
+                })
+            ));
         }
     }
 
     #[test]
     fn an_unusable_prefill_answer_is_a_failure() {
-        for body in ["not json", r#"{"object":"text_completion"}"#, r#"{"choices":[{}],"kv_transfer_params":[1]}"#] {
+        for body in [
+            "not json",
+            r#"{"object":"text_completion"}"#,
+            r#"{"choices":[{}],"kv_transfer_params":[1]}"#,
+        ] {
             let mut plan = RelayPlan::new(Mode::Read, false, TID);
             let _ = drain(&mut plan);
             plan.handle(p_answer(200, body));
             let actions = drain(&mut plan);
             assert_eq!(error_reply(&actions).0, 502, "{body}");
             assert!(
-                matches!(actions[..], [Action::Reply(_), Action::Count { outcome: Outcome::PrefillError, .. }]),
+                matches!(
+                    actions[..],
+                    [
+                        Action::Reply(_),
+                        Action::Count {
+                            outcome: Outcome::PrefillError,
+                            ..
+                        }
+                    ]
+                ),
                 "{actions:?}"
             );
         }
@@ -996,7 +1225,15 @@ mod tests {
             write(),
             false,
             vec![
-                (head(503), vec![Action::CancelPrefill, Action::DropAtPrefill { code: FailCode::Dropped }]),
+                (
+                    head(503),
+                    vec![
+                        Action::CancelPrefill,
+                        Action::DropAtPrefill {
+                            code: FailCode::Dropped,
+                        },
+                    ],
+                ),
                 (body(NOT_SERVING), vec![]),
                 (
                     Event::DecodeEnd,
@@ -1013,7 +1250,12 @@ mod tests {
             false,
             vec![
                 (p_done(), vec![]),
-                (head(500), vec![Action::DropAtPrefill { code: FailCode::Dropped }]),
+                (
+                    head(500),
+                    vec![Action::DropAtPrefill {
+                        code: FailCode::Dropped,
+                    }],
+                ),
                 (p_done(), vec![]),
             ],
         );
@@ -1021,14 +1263,28 @@ mod tests {
         let plan = check(
             write(),
             false,
-            vec![(head(500), vec![Action::CancelPrefill, Action::DropAtPrefill { code: FailCode::Dropped }])],
+            vec![(
+                head(500),
+                vec![
+                    Action::CancelPrefill,
+                    Action::DropAtPrefill {
+                        code: FailCode::Dropped,
+                    },
+                ],
+            )],
         );
         let mut plan = plan;
         plan.handle(Event::DecodeFailed(failed(false)));
         let actions = drain(&mut plan);
         let (status, body) = error_reply(&actions);
         assert_eq!(status, 502);
-        assert!(body["error"]["message"].as_str().unwrap().contains("answered 500, then its body failed"), "{body}");
+        assert!(
+            body["error"]["message"]
+                .as_str()
+                .unwrap()
+                .contains("answered 500, then its body failed"),
+            "{body}"
+        );
         assert_eq!(actions.len(), 2, "no second drop: {actions:?}");
     }
 
@@ -1046,13 +1302,30 @@ mod tests {
         let mut plan = plan;
         plan.handle(Event::DecodeFailed(failed(false)));
         let actions = drain(&mut plan);
-        assert_eq!(actions[0], Action::DropAtPrefill { code: FailCode::Dropped });
-        let Action::FailStream { event } = &actions[1] else { panic!("{actions:?}") };
+        assert_eq!(
+            actions[0],
+            Action::DropAtPrefill {
+                code: FailCode::Dropped
+            }
+        );
+        let Action::FailStream { event } = &actions[1] else {
+            panic!("{actions:?}")
+        };
         let text = String::from_utf8(event.clone()).unwrap();
-        assert!(text.starts_with("data: {\"error\":") && text.ends_with("}\n\ndata: [DONE]\n\n"), "{text}");
+        assert!(
+            text.starts_with("data: {\"error\":") && text.ends_with("}\n\ndata: [DONE]\n\n"),
+            "{text}"
+        );
         assert!(!text.contains("hal"), "{text}");
         assert!(text.contains("upstream_error"), "{text}");
-        assert_eq!(actions[2], count(Outcome::DecodeError, Role::Decode, "failed: connection reset"));
+        assert_eq!(
+            actions[2],
+            count(
+                Outcome::DecodeError,
+                Role::Decode,
+                "failed: connection reset"
+            )
+        );
         assert_eq!(actions.len(), 3);
     }
 
@@ -1064,7 +1337,14 @@ mod tests {
             vec![
                 (head(200), vec![]),
                 (body(D_BODY), vec![]),
-                (Event::DecodeEnd, vec![Action::CancelPrefill, reply(200, Head::Decode, D_BODY), ok()]),
+                (
+                    Event::DecodeEnd,
+                    vec![
+                        Action::CancelPrefill,
+                        reply(200, Head::Decode, D_BODY),
+                        ok(),
+                    ],
+                ),
             ],
         );
         // Streaming: D's whole answer goes out, its unterminated trailer too.
@@ -1090,13 +1370,30 @@ mod tests {
 
     #[test]
     fn the_client_leaving_cancels_what_runs_and_counts_once() {
-        let cancelled = Action::Count { outcome: Outcome::Cancelled, cause: None };
+        let cancelled = Action::Count {
+            outcome: Outcome::Cancelled,
+            cause: None,
+        };
         check(
             write(),
             true,
-            vec![(Event::ClientGone, vec![Action::CancelPrefill, Action::CancelDecode, cancelled.clone()])],
+            vec![(
+                Event::ClientGone,
+                vec![
+                    Action::CancelPrefill,
+                    Action::CancelDecode,
+                    cancelled.clone(),
+                ],
+            )],
         );
-        check(Mode::Read, false, vec![(Event::ClientGone, vec![Action::CancelPrefill, cancelled.clone()])]);
+        check(
+            Mode::Read,
+            false,
+            vec![(
+                Event::ClientGone,
+                vec![Action::CancelPrefill, cancelled.clone()],
+            )],
+        );
         let mut plan = check(
             write(),
             true,
@@ -1107,8 +1404,13 @@ mod tests {
             ],
         );
         // Finished: every later event is ignored, the count stays one.
-        for e in [body("data: 1\n\n"), Event::DecodeEnd, Event::ClientGone, p_done(), Event::DecodeFailed(failed(true))]
-        {
+        for e in [
+            body("data: 1\n\n"),
+            Event::DecodeEnd,
+            Event::ClientGone,
+            p_done(),
+            Event::DecodeFailed(failed(true)),
+        ] {
             plan.handle(e);
             assert_eq!(drain(&mut plan), vec![]);
         }
@@ -1133,7 +1435,10 @@ mod tests {
                 (head(200), vec![]),
                 (head(500), vec![]),
                 (body(D_BODY), vec![]),
-                (Event::DecodeEnd, vec![reply(200, Head::Decode, D_BODY), ok()]),
+                (
+                    Event::DecodeEnd,
+                    vec![reply(200, Head::Decode, D_BODY), ok()],
+                ),
             ],
         );
     }
@@ -1142,12 +1447,19 @@ mod tests {
     fn read_mode_sends_d_exactly_ps_params_once_p_answered() {
         let params = json!({"do_remote_prefill": true, "transfer_id": TID, "remote_block_ids": [4, 5],
                             "remote_registration_generation": 2});
-        let answer = json!({"choices": [{"finish_reason": "length"}], "kv_transfer_params": params}).to_string();
+        let answer =
+            json!({"choices": [{"finish_reason": "length"}], "kv_transfer_params": params})
+                .to_string();
         check(
             Mode::Read,
             true,
             vec![
-                (p_answer(200, &answer), vec![Action::SendDecode { params: Some(params.clone()) }]),
+                (
+                    p_answer(200, &answer),
+                    vec![Action::SendDecode {
+                        params: Some(params.clone()),
+                    }],
+                ),
                 // P answered already: D's status is committed at its head.
                 (head(200), vec![Action::StartStream { status: 200 }]),
                 (body("data: 1\n\n"), vec![stream("data: 1\n\n")]),
@@ -1156,13 +1468,25 @@ mod tests {
         );
         // P returned no params: D computes the prompt itself, and that is
         // no skip.
-        check(Mode::Read, false, vec![(p_done(), vec![Action::SendDecode { params: None }])]);
+        check(
+            Mode::Read,
+            false,
+            vec![(p_done(), vec![Action::SendDecode { params: None }])],
+        );
     }
 
     #[test]
     fn read_mode_refused_or_aborted_prefill_sends_d_the_body_without_params() {
-        for (event, why) in [(refused(), OnPurpose::Refused), (aborted(), OnPurpose::Aborted)] {
-            let skipped = || vec![Action::PrefillSkipped(why), Action::SendDecode { params: None }];
+        for (event, why) in [
+            (refused(), OnPurpose::Refused),
+            (aborted(), OnPurpose::Aborted),
+        ] {
+            let skipped = || {
+                vec![
+                    Action::PrefillSkipped(why),
+                    Action::SendDecode { params: None },
+                ]
+            };
             check(
                 Mode::Read,
                 false,
@@ -1170,7 +1494,10 @@ mod tests {
                     (event.clone(), skipped()),
                     (head(200), vec![]),
                     (body(D_BODY), vec![]),
-                    (Event::DecodeEnd, vec![reply(200, Head::Decode, D_BODY), ok()]),
+                    (
+                        Event::DecodeEnd,
+                        vec![reply(200, Head::Decode, D_BODY), ok()],
+                    ),
                 ],
             );
             check(
@@ -1192,7 +1519,10 @@ mod tests {
                     (head(500), vec![]),
                     (
                         Event::DecodeEnd,
-                        vec![reply(500, Head::Decode, ""), count(Outcome::DecodeError, Role::Decode, "answered 500")],
+                        vec![
+                            reply(500, Head::Decode, ""),
+                            count(Outcome::DecodeError, Role::Decode, "answered 500"),
+                        ],
                     ),
                 ],
             );
@@ -1207,33 +1537,60 @@ mod tests {
             true,
             vec![(
                 p_answer(400, p400),
-                vec![reply(400, Head::Prefill, p400), count(Outcome::BadRequest, Role::Prefill, "answered 400")],
+                vec![
+                    reply(400, Head::Prefill, p400),
+                    count(Outcome::BadRequest, Role::Prefill, "answered 400"),
+                ],
             )],
         );
         let params = json!({"do_remote_prefill": true, "transfer_id": TID, "remote_block_ids": [4],
                             "remote_registration_generation": 1});
-        let answer = json!({"choices": [{"finish_reason": "length"}], "kv_transfer_params": params}).to_string();
-        let sent = vec![Action::SendDecode { params: Some(params) }];
+        let answer =
+            json!({"choices": [{"finish_reason": "length"}], "kv_transfer_params": params})
+                .to_string();
+        let sent = vec![Action::SendDecode {
+            params: Some(params),
+        }];
         let mut plan = check(Mode::Read, false, vec![(p_answer(200, &answer), sent)]);
         plan.handle(Event::DecodeFailed(failed(false)));
         let actions = drain(&mut plan);
         // D will not read P's leased blocks: the lease ends now.
-        assert_eq!(actions[0], Action::DropAtPrefill { code: FailCode::Dropped });
+        assert_eq!(
+            actions[0],
+            Action::DropAtPrefill {
+                code: FailCode::Dropped
+            }
+        );
         assert_eq!(error_reply(&actions).0, 502);
         assert_eq!(actions.len(), 3);
     }
 
     #[test]
     fn answers_beyond_the_buffer_bound_fail_the_call() {
-        let mut plan = check(write(), false, vec![(p_done(), vec![]), (head(200), vec![])]);
+        let mut plan = check(
+            write(),
+            false,
+            vec![(p_done(), vec![]), (head(200), vec![])],
+        );
         plan.handle(Event::DecodeBody(vec![b'x'; MAX_BUFFERED]));
         assert_eq!(drain(&mut plan), vec![]);
         plan.handle(body("y"));
         let actions = drain(&mut plan);
-        assert_eq!(actions[0], Action::DropAtPrefill { code: FailCode::Dropped });
+        assert_eq!(
+            actions[0],
+            Action::DropAtPrefill {
+                code: FailCode::Dropped
+            }
+        );
         let (status, body) = error_reply(&actions);
         assert_eq!(status, 502);
-        assert!(body["error"]["message"].as_str().unwrap().contains("more than"), "{body}");
+        assert!(
+            body["error"]["message"]
+                .as_str()
+                .unwrap()
+                .contains("more than"),
+            "{body}"
+        );
         assert_eq!(plan.outcome(), Some(Outcome::DecodeError));
     }
 
@@ -1249,18 +1606,38 @@ mod tests {
         );
         assert_eq!(
             PrefillAnswer::parse(502, b"<html>"),
-            PrefillAnswer::Error { status: 502, code: None, body: b"<html>".to_vec() }
+            PrefillAnswer::Error {
+                status: 502,
+                code: None,
+                body: b"<html>".to_vec()
+            }
         );
-        assert_eq!(PrefillAnswer::parse(200, P_ABORTED.as_bytes()), PrefillAnswer::Aborted);
-        assert_eq!(PrefillAnswer::parse(200, P_DONE.as_bytes()), PrefillAnswer::Done { params: None });
-        let with = json!({"choices": [{"finish_reason": "stop"}], "kv_transfer_params": {"a": 1}}).to_string();
-        assert_eq!(PrefillAnswer::parse(200, with.as_bytes()), PrefillAnswer::Done { params: Some(json!({"a": 1})) });
-        assert!(matches!(PrefillAnswer::parse(200, b"{}"), PrefillAnswer::Malformed { .. }));
+        assert_eq!(
+            PrefillAnswer::parse(200, P_ABORTED.as_bytes()),
+            PrefillAnswer::Aborted
+        );
+        assert_eq!(
+            PrefillAnswer::parse(200, P_DONE.as_bytes()),
+            PrefillAnswer::Done { params: None }
+        );
+        let with = json!({"choices": [{"finish_reason": "stop"}], "kv_transfer_params": {"a": 1}})
+            .to_string();
+        assert_eq!(
+            PrefillAnswer::parse(200, with.as_bytes()),
+            PrefillAnswer::Done {
+                params: Some(json!({"a": 1}))
+            }
+        );
+        assert!(matches!(
+            PrefillAnswer::parse(200, b"{}"),
+            PrefillAnswer::Malformed { .. }
+        ));
     }
 
     #[test]
     fn the_proxys_errors_have_the_openai_shape() {
-        let ours: Value = serde_json::from_str(&error_json("m", "server_error", "upstream_error")).unwrap();
+        let ours: Value =
+            serde_json::from_str(&error_json("m", "server_error", "upstream_error")).unwrap();
         let api = crate::error::ApiError {
             status: axum::http::StatusCode::BAD_GATEWAY,
             message: "m".into(),
@@ -1268,7 +1645,10 @@ mod tests {
             param: None,
             code: Some("upstream_error"),
         };
-        assert_eq!(ours, serde_json::from_str::<Value>(&api.body_json()).unwrap());
+        assert_eq!(
+            ours,
+            serde_json::from_str::<Value>(&api.body_json()).unwrap()
+        );
     }
 
     #[test]
@@ -1276,7 +1656,10 @@ mod tests {
         for (i, o) in Outcome::ALL.iter().enumerate() {
             assert_eq!(o.index(), i, "{o:?}");
         }
-        assert_eq!(OnPurpose::ALL.map(OnPurpose::code), [FailCode::PrefillRefused, FailCode::PrefillAborted]);
+        assert_eq!(
+            OnPurpose::ALL.map(OnPurpose::code),
+            [FailCode::PrefillRefused, FailCode::PrefillAborted]
+        );
     }
 
     #[test]

@@ -20,8 +20,13 @@ use futures::stream::BoxStream;
 use futures::StreamExt;
 use serde_json::{Map, Value};
 
-use super::plan::{Action, CallError, Cause, Event, Head, Outcome, PrefillAnswer, RelayPlan, Reply, Role};
-use super::{build_response, decode_body, error_chain, passthrough_headers, prefill_body, Backend, Endpoint, Proxy};
+use super::plan::{
+    Action, CallError, Cause, Event, Head, Outcome, PrefillAnswer, RelayPlan, Reply, Role,
+};
+use super::{
+    build_response, decode_body, error_chain, passthrough_headers, prefill_body, Backend, Endpoint,
+    Proxy,
+};
 use crate::error::ApiError;
 
 /// The client's request as the calls need it.
@@ -80,18 +85,26 @@ async fn prefill_call(
     let status = resp.status().as_u16();
     let content_type = resp.headers().get(header::CONTENT_TYPE).cloned();
     match resp.bytes().await {
-        Ok(b) => (Event::Prefill(PrefillAnswer::parse(status, &b)), content_type),
+        Ok(b) => (
+            Event::Prefill(PrefillAnswer::parse(status, &b)),
+            content_type,
+        ),
         Err(e) => (Event::PrefillFailed(call_error(&e)), None),
     }
 }
 
 fn call_error(e: &reqwest::Error) -> CallError {
-    CallError { timed_out: e.is_timeout(), detail: error_chain(e) }
+    CallError {
+        timed_out: e.is_timeout(),
+        detail: error_chain(e),
+    }
 }
 
 /// P's next event; pends forever when P's call is not running.
 async fn next_prefill(slot: &mut Option<PrefillCall>) -> (Event, Option<HeaderValue>) {
-    let Some(fut) = slot.as_mut() else { return std::future::pending().await };
+    let Some(fut) = slot.as_mut() else {
+        return std::future::pending().await;
+    };
     let out = fut.await;
     *slot = None;
     out
@@ -152,14 +165,17 @@ impl Relay {
                     None => {}
                     Some(Output::Reply(r)) => reply = Some(r),
                     Some(Output::StreamHead(status)) => return self.into_stream(status),
-                    Some(Output::Piece(_)) => tracing::error!("the relay plan streamed before it started a stream"),
+                    Some(Output::Piece(_)) => {
+                        tracing::error!("the relay plan streamed before it started a stream")
+                    }
                 }
             }
             if let Some(r) = reply {
                 return r;
             }
             if self.plan.is_finished() {
-                return ApiError::internal("the relay plan ended without an answer").into_response();
+                return ApiError::internal("the relay plan ended without an answer")
+                    .into_response();
             }
             let event = self.next_event().await;
             self.plan.handle(event);
@@ -173,7 +189,11 @@ impl Relay {
             let piece = relay.next_piece().await?;
             Some((Ok::<_, Infallible>(piece), relay))
         });
-        build_response(StatusCode::from_u16(status).unwrap_or(StatusCode::OK), head, Body::from_stream(body))
+        build_response(
+            StatusCode::from_u16(status).unwrap_or(StatusCode::OK),
+            head,
+            Body::from_stream(body),
+        )
     }
 
     /// The next piece of the client's stream; `None` at its end.
@@ -201,7 +221,10 @@ impl Relay {
         if self.prefill.is_none() && matches!(self.decode, DecodeCall::Idle) {
             // The plan waits for nothing that can come: end it rather than hang.
             let detail = "the relay waits for no call (a bug)".to_string();
-            return Event::DecodeFailed(CallError { timed_out: false, detail });
+            return Event::DecodeFailed(CallError {
+                timed_out: false,
+                detail,
+            });
         }
         tokio::select! {
             (event, content_type) = next_prefill(&mut self.prefill) => {
@@ -217,20 +240,31 @@ impl Relay {
         match a {
             Action::SendPrefill { params } => {
                 let body = prefill_body(&self.call.req, self.call.endpoint, params);
-                let (proxy, p, endpoint, id) =
-                    (self.proxy.clone(), self.p.clone(), self.call.endpoint, self.call.headers.clone());
+                let (proxy, p, endpoint, id) = (
+                    self.proxy.clone(),
+                    self.p.clone(),
+                    self.call.endpoint,
+                    self.call.headers.clone(),
+                );
                 self.prefill = Some(Box::pin(prefill_call(proxy, p, endpoint, body, id)));
             }
             Action::SendDecode { params } => {
                 let body = decode_body(&self.call.req, params);
-                let (proxy, d, endpoint, id) =
-                    (self.proxy.clone(), self.d.clone(), self.call.endpoint, self.call.headers.clone());
-                self.decode = DecodeCall::Sending(Box::pin(async move { proxy.post(&d, endpoint, body, &id).await }));
+                let (proxy, d, endpoint, id) = (
+                    self.proxy.clone(),
+                    self.d.clone(),
+                    self.call.endpoint,
+                    self.call.headers.clone(),
+                );
+                self.decode = DecodeCall::Sending(Box::pin(async move {
+                    proxy.post(&d, endpoint, body, &id).await
+                }));
             }
             Action::CancelPrefill => self.prefill = None,
             Action::CancelDecode => self.decode = DecodeCall::Idle,
             Action::DropAtPrefill { code } => {
-                self.proxy.drop_at_prefill(self.p_bootstrap.clone(), self.plan.transfer_id(), code)
+                self.proxy
+                    .drop_at_prefill(self.p_bootstrap.clone(), self.plan.transfer_id(), code)
             }
             Action::PrefillSkipped(why) => {
                 self.proxy.inner.metrics.prefill_skipped(why);
@@ -254,8 +288,15 @@ impl Relay {
     fn reply(&self, r: Reply) -> Response {
         let mut head = match r.head {
             Head::Decode => self.decode_head.clone(),
-            Head::Prefill => self.prefill_type.iter().map(|v| (header::CONTENT_TYPE, v.clone())).collect(),
-            Head::Json => vec![(header::CONTENT_TYPE, HeaderValue::from_static("application/json"))],
+            Head::Prefill => self
+                .prefill_type
+                .iter()
+                .map(|v| (header::CONTENT_TYPE, v.clone()))
+                .collect(),
+            Head::Json => vec![(
+                header::CONTENT_TYPE,
+                HeaderValue::from_static("application/json"),
+            )],
         };
         if r.retry_after {
             head.retain(|(name, _)| name != header::RETRY_AFTER);

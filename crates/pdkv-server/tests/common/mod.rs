@@ -22,7 +22,8 @@ pub const DEADLINE: Duration = Duration::from_secs(60);
 /// Writes a random Llama checkpoint of `preset` with `seed` into a new temp dir.
 pub fn checkpoint(preset: &str, seed: u64) -> tempfile::TempDir {
     let dir = tempfile::tempdir().expect("tempdir");
-    pdkv_model::init::write_random_checkpoint(Arch::Llama, preset, seed, dir.path()).expect("write checkpoint");
+    pdkv_model::init::write_random_checkpoint(Arch::Llama, preset, seed, dir.path())
+        .expect("write checkpoint");
     dir
 }
 
@@ -38,8 +39,20 @@ pub struct Server {
 impl Server {
     /// A server for a random checkpoint (`preset`, `seed`), with the admin
     /// API on when `token` is given.
-    pub async fn spawn(preset: &str, seed: u64, token: Option<&str>, config: EngineConfig) -> Server {
-        Server::spawn_with_limits(preset, seed, token, config, pdkv_server::listen::HttpLimits::default()).await
+    pub async fn spawn(
+        preset: &str,
+        seed: u64,
+        token: Option<&str>,
+        config: EngineConfig,
+    ) -> Server {
+        Server::spawn_with_limits(
+            preset,
+            seed,
+            token,
+            config,
+            pdkv_server::listen::HttpLimits::default(),
+        )
+        .await
     }
 
     /// [`Server::spawn`] with the given bounds on client connections.
@@ -54,16 +67,23 @@ impl Server {
         let pool = Pool::default();
         let model = pdkv_model::load_model(dir.path(), &pool, &mut |_| {}).expect("load model");
         let engine = Engine::start(model, pool, config).expect("start engine");
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
         let addr: SocketAddr = listener.local_addr().expect("addr");
         let (stop, stopped) = oneshot::channel::<()>();
         let mut state = AppState::new(engine.clone(), SERVED);
         if let Some(t) = token {
             state = state.with_admin_token(t).expect("admin token");
         }
-        let task = tokio::spawn(pdkv_server::serve_with(listener, state, limits, async move {
-            let _ = stopped.await;
-        }));
+        let task = tokio::spawn(pdkv_server::serve_with(
+            listener,
+            state,
+            limits,
+            async move {
+                let _ = stopped.await;
+            },
+        ));
         Server {
             base: format!("http://{addr}"),
             engine,
@@ -79,7 +99,14 @@ impl Server {
     }
 
     pub async fn metrics(&self) -> String {
-        self.client.get(self.url("/metrics")).send().await.expect("metrics").text().await.expect("text")
+        self.client
+            .get(self.url("/metrics"))
+            .send()
+            .await
+            .expect("metrics")
+            .text()
+            .await
+            .expect("text")
     }
 
     /// Polls `/metrics` until `pred` holds; fails at the deadline.
@@ -90,7 +117,10 @@ impl Server {
             if pred(&text) {
                 return text;
             }
-            assert!(Instant::now() < deadline, "timed out waiting for {what}; metrics:\n{text}");
+            assert!(
+                Instant::now() < deadline,
+                "timed out waiting for {what}; metrics:\n{text}"
+            );
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
     }
@@ -109,7 +139,11 @@ impl Server {
             let _ = s.send(());
         }
         if let Some(t) = self.task.take() {
-            tokio::time::timeout(DEADLINE, t).await.expect("server stops").expect("join").expect("serve");
+            tokio::time::timeout(DEADLINE, t)
+                .await
+                .expect("server stops")
+                .expect("join")
+                .expect("serve");
         }
         self.engine.shutdown();
     }
@@ -127,7 +161,13 @@ pub fn metric(text: &str, name: &str) -> f64 {
 pub fn assert_openai_error(status: StatusCode, body: &Value, want: StatusCode, ctx: &str) {
     assert_eq!(status, want, "{ctx}: {body}");
     let err = &body["error"];
-    assert!(err["message"].as_str().is_some_and(|m| !m.is_empty()), "{ctx}: {body}");
+    assert!(
+        err["message"].as_str().is_some_and(|m| !m.is_empty()),
+        "{ctx}: {body}"
+    );
     assert!(err["type"].is_string(), "{ctx}: {body}");
-    assert!(err.get("param").is_some() && err.get("code").is_some(), "{ctx}: {body}");
+    assert!(
+        err.get("param").is_some() && err.get("code").is_some(),
+        "{ctx}: {body}"
+    );
 }

@@ -77,7 +77,10 @@ fn main() -> anyhow::Result<()> {
         if args.replay {
             let again = pdkv_sim::run(opts);
             if (again.events, again.trace, again.line()) != (r.events, r.trace, r.line()) {
-                println!("seed {seed} does not replay: {} events (trace {:x}) then {} (trace {:x})", r.events, r.trace, again.events, again.trace);
+                println!(
+                    "seed {seed} does not replay: {} events (trace {:x}) then {} (trace {:x})",
+                    r.events, r.trace, again.events, again.trace
+                );
                 bad.push(seed);
             }
         }

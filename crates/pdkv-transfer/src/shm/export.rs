@@ -14,7 +14,10 @@ use crate::frame::{Header, Limits, RemoteError, Target};
 use crate::registry::{Access, AccessError, Registration, Registry};
 
 use super::layout::{encode_part, MapHead};
-use super::{check_shareable, read_header, send_with_fds, ShmError, HANDSHAKE_TIMEOUT, MAX_FDS, WRITE_TIMEOUT};
+use super::{
+    check_shareable, read_header, send_with_fds, ShmError, HANDSHAKE_TIMEOUT, MAX_FDS,
+    WRITE_TIMEOUT,
+};
 
 struct ExpPeer {
     writer: Mutex<UnixStream>,
@@ -75,7 +78,11 @@ pub struct ExportOptions {
 
 impl Default for ExportOptions {
     fn default() -> Self {
-        ExportOptions { notify_queue: DEFAULT_NOTIFY_QUEUE, max_peers: DEFAULT_MAX_PEERS, secret: KvSecret::open() }
+        ExportOptions {
+            notify_queue: DEFAULT_NOTIFY_QUEUE,
+            max_peers: DEFAULT_MAX_PEERS,
+            secret: KvSecret::open(),
+        }
     }
 }
 
@@ -102,12 +109,30 @@ impl ShmExporter {
 
     /// Listens on `path`; at most `notify_queue` notifications wait for
     /// [`ShmExporter::recv_notification`], more are refused with `Busy`.
-    pub fn bind_with_queue(path: &Path, registry: Arc<Registry>, limits: Limits, notify_queue: usize) -> io::Result<ShmExporter> {
-        ShmExporter::bind_with(path, registry, limits, ExportOptions { notify_queue, ..ExportOptions::default() })
+    pub fn bind_with_queue(
+        path: &Path,
+        registry: Arc<Registry>,
+        limits: Limits,
+        notify_queue: usize,
+    ) -> io::Result<ShmExporter> {
+        ShmExporter::bind_with(
+            path,
+            registry,
+            limits,
+            ExportOptions {
+                notify_queue,
+                ..ExportOptions::default()
+            },
+        )
     }
 
     /// Listens on `path` (a socket only its owner may open) with `opts`.
-    pub fn bind_with(path: &Path, registry: Arc<Registry>, limits: Limits, opts: ExportOptions) -> io::Result<ShmExporter> {
+    pub fn bind_with(
+        path: &Path,
+        registry: Arc<Registry>,
+        limits: Limits,
+        opts: ExportOptions,
+    ) -> io::Result<ShmExporter> {
         use std::os::unix::fs::PermissionsExt;
         let listener = UnixListener::bind(path)?;
         std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))?;
@@ -129,8 +154,14 @@ impl ShmExporter {
             notify_tx,
         });
         let acc = inner.clone();
-        std::thread::Builder::new().name("pdkv-shm-accept".into()).spawn(move || accept_loop(acc, listener))?;
-        Ok(ShmExporter { inner, path: path.to_path_buf(), notify_rx: Mutex::new(notify_rx) })
+        std::thread::Builder::new()
+            .name("pdkv-shm-accept".into())
+            .spawn(move || accept_loop(acc, listener))?;
+        Ok(ShmExporter {
+            inner,
+            path: path.to_path_buf(),
+            notify_rx: Mutex::new(notify_rx),
+        })
     }
 
     /// The next notification a peer delivered, waiting at most `timeout`.
@@ -152,7 +183,10 @@ impl ShmExporter {
     /// Whether `reg`, live now, can be shared under this exporter's limits
     /// (the check a map request passes; see [`super::check_shareable`]).
     pub fn check_shareable(&self, reg: &Registration) -> Result<(), ShmError> {
-        let a = self.inner.registry.access_whole(reg.segment, reg.key, reg.epoch)?;
+        let a = self
+            .inner
+            .registry
+            .access_whole(reg.segment, reg.key, reg.epoch)?;
         check_shareable(a.pinned().layout().0.len(), &self.inner.limits)
     }
 
@@ -169,7 +203,12 @@ impl ShmExporter {
         drop(grant);
         let n = holders.len();
         self.inner.unmap_and_wait(segment, holders, deadline)?;
-        tracing::debug!(segment, registry_had, peers = n, "deregistered after unmap acks");
+        tracing::debug!(
+            segment,
+            registry_had,
+            peers = n,
+            "deregistered after unmap acks"
+        );
         Ok(())
     }
 
@@ -220,7 +259,12 @@ impl ExpInner {
     /// Sends `Unmap` to each holder (recording which of its maps the
     /// request follows) and waits until every one is acknowledged or the
     /// deadline passes.
-    fn unmap_and_wait(&self, segment: u64, holders: Vec<(u64, Arc<ExpPeer>)>, deadline: Instant) -> Result<(), ShmError> {
+    fn unmap_and_wait(
+        &self,
+        segment: u64,
+        holders: Vec<(u64, Arc<ExpPeer>)>,
+        deadline: Instant,
+    ) -> Result<(), ShmError> {
         let mut ops = Vec::with_capacity(holders.len());
         for (id, peer) in &holders {
             let mut w = peer.writer.lock().unwrap();
@@ -228,8 +272,17 @@ impl ExpInner {
                 continue; // acknowledged an earlier request meanwhile
             };
             let op = self.next_op.fetch_add(1, Ordering::Relaxed);
-            self.pending.lock().unwrap().insert(op, PendingUnmap { peer: *id, segment, generation });
-            if w.write_all(&Header::Unmap { op, segment }.encode()).is_err() {
+            self.pending.lock().unwrap().insert(
+                op,
+                PendingUnmap {
+                    peer: *id,
+                    segment,
+                    generation,
+                },
+            );
+            if w.write_all(&Header::Unmap { op, segment }.encode())
+                .is_err()
+            {
                 tracing::warn!(peer = id, segment, "unmap request could not be sent");
             }
             ops.push(op);
@@ -245,7 +298,11 @@ impl ExpInner {
             }
             let now = Instant::now();
             if now >= deadline {
-                let mut peers: Vec<u64> = ops.iter().filter_map(|op| pending.remove(op)).map(|p| p.peer).collect();
+                let mut peers: Vec<u64> = ops
+                    .iter()
+                    .filter_map(|op| pending.remove(op))
+                    .map(|p| p.peer)
+                    .collect();
                 peers.sort_unstable();
                 peers.dedup();
                 return Err(ShmError::UnmapTimeout { segment, peers });
@@ -276,13 +333,18 @@ impl ExpInner {
     /// key: a grant does not open a whole mapping).
     fn on_map_req(&self, peer: &ExpPeer, op: u64, target: &Target) -> bool {
         let _grant = self.grant.lock().unwrap();
-        let reply = match self.registry.access_whole(target.segment, target.key, target.epoch) {
+        let reply = match self
+            .registry
+            .access_whole(target.segment, target.key, target.epoch)
+        {
             Err(e) => Err(RemoteError::from(e)),
-            Ok(a) if a.registration().len != target.len => Err(RemoteError::from(AccessError::OutOfBounds {
-                offset: 0,
-                len: target.len,
-                registered: a.registration().len,
-            })),
+            Ok(a) if a.registration().len != target.len => {
+                Err(RemoteError::from(AccessError::OutOfBounds {
+                    offset: 0,
+                    len: target.len,
+                    registered: a.registration().len,
+                }))
+            }
             Ok(a) => Ok(a),
         };
         match reply {
@@ -295,25 +357,55 @@ impl ExpInner {
     /// lock, so no unmap request can come between them.
     fn send_map(&self, peer: &ExpPeer, op: u64, a: &Access) -> bool {
         let (parts, skew) = a.pinned().layout();
-        if let Err(ShmError::TooManyChunks { chunks, limit }) = check_shareable(parts.len(), &self.limits) {
-            return send_plain(peer, Header::Error { op, error: RemoteError::TooManyChunks { chunks, limit } });
+        if let Err(ShmError::TooManyChunks { chunks, limit }) =
+            check_shareable(parts.len(), &self.limits)
+        {
+            return send_plain(
+                peer,
+                Header::Error {
+                    op,
+                    error: RemoteError::TooManyChunks { chunks, limit },
+                },
+            );
         }
         let reg = a.registration();
         let bytes = parts.iter().map(|p| p.1 as u64).sum();
-        let head = MapHead { skew: skew as u64, len: reg.len, chunks: parts.len() as u64, bytes }.encode();
+        let head = MapHead {
+            skew: skew as u64,
+            len: reg.len,
+            chunks: parts.len() as u64,
+            bytes,
+        }
+        .encode();
         let w = peer.writer.lock().unwrap();
         // Record the holder before it can map, so an unmap racing with this
         // map waits for it.
         let generation = self.next_generation.fetch_add(1, Ordering::Relaxed);
         peer.mapped.lock().unwrap().insert(reg.segment, generation);
-        if !write_frame(&w, Header::MapResp { op, len: head.len() as u32 }, &head, &[]) {
+        if !write_frame(
+            &w,
+            Header::MapResp {
+                op,
+                len: head.len() as u32,
+            },
+            &head,
+            &[],
+        ) {
             return false;
         }
         for (i, batch) in parts.chunks(MAX_FDS).enumerate() {
             let lens: Vec<u64> = batch.iter().map(|p| p.1 as u64).collect();
             let data = encode_part((i * MAX_FDS) as u64, &lens);
             let fds: Vec<RawFd> = batch.iter().map(|p| p.0).collect();
-            if !write_frame(&w, Header::MapPart { op, len: data.len() as u32 }, &data, &fds) {
+            if !write_frame(
+                &w,
+                Header::MapPart {
+                    op,
+                    len: data.len() as u32,
+                },
+                &data,
+                &fds,
+            ) {
                 return false;
             }
         }
@@ -323,9 +415,15 @@ impl ExpInner {
     fn on_notify(&self, id: u64, peer: &ExpPeer, op: u64, payload: Vec<u8>) -> bool {
         // The importer sends this only after its batch's last copy; the
         // socket orders it after those stores.
-        let reply = match self.notify_tx.try_send(ShmNotification { peer: id, payload }) {
+        let reply = match self
+            .notify_tx
+            .try_send(ShmNotification { peer: id, payload })
+        {
             Ok(()) => Header::NotifyAck { op },
-            Err(_) => Header::Error { op, error: RemoteError::Busy },
+            Err(_) => Header::Error {
+                op,
+                error: RemoteError::Busy,
+            },
         };
         send_plain(peer, reply)
     }
@@ -349,16 +447,21 @@ fn accept_loop(inner: Arc<ExpInner>, listener: UnixListener) {
         if inner.threads.fetch_add(1, Ordering::AcqRel) >= inner.max_peers {
             inner.threads.fetch_sub(1, Ordering::AcqRel);
             inner.refused.fetch_add(1, Ordering::Relaxed);
-            tracing::warn!("shared-memory connection refused: {} peers served already", inner.max_peers);
+            tracing::warn!(
+                "shared-memory connection refused: {} peers served already",
+                inner.max_peers
+            );
             continue;
         }
         let id = next_peer;
         next_peer += 1;
         let inner2 = inner.clone();
-        let spawned = std::thread::Builder::new().name("pdkv-shm-peer".into()).spawn(move || {
-            serve_peer(&inner2, id, stream);
-            inner2.threads.fetch_sub(1, Ordering::AcqRel);
-        });
+        let spawned = std::thread::Builder::new()
+            .name("pdkv-shm-peer".into())
+            .spawn(move || {
+                serve_peer(&inner2, id, stream);
+                inner2.threads.fetch_sub(1, Ordering::AcqRel);
+            });
         if spawned.is_err() {
             inner.threads.fetch_sub(1, Ordering::AcqRel);
         }
@@ -371,18 +474,26 @@ fn serve_peer(inner: &Arc<ExpInner>, id: u64, mut stream: UnixStream) {
         .set_read_timeout(Some(HANDSHAKE_TIMEOUT))
         .and_then(|()| stream.set_write_timeout(Some(HANDSHAKE_TIMEOUT)))
         .map_err(|e| e.to_string())
-        .and_then(|()| auth::accept_blocking(&mut stream, &inner.secret, Port::Shm, HANDSHAKE_TIMEOUT).map_err(|e| e.to_string()))
+        .and_then(|()| {
+            auth::accept_blocking(&mut stream, &inner.secret, Port::Shm, HANDSHAKE_TIMEOUT)
+                .map_err(|e| e.to_string())
+        })
         .and_then(|()| stream.set_read_timeout(None).map_err(|e| e.to_string()));
     if let Err(e) = shaken {
         inner.refused.fetch_add(1, Ordering::Relaxed);
         tracing::debug!("shared-memory connection refused: {e}");
         return;
     }
-    let Ok(writer) = stream.try_clone() else { return };
+    let Ok(writer) = stream.try_clone() else {
+        return;
+    };
     if writer.set_write_timeout(Some(WRITE_TIMEOUT)).is_err() {
         return;
     }
-    let peer = Arc::new(ExpPeer { writer: Mutex::new(writer), mapped: Mutex::new(HashMap::new()) });
+    let peer = Arc::new(ExpPeer {
+        writer: Mutex::new(writer),
+        mapped: Mutex::new(HashMap::new()),
+    });
     inner.peers.lock().unwrap().insert(id, peer.clone());
     let mut junk = Vec::new();
     while let Ok((header, data)) = read_header(&stream, &inner.limits, &mut junk) {

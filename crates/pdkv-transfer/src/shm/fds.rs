@@ -8,7 +8,10 @@ use super::MAX_FDS;
 
 /// Sends `bytes` with `fds` attached (SCM_RIGHTS) on a Unix stream socket.
 pub fn send_with_fds(sock: &UnixStream, bytes: &[u8], fds: &[RawFd]) -> io::Result<()> {
-    let mut iov = libc::iovec { iov_base: bytes.as_ptr() as *mut libc::c_void, iov_len: bytes.len() };
+    let mut iov = libc::iovec {
+        iov_base: bytes.as_ptr() as *mut libc::c_void,
+        iov_len: bytes.len(),
+    };
     let fd_bytes = std::mem::size_of_val(fds);
     // SAFETY: CMSG_SPACE is a pure size computation.
     let space = unsafe { libc::CMSG_SPACE(fd_bytes as u32) } as usize;
@@ -42,9 +45,13 @@ pub fn send_with_fds(sock: &UnixStream, bytes: &[u8], fds: &[RawFd]) -> io::Resu
 pub fn recv_with_fds(sock: &UnixStream, buf: &mut [u8], fds: &mut Vec<OwnedFd>) -> io::Result<()> {
     let mut got = 0;
     while got < buf.len() {
-        let mut iov = libc::iovec { iov_base: buf[got..].as_mut_ptr() as *mut libc::c_void, iov_len: buf.len() - got };
+        let mut iov = libc::iovec {
+            iov_base: buf[got..].as_mut_ptr() as *mut libc::c_void,
+            iov_len: buf.len() - got,
+        };
         // SAFETY: a pure size computation.
-        let space = unsafe { libc::CMSG_SPACE((MAX_FDS * std::mem::size_of::<RawFd>()) as u32) } as usize;
+        let space =
+            unsafe { libc::CMSG_SPACE((MAX_FDS * std::mem::size_of::<RawFd>()) as u32) } as usize;
         let mut cbuf = vec![0u64; space.div_ceil(8)];
         // SAFETY: as in send_with_fds.
         let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
@@ -67,7 +74,8 @@ pub fn recv_with_fds(sock: &UnixStream, buf: &mut [u8], fds: &mut Vec<OwnedFd>) 
             while !c.is_null() {
                 if (*c).cmsg_level == libc::SOL_SOCKET && (*c).cmsg_type == libc::SCM_RIGHTS {
                     let data = libc::CMSG_DATA(c);
-                    let count = ((*c).cmsg_len as usize - libc::CMSG_LEN(0) as usize) / std::mem::size_of::<RawFd>();
+                    let count = ((*c).cmsg_len as usize - libc::CMSG_LEN(0) as usize)
+                        / std::mem::size_of::<RawFd>();
                     for i in 0..count {
                         let fd = std::ptr::read_unaligned((data as *const RawFd).add(i));
                         fds.push(OwnedFd::from_raw_fd(fd));
@@ -77,12 +85,18 @@ pub fn recv_with_fds(sock: &UnixStream, buf: &mut [u8], fds: &mut Vec<OwnedFd>) 
             }
         }
         if msg.msg_flags & libc::MSG_CTRUNC != 0 {
-            return Err(io::Error::new(io::ErrorKind::InvalidData, "memfds truncated"));
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                "memfds truncated",
+            ));
         }
         if fds.len() > MAX_FDS {
             // A peer splitting a frame into many messages, each with memfds
             // attached: refused before it can exhaust our descriptors.
-            return Err(io::Error::new(io::ErrorKind::InvalidData, "more memfds than one frame may carry"));
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                "more memfds than one frame may carry",
+            ));
         }
         if n == 0 {
             return Err(io::ErrorKind::UnexpectedEof.into());

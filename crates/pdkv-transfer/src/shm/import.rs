@@ -67,7 +67,13 @@ impl std::fmt::Debug for SliceHook {
 
 impl Default for ShmImporterConfig {
     fn default() -> Self {
-        ShmImporterConfig { workers: 2, max_batches: 1024, max_slice: 1 << 20, before_slice: None, secret: KvSecret::open() }
+        ShmImporterConfig {
+            workers: 2,
+            max_batches: 1024,
+            max_slice: 1 << 20,
+            before_slice: None,
+            secret: KvSecret::open(),
+        }
     }
 }
 
@@ -158,12 +164,17 @@ impl ShmImporter {
         ShmImporter::connect_with(path, limits, ShmImporterConfig::default())
     }
 
-    pub fn connect_with(path: &Path, limits: Limits, cfg: ShmImporterConfig) -> io::Result<ShmImporter> {
+    pub fn connect_with(
+        path: &Path,
+        limits: Limits,
+        cfg: ShmImporterConfig,
+    ) -> io::Result<ShmImporter> {
         let mut stream = UnixStream::connect(path)?;
         stream.set_read_timeout(Some(HANDSHAKE_TIMEOUT))?;
         stream.set_write_timeout(Some(HANDSHAKE_TIMEOUT))?;
-        auth::connect_blocking(&mut stream, &cfg.secret, Port::Shm, HANDSHAKE_TIMEOUT)
-            .map_err(|e| io::Error::new(io::ErrorKind::PermissionDenied, format!("handshake: {e}")))?;
+        auth::connect_blocking(&mut stream, &cfg.secret, Port::Shm, HANDSHAKE_TIMEOUT).map_err(
+            |e| io::Error::new(io::ErrorKind::PermissionDenied, format!("handshake: {e}")),
+        )?;
         stream.set_read_timeout(None)?;
         let writer = stream.try_clone()?;
         writer.set_write_timeout(Some(WRITE_TIMEOUT))?;
@@ -182,34 +193,49 @@ impl ShmImporter {
             stats: Mutex::new(Stats::default()),
         });
         let r = inner.clone();
-        std::thread::Builder::new().name("pdkv-shm-import".into()).spawn(move || import_reader(r, stream))?;
+        std::thread::Builder::new()
+            .name("pdkv-shm-import".into())
+            .spawn(move || import_reader(r, stream))?;
         let (tx, rx) = mpsc::channel::<Job>();
         let rx = Arc::new(Mutex::new(rx));
         for _ in 0..workers {
             let (inner, rx) = (inner.clone(), rx.clone());
-            std::thread::Builder::new().name("pdkv-shm-copy".into()).spawn(move || loop {
-                // The lock is held only while taking a job; the loop ends
-                // when the importer drops its sender.
-                let job = rx.lock().unwrap().recv();
-                let Ok(job) = job else { return };
-                let result = run_batch(&inner, &job);
-                {
-                    let mut st = inner.stats.lock().unwrap();
-                    match &result {
-                        Ok(()) => st.batches_ok += 1,
-                        Err(e) => st.failures[e.reason_index()] += 1,
+            std::thread::Builder::new()
+                .name("pdkv-shm-copy".into())
+                .spawn(move || loop {
+                    // The lock is held only while taking a job; the loop ends
+                    // when the importer drops its sender.
+                    let job = rx.lock().unwrap().recv();
+                    let Ok(job) = job else { return };
+                    let result = run_batch(&inner, &job);
+                    {
+                        let mut st = inner.stats.lock().unwrap();
+                        match &result {
+                            Ok(()) => st.batches_ok += 1,
+                            Err(e) => st.failures[e.reason_index()] += 1,
+                        }
                     }
-                }
-                inner.live_batches.fetch_sub(1, Ordering::AcqRel);
-                // The batch's local slices pin registered chunks: they go
-                // before the waiter hears, so a caller that releases its
-                // memory once the write is done finds nothing pinned.
-                let Job { dir, transfers, slots, notify, deadline, cancel, done } = job;
-                drop((dir, transfers, slots, notify, deadline, cancel));
-                let _ = done.send(result);
-            })?;
+                    inner.live_batches.fetch_sub(1, Ordering::AcqRel);
+                    // The batch's local slices pin registered chunks: they go
+                    // before the waiter hears, so a caller that releases its
+                    // memory once the write is done finds nothing pinned.
+                    let Job {
+                        dir,
+                        transfers,
+                        slots,
+                        notify,
+                        deadline,
+                        cancel,
+                        done,
+                    } = job;
+                    drop((dir, transfers, slots, notify, deadline, cancel));
+                    let _ = done.send(result);
+                })?;
         }
-        Ok(ShmImporter { inner, jobs: Mutex::new(Some(tx)) })
+        Ok(ShmImporter {
+            inner,
+            jobs: Mutex::new(Some(tx)),
+        })
     }
 
     /// This importer's counters: bytes and slices moved, batches ended by outcome.
@@ -239,12 +265,19 @@ impl ShmImporter {
         if let Some(n) = &notify {
             let limit = self.inner.limits.max_notify as usize;
             if n.len() > limit {
-                return Err(StartError::NotifyTooLarge { len: n.len(), limit });
+                return Err(StartError::NotifyTooLarge {
+                    len: n.len(),
+                    limit,
+                });
             }
         }
         for (index, t) in transfers.iter().enumerate() {
             if t.local.len() != t.remote.len {
-                return Err(StartError::LengthMismatch { index, local: t.local.len(), remote: t.remote.len });
+                return Err(StartError::LengthMismatch {
+                    index,
+                    local: t.local.len(),
+                    remote: t.remote.len,
+                });
             }
         }
         let max = self.inner.cfg.max_batches as u64;
@@ -256,15 +289,29 @@ impl ShmImporter {
         let (done, rx) = tokio::sync::oneshot::channel();
         let slots = {
             let maps = self.inner.maps.lock().unwrap();
-            transfers.iter().map(|t| maps.get(&t.remote.segment).cloned()).collect()
+            transfers
+                .iter()
+                .map(|t| maps.get(&t.remote.segment).cloned())
+                .collect()
         };
-        let job = Job { dir, transfers, slots, notify, deadline, cancel: cancel.clone(), done };
+        let job = Job {
+            dir,
+            transfers,
+            slots,
+            notify,
+            deadline,
+            cancel: cancel.clone(),
+            done,
+        };
         let sent = self.jobs.lock().unwrap().as_ref().map(|tx| tx.send(job));
         if !matches!(sent, Some(Ok(()))) {
             // Workers gone: the batch ends at once (its sender dropped).
             self.inner.live_batches.fetch_sub(1, Ordering::AcqRel);
         }
-        Ok(ShmBatchHandle { cancel, rx: Some(rx) })
+        Ok(ShmBatchHandle {
+            cancel,
+            rx: Some(rx),
+        })
     }
 
     /// Writes local ranges to remote ranges and waits for the batch.
@@ -274,12 +321,21 @@ impl ShmImporter {
         notify: Option<Vec<u8>>,
         timeout: Duration,
     ) -> Result<(), BatchError> {
-        let h = self.start(Direction::Write, transfers, notify, Instant::now() + timeout)?;
+        let h = self.start(
+            Direction::Write,
+            transfers,
+            notify,
+            Instant::now() + timeout,
+        )?;
         Ok(h.wait().await?)
     }
 
     /// Reads remote ranges into local ranges and waits for the batch.
-    pub async fn read_batch(&self, transfers: Vec<Transfer<LocalSlice>>, timeout: Duration) -> Result<(), BatchError> {
+    pub async fn read_batch(
+        &self,
+        transfers: Vec<Transfer<LocalSlice>>,
+        timeout: Duration,
+    ) -> Result<(), BatchError> {
         let h = self.start(Direction::Read, transfers, None, Instant::now() + timeout)?;
         Ok(h.wait().await?)
     }
@@ -296,9 +352,27 @@ impl ShmImporter {
     pub fn map(&self, reg: &Registration, timeout: Duration) -> Result<(), ShmError> {
         let op = self.inner.next_op.fetch_add(1, Ordering::Relaxed);
         let (tx, rx) = mpsc::channel();
-        self.inner.waiting.lock().unwrap().insert(op, MapWaiter { reg: *reg, reply: tx, assembly: None });
-        let target = Target { segment: reg.segment, key: reg.key, epoch: reg.epoch, offset: 0, len: reg.len };
-        let sent = self.inner.writer.lock().unwrap().write_all(&Header::MapReq { op, target }.encode());
+        self.inner.waiting.lock().unwrap().insert(
+            op,
+            MapWaiter {
+                reg: *reg,
+                reply: tx,
+                assembly: None,
+            },
+        );
+        let target = Target {
+            segment: reg.segment,
+            key: reg.key,
+            epoch: reg.epoch,
+            offset: 0,
+            len: reg.len,
+        };
+        let sent = self
+            .inner
+            .writer
+            .lock()
+            .unwrap()
+            .write_all(&Header::MapReq { op, target }.encode());
         let res = match sent {
             _ if self.inner.lost.load(Ordering::Acquire) => Err(ShmError::PeerLost),
             Err(_) => Err(ShmError::PeerLost),
@@ -325,18 +399,43 @@ impl ShmImporter {
         guard.as_ref().map(|imp| imp.reg.epoch)
     }
 
-    fn with<T>(&self, segment: u64, epoch: u64, offset: u64, len: usize, f: impl FnOnce(*mut u8) -> T) -> Result<T, ShmError> {
-        let slot = self.inner.maps.lock().unwrap().get(&segment).cloned().ok_or(ShmError::NotMapped(segment))?;
+    fn with<T>(
+        &self,
+        segment: u64,
+        epoch: u64,
+        offset: u64,
+        len: usize,
+        f: impl FnOnce(*mut u8) -> T,
+    ) -> Result<T, ShmError> {
+        let slot = self
+            .inner
+            .maps
+            .lock()
+            .unwrap()
+            .get(&segment)
+            .cloned()
+            .ok_or(ShmError::NotMapped(segment))?;
         let guard = slot.read().unwrap();
         let imp = guard.as_ref().ok_or(ShmError::NotMapped(segment))?;
         if imp.reg.epoch != epoch {
-            return Err(RemoteError::from(AccessError::StaleEpoch { have: epoch, want: imp.reg.epoch }).into());
+            return Err(RemoteError::from(AccessError::StaleEpoch {
+                have: epoch,
+                want: imp.reg.epoch,
+            })
+            .into());
         }
         match offset.checked_add(len as u64) {
             // SAFETY: bounds checked against the imported registration; the
             // read lock keeps the mapping alive until the copy ends.
-            Some(end) if end <= imp.reg.len => Ok(f(unsafe { imp.mapping.base().add(imp.skew + offset as usize) })),
-            _ => Err(RemoteError::from(AccessError::OutOfBounds { offset, len: len as u64, registered: imp.reg.len }).into()),
+            Some(end) if end <= imp.reg.len => Ok(f(unsafe {
+                imp.mapping.base().add(imp.skew + offset as usize)
+            })),
+            _ => Err(RemoteError::from(AccessError::OutOfBounds {
+                offset,
+                len: len as u64,
+                registered: imp.reg.len,
+            })
+            .into()),
         }
     }
 
@@ -344,14 +443,24 @@ impl ShmImporter {
     /// the calling thread (no batch, no deadline, no notification).
     pub fn write(&self, segment: u64, epoch: u64, offset: u64, src: &[u8]) -> Result<(), ShmError> {
         // SAFETY: `with` checked the range.
-        self.with(segment, epoch, offset, src.len(), |p| unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), p, src.len()) })
+        self.with(segment, epoch, offset, src.len(), |p| unsafe {
+            std::ptr::copy_nonoverlapping(src.as_ptr(), p, src.len())
+        })
     }
 
     /// Copies from the imported registration at `offset` into `dst`.
-    pub fn read(&self, segment: u64, epoch: u64, offset: u64, dst: &mut [u8]) -> Result<(), ShmError> {
+    pub fn read(
+        &self,
+        segment: u64,
+        epoch: u64,
+        offset: u64,
+        dst: &mut [u8],
+    ) -> Result<(), ShmError> {
         let n = dst.len();
         // SAFETY: `with` checked the range.
-        self.with(segment, epoch, offset, n, |p| unsafe { std::ptr::copy_nonoverlapping(p, dst.as_mut_ptr(), n) })
+        self.with(segment, epoch, offset, n, |p| unsafe {
+            std::ptr::copy_nonoverlapping(p, dst.as_mut_ptr(), n)
+        })
     }
 }
 
@@ -360,14 +469,21 @@ impl Drop for ShmImporter {
         // Workers finish the batches already queued (each bounded by its
         // deadline), then exit.
         self.jobs.lock().unwrap().take();
-        let _ = self.inner.writer.lock().unwrap().shutdown(std::net::Shutdown::Both);
+        let _ = self
+            .inner
+            .writer
+            .lock()
+            .unwrap()
+            .shutdown(std::net::Shutdown::Both);
     }
 }
 
 fn import_reader(inner: Arc<ImpInner>, stream: UnixStream) {
     loop {
         let mut fds = Vec::new();
-        let Ok((header, data)) = read_header(&stream, &inner.limits, &mut fds) else { break };
+        let Ok((header, data)) = read_header(&stream, &inner.limits, &mut fds) else {
+            break;
+        };
         // Descriptors that came with any other frame are closed here.
         if !on_frame(&inner, header, &data, fds) {
             break;
@@ -400,7 +516,12 @@ fn on_frame(inner: &ImpInner, header: Header, data: &[u8], fds: Vec<OwnedFd>) ->
         }
         Header::Unmap { op, segment } => {
             unmap(inner, segment);
-            return inner.writer.lock().unwrap().write_all(&Header::UnmapAck { op, segment }.encode()).is_ok();
+            return inner
+                .writer
+                .lock()
+                .unwrap()
+                .write_all(&Header::UnmapAck { op, segment }.encode())
+                .is_ok();
         }
         _ => return false,
     }
@@ -416,7 +537,9 @@ fn answer(w: MapWaiter, result: Result<(), ShmError>) {
 /// for (the call timed out) is dropped.
 fn on_map_head(inner: &ImpInner, op: u64, data: &[u8]) {
     let mut waiting = inner.waiting.lock().unwrap();
-    let Some(w) = waiting.get_mut(&op) else { return };
+    let Some(w) = waiting.get_mut(&op) else {
+        return;
+    };
     let started = match w.assembly {
         Some(_) => Err(BadMap::SecondHead.into()),
         None => Assembly::start(w.reg, data, &inner.limits).map(|a| w.assembly = Some(a)),
@@ -434,7 +557,9 @@ fn on_map_head(inner: &ImpInner, op: u64, data: &[u8]) {
 /// installs the mapping.
 fn on_map_part(inner: &ImpInner, op: u64, data: &[u8], fds: Vec<OwnedFd>) {
     let mut waiting = inner.waiting.lock().unwrap();
-    let Some(w) = waiting.get_mut(&op) else { return };
+    let Some(w) = waiting.get_mut(&op) else {
+        return;
+    };
     let added = match w.assembly.as_mut() {
         Some(a) => a.add(data, fds),
         None => Err(BadMap::NoHead.into()),
@@ -442,7 +567,9 @@ fn on_map_part(inner: &ImpInner, op: u64, data: &[u8], fds: Vec<OwnedFd>) {
     match added {
         Ok(false) => {}
         Ok(true) => {
-            let Some(mut w) = waiting.remove(&op) else { return };
+            let Some(mut w) = waiting.remove(&op) else {
+                return;
+            };
             drop(waiting);
             if let Some(a) = w.assembly.take() {
                 install(inner, a.finish());
@@ -462,7 +589,11 @@ fn on_map_part(inner: &ImpInner, op: u64, data: &[u8], fds: Vec<OwnedFd>) {
 /// Makes `imp` the mapping of its segment, retiring any earlier one.
 fn install(inner: &ImpInner, imp: Imported) {
     let segment = imp.reg.segment;
-    let old = inner.maps.lock().unwrap().insert(segment, Arc::new(RwLock::new(Some(imp))));
+    let old = inner
+        .maps
+        .lock()
+        .unwrap()
+        .insert(segment, Arc::new(RwLock::new(Some(imp))));
     if let Some(old) = old {
         // The write lock waits for a copy in progress on the old mapping.
         old.write().unwrap().take();
@@ -480,8 +611,11 @@ fn unmap(inner: &ImpInner, segment: u64) {
     }
     let abandoned: Vec<MapWaiter> = {
         let mut waiting = inner.waiting.lock().unwrap();
-        let ops: Vec<u64> =
-            waiting.iter().filter(|(_, w)| w.assembly.as_ref().is_some_and(|a| a.segment() == segment)).map(|(op, _)| *op).collect();
+        let ops: Vec<u64> = waiting
+            .iter()
+            .filter(|(_, w)| w.assembly.as_ref().is_some_and(|a| a.segment() == segment))
+            .map(|(op, _)| *op)
+            .collect();
         ops.iter().filter_map(|op| waiting.remove(op)).collect()
     };
     for w in abandoned {
@@ -508,7 +642,10 @@ fn check(t: &Target, slot: &Option<Slot>) -> Result<Checked, TransferError> {
     let guard = slot.read().unwrap();
     let imp = guard.as_ref().ok_or_else(not_mapped)?;
     if t.epoch != imp.reg.epoch {
-        return Err(refuse(AccessError::StaleEpoch { have: t.epoch, want: imp.reg.epoch }));
+        return Err(refuse(AccessError::StaleEpoch {
+            have: t.epoch,
+            want: imp.reg.epoch,
+        }));
     }
     if t.key != imp.reg.key {
         return Err(refuse(AccessError::BadKey { segment: t.segment }));
@@ -517,9 +654,17 @@ fn check(t: &Target, slot: &Option<Slot>) -> Result<Checked, TransferError> {
         Some(end) if end <= imp.reg.len => {
             let at = imp.skew + t.offset as usize;
             drop(guard);
-            Ok(Checked { slot, at, len: t.len as usize })
+            Ok(Checked {
+                slot,
+                at,
+                len: t.len as usize,
+            })
         }
-        _ => Err(refuse(AccessError::OutOfBounds { offset: t.offset, len: t.len, registered: imp.reg.len })),
+        _ => Err(refuse(AccessError::OutOfBounds {
+            offset: t.offset,
+            len: t.len,
+            registered: imp.reg.len,
+        })),
     }
 }
 
@@ -536,7 +681,12 @@ fn run_batch(inner: &ImpInner, job: &Job) -> Result<(), TransferError> {
     };
     stop()?;
     // Every range is checked before any byte moves.
-    let checked = job.transfers.iter().zip(&job.slots).map(|(t, s)| check(&t.remote, s)).collect::<Result<Vec<_>, _>>()?;
+    let checked = job
+        .transfers
+        .iter()
+        .zip(&job.slots)
+        .map(|(t, s)| check(&t.remote, s))
+        .collect::<Result<Vec<_>, _>>()?;
     let max_slice = inner.cfg.max_slice.max(1) as usize;
     let mut slices = 0u64;
     for (t, c) in job.transfers.iter().zip(&checked) {
@@ -559,20 +709,32 @@ fn run_batch(inner: &ImpInner, job: &Job) -> Result<(), TransferError> {
             off += n;
         }
     }
-    let Some(payload) = &job.notify else { return Ok(()) };
+    let Some(payload) = &job.notify else {
+        return Ok(());
+    };
     stop()?;
     send_notification(inner, payload, job.deadline)
 }
 
 /// Copies `n` bytes at `off` of one checked transfer, on the mapping it
 /// was checked against; fails if that mapping was unmapped or replaced.
-fn copy_slice(dir: Direction, t: &Transfer<LocalSlice>, c: &Checked, off: usize, n: usize) -> Result<(), TransferError> {
+fn copy_slice(
+    dir: Direction,
+    t: &Transfer<LocalSlice>,
+    c: &Checked,
+    off: usize,
+    n: usize,
+) -> Result<(), TransferError> {
     // The read lock keeps the mapping alive for this slice; an unmap (or a
     // new map of the segment) waits for it, then empties the slot, and the
     // next slice finds it empty.
     let guard = c.slot.read().unwrap();
     let Some(imp) = guard.as_ref() else {
-        return Err(TransferError::Remote(RemoteError::Access(AccessError::NotRegistered { segment: t.remote.segment })));
+        return Err(TransferError::Remote(RemoteError::Access(
+            AccessError::NotRegistered {
+                segment: t.remote.segment,
+            },
+        )));
     };
     let local = t.local.slice(off as u64, n as u64);
     // SAFETY: the range was checked against this very mapping (the slot
@@ -583,7 +745,9 @@ fn copy_slice(dir: Direction, t: &Transfer<LocalSlice>, c: &Checked, off: usize,
         let remote = imp.mapping.base().add(c.at + off);
         match dir {
             Direction::Write => std::ptr::copy_nonoverlapping(local.bytes().as_ptr(), remote, n),
-            Direction::Read => std::ptr::copy_nonoverlapping(remote, local.bytes_mut().as_mut_ptr(), n),
+            Direction::Read => {
+                std::ptr::copy_nonoverlapping(remote, local.bytes_mut().as_mut_ptr(), n)
+            }
         }
     }
     Ok(())
@@ -591,13 +755,22 @@ fn copy_slice(dir: Direction, t: &Transfer<LocalSlice>, c: &Checked, off: usize,
 
 /// Sends a batch's notification after its last copy and waits (by the
 /// batch's deadline) for the exporter to queue it.
-fn send_notification(inner: &ImpInner, payload: &[u8], deadline: Instant) -> Result<(), TransferError> {
+fn send_notification(
+    inner: &ImpInner,
+    payload: &[u8],
+    deadline: Instant,
+) -> Result<(), TransferError> {
     // Order every store of the batch before the notification leaves.
     std::sync::atomic::fence(Ordering::SeqCst);
     let op = inner.next_op.fetch_add(1, Ordering::Relaxed);
     let (tx, rx) = mpsc::channel();
     inner.notifying.lock().unwrap().insert(op, tx);
-    let mut bytes = Header::Notify { op, len: payload.len() as u32 }.encode().to_vec();
+    let mut bytes = Header::Notify {
+        op,
+        len: payload.len() as u32,
+    }
+    .encode()
+    .to_vec();
     bytes.extend_from_slice(payload);
     let sent = inner.writer.lock().unwrap().write_all(&bytes);
     let res = match sent {

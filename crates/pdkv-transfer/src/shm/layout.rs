@@ -25,7 +25,11 @@ fn words(b: &[u8]) -> Option<Vec<u64>> {
     if !b.len().is_multiple_of(8) {
         return None;
     }
-    Some(b.chunks_exact(8).map(|c| u64::from_le_bytes([c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]])).collect())
+    Some(
+        b.chunks_exact(8)
+            .map(|c| u64::from_le_bytes([c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]]))
+            .collect(),
+    )
 }
 
 fn bytes_of(words: impl IntoIterator<Item = u64>) -> Vec<u8> {
@@ -55,9 +59,16 @@ impl MapHead {
     /// A head that describes a non-empty registration inside its chunks.
     pub fn decode(b: &[u8]) -> Option<MapHead> {
         let w = words(b)?;
-        let &[skew, len, chunks, bytes] = w.as_slice() else { return None };
+        let &[skew, len, chunks, bytes] = w.as_slice() else {
+            return None;
+        };
         let inside = skew.checked_add(len).is_some_and(|end| end <= bytes);
-        (len > 0 && chunks > 0 && inside).then_some(MapHead { skew, len, chunks, bytes })
+        (len > 0 && chunks > 0 && inside).then_some(MapHead {
+            skew,
+            len,
+            chunks,
+            bytes,
+        })
     }
 }
 
@@ -97,13 +108,21 @@ impl Assembly {
     /// Checks a head against the registration asked for and the limits,
     /// and reserves the address space it announces.
     pub fn start(reg: Registration, head: &[u8], limits: &Limits) -> Result<Assembly, ShmError> {
-        let head = MapHead::decode(head).filter(|h| h.len == reg.len).ok_or(BadMap::Head)?;
+        let head = MapHead::decode(head)
+            .filter(|h| h.len == reg.len)
+            .ok_or(BadMap::Head)?;
         check_shareable(usize::try_from(head.chunks).unwrap_or(usize::MAX), limits)?;
         let bytes = usize::try_from(head.bytes).map_err(|_| BadMap::Head)?;
         let skew = usize::try_from(head.skew).map_err(|_| BadMap::Head)?;
         let mapping = Mapping::reserve(bytes)?;
         debug_assert!(skew <= bytes);
-        Ok(Assembly { reg, head, mapping, next: 0, filled: 0 })
+        Ok(Assembly {
+            reg,
+            head,
+            mapping,
+            next: 0,
+            filled: 0,
+        })
     }
 
     /// Maps one part where it belongs and closes its descriptors. Returns
@@ -111,20 +130,36 @@ impl Assembly {
     pub fn add(&mut self, data: &[u8], fds: Vec<OwnedFd>) -> Result<bool, ShmError> {
         let (first, lens) = decode_part(data).ok_or(BadMap::Part)?;
         if first != self.next {
-            return Err(BadMap::OutOfOrder { want: self.next, got: first }.into());
+            return Err(BadMap::OutOfOrder {
+                want: self.next,
+                got: first,
+            }
+            .into());
         }
         if lens.len() != fds.len() {
-            return Err(BadMap::FdCount { lens: lens.len(), fds: fds.len() }.into());
+            return Err(BadMap::FdCount {
+                lens: lens.len(),
+                fds: fds.len(),
+            }
+            .into());
         }
-        let past = BadMap::PastEnd { chunks: self.head.chunks, bytes: self.head.bytes };
+        let past = BadMap::PastEnd {
+            chunks: self.head.chunks,
+            bytes: self.head.bytes,
+        };
         let count = lens.len() as u64;
         if self.next + count > self.head.chunks {
             return Err(past.into());
         }
         for (len, fd) in lens.into_iter().zip(fds) {
-            let end = self.filled.checked_add(len).filter(|&e| e <= self.head.bytes).ok_or(past)?;
+            let end = self
+                .filled
+                .checked_add(len)
+                .filter(|&e| e <= self.head.bytes)
+                .ok_or(past)?;
             // Both fit in usize: they are at most `head.bytes`, reserved above.
-            self.mapping.map_at(self.filled as usize, fd.as_raw_fd(), len as usize)?;
+            self.mapping
+                .map_at(self.filled as usize, fd.as_raw_fd(), len as usize)?;
             self.filled = end;
             drop(fd); // the mapping keeps the pages; the descriptor is closed now
         }
@@ -133,7 +168,11 @@ impl Assembly {
             return Ok(false);
         }
         if self.filled != self.head.bytes {
-            return Err(BadMap::ShortTotal { want: self.head.bytes, got: self.filled }.into());
+            return Err(BadMap::ShortTotal {
+                want: self.head.bytes,
+                got: self.filled,
+            }
+            .into());
         }
         Ok(true)
     }
@@ -145,7 +184,11 @@ impl Assembly {
 
     /// The complete import (after [`Assembly::add`] returned `true`).
     pub fn finish(self) -> Imported {
-        Imported { reg: self.reg, mapping: self.mapping, skew: self.head.skew as usize }
+        Imported {
+            reg: self.reg,
+            mapping: self.mapping,
+            skew: self.head.skew as usize,
+        }
     }
 }
 
@@ -156,14 +199,50 @@ mod tests {
 
     #[test]
     fn heads_and_parts_round_trip_and_arbitrary_bytes_never_panic() {
-        let head = MapHead { skew: 100, len: 12_000, chunks: 2, bytes: 12_288 };
+        let head = MapHead {
+            skew: 100,
+            len: 12_000,
+            chunks: 2,
+            bytes: 12_288,
+        };
         assert_eq!(MapHead::decode(&head.encode()), Some(head));
-        assert_eq!(MapHead::decode(&MapHead { len: 12_189, ..head }.encode()), None, "range past the chunks");
-        assert_eq!(MapHead::decode(&MapHead { chunks: 0, ..head }.encode()), None, "no chunk");
-        assert_eq!(MapHead::decode(&MapHead { skew: u64::MAX, ..head }.encode()), None, "overflowing");
-        assert_eq!(decode_part(&encode_part(7, &[4096, 8192])), Some((7, vec![4096, 8192])));
+        assert_eq!(
+            MapHead::decode(
+                &MapHead {
+                    len: 12_189,
+                    ..head
+                }
+                .encode()
+            ),
+            None,
+            "range past the chunks"
+        );
+        assert_eq!(
+            MapHead::decode(&MapHead { chunks: 0, ..head }.encode()),
+            None,
+            "no chunk"
+        );
+        assert_eq!(
+            MapHead::decode(
+                &MapHead {
+                    skew: u64::MAX,
+                    ..head
+                }
+                .encode()
+            ),
+            None,
+            "overflowing"
+        );
+        assert_eq!(
+            decode_part(&encode_part(7, &[4096, 8192])),
+            Some((7, vec![4096, 8192]))
+        );
         assert_eq!(decode_part(&bytes_of([1])), None, "no chunk");
-        assert_eq!(decode_part(&bytes_of(0..(MAX_PART_FDS as u64 + 2))), None, "more than one message can carry");
+        assert_eq!(
+            decode_part(&bytes_of(0..(MAX_PART_FDS as u64 + 2))),
+            None,
+            "more than one message can carry"
+        );
         let mut seed = 3;
         for _ in 0..10_000 {
             let n = (splitmix64(&mut seed) % 80) as usize;

@@ -64,7 +64,9 @@ use std::time::Duration;
 
 use crate::frame::{FrameError, Header, Limits, RemoteError, HEADER_LEN, MAX_PART_FDS};
 
-pub use export::{ExportOptions, ShmExporter, ShmNotification, DEFAULT_MAX_PEERS, DEFAULT_NOTIFY_QUEUE};
+pub use export::{
+    ExportOptions, ShmExporter, ShmNotification, DEFAULT_MAX_PEERS, DEFAULT_NOTIFY_QUEUE,
+};
 pub use fds::{recv_with_fds, send_with_fds};
 pub use import::{ShmBatchHandle, ShmImporter, ShmImporterConfig, SliceHook};
 
@@ -104,7 +106,9 @@ impl From<RemoteError> for ShmError {
     /// side enforced it.
     fn from(e: RemoteError) -> ShmError {
         match e {
-            RemoteError::TooManyChunks { chunks, limit } => ShmError::TooManyChunks { chunks, limit },
+            RemoteError::TooManyChunks { chunks, limit } => {
+                ShmError::TooManyChunks { chunks, limit }
+            }
             e => ShmError::Remote(e),
         }
     }
@@ -152,14 +156,22 @@ pub fn check_shareable(chunks: usize, limits: &Limits) -> Result<(), ShmError> {
 
 /// Reads one frame (header and data), collecting the descriptors that came
 /// with it: at most [`MAX_FDS`], more fail the read.
-fn read_header(sock: &UnixStream, limits: &Limits, fds: &mut Vec<OwnedFd>) -> Result<(Header, Vec<u8>), ShmError> {
+fn read_header(
+    sock: &UnixStream,
+    limits: &Limits,
+    fds: &mut Vec<OwnedFd>,
+) -> Result<(Header, Vec<u8>), ShmError> {
     let mut h = [0u8; HEADER_LEN];
     recv_with_fds(sock, &mut h, fds)?;
     let header = Header::decode(&h, limits)?;
     let mut data = vec![0u8; header.data_len()];
     recv_with_fds(sock, &mut data, fds)?;
     if fds.len() > MAX_FDS {
-        return Err(io::Error::new(io::ErrorKind::InvalidData, "more memfds than one frame may carry").into());
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidData,
+            "more memfds than one frame may carry",
+        )
+        .into());
     }
     Ok((header, data))
 }

@@ -64,7 +64,10 @@ pub async fn listening(addr: &str) -> Result<(), String> {
     match tokio::time::timeout(CONNECT_TIMEOUT, TcpStream::connect(addr)).await {
         Ok(Ok(_)) => Ok(()),
         Ok(Err(e)) => Err(e.to_string()),
-        Err(_) => Err(format!("no connection within {}s", CONNECT_TIMEOUT.as_secs())),
+        Err(_) => Err(format!(
+            "no connection within {}s",
+            CONNECT_TIMEOUT.as_secs()
+        )),
     }
 }
 
@@ -72,18 +75,26 @@ impl Flood {
     pub fn start(targets: Vec<Target>) -> Flood {
         let (stop, rx) = watch::channel(false);
         let mut tasks = tokio::task::JoinSet::new();
-        let targets: Vec<(Target, Arc<Counts>)> = targets.into_iter().map(|t| (t, Arc::default())).collect();
+        let targets: Vec<(Target, Arc<Counts>)> =
+            targets.into_iter().map(|t| (t, Arc::default())).collect();
         for (t, counts) in &targets {
             for _ in 0..t.size {
                 tasks.spawn(hold(t.addr.clone(), counts.clone(), rx.clone()));
             }
         }
-        Flood { stop, tasks, targets }
+        Flood {
+            stop,
+            tasks,
+            targets,
+        }
     }
 
     /// Connections open now, over every target.
     pub fn open_now(&self) -> u64 {
-        self.targets.iter().map(|(_, c)| c.open_now.load(Ordering::Relaxed)).sum()
+        self.targets
+            .iter()
+            .map(|(_, c)| c.open_now.load(Ordering::Relaxed))
+            .sum()
     }
 
     /// Closes every connection (bounded: each task returns on the stop

@@ -63,12 +63,13 @@ fn mix(mut z: u64) -> u64 {
 }
 
 const WORDS: [&str; 64] = [
-    "amber", "river", "quiet", "market", "stone", "window", "baker", "lantern", "harbor", "copper", "meadow", "signal",
-    "winter", "garden", "thunder", "pencil", "orbit", "valley", "candle", "mirror", "forest", "engine", "velvet", "island",
-    "ladder", "silver", "canyon", "feather", "bridge", "planet", "marble", "rocket", "saddle", "tunnel", "violet", "anchor",
-    "basket", "castle", "desert", "falcon", "glacier", "hammer", "jungle", "kettle", "lemon", "magnet", "needle", "oyster",
-    "pepper", "quartz", "ribbon", "shadow", "timber", "umbrella", "walnut", "yellow", "zephyr", "button", "cotton", "dragon",
-    "ember", "fabric", "goblet", "horizon",
+    "amber", "river", "quiet", "market", "stone", "window", "baker", "lantern", "harbor", "copper",
+    "meadow", "signal", "winter", "garden", "thunder", "pencil", "orbit", "valley", "candle",
+    "mirror", "forest", "engine", "velvet", "island", "ladder", "silver", "canyon", "feather",
+    "bridge", "planet", "marble", "rocket", "saddle", "tunnel", "violet", "anchor", "basket",
+    "castle", "desert", "falcon", "glacier", "hammer", "jungle", "kettle", "lemon", "magnet",
+    "needle", "oyster", "pepper", "quartz", "ribbon", "shadow", "timber", "umbrella", "walnut",
+    "yellow", "zephyr", "button", "cotton", "dragon", "ember", "fabric", "goblet", "horizon",
 ];
 
 /// Request `index`'s prompt and disconnect decision, from `seed` alone.
@@ -90,7 +91,11 @@ pub fn plan(cfg: &LoadConfig, index: u64) -> Plan {
     // After 1..=max_tokens-1 tokens, so the cut comes before the end.
     let span = u64::from(cfg.max_tokens.saturating_sub(1).max(1));
     let cut_after = (draw < cfg.disconnect_share).then(|| 1 + (next() % span) as u32);
-    Plan { index, prompt, cut_after }
+    Plan {
+        index,
+        prompt,
+        cut_after,
+    }
 }
 
 /// The request body: greedy, EOS ignored (so every request generates
@@ -116,7 +121,10 @@ pub struct Failure {
 }
 
 fn failure(cause: impl Into<String>, message: impl Into<String>) -> Failure {
-    Failure { cause: cause.into(), message: message.into() }
+    Failure {
+        cause: cause.into(),
+        message: message.into(),
+    }
 }
 
 #[derive(Clone, Debug, PartialEq)]
@@ -180,17 +188,28 @@ impl SseParser {
 pub enum Event {
     /// A choice's chunk: tokens (0 for a chunk that only finishes) and the
     /// finish reason, if it is the last.
-    Tokens { n: u32, finish: Option<String> },
-    Usage { completion_tokens: u64 },
+    Tokens {
+        n: u32,
+        finish: Option<String>,
+    },
+    Usage {
+        completion_tokens: u64,
+    },
     Done,
     /// `{"error": {...}}` inside the stream.
-    Error { cause: String, message: String },
+    Error {
+        cause: String,
+        message: String,
+    },
     Bad(String),
 }
 
 /// `type/code` of an OpenAI error object, the parts that are present.
 fn error_kind(err: &Value) -> String {
-    let parts: Vec<&str> = [&err["type"], &err["code"]].into_iter().filter_map(Value::as_str).collect();
+    let parts: Vec<&str> = [&err["type"], &err["code"]]
+        .into_iter()
+        .filter_map(Value::as_str)
+        .collect();
     parts.join("/")
 }
 
@@ -203,8 +222,13 @@ pub fn parse_event(data: &str) -> Event {
         Err(e) => return Event::Bad(format!("not JSON ({e}): {}", clip(data))),
     };
     if let Some(err) = v.get("error") {
-        let message = err["message"].as_str().map_or_else(|| clip(data), str::to_string);
-        return Event::Error { cause: format!("stream error event {}", error_kind(err)), message };
+        let message = err["message"]
+            .as_str()
+            .map_or_else(|| clip(data), str::to_string);
+        return Event::Error {
+            cause: format!("stream error event {}", error_kind(err)),
+            message,
+        };
     }
     match v["choices"].as_array() {
         Some(c) if !c.is_empty() => {
@@ -214,10 +238,15 @@ pub fn parse_event(data: &str) -> Event {
                 Some(ids) => ids.len() as u32,
                 None => u32::from(choice["text"].as_str().is_some_and(|t| !t.is_empty())),
             };
-            Event::Tokens { n, finish: choice["finish_reason"].as_str().map(str::to_string) }
+            Event::Tokens {
+                n,
+                finish: choice["finish_reason"].as_str().map(str::to_string),
+            }
         }
         _ => match v["usage"]["completion_tokens"].as_u64() {
-            Some(t) => Event::Usage { completion_tokens: t },
+            Some(t) => Event::Usage {
+                completion_tokens: t,
+            },
             None => Event::Bad(format!("neither a choice nor usage: {}", clip(data))),
         },
     }
@@ -299,7 +328,10 @@ impl Exchange {
                 Step::Continue
             }
             Event::Done => Step::Finished,
-            Event::Error { cause, message } => Step::Fail(failure(cause, format!("after {} tokens: {message}", self.tokens))),
+            Event::Error { cause, message } => Step::Fail(failure(
+                cause,
+                format!("after {} tokens: {message}", self.tokens),
+            )),
             Event::Bad(m) => Step::Fail(failure("bad event", m)),
         }
     }
@@ -371,8 +403,15 @@ fn status_failure(status: u16, body: &str) -> Failure {
     match err {
         Some(e) => {
             let kind = error_kind(e);
-            let cause = if kind.is_empty() { format!("http {status}") } else { format!("http {status} {kind}") };
-            failure(cause, e["message"].as_str().map_or_else(|| clip(body), clip))
+            let cause = if kind.is_empty() {
+                format!("http {status}")
+            } else {
+                format!("http {status} {kind}")
+            };
+            failure(
+                cause,
+                e["message"].as_str().map_or_else(|| clip(body), clip),
+            )
         }
         None => failure(format!("http {status}"), clip(body)),
     }
@@ -380,25 +419,49 @@ fn status_failure(status: u16, body: &str) -> Failure {
 
 /// Sends one request and reads its stream to the end, the planned cut or
 /// the first failure, all within `cfg.request_timeout`.
-pub async fn send(client: &reqwest::Client, cfg: &LoadConfig, plan: &Plan, counters: &Counters) -> Record {
+pub async fn send(
+    client: &reqwest::Client,
+    cfg: &LoadConfig,
+    plan: &Plan,
+    counters: &Counters,
+) -> Record {
     let started = Instant::now();
     let mut ex = Exchange::new(started, plan.cut_after, cfg.max_tokens);
     let deadline = started + cfg.request_timeout;
-    let mut outcome = match tokio::time::timeout_at(deadline.into(), drive(client, cfg, plan, &mut ex, counters)).await {
-        Ok(o) => o,
-        Err(_) => Outcome::Failed(failure(
-            "timeout",
-            format!("no end within {}s ({} tokens so far)", cfg.request_timeout.as_secs_f64(), ex.tokens),
-        )),
-    };
+    let mut outcome =
+        match tokio::time::timeout_at(deadline.into(), drive(client, cfg, plan, &mut ex, counters))
+            .await
+        {
+            Ok(o) => o,
+            Err(_) => Outcome::Failed(failure(
+                "timeout",
+                format!(
+                    "no end within {}s ({} tokens so far)",
+                    cfg.request_timeout.as_secs_f64(),
+                    ex.tokens
+                ),
+            )),
+        };
     if let Outcome::Failed(f) = &mut outcome {
         // The index reproduces the request (with the seed).
         f.message = format!("request {}: {}", plan.index, f.message);
     }
-    Record { started, ttft: ex.ttft, itl: ex.itl, arrivals: ex.arrivals, outcome }
+    Record {
+        started,
+        ttft: ex.ttft,
+        itl: ex.itl,
+        arrivals: ex.arrivals,
+        outcome,
+    }
 }
 
-async fn drive(client: &reqwest::Client, cfg: &LoadConfig, plan: &Plan, ex: &mut Exchange, counters: &Counters) -> Outcome {
+async fn drive(
+    client: &reqwest::Client,
+    cfg: &LoadConfig,
+    plan: &Plan,
+    ex: &mut Exchange,
+    counters: &Counters,
+) -> Outcome {
     let url = format!("{}/v1/completions", cfg.url);
     let mut resp = match client.post(url).json(&body(cfg, plan)).send().await {
         Ok(r) => r,
@@ -406,7 +469,10 @@ async fn drive(client: &reqwest::Client, cfg: &LoadConfig, plan: &Plan, ex: &mut
     };
     let status = resp.status().as_u16();
     if status != 200 {
-        let text = resp.text().await.unwrap_or_else(|e| format!("(body unreadable: {})", error_chain(&e)));
+        let text = resp
+            .text()
+            .await
+            .unwrap_or_else(|e| format!("(body unreadable: {})", error_chain(&e)));
         return Outcome::Failed(status_failure(status, &text));
     }
     let mut sse = SseParser::default();
@@ -420,7 +486,9 @@ async fn drive(client: &reqwest::Client, cfg: &LoadConfig, plan: &Plan, ex: &mut
         while let Some(data) = sse.next_event() {
             let before = ex.tokens;
             let step = ex.on_event(parse_event(&data), Instant::now());
-            counters.tokens.fetch_add(u64::from(ex.tokens - before), Ordering::Relaxed);
+            counters
+                .tokens
+                .fetch_add(u64::from(ex.tokens - before), Ordering::Relaxed);
             match step {
                 Step::Continue => {}
                 // Dropping the response closes the connection.
@@ -437,13 +505,18 @@ async fn drive(client: &reqwest::Client, cfg: &LoadConfig, plan: &Plan, ex: &mut
 pub async fn run(cfg: Arc<LoadConfig>, counters: Arc<Counters>) -> anyhow::Result<Vec<Record>> {
     let client = reqwest::Client::builder()
         .connect_timeout(Duration::from_secs(10))
-        .pool_max_idle_per_host(if cfg.fresh_connections { 0 } else { cfg.concurrency })
+        .pool_max_idle_per_host(if cfg.fresh_connections {
+            0
+        } else {
+            cfg.concurrency
+        })
         .pool_idle_timeout(pdkv_server::proxy::UPSTREAM_IDLE)
         .build()?;
     let next = Arc::new(AtomicU64::new(0));
     let mut workers = tokio::task::JoinSet::new();
     for _ in 0..cfg.concurrency {
-        let (client, cfg, counters, next) = (client.clone(), cfg.clone(), counters.clone(), next.clone());
+        let (client, cfg, counters, next) =
+            (client.clone(), cfg.clone(), counters.clone(), next.clone());
         workers.spawn(async move {
             let mut records = Vec::new();
             loop {
@@ -495,14 +568,33 @@ mod tests {
     fn plans_are_deterministic_distinct_and_cut_at_the_share() {
         let c = cfg();
         let (a, b) = (plan(&c, 3), plan(&c, 3));
-        assert_eq!((a.prompt.as_str(), a.cut_after), (b.prompt.as_str(), b.cut_after));
+        assert_eq!(
+            (a.prompt.as_str(), a.cut_after),
+            (b.prompt.as_str(), b.cut_after)
+        );
         assert_eq!(a.prompt.split_whitespace().count(), 100);
         let plans: Vec<Plan> = (0..2000).map(|i| plan(&c, i)).collect();
-        let firsts: std::collections::HashSet<String> =
-            plans.iter().map(|p| p.prompt.split_whitespace().take(6).collect::<Vec<_>>().join(" ")).collect();
-        assert_eq!(firsts.len(), plans.len(), "the first six words already differ");
+        let firsts: std::collections::HashSet<String> = plans
+            .iter()
+            .map(|p| {
+                p.prompt
+                    .split_whitespace()
+                    .take(6)
+                    .collect::<Vec<_>>()
+                    .join(" ")
+            })
+            .collect();
+        assert_eq!(
+            firsts.len(),
+            plans.len(),
+            "the first six words already differ"
+        );
         let cuts: Vec<u32> = plans.iter().filter_map(|p| p.cut_after).collect();
-        assert!((300..500).contains(&cuts.len()), "{} of 2000 cut", cuts.len());
+        assert!(
+            (300..500).contains(&cuts.len()),
+            "{} of 2000 cut",
+            cuts.len()
+        );
         assert!(cuts.iter().all(|&k| (1..=3).contains(&k)));
     }
 
@@ -529,13 +621,20 @@ mod tests {
         let at = |ms| t0 + Duration::from_millis(ms);
         assert_eq!(ex.on_event(chunk(&[1], None), at(50)), Step::Continue);
         assert_eq!(ex.on_event(chunk(&[2, 3], None), at(60)), Step::Continue);
-        assert_eq!(ex.on_event(chunk(&[4], Some("length")), at(75)), Step::Continue);
-        let usage = parse_event(r#"{"choices":[],"usage":{"prompt_tokens":9,"completion_tokens":4}}"#);
+        assert_eq!(
+            ex.on_event(chunk(&[4], Some("length")), at(75)),
+            Step::Continue
+        );
+        let usage =
+            parse_event(r#"{"choices":[],"usage":{"prompt_tokens":9,"completion_tokens":4}}"#);
         assert_eq!(ex.on_event(usage, at(76)), Step::Continue);
         assert_eq!(ex.on_event(parse_event("[DONE]"), at(76)), Step::Finished);
         assert_eq!(ex.judge(), Outcome::Ok);
         assert_eq!(ex.ttft, Some(Duration::from_millis(50)));
-        assert_eq!(ex.itl, vec![Duration::from_millis(10), Duration::from_millis(15)]);
+        assert_eq!(
+            ex.itl,
+            vec![Duration::from_millis(10), Duration::from_millis(15)]
+        );
     }
 
     #[test]
@@ -544,7 +643,9 @@ mod tests {
         let mut ex = Exchange::new(t0, None, 4);
         ex.on_event(chunk(&[1], Some("abort")), t0);
         ex.on_event(Event::Done, t0);
-        let Outcome::Failed(f) = ex.judge() else { panic!() };
+        let Outcome::Failed(f) = ex.judge() else {
+            panic!()
+        };
         assert_eq!(f.cause, "wrong token count (finish_reason abort)");
 
         let mut ex = Exchange::new(t0, Some(2), 4);
@@ -552,14 +653,26 @@ mod tests {
         assert_eq!(ex.on_event(chunk(&[2], None), t0), Step::Cut);
 
         let mut ex = Exchange::new(t0, None, 4);
-        let err = parse_event(r#"{"error":{"message":"boom","type":"server_error","code":"kv_load_failed"}}"#);
-        let Step::Fail(f) = ex.on_event(err, t0) else { panic!() };
+        let err = parse_event(
+            r#"{"error":{"message":"boom","type":"server_error","code":"kv_load_failed"}}"#,
+        );
+        let Step::Fail(f) = ex.on_event(err, t0) else {
+            panic!()
+        };
         assert_eq!(f.cause, "stream error event server_error/kv_load_failed");
-        let Outcome::Failed(f) = ex.ended_early(3) else { panic!() };
+        let Outcome::Failed(f) = ex.ended_early(3) else {
+            panic!()
+        };
         assert_eq!(f.cause, "stream ended without [DONE]");
 
-        let f = status_failure(503, r#"{"error":{"message":"asleep","type":"service_unavailable_error","code":"engine_not_serving"}}"#);
-        assert_eq!(f.cause, "http 503 service_unavailable_error/engine_not_serving");
+        let f = status_failure(
+            503,
+            r#"{"error":{"message":"asleep","type":"service_unavailable_error","code":"engine_not_serving"}}"#,
+        );
+        assert_eq!(
+            f.cause,
+            "http 503 service_unavailable_error/engine_not_serving"
+        );
         assert_eq!(status_failure(502, "bad gateway").cause, "http 502");
     }
 }

@@ -29,13 +29,19 @@ pub struct EngineSample {
 pub fn metric_sum(text: &str, name: &str) -> Option<f64> {
     let mut sum = None;
     for line in text.lines().filter(|l| !l.starts_with('#')) {
-        let Some(rest) = line.strip_prefix(name) else { continue };
+        let Some(rest) = line.strip_prefix(name) else {
+            continue;
+        };
         let value = match rest.as_bytes().first() {
             Some(b' ') => rest,
             Some(b'{') => rest.rsplit_once('}').map_or("", |(_, v)| v),
             _ => continue,
         };
-        if let Some(v) = value.split_whitespace().next().and_then(|v| v.parse::<f64>().ok()) {
+        if let Some(v) = value
+            .split_whitespace()
+            .next()
+            .and_then(|v| v.parse::<f64>().ok())
+        {
             *sum.get_or_insert(0.0) += v;
         }
     }
@@ -65,11 +71,18 @@ impl EngineSample {
 }
 
 pub async fn scrape(client: &reqwest::Client, url: &str) -> Result<EngineSample, String> {
-    let resp = client.get(format!("{url}/metrics")).send().await.map_err(|e| super::load::error_chain(&e))?;
+    let resp = client
+        .get(format!("{url}/metrics"))
+        .send()
+        .await
+        .map_err(|e| super::load::error_chain(&e))?;
     if !resp.status().is_success() {
         return Err(format!("/metrics answered {}", resp.status()));
     }
-    let text = resp.text().await.map_err(|e| super::load::error_chain(&e))?;
+    let text = resp
+        .text()
+        .await
+        .map_err(|e| super::load::error_chain(&e))?;
     Ok(EngineSample::parse(&text))
 }
 
@@ -116,7 +129,10 @@ pub async fn wait_quiet(client: &reqwest::Client, engines: &[Engine], bound: Dur
         }
         let all_quiet = now.iter().all(|s| s.is_some_and(|s| s.quiet()));
         if all_quiet || t0.elapsed() >= bound {
-            return Quiesced { engines: now, waited: t0.elapsed() };
+            return Quiesced {
+                engines: now,
+                waited: t0.elapsed(),
+            };
         }
     }
 }

@@ -29,14 +29,22 @@ pub struct Requests {
 }
 
 pub fn requests(records: &[Record]) -> Requests {
-    let mut r = Requests { ok: 0, disconnected: 0, failed: 0, causes: BTreeMap::new() };
+    let mut r = Requests {
+        ok: 0,
+        disconnected: 0,
+        failed: 0,
+        causes: BTreeMap::new(),
+    };
     for rec in records {
         match &rec.outcome {
             Outcome::Ok => r.ok += 1,
             Outcome::Disconnected => r.disconnected += 1,
             Outcome::Failed(f) => {
                 r.failed += 1;
-                let c = r.causes.entry(f.cause.clone()).or_insert_with(|| Cause { count: 0, example: f.message.clone() });
+                let c = r.causes.entry(f.cause.clone()).or_insert_with(|| Cause {
+                    count: 0,
+                    example: f.message.clone(),
+                });
                 c.count += 1;
             }
         }
@@ -60,18 +68,32 @@ pub fn percentiles(mut v: Vec<f64>) -> Option<Percentiles> {
     }
     v.sort_by(f64::total_cmp);
     let at = |p: f64| v[((p * v.len() as f64).ceil() as usize).clamp(1, v.len()) - 1];
-    Some(Percentiles { n: v.len(), p50: at(0.5), p90: at(0.9), p99: at(0.99), max: v[v.len() - 1] })
+    Some(Percentiles {
+        n: v.len(),
+        p50: at(0.5),
+        p90: at(0.9),
+        p99: at(0.99),
+        max: v[v.len() - 1],
+    })
 }
 
 impl Percentiles {
     fn json(p: Option<Percentiles>) -> Value {
-        p.map_or(Value::Null, |p| json!({"n": p.n, "p50": p.p50, "p90": p.p90, "p99": p.p99, "max": p.max}))
+        p.map_or(
+            Value::Null,
+            |p| json!({"n": p.n, "p50": p.p50, "p90": p.p90, "p99": p.p99, "max": p.max}),
+        )
     }
 
     fn cells(p: Option<Percentiles>) -> String {
         p.map_or_else(
             || "no samples".to_string(),
-            |p| format!("p50 {:.1}  p90 {:.1}  p99 {:.1}  max {:.1}  (n {})", p.p50, p.p90, p.p99, p.max, p.n),
+            |p| {
+                format!(
+                    "p50 {:.1}  p90 {:.1}  p99 {:.1}  max {:.1}  (n {})",
+                    p.p50, p.p90, p.p99, p.max, p.n
+                )
+            },
         )
     }
 }
@@ -101,7 +123,12 @@ pub fn throughput(records: &[Record], w: &Window) -> Throughput {
     let mut ok_ended = 0u64;
     let (mut ttft, mut itl) = (Vec::new(), Vec::new());
     for r in records {
-        tokens += r.arrivals.iter().filter(|(t, _)| in_window(*t)).map(|&(_, n)| u64::from(n)).sum::<u64>();
+        tokens += r
+            .arrivals
+            .iter()
+            .filter(|(t, _)| in_window(*t))
+            .map(|&(_, n)| u64::from(n))
+            .sum::<u64>();
         let ended = r.arrivals.last().map(|&(t, _)| t);
         if r.outcome == Outcome::Ok && ended.is_some_and(in_window) {
             ok_ended += 1;
@@ -111,7 +138,13 @@ pub fn throughput(records: &[Record], w: &Window) -> Throughput {
             itl.extend(r.itl.iter().copied().map(ms));
         }
     }
-    let rate = |n: u64| if seconds > 0.0 { n as f64 / seconds } else { f64::NAN };
+    let rate = |n: u64| {
+        if seconds > 0.0 {
+            n as f64 / seconds
+        } else {
+            f64::NAN
+        }
+    };
     Throughput {
         seconds,
         output_tok_per_s: rate(tokens),
@@ -151,18 +184,40 @@ impl Drift {
 
 /// RSS per process and device bytes per engine: `end` against the first
 /// sample at or after the warm-up (`None` when no sample was that late).
-pub fn drift(samples: &[Sample], warmup: Duration, end: &Sample, procs: &[String], engines: &[String]) -> Vec<Drift> {
-    let Some(base) = samples.iter().find(|s| s.elapsed >= warmup) else { return Vec::new() };
+pub fn drift(
+    samples: &[Sample],
+    warmup: Duration,
+    end: &Sample,
+    procs: &[String],
+    engines: &[String],
+) -> Vec<Drift> {
+    let Some(base) = samples.iter().find(|s| s.elapsed >= warmup) else {
+        return Vec::new();
+    };
     let mut out = Vec::new();
     for (i, name) in procs.iter().enumerate() {
         if let (Some(Some(a)), Some(Some(b))) = (base.rss.get(i), end.rss.get(i)) {
-            out.push(Drift { what: format!("{name} rss"), start: *a as f64, end: *b as f64 });
+            out.push(Drift {
+                what: format!("{name} rss"),
+                start: *a as f64,
+                end: *b as f64,
+            });
         }
     }
     for (i, name) in engines.iter().enumerate() {
-        let dev = |s: &Sample| s.engines.get(i).copied().flatten().and_then(|e| e.device_bytes);
+        let dev = |s: &Sample| {
+            s.engines
+                .get(i)
+                .copied()
+                .flatten()
+                .and_then(|e| e.device_bytes)
+        };
         if let (Some(a), Some(b)) = (dev(base), dev(end)) {
-            out.push(Drift { what: format!("{name} device memory"), start: a, end: b });
+            out.push(Drift {
+                what: format!("{name} device memory"),
+                start: a,
+                end: b,
+            });
         }
     }
     out
@@ -180,7 +235,13 @@ pub struct Scrapes {
 pub fn scrapes(samples: &[Sample], engines: &[String]) -> Vec<Scrapes> {
     let mut out: Vec<Scrapes> = engines
         .iter()
-        .map(|e| Scrapes { engine: e.clone(), total: 0, failed: 0, example_error: None, slowest_ms: None })
+        .map(|e| Scrapes {
+            engine: e.clone(),
+            total: 0,
+            failed: 0,
+            example_error: None,
+            slowest_ms: None,
+        })
         .collect();
     for s in samples {
         for (o, r) in out.iter_mut().zip(&s.scrapes) {
@@ -255,8 +316,17 @@ impl Summary {
     pub fn problems(&self) -> Vec<String> {
         let mut p = Vec::new();
         if self.requests.failed > 0 {
-            let causes: Vec<String> = self.requests.causes.iter().map(|(k, c)| format!("{k}: {}", c.count)).collect();
-            p.push(format!("{} requests failed ({})", self.requests.failed, causes.join(", ")));
+            let causes: Vec<String> = self
+                .requests
+                .causes
+                .iter()
+                .map(|(k, c)| format!("{k}: {}", c.count))
+                .collect();
+            p.push(format!(
+                "{} requests failed ({})",
+                self.requests.failed,
+                causes.join(", ")
+            ));
         }
         for b in self.blocks.iter().filter(|b| !b.all_free()) {
             p.push(format!(
@@ -273,7 +343,11 @@ impl Summary {
         let mut s = String::new();
         let r = &self.requests;
         let t = &self.throughput;
-        let _ = writeln!(s, "requests: {} ok, {} failed, {} disconnected (intended)", r.ok, r.failed, r.disconnected);
+        let _ = writeln!(
+            s,
+            "requests: {} ok, {} failed, {} disconnected (intended)",
+            r.ok, r.failed, r.disconnected
+        );
         if !r.causes.is_empty() {
             let _ = writeln!(s, "  {:<48} {:>7}  example", "failure cause", "count");
             for (cause, c) in &r.causes {
@@ -302,16 +376,36 @@ impl Summary {
             );
         }
         if self.blocks.is_empty() {
-            let _ = writeln!(s, "KV blocks: not checked (no engine to read; --engine URL with --url)");
+            let _ = writeln!(
+                s,
+                "KV blocks: not checked (no engine to read; --engine URL with --url)"
+            );
         }
         for b in &self.blocks {
             let verdict = if b.all_free() { "yes" } else { "NO" };
-            let _ = writeln!(s, "KV blocks free == total on {}: {verdict} ({})", b.engine, b.describe());
+            let _ = writeln!(
+                s,
+                "KV blocks free == total on {}: {verdict} ({})",
+                b.engine,
+                b.describe()
+            );
         }
         for m in &self.scrapes {
-            let slowest = m.slowest_ms.map_or("-".to_string(), |v| format!("{v:.0} ms"));
-            let _ = write!(s, "/metrics of {}: {} of {} scrapes failed, slowest answer {slowest}", m.engine, m.failed, m.total);
-            let _ = writeln!(s, "{}", m.example_error.as_ref().map_or(String::new(), |e| format!(" (e.g. {e})")));
+            let slowest = m
+                .slowest_ms
+                .map_or("-".to_string(), |v| format!("{v:.0} ms"));
+            let _ = write!(
+                s,
+                "/metrics of {}: {} of {} scrapes failed, slowest answer {slowest}",
+                m.engine, m.failed, m.total
+            );
+            let _ = writeln!(
+                s,
+                "{}",
+                m.example_error
+                    .as_ref()
+                    .map_or(String::new(), |e| format!(" (e.g. {e})"))
+            );
         }
         for f in &self.flood {
             let _ = writeln!(
@@ -331,8 +425,11 @@ impl Summary {
     pub fn json(&self) -> Value {
         let r = &self.requests;
         let t = &self.throughput;
-        let causes: serde_json::Map<String, Value> =
-            r.causes.iter().map(|(k, c)| (k.clone(), json!({"count": c.count, "example": c.example}))).collect();
+        let causes: serde_json::Map<String, Value> = r
+            .causes
+            .iter()
+            .map(|(k, c)| (k.clone(), json!({"count": c.count, "example": c.example})))
+            .collect();
         json!({
             "requests": {"ok": r.ok, "failed": r.failed, "disconnected": r.disconnected, "failed_by_cause": causes},
             "window_s": t.seconds,

@@ -67,7 +67,11 @@ impl Proc {
                 }
             }
         });
-        let mut p = Proc { child: Some(child), base: String::new(), lines };
+        let mut p = Proc {
+            child: Some(child),
+            base: String::new(),
+            lines,
+        };
         let deadline = Instant::now() + DEADLINE;
         let mut seen = Vec::new();
         loop {
@@ -75,12 +79,20 @@ impl Proc {
             match p.lines.recv_timeout(left) {
                 Ok(line) => {
                     if let Some(rest) = line.split("listening on ").nth(1) {
-                        p.base = rest.split_whitespace().next().unwrap_or_default().to_string();
+                        p.base = rest
+                            .split_whitespace()
+                            .next()
+                            .unwrap_or_default()
+                            .to_string();
                         return p;
                     }
                     seen.push(line);
                 }
-                Err(e) => panic!("`pdkv {}`: no `listening on` line ({e}); stderr:\n{}", args.join(" "), seen.join("\n")),
+                Err(e) => panic!(
+                    "`pdkv {}`: no `listening on` line ({e}); stderr:\n{}",
+                    args.join(" "),
+                    seen.join("\n")
+                ),
             }
         }
     }
@@ -111,7 +123,9 @@ impl Proc {
         std::thread::spawn(move || {
             let _ = tx.send(child.wait());
         });
-        rx.recv_timeout(DEADLINE).expect("pdkv exits after SIGTERM").expect("wait")
+        rx.recv_timeout(DEADLINE)
+            .expect("pdkv exits after SIGTERM")
+            .expect("wait")
     }
 }
 
@@ -128,12 +142,18 @@ pub fn smollm2_path(test: &str) -> Option<PathBuf> {
         candidates.push(PathBuf::from(p));
     }
     if let Some(home) = std::env::var_os("HOME") {
-        candidates.push(PathBuf::from(home).join(".cache/pdkv/models/SmolLM2-135M-Instruct.Q4_1.gguf"));
+        candidates
+            .push(PathBuf::from(home).join(".cache/pdkv/models/SmolLM2-135M-Instruct.Q4_1.gguf"));
     }
     let found = candidates.into_iter().find(|p| p.is_file());
     if found.is_none() {
-        assert!(std::env::var_os("CI").is_none(), "{test}: the SmolLM2 GGUF is missing under CI (scripts/test.sh fetches it)");
-        println!("skipping {test}: no SmolLM2 GGUF (set PDKV_SMOLLM2_GGUF or run `pdkv model fetch`)");
+        assert!(
+            std::env::var_os("CI").is_none(),
+            "{test}: the SmolLM2 GGUF is missing under CI (scripts/test.sh fetches it)"
+        );
+        println!(
+            "skipping {test}: no SmolLM2 GGUF (set PDKV_SMOLLM2_GGUF or run `pdkv model fetch`)"
+        );
     }
     found
 }
@@ -161,14 +181,29 @@ pub fn metric(text: &str, name: &str) -> Option<f64> {
 }
 
 /// Waits until `pred` holds for the server's `/metrics`, bounded.
-pub async fn wait_metrics(client: &reqwest::Client, base: &str, what: &str, pred: impl Fn(&str) -> bool) -> String {
+pub async fn wait_metrics(
+    client: &reqwest::Client,
+    base: &str,
+    what: &str,
+    pred: impl Fn(&str) -> bool,
+) -> String {
     let deadline = Instant::now() + DEADLINE;
     loop {
-        let text = client.get(format!("{base}/metrics")).send().await.unwrap().text().await.unwrap();
+        let text = client
+            .get(format!("{base}/metrics"))
+            .send()
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap();
         if pred(&text) {
             return text;
         }
-        assert!(Instant::now() < deadline, "{base}: {what} never held; metrics:\n{text}");
+        assert!(
+            Instant::now() < deadline,
+            "{base}: {what} never held; metrics:\n{text}"
+        );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
@@ -182,8 +217,17 @@ pub fn quiescent(text: &str) -> bool {
 }
 
 /// The text of a completion, streamed (SSE) or not.
-pub async fn complete(client: &reqwest::Client, base: &str, body: &Value) -> Result<String, (u16, String)> {
-    let resp = client.post(format!("{base}/v1/completions")).json(body).send().await.map_err(|e| (0, e.to_string()))?;
+pub async fn complete(
+    client: &reqwest::Client,
+    base: &str,
+    body: &Value,
+) -> Result<String, (u16, String)> {
+    let resp = client
+        .post(format!("{base}/v1/completions"))
+        .json(body)
+        .send()
+        .await
+        .map_err(|e| (0, e.to_string()))?;
     let status = resp.status().as_u16();
     let text = resp.text().await.map_err(|e| (status, e.to_string()))?;
     if status != 200 {
@@ -191,15 +235,21 @@ pub async fn complete(client: &reqwest::Client, base: &str, body: &Value) -> Res
     }
     if body["stream"].as_bool() != Some(true) {
         let v: Value = serde_json::from_str(&text).map_err(|e| (status, format!("{e}: {text}")))?;
-        return Ok(v["choices"][0]["text"].as_str().unwrap_or_default().to_string());
+        return Ok(v["choices"][0]["text"]
+            .as_str()
+            .unwrap_or_default()
+            .to_string());
     }
     let mut out = String::new();
     for event in text.split("\n\n").filter(|e| !e.is_empty()) {
-        let data = event.strip_prefix("data: ").ok_or((status, format!("bad event {event:?}")))?;
+        let data = event
+            .strip_prefix("data: ")
+            .ok_or((status, format!("bad event {event:?}")))?;
         if data == "[DONE]" {
             return Ok(out);
         }
-        let chunk: Value = serde_json::from_str(data).map_err(|e| (status, format!("{e}: {data}")))?;
+        let chunk: Value =
+            serde_json::from_str(data).map_err(|e| (status, format!("{e}: {data}")))?;
         if chunk.get("error").is_some() {
             return Err((status, data.to_string()));
         }
