@@ -853,18 +853,24 @@ mod avx2 {
         // out = Σ p_t · v_t in position order, a block of positions at a
         // time (its rows at a fixed stride, no lookup per position).
         let bs = rows.block_size;
-        let v_rows = |f: &mut dyn FnMut(*const f32, &[f32])| {
-            for (bi, &blk) in rows.block_table[..n.div_ceil(bs)].iter().enumerate() {
-                let base = rows.base.wrapping_add(
-                    blk as usize * rows.block_stride + rows.head_offset + rows.v_offset,
-                );
-                f(base, &scores[bi * bs..((bi + 1) * bs).min(n)]);
-            }
+        // An iterator, not a callback through `dyn FnMut`: the accumulators
+        // stay in registers instead of being stored and reloaded per position.
+        let scores = &*scores;
+        let v_rows = || {
+            rows.block_table[..n.div_ceil(bs)]
+                .iter()
+                .enumerate()
+                .map(move |(bi, &blk)| {
+                    let base = rows.base.wrapping_add(
+                        blk as usize * rows.block_stride + rows.head_offset + rows.v_offset,
+                    );
+                    (base, &scores[bi * bs..((bi + 1) * bs).min(n)])
+                })
         };
         let mut c = 0;
         while c + 64 <= hd {
             let mut acc = [_mm256_setzero_ps(); 8];
-            v_rows(&mut |base, ps| {
+            for (base, ps) in v_rows() {
                 for (i, &p) in ps.iter().enumerate() {
                     let v = base.add(i * rows.row_stride + c);
                     let pv = _mm256_set1_ps(p);
@@ -872,7 +878,7 @@ mod avx2 {
                         *a = _mm256_fmadd_ps(pv, _mm256_loadu_ps(v.add(8 * j)), *a);
                     }
                 }
-            });
+            }
             for (j, a) in acc.iter().enumerate() {
                 _mm256_storeu_ps(out.as_mut_ptr().add(c + 8 * j), *a);
             }
@@ -880,7 +886,7 @@ mod avx2 {
         }
         while c + 8 <= hd {
             let mut acc = _mm256_setzero_ps();
-            v_rows(&mut |base, ps| {
+            for (base, ps) in v_rows() {
                 for (i, &p) in ps.iter().enumerate() {
                     acc = _mm256_fmadd_ps(
                         _mm256_set1_ps(p),
@@ -888,17 +894,17 @@ mod avx2 {
                         acc,
                     );
                 }
-            });
+            }
             _mm256_storeu_ps(out.as_mut_ptr().add(c), acc);
             c += 8;
         }
         while c < hd {
             let mut acc = 0f32;
-            v_rows(&mut |base, ps| {
+            for (base, ps) in v_rows() {
                 for (i, &p) in ps.iter().enumerate() {
                     acc = p.mul_add(*base.add(i * rows.row_stride + c), acc);
                 }
-            });
+            }
             out[c] = acc;
             c += 1;
         }

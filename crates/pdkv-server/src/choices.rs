@@ -78,12 +78,14 @@ pub fn parse_n(n: Option<i64>, best_of: Option<i64>) -> Result<usize, ApiError> 
                 format!("best_of ({b}) must not be smaller than n ({n})"),
             ))
         }
-        Some(b) => return Err(ApiError::invalid_param(
-            "best_of",
-            format!(
+        Some(b) => {
+            return Err(ApiError::invalid_param(
+                "best_of",
+                format!(
                 "best_of ({b}) above n ({n}) is not supported; ask for n={b} and rank the choices"
             ),
-        )),
+            ))
+        }
     }
     Ok(n)
 }
