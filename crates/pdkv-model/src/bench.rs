@@ -194,16 +194,18 @@ fn pack_nibbles(q: &[u8], five: bool, out: &mut [u8]) {
     }
 }
 
-/// Writes `values` (whole 32-value blocks) in the block format `q`, as a
-/// GGUF writer does: Q8_0 `d = max|x|/127`; Q4_0/Q5_0 `d = max/-8` (`-16`)
+/// Writes `values` (whole blocks of [`crate::qkernels::QType::block_values`])
+/// in the block format `q`, as a GGUF writer does (Q4_K/Q5_K: see
+/// [`quantize_super`]): Q8_0 `d = max|x|/127`; Q4_0/Q5_0 `d = max/-8` (`-16`)
 /// with `max` the value of largest magnitude; Q4_1/Q5_1 `d = (max-min)/15`
 /// (`31`), `m = min`.
 pub fn quantize_row(q: crate::qkernels::QType, values: &[f32], out: &mut [u8]) {
     use crate::qkernels::QType;
     use half::f16;
     let bb = q.block_bytes();
-    for (x, o) in values.chunks(crate::qkernels::QK).zip(out.chunks_mut(bb)) {
+    for (x, o) in values.chunks(q.block_values()).zip(out.chunks_mut(bb)) {
         match q {
+            QType::Q4_K | QType::Q5_K => quantize_super(q == QType::Q5_K, x, o),
             QType::Q8_0 => {
                 let amax = x.iter().fold(0f32, |a, v| a.max(v.abs()));
                 let d = f16::from_f32(amax / 127.0);
@@ -401,4 +403,67 @@ pub fn synthetic_model_with(
         lm_head,
     };
     Ok(Model::new(cfg.clone(), weights))
+}
+
+/// One Q4_K (or, `five`, Q5_K) super-block of 256 values: per 32-value
+/// sub-block a scale `(max - min) / (2^bits - 1)` and a minimum `-min`
+/// (`min` at most 0), both stored as 6-bit multiples of the super-block's
+/// f16 `d` and `dmin` (their largest over 63); values rounded against the
+/// stored scale and minimum, as the kernels will read them.
+fn quantize_super(five: bool, x: &[f32], o: &mut [u8]) {
+    use half::f16;
+    let top = if five { 31.0 } else { 15.0 };
+    let mut scale = [0f32; 8];
+    let mut min = [0f32; 8];
+    for (j, sub) in x.chunks(32).enumerate() {
+        let lo = sub.iter().copied().fold(0f32, f32::min);
+        let hi = sub.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        scale[j] = (hi - lo) / top;
+        min[j] = -lo;
+    }
+    let d = f16::from_f32(scale.iter().copied().fold(0f32, f32::max) / 63.0);
+    let dmin = f16::from_f32(min.iter().copied().fold(0f32, f32::max) / 63.0);
+    let code = |v: f32, unit: f16| {
+        if unit.to_f32() == 0.0 {
+            0u8
+        } else {
+            (v / unit.to_f32()).round().clamp(0.0, 63.0) as u8
+        }
+    };
+    let sc: [u8; 8] = std::array::from_fn(|j| code(scale[j], d));
+    let mn: [u8; 8] = std::array::from_fn(|j| code(min[j], dmin));
+    o[..2].copy_from_slice(&d.to_le_bytes());
+    o[2..4].copy_from_slice(&dmin.to_le_bytes());
+    let packed = &mut o[4..16];
+    for j in 0..4 {
+        packed[j] = sc[j] | (sc[j + 4] >> 4) << 6;
+        packed[j + 4] = mn[j] | (mn[j + 4] >> 4) << 6;
+        packed[j + 8] = (sc[j + 4] & 0x0f) | (mn[j + 4] & 0x0f) << 4;
+    }
+    let (qh, qs) = if five {
+        o[16..].split_at_mut(32)
+    } else {
+        o[16..].split_at_mut(0)
+    };
+    qh.fill(0);
+    for (j, sub) in x.chunks(32).enumerate() {
+        let step = d.to_f32() * sc[j] as f32;
+        let m = dmin.to_f32() * mn[j] as f32;
+        for (l, &v) in sub.iter().enumerate() {
+            let q = if step == 0.0 {
+                0
+            } else {
+                ((v + m) / step).round().clamp(0.0, top) as u8
+            };
+            let byte = &mut qs[(j / 2) * 32 + l];
+            if j % 2 == 0 {
+                *byte = (*byte & 0xf0) | (q & 0x0f);
+            } else {
+                *byte = (*byte & 0x0f) | (q & 0x0f) << 4;
+            }
+            if five {
+                qh[l] |= (q >> 4) << j;
+            }
+        }
+    }
 }

@@ -57,6 +57,8 @@ pub fn ggml_type(q: QType) -> crate::gguf::GgmlType {
         QType::Q4_1 => crate::gguf::GgmlType::Q4_1,
         QType::Q5_0 => crate::gguf::GgmlType::Q5_0,
         QType::Q5_1 => crate::gguf::GgmlType::Q5_1,
+        QType::Q4_K => crate::gguf::GgmlType::Q4_K,
+        QType::Q5_K => crate::gguf::GgmlType::Q5_K,
     }
 }
 
@@ -68,6 +70,8 @@ pub fn quant_of(t: crate::gguf::GgmlType) -> Option<QType> {
         crate::gguf::GgmlType::Q4_1 => Some(QType::Q4_1),
         crate::gguf::GgmlType::Q5_0 => Some(QType::Q5_0),
         crate::gguf::GgmlType::Q5_1 => Some(QType::Q5_1),
+        crate::gguf::GgmlType::Q4_K => Some(QType::Q4_K),
+        crate::gguf::GgmlType::Q5_K => Some(QType::Q5_K),
         _ => None,
     }
 }
