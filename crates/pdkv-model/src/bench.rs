@@ -196,7 +196,7 @@ fn pack_nibbles(q: &[u8], five: bool, out: &mut [u8]) {
 
 /// Writes `values` (whole blocks of [`crate::qkernels::QType::block_values`])
 /// in the block format `q`, as a GGUF writer does (Q4_K/Q5_K: see
-/// [`quantize_super`]): Q8_0 `d = max|x|/127`; Q4_0/Q5_0 `d = max/-8` (`-16`)
+/// [`quantize_super`]; Q6_K: [`quantize_q6`]): Q8_0 `d = max|x|/127`; Q4_0/Q5_0 `d = max/-8` (`-16`)
 /// with `max` the value of largest magnitude; Q4_1/Q5_1 `d = (max-min)/15`
 /// (`31`), `m = min`.
 pub fn quantize_row(q: crate::qkernels::QType, values: &[f32], out: &mut [u8]) {
@@ -206,6 +206,7 @@ pub fn quantize_row(q: crate::qkernels::QType, values: &[f32], out: &mut [u8]) {
     for (x, o) in values.chunks(q.block_values()).zip(out.chunks_mut(bb)) {
         match q {
             QType::Q4_K | QType::Q5_K => quantize_super(q == QType::Q5_K, x, o),
+            QType::Q6_K => quantize_q6(x, o),
             QType::Q8_0 => {
                 let amax = x.iter().fold(0f32, |a, v| a.max(v.abs()));
                 let d = f16::from_f32(amax / 127.0);
@@ -309,7 +310,7 @@ pub fn synthetic_model_with(
     let mut lay = WeightsLayout::new();
     let embed = lay.push(&[cfg.vocab_size, h]);
     let linear = |lay: &mut WeightsLayout, shape: &[usize]| match quant {
-        Some(qt) if shape[1] % crate::qkernels::QK == 0 => lay.push_typed(shape, DType::Quant(qt)),
+        Some(qt) if shape[1] % qt.block_values() == 0 => lay.push_typed(shape, DType::Quant(qt)),
         _ => lay.push(shape),
     };
     let mut layers = Vec::with_capacity(cfg.num_layers);
@@ -466,4 +467,43 @@ fn quantize_super(five: bool, x: &[f32], o: &mut [u8]) {
             }
         }
     }
+}
+
+/// One Q6_K super-block of 256 values: per 16 values a scale
+/// `max|x| / 32`, stored as an i8 multiple of the f16 `d` (their largest
+/// over 127); values `round(x / (d*sc)) + 32` in 0..64, split into low
+/// nibbles and high bit pairs as the format lays them out.
+fn quantize_q6(x: &[f32], o: &mut [u8]) {
+    use half::f16;
+    let scale: [f32; 16] = std::array::from_fn(|i| {
+        x[16 * i..16 * (i + 1)]
+            .iter()
+            .fold(0f32, |a, v| a.max(v.abs()))
+            / 32.0
+    });
+    let d = f16::from_f32(scale.iter().copied().fold(0f32, f32::max) / 127.0);
+    let sc: [i8; 16] = std::array::from_fn(|i| {
+        if d.to_f32() == 0.0 {
+            0
+        } else {
+            (scale[i] / d.to_f32()).round().clamp(-128.0, 127.0) as i8
+        }
+    });
+    o[..192].fill(0);
+    for (v, &xv) in x.iter().enumerate() {
+        let step = d.to_f32() * sc[v / 16] as f32;
+        let q = if step == 0.0 {
+            32
+        } else {
+            ((xv / step).round() + 32.0).clamp(0.0, 63.0) as u8
+        };
+        let (h, g, l) = (v / 128, (v % 128) / 32, v % 32);
+        let ql = &mut o[h * 64 + l + (g % 2) * 32];
+        *ql |= if g < 2 { q & 0x0f } else { (q & 0x0f) << 4 };
+        o[128 + h * 32 + l] |= (q >> 4) << (2 * g);
+    }
+    for (i, &s) in sc.iter().enumerate() {
+        o[192 + i] = s as u8;
+    }
+    o[208..210].copy_from_slice(&d.to_le_bytes());
 }

@@ -20,7 +20,7 @@ use pdkv_vmem::{Pool, Tag};
 use serde_json::Value;
 
 use crate::gguf::GgufFile;
-use crate::qkernels::{QType, QK};
+use crate::qkernels::QType;
 use crate::safetensors::SafetensorsFile;
 use crate::weights::{quant_of, DType, LayerWeights, TensorRef, Weights, WeightsLayout};
 use crate::{Arch, ChatTemplate, Model, ModelConfig, Tokenizer};
@@ -395,7 +395,8 @@ struct WeightsPlan {
 
 impl WeightsPlan {
     /// The plan for `cfg`; `quant(gguf_name)` names the block format a
-    /// linear layer keeps (a GGUF file's Q8_0 / Q4_1 tensors), `None` for f32.
+    /// linear layer keeps (a GGUF tensor in a format the kernels read), `None`
+    /// for f32.
     fn new(cfg: &ModelConfig, quant: &dyn Fn(&str) -> Option<QType>) -> WeightsPlan {
         let mut layout = WeightsLayout::new();
         let mut slots = Vec::new();
@@ -403,7 +404,9 @@ impl WeightsPlan {
             |gguf: String, hf: String, shape: &[usize], rope_heads: Option<usize>, linear: bool| {
                 let cols = shape.last().copied().unwrap_or(1);
                 let dtype = match quant(&gguf) {
-                    Some(q) if linear && shape.len() == 2 && cols % QK == 0 => DType::Quant(q),
+                    Some(q) if linear && shape.len() == 2 && cols % q.block_values() == 0 => {
+                        DType::Quant(q)
+                    }
                     _ => DType::F32,
                 };
                 let dest = layout.push_typed(shape, dtype);

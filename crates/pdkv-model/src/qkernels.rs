@@ -49,6 +49,9 @@ pub enum QType {
     Q4_K,
     /// Q4_K with a fifth bit per value.
     Q5_K,
+    /// 256-value super-blocks of signed 6-bit values (`q - 32`) with an i8
+    /// scale per 16 values under one f16 `d`.
+    Q6_K,
 }
 
 impl QType {
@@ -64,14 +67,15 @@ impl QType {
     /// The super-block formats: a row is whole 256-value super-blocks, and
     /// the kernels see each as 8 blocks of 32 with their own scale and
     /// minimum (see [`QType::block_values`]).
-    pub const SUPER: [QType; 2] = [QType::Q4_K, QType::Q5_K];
+    pub const SUPER: [QType; 3] = [QType::Q4_K, QType::Q5_K, QType::Q6_K];
 
     /// Bytes of one block as stored: Q8_0 34 (f16 d, 32 x i8); Q4_0 18 (f16
     /// d, 16 bytes of nibbles); Q4_1 20 (f16 d, f16 m, nibbles); Q5_0 22 (f16
     /// d, 32 fifth bits, nibbles); Q5_1 24 (f16 d, f16 m, fifth bits,
     /// nibbles); Q4_K 144 per 256 values (f16 d, f16 dmin, 12 bytes of
     /// scales and minimums, 128 bytes of nibbles); Q5_K 176 (the same with
-    /// 32 bytes of fifth bits before the nibbles).
+    /// 32 bytes of fifth bits before the nibbles); Q6_K 210 (128 bytes of
+    /// low nibbles, 64 of high bit pairs, 16 i8 scales, f16 d last).
     pub fn block_bytes(self) -> usize {
         match self {
             QType::Q8_0 => 34,
@@ -81,6 +85,7 @@ impl QType {
             QType::Q5_1 => 24,
             QType::Q4_K => 144,
             QType::Q5_K => 176,
+            QType::Q6_K => 210,
         }
     }
 
@@ -93,9 +98,9 @@ impl QType {
         }
     }
 
-    /// Whether rows are 256-value super-blocks (Q4_K, Q5_K).
+    /// Whether rows are 256-value super-blocks (Q4_K, Q5_K, Q6_K).
     pub fn is_super(self) -> bool {
-        matches!(self, QType::Q4_K | QType::Q5_K)
+        matches!(self, QType::Q4_K | QType::Q5_K | QType::Q6_K)
     }
 
     /// Offset in a block of the 16 bytes of low nibbles (all but Q8_0):
@@ -107,7 +112,9 @@ impl QType {
             QType::Q4_1 => 4,
             QType::Q5_0 => 6,
             QType::Q5_1 => 8,
-            QType::Q4_K | QType::Q5_K => unreachable!("{self:?} keeps its nibbles per super-block"),
+            QType::Q4_K | QType::Q5_K | QType::Q6_K => {
+                unreachable!("{self:?} keeps its nibbles per super-block")
+            }
         }
     }
 
@@ -137,9 +144,9 @@ impl QType {
     }
 
     /// Unsigned values `q` with `x = d*q + mw`: every format but Q8_0
-    /// (signed, `x = d*q`).
+    /// (signed, `x = d*q`) and Q6_K (its own kernels: two scales a block).
     fn unsigned(self) -> bool {
-        self != QType::Q8_0
+        !matches!(self, QType::Q8_0 | QType::Q6_K)
     }
 
     /// Bytes of one row of `k` values (k a multiple of
@@ -500,6 +507,8 @@ struct Scratch {
     vals: Vec<u8>,
     dw: Vec<f32>,
     mw: Vec<f32>,
+    /// Q6_K's two i8 scales per block.
+    sc6: Vec<[i32; 2]>,
 }
 
 thread_local! {
@@ -518,6 +527,8 @@ impl Scratch {
             .extend(std::iter::repeat_n(0.0, grow(self.dw.len(), rows * nb)));
         self.mw
             .extend(std::iter::repeat_n(0.0, grow(self.mw.len(), rows * nb)));
+        self.sc6
+            .extend(std::iter::repeat_n([0; 2], grow(self.sc6.len(), rows * nb)));
     }
 }
 
@@ -567,10 +578,26 @@ fn super_value(ty: QType, blk: &[u8], j: usize, i: usize) -> u8 {
     }
 }
 
+/// Block `b` (32 values) of a Q6_K row: `d`, the i8 scales of its two
+/// halves of 16 values, and its super-block.
+fn q6_params(row: *const u8, b: usize) -> (f32, [i32; 2], *const u8) {
+    // SAFETY (callers): `row` holds the super-block of block `b`.
+    let blk = unsafe { row.add(b / 8 * QType::Q6_K.block_bytes()) };
+    let (h, g) = ((b % 8) / 4, b % 4);
+    let sc = |i: usize| unsafe { *blk.add(192 + h * 8 + 2 * g + i) } as i8 as i32;
+    (f16_at(unsafe { blk.add(208) }), [sc(0), sc(1)], blk)
+}
+
+/// Value `i` (0..32, unsigned: the weight is `q - 32`) of block `j` (0..8)
+/// of a Q6_K super-block.
+fn q6_value(blk: &[u8], j: usize, i: usize) -> u8 {
+    crate::gguf::k6_value(blk, j * QK + i)
+}
+
 mod portable {
     use super::{
-        f16_at, min_of, super_params, super_value, unsigned_value, Job, QActs, GROUP, GROUP_BLOCK,
-        QK,
+        f16_at, min_of, q6_params, q6_value, super_params, super_value, unsigned_value, Job, QActs,
+        QType, GROUP, GROUP_BLOCK, QK,
     };
 
     /// One element at a time, straight from the GGUF blocks.
@@ -586,6 +613,15 @@ mod portable {
                     let s = (g * nb + b) * GROUP + lane;
                     let xq = &x.qs[(g * nb + b) * GROUP_BLOCK + lane * 4..];
                     let qx = |i: usize| xq[(i / 4) * 32 + i % 4] as i32;
+                    if job.ty == QType::Q6_K {
+                        let (d, sc, blk) = q6_params(wr, b);
+                        let blk = std::slice::from_raw_parts(blk, bb);
+                        let isum: i32 = (0..QK)
+                            .map(|i| sc[i / 16] * (q6_value(blk, b % 8, i) as i32 - 32) * qx(i))
+                            .sum();
+                        acc += isum as f32 * (d * x.d[s]);
+                        continue;
+                    }
                     if job.ty.is_super() {
                         let (dw, mw, blk) = super_params(job.ty, wr, b);
                         let blk = std::slice::from_raw_parts(blk, bb);
@@ -620,7 +656,8 @@ mod simd {
     use std::arch::x86_64::*;
 
     use super::{
-        f16_at, min_of, super_params, Job, QActs, QType, Scratch, GROUP, GROUP_BLOCK, NR, QK,
+        f16_at, min_of, q6_params, super_params, Job, QActs, QType, Scratch, GROUP, GROUP_BLOCK,
+        NR, QK,
     };
 
     /// Where a tile's weights are: `C` rows from `w` (stride `rb` bytes)
@@ -803,6 +840,19 @@ mod simd {
     unsafe fn prep(s: &mut Scratch, ty: QType, w: *const u8, rb: usize, rows: usize, nb: usize) {
         s.reserve(rows, nb);
         let bb = ty.block_bytes();
+        if ty == QType::Q6_K {
+            for c in 0..rows {
+                for b in 0..nb {
+                    let i = c * nb + b;
+                    let (d, sc, blk) = q6_params(w.add(c * rb), b);
+                    s.dw[i] = d;
+                    s.sc6[i] = sc;
+                    let v = s.vals.as_mut_ptr().add(i * QK);
+                    _mm256_storeu_si256(v as *mut __m256i, unpack_q6(blk, b % 8));
+                }
+            }
+            return;
+        }
         if ty.is_super() {
             for c in 0..rows {
                 for b in 0..nb {
@@ -891,6 +941,28 @@ mod simd {
         _mm256_or_si256(v, _mm256_slli_epi16::<4>(bit))
     }
 
+    /// The 32 unsigned values (`q`, the weight being `q - 32`) of block `j`
+    /// of a Q6_K super-block as bytes, in order (see [`super::q6_value`]).
+    #[inline(always)]
+    unsafe fn unpack_q6(blk: *const u8, j: usize) -> __m256i {
+        let (h, g) = (j / 4, j % 4);
+        let low = _mm256_set1_epi8(0x0f);
+        let ql = _mm256_loadu_si256(blk.add(h * 64 + (g % 2) * 32) as *const __m256i);
+        let lo = if g < 2 {
+            _mm256_and_si256(ql, low)
+        } else {
+            _mm256_and_si256(_mm256_srli_epi16::<4>(ql), low)
+        };
+        // Bits 2g..2g+2 of each high-bit byte (16-bit shifts keep every
+        // byte's own bits: 2g < 8), moved to bits 4..6.
+        let qh = _mm256_loadu_si256(blk.add(128 + h * 32) as *const __m256i);
+        let hi = _mm256_and_si256(
+            _mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * g as i32)),
+            _mm256_set1_epi8(3),
+        );
+        _mm256_or_si256(lo, _mm256_slli_epi16::<4>(hi))
+    }
+
     #[target_feature(enable = "avx2,fma,f16c")]
     pub(super) unsafe fn run_job_avx2(x: &QActs, job: &Job, s: &mut Scratch) {
         run_job::<Avx2>(x, job, s)
@@ -915,6 +987,7 @@ mod simd {
                 QType::Q5_1 => direct::<D, 4>(x, job),
                 QType::Q4_K => direct_super::<D, false>(x, job),
                 QType::Q5_K => direct_super::<D, true>(x, job),
+                QType::Q6_K => direct_q6::<D>(x, job),
             };
         }
         let (nb, rb) = (x.blocks(), job.ty.row_bytes(x.k));
@@ -932,6 +1005,12 @@ mod simd {
                 let rows = GROUP.min(x.m - g * GROUP);
                 let out = &mut [[0f32; GROUP]; NR];
                 match (job.ty.unsigned(), nr) {
+                    _ if job.ty == QType::Q6_K => match nr {
+                        4 => tile_q6::<D, 4>(x, &t, g, out),
+                        3 => tile_q6::<D, 3>(x, &t, g, out),
+                        2 => tile_q6::<D, 2>(x, &t, g, out),
+                        _ => tile_q6::<D, 1>(x, &t, g, out),
+                    },
                     (false, 4) => tile::<D, 4, false>(x, &t, g, out),
                     (false, 3) => tile::<D, 3, false>(x, &t, g, out),
                     (false, 2) => tile::<D, 2, false>(x, &t, g, out),
@@ -1174,6 +1253,129 @@ mod simd {
         }
     }
 
+    /// [`direct`] for Q6_K: per block and weight row, the 8 i32 lanes of
+    /// `Σ q·x` over 4 values each, less `32 Σ x` over the same 4, times the
+    /// scale of the half (lanes 0..4: values 0..16) they fall in, then summed
+    /// across lanes: `Σ sc·(q - 32)·x` exactly, whatever the order. The
+    /// float sequence is the tiles'.
+    #[inline(always)]
+    unsafe fn direct_q6<D: IDot>(x: &QActs, job: &Job) {
+        let ty = QType::Q6_K;
+        let (nb, k, m) = (x.blocks(), x.k, x.m);
+        let (rb, bb) = (ty.row_bytes(k), ty.block_bytes());
+        let ones = _mm256_set1_epi8(1);
+        let mut j = job.j0;
+        while j < job.j1 {
+            let nr = DR.min(job.j1 - j);
+            let row = |c: usize| c.min(nr - 1) * rb;
+            let base = job.w.add(j * rb);
+            let next = base.wrapping_add(DR * rb);
+            let mut acc = [_mm256_setzero_ps(); DIRECT_MAX];
+            for sb in 0..nb / 8 {
+                let ahead = next.wrapping_add(sb * DR * bb);
+                let mut o = 0;
+                while o < DR * bb {
+                    _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(o) as *const i8);
+                    o += 64;
+                }
+                let blk = |c: usize| base.add(row(c) + sb * bb);
+                let h16 = |c: usize| (blk(c).add(208) as *const i16).read_unaligned();
+                let d = _mm256_cvtph_ps(_mm_setr_epi16(
+                    h16(0),
+                    h16(1),
+                    h16(2),
+                    h16(3),
+                    h16(4),
+                    h16(5),
+                    h16(6),
+                    h16(7),
+                ));
+                for jb in 0..8 {
+                    let b = sb * 8 + jb;
+                    let (h, g) = (jb / 4, jb % 4);
+                    let mut wv = [_mm256_setzero_si256(); DR];
+                    let mut scv = [_mm256_setzero_si256(); DR];
+                    for c in 0..DR {
+                        wv[c] = unpack_q6(blk(c), jb);
+                        let sc = blk(c).add(192 + h * 8 + 2 * g) as *const i8;
+                        let (sa, sb2) = (*sc as i32, *sc.add(1) as i32);
+                        scv[c] = _mm256_setr_epi32(sa, sa, sa, sa, sb2, sb2, sb2, sb2);
+                    }
+                    for (r, a) in acc[..m].iter_mut().enumerate() {
+                        let xv = _mm256_loadu_si256(
+                            x.rowq.as_ptr().add(r * k + b * QK) as *const __m256i
+                        );
+                        let xs32 = _mm256_slli_epi32::<5>(D::r4(xv, ones));
+                        let mut v = [_mm256_setzero_si256(); DR];
+                        for c in 0..DR {
+                            v[c] = _mm256_mullo_epi32(
+                                _mm256_sub_epi32(D::r4(xv, wv[c]), xs32),
+                                scv[c],
+                            );
+                        }
+                        let isum = lanes8(&v);
+                        let si = b * GROUP + r;
+                        let scl = _mm256_mul_ps(d, _mm256_set1_ps(x.d[si]));
+                        *a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), scl, *a);
+                    }
+                }
+            }
+            for (r, a) in acc[..m].iter().enumerate() {
+                let mut out = [0f32; DR];
+                _mm256_storeu_ps(out.as_mut_ptr(), *a);
+                for (c, &v) in out[..nr].iter().enumerate() {
+                    *job.y.add(r * job.n + j + c) = v;
+                }
+            }
+            j += nr;
+        }
+    }
+
+    /// [`tile`] for Q6_K: per block, the halves' integer dots and the
+    /// activations' half sums, combined as `sa·(A - 32 XA) + sb·(B - 32 XB)`
+    /// per weight row (the integer [`direct_q6`] forms), then one `fma`.
+    #[inline(always)]
+    unsafe fn tile_q6<D: IDot, const C: usize>(
+        x: &QActs,
+        t: &Tile<'_>,
+        g: usize,
+        out: &mut [[f32; GROUP]; NR],
+    ) {
+        let (nb, s) = (x.blocks(), t.s);
+        let ones = _mm256_set1_epi8(1);
+        let mut acc = [_mm256_setzero_ps(); C];
+        for b in 0..nb {
+            let xb = x.qs.as_ptr().add((g * nb + b) * GROUP_BLOCK);
+            let si = (g * nb + b) * GROUP;
+            let mut half = [[_mm256_setzero_si256(); C]; 2];
+            let mut xsum = [_mm256_setzero_si256(); 2];
+            for i in 0..QK / 4 {
+                let xv = _mm256_loadu_si256(xb.add(i * 32) as *const __m256i);
+                let hh = i / 4;
+                xsum[hh] = _mm256_add_epi32(xsum[hh], D::r4(xv, ones));
+                for c in 0..C {
+                    half[hh][c] =
+                        _mm256_add_epi32(half[hh][c], D::r4(xv, unpacked_chunk(t, c, b, i)));
+                }
+            }
+            let dx = _mm256_loadu_ps(x.d.as_ptr().add(si));
+            for c in 0..C {
+                let [sa, sb] = s.sc6[c * nb + b];
+                let lo = _mm256_sub_epi32(half[0][c], _mm256_slli_epi32::<5>(xsum[0]));
+                let hi = _mm256_sub_epi32(half[1][c], _mm256_slli_epi32::<5>(xsum[1]));
+                let isum = _mm256_add_epi32(
+                    _mm256_mullo_epi32(lo, _mm256_set1_epi32(sa)),
+                    _mm256_mullo_epi32(hi, _mm256_set1_epi32(sb)),
+                );
+                let sc = _mm256_mul_ps(_mm256_set1_ps(s.dw[c * nb + b]), dx);
+                acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), sc, acc[c]);
+            }
+        }
+        for c in 0..C {
+            _mm256_storeu_ps(out[c].as_mut_ptr(), acc[c]);
+        }
+    }
+
     /// Lane `c` of the result is the sum of the 8 lanes of `v[c]`.
     #[inline(always)]
     unsafe fn lanes8(v: &[__m256i; DR]) -> __m256i {
@@ -1274,6 +1476,12 @@ mod tests {
                 } else {
                     half::f16::ONE
                 };
+            if ty == QType::Q6_K {
+                // Values, high bits and i8 scales are any bytes; d comes last.
+                w.extend((0..208).map(|_| rng.next() as u8));
+                w.extend_from_slice(&(d * half::f16::from_f32(0.05)).to_le_bytes());
+                continue;
+            }
             w.extend_from_slice(&d.to_le_bytes());
             if ty.stored_min() {
                 w.extend_from_slice(&half::f16::from_f32(0.1 * rng.f32()).to_le_bytes());
@@ -1337,7 +1545,7 @@ mod tests {
 
     /// Every format the kernels read: the 32-value ones and the super-block
     /// ones (which need `k` a multiple of 256: tests skip them elsewhere).
-    const TYPES: [QType; 7] = [
+    const TYPES: [QType; 8] = [
         QType::Q8_0,
         QType::Q4_0,
         QType::Q4_1,
@@ -1345,11 +1553,41 @@ mod tests {
         QType::Q5_1,
         QType::Q4_K,
         QType::Q5_K,
+        QType::Q6_K,
     ];
 
     /// Whether rows of `k` values are whole blocks of `ty`.
     fn fits(ty: QType, k: usize) -> bool {
         k % ty.block_values() == 0
+    }
+
+    /// The super-block writer the benches use encodes what the GGUF
+    /// reader decodes: values come back within about half a step of their
+    /// sub-block (the bounds leave room for the 6- or 8-bit scales).
+    #[test]
+    fn super_block_writer_round_trips_through_the_gguf_reader() {
+        let k = 1024;
+        let mut rng = Rng::new(17);
+        let x: Vec<f32> = (0..k)
+            .map(|i| rng.f32() * (1.0 + (i / 256) as f32))
+            .collect();
+        for (ty, bound) in [
+            (QType::Q4_K, 0.6 / 15.0),
+            (QType::Q5_K, 0.6 / 31.0),
+            (QType::Q6_K, 0.6 / 31.0),
+        ] {
+            let mut blocks = vec![0u8; ty.row_bytes(k)];
+            crate::bench::quantize_row(ty, &x, &mut blocks);
+            let back = dequant(ty, &blocks, 1, k);
+            for (i, (&a, &b)) in x.iter().zip(&back).enumerate() {
+                // Relative to the span of the super-block's values.
+                let span = 2.0 * (1.0 + (i / 256) as f32);
+                assert!(
+                    (a - b).abs() <= bound * span,
+                    "{ty:?} value {i}: {a} came back as {b}"
+                );
+            }
+        }
     }
 
     #[test]

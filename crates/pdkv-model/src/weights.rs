@@ -59,6 +59,7 @@ pub fn ggml_type(q: QType) -> crate::gguf::GgmlType {
         QType::Q5_1 => crate::gguf::GgmlType::Q5_1,
         QType::Q4_K => crate::gguf::GgmlType::Q4_K,
         QType::Q5_K => crate::gguf::GgmlType::Q5_K,
+        QType::Q6_K => crate::gguf::GgmlType::Q6_K,
     }
 }
 
@@ -72,6 +73,7 @@ pub fn quant_of(t: crate::gguf::GgmlType) -> Option<QType> {
         crate::gguf::GgmlType::Q5_1 => Some(QType::Q5_1),
         crate::gguf::GgmlType::Q4_K => Some(QType::Q4_K),
         crate::gguf::GgmlType::Q5_K => Some(QType::Q5_K),
+        crate::gguf::GgmlType::Q6_K => Some(QType::Q6_K),
         _ => None,
     }
 }
