@@ -4,8 +4,8 @@
 #   scripts/vs-llamacpp.sh [--runs N] [--only decode,prefill,http] [--threads T]
 #
 # Builds llama.cpp's tools once (../shared/tools/build-llama-cpp.sh, ~10 min,
-# cached), makes a Q8_0 file from the shipped Q4_1 SmolLM2 with llama-quantize
-# (cached beside it), then, each pair measured back to back and repeated
+# cached), makes Q8_0 and Q4_K_M files from the shipped Q4_1 SmolLM2 with
+# llama-quantize (cached beside it; decode runs on all three), then, each pair measured back to back and repeated
 # --runs times (the median is reported; the machine's noise shows as the
 # spread):
 #   decode   llama-batched-bench -npp 128 -ntg 32 -npl 1,32  vs  pdkv bench decode --context 128
@@ -40,11 +40,15 @@ Q41=$("$PDKV" model fetch 2>/dev/null | tail -1)
 [ -f "$Q41" ] || Q41=~/.cache/pdkv/models/SmolLM2-135M-Instruct.Q4_1.gguf
 [ -f "$Q41" ] || { echo "no SmolLM2 GGUF: run pdkv model fetch" >&2; exit 1; }
 Q80=${Q41%.Q4_1.gguf}.Q8_0.gguf
-if [ ! -f "$Q80" ]; then
-  echo "making $Q80 with llama-quantize" >&2
-  "$B/llama-quantize" --allow-requantize "$Q41" "$Q80.tmp" Q8_0 "$THREADS" >/dev/null 2>&1
-  mv "$Q80.tmp" "$Q80"
-fi
+Q4KM=${Q41%.Q4_1.gguf}.Q4_K_M.gguf
+for pair in "$Q80:Q8_0" "$Q4KM:Q4_K_M"; do
+  f=${pair%:*}
+  if [ ! -f "$f" ]; then
+    echo "making $f with llama-quantize" >&2
+    "$B/llama-quantize" --allow-requantize "$Q41" "$f.tmp" "${pair##*:}" "$THREADS" >/dev/null 2>&1
+    mv "$f.tmp" "$f"
+  fi
+done
 OUT=$(mktemp -d)
 trap 'kill $(jobs -p) 2>/dev/null || true; rm -rf "$OUT"' EXIT
 export PDKV_THREADS=$THREADS
@@ -55,7 +59,7 @@ RES=$OUT/results.jsonl
 record() { printf '{"what":"%s","file":"%s","tool":"%s","value":%s}\n' "$1" "$2" "$3" "$4" >> "$RES"; }
 
 if want decode; then
-  for f in "$Q80" "$Q41"; do
+  for f in "$Q80" "$Q41" "$Q4KM"; do
     name=$(basename "$f")
     for r in $(seq "$RUNS"); do
       echo "decode $name run $r/$RUNS" >&2
