@@ -207,6 +207,16 @@ pub fn quantize_row(q: crate::qkernels::QType, values: &[f32], out: &mut [u8]) {
         match q {
             QType::Q4_K | QType::Q5_K => quantize_super(q == QType::Q5_K, x, o),
             QType::Q6_K => quantize_q6(x, o),
+            QType::F16 => {
+                for (v, b) in x.iter().zip(o.chunks_exact_mut(2)) {
+                    b.copy_from_slice(&f16::from_f32(*v).to_le_bytes());
+                }
+            }
+            QType::BF16 => {
+                for (v, b) in x.iter().zip(o.chunks_exact_mut(2)) {
+                    b.copy_from_slice(&half::bf16::from_f32(*v).to_le_bytes());
+                }
+            }
             QType::Q8_0 => {
                 let amax = x.iter().fold(0f32, |a, v| a.max(v.abs()));
                 let d = f16::from_f32(amax / 127.0);

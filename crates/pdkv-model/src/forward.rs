@@ -692,26 +692,30 @@ fn project<const N: usize>(
     k: usize,
     outs: [(Mat<'_>, usize, &mut [f32]); N],
 ) {
-    let quantised = outs
+    // Block formats take int8 activations when asked to, 16-bit floats
+    // never (they multiply f32 activations, widened in registers).
+    let blocks = outs
         .iter()
         .filter(|o| matches!(o.0, Mat::Quant(..)))
         .count();
-    if quantised > 0 && int8 {
+    let int8_of = |w: &Mat<'_>| matches!(w, Mat::Quant(ty, _) if int8 && !ty.is_half());
+    let int8s = outs.iter().filter(|o| int8_of(&o.0)).count();
+    if int8s > 0 {
         qa.quantize(&x[..m * k], m, k);
     }
-    if quantised == 0 {
+    if blocks == 0 {
         let mut ls = outs.map(|(w, n, y)| match w {
             Mat::F32(w) => Linear { w, n, y },
             Mat::Quant(..) => unreachable!("counted none"),
         });
         kernels::matmul_many(x, m, k, &mut ls);
-    } else if quantised == N && int8 {
+    } else if int8s == N {
         let mut ls = outs.map(|(w, n, y)| match w {
             Mat::Quant(ty, w) => QLinear { ty, w, n, y },
             Mat::F32(_) => unreachable!("counted all"),
         });
         qkernels::qmatmul_many(qa, &mut ls);
-    } else if quantised == N {
+    } else if blocks == N && int8s == 0 {
         // f32 activations: block-format rows dequantised into the f32 tiles.
         let mut ls = outs.map(|(w, n, y)| match w {
             Mat::Quant(ty, w) => kernels::BlockLinear { ty, w, n, y },
@@ -720,6 +724,7 @@ fn project<const N: usize>(
         kernels::matmul_blocks_many(x, m, k, &mut ls);
     } else {
         for (w, n, y) in outs {
+            let int8 = int8_of(&w);
             match w {
                 Mat::F32(w) => kernels::matmul(x, m, k, w, n, y),
                 Mat::Quant(ty, w) if int8 => {

@@ -27,7 +27,8 @@ use rayon::prelude::*;
 /// Which instruction set the kernels use. Fixed for the life of the process.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Backend {
-    /// x86-64 AVX2 with fused multiply-add.
+    /// x86-64 AVX2 with fused multiply-add (and F16C, which every such CPU
+    /// has, for half-float weights).
     Avx2Fma,
     /// Plain Rust (separate multiply and add), for any CPU.
     Portable,
@@ -39,7 +40,10 @@ pub fn backend() -> Backend {
     *BACKEND.get_or_init(|| {
         #[cfg(target_arch = "x86_64")]
         {
-            if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+            if is_x86_feature_detected!("avx2")
+                && is_x86_feature_detected!("fma")
+                && is_x86_feature_detected!("f16c")
+            {
                 return Backend::Avx2Fma;
             }
         }
@@ -502,15 +506,24 @@ mod avx2 {
     /// The formats [`dequantize_row`] and [`block_rows`] handle (the others
     /// go through [`crate::gguf::dequantize`] and the f32 tiles).
     pub(super) fn has_block_kernels(ty: crate::qkernels::QType) -> bool {
-        matches!(
-            ty,
-            crate::qkernels::QType::Q8_0 | crate::qkernels::QType::Q4_1
-        )
+        use crate::qkernels::QType;
+        matches!(ty, QType::Q8_0 | QType::Q4_1 | QType::F16 | QType::BF16)
+    }
+
+    /// The 8 values at `p` of a 16-bit float format, widened exactly.
+    #[inline(always)]
+    unsafe fn half8(ty: crate::qkernels::QType, p: *const u8) -> __m256 {
+        let h = _mm_loadu_si128(p as *const __m128i);
+        if ty == crate::qkernels::QType::F16 {
+            _mm256_cvtph_ps(h)
+        } else {
+            _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(h)))
+        }
     }
 
     /// A block-format row as f32: `d*q` (Q8_0), `d*q + m` (Q4_1), with a
     /// separate multiply and add, as the scalar dequantiser rounds.
-    #[target_feature(enable = "avx2,fma")]
+    #[target_feature(enable = "avx2,fma,f16c")]
     pub(super) unsafe fn dequantize_row(ty: crate::qkernels::QType, src: &[u8], out: &mut [f32]) {
         use crate::qkernels::QType;
         let f16 = |b: &[u8]| half::f16::from_le_bytes([b[0], b[1]]).to_f32();
@@ -540,6 +553,11 @@ mod avx2 {
                         _mm256_storeu_ps(o.add(8 * g), _mm256_add_ps(_mm256_mul_ps(d, q), m));
                     }
                 }
+                QType::F16 | QType::BF16 => {
+                    for g in 0..4 {
+                        _mm256_storeu_ps(o.add(8 * g), half8(ty, b.as_ptr().add(16 * g)));
+                    }
+                }
                 other => unreachable!("{other:?} has no AVX2 dequantiser (has_block_kernels)"),
             }
         }
@@ -550,7 +568,7 @@ mod avx2 {
     /// dequantised in registers exactly as `dequantize_row` does and enters
     /// the same 8-lane accumulation as the f32 tiles, then the same
     /// horizontal sum (`k` is whole blocks, so there is no tail).
-    #[target_feature(enable = "avx2,fma")]
+    #[target_feature(enable = "avx2,fma,f16c")]
     pub(super) unsafe fn block_rows(
         ty: crate::qkernels::QType,
         w: &[u8],
@@ -603,6 +621,11 @@ mod avx2 {
                     {
                         let q = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v));
                         *gv = _mm256_add_ps(_mm256_mul_ps(d, q), mn);
+                    }
+                }
+                QType::F16 | QType::BF16 => {
+                    for (i, gv) in g.iter_mut().enumerate() {
+                        *gv = half8(ty, b.as_ptr().add(16 * i));
                     }
                 }
                 other => unreachable!("{other:?} has no fused kernel (has_block_kernels)"),
@@ -1267,8 +1290,9 @@ mod tests {
     fn block_matmul_equals_f32_matmul_on_the_dequantised_weights_bit_for_bit() {
         use crate::qkernels::QType;
         let (k, n) = (96, 29);
-        for ty in QType::ALL {
-            // Random blocks: f16 scales (and minima) from random values, random codes.
+        for ty in QType::ALL.into_iter().chain([QType::F16, QType::BF16]) {
+            // Random blocks: f16 scales (and minima) from random values, random
+            // codes; 16-bit floats from random values.
             let vals = rand_vec(11, n * k);
             let mut blocks = vec![0u8; n * ty.row_bytes(k)];
             for (row, out) in vals.chunks(k).zip(blocks.chunks_mut(ty.row_bytes(k))) {

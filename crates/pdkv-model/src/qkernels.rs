@@ -52,6 +52,12 @@ pub enum QType {
     /// 256-value super-blocks of signed 6-bit values (`q - 32`) with an i8
     /// scale per 16 values under one f16 `d`.
     Q6_K,
+    /// IEEE half floats, no scales (seen as blocks of 32 values). The int8
+    /// kernels do not take them: they multiply f32 activations, converted
+    /// in registers (`kernels::matmul_blocks_many`), with the f32 path's bits.
+    F16,
+    /// bfloat16, as [`QType::F16`].
+    BF16,
 }
 
 impl QType {
@@ -86,6 +92,7 @@ impl QType {
             QType::Q4_K => 144,
             QType::Q5_K => 176,
             QType::Q6_K => 210,
+            QType::F16 | QType::BF16 => 64,
         }
     }
 
@@ -96,6 +103,11 @@ impl QType {
         } else {
             QK
         }
+    }
+
+    /// Whether the values are 16-bit floats (F16, BF16): no int8 kernels.
+    pub fn is_half(self) -> bool {
+        matches!(self, QType::F16 | QType::BF16)
     }
 
     /// Whether rows are 256-value super-blocks (Q4_K, Q5_K, Q6_K).
@@ -115,6 +127,7 @@ impl QType {
             QType::Q4_K | QType::Q5_K | QType::Q6_K => {
                 unreachable!("{self:?} keeps its nibbles per super-block")
             }
+            QType::F16 | QType::BF16 => unreachable!("{self:?} has no nibbles"),
         }
     }
 
@@ -413,6 +426,7 @@ struct Job {
 fn run_many(fl: Flavour, x: &QActs, outs: &mut [QLinear<'_>]) {
     let (m, k) = (x.m, x.k);
     for o in outs.iter() {
+        assert!(!o.ty.is_half(), "{:?} takes f32 activations", o.ty);
         assert!(
             k % o.ty.block_values() == 0,
             "{:?} rows are whole blocks of {} values, k = {k}",
@@ -988,6 +1002,7 @@ mod simd {
                 QType::Q4_K => direct_super::<D, false>(x, job),
                 QType::Q5_K => direct_super::<D, true>(x, job),
                 QType::Q6_K => direct_q6::<D>(x, job),
+                QType::F16 | QType::BF16 => unreachable!("run_many refuses them"),
             };
         }
         let (nb, rb) = (x.blocks(), job.ty.row_bytes(x.k));

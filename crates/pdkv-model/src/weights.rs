@@ -60,6 +60,8 @@ pub fn ggml_type(q: QType) -> crate::gguf::GgmlType {
         QType::Q4_K => crate::gguf::GgmlType::Q4_K,
         QType::Q5_K => crate::gguf::GgmlType::Q5_K,
         QType::Q6_K => crate::gguf::GgmlType::Q6_K,
+        QType::F16 => crate::gguf::GgmlType::F16,
+        QType::BF16 => crate::gguf::GgmlType::BF16,
     }
 }
 
@@ -74,6 +76,8 @@ pub fn quant_of(t: crate::gguf::GgmlType) -> Option<QType> {
         crate::gguf::GgmlType::Q4_K => Some(QType::Q4_K),
         crate::gguf::GgmlType::Q5_K => Some(QType::Q5_K),
         crate::gguf::GgmlType::Q6_K => Some(QType::Q6_K),
+        crate::gguf::GgmlType::F16 => Some(QType::F16),
+        crate::gguf::GgmlType::BF16 => Some(QType::BF16),
         _ => None,
     }
 }
