@@ -267,7 +267,7 @@ pub fn reload_weights_into(
         None => Source::Hf(open_hf_shards(path).map_err(ReloadError::Unreadable)?),
     };
     let plan = match &source {
-        Source::Hf(_) => WeightsPlan::new(expected, &|_| None),
+        Source::Hf(sh) => WeightsPlan::new(expected, &hf_quant(sh)),
         Source::Gguf(g) => WeightsPlan::new(expected, &gguf_quant(g)),
     };
     let layout_matches = plan.embed == weights.embed
@@ -394,16 +394,16 @@ struct WeightsPlan {
 }
 
 impl WeightsPlan {
-    /// The plan for `cfg`; `quant(gguf_name)` names the block format a
-    /// linear layer keeps (a GGUF tensor in a format the kernels read), `None`
-    /// for f32.
-    fn new(cfg: &ModelConfig, quant: &dyn Fn(&str) -> Option<QType>) -> WeightsPlan {
+    /// The plan for `cfg`; `quant(gguf_name, hf_name)` names the block
+    /// format a linear layer keeps (a GGUF tensor in a format the kernels
+    /// read, a 16-bit safetensors tensor), `None` for f32.
+    fn new(cfg: &ModelConfig, quant: &dyn Fn(&str, &str) -> Option<QType>) -> WeightsPlan {
         let mut layout = WeightsLayout::new();
         let mut slots = Vec::new();
         let mut push =
             |gguf: String, hf: String, shape: &[usize], rope_heads: Option<usize>, linear: bool| {
                 let cols = shape.last().copied().unwrap_or(1);
-                let dtype = match quant(&gguf) {
+                let dtype = match quant(&gguf, &hf) {
                     Some(q) if linear && shape.len() == 2 && cols % q.block_values() == 0 => {
                         DType::Quant(q)
                     }
@@ -667,8 +667,21 @@ fn load_gguf_weights(
 }
 
 /// The block format a GGUF tensor keeps in the weights region, by name.
-fn gguf_quant(g: &GgufFile) -> impl Fn(&str) -> Option<QType> + '_ {
-    move |name| g.tensor(name).and_then(|i| quant_of(i.ty))
+fn gguf_quant(g: &GgufFile) -> impl Fn(&str, &str) -> Option<QType> + '_ {
+    move |name, _| g.tensor(name).and_then(|i| quant_of(i.ty))
+}
+
+/// The 16-bit format a safetensors tensor keeps in the weights region, by
+/// its Hugging Face name (F32 ones, and any not found, become f32).
+fn hf_quant(sh: &HfShards) -> impl Fn(&str, &str) -> Option<QType> + '_ {
+    move |_, name| {
+        let &i = sh.index.get(name)?;
+        match sh.shards[i].tensors.get(name)?.dtype {
+            crate::safetensors::Dtype::F16 => Some(QType::F16),
+            crate::safetensors::Dtype::BF16 => Some(QType::BF16),
+            crate::safetensors::Dtype::F32 => None,
+        }
+    }
 }
 
 /// Converts the GGUF tensor of `slot` into `dst` (Q/K rows un-permuted):
@@ -907,10 +920,28 @@ impl HfShards {
         let (i, _) = self.entry(slot)?;
         match dst {
             SlotDst::F32(dst) => self.shards[i].read_f32(&slot.hf_name, dst),
-            SlotDst::Raw(_) => bail!(
-                "tensor `{}`: a safetensors checkpoint has no block-format tensors",
-                slot.hf_name
-            ),
+            SlotDst::Raw(dst) => {
+                let name = &slot.hf_name;
+                let (bytes, dtype) = self.shards[i]
+                    .raw(name)
+                    .with_context(|| format!("no tensor `{name}`"))?;
+                let want = match slot.dest.dtype {
+                    DType::Quant(QType::F16) => crate::safetensors::Dtype::F16,
+                    DType::Quant(QType::BF16) => crate::safetensors::Dtype::BF16,
+                    other => bail!(
+                        "tensor `{name}` is planned as {other:?}, which no safetensors dtype is"
+                    ),
+                };
+                if dtype != want || bytes.len() != dst.len() {
+                    bail!(
+                        "tensor `{name}` is {dtype:?} of {} bytes, the running model keeps {want:?} of {}",
+                        bytes.len(),
+                        dst.len()
+                    );
+                }
+                dst.copy_from_slice(bytes);
+                Ok(())
+            }
         }
     }
 }
@@ -922,7 +953,8 @@ fn load_hf_weights(
     progress: &mut dyn FnMut(&LoadProgress),
 ) -> anyhow::Result<Weights> {
     let shards = open_hf_shards(dir)?;
-    WeightsPlan::new(cfg, &|_| None).load(pool, progress, |slot, dst| shards.fill(slot, dst))
+    let plan = WeightsPlan::new(cfg, &hf_quant(&shards));
+    plan.load(pool, progress, |slot, dst| shards.fill(slot, dst))
 }
 
 fn open_hf_shards(dir: &Path) -> anyhow::Result<HfShards> {

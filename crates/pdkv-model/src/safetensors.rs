@@ -72,6 +72,12 @@ impl SafetensorsFile {
         Ok(SafetensorsFile { map, tensors })
     }
 
+    /// A tensor's bytes as stored, with their dtype.
+    pub fn raw(&self, name: &str) -> Option<(&[u8], Dtype)> {
+        let e = self.tensors.get(name)?;
+        Some((&self.map[e.start..e.end], e.dtype))
+    }
+
     /// Converts a tensor to f32 into `out` (which must hold exactly its
     /// elements).
     pub fn read_f32(&self, name: &str, out: &mut [f32]) -> anyhow::Result<()> {
@@ -169,8 +175,23 @@ fn parse_header(buf: &[u8]) -> anyhow::Result<BTreeMap<String, TensorEntry>> {
 /// Writes f32 tensors as a safetensors file, in the given order. The header
 /// is padded with spaces to a multiple of 8 bytes so the data is aligned.
 pub fn write_f32(path: &Path, tensors: &[(String, Vec<usize>, Vec<f32>)]) -> anyhow::Result<()> {
+    write_as(path, tensors, Dtype::F32)
+}
+
+/// Writes tensors as a safetensors file of `dtype` (values rounded to
+/// nearest, as `half` rounds), in the given order; see [`write_f32`].
+pub fn write_as(
+    path: &Path,
+    tensors: &[(String, Vec<usize>, Vec<f32>)],
+    dtype: Dtype,
+) -> anyhow::Result<()> {
     let mut header = serde_json::Map::new();
     let mut offset = 0usize;
+    let name_of = match dtype {
+        Dtype::F32 => "F32",
+        Dtype::F16 => "F16",
+        Dtype::BF16 => "BF16",
+    };
     for (name, shape, data) in tensors {
         let n: usize = shape.iter().product();
         if n != data.len() {
@@ -179,10 +200,10 @@ pub fn write_f32(path: &Path, tensors: &[(String, Vec<usize>, Vec<f32>)]) -> any
                 data.len()
             );
         }
-        let end = offset + n * 4;
+        let end = offset + n * dtype.size();
         header.insert(
             name.clone(),
-            serde_json::json!({"dtype": "F32", "shape": shape, "data_offsets": [offset, end]}),
+            serde_json::json!({"dtype": name_of, "shape": shape, "data_offsets": [offset, end]}),
         );
         offset = end;
     }
@@ -197,8 +218,12 @@ pub fn write_f32(path: &Path, tensors: &[(String, Vec<usize>, Vec<f32>)]) -> any
     w.write_all(&(hbytes.len() as u64).to_le_bytes())?;
     w.write_all(&hbytes)?;
     for (_, _, data) in tensors {
-        for v in data {
-            w.write_all(&v.to_le_bytes())?;
+        for &v in data {
+            match dtype {
+                Dtype::F32 => w.write_all(&v.to_le_bytes())?,
+                Dtype::F16 => w.write_all(&f16::from_f32(v).to_le_bytes())?,
+                Dtype::BF16 => w.write_all(&bf16::from_f32(v).to_le_bytes())?,
+            }
         }
     }
     w.flush()?;

@@ -567,3 +567,91 @@ fn smollm2_weights_region_holds_the_files_tensor_bytes() {
         "the projections keep their blocks"
     );
 }
+
+/// A safetensors checkpoint in BF16 or F16 keeps its matrices 16-bit (half
+/// the weights region of the same model in f32) and computes exactly what
+/// the f32 checkpoint of the same values computes: the 16-bit values are
+/// widened exactly and enter the same f32 arithmetic.
+#[test]
+fn a_16_bit_safetensors_checkpoint_stays_16_bit_and_gives_the_f32_checkpoints_bits() {
+    use pdkv_model::safetensors::{write_as, Dtype};
+    use pdkv_model::{KvCache, SeqInput, Workspace};
+    use pdkv_vmem::Tag;
+    let src = tmpdir();
+    write_random_checkpoint(Arch::Qwen3, "tiny", 11, src.path()).unwrap();
+    let st = SafetensorsFile::open(&src.path().join("model.safetensors")).unwrap();
+    for (dtype, round) in [
+        (
+            Dtype::BF16,
+            (|v: f32| half::bf16::from_f32(v).to_f32()) as fn(f32) -> f32,
+        ),
+        (Dtype::F16, |v: f32| half::f16::from_f32(v).to_f32()),
+    ] {
+        // The same values twice: as f32 (rounded first) and as `dtype`.
+        let tensors: Vec<(String, Vec<usize>, Vec<f32>)> = st
+            .tensors
+            .iter()
+            .map(|(name, e)| {
+                let mut v = vec![0f32; e.shape.iter().product()];
+                st.read_f32(name, &mut v).unwrap();
+                (
+                    name.clone(),
+                    e.shape.clone(),
+                    v.into_iter().map(round).collect(),
+                )
+            })
+            .collect();
+        let (wide, narrow) = (tmpdir(), tmpdir());
+        for d in [&wide, &narrow] {
+            for f in [
+                "config.json",
+                "tokenizer.json",
+                "tokenizer_config.json",
+                "generation_config.json",
+            ] {
+                std::fs::copy(src.path().join(f), d.path().join(f)).unwrap();
+            }
+        }
+        write_as(&wide.path().join("model.safetensors"), &tensors, Dtype::F32).unwrap();
+        write_as(&narrow.path().join("model.safetensors"), &tensors, dtype).unwrap();
+        let run = |dir: &Path| {
+            let pool = Pool::default();
+            let lm = load_model(dir, &pool, &mut |_| {}).unwrap();
+            let cfg = lm.model.config().clone();
+            let kv = KvCache::new(&pool, &cfg, 4).unwrap();
+            let mut ws = Workspace::new(&pool, &cfg, 32).unwrap();
+            let toks: Vec<u32> = (0..21)
+                .map(|i| (i * 37 + 5) % cfg.vocab_size as u32)
+                .collect();
+            let seq = SeqInput {
+                tokens: &toks,
+                start_pos: 0,
+                block_table: &[0, 1],
+                want_logits: true,
+            };
+            let mut logits = Vec::new();
+            lm.model.forward(&kv, &mut ws, &[seq], &mut logits).unwrap();
+            let bytes = pool.device_bytes().get(Tag::Weights);
+            (
+                logits.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                bytes,
+                lm.model.weights().layers[0].wq.dtype,
+            )
+        };
+        let (want, wide_bytes, wide_dtype) = run(wide.path());
+        let (got, narrow_bytes, narrow_dtype) = run(narrow.path());
+        assert_eq!(wide_dtype, pdkv_model::weights::DType::F32);
+        assert!(
+            matches!(narrow_dtype, pdkv_model::weights::DType::Quant(_)),
+            "{dtype:?}: {narrow_dtype:?}"
+        );
+        assert_eq!(
+            got, want,
+            "{dtype:?} logits differ from the f32 checkpoint's"
+        );
+        assert!(
+            narrow_bytes * 10 < wide_bytes * 6,
+            "{dtype:?}: weights take {narrow_bytes} bytes, the f32 checkpoint {wide_bytes}"
+        );
+    }
+}

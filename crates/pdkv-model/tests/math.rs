@@ -72,10 +72,11 @@ fn block_cfgs() -> Vec<ModelConfig> {
 }
 
 /// The invariance cases: f32 weights, and weights in each block format the
-/// kernels compute on, with f32 and with int8 activations.
+/// kernels compute on (16-bit floats included), with f32 and with int8
+/// activations.
 fn cases() -> Vec<(ModelConfig, Option<QType>, bool)> {
     let mut v: Vec<_> = configs().into_iter().map(|c| (c, None, false)).collect();
-    for q in QType::ALL {
+    for q in QType::ALL.into_iter().chain([QType::F16, QType::BF16]) {
         for int8 in [false, true] {
             v.extend(block_cfgs().into_iter().map(|c| (c, Some(q), int8)));
         }
@@ -572,7 +573,8 @@ fn reference_logits(model: &Model, toks: &[u32]) -> Vec<f64> {
 /// activations (llama.cpp's trade).
 #[test]
 fn block_format_forward_agrees_with_f64_reference_on_dequantised_weights() {
-    for (q, int8) in QType::ALL.into_iter().flat_map(|q| [(q, false), (q, true)]) {
+    let formats = QType::ALL.into_iter().chain([QType::F16, QType::BF16]);
+    for (q, int8) in formats.flat_map(|q| [(q, false), (q, true)]) {
         for cfg in block_cfgs() {
             let mut h = Harness::with(&cfg, Some(q), int8, 16, 64);
             let toks = tokens(8, 50, cfg.vocab_size);
