@@ -574,6 +574,7 @@ fn smollm2_weights_region_holds_the_files_tensor_bytes() {
 /// widened exactly and enter the same f32 arithmetic.
 #[test]
 fn a_16_bit_safetensors_checkpoint_stays_16_bit_and_gives_the_f32_checkpoints_bits() {
+    use pdkv_model::loader::{reload_weights_into, ReloadError};
     use pdkv_model::safetensors::{write_as, Dtype};
     use pdkv_model::{KvCache, SeqInput, Workspace};
     use pdkv_vmem::Tag;
@@ -653,5 +654,51 @@ fn a_16_bit_safetensors_checkpoint_stays_16_bit_and_gives_the_f32_checkpoints_bi
             narrow_bytes * 10 < wide_bytes * 6,
             "{dtype:?}: weights take {narrow_bytes} bytes, the f32 checkpoint {wide_bytes}"
         );
+
+        // A reload keeps the 16-bit layout: the f32 checkpoint is refused
+        // before anything is written (the old weights keep serving), and a
+        // 16-bit one of other values lands as a fresh load of it would.
+        let pool = Pool::default();
+        let lm = load_model(narrow.path(), &pool, &mut |_| {}).unwrap();
+        let cfg = lm.model.config().clone();
+        match reload_weights_into(lm.model.weights(), &cfg, wide.path(), &mut |_| {}) {
+            Err(ReloadError::Incompatible(e)) => {
+                assert!(format!("{e:#}").contains("stores"), "{e:#}")
+            }
+            other => panic!("{dtype:?}: reloading f32 onto 16-bit weights gave {other:?}"),
+        }
+        let other = tmpdir();
+        write_random_checkpoint(Arch::Qwen3, "tiny", 12, other.path()).unwrap();
+        let st2 = SafetensorsFile::open(&other.path().join("model.safetensors")).unwrap();
+        let tensors2: Vec<(String, Vec<usize>, Vec<f32>)> = st2
+            .tensors
+            .iter()
+            .map(|(name, e)| {
+                let mut v = vec![0f32; e.shape.iter().product()];
+                st2.read_f32(name, &mut v).unwrap();
+                (name.clone(), e.shape.clone(), v)
+            })
+            .collect();
+        write_as(&other.path().join("model.safetensors"), &tensors2, dtype).unwrap();
+        reload_weights_into(lm.model.weights(), &cfg, other.path(), &mut |_| {}).unwrap();
+        let fresh = load_model(other.path(), &Pool::default(), &mut |_| {}).unwrap();
+        for (a, b) in lm
+            .model
+            .weights()
+            .tensors_by_offset()
+            .iter()
+            .zip(fresh.model.weights().tensors_by_offset())
+        {
+            assert_eq!((a.offset, &a.shape, a.dtype), (b.offset, &b.shape, b.dtype));
+            let bytes = |w: &pdkv_model::weights::Weights, t: &pdkv_model::weights::TensorRef| {
+                // SAFETY: the tensor lies inside its weights region.
+                unsafe { w.region.slice::<u8>(t.offset, t.bytes()).to_vec() }
+            };
+            assert_eq!(
+                bytes(lm.model.weights(), a),
+                bytes(fresh.model.weights(), b),
+                "{dtype:?}: a reloaded tensor differs from a fresh load"
+            );
+        }
     }
 }
