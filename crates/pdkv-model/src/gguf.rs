@@ -660,6 +660,20 @@ pub(crate) fn k_scale_min(s: &[u8; 12], j: usize) -> (u8, u8) {
     }
 }
 
+/// Value `l` (0..32, unsigned) of sub-block `sub` (0..8) of a Q4_K (or,
+/// `five`, Q5_K) super-block `b`: the low (`sub` even) or high nibble of
+/// byte `32*(sub/2) + l` of the nibbles, plus 16 where bit `sub` of
+/// fifth-bit byte `l` is set.
+pub(crate) fn k45_value(b: &[u8], five: bool, sub: usize, l: usize) -> u8 {
+    let q = b[if five { 48 } else { 16 } + sub / 2 * 32 + l];
+    let v = if sub % 2 == 0 { q & 0x0f } else { q >> 4 };
+    if five {
+        v | (b[16 + l] >> sub & 1) << 4
+    } else {
+        v
+    }
+}
+
 /// Value `i` (0..256, unsigned 6 bits) of a Q6_K super-block `b`. In each
 /// 128-value half, value `32*g + l` (g = 0..4) takes its low nibble from
 /// byte `l` (g even) or `l + 32` (g odd) of the half's 64 bytes of `ql`,
@@ -775,21 +789,11 @@ pub fn dequantize(ty: GgmlType, data: &[u8], out: &mut [f32]) -> Result<()> {
             for (o, b) in out.chunks_exact_mut(256).zip(data.chunks_exact(bb)) {
                 let (d, dmin) = (f16_at(b, 0), f16_at(b, 2));
                 let scales: &[u8; 12] = b[4..16].try_into().expect("12 bytes");
-                let (qh, qs) = if five {
-                    (&b[16..48], &b[48..176])
-                } else {
-                    (&b[0..0], &b[16..144])
-                };
                 for sub in 0..8 {
                     let (sc, mn) = k_scale_min(scales, sub);
                     let (dl, ml) = (d * sc as f32, dmin * mn as f32);
-                    let chunk = &qs[sub / 2 * 32..sub / 2 * 32 + 32];
-                    for (l, &q) in chunk.iter().enumerate() {
-                        let mut v = if sub % 2 == 0 { q & 0x0f } else { q >> 4 };
-                        if five && qh[l] >> sub & 1 == 1 {
-                            v += 16;
-                        }
-                        o[sub * 32 + l] = dl * v as f32 - ml;
+                    for l in 0..32 {
+                        o[sub * 32 + l] = dl * k45_value(b, five, sub, l) as f32 - ml;
                     }
                 }
             }

@@ -70,11 +70,6 @@ impl QType {
         QType::Q5_1,
     ];
 
-    /// The super-block formats: a row is whole 256-value super-blocks, and
-    /// the kernels see each as 8 blocks of 32 with their own scale and
-    /// minimum (see [`QType::block_values`]).
-    pub const SUPER: [QType; 3] = [QType::Q4_K, QType::Q5_K, QType::Q6_K];
-
     /// Bytes of one block as stored: Q8_0 34 (f16 d, 32 x i8); Q4_0 18 (f16
     /// d, 16 bytes of nibbles); Q4_1 20 (f16 d, f16 m, nibbles); Q5_0 22 (f16
     /// d, 32 fifth bits, nibbles); Q5_1 24 (f16 d, f16 m, fifth bits,
@@ -578,18 +573,9 @@ fn super_params(ty: QType, row: *const u8, b: usize) -> (f32, f32, *const u8) {
     (d * sc as f32, -(dmin * m as f32), blk)
 }
 
-/// Value `i` (0..32) of block `j` (0..8) of a Q4_K/Q5_K super-block: the
-/// low (j even) or high nibble of byte `32*(j/2) + i` of the nibbles, plus
-/// 16 where bit `j` of fifth-bit byte `i` is set (Q5_K).
+/// Value `i` (0..32) of block `j` (0..8) of a Q4_K/Q5_K super-block.
 fn super_value(ty: QType, blk: &[u8], j: usize, i: usize) -> u8 {
-    let five = ty == QType::Q5_K;
-    let byte = blk[if five { 48 } else { 16 } + (j / 2) * 32 + i];
-    let v = if j % 2 == 0 { byte & 0x0f } else { byte >> 4 };
-    if five {
-        v | ((blk[16 + i] >> j) & 1) << 4
-    } else {
-        v
-    }
+    crate::gguf::k45_value(blk, ty == QType::Q5_K, j, i)
 }
 
 /// Block `b` (32 values) of a Q6_K row: `d`, the i8 scales of its two
@@ -854,28 +840,20 @@ mod simd {
     unsafe fn prep(s: &mut Scratch, ty: QType, w: *const u8, rb: usize, rows: usize, nb: usize) {
         s.reserve(rows, nb);
         let bb = ty.block_bytes();
-        if ty == QType::Q6_K {
-            for c in 0..rows {
-                for b in 0..nb {
-                    let i = c * nb + b;
-                    let (d, sc, blk) = q6_params(w.add(c * rb), b);
-                    s.dw[i] = d;
-                    s.sc6[i] = sc;
-                    let v = s.vals.as_mut_ptr().add(i * QK);
-                    _mm256_storeu_si256(v as *mut __m256i, unpack_q6(blk, b % 8));
-                }
-            }
-            return;
-        }
         if ty.is_super() {
             for c in 0..rows {
                 for b in 0..nb {
                     let i = c * nb + b;
-                    let (dw, mw, blk) = super_params(ty, w.add(c * rb), b);
-                    s.dw[i] = dw;
-                    s.mw[i] = mw;
-                    let v = s.vals.as_mut_ptr().add(i * QK);
-                    _mm256_storeu_si256(v as *mut __m256i, unpack_super(ty, blk, b % 8));
+                    let v = s.vals.as_mut_ptr().add(i * QK) as *mut __m256i;
+                    if ty == QType::Q6_K {
+                        let (d, sc, blk) = q6_params(w.add(c * rb), b);
+                        (s.dw[i], s.sc6[i]) = (d, sc);
+                        _mm256_storeu_si256(v, unpack_q6(blk, b % 8));
+                    } else {
+                        let (dw, mw, blk) = super_params(ty, w.add(c * rb), b);
+                        (s.dw[i], s.mw[i]) = (dw, mw);
+                        _mm256_storeu_si256(v, unpack_super(ty, blk, b % 8));
+                    }
                 }
             }
             return;
@@ -1065,12 +1043,10 @@ mod simd {
         let (rb, bb) = (ty.row_bytes(k), ty.block_bytes());
         // The job's first tile is fetched up front (its later tiles are
         // fetched ahead, one by one, while the tile before is computed).
-        let first = job.w.wrapping_add(job.j0 * rb);
-        let mut o = 0;
-        while o < DR.min(job.j1 - job.j0) * rb {
-            _mm_prefetch::<_MM_HINT_T0>(first.wrapping_add(o) as *const i8);
-            o += 64;
-        }
+        prefetch(
+            job.w.wrapping_add(job.j0 * rb),
+            DR.min(job.j1 - job.j0) * rb,
+        );
         let mut j = job.j0;
         while j < job.j1 {
             let nr = DR.min(job.j1 - j);
@@ -1083,12 +1059,7 @@ mod simd {
             // ahead, a block column's worth of its bytes per block.
             let next = base.wrapping_add(DR * rb);
             for b in 0..nb {
-                let ahead = next.wrapping_add(b * DR * bb);
-                let mut o = 0;
-                while o < DR * bb {
-                    _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(o) as *const i8);
-                    o += 64;
-                }
+                prefetch(next.wrapping_add(b * DR * bb), DR * bb);
                 let blk = base.add(b * bb);
                 let mut wv = [_mm256_setzero_si256(); DR];
                 for (c, w) in wv.iter_mut().enumerate() {
@@ -1150,13 +1121,7 @@ mod simd {
                     }
                 }
             }
-            for (r, a) in acc[..m].iter().enumerate() {
-                let mut out = [0f32; DR];
-                _mm256_storeu_ps(out.as_mut_ptr(), *a);
-                for (c, &v) in out[..nr].iter().enumerate() {
-                    *job.y.add(r * job.n + j + c) = v;
-                }
-            }
+            store_tile(&acc[..m], nr, job, j);
             j += nr;
         }
     }
@@ -1170,6 +1135,10 @@ mod simd {
         let ty = if FIVE { QType::Q5_K } else { QType::Q4_K };
         let (nb, k, m) = (x.blocks(), x.k, x.m);
         let (rb, bb) = (ty.row_bytes(k), ty.block_bytes());
+        prefetch(
+            job.w.wrapping_add(job.j0 * rb),
+            DR.min(job.j1 - job.j0) * rb,
+        );
         let mut j = job.j0;
         while j < job.j1 {
             let nr = DR.min(job.j1 - j);
@@ -1178,12 +1147,7 @@ mod simd {
             let next = base.wrapping_add(DR * rb);
             let mut acc = [_mm256_setzero_ps(); DIRECT_MAX];
             for sb in 0..nb / 8 {
-                let ahead = next.wrapping_add(sb * DR * bb);
-                let mut o = 0;
-                while o < DR * bb {
-                    _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(o) as *const i8);
-                    o += 64;
-                }
+                prefetch(next.wrapping_add(sb * DR * bb), DR * bb);
                 let blk = |c: usize| base.add(row(c) + sb * bb);
                 // Scales and minimums of the 8 rows' super-blocks: lane c is row c.
                 let h16 = |c: usize, o: usize| (blk(c).add(o) as *const i16).read_unaligned();
@@ -1257,13 +1221,7 @@ mod simd {
                     }
                 }
             }
-            for (r, a) in acc[..m].iter().enumerate() {
-                let mut out = [0f32; DR];
-                _mm256_storeu_ps(out.as_mut_ptr(), *a);
-                for (c, &v) in out[..nr].iter().enumerate() {
-                    *job.y.add(r * job.n + j + c) = v;
-                }
-            }
+            store_tile(&acc[..m], nr, job, j);
             j += nr;
         }
     }
@@ -1279,6 +1237,10 @@ mod simd {
         let (nb, k, m) = (x.blocks(), x.k, x.m);
         let (rb, bb) = (ty.row_bytes(k), ty.block_bytes());
         let ones = _mm256_set1_epi8(1);
+        prefetch(
+            job.w.wrapping_add(job.j0 * rb),
+            DR.min(job.j1 - job.j0) * rb,
+        );
         let mut j = job.j0;
         while j < job.j1 {
             let nr = DR.min(job.j1 - j);
@@ -1287,12 +1249,7 @@ mod simd {
             let next = base.wrapping_add(DR * rb);
             let mut acc = [_mm256_setzero_ps(); DIRECT_MAX];
             for sb in 0..nb / 8 {
-                let ahead = next.wrapping_add(sb * DR * bb);
-                let mut o = 0;
-                while o < DR * bb {
-                    _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(o) as *const i8);
-                    o += 64;
-                }
+                prefetch(next.wrapping_add(sb * DR * bb), DR * bb);
                 let blk = |c: usize| base.add(row(c) + sb * bb);
                 let h16 = |c: usize| (blk(c).add(208) as *const i16).read_unaligned();
                 let d = _mm256_cvtph_ps(_mm_setr_epi16(
@@ -1335,13 +1292,7 @@ mod simd {
                     }
                 }
             }
-            for (r, a) in acc[..m].iter().enumerate() {
-                let mut out = [0f32; DR];
-                _mm256_storeu_ps(out.as_mut_ptr(), *a);
-                for (c, &v) in out[..nr].iter().enumerate() {
-                    *job.y.add(r * job.n + j + c) = v;
-                }
-            }
+            store_tile(&acc[..m], nr, job, j);
             j += nr;
         }
     }
@@ -1388,6 +1339,30 @@ mod simd {
         }
         for c in 0..C {
             _mm256_storeu_ps(out[c].as_mut_ptr(), acc[c]);
+        }
+    }
+
+    /// Asks for the cache lines of `bytes` bytes from `p` (a hint: `p` need
+    /// not be readable).
+    #[inline(always)]
+    unsafe fn prefetch(p: *const u8, bytes: usize) {
+        let mut o = 0;
+        while o < bytes {
+            _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(o) as *const i8);
+            o += 64;
+        }
+    }
+
+    /// Writes a [`direct`] tile's results: lane `c` of `acc[r]` is output
+    /// `j + c` of activation row `r`, for the tile's `nr` real rows.
+    #[inline(always)]
+    unsafe fn store_tile(acc: &[__m256], nr: usize, job: &Job, j: usize) {
+        for (r, a) in acc.iter().enumerate() {
+            let mut out = [0f32; DR];
+            _mm256_storeu_ps(out.as_mut_ptr(), *a);
+            for (c, &v) in out[..nr].iter().enumerate() {
+                *job.y.add(r * job.n + j + c) = v;
+            }
         }
     }
 

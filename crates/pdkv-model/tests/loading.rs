@@ -580,7 +580,19 @@ fn a_16_bit_safetensors_checkpoint_stays_16_bit_and_gives_the_f32_checkpoints_bi
     use pdkv_vmem::Tag;
     let src = tmpdir();
     write_random_checkpoint(Arch::Qwen3, "tiny", 11, src.path()).unwrap();
-    let st = SafetensorsFile::open(&src.path().join("model.safetensors")).unwrap();
+    // Every tensor of a checkpoint directory's model.safetensors, as f32.
+    let read_all = |dir: &Path| -> Vec<(String, Vec<usize>, Vec<f32>)> {
+        let st = SafetensorsFile::open(&dir.join("model.safetensors")).unwrap();
+        st.tensors
+            .iter()
+            .map(|(name, e)| {
+                let mut v = vec![0f32; e.shape.iter().product()];
+                st.read_f32(name, &mut v).unwrap();
+                (name.clone(), e.shape.clone(), v)
+            })
+            .collect()
+    };
+    let originals = read_all(src.path());
     for (dtype, round) in [
         (
             Dtype::BF16,
@@ -589,16 +601,13 @@ fn a_16_bit_safetensors_checkpoint_stays_16_bit_and_gives_the_f32_checkpoints_bi
         (Dtype::F16, |v: f32| half::f16::from_f32(v).to_f32()),
     ] {
         // The same values twice: as f32 (rounded first) and as `dtype`.
-        let tensors: Vec<(String, Vec<usize>, Vec<f32>)> = st
-            .tensors
+        let tensors: Vec<(String, Vec<usize>, Vec<f32>)> = originals
             .iter()
-            .map(|(name, e)| {
-                let mut v = vec![0f32; e.shape.iter().product()];
-                st.read_f32(name, &mut v).unwrap();
+            .map(|(name, shape, v)| {
                 (
                     name.clone(),
-                    e.shape.clone(),
-                    v.into_iter().map(round).collect(),
+                    shape.clone(),
+                    v.iter().copied().map(round).collect(),
                 )
             })
             .collect();
@@ -669,16 +678,7 @@ fn a_16_bit_safetensors_checkpoint_stays_16_bit_and_gives_the_f32_checkpoints_bi
         }
         let other = tmpdir();
         write_random_checkpoint(Arch::Qwen3, "tiny", 12, other.path()).unwrap();
-        let st2 = SafetensorsFile::open(&other.path().join("model.safetensors")).unwrap();
-        let tensors2: Vec<(String, Vec<usize>, Vec<f32>)> = st2
-            .tensors
-            .iter()
-            .map(|(name, e)| {
-                let mut v = vec![0f32; e.shape.iter().product()];
-                st2.read_f32(name, &mut v).unwrap();
-                (name.clone(), e.shape.clone(), v)
-            })
-            .collect();
+        let tensors2 = read_all(other.path());
         write_as(&other.path().join("model.safetensors"), &tensors2, dtype).unwrap();
         reload_weights_into(lm.model.weights(), &cfg, other.path(), &mut |_| {}).unwrap();
         let fresh = load_model(other.path(), &Pool::default(), &mut |_| {}).unwrap();
