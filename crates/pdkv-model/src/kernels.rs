@@ -522,7 +522,8 @@ mod avx2 {
     }
 
     /// A block-format row as f32: `d*q` (Q8_0), `d*q + m` (Q4_1), with a
-    /// separate multiply and add, as the scalar dequantiser rounds.
+    /// separate multiply and add, as the scalar dequantiser rounds; 16-bit
+    /// floats widened exactly.
     #[target_feature(enable = "avx2,fma,f16c")]
     pub(super) unsafe fn dequantize_row(ty: crate::qkernels::QType, src: &[u8], out: &mut [f32]) {
         use crate::qkernels::QType;

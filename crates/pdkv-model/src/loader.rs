@@ -676,11 +676,16 @@ fn gguf_quant(g: &GgufFile) -> impl Fn(&str, &str) -> Option<QType> + '_ {
 fn hf_quant(sh: &HfShards) -> impl Fn(&str, &str) -> Option<QType> + '_ {
     move |_, name| {
         let &i = sh.index.get(name)?;
-        match sh.shards[i].tensors.get(name)?.dtype {
-            crate::safetensors::Dtype::F16 => Some(QType::F16),
-            crate::safetensors::Dtype::BF16 => Some(QType::BF16),
-            crate::safetensors::Dtype::F32 => None,
-        }
+        half_of(sh.shards[i].tensors.get(name)?.dtype)
+    }
+}
+
+/// The 16-bit format a safetensors dtype is kept in (`None`: f32).
+fn half_of(d: crate::safetensors::Dtype) -> Option<QType> {
+    match d {
+        crate::safetensors::Dtype::F16 => Some(QType::F16),
+        crate::safetensors::Dtype::BF16 => Some(QType::BF16),
+        crate::safetensors::Dtype::F32 => None,
     }
 }
 
@@ -925,16 +930,10 @@ impl HfShards {
                 let (bytes, dtype) = self.shards[i]
                     .raw(name)
                     .with_context(|| format!("no tensor `{name}`"))?;
-                let want = match slot.dest.dtype {
-                    DType::Quant(QType::F16) => crate::safetensors::Dtype::F16,
-                    DType::Quant(QType::BF16) => crate::safetensors::Dtype::BF16,
-                    other => bail!(
-                        "tensor `{name}` is planned as {other:?}, which no safetensors dtype is"
-                    ),
-                };
-                if dtype != want || bytes.len() != dst.len() {
+                let planned = slot.dest.dtype;
+                if half_of(dtype).map(DType::Quant) != Some(planned) || bytes.len() != dst.len() {
                     bail!(
-                        "tensor `{name}` is {dtype:?} of {} bytes, the running model keeps {want:?} of {}",
+                        "tensor `{name}` is {dtype:?} of {} bytes, the running model keeps {planned:?} of {}",
                         bytes.len(),
                         dst.len()
                     );
