@@ -245,41 +245,54 @@ fn chat(content: &str, max_tokens: u32) -> Value {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn answers_equal_the_decode_servers_own() {
     let p = Server::spawn("tiny", 7, None, EngineConfig::default()).await;
-    let d = Server::spawn("tiny", 7, None, EngineConfig::default()).await;
+    let d = Server::spawn("tiny", 7, Some(TOKEN), EngineConfig::default()).await;
     let proxy = ProxyServer::start(&[&p], &[&d]).await;
     let c = &proxy.client;
 
+    // These servers have no KV connector: D computes every prompt itself
+    // and could answer before P ran its one-token request, which the proxy
+    // would then cancel (P counts it as aborted, or never sees it). So D is
+    // held, keep-paused, until P answered: then P runs every request.
+    admin(&d, "/pause?mode=keep", None).await;
     let cases = [
         ("/v1/completions", greedy("The river bends", 12)),
         ("/v1/chat/completions", chat("Say hello", 10)),
     ];
+    let mut sent = 0.0;
     for (path, body) in &cases {
-        let (s1, via) = post_json(c, proxy.url(path), body).await;
-        let (s2, direct) = post_json(c, d.url(path), body).await;
-        assert_eq!(
-            (s1, s2),
-            (StatusCode::OK, StatusCode::OK),
-            "{via} / {direct}"
-        );
-        assert_eq!(strip_ids(via), strip_ids(direct), "{path}");
-
         let mut stream_body = body.clone();
         stream_body["stream"] = json!(true);
         stream_body["stream_options"] = json!({"include_usage": true});
-        let via = stream_events(c, proxy.url(path), &stream_body).await;
-        let direct = stream_events(c, d.url(path), &stream_body).await;
-        assert!(via.len() > 3, "{via:?}");
-        assert_eq!(via, direct, "{path} stream");
+        for body in [body, &stream_body] {
+            let via = tokio::spawn(answer(c.clone(), proxy.url(path), body.clone()));
+            sent += 1.0;
+            p.wait_metrics("P answered the proxied request", |m| {
+                finished(m, "length") == sent
+            })
+            .await;
+            wait_waiting(&d, 1.0).await;
+            admin(&d, "/resume", None).await;
+            let via = tokio::time::timeout(DEADLINE, via)
+                .await
+                .expect("answer in time")
+                .unwrap();
+            if let Value::Array(events) = &via {
+                assert!(events.len() > 3, "{via}");
+            }
+            assert_eq!(via, direct(&d, path, body).await, "{path} {body}");
+            admin(&d, "/pause?mode=keep", None).await;
+        }
     }
+    admin(&d, "/resume", None).await;
 
-    // P saw every proxied request, each limited to one token. (A request of
-    // P's that was still running when D's answer was complete was dropped,
-    // so it counts as aborted.)
     let pm = p.wait_all_blocks_free().await;
-    let (done, aborted) = (finished(&pm, "length"), finished(&pm, "abort"));
-    assert_eq!(done + aborted, 4.0, "{pm}");
-    let generated = metric(&pm, "pdkv_generation_tokens_total");
-    assert!(done <= generated && generated <= done + aborted, "{pm}");
+    assert_eq!(finished(&pm, "length"), 4.0, "{pm}");
+    assert_eq!(finished(&pm, "abort"), 0.0, "{pm}");
+    assert_eq!(
+        metric(&pm, "pdkv_generation_tokens_total"),
+        4.0,
+        "one token each: {pm}"
+    );
     let dm = d.wait_all_blocks_free().await;
     assert_eq!(finished(&dm, "length"), 8.0, "{dm}");
     let m = proxy.metrics().await;
@@ -604,10 +617,16 @@ fn sse_values(text: &str) -> Vec<Value> {
 
 /// What D itself answers to `body` (JSON, or events when streaming).
 async fn direct(s: &Server, path: &str, body: &Value) -> Value {
+    answer(s.client.clone(), s.url(path), body.clone()).await
+}
+
+/// A successful answer to `body` at `url`, without the per-request fields:
+/// JSON, or the events when streaming.
+async fn answer(client: reqwest::Client, url: String, body: Value) -> Value {
     if body["stream"] == json!(true) {
-        return Value::Array(stream_events(&s.client, s.url(path), body).await);
+        return Value::Array(stream_events(&client, url, &body).await);
     }
-    let (status, v) = post_json(&s.client, s.url(path), body).await;
+    let (status, v) = post_json(&client, url, &body).await;
     assert_eq!(status, StatusCode::OK, "{v}");
     strip_ids(v)
 }
@@ -686,8 +705,7 @@ async fn an_aborted_prefill_leaves_d_to_compute_the_prompt() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_paused_prefill_server_refuses_and_d_computes_the_prompt() {
-    let p = Server::spawn("tiny", 7, Some(TOKEN), EngineConfig::default()).await;
-    let d = Server::spawn("tiny", 7, None, EngineConfig::default()).await;
+    let (p, d) = paused_pair().await;
     let proxy = ProxyServer::start(&[&p], &[&d]).await;
     // Paused in abort mode, P refuses new requests: a retryable 503.
     admin(&p, "/pause?mode=abort", None).await;
@@ -698,13 +716,28 @@ async fn a_paused_prefill_server_refuses_and_d_computes_the_prompt() {
         "{v}"
     );
 
+    // D (with no KV connector here) is held until the proxy took P's
+    // refusal; running, it could answer first, and the proxy would then
+    // cancel P's call instead.
     for (n, (path, body)) in generation_cases().into_iter().enumerate() {
-        let (status, text) = spawn_request(&proxy, path, &body, &format!("req-{n}"))
+        let pending = spawn_request(&proxy, path, &body, &format!("req-{n}"));
+        proxy
+            .wait_metric(
+                "pdkv_proxy_prefill_skipped_total{reason=\"refused\"}",
+                (n + 1) as f64,
+            )
+            .await;
+        wait_waiting(&d, 1.0).await;
+        admin(&d, "/resume", None).await;
+        let (status, text) = tokio::time::timeout(DEADLINE, pending)
             .await
+            .expect("answer in time")
             .unwrap();
         let got = proxied(status, &text, body["stream"] == json!(true));
         assert_eq!(got, direct(&d, path, &body).await, "{path}");
+        admin(&d, "/pause?mode=keep", None).await;
     }
+    admin(&d, "/resume", None).await;
     let m = proxy.metrics().await;
     assert_eq!(proxy_outcome(&m, "ok"), 2.0, "{m}");
     assert_eq!(

@@ -126,12 +126,8 @@ impl Server {
     }
 
     pub async fn wait_all_blocks_free(&self) -> String {
-        self.wait_metrics("all KV blocks free and no request running", |m| {
-            metric(m, "pdkv_kv_blocks_free") == metric(m, "pdkv_kv_blocks_total")
-                && metric(m, "pdkv_num_requests_running") == 0.0
-                && metric(m, "pdkv_num_requests_waiting") == 0.0
-        })
-        .await
+        self.wait_metrics("all KV blocks free and no request running", all_blocks_free)
+            .await
     }
 
     pub async fn stop(mut self) {
@@ -147,6 +143,14 @@ impl Server {
         }
         self.engine.shutdown();
     }
+}
+
+/// Whether the metrics say every KV block is free and no request runs or
+/// waits.
+pub fn all_blocks_free(m: &str) -> bool {
+    metric(m, "pdkv_kv_blocks_free") == metric(m, "pdkv_kv_blocks_total")
+        && metric(m, "pdkv_num_requests_running") == 0.0
+        && metric(m, "pdkv_num_requests_waiting") == 0.0
 }
 
 /// The value of a sample line `name value` (`name` may include labels).
