@@ -17,6 +17,7 @@ use rayon::prelude::*;
 use crate::kernels::{self, AttendArgs, Linear};
 use crate::kv::KvCache;
 use crate::qkernels::{self, QActs, QLinear};
+use crate::tp::RankTp;
 use crate::weights::Mat;
 use crate::weights::Weights;
 use crate::{Arch, ModelConfig, BLOCK_SIZE};
@@ -46,6 +47,8 @@ pub struct Model {
     /// default) instead of the f32 activations (the f32 path's results bit
     /// for bit, with the weights read in their blocks).
     int8_activations: bool,
+    /// Set on one rank of a tensor-parallel model ([`crate::tp`]).
+    tp: Option<RankTp>,
 }
 
 /// Per-token activation buffers, in floats per token.
@@ -134,6 +137,8 @@ pub struct Workspace {
     written: Vec<(u32, usize)>,
     /// The step's activations quantised for block-format weights.
     qacts: QActs,
+    /// A tensor-parallel rank's exchange buffers (empty on a single rank).
+    tp: TpBufs,
 }
 
 impl Workspace {
@@ -154,6 +159,7 @@ impl Workspace {
             logit_rows: Vec::new(),
             written: Vec::new(),
             qacts: QActs::new(),
+            tp: TpBufs::default(),
         })
     }
 
@@ -274,7 +280,20 @@ impl Model {
             weights,
             inv_freq,
             int8_activations,
+            tp: None,
         }
+    }
+
+    /// Makes this model one rank of a tensor-parallel model: its weights
+    /// are the rank's shard, and it meets the other ranks in every step.
+    pub fn with_tp(mut self, tp: RankTp) -> Model {
+        self.tp = Some(tp);
+        self
+    }
+
+    /// The rank's part, when this is one rank of a tensor-parallel model.
+    pub fn tp(&self) -> Option<&RankTp> {
+        self.tp.as_ref()
     }
 
     /// Chooses how block-format matrices are multiplied (see the field).
@@ -359,10 +378,12 @@ impl Model {
             }
             max_ctx = max_ctx.max(s.start_pos + s.tokens.len());
         }
-        let pool = kernels::thread_pool();
+        let pool = match &self.tp {
+            Some(tp) => &*tp.threads,
+            None => kernels::thread_pool(),
+        };
         ws.reserve(ws.tokens.len(), max_ctx, pool.current_num_threads())?;
-        pool.install(|| self.run_step(kv, ws, seqs, logits));
-        Ok(())
+        pool.install(|| self.run_step(kv, ws, seqs, logits))
     }
 
     /// Checks a step's inputs so that the math below cannot index out of
@@ -438,7 +459,7 @@ impl Model {
         ws: &mut Workspace,
         seqs: &[SeqInput<'_>],
         logits: &mut Vec<f32>,
-    ) {
+    ) -> anyhow::Result<()> {
         let cfg = &self.config;
         let w = &self.weights;
         let (hidden, hd, eps) = (cfg.hidden_size, cfg.head_dim, cfg.rms_norm_eps);
@@ -450,22 +471,39 @@ impl Model {
         let mut tasks = std::mem::take(&mut ws.tasks);
         let logit_rows = std::mem::take(&mut ws.logit_rows);
         let mut qa = std::mem::replace(&mut ws.qacts, QActs::new());
+        let mut tpb = std::mem::take(&mut ws.tp);
         let int8 = self.int8_activations;
         let scores = ws.scores.clone().expect("reserved before the step");
         let scores_len = ws.scores_len;
         let b = ws.bufs(t_all);
 
-        // Embeddings and the rotary table of every token.
+        // A rank of a tensor-parallel model holds some rows of each matrix
+        // and exchanges what it computed with the other ranks ([`crate::tp`]).
+        let tp = self.tp.as_ref();
+        let vocab0 = tp.map_or(0, |t| t.shard.vocab.start);
+        let vocab_here = tp.map_or(cfg.vocab_size, |t| t.shard.vocab.len());
+        let hidden_here = tp.map_or(hidden, |t| t.shard.hidden.len());
+
+        // Embeddings (a rank looks up the tokens of its vocabulary rows and
+        // gets the others' from their ranks) and the rotary table of every
+        // token.
         let mut row = 0;
         for s in seqs {
             for &tok in s.tokens {
-                w.row_into(
-                    &w.embed,
-                    tok as usize,
-                    &mut b.x[row * hidden..(row + 1) * hidden],
-                );
+                let out = &mut b.x[row * hidden..(row + 1) * hidden];
+                match (tok as usize)
+                    .checked_sub(vocab0)
+                    .filter(|&t| t < vocab_here)
+                {
+                    Some(t) => w.row_into(&w.embed, t, out),
+                    None => out.fill(0.0),
+                }
                 row += 1;
             }
+        }
+        if let Some(tp) = tp {
+            let toks = seqs.iter().flat_map(|s| s.tokens.iter().copied());
+            tp.share_embedding(toks, &mut b.x[..t_all * hidden])?;
         }
         for (i, tm) in tokens.iter().enumerate() {
             let (c, s) = (
@@ -604,14 +642,23 @@ impl Model {
                     }
                 });
             }
-            project(
+            let (att, att_k) = gather_input(
+                tp,
+                (b.att, t_all, q_dim),
+                |t| &t.q_widths,
+                &mut tpb.input,
+                &|| format!("the attention output of layer {li}"),
+            )?;
+            project_residual(
                 int8,
                 &mut qa,
-                b.att,
-                t_all,
-                q_dim,
-                [(w.mat(&lw.wo), hidden, &mut *b.h)],
-            );
+                (att, t_all, att_k),
+                (w.mat(&lw.wo), hidden_here),
+                tp,
+                &mut tpb.part,
+                b.h,
+                &|| format!("o_proj of layer {li}"),
+            )?;
             add_into(b.x, b.h);
 
             // MLP block.
@@ -639,14 +686,23 @@ impl Model {
                     kernels::silu_mul(g, &up[i * inter..(i + 1) * inter])
                 });
             }
-            project(
+            let (act, act_k) = gather_input(
+                tp,
+                (b.gate, t_all, inter),
+                |t| &t.inter_widths,
+                &mut tpb.input,
+                &|| format!("the MLP activation of layer {li}"),
+            )?;
+            project_residual(
                 int8,
                 &mut qa,
-                b.gate,
-                t_all,
-                inter,
-                [(w.mat(&lw.w_down), hidden, &mut *b.h)],
-            );
+                (act, t_all, act_k),
+                (w.mat(&lw.w_down), hidden_here),
+                tp,
+                &mut tpb.part,
+                b.h,
+                &|| format!("down_proj of layer {li}"),
+            )?;
             add_into(b.x, b.h);
         }
 
@@ -662,22 +718,34 @@ impl Model {
             );
         }
         if n_out > 0 {
-            let vocab = cfg.vocab_size;
-            logits.resize(n_out * vocab, 0.0);
+            let mut local = match tp {
+                Some(_) => std::mem::take(&mut tpb.part),
+                None => std::mem::take(logits),
+            };
+            local.resize(n_out * vocab_here, 0.0);
             project(
                 int8,
                 &mut qa,
                 &b.h[..n_out * hidden],
                 n_out,
                 hidden,
-                [(w.mat(&w.lm_head), vocab, &mut logits[..])],
+                [(w.mat(&w.lm_head), vocab_here, &mut local[..])],
             );
+            match tp {
+                Some(tp) => {
+                    tp.gather_logits(&local, n_out, logits)?;
+                    tpb.part = local;
+                }
+                None => *logits = local,
+            }
         }
 
         ws.tokens = tokens;
         ws.tasks = tasks;
         ws.logit_rows = logit_rows;
         ws.qacts = qa;
+        ws.tp = tpb;
+        Ok(())
     }
 }
 
@@ -739,6 +807,61 @@ fn project<const N: usize>(
             }
         }
     }
+}
+
+/// A tensor-parallel rank's buffers for what the ranks exchange.
+#[derive(Default)]
+struct TpBufs {
+    /// A projection's whole input (every rank's columns).
+    input: Vec<f32>,
+    /// The rank's part of a projection's output.
+    part: Vec<f32>,
+}
+
+/// A projection's input as a rank computed it (`local`, `[t, k]`: its
+/// columns) and as the whole model has it: `local` itself on a single rank,
+/// else every rank's columns gathered into `buf`. Gives the input and its
+/// width.
+fn gather_input<'a>(
+    tp: Option<&RankTp>,
+    (local, t, k): (&'a [f32], usize, usize),
+    widths: impl Fn(&RankTp) -> &Vec<usize>,
+    buf: &'a mut Vec<f32>,
+    what: &dyn Fn() -> String,
+) -> anyhow::Result<(&'a [f32], usize)> {
+    let Some(tp) = tp else {
+        return Ok((local, k));
+    };
+    let widths = widths(tp);
+    let total = widths.iter().sum::<usize>();
+    buf.resize(t * total, 0.0);
+    tp.comm
+        .all_gather_cols(tp.shard.rank, local, widths, buf, &what())?;
+    Ok((&buf[..], total))
+}
+
+/// `h = x · wᵀ` (`x` is `[m, k]`, `h` the residual update `[m, hidden]`).
+/// A rank of a tensor-parallel model computes its `n` rows of `w` into
+/// `part` and gets the other ranks' columns of `h` from them.
+#[allow(clippy::too_many_arguments)]
+fn project_residual(
+    int8: bool,
+    qa: &mut QActs,
+    (x, m, k): (&[f32], usize, usize),
+    (w, n): (Mat<'_>, usize),
+    tp: Option<&RankTp>,
+    part: &mut Vec<f32>,
+    h: &mut [f32],
+    what: &dyn Fn() -> String,
+) -> anyhow::Result<()> {
+    let Some(tp) = tp else {
+        project(int8, qa, x, m, k, [(w, n, h)]);
+        return Ok(());
+    };
+    part.resize(m * n, 0.0);
+    project(int8, qa, x, m, k, [(w, n, &mut part[..])]);
+    tp.comm
+        .all_gather_cols(tp.shard.rank, part, &tp.hidden_widths, h, &what())
 }
 
 /// Per-head RMSNorm (Qwen3's q/k norm, when `norm` is given) then RoPE on

@@ -18,6 +18,7 @@ pub mod loader;
 pub mod qkernels;
 pub mod safetensors;
 pub mod tokenizer;
+pub mod tp;
 pub mod weights;
 
 pub use chat::{ChatMessage, ChatTemplate};
