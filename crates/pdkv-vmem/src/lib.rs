@@ -15,11 +15,17 @@
 //! - every byte of `[base, base+len)` is either mapped to exactly one live
 //!   chunk or reserved `PROT_NONE`;
 //! - this crate never interprets the bytes it holds.
+//!
+//! [`RankPools`] is one pool per tensor-parallel rank, whose sleep and wake
+//! act on every rank or on none.
 
 use std::fmt;
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::sync::{Arc, Mutex, Weak};
+
+mod ranks;
+pub use ranks::RankPools;
 
 /// What a region holds; sleep and wake act on tags.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -72,6 +78,18 @@ pub enum VmemError {
         offset: usize,
         len: usize,
         region_len: usize,
+    },
+    /// A failure asked for through [`Pool::faults`].
+    #[error("{0} failed: injected fault")]
+    Injected(&'static str),
+    /// An operation over ranks failed on one of them ([`RankPools`]).
+    #[error("rank {rank}: {source}{undo}")]
+    OnRank {
+        rank: usize,
+        #[source]
+        source: Box<VmemError>,
+        /// What was done about the ranks the operation had reached.
+        undo: String,
     },
 }
 
@@ -403,6 +421,7 @@ pub struct Region {
 #[derive(Default)]
 struct Ledger {
     chunks: Mutex<Vec<Weak<Chunk>>>,
+    faults: Faults,
 }
 
 impl Ledger {
@@ -525,6 +544,9 @@ impl Region {
         if st.chunks.is_empty() {
             return Ok(());
         }
+        if self.ledger.faults.take(&self.ledger.faults.offloads) {
+            return Err(VmemError::Injected("offload"));
+        }
         let backup = HostBuffer::new(self.len)?;
         // SAFETY: the range is mapped (chunks non-empty) and readable; the
         // buffer holds `len` writable bytes.
@@ -554,6 +576,9 @@ impl Region {
         let mut st = self.state.lock().unwrap();
         if !st.chunks.is_empty() {
             return Ok(());
+        }
+        if self.ledger.faults.take(&self.ledger.faults.wakes) {
+            return Err(VmemError::Injected("wake"));
         }
         let chunks = self.map_fresh_chunks()?;
         if let Some(backup) = st.backup.take() {
@@ -700,6 +725,34 @@ impl TagBytes {
     }
 }
 
+/// Failures a pool is asked to fake: the next `n` region wakes or offloads
+/// that would touch memory fail as an OS failure would, before changing
+/// anything. Shared by the pool's clones.
+#[derive(Debug, Default)]
+pub struct Faults {
+    wakes: std::sync::atomic::AtomicUsize,
+    offloads: std::sync::atomic::AtomicUsize,
+}
+
+impl Faults {
+    /// Fails the next `n` region wakes.
+    pub fn fail_wakes(&self, n: usize) {
+        self.wakes.store(n, std::sync::atomic::Ordering::SeqCst);
+    }
+
+    /// Fails the next `n` region offloads.
+    pub fn fail_offloads(&self, n: usize) {
+        self.offloads.store(n, std::sync::atomic::Ordering::SeqCst);
+    }
+
+    fn take(&self, counter: &std::sync::atomic::AtomicUsize) -> bool {
+        use std::sync::atomic::Ordering::SeqCst;
+        counter
+            .fetch_update(SeqCst, SeqCst, |n| n.checked_sub(1))
+            .is_ok()
+    }
+}
+
 /// Allocates regions and accounts for them, per engine (the analogue of a
 /// CUDA memory pool with tags).
 #[derive(Clone)]
@@ -732,6 +785,18 @@ impl Pool {
 
     pub fn options(&self) -> &PoolOptions {
         &self.inner.opts
+    }
+
+    /// Failures to inject into this pool's operations (tests, simulations).
+    pub fn faults(&self) -> &Faults {
+        &self.inner.ledger.faults
+    }
+
+    /// Whether any region with `tag` holds a host backup.
+    pub fn has_backup(&self, tag: Tag) -> bool {
+        self.regions()
+            .iter()
+            .any(|r| r.tag() == tag && r.host_backup_bytes() > 0)
     }
 
     /// Reserves `len` bytes (rounded up to whole pages) and backs them with
