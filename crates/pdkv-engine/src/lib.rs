@@ -63,6 +63,9 @@ pub struct EngineConfig {
     /// Bound on releasing KV held by transfers before a cache reset, and on
     /// the connector's release of its registrations.
     pub kv_release_timeout: std::time::Duration,
+    /// Ranks the model is split over (`pdkv_model::tp`), each with its own
+    /// pool; 1 runs it whole.
+    pub tensor_parallel_size: usize,
 }
 
 impl Default for EngineConfig {
@@ -75,6 +78,7 @@ impl Default for EngineConfig {
             max_model_len: None,
             enable_sleep_mode: false,
             kv_release_timeout: std::time::Duration::from_secs(5),
+            tensor_parallel_size: 1,
         }
     }
 }

@@ -11,9 +11,10 @@
 use std::path::Path;
 
 use anyhow::Context;
-use pdkv_model::loader::{reload_weights_into, ReloadError};
+use pdkv_model::loader::{load_weights_matching, reload_weights_into, ReloadError};
+use pdkv_model::tp::{self, TpModel};
 use pdkv_model::{KvCache, Model, SeqInput, Workspace};
-use pdkv_vmem::Pool;
+use pdkv_vmem::{Pool, Tag};
 
 use crate::connector::KvCacheSpec;
 use crate::scheduler::ScheduledSeq;
@@ -73,18 +74,39 @@ impl CpuModelRunner {
     }
 }
 
+/// The model's inputs for the scheduler's plan, and which sequences want
+/// every row's logits.
+fn inputs(seqs: &[ScheduledSeq]) -> (Vec<SeqInput<'_>>, Vec<bool>) {
+    let inputs = seqs
+        .iter()
+        .map(|s| SeqInput {
+            tokens: &s.tokens,
+            start_pos: s.start_pos,
+            block_table: &s.block_table,
+            want_logits: s.sample,
+        })
+        .collect();
+    (inputs, seqs.iter().map(|s| s.all_logits).collect())
+}
+
+fn kv_spec(arch: &str, kv: &KvCache) -> KvCacheSpec {
+    KvCacheSpec {
+        region: kv.region().clone(),
+        num_blocks: kv.num_blocks(),
+        block_bytes: kv.block_bytes(),
+        block_size: kv.block_size(),
+        layout: format!(
+            "{arch}:layers={}:kv_dim={}:block={}:f32",
+            kv.num_layers(),
+            kv.kv_dim(),
+            kv.block_size()
+        ),
+    }
+}
+
 impl ModelRunner for CpuModelRunner {
     fn forward(&mut self, seqs: &[ScheduledSeq], logits: &mut Vec<f32>) -> anyhow::Result<()> {
-        let inputs: Vec<SeqInput<'_>> = seqs
-            .iter()
-            .map(|s| SeqInput {
-                tokens: &s.tokens,
-                start_pos: s.start_pos,
-                block_table: &s.block_table,
-                want_logits: s.sample,
-            })
-            .collect();
-        let every_row: Vec<bool> = seqs.iter().map(|s| s.all_logits).collect();
+        let (inputs, every_row) = inputs(seqs);
         self.model
             .forward_with_rows(&self.kv, &mut self.ws, &inputs, &every_row, logits)
     }
@@ -98,24 +120,89 @@ impl ModelRunner for CpuModelRunner {
     }
 
     fn kv_cache_spec(&self) -> KvCacheSpec {
-        let kv = &self.kv;
-        KvCacheSpec {
-            region: kv.region().clone(),
-            num_blocks: kv.num_blocks(),
-            block_bytes: kv.block_bytes(),
-            block_size: kv.block_size(),
-            layout: format!(
-                "{}:layers={}:kv_dim={}:block={}:f32",
-                self.model.config().arch.as_str(),
-                kv.num_layers(),
-                kv.kv_dim(),
-                kv.block_size()
-            ),
-        }
+        kv_spec(self.model.config().arch.as_str(), &self.kv)
     }
 
     fn reload_weights(&mut self, path: &Path) -> Result<(), ReloadError> {
         let expected = self.model.config().clone();
         reload_weights_into(self.model.weights(), &expected, path, &mut |_| {})
+    }
+}
+
+/// The model split over tensor-parallel ranks ([`pdkv_model::tp`]), each
+/// rank with its KV cache and workspace in its own pool.
+pub struct TpModelRunner {
+    model: TpModel,
+}
+
+impl TpModelRunner {
+    /// Splits `model` over `pools.len()` ranks (each gets `num_kv_blocks`
+    /// blocks of its KV heads and a workspace for `max_num_batched_tokens`);
+    /// the whole model is dropped after.
+    pub fn new(
+        model: Model,
+        pools: Vec<Pool>,
+        num_kv_blocks: usize,
+        max_num_batched_tokens: usize,
+    ) -> anyhow::Result<TpModelRunner> {
+        let size = pools.len();
+        let model = TpModel::new(&model, pools, num_kv_blocks, max_num_batched_tokens)
+            .with_context(|| format!("splitting the model over {size} tensor-parallel ranks"))?;
+        Ok(TpModelRunner { model })
+    }
+
+    pub fn model(&self) -> &TpModel {
+        &self.model
+    }
+}
+
+impl ModelRunner for TpModelRunner {
+    fn forward(&mut self, seqs: &[ScheduledSeq], logits: &mut Vec<f32>) -> anyhow::Result<()> {
+        let (inputs, every_row) = inputs(seqs);
+        self.model.forward_with_rows(&inputs, &every_row, logits)
+    }
+
+    fn vocab_size(&self) -> usize {
+        self.model.config().vocab_size
+    }
+
+    fn max_context_len(&self) -> usize {
+        self.model.config().max_position_embeddings
+    }
+
+    /// Rank 0's KV cache: the engine refuses a KV connector with more than
+    /// one rank, so no connector asks.
+    fn kv_cache_spec(&self) -> KvCacheSpec {
+        let r = &self.model.ranks()[0];
+        kv_spec(self.model.config().arch.as_str(), &r.kv)
+    }
+
+    /// Reads the whole checkpoint into scratch memory, checks every rank's
+    /// cut against its running weights, and only then writes the ranks.
+    fn reload_weights(&mut self, path: &Path) -> Result<(), ReloadError> {
+        let ranks = self.model.ranks();
+        if ranks.iter().any(|r| !r.pool.is_awake(Tag::Weights)) {
+            return Err(ReloadError::RegionReleased);
+        }
+        if !path.exists() {
+            return Err(ReloadError::Unreadable(anyhow::anyhow!(
+                "checkpoint path {} does not exist",
+                path.display()
+            )));
+        }
+        let cfg = self.model.config();
+        let scratch = Pool::default();
+        let full = load_weights_matching(path, cfg, &scratch, &mut |_| {})
+            .map_err(ReloadError::Incompatible)?;
+        for r in ranks {
+            let shard = &r.model.tp().expect("a rank of the split model").shard;
+            tp::check_shard(&full, r.model.weights(), cfg, shard)
+                .map_err(ReloadError::Incompatible)?;
+        }
+        for r in ranks {
+            let shard = &r.model.tp().expect("a rank of the split model").shard;
+            tp::copy_shard(&full, r.model.weights(), cfg, shard).map_err(ReloadError::Partial)?;
+        }
+        Ok(())
     }
 }

@@ -150,7 +150,7 @@ fn core_with(faults: &[(usize, Fault)]) -> (EngineCore, Arc<ManualClock>) {
     };
     let core = EngineCore::new(CoreParts {
         runner: Box::new(FakeModel::new(&pool, NUM_BLOCKS, faults)),
-        pool,
+        pools: pdkv_vmem::RankPools::single(pool),
         config,
         connector: None,
         waker: Arc::new(|| {}),

@@ -256,9 +256,9 @@ pub fn shard_weights(
     Ok(out)
 }
 
-/// Writes rank `s`'s cut of `full` over `dst`, a shard laid out as
-/// [`shard_weights`] lays it out; shapes and formats must agree.
-pub fn copy_shard(
+/// Checks that rank `s`'s cut of `full` fits `dst`, a shard laid out as
+/// [`shard_weights`] lays it out: the same tensors, shapes and formats.
+pub fn check_shard(
     full: &Weights,
     dst: &Weights,
     cfg: &ModelConfig,
@@ -281,6 +281,18 @@ pub fn copy_shard(
             d.dtype
         );
     }
+    Ok(())
+}
+
+/// Writes rank `s`'s cut of `full` over `dst` (after [`check_shard`]).
+pub fn copy_shard(
+    full: &Weights,
+    dst: &Weights,
+    cfg: &ModelConfig,
+    s: &Shard,
+) -> anyhow::Result<()> {
+    check_shard(full, dst, cfg, s)?;
+    let (src, dst_cuts) = (cuts(full, s, cfg.head_dim), cuts(dst, s, cfg.head_dim));
     for ((t, cut), (d, _)) in src.iter().zip(&dst_cuts) {
         cut.copy(full, t, dst, d)?;
     }

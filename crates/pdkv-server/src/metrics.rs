@@ -293,7 +293,7 @@ impl Metrics {
     pub fn render(
         &self,
         stats: &EngineStats,
-        device: &TagBytes,
+        device: &[TagBytes],
         lifecycle: &LifecycleGauges,
     ) -> String {
         self.render_with(stats, device, lifecycle, &[])
@@ -303,7 +303,7 @@ impl Metrics {
     pub fn render_with(
         &self,
         stats: &EngineStats,
-        device: &TagBytes,
+        device: &[TagBytes],
         lifecycle: &LifecycleGauges,
         connector: &[(&str, &str, f64)],
     ) -> String {
@@ -475,13 +475,33 @@ impl Metrics {
         let mem: Vec<(&[(&str, &str)], f64)> = tags
             .iter()
             .zip(Tag::ALL)
-            .map(|(l, t)| (&l[..], device.get(t) as f64))
+            .map(|(l, t)| (&l[..], device.iter().map(|d| d.get(t)).sum::<u64>() as f64))
             .collect();
         e.family(
             "pdkv_device_memory_bytes",
-            "Live physical bytes of the pool's memory, by tag.",
+            "Live physical bytes of the engine's memory (every rank's), by tag.",
             "gauge",
             &mem,
+        );
+        let ranks: Vec<String> = (0..device.len()).map(|r| r.to_string()).collect();
+        let labels: Vec<[(&str, &str); 2]> = ranks
+            .iter()
+            .flat_map(|r| {
+                Tag::ALL
+                    .iter()
+                    .map(move |t| [("rank", r.as_str()), ("tag", t.as_str())])
+            })
+            .collect();
+        let by_rank: Vec<(&[(&str, &str)], f64)> = labels
+            .iter()
+            .zip(device.iter().flat_map(|d| Tag::ALL.map(|t| d.get(t))))
+            .map(|(l, v)| (&l[..], v as f64))
+            .collect();
+        e.family(
+            "pdkv_rank_device_memory_bytes",
+            "Live physical bytes of each tensor-parallel rank's memory pool, by tag (rank 0 only for a whole model).",
+            "gauge",
+            &by_rank,
         );
         e.finish()
     }
@@ -576,7 +596,11 @@ mod tests {
             weights_discarded: false,
             host_backup_bytes: 4096,
         };
-        let text = m.render(&stats, &TagBytes([100, 200, 300]), &lifecycle);
+        let text = m.render(
+            &stats,
+            &[TagBytes([100, 200, 300]), TagBytes([1, 2, 3])],
+            &lifecycle,
+        );
         for line in [
             "pdkv_requests_total{finish_reason=\"stop\"} 0",
             "pdkv_requests_total{finish_reason=\"length\"} 1",
@@ -596,9 +620,11 @@ mod tests {
             "pdkv_prefix_cache_hits_total 2",
             "pdkv_prefix_cache_hit_rate 0.25",
             "pdkv_num_preemptions_total 3",
-            "pdkv_device_memory_bytes{tag=\"weights\"} 100",
-            "pdkv_device_memory_bytes{tag=\"kv_cache\"} 200",
-            "pdkv_device_memory_bytes{tag=\"runtime\"} 300",
+            "pdkv_device_memory_bytes{tag=\"weights\"} 101",
+            "pdkv_device_memory_bytes{tag=\"kv_cache\"} 202",
+            "pdkv_device_memory_bytes{tag=\"runtime\"} 303",
+            "pdkv_rank_device_memory_bytes{rank=\"0\",tag=\"kv_cache\"} 200",
+            "pdkv_rank_device_memory_bytes{rank=\"1\",tag=\"runtime\"} 3",
             "pdkv_sleeping 1",
             "pdkv_sleep_level 1",
             "pdkv_paused 1",
@@ -629,7 +655,7 @@ mod tests {
             );
         }
         // Awake: not sleeping, level -1.
-        let awake = m.render(&stats, &TagBytes([1, 2, 3]), &LifecycleGauges::default());
+        let awake = m.render(&stats, &[TagBytes([1, 2, 3])], &LifecycleGauges::default());
         assert!(awake.lines().any(|l| l == "pdkv_sleeping 0"), "{awake}");
         assert!(awake.lines().any(|l| l == "pdkv_sleep_level -1"), "{awake}");
     }

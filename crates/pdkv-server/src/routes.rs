@@ -727,7 +727,13 @@ pub async fn metrics(State(state): State<AppState>) -> Response {
         host_backup_bytes: state.engine().pool().host_backup_bytes(),
     };
     let stats = state.engine().stats();
-    let device = state.engine().pool().device_bytes();
+    let device: Vec<_> = state
+        .engine()
+        .pool()
+        .ranks()
+        .iter()
+        .map(|p| p.device_bytes())
+        .collect();
     let connector = state.engine().kv_connector_metrics();
     let text = state
         .metrics()

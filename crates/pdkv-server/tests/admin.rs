@@ -976,3 +976,118 @@ async fn reset_prefix_cache_reports_success() {
     );
     s.stop().await;
 }
+
+/// A rank's live device bytes over every tag, from `/metrics`.
+fn rank_bytes(m: &str, rank: usize) -> f64 {
+    ["weights", "kv_cache", "runtime"]
+        .iter()
+        .map(|t| {
+            metric(
+                m,
+                &format!("pdkv_rank_device_memory_bytes{{rank=\"{rank}\",tag=\"{t}\"}}"),
+            )
+        })
+        .sum()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_model_split_over_ranks_serves_sleeps_wakes_and_reloads_as_one() {
+    const RANKS: usize = 3;
+    let whole = Server::start_with("small", 7, Some(TOKEN), EngineConfig::default()).await;
+    let tp = EngineConfig {
+        tensor_parallel_size: RANKS,
+        ..EngineConfig::default()
+    };
+    // 4 KV heads over 3 ranks: 2 + 1 + 1.
+    let s = Server::start_with("small", 7, Some(TOKEN), tp.clone()).await;
+    let before = s.probe().await;
+    assert_eq!(
+        before,
+        whole.probe().await,
+        "the split model answers as the whole one"
+    );
+
+    // Every rank holds memory of its own, and together no more than the
+    // whole model's weights (plus the norms each rank copies).
+    let awake = s.wait_all_blocks_free().await;
+    let whole_m = whole.wait_all_blocks_free().await;
+    let w = |m: &str| metric(m, "pdkv_device_memory_bytes{tag=\"weights\"}");
+    assert!(w(&awake) <= w(&whole_m) * 1.05, "{awake}");
+    let per_rank: Vec<f64> = (0..RANKS).map(|r| rank_bytes(&awake, r)).collect();
+    for (r, b) in per_rank.iter().enumerate() {
+        let weights = metric(
+            &awake,
+            &format!("pdkv_rank_device_memory_bytes{{rank=\"{r}\",tag=\"weights\"}}"),
+        );
+        assert!(weights > 0.0 && weights < w(&whole_m), "rank {r}: {awake}");
+        assert!(*b > weights, "rank {r} has a KV cache and scratch: {awake}");
+    }
+
+    // Asleep, every rank is down to 2% of its memory.
+    s.admin_ok(Method::POST, "/sleep?level=1", None).await;
+    let asleep = s.metrics().await;
+    for (r, awake_b) in per_rank.iter().enumerate() {
+        let b = rank_bytes(&asleep, r);
+        assert!(
+            b <= 0.02 * awake_b,
+            "rank {r}: {b} of {awake_b} bytes asleep"
+        );
+    }
+
+    // A wake that fails on rank 1 leaves every rank asleep, names the rank,
+    // and a retry wakes them all.
+    s.engine.pool().ranks()[1].faults().fail_wakes(1);
+    let (status, v) = s.admin(Method::POST, "/wake_up", None).await;
+    assert!(status.is_server_error(), "{status} {v}");
+    let msg = v["error"]["message"].as_str().unwrap_or_default();
+    assert!(
+        msg.contains("rank 1: wake failed") && msg.contains("ranks 0..1 were put back to sleep"),
+        "{v}"
+    );
+    assert!(s.is_sleeping().await);
+    let still = s.metrics().await;
+    for (r, awake_b) in per_rank.iter().enumerate() {
+        let b = rank_bytes(&still, r);
+        assert!(b <= 0.02 * awake_b, "rank {r} woke alone: {b} bytes");
+    }
+    s.admin_ok(Method::POST, "/wake_up", None).await;
+    assert!(!s.is_sleeping().await);
+    assert_eq!(s.probe().await, before);
+    let m = s.wait_all_blocks_free().await;
+    for (r, awake_b) in per_rank.iter().enumerate() {
+        assert_eq!(rank_bytes(&m, r), *awake_b, "rank {r} after the wake");
+    }
+
+    // A weight update reaches every rank: the answers are those of a whole
+    // model on the new checkpoint.
+    let seed2 = checkpoint("small", 2);
+    s.admin_ok(Method::POST, "/pause", None).await;
+    s.admin_ok(
+        Method::POST,
+        "/update_weights",
+        Some(&json!({"path": seed2.path().to_str().unwrap(), "version": "v2"})),
+    )
+    .await;
+    s.admin_ok(Method::POST, "/resume", None).await;
+    let fresh = Server::start_with("small", 2, Some(TOKEN), EngineConfig::default()).await;
+    let reloaded = s.probe().await;
+    assert_ne!(reloaded, before);
+    assert_eq!(reloaded, fresh.probe().await);
+    // A checkpoint of another shape is refused before any rank is written.
+    s.admin_ok(Method::POST, "/pause", None).await;
+    let tiny = checkpoint("tiny", 2);
+    let (status, v) = s
+        .admin(
+            Method::POST,
+            "/update_weights",
+            Some(&json!({"path": tiny.path().to_str().unwrap()})),
+        )
+        .await;
+    assert_openai_error(status, &v, StatusCode::BAD_REQUEST, "incompatible weights");
+    s.admin_ok(Method::POST, "/resume", None).await;
+    assert_eq!(s.probe().await, reloaded);
+    for srv in [fresh, whole, s] {
+        srv.wait_all_blocks_free().await;
+        srv.stop().await;
+    }
+}

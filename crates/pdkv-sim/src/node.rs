@@ -129,6 +129,7 @@ pub fn engine_config() -> EngineConfig {
         max_model_len: Some(NUM_BLOCKS * pdkv_model::BLOCK_SIZE),
         enable_sleep_mode: true,
         kv_release_timeout: Duration::from_secs(5),
+        tensor_parallel_size: 1,
     }
 }
 
@@ -169,7 +170,7 @@ impl Node {
         };
         let core = EngineCore::new(CoreParts {
             runner: Box::new(model),
-            pool: pool.clone(),
+            pools: pdkv_vmem::RankPools::single(pool.clone()),
             config: engine_config(),
             connector: Some(Box::new(connector)),
             waker,

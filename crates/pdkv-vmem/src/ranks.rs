@@ -133,6 +133,11 @@ impl RankPools {
         Ok(())
     }
 
+    /// Every rank's live regions, in rank order.
+    pub fn regions(&self) -> Vec<std::sync::Arc<crate::Region>> {
+        self.ranks.iter().flat_map(Pool::regions).collect()
+    }
+
     /// Whether `tag` is awake on every rank.
     pub fn is_awake(&self, tag: Tag) -> bool {
         self.ranks.iter().all(|p| p.is_awake(tag))
@@ -197,7 +202,10 @@ mod tests {
         let e = rp.offload(&[Tag::Weights]).unwrap_err();
         let msg = e.to_string();
         assert!(msg.starts_with("rank 1: offload failed"), "{msg}");
-        assert!(msg.contains("ranks 0..1 were woken from their backups again"), "{msg}");
+        assert!(
+            msg.contains("ranks 0..1 were woken from their backups again"),
+            "{msg}"
+        );
         assert!(rp.is_awake(Tag::Weights));
         assert_eq!(first_bytes(&rp.ranks()[0]), vec![7; 64]);
         assert_eq!(rp.host_backup_bytes(), 0);
@@ -217,7 +225,10 @@ mod tests {
         let e = rp.wake(&[Tag::Weights, Tag::KvCache]).unwrap_err();
         let msg = e.to_string();
         assert!(msg.starts_with("rank 1: wake failed"), "{msg}");
-        assert!(msg.contains("ranks 0..1 were put back to sleep again"), "{msg}");
+        assert!(
+            msg.contains("ranks 0..1 were put back to sleep again"),
+            "{msg}"
+        );
         for p in rp.ranks() {
             assert!(!p.is_awake(Tag::Weights) && !p.is_awake(Tag::KvCache));
             assert!(p.has_backup(Tag::Weights) && !p.has_backup(Tag::KvCache));

@@ -78,6 +78,13 @@ pub struct ServeArgs {
     /// reset and on the connector's release of its registrations.
     #[arg(long, default_value_t = 5.0)]
     pub kv_release_timeout_s: f64,
+    /// Ranks the model is split over (tensor parallelism), each with its
+    /// own share of the weights and KV heads, its own memory pool and its
+    /// own math threads (the machine's cores divided among them). The
+    /// model needs at least as many KV heads as ranks. Not yet with
+    /// `--kv-transfer-config`.
+    #[arg(long, short = 't', default_value_t = 1)]
+    pub tensor_parallel_size: usize,
     #[command(flatten)]
     pub http: crate::http_args::HttpArgs,
 }
@@ -100,6 +107,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         max_model_len: args.max_model_len,
         enable_sleep_mode: args.enable_sleep_mode,
         kv_release_timeout: std::time::Duration::from_secs_f64(args.kv_release_timeout_s),
+        tensor_parallel_size: args.tensor_parallel_size,
     };
     anyhow::ensure!(
         args.kv_release_timeout_s.is_finite() && args.kv_release_timeout_s > 0.0,
@@ -113,6 +121,15 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     anyhow::ensure!(
         config.num_kv_blocks > 0,
         "--num-kv-blocks must be at least 1"
+    );
+    anyhow::ensure!(
+        config.tensor_parallel_size > 0,
+        "--tensor-parallel-size must be at least 1"
+    );
+    anyhow::ensure!(
+        config.tensor_parallel_size == 1 || args.kv_transfer_config.is_none(),
+        "--tensor-parallel-size {} with --kv-transfer-config: P/D transfers do not work with tensor parallelism yet",
+        config.tensor_parallel_size
     );
     if args.admin_token.as_deref() == Some("") {
         anyhow::bail!(

@@ -17,7 +17,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use pdkv_model::{ChatTemplate, ModelConfig, Tokenizer};
-use pdkv_vmem::{Pool, Tag};
+use pdkv_vmem::{RankPools, Tag};
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 
 use super::command::{AddRequest, Command, OutputSink, Reply};
@@ -176,7 +176,7 @@ pub(super) struct Inner {
     pub model_name: String,
     pub chat_template: Option<ChatTemplate>,
     pub model_config: ModelConfig,
-    pub pool: Pool,
+    pub pools: RankPools,
     pub limits: RequestLimits,
     /// The connector's [`crate::KvConnector::info`], if the engine has one.
     pub connector_info: Option<serde_json::Value>,
@@ -402,9 +402,10 @@ impl EngineHandle {
         &self.inner.model_config
     }
 
-    /// The memory pool holding weights, KV cache and runtime scratch.
-    pub fn pool(&self) -> &Pool {
-        &self.inner.pool
+    /// The memory of every rank (one for a whole model): weights, KV cache
+    /// and runtime scratch.
+    pub fn pool(&self) -> &RankPools {
+        &self.inner.pools
     }
 
     /// What the KV connector says about itself (engine id, role,

@@ -14,6 +14,10 @@ pub(crate) fn check_config(config: &EngineConfig) -> anyhow::Result<()> {
         "max_num_batched_tokens must be at least 1"
     );
     anyhow::ensure!(config.num_kv_blocks > 0, "num_kv_blocks must be at least 1");
+    anyhow::ensure!(
+        config.tensor_parallel_size > 0,
+        "tensor_parallel_size must be at least 1"
+    );
     Ok(())
 }
 

@@ -30,7 +30,7 @@ use std::sync::{Arc, Mutex};
 
 use anyhow::Context;
 use pdkv_model::LoadedModel;
-use pdkv_vmem::Pool;
+use pdkv_vmem::{Pool, RankPools};
 
 pub use command::{AddRequest, Command, LifecycleReply, OutputSink, Reply};
 pub use handle::{EngineHandle, RequestStream};
@@ -39,7 +39,7 @@ pub use stepper::{CoreParts, EngineCore, LifecycleUpdate, NoPublisher, Publisher
 use crate::clock::{Clock, SystemClock};
 use crate::connector::{KvConnector, Waker};
 use crate::lifecycle::{Machine, WeightInfo};
-use crate::model::CpuModelRunner;
+use crate::model::{CpuModelRunner, ModelRunner, TpModelRunner};
 use crate::{EngineConfig, EngineStats};
 use driver::{Driver, COMMAND_CAPACITY};
 use handle::{Inner, Shared, SharedPublisher};
@@ -76,12 +76,31 @@ impl Engine {
             source,
         } = model;
         let model_config = model.config().clone();
-        let runner = CpuModelRunner::new(
-            model,
-            &pool,
-            config.num_kv_blocks,
-            config.max_num_batched_tokens,
-        )?;
+        let tp = config.tensor_parallel_size;
+        let (runner, pools): (Box<dyn ModelRunner>, RankPools) = if tp == 1 {
+            let runner = CpuModelRunner::new(
+                model,
+                &pool,
+                config.num_kv_blocks,
+                config.max_num_batched_tokens,
+            )?;
+            (Box::new(runner), RankPools::single(pool))
+        } else {
+            anyhow::ensure!(
+                connector.is_none(),
+                "a KV connector does not work with tensor parallelism yet (tensor_parallel_size {tp})"
+            );
+            // Each rank gets a pool of its own; the whole model (in `pool`)
+            // is freed once it is split.
+            let ranks: Vec<Pool> = (0..tp).map(|_| Pool::new(pool.options().clone())).collect();
+            let runner = TpModelRunner::new(
+                model,
+                ranks.clone(),
+                config.num_kv_blocks,
+                config.max_num_batched_tokens,
+            )?;
+            (Box::new(runner), RankPools::new(ranks))
+        };
         let tokenizer = Arc::new(tokenizer);
         let connector_info = connector.as_ref().map(|c| c.info());
         let connector_metrics = connector.as_ref().and_then(|c| c.metrics_reader());
@@ -116,8 +135,8 @@ impl Engine {
             .collect();
         let clock: Arc<dyn Clock> = Arc::new(SystemClock);
         let core = EngineCore::new(CoreParts {
-            runner: Box::new(runner),
-            pool: pool.clone(),
+            runner,
+            pools: pools.clone(),
             config: config.clone(),
             connector,
             waker,
@@ -143,7 +162,7 @@ impl Engine {
                 model_name: name,
                 chat_template,
                 model_config,
-                pool,
+                pools,
                 limits,
                 connector_info,
                 connector_metrics,

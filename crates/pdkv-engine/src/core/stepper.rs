@@ -13,7 +13,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
-use pdkv_vmem::Pool;
+use pdkv_vmem::RankPools;
 
 use super::command::{abort_output, AddRequest, Command, LifecycleReply, OutputSink, Reply};
 use super::limits::{check_config, RequestLimits};
@@ -66,10 +66,10 @@ impl Publisher for NoPublisher {
 /// What a stepper is built from.
 pub struct CoreParts {
     pub runner: Box<dyn ModelRunner>,
-    /// Holds the regions the lifecycle offloads, discards and wakes (a
-    /// runner without memory may pass an empty pool: every tag counts as
-    /// awake).
-    pub pool: Pool,
+    /// Holds the regions the lifecycle offloads, discards and wakes, one
+    /// pool per rank (a runner without memory may pass an empty pool: every
+    /// tag counts as awake).
+    pub pools: RankPools,
     pub config: EngineConfig,
     pub connector: Option<Box<dyn KvConnector>>,
     /// Given to the connector (before it registers the KV cache): how it
@@ -200,7 +200,7 @@ pub struct EngineCore {
     /// A row adjusted before sampling (penalties, bias, `min_tokens`).
     scratch: Vec<f32>,
     steps: u64,
-    pub(super) pool: Pool,
+    pub(super) pool: RankPools,
     pub(super) lc: Machine,
     /// Deferred lifecycle replies by ticket.
     pub(super) replies: BTreeMap<Ticket, LifecycleReply>,
@@ -237,7 +237,7 @@ impl EngineCore {
     pub fn new(parts: CoreParts) -> anyhow::Result<EngineCore> {
         let CoreParts {
             runner,
-            pool,
+            pools: pool,
             config,
             connector,
             waker,
