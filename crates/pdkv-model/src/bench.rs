@@ -65,8 +65,55 @@ pub fn decode_throughput(
     let cfg = model.config();
     let blocks_per_seq = (context + steps).div_ceil(BLOCK_SIZE);
     let kv = KvCache::new(pool, cfg, batch * blocks_per_seq)?;
-    let chunk = context.min(512);
-    let mut ws = Workspace::new(pool, cfg, chunk.max(batch))?;
+    let mut ws = Workspace::new(pool, cfg, context.min(PREFILL_CHUNK).max(batch))?;
+    let bytes = model.weights().bytes_read_per_token();
+    decode_steps(cfg, bytes, (batch, context, steps), &mut |seqs, out| {
+        model.forward(&kv, &mut ws, seqs, out)
+    })
+}
+
+/// Tokens per prefill step in the decode benchmark.
+const PREFILL_CHUNK: usize = 512;
+
+/// [`decode_throughput`] of `model` split over `size` tensor-parallel
+/// ranks ([`crate::tp`]), each in a pool of its own.
+pub fn decode_throughput_tp(
+    model: &Model,
+    size: usize,
+    batch: usize,
+    context: usize,
+    steps: usize,
+) -> anyhow::Result<DecodeResult> {
+    anyhow::ensure!(
+        batch > 0 && context > 0 && steps > 0,
+        "batch, context and steps must be positive"
+    );
+    let blocks_per_seq = (context + steps).div_ceil(BLOCK_SIZE);
+    let pools = (0..size).map(|_| Pool::default()).collect();
+    let max_tokens = context.min(PREFILL_CHUNK).max(batch);
+    let mut tpm = crate::tp::TpModel::new(model, pools, batch * blocks_per_seq, max_tokens)?;
+    let bytes = model.weights().bytes_read_per_token();
+    decode_steps(
+        model.config(),
+        bytes,
+        (batch, context, steps),
+        &mut |seqs, out| tpm.forward_with_rows(seqs, &[], out),
+    )
+}
+
+/// A forward pass over a batch, writing the logits rows.
+type StepFn<'a> = dyn FnMut(&[SeqInput<'_>], &mut Vec<f32>) -> anyhow::Result<()> + 'a;
+
+/// The decode benchmark over `step`: prefills `batch` sequences of
+/// `context` tokens, then times `steps` decode steps of all of them.
+fn decode_steps(
+    cfg: &crate::ModelConfig,
+    bytes: usize,
+    (batch, context, steps): (usize, usize, usize),
+    step_fn: &mut StepFn<'_>,
+) -> anyhow::Result<DecodeResult> {
+    let blocks_per_seq = (context + steps).div_ceil(BLOCK_SIZE);
+    let chunk = context.min(PREFILL_CHUNK);
     let tables: Vec<Vec<u32>> = (0..batch)
         .map(|s| {
             (0..blocks_per_seq)
@@ -94,7 +141,7 @@ pub fn decode_throughput(
                 block_table: &tables[s],
                 want_logits: end == context,
             };
-            model.forward(&kv, &mut ws, std::slice::from_ref(&input), &mut logits)?;
+            step_fn(std::slice::from_ref(&input), &mut logits)?;
             start = end;
         }
         next[s] = argmax(&logits);
@@ -112,13 +159,12 @@ pub fn decode_throughput(
             })
             .collect();
         let t = Instant::now();
-        model.forward(&kv, &mut ws, &inputs, &mut logits)?;
+        step_fn(&inputs, &mut logits)?;
         elapsed += t.elapsed().as_secs_f64();
         for (s, row) in logits.chunks_exact(cfg.vocab_size).enumerate() {
             next[s] = argmax(row);
         }
     }
-    let bytes = model.weights().bytes_read_per_token();
     let steps_per_s = steps as f64 / elapsed;
     Ok(DecodeResult {
         batch,

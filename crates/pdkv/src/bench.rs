@@ -29,6 +29,10 @@ pub struct DecodeArgs {
     /// Timed decode steps per batch size.
     #[arg(long, default_value_t = 32)]
     pub steps: usize,
+    /// Splits the model over this many tensor-parallel ranks (as `serve
+    /// --tensor-parallel-size`).
+    #[arg(long, short = 't', default_value_t = 1)]
+    pub tensor_parallel_size: usize,
 }
 
 #[derive(Args, Debug)]
@@ -134,8 +138,13 @@ pub fn run_decode(args: DecodeArgs) -> anyhow::Result<()> {
     let mut per_batch: Vec<(usize, f64)> = Vec::new();
     let mut roofline_b1 = Value::Null;
     for &batch in &args.batch_sizes {
-        let r = pdkv_model::bench::decode_throughput(model, &pool, batch, args.context, args.steps)
-            .with_context(|| format!("decoding at batch {batch}"))?;
+        let r = match args.tensor_parallel_size {
+            1 => {
+                pdkv_model::bench::decode_throughput(model, &pool, batch, args.context, args.steps)
+            }
+            n => pdkv_model::bench::decode_throughput_tp(model, n, batch, args.context, args.steps),
+        }
+        .with_context(|| format!("decoding at batch {batch}"))?;
         println!("{:>6} {:>12.1} {:>10.2}", batch, r.tokens_per_s, r.step_ms);
         if batch == 1 {
             let fraction = r.tokens_per_s * r.weight_bytes_per_token as f64 / bandwidth;

@@ -228,7 +228,7 @@ async fn start_deployment(args: &ServeBenchArgs, procs: &mut Vec<Proc>) -> anyho
         decode: 1,
         transport: args.transport,
         transfer_mode: args.transfer_mode,
-        port: up::free_port()?,
+        port: 0,
         prefill_port: None,
         decode_port: None,
         kv_port: None,

@@ -21,7 +21,6 @@
 
 use std::collections::VecDeque;
 use std::io::{BufRead, BufReader, Write};
-use std::net::TcpListener;
 use std::os::unix::process::CommandExt;
 use std::path::PathBuf;
 use std::process::{Child, Command, ExitStatus, Stdio};
@@ -84,19 +83,21 @@ pub struct UpArgs {
     /// Who moves the KV bytes.
     #[arg(long, value_enum, default_value = "write")]
     pub transfer_mode: TransferMode,
-    /// The proxy's port (the one clients use).
+    /// The proxy's port (the one clients use); 0 picks a free one (the
+    /// ready lines name it).
     #[arg(long, default_value_t = 8000)]
     pub port: u16,
-    /// The first prefill server's port; the others follow it (default: free
-    /// ones).
+    /// The first prefill server's port; the others follow it (default:
+    /// each binds a free one).
     #[arg(long)]
     pub prefill_port: Option<u16>,
-    /// The first decode server's port; the others follow it (default: free
-    /// ones).
+    /// The first decode server's port; the others follow it (default:
+    /// each binds a free one).
     #[arg(long)]
     pub decode_port: Option<u16>,
     /// The first prefill server's KV control (bootstrap) port, which
-    /// write-mode routers query; the others follow it (default: free ones).
+    /// write-mode routers query; the others follow it (default: each binds
+    /// a free one).
     #[arg(long)]
     pub kv_port: Option<u16>,
     /// Enables the lifecycle admin API on every engine (with sleep mode) and
@@ -129,8 +130,20 @@ const HOST: &str = "127.0.0.1";
 pub(crate) struct Proc {
     pub(crate) name: String,
     child: Child,
+    /// Its URL; empty until its `listening on` line when it chose its port.
     base: String,
+    /// The address of its first `listening on http://ADDR` log line.
+    listening: Arc<Mutex<Option<String>>>,
     tail: Arc<Mutex<VecDeque<String>>>,
+}
+
+/// `RUST_LOG` for a child whose `listening on` line (at `info`) we read:
+/// the operator's filter, with this crate's info lines kept.
+fn child_log_filter() -> String {
+    match std::env::var("RUST_LOG") {
+        Ok(f) if !f.trim().is_empty() => format!("{f},pdkv=info"),
+        _ => "info".to_string(),
+    }
 }
 
 /// Where children's log lines go, and the name that starts this process's
@@ -167,6 +180,9 @@ pub(crate) fn child_command(args: &[String]) -> anyhow::Result<(PathBuf, Command
 impl Proc {
     /// `secrets`: environment variables set (or removed when `None`) for
     /// the child; secrets go by environment, not argv (which `ps` shows).
+    /// `port` 0: the child binds a free port itself and its URL is learned
+    /// from its `listening on` line (a port chosen here and bound there
+    /// could be taken by another process in between).
     fn spawn(
         name: String,
         port: u16,
@@ -175,6 +191,7 @@ impl Proc {
         logs: &ChildLogs,
     ) -> anyhow::Result<Proc> {
         let (exe, mut cmd) = child_command(args)?;
+        cmd.env("RUST_LOG", child_log_filter());
         for (k, v) in secrets {
             match v {
                 Some(v) => cmd.env(k, v),
@@ -193,18 +210,27 @@ impl Proc {
         let mut child = cmd
             .spawn()
             .with_context(|| format!("starting the {name} ({})", exe.display()))?;
+        let on = match port {
+            0 => "a port of its choosing".to_string(),
+            p => format!("port {p}"),
+        };
         eprintln!(
-            "{}: started the {name} (pid {}) on port {port}",
+            "{}: started the {name} (pid {}) on {on}",
             logs.who,
             child.id()
         );
         let tail = Arc::new(Mutex::new(VecDeque::with_capacity(TAIL_LINES)));
+        let listening = Arc::new(Mutex::new(None));
         if let Some(stderr) = child.stderr.take() {
-            let tail = tail.clone();
+            let (tail, listening) = (tail.clone(), listening.clone());
             let name = name.clone();
             std::thread::spawn(move || {
                 for line in BufReader::new(stderr).lines() {
                     let Ok(line) = line else { break };
+                    if let Some(addr) = listening_addr(&line) {
+                        let mut l = listening.lock().unwrap_or_else(|e| e.into_inner());
+                        l.get_or_insert(addr);
+                    }
                     match file.as_mut() {
                         // Flushed per line: the file is read while the child runs.
                         Some(f) => {
@@ -225,9 +251,22 @@ impl Proc {
         Ok(Proc {
             name,
             child,
-            base: format!("http://{HOST}:{port}"),
+            base: match port {
+                0 => String::new(),
+                p => format!("http://{HOST}:{p}"),
+            },
+            listening,
             tail,
         })
+    }
+
+    /// Its URL, once known.
+    fn url(&mut self) -> Option<&str> {
+        if self.base.is_empty() {
+            let l = self.listening.lock().unwrap_or_else(|e| e.into_inner());
+            self.base = l.clone().unwrap_or_default();
+        }
+        Some(self.base.as_str()).filter(|b| !b.is_empty())
     }
 
     pub(crate) fn pid(&self) -> u32 {
@@ -257,10 +296,11 @@ impl Proc {
     }
 }
 
-/// A port that was free a moment ago.
-pub(crate) fn free_port() -> anyhow::Result<u16> {
-    let l = TcpListener::bind((HOST, 0)).context("finding a free port")?;
-    Ok(l.local_addr()?.port())
+/// The URL of a `listening on http://ADDR` log line.
+pub(crate) fn listening_addr(line: &str) -> Option<String> {
+    let rest = line.split("listening on ").nth(1)?;
+    let addr = rest.split_whitespace().next()?;
+    addr.starts_with("http://").then(|| addr.to_string())
 }
 
 /// The ports of a deployment: the proxy's, then each server's HTTP port
@@ -272,7 +312,7 @@ pub(crate) struct Ports {
     kv: Vec<u16>,
 }
 
-/// `n` ports from `first` on, or `n` free ones.
+/// `n` ports from `first` on, or `n` zeros (each server binds a free one).
 fn ports(first: Option<u16>, n: u16, what: &str) -> anyhow::Result<Vec<u16>> {
     match first {
         Some(p) => (0..n)
@@ -281,7 +321,7 @@ fn ports(first: Option<u16>, n: u16, what: &str) -> anyhow::Result<Vec<u16>> {
                     .with_context(|| format!("{what} ports from {p} run past 65535"))
             })
             .collect(),
-        None => (0..n).map(|_| free_port()).collect(),
+        None => Ok(vec![0; usize::from(n)]),
     }
 }
 
@@ -298,6 +338,7 @@ impl Ports {
             .chain(p.prefill.iter().copied())
             .chain(p.decode.iter().copied())
             .chain(p.kv.iter().copied())
+            .filter(|&port| port != 0)
             .collect();
         all.sort_unstable();
         if let Some(w) = all.windows(2).find(|w| w[0] == w[1]) {
@@ -384,6 +425,26 @@ pub(crate) struct Started {
     pub(crate) prefill: Vec<String>,
     pub(crate) decode: Vec<String>,
     pub(crate) proxy: String,
+    /// Each prefill server's KV bootstrap port.
+    pub(crate) kv: Vec<u16>,
+}
+
+/// The KV bootstrap port a prefill server at `url` listens on.
+async fn bootstrap_port(client: &reqwest::Client, url: &str) -> anyhow::Result<u16> {
+    let info: serde_json::Value = client
+        .get(format!("{url}/kv_transfer/info"))
+        .send()
+        .await
+        .and_then(|r| r.error_for_status())
+        .with_context(|| format!("asking {url} for its KV bootstrap address"))?
+        .json()
+        .await
+        .with_context(|| format!("reading {url}'s /kv_transfer/info"))?;
+    info["bootstrap_addr"]
+        .as_str()
+        .and_then(|a| a.rsplit(':').next())
+        .and_then(|p| p.parse().ok())
+        .with_context(|| format!("{url}'s /kv_transfer/info names no bootstrap port: {info}"))
 }
 
 /// Starts the children (pushed onto `procs`: the prefill servers, the
@@ -482,10 +543,15 @@ pub(crate) async fn start(
         logs,
     )?);
     wait_healthy(&client, procs, deadline, logs.who).await?;
+    let mut kv = Vec::with_capacity(np);
+    for url in &p_urls {
+        kv.push(bootstrap_port(&client, url).await?);
+    }
     Ok(Started {
         prefill: p_urls,
         decode: d_urls,
-        proxy: format!("http://{HOST}:{}", ports.proxy),
+        proxy: procs.last().map(|p| p.base.clone()).unwrap_or_default(),
+        kv,
     })
 }
 
@@ -515,6 +581,7 @@ async fn supervise(
         prefill: p_urls,
         decode: d_urls,
         proxy: url,
+        kv: kv_ports,
     } = started;
     let (np, nd) = (p_urls.len(), d_urls.len());
     // Written whole, errors ignored: a reader that went away must not stop
@@ -525,7 +592,7 @@ async fn supervise(
         args.transfer_mode.as_str(),
         if token.is_some() { "on" } else { "off" }
     );
-    for (i, (u, kv)) in p_urls.iter().zip(&ports.kv).enumerate() {
+    for (i, (u, kv)) in p_urls.iter().zip(&kv_ports).enumerate() {
         ready.push_str(&format!("prefill {i}: {u} (KV bootstrap port {kv})\n"));
     }
     for (i, u) in d_urls.iter().enumerate() {
@@ -577,12 +644,15 @@ async fn wait_healthy(
     loop {
         check_children(procs)?;
         let mut waiting = Vec::new();
-        for p in procs.iter() {
-            let ok = client
-                .get(format!("{}/health", p.base))
-                .send()
-                .await
-                .is_ok_and(|r| r.status().is_success());
+        for p in procs.iter_mut() {
+            let ok = match p.url() {
+                Some(base) => client
+                    .get(format!("{base}/health"))
+                    .send()
+                    .await
+                    .is_ok_and(|r| r.status().is_success()),
+                None => false,
+            };
             if !ok {
                 waiting.push(p.name.clone());
             }

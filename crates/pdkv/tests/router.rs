@@ -104,7 +104,7 @@ fn start_up(model: &str, mode: &str) -> Up {
             "--num-kv-blocks",
             "256",
             "--port",
-            &free_port().to_string(),
+            "0",
             "--admin-token",
             TOKEN,
         ])

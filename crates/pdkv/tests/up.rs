@@ -18,14 +18,6 @@ fn pdkv() -> Command {
     c
 }
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
 /// Lines of a child's pipe, read on a thread.
 fn lines(pipe: impl std::io::Read + Send + 'static) -> mpsc::Receiver<String> {
     let (tx, rx) = mpsc::channel();
@@ -71,16 +63,20 @@ fn tiny_checkpoint(dir: &std::path::Path, seed: u32) -> std::path::PathBuf {
 async fn up_serves_through_the_proxy_and_stops_every_child() {
     let dir = tempfile::tempdir().unwrap();
     let ckpt = tiny_checkpoint(dir.path(), 3);
-    let port = free_port();
+    // Port 0: every child, the proxy too, binds a free port itself.
     let (mut up, url, err) = start_up(&[
         "--model",
         ckpt.to_str().unwrap(),
         "--num-kv-blocks",
         "64",
         "--port",
-        &port.to_string(),
+        "0",
     ]);
-    assert_eq!(url, format!("http://127.0.0.1:{port}"));
+    let port: u16 = url
+        .strip_prefix("http://127.0.0.1:")
+        .and_then(|p| p.parse().ok())
+        .unwrap_or_else(|| panic!("proxy URL {url}"));
+    assert_ne!(port, 0);
 
     let client = reqwest::Client::new();
     let resp = client
@@ -166,14 +162,13 @@ fn start_up(args: &[&str]) -> (std::process::Child, String, mpsc::Receiver<Strin
 async fn up_admin_token_drives_every_engine_with_one_call() {
     let dir = tempfile::tempdir().unwrap();
     let ckpt = tiny_checkpoint(dir.path(), 5);
-    let port = free_port().to_string();
     let args = [
         "--model",
         ckpt.to_str().unwrap(),
         "--num-kv-blocks",
         "64",
         "--port",
-        &port,
+        "0",
     ];
     let (mut up, url, _err) = start_up(
         &[
