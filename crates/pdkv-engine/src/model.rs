@@ -96,9 +96,10 @@ fn kv_spec(arch: &str, kv: &KvCache) -> KvCacheSpec {
         block_bytes: kv.block_bytes(),
         block_size: kv.block_size(),
         layout: format!(
-            "{arch}:layers={}:kv_dim={}:block={}:f32",
+            "{arch}:layers={}:kv_heads={}:head_dim={}:block={}:head_major:f32",
             kv.num_layers(),
-            kv.kv_dim(),
+            kv.num_kv_heads(),
+            kv.kv_dim() / kv.num_kv_heads(),
             kv.block_size()
         ),
     }

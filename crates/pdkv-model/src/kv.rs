@@ -1,9 +1,17 @@
 //! The paged KV cache: one `kv_cache` region of fixed-size blocks.
 //!
 //! Layout is block-major so that one block is one contiguous byte range
-//! (what a transfer moves): block `b` holds, for each layer `l`, K then V,
-//! each `[BLOCK_SIZE, num_kv_heads, head_dim]` f32.
-//! offset(b, l, kv) = ((b * num_layers + l) * 2 + kv) * BLOCK_SIZE * kv_dim * 4.
+//! (what a transfer moves), and head-major inside a block: block `b` holds,
+//! for each KV head `h`, for each layer `l`, K then V, each
+//! `[BLOCK_SIZE, head_dim]` f32:
+//! offset(b, h, l, kv) = (((b * num_kv_heads + h) * num_layers + l) * 2 + kv)
+//! * BLOCK_SIZE * head_dim * 4.
+//!
+//! So the KV heads `h0..h1` of a block are one contiguous byte range of it,
+//! `[h0 * head_bytes, h1 * head_bytes)` (`head_bytes`: one head's part), and
+//! the block of a tensor-parallel rank holding those heads ([`crate::tp`])
+//! has exactly those bytes: a rank's block is a slice of the whole model's
+//! block, and the whole block the ranks' blocks one after the other.
 
 use std::sync::Arc;
 
@@ -16,7 +24,8 @@ pub struct KvCache {
     region: Arc<Region>,
     num_blocks: usize,
     num_layers: usize,
-    kv_dim: usize,
+    num_kv_heads: usize,
+    head_dim: usize,
 }
 
 impl KvCache {
@@ -29,7 +38,8 @@ impl KvCache {
             region,
             num_blocks,
             num_layers: cfg.num_layers,
-            kv_dim: cfg.kv_dim(),
+            num_kv_heads: cfg.num_kv_heads,
+            head_dim: cfg.head_dim,
         })
     }
 
@@ -43,7 +53,16 @@ impl KvCache {
 
     /// Floats per token per layer in each of K and V: `num_kv_heads * head_dim`.
     pub fn kv_dim(&self) -> usize {
-        self.kv_dim
+        self.num_kv_heads * self.head_dim
+    }
+
+    pub fn num_kv_heads(&self) -> usize {
+        self.num_kv_heads
+    }
+
+    /// Bytes of one KV head's part of a block (all layers, K and V).
+    pub fn head_bytes(&self) -> usize {
+        self.num_layers * 2 * BLOCK_SIZE * self.head_dim * 4
     }
 
     pub fn num_blocks(&self) -> usize {
@@ -55,42 +74,37 @@ impl KvCache {
     }
 
     pub fn block_bytes(&self) -> usize {
-        self.num_layers * 2 * BLOCK_SIZE * self.kv_dim * 4
+        self.num_kv_heads * self.head_bytes()
     }
 
     pub fn region(&self) -> &Arc<Region> {
         &self.region
     }
 
-    /// Byte offset of the K (`kv == 0`) or V (`kv == 1`) slab of `layer` in `block`.
-    pub fn slab_offset(&self, block: usize, layer: usize, kv: usize) -> usize {
-        debug_assert!(block < self.num_blocks && layer < self.num_layers && kv < 2);
-        ((block * self.num_layers + layer) * 2 + kv) * BLOCK_SIZE * self.kv_dim * 4
+    /// Byte offset of head `head`'s K (`kv == 0`) or V (`kv == 1`) rows of
+    /// `layer` in `block`: `BLOCK_SIZE` rows of `head_dim` floats.
+    pub fn rows_offset(&self, block: usize, head: usize, layer: usize, kv: usize) -> usize {
+        debug_assert!(
+            block < self.num_blocks
+                && head < self.num_kv_heads
+                && layer < self.num_layers
+                && kv < 2
+        );
+        (((block * self.num_kv_heads + head) * self.num_layers + layer) * 2 + kv)
+            * BLOCK_SIZE
+            * self.head_dim
+            * 4
     }
 
-    /// Floats per slab: `BLOCK_SIZE * kv_dim`.
-    pub fn slab_len(&self) -> usize {
-        BLOCK_SIZE * self.kv_dim
-    }
-
-    /// Reads one slab.
+    /// Reads head `head`'s K or V rows of `layer` in `block`.
     ///
     /// # Safety
-    /// No one may write this slab while the slice lives.
-    pub unsafe fn slab(&self, block: usize, layer: usize, kv: usize) -> &[f32] {
-        self.region
-            .slice::<f32>(self.slab_offset(block, layer, kv), self.slab_len())
-    }
-
-    /// Writes into one slab.
-    ///
-    /// # Safety
-    /// The caller must be the only one accessing this slab while the slice lives
-    /// (the scheduler gives each block to one sequence at a time).
-    #[allow(clippy::mut_from_ref)]
-    pub unsafe fn slab_mut(&self, block: usize, layer: usize, kv: usize) -> &mut [f32] {
-        self.region
-            .slice_mut::<f32>(self.slab_offset(block, layer, kv), self.slab_len())
+    /// No one may write these rows while the slice lives.
+    pub unsafe fn rows(&self, block: usize, head: usize, layer: usize, kv: usize) -> &[f32] {
+        self.region.slice::<f32>(
+            self.rows_offset(block, head, layer, kv),
+            BLOCK_SIZE * self.head_dim,
+        )
     }
 
     /// Writes the K and V rows of the token in `slot` of `block` for `layer`.
@@ -106,13 +120,15 @@ impl KvCache {
         v: &[f32],
     ) {
         assert!(block < self.num_blocks && layer < self.num_layers && slot < BLOCK_SIZE);
-        assert!(k.len() == self.kv_dim && v.len() == self.kv_dim);
+        let hd = self.head_dim;
+        assert!(k.len() == self.kv_dim() && v.len() == self.kv_dim());
         let base = self.region.base() as *mut f32;
-        let row = slot * self.kv_dim;
-        let k_at = base.add(self.slab_offset(block, layer, 0) / 4 + row);
-        let v_at = base.add(self.slab_offset(block, layer, 1) / 4 + row);
-        std::ptr::copy_nonoverlapping(k.as_ptr(), k_at, self.kv_dim);
-        std::ptr::copy_nonoverlapping(v.as_ptr(), v_at, self.kv_dim);
+        for h in 0..self.num_kv_heads {
+            let k_at = base.add(self.rows_offset(block, h, layer, 0) / 4 + slot * hd);
+            let v_at = base.add(self.rows_offset(block, h, layer, 1) / 4 + slot * hd);
+            std::ptr::copy_nonoverlapping(k[h * hd..].as_ptr(), k_at, hd);
+            std::ptr::copy_nonoverlapping(v[h * hd..].as_ptr(), v_at, hd);
+        }
     }
 
     /// Where KV head `kv_head` of `layer` lives for a sequence with `block_table`.
@@ -124,15 +140,17 @@ impl KvCache {
         head_dim: usize,
         block_table: &'a [u32],
     ) -> PagedRows<'a> {
-        let slab = BLOCK_SIZE * self.kv_dim;
+        debug_assert_eq!(head_dim, self.head_dim);
+        let rows = BLOCK_SIZE * self.head_dim;
         PagedRows {
-            base: (self.region.base() as *const f32).wrapping_add(layer * 2 * slab),
+            base: (self.region.base() as *const f32)
+                .wrapping_add(self.rows_offset(0, kv_head, layer, 0) / 4),
             block_table,
             block_size: BLOCK_SIZE,
-            block_stride: self.num_layers * 2 * slab,
-            row_stride: self.kv_dim,
-            head_offset: kv_head * head_dim,
-            v_offset: slab,
+            block_stride: self.block_bytes() / 4,
+            row_stride: self.head_dim,
+            head_offset: 0,
+            v_offset: rows,
         }
     }
 }

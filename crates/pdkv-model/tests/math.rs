@@ -160,16 +160,18 @@ impl Harness {
 
     /// Bits of the K and V rows of positions `0..len` of every layer.
     fn kv_bits(&self, table: &[u32], len: usize) -> Vec<u32> {
-        let kv_dim = self.kv.kv_dim();
+        let hd = self.kv.kv_dim() / self.kv.num_kv_heads();
         let mut out = Vec::new();
         for layer in 0..self.kv.num_layers() {
             for which in 0..2 {
                 for pos in 0..len {
                     let block = table[pos / BLOCK_SIZE] as usize;
-                    // SAFETY: no step runs while the test reads.
-                    let slab = unsafe { self.kv.slab(block, layer, which) };
-                    let row = &slab[(pos % BLOCK_SIZE) * kv_dim..(pos % BLOCK_SIZE + 1) * kv_dim];
-                    out.extend(row.iter().map(|v| v.to_bits()));
+                    for head in 0..self.kv.num_kv_heads() {
+                        // SAFETY: no step runs while the test reads.
+                        let rows = unsafe { self.kv.rows(block, head, layer, which) };
+                        let row = &rows[(pos % BLOCK_SIZE) * hd..(pos % BLOCK_SIZE + 1) * hd];
+                        out.extend(row.iter().map(|v| v.to_bits()));
+                    }
                 }
             }
         }

@@ -70,14 +70,24 @@ fn greedy(
     }
 }
 
-fn whole(model: &Model, pool: &Pool, probes: &[Vec<u32>]) -> Run {
+fn whole(model: &Model, pool: &Pool, probes: &[Vec<u32>]) -> (Run, KvCache) {
     let cfg = model.config();
     let kv = KvCache::new(pool, cfg, blocks_per_probe(probes) * probes.len()).unwrap();
     let tokens: usize = probes.iter().map(Vec::len).sum();
     let mut ws = Workspace::new(pool, cfg, tokens).unwrap();
-    greedy(probes, cfg.vocab_size, &mut |s, out| {
+    let run = greedy(probes, cfg.vocab_size, &mut |s, out| {
         model.forward(&kv, &mut ws, s, out)
-    })
+    });
+    (run, kv)
+}
+
+/// Block `b`'s bytes.
+fn block(kv: &KvCache, b: usize) -> Vec<u8> {
+    let mut out = vec![0u8; kv.block_bytes()];
+    kv.region()
+        .read_bytes(b * kv.block_bytes(), &mut out)
+        .unwrap();
+    out
 }
 
 fn split(model: &Model, size: usize, probes: &[Vec<u32>]) -> (Run, TpModel) {
@@ -130,7 +140,7 @@ fn check(name: &str, model: &Model, size: usize) {
     let cfg = model.config().clone();
     let probes = probes(30, cfg.vocab_size, 7);
     let pool = Pool::default();
-    let want = whole(model, &pool, &probes);
+    let (want, whole_kv) = whole(model, &pool, &probes);
     let (got, tpm) = split(model, size, &probes);
     for (i, (w, g)) in want.tokens.iter().zip(&got.tokens).enumerate() {
         assert_eq!(w, g, "{name} TP{size}: probe {i} decodes differently");
@@ -173,6 +183,17 @@ fn check(name: &str, model: &Model, size: usize) {
         assert!(
             live.get(Tag::KvCache) > 0,
             "{name}: rank {r} has no KV cache of its own"
+        );
+    }
+
+    // A rank's KV block is the slice of the whole model's block that holds
+    // its KV heads, bit for bit: the ranks' blocks one after the other are
+    // the whole block (what a transfer between different splits relies on).
+    for b in 0..whole_kv.num_blocks() {
+        let parts: Vec<u8> = tpm.ranks().iter().flat_map(|r| block(&r.kv, b)).collect();
+        assert!(
+            parts == block(&whole_kv, b),
+            "{name} TP{size}: block {b} differs from its ranks' blocks"
         );
     }
 
