@@ -41,7 +41,7 @@
 //!   rank writing the next exchange never overwrites one still being read).
 
 use std::ops::Range;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
@@ -321,7 +321,14 @@ pub struct Comm {
     slots: [Vec<RwLock<Vec<f32>>>; 2],
     /// Exchanges each rank made in this step (which buffers are its turn).
     made: Vec<AtomicUsize>,
+    /// The barrier's generation and whether it broke, readable without the
+    /// lock (for the spin before a wait).
+    passed: AtomicU64,
+    stop: AtomicBool,
 }
+
+/// How long a rank spins at a meeting before it sleeps.
+const SPIN: Duration = Duration::from_micros(50);
 
 impl Comm {
     pub fn new(size: usize, timeout: Duration) -> Comm {
@@ -333,6 +340,8 @@ impl Comm {
             cv: Condvar::new(),
             slots: [slots(), slots()],
             made: (0..size).map(|_| AtomicUsize::new(0)).collect(),
+            passed: AtomicU64::new(0),
+            stop: AtomicBool::new(false),
         }
     }
 
@@ -343,6 +352,8 @@ impl Comm {
     /// Readies the exchanges for a step (no rank is running now).
     fn reset(&self) {
         *self.state.lock().unwrap() = BarrierState::default();
+        self.passed.store(0, Ordering::Release);
+        self.stop.store(false, Ordering::Release);
         for m in &self.made {
             m.store(0, Ordering::Relaxed);
         }
@@ -355,6 +366,7 @@ impl Comm {
         if s.broken.is_none() {
             s.broken = Some(why);
         }
+        self.stop.store(true, Ordering::Release);
         self.cv.notify_all();
     }
 
@@ -369,9 +381,22 @@ impl Comm {
         if s.arrived == self.size {
             s.arrived = 0;
             s.generation += 1;
+            self.passed.store(s.generation, Ordering::Release);
             self.cv.notify_all();
             return Ok(());
         }
+        // The others are usually a few microseconds away (a meeting comes
+        // every half layer): spin a while before sleeping on the condvar,
+        // whose wake-up costs more than that.
+        drop(s);
+        let spin_until = Instant::now() + SPIN;
+        while self.passed.load(Ordering::Acquire) == generation
+            && !self.stop.load(Ordering::Acquire)
+            && Instant::now() < spin_until
+        {
+            std::hint::spin_loop();
+        }
+        let mut s = self.state.lock().unwrap();
         let deadline = Instant::now() + self.timeout;
         loop {
             if s.generation != generation {
@@ -387,6 +412,7 @@ impl Comm {
                     self.timeout
                 );
                 s.broken = Some(why.clone());
+                self.stop.store(true, Ordering::Release);
                 self.cv.notify_all();
                 bail!(why);
             }
