@@ -58,12 +58,8 @@ pub fn decode_throughput(
     context: usize,
     steps: usize,
 ) -> anyhow::Result<DecodeResult> {
-    anyhow::ensure!(
-        batch > 0 && context > 0 && steps > 0,
-        "batch, context and steps must be positive"
-    );
+    let blocks_per_seq = blocks_per_seq(batch, context, steps)?;
     let cfg = model.config();
-    let blocks_per_seq = (context + steps).div_ceil(BLOCK_SIZE);
     let kv = KvCache::new(pool, cfg, batch * blocks_per_seq)?;
     let mut ws = Workspace::new(pool, cfg, context.min(PREFILL_CHUNK).max(batch))?;
     let bytes = model.weights().bytes_read_per_token();
@@ -75,6 +71,16 @@ pub fn decode_throughput(
 /// Tokens per prefill step in the decode benchmark.
 const PREFILL_CHUNK: usize = 512;
 
+/// KV blocks each sequence of the decode benchmark needs (its arguments
+/// checked).
+fn blocks_per_seq(batch: usize, context: usize, steps: usize) -> anyhow::Result<usize> {
+    anyhow::ensure!(
+        batch > 0 && context > 0 && steps > 0,
+        "batch, context and steps must be positive"
+    );
+    Ok((context + steps).div_ceil(BLOCK_SIZE))
+}
+
 /// [`decode_throughput`] of `model` split over `size` tensor-parallel
 /// ranks ([`crate::tp`]), each in a pool of its own.
 pub fn decode_throughput_tp(
@@ -84,11 +90,7 @@ pub fn decode_throughput_tp(
     context: usize,
     steps: usize,
 ) -> anyhow::Result<DecodeResult> {
-    anyhow::ensure!(
-        batch > 0 && context > 0 && steps > 0,
-        "batch, context and steps must be positive"
-    );
-    let blocks_per_seq = (context + steps).div_ceil(BLOCK_SIZE);
+    let blocks_per_seq = blocks_per_seq(batch, context, steps)?;
     let pools = (0..size).map(|_| Pool::default()).collect();
     let max_tokens = context.min(PREFILL_CHUNK).max(batch);
     let mut tpm = crate::tp::TpModel::new(model, pools, batch * blocks_per_seq, max_tokens)?;
@@ -112,7 +114,7 @@ fn decode_steps(
     (batch, context, steps): (usize, usize, usize),
     step_fn: &mut StepFn<'_>,
 ) -> anyhow::Result<DecodeResult> {
-    let blocks_per_seq = (context + steps).div_ceil(BLOCK_SIZE);
+    let blocks_per_seq = blocks_per_seq(batch, context, steps)?;
     let chunk = context.min(PREFILL_CHUNK);
     let tables: Vec<Vec<u32>> = (0..batch)
         .map(|s| {

@@ -4,7 +4,9 @@
 //! requires pdkv's next-token logits to match:
 //! `max_i |ours_i - ref_i| <= tol * max_i |ref_i|` with `tol` = 1e-3.
 
-use std::path::{Path, PathBuf};
+mod common;
+
+use std::path::Path;
 
 use pdkv_model::{init, load_model, Arch, KvCache, LoadedModel, SeqInput, Workspace, BLOCK_SIZE};
 use pdkv_vmem::Pool;
@@ -130,23 +132,9 @@ fn tiny_qwen3_matches_transformers() {
     tiny(Arch::Qwen3);
 }
 
-/// The SmolLM2 GGUF, where the machine has it (CI fetches it first).
-pub fn smollm2_path() -> Option<PathBuf> {
-    let candidates = [
-        std::env::var_os("PDKV_SMOLLM2_GGUF").map(PathBuf::from),
-        std::env::var_os("HOME")
-            .map(|h| PathBuf::from(h).join(".cache/pdkv/models/SmolLM2-135M-Instruct.Q4_1.gguf")),
-    ];
-    candidates.into_iter().flatten().find(|p| p.is_file())
-}
-
 #[test]
 fn smollm2_matches_transformers() {
-    let Some(path) = smollm2_path() else {
-        if std::env::var_os("CI").is_some() {
-            panic!("CI must fetch SmolLM2 first (pdkv model fetch)");
-        }
-        println!("SKIPPED: SmolLM2 GGUF not found (run `pdkv model fetch`)");
+    let Some(path) = common::smollm2_or_skip() else {
         return;
     };
     let pool = Pool::default();

@@ -1,8 +1,8 @@
-//! Tensor parallelism: a model split over ranks gives the greedy outputs of
-//! the whole model, its weights are split (not copied) over the ranks' own
-//! pools, and a rank that cannot go on fails the step on every rank.
+//! Tensor parallelism: a model split over ranks gives the whole model's
+//! logits bit for bit, its weights are split (not copied) over the ranks'
+//! own pools, and each rank's KV blocks are slices of the whole model's.
 
-use std::path::PathBuf;
+mod common;
 
 use pdkv_model::tp::{self, TpModel};
 use pdkv_model::{init, load_model, Arch, KvCache, Model, SeqInput, Workspace, BLOCK_SIZE};
@@ -227,20 +227,9 @@ fn split_models_decode_as_the_whole_one() {
     }
 }
 
-/// The SmolLM2 GGUF, where the machine has it (CI fetches it first).
-fn smollm2_path() -> Option<PathBuf> {
-    std::env::var_os("HOME")
-        .map(|h| PathBuf::from(h).join(".cache/pdkv/models/SmolLM2-135M-Instruct.Q4_1.gguf"))
-        .filter(|p| p.exists())
-}
-
 #[test]
 fn smollm2_over_two_ranks_decodes_as_the_whole_model() {
-    let Some(path) = smollm2_path() else {
-        if std::env::var_os("CI").is_some() {
-            panic!("CI must fetch SmolLM2 first (pdkv model fetch)");
-        }
-        println!("SKIPPED: SmolLM2 GGUF not found (run `pdkv model fetch`)");
+    let Some(path) = common::smollm2_or_skip() else {
         return;
     };
     let m = load_model(&path, &Pool::default(), &mut |_| {}).unwrap();
