@@ -138,10 +138,12 @@ pub(crate) struct Proc {
 }
 
 /// `RUST_LOG` for a child whose `listening on` line (at `info`) we read:
-/// the operator's filter, with this crate's info lines kept.
+/// the operator's filter, with the info lines of the two modules that print
+/// it kept (only those two: a wider directive would hide other debug lines
+/// the operator asked for).
 fn child_log_filter() -> String {
     match std::env::var("RUST_LOG") {
-        Ok(f) if !f.trim().is_empty() => format!("{f},pdkv=info"),
+        Ok(f) if !f.trim().is_empty() => format!("{f},pdkv::serve=info,pdkv::proxy_cmd=info"),
         _ => "info".to_string(),
     }
 }
