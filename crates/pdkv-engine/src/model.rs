@@ -151,10 +151,6 @@ impl TpModelRunner {
             .with_context(|| format!("splitting the model over {size} tensor-parallel ranks"))?;
         Ok(TpModelRunner { model })
     }
-
-    pub fn model(&self) -> &TpModel {
-        &self.model
-    }
 }
 
 impl ModelRunner for TpModelRunner {

@@ -345,10 +345,6 @@ impl Comm {
         }
     }
 
-    pub fn size(&self) -> usize {
-        self.size
-    }
-
     /// Readies the exchanges for a step (no rank is running now).
     fn reset(&self) {
         *self.state.lock().unwrap() = BarrierState::default();
@@ -642,10 +638,6 @@ impl TpModel {
 
     pub fn ranks(&self) -> &[Rank] {
         &self.ranks
-    }
-
-    pub fn size(&self) -> usize {
-        self.ranks.len()
     }
 
     /// [`Model::forward_with_rows`] over every rank at once; `logits` gets
