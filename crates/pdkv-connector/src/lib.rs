@@ -16,6 +16,7 @@ pub mod multi;
 pub mod offload;
 pub mod params;
 pub mod pd;
+pub mod ranks;
 pub mod recv;
 pub mod send;
 pub mod wire;

@@ -287,7 +287,7 @@ impl OffloadConnector {
     /// KV cache, last block first (see the module docs on LRU order).
     fn save(&mut self, req: ConnectorRequest<'_>, block_ids: &[u32]) {
         let Some(kv) = &self.kv else { return };
-        if !kv.region.is_mapped() {
+        if !kv.is_mapped() {
             tracing::warn!(id = %req.id, "KV cache released; request's blocks not offloaded");
             return;
         }
@@ -304,8 +304,7 @@ impl OffloadConnector {
                 continue;
             }
             let mut data = vec![0u8; kv.block_bytes];
-            let offset = block_ids[i] as usize * kv.block_bytes;
-            if let Err(e) = kv.region.read_bytes(offset, &mut data) {
+            if let Err(e) = kv.read_block(block_ids[i], &mut data) {
                 tracing::error!(id = %req.id, block = block_ids[i], error = %e, "reading a KV block to offload failed");
                 continue;
             }
@@ -532,15 +531,17 @@ impl KvConnector for OffloadConnector {
             pdkv_model::BLOCK_SIZE,
             spec.block_size
         );
-        anyhow::ensure!(
-            spec.num_blocks
-                .checked_mul(spec.block_bytes)
-                .is_some_and(|n| n <= spec.region.len()),
-            "the KV cache region ({} bytes) is smaller than {} blocks of {} bytes",
-            spec.region.len(),
-            spec.num_blocks,
-            spec.block_bytes
-        );
+        for (i, r) in spec.ranks.iter().enumerate() {
+            let bb = spec.rank_block_bytes(i);
+            anyhow::ensure!(
+                spec.num_blocks
+                    .checked_mul(bb)
+                    .is_some_and(|n| n <= r.region.len()),
+                "rank {i}'s KV cache region ({} bytes) is smaller than {} blocks of {bb} bytes",
+                r.region.len(),
+                spec.num_blocks,
+            );
+        }
         self.counters
             .block_bytes
             .store(spec.block_bytes as u64, Ordering::Relaxed);
@@ -557,7 +558,7 @@ impl KvConnector for OffloadConnector {
             return;
         }
         let Some(kv) = &self.kv else { return };
-        if !kv.region.is_mapped() {
+        if !kv.is_mapped() {
             // The core never steps while the KV cache is released.
             tracing::error!(
                 blocks = meta.loads.len(),
@@ -567,10 +568,7 @@ impl KvConnector for OffloadConnector {
         }
         let mut bytes = 0u64;
         for (block, data) in &meta.loads {
-            match kv
-                .region
-                .write_bytes(*block as usize * kv.block_bytes, data)
-            {
+            match kv.write_block(*block, data) {
                 Ok(()) => bytes += data.len() as u64,
                 Err(e) => {
                     tracing::error!(block, error = %e, "loading an offloaded KV block failed")
@@ -630,13 +628,7 @@ mod tests {
             },
             "o1",
         );
-        let spec = KvCacheSpec {
-            region: region.clone(),
-            num_blocks: 16,
-            block_bytes: BB,
-            block_size: pdkv_model::BLOCK_SIZE,
-            layout: "test".into(),
-        };
+        let spec = KvCacheSpec::single(region.clone(), 16, BB, pdkv_model::BLOCK_SIZE, "test");
         c.register_kv_caches(&spec).unwrap();
         (c, region)
     }

@@ -732,7 +732,7 @@ impl RecvMachine {
             return;
         };
         let rp = l.spec.read.clone().expect("read mode");
-        let behind = peer.registration.is_none_or(|r| r.epoch < rp.generation);
+        let behind = peer.generation().is_none_or(|g| g < rp.generation);
         if (peer.engine_id != l.spec.remote_engine_id || behind) && !refreshed {
             let addr = l.spec.addr.clone();
             self.set_phase(
@@ -787,7 +787,7 @@ impl RecvMachine {
                 ),
             ));
         }
-        match peer.registration {
+        match peer.generation() {
             None => {
                 return Err(fail(
                     FailCode::Asleep,
@@ -799,12 +799,12 @@ impl RecvMachine {
             }
             // Registered again since it leased the blocks: a release (a
             // sleep) ended the lease on purpose.
-            Some(r) if r.epoch != rp.generation => {
+            Some(g) if g != rp.generation => {
                 return Err(fail(
                     FailCode::Asleep,
                     format!(
                         "the prefill engine {:?} released and registered its KV cache again since it leased these blocks (generation {} is now {}): the lease ended",
-                        peer.engine_id, rp.generation, r.epoch
+                        peer.engine_id, rp.generation, g
                     ),
                 ))
             }
@@ -1528,11 +1528,16 @@ mod tests {
             transfer: crate::wire::Destination::Tcp {
                 addr: "127.0.0.1:10".into(),
             },
-            registration: epoch.map(|e| pdkv_transfer::Registration {
-                segment: 1,
-                key: 2,
-                epoch: e,
-                len: 4096,
+            ranks: epoch.map(|e| {
+                vec![crate::ranks::RankReg {
+                    heads: (0, 1),
+                    reg: pdkv_transfer::Registration {
+                        segment: 1,
+                        key: 2,
+                        epoch: e,
+                        len: 4096,
+                    },
+                }]
             }),
         }
     }

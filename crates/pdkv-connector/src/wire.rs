@@ -18,8 +18,9 @@
 use std::time::Duration;
 
 use pdkv_transfer::auth::{self, KvSecret, Port};
-use pdkv_transfer::Registration;
 use serde::{Deserialize, Serialize};
+
+use crate::ranks::RankReg;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
@@ -47,20 +48,32 @@ pub struct Pull {
     /// Tokens whose KV D wants (the prompt length minus one).
     pub num_tokens: usize,
     pub dst: Destination,
-    pub segment: u64,
-    pub key: u64,
-    pub epoch: u64,
-    /// Length of D's registration (a shared-memory peer maps all of it).
-    pub region_len: u64,
-    /// Byte offset, inside D's registration, of each destination block.
-    pub block_offsets: Vec<u64>,
-    /// A key that opens exactly the destination blocks, revoked by D when
-    /// it stops waiting (its fence); TCP writes use it.
-    #[serde(default)]
-    pub grant_key: Option<u64>,
+    /// D's KV cache, rank by rank in head order.
+    pub ranks: Vec<PullRank>,
+    /// D's destination blocks, one per block wanted (the same ids on every
+    /// rank).
+    pub blocks: Vec<u32>,
     /// The weights D serves; P refuses KV computed with others.
     #[serde(default)]
     pub weights_version: Option<String>,
+}
+
+/// One rank of D's KV cache in a pull.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PullRank {
+    /// The rank's registration (a shared-memory peer maps all of it).
+    pub rank: RankReg,
+    /// A key that opens exactly the destination blocks of this rank,
+    /// revoked by D when it stops waiting (its fence); TCP writes use it.
+    #[serde(default)]
+    pub grant_key: Option<u64>,
+}
+
+impl PullRank {
+    /// The key a TCP write names: the grant's, else the registration's.
+    pub fn write_key(&self) -> u64 {
+        self.grant_key.unwrap_or(self.rank.reg.key)
+    }
 }
 
 /// P's answer to a read-mode handshake.
@@ -72,9 +85,17 @@ pub struct HandshakeInfo {
     /// Where P's KV cache is reached: its TCP agent, or its shared-memory
     /// exporter's socket.
     pub transfer: Destination,
-    /// P's current KV cache registration; `None` while it is released
-    /// (asleep).
-    pub registration: Option<Registration>,
+    /// P's current KV cache registrations, rank by rank in head order;
+    /// `None` while they are released (asleep).
+    pub ranks: Option<Vec<RankReg>>,
+}
+
+impl HandshakeInfo {
+    /// The epoch of P's first rank's registration: the generation P stamps
+    /// on its params (every rank is registered again together).
+    pub fn generation(&self) -> Option<u64> {
+        self.ranks.as_ref()?.first().map(|r| r.reg.epoch)
+    }
 }
 
 /// Why a transfer did not deliver its KV. It crosses the wire as this code
@@ -410,6 +431,7 @@ pub async fn drop_transfer(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use pdkv_transfer::Registration;
 
     #[test]
     fn messages_round_trip_and_bad_input_is_an_error() {
@@ -428,12 +450,33 @@ mod tests {
                 dst: Destination::Shm {
                     path: "/tmp/x.sock".into(),
                 },
-                segment: 1,
-                key: 2,
-                epoch: 3,
-                region_len: 128,
-                block_offsets: vec![0, 64],
-                grant_key: Some(9),
+                ranks: vec![
+                    PullRank {
+                        rank: RankReg {
+                            heads: (0, 2),
+                            reg: Registration {
+                                segment: 1,
+                                key: 2,
+                                epoch: 3,
+                                len: 128,
+                            },
+                        },
+                        grant_key: Some(9),
+                    },
+                    PullRank {
+                        rank: RankReg {
+                            heads: (2, 3),
+                            reg: Registration {
+                                segment: 2,
+                                key: 5,
+                                epoch: 3,
+                                len: 64,
+                            },
+                        },
+                        grant_key: None,
+                    },
+                ],
+                blocks: vec![0, 1],
                 weights_version: Some("v1".into()),
             }),
             Message::PullProgress,
@@ -455,12 +498,15 @@ mod tests {
                 transfer: Destination::Tcp {
                     addr: "127.0.0.1:9".into(),
                 },
-                registration: Some(Registration {
-                    segment: 1,
-                    key: 2,
-                    epoch: 3,
-                    len: 4096,
-                }),
+                ranks: Some(vec![RankReg {
+                    heads: (0, 3),
+                    reg: Registration {
+                        segment: 1,
+                        key: 2,
+                        epoch: 3,
+                        len: 4096,
+                    },
+                }]),
             }),
             Message::ReadDone {
                 transfer_id: "t".into(),

@@ -80,7 +80,7 @@ fn capture_pull(d: &mut Side, rid: &str, d_blocks: &[u32]) -> Pull {
 /// addressing D's registration exactly as the pull names it (a fresh
 /// initiator, so nothing cached helps or hides a stale descriptor).
 fn write_as_pulled(pull: &Pull, bytes: &[u8]) -> Result<(), String> {
-    let offset = pull.block_offsets[0];
+    let offset = pull.blocks[0] as u64 * BB as u64;
     match &pull.dst {
         Destination::Tcp { addr } => {
             let rt = tokio::runtime::Builder::new_current_thread()
@@ -102,9 +102,9 @@ fn write_as_pulled(pull: &Pull, bytes: &[u8]) -> Result<(), String> {
                 let local = LocalSlice::grant(&registry, &reg, 0, BB as u64).unwrap();
                 let remote = RemoteDescriptor {
                     agent_addr: addr.clone(),
-                    segment: pull.segment,
-                    key: pull.key,
-                    epoch: pull.epoch,
+                    segment: pull.ranks[0].rank.reg.segment,
+                    key: pull.ranks[0].rank.reg.key,
+                    epoch: pull.ranks[0].rank.reg.epoch,
                     offset,
                     len: BB as u64,
                 };
@@ -119,7 +119,7 @@ fn write_as_pulled(pull: &Pull, bytes: &[u8]) -> Result<(), String> {
                 .map_err(|e| e.to_string())?;
             imp.map(&registration(pull), WAIT)
                 .map_err(|e| e.to_string())?;
-            imp.write(pull.segment, pull.epoch, offset, bytes)
+            imp.write(pull.ranks[0].rank.reg.segment, pull.ranks[0].rank.reg.epoch, offset, bytes)
                 .map_err(|e| e.to_string())
         }
     }
@@ -127,10 +127,10 @@ fn write_as_pulled(pull: &Pull, bytes: &[u8]) -> Result<(), String> {
 
 fn registration(pull: &Pull) -> Registration {
     Registration {
-        segment: pull.segment,
-        key: pull.key,
-        epoch: pull.epoch,
-        len: pull.region_len,
+        segment: pull.ranks[0].rank.reg.segment,
+        key: pull.ranks[0].rank.reg.key,
+        epoch: pull.ranks[0].rank.reg.epoch,
+        len: pull.ranks[0].rank.reg.len,
     }
 }
 
@@ -210,10 +210,8 @@ fn silent_prefill() -> (String, std::sync::mpsc::Receiver<Pull>) {
 /// Writes `bytes` into D's first destination block of `pull` with the key
 /// P would use over TCP (the pull's grant when it has one).
 fn write_as_p_would(pull: &Pull, bytes: &[u8]) -> Result<(), String> {
-    let with_grant = Pull {
-        key: pull.grant_key.unwrap_or(pull.key),
-        ..pull.clone()
-    };
+    let mut with_grant = pull.clone();
+    with_grant.ranks[0].rank.reg.key = pull.ranks[0].write_key();
     write_as_pulled(&with_grant, bytes)
 }
 
@@ -366,7 +364,7 @@ fn a_load_given_up_at_its_deadline_is_fenced_and_a_late_write_never_lands() {
     start_load(&mut d, "rd", 40, 0, &[7, 3, 20], &params);
     let pull = pulls.recv_timeout(WAIT).expect("D's pull reaches P");
     assert!(
-        pull.grant_key.is_some_and(|k| k != pull.key),
+        pull.ranks[0].grant_key.is_some_and(|k| k != pull.ranks[0].rank.reg.key),
         "the pull names a grant, not the registration's key"
     );
     // While D waits, P's write lands.
@@ -391,7 +389,7 @@ fn sleep_cycle(transport: &str) {
     let mut d = side("kv_consumer", transport, "d1", "");
     transfer_ok(&mut p, &mut d, "t1", [5, 9, 2], [7, 3, 20]);
     let old = capture_pull(&mut d, "cap1", &[24, 25, 26]);
-    assert_eq!(old.epoch, 1);
+    assert_eq!(old.ranks[0].rank.reg.epoch, 1);
     let old_inodes = inodes(&d.region);
     assert!(mappings_of(&old_inodes) > 0);
 
@@ -425,11 +423,11 @@ fn sleep_cycle(transport: &str) {
     // The same write addressed as D pulls now lands in the new pages.
     let new = capture_pull(&mut d, "cap2", &[24, 25, 26]);
     assert_eq!(
-        (new.segment, new.epoch),
-        (old.segment, 2),
+        (new.ranks[0].rank.reg.segment, new.ranks[0].rank.reg.epoch),
+        (old.ranks[0].rank.reg.segment, 2),
         "same segment, next epoch"
     );
-    assert_ne!(new.key, old.key);
+    assert_ne!(new.ranks[0].rank.reg.key, old.ranks[0].rank.reg.key);
     write_as_pulled(&new, &[0xEE; BB]).unwrap();
     assert_eq!(d.block(24), vec![0xEE; BB]);
     // P's first transfer after the wake succeeds without a retry, into the
@@ -475,7 +473,7 @@ fn without_a_release_the_registration_and_the_peer_mapping_pin_the_old_pages() {
         mappings_of(&old_inodes) >= 2,
         "the registration's and the peers' mappings"
     );
-    peer.write(pull.segment, pull.epoch, pull.block_offsets[0], &[1; BB])
+    peer.write(pull.ranks[0].rank.reg.segment, pull.ranks[0].rank.reg.epoch, pull.blocks[0] as u64 * BB as u64, &[1; BB])
         .expect("the stale mapping still reaches the old pages");
 
     // Releasing now makes every peer unmap (acks awaited) and drops the pins.
@@ -490,7 +488,7 @@ fn without_a_release_the_registration_and_the_peer_mapping_pin_the_old_pages() {
     );
     assert!(peer.unmapped() >= 1);
     let e = peer
-        .write(pull.segment, pull.epoch, pull.block_offsets[0], &[1; BB])
+        .write(pull.ranks[0].rank.reg.segment, pull.ranks[0].rank.reg.epoch, pull.blocks[0] as u64 * BB as u64, &[1; BB])
         .expect_err("unmapped")
         .to_string();
     assert!(e.contains("not mapped"), "{e}");

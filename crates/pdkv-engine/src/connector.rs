@@ -166,17 +166,110 @@ impl LoadError {
 }
 
 /// What the engine tells a connector about its KV cache.
+///
+/// The cache is one region per tensor-parallel rank. Every rank has the same
+/// block ids; block `b` of rank `r` is the range `b * r.block_bytes(..)` of
+/// its region and holds that rank's KV heads, head-major, so the whole
+/// model's block is the ranks' blocks one after the other.
 #[derive(Clone)]
 pub struct KvCacheSpec {
-    /// The `kv_cache` region holding all blocks (block `b` at
-    /// `b * block_bytes`, one contiguous range per block).
-    pub region: Arc<pdkv_vmem::Region>,
+    /// The ranks in head order: their `heads` ranges cover
+    /// `0..num_kv_heads` without gap or overlap.
+    pub ranks: Vec<KvRank>,
     pub num_blocks: usize,
+    /// Bytes of the whole model's block (every rank's part of it).
     pub block_bytes: usize,
+    /// The KV heads of the whole model; one head's part of a block is
+    /// `block_bytes / num_kv_heads` bytes.
+    pub num_kv_heads: usize,
     /// Tokens per block.
     pub block_size: usize,
-    /// Identifies the model's KV layout; peers must agree on it.
+    /// Identifies the whole model's KV layout; peers must agree on it.
     pub layout: String,
+}
+
+/// One tensor-parallel rank's KV cache.
+#[derive(Clone)]
+pub struct KvRank {
+    /// The rank's `kv_cache` region.
+    pub region: Arc<pdkv_vmem::Region>,
+    /// The KV heads its blocks hold.
+    pub heads: std::ops::Range<usize>,
+}
+
+impl KvCacheSpec {
+    /// A KV cache of one rank holding every head (in one region).
+    pub fn single(
+        region: Arc<pdkv_vmem::Region>,
+        num_blocks: usize,
+        block_bytes: usize,
+        block_size: usize,
+        layout: impl Into<String>,
+    ) -> KvCacheSpec {
+        KvCacheSpec {
+            ranks: vec![KvRank {
+                region,
+                heads: 0..1,
+            }],
+            num_blocks,
+            block_bytes,
+            num_kv_heads: 1,
+            block_size,
+            layout: layout.into(),
+        }
+    }
+
+    /// Bytes of one head's part of a block.
+    pub fn head_bytes(&self) -> usize {
+        self.block_bytes / self.num_kv_heads
+    }
+
+    /// Bytes of rank `r`'s block.
+    pub fn rank_block_bytes(&self, r: usize) -> usize {
+        self.ranks[r].heads.len() * self.head_bytes()
+    }
+
+    fn check_block_len(&self, len: usize) -> pdkv_vmem::Result<()> {
+        if len == self.block_bytes {
+            return Ok(());
+        }
+        Err(pdkv_vmem::VmemError::OutOfBounds {
+            offset: 0,
+            len,
+            region_len: self.block_bytes,
+        })
+    }
+
+    /// Whether every rank's region is mapped (none is asleep).
+    pub fn is_mapped(&self) -> bool {
+        self.ranks.iter().all(|r| r.region.is_mapped())
+    }
+
+    /// Copies the whole model's block `b` into `dst` (`block_bytes` long):
+    /// every rank's part at its heads' place.
+    pub fn read_block(&self, b: u32, dst: &mut [u8]) -> pdkv_vmem::Result<()> {
+        self.check_block_len(dst.len())?;
+        let hb = self.head_bytes();
+        for (i, r) in self.ranks.iter().enumerate() {
+            let len = self.rank_block_bytes(i);
+            let at = r.heads.start * hb;
+            r.region
+                .read_bytes(b as usize * len, &mut dst[at..at + len])?;
+        }
+        Ok(())
+    }
+
+    /// Writes the whole model's block `b` from `src`, each rank its part.
+    pub fn write_block(&self, b: u32, src: &[u8]) -> pdkv_vmem::Result<()> {
+        self.check_block_len(src.len())?;
+        let hb = self.head_bytes();
+        for (i, r) in self.ranks.iter().enumerate() {
+            let len = self.rank_block_bytes(i);
+            let at = r.heads.start * hb;
+            r.region.write_bytes(b as usize * len, &src[at..at + len])?;
+        }
+        Ok(())
+    }
 }
 
 /// A KV connector; see the module docs for the calling protocol.

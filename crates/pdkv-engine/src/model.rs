@@ -16,7 +16,7 @@ use pdkv_model::tp::{self, TpModel};
 use pdkv_model::{KvCache, Model, SeqInput, Workspace};
 use pdkv_vmem::{Pool, Tag};
 
-use crate::connector::KvCacheSpec;
+use crate::connector::{KvCacheSpec, KvRank};
 use crate::scheduler::ScheduledSeq;
 
 /// A model the engine core runs. Called on the core's thread only.
@@ -89,16 +89,27 @@ fn inputs(seqs: &[ScheduledSeq]) -> (Vec<SeqInput<'_>>, Vec<bool>) {
     (inputs, seqs.iter().map(|s| s.all_logits).collect())
 }
 
-fn kv_spec(arch: &str, kv: &KvCache) -> KvCacheSpec {
+/// The KV cache spec of `ranks` (each rank's cache and its first KV head):
+/// the layout names the whole model, so engines of any split agree on it.
+fn kv_spec(arch: &str, ranks: &[(&KvCache, usize)]) -> KvCacheSpec {
+    let kv = ranks[0].0;
+    let head_bytes = kv.head_bytes();
+    let num_kv_heads: usize = ranks.iter().map(|(k, _)| k.num_kv_heads()).sum();
     KvCacheSpec {
-        region: kv.region().clone(),
+        ranks: ranks
+            .iter()
+            .map(|&(k, h0)| KvRank {
+                region: k.region().clone(),
+                heads: h0..h0 + k.num_kv_heads(),
+            })
+            .collect(),
         num_blocks: kv.num_blocks(),
-        block_bytes: kv.block_bytes(),
+        block_bytes: head_bytes * num_kv_heads,
+        num_kv_heads,
         block_size: kv.block_size(),
         layout: format!(
-            "{arch}:layers={}:kv_heads={}:head_dim={}:block={}:head_major:f32",
+            "{arch}:layers={}:kv_heads={num_kv_heads}:head_dim={}:block={}:head_major:f32",
             kv.num_layers(),
-            kv.num_kv_heads(),
             kv.kv_dim() / kv.num_kv_heads(),
             kv.block_size()
         ),
@@ -121,7 +132,7 @@ impl ModelRunner for CpuModelRunner {
     }
 
     fn kv_cache_spec(&self) -> KvCacheSpec {
-        kv_spec(self.model.config().arch.as_str(), &self.kv)
+        kv_spec(self.model.config().arch.as_str(), &[(&self.kv, 0)])
     }
 
     fn reload_weights(&mut self, path: &Path) -> Result<(), ReloadError> {
@@ -167,11 +178,15 @@ impl ModelRunner for TpModelRunner {
         self.model.config().max_position_embeddings
     }
 
-    /// Rank 0's KV cache: the engine refuses a KV connector with more than
-    /// one rank, so no connector asks.
+    /// Every rank's KV cache, with the KV heads it holds.
     fn kv_cache_spec(&self) -> KvCacheSpec {
-        let r = &self.model.ranks()[0];
-        kv_spec(self.model.config().arch.as_str(), &r.kv)
+        let ranks: Vec<(&KvCache, usize)> = self
+            .model
+            .ranks()
+            .iter()
+            .map(|r| (&r.kv, r.model.tp().map_or(0, |t| t.shard.kv_heads.start)))
+            .collect();
+        kv_spec(self.model.config().arch.as_str(), &ranks)
     }
 
     /// Reads the whole checkpoint into scratch memory, checks every rank's

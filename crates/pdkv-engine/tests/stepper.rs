@@ -92,13 +92,7 @@ impl ModelRunner for FakeModel {
     }
 
     fn kv_cache_spec(&self) -> KvCacheSpec {
-        KvCacheSpec {
-            region: self.kv.clone(),
-            num_blocks: self.num_blocks,
-            block_bytes: 64,
-            block_size: BLOCK_SIZE,
-            layout: "fake".into(),
-        }
+        KvCacheSpec::single(self.kv.clone(), self.num_blocks, 64, BLOCK_SIZE, "fake")
     }
 
     fn reload_weights(&mut self, _path: &std::path::Path) -> Result<(), ReloadError> {

@@ -90,6 +90,9 @@ pub enum RegisterError {
     NotMapped,
     #[error("registry full: {0} segments")]
     Full(usize),
+    /// A failure asked for through [`Registry::fail_register_after`].
+    #[error("registering failed: injected fault")]
+    Injected,
     #[error("{op} failed: {source}")]
     Os {
         op: &'static str,
@@ -310,6 +313,8 @@ impl Inner {
 pub struct Registry {
     opts: RegistryOptions,
     inner: Mutex<Inner>,
+    /// Registrations that succeed before one fails ([`Registry::fail_register_after`]).
+    fault: Mutex<Option<usize>>,
 }
 
 impl Registry {
@@ -328,18 +333,37 @@ impl Registry {
                 keys,
                 grants,
             }),
+            fault: Mutex::new(None),
         }
     }
 
     /// Registers `[offset, offset+len)` of `region`. The same range registered
     /// again (live or not) keeps its segment id and gets the next epoch and a
     /// fresh key; a live older registration of it is dropped.
+    /// Makes the registration after the next `n` fail with
+    /// [`RegisterError::Injected`] (once), for tests and simulations of a
+    /// registration that fails part of the way through an engine's ranks.
+    pub fn fail_register_after(&self, n: usize) {
+        *self.fault.lock().unwrap() = Some(n);
+    }
+
     pub fn register(
         &self,
         region: &Arc<Region>,
         offset: usize,
         len: usize,
     ) -> Result<Registration, RegisterError> {
+        {
+            let mut f = self.fault.lock().unwrap();
+            match *f {
+                Some(0) => {
+                    *f = None;
+                    return Err(RegisterError::Injected);
+                }
+                Some(n) => *f = Some(n - 1),
+                None => {}
+            }
+        }
         let bad = || RegisterError::BadRange {
             offset,
             len,

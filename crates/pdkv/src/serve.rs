@@ -126,11 +126,6 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         config.tensor_parallel_size > 0,
         "--tensor-parallel-size must be at least 1"
     );
-    anyhow::ensure!(
-        config.tensor_parallel_size == 1 || args.kv_transfer_config.is_none(),
-        "--tensor-parallel-size {} with --kv-transfer-config: P/D transfers do not work with tensor parallelism yet",
-        config.tensor_parallel_size
-    );
     if args.admin_token.as_deref() == Some("") {
         anyhow::bail!(
             "--admin-token (or PDKV_ADMIN_TOKEN) is empty; give a secret or leave it unset"

@@ -11,6 +11,7 @@
 //! of an access in flight) is the driver's.
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::ops::Range;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -28,7 +29,8 @@ use crate::recv::{
     RecvMachine,
 };
 use crate::send::{self, PullSpec, SendConfig, SendMachine, ASLEEP};
-use crate::wire::{Destination, FailCode, Failure, HandshakeInfo, Message, Pull};
+use crate::ranks::RankReg;
+use crate::wire::{Destination, FailCode, Failure, HandshakeInfo, Message, Pull, PullRank};
 
 /// Names a control connection a peer opened to this engine (one exchange).
 pub type ConnId = u64;
@@ -60,8 +62,7 @@ pub enum Op {
     },
 }
 
-/// A block copy: this engine's byte offset and the peer's.
-pub type BlockPair = (u64, u64);
+pub use crate::ranks::Copy;
 
 /// I/O for the driver. Results come back through the `on_*` methods.
 #[derive(Clone, Debug, PartialEq)]
@@ -74,12 +75,13 @@ pub enum Io {
         last: bool,
     },
     /// P: write this engine's blocks into the pull's destination, by
-    /// `deadline`; report with [`PdCore::on_write_done`].
+    /// `deadline`: each copy from this engine's rank `local` (its
+    /// registration `local[c.local]`) into D's rank `dst.ranks[c.remote]`;
+    /// report with [`PdCore::on_write_done`].
     Write {
         conn: ConnId,
-        local: Registration,
-        pairs: Vec<BlockPair>,
-        block_bytes: u64,
+        local: Vec<Registration>,
+        copies: Vec<Copy>,
         dst: Pull,
         deadline: Instant,
     },
@@ -94,39 +96,79 @@ pub enum Io {
         deadline: Instant,
     },
     /// D, read mode: read the peer's blocks into this engine's, by
-    /// `deadline`; report with [`PdCore::on_read_result`].
+    /// `deadline`: each copy from P's rank `remote[c.remote]` into this
+    /// engine's `local[c.local]`; report with [`PdCore::on_read_result`].
     Read {
         load: LoadId,
-        local: Registration,
-        remote: Registration,
+        local: Vec<Registration>,
+        remote: Vec<Registration>,
         transfer: Destination,
-        pairs: Vec<BlockPair>,
-        block_bytes: u64,
+        copies: Vec<Copy>,
         deadline: Instant,
     },
     /// D: stop the load's read at once (its result still comes).
     CancelRead { load: LoadId },
     /// D: make sure nothing a peer still sends lands in the load's blocks:
-    /// revoke `grant` on this engine's registration (TCP) and, over shared
-    /// memory, have every peer unmap the segment; report with
-    /// [`PdCore::on_fenced`].
+    /// for every rank's `(segment, grant)`, revoke the grant on that
+    /// registration (TCP) and, over shared memory, have every peer unmap the
+    /// segment; report with [`PdCore::on_fenced`] once every rank is fenced.
     Fence {
         load: LoadId,
-        segment: u64,
-        grant: Option<u64>,
+        ranks: Vec<(u64, Option<u64>)>,
     },
 }
 
-/// This engine's KV cache, once registered.
+/// This engine's KV cache, once registered: one registration per rank.
 #[derive(Clone)]
 pub struct KvInfo {
-    /// The current registration (gone while asleep; restore makes the next epoch).
-    pub reg: Registration,
-    pub region: Arc<pdkv_vmem::Region>,
-    pub len: usize,
+    pub ranks: Vec<RankKv>,
+    /// Bytes of the whole model's block (every rank's part).
     pub block_bytes: u64,
+    /// Bytes of one KV head's part of a block.
+    pub head_bytes: u64,
+    pub num_kv_heads: usize,
     pub block_size: usize,
     pub layout: String,
+}
+
+/// One rank's KV cache and its registration.
+#[derive(Clone)]
+pub struct RankKv {
+    /// The current registration (gone while asleep; restore makes the next
+    /// epoch).
+    pub reg: Registration,
+    pub region: Arc<pdkv_vmem::Region>,
+    pub heads: Range<usize>,
+    /// Bytes registered: every block of the rank.
+    pub len: usize,
+    /// Bytes of the rank's block.
+    pub block_bytes: u64,
+}
+
+impl KvInfo {
+    /// The generation peers read at: the first rank's epoch (every rank is
+    /// registered again together).
+    pub fn generation(&self) -> u64 {
+        self.ranks[0].reg.epoch
+    }
+
+    pub fn regs(&self) -> Vec<Registration> {
+        self.ranks.iter().map(|r| r.reg).collect()
+    }
+
+    pub fn heads(&self) -> Vec<Range<usize>> {
+        self.ranks.iter().map(|r| r.heads.clone()).collect()
+    }
+
+    fn rank_regs(&self) -> Vec<RankReg> {
+        self.ranks
+            .iter()
+            .map(|r| RankReg {
+                heads: (r.heads.start, r.heads.end),
+                reg: r.reg,
+            })
+            .collect()
+    }
 }
 
 /// Transfer counters, for metrics.
@@ -211,8 +253,8 @@ pub struct PdCore {
     decided: BTreeSet<Arc<str>>,
     /// P: the destination of every pull being served.
     pulls: BTreeMap<ConnId, Pull>,
-    /// D: the grant key of each load's pull.
-    grants: BTreeMap<LoadId, u64>,
+    /// D: the grant of each load's pull on every rank: `(segment, key)`.
+    grants: BTreeMap<LoadId, Vec<(u64, u64)>>,
     io: VecDeque<Io>,
     sending_done: Vec<Arc<str>>,
     recving: Vec<Arc<str>>,
@@ -283,6 +325,11 @@ impl PdCore {
         self.kv.as_ref()
     }
 
+    /// The registry every rank's KV cache is registered in.
+    pub fn registry(&self) -> &Arc<Registry> {
+        &self.registry
+    }
+
     pub fn counters(&self) -> Counters {
         self.counters
     }
@@ -335,18 +382,46 @@ impl PdCore {
 
     // ---- the engine's calls ----
 
+    /// Registers every rank's KV cache (all or none: a rank that fails
+    /// deregisters the ranks before it, and the error names it).
     pub fn register_kv_caches(&mut self, spec: &KvCacheSpec) -> anyhow::Result<()> {
-        use anyhow::Context;
-        let len = spec.num_blocks * spec.block_bytes;
-        let reg = self
-            .registry
-            .register(&spec.region, 0, len)
-            .with_context(|| format!("registering the KV cache ({len} bytes) for transfers"))?;
+        let heads: Vec<Range<usize>> = spec.ranks.iter().map(|r| r.heads.clone()).collect();
+        crate::ranks::check_heads(&heads, spec.num_kv_heads)
+            .map_err(|e| anyhow::anyhow!("the KV cache spec: {e}"))?;
+        anyhow::ensure!(
+            spec.block_bytes % spec.num_kv_heads == 0,
+            "the KV cache spec: blocks of {} bytes do not split into {} heads",
+            spec.block_bytes,
+            spec.num_kv_heads
+        );
+        let mut ranks: Vec<RankKv> = Vec::with_capacity(spec.ranks.len());
+        for (i, r) in spec.ranks.iter().enumerate() {
+            let block_bytes = spec.rank_block_bytes(i);
+            let len = spec.num_blocks * block_bytes;
+            let reg = match self.registry.register(&r.region, 0, len) {
+                Ok(reg) => reg,
+                Err(e) => {
+                    for done in &ranks {
+                        self.registry.deregister(done.reg.segment);
+                    }
+                    anyhow::bail!(
+                        "registering the KV cache for transfers: rank {i} ({len} bytes): {e}"
+                    );
+                }
+            };
+            ranks.push(RankKv {
+                reg,
+                region: r.region.clone(),
+                heads: r.heads.clone(),
+                len,
+                block_bytes: block_bytes as u64,
+            });
+        }
         self.kv = Some(KvInfo {
-            reg,
-            region: spec.region.clone(),
-            len,
+            ranks,
             block_bytes: spec.block_bytes as u64,
+            head_bytes: spec.head_bytes() as u64,
+            num_kv_heads: spec.num_kv_heads,
             block_size: spec.block_size,
             layout: spec.layout.clone(),
         });
@@ -588,7 +663,7 @@ impl PdCore {
         if needed > 0 && (!held || block_ids.len() < needed) {
             return None;
         }
-        let generation = self.kv.as_ref().map(|k| k.reg.epoch)?;
+        let generation = self.kv.as_ref().map(|k| k.generation())?;
         Some(ReadParams {
             block_ids: block_ids[..needed].to_vec(),
             generation,
@@ -624,14 +699,17 @@ impl PdCore {
         std::mem::take(&mut self.reported_errors)
     }
 
-    /// Decides whether the KV cache registration can be released now:
+    /// Decides whether the KV cache registrations can be released now:
     /// nothing in flight. Then P refuses pulls and D loads at once
-    /// (`asleep`), READY transfers end with [`FailCode::Asleep`], and the
-    /// segment to deregister is returned (the driver deregisters it, over
-    /// shared memory after the peers' acknowledgements). `Ok(None)`: not
-    /// registered, or released already. `Err`: what was in flight; nothing
-    /// changed.
-    pub fn begin_release(&mut self, now: Instant) -> Result<Option<Registration>, InFlight> {
+    /// (`asleep`), READY transfers end with [`FailCode::Asleep`], and every
+    /// rank's registration to deregister is returned (the driver
+    /// deregisters them, over shared memory after the peers'
+    /// acknowledgements). `Ok(None)`: not registered, or released already.
+    /// `Err`: what was in flight; nothing changed.
+    pub fn begin_release(
+        &mut self,
+        now: Instant,
+    ) -> Result<Option<Vec<Registration>>, InFlight> {
         let Some(kv) = &self.kv else { return Ok(None) };
         if self.asleep {
             return Ok(None);
@@ -640,35 +718,57 @@ impl PdCore {
         if !busy.is_idle() {
             return Err(busy);
         }
-        let reg = kv.reg;
+        let regs = kv.regs();
         self.asleep = true;
         self.send
             .end_ready(now, Failure::new(FailCode::Asleep, ASLEEP));
         self.drive(now);
-        Ok(Some(reg))
+        Ok(Some(regs))
     }
 
-    /// Registers the KV cache again (the same segment, a new epoch and key)
-    /// and serves again. Idempotent. Also undoes a release whose
-    /// deregistration failed.
+    /// Registers every rank's KV cache again (the same segments, a new
+    /// epoch and key each) and serves again — all ranks or none: when one
+    /// rank's registration fails, the ranks registered before it are
+    /// deregistered again, the connector stays released, and the error
+    /// names the rank (a retry starts over). Idempotent. Also undoes a
+    /// release whose deregistration failed.
     pub fn restore(&mut self) -> anyhow::Result<()> {
-        use anyhow::Context;
         let Some(k) = self.kv.as_mut() else {
             return Ok(());
         };
         if !self.asleep {
             return Ok(());
         }
-        let reg = self
-            .registry
-            .register(&k.region, 0, k.len)
-            .with_context(|| format!("registering the KV cache ({} bytes) again", k.len))?;
-        tracing::info!(
-            segment = reg.segment,
-            epoch = reg.epoch,
-            "KV cache registered again"
-        );
-        k.reg = reg;
+        let mut regs = Vec::with_capacity(k.ranks.len());
+        for (i, r) in k.ranks.iter().enumerate() {
+            match self.registry.register(&r.region, 0, r.len) {
+                Ok(reg) => regs.push(reg),
+                Err(e) => {
+                    for reg in &regs {
+                        self.registry.deregister(reg.segment);
+                    }
+                    let undo = match i {
+                        0 => String::new(),
+                        1 => "; rank 0 was deregistered again".to_string(),
+                        _ => format!("; ranks 0..{i} were deregistered again"),
+                    };
+                    anyhow::bail!(
+                        "registering the KV cache again: rank {i} ({} bytes): {e}{undo}; \
+                         the KV cache stays released and a retry registers every rank",
+                        r.len
+                    );
+                }
+            }
+        }
+        for (r, reg) in k.ranks.iter_mut().zip(regs) {
+            tracing::info!(
+                segment = reg.segment,
+                epoch = reg.epoch,
+                heads = ?r.heads,
+                "KV cache registered again"
+            );
+            r.reg = reg;
+        }
         self.asleep = false;
         Ok(())
     }
@@ -741,7 +841,7 @@ impl PdCore {
                 layout: kv.layout.clone(),
                 block_bytes: kv.block_bytes,
                 transfer: self.transfer_dest.clone(),
-                registration: (!self.asleep).then_some(kv.reg),
+                ranks: (!self.asleep).then(|| kv.rank_regs()),
             }),
             None => self.not_registered(),
         }
@@ -775,15 +875,46 @@ impl PdCore {
                 reason: ASLEEP.into(),
             });
         }
+        if let Some(reason) = self.bad_destination(&p) {
+            self.counters.pulls_failed += 1;
+            return Some(Message::PullErr {
+                code: FailCode::Mismatch,
+                reason,
+            });
+        }
         let spec = PullSpec {
             transfer_id: p.transfer_id.clone(),
             first_block: p.first_block,
             num_tokens: p.num_tokens,
-            num_blocks: p.block_offsets.len(),
+            num_blocks: p.blocks.len(),
             weights_version: p.weights_version.clone(),
         };
         self.pulls.insert(conn, p);
         self.send.on_pull(now, conn, spec);
+        None
+    }
+
+    /// P: what is wrong with a pull's destination ranks, if anything: they
+    /// must hold this model's heads in order, and each rank's registration
+    /// must be long enough for the blocks named (D's registry checks every
+    /// access again; this refuses a pull P could not even cut into copies).
+    fn bad_destination(&self, p: &Pull) -> Option<String> {
+        let kv = self.kv.as_ref()?;
+        let heads: Vec<Range<usize>> = p.ranks.iter().map(|r| r.rank.heads()).collect();
+        if let Err(e) = crate::ranks::check_heads(&heads, kv.num_kv_heads) {
+            return Some(format!("the pull's destination ranks: {e}"));
+        }
+        let top = p.blocks.iter().max().map_or(0, |&b| b as u64 + 1);
+        for (i, r) in p.ranks.iter().enumerate() {
+            let need = top.checked_mul(r.rank.heads().len() as u64 * kv.head_bytes);
+            if need.is_none_or(|n| n > r.rank.reg.len) {
+                return Some(format!(
+                    "the pull's destination rank {i} registers {} bytes, too few for block {}",
+                    r.rank.reg.len,
+                    top.saturating_sub(1)
+                ));
+            }
+        }
         None
     }
 
@@ -1048,17 +1179,18 @@ impl PdCore {
                     );
                     return;
                 };
-                let bb = kv.block_bytes;
-                let pairs = src_blocks
+                let pairs: Vec<(u32, u32)> = src_blocks
                     .iter()
-                    .zip(&dst.block_offsets)
-                    .map(|(&b, &off)| (b as u64 * bb, off))
+                    .copied()
+                    .zip(dst.blocks.iter().copied())
                     .collect();
+                let remote: Vec<Range<usize>> =
+                    dst.ranks.iter().map(|r| r.rank.heads()).collect();
+                let copies = crate::ranks::copies(&kv.heads(), &remote, kv.head_bytes, &pairs);
                 self.io.push_back(Io::Write {
                     conn: pull,
-                    local: kv.reg,
-                    pairs,
-                    block_bytes: bb,
+                    local: kv.regs(),
+                    copies,
                     dst,
                     deadline,
                 });
@@ -1133,20 +1265,29 @@ impl PdCore {
             }
             recv::Action::Fence { load } => {
                 self.counters.fences += 1;
-                let segment = self.kv.as_ref().map_or(0, |k| k.reg.segment);
-                self.io.push_back(Io::Fence {
-                    load,
-                    segment,
-                    grant: self.grants.get(&load).copied(),
+                // Every rank's segment; its grant where the pull made one.
+                let grants = self.grants.get(&load);
+                let ranks = self.kv.as_ref().map_or(Vec::new(), |k| {
+                    k.ranks
+                        .iter()
+                        .map(|r| {
+                            let seg = r.reg.segment;
+                            let key = grants
+                                .and_then(|g| g.iter().find(|(s, _)| *s == seg))
+                                .map(|&(_, key)| key);
+                            (seg, key)
+                        })
+                        .collect()
                 });
+                self.io.push_back(Io::Fence { load, ranks });
             }
             recv::Action::DropUnpulled { addr, transfer_id } => {
                 self.drop_unpulled(now, addr, transfer_id)
             }
             recv::Action::Forget { load } => {
-                if let (Some(key), Some(kv)) = (self.grants.remove(&load), &self.kv) {
-                    // Nothing uses it any more (the load is fenced or ended).
-                    let _ = self.registry.revoke(kv.reg.segment, key, Duration::ZERO);
+                // Nothing uses them any more (the load is fenced or ended).
+                for (segment, key) in self.grants.remove(&load).unwrap_or_default() {
+                    let _ = self.registry.revoke(segment, key, Duration::ZERO);
                 }
             }
         }
@@ -1165,35 +1306,41 @@ impl PdCore {
             self.recv.on_pull_result(now, load, PullResult::NotSent(f));
             return;
         };
-        let bb = kv.block_bytes;
-        let block_offsets: Vec<u64> = spec.dst_blocks.iter().map(|&b| b as u64 * bb).collect();
-        let ranges: Vec<(u64, u64)> = block_offsets.iter().map(|&o| (o, bb)).collect();
-        let grant_key = match self.registry.grant(&kv.reg, &ranges) {
-            Ok(g) => Some(g.key),
-            Err(e) => {
-                let f = Failure::new(
-                    FailCode::Protocol,
-                    format!("granting the load's blocks failed: {e}"),
-                );
-                self.recv.on_pull_result(now, load, PullResult::NotSent(f));
-                return;
+        let mut ranks = Vec::with_capacity(kv.ranks.len());
+        let mut grants = Vec::with_capacity(kv.ranks.len());
+        for (i, r) in kv.ranks.iter().enumerate() {
+            let ranges = crate::ranks::block_ranges(&spec.dst_blocks, r.block_bytes);
+            match self.registry.grant(&r.reg, &ranges) {
+                Ok(g) => grants.push((r.reg.segment, g.key)),
+                Err(e) => {
+                    for (segment, key) in grants {
+                        let _ = self.registry.revoke(segment, key, Duration::ZERO);
+                    }
+                    let f = Failure::new(
+                        FailCode::Protocol,
+                        format!("granting the load's blocks of rank {i} failed: {e}"),
+                    );
+                    self.recv.on_pull_result(now, load, PullResult::NotSent(f));
+                    return;
+                }
             }
-        };
-        if let Some(k) = grant_key {
-            self.grants.insert(load, k);
+            ranks.push(PullRank {
+                rank: RankReg {
+                    heads: (r.heads.start, r.heads.end),
+                    reg: r.reg,
+                },
+                grant_key: grants.last().map(|g| g.1),
+            });
         }
+        self.grants.insert(load, grants);
         let pull = Pull {
             transfer_id: spec.transfer_id.clone(),
             engine_id: self.engine_id.clone(),
             first_block: spec.first_block,
             num_tokens: spec.prompt_len - 1,
             dst: self.transfer_dest.clone(),
-            segment: kv.reg.segment,
-            key: kv.reg.key,
-            epoch: kv.reg.epoch,
-            region_len: kv.reg.len,
-            block_offsets,
-            grant_key,
+            ranks,
+            blocks: spec.dst_blocks.clone(),
             weights_version,
         };
         // The machine's deadline bounds the load; the exchange itself may
@@ -1218,32 +1365,42 @@ impl PdCore {
         generation: u64,
         deadline: Instant,
     ) {
-        let (Some(kv), Some(rp), Some(reg)) =
-            (self.kv.clone(), spec.read.clone(), peer.registration)
+        let (Some(kv), Some(rp), Some(remote)) =
+            (self.kv.clone(), spec.read.clone(), peer.ranks.clone())
         else {
             let f = Failure::new(FailCode::Protocol, "read mode without a registration");
             self.recv.on_read_result(now, load, Err(f));
             return;
         };
-        let bb = kv.block_bytes;
+        let heads: Vec<Range<usize>> = remote.iter().map(|r| r.heads()).collect();
+        if let Err(e) = crate::ranks::check_heads(&heads, kv.num_kv_heads) {
+            let f = Failure::new(
+                FailCode::Mismatch,
+                format!("the prefill engine's KV ranks: {e}"),
+            );
+            self.recv.on_read_result(now, load, Err(f));
+            return;
+        }
         let src = &rp.block_ids[spec.first_block..spec.first_block + spec.dst_blocks.len()];
-        let pairs = spec
+        let pairs: Vec<(u32, u32)> = spec
             .dst_blocks
             .iter()
-            .zip(src)
-            .map(|(&d, &s)| (d as u64 * bb, s as u64 * bb))
+            .copied()
+            .zip(src.iter().copied())
             .collect();
-        let remote = Registration {
-            epoch: generation,
-            ..reg
-        };
+        let copies = crate::ranks::copies(&kv.heads(), &heads, kv.head_bytes, &pairs);
+        // The handshake's registrations are those of the generation the
+        // params name (the machine checked the first rank's epoch against
+        // it, and every rank is registered again together); a registration
+        // that moved on since refuses the read.
+        debug_assert_eq!(remote.first().map(|r| r.reg.epoch), Some(generation));
+        let remote = remote.iter().map(|r| r.reg).collect();
         self.io.push_back(Io::Read {
             load,
-            local: kv.reg,
+            local: kv.regs(),
             remote,
             transfer: peer.transfer,
-            pairs,
-            block_bytes: bb,
+            copies,
             deadline,
         });
     }
@@ -1336,13 +1493,7 @@ mod tests {
             addr: "127.0.0.1:10".into(),
         };
         let mut c = PdCore::new(cfg, "e0", "127.0.0.1:9".into(), dest, registry);
-        let spec = KvCacheSpec {
-            region,
-            num_blocks: BLOCKS,
-            block_bytes: 4096,
-            block_size: BS,
-            layout: "l".into(),
-        };
+        let spec = KvCacheSpec::single(region, BLOCKS, 4096, BS, "l");
         c.register_kv_caches(&spec).unwrap();
         (c, pool)
     }
@@ -1430,7 +1581,7 @@ mod tests {
         let (mut c, _pool) = core("kv_both");
         assert!(c.in_flight().is_idle() && !c.is_asleep());
         let reg = c.begin_release(t0).unwrap().expect("registered");
-        assert_eq!(reg, c.kv().unwrap().reg);
+        assert_eq!(reg, c.kv().unwrap().regs());
         assert!(c.is_asleep());
         assert_eq!(c.begin_release(t0).unwrap(), None, "released already");
         // A load started while asleep ends at once: nothing may write.
@@ -1439,7 +1590,7 @@ mod tests {
         assert_eq!(f.recving, vec![id.clone()]);
         c.restore().unwrap();
         assert!(!c.is_asleep());
-        assert_ne!(c.kv().unwrap().reg.epoch, reg.epoch, "a new epoch");
+        assert_ne!(c.kv().unwrap().generation(), reg[0].epoch, "a new epoch");
     }
 
     fn drops_unpulled(c: &mut PdCore) -> Vec<String> {
@@ -1507,7 +1658,7 @@ mod tests {
     fn read_mode_p_returns_the_leased_blocks_and_its_generation_or_no_params() {
         let t0 = Instant::now();
         let (mut p, _pool) = core_in("kv_producer", "read");
-        let epoch = p.kv().unwrap().reg.epoch;
+        let epoch = p.kv().unwrap().generation();
         let finish = |p: &mut PdCore, tid: &str, toks: &[u32], blocks: &[u32], reason| {
             let id: Arc<str> = Arc::from(format!("r-{tid}"));
             let params = params::for_prefill(tid);
@@ -1560,10 +1711,10 @@ mod tests {
     fn control_messages_are_answered_by_role_and_counted() {
         let t0 = Instant::now();
         let (mut p, _pool) = core_in("kv_producer", "read");
-        let reg = p.kv().unwrap().reg;
+        let reg = p.kv().unwrap().regs();
         p.on_control(t0, 1, Message::Handshake);
         assert!(
-            matches!(&replies(&mut p)[..], [Message::HandshakeOk(h)] if h.registration == Some(reg) && h.engine_id == "e0")
+            matches!(&replies(&mut p)[..], [Message::HandshakeOk(h)] if h.ranks.as_ref().map(|r| r.iter().map(|r| r.reg).collect::<Vec<_>>()) == Some(reg.clone()) && h.engine_id == "e0")
         );
         p.on_control(
             t0,
@@ -1591,7 +1742,7 @@ mod tests {
         p.begin_release(t0).unwrap();
         p.on_control(t0, 4, Message::Handshake);
         assert!(
-            matches!(&replies(&mut p)[..], [Message::HandshakeOk(h)] if h.registration.is_none())
+            matches!(&replies(&mut p)[..], [Message::HandshakeOk(h)] if h.ranks.is_none())
         );
         // A decode engine sends no KV.
         let (mut d, _pool2) = core("kv_consumer");
@@ -1603,12 +1754,19 @@ mod tests {
             dst: Destination::Tcp {
                 addr: "127.0.0.1:11".into(),
             },
-            segment: 1,
-            key: 2,
-            epoch: 1,
-            region_len: 4096 * 3,
-            block_offsets: vec![0, 4096, 8192],
-            grant_key: None,
+            ranks: vec![PullRank {
+                rank: RankReg {
+                    heads: (0, 1),
+                    reg: Registration {
+                        segment: 1,
+                        key: 2,
+                        epoch: 1,
+                        len: 4096 * 3,
+                    },
+                },
+                grant_key: None,
+            }],
+            blocks: vec![0, 1, 2],
             weights_version: None,
         };
         for msg in [

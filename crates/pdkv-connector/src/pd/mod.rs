@@ -240,7 +240,8 @@ impl KvConnector for PdConnector {
                     crate::wire::Destination::Shm { path } => path.clone(),
                 },
                 "supports_sleep_mode": true,
-                "registration_epoch": core.kv().map(|k| k.reg.epoch),
+                "registration_epoch": core.kv().map(|k| k.generation()),
+                "ranks": core.kv().map_or(0, |k| k.ranks.len()),
                 "kv_released": core.is_asleep(),
             })
         })
@@ -332,15 +333,14 @@ impl KvConnector for PdConnector {
     /// why.
     fn register_kv_caches(&mut self, spec: &KvCacheSpec) -> anyhow::Result<()> {
         self.call(|c, _| c.register_kv_caches(spec))?;
-        let reg = self.shared.inspect(|c| c.kv().map(|k| k.reg));
-        match reg {
-            Some(reg) => self
-                .shared
+        let regs = self.shared.inspect(|c| c.kv().map(|k| k.regs()));
+        for (i, reg) in regs.unwrap_or_default().iter().enumerate() {
+            self.shared
                 .driver
-                .check_registration(&reg)
-                .context("connector pdkv: the KV cache cannot be transferred"),
-            None => Ok(()),
+                .check_registration(reg)
+                .with_context(|| format!("connector pdkv: rank {i}'s KV cache cannot be transferred"))?;
         }
+        Ok(())
     }
 
     fn start_load_kv(&mut self, meta: ConnectorMeta) {
@@ -358,40 +358,49 @@ impl KvConnector for PdConnector {
         self.call(|c, _| c.get_block_ids_with_load_errors())
     }
 
-    /// Releases the KV cache registration when nothing is in flight (else
-    /// refuses, changing nothing, and names what was in flight); over
-    /// shared memory the deregistration waits for every peer's unmap (at
-    /// most the time left of `timeout`, at least [`MIN_UNMAP_WAIT`] capped
-    /// by it), and a peer that does not acknowledge fails the release with
-    /// the registration restored under a new epoch. Idempotent.
+    /// Releases every rank's KV cache registration when nothing is in
+    /// flight (else refuses, changing nothing, and names what was in
+    /// flight); over shared memory each deregistration waits for every
+    /// peer's unmap (together at most the time left of `timeout`, at least
+    /// [`MIN_UNMAP_WAIT`] capped by it). All ranks or none: when one rank's
+    /// peer does not acknowledge in time, the release fails naming that
+    /// rank, and every rank — those released before it too — is registered
+    /// again under a new epoch, so a retry starts from one state.
+    /// Idempotent.
     fn release_kv_caches(&mut self, timeout: Duration) -> anyhow::Result<()> {
         let t0 = self.shared.now();
         let began = self.call(|c, now| c.begin_release(now));
-        let reg = match began {
+        let regs = match began {
             Ok(None) => return Ok(()),
-            Ok(Some(reg)) => reg,
+            Ok(Some(regs)) => regs,
             Err(busy) => anyhow::bail!("connector pdkv: the KV cache registration is still in use: {busy}; nothing was released"),
         };
         let wait = timeout.max(MIN_UNMAP_WAIT.min(timeout));
-        match self.shared.driver.deregister(reg.segment, wait) {
-            Ok(()) => {
-                tracing::info!(segment = reg.segment, epoch = reg.epoch, waited = ?self.shared.now() - t0, "KV cache registration released");
-                Ok(())
-            }
-            Err(e) => {
-                // Serve again under a new epoch: the old one is refused, and
-                // the pages a late peer still maps are freed when it unmaps.
-                let restored = self.call(|c, _| c.restore());
-                let e = e.context(format!(
-                    "releasing the KV cache registration (segment {})",
-                    reg.segment
-                ));
-                match restored {
-                    Ok(()) => Err(e.context("the registration was restored under a new epoch; the release can be retried")),
-                    Err(r) => Err(e.context(format!("restoring the registration failed too: {r:#}"))),
-                }
-            }
+        for (i, reg) in regs.iter().enumerate() {
+            let left = wait.saturating_sub(self.shared.now() - t0);
+            let Err(e) = self.shared.driver.deregister(reg.segment, left) else {
+                tracing::info!(rank = i, segment = reg.segment, epoch = reg.epoch, waited = ?self.shared.now() - t0, "KV cache registration released");
+                continue;
+            };
+            // Serve again under a new epoch on every rank: the old ones are
+            // refused, and the pages a late peer still maps are freed when
+            // it unmaps.
+            let restored = self.call(|c, _| c.restore());
+            let done = match i {
+                0 => String::new(),
+                1 => "rank 0 had been released; ".to_string(),
+                _ => format!("ranks 0..{i} had been released; "),
+            };
+            let what = format!(
+                "rank {i}: releasing the KV cache registration (segment {}): {e:#}; {done}",
+                reg.segment
+            );
+            return match restored {
+                Ok(()) => Err(anyhow::anyhow!("{what}every rank's registration was restored under a new epoch; the release can be retried")),
+                Err(r) => Err(anyhow::anyhow!("{what}restoring the registrations failed too: {r:#}")),
+            };
         }
+        Ok(())
     }
 
     /// Registers the KV cache again: the same segment with a new epoch and

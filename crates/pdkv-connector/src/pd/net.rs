@@ -23,7 +23,7 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{mpsc, Notify};
 
 use super::bootstrap;
-use super::core::{BlockPair, ConnId, Io, Op, PdCore, CONTROL_IO};
+use super::core::{ConnId, Copy, Io, Op, PdCore, CONTROL_IO};
 use super::{Driver, Shared};
 use crate::config::{KvTransferConfig, TransferMode, Transport};
 use crate::recv::LoadId;
@@ -183,15 +183,14 @@ impl Driver for NetDriver {
             Io::Write {
                 conn,
                 local,
-                pairs,
-                block_bytes,
+                copies,
                 dst,
                 deadline,
             } => {
                 let (s, n) = (shared.clone(), d.clone());
                 d.handle.spawn(async move {
-                    let res = write_blocks(&n, &local, &pairs, block_bytes, &dst, deadline).await;
-                    let bytes = block_bytes * pairs.len() as u64;
+                    let res = write_blocks(&n, &local, &copies, &dst, deadline).await;
+                    let bytes = copies.iter().map(|c| c.len).sum();
                     s.event(|c, now| c.on_write_done(now, conn, res, bytes));
                 });
             }
@@ -210,23 +209,13 @@ impl Driver for NetDriver {
                 local,
                 remote,
                 transfer,
-                pairs,
-                block_bytes,
+                copies,
                 deadline,
             } => {
                 let (s, n) = (shared.clone(), d.clone());
                 d.handle.spawn(async move {
-                    let res = read_blocks(
-                        &n,
-                        load,
-                        &local,
-                        &remote,
-                        &transfer,
-                        &pairs,
-                        block_bytes,
-                        deadline,
-                    )
-                    .await;
+                    let res =
+                        read_blocks(&n, load, &local, &remote, &transfer, &copies, deadline).await;
                     n.reads.lock().unwrap().remove(&load);
                     s.event(|c, now| c.on_read_result(now, load, res));
                 });
@@ -236,14 +225,14 @@ impl Driver for NetDriver {
                     cancel();
                 }
             }
-            Io::Fence {
-                load,
-                segment,
-                grant,
-            } => {
+            Io::Fence { load, ranks } => {
                 let (s, n) = (shared.clone(), d.clone());
                 d.handle.spawn(async move {
-                    let res = tokio::task::spawn_blocking(move || n.fence(segment, grant))
+                    let res = tokio::task::spawn_blocking(move || {
+                        ranks
+                            .iter()
+                            .try_for_each(|&(segment, grant)| n.fence(segment, grant))
+                    })
                         .await
                         .unwrap_or_else(|e| {
                             Err(Failure::new(
@@ -542,21 +531,28 @@ async fn exchange(
     }
 }
 
-/// P writes its blocks into D's blocks named by `dst`, by `deadline`.
+/// P writes its blocks into D's blocks named by `dst`, by `deadline`: one
+/// batch of every copy, each from its rank's registration into D's rank's.
 async fn write_blocks(
     d: &Net,
-    local: &Registration,
-    pairs: &[BlockPair],
-    bb: u64,
+    local: &[Registration],
+    copies: &[Copy],
     dst: &Pull,
     deadline: Instant,
 ) -> Result<(), Failure> {
     let failed = |e: String| wire::write_failure(false, e);
-    let mut slices = Vec::with_capacity(pairs.len());
-    for &(src, off) in pairs {
-        let l = LocalSlice::grant(&d.registry, local, src, bb)
-            .map_err(|e| failed(format!("local block at {src}: {e}")))?;
-        slices.push((l, off));
+    let mut slices = Vec::with_capacity(copies.len());
+    for c in copies {
+        let (Some(reg), Some(to)) = (local.get(c.local), dst.ranks.get(c.remote)) else {
+            return Err(failed(format!("a copy names rank {} of {} here, rank {} of {} at the decode engine", c.local, local.len(), c.remote, dst.ranks.len())));
+        };
+        let l = LocalSlice::grant(&d.registry, reg, c.local_offset, c.len).map_err(|e| {
+            failed(format!(
+                "local rank {} at {}+{}: {e}",
+                c.local, c.local_offset, c.len
+            ))
+        })?;
+        slices.push((l, to, c));
     }
     let left = deadline.saturating_duration_since(Instant::now());
     if left.is_zero() {
@@ -566,18 +562,17 @@ async fn write_blocks(
     }
     match &dst.dst {
         Destination::Tcp { addr } => {
-            // The grant opens exactly D's blocks; D revokes it as its fence.
-            let key = dst.grant_key.unwrap_or(dst.key);
+            // The grants open exactly D's blocks; D revokes them as its fence.
             let transfers = slices
                 .into_iter()
-                .map(|(l, off)| {
+                .map(|(l, to, c)| {
                     let r = RemoteDescriptor {
                         agent_addr: addr.clone(),
-                        segment: dst.segment,
-                        key,
-                        epoch: dst.epoch,
-                        offset: off,
-                        len: bb,
+                        segment: to.rank.reg.segment,
+                        key: to.write_key(),
+                        epoch: to.rank.reg.epoch,
+                        offset: c.remote_offset,
+                        len: c.len,
                     };
                     (l, r)
                 })
@@ -591,23 +586,26 @@ async fn write_blocks(
             })
         }
         Destination::Shm { path } => {
-            let reg = Registration {
-                segment: dst.segment,
-                key: dst.key,
-                epoch: dst.epoch,
-                len: dst.region_len,
+            let mut imp = None;
+            for to in &dst.ranks {
+                let i = importer(d, path, &to.rank.reg, left)
+                    .await
+                    .map_err(failed)?;
+                imp = Some(i);
+            }
+            let Some(imp) = imp else {
+                return Err(failed("the pull names no rank".into()));
             };
-            let imp = importer(d, path, &reg, left).await.map_err(failed)?;
             let transfers = slices
                 .into_iter()
-                .map(|(local, off)| Transfer {
+                .map(|(local, to, c)| Transfer {
                     local,
                     remote: Target {
-                        segment: dst.segment,
-                        key: dst.key,
-                        epoch: dst.epoch,
-                        offset: off,
-                        len: bb,
+                        segment: to.rank.reg.segment,
+                        key: to.rank.reg.key,
+                        epoch: to.rank.reg.epoch,
+                        offset: c.remote_offset,
+                        len: c.len,
                     },
                 })
                 .collect();
@@ -696,41 +694,50 @@ async fn importer(
     Ok(imp)
 }
 
-/// D reads P's blocks into its own, by `deadline`; cancellable through the
-/// driver's `reads` table.
-#[allow(clippy::too_many_arguments)]
+/// D reads P's blocks into its own, by `deadline`: one batch of every copy,
+/// each from P's rank's registration into this engine's rank's;
+/// cancellable through the driver's `reads` table.
 async fn read_blocks(
     d: &Net,
     load: LoadId,
-    local: &Registration,
-    remote: &Registration,
+    local: &[Registration],
+    remote: &[Registration],
     transfer: &Destination,
-    pairs: &[BlockPair],
-    bb: u64,
+    copies: &[Copy],
     deadline: Instant,
 ) -> Result<(), Failure> {
+    let generation = remote.first().map_or(0, |r| r.epoch);
     let what = |code: FailCode, e: String| {
         Failure::new(
             code,
             format!(
-                "reading {} blocks (generation {}): {e}",
-                pairs.len(),
-                remote.epoch
+                "reading {} pieces of blocks (generation {generation}): {e}",
+                copies.len()
             ),
         )
     };
-    let mut slices = Vec::with_capacity(pairs.len());
-    for &(dst, src) in pairs {
-        let l = LocalSlice::grant(&d.registry, local, dst, bb)
-            .map_err(|e| what(FailCode::Protocol, format!("local block at {dst}: {e}")))?;
+    let mut slices = Vec::with_capacity(copies.len());
+    for c in copies {
+        let (Some(reg), Some(from)) = (local.get(c.local), remote.get(c.remote)) else {
+            return Err(what(
+                FailCode::Protocol,
+                format!("a copy names rank {} here, rank {} at the prefill engine", c.local, c.remote),
+            ));
+        };
+        let l = LocalSlice::grant(&d.registry, reg, c.local_offset, c.len).map_err(|e| {
+            what(
+                FailCode::Protocol,
+                format!("local rank {} at {}+{}: {e}", c.local, c.local_offset, c.len),
+            )
+        })?;
         slices.push((
             l,
             Target {
-                segment: remote.segment,
-                key: remote.key,
-                epoch: remote.epoch,
-                offset: src,
-                len: bb,
+                segment: from.segment,
+                key: from.key,
+                epoch: from.epoch,
+                offset: c.remote_offset,
+                len: c.len,
             },
         ));
     }
@@ -763,9 +770,16 @@ async fn read_blocks(
                 .map_err(|e| what(FailCode::TransferFailed, e.to_string()))
         }
         Destination::Shm { path } => {
-            let imp = importer(d, path, remote, left)
-                .await
-                .map_err(|e| what(FailCode::TransferFailed, e))?;
+            let mut imp = None;
+            for reg in remote {
+                let i = importer(d, path, reg, left)
+                    .await
+                    .map_err(|e| what(FailCode::TransferFailed, e))?;
+                imp = Some(i);
+            }
+            let Some(imp) = imp else {
+                return Err(what(FailCode::Protocol, "no rank to read".into()));
+            };
             let transfers = slices
                 .into_iter()
                 .map(|(local, remote)| Transfer { local, remote })

@@ -76,12 +76,17 @@ pub fn config() -> EngineConfig {
 /// An engine on the tiny random llama (the same weights every time), with
 /// the connector built from `(json, engine_id)` when given.
 pub fn engine(connector: Option<(&str, &str)>, config: EngineConfig) -> Started {
+    let c = connector.map(|(cfg, id)| pdkv_connector::build(cfg, id).unwrap());
+    engine_with(c, config)
+}
+
+/// [`engine`] with a connector built by the caller.
+pub fn engine_with(connector: Option<Box<dyn KvConnector>>, config: EngineConfig) -> Started {
     let dir = tempfile::tempdir().unwrap();
     pdkv_model::init::write_random_checkpoint(Arch::Llama, "tiny", 7, dir.path()).unwrap();
     let pool = Pool::default();
     let model = pdkv_model::load_model(dir.path(), &pool, &mut |_| {}).unwrap();
-    let c = connector.map(|(cfg, id)| pdkv_connector::build(cfg, id).unwrap());
-    let handle = Engine::start_with_connector(model, pool, config, c).unwrap();
+    let handle = Engine::start_with_connector(model, pool, config, connector).unwrap();
     Started { handle, _dir: dir }
 }
 
@@ -375,13 +380,7 @@ pub fn side_with(
     c.set_waker(Arc::new(move || {
         let _ = tx.lock().unwrap().send(());
     }));
-    let spec = KvCacheSpec {
-        region: region.clone(),
-        num_blocks: geometry.blocks,
-        block_bytes: BB,
-        block_size: 16,
-        layout: "test-layout".into(),
-    };
+    let spec = KvCacheSpec::single(region.clone(), geometry.blocks, BB, 16, "test-layout");
     c.register_kv_caches(&spec)?;
     let metrics = c.metrics_reader().expect("the connector has metrics");
     Ok(Side {

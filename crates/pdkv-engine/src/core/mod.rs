@@ -86,10 +86,6 @@ impl Engine {
             )?;
             (Box::new(runner), RankPools::single(pool))
         } else {
-            anyhow::ensure!(
-                connector.is_none(),
-                "a KV connector does not work with tensor parallelism yet (tensor_parallel_size {tp})"
-            );
             // Each rank gets a pool of its own; the whole model (in `pool`)
             // is freed once it is split.
             let ranks: Vec<Pool> = (0..tp).map(|_| Pool::new(pool.options().clone())).collect();
