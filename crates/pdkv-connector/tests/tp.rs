@@ -67,11 +67,10 @@ fn prompts() -> Vec<Vec<u32>> {
 fn pair_matches_colocated(p_tp: usize, d_tp: usize, transport: &str, mode: &str) -> (f64, f64) {
     let what = format!("P TP{p_tp} -> D TP{d_tp} over {transport} in {mode} mode");
     let t = format!(r#","transport":"{transport}","transfer_mode":"{mode}""#);
-    let (p, _) = tp_engine(&producer(&t), "p1", p_tp, false);
-    let (d, _) = tp_engine(&consumer(&t), "d1", d_tp, false);
-    for (e, tp) in [(&p.handle, p_tp), (&d.handle, d_tp)] {
-        let info = e.kv_connector_info().unwrap();
-        assert_eq!(info["ranks"], tp, "{what}: a registration per rank");
+    let (p, ps) = tp_engine(&producer(&t), "p1", p_tp, false);
+    let (d, ds) = tp_engine(&consumer(&t), "d1", d_tp, false);
+    for (s, tp) in [(&ps, p_tp), (&ds, d_tp)] {
+        assert_eq!(regs(s).len(), tp, "{what}: a registration per rank");
     }
     let colo = colocated();
     let prompts = prompts();

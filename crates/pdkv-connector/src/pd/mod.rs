@@ -241,7 +241,6 @@ impl KvConnector for PdConnector {
                 },
                 "supports_sleep_mode": true,
                 "registration_epoch": core.kv().map(|k| k.generation()),
-                "ranks": core.kv().map_or(0, |k| k.ranks.len()),
                 "kv_released": core.is_asleep(),
             })
         })
