@@ -67,6 +67,13 @@ pub struct PdArgs {
     /// colocated engine, no table).
     #[arg(long)]
     pub wake_only: bool,
+    /// Ranks P splits the model over (tensor parallelism; the colocated
+    /// engine always runs whole, so the outputs check P/D across splits).
+    #[arg(long, default_value_t = 1)]
+    pub prefill_tensor_parallel_size: usize,
+    /// Ranks D splits the model over.
+    #[arg(long, default_value_t = 1)]
+    pub decode_tensor_parallel_size: usize,
 }
 
 /// One (setup, prompt length, concurrency) measurement.
@@ -125,6 +132,7 @@ fn params(max_tokens: u32) -> SamplingParams {
 fn start_engine(
     args: &PdArgs,
     connector: Option<Box<dyn pdkv_engine::KvConnector>>,
+    tensor_parallel_size: usize,
 ) -> anyhow::Result<EngineHandle> {
     let pool = Pool::default();
     let (_, model) = progress::load_model(args.model.clone(), &pool)?;
@@ -135,6 +143,7 @@ fn start_engine(
         enable_prefix_caching: true,
         max_model_len: None,
         enable_sleep_mode: connector.as_ref().is_some_and(|c| c.supports_sleep_mode()),
+        tensor_parallel_size,
         ..EngineConfig::default()
     };
     Engine::start_with_connector(model, pool, config, connector)
@@ -422,10 +431,12 @@ fn start_pd(args: &PdArgs) -> anyhow::Result<(EngineHandle, EngineHandle)> {
     let p = start_engine(
         args,
         Some(pdkv_connector::build(&cfg("kv_producer"), "bench-p")?),
+        args.prefill_tensor_parallel_size,
     )?;
     let d = start_engine(
         args,
         Some(pdkv_connector::build(&cfg("kv_consumer"), "bench-d")?),
+        args.decode_tensor_parallel_size,
     )?;
     run_pd(
         &p,
@@ -486,7 +497,7 @@ pub fn run_pd_bench(args: PdArgs) -> anyhow::Result<()> {
 
     // Colocated first, alone.
     eprintln!("bench pd: colocated engine");
-    let colo = start_engine(&args, None)?;
+    let colo = start_engine(&args, None, 1)?;
     let vocab = colo.model_config().vocab_size;
     let mut inputs = HashMap::new();
     for &(len, conc) in &levels {
@@ -600,7 +611,10 @@ pub fn run_pd_bench(args: PdArgs) -> anyhow::Result<()> {
     let after_wake = after_wake.map(|w| w.json());
     println!(
         "{}",
-        json!({"bench": "pd", "transport": args.transport, "max_tokens": args.max_tokens, "levels": rows, "after_wake": after_wake})
+        json!({"bench": "pd", "transport": args.transport, "max_tokens": args.max_tokens,
+               "prefill_tensor_parallel_size": args.prefill_tensor_parallel_size,
+               "decode_tensor_parallel_size": args.decode_tensor_parallel_size,
+               "levels": rows, "after_wake": after_wake})
     );
     if !all_equal {
         bail!("P/D outputs differ from the colocated engine's");

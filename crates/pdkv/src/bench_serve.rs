@@ -235,6 +235,9 @@ async fn start_deployment(args: &ServeBenchArgs, procs: &mut Vec<Proc>) -> anyho
         admin_token: None,
         api_key: None,
         num_kv_blocks: args.num_kv_blocks,
+        tensor_parallel_size: 1,
+        prefill_tensor_parallel_size: None,
+        decode_tensor_parallel_size: None,
         startup_timeout: args.startup_timeout,
     };
     let ports = up::Ports::choose(&up_args)?;

@@ -77,7 +77,7 @@
 //! the run ends, fails or is interrupted (and gets SIGTERM from the kernel
 //! if this process dies, through `PR_SET_PDEATHSIG`).
 
-use std::collections::{HashMap, HashSet, VecDeque};
+use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::io::{BufRead, BufReader, Write};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -169,6 +169,12 @@ pub struct LifecycleArgs {
     /// KV cache size of P and D, in blocks of 16 tokens.
     #[arg(long, default_value_t = 256)]
     pub num_kv_blocks: usize,
+    /// Ranks P splits the model over (tensor parallelism).
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=64))]
+    pub prefill_tensor_parallel_size: u16,
+    /// Ranks D splits the model over.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=64))]
+    pub decode_tensor_parallel_size: u16,
     /// How long a pause or sleep is held under load, in milliseconds.
     #[arg(long, default_value_t = 300)]
     pub hold_ms: u64,
@@ -547,6 +553,11 @@ fn serve_args(
     if let Some(s) = args.kv_abort_timeout_s {
         config["abort_timeout_s"] = json!(s);
     }
+    let tp = if role == "kv_producer" {
+        args.prefill_tensor_parallel_size
+    } else {
+        args.decode_tensor_parallel_size
+    };
     [
         "serve",
         "--model",
@@ -564,6 +575,8 @@ fn serve_args(
         "--enable-sleep-mode",
         "--admin-token",
         token,
+        "--tensor-parallel-size",
+        &tp.to_string(),
     ]
     .iter()
     .map(|s| s.to_string())
@@ -801,6 +814,18 @@ impl Cluster {
         Ok(v as u64)
     }
 
+    /// `role`'s device bytes rank by rank (every tag summed).
+    async fn rank_bytes(&self, role: Role) -> anyhow::Result<Vec<u64>> {
+        let text = self.metrics(role).await?;
+        let v = rank_sums(&text, "pdkv_rank_device_memory_bytes");
+        anyhow::ensure!(
+            !v.is_empty(),
+            "{} exports no pdkv_rank_device_memory_bytes",
+            role.name()
+        );
+        Ok(v)
+    }
+
     /// The unlabelled metric `name` of `role` now.
     async fn gauge(&self, role: Role, name: &str) -> Result<f64, String> {
         let text = self.metrics(role).await.map_err(|e| format!("{e:#}"))?;
@@ -914,6 +939,28 @@ fn metric(text: &str, name: &str) -> Option<f64> {
         .filter(|l| !l.starts_with('#'))
         .find_map(|l| l.strip_prefix(name).and_then(|r| r.strip_prefix(' ')))
         .and_then(|v| v.trim().parse().ok())
+}
+
+/// The sum of the samples of `name` per value of its `rank` label, by rank.
+fn rank_sums(text: &str, name: &str) -> Vec<u64> {
+    let mut by_rank: BTreeMap<usize, f64> = BTreeMap::new();
+    for l in text.lines().filter(|l| !l.starts_with('#')) {
+        let Some(rest) = l.strip_prefix(name).and_then(|r| r.strip_prefix('{')) else {
+            continue;
+        };
+        let Some((labels, v)) = rest.rsplit_once(' ') else {
+            continue;
+        };
+        let rank = labels
+            .split(',')
+            .find_map(|kv| kv.strip_prefix("rank=\""))
+            .and_then(|r| r.split('"').next())
+            .and_then(|r| r.parse().ok());
+        if let (Some(rank), Ok(v)) = (rank, v.trim().parse::<f64>()) {
+            *by_rank.entry(rank).or_default() += v;
+        }
+    }
+    by_rank.values().map(|&v| v as u64).collect()
 }
 
 /// The sum of every labelled sample of `name`.
@@ -1548,6 +1595,8 @@ struct OpReport {
     errors: Vec<String>,
     notes: Vec<String>,
     asleep: HashMap<Role, u64>,
+    /// The same, rank by rank.
+    asleep_ranks: HashMap<Role, Vec<u64>>,
     /// `abort_requests`: the ids D reported as aborted.
     aborted_ids: HashSet<String>,
 }
@@ -1566,6 +1615,9 @@ struct Baseline {
     texts: Vec<String>,
     p_awake: u64,
     d_awake: u64,
+    /// Each engine's awake device bytes rank by rank.
+    p_ranks: Vec<u64>,
+    d_ranks: Vec<u64>,
 }
 
 struct Runner<'a> {
@@ -1598,6 +1650,12 @@ impl Runner<'_> {
                 match self.c.device_bytes(role).await {
                     Ok(b) => {
                         rep.asleep.insert(role, b);
+                    }
+                    Err(e) => rep.errors.push(format!("{e:#}")),
+                }
+                match self.c.rank_bytes(role).await {
+                    Ok(b) => {
+                        rep.asleep_ranks.insert(role, b);
                     }
                     Err(e) => rep.errors.push(format!("{e:#}")),
                 }
@@ -2070,6 +2128,7 @@ impl Runner<'_> {
         res.notes.extend(rep.notes);
         res.p_asleep = rep.asleep.get(&Role::P).copied();
         res.d_asleep = rep.asleep.get(&Role::D).copied();
+        let rep_ranks = rep.asleep_ranks.clone();
 
         // Serving again under load, then the load stops.
         let done = load.completed.load(Ordering::Relaxed);
@@ -2154,6 +2213,20 @@ impl Runner<'_> {
                     role.name()
                 ));
             }
+            // No drift on any rank either (a rank that grew while another
+            // shrank would cancel out in the sum).
+            let ranks = c.rank_bytes(role).await?;
+            let base_ranks = if role == Role::P {
+                &self.base.p_ranks
+            } else {
+                &self.base.d_ranks
+            };
+            if &ranks != base_ranks {
+                res.reasons.push(format!(
+                    "{} device bytes by rank {ranks:?} after the case, {base_ranks:?} at the baseline",
+                    role.name()
+                ));
+            }
         }
         if let Op::ResetPrefixCache = case.op {
             // Idle again, with the held transfer released: it succeeds.
@@ -2185,6 +2258,23 @@ impl Runner<'_> {
                     None => res
                         .reasons
                         .push(format!("{} device bytes asleep not measured", role.name())),
+                }
+                // Every rank, not only their sum.
+                let base_ranks = if role == Role::P {
+                    &self.base.p_ranks
+                } else {
+                    &self.base.d_ranks
+                };
+                if let Some(asleep) = rep_ranks.get(&role) {
+                    for (r, (a, awake)) in asleep.iter().zip(base_ranks).enumerate() {
+                        if *a as f64 > ASLEEP_MAX_FRACTION * *awake as f64 {
+                            res.reasons.push(format!(
+                                "{} rank {r} kept {:.1}% of its device bytes asleep ({a} of {awake})",
+                                role.name(),
+                                100.0 * *a as f64 / (*awake).max(1) as f64
+                            ));
+                        }
+                    }
                 }
             }
         }
@@ -2358,11 +2448,23 @@ async fn run_matrix(
     }
     let p_awake = c.device_bytes(Role::P).await?;
     let d_awake = c.device_bytes(Role::D).await?;
+    let p_ranks = c.rank_bytes(Role::P).await?;
+    let d_ranks = c.rank_bytes(Role::D).await?;
+    let ranks = |v: &[u64]| {
+        v.iter()
+            .map(|b| format!("{:.1}", *b as f64 / MIB))
+            .collect::<Vec<_>>()
+            .join(" + ")
+    };
     eprintln!(
-        "pdkv lifecycle: baseline: {} probes, P {:.1} MiB, D {:.1} MiB awake",
+        "pdkv lifecycle: baseline: {} probes, P {:.1} MiB ({} ranks: {}), D {:.1} MiB ({} ranks: {}) awake",
         prompts.len(),
         p_awake as f64 / MIB,
-        d_awake as f64 / MIB
+        p_ranks.len(),
+        ranks(&p_ranks),
+        d_awake as f64 / MIB,
+        d_ranks.len(),
+        ranks(&d_ranks)
     );
     let runner = Runner {
         c,
@@ -2372,6 +2474,8 @@ async fn run_matrix(
             texts,
             p_awake,
             d_awake,
+            p_ranks,
+            d_ranks,
         },
         run_id: run_id(),
     };

@@ -112,6 +112,18 @@ pub struct UpArgs {
     /// KV cache size of each server, in blocks of 16 tokens.
     #[arg(long)]
     pub num_kv_blocks: Option<usize>,
+    /// Ranks each server splits the model over (tensor parallelism); each
+    /// rank moves its own KV heads.
+    #[arg(long, short = 't', default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=64))]
+    pub tensor_parallel_size: u16,
+    /// Ranks of each prefill server, when they differ from the decode
+    /// servers' (heterogeneous TP: D gathers or splits the heads).
+    #[arg(long, value_parser = clap::value_parser!(u16).range(1..=64))]
+    pub prefill_tensor_parallel_size: Option<u16>,
+    /// Ranks of each decode server, when they differ from the prefill
+    /// servers'.
+    #[arg(long, value_parser = clap::value_parser!(u16).range(1..=64))]
+    pub decode_tensor_parallel_size: Option<u16>,
     /// Bound on the start-up (model loading included), in seconds.
     #[arg(long, default_value_t = 300)]
     pub startup_timeout: u64,
@@ -414,6 +426,14 @@ fn serve_args(
     ];
     if let Some(n) = args.num_kv_blocks {
         v.extend(["--num-kv-blocks".to_string(), n.to_string()]);
+    }
+    let tp = match role {
+        "kv_producer" => args.prefill_tensor_parallel_size,
+        _ => args.decode_tensor_parallel_size,
+    }
+    .unwrap_or(args.tensor_parallel_size);
+    if tp > 1 {
+        v.extend(["--tensor-parallel-size".to_string(), tp.to_string()]);
     }
     if args.admin_token.is_some() {
         // The admin API is for sleeping between rollouts: sleep mode with it.
