@@ -119,8 +119,13 @@ fn write_as_pulled(pull: &Pull, bytes: &[u8]) -> Result<(), String> {
                 .map_err(|e| e.to_string())?;
             imp.map(&registration(pull), WAIT)
                 .map_err(|e| e.to_string())?;
-            imp.write(pull.ranks[0].rank.reg.segment, pull.ranks[0].rank.reg.epoch, offset, bytes)
-                .map_err(|e| e.to_string())
+            imp.write(
+                pull.ranks[0].rank.reg.segment,
+                pull.ranks[0].rank.reg.epoch,
+                offset,
+                bytes,
+            )
+            .map_err(|e| e.to_string())
         }
     }
 }
@@ -364,7 +369,9 @@ fn a_load_given_up_at_its_deadline_is_fenced_and_a_late_write_never_lands() {
     start_load(&mut d, "rd", 40, 0, &[7, 3, 20], &params);
     let pull = pulls.recv_timeout(WAIT).expect("D's pull reaches P");
     assert!(
-        pull.ranks[0].grant_key.is_some_and(|k| k != pull.ranks[0].rank.reg.key),
+        pull.ranks[0]
+            .grant_key
+            .is_some_and(|k| k != pull.ranks[0].rank.reg.key),
         "the pull names a grant, not the registration's key"
     );
     // While D waits, P's write lands.
@@ -473,8 +480,13 @@ fn without_a_release_the_registration_and_the_peer_mapping_pin_the_old_pages() {
         mappings_of(&old_inodes) >= 2,
         "the registration's and the peers' mappings"
     );
-    peer.write(pull.ranks[0].rank.reg.segment, pull.ranks[0].rank.reg.epoch, pull.blocks[0] as u64 * BB as u64, &[1; BB])
-        .expect("the stale mapping still reaches the old pages");
+    peer.write(
+        pull.ranks[0].rank.reg.segment,
+        pull.ranks[0].rank.reg.epoch,
+        pull.blocks[0] as u64 * BB as u64,
+        &[1; BB],
+    )
+    .expect("the stale mapping still reaches the old pages");
 
     // Releasing now makes every peer unmap (acks awaited) and drops the pins.
     d.c.release_kv_caches(Duration::from_secs(5)).unwrap();
@@ -488,7 +500,12 @@ fn without_a_release_the_registration_and_the_peer_mapping_pin_the_old_pages() {
     );
     assert!(peer.unmapped() >= 1);
     let e = peer
-        .write(pull.ranks[0].rank.reg.segment, pull.ranks[0].rank.reg.epoch, pull.blocks[0] as u64 * BB as u64, &[1; BB])
+        .write(
+            pull.ranks[0].rank.reg.segment,
+            pull.ranks[0].rank.reg.epoch,
+            pull.blocks[0] as u64 * BB as u64,
+            &[1; BB],
+        )
         .expect_err("unmapped")
         .to_string();
     assert!(e.contains("not mapped"), "{e}");

@@ -145,7 +145,11 @@ fn tp2_engines_keep_serving_fresh_kv_after_every_sleep_and_wake() {
             e.sleep(SleepLevel::L1, PauseMode::Abort, WAIT)
                 .expect("sleep");
             let asleep = e.pool().device_bytes();
-            assert_eq!(asleep.total(), 0, "cycle {cycle}: asleep, every rank frees all: {asleep:?}");
+            assert_eq!(
+                asleep.total(),
+                0,
+                "cycle {cycle}: asleep, every rank frees all: {asleep:?}"
+            );
             e.wake_up(None).expect("wake");
         }
     }
@@ -158,7 +162,10 @@ fn tp2_engines_keep_serving_fresh_kv_after_every_sleep_and_wake() {
 /// segment to acknowledge its unmap before the release goes on. A peer
 /// written by hand maps rank 1's segment and does not answer; returns its
 /// socket (closing it makes the exporter forget the peer) and the memfds.
-fn silent_peer(path: &str, reg: &Registration) -> (std::os::unix::net::UnixStream, Vec<std::os::fd::OwnedFd>) {
+fn silent_peer(
+    path: &str,
+    reg: &Registration,
+) -> (std::os::unix::net::UnixStream, Vec<std::os::fd::OwnedFd>) {
     let dl = Duration::from_secs(10);
     let mut raw = std::os::unix::net::UnixStream::connect(path).unwrap();
     raw.set_read_timeout(Some(dl)).unwrap();
@@ -231,7 +238,10 @@ fn a_rank_whose_release_times_out_or_whose_restore_fails_rolls_every_rank_back()
         .expect_err("a rank's release timed out")
         .to_string();
     assert!(e.contains("rank 1:"), "the error names the rank: {e}");
-    assert!(e.contains("rank 0 had been released"), "and what was done: {e}");
+    assert!(
+        e.contains("rank 0 had been released"),
+        "and what was done: {e}"
+    );
     // Every rank rolled back: registered again (a new epoch each), the
     // engine awake and serving, every rank's KV cache mapped.
     let after = regs(&ds);
@@ -242,7 +252,10 @@ fn a_rank_whose_release_times_out_or_whose_restore_fails_rolls_every_rank_back()
         assert!(live.contains(a), "rank {r}: registered");
     }
     let st = d.handle.lifecycle_status();
-    assert!(st.sleeping.is_none() && st.asleep_tags.is_empty() && st.paused.is_none(), "{st:?}");
+    assert!(
+        st.sleeping.is_none() && st.asleep_tags.is_empty() && st.paused.is_none(),
+        "{st:?}"
+    );
     assert!(!ds.inspect(|c| c.is_asleep()));
     check("after a failed release");
 
@@ -262,8 +275,14 @@ fn a_rank_whose_release_times_out_or_whose_restore_fails_rolls_every_rank_back()
         .wake_up(None)
         .expect_err("a rank's restore failed")
         .to_string();
-    assert!(e.contains("rank 1") && e.contains("rank 0 was deregistered again"), "{e}");
-    assert!(ds.inspect(|c| c.registry().live()).is_empty(), "no rank registered");
+    assert!(
+        e.contains("rank 1") && e.contains("rank 0 was deregistered again"),
+        "{e}"
+    );
+    assert!(
+        ds.inspect(|c| c.registry().live()).is_empty(),
+        "no rank registered"
+    );
     assert!(ds.inspect(|c| c.is_asleep()));
     let st = d.handle.lifecycle_status();
     assert!(st.asleep_tags.contains(&pdkv_vmem::Tag::KvCache), "{st:?}");

@@ -336,3 +336,83 @@ async fn up_admin_token_drives_every_engine_with_one_call() {
         .unwrap();
     assert!(status.success(), "pdkv up exited with {status}");
 }
+
+/// Stops `pdkv up` (SIGTERM) and waits for it, bounded.
+fn stop(mut up: std::process::Child) {
+    // SAFETY: plain syscall on our own child, not yet reaped.
+    unsafe { libc::kill(up.id() as i32, libc::SIGTERM) };
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(up.wait());
+    });
+    let status = rx.recv_timeout(DEADLINE).expect("pdkv up exits").unwrap();
+    assert!(status.success(), "pdkv up exited with {status}");
+}
+
+/// `pdkv up` with the servers split over ranks — P TP2 → D TP1, P TP1 → D
+/// TP2, both TP2 — answers what whole servers answer, also after every
+/// engine slept and woke through the proxy.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn up_with_servers_split_over_ranks_answers_as_whole_servers_do() {
+    let dir = tempfile::tempdir().unwrap();
+    let ckpt = tiny_checkpoint(dir.path(), 11);
+    let client = reqwest::Client::new();
+    let generate = |url: String, i: usize| {
+        let client = client.clone();
+        async move {
+            let body = json!({"prompt": format!("probe {i}: a long way down the river to the sea"),
+                "max_tokens": 6, "temperature": 0, "ignore_eos": true});
+            let v: Value = client
+                .post(format!("{url}/v1/completions"))
+                .json(&body)
+                .send()
+                .await
+                .unwrap()
+                .json()
+                .await
+                .unwrap();
+            v["choices"][0]["text"]
+                .as_str()
+                .unwrap_or_else(|| panic!("{v}"))
+                .to_string()
+        }
+    };
+    let mut want: Option<Vec<String>> = None;
+    for (p, d) in [("1", "1"), ("2", "1"), ("1", "2"), ("2", "2")] {
+        let (up, url, _err) = start_up(&[
+            "--model",
+            ckpt.to_str().unwrap(),
+            "--num-kv-blocks",
+            "64",
+            "--port",
+            "0",
+            "--admin-token",
+            "T",
+            "--prefill-tensor-parallel-size",
+            p,
+            "--decode-tensor-parallel-size",
+            d,
+        ]);
+        let mut got = Vec::new();
+        for i in 0..4 {
+            got.push(generate(url.clone(), i).await);
+        }
+        for path in ["/sleep?level=1", "/wake_up"] {
+            let resp = client
+                .post(format!("{url}{path}"))
+                .bearer_auth("T")
+                .send()
+                .await
+                .unwrap();
+            assert_eq!(resp.status(), 200, "P TP{p} D TP{d}: {path}");
+        }
+        for i in 0..4 {
+            got.push(generate(url.clone(), i).await);
+        }
+        stop(up);
+        match &want {
+            None => want = Some(got),
+            Some(w) => assert_eq!(&got, w, "P TP{p} -> D TP{d} against whole servers"),
+        }
+    }
+}

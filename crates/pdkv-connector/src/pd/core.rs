@@ -24,12 +24,12 @@ use serde_json::Value;
 
 use crate::config::{KvRole, KvTransferConfig, TransferMode};
 use crate::params::{self, PdParams, ReadParams};
+use crate::ranks::RankReg;
 use crate::recv::{
     self, BootInfo, LoadEnd, LoadFailure, LoadId, LoadSpec, LocalKv, PullResult, RecvConfig,
     RecvMachine,
 };
 use crate::send::{self, PullSpec, SendConfig, SendMachine, ASLEEP};
-use crate::ranks::RankReg;
 use crate::wire::{Destination, FailCode, Failure, HandshakeInfo, Message, Pull, PullRank};
 
 /// Names a control connection a peer opened to this engine (one exchange).
@@ -706,10 +706,7 @@ impl PdCore {
     /// deregisters them, over shared memory after the peers'
     /// acknowledgements). `Ok(None)`: not registered, or released already.
     /// `Err`: what was in flight; nothing changed.
-    pub fn begin_release(
-        &mut self,
-        now: Instant,
-    ) -> Result<Option<Vec<Registration>>, InFlight> {
+    pub fn begin_release(&mut self, now: Instant) -> Result<Option<Vec<Registration>>, InFlight> {
         let Some(kv) = &self.kv else { return Ok(None) };
         if self.asleep {
             return Ok(None);
@@ -1184,8 +1181,7 @@ impl PdCore {
                     .copied()
                     .zip(dst.blocks.iter().copied())
                     .collect();
-                let remote: Vec<Range<usize>> =
-                    dst.ranks.iter().map(|r| r.rank.heads()).collect();
+                let remote: Vec<Range<usize>> = dst.ranks.iter().map(|r| r.rank.heads()).collect();
                 let copies = crate::ranks::copies(&kv.heads(), &remote, kv.head_bytes, &pairs);
                 self.io.push_back(Io::Write {
                     conn: pull,
@@ -1741,9 +1737,7 @@ mod tests {
         // Asleep: the handshake names no registration.
         p.begin_release(t0).unwrap();
         p.on_control(t0, 4, Message::Handshake);
-        assert!(
-            matches!(&replies(&mut p)[..], [Message::HandshakeOk(h)] if h.ranks.is_none())
-        );
+        assert!(matches!(&replies(&mut p)[..], [Message::HandshakeOk(h)] if h.ranks.is_none()));
         // A decode engine sends no KV.
         let (mut d, _pool2) = core("kv_consumer");
         let pull = Pull {

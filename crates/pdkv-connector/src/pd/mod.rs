@@ -337,7 +337,9 @@ impl KvConnector for PdConnector {
             self.shared
                 .driver
                 .check_registration(reg)
-                .with_context(|| format!("connector pdkv: rank {i}'s KV cache cannot be transferred"))?;
+                .with_context(|| {
+                    format!("connector pdkv: rank {i}'s KV cache cannot be transferred")
+                })?;
         }
         Ok(())
     }

@@ -233,13 +233,13 @@ impl Driver for NetDriver {
                             .iter()
                             .try_for_each(|&(segment, grant)| n.fence(segment, grant))
                     })
-                        .await
-                        .unwrap_or_else(|e| {
-                            Err(Failure::new(
-                                FailCode::Protocol,
-                                format!("the fence task failed: {e}"),
-                            ))
-                        });
+                    .await
+                    .unwrap_or_else(|e| {
+                        Err(Failure::new(
+                            FailCode::Protocol,
+                            format!("the fence task failed: {e}"),
+                        ))
+                    });
                     s.event(|c, now| c.on_fenced(now, load, res));
                 });
             }
@@ -544,7 +544,13 @@ async fn write_blocks(
     let mut slices = Vec::with_capacity(copies.len());
     for c in copies {
         let (Some(reg), Some(to)) = (local.get(c.local), dst.ranks.get(c.remote)) else {
-            return Err(failed(format!("a copy names rank {} of {} here, rank {} of {} at the decode engine", c.local, local.len(), c.remote, dst.ranks.len())));
+            return Err(failed(format!(
+                "a copy names rank {} of {} here, rank {} of {} at the decode engine",
+                c.local,
+                local.len(),
+                c.remote,
+                dst.ranks.len()
+            )));
         };
         let l = LocalSlice::grant(&d.registry, reg, c.local_offset, c.len).map_err(|e| {
             failed(format!(
@@ -721,13 +727,19 @@ async fn read_blocks(
         let (Some(reg), Some(from)) = (local.get(c.local), remote.get(c.remote)) else {
             return Err(what(
                 FailCode::Protocol,
-                format!("a copy names rank {} here, rank {} at the prefill engine", c.local, c.remote),
+                format!(
+                    "a copy names rank {} here, rank {} at the prefill engine",
+                    c.local, c.remote
+                ),
             ));
         };
         let l = LocalSlice::grant(&d.registry, reg, c.local_offset, c.len).map_err(|e| {
             what(
                 FailCode::Protocol,
-                format!("local rank {} at {}+{}: {e}", c.local, c.local_offset, c.len),
+                format!(
+                    "local rank {} at {}+{}: {e}",
+                    c.local, c.local_offset, c.len
+                ),
             )
         })?;
         slices.push((
