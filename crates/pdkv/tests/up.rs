@@ -179,24 +179,7 @@ async fn up_admin_token_drives_every_engine_with_one_call() {
     );
     let client = reqwest::Client::new();
     let probe = |i: usize| json!({"prompt": format!("probe {i}: the river"), "max_tokens": 6, "temperature": 0, "ignore_eos": true});
-    let generate = |body: Value| {
-        let (client, url) = (client.clone(), url.clone());
-        async move {
-            let v: Value = client
-                .post(format!("{url}/v1/completions"))
-                .json(&body)
-                .send()
-                .await
-                .unwrap()
-                .json()
-                .await
-                .unwrap();
-            v["choices"][0]["text"]
-                .as_str()
-                .unwrap_or_else(|| panic!("{v}"))
-                .to_string()
-        }
-    };
+    let generate = |body: Value| completion_text(&client, &url, body);
     // The model's routes answer through the proxy too.
     let v: Value = client
         .post(format!("{url}/tokenize"))
@@ -337,6 +320,23 @@ async fn up_admin_token_drives_every_engine_with_one_call() {
     assert!(status.success(), "pdkv up exited with {status}");
 }
 
+/// The text of the first choice of a completion `body` at `url`.
+async fn completion_text(client: &reqwest::Client, url: &str, body: Value) -> String {
+    let v: Value = client
+        .post(format!("{url}/v1/completions"))
+        .json(&body)
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    v["choices"][0]["text"]
+        .as_str()
+        .unwrap_or_else(|| panic!("{v}"))
+        .to_string()
+}
+
 /// Stops `pdkv up` (SIGTERM) and waits for it, bounded.
 fn stop(mut up: std::process::Child) {
     // SAFETY: plain syscall on our own child, not yet reaped.
@@ -357,25 +357,9 @@ async fn up_with_servers_split_over_ranks_answers_as_whole_servers_do() {
     let dir = tempfile::tempdir().unwrap();
     let ckpt = tiny_checkpoint(dir.path(), 11);
     let client = reqwest::Client::new();
-    let generate = |url: String, i: usize| {
-        let client = client.clone();
-        async move {
-            let body = json!({"prompt": format!("probe {i}: a long way down the river to the sea"),
-                "max_tokens": 6, "temperature": 0, "ignore_eos": true});
-            let v: Value = client
-                .post(format!("{url}/v1/completions"))
-                .json(&body)
-                .send()
-                .await
-                .unwrap()
-                .json()
-                .await
-                .unwrap();
-            v["choices"][0]["text"]
-                .as_str()
-                .unwrap_or_else(|| panic!("{v}"))
-                .to_string()
-        }
+    let probe = |i: usize| {
+        json!({"prompt": format!("probe {i}: a long way down the river to the sea"),
+            "max_tokens": 6, "temperature": 0, "ignore_eos": true})
     };
     let mut want: Option<Vec<String>> = None;
     for (p, d) in [("1", "1"), ("2", "1"), ("1", "2"), ("2", "2")] {
@@ -395,7 +379,7 @@ async fn up_with_servers_split_over_ranks_answers_as_whole_servers_do() {
         ]);
         let mut got = Vec::new();
         for i in 0..4 {
-            got.push(generate(url.clone(), i).await);
+            got.push(completion_text(&client, &url, probe(i)).await);
         }
         for path in ["/sleep?level=1", "/wake_up"] {
             let resp = client
@@ -407,7 +391,7 @@ async fn up_with_servers_split_over_ranks_answers_as_whole_servers_do() {
             assert_eq!(resp.status(), 200, "P TP{p} D TP{d}: {path}");
         }
         for i in 0..4 {
-            got.push(generate(url.clone(), i).await);
+            got.push(completion_text(&client, &url, probe(i)).await);
         }
         stop(up);
         match &want {
