@@ -389,7 +389,7 @@ impl PdCore {
         crate::ranks::check_heads(&heads, spec.num_kv_heads)
             .map_err(|e| anyhow::anyhow!("the KV cache spec: {e}"))?;
         anyhow::ensure!(
-            spec.block_bytes % spec.num_kv_heads == 0,
+            spec.block_bytes.is_multiple_of(spec.num_kv_heads),
             "the KV cache spec: blocks of {} bytes do not split into {} heads",
             spec.block_bytes,
             spec.num_kv_heads
