@@ -185,7 +185,7 @@ mod tests {
         assert!(check_heads(&[0..2, 2..3], 4).is_err());
         assert!(check_heads(&[0..2, 2..2, 2..4], 4).is_err());
         assert!(check_heads(&[], 4).is_err());
-        let whole_but_one = vec![0..3];
+        let whole_but_one: Vec<Range<usize>> = std::iter::once(0..3).collect();
         let e = check_heads(&whole_but_one, 4).unwrap_err();
         assert!(e.contains("the model has 4"), "{e}");
         check_heads(&[0..1, 1..4], 4).unwrap();
