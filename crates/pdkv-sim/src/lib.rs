@@ -10,6 +10,9 @@
 //!   weights) and D's answers equal a colocated engine's when its weights
 //!   did not change meanwhile;
 //! - no KV frame lands in blocks D has given back;
+//! - a KV cache split over tensor-parallel ranks is registered on every
+//!   rank (at the epochs the connector names) or on none, never on some,
+//!   and its ranks sleep and wake together;
 //! - the scheduler's invariants (block references, queues) hold;
 //! - every engine request ends exactly once, every client request is
 //!   counted exactly once, every pull is answered at most once (and, at the
@@ -58,13 +61,19 @@ pub struct Options {
     pub safety: Duration,
     /// Bound on the liveness phase.
     pub liveness: Duration,
+    /// Tensor-parallel ranks of the prefill engine and of the decode
+    /// engine (each 1 to [`model::NUM_KV_HEADS`]).
+    pub p_tp: usize,
+    pub d_tp: usize,
 }
 
 impl Options {
     /// A run of `seed` with its variant drawn from the seed: mode, policy,
-    /// and whether network faults are on.
+    /// whether network faults are on, and how each engine is split over
+    /// tensor-parallel ranks.
     pub fn for_seed(seed: u64) -> Options {
         let slow_prefill = (seed / 8) % 4 == 1;
+        let (p_tp, d_tp) = tp_for_seed(seed);
         Options {
             seed,
             read_mode: seed % 2 == 1,
@@ -89,14 +98,33 @@ impl Options {
             },
             safety: Duration::from_secs(60),
             liveness: Duration::from_secs(if slow_prefill { 1800 } else { 600 }),
+            p_tp,
+            d_tp,
         }
     }
+}
+
+/// The tensor-parallel sizes of a seed's prefill and decode engines. Drawn
+/// from a stream of the seed's own, so that the rest of a run (which draws
+/// from the run's stream) does not shift with it: a quarter of the seeds
+/// run both engines on one rank, the others every pair of 1, 2, 3 (an
+/// uneven split of the heads) and 4 ranks, heterogeneous pairs most often.
+fn tp_for_seed(seed: u64) -> (usize, usize) {
+    let mut r = rng::Rng::new(seed ^ 0x7470_7470_7470_7470);
+    if r.below(4) == 0 {
+        return (1, 1);
+    }
+    const SIZES: [usize; 6] = [1, 2, 2, 4, 1, 3];
+    (*r.pick(&SIZES), *r.pick(&SIZES))
 }
 
 /// What a run saw.
 #[derive(Clone, Debug, Default)]
 pub struct Report {
     pub seed: u64,
+    /// The prefill and decode engines' tensor-parallel ranks.
+    pub p_tp: usize,
+    pub d_tp: usize,
     pub events: u64,
     pub simulated: Duration,
     pub clients: u64,
@@ -124,6 +152,19 @@ pub struct Report {
     pub operations_failed: u64,
     pub operation_errors: BTreeMap<String, u64>,
     pub crashes: u64,
+    /// Per-rank KV copies that landed in D's memory (a write's frame or a
+    /// read's answer).
+    pub rank_copies: u64,
+    /// Transfers (writes and reads) between engines split over different
+    /// numbers of ranks.
+    pub hetero_transfers: u64,
+    /// Lifecycle calls failed by an injected fault on one rank while
+    /// releasing the KV cache registrations (a deregistration a peer did
+    /// not acknowledge) or restoring them (a registration that failed).
+    pub rank_release_faults: u64,
+    pub rank_restore_faults: u64,
+    /// Of those, the calls that then succeeded when retried.
+    pub rank_faults_retried: u64,
     /// A hash of every event's time, schedule place and kind: a replay
     /// must reproduce it exactly.
     pub trace: u64,
@@ -138,9 +179,11 @@ impl Report {
     /// One line for a log.
     pub fn line(&self) -> String {
         format!(
-            "seed {} {}: {} events, {:.1} s simulated, {} clients {:?}, lost {}, {} outputs checked, {} KV frames ({} late), loads ok/released/failed/abandoned {}/{}/{}/{}, {} lifecycle calls ({} failed), {} crashes{}",
+            "seed {} {}: TP {}->{}, {} events, {:.1} s simulated, {} clients {:?}, lost {}, {} outputs checked, {} KV frames ({} late), {} rank copies, {} heterogeneous transfers, loads ok/released/failed/abandoned {}/{}/{}/{}, {} lifecycle calls ({} failed), rank faults release/restore {}/{} ({} retried), {} crashes{}",
             self.seed,
             if self.ok() { "ok" } else { "VIOLATION" },
+            self.p_tp,
+            self.d_tp,
             self.events,
             self.simulated.as_secs_f64(),
             self.clients,
@@ -149,12 +192,17 @@ impl Report {
             self.checked_outputs,
             self.frames,
             self.late_frames,
+            self.rank_copies,
+            self.hetero_transfers,
             self.loads_ok,
             self.loads_released,
             self.loads_failed,
             self.loads_abandoned,
             self.operations,
             self.operations_failed,
+            self.rank_release_faults,
+            self.rank_restore_faults,
+            self.rank_faults_retried,
             self.crashes,
             self.violations.first().map(|v| format!(": {v}")).unwrap_or_default()
         )
@@ -164,7 +212,7 @@ impl Report {
 /// Plays one run. A panic inside the real code (an invariant check) is a
 /// violation too.
 pub fn run(opts: Options) -> Report {
-    let seed = opts.seed;
+    let (seed, p_tp, d_tp) = (opts.seed, opts.p_tp, opts.d_tp);
     let played = std::panic::catch_unwind(std::panic::AssertUnwindSafe(
         || -> anyhow::Result<Report> {
             let mut w = world::World::new(opts)?;
@@ -176,6 +224,8 @@ pub fn run(opts: Options) -> Report {
         Ok(Ok(r)) => r,
         Ok(Err(e)) => Report {
             seed,
+            p_tp,
+            d_tp,
             violations: vec![format!("the run could not be set up: {e:#}")],
             ..Report::default()
         },
@@ -187,6 +237,8 @@ pub fn run(opts: Options) -> Report {
                 .unwrap_or_else(|| "a panic".into());
             Report {
                 seed,
+                p_tp,
+                d_tp,
                 violations: vec![format!("panic: {msg}")],
                 ..Report::default()
             }

@@ -1,8 +1,8 @@
 //! One simulated engine process: the real [`EngineCore`] (scheduler,
 //! lifecycle machine, core logic) with the real P/D connector core
 //! ([`PdCore`] with its send and receive machines) behind a driver whose
-//! I/O goes to the simulated network, the real memory pool and registry,
-//! and the simulated model.
+//! I/O goes to the simulated network, the real memory pools (one per
+//! tensor-parallel rank) and registry, and the simulated model.
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -16,7 +16,7 @@ use pdkv_connector::wire::Destination;
 use pdkv_engine::lifecycle::WeightInfo;
 use pdkv_engine::{Clock, CoreParts, EngineConfig, EngineCore, NoPublisher, RequestOutput};
 use pdkv_transfer::{Registry, RegistryOptions};
-use pdkv_vmem::{Pool, PoolOptions};
+use pdkv_vmem::{Pool, PoolOptions, RankPools};
 
 use crate::model::{weights_path, Ids, Oracle, SharedOracle, SimModel};
 
@@ -46,14 +46,15 @@ impl Clock for SimClock {
 
 /// The connector's driver: the I/O it asks for waits in `io` for the
 /// simulator; deregistration is the registry's (TCP semantics), checked to
-/// come while the KV cache is still mapped, and failed on request (a
-/// shared-memory peer that never acknowledges its unmap).
+/// come while every rank's KV cache is still mapped, and failed on request
+/// for one rank's segment (a shared-memory peer that never acknowledges its
+/// unmap of that rank).
 struct SimDriver {
     clock: Arc<SimClock>,
     io: Arc<Mutex<VecDeque<Io>>>,
     registry: Arc<Registry>,
-    pool: Pool,
-    fail_next_release: Arc<AtomicBool>,
+    pools: RankPools,
+    fail_release: Arc<Mutex<Option<u64>>>,
     oracle: SharedOracle,
     name: String,
 }
@@ -68,14 +69,16 @@ impl Driver for SimDriver {
     }
 
     fn deregister(&self, segment: u64, _timeout: Duration) -> anyhow::Result<()> {
-        if !self.pool.is_awake(pdkv_vmem::Tag::KvCache) {
+        if !self.pools.is_awake(pdkv_vmem::Tag::KvCache) {
             let v = format!(
                 "{}: the KV cache registration is released after the KV cache was unmapped",
                 self.name
             );
             self.oracle.lock().unwrap().violations.push(v);
         }
-        if self.fail_next_release.swap(false, Ordering::AcqRel) {
+        let mut fail = self.fail_release.lock().unwrap();
+        if *fail == Some(segment) {
+            *fail = None;
             anyhow::bail!(
                 "a shared-memory peer did not acknowledge unmapping segment {segment} (injected)"
             );
@@ -98,7 +101,8 @@ pub struct Node {
     pub conn: Arc<Shared>,
     pub io: Arc<Mutex<VecDeque<Io>>>,
     pub registry: Arc<Registry>,
-    pub pool: Pool,
+    /// One pool per tensor-parallel rank.
+    pub pools: RankPools,
     pub oracle: SharedOracle,
     /// Outputs the engine produced, by request id, in order.
     pub outputs: Arc<Mutex<Vec<(String, RequestOutput)>>>,
@@ -106,8 +110,11 @@ pub struct Node {
     pub woke: Arc<AtomicBool>,
     /// The weights it serves (the simulated model's id).
     pub weights: u64,
-    /// The connector's next registration release fails.
-    pub fail_next_release: Arc<AtomicBool>,
+    /// The deregistration of this segment (one rank's KV cache) fails
+    /// once.
+    pub fail_release: Arc<Mutex<Option<u64>>>,
+    /// Tensor-parallel ranks.
+    pub tp: usize,
 }
 
 /// How to build one.
@@ -118,9 +125,11 @@ pub struct NodeSpec<'a> {
     pub kv_config: &'a str,
     pub weights: u64,
     pub key_seed: u64,
+    /// Tensor-parallel ranks (1 to [`crate::model::NUM_KV_HEADS`]).
+    pub tp: usize,
 }
 
-pub fn engine_config() -> EngineConfig {
+pub fn engine_config(tp: usize) -> EngineConfig {
     EngineConfig {
         max_num_seqs: 8,
         max_num_batched_tokens: 64,
@@ -129,18 +138,23 @@ pub fn engine_config() -> EngineConfig {
         max_model_len: Some(NUM_BLOCKS * pdkv_model::BLOCK_SIZE),
         enable_sleep_mode: true,
         kv_release_timeout: Duration::from_secs(5),
-        tensor_parallel_size: 1,
+        tensor_parallel_size: tp,
     }
 }
 
 impl Node {
     pub fn build(spec: NodeSpec<'_>, clock: Arc<SimClock>) -> anyhow::Result<Node> {
-        let pool = Pool::new(PoolOptions {
-            chunk_size: 4096,
-            single_allocation: false,
-        });
+        let ranks: Vec<Pool> = (0..spec.tp)
+            .map(|_| {
+                Pool::new(PoolOptions {
+                    chunk_size: 4096,
+                    single_allocation: false,
+                })
+            })
+            .collect();
         let oracle: SharedOracle = Arc::new(Mutex::new(Oracle::default()));
-        let model = SimModel::new(&pool, NUM_BLOCKS, spec.name, oracle.clone(), spec.weights)?;
+        let model = SimModel::new(&ranks, NUM_BLOCKS, spec.name, oracle.clone(), spec.weights)?;
+        let pools = RankPools::new(ranks);
         let registry = Arc::new(Registry::new(RegistryOptions {
             key_seed: Some(spec.key_seed),
             ..RegistryOptions::default()
@@ -151,13 +165,13 @@ impl Node {
             addr: spec.transfer_addr.clone(),
         };
         let pd = PdCore::new(cfg, spec.name, spec.addr.clone(), dest, registry.clone());
-        let fail_next_release = Arc::new(AtomicBool::new(false));
+        let fail_release = Arc::new(Mutex::new(None));
         let driver = SimDriver {
             clock: clock.clone(),
             io: io.clone(),
             registry: registry.clone(),
-            pool: pool.clone(),
-            fail_next_release: fail_next_release.clone(),
+            pools: pools.clone(),
+            fail_release: fail_release.clone(),
             oracle: oracle.clone(),
             name: spec.name.to_string(),
         };
@@ -170,8 +184,8 @@ impl Node {
         };
         let core = EngineCore::new(CoreParts {
             runner: Box::new(model),
-            pools: pdkv_vmem::RankPools::single(pool.clone()),
-            config: engine_config(),
+            pools: pools.clone(),
+            config: engine_config(spec.tp),
             connector: Some(Box::new(connector)),
             waker,
             decoder: Arc::new(Ids),
@@ -191,12 +205,13 @@ impl Node {
             conn,
             io,
             registry,
-            pool,
+            pools,
             oracle,
             outputs: Arc::new(Mutex::new(Vec::new())),
             woke,
             weights: spec.weights,
-            fail_next_release,
+            fail_release,
+            tp: spec.tp,
         })
     }
 

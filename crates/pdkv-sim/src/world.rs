@@ -14,14 +14,22 @@
 //! Faults (when enabled): delays with rare long spikes (a frame that lands
 //! long after its deadline), dropped and duplicated KV frames, broken
 //! control connections, partitions between two engines, and an engine that
-//! crashes and restarts. Safety is checked at every event; see
-//! [`crate::Violation`] for what.
+//! crashes and restarts; and, while releasing or restoring a KV cache split
+//! over tensor-parallel ranks, one rank whose deregistration a peer does not
+//! acknowledge or whose registration fails (the lifecycle call fails and is
+//! retried). Safety is checked at every event; see the crate's docs for
+//! what.
+//!
+//! Each engine's KV cache is split over its own number of ranks; a block
+//! moves as one copy per pair of ranks whose heads overlap, and every copy
+//! is a frame of its own, addressed to one of D's rank registrations.
 
 use std::collections::{BTreeMap, BTreeSet, BinaryHeap};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use pdkv_connector::pd::core::{BlockPair, ConnId, Io, Op};
+use pdkv_connector::pd::core::{ConnId, Io, Op};
+use pdkv_connector::ranks::Copy as KvCopy;
 use pdkv_connector::recv::LoadId;
 use pdkv_connector::wire::{write_failure, Destination, FailCode, Failure, Message, Pull};
 use pdkv_engine::{
@@ -90,10 +98,11 @@ enum Ev {
     CtrlBreak {
         conn: u64,
     },
+    /// One copy of a write reaches D.
     WriteFrame {
         write: u64,
         part: usize,
-        pair: BlockPair,
+        copy: KvCopy,
         bytes: Vec<u8>,
     },
     WriteAck {
@@ -104,15 +113,16 @@ enum Ev {
     WriteDeadline {
         write: u64,
     },
+    /// One copy of a read: its request reaches P, its answer D.
     ReadReq {
         read: u64,
         part: usize,
-        pair: BlockPair,
+        copy: KvCopy,
     },
     ReadResp {
         read: u64,
         part: usize,
-        pair: BlockPair,
+        copy: KvCopy,
         bytes: Result<Vec<u8>, String>,
     },
     ReadDeadline {
@@ -174,7 +184,8 @@ struct Write {
     to: Ix,
     to_inc: u64,
     dst: Pull,
-    block_bytes: u64,
+    /// Bytes of every copy together.
+    bytes: u64,
     parts: usize,
     acked: BTreeSet<usize>,
     done: bool,
@@ -185,9 +196,9 @@ struct Read {
     inc: u64,
     load: LoadId,
     from: Ix,
-    local: Registration,
-    remote: Registration,
-    block_bytes: u64,
+    /// D's ranks' registrations, and P's.
+    local: Vec<Registration>,
+    remote: Vec<Registration>,
     parts: usize,
     got: BTreeSet<usize>,
     done: bool,
@@ -249,7 +260,13 @@ struct Operator {
     /// Answers to the call in progress: (step, result).
     answer: Arc<Mutex<Option<Result<(), String>>>>,
     waiting: Option<(Step, Instant)>,
+    /// The call in progress retries one an injected rank fault failed:
+    /// how many more tries it gets after this one.
+    retrying: Option<u32>,
 }
+
+/// Tries of a lifecycle call after an injected rank fault failed it.
+const RANK_FAULT_RETRIES: u32 = 3;
 
 struct Slot {
     node: Option<Node>,
@@ -268,6 +285,17 @@ struct Slot {
     per_token: Duration,
     /// The engine computes its last step until then.
     busy_until: Option<Instant>,
+    /// Tensor-parallel ranks of the engine.
+    tp: usize,
+    /// A registration fault was asked of the node's registry and has not
+    /// yet been seen to fail a call: no release fault is injected meanwhile
+    /// (a release that fails restores every rank, and that restore must
+    /// not meet the registration fault meant for a wake).
+    register_fault_armed: bool,
+    /// A wake failed when one rank's registration failed: the engine
+    /// counts the KV cache asleep again but leaves its regions mapped
+    /// until a wake succeeds (known; see [`World::check_node`]).
+    wake_left_mapped: bool,
 }
 
 pub struct World {
@@ -337,6 +365,8 @@ impl World {
             cluster_weights: 1,
             report: Report {
                 seed: opts.seed,
+                p_tp: opts.p_tp,
+                d_tp: opts.d_tp,
                 ..Report::default()
             },
             opts,
@@ -384,6 +414,9 @@ impl World {
             tick_at: None,
             per_token: Duration::from_micros(20),
             busy_until: None,
+            tp: if is_p { self.opts.p_tp } else { self.opts.d_tp },
+            register_fault_armed: false,
+            wake_left_mapped: false,
         };
         if is_p && self.opts.slow_prefill {
             // A prefill engine slow enough that a long prompt outlasts every
@@ -396,6 +429,7 @@ impl World {
             &slot.transfer_addr,
             &slot.kv_config,
             1,
+            slot.tp,
         )?);
         self.nodes.push(slot);
         Ok(())
@@ -408,6 +442,7 @@ impl World {
         transfer_addr: &str,
         kv_config: &str,
         weights: u64,
+        tp: usize,
     ) -> anyhow::Result<Node> {
         let spec = NodeSpec {
             name,
@@ -416,6 +451,7 @@ impl World {
             kv_config,
             weights,
             key_seed: self.rng.next_u64(),
+            tp,
         };
         Node::build(spec, self.clock.clone())
     }
@@ -538,21 +574,21 @@ impl World {
             Ev::WriteFrame {
                 write,
                 part,
-                pair,
+                copy,
                 bytes,
-            } => self.write_frame(write, part, pair, bytes),
+            } => self.write_frame(write, part, copy, bytes),
             Ev::WriteAck { write, part, ok } => self.write_ack(write, part, ok),
             Ev::WriteDeadline { write } => self.write_end(
                 write,
                 Err(write_failure(false, "the write's deadline passed")),
             ),
-            Ev::ReadReq { read, part, pair } => self.read_req(read, part, pair),
+            Ev::ReadReq { read, part, copy } => self.read_req(read, part, copy),
             Ev::ReadResp {
                 read,
                 part,
-                pair,
+                copy,
                 bytes,
-            } => self.read_resp(read, part, pair, bytes),
+            } => self.read_resp(read, part, copy, bytes),
             Ev::ReadDeadline { read } => self.read_end(
                 read,
                 Err(Failure::new(
@@ -684,19 +720,34 @@ impl World {
     }
 
     /// What must hold on a node after every event.
+    ///
+    /// One known exception: a wake whose re-registration of the KV cache
+    /// failed on a rank is rolled back by the engine to "KV cache asleep",
+    /// but the regions it woke stay mapped (on every rank alike) until the
+    /// next wake succeeds; the operator retries at once. Until then the
+    /// node is not held to "an asleep KV cache holds no memory" (its ranks
+    /// are still held to being alike and unregistered).
     fn check_node(&mut self, ix: Ix) {
+        let left_mapped = self.nodes[ix].wake_left_mapped;
         let Some(n) = self.node(ix) else { return };
         let mut found: Vec<String> = std::mem::take(&mut n.oracle.lock().unwrap().violations);
         let st = n.core.lifecycle_status();
+        let mut mapped_asleep = false;
         if st.asleep_tags.contains(&Tag::KvCache) {
-            let bytes = n.pool.device_bytes().get(Tag::KvCache);
-            if bytes != 0 {
+            let bytes = n.pools.device_bytes().get(Tag::KvCache);
+            mapped_asleep = bytes != 0;
+            if mapped_asleep && !left_mapped {
                 found.push(format!(
                     "{}: the KV cache is asleep but {bytes} bytes of it are still allocated",
                     n.name
                 ));
             }
         }
+        if !mapped_asleep {
+            self.nodes[ix].wake_left_mapped = false;
+        }
+        let Some(n) = self.node(ix) else { return };
+        found.extend(rank_state(n));
         for v in found {
             self.violation(v);
         }
@@ -797,29 +848,18 @@ impl World {
             Io::Write {
                 conn,
                 local,
-                pairs,
-                block_bytes,
+                copies,
                 dst,
                 deadline,
-            } => self.start_write(ix, conn, local, pairs, block_bytes, dst, deadline),
+            } => self.start_write(ix, conn, local, copies, dst, deadline),
             Io::Read {
                 load,
                 local,
                 remote,
                 transfer,
-                pairs,
-                block_bytes,
+                copies,
                 deadline,
-            } => self.start_read(
-                ix,
-                load,
-                local,
-                remote,
-                transfer,
-                pairs,
-                block_bytes,
-                deadline,
-            ),
+            } => self.start_read(ix, load, local, remote, transfer, copies, deadline),
             Io::CancelRead { load } => {
                 let inc = self.nodes[ix].inc;
                 let read = self
@@ -831,18 +871,21 @@ impl World {
                     self.read_end(r, Err(Failure::new(FailCode::TransferFailed, "cancelled")));
                 }
             }
-            Io::Fence {
-                load,
-                segment,
-                grant,
-            } => {
+            Io::Fence { load, ranks } => {
                 let Some(n) = self.node(ix) else { return };
-                if let Some(key) = grant {
+                let mut failed = Vec::new();
+                for (segment, grant) in ranks {
+                    let Some(key) = grant else { continue };
                     // Nothing holds an access across events here: at once.
                     if let Err(e) = n.registry.revoke(segment, key, Duration::ZERO) {
-                        let what = format!("{}: revoking a grant failed: {e}", n.name);
-                        self.violation(what);
+                        failed.push(format!(
+                            "{}: revoking a grant on segment {segment} failed: {e}",
+                            n.name
+                        ));
                     }
+                }
+                for what in failed {
+                    self.violation(what);
                 }
                 let inc = self.nodes[ix].inc;
                 let d = self.delay();
@@ -870,7 +913,7 @@ impl World {
             return;
         };
         if let (Op::Pull { load }, Message::Pull(p)) = (&op, &msg) {
-            if let Some(k) = p.grant_key {
+            for k in p.ranks.iter().filter_map(|r| r.grant_key) {
                 self.grants.insert((ix, k), *load);
             }
         }
@@ -1025,14 +1068,14 @@ impl World {
 
     // ---- KV frames ----
 
-    #[allow(clippy::too_many_arguments)]
+    /// P writes its blocks into D's: one frame per copy, each read now
+    /// from P's rank registration and addressed to one of D's ranks.
     fn start_write(
         &mut self,
         ix: Ix,
         conn: ConnId,
-        local: Registration,
-        pairs: Vec<BlockPair>,
-        bb: u64,
+        local: Vec<Registration>,
+        copies: Vec<KvCopy>,
         dst: Pull,
         deadline: Instant,
     ) {
@@ -1048,20 +1091,39 @@ impl World {
             self.after(ix);
             return;
         };
+        if let Some(c) = copies
+            .iter()
+            .find(|c| c.local >= local.len() || c.remote >= dst.ranks.len())
+        {
+            let what = format!(
+                "a write names rank {} of {} on P and rank {} of {} on D",
+                c.local,
+                local.len(),
+                c.remote,
+                dst.ranks.len()
+            );
+            return self.violation(what);
+        }
         let n = self.node(ix).expect("the writer is up");
-        let mut frames = Vec::new();
-        for &(src, off) in &pairs {
-            let mut buf = vec![0u8; bb as usize];
-            match n.registry.local(&local, src, bb) {
+        let mut frames = Vec::with_capacity(copies.len());
+        for c in copies {
+            let mut buf = vec![0u8; c.len as usize];
+            match n.registry.local(&local[c.local], c.local_offset, c.len) {
                 Ok(a) => a.read_into(&mut buf),
                 Err(e) => {
-                    let res = Err(write_failure(false, format!("local block at {src}: {e}")));
+                    let res = Err(write_failure(
+                        false,
+                        format!("rank {}'s local bytes at {}: {e}", c.local, c.local_offset),
+                    ));
                     n.conn.event(|c, now| c.on_write_done(now, conn, res, 0));
                     self.after(ix);
                     return;
                 }
             }
-            frames.push(((src, off), buf));
+            frames.push((c, buf));
+        }
+        if local.len() != dst.ranks.len() {
+            self.report.hetero_transfers += 1;
         }
         let write = self.id();
         let to_inc = self.nodes[to].inc;
@@ -1074,13 +1136,13 @@ impl World {
                 to,
                 to_inc,
                 dst,
-                block_bytes: bb,
+                bytes: frames.iter().map(|(c, _)| c.len).sum(),
                 parts: frames.len(),
                 acked: BTreeSet::new(),
                 done: false,
             },
         );
-        for (part, (pair, bytes)) in frames.into_iter().enumerate() {
+        for (part, (copy, bytes)) in frames.into_iter().enumerate() {
             if self.faults && self.rng.chance(0.01) {
                 continue;
             }
@@ -1096,7 +1158,7 @@ impl World {
                     Ev::WriteFrame {
                         write,
                         part,
-                        pair,
+                        copy,
                         bytes: bytes.clone(),
                     },
                 );
@@ -1106,7 +1168,7 @@ impl World {
                 Ev::WriteFrame {
                     write,
                     part,
-                    pair,
+                    copy,
                     bytes,
                 },
             );
@@ -1114,9 +1176,10 @@ impl World {
         self.at_instant(deadline, Ev::WriteDeadline { write });
     }
 
-    /// A KV frame reaches D: through D's registry, which checks segment,
-    /// epoch, key (the pull's grant) and bounds before a byte lands.
-    fn write_frame(&mut self, write: u64, part: usize, pair: BlockPair, bytes: Vec<u8>) {
+    /// A KV frame reaches D: through D's registry, which checks the rank's
+    /// segment, epoch, key (the pull's grant on that rank) and bounds
+    /// before a byte lands.
+    fn write_frame(&mut self, write: u64, part: usize, copy: KvCopy, bytes: Vec<u8>) {
         let Some(w) = self.writes.get(&write) else {
             return;
         };
@@ -1124,32 +1187,50 @@ impl World {
             self.report.late_frames += 1;
         }
         let (to, to_inc, from) = (w.to, w.to_inc, w.from);
-        let key = w.dst.grant_key.unwrap_or(w.dst.key);
-        let (seg, epoch) = (w.dst.segment, w.dst.epoch);
+        let rank = &w.dst.ranks[copy.remote];
+        let (key, reg, heads) = (rank.write_key(), rank.rank.reg, rank.rank.heads);
         let Some(n) = self.live(to, to_inc) else {
             return;
         };
-        let res = match n
-            .registry
-            .access(seg, key, epoch, pair.1, bytes.len() as u64)
-        {
+        let res = match n.registry.access(
+            reg.segment,
+            key,
+            reg.epoch,
+            copy.remote_offset,
+            bytes.len() as u64,
+        ) {
             Ok(a) => {
-                // It lands: it must be in a block of a load of this transfer
-                // that D has not given back.
-                let block = (pair.1 / w.block_bytes) as u32;
+                // It lands: it must lie in one block of D's rank, a block
+                // of a load of this transfer that D has not given back.
+                let head_bytes = n
+                    .conn
+                    .inspect(|c| c.kv().map(|k| k.head_bytes))
+                    .unwrap_or(crate::model::HEAD_BYTES as u64);
+                let rbb = (heads.1 - heads.0) as u64 * head_bytes;
+                let first = copy.remote_offset / rbb;
+                let last = (copy.remote_offset + bytes.len().max(1) as u64 - 1) / rbb;
                 let tid = w.dst.transfer_id.clone();
+                if first != last {
+                    let what = format!(
+                        "a KV copy of transfer {tid} spans blocks {first}..={last} of {}'s rank at heads {heads:?}",
+                        n.name
+                    );
+                    return self.violation(what);
+                }
+                let block = first as u32;
                 let alive = n
                     .conn
                     .inspect(|c| c.recv_machine().is_loading_into(&tid, block));
                 if !alive {
                     let what = format!(
-                        "a KV frame of transfer {tid} landed in {}'s block {block} after D gave the load back (key {key:#x})",
+                        "a KV frame of transfer {tid} landed in {}'s block {block} (rank at heads {heads:?}) after D gave the load back (key {key:#x})",
                         n.name
                     );
                     self.violation(what);
                     return;
                 }
                 a.write_from(&bytes);
+                self.report.rank_copies += 1;
                 Ok(())
             }
             // Refused by D's registry: D withdrew the destination.
@@ -1193,7 +1274,7 @@ impl World {
             return;
         }
         w.done = true;
-        let (from, inc, conn, bytes) = (w.from, w.from_inc, w.conn, w.block_bytes * w.parts as u64);
+        let (from, inc, conn, bytes) = (w.from, w.from_inc, w.conn, w.bytes);
         let Some(n) = self.live(from, inc) else {
             return;
         };
@@ -1202,16 +1283,17 @@ impl World {
         self.after(from);
     }
 
+    /// D reads P's leased blocks into its own: one request per copy, each
+    /// to one of P's rank registrations.
     #[allow(clippy::too_many_arguments)]
     fn start_read(
         &mut self,
         ix: Ix,
         load: LoadId,
-        local: Registration,
-        remote: Registration,
+        local: Vec<Registration>,
+        remote: Vec<Registration>,
         transfer: Destination,
-        pairs: Vec<BlockPair>,
-        bb: u64,
+        copies: Vec<KvCopy>,
         deadline: Instant,
     ) {
         let inc = self.nodes[ix].inc;
@@ -1226,8 +1308,24 @@ impl World {
             self.after(ix);
             return;
         };
+        if let Some(c) = copies
+            .iter()
+            .find(|c| c.local >= local.len() || c.remote >= remote.len())
+        {
+            let what = format!(
+                "a read names rank {} of {} on D and rank {} of {} on P",
+                c.local,
+                local.len(),
+                c.remote,
+                remote.len()
+            );
+            return self.violation(what);
+        }
+        if local.len() != remote.len() {
+            self.report.hetero_transfers += 1;
+        }
         let read = self.id();
-        let parts = pairs.len();
+        let parts = copies.len();
         self.reads.insert(
             read,
             Read {
@@ -1237,34 +1335,36 @@ impl World {
                 from,
                 local,
                 remote,
-                block_bytes: bb,
                 parts,
                 got: BTreeSet::new(),
                 done: false,
             },
         );
-        for (part, pair) in pairs.into_iter().enumerate() {
+        for (part, copy) in copies.into_iter().enumerate() {
             if self.faults && self.rng.chance(0.01) {
                 continue;
             }
             let d = self.link_delay(ix, from);
-            self.at(d, Ev::ReadReq { read, part, pair });
+            self.at(d, Ev::ReadReq { read, part, copy });
         }
         self.at_instant(deadline, Ev::ReadDeadline { read });
     }
 
-    fn read_req(&mut self, read: u64, part: usize, pair: BlockPair) {
+    fn read_req(&mut self, read: u64, part: usize, copy: KvCopy) {
         let Some(r) = self.reads.get(&read) else {
             return;
         };
-        let (from, node, remote, bb) = (r.from, r.node, r.remote, r.block_bytes);
+        let (from, node, remote) = (r.from, r.node, r.remote[copy.remote]);
         let Some(p) = self.node(from) else { return };
-        let bytes = match p
-            .registry
-            .access(remote.segment, remote.key, remote.epoch, pair.1, bb)
-        {
+        let bytes = match p.registry.access(
+            remote.segment,
+            remote.key,
+            remote.epoch,
+            copy.remote_offset,
+            copy.len,
+        ) {
             Ok(a) => {
-                let mut buf = vec![0u8; bb as usize];
+                let mut buf = vec![0u8; copy.len as usize];
                 a.read_into(&mut buf);
                 Ok(buf)
             }
@@ -1276,19 +1376,13 @@ impl World {
             Ev::ReadResp {
                 read,
                 part,
-                pair,
+                copy,
                 bytes,
             },
         );
     }
 
-    fn read_resp(
-        &mut self,
-        read: u64,
-        part: usize,
-        pair: BlockPair,
-        bytes: Result<Vec<u8>, String>,
-    ) {
+    fn read_resp(&mut self, read: u64, part: usize, copy: KvCopy, bytes: Result<Vec<u8>, String>) {
         let Some(r) = self.reads.get(&read) else {
             return;
         };
@@ -1297,7 +1391,7 @@ impl World {
             // engine drops what comes late.
             return;
         }
-        let (node, inc, local) = (r.node, r.inc, r.local);
+        let (node, inc, load, local) = (r.node, r.inc, r.load, r.local[copy.local]);
         let Some(n) = self.live(node, inc) else {
             return;
         };
@@ -1305,7 +1399,33 @@ impl World {
             Ok(b) => b,
             Err(e) => return self.read_end(read, Err(Failure::new(FailCode::TransferFailed, e))),
         };
-        match n.registry.local(&local, pair.0, bytes.len() as u64) {
+        // What lands must lie in one block of D's rank that this load
+        // still writes.
+        let rbb = n.conn.inspect(|c| {
+            c.kv()
+                .and_then(|k| k.ranks.get(copy.local))
+                .map(|r| r.block_bytes)
+        });
+        if let Some(rbb) = rbb.filter(|&b| b > 0) {
+            let first = copy.local_offset / rbb;
+            let last = (copy.local_offset + bytes.len().max(1) as u64 - 1) / rbb;
+            let loading = n.conn.inspect(|c| {
+                c.recv_machine()
+                    .spec(load)
+                    .is_some_and(|s| s.dst_blocks.contains(&(first as u32)))
+            });
+            if first != last || !loading {
+                let what = format!(
+                    "{}: a read's copy lands in blocks {first}..={last} of rank {}, not a block its load writes",
+                    n.name, copy.local
+                );
+                return self.violation(what);
+            }
+        }
+        match n
+            .registry
+            .local(&local, copy.local_offset, bytes.len() as u64)
+        {
             Ok(a) => a.write_from(&bytes),
             Err(e) => {
                 return self.read_end(
@@ -1315,6 +1435,7 @@ impl World {
             }
         }
         self.report.frames += 1;
+        self.report.rank_copies += 1;
         let r = self.reads.get_mut(&read).expect("present");
         r.got.insert(part);
         if r.got.len() == r.parts {
@@ -1386,12 +1507,14 @@ impl World {
         }
     }
 
-    /// Every live engine serves the cluster's weights.
+    /// Every live engine serves the cluster's weights, and holds them: a
+    /// level-2 sleep the operator called before the heal can end after the
+    /// heal's script was written, discarding the weights it had found in
+    /// place.
     fn weights_agree(&self) -> bool {
-        self.nodes
-            .iter()
-            .filter_map(|s| s.node.as_ref())
-            .all(|n| n.weights == self.cluster_weights)
+        self.nodes.iter().filter_map(|s| s.node.as_ref()).all(|n| {
+            n.weights == self.cluster_weights && !n.core.lifecycle_status().weights_discarded
+        })
     }
 
     fn live_loads_ok(&self) -> u64 {
@@ -1764,12 +1887,10 @@ impl World {
             })
         };
         let deadline = self.now() + Duration::from_secs(20);
-        if self.faults && matches!(step, Step::Sleep(..) | Step::ReleaseKv) && self.rng.chance(0.2)
-        {
-            if let Some(n) = self.node(ix) {
-                n.fail_next_release
-                    .store(true, std::sync::atomic::Ordering::Release);
-            }
+        // A retry meets no fault of its own: it shows the call succeeds
+        // once the fault is gone.
+        if self.faults && self.nodes[ix].op.retrying.is_none() {
+            self.inject_rank_fault(ix, &step);
         }
         let cmd = match step {
             Step::Pause(mode, clear_cache) => Command::Pause {
@@ -1821,6 +1942,62 @@ impl World {
         self.after(ix);
     }
 
+    /// Now and then, a fault on one rank for the lifecycle call `step`
+    /// about to be made: before a sleep or a KV release, one rank's
+    /// deregistration fails (a shared-memory peer that did not acknowledge
+    /// its unmap), so the release fails part of the way; before a wake of
+    /// the released KV cache of an engine of several ranks, the
+    /// registration of a rank other than the first fails, so the restore
+    /// fails part of the way. One fault at a time per engine.
+    fn inject_rank_fault(&mut self, ix: Ix, step: &Step) {
+        let Some(n) = self.nodes[ix].node.as_ref() else {
+            return;
+        };
+        let release_armed = n.fail_release.lock().unwrap().is_some();
+        let register_armed = self.nodes[ix].register_fault_armed;
+        match step {
+            Step::Sleep(..) | Step::ReleaseKv => {
+                // Drawn first, so an engine of one rank draws as many
+                // numbers as before ranks existed.
+                let hit = self.rng.chance(0.2);
+                if register_armed || release_armed || !hit {
+                    return;
+                }
+                let segments: Vec<u64> = n.conn.inspect(|c| {
+                    c.kv()
+                        .map(|k| k.regs().iter().map(|r| r.segment).collect())
+                        .unwrap_or_default()
+                });
+                if segments.is_empty() {
+                    return;
+                }
+                let r = match segments.len() {
+                    1 => 0,
+                    len => self.rng.below(len as u64) as usize,
+                };
+                *n.fail_release.lock().unwrap() = Some(segments[r]);
+            }
+            Step::Wake(tags) if tags.as_ref().is_none_or(|t| t.contains(&Tag::KvCache)) => {
+                let released = n.conn.inspect(|c| c.is_asleep())
+                    && n.core
+                        .lifecycle_status()
+                        .asleep_tags
+                        .contains(&Tag::KvCache);
+                if n.tp < 2 || !released || register_armed || release_armed {
+                    return;
+                }
+                if !self.rng.chance(0.3) {
+                    return;
+                }
+                // Ranks 0..k register again, rank k fails.
+                let k = self.rng.range(1, n.tp as u64 - 1) as usize;
+                n.registry.fail_register_after(k);
+                self.nodes[ix].register_fault_armed = true;
+            }
+            _ => {}
+        }
+    }
+
     /// The operator's call was answered: note it, go on with the script.
     fn answer_operator(&mut self, ix: Ix) {
         let Some((step, since)) = self.nodes[ix].op.waiting.clone() else {
@@ -1845,6 +2022,31 @@ impl World {
             if *level != SleepLevel::L0 {
                 self.nodes[ix].reloads += 1;
             }
+        }
+        // A call an injected rank fault failed is expected to fail, and
+        // to succeed when retried (as an operator would): the engine and
+        // its connector must have put every rank back as it was.
+        let retrying = self.nodes[ix].op.retrying.take();
+        match &answer {
+            Err(e) if is_injected(e) => {
+                if e.contains(INJECTED_REGISTER) {
+                    self.report.rank_restore_faults += 1;
+                    self.nodes[ix].register_fault_armed = false;
+                    self.nodes[ix].wake_left_mapped = true;
+                } else {
+                    self.report.rank_release_faults += 1;
+                }
+                self.nodes[ix].op.retrying = Some(RANK_FAULT_RETRIES);
+                self.nodes[ix].op.script.push_front(step.clone());
+            }
+            Ok(()) if retrying.is_some() => self.report.rank_faults_retried += 1,
+            // The retry met something else (transfers in flight, a sleep
+            // the operator's pause had not reached): try again, a few times.
+            Err(_) if retrying.is_some_and(|left| left > 1) => {
+                self.nodes[ix].op.retrying = retrying.map(|left| left - 1);
+                self.nodes[ix].op.script.push_front(step.clone());
+            }
+            _ => {}
         }
         match answer {
             Ok(()) => self.report.operations_ok += 1,
@@ -1893,6 +2095,8 @@ impl World {
         self.nodes[ix].node = None;
         self.nodes[ix].inc += 1;
         self.nodes[ix].op = Operator::default();
+        self.nodes[ix].register_fault_armed = false;
+        self.nodes[ix].wake_left_mapped = false;
         self.nodes[ix].timers.clear();
         self.nodes[ix].tick_at = None;
         for (client, side) in lost {
@@ -1908,13 +2112,14 @@ impl World {
         }
         let w = self.cluster_weights;
         let s = &self.nodes[ix];
-        let (name, addr, transfer_addr, kv_config) = (
+        let (name, addr, transfer_addr, kv_config, tp) = (
             s.spec_name.clone(),
             s.addr.clone(),
             s.transfer_addr.clone(),
             s.kv_config.clone(),
+            s.tp,
         );
-        let node = self.build_node(&name, &addr, &transfer_addr, &kv_config, w);
+        let node = self.build_node(&name, &addr, &transfer_addr, &kv_config, w, tp);
         match node {
             Ok(n) => {
                 self.nodes[ix].node = Some(n);
@@ -1951,8 +2156,12 @@ impl World {
                     Step::Resume,
                 ]);
             }
-            // What a script in progress still had to do is replaced.
+            // What a script in progress still had to do is replaced, a
+            // retry it held included (unless that call is in flight).
             self.nodes[ix].op.script = script;
+            if self.nodes[ix].op.waiting.is_none() {
+                self.nodes[ix].op.retrying = None;
+            }
             self.at(Duration::from_millis(1), Ev::Operator(ix));
         }
     }
@@ -2101,6 +2310,78 @@ impl World {
             self.violation(format!("{} client requests were lost to lifecycle operations (no network fault was injected)", self.report.lost));
         }
     }
+}
+
+/// What is wrong with a node's KV cache ranks, if anything: every rank's
+/// registration is the live one of the node's registry at the epoch (and
+/// key) the connector names while the connector serves, and none is live
+/// while it is released — never some ranks; and every rank's KV region
+/// sleeps or wakes with the others.
+fn rank_state(n: &Node) -> Vec<String> {
+    let mut found = Vec::new();
+    let awake: Vec<bool> = n
+        .pools
+        .ranks()
+        .iter()
+        .map(|p| p.is_awake(Tag::KvCache))
+        .collect();
+    if awake.iter().any(|&a| a != awake[0]) {
+        found.push(format!(
+            "{}: the KV cache's ranks are not asleep together (awake by rank: {awake:?})",
+            n.name
+        ));
+    }
+    let Some((regs, asleep)) = n
+        .conn
+        .inspect(|c| c.kv().map(|k| (k.regs(), c.is_asleep())))
+    else {
+        return found;
+    };
+    let live: Vec<Option<pdkv_transfer::Registration>> =
+        regs.iter().map(|r| n.registry.get(r.segment)).collect();
+    if asleep {
+        let still: Vec<usize> = (0..regs.len()).filter(|&i| live[i].is_some()).collect();
+        if !still.is_empty() {
+            found.push(format!(
+                "{}: the connector released its KV cache, but ranks {still:?} of {} are still registered",
+                n.name,
+                regs.len()
+            ));
+        }
+    } else {
+        let off: Vec<String> = regs
+            .iter()
+            .zip(&live)
+            .enumerate()
+            .filter(|(_, (r, l))| l.as_ref() != Some(*r))
+            .map(|(i, (r, l))| {
+                format!(
+                    "rank {i} (segment {}, epoch {}): live {:?}",
+                    r.segment,
+                    r.epoch,
+                    l.map(|l| l.epoch)
+                )
+            })
+            .collect();
+        if !off.is_empty() {
+            found.push(format!(
+                "{}: the connector serves its KV cache, but not every rank is registered as it names: {}",
+                n.name,
+                off.join("; ")
+            ));
+        }
+    }
+    found
+}
+
+/// What the registry's injected registration failure says.
+const INJECTED_REGISTER: &str = "registering failed: injected fault";
+/// What the simulated driver's injected deregistration failure says.
+const INJECTED_RELEASE: &str = "did not acknowledge unmapping segment";
+
+/// Whether a lifecycle call's error comes from an injected rank fault.
+fn is_injected(e: &str) -> bool {
+    e.contains(INJECTED_REGISTER) || e.contains(INJECTED_RELEASE)
 }
 
 fn short(e: &str) -> String {

@@ -5,8 +5,8 @@
 use pdkv_sim::{run, Options};
 
 /// Seeds the test command runs: every variant (write/read mode, fail/
-/// recompute policy, with and without network faults and crashes) many
-/// times over.
+/// recompute policy, with and without network faults and crashes, engines
+/// of one rank and split over ranks alike or not) many times over.
 const SEEDS: std::ops::Range<u64> = 0..64;
 
 /// Seeds that found real bugs, kept as regressions: 133 — waiting requests
@@ -18,11 +18,16 @@ const REGRESSIONS: [u64; 1] = [133];
 fn fixed_seeds_hold_every_safety_and_liveness_check() {
     let mut bad = Vec::new();
     let (mut events, mut checked, mut frames) = (0, 0, 0);
+    let (mut hetero, mut faults, mut retried, mut tp1) = (0, 0, 0, 0);
     for seed in SEEDS.chain(REGRESSIONS) {
         let r = run(Options::for_seed(seed));
         events += r.events;
         checked += r.checked_outputs;
         frames += r.frames;
+        hetero += r.hetero_transfers;
+        faults += r.rank_release_faults + r.rank_restore_faults;
+        retried += r.rank_faults_retried;
+        tp1 += u32::from((r.p_tp, r.d_tp) == (1, 1));
         if !r.ok() {
             bad.push(format!("{}\n  {}", r.line(), r.violations.join("\n  ")));
         }
@@ -37,6 +42,46 @@ fn fixed_seeds_hold_every_safety_and_liveness_check() {
         events > 100_000 && checked > 1000 && frames > 1000,
         "events {events}, outputs checked {checked}, KV frames {frames}"
     );
+    // Engines of one rank and engines split differently both ran, and
+    // faults on one rank failed lifecycle calls that then succeeded.
+    assert!(
+        tp1 > 0 && hetero > 100 && faults > 0 && retried > 0,
+        "TP1-only seeds {tp1}, heterogeneous transfers {hetero}, rank faults {faults} ({retried} retried)"
+    );
+}
+
+/// Every split of P and D over ranks that moves a block as more than one
+/// copy, or as copies of another shape than the block's, in both modes
+/// and with faults (seed 4: network faults, no crash).
+#[test]
+fn heterogeneous_splits_hold_every_check_in_both_modes() {
+    let mut bad = Vec::new();
+    for (p_tp, d_tp) in [(2, 1), (1, 2), (4, 3), (2, 2)] {
+        for read_mode in [false, true] {
+            let mut opts = Options::for_seed(4);
+            (opts.p_tp, opts.d_tp, opts.read_mode) = (p_tp, d_tp, read_mode);
+            opts.clients = 150;
+            let r = run(opts);
+            if !r.ok() {
+                bad.push(format!("{}\n  {}", r.line(), r.violations.join("\n  ")));
+                continue;
+            }
+            // Pairs of ranks whose heads overlap: a copy each per block.
+            let copies_per_block = if (p_tp, d_tp) == (4, 3) { 4 } else { 2 };
+            assert!(
+                r.loads_ok > 0 && r.rank_copies >= r.loads_ok * copies_per_block,
+                "P TP{p_tp} -> D TP{d_tp} (read mode {read_mode}): {}",
+                r.line()
+            );
+            assert_eq!(
+                r.hetero_transfers > 0,
+                p_tp != d_tp,
+                "P TP{p_tp} -> D TP{d_tp} (read mode {read_mode}): {}",
+                r.line()
+            );
+        }
+    }
+    assert!(bad.is_empty(), "{}", bad.join("\n"));
 }
 
 #[test]

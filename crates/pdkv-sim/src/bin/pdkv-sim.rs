@@ -28,6 +28,14 @@ struct Args {
     /// Read mode on or off for every run (default: drawn from the seed).
     #[arg(long)]
     read_mode: Option<bool>,
+    /// Tensor-parallel ranks of the prefill engine for every run, 1 to 4
+    /// (default: drawn from the seed).
+    #[arg(long)]
+    p_tp: Option<usize>,
+    /// Tensor-parallel ranks of the decode engine for every run, 1 to 4
+    /// (default: drawn from the seed).
+    #[arg(long)]
+    d_tp: Option<usize>,
     /// Run every seed twice and fail when the two runs differ (a replay
     /// must be exact).
     #[arg(long)]
@@ -52,6 +60,9 @@ fn main() -> anyhow::Result<()> {
     let range = seeds(&args.seeds)?;
     let t0 = Instant::now();
     let (mut runs, mut bad, mut events, mut simulated) = (0u64, Vec::new(), 0u64, 0.0f64);
+    let (mut copies, mut hetero, mut retried) = (0u64, 0u64, 0u64);
+    let (mut release_faults, mut restore_faults) = (0u64, 0u64);
+    let mut pairs: std::collections::BTreeMap<(usize, usize), u64> = Default::default();
     for seed in range {
         let mut opts = pdkv_sim::Options::for_seed(seed);
         if let Some(c) = args.clients {
@@ -70,6 +81,16 @@ fn main() -> anyhow::Result<()> {
         if let Some(r) = args.read_mode {
             opts.read_mode = r;
         }
+        for (tp, arg) in [(&mut opts.p_tp, args.p_tp), (&mut opts.d_tp, args.d_tp)] {
+            if let Some(n) = arg {
+                anyhow::ensure!(
+                    (1..=pdkv_sim::model::NUM_KV_HEADS).contains(&n),
+                    "--p-tp and --d-tp must be 1 to {}, got {n}",
+                    pdkv_sim::model::NUM_KV_HEADS
+                );
+                *tp = n;
+            }
+        }
         if let Some(s) = args.safety_s {
             opts.safety = std::time::Duration::from_secs(s);
         }
@@ -86,6 +107,12 @@ fn main() -> anyhow::Result<()> {
         }
         runs += 1;
         events += r.events;
+        copies += r.rank_copies;
+        hetero += r.hetero_transfers;
+        release_faults += r.rank_release_faults;
+        restore_faults += r.rank_restore_faults;
+        retried += r.rank_faults_retried;
+        *pairs.entry((r.p_tp, r.d_tp)).or_default() += 1;
         simulated += r.simulated.as_secs_f64();
         if args.verbose || !r.ok() {
             println!("{}", r.line());
@@ -108,6 +135,15 @@ fn main() -> anyhow::Result<()> {
         t0.elapsed().as_secs_f64(),
         bad.len(),
         bad
+    );
+    let pairs: Vec<String> = pairs
+        .iter()
+        .map(|((p, d), n)| format!("{p}->{d}: {n}"))
+        .collect();
+    println!(
+        "tensor parallelism (P->D: seeds) {}; {copies} per-rank KV copies, {hetero} heterogeneous-TP transfers, {} injected rank faults ({release_faults} on release, {restore_faults} on restore), {retried} of them retried successfully",
+        pairs.join(", "),
+        release_faults + restore_faults
     );
     anyhow::ensure!(bad.is_empty(), "violations in seeds {bad:?}");
     Ok(())
