@@ -337,9 +337,6 @@ impl Registry {
         }
     }
 
-    /// Registers `[offset, offset+len)` of `region`. The same range registered
-    /// again (live or not) keeps its segment id and gets the next epoch and a
-    /// fresh key; a live older registration of it is dropped.
     /// Makes the registration after the next `n` fail with
     /// [`RegisterError::Injected`] (once), for tests and simulations of a
     /// registration that fails part of the way through an engine's ranks.
@@ -347,6 +344,9 @@ impl Registry {
         *self.fault.lock().unwrap() = Some(n);
     }
 
+    /// Registers `[offset, offset+len)` of `region`. The same range registered
+    /// again (live or not) keeps its segment id and gets the next epoch and a
+    /// fresh key; a live older registration of it is dropped.
     pub fn register(
         &self,
         region: &Arc<Region>,
