@@ -67,8 +67,11 @@ fn prompts() -> Vec<Vec<u32>> {
 fn pair_matches_colocated(p_tp: usize, d_tp: usize, transport: &str, mode: &str) -> (f64, f64) {
     let what = format!("P TP{p_tp} -> D TP{d_tp} over {transport} in {mode} mode");
     let t = format!(r#","transport":"{transport}","transfer_mode":"{mode}""#);
-    let (p, ps) = tp_engine(&producer(&t), "p1", p_tp, false);
-    let (d, ds) = tp_engine(&consumer(&t), "d1", d_tp, false);
+    // Engine ids name the shared-memory sockets: unique per pair, since the
+    // tests of this file run at once in one process.
+    let id = format!("{p_tp}{d_tp}-{transport}-{mode}");
+    let (p, ps) = tp_engine(&producer(&t), &format!("p{id}"), p_tp, false);
+    let (d, ds) = tp_engine(&consumer(&t), &format!("d{id}"), d_tp, false);
     for (s, tp) in [(&ps, p_tp), (&ds, d_tp)] {
         assert_eq!(regs(s).len(), tp, "{what}: a registration per rank");
     }
@@ -129,8 +132,8 @@ fn every_split_of_p_and_d_in_read_mode_decodes_as_a_colocated_engine() {
 /// D's answers equal the colocated engine's and no transfer failed.
 #[test]
 fn tp2_engines_keep_serving_fresh_kv_after_every_sleep_and_wake() {
-    let (p, _) = tp_engine(&producer(""), "p1", 2, true);
-    let (d, _) = tp_engine(&consumer(""), "d1", 2, true);
+    let (p, _) = tp_engine(&producer(""), "p-sleep", 2, true);
+    let (d, _) = tp_engine(&consumer(""), "d-sleep", 2, true);
     let colo = colocated();
     for cycle in 0..4 {
         for (i, pr) in [prompt(100 + cycle, 40), prompt(200 + cycle, 21)]
@@ -209,10 +212,10 @@ fn transport_addr(e: &EngineHandle) -> String {
 #[test]
 fn a_rank_whose_release_times_out_or_whose_restore_fails_rolls_every_rank_back() {
     let t = r#","transport":"shm""#;
-    let (p, _) = tp_engine(&producer(t), "p1", 2, true);
+    let (p, _) = tp_engine(&producer(t), "p-fault", 2, true);
     let (d, ds) = tp_engine_with(
         &consumer(t),
-        "d1",
+        "d-fault",
         EngineConfig {
             tensor_parallel_size: 2,
             enable_sleep_mode: true,
