@@ -394,29 +394,26 @@ impl PdCore {
             spec.block_bytes,
             spec.num_kv_heads
         );
-        let mut ranks: Vec<RankKv> = Vec::with_capacity(spec.ranks.len());
-        for (i, r) in spec.ranks.iter().enumerate() {
-            let block_bytes = spec.rank_block_bytes(i);
-            let len = spec.num_blocks * block_bytes;
-            let reg = match self.registry.register(&r.region, 0, len) {
-                Ok(reg) => reg,
-                Err(e) => {
-                    for done in &ranks {
-                        self.registry.deregister(done.reg.segment);
-                    }
-                    anyhow::bail!(
-                        "registering the KV cache for transfers: rank {i} ({len} bytes): {e}"
-                    );
-                }
-            };
-            ranks.push(RankKv {
+        let lens: Vec<usize> = (0..spec.ranks.len())
+            .map(|i| spec.num_blocks * spec.rank_block_bytes(i))
+            .collect();
+        let parts: Vec<(&Arc<pdkv_vmem::Region>, usize)> =
+            spec.ranks.iter().map(|r| &r.region).zip(lens).collect();
+        let regs = register_ranks(&self.registry, &parts)
+            .map_err(|e| anyhow::anyhow!("registering the KV cache for transfers: {e}"))?;
+        let ranks: Vec<RankKv> = spec
+            .ranks
+            .iter()
+            .zip(regs)
+            .enumerate()
+            .map(|(i, (r, reg))| RankKv {
                 reg,
                 region: r.region.clone(),
                 heads: r.heads.clone(),
-                len,
-                block_bytes: block_bytes as u64,
-            });
-        }
+                len: reg.len as usize,
+                block_bytes: spec.rank_block_bytes(i) as u64,
+            })
+            .collect();
         self.kv = Some(KvInfo {
             ranks,
             block_bytes: spec.block_bytes as u64,
@@ -736,27 +733,13 @@ impl PdCore {
         if !self.asleep {
             return Ok(());
         }
-        let mut regs = Vec::with_capacity(k.ranks.len());
-        for (i, r) in k.ranks.iter().enumerate() {
-            match self.registry.register(&r.region, 0, r.len) {
-                Ok(reg) => regs.push(reg),
-                Err(e) => {
-                    for reg in &regs {
-                        self.registry.deregister(reg.segment);
-                    }
-                    let undo = match i {
-                        0 => String::new(),
-                        1 => "; rank 0 was deregistered again".to_string(),
-                        _ => format!("; ranks 0..{i} were deregistered again"),
-                    };
-                    anyhow::bail!(
-                        "registering the KV cache again: rank {i} ({} bytes): {e}{undo}; \
-                         the KV cache stays released and a retry registers every rank",
-                        r.len
-                    );
-                }
-            }
-        }
+        let parts: Vec<(&Arc<pdkv_vmem::Region>, usize)> =
+            k.ranks.iter().map(|r| (&r.region, r.len)).collect();
+        let regs = register_ranks(&self.registry, &parts).map_err(|e| {
+            anyhow::anyhow!(
+                "registering the KV cache again: {e}; the KV cache stays released and a retry registers every rank"
+            )
+        })?;
         for (r, reg) in k.ranks.iter_mut().zip(regs) {
             tracing::info!(
                 segment = reg.segment,
@@ -1423,6 +1406,33 @@ impl PdCore {
         self.recving.push(f.req);
         self.news = true;
     }
+}
+
+/// Registers every rank's `(region, len)` in order, all or none: when rank
+/// `i` fails, ranks `0..i` are deregistered again, and the error names the
+/// rank, its length and what was undone.
+fn register_ranks(
+    registry: &Registry,
+    ranks: &[(&Arc<pdkv_vmem::Region>, usize)],
+) -> Result<Vec<Registration>, String> {
+    let mut regs = Vec::with_capacity(ranks.len());
+    for (i, &(region, len)) in ranks.iter().enumerate() {
+        match registry.register(region, 0, len) {
+            Ok(reg) => regs.push(reg),
+            Err(e) => {
+                for reg in &regs {
+                    registry.deregister(reg.segment);
+                }
+                let undo = match i {
+                    0 => String::new(),
+                    1 => "; rank 0 was deregistered again".to_string(),
+                    _ => format!("; ranks 0..{i} were deregistered again"),
+                };
+                return Err(format!("rank {i} ({len} bytes): {e}{undo}"));
+            }
+        }
+    }
+    Ok(regs)
 }
 
 fn load_error(lf: &LoadFailure) -> LoadError {
