@@ -164,7 +164,7 @@ fn tp2_engines_keep_serving_fresh_kv_after_every_sleep_and_wake() {
 /// Over shared memory D's exporter waits for every peer that mapped a
 /// segment to acknowledge its unmap before the release goes on. A peer
 /// written by hand maps rank 1's segment and does not answer; returns its
-/// socket (closing it makes the exporter forget the peer) and the memfds.
+/// socket and the memfds.
 fn silent_peer(
     path: &str,
     reg: &Registration,
@@ -182,14 +182,7 @@ fn silent_peer(
     };
     std::io::Write::write_all(&mut &raw, &Header::MapReq { op: 1, target }.encode()).unwrap();
     let mut fds = Vec::new();
-    let frame = |fds: &mut Vec<std::os::fd::OwnedFd>| {
-        let mut h = [0u8; HEADER_LEN];
-        recv_with_fds(&raw, &mut h, fds).unwrap();
-        let header = Header::decode(&h, &Limits::default()).unwrap();
-        let mut data = vec![0; header.data_len()];
-        recv_with_fds(&raw, &mut data, fds).unwrap();
-        header
-    };
+    let frame = |fds: &mut Vec<std::os::fd::OwnedFd>| read_frame(&raw, fds).unwrap();
     assert!(
         matches!(frame(&mut fds), Header::MapResp { .. }),
         "the exporter answers a map with its head"
@@ -200,6 +193,20 @@ fn silent_peer(
         assert!(matches!(frame(&mut fds), Header::MapPart { .. }));
     }
     (raw, fds)
+}
+
+/// One frame on a hand-written peer's socket, collecting its memfds.
+fn read_frame(
+    raw: &std::os::unix::net::UnixStream,
+    fds: &mut Vec<std::os::fd::OwnedFd>,
+) -> std::io::Result<Header> {
+    let mut h = [0u8; HEADER_LEN];
+    recv_with_fds(raw, &mut h, fds)?;
+    let header = Header::decode(&h, &Limits::default())
+        .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e.to_string()))?;
+    let mut data = vec![0; header.data_len()];
+    recv_with_fds(raw, &mut data, fds)?;
+    Ok(header)
 }
 
 fn transport_addr(e: &EngineHandle) -> String {
@@ -262,11 +269,33 @@ fn a_rank_whose_release_times_out_or_whose_restore_fails_rolls_every_rank_back()
     assert!(!ds.inspect(|c| c.is_asleep()));
     check("after a failed release");
 
-    // The peer goes; the retry sleeps every rank.
-    drop((peer, fds));
+    // The peer answers now: it unmaps and acknowledges every unmap request
+    // (the failed release's, then the retry's), and the retry sleeps every
+    // rank. (Closing the socket instead would race the retry: the exporter
+    // may ask the peer before it saw the close.)
+    let acks = {
+        let raw = peer.try_clone().unwrap();
+        std::thread::spawn(move || {
+            let mut fds = fds;
+            let mut acked = 0;
+            while let Ok(h) = read_frame(&raw, &mut fds) {
+                if let Header::Unmap { op, segment } = h {
+                    fds.clear();
+                    let ack = Header::UnmapAck { op, segment }.encode();
+                    if std::io::Write::write_all(&mut &raw, &ack).is_err() {
+                        break;
+                    }
+                    acked += 1;
+                }
+            }
+            acked
+        })
+    };
     d.handle
         .sleep(SleepLevel::L1, PauseMode::Abort, WAIT)
         .expect("the retry");
+    peer.shutdown(std::net::Shutdown::Both).unwrap();
+    assert!(acks.join().unwrap() >= 1, "the peer acknowledged the unmap");
     assert!(ds.inspect(|c| c.registry().live()).is_empty());
     assert_eq!(d.handle.pool().device_bytes().total(), 0);
 
