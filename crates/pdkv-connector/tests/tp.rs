@@ -318,6 +318,11 @@ fn a_rank_whose_release_times_out_or_whose_restore_fails_rolls_every_rank_back()
     assert!(ds.inspect(|c| c.is_asleep()));
     let st = d.handle.lifecycle_status();
     assert!(st.asleep_tags.contains(&pdkv_vmem::Tag::KvCache), "{st:?}");
+    assert_eq!(
+        d.handle.pool().device_bytes().total(),
+        0,
+        "what the failed wake mapped went back to sleep on every rank"
+    );
     d.handle.wake_up(None).expect("the retry");
     assert_eq!(ds.inspect(|c| c.registry().live()).len(), 2);
     check("after a failed restore");

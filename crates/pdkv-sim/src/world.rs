@@ -292,10 +292,6 @@ struct Slot {
     /// (a release that fails restores every rank, and that restore must
     /// not meet the registration fault meant for a wake).
     register_fault_armed: bool,
-    /// A wake failed when one rank's registration failed: the engine
-    /// counts the KV cache asleep again but leaves its regions mapped
-    /// until a wake succeeds (known; see [`World::check_node`]).
-    wake_left_mapped: bool,
 }
 
 pub struct World {
@@ -416,7 +412,6 @@ impl World {
             busy_until: None,
             tp: if is_p { self.opts.p_tp } else { self.opts.d_tp },
             register_fault_armed: false,
-            wake_left_mapped: false,
         };
         if is_p && self.opts.slow_prefill {
             // A prefill engine slow enough that a long prompt outlasts every
@@ -720,33 +715,19 @@ impl World {
     }
 
     /// What must hold on a node after every event.
-    ///
-    /// One known exception: a wake whose re-registration of the KV cache
-    /// failed on a rank is rolled back by the engine to "KV cache asleep",
-    /// but the regions it woke stay mapped (on every rank alike) until the
-    /// next wake succeeds; the operator retries at once. Until then the
-    /// node is not held to "an asleep KV cache holds no memory" (its ranks
-    /// are still held to being alike and unregistered).
     fn check_node(&mut self, ix: Ix) {
-        let left_mapped = self.nodes[ix].wake_left_mapped;
         let Some(n) = self.node(ix) else { return };
         let mut found: Vec<String> = std::mem::take(&mut n.oracle.lock().unwrap().violations);
         let st = n.core.lifecycle_status();
-        let mut mapped_asleep = false;
         if st.asleep_tags.contains(&Tag::KvCache) {
             let bytes = n.pools.device_bytes().get(Tag::KvCache);
-            mapped_asleep = bytes != 0;
-            if mapped_asleep && !left_mapped {
+            if bytes != 0 {
                 found.push(format!(
                     "{}: the KV cache is asleep but {bytes} bytes of it are still allocated",
                     n.name
                 ));
             }
         }
-        if !mapped_asleep {
-            self.nodes[ix].wake_left_mapped = false;
-        }
-        let Some(n) = self.node(ix) else { return };
         found.extend(rank_state(n));
         for v in found {
             self.violation(v);
@@ -2032,7 +2013,6 @@ impl World {
                 if e.contains(INJECTED_REGISTER) {
                     self.report.rank_restore_faults += 1;
                     self.nodes[ix].register_fault_armed = false;
-                    self.nodes[ix].wake_left_mapped = true;
                 } else {
                     self.report.rank_release_faults += 1;
                 }
@@ -2096,7 +2076,6 @@ impl World {
         self.nodes[ix].inc += 1;
         self.nodes[ix].op = Operator::default();
         self.nodes[ix].register_fault_armed = false;
-        self.nodes[ix].wake_left_mapped = false;
         self.nodes[ix].timers.clear();
         self.nodes[ix].tick_at = None;
         for (client, side) in lost {

@@ -277,7 +277,13 @@ impl EngineCore {
             }
             Action::Wake(tags) => {
                 mem("wake", tags, self.pool.wake(tags)).map_err(undo)?;
-                return self.restore_registrations(tags).map_err(undo);
+                if let Err(e) = self.restore_registrations(tags) {
+                    // The machine goes back to these tags asleep: so does
+                    // their memory, or an asleep KV cache would hold pages.
+                    self.put_back_to_sleep(tags);
+                    return Err(undo(e));
+                }
+                return Ok(());
             }
             Action::ReloadWeights(ticket) => {
                 let Some((path, version)) = self.reloads.remove(ticket) else {
@@ -289,6 +295,24 @@ impl EngineCore {
             }
         }
         Ok(())
+    }
+
+    /// Undoes a wake of `tags` whose registrations could not be restored:
+    /// the weights go back to host memory (a backup again, as after an
+    /// offload), everything else is discarded (the KV cache and the runtime
+    /// hold nothing a wake must restore). A failure here is logged: the
+    /// wake's own error is what the caller hears.
+    fn put_back_to_sleep(&mut self, tags: &[Tag]) {
+        for &tag in tags {
+            let r = if tag == Tag::Weights {
+                self.pool.offload(&[tag])
+            } else {
+                self.pool.discard(&[tag])
+            };
+            if let Err(e) = r {
+                tracing::error!(tag = tag.as_str(), error = %e, "putting memory back to sleep after a failed wake failed");
+            }
+        }
     }
 
     /// Before the KV cache is unmapped: the connector gives up its
