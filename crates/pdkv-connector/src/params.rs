@@ -153,13 +153,16 @@ pub fn for_decode(
 /// The params P returns on a request's last output: what D needs to load
 /// the KV (`read` adds the leased blocks and P's registration epoch). The
 /// read-mode router keys (`remote_request_id`, `remote_host`,
-/// `remote_port`, `tp_size`) repeat the transfer id and the control address
-/// for routers that copy them into D's request as they are.
+/// `remote_port`) repeat the transfer id and the control address for
+/// routers that copy them into D's request as they are; `tp_size` is P's
+/// number of ranks (informational: D learns P's head split from the
+/// handshake or the pull).
 pub fn returned_by_prefill(
     transfer_id: &str,
     engine_id: &str,
     bootstrap_addr: &str,
     prompt_len: usize,
+    tp_size: usize,
     read: Option<&ReadParams>,
 ) -> Value {
     let mut p = json!({
@@ -170,7 +173,7 @@ pub fn returned_by_prefill(
         TRANSFER_ID: transfer_id,
         REMOTE_REQUEST_ID: transfer_id,
         REMOTE_NUM_TOKENS: prompt_len,
-        TP_SIZE: 1,
+        TP_SIZE: tp_size,
     });
     if let Some((host, port)) = split_host_port(bootstrap_addr) {
         p[REMOTE_HOST] = json!(host);
@@ -346,12 +349,13 @@ mod tests {
             generation: 2,
             weights_version: Some("v7".into()),
         };
-        let back = returned_by_prefill("t", "p0", "127.0.0.1:9", 30, Some(&read));
+        let back = returned_by_prefill("t", "p0", "127.0.0.1:9", 30, 2, Some(&read));
         match PdParams::parse(Some(&back)).unwrap() {
             Some(PdParams::RemotePrefill { read: Some(r), .. }) => assert_eq!(r, read),
             other => panic!("{other:?}"),
         }
         assert_eq!(back[REMOTE_NUM_TOKENS], 30);
+        assert_eq!(back[TP_SIZE], 2, "P's ranks");
     }
 
     #[test]
@@ -416,7 +420,7 @@ mod tests {
             generation: 3,
             weights_version: None,
         };
-        let back = returned_by_prefill("cmpl-7", "p0", "10.0.0.5:7100", 20, Some(&read));
+        let back = returned_by_prefill("cmpl-7", "p0", "10.0.0.5:7100", 20, 1, Some(&read));
         assert_eq!(
             (back[REMOTE_HOST].as_str(), back[REMOTE_PORT].as_u64()),
             (Some("10.0.0.5"), Some(7100))

@@ -333,3 +333,61 @@ fn a_rank_whose_release_times_out_or_whose_restore_fails_rolls_every_rank_back()
     assert_matches_colocated(&colo.handle, &out, &prompt(77, 50), 3, "last");
     assert_eq!(metric(&d.handle, "loads_failed_total"), 0.0);
 }
+
+#[test]
+fn a_release_whose_rollback_fails_too_leaves_no_rank_half_registered() {
+    let t = r#","transport":"shm""#;
+    let (p, _) = tp_engine(&producer(t), "p-fault2", 2, true);
+    let (d, ds) = tp_engine_with(
+        &consumer(t),
+        "d-fault2",
+        EngineConfig {
+            tensor_parallel_size: 2,
+            enable_sleep_mode: true,
+            kv_release_timeout: Duration::from_secs(1),
+            ..config()
+        },
+    );
+    let colo = colocated();
+    let check = |tag: &str| {
+        let pr = prompt(tag.len() as u64 * 17, 41);
+        let out = pd(&p.handle, &d.handle, tag, &pr, 4).unwrap_or_else(|e| panic!("{tag}: {e}"));
+        assert_matches_colocated(&colo.handle, &out, &pr, 4, tag);
+    };
+    check("before");
+
+    // Rank 0's release times out (a silent peer maps it), and registering
+    // every rank again then fails on rank 0: the connector gives up rank 1
+    // too rather than leave it registered under the old epoch, and the
+    // engine, which stays awake, registers every rank once more.
+    let before = regs(&ds);
+    let (peer, _fds) = silent_peer(&transport_addr(&d.handle), &before[0]);
+    ds.inspect(|c| c.registry().fail_register_after(0));
+    let e = d
+        .handle
+        .sleep(SleepLevel::L1, PauseMode::Abort, WAIT)
+        .expect_err("a rank's release and its rollback failed")
+        .to_string();
+    assert!(e.contains("rank 0:"), "the error names the rank: {e}");
+    assert!(
+        e.contains("registering every rank again failed too")
+            && e.contains("rank 1 was deregistered without waiting"),
+        "and what the rollback did: {e}"
+    );
+    let after = regs(&ds);
+    let live = ds.inspect(|c| c.registry().live());
+    assert_eq!(live.len(), 2, "every rank registered again: {live:?}");
+    for (r, (a, b)) in after.iter().zip(&before).enumerate() {
+        assert!(a.epoch > b.epoch, "rank {r}: a new epoch");
+        assert!(
+            live.contains(a),
+            "rank {r}: registered as the connector names"
+        );
+    }
+    assert!(!ds.inspect(|c| c.is_asleep()));
+    let st = d.handle.lifecycle_status();
+    assert!(st.asleep_tags.is_empty() && st.paused.is_none(), "{st:?}");
+    check("after a failed release and rollback");
+    drop(peer);
+    assert_eq!(metric(&d.handle, "loads_failed_total"), 0.0);
+}

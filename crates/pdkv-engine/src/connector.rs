@@ -402,7 +402,11 @@ pub trait KvConnector: Send {
     /// that still has transfers in flight refuses (`Err`, naming them) and
     /// changes nothing. `timeout` bounds waiting for peers to acknowledge.
     /// On `Err` the registrations are in place as before (a retry may
-    /// succeed). Idempotent.
+    /// succeed) — or, when a connector of several ranks could not put them
+    /// back either, given up on every rank (never some ranks registered
+    /// and others not); the engine, which stays awake, then calls
+    /// [`restore_kv_caches`](KvConnector::restore_kv_caches) once more.
+    /// Idempotent.
     fn release_kv_caches(&mut self, _timeout: Duration) -> anyhow::Result<()> {
         anyhow::bail!(
             "connector {} cannot release its KV cache registrations",

@@ -163,6 +163,9 @@ pub struct Report {
     /// not acknowledge) or restoring them (a registration that failed).
     pub rank_release_faults: u64,
     pub rank_restore_faults: u64,
+    /// Of the release faults, those whose rollback (registering every rank
+    /// again) failed too, on an injected registration fault.
+    pub rank_rollback_faults: u64,
     /// Of those, the calls that then succeeded when retried.
     pub rank_faults_retried: u64,
     /// A hash of every event's time, schedule place and kind: a replay
@@ -179,7 +182,7 @@ impl Report {
     /// One line for a log.
     pub fn line(&self) -> String {
         format!(
-            "seed {} {}: TP {}->{}, {} events, {:.1} s simulated, {} clients {:?}, lost {}, {} outputs checked, {} KV frames ({} late), {} rank copies, {} heterogeneous transfers, loads ok/released/failed/abandoned {}/{}/{}/{}, {} lifecycle calls ({} failed), rank faults release/restore {}/{} ({} retried), {} crashes{}",
+            "seed {} {}: TP {}->{}, {} events, {:.1} s simulated, {} clients {:?}, lost {}, {} outputs checked, {} KV frames ({} late), {} rank copies, {} heterogeneous transfers, loads ok/released/failed/abandoned {}/{}/{}/{}, {} lifecycle calls ({} failed), rank faults release/restore/rollback {}/{}/{} ({} retried), {} crashes{}",
             self.seed,
             if self.ok() { "ok" } else { "VIOLATION" },
             self.p_tp,
@@ -202,6 +205,7 @@ impl Report {
             self.operations_failed,
             self.rank_release_faults,
             self.rank_restore_faults,
+            self.rank_rollback_faults,
             self.rank_faults_retried,
             self.crashes,
             self.violations.first().map(|v| format!(": {v}")).unwrap_or_default()

@@ -1957,6 +1957,14 @@ impl World {
                     len => self.rng.below(len as u64) as usize,
                 };
                 *n.fail_release.lock().unwrap() = Some(segments[r]);
+                // Now and then the rollback fails too: registering every
+                // rank again fails on one of them (drawn only for several
+                // ranks, as above).
+                if segments.len() > 1 && self.rng.chance(0.25) {
+                    let k = self.rng.below(segments.len() as u64) as usize;
+                    n.registry.fail_register_after(k);
+                    self.nodes[ix].register_fault_armed = true;
+                }
             }
             Step::Wake(tags) if tags.as_ref().is_none_or(|t| t.contains(&Tag::KvCache)) => {
                 let released = n.conn.inspect(|c| c.is_asleep())
@@ -2010,7 +2018,11 @@ impl World {
         let retrying = self.nodes[ix].op.retrying.take();
         match &answer {
             Err(e) if is_injected(e) => {
-                if e.contains(INJECTED_REGISTER) {
+                if e.contains(INJECTED_REGISTER) && e.contains(INJECTED_RELEASE) {
+                    self.report.rank_release_faults += 1;
+                    self.report.rank_rollback_faults += 1;
+                    self.nodes[ix].register_fault_armed = false;
+                } else if e.contains(INJECTED_REGISTER) {
                     self.report.rank_restore_faults += 1;
                     self.nodes[ix].register_fault_armed = false;
                 } else {

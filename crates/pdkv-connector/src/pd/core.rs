@@ -647,6 +647,7 @@ impl PdCore {
             &self.engine_id,
             &self.bootstrap_addr,
             prompt_len,
+            self.kv.as_ref().map_or(1, |k| k.ranks.len()),
             read.as_ref(),
         );
         (held, Some(p))

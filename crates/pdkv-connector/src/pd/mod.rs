@@ -362,12 +362,18 @@ impl KvConnector for PdConnector {
     /// Releases every rank's KV cache registration when nothing is in
     /// flight (else refuses, changing nothing, and names what was in
     /// flight); over shared memory each deregistration waits for every
-    /// peer's unmap (together at most the time left of `timeout`, at least
-    /// [`MIN_UNMAP_WAIT`] capped by it). All ranks or none: when one rank's
-    /// peer does not acknowledge in time, the release fails naming that
-    /// rank, and every rank — those released before it too — is registered
-    /// again under a new epoch, so a retry starts from one state.
-    /// Idempotent.
+    /// peer's unmap: each rank the time left of `timeout`, but at least
+    /// [`MIN_UNMAP_WAIT`] (capped by `timeout`), so a slow first rank does
+    /// not leave the later ones no time at all (the whole release waits at
+    /// most `timeout` plus that minimum per further rank). All ranks or
+    /// none: when one rank's peer does not acknowledge in time, the release
+    /// fails naming that rank, and every rank — those released before it
+    /// too — is registered again under a new epoch, so a retry starts from
+    /// one state. Should that registration fail as well, the ranks not yet
+    /// released are deregistered at once (without waiting for their
+    /// peers), so that no rank stays registered under the old epoch: the
+    /// connector is then released on every rank, as after a release, and
+    /// the next restore registers every rank. Idempotent.
     fn release_kv_caches(&mut self, timeout: Duration) -> anyhow::Result<()> {
         let t0 = self.shared.now();
         let began = self.call(|c, now| c.begin_release(now));
@@ -376,9 +382,9 @@ impl KvConnector for PdConnector {
             Ok(Some(regs)) => regs,
             Err(busy) => anyhow::bail!("connector pdkv: the KV cache registration is still in use: {busy}; nothing was released"),
         };
-        let wait = timeout.max(MIN_UNMAP_WAIT.min(timeout));
+        let least = MIN_UNMAP_WAIT.min(timeout);
         for (i, reg) in regs.iter().enumerate() {
-            let left = wait.saturating_sub(self.shared.now() - t0);
+            let left = timeout.saturating_sub(self.shared.now() - t0).max(least);
             let Err(e) = self.shared.driver.deregister(reg.segment, left) else {
                 tracing::info!(rank = i, segment = reg.segment, epoch = reg.epoch, waited = ?self.shared.now() - t0, "KV cache registration released");
                 continue;
@@ -398,7 +404,24 @@ impl KvConnector for PdConnector {
             );
             return match restored {
                 Ok(()) => Err(anyhow::anyhow!("{what}every rank's registration was restored under a new epoch; the release can be retried")),
-                Err(r) => Err(anyhow::anyhow!("{what}restoring the registrations failed too: {r:#}")),
+                Err(r) => {
+                    // Ranks i+1.. still hold the old epoch: give them up
+                    // too, so every rank is released and none is half so.
+                    // (Rank i's own deregistration refused its old epoch
+                    // before it waited for the peers.)
+                    let rest = &regs[i + 1..];
+                    for reg in rest {
+                        if let Err(e) = self.shared.driver.deregister(reg.segment, Duration::ZERO) {
+                            tracing::warn!(segment = reg.segment, error = %format!("{e:#}"), "deregistered without waiting for the peers' unmap");
+                        }
+                    }
+                    let gave_up = match (i + 1, regs.len()) {
+                        (a, n) if a >= n => String::new(),
+                        (a, n) if a + 1 == n => format!("rank {a} was deregistered without waiting for its peers; "),
+                        (a, n) => format!("ranks {a}..{n} were deregistered without waiting for their peers; "),
+                    };
+                    Err(anyhow::anyhow!("{what}registering every rank again failed too: {r:#}; {gave_up}no rank is registered, and the KV cache registration stays released until it is restored"))
+                }
             };
         }
         Ok(())

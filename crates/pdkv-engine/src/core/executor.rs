@@ -335,9 +335,23 @@ impl EngineCore {
                 tracing::info!(ms, "KV connector released its registrations");
                 Ok(())
             }
-            Err(e) => Err(LifecycleError::Conflict(format!(
-                "the KV connector could not release its registrations of the KV cache, so nothing was released and the engine stays as it was: {e:#}"
-            ))),
+            Err(e) => {
+                // The engine stays awake: so must the registrations. A
+                // connector rolls a failed release back itself; should the
+                // rollback have failed too (it then holds no registration
+                // at all), try once more now, or transfers would be
+                // refused until the next wake.
+                let again = match c.restore_kv_caches() {
+                    Ok(()) => String::new(),
+                    Err(r) => {
+                        tracing::error!(error = %format!("{r:#}"), "the KV connector could not register the KV cache again after a failed release");
+                        format!("; registering the KV cache again failed too, so transfers are refused until the next wake: {r:#}")
+                    }
+                };
+                Err(LifecycleError::Conflict(format!(
+                    "the KV connector could not release its registrations of the KV cache, so nothing was released and the engine stays as it was: {e:#}{again}"
+                )))
+            }
         }
     }
 

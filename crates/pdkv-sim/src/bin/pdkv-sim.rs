@@ -61,7 +61,7 @@ fn main() -> anyhow::Result<()> {
     let t0 = Instant::now();
     let (mut runs, mut bad, mut events, mut simulated) = (0u64, Vec::new(), 0u64, 0.0f64);
     let (mut copies, mut hetero, mut retried) = (0u64, 0u64, 0u64);
-    let (mut release_faults, mut restore_faults) = (0u64, 0u64);
+    let (mut release_faults, mut restore_faults, mut rollback_faults) = (0u64, 0u64, 0u64);
     let mut pairs: std::collections::BTreeMap<(usize, usize), u64> = Default::default();
     for seed in range {
         let mut opts = pdkv_sim::Options::for_seed(seed);
@@ -111,6 +111,7 @@ fn main() -> anyhow::Result<()> {
         hetero += r.hetero_transfers;
         release_faults += r.rank_release_faults;
         restore_faults += r.rank_restore_faults;
+        rollback_faults += r.rank_rollback_faults;
         retried += r.rank_faults_retried;
         *pairs.entry((r.p_tp, r.d_tp)).or_default() += 1;
         simulated += r.simulated.as_secs_f64();
@@ -141,7 +142,7 @@ fn main() -> anyhow::Result<()> {
         .map(|((p, d), n)| format!("{p}->{d}: {n}"))
         .collect();
     println!(
-        "tensor parallelism (P->D: seeds) {}; {copies} per-rank KV copies, {hetero} heterogeneous-TP transfers, {} injected rank faults ({release_faults} on release, {restore_faults} on restore), {retried} of them retried successfully",
+        "tensor parallelism (P->D: seeds) {}; {copies} per-rank KV copies, {hetero} heterogeneous-TP transfers, {} injected rank faults ({release_faults} on release, {restore_faults} on restore; {rollback_faults} releases whose rollback failed too), {retried} of them retried successfully",
         pairs.join(", "),
         release_faults + restore_faults
     );
