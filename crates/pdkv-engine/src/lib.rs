@@ -41,7 +41,7 @@ pub use block_pool::{BlockHash, BlockPool};
 pub use clock::{Clock, SystemClock};
 pub use connector::{KvConnector, KvTransferParams, LoadError, LoadFailurePolicy};
 pub use lifecycle::{LifecycleError, LifecycleStatus, PauseMode, SleepLevel, WeightInfo};
-pub use model::{CpuModelRunner, ModelRunner};
+pub use model::{CpuModelRunner, ModelRunner, WeightSource};
 pub use scheduler::{ScheduledSeq, Scheduler, SchedulerConfig, SchedulerOutput};
 
 /// Engine limits.

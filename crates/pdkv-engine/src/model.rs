@@ -47,6 +47,49 @@ pub trait ModelRunner: Send {
     /// ([`ReloadError::Partial`]: the weights are unusable until a reload
     /// succeeds) or not (the old weights keep serving).
     fn reload_weights(&mut self, path: &Path) -> Result<(), ReloadError>;
+
+    /// The running weights of a model that is not split, whose layout a
+    /// weight sync stages beside them ([`pdkv_model::weights::Weights::with_region`]);
+    /// `None` where a sync cannot be staged.
+    fn weights(&self) -> Option<&pdkv_model::weights::Weights> {
+        None
+    }
+
+    /// Writes `staged` (laid out as [`ModelRunner::weights`], every tensor
+    /// already checked) over the running weights, in place; errors as for
+    /// [`ModelRunner::reload_weights`].
+    fn install_weights(
+        &mut self,
+        _staged: &pdkv_model::weights::Weights,
+    ) -> Result<(), ReloadError> {
+        Err(ReloadError::Incompatible(anyhow::anyhow!(
+            "this model cannot take staged weights"
+        )))
+    }
+}
+
+/// Where an in-place weight update comes from.
+#[derive(Clone, Debug)]
+pub enum WeightSource {
+    /// A checkpoint on disk (GGUF file or Hugging Face directory).
+    Checkpoint(std::path::PathBuf),
+    /// Weights a sync staged in memory, laid out as the running ones and
+    /// checked tensor by tensor; `origin` names where they came from (what
+    /// `/weight_info` reports as the path).
+    Staged {
+        weights: std::sync::Arc<pdkv_model::weights::Weights>,
+        origin: String,
+    },
+}
+
+impl WeightSource {
+    /// What `/weight_info` reports as the weights' path.
+    pub fn path(&self) -> std::path::PathBuf {
+        match self {
+            WeightSource::Checkpoint(p) => p.clone(),
+            WeightSource::Staged { origin, .. } => origin.into(),
+        }
+    }
 }
 
 /// The real model: `pdkv_model`'s forward pass over a KV cache and a runtime
@@ -138,6 +181,29 @@ impl ModelRunner for CpuModelRunner {
     fn reload_weights(&mut self, path: &Path) -> Result<(), ReloadError> {
         let expected = self.model.config().clone();
         reload_weights_into(self.model.weights(), &expected, path, &mut |_| {})
+    }
+
+    fn weights(&self) -> Option<&pdkv_model::weights::Weights> {
+        Some(self.model.weights())
+    }
+
+    fn install_weights(
+        &mut self,
+        staged: &pdkv_model::weights::Weights,
+    ) -> Result<(), ReloadError> {
+        let running = self.model.weights();
+        if !running.region.is_mapped() {
+            return Err(ReloadError::RegionReleased);
+        }
+        let (a, b) = (running.named(), staged.named());
+        if a.len() != b.len() || a.iter().zip(&b).any(|(x, y)| x != y) {
+            return Err(ReloadError::Incompatible(anyhow::anyhow!(
+                "the staged weights are not laid out as the running ones"
+            )));
+        }
+        // SAFETY: the core calls this between steps, on its own thread:
+        // nothing reads the weights meanwhile.
+        unsafe { running.copy_from(staged) }.map_err(ReloadError::Partial)
     }
 }
 

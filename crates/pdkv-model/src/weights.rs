@@ -22,6 +22,28 @@ pub enum DType {
     Quant(QType),
 }
 
+impl DType {
+    /// The name a weight sync's manifest gives the type: `f32`, or the
+    /// block format in lower case (`q4_1`, `q8_0`, `q6_k`, `f16`, `bf16`).
+    pub fn name(self) -> &'static str {
+        match self {
+            DType::F32 => "f32",
+            DType::Quant(q) => match q {
+                QType::Q8_0 => "q8_0",
+                QType::Q4_0 => "q4_0",
+                QType::Q4_1 => "q4_1",
+                QType::Q5_0 => "q5_0",
+                QType::Q5_1 => "q5_1",
+                QType::Q4_K => "q4_k",
+                QType::Q5_K => "q5_k",
+                QType::Q6_K => "q6_k",
+                QType::F16 => "f16",
+                QType::BF16 => "bf16",
+            },
+        }
+    }
+}
+
 /// A tensor inside the weights region.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct TensorRef {
@@ -161,6 +183,79 @@ impl Weights {
                     .expect("a stored row dequantises");
             }
         }
+    }
+
+    /// Every tensor with its Hugging Face name, in the region's order (the
+    /// LM head only when it is not the embedding table itself): what a
+    /// weight sync publishes and pulls.
+    pub fn named(&self) -> Vec<(String, &TensorRef)> {
+        let mut v = vec![("model.embed_tokens.weight".to_string(), &self.embed)];
+        for (i, l) in self.layers.iter().enumerate() {
+            let f = |n: &str| format!("model.layers.{i}.{n}.weight");
+            v.push((f("input_layernorm"), &l.attn_norm));
+            v.push((f("self_attn.q_proj"), &l.wq));
+            v.push((f("self_attn.k_proj"), &l.wk));
+            v.push((f("self_attn.v_proj"), &l.wv));
+            v.push((f("self_attn.o_proj"), &l.wo));
+            if let Some(t) = &l.q_norm {
+                v.push((f("self_attn.q_norm"), t));
+            }
+            if let Some(t) = &l.k_norm {
+                v.push((f("self_attn.k_norm"), t));
+            }
+            v.push((f("post_attention_layernorm"), &l.ffn_norm));
+            v.push((f("mlp.gate_proj"), &l.w_gate));
+            v.push((f("mlp.up_proj"), &l.w_up));
+            v.push((f("mlp.down_proj"), &l.w_down));
+        }
+        v.push(("model.norm.weight".to_string(), &self.final_norm));
+        if self.lm_head != self.embed {
+            v.push(("lm_head.weight".to_string(), &self.lm_head));
+        }
+        v.sort_by_key(|(_, t)| t.offset);
+        v
+    }
+
+    /// The same layout over another region (at least as long), for staging
+    /// a whole set of weights beside the running ones.
+    pub fn with_region(&self, region: Arc<Region>) -> Weights {
+        assert!(
+            region.len() >= self.region.len(),
+            "a staging region of {} bytes for weights of {}",
+            region.len(),
+            self.region.len()
+        );
+        Weights {
+            region,
+            ..self.clone()
+        }
+    }
+
+    /// Copies every tensor's bytes from `src`, a set of weights of the
+    /// same layout (see [`Weights::with_region`]), into this region.
+    ///
+    /// # Safety
+    /// Nothing may read these weights meanwhile (the engine calls it
+    /// between steps, on the thread that runs the model).
+    pub unsafe fn copy_from(&self, src: &Weights) -> anyhow::Result<()> {
+        let mine = self.named();
+        let theirs = src.named();
+        anyhow::ensure!(
+            mine.len() == theirs.len()
+                && mine
+                    .iter()
+                    .zip(&theirs)
+                    .all(|(a, b)| a.0 == b.0 && a.1 == b.1),
+            "the staged weights are not laid out as the running ones"
+        );
+        for (_, t) in &mine {
+            let n = t.bytes();
+            // SAFETY: both tensors lie inside their regions (the layouts are
+            // equal and each region holds its layout); the regions differ.
+            let from = std::slice::from_raw_parts(src.region.base().add(t.offset), n);
+            self.region.write_bytes(t.offset, from)?;
+        }
+        Ok(())
     }
 
     /// Every tensor, for comparisons of layouts.

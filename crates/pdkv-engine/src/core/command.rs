@@ -2,7 +2,6 @@
 //! lifecycle operation, answered through the closures it carries (so the
 //! stepper needs no channels; the production handle wraps its own).
 
-use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -76,7 +75,7 @@ pub enum Command {
         reply: Reply<Vec<String>>,
     },
     UpdateWeights {
-        path: PathBuf,
+        source: crate::model::WeightSource,
         version: Option<String>,
         reply: LifecycleReply,
     },

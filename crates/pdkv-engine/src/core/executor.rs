@@ -4,7 +4,6 @@
 //! actions to the scheduler, the pool, the KV connector and the model runner,
 //! and answers the callers.
 
-use std::path::PathBuf;
 use std::time::Instant;
 
 use pdkv_model::loader::ReloadError;
@@ -16,6 +15,7 @@ use crate::lifecycle::{
     Action, Completion, LifecycleError, Outcome, PauseMode, SleepLevel, Snapshot, Ticket,
     WeightInfo,
 };
+use crate::model::WeightSource;
 
 /// An action that failed, and whether the operation must be undone (the
 /// machine goes back to its state from before the operation; nothing after
@@ -286,12 +286,12 @@ impl EngineCore {
                 return Ok(());
             }
             Action::ReloadWeights(ticket) => {
-                let Some((path, version)) = self.reloads.remove(ticket) else {
+                let Some((source, version)) = self.reloads.remove(ticket) else {
                     return Err(go_on(LifecycleError::Internal(format!(
                         "no checkpoint for weight update {ticket}"
                     ))));
                 };
-                return self.reload_weights(path, version).map_err(go_on);
+                return self.reload_weights(source, version).map_err(go_on);
             }
         }
         Ok(())
@@ -378,13 +378,13 @@ impl EngineCore {
     /// meanwhile; a resume cancels it.
     pub(super) fn update_weights(
         &mut self,
-        path: PathBuf,
+        source: WeightSource,
         version: Option<String>,
         reply: LifecycleReply,
     ) {
         self.report_transfers(false);
         let ticket = self.ticket();
-        self.reloads.insert(ticket, (path, version));
+        self.reloads.insert(ticket, (source, version));
         let before = self.lc.snapshot();
         let deadline = self.clock.now() + self.release_timeout;
         let out = self
@@ -395,11 +395,16 @@ impl EngineCore {
 
     fn reload_weights(
         &mut self,
-        path: PathBuf,
+        source: WeightSource,
         version: Option<String>,
     ) -> Result<(), LifecycleError> {
         let t0 = self.clock.now();
-        match self.runner.reload_weights(&path) {
+        let path = source.path();
+        let written = match &source {
+            WeightSource::Checkpoint(p) => self.runner.reload_weights(p),
+            WeightSource::Staged { weights, .. } => self.runner.install_weights(weights),
+        };
+        match written {
             Ok(()) => {
                 let actions = self.lc.weights_written(true);
                 self.apply_actions(&actions).map_err(|f| f.error)?;

@@ -181,6 +181,9 @@ pub(super) struct Inner {
     /// The connector's [`crate::KvConnector::info`], if the engine has one.
     pub connector_info: Option<serde_json::Value>,
     pub connector_metrics: Option<crate::connector::MetricsReader>,
+    /// The running weights' layout, for staging a sync (see
+    /// [`EngineHandle::weights_layout`]).
+    pub weights_layout: Option<pdkv_model::weights::Weights>,
     /// The core's clock, for the deadlines the handle sends.
     pub clock: Arc<dyn Clock>,
     pub thread: Mutex<Option<JoinHandle<()>>>,
@@ -532,12 +535,43 @@ impl EngineHandle {
         path: &std::path::Path,
         version: Option<String>,
     ) -> Result<(), LifecycleError> {
-        let path = path.to_path_buf();
+        let source = crate::model::WeightSource::Checkpoint(path.to_path_buf());
         self.control(UPDATE_WEIGHTS_WAIT, |reply| Command::UpdateWeights {
-            path,
+            source,
             version,
             reply,
         })?
+    }
+
+    /// [`EngineHandle::update_weights`] from weights a sync staged in
+    /// memory: `staged` is laid out as [`EngineHandle::weights_layout`] and
+    /// every tensor in it was checked; `origin` is what `/weight_info`
+    /// reports as the path. The same rules and the same switch as a reload
+    /// from disk: transfers holding KV computed with the old weights are
+    /// released first, caches are invalidated, a `keep` pause's requests
+    /// recompute with the new weights.
+    pub fn install_weights(
+        &self,
+        staged: Arc<pdkv_model::weights::Weights>,
+        origin: String,
+        version: Option<String>,
+    ) -> Result<(), LifecycleError> {
+        let source = crate::model::WeightSource::Staged {
+            weights: staged,
+            origin,
+        };
+        self.control(UPDATE_WEIGHTS_WAIT, |reply| Command::UpdateWeights {
+            source,
+            version,
+            reply,
+        })?
+    }
+
+    /// The layout of the running weights (one rank: a model that is not
+    /// split), which a weight sync stages a copy of; `None` where the model
+    /// cannot take staged weights.
+    pub fn weights_layout(&self) -> Option<&pdkv_model::weights::Weights> {
+        self.inner.weights_layout.as_ref()
     }
 
     /// Where the weights being served came from.

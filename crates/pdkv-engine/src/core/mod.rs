@@ -97,6 +97,7 @@ impl Engine {
             )?;
             (Box::new(runner), RankPools::new(ranks))
         };
+        let weights_layout = runner.weights().cloned();
         let tokenizer = Arc::new(tokenizer);
         let connector_info = connector.as_ref().map(|c| c.info());
         let connector_metrics = connector.as_ref().and_then(|c| c.metrics_reader());
@@ -162,6 +163,7 @@ impl Engine {
                 limits,
                 connector_info,
                 connector_metrics,
+                weights_layout,
                 clock,
                 thread: Mutex::new(Some(thread)),
             }),

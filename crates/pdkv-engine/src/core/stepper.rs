@@ -225,7 +225,7 @@ pub struct EngineCore {
     pub(super) weight_info: WeightInfo,
     /// The checkpoint of each `update_weights` the machine has not
     /// finished yet, by ticket.
-    pub(super) reloads: HashMap<Ticket, (std::path::PathBuf, Option<String>)>,
+    pub(super) reloads: HashMap<Ticket, (crate::model::WeightSource, Option<String>)>,
     pub(super) clock: Arc<dyn Clock>,
     publisher: Box<dyn Publisher>,
     stopped: bool,
@@ -530,10 +530,10 @@ impl EngineCore {
             Command::Wake { tags, reply } => self.wake(tags, reply),
             Command::ReleaseKv(reply) => self.release_kv(reply),
             Command::UpdateWeights {
-                path,
+                source,
                 version,
                 reply,
-            } => self.update_weights(path, version, reply),
+            } => self.update_weights(source, version, reply),
             Command::Nudge => {}
             // `apply` handles it.
             Command::Shutdown => {}

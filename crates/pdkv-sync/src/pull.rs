@@ -1,0 +1,278 @@
+//! The engine's side: fetch a publisher's manifest, stage a copy of the
+//! running weights' layout, and read the tensors one-sided into it, each
+//! checked against its checksum. Nothing here touches the running weights:
+//! the engine installs a complete staging in one switch.
+
+use std::collections::BTreeSet;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use pdkv_model::weights::{TensorRef, Weights};
+use pdkv_transfer::auth::KvSecret;
+use pdkv_transfer::tcp::{Agent, AgentConfig, LocalSlice};
+use pdkv_transfer::{Registration, Registry, RegistryOptions, RemoteDescriptor};
+use pdkv_vmem::{Pool, Tag};
+
+use crate::manifest::{checksum, plan, Manifest, MismatchError, TensorEntry};
+
+/// Why a sync step failed. Every variant about a tensor names it; none
+/// touches the running weights.
+#[derive(Debug, thiserror::Error)]
+pub enum SyncError {
+    #[error("fetching the manifest from {url}: {reason}")]
+    Manifest { url: String, reason: String },
+    #[error("{0}")]
+    Mismatch(#[from] MismatchError),
+    #[error("update_weights names `{0}`, which the publisher does not publish")]
+    NotPublished(String),
+    #[error(
+        "reading {tensors} tensor(s) from the publisher at {addr} (first `{first}`): {reason}"
+    )]
+    Transfer {
+        addr: String,
+        tensors: usize,
+        first: String,
+        reason: String,
+    },
+    #[error("tensor `{name}`: checksum {got:08x} of the bytes read, the publisher announced {expected:08x}")]
+    Checksum {
+        name: String,
+        expected: u32,
+        got: u32,
+    },
+    #[error("{missing} of {total} tensors were not pulled yet (first `{first}`)")]
+    Incomplete {
+        missing: usize,
+        total: usize,
+        first: String,
+    },
+    #[error("staging the weights: {0}")]
+    Staging(String),
+}
+
+/// A pulling engine's transfer agent (it only initiates reads).
+pub struct Puller {
+    agent: Agent,
+    http: reqwest::Client,
+}
+
+impl Puller {
+    /// An agent on loopback with `conns` connections per publisher.
+    pub async fn new(secret: KvSecret, conns: usize) -> anyhow::Result<Puller> {
+        let registry = Arc::new(Registry::new(RegistryOptions::default()));
+        let cfg = AgentConfig {
+            secret,
+            conns_per_peer: conns.max(1),
+            ..AgentConfig::default()
+        };
+        let agent = Agent::bind("127.0.0.1:0", registry, cfg).await?;
+        let http = reqwest::Client::builder()
+            .timeout(Duration::from_secs(30))
+            .build()?;
+        Ok(Puller { agent, http })
+    }
+
+    /// `GET {url}/manifest`.
+    pub async fn manifest(&self, url: &str) -> Result<Manifest, SyncError> {
+        let u = format!("{}/manifest", url.trim_end_matches('/'));
+        let err = |reason: String| SyncError::Manifest {
+            url: u.clone(),
+            reason,
+        };
+        let resp = self
+            .http
+            .get(&u)
+            .send()
+            .await
+            .map_err(|e| err(e.to_string()))?;
+        if !resp.status().is_success() {
+            return Err(err(format!("status {}", resp.status())));
+        }
+        let body = resp.bytes().await.map_err(|e| err(e.to_string()))?;
+        serde_json::from_slice(&body).map_err(|e| err(format!("not a manifest: {e}")))
+    }
+
+    /// Stages `manifest` for the running weights `layout`: checks every
+    /// tensor's name, type, shape and size, and allocates a region laid out
+    /// as `layout` for the bytes.
+    pub fn stage(&self, manifest: Manifest, layout: &Weights) -> Result<Staging, SyncError> {
+        let plan: Vec<(TensorEntry, TensorRef)> = plan(&manifest, layout)?
+            .into_iter()
+            .map(|(e, t)| (e.clone(), t))
+            .collect();
+        let pool = Pool::default();
+        let region = pool
+            .allocate(Tag::Weights, layout.region.len())
+            .map_err(|e| SyncError::Staging(e.to_string()))?;
+        let reg = self
+            .agent
+            .registry()
+            .register(&region, 0, region.len())
+            .map_err(|e| SyncError::Staging(e.to_string()))?;
+        Ok(Staging {
+            weights: layout.with_region(region),
+            reg,
+            registry: self.agent.registry().clone(),
+            manifest,
+            plan,
+            pulled: BTreeSet::new(),
+            bytes: 0,
+            seconds: 0.0,
+        })
+    }
+
+    /// Reads the tensors `names` (every one not pulled yet when `None`)
+    /// into `staging` in one batch over the agent's connections, then
+    /// checks each one's checksum. A tensor that fails stays unpulled (a
+    /// retry reads it again); the others of the batch count as pulled only
+    /// if the whole batch landed.
+    pub async fn pull(
+        &self,
+        staging: &mut Staging,
+        names: Option<&[String]>,
+        timeout: Duration,
+    ) -> Result<PullReport, SyncError> {
+        let t0 = Instant::now();
+        let wanted: Vec<usize> = match names {
+            None => (0..staging.plan.len())
+                .filter(|&i| !staging.pulled.contains(&staging.plan[i].0.name))
+                .collect(),
+            Some(names) => names
+                .iter()
+                .map(|n| {
+                    staging
+                        .plan
+                        .iter()
+                        .position(|(e, _)| &e.name == n)
+                        .ok_or_else(|| SyncError::NotPublished(n.clone()))
+                })
+                .collect::<Result<_, _>>()?,
+        };
+        if wanted.is_empty() {
+            return Ok(PullReport::default());
+        }
+        let m = &staging.manifest;
+        let mut transfers = Vec::with_capacity(wanted.len());
+        for &i in &wanted {
+            let (e, dest) = &staging.plan[i];
+            let local =
+                LocalSlice::grant(&staging.registry, &staging.reg, dest.offset as u64, e.len)
+                    .map_err(|err| SyncError::Staging(err.to_string()))?;
+            let remote = RemoteDescriptor {
+                agent_addr: m.transfer_addr.clone(),
+                segment: m.segment,
+                key: m.key,
+                epoch: m.epoch,
+                offset: e.offset,
+                len: e.len,
+            };
+            transfers.push((remote, local));
+        }
+        let read = self.agent.read(transfers, timeout).await;
+        if let Err(e) = read {
+            return Err(SyncError::Transfer {
+                addr: m.transfer_addr.clone(),
+                tensors: wanted.len(),
+                first: staging.plan[wanted[0]].0.name.clone(),
+                reason: e.to_string(),
+            });
+        }
+        let mut bytes = 0u64;
+        for &i in &wanted {
+            let (e, dest) = &staging.plan[i];
+            // SAFETY: the tensor lies inside the staging region, and the
+            // batch that wrote it has ended.
+            let got = unsafe {
+                checksum(std::slice::from_raw_parts(
+                    staging.weights.region.base().add(dest.offset),
+                    dest.bytes(),
+                ))
+            };
+            if got != e.crc32 {
+                return Err(SyncError::Checksum {
+                    name: e.name.clone(),
+                    expected: e.crc32,
+                    got,
+                });
+            }
+            bytes += e.len;
+        }
+        for &i in &wanted {
+            staging.pulled.insert(staging.plan[i].0.name.clone());
+        }
+        let seconds = t0.elapsed().as_secs_f64();
+        staging.bytes += bytes;
+        staging.seconds += seconds;
+        Ok(PullReport {
+            tensors: wanted.len(),
+            bytes,
+            seconds,
+        })
+    }
+}
+
+/// What one [`Puller::pull`] moved.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct PullReport {
+    pub tensors: usize,
+    pub bytes: u64,
+    pub seconds: f64,
+}
+
+/// A sync in progress: the manifest, and a region laid out as the running
+/// weights that the pulls fill.
+pub struct Staging {
+    weights: Weights,
+    reg: Registration,
+    registry: Arc<Registry>,
+    manifest: Manifest,
+    plan: Vec<(TensorEntry, TensorRef)>,
+    pulled: BTreeSet<String>,
+    bytes: u64,
+    seconds: f64,
+}
+
+impl Drop for Staging {
+    fn drop(&mut self) {
+        self.registry.deregister(self.reg.segment);
+    }
+}
+
+impl Staging {
+    pub fn manifest(&self) -> &Manifest {
+        &self.manifest
+    }
+
+    /// Tensors pulled and checked, of all the model's.
+    pub fn progress(&self) -> (usize, usize) {
+        (self.pulled.len(), self.plan.len())
+    }
+
+    /// Bytes pulled and seconds spent pulling, over every pull so far.
+    pub fn totals(&self) -> (u64, f64) {
+        (self.bytes, self.seconds)
+    }
+
+    /// Bytes of the staging region.
+    pub fn staged_bytes(&self) -> u64 {
+        self.weights.region.len() as u64
+    }
+
+    /// The staged weights, once every tensor is pulled and checked.
+    pub fn complete(&self) -> Result<Arc<Weights>, SyncError> {
+        let missing: Vec<&str> = self
+            .plan
+            .iter()
+            .map(|(e, _)| e.name.as_str())
+            .filter(|n| !self.pulled.contains(*n))
+            .collect();
+        if let Some(first) = missing.first() {
+            return Err(SyncError::Incomplete {
+                missing: missing.len(),
+                total: self.plan.len(),
+                first: first.to_string(),
+            });
+        }
+        Ok(Arc::new(self.weights.clone()))
+    }
+}
