@@ -89,6 +89,12 @@ pub(crate) fn routes(token: Arc<AdminToken>) -> Router<AppState> {
         .route("/abort_requests", post(abort_requests))
         .route("/update_weights", post(update_weights))
         .route("/weight_info", get(weight_info))
+        .route(
+            "/init_weight_transfer_engine",
+            post(init_weight_transfer_engine),
+        )
+        .route("/start_weight_update", post(start_weight_update))
+        .route("/finish_weight_update", post(finish_weight_update))
         .route_layer(middleware::from_fn_with_state(token, require_token))
 }
 
@@ -450,6 +456,7 @@ async fn abort_requests(
 }
 
 #[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
 struct UpdateWeightsBody {
     /// A `.gguf` file or a checkpoint directory (SGLang calls it `model_path`).
     #[serde(alias = "model_path")]
@@ -460,12 +467,23 @@ struct UpdateWeightsBody {
 /// `POST /update_weights {"path":"...","version":"..."}`: reloads weights in
 /// place. A checkpoint that does not fit the model is a 400 and the old
 /// weights keep serving.
+///
+/// With `{"update_info": {...}}` instead, one chunk of a weight sync (see
+/// [`crate::weight_sync`]).
 async fn update_weights(
     State(state): State<AppState>,
     RawQuery(raw): RawQuery,
-    ApiJson(body): ApiJson<UpdateWeightsBody>,
+    ApiJson(body): ApiJson<Value>,
 ) -> Result<Response, ApiError> {
     QueryParams::parse(raw.as_deref(), &[])?;
+    if let Some(info) = body.get("update_info") {
+        return Ok(json_ok(state.weight_sync().update(info).await?));
+    }
+    let body: UpdateWeightsBody = serde_json::from_value(body).map_err(|e| {
+        ApiError::invalid(format!(
+            "update_weights takes {{\"path\": ..., \"version\": ...}} (a checkpoint on disk) or {{\"update_info\": ...}} (a weight sync): {e}"
+        ))
+    })?;
     if body.path.is_empty() {
         return Err(ApiError::invalid_param("path", "`path` must not be empty"));
     }
@@ -475,6 +493,82 @@ async fn update_weights(
     on_engine(&state, move |e| e.update_weights(&path, version)).await??;
     tracing::info!(version = ?body.version, secs = started.elapsed().as_secs_f64(), "weights updated");
     Ok(json_ok(json!({"status": "ok", "version": body.version})))
+}
+
+/// `POST /init_weight_transfer_engine {"init_info": {"backend": "pdkv",
+/// "url": ...}}`.
+async fn init_weight_transfer_engine(
+    State(state): State<AppState>,
+    RawQuery(raw): RawQuery,
+    ApiJson(body): ApiJson<Value>,
+) -> Result<Response, ApiError> {
+    QueryParams::parse(raw.as_deref(), &[])?;
+    Ok(json_ok(state.weight_sync().init(body).await?))
+}
+
+/// `POST /start_weight_update` (vLLM's `is_checkpoint_format` is accepted:
+/// the tensors are always in the engine's own storage format).
+async fn start_weight_update(
+    State(state): State<AppState>,
+    RawQuery(raw): RawQuery,
+    body: axum::body::Bytes,
+) -> Result<Response, ApiError> {
+    QueryParams::parse(raw.as_deref(), &[])?;
+    if !body.is_empty() {
+        let v: Value = crate::error::parse_json(&body)?;
+        if let Some(k) = v
+            .as_object()
+            .and_then(|o| o.keys().find(|k| *k != "is_checkpoint_format"))
+        {
+            return Err(ApiError::invalid_param(
+                k,
+                format!("start_weight_update takes no `{k}`"),
+            ));
+        }
+    }
+    let layout = state.engine().weights_layout().cloned();
+    Ok(json_ok(state.weight_sync().start(layout.as_ref()).await?))
+}
+
+/// `POST /finish_weight_update {"version": "..."}`: installs the synced
+/// weights in one switch; the version (the body's, else the manifest's)
+/// becomes live.
+async fn finish_weight_update(
+    State(state): State<AppState>,
+    RawQuery(raw): RawQuery,
+    body: axum::body::Bytes,
+) -> Result<Response, ApiError> {
+    QueryParams::parse(raw.as_deref(), &[])?;
+    let version = if body.is_empty() {
+        None
+    } else {
+        let v: Value = crate::error::parse_json(&body)?;
+        match v.get("version") {
+            None | Some(Value::Null) => None,
+            Some(Value::String(s)) => Some(s.clone()),
+            Some(_) => {
+                return Err(ApiError::invalid_param(
+                    "version",
+                    "version must be a string",
+                ))
+            }
+        }
+    };
+    let sync = state.weight_sync().clone();
+    let f = sync.finish().await?;
+    let version = version.or_else(|| f.version.clone());
+    let (weights, origin, v2) = (f.weights.clone(), f.origin.clone(), version.clone());
+    let t0 = std::time::Instant::now();
+    let r = on_engine(&state, move |e| e.install_weights(weights, origin, v2)).await?;
+    let secs = t0.elapsed().as_secs_f64();
+    let bytes = f.bytes;
+    let pull_secs = f.pull_secs;
+    sync.finished(f, r.is_ok(), secs);
+    r?;
+    tracing::info!(version = ?version, bytes, pull_secs, switch_secs = secs, "synced weights are live");
+    Ok(json_ok(
+        json!({"status": "ok", "version": version, "bytes": bytes, "pull_seconds": pull_secs, "switch_seconds": secs}),
+    ))
 }
 
 /// `GET /weight_info` → `{"version":..,"path":..}`.

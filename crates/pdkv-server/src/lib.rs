@@ -40,6 +40,7 @@ mod routes;
 mod sse;
 mod tokenize;
 pub mod tracker;
+pub mod weight_sync;
 
 use std::future::Future;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -62,6 +63,7 @@ pub const MAX_BODY_BYTES: usize = 4 * 1024 * 1024;
 #[derive(Clone)]
 pub struct AppState {
     inner: Arc<StateInner>,
+    sync: Arc<weight_sync::WeightSync>,
     admin_token: Option<Arc<admin::AdminToken>>,
     api_key: Option<Arc<api_key::ApiKey>>,
 }
@@ -92,9 +94,24 @@ impl AppState {
                 id_prefix: (now.as_nanos() as u64) ^ ((std::process::id() as u64) << 32),
                 next_id: AtomicU64::new(0),
             }),
+            sync: Arc::new(weight_sync::WeightSync::new(
+                pdkv_transfer::auth::KvSecret::open(),
+            )),
             admin_token: None,
             api_key: None,
         }
+    }
+
+    /// The deployment's KV secret, which weight syncs prove to the
+    /// trainer's publisher (open by default).
+    pub fn with_kv_secret(mut self, secret: pdkv_transfer::auth::KvSecret) -> AppState {
+        self.sync = Arc::new(weight_sync::WeightSync::new(secret));
+        self
+    }
+
+    /// The weight sync state (see [`weight_sync`]).
+    pub fn weight_sync(&self) -> &Arc<weight_sync::WeightSync> {
+        &self.sync
     }
 
     /// Requires `Authorization: Bearer <key>` on the OpenAI routes (`/v1/*`,

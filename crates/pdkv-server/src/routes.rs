@@ -735,9 +735,10 @@ pub async fn metrics(State(state): State<AppState>) -> Response {
         .map(|p| p.device_bytes())
         .collect();
     let connector = state.engine().kv_connector_metrics();
-    let text = state
+    let mut text = state
         .metrics()
         .render_with(&stats, &device, &lifecycle, &connector);
+    state.weight_sync().render(&mut text);
     (
         [(
             header::CONTENT_TYPE,

@@ -1091,3 +1091,193 @@ async fn a_model_split_over_ranks_serves_sleeps_wakes_and_reloads_as_one() {
         srv.stop().await;
     }
 }
+
+/// A publisher of the `tiny` checkpoint of `seed` (its weights loaded in a
+/// pool of their own, as a trainer's would be).
+async fn publisher(seed: u64, version: &str) -> (tempfile::TempDir, pdkv_sync::Publisher) {
+    let dir = checkpoint("tiny", seed);
+    let pool = pdkv_vmem::Pool::default();
+    let m = pdkv_model::load_model(dir.path(), &pool, &mut |_| {}).expect("load");
+    let p = pdkv_sync::Publisher::start(
+        m.model.weights().clone(),
+        Some(version.into()),
+        pdkv_sync::PublishOptions::default(),
+    )
+    .await
+    .expect("publish");
+    (dir, p)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_weight_sync_matches_a_fresh_server_and_a_bad_one_changes_nothing() {
+    let s = Server::start().await;
+    let seed7 = s.probe().await;
+    let init = |url: String| json!({"init_info": {"backend": "pdkv", "url": url}});
+
+    // Another backend is refused, naming ours; a phase out of order is a 409.
+    let (status, v) = s
+        .admin(
+            Method::POST,
+            "/init_weight_transfer_engine",
+            Some(&json!({"init_info": {"backend": "nccl", "master_address": "x"}})),
+        )
+        .await;
+    assert_openai_error(status, &v, StatusCode::BAD_REQUEST, "nccl backend");
+    assert!(v.to_string().contains("`pdkv`"), "{v}");
+    let (status, v) = s.admin(Method::POST, "/start_weight_update", None).await;
+    assert_openai_error(status, &v, StatusCode::CONFLICT, "start before init");
+
+    // A bad checksum: one tensor's bytes change under the manifest. The
+    // pull is refused naming it, finish is refused (incomplete), and the
+    // old weights keep serving.
+    let (_d3, bad) = publisher(3, "bad").await;
+    let (name, t) = {
+        let (n, t) = bad.weights().named()[5].clone();
+        (n, t.clone())
+    };
+    let mut b = [0u8; 1];
+    bad.weights()
+        .region
+        .read_bytes(t.offset + 3, &mut b)
+        .unwrap();
+    b[0] ^= 1;
+    bad.weights().region.write_bytes(t.offset + 3, &b).unwrap();
+    s.admin_ok(
+        Method::POST,
+        "/init_weight_transfer_engine",
+        Some(&init(bad.url())),
+    )
+    .await;
+    let v = s
+        .admin_ok(
+            Method::POST,
+            "/start_weight_update",
+            Some(&json!({"is_checkpoint_format": true})),
+        )
+        .await;
+    assert_eq!(v["bytes"].as_u64(), Some(bad.manifest().bytes()), "{v}");
+    let (status, v) = s
+        .admin(
+            Method::POST,
+            "/update_weights",
+            Some(&json!({"update_info": {}})),
+        )
+        .await;
+    assert_openai_error(status, &v, StatusCode::BAD_REQUEST, "bad checksum");
+    assert!(v.to_string().contains(&name), "names the tensor: {v}");
+    let (status, v) = s.admin(Method::POST, "/finish_weight_update", None).await;
+    assert_openai_error(
+        status,
+        &v,
+        StatusCode::CONFLICT,
+        "finish an incomplete sync",
+    );
+    assert_eq!(s.probe().await, seed7, "the old weights serve");
+
+    // A publisher killed before the pull: 503, naming it; old weights serve.
+    let (_d4, gone) = publisher(4, "gone").await;
+    s.admin_ok(
+        Method::POST,
+        "/init_weight_transfer_engine",
+        Some(&init(gone.url())),
+    )
+    .await;
+    s.admin_ok(Method::POST, "/start_weight_update", None).await;
+    let addr = gone.manifest().transfer_addr.clone();
+    drop(gone);
+    let (status, v) = s
+        .admin(
+            Method::POST,
+            "/update_weights",
+            Some(&json!({"update_info": {}})),
+        )
+        .await;
+    assert_openai_error(
+        status,
+        &v,
+        StatusCode::SERVICE_UNAVAILABLE,
+        "publisher gone",
+    );
+    assert!(v.to_string().contains(&addr), "names the publisher: {v}");
+    assert_eq!(s.probe().await, seed7, "the old weights serve");
+
+    // A good sync of seed 2, in two chunks, paused around the switch as a
+    // trainer does: outputs equal a fresh server's on the seed-2 checkpoint.
+    let (_d2, good) = publisher(2, "v2").await;
+    s.admin_ok(
+        Method::POST,
+        "/init_weight_transfer_engine",
+        Some(&init(good.url())),
+    )
+    .await;
+    s.admin_ok(Method::POST, "/start_weight_update", None).await;
+    let names: Vec<String> = good
+        .manifest()
+        .tensors
+        .iter()
+        .map(|t| t.name.clone())
+        .collect();
+    let v = s
+        .admin_ok(
+            Method::POST,
+            "/update_weights",
+            Some(&json!({"update_info": {"names": names[..4]}})),
+        )
+        .await;
+    assert_eq!(
+        (v["pulled"].as_u64(), v["total"].as_u64()),
+        (Some(4), Some(names.len() as u64)),
+        "{v}"
+    );
+    assert_eq!(
+        s.probe().await,
+        seed7,
+        "still the old weights before the switch"
+    );
+    s.admin_ok(
+        Method::POST,
+        "/update_weights",
+        Some(&json!({"update_info": {}})),
+    )
+    .await;
+    s.admin_ok(Method::POST, "/pause?mode=keep", None).await;
+    let v = s
+        .admin_ok(Method::POST, "/finish_weight_update", None)
+        .await;
+    assert_eq!(v["version"], "v2", "the manifest's version: {v}");
+    s.admin_ok(Method::POST, "/resume", None).await;
+    let info = s.admin_ok(Method::GET, "/weight_info", None).await;
+    assert_eq!(info["version"], "v2", "{info}");
+    let synced = s.probe().await;
+    assert_ne!(synced, seed7);
+    let fresh = Server::start_with("tiny", 2, Some(TOKEN), EngineConfig::default()).await;
+    assert_eq!(
+        synced,
+        fresh.probe().await,
+        "equal to a fresh server on the new checkpoint"
+    );
+    let m = s.metrics().await;
+    assert_eq!(metric(&m, "pdkv_weight_syncs_total"), 1.0);
+    assert_eq!(
+        metric(&m, "pdkv_weight_sync_bytes_total"),
+        good.manifest().bytes() as f64
+    );
+    assert_eq!(
+        metric(&m, "pdkv_weight_sync_failures_total"),
+        3.0,
+        "checksum, incomplete, transfer"
+    );
+    assert_eq!(
+        metric(&m, "pdkv_weight_sync_staged_bytes"),
+        0.0,
+        "the staging is freed"
+    );
+    assert_eq!(
+        good.bytes_served(),
+        good.manifest().bytes(),
+        "each byte read once"
+    );
+    fresh.stop().await;
+    s.wait_all_blocks_free().await;
+    s.stop().await;
+}

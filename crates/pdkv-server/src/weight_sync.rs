@@ -1,0 +1,330 @@
+//! Weight sync from a trainer, in vLLM's four phases (admin routes):
+//!
+//! - `POST /init_weight_transfer_engine {"init_info": {"backend": "pdkv",
+//!   "url": "http://HOST:PORT"}}`: where the trainer publishes (once; again
+//!   to change it). Any other backend is refused, naming the one there is.
+//! - `POST /start_weight_update`: fetches the publisher's manifest, checks
+//!   every tensor's name, type, shape and size against the running model
+//!   (a mismatch is a 400 naming the tensor, before a byte moves), and
+//!   stages a region laid out as the running weights.
+//! - `POST /update_weights {"update_info": {"names": [...]}}`: pulls those
+//!   tensors (all not yet pulled when `names` is absent) one-sided into the
+//!   staging, each checked against its CRC-32. Once or in chunks.
+//! - `POST /finish_weight_update {"version": "..."}`: when every tensor is
+//!   pulled, installs the staging in one switch through the lifecycle
+//!   machine (the same switch as a reload from disk: transfers holding
+//!   old-weight KV are released first, caches invalidated, a `keep`
+//!   pause's requests recompute), and the version becomes live.
+//!
+//! Until the switch the old weights serve; a failed pull (a publisher
+//! killed mid-way, a bad checksum) keeps the update open with the failed
+//! tensors unpulled, so a later pull or a new `start_weight_update` can go
+//! on. Metrics: bytes and seconds per sync.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use pdkv_sync::{Puller, Staging, SyncError};
+use pdkv_transfer::auth::KvSecret;
+use serde::Deserialize;
+use serde_json::{json, Value};
+use tokio::sync::Mutex;
+
+use crate::error::ApiError;
+
+/// The backend name `init_info.backend` must give.
+pub const BACKEND: &str = "pdkv";
+/// Bound on one pull (all the tensors it names).
+const PULL_TIMEOUT: Duration = Duration::from_secs(300);
+/// Connections to a publisher (reads run in parallel over them).
+const CONNS: usize = 4;
+
+/// The sync state of one server.
+pub struct WeightSync {
+    secret: KvSecret,
+    phase: Mutex<Phase>,
+    stats: SyncStats,
+}
+
+#[derive(Default)]
+struct Phase {
+    /// The publisher's URL, once initialised.
+    url: Option<String>,
+    puller: Option<Arc<Puller>>,
+    staging: Option<Staging>,
+}
+
+/// Counters for `/metrics`.
+#[derive(Default)]
+pub struct SyncStats {
+    pub syncs: AtomicU64,
+    pub failures: AtomicU64,
+    pub bytes: AtomicU64,
+    /// Microseconds spent pulling, over every sync.
+    pub pull_micros: AtomicU64,
+    /// The last completed sync: bytes, and seconds from start to switch.
+    pub last_bytes: AtomicU64,
+    pub last_micros: AtomicU64,
+    /// Bytes of the staging region while an update is open.
+    pub staged_bytes: AtomicU64,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct InitBody {
+    init_info: InitInfo,
+}
+
+#[derive(Debug, Deserialize)]
+struct InitInfo {
+    #[serde(default)]
+    backend: Option<String>,
+    url: Option<String>,
+}
+
+impl WeightSync {
+    pub fn new(secret: KvSecret) -> WeightSync {
+        WeightSync {
+            secret,
+            phase: Mutex::new(Phase::default()),
+            stats: SyncStats::default(),
+        }
+    }
+
+    pub fn stats(&self) -> &SyncStats {
+        &self.stats
+    }
+
+    /// `init_weight_transfer_engine`.
+    pub async fn init(&self, body: Value) -> Result<Value, ApiError> {
+        let body: InitBody = serde_json::from_value(body)
+            .map_err(|e| ApiError::invalid(format!("init_weight_transfer_engine: {e}")))?;
+        let backend = body.init_info.backend.as_deref().unwrap_or(BACKEND);
+        if backend != BACKEND {
+            return Err(ApiError::invalid_param(
+                "init_info.backend",
+                format!("weight transfer backend `{backend}` is not available; this server's backend is `{BACKEND}` (a publisher's registered memory read over the transfer engine)"),
+            ));
+        }
+        let Some(url) = body.init_info.url.filter(|u| !u.is_empty()) else {
+            return Err(ApiError::invalid_param(
+                "init_info.url",
+                "init_info.url must name the publisher (http://HOST:PORT)",
+            ));
+        };
+        let mut p = self.phase.lock().await;
+        if p.puller.is_none() {
+            let puller = Puller::new(self.secret.clone(), CONNS)
+                .await
+                .map_err(|e| ApiError::internal(format!("starting the weight puller: {e:#}")))?;
+            p.puller = Some(Arc::new(puller));
+        }
+        if p.staging.take().is_some() {
+            self.stats.staged_bytes.store(0, Ordering::Relaxed);
+            tracing::info!(
+                "an open weight update was dropped by a new init_weight_transfer_engine"
+            );
+        }
+        tracing::info!(url, "weight transfer initialised");
+        p.url = Some(url.clone());
+        Ok(json!({"status": "ok", "backend": BACKEND, "url": url}))
+    }
+
+    /// `start_weight_update`: the manifest, checked, and a staging for it.
+    pub async fn start(
+        &self,
+        layout: Option<&pdkv_model::weights::Weights>,
+    ) -> Result<Value, ApiError> {
+        let mut p = self.phase.lock().await;
+        let (Some(url), Some(puller)) = (p.url.clone(), p.puller.clone()) else {
+            return Err(ApiError::conflict(
+                "start_weight_update needs init_weight_transfer_engine first",
+            ));
+        };
+        let Some(layout) = layout else {
+            return Err(ApiError::invalid(
+                "this engine cannot take synced weights (a model split over tensor-parallel ranks takes them from a checkpoint only, for now)",
+            ));
+        };
+        p.staging = None;
+        self.stats.staged_bytes.store(0, Ordering::Relaxed);
+        let manifest = puller.manifest(&url).await.map_err(|e| self.failed(e))?;
+        let staging = puller.stage(manifest, layout).map_err(|e| self.failed(e))?;
+        let m = staging.manifest();
+        let out = json!({
+            "status": "ok",
+            "tensors": m.tensors.len(),
+            "bytes": m.bytes(),
+            "version": m.version,
+        });
+        tracing::info!(url, tensors = m.tensors.len(), bytes = m.bytes(), version = ?m.version, "weight update started");
+        self.stats
+            .staged_bytes
+            .store(staging.staged_bytes(), Ordering::Relaxed);
+        p.staging = Some(staging);
+        Ok(out)
+    }
+
+    /// `update_weights` with `update_info`: pulls the named tensors (all
+    /// not pulled yet when none are named).
+    pub async fn update(&self, update_info: &Value) -> Result<Value, ApiError> {
+        let names: Option<Vec<String>> = match update_info.get("names") {
+            None | Some(Value::Null) => None,
+            Some(v) => Some(serde_json::from_value(v.clone()).map_err(|_| {
+                ApiError::invalid_param(
+                    "update_info.names",
+                    "update_info.names must be a list of tensor names",
+                )
+            })?),
+        };
+        let mut p = self.phase.lock().await;
+        let puller = p.puller.clone();
+        let (Some(puller), Some(staging)) = (puller, p.staging.as_mut()) else {
+            return Err(ApiError::conflict(
+                "update_weights with update_info needs start_weight_update first",
+            ));
+        };
+        let r = puller
+            .pull(staging, names.as_deref(), PULL_TIMEOUT)
+            .await
+            .map_err(|e| self.failed(e))?;
+        let (done, total) = staging.progress();
+        tracing::info!(
+            tensors = r.tensors,
+            bytes = r.bytes,
+            secs = r.seconds,
+            gb_per_s = r.bytes as f64 / r.seconds.max(1e-9) / 1e9,
+            done,
+            total,
+            "weights pulled"
+        );
+        Ok(json!({
+            "status": "ok",
+            "tensors": r.tensors,
+            "bytes": r.bytes,
+            "seconds": r.seconds,
+            "pulled": done,
+            "total": total,
+        }))
+    }
+
+    /// `finish_weight_update`: the staged weights, complete, for the
+    /// engine to install; the caller reports the outcome with
+    /// [`WeightSync::finished`].
+    pub async fn finish(&self) -> Result<Finishing, ApiError> {
+        let mut p = self.phase.lock().await;
+        let Some(staging) = p.staging.as_ref() else {
+            return Err(ApiError::conflict(
+                "finish_weight_update needs start_weight_update first",
+            ));
+        };
+        let weights = staging.complete().map_err(|e| self.failed(e))?;
+        let (bytes, pull_secs) = staging.totals();
+        let origin = p.url.clone().unwrap_or_default();
+        let version = staging.manifest().version.clone();
+        let staging = p.staging.take().expect("checked above");
+        Ok(Finishing {
+            weights,
+            origin,
+            version,
+            bytes,
+            pull_secs,
+            _staging: staging,
+            started: Instant::now(),
+        })
+    }
+
+    /// The switch of `f` ended: counted, and the staging freed.
+    pub fn finished(&self, f: Finishing, ok: bool, total_secs: f64) {
+        let s = &self.stats;
+        s.staged_bytes.store(0, Ordering::Relaxed);
+        if ok {
+            s.syncs.fetch_add(1, Ordering::Relaxed);
+            s.bytes.fetch_add(f.bytes, Ordering::Relaxed);
+            s.pull_micros
+                .fetch_add((f.pull_secs * 1e6) as u64, Ordering::Relaxed);
+            s.last_bytes.store(f.bytes, Ordering::Relaxed);
+            s.last_micros
+                .store((total_secs * 1e6) as u64, Ordering::Relaxed);
+        } else {
+            s.failures.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    /// A failed step: counted, and answered with its message.
+    fn failed(&self, e: SyncError) -> ApiError {
+        self.stats.failures.fetch_add(1, Ordering::Relaxed);
+        tracing::warn!(error = %e, "weight sync step refused");
+        match e {
+            SyncError::Manifest { .. } | SyncError::Transfer { .. } => {
+                ApiError::unavailable(e.to_string()).with_code("weight_transfer_failed")
+            }
+            SyncError::Staging(_) => ApiError::internal(e.to_string()),
+            SyncError::Incomplete { .. } => ApiError::conflict(e.to_string()),
+            SyncError::Mismatch(_) | SyncError::NotPublished(_) | SyncError::Checksum { .. } => {
+                ApiError::invalid(e.to_string())
+            }
+        }
+    }
+
+    /// The Prometheus lines.
+    pub fn render(&self, out: &mut String) {
+        let s = &self.stats;
+        let g = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        let mut line = |name: &str, kind: &str, help: &str, v: f64| {
+            out.push_str(&format!(
+                "# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {v}\n"
+            ));
+        };
+        line(
+            "pdkv_weight_syncs_total",
+            "counter",
+            "Weight syncs from a trainer that switched the weights",
+            g(&s.syncs) as f64,
+        );
+        line("pdkv_weight_sync_failures_total", "counter", "Weight sync steps refused (manifest, mismatch, transfer, checksum, incomplete) or switches that failed", g(&s.failures) as f64);
+        line(
+            "pdkv_weight_sync_bytes_total",
+            "counter",
+            "Weight bytes pulled by syncs that switched",
+            g(&s.bytes) as f64,
+        );
+        line(
+            "pdkv_weight_sync_pull_seconds_total",
+            "counter",
+            "Seconds spent pulling weights, over the syncs that switched",
+            g(&s.pull_micros) as f64 / 1e6,
+        );
+        line(
+            "pdkv_weight_sync_last_bytes",
+            "gauge",
+            "Bytes the last sync pulled",
+            g(&s.last_bytes) as f64,
+        );
+        line(
+            "pdkv_weight_sync_last_switch_seconds",
+            "gauge",
+            "Seconds the last sync's switch took (installing the staged weights)",
+            g(&s.last_micros) as f64 / 1e6,
+        );
+        line(
+            "pdkv_weight_sync_staged_bytes",
+            "gauge",
+            "Bytes of the staging region of an open weight update",
+            g(&s.staged_bytes) as f64,
+        );
+    }
+}
+
+/// A complete staging on its way into the engine.
+pub struct Finishing {
+    pub weights: Arc<pdkv_model::weights::Weights>,
+    pub origin: String,
+    /// The manifest's version (the finish body may name another).
+    pub version: Option<String>,
+    pub bytes: u64,
+    pub pull_secs: f64,
+    _staging: Staging,
+    pub started: Instant,
+}
