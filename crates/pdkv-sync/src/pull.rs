@@ -11,7 +11,7 @@ use pdkv_model::weights::{TensorRef, Weights};
 use pdkv_transfer::auth::KvSecret;
 use pdkv_transfer::tcp::{Agent, AgentConfig, LocalSlice};
 use pdkv_transfer::{Registration, Registry, RegistryOptions, RemoteDescriptor};
-use pdkv_vmem::{Pool, Tag};
+use pdkv_vmem::{Pool, Region, Tag};
 
 use crate::manifest::{checksum, plan, Manifest, MismatchError, TensorEntry};
 
@@ -50,10 +50,13 @@ pub enum SyncError {
     Staging(String),
 }
 
-/// A pulling engine's transfer agent (it only initiates reads).
+/// A pulling engine's transfer agent (it only initiates reads), and the
+/// staging region of its last sync, kept for the next one (fresh memory
+/// costs the kernel's zeroing of every page: more than the pull itself).
 pub struct Puller {
     agent: Agent,
     http: reqwest::Client,
+    spare: Arc<std::sync::Mutex<Option<Arc<Region>>>>,
 }
 
 impl Puller {
@@ -69,7 +72,25 @@ impl Puller {
         let http = reqwest::Client::builder()
             .timeout(Duration::from_secs(30))
             .build()?;
-        Ok(Puller { agent, http })
+        Ok(Puller {
+            agent,
+            http,
+            spare: Arc::default(),
+        })
+    }
+
+    /// Bytes of the staging region kept between syncs (0 before the first).
+    pub fn spare_bytes(&self) -> u64 {
+        self.spare
+            .lock()
+            .unwrap()
+            .as_ref()
+            .map_or(0, |r| r.len() as u64)
+    }
+
+    /// Frees the staging region kept between syncs.
+    pub fn drop_spare(&self) {
+        self.spare.lock().unwrap().take();
     }
 
     /// `GET {url}/manifest`.
@@ -100,10 +121,17 @@ impl Puller {
             .into_iter()
             .map(|(e, t)| (e.clone(), t))
             .collect();
-        let pool = Pool::default();
-        let region = pool
-            .allocate(Tag::Weights, layout.region.len())
-            .map_err(|e| SyncError::Staging(e.to_string()))?;
+        // The last sync's region when nothing else holds it any more (an
+        // installed staging is dropped by the engine after its switch).
+        let kept = self.spare.lock().unwrap().take().filter(|r| {
+            Arc::strong_count(r) == 1 && r.len() == layout.region.len() && r.is_mapped()
+        });
+        let region = match kept {
+            Some(r) => r,
+            None => Pool::default()
+                .allocate(Tag::Weights, layout.region.len())
+                .map_err(|e| SyncError::Staging(e.to_string()))?,
+        };
         let reg = self
             .agent
             .registry()
@@ -113,6 +141,7 @@ impl Puller {
             weights: layout.with_region(region),
             reg,
             registry: self.agent.registry().clone(),
+            spare: self.spare.clone(),
             manifest,
             plan,
             pulled: BTreeSet::new(),
@@ -177,6 +206,7 @@ impl Puller {
                 reason: e.to_string(),
             });
         }
+        let read_secs = t0.elapsed().as_secs_f64();
         let mut bytes = 0u64;
         for &i in &wanted {
             let (e, dest) = &staging.plan[i];
@@ -207,6 +237,7 @@ impl Puller {
             tensors: wanted.len(),
             bytes,
             seconds,
+            read_seconds: read_secs,
         })
     }
 }
@@ -216,7 +247,10 @@ impl Puller {
 pub struct PullReport {
     pub tensors: usize,
     pub bytes: u64,
+    /// The whole pull: reads and checksums.
     pub seconds: f64,
+    /// Of it, the reads.
+    pub read_seconds: f64,
 }
 
 /// A sync in progress: the manifest, and a region laid out as the running
@@ -225,6 +259,7 @@ pub struct Staging {
     weights: Weights,
     reg: Registration,
     registry: Arc<Registry>,
+    spare: Arc<std::sync::Mutex<Option<Arc<Region>>>>,
     manifest: Manifest,
     plan: Vec<(TensorEntry, TensorRef)>,
     pulled: BTreeSet<String>,
@@ -235,6 +270,7 @@ pub struct Staging {
 impl Drop for Staging {
     fn drop(&mut self) {
         self.registry.deregister(self.reg.segment);
+        *self.spare.lock().unwrap() = Some(self.weights.region.clone());
     }
 }
 

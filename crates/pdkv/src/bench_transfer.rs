@@ -147,7 +147,7 @@ async fn tcp_matrix(args: &TransferArgs) -> anyhow::Result<(Vec<(usize, usize, f
     let mut raw = 0f64;
     let mut ours = 0f64;
     for _ in 0..RATIO_ROUNDS {
-        raw = raw.max(raw_tcp(args).await?);
+        raw = raw.max(raw_tcp(args.conns, args.bytes_per_config).await?);
         ours = ours.max(
             tcp_run(
                 &client,
@@ -207,12 +207,12 @@ async fn tcp_run(
     Ok(gbps(rounds * per_batch, t0.elapsed()))
 }
 
-/// A plain socket copy: `conns` streams, 1 MiB writes from a buffer into
-/// 1 MiB reads into a buffer, `bytes_per_config` in total.
-async fn raw_tcp(args: &TransferArgs) -> anyhow::Result<f64> {
+/// A plain socket copy over loopback: `conns` streams, 1 MiB writes from a
+/// buffer into 1 MiB reads into a buffer, `bytes` in total; GB/s.
+pub(crate) async fn raw_tcp(conns: usize, bytes: usize) -> anyhow::Result<f64> {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let addr = listener.local_addr()?;
-    let (conns, per) = (args.conns, args.bytes_per_config / args.conns);
+    let per = bytes / conns;
     let sink = tokio::spawn(async move {
         let mut readers = Vec::new();
         for _ in 0..conns {

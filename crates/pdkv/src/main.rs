@@ -18,6 +18,7 @@ mod progress;
 mod proxy_cmd;
 mod serve;
 mod up;
+mod weights_cmd;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -52,6 +53,16 @@ enum Command {
     /// Benchmarks.
     #[command(subcommand)]
     Bench(BenchCommand),
+    /// Weight sync tools.
+    #[command(subcommand)]
+    Weights(WeightsCommand),
+}
+
+#[derive(Subcommand)]
+enum WeightsCommand {
+    /// Publish a checkpoint's weights for engines to sync from (runs until
+    /// Ctrl-C; prints the URL for `init_weight_transfer_engine`).
+    Publish(weights_cmd::PublishArgs),
 }
 
 #[derive(Subcommand)]
@@ -112,6 +123,9 @@ enum BenchCommand {
     /// `--url`): failures by cause, throughput, TTFT and inter-token
     /// latency, memory drift, and every KV block free at the end.
     Serve(bench_serve::ServeBenchArgs),
+    /// A weight sync's throughput beside a raw loopback socket copy of the
+    /// same bytes, and a reload of the same checkpoint from disk.
+    Sync(weights_cmd::SyncBenchArgs),
 }
 
 fn init_logging() {
@@ -148,6 +162,8 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Bench(BenchCommand::Transfer(args)) => bench_transfer::run_transfer(args),
         Command::Bench(BenchCommand::Pd(args)) => bench_pd::run_pd_bench(args),
         Command::Bench(BenchCommand::Serve(args)) => bench_serve::run_serve_bench(args),
+        Command::Bench(BenchCommand::Sync(args)) => weights_cmd::run_sync_bench(args),
+        Command::Weights(WeightsCommand::Publish(args)) => weights_cmd::run_publish(args),
     }
 }
 

@@ -208,12 +208,13 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         .build()
         .context("starting the async runtime")?;
     let limits = args.http.limits()?;
+    let secret = kv_secret(args.kv_secret.as_deref())?;
     let result = runtime.block_on(serve(
         addr,
         engine.clone(),
         served_name,
-        args.admin_token,
-        args.api_key,
+        (args.admin_token, args.api_key),
+        secret,
         limits,
     ));
     engine.shutdown();
@@ -236,11 +237,12 @@ async fn serve(
     addr: SocketAddr,
     engine: EngineHandle,
     served_name: String,
-    admin_token: Option<String>,
-    api_key: Option<String>,
+    (admin_token, api_key): (Option<String>, Option<String>),
+    secret: pdkv_connector::KvSecret,
     limits: pdkv_server::listen::HttpLimits,
 ) -> anyhow::Result<()> {
-    let mut state = AppState::new(engine.clone(), served_name.clone());
+    // Weight syncs prove the deployment's KV secret to the publisher.
+    let mut state = AppState::new(engine.clone(), served_name.clone()).with_kv_secret(secret);
     if let Some(token) = admin_token {
         state = state.with_admin_token(token)?;
     }

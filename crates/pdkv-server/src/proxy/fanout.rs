@@ -13,9 +13,11 @@
 //! fan-out there: the answer names each engine that failed with its status
 //! and message, and lists every engine's result (`"not called"` for those
 //! after the failure), so the caller sees the deployment's state and can
-//! retry the same call. The other calls (`/update_weights`,
-//! `/reset_prefix_cache`, `/abort_requests`, the reads) go to every engine
-//! at once.
+//! retry the same call. The other calls (`/update_weights`, the weight
+//! sync's `/init_weight_transfer_engine`, `/start_weight_update` and
+//! `/finish_weight_update`, `/reset_prefix_cache`, `/abort_requests`, the
+//! reads) go to every engine at once: in a sync each engine pulls the
+//! tensors from the trainer's publisher itself.
 //!
 //! Reads (`/is_sleeping`, `/is_paused`, `/weight_info`) report the
 //! deployment: a flag is true only when every engine says so, and
@@ -101,6 +103,45 @@ pub(super) fn routes(token: Arc<AdminToken>) -> Router<Proxy> {
         .route(
             "/update_weights",
             post(|s, q, b| call(s, Method::POST, "/update_weights", Order::Together, q, b)),
+        )
+        .route(
+            "/init_weight_transfer_engine",
+            post(|s, q, b| {
+                call(
+                    s,
+                    Method::POST,
+                    "/init_weight_transfer_engine",
+                    Order::Together,
+                    q,
+                    b,
+                )
+            }),
+        )
+        .route(
+            "/start_weight_update",
+            post(|s, q, b| {
+                call(
+                    s,
+                    Method::POST,
+                    "/start_weight_update",
+                    Order::Together,
+                    q,
+                    b,
+                )
+            }),
+        )
+        .route(
+            "/finish_weight_update",
+            post(|s, q, b| {
+                call(
+                    s,
+                    Method::POST,
+                    "/finish_weight_update",
+                    Order::Together,
+                    q,
+                    b,
+                )
+            }),
         )
         .route(
             "/reset_prefix_cache",
