@@ -233,6 +233,7 @@ async fn start_deployment(args: &ServeBenchArgs, procs: &mut Vec<Proc>) -> anyho
         decode_port: None,
         kv_port: None,
         admin_token: None,
+        kv_secret: None,
         api_key: None,
         num_kv_blocks: args.num_kv_blocks,
         tensor_parallel_size: 1,

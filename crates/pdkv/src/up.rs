@@ -105,6 +105,11 @@ pub struct UpArgs {
     /// needs `Authorization: Bearer TOKEN`.
     #[arg(long, env = "PDKV_ADMIN_TOKEN", hide_env_values = true)]
     pub admin_token: Option<String>,
+    /// The deployment's KV secret, which every KV connection and weight
+    /// sync proves (made fresh for the deployment when not given; give it
+    /// to share it with a trainer's `pdkv weights publish`).
+    #[arg(long, env = "PDKV_KV_SECRET", hide_env_values = true)]
+    pub kv_secret: Option<String>,
     /// Every engine's OpenAI routes need `Authorization: Bearer KEY`; the
     /// proxy passes the client's header on.
     #[arg(long, env = "PDKV_API_KEY", hide_env_values = true)]
@@ -481,10 +486,17 @@ pub(crate) async fn start(
 ) -> anyhow::Result<Started> {
     let id = std::process::id();
     let token = args.admin_token.as_deref();
-    // The deployment's KV secret, made fresh for it (children only learn
-    // it by environment).
-    let secret =
-        pdkv_connector::KvSecret::generate().context("making the deployment's KV secret")?;
+    // The deployment's KV secret: the one given, else made fresh for it
+    // (children only learn it by environment).
+    let secret = match args.kv_secret.clone() {
+        Some(s) => {
+            crate::serve::kv_secret(Some(&s))?;
+            s
+        }
+        None => {
+            pdkv_connector::KvSecret::generate().context("making the deployment's KV secret")?
+        }
+    };
     let secret = Some(secret.as_str());
     let engine_env = [
         ("PDKV_ADMIN_TOKEN", token),

@@ -400,3 +400,114 @@ async fn up_with_servers_split_over_ranks_answers_as_whole_servers_do() {
         }
     }
 }
+
+/// The secret a sync test's deployment and publisher share.
+const SYNC_SECRET: &str = "sync-test-secret-0123456789abcdef";
+
+/// A trainer's sync through the proxy's one address: `pdkv weights publish`
+/// holds a second checkpoint, the four phases fan out to P and D, each
+/// pulls every tensor from the publisher, and afterwards the deployment
+/// answers what a fresh deployment on the second checkpoint answers, with
+/// the published version on every engine.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn up_syncs_weights_from_a_publisher_to_every_engine() {
+    let dir = tempfile::tempdir().unwrap();
+    let a = tiny_checkpoint(&dir.path().join("a"), 5);
+    let b = tiny_checkpoint(&dir.path().join("b"), 6);
+    let mut publisher = pdkv()
+        .args(["weights", "publish", "--version", "step-1"])
+        .arg(&b)
+        .env("PDKV_KV_SECRET", SYNC_SECRET)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("spawn pdkv weights publish");
+    let out = lines(publisher.stdout.take().unwrap());
+    let line = out.recv_timeout(DEADLINE).expect("the publishing line");
+    let pub_url = line.rsplit(' ').next().unwrap().to_string();
+    assert!(pub_url.starts_with("http://"), "{line}");
+
+    let common = [
+        "--num-kv-blocks",
+        "64",
+        "--port",
+        "0",
+        "--admin-token",
+        "T",
+        "--kv-secret",
+        SYNC_SECRET,
+    ];
+    let (up, url, _err) = start_up(&[&["--model", a.to_str().unwrap()][..], &common[..]].concat());
+    let client = reqwest::Client::new();
+    let call = |path: &str, body: Value| {
+        let (client, u) = (client.clone(), format!("{url}{path}"));
+        async move {
+            let resp = client
+                .post(&u)
+                .bearer_auth("T")
+                .json(&body)
+                .send()
+                .await
+                .unwrap();
+            let status = resp.status().as_u16();
+            let v: Value = resp.json().await.unwrap();
+            assert_eq!(status, 200, "{u}: {v}");
+            v
+        }
+    };
+    let probe = |i: usize| json!({"prompt": format!("probe {i}: the river"), "max_tokens": 8, "temperature": 20.0, "seed": 77, "ignore_eos": true});
+    let mut before = Vec::new();
+    for i in 0..4 {
+        before.push(completion_text(&client, &url, probe(i)).await);
+    }
+    call(
+        "/init_weight_transfer_engine",
+        json!({"init_info": {"backend": "pdkv", "url": pub_url}}),
+    )
+    .await;
+    let v = call("/start_weight_update", json!({})).await;
+    assert_eq!(
+        v["engines"].as_array().map(Vec::len),
+        Some(2),
+        "P and D: {v}"
+    );
+    call("/update_weights", json!({"update_info": {}})).await;
+    call("/pause?mode=keep", json!({})).await;
+    call("/finish_weight_update", json!({})).await;
+    call("/resume", json!({})).await;
+    let info: Value = client
+        .get(format!("{url}/weight_info"))
+        .bearer_auth("T")
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(
+        (&info["version"], &info["agree"]),
+        (&json!("step-1"), &json!(true)),
+        "{info}"
+    );
+    let mut synced = Vec::new();
+    for i in 0..4 {
+        synced.push(completion_text(&client, &url, probe(i)).await);
+    }
+    assert_ne!(synced, before, "the weights changed");
+    stop(up);
+    let _ = publisher.kill();
+    let _ = publisher.wait();
+
+    let (fresh, furl, _ferr) =
+        start_up(&[&["--model", b.to_str().unwrap()][..], &common[..]].concat());
+    let mut want = Vec::new();
+    for i in 0..4 {
+        want.push(completion_text(&client, &furl, probe(i)).await);
+    }
+    stop(fresh);
+    assert_eq!(
+        synced, want,
+        "equal to a fresh deployment on the new checkpoint"
+    );
+}
