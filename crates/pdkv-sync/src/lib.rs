@@ -1,7 +1,6 @@
 //! `pdkv-sync`: weight sync from a trainer without a disk round-trip.
 //!
-//! A publisher (the trainer's side: [`publish::Publisher`] in Rust, the
-//! `pdkv-publish` Python package) holds the new weights in registered
+//! A publisher (the trainer's side: [`publish::Publisher`]) holds the new weights in registered
 //! memory and answers `GET /manifest` with every tensor's name, type,
 //! shape, place and CRC-32 ([`manifest`]). An engine's [`pull::Puller`]
 //! checks the manifest against the running model's layout before a byte
