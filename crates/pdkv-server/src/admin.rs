@@ -456,7 +456,6 @@ async fn abort_requests(
 }
 
 #[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
 struct UpdateWeightsBody {
     /// A `.gguf` file or a checkpoint directory (SGLang calls it `model_path`).
     #[serde(alias = "model_path")]
