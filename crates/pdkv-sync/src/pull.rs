@@ -9,11 +9,15 @@ use std::time::{Duration, Instant};
 
 use pdkv_model::weights::{TensorRef, Weights};
 use pdkv_transfer::auth::KvSecret;
+use pdkv_transfer::proto::Direction;
 use pdkv_transfer::tcp::{Agent, AgentConfig, LocalSlice};
 use pdkv_transfer::{Registration, Registry, RegistryOptions, RemoteDescriptor};
 use pdkv_vmem::{Pool, Region, Tag};
 
 use crate::manifest::{checksum, plan, Manifest, MismatchError, TensorEntry};
+
+/// Bytes per read batch of a pull (checksums of one overlap the next).
+const GROUP_BYTES: u64 = 8 << 20;
 
 /// Why a sync step failed. Every variant about a tensor names it; none
 /// touches the running weights.
@@ -151,10 +155,11 @@ impl Puller {
     }
 
     /// Reads the tensors `names` (every one not pulled yet when `None`)
-    /// into `staging` in one batch over the agent's connections, then
-    /// checks each one's checksum. A tensor that fails stays unpulled (a
-    /// retry reads it again); the others of the batch count as pulled only
-    /// if the whole batch landed.
+    /// into `staging` over the agent's connections, in batches of about
+    /// [`GROUP_BYTES`] started at once, checking each batch's checksums as
+    /// soon as it landed. The tensors count as pulled only if every batch
+    /// landed and every checksum matched; otherwise none of them does (a
+    /// retry reads them again).
     pub async fn pull(
         &self,
         staging: &mut Staging,
@@ -181,48 +186,101 @@ impl Puller {
             return Ok(PullReport::default());
         }
         let m = &staging.manifest;
-        let mut transfers = Vec::with_capacity(wanted.len());
+        // Batches of about GROUP_BYTES, all started at once; each one's
+        // checksums run on a blocking thread as soon as it landed, while
+        // the later ones are still on the wire.
+        let mut groups: Vec<Vec<usize>> = vec![Vec::new()];
+        let mut acc = 0u64;
         for &i in &wanted {
-            let (e, dest) = &staging.plan[i];
-            let local =
-                LocalSlice::grant(&staging.registry, &staging.reg, dest.offset as u64, e.len)
-                    .map_err(|err| SyncError::Staging(err.to_string()))?;
-            let remote = RemoteDescriptor {
-                agent_addr: m.transfer_addr.clone(),
-                segment: m.segment,
-                key: m.key,
-                epoch: m.epoch,
-                offset: e.offset,
-                len: e.len,
-            };
-            transfers.push((remote, local));
+            if acc >= GROUP_BYTES {
+                groups.push(Vec::new());
+                acc = 0;
+            }
+            acc += staging.plan[i].0.len;
+            groups.last_mut().expect("one group at least").push(i);
         }
-        let read = self.agent.read(transfers, timeout).await;
-        if let Err(e) = read {
-            return Err(SyncError::Transfer {
-                addr: m.transfer_addr.clone(),
-                tensors: wanted.len(),
-                first: staging.plan[wanted[0]].0.name.clone(),
-                reason: e.to_string(),
-            });
+        let transfer_error = |first: usize, reason: String| SyncError::Transfer {
+            addr: m.transfer_addr.clone(),
+            tensors: wanted.len(),
+            first: staging.plan[first].0.name.clone(),
+            reason,
+        };
+        let mut batches = Vec::with_capacity(groups.len());
+        for g in &groups {
+            let mut transfers = Vec::with_capacity(g.len());
+            for &i in g {
+                let (e, dest) = &staging.plan[i];
+                let local =
+                    LocalSlice::grant(&staging.registry, &staging.reg, dest.offset as u64, e.len)
+                        .map_err(|err| SyncError::Staging(err.to_string()))?;
+                let remote = RemoteDescriptor {
+                    agent_addr: m.transfer_addr.clone(),
+                    segment: m.segment,
+                    key: m.key,
+                    epoch: m.epoch,
+                    offset: e.offset,
+                    len: e.len,
+                };
+                transfers.push((local, remote));
+            }
+            let b = self
+                .agent
+                .start(Direction::Read, transfers, None, timeout)
+                .await
+                .map_err(|e| transfer_error(g[0], e.to_string()))?;
+            batches.push(b);
         }
-        let read_secs = t0.elapsed().as_secs_f64();
+        let mut sums = Vec::with_capacity(groups.len());
+        let mut read_secs = 0.0;
+        let mut failed = None;
+        for (g, b) in groups.iter().zip(batches) {
+            if failed.is_some() {
+                b.cancel();
+                continue;
+            }
+            if let Err(e) = b.wait().await {
+                failed = Some(transfer_error(g[0], e.to_string()));
+                continue;
+            }
+            read_secs = t0.elapsed().as_secs_f64();
+            let base = staging.weights.region.base() as usize;
+            let ranges: Vec<(usize, usize, usize)> = g
+                .iter()
+                .map(|&i| (i, staging.plan[i].1.offset, staging.plan[i].1.bytes()))
+                .collect();
+            let region = staging.weights.region.clone();
+            sums.push(tokio::task::spawn_blocking(move || {
+                let _held = region;
+                ranges
+                    .into_iter()
+                    .map(|(i, off, n)| {
+                        // SAFETY: the tensor lies inside the staging region
+                        // (held above), and the batch that wrote it ended.
+                        let bytes =
+                            unsafe { std::slice::from_raw_parts((base + off) as *const u8, n) };
+                        (i, checksum(bytes))
+                    })
+                    .collect::<Vec<_>>()
+            }));
+        }
+        let mut got = Vec::with_capacity(wanted.len());
+        for s in sums {
+            got.extend(
+                s.await
+                    .map_err(|e| SyncError::Staging(format!("a checksum task failed: {e}")))?,
+            );
+        }
+        if let Some(e) = failed {
+            return Err(e);
+        }
         let mut bytes = 0u64;
-        for &i in &wanted {
-            let (e, dest) = &staging.plan[i];
-            // SAFETY: the tensor lies inside the staging region, and the
-            // batch that wrote it has ended.
-            let got = unsafe {
-                checksum(std::slice::from_raw_parts(
-                    staging.weights.region.base().add(dest.offset),
-                    dest.bytes(),
-                ))
-            };
-            if got != e.crc32 {
+        for (i, sum) in got {
+            let e = &staging.plan[i].0;
+            if sum != e.crc32 {
                 return Err(SyncError::Checksum {
                     name: e.name.clone(),
                     expected: e.crc32,
-                    got,
+                    got: sum,
                 });
             }
             bytes += e.len;
