@@ -48,9 +48,11 @@ pub trait ModelRunner: Send {
     /// succeeds) or not (the old weights keep serving).
     fn reload_weights(&mut self, path: &Path) -> Result<(), ReloadError>;
 
-    /// The running weights of a model that is not split, whose layout a
-    /// weight sync stages beside them ([`pdkv_model::weights::Weights::with_region`]);
-    /// `None` where a sync cannot be staged.
+    /// The layout of the whole model's weights, which a weight sync stages
+    /// a copy of ([`pdkv_model::weights::Weights::with_region`]): a model
+    /// that is not split gives its running weights, a split one the whole
+    /// model's layout (over a region that holds none of it); `None` where a
+    /// sync cannot be staged.
     fn weights(&self) -> Option<&pdkv_model::weights::Weights> {
         None
     }
@@ -211,6 +213,9 @@ impl ModelRunner for CpuModelRunner {
 /// rank with its KV cache and workspace in its own pool.
 pub struct TpModelRunner {
     model: TpModel,
+    /// The whole model's layout, for staging a sync (its region is a
+    /// placeholder: the whole model is freed once split).
+    full_layout: pdkv_model::weights::Weights,
 }
 
 impl TpModelRunner {
@@ -224,9 +229,16 @@ impl TpModelRunner {
         max_num_batched_tokens: usize,
     ) -> anyhow::Result<TpModelRunner> {
         let size = pools.len();
+        let placeholder = Pool::default()
+            .allocate(Tag::Weights, pdkv_vmem::page_size())
+            .context("allocating the layout's placeholder")?;
+        let full_layout = pdkv_model::weights::Weights {
+            region: placeholder,
+            ..model.weights().clone()
+        };
         let model = TpModel::new(&model, pools, num_kv_blocks, max_num_batched_tokens)
             .with_context(|| format!("splitting the model over {size} tensor-parallel ranks"))?;
-        Ok(TpModelRunner { model })
+        Ok(TpModelRunner { model, full_layout })
     }
 }
 
@@ -253,6 +265,33 @@ impl ModelRunner for TpModelRunner {
             .map(|r| (&r.kv, r.model.tp().map_or(0, |t| t.shard.kv_heads.start)))
             .collect();
         kv_spec(self.model.config().arch.as_str(), &ranks)
+    }
+
+    fn weights(&self) -> Option<&pdkv_model::weights::Weights> {
+        Some(&self.full_layout)
+    }
+
+    /// Checks every rank's cut of the staged whole weights against its
+    /// running weights, and only then writes the ranks.
+    fn install_weights(
+        &mut self,
+        staged: &pdkv_model::weights::Weights,
+    ) -> Result<(), ReloadError> {
+        let ranks = self.model.ranks();
+        if ranks.iter().any(|r| !r.pool.is_awake(Tag::Weights)) {
+            return Err(ReloadError::RegionReleased);
+        }
+        let cfg = self.model.config();
+        for r in ranks {
+            let shard = &r.model.tp().expect("a rank of the split model").shard;
+            tp::check_shard(staged, r.model.weights(), cfg, shard)
+                .map_err(ReloadError::Incompatible)?;
+        }
+        for r in ranks {
+            let shard = &r.model.tp().expect("a rank of the split model").shard;
+            tp::copy_shard(staged, r.model.weights(), cfg, shard).map_err(ReloadError::Partial)?;
+        }
+        Ok(())
     }
 
     /// Reads the whole checkpoint into scratch memory, checks every rank's

@@ -216,14 +216,26 @@ impl Weights {
         v
     }
 
-    /// The same layout over another region (at least as long), for staging
-    /// a whole set of weights beside the running ones.
+    /// Bytes the layout spans: the end of its last tensor, 64-aligned.
+    pub fn layout_bytes(&self) -> usize {
+        self.named()
+            .iter()
+            .map(|(_, t)| t.offset + t.bytes())
+            .max()
+            .unwrap_or(0)
+            .div_ceil(64)
+            * 64
+    }
+
+    /// The same layout over another region (of at least
+    /// [`Weights::layout_bytes`]), for staging a whole set of weights beside
+    /// the running ones.
     pub fn with_region(&self, region: Arc<Region>) -> Weights {
         assert!(
-            region.len() >= self.region.len(),
+            region.len() >= self.layout_bytes(),
             "a staging region of {} bytes for weights of {}",
             region.len(),
-            self.region.len()
+            self.layout_bytes()
         );
         Weights {
             region,

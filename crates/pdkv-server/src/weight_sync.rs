@@ -144,7 +144,7 @@ impl WeightSync {
         };
         let Some(layout) = layout else {
             return Err(ApiError::invalid(
-                "this engine cannot take synced weights (a model split over tensor-parallel ranks takes them from a checkpoint only, for now)",
+                "this engine's model cannot take synced weights",
             ));
         };
         p.staging = None;

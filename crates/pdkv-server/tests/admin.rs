@@ -1281,3 +1281,47 @@ async fn a_weight_sync_matches_a_fresh_server_and_a_bad_one_changes_nothing() {
     s.wait_all_blocks_free().await;
     s.stop().await;
 }
+
+/// A sync into a model split over 2 ranks: each rank takes its cut of the
+/// staged whole weights, and the answers equal a whole fresh server's on
+/// the new checkpoint.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_weight_sync_into_a_split_model_matches_a_fresh_whole_server() {
+    let tp2 = EngineConfig {
+        tensor_parallel_size: 2,
+        ..EngineConfig::default()
+    };
+    let s = Server::start_with("tiny", 7, Some(TOKEN), tp2).await;
+    let seed7 = s.probe().await;
+    let (_d2, good) = publisher(2, "v2").await;
+    let init = json!({"init_info": {"backend": "pdkv", "url": good.url()}});
+    s.admin_ok(Method::POST, "/init_weight_transfer_engine", Some(&init))
+        .await;
+    s.admin_ok(Method::POST, "/start_weight_update", None).await;
+    s.admin_ok(
+        Method::POST,
+        "/update_weights",
+        Some(&json!({"update_info": {}})),
+    )
+    .await;
+    s.admin_ok(Method::POST, "/pause?mode=keep", None).await;
+    s.admin_ok(
+        Method::POST,
+        "/finish_weight_update",
+        Some(&json!({"version": "tp-v2"})),
+    )
+    .await;
+    s.admin_ok(Method::POST, "/resume", None).await;
+    let info = s.admin_ok(Method::GET, "/weight_info", None).await;
+    assert_eq!(
+        info["version"], "tp-v2",
+        "the finish body's version: {info}"
+    );
+    let synced = s.probe().await;
+    assert_ne!(synced, seed7);
+    let fresh = Server::start_with("tiny", 2, Some(TOKEN), EngineConfig::default()).await;
+    assert_eq!(synced, fresh.probe().await);
+    fresh.stop().await;
+    s.wait_all_blocks_free().await;
+    s.stop().await;
+}

@@ -128,12 +128,12 @@ impl Puller {
         // The last sync's region when nothing else holds it any more (an
         // installed staging is dropped by the engine after its switch).
         let kept = self.spare.lock().unwrap().take().filter(|r| {
-            Arc::strong_count(r) == 1 && r.len() == layout.region.len() && r.is_mapped()
+            Arc::strong_count(r) == 1 && r.len() >= layout.layout_bytes() && r.is_mapped()
         });
         let region = match kept {
             Some(r) => r,
             None => Pool::default()
-                .allocate(Tag::Weights, layout.region.len())
+                .allocate(Tag::Weights, layout.layout_bytes())
                 .map_err(|e| SyncError::Staging(e.to_string()))?,
         };
         let reg = self
