@@ -1890,7 +1890,7 @@ impl World {
             Step::Wake(tags) => Command::Wake { tags, reply },
             Step::ReleaseKv => Command::ReleaseKv(reply),
             Step::Reload(w) => Command::UpdateWeights {
-                path: weights_path(w).into(),
+                source: pdkv_engine::WeightSource::Checkpoint(weights_path(w).into()),
                 version: Some(version(w)),
                 reply,
             },

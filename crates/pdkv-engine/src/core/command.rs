@@ -193,7 +193,7 @@ mod tests {
                 reply: lifecycle_reply(),
             },
             Command::UpdateWeights {
-                path: PathBuf::from("/nowhere"),
+                source: crate::model::WeightSource::Checkpoint("/nowhere".into()),
                 version: None,
                 reply: lifecycle_reply(),
             },
