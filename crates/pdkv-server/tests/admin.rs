@@ -1092,6 +1092,30 @@ async fn a_model_split_over_ranks_serves_sleeps_wakes_and_reloads_as_one() {
     }
 }
 
+impl Server {
+    /// `init_weight_transfer_engine` with the publisher at `url`, then
+    /// `start_weight_update` (both must succeed); start's answer.
+    async fn begin_sync(&self, url: &str) -> Value {
+        let init = json!({"init_info": {"backend": "pdkv", "url": url}});
+        self.admin_ok(Method::POST, "/init_weight_transfer_engine", Some(&init))
+            .await;
+        let start = json!({"is_checkpoint_format": true});
+        self.admin_ok(Method::POST, "/start_weight_update", Some(&start))
+            .await
+    }
+
+    /// The switch as a trainer makes it: a `keep` pause,
+    /// `finish_weight_update` with `body`, resume; finish's answer.
+    async fn switch_synced(&self, body: Option<&Value>) -> Value {
+        self.admin_ok(Method::POST, "/pause?mode=keep", None).await;
+        let v = self
+            .admin_ok(Method::POST, "/finish_weight_update", body)
+            .await;
+        self.admin_ok(Method::POST, "/resume", None).await;
+        v
+    }
+}
+
 /// A publisher of the `tiny` checkpoint of `seed` (its weights loaded in a
 /// pool of their own, as a trainer's would be).
 async fn publisher(seed: u64, version: &str) -> (tempfile::TempDir, pdkv_sync::Publisher) {
@@ -1112,7 +1136,6 @@ async fn publisher(seed: u64, version: &str) -> (tempfile::TempDir, pdkv_sync::P
 async fn a_weight_sync_matches_a_fresh_server_and_a_bad_one_changes_nothing() {
     let s = Server::start().await;
     let seed7 = s.probe().await;
-    let init = |url: String| json!({"init_info": {"backend": "pdkv", "url": url}});
 
     // Another backend is refused, naming ours; a phase out of order is a 409.
     let (status, v) = s
@@ -1142,19 +1165,7 @@ async fn a_weight_sync_matches_a_fresh_server_and_a_bad_one_changes_nothing() {
         .unwrap();
     b[0] ^= 1;
     bad.weights().region.write_bytes(t.offset + 3, &b).unwrap();
-    s.admin_ok(
-        Method::POST,
-        "/init_weight_transfer_engine",
-        Some(&init(bad.url())),
-    )
-    .await;
-    let v = s
-        .admin_ok(
-            Method::POST,
-            "/start_weight_update",
-            Some(&json!({"is_checkpoint_format": true})),
-        )
-        .await;
+    let v = s.begin_sync(&bad.url()).await;
     assert_eq!(v["bytes"].as_u64(), Some(bad.manifest().bytes()), "{v}");
     let (status, v) = s
         .admin(
@@ -1176,13 +1187,7 @@ async fn a_weight_sync_matches_a_fresh_server_and_a_bad_one_changes_nothing() {
 
     // A publisher killed before the pull: 503, naming it; old weights serve.
     let (_d4, gone) = publisher(4, "gone").await;
-    s.admin_ok(
-        Method::POST,
-        "/init_weight_transfer_engine",
-        Some(&init(gone.url())),
-    )
-    .await;
-    s.admin_ok(Method::POST, "/start_weight_update", None).await;
+    s.begin_sync(&gone.url()).await;
     let addr = gone.manifest().transfer_addr.clone();
     drop(gone);
     let (status, v) = s
@@ -1204,13 +1209,7 @@ async fn a_weight_sync_matches_a_fresh_server_and_a_bad_one_changes_nothing() {
     // A good sync of seed 2, in two chunks, paused around the switch as a
     // trainer does: outputs equal a fresh server's on the seed-2 checkpoint.
     let (_d2, good) = publisher(2, "v2").await;
-    s.admin_ok(
-        Method::POST,
-        "/init_weight_transfer_engine",
-        Some(&init(good.url())),
-    )
-    .await;
-    s.admin_ok(Method::POST, "/start_weight_update", None).await;
+    s.begin_sync(&good.url()).await;
     let names: Vec<String> = good
         .manifest()
         .tensors
@@ -1240,12 +1239,8 @@ async fn a_weight_sync_matches_a_fresh_server_and_a_bad_one_changes_nothing() {
         Some(&json!({"update_info": {}})),
     )
     .await;
-    s.admin_ok(Method::POST, "/pause?mode=keep", None).await;
-    let v = s
-        .admin_ok(Method::POST, "/finish_weight_update", None)
-        .await;
+    let v = s.switch_synced(None).await;
     assert_eq!(v["version"], "v2", "the manifest's version: {v}");
-    s.admin_ok(Method::POST, "/resume", None).await;
     let info = s.admin_ok(Method::GET, "/weight_info", None).await;
     assert_eq!(info["version"], "v2", "{info}");
     let synced = s.probe().await;
@@ -1294,24 +1289,14 @@ async fn a_weight_sync_into_a_split_model_matches_a_fresh_whole_server() {
     let s = Server::start_with("tiny", 7, Some(TOKEN), tp2).await;
     let seed7 = s.probe().await;
     let (_d2, good) = publisher(2, "v2").await;
-    let init = json!({"init_info": {"backend": "pdkv", "url": good.url()}});
-    s.admin_ok(Method::POST, "/init_weight_transfer_engine", Some(&init))
-        .await;
-    s.admin_ok(Method::POST, "/start_weight_update", None).await;
+    s.begin_sync(&good.url()).await;
     s.admin_ok(
         Method::POST,
         "/update_weights",
         Some(&json!({"update_info": {}})),
     )
     .await;
-    s.admin_ok(Method::POST, "/pause?mode=keep", None).await;
-    s.admin_ok(
-        Method::POST,
-        "/finish_weight_update",
-        Some(&json!({"version": "tp-v2"})),
-    )
-    .await;
-    s.admin_ok(Method::POST, "/resume", None).await;
+    s.switch_synced(Some(&json!({"version": "tp-v2"}))).await;
     let info = s.admin_ok(Method::GET, "/weight_info", None).await;
     assert_eq!(
         info["version"], "tp-v2",
