@@ -478,11 +478,9 @@ async fn update_weights(
     if let Some(info) = body.get("update_info") {
         return Ok(json_ok(state.weight_sync().update(info).await?));
     }
-    let body: UpdateWeightsBody = serde_json::from_value(body).map_err(|e| {
-        ApiError::invalid(format!(
-            "update_weights takes {{\"path\": ..., \"version\": ...}} (a checkpoint on disk) or {{\"update_info\": ...}} (a weight sync): {e}"
-        ))
-    })?;
+    // A reload from disk; parsed again so a bad field is named in `param`.
+    let bytes = serde_json::to_vec(&body).map_err(|e| ApiError::internal(e.to_string()))?;
+    let body: UpdateWeightsBody = crate::error::parse_json(&bytes)?;
     if body.path.is_empty() {
         return Err(ApiError::invalid_param("path", "`path` must not be empty"));
     }
