@@ -354,6 +354,10 @@ async fn sleep(
     let timeout = q.timeout()?;
     let started = Instant::now();
     on_engine(&state, move |e| e.sleep(level, mode, timeout)).await??;
+    if level != SleepLevel::L0 {
+        // What weight syncs keep between them goes with the rest.
+        state.weight_sync().release_memory();
+    }
     state
         .metrics()
         .observe_sleep(started.elapsed().as_secs_f64());

@@ -1,8 +1,11 @@
 //! Weight sync from a trainer, in vLLM's four phases (admin routes):
 //!
 //! - `POST /init_weight_transfer_engine {"init_info": {"backend": "pdkv",
-//!   "url": "http://HOST:PORT"}}`: where the trainer publishes (once; again
-//!   to change it). Any other backend is refused, naming the one there is.
+//!   "url": "http://HOST:PORT", "transport": "auto"}}`: where the trainer
+//!   publishes (once; again to change it), and how to reach it: `auto`
+//!   (the default) copies from the publisher's shared memory when it offers
+//!   it and is on this host, and reads over TCP otherwise; `tcp` and `shm`
+//!   force one. Any other backend is refused, naming the one there is.
 //! - `POST /start_weight_update`: fetches the publisher's manifest, checks
 //!   every tensor's name, type, shape and size against the running model
 //!   (a mismatch is a 400 naming the tensor, before a byte moves), and
@@ -19,13 +22,16 @@
 //! Until the switch the old weights serve; a failed pull (a publisher
 //! killed mid-way, a bad checksum) keeps the update open with the failed
 //! tensors unpulled, so a later pull or a new `start_weight_update` can go
-//! on. Metrics: bytes and seconds per sync.
+//! on. The staging region is kept for the next sync (fresh pages cost more
+//! than the pull) and freed when the engine sleeps at level 1 or 2, with the
+//! mapping of the publisher's shared memory. Metrics: bytes and seconds per
+//! sync, the staging and the kept region's bytes.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use pdkv_sync::{Puller, Staging, SyncError};
+use pdkv_sync::{Puller, Staging, SyncError, Transport};
 use pdkv_transfer::auth::KvSecret;
 use serde::Deserialize;
 use serde_json::{json, Value};
@@ -44,6 +50,9 @@ const CONNS: usize = 4;
 pub struct WeightSync {
     secret: KvSecret,
     phase: Mutex<Phase>,
+    /// The puller of the last init (also in `phase`), reachable without
+    /// waiting for a step in progress: for the metrics and a sleep.
+    puller: std::sync::Mutex<Option<Arc<Puller>>>,
     stats: SyncStats,
 }
 
@@ -81,6 +90,8 @@ struct InitInfo {
     #[serde(default)]
     backend: Option<String>,
     url: Option<String>,
+    #[serde(default)]
+    transport: Option<String>,
 }
 
 impl WeightSync {
@@ -88,6 +99,7 @@ impl WeightSync {
         WeightSync {
             secret,
             phase: Mutex::new(Phase::default()),
+            puller: std::sync::Mutex::new(None),
             stats: SyncStats::default(),
         }
     }
@@ -113,12 +125,24 @@ impl WeightSync {
                 "init_info.url must name the publisher (http://HOST:PORT)",
             ));
         };
+        let transport = match body.init_info.transport.as_deref() {
+            None => Transport::Auto,
+            Some(t) => Transport::parse(t).ok_or_else(|| {
+                ApiError::invalid_param(
+                    "init_info.transport",
+                    format!("init_info.transport must be auto, tcp or shm, got {t:?}"),
+                )
+            })?,
+        };
         let mut p = self.phase.lock().await;
-        if p.puller.is_none() {
+        if p.puller.as_ref().map(|p| p.transport()) != Some(transport) {
             let puller = Puller::new(self.secret.clone(), CONNS)
                 .await
-                .map_err(|e| ApiError::internal(format!("starting the weight puller: {e:#}")))?;
-            p.puller = Some(Arc::new(puller));
+                .map_err(|e| ApiError::internal(format!("starting the weight puller: {e:#}")))?
+                .with_transport(transport);
+            let puller = Arc::new(puller);
+            p.puller = Some(puller.clone());
+            *self.puller.lock().unwrap() = Some(puller);
         }
         if p.staging.take().is_some() {
             self.stats.staged_bytes.store(0, Ordering::Relaxed);
@@ -126,9 +150,28 @@ impl WeightSync {
                 "an open weight update was dropped by a new init_weight_transfer_engine"
             );
         }
-        tracing::info!(url, "weight transfer initialised");
+        tracing::info!(
+            url,
+            transport = transport.name(),
+            "weight transfer initialised"
+        );
         p.url = Some(url.clone());
-        Ok(json!({"status": "ok", "backend": BACKEND, "url": url}))
+        Ok(json!({"status": "ok", "backend": BACKEND, "url": url, "transport": transport.name()}))
+    }
+
+    /// Frees what syncs keep between them (the staging region, the mapping
+    /// of the publisher's shared memory); an update in progress keeps its
+    /// staging. Returns the bytes of the region freed.
+    pub fn release_memory(&self) -> u64 {
+        let Some(puller) = self.puller.lock().unwrap().clone() else {
+            return 0;
+        };
+        let bytes = puller.spare_bytes();
+        puller.drop_spare();
+        if bytes > 0 {
+            tracing::info!(bytes, "the weight sync's staging region was freed");
+        }
+        bytes
     }
 
     /// `start_weight_update`: the manifest, checked, and a staging for it.
@@ -150,15 +193,19 @@ impl WeightSync {
         p.staging = None;
         self.stats.staged_bytes.store(0, Ordering::Relaxed);
         let manifest = puller.manifest(&url).await.map_err(|e| self.failed(e))?;
-        let staging = puller.stage(manifest, layout).map_err(|e| self.failed(e))?;
+        let staging = puller
+            .stage(manifest, layout)
+            .await
+            .map_err(|e| self.failed(e))?;
         let m = staging.manifest();
         let out = json!({
             "status": "ok",
             "tensors": m.tensors.len(),
             "bytes": m.bytes(),
             "version": m.version,
+            "transport": staging.transport(),
         });
-        tracing::info!(url, tensors = m.tensors.len(), bytes = m.bytes(), version = ?m.version, "weight update started");
+        tracing::info!(url, tensors = m.tensors.len(), bytes = m.bytes(), version = ?m.version, transport = staging.transport(), "weight update started");
         self.stats
             .staged_bytes
             .store(staging.staged_bytes(), Ordering::Relaxed);
@@ -195,6 +242,7 @@ impl WeightSync {
             bytes = r.bytes,
             secs = r.seconds,
             gb_per_s = r.bytes as f64 / r.seconds.max(1e-9) / 1e9,
+            transport = r.transport,
             done,
             total,
             "weights pulled"
@@ -204,6 +252,7 @@ impl WeightSync {
             "tensors": r.tensors,
             "bytes": r.bytes,
             "seconds": r.seconds,
+            "transport": r.transport,
             "pulled": done,
             "total": total,
         }))
@@ -313,6 +362,18 @@ impl WeightSync {
             "gauge",
             "Bytes of the staging region of an open weight update",
             g(&s.staged_bytes) as f64,
+        );
+        let spare = self
+            .puller
+            .lock()
+            .unwrap()
+            .as_ref()
+            .map_or(0, |p| p.spare_bytes());
+        line(
+            "pdkv_weight_sync_spare_bytes",
+            "gauge",
+            "Bytes of the staging region kept for the next sync (freed when the engine sleeps)",
+            spare as f64,
         );
     }
 }

@@ -1188,7 +1188,11 @@ async fn a_weight_sync_matches_a_fresh_server_and_a_bad_one_changes_nothing() {
     // A publisher killed before the pull: 503, naming it; old weights serve.
     let (_d4, gone) = publisher(4, "gone").await;
     s.begin_sync(&gone.url()).await;
-    let addr = gone.manifest().transfer_addr.clone();
+    // The server pulls over shared memory when the publisher offers it.
+    let addr = match &gone.manifest().shm {
+        Some(shm) => shm.path.clone(),
+        None => gone.manifest().transfer_addr.clone(),
+    };
     drop(gone);
     let (status, v) = s
         .admin(
@@ -1267,10 +1271,61 @@ async fn a_weight_sync_matches_a_fresh_server_and_a_bad_one_changes_nothing() {
         0.0,
         "the staging is freed"
     );
+    // Over shared memory the server copied every byte itself: the
+    // publisher's TCP agent served none.
+    assert_eq!(good.bytes_served(), 0, "pulled over shared memory");
+    fresh.stop().await;
+
+    // The staging region is kept for the next sync, and freed by a sleep.
+    let spare = metric(&m, "pdkv_weight_sync_spare_bytes");
+    assert!(spare >= good.manifest().bytes() as f64, "kept: {spare}");
+    s.admin_ok(Method::POST, "/sleep?level=1", None).await;
+    let m = s.metrics().await;
     assert_eq!(
-        good.bytes_served(),
-        good.manifest().bytes(),
+        metric(&m, "pdkv_weight_sync_spare_bytes"),
+        0.0,
+        "freed asleep"
+    );
+    s.admin_ok(Method::POST, "/wake_up", None).await;
+
+    // A transport that does not exist is refused, naming the field; `tcp`
+    // reads every byte from the publisher's agent once.
+    let (status, v) = s
+        .admin(
+            Method::POST,
+            "/init_weight_transfer_engine",
+            Some(&json!({"init_info": {"url": good.url(), "transport": "rdma"}})),
+        )
+        .await;
+    assert_openai_error(status, &v, StatusCode::BAD_REQUEST, "unknown transport");
+    assert_eq!(v["error"]["param"], "init_info.transport", "{v}");
+    let (_d3, third) = publisher(3, "v3").await;
+    let init = json!({"init_info": {"url": third.url(), "transport": "tcp"}});
+    let v = s
+        .admin_ok(Method::POST, "/init_weight_transfer_engine", Some(&init))
+        .await;
+    assert_eq!(v["transport"], "tcp", "{v}");
+    let v = s.admin_ok(Method::POST, "/start_weight_update", None).await;
+    assert_eq!(v["transport"], "tcp", "{v}");
+    let v = s
+        .admin_ok(
+            Method::POST,
+            "/update_weights",
+            Some(&json!({"update_info": {}})),
+        )
+        .await;
+    assert_eq!(v["transport"], "tcp", "{v}");
+    s.switch_synced(None).await;
+    assert_eq!(
+        third.bytes_served(),
+        third.manifest().bytes(),
         "each byte read once"
+    );
+    let fresh = Server::start_with("tiny", 3, Some(TOKEN), EngineConfig::default()).await;
+    assert_eq!(
+        s.probe().await,
+        fresh.probe().await,
+        "equal to a fresh server on seed 3"
     );
     fresh.stop().await;
     s.wait_all_blocks_free().await;

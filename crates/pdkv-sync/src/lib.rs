@@ -21,4 +21,4 @@ pub mod pull;
 
 pub use manifest::{checksum, Manifest, MismatchError, TensorEntry, PROTOCOL};
 pub use publish::{PublishOptions, Publisher};
-pub use pull::{PullReport, Puller, Staging, SyncError};
+pub use pull::{PullReport, Puller, Staging, SyncError, Transport};

@@ -23,7 +23,20 @@ pub struct Manifest {
     pub segment: u64,
     pub key: u64,
     pub epoch: u64,
+    /// The same registration over shared memory, for engines on the
+    /// publisher's host (absent: TCP only).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub shm: Option<ShmEndpoint>,
     pub tensors: Vec<TensorEntry>,
+}
+
+/// Where a publisher shares its registration's memfds (a Unix socket
+/// speaking the transfer engine's shared-memory protocol), and the
+/// registration's whole length (what a map request names).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ShmEndpoint {
+    pub path: String,
+    pub len: u64,
 }
 
 /// One tensor of a [`Manifest`].

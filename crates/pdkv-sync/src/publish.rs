@@ -10,11 +10,13 @@ use axum::routing::get;
 use axum::{Json, Router};
 use pdkv_model::weights::Weights;
 use pdkv_transfer::auth::KvSecret;
+use pdkv_transfer::frame::Limits;
+use pdkv_transfer::shm::{ExportOptions, ShmExporter};
 use pdkv_transfer::tcp::{Agent, AgentConfig};
 use pdkv_transfer::{Registration, Registry, RegistryOptions};
 use tokio::task::JoinHandle;
 
-use crate::manifest::{checksum, Manifest, TensorEntry, PROTOCOL};
+use crate::manifest::{checksum, Manifest, ShmEndpoint, TensorEntry, PROTOCOL};
 
 /// Where a publisher listens.
 #[derive(Clone, Debug)]
@@ -29,6 +31,9 @@ pub struct PublishOptions {
     /// Connections each engine opens to the agent (reads run in parallel
     /// over them).
     pub conns_per_peer: usize,
+    /// Also share the registration over shared memory (a Unix socket in
+    /// the temporary directory), for engines on this host.
+    pub shm: bool,
 }
 
 impl Default for PublishOptions {
@@ -38,6 +43,7 @@ impl Default for PublishOptions {
             transfer_addr: "127.0.0.1:0".into(),
             secret: KvSecret::open(),
             conns_per_peer: 4,
+            shm: true,
         }
     }
 }
@@ -51,12 +57,29 @@ pub struct Publisher {
     agent: Agent,
     reg: Registration,
     task: JoinHandle<()>,
+    shm: Option<ShmExporter>,
 }
 
+/// How long a stopping publisher waits for engines that mapped its weights
+/// to unmap them.
+const UNMAP_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
+
 impl Drop for Publisher {
+    /// Stops serving: over shared memory every engine that mapped the
+    /// weights is asked to unmap them first (a copy in progress ends, the
+    /// next one fails), then the registration goes.
     fn drop(&mut self) {
         self.task.abort();
-        self.agent.registry().deregister(self.reg.segment);
+        match &self.shm {
+            Some(shm) => {
+                if let Err(e) = shm.deregister(self.reg.segment, UNMAP_WAIT) {
+                    tracing::warn!(error = %e, "stopping the publisher");
+                }
+            }
+            None => {
+                self.agent.registry().deregister(self.reg.segment);
+            }
+        }
     }
 }
 
@@ -80,6 +103,30 @@ impl Publisher {
         let agent = Agent::bind(&opts.transfer_addr, registry, cfg)
             .await
             .with_context(|| format!("binding the transfer agent on {}", opts.transfer_addr))?;
+        let shm = match opts.shm {
+            false => None,
+            true => {
+                static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+                let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                let path = std::env::temp_dir()
+                    .join(format!("pdkv-publish-{}-{n}.sock", std::process::id()));
+                let _ = std::fs::remove_file(&path);
+                let exporter = ShmExporter::bind_with(
+                    &path,
+                    agent.registry().clone(),
+                    Limits::default(),
+                    ExportOptions {
+                        secret: opts.secret.clone(),
+                        ..ExportOptions::default()
+                    },
+                )
+                .with_context(|| format!("binding the shared-memory socket {}", path.display()))?;
+                exporter
+                    .check_shareable(&reg)
+                    .map_err(|e| anyhow::anyhow!("sharing the weights: {e}"))?;
+                Some((exporter, path))
+            }
+        };
         let tensors = weights
             .named()
             .into_iter()
@@ -106,6 +153,10 @@ impl Publisher {
             segment: reg.segment,
             key: reg.key,
             epoch: reg.epoch,
+            shm: shm.as_ref().map(|(_, path)| ShmEndpoint {
+                path: path.display().to_string(),
+                len: reg.len,
+            }),
             tensors,
         };
         let listener = tokio::net::TcpListener::bind(&opts.http_addr)
@@ -130,6 +181,7 @@ impl Publisher {
             bytes = manifest.bytes(),
             url = %format!("http://{http}"),
             transfer = %manifest.transfer_addr,
+            shm = ?manifest.shm.as_ref().map(|s| &s.path),
             ms = t0.elapsed().as_millis() as u64,
             "publishing weights"
         );
@@ -140,6 +192,7 @@ impl Publisher {
             agent,
             reg,
             task,
+            shm: shm.map(|(e, _)| e),
         })
     }
 
@@ -158,7 +211,8 @@ impl Publisher {
         &self.weights
     }
 
-    /// Bytes the engines have read so far.
+    /// Bytes the engines have read so far over TCP (a read over shared
+    /// memory is a copy the publisher does not see).
     pub fn bytes_served(&self) -> u64 {
         self.agent
             .serve_stats()

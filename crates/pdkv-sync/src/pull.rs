@@ -9,15 +9,56 @@ use std::time::{Duration, Instant};
 
 use pdkv_model::weights::{TensorRef, Weights};
 use pdkv_transfer::auth::KvSecret;
+use pdkv_transfer::frame::Limits;
 use pdkv_transfer::proto::Direction;
+use pdkv_transfer::shm::{ShmImporter, ShmImporterConfig};
 use pdkv_transfer::tcp::{Agent, AgentConfig, LocalSlice};
 use pdkv_transfer::{Registration, Registry, RegistryOptions, RemoteDescriptor};
 use pdkv_vmem::{Pool, Region, Tag};
 
 use crate::manifest::{checksum, plan, Manifest, MismatchError, TensorEntry};
 
-/// Bytes per read batch of a pull (checksums of one overlap the next).
+/// Bytes per read batch of a pull over TCP (checksums of one overlap the
+/// next).
 const GROUP_BYTES: u64 = 8 << 20;
+/// Bytes copied over shared memory before they are checksummed: small
+/// enough to still be in the core's cache when the checksum reads them.
+const SHM_PIECE: usize = 256 << 10;
+/// Threads copying a pull over shared memory.
+const SHM_LANES: usize = 2;
+/// Bound on mapping a publisher's registration.
+const MAP_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// How a puller reaches a publisher.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Transport {
+    /// Shared memory when the publisher offers it and is on this host
+    /// (its socket answers), TCP otherwise.
+    #[default]
+    Auto,
+    Tcp,
+    /// Shared memory or nothing.
+    Shm,
+}
+
+impl Transport {
+    pub fn parse(s: &str) -> Option<Transport> {
+        match s {
+            "auto" => Some(Transport::Auto),
+            "tcp" => Some(Transport::Tcp),
+            "shm" => Some(Transport::Shm),
+            _ => None,
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Transport::Auto => "auto",
+            Transport::Tcp => "tcp",
+            Transport::Shm => "shm",
+        }
+    }
+}
 
 /// Why a sync step failed. Every variant about a tensor names it; none
 /// touches the running weights.
@@ -55,12 +96,26 @@ pub enum SyncError {
 }
 
 /// A pulling engine's transfer agent (it only initiates reads), and the
-/// staging region of its last sync, kept for the next one (fresh memory
-/// costs the kernel's zeroing of every page: more than the pull itself).
+/// staging region of its last sync, kept for the next one with its
+/// registration (fresh memory costs the kernel's zeroing of every page,
+/// more than the pull itself; a fresh registration the mapping of every
+/// page again).
 pub struct Puller {
     agent: Agent,
     http: reqwest::Client,
-    spare: Arc<std::sync::Mutex<Option<Arc<Region>>>>,
+    secret: KvSecret,
+    transport: Transport,
+    spare: Arc<std::sync::Mutex<Option<Spare>>>,
+    /// The last publisher mapped over shared memory, kept for the next
+    /// sync from it (mapping a registration fills its page tables: a cost
+    /// of the order of the copy itself).
+    mapped: std::sync::Mutex<Option<ShmSource>>,
+}
+
+/// The staging region of the last sync and its registration.
+struct Spare {
+    region: Arc<Region>,
+    reg: Registration,
 }
 
 impl Puller {
@@ -68,7 +123,7 @@ impl Puller {
     pub async fn new(secret: KvSecret, conns: usize) -> anyhow::Result<Puller> {
         let registry = Arc::new(Registry::new(RegistryOptions::default()));
         let cfg = AgentConfig {
-            secret,
+            secret: secret.clone(),
             conns_per_peer: conns.max(1),
             ..AgentConfig::default()
         };
@@ -79,8 +134,21 @@ impl Puller {
         Ok(Puller {
             agent,
             http,
+            secret,
+            transport: Transport::Auto,
             spare: Arc::default(),
+            mapped: std::sync::Mutex::new(None),
         })
+    }
+
+    /// How this puller reaches publishers (default [`Transport::Auto`]).
+    pub fn with_transport(mut self, transport: Transport) -> Puller {
+        self.transport = transport;
+        self
+    }
+
+    pub fn transport(&self) -> Transport {
+        self.transport
     }
 
     /// Bytes of the staging region kept between syncs (0 before the first).
@@ -89,12 +157,17 @@ impl Puller {
             .lock()
             .unwrap()
             .as_ref()
-            .map_or(0, |r| r.len() as u64)
+            .map_or(0, |s| s.region.len() as u64)
     }
 
-    /// Frees the staging region kept between syncs.
+    /// Frees the staging region kept between syncs (an open staging is not
+    /// affected; it becomes the spare when dropped), and lets go of the last
+    /// publisher's shared memory.
     pub fn drop_spare(&self) {
-        self.spare.lock().unwrap().take();
+        if let Some(s) = self.spare.lock().unwrap().take() {
+            self.agent.registry().deregister(s.reg.segment);
+        }
+        self.mapped.lock().unwrap().take();
     }
 
     /// `GET {url}/manifest`.
@@ -118,34 +191,53 @@ impl Puller {
     }
 
     /// Stages `manifest` for the running weights `layout`: checks every
-    /// tensor's name, type, shape and size, and allocates a region laid out
-    /// as `layout` for the bytes.
-    pub fn stage(&self, manifest: Manifest, layout: &Weights) -> Result<Staging, SyncError> {
+    /// tensor's name, type, shape and size, allocates (or reuses) a region
+    /// laid out as `layout` for the bytes, and, over shared memory, maps the
+    /// publisher's registration (or reuses the last sync's mapping of it,
+    /// kept until another publisher is mapped or [`Puller::drop_spare`]).
+    pub async fn stage(&self, manifest: Manifest, layout: &Weights) -> Result<Staging, SyncError> {
         let plan: Vec<(TensorEntry, TensorRef)> = plan(&manifest, layout)?
             .into_iter()
             .map(|(e, t)| (e.clone(), t))
             .collect();
+        let shm = self.connect_shm(&manifest, &plan).await?;
         // The last sync's region when nothing else holds it any more (an
         // installed staging is dropped by the engine after its switch).
-        let kept = self.spare.lock().unwrap().take().filter(|r| {
-            Arc::strong_count(r) == 1 && r.len() >= layout.layout_bytes() && r.is_mapped()
-        });
-        let region = match kept {
-            Some(r) => r,
-            None => Pool::default()
-                .allocate(Tag::Weights, layout.layout_bytes())
-                .map_err(|e| SyncError::Staging(e.to_string()))?,
+        let kept = self.spare.lock().unwrap().take();
+        let kept = match kept {
+            Some(s)
+                if Arc::strong_count(&s.region) == 1
+                    && s.region.len() >= layout.layout_bytes()
+                    && s.region.is_mapped() =>
+            {
+                Some(s)
+            }
+            Some(s) => {
+                self.agent.registry().deregister(s.reg.segment);
+                None
+            }
+            None => None,
         };
-        let reg = self
-            .agent
-            .registry()
-            .register(&region, 0, region.len())
-            .map_err(|e| SyncError::Staging(e.to_string()))?;
+        let Spare { region, reg } = match kept {
+            Some(s) => s,
+            None => {
+                let region = Pool::default()
+                    .allocate(Tag::Weights, layout.layout_bytes())
+                    .map_err(|e| SyncError::Staging(e.to_string()))?;
+                let reg = self
+                    .agent
+                    .registry()
+                    .register(&region, 0, region.len())
+                    .map_err(|e| SyncError::Staging(e.to_string()))?;
+                Spare { region, reg }
+            }
+        };
         Ok(Staging {
             weights: layout.with_region(region),
             reg,
             registry: self.agent.registry().clone(),
             spare: self.spare.clone(),
+            shm,
             manifest,
             plan,
             pulled: BTreeSet::new(),
@@ -154,12 +246,92 @@ impl Puller {
         })
     }
 
+    /// The publisher's registration mapped over shared memory, when this
+    /// puller's transport and the manifest allow it.
+    async fn connect_shm(
+        &self,
+        m: &Manifest,
+        plan: &[(TensorEntry, TensorRef)],
+    ) -> Result<Option<ShmSource>, SyncError> {
+        let ep = match (self.transport, &m.shm) {
+            (Transport::Tcp, _) | (Transport::Auto, None) => return Ok(None),
+            (Transport::Shm, None) => {
+                return Err(SyncError::Transfer {
+                    addr: m.transfer_addr.clone(),
+                    tensors: plan.len(),
+                    first: plan.first().map(|p| p.0.name.clone()).unwrap_or_default(),
+                    reason: "the transport is shm, and the publisher does not share memory".into(),
+                })
+            }
+            (_, Some(ep)) => ep.clone(),
+        };
+        let reg = Registration {
+            segment: m.segment,
+            key: m.key,
+            epoch: m.epoch,
+            len: ep.len,
+        };
+        // The same registration as last time, still mapped, its publisher
+        // still there: reused as it is.
+        {
+            let mut cached = self.mapped.lock().unwrap();
+            match cached.as_ref() {
+                Some(c)
+                    if c.path == ep.path
+                        && c.reg == reg
+                        && !c.importer.peer_lost()
+                        && c.importer.mapped_epoch(reg.segment) == Some(reg.epoch) =>
+                {
+                    return Ok(Some(c.clone()));
+                }
+                _ => *cached = None,
+            }
+        }
+        let cfg = ShmImporterConfig {
+            workers: 1,
+            secret: self.secret.clone(),
+            ..ShmImporterConfig::default()
+        };
+        let path = ep.path.clone();
+        let mapped = tokio::task::spawn_blocking(move || {
+            let imp =
+                ShmImporter::connect_with(std::path::Path::new(&path), Limits::default(), cfg)
+                    .map_err(|e| format!("connecting to {path}: {e}"))?;
+            imp.map(&reg, MAP_TIMEOUT)
+                .map_err(|e| format!("mapping the publisher's weights: {e}"))?;
+            Ok::<_, String>(imp)
+        })
+        .await
+        .unwrap_or_else(|e| Err(format!("the mapping task failed: {e}")));
+        match mapped {
+            Ok(imp) => {
+                let src = ShmSource {
+                    importer: Arc::new(imp),
+                    path: ep.path,
+                    reg,
+                };
+                *self.mapped.lock().unwrap() = Some(src.clone());
+                Ok(Some(src))
+            }
+            Err(reason) if self.transport == Transport::Auto => {
+                tracing::info!(path = %ep.path, %reason, "the publisher's shared memory is out of reach; pulling over TCP");
+                Ok(None)
+            }
+            Err(reason) => Err(SyncError::Transfer {
+                addr: ep.path,
+                tensors: plan.len(),
+                first: plan.first().map(|p| p.0.name.clone()).unwrap_or_default(),
+                reason,
+            }),
+        }
+    }
+
     /// Reads the tensors `names` (every one not pulled yet when `None`)
-    /// into `staging` over the agent's connections, in batches of about
-    /// [`GROUP_BYTES`] started at once, checking each batch's checksums as
-    /// soon as it landed. The tensors count as pulled only if every batch
-    /// landed and every checksum matched; otherwise none of them does (a
-    /// retry reads them again).
+    /// into `staging`, each checked against its checksum: copied from the
+    /// publisher's shared memory when the staging mapped it, else read
+    /// over TCP. The tensors count as pulled only if every byte landed and
+    /// every checksum matched; otherwise none of them does (a retry reads
+    /// them again).
     pub async fn pull(
         &self,
         staging: &mut Staging,
@@ -185,13 +357,60 @@ impl Puller {
         if wanted.is_empty() {
             return Ok(PullReport::default());
         }
+        let via = match &staging.shm {
+            Some(src) => {
+                let got = pull_shm(staging, src, &wanted, Instant::now() + timeout).await;
+                (got, "shm")
+            }
+            None => (self.pull_tcp(staging, &wanted, timeout, t0).await, "tcp"),
+        };
+        let ((got, read_secs), transport) = match via {
+            (Ok(g), t) => (g, t),
+            (Err(e), _) => return Err(e),
+        };
+        let mut bytes = 0u64;
+        for (i, sum) in got {
+            let e = &staging.plan[i].0;
+            if sum != e.crc32 {
+                return Err(SyncError::Checksum {
+                    name: e.name.clone(),
+                    expected: e.crc32,
+                    got: sum,
+                });
+            }
+            bytes += e.len;
+        }
+        for &i in &wanted {
+            staging.pulled.insert(staging.plan[i].0.name.clone());
+        }
+        let seconds = t0.elapsed().as_secs_f64();
+        staging.bytes += bytes;
+        staging.seconds += seconds;
+        Ok(PullReport {
+            tensors: wanted.len(),
+            bytes,
+            seconds,
+            read_seconds: read_secs,
+            transport,
+        })
+    }
+
+    /// The TCP path of [`Puller::pull`]: batches of about [`GROUP_BYTES`]
+    /// started at once over the agent's connections, each batch's checksums
+    /// computed on a blocking thread as soon as it landed, while the later
+    /// ones are still on the wire. Returns each tensor's checksum and the
+    /// seconds until the last byte landed.
+    async fn pull_tcp(
+        &self,
+        staging: &Staging,
+        wanted: &[usize],
+        timeout: Duration,
+        t0: Instant,
+    ) -> Result<(Vec<(usize, u32)>, f64), SyncError> {
         let m = &staging.manifest;
-        // Batches of about GROUP_BYTES, all started at once; each one's
-        // checksums run on a blocking thread as soon as it landed, while
-        // the later ones are still on the wire.
         let mut groups: Vec<Vec<usize>> = vec![Vec::new()];
         let mut acc = 0u64;
-        for &i in &wanted {
+        for &i in wanted {
             if acc >= GROUP_BYTES {
                 groups.push(Vec::new());
                 acc = 0;
@@ -270,34 +489,109 @@ impl Puller {
                     .map_err(|e| SyncError::Staging(format!("a checksum task failed: {e}")))?,
             );
         }
-        if let Some(e) = failed {
-            return Err(e);
+        match failed {
+            Some(e) => Err(e),
+            None => Ok((got, read_secs)),
         }
-        let mut bytes = 0u64;
-        for (i, sum) in got {
-            let e = &staging.plan[i].0;
-            if sum != e.crc32 {
-                return Err(SyncError::Checksum {
-                    name: e.name.clone(),
-                    expected: e.crc32,
-                    got: sum,
+    }
+}
+
+/// The shared-memory path of [`Puller::pull`]: [`SHM_LANES`] threads,
+/// each copying its share of the tensors from the publisher's mapping into
+/// the staging in pieces of [`SHM_PIECE`] and checksumming each piece while
+/// it is still in cache, checking the deadline between pieces. Returns each
+/// tensor's checksum and the seconds the copies took.
+async fn pull_shm(
+    staging: &Staging,
+    src: &ShmSource,
+    wanted: &[usize],
+    deadline: Instant,
+) -> Result<(Vec<(usize, u32)>, f64), SyncError> {
+    let t0 = Instant::now();
+    let m = &staging.manifest;
+    // (tensor, offset in the publisher's registration, offset in the
+    // staging, bytes), dealt to the lanes largest first, each to the
+    // lane with the fewest bytes so far.
+    let mut jobs: Vec<(usize, u64, usize, usize)> = wanted
+        .iter()
+        .map(|&i| {
+            let (e, dest) = &staging.plan[i];
+            (i, e.offset, dest.offset, e.len as usize)
+        })
+        .collect();
+    jobs.sort_by_key(|j| std::cmp::Reverse(j.3));
+    let mut lanes: Vec<(usize, Vec<(usize, u64, usize, usize)>)> =
+        (0..SHM_LANES).map(|_| (0, Vec::new())).collect();
+    for j in jobs {
+        let lane = lanes.iter_mut().min_by_key(|l| l.0).expect("a lane");
+        lane.0 += j.3;
+        lane.1.push(j);
+    }
+    let (segment, epoch) = (m.segment, m.epoch);
+    let mut tasks = Vec::new();
+    for (_, lane) in lanes.into_iter().filter(|l| !l.1.is_empty()) {
+        let importer = src.importer.clone();
+        let region = staging.weights.region.clone();
+        tasks.push(tokio::task::spawn_blocking(move || {
+            let base = region.base() as usize;
+            let mut sums = Vec::with_capacity(lane.len());
+            for (i, from, to, n) in lane {
+                let mut h = crc32fast::Hasher::new();
+                let mut done = 0;
+                while done < n {
+                    if Instant::now() >= deadline {
+                        return Err((i, "deadline passed".to_string()));
+                    }
+                    if importer.peer_lost() {
+                        return Err((i, "the publisher was lost".to_string()));
+                    }
+                    let k = SHM_PIECE.min(n - done);
+                    // SAFETY: the tensor lies inside the staging region
+                    // (held by this task), which only this pull writes.
+                    let dst =
+                        unsafe { std::slice::from_raw_parts_mut((base + to + done) as *mut u8, k) };
+                    importer
+                        .read(segment, epoch, from + done as u64, dst)
+                        .map_err(|e| (i, e.to_string()))?;
+                    h.update(dst);
+                    done += k;
+                }
+                sums.push((i, h.finalize()));
+            }
+            Ok(sums)
+        }));
+    }
+    let mut got = Vec::with_capacity(wanted.len());
+    let mut failed = None;
+    for t in tasks {
+        match t.await {
+            Ok(Ok(sums)) => got.extend(sums),
+            Ok(Err((i, reason))) => {
+                failed.get_or_insert(SyncError::Transfer {
+                    addr: src.path.clone(),
+                    tensors: wanted.len(),
+                    first: staging.plan[i].0.name.clone(),
+                    reason,
                 });
             }
-            bytes += e.len;
+            Err(e) => {
+                failed.get_or_insert(SyncError::Staging(format!("a copy task failed: {e}")));
+            }
         }
-        for &i in &wanted {
-            staging.pulled.insert(staging.plan[i].0.name.clone());
-        }
-        let seconds = t0.elapsed().as_secs_f64();
-        staging.bytes += bytes;
-        staging.seconds += seconds;
-        Ok(PullReport {
-            tensors: wanted.len(),
-            bytes,
-            seconds,
-            read_seconds: read_secs,
-        })
     }
+    match failed {
+        Some(e) => Err(e),
+        None => Ok((got, t0.elapsed().as_secs_f64())),
+    }
+}
+
+/// A publisher's registration mapped here over shared memory.
+#[derive(Clone)]
+struct ShmSource {
+    importer: Arc<ShmImporter>,
+    /// The publisher's socket.
+    path: String,
+    reg: Registration,
 }
 
 /// What one [`Puller::pull`] moved.
@@ -307,8 +601,11 @@ pub struct PullReport {
     pub bytes: u64,
     /// The whole pull: reads and checksums.
     pub seconds: f64,
-    /// Of it, the reads.
+    /// Of it, the reads (over shared memory, the copies with their
+    /// checksums: one pass).
     pub read_seconds: f64,
+    /// `tcp` or `shm`.
+    pub transport: &'static str,
 }
 
 /// A sync in progress: the manifest, and a region laid out as the running
@@ -317,7 +614,10 @@ pub struct Staging {
     weights: Weights,
     reg: Registration,
     registry: Arc<Registry>,
-    spare: Arc<std::sync::Mutex<Option<Arc<Region>>>>,
+    spare: Arc<std::sync::Mutex<Option<Spare>>>,
+    /// The publisher's registration, mapped (shared memory), or `None`:
+    /// pulls go over TCP.
+    shm: Option<ShmSource>,
     manifest: Manifest,
     plan: Vec<(TensorEntry, TensorRef)>,
     pulled: BTreeSet<String>,
@@ -326,15 +626,32 @@ pub struct Staging {
 }
 
 impl Drop for Staging {
+    /// The publisher's mapping goes now; the region and its registration
+    /// become the puller's spare (an older spare is deregistered).
     fn drop(&mut self) {
-        self.registry.deregister(self.reg.segment);
-        *self.spare.lock().unwrap() = Some(self.weights.region.clone());
+        self.shm = None;
+        let old = self.spare.lock().unwrap().replace(Spare {
+            region: self.weights.region.clone(),
+            reg: self.reg,
+        });
+        if let Some(old) = old {
+            self.registry.deregister(old.reg.segment);
+        }
     }
 }
 
 impl Staging {
     pub fn manifest(&self) -> &Manifest {
         &self.manifest
+    }
+
+    /// `shm` when the pulls copy from the publisher's shared memory, `tcp`
+    /// otherwise.
+    pub fn transport(&self) -> &'static str {
+        match self.shm {
+            Some(_) => "shm",
+            None => "tcp",
+        }
     }
 
     /// Tensors pulled and checked, of all the model's.

@@ -1,6 +1,7 @@
-//! A real publisher and puller over loopback TCP: the staged bytes equal
-//! the published checkpoint's; a corrupted tensor, a mismatched model and a
-//! publisher that went away are refused, naming what failed.
+//! A real publisher and puller, over loopback TCP and over shared memory:
+//! the staged bytes equal the published checkpoint's; a corrupted tensor, a
+//! mismatched model and a publisher that went away are refused, naming what
+//! failed.
 
 use std::time::Duration;
 
@@ -8,7 +9,7 @@ use pdkv_model::init::write_random_checkpoint;
 use pdkv_model::loader::load_model;
 use pdkv_model::weights::Weights;
 use pdkv_model::Arch;
-use pdkv_sync::{MismatchError, PublishOptions, Publisher, Puller, SyncError};
+use pdkv_sync::{MismatchError, PublishOptions, Publisher, Puller, SyncError, Transport};
 use pdkv_transfer::auth::KvSecret;
 use pdkv_vmem::Pool;
 
@@ -33,7 +34,16 @@ fn bytes(w: &Weights) -> Vec<(String, Vec<u8>)> {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_pull_stages_the_published_weights_and_refuses_what_does_not_match() {
+async fn a_pull_over_tcp_stages_the_published_weights_and_refuses_what_does_not_match() {
+    stages_and_refuses(Transport::Tcp).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pull_over_shared_memory_stages_the_published_weights_and_refuses_what_does_not_match() {
+    stages_and_refuses(Transport::Shm).await
+}
+
+async fn stages_and_refuses(transport: Transport) {
     let (pool_a, pool_b) = (Pool::default(), Pool::default());
     let (_a_dir, running) = weights("tiny", 1, &pool_a);
     let (_b_dir, new) = weights("tiny", 2, &pool_b);
@@ -41,12 +51,16 @@ async fn a_pull_stages_the_published_weights_and_refuses_what_does_not_match() {
     let publisher = Publisher::start(new.clone(), Some("v2".into()), PublishOptions::default())
         .await
         .unwrap();
-    let puller = Puller::new(KvSecret::open(), 4).await.unwrap();
+    let puller = Puller::new(KvSecret::open(), 4)
+        .await
+        .unwrap()
+        .with_transport(transport);
 
     let manifest = puller.manifest(&publisher.url()).await.unwrap();
     assert_eq!(&manifest, publisher.manifest());
     assert_eq!(manifest.version.as_deref(), Some("v2"));
-    let mut staging = puller.stage(manifest.clone(), &running).unwrap();
+    let mut staging = puller.stage(manifest.clone(), &running).await.unwrap();
+    assert_eq!(staging.transport(), transport.name());
     // Half the tensors, then the rest: one sync in several chunks.
     let names: Vec<String> = manifest.tensors.iter().map(|t| t.name.clone()).collect();
     let (first, _) = names.split_at(names.len() / 2);
@@ -57,11 +71,14 @@ async fn a_pull_stages_the_published_weights_and_refuses_what_does_not_match() {
     let r2 = puller.pull(&mut staging, None, WAIT).await.unwrap();
     assert_eq!(r.tensors + r2.tensors, names.len());
     assert_eq!(r.bytes + r2.bytes, manifest.bytes());
-    assert_eq!(
-        publisher.bytes_served(),
-        manifest.bytes(),
-        "each byte read once"
-    );
+    assert_eq!(r.transport, transport.name());
+    // Over TCP the publisher serves each byte once; over shared memory the
+    // engine copies them itself, and the publisher's agent serves none.
+    let served = match transport {
+        Transport::Shm => 0,
+        _ => manifest.bytes(),
+    };
+    assert_eq!(publisher.bytes_served(), served, "each byte read once");
     let staged = staging.complete().unwrap();
     assert_eq!(
         bytes(&staged),
@@ -80,7 +97,7 @@ async fn a_pull_stages_the_published_weights_and_refuses_what_does_not_match() {
     new.region.read_bytes(t.offset, &mut b).unwrap();
     b[0] ^= 0x40;
     new.region.write_bytes(t.offset, &b).unwrap();
-    let mut staging = puller.stage(manifest.clone(), &running).unwrap();
+    let mut staging = puller.stage(manifest.clone(), &running).await.unwrap();
     let e = puller.pull(&mut staging, None, WAIT).await.unwrap_err();
     match &e {
         SyncError::Checksum { name: n, .. } => assert_eq!(n, &name),
@@ -94,6 +111,7 @@ async fn a_pull_stages_the_published_weights_and_refuses_what_does_not_match() {
     let (_c_dir, other) = weights("small", 3, &pool_c);
     let e = puller
         .stage(manifest.clone(), &other)
+        .await
         .err()
         .expect("a mismatch");
     match e {
@@ -103,9 +121,14 @@ async fn a_pull_stages_the_published_weights_and_refuses_what_does_not_match() {
         other => panic!("{other}"),
     }
 
-    // The publisher goes away: the pull fails, naming the publisher.
-    let mut staging = puller.stage(manifest.clone(), &running).unwrap();
-    let addr = manifest.transfer_addr.clone();
+    // The publisher goes away: the pull fails, naming the publisher (over
+    // shared memory the mapping would still hold the bytes, but a pull does
+    // not go on once its publisher is gone).
+    let mut staging = puller.stage(manifest.clone(), &running).await.unwrap();
+    let addr = match transport {
+        Transport::Shm => manifest.shm.as_ref().expect("shared").path.clone(),
+        _ => manifest.transfer_addr.clone(),
+    };
     drop(publisher);
     let e = puller.pull(&mut staging, None, WAIT).await.unwrap_err();
     assert!(

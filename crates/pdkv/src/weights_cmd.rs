@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use clap::Args;
-use pdkv_sync::{PublishOptions, Publisher, Puller};
+use pdkv_sync::{PublishOptions, Publisher, Puller, Transport};
 use pdkv_vmem::Pool;
 
 #[derive(Args)]
@@ -70,15 +70,38 @@ pub struct SyncBenchArgs {
     /// A `.gguf` file or Hugging Face directory (default: the cached SmolLM2).
     #[arg(long)]
     pub model: Option<PathBuf>,
-    /// Syncs measured (the best is reported, and every one printed).
+    /// Syncs measured per transport (the best is reported, and every one printed).
     #[arg(long, default_value_t = 5)]
     pub rounds: usize,
-    /// Connections the puller opens to the publisher.
+    /// Connections the puller opens to the publisher (TCP).
     #[arg(long, default_value_t = 4)]
     pub conns: usize,
+    /// `tcp`, `shm`, or `both`.
+    #[arg(long, default_value = "both")]
+    pub transport: String,
+}
+
+/// A plain copy of `bytes` between two warm buffers on one thread: the
+/// shared-memory baseline (as `pdkv bench transfer` measures it); GB/s.
+fn memcpy_gbps(bytes: usize) -> f64 {
+    let src: Vec<u8> = (0..bytes)
+        .map(|i| (i as u32).wrapping_mul(2654435761) as u8)
+        .collect();
+    let mut dst = vec![1u8; bytes];
+    dst.copy_from_slice(&src); // warm
+    let t0 = Instant::now();
+    dst.copy_from_slice(&src);
+    std::hint::black_box(&dst);
+    bytes as f64 / t0.elapsed().as_secs_f64() / 1e9
 }
 
 pub fn run_sync_bench(args: SyncBenchArgs) -> anyhow::Result<()> {
+    let transports: Vec<Transport> = match args.transport.as_str() {
+        "both" => vec![Transport::Tcp, Transport::Shm],
+        t => vec![Transport::parse(t)
+            .filter(|t| *t != Transport::Auto)
+            .with_context(|| format!("--transport {t}: give tcp, shm or both"))?],
+    };
     let path = checkpoint(args.model)?;
     let (running_pool, published_pool) = (Pool::default(), Pool::default());
     let running = pdkv_model::load_model(&path, &running_pool, &mut |_| {})?;
@@ -88,7 +111,8 @@ pub fn run_sync_bench(args: SyncBenchArgs) -> anyhow::Result<()> {
         .enable_all()
         .build()?;
     let rounds = args.rounds.max(1);
-    let (sync, raw, bytes) = rt.block_on(async {
+    // Per transport: sync GB/s and its baseline's GB/s, round by round.
+    let (results, bytes) = rt.block_on(async {
         let p = Publisher::start(
             published.model.weights().clone(),
             None,
@@ -98,33 +122,51 @@ pub fn run_sync_bench(args: SyncBenchArgs) -> anyhow::Result<()> {
             },
         )
         .await?;
-        let puller = Puller::new(pdkv_transfer::auth::KvSecret::open(), args.conns).await?;
         let bytes = p.manifest().bytes();
-        let (mut sync, mut raw) = (Vec::new(), Vec::new());
-        // Interleaved, so both see the same machine.
-        for r in 0..rounds {
-            let t0 = Instant::now();
-            let m = puller.manifest(&p.url()).await?;
-            let fetched = t0.elapsed().as_secs_f64();
-            let mut st = puller.stage(m, &layout)?;
-            let staged = t0.elapsed().as_secs_f64();
-            let rep = puller.pull(&mut st, None, Duration::from_secs(300)).await?;
-            st.complete()?;
-            let secs = t0.elapsed().as_secs_f64();
-            sync.push(bytes as f64 / secs / 1e9);
-            raw.push(crate::bench_transfer::raw_tcp(args.conns, bytes as usize).await?);
-            eprintln!(
-                "round {r}: sync {:.2} GB/s ({:.0} ms: manifest {:.0}, staging {:.0}, pull {:.0} + checksums {:.0}), raw TCP {:.2} GB/s",
-                sync[r],
-                secs * 1e3,
-                fetched * 1e3,
-                (staged - fetched) * 1e3,
-                rep.read_seconds * 1e3,
-                (rep.seconds - rep.read_seconds) * 1e3,
-                raw[r]
-            );
+        let mut results = Vec::new();
+        for &t in &transports {
+            let puller = Puller::new(pdkv_transfer::auth::KvSecret::open(), args.conns)
+                .await?
+                .with_transport(t);
+            let (mut sync, mut base, mut hot) = (Vec::new(), Vec::new(), Vec::new());
+            // Interleaved with the baseline, so both see the same machine.
+            for r in 0..rounds {
+                let t0 = Instant::now();
+                let m = puller.manifest(&p.url()).await?;
+                let fetched = t0.elapsed().as_secs_f64();
+                let mut st = puller.stage(m, &layout).await?;
+                let staged = t0.elapsed().as_secs_f64();
+                let rep = puller.pull(&mut st, None, Duration::from_secs(300)).await?;
+                st.complete()?;
+                drop(st);
+                let secs = t0.elapsed().as_secs_f64();
+                sync.push(bytes as f64 / secs / 1e9);
+                base.push(match t {
+                    Transport::Shm => memcpy_gbps(bytes as usize),
+                    _ => crate::bench_transfer::raw_tcp_whole(args.conns, bytes as usize).await?,
+                });
+                if t == Transport::Tcp {
+                    hot.push(crate::bench_transfer::raw_tcp(args.conns, bytes as usize).await?);
+                }
+                eprintln!(
+                    "{} round {r}: sync {:.2} GB/s ({:.0} ms: manifest {:.0}, staging {:.0}, pull {:.0} + checksums {:.0}), {} {:.2} GB/s{}",
+                    t.name(),
+                    sync[r],
+                    secs * 1e3,
+                    fetched * 1e3,
+                    (staged - fetched) * 1e3,
+                    rep.read_seconds * 1e3,
+                    (rep.seconds - rep.read_seconds) * 1e3,
+                    baseline_name(t),
+                    base[r],
+                    hot.get(r)
+                        .map(|h| format!(", raw TCP between cache-resident 1 MiB buffers {h:.2} GB/s"))
+                        .unwrap_or_default()
+                );
+            }
+            results.push((t, sync, base, hot));
         }
-        anyhow::Ok((sync, raw, bytes))
+        anyhow::Ok((results, bytes))
     })?;
     // A reload of the same checkpoint from disk (page cache warm).
     let mut disk = Vec::new();
@@ -141,26 +183,52 @@ pub fn run_sync_bench(args: SyncBenchArgs) -> anyhow::Result<()> {
     }
     let best = |v: &[f64]| v.iter().cloned().fold(f64::MIN, f64::max);
     let fastest = |v: &[f64]| v.iter().cloned().fold(f64::MAX, f64::min);
-    let (s, r) = (best(&sync), best(&raw));
-    let sync_secs = bytes as f64 / s / 1e9;
     let d = fastest(&disk);
-    println!(
-        "{} bytes: sync {:.2} GB/s ({:.0} ms), raw loopback TCP {:.2} GB/s: ratio {:.2}; reload from disk {:.0} ms ({:.1}x the sync's time)",
-        bytes,
-        s,
-        sync_secs * 1e3,
-        r,
-        s / r,
-        d * 1e3,
-        d / sync_secs
-    );
+    let mut json = serde_json::Map::new();
+    for (t, sync, base, hot) in &results {
+        let (s, b) = (best(sync), best(base));
+        let sync_secs = bytes as f64 / s / 1e9;
+        println!(
+            "{} bytes over {}: sync {:.2} GB/s ({:.0} ms), {} {:.2} GB/s: ratio {:.2}; reload from disk {:.0} ms ({:.1}x the sync's time)",
+            bytes,
+            t.name(),
+            s,
+            sync_secs * 1e3,
+            baseline_name(*t),
+            b,
+            s / b,
+            d * 1e3,
+            d / sync_secs
+        );
+        if !hot.is_empty() {
+            println!(
+                "  raw TCP between cache-resident 1 MiB buffers (the `pdkv bench transfer` baseline) {:.2} GB/s: ratio {:.2}",
+                best(hot),
+                s / best(hot)
+            );
+        }
+        json.insert(
+            t.name().into(),
+            serde_json::json!({
+                "sync_gb_s": sync, "baseline": baseline_name(*t), "baseline_gb_s": base,
+                "ratio": s / b, "disk_vs_sync_time": d / sync_secs,
+                "raw_tcp_cache_resident_gb_s": hot,
+            }),
+        );
+    }
     println!(
         "{}",
         serde_json::json!({
             "bench": "sync", "bytes": bytes, "conns": args.conns,
-            "sync_gb_s": sync, "raw_tcp_gb_s": raw, "disk_reload_s": disk,
-            "ratio_sync_vs_raw_tcp": s / r, "disk_vs_sync_time": d / sync_secs,
+            "disk_reload_s": disk, "transports": json,
         })
     );
     Ok(())
+}
+
+fn baseline_name(t: Transport) -> &'static str {
+    match t {
+        Transport::Shm => "memcpy",
+        _ => "raw loopback TCP of the same bytes between whole buffers",
+    }
 }

@@ -385,6 +385,13 @@ impl ShmImporter {
         res
     }
 
+    /// Whether the exporter's connection is gone. Mappings made before stay
+    /// readable (they hold their pages), but a caller that must not go on
+    /// without a live exporter checks this between copies.
+    pub fn peer_lost(&self) -> bool {
+        self.inner.lost.load(Ordering::Acquire)
+    }
+
     /// How many unmap requests this importer has honoured.
     pub fn unmapped(&self) -> u64 {
         self.inner.unmapped.load(Ordering::Relaxed)
