@@ -6,9 +6,11 @@ P/D deployment (`pdkv up`: a prefill server, a decode server, the proxy).
 Publishes a second checkpoint's tensors with `pdkv_publish.Publisher`,
 drives the four phases through the proxy's one address, and checks:
 a corrupted tensor and a wrong shape are refused naming the tensor while
-the old weights keep serving; a good sync makes the deployment answer what
-a fresh deployment on the second checkpoint answers, with the version on
-every engine. Exits non-zero on the first failed check.
+the old weights keep serving; a good sync over shared memory (the memfd
+sent to each engine) switches every engine to its version; a third
+checkpoint published in place (`Publisher.update`) and synced over TCP
+makes the deployment answer what a fresh deployment on that checkpoint
+answers. Exits non-zero on the first failed check.
 """
 
 import json
@@ -94,21 +96,35 @@ def probes(url):
     return out
 
 
-def sync(url, publisher):
+def sync(url, publisher, transport="auto"):
     status, v = call(url, "/init_weight_transfer_engine",
-                     {"init_info": {"backend": "pdkv", "url": publisher.url}})
+                     {"init_info": {"backend": "pdkv", "url": publisher.url, "transport": transport}})
     check(status == 200, f"init_weight_transfer_engine ({v})")
     return call(url, "/start_weight_update", {})
+
+
+def transports(v):
+    """The transport each engine reported for a fanned-out step."""
+    return sorted(e["body"].get("transport") for e in v["engines"])
+
+
+def switch(url):
+    check(call(url, "/pause?mode=keep")[0] == 200, "pause")
+    status, v = call(url, "/finish_weight_update", {})
+    check(status == 200, f"finish_weight_update ({v})")
+    check(call(url, "/resume")[0] == 200, "resume")
 
 
 def main():
     pdkv = sys.argv[1]
     secret = secrets.token_hex(16)
     with tempfile.TemporaryDirectory() as d:
-        a, b = os.path.join(d, "a"), os.path.join(d, "b")
+        a, b, c = (os.path.join(d, x) for x in "abc")
         init_checkpoint(pdkv, a, 5)
         init_checkpoint(pdkv, b, 6)
+        init_checkpoint(pdkv, c, 8)
         tensors = read_safetensors(os.path.join(b, "model.safetensors"))
+        third = read_safetensors(os.path.join(c, "model.safetensors"))
         deployment, url = up(pdkv, a, secret)
         try:
             before = probes(url)
@@ -127,7 +143,7 @@ def main():
                 status, v = sync(url, p)
                 check(status == 200, f"start_weight_update ({v})")
                 victim = p.manifest["tensors"][2]
-                p._buf[victim["offset"]] ^= 0x10
+                p._view[victim["offset"]] ^= 0x10
                 status, v = call(url, "/update_weights", {"update_info": {}})
                 check(status == 400 and victim["name"] in json.dumps(v),
                       f"a bad checksum is refused naming {victim['name']}")
@@ -139,33 +155,45 @@ def main():
                 status, v = call(url, "/update_weights", {"update_info": {}})
                 check(status == 503 and "KV secret" in json.dumps(v), "a publisher of another deployment is refused")
 
-            # The good sync, in two chunks, paused around the switch.
+            # The good sync over shared memory, in two chunks, paused
+            # around the switch.
             with Publisher(tensors, version="py-1", secret=secret) as p:
+                check(p.shm_path is not None and p.manifest["shm"]["path"] == p.shm_path,
+                      "the manifest offers shared memory")
                 status, v = sync(url, p)
-                check(status == 200, f"start_weight_update ({v})")
+                check(status == 200 and transports(v) == ["shm", "shm"], f"start_weight_update over shm ({v})")
                 names = [t["name"] for t in p.manifest["tensors"]]
                 status, v = call(url, "/update_weights", {"update_info": {"names": names[:3]}})
                 check(status == 200, f"a first chunk of 3 tensors ({v})")
                 status, v = call(url, "/update_weights", {"update_info": {}})
-                check(status == 200, f"the rest ({v})")
-                check(call(url, "/pause?mode=keep")[0] == 200, "pause")
-                status, v = call(url, "/finish_weight_update", {})
-                check(status == 200, f"finish_weight_update ({v})")
-                check(call(url, "/resume")[0] == 200, "resume")
+                check(status == 200 and transports(v) == ["shm", "shm"], f"the rest, copied from shared memory ({v})")
+                switch(url)
+                check(p.bytes_served == 0, f"no byte went over TCP ({p.bytes_served})")
+                status, info = call(url, "/weight_info", method="GET")
+                check(info.get("version") == "py-1" and info.get("agree") is True, f"every engine serves py-1 ({info})")
+                synced = probes(url)
+                check(synced != before, "the outputs changed")
+
+                # The next step's weights, published in place, over TCP.
+                p.update(third, version="py-2")
+                status, v = sync(url, p, transport="tcp")
+                check(status == 200 and transports(v) == ["tcp", "tcp"], f"start_weight_update over tcp ({v})")
+                status, v = call(url, "/update_weights", {"update_info": {}})
+                check(status == 200, f"update_weights ({v})")
+                switch(url)
                 served = p.bytes_served
                 check(served == 2 * p.total_bytes(), f"P and D each read every byte once ({served} of 2 x {p.total_bytes()})")
             status, info = call(url, "/weight_info", method="GET")
-            check(info.get("version") == "py-1" and info.get("agree") is True, f"every engine serves py-1 ({info})")
+            check(info.get("version") == "py-2" and info.get("agree") is True, f"every engine serves py-2 ({info})")
             synced = probes(url)
-            check(synced != before, "the outputs changed")
         finally:
             stop(deployment)
-        fresh, furl = up(pdkv, b, secret)
+        fresh, furl = up(pdkv, c, secret)
         try:
             want = probes(furl)
         finally:
             stop(fresh)
-        check(synced == want, "the synced deployment answers as a fresh one on the new checkpoint")
+        check(synced == want, "the synced deployment answers as a fresh one on the third checkpoint")
     print("python publisher: all checks passed")
 
 
