@@ -1,0 +1,186 @@
+"""Weight sync of the default model, end to end, against fresh engines.
+
+    python3 scripts/sync_default_model.py PDKV OLD.gguf NEW.gguf [--transport auto|tcp|shm]
+
+OLD and NEW are two checkpoints of one model (the same tensors, types and
+shapes; NEW different bytes: for SmolLM2, make one with llama.cpp's
+quantize tool, e.g. the shipped Q4_1 to Q8_0 and back to Q4_1). Starts
+`pdkv weights publish NEW`, then for each of a 1P1D deployment behind the
+proxy (`pdkv up`) and a colocated server (`pdkv serve`) on OLD: syncs NEW
+through the four weight-transfer phases (a `keep` pause around the switch,
+as a trainer makes it), and compares greedy answers with a fresh
+deployment of the same shape started on NEW. Prints each engine's pull
+time and bytes, and exits non-zero on the first failed check.
+"""
+
+import json
+import secrets
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+
+DEADLINE = 300
+TOKEN = "T"
+PROMPTS = [
+    "The capital of France is",
+    "Write a haiku about the sea:",
+    "def fibonacci(n):",
+    "Three reasons to learn Rust are",
+]
+
+
+def check(cond, what):
+    if not cond:
+        raise SystemExit(f"FAILED: {what}")
+    print(f"ok: {what}", flush=True)
+
+
+def call(url, path, body=None, method="POST"):
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url + path, data=data, method=method,
+                                 headers={"Authorization": f"Bearer {TOKEN}",
+                                          "Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=DEADLINE) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def answers(url):
+    out = []
+    for p in PROMPTS:
+        status, v = call(url, "/v1/completions",
+                         {"prompt": p, "max_tokens": 24, "temperature": 0, "ignore_eos": True})
+        check(status == 200, f"a completion answered ({status})")
+        out.append(v["choices"][0]["text"])
+    return out
+
+
+def wait_line(proc, prefix):
+    """The rest of the first stdout line of `proc` starting with `prefix`."""
+    found, ready = {}, threading.Event()
+
+    def read():
+        for line in proc.stdout:
+            if line.startswith(prefix) and "v" not in found:
+                found["v"] = line[len(prefix):].strip()
+                ready.set()
+        ready.set()
+
+    threading.Thread(target=read, daemon=True).start()
+    if not ready.wait(DEADLINE) or "v" not in found:
+        proc.kill()
+        raise SystemExit(f"FAILED: no line starting {prefix!r}")
+    return found["v"]
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start(pdkv, shape, model, secret):
+    if shape == "pd":
+        p = subprocess.Popen([pdkv, "up", "--model", model, "--port", "0", "--admin-token", TOKEN,
+                              "--kv-secret", secret],
+                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        return p, wait_line(p, "proxy: ")
+    port = free_port()
+    p = subprocess.Popen([pdkv, "serve", "--model", model, "--port", str(port),
+                          "--admin-token", TOKEN, "--kv-secret", secret],
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, text=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + DEADLINE
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=5) as r:
+                if r.status == 200:
+                    return p, url
+        except (urllib.error.URLError, ConnectionError):
+            pass
+        if p.poll() is not None:
+            raise SystemExit("FAILED: pdkv serve exited")
+        time.sleep(0.2)
+    p.kill()
+    raise SystemExit("FAILED: pdkv serve did not become healthy")
+
+
+def stop(p):
+    p.terminate()
+    try:
+        p.wait(DEADLINE)
+    except subprocess.TimeoutExpired:
+        p.kill()
+
+
+def engines(v):
+    """Each engine's answer of a step: the proxy's fan-out, or one server's."""
+    return [e["body"] for e in v["engines"]] if "engines" in v else [v]
+
+
+def sync(url, publisher_url, transport):
+    status, v = call(url, "/init_weight_transfer_engine",
+                     {"init_info": {"backend": "pdkv", "url": publisher_url, "transport": transport}})
+    check(status == 200, "init_weight_transfer_engine")
+    t0 = time.monotonic()
+    status, v = call(url, "/start_weight_update", {})
+    check(status == 200, f"start_weight_update ({v})")
+    status, v = call(url, "/update_weights", {"update_info": {}})
+    check(status == 200, f"update_weights ({v})")
+    pulls = engines(v)
+    check(call(url, "/pause?mode=keep")[0] == 200, "pause keep")
+    status, f = call(url, "/finish_weight_update", {})
+    check(status == 200, f"finish_weight_update ({f})")
+    check(call(url, "/resume")[0] == 200, "resume")
+    total = time.monotonic() - t0
+    for e, s in zip(pulls, engines(f)):
+        print(f"  engine: {e['bytes']} bytes over {e['transport']} in {e['seconds'] * 1e3:.1f} ms "
+              f"({e['bytes'] / e['seconds'] / 1e9:.2f} GB/s), switch {s['switch_seconds'] * 1e3:.1f} ms")
+    print(f"  the four phases through {url}: {total * 1e3:.0f} ms")
+
+
+def main():
+    args = sys.argv[1:]
+    transport = "auto"
+    if "--transport" in args:
+        i = args.index("--transport")
+        transport = args[i + 1]
+        del args[i:i + 2]
+    pdkv, old, new = args
+    secret = secrets.token_hex(16)
+    pub = subprocess.Popen([pdkv, "weights", "publish", new, "--version", "step-2"],
+                           stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                           env={"PDKV_KV_SECRET": secret, "PATH": "/usr/bin:/bin"})
+    publisher_url = wait_line(pub, "publishing ").rsplit(" at ", 1)[1]
+    try:
+        for shape in ("pd", "colocated"):
+            print(f"{shape}:", flush=True)
+            p, url = start(pdkv, shape, old, secret)
+            try:
+                before = answers(url)
+                sync(url, publisher_url, transport)
+                status, info = call(url, "/weight_info", method="GET")
+                check(info.get("version") == "step-2", f"every engine reports step-2 ({info.get('version')})")
+                synced = answers(url)
+            finally:
+                stop(p)
+            check(synced != before, "the answers changed")
+            f, furl = start(pdkv, shape, new, secret)
+            try:
+                want = answers(furl)
+            finally:
+                stop(f)
+            check(synced == want, f"{shape}: the synced engines answer as fresh ones on the new checkpoint")
+    finally:
+        stop(pub)
+    print("default-model sync: all checks passed")
+
+
+if __name__ == "__main__":
+    main()
