@@ -221,11 +221,7 @@ class Publisher:
                         break
                     self._unmap_acks.wait(left)
                 peers = list(self._shm_peers)
-            for p in peers:
-                try:
-                    p.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
+            _shutdown(peers)
             self._shm_sock.close()
             try:
                 os.unlink(self._shm_path)
@@ -233,11 +229,7 @@ class Publisher:
                 pass
         with self._lock:
             conns = list(self._tcp_conns)
-        for c in conns:
-            try:
-                c.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
+        _shutdown(conns)
         # The memfd's descriptor (the mapping holds the memory; mappings
         # engines still hold keep theirs).
         if self._fd >= 0:
@@ -392,6 +384,14 @@ class Publisher:
         if epoch != self.epoch:
             return (E_STALE_EPOCH, self.epoch, epoch, 0)
         return None
+
+
+def _shutdown(socks):
+    for s in socks:
+        try:
+            s.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
 
 
 def _header(kind, op, code=0, data_len=0, segment=0, key=0, epoch=0, offset=0, length=0) -> bytes:
