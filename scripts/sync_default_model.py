@@ -1,6 +1,6 @@
 """Weight sync of the default model, end to end, against fresh engines.
 
-    python3 scripts/sync_default_model.py PDKV OLD.gguf NEW.gguf [--transport auto|tcp|shm]
+    python3 scripts/sync_default_model.py PDKV OLD.gguf NEW.gguf [--transport auto|tcp|shm] [--fanout direct|relay]
 
 OLD and NEW are two checkpoints of one model (the same tensors, types and
 shapes; NEW different bytes: for SmolLM2, make one with llama.cpp's
@@ -10,7 +10,8 @@ proxy (`pdkv up`) and a colocated server (`pdkv serve`) on OLD: syncs NEW
 through the four weight-transfer phases (a `keep` pause around the switch,
 as a trainer makes it), and compares greedy answers with a fresh
 deployment of the same shape started on NEW. Prints each engine's pull
-time and bytes, and exits non-zero on the first failed check.
+time and bytes and the bytes that went through the publisher's link, and
+exits non-zero on the first failed check.
 """
 
 import json
@@ -124,9 +125,11 @@ def engines(v):
     return [e["body"] for e in v["engines"]] if "engines" in v else [v]
 
 
-def sync(url, publisher_url, transport):
-    status, v = call(url, "/init_weight_transfer_engine",
-                     {"init_info": {"backend": "pdkv", "url": publisher_url, "transport": transport}})
+def sync(url, publisher_url, transport, fanout):
+    info = {"backend": "pdkv", "url": publisher_url, "transport": transport}
+    if fanout != "direct":
+        info["fanout"] = fanout
+    status, v = call(url, "/init_weight_transfer_engine", {"init_info": info})
     check(status == 200, "init_weight_transfer_engine")
     t0 = time.monotonic()
     status, v = call(url, "/start_weight_update", {})
@@ -145,13 +148,20 @@ def sync(url, publisher_url, transport):
     print(f"  the four phases through {url}: {total * 1e3:.0f} ms")
 
 
+def served(publisher_url):
+    with urllib.request.urlopen(publisher_url + "/stats", timeout=DEADLINE) as r:
+        return json.loads(r.read())["bytes_served"]
+
+
 def main():
     args = sys.argv[1:]
-    transport = "auto"
-    if "--transport" in args:
-        i = args.index("--transport")
-        transport = args[i + 1]
-        del args[i:i + 2]
+    opts = {"--transport": "auto", "--fanout": "direct"}
+    for flag in opts:
+        if flag in args:
+            i = args.index(flag)
+            opts[flag] = args[i + 1]
+            del args[i:i + 2]
+    transport, fanout = opts["--transport"], opts["--fanout"]
     pdkv, old, new = args
     secret = secrets.token_hex(16)
     pub = subprocess.Popen([pdkv, "weights", "publish", new, "--version", "step-2"],
@@ -164,7 +174,9 @@ def main():
             p, url = start(pdkv, shape, old, secret)
             try:
                 before = answers(url)
-                sync(url, publisher_url, transport)
+                was = served(publisher_url)
+                sync(url, publisher_url, transport, fanout if shape == "pd" else "direct")
+                print(f"  through the publisher's link (TCP): {served(publisher_url) - was} bytes")
                 status, info = call(url, "/weight_info", method="GET")
                 check(info.get("version") == "step-2", f"every engine reports step-2 ({info.get('version')})")
                 synced = answers(url)

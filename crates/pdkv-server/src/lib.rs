@@ -103,9 +103,11 @@ impl AppState {
     }
 
     /// The deployment's KV secret, which weight syncs prove to the
-    /// trainer's publisher (open by default).
-    pub fn with_kv_secret(mut self, secret: pdkv_transfer::auth::KvSecret) -> AppState {
-        self.sync = Arc::new(weight_sync::WeightSync::new(secret));
+    /// trainer's publisher (open by default), and the address their puller
+    /// binds on (`ip`, port chosen by the system): where another engine
+    /// reads this one's staging in a relayed sync.
+    pub fn with_kv_secret(mut self, secret: pdkv_transfer::auth::KvSecret, ip: &str) -> AppState {
+        self.sync = Arc::new(weight_sync::WeightSync::new(secret).bind_on(ip));
         self
     }
 
@@ -186,6 +188,7 @@ pub fn router(state: AppState) -> Router {
         .route("/version", get(tokenize::version))
         .route("/health", get(routes::health))
         .route("/kv_transfer/info", get(routes::kv_transfer_info))
+        .route("/weight_sync/manifest", get(routes::weight_sync_manifest))
         .route("/metrics", get(routes::metrics))
         .route("/flush_cache", post(compat::flush_cache))
         .route("/get_model_info", get(compat::get_model_info))

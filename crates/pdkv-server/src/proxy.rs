@@ -90,6 +90,7 @@ use crate::MAX_BODY_BYTES;
 mod fanout;
 pub mod plan;
 mod relay;
+mod weight_fanout;
 
 use pdkv_connector::wire::FailCode;
 pub use plan::Role;
@@ -369,6 +370,8 @@ struct Inner {
     /// Random per process: the high half of every transfer id.
     id_seed: u64,
     next_id: AtomicU64,
+    /// How the last `init_weight_transfer_engine` fans weight syncs out.
+    weight_fanout: std::sync::Mutex<weight_fanout::Fanout>,
 }
 
 /// `http://host:port` from what a user typed (`host:port` gets `http://`).
@@ -458,6 +461,7 @@ impl Proxy {
                 metrics: Arc::new(ProxyMetrics::default()),
                 id_seed: h.finish(),
                 next_id: AtomicU64::new(0),
+                weight_fanout: std::sync::Mutex::new(weight_fanout::Fanout::Direct),
             }),
         })
     }

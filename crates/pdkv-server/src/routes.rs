@@ -658,6 +658,30 @@ pub async fn chat_completions(
     Ok(with_request_id(resp, &group.id))
 }
 
+/// `GET /weight_sync/manifest` (open, as a publisher's manifest is: the
+/// reads it describes need the deployment's KV secret): this engine's
+/// complete weight-sync staging, for another engine to pull from. The reads
+/// go to the host the caller reached this server by.
+pub async fn weight_sync_manifest(State(state): State<AppState>, headers: HeaderMap) -> Response {
+    let host = headers
+        .get(header::HOST)
+        .and_then(|h| h.to_str().ok())
+        .map(|h| match h.rsplit_once(':') {
+            // `host:port`, `[v6]:port`; a bare `[v6]` or name stays whole.
+            Some((host, port)) if !port.is_empty() && port.bytes().all(|b| b.is_ascii_digit()) => {
+                host.to_string()
+            }
+            _ => h.to_string(),
+        });
+    let Some(host) = host.filter(|h| !h.is_empty()) else {
+        return ApiError::invalid("GET /weight_sync/manifest needs a Host header").into_response();
+    };
+    match state.weight_sync().relay_manifest(&host).await {
+        Ok(v) => json_response(&v),
+        Err(e) => e.into_response(),
+    }
+}
+
 /// `GET /kv_transfer/info`: what the KV connector says about itself
 /// (engine id, role, bootstrap address), for P/D proxies; 404 without one.
 pub async fn kv_transfer_info(State(state): State<AppState>) -> Response {

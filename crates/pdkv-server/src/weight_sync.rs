@@ -49,6 +49,9 @@ const CONNS: usize = 4;
 /// The sync state of one server.
 pub struct WeightSync {
     secret: KvSecret,
+    /// Where the puller's agent binds (serving this engine's staging to a
+    /// relayed engine).
+    bind_ip: String,
     phase: Mutex<Phase>,
     /// The puller of the last init (also in `phase`), reachable without
     /// waiting for a step in progress: for the metrics and a sleep.
@@ -98,10 +101,17 @@ impl WeightSync {
     pub fn new(secret: KvSecret) -> WeightSync {
         WeightSync {
             secret,
+            bind_ip: "127.0.0.1".into(),
             phase: Mutex::new(Phase::default()),
             puller: std::sync::Mutex::new(None),
             stats: SyncStats::default(),
         }
+    }
+
+    /// The puller's agent binds on `ip` (default loopback).
+    pub fn bind_on(mut self, ip: &str) -> WeightSync {
+        self.bind_ip = ip.into();
+        self
     }
 
     pub fn stats(&self) -> &SyncStats {
@@ -136,7 +146,7 @@ impl WeightSync {
         };
         let mut p = self.phase.lock().await;
         if p.puller.as_ref().map(|p| p.transport()) != Some(transport) {
-            let puller = Puller::new(self.secret.clone(), CONNS)
+            let puller = Puller::bind(&self.bind_ip, self.secret.clone(), CONNS)
                 .await
                 .map_err(|e| ApiError::internal(format!("starting the weight puller: {e:#}")))?
                 .with_transport(transport);
@@ -157,6 +167,32 @@ impl WeightSync {
         );
         p.url = Some(url.clone());
         Ok(json!({"status": "ok", "backend": BACKEND, "url": url, "transport": transport.name()}))
+    }
+
+    /// `GET /weight_sync/manifest`: this engine's complete staging as a
+    /// publisher's manifest, for another engine of the deployment to pull
+    /// from instead of the trainer (the proxy's `relay` fan-out). The reads
+    /// go to this engine's puller agent at `host` (the host the caller
+    /// reached this server by) and need the deployment's KV secret. A 409
+    /// until every tensor is pulled.
+    pub async fn relay_manifest(&self, host: &str) -> Result<Value, ApiError> {
+        let p = self.phase.lock().await;
+        let (Some(puller), Some(staging)) = (p.puller.as_ref(), p.staging.as_ref()) else {
+            return Err(ApiError::conflict(
+                "no weight update is open here: nothing to relay",
+            ));
+        };
+        let port = puller
+            .agent_addr()
+            .rsplit_once(':')
+            .map(|(_, port)| port.to_string())
+            .unwrap_or_default();
+        let m = staging
+            .relay_manifest(format!("{host}:{port}"))
+            .map_err(|e| {
+                ApiError::conflict(format!("this engine's staging cannot be relayed yet: {e}"))
+            })?;
+        serde_json::to_value(m).map_err(|e| ApiError::internal(e.to_string()))
     }
 
     /// Frees what syncs keep between them (the staging region, the mapping

@@ -164,13 +164,25 @@ impl Publisher {
             .with_context(|| format!("binding the manifest server on {}", opts.http_addr))?;
         let http = listener.local_addr()?;
         let served = Arc::new(manifest.clone());
-        let app = Router::new().route(
-            "/manifest",
-            get(move || {
-                let m = served.clone();
-                async move { Json((*m).clone()) }
-            }),
-        );
+        let stats = agent.serve_stats().clone();
+        let total = manifest.bytes();
+        let app = Router::new()
+            .route(
+                "/manifest",
+                get(move || {
+                    let m = served.clone();
+                    async move { Json((*m).clone()) }
+                }),
+            )
+            // What the engines read so far over TCP: how many copies of the
+            // weights went through this publisher's link.
+            .route(
+                "/stats",
+                get(move || {
+                    let out = stats.bytes_out.load(std::sync::atomic::Ordering::Relaxed);
+                    async move { Json(serde_json::json!({"bytes": total, "bytes_served": out})) }
+                }),
+            );
         let task = tokio::spawn(async move {
             if let Err(e) = axum::serve(listener, app).await {
                 tracing::error!(error = %e, "the manifest server stopped");

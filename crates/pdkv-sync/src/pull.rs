@@ -121,13 +121,20 @@ struct Spare {
 impl Puller {
     /// An agent on loopback with `conns` connections per publisher.
     pub async fn new(secret: KvSecret, conns: usize) -> anyhow::Result<Puller> {
+        Puller::bind("127.0.0.1", secret, conns).await
+    }
+
+    /// An agent on `ip` (port chosen by the system) with `conns`
+    /// connections per publisher. Its address is where another engine
+    /// reads this one's complete staging ([`Staging::relay_manifest`]).
+    pub async fn bind(ip: &str, secret: KvSecret, conns: usize) -> anyhow::Result<Puller> {
         let registry = Arc::new(Registry::new(RegistryOptions::default()));
         let cfg = AgentConfig {
             secret: secret.clone(),
             conns_per_peer: conns.max(1),
             ..AgentConfig::default()
         };
-        let agent = Agent::bind("127.0.0.1:0", registry, cfg).await?;
+        let agent = Agent::bind(&format!("{ip}:0"), registry, cfg).await?;
         let http = reqwest::Client::builder()
             .timeout(Duration::from_secs(30))
             .build()?;
@@ -139,6 +146,11 @@ impl Puller {
             spare: Arc::default(),
             mapped: std::sync::Mutex::new(None),
         })
+    }
+
+    /// Where this puller's agent serves reads of its stagings.
+    pub fn agent_addr(&self) -> String {
+        self.agent.local_addr().to_string()
     }
 
     /// How this puller reaches publishers (default [`Transport::Auto`]).
@@ -667,6 +679,33 @@ impl Staging {
     /// Bytes of the staging region.
     pub fn staged_bytes(&self) -> u64 {
         self.weights.region.len() as u64
+    }
+
+    /// This staging as a publisher's manifest, once every tensor is pulled
+    /// and checked: another engine of the deployment pulls from it instead
+    /// of from the trainer (a relay). The tensors lie where the staging
+    /// holds them, read from `transfer_addr` (the puller's agent, see
+    /// [`Puller::agent_addr`]) with the deployment's KV secret; their
+    /// checksums are the publisher's.
+    pub fn relay_manifest(&self, transfer_addr: String) -> Result<Manifest, SyncError> {
+        self.complete()?;
+        Ok(Manifest {
+            protocol: crate::manifest::PROTOCOL,
+            version: self.manifest.version.clone(),
+            transfer_addr,
+            segment: self.reg.segment,
+            key: self.reg.key,
+            epoch: self.reg.epoch,
+            shm: None,
+            tensors: self
+                .plan
+                .iter()
+                .map(|(e, dest)| TensorEntry {
+                    offset: dest.offset as u64,
+                    ..e.clone()
+                })
+                .collect(),
+        })
     }
 
     /// The staged weights, once every tensor is pulled and checked.

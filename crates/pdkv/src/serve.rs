@@ -242,7 +242,8 @@ async fn serve(
     limits: pdkv_server::listen::HttpLimits,
 ) -> anyhow::Result<()> {
     // Weight syncs prove the deployment's KV secret to the publisher.
-    let mut state = AppState::new(engine.clone(), served_name.clone()).with_kv_secret(secret);
+    let mut state = AppState::new(engine.clone(), served_name.clone())
+        .with_kv_secret(secret, &addr.ip().to_string());
     if let Some(token) = admin_token {
         state = state.with_admin_token(token)?;
     }

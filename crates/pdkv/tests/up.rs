@@ -414,19 +414,8 @@ async fn up_syncs_weights_from_a_publisher_to_every_engine() {
     let dir = tempfile::tempdir().unwrap();
     let a = tiny_checkpoint(&dir.path().join("a"), 5);
     let b = tiny_checkpoint(&dir.path().join("b"), 6);
-    let mut publisher = pdkv()
-        .args(["weights", "publish", "--version", "step-1"])
-        .arg(&b)
-        .env("PDKV_KV_SECRET", SYNC_SECRET)
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("spawn pdkv weights publish");
-    let out = lines(publisher.stdout.take().unwrap());
-    let line = out.recv_timeout(DEADLINE).expect("the publishing line");
-    let pub_url = line.rsplit(' ').next().unwrap().to_string();
-    assert!(pub_url.starts_with("http://"), "{line}");
+    let c = tiny_checkpoint(&dir.path().join("c"), 8);
+    let (mut publisher, pub_url) = publish(&b, "step-1");
 
     let common = [
         "--num-kv-blocks",
@@ -457,10 +446,29 @@ async fn up_syncs_weights_from_a_publisher_to_every_engine() {
         }
     };
     let probe = |i: usize| json!({"prompt": format!("probe {i}: the river"), "max_tokens": 8, "temperature": 20.0, "seed": 77, "ignore_eos": true});
-    let mut before = Vec::new();
-    for i in 0..4 {
-        before.push(completion_text(&client, &url, probe(i)).await);
-    }
+    let probes = || async {
+        let mut out = Vec::new();
+        for i in 0..4 {
+            out.push(completion_text(&client, &url, probe(i)).await);
+        }
+        out
+    };
+    let version = || async {
+        let info: Value = client
+            .get(format!("{url}/weight_info"))
+            .bearer_auth("T")
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        assert_eq!(info["agree"], json!(true), "{info}");
+        info["version"].clone()
+    };
+    let before = probes().await;
+
+    // Direct: every engine pulls from the publisher.
     call(
         "/init_weight_transfer_engine",
         json!({"init_info": {"backend": "pdkv", "url": pub_url}}),
@@ -476,9 +484,39 @@ async fn up_syncs_weights_from_a_publisher_to_every_engine() {
     call("/pause?mode=keep", json!({})).await;
     call("/finish_weight_update", json!({})).await;
     call("/resume", json!({})).await;
-    let info: Value = client
-        .get(format!("{url}/weight_info"))
-        .bearer_auth("T")
+    assert_eq!(version().await, json!("step-1"));
+    let synced_b = probes().await;
+    assert_ne!(synced_b, before, "the weights changed");
+    let _ = publisher.kill();
+    let _ = publisher.wait();
+
+    // Relay over TCP: P pulls from the publisher, D from P's staging; one
+    // copy of the weights goes through the publisher's link.
+    let (mut publisher, pub_url) = publish(&c, "step-2");
+    call(
+        "/init_weight_transfer_engine",
+        json!({"init_info": {"url": pub_url, "transport": "tcp", "fanout": "relay"}}),
+    )
+    .await;
+    let v = call("/start_weight_update", json!({})).await;
+    assert_eq!(
+        v["engines"][1]["body"],
+        json!("not called"),
+        "D waits for P: {v}"
+    );
+    let v = call("/update_weights", json!({"update_info": {}})).await;
+    let engines = v["engines"].as_array().expect("engines");
+    assert_eq!(engines.len(), 2, "{v}");
+    for e in engines {
+        assert_eq!(e["body"]["pulled"], e["body"]["total"], "{v}");
+        assert_eq!(e["body"]["transport"], "tcp", "{v}");
+    }
+    call("/pause?mode=keep", json!({})).await;
+    call("/finish_weight_update", json!({})).await;
+    call("/resume", json!({})).await;
+    assert_eq!(version().await, json!("step-2"));
+    let stats: Value = client
+        .get(format!("{pub_url}/stats"))
         .send()
         .await
         .unwrap()
@@ -486,28 +524,46 @@ async fn up_syncs_weights_from_a_publisher_to_every_engine() {
         .await
         .unwrap();
     assert_eq!(
-        (&info["version"], &info["agree"]),
-        (&json!("step-1"), &json!(true)),
-        "{info}"
+        stats["bytes_served"], stats["bytes"],
+        "one copy through the publisher: {stats}"
     );
-    let mut synced = Vec::new();
-    for i in 0..4 {
-        synced.push(completion_text(&client, &url, probe(i)).await);
-    }
-    assert_ne!(synced, before, "the weights changed");
+    let synced_c = probes().await;
     stop(up);
     let _ = publisher.kill();
     let _ = publisher.wait();
 
-    let (fresh, furl, _ferr) =
-        start_up(&[&["--model", b.to_str().unwrap()][..], &common[..]].concat());
-    let mut want = Vec::new();
-    for i in 0..4 {
-        want.push(completion_text(&client, &furl, probe(i)).await);
+    for (ckpt, synced) in [(&b, &synced_b), (&c, &synced_c)] {
+        let (fresh, furl, _ferr) =
+            start_up(&[&["--model", ckpt.to_str().unwrap()][..], &common[..]].concat());
+        let mut want = Vec::new();
+        for i in 0..4 {
+            want.push(completion_text(&client, &furl, probe(i)).await);
+        }
+        stop(fresh);
+        assert_eq!(
+            synced,
+            &want,
+            "equal to a fresh deployment on {}",
+            ckpt.display()
+        );
     }
-    stop(fresh);
-    assert_eq!(
-        synced, want,
-        "equal to a fresh deployment on the new checkpoint"
-    );
+}
+
+/// `pdkv weights publish CKPT --version V` with the test's KV secret: the
+/// process and its manifest URL.
+fn publish(ckpt: &std::path::Path, version: &str) -> (std::process::Child, String) {
+    let mut publisher = pdkv()
+        .args(["weights", "publish", "--version", version])
+        .arg(ckpt)
+        .env("PDKV_KV_SECRET", SYNC_SECRET)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("spawn pdkv weights publish");
+    let out = lines(publisher.stdout.take().unwrap());
+    let line = out.recv_timeout(DEADLINE).expect("the publishing line");
+    let url = line.rsplit(' ').next().unwrap().to_string();
+    assert!(url.starts_with("http://"), "{line}");
+    (publisher, url)
 }

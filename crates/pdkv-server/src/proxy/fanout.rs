@@ -17,7 +17,9 @@
 //! sync's `/init_weight_transfer_engine`, `/start_weight_update` and
 //! `/finish_weight_update`, `/reset_prefix_cache`, `/abort_requests`, the
 //! reads) go to every engine at once: in a sync each engine pulls the
-//! tensors from the trainer's publisher itself.
+//! tensors from the trainer's publisher itself, unless the sync was set up
+//! to relay (decode engines pulling from prefill engines; see
+//! [`super::weight_fanout`]).
 //!
 //! Reads (`/is_sleeping`, `/is_paused`, `/weight_info`) report the
 //! deployment: a flag is true only when every engine says so, and
@@ -39,7 +41,7 @@ use crate::admin::{require_token, AdminToken};
 
 /// In which order a call reaches the roles.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Order {
+pub(super) enum Order {
     /// Prefill engines, then decode engines.
     PrefillFirst,
     /// Decode engines, then prefill engines.
@@ -50,16 +52,16 @@ enum Order {
 
 /// One engine's answer to a fanned-out call.
 #[derive(Debug)]
-struct EngineResult {
-    role: Role,
-    url: String,
+pub(super) struct EngineResult {
+    pub(super) role: Role,
+    pub(super) url: String,
     /// `None`: not called (an earlier phase failed) or no answer.
-    status: Option<u16>,
-    body: Value,
+    pub(super) status: Option<u16>,
+    pub(super) body: Value,
 }
 
 impl EngineResult {
-    fn ok(&self) -> bool {
+    pub(super) fn ok(&self) -> bool {
         self.status.is_some_and(|s| (200..300).contains(&s))
     }
 
@@ -100,36 +102,12 @@ pub(super) fn routes(token: Arc<AdminToken>) -> Router<Proxy> {
             "/resume",
             post(|s, q, b| call(s, Method::POST, "/resume", Order::DecodeFirst, q, b)),
         )
-        .route(
-            "/update_weights",
-            post(|s, q, b| call(s, Method::POST, "/update_weights", Order::Together, q, b)),
-        )
+        .route("/update_weights", post(super::weight_fanout::update))
         .route(
             "/init_weight_transfer_engine",
-            post(|s, q, b| {
-                call(
-                    s,
-                    Method::POST,
-                    "/init_weight_transfer_engine",
-                    Order::Together,
-                    q,
-                    b,
-                )
-            }),
+            post(super::weight_fanout::init),
         )
-        .route(
-            "/start_weight_update",
-            post(|s, q, b| {
-                call(
-                    s,
-                    Method::POST,
-                    "/start_weight_update",
-                    Order::Together,
-                    q,
-                    b,
-                )
-            }),
-        )
+        .route("/start_weight_update", post(super::weight_fanout::start))
         .route(
             "/finish_weight_update",
             post(|s, q, b| {
@@ -173,7 +151,7 @@ pub(super) fn routes(token: Arc<AdminToken>) -> Router<Proxy> {
 }
 
 /// Calls `path` on one engine with the proxy's admin token.
-async fn call_one(
+pub(super) async fn call_one(
     proxy: &Proxy,
     b: &Backend,
     method: Method,
@@ -220,7 +198,7 @@ async fn call_one(
 }
 
 /// The backends of `role`.
-fn backends(proxy: &Proxy, role: Role) -> &[Arc<Backend>] {
+pub(super) fn backends(proxy: &Proxy, role: Role) -> &[Arc<Backend>] {
     match role {
         Role::Prefill => &proxy.inner.prefill.backends,
         Role::Decode => &proxy.inner.decode.backends,
@@ -228,7 +206,7 @@ fn backends(proxy: &Proxy, role: Role) -> &[Arc<Backend>] {
 }
 
 /// Calls `path` on every backend of `role` at once.
-async fn call_role(
+pub(super) async fn call_role(
     proxy: &Proxy,
     role: Role,
     method: &Method,
@@ -242,7 +220,7 @@ async fn call_role(
     futures::future::join_all(calls).await
 }
 
-fn not_called(proxy: &Proxy, role: Role) -> Vec<EngineResult> {
+pub(super) fn not_called(proxy: &Proxy, role: Role) -> Vec<EngineResult> {
     backends(proxy, role)
         .iter()
         .map(|b| EngineResult {
@@ -255,7 +233,7 @@ fn not_called(proxy: &Proxy, role: Role) -> Vec<EngineResult> {
 }
 
 /// Fans `path` out in `order`; answers once every called engine has.
-async fn call(
+pub(super) async fn call(
     State(proxy): State<Proxy>,
     method: Method,
     path: &'static str,
@@ -311,7 +289,7 @@ pub(super) async fn flush_cache(proxy: State<Proxy>, query: RawQuery) -> Respons
 /// 200 with every engine's result when all succeeded; else the first
 /// failure's status (502 when an engine gave none) naming each engine that
 /// failed.
-fn answer(path: &str, results: &[EngineResult]) -> Response {
+pub(super) fn answer(path: &str, results: &[EngineResult]) -> Response {
     let (status, body) = answer_json(path, results);
     json_response(status, &body)
 }
