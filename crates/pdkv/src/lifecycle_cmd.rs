@@ -61,9 +61,10 @@
 //! - `p_sleeps_while_d_pulls` sleeps P only while a transfer waits at P, and
 //!   fails if none ever does. Write mode: P is paused (`keep`) first, so D's
 //!   pulls park at P (P's `pdkv_kv_pulls_pending` >= 1, and it stays so while
-//!   P computes nothing); read mode: D is paused (`keep`) first, so the
-//!   blocks P leased for D's reads stay held (`pdkv_kv_send_held_blocks`
-//!   >= 1).
+//!   P computes nothing); read mode: D is paused (`keep`) first and a
+//!   prompt is computed at P for a D that does not read it, so P holds its
+//!   blocks (`pdkv_kv_send_held_blocks` >= 1); D asks for it after the wake
+//!   and computes it itself.
 //! - `reset_prefix_cache_{p,d}` must answer `true` idle and `false` while a
 //!   transfer holds blocks, which the case holds on purpose under load: on
 //!   P a `do_remote_decode` request whose transfer no D has pulled yet
@@ -1695,6 +1696,27 @@ impl Runner<'_> {
         Ok(())
     }
 
+    /// A prompt computed at P for a D (`do_remote_decode`) that no D has
+    /// read yet: P holds its blocks READY until a D loads them or its lease
+    /// ends. Returns the prompt, P's `kv_transfer_params` and the id for D's
+    /// request.
+    async fn hold_a_send_at_p(&self, tag: &str) -> Result<(String, Value, String), String> {
+        let tid = format!("lc-held-{tag}");
+        let prompt = format!("{} A transfer P sleeps under: {tid}.", PREFIXES[1]);
+        let body = json!({"prompt": prompt, "max_tokens": 1, "temperature": 0, "stream": false,
+                          "kv_transfer_params": pdkv_connector::params::for_prefill(&tid)});
+        let out = self
+            .c
+            .completion(Role::P, body, &format!("{tid}-p"))
+            .await?;
+        let params = out
+            .get("kv_transfer_params")
+            .filter(|v| v.is_object())
+            .cloned()
+            .ok_or_else(|| format!("P returned no kv_transfer_params for {tid}: {out}"))?;
+        Ok((prompt, params, format!("{tid}-d")))
+    }
+
     /// `reset_prefix_cache_p` under load: P computes a prompt for a D
     /// (`do_remote_decode`) and holds its blocks READY, as no D pulled them
     /// yet; the reset must refuse. Then D loads them (which releases them).
@@ -2001,6 +2023,26 @@ impl Runner<'_> {
                     )
                     .await,
                 );
+                // Read mode: a transfer caught between P and D when D paused
+                // is luck (the proxy starts none while D is paused), so one
+                // is made on purpose: a prompt computed at P for a D that has
+                // not read it. D asks for it after the wake (P's sleep ended
+                // it, so D computes the prompt itself).
+                let held = match self.args.transfer_mode {
+                    TransferModeArg::Read => {
+                        match self
+                            .hold_a_send_at_p(&format!("{}-{cycle}", case.name))
+                            .await
+                        {
+                            Ok(h) => Some(h),
+                            Err(e) => {
+                                rep.errors.push(e);
+                                None
+                            }
+                        }
+                    }
+                    TransferModeArg::Write => None,
+                };
                 match c
                     .wait_gauge(Role::P, gauge, 1.0, Instant::now() + PROGRESS_DEADLINE)
                     .await
@@ -2031,6 +2073,18 @@ impl Runner<'_> {
                 tokio::time::sleep(self.hold()).await;
                 rep.check(c.on_all(Target::P, true, "/wake_up", None).await);
                 rep.check(c.on_all(paused, true, "/resume", None).await);
+                if let Some((prompt, params, id)) = held {
+                    let body = json!({"prompt": prompt, "max_tokens": 2, "temperature": 0,
+                                      "ignore_eos": true, "stream": false,
+                                      "kv_transfer_params": params});
+                    match c.completion(Role::D, body, &id).await {
+                        Ok(v) if v["choices"][0]["finish_reason"] == "length" => {}
+                        Ok(v) => rep
+                            .errors
+                            .push(format!("D's request for the transfer P's sleep ended: {v}")),
+                        Err(e) => rep.errors.push(e),
+                    }
+                }
             }
             Op::TrainerSequence => {
                 rep.check(
