@@ -521,22 +521,25 @@ async fn pull_shm(
 ) -> Result<(Vec<(usize, u32)>, f64), SyncError> {
     let t0 = Instant::now();
     let m = &staging.manifest;
-    // (tensor, offset in the publisher's registration, offset in the
-    // staging, bytes), dealt to the lanes largest first, each to the
-    // lane with the fewest bytes so far.
-    let mut jobs: Vec<(usize, u64, usize, usize)> = wanted
+    // Dealt to the lanes largest first, each to the lane with the fewest
+    // bytes so far.
+    let mut jobs: Vec<ShmCopy> = wanted
         .iter()
         .map(|&i| {
             let (e, dest) = &staging.plan[i];
-            (i, e.offset, dest.offset, e.len as usize)
+            ShmCopy {
+                tensor: i,
+                from: e.offset,
+                to: dest.offset,
+                len: e.len as usize,
+            }
         })
         .collect();
-    jobs.sort_by_key(|j| std::cmp::Reverse(j.3));
-    let mut lanes: Vec<(usize, Vec<(usize, u64, usize, usize)>)> =
-        (0..SHM_LANES).map(|_| (0, Vec::new())).collect();
+    jobs.sort_by_key(|j| std::cmp::Reverse(j.len));
+    let mut lanes: Vec<(usize, Vec<ShmCopy>)> = (0..SHM_LANES).map(|_| (0, Vec::new())).collect();
     for j in jobs {
         let lane = lanes.iter_mut().min_by_key(|l| l.0).expect("a lane");
-        lane.0 += j.3;
+        lane.0 += j.len;
         lane.1.push(j);
     }
     let (segment, epoch) = (m.segment, m.epoch);
@@ -547,7 +550,13 @@ async fn pull_shm(
         tasks.push(tokio::task::spawn_blocking(move || {
             let base = region.base() as usize;
             let mut sums = Vec::with_capacity(lane.len());
-            for (i, from, to, n) in lane {
+            for ShmCopy {
+                tensor: i,
+                from,
+                to,
+                len: n,
+            } in lane
+            {
                 let mut h = crc32fast::Hasher::new();
                 let mut done = 0;
                 while done < n {
@@ -595,6 +604,16 @@ async fn pull_shm(
         Some(e) => Err(e),
         None => Ok((got, t0.elapsed().as_secs_f64())),
     }
+}
+
+/// One tensor of a pull over shared memory.
+struct ShmCopy {
+    tensor: usize,
+    /// Where it lies in the publisher's registration.
+    from: u64,
+    /// Where it goes in the staging.
+    to: usize,
+    len: usize,
 }
 
 /// A publisher's registration mapped here over shared memory.
