@@ -287,13 +287,7 @@ class Publisher:
         if not self._handshake(sock):
             return
         total = self._size
-        while True:
-            h = _recv_exact(sock, HEADER_LEN)
-            if h is None:
-                return
-            magic, version, kind, _code, data_len, op, seg, key, epoch, off, n = HEADER.unpack(h)
-            if magic != MAGIC or version != VERSION or data_len != 0:
-                return  # a frame we do not take closes the connection
+        for kind, op, seg, key, epoch, off, n in _frames(sock):
             if kind == K_HELLO:
                 sock.sendall(_header(K_HELLO, 0))
             elif kind == K_READ_REQ:
@@ -342,13 +336,7 @@ class Publisher:
             if self._closing:
                 return
             self._shm_peers[sock] = set()
-        while True:
-            h = _recv_exact(sock, HEADER_LEN)
-            if h is None:
-                return
-            magic, version, kind, _code, data_len, op, seg, key, epoch, off, n = HEADER.unpack(h)
-            if magic != MAGIC or version != VERSION or data_len != 0:
-                return
+        for kind, op, seg, key, epoch, _off, n in _frames(sock):
             if kind == K_MAP_REQ:
                 err = self._check(seg, key, epoch)
                 if err is None and n != self._size:
@@ -384,6 +372,20 @@ class Publisher:
         if epoch != self.epoch:
             return (E_STALE_EPOCH, self.epoch, epoch, 0)
         return None
+
+
+def _frames(sock: socket.socket):
+    """The headers a peer sends, as (kind, op, segment, key, epoch, offset,
+    len), until it closes or sends a frame neither side of the publisher
+    takes (one with data, or another magic or version)."""
+    while True:
+        h = _recv_exact(sock, HEADER_LEN)
+        if h is None:
+            return
+        magic, version, kind, _code, data_len, op, seg, key, epoch, off, n = HEADER.unpack(h)
+        if magic != MAGIC or version != VERSION or data_len != 0:
+            return
+        yield kind, op, seg, key, epoch, off, n
 
 
 def _shutdown(socks):

@@ -34,6 +34,24 @@ pub(super) enum Fanout {
     Relay,
 }
 
+/// `path` to every engine at once, as the other fanned-out calls.
+async fn together(
+    proxy: Proxy,
+    path: &'static str,
+    query: Option<String>,
+    body: Bytes,
+) -> Response {
+    call(
+        State(proxy),
+        Method::POST,
+        path,
+        Order::Together,
+        RawQuery(query),
+        body,
+    )
+    .await
+}
+
 fn mode(proxy: &Proxy) -> Fanout {
     *proxy.inner.weight_fanout.lock().unwrap()
 }
@@ -74,15 +92,7 @@ pub(super) async fn init(
     let prefill = backends(&proxy, Role::Prefill);
     if fanout == Fanout::Direct || prefill.is_empty() {
         *proxy.inner.weight_fanout.lock().unwrap() = Fanout::Direct;
-        return call(
-            State(proxy),
-            Method::POST,
-            path,
-            Order::Together,
-            RawQuery(query),
-            to_p,
-        )
-        .await;
+        return together(proxy, path, query, to_p).await;
     }
     // Decode engine i pulls from prefill engine i mod P.
     let to_d: Vec<Bytes> = (0..backends(&proxy, Role::Decode).len())
@@ -119,15 +129,7 @@ pub(super) async fn start(
 ) -> Response {
     let path = "/start_weight_update";
     if mode(&proxy) == Fanout::Direct {
-        return call(
-            State(proxy),
-            Method::POST,
-            path,
-            Order::Together,
-            RawQuery(query),
-            body,
-        )
-        .await;
+        return together(proxy, path, query, body).await;
     }
     let mut results = call_role(
         &proxy,
@@ -156,15 +158,7 @@ pub(super) async fn update(
         .ok()
         .is_some_and(|v| v.get("update_info").is_some());
     if mode(&proxy) == Fanout::Direct || !is_sync {
-        return call(
-            State(proxy),
-            Method::POST,
-            path,
-            Order::Together,
-            RawQuery(query),
-            body,
-        )
-        .await;
+        return together(proxy, path, query, body).await;
     }
     let q = query.as_deref();
     let mut results = call_role(&proxy, Role::Prefill, &Method::POST, path, q, &body).await;
