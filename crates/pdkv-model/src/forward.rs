@@ -14,7 +14,7 @@ use anyhow::{bail, ensure, Context};
 use pdkv_vmem::{Pool, Region, Tag};
 use rayon::prelude::*;
 
-use crate::kernels::{self, AttendArgs, Linear};
+use crate::kernels::{self, AttnQuery, Linear};
 use crate::kv::KvCache;
 use crate::qkernels::{self, QActs, QLinear};
 use crate::tp::RankTp;
@@ -120,6 +120,10 @@ struct AttnTask {
 /// Queries per attention task.
 const ATTN_ROWS: usize = 16;
 
+/// Query heads that sweep the key tiles together (a task's rows times its
+/// heads, in slices of this many).
+const ATTN_QUERIES: usize = 64;
+
 /// Scratch memory for a step, in `runtime` regions. Grows when a step needs
 /// more than it holds, never shrinks; steady-state steps allocate nothing.
 pub struct Workspace {
@@ -128,9 +132,6 @@ pub struct Workspace {
     /// Tokens the activation region holds.
     cap_tokens: usize,
     act: Arc<Region>,
-    /// Attention scores: one row of `scores_len` floats per math thread.
-    scores: Option<Arc<Region>>,
-    scores_len: usize,
     tokens: Vec<TokenMeta>,
     tasks: Vec<AttnTask>,
     logit_rows: Vec<usize>,
@@ -152,8 +153,6 @@ impl Workspace {
             dims,
             cap_tokens,
             act,
-            scores: None,
-            scores_len: 0,
             tokens: Vec::with_capacity(cap_tokens),
             tasks: Vec::new(),
             logit_rows: Vec::new(),
@@ -174,22 +173,12 @@ impl Workspace {
             .with_context(|| format!("allocating {bytes} bytes of activations for {tokens} tokens"))
     }
 
-    /// Makes room for `tokens` tokens and contexts of `ctx` positions.
-    fn reserve(&mut self, tokens: usize, ctx: usize, threads: usize) -> anyhow::Result<()> {
+    /// Makes room for `tokens` tokens.
+    fn reserve(&mut self, tokens: usize) -> anyhow::Result<()> {
         if tokens > self.cap_tokens {
             let cap = tokens.max(self.cap_tokens * 2);
             self.act = Self::alloc_act(&self.pool, &self.dims, cap)?;
             self.cap_tokens = cap;
-        }
-        if ctx > self.scores_len || self.scores.is_none() {
-            let len = ctx.next_power_of_two().max(1024);
-            let bytes = len * threads * 4;
-            let region = self
-                .pool
-                .allocate(Tag::Runtime, bytes)
-                .with_context(|| format!("allocating {bytes} bytes of attention scores"))?;
-            self.scores = Some(region);
-            self.scores_len = len;
         }
         Ok(())
     }
@@ -382,7 +371,7 @@ impl Model {
             Some(tp) => &*tp.threads,
             None => kernels::thread_pool(),
         };
-        ws.reserve(ws.tokens.len(), max_ctx, pool.current_num_threads())?;
+        ws.reserve(ws.tokens.len())?;
         pool.install(|| self.run_step(kv, ws, seqs, logits))
     }
 
@@ -473,8 +462,6 @@ impl Model {
         let mut qa = std::mem::replace(&mut ws.qacts, QActs::new());
         let mut tpb = std::mem::take(&mut ws.tp);
         let int8 = self.int8_activations;
-        let scores = ws.scores.clone().expect("reserved before the step");
-        let scores_len = ws.scores_len;
         let b = ws.bufs(t_all);
 
         // A rank of a tensor-parallel model holds some rows of each matrix
@@ -606,40 +593,36 @@ impl Model {
             {
                 let q = &*b.q;
                 let att = RawPtr(b.att.as_mut_ptr());
-                let scores_base = RawPtr(scores.base() as *mut f32);
                 let tokens = &tokens;
                 tasks.par_iter().for_each(|task| {
                     let s = &seqs[task.seq];
                     let need = (s.start_pos + s.tokens.len()).div_ceil(BLOCK_SIZE);
                     let rows = kv.paged_rows(li, task.kv_head, hd, &s.block_table[..need]);
-                    let tid = rayon::current_thread_index().unwrap_or(0);
-                    // SAFETY: each math thread owns its own score row (it runs
-                    // one task at a time, tasks do not nest); `reserve` sized
-                    // the rows for the longest context of the step.
-                    let sc = unsafe {
-                        std::slice::from_raw_parts_mut(
-                            scores_base.get().add(tid * scores_len),
-                            scores_len,
-                        )
-                    };
+                    // The task's queries go through the tiles together, up
+                    // to `ATTN_QUERIES` at a time.
+                    let mut qs = [AttnQuery::EMPTY; ATTN_QUERIES];
+                    let mut n = 0;
                     for (r, tm) in tokens.iter().enumerate().take(task.row1).skip(task.row0) {
                         for head in task.h0..task.h1 {
                             let off = r * q_dim + head * hd;
-                            // SAFETY: tasks cover disjoint (row, head) slices
-                            // of `att`; the blocks hold every position up to
-                            // the query's, written above or by earlier steps.
-                            unsafe {
-                                let out = std::slice::from_raw_parts_mut(att.get().add(off), hd);
-                                let args = AttendArgs {
-                                    q: &q[off..off + hd],
-                                    pos: tm.pos,
-                                    rows,
-                                    scale,
-                                };
-                                kernels::attend(&args, sc, out);
+                            qs[n] = AttnQuery::new(
+                                q[off..off + hd].as_ptr(),
+                                tm.pos,
+                                att.get().wrapping_add(off),
+                            );
+                            n += 1;
+                            if n == ATTN_QUERIES {
+                                // SAFETY: tasks cover disjoint (row, head)
+                                // slices of `att`; the blocks hold every
+                                // position up to each query's, written above
+                                // or by earlier steps.
+                                unsafe { kernels::attend_many(&rows, hd, scale, &mut qs) };
+                                n = 0;
                             }
                         }
                     }
+                    // SAFETY: as above.
+                    unsafe { kernels::attend_many(&rows, hd, scale, &mut qs[..n]) };
                 });
             }
             let (att, att_k) = gather_input(

@@ -792,144 +792,140 @@ mod avx2 {
         p * f32::from_bits(((n as i32 + 127) as u32) << 23)
     }
 
-    /// Attention for one (query, head); see [`super::attend`]. Scores use
-    /// [`dot`]; the output keeps 32 columns in registers while it sweeps the
-    /// positions in order, so each element is `fma(p_t, v_t, acc)` over
-    /// `t = 0..=pos`.
+    /// [`super::attend_many`] with AVX2 tiles.
     #[target_feature(enable = "avx2,fma")]
-    pub(super) unsafe fn attend_one(
-        args: &super::AttendArgs<'_>,
-        scores: &mut [f32],
-        out: &mut [f32],
+    pub(super) unsafe fn attend_many(
+        rows: &super::PagedRows<'_>,
+        hd: usize,
+        scale: f32,
+        qs: &mut [super::AttnQuery],
     ) {
-        let hd = args.q.len();
-        let n = args.pos + 1;
-        let scores = &mut scores[..n];
-        let rows = &args.rows;
-        let q = args.q.as_ptr();
-        // Keys 8 at a time (a group of 8 never straddles a block when the
-        // block size is a multiple of 8): 8 dots side by side, reduced
-        // together in `hsum`'s order, so each score has `dot`'s bits.
-        let mut t = 0;
-        let mut maxv = _mm256_set1_ps(f32::NEG_INFINITY);
-        if rows.block_size % 8 == 0 && hd % 8 == 0 {
-            let scale = _mm256_set1_ps(args.scale);
-            while t + 8 <= n {
-                let k0 = rows.k_row(t);
-                let mut acc = [_mm256_setzero_ps(); 8];
-                let mut p = 0;
-                while p < hd {
-                    let qv = _mm256_loadu_ps(q.add(p));
-                    for (i, a) in acc.iter_mut().enumerate() {
-                        *a = _mm256_fmadd_ps(
-                            qv,
-                            _mm256_loadu_ps(k0.add(i * rows.row_stride + p)),
-                            *a,
-                        );
-                    }
-                    p += 8;
-                }
-                let s = _mm256_mul_ps(hsum8(&acc), scale);
-                _mm256_storeu_ps(scores.as_mut_ptr().add(t), s);
-                maxv = _mm256_max_ps(maxv, s);
-                t += 8;
-            }
-        }
-        let mut lanes = [0f32; 8];
-        _mm256_storeu_ps(lanes.as_mut_ptr(), maxv);
-        let mut max = lanes.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
-        for (t, s) in scores.iter_mut().enumerate().skip(t) {
-            *s = dot(q, rows.k_row(t), hd) * args.scale;
-            max = max.max(*s);
-        }
-        let n8 = n & !7;
-        let mv = _mm256_set1_ps(max);
-        let sp = scores.as_mut_ptr();
-        let mut t = 0;
-        while t < n8 {
-            _mm256_storeu_ps(
-                sp.add(t),
-                exp8(_mm256_sub_ps(_mm256_loadu_ps(sp.add(t)), mv)),
-            );
-            t += 8;
-        }
-        for s in &mut scores[n8..] {
-            *s = exp1(*s - max);
-        }
-        // Four running sums (position t into sum t % 4), so the additions
-        // do not wait on each other; a fixed order all the same.
-        let mut sums = [0f64; 4];
-        let quads = scores.chunks_exact(4);
-        let rest = quads.remainder();
-        for quad in quads {
-            for (acc, &e) in sums.iter_mut().zip(quad) {
-                *acc += e as f64;
-            }
-        }
-        for (acc, &e) in sums.iter_mut().zip(rest) {
-            *acc += e as f64;
-        }
-        let inv = (1.0 / ((sums[0] + sums[1]) + (sums[2] + sums[3]))) as f32;
-        for s in scores.iter_mut() {
-            *s *= inv;
-        }
+        super::attend_many_generic(rows, hd, scale, qs, |q, kp, v_offset, hd, scale, seen| {
+            // SAFETY: as `attend_many`'s contract; AVX2 and FMA are enabled here.
+            unsafe { attend_tile(q, kp, v_offset, hd, scale, seen) }
+        })
+    }
 
-        // out = Σ p_t · v_t in position order, a block of positions at a
-        // time (its rows at a fixed stride, no lookup per position).
-        let bs = rows.block_size;
-        // An iterator, not a callback through `dyn FnMut`: the accumulators
-        // stay in registers instead of being stored and reloaded per position.
-        let scores = &*scores;
-        let v_rows = || {
-            rows.block_table[..n.div_ceil(bs)]
-                .iter()
-                .enumerate()
-                .map(move |(bi, &blk)| {
-                    let base = rows.base.wrapping_add(
-                        blk as usize * rows.block_stride + rows.head_offset + rows.v_offset,
-                    );
-                    (base, &scores[bi * bs..((bi + 1) * bs).min(n)])
-                })
+    /// One tile for one query. Scores: 8 keys side by side over the head's
+    /// columns, reduced in `hsum`'s order (then the columns past a multiple
+    /// of 8 one by one), times the scale; keys the query does not see become
+    /// `-inf`. `p = exp(s - m)` 8 at a time, the tile's sum in `hsum`'s
+    /// order. The output keeps 64 columns in registers while it takes the
+    /// tile's positions in order: each element is `fma(p_t, v_t, acc)`.
+    #[inline(always)]
+    unsafe fn attend_tile(
+        q: &mut super::AttnQuery,
+        kp: &[*const f32; super::KEY_TILE],
+        v_offset: usize,
+        hd: usize,
+        scale: f32,
+        seen: usize,
+    ) {
+        let hd8 = hd & !7;
+        let qp = q.q;
+        let mut s = [0f32; super::KEY_TILE];
+        for h in 0..super::KEY_TILE / 8 {
+            let mut acc = [_mm256_setzero_ps(); 8];
+            let mut p = 0;
+            while p < hd8 {
+                let qv = _mm256_loadu_ps(qp.add(p));
+                for (i, a) in acc.iter_mut().enumerate() {
+                    *a = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kp[8 * h + i].add(p)), *a);
+                }
+                p += 8;
+            }
+            _mm256_storeu_ps(s.as_mut_ptr().add(8 * h), hsum8(&acc));
+        }
+        if hd8 < hd {
+            for (j, sj) in s.iter_mut().enumerate() {
+                for c in hd8..hd {
+                    *sj += *qp.add(c) * *kp[j].add(c);
+                }
+            }
+        }
+        let lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+        let ninf = _mm256_set1_ps(f32::NEG_INFINITY);
+        let sv = _mm256_set1_ps(scale);
+        let masked = |h: usize| {
+            let keep = _mm256_cmpgt_epi32(_mm256_set1_epi32(seen as i32 - 8 * h as i32), lane);
+            let x = _mm256_mul_ps(_mm256_loadu_ps(s.as_ptr().add(8 * h)), sv);
+            _mm256_blendv_ps(ninf, x, _mm256_castsi256_ps(keep))
         };
+        let (s0, s1) = (masked(0), masked(1));
+        let mut lanes = [0f32; 8];
+        _mm256_storeu_ps(lanes.as_mut_ptr(), _mm256_max_ps(s0, s1));
+        let m = lanes.iter().fold(q.m, |m, &v| m.max(v));
+        let mv = _mm256_set1_ps(m);
+        let (p0, p1) = (exp8(_mm256_sub_ps(s0, mv)), exp8(_mm256_sub_ps(s1, mv)));
+        let sum = hsum(_mm256_add_ps(p0, p1));
+        let mut ps = [0f32; super::KEY_TILE];
+        _mm256_storeu_ps(ps.as_mut_ptr(), p0);
+        _mm256_storeu_ps(ps.as_mut_ptr().add(8), p1);
+        // How the accumulator starts: zero on the first tile, rescaled when
+        // the maximum grew, as it is otherwise (`x * 1` would change nothing).
+        let first = q.m == f32::NEG_INFINITY;
+        let alpha = if !first && m > q.m {
+            exp1(q.m - m)
+        } else {
+            1.0
+        };
+        q.l = if first { sum } else { q.l * alpha + sum };
+        q.m = m;
+        let rescale = !first && alpha != 1.0;
+        let av = _mm256_set1_ps(alpha);
+        let out = q.out;
+        let start = |at: *const f32| {
+            if first {
+                _mm256_setzero_ps()
+            } else if rescale {
+                _mm256_mul_ps(_mm256_loadu_ps(at), av)
+            } else {
+                _mm256_loadu_ps(at)
+            }
+        };
+        let ps = &ps[..seen];
         let mut c = 0;
         while c + 64 <= hd {
             let mut acc = [_mm256_setzero_ps(); 8];
-            for (base, ps) in v_rows() {
-                for (i, &p) in ps.iter().enumerate() {
-                    let v = base.add(i * rows.row_stride + c);
-                    let pv = _mm256_set1_ps(p);
-                    for (j, a) in acc.iter_mut().enumerate() {
-                        *a = _mm256_fmadd_ps(pv, _mm256_loadu_ps(v.add(8 * j)), *a);
-                    }
+            for (j, a) in acc.iter_mut().enumerate() {
+                *a = start(out.add(c + 8 * j));
+            }
+            for (t, &p) in ps.iter().enumerate() {
+                let v = kp[t].add(v_offset + c);
+                let pv = _mm256_set1_ps(p);
+                for (j, a) in acc.iter_mut().enumerate() {
+                    *a = _mm256_fmadd_ps(pv, _mm256_loadu_ps(v.add(8 * j)), *a);
                 }
             }
             for (j, a) in acc.iter().enumerate() {
-                _mm256_storeu_ps(out.as_mut_ptr().add(c + 8 * j), *a);
+                _mm256_storeu_ps(out.add(c + 8 * j), *a);
             }
             c += 64;
         }
         while c + 8 <= hd {
-            let mut acc = _mm256_setzero_ps();
-            for (base, ps) in v_rows() {
-                for (i, &p) in ps.iter().enumerate() {
-                    acc = _mm256_fmadd_ps(
-                        _mm256_set1_ps(p),
-                        _mm256_loadu_ps(base.add(i * rows.row_stride + c)),
-                        acc,
-                    );
-                }
+            let mut acc = start(out.add(c));
+            for (t, &p) in ps.iter().enumerate() {
+                acc = _mm256_fmadd_ps(
+                    _mm256_set1_ps(p),
+                    _mm256_loadu_ps(kp[t].add(v_offset + c)),
+                    acc,
+                );
             }
-            _mm256_storeu_ps(out.as_mut_ptr().add(c), acc);
+            _mm256_storeu_ps(out.add(c), acc);
             c += 8;
         }
         while c < hd {
-            let mut acc = 0f32;
-            for (base, ps) in v_rows() {
-                for (i, &p) in ps.iter().enumerate() {
-                    acc = p.mul_add(*base.add(i * rows.row_stride + c), acc);
-                }
+            let mut acc = if first {
+                0.0
+            } else if rescale {
+                *out.add(c) * alpha
+            } else {
+                *out.add(c)
+            };
+            for (t, &p) in ps.iter().enumerate() {
+                acc = p.mul_add(*kp[t].add(v_offset + c), acc);
             }
-            out[c] = acc;
+            *out.add(c) = acc;
             c += 1;
         }
     }
@@ -1053,18 +1049,43 @@ mod portable {
         }
     }
 
-    pub(super) unsafe fn attend_one(
-        args: &super::AttendArgs<'_>,
-        scores: &mut [f32],
-        out: &mut [f32],
+    /// One tile of [`super::attend_many`] for one query: `seen` of the
+    /// tile's keys, scalar operations in a fixed order.
+    pub(super) unsafe fn attend_tile(
+        q: &mut super::AttnQuery,
+        kp: &[*const f32; super::KEY_TILE],
+        v_offset: usize,
+        hd: usize,
+        scale: f32,
+        seen: usize,
     ) {
-        super::attend_one_generic(
-            args,
-            scores,
-            out,
-            |a, b, k| dot(a, b, k),
-            |acc, p, v, k| axpy(acc, p, v, k),
-        )
+        let mut s = [0f32; super::KEY_TILE];
+        for (j, sj) in s.iter_mut().enumerate().take(seen) {
+            *sj = dot(q.q, kp[j], hd) * scale;
+        }
+        let m = s[..seen].iter().fold(q.m, |m, &v| m.max(v));
+        let mut sum = 0f32;
+        for sj in &mut s[..seen] {
+            *sj = (*sj - m).exp();
+            sum += *sj;
+        }
+        let first = q.m == f32::NEG_INFINITY;
+        if first {
+            std::slice::from_raw_parts_mut(q.out, hd).fill(0.0);
+            q.l = sum;
+        } else if m > q.m {
+            let alpha = (q.m - m).exp();
+            for c in 0..hd {
+                *q.out.add(c) *= alpha;
+            }
+            q.l = q.l * alpha + sum;
+        } else {
+            q.l += sum;
+        }
+        q.m = m;
+        for (j, &p) in s.iter().enumerate().take(seen) {
+            axpy(q.out, p, kp[j].add(v_offset), hd);
+        }
     }
 }
 
@@ -1187,6 +1208,44 @@ impl PagedRows<'_> {
     }
 }
 
+/// Keys per tile of the online softmax: tiles start at multiples of
+/// `KEY_TILE` positions, whatever the queries around them, so a query's
+/// arithmetic depends on its position and the cache alone.
+pub const KEY_TILE: usize = 16;
+
+/// One query head of an [`attend_many`] call: its vector (`head_dim`
+/// floats, after norm and RoPE), its position (keys `0..=pos` are read) and
+/// its output row (`head_dim` floats, also the running accumulator).
+#[derive(Clone, Copy)]
+pub struct AttnQuery {
+    q: *const f32,
+    pos: usize,
+    out: *mut f32,
+    /// Running maximum of the scores seen so far (`-inf` before the first tile).
+    m: f32,
+    /// Running sum of `exp(score - m)`.
+    l: f32,
+}
+
+impl AttnQuery {
+    pub const EMPTY: AttnQuery = AttnQuery {
+        q: std::ptr::null(),
+        pos: 0,
+        out: std::ptr::null_mut(),
+        m: f32::NEG_INFINITY,
+        l: 0.0,
+    };
+
+    pub fn new(q: *const f32, pos: usize, out: *mut f32) -> Self {
+        AttnQuery {
+            q,
+            pos,
+            out,
+            ..Self::EMPTY
+        }
+    }
+}
+
 /// One query head attending over a sequence's cached positions `0..=pos`.
 pub struct AttendArgs<'a> {
     /// The query head vector (`head_dim`, after norm and RoPE).
@@ -1197,50 +1256,99 @@ pub struct AttendArgs<'a> {
     pub scale: f32,
 }
 
-/// Causal attention for one (query, head): `out = softmax(q·Kᵀ·scale) · V`.
-/// `scores` must hold at least `pos + 1` floats; `out` is `head_dim`.
+/// Causal attention for one (query, head): `out = softmax(q·Kᵀ·scale) · V`,
+/// [`attend_many`] with one query.
 ///
 /// # Safety
-/// `args.rows` must describe `head_dim` readable floats of K and of V for
-/// every position `t <= pos`, not written while this runs.
-pub unsafe fn attend(args: &AttendArgs<'_>, scores: &mut [f32], out: &mut [f32]) {
-    match backend() {
+/// As [`attend_many`]; `out` is `head_dim` floats.
+pub unsafe fn attend(args: &AttendArgs<'_>, out: &mut [f32]) {
+    assert_eq!(args.q.len(), out.len());
+    let mut q = [AttnQuery::new(args.q.as_ptr(), args.pos, out.as_mut_ptr())];
+    attend_many(&args.rows, args.q.len(), args.scale, &mut q);
+}
+
+/// Causal attention for query heads that share one KV head:
+/// `out = softmax(q·Kᵀ·scale) · V` for each, by tiles of [`KEY_TILE`] keys
+/// with an online softmax (a running maximum and sum; the accumulator is
+/// rescaled when the maximum grows). The tiles sweep every query's keys once:
+/// a tile's K and V rows are read from memory once for all the queries, and
+/// stay in cache while each of them uses it.
+///
+/// Each query's operations depend only on its position and the cache (the
+/// tiles, the order of additions in each, where the rescaling happens), not
+/// on which other queries share the call: the bits are the same however a
+/// sequence is batched, chunked or preempted.
+///
+/// # Safety
+/// `rows` must describe `head_dim` readable floats of K and of V for every
+/// position up to the largest `pos`, not written while this runs; each
+/// query's `q` must point at `head_dim` readable floats and its `out` at
+/// `head_dim` writable floats that nothing else touches meanwhile.
+pub unsafe fn attend_many(rows: &PagedRows<'_>, head_dim: usize, scale: f32, qs: &mut [AttnQuery]) {
+    attend_many_with(backend(), rows, head_dim, scale, qs)
+}
+
+/// [`attend_many`] on a given backend (one the CPU has).
+unsafe fn attend_many_with(
+    be: Backend,
+    rows: &PagedRows<'_>,
+    head_dim: usize,
+    scale: f32,
+    qs: &mut [AttnQuery],
+) {
+    match be {
         #[cfg(target_arch = "x86_64")]
-        Backend::Avx2Fma => avx2::attend_one(args, scores, out),
-        _ => portable::attend_one(args, scores, out),
+        Backend::Avx2Fma => avx2::attend_many(rows, head_dim, scale, qs),
+        _ => attend_many_generic(
+            rows,
+            head_dim,
+            scale,
+            qs,
+            |q, kp, v_offset, hd, scale, seen| {
+                // SAFETY: as this function's contract.
+                unsafe { portable::attend_tile(q, kp, v_offset, hd, scale, seen) }
+            },
+        ),
     }
 }
 
+/// The sweep of [`attend_many`]: tiles in position order, every query that
+/// reaches a tile taking it in turn, then the division by the sum. `tile`
+/// takes a query, the tile's 16 K row pointers (the V row is `v_offset`
+/// floats further), and how many of them the query sees.
 #[inline(always)]
-unsafe fn attend_one_generic(
-    args: &AttendArgs<'_>,
-    scores: &mut [f32],
-    out: &mut [f32],
-    dot: impl Fn(*const f32, *const f32, usize) -> f32,
-    axpy: impl Fn(*mut f32, f32, *const f32, usize),
+unsafe fn attend_many_generic(
+    rows: &PagedRows<'_>,
+    hd: usize,
+    scale: f32,
+    qs: &mut [AttnQuery],
+    tile: impl Fn(&mut AttnQuery, &[*const f32; KEY_TILE], usize, usize, f32, usize),
 ) {
-    let hd = args.q.len();
-    let n = args.pos + 1;
-    let scores = &mut scores[..n];
-    let mut max = f32::NEG_INFINITY;
-    for (t, s) in scores.iter_mut().enumerate() {
-        *s = dot(args.q.as_ptr(), args.rows.k_row(t), hd) * args.scale;
-        max = max.max(*s);
+    let Some(max_pos) = qs.iter().map(|q| q.pos).max() else {
+        return;
+    };
+    for q in qs.iter_mut() {
+        q.m = f32::NEG_INFINITY;
+        q.l = 0.0;
     }
-    let mut sum = 0f64;
-    for s in scores.iter_mut() {
-        *s = (*s - max).exp();
-        sum += *s as f64;
+    let mut kp = [std::ptr::null(); KEY_TILE];
+    for t0 in (0..=max_pos).step_by(KEY_TILE) {
+        // Rows past the last query's position are not read: their slots
+        // point at the tile's first row, and every query masks them.
+        for (i, p) in kp.iter_mut().enumerate() {
+            let t = t0 + i;
+            *p = rows.k_row(if t <= max_pos { t } else { t0 });
+        }
+        for q in qs.iter_mut().filter(|q| q.pos >= t0) {
+            let seen = (q.pos + 1 - t0).min(KEY_TILE);
+            tile(q, &kp, rows.v_offset, hd, scale, seen);
+        }
     }
-    let inv = (1.0 / sum) as f32;
-    out.fill(0.0);
-    for (t, &e) in scores.iter().enumerate() {
-        axpy(
-            out.as_mut_ptr(),
-            e * inv,
-            args.rows.k_row(t).wrapping_add(args.rows.v_offset),
-            hd,
-        );
+    for q in qs.iter() {
+        let inv = 1.0 / q.l;
+        for c in 0..hd {
+            *q.out.add(c) *= inv;
+        }
     }
 }
 
@@ -1492,7 +1600,6 @@ mod tests {
             let slab = block_size * row_stride;
             let kv = rand_vec(21, table.len() * 2 * slab);
             let q = rand_vec(22, hd);
-            let mut scores = vec![0f32; 64];
             for head in 0..2 {
                 let rows = PagedRows {
                     base: kv.as_ptr(),
@@ -1514,7 +1621,6 @@ mod tests {
                                 rows,
                                 scale: 0.25,
                             },
-                            &mut scores,
                             &mut out,
                         )
                     };
@@ -1543,6 +1649,173 @@ mod tests {
                             (out[c] as f64 - want).abs() < 1e-5,
                             "hd {hd} head {head} pos {pos} dim {c}: {} vs {want}",
                             out[c]
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    /// A paged cache of `blocks` blocks of `block_size` positions for one
+    /// head (K rows then V rows per block), in a scrambled block order, with
+    /// keys whose scale grows along the positions so the running maximum of
+    /// the online softmax moves on many tiles; and the f64 answer.
+    struct Cache {
+        kv: Vec<f32>,
+        table: Vec<u32>,
+        block_size: usize,
+        hd: usize,
+        /// Times the running maximum grew on a later tile, over `reference` calls.
+        grows: std::cell::Cell<usize>,
+    }
+
+    impl Cache {
+        fn new(seed: u64, blocks: usize, block_size: usize, hd: usize) -> Cache {
+            let mut kv = rand_vec(seed, blocks * 2 * block_size * hd);
+            for (b, blk) in kv.chunks_mut(2 * block_size * hd).enumerate() {
+                // Block slot b holds positions of table index (b * 7) % blocks.
+                let first = ((b * 7) % blocks) * block_size;
+                for (t, row) in blk[..block_size * hd].chunks_mut(hd).enumerate() {
+                    let g = 1.0 + (first + t) as f32 / 8.0;
+                    row.iter_mut().for_each(|x| *x *= g);
+                }
+            }
+            let mut table = vec![0u32; blocks];
+            for b in 0..blocks {
+                table[(b * 7) % blocks] = b as u32;
+            }
+            Cache {
+                kv,
+                table,
+                block_size,
+                hd,
+                grows: Default::default(),
+            }
+        }
+
+        fn rows(&self) -> PagedRows<'_> {
+            PagedRows {
+                base: self.kv.as_ptr(),
+                block_table: &self.table,
+                block_size: self.block_size,
+                block_stride: 2 * self.block_size * self.hd,
+                row_stride: self.hd,
+                head_offset: 0,
+                v_offset: self.block_size * self.hd,
+            }
+        }
+
+        fn reference(&self, q: &[f32], pos: usize, scale: f64) -> Vec<f64> {
+            let off = |t: usize| {
+                self.table[t / self.block_size] as usize * 2 * self.block_size * self.hd
+                    + (t % self.block_size) * self.hd
+            };
+            let s: Vec<f64> = (0..=pos)
+                .map(|t| {
+                    scale
+                        * q.iter()
+                            .zip(&self.kv[off(t)..])
+                            .map(|(a, b)| *a as f64 * *b as f64)
+                            .sum::<f64>()
+                })
+                .collect();
+            let max = s.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+            let e: Vec<f64> = s.iter().map(|v| (v - max).exp()).collect();
+            let z: f64 = e.iter().sum();
+            let v0 = self.block_size * self.hd;
+            // Tiles after the first whose maximum beats every earlier score.
+            let grows = s
+                .chunks(KEY_TILE)
+                .scan(f64::NEG_INFINITY, |m, tile| {
+                    let t = tile.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                    let up = t > *m && *m > f64::NEG_INFINITY;
+                    *m = m.max(t);
+                    Some(up)
+                })
+                .filter(|&up| up)
+                .count();
+            self.grows.set(self.grows.get() + grows);
+            (0..self.hd)
+                .map(|c| {
+                    (0..=pos)
+                        .map(|t| e[t] / z * self.kv[off(t) + v0 + c] as f64)
+                        .sum()
+                })
+                .collect()
+        }
+    }
+
+    #[test]
+    fn online_softmax_matches_f64_over_long_contexts_with_a_growing_maximum() {
+        for be in backends() {
+            for (hd, block_size) in [(64, 16), (128, 16), (64, 8), (20, 32)] {
+                let cache = Cache::new(31, 20, block_size, hd);
+                let n = 20 * block_size;
+                let q: Vec<f32> = rand_vec(32, hd).iter().map(|x| x * 3.0).collect();
+                for pos in [0, 15, 16, 17, 100, n / 2, n - 1] {
+                    let mut out = vec![f32::NAN; hd];
+                    let mut qs = [AttnQuery::new(q.as_ptr(), pos, out.as_mut_ptr())];
+                    // SAFETY: the cache holds K and V for every position < n.
+                    unsafe { attend_many_with(be, &cache.rows(), hd, 0.3, &mut qs) };
+                    let want = cache.reference(&q, pos, 0.3);
+                    for c in 0..hd {
+                        let tol = 2e-5 * (1.0 + want[c].abs());
+                        assert!(
+                            (out[c] as f64 - want[c]).abs() < tol,
+                            "{be:?} hd {hd} bs {block_size} pos {pos} dim {c}: {} vs {}",
+                            out[c],
+                            want[c]
+                        );
+                    }
+                }
+                assert!(
+                    cache.grows.get() >= 10,
+                    "hd {hd}: the maximum grew on {} later tiles only",
+                    cache.grows.get()
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn a_query_gets_the_same_bits_whatever_queries_share_its_sweep() {
+        for be in backends() {
+            for hd in [64, 128, 24] {
+                let cache = Cache::new(41, 12, 16, hd);
+                let n = 12 * 16;
+                // 40 query heads at scattered positions (some repeated), as a
+                // prefill chunk or a decode batch would bring them.
+                let qv: Vec<Vec<f32>> = (0..40).map(|i| rand_vec(500 + i, hd)).collect();
+                let pos: Vec<usize> = (0..40).map(|i| (i * 37 + 5) % n).collect();
+                let alone: Vec<Vec<f32>> = (0..40)
+                    .map(|i| {
+                        let mut out = vec![0f32; hd];
+                        let mut qs = [AttnQuery::new(qv[i].as_ptr(), pos[i], out.as_mut_ptr())];
+                        // SAFETY: positions are below n.
+                        unsafe { attend_many_with(be, &cache.rows(), hd, 0.125, &mut qs) };
+                        out
+                    })
+                    .collect();
+                for split in [40, 7, 1] {
+                    let mut outs = vec![vec![f32::NAN; hd]; 40];
+                    let mut qs: Vec<AttnQuery> = outs
+                        .iter_mut()
+                        .enumerate()
+                        .map(|(i, o)| AttnQuery::new(qv[i].as_ptr(), pos[i], o.as_mut_ptr()))
+                        .collect();
+                    for part in qs.chunks_mut(split) {
+                        // SAFETY: as above; outputs are distinct.
+                        unsafe { attend_many_with(be, &cache.rows(), hd, 0.125, part) };
+                    }
+                    for i in 0..40 {
+                        let same = outs[i]
+                            .iter()
+                            .zip(&alone[i])
+                            .all(|(a, b)| a.to_bits() == b.to_bits());
+                        assert!(
+                            same,
+                            "{be:?} hd {hd} split {split}: query {i} at {} differs",
+                            pos[i]
                         );
                     }
                 }
