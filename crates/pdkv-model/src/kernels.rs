@@ -1780,7 +1780,7 @@ mod tests {
     #[test]
     fn a_query_gets_the_same_bits_whatever_queries_share_its_sweep() {
         for be in backends() {
-            for hd in [64, 128, 24] {
+            for hd in [64, 128, 24, 20, 72] {
                 let cache = Cache::new(41, 12, 16, hd);
                 let n = 12 * 16;
                 // 40 query heads at scattered positions (some repeated), as a
