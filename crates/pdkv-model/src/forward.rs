@@ -14,9 +14,10 @@ use anyhow::{bail, ensure, Context};
 use pdkv_vmem::{Pool, Region, Tag};
 use rayon::prelude::*;
 
+use crate::bf16dot;
 use crate::kernels::{self, AttnQuery, Linear};
 use crate::kv::KvCache;
-use crate::qkernels::{self, QActs, QLinear};
+use crate::qkernels::{self, QActs, QLinear, QType};
 use crate::tp::RankTp;
 use crate::weights::Mat;
 use crate::weights::Weights;
@@ -45,7 +46,9 @@ pub struct Model {
     /// Block-format matrices multiply activations quantised to 8 bits per
     /// 32-value block ([`qkernels`], llama.cpp's numerics and speed: the
     /// default) instead of the f32 activations (the f32 path's results bit
-    /// for bit, with the weights read in their blocks).
+    /// for bit, with the weights read in their blocks). With it, BF16
+    /// matrices multiply activations rounded to bf16 where the CPU has bf16
+    /// dot products ([`bf16dot`]).
     int8_activations: bool,
     /// Set on one rank of a tensor-parallel model ([`crate::tp`]).
     tp: Option<RankTp>,
@@ -743,16 +746,26 @@ fn project<const N: usize>(
     k: usize,
     outs: [(Mat<'_>, usize, &mut [f32]); N],
 ) {
-    // Block formats take int8 activations when asked to, 16-bit floats
-    // never (they multiply f32 activations, widened in registers).
+    // Reduced activations (`int8`): integer block formats take int8 ones,
+    // BF16 matrices bf16 ones where the CPU has bf16 dot products; F16 (and
+    // BF16 elsewhere) multiply f32 activations, widened in registers.
     let blocks = outs
         .iter()
         .filter(|o| matches!(o.0, Mat::Quant(..)))
         .count();
     let int8_of = |w: &Mat<'_>| matches!(w, Mat::Quant(ty, _) if int8 && !ty.is_half());
+    let bf16_of = |w: &Mat<'_>| {
+        int8 && matches!(w, Mat::Quant(QType::BF16, _))
+            && k.is_multiple_of(bf16dot::STEP)
+            && bf16dot::available()
+    };
     let int8s = outs.iter().filter(|o| int8_of(&o.0)).count();
+    let bf16s = outs.iter().filter(|o| bf16_of(&o.0)).count();
     if int8s > 0 {
         qa.quantize(&x[..m * k], m, k);
+    }
+    if bf16s > 0 {
+        qa.round_bf16(&x[..m * k]);
     }
     if blocks == 0 {
         let mut ls = outs.map(|(w, n, y)| match w {
@@ -766,7 +779,13 @@ fn project<const N: usize>(
             Mat::F32(_) => unreachable!("counted all"),
         });
         qkernels::qmatmul_many(qa, &mut ls);
-    } else if blocks == N && int8s == 0 {
+    } else if bf16s == N {
+        let mut ls = outs.map(|(w, n, y)| match w {
+            Mat::Quant(ty, w) => kernels::BlockLinear { ty, w, n, y },
+            Mat::F32(_) => unreachable!("counted all"),
+        });
+        bf16dot::matmul_many(qa.bf16(), m, k, &mut ls);
+    } else if blocks == N && int8s == 0 && bf16s == 0 {
         // f32 activations: block-format rows dequantised into the f32 tiles.
         let mut ls = outs.map(|(w, n, y)| match w {
             Mat::Quant(ty, w) => kernels::BlockLinear { ty, w, n, y },
@@ -775,18 +794,20 @@ fn project<const N: usize>(
         kernels::matmul_blocks_many(x, m, k, &mut ls);
     } else {
         for (w, n, y) in outs {
-            let int8 = int8_of(&w);
+            let (int8, bf16) = (int8_of(&w), bf16_of(&w));
             match w {
                 Mat::F32(w) => kernels::matmul(x, m, k, w, n, y),
                 Mat::Quant(ty, w) if int8 => {
                     qkernels::qmatmul_many(qa, &mut [QLinear { ty, w, n, y }])
                 }
-                Mat::Quant(ty, w) => kernels::matmul_blocks_many(
-                    x,
-                    m,
-                    k,
-                    &mut [kernels::BlockLinear { ty, w, n, y }],
-                ),
+                Mat::Quant(ty, w) => {
+                    let l = &mut [kernels::BlockLinear { ty, w, n, y }];
+                    if bf16 {
+                        bf16dot::matmul_many(qa.bf16(), m, k, l)
+                    } else {
+                        kernels::matmul_blocks_many(x, m, k, l)
+                    }
+                }
             }
         }
     }

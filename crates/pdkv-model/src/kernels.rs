@@ -484,7 +484,7 @@ macro_rules! dispatch_tile {
 }
 
 #[cfg(target_arch = "x86_64")]
-mod avx2 {
+pub(crate) mod avx2 {
     use std::arch::x86_64::*;
 
     use super::{for_each_tile, Job};
@@ -646,7 +646,7 @@ mod avx2 {
 
     /// Fixed-order horizontal sum of 8 lanes: (i + i+4), then (+2), then (+1).
     #[inline(always)]
-    pub(super) unsafe fn hsum(v: __m256) -> f32 {
+    pub(crate) unsafe fn hsum(v: __m256) -> f32 {
         let lo = _mm256_castps256_ps128(v);
         let hi = _mm256_extractf128_ps::<1>(v);
         let s4 = _mm_add_ps(lo, hi);
@@ -1353,11 +1353,11 @@ unsafe fn attend_many_generic(
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
     /// Deterministic pseudo-random floats in [-1, 1).
-    fn rand_vec(seed: u64, n: usize) -> Vec<f32> {
+    pub(crate) fn rand_vec(seed: u64, n: usize) -> Vec<f32> {
         let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
         (0..n)
             .map(|_| {
@@ -1629,22 +1629,9 @@ mod tests {
                             + (t % block_size) * row_stride
                             + head * hd
                     };
-                    let s: Vec<f64> = (0..=pos)
-                        .map(|t| {
-                            0.25 * q
-                                .iter()
-                                .zip(&kv[k_off(t)..])
-                                .map(|(a, b)| *a as f64 * *b as f64)
-                                .sum::<f64>()
-                        })
-                        .collect();
-                    let max = s.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
-                    let e: Vec<f64> = s.iter().map(|v| (v - max).exp()).collect();
-                    let z: f64 = e.iter().sum();
+                    let (want, _) = f64_attention(&kv, &q, pos, 0.25, k_off, slab);
                     for c in 0..hd {
-                        let want: f64 = (0..=pos)
-                            .map(|t| e[t] / z * kv[k_off(t) + slab + c] as f64)
-                            .sum();
+                        let want = want[c];
                         assert!(
                             (out[c] as f64 - want).abs() < 1e-5,
                             "hd {hd} head {head} pos {pos} dim {c}: {} vs {want}",
@@ -1710,19 +1697,7 @@ mod tests {
                 self.table[t / self.block_size] as usize * 2 * self.block_size * self.hd
                     + (t % self.block_size) * self.hd
             };
-            let s: Vec<f64> = (0..=pos)
-                .map(|t| {
-                    scale
-                        * q.iter()
-                            .zip(&self.kv[off(t)..])
-                            .map(|(a, b)| *a as f64 * *b as f64)
-                            .sum::<f64>()
-                })
-                .collect();
-            let max = s.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
-            let e: Vec<f64> = s.iter().map(|v| (v - max).exp()).collect();
-            let z: f64 = e.iter().sum();
-            let v0 = self.block_size * self.hd;
+            let (out, s) = f64_attention(&self.kv, q, pos, scale, off, self.block_size * self.hd);
             // Tiles after the first whose maximum beats every earlier score.
             let grows = s
                 .chunks(KEY_TILE)
@@ -1735,14 +1710,41 @@ mod tests {
                 .filter(|&up| up)
                 .count();
             self.grows.set(self.grows.get() + grows);
-            (0..self.hd)
-                .map(|c| {
-                    (0..=pos)
-                        .map(|t| e[t] / z * self.kv[off(t) + v0 + c] as f64)
-                        .sum()
-                })
-                .collect()
+            out
         }
+    }
+
+    /// Softmax attention in f64 of `q` over positions `0..=pos` whose K row
+    /// starts at `kv[k_off(t)]` and V row `v_delta` floats further: the
+    /// output row and the scaled scores.
+    fn f64_attention(
+        kv: &[f32],
+        q: &[f32],
+        pos: usize,
+        scale: f64,
+        k_off: impl Fn(usize) -> usize,
+        v_delta: usize,
+    ) -> (Vec<f64>, Vec<f64>) {
+        let s: Vec<f64> = (0..=pos)
+            .map(|t| {
+                scale
+                    * q.iter()
+                        .zip(&kv[k_off(t)..])
+                        .map(|(a, b)| *a as f64 * *b as f64)
+                        .sum::<f64>()
+            })
+            .collect();
+        let max = s.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+        let e: Vec<f64> = s.iter().map(|v| (v - max).exp()).collect();
+        let z: f64 = e.iter().sum();
+        let out = (0..q.len())
+            .map(|c| {
+                (0..=pos)
+                    .map(|t| e[t] / z * kv[k_off(t) + v_delta + c] as f64)
+                    .sum()
+            })
+            .collect();
+        (out, s)
     }
 
     #[test]

@@ -7,6 +7,7 @@
 //! however its prefill is chunked.
 
 pub mod bench;
+pub mod bf16dot;
 pub mod chat;
 pub mod config;
 pub mod forward;

@@ -190,6 +190,9 @@ pub struct QActs {
     sum: Vec<i32>,
     /// `d * (sum as f32)`, the activation side of the Q4_1 minimum term.
     dsum: Vec<f32>,
+    /// The activations rounded to bf16 (`[m, k]` row-major), for BF16
+    /// matrices on CPUs with bf16 dot products ([`crate::bf16dot`]).
+    bf16: Vec<u16>,
 }
 
 impl Default for QActs {
@@ -208,7 +211,18 @@ impl QActs {
             d: Vec::new(),
             sum: Vec::new(),
             dsum: Vec::new(),
+            bf16: Vec::new(),
         }
+    }
+
+    /// Rounds `x` to bf16 for [`QActs::bf16`] (independent of [`QActs::quantize`]).
+    pub fn round_bf16(&mut self, x: &[f32]) {
+        crate::bf16dot::round_rows(x, &mut self.bf16);
+    }
+
+    /// The values of the last [`QActs::round_bf16`].
+    pub fn bf16(&self) -> &[u16] {
+        &self.bf16
     }
 
     /// Quantises `x` = `[m, k]` row-major (k % 32 == 0; panics otherwise with a message).
