@@ -99,15 +99,19 @@ python3 - "$RES" target/sweep-scheduler.json "$DEF_TOKENS" "$DEF_SEQS" "$CONC" "
 import json, statistics, sys
 rows = [json.loads(l) for l in open(sys.argv[1])]
 print(f"{sys.argv[6]}, concurrency {sys.argv[5]}; defaults: --max-num-batched-tokens {sys.argv[3]} --max-num-seqs {sys.argv[4]}")
-print(f"{'batched-tokens':>14} {'max-seqs':>8} {'out tok/s':>10} {'TTFT p50 ms':>12} {'TTFT p90 ms':>12}   runs tok/s")
+print(f"{'batched-tokens':>14} {'max-seqs':>8} {'out tok/s':>10} {'TTFT p50 ms':>12} {'TTFT p90 ms':>12} {'ITL p50 ms':>11} {'ITL p90 ms':>11}   runs tok/s")
 table = []
 for key in dict.fromkeys((r["tokens"], r["seqs"]) for r in rows):
     rs = [r for r in rows if (r["tokens"], r["seqs"]) == key]
     v = statistics.median(r["tok_s"] for r in rs)
     p50 = statistics.median(r["ttft"]["p50"] for r in rs)
     p90 = statistics.median(r["ttft"]["p90"] for r in rs)
-    print(f"{key[0]:>14} {key[1]:>8} {v:>10.1f} {p50:>12.0f} {p90:>12.0f}   " + " ".join(f"{r['tok_s']:.0f}" for r in rs))
+    i50 = statistics.median(r["itl"]["p50"] for r in rs)
+    i90 = statistics.median(r["itl"]["p90"] for r in rs)
+    print(f"{key[0]:>14} {key[1]:>8} {v:>10.1f} {p50:>12.0f} {p90:>12.0f} {i50:>11.1f} {i90:>11.1f}   "
+          + " ".join(f"{r['tok_s']:.0f}" for r in rs))
     table.append({"max_num_batched_tokens": key[0], "max_num_seqs": key[1], "tok_s": v,
-                  "ttft_p50_ms": p50, "ttft_p90_ms": p90, "runs": [r["tok_s"] for r in rs]})
+                  "ttft_p50_ms": p50, "ttft_p90_ms": p90, "itl_p50_ms": i50, "itl_p90_ms": i90,
+                  "runs": [r["tok_s"] for r in rs]})
 json.dump(table, open(sys.argv[2], "w"), indent=1)
 EOF
