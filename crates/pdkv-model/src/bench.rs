@@ -368,7 +368,9 @@ pub fn synthetic_model_with(
     let mut lay = WeightsLayout::new();
     let embed = lay.push(&[cfg.vocab_size, h]);
     let linear = |lay: &mut WeightsLayout, shape: &[usize]| match quant {
-        Some(qt) if shape[1] % qt.block_values() == 0 => lay.push_typed(shape, DType::Quant(qt)),
+        Some(qt) if shape[1].is_multiple_of(qt.block_values()) => {
+            lay.push_typed(shape, DType::Quant(qt))
+        }
         _ => lay.push(shape),
     };
     let mut layers = Vec::with_capacity(cfg.num_layers);

@@ -17,7 +17,7 @@
 
 use std::sync::OnceLock;
 
-use crate::kernels::{for_each_job, BlockLinear, SendConstPtr, SendPtr, MAX_MANY};
+use crate::kernels::{for_each_job_of, BlockLinear, SendConstPtr, SendPtr};
 use crate::qkernels::QType;
 
 /// Values per `vdpbf16ps` step (one 512-bit register of bf16).
@@ -105,24 +105,12 @@ pub fn matmul_many(x: &[u16], m: usize, k: usize, outs: &mut [BlockLinear<'_>]) 
     if m == 0 {
         return;
     }
-    if outs.len() > MAX_MANY {
-        for group in outs.chunks_mut(MAX_MANY) {
-            matmul_many(x, m, k, group);
-        }
-        return;
-    }
-    let mut mats = [(
-        SendConstPtr(std::ptr::null::<u8>()),
-        SendPtr(std::ptr::null_mut::<f32>()),
-        0usize,
-    ); MAX_MANY];
-    for (slot, o) in mats.iter_mut().zip(outs.iter_mut()) {
-        *slot = (SendConstPtr(o.w.as_ptr()), SendPtr(o.y.as_mut_ptr()), o.n);
-    }
-    let mats = &mats[..outs.len()];
     let xp = SendConstPtr(x.as_ptr());
-    for_each_job(mats.iter().map(|m| m.2), NR, |i, j0, j1| {
-        let (w, y, n) = mats[i];
+    let view = |o: &mut BlockLinear<'_>| {
+        let p = (SendConstPtr(o.w.as_ptr()), SendPtr(o.y.as_mut_ptr()), o.n);
+        (p, o.n)
+    };
+    for_each_job_of(outs, NR, view, |(w, y, n), j0, j1| {
         // SAFETY: shapes were checked above and the CPU has the instructions;
         // jobs write disjoint column ranges of their `y`, and every `y` is a
         // distinct &mut borrow.

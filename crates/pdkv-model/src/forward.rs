@@ -462,7 +462,7 @@ impl Model {
         let tokens = std::mem::take(&mut ws.tokens);
         let mut tasks = std::mem::take(&mut ws.tasks);
         let logit_rows = std::mem::take(&mut ws.logit_rows);
-        let mut qa = std::mem::replace(&mut ws.qacts, QActs::new());
+        let mut qa = std::mem::take(&mut ws.qacts);
         let mut tpb = std::mem::take(&mut ws.tp);
         let int8 = self.int8_activations;
         let b = ws.bufs(t_all);

@@ -666,7 +666,11 @@ pub(crate) fn k_scale_min(s: &[u8; 12], j: usize) -> (u8, u8) {
 /// fifth-bit byte `l` is set.
 pub(crate) fn k45_value(b: &[u8], five: bool, sub: usize, l: usize) -> u8 {
     let q = b[if five { 48 } else { 16 } + sub / 2 * 32 + l];
-    let v = if sub % 2 == 0 { q & 0x0f } else { q >> 4 };
+    let v = if sub.is_multiple_of(2) {
+        q & 0x0f
+    } else {
+        q >> 4
+    };
     if five {
         v | (b[16 + l] >> sub & 1) << 4
     } else {

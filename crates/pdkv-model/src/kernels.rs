@@ -136,24 +136,12 @@ pub fn matmul_many_with(be: Backend, x: &[f32], m: usize, k: usize, outs: &mut [
         }
         return;
     }
-    if outs.len() > MAX_MANY {
-        for group in outs.chunks_mut(MAX_MANY) {
-            matmul_many_with(be, x, m, k, group);
-        }
-        return;
-    }
-    let mut mats = [(
-        SendConstPtr(std::ptr::null()),
-        SendPtr(std::ptr::null_mut()),
-        0usize,
-    ); MAX_MANY];
-    for (slot, o) in mats.iter_mut().zip(outs.iter_mut()) {
-        *slot = (SendConstPtr(o.w.as_ptr()), SendPtr(o.y.as_mut_ptr()), o.n);
-    }
-    let mats = &mats[..outs.len()];
     let x = SendConstPtr(x.as_ptr());
-    for_each_job(mats.iter().map(|m| m.2), NR, |i, j0, j1| {
-        let (w, y, n) = mats[i];
+    let view = |o: &mut Linear<'_>| {
+        let p = (SendConstPtr(o.w.as_ptr()), SendPtr(o.y.as_mut_ptr()), o.n);
+        (p, o.n)
+    };
+    for_each_job_of(outs, NR, view, |(w, y, n), j0, j1| {
         // SAFETY: shapes were checked above; jobs write disjoint column
         // ranges of their `y`, and every `y` is a distinct &mut borrow.
         unsafe {
@@ -212,6 +200,28 @@ pub(crate) fn for_each_job(
     }
 }
 
+/// [`for_each_job`] over any number of matrices, [`MAX_MANY`] to a
+/// dispatch: `view` gives each output what its jobs need (`P`: pointers, a
+/// format, ...) and its feature count; `run(p, j0, j1)` runs one job.
+pub(crate) fn for_each_job_of<T, P: Copy + Sync>(
+    outs: &mut [T],
+    tile: usize,
+    view: impl Fn(&mut T) -> (P, usize),
+    run: impl Fn(P, usize, usize) + Sync,
+) {
+    for group in outs.chunks_mut(MAX_MANY) {
+        let mut mats: [Option<(P, usize)>; MAX_MANY] = [None; MAX_MANY];
+        for (slot, o) in mats.iter_mut().zip(group.iter_mut()) {
+            *slot = Some(view(o));
+        }
+        let mats = &mats[..group.len()];
+        let mat = |i: usize| mats[i].expect("a slot per output");
+        for_each_job((0..mats.len()).map(|i| mat(i).1), tile, |i, j0, j1| {
+            run(mat(i).0, j0, j1)
+        });
+    }
+}
+
 /// One weight matrix in a GGUF block format applied to f32 activations.
 pub struct BlockLinear<'a> {
     pub ty: crate::qkernels::QType,
@@ -246,7 +256,7 @@ pub fn matmul_blocks_many_with(
         k
     );
     assert!(
-        k % crate::qkernels::QK == 0,
+        k.is_multiple_of(crate::qkernels::QK),
         "rows of {k} values are not whole 32-value blocks"
     );
     for o in outs.iter() {
@@ -267,32 +277,18 @@ pub fn matmul_blocks_many_with(
     if m == 0 {
         return;
     }
-    if outs.len() > MAX_MANY {
-        for group in outs.chunks_mut(MAX_MANY) {
-            matmul_blocks_many_with(be, x, m, k, group);
-        }
-        return;
-    }
-    let mut mats = [(
-        crate::qkernels::QType::Q8_0,
-        SendConstPtr(std::ptr::null()),
-        0usize,
-        SendPtr(std::ptr::null_mut()),
-        0usize,
-    ); MAX_MANY];
-    for (slot, o) in mats.iter_mut().zip(outs.iter_mut()) {
-        *slot = (
+    let xp = SendConstPtr(x.as_ptr());
+    let view = |o: &mut BlockLinear<'_>| {
+        let p = (
             o.ty,
             SendConstPtr(o.w.as_ptr()),
             o.w.len(),
             SendPtr(o.y.as_mut_ptr()),
             o.n,
         );
-    }
-    let mats = &mats[..outs.len()];
-    let xp = SendConstPtr(x.as_ptr());
-    for_each_job(mats.iter().map(|m| m.4), NR, |i, j0, j1| {
-        let (ty, w, wlen, y, n) = mats[i];
+        (p, o.n)
+    };
+    for_each_job_of(outs, NR, view, |(ty, w, wlen, y, n), j0, j1| {
         let rb = ty.row_bytes(k);
         // SAFETY: `w` points at the matrix's `wlen` bytes (checked above).
         let wb = unsafe { std::slice::from_raw_parts(w.get(), wlen) };

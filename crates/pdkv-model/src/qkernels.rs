@@ -417,7 +417,7 @@ fn has(f: Flavour) -> bool {
     }
 }
 
-use crate::kernels::{for_each_job, SendConstPtr, SendPtr, MAX_MANY};
+use crate::kernels::{for_each_job_of, SendConstPtr, SendPtr};
 
 /// Weight rows per register tile of the SIMD flavours.
 const NR: usize = 4;
@@ -464,29 +464,16 @@ fn run_many(fl: Flavour, x: &QActs, outs: &mut [QLinear<'_>]) {
     if m == 0 {
         return;
     }
-    if outs.len() > MAX_MANY {
-        for group in outs.chunks_mut(MAX_MANY) {
-            run_many(fl, x, group);
-        }
-        return;
-    }
-    let mut mats = [(
-        QType::Q8_0,
-        SendConstPtr(std::ptr::null()),
-        SendPtr(std::ptr::null_mut()),
-        0usize,
-    ); MAX_MANY];
-    for (slot, o) in mats.iter_mut().zip(outs.iter_mut()) {
-        *slot = (
+    let view = |o: &mut QLinear<'_>| {
+        let p = (
             o.ty,
             SendConstPtr(o.w.as_ptr()),
             SendPtr(o.y.as_mut_ptr()),
             o.n,
         );
-    }
-    let mats = &mats[..outs.len()];
-    for_each_job(mats.iter().map(|m| m.3), NR, |i, j0, j1| {
-        let (ty, w, y, n) = mats[i];
+        (p, o.n)
+    };
+    for_each_job_of(outs, NR, view, |(ty, w, y, n), j0, j1| {
         let job = Job {
             ty,
             w: w.get(),
@@ -929,7 +916,7 @@ mod simd {
         let q = _mm256_loadu_si256(
             blk.add(if five { 48 } else { 16 } + (j / 2) * 32) as *const __m256i
         );
-        let v = if j % 2 == 0 {
+        let v = if j.is_multiple_of(2) {
             _mm256_and_si256(q, low)
         } else {
             _mm256_and_si256(_mm256_srli_epi16::<4>(q), low)
@@ -1333,9 +1320,8 @@ mod simd {
                 let xv = _mm256_loadu_si256(xb.add(i * 32) as *const __m256i);
                 let hh = i / 4;
                 xsum[hh] = _mm256_add_epi32(xsum[hh], D::r4(xv, ones));
-                for c in 0..C {
-                    half[hh][c] =
-                        _mm256_add_epi32(half[hh][c], D::r4(xv, unpacked_chunk(t, c, b, i)));
+                for (c, h) in half[hh].iter_mut().enumerate() {
+                    *h = _mm256_add_epi32(*h, D::r4(xv, unpacked_chunk(t, c, b, i)));
                 }
             }
             let dx = _mm256_loadu_ps(x.d.as_ptr().add(si));
@@ -1475,7 +1461,7 @@ mod tests {
         let mut w = Vec::with_capacity(n * ty.row_bytes(k));
         for _ in 0..n * k / ty.block_values() {
             let d = half::f16::from_f32(0.001 + 0.02 * rng.f32().abs())
-                * if rng.next() % 5 == 0 {
+                * if rng.next().is_multiple_of(5) {
                     -half::f16::ONE
                 } else {
                     half::f16::ONE
@@ -1562,7 +1548,7 @@ mod tests {
 
     /// Whether rows of `k` values are whole blocks of `ty`.
     fn fits(ty: QType, k: usize) -> bool {
-        k % ty.block_values() == 0
+        k.is_multiple_of(ty.block_values())
     }
 
     /// The super-block writer the benches use encodes what the GGUF
@@ -1830,8 +1816,8 @@ mod tests {
         });
         let s = |r: usize, b: usize| ((r / GROUP) * nb + b) * GROUP + r % GROUP;
         assert_eq!(x.d[s(0, 0)], 1.0);
-        for i in 0..32 {
-            assert_eq!(x.d[s(0, 0)] * q(&x, 0, 0, i) as f32, xf[i], "value {i}");
+        for (i, want) in xf.iter().enumerate().take(32) {
+            assert_eq!(x.d[s(0, 0)] * q(&x, 0, 0, i) as f32, *want, "value {i}");
         }
         assert_eq!(
             x.sum[s(0, 0)],

@@ -21,11 +21,10 @@ fn blocks_per_probe(probes: &[Vec<u32>]) -> usize {
     (probes.iter().map(Vec::len).max().unwrap() + GEN).div_ceil(BLOCK_SIZE)
 }
 
-fn greedy(
-    probes: &[Vec<u32>],
-    vocab: usize,
-    step: &mut dyn FnMut(&[SeqInput<'_>], &mut Vec<f32>) -> anyhow::Result<()>,
-) -> Run {
+/// One forward step of a model under test: sequences in, logits out.
+type Step<'a> = dyn FnMut(&[SeqInput<'_>], &mut Vec<f32>) -> anyhow::Result<()> + 'a;
+
+fn greedy(probes: &[Vec<u32>], vocab: usize, step: &mut Step<'_>) -> Run {
     let per = blocks_per_probe(probes);
     let tables: Vec<Vec<u32>> = (0..probes.len())
         .map(|i| ((i * per) as u32..((i + 1) * per) as u32).collect())
