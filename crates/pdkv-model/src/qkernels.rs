@@ -28,6 +28,8 @@
 use std::cell::RefCell;
 use std::sync::OnceLock;
 
+use rayon::prelude::*;
+
 use crate::kernels::Backend;
 
 /// Values per quantisation block.
@@ -252,38 +254,50 @@ impl QActs {
         }
         self.sum.clear();
         self.sum.resize(groups * nb * GROUP, 0);
-        #[cfg(target_arch = "x86_64")]
-        if has(Flavour::Avx2) {
-            // SAFETY: the CPU has AVX2 and FMA.
-            return unsafe { self.fill_avx2(x) };
+        if m * k == 0 {
+            return;
         }
-        self.fill(x)
-    }
-
-    /// The same IEEE operations compiled for AVX2, so the block loops vectorise.
-    #[cfg(target_arch = "x86_64")]
-    #[target_feature(enable = "avx2,fma")]
-    unsafe fn fill_avx2(&mut self, x: &[f32]) {
-        self.fill(x)
-    }
-
-    #[inline(always)]
-    fn fill(&mut self, x: &[f32]) {
-        let (m, k, nb) = (self.m, self.k, self.blocks());
-        for r in 0..m {
-            let (g, lane) = (r / GROUP, r % GROUP);
-            for b in 0..nb {
-                let xb: &[f32; QK] = x[r * k + b * QK..][..QK].try_into().expect("a whole block");
-                let (d, q, sum) = quantize_block(xb);
-                let s = (g * nb + b) * GROUP + lane;
-                self.d[s] = d;
-                self.sum[s] = sum;
-                self.dsum[s] = d * sum as f32;
-                self.rowq[r * k + b * QK..][..QK].copy_from_slice(&q);
-                let base = (g * nb + b) * GROUP_BLOCK + lane * 4;
-                for (t, chunk) in q.chunks_exact(4).enumerate() {
-                    self.qs[base + t * 32..][..4].copy_from_slice(chunk);
-                }
+        let avx2 = cfg!(target_arch = "x86_64") && has(Flavour::Avx2);
+        let group = |(xs, rowq, qs, d, sum, dsum): GroupSlices<'_>| {
+            #[cfg(target_arch = "x86_64")]
+            if avx2 {
+                // SAFETY: the CPU has AVX2 and FMA.
+                return unsafe { fill_group_avx2(xs, k, rowq, qs, d, sum, dsum) };
+            }
+            fill_group(xs, k, rowq, qs, d, sum, dsum)
+        };
+        // Groups are independent (each owns its slice of every buffer), so
+        // a prefill's are quantised on every math thread; the bits are the
+        // same either way.
+        let x = &x[..m * k];
+        let (rows, blocks) = (GROUP * k, nb * GROUP);
+        if groups >= PARALLEL_GROUPS {
+            (
+                x.par_chunks(rows),
+                self.rowq.par_chunks_mut(rows),
+                self.qs.par_chunks_mut(nb * GROUP_BLOCK),
+                self.d.par_chunks_mut(blocks),
+                self.sum.par_chunks_mut(blocks),
+                self.dsum.par_chunks_mut(blocks),
+            )
+                .into_par_iter()
+                .for_each(group);
+        } else {
+            let mut rowq = self.rowq.chunks_mut(rows);
+            let mut qs = self.qs.chunks_mut(nb * GROUP_BLOCK);
+            let mut d = self.d.chunks_mut(blocks);
+            let mut sum = self.sum.chunks_mut(blocks);
+            let mut dsum = self.dsum.chunks_mut(blocks);
+            const EACH: &str = "a slice of each buffer per group";
+            for xs in x.chunks(rows) {
+                group((
+                    xs,
+                    rowq.next().expect(EACH),
+                    qs.next().expect(EACH),
+                    d.next().expect(EACH),
+                    sum.next().expect(EACH),
+                    dsum.next().expect(EACH),
+                ));
             }
         }
     }
@@ -302,6 +316,65 @@ impl QActs {
 
     fn groups(&self) -> usize {
         self.m.div_ceil(GROUP)
+    }
+}
+
+/// Activation groups from which [`QActs::quantize`] spreads the groups
+/// over the math threads (fewer: one thread, no hand-off).
+const PARALLEL_GROUPS: usize = 4;
+
+/// One group's rows of `x` and its slices of each [`QActs`] buffer.
+type GroupSlices<'a> = (
+    &'a [f32],
+    &'a mut [i8],
+    &'a mut [i8],
+    &'a mut [f32],
+    &'a mut [i32],
+    &'a mut [f32],
+);
+
+/// [`fill_group`] compiled for AVX2, so the block loops vectorise.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn fill_group_avx2(
+    xs: &[f32],
+    k: usize,
+    rowq: &mut [i8],
+    qs: &mut [i8],
+    d: &mut [f32],
+    sum: &mut [i32],
+    dsum: &mut [f32],
+) {
+    fill_group(xs, k, rowq, qs, d, sum, dsum)
+}
+
+/// Quantises one group's rows (`xs`, at most [`GROUP`] rows of `k`) into
+/// the group's slices of the [`QActs`] buffers.
+#[inline(always)]
+fn fill_group(
+    xs: &[f32],
+    k: usize,
+    rowq: &mut [i8],
+    qs: &mut [i8],
+    d: &mut [f32],
+    sum: &mut [i32],
+    dsum: &mut [f32],
+) {
+    let nb = k / QK;
+    for (lane, x) in xs.chunks_exact(k).enumerate() {
+        for b in 0..nb {
+            let xb: &[f32; QK] = x[b * QK..][..QK].try_into().expect("a whole block");
+            let (db, q, sb) = quantize_block(xb);
+            let s = b * GROUP + lane;
+            d[s] = db;
+            sum[s] = sb;
+            dsum[s] = db * sb as f32;
+            rowq[lane * k + b * QK..][..QK].copy_from_slice(&q);
+            let base = b * GROUP_BLOCK + lane * 4;
+            for (t, chunk) in q.chunks_exact(4).enumerate() {
+                qs[base + t * 32..][..4].copy_from_slice(chunk);
+            }
+        }
     }
 }
 
