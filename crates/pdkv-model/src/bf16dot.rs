@@ -46,24 +46,22 @@ pub fn available() -> bool {
     })
 }
 
-/// `x` rounded to bf16 bit patterns, nearest even, into `out` (resized).
-/// With AVX512_BF16 the conversion instruction does it, which also treats
-/// denormals as zero; elsewhere `half`'s rounding.
+/// `x` (whole [`STEP`]-value steps) rounded to bf16 bit patterns, nearest
+/// even, into `out` (resized), by the conversion instruction (which treats
+/// denormals as zero). Panics unless [`available`].
 pub fn round_rows(x: &[f32], out: &mut Vec<u16>) {
+    assert!(available(), "bf16 rounding needs a CPU with AVX512_BF16");
+    assert!(
+        x.len().is_multiple_of(STEP),
+        "{} values are not whole {STEP}-value steps",
+        x.len()
+    );
     out.resize(x.len(), 0);
+    // SAFETY: the CPU has AVX512_BF16; both slices hold whole steps.
     #[cfg(target_arch = "x86_64")]
-    if available() {
-        let whole = x.len() / STEP * STEP;
-        // SAFETY: the CPU has AVX512_BF16; both slices hold `whole` values.
-        unsafe { avx512::round(&x[..whole], &mut out[..whole]) };
-        for (o, v) in out[whole..].iter_mut().zip(&x[whole..]) {
-            *o = half::bf16::from_f32(*v).to_bits();
-        }
-        return;
-    }
-    for (o, v) in out.iter_mut().zip(x) {
-        *o = half::bf16::from_f32(*v).to_bits();
-    }
+    unsafe {
+        avx512::round(x, out)
+    };
 }
 
 /// `y = x · wᵀ` for BF16 matrices: `x` is `m` rows of `k` bf16 values (from

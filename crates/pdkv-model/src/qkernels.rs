@@ -217,7 +217,8 @@ impl QActs {
         }
     }
 
-    /// Rounds `x` to bf16 for [`QActs::bf16`] (independent of [`QActs::quantize`]).
+    /// Rounds `x` to bf16 for [`QActs::bf16`] (independent of [`QActs::quantize`];
+    /// CPUs with bf16 dot products only, see [`crate::bf16dot::round_rows`]).
     pub fn round_bf16(&mut self, x: &[f32]) {
         crate::bf16dot::round_rows(x, &mut self.bf16);
     }
@@ -257,14 +258,15 @@ impl QActs {
         if m * k == 0 {
             return;
         }
-        let avx2 = cfg!(target_arch = "x86_64") && has(Flavour::Avx2);
-        let group = |(xs, rowq, qs, d, sum, dsum): GroupSlices<'_>| {
+        #[cfg(target_arch = "x86_64")]
+        let avx2 = has(Flavour::Avx2);
+        let group = |g: GroupSlices<'_>| {
             #[cfg(target_arch = "x86_64")]
             if avx2 {
                 // SAFETY: the CPU has AVX2 and FMA.
-                return unsafe { fill_group_avx2(xs, k, rowq, qs, d, sum, dsum) };
+                return unsafe { fill_group_avx2(k, g) };
             }
-            fill_group(xs, k, rowq, qs, d, sum, dsum)
+            fill_group(k, g)
         };
         // Groups are independent (each owns its slice of every buffer), so
         // a prefill's are quantised on every math thread; the bits are the
@@ -336,30 +338,14 @@ type GroupSlices<'a> = (
 /// [`fill_group`] compiled for AVX2, so the block loops vectorise.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn fill_group_avx2(
-    xs: &[f32],
-    k: usize,
-    rowq: &mut [i8],
-    qs: &mut [i8],
-    d: &mut [f32],
-    sum: &mut [i32],
-    dsum: &mut [f32],
-) {
-    fill_group(xs, k, rowq, qs, d, sum, dsum)
+unsafe fn fill_group_avx2(k: usize, g: GroupSlices<'_>) {
+    fill_group(k, g)
 }
 
 /// Quantises one group's rows (`xs`, at most [`GROUP`] rows of `k`) into
 /// the group's slices of the [`QActs`] buffers.
 #[inline(always)]
-fn fill_group(
-    xs: &[f32],
-    k: usize,
-    rowq: &mut [i8],
-    qs: &mut [i8],
-    d: &mut [f32],
-    sum: &mut [i32],
-    dsum: &mut [f32],
-) {
+fn fill_group(k: usize, (xs, rowq, qs, d, sum, dsum): GroupSlices<'_>) {
     let nb = k / QK;
     for (lane, x) in xs.chunks_exact(k).enumerate() {
         for b in 0..nb {
