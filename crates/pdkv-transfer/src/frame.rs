@@ -15,7 +15,7 @@
 //! data length against [`Limits`] and never panics, whatever the input; a
 //! frame it refuses closes the connection that sent it, and only that one.
 
-use crate::registry::AccessError;
+use crate::error::AccessError;
 
 pub const MAGIC: [u8; 4] = *b"PDKV";
 pub const VERSION: u8 = 1;

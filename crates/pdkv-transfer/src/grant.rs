@@ -22,7 +22,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
-use crate::registry::AccessError;
+pub use crate::error::{GrantError, RevokeError};
 
 /// A handle to a live grant: what a peer needs (with the agent address) to
 /// write or read the granted ranges. The registration's own key is not
@@ -32,46 +32,6 @@ pub struct Grant {
     pub segment: u64,
     pub key: u64,
     pub epoch: u64,
-}
-
-/// Why a grant was not made.
-#[derive(Debug, thiserror::Error)]
-pub enum GrantError {
-    /// The registration named is not live at that epoch with that key.
-    #[error(transparent)]
-    Access(#[from] AccessError),
-    #[error("a grant names at least one range")]
-    NoRanges,
-    #[error("range {offset}+{len} is empty or outside the registration of {registered} bytes")]
-    BadRange {
-        offset: u64,
-        len: u64,
-        registered: u64,
-    },
-    #[error("grant table full: {0} grants")]
-    Full(usize),
-    #[error("grant table full: {ranges} more ranges do not fit in the bound of {limit}")]
-    TooManyRanges { ranges: usize, limit: usize },
-    #[error("{op} failed: {source}")]
-    Os {
-        op: &'static str,
-        #[source]
-        source: std::io::Error,
-    },
-}
-
-/// Why a revocation did not complete.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
-pub enum RevokeError {
-    /// No new access succeeds, but `accesses` handed out earlier were still
-    /// held when the wait ended: bytes may still land through them.
-    /// Revoking again waits for them again.
-    #[error("{accesses} accesses through grant {key:#x} of segment {segment} outlived the wait")]
-    InUse {
-        segment: u64,
-        key: u64,
-        accesses: usize,
-    },
 }
 
 /// Sorts and merges `ranges` (offset, len) into disjoint, non-adjacent

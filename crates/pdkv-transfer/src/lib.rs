@@ -6,7 +6,8 @@
 //! deadline and an optional notification delivered after all data landed.
 //!
 //! Modules: [`auth`] (the handshake every KV connection opens with: both
-//! ends prove they hold the deployment's secret), [`registry`] (registrations, keys, epochs, checked access),
+//! ends prove they hold the deployment's secret), [`error`] (why an access,
+//! registration, grant or revocation was refused), [`registry`] (registrations, keys, epochs, checked access),
 //! [`grant`] (revocable, range-restricted keys to a registration: the
 //! fence against late writes over TCP),
 //! [`frame`] (wire format, a decoder that never panics), [`proto`] (the
@@ -33,6 +34,7 @@
 
 pub mod auth;
 pub mod conns;
+pub mod error;
 pub mod frame;
 pub mod grant;
 pub mod proto;

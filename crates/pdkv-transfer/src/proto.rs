@@ -550,7 +550,7 @@ impl<L: LocalRange> Initiator<L> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::registry::AccessError;
+    use crate::error::AccessError;
     use std::time::Duration;
 
     /// A local range in tests: (offset, len) into an imaginary buffer.

@@ -40,9 +40,9 @@ use std::time::Duration;
 
 use pdkv_vmem::{Chunk, Region};
 
-use crate::grant::{
-    normalize, Grant, GrantError, GrantHook, GrantState, GrantTable, GrantUse, RevokeError,
-};
+pub use crate::error::{AccessError, RegisterError};
+use crate::error::{GrantError, RevokeError};
+use crate::grant::{normalize, Grant, GrantHook, GrantState, GrantTable, GrantUse};
 
 /// A handle to a live registration; what a peer needs (with the agent
 /// address) to address the memory. Copyable and cheap.
@@ -52,53 +52,6 @@ pub struct Registration {
     pub key: u64,
     pub epoch: u64,
     pub len: u64,
-}
-
-/// Why a remote access was refused. The memory is never touched when one
-/// of these is returned.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
-pub enum AccessError {
-    #[error("unknown segment {segment}")]
-    UnknownSegment { segment: u64 },
-    #[error("segment {segment} is not registered now")]
-    NotRegistered { segment: u64 },
-    #[error("wrong key for segment {segment}")]
-    BadKey { segment: u64 },
-    #[error("stale epoch: access names epoch {have}, the registration is at epoch {want}")]
-    StaleEpoch { have: u64, want: u64 },
-    #[error("range {offset}+{len} is outside the registration of {registered} bytes")]
-    OutOfBounds {
-        offset: u64,
-        len: u64,
-        registered: u64,
-    },
-    /// Inside the registration, but outside every range of the grant named.
-    #[error("range {offset}+{len} is outside the ranges granted by this key of segment {segment}")]
-    OutsideGrant { segment: u64, offset: u64, len: u64 },
-}
-
-/// Why a registration could not be made.
-#[derive(Debug, thiserror::Error)]
-pub enum RegisterError {
-    #[error("range {offset}+{len} is empty or outside the region of {region_len} bytes")]
-    BadRange {
-        offset: usize,
-        len: usize,
-        region_len: usize,
-    },
-    #[error("the region is released (asleep); nothing to register")]
-    NotMapped,
-    #[error("registry full: {0} segments")]
-    Full(usize),
-    /// A failure asked for through [`Registry::fail_register_after`].
-    #[error("registering failed: injected fault")]
-    Injected,
-    #[error("{op} failed: {source}")]
-    Os {
-        op: &'static str,
-        #[source]
-        source: std::io::Error,
-    },
 }
 
 #[derive(Clone, Debug)]

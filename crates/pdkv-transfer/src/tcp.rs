@@ -49,12 +49,13 @@ use tokio::task::JoinHandle;
 
 use crate::auth::{self, KvSecret, Port};
 use crate::conns::{Admitted, ConnSlots, Slot};
+use crate::error::AccessError;
 use crate::frame::{Header, Limits, RemoteError, HEADER_LEN};
 use crate::proto::{
     BatchId, ConnId, Direction, Initiator, InitiatorConfig, LocalRange, Request, Response,
     StartError, Stats, Transfer, TransferError,
 };
-use crate::registry::{Access, AccessError, Registration, Registry};
+use crate::registry::{Access, Registration, Registry};
 use crate::RemoteDescriptor;
 
 #[derive(Clone, Debug)]

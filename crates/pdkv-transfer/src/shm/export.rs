@@ -10,8 +10,9 @@ use std::sync::{mpsc, Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use crate::auth::{self, KvSecret, Port};
+use crate::error::AccessError;
 use crate::frame::{Header, Limits, RemoteError, Target};
-use crate::registry::{Access, AccessError, Registration, Registry};
+use crate::registry::{Access, Registration, Registry};
 
 use super::layout::{encode_part, MapHead};
 use super::{

@@ -11,9 +11,10 @@ use std::sync::{mpsc, Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
 use crate::auth::{self, KvSecret, Port};
+use crate::error::AccessError;
 use crate::frame::{Header, Limits, RemoteError, Target};
 use crate::proto::{Direction, LocalRange, StartError, Stats, Transfer, TransferError};
-use crate::registry::{AccessError, Registration};
+use crate::registry::Registration;
 use crate::tcp::{BatchError, LocalSlice};
 
 use super::layout::{Assembly, Imported};

@@ -114,8 +114,8 @@ impl From<RemoteError> for ShmError {
     }
 }
 
-impl From<crate::registry::AccessError> for ShmError {
-    fn from(e: crate::registry::AccessError) -> ShmError {
+impl From<crate::error::AccessError> for ShmError {
+    fn from(e: crate::error::AccessError) -> ShmError {
         ShmError::Remote(e.into())
     }
 }
