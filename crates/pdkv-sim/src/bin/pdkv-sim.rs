@@ -40,7 +40,8 @@ struct Args {
     /// must be exact).
     #[arg(long)]
     replay: bool,
-    /// Print every run's line (else only violations and a summary).
+    /// Print every run's line with its trace hash (else only violations
+    /// and a summary).
     #[arg(long)]
     verbose: bool,
 }
@@ -115,7 +116,11 @@ fn main() -> anyhow::Result<()> {
         retried += r.rank_faults_retried;
         *pairs.entry((r.p_tp, r.d_tp)).or_default() += 1;
         simulated += r.simulated.as_secs_f64();
-        if args.verbose || !r.ok() {
+        if args.verbose {
+            // The trace hash: a digest of the run's every event, to compare
+            // runs of one seed across builds.
+            println!("{} (trace {:016x})", r.line(), r.trace);
+        } else if !r.ok() {
             println!("{}", r.line());
         }
         if args.verbose {
