@@ -1,0 +1,23 @@
+//! What pdkv's tests share, written once: child `pdkv` processes under one
+//! guard ([`proc`]), the HTTP, admin and SSE clients ([`http`], [`sse`]),
+//! one Prometheus text parser ([`prom`]), the models tests run on
+//! ([`models`]), and the bound every wait in a test has ([`DEADLINE`]).
+//!
+//! A dev-dependency only: nothing here is part of a server. Every wait is
+//! bounded; a helper that cannot do its job panics with what it saw, so a
+//! failing test explains itself.
+
+pub mod http;
+pub mod models;
+pub mod proc;
+pub mod prom;
+pub mod sse;
+
+use std::time::Duration;
+
+/// Bound on every wait in a test: a server's start, a health check, a
+/// metric reaching a value, a child's exit.
+pub const DEADLINE: Duration = Duration::from_secs(180);
+
+/// How often a bounded wait polls what it waits for.
+pub const POLL: Duration = Duration::from_millis(20);
