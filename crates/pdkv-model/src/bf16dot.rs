@@ -17,8 +17,9 @@
 
 use std::sync::OnceLock;
 
-use crate::kernels::{for_each_job_of, BlockLinear, SendConstPtr, SendPtr};
-use crate::qkernels::QType;
+use crate::dispatch::{for_each_job_of, SendConstPtr, SendPtr};
+use crate::kernels::BlockLinear;
+use crate::qtype::QType;
 
 /// Values per `vdpbf16ps` step (one 512-bit register of bf16).
 pub const STEP: usize = 32;
@@ -229,7 +230,7 @@ mod avx512 {
     unsafe fn reduce(v: __m512) -> f32 {
         let lo = _mm512_castps512_ps256(v);
         let hi = _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(v)));
-        crate::kernels::avx2::hsum(_mm256_add_ps(lo, hi))
+        crate::kernels::matmul::avx2::hsum(_mm256_add_ps(lo, hi))
     }
 }
 

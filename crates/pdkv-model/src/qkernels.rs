@@ -30,141 +30,9 @@ use std::sync::OnceLock;
 
 use rayon::prelude::*;
 
-use crate::kernels::Backend;
+use crate::dispatch::Backend;
 
-/// Values per quantisation block.
-pub const QK: usize = 32;
-/// Values per super-block of the K formats.
-pub const QK_K: usize = 256;
-
-/// A GGUF block format the kernels read directly.
-#[allow(non_camel_case_types)]
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum QType {
-    Q8_0,
-    Q4_0,
-    Q4_1,
-    Q5_0,
-    Q5_1,
-    /// 256-value super-blocks of 8 sub-blocks of 32, each with a 6-bit scale
-    /// and minimum under the super-block's f16 `d` and `dmin`.
-    Q4_K,
-    /// Q4_K with a fifth bit per value.
-    Q5_K,
-    /// 256-value super-blocks of signed 6-bit values (`q - 32`) with an i8
-    /// scale per 16 values under one f16 `d`.
-    Q6_K,
-    /// IEEE half floats, no scales (seen as blocks of 32 values). The int8
-    /// kernels do not take them: they multiply f32 activations, converted
-    /// in registers (`kernels::matmul_blocks_many`), with the f32 path's bits.
-    F16,
-    /// bfloat16, as [`QType::F16`].
-    BF16,
-}
-
-impl QType {
-    /// Every block format, for tests and dispatch tables.
-    pub const ALL: [QType; 5] = [
-        QType::Q8_0,
-        QType::Q4_0,
-        QType::Q4_1,
-        QType::Q5_0,
-        QType::Q5_1,
-    ];
-
-    /// Bytes of one block as stored: Q8_0 34 (f16 d, 32 x i8); Q4_0 18 (f16
-    /// d, 16 bytes of nibbles); Q4_1 20 (f16 d, f16 m, nibbles); Q5_0 22 (f16
-    /// d, 32 fifth bits, nibbles); Q5_1 24 (f16 d, f16 m, fifth bits,
-    /// nibbles); Q4_K 144 per 256 values (f16 d, f16 dmin, 12 bytes of
-    /// scales and minimums, 128 bytes of nibbles); Q5_K 176 (the same with
-    /// 32 bytes of fifth bits before the nibbles); Q6_K 210 (128 bytes of
-    /// low nibbles, 64 of high bit pairs, 16 i8 scales, f16 d last).
-    pub fn block_bytes(self) -> usize {
-        match self {
-            QType::Q8_0 => 34,
-            QType::Q4_0 => 18,
-            QType::Q4_1 => 20,
-            QType::Q5_0 => 22,
-            QType::Q5_1 => 24,
-            QType::Q4_K => 144,
-            QType::Q5_K => 176,
-            QType::Q6_K => 210,
-            QType::F16 | QType::BF16 => 64,
-        }
-    }
-
-    /// Values per stored block: 32, or 256 for a super-block format.
-    pub fn block_values(self) -> usize {
-        if self.is_super() {
-            QK_K
-        } else {
-            QK
-        }
-    }
-
-    /// Whether the values are 16-bit floats (F16, BF16): no int8 kernels.
-    pub fn is_half(self) -> bool {
-        matches!(self, QType::F16 | QType::BF16)
-    }
-
-    /// Whether rows are 256-value super-blocks (Q4_K, Q5_K, Q6_K).
-    pub fn is_super(self) -> bool {
-        matches!(self, QType::Q4_K | QType::Q5_K | QType::Q6_K)
-    }
-
-    /// Offset in a block of the 16 bytes of low nibbles (all but Q8_0):
-    /// value `i < 16` is the low nibble of byte `i`, value `i + 16` its high one.
-    fn nibbles_at(self) -> usize {
-        match self {
-            QType::Q8_0 => unreachable!("Q8_0 has whole bytes"),
-            QType::Q4_0 => 2,
-            QType::Q4_1 => 4,
-            QType::Q5_0 => 6,
-            QType::Q5_1 => 8,
-            QType::Q4_K | QType::Q5_K | QType::Q6_K => {
-                unreachable!("{self:?} keeps its nibbles per super-block")
-            }
-            QType::F16 | QType::BF16 => unreachable!("{self:?} has no nibbles"),
-        }
-    }
-
-    /// Offset of the 32 fifth bits (bit `i` of the little-endian u32 is
-    /// value `i`'s bit 4), for Q5_0 and Q5_1.
-    fn high_bits_at(self) -> Option<usize> {
-        match self {
-            QType::Q5_0 => Some(2),
-            QType::Q5_1 => Some(4),
-            _ => None,
-        }
-    }
-
-    /// Whether the block stores its minimum as an f16 after the scale
-    /// (Q4_1, Q5_1); Q4_0's and Q5_0's minimums are `-8d` and `-16d`.
-    fn stored_min(self) -> bool {
-        matches!(self, QType::Q4_1 | QType::Q5_1)
-    }
-
-    /// The factor `f` of `mw = f * d` for Q4_0 (-8) and Q5_0 (-16).
-    fn min_factor(self) -> f32 {
-        match self {
-            QType::Q4_0 => -8.0,
-            QType::Q5_0 => -16.0,
-            _ => unreachable!("{self:?} stores its minimum"),
-        }
-    }
-
-    /// Unsigned values `q` with `x = d*q + mw`: every format but Q8_0
-    /// (signed, `x = d*q`) and Q6_K (its own kernels: two scales a block).
-    fn unsigned(self) -> bool {
-        !matches!(self, QType::Q8_0 | QType::Q6_K)
-    }
-
-    /// Bytes of one row of `k` values (k a multiple of
-    /// [`QType::block_values`]).
-    pub fn row_bytes(self, k: usize) -> usize {
-        k / self.block_values() * self.block_bytes()
-    }
-}
+pub use crate::qtype::{QType, QK, QK_K};
 
 /// Activation rows per interleaved group: one per lane of an 8 x f32 vector.
 const GROUP: usize = 8;
@@ -414,7 +282,7 @@ pub struct QLinear<'a> {
 /// current rayon pool (like [`crate::kernels::matmul_many`]: output features
 /// `j` are split into jobs, never `k`).
 pub fn qmatmul_many(x: &QActs, outs: &mut [QLinear<'_>]) {
-    qmatmul_many_with(crate::kernels::backend(), x, outs)
+    qmatmul_many_with(crate::dispatch::backend(), x, outs)
 }
 
 /// [`qmatmul_many`] with an explicit backend (tests exercise every one available).
@@ -476,7 +344,7 @@ fn has(f: Flavour) -> bool {
     }
 }
 
-use crate::kernels::{for_each_job_of, SendConstPtr, SendPtr};
+use crate::dispatch::{for_each_job_of, SendConstPtr, SendPtr};
 
 /// Weight rows per register tile of the SIMD flavours.
 const NR: usize = 4;

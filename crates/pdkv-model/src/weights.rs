@@ -4,7 +4,7 @@
 //! is `[out_features, in_features]` and computes `y = x W^T`. Norms,
 //! embeddings and checkpoints of float types are f32; the linear layers of
 //! a GGUF file in a block format the kernels compute on
-//! ([`crate::qkernels::QType`]) keep the file's blocks, row by row.
+//! ([`crate::qtype::QType`]) keep the file's blocks, row by row.
 //! Q and K projections are in Hugging Face order (rotate-half RoPE); loaders
 //! of GGUF files un-permute them on load.
 
@@ -12,7 +12,8 @@ use std::sync::Arc;
 
 use pdkv_vmem::Region;
 
-use crate::qkernels::QType;
+use crate::qtype::QType;
+pub use crate::qtype::{ggml_type, quant_of};
 
 /// How a tensor's values are stored.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -68,39 +69,6 @@ impl TensorRef {
                 (self.numel() / cols.max(1)) * q.row_bytes(cols)
             }
         }
-    }
-}
-
-/// The GGUF type of a block format.
-pub fn ggml_type(q: QType) -> crate::gguf::GgmlType {
-    match q {
-        QType::Q8_0 => crate::gguf::GgmlType::Q8_0,
-        QType::Q4_0 => crate::gguf::GgmlType::Q4_0,
-        QType::Q4_1 => crate::gguf::GgmlType::Q4_1,
-        QType::Q5_0 => crate::gguf::GgmlType::Q5_0,
-        QType::Q5_1 => crate::gguf::GgmlType::Q5_1,
-        QType::Q4_K => crate::gguf::GgmlType::Q4_K,
-        QType::Q5_K => crate::gguf::GgmlType::Q5_K,
-        QType::Q6_K => crate::gguf::GgmlType::Q6_K,
-        QType::F16 => crate::gguf::GgmlType::F16,
-        QType::BF16 => crate::gguf::GgmlType::BF16,
-    }
-}
-
-/// The block format of a GGUF type the kernels compute on, if any.
-pub fn quant_of(t: crate::gguf::GgmlType) -> Option<QType> {
-    match t {
-        crate::gguf::GgmlType::Q8_0 => Some(QType::Q8_0),
-        crate::gguf::GgmlType::Q4_0 => Some(QType::Q4_0),
-        crate::gguf::GgmlType::Q4_1 => Some(QType::Q4_1),
-        crate::gguf::GgmlType::Q5_0 => Some(QType::Q5_0),
-        crate::gguf::GgmlType::Q5_1 => Some(QType::Q5_1),
-        crate::gguf::GgmlType::Q4_K => Some(QType::Q4_K),
-        crate::gguf::GgmlType::Q5_K => Some(QType::Q5_K),
-        crate::gguf::GgmlType::Q6_K => Some(QType::Q6_K),
-        crate::gguf::GgmlType::F16 => Some(QType::F16),
-        crate::gguf::GgmlType::BF16 => Some(QType::BF16),
-        _ => None,
     }
 }
 

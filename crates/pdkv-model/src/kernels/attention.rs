@@ -1,0 +1,490 @@
+//! Paged causal attention: tiles of [`KEY_TILE`] keys with an online
+//! softmax, swept by all the query heads of a task together (see
+//! [`attend_many`]).
+
+use crate::dispatch::{backend, Backend};
+
+/// Where a KV head's rows live in a paged cache, in floats from `base`:
+/// the K row of position `t` is at
+/// `block_table[t / block_size] * block_stride + (t % block_size) * row_stride + head_offset`,
+/// and the V row `v_offset` floats further.
+#[derive(Clone, Copy)]
+pub struct PagedRows<'a> {
+    pub base: *const f32,
+    pub block_table: &'a [u32],
+    pub block_size: usize,
+    pub block_stride: usize,
+    pub row_stride: usize,
+    pub head_offset: usize,
+    pub v_offset: usize,
+}
+
+impl PagedRows<'_> {
+    #[inline(always)]
+    pub(crate) fn k_row(&self, t: usize) -> *const f32 {
+        let b = self.block_table[t / self.block_size] as usize;
+        let off =
+            b * self.block_stride + (t % self.block_size) * self.row_stride + self.head_offset;
+        self.base.wrapping_add(off)
+    }
+}
+
+/// Keys per tile of the online softmax: tiles start at multiples of
+/// `KEY_TILE` positions, whatever the queries around them, so a query's
+/// arithmetic depends on its position and the cache alone.
+pub const KEY_TILE: usize = 16;
+
+/// One query head of an [`attend_many`] call: its vector (`head_dim`
+/// floats, after norm and RoPE), its position (keys `0..=pos` are read) and
+/// its output row (`head_dim` floats, also the running accumulator).
+#[derive(Clone, Copy)]
+pub struct AttnQuery {
+    q: *const f32,
+    pos: usize,
+    out: *mut f32,
+    /// Running maximum of the scores seen so far (`-inf` before the first tile).
+    m: f32,
+    /// Running sum of `exp(score - m)`.
+    l: f32,
+}
+
+impl AttnQuery {
+    pub const EMPTY: AttnQuery = AttnQuery {
+        q: std::ptr::null(),
+        pos: 0,
+        out: std::ptr::null_mut(),
+        m: f32::NEG_INFINITY,
+        l: 0.0,
+    };
+
+    pub fn new(q: *const f32, pos: usize, out: *mut f32) -> Self {
+        AttnQuery {
+            q,
+            pos,
+            out,
+            ..Self::EMPTY
+        }
+    }
+}
+
+/// One query head attending over a sequence's cached positions `0..=pos`.
+pub struct AttendArgs<'a> {
+    /// The query head vector (`head_dim`, after norm and RoPE).
+    pub q: &'a [f32],
+    /// Position of the query; keys `0..=pos` are read.
+    pub pos: usize,
+    pub rows: PagedRows<'a>,
+    pub scale: f32,
+}
+
+/// Causal attention for one (query, head): `out = softmax(q·Kᵀ·scale) · V`,
+/// [`attend_many`] with one query.
+///
+/// # Safety
+/// As [`attend_many`]; `out` is `head_dim` floats.
+pub unsafe fn attend(args: &AttendArgs<'_>, out: &mut [f32]) {
+    assert_eq!(args.q.len(), out.len());
+    let mut q = [AttnQuery::new(args.q.as_ptr(), args.pos, out.as_mut_ptr())];
+    attend_many(&args.rows, args.q.len(), args.scale, &mut q);
+}
+
+/// Causal attention for query heads that share one KV head:
+/// `out = softmax(q·Kᵀ·scale) · V` for each, by tiles of [`KEY_TILE`] keys
+/// with an online softmax (a running maximum and sum; the accumulator is
+/// rescaled when the maximum grows). The tiles sweep every query's keys once:
+/// a tile's K and V rows are read from memory once for all the queries, and
+/// stay in cache while each of them uses it.
+///
+/// Each query's operations depend only on its position and the cache (the
+/// tiles, the order of additions in each, where the rescaling happens), not
+/// on which other queries share the call: the bits are the same however a
+/// sequence is batched, chunked or preempted.
+///
+/// # Safety
+/// `rows` must describe `head_dim` readable floats of K and of V for every
+/// position up to the largest `pos`, not written while this runs; each
+/// query's `q` must point at `head_dim` readable floats and its `out` at
+/// `head_dim` writable floats that nothing else touches meanwhile.
+pub unsafe fn attend_many(rows: &PagedRows<'_>, head_dim: usize, scale: f32, qs: &mut [AttnQuery]) {
+    attend_many_with(backend(), rows, head_dim, scale, qs)
+}
+
+/// [`attend_many`] on a given backend (one the CPU has).
+pub(super) unsafe fn attend_many_with(
+    be: Backend,
+    rows: &PagedRows<'_>,
+    head_dim: usize,
+    scale: f32,
+    qs: &mut [AttnQuery],
+) {
+    match be {
+        #[cfg(target_arch = "x86_64")]
+        Backend::Avx2Fma => avx2::attend_many(rows, head_dim, scale, qs),
+        _ => attend_many_generic(
+            rows,
+            head_dim,
+            scale,
+            qs,
+            |q, kp, v_offset, hd, scale, seen| {
+                // SAFETY: as this function's contract.
+                unsafe { portable::attend_tile(q, kp, v_offset, hd, scale, seen) }
+            },
+        ),
+    }
+}
+
+/// The sweep of [`attend_many`]: tiles in position order, every query that
+/// reaches a tile taking it in turn, then the division by the sum. `tile`
+/// takes a query, the tile's 16 K row pointers (the V row is `v_offset`
+/// floats further), and how many of them the query sees.
+#[inline(always)]
+unsafe fn attend_many_generic(
+    rows: &PagedRows<'_>,
+    hd: usize,
+    scale: f32,
+    qs: &mut [AttnQuery],
+    tile: impl Fn(&mut AttnQuery, &[*const f32; KEY_TILE], usize, usize, f32, usize),
+) {
+    let Some(max_pos) = qs.iter().map(|q| q.pos).max() else {
+        return;
+    };
+    for q in qs.iter_mut() {
+        q.m = f32::NEG_INFINITY;
+        q.l = 0.0;
+    }
+    let mut kp = [std::ptr::null(); KEY_TILE];
+    for t0 in (0..=max_pos).step_by(KEY_TILE) {
+        // Rows past the last query's position are not read: their slots
+        // point at the tile's first row, and every query masks them.
+        for (i, p) in kp.iter_mut().enumerate() {
+            let t = t0 + i;
+            *p = rows.k_row(if t <= max_pos { t } else { t0 });
+        }
+        for q in qs.iter_mut().filter(|q| q.pos >= t0) {
+            let seen = (q.pos + 1 - t0).min(KEY_TILE);
+            tile(q, &kp, rows.v_offset, hd, scale, seen);
+        }
+    }
+    for q in qs.iter() {
+        let inv = 1.0 / q.l;
+        for c in 0..hd {
+            *q.out.add(c) *= inv;
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+pub(super) mod avx2 {
+    use std::arch::x86_64::*;
+
+    use crate::kernels::matmul::avx2::hsum;
+
+    /// Lane `i` of the result is `hsum(v[i])`, with the very same additions:
+    /// `((a0+a4) + (a2+a6)) + ((a1+a5) + (a3+a7))`.
+    #[inline(always)]
+    pub(in crate::kernels) unsafe fn hsum8(v: &[__m256; 8]) -> __m256 {
+        // [x.lo + x.hi | y.lo + y.hi]: hsum's first step for two vectors.
+        let halves = |x: __m256, y: __m256| {
+            _mm256_add_ps(
+                _mm256_permute2f128_ps::<0x20>(x, y),
+                _mm256_permute2f128_ps::<0x31>(x, y),
+            )
+        };
+        // Per 128-bit lane [b0+b2, b1+b3] of x, then of y: the second step.
+        let pairs = |x: __m256, y: __m256| {
+            _mm256_add_ps(
+                _mm256_shuffle_ps::<0b01_00_01_00>(x, y),
+                _mm256_shuffle_ps::<0b11_10_11_10>(x, y),
+            )
+        };
+        // The last step leaves lanes in the order (0, 2, 1, 3) per half, so
+        // the inputs go in as 0, 2, 1, 3, 4, 6, 5, 7.
+        let (w0, w1) = (halves(v[0], v[4]), halves(v[2], v[6]));
+        let (w2, w3) = (halves(v[1], v[5]), halves(v[3], v[7]));
+        let (u, z) = (pairs(w0, w2), pairs(w1, w3));
+        _mm256_add_ps(
+            _mm256_shuffle_ps::<0b10_00_10_00>(u, z),
+            _mm256_shuffle_ps::<0b11_01_11_01>(u, z),
+        )
+    }
+
+    // Cephes-style expf: exp(x) = 2^n * p(r), r = x - n ln 2, |r| <= ln2/2.
+    const EXP_LO: f32 = -87.336_55;
+    const LOG2E: f32 = std::f32::consts::LOG2_E;
+    const LN2_HI: f32 = 0.693_359_4;
+    const LN2_LO: f32 = -2.121_944_4e-4;
+    const EXP_C: [f32; 6] = [
+        1.987_569_1e-4,
+        1.398_199_9e-3,
+        8.333_452e-3,
+        4.166_579_6e-2,
+        1.666_666_5e-1,
+        0.5,
+    ];
+
+    /// `exp(x)` for 8 lanes with `x <= 0`; inputs below `EXP_LO` give 0.
+    #[inline(always)]
+    unsafe fn exp8(x: __m256) -> __m256 {
+        let tiny = _mm256_cmp_ps::<_CMP_LT_OQ>(x, _mm256_set1_ps(EXP_LO));
+        let x = _mm256_max_ps(x, _mm256_set1_ps(EXP_LO));
+        let n = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(
+            _mm256_mul_ps(x, _mm256_set1_ps(LOG2E)),
+        );
+        let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(LN2_HI), x);
+        let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(LN2_LO), r);
+        let mut p = _mm256_set1_ps(EXP_C[0]);
+        for &c in &EXP_C[1..] {
+            p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
+        }
+        let p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r);
+        let p = _mm256_add_ps(p, _mm256_set1_ps(1.0));
+        let pow2 = _mm256_castsi256_ps(_mm256_slli_epi32::<23>(_mm256_add_epi32(
+            _mm256_cvtps_epi32(n),
+            _mm256_set1_epi32(127),
+        )));
+        _mm256_andnot_ps(tiny, _mm256_mul_ps(p, pow2))
+    }
+
+    /// The same operations as one lane of [`exp8`], for the tail.
+    #[inline(always)]
+    fn exp1(x: f32) -> f32 {
+        if x < EXP_LO {
+            return 0.0;
+        }
+        let n = (x * LOG2E).round_ties_even();
+        let r = (-n).mul_add(LN2_HI, x);
+        let r = (-n).mul_add(LN2_LO, r);
+        let mut p = EXP_C[0];
+        for &c in &EXP_C[1..] {
+            p = p.mul_add(r, c);
+        }
+        let p = p.mul_add(r * r, r) + 1.0;
+        p * f32::from_bits(((n as i32 + 127) as u32) << 23)
+    }
+
+    /// [`super::attend_many`] with AVX2 tiles.
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn attend_many(
+        rows: &super::PagedRows<'_>,
+        hd: usize,
+        scale: f32,
+        qs: &mut [super::AttnQuery],
+    ) {
+        super::attend_many_generic(rows, hd, scale, qs, |q, kp, v_offset, hd, scale, seen| {
+            // SAFETY: as `attend_many`'s contract; AVX2 and FMA are enabled here.
+            unsafe { attend_tile(q, kp, v_offset, hd, scale, seen) }
+        })
+    }
+
+    /// One tile for one query. Scores: 8 keys side by side over the head's
+    /// columns, reduced in `hsum`'s order (then the columns past a multiple
+    /// of 8 one by one), times the scale; keys the query does not see become
+    /// `-inf`. `p = exp(s - m)` 8 at a time, the tile's sum in `hsum`'s
+    /// order. The output keeps 64 columns in registers while it takes the
+    /// tile's positions in order: each element is `fma(p_t, v_t, acc)`.
+    #[inline(always)]
+    unsafe fn attend_tile(
+        q: &mut super::AttnQuery,
+        kp: &[*const f32; super::KEY_TILE],
+        v_offset: usize,
+        hd: usize,
+        scale: f32,
+        seen: usize,
+    ) {
+        let hd8 = hd & !7;
+        let qp = q.q;
+        let mut s = [0f32; super::KEY_TILE];
+        for h in 0..super::KEY_TILE / 8 {
+            let mut acc = [_mm256_setzero_ps(); 8];
+            let mut p = 0;
+            while p < hd8 {
+                let qv = _mm256_loadu_ps(qp.add(p));
+                for (i, a) in acc.iter_mut().enumerate() {
+                    *a = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kp[8 * h + i].add(p)), *a);
+                }
+                p += 8;
+            }
+            _mm256_storeu_ps(s.as_mut_ptr().add(8 * h), hsum8(&acc));
+        }
+        if hd8 < hd {
+            for (j, sj) in s.iter_mut().enumerate() {
+                for c in hd8..hd {
+                    *sj += *qp.add(c) * *kp[j].add(c);
+                }
+            }
+        }
+        let lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+        let ninf = _mm256_set1_ps(f32::NEG_INFINITY);
+        let sv = _mm256_set1_ps(scale);
+        let masked = |h: usize| {
+            let keep = _mm256_cmpgt_epi32(_mm256_set1_epi32(seen as i32 - 8 * h as i32), lane);
+            let x = _mm256_mul_ps(_mm256_loadu_ps(s.as_ptr().add(8 * h)), sv);
+            _mm256_blendv_ps(ninf, x, _mm256_castsi256_ps(keep))
+        };
+        let (s0, s1) = (masked(0), masked(1));
+        let mut lanes = [0f32; 8];
+        _mm256_storeu_ps(lanes.as_mut_ptr(), _mm256_max_ps(s0, s1));
+        let m = lanes.iter().fold(q.m, |m, &v| m.max(v));
+        let mv = _mm256_set1_ps(m);
+        let (p0, p1) = (exp8(_mm256_sub_ps(s0, mv)), exp8(_mm256_sub_ps(s1, mv)));
+        let sum = hsum(_mm256_add_ps(p0, p1));
+        let mut ps = [0f32; super::KEY_TILE];
+        _mm256_storeu_ps(ps.as_mut_ptr(), p0);
+        _mm256_storeu_ps(ps.as_mut_ptr().add(8), p1);
+        // How the accumulator starts: zero on the first tile, rescaled when
+        // the maximum grew, as it is otherwise (`x * 1` would change nothing).
+        let first = q.m == f32::NEG_INFINITY;
+        let alpha = if !first && m > q.m {
+            exp1(q.m - m)
+        } else {
+            1.0
+        };
+        q.l = if first { sum } else { q.l * alpha + sum };
+        q.m = m;
+        let rescale = !first && alpha != 1.0;
+        let av = _mm256_set1_ps(alpha);
+        let out = q.out;
+        let start = |at: *const f32| {
+            if first {
+                _mm256_setzero_ps()
+            } else if rescale {
+                _mm256_mul_ps(_mm256_loadu_ps(at), av)
+            } else {
+                _mm256_loadu_ps(at)
+            }
+        };
+        let ps = &ps[..seen];
+        let mut c = 0;
+        while c + 64 <= hd {
+            let mut acc = [_mm256_setzero_ps(); 8];
+            for (j, a) in acc.iter_mut().enumerate() {
+                *a = start(out.add(c + 8 * j));
+            }
+            for (t, &p) in ps.iter().enumerate() {
+                let v = kp[t].add(v_offset + c);
+                let pv = _mm256_set1_ps(p);
+                for (j, a) in acc.iter_mut().enumerate() {
+                    *a = _mm256_fmadd_ps(pv, _mm256_loadu_ps(v.add(8 * j)), *a);
+                }
+            }
+            for (j, a) in acc.iter().enumerate() {
+                _mm256_storeu_ps(out.add(c + 8 * j), *a);
+            }
+            c += 64;
+        }
+        while c + 8 <= hd {
+            let mut acc = start(out.add(c));
+            for (t, &p) in ps.iter().enumerate() {
+                acc = _mm256_fmadd_ps(
+                    _mm256_set1_ps(p),
+                    _mm256_loadu_ps(kp[t].add(v_offset + c)),
+                    acc,
+                );
+            }
+            _mm256_storeu_ps(out.add(c), acc);
+            c += 8;
+        }
+        while c < hd {
+            let mut acc = if first {
+                0.0
+            } else if rescale {
+                *out.add(c) * alpha
+            } else {
+                *out.add(c)
+            };
+            for (t, &p) in ps.iter().enumerate() {
+                acc = p.mul_add(*kp[t].add(v_offset + c), acc);
+            }
+            *out.add(c) = acc;
+            c += 1;
+        }
+    }
+
+    #[cfg(test)]
+    mod tests {
+        #[test]
+        fn vector_exp_is_accurate_and_lane_consistent() {
+            if super::super::backend() != super::super::Backend::Avx2Fma {
+                return;
+            }
+            let xs: Vec<f32> = (0..4000)
+                .map(|i| -(i as f32) * 0.0231)
+                .chain([0.0, -1e-30, -87.0, -88.0, -1000.0])
+                .collect();
+            for x in xs {
+                // SAFETY: the CPU has AVX2 and FMA (checked above).
+                let v = unsafe {
+                    let r = super::exp8(std::arch::x86_64::_mm256_set1_ps(x));
+                    let mut o = [0f32; 8];
+                    std::arch::x86_64::_mm256_storeu_ps(o.as_mut_ptr(), r);
+                    o[3]
+                };
+                let s = unsafe { exp1_fma(x) };
+                assert_eq!(v.to_bits(), s.to_bits(), "lane and tail differ at {x}");
+                let want = (x as f64).exp();
+                if x >= super::EXP_LO {
+                    assert!(
+                        ((v as f64) - want).abs() <= 4.0 * f32::EPSILON as f64 * want,
+                        "exp({x}) = {v}, want {want}"
+                    );
+                } else {
+                    assert_eq!(v, 0.0);
+                }
+            }
+        }
+
+        #[target_feature(enable = "avx2,fma")]
+        unsafe fn exp1_fma(x: f32) -> f32 {
+            super::exp1(x)
+        }
+    }
+}
+
+mod portable {
+    use crate::kernels::matmul::portable::dot;
+
+    pub(super) unsafe fn axpy(acc: *mut f32, p: f32, v: *const f32, k: usize) {
+        for t in 0..k {
+            *acc.add(t) += p * *v.add(t);
+        }
+    }
+
+    /// One tile of [`super::attend_many`] for one query: `seen` of the
+    /// tile's keys, scalar operations in a fixed order.
+    pub(super) unsafe fn attend_tile(
+        q: &mut super::AttnQuery,
+        kp: &[*const f32; super::KEY_TILE],
+        v_offset: usize,
+        hd: usize,
+        scale: f32,
+        seen: usize,
+    ) {
+        let mut s = [0f32; super::KEY_TILE];
+        for (j, sj) in s.iter_mut().enumerate().take(seen) {
+            *sj = dot(q.q, kp[j], hd) * scale;
+        }
+        let m = s[..seen].iter().fold(q.m, |m, &v| m.max(v));
+        let mut sum = 0f32;
+        for sj in &mut s[..seen] {
+            *sj = (*sj - m).exp();
+            sum += *sj;
+        }
+        let first = q.m == f32::NEG_INFINITY;
+        if first {
+            std::slice::from_raw_parts_mut(q.out, hd).fill(0.0);
+            q.l = sum;
+        } else if m > q.m {
+            let alpha = (q.m - m).exp();
+            for c in 0..hd {
+                *q.out.add(c) *= alpha;
+            }
+            q.l = q.l * alpha + sum;
+        } else {
+            q.l += sum;
+        }
+        q.m = m;
+        for (j, &p) in s.iter().enumerate().take(seen) {
+            axpy(q.out, p, kp[j].add(v_offset), hd);
+        }
+    }
+}

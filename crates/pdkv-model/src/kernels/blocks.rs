@@ -1,0 +1,293 @@
+//! Block-format matrices (GGUF blocks, F16, BF16) times f32 activations,
+//! bit-identical to [`crate::kernels::matmul_many`] on the dequantised
+//! weights: the f32 tiles run over rows dequantised a panel at a time, or,
+//! for a few rows (decode), each block is dequantised in registers and
+//! multiplied at once.
+
+use super::matmul::{run_job, Job, NR, W_L1_BYTES};
+use crate::dispatch::{backend, for_each_job_of, Backend, SendConstPtr, SendPtr};
+use crate::qtype::{QType, QK};
+
+/// One weight matrix in a GGUF block format applied to f32 activations.
+pub struct BlockLinear<'a> {
+    pub ty: QType,
+    /// `n` rows of `ty.row_bytes(k)` bytes.
+    pub w: &'a [u8],
+    pub n: usize,
+    pub y: &'a mut [f32],
+}
+
+/// `y = x · wᵀ` for block-format matrices, bit-identical to [`matmul_many`]
+/// on the dequantised weights: each job dequantises its weight rows a panel
+/// at a time (one that fits in L1) into a per-thread scratch and runs the
+/// same tiles over it. The weights are read in their blocks (a fraction of
+/// the f32 bytes); the activations and the arithmetic are the f32 path's.
+pub fn matmul_blocks_many(x: &[f32], m: usize, k: usize, outs: &mut [BlockLinear<'_>]) {
+    matmul_blocks_many_with(backend(), x, m, k, outs)
+}
+
+/// [`matmul_blocks_many`] with an explicit backend.
+pub fn matmul_blocks_many_with(
+    be: Backend,
+    x: &[f32],
+    m: usize,
+    k: usize,
+    outs: &mut [BlockLinear<'_>],
+) {
+    assert!(
+        x.len() >= m * k,
+        "x has {} floats, need {}x{}",
+        x.len(),
+        m,
+        k
+    );
+    assert!(
+        k.is_multiple_of(QK),
+        "rows of {k} values are not whole 32-value blocks"
+    );
+    for o in outs.iter() {
+        assert!(
+            o.w.len() >= o.n * o.ty.row_bytes(k),
+            "w has {} bytes, need {} rows",
+            o.w.len(),
+            o.n
+        );
+        assert!(
+            o.y.len() >= m * o.n,
+            "y has {} floats, need {}x{}",
+            o.y.len(),
+            m,
+            o.n
+        );
+    }
+    if m == 0 {
+        return;
+    }
+    let xp = SendConstPtr(x.as_ptr());
+    let view = |o: &mut BlockLinear<'_>| {
+        let p = (
+            o.ty,
+            SendConstPtr(o.w.as_ptr()),
+            o.w.len(),
+            SendPtr(o.y.as_mut_ptr()),
+            o.n,
+        );
+        (p, o.n)
+    };
+    for_each_job_of(outs, NR, view, |(ty, w, wlen, y, n), j0, j1| {
+        let rb = ty.row_bytes(k);
+        // SAFETY: `w` points at the matrix's `wlen` bytes (checked above).
+        let wb = unsafe { std::slice::from_raw_parts(w.get(), wlen) };
+        // A few rows (decode): each weight block is dequantised in
+        // registers and multiplied at once, the tiles' very arithmetic.
+        #[cfg(target_arch = "x86_64")]
+        if be == Backend::Avx2Fma && m <= FUSED_ROWS && avx2::has_block_kernels(ty) {
+            for j in j0..j1 {
+                // SAFETY: AVX2 is present (the backend); row `j` of `w`,
+                // `m` rows of `x` and column `j` of `y` are in bounds.
+                unsafe {
+                    avx2::block_rows(ty, &wb[j * rb..(j + 1) * rb], xp.get(), m, k, y.0.add(j), n)
+                };
+            }
+            return;
+        }
+        let panel = (W_L1_BYTES / (4 * k) / NR * NR).max(NR);
+        BLOCK_SCRATCH.with(|cell| {
+            let mut scratch = cell.borrow_mut();
+            if scratch.len() < panel * k {
+                scratch.resize(panel * k, 0.0);
+            }
+            let mut p0 = j0;
+            while p0 < j1 {
+                let p1 = (p0 + panel).min(j1);
+                for r in p0..p1 {
+                    dequantize_row(
+                        be,
+                        ty,
+                        &wb[r * rb..(r + 1) * rb],
+                        &mut scratch[(r - p0) * k..(r - p0 + 1) * k],
+                    );
+                }
+                // SAFETY: the scratch holds rows p0..p1 as f32; the job owns
+                // columns p0..p1 of `y`, which start `p0` floats in.
+                let job = Job {
+                    w: scratch.as_ptr(),
+                    y: SendPtr(unsafe { y.0.add(p0) }),
+                    n,
+                    j0: 0,
+                    j1: p1 - p0,
+                };
+                unsafe { run_job(be, xp.get(), m, k, &job) };
+                p0 = p1;
+            }
+        });
+    });
+}
+
+/// Activation rows up to which block rows are multiplied straight from
+/// their blocks rather than through a dequantised panel.
+const FUSED_ROWS: usize = 4;
+
+thread_local! {
+    /// Dequantised weight rows of the panel a thread is working on.
+    static BLOCK_SCRATCH: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// One row of a block-format matrix as f32, exactly as
+/// [`crate::gguf::dequantize`] computes it (`d*q`, `d*q + m`).
+pub(super) fn dequantize_row(be: Backend, ty: QType, src: &[u8], out: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if be == Backend::Avx2Fma && avx2::has_block_kernels(ty) {
+        // SAFETY: the backend is AVX2 only where the CPU has it; lengths are
+        // whole blocks (checked by the caller).
+        return unsafe { avx2::dequantize_row(ty, src, out) };
+    }
+    let _ = be;
+    crate::gguf::dequantize(crate::qtype::ggml_type(ty), src, out).expect("whole blocks");
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use std::arch::x86_64::*;
+
+    use crate::kernels::matmul::avx2::hsum;
+    use crate::qtype::QType;
+
+    /// The formats [`dequantize_row`] and [`block_rows`] handle (the others
+    /// go through [`crate::gguf::dequantize`] and the f32 tiles).
+    pub(super) fn has_block_kernels(ty: QType) -> bool {
+        matches!(ty, QType::Q8_0 | QType::Q4_1 | QType::F16 | QType::BF16)
+    }
+
+    /// The 8 values at `p` of a 16-bit float format, widened exactly.
+    #[inline(always)]
+    unsafe fn half8(ty: QType, p: *const u8) -> __m256 {
+        let h = _mm_loadu_si128(p as *const __m128i);
+        if ty == QType::F16 {
+            _mm256_cvtph_ps(h)
+        } else {
+            _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(h)))
+        }
+    }
+
+    /// A block-format row as f32: `d*q` (Q8_0), `d*q + m` (Q4_1), with a
+    /// separate multiply and add, as the scalar dequantiser rounds; 16-bit
+    /// floats widened exactly.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn dequantize_row(ty: QType, src: &[u8], out: &mut [f32]) {
+        let f16 = |b: &[u8]| half::f16::from_le_bytes([b[0], b[1]]).to_f32();
+        let bb = ty.block_bytes();
+        for (b, o) in src.chunks_exact(bb).zip(out.chunks_exact_mut(32)) {
+            let d = _mm256_set1_ps(f16(&b[0..2]));
+            let o = o.as_mut_ptr();
+            match ty {
+                QType::Q8_0 => {
+                    for g in 0..4 {
+                        let q8 = _mm_loadl_epi64(b.as_ptr().add(2 + 8 * g) as *const __m128i);
+                        let q = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q8));
+                        _mm256_storeu_ps(o.add(8 * g), _mm256_mul_ps(d, q));
+                    }
+                }
+                QType::Q4_1 => {
+                    let m = _mm256_set1_ps(f16(&b[2..4]));
+                    let bytes = _mm_loadu_si128(b.as_ptr().add(4) as *const __m128i);
+                    let mask = _mm_set1_epi8(0x0f);
+                    let lo = _mm_and_si128(bytes, mask);
+                    let hi = _mm_and_si128(_mm_srli_epi16::<4>(bytes), mask);
+                    for (g, v) in [lo, _mm_srli_si128::<8>(lo), hi, _mm_srli_si128::<8>(hi)]
+                        .into_iter()
+                        .enumerate()
+                    {
+                        let q = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v));
+                        _mm256_storeu_ps(o.add(8 * g), _mm256_add_ps(_mm256_mul_ps(d, q), m));
+                    }
+                }
+                QType::F16 | QType::BF16 => {
+                    for g in 0..4 {
+                        _mm256_storeu_ps(o.add(8 * g), half8(ty, b.as_ptr().add(16 * g)));
+                    }
+                }
+                other => unreachable!("{other:?} has no AVX2 dequantiser (has_block_kernels)"),
+            }
+        }
+    }
+
+    /// `y[r*ldy] = dot(x[r], w)` for the `m` (at most 4) rows of `x`, with
+    /// `w` one block-format row of `k` values: each 8-value group is
+    /// dequantised in registers exactly as `dequantize_row` does and enters
+    /// the same 8-lane accumulation as the f32 tiles, then the same
+    /// horizontal sum (`k` is whole blocks, so there is no tail).
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn block_rows(
+        ty: QType,
+        w: &[u8],
+        x: *const f32,
+        m: usize,
+        k: usize,
+        y: *mut f32,
+        ldy: usize,
+    ) {
+        match m {
+            1 => block_rows_n::<1>(ty, w, x, k, y, ldy),
+            2 => block_rows_n::<2>(ty, w, x, k, y, ldy),
+            3 => block_rows_n::<3>(ty, w, x, k, y, ldy),
+            4 => block_rows_n::<4>(ty, w, x, k, y, ldy),
+            _ => unreachable!("at most 4 rows"),
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn block_rows_n<const R: usize>(
+        ty: QType,
+        w: &[u8],
+        x: *const f32,
+        k: usize,
+        y: *mut f32,
+        ldy: usize,
+    ) {
+        let f16 = |b: &[u8]| half::f16::from_le_bytes([b[0], b[1]]).to_f32();
+        let mut acc = [_mm256_setzero_ps(); R];
+        for (bi, b) in w.chunks_exact(ty.block_bytes()).enumerate() {
+            let d = _mm256_set1_ps(f16(&b[0..2]));
+            let mut g = [_mm256_setzero_ps(); 4];
+            match ty {
+                QType::Q8_0 => {
+                    for (i, gv) in g.iter_mut().enumerate() {
+                        let q8 = _mm_loadl_epi64(b.as_ptr().add(2 + 8 * i) as *const __m128i);
+                        *gv = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q8)));
+                    }
+                }
+                QType::Q4_1 => {
+                    let mn = _mm256_set1_ps(f16(&b[2..4]));
+                    let bytes = _mm_loadu_si128(b.as_ptr().add(4) as *const __m128i);
+                    let mask = _mm_set1_epi8(0x0f);
+                    let lo = _mm_and_si128(bytes, mask);
+                    let hi = _mm_and_si128(_mm_srli_epi16::<4>(bytes), mask);
+                    for (gv, v) in
+                        g.iter_mut()
+                            .zip([lo, _mm_srli_si128::<8>(lo), hi, _mm_srli_si128::<8>(hi)])
+                    {
+                        let q = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v));
+                        *gv = _mm256_add_ps(_mm256_mul_ps(d, q), mn);
+                    }
+                }
+                QType::F16 | QType::BF16 => {
+                    for (i, gv) in g.iter_mut().enumerate() {
+                        *gv = half8(ty, b.as_ptr().add(16 * i));
+                    }
+                }
+                other => unreachable!("{other:?} has no fused kernel (has_block_kernels)"),
+            }
+            for (i, gv) in g.iter().enumerate() {
+                let p = bi * 32 + 8 * i;
+                for (r, a) in acc.iter_mut().enumerate() {
+                    *a = _mm256_fmadd_ps(_mm256_loadu_ps(x.add(r * k + p)), *gv, *a);
+                }
+            }
+        }
+        debug_assert_eq!(k % 8, 0);
+        for (r, a) in acc.iter().enumerate() {
+            *y.add(r * ldy) = hsum(*a);
+        }
+    }
+}

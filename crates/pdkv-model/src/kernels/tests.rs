@@ -1,0 +1,511 @@
+use super::attention::attend_many_with;
+#[cfg(target_arch = "x86_64")]
+use super::attention::avx2;
+use super::blocks::dequantize_row;
+use super::*;
+
+/// Deterministic pseudo-random floats in [-1, 1).
+pub(crate) fn rand_vec(seed: u64, n: usize) -> Vec<f32> {
+    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..n)
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+        })
+        .collect()
+}
+
+fn reference(x: &[f32], m: usize, k: usize, w: &[f32], n: usize) -> Vec<f64> {
+    let mut y = vec![0f64; m * n];
+    for r in 0..m {
+        for j in 0..n {
+            y[r * n + j] = (0..k)
+                .map(|t| x[r * k + t] as f64 * w[j * k + t] as f64)
+                .sum();
+        }
+    }
+    y
+}
+
+fn run(be: Backend, x: &[f32], m: usize, k: usize, w: &[f32], n: usize) -> Vec<f32> {
+    let mut y = vec![f32::NAN; m * n];
+    matmul_many_with(be, x, m, k, &mut [Linear { w, n, y: &mut y }]);
+    y
+}
+
+fn backends() -> Vec<Backend> {
+    let mut v = vec![Backend::Portable];
+    if backend() == Backend::Avx2Fma {
+        v.push(Backend::Avx2Fma);
+    }
+    v
+}
+
+#[test]
+fn block_matmul_equals_f32_matmul_on_the_dequantised_weights_bit_for_bit() {
+    use crate::qtype::QType;
+    let (k, n) = (96, 29);
+    for ty in QType::ALL.into_iter().chain([QType::F16, QType::BF16]) {
+        // Random blocks: f16 scales (and minima) from random values, random
+        // codes; 16-bit floats from random values.
+        let vals = rand_vec(11, n * k);
+        let mut blocks = vec![0u8; n * ty.row_bytes(k)];
+        for (row, out) in vals.chunks(k).zip(blocks.chunks_mut(ty.row_bytes(k))) {
+            crate::bench::quantize_row(ty, row, out);
+        }
+        let mut deq = vec![0f32; n * k];
+        crate::gguf::dequantize(crate::qtype::ggml_type(ty), &blocks, &mut deq).unwrap();
+        for be in backends() {
+            for m in [1usize, 2, 3, 4, 5, 8, 33, 70] {
+                let x = rand_vec(m as u64, m * k);
+                let want = run(be, &x, m, k, &deq, n);
+                let mut got = vec![0f32; m * n];
+                matmul_blocks_many_with(
+                    be,
+                    &x,
+                    m,
+                    k,
+                    &mut [BlockLinear {
+                        ty,
+                        w: &blocks,
+                        n,
+                        y: &mut got,
+                    }],
+                );
+                assert_eq!(
+                    got.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                    want.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                    "{ty:?} {be:?} m={m}"
+                );
+            }
+            // The dequantiser of the backend equals the scalar one.
+            let mut row = vec![0f32; k];
+            dequantize_row(be, ty, &blocks[..ty.row_bytes(k)], &mut row);
+            assert_eq!(row, deq[..k], "{ty:?} {be:?}");
+        }
+    }
+}
+
+#[test]
+fn matmul_matches_f64_reference() {
+    for be in backends() {
+        for &(m, k, n) in &[
+            (1, 8, 1),
+            (5, 37, 7),
+            (13, 64, 10),
+            (40, 200, 33),
+            (3, 1, 4),
+        ] {
+            let x = rand_vec(1, m * k);
+            let w = rand_vec(2, n * k);
+            let y = run(be, &x, m, k, &w, n);
+            let r = reference(&x, m, k, &w, n);
+            for (a, b) in y.iter().zip(&r) {
+                assert!(
+                    (*a as f64 - b).abs() <= 1e-5 * (1.0 + b.abs()),
+                    "{be:?} m={m} k={k} n={n}: {a} vs {b}"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn matmul_rows_are_bit_identical_for_every_m_and_position() {
+    let (k, n) = (75, 23);
+    let w = rand_vec(3, n * k);
+    let pool_rows = rand_vec(4, 40 * k);
+    for be in backends() {
+        // Each row computed alone is the reference.
+        let alone: Vec<Vec<f32>> = (0..40)
+            .map(|r| run(be, &pool_rows[r * k..(r + 1) * k], 1, k, &w, n))
+            .collect();
+        for m in 1..=40 {
+            // Rows taken from a rotating window so every row lands at many offsets.
+            for shift in [0, 1, 3, 7] {
+                let idx: Vec<usize> = (0..m).map(|i| (i + shift * m) % 40).collect();
+                let x: Vec<f32> = idx
+                    .iter()
+                    .flat_map(|&r| pool_rows[r * k..(r + 1) * k].to_vec())
+                    .collect();
+                let y = run(be, &x, m, k, &w, n);
+                for (i, &r) in idx.iter().enumerate() {
+                    let got: Vec<u32> = y[i * n..(i + 1) * n].iter().map(|v| v.to_bits()).collect();
+                    let want: Vec<u32> = alone[r].iter().map(|v| v.to_bits()).collect();
+                    assert_eq!(got, want, "{be:?}: row {r} at position {i} of m={m}");
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn matmul_is_independent_of_thread_count() {
+    let (m, k, n) = (37, 130, 301);
+    let x = rand_vec(5, m * k);
+    let w = rand_vec(6, n * k);
+    for be in backends() {
+        let mut results = Vec::new();
+        for threads in [1, 2, 3, 5, 8] {
+            let pool = rayon::ThreadPoolBuilder::new()
+                .num_threads(threads)
+                .build()
+                .unwrap();
+            let y = pool.install(|| run(be, &x, m, k, &w, n));
+            results.push(y.iter().map(|v| v.to_bits()).collect::<Vec<_>>());
+        }
+        assert!(
+            results.windows(2).all(|p| p[0] == p[1]),
+            "{be:?}: results differ across thread counts"
+        );
+    }
+}
+
+#[test]
+fn matmul_many_equals_separate_products() {
+    let (m, k) = (9, 48);
+    let x = rand_vec(7, m * k);
+    let w1 = rand_vec(8, 17 * k);
+    let w2 = rand_vec(9, 5 * k);
+    let (mut y1, mut y2) = (vec![0f32; m * 17], vec![0f32; m * 5]);
+    matmul_many(
+        &x,
+        m,
+        k,
+        &mut [
+            Linear {
+                w: &w1,
+                n: 17,
+                y: &mut y1,
+            },
+            Linear {
+                w: &w2,
+                n: 5,
+                y: &mut y2,
+            },
+        ],
+    );
+    let (mut z1, mut z2) = (vec![0f32; m * 17], vec![0f32; m * 5]);
+    matmul(&x, m, k, &w1, 17, &mut z1);
+    matmul(&x, m, k, &w2, 5, &mut z2);
+    assert_eq!(y1, z1);
+    assert_eq!(y2, z2);
+}
+
+#[test]
+fn dot_matches_single_row_matmul() {
+    let k = 67;
+    let a = rand_vec(10, k);
+    let b = rand_vec(11, k);
+    let mut y = [0f32];
+    matmul(&a, 1, k, &b, 1, &mut y);
+    assert_eq!(dot(&a, &b).to_bits(), y[0].to_bits());
+}
+
+#[cfg(target_arch = "x86_64")]
+#[test]
+fn hsum8_lanes_are_hsum_bit_for_bit() {
+    if backend() != Backend::Avx2Fma {
+        return;
+    }
+    for seed in 0..200 {
+        let vals = rand_vec(100 + seed, 64);
+        // Wide exponent spread, so any change in the order of additions shows.
+        let vals: Vec<f32> = vals
+            .iter()
+            .enumerate()
+            .map(|(i, v)| v * 2f32.powi((i % 13) as i32 * 3 - 18))
+            .collect();
+        // SAFETY: AVX2 is present (the backend); 64 floats are read.
+        unsafe {
+            use std::arch::x86_64::*;
+            let v: [__m256; 8] = std::array::from_fn(|i| _mm256_loadu_ps(vals.as_ptr().add(8 * i)));
+            let mut got = [0f32; 8];
+            _mm256_storeu_ps(got.as_mut_ptr(), avx2::hsum8(&v));
+            for i in 0..8 {
+                assert_eq!(
+                    got[i].to_bits(),
+                    crate::kernels::matmul::avx2::hsum(v[i]).to_bits(),
+                    "seed {seed} lane {i}"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn attend_matches_an_f64_softmax_over_paged_rows() {
+    // Two heads of `hd` in rows of `2*hd + 8` floats (V a slab of K rows
+    // further), in blocks of 8 positions laid out out of order; head
+    // sizes that take every path of the kernels (64-, 32-, 8-wide, single).
+    for hd in [16, 20, 64, 72, 100] {
+        let (row_stride, block_size) = (2 * hd + 8, 8);
+        let table = [3u32, 0, 2, 1, 4];
+        let slab = block_size * row_stride;
+        let kv = rand_vec(21, table.len() * 2 * slab);
+        let q = rand_vec(22, hd);
+        for head in 0..2 {
+            let rows = PagedRows {
+                base: kv.as_ptr(),
+                block_table: &table,
+                block_size,
+                block_stride: 2 * slab,
+                row_stride,
+                head_offset: head * hd,
+                v_offset: slab,
+            };
+            for pos in [0, 6, 7, 8, 15, 16, 30, 39] {
+                let mut out = vec![0f32; hd];
+                // SAFETY: every position up to 39 has K and V rows in `kv`.
+                unsafe {
+                    attend(
+                        &AttendArgs {
+                            q: &q,
+                            pos,
+                            rows,
+                            scale: 0.25,
+                        },
+                        &mut out,
+                    )
+                };
+                let k_off = |t: usize| {
+                    table[t / block_size] as usize * 2 * slab
+                        + (t % block_size) * row_stride
+                        + head * hd
+                };
+                let (want, _) = f64_attention(&kv, &q, pos, 0.25, k_off, slab);
+                for c in 0..hd {
+                    let want = want[c];
+                    assert!(
+                        (out[c] as f64 - want).abs() < 1e-5,
+                        "hd {hd} head {head} pos {pos} dim {c}: {} vs {want}",
+                        out[c]
+                    );
+                }
+            }
+        }
+    }
+}
+
+/// A paged cache of `blocks` blocks of `block_size` positions for one
+/// head (K rows then V rows per block), in a scrambled block order, with
+/// keys whose scale grows along the positions so the running maximum of
+/// the online softmax moves on many tiles; and the f64 answer.
+struct Cache {
+    kv: Vec<f32>,
+    table: Vec<u32>,
+    block_size: usize,
+    hd: usize,
+    /// Times the running maximum grew on a later tile, over `reference` calls.
+    grows: std::cell::Cell<usize>,
+}
+
+impl Cache {
+    fn new(seed: u64, blocks: usize, block_size: usize, hd: usize) -> Cache {
+        let mut kv = rand_vec(seed, blocks * 2 * block_size * hd);
+        for (b, blk) in kv.chunks_mut(2 * block_size * hd).enumerate() {
+            // Block slot b holds positions of table index (b * 7) % blocks.
+            let first = ((b * 7) % blocks) * block_size;
+            for (t, row) in blk[..block_size * hd].chunks_mut(hd).enumerate() {
+                let g = 1.0 + (first + t) as f32 / 8.0;
+                row.iter_mut().for_each(|x| *x *= g);
+            }
+        }
+        let mut table = vec![0u32; blocks];
+        for b in 0..blocks {
+            table[(b * 7) % blocks] = b as u32;
+        }
+        Cache {
+            kv,
+            table,
+            block_size,
+            hd,
+            grows: Default::default(),
+        }
+    }
+
+    fn rows(&self) -> PagedRows<'_> {
+        PagedRows {
+            base: self.kv.as_ptr(),
+            block_table: &self.table,
+            block_size: self.block_size,
+            block_stride: 2 * self.block_size * self.hd,
+            row_stride: self.hd,
+            head_offset: 0,
+            v_offset: self.block_size * self.hd,
+        }
+    }
+
+    fn reference(&self, q: &[f32], pos: usize, scale: f64) -> Vec<f64> {
+        let off = |t: usize| {
+            self.table[t / self.block_size] as usize * 2 * self.block_size * self.hd
+                + (t % self.block_size) * self.hd
+        };
+        let (out, s) = f64_attention(&self.kv, q, pos, scale, off, self.block_size * self.hd);
+        // Tiles after the first whose maximum beats every earlier score.
+        let grows = s
+            .chunks(KEY_TILE)
+            .scan(f64::NEG_INFINITY, |m, tile| {
+                let t = tile.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                let up = t > *m && *m > f64::NEG_INFINITY;
+                *m = m.max(t);
+                Some(up)
+            })
+            .filter(|&up| up)
+            .count();
+        self.grows.set(self.grows.get() + grows);
+        out
+    }
+}
+
+/// Softmax attention in f64 of `q` over positions `0..=pos` whose K row
+/// starts at `kv[k_off(t)]` and V row `v_delta` floats further: the
+/// output row and the scaled scores.
+fn f64_attention(
+    kv: &[f32],
+    q: &[f32],
+    pos: usize,
+    scale: f64,
+    k_off: impl Fn(usize) -> usize,
+    v_delta: usize,
+) -> (Vec<f64>, Vec<f64>) {
+    let s: Vec<f64> = (0..=pos)
+        .map(|t| {
+            scale
+                * q.iter()
+                    .zip(&kv[k_off(t)..])
+                    .map(|(a, b)| *a as f64 * *b as f64)
+                    .sum::<f64>()
+        })
+        .collect();
+    let max = s.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+    let e: Vec<f64> = s.iter().map(|v| (v - max).exp()).collect();
+    let z: f64 = e.iter().sum();
+    let out = (0..q.len())
+        .map(|c| {
+            (0..=pos)
+                .map(|t| e[t] / z * kv[k_off(t) + v_delta + c] as f64)
+                .sum()
+        })
+        .collect();
+    (out, s)
+}
+
+#[test]
+fn online_softmax_matches_f64_over_long_contexts_with_a_growing_maximum() {
+    for be in backends() {
+        for (hd, block_size) in [(64, 16), (128, 16), (64, 8), (20, 32)] {
+            let cache = Cache::new(31, 20, block_size, hd);
+            let n = 20 * block_size;
+            let q: Vec<f32> = rand_vec(32, hd).iter().map(|x| x * 3.0).collect();
+            for pos in [0, 15, 16, 17, 100, n / 2, n - 1] {
+                let mut out = vec![f32::NAN; hd];
+                let mut qs = [AttnQuery::new(q.as_ptr(), pos, out.as_mut_ptr())];
+                // SAFETY: the cache holds K and V for every position < n.
+                unsafe { attend_many_with(be, &cache.rows(), hd, 0.3, &mut qs) };
+                let want = cache.reference(&q, pos, 0.3);
+                for c in 0..hd {
+                    let tol = 2e-5 * (1.0 + want[c].abs());
+                    assert!(
+                        (out[c] as f64 - want[c]).abs() < tol,
+                        "{be:?} hd {hd} bs {block_size} pos {pos} dim {c}: {} vs {}",
+                        out[c],
+                        want[c]
+                    );
+                }
+            }
+            assert!(
+                cache.grows.get() >= 10,
+                "hd {hd}: the maximum grew on {} later tiles only",
+                cache.grows.get()
+            );
+        }
+    }
+}
+
+#[test]
+fn a_query_gets_the_same_bits_whatever_queries_share_its_sweep() {
+    for be in backends() {
+        for hd in [64, 128, 24, 20, 72] {
+            let cache = Cache::new(41, 12, 16, hd);
+            let n = 12 * 16;
+            // 40 query heads at scattered positions (some repeated), as a
+            // prefill chunk or a decode batch would bring them.
+            let qv: Vec<Vec<f32>> = (0..40).map(|i| rand_vec(500 + i, hd)).collect();
+            let pos: Vec<usize> = (0..40).map(|i| (i * 37 + 5) % n).collect();
+            let alone: Vec<Vec<f32>> = (0..40)
+                .map(|i| {
+                    let mut out = vec![0f32; hd];
+                    let mut qs = [AttnQuery::new(qv[i].as_ptr(), pos[i], out.as_mut_ptr())];
+                    // SAFETY: positions are below n.
+                    unsafe { attend_many_with(be, &cache.rows(), hd, 0.125, &mut qs) };
+                    out
+                })
+                .collect();
+            for split in [40, 7, 1] {
+                let mut outs = vec![vec![f32::NAN; hd]; 40];
+                let mut qs: Vec<AttnQuery> = outs
+                    .iter_mut()
+                    .enumerate()
+                    .map(|(i, o)| AttnQuery::new(qv[i].as_ptr(), pos[i], o.as_mut_ptr()))
+                    .collect();
+                for part in qs.chunks_mut(split) {
+                    // SAFETY: as above; outputs are distinct.
+                    unsafe { attend_many_with(be, &cache.rows(), hd, 0.125, part) };
+                }
+                for i in 0..40 {
+                    let same = outs[i]
+                        .iter()
+                        .zip(&alone[i])
+                        .all(|(a, b)| a.to_bits() == b.to_bits());
+                    assert!(
+                        same,
+                        "{be:?} hd {hd} split {split}: query {i} at {} differs",
+                        pos[i]
+                    );
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn rope_rotates_pairs_and_keeps_norm() {
+    let d = 8;
+    let inv = rope_inv_freq(10000.0, d);
+    assert_eq!(inv[0], 1.0);
+    let (mut c, mut s) = (vec![0f32; d / 2], vec![0f32; d / 2]);
+    rope_cos_sin(0, &inv, &mut c, &mut s);
+    let mut v = rand_vec(12, d);
+    let orig = v.clone();
+    rope_apply(&mut v, &c, &s);
+    assert_eq!(v, orig, "position 0 is the identity");
+    rope_cos_sin(5, &inv, &mut c, &mut s);
+    rope_apply(&mut v, &c, &s);
+    let n0: f32 = orig.iter().map(|x| x * x).sum();
+    let n1: f32 = v.iter().map(|x| x * x).sum();
+    assert!((n0 - n1).abs() < 1e-5);
+    // Pair (0, d/2) rotates by angle 5 * inv[0] = 5.
+    let (x1, x2) = (orig[0], orig[d / 2]);
+    assert!((v[0] - (x1 * 5f32.cos() - x2 * 5f32.sin())).abs() < 1e-6);
+}
+
+#[test]
+fn rmsnorm_and_silu_match_definitions() {
+    let x = rand_vec(13, 10);
+    let w = rand_vec(14, 10);
+    let mut out = vec![0f32; 10];
+    rmsnorm(&x, &w, 1e-5, &mut out);
+    let ms: f64 = x.iter().map(|&v| (v as f64).powi(2)).sum::<f64>() / 10.0;
+    for i in 0..10 {
+        let want = w[i] as f64 * x[i] as f64 / (ms + 1e-5).sqrt();
+        assert!((out[i] as f64 - want).abs() < 1e-6);
+    }
+    let mut g = vec![-2.0f32, 0.0, 3.0];
+    silu_mul(&mut g, &[1.0, 5.0, 2.0]);
+    assert!((g[0] - (-2.0 / (1.0 + 2f32.exp()))).abs() < 1e-6);
+    assert_eq!(g[1], 0.0);
+    assert!((g[2] - 2.0 * 3.0 / (1.0 + (-3f32).exp())).abs() < 1e-6);
+}
