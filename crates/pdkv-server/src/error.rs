@@ -166,8 +166,9 @@ impl std::fmt::Display for ApiError {
 impl std::error::Error for ApiError {}
 
 /// The code of a 503 that clears by itself (paused, asleep, weights being
-/// reloaded): such responses carry `Retry-After`.
-pub const RETRYABLE_CODE: &str = "engine_not_serving";
+/// reloaded): such responses carry `Retry-After`. Defined with the relay
+/// plan, which decides on it.
+pub use pdkv_relay::RETRYABLE_CODE;
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
@@ -335,6 +336,27 @@ pub fn body_rejection(r: BytesRejection) -> ApiError {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_relay_plans_errors_have_the_openai_shape() {
+        let ours: serde_json::Value = serde_json::from_str(&pdkv_relay::plan::error_json(
+            "m",
+            "server_error",
+            "upstream_error",
+        ))
+        .unwrap();
+        let api = ApiError {
+            status: axum::http::StatusCode::BAD_GATEWAY,
+            message: "m".into(),
+            kind: "server_error",
+            param: None,
+            code: Some("upstream_error"),
+        };
+        assert_eq!(
+            ours,
+            serde_json::from_str::<serde_json::Value>(&api.body_json()).unwrap()
+        );
+    }
 
     #[test]
     fn nesting_is_measured_outside_strings_only() {

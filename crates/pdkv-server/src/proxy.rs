@@ -88,7 +88,7 @@ use crate::metrics::Exposition;
 use crate::MAX_BODY_BYTES;
 
 mod fanout;
-pub mod plan;
+pub use pdkv_relay::plan;
 mod relay;
 mod weight_fanout;
 

@@ -1,0 +1,1668 @@
+//! The relay plan: what the proxy decides for one client request, as a pure
+//! state machine.
+//!
+//! No I/O, no clock, no threads, no HTTP library: the driver (the axum and
+//! reqwest code of `pdkv_server::proxy`, or a simulator) feeds [`Event`]s in
+//! with [`RelayPlan::handle`] and carries out the [`Action`]s that
+//! [`RelayPlan::poll_action`] gives, in that order. Statuses are `u16`,
+//! bodies bytes, `kv_transfer_params` JSON values. Timeouts are the
+//! driver's: a call that ran out of time comes in as a [`CallError`] with
+//! `timed_out` set.
+//!
+//! One plan per client request. It starts by asking for P's request (and,
+//! in write mode, D's at the same time); in read mode D is asked once P
+//! answered, with the `kv_transfer_params` P returned.
+//!
+//! Rules:
+//! - P failing *on purpose* is not the client's failure: a 503 with the
+//!   OpenAI code `engine_not_serving` (P paused or asleep) or an answer with
+//!   `finish_reason: "abort"` (P's lifecycle or an admin aborted it). Write
+//!   mode: D keeps running and P is told to drop the transfer with
+//!   [`FailCode::PrefillRefused`] / [`FailCode::PrefillAborted`], so that a
+//!   pull D parked at P is answered at once and D computes the prompt
+//!   itself. Read mode: D gets the client's body without
+//!   `kv_transfer_params`. Either way the client gets D's answer.
+//! - Any other P failure (error status, transport error, timeout, an answer
+//!   that is not a completion) ends the request: D is cancelled and the
+//!   client gets P's error (its status and body passed through, or the
+//!   proxy's 502/504). It is always a status: no stream is committed while
+//!   P runs.
+//! - D's error status is passed through; a failing D (error status,
+//!   transport error, broken stream) cancels a P still running and drops
+//!   the transfer at P ([`FailCode::Dropped`]) unless P's part is over. A
+//!   stream D breaks ends with an SSE error event and `data: [DONE]`.
+//! - D finishing first: its answer stands and a P still running is cancelled.
+//! - Streaming: D's status is committed only once P answered (or D's whole
+//!   answer is in), so a P failure reaches the client as a status; D's
+//!   events are forwarded cut at event boundaries (`\n\n`).
+//! - A client error (400, 404, 409, 413, 422 from P or D: the client's own
+//!   bad request) counts as [`Outcome::BadRequest`]; a timeout is a 504
+//!   naming the proxy's `request_timeout`, any other failed call a 502.
+//! - The client going away cancels both calls.
+//!
+//! Invariants:
+//! - [`Action::Count`] comes exactly once, last; after it the plan is
+//!   finished and ignores every event.
+//! - Events a plan did not ask for or no longer waits for (the late answer
+//!   of a cancelled call) are ignored, which a simulated network needs.
+//! - Every buffer is bounded by [`MAX_BUFFERED`]: an answer beyond it is a
+//!   failed call.
+//! - Within one event's actions, upstream ones (send, cancel, drop) come
+//!   before the client's answer, and the count comes last.
+
+use std::collections::VecDeque;
+
+use pdkv_connector::params;
+use pdkv_connector::wire::FailCode;
+use serde_json::{json, Value};
+
+use crate::codes::RETRYABLE_CODE;
+
+/// Largest answer (or unfinished event) the plan holds for the client.
+pub const MAX_BUFFERED: usize = 64 << 20;
+
+/// The part a backend plays.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Role {
+    Prefill,
+    Decode,
+}
+
+impl Role {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Role::Prefill => "prefill",
+            Role::Decode => "decode",
+        }
+    }
+}
+
+impl std::fmt::Display for Role {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// How the KV goes from P to D.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Mode {
+    /// P and D at once; D pulls the KV from the P named here (P's engine id
+    /// and bootstrap address, as its `/kv_transfer/info` said; `None` when
+    /// unknown).
+    Write {
+        remote_engine_id: Option<String>,
+        remote_bootstrap_addr: Option<String>,
+    },
+    /// P first; D reads the blocks P's answer names.
+    Read,
+}
+
+/// How a client request ended, as counted in `pdkv_proxy_requests_total`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Outcome {
+    Ok,
+    /// The client's own bad request (refused by the proxy, P or D).
+    BadRequest,
+    NoBackend,
+    PrefillError,
+    DecodeError,
+    /// The client went away first.
+    Cancelled,
+}
+
+impl Outcome {
+    pub const ALL: [Outcome; 6] = [
+        Outcome::Ok,
+        Outcome::BadRequest,
+        Outcome::NoBackend,
+        Outcome::PrefillError,
+        Outcome::DecodeError,
+        Outcome::Cancelled,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Outcome::Ok => "ok",
+            Outcome::BadRequest => "bad_request",
+            Outcome::NoBackend => "no_backend",
+            Outcome::PrefillError => "prefill_error",
+            Outcome::DecodeError => "decode_error",
+            Outcome::Cancelled => "cancelled",
+        }
+    }
+
+    /// The place of `self` in [`Outcome::ALL`].
+    pub fn index(self) -> usize {
+        self as usize
+    }
+}
+
+/// Why P stopped on purpose (not the client's failure: D computes the
+/// prompt itself).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum OnPurpose {
+    /// P refused the request: 503 `engine_not_serving` (paused, asleep).
+    Refused,
+    /// P aborted the request (`finish_reason: "abort"`).
+    Aborted,
+}
+
+impl OnPurpose {
+    pub const ALL: [OnPurpose; 2] = [OnPurpose::Refused, OnPurpose::Aborted];
+
+    /// The code P is told when the transfer is dropped.
+    pub fn code(self) -> FailCode {
+        match self {
+            OnPurpose::Refused => FailCode::PrefillRefused,
+            OnPurpose::Aborted => FailCode::PrefillAborted,
+        }
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            OnPurpose::Refused => "refused",
+            OnPurpose::Aborted => "aborted",
+        }
+    }
+}
+
+/// Whether `status` says the client's request itself is wrong (so the
+/// failure is counted as a bad request, not as a backend's).
+pub fn is_client_error(status: u16) -> bool {
+    matches!(status, 400 | 404 | 409 | 413 | 422)
+}
+
+/// A call that ended without an answer.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CallError {
+    /// It ran past the driver's bound (the proxy's `request_timeout`).
+    pub timed_out: bool,
+    /// What went wrong, for people.
+    pub detail: String,
+}
+
+/// P's answer, read by [`PrefillAnswer::parse`].
+#[derive(Clone, Debug, PartialEq)]
+pub enum PrefillAnswer {
+    /// A completion that was not aborted, with the `kv_transfer_params` it
+    /// returned (`None` when it returned none).
+    Done { params: Option<Value> },
+    /// A completion whose `finish_reason` is `abort`.
+    Aborted,
+    /// An error status, with the OpenAI error `code` of its body if any.
+    Error {
+        status: u16,
+        code: Option<String>,
+        body: Vec<u8>,
+    },
+    /// A success status whose body is not a completion.
+    Malformed { reason: String },
+}
+
+impl PrefillAnswer {
+    /// Reads P's status and whole body.
+    pub fn parse(status: u16, body: &[u8]) -> PrefillAnswer {
+        if !(200..300).contains(&status) {
+            let code = serde_json::from_slice::<Value>(body)
+                .ok()
+                .and_then(|v| v.get("error")?.get("code")?.as_str().map(str::to_string));
+            return PrefillAnswer::Error {
+                status,
+                code,
+                body: body.to_vec(),
+            };
+        }
+        let malformed = |reason: String| PrefillAnswer::Malformed { reason };
+        let mut v = match serde_json::from_slice::<Value>(body) {
+            Ok(v) => v,
+            Err(e) => return malformed(format!("not JSON: {e}")),
+        };
+        let Some(choice) = v
+            .get("choices")
+            .and_then(Value::as_array)
+            .and_then(|c| c.first())
+        else {
+            return malformed("no choices".to_string());
+        };
+        if choice.get("finish_reason").and_then(Value::as_str) == Some("abort") {
+            return PrefillAnswer::Aborted;
+        }
+        match v.get_mut("kv_transfer_params").map(Value::take) {
+            None | Some(Value::Null) => PrefillAnswer::Done { params: None },
+            Some(p @ Value::Object(_)) => PrefillAnswer::Done { params: Some(p) },
+            Some(other) => malformed(format!("kv_transfer_params is not an object: {other}")),
+        }
+    }
+}
+
+/// What happened.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Event {
+    /// P answered.
+    Prefill(PrefillAnswer),
+    /// P's call ended without an answer.
+    PrefillFailed(CallError),
+    /// D's status line and headers arrived.
+    DecodeHead { status: u16 },
+    /// More of D's body.
+    DecodeBody(Vec<u8>),
+    /// D's body is complete.
+    DecodeEnd,
+    /// D's call (or its body) broke off.
+    DecodeFailed(CallError),
+    /// The client disconnected.
+    ClientGone,
+}
+
+/// Whose headers go with a reply.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Head {
+    /// Those worth passing on from D's answer.
+    Decode,
+    /// The content type of P's answer.
+    Prefill,
+    /// The proxy's own JSON error.
+    Json,
+}
+
+/// A whole answer to the client.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Reply {
+    pub status: u16,
+    pub head: Head,
+    /// Add `Retry-After: 1` (a 503 that clears by itself).
+    pub retry_after: bool,
+    pub body: Vec<u8>,
+}
+
+/// The log line and the blame of a request that did not end well.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Cause {
+    pub role: Role,
+    /// What the call did ("answered 500", "timed out: ..."), for people.
+    pub what: String,
+}
+
+/// What the driver must do, in order.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Action {
+    /// Send P the client's body as a one-token prefill with these params.
+    SendPrefill { params: Value },
+    /// Send D the client's body with these params (`None`: with none, so D
+    /// computes the prompt itself).
+    SendDecode { params: Option<Value> },
+    /// Drop P's request (closing its connection aborts it).
+    CancelPrefill,
+    /// Drop D's request.
+    CancelDecode,
+    /// Tell P to drop the transfer (`pdkv_connector::wire::drop_transfer`).
+    DropAtPrefill { code: FailCode },
+    /// P stopped on purpose; D computes the prompt itself (count it, log it).
+    PrefillSkipped(OnPurpose),
+    /// Answer the client with this, whole.
+    Reply(Reply),
+    /// Answer the client with D's status and headers and a streamed body.
+    StartStream { status: u16 },
+    /// The next bytes of the stream (whole events, but for a trailer D
+    /// left unterminated at its end).
+    Stream(Vec<u8>),
+    /// The stream is complete.
+    EndStream,
+    /// Send `event` (an SSE error event and `data: [DONE]`), then end.
+    FailStream { event: Vec<u8> },
+    /// Count the request's outcome (exactly once, last).
+    Count {
+        outcome: Outcome,
+        cause: Option<Cause>,
+    },
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Prefill {
+    Running,
+    /// Answered: its KV waits for D (write) or D was given P's params (read).
+    Done,
+    /// Stopped on purpose; D computes the prompt itself.
+    Skipped(OnPurpose),
+    /// Cancelled, failed, or its transfer dropped: nothing more to do there.
+    Over,
+}
+
+#[derive(Debug, PartialEq, Eq)]
+enum Decode {
+    /// Read mode: asked once P answered.
+    NotAsked,
+    /// Asked; no head yet.
+    Asked,
+    /// D's head arrived and the client has not been answered: the body is
+    /// gathered (a whole non-streamed or error answer, or events held until
+    /// P answered).
+    Gathering {
+        status: u16,
+        buf: Vec<u8>,
+    },
+    /// D's events go to the client; `buf` holds an unfinished event.
+    Streaming {
+        buf: Vec<u8>,
+    },
+    Over,
+}
+
+/// Why a call gave nothing usable.
+enum Failure {
+    /// An error status with its body (passed to the client).
+    Status {
+        status: u16,
+        body: Vec<u8>,
+    },
+    Call(CallError),
+    Unusable(String),
+}
+
+/// The proxy's decisions for one client request; see the module docs.
+#[derive(Debug)]
+pub struct RelayPlan {
+    read: bool,
+    streaming: bool,
+    transfer_id: String,
+    prefill: Prefill,
+    decode: Decode,
+    outcome: Option<Outcome>,
+    actions: VecDeque<Action>,
+}
+
+impl RelayPlan {
+    /// A plan for one request; its first actions send P's request (and D's,
+    /// in write mode).
+    pub fn new(mode: Mode, streaming: bool, transfer_id: &str) -> RelayPlan {
+        let mut plan = RelayPlan {
+            read: mode == Mode::Read,
+            streaming,
+            transfer_id: transfer_id.to_string(),
+            prefill: Prefill::Running,
+            decode: Decode::NotAsked,
+            outcome: None,
+            actions: VecDeque::new(),
+        };
+        plan.push(Action::SendPrefill {
+            params: params::for_prefill(transfer_id),
+        });
+        if let Mode::Write {
+            remote_engine_id,
+            remote_bootstrap_addr,
+        } = &mode
+        {
+            let p = params::for_decode(
+                transfer_id,
+                remote_engine_id.as_deref(),
+                remote_bootstrap_addr.as_deref(),
+            );
+            plan.ask_decode(Some(p));
+        }
+        plan
+    }
+
+    pub fn transfer_id(&self) -> &str {
+        &self.transfer_id
+    }
+
+    /// Whether the client streams.
+    pub fn streaming(&self) -> bool {
+        self.streaming
+    }
+
+    /// The outcome, once counted.
+    pub fn outcome(&self) -> Option<Outcome> {
+        self.outcome
+    }
+
+    /// Whether the outcome is counted: no event changes anything now.
+    pub fn is_finished(&self) -> bool {
+        self.outcome.is_some()
+    }
+
+    /// The next thing to do.
+    #[must_use]
+    pub fn poll_action(&mut self) -> Option<Action> {
+        self.actions.pop_front()
+    }
+
+    pub fn handle(&mut self, event: Event) {
+        if self.is_finished() {
+            return;
+        }
+        match event {
+            Event::Prefill(answer) => self.on_prefill(answer),
+            Event::PrefillFailed(e) => self.on_prefill_failed(Failure::Call(e)),
+            Event::DecodeHead { status } => self.on_decode_head(status),
+            Event::DecodeBody(bytes) => self.on_decode_body(bytes),
+            Event::DecodeEnd => self.on_decode_end(),
+            Event::DecodeFailed(e) => self.on_decode_failed(Failure::Call(e)),
+            Event::ClientGone => self.on_client_gone(),
+        }
+    }
+
+    fn push(&mut self, a: Action) {
+        self.actions.push_back(a);
+    }
+
+    fn finish(&mut self, outcome: Outcome, cause: Option<Cause>) {
+        self.prefill = Prefill::Over;
+        self.decode = Decode::Over;
+        self.outcome = Some(outcome);
+        self.push(Action::Count { outcome, cause });
+    }
+
+    fn ask_decode(&mut self, params: Option<Value>) {
+        self.push(Action::SendDecode { params });
+        self.decode = Decode::Asked;
+    }
+
+    fn on_prefill(&mut self, answer: PrefillAnswer) {
+        if self.prefill != Prefill::Running {
+            return;
+        }
+        match answer {
+            PrefillAnswer::Done { params } => {
+                self.prefill = Prefill::Done;
+                if self.read {
+                    self.ask_decode(params);
+                } else {
+                    self.commit_if_ready();
+                }
+            }
+            PrefillAnswer::Aborted => self.prefill_skipped(OnPurpose::Aborted),
+            PrefillAnswer::Error {
+                status: 503,
+                code: Some(code),
+                ..
+            } if code == RETRYABLE_CODE => self.prefill_skipped(OnPurpose::Refused),
+            PrefillAnswer::Error { status, body, .. } => {
+                self.on_prefill_failed(Failure::Status { status, body })
+            }
+            PrefillAnswer::Malformed { reason } => {
+                self.on_prefill_failed(Failure::Unusable(reason))
+            }
+        }
+    }
+
+    /// P stopped on purpose: D goes on (write mode, after P is told to
+    /// drop the transfer) or is asked without params (read mode).
+    fn prefill_skipped(&mut self, why: OnPurpose) {
+        self.prefill = Prefill::Skipped(why);
+        self.push(Action::PrefillSkipped(why));
+        if self.read {
+            self.ask_decode(None);
+        } else {
+            self.push(Action::DropAtPrefill { code: why.code() });
+            self.commit_if_ready();
+        }
+    }
+
+    fn on_prefill_failed(&mut self, f: Failure) {
+        if self.prefill != Prefill::Running {
+            return;
+        }
+        // No stream is committed while P runs: the client gets P's status.
+        if matches!(self.decode, Decode::Asked | Decode::Gathering { .. }) {
+            self.push(Action::CancelDecode);
+        }
+        self.push(Action::Reply(f.reply(Role::Prefill)));
+        let outcome = if f.is_client_error() {
+            Outcome::BadRequest
+        } else {
+            Outcome::PrefillError
+        };
+        self.finish(
+            outcome,
+            Some(Cause {
+                role: Role::Prefill,
+                what: f.describe(),
+            }),
+        );
+    }
+
+    fn prefill_answered(&self) -> bool {
+        matches!(self.prefill, Prefill::Done | Prefill::Skipped(_))
+    }
+
+    /// Streaming: D's status goes to the client once D's head is a success
+    /// and P has answered; the events gathered so far follow.
+    fn commit_if_ready(&mut self) {
+        if !self.streaming || !self.prefill_answered() {
+            return;
+        }
+        let Decode::Gathering { status, buf } = &mut self.decode else {
+            return;
+        };
+        if !(200..300).contains(status) {
+            return;
+        }
+        let (status, mut buf) = (*status, std::mem::take(buf));
+        self.push(Action::StartStream { status });
+        let rest = buf.split_off(complete_events_len(&buf));
+        if !buf.is_empty() {
+            self.push(Action::Stream(buf));
+        }
+        self.decode = Decode::Streaming { buf: rest };
+    }
+
+    fn on_decode_head(&mut self, status: u16) {
+        if self.decode != Decode::Asked {
+            return;
+        }
+        if !(200..300).contains(&status) {
+            // Nobody will take P's KV.
+            self.release_prefill();
+        }
+        self.decode = Decode::Gathering {
+            status,
+            buf: Vec::new(),
+        };
+        self.commit_if_ready();
+    }
+
+    /// D failed: a P still running is cancelled, and a transfer P may
+    /// still hold for D is dropped.
+    fn release_prefill(&mut self) {
+        match self.prefill {
+            Prefill::Running => {
+                self.push(Action::CancelPrefill);
+                self.push(Action::DropAtPrefill {
+                    code: FailCode::Dropped,
+                });
+            }
+            Prefill::Done => self.push(Action::DropAtPrefill {
+                code: FailCode::Dropped,
+            }),
+            Prefill::Skipped(_) | Prefill::Over => {}
+        }
+        self.prefill = Prefill::Over;
+    }
+
+    fn on_decode_body(&mut self, bytes: Vec<u8>) {
+        let (Decode::Gathering { buf, .. } | Decode::Streaming { buf }) = &mut self.decode else {
+            return;
+        };
+        if buf.len() + bytes.len() > MAX_BUFFERED {
+            let reason =
+                format!("its answer holds more than {MAX_BUFFERED} bytes this proxy would buffer");
+            return self.on_decode_failed(Failure::Unusable(reason));
+        }
+        buf.extend_from_slice(&bytes);
+        if let Decode::Streaming { buf } = &mut self.decode {
+            let n = complete_events_len(buf);
+            if n > 0 {
+                let rest = buf.split_off(n);
+                let events = std::mem::replace(buf, rest);
+                self.push(Action::Stream(events));
+            }
+        }
+    }
+
+    fn on_decode_end(&mut self) {
+        match std::mem::replace(&mut self.decode, Decode::Over) {
+            Decode::Gathering { status, buf } if (200..300).contains(&status) => {
+                // D's answer is whole: it stands, whatever P still does.
+                if self.prefill == Prefill::Running {
+                    self.push(Action::CancelPrefill);
+                }
+                if self.streaming {
+                    self.push(Action::StartStream { status });
+                    if !buf.is_empty() {
+                        self.push(Action::Stream(buf));
+                    }
+                    self.push(Action::EndStream);
+                } else {
+                    self.push(Action::Reply(Reply {
+                        status,
+                        head: Head::Decode,
+                        retry_after: false,
+                        body: buf,
+                    }));
+                }
+                self.finish(Outcome::Ok, None);
+            }
+            Decode::Gathering { status, buf } => {
+                self.push(Action::Reply(Reply {
+                    status,
+                    head: Head::Decode,
+                    retry_after: false,
+                    body: buf,
+                }));
+                let outcome = if is_client_error(status) {
+                    Outcome::BadRequest
+                } else {
+                    Outcome::DecodeError
+                };
+                self.finish(
+                    outcome,
+                    Some(Cause {
+                        role: Role::Decode,
+                        what: format!("answered {status}"),
+                    }),
+                );
+            }
+            Decode::Streaming { buf } => {
+                if !buf.is_empty() {
+                    self.push(Action::Stream(buf));
+                }
+                self.push(Action::EndStream);
+                self.finish(Outcome::Ok, None);
+            }
+            other @ (Decode::NotAsked | Decode::Asked | Decode::Over) => self.decode = other,
+        }
+    }
+
+    fn on_decode_failed(&mut self, f: Failure) {
+        let f = match &self.decode {
+            Decode::Gathering { status, .. } if !(200..300).contains(status) => {
+                f.after_status(*status)
+            }
+            Decode::Asked | Decode::Gathering { .. } | Decode::Streaming { .. } => f,
+            Decode::NotAsked | Decode::Over => return,
+        };
+        self.release_prefill();
+        if matches!(self.decode, Decode::Streaming { .. }) {
+            self.push(Action::FailStream {
+                event: f.sse_event(Role::Decode),
+            });
+        } else {
+            self.push(Action::Reply(f.reply(Role::Decode)));
+        }
+        self.finish(
+            Outcome::DecodeError,
+            Some(Cause {
+                role: Role::Decode,
+                what: f.describe(),
+            }),
+        );
+    }
+
+    fn on_client_gone(&mut self) {
+        if self.prefill == Prefill::Running {
+            self.push(Action::CancelPrefill);
+        }
+        if matches!(
+            self.decode,
+            Decode::Asked | Decode::Gathering { .. } | Decode::Streaming { .. }
+        ) {
+            self.push(Action::CancelDecode);
+        }
+        self.finish(Outcome::Cancelled, None);
+    }
+}
+
+/// The length of the longest prefix of `buf` made of complete events.
+pub fn complete_events_len(buf: &[u8]) -> usize {
+    buf.windows(2)
+        .rposition(|w| w == b"\n\n")
+        .map_or(0, |i| i + 2)
+}
+
+/// An OpenAI error body (the shape of `pdkv_server::error::ApiError`, which
+/// `pdkv-server`'s tests check).
+pub fn error_json(message: &str, kind: &str, code: &str) -> String {
+    json!({"error": {"message": message, "type": kind, "param": null, "code": code}}).to_string()
+}
+
+impl Failure {
+    fn is_client_error(&self) -> bool {
+        matches!(self, Failure::Status { status, .. } if is_client_error(*status))
+    }
+
+    fn describe(&self) -> String {
+        match self {
+            Failure::Status { status, .. } => format!("answered {status}"),
+            Failure::Call(CallError {
+                timed_out: true,
+                detail,
+            }) => format!("timed out: {detail}"),
+            Failure::Call(CallError { detail, .. }) => format!("failed: {detail}"),
+            Failure::Unusable(reason) => format!("gave an unusable answer: {reason}"),
+        }
+    }
+
+    /// D's error answer whose body then broke off: said with D's status.
+    fn after_status(self, status: u16) -> Failure {
+        Failure::Unusable(format!(
+            "answered {status}, then its body {}",
+            self.describe()
+        ))
+    }
+
+    /// The proxy's own error for this failure: status and body.
+    fn proxy_error(&self, role: Role) -> (u16, String) {
+        let message = format!("{role} server {}", self.describe());
+        match self {
+            Failure::Call(CallError {
+                timed_out: true, ..
+            }) => {
+                let message = format!(
+                    "{message}; the proxy's request_timeout bounds each upstream request: \
+                     raise request_timeout (pdkv proxy --request-timeout) for longer requests"
+                );
+                (
+                    504,
+                    error_json(&message, "timeout_error", "upstream_timeout"),
+                )
+            }
+            _ => (502, error_json(&message, "server_error", "upstream_error")),
+        }
+    }
+
+    fn reply(&self, role: Role) -> Reply {
+        match self {
+            Failure::Status { status, body } => Reply {
+                status: *status,
+                head: Head::Prefill,
+                retry_after: *status == 503,
+                body: body.clone(),
+            },
+            _ => {
+                let (status, body) = self.proxy_error(role);
+                Reply {
+                    status,
+                    head: Head::Json,
+                    retry_after: false,
+                    body: body.into_bytes(),
+                }
+            }
+        }
+    }
+
+    /// The events ending a stream this failure cut short: the proxy's
+    /// error and `[DONE]`.
+    fn sse_event(&self, role: Role) -> Vec<u8> {
+        format!("data: {}\n\ndata: [DONE]\n\n", self.proxy_error(role).1).into_bytes()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const TID: &str = "t1";
+
+    fn write() -> Mode {
+        Mode::Write {
+            remote_engine_id: Some("p0".into()),
+            remote_bootstrap_addr: Some("127.0.0.1:7000".into()),
+        }
+    }
+
+    fn p_params() -> Value {
+        params::for_prefill(TID)
+    }
+
+    fn d_params() -> Value {
+        params::for_decode(TID, Some("p0"), Some("127.0.0.1:7000"))
+    }
+
+    fn p_answer(status: u16, body: &str) -> Event {
+        Event::Prefill(PrefillAnswer::parse(status, body.as_bytes()))
+    }
+
+    const NOT_SERVING: &str = r#"{"error":{"message":"paused","type":"service_unavailable_error","param":null,"code":"engine_not_serving"}}"#;
+    const P_DONE: &str =
+        r#"{"choices":[{"text":"x","finish_reason":"length"}],"kv_transfer_params":null}"#;
+    const P_ABORTED: &str = r#"{"choices":[{"text":"","finish_reason":"abort"}]}"#;
+    const D_BODY: &str = r#"{"choices":[{"text":"hello","finish_reason":"length"}]}"#;
+
+    fn refused() -> Event {
+        p_answer(503, NOT_SERVING)
+    }
+
+    fn aborted() -> Event {
+        p_answer(200, P_ABORTED)
+    }
+
+    fn p_done() -> Event {
+        p_answer(200, P_DONE)
+    }
+
+    fn head(status: u16) -> Event {
+        Event::DecodeHead { status }
+    }
+
+    fn body(s: &str) -> Event {
+        Event::DecodeBody(s.as_bytes().to_vec())
+    }
+
+    fn failed(timed_out: bool) -> CallError {
+        CallError {
+            timed_out,
+            detail: "connection reset".into(),
+        }
+    }
+
+    fn stream(s: &str) -> Action {
+        Action::Stream(s.as_bytes().to_vec())
+    }
+
+    fn reply(status: u16, head: Head, body: &str) -> Action {
+        Action::Reply(Reply {
+            status,
+            head,
+            retry_after: false,
+            body: body.as_bytes().to_vec(),
+        })
+    }
+
+    fn ok() -> Action {
+        Action::Count {
+            outcome: Outcome::Ok,
+            cause: None,
+        }
+    }
+
+    fn count(outcome: Outcome, role: Role, what: &str) -> Action {
+        Action::Count {
+            outcome,
+            cause: Some(Cause {
+                role,
+                what: what.into(),
+            }),
+        }
+    }
+
+    fn drain(plan: &mut RelayPlan) -> Vec<Action> {
+        std::iter::from_fn(|| plan.poll_action()).collect()
+    }
+
+    /// Runs `steps` (an event and the exact actions it must give) on a new
+    /// plan, after checking the plan's first actions.
+    fn check(mode: Mode, streaming: bool, steps: Vec<(Event, Vec<Action>)>) -> RelayPlan {
+        let read = mode == Mode::Read;
+        let mut plan = RelayPlan::new(mode, streaming, TID);
+        let mut first = vec![Action::SendPrefill { params: p_params() }];
+        if !read {
+            first.push(Action::SendDecode {
+                params: Some(d_params()),
+            });
+        }
+        assert_eq!(drain(&mut plan), first, "first actions");
+        for (i, (event, want)) in steps.into_iter().enumerate() {
+            let what = format!("step {i}: {event:?}");
+            plan.handle(event);
+            assert_eq!(drain(&mut plan), want, "{what}");
+        }
+        plan
+    }
+
+    /// The reply and count of a failed call, whatever its message.
+    fn error_reply(actions: &[Action]) -> (u16, Value) {
+        let Some(Action::Reply(r)) = actions.iter().find(|a| matches!(a, Action::Reply(_))) else {
+            panic!("no reply in {actions:?}")
+        };
+        assert_eq!(r.head, Head::Json);
+        (
+            r.status,
+            serde_json::from_slice(&r.body).expect("JSON error"),
+        )
+    }
+
+    #[test]
+    fn write_mode_success_answers_with_ds_body() {
+        let plan = check(
+            write(),
+            false,
+            vec![
+                (p_done(), vec![]),
+                (head(200), vec![]),
+                (body(&D_BODY[..10]), vec![]),
+                (body(&D_BODY[10..]), vec![]),
+                (
+                    Event::DecodeEnd,
+                    vec![reply(200, Head::Decode, D_BODY), ok()],
+                ),
+            ],
+        );
+        assert_eq!(plan.outcome(), Some(Outcome::Ok));
+    }
+
+    #[test]
+    fn write_mode_streaming_commits_only_after_p_answered_and_cuts_at_event_boundaries() {
+        check(
+            write(),
+            true,
+            vec![
+                (head(200), vec![]),
+                // Held until P answered; an unfinished event stays held.
+                (body("data: 1\n\ndata: 2"), vec![]),
+                (
+                    p_done(),
+                    vec![Action::StartStream { status: 200 }, stream("data: 1\n\n")],
+                ),
+                (body("\n"), vec![]),
+                (
+                    body("\ndata: [DONE]\n\n"),
+                    vec![stream("data: 2\n\ndata: [DONE]\n\n")],
+                ),
+                (Event::DecodeEnd, vec![Action::EndStream, ok()]),
+            ],
+        );
+    }
+
+    #[test]
+    fn write_mode_refused_prefill_keeps_d_and_drops_at_p_with_prefill_refused() {
+        let skipped = || {
+            vec![
+                Action::PrefillSkipped(OnPurpose::Refused),
+                Action::DropAtPrefill {
+                    code: FailCode::PrefillRefused,
+                },
+            ]
+        };
+        let plan = check(
+            write(),
+            false,
+            vec![
+                (refused(), skipped()),
+                (head(200), vec![]),
+                (body(D_BODY), vec![]),
+                (
+                    Event::DecodeEnd,
+                    vec![reply(200, Head::Decode, D_BODY), ok()],
+                ),
+            ],
+        );
+        assert_eq!(plan.outcome(), Some(Outcome::Ok));
+        let mut start = skipped();
+        start.push(Action::StartStream { status: 200 });
+        check(
+            write(),
+            true,
+            vec![
+                (head(200), vec![]),
+                (refused(), start),
+                (body("data: 1\n\n"), vec![stream("data: 1\n\n")]),
+                (Event::DecodeEnd, vec![Action::EndStream, ok()]),
+            ],
+        );
+    }
+
+    #[test]
+    fn write_mode_aborted_prefill_keeps_d_and_drops_at_p_with_prefill_aborted() {
+        let skipped = || {
+            vec![
+                Action::PrefillSkipped(OnPurpose::Aborted),
+                Action::DropAtPrefill {
+                    code: FailCode::PrefillAborted,
+                },
+            ]
+        };
+        check(
+            write(),
+            false,
+            vec![
+                (head(200), vec![]),
+                (aborted(), skipped()),
+                (body(D_BODY), vec![]),
+                (
+                    Event::DecodeEnd,
+                    vec![reply(200, Head::Decode, D_BODY), ok()],
+                ),
+            ],
+        );
+        let mut then_stream = skipped();
+        then_stream.extend([Action::StartStream { status: 200 }, stream("data: 1\n\n")]);
+        check(
+            write(),
+            true,
+            vec![
+                (head(200), vec![]),
+                (body("data: 1\n\n"), vec![]),
+                (aborted(), then_stream),
+                (Event::DecodeEnd, vec![Action::EndStream, ok()]),
+            ],
+        );
+        // D's answer after a skipped prefill may still fail: then nothing
+        // more is dropped at P (it was already).
+        check(
+            write(),
+            false,
+            vec![
+                (aborted(), skipped()),
+                (head(500), vec![]),
+                (
+                    Event::DecodeEnd,
+                    vec![
+                        reply(500, Head::Decode, ""),
+                        count(Outcome::DecodeError, Role::Decode, "answered 500"),
+                    ],
+                ),
+            ],
+        );
+    }
+
+    #[test]
+    fn other_prefill_errors_cancel_d_and_pass_ps_status_through() {
+        let p500 = r#"{"error":{"message":"boom","type":"server_error","param":null,"code":null}}"#;
+        let p503 = r#"{"error":{"message":"stopped","type":"service_unavailable_error","param":null,"code":null}}"#;
+        for streaming in [false, true] {
+            check(
+                write(),
+                streaming,
+                vec![
+                    (head(200), vec![]),
+                    (body("data: 1\n\n"), vec![]),
+                    (
+                        p_answer(500, p500),
+                        vec![
+                            Action::CancelDecode,
+                            reply(500, Head::Prefill, p500),
+                            count(Outcome::PrefillError, Role::Prefill, "answered 500"),
+                        ],
+                    ),
+                ],
+            );
+            // A 503 that is not `engine_not_serving` is a failure, retryable.
+            let retryable = Reply {
+                status: 503,
+                head: Head::Prefill,
+                retry_after: true,
+                body: p503.as_bytes().to_vec(),
+            };
+            check(
+                write(),
+                streaming,
+                vec![(
+                    p_answer(503, p503),
+                    vec![
+                        Action::CancelDecode,
+                        Action::Reply(retryable),
+                        count(Outcome::PrefillError, Role::Prefill, "answered 503"),
+                    ],
+                )],
+            );
+        }
+    }
+
+    #[test]
+    fn client_errors_count_as_bad_requests() {
+        let p400 = r#"{"error":{"message":"too long","type":"invalid_request_error","param":"prompt","code":"context_length_exceeded"}}"#;
+        check(
+            write(),
+            true,
+            vec![(
+                p_answer(400, p400),
+                vec![
+                    Action::CancelDecode,
+                    reply(400, Head::Prefill, p400),
+                    count(Outcome::BadRequest, Role::Prefill, "answered 400"),
+                ],
+            )],
+        );
+        for status in [400, 404, 409, 413, 422] {
+            check(
+                write(),
+                false,
+                vec![
+                    (p_done(), vec![]),
+                    (
+                        head(status),
+                        vec![Action::DropAtPrefill {
+                            code: FailCode::Dropped,
+                        }],
+                    ),
+                    (body("{}"), vec![]),
+                    (
+                        Event::DecodeEnd,
+                        vec![
+                            reply(status, Head::Decode, "{}"),
+                            count(
+                                Outcome::BadRequest,
+                                Role::Decode,
+                                &format!("answered {status}"),
+                            ),
+                        ],
+                    ),
+                ],
+            );
+        }
+        assert!(!is_client_error(503) && !is_client_error(500) && !is_client_error(429));
+    }
+
+    #[test]
+    fn failed_calls_are_502_and_timeouts_504_naming_request_timeout() {
+        for (timed_out, status, code) in [
+            (false, 502, "upstream_error"),
+            (true, 504, "upstream_timeout"),
+        ] {
+            let mut plan = RelayPlan::new(write(), false, TID);
+            let _ = drain(&mut plan);
+            plan.handle(Event::PrefillFailed(failed(timed_out)));
+            let actions = drain(&mut plan);
+            assert_eq!(actions[0], Action::CancelDecode);
+            let (got, body) = error_reply(&actions);
+            assert_eq!(
+                (got, body["error"]["code"].as_str()),
+                (status, Some(code)),
+                "{body}"
+            );
+            let message = body["error"]["message"].as_str().unwrap();
+            assert!(
+                message.starts_with("prefill server") && message.contains("connection reset"),
+                "{message}"
+            );
+            assert_eq!(
+                message.contains("raise request_timeout"),
+                timed_out,
+                "{message}"
+            );
+            assert!(matches!(
+                actions.last(),
+                Some(Action::Count {
+                    outcome: Outcome::PrefillError,
+                    ..
+                })
+            ));
+
+            let mut plan = RelayPlan::new(write(), true, TID);
+            let _ = drain(&mut plan);
+            plan.handle(Event::DecodeFailed(failed(timed_out)));
+            let actions = drain(&mut plan);
+            assert_eq!(
+                actions[..2],
+                [
+                    Action::CancelPrefill,
+                    Action::DropAtPrefill {
+                        code: FailCode::Dropped
+                    }
+                ]
+            );
+            let (got, body) = error_reply(&actions);
+            assert_eq!(got, status);
+            assert!(
+                body["error"]["message"]
+                    .as_str()
+                    .unwrap()
+                    .starts_with("decode server"),
+                "{body}"
+            );
+            assert!(matches!(
+                actions.last(),
+                Some(Action::Count {
+                    outcome: Outcome::DecodeError,
+                    ..
+                })
+            ));
+        }
+    }
+
+    #[test]
+    fn an_unusable_prefill_answer_is_a_failure() {
+        for body in [
+            "not json",
+            r#"{"object":"text_completion"}"#,
+            r#"{"choices":[{}],"kv_transfer_params":[1]}"#,
+        ] {
+            let mut plan = RelayPlan::new(Mode::Read, false, TID);
+            let _ = drain(&mut plan);
+            plan.handle(p_answer(200, body));
+            let actions = drain(&mut plan);
+            assert_eq!(error_reply(&actions).0, 502, "{body}");
+            assert!(
+                matches!(
+                    actions[..],
+                    [
+                        Action::Reply(_),
+                        Action::Count {
+                            outcome: Outcome::PrefillError,
+                            ..
+                        }
+                    ]
+                ),
+                "{actions:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_failing_d_drops_the_transfer_at_p_unless_ps_part_is_over() {
+        // P still running: cancelled, and its transfer dropped.
+        check(
+            write(),
+            false,
+            vec![
+                (
+                    head(503),
+                    vec![
+                        Action::CancelPrefill,
+                        Action::DropAtPrefill {
+                            code: FailCode::Dropped,
+                        },
+                    ],
+                ),
+                (body(NOT_SERVING), vec![]),
+                (
+                    Event::DecodeEnd,
+                    vec![
+                        reply(503, Head::Decode, NOT_SERVING),
+                        count(Outcome::DecodeError, Role::Decode, "answered 503"),
+                    ],
+                ),
+            ],
+        );
+        // P answered: only dropped; a late P event changes nothing.
+        check(
+            write(),
+            false,
+            vec![
+                (p_done(), vec![]),
+                (
+                    head(500),
+                    vec![Action::DropAtPrefill {
+                        code: FailCode::Dropped,
+                    }],
+                ),
+                (p_done(), vec![]),
+            ],
+        );
+        // D's error body breaks off: a 502 that names D's status.
+        let plan = check(
+            write(),
+            false,
+            vec![(
+                head(500),
+                vec![
+                    Action::CancelPrefill,
+                    Action::DropAtPrefill {
+                        code: FailCode::Dropped,
+                    },
+                ],
+            )],
+        );
+        let mut plan = plan;
+        plan.handle(Event::DecodeFailed(failed(false)));
+        let actions = drain(&mut plan);
+        let (status, body) = error_reply(&actions);
+        assert_eq!(status, 502);
+        assert!(
+            body["error"]["message"]
+                .as_str()
+                .unwrap()
+                .contains("answered 500, then its body failed"),
+            "{body}"
+        );
+        assert_eq!(actions.len(), 2, "no second drop: {actions:?}");
+    }
+
+    #[test]
+    fn a_broken_stream_ends_with_an_error_event_never_half_an_event() {
+        let plan = check(
+            write(),
+            true,
+            vec![
+                (p_done(), vec![]),
+                (head(200), vec![Action::StartStream { status: 200 }]),
+                (body("data: 1\n\ndata: hal"), vec![stream("data: 1\n\n")]),
+            ],
+        );
+        let mut plan = plan;
+        plan.handle(Event::DecodeFailed(failed(false)));
+        let actions = drain(&mut plan);
+        assert_eq!(
+            actions[0],
+            Action::DropAtPrefill {
+                code: FailCode::Dropped
+            }
+        );
+        let Action::FailStream { event } = &actions[1] else {
+            panic!("{actions:?}")
+        };
+        let text = String::from_utf8(event.clone()).unwrap();
+        assert!(
+            text.starts_with("data: {\"error\":") && text.ends_with("}\n\ndata: [DONE]\n\n"),
+            "{text}"
+        );
+        assert!(!text.contains("hal"), "{text}");
+        assert!(text.contains("upstream_error"), "{text}");
+        assert_eq!(
+            actions[2],
+            count(
+                Outcome::DecodeError,
+                Role::Decode,
+                "failed: connection reset"
+            )
+        );
+        assert_eq!(actions.len(), 3);
+    }
+
+    #[test]
+    fn d_finishing_first_stands_and_cancels_p() {
+        check(
+            write(),
+            false,
+            vec![
+                (head(200), vec![]),
+                (body(D_BODY), vec![]),
+                (
+                    Event::DecodeEnd,
+                    vec![
+                        Action::CancelPrefill,
+                        reply(200, Head::Decode, D_BODY),
+                        ok(),
+                    ],
+                ),
+            ],
+        );
+        // Streaming: D's whole answer goes out, its unterminated trailer too.
+        check(
+            write(),
+            true,
+            vec![
+                (head(200), vec![]),
+                (body("data: 1\n\ndata: [DONE]"), vec![]),
+                (
+                    Event::DecodeEnd,
+                    vec![
+                        Action::CancelPrefill,
+                        Action::StartStream { status: 200 },
+                        stream("data: 1\n\ndata: [DONE]"),
+                        Action::EndStream,
+                        ok(),
+                    ],
+                ),
+            ],
+        );
+    }
+
+    #[test]
+    fn the_client_leaving_cancels_what_runs_and_counts_once() {
+        let cancelled = Action::Count {
+            outcome: Outcome::Cancelled,
+            cause: None,
+        };
+        check(
+            write(),
+            true,
+            vec![(
+                Event::ClientGone,
+                vec![
+                    Action::CancelPrefill,
+                    Action::CancelDecode,
+                    cancelled.clone(),
+                ],
+            )],
+        );
+        check(
+            Mode::Read,
+            false,
+            vec![(
+                Event::ClientGone,
+                vec![Action::CancelPrefill, cancelled.clone()],
+            )],
+        );
+        let mut plan = check(
+            write(),
+            true,
+            vec![
+                (p_done(), vec![]),
+                (head(200), vec![Action::StartStream { status: 200 }]),
+                (Event::ClientGone, vec![Action::CancelDecode, cancelled]),
+            ],
+        );
+        // Finished: every later event is ignored, the count stays one.
+        for e in [
+            body("data: 1\n\n"),
+            Event::DecodeEnd,
+            Event::ClientGone,
+            p_done(),
+            Event::DecodeFailed(failed(true)),
+        ] {
+            plan.handle(e);
+            assert_eq!(drain(&mut plan), vec![]);
+        }
+        assert_eq!(plan.outcome(), Some(Outcome::Cancelled));
+        assert!(plan.is_finished());
+    }
+
+    #[test]
+    fn events_not_asked_for_are_ignored() {
+        // Read mode: D's events before D was asked, a body before its head.
+        check(
+            Mode::Read,
+            false,
+            vec![
+                (head(200), vec![]),
+                (body("x"), vec![]),
+                (Event::DecodeEnd, vec![]),
+                (Event::DecodeFailed(failed(false)), vec![]),
+                (p_done(), vec![Action::SendDecode { params: None }]),
+                (body("early"), vec![]),
+                (Event::Prefill(PrefillAnswer::Aborted), vec![]),
+                (head(200), vec![]),
+                (head(500), vec![]),
+                (body(D_BODY), vec![]),
+                (
+                    Event::DecodeEnd,
+                    vec![reply(200, Head::Decode, D_BODY), ok()],
+                ),
+            ],
+        );
+    }
+
+    #[test]
+    fn read_mode_sends_d_exactly_ps_params_once_p_answered() {
+        let params = json!({"do_remote_prefill": true, "transfer_id": TID, "remote_block_ids": [4, 5],
+                            "remote_registration_generation": 2});
+        let answer =
+            json!({"choices": [{"finish_reason": "length"}], "kv_transfer_params": params})
+                .to_string();
+        check(
+            Mode::Read,
+            true,
+            vec![
+                (
+                    p_answer(200, &answer),
+                    vec![Action::SendDecode {
+                        params: Some(params.clone()),
+                    }],
+                ),
+                // P answered already: D's status is committed at its head.
+                (head(200), vec![Action::StartStream { status: 200 }]),
+                (body("data: 1\n\n"), vec![stream("data: 1\n\n")]),
+                (Event::DecodeEnd, vec![Action::EndStream, ok()]),
+            ],
+        );
+        // P returned no params: D computes the prompt itself, and that is
+        // no skip.
+        check(
+            Mode::Read,
+            false,
+            vec![(p_done(), vec![Action::SendDecode { params: None }])],
+        );
+    }
+
+    #[test]
+    fn read_mode_refused_or_aborted_prefill_sends_d_the_body_without_params() {
+        for (event, why) in [
+            (refused(), OnPurpose::Refused),
+            (aborted(), OnPurpose::Aborted),
+        ] {
+            let skipped = || {
+                vec![
+                    Action::PrefillSkipped(why),
+                    Action::SendDecode { params: None },
+                ]
+            };
+            check(
+                Mode::Read,
+                false,
+                vec![
+                    (event.clone(), skipped()),
+                    (head(200), vec![]),
+                    (body(D_BODY), vec![]),
+                    (
+                        Event::DecodeEnd,
+                        vec![reply(200, Head::Decode, D_BODY), ok()],
+                    ),
+                ],
+            );
+            check(
+                Mode::Read,
+                true,
+                vec![
+                    (event.clone(), skipped()),
+                    (head(200), vec![Action::StartStream { status: 200 }]),
+                    (body("data: 1\n\n"), vec![stream("data: 1\n\n")]),
+                    (Event::DecodeEnd, vec![Action::EndStream, ok()]),
+                ],
+            );
+            // D failing then has no transfer at P to drop.
+            check(
+                Mode::Read,
+                false,
+                vec![
+                    (event, skipped()),
+                    (head(500), vec![]),
+                    (
+                        Event::DecodeEnd,
+                        vec![
+                            reply(500, Head::Decode, ""),
+                            count(Outcome::DecodeError, Role::Decode, "answered 500"),
+                        ],
+                    ),
+                ],
+            );
+        }
+    }
+
+    #[test]
+    fn read_mode_prefill_failure_never_asks_d_and_a_failed_d_ends_ps_lease() {
+        let p400 = r#"{"error":{"message":"too long","type":"invalid_request_error","param":null,"code":null}}"#;
+        check(
+            Mode::Read,
+            true,
+            vec![(
+                p_answer(400, p400),
+                vec![
+                    reply(400, Head::Prefill, p400),
+                    count(Outcome::BadRequest, Role::Prefill, "answered 400"),
+                ],
+            )],
+        );
+        let params = json!({"do_remote_prefill": true, "transfer_id": TID, "remote_block_ids": [4],
+                            "remote_registration_generation": 1});
+        let answer =
+            json!({"choices": [{"finish_reason": "length"}], "kv_transfer_params": params})
+                .to_string();
+        let sent = vec![Action::SendDecode {
+            params: Some(params),
+        }];
+        let mut plan = check(Mode::Read, false, vec![(p_answer(200, &answer), sent)]);
+        plan.handle(Event::DecodeFailed(failed(false)));
+        let actions = drain(&mut plan);
+        // D will not read P's leased blocks: the lease ends now.
+        assert_eq!(
+            actions[0],
+            Action::DropAtPrefill {
+                code: FailCode::Dropped
+            }
+        );
+        assert_eq!(error_reply(&actions).0, 502);
+        assert_eq!(actions.len(), 3);
+    }
+
+    #[test]
+    fn answers_beyond_the_buffer_bound_fail_the_call() {
+        let mut plan = check(
+            write(),
+            false,
+            vec![(p_done(), vec![]), (head(200), vec![])],
+        );
+        plan.handle(Event::DecodeBody(vec![b'x'; MAX_BUFFERED]));
+        assert_eq!(drain(&mut plan), vec![]);
+        plan.handle(body("y"));
+        let actions = drain(&mut plan);
+        assert_eq!(
+            actions[0],
+            Action::DropAtPrefill {
+                code: FailCode::Dropped
+            }
+        );
+        let (status, body) = error_reply(&actions);
+        assert_eq!(status, 502);
+        assert!(
+            body["error"]["message"]
+                .as_str()
+                .unwrap()
+                .contains("more than"),
+            "{body}"
+        );
+        assert_eq!(plan.outcome(), Some(Outcome::DecodeError));
+    }
+
+    #[test]
+    fn prefill_answers_are_classified() {
+        assert_eq!(
+            PrefillAnswer::parse(503, NOT_SERVING.as_bytes()),
+            PrefillAnswer::Error {
+                status: 503,
+                code: Some(RETRYABLE_CODE.into()),
+                body: NOT_SERVING.as_bytes().to_vec()
+            }
+        );
+        assert_eq!(
+            PrefillAnswer::parse(502, b"<html>"),
+            PrefillAnswer::Error {
+                status: 502,
+                code: None,
+                body: b"<html>".to_vec()
+            }
+        );
+        assert_eq!(
+            PrefillAnswer::parse(200, P_ABORTED.as_bytes()),
+            PrefillAnswer::Aborted
+        );
+        assert_eq!(
+            PrefillAnswer::parse(200, P_DONE.as_bytes()),
+            PrefillAnswer::Done { params: None }
+        );
+        let with = json!({"choices": [{"finish_reason": "stop"}], "kv_transfer_params": {"a": 1}})
+            .to_string();
+        assert_eq!(
+            PrefillAnswer::parse(200, with.as_bytes()),
+            PrefillAnswer::Done {
+                params: Some(json!({"a": 1}))
+            }
+        );
+        assert!(matches!(
+            PrefillAnswer::parse(200, b"{}"),
+            PrefillAnswer::Malformed { .. }
+        ));
+    }
+
+    #[test]
+    fn the_proxys_errors_have_the_openai_shape() {
+        let ours: Value =
+            serde_json::from_str(&error_json("m", "server_error", "upstream_error")).unwrap();
+        // The same body as the server's `ApiError` (checked against it in
+        // `pdkv_server::error`'s tests).
+        assert_eq!(
+            ours,
+            json!({"error": {"message": "m", "type": "server_error", "param": null, "code": "upstream_error"}})
+        );
+    }
+
+    #[test]
+    fn outcomes_index_their_list() {
+        for (i, o) in Outcome::ALL.iter().enumerate() {
+            assert_eq!(o.index(), i, "{o:?}");
+        }
+        assert_eq!(
+            OnPurpose::ALL.map(OnPurpose::code),
+            [FailCode::PrefillRefused, FailCode::PrefillAborted]
+        );
+    }
+
+    #[test]
+    fn events_are_cut_at_boundaries() {
+        assert_eq!(complete_events_len(b"data: {\"a\""), 0);
+        assert_eq!(complete_events_len(b"data: 1\n\ndata: 2"), 9);
+        assert_eq!(complete_events_len(b"data: 1\n\ndata: 2\n\n"), 18);
+        assert_eq!(complete_events_len(b""), 0);
+    }
+}
