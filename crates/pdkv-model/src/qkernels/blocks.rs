@@ -1,0 +1,79 @@
+//! Reading the weight blocks of each format: scales, minimums and values,
+//! as the kernels of every flavour take them.
+
+use crate::qtype::{QType, QK};
+
+/// Exact f16 -> f32 by bit manipulation (normal, subnormal, infinite and NaN
+/// values), so no F16C instruction is needed. Subnormals rely on the default
+/// floating-point environment (no flush to zero).
+#[inline(always)]
+pub(super) fn f16_to_f32(h: u16) -> f32 {
+    let em = (h as u32 & 0x7fff) << 13;
+    let sign = (h as u32 & 0x8000) << 16;
+    let bits = if em >= 0x7c00 << 13 {
+        em | 0x7f80_0000
+    } else {
+        // 2^112 moves the exponent bias from 15 to 127, exactly.
+        (f32::from_bits(em) * f32::from_bits((127 + 112) << 23)).to_bits()
+    };
+    f32::from_bits(bits | sign)
+}
+
+#[inline(always)]
+pub(super) fn f16_at(p: *const u8) -> f32 {
+    // SAFETY (callers): `p` points at 2 readable bytes.
+    f16_to_f32(u16::from_le_bytes(unsafe { [*p, *p.add(1)] }))
+}
+
+/// Value `i` (0..32) of an unsigned-format block.
+pub(super) fn unsigned_value(ty: QType, blk: &[u8], i: usize) -> u8 {
+    let byte = blk[ty.nibbles_at() + i % 16];
+    let mut v = if i < 16 { byte & 0x0f } else { byte >> 4 };
+    if let Some(h) = ty.high_bits_at() {
+        let bits = u32::from_le_bytes([blk[h], blk[h + 1], blk[h + 2], blk[h + 3]]);
+        v |= (((bits >> i) & 1) as u8) << 4;
+    }
+    v
+}
+
+/// `mw` of an unsigned-format block: `x = d*q + mw`.
+pub(super) fn min_of(ty: QType, blk: &[u8]) -> f32 {
+    if ty.stored_min() {
+        f16_at(blk[2..].as_ptr())
+    } else {
+        ty.min_factor() * f16_at(blk.as_ptr())
+    }
+}
+
+/// Block `b` (32 values) of a super-block-format row: its scale and
+/// minimum (`x = dw*q + mw`: `dw = d*sc`, `mw = -dmin*m`, both exact in f32)
+/// and where its super-block starts.
+pub(super) fn super_params(ty: QType, row: *const u8, b: usize) -> (f32, f32, *const u8) {
+    // SAFETY (callers): `row` holds the super-block of block `b`.
+    let blk = unsafe { row.add(b / 8 * ty.block_bytes()) };
+    let scales: &[u8; 12] = unsafe { &*(blk.add(4) as *const [u8; 12]) };
+    let (sc, m) = crate::gguf::k_scale_min(scales, b % 8);
+    let (d, dmin) = (f16_at(blk), f16_at(unsafe { blk.add(2) }));
+    (d * sc as f32, -(dmin * m as f32), blk)
+}
+
+/// Value `i` (0..32) of block `j` (0..8) of a Q4_K/Q5_K super-block.
+pub(super) fn super_value(ty: QType, blk: &[u8], j: usize, i: usize) -> u8 {
+    crate::gguf::k45_value(blk, ty == QType::Q5_K, j, i)
+}
+
+/// Block `b` (32 values) of a Q6_K row: `d`, the i8 scales of its two
+/// halves of 16 values, and its super-block.
+pub(super) fn q6_params(row: *const u8, b: usize) -> (f32, [i32; 2], *const u8) {
+    // SAFETY (callers): `row` holds the super-block of block `b`.
+    let blk = unsafe { row.add(b / 8 * QType::Q6_K.block_bytes()) };
+    let (h, g) = ((b % 8) / 4, b % 4);
+    let sc = |i: usize| unsafe { *blk.add(192 + h * 8 + 2 * g + i) } as i8 as i32;
+    (f16_at(unsafe { blk.add(208) }), [sc(0), sc(1)], blk)
+}
+
+/// Value `i` (0..32, unsigned: the weight is `q - 32`) of block `j` (0..8)
+/// of a Q6_K super-block.
+pub(super) fn q6_value(blk: &[u8], j: usize, i: usize) -> u8 {
+    crate::gguf::k6_value(blk, j * QK + i)
+}

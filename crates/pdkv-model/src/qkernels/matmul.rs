@@ -1,0 +1,112 @@
+//! The block-format matmul's entry points: shapes checked, output features
+//! split into jobs on the math threads, each job run by its flavour.
+
+use std::cell::RefCell;
+
+use super::acts::QActs;
+use super::flavour::{has, Flavour};
+use super::job::{Job, Scratch, NR};
+use super::portable;
+#[cfg(target_arch = "x86_64")]
+use super::simd;
+use crate::dispatch::{for_each_job_of, Backend, SendConstPtr, SendPtr};
+use crate::qtype::QType;
+
+/// One quantised weight matrix `[n, k]` (rows of `ty.row_bytes(k)` bytes, GGUF block layout) and its output `[m, n]`.
+pub struct QLinear<'a> {
+    pub ty: QType,
+    pub w: &'a [u8],
+    pub n: usize,
+    pub y: &'a mut [f32],
+}
+
+/// `y[r][j] = Σ_blocks dot(x_block, w_block)` for every matrix, on the
+/// current rayon pool (like [`crate::kernels::matmul_many`]: output features
+/// `j` are split into jobs, never `k`).
+pub fn qmatmul_many(x: &QActs, outs: &mut [QLinear<'_>]) {
+    qmatmul_many_with(crate::dispatch::backend(), x, outs)
+}
+
+/// [`qmatmul_many`] with an explicit backend (tests exercise every one available).
+pub fn qmatmul_many_with(be: Backend, x: &QActs, outs: &mut [QLinear<'_>]) {
+    run_many(Flavour::of(be), x, outs)
+}
+
+pub(super) fn run_many(fl: Flavour, x: &QActs, outs: &mut [QLinear<'_>]) {
+    let (m, k) = (x.m, x.k);
+    for o in outs.iter() {
+        assert!(!o.ty.is_half(), "{:?} takes f32 activations", o.ty);
+        assert!(
+            k % o.ty.block_values() == 0,
+            "{:?} rows are whole blocks of {} values, k = {k}",
+            o.ty,
+            o.ty.block_values()
+        );
+        let rb = o.ty.row_bytes(k);
+        assert!(
+            o.w.len() >= o.n * rb,
+            "w has {} bytes, need {} rows of {} ({:?}, k = {})",
+            o.w.len(),
+            o.n,
+            rb,
+            o.ty,
+            k
+        );
+        assert!(
+            o.y.len() >= m * o.n,
+            "y has {} floats, need {}x{}",
+            o.y.len(),
+            m,
+            o.n
+        );
+    }
+    assert!(has(fl), "{fl:?} is not available on this CPU");
+    if m == 0 {
+        return;
+    }
+    let view = |o: &mut QLinear<'_>| {
+        let p = (
+            o.ty,
+            SendConstPtr(o.w.as_ptr()),
+            SendPtr(o.y.as_mut_ptr()),
+            o.n,
+        );
+        (p, o.n)
+    };
+    for_each_job_of(outs, NR, view, |(ty, w, y, n), j0, j1| {
+        let job = Job {
+            ty,
+            w: w.get(),
+            y: y.0,
+            n,
+            j0,
+            j1,
+        };
+        // SAFETY: shapes were checked above; jobs write disjoint column
+        // ranges of their `y`, every `y` is a distinct &mut borrow, and the
+        // flavour was checked against the CPU.
+        unsafe { run_job(fl, x, &job) }
+    });
+}
+
+/// # Safety
+/// `job.w` holds `job.n` rows, `job.y` `m * job.n` floats of which no one
+/// else writes columns `j0..j1`; the CPU supports `fl`.
+unsafe fn run_job(fl: Flavour, x: &QActs, job: &Job) {
+    match fl {
+        #[cfg(target_arch = "x86_64")]
+        Flavour::Avx2 | Flavour::Vnni => SCRATCH.with(|s| {
+            let s = &mut *s.borrow_mut();
+            if fl == Flavour::Vnni {
+                simd::run_job_vnni(x, job, s)
+            } else {
+                simd::run_job_avx2(x, job, s)
+            }
+        }),
+        _ => portable::run_job(x, job),
+    }
+}
+
+thread_local! {
+    static SCRATCH: RefCell<Scratch> = RefCell::new(Scratch::default());
+}

@@ -1,0 +1,510 @@
+use super::acts::{quantize_block, GROUP, GROUP_BLOCK};
+use super::blocks::f16_to_f32;
+use super::flavour::{has, Flavour};
+use super::matmul::run_many;
+use super::*;
+use crate::dispatch::Backend;
+use crate::gguf::dequantize;
+use crate::kernels;
+
+/// Deterministic xorshift stream.
+struct Rng(u64);
+
+impl Rng {
+    fn new(seed: u64) -> Rng {
+        Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1)
+    }
+
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+
+    /// In [-1, 1).
+    fn f32(&mut self) -> f32 {
+        ((self.next() >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+    }
+}
+
+/// Activations with some all-zero blocks and a few large outliers.
+fn rand_acts(seed: u64, m: usize, k: usize) -> Vec<f32> {
+    let mut rng = Rng::new(seed);
+    let mut x: Vec<f32> = (0..m * k).map(|_| rng.f32()).collect();
+    for (i, blk) in x.chunks_mut(QK).enumerate() {
+        match rng.next() % 11 {
+            0 => blk.fill(0.0),
+            1 => blk[i % QK] *= 40.0,
+            _ => {}
+        }
+    }
+    x
+}
+
+/// A random weight matrix in GGUF layout; Q8_0 includes -128 values and
+/// negative scales, Q4_1 negative minimums.
+fn rand_weights(seed: u64, ty: QType, n: usize, k: usize) -> Vec<u8> {
+    let mut rng = Rng::new(seed);
+    let mut w = Vec::with_capacity(n * ty.row_bytes(k));
+    for _ in 0..n * k / ty.block_values() {
+        let d = half::f16::from_f32(0.001 + 0.02 * rng.f32().abs())
+            * if rng.next().is_multiple_of(5) {
+                -half::f16::ONE
+            } else {
+                half::f16::ONE
+            };
+        if ty == QType::Q6_K {
+            // Values, high bits and i8 scales are any bytes; d comes last.
+            w.extend((0..208).map(|_| rng.next() as u8));
+            w.extend_from_slice(&(d * half::f16::from_f32(0.05)).to_le_bytes());
+            continue;
+        }
+        w.extend_from_slice(&d.to_le_bytes());
+        if ty.stored_min() {
+            w.extend_from_slice(&half::f16::from_f32(0.1 * rng.f32()).to_le_bytes());
+        }
+        if ty.is_super() {
+            // dmin; the 6-bit scales and minimums and the values are any bytes.
+            w.extend_from_slice(&half::f16::from_f32(0.002 * rng.f32()).to_le_bytes());
+        }
+        for _ in 0..ty.block_bytes() - w.len() % ty.block_bytes() {
+            w.push(rng.next() as u8);
+        }
+    }
+    w
+}
+
+fn dequant(ty: QType, w: &[u8], n: usize, k: usize) -> Vec<f32> {
+    let gt = crate::weights::ggml_type(ty);
+    let mut out = vec![0f32; n * k];
+    dequantize(gt, w, &mut out).expect("dequantising test weights");
+    out
+}
+
+/// The activations as the kernels see them: `d * q` per value.
+fn dequant_acts(x: &QActs) -> Vec<f64> {
+    let (m, k, nb) = (x.m, x.k, x.blocks());
+    let mut out = vec![0f64; m * k];
+    for r in 0..m {
+        let (g, l) = (r / GROUP, r % GROUP);
+        for b in 0..nb {
+            let d = x.d[(g * nb + b) * GROUP + l] as f64;
+            for i in 0..QK {
+                let q = x.qs[(g * nb + b) * GROUP_BLOCK + (i / 4) * 32 + l * 4 + i % 4];
+                out[r * k + b * QK + i] = d * q as f64;
+            }
+        }
+    }
+    out
+}
+
+fn flavours() -> Vec<Flavour> {
+    [Flavour::Portable, Flavour::Avx2, Flavour::Vnni]
+        .into_iter()
+        .filter(|&f| has(f))
+        .collect()
+}
+
+fn run(fl: Flavour, x: &QActs, ty: QType, w: &[u8], n: usize) -> Vec<f32> {
+    let mut y = vec![f32::NAN; x.rows() * n];
+    run_many(
+        fl,
+        x,
+        &mut [QLinear {
+            ty,
+            w,
+            n,
+            y: &mut y,
+        }],
+    );
+    y
+}
+
+/// Every format the kernels read: the 32-value ones and the super-block
+/// ones (which need `k` a multiple of 256: tests skip them elsewhere).
+const TYPES: [QType; 8] = [
+    QType::Q8_0,
+    QType::Q4_0,
+    QType::Q4_1,
+    QType::Q5_0,
+    QType::Q5_1,
+    QType::Q4_K,
+    QType::Q5_K,
+    QType::Q6_K,
+];
+
+/// Whether rows of `k` values are whole blocks of `ty`.
+fn fits(ty: QType, k: usize) -> bool {
+    k.is_multiple_of(ty.block_values())
+}
+
+/// The super-block writer the benches use encodes what the GGUF
+/// reader decodes: values come back within about half a step of their
+/// sub-block (the bounds leave room for the 6- or 8-bit scales).
+#[test]
+fn super_block_writer_round_trips_through_the_gguf_reader() {
+    let k = 1024;
+    let mut rng = Rng::new(17);
+    let x: Vec<f32> = (0..k)
+        .map(|i| rng.f32() * (1.0 + (i / 256) as f32))
+        .collect();
+    for (ty, bound) in [
+        (QType::Q4_K, 0.6 / 15.0),
+        (QType::Q5_K, 0.6 / 31.0),
+        (QType::Q6_K, 0.6 / 31.0),
+    ] {
+        let mut blocks = vec![0u8; ty.row_bytes(k)];
+        crate::bench::quantize_row(ty, &x, &mut blocks);
+        let back = dequant(ty, &blocks, 1, k);
+        for (i, (&a, &b)) in x.iter().zip(&back).enumerate() {
+            // Relative to the span of the super-block's values.
+            let span = 2.0 * (1.0 + (i / 256) as f32);
+            assert!(
+                (a - b).abs() <= bound * span,
+                "{ty:?} value {i}: {a} came back as {b}"
+            );
+        }
+    }
+}
+
+#[test]
+fn f16_conversion_is_exact() {
+    for h in 0..=u16::MAX {
+        let want = half::f16::from_bits(h).to_f32();
+        let got = f16_to_f32(h);
+        if want.is_nan() {
+            assert!(got.is_nan(), "{h:#06x}");
+        } else {
+            assert_eq!(got.to_bits(), want.to_bits(), "{h:#06x}");
+        }
+    }
+}
+
+#[test]
+fn matches_f64_reference_on_dequantised_values() {
+    for fl in flavours() {
+        for ty in TYPES {
+            for &(m, k, n) in &[
+                (1, 32, 1),
+                (5, 96, 7),
+                (13, 256, 10),
+                (40, 576, 33),
+                (3, 768, 9),
+                (9, 0, 3),
+            ] {
+                if !fits(ty, k) {
+                    continue;
+                }
+                let xf = rand_acts(1, m, k);
+                let mut x = QActs::new();
+                x.quantize(&xf, m, k);
+                let wq = rand_weights(2, ty, n, k);
+                let w = dequant(ty, &wq, n, k);
+                let xd = dequant_acts(&x);
+                let y = run(fl, &x, ty, &wq, n);
+                for r in 0..m {
+                    for j in 0..n {
+                        let (mut want, mut mag) = (0f64, 0f64);
+                        for t in 0..k {
+                            want += w[j * k + t] as f64 * xd[r * k + t];
+                            mag += (w[j * k + t] as f64 * xd[r * k + t]).abs();
+                        }
+                        let got = y[r * n + j] as f64;
+                        assert!(
+                            (got - want).abs() <= 1e-5 * mag + 1e-30,
+                            "{fl:?} {ty:?} m={m} k={k} n={n} ({r},{j}): {got} vs {want}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Against the original f32 activations the error is the activation
+/// rounding: `|x - d*q| <= d/2` per value (plus float rounding, here a
+/// 1e-3 slack on it and 1e-5 of Σ|w||x|), so
+/// `|y - Σ w·x| <= Σ_b d_b/2 · Σ_{i in b} |w_i| · (1 + 1e-3) + 1e-5 · Σ|w·x|`.
+#[test]
+fn error_against_f32_activations_is_within_the_quantisation_bound() {
+    let (m, k, n) = (11, 512, 9);
+    let xf = rand_acts(3, m, k);
+    let mut x = QActs::new();
+    x.quantize(&xf, m, k);
+    for fl in flavours() {
+        for ty in TYPES {
+            let wq = rand_weights(4, ty, n, k);
+            let w = dequant(ty, &wq, n, k);
+            let y = run(fl, &x, ty, &wq, n);
+            for r in 0..m {
+                for j in 0..n {
+                    let (mut want, mut mag, mut bound) = (0f64, 0f64, 0f64);
+                    for b in 0..k / QK {
+                        let d = x.d[((r / GROUP) * (k / QK) + b) * GROUP + r % GROUP] as f64;
+                        for t in b * QK..(b + 1) * QK {
+                            let p = w[j * k + t] as f64 * xf[r * k + t] as f64;
+                            want += p;
+                            mag += p.abs();
+                            bound += (w[j * k + t] as f64).abs() * d / 2.0 * (1.0 + 1e-3);
+                        }
+                    }
+                    let err = (y[r * n + j] as f64 - want).abs();
+                    assert!(
+                        err <= bound + 1e-5 * mag,
+                        "{fl:?} {ty:?} ({r},{j}): error {err} over bound {bound}"
+                    );
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn rows_are_bit_identical_for_every_m_position_and_thread_count() {
+    let (k, n) = (256, 13);
+    let pool_rows = rand_acts(5, 50, k);
+    let row = |r: usize| &pool_rows[r * k..(r + 1) * k];
+    let pools: Vec<rayon::ThreadPool> = [1, 3]
+        .iter()
+        .map(|&t| {
+            rayon::ThreadPoolBuilder::new()
+                .num_threads(t)
+                .build()
+                .unwrap()
+        })
+        .collect();
+    let mut x = QActs::new();
+    for ty in TYPES {
+        let w = rand_weights(6, ty, n, k);
+        for fl in flavours() {
+            let alone: Vec<Vec<u32>> = (0..50)
+                .map(|r| {
+                    x.quantize(row(r), 1, k);
+                    run(fl, &x, ty, &w, n).iter().map(|v| v.to_bits()).collect()
+                })
+                .collect();
+            for m in 1..=70 {
+                for shift in [0, 3] {
+                    let idx: Vec<usize> = (0..m).map(|i| (i + shift * m) % 50).collect();
+                    let xf: Vec<f32> = idx.iter().flat_map(|&r| row(r).to_vec()).collect();
+                    x.quantize(&xf, m, k);
+                    for pool in &pools {
+                        let y = pool.install(|| run(fl, &x, ty, &w, n));
+                        for (i, &r) in idx.iter().enumerate() {
+                            let got: Vec<u32> =
+                                y[i * n..(i + 1) * n].iter().map(|v| v.to_bits()).collect();
+                            assert_eq!(
+                                got,
+                                alone[r],
+                                "{fl:?} {ty:?}: row {r} at position {i} of m={m}, {} threads",
+                                pool.current_num_threads()
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn avx2_and_vnni_agree_bit_for_bit() {
+    if !has(Flavour::Vnni) {
+        return;
+    }
+    let (m, k, n) = (21, 1024, 19);
+    let mut x = QActs::new();
+    x.quantize(&rand_acts(7, m, k), m, k);
+    for ty in TYPES {
+        let w = rand_weights(8, ty, n, k);
+        let a: Vec<u32> = run(Flavour::Avx2, &x, ty, &w, n)
+            .iter()
+            .map(|v| v.to_bits())
+            .collect();
+        let b: Vec<u32> = run(Flavour::Vnni, &x, ty, &w, n)
+            .iter()
+            .map(|v| v.to_bits())
+            .collect();
+        assert_eq!(a, b, "{ty:?}");
+    }
+}
+
+#[test]
+fn qmatmul_many_equals_separate_calls() {
+    let (m, k) = (10, 128);
+    let mut x = QActs::new();
+    x.quantize(&rand_acts(9, m, k), m, k);
+    let shapes = [
+        (QType::Q8_0, 17),
+        (QType::Q4_1, 5),
+        (QType::Q4_1, 32),
+        (QType::Q8_0, 3),
+        (QType::Q4_1, 9),
+    ];
+    let ws: Vec<Vec<u8>> = shapes
+        .iter()
+        .enumerate()
+        .map(|(i, &(ty, n))| rand_weights(10 + i as u64, ty, n, k))
+        .collect();
+    for be in [Backend::Portable, kernels::backend()] {
+        for count in 1..=shapes.len() {
+            let mut ys: Vec<Vec<f32>> = shapes[..count]
+                .iter()
+                .map(|&(_, n)| vec![f32::NAN; m * n])
+                .collect();
+            let mut outs: Vec<QLinear<'_>> = shapes
+                .iter()
+                .zip(&ws)
+                .zip(ys.iter_mut())
+                .map(|((&(ty, n), w), y)| QLinear { ty, w, n, y })
+                .collect();
+            qmatmul_many_with(be, &x, &mut outs);
+            drop(outs);
+            for (i, &(ty, n)) in shapes[..count].iter().enumerate() {
+                let mut z = vec![f32::NAN; m * n];
+                qmatmul_many_with(
+                    be,
+                    &x,
+                    &mut [QLinear {
+                        ty,
+                        w: &ws[i],
+                        n,
+                        y: &mut z,
+                    }],
+                );
+                let a: Vec<u32> = ys[i].iter().map(|v| v.to_bits()).collect();
+                let b: Vec<u32> = z.iter().map(|v| v.to_bits()).collect();
+                assert_eq!(a, b, "{be:?}: matrix {i} of {count}");
+            }
+        }
+    }
+}
+
+#[test]
+fn quantize_round_trips_maxima_and_zero_blocks() {
+    let k = 64;
+    let mut xf = vec![0f32; 2 * k];
+    // Row 0, block 0: maxima ±127 give d = 1 and exact values.
+    for (i, v) in xf[..32].iter_mut().enumerate() {
+        *v = (i as f32 - 15.0) * 4.0;
+    }
+    xf[3] = 127.0;
+    xf[7] = -127.0;
+    // Row 0, block 1: a ±max of 0.37 goes to ±127 and back within rounding of d.
+    xf[32 + 5] = 0.37;
+    xf[32 + 9] = -0.37;
+    xf[32 + 10] = 0.1;
+    // Row 1: block 0 all zero, block 1 one value.
+    xf[k + 40] = -2.5;
+    let mut x = QActs::new();
+    x.quantize(&xf, 2, k);
+    let (nb, q) = (2, |x: &QActs, r: usize, b: usize, i: usize| {
+        x.qs[((r / GROUP) * 2 + b) * GROUP_BLOCK + (i / 4) * 32 + (r % GROUP) * 4 + i % 4]
+    });
+    let s = |r: usize, b: usize| ((r / GROUP) * nb + b) * GROUP + r % GROUP;
+    assert_eq!(x.d[s(0, 0)], 1.0);
+    for (i, want) in xf.iter().enumerate().take(32) {
+        assert_eq!(x.d[s(0, 0)] * q(&x, 0, 0, i) as f32, *want, "value {i}");
+    }
+    assert_eq!(
+        x.sum[s(0, 0)],
+        (0..32).map(|i| q(&x, 0, 0, i) as i32).sum::<i32>()
+    );
+    assert_eq!(
+        (q(&x, 0, 1, 5), q(&x, 0, 1, 9), q(&x, 0, 1, 10)),
+        (127, -127, 34)
+    );
+    assert_eq!(x.d[s(0, 1)], 0.37 / 127.0);
+    assert!((x.d[s(0, 1)] * 127.0 - 0.37).abs() <= f32::EPSILON * 0.37);
+    assert_eq!(x.sum[s(0, 1)], 34);
+    assert_eq!(
+        (x.d[s(1, 0)], x.sum[s(1, 0)], x.dsum[s(1, 0)]),
+        (0.0, 0, 0.0)
+    );
+    assert!((0..32).all(|i| q(&x, 1, 0, i) == 0));
+    assert_eq!((q(&x, 1, 1, 8), x.sum[s(1, 1)]), (-127, -127));
+    // Half away from zero: 0.5 -> 1, -0.5 -> -1, 1.5 -> 2.
+    let mut h = [0f32; 32];
+    h[0] = 127.0;
+    h[1] = 0.5;
+    h[2] = -0.5;
+    h[3] = 1.5;
+    h[4] = -2.5;
+    let (d, qb, _) = quantize_block(&h);
+    assert_eq!((d, qb[1], qb[2], qb[3], qb[4]), (1.0, 1, -1, 2, -3));
+    assert_eq!((x.rows(), x.cols()), (2, 64));
+}
+
+#[test]
+#[should_panic(expected = "is not a multiple of the block size 32")]
+fn quantize_rejects_k_not_a_multiple_of_32() {
+    QActs::new().quantize(&[0.0; 40], 1, 40);
+}
+
+/// `cargo test --release -p pdkv-model --lib qkernels -- --ignored --nocapture`
+#[test]
+#[ignore]
+fn bench_against_f32_matmul() {
+    let (k, n) = (576, 1536);
+    let threads = std::env::var("PDKV_THREADS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(2);
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(threads)
+        .build()
+        .unwrap();
+    let time = |f: &mut dyn FnMut()| {
+        f();
+        let mut best = f64::INFINITY;
+        for _ in 0..5 {
+            let t = std::time::Instant::now();
+            let mut reps = 0;
+            while t.elapsed().as_secs_f64() < 0.05 || reps == 0 {
+                f();
+                reps += 1;
+            }
+            best = best.min(t.elapsed().as_secs_f64() / reps as f64);
+        }
+        best
+    };
+    println!(
+        "threads {threads}, k {k}, n {n}, flavour {:?}",
+        Flavour::of(kernels::backend())
+    );
+    for m in [1, 32, 512] {
+        let xf = rand_acts(20, m, k);
+        let gflop = 2.0 * (m * k * n) as f64 / 1e9;
+        for ty in TYPES.into_iter().filter(|&ty| fits(ty, k)) {
+            let wq = rand_weights(21, ty, n, k);
+            let w = dequant(ty, &wq, n, k);
+            let mut y = vec![0f32; m * n];
+            let tf = pool.install(|| time(&mut || kernels::matmul(&xf, m, k, &w, n, &mut y)));
+            let mut x = QActs::new();
+            let tqz = pool.install(|| time(&mut || x.quantize(&xf, m, k)));
+            let tq = pool.install(|| {
+                time(&mut || {
+                    qmatmul_many(
+                        &x,
+                        &mut [QLinear {
+                            ty,
+                            w: &wq,
+                            n,
+                            y: &mut y,
+                        }],
+                    )
+                })
+            });
+            println!(
+                "m={m:3} {ty:?}: f32 {:8.1} us {:6.1} GFLOP/s | q {:8.1} us {:6.1} GFLOP/s (+quantize {:6.1} us) | speedup {:.2}x",
+                tf * 1e6,
+                gflop / tf,
+                tq * 1e6,
+                gflop / tq,
+                tqz * 1e6,
+                tf / (tq + tqz)
+            );
+        }
+    }
+}
