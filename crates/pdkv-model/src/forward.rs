@@ -18,7 +18,7 @@ use crate::bf16dot;
 use crate::kernels::{self, AttnQuery, Linear};
 use crate::kv::KvCache;
 use crate::qkernels::{self, QActs, QLinear, QType};
-use crate::tp::RankTp;
+use crate::tp::rank::RankTp;
 use crate::weights::Mat;
 use crate::weights::Weights;
 use crate::{Arch, ModelConfig, BLOCK_SIZE};
