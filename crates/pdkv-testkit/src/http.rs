@@ -16,7 +16,13 @@ pub async fn post_json(client: &reqwest::Client, url: &str, body: &Value) -> (St
 
 /// Posts raw bytes as `application/json` to `url` (for malformed bodies).
 pub async fn post_raw(client: &reqwest::Client, url: &str, body: Vec<u8>) -> (StatusCode, Value) {
-    answer(client.post(url).header("content-type", "application/json").body(body)).await
+    answer(
+        client
+            .post(url)
+            .header("content-type", "application/json")
+            .body(body),
+    )
+    .await
 }
 
 /// GETs `url`; returns the status and the JSON answer.
@@ -40,7 +46,9 @@ pub async fn admin(
     answer(req).await
 }
 
-async fn answer(req: reqwest::RequestBuilder) -> (StatusCode, Value) {
+/// Sends `req`; returns the status and the JSON answer (panics on a body
+/// that is not JSON).
+pub async fn answer(req: reqwest::RequestBuilder) -> (StatusCode, Value) {
     let resp = req.send().await.expect("send");
     let status = resp.status();
     let text = resp.text().await.expect("body");
@@ -77,7 +85,11 @@ pub async fn generate(
 }
 
 /// [`generate`] on `/v1/completions`.
-pub async fn complete(client: &reqwest::Client, base: &str, body: &Value) -> Result<String, (u16, String)> {
+pub async fn complete(
+    client: &reqwest::Client,
+    base: &str,
+    body: &Value,
+) -> Result<String, (u16, String)> {
     generate(client, base, "/v1/completions", body).await
 }
 
@@ -121,7 +133,10 @@ pub async fn wait_metrics(
         if pred(&text) {
             return text;
         }
-        assert!(Instant::now() < deadline, "{base}: {what} never held; metrics:\n{text}");
+        assert!(
+            Instant::now() < deadline,
+            "{base}: {what} never held; metrics:\n{text}"
+        );
         tokio::time::sleep(POLL).await;
     }
 }
@@ -131,7 +146,13 @@ pub async fn wait_metrics(
 pub fn assert_openai_error(status: StatusCode, body: &Value, want: StatusCode, ctx: &str) {
     assert_eq!(status, want, "{ctx}: {body}");
     let err = &body["error"];
-    assert!(err["message"].as_str().is_some_and(|m| !m.is_empty()), "{ctx}: {body}");
+    assert!(
+        err["message"].as_str().is_some_and(|m| !m.is_empty()),
+        "{ctx}: {body}"
+    );
     assert!(err["type"].is_string(), "{ctx}: {body}");
-    assert!(err.get("param").is_some() && err.get("code").is_some(), "{ctx}: {body}");
+    assert!(
+        err.get("param").is_some() && err.get("code").is_some(),
+        "{ctx}: {body}"
+    );
 }

@@ -25,7 +25,9 @@ pub fn smollm2(test: &str) -> Option<PathBuf> {
             std::env::var_os("CI").is_none(),
             "{test}: the SmolLM2 GGUF is missing under CI (scripts/test.sh fetches it)"
         );
-        println!("skipping {test}: no SmolLM2 GGUF (set PDKV_SMOLLM2_GGUF or run `pdkv model fetch`)");
+        println!(
+            "skipping {test}: no SmolLM2 GGUF (set PDKV_SMOLLM2_GGUF or run `pdkv model fetch`)"
+        );
     }
     found
 }
@@ -34,6 +36,7 @@ pub fn smollm2(test: &str) -> Option<PathBuf> {
 /// `seed`, in a new temporary directory (removed on drop).
 pub fn checkpoint(arch: Arch, preset: &str, seed: u64) -> tempfile::TempDir {
     let dir = tempfile::tempdir().expect("tempdir");
-    pdkv_model::init::write_random_checkpoint(arch, preset, seed, dir.path()).expect("write checkpoint");
+    pdkv_model::init::write_random_checkpoint(arch, preset, seed, dir.path())
+        .expect("write checkpoint");
     dir
 }

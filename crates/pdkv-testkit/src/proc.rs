@@ -45,10 +45,12 @@ pub enum Lines {
     Stderr,
 }
 
-/// A running child process, killed (SIGKILL) and reaped on drop if still
-/// alive.
+/// A running child process, stopped and reaped on drop if still alive: at
+/// once (SIGKILL), or with [`Proc::with_grace`] by SIGTERM first (for a
+/// child that has children of its own to stop, such as `pdkv up`).
 pub struct Proc {
     child: Option<Child>,
+    grace: Option<Duration>,
     /// `http://ADDR` from its `listening on` line, when it has one.
     pub base: String,
     /// Its output lines (of the stream it was started with) after the line
@@ -75,7 +77,9 @@ impl Proc {
             }
             None => Command::new(&exe),
         };
-        cmd.env("RUST_LOG", "info").envs(envs.iter().copied()).args(args);
+        cmd.env("RUST_LOG", "info")
+            .envs(envs.iter().copied())
+            .args(args);
         let what = format!("pdkv {}", args.join(" "));
         let mut p = Proc::spawn(cmd, Lines::Stderr, &what);
         let line = p.wait_line(&what, |l| l.contains("listening on "));
@@ -109,6 +113,7 @@ impl Proc {
         });
         Proc {
             child: Some(child),
+            grace: None,
             base: String::new(),
             lines: rx,
         }
@@ -125,9 +130,19 @@ impl Proc {
             match self.lines.recv_timeout(left) {
                 Ok(line) if pred(&line) => return line,
                 Ok(line) => seen.push(line),
-                Err(e) => panic!("{what}: the line waited for never came ({e}); output:\n{}", seen.join("\n")),
+                Err(e) => panic!(
+                    "{what}: the line waited for never came ({e}); output:\n{}",
+                    seen.join("\n")
+                ),
             }
         }
+    }
+
+    /// On drop, SIGTERM and up to `grace` for the child to exit before
+    /// SIGKILL.
+    pub fn with_grace(mut self, grace: Duration) -> Proc {
+        self.grace = Some(grace);
+        self
     }
 
     /// `base` + `path`.
@@ -141,7 +156,9 @@ impl Proc {
 
     /// Whether the child has exited (reaping it if so).
     pub fn exited(&mut self) -> Option<ExitStatus> {
-        self.child.as_mut().and_then(|c| c.try_wait().ok().flatten())
+        self.child
+            .as_mut()
+            .and_then(|c| c.try_wait().ok().flatten())
     }
 
     /// Kills the process at once (SIGKILL) and reaps it.
@@ -161,20 +178,27 @@ impl Proc {
     }
 
     /// Sends SIGTERM and waits up to `grace` for the exit, then SIGKILL.
-    pub fn stop(mut self, grace: Duration) {
-        if let Some(child) = self.child.take() {
-            signal(&child, libc::SIGTERM);
-            if let Err(mut child) = wait_bounded(child, grace) {
-                let _ = child.kill();
-                let _ = child.wait();
-            }
-        }
+    pub fn stop(self, grace: Duration) {
+        drop(self.with_grace(grace));
     }
 }
 
 impl Drop for Proc {
     fn drop(&mut self) {
-        self.kill();
+        match (self.grace, self.child.take()) {
+            (Some(grace), Some(child)) => {
+                signal(&child, libc::SIGTERM);
+                if let Err(mut child) = wait_bounded(child, grace) {
+                    let _ = child.kill();
+                    let _ = child.wait();
+                }
+            }
+            (None, child) => {
+                self.child = child;
+                self.kill();
+            }
+            (Some(_), None) => {}
+        }
     }
 }
 
@@ -256,7 +280,11 @@ mod tests {
         let pid = p.pid();
         drop(p);
         // SAFETY: signal 0 only asks whether `pid` still exists.
-        assert_ne!(unsafe { libc::kill(pid as libc::pid_t, 0) }, 0, "killed and reaped on drop");
+        assert_ne!(
+            unsafe { libc::kill(pid as libc::pid_t, 0) },
+            0,
+            "killed and reaped on drop"
+        );
     }
 
     #[test]

@@ -28,7 +28,11 @@ pub fn metric_sum(text: &str, name: &str) -> Option<f64> {
             Some(b'{') => rest.rsplit_once('}').map_or("", |(_, v)| v),
             _ => continue,
         };
-        if let Some(v) = value.split_whitespace().next().and_then(|v| v.parse::<f64>().ok()) {
+        if let Some(v) = value
+            .split_whitespace()
+            .next()
+            .and_then(|v| v.parse::<f64>().ok())
+        {
             *sum.get_or_insert(0.0) += v;
         }
     }

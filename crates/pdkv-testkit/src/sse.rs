@@ -1,12 +1,81 @@
 //! Server-sent event streams as pdkv (and OpenAI) send them: `data: JSON`
 //! events separated by a blank line, closed by `data: [DONE]`.
 
+use futures::stream::{BoxStream, StreamExt};
 use serde_json::Value;
+
+use crate::DEADLINE;
+
+/// Reads a streamed answer one event at a time, as it arrives; every wait
+/// for the next piece is bounded by [`DEADLINE`].
+pub struct Reader {
+    body: BoxStream<'static, reqwest::Result<Vec<u8>>>,
+    buf: Vec<u8>,
+}
+
+impl Reader {
+    pub fn new(resp: reqwest::Response) -> Reader {
+        Reader {
+            body: resp.bytes_stream().map(|r| r.map(|b| b.to_vec())).boxed(),
+            buf: Vec::new(),
+        }
+    }
+
+    /// The next event's `data:` payload (`[DONE]` included); `None` at the
+    /// end of the body. Panics on an event that is not a data event and on
+    /// a body that ends inside an event.
+    pub async fn next(&mut self) -> Option<String> {
+        loop {
+            if let Some(i) = self.buf.windows(2).position(|w| w == b"\n\n") {
+                let event: Vec<u8> = self.buf.drain(..i + 2).collect();
+                let text = String::from_utf8(event).expect("a UTF-8 event");
+                let data = text
+                    .trim_end()
+                    .strip_prefix("data: ")
+                    .unwrap_or_else(|| panic!("not a data event: {text:?}"));
+                return Some(data.to_string());
+            }
+            let chunk = tokio::time::timeout(DEADLINE, self.body.next())
+                .await
+                .expect("the next piece of the stream in time");
+            match chunk {
+                Some(c) => self.buf.extend_from_slice(&c.expect("a body chunk")),
+                None => {
+                    assert!(
+                        self.buf.is_empty(),
+                        "stream ended inside an event: {:?}",
+                        String::from_utf8_lossy(&self.buf)
+                    );
+                    return None;
+                }
+            }
+        }
+    }
+
+    /// The next payload as JSON; panics at the end, on `[DONE]` or on a
+    /// payload that is not JSON.
+    pub async fn next_json(&mut self) -> Value {
+        let p = self.next().await.expect("an event");
+        serde_json::from_str(&p).unwrap_or_else(|e| panic!("bad event ({e}): {p}"))
+    }
+
+    /// Every payload left, to the end of the body.
+    pub async fn rest(&mut self) -> Vec<String> {
+        let mut out = Vec::new();
+        while let Some(e) = self.next().await {
+            out.push(e);
+        }
+        out
+    }
+}
 
 /// The `data:` payloads of a whole stream, `[DONE]` included; panics on an
 /// event that is not a data event or a stream not ending in a blank line.
 pub fn payloads(text: &str) -> Vec<String> {
-    assert!(text.ends_with("\n\n"), "stream does not end with a blank line: {text:?}");
+    assert!(
+        text.ends_with("\n\n"),
+        "stream does not end with a blank line: {text:?}"
+    );
     text.split("\n\n")
         .filter(|e| !e.trim().is_empty())
         .map(|e| {
@@ -18,12 +87,16 @@ pub fn payloads(text: &str) -> Vec<String> {
         .collect()
 }
 
-/// The JSON events of a stream, `[DONE]` left out; panics on a payload that
-/// is not JSON.
+/// The JSON events of a whole stream, `[DONE]` left out; panics on a
+/// payload that is not JSON or a stream that does not end with `[DONE]`.
 pub fn values(text: &str) -> Vec<Value> {
-    payloads(text)
-        .into_iter()
-        .filter(|p| p != "[DONE]")
+    let mut all = payloads(text);
+    assert_eq!(
+        all.pop().as_deref(),
+        Some("[DONE]"),
+        "stream does not end with [DONE]: {text}"
+    );
+    all.into_iter()
         .map(|p| serde_json::from_str(&p).unwrap_or_else(|e| panic!("bad event ({e}): {p}")))
         .collect()
 }
@@ -73,8 +146,12 @@ mod tests {
         assert_eq!(stream_text(s).unwrap(), "ab");
         assert_eq!(payloads(s).len(), 3);
         assert_eq!(values(s).len(), 2);
-        assert!(stream_text("data: {\"choices\":[{\"text\":\"a\"}]}\n\n").unwrap_err().contains("without [DONE]"));
+        assert!(stream_text("data: {\"choices\":[{\"text\":\"a\"}]}\n\n")
+            .unwrap_err()
+            .contains("without [DONE]"));
         assert!(stream_text("data: {\"error\":{}}\n\n").is_err());
-        assert!(stream_text("event: x\n\n").unwrap_err().contains("bad event"));
+        assert!(stream_text("event: x\n\n")
+            .unwrap_err()
+            .contains("bad event"));
     }
 }

@@ -4,13 +4,11 @@
 //! on purpose, every KV block is free on P and D at the end, and the
 //! latency percentiles are there and ordered.
 
-mod common;
-
 use std::io::Read;
 use std::process::Stdio;
 use std::sync::mpsc;
 
-use common::{pdkv, smollm2_path, DEADLINE};
+use pdkv_testkit::{models::smollm2, proc::pdkv, DEADLINE};
 use serde_json::Value;
 
 /// Runs `pdkv ARGS`, bounded by [`DEADLINE`]: (exit success, stdout, stderr).
@@ -58,8 +56,7 @@ fn ms(v: &Value, what: &str, p: &str) -> f64 {
 
 #[test]
 fn bench_serve_holds_up_under_disconnects_and_an_idle_flood() {
-    let Some(model) = smollm2_path("bench_serve_holds_up_under_disconnects_and_an_idle_flood")
-    else {
+    let Some(model) = smollm2("bench_serve_holds_up_under_disconnects_and_an_idle_flood") else {
         return;
     };
     let logs = tempfile::tempdir().unwrap();

@@ -4,12 +4,15 @@
 //! SmolLM2 model when its GGUF is present and says so when it skips (under
 //! CI its absence fails). Processes are run with `common`'s `Proc`.
 
-mod common;
-
 use std::path::Path;
 use std::process::Stdio;
 
-use common::{pdkv, smollm2_path, wait_healthy, Proc};
+use pdkv_testkit::{
+    http::wait_healthy,
+    models::smollm2,
+    proc::{pdkv, Proc},
+    sse::stream_text,
+};
 use serde_json::{json, Value};
 
 /// `pdkv serve --port 0 ARGS...` with the environment variables `envs`.
@@ -279,7 +282,7 @@ fn serve_with_a_missing_model_fails_with_its_path() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn smollm2_answers_paris() {
-    let Some(path) = smollm2_path("smollm2_answers_paris") else {
+    let Some(path) = smollm2("smollm2_answers_paris") else {
         return;
     };
     let s = serve(
@@ -314,19 +317,7 @@ async fn smollm2_answers_paris() {
         .text()
         .await
         .unwrap();
-    let mut streamed = String::new();
-    for event in text.split("\n\n").filter(|e| !e.is_empty()) {
-        let data = event
-            .strip_prefix("data: ")
-            .unwrap_or_else(|| panic!("bad event {event:?}"));
-        if data == "[DONE]" {
-            break;
-        }
-        let chunk: Value = serde_json::from_str(data).unwrap();
-        if let Some(t) = chunk["choices"][0]["delta"]["content"].as_str() {
-            streamed.push_str(t);
-        }
-    }
+    let streamed = stream_text(&text).unwrap_or_else(|e| panic!("bad stream: {e}"));
     assert!(text.ends_with("data: [DONE]\n\n"));
     assert_eq!(
         streamed, answer,

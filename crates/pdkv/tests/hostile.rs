@@ -8,11 +8,15 @@
 //! fails naming the secrets, and the servers close every idle connection
 //! within their timeouts.
 
-mod common;
-
 use std::time::{Duration, Instant};
 
-use common::{complete, metric, smollm2_path, wait_healthy, Proc, DEADLINE};
+use pdkv_testkit::{
+    http::{complete, wait_healthy},
+    models::smollm2,
+    proc::Proc,
+    prom::metric,
+    DEADLINE,
+};
 use serde_json::{json, Value};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
@@ -89,8 +93,7 @@ fn host_port(url: &str) -> String {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn idle_and_garbage_connections_on_every_port_do_not_break_pd() {
-    let Some(model) = smollm2_path("idle_and_garbage_connections_on_every_port_do_not_break_pd")
-    else {
+    let Some(model) = smollm2("idle_and_garbage_connections_on_every_port_do_not_break_pd") else {
         return;
     };
     let model = model.to_str().unwrap().to_string();

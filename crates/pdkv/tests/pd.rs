@@ -12,14 +12,16 @@
 //! - P killed while D waits for its KV: D's request fails with a clear
 //!   error by its deadline (policy `fail`), and D is idle afterwards.
 
-mod common;
-
 use std::time::{Duration, Instant};
 
-use common::{
-    complete, metric, quiescent, smollm2_path, wait_healthy, wait_metrics, Proc, DEADLINE,
-};
 use futures::StreamExt;
+use pdkv_testkit::{
+    http::{complete, wait_healthy, wait_metrics},
+    models::smollm2,
+    proc::Proc,
+    prom::{metric, quiescent},
+    DEADLINE,
+};
 use serde_json::{json, Value};
 
 const PREFIXES: [&str; 10] = [
@@ -131,7 +133,7 @@ fn deploy(model: &str, transport: &str, extra: &str) -> Deployment {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn pd_through_the_proxy_equals_colocated_over_tcp_and_shm() {
-    let Some(model) = smollm2_path("pd_through_the_proxy_equals_colocated_over_tcp_and_shm") else {
+    let Some(model) = smollm2("pd_through_the_proxy_equals_colocated_over_tcp_and_shm") else {
         return;
     };
     let model = model.to_str().unwrap().to_string();
@@ -189,7 +191,7 @@ async fn pd_through_the_proxy_equals_colocated_over_tcp_and_shm() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_client_leaving_mid_stream_frees_blocks_on_p_and_d() {
-    let Some(model) = smollm2_path("a_client_leaving_mid_stream_frees_blocks_on_p_and_d") else {
+    let Some(model) = smollm2("a_client_leaving_mid_stream_frees_blocks_on_p_and_d") else {
         return;
     };
     let dep = deploy(model.to_str().unwrap(), "tcp", "");
@@ -319,7 +321,7 @@ async fn kill_p_while_d_waits(model: &str, policy: &str) -> (u16, String, Durati
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn p_killed_while_d_waits_fails_or_recomputes_by_policy() {
-    let Some(model) = smollm2_path("p_killed_while_d_waits_fails_or_recomputes_by_policy") else {
+    let Some(model) = smollm2("p_killed_while_d_waits_fails_or_recomputes_by_policy") else {
         return;
     };
     let model = model.to_str().unwrap();
@@ -342,7 +344,7 @@ async fn p_killed_while_d_waits_fails_or_recomputes_by_policy() {
 /// engines end quiescent.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_hung_p_is_a_504_naming_the_setting_to_raise() {
-    let Some(model) = smollm2_path("a_hung_p_is_a_504_naming_the_setting_to_raise") else {
+    let Some(model) = smollm2("a_hung_p_is_a_504_naming_the_setting_to_raise") else {
         return;
     };
     let model = model.to_str().unwrap();
@@ -456,7 +458,7 @@ async fn a_hung_p_is_a_504_naming_the_setting_to_raise() {
 /// of holding them for the whole lease (30 s by default).
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_transfer_whose_decode_request_failed_is_dropped_at_p() {
-    let Some(model) = smollm2_path("a_transfer_whose_decode_request_failed_is_dropped_at_p") else {
+    let Some(model) = smollm2("a_transfer_whose_decode_request_failed_is_dropped_at_p") else {
         return;
     };
     let model = model.to_str().unwrap();

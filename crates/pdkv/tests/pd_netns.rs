@@ -9,12 +9,14 @@
 //! Creating namespaces needs root (CAP_SYS_ADMIN); where `ip netns add` is
 //! refused the test prints why and skips. Under CI it must run.
 
-mod common;
-
 use std::path::Path;
 use std::process::Command;
 
-use common::{complete, metric, quiescent, wait_healthy, wait_metrics, Proc};
+use pdkv_testkit::{
+    http::{complete, wait_healthy, wait_metrics},
+    proc::Proc,
+    prom::{metric, quiescent},
+};
 use serde_json::{json, Value};
 
 /// Two namespaces and the veth pair between them; removed on drop.

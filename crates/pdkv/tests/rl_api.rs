@@ -4,11 +4,15 @@
 //! choices, logit_bias, min_tokens and stop token ids, and the fields that
 //! must be refused.
 
-mod common;
-
 use std::collections::BTreeSet;
 
-use common::*;
+use pdkv_testkit::{
+    http::{post_json, wait_healthy},
+    models::smollm2,
+    proc::Proc,
+    prom::metric,
+    sse,
+};
 use serde_json::{json, Value};
 
 const PROMPT: &str = "The three most useful things to pack for a long hike in the mountains are";
@@ -31,7 +35,7 @@ fn serve(path: &std::path::Path) -> Proc {
 /// A healthy server of the SmolLM2 GGUF and a client, or `None` (with a
 /// note) when this machine has no model outside CI.
 async fn started(test: &str) -> Option<(Proc, reqwest::Client)> {
-    let path = smollm2_path(test)?;
+    let path = smollm2(test)?;
     let s = serve(&path);
     let client = reqwest::Client::new();
     wait_healthy(&client, &s.url("/health")).await;
@@ -39,13 +43,8 @@ async fn started(test: &str) -> Option<(Proc, reqwest::Client)> {
 }
 
 async fn post(client: &reqwest::Client, url: String, body: &Value) -> (u16, Value) {
-    let resp = client.post(url).json(body).send().await.unwrap();
-    let status = resp.status().as_u16();
-    let text = resp.text().await.unwrap();
-    (
-        status,
-        serde_json::from_str(&text).unwrap_or_else(|e| panic!("{e}: {text}")),
-    )
+    let (status, v) = post_json(client, &url, body).await;
+    (status.as_u16(), v)
 }
 
 async fn ok(client: &reqwest::Client, url: String, body: &Value) -> Value {
@@ -59,15 +58,6 @@ fn ids(v: &Value) -> Vec<u64> {
         .unwrap_or_else(|| panic!("not a list: {v}"))
         .iter()
         .map(|t| t.as_u64().unwrap())
-        .collect()
-}
-
-/// The data of every event of a server-sent-event body, `[DONE]` last.
-fn events(text: &str) -> Vec<Value> {
-    assert!(text.ends_with("data: [DONE]\n\n"), "{text}");
-    text.split("\n\n")
-        .filter(|e| !e.is_empty() && *e != "data: [DONE]")
-        .map(|e| serde_json::from_str(e.strip_prefix("data: ").unwrap()).unwrap())
         .collect()
 }
 
@@ -195,7 +185,7 @@ async fn sampled_logprobs_equal_the_prompt_logprobs_of_the_completed_text() {
         .text()
         .await
         .unwrap();
-    let streamed: Vec<Value> = events(&text)
+    let streamed: Vec<Value> = sse::values(&text)
         .iter()
         .filter_map(|e| e["choices"][0]["logprobs"]["content"].as_array().cloned())
         .flatten()
@@ -299,7 +289,7 @@ async fn n8_seeded_choices_reproduce_and_differ() {
         .unwrap();
     let mut texts = vec![String::new(); 8];
     let mut finished = vec![0; 8];
-    for e in events(&text) {
+    for e in sse::values(&text) {
         let c = &e["choices"][0];
         let i = c["index"].as_u64().unwrap() as usize;
         texts[i].push_str(c["text"].as_str().unwrap());
@@ -452,7 +442,7 @@ async fn refused_fields_answer_400_naming_them() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tokenize_detokenize_version_and_the_api_key() {
-    let Some(path) = smollm2_path("tokenize_detokenize_version_and_the_api_key") else {
+    let Some(path) = smollm2("tokenize_detokenize_version_and_the_api_key") else {
         return;
     };
     let args = [
@@ -580,7 +570,7 @@ async fn tokenize_detokenize_version_and_the_api_key() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_n8_group_through_the_pd_proxy_is_one_transfer_and_equals_colocated() {
     let Some(path) =
-        smollm2_path("an_n8_group_through_the_pd_proxy_is_one_transfer_and_equals_colocated")
+        smollm2("an_n8_group_through_the_pd_proxy_is_one_transfer_and_equals_colocated")
     else {
         return;
     };

@@ -19,17 +19,20 @@
 //! `scripts/test.sh` installs the router into a virtual environment and
 //! names it in `PDKV_VLLM_ROUTER`.
 
-mod common;
-
-use std::io::{BufRead, BufReader};
 use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{mpsc, Arc, Mutex};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use common::{metric, smollm2_path, wait_healthy, Proc, DEADLINE};
 use futures::StreamExt;
+use pdkv_testkit::{
+    http::{generate, metrics, wait_healthy},
+    models::smollm2,
+    proc::{pdkv, Lines, Proc},
+    prom::metric,
+    DEADLINE,
+};
 use serde_json::{json, Value};
 
 const TOKEN: &str = "router-test-token";
@@ -60,74 +63,41 @@ fn router_path(test: &str) -> Option<PathBuf> {
     found
 }
 
-/// A child killed (and reaped) on drop.
-struct Kid(Child);
-
-impl Drop for Kid {
-    fn drop(&mut self) {
-        // SAFETY: a plain syscall on our own child, not yet reaped.
-        unsafe { libc::kill(self.0.id() as libc::pid_t, libc::SIGTERM) };
-        let deadline = Instant::now() + Duration::from_secs(15);
-        while Instant::now() < deadline {
-            if let Ok(Some(_)) = self.0.try_wait() {
-                return;
-            }
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
 /// `pdkv up --prefill 2 --decode 2`, with what it printed when ready.
 struct Up {
-    _child: Kid,
+    _child: Proc,
     /// (HTTP base, KV bootstrap port) of each prefill engine.
     prefill: Vec<(String, u16)>,
     decode: Vec<String>,
 }
 
 fn start_up(model: &str, mode: &str) -> Up {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_pdkv"))
-        .args([
-            "up",
-            "--model",
-            model,
-            "--prefill",
-            "2",
-            "--decode",
-            "2",
-            "--transfer-mode",
-            mode,
-        ])
-        .args([
-            "--num-kv-blocks",
-            "256",
-            "--port",
-            "0",
-            "--admin-token",
-            TOKEN,
-        ])
-        .env("RUST_LOG", "info")
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .expect("spawn pdkv up");
-    let stdout = child.stdout.take().unwrap();
-    let child = Kid(child);
-    let (tx, rx) = mpsc::channel();
-    std::thread::spawn(move || {
-        // Read to the end (a closed pipe would fail `up`'s next print).
-        for line in BufReader::new(stdout).lines() {
-            let Ok(line) = line else { break };
-            let _ = tx.send(line);
-        }
-    });
+    let mut cmd = pdkv();
+    cmd.args([
+        "up",
+        "--model",
+        model,
+        "--prefill",
+        "2",
+        "--decode",
+        "2",
+        "--transfer-mode",
+        mode,
+    ])
+    .args([
+        "--num-kv-blocks",
+        "256",
+        "--port",
+        "0",
+        "--admin-token",
+        TOKEN,
+    ]);
+    let child = Proc::spawn(cmd, Lines::Stdout, "pdkv up").with_grace(Duration::from_secs(15));
     let deadline = Instant::now() + DEADLINE;
     let (mut prefill, mut decode) = (Vec::new(), Vec::new());
     loop {
-        let line = rx
+        let line = child
+            .lines
             .recv_timeout(deadline.saturating_duration_since(Instant::now()))
             .unwrap_or_else(|e| panic!("pdkv up never became ready ({e})"));
         if let Some(rest) = line.strip_prefix("prefill ") {
@@ -170,7 +140,7 @@ fn start_up(model: &str, mode: &str) -> Up {
 
 /// The router in P/D mode in front of `up`'s engines, health-checking
 /// every second (3 failed checks mark a worker unhealthy).
-fn start_router(router: &PathBuf, up: &Up, connector: &str) -> (Kid, String) {
+fn start_router(router: &PathBuf, up: &Up, connector: &str) -> (Proc, String) {
     let port = free_port();
     let mut cmd = Command::new(router);
     cmd.args([
@@ -203,13 +173,8 @@ fn start_router(router: &PathBuf, up: &Up, connector: &str) -> (Kid, String) {
     for url in &up.decode {
         cmd.arg("--decode").arg(url);
     }
-    let child = cmd
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .expect("spawn vllm-router");
-    (Kid(child), format!("http://127.0.0.1:{port}"))
+    let child = Proc::spawn(cmd, Lines::Stdout, "vllm-router").with_grace(Duration::from_secs(15));
+    (child, format!("http://127.0.0.1:{port}"))
 }
 
 const PROMPTS: [&str; 8] = [
@@ -246,57 +211,6 @@ fn request(i: usize) -> (&'static str, Value) {
             json!({"messages": messages, "max_tokens": 8, "temperature": 0, "stream": stream}),
         )
     }
-}
-
-/// The text of a generation (either endpoint, streamed or not), or the
-/// status and body of a refusal.
-async fn generate(
-    client: &reqwest::Client,
-    base: &str,
-    path: &str,
-    body: &Value,
-) -> Result<String, (u16, String)> {
-    let resp = client
-        .post(format!("{base}{path}"))
-        .json(body)
-        .send()
-        .await
-        .map_err(|e| (0, e.to_string()))?;
-    let status = resp.status().as_u16();
-    let text = resp.text().await.map_err(|e| (status, e.to_string()))?;
-    if status != 200 {
-        return Err((status, text));
-    }
-    let piece = |c: &Value| {
-        let choice = &c["choices"][0];
-        choice["text"]
-            .as_str()
-            .or(choice["message"]["content"].as_str())
-            .or(choice["delta"]["content"].as_str())
-            .unwrap_or_default()
-            .to_string()
-    };
-    if body["stream"] != json!(true) {
-        let v: Value = serde_json::from_str(&text).map_err(|e| (status, format!("{e}: {text}")))?;
-        return Ok(piece(&v));
-    }
-    let mut out = String::new();
-    for event in text.split("\n\n").filter(|e| !e.trim().is_empty()) {
-        let data = event
-            .trim()
-            .strip_prefix("data: ")
-            .ok_or((status, format!("bad event {event:?}")))?;
-        if data == "[DONE]" {
-            return Ok(out);
-        }
-        let chunk: Value =
-            serde_json::from_str(data).map_err(|e| (status, format!("{e}: {data}")))?;
-        if chunk.get("error").is_some() {
-            return Err((status, data.to_string()));
-        }
-        out.push_str(&piece(&chunk));
-    }
-    Err((status, format!("stream ended without [DONE]: {text}")))
 }
 
 async fn admin(client: &reqwest::Client, base: &str, path: &str) -> Value {
@@ -348,17 +262,6 @@ async fn wait_router_health(
 
 fn counter(client_text: &str, name: &str) -> f64 {
     metric(client_text, name).unwrap_or(0.0)
-}
-
-async fn metrics(client: &reqwest::Client, base: &str) -> String {
-    client
-        .get(format!("{base}/metrics"))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap()
 }
 
 /// What the router's clients got during a phase.
@@ -413,7 +316,7 @@ async fn traffic(
 }
 
 async fn router_drives_pdkv(test: &str, mode: &str, connector: &str) {
-    let Some(model) = smollm2_path(test) else {
+    let Some(model) = smollm2(test) else {
         return;
     };
     let Some(router_bin) = router_path(test) else {
