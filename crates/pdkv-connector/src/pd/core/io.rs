@@ -1,0 +1,100 @@
+//! The I/O the core queues for its driver, and what names a control
+//! exchange so that its answer finds its way back. A leaf: the core's
+//! files and the drivers (`net.rs`, a simulator) build on it.
+
+use std::time::{Duration, Instant};
+
+use pdkv_transfer::Registration;
+
+use crate::recv::LoadId;
+use crate::wire::{Destination, Message, Pull};
+
+/// Names a control connection a peer opened to this engine (one exchange).
+pub type ConnId = u64;
+
+/// Bounds one control exchange that needs no long wait.
+pub const CONTROL_IO: Duration = Duration::from_secs(5);
+
+/// What a D-side control exchange is for, so its answer finds its way back.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Op {
+    Bootstrap {
+        addr: String,
+    },
+    Handshake {
+        addr: String,
+    },
+    Pull {
+        load: LoadId,
+    },
+    Drop {
+        load: LoadId,
+    },
+    ReadDone {
+        load: LoadId,
+    },
+    /// Best effort; the answer is only logged.
+    DropUnpulled {
+        transfer_id: String,
+    },
+}
+
+pub use crate::ranks::Copy;
+
+/// I/O for the driver. Results come back through the `on_*` methods.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Io {
+    /// P: send `msg` on connection `conn` (opened by a peer); `last` ends the
+    /// exchange and closes it.
+    Reply {
+        conn: ConnId,
+        msg: Message,
+        last: bool,
+    },
+    /// P: write this engine's blocks into the pull's destination, by
+    /// `deadline`: each copy from this engine's rank `local` (its registration
+    /// `local[c.local]`) into D's rank `dst.ranks[c.remote]`; report with
+    /// [`PdCore::on_write_done`](crate::pd::core::PdCore::on_write_done).
+    Write {
+        conn: ConnId,
+        local: Vec<Registration>,
+        copies: Vec<Copy>,
+        dst: Pull,
+        deadline: Instant,
+    },
+    /// D: one exchange with the control listener at `addr`: send `msg`, hand
+    /// every frame back to
+    /// [`PdCore::on_reply`](crate::pd::core::PdCore::on_reply) until a final
+    /// one (a pull's `PullProgress` frames are not final), bounded by
+    /// `deadline`; a failure goes to
+    /// [`PdCore::on_exchange_failed`](crate::pd::core::PdCore::on_exchange_failed).
+    Send {
+        op: Op,
+        addr: String,
+        msg: Message,
+        deadline: Instant,
+    },
+    /// D, read mode: read the peer's blocks into this engine's, by `deadline`:
+    /// each copy from P's rank `remote[c.remote]` into this engine's
+    /// `local[c.local]`; report with
+    /// [`PdCore::on_read_result`](crate::pd::core::PdCore::on_read_result).
+    Read {
+        load: LoadId,
+        local: Vec<Registration>,
+        remote: Vec<Registration>,
+        transfer: Destination,
+        copies: Vec<Copy>,
+        deadline: Instant,
+    },
+    /// D: stop the load's read at once (its result still comes).
+    CancelRead { load: LoadId },
+    /// D: make sure nothing a peer still sends lands in the load's blocks: for
+    /// every rank's `(segment, grant)`, revoke the grant on that registration
+    /// (TCP) and, over shared memory, have every peer unmap the segment; report
+    /// with [`PdCore::on_fenced`](crate::pd::core::PdCore::on_fenced) once
+    /// every rank is fenced.
+    Fence {
+        load: LoadId,
+        ranks: Vec<(u64, Option<u64>)>,
+    },
+}
