@@ -1,0 +1,296 @@
+//! Hugging Face checkpoint directories: `config.json`, the safetensors
+//! shards, `tokenizer.json` and the chat template.
+
+use std::path::{Path, PathBuf};
+
+use anyhow::{bail, Context};
+use pdkv_vmem::Pool;
+use serde_json::Value;
+
+use super::plan::{check_shape, parse_arch, LoadProgress, Slot, SlotDst, WeightsPlan};
+use crate::qtype::QType;
+use crate::safetensors::SafetensorsFile;
+use crate::weights::{DType, Weights};
+use crate::{ChatTemplate, ModelConfig, Tokenizer};
+
+/// The 16-bit format a safetensors tensor keeps in the weights region, by
+/// its Hugging Face name (F32 ones, and any not found, become f32).
+pub(super) fn hf_quant(sh: &HfShards) -> impl Fn(&str, &str) -> Option<QType> + '_ {
+    move |_, name| {
+        let &i = sh.index.get(name)?;
+        half_of(sh.shards[i].tensors.get(name)?.dtype)
+    }
+}
+
+/// The 16-bit format a safetensors dtype is kept in (`None`: f32).
+fn half_of(d: crate::safetensors::Dtype) -> Option<QType> {
+    match d {
+        crate::safetensors::Dtype::F16 => Some(QType::F16),
+        crate::safetensors::Dtype::BF16 => Some(QType::BF16),
+        crate::safetensors::Dtype::F32 => None,
+    }
+}
+
+fn read_json(path: &Path) -> anyhow::Result<Value> {
+    let text =
+        std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;
+    serde_json::from_str(&text).with_context(|| format!("{} is not valid JSON", path.display()))
+}
+
+fn read_json_opt(path: &Path) -> anyhow::Result<Option<Value>> {
+    if path.exists() {
+        read_json(path).map(Some)
+    } else {
+        Ok(None)
+    }
+}
+
+/// Token ids from a JSON int, list of ints, or null.
+fn ids(v: Option<&Value>) -> Vec<u32> {
+    match v {
+        Some(Value::Number(n)) => n.as_u64().map(|x| vec![x as u32]).unwrap_or_default(),
+        Some(Value::Array(a)) => a
+            .iter()
+            .filter_map(Value::as_u64)
+            .map(|x| x as u32)
+            .collect(),
+        _ => Vec::new(),
+    }
+}
+
+/// The model config of a Hugging Face checkpoint directory (`config.json`,
+/// plus `generation_config.json` for extra stop ids).
+pub fn hf_config(dir: &Path) -> anyhow::Result<ModelConfig> {
+    let path = dir.join("config.json");
+    let c = read_json(&path)?;
+    let ctx = |k: &str| format!("{} lacks `{k}`", path.display());
+    let uint = |k: &str| -> anyhow::Result<usize> {
+        c[k].as_u64().map(|v| v as usize).with_context(|| ctx(k))
+    };
+    let model_type = c["model_type"]
+        .as_str()
+        .with_context(|| ctx("model_type"))?;
+    let arch = parse_arch(model_type)?;
+    let num_heads = uint("num_attention_heads")?;
+    let hidden_size = uint("hidden_size")?;
+    anyhow::ensure!(num_heads > 0, "num_attention_heads is 0");
+    // Newer configs keep RoPE settings under `rope_parameters`, older ones
+    // use `rope_theta` and `rope_scaling`.
+    let rope = ["rope_parameters", "rope_scaling"]
+        .iter()
+        .map(|k| &c[*k])
+        .find(|v| v.is_object());
+    if let Some(r) = rope {
+        let ty = r["rope_type"]
+            .as_str()
+            .or(r["type"].as_str())
+            .unwrap_or("default");
+        if ty != "default" {
+            bail!("RoPE scaling `{ty}` is not supported");
+        }
+    }
+    let rope_theta = c["rope_theta"]
+        .as_f64()
+        .or_else(|| rope.and_then(|r| r["rope_theta"].as_f64()))
+        .unwrap_or(10_000.0);
+    let mut eos_token_ids = ids(c.get("eos_token_id"));
+    let mut bos_token_id = ids(c.get("bos_token_id")).first().copied();
+    if let Some(gc) = read_json_opt(&dir.join("generation_config.json"))? {
+        for id in ids(gc.get("eos_token_id")) {
+            if !eos_token_ids.contains(&id) {
+                eos_token_ids.push(id);
+            }
+        }
+        bos_token_id = bos_token_id.or(ids(gc.get("bos_token_id")).first().copied());
+    }
+    let cfg = ModelConfig {
+        arch,
+        vocab_size: uint("vocab_size")?,
+        hidden_size,
+        intermediate_size: uint("intermediate_size")?,
+        num_layers: uint("num_hidden_layers")?,
+        num_heads,
+        num_kv_heads: c["num_key_value_heads"]
+            .as_u64()
+            .map_or(num_heads, |v| v as usize),
+        head_dim: c["head_dim"]
+            .as_u64()
+            .map_or(hidden_size / num_heads, |v| v as usize),
+        rope_theta: rope_theta as f32,
+        rms_norm_eps: c["rms_norm_eps"]
+            .as_f64()
+            .with_context(|| ctx("rms_norm_eps"))? as f32,
+        max_position_embeddings: uint("max_position_embeddings")?,
+        tie_word_embeddings: c["tie_word_embeddings"].as_bool().unwrap_or(false),
+        bos_token_id,
+        eos_token_ids,
+    };
+    cfg.validate()?;
+    Ok(cfg)
+}
+
+/// The safetensors shards of a checkpoint directory and, per tensor name,
+/// the index of the shard that holds it.
+pub(super) struct HfShards {
+    dir: PathBuf,
+    shards: Vec<SafetensorsFile>,
+    index: std::collections::HashMap<String, usize>,
+}
+
+impl HfShards {
+    fn entry(&self, slot: &Slot) -> anyhow::Result<(usize, &crate::safetensors::TensorEntry)> {
+        let name = slot.hf_name.as_str();
+        let &i = self
+            .index
+            .get(name)
+            .with_context(|| format!("checkpoint {} lacks tensor `{name}`", self.dir.display()))?;
+        let entry = &self.shards[i].tensors[name];
+        check_shape(name, &entry.shape, &slot.dest.shape)?;
+        Ok((i, entry))
+    }
+
+    /// Checks, without converting anything, that the tensor of `slot` exists
+    /// with the planned shape and exactly the bytes its dtype needs.
+    pub(super) fn precheck(&self, slot: &Slot) -> anyhow::Result<()> {
+        let (_, entry) = self.entry(slot)?;
+        let want = slot.dest.numel() * entry.dtype.size();
+        if entry.end - entry.start != want {
+            bail!(
+                "tensor `{}` has {} bytes, expected {want}",
+                slot.hf_name,
+                entry.end - entry.start
+            );
+        }
+        Ok(())
+    }
+
+    pub(super) fn fill(&self, slot: &Slot, dst: SlotDst<'_>) -> anyhow::Result<()> {
+        let (i, _) = self.entry(slot)?;
+        match dst {
+            SlotDst::F32(dst) => self.shards[i].read_f32(&slot.hf_name, dst),
+            SlotDst::Raw(dst) => {
+                let name = &slot.hf_name;
+                let (bytes, dtype) = self.shards[i]
+                    .raw(name)
+                    .with_context(|| format!("no tensor `{name}`"))?;
+                let planned = slot.dest.dtype;
+                if half_of(dtype).map(DType::Quant) != Some(planned) || bytes.len() != dst.len() {
+                    bail!(
+                        "tensor `{name}` is {dtype:?} of {} bytes, the running model keeps {planned:?} of {}",
+                        bytes.len(),
+                        dst.len()
+                    );
+                }
+                dst.copy_from_slice(bytes);
+                Ok(())
+            }
+        }
+    }
+}
+
+pub(super) fn load_hf_weights(
+    dir: &Path,
+    cfg: &ModelConfig,
+    pool: &Pool,
+    progress: &mut dyn FnMut(&LoadProgress),
+) -> anyhow::Result<Weights> {
+    let shards = open_hf_shards(dir)?;
+    let plan = WeightsPlan::new(cfg, &hf_quant(&shards));
+    plan.load(pool, progress, |slot, dst| shards.fill(slot, dst))
+}
+
+pub(super) fn open_hf_shards(dir: &Path) -> anyhow::Result<HfShards> {
+    let mut shard_paths: Vec<PathBuf> = std::fs::read_dir(dir)
+        .with_context(|| format!("cannot list {}", dir.display()))?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
+        .collect();
+    shard_paths.sort();
+    if shard_paths.is_empty() {
+        bail!("{} holds no *.safetensors files", dir.display());
+    }
+    let shards: Vec<SafetensorsFile> = shard_paths
+        .iter()
+        .map(|p| SafetensorsFile::open(p))
+        .collect::<anyhow::Result<_>>()?;
+    // Which shard holds each tensor; a name in two shards is ambiguous.
+    let mut index = std::collections::HashMap::new();
+    for (i, s) in shards.iter().enumerate() {
+        for name in s.tensors.keys() {
+            if let Some(j) = index.insert(name.clone(), i) {
+                bail!(
+                    "tensor `{name}` appears in both {} and {}",
+                    shard_paths[j].display(),
+                    shard_paths[i].display()
+                );
+            }
+        }
+    }
+    Ok(HfShards {
+        dir: dir.to_path_buf(),
+        shards,
+        index,
+    })
+}
+
+/// A special token in tokenizer_config.json: a string or `{"content": ..}`.
+fn token_text(v: &Value) -> Option<String> {
+    match v {
+        Value::String(s) => Some(s.clone()),
+        Value::Object(o) => o.get("content").and_then(Value::as_str).map(str::to_string),
+        _ => None,
+    }
+}
+
+pub(super) fn hf_tokenizer(
+    dir: &Path,
+    cfg: &ModelConfig,
+) -> anyhow::Result<(Tokenizer, Option<ChatTemplate>)> {
+    let tok = Tokenizer::from_file(&dir.join("tokenizer.json"))?;
+    let tc = read_json_opt(&dir.join("tokenizer_config.json"))?.unwrap_or(Value::Null);
+    let bos_text = token_text(&tc["bos_token"]);
+    let eos_text = token_text(&tc["eos_token"]);
+    let mut eos = cfg.eos_token_ids.clone();
+    if let Some(id) = eos_text.as_deref().and_then(|t| tok.token_to_id(t)) {
+        if !eos.contains(&id) {
+            eos.push(id);
+        }
+    }
+    let bos = cfg
+        .bos_token_id
+        .or(bos_text.as_deref().and_then(|t| tok.token_to_id(t)));
+    let tok = tok.with_special_ids(bos, eos);
+
+    // The template lives in chat_template.jinja (newer) or in
+    // tokenizer_config.json, as a string or a list of named templates.
+    let jinja = dir.join("chat_template.jinja");
+    let source = if jinja.exists() {
+        Some(
+            std::fs::read_to_string(&jinja)
+                .with_context(|| format!("cannot read {}", jinja.display()))?,
+        )
+    } else {
+        match &tc["chat_template"] {
+            Value::String(s) => Some(s.clone()),
+            Value::Array(list) => list
+                .iter()
+                .find(|t| t["name"] == "default")
+                .and_then(|t| t["template"].as_str())
+                .map(str::to_string),
+            _ => None,
+        }
+    };
+    let template = match source {
+        Some(src) => {
+            let t = ChatTemplate::new(
+                src,
+                bos_text.unwrap_or_default(),
+                eos_text.unwrap_or_default(),
+            );
+            t.validate()?;
+            Some(t)
+        }
+        None => None,
+    };
+    Ok((tok, template))
+}

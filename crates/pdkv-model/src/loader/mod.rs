@@ -1,0 +1,31 @@
+//! Loading a checkpoint (GGUF file or Hugging Face directory) into a pool.
+//!
+//! Both formats go through one plan: from the config, [`WeightsPlan`] lists
+//! every tensor the model needs with its row-major shape, its name in each
+//! format, and its place in a single `weights` region. Each source tensor is
+//! then checked against the planned shape and converted to f32 straight into
+//! its place in the region (no intermediate copy of the model).
+//!
+//! Invariants:
+//! - every tensor of the plan is written exactly once, or the load fails
+//!   with an error naming the tensor (missing, wrong shape, unsupported type);
+//! - weights end up in Hugging Face order: GGUF files of the `llama`
+//!   architecture store Q and K rows interleaved per head for llama.cpp's
+//!   RoPE, and are un-permuted here.
+//!
+//! One file per job: [`plan`] lays the weights out and fills the region,
+//! [`from_gguf`] and [`from_hf`] read each format (config, tensors,
+//! tokenizer), [`load`] loads a checkpoint whole and [`reload`] writes one
+//! into a running model's region; this file only hands their names on.
+
+mod from_gguf;
+mod from_hf;
+mod load;
+mod plan;
+mod reload;
+
+pub use from_gguf::gguf_config;
+pub use from_hf::hf_config;
+pub use load::{load_model, load_weights_matching, LoadedModel};
+pub use plan::LoadProgress;
+pub use reload::{reload_weights_into, ReloadError};

@@ -1,0 +1,250 @@
+//! The one plan both formats load through ([`WeightsPlan`]): every tensor
+//! the model needs, its name in each format, its shape and its place in
+//! the `weights` region; and the region filled slot by slot.
+
+use anyhow::{bail, Context};
+use pdkv_vmem::{Pool, Tag};
+
+use crate::qtype::QType;
+use crate::weights::{DType, LayerWeights, TensorRef, Weights, WeightsLayout};
+use crate::{Arch, ModelConfig};
+
+/// Progress of a load, for a progress display.
+#[derive(Clone, Debug)]
+pub struct LoadProgress {
+    pub tensors_done: usize,
+    pub tensors_total: usize,
+    /// f32 bytes written into the weights region so far.
+    pub bytes_done: u64,
+    pub bytes_total: u64,
+}
+
+/// Where a slot's values go: f32 values, or a block-format tensor's bytes.
+pub(super) enum SlotDst<'a> {
+    F32(&'a mut [f32]),
+    Raw(&'a mut [u8]),
+}
+
+/// The destination of `t` in `region`.
+///
+/// # Safety
+/// `t` lies inside `region` and no other view of its range exists while the
+/// destination lives.
+pub(super) unsafe fn slot_dst<'a>(region: &'a pdkv_vmem::Region, t: &TensorRef) -> SlotDst<'a> {
+    match t.dtype {
+        DType::F32 => SlotDst::F32(region.slice_mut::<f32>(t.offset, t.numel())),
+        DType::Quant(_) => SlotDst::Raw(region.slice_mut::<u8>(t.offset, t.bytes())),
+    }
+}
+
+/// One tensor of the plan.
+pub(super) struct Slot {
+    pub(super) gguf_name: String,
+    pub(super) hf_name: String,
+    pub(super) dest: TensorRef,
+    /// For Q/K projections: the number of heads whose rows a llama GGUF
+    /// stores permuted.
+    pub(super) rope_heads: Option<usize>,
+}
+
+/// Where every tensor goes in the weights region.
+pub(super) struct WeightsPlan {
+    pub(super) embed: TensorRef,
+    pub(super) layers: Vec<LayerWeights>,
+    pub(super) final_norm: TensorRef,
+    pub(super) lm_head: TensorRef,
+    pub(super) slots: Vec<Slot>,
+    pub(super) total_bytes: usize,
+}
+
+impl WeightsPlan {
+    /// The plan for `cfg`; `quant(gguf_name, hf_name)` names the block
+    /// format a linear layer keeps (a GGUF tensor in a format the kernels
+    /// read, a 16-bit safetensors tensor), `None` for f32.
+    pub(super) fn new(
+        cfg: &ModelConfig,
+        quant: &dyn Fn(&str, &str) -> Option<QType>,
+    ) -> WeightsPlan {
+        let mut layout = WeightsLayout::new();
+        let mut slots = Vec::new();
+        let mut push =
+            |gguf: String, hf: String, shape: &[usize], rope_heads: Option<usize>, linear: bool| {
+                let cols = shape.last().copied().unwrap_or(1);
+                let dtype = match quant(&gguf, &hf) {
+                    Some(q) if linear && shape.len() == 2 && cols % q.block_values() == 0 => {
+                        DType::Quant(q)
+                    }
+                    _ => DType::F32,
+                };
+                let dest = layout.push_typed(shape, dtype);
+                slots.push(Slot {
+                    gguf_name: gguf,
+                    hf_name: hf,
+                    dest: dest.clone(),
+                    rope_heads,
+                });
+                dest
+            };
+        let (h, q, kv, ff, v) = (
+            cfg.hidden_size,
+            cfg.q_dim(),
+            cfg.kv_dim(),
+            cfg.intermediate_size,
+            cfg.vocab_size,
+        );
+        let embed = push(
+            "token_embd.weight".into(),
+            "model.embed_tokens.weight".into(),
+            &[v, h],
+            None,
+            true,
+        );
+        let llama = cfg.arch == Arch::Llama;
+        let mut layers = Vec::with_capacity(cfg.num_layers);
+        for i in 0..cfg.num_layers {
+            let g = |n: &str| format!("blk.{i}.{n}.weight");
+            let f = |n: &str| format!("model.layers.{i}.{n}.weight");
+            let attn_norm = push(g("attn_norm"), f("input_layernorm"), &[h], None, false);
+            let wq = push(
+                g("attn_q"),
+                f("self_attn.q_proj"),
+                &[q, h],
+                llama.then_some(cfg.num_heads),
+                true,
+            );
+            let wk = push(
+                g("attn_k"),
+                f("self_attn.k_proj"),
+                &[kv, h],
+                llama.then_some(cfg.num_kv_heads),
+                true,
+            );
+            let wv = push(g("attn_v"), f("self_attn.v_proj"), &[kv, h], None, true);
+            let wo = push(g("attn_output"), f("self_attn.o_proj"), &[h, q], None, true);
+            let (q_norm, k_norm) = if cfg.arch == Arch::Qwen3 {
+                (
+                    Some(push(
+                        g("attn_q_norm"),
+                        f("self_attn.q_norm"),
+                        &[cfg.head_dim],
+                        None,
+                        false,
+                    )),
+                    Some(push(
+                        g("attn_k_norm"),
+                        f("self_attn.k_norm"),
+                        &[cfg.head_dim],
+                        None,
+                        false,
+                    )),
+                )
+            } else {
+                (None, None)
+            };
+            let ffn_norm = push(
+                g("ffn_norm"),
+                f("post_attention_layernorm"),
+                &[h],
+                None,
+                false,
+            );
+            let w_gate = push(g("ffn_gate"), f("mlp.gate_proj"), &[ff, h], None, true);
+            let w_up = push(g("ffn_up"), f("mlp.up_proj"), &[ff, h], None, true);
+            let w_down = push(g("ffn_down"), f("mlp.down_proj"), &[h, ff], None, true);
+            layers.push(LayerWeights {
+                attn_norm,
+                wq,
+                wk,
+                wv,
+                wo,
+                q_norm,
+                k_norm,
+                ffn_norm,
+                w_gate,
+                w_up,
+                w_down,
+            });
+        }
+        let final_norm = push(
+            "output_norm.weight".into(),
+            "model.norm.weight".into(),
+            &[h],
+            None,
+            false,
+        );
+        let lm_head = if cfg.tie_word_embeddings {
+            embed.clone()
+        } else {
+            push(
+                "output.weight".into(),
+                "lm_head.weight".into(),
+                &[v, h],
+                None,
+                true,
+            )
+        };
+        WeightsPlan {
+            embed,
+            layers,
+            final_norm,
+            lm_head,
+            slots,
+            total_bytes: layout.total_bytes(),
+        }
+    }
+
+    pub(super) fn bytes_total(&self) -> u64 {
+        self.slots.iter().map(|s| s.dest.bytes() as u64).sum()
+    }
+
+    /// Allocates the region, fills every slot with `fill(slot, dest)`, and
+    /// assembles the weights.
+    pub(super) fn load(
+        self,
+        pool: &Pool,
+        progress: &mut dyn FnMut(&LoadProgress),
+        mut fill: impl FnMut(&Slot, SlotDst<'_>) -> anyhow::Result<()>,
+    ) -> anyhow::Result<Weights> {
+        let region = pool
+            .allocate(Tag::Weights, self.total_bytes)
+            .context("cannot allocate the weights region")?;
+        let mut p = LoadProgress {
+            tensors_done: 0,
+            tensors_total: self.slots.len(),
+            bytes_done: 0,
+            bytes_total: self.bytes_total(),
+        };
+        for slot in &self.slots {
+            // SAFETY: the layout gives every slot its own 64-byte-aligned
+            // range inside the region, and no other view of the region exists
+            // until the weights are returned.
+            let dst = unsafe { slot_dst(&region, &slot.dest) };
+            fill(slot, dst)?;
+            p.tensors_done += 1;
+            p.bytes_done += slot.dest.bytes() as u64;
+            progress(&p);
+        }
+        Ok(Weights {
+            region,
+            embed: self.embed,
+            layers: self.layers,
+            final_norm: self.final_norm,
+            lm_head: self.lm_head,
+        })
+    }
+}
+
+pub(super) fn check_shape(name: &str, found: &[usize], expected: &[usize]) -> anyhow::Result<()> {
+    if found != expected {
+        bail!("tensor `{name}` has shape {found:?}, expected {expected:?}");
+    }
+    Ok(())
+}
+
+pub(super) fn parse_arch(s: &str) -> anyhow::Result<Arch> {
+    match s {
+        "llama" => Ok(Arch::Llama),
+        "qwen3" => Ok(Arch::Qwen3),
+        other => bail!("unsupported architecture `{other}` (supported: llama, qwen3)"),
+    }
+}

@@ -1,0 +1,250 @@
+//! Reloading a checkpoint into a running model's weights region, at the
+//! same addresses, after checking everything before the first write.
+
+use std::path::Path;
+
+use anyhow::Context;
+
+use super::from_gguf::{fill_gguf_slot, gguf_config, gguf_quant, precheck_gguf_slot};
+use super::from_hf::{hf_config, hf_quant, open_hf_shards, HfShards};
+use super::plan::{slot_dst, LoadProgress, WeightsPlan};
+use crate::gguf::GgufFile;
+use crate::weights::Weights;
+use crate::ModelConfig;
+
+/// Why [`reload_weights_into`] failed.
+#[derive(Debug, thiserror::Error)]
+pub enum ReloadError {
+    /// The checkpoint could not be read (missing path, unparsable config).
+    /// Nothing was written.
+    #[error("{0:#}")]
+    Unreadable(anyhow::Error),
+    /// The checkpoint does not fit the running model (architecture, a
+    /// hyper-parameter, or a tensor's presence, shape or type). Nothing was
+    /// written.
+    #[error("{0:#}")]
+    Incompatible(anyhow::Error),
+    /// The weights region is released (asleep); nothing was written.
+    #[error("the weights region is released; wake it before reloading")]
+    RegionReleased,
+    /// Converting a tensor failed after writing had begun: the region now
+    /// holds a mix of old and new tensors and must be reloaded.
+    #[error("{0:#}")]
+    Partial(anyhow::Error),
+}
+
+/// The hyper-parameters that decide the weights' shapes and the math, as
+/// `(name, checkpoint value, running value)` for each one that differs.
+/// Context length and special token ids are not compared: the running
+/// engine keeps its own.
+fn config_mismatches(
+    found: &ModelConfig,
+    expected: &ModelConfig,
+) -> Vec<(&'static str, String, String)> {
+    let mut out = Vec::new();
+    let mut cmp = |name: &'static str, a: String, b: String| {
+        if a != b {
+            out.push((name, a, b));
+        }
+    };
+    cmp(
+        "arch",
+        found.arch.as_str().into(),
+        expected.arch.as_str().into(),
+    );
+    cmp(
+        "vocab_size",
+        found.vocab_size.to_string(),
+        expected.vocab_size.to_string(),
+    );
+    cmp(
+        "hidden_size",
+        found.hidden_size.to_string(),
+        expected.hidden_size.to_string(),
+    );
+    cmp(
+        "intermediate_size",
+        found.intermediate_size.to_string(),
+        expected.intermediate_size.to_string(),
+    );
+    cmp(
+        "num_layers",
+        found.num_layers.to_string(),
+        expected.num_layers.to_string(),
+    );
+    cmp(
+        "num_heads",
+        found.num_heads.to_string(),
+        expected.num_heads.to_string(),
+    );
+    cmp(
+        "num_kv_heads",
+        found.num_kv_heads.to_string(),
+        expected.num_kv_heads.to_string(),
+    );
+    cmp(
+        "head_dim",
+        found.head_dim.to_string(),
+        expected.head_dim.to_string(),
+    );
+    cmp(
+        "tie_word_embeddings",
+        found.tie_word_embeddings.to_string(),
+        expected.tie_word_embeddings.to_string(),
+    );
+    // Bit patterns: a reload must not change the math, not even slightly.
+    cmp(
+        "rope_theta",
+        found.rope_theta.to_bits().to_string(),
+        expected.rope_theta.to_bits().to_string(),
+    );
+    cmp(
+        "rms_norm_eps",
+        found.rms_norm_eps.to_bits().to_string(),
+        expected.rms_norm_eps.to_bits().to_string(),
+    );
+    out
+}
+
+/// Reloads a checkpoint (GGUF file or Hugging Face directory) *into* the
+/// weights region of a running model, at the same addresses.
+///
+/// Everything is validated before the first byte is written: the checkpoint's
+/// architecture and hyper-parameters must equal `expected` (the running
+/// model's config), and every planned tensor must exist with the running
+/// model's shape and a convertible type. On any mismatch the error names the
+/// field or tensor and the old weights are untouched. Only then are the
+/// tensors converted to f32 in place, in the order of the plan.
+///
+/// The caller guarantees that nothing reads the weights while this runs (the
+/// engine calls it between steps, on the thread that runs the model).
+pub fn reload_weights_into(
+    weights: &Weights,
+    expected: &ModelConfig,
+    path: &Path,
+    progress: &mut dyn FnMut(&LoadProgress),
+) -> Result<(), ReloadError> {
+    if !path.exists() {
+        return Err(ReloadError::Unreadable(anyhow::anyhow!(
+            "checkpoint path {} does not exist",
+            path.display()
+        )));
+    }
+    enum Source {
+        Hf(HfShards),
+        Gguf(GgufFile),
+    }
+    let (cfg, source) = if path.is_dir() {
+        let cfg = hf_config(path).map_err(ReloadError::Unreadable)?;
+        (cfg, None)
+    } else {
+        let gguf = GgufFile::open(path)
+            .with_context(|| format!("cannot read GGUF {}", path.display()))
+            .map_err(ReloadError::Unreadable)?;
+        let cfg = gguf_config(&gguf).map_err(ReloadError::Unreadable)?;
+        (cfg, Some(Source::Gguf(gguf)))
+    };
+    let diffs = config_mismatches(&cfg, expected);
+    if !diffs.is_empty() {
+        let list: Vec<String> = diffs
+            .iter()
+            .map(|(n, a, b)| format!("{n}: checkpoint has {a}, the running model {b}"))
+            .collect();
+        return Err(ReloadError::Incompatible(anyhow::anyhow!(
+            "checkpoint {} does not match the running model ({})",
+            path.display(),
+            list.join("; ")
+        )));
+    }
+    let source = match source {
+        Some(s) => s,
+        None => Source::Hf(open_hf_shards(path).map_err(ReloadError::Unreadable)?),
+    };
+    let plan = match &source {
+        Source::Hf(sh) => WeightsPlan::new(expected, &hf_quant(sh)),
+        Source::Gguf(g) => WeightsPlan::new(expected, &gguf_quant(g)),
+    };
+    let layout_matches = plan.embed == weights.embed
+        && plan.final_norm == weights.final_norm
+        && plan.lm_head == weights.lm_head
+        && plan.layers.len() == weights.layers.len()
+        && plan.layers.iter().zip(&weights.layers).all(|(a, b)| {
+            [
+                &a.attn_norm,
+                &a.wq,
+                &a.wk,
+                &a.wv,
+                &a.wo,
+                &a.ffn_norm,
+                &a.w_gate,
+                &a.w_up,
+                &a.w_down,
+            ] == [
+                &b.attn_norm,
+                &b.wq,
+                &b.wk,
+                &b.wv,
+                &b.wo,
+                &b.ffn_norm,
+                &b.w_gate,
+                &b.w_up,
+                &b.w_down,
+            ] && a.q_norm == b.q_norm
+                && a.k_norm == b.k_norm
+        })
+        && plan.total_bytes <= weights.region.len();
+    if !layout_matches {
+        // Name a tensor the checkpoint stores in another format, if any.
+        let running = weights.tensors_by_offset();
+        let differs = plan.slots.iter().find_map(|s| {
+            running
+                .iter()
+                .find(|t| {
+                    t.offset == s.dest.offset && t.shape == s.dest.shape && t.dtype != s.dest.dtype
+                })
+                .map(|t| {
+                    format!(
+                        "the checkpoint stores `{}` as {:?}, the running model as {:?}",
+                        s.gguf_name, s.dest.dtype, t.dtype
+                    )
+                })
+        });
+        return Err(ReloadError::Incompatible(anyhow::anyhow!(
+            "{}",
+            differs.unwrap_or_else(|| {
+                "the running model's weights are not laid out as its config plans them".into()
+            })
+        )));
+    }
+    for slot in &plan.slots {
+        let checked = match &source {
+            Source::Hf(h) => h.precheck(slot),
+            Source::Gguf(g) => precheck_gguf_slot(g, slot),
+        };
+        checked.map_err(ReloadError::Incompatible)?;
+    }
+    if !weights.region.is_mapped() {
+        return Err(ReloadError::RegionReleased);
+    }
+    let mut p = LoadProgress {
+        tensors_done: 0,
+        tensors_total: plan.slots.len(),
+        bytes_done: 0,
+        bytes_total: plan.bytes_total(),
+    };
+    for slot in &plan.slots {
+        // SAFETY: each slot is its own 64-byte-aligned range inside the
+        // region (the layout was checked above), and the caller guarantees
+        // that no view of the weights is alive while this runs.
+        let dst = unsafe { slot_dst(&weights.region, &slot.dest) };
+        let filled = match &source {
+            Source::Hf(h) => h.fill(slot, dst),
+            Source::Gguf(g) => fill_gguf_slot(g, expected, slot, dst),
+        };
+        filled.map_err(ReloadError::Partial)?;
+        p.tensors_done += 1;
+        p.bytes_done += slot.dest.bytes() as u64;
+        progress(&p);
+    }
+    Ok(())
+}
