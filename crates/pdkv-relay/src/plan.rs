@@ -14,6 +14,13 @@
 //! answered, with the `kv_transfer_params` P returned.
 //!
 //! Rules:
+//! - A request that wants its prompt's logits ([`needs_prompt_logits`]:
+//!   `prompt_logprobs`, or `echo` with `logprobs`) goes to D alone, which
+//!   computes the prompt ([`RelayPlan::for_request`]): the client's body as
+//!   it came, D's answer passed through as it comes (status, head and body,
+//!   streamed or not), counted by D's status (2xx ok, 4xx the client's bad
+//!   request, else D's error); a D that gives no head is a 502, and a body
+//!   D breaks off ends the client's body broken too.
 //! - P failing *on purpose* is not the client's failure: a 503 with the
 //!   OpenAI code `engine_not_serving` (P paused or asleep) or an answer with
 //!   `finish_reason: "abort"` (P's lifecycle or an admin aborted it). Write
@@ -54,7 +61,7 @@ use std::collections::VecDeque;
 
 use pdkv_connector::params;
 use pdkv_connector::wire::FailCode;
-use serde_json::{json, Value};
+use serde_json::{json, Map, Value};
 
 use crate::codes::RETRYABLE_CODE;
 
@@ -95,6 +102,46 @@ pub enum Mode {
     },
     /// P first; D reads the blocks P's answer names.
     Read,
+}
+
+impl Mode {
+    /// The mode for a P as its `GET /kv_transfer/info` described it (its
+    /// `transfer_mode`, engine id and bootstrap address; all `None` when it
+    /// described nothing): read mode when it says so, else write mode
+    /// naming P as far as it is known.
+    pub fn for_prefill(
+        transfer_mode: Option<&str>,
+        engine_id: Option<&str>,
+        bootstrap_addr: Option<&str>,
+    ) -> Mode {
+        if transfer_mode == Some("read") {
+            return Mode::Read;
+        }
+        Mode::Write {
+            remote_engine_id: engine_id.map(str::to_string),
+            remote_bootstrap_addr: bootstrap_addr.map(str::to_string),
+        }
+    }
+}
+
+/// Whether a request (its JSON body) wants logits of its prompt's positions
+/// (`prompt_logprobs`, or `echo` with `logprobs`): only the engine that
+/// computes the prompt has them, so P cannot help and D computes it.
+pub fn needs_prompt_logits(req: &Map<String, Value>) -> bool {
+    let set = |k: &str| {
+        req.get(k)
+            .is_some_and(|v| !v.is_null() && *v != Value::Bool(false))
+    };
+    set("prompt_logprobs") || (req.get("echo") == Some(&Value::Bool(true)) && set("logprobs"))
+}
+
+/// How a request D answered alone counts, by D's status.
+fn alone_outcome(status: u16) -> Outcome {
+    match status {
+        200..=299 => Outcome::Ok,
+        400..=499 => Outcome::BadRequest,
+        _ => Outcome::DecodeError,
+    }
 }
 
 /// How a client request ended, as counted in `pdkv_proxy_requests_total`.
@@ -308,8 +355,11 @@ pub enum Action {
     Stream(Vec<u8>),
     /// The stream is complete.
     EndStream,
-    /// Send `event` (an SSE error event and `data: [DONE]`), then end.
-    FailStream { event: Vec<u8> },
+    /// Send `event` (an SSE error event and `data: [DONE]`), then end: as
+    /// a complete body, or, when `broken`, as a broken one (the client sees
+    /// the answer cut off, as D's own broken body shows when it passes
+    /// through).
+    FailStream { event: Vec<u8>, broken: bool },
     /// Count the request's outcome (exactly once, last).
     Count {
         outcome: Outcome,
@@ -345,6 +395,11 @@ enum Decode {
     Streaming {
         buf: Vec<u8>,
     },
+    /// D alone: its answer, with this status, passes to the client as it
+    /// comes.
+    Passing {
+        status: u16,
+    },
     Over,
 }
 
@@ -363,6 +418,8 @@ enum Failure {
 #[derive(Debug)]
 pub struct RelayPlan {
     read: bool,
+    /// D alone computes the prompt; P is never asked.
+    alone: bool,
     streaming: bool,
     transfer_id: String,
     prefill: Prefill,
@@ -377,6 +434,7 @@ impl RelayPlan {
     pub fn new(mode: Mode, streaming: bool, transfer_id: &str) -> RelayPlan {
         let mut plan = RelayPlan {
             read: mode == Mode::Read,
+            alone: false,
             streaming,
             transfer_id: transfer_id.to_string(),
             prefill: Prefill::Running,
@@ -400,6 +458,43 @@ impl RelayPlan {
             plan.ask_decode(Some(p));
         }
         plan
+    }
+
+    /// The plan for a client request whose JSON body is `req`, through a P
+    /// of `mode`: a request that wants its prompt's logits goes to D alone
+    /// ([`RelayPlan::decode_alone`]), any other through P and D
+    /// ([`RelayPlan::new`]). It streams when `req` says `"stream": true`.
+    pub fn for_request(req: &Map<String, Value>, mode: Mode, transfer_id: &str) -> RelayPlan {
+        let streaming = req.get("stream").and_then(Value::as_bool).unwrap_or(false);
+        if needs_prompt_logits(req) {
+            let params = req.get("kv_transfer_params").cloned();
+            return RelayPlan::decode_alone(streaming, transfer_id, params);
+        }
+        RelayPlan::new(mode, streaming, transfer_id)
+    }
+
+    /// A plan that sends the client's request to D alone, which computes
+    /// the prompt: its first action sends D the client's body as it came
+    /// (`params`: the client's own `kv_transfer_params`, if any), and D's
+    /// answer passes through as it comes.
+    pub fn decode_alone(streaming: bool, transfer_id: &str, params: Option<Value>) -> RelayPlan {
+        let mut plan = RelayPlan {
+            read: false,
+            alone: true,
+            streaming,
+            transfer_id: transfer_id.to_string(),
+            prefill: Prefill::Over,
+            decode: Decode::NotAsked,
+            outcome: None,
+            actions: VecDeque::new(),
+        };
+        plan.ask_decode(params);
+        plan
+    }
+
+    /// Whether D alone answers (P is never asked).
+    pub fn is_decode_alone(&self) -> bool {
+        self.alone
     }
 
     pub fn transfer_id(&self) -> &str {
@@ -430,6 +525,9 @@ impl RelayPlan {
     pub fn handle(&mut self, event: Event) {
         if self.is_finished() {
             return;
+        }
+        if self.alone {
+            return self.handle_alone(event);
         }
         match event {
             Event::Prefill(answer) => self.on_prefill(answer),
@@ -650,7 +748,9 @@ impl RelayPlan {
                 self.push(Action::EndStream);
                 self.finish(Outcome::Ok, None);
             }
-            other @ (Decode::NotAsked | Decode::Asked | Decode::Over) => self.decode = other,
+            other @ (Decode::NotAsked | Decode::Asked | Decode::Passing { .. } | Decode::Over) => {
+                self.decode = other
+            }
         }
     }
 
@@ -660,12 +760,13 @@ impl RelayPlan {
                 f.after_status(*status)
             }
             Decode::Asked | Decode::Gathering { .. } | Decode::Streaming { .. } => f,
-            Decode::NotAsked | Decode::Over => return,
+            Decode::NotAsked | Decode::Passing { .. } | Decode::Over => return,
         };
         self.release_prefill();
         if matches!(self.decode, Decode::Streaming { .. }) {
             self.push(Action::FailStream {
                 event: f.sse_event(Role::Decode),
+                broken: false,
             });
         } else {
             self.push(Action::Reply(f.reply(Role::Decode)));
@@ -690,6 +791,54 @@ impl RelayPlan {
             self.push(Action::CancelDecode);
         }
         self.finish(Outcome::Cancelled, None);
+    }
+}
+
+/// D alone: its answer passes through as it comes.
+impl RelayPlan {
+    fn handle_alone(&mut self, event: Event) {
+        match (event, &self.decode) {
+            (Event::DecodeHead { status }, Decode::Asked) => {
+                // Whatever D's status: its answer is the client's.
+                self.push(Action::StartStream { status });
+                self.decode = Decode::Passing { status };
+            }
+            (Event::DecodeBody(bytes), Decode::Passing { .. }) => {
+                self.push(Action::Stream(bytes));
+            }
+            (Event::DecodeEnd, &Decode::Passing { status }) => {
+                self.push(Action::EndStream);
+                self.finish(alone_outcome(status), None);
+            }
+            (Event::DecodeFailed(e), Decode::Asked) => {
+                let message = format!("decode server failed: {}", e.detail);
+                self.push(Action::Reply(Reply {
+                    status: 502,
+                    head: Head::Json,
+                    retry_after: false,
+                    body: error_json(&message, "server_error", "upstream_error").into_bytes(),
+                }));
+                self.finish(Outcome::DecodeError, None);
+            }
+            (Event::DecodeFailed(_), &Decode::Passing { status }) => {
+                // The status is the client's already: the body ends broken.
+                self.push(Action::FailStream {
+                    event: Vec::new(),
+                    broken: true,
+                });
+                self.finish(alone_outcome(status), None);
+            }
+            (Event::ClientGone, decode) => {
+                let outcome = match decode {
+                    Decode::Passing { status } => alone_outcome(*status),
+                    _ => Outcome::Cancelled,
+                };
+                self.push(Action::CancelDecode);
+                self.finish(outcome, None);
+            }
+            // P is never asked; nothing else is waited for.
+            _ => {}
+        }
     }
 }
 
@@ -1309,7 +1458,11 @@ mod tests {
                 code: FailCode::Dropped
             }
         );
-        let Action::FailStream { event } = &actions[1] else {
+        let Action::FailStream {
+            event,
+            broken: false,
+        } = &actions[1]
+        else {
             panic!("{actions:?}")
         };
         let text = String::from_utf8(event.clone()).unwrap();
@@ -1655,6 +1808,224 @@ mod tests {
         assert_eq!(
             OnPurpose::ALL.map(OnPurpose::code),
             [FailCode::PrefillRefused, FailCode::PrefillAborted]
+        );
+    }
+
+    fn req(v: Value) -> Map<String, Value> {
+        v.as_object().cloned().expect("an object")
+    }
+
+    /// Runs `steps` on a plan for D alone made from the request `body`,
+    /// after checking that its first action sends D the client's params.
+    fn check_alone(body: Value, steps: Vec<(Event, Vec<Action>)>) -> RelayPlan {
+        let body = req(body);
+        let mut plan = RelayPlan::for_request(&body, write(), TID);
+        assert!(plan.is_decode_alone(), "{body:?}");
+        let first = vec![Action::SendDecode {
+            params: body.get("kv_transfer_params").cloned(),
+        }];
+        assert_eq!(drain(&mut plan), first, "first actions");
+        for (i, (event, want)) in steps.into_iter().enumerate() {
+            let what = format!("step {i}: {event:?}");
+            plan.handle(event);
+            assert_eq!(drain(&mut plan), want, "{what}");
+        }
+        plan
+    }
+
+    fn alone_count(outcome: Outcome) -> Action {
+        Action::Count {
+            outcome,
+            cause: None,
+        }
+    }
+
+    #[test]
+    fn only_requests_wanting_their_prompts_logits_go_to_d_alone() {
+        for (body, alone) in [
+            (json!({"prompt": "x", "prompt_logprobs": 1}), true),
+            (json!({"prompt": "x", "prompt_logprobs": 0}), true),
+            (json!({"prompt": "x", "echo": true, "logprobs": 2}), true),
+            (json!({"prompt": "x", "echo": true, "logprobs": true}), true),
+            (json!({"prompt": "x", "prompt_logprobs": null}), false),
+            (json!({"prompt": "x", "prompt_logprobs": false}), false),
+            (json!({"prompt": "x", "echo": true}), false),
+            (json!({"prompt": "x", "echo": false, "logprobs": 2}), false),
+            (json!({"prompt": "x", "logprobs": 2}), false),
+            (
+                json!({"prompt": "x", "echo": true, "logprobs": null}),
+                false,
+            ),
+        ] {
+            let body = req(body);
+            assert_eq!(needs_prompt_logits(&body), alone, "{body:?}");
+            let plan = RelayPlan::for_request(&body, write(), TID);
+            assert_eq!(plan.is_decode_alone(), alone, "{body:?}");
+        }
+        // Any other request goes through P and D, streaming as it says.
+        let mut plan =
+            RelayPlan::for_request(&req(json!({"prompt": "x", "stream": true})), write(), TID);
+        assert!(plan.streaming());
+        assert_eq!(
+            drain(&mut plan),
+            vec![
+                Action::SendPrefill { params: p_params() },
+                Action::SendDecode {
+                    params: Some(d_params())
+                }
+            ]
+        );
+        let plan = RelayPlan::for_request(&req(json!({"prompt": "x"})), Mode::Read, TID);
+        assert!(!plan.streaming() && !plan.is_decode_alone());
+    }
+
+    #[test]
+    fn d_alone_gets_the_clients_own_params_and_its_answer_passes_through_uncut() {
+        let client_params = json!({"do_remote_prefill": true, "transfer_id": "theirs"});
+        let plan = check_alone(
+            json!({"prompt": "x", "prompt_logprobs": 1, "stream": true, "kv_transfer_params": client_params}),
+            vec![
+                (head(200), vec![Action::StartStream { status: 200 }]),
+                // Passed on as it comes, not cut at event boundaries.
+                (body("data: 1\n\nda"), vec![stream("data: 1\n\nda")]),
+                (body("ta: 2\n\n"), vec![stream("ta: 2\n\n")]),
+                (
+                    Event::DecodeEnd,
+                    vec![Action::EndStream, alone_count(Outcome::Ok)],
+                ),
+            ],
+        );
+        assert!(plan.streaming());
+        assert_eq!(plan.outcome(), Some(Outcome::Ok));
+        // Not streamed: D's whole answer passes through the same way.
+        check_alone(
+            json!({"prompt": "x", "echo": true, "logprobs": 1}),
+            vec![
+                (p_done(), vec![]),
+                (head(200), vec![Action::StartStream { status: 200 }]),
+                (body(D_BODY), vec![stream(D_BODY)]),
+                (
+                    Event::DecodeEnd,
+                    vec![Action::EndStream, alone_count(Outcome::Ok)],
+                ),
+            ],
+        );
+    }
+
+    #[test]
+    fn d_alone_counts_by_its_status_which_passes_through() {
+        for (status, outcome) in [
+            (200, Outcome::Ok),
+            (204, Outcome::Ok),
+            (400, Outcome::BadRequest),
+            (401, Outcome::BadRequest),
+            (429, Outcome::BadRequest),
+            (500, Outcome::DecodeError),
+            (503, Outcome::DecodeError),
+        ] {
+            let plan = check_alone(
+                json!({"prompt": "x", "prompt_logprobs": 1}),
+                vec![
+                    (head(status), vec![Action::StartStream { status }]),
+                    (body(NOT_SERVING), vec![stream(NOT_SERVING)]),
+                    (
+                        Event::DecodeEnd,
+                        vec![Action::EndStream, alone_count(outcome)],
+                    ),
+                ],
+            );
+            assert_eq!(plan.outcome(), Some(outcome), "{status}");
+        }
+    }
+
+    #[test]
+    fn d_alone_failing_before_its_head_is_a_502_and_after_it_ends_the_body_broken() {
+        for timed_out in [false, true] {
+            let mut plan = RelayPlan::for_request(
+                &req(json!({"prompt": "x", "prompt_logprobs": 1})),
+                Mode::Read,
+                TID,
+            );
+            let _ = drain(&mut plan);
+            plan.handle(Event::DecodeFailed(failed(timed_out)));
+            let actions = drain(&mut plan);
+            let (status, v) = error_reply(&actions);
+            assert_eq!(status, 502, "timed out: {timed_out}");
+            assert_eq!(v["error"]["code"], "upstream_error");
+            assert_eq!(v["error"]["type"], "server_error");
+            assert_eq!(
+                v["error"]["message"],
+                "decode server failed: connection reset"
+            );
+            assert_eq!(actions.len(), 2, "{actions:?}");
+            assert_eq!(actions[1], alone_count(Outcome::DecodeError));
+        }
+        check_alone(
+            json!({"prompt": "x", "prompt_logprobs": 1}),
+            vec![
+                (head(200), vec![Action::StartStream { status: 200 }]),
+                (body("{\"choi"), vec![stream("{\"choi")]),
+                (
+                    Event::DecodeFailed(failed(true)),
+                    vec![
+                        Action::FailStream {
+                            event: Vec::new(),
+                            broken: true,
+                        },
+                        alone_count(Outcome::Ok),
+                    ],
+                ),
+                (Event::DecodeEnd, vec![]),
+            ],
+        );
+    }
+
+    #[test]
+    fn d_alone_client_leaving_cancels_d_and_counts_once() {
+        let plan = check_alone(
+            json!({"prompt": "x", "prompt_logprobs": 1}),
+            vec![
+                // P is never asked: its answers are ignored.
+                (refused(), vec![]),
+                (Event::PrefillFailed(failed(false)), vec![]),
+                (
+                    Event::ClientGone,
+                    vec![Action::CancelDecode, alone_count(Outcome::Cancelled)],
+                ),
+                (head(200), vec![]),
+                (Event::ClientGone, vec![]),
+            ],
+        );
+        assert_eq!(plan.outcome(), Some(Outcome::Cancelled));
+        // Once D's status went out, the request counts by it.
+        check_alone(
+            json!({"prompt": "x", "prompt_logprobs": 1}),
+            vec![
+                (head(404), vec![Action::StartStream { status: 404 }]),
+                (
+                    Event::ClientGone,
+                    vec![Action::CancelDecode, alone_count(Outcome::BadRequest)],
+                ),
+            ],
+        );
+    }
+
+    #[test]
+    fn the_mode_follows_the_prefill_servers_info() {
+        assert_eq!(
+            Mode::for_prefill(Some("write"), Some("p0"), Some("127.0.0.1:7000")),
+            write()
+        );
+        assert_eq!(
+            Mode::for_prefill(None, None, None),
+            Mode::Write {
+                remote_engine_id: None,
+                remote_bootstrap_addr: None
+            }
+        );
+        assert_eq!(
+            Mode::for_prefill(Some("read"), Some("p0"), Some("127.0.0.1:7000")),
+            Mode::Read
         );
     }
 

@@ -729,7 +729,6 @@ impl Proxy {
                 return e.into_response();
             }
         };
-        let streaming = req.get("stream").and_then(Value::as_bool).unwrap_or(false);
         let mut picked = (self.inner.prefill.pick(), self.inner.decode.pick());
         if picked.0.is_none() || picked.1.is_none() {
             // The last check may be stale (an engine woke since, say): look
@@ -754,27 +753,29 @@ impl Proxy {
             request_id: headers.get("x-request-id").cloned(),
             authorization: headers.get(header::AUTHORIZATION).cloned(),
         };
-        if needs_prompt_logits(&req) {
-            return self.decode_alone(&d, endpoint, body, &forwarded).await;
-        }
         let transfer_id = self.new_transfer_id();
         let mode = plan_mode(p_status.kv_info.as_ref());
-        tracing::debug!(
-            endpoint = endpoint.path(),
-            prefill = %p.url,
-            decode = %d.url,
-            %transfer_id,
-            streaming,
-            read_mode = (mode == Mode::Read),
-            "routing request"
-        );
+        let read_mode = mode == Mode::Read;
+        let plan = RelayPlan::for_request(&req, mode, &transfer_id);
+        if plan.is_decode_alone() {
+            tracing::debug!(endpoint = endpoint.path(), decode = %d.url, "prompt logits wanted: D computes the prompt");
+        } else {
+            tracing::debug!(
+                endpoint = endpoint.path(),
+                prefill = %p.url,
+                decode = %d.url,
+                %transfer_id,
+                streaming = plan.streaming(),
+                read_mode,
+                "routing request"
+            );
+        }
         let call = relay::Call {
             endpoint,
             req,
             headers: forwarded,
         };
         let p_bootstrap = p_status.kv_info.and_then(|i| i.bootstrap_addr);
-        let plan = RelayPlan::new(mode, streaming, &transfer_id);
         relay::Relay::new(self.clone(), plan, call, (p, p_bootstrap), d)
             .respond()
             .await
@@ -785,35 +786,6 @@ impl Proxy {
     fn refuse_body(&self, r: axum::extract::rejection::BytesRejection) -> Response {
         self.inner.metrics.count(Outcome::BadRequest);
         crate::error::body_rejection(r).into_response()
-    }
-
-    /// A request sent to D alone, which computes the prompt itself: its
-    /// answer (status, headers, body, streamed or not) passes through, and
-    /// it counts once, by its status.
-    async fn decode_alone(
-        &self,
-        d: &Arc<Backend>,
-        endpoint: Endpoint,
-        body: Bytes,
-        forwarded: &Forwarded,
-    ) -> Response {
-        tracing::debug!(endpoint = endpoint.path(), decode = %d.url, "prompt logits wanted: D computes the prompt");
-        match self.post(d, endpoint, body.to_vec(), forwarded).await {
-            Ok(resp) => {
-                let status = resp.status();
-                self.inner.metrics.count(match status.as_u16() {
-                    200..=299 => Outcome::Ok,
-                    400..=499 => Outcome::BadRequest,
-                    _ => Outcome::DecodeError,
-                });
-                let head = passthrough_headers(resp.headers());
-                build_response(status, head, Body::from_stream(resp.bytes_stream()))
-            }
-            Err(e) => {
-                self.inner.metrics.count(Outcome::DecodeError);
-                forward_failed(d, &e)
-            }
-        }
     }
 
     /// Posts `body` to a backend, bounded by `request_timeout`. A connection
@@ -939,13 +911,11 @@ impl Endpoint {
 /// The plan's mode for a P as its `/kv_transfer/info` described it: read
 /// mode when it says so, else write mode naming P (as far as it is known).
 fn plan_mode(info: Option<&KvTransferInfo>) -> Mode {
-    match info {
-        Some(i) if i.transfer_mode.as_deref() == Some("read") => Mode::Read,
-        _ => Mode::Write {
-            remote_engine_id: info.map(|i| i.engine_id.clone()),
-            remote_bootstrap_addr: info.and_then(|i| i.bootstrap_addr.clone()),
-        },
-    }
+    Mode::for_prefill(
+        info.and_then(|i| i.transfer_mode.as_deref()),
+        info.map(|i| i.engine_id.as_str()),
+        info.and_then(|i| i.bootstrap_addr.as_deref()),
+    )
 }
 
 /// P's body: the client's, generating one token without streaming, with
@@ -984,17 +954,6 @@ fn forward_failed(d: &Backend, e: &reqwest::Error) -> Response {
         code: Some("upstream_error"),
     }
     .into_response()
-}
-
-/// Whether a request wants logits of its prompt's positions
-/// (`prompt_logprobs`, or `echo` with `logprobs`): only the engine that
-/// computes the prompt has them, so P cannot help and D computes it.
-fn needs_prompt_logits(req: &Map<String, Value>) -> bool {
-    let set = |k: &str| {
-        req.get(k)
-            .is_some_and(|v| !v.is_null() && *v != Value::Bool(false))
-    };
-    set("prompt_logprobs") || (req.get("echo") == Some(&Value::Bool(true)) && set("logprobs"))
 }
 
 /// A 503 with `Retry-After`.

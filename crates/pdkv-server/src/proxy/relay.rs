@@ -8,7 +8,6 @@
 //! dropping it drops both calls (closing their connections, which aborts a
 //! pdkv server's request) and tells the plan the client went away.
 
-use std::convert::Infallible;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
@@ -51,6 +50,13 @@ enum Output {
     Reply(Response),
     StreamHead(u16),
     Piece(Bytes),
+    /// The stream ends broken (after the pieces before it).
+    Broken,
+}
+
+/// The error that ends a client's stream broken.
+fn broken_stream() -> std::io::Error {
+    std::io::Error::other("the decode server's answer broke off")
 }
 
 /// One client request in flight: its plan and the calls the plan made.
@@ -165,7 +171,7 @@ impl Relay {
                     None => {}
                     Some(Output::Reply(r)) => reply = Some(r),
                     Some(Output::StreamHead(status)) => return self.into_stream(status),
-                    Some(Output::Piece(_)) => {
+                    Some(Output::Piece(_) | Output::Broken) => {
                         tracing::error!("the relay plan streamed before it started a stream")
                     }
                 }
@@ -187,7 +193,7 @@ impl Relay {
         tracing::debug!(decode = %self.d.url, "streaming the decode server's events");
         let body = futures::stream::unfold(self, |mut relay| async move {
             let piece = relay.next_piece().await?;
-            Some((Ok::<_, Infallible>(piece), relay))
+            Some((piece, relay))
         });
         build_response(
             StatusCode::from_u16(status).unwrap_or(StatusCode::OK),
@@ -196,13 +202,15 @@ impl Relay {
         )
     }
 
-    /// The next piece of the client's stream; `None` at its end.
-    async fn next_piece(&mut self) -> Option<Bytes> {
+    /// The next piece of the client's stream; `None` at its end, an error
+    /// when it ends broken.
+    async fn next_piece(&mut self) -> Option<Result<Bytes, std::io::Error>> {
         loop {
             while let Some(a) = self.plan.poll_action() {
                 match self.apply(a) {
                     None => {}
-                    Some(Output::Piece(b)) => return Some(b),
+                    Some(Output::Piece(b)) => return Some(Ok(b)),
+                    Some(Output::Broken) => return Some(Err(broken_stream())),
                     Some(Output::Reply(_) | Output::StreamHead(_)) => {
                         tracing::error!("the relay plan answered again inside a stream")
                     }
@@ -278,7 +286,19 @@ impl Relay {
             Action::Reply(r) => return Some(Output::Reply(self.reply(r))),
             Action::StartStream { status } => return Some(Output::StreamHead(status)),
             Action::Stream(b) => return Some(Output::Piece(Bytes::from(b))),
-            Action::FailStream { event } => return Some(Output::Piece(Bytes::from(event))),
+            Action::FailStream {
+                event,
+                broken: false,
+            } => return Some(Output::Piece(Bytes::from(event))),
+            Action::FailStream {
+                event,
+                broken: true,
+            } => {
+                if !event.is_empty() {
+                    tracing::error!("the relay plan sent an event with a broken end");
+                }
+                return Some(Output::Broken);
+            }
             Action::EndStream => {}
             Action::Count { outcome, cause } => self.count(outcome, cause),
         }
