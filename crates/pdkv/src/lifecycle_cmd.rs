@@ -78,15 +78,18 @@
 //! the run ends, fails or is interrupted (and gets SIGTERM from the kernel
 //! if this process dies, through `PR_SET_PDEATHSIG`).
 
-use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
-use std::io::{BufRead, BufReader, Write};
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, bail, Context};
-use clap::{Args, ValueEnum};
+use clap::Args;
+use pdkv_deploy::{
+    EngineWiring, FailurePolicy, LogSink, Logs, Ports, Proc, Spec, Started, TransferMode, Transport,
+};
 use serde_json::{json, Value};
 
 use crate::fetch;
@@ -98,36 +101,13 @@ const REQUEST_DEADLINE: Duration = Duration::from_secs(120);
 const QUIESCE_DEADLINE: Duration = Duration::from_secs(90);
 /// Bound on waiting for the load to make progress (warm-up, after restore).
 const PROGRESS_DEADLINE: Duration = Duration::from_secs(90);
-/// How long children get to exit after SIGTERM before SIGKILL.
-const STOP_GRACE: Duration = Duration::from_secs(10);
 /// How long a worker waits after a 503 before its next request.
 const RETRY_BACKOFF: Duration = Duration::from_millis(100);
 /// Interval of metric and health polls.
 const POLL: Duration = Duration::from_millis(20);
-/// Log lines of a child kept for an error report.
-const TAIL_LINES: usize = 40;
 /// Most device bytes a sleeping engine may keep, as a fraction of awake.
 const ASLEEP_MAX_FRACTION: f64 = 0.02;
-const HOST: &str = "127.0.0.1";
 const MIB: f64 = 1024.0 * 1024.0;
-
-#[derive(Clone, Copy, Debug, ValueEnum)]
-pub enum TransportArg {
-    Tcp,
-    Shm,
-}
-
-#[derive(Clone, Copy, Debug, ValueEnum)]
-pub enum TransferModeArg {
-    Write,
-    Read,
-}
-
-#[derive(Clone, Copy, Debug, ValueEnum)]
-pub enum FailurePolicyArg {
-    Fail,
-    Recompute,
-}
 
 #[derive(Args, Debug)]
 pub struct LifecycleArgs {
@@ -137,14 +117,14 @@ pub struct LifecycleArgs {
     pub model: Option<PathBuf>,
     /// How KV moves from P to D.
     #[arg(long, value_enum, default_value = "tcp")]
-    pub transport: TransportArg,
+    pub transport: Transport,
     /// Who moves the bytes: P writes into D's blocks, or D reads P's.
     #[arg(long, value_enum, default_value = "write")]
-    pub transfer_mode: TransferModeArg,
+    pub transfer_mode: TransferMode,
     /// D's policy for a KV load that failed (a load that P ended on purpose
     /// recomputes under either).
     #[arg(long, value_enum, default_value = "fail")]
-    pub kv_load_failure_policy: FailurePolicyArg,
+    pub kv_load_failure_policy: FailurePolicy,
     /// P's bound on holding KV for a pull and answering it, in seconds
     /// (the connector's `abort_timeout_s`; default: the connector's).
     #[arg(long)]
@@ -378,301 +358,65 @@ fn select_cases(spec: &str) -> anyhow::Result<Vec<Case>> {
 // ---------------------------------------------------------------------------
 // Child processes
 
-/// A child `pdkv` process; killed and reaped on drop.
-struct ChildProc {
-    name: &'static str,
-    child: std::process::Child,
-    base: String,
-    tail: Arc<Mutex<VecDeque<String>>>,
-}
-
-impl ChildProc {
-    /// Starts `pdkv ARGS` and waits (until `deadline`) for its `listening
-    /// on http://ADDR` line.
-    async fn start(
-        name: &'static str,
-        args: &[String],
-        show_logs: bool,
-        deadline: Instant,
-    ) -> anyhow::Result<ChildProc> {
-        let (exe, mut cmd) = crate::up::child_command(args)?;
-        if std::env::var_os("RUST_LOG").is_none() {
-            cmd.env("RUST_LOG", "info");
-        }
-        let mut child = cmd
-            .spawn()
-            .with_context(|| format!("starting the {name} ({})", exe.display()))?;
-        eprintln!("pdkv lifecycle: started the {name} (pid {})", child.id());
-        let tail = Arc::new(Mutex::new(VecDeque::with_capacity(TAIL_LINES)));
-        let (addr_tx, mut addr_rx) = tokio::sync::mpsc::unbounded_channel::<String>();
-        let stderr = child.stderr.take().context("the child's stderr")?;
-        {
-            let tail = tail.clone();
-            std::thread::spawn(move || {
-                let mut addr_tx = Some(addr_tx);
-                for line in BufReader::new(stderr).lines() {
-                    let Ok(line) = line else { break };
-                    if show_logs {
-                        let _ = writeln!(std::io::stderr().lock(), "[{name}] {line}");
-                    }
-                    if let Some(rest) = line.split("listening on ").nth(1) {
-                        if let Some(tx) = addr_tx.take() {
-                            let _ = tx.send(
-                                rest.split_whitespace()
-                                    .next()
-                                    .unwrap_or_default()
-                                    .to_string(),
-                            );
-                        }
-                    }
-                    let mut t = tail.lock().unwrap_or_else(|e| e.into_inner());
-                    if t.len() == TAIL_LINES {
-                        t.pop_front();
-                    }
-                    t.push_back(line);
-                }
-            });
-        }
-        let mut proc = ChildProc {
-            name,
-            child,
-            base: String::new(),
-            tail,
-        };
-        let left = deadline.saturating_duration_since(Instant::now());
-        match tokio::time::timeout(left, addr_rx.recv()).await {
-            Ok(Some(base)) if base.starts_with("http://") => {
-                proc.base = base;
-                Ok(proc)
-            }
-            Ok(_) => bail!(
-                "the {name} exited before listening; its last log lines:\n{}",
-                proc.tail()
-            ),
-            Err(_) => bail!(
-                "the {name} did not listen within the start-up timeout; its last log lines:\n{}",
-                proc.tail()
-            ),
-        }
-    }
-
-    fn tail(&self) -> String {
-        self.tail
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .iter()
-            .cloned()
-            .collect::<Vec<_>>()
-            .join("\n")
-    }
-
-    fn exited(&mut self) -> Option<std::process::ExitStatus> {
-        self.child.try_wait().ok().flatten()
-    }
-
-    fn terminate(&mut self) {
-        if self.exited().is_none() {
-            // SAFETY: a plain syscall on our own child, not yet reaped.
-            unsafe { libc::kill(self.child.id() as libc::pid_t, libc::SIGTERM) };
-        }
-    }
-}
-
-/// Stops every child: SIGTERM to all (the proxy first, it is last in
-/// `procs`), a bounded wait, SIGKILL for the rest; all are reaped.
-fn stop_all(procs: &mut [ChildProc]) {
-    for p in procs.iter_mut().rev() {
-        p.terminate();
-    }
-    let deadline = Instant::now() + STOP_GRACE;
-    while Instant::now() < deadline && procs.iter_mut().any(|p| p.exited().is_none()) {
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    for p in procs.iter_mut() {
-        if p.exited().is_none() {
-            eprintln!(
-                "pdkv lifecycle: the {} did not stop within {}s; killing it",
-                p.name,
-                STOP_GRACE.as_secs()
-            );
-            let _ = p.child.kill();
-            let _ = p.child.wait();
-        }
-    }
-}
-
-/// P, D and the proxy; stopped on drop.
+/// P, D and the proxy (`pdkv_deploy`'s children); stopped on drop.
 struct Deployment {
-    procs: Vec<ChildProc>,
+    procs: Vec<Proc>,
 }
 
 impl Drop for Deployment {
     fn drop(&mut self) {
-        stop_all(&mut self.procs);
+        pdkv_deploy::stop_all_blocking(&mut self.procs, "pdkv lifecycle");
     }
 }
 
 impl Deployment {
     /// Fails when a child has exited, with its last log lines.
     fn check_alive(&mut self) -> anyhow::Result<()> {
-        for p in self.procs.iter_mut() {
-            if let Some(status) = p.exited() {
-                bail!(
-                    "the {} exited ({status}); its last log lines:\n{}",
-                    p.name,
-                    p.tail()
-                );
-            }
-        }
-        Ok(())
+        Ok(pdkv_deploy::check_children(&mut self.procs)?)
     }
 }
 
-fn serve_args(
-    args: &LifecycleArgs,
-    model: &Path,
-    role: &str,
-    engine_id: &str,
-    token: &str,
-) -> Vec<String> {
-    let transport = match args.transport {
-        TransportArg::Tcp => "tcp",
-        TransportArg::Shm => "shm",
-    };
-    let mode = match args.transfer_mode {
-        TransferModeArg::Write => "write",
-        TransferModeArg::Read => "read",
-    };
-    let policy = match args.kv_load_failure_policy {
-        FailurePolicyArg::Fail => "fail",
-        FailurePolicyArg::Recompute => "recompute",
-    };
-    let mut config = json!({
-        "kv_connector": "pdkv", "kv_role": role, "transport": transport,
-        "transfer_mode": mode, "kv_load_failure_policy": policy,
-    });
-    if let Some(s) = args.kv_abort_timeout_s {
-        config["abort_timeout_s"] = json!(s);
-    }
-    let tp = if role == "kv_producer" {
-        args.prefill_tensor_parallel_size
-    } else {
-        args.decode_tensor_parallel_size
-    };
-    [
-        "serve",
-        "--model",
-        &model.display().to_string(),
-        "--host",
-        HOST,
-        "--port",
-        "0",
-        "--num-kv-blocks",
-        &args.num_kv_blocks.to_string(),
-        "--kv-transfer-config",
-        &config.to_string(),
-        "--engine-id",
-        engine_id,
-        "--enable-sleep-mode",
-        "--admin-token",
-        token,
-        "--tensor-parallel-size",
-        &tp.to_string(),
-    ]
-    .iter()
-    .map(|s| s.to_string())
-    .collect()
-}
-
-/// Waits until `url` answers 2xx, failing at the deadline or when a child exits.
-async fn wait_healthy(
-    client: &reqwest::Client,
-    dep: &mut Deployment,
-    url: &str,
-    deadline: Instant,
-) -> anyhow::Result<()> {
-    let started = Instant::now();
-    let mut last_report = Instant::now();
-    loop {
-        dep.check_alive()?;
-        let ok = client
-            .get(url)
-            .timeout(Duration::from_secs(2))
-            .send()
-            .await
-            .is_ok_and(|r| r.status().is_success());
-        if ok {
-            return Ok(());
-        }
-        if Instant::now() >= deadline {
-            bail!("{url} did not become healthy within the start-up timeout");
-        }
-        if last_report.elapsed() >= Duration::from_secs(5) {
-            last_report = Instant::now();
-            eprintln!(
-                "pdkv lifecycle: waiting for {url} ({}s)",
-                started.elapsed().as_secs()
-            );
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-}
-
+/// Starts P, D (sleep mode, the admin API with `token`) and the proxy into
+/// `dep`, every child on a port of its choosing, as `pdkv up` does.
 async fn deploy(
     args: &LifecycleArgs,
     model: &Path,
     token: &str,
-    client: &reqwest::Client,
-) -> anyhow::Result<Deployment> {
-    let deadline = Instant::now() + Duration::from_secs(args.startup_timeout);
-    let p_args = serve_args(args, model, "kv_producer", "lc-p", token);
-    let d_args = serve_args(args, model, "kv_consumer", "lc-d", token);
-    let mut dep = Deployment { procs: Vec::new() };
-    let (p, d) = tokio::join!(
-        ChildProc::start("prefill", &p_args, args.show_logs, deadline),
-        ChildProc::start("decode", &d_args, args.show_logs, deadline),
-    );
-    // Whatever started is stopped with `dep` if the other failed.
-    let (p, d) = match (p, d) {
-        (Ok(p), Ok(d)) => (p, d),
-        (p, d) => {
-            let mut errs = Vec::new();
-            for r in [p, d] {
-                match r {
-                    Ok(c) => dep.procs.push(c),
-                    Err(e) => errs.push(format!("{e:#}")),
-                }
-            }
-            bail!("{}", errs.join("\n"));
-        }
+    dep: &mut Deployment,
+) -> anyhow::Result<Started> {
+    let mut wiring = EngineWiring::new(args.transport, args.transfer_mode);
+    wiring.kv_load_failure_policy = Some(args.kv_load_failure_policy);
+    wiring.abort_timeout_s = args.kv_abort_timeout_s;
+    wiring.num_kv_blocks = Some(args.num_kv_blocks);
+    wiring.prefill_tensor_parallel_size = Some(args.prefill_tensor_parallel_size);
+    wiring.decode_tensor_parallel_size = Some(args.decode_tensor_parallel_size);
+    wiring.sleep_mode = true;
+    let spec = Spec {
+        exe: std::env::current_exe().context("finding the pdkv executable")?,
+        model: model.to_path_buf(),
+        wiring,
+        ports: Ports::any(1, 1),
+        startup_timeout: Duration::from_secs(args.startup_timeout),
+        admin_token: Some(token.to_string()),
+        kv_secret: None,
+        api_key: None,
+        engine_id_prefix: "lc".to_string(),
+        proxy_health_interval_ms: Some(200),
     };
-    let (p_base, d_base) = (p.base.clone(), d.base.clone());
-    dep.procs.push(p);
-    dep.procs.push(d);
-    wait_healthy(client, &mut dep, &format!("{p_base}/health"), deadline).await?;
-    wait_healthy(client, &mut dep, &format!("{d_base}/health"), deadline).await?;
-    let proxy_args: Vec<String> = [
-        "proxy",
-        "--host",
-        HOST,
-        "--port",
-        "0",
-        "--prefill",
-        &p_base,
-        "--decode",
-        &d_base,
-        "--health-interval-ms",
-        "200",
-    ]
-    .iter()
-    .map(|s| s.to_string())
-    .collect();
-    let proxy = ChildProc::start("proxy", &proxy_args, args.show_logs, deadline).await?;
-    let proxy_base = proxy.base.clone();
-    dep.procs.push(proxy);
-    wait_healthy(client, &mut dep, &format!("{proxy_base}/health"), deadline).await?;
-    eprintln!("pdkv lifecycle: ready (prefill {p_base}, decode {d_base}, proxy {proxy_base})");
-    Ok(dep)
+    let logs = Logs {
+        who: "pdkv lifecycle",
+        sink: if args.show_logs {
+            LogSink::Stderr
+        } else {
+            LogSink::Discard
+        },
+    };
+    let started = pdkv_deploy::start(&spec, &mut dep.procs, &logs).await?;
+    eprintln!(
+        "pdkv lifecycle: ready (prefill {}, decode {}, proxy {})",
+        started.prefill[0], started.decode[0], started.proxy
+    );
+    Ok(started)
 }
 
 // ---------------------------------------------------------------------------
@@ -1138,7 +882,7 @@ impl Unanswering {
     const MAX_HELD: usize = 16;
 
     async fn bind() -> anyhow::Result<Unanswering> {
-        let listener = tokio::net::TcpListener::bind((HOST, 0))
+        let listener = tokio::net::TcpListener::bind((pdkv_deploy::HOST, 0))
             .await
             .context("binding an unanswering listener")?;
         let addr = listener.local_addr()?;
@@ -1768,7 +1512,7 @@ impl Runner<'_> {
             Some("lc-unanswering"),
             Some(&fake.addr.to_string()),
         );
-        if let TransferModeArg::Read = self.args.transfer_mode {
+        if let TransferMode::Read = self.args.transfer_mode {
             // Never checked: the handshake that would is never answered.
             params[pdkv_connector::params::REMOTE_BLOCK_IDS] = json!([0]);
             params[pdkv_connector::params::REMOTE_REGISTRATION_GENERATION] = json!(1);
@@ -2011,8 +1755,8 @@ impl Runner<'_> {
                 // Hold the transfers at P: write mode pauses P (D's pulls park
                 // there), read mode pauses D (the blocks P leased stay held).
                 let (paused, gauge) = match self.args.transfer_mode {
-                    TransferModeArg::Write => (Target::P, "pdkv_kv_pulls_pending"),
-                    TransferModeArg::Read => (Target::D, "pdkv_kv_send_held_blocks"),
+                    TransferMode::Write => (Target::P, "pdkv_kv_pulls_pending"),
+                    TransferMode::Read => (Target::D, "pdkv_kv_send_held_blocks"),
                 };
                 rep.check(
                     c.on_all(
@@ -2029,7 +1773,7 @@ impl Runner<'_> {
                 // not read it. D asks for it after the wake (P's sleep ended
                 // it, so D computes the prompt itself).
                 let held = match self.args.transfer_mode {
-                    TransferModeArg::Read => {
+                    TransferMode::Read => {
                         match self
                             .hold_a_send_at_p(&format!("{}-{cycle}", case.name))
                             .await
@@ -2041,7 +1785,7 @@ impl Runner<'_> {
                             }
                         }
                     }
-                    TransferModeArg::Write => None,
+                    TransferMode::Write => None,
                 };
                 match c
                     .wait_gauge(Role::P, gauge, 1.0, Instant::now() + PROGRESS_DEADLINE)
@@ -2475,13 +2219,14 @@ async fn run_matrix(
         .build()
         .context("building the HTTP client")?;
     let token = admin_token();
-    let mut dep = deploy(args, model, &token, &client).await?;
+    let mut dep = Deployment { procs: Vec::new() };
+    let started = deploy(args, model, &token, &mut dep).await?;
     let c = Cluster {
         client,
         token: token.into(),
-        p: dep.procs[0].base.clone().into(),
-        d: dep.procs[1].base.clone().into(),
-        proxy: dep.procs[2].base.clone().into(),
+        p: started.prefill[0].as_str().into(),
+        d: started.decode[0].as_str().into(),
+        proxy: started.proxy.as_str().into(),
         op_timeout: Duration::from_secs(args.op_timeout),
         model: model.into(),
     };
