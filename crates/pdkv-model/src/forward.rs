@@ -8,10 +8,7 @@
 //! the blocks, so chunk boundaries and block placement never show in results
 //! (see the invariant in [`crate::kernels`]).
 
-use std::sync::Arc;
-
-use anyhow::{bail, ensure, Context};
-use pdkv_vmem::{Pool, Region, Tag};
+use anyhow::{bail, ensure};
 use rayon::prelude::*;
 
 use crate::bf16dot;
@@ -19,8 +16,9 @@ use crate::kernels::{self, AttnQuery, Linear};
 use crate::kv::KvCache;
 use crate::qkernels::{self, QActs, QLinear, QType};
 use crate::tp::rank::RankTp;
-use crate::weights::Mat;
-use crate::weights::Weights;
+use crate::weights::{LayerWeights, Mat, Weights};
+pub use crate::workspace::Workspace;
+use crate::workspace::{AttnTask, Bufs, Dims, TokenMeta, TpBufs};
 use crate::{Arch, ModelConfig, BLOCK_SIZE};
 
 /// One sequence's part of a step.
@@ -54,179 +52,12 @@ pub struct Model {
     tp: Option<RankTp>,
 }
 
-/// Per-token activation buffers, in floats per token.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-struct Dims {
-    hidden: usize,
-    q: usize,
-    kv: usize,
-    inter: usize,
-    half_head: usize,
-}
-
-impl Dims {
-    fn of(cfg: &ModelConfig) -> Dims {
-        Dims {
-            hidden: cfg.hidden_size,
-            q: cfg.q_dim(),
-            kv: cfg.kv_dim(),
-            inter: cfg.intermediate_size,
-            half_head: cfg.head_dim / 2,
-        }
-    }
-
-    /// Floats per token over all buffers of [`Bufs`].
-    fn per_token(&self) -> usize {
-        2 * self.hidden + 2 * self.q + 2 * self.kv + 2 * self.inter + 2 * self.half_head
-    }
-}
-
-/// Disjoint views of the activation region for one step.
-struct Bufs<'a> {
-    /// Residual stream `[T, hidden]`.
-    x: &'a mut [f32],
-    /// Normed input / projection output `[T, hidden]`.
-    h: &'a mut [f32],
-    q: &'a mut [f32],
-    k: &'a mut [f32],
-    v: &'a mut [f32],
-    /// Attention output `[T, q_dim]`.
-    att: &'a mut [f32],
-    gate: &'a mut [f32],
-    up: &'a mut [f32],
-    cos: &'a mut [f32],
-    sin: &'a mut [f32],
-}
-
-/// Where a token of the step comes from.
-#[derive(Clone, Copy, Debug)]
-struct TokenMeta {
-    seq: usize,
-    pos: usize,
-}
-
-/// One unit of attention work: query rows `row0..row1` of sequence `seq`
-/// (rows of the step's activation matrix), the query heads `h0..h1` that
-/// share KV head `kv_head` (all of them, so its K/V rows are read from
-/// cache while warm, unless the step is too small to keep threads busy).
-#[derive(Clone, Copy, Debug)]
-struct AttnTask {
-    seq: usize,
-    kv_head: usize,
-    row0: usize,
-    row1: usize,
-    /// Query heads `h0..h1` of the KV head's group.
-    h0: usize,
-    h1: usize,
-}
-
 /// Queries per attention task.
 const ATTN_ROWS: usize = 16;
 
 /// Query heads that sweep the key tiles together (a task's rows times its
 /// heads, in slices of this many).
 const ATTN_QUERIES: usize = 64;
-
-/// Scratch memory for a step, in `runtime` regions. Grows when a step needs
-/// more than it holds, never shrinks; steady-state steps allocate nothing.
-pub struct Workspace {
-    pool: Pool,
-    dims: Dims,
-    /// Tokens the activation region holds.
-    cap_tokens: usize,
-    act: Arc<Region>,
-    tokens: Vec<TokenMeta>,
-    tasks: Vec<AttnTask>,
-    logit_rows: Vec<usize>,
-    written: Vec<(u32, usize)>,
-    /// The step's activations quantised for block-format weights.
-    qacts: QActs,
-    /// A tensor-parallel rank's exchange buffers (empty on a single rank).
-    tp: TpBufs,
-}
-
-impl Workspace {
-    /// Scratch for steps of up to `max_tokens` tokens.
-    pub fn new(pool: &Pool, cfg: &ModelConfig, max_tokens: usize) -> anyhow::Result<Workspace> {
-        let dims = Dims::of(cfg);
-        let cap_tokens = max_tokens.max(1);
-        let act = Self::alloc_act(pool, &dims, cap_tokens)?;
-        Ok(Workspace {
-            pool: pool.clone(),
-            dims,
-            cap_tokens,
-            act,
-            tokens: Vec::with_capacity(cap_tokens),
-            tasks: Vec::new(),
-            logit_rows: Vec::new(),
-            written: Vec::new(),
-            qacts: QActs::new(),
-            tp: TpBufs::default(),
-        })
-    }
-
-    /// Tokens a step can hold without growing.
-    pub fn capacity_tokens(&self) -> usize {
-        self.cap_tokens
-    }
-
-    fn alloc_act(pool: &Pool, dims: &Dims, tokens: usize) -> anyhow::Result<Arc<Region>> {
-        let bytes = dims.per_token() * tokens * 4;
-        pool.allocate(Tag::Runtime, bytes)
-            .with_context(|| format!("allocating {bytes} bytes of activations for {tokens} tokens"))
-    }
-
-    /// Makes room for `tokens` tokens.
-    fn reserve(&mut self, tokens: usize) -> anyhow::Result<()> {
-        if tokens > self.cap_tokens {
-            let cap = tokens.max(self.cap_tokens * 2);
-            self.act = Self::alloc_act(&self.pool, &self.dims, cap)?;
-            self.cap_tokens = cap;
-        }
-        Ok(())
-    }
-
-    /// Splits the activation region into the step's buffers.
-    fn bufs(&mut self, t: usize) -> Bufs<'_> {
-        let d = self.dims;
-        let cap = self.cap_tokens;
-        assert!(t <= cap);
-        let sizes = [
-            d.hidden,
-            d.hidden,
-            d.q,
-            d.kv,
-            d.kv,
-            d.q,
-            d.inter,
-            d.inter,
-            d.half_head,
-            d.half_head,
-        ];
-        let base = self.act.base() as *mut f32;
-        let mut off = 0;
-        let mut take = |per: usize| {
-            // SAFETY: the ranges `[off, off + per*cap)` are disjoint and lie in
-            // the region (sized `per_token * cap` floats); `&mut self` makes
-            // these views the only ones.
-            let s = unsafe { std::slice::from_raw_parts_mut(base.add(off), per * t) };
-            off += per * cap;
-            s
-        };
-        Bufs {
-            x: take(sizes[0]),
-            h: take(sizes[1]),
-            q: take(sizes[2]),
-            k: take(sizes[3]),
-            v: take(sizes[4]),
-            att: take(sizes[5]),
-            gate: take(sizes[6]),
-            up: take(sizes[7]),
-            cos: take(sizes[8]),
-            sin: take(sizes[9]),
-        }
-    }
-}
 
 /// A raw pointer that may cross threads; users guarantee disjoint access.
 #[derive(Clone, Copy)]
@@ -445,6 +276,8 @@ impl Model {
         Ok(())
     }
 
+    /// One step, its inputs checked and its token list built: embeddings,
+    /// the layers, then the logits of the rows that want them.
     fn run_step(
         &self,
         kv: &KvCache,
@@ -452,11 +285,6 @@ impl Model {
         seqs: &[SeqInput<'_>],
         logits: &mut Vec<f32>,
     ) -> anyhow::Result<()> {
-        let cfg = &self.config;
-        let w = &self.weights;
-        let (hidden, hd, eps) = (cfg.hidden_size, cfg.head_dim, cfg.rms_norm_eps);
-        let (q_dim, kv_dim, inter) = (cfg.q_dim(), cfg.kv_dim(), cfg.intermediate_size);
-        let half = hd / 2;
         let t_all = ws.tokens.len();
 
         let tokens = std::mem::take(&mut ws.tokens);
@@ -464,19 +292,50 @@ impl Model {
         let logit_rows = std::mem::take(&mut ws.logit_rows);
         let mut qa = std::mem::take(&mut ws.qacts);
         let mut tpb = std::mem::take(&mut ws.tp);
-        let int8 = self.int8_activations;
-        let b = ws.bufs(t_all);
+        let mut b = ws.bufs(t_all);
 
-        // A rank of a tensor-parallel model holds some rows of each matrix
-        // and exchanges what it computed with the other ranks ([`crate::tp`]).
+        self.embed(seqs, &tokens, &mut b)?;
+        plan_attention(&self.config, seqs, &mut tasks);
+        let step = Step {
+            kv,
+            seqs,
+            tokens: &tokens,
+            tasks: &tasks,
+        };
+        for (li, lw) in self.weights.layers.iter().enumerate() {
+            self.attention_block(&step, li, lw, &mut b, &mut qa, &mut tpb)?;
+            self.mlp_block(&step, li, lw, &mut b, &mut qa, &mut tpb)?;
+        }
+        self.lm_head(&logit_rows, &mut b, &mut qa, &mut tpb, logits)?;
+
+        ws.tokens = tokens;
+        ws.tasks = tasks;
+        ws.logit_rows = logit_rows;
+        ws.qacts = qa;
+        ws.tp = tpb;
+        Ok(())
+    }
+
+    /// The embedding row and the rotary table of every token of the step.
+    /// A rank of a tensor-parallel model holds some rows of each matrix
+    /// and exchanges what it computed with the other ranks ([`crate::tp`]):
+    /// it looks up the tokens of its vocabulary rows and gets the others'
+    /// from their ranks.
+    fn embed(
+        &self,
+        seqs: &[SeqInput<'_>],
+        tokens: &[TokenMeta],
+        b: &mut Bufs<'_>,
+    ) -> anyhow::Result<()> {
+        let cfg = &self.config;
+        let w = &self.weights;
+        let hidden = cfg.hidden_size;
+        let half = cfg.head_dim / 2;
+        let t_all = tokens.len();
         let tp = self.tp.as_ref();
         let vocab0 = tp.map_or(0, |t| t.shard.vocab.start);
         let vocab_here = tp.map_or(cfg.vocab_size, |t| t.shard.vocab.len());
-        let hidden_here = tp.map_or(hidden, |t| t.shard.hidden.len());
 
-        // Embeddings (a rank looks up the tokens of its vocabulary rows and
-        // gets the others' from their ranks) and the rotary table of every
-        // token.
         let mut row = 0;
         for s in seqs {
             for &tok in s.tokens {
@@ -502,197 +361,164 @@ impl Model {
             );
             kernels::rope_cos_sin(tm.pos, &self.inv_freq, c, s);
         }
+        Ok(())
+    }
 
-        // Attention work units: (sequence, KV head, up to ATTN_ROWS queries),
-        // every query head of the group. Too few of them to keep the math
-        // threads busy (decode at small batch), each query head is its own
-        // unit instead: the same calls, so the same bits.
-        let group = cfg.num_heads / cfg.num_kv_heads;
-        tasks.clear();
-        let mut row0 = 0;
-        for (si, s) in seqs.iter().enumerate() {
-            let n = s.tokens.len();
-            for kv_head in 0..cfg.num_kv_heads {
-                let mut r = 0;
-                while r < n {
-                    let r1 = (r + ATTN_ROWS).min(n);
-                    let (h0, h1) = (kv_head * group, (kv_head + 1) * group);
-                    tasks.push(AttnTask {
-                        seq: si,
-                        kv_head,
-                        row0: row0 + r,
-                        row1: row0 + r1,
-                        h0,
-                        h1,
-                    });
-                    r = r1;
-                }
-            }
-            row0 += n;
+    /// Layer `li`'s attention block: norm, q/k/v, the step's K/V into the
+    /// cache, attention, `o_proj`, and the residual update.
+    fn attention_block(
+        &self,
+        step: &Step<'_, '_>,
+        li: usize,
+        lw: &LayerWeights,
+        b: &mut Bufs<'_>,
+        qa: &mut QActs,
+        tpb: &mut TpBufs,
+    ) -> anyhow::Result<()> {
+        let cfg = &self.config;
+        let w = &self.weights;
+        let (hidden, hd, eps) = (cfg.hidden_size, cfg.head_dim, cfg.rms_norm_eps);
+        let (q_dim, kv_dim) = (cfg.q_dim(), cfg.kv_dim());
+        let t_all = step.tokens.len();
+        let int8 = self.int8_activations;
+        let tp = self.tp.as_ref();
+        let hidden_here = tp.map_or(hidden, |t| t.shard.hidden.len());
+
+        let attn_norm = w.get(&lw.attn_norm);
+        {
+            let x = &*b.x;
+            for_rows(b.h, hidden, |i, h| {
+                kernels::rmsnorm(&x[i * hidden..(i + 1) * hidden], attn_norm, eps, h)
+            });
         }
-        if group > 1 && tasks.len() < 2 * rayon::current_num_threads() {
-            for i in 0..tasks.len() {
-                let t = tasks[i];
-                tasks[i].h1 = t.h0 + 1;
-                tasks.extend((t.h0 + 1..t.h1).map(|h| AttnTask {
-                    h0: h,
-                    h1: h + 1,
-                    ..t
-                }));
-            }
+        project(
+            int8,
+            qa,
+            b.h,
+            t_all,
+            hidden,
+            [
+                (w.mat(&lw.wq), q_dim, &mut *b.q),
+                (w.mat(&lw.wk), kv_dim, &mut *b.k),
+                (w.mat(&lw.wv), kv_dim, &mut *b.v),
+            ],
+        );
+        let qn = lw
+            .q_norm
+            .as_ref()
+            .filter(|_| cfg.arch == Arch::Qwen3)
+            .map(|t| w.get(t));
+        let kn = lw
+            .k_norm
+            .as_ref()
+            .filter(|_| cfg.arch == Arch::Qwen3)
+            .map(|t| w.get(t));
+        norm_rope(b.q, hd, qn, eps, b.cos, b.sin);
+        norm_rope(b.k, hd, kn, eps, b.cos, b.sin);
+        step.write_kv(li, kv_dim, b.k, b.v);
+        step.attend(li, hd, q_dim, b.q, b.att);
+        let (att, att_k) = gather_input(
+            tp,
+            (b.att, t_all, q_dim),
+            |t| &t.q_widths,
+            &mut tpb.input,
+            &|| format!("the attention output of layer {li}"),
+        )?;
+        project_residual(
+            int8,
+            qa,
+            (att, t_all, att_k),
+            (w.mat(&lw.wo), hidden_here),
+            tp,
+            &mut tpb.part,
+            b.h,
+            &|| format!("o_proj of layer {li}"),
+        )?;
+        add_into(b.x, b.h);
+        Ok(())
+    }
+
+    /// Layer `li`'s MLP block: norm, gate and up, SwiGLU, `down_proj`, and
+    /// the residual update.
+    fn mlp_block(
+        &self,
+        step: &Step<'_, '_>,
+        li: usize,
+        lw: &LayerWeights,
+        b: &mut Bufs<'_>,
+        qa: &mut QActs,
+        tpb: &mut TpBufs,
+    ) -> anyhow::Result<()> {
+        let cfg = &self.config;
+        let w = &self.weights;
+        let (hidden, eps, inter) = (cfg.hidden_size, cfg.rms_norm_eps, cfg.intermediate_size);
+        let t_all = step.tokens.len();
+        let int8 = self.int8_activations;
+        let tp = self.tp.as_ref();
+        let hidden_here = tp.map_or(hidden, |t| t.shard.hidden.len());
+
+        let ffn_norm = w.get(&lw.ffn_norm);
+        {
+            let x = &*b.x;
+            for_rows(b.h, hidden, |i, h| {
+                kernels::rmsnorm(&x[i * hidden..(i + 1) * hidden], ffn_norm, eps, h)
+            });
         }
-
-        let scale = (1.0 / (hd as f64).sqrt()) as f32;
-
-        for (li, lw) in w.layers.iter().enumerate() {
-            // Attention block.
-            let attn_norm = w.get(&lw.attn_norm);
-            {
-                let x = &*b.x;
-                for_rows(b.h, hidden, |i, h| {
-                    kernels::rmsnorm(&x[i * hidden..(i + 1) * hidden], attn_norm, eps, h)
-                });
-            }
-            project(
-                int8,
-                &mut qa,
-                b.h,
-                t_all,
-                hidden,
-                [
-                    (w.mat(&lw.wq), q_dim, &mut *b.q),
-                    (w.mat(&lw.wk), kv_dim, &mut *b.k),
-                    (w.mat(&lw.wv), kv_dim, &mut *b.v),
-                ],
-            );
-            let qn = lw
-                .q_norm
-                .as_ref()
-                .filter(|_| cfg.arch == Arch::Qwen3)
-                .map(|t| w.get(t));
-            let kn = lw
-                .k_norm
-                .as_ref()
-                .filter(|_| cfg.arch == Arch::Qwen3)
-                .map(|t| w.get(t));
-            norm_rope(b.q, hd, qn, eps, b.cos, b.sin);
-            norm_rope(b.k, hd, kn, eps, b.cos, b.sin);
-            // K/V of the step's tokens go into the cache before any query reads them.
-            for (i, tm) in tokens.iter().enumerate() {
-                let s = &seqs[tm.seq];
-                let block = s.block_table[tm.pos / BLOCK_SIZE] as usize;
-                // SAFETY: `validate` checked the block id and that no other
-                // sequence of the step uses this block; no reader runs yet.
-                unsafe {
-                    kv.write_token(
-                        block,
-                        li,
-                        tm.pos % BLOCK_SIZE,
-                        &b.k[i * kv_dim..(i + 1) * kv_dim],
-                        &b.v[i * kv_dim..(i + 1) * kv_dim],
-                    )
-                };
-            }
-            {
-                let q = &*b.q;
-                let att = RawPtr(b.att.as_mut_ptr());
-                let tokens = &tokens;
-                tasks.par_iter().for_each(|task| {
-                    let s = &seqs[task.seq];
-                    let need = (s.start_pos + s.tokens.len()).div_ceil(BLOCK_SIZE);
-                    let rows = kv.paged_rows(li, task.kv_head, hd, &s.block_table[..need]);
-                    // The task's queries go through the tiles together, up
-                    // to `ATTN_QUERIES` at a time.
-                    let mut qs = [AttnQuery::EMPTY; ATTN_QUERIES];
-                    let mut n = 0;
-                    for (r, tm) in tokens.iter().enumerate().take(task.row1).skip(task.row0) {
-                        for head in task.h0..task.h1 {
-                            let off = r * q_dim + head * hd;
-                            qs[n] = AttnQuery::new(
-                                q[off..off + hd].as_ptr(),
-                                tm.pos,
-                                att.get().wrapping_add(off),
-                            );
-                            n += 1;
-                            if n == ATTN_QUERIES {
-                                // SAFETY: tasks cover disjoint (row, head)
-                                // slices of `att`; the blocks hold every
-                                // position up to each query's, written above
-                                // or by earlier steps.
-                                unsafe { kernels::attend_many(&rows, hd, scale, &mut qs) };
-                                n = 0;
-                            }
-                        }
-                    }
-                    // SAFETY: as above.
-                    unsafe { kernels::attend_many(&rows, hd, scale, &mut qs[..n]) };
-                });
-            }
-            let (att, att_k) = gather_input(
-                tp,
-                (b.att, t_all, q_dim),
-                |t| &t.q_widths,
-                &mut tpb.input,
-                &|| format!("the attention output of layer {li}"),
-            )?;
-            project_residual(
-                int8,
-                &mut qa,
-                (att, t_all, att_k),
-                (w.mat(&lw.wo), hidden_here),
-                tp,
-                &mut tpb.part,
-                b.h,
-                &|| format!("o_proj of layer {li}"),
-            )?;
-            add_into(b.x, b.h);
-
-            // MLP block.
-            let ffn_norm = w.get(&lw.ffn_norm);
-            {
-                let x = &*b.x;
-                for_rows(b.h, hidden, |i, h| {
-                    kernels::rmsnorm(&x[i * hidden..(i + 1) * hidden], ffn_norm, eps, h)
-                });
-            }
-            project(
-                int8,
-                &mut qa,
-                b.h,
-                t_all,
-                hidden,
-                [
-                    (w.mat(&lw.w_gate), inter, &mut *b.gate),
-                    (w.mat(&lw.w_up), inter, &mut *b.up),
-                ],
-            );
-            {
-                let up = &*b.up;
-                for_rows(b.gate, inter, |i, g| {
-                    kernels::silu_mul(g, &up[i * inter..(i + 1) * inter])
-                });
-            }
-            let (act, act_k) = gather_input(
-                tp,
-                (b.gate, t_all, inter),
-                |t| &t.inter_widths,
-                &mut tpb.input,
-                &|| format!("the MLP activation of layer {li}"),
-            )?;
-            project_residual(
-                int8,
-                &mut qa,
-                (act, t_all, act_k),
-                (w.mat(&lw.w_down), hidden_here),
-                tp,
-                &mut tpb.part,
-                b.h,
-                &|| format!("down_proj of layer {li}"),
-            )?;
-            add_into(b.x, b.h);
+        project(
+            int8,
+            qa,
+            b.h,
+            t_all,
+            hidden,
+            [
+                (w.mat(&lw.w_gate), inter, &mut *b.gate),
+                (w.mat(&lw.w_up), inter, &mut *b.up),
+            ],
+        );
+        {
+            let up = &*b.up;
+            for_rows(b.gate, inter, |i, g| {
+                kernels::silu_mul(g, &up[i * inter..(i + 1) * inter])
+            });
         }
+        let (act, act_k) = gather_input(
+            tp,
+            (b.gate, t_all, inter),
+            |t| &t.inter_widths,
+            &mut tpb.input,
+            &|| format!("the MLP activation of layer {li}"),
+        )?;
+        project_residual(
+            int8,
+            qa,
+            (act, t_all, act_k),
+            (w.mat(&lw.w_down), hidden_here),
+            tp,
+            &mut tpb.part,
+            b.h,
+            &|| format!("down_proj of layer {li}"),
+        )?;
+        add_into(b.x, b.h);
+        Ok(())
+    }
 
-        // Final norm and LM head, only for the rows that want logits.
+    /// Final norm and LM head, only for the rows that want logits (a
+    /// tensor-parallel rank's columns gathered to rank 0).
+    fn lm_head(
+        &self,
+        logit_rows: &[usize],
+        b: &mut Bufs<'_>,
+        qa: &mut QActs,
+        tpb: &mut TpBufs,
+        logits: &mut Vec<f32>,
+    ) -> anyhow::Result<()> {
+        let cfg = &self.config;
+        let w = &self.weights;
+        let (hidden, eps) = (cfg.hidden_size, cfg.rms_norm_eps);
+        let int8 = self.int8_activations;
+        let tp = self.tp.as_ref();
+        let vocab_here = tp.map_or(cfg.vocab_size, |t| t.shard.vocab.len());
+
         let final_norm = w.get(&w.final_norm);
         let n_out = logit_rows.len();
         for (i, &r) in logit_rows.iter().enumerate() {
@@ -711,7 +537,7 @@ impl Model {
             local.resize(n_out * vocab_here, 0.0);
             project(
                 int8,
-                &mut qa,
+                qa,
                 &b.h[..n_out * hidden],
                 n_out,
                 hidden,
@@ -725,13 +551,118 @@ impl Model {
                 None => *logits = local,
             }
         }
-
-        ws.tokens = tokens;
-        ws.tasks = tasks;
-        ws.logit_rows = logit_rows;
-        ws.qacts = qa;
-        ws.tp = tpb;
         Ok(())
+    }
+}
+
+/// What every layer of a step reads: the cache, the sequences, where each
+/// token of the step comes from and the attention work units.
+struct Step<'a, 's> {
+    kv: &'a KvCache,
+    seqs: &'a [SeqInput<'s>],
+    tokens: &'a [TokenMeta],
+    tasks: &'a [AttnTask],
+}
+
+impl Step<'_, '_> {
+    /// Writes the K/V rows (`k`, `v`: `[T, kv_dim]`) of the step's tokens
+    /// into layer `li` of the cache, before any query reads them.
+    fn write_kv(&self, li: usize, kv_dim: usize, k: &[f32], v: &[f32]) {
+        for (i, tm) in self.tokens.iter().enumerate() {
+            let s = &self.seqs[tm.seq];
+            let block = s.block_table[tm.pos / BLOCK_SIZE] as usize;
+            // SAFETY: `validate` checked the block id and that no other
+            // sequence of the step uses this block; no reader runs yet.
+            unsafe {
+                self.kv.write_token(
+                    block,
+                    li,
+                    tm.pos % BLOCK_SIZE,
+                    &k[i * kv_dim..(i + 1) * kv_dim],
+                    &v[i * kv_dim..(i + 1) * kv_dim],
+                )
+            };
+        }
+    }
+
+    /// Attention of every query row of the step (`q`: `[T, q_dim]`) over
+    /// layer `li`'s cache, into `att` (`[T, q_dim]`), a task per thread job.
+    fn attend(&self, li: usize, hd: usize, q_dim: usize, q: &[f32], att: &mut [f32]) {
+        let scale = (1.0 / (hd as f64).sqrt()) as f32;
+        let (kv, seqs) = (self.kv, self.seqs);
+        let att = RawPtr(att.as_mut_ptr());
+        let tokens = &self.tokens;
+        self.tasks.par_iter().for_each(|task| {
+            let s = &seqs[task.seq];
+            let need = (s.start_pos + s.tokens.len()).div_ceil(BLOCK_SIZE);
+            let rows = kv.paged_rows(li, task.kv_head, hd, &s.block_table[..need]);
+            // The task's queries go through the tiles together, up
+            // to `ATTN_QUERIES` at a time.
+            let mut qs = [AttnQuery::EMPTY; ATTN_QUERIES];
+            let mut n = 0;
+            for (r, tm) in tokens.iter().enumerate().take(task.row1).skip(task.row0) {
+                for head in task.h0..task.h1 {
+                    let off = r * q_dim + head * hd;
+                    qs[n] = AttnQuery::new(
+                        q[off..off + hd].as_ptr(),
+                        tm.pos,
+                        att.get().wrapping_add(off),
+                    );
+                    n += 1;
+                    if n == ATTN_QUERIES {
+                        // SAFETY: tasks cover disjoint (row, head)
+                        // slices of `att`; the blocks hold every
+                        // position up to each query's, written above
+                        // or by earlier steps.
+                        unsafe { kernels::attend_many(&rows, hd, scale, &mut qs) };
+                        n = 0;
+                    }
+                }
+            }
+            // SAFETY: as above.
+            unsafe { kernels::attend_many(&rows, hd, scale, &mut qs[..n]) };
+        });
+    }
+}
+
+/// Attention work units: (sequence, KV head, up to ATTN_ROWS queries),
+/// every query head of the group. Too few of them to keep the math
+/// threads busy (decode at small batch), each query head is its own
+/// unit instead: the same calls, so the same bits.
+fn plan_attention(cfg: &ModelConfig, seqs: &[SeqInput<'_>], tasks: &mut Vec<AttnTask>) {
+    let group = cfg.num_heads / cfg.num_kv_heads;
+    tasks.clear();
+    let mut row0 = 0;
+    for (si, s) in seqs.iter().enumerate() {
+        let n = s.tokens.len();
+        for kv_head in 0..cfg.num_kv_heads {
+            let mut r = 0;
+            while r < n {
+                let r1 = (r + ATTN_ROWS).min(n);
+                let (h0, h1) = (kv_head * group, (kv_head + 1) * group);
+                tasks.push(AttnTask {
+                    seq: si,
+                    kv_head,
+                    row0: row0 + r,
+                    row1: row0 + r1,
+                    h0,
+                    h1,
+                });
+                r = r1;
+            }
+        }
+        row0 += n;
+    }
+    if group > 1 && tasks.len() < 2 * rayon::current_num_threads() {
+        for i in 0..tasks.len() {
+            let t = tasks[i];
+            tasks[i].h1 = t.h0 + 1;
+            tasks.extend((t.h0 + 1..t.h1).map(|h| AttnTask {
+                h0: h,
+                h1: h + 1,
+                ..t
+            }));
+        }
     }
 }
 
@@ -811,15 +742,6 @@ fn project<const N: usize>(
             }
         }
     }
-}
-
-/// A tensor-parallel rank's buffers for what the ranks exchange.
-#[derive(Default)]
-struct TpBufs {
-    /// A projection's whole input (every rank's columns).
-    input: Vec<f32>,
-    /// The rank's part of a projection's output.
-    part: Vec<f32>,
 }
 
 /// A projection's input as a rank computed it (`local`, `[t, k]`: its

@@ -710,7 +710,26 @@ pub fn dequantize(ty: GgmlType, data: &[u8], out: &mut [f32]) -> Result<()> {
             out.len()
         )));
     }
-    let f16_at = |b: &[u8], i: usize| f16::from_le_bytes([b[i], b[i + 1]]).to_f32();
+    match ty {
+        GgmlType::F32 | GgmlType::F16 | GgmlType::BF16 => dequantize_floats(ty, data, out),
+        GgmlType::Q8_0 => dequantize_q8_0(data, out),
+        GgmlType::Q4_0 => dequantize_q4_0(data, out),
+        GgmlType::Q4_1 => dequantize_q4_1(data, out),
+        GgmlType::Q5_0 | GgmlType::Q5_1 => dequantize_q5(ty == GgmlType::Q5_1, data, out),
+        GgmlType::Q4_K | GgmlType::Q5_K => dequantize_k45(ty == GgmlType::Q5_K, data, out),
+        GgmlType::Q6_K => dequantize_q6_k(data, out),
+        _ => unreachable!("can_dequantize admits exactly the types above"),
+    }
+    Ok(())
+}
+
+/// The f16 at byte `i` of `b`, exactly.
+fn f16_at(b: &[u8], i: usize) -> f32 {
+    f16::from_le_bytes([b[i], b[i + 1]]).to_f32()
+}
+
+/// F32, F16 and BF16 values, widened exactly.
+fn dequantize_floats(ty: GgmlType, data: &[u8], out: &mut [f32]) {
     match ty {
         GgmlType::F32 => {
             for (o, b) in out.iter_mut().zip(data.chunks_exact(4)) {
@@ -727,95 +746,98 @@ pub fn dequantize(ty: GgmlType, data: &[u8], out: &mut [f32]) -> Result<()> {
                 *o = bf16::from_le_bytes([b[0], b[1]]).to_f32();
             }
         }
-        GgmlType::Q8_0 => {
-            // f16 scale d, then 32 signed bytes: x = d * q.
-            for (o, b) in out.chunks_exact_mut(32).zip(data.chunks_exact(34)) {
-                let d = f16_at(b, 0);
-                for (x, &q) in o.iter_mut().zip(&b[2..34]) {
-                    *x = d * f32::from(q as i8);
-                }
-            }
-        }
-        GgmlType::Q4_0 => {
-            // f16 scale d, then 16 bytes of nibbles: value j < 16 is the low
-            // nibble of byte j, value j >= 16 the high nibble of byte j-16;
-            // x = d * (q - 8).
-            for (o, b) in out.chunks_exact_mut(32).zip(data.chunks_exact(18)) {
-                let d = f16_at(b, 0);
-                for (j, &q) in b[2..18].iter().enumerate() {
-                    o[j] = d * (f32::from(q & 0x0f) - 8.0);
-                    o[j + 16] = d * (f32::from(q >> 4) - 8.0);
-                }
-            }
-        }
-        GgmlType::Q4_1 => {
-            // f16 scale d, f16 minimum m, then nibbles as in Q4_0; x = d*q + m.
-            for (o, b) in out.chunks_exact_mut(32).zip(data.chunks_exact(20)) {
-                let d = f16_at(b, 0);
-                let m = f16_at(b, 2);
-                for (j, &q) in b[4..20].iter().enumerate() {
-                    o[j] = d * f32::from(q & 0x0f) + m;
-                    o[j + 16] = d * f32::from(q >> 4) + m;
-                }
-            }
-        }
-        GgmlType::Q5_0 | GgmlType::Q5_1 => {
-            // f16 d, (Q5_1) f16 m, 32 fifth bits, 16 bytes of low nibbles
-            // laid out as in Q4_0; Q5_0 x = d*(q - 16), Q5_1 x = d*q + m.
-            let one = ty == GgmlType::Q5_1;
-            let bb = if one { 24 } else { 22 };
-            for (o, b) in out.chunks_exact_mut(32).zip(data.chunks_exact(bb)) {
-                let d = f16_at(b, 0);
-                let m = if one { f16_at(b, 2) } else { 0.0 };
-                let h = if one { 4 } else { 2 };
-                let qh = u32::from_le_bytes([b[h], b[h + 1], b[h + 2], b[h + 3]]);
-                for (j, &q) in b[h + 4..h + 20].iter().enumerate() {
-                    let lo = (q & 0x0f) as u32 | ((qh >> j) & 1) << 4;
-                    let hi = (q >> 4) as u32 | ((qh >> (j + 16)) & 1) << 4;
-                    if one {
-                        o[j] = d * lo as f32 + m;
-                        o[j + 16] = d * hi as f32 + m;
-                    } else {
-                        o[j] = d * (lo as f32 - 16.0);
-                        o[j + 16] = d * (hi as f32 - 16.0);
-                    }
-                }
-            }
-        }
-        GgmlType::Q4_K | GgmlType::Q5_K => {
-            // Super-blocks of 256: f16 d, f16 dmin, 12 bytes of 6-bit scales
-            // and minimums for 8 sub-blocks of 32, (Q5_K) 32 bytes of fifth
-            // bits, 128 bytes of nibbles (a 64-value chunk's 32 bytes hold
-            // sub-block 2i in the low nibbles, 2i+1 in the high ones);
-            // x = d*sc*q - dmin*m.
-            let five = ty == GgmlType::Q5_K;
-            let bb = if five { 176 } else { 144 };
-            for (o, b) in out.chunks_exact_mut(256).zip(data.chunks_exact(bb)) {
-                let (d, dmin) = (f16_at(b, 0), f16_at(b, 2));
-                let scales: &[u8; 12] = b[4..16].try_into().expect("12 bytes");
-                for sub in 0..8 {
-                    let (sc, mn) = k_scale_min(scales, sub);
-                    let (dl, ml) = (d * sc as f32, dmin * mn as f32);
-                    for l in 0..32 {
-                        o[sub * 32 + l] = dl * k45_value(b, five, sub, l) as f32 - ml;
-                    }
-                }
-            }
-        }
-        GgmlType::Q6_K => {
-            // Super-blocks of 256: 128 bytes of low nibbles, 64 bytes of
-            // high 2-bit pairs, 16 i8 scales (one per 16 values), f16 d;
-            // x = d*sc*(q - 32).
-            for (o, b) in out.chunks_exact_mut(256).zip(data.chunks_exact(210)) {
-                let d = f16_at(b, 208);
-                for i in 0..256 {
-                    let q = k6_value(b, i);
-                    let sc = b[192 + i / 16] as i8;
-                    o[i] = d * sc as f32 * (q as f32 - 32.0);
-                }
-            }
-        }
-        _ => unreachable!("can_dequantize admits exactly the types above"),
+        _ => unreachable!("{ty} is not a float type"),
     }
-    Ok(())
+}
+
+/// Q8_0: f16 scale d, then 32 signed bytes: x = d * q.
+fn dequantize_q8_0(data: &[u8], out: &mut [f32]) {
+    for (o, b) in out.chunks_exact_mut(32).zip(data.chunks_exact(34)) {
+        let d = f16_at(b, 0);
+        for (x, &q) in o.iter_mut().zip(&b[2..34]) {
+            *x = d * f32::from(q as i8);
+        }
+    }
+}
+
+/// Q4_0: f16 scale d, then 16 bytes of nibbles: value j < 16 is the low
+/// nibble of byte j, value j >= 16 the high nibble of byte j-16;
+/// x = d * (q - 8).
+fn dequantize_q4_0(data: &[u8], out: &mut [f32]) {
+    for (o, b) in out.chunks_exact_mut(32).zip(data.chunks_exact(18)) {
+        let d = f16_at(b, 0);
+        for (j, &q) in b[2..18].iter().enumerate() {
+            o[j] = d * (f32::from(q & 0x0f) - 8.0);
+            o[j + 16] = d * (f32::from(q >> 4) - 8.0);
+        }
+    }
+}
+
+/// Q4_1: f16 scale d, f16 minimum m, then nibbles as in Q4_0; x = d*q + m.
+fn dequantize_q4_1(data: &[u8], out: &mut [f32]) {
+    for (o, b) in out.chunks_exact_mut(32).zip(data.chunks_exact(20)) {
+        let d = f16_at(b, 0);
+        let m = f16_at(b, 2);
+        for (j, &q) in b[4..20].iter().enumerate() {
+            o[j] = d * f32::from(q & 0x0f) + m;
+            o[j + 16] = d * f32::from(q >> 4) + m;
+        }
+    }
+}
+
+/// Q5_0 and (`one`) Q5_1: f16 d, (Q5_1) f16 m, 32 fifth bits, 16 bytes of
+/// low nibbles laid out as in Q4_0; Q5_0 x = d*(q - 16), Q5_1 x = d*q + m.
+fn dequantize_q5(one: bool, data: &[u8], out: &mut [f32]) {
+    let bb = if one { 24 } else { 22 };
+    for (o, b) in out.chunks_exact_mut(32).zip(data.chunks_exact(bb)) {
+        let d = f16_at(b, 0);
+        let m = if one { f16_at(b, 2) } else { 0.0 };
+        let h = if one { 4 } else { 2 };
+        let qh = u32::from_le_bytes([b[h], b[h + 1], b[h + 2], b[h + 3]]);
+        for (j, &q) in b[h + 4..h + 20].iter().enumerate() {
+            let lo = (q & 0x0f) as u32 | ((qh >> j) & 1) << 4;
+            let hi = (q >> 4) as u32 | ((qh >> (j + 16)) & 1) << 4;
+            if one {
+                o[j] = d * lo as f32 + m;
+                o[j + 16] = d * hi as f32 + m;
+            } else {
+                o[j] = d * (lo as f32 - 16.0);
+                o[j + 16] = d * (hi as f32 - 16.0);
+            }
+        }
+    }
+}
+
+/// Q4_K and (`five`) Q5_K: super-blocks of 256: f16 d, f16 dmin, 12 bytes
+/// of 6-bit scales and minimums for 8 sub-blocks of 32, (Q5_K) 32 bytes of
+/// fifth bits, 128 bytes of nibbles (a 64-value chunk's 32 bytes hold
+/// sub-block 2i in the low nibbles, 2i+1 in the high ones);
+/// x = d*sc*q - dmin*m.
+fn dequantize_k45(five: bool, data: &[u8], out: &mut [f32]) {
+    let bb = if five { 176 } else { 144 };
+    for (o, b) in out.chunks_exact_mut(256).zip(data.chunks_exact(bb)) {
+        let (d, dmin) = (f16_at(b, 0), f16_at(b, 2));
+        let scales: &[u8; 12] = b[4..16].try_into().expect("12 bytes");
+        for sub in 0..8 {
+            let (sc, mn) = k_scale_min(scales, sub);
+            let (dl, ml) = (d * sc as f32, dmin * mn as f32);
+            for l in 0..32 {
+                o[sub * 32 + l] = dl * k45_value(b, five, sub, l) as f32 - ml;
+            }
+        }
+    }
+}
+
+/// Q6_K: super-blocks of 256: 128 bytes of low nibbles, 64 bytes of high
+/// 2-bit pairs, 16 i8 scales (one per 16 values), f16 d;
+/// x = d*sc*(q - 32).
+fn dequantize_q6_k(data: &[u8], out: &mut [f32]) {
+    for (o, b) in out.chunks_exact_mut(256).zip(data.chunks_exact(210)) {
+        let d = f16_at(b, 208);
+        for i in 0..256 {
+            let q = k6_value(b, i);
+            let sc = b[192 + i / 16] as i8;
+            o[i] = d * sc as f32 * (q as f32 - 32.0);
+        }
+    }
 }

@@ -23,6 +23,7 @@ pub mod safetensors;
 pub mod tokenizer;
 pub mod tp;
 pub mod weights;
+pub mod workspace;
 
 pub use chat::{ChatMessage, ChatTemplate};
 pub use config::{Arch, ModelConfig};

@@ -85,13 +85,7 @@ impl WeightsPlan {
                 });
                 dest
             };
-        let (h, q, kv, ff, v) = (
-            cfg.hidden_size,
-            cfg.q_dim(),
-            cfg.kv_dim(),
-            cfg.intermediate_size,
-            cfg.vocab_size,
-        );
+        let (h, v) = (cfg.hidden_size, cfg.vocab_size);
         let embed = push(
             "token_embd.weight".into(),
             "model.embed_tokens.weight".into(),
@@ -99,72 +93,9 @@ impl WeightsPlan {
             None,
             true,
         );
-        let llama = cfg.arch == Arch::Llama;
-        let mut layers = Vec::with_capacity(cfg.num_layers);
-        for i in 0..cfg.num_layers {
-            let g = |n: &str| format!("blk.{i}.{n}.weight");
-            let f = |n: &str| format!("model.layers.{i}.{n}.weight");
-            let attn_norm = push(g("attn_norm"), f("input_layernorm"), &[h], None, false);
-            let wq = push(
-                g("attn_q"),
-                f("self_attn.q_proj"),
-                &[q, h],
-                llama.then_some(cfg.num_heads),
-                true,
-            );
-            let wk = push(
-                g("attn_k"),
-                f("self_attn.k_proj"),
-                &[kv, h],
-                llama.then_some(cfg.num_kv_heads),
-                true,
-            );
-            let wv = push(g("attn_v"), f("self_attn.v_proj"), &[kv, h], None, true);
-            let wo = push(g("attn_output"), f("self_attn.o_proj"), &[h, q], None, true);
-            let (q_norm, k_norm) = if cfg.arch == Arch::Qwen3 {
-                (
-                    Some(push(
-                        g("attn_q_norm"),
-                        f("self_attn.q_norm"),
-                        &[cfg.head_dim],
-                        None,
-                        false,
-                    )),
-                    Some(push(
-                        g("attn_k_norm"),
-                        f("self_attn.k_norm"),
-                        &[cfg.head_dim],
-                        None,
-                        false,
-                    )),
-                )
-            } else {
-                (None, None)
-            };
-            let ffn_norm = push(
-                g("ffn_norm"),
-                f("post_attention_layernorm"),
-                &[h],
-                None,
-                false,
-            );
-            let w_gate = push(g("ffn_gate"), f("mlp.gate_proj"), &[ff, h], None, true);
-            let w_up = push(g("ffn_up"), f("mlp.up_proj"), &[ff, h], None, true);
-            let w_down = push(g("ffn_down"), f("mlp.down_proj"), &[h, ff], None, true);
-            layers.push(LayerWeights {
-                attn_norm,
-                wq,
-                wk,
-                wv,
-                wo,
-                q_norm,
-                k_norm,
-                ffn_norm,
-                w_gate,
-                w_up,
-                w_down,
-            });
-        }
+        let layers = (0..cfg.num_layers)
+            .map(|i| plan_layer(cfg, i, &mut push))
+            .collect();
         let final_norm = push(
             "output_norm.weight".into(),
             "model.norm.weight".into(),
@@ -231,6 +162,84 @@ impl WeightsPlan {
             final_norm: self.final_norm,
             lm_head: self.lm_head,
         })
+    }
+}
+
+/// Plans layer `i`'s tensors through `push(gguf_name, hf_name, shape,
+/// rope_heads, linear)`, in the plan's order.
+fn plan_layer(
+    cfg: &ModelConfig,
+    i: usize,
+    push: &mut impl FnMut(String, String, &[usize], Option<usize>, bool) -> TensorRef,
+) -> LayerWeights {
+    let (h, q, kv, ff) = (
+        cfg.hidden_size,
+        cfg.q_dim(),
+        cfg.kv_dim(),
+        cfg.intermediate_size,
+    );
+    let llama = cfg.arch == Arch::Llama;
+    let g = |n: &str| format!("blk.{i}.{n}.weight");
+    let f = |n: &str| format!("model.layers.{i}.{n}.weight");
+    let attn_norm = push(g("attn_norm"), f("input_layernorm"), &[h], None, false);
+    let wq = push(
+        g("attn_q"),
+        f("self_attn.q_proj"),
+        &[q, h],
+        llama.then_some(cfg.num_heads),
+        true,
+    );
+    let wk = push(
+        g("attn_k"),
+        f("self_attn.k_proj"),
+        &[kv, h],
+        llama.then_some(cfg.num_kv_heads),
+        true,
+    );
+    let wv = push(g("attn_v"), f("self_attn.v_proj"), &[kv, h], None, true);
+    let wo = push(g("attn_output"), f("self_attn.o_proj"), &[h, q], None, true);
+    let (q_norm, k_norm) = if cfg.arch == Arch::Qwen3 {
+        (
+            Some(push(
+                g("attn_q_norm"),
+                f("self_attn.q_norm"),
+                &[cfg.head_dim],
+                None,
+                false,
+            )),
+            Some(push(
+                g("attn_k_norm"),
+                f("self_attn.k_norm"),
+                &[cfg.head_dim],
+                None,
+                false,
+            )),
+        )
+    } else {
+        (None, None)
+    };
+    let ffn_norm = push(
+        g("ffn_norm"),
+        f("post_attention_layernorm"),
+        &[h],
+        None,
+        false,
+    );
+    let w_gate = push(g("ffn_gate"), f("mlp.gate_proj"), &[ff, h], None, true);
+    let w_up = push(g("ffn_up"), f("mlp.up_proj"), &[ff, h], None, true);
+    let w_down = push(g("ffn_down"), f("mlp.down_proj"), &[h, ff], None, true);
+    LayerWeights {
+        attn_norm,
+        wq,
+        wk,
+        wv,
+        wo,
+        q_norm,
+        k_norm,
+        ffn_norm,
+        w_gate,
+        w_up,
+        w_down,
     }
 }
 

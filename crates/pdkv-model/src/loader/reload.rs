@@ -124,15 +124,47 @@ pub fn reload_weights_into(
     path: &Path,
     progress: &mut dyn FnMut(&LoadProgress),
 ) -> Result<(), ReloadError> {
+    let source = open_matching(path, expected)?;
+    let plan = match &source {
+        Source::Hf(sh) => WeightsPlan::new(expected, &hf_quant(sh)),
+        Source::Gguf(g) => WeightsPlan::new(expected, &gguf_quant(g)),
+    };
+    if !same_layout(&plan, weights) {
+        return Err(ReloadError::Incompatible(anyhow::anyhow!(
+            "{}",
+            format_difference(&plan, weights).unwrap_or_else(|| {
+                "the running model's weights are not laid out as its config plans them".into()
+            })
+        )));
+    }
+    for slot in &plan.slots {
+        let checked = match &source {
+            Source::Hf(h) => h.precheck(slot),
+            Source::Gguf(g) => precheck_gguf_slot(g, slot),
+        };
+        checked.map_err(ReloadError::Incompatible)?;
+    }
+    if !weights.region.is_mapped() {
+        return Err(ReloadError::RegionReleased);
+    }
+    write_slots(weights, expected, &source, &plan, progress)
+}
+
+/// A checkpoint being reloaded, opened.
+enum Source {
+    Hf(HfShards),
+    Gguf(GgufFile),
+}
+
+/// Opens the checkpoint at `path` after checking that its config matches
+/// the running model's (`expected`): its architecture and every
+/// hyper-parameter that shapes the weights or the math.
+fn open_matching(path: &Path, expected: &ModelConfig) -> Result<Source, ReloadError> {
     if !path.exists() {
         return Err(ReloadError::Unreadable(anyhow::anyhow!(
             "checkpoint path {} does not exist",
             path.display()
         )));
-    }
-    enum Source {
-        Hf(HfShards),
-        Gguf(GgufFile),
     }
     let (cfg, source) = if path.is_dir() {
         let cfg = hf_config(path).map_err(ReloadError::Unreadable)?;
@@ -156,15 +188,17 @@ pub fn reload_weights_into(
             list.join("; ")
         )));
     }
-    let source = match source {
+    Ok(match source {
         Some(s) => s,
         None => Source::Hf(open_hf_shards(path).map_err(ReloadError::Unreadable)?),
-    };
-    let plan = match &source {
-        Source::Hf(sh) => WeightsPlan::new(expected, &hf_quant(sh)),
-        Source::Gguf(g) => WeightsPlan::new(expected, &gguf_quant(g)),
-    };
-    let layout_matches = plan.embed == weights.embed
+    })
+}
+
+/// Whether the checkpoint's plan puts every tensor where the running
+/// model's weights have it, with the same shape and format, inside the
+/// region.
+fn same_layout(plan: &WeightsPlan, weights: &Weights) -> bool {
+    plan.embed == weights.embed
         && plan.final_norm == weights.final_norm
         && plan.lm_head == weights.lm_head
         && plan.layers.len() == weights.layers.len()
@@ -192,40 +226,37 @@ pub fn reload_weights_into(
             ] && a.q_norm == b.q_norm
                 && a.k_norm == b.k_norm
         })
-        && plan.total_bytes <= weights.region.len();
-    if !layout_matches {
-        // Name a tensor the checkpoint stores in another format, if any.
-        let running = weights.tensors_by_offset();
-        let differs = plan.slots.iter().find_map(|s| {
-            running
-                .iter()
-                .find(|t| {
-                    t.offset == s.dest.offset && t.shape == s.dest.shape && t.dtype != s.dest.dtype
-                })
-                .map(|t| {
-                    format!(
-                        "the checkpoint stores `{}` as {:?}, the running model as {:?}",
-                        s.gguf_name, s.dest.dtype, t.dtype
-                    )
-                })
-        });
-        return Err(ReloadError::Incompatible(anyhow::anyhow!(
-            "{}",
-            differs.unwrap_or_else(|| {
-                "the running model's weights are not laid out as its config plans them".into()
+        && plan.total_bytes <= weights.region.len()
+}
+
+/// Names a tensor the checkpoint stores in another format than the running
+/// model, if any.
+fn format_difference(plan: &WeightsPlan, weights: &Weights) -> Option<String> {
+    let running = weights.tensors_by_offset();
+    plan.slots.iter().find_map(|s| {
+        running
+            .iter()
+            .find(|t| {
+                t.offset == s.dest.offset && t.shape == s.dest.shape && t.dtype != s.dest.dtype
             })
-        )));
-    }
-    for slot in &plan.slots {
-        let checked = match &source {
-            Source::Hf(h) => h.precheck(slot),
-            Source::Gguf(g) => precheck_gguf_slot(g, slot),
-        };
-        checked.map_err(ReloadError::Incompatible)?;
-    }
-    if !weights.region.is_mapped() {
-        return Err(ReloadError::RegionReleased);
-    }
+            .map(|t| {
+                format!(
+                    "the checkpoint stores `{}` as {:?}, the running model as {:?}",
+                    s.gguf_name, s.dest.dtype, t.dtype
+                )
+            })
+    })
+}
+
+/// Converts every slot of the (checked) plan into the region, in the order
+/// of the plan.
+fn write_slots(
+    weights: &Weights,
+    expected: &ModelConfig,
+    source: &Source,
+    plan: &WeightsPlan,
+    progress: &mut dyn FnMut(&LoadProgress),
+) -> Result<(), ReloadError> {
     let mut p = LoadProgress {
         tensors_done: 0,
         tensors_total: plan.slots.len(),
@@ -234,10 +265,11 @@ pub fn reload_weights_into(
     };
     for slot in &plan.slots {
         // SAFETY: each slot is its own 64-byte-aligned range inside the
-        // region (the layout was checked above), and the caller guarantees
-        // that no view of the weights is alive while this runs.
+        // region (the layout was checked by the caller), and the caller of
+        // `reload_weights_into` guarantees that no view of the weights is
+        // alive while this runs.
         let dst = unsafe { slot_dst(&weights.region, &slot.dest) };
-        let filled = match &source {
+        let filled = match source {
             Source::Hf(h) => h.fill(slot, dst),
             Source::Gguf(g) => fill_gguf_slot(g, expected, slot, dst),
         };
