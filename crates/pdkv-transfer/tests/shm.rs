@@ -10,6 +10,9 @@ use pdkv_transfer::{AccessError, Registry, RegistryOptions};
 use pdkv_vmem::{Pool, PoolOptions, Tag};
 
 const DL: Duration = Duration::from_secs(10);
+/// How long after its submission a batch's deadline passes in the
+/// mid-batch deadline test: ample for a worker to start its first slice.
+const MID_BATCH: Duration = Duration::from_secs(1);
 
 fn sock_path(name: &str) -> std::path::PathBuf {
     let p = std::env::temp_dir().join(format!("pdkv-shm-{}-{name}.sock", std::process::id()));
@@ -477,8 +480,11 @@ fn a_deadline_in_the_past_or_expiring_mid_batch_fails_with_timeout() {
     assert!(remote_bytes(&p, 0, LEN) == old, "memory untouched");
 
     // Expiring mid-batch: the batch is held after its first slice until
-    // the deadline has passed, then must stop before the next slice.
-    let deadline = Instant::now() + Duration::from_millis(5);
+    // the deadline has passed, then must stop before the next slice. The
+    // deadline must still be ahead when the worker starts the first slice:
+    // a second, where 5 ms was once too short on a loaded machine (the
+    // batch then failed before its first slice and never reached the gate).
+    let deadline = Instant::now() + MID_BATCH;
     let h = p.write_one(0, LEN as u64, Some(b"x".to_vec()), deadline);
     gate.wait_reached();
     while Instant::now() < deadline {
