@@ -29,49 +29,22 @@ use std::sync::Arc;
 
 use axum::body::Bytes;
 use axum::extract::{RawQuery, State};
-use axum::http::{header, Method, StatusCode};
+use axum::http::{Method, StatusCode};
 use axum::middleware;
-use axum::response::{IntoResponse, Response};
+use axum::response::Response;
 use axum::routing::{get, post};
 use axum::Router;
 use serde_json::{json, Value};
 
-use super::{Backend, Proxy, Role};
+use pdkv_relay::plan::Role;
+
+use super::engine_calls::{answer, call, call_role, json_response, EngineResult, Order};
+use super::shared::Shared;
+use super::weight_fanout;
 use crate::admin::{require_token, AdminToken};
 
-/// In which order a call reaches the roles.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(super) enum Order {
-    /// Prefill engines, then decode engines.
-    PrefillFirst,
-    /// Decode engines, then prefill engines.
-    DecodeFirst,
-    /// Every engine at once.
-    Together,
-}
-
-/// One engine's answer to a fanned-out call.
-#[derive(Debug)]
-pub(super) struct EngineResult {
-    pub(super) role: Role,
-    pub(super) url: String,
-    /// `None`: not called (an earlier phase failed) or no answer.
-    pub(super) status: Option<u16>,
-    pub(super) body: Value,
-}
-
-impl EngineResult {
-    pub(super) fn ok(&self) -> bool {
-        self.status.is_some_and(|s| (200..300).contains(&s))
-    }
-
-    fn json(&self) -> Value {
-        json!({"role": self.role.to_string(), "url": self.url, "status": self.status, "body": self.body})
-    }
-}
-
 /// The admin routes of the proxy, behind `token`.
-pub(super) fn routes(token: Arc<AdminToken>) -> Router<Proxy> {
+pub(super) fn routes(token: Arc<AdminToken>) -> Router<Arc<Shared>> {
     Router::new()
         .route(
             "/pause",
@@ -102,12 +75,9 @@ pub(super) fn routes(token: Arc<AdminToken>) -> Router<Proxy> {
             "/resume",
             post(|s, q, b| call(s, Method::POST, "/resume", Order::DecodeFirst, q, b)),
         )
-        .route("/update_weights", post(super::weight_fanout::update))
-        .route(
-            "/init_weight_transfer_engine",
-            post(super::weight_fanout::init),
-        )
-        .route("/start_weight_update", post(super::weight_fanout::start))
+        .route("/update_weights", post(weight_fanout::update))
+        .route("/init_weight_transfer_engine", post(weight_fanout::init))
+        .route("/start_weight_update", post(weight_fanout::start))
         .route(
             "/finish_weight_update",
             post(|s, q, b| {
@@ -150,131 +120,9 @@ pub(super) fn routes(token: Arc<AdminToken>) -> Router<Proxy> {
         .route_layer(middleware::from_fn_with_state(token, require_token))
 }
 
-/// Calls `path` on one engine with the proxy's admin token.
-pub(super) async fn call_one(
-    proxy: &Proxy,
-    b: &Backend,
-    method: Method,
-    path: &str,
-    query: Option<&str>,
-    body: &Bytes,
-) -> EngineResult {
-    let url = match query {
-        Some(q) if !q.is_empty() => format!("{}{path}?{q}", b.url),
-        _ => format!("{}{path}", b.url),
-    };
-    let inner = &proxy.inner;
-    let mut req = inner
-        .client
-        .request(method, url)
-        .timeout(inner.config.request_timeout);
-    if let Some(t) = &inner.config.admin_token {
-        req = req.bearer_auth(t);
-    }
-    if !body.is_empty() {
-        req = req
-            .header(header::CONTENT_TYPE, "application/json")
-            .body(body.clone());
-    }
-    let (status, body) = match req.send().await {
-        Ok(resp) => {
-            let status = resp.status().as_u16();
-            let bytes = resp.bytes().await.unwrap_or_default();
-            let body = serde_json::from_slice(&bytes)
-                .unwrap_or_else(|_| json!({"text": String::from_utf8_lossy(&bytes).into_owned()}));
-            (Some(status), body)
-        }
-        Err(e) => (
-            None,
-            json!({"error": {"message": format!("calling {}{path} failed: {}", b.url, super::error_chain(&e))}}),
-        ),
-    };
-    EngineResult {
-        role: b.role,
-        url: b.url.clone(),
-        status,
-        body,
-    }
-}
-
-/// The backends of `role`.
-pub(super) fn backends(proxy: &Proxy, role: Role) -> &[Arc<Backend>] {
-    match role {
-        Role::Prefill => &proxy.inner.prefill.backends,
-        Role::Decode => &proxy.inner.decode.backends,
-    }
-}
-
-/// Calls `path` on every backend of `role` at once.
-pub(super) async fn call_role(
-    proxy: &Proxy,
-    role: Role,
-    method: &Method,
-    path: &str,
-    query: Option<&str>,
-    body: &Bytes,
-) -> Vec<EngineResult> {
-    let calls = backends(proxy, role)
-        .iter()
-        .map(|b| call_one(proxy, b, method.clone(), path, query, body));
-    futures::future::join_all(calls).await
-}
-
-pub(super) fn not_called(proxy: &Proxy, role: Role) -> Vec<EngineResult> {
-    backends(proxy, role)
-        .iter()
-        .map(|b| EngineResult {
-            role,
-            url: b.url.clone(),
-            status: None,
-            body: json!("not called"),
-        })
-        .collect()
-}
-
-/// Fans `path` out in `order`; answers once every called engine has.
-pub(super) async fn call(
-    State(proxy): State<Proxy>,
-    method: Method,
-    path: &'static str,
-    order: Order,
-    RawQuery(query): RawQuery,
-    body: Bytes,
-) -> Response {
-    let q = query.as_deref();
-    let results = match order {
-        Order::Together => {
-            let (mut p, d) = futures::join!(
-                call_role(&proxy, Role::Prefill, &method, path, q, &body),
-                call_role(&proxy, Role::Decode, &method, path, q, &body)
-            );
-            p.extend(d);
-            p
-        }
-        Order::PrefillFirst | Order::DecodeFirst => {
-            let (first, second) = match order {
-                Order::PrefillFirst => (Role::Prefill, Role::Decode),
-                _ => (Role::Decode, Role::Prefill),
-            };
-            let mut results = call_role(&proxy, first, &method, path, q, &body).await;
-            if results.iter().all(EngineResult::ok) {
-                results.extend(call_role(&proxy, second, &method, path, q, &body).await);
-            } else {
-                results.extend(not_called(&proxy, second));
-            }
-            results
-        }
-    };
-    if matches!(path, "/wake_up" | "/resume") {
-        // Serving again: route to these engines from the next request on.
-        proxy.check_backends().await;
-    }
-    answer(path, &results)
-}
-
 /// `POST /flush_cache` (no token, as on an engine): every engine's prefix
 /// cache at once.
-pub(super) async fn flush_cache(proxy: State<Proxy>, query: RawQuery) -> Response {
+pub(super) async fn flush_cache(proxy: State<Arc<Shared>>, query: RawQuery) -> Response {
     call(
         proxy,
         Method::POST,
@@ -286,71 +134,8 @@ pub(super) async fn flush_cache(proxy: State<Proxy>, query: RawQuery) -> Respons
     .await
 }
 
-/// 200 with every engine's result when all succeeded; else the first
-/// failure's status (502 when an engine gave none) naming each engine that
-/// failed.
-pub(super) fn answer(path: &str, results: &[EngineResult]) -> Response {
-    let (status, body) = answer_json(path, results);
-    json_response(status, &body)
-}
-
-fn answer_json(path: &str, results: &[EngineResult]) -> (StatusCode, Value) {
-    let engines: Vec<Value> = results.iter().map(EngineResult::json).collect();
-    let failed: Vec<&EngineResult> = results
-        .iter()
-        .filter(|r| !r.ok() && r.body != json!("not called"))
-        .collect();
-    if failed.is_empty() {
-        let status = results
-            .first()
-            .map(|r| r.body["status"].clone())
-            .unwrap_or(Value::Null);
-        return (
-            StatusCode::OK,
-            json!({"status": status, "engines": engines}),
-        );
-    }
-    let status = failed[0]
-        .status
-        .and_then(|s| StatusCode::from_u16(s).ok())
-        .unwrap_or(StatusCode::BAD_GATEWAY);
-    let names: Vec<String> = failed
-        .iter()
-        .map(|r| {
-            let msg = r.body["error"]["message"]
-                .as_str()
-                .map(str::to_string)
-                .unwrap_or_else(|| r.body.to_string());
-            match r.status {
-                Some(s) => format!("{} {} answered {s}: {msg}", r.role, r.url),
-                None => format!("{} {}: {msg}", r.role, r.url),
-            }
-        })
-        .collect();
-    let code = failed[0].body["error"]["code"].clone();
-    let body = json!({
-        "error": {
-            "message": format!("{path} failed on {} of {} engines: {}", failed.len(), results.len(), names.join("; ")),
-            "type": "engine_error",
-            "param": null,
-            "code": if code.is_null() { json!("engine_failed") } else { code },
-        },
-        "engines": engines,
-    });
-    (status, body)
-}
-
-fn json_response(status: StatusCode, v: &Value) -> Response {
-    (
-        status,
-        [(header::CONTENT_TYPE, "application/json")],
-        v.to_string(),
-    )
-        .into_response()
-}
-
 /// Every engine's answer to a read, at once.
-async fn read_all(proxy: &Proxy, path: &str, query: Option<&str>) -> Vec<EngineResult> {
+async fn read_all(proxy: &Shared, path: &str, query: Option<&str>) -> Vec<EngineResult> {
     let empty = Bytes::new();
     let (mut p, d) = futures::join!(
         call_role(proxy, Role::Prefill, &Method::GET, path, query, &empty),
@@ -363,7 +148,7 @@ async fn read_all(proxy: &Proxy, path: &str, query: Option<&str>) -> Vec<EngineR
 /// `GET /is_sleeping` / `GET /is_paused`: true only when every engine says
 /// so; `agree` tells whether they all answered the same.
 async fn read_flag(
-    State(proxy): State<Proxy>,
+    State(proxy): State<Arc<Shared>>,
     path: &'static str,
     key: &'static str,
     RawQuery(query): RawQuery,
@@ -387,7 +172,7 @@ async fn read_flag(
 
 /// `GET /weight_info`: the version every engine serves (`null` and
 /// `"agree": false` when they differ).
-async fn weight_info(State(proxy): State<Proxy>, RawQuery(query): RawQuery) -> Response {
+async fn weight_info(State(proxy): State<Arc<Shared>>, RawQuery(query): RawQuery) -> Response {
     let results = read_all(&proxy, "/weight_info", query.as_deref()).await;
     if results.iter().any(|r| !r.ok()) {
         return answer("/weight_info", &results);
@@ -404,57 +189,4 @@ async fn weight_info(State(proxy): State<Proxy>, RawQuery(query): RawQuery) -> R
         StatusCode::OK,
         &json!({"version": version, "agree": agree, "engines": engines}),
     )
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn r(role: Role, status: Option<u16>, body: Value) -> EngineResult {
-        EngineResult {
-            role,
-            url: format!("http://{role}"),
-            status,
-            body,
-        }
-    }
-
-    #[test]
-    fn the_answer_names_each_engine_that_failed() {
-        let ok = [
-            r(Role::Prefill, Some(200), json!({"status": "paused"})),
-            r(Role::Decode, Some(200), json!({})),
-        ];
-        let (status, v) = answer_json("/pause", &ok);
-        assert_eq!(
-            (status, &v["status"]),
-            (StatusCode::OK, &json!("paused")),
-            "{v}"
-        );
-        assert_eq!(v["engines"].as_array().unwrap().len(), 2);
-        let failed = [
-            r(
-                Role::Prefill,
-                Some(504),
-                json!({"error": {"message": "timed out: drain", "code": null}}),
-            ),
-            r(
-                Role::Prefill,
-                None,
-                json!({"error": {"message": "connection refused"}}),
-            ),
-            r(Role::Decode, None, json!("not called")),
-        ];
-        let (status, v) = answer_json("/sleep", &failed);
-        assert_eq!(status, StatusCode::GATEWAY_TIMEOUT);
-        let msg = v["error"]["message"].as_str().unwrap();
-        assert!(msg.starts_with("/sleep failed on 2 of 3 engines"), "{msg}");
-        assert!(
-            msg.contains("prefill http://prefill answered 504: timed out: drain"),
-            "{msg}"
-        );
-        assert!(msg.contains("connection refused"), "{msg}");
-        assert_eq!(v["error"]["code"], "engine_failed");
-        assert_eq!(v["engines"][2]["body"], "not called");
-    }
 }

@@ -19,20 +19,21 @@ use futures::stream::BoxStream;
 use futures::StreamExt;
 use serde_json::{Map, Value};
 
-use super::plan::{
+use pdkv_relay::plan::{
     Action, CallError, Cause, Event, Head, Outcome, PrefillAnswer, RelayPlan, Reply, Role,
 };
-use super::{
-    build_response, decode_body, error_chain, passthrough_headers, prefill_body, Backend, Endpoint,
-    Proxy,
-};
+
+use super::backends::Backend;
+use super::body::{decode_body, prefill_body, Endpoint};
+use super::shared::Shared;
+use super::upstream::{build_response, error_chain, passthrough_headers, Forwarded};
 use crate::error::ApiError;
 
 /// The client's request as the calls need it.
 pub(super) struct Call {
     pub endpoint: Endpoint,
     pub req: Map<String, Value>,
-    pub headers: super::Forwarded,
+    pub headers: Forwarded,
 }
 
 type PrefillCall = Pin<Box<dyn Future<Output = (Event, Option<HeaderValue>)> + Send>>;
@@ -61,7 +62,7 @@ fn broken_stream() -> std::io::Error {
 
 /// One client request in flight: its plan and the calls the plan made.
 pub(super) struct Relay {
-    proxy: Proxy,
+    proxy: Arc<Shared>,
     plan: RelayPlan,
     call: Call,
     p: Arc<Backend>,
@@ -78,11 +79,11 @@ pub(super) struct Relay {
 
 /// P's call: its answer read whole and classified, with its content type.
 async fn prefill_call(
-    proxy: Proxy,
+    proxy: Arc<Shared>,
     p: Arc<Backend>,
     endpoint: Endpoint,
     body: Vec<u8>,
-    headers: super::Forwarded,
+    headers: Forwarded,
 ) -> (Event, Option<HeaderValue>) {
     let resp = match proxy.post(&p, endpoint, body, &headers).await {
         Ok(r) => r,
@@ -141,7 +142,7 @@ async fn next_decode(call: &mut DecodeCall, head: &mut Vec<(HeaderName, HeaderVa
 
 impl Relay {
     pub(super) fn new(
-        proxy: Proxy,
+        proxy: Arc<Shared>,
         plan: RelayPlan,
         call: Call,
         (p, p_bootstrap): (Arc<Backend>, Option<String>),
@@ -275,7 +276,7 @@ impl Relay {
                     .drop_at_prefill(self.p_bootstrap.clone(), self.plan.transfer_id(), code)
             }
             Action::PrefillSkipped(why) => {
-                self.proxy.inner.metrics.prefill_skipped(why);
+                self.proxy.metrics.prefill_skipped(why);
                 tracing::info!(
                     prefill = %self.p.url,
                     transfer_id = self.plan.transfer_id(),
@@ -327,7 +328,7 @@ impl Relay {
     }
 
     fn count(&self, outcome: Outcome, cause: Option<Cause>) {
-        let metrics = &self.proxy.inner.metrics;
+        let metrics = &self.proxy.metrics;
         metrics.count(outcome);
         let Some(Cause { role, what }) = cause else {
             if outcome == Outcome::Cancelled {

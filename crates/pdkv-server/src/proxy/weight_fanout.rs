@@ -17,26 +17,22 @@
 //! Answers list every engine as the other fanned-out calls do; a decode
 //! engine not reached yet is `"not called"`.
 
+use std::sync::Arc;
+
 use axum::body::Bytes;
 use axum::extract::{RawQuery, State};
 use axum::http::Method;
 use axum::response::{IntoResponse, Response};
+use pdkv_relay::plan::Role;
 use serde_json::{json, Value};
 
-use super::fanout::{answer, backends, call, call_one, call_role, not_called, Order};
-use super::{Proxy, Role};
+use super::engine_calls::{answer, call, call_one, call_role, not_called, Order};
+use super::shared::{Fanout, Shared};
 use crate::error::ApiError;
-
-/// The fan-out chosen at `init_weight_transfer_engine`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(super) enum Fanout {
-    Direct,
-    Relay,
-}
 
 /// `path` to every engine at once, as the other fanned-out calls.
 async fn together(
-    proxy: Proxy,
+    proxy: Arc<Shared>,
     path: &'static str,
     query: Option<String>,
     body: Bytes,
@@ -52,15 +48,15 @@ async fn together(
     .await
 }
 
-fn mode(proxy: &Proxy) -> Fanout {
-    *proxy.inner.weight_fanout.lock().unwrap()
+fn mode(proxy: &Shared) -> Fanout {
+    *proxy.weight_fanout.lock().unwrap()
 }
 
 /// `POST /init_weight_transfer_engine`: the fan-out read (and taken out of
 /// the engines' body); under `relay` each decode engine is pointed at a
 /// prefill engine's staging instead of the trainer.
 pub(super) async fn init(
-    State(proxy): State<Proxy>,
+    State(proxy): State<Arc<Shared>>,
     RawQuery(query): RawQuery,
     body: Bytes,
 ) -> Response {
@@ -89,13 +85,13 @@ pub(super) async fn init(
     let q = query.as_deref();
     let path = "/init_weight_transfer_engine";
     let to_p = Bytes::from(v.to_string());
-    let prefill = backends(&proxy, Role::Prefill);
+    let prefill = proxy.backends(Role::Prefill);
     if fanout == Fanout::Direct || prefill.is_empty() {
-        *proxy.inner.weight_fanout.lock().unwrap() = Fanout::Direct;
+        *proxy.weight_fanout.lock().unwrap() = Fanout::Direct;
         return together(proxy, path, query, to_p).await;
     }
     // Decode engine i pulls from prefill engine i mod P.
-    let to_d: Vec<Bytes> = (0..backends(&proxy, Role::Decode).len())
+    let to_d: Vec<Bytes> = (0..proxy.backends(Role::Decode).len())
         .map(|i| {
             let mut d = v.clone();
             d["init_info"]["url"] =
@@ -103,7 +99,8 @@ pub(super) async fn init(
             Bytes::from(d.to_string())
         })
         .collect();
-    let d_calls = backends(&proxy, Role::Decode)
+    let d_calls = proxy
+        .backends(Role::Decode)
         .iter()
         .zip(&to_d)
         .map(|(b, body)| call_one(&proxy, b, Method::POST, path, q, body));
@@ -113,7 +110,7 @@ pub(super) async fn init(
     );
     results.extend(d);
     if results.iter().all(|r| r.ok()) {
-        *proxy.inner.weight_fanout.lock().unwrap() = Fanout::Relay;
+        *proxy.weight_fanout.lock().unwrap() = Fanout::Relay;
         tracing::info!("weight syncs relay: decode engines pull from prefill engines");
     }
     answer(path, &results)
@@ -123,7 +120,7 @@ pub(super) async fn init(
 /// engines only (a decode engine starts once its prefill engine's staging
 /// is complete, in `update_weights`).
 pub(super) async fn start(
-    State(proxy): State<Proxy>,
+    State(proxy): State<Arc<Shared>>,
     RawQuery(query): RawQuery,
     body: Bytes,
 ) -> Response {
@@ -149,7 +146,7 @@ pub(super) async fn start(
 /// the decode engines' start and pull. A reload from disk (`path`) goes
 /// to every engine either way.
 pub(super) async fn update(
-    State(proxy): State<Proxy>,
+    State(proxy): State<Arc<Shared>>,
     RawQuery(query): RawQuery,
     body: Bytes,
 ) -> Response {

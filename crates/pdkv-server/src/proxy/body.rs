@@ -1,0 +1,100 @@
+//! The bodies the proxy sends P and D, made from the client's.
+
+use serde_json::{json, Map, Value};
+
+/// The two generation endpoints.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Endpoint {
+    Completions,
+    ChatCompletions,
+}
+
+impl Endpoint {
+    pub(super) fn path(self) -> &'static str {
+        match self {
+            Endpoint::Completions => "/v1/completions",
+            Endpoint::ChatCompletions => "/v1/chat/completions",
+        }
+    }
+}
+
+/// P's body: the client's, generating one token without streaming, with
+/// the plan's `kv_transfer_params`.
+pub(super) fn prefill_body(req: &Map<String, Value>, endpoint: Endpoint, params: Value) -> Vec<u8> {
+    let mut body = req.clone();
+    body.insert("max_tokens".into(), json!(1));
+    if endpoint == Endpoint::ChatCompletions && body.contains_key("max_completion_tokens") {
+        body.insert("max_completion_tokens".into(), json!(1));
+    }
+    body.insert("stream".into(), json!(false));
+    body.remove("stream_options");
+    body.insert("kv_transfer_params".into(), params);
+    serde_json::to_vec(&body).unwrap_or_default()
+}
+
+/// D's body: the client's, with exactly the plan's `kv_transfer_params`
+/// (none at all for `None`, whatever the client sent).
+pub(super) fn decode_body(req: &Map<String, Value>, params: Option<Value>) -> Vec<u8> {
+    let mut body = req.clone();
+    match params {
+        Some(p) => body.insert("kv_transfer_params".into(), p),
+        None => body.remove("kv_transfer_params"),
+    };
+    serde_json::to_vec(&body).unwrap_or_default()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn obj(v: Value) -> Map<String, Value> {
+        v.as_object().cloned().unwrap()
+    }
+
+    #[test]
+    fn prefill_body_generates_one_token_without_streaming() {
+        let req = obj(json!({
+            "prompt": "hi", "max_tokens": 50, "stream": true, "stream_options": {"include_usage": true},
+            "kv_transfer_params": {"client": 1}, "temperature": 0,
+        }));
+        let params = pdkv_connector::params::for_prefill("t1");
+        let p: Value =
+            serde_json::from_slice(&prefill_body(&req, Endpoint::Completions, params.clone()))
+                .unwrap();
+        assert_eq!(p["max_tokens"], 1);
+        assert_eq!(p["stream"], false);
+        assert!(p.get("stream_options").is_none());
+        assert_eq!(p["kv_transfer_params"], params);
+        assert_eq!(p["prompt"], "hi");
+        assert_eq!(p["temperature"], 0);
+
+        let chat = obj(json!({"messages": [], "max_completion_tokens": 9}));
+        let p: Value =
+            serde_json::from_slice(&prefill_body(&chat, Endpoint::ChatCompletions, params))
+                .unwrap();
+        assert_eq!(p["max_completion_tokens"], 1);
+        assert_eq!(p["max_tokens"], 1);
+    }
+
+    #[test]
+    fn decode_body_carries_exactly_the_plans_params() {
+        let req = obj(
+            json!({"prompt": "hi", "max_tokens": 50, "stream": true, "kv_transfer_params": {"client": 1}}),
+        );
+        let params = json!({"do_remote_prefill": true, "transfer_id": "t", "remote_block_ids": [4, 5],
+                            "remote_registration_generation": 2});
+        let d: Value = serde_json::from_slice(&decode_body(&req, Some(params.clone()))).unwrap();
+        assert_eq!(d["kv_transfer_params"], params);
+        assert_eq!(
+            (
+                d["prompt"].as_str(),
+                d["max_tokens"].as_u64(),
+                d["stream"].as_bool()
+            ),
+            (Some("hi"), Some(50), Some(true))
+        );
+        // D computes the prompt itself: the client's own params go too.
+        let d: Value = serde_json::from_slice(&decode_body(&req, None)).unwrap();
+        assert!(d.get("kv_transfer_params").is_none(), "{d}");
+    }
+}

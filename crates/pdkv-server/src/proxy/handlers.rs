@@ -1,0 +1,210 @@
+//! The proxy's HTTP routes: the generation endpoints (each request routed
+//! through a P and a D by its relay plan), the routes a decode server
+//! answers, health, metrics and the admin fan-out.
+
+use std::sync::Arc;
+
+use axum::body::Bytes;
+use axum::extract::{DefaultBodyLimit, State};
+use axum::http::{header, HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::Router;
+use pdkv_relay::plan::{Mode, Outcome, RelayPlan};
+use serde_json::{Map, Value};
+
+use super::backends::plan_mode;
+use super::body::Endpoint;
+use super::shared::Shared;
+use super::upstream::{retryable, Forwarded};
+use super::{fanout, metrics as proxy_metrics, relay};
+use crate::error::{parse_json, ApiError};
+use crate::MAX_BODY_BYTES;
+
+/// The proxy's routes.
+pub(super) fn router(proxy: Arc<Shared>) -> Router {
+    let mut app = Router::new();
+    if let Some(t) = &proxy.config.admin_token {
+        match crate::admin::AdminToken::new(t.clone()) {
+            Ok(token) => app = app.merge(fanout::routes(Arc::new(token))),
+            Err(e) => tracing::error!("the admin API is off: {e}"),
+        }
+    }
+    app.merge(forwarded_routes())
+        .route("/v1/completions", post(completions))
+        .route("/flush_cache", post(fanout::flush_cache))
+        .route("/v1/chat/completions", post(chat_completions))
+        .route("/v1/models", get(models))
+        .route("/health", get(health))
+        .route("/metrics", get(metrics))
+        .fallback(not_found)
+        .method_not_allowed_fallback(method_not_allowed)
+        .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
+        .with_state(proxy)
+}
+
+/// Routes one generation request through a P and a D: picks them, then
+/// hands the request to its [`relay::Relay`], which drives its plan.
+async fn generate(
+    proxy: Arc<Shared>,
+    endpoint: Endpoint,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    let req: Map<String, Value> = match parse_json(&body) {
+        Ok(m) => m,
+        Err(e) => {
+            proxy.metrics.count(Outcome::BadRequest);
+            tracing::debug!("refusing a request: {}", e.message);
+            return e.into_response();
+        }
+    };
+    let mut picked = (proxy.prefill.pick(), proxy.decode.pick());
+    if picked.0.is_none() || picked.1.is_none() {
+        // The last check may be stale (an engine woke since, say): look
+        // again now, bounded by the health timeout, before refusing.
+        proxy.check_backends().await;
+        picked = (proxy.prefill.pick(), proxy.decode.pick());
+    }
+    let (Some((p, p_status)), Some((d, _))) = picked else {
+        proxy.metrics.count(Outcome::NoBackend);
+        let missing = match (proxy.prefill.any_healthy(), proxy.decode.any_healthy()) {
+            (false, false) => "no prefill and no decode server is healthy",
+            (false, true) => "no prefill server is healthy",
+            _ => "no decode server is healthy",
+        };
+        tracing::warn!("refusing a request: {missing}");
+        return retryable(ApiError::unavailable(missing).with_code("no_healthy_backend"));
+    };
+    let forwarded = Forwarded {
+        request_id: headers.get("x-request-id").cloned(),
+        authorization: headers.get(header::AUTHORIZATION).cloned(),
+    };
+    let transfer_id = proxy.new_transfer_id();
+    let mode = plan_mode(p_status.kv_info.as_ref());
+    let read_mode = mode == Mode::Read;
+    let plan = RelayPlan::for_request(&req, mode, &transfer_id);
+    if plan.is_decode_alone() {
+        tracing::debug!(endpoint = endpoint.path(), decode = %d.url, "prompt logits wanted: D computes the prompt");
+    } else {
+        tracing::debug!(
+            endpoint = endpoint.path(),
+            prefill = %p.url,
+            decode = %d.url,
+            %transfer_id,
+            streaming = plan.streaming(),
+            read_mode,
+            "routing request"
+        );
+    }
+    let call = relay::Call {
+        endpoint,
+        req,
+        headers: forwarded,
+    };
+    let p_bootstrap = p_status.kv_info.and_then(|i| i.bootstrap_addr);
+    relay::Relay::new(proxy, plan, call, (p, p_bootstrap), d)
+        .respond()
+        .await
+}
+
+/// A generation request whose body could not be read: the client's own
+/// error, counted once as such.
+fn refuse_body(proxy: &Shared, r: axum::extract::rejection::BytesRejection) -> Response {
+    proxy.metrics.count(Outcome::BadRequest);
+    crate::error::body_rejection(r).into_response()
+}
+
+/// A request body, or the OpenAI-shaped error for one the proxy will not
+/// read (over [`MAX_BODY_BYTES`]: a 413, as the engines answer).
+type BodyOrRefusal = Result<Bytes, axum::extract::rejection::BytesRejection>;
+
+async fn completions(
+    State(proxy): State<Arc<Shared>>,
+    headers: HeaderMap,
+    body: BodyOrRefusal,
+) -> Response {
+    match body {
+        Ok(body) => generate(proxy, Endpoint::Completions, headers, body).await,
+        Err(r) => refuse_body(&proxy, r),
+    }
+}
+
+async fn chat_completions(
+    State(proxy): State<Arc<Shared>>,
+    headers: HeaderMap,
+    body: BodyOrRefusal,
+) -> Response {
+    match body {
+        Ok(body) => generate(proxy, Endpoint::ChatCompletions, headers, body).await,
+        Err(r) => refuse_body(&proxy, r),
+    }
+}
+
+async fn models(State(proxy): State<Arc<Shared>>, headers: HeaderMap) -> Response {
+    let auth = headers.get(header::AUTHORIZATION).cloned();
+    proxy
+        .forward(reqwest::Method::GET, "/v1/models", auth, None)
+        .await
+}
+
+/// `POST /tokenize` and `/detokenize`, `GET /version`, `/get_model_info`
+/// and `/get_server_info`: a decode server's answer.
+fn forwarded_routes() -> Router<Arc<Shared>> {
+    let post_to = |path: &'static str| {
+        post(
+            move |State(proxy): State<Arc<Shared>>, headers: HeaderMap, body: BodyOrRefusal| async move {
+                let body = match body {
+                    Ok(b) => b,
+                    Err(r) => return crate::error::body_rejection(r).into_response(),
+                };
+                let auth = headers.get(header::AUTHORIZATION).cloned();
+                proxy
+                    .forward(reqwest::Method::POST, path, auth, Some(body))
+                    .await
+            },
+        )
+    };
+    let get_from = |path: &'static str| {
+        get(move |State(proxy): State<Arc<Shared>>| async move { proxy.forward_get(path).await })
+    };
+    Router::new()
+        .route("/tokenize", post_to("/tokenize"))
+        .route("/detokenize", post_to("/detokenize"))
+        .route("/version", get_from("/version"))
+        .route("/get_model_info", get_from("/get_model_info"))
+        .route("/get_server_info", get_from("/get_server_info"))
+}
+
+async fn health(State(proxy): State<Arc<Shared>>) -> Response {
+    if proxy.is_ready() {
+        StatusCode::OK.into_response()
+    } else {
+        retryable(
+            ApiError::unavailable("no healthy prefill or decode server")
+                .with_code("no_healthy_backend"),
+        )
+    }
+}
+
+async fn metrics(State(proxy): State<Arc<Shared>>) -> Response {
+    (
+        [(
+            header::CONTENT_TYPE,
+            "text/plain; version=0.0.4; charset=utf-8",
+        )],
+        proxy_metrics::render(&proxy.metrics, &proxy.snapshots()),
+    )
+        .into_response()
+}
+
+async fn not_found() -> ApiError {
+    ApiError::not_found("no such route")
+}
+
+async fn method_not_allowed() -> ApiError {
+    ApiError {
+        status: StatusCode::METHOD_NOT_ALLOWED,
+        ..ApiError::invalid("method not allowed on this route")
+    }
+}
