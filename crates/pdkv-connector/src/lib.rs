@@ -5,13 +5,15 @@
 //! [`wire`], reads and writes `kv_transfer_params` through [`params`] (the
 //! one module that spells their keys), and decides in sans-IO machines:
 //! the prefill side's [`send::SendMachine`], the decode side's
-//! [`recv::RecvMachine`], glued by [`pd::core::PdCore`]. Two more
+//! [`recv::RecvMachine`] (what it takes and gives in [`load`]), glued by
+//! [`pd::core::PdCore`]. Two more
 //! connectors share the same entry point:
 //! the host-memory offload tier ([`offload::OffloadConnector`],
 //! `"kv_connector": "offload"`) and the multi-connector that combines
 //! several ([`multi::MultiConnector`], `"kv_connector": "multi"`).
 
 pub mod config;
+pub mod load;
 pub mod multi;
 pub mod offload;
 pub mod params;
