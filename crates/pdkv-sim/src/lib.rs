@@ -26,10 +26,22 @@
 //! The same seed gives the same run: every table is ordered, the one
 //! random source is the seed's, and time is the simulator's.
 
+mod checker;
+mod cluster;
+mod ctx;
+mod kv;
 pub mod model;
+mod net;
 pub mod node;
+mod operator;
+mod proxy;
 mod rng;
+mod workload;
 pub mod world;
+
+/// The proxy's relay plan, which the simulator drives, and the code of a
+/// retryable refusal.
+use pdkv_relay::{plan, RETRYABLE_CODE};
 
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -221,7 +233,7 @@ pub fn run(opts: Options) -> Report {
         || -> anyhow::Result<Report> {
             let mut w = world::World::new(opts)?;
             w.run()?;
-            Ok(w.report)
+            Ok(w.into_report())
         },
     ));
     match played {
