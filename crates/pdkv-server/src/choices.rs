@@ -34,8 +34,8 @@ use pdkv_engine::sampling::TokenLogprobs;
 use pdkv_engine::{FinishReason, RequestOutput, SamplingParams};
 use serde_json::Value;
 
+use crate::admit::{admit, failed_request};
 use crate::error::ApiError;
-use crate::routes::{admit, failed_request};
 use crate::tracker::TrackedStream;
 use crate::AppState;
 

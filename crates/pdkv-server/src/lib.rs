@@ -27,6 +27,7 @@
 //!   status; handlers never panic on input.
 
 pub mod admin;
+mod admit;
 mod api_key;
 mod choices;
 mod compat;

@@ -1,17 +1,18 @@
 //! Request handlers: the OpenAI endpoints, health, models and metrics.
 
 use std::sync::Arc;
-use std::time::{Instant, SystemTime, UNIX_EPOCH};
+use std::time::Instant;
 
 use axum::extract::State;
 use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use pdkv_engine::sampling::TokenLogprobs;
-use pdkv_engine::{EngineRequest, FinishReason, RequestOutput, SamplingParams};
+use pdkv_engine::{FinishReason, RequestOutput, SamplingParams};
 use pdkv_model::{ChatMessage, Tokenizer};
 use serde_json::{json, Value};
 
-use crate::choices::{admit_group, parse_n, Choice};
+use crate::admit::usage_json;
+use crate::choices::{admit_group, parse_n, Choice, Group};
 use crate::error::{ApiError, ApiJson};
 use crate::logprobs;
 use crate::metrics::LifecycleGauges;
@@ -20,15 +21,7 @@ use crate::openai::{
     Prompt, DEFAULT_COMPLETION_MAX_TOKENS,
 };
 use crate::sse::{sse_response, ChunkHead};
-use crate::tracker::TrackedStream;
 use crate::AppState;
-
-fn unix_now() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_secs())
-        .unwrap_or(0)
-}
 
 pub(crate) fn check_model(state: &AppState, model: Option<&str>) -> Result<(), ApiError> {
     match model {
@@ -171,12 +164,6 @@ fn with_request_id(mut resp: Response, id: &str) -> Response {
     resp
 }
 
-/// One admitted engine request.
-pub(crate) struct Admitted {
-    pub stream: TrackedStream,
-    pub created: u64,
-}
-
 /// Checks the shape of `kv_transfer_params` and maps a router's dialect
 /// onto pdkv's keys for request `id` (the connector checks the contents
 /// when the request is added).
@@ -189,49 +176,6 @@ fn kv_params(v: Option<Value>, id: &str) -> Result<Option<Value>, ApiError> {
             "kv_transfer_params must be an object",
         )),
     }
-}
-
-pub(crate) fn admit(
-    state: &AppState,
-    id: String,
-    prompt_tokens: Vec<u32>,
-    params: SamplingParams,
-    kv_transfer_params: Option<Value>,
-    arrived: Instant,
-) -> Result<Admitted, ApiError> {
-    let num_prompt_tokens = prompt_tokens.len();
-    let stream = state
-        .engine()
-        .add_request(EngineRequest {
-            id: id.clone(),
-            prompt_tokens,
-            params,
-            kv_transfer_params,
-        })
-        .map_err(ApiError::from)?;
-    let stream = TrackedStream::new(stream, state.metrics().clone(), arrived, num_prompt_tokens);
-    Ok(Admitted {
-        stream,
-        created: unix_now(),
-    })
-}
-
-/// The error a request that ended with [`FinishReason::Error`] answers
-/// with: a 504 `kv_transfer_timeout` when a deadline passed (the message
-/// names the setting to raise), a 500 `kv_transfer_failed` otherwise.
-pub(crate) fn failed_request(out: &pdkv_engine::RequestOutput) -> ApiError {
-    let message = out
-        .error
-        .clone()
-        .unwrap_or_else(|| "the request failed".into());
-    if out.timed_out {
-        return ApiError::timeout(message).with_code("kv_transfer_timeout");
-    }
-    ApiError::internal(message).with_code("kv_transfer_failed")
-}
-
-pub(crate) fn usage_json(prompt: usize, completion: usize) -> Value {
-    json!({"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion})
 }
 
 pub(crate) fn json_response(v: &Value) -> Response {
@@ -295,56 +239,74 @@ pub async fn completions(
         prompt_tokens: prompt_tokens.clone(),
         echo_text,
     };
-    let mut group = admit_group(&state, id, prompt_tokens, params, kv, arrived, n).await?;
+    let group = admit_group(&state, id, prompt_tokens, params, kv, arrived, n).await?;
     let model = state.served_model_name().to_string();
 
     if req.stream.unwrap_or(false) {
         let include_usage = req.stream_options.is_some_and(|o| o.include_usage);
-        let (id, created) = (group.id.clone(), group.created);
-        let head = ChunkHead {
-            id: id.clone(),
-            created,
-            object: "text_completion",
-            model: model.clone(),
-        };
-        let mut per_choice = vec![StreamedChoice::default(); group.n()];
-        let mut shared_prompt_lp: Option<Vec<Option<TokenLogprobs>>> = None;
-        let chunk = move |i: usize, out: &RequestOutput, usage: bool| {
-            if out.prompt_logprobs.is_some() {
-                shared_prompt_lp = out.prompt_logprobs.clone();
-            }
-            let c = &mut per_choice[i];
-            let first = !c.started;
-            c.started = true;
-            let mut choice = view.choice(
-                i,
-                out,
-                first.then_some(shared_prompt_lp.as_deref()).flatten(),
-                first,
-                c.offset,
-            );
-            c.offset += view.offset_advance(out, first);
-            let text_empty = choice["text"].as_str().is_some_and(str::is_empty);
-            // The first piece carries the echoed prompt and prompt logprobs.
-            let carries_prompt = first && (view.echo_text.is_some() || view.want_prompt_logprobs);
-            let shows_tokens = view.logprobs || view.return_token_ids;
-            if text_empty && out.finish_reason.is_none() && !carries_prompt && !shows_tokens {
-                return None;
-            }
-            choice["finish_reason"] = json!(out.finish_reason.map(FinishReason::as_str));
-            let mut v = json!({"id": id, "object": "text_completion", "created": created, "model": model, "choices": [choice]});
-            if usage {
-                v["usage"] = Value::Null;
-            }
-            Some(v)
-        };
-        let id = group.id.clone();
-        return Ok(with_request_id(
-            sse_response(group, head, include_usage, Vec::new(), chunk),
-            &id,
-        ));
+        return Ok(stream_completion(group, view, model, include_usage));
     }
+    whole_completion(group, view, model).await
+}
 
+/// A completion's choices as server-sent events.
+fn stream_completion(
+    group: Group,
+    view: CompletionView,
+    model: String,
+    include_usage: bool,
+) -> Response {
+    let (id, created) = (group.id.clone(), group.created);
+    let head = ChunkHead {
+        id: id.clone(),
+        created,
+        object: "text_completion",
+        model: model.clone(),
+    };
+    let mut per_choice = vec![StreamedChoice::default(); group.n()];
+    let mut shared_prompt_lp: Option<Vec<Option<TokenLogprobs>>> = None;
+    let chunk = move |i: usize, out: &RequestOutput, usage: bool| {
+        if out.prompt_logprobs.is_some() {
+            shared_prompt_lp = out.prompt_logprobs.clone();
+        }
+        let c = &mut per_choice[i];
+        let first = !c.started;
+        c.started = true;
+        let mut choice = view.choice(
+            i,
+            out,
+            first.then_some(shared_prompt_lp.as_deref()).flatten(),
+            first,
+            c.offset,
+        );
+        c.offset += view.offset_advance(out, first);
+        let text_empty = choice["text"].as_str().is_some_and(str::is_empty);
+        // The first piece carries the echoed prompt and prompt logprobs.
+        let carries_prompt = first && (view.echo_text.is_some() || view.want_prompt_logprobs);
+        let shows_tokens = view.logprobs || view.return_token_ids;
+        if text_empty && out.finish_reason.is_none() && !carries_prompt && !shows_tokens {
+            return None;
+        }
+        choice["finish_reason"] = json!(out.finish_reason.map(FinishReason::as_str));
+        let mut v = json!({"id": id, "object": "text_completion", "created": created, "model": model, "choices": [choice]});
+        if usage {
+            v["usage"] = Value::Null;
+        }
+        Some(v)
+    };
+    let id = group.id.clone();
+    with_request_id(
+        sse_response(group, head, include_usage, Vec::new(), chunk),
+        &id,
+    )
+}
+
+/// A completion's choices, whole, in one JSON answer.
+async fn whole_completion(
+    mut group: Group,
+    view: CompletionView,
+    model: String,
+) -> Result<Response, ApiError> {
     let done = group.collect().await?;
     let kv_out = done[0].kv_transfer_params.clone();
     let choices: Vec<Value> = done
@@ -496,6 +458,54 @@ pub async fn chat_completions(
     let arrived = Instant::now();
     check_model(&state, req.model.as_deref())?;
     let id = choose_request_id(&state, &headers, req.request_id.as_deref(), "chatcmpl-")?;
+    let (messages, max_tokens) = check_chat_request(&state, &req)?;
+    // Validate sampling fields before the (costly) template and tokenizer
+    // (`max_tokens` is settled below once the prompt's length is known).
+    let n = parse_n(req.n, req.best_of)?;
+    let mut params = req
+        .sampling()
+        .to_params(max_tokens.unwrap_or(u32::MAX), Endpoint::Chat)?;
+    check_sampling_ids(&state, &params)?;
+
+    // The template already places BOS and other special tokens.
+    let prompt_tokens = chat_prompt_tokens(&state, messages, true, false).await?;
+    check_token_ids(&state, &prompt_tokens)?;
+    // Without a limit a chat reply may use the rest of the context.
+    params.max_tokens = match max_tokens {
+        Some(n) => n,
+        None => {
+            let room = state
+                .engine()
+                .max_model_len()
+                .saturating_sub(prompt_tokens.len());
+            u32::try_from(room.max(1)).unwrap_or(u32::MAX)
+        }
+    };
+    let kv = kv_params(req.kv_transfer_params, &id)?;
+    let return_token_ids = req.return_token_ids.unwrap_or(false);
+    let view = ChatView {
+        tok: state.engine().tokenizer().clone(),
+        top: params.logprobs.map(|k| k as usize),
+        want_prompt_logprobs: params.prompt_logprobs.is_some(),
+        return_token_ids,
+        prompt_ids: return_token_ids.then(|| prompt_tokens.clone()),
+    };
+    let group = admit_group(&state, id, prompt_tokens, params, kv, arrived, n).await?;
+    let model = state.served_model_name().to_string();
+
+    if req.stream.unwrap_or(false) {
+        let include_usage = req.stream_options.is_some_and(|o| o.include_usage);
+        return Ok(stream_chat(group, view, model, include_usage));
+    }
+    whole_chat(group, view, model).await
+}
+
+/// Checks a chat request's messages and options before its prompt is
+/// built: its messages, and its `max_completion_tokens` (or `max_tokens`).
+fn check_chat_request(
+    state: &AppState,
+    req: &ChatRequest,
+) -> Result<(Vec<ChatMessage>, Option<u32>), ApiError> {
     if req.messages.is_empty() {
         return Err(ApiError::invalid_param(
             "messages",
@@ -520,53 +530,43 @@ pub async fn chat_completions(
             "echo is not supported on chat completions",
         ));
     }
-    // Validate sampling fields before the (costly) template and tokenizer
-    // (`max_tokens` is settled below once the prompt's length is known).
-    let n = parse_n(req.n, req.best_of)?;
-    let mut params = req
-        .sampling()
-        .to_params(max_tokens.unwrap_or(u32::MAX), Endpoint::Chat)?;
-    check_sampling_ids(&state, &params)?;
+    Ok((messages, max_tokens))
+}
 
-    // The template already places BOS and other special tokens.
-    let prompt_tokens = chat_prompt_tokens(&state, messages, true, false).await?;
-    check_token_ids(&state, &prompt_tokens)?;
-    // Without a limit a chat reply may use the rest of the context.
-    params.max_tokens = match max_tokens {
-        Some(n) => n,
-        None => {
-            let room = state
-                .engine()
-                .max_model_len()
-                .saturating_sub(prompt_tokens.len());
-            u32::try_from(room.max(1)).unwrap_or(u32::MAX)
+/// How a chat completion's choices are shown: the options that shape them.
+struct ChatView {
+    tok: Arc<Tokenizer>,
+    /// `top_logprobs` when log-probabilities are asked for.
+    top: Option<usize>,
+    want_prompt_logprobs: bool,
+    return_token_ids: bool,
+    /// The prompt's token ids, when `return_token_ids` is set.
+    prompt_ids: Option<Vec<u32>>,
+}
+
+impl ChatView {
+    /// A choice's `logprobs` field.
+    fn content_logprobs(&self, lps: &[TokenLogprobs]) -> Value {
+        match self.top {
+            Some(k) => json!({"content": logprobs::chat_content(&self.tok, lps, k)}),
+            None => Value::Null,
         }
-    };
-    let kv = kv_params(req.kv_transfer_params, &id)?;
-    let tok = state.engine().tokenizer().clone();
-    let top = params.logprobs.map(|k| k as usize);
-    let want_prompt_logprobs = params.prompt_logprobs.is_some();
-    let return_token_ids = req.return_token_ids.unwrap_or(false);
-    let prompt_ids = return_token_ids.then(|| prompt_tokens.clone());
-    let group = admit_group(&state, id, prompt_tokens, params, kv, arrived, n).await?;
-    let model = state.served_model_name().to_string();
-    let content_logprobs = move |lps: &[TokenLogprobs]| match top {
-        Some(k) => json!({"content": logprobs::chat_content(&tok, lps, k)}),
-        None => Value::Null,
-    };
-    let tok = state.engine().tokenizer().clone();
+    }
+}
 
-    if req.stream.unwrap_or(false) {
-        let include_usage = req.stream_options.is_some_and(|o| o.include_usage);
-        let (id, created) = (group.id.clone(), group.created);
-        let head = ChunkHead {
-            id: id.clone(),
-            created,
-            object: "chat.completion.chunk",
-            model: model.clone(),
-        };
-        let base = json!({"id": id, "object": "chat.completion.chunk", "created": created, "model": model});
-        let first: Vec<Value> = (0..group.n())
+/// A chat completion's choices as server-sent events: each choice's role
+/// first, then its deltas.
+fn stream_chat(group: Group, view: ChatView, model: String, include_usage: bool) -> Response {
+    let (id, created) = (group.id.clone(), group.created);
+    let head = ChunkHead {
+        id: id.clone(),
+        created,
+        object: "chat.completion.chunk",
+        model: model.clone(),
+    };
+    let base =
+        json!({"id": id, "object": "chat.completion.chunk", "created": created, "model": model});
+    let first: Vec<Value> = (0..group.n())
             .map(|i| {
                 let mut v = base.clone();
                 v["choices"] = json!([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": null, "finish_reason": null}]);
@@ -574,51 +574,45 @@ pub async fn chat_completions(
                     v["usage"] = Value::Null;
                 }
                 if i == 0 {
-                    if let Some(ids) = &prompt_ids {
+                    if let Some(ids) = &view.prompt_ids {
                         v["prompt_token_ids"] = json!(ids);
                     }
                 }
                 v
             })
             .collect();
-        let chunk = move |i: usize, out: &RequestOutput, usage: bool| {
-            let shows_tokens = top.is_some() || return_token_ids;
-            let sends_prompt_lp = want_prompt_logprobs && out.prompt_logprobs.is_some();
-            if out.text.is_empty()
-                && out.finish_reason.is_none()
-                && !shows_tokens
-                && !sends_prompt_lp
-            {
-                return None;
-            }
-            let mut v = base.clone();
-            let delta = if out.text.is_empty() {
-                json!({})
-            } else {
-                json!({"content": out.text})
-            };
-            let mut choice = json!({"index": i, "delta": delta, "logprobs": content_logprobs(&out.logprobs), "finish_reason": out.finish_reason.map(FinishReason::as_str)});
-            if return_token_ids {
-                choice["token_ids"] = json!(out.token_ids);
-            }
-            v["choices"] = json!([choice]);
-            if sends_prompt_lp {
-                v["prompt_logprobs"] =
-                    logprobs::prompt_logprobs(&tok, out.prompt_logprobs.as_deref().unwrap_or(&[]));
-            }
-            if usage {
-                v["usage"] = Value::Null;
-            }
-            Some(v)
+    let chunk = move |i: usize, out: &RequestOutput, usage: bool| {
+        let shows_tokens = view.top.is_some() || view.return_token_ids;
+        let sends_prompt_lp = view.want_prompt_logprobs && out.prompt_logprobs.is_some();
+        if out.text.is_empty() && out.finish_reason.is_none() && !shows_tokens && !sends_prompt_lp {
+            return None;
+        }
+        let mut v = base.clone();
+        let delta = if out.text.is_empty() {
+            json!({})
+        } else {
+            json!({"content": out.text})
         };
-        let id = group.id.clone();
-        return Ok(with_request_id(
-            sse_response(group, head, include_usage, first, chunk),
-            &id,
-        ));
-    }
+        let mut choice = json!({"index": i, "delta": delta, "logprobs": view.content_logprobs(&out.logprobs), "finish_reason": out.finish_reason.map(FinishReason::as_str)});
+        if view.return_token_ids {
+            choice["token_ids"] = json!(out.token_ids);
+        }
+        v["choices"] = json!([choice]);
+        if sends_prompt_lp {
+            v["prompt_logprobs"] =
+                logprobs::prompt_logprobs(&view.tok, out.prompt_logprobs.as_deref().unwrap_or(&[]));
+        }
+        if usage {
+            v["usage"] = Value::Null;
+        }
+        Some(v)
+    };
+    let id = group.id.clone();
+    with_request_id(sse_response(group, head, include_usage, first, chunk), &id)
+}
 
-    let mut group = group;
+/// A chat completion's choices, whole, in one JSON answer.
+async fn whole_chat(mut group: Group, view: ChatView, model: String) -> Result<Response, ApiError> {
     let done = group.collect().await?;
     let choices: Vec<Value> = done
         .iter()
@@ -627,10 +621,10 @@ pub async fn chat_completions(
             let mut v = json!({
                 "index": i,
                 "message": {"role": "assistant", "content": c.text},
-                "logprobs": content_logprobs(&c.logprobs),
+                "logprobs": view.content_logprobs(&c.logprobs),
                 "finish_reason": c.finish_reason.unwrap_or(FinishReason::Abort).as_str(),
             });
-            if return_token_ids {
+            if view.return_token_ids {
                 v["token_ids"] = json!(c.token_ids);
             }
             v
@@ -645,13 +639,13 @@ pub async fn chat_completions(
         "usage": usage_json(group.num_prompt_tokens, group.generated()),
         "kv_transfer_params": done[0].kv_transfer_params,
     });
-    if want_prompt_logprobs {
+    if view.want_prompt_logprobs {
         body["prompt_logprobs"] = done[0]
             .prompt_logprobs
             .as_deref()
-            .map_or(Value::Null, |p| logprobs::prompt_logprobs(&tok, p));
+            .map_or(Value::Null, |p| logprobs::prompt_logprobs(&view.tok, p));
     }
-    if let Some(ids) = prompt_ids {
+    if let Some(ids) = view.prompt_ids {
         body["prompt_token_ids"] = json!(ids);
     }
     let resp = json_response(&body);

@@ -12,9 +12,9 @@ use futures::{Stream, StreamExt};
 use pdkv_engine::{FinishReason, RequestOutput};
 use serde_json::{json, Value};
 
+use crate::admit::{failed_request, usage_json};
 use crate::choices::Group;
 use crate::error::ApiError;
-use crate::routes::{failed_request, usage_json};
 
 /// Builds the chunk for one output of choice `index`, or `None` when the
 /// output shows nothing (no text, no tokens the client asked to see, not
