@@ -34,8 +34,8 @@ use axum::body::{Body, Bytes, HttpBody};
 use axum::Router;
 use hyper_util::rt::{TokioIo, TokioTimer};
 use hyper_util::service::TowerToHyperService;
-use tokio::net::TcpListener;
-use tokio::sync::{watch, Notify, Semaphore};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{watch, Notify, OwnedSemaphorePermit, Semaphore};
 use tower::ServiceExt;
 
 /// How many connections a server holds and how long it waits for a head.
@@ -89,6 +89,25 @@ impl Conns {
             }
             None => false,
         }
+    }
+
+    /// Registers a new connection: its id, and the handles it shares with
+    /// the registry (requests in flight, whether it is asked to close).
+    fn register(&mut self) -> (u64, Arc<AtomicUsize>, Arc<Notify>) {
+        let busy = Arc::new(AtomicUsize::new(0));
+        let closing = Arc::new(AtomicBool::new(false));
+        let close = Arc::new(Notify::new());
+        let id = self.next;
+        self.next += 1;
+        self.open.insert(
+            id,
+            Conn {
+                busy: busy.clone(),
+                closing,
+                close: close.clone(),
+            },
+        );
+        (id, busy, close)
     }
 }
 
@@ -202,6 +221,67 @@ pub async fn serve(
     .await
 }
 
+/// Where connections come in: accepted within the cap.
+struct Gate<'a> {
+    listener: &'a TcpListener,
+    permits: &'a Arc<Semaphore>,
+    conns: &'a Mutex<Conns>,
+    stats: &'a HttpStats,
+    max_connections: usize,
+    /// The cap's warning went out since the last connection came in below
+    /// it.
+    at_cap_logged: bool,
+}
+
+impl Gate<'_> {
+    /// The next connection with its permit; `None` once `shutdown`
+    /// resolves. A newcomer at the cap closes an idle connection, else
+    /// waits for a permit.
+    async fn next(
+        &mut self,
+        mut shutdown: Pin<&mut impl Future<Output = ()>>,
+    ) -> std::io::Result<Option<(TcpStream, OwnedSemaphorePermit)>> {
+        let stream = loop {
+            tokio::select! {
+                r = self.listener.accept() => match r {
+                    Ok((s, _)) => break s,
+                    Err(e) => {
+                        tracing::warn!("HTTP accept failed: {e}; retrying in {ACCEPT_BACKOFF:?}");
+                        tokio::time::sleep(ACCEPT_BACKOFF).await;
+                    }
+                },
+                _ = shutdown.as_mut() => return Ok(None),
+            }
+        };
+        let permit = match self.permits.clone().try_acquire_owned() {
+            Ok(p) => {
+                self.at_cap_logged = false;
+                p
+            }
+            Err(_) => {
+                // A newcomer at the cap: close an idle connection for it;
+                // with none, it (and everyone behind it in the backlog) waits.
+                if self.conns.lock().unwrap().close_oldest_idle() {
+                    self.stats
+                        .closed_for_newcomers
+                        .fetch_add(1, Ordering::Relaxed);
+                } else if !self.at_cap_logged {
+                    tracing::warn!(
+                        max = self.max_connections,
+                        "HTTP connection cap reached, every connection with a request in flight; new clients wait"
+                    );
+                    self.at_cap_logged = true;
+                }
+                tokio::select! {
+                    p = self.permits.clone().acquire_owned() => p.map_err(|_| std::io::Error::other("connection permits closed"))?,
+                    _ = shutdown.as_mut() => return Ok(None),
+                }
+            }
+        };
+        Ok(Some((stream, permit)))
+    }
+}
+
 /// [`serve`], keeping `stats` up to date.
 pub async fn serve_counted(
     listener: TcpListener,
@@ -223,60 +303,20 @@ pub async fn serve_counted(
         .header_read_timeout(limits.header_timeout)
         .keep_alive(true);
     tokio::pin!(shutdown);
-    let mut at_cap_logged = false;
+    let mut gate = Gate {
+        listener: &listener,
+        permits: &permits,
+        conns: &conns,
+        stats: &stats,
+        max_connections: limits.max_connections,
+        at_cap_logged: false,
+    };
     loop {
-        let stream = tokio::select! {
-            r = listener.accept() => match r {
-                Ok((s, _)) => s,
-                Err(e) => {
-                    tracing::warn!("HTTP accept failed: {e}; retrying in {ACCEPT_BACKOFF:?}");
-                    tokio::time::sleep(ACCEPT_BACKOFF).await;
-                    continue;
-                }
-            },
-            _ = &mut shutdown => break,
-        };
-        let permit = match permits.clone().try_acquire_owned() {
-            Ok(p) => {
-                at_cap_logged = false;
-                p
-            }
-            Err(_) => {
-                // A newcomer at the cap: close an idle connection for it;
-                // with none, it (and everyone behind it in the backlog) waits.
-                if conns.lock().unwrap().close_oldest_idle() {
-                    stats.closed_for_newcomers.fetch_add(1, Ordering::Relaxed);
-                } else if !at_cap_logged {
-                    tracing::warn!(
-                        max = limits.max_connections,
-                        "HTTP connection cap reached, every connection with a request in flight; new clients wait"
-                    );
-                    at_cap_logged = true;
-                }
-                tokio::select! {
-                    p = permits.clone().acquire_owned() => p.map_err(|_| std::io::Error::other("connection permits closed"))?,
-                    _ = &mut shutdown => break,
-                }
-            }
+        let Some((stream, permit)) = gate.next(shutdown.as_mut()).await? else {
+            break;
         };
         let _ = stream.set_nodelay(true);
-        let busy = Arc::new(AtomicUsize::new(0));
-        let closing = Arc::new(AtomicBool::new(false));
-        let close = Arc::new(Notify::new());
-        let id = {
-            let mut c = conns.lock().unwrap();
-            let id = c.next;
-            c.next += 1;
-            c.open.insert(
-                id,
-                Conn {
-                    busy: busy.clone(),
-                    closing: closing.clone(),
-                    close: close.clone(),
-                },
-            );
-            id
-        };
+        let (id, busy, close) = conns.lock().unwrap().register();
         let app = app.clone();
         let counter = busy.clone();
         let req_stats = stats.clone();

@@ -316,6 +316,15 @@ impl Metrics {
                 e.gauge(&full, help, value);
             }
         }
+        self.render_requests(&mut e);
+        render_engine(&mut e, stats);
+        self.render_lifecycle(&mut e, stats, lifecycle);
+        render_memory(&mut e, device);
+        e.finish()
+    }
+
+    /// Requests and tokens: counts, TTFT and inter-token latency.
+    fn render_requests(&self, e: &mut Exposition) {
         let reasons: Vec<(&str, f64)> = FINISH_REASONS
             .iter()
             .map(|&r| (r.as_str(), self.requests_finished(r) as f64))
@@ -357,68 +366,15 @@ impl Metrics {
             "Time between consecutive generated tokens.",
             &itl,
         );
+    }
 
-        e.gauge(
-            "pdkv_num_requests_running",
-            "Requests scheduled in the engine.",
-            stats.num_running as f64,
-        );
-        e.gauge(
-            "pdkv_num_requests_waiting",
-            "Requests queued in the engine.",
-            stats.num_waiting as f64,
-        );
-        e.gauge(
-            "pdkv_kv_blocks_total",
-            "KV cache blocks.",
-            stats.kv_blocks_total as f64,
-        );
-        e.gauge(
-            "pdkv_kv_blocks_free",
-            "Free KV cache blocks.",
-            stats.kv_blocks_free as f64,
-        );
-        e.gauge(
-            "pdkv_kv_blocks_used",
-            "KV cache blocks in use.",
-            stats.kv_blocks_total.saturating_sub(stats.kv_blocks_free) as f64,
-        );
-        e.counter(
-            "pdkv_prefix_cache_queries_total",
-            "Prompt tokens looked up in the prefix cache.",
-            stats.prefix_cache_queries as f64,
-        );
-        e.counter(
-            "pdkv_prefix_cache_hits_total",
-            "Prompt tokens found in the prefix cache.",
-            stats.prefix_cache_hits as f64,
-        );
-        let hit_rate = if stats.prefix_cache_queries == 0 {
-            0.0
-        } else {
-            stats.prefix_cache_hits as f64 / stats.prefix_cache_queries as f64
-        };
-        e.gauge(
-            "pdkv_prefix_cache_hit_rate",
-            "Prefix cache hits / queries, cumulative.",
-            hit_rate,
-        );
-        e.counter(
-            "pdkv_num_preemptions_total",
-            "Requests preempted by the scheduler.",
-            stats.num_preemptions as f64,
-        );
-        e.gauge(
-            "pdkv_kv_blocks_held",
-            "KV blocks of finished requests held for transfers.",
-            stats.kv_blocks_held as f64,
-        );
-        e.gauge(
-            "pdkv_num_requests_waiting_for_remote_kv",
-            "Requests whose KV is being loaded from another engine.",
-            stats.num_waiting_for_remote_kv as f64,
-        );
-
+    /// The lifecycle's gauges and histograms, and the weight updates.
+    fn render_lifecycle(
+        &self,
+        e: &mut Exposition,
+        stats: &EngineStats,
+        lifecycle: &LifecycleGauges,
+    ) {
         let flag = |b: bool| if b { 1.0 } else { 0.0 };
         e.gauge(
             "pdkv_sleeping",
@@ -470,41 +426,107 @@ impl Metrics {
             "In-place weight reloads.",
             stats.num_weight_updates as f64,
         );
+    }
+}
 
-        let tags: Vec<[(&str, &str); 1]> = Tag::ALL.iter().map(|t| [("tag", t.as_str())]).collect();
-        let mem: Vec<(&[(&str, &str)], f64)> = tags
-            .iter()
-            .zip(Tag::ALL)
-            .map(|(l, t)| (&l[..], device.iter().map(|d| d.get(t)).sum::<u64>() as f64))
-            .collect();
-        e.family(
-            "pdkv_device_memory_bytes",
-            "Live physical bytes of the engine's memory (every rank's), by tag.",
-            "gauge",
-            &mem,
-        );
-        let ranks: Vec<String> = (0..device.len()).map(|r| r.to_string()).collect();
-        let labels: Vec<[(&str, &str); 2]> = ranks
-            .iter()
-            .flat_map(|r| {
-                Tag::ALL
-                    .iter()
-                    .map(move |t| [("rank", r.as_str()), ("tag", t.as_str())])
-            })
-            .collect();
-        let by_rank: Vec<(&[(&str, &str)], f64)> = labels
-            .iter()
-            .zip(device.iter().flat_map(|d| Tag::ALL.map(|t| d.get(t))))
-            .map(|(l, v)| (&l[..], v as f64))
-            .collect();
-        e.family(
+/// The engine's scheduler, KV cache and prefix cache.
+fn render_engine(e: &mut Exposition, stats: &EngineStats) {
+    e.gauge(
+        "pdkv_num_requests_running",
+        "Requests scheduled in the engine.",
+        stats.num_running as f64,
+    );
+    e.gauge(
+        "pdkv_num_requests_waiting",
+        "Requests queued in the engine.",
+        stats.num_waiting as f64,
+    );
+    e.gauge(
+        "pdkv_kv_blocks_total",
+        "KV cache blocks.",
+        stats.kv_blocks_total as f64,
+    );
+    e.gauge(
+        "pdkv_kv_blocks_free",
+        "Free KV cache blocks.",
+        stats.kv_blocks_free as f64,
+    );
+    e.gauge(
+        "pdkv_kv_blocks_used",
+        "KV cache blocks in use.",
+        stats.kv_blocks_total.saturating_sub(stats.kv_blocks_free) as f64,
+    );
+    e.counter(
+        "pdkv_prefix_cache_queries_total",
+        "Prompt tokens looked up in the prefix cache.",
+        stats.prefix_cache_queries as f64,
+    );
+    e.counter(
+        "pdkv_prefix_cache_hits_total",
+        "Prompt tokens found in the prefix cache.",
+        stats.prefix_cache_hits as f64,
+    );
+    let hit_rate = if stats.prefix_cache_queries == 0 {
+        0.0
+    } else {
+        stats.prefix_cache_hits as f64 / stats.prefix_cache_queries as f64
+    };
+    e.gauge(
+        "pdkv_prefix_cache_hit_rate",
+        "Prefix cache hits / queries, cumulative.",
+        hit_rate,
+    );
+    e.counter(
+        "pdkv_num_preemptions_total",
+        "Requests preempted by the scheduler.",
+        stats.num_preemptions as f64,
+    );
+    e.gauge(
+        "pdkv_kv_blocks_held",
+        "KV blocks of finished requests held for transfers.",
+        stats.kv_blocks_held as f64,
+    );
+    e.gauge(
+        "pdkv_num_requests_waiting_for_remote_kv",
+        "Requests whose KV is being loaded from another engine.",
+        stats.num_waiting_for_remote_kv as f64,
+    );
+}
+
+/// Device memory by tag, in all and for each rank.
+fn render_memory(e: &mut Exposition, device: &[TagBytes]) {
+    let tags: Vec<[(&str, &str); 1]> = Tag::ALL.iter().map(|t| [("tag", t.as_str())]).collect();
+    let mem: Vec<(&[(&str, &str)], f64)> = tags
+        .iter()
+        .zip(Tag::ALL)
+        .map(|(l, t)| (&l[..], device.iter().map(|d| d.get(t)).sum::<u64>() as f64))
+        .collect();
+    e.family(
+        "pdkv_device_memory_bytes",
+        "Live physical bytes of the engine's memory (every rank's), by tag.",
+        "gauge",
+        &mem,
+    );
+    let ranks: Vec<String> = (0..device.len()).map(|r| r.to_string()).collect();
+    let labels: Vec<[(&str, &str); 2]> = ranks
+        .iter()
+        .flat_map(|r| {
+            Tag::ALL
+                .iter()
+                .map(move |t| [("rank", r.as_str()), ("tag", t.as_str())])
+        })
+        .collect();
+    let by_rank: Vec<(&[(&str, &str)], f64)> = labels
+        .iter()
+        .zip(device.iter().flat_map(|d| Tag::ALL.map(|t| d.get(t))))
+        .map(|(l, v)| (&l[..], v as f64))
+        .collect();
+    e.family(
             "pdkv_rank_device_memory_bytes",
             "Live physical bytes of each tensor-parallel rank's memory pool, by tag (rank 0 only for a whole model).",
             "gauge",
             &by_rank,
         );
-        e.finish()
-    }
 }
 
 #[cfg(test)]
