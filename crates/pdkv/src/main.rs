@@ -11,6 +11,7 @@ mod bench_pd;
 mod bench_serve;
 mod bench_sleep;
 mod bench_transfer;
+mod common;
 mod fetch;
 mod http_args;
 mod lifecycle_cmd;

@@ -1,12 +1,14 @@
 //! `pdkv proxy`: the P/D proxy ([`pdkv_server::proxy`]) in front of prefill
 //! and decode servers, until Ctrl-C or SIGTERM.
 
-use std::net::SocketAddr;
 use std::time::Duration;
 
 use anyhow::Context;
 use clap::Args;
 use pdkv_server::proxy::{Proxy, ProxyConfig};
+
+/// Kept at its old path for the commands that still name it here.
+pub(crate) use crate::common::wait_for_signal;
 
 #[derive(Args, Debug)]
 pub struct ProxyArgs {
@@ -54,19 +56,10 @@ pub fn run(args: ProxyArgs) -> anyhow::Result<()> {
     config.request_timeout = Duration::from_secs(args.request_timeout);
     config.health_interval = Duration::from_millis(args.health_interval_ms);
     config.admin_token = args.admin_token;
-    config.kv_secret = crate::serve::kv_secret(args.kv_secret.as_deref())?;
+    config.kv_secret = crate::common::kv_secret(args.kv_secret.as_deref())?;
     config.http = args.http.limits()?;
     let proxy = Proxy::new(config)?;
-    let addr: SocketAddr = format!("{}:{}", args.host, args.port)
-        .parse()
-        .or_else(|_| {
-            use std::net::ToSocketAddrs;
-            (args.host.as_str(), args.port)
-                .to_socket_addrs()?
-                .next()
-                .ok_or_else(|| std::io::Error::other("no address"))
-        })
-        .with_context(|| format!("resolving --host {}", args.host))?;
+    let addr = crate::common::resolve_addr(&args.host, args.port)?;
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -90,31 +83,4 @@ pub fn run(args: ProxyArgs) -> anyhow::Result<()> {
         tracing::info!("stopped");
         Ok(())
     })
-}
-
-/// Resolves on Ctrl-C or SIGTERM (pending forever when neither can be
-/// listened for).
-pub async fn wait_for_signal() {
-    use tokio::signal::unix::{signal, SignalKind};
-    let term = async {
-        match signal(SignalKind::terminate()) {
-            Ok(mut s) => {
-                s.recv().await;
-            }
-            Err(e) => {
-                tracing::warn!("cannot listen for SIGTERM: {e}");
-                std::future::pending::<()>().await;
-            }
-        }
-    };
-    let int = async {
-        if let Err(e) = tokio::signal::ctrl_c().await {
-            tracing::warn!("cannot listen for Ctrl-C: {e}");
-            std::future::pending::<()>().await;
-        }
-    };
-    tokio::select! {
-        _ = term => {}
-        _ = int => {}
-    }
 }

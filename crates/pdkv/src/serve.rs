@@ -10,11 +10,14 @@ use std::path::PathBuf;
 
 use anyhow::Context;
 use clap::Args;
-use pdkv_engine::{Engine, EngineConfig, EngineHandle};
+use pdkv_engine::{Engine, EngineConfig, EngineHandle, KvConnector};
 use pdkv_server::AppState;
 use pdkv_vmem::Pool;
 
 use crate::progress;
+
+/// Kept at its old path for the commands that still name it here.
+pub(crate) use crate::common::kv_secret;
 
 #[derive(Args, Debug)]
 pub struct ServeArgs {
@@ -89,98 +92,12 @@ pub struct ServeArgs {
     pub http: crate::http_args::HttpArgs,
 }
 
-/// The KV secret given by `--kv-secret` / `PDKV_KV_SECRET` (open when unset).
-pub(crate) fn kv_secret(given: Option<&str>) -> anyhow::Result<pdkv_connector::KvSecret> {
-    match given {
-        None => Ok(pdkv_connector::KvSecret::open()),
-        Some(s) => pdkv_connector::KvSecret::new(s)
-            .map_err(|e| anyhow::anyhow!("--kv-secret (or PDKV_KV_SECRET): {e}")),
-    }
-}
-
 pub fn run(args: ServeArgs) -> anyhow::Result<()> {
-    let mut config = EngineConfig {
-        max_num_seqs: args.max_num_seqs,
-        max_num_batched_tokens: args.max_num_batched_tokens,
-        num_kv_blocks: args.num_kv_blocks,
-        enable_prefix_caching: !args.no_prefix_caching,
-        max_model_len: args.max_model_len,
-        enable_sleep_mode: args.enable_sleep_mode,
-        kv_release_timeout: std::time::Duration::from_secs_f64(args.kv_release_timeout_s),
-        tensor_parallel_size: args.tensor_parallel_size,
-    };
-    anyhow::ensure!(
-        args.kv_release_timeout_s.is_finite() && args.kv_release_timeout_s > 0.0,
-        "--kv-release-timeout-s must be a positive number of seconds"
-    );
-    anyhow::ensure!(config.max_num_seqs > 0, "--max-num-seqs must be at least 1");
-    anyhow::ensure!(
-        config.max_num_batched_tokens > 0,
-        "--max-num-batched-tokens must be at least 1"
-    );
-    anyhow::ensure!(
-        config.num_kv_blocks > 0,
-        "--num-kv-blocks must be at least 1"
-    );
-    anyhow::ensure!(
-        config.tensor_parallel_size > 0,
-        "--tensor-parallel-size must be at least 1"
-    );
-    if args.admin_token.as_deref() == Some("") {
-        anyhow::bail!(
-            "--admin-token (or PDKV_ADMIN_TOKEN) is empty; give a secret or leave it unset"
-        );
-    }
-    if args.api_key.as_deref() == Some("") {
-        anyhow::bail!("--api-key (or PDKV_API_KEY) is empty; give a key or leave it unset");
-    }
-    let addr: SocketAddr = format!("{}:{}", args.host, args.port)
-        .parse()
-        .or_else(|_| {
-            use std::net::ToSocketAddrs;
-            (args.host.as_str(), args.port)
-                .to_socket_addrs()?
-                .next()
-                .ok_or_else(|| std::io::Error::other("no address"))
-        })
-        .with_context(|| format!("resolving --host {}", args.host))?;
-
+    let mut config = engine_config(&args)?;
+    let addr = crate::common::resolve_addr(&args.host, args.port)?;
     // The connector is built (and a bad configuration refused) before the
     // model loads.
-    let connector = match &args.kv_transfer_config {
-        Some(json) => {
-            let engine_id = args.engine_id.clone().unwrap_or_else(random_engine_id);
-            let secret = kv_secret(args.kv_secret.as_deref())?;
-            let c = pdkv_connector::build_with_secret(json, &engine_id, &secret)
-                .context("--kv-transfer-config")?;
-            if args.enable_sleep_mode && !c.supports_sleep_mode() {
-                anyhow::bail!(
-                    "--enable-sleep-mode: KV connector {} does not support sleep mode (it cannot release and restore its KV cache registrations)",
-                    c.name()
-                );
-            }
-            if args.admin_token.is_some() && !args.enable_sleep_mode {
-                if c.supports_sleep_mode() {
-                    // The admin API is there to sleep between rollouts.
-                    config.enable_sleep_mode = true;
-                    tracing::info!("sleep mode on (the admin API is)");
-                } else {
-                    tracing::warn!(
-                        connector = c.name(),
-                        "the KV connector cannot release its registrations: /sleep and KV release are refused"
-                    );
-                }
-            }
-            tracing::info!(info = %c.info(), "KV connector ready");
-            Some(c)
-        }
-        None => {
-            if args.engine_id.is_some() {
-                tracing::warn!("--engine-id has no effect without --kv-transfer-config");
-            }
-            None
-        }
-    };
+    let connector = build_connector(&args, &mut config)?;
     let started = std::time::Instant::now();
     let pool = Pool::default();
     let (_, model) = progress::load_model(args.model.clone(), &pool)?;
@@ -221,6 +138,89 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     result
 }
 
+/// The engine's configuration from the flags, checked.
+fn engine_config(args: &ServeArgs) -> anyhow::Result<EngineConfig> {
+    let config = EngineConfig {
+        max_num_seqs: args.max_num_seqs,
+        max_num_batched_tokens: args.max_num_batched_tokens,
+        num_kv_blocks: args.num_kv_blocks,
+        enable_prefix_caching: !args.no_prefix_caching,
+        max_model_len: args.max_model_len,
+        enable_sleep_mode: args.enable_sleep_mode,
+        kv_release_timeout: std::time::Duration::from_secs_f64(args.kv_release_timeout_s),
+        tensor_parallel_size: args.tensor_parallel_size,
+    };
+    anyhow::ensure!(
+        args.kv_release_timeout_s.is_finite() && args.kv_release_timeout_s > 0.0,
+        "--kv-release-timeout-s must be a positive number of seconds"
+    );
+    anyhow::ensure!(config.max_num_seqs > 0, "--max-num-seqs must be at least 1");
+    anyhow::ensure!(
+        config.max_num_batched_tokens > 0,
+        "--max-num-batched-tokens must be at least 1"
+    );
+    anyhow::ensure!(
+        config.num_kv_blocks > 0,
+        "--num-kv-blocks must be at least 1"
+    );
+    anyhow::ensure!(
+        config.tensor_parallel_size > 0,
+        "--tensor-parallel-size must be at least 1"
+    );
+    if args.admin_token.as_deref() == Some("") {
+        anyhow::bail!(
+            "--admin-token (or PDKV_ADMIN_TOKEN) is empty; give a secret or leave it unset"
+        );
+    }
+    if args.api_key.as_deref() == Some("") {
+        anyhow::bail!("--api-key (or PDKV_API_KEY) is empty; give a key or leave it unset");
+    }
+    Ok(config)
+}
+
+/// The KV connector `--kv-transfer-config` describes (`None` without one);
+/// `config` gets the sleep mode that goes with it.
+fn build_connector(
+    args: &ServeArgs,
+    config: &mut EngineConfig,
+) -> anyhow::Result<Option<Box<dyn KvConnector>>> {
+    let connector = match &args.kv_transfer_config {
+        Some(json) => {
+            let engine_id = args.engine_id.clone().unwrap_or_else(random_engine_id);
+            let secret = kv_secret(args.kv_secret.as_deref())?;
+            let c = pdkv_connector::build_with_secret(json, &engine_id, &secret)
+                .context("--kv-transfer-config")?;
+            if args.enable_sleep_mode && !c.supports_sleep_mode() {
+                anyhow::bail!(
+                    "--enable-sleep-mode: KV connector {} does not support sleep mode (it cannot release and restore its KV cache registrations)",
+                    c.name()
+                );
+            }
+            if args.admin_token.is_some() && !args.enable_sleep_mode {
+                if c.supports_sleep_mode() {
+                    // The admin API is there to sleep between rollouts.
+                    config.enable_sleep_mode = true;
+                    tracing::info!("sleep mode on (the admin API is)");
+                } else {
+                    tracing::warn!(
+                        connector = c.name(),
+                        "the KV connector cannot release its registrations: /sleep and KV release are refused"
+                    );
+                }
+            }
+            tracing::info!(info = %c.info(), "KV connector ready");
+            Some(c)
+        }
+        None => {
+            if args.engine_id.is_some() {
+                tracing::warn!("--engine-id has no effect without --kv-transfer-config");
+            }
+            None
+        }
+    };
+    Ok(connector)
+}
+
 fn random_engine_id() -> String {
     use std::hash::{BuildHasher, Hasher};
     let mut h = std::collections::hash_map::RandomState::new().build_hasher();
@@ -256,7 +256,7 @@ async fn serve(
     let local = listener.local_addr().context("reading the bound address")?;
     tracing::info!(model = %served_name, admin_api = state.admin_enabled(), "listening on http://{local}");
     let shutdown = async move {
-        crate::proxy_cmd::wait_for_signal().await;
+        crate::common::wait_for_signal().await;
         tracing::info!("shutting down");
         // Ends running requests so streaming responses finish and the
         // graceful shutdown does not wait for them.
