@@ -419,13 +419,15 @@ pub fn synthetic_model_with(
             let u = (state >> 40) as f32 / (1u64 << 24) as f32;
             *v = center + spread * (2.0 * u - 1.0);
         }
-        // SAFETY: the region was just allocated and has no other views;
-        // tensors from the layout never overlap.
+        // The region was just allocated and has no other views; tensors from
+        // the layout never overlap.
         match t.dtype {
             DType::F32 => {
+                // SAFETY: as above: the tensor's own range, no other view.
                 unsafe { region.slice_mut::<f32>(t.offset, t.numel()) }.copy_from_slice(&values)
             }
             DType::Quant(qt) => {
+                // SAFETY: as above: the tensor's own range, no other view.
                 let dst = unsafe { region.slice_mut::<u8>(t.offset, t.bytes()) };
                 for (row, out) in values
                     .chunks(t.shape[1])

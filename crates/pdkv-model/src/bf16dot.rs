@@ -130,19 +130,33 @@ mod avx512 {
     use super::{MB, MR, NR, STEP};
 
     /// `x` (whole steps) rounded to bf16 by `vcvtne2ps2bf16`.
+    ///
+    /// # Safety
+    /// The CPU has AVX512F and AVX512_BF16; `out` holds at least `x.len()`
+    /// values, a whole number of [`STEP`]s.
     #[target_feature(enable = "avx512f,avx512bf16")]
     pub(super) unsafe fn round(x: &[f32], out: &mut [u16]) {
-        for (src, dst) in x.chunks_exact(STEP).zip(out.chunks_exact_mut(STEP)) {
-            let lo = _mm512_loadu_ps(src.as_ptr());
-            let hi = _mm512_loadu_ps(src.as_ptr().add(16));
-            // The second operand fills the low half.
-            let v: __m512i = transmute(_mm512_cvtne2ps_pbh(hi, lo));
-            _mm512_storeu_si512(dst.as_mut_ptr().cast(), v);
+        // SAFETY: the caller guarantees AVX512F and AVX512_BF16, and `x` and
+        // `out` hold the same whole number of steps: every load and store is
+        // inside them.
+        unsafe {
+            for (src, dst) in x.chunks_exact(STEP).zip(out.chunks_exact_mut(STEP)) {
+                let lo = _mm512_loadu_ps(src.as_ptr());
+                let hi = _mm512_loadu_ps(src.as_ptr().add(16));
+                // The second operand fills the low half.
+                let v: __m512i = transmute(_mm512_cvtne2ps_pbh(hi, lo));
+                _mm512_storeu_si512(dst.as_mut_ptr().cast(), v);
+            }
         }
     }
 
     /// Columns `j0..j1` of `y[m, n] = x[m, k] · w[n, k]ᵀ`, `w` rows of `2k`
     /// bytes of bf16.
+    ///
+    /// # Safety
+    /// The CPU has AVX512_BF16, AVX-512F, AVX2 and FMA; `x` holds `m * k`
+    /// values, `w` `n` rows of `2k` bytes and `y` `m * n` floats, of which no
+    /// one else writes columns `j0..j1`; `k` is a whole number of steps.
     #[allow(clippy::too_many_arguments)]
     #[target_feature(enable = "avx512f,avx512bf16,avx2,fma")]
     pub(super) unsafe fn run_job(
@@ -155,45 +169,55 @@ mod avx512 {
         j0: usize,
         j1: usize,
     ) {
-        let mut r0 = 0;
-        while r0 < m {
-            let r1 = (r0 + MB).min(m);
-            let mut j = j0;
-            while j < j1 {
-                let nc = (j1 - j).min(NR);
-                let mut r = r0;
-                while r < r1 {
-                    let nr = (r1 - r).min(MR);
-                    let (xt, wt, yt) = (x.add(r * k), w.add(j * 2 * k), y.add(r * n + j));
-                    match (nr, nc) {
-                        (4, 4) => tile::<4, 4>(xt, wt, k, yt, n),
-                        (4, 3) => tile::<4, 3>(xt, wt, k, yt, n),
-                        (4, 2) => tile::<4, 2>(xt, wt, k, yt, n),
-                        (4, 1) => tile::<4, 1>(xt, wt, k, yt, n),
-                        (3, 4) => tile::<3, 4>(xt, wt, k, yt, n),
-                        (3, 3) => tile::<3, 3>(xt, wt, k, yt, n),
-                        (3, 2) => tile::<3, 2>(xt, wt, k, yt, n),
-                        (3, 1) => tile::<3, 1>(xt, wt, k, yt, n),
-                        (2, 4) => tile::<2, 4>(xt, wt, k, yt, n),
-                        (2, 3) => tile::<2, 3>(xt, wt, k, yt, n),
-                        (2, 2) => tile::<2, 2>(xt, wt, k, yt, n),
-                        (2, 1) => tile::<2, 1>(xt, wt, k, yt, n),
-                        (1, 4) => tile::<1, 4>(xt, wt, k, yt, n),
-                        (1, 3) => tile::<1, 3>(xt, wt, k, yt, n),
-                        (1, 2) => tile::<1, 2>(xt, wt, k, yt, n),
-                        (1, 1) => tile::<1, 1>(xt, wt, k, yt, n),
-                        _ => unreachable!("tile shape out of range"),
+        // SAFETY: the caller guarantees the instructions and the shapes; each
+        // tile below lies inside the job's rows of `x`, rows `j0..j1` of `w` and
+        // the matching columns of `y`.
+        unsafe {
+            let mut r0 = 0;
+            while r0 < m {
+                let r1 = (r0 + MB).min(m);
+                let mut j = j0;
+                while j < j1 {
+                    let nc = (j1 - j).min(NR);
+                    let mut r = r0;
+                    while r < r1 {
+                        let nr = (r1 - r).min(MR);
+                        let (xt, wt, yt) = (x.add(r * k), w.add(j * 2 * k), y.add(r * n + j));
+                        match (nr, nc) {
+                            (4, 4) => tile::<4, 4>(xt, wt, k, yt, n),
+                            (4, 3) => tile::<4, 3>(xt, wt, k, yt, n),
+                            (4, 2) => tile::<4, 2>(xt, wt, k, yt, n),
+                            (4, 1) => tile::<4, 1>(xt, wt, k, yt, n),
+                            (3, 4) => tile::<3, 4>(xt, wt, k, yt, n),
+                            (3, 3) => tile::<3, 3>(xt, wt, k, yt, n),
+                            (3, 2) => tile::<3, 2>(xt, wt, k, yt, n),
+                            (3, 1) => tile::<3, 1>(xt, wt, k, yt, n),
+                            (2, 4) => tile::<2, 4>(xt, wt, k, yt, n),
+                            (2, 3) => tile::<2, 3>(xt, wt, k, yt, n),
+                            (2, 2) => tile::<2, 2>(xt, wt, k, yt, n),
+                            (2, 1) => tile::<2, 1>(xt, wt, k, yt, n),
+                            (1, 4) => tile::<1, 4>(xt, wt, k, yt, n),
+                            (1, 3) => tile::<1, 3>(xt, wt, k, yt, n),
+                            (1, 2) => tile::<1, 2>(xt, wt, k, yt, n),
+                            (1, 1) => tile::<1, 1>(xt, wt, k, yt, n),
+                            _ => unreachable!("tile shape out of range"),
+                        }
+                        r += nr;
                     }
-                    r += nr;
+                    j += nc;
                 }
-                j += nc;
+                r0 = r1;
             }
-            r0 = r1;
         }
     }
 
     /// `R x C` register tile: `R` rows of `x` (stride `k` values) against
     /// `C` rows of `w` (stride `2k` bytes), into `y` (row stride `ldy`).
+    ///
+    /// # Safety
+    /// The CPU has AVX512_BF16 and AVX-512F; `x` holds `R` rows of `k` values,
+    /// `w` `C` rows of `2k` bytes, and `y` `R` rows of stride `ldy` with `C`
+    /// writable columns; `k` is a whole number of steps.
     #[inline(always)]
     unsafe fn tile<const R: usize, const C: usize>(
         x: *const u16,
@@ -202,35 +226,45 @@ mod avx512 {
         y: *mut f32,
         ldy: usize,
     ) {
-        let mut acc = [[_mm512_setzero_ps(); C]; R];
-        let mut p = 0;
-        while p < k {
-            let mut xv = [_mm512_setzero_si512(); R];
-            for (r, v) in xv.iter_mut().enumerate() {
-                *v = _mm512_loadu_si512(x.add(r * k + p).cast());
-            }
-            for c in 0..C {
-                let wv: __m512bh = transmute(_mm512_loadu_si512(w.add(2 * (c * k + p)).cast()));
-                for (row, x) in acc.iter_mut().zip(&xv) {
-                    row[c] = _mm512_dpbf16_ps(row[c], transmute::<__m512i, __m512bh>(*x), wv);
+        // SAFETY: the caller guarantees the instructions and that the tile's
+        // `R` rows of `x`, `C` rows of `w` and `R x C` outputs are inside them.
+        unsafe {
+            let mut acc = [[_mm512_setzero_ps(); C]; R];
+            let mut p = 0;
+            while p < k {
+                let mut xv = [_mm512_setzero_si512(); R];
+                for (r, v) in xv.iter_mut().enumerate() {
+                    *v = _mm512_loadu_si512(x.add(r * k + p).cast());
                 }
+                for c in 0..C {
+                    let wv: __m512bh = transmute(_mm512_loadu_si512(w.add(2 * (c * k + p)).cast()));
+                    for (row, x) in acc.iter_mut().zip(&xv) {
+                        row[c] = _mm512_dpbf16_ps(row[c], transmute::<__m512i, __m512bh>(*x), wv);
+                    }
+                }
+                p += STEP;
             }
-            p += STEP;
-        }
-        for (r, row) in acc.iter().enumerate() {
-            for (c, a) in row.iter().enumerate() {
-                *y.add(r * ldy + c) = reduce(*a);
+            for (r, row) in acc.iter().enumerate() {
+                for (c, a) in row.iter().enumerate() {
+                    *y.add(r * ldy + c) = reduce(*a);
+                }
             }
         }
     }
 
     /// Fixed-order sum of 16 lanes: lane `i` plus lane `i + 8`, then the
     /// 8-lane sum of the f32 kernels.
+    ///
+    /// # Safety
+    /// The CPU has AVX-512F and AVX2.
     #[inline(always)]
     unsafe fn reduce(v: __m512) -> f32 {
-        let lo = _mm512_castps512_ps256(v);
-        let hi = _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(v)));
-        crate::kernels::matmul::avx2::hsum(_mm256_add_ps(lo, hi))
+        // SAFETY: the caller guarantees AVX-512F and AVX2; registers only.
+        unsafe {
+            let lo = _mm512_castps512_ps256(v);
+            let hi = _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(v)));
+            crate::kernels::matmul::avx2::hsum(_mm256_add_ps(lo, hi))
+        }
     }
 }
 

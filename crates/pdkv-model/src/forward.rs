@@ -62,8 +62,9 @@ const ATTN_QUERIES: usize = 64;
 /// A raw pointer that may cross threads; users guarantee disjoint access.
 #[derive(Clone, Copy)]
 struct RawPtr(*mut f32);
-// SAFETY: see the type's doc.
+// SAFETY: see the type's doc: its users write disjoint ranges only.
 unsafe impl Send for RawPtr {}
+// SAFETY: as for `Send`; sharing the pointer gives no access of its own.
 unsafe impl Sync for RawPtr {}
 
 impl RawPtr {

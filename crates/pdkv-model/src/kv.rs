@@ -101,10 +101,14 @@ impl KvCache {
     /// # Safety
     /// No one may write these rows while the slice lives.
     pub unsafe fn rows(&self, block: usize, head: usize, layer: usize, kv: usize) -> &[f32] {
-        self.region.slice::<f32>(
-            self.rows_offset(block, head, layer, kv),
-            BLOCK_SIZE * self.head_dim,
-        )
+        // SAFETY: `rows_offset` places the rows inside the region (it checks
+        // the indices); the caller guarantees no one writes them meanwhile.
+        unsafe {
+            self.region.slice::<f32>(
+                self.rows_offset(block, head, layer, kv),
+                BLOCK_SIZE * self.head_dim,
+            )
+        }
     }
 
     /// Writes the K and V rows of the token in `slot` of `block` for `layer`.
@@ -124,10 +128,16 @@ impl KvCache {
         assert!(k.len() == self.kv_dim() && v.len() == self.kv_dim());
         let base = self.region.base() as *mut f32;
         for h in 0..self.num_kv_heads {
-            let k_at = base.add(self.rows_offset(block, h, layer, 0) / 4 + slot * hd);
-            let v_at = base.add(self.rows_offset(block, h, layer, 1) / 4 + slot * hd);
-            std::ptr::copy_nonoverlapping(k[h * hd..].as_ptr(), k_at, hd);
-            std::ptr::copy_nonoverlapping(v[h * hd..].as_ptr(), v_at, hd);
+            // SAFETY: the indices were checked above, so each row of `hd`
+            // floats lies inside the region; `k` and `v` hold every head's
+            // row (checked above) and are not in the region's token rows;
+            // the caller guarantees no one else touches these rows.
+            unsafe {
+                let k_at = base.add(self.rows_offset(block, h, layer, 0) / 4 + slot * hd);
+                let v_at = base.add(self.rows_offset(block, h, layer, 1) / 4 + slot * hd);
+                std::ptr::copy_nonoverlapping(k[h * hd..].as_ptr(), k_at, hd);
+                std::ptr::copy_nonoverlapping(v[h * hd..].as_ptr(), v_at, hd);
+            }
         }
     }
 

@@ -126,8 +126,8 @@ impl Weights {
     pub fn mat(&self, t: &TensorRef) -> Mat<'_> {
         match t.dtype {
             DType::F32 => Mat::F32(self.get(t)),
-            // SAFETY: as in `get`; the bytes of a block-format tensor.
             DType::Quant(q) => {
+                // SAFETY: as in `get`; the bytes of a block-format tensor.
                 Mat::Quant(q, unsafe { self.region.slice::<u8>(t.offset, t.bytes()) })
             }
         }
@@ -232,7 +232,7 @@ impl Weights {
             let n = t.bytes();
             // SAFETY: both tensors lie inside their regions (the layouts are
             // equal and each region holds its layout); the regions differ.
-            let from = std::slice::from_raw_parts(src.region.base().add(t.offset), n);
+            let from = unsafe { std::slice::from_raw_parts(src.region.base().add(t.offset), n) };
             self.region.write_bytes(t.offset, from)?;
         }
         Ok(())

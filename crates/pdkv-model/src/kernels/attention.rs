@@ -83,9 +83,13 @@ pub struct AttendArgs<'a> {
 /// # Safety
 /// As [`attend_many`]; `out` is `head_dim` floats.
 pub unsafe fn attend(args: &AttendArgs<'_>, out: &mut [f32]) {
-    assert_eq!(args.q.len(), out.len());
-    let mut q = [AttnQuery::new(args.q.as_ptr(), args.pos, out.as_mut_ptr())];
-    attend_many(&args.rows, args.q.len(), args.scale, &mut q);
+    // SAFETY: as this function's contract (that of `attend_many`); the
+    // query and output rows are `head_dim` floats each (asserted).
+    unsafe {
+        assert_eq!(args.q.len(), out.len());
+        let mut q = [AttnQuery::new(args.q.as_ptr(), args.pos, out.as_mut_ptr())];
+        attend_many(&args.rows, args.q.len(), args.scale, &mut q);
+    }
 }
 
 /// Causal attention for query heads that share one KV head:
@@ -106,10 +110,14 @@ pub unsafe fn attend(args: &AttendArgs<'_>, out: &mut [f32]) {
 /// query's `q` must point at `head_dim` readable floats and its `out` at
 /// `head_dim` writable floats that nothing else touches meanwhile.
 pub unsafe fn attend_many(rows: &PagedRows<'_>, head_dim: usize, scale: f32, qs: &mut [AttnQuery]) {
-    attend_many_with(backend(), rows, head_dim, scale, qs)
+    // SAFETY: as this function's contract; `backend()` is one the CPU has.
+    unsafe { attend_many_with(backend(), rows, head_dim, scale, qs) }
 }
 
 /// [`attend_many`] on a given backend (one the CPU has).
+///
+/// # Safety
+/// As [`attend_many`]'s; the CPU has `be`'s instructions.
 pub(super) unsafe fn attend_many_with(
     be: Backend,
     rows: &PagedRows<'_>,
@@ -118,18 +126,22 @@ pub(super) unsafe fn attend_many_with(
     qs: &mut [AttnQuery],
 ) {
     match be {
+        // SAFETY: as this function's contract, with AVX2 and FMA present.
         #[cfg(target_arch = "x86_64")]
-        Backend::Avx2Fma => avx2::attend_many(rows, head_dim, scale, qs),
-        _ => attend_many_generic(
-            rows,
-            head_dim,
-            scale,
-            qs,
-            |q, kp, v_offset, hd, scale, seen| {
-                // SAFETY: as this function's contract.
-                unsafe { portable::attend_tile(q, kp, v_offset, hd, scale, seen) }
-            },
-        ),
+        Backend::Avx2Fma => unsafe { avx2::attend_many(rows, head_dim, scale, qs) },
+        // SAFETY: as this function's contract; each tile gets the rows and
+        // the query the sweep was given.
+        _ => unsafe {
+            attend_many_generic(
+                rows,
+                head_dim,
+                scale,
+                qs,
+                |q, kp, v_offset, hd, scale, seen| {
+                    portable::attend_tile(q, kp, v_offset, hd, scale, seen)
+                },
+            )
+        },
     }
 }
 
@@ -137,6 +149,10 @@ pub(super) unsafe fn attend_many_with(
 /// reaches a tile taking it in turn, then the division by the sum. `tile`
 /// takes a query, the tile's 16 K row pointers (the V row is `v_offset`
 /// floats further), and how many of them the query sees.
+///
+/// # Safety
+/// As [`attend_many`]'s, for `hd` floats per row; `tile` computes one tile
+/// for one query within that contract.
 #[inline(always)]
 unsafe fn attend_many_generic(
     rows: &PagedRows<'_>,
@@ -145,30 +161,35 @@ unsafe fn attend_many_generic(
     qs: &mut [AttnQuery],
     tile: impl Fn(&mut AttnQuery, &[*const f32; KEY_TILE], usize, usize, f32, usize),
 ) {
-    let Some(max_pos) = qs.iter().map(|q| q.pos).max() else {
-        return;
-    };
-    for q in qs.iter_mut() {
-        q.m = f32::NEG_INFINITY;
-        q.l = 0.0;
-    }
-    let mut kp = [std::ptr::null(); KEY_TILE];
-    for t0 in (0..=max_pos).step_by(KEY_TILE) {
-        // Rows past the last query's position are not read: their slots
-        // point at the tile's first row, and every query masks them.
-        for (i, p) in kp.iter_mut().enumerate() {
-            let t = t0 + i;
-            *p = rows.k_row(if t <= max_pos { t } else { t0 });
+    // SAFETY: the caller guarantees `attend_many`'s contract: the rows
+    // of every position up to the largest `pos` are readable, and each
+    // query's `out` is `hd` writable floats no one else touches.
+    unsafe {
+        let Some(max_pos) = qs.iter().map(|q| q.pos).max() else {
+            return;
+        };
+        for q in qs.iter_mut() {
+            q.m = f32::NEG_INFINITY;
+            q.l = 0.0;
         }
-        for q in qs.iter_mut().filter(|q| q.pos >= t0) {
-            let seen = (q.pos + 1 - t0).min(KEY_TILE);
-            tile(q, &kp, rows.v_offset, hd, scale, seen);
+        let mut kp = [std::ptr::null(); KEY_TILE];
+        for t0 in (0..=max_pos).step_by(KEY_TILE) {
+            // Rows past the last query's position are not read: their slots
+            // point at the tile's first row, and every query masks them.
+            for (i, p) in kp.iter_mut().enumerate() {
+                let t = t0 + i;
+                *p = rows.k_row(if t <= max_pos { t } else { t0 });
+            }
+            for q in qs.iter_mut().filter(|q| q.pos >= t0) {
+                let seen = (q.pos + 1 - t0).min(KEY_TILE);
+                tile(q, &kp, rows.v_offset, hd, scale, seen);
+            }
         }
-    }
-    for q in qs.iter() {
-        let inv = 1.0 / q.l;
-        for c in 0..hd {
-            *q.out.add(c) *= inv;
+        for q in qs.iter() {
+            let inv = 1.0 / q.l;
+            for c in 0..hd {
+                *q.out.add(c) *= inv;
+            }
         }
     }
 }
@@ -181,31 +202,37 @@ pub(super) mod avx2 {
 
     /// Lane `i` of the result is `hsum(v[i])`, with the very same additions:
     /// `((a0+a4) + (a2+a6)) + ((a1+a5) + (a3+a7))`.
+    ///
+    /// # Safety
+    /// The CPU has AVX (AVX2 here).
     #[inline(always)]
     pub(in crate::kernels) unsafe fn hsum8(v: &[__m256; 8]) -> __m256 {
-        // [x.lo + x.hi | y.lo + y.hi]: hsum's first step for two vectors.
-        let halves = |x: __m256, y: __m256| {
+        // SAFETY: the caller guarantees AVX; registers only.
+        unsafe {
+            // [x.lo + x.hi | y.lo + y.hi]: hsum's first step for two vectors.
+            let halves = |x: __m256, y: __m256| {
+                _mm256_add_ps(
+                    _mm256_permute2f128_ps::<0x20>(x, y),
+                    _mm256_permute2f128_ps::<0x31>(x, y),
+                )
+            };
+            // Per 128-bit lane [b0+b2, b1+b3] of x, then of y: the second step.
+            let pairs = |x: __m256, y: __m256| {
+                _mm256_add_ps(
+                    _mm256_shuffle_ps::<0b01_00_01_00>(x, y),
+                    _mm256_shuffle_ps::<0b11_10_11_10>(x, y),
+                )
+            };
+            // The last step leaves lanes in the order (0, 2, 1, 3) per half, so
+            // the inputs go in as 0, 2, 1, 3, 4, 6, 5, 7.
+            let (w0, w1) = (halves(v[0], v[4]), halves(v[2], v[6]));
+            let (w2, w3) = (halves(v[1], v[5]), halves(v[3], v[7]));
+            let (u, z) = (pairs(w0, w2), pairs(w1, w3));
             _mm256_add_ps(
-                _mm256_permute2f128_ps::<0x20>(x, y),
-                _mm256_permute2f128_ps::<0x31>(x, y),
+                _mm256_shuffle_ps::<0b10_00_10_00>(u, z),
+                _mm256_shuffle_ps::<0b11_01_11_01>(u, z),
             )
-        };
-        // Per 128-bit lane [b0+b2, b1+b3] of x, then of y: the second step.
-        let pairs = |x: __m256, y: __m256| {
-            _mm256_add_ps(
-                _mm256_shuffle_ps::<0b01_00_01_00>(x, y),
-                _mm256_shuffle_ps::<0b11_10_11_10>(x, y),
-            )
-        };
-        // The last step leaves lanes in the order (0, 2, 1, 3) per half, so
-        // the inputs go in as 0, 2, 1, 3, 4, 6, 5, 7.
-        let (w0, w1) = (halves(v[0], v[4]), halves(v[2], v[6]));
-        let (w2, w3) = (halves(v[1], v[5]), halves(v[3], v[7]));
-        let (u, z) = (pairs(w0, w2), pairs(w1, w3));
-        _mm256_add_ps(
-            _mm256_shuffle_ps::<0b10_00_10_00>(u, z),
-            _mm256_shuffle_ps::<0b11_01_11_01>(u, z),
-        )
+        }
     }
 
     // Cephes-style expf: exp(x) = 2^n * p(r), r = x - n ln 2, |r| <= ln2/2.
@@ -223,26 +250,32 @@ pub(super) mod avx2 {
     ];
 
     /// `exp(x)` for 8 lanes with `x <= 0`; inputs below `EXP_LO` give 0.
+    ///
+    /// # Safety
+    /// The CPU has AVX2 and FMA.
     #[inline(always)]
     unsafe fn exp8(x: __m256) -> __m256 {
-        let tiny = _mm256_cmp_ps::<_CMP_LT_OQ>(x, _mm256_set1_ps(EXP_LO));
-        let x = _mm256_max_ps(x, _mm256_set1_ps(EXP_LO));
-        let n = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(
-            _mm256_mul_ps(x, _mm256_set1_ps(LOG2E)),
-        );
-        let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(LN2_HI), x);
-        let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(LN2_LO), r);
-        let mut p = _mm256_set1_ps(EXP_C[0]);
-        for &c in &EXP_C[1..] {
-            p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
+        // SAFETY: the caller guarantees AVX2 and FMA; registers only.
+        unsafe {
+            let tiny = _mm256_cmp_ps::<_CMP_LT_OQ>(x, _mm256_set1_ps(EXP_LO));
+            let x = _mm256_max_ps(x, _mm256_set1_ps(EXP_LO));
+            let n = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(
+                _mm256_mul_ps(x, _mm256_set1_ps(LOG2E)),
+            );
+            let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(LN2_HI), x);
+            let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(LN2_LO), r);
+            let mut p = _mm256_set1_ps(EXP_C[0]);
+            for &c in &EXP_C[1..] {
+                p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
+            }
+            let p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r);
+            let p = _mm256_add_ps(p, _mm256_set1_ps(1.0));
+            let pow2 = _mm256_castsi256_ps(_mm256_slli_epi32::<23>(_mm256_add_epi32(
+                _mm256_cvtps_epi32(n),
+                _mm256_set1_epi32(127),
+            )));
+            _mm256_andnot_ps(tiny, _mm256_mul_ps(p, pow2))
         }
-        let p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r);
-        let p = _mm256_add_ps(p, _mm256_set1_ps(1.0));
-        let pow2 = _mm256_castsi256_ps(_mm256_slli_epi32::<23>(_mm256_add_epi32(
-            _mm256_cvtps_epi32(n),
-            _mm256_set1_epi32(127),
-        )));
-        _mm256_andnot_ps(tiny, _mm256_mul_ps(p, pow2))
     }
 
     /// The same operations as one lane of [`exp8`], for the tail.
@@ -263,6 +296,9 @@ pub(super) mod avx2 {
     }
 
     /// [`super::attend_many`] with AVX2 tiles.
+    ///
+    /// # Safety
+    /// As [`super::attend_many`]'s; the CPU has AVX2 and FMA.
     #[target_feature(enable = "avx2,fma")]
     pub(super) unsafe fn attend_many(
         rows: &super::PagedRows<'_>,
@@ -270,10 +306,13 @@ pub(super) mod avx2 {
         scale: f32,
         qs: &mut [super::AttnQuery],
     ) {
-        super::attend_many_generic(rows, hd, scale, qs, |q, kp, v_offset, hd, scale, seen| {
-            // SAFETY: as `attend_many`'s contract; AVX2 and FMA are enabled here.
-            unsafe { attend_tile(q, kp, v_offset, hd, scale, seen) }
-        })
+        // SAFETY: as `attend_many`'s contract; AVX2 and FMA are enabled
+        // here, and each tile gets the rows and the query the sweep was given.
+        unsafe {
+            super::attend_many_generic(rows, hd, scale, qs, |q, kp, v_offset, hd, scale, seen| {
+                attend_tile(q, kp, v_offset, hd, scale, seen)
+            })
+        }
     }
 
     /// One tile for one query. Scores: 8 keys side by side over the head's
@@ -282,6 +321,11 @@ pub(super) mod avx2 {
     /// `-inf`. `p = exp(s - m)` 8 at a time, the tile's sum in `hsum`'s
     /// order. The output keeps 64 columns in registers while it takes the
     /// tile's positions in order: each element is `fma(p_t, v_t, acc)`.
+    ///
+    /// # Safety
+    /// The CPU has AVX2 and FMA; `kp`'s rows and their V rows (`v_offset`
+    /// floats further) hold `hd` readable floats; `q.q` points at `hd` readable
+    /// floats and `q.out` at `hd` writable ones nothing else touches.
     #[inline(always)]
     unsafe fn attend_tile(
         q: &mut super::AttnQuery,
@@ -291,112 +335,118 @@ pub(super) mod avx2 {
         scale: f32,
         seen: usize,
     ) {
-        let hd8 = hd & !7;
-        let qp = q.q;
-        let mut s = [0f32; super::KEY_TILE];
-        for h in 0..super::KEY_TILE / 8 {
-            let mut acc = [_mm256_setzero_ps(); 8];
-            let mut p = 0;
-            while p < hd8 {
-                let qv = _mm256_loadu_ps(qp.add(p));
-                for (i, a) in acc.iter_mut().enumerate() {
-                    *a = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kp[8 * h + i].add(p)), *a);
+        // SAFETY: the caller guarantees AVX2, FMA and `attend_many`'s contract:
+        // the 16 K rows of `kp` (the first `seen` of them real) and their V rows,
+        // `v_offset` floats further, hold `hd` readable floats; `q.q` is `hd`
+        // readable floats and `q.out` `hd` writable ones.
+        unsafe {
+            let hd8 = hd & !7;
+            let qp = q.q;
+            let mut s = [0f32; super::KEY_TILE];
+            for h in 0..super::KEY_TILE / 8 {
+                let mut acc = [_mm256_setzero_ps(); 8];
+                let mut p = 0;
+                while p < hd8 {
+                    let qv = _mm256_loadu_ps(qp.add(p));
+                    for (i, a) in acc.iter_mut().enumerate() {
+                        *a = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kp[8 * h + i].add(p)), *a);
+                    }
+                    p += 8;
                 }
-                p += 8;
+                _mm256_storeu_ps(s.as_mut_ptr().add(8 * h), hsum8(&acc));
             }
-            _mm256_storeu_ps(s.as_mut_ptr().add(8 * h), hsum8(&acc));
-        }
-        if hd8 < hd {
-            for (j, sj) in s.iter_mut().enumerate() {
-                for c in hd8..hd {
-                    *sj += *qp.add(c) * *kp[j].add(c);
-                }
-            }
-        }
-        let lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-        let ninf = _mm256_set1_ps(f32::NEG_INFINITY);
-        let sv = _mm256_set1_ps(scale);
-        let masked = |h: usize| {
-            let keep = _mm256_cmpgt_epi32(_mm256_set1_epi32(seen as i32 - 8 * h as i32), lane);
-            let x = _mm256_mul_ps(_mm256_loadu_ps(s.as_ptr().add(8 * h)), sv);
-            _mm256_blendv_ps(ninf, x, _mm256_castsi256_ps(keep))
-        };
-        let (s0, s1) = (masked(0), masked(1));
-        let mut lanes = [0f32; 8];
-        _mm256_storeu_ps(lanes.as_mut_ptr(), _mm256_max_ps(s0, s1));
-        let m = lanes.iter().fold(q.m, |m, &v| m.max(v));
-        let mv = _mm256_set1_ps(m);
-        let (p0, p1) = (exp8(_mm256_sub_ps(s0, mv)), exp8(_mm256_sub_ps(s1, mv)));
-        let sum = hsum(_mm256_add_ps(p0, p1));
-        let mut ps = [0f32; super::KEY_TILE];
-        _mm256_storeu_ps(ps.as_mut_ptr(), p0);
-        _mm256_storeu_ps(ps.as_mut_ptr().add(8), p1);
-        // How the accumulator starts: zero on the first tile, rescaled when
-        // the maximum grew, as it is otherwise (`x * 1` would change nothing).
-        let first = q.m == f32::NEG_INFINITY;
-        let alpha = if !first && m > q.m {
-            exp1(q.m - m)
-        } else {
-            1.0
-        };
-        q.l = if first { sum } else { q.l * alpha + sum };
-        q.m = m;
-        let rescale = !first && alpha != 1.0;
-        let av = _mm256_set1_ps(alpha);
-        let out = q.out;
-        let start = |at: *const f32| {
-            if first {
-                _mm256_setzero_ps()
-            } else if rescale {
-                _mm256_mul_ps(_mm256_loadu_ps(at), av)
-            } else {
-                _mm256_loadu_ps(at)
-            }
-        };
-        let ps = &ps[..seen];
-        let mut c = 0;
-        while c + 64 <= hd {
-            let mut acc = [_mm256_setzero_ps(); 8];
-            for (j, a) in acc.iter_mut().enumerate() {
-                *a = start(out.add(c + 8 * j));
-            }
-            for (t, &p) in ps.iter().enumerate() {
-                let v = kp[t].add(v_offset + c);
-                let pv = _mm256_set1_ps(p);
-                for (j, a) in acc.iter_mut().enumerate() {
-                    *a = _mm256_fmadd_ps(pv, _mm256_loadu_ps(v.add(8 * j)), *a);
+            if hd8 < hd {
+                for (j, sj) in s.iter_mut().enumerate() {
+                    for c in hd8..hd {
+                        *sj += *qp.add(c) * *kp[j].add(c);
+                    }
                 }
             }
-            for (j, a) in acc.iter().enumerate() {
-                _mm256_storeu_ps(out.add(c + 8 * j), *a);
-            }
-            c += 64;
-        }
-        while c + 8 <= hd {
-            let mut acc = start(out.add(c));
-            for (t, &p) in ps.iter().enumerate() {
-                acc = _mm256_fmadd_ps(
-                    _mm256_set1_ps(p),
-                    _mm256_loadu_ps(kp[t].add(v_offset + c)),
-                    acc,
-                );
-            }
-            _mm256_storeu_ps(out.add(c), acc);
-            c += 8;
-        }
-        while c < hd {
-            let mut acc = if first {
-                0.0
-            } else if rescale {
-                *out.add(c) * alpha
-            } else {
-                *out.add(c)
+            let lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+            let ninf = _mm256_set1_ps(f32::NEG_INFINITY);
+            let sv = _mm256_set1_ps(scale);
+            let masked = |h: usize| {
+                let keep = _mm256_cmpgt_epi32(_mm256_set1_epi32(seen as i32 - 8 * h as i32), lane);
+                let x = _mm256_mul_ps(_mm256_loadu_ps(s.as_ptr().add(8 * h)), sv);
+                _mm256_blendv_ps(ninf, x, _mm256_castsi256_ps(keep))
             };
-            for (t, &p) in ps.iter().enumerate() {
-                acc = p.mul_add(*kp[t].add(v_offset + c), acc);
+            let (s0, s1) = (masked(0), masked(1));
+            let mut lanes = [0f32; 8];
+            _mm256_storeu_ps(lanes.as_mut_ptr(), _mm256_max_ps(s0, s1));
+            let m = lanes.iter().fold(q.m, |m, &v| m.max(v));
+            let mv = _mm256_set1_ps(m);
+            let (p0, p1) = (exp8(_mm256_sub_ps(s0, mv)), exp8(_mm256_sub_ps(s1, mv)));
+            let sum = hsum(_mm256_add_ps(p0, p1));
+            let mut ps = [0f32; super::KEY_TILE];
+            _mm256_storeu_ps(ps.as_mut_ptr(), p0);
+            _mm256_storeu_ps(ps.as_mut_ptr().add(8), p1);
+            // How the accumulator starts: zero on the first tile, rescaled when
+            // the maximum grew, as it is otherwise (`x * 1` would change nothing).
+            let first = q.m == f32::NEG_INFINITY;
+            let alpha = if !first && m > q.m {
+                exp1(q.m - m)
+            } else {
+                1.0
+            };
+            q.l = if first { sum } else { q.l * alpha + sum };
+            q.m = m;
+            let rescale = !first && alpha != 1.0;
+            let av = _mm256_set1_ps(alpha);
+            let out = q.out;
+            let start = |at: *const f32| {
+                if first {
+                    _mm256_setzero_ps()
+                } else if rescale {
+                    _mm256_mul_ps(_mm256_loadu_ps(at), av)
+                } else {
+                    _mm256_loadu_ps(at)
+                }
+            };
+            let ps = &ps[..seen];
+            let mut c = 0;
+            while c + 64 <= hd {
+                let mut acc = [_mm256_setzero_ps(); 8];
+                for (j, a) in acc.iter_mut().enumerate() {
+                    *a = start(out.add(c + 8 * j));
+                }
+                for (t, &p) in ps.iter().enumerate() {
+                    let v = kp[t].add(v_offset + c);
+                    let pv = _mm256_set1_ps(p);
+                    for (j, a) in acc.iter_mut().enumerate() {
+                        *a = _mm256_fmadd_ps(pv, _mm256_loadu_ps(v.add(8 * j)), *a);
+                    }
+                }
+                for (j, a) in acc.iter().enumerate() {
+                    _mm256_storeu_ps(out.add(c + 8 * j), *a);
+                }
+                c += 64;
             }
-            *out.add(c) = acc;
-            c += 1;
+            while c + 8 <= hd {
+                let mut acc = start(out.add(c));
+                for (t, &p) in ps.iter().enumerate() {
+                    acc = _mm256_fmadd_ps(
+                        _mm256_set1_ps(p),
+                        _mm256_loadu_ps(kp[t].add(v_offset + c)),
+                        acc,
+                    );
+                }
+                _mm256_storeu_ps(out.add(c), acc);
+                c += 8;
+            }
+            while c < hd {
+                let mut acc = if first {
+                    0.0
+                } else if rescale {
+                    *out.add(c) * alpha
+                } else {
+                    *out.add(c)
+                };
+                for (t, &p) in ps.iter().enumerate() {
+                    acc = p.mul_add(*kp[t].add(v_offset + c), acc);
+                }
+                *out.add(c) = acc;
+                c += 1;
+            }
         }
     }
 
@@ -419,6 +469,7 @@ pub(super) mod avx2 {
                     std::arch::x86_64::_mm256_storeu_ps(o.as_mut_ptr(), r);
                     o[3]
                 };
+                // SAFETY: as above.
                 let s = unsafe { exp1_fma(x) };
                 assert_eq!(v.to_bits(), s.to_bits(), "lane and tail differ at {x}");
                 let want = (x as f64).exp();
@@ -443,14 +494,26 @@ pub(super) mod avx2 {
 mod portable {
     use crate::kernels::matmul::portable::dot;
 
+    /// # Safety
+    /// `acc` points at `k` writable floats and `v` at `k` readable ones,
+    /// not overlapping.
     pub(super) unsafe fn axpy(acc: *mut f32, p: f32, v: *const f32, k: usize) {
-        for t in 0..k {
-            *acc.add(t) += p * *v.add(t);
+        // SAFETY: the caller guarantees that `acc` and `v` hold `k` floats and
+        // do not overlap.
+        unsafe {
+            for t in 0..k {
+                *acc.add(t) += p * *v.add(t);
+            }
         }
     }
 
     /// One tile of [`super::attend_many`] for one query: `seen` of the
     /// tile's keys, scalar operations in a fixed order.
+    ///
+    /// # Safety
+    /// The first `seen` rows of `kp` and their V rows (`v_offset` floats
+    /// further) hold `hd` readable floats; `q.q` points at `hd` readable floats
+    /// and `q.out` at `hd` writable ones nothing else touches.
     pub(super) unsafe fn attend_tile(
         q: &mut super::AttnQuery,
         kp: &[*const f32; super::KEY_TILE],
@@ -459,32 +522,37 @@ mod portable {
         scale: f32,
         seen: usize,
     ) {
-        let mut s = [0f32; super::KEY_TILE];
-        for (j, sj) in s.iter_mut().enumerate().take(seen) {
-            *sj = dot(q.q, kp[j], hd) * scale;
-        }
-        let m = s[..seen].iter().fold(q.m, |m, &v| m.max(v));
-        let mut sum = 0f32;
-        for sj in &mut s[..seen] {
-            *sj = (*sj - m).exp();
-            sum += *sj;
-        }
-        let first = q.m == f32::NEG_INFINITY;
-        if first {
-            std::slice::from_raw_parts_mut(q.out, hd).fill(0.0);
-            q.l = sum;
-        } else if m > q.m {
-            let alpha = (q.m - m).exp();
-            for c in 0..hd {
-                *q.out.add(c) *= alpha;
+        // SAFETY: the caller guarantees `attend_many`'s contract: the first
+        // `seen` rows of `kp` and their V rows hold `hd` readable floats; `q.q`
+        // is `hd` readable floats and `q.out` `hd` writable ones.
+        unsafe {
+            let mut s = [0f32; super::KEY_TILE];
+            for (j, sj) in s.iter_mut().enumerate().take(seen) {
+                *sj = dot(q.q, kp[j], hd) * scale;
             }
-            q.l = q.l * alpha + sum;
-        } else {
-            q.l += sum;
-        }
-        q.m = m;
-        for (j, &p) in s.iter().enumerate().take(seen) {
-            axpy(q.out, p, kp[j].add(v_offset), hd);
+            let m = s[..seen].iter().fold(q.m, |m, &v| m.max(v));
+            let mut sum = 0f32;
+            for sj in &mut s[..seen] {
+                *sj = (*sj - m).exp();
+                sum += *sj;
+            }
+            let first = q.m == f32::NEG_INFINITY;
+            if first {
+                std::slice::from_raw_parts_mut(q.out, hd).fill(0.0);
+                q.l = sum;
+            } else if m > q.m {
+                let alpha = (q.m - m).exp();
+                for c in 0..hd {
+                    *q.out.add(c) *= alpha;
+                }
+                q.l = q.l * alpha + sum;
+            } else {
+                q.l += sum;
+            }
+            q.m = m;
+            for (j, &p) in s.iter().enumerate().take(seen) {
+                axpy(q.out, p, kp[j].add(v_offset), hd);
+            }
         }
     }
 }

@@ -108,15 +108,20 @@ pub fn matmul_blocks_many_with(
                         &mut scratch[(r - p0) * k..(r - p0 + 1) * k],
                     );
                 }
-                // SAFETY: the scratch holds rows p0..p1 as f32; the job owns
-                // columns p0..p1 of `y`, which start `p0` floats in.
+                // The scratch holds rows p0..p1 as f32; the job owns columns
+                // p0..p1 of `y`, which start `p0` floats in.
                 let job = Job {
                     w: scratch.as_ptr(),
+                    // SAFETY: column `p0 < n` of `y`'s first row is inside `y`.
                     y: SendPtr(unsafe { y.0.add(p0) }),
                     n,
                     j0: 0,
                     j1: p1 - p0,
                 };
+                // SAFETY: shapes were checked above (`x` is `m*k` floats, the
+                // scratch `p1 - p0` rows of `k`, `y` `m*n` from column `p0`),
+                // the job writes only its own columns, and `be` is one the
+                // CPU has.
                 unsafe { run_job(be, xp.get(), m, k, &job) };
                 p0 = p1;
             }
@@ -160,54 +165,69 @@ mod avx2 {
     }
 
     /// The 8 values at `p` of a 16-bit float format, widened exactly.
+    ///
+    /// # Safety
+    /// The CPU has AVX2 and F16C; `p` points at 16 readable bytes.
     #[inline(always)]
     unsafe fn half8(ty: QType, p: *const u8) -> __m256 {
-        let h = _mm_loadu_si128(p as *const __m128i);
-        if ty == QType::F16 {
-            _mm256_cvtph_ps(h)
-        } else {
-            _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(h)))
+        // SAFETY: the caller guarantees AVX2 and F16C and 16 readable bytes at `p`.
+        unsafe {
+            let h = _mm_loadu_si128(p as *const __m128i);
+            if ty == QType::F16 {
+                _mm256_cvtph_ps(h)
+            } else {
+                _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(h)))
+            }
         }
     }
 
     /// A block-format row as f32: `d*q` (Q8_0), `d*q + m` (Q4_1), with a
     /// separate multiply and add, as the scalar dequantiser rounds; 16-bit
     /// floats widened exactly.
+    ///
+    /// # Safety
+    /// The CPU has AVX2, FMA and F16C; `ty` has block kernels; `out` holds 32
+    /// floats for each whole block of `src`.
     #[target_feature(enable = "avx2,fma,f16c")]
     pub(super) unsafe fn dequantize_row(ty: QType, src: &[u8], out: &mut [f32]) {
-        let f16 = |b: &[u8]| half::f16::from_le_bytes([b[0], b[1]]).to_f32();
-        let bb = ty.block_bytes();
-        for (b, o) in src.chunks_exact(bb).zip(out.chunks_exact_mut(32)) {
-            let d = _mm256_set1_ps(f16(&b[0..2]));
-            let o = o.as_mut_ptr();
-            match ty {
-                QType::Q8_0 => {
-                    for g in 0..4 {
-                        let q8 = _mm_loadl_epi64(b.as_ptr().add(2 + 8 * g) as *const __m128i);
-                        let q = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q8));
-                        _mm256_storeu_ps(o.add(8 * g), _mm256_mul_ps(d, q));
+        // SAFETY: the caller guarantees the instructions; `src` is whole
+        // blocks of `ty` and `out` 32 floats per block: every load is inside a
+        // block `b` and every store inside its 32 floats of `o`.
+        unsafe {
+            let f16 = |b: &[u8]| half::f16::from_le_bytes([b[0], b[1]]).to_f32();
+            let bb = ty.block_bytes();
+            for (b, o) in src.chunks_exact(bb).zip(out.chunks_exact_mut(32)) {
+                let d = _mm256_set1_ps(f16(&b[0..2]));
+                let o = o.as_mut_ptr();
+                match ty {
+                    QType::Q8_0 => {
+                        for g in 0..4 {
+                            let q8 = _mm_loadl_epi64(b.as_ptr().add(2 + 8 * g) as *const __m128i);
+                            let q = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q8));
+                            _mm256_storeu_ps(o.add(8 * g), _mm256_mul_ps(d, q));
+                        }
                     }
-                }
-                QType::Q4_1 => {
-                    let m = _mm256_set1_ps(f16(&b[2..4]));
-                    let bytes = _mm_loadu_si128(b.as_ptr().add(4) as *const __m128i);
-                    let mask = _mm_set1_epi8(0x0f);
-                    let lo = _mm_and_si128(bytes, mask);
-                    let hi = _mm_and_si128(_mm_srli_epi16::<4>(bytes), mask);
-                    for (g, v) in [lo, _mm_srli_si128::<8>(lo), hi, _mm_srli_si128::<8>(hi)]
-                        .into_iter()
-                        .enumerate()
-                    {
-                        let q = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v));
-                        _mm256_storeu_ps(o.add(8 * g), _mm256_add_ps(_mm256_mul_ps(d, q), m));
+                    QType::Q4_1 => {
+                        let m = _mm256_set1_ps(f16(&b[2..4]));
+                        let bytes = _mm_loadu_si128(b.as_ptr().add(4) as *const __m128i);
+                        let mask = _mm_set1_epi8(0x0f);
+                        let lo = _mm_and_si128(bytes, mask);
+                        let hi = _mm_and_si128(_mm_srli_epi16::<4>(bytes), mask);
+                        for (g, v) in [lo, _mm_srli_si128::<8>(lo), hi, _mm_srli_si128::<8>(hi)]
+                            .into_iter()
+                            .enumerate()
+                        {
+                            let q = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v));
+                            _mm256_storeu_ps(o.add(8 * g), _mm256_add_ps(_mm256_mul_ps(d, q), m));
+                        }
                     }
-                }
-                QType::F16 | QType::BF16 => {
-                    for g in 0..4 {
-                        _mm256_storeu_ps(o.add(8 * g), half8(ty, b.as_ptr().add(16 * g)));
+                    QType::F16 | QType::BF16 => {
+                        for g in 0..4 {
+                            _mm256_storeu_ps(o.add(8 * g), half8(ty, b.as_ptr().add(16 * g)));
+                        }
                     }
+                    other => unreachable!("{other:?} has no AVX2 dequantiser (has_block_kernels)"),
                 }
-                other => unreachable!("{other:?} has no AVX2 dequantiser (has_block_kernels)"),
             }
         }
     }
@@ -217,6 +237,11 @@ mod avx2 {
     /// dequantised in registers exactly as `dequantize_row` does and enters
     /// the same 8-lane accumulation as the f32 tiles, then the same
     /// horizontal sum (`k` is whole blocks, so there is no tail).
+    ///
+    /// # Safety
+    /// The CPU has AVX2, FMA and F16C; `ty` has block kernels; `w` is one row
+    /// of `k` values (whole blocks); `x` holds `m <= 4` rows of `k` floats, and
+    /// `y` has `m` rows of stride `ldy` whose first float is writable.
     #[target_feature(enable = "avx2,fma,f16c")]
     pub(super) unsafe fn block_rows(
         ty: QType,
@@ -227,15 +252,21 @@ mod avx2 {
         y: *mut f32,
         ldy: usize,
     ) {
-        match m {
-            1 => block_rows_n::<1>(ty, w, x, k, y, ldy),
-            2 => block_rows_n::<2>(ty, w, x, k, y, ldy),
-            3 => block_rows_n::<3>(ty, w, x, k, y, ldy),
-            4 => block_rows_n::<4>(ty, w, x, k, y, ldy),
-            _ => unreachable!("at most 4 rows"),
+        // SAFETY: the caller guarantees the instructions and the shapes, which
+        // `block_rows_n` takes as they are.
+        unsafe {
+            match m {
+                1 => block_rows_n::<1>(ty, w, x, k, y, ldy),
+                2 => block_rows_n::<2>(ty, w, x, k, y, ldy),
+                3 => block_rows_n::<3>(ty, w, x, k, y, ldy),
+                4 => block_rows_n::<4>(ty, w, x, k, y, ldy),
+                _ => unreachable!("at most 4 rows"),
+            }
         }
     }
 
+    /// # Safety
+    /// As [`block_rows`]'s, with `m = R`.
     #[inline(always)]
     unsafe fn block_rows_n<const R: usize>(
         ty: QType,
@@ -245,49 +276,56 @@ mod avx2 {
         y: *mut f32,
         ldy: usize,
     ) {
-        let f16 = |b: &[u8]| half::f16::from_le_bytes([b[0], b[1]]).to_f32();
-        let mut acc = [_mm256_setzero_ps(); R];
-        for (bi, b) in w.chunks_exact(ty.block_bytes()).enumerate() {
-            let d = _mm256_set1_ps(f16(&b[0..2]));
-            let mut g = [_mm256_setzero_ps(); 4];
-            match ty {
-                QType::Q8_0 => {
-                    for (i, gv) in g.iter_mut().enumerate() {
-                        let q8 = _mm_loadl_epi64(b.as_ptr().add(2 + 8 * i) as *const __m128i);
-                        *gv = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q8)));
+        // SAFETY: the caller guarantees the instructions and the shapes: the
+        // loads of `x` are inside its `R` rows of `k` floats, and each output is
+        // row `r`'s first float of `y`.
+        unsafe {
+            let f16 = |b: &[u8]| half::f16::from_le_bytes([b[0], b[1]]).to_f32();
+            let mut acc = [_mm256_setzero_ps(); R];
+            for (bi, b) in w.chunks_exact(ty.block_bytes()).enumerate() {
+                let d = _mm256_set1_ps(f16(&b[0..2]));
+                let mut g = [_mm256_setzero_ps(); 4];
+                match ty {
+                    QType::Q8_0 => {
+                        for (i, gv) in g.iter_mut().enumerate() {
+                            let q8 = _mm_loadl_epi64(b.as_ptr().add(2 + 8 * i) as *const __m128i);
+                            *gv = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q8)));
+                        }
+                    }
+                    QType::Q4_1 => {
+                        let mn = _mm256_set1_ps(f16(&b[2..4]));
+                        let bytes = _mm_loadu_si128(b.as_ptr().add(4) as *const __m128i);
+                        let mask = _mm_set1_epi8(0x0f);
+                        let lo = _mm_and_si128(bytes, mask);
+                        let hi = _mm_and_si128(_mm_srli_epi16::<4>(bytes), mask);
+                        for (gv, v) in g.iter_mut().zip([
+                            lo,
+                            _mm_srli_si128::<8>(lo),
+                            hi,
+                            _mm_srli_si128::<8>(hi),
+                        ]) {
+                            let q = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v));
+                            *gv = _mm256_add_ps(_mm256_mul_ps(d, q), mn);
+                        }
+                    }
+                    QType::F16 | QType::BF16 => {
+                        for (i, gv) in g.iter_mut().enumerate() {
+                            *gv = half8(ty, b.as_ptr().add(16 * i));
+                        }
+                    }
+                    other => unreachable!("{other:?} has no fused kernel (has_block_kernels)"),
+                }
+                for (i, gv) in g.iter().enumerate() {
+                    let p = bi * 32 + 8 * i;
+                    for (r, a) in acc.iter_mut().enumerate() {
+                        *a = _mm256_fmadd_ps(_mm256_loadu_ps(x.add(r * k + p)), *gv, *a);
                     }
                 }
-                QType::Q4_1 => {
-                    let mn = _mm256_set1_ps(f16(&b[2..4]));
-                    let bytes = _mm_loadu_si128(b.as_ptr().add(4) as *const __m128i);
-                    let mask = _mm_set1_epi8(0x0f);
-                    let lo = _mm_and_si128(bytes, mask);
-                    let hi = _mm_and_si128(_mm_srli_epi16::<4>(bytes), mask);
-                    for (gv, v) in
-                        g.iter_mut()
-                            .zip([lo, _mm_srli_si128::<8>(lo), hi, _mm_srli_si128::<8>(hi)])
-                    {
-                        let q = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v));
-                        *gv = _mm256_add_ps(_mm256_mul_ps(d, q), mn);
-                    }
-                }
-                QType::F16 | QType::BF16 => {
-                    for (i, gv) in g.iter_mut().enumerate() {
-                        *gv = half8(ty, b.as_ptr().add(16 * i));
-                    }
-                }
-                other => unreachable!("{other:?} has no fused kernel (has_block_kernels)"),
             }
-            for (i, gv) in g.iter().enumerate() {
-                let p = bi * 32 + 8 * i;
-                for (r, a) in acc.iter_mut().enumerate() {
-                    *a = _mm256_fmadd_ps(_mm256_loadu_ps(x.add(r * k + p)), *gv, *a);
-                }
+            debug_assert_eq!(k % 8, 0);
+            for (r, a) in acc.iter().enumerate() {
+                *y.add(r * ldy) = hsum(*a);
             }
-        }
-        debug_assert_eq!(k % 8, 0);
-        for (r, a) in acc.iter().enumerate() {
-            *y.add(r * ldy) = hsum(*a);
         }
     }
 }

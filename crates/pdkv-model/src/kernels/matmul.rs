@@ -98,6 +98,7 @@ pub(super) struct Job {
 }
 // SAFETY: see `SendPtr`; `w` is only read.
 unsafe impl Send for Job {}
+// SAFETY: as for `Send`: `y` is written only in the job's own columns.
 unsafe impl Sync for Job {}
 
 /// Computes columns `j0..j1` of `y` for all `m` rows.
@@ -106,10 +107,13 @@ unsafe impl Sync for Job {}
 /// `x` holds `m*k` floats, `job.w` `n*k`, `job.y` `m*n`; no one else writes
 /// columns `j0..j1` of `y`.
 pub(super) unsafe fn run_job(be: Backend, x: *const f32, m: usize, k: usize, job: &Job) {
-    match be {
-        #[cfg(target_arch = "x86_64")]
-        Backend::Avx2Fma => avx2::run_job(x, m, k, job),
-        _ => portable::run_job(x, m, k, job),
+    // SAFETY: as this function's contract, plus a backend the CPU has.
+    unsafe {
+        match be {
+            #[cfg(target_arch = "x86_64")]
+            Backend::Avx2Fma => avx2::run_job(x, m, k, job),
+            _ => portable::run_job(x, m, k, job),
+        }
     }
 }
 
@@ -189,18 +193,29 @@ pub(crate) mod avx2 {
     }
 
     /// Fixed-order horizontal sum of 8 lanes: (i + i+4), then (+2), then (+1).
+    ///
+    /// # Safety
+    /// The CPU has AVX (AVX2 here).
     #[inline(always)]
     pub(crate) unsafe fn hsum(v: __m256) -> f32 {
-        let lo = _mm256_castps256_ps128(v);
-        let hi = _mm256_extractf128_ps::<1>(v);
-        let s4 = _mm_add_ps(lo, hi);
-        let s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
-        let s1 = _mm_add_ss(s2, _mm_shuffle_ps::<1>(s2, s2));
-        _mm_cvtss_f32(s1)
+        // SAFETY: the caller guarantees AVX; registers only.
+        unsafe {
+            let lo = _mm256_castps256_ps128(v);
+            let hi = _mm256_extractf128_ps::<1>(v);
+            let s4 = _mm_add_ps(lo, hi);
+            let s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+            let s1 = _mm_add_ss(s2, _mm_shuffle_ps::<1>(s2, s2));
+            _mm_cvtss_f32(s1)
+        }
     }
 
     /// `MR x NR` register tile: `MR` rows of `x` (stride `k`) against `NR`
     /// rows of `w` (stride `k`), into `y` (row stride `ldy`).
+    ///
+    /// # Safety
+    /// The CPU has AVX2 and FMA; `x` holds `R` rows of `k` floats, `w` `C`
+    /// rows of `k` floats, and `y` `R` rows of stride `ldy` with `C` writable
+    /// columns.
     #[inline(always)]
     unsafe fn tile<const R: usize, const C: usize>(
         x: *const f32,
@@ -209,48 +224,60 @@ pub(crate) mod avx2 {
         y: *mut f32,
         ldy: usize,
     ) {
-        let mut acc = [[_mm256_setzero_ps(); C]; R];
-        let k8 = k & !7;
-        let mut p = 0;
-        while p < k8 {
-            let mut wv = [_mm256_setzero_ps(); C];
-            for (c, wc) in wv.iter_mut().enumerate() {
-                *wc = _mm256_loadu_ps(w.add(c * k + p));
-            }
-            for (r, acc_r) in acc.iter_mut().enumerate() {
-                let xv = _mm256_loadu_ps(x.add(r * k + p));
-                for c in 0..C {
-                    acc_r[c] = _mm256_fmadd_ps(xv, wv[c], acc_r[c]);
+        // SAFETY: the caller guarantees AVX2 and FMA and that the tile's `R`
+        // rows of `x`, `C` rows of `w` (`k` floats each) and `R x C` outputs are
+        // inside them.
+        unsafe {
+            let mut acc = [[_mm256_setzero_ps(); C]; R];
+            let k8 = k & !7;
+            let mut p = 0;
+            while p < k8 {
+                let mut wv = [_mm256_setzero_ps(); C];
+                for (c, wc) in wv.iter_mut().enumerate() {
+                    *wc = _mm256_loadu_ps(w.add(c * k + p));
                 }
-            }
-            p += 8;
-        }
-        for (r, acc_r) in acc.iter().enumerate() {
-            for (c, a) in acc_r.iter().enumerate() {
-                let mut s = hsum(*a);
-                for t in k8..k {
-                    s = (*x.add(r * k + t)).mul_add(*w.add(c * k + t), s);
+                for (r, acc_r) in acc.iter_mut().enumerate() {
+                    let xv = _mm256_loadu_ps(x.add(r * k + p));
+                    for c in 0..C {
+                        acc_r[c] = _mm256_fmadd_ps(xv, wv[c], acc_r[c]);
+                    }
                 }
-                *y.add(r * ldy + c) = s;
+                p += 8;
+            }
+            for (r, acc_r) in acc.iter().enumerate() {
+                for (c, a) in acc_r.iter().enumerate() {
+                    let mut s = hsum(*a);
+                    for t in k8..k {
+                        s = (*x.add(r * k + t)).mul_add(*w.add(c * k + t), s);
+                    }
+                    *y.add(r * ldy + c) = s;
+                }
             }
         }
     }
 
     /// `dot(a, b)` with the same scheme as a matmul element.
+    ///
+    /// # Safety
+    /// The CPU has AVX2 and FMA; `a` and `b` point at `k` readable floats.
     #[inline(always)]
     pub(super) unsafe fn dot(a: *const f32, b: *const f32, k: usize) -> f32 {
-        let mut acc = _mm256_setzero_ps();
-        let k8 = k & !7;
-        let mut p = 0;
-        while p < k8 {
-            acc = _mm256_fmadd_ps(_mm256_loadu_ps(a.add(p)), _mm256_loadu_ps(b.add(p)), acc);
-            p += 8;
+        // SAFETY: the caller guarantees AVX2 and FMA and `k` readable floats at
+        // `a` and at `b`.
+        unsafe {
+            let mut acc = _mm256_setzero_ps();
+            let k8 = k & !7;
+            let mut p = 0;
+            while p < k8 {
+                acc = _mm256_fmadd_ps(_mm256_loadu_ps(a.add(p)), _mm256_loadu_ps(b.add(p)), acc);
+                p += 8;
+            }
+            let mut s = hsum(acc);
+            for t in k8..k {
+                s = (*a.add(t)).mul_add(*b.add(t), s);
+            }
+            s
         }
-        let mut s = hsum(acc);
-        for t in k8..k {
-            s = (*a.add(t)).mul_add(*b.add(t), s);
-        }
-        s
     }
 }
 
@@ -278,6 +305,9 @@ pub(super) mod portable {
         s2[0] + s2[1]
     }
 
+    /// # Safety
+    /// `x` holds `R` rows of `k` floats, `w` `C` rows of `k` floats, and `y`
+    /// `R` rows of stride `ldy` with `C` writable columns.
     #[inline(always)]
     unsafe fn tile<const R: usize, const C: usize>(
         x: *const f32,
@@ -286,45 +316,54 @@ pub(super) mod portable {
         y: *mut f32,
         ldy: usize,
     ) {
-        let mut acc = [[[0f32; 8]; C]; R];
-        let k8 = k & !7;
-        let mut p = 0;
-        while p < k8 {
-            for (r, acc_r) in acc.iter_mut().enumerate() {
-                for (c, a) in acc_r.iter_mut().enumerate() {
-                    for (l, al) in a.iter_mut().enumerate() {
-                        *al += *x.add(r * k + p + l) * *w.add(c * k + p + l);
+        // SAFETY: the caller guarantees that the tile's `R` rows of `x`, `C`
+        // rows of `w` (`k` floats each) and `R x C` outputs are inside them.
+        unsafe {
+            let mut acc = [[[0f32; 8]; C]; R];
+            let k8 = k & !7;
+            let mut p = 0;
+            while p < k8 {
+                for (r, acc_r) in acc.iter_mut().enumerate() {
+                    for (c, a) in acc_r.iter_mut().enumerate() {
+                        for (l, al) in a.iter_mut().enumerate() {
+                            *al += *x.add(r * k + p + l) * *w.add(c * k + p + l);
+                        }
                     }
                 }
+                p += 8;
             }
-            p += 8;
-        }
-        for (r, acc_r) in acc.iter().enumerate() {
-            for (c, a) in acc_r.iter().enumerate() {
-                let mut s = hsum(a);
-                for t in k8..k {
-                    s += *x.add(r * k + t) * *w.add(c * k + t);
+            for (r, acc_r) in acc.iter().enumerate() {
+                for (c, a) in acc_r.iter().enumerate() {
+                    let mut s = hsum(a);
+                    for t in k8..k {
+                        s += *x.add(r * k + t) * *w.add(c * k + t);
+                    }
+                    *y.add(r * ldy + c) = s;
                 }
-                *y.add(r * ldy + c) = s;
             }
         }
     }
 
+    /// # Safety
+    /// `a` and `b` point at `k` readable floats.
     pub(in crate::kernels) unsafe fn dot(a: *const f32, b: *const f32, k: usize) -> f32 {
-        let mut acc = [0f32; 8];
-        let k8 = k & !7;
-        let mut p = 0;
-        while p < k8 {
-            for (l, al) in acc.iter_mut().enumerate() {
-                *al += *a.add(p + l) * *b.add(p + l);
+        // SAFETY: the caller guarantees `k` readable floats at `a` and at `b`.
+        unsafe {
+            let mut acc = [0f32; 8];
+            let k8 = k & !7;
+            let mut p = 0;
+            while p < k8 {
+                for (l, al) in acc.iter_mut().enumerate() {
+                    *al += *a.add(p + l) * *b.add(p + l);
+                }
+                p += 8;
             }
-            p += 8;
+            let mut s = hsum(&acc);
+            for t in k8..k {
+                s += *a.add(t) * *b.add(t);
+            }
+            s
         }
-        let mut s = hsum(&acc);
-        for t in k8..k {
-            s += *a.add(t) * *b.add(t);
-        }
-        s
     }
 }
 
@@ -341,8 +380,12 @@ pub fn dot(a: &[f32], b: &[f32]) -> f32 {
     }
 }
 
+/// # Safety
+/// The CPU has AVX2 and FMA; `b` is at least as long as `a`.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
 unsafe fn dot_avx2(a: &[f32], b: &[f32]) -> f32 {
-    avx2::dot(a.as_ptr(), b.as_ptr(), a.len())
+    // SAFETY: the caller guarantees AVX2 and FMA; both slices hold `a.len()`
+    // floats (the caller asserted equal lengths).
+    unsafe { avx2::dot(a.as_ptr(), b.as_ptr(), a.len()) }
 }

@@ -31,9 +31,13 @@ pub(super) enum SlotDst<'a> {
 /// `t` lies inside `region` and no other view of its range exists while the
 /// destination lives.
 pub(super) unsafe fn slot_dst<'a>(region: &'a pdkv_vmem::Region, t: &TensorRef) -> SlotDst<'a> {
-    match t.dtype {
-        DType::F32 => SlotDst::F32(region.slice_mut::<f32>(t.offset, t.numel())),
-        DType::Quant(_) => SlotDst::Raw(region.slice_mut::<u8>(t.offset, t.bytes())),
+    // SAFETY: the caller guarantees that `t` lies inside `region` and that
+    // no other view of its range exists while the destination lives.
+    unsafe {
+        match t.dtype {
+            DType::F32 => SlotDst::F32(region.slice_mut::<f32>(t.offset, t.numel())),
+            DType::Quant(_) => SlotDst::Raw(region.slice_mut::<u8>(t.offset, t.bytes())),
+        }
     }
 }
 

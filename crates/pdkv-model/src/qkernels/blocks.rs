@@ -19,10 +19,21 @@ pub(super) fn f16_to_f32(h: u16) -> f32 {
     f32::from_bits(bits | sign)
 }
 
+/// The little-endian f16 at `p`, exactly.
+///
+/// # Safety
+/// `p` points at 2 readable bytes.
 #[inline(always)]
-pub(super) fn f16_at(p: *const u8) -> f32 {
-    // SAFETY (callers): `p` points at 2 readable bytes.
+pub(super) unsafe fn f16_at(p: *const u8) -> f32 {
+    // SAFETY: the caller guarantees 2 readable bytes at `p`.
     f16_to_f32(u16::from_le_bytes(unsafe { [*p, *p.add(1)] }))
+}
+
+/// The little-endian f16 at byte `i` of `blk`, exactly ([`f16_at`] on a
+/// slice, bounds checked).
+#[inline(always)]
+pub(super) fn f16_in(blk: &[u8], i: usize) -> f32 {
+    f16_to_f32(u16::from_le_bytes([blk[i], blk[i + 1]]))
 }
 
 /// Value `i` (0..32) of an unsigned-format block.
@@ -39,21 +50,29 @@ pub(super) fn unsigned_value(ty: QType, blk: &[u8], i: usize) -> u8 {
 /// `mw` of an unsigned-format block: `x = d*q + mw`.
 pub(super) fn min_of(ty: QType, blk: &[u8]) -> f32 {
     if ty.stored_min() {
-        f16_at(blk[2..].as_ptr())
+        f16_in(blk, 2)
     } else {
-        ty.min_factor() * f16_at(blk.as_ptr())
+        ty.min_factor() * f16_in(blk, 0)
     }
 }
 
 /// Block `b` (32 values) of a super-block-format row: its scale and
 /// minimum (`x = dw*q + mw`: `dw = d*sc`, `mw = -dmin*m`, both exact in f32)
 /// and where its super-block starts.
-pub(super) fn super_params(ty: QType, row: *const u8, b: usize) -> (f32, f32, *const u8) {
-    // SAFETY (callers): `row` holds the super-block of block `b`.
+///
+/// # Safety
+/// `row` points at a readable row of `ty` (Q4_K or Q5_K) that holds
+/// super-block `b / 8`: at least `(b / 8 + 1) * ty.block_bytes()` bytes.
+pub(super) unsafe fn super_params(ty: QType, row: *const u8, b: usize) -> (f32, f32, *const u8) {
+    // SAFETY: the caller guarantees that the row holds super-block `b / 8`,
+    // so its start is inside the row.
     let blk = unsafe { row.add(b / 8 * ty.block_bytes()) };
+    // SAFETY: bytes 4..16 of the super-block are its 12 bytes of scales
+    // (the block is 144 or 176 bytes); `[u8; 12]` has alignment 1.
     let scales: &[u8; 12] = unsafe { &*(blk.add(4) as *const [u8; 12]) };
     let (sc, m) = crate::gguf::k_scale_min(scales, b % 8);
-    let (d, dmin) = (f16_at(blk), f16_at(unsafe { blk.add(2) }));
+    // SAFETY: `d` and `dmin` are the super-block's bytes 0..2 and 2..4.
+    let (d, dmin) = unsafe { (f16_at(blk), f16_at(blk.add(2))) };
     (d * sc as f32, -(dmin * m as f32), blk)
 }
 
@@ -64,12 +83,20 @@ pub(super) fn super_value(ty: QType, blk: &[u8], j: usize, i: usize) -> u8 {
 
 /// Block `b` (32 values) of a Q6_K row: `d`, the i8 scales of its two
 /// halves of 16 values, and its super-block.
-pub(super) fn q6_params(row: *const u8, b: usize) -> (f32, [i32; 2], *const u8) {
-    // SAFETY (callers): `row` holds the super-block of block `b`.
+///
+/// # Safety
+/// `row` points at a readable Q6_K row that holds super-block `b / 8`: at
+/// least `(b / 8 + 1) * 210` bytes.
+pub(super) unsafe fn q6_params(row: *const u8, b: usize) -> (f32, [i32; 2], *const u8) {
+    // SAFETY: the caller guarantees that the row holds super-block `b / 8`,
+    // so its start is inside the row.
     let blk = unsafe { row.add(b / 8 * QType::Q6_K.block_bytes()) };
     let (h, g) = ((b % 8) / 4, b % 4);
+    // SAFETY: the scales are bytes 192..208 of the 210-byte super-block,
+    // and `h * 8 + 2 * g + i < 16`.
     let sc = |i: usize| unsafe { *blk.add(192 + h * 8 + 2 * g + i) } as i8 as i32;
-    (f16_at(unsafe { blk.add(208) }), [sc(0), sc(1)], blk)
+    // SAFETY: `d` is the super-block's last 2 bytes, 208..210.
+    (unsafe { f16_at(blk.add(208)) }, [sc(0), sc(1)], blk)
 }
 
 /// Value `i` (0..32, unsigned: the weight is `q - 32`) of block `j` (0..8)

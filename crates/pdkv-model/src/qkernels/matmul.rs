@@ -93,17 +93,21 @@ pub(super) fn run_many(fl: Flavour, x: &QActs, outs: &mut [QLinear<'_>]) {
 /// `job.w` holds `job.n` rows, `job.y` `m * job.n` floats of which no one
 /// else writes columns `j0..j1`; the CPU supports `fl`.
 unsafe fn run_job(fl: Flavour, x: &QActs, job: &Job) {
-    match fl {
-        #[cfg(target_arch = "x86_64")]
-        Flavour::Avx2 | Flavour::Vnni => SCRATCH.with(|s| {
-            let s = &mut *s.borrow_mut();
-            if fl == Flavour::Vnni {
-                simd::run_job_vnni(x, job, s)
-            } else {
-                simd::run_job_avx2(x, job, s)
-            }
-        }),
-        _ => portable::run_job(x, job),
+    // SAFETY: as this function's contract: the job's rows and columns are
+    // inside its matrix and output, and the CPU supports `fl`.
+    unsafe {
+        match fl {
+            #[cfg(target_arch = "x86_64")]
+            Flavour::Avx2 | Flavour::Vnni => SCRATCH.with(|s| {
+                let s = &mut *s.borrow_mut();
+                if fl == Flavour::Vnni {
+                    simd::run_job_vnni(x, job, s)
+                } else {
+                    simd::run_job_avx2(x, job, s)
+                }
+            }),
+            _ => portable::run_job(x, job),
+        }
     }
 }
 

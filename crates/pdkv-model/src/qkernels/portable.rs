@@ -3,17 +3,24 @@
 
 use super::acts::{QActs, GROUP, GROUP_BLOCK};
 use super::blocks::{
-    f16_at, min_of, q6_params, q6_value, super_params, super_value, unsigned_value,
+    f16_in, min_of, q6_params, q6_value, super_params, super_value, unsigned_value,
 };
 use super::job::Job;
 use crate::qtype::{QType, QK};
 
 /// One element at a time, straight from the GGUF blocks.
+///
+/// # Safety
+/// `job.w` holds `job.n` rows of `x.k` values of `job.ty`; `job.y` holds
+/// `x.m * job.n` floats, of which no one else writes columns
+/// `job.j0..job.j1`.
 pub(super) unsafe fn run_job(x: &QActs, job: &Job) {
     let nb = x.blocks();
     let (bb, rb) = (job.ty.block_bytes(), job.ty.row_bytes(x.k));
     for j in job.j0..job.j1 {
-        let wr = job.w.add(j * rb);
+        // SAFETY: row `j < job.n` starts inside `job.w` (the caller's
+        // contract: `job.n` rows of `rb` bytes).
+        let wr = unsafe { job.w.add(j * rb) };
         for r in 0..x.m {
             let (g, lane) = (r / GROUP, r % GROUP);
             let mut acc = 0f32;
@@ -22,8 +29,11 @@ pub(super) unsafe fn run_job(x: &QActs, job: &Job) {
                 let xq = &x.qs[(g * nb + b) * GROUP_BLOCK + lane * 4..];
                 let qx = |i: usize| xq[(i / 4) * 32 + i % 4] as i32;
                 if job.ty == QType::Q6_K {
-                    let (d, sc, blk) = q6_params(wr, b);
-                    let blk = std::slice::from_raw_parts(blk, bb);
+                    // SAFETY: `wr` is a whole Q6_K row of `x.k` values, so it
+                    // holds the super-block of block `b < nb`.
+                    let (d, sc, blk) = unsafe { q6_params(wr, b) };
+                    // SAFETY: `blk` is that super-block, `bb` bytes in the row.
+                    let blk = unsafe { std::slice::from_raw_parts(blk, bb) };
                     let isum: i32 = (0..QK)
                         .map(|i| sc[i / 16] * (q6_value(blk, b % 8, i) as i32 - 32) * qx(i))
                         .sum();
@@ -31,8 +41,11 @@ pub(super) unsafe fn run_job(x: &QActs, job: &Job) {
                     continue;
                 }
                 if job.ty.is_super() {
-                    let (dw, mw, blk) = super_params(job.ty, wr, b);
-                    let blk = std::slice::from_raw_parts(blk, bb);
+                    // SAFETY: `wr` is a whole row of `x.k` values of `job.ty`,
+                    // so it holds the super-block of block `b < nb`.
+                    let (dw, mw, blk) = unsafe { super_params(job.ty, wr, b) };
+                    // SAFETY: `blk` is that super-block, `bb` bytes in the row.
+                    let blk = unsafe { std::slice::from_raw_parts(blk, bb) };
                     let isum: i32 = (0..QK)
                         .map(|i| super_value(job.ty, blk, b % 8, i) as i32 * qx(i))
                         .sum();
@@ -40,8 +53,9 @@ pub(super) unsafe fn run_job(x: &QActs, job: &Job) {
                     acc += mw * x.dsum[s];
                     continue;
                 }
-                let blk = std::slice::from_raw_parts(wr.add(b * bb), bb);
-                let dw = f16_at(blk.as_ptr());
+                // SAFETY: block `b < nb` of the row is `bb` bytes inside it.
+                let blk = unsafe { std::slice::from_raw_parts(wr.add(b * bb), bb) };
+                let dw = f16_in(blk, 0);
                 if job.ty.unsigned() {
                     let isum: i32 = (0..QK)
                         .map(|i| unsigned_value(job.ty, blk, i) as i32 * qx(i))
@@ -53,7 +67,9 @@ pub(super) unsafe fn run_job(x: &QActs, job: &Job) {
                     acc += isum as f32 * (dw * x.d[s]);
                 }
             }
-            *job.y.add(r * job.n + j) = acc;
+            // SAFETY: row `r < x.m`, column `j` of the job's own columns:
+            // inside `job.y`, and no one else writes it (the caller's contract).
+            unsafe { *job.y.add(r * job.n + j) = acc };
         }
     }
 }

@@ -20,6 +20,8 @@ struct Tile<'a> {
 
 /// The integer half of a block dot: 8 exact i32 lanes (one per activation
 /// row of the group) for each of `C` weight rows.
+/// Every method is unsafe: it needs a CPU with the flavour's instructions
+/// (AVX2, or AVX-512 VNNI and VL), besides what its own contract says.
 trait IDot {
     /// # Safety
     /// `xb` is a group's block `b` (256 bytes), `sumx` its 8 sums; `t`
@@ -30,6 +32,10 @@ trait IDot {
         t: &Tile<'_>,
         b: usize,
     ) -> [__m256i; C];
+    /// The same for an unsigned format, from the unpacked values.
+    ///
+    /// # Safety
+    /// `xb` is a group's block `b` (256 bytes); `t.s` holds `C` unpacked rows.
     unsafe fn qu<const C: usize>(xb: *const i8, t: &Tile<'_>, b: usize) -> [__m256i; C];
     /// Whether [`IDot::r8`] leaves `128 * Σx` to subtract.
     const R8_OFFSET: bool;
@@ -43,22 +49,37 @@ trait IDot {
 }
 
 /// A 4-value chunk of a weight row, broadcast to every lane.
+///
+/// # Safety
+/// The CPU has AVX2; `p` points at 4 readable bytes.
 #[inline(always)]
 unsafe fn bcast(p: *const u8) -> __m256i {
-    _mm256_set1_epi32((p as *const i32).read_unaligned())
+    // SAFETY: the CPU has AVX2 and `p` points at 4 readable bytes
+    // (this function's contract); the read is unaligned.
+    unsafe { _mm256_set1_epi32((p as *const i32).read_unaligned()) }
 }
 
 /// Chunk `i` (values `4i..4i+4`) of Q8_0 block `b` of tile row `c`.
+///
+/// # Safety
+/// The CPU has AVX2; `t` holds Q8_0 row `c` with its block `b`, `i < 8`.
 #[inline(always)]
 unsafe fn q8_chunk(t: &Tile<'_>, c: usize, b: usize, i: usize) -> __m256i {
-    bcast(t.w.add(c * t.rb + b * 34 + 2 + i * 4))
+    // SAFETY: the caller guarantees AVX2 and that `t` holds row `c`'s block
+    // `b`, whose 32 values start 2 bytes in.
+    unsafe { bcast(t.w.add(c * t.rb + b * 34 + 2 + i * 4)) }
 }
 
 /// Chunk `i` of the unpacked block `b` of tile row `c` (an unsigned
 /// format's values, or Q8_0's plus 128).
+///
+/// # Safety
+/// The CPU has AVX2; `t.s` holds the unpacked block `b` of row `c`, `i < 8`.
 #[inline(always)]
 unsafe fn unpacked_chunk(t: &Tile<'_>, c: usize, b: usize, i: usize) -> __m256i {
-    bcast(t.s.vals.as_ptr().add((c * t.nb + b) * QK + i * 4))
+    // SAFETY: the caller guarantees AVX2 and that `t.s` holds the unpacked
+    // block `b` of row `c` (32 bytes).
+    unsafe { bcast(t.s.vals.as_ptr().add((c * t.nb + b) * QK + i * 4)) }
 }
 
 struct Avx2;
@@ -73,17 +94,21 @@ impl IDot for Avx2 {
         t: &Tile<'_>,
         b: usize,
     ) -> [__m256i; C] {
-        let ones = _mm256_set1_epi16(1);
-        let mut isum = [_mm256_setzero_si256(); C];
-        for i in 0..QK / 4 {
-            let xv = _mm256_loadu_si256(xb.add(i * 32) as *const __m256i);
-            for (c, acc) in isum.iter_mut().enumerate() {
-                let wv = q8_chunk(t, c, b, i);
-                let p = _mm256_maddubs_epi16(_mm256_abs_epi8(wv), _mm256_sign_epi8(xv, wv));
-                *acc = _mm256_add_epi32(*acc, _mm256_madd_epi16(p, ones));
+        // SAFETY: the caller guarantees AVX2 and the trait's contract: `xb` is a
+        // group's 256-byte block and `t` holds `C` rows with block `b`.
+        unsafe {
+            let ones = _mm256_set1_epi16(1);
+            let mut isum = [_mm256_setzero_si256(); C];
+            for i in 0..QK / 4 {
+                let xv = _mm256_loadu_si256(xb.add(i * 32) as *const __m256i);
+                for (c, acc) in isum.iter_mut().enumerate() {
+                    let wv = q8_chunk(t, c, b, i);
+                    let p = _mm256_maddubs_epi16(_mm256_abs_epi8(wv), _mm256_sign_epi8(xv, wv));
+                    *acc = _mm256_add_epi32(*acc, _mm256_madd_epi16(p, ones));
+                }
             }
+            isum
         }
-        isum
     }
 
     /// Unsigned values (at most 31) times `x`; 4 chunks of i16 pair sums
@@ -91,24 +116,28 @@ impl IDot for Avx2 {
     /// in i16 before it is widened.
     #[inline(always)]
     unsafe fn qu<const C: usize>(xb: *const i8, t: &Tile<'_>, b: usize) -> [__m256i; C] {
-        let ones = _mm256_set1_epi16(1);
-        let mut isum = [_mm256_setzero_si256(); C];
-        for half in [0, QK / 8] {
-            let mut s16 = [_mm256_setzero_si256(); C];
-            for i in half..half + QK / 8 {
-                let xv = _mm256_loadu_si256(xb.add(i * 32) as *const __m256i);
-                for (c, acc) in s16.iter_mut().enumerate() {
-                    *acc = _mm256_add_epi16(
-                        *acc,
-                        _mm256_maddubs_epi16(unpacked_chunk(t, c, b, i), xv),
-                    );
+        // SAFETY: the caller guarantees AVX2 and the trait's contract: `xb` is a
+        // group's 256-byte block and `t.s` holds `C` unpacked rows with block `b`.
+        unsafe {
+            let ones = _mm256_set1_epi16(1);
+            let mut isum = [_mm256_setzero_si256(); C];
+            for half in [0, QK / 8] {
+                let mut s16 = [_mm256_setzero_si256(); C];
+                for i in half..half + QK / 8 {
+                    let xv = _mm256_loadu_si256(xb.add(i * 32) as *const __m256i);
+                    for (c, acc) in s16.iter_mut().enumerate() {
+                        *acc = _mm256_add_epi16(
+                            *acc,
+                            _mm256_maddubs_epi16(unpacked_chunk(t, c, b, i), xv),
+                        );
+                    }
+                }
+                for (acc, v) in isum.iter_mut().zip(s16) {
+                    *acc = _mm256_add_epi32(*acc, _mm256_madd_epi16(v, ones));
                 }
             }
-            for (acc, v) in isum.iter_mut().zip(s16) {
-                *acc = _mm256_add_epi32(*acc, _mm256_madd_epi16(v, ones));
-            }
+            isum
         }
-        isum
     }
 
     const R8_OFFSET: bool = false;
@@ -120,13 +149,17 @@ impl IDot for Avx2 {
 
     #[inline(always)]
     unsafe fn r8(x: __m256i, w: __m256i) -> __m256i {
-        let p = _mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(x, w));
-        _mm256_madd_epi16(p, _mm256_set1_epi16(1))
+        // SAFETY: the caller guarantees AVX2; registers only, no memory.
+        unsafe {
+            let p = _mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(x, w));
+            _mm256_madd_epi16(p, _mm256_set1_epi16(1))
+        }
     }
 
     #[inline(always)]
     unsafe fn r4(x: __m256i, nib: __m256i) -> __m256i {
-        _mm256_madd_epi16(_mm256_maddubs_epi16(nib, x), _mm256_set1_epi16(1))
+        // SAFETY: the caller guarantees AVX2; registers only, no memory.
+        unsafe { _mm256_madd_epi16(_mm256_maddubs_epi16(nib, x), _mm256_set1_epi16(1)) }
     }
 }
 
@@ -141,28 +174,38 @@ impl IDot for Vnni {
         t: &Tile<'_>,
         b: usize,
     ) -> [__m256i; C] {
-        // `prep` left `w + 128` in the scratch, where Q4_1 keeps its nibbles.
-        let mut isum = [_mm256_setzero_si256(); C];
-        for i in 0..QK / 4 {
-            let xv = _mm256_loadu_si256(xb.add(i * 32) as *const __m256i);
-            for (c, acc) in isum.iter_mut().enumerate() {
-                *acc = _mm256_dpbusd_epi32(*acc, unpacked_chunk(t, c, b, i), xv);
+        // SAFETY: the caller guarantees AVX-512 VNNI and VL and the trait's
+        // contract: `xb` is a group's 256-byte block, `sumx` its 8 sums, and
+        // `t.s` holds `C` unpacked rows with block `b`.
+        unsafe {
+            // `prep` left `w + 128` in the scratch, where Q4_1 keeps its nibbles.
+            let mut isum = [_mm256_setzero_si256(); C];
+            for i in 0..QK / 4 {
+                let xv = _mm256_loadu_si256(xb.add(i * 32) as *const __m256i);
+                for (c, acc) in isum.iter_mut().enumerate() {
+                    *acc = _mm256_dpbusd_epi32(*acc, unpacked_chunk(t, c, b, i), xv);
+                }
             }
+            let corr = _mm256_slli_epi32::<7>(_mm256_loadu_si256(sumx as *const __m256i));
+            isum.map(|v| _mm256_sub_epi32(v, corr))
         }
-        let corr = _mm256_slli_epi32::<7>(_mm256_loadu_si256(sumx as *const __m256i));
-        isum.map(|v| _mm256_sub_epi32(v, corr))
     }
 
     #[inline(always)]
     unsafe fn qu<const C: usize>(xb: *const i8, t: &Tile<'_>, b: usize) -> [__m256i; C] {
-        let mut isum = [_mm256_setzero_si256(); C];
-        for i in 0..QK / 4 {
-            let xv = _mm256_loadu_si256(xb.add(i * 32) as *const __m256i);
-            for (c, acc) in isum.iter_mut().enumerate() {
-                *acc = _mm256_dpbusd_epi32(*acc, unpacked_chunk(t, c, b, i), xv);
+        // SAFETY: the caller guarantees AVX-512 VNNI and VL and the trait's
+        // contract: `xb` is a group's 256-byte block and `t.s` holds `C`
+        // unpacked rows with block `b`.
+        unsafe {
+            let mut isum = [_mm256_setzero_si256(); C];
+            for i in 0..QK / 4 {
+                let xv = _mm256_loadu_si256(xb.add(i * 32) as *const __m256i);
+                for (c, acc) in isum.iter_mut().enumerate() {
+                    *acc = _mm256_dpbusd_epi32(*acc, unpacked_chunk(t, c, b, i), xv);
+                }
             }
+            isum
         }
-        isum
     }
 
     const R8_OFFSET: bool = true;
@@ -170,58 +213,75 @@ impl IDot for Vnni {
     /// `w + 128` as unsigned bytes.
     #[inline(always)]
     unsafe fn w8(w: __m256i) -> __m256i {
-        _mm256_xor_si256(w, _mm256_set1_epi8(-128))
+        // SAFETY: the caller guarantees AVX2; registers only, no memory.
+        unsafe { _mm256_xor_si256(w, _mm256_set1_epi8(-128)) }
     }
 
     #[inline(always)]
     unsafe fn r8(x: __m256i, w: __m256i) -> __m256i {
-        _mm256_dpbusd_epi32(_mm256_setzero_si256(), w, x)
+        // SAFETY: the caller guarantees AVX-512 VNNI and VL; registers only.
+        unsafe { _mm256_dpbusd_epi32(_mm256_setzero_si256(), w, x) }
     }
 
     #[inline(always)]
     unsafe fn r4(x: __m256i, nib: __m256i) -> __m256i {
-        _mm256_dpbusd_epi32(_mm256_setzero_si256(), nib, x)
+        // SAFETY: the caller guarantees AVX-512 VNNI and VL; registers only.
+        unsafe { _mm256_dpbusd_epi32(_mm256_setzero_si256(), nib, x) }
     }
 }
 
 /// Unpacks the scales, values (and unsigned formats' minimums) of `rows` rows.
+///
+/// # Safety
+/// The CPU has AVX2 and F16C; `w` holds `rows` rows of `rb` bytes, each
+/// `nb` blocks of `ty`.
 #[inline(always)]
 unsafe fn prep(s: &mut Scratch, ty: QType, w: *const u8, rb: usize, rows: usize, nb: usize) {
-    s.reserve(rows, nb);
-    let bb = ty.block_bytes();
-    if ty.is_super() {
-        for c in 0..rows {
-            for b in 0..nb {
-                let i = c * nb + b;
-                let v = s.vals.as_mut_ptr().add(i * QK) as *mut __m256i;
-                if ty == QType::Q6_K {
-                    let (d, sc, blk) = q6_params(w.add(c * rb), b);
-                    (s.dw[i], s.sc6[i]) = (d, sc);
-                    _mm256_storeu_si256(v, unpack_q6(blk, b % 8));
-                } else {
-                    let (dw, mw, blk) = super_params(ty, w.add(c * rb), b);
-                    (s.dw[i], s.mw[i]) = (dw, mw);
-                    _mm256_storeu_si256(v, unpack_super(ty, blk, b % 8));
+    // SAFETY: the caller guarantees AVX2 and F16C and that `w` holds `rows`
+    // rows of `rb` bytes (`nb` blocks each); `s.reserve` made room in the
+    // scratch for all of them.
+    unsafe {
+        s.reserve(rows, nb);
+        let bb = ty.block_bytes();
+        if ty.is_super() {
+            for c in 0..rows {
+                for b in 0..nb {
+                    let i = c * nb + b;
+                    let v = s.vals.as_mut_ptr().add(i * QK) as *mut __m256i;
+                    if ty == QType::Q6_K {
+                        // Row `c` is `nb` blocks of whole super-blocks, so it
+                        // holds block `b`'s (`q6_params`' contract).
+                        let (d, sc, blk) = q6_params(w.add(c * rb), b);
+                        (s.dw[i], s.sc6[i]) = (d, sc);
+                        _mm256_storeu_si256(v, unpack_q6(blk, b % 8));
+                    } else {
+                        // As above (`super_params`' contract).
+                        let (dw, mw, blk) = super_params(ty, w.add(c * rb), b);
+                        (s.dw[i], s.mw[i]) = (dw, mw);
+                        _mm256_storeu_si256(v, unpack_super(ty, blk, b % 8));
+                    }
                 }
             }
+            return;
         }
-        return;
-    }
-    for c in 0..rows {
-        for b in 0..nb {
-            let blk = w.add(c * rb + b * bb);
-            let i = c * nb + b;
-            s.dw[i] = f16_at(blk);
-            let v = s.vals.as_mut_ptr().add(i * QK);
-            if ty.unsigned() {
-                s.mw[i] = min_of(ty, std::slice::from_raw_parts(blk, bb));
-                _mm256_storeu_si256(v as *mut __m256i, unpack_unsigned(ty, blk));
-            } else {
-                // Q8_0's values as `w + 128`, the unsigned operand VNNI takes.
-                let flip = _mm_set1_epi8(-128);
-                for h in [0, 16] {
-                    let q = _mm_loadu_si128(blk.add(2 + h) as *const __m128i);
-                    _mm_storeu_si128(v.add(h) as *mut __m128i, _mm_xor_si128(q, flip));
+        for c in 0..rows {
+            for b in 0..nb {
+                let blk = w.add(c * rb + b * bb);
+                let i = c * nb + b;
+                // Every format's block starts with its f16 scale
+                // (`f16_at`'s contract: 2 readable bytes).
+                s.dw[i] = f16_at(blk);
+                let v = s.vals.as_mut_ptr().add(i * QK);
+                if ty.unsigned() {
+                    s.mw[i] = min_of(ty, std::slice::from_raw_parts(blk, bb));
+                    _mm256_storeu_si256(v as *mut __m256i, unpack_unsigned(ty, blk));
+                } else {
+                    // Q8_0's values as `w + 128`, the unsigned operand VNNI takes.
+                    let flip = _mm_set1_epi8(-128);
+                    for h in [0, 16] {
+                        let q = _mm_loadu_si128(blk.add(2 + h) as *const __m128i);
+                        _mm_storeu_si128(v.add(h) as *mut __m128i, _mm_xor_si128(q, flip));
+                    }
                 }
             }
         }
@@ -230,144 +290,187 @@ unsafe fn prep(s: &mut Scratch, ty: QType, w: *const u8, rb: usize, rows: usize,
 
 /// The 32 values of an unsigned-format block as bytes, in order (the
 /// low 128 bits hold values 0..16).
+///
+/// # Safety
+/// The CPU has AVX2; `blk` points at a whole block of the unsigned format `ty`.
 #[inline(always)]
 unsafe fn unpack_unsigned(ty: QType, blk: *const u8) -> __m256i {
-    let low = _mm_set1_epi8(0x0f);
-    let q = _mm_loadu_si128(blk.add(ty.nibbles_at()) as *const __m128i);
-    let mut v = _mm256_set_m128i(
-        _mm_and_si128(_mm_srli_epi16::<4>(q), low),
-        _mm_and_si128(q, low),
-    );
-    if let Some(h) = ty.high_bits_at() {
-        // Byte i takes byte i/8 of the 32 bits, then keeps its bit i%8.
-        let bits = _mm256_set1_epi32((blk.add(h) as *const i32).read_unaligned());
-        let spread = _mm256_shuffle_epi8(
-            bits,
-            _mm256_setr_epi8(
-                0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3,
-                3, 3, 3, 3,
-            ),
+    // SAFETY: the caller guarantees AVX2 and that `blk` is a whole block of
+    // `ty`: the nibbles (16 bytes) and fifth bits (4) are inside it.
+    unsafe {
+        let low = _mm_set1_epi8(0x0f);
+        let q = _mm_loadu_si128(blk.add(ty.nibbles_at()) as *const __m128i);
+        let mut v = _mm256_set_m128i(
+            _mm_and_si128(_mm_srli_epi16::<4>(q), low),
+            _mm_and_si128(q, low),
         );
-        let mask = _mm256_set1_epi64x(0x8040_2010_0804_0201_u64 as i64);
-        let set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, mask), mask);
-        v = _mm256_or_si256(v, _mm256_and_si256(set, _mm256_set1_epi8(0x10)));
+        if let Some(h) = ty.high_bits_at() {
+            // Byte i takes byte i/8 of the 32 bits, then keeps its bit i%8.
+            let bits = _mm256_set1_epi32((blk.add(h) as *const i32).read_unaligned());
+            let spread = _mm256_shuffle_epi8(
+                bits,
+                _mm256_setr_epi8(
+                    0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3,
+                    3, 3, 3, 3, 3, 3,
+                ),
+            );
+            let mask = _mm256_set1_epi64x(0x8040_2010_0804_0201_u64 as i64);
+            let set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, mask), mask);
+            v = _mm256_or_si256(v, _mm256_and_si256(set, _mm256_set1_epi8(0x10)));
+        }
+        v
     }
-    v
 }
 
 /// The 32 values of block `j` of a Q4_K/Q5_K super-block as bytes, in
 /// order (see [`super::blocks::super_value`]).
+///
+/// # Safety
+/// The CPU has AVX2; `blk` points at a whole Q4_K (Q5_K if `ty` says so)
+/// super-block, `j < 8`.
 #[inline(always)]
 unsafe fn unpack_super(ty: QType, blk: *const u8, j: usize) -> __m256i {
-    let five = ty == QType::Q5_K;
-    let low = _mm256_set1_epi8(0x0f);
-    let q =
-        _mm256_loadu_si256(blk.add(if five { 48 } else { 16 } + (j / 2) * 32) as *const __m256i);
-    let v = if j.is_multiple_of(2) {
-        _mm256_and_si256(q, low)
-    } else {
-        _mm256_and_si256(_mm256_srli_epi16::<4>(q), low)
-    };
-    if !five {
-        return v;
+    // SAFETY: the caller guarantees AVX2 and that `blk` is a whole Q4_K/Q5_K
+    // super-block: the 32-byte loads at 16 or 48 + 32*(j/2), and of the fifth
+    // bits at 16, are inside it (j < 8).
+    unsafe {
+        let five = ty == QType::Q5_K;
+        let low = _mm256_set1_epi8(0x0f);
+        let q = _mm256_loadu_si256(
+            blk.add(if five { 48 } else { 16 } + (j / 2) * 32) as *const __m256i
+        );
+        let v = if j.is_multiple_of(2) {
+            _mm256_and_si256(q, low)
+        } else {
+            _mm256_and_si256(_mm256_srli_epi16::<4>(q), low)
+        };
+        if !five {
+            return v;
+        }
+        // Bit j of each fifth-bit byte, moved to bit 4 (16-bit shifts keep
+        // every byte's own bit: j < 8).
+        let qh = _mm256_loadu_si256(blk.add(16) as *const __m256i);
+        let bit = _mm256_and_si256(
+            _mm256_srl_epi16(qh, _mm_cvtsi32_si128(j as i32)),
+            _mm256_set1_epi8(1),
+        );
+        _mm256_or_si256(v, _mm256_slli_epi16::<4>(bit))
     }
-    // Bit j of each fifth-bit byte, moved to bit 4 (16-bit shifts keep
-    // every byte's own bit: j < 8).
-    let qh = _mm256_loadu_si256(blk.add(16) as *const __m256i);
-    let bit = _mm256_and_si256(
-        _mm256_srl_epi16(qh, _mm_cvtsi32_si128(j as i32)),
-        _mm256_set1_epi8(1),
-    );
-    _mm256_or_si256(v, _mm256_slli_epi16::<4>(bit))
 }
 
 /// The 32 unsigned values (`q`, the weight being `q - 32`) of block `j`
 /// of a Q6_K super-block as bytes, in order (see [`super::blocks::q6_value`]).
+///
+/// # Safety
+/// The CPU has AVX2; `blk` points at a whole Q6_K super-block, `j < 8`.
 #[inline(always)]
 unsafe fn unpack_q6(blk: *const u8, j: usize) -> __m256i {
-    let (h, g) = (j / 4, j % 4);
-    let low = _mm256_set1_epi8(0x0f);
-    let ql = _mm256_loadu_si256(blk.add(h * 64 + (g % 2) * 32) as *const __m256i);
-    let lo = if g < 2 {
-        _mm256_and_si256(ql, low)
-    } else {
-        _mm256_and_si256(_mm256_srli_epi16::<4>(ql), low)
-    };
-    // Bits 2g..2g+2 of each high-bit byte (16-bit shifts keep every
-    // byte's own bits: 2g < 8), moved to bits 4..6.
-    let qh = _mm256_loadu_si256(blk.add(128 + h * 32) as *const __m256i);
-    let hi = _mm256_and_si256(
-        _mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * g as i32)),
-        _mm256_set1_epi8(3),
-    );
-    _mm256_or_si256(lo, _mm256_slli_epi16::<4>(hi))
+    // SAFETY: the caller guarantees AVX2 and that `blk` is a whole Q6_K
+    // super-block: the loads at `64h + 32(g%2)` and `128 + 32h` are inside its
+    // 210 bytes (h < 2).
+    unsafe {
+        let (h, g) = (j / 4, j % 4);
+        let low = _mm256_set1_epi8(0x0f);
+        let ql = _mm256_loadu_si256(blk.add(h * 64 + (g % 2) * 32) as *const __m256i);
+        let lo = if g < 2 {
+            _mm256_and_si256(ql, low)
+        } else {
+            _mm256_and_si256(_mm256_srli_epi16::<4>(ql), low)
+        };
+        // Bits 2g..2g+2 of each high-bit byte (16-bit shifts keep every
+        // byte's own bits: 2g < 8), moved to bits 4..6.
+        let qh = _mm256_loadu_si256(blk.add(128 + h * 32) as *const __m256i);
+        let hi = _mm256_and_si256(
+            _mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * g as i32)),
+            _mm256_set1_epi8(3),
+        );
+        _mm256_or_si256(lo, _mm256_slli_epi16::<4>(hi))
+    }
 }
 
+/// # Safety
+/// As [`run_job`]'s, with `D` the AVX2 flavour.
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(super) unsafe fn run_job_avx2(x: &QActs, job: &Job, s: &mut Scratch) {
-    run_job::<Avx2>(x, job, s)
+    // SAFETY: the caller guarantees the job's contract; the features this
+    // function enables are the ones the CPU has.
+    unsafe { run_job::<Avx2>(x, job, s) }
 }
 
+/// # Safety
+/// As [`run_job`]'s, with `D` the VNNI flavour (AVX-512 VNNI and VL).
 #[target_feature(enable = "avx2,fma,f16c,avx512vnni,avx512vl")]
 pub(super) unsafe fn run_job_vnni(x: &QActs, job: &Job, s: &mut Scratch) {
-    run_job::<Vnni>(x, job, s)
+    // SAFETY: the caller guarantees the job's contract; the features this
+    // function enables are the ones the CPU has.
+    unsafe { run_job::<Vnni>(x, job, s) }
 }
 
 /// Tiles of `NR` weight rows; each tile is unpacked once, then every
 /// activation group sweeps it. A step of at most [`DIRECT_MAX`] rows
 /// (decode at small batch) reads the blocks in place instead.
+///
+/// # Safety
+/// `job.w` holds `job.n` rows of `x.k` values of `job.ty`, `job.y` `x.m * job.n`
+/// floats of which no one else writes columns `job.j0..job.j1`; the CPU has
+/// AVX2, FMA and F16C, and `D`'s instructions.
 #[inline(always)]
 unsafe fn run_job<D: IDot>(x: &QActs, job: &Job, s: &mut Scratch) {
-    if x.m <= DIRECT_MAX {
-        return match job.ty {
-            QType::Q8_0 => direct::<D, 0>(x, job),
-            QType::Q4_0 => direct::<D, 1>(x, job),
-            QType::Q4_1 => direct::<D, 2>(x, job),
-            QType::Q5_0 => direct::<D, 3>(x, job),
-            QType::Q5_1 => direct::<D, 4>(x, job),
-            QType::Q4_K => direct_super::<D, false>(x, job),
-            QType::Q5_K => direct_super::<D, true>(x, job),
-            QType::Q6_K => direct_q6::<D>(x, job),
-            QType::F16 | QType::BF16 => unreachable!("run_many refuses them"),
-        };
-    }
-    let (nb, rb) = (x.blocks(), job.ty.row_bytes(x.k));
-    let mut j = job.j0;
-    while j < job.j1 {
-        let nr = NR.min(job.j1 - j);
-        prep(s, job.ty, job.w.add(j * rb), rb, nr, nb);
-        let t = Tile {
-            w: job.w.add(j * rb),
-            rb,
-            nb,
-            s,
-        };
-        for g in 0..x.groups() {
-            let rows = GROUP.min(x.m - g * GROUP);
-            let out = &mut [[0f32; GROUP]; NR];
-            match (job.ty.unsigned(), nr) {
-                _ if job.ty == QType::Q6_K => match nr {
-                    4 => tile_q6::<D, 4>(x, &t, g, out),
-                    3 => tile_q6::<D, 3>(x, &t, g, out),
-                    2 => tile_q6::<D, 2>(x, &t, g, out),
-                    _ => tile_q6::<D, 1>(x, &t, g, out),
-                },
-                (false, 4) => tile::<D, 4, false>(x, &t, g, out),
-                (false, 3) => tile::<D, 3, false>(x, &t, g, out),
-                (false, 2) => tile::<D, 2, false>(x, &t, g, out),
-                (false, _) => tile::<D, 1, false>(x, &t, g, out),
-                (true, 4) => tile::<D, 4, true>(x, &t, g, out),
-                (true, 3) => tile::<D, 3, true>(x, &t, g, out),
-                (true, 2) => tile::<D, 2, true>(x, &t, g, out),
-                (true, _) => tile::<D, 1, true>(x, &t, g, out),
-            }
-            for (c, col) in out[..nr].iter().enumerate() {
-                for (l, &v) in col[..rows].iter().enumerate() {
-                    *job.y.add((g * GROUP + l) * job.n + j + c) = v;
+    // SAFETY: the caller guarantees this function's contract: the CPU has the
+    // instructions, and every weight row, activation and output this job
+    // touches lies inside `job.w`, `x` and `job.y` (columns `j0..j1`).
+    unsafe {
+        if x.m <= DIRECT_MAX {
+            return match job.ty {
+                QType::Q8_0 => direct::<D, 0>(x, job),
+                QType::Q4_0 => direct::<D, 1>(x, job),
+                QType::Q4_1 => direct::<D, 2>(x, job),
+                QType::Q5_0 => direct::<D, 3>(x, job),
+                QType::Q5_1 => direct::<D, 4>(x, job),
+                QType::Q4_K => direct_super::<D, false>(x, job),
+                QType::Q5_K => direct_super::<D, true>(x, job),
+                QType::Q6_K => direct_q6::<D>(x, job),
+                QType::F16 | QType::BF16 => unreachable!("run_many refuses them"),
+            };
+        }
+        let (nb, rb) = (x.blocks(), job.ty.row_bytes(x.k));
+        let mut j = job.j0;
+        while j < job.j1 {
+            let nr = NR.min(job.j1 - j);
+            prep(s, job.ty, job.w.add(j * rb), rb, nr, nb);
+            let t = Tile {
+                w: job.w.add(j * rb),
+                rb,
+                nb,
+                s,
+            };
+            for g in 0..x.groups() {
+                let rows = GROUP.min(x.m - g * GROUP);
+                let out = &mut [[0f32; GROUP]; NR];
+                match (job.ty.unsigned(), nr) {
+                    _ if job.ty == QType::Q6_K => match nr {
+                        4 => tile_q6::<D, 4>(x, &t, g, out),
+                        3 => tile_q6::<D, 3>(x, &t, g, out),
+                        2 => tile_q6::<D, 2>(x, &t, g, out),
+                        _ => tile_q6::<D, 1>(x, &t, g, out),
+                    },
+                    (false, 4) => tile::<D, 4, false>(x, &t, g, out),
+                    (false, 3) => tile::<D, 3, false>(x, &t, g, out),
+                    (false, 2) => tile::<D, 2, false>(x, &t, g, out),
+                    (false, _) => tile::<D, 1, false>(x, &t, g, out),
+                    (true, 4) => tile::<D, 4, true>(x, &t, g, out),
+                    (true, 3) => tile::<D, 3, true>(x, &t, g, out),
+                    (true, 2) => tile::<D, 2, true>(x, &t, g, out),
+                    (true, _) => tile::<D, 1, true>(x, &t, g, out),
+                }
+                for (c, col) in out[..nr].iter().enumerate() {
+                    for (l, &v) in col[..rows].iter().enumerate() {
+                        *job.y.add((g * GROUP + l) * job.n + j + c) = v;
+                    }
                 }
             }
+            j += nr;
         }
-        j += nr;
     }
 }
 
@@ -382,94 +485,107 @@ const DR: usize = 8;
 /// minimums) gathered and widened from f16 in one go, and the exact
 /// block dots brought into lanes with integer horizontal adds. The float
 /// sequence per element is the tile path's, so the results are its bits.
+///
+/// # Safety
+/// `job.w` holds `job.n` rows of `x.k` values of `job.ty`, `job.y` `x.m * job.n`
+/// floats of which no one else writes columns `job.j0..job.j1`; the CPU has
+/// AVX2, FMA and F16C, and `D`'s instructions.
+/// `x.m <= DIRECT_MAX`.
 #[inline(always)]
 unsafe fn direct<D: IDot, const T: usize>(x: &QActs, job: &Job) {
-    // The format is a constant of each instance: its branches fold away.
-    let ty = QType::ALL[T];
-    let u = ty.unsigned();
-    let (nb, k, m) = (x.blocks(), x.k, x.m);
-    let (rb, bb) = (ty.row_bytes(k), ty.block_bytes());
-    // The job's first tile is fetched up front (its later tiles are
-    // fetched ahead, one by one, while the tile before is computed).
-    prefetch(
-        job.w.wrapping_add(job.j0 * rb),
-        DR.min(job.j1 - job.j0) * rb,
-    );
-    let mut j = job.j0;
-    while j < job.j1 {
-        let nr = DR.min(job.j1 - j);
-        // A short tile repeats its last row; the extra lanes are dropped.
-        let row = |c: usize| c.min(nr - 1) * rb;
-        let base = job.w.add(j * rb);
-        let mut acc = [_mm256_setzero_ps(); DIRECT_MAX];
-        // The tile's 8 rows are 8 streams too short for the hardware
-        // prefetcher to pick up, so the next tile (contiguous) is fetched
-        // ahead, a block column's worth of its bytes per block.
-        let next = base.wrapping_add(DR * rb);
-        for b in 0..nb {
-            prefetch(next.wrapping_add(b * DR * bb), DR * bb);
-            let blk = base.add(b * bb);
-            let mut wv = [_mm256_setzero_si256(); DR];
-            for (c, w) in wv.iter_mut().enumerate() {
-                let p = blk.add(row(c));
-                *w = if u {
-                    unpack_unsigned(ty, p)
-                } else {
-                    D::w8(_mm256_loadu_si256(p.add(2) as *const __m256i))
-                };
-            }
-            // Each row's f16 scale (and Q4_1's and Q5_1's f16 minimum after it).
-            let h16 = |o: usize| (blk.add(o) as *const i16).read_unaligned();
-            let dw = _mm256_cvtph_ps(_mm_setr_epi16(
-                h16(row(0)),
-                h16(row(1)),
-                h16(row(2)),
-                h16(row(3)),
-                h16(row(4)),
-                h16(row(5)),
-                h16(row(6)),
-                h16(row(7)),
-            ));
-            let mw = if !u {
-                _mm256_setzero_ps()
-            } else if !ty.stored_min() {
-                // Exact: a power of two times the scale, as `min_of` computes it.
-                _mm256_mul_ps(_mm256_set1_ps(ty.min_factor()), dw)
-            } else {
-                _mm256_cvtph_ps(_mm_setr_epi16(
-                    h16(row(0) + 2),
-                    h16(row(1) + 2),
-                    h16(row(2) + 2),
-                    h16(row(3) + 2),
-                    h16(row(4) + 2),
-                    h16(row(5) + 2),
-                    h16(row(6) + 2),
-                    h16(row(7) + 2),
-                ))
-            };
-            for (r, a) in acc[..m].iter_mut().enumerate() {
-                let xv = _mm256_loadu_si256(x.rowq.as_ptr().add(r * k + b * QK) as *const __m256i);
-                let v: [__m256i; DR] = std::array::from_fn(|c| {
-                    if u {
-                        D::r4(xv, wv[c])
+    // SAFETY: the caller guarantees this function's contract: the CPU has the
+    // instructions, and every weight row, activation and output this job
+    // touches lies inside `job.w`, `x` and `job.y` (columns `j0..j1`).
+    // The step has at most `DIRECT_MAX` rows, all in `x.rowq`.
+    unsafe {
+        // The format is a constant of each instance: its branches fold away.
+        let ty = QType::ALL[T];
+        let u = ty.unsigned();
+        let (nb, k, m) = (x.blocks(), x.k, x.m);
+        let (rb, bb) = (ty.row_bytes(k), ty.block_bytes());
+        // The job's first tile is fetched up front (its later tiles are
+        // fetched ahead, one by one, while the tile before is computed).
+        prefetch(
+            job.w.wrapping_add(job.j0 * rb),
+            DR.min(job.j1 - job.j0) * rb,
+        );
+        let mut j = job.j0;
+        while j < job.j1 {
+            let nr = DR.min(job.j1 - j);
+            // A short tile repeats its last row; the extra lanes are dropped.
+            let row = |c: usize| c.min(nr - 1) * rb;
+            let base = job.w.add(j * rb);
+            let mut acc = [_mm256_setzero_ps(); DIRECT_MAX];
+            // The tile's 8 rows are 8 streams too short for the hardware
+            // prefetcher to pick up, so the next tile (contiguous) is fetched
+            // ahead, a block column's worth of its bytes per block.
+            let next = base.wrapping_add(DR * rb);
+            for b in 0..nb {
+                prefetch(next.wrapping_add(b * DR * bb), DR * bb);
+                let blk = base.add(b * bb);
+                let mut wv = [_mm256_setzero_si256(); DR];
+                for (c, w) in wv.iter_mut().enumerate() {
+                    let p = blk.add(row(c));
+                    *w = if u {
+                        unpack_unsigned(ty, p)
                     } else {
-                        D::r8(xv, wv[c])
-                    }
-                });
-                let mut isum = lanes8(&v);
-                let si = b * GROUP + r;
-                if !u && D::R8_OFFSET {
-                    isum = _mm256_sub_epi32(isum, _mm256_set1_epi32(x.sum[si] << 7));
+                        D::w8(_mm256_loadu_si256(p.add(2) as *const __m256i))
+                    };
                 }
-                let sc = _mm256_mul_ps(dw, _mm256_set1_ps(x.d[si]));
-                *a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), sc, *a);
-                if u {
-                    *a = _mm256_fmadd_ps(mw, _mm256_set1_ps(x.dsum[si]), *a);
+                // Each row's f16 scale (and Q4_1's and Q5_1's f16 minimum after it).
+                let h16 = |o: usize| (blk.add(o) as *const i16).read_unaligned();
+                let dw = _mm256_cvtph_ps(_mm_setr_epi16(
+                    h16(row(0)),
+                    h16(row(1)),
+                    h16(row(2)),
+                    h16(row(3)),
+                    h16(row(4)),
+                    h16(row(5)),
+                    h16(row(6)),
+                    h16(row(7)),
+                ));
+                let mw = if !u {
+                    _mm256_setzero_ps()
+                } else if !ty.stored_min() {
+                    // Exact: a power of two times the scale, as `min_of` computes it.
+                    _mm256_mul_ps(_mm256_set1_ps(ty.min_factor()), dw)
+                } else {
+                    _mm256_cvtph_ps(_mm_setr_epi16(
+                        h16(row(0) + 2),
+                        h16(row(1) + 2),
+                        h16(row(2) + 2),
+                        h16(row(3) + 2),
+                        h16(row(4) + 2),
+                        h16(row(5) + 2),
+                        h16(row(6) + 2),
+                        h16(row(7) + 2),
+                    ))
+                };
+                for (r, a) in acc[..m].iter_mut().enumerate() {
+                    let xv =
+                        _mm256_loadu_si256(x.rowq.as_ptr().add(r * k + b * QK) as *const __m256i);
+                    let v: [__m256i; DR] = std::array::from_fn(|c| {
+                        if u {
+                            D::r4(xv, wv[c])
+                        } else {
+                            D::r8(xv, wv[c])
+                        }
+                    });
+                    let mut isum = lanes8(&v);
+                    let si = b * GROUP + r;
+                    if !u && D::R8_OFFSET {
+                        isum = _mm256_sub_epi32(isum, _mm256_set1_epi32(x.sum[si] << 7));
+                    }
+                    let sc = _mm256_mul_ps(dw, _mm256_set1_ps(x.d[si]));
+                    *a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), sc, *a);
+                    if u {
+                        *a = _mm256_fmadd_ps(mw, _mm256_set1_ps(x.dsum[si]), *a);
+                    }
                 }
             }
+            store_tile(&acc[..m], nr, job, j);
+            j += nr;
         }
-        store_tile(&acc[..m], nr, job, j);
-        j += nr;
     }
 }
 
@@ -477,96 +593,111 @@ unsafe fn direct<D: IDot, const T: usize>(x: &QActs, job: &Job) {
 /// each super-block's 8 scales and minimums are decoded once per row,
 /// then its 8 blocks go as [`direct`]'s unsigned ones do, with the
 /// float sequence of the tiles.
+///
+/// # Safety
+/// `job.w` holds `job.n` rows of `x.k` values of `job.ty`, `job.y` `x.m * job.n`
+/// floats of which no one else writes columns `job.j0..job.j1`; the CPU has
+/// AVX2, FMA and F16C, and `D`'s instructions.
+/// `x.m <= DIRECT_MAX`.
 #[inline(always)]
 unsafe fn direct_super<D: IDot, const FIVE: bool>(x: &QActs, job: &Job) {
-    let ty = if FIVE { QType::Q5_K } else { QType::Q4_K };
-    let (nb, k, m) = (x.blocks(), x.k, x.m);
-    let (rb, bb) = (ty.row_bytes(k), ty.block_bytes());
-    prefetch(
-        job.w.wrapping_add(job.j0 * rb),
-        DR.min(job.j1 - job.j0) * rb,
-    );
-    let mut j = job.j0;
-    while j < job.j1 {
-        let nr = DR.min(job.j1 - j);
-        let row = |c: usize| c.min(nr - 1) * rb;
-        let base = job.w.add(j * rb);
-        let next = base.wrapping_add(DR * rb);
-        let mut acc = [_mm256_setzero_ps(); DIRECT_MAX];
-        for sb in 0..nb / 8 {
-            prefetch(next.wrapping_add(sb * DR * bb), DR * bb);
-            let blk = |c: usize| base.add(row(c) + sb * bb);
-            // Scales and minimums of the 8 rows' super-blocks: lane c is row c.
-            let h16 = |c: usize, o: usize| (blk(c).add(o) as *const i16).read_unaligned();
-            let d = _mm256_cvtph_ps(_mm_setr_epi16(
-                h16(0, 0),
-                h16(1, 0),
-                h16(2, 0),
-                h16(3, 0),
-                h16(4, 0),
-                h16(5, 0),
-                h16(6, 0),
-                h16(7, 0),
-            ));
-            let dmin = _mm256_cvtph_ps(_mm_setr_epi16(
-                h16(0, 2),
-                h16(1, 2),
-                h16(2, 2),
-                h16(3, 2),
-                h16(4, 2),
-                h16(5, 2),
-                h16(6, 2),
-                h16(7, 2),
-            ));
-            let mut sc = [[0i32; DR]; 8];
-            let mut mn = [[0i32; DR]; 8];
-            for c in 0..DR {
-                let scales = &*(blk(c).add(4) as *const [u8; 12]);
-                for jb in 0..8 {
-                    let (s6, m6) = crate::gguf::k_scale_min(scales, jb);
-                    sc[jb][c] = s6 as i32;
-                    mn[jb][c] = m6 as i32;
-                }
-            }
-            for jb in 0..8 {
-                let b = sb * 8 + jb;
-                // Plain loops, not closures: a closure body is compiled
-                // without this function's target features, and every
-                // intrinsic in it becomes a call.
-                let mut wv = [_mm256_setzero_si256(); DR];
-                for (c, w) in wv.iter_mut().enumerate() {
-                    *w = unpack_super(ty, blk(c), jb);
-                }
-                // Exact products, as `super_params` forms them: d*sc, -(dmin*m).
-                let dw = _mm256_mul_ps(
-                    d,
-                    _mm256_cvtepi32_ps(_mm256_loadu_si256(sc[jb].as_ptr() as *const __m256i)),
-                );
-                // A sign flip, as `-(dmin*m)` is (a zero product too).
-                let mw = _mm256_xor_ps(
-                    _mm256_mul_ps(
-                        dmin,
-                        _mm256_cvtepi32_ps(_mm256_loadu_si256(mn[jb].as_ptr() as *const __m256i)),
-                    ),
-                    _mm256_set1_ps(-0.0),
-                );
-                for (r, a) in acc[..m].iter_mut().enumerate() {
-                    let xv =
-                        _mm256_loadu_si256(x.rowq.as_ptr().add(r * k + b * QK) as *const __m256i);
-                    let mut v = [_mm256_setzero_si256(); DR];
-                    for (vc, &w) in v.iter_mut().zip(&wv) {
-                        *vc = D::r4(xv, w);
+    // SAFETY: the caller guarantees this function's contract: the CPU has the
+    // instructions, and every weight row, activation and output this job
+    // touches lies inside `job.w`, `x` and `job.y` (columns `j0..j1`).
+    // The step has at most `DIRECT_MAX` rows, all in `x.rowq`.
+    unsafe {
+        let ty = if FIVE { QType::Q5_K } else { QType::Q4_K };
+        let (nb, k, m) = (x.blocks(), x.k, x.m);
+        let (rb, bb) = (ty.row_bytes(k), ty.block_bytes());
+        prefetch(
+            job.w.wrapping_add(job.j0 * rb),
+            DR.min(job.j1 - job.j0) * rb,
+        );
+        let mut j = job.j0;
+        while j < job.j1 {
+            let nr = DR.min(job.j1 - j);
+            let row = |c: usize| c.min(nr - 1) * rb;
+            let base = job.w.add(j * rb);
+            let next = base.wrapping_add(DR * rb);
+            let mut acc = [_mm256_setzero_ps(); DIRECT_MAX];
+            for sb in 0..nb / 8 {
+                prefetch(next.wrapping_add(sb * DR * bb), DR * bb);
+                let blk = |c: usize| base.add(row(c) + sb * bb);
+                // Scales and minimums of the 8 rows' super-blocks: lane c is row c.
+                let h16 = |c: usize, o: usize| (blk(c).add(o) as *const i16).read_unaligned();
+                let d = _mm256_cvtph_ps(_mm_setr_epi16(
+                    h16(0, 0),
+                    h16(1, 0),
+                    h16(2, 0),
+                    h16(3, 0),
+                    h16(4, 0),
+                    h16(5, 0),
+                    h16(6, 0),
+                    h16(7, 0),
+                ));
+                let dmin = _mm256_cvtph_ps(_mm_setr_epi16(
+                    h16(0, 2),
+                    h16(1, 2),
+                    h16(2, 2),
+                    h16(3, 2),
+                    h16(4, 2),
+                    h16(5, 2),
+                    h16(6, 2),
+                    h16(7, 2),
+                ));
+                let mut sc = [[0i32; DR]; 8];
+                let mut mn = [[0i32; DR]; 8];
+                for c in 0..DR {
+                    let scales = &*(blk(c).add(4) as *const [u8; 12]);
+                    for jb in 0..8 {
+                        let (s6, m6) = crate::gguf::k_scale_min(scales, jb);
+                        sc[jb][c] = s6 as i32;
+                        mn[jb][c] = m6 as i32;
                     }
-                    let isum = lanes8(&v);
-                    let si = b * GROUP + r;
-                    let scl = _mm256_mul_ps(dw, _mm256_set1_ps(x.d[si]));
-                    *a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), scl, *a);
-                    *a = _mm256_fmadd_ps(mw, _mm256_set1_ps(x.dsum[si]), *a);
+                }
+                for jb in 0..8 {
+                    let b = sb * 8 + jb;
+                    // Plain loops, not closures: a closure body is compiled
+                    // without this function's target features, and every
+                    // intrinsic in it becomes a call.
+                    let mut wv = [_mm256_setzero_si256(); DR];
+                    for (c, w) in wv.iter_mut().enumerate() {
+                        *w = unpack_super(ty, blk(c), jb);
+                    }
+                    // Exact products, as `super_params` forms them: d*sc, -(dmin*m).
+                    let dw = _mm256_mul_ps(
+                        d,
+                        _mm256_cvtepi32_ps(_mm256_loadu_si256(sc[jb].as_ptr() as *const __m256i)),
+                    );
+                    // A sign flip, as `-(dmin*m)` is (a zero product too).
+                    let mw = _mm256_xor_ps(
+                        _mm256_mul_ps(
+                            dmin,
+                            _mm256_cvtepi32_ps(_mm256_loadu_si256(
+                                mn[jb].as_ptr() as *const __m256i
+                            )),
+                        ),
+                        _mm256_set1_ps(-0.0),
+                    );
+                    for (r, a) in acc[..m].iter_mut().enumerate() {
+                        let xv = _mm256_loadu_si256(
+                            x.rowq.as_ptr().add(r * k + b * QK) as *const __m256i
+                        );
+                        let mut v = [_mm256_setzero_si256(); DR];
+                        for (vc, &w) in v.iter_mut().zip(&wv) {
+                            *vc = D::r4(xv, w);
+                        }
+                        let isum = lanes8(&v);
+                        let si = b * GROUP + r;
+                        let scl = _mm256_mul_ps(dw, _mm256_set1_ps(x.d[si]));
+                        *a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), scl, *a);
+                        *a = _mm256_fmadd_ps(mw, _mm256_set1_ps(x.dsum[si]), *a);
+                    }
                 }
             }
+            store_tile(&acc[..m], nr, job, j);
+            j += nr;
         }
-        store_tile(&acc[..m], nr, job, j);
-        j += nr;
     }
 }
 
@@ -575,71 +706,91 @@ unsafe fn direct_super<D: IDot, const FIVE: bool>(x: &QActs, job: &Job) {
 /// scale of the half (lanes 0..4: values 0..16) they fall in, then summed
 /// across lanes: `Σ sc·(q - 32)·x` exactly, whatever the order. The
 /// float sequence is the tiles'.
+///
+/// # Safety
+/// `job.w` holds `job.n` rows of `x.k` values of `job.ty`, `job.y` `x.m * job.n`
+/// floats of which no one else writes columns `job.j0..job.j1`; the CPU has
+/// AVX2, FMA and F16C, and `D`'s instructions.
+/// `x.m <= DIRECT_MAX`.
 #[inline(always)]
 unsafe fn direct_q6<D: IDot>(x: &QActs, job: &Job) {
-    let ty = QType::Q6_K;
-    let (nb, k, m) = (x.blocks(), x.k, x.m);
-    let (rb, bb) = (ty.row_bytes(k), ty.block_bytes());
-    let ones = _mm256_set1_epi8(1);
-    prefetch(
-        job.w.wrapping_add(job.j0 * rb),
-        DR.min(job.j1 - job.j0) * rb,
-    );
-    let mut j = job.j0;
-    while j < job.j1 {
-        let nr = DR.min(job.j1 - j);
-        let row = |c: usize| c.min(nr - 1) * rb;
-        let base = job.w.add(j * rb);
-        let next = base.wrapping_add(DR * rb);
-        let mut acc = [_mm256_setzero_ps(); DIRECT_MAX];
-        for sb in 0..nb / 8 {
-            prefetch(next.wrapping_add(sb * DR * bb), DR * bb);
-            let blk = |c: usize| base.add(row(c) + sb * bb);
-            let h16 = |c: usize| (blk(c).add(208) as *const i16).read_unaligned();
-            let d = _mm256_cvtph_ps(_mm_setr_epi16(
-                h16(0),
-                h16(1),
-                h16(2),
-                h16(3),
-                h16(4),
-                h16(5),
-                h16(6),
-                h16(7),
-            ));
-            for jb in 0..8 {
-                let b = sb * 8 + jb;
-                let (h, g) = (jb / 4, jb % 4);
-                let mut wv = [_mm256_setzero_si256(); DR];
-                let mut scv = [_mm256_setzero_si256(); DR];
-                for c in 0..DR {
-                    wv[c] = unpack_q6(blk(c), jb);
-                    let sc = blk(c).add(192 + h * 8 + 2 * g) as *const i8;
-                    let (sa, sb2) = (*sc as i32, *sc.add(1) as i32);
-                    scv[c] = _mm256_setr_epi32(sa, sa, sa, sa, sb2, sb2, sb2, sb2);
-                }
-                for (r, a) in acc[..m].iter_mut().enumerate() {
-                    let xv =
-                        _mm256_loadu_si256(x.rowq.as_ptr().add(r * k + b * QK) as *const __m256i);
-                    let xs32 = _mm256_slli_epi32::<5>(D::r4(xv, ones));
-                    let mut v = [_mm256_setzero_si256(); DR];
+    // SAFETY: the caller guarantees this function's contract: the CPU has the
+    // instructions, and every weight row, activation and output this job
+    // touches lies inside `job.w`, `x` and `job.y` (columns `j0..j1`).
+    // The step has at most `DIRECT_MAX` rows, all in `x.rowq`.
+    unsafe {
+        let ty = QType::Q6_K;
+        let (nb, k, m) = (x.blocks(), x.k, x.m);
+        let (rb, bb) = (ty.row_bytes(k), ty.block_bytes());
+        let ones = _mm256_set1_epi8(1);
+        prefetch(
+            job.w.wrapping_add(job.j0 * rb),
+            DR.min(job.j1 - job.j0) * rb,
+        );
+        let mut j = job.j0;
+        while j < job.j1 {
+            let nr = DR.min(job.j1 - j);
+            let row = |c: usize| c.min(nr - 1) * rb;
+            let base = job.w.add(j * rb);
+            let next = base.wrapping_add(DR * rb);
+            let mut acc = [_mm256_setzero_ps(); DIRECT_MAX];
+            for sb in 0..nb / 8 {
+                prefetch(next.wrapping_add(sb * DR * bb), DR * bb);
+                let blk = |c: usize| base.add(row(c) + sb * bb);
+                let h16 = |c: usize| (blk(c).add(208) as *const i16).read_unaligned();
+                let d = _mm256_cvtph_ps(_mm_setr_epi16(
+                    h16(0),
+                    h16(1),
+                    h16(2),
+                    h16(3),
+                    h16(4),
+                    h16(5),
+                    h16(6),
+                    h16(7),
+                ));
+                for jb in 0..8 {
+                    let b = sb * 8 + jb;
+                    let (h, g) = (jb / 4, jb % 4);
+                    let mut wv = [_mm256_setzero_si256(); DR];
+                    let mut scv = [_mm256_setzero_si256(); DR];
                     for c in 0..DR {
-                        v[c] = _mm256_mullo_epi32(_mm256_sub_epi32(D::r4(xv, wv[c]), xs32), scv[c]);
+                        wv[c] = unpack_q6(blk(c), jb);
+                        let sc = blk(c).add(192 + h * 8 + 2 * g) as *const i8;
+                        let (sa, sb2) = (*sc as i32, *sc.add(1) as i32);
+                        scv[c] = _mm256_setr_epi32(sa, sa, sa, sa, sb2, sb2, sb2, sb2);
                     }
-                    let isum = lanes8(&v);
-                    let si = b * GROUP + r;
-                    let scl = _mm256_mul_ps(d, _mm256_set1_ps(x.d[si]));
-                    *a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), scl, *a);
+                    for (r, a) in acc[..m].iter_mut().enumerate() {
+                        let xv = _mm256_loadu_si256(
+                            x.rowq.as_ptr().add(r * k + b * QK) as *const __m256i
+                        );
+                        let xs32 = _mm256_slli_epi32::<5>(D::r4(xv, ones));
+                        let mut v = [_mm256_setzero_si256(); DR];
+                        for c in 0..DR {
+                            v[c] = _mm256_mullo_epi32(
+                                _mm256_sub_epi32(D::r4(xv, wv[c]), xs32),
+                                scv[c],
+                            );
+                        }
+                        let isum = lanes8(&v);
+                        let si = b * GROUP + r;
+                        let scl = _mm256_mul_ps(d, _mm256_set1_ps(x.d[si]));
+                        *a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), scl, *a);
+                    }
                 }
             }
+            store_tile(&acc[..m], nr, job, j);
+            j += nr;
         }
-        store_tile(&acc[..m], nr, job, j);
-        j += nr;
     }
 }
 
 /// [`tile`] for Q6_K: per block, the halves' integer dots and the
 /// activations' half sums, combined as `sa·(A - 32 XA) + sb·(B - 32 XB)`
 /// per weight row (the integer [`direct_q6`] forms), then one `fma`.
+///
+/// # Safety
+/// The CPU has AVX2 and `D`'s instructions; `g < x.groups()`; `t.s` holds
+/// `C` unpacked Q6_K rows of `x.k` values.
 #[inline(always)]
 unsafe fn tile_q6<D: IDot, const C: usize>(
     x: &QActs,
@@ -647,78 +798,108 @@ unsafe fn tile_q6<D: IDot, const C: usize>(
     g: usize,
     out: &mut [[f32; GROUP]; NR],
 ) {
-    let (nb, s) = (x.blocks(), t.s);
-    let ones = _mm256_set1_epi8(1);
-    let mut acc = [_mm256_setzero_ps(); C];
-    for b in 0..nb {
-        let xb = x.qs.as_ptr().add((g * nb + b) * GROUP_BLOCK);
-        let si = (g * nb + b) * GROUP;
-        let mut half = [[_mm256_setzero_si256(); C]; 2];
-        let mut xsum = [_mm256_setzero_si256(); 2];
-        for i in 0..QK / 4 {
-            let xv = _mm256_loadu_si256(xb.add(i * 32) as *const __m256i);
-            let hh = i / 4;
-            xsum[hh] = _mm256_add_epi32(xsum[hh], D::r4(xv, ones));
-            for (c, h) in half[hh].iter_mut().enumerate() {
-                *h = _mm256_add_epi32(*h, D::r4(xv, unpacked_chunk(t, c, b, i)));
+    // SAFETY: the caller guarantees AVX2 (and `D`'s instructions), that `g`
+    // is a group of `x` and that `t.s` holds `C` unpacked Q6_K rows of `x.k`
+    // values with their scales.
+    unsafe {
+        let (nb, s) = (x.blocks(), t.s);
+        let ones = _mm256_set1_epi8(1);
+        let mut acc = [_mm256_setzero_ps(); C];
+        for b in 0..nb {
+            let xb = x.qs.as_ptr().add((g * nb + b) * GROUP_BLOCK);
+            let si = (g * nb + b) * GROUP;
+            let mut half = [[_mm256_setzero_si256(); C]; 2];
+            let mut xsum = [_mm256_setzero_si256(); 2];
+            for i in 0..QK / 4 {
+                let xv = _mm256_loadu_si256(xb.add(i * 32) as *const __m256i);
+                let hh = i / 4;
+                xsum[hh] = _mm256_add_epi32(xsum[hh], D::r4(xv, ones));
+                for (c, h) in half[hh].iter_mut().enumerate() {
+                    *h = _mm256_add_epi32(*h, D::r4(xv, unpacked_chunk(t, c, b, i)));
+                }
+            }
+            let dx = _mm256_loadu_ps(x.d.as_ptr().add(si));
+            for c in 0..C {
+                let [sa, sb] = s.sc6[c * nb + b];
+                let lo = _mm256_sub_epi32(half[0][c], _mm256_slli_epi32::<5>(xsum[0]));
+                let hi = _mm256_sub_epi32(half[1][c], _mm256_slli_epi32::<5>(xsum[1]));
+                let isum = _mm256_add_epi32(
+                    _mm256_mullo_epi32(lo, _mm256_set1_epi32(sa)),
+                    _mm256_mullo_epi32(hi, _mm256_set1_epi32(sb)),
+                );
+                let sc = _mm256_mul_ps(_mm256_set1_ps(s.dw[c * nb + b]), dx);
+                acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), sc, acc[c]);
             }
         }
-        let dx = _mm256_loadu_ps(x.d.as_ptr().add(si));
         for c in 0..C {
-            let [sa, sb] = s.sc6[c * nb + b];
-            let lo = _mm256_sub_epi32(half[0][c], _mm256_slli_epi32::<5>(xsum[0]));
-            let hi = _mm256_sub_epi32(half[1][c], _mm256_slli_epi32::<5>(xsum[1]));
-            let isum = _mm256_add_epi32(
-                _mm256_mullo_epi32(lo, _mm256_set1_epi32(sa)),
-                _mm256_mullo_epi32(hi, _mm256_set1_epi32(sb)),
-            );
-            let sc = _mm256_mul_ps(_mm256_set1_ps(s.dw[c * nb + b]), dx);
-            acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), sc, acc[c]);
+            _mm256_storeu_ps(out[c].as_mut_ptr(), acc[c]);
         }
-    }
-    for c in 0..C {
-        _mm256_storeu_ps(out[c].as_mut_ptr(), acc[c]);
     }
 }
 
 /// Asks for the cache lines of `bytes` bytes from `p` (a hint: `p` need
 /// not be readable).
+///
+/// # Safety
+/// The CPU has SSE. `p` need not be readable.
 #[inline(always)]
 unsafe fn prefetch(p: *const u8, bytes: usize) {
-    let mut o = 0;
-    while o < bytes {
-        _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(o) as *const i8);
-        o += 64;
+    // SAFETY: a prefetch is a hint that never faults, whatever the address;
+    // the caller guarantees SSE (AVX2).
+    unsafe {
+        let mut o = 0;
+        while o < bytes {
+            _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(o) as *const i8);
+            o += 64;
+        }
     }
 }
 
 /// Writes a [`direct`] tile's results: lane `c` of `acc[r]` is output
 /// `j + c` of activation row `r`, for the tile's `nr` real rows.
+///
+/// # Safety
+/// The CPU has AVX2; `job.y` has rows `0..acc.len()` of `job.n` floats, of
+/// which this job alone writes columns `j..j + nr`.
 #[inline(always)]
 unsafe fn store_tile(acc: &[__m256], nr: usize, job: &Job, j: usize) {
-    for (r, a) in acc.iter().enumerate() {
-        let mut out = [0f32; DR];
-        _mm256_storeu_ps(out.as_mut_ptr(), *a);
-        for (c, &v) in out[..nr].iter().enumerate() {
-            *job.y.add(r * job.n + j + c) = v;
+    // SAFETY: the caller guarantees AVX2 and that the job owns columns
+    // `j..j + nr` of rows `0..acc.len()` of `job.y`.
+    unsafe {
+        for (r, a) in acc.iter().enumerate() {
+            let mut out = [0f32; DR];
+            _mm256_storeu_ps(out.as_mut_ptr(), *a);
+            for (c, &v) in out[..nr].iter().enumerate() {
+                *job.y.add(r * job.n + j + c) = v;
+            }
         }
     }
 }
 
 /// Lane `c` of the result is the sum of the 8 lanes of `v[c]`.
+///
+/// # Safety
+/// The CPU has AVX2.
 #[inline(always)]
 unsafe fn lanes8(v: &[__m256i; DR]) -> __m256i {
-    let a = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
-    let b = _mm256_hadd_epi32(_mm256_hadd_epi32(v[4], v[5]), _mm256_hadd_epi32(v[6], v[7]));
-    // a = [v0..v3 low-half sums | v0..v3 high-half sums], b likewise for v4..v7.
-    _mm256_add_epi32(
-        _mm256_permute2x128_si256::<0x20>(a, b),
-        _mm256_permute2x128_si256::<0x31>(a, b),
-    )
+    // SAFETY: the caller guarantees AVX2; registers only, no memory.
+    unsafe {
+        let a = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
+        let b = _mm256_hadd_epi32(_mm256_hadd_epi32(v[4], v[5]), _mm256_hadd_epi32(v[6], v[7]));
+        // a = [v0..v3 low-half sums | v0..v3 high-half sums], b likewise for v4..v7.
+        _mm256_add_epi32(
+            _mm256_permute2x128_si256::<0x20>(a, b),
+            _mm256_permute2x128_si256::<0x31>(a, b),
+        )
+    }
 }
 
 /// One activation group (8 rows, one per lane) against the `C` weight
 /// rows in `s`: the float sequence of the module invariant, per lane.
+///
+/// # Safety
+/// The CPU has AVX2 and `D`'s instructions; `g < x.groups()`; `t` holds
+/// `C` weight rows of `x.k` values, unpacked in `t.s`.
 #[inline(always)]
 unsafe fn tile<D: IDot, const C: usize, const U: bool>(
     x: &QActs,
@@ -726,27 +907,32 @@ unsafe fn tile<D: IDot, const C: usize, const U: bool>(
     g: usize,
     out: &mut [[f32; GROUP]; NR],
 ) {
-    let (nb, s) = (x.blocks(), t.s);
-    let mut acc = [_mm256_setzero_ps(); C];
-    for b in 0..nb {
-        let xb = x.qs.as_ptr().add((g * nb + b) * GROUP_BLOCK);
-        let si = (g * nb + b) * GROUP;
-        let isum = if U {
-            D::qu::<C>(xb, t, b)
-        } else {
-            D::q8::<C>(xb, x.sum.as_ptr().add(si), t, b)
-        };
-        let dx = _mm256_loadu_ps(x.d.as_ptr().add(si));
-        for c in 0..C {
-            let sc = _mm256_mul_ps(_mm256_set1_ps(s.dw[c * nb + b]), dx);
-            acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[c]), sc, acc[c]);
-            if U {
-                let dsum = _mm256_loadu_ps(x.dsum.as_ptr().add(si));
-                acc[c] = _mm256_fmadd_ps(_mm256_set1_ps(s.mw[c * nb + b]), dsum, acc[c]);
+    // SAFETY: the caller guarantees AVX2 (and `D`'s instructions), that `g`
+    // is a group of `x` and that `t` holds `C` rows (unpacked in `t.s`) of
+    // `x.k` values.
+    unsafe {
+        let (nb, s) = (x.blocks(), t.s);
+        let mut acc = [_mm256_setzero_ps(); C];
+        for b in 0..nb {
+            let xb = x.qs.as_ptr().add((g * nb + b) * GROUP_BLOCK);
+            let si = (g * nb + b) * GROUP;
+            let isum = if U {
+                D::qu::<C>(xb, t, b)
+            } else {
+                D::q8::<C>(xb, x.sum.as_ptr().add(si), t, b)
+            };
+            let dx = _mm256_loadu_ps(x.d.as_ptr().add(si));
+            for c in 0..C {
+                let sc = _mm256_mul_ps(_mm256_set1_ps(s.dw[c * nb + b]), dx);
+                acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[c]), sc, acc[c]);
+                if U {
+                    let dsum = _mm256_loadu_ps(x.dsum.as_ptr().add(si));
+                    acc[c] = _mm256_fmadd_ps(_mm256_set1_ps(s.mw[c * nb + b]), dsum, acc[c]);
+                }
             }
         }
-    }
-    for c in 0..C {
-        _mm256_storeu_ps(out[c].as_mut_ptr(), acc[c]);
+        for c in 0..C {
+            _mm256_storeu_ps(out[c].as_mut_ptr(), acc[c]);
+        }
     }
 }
