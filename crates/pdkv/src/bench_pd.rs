@@ -480,6 +480,9 @@ fn wait_quiet(e: &EngineHandle, what: &str) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// A (prompt length, concurrency) level.
+type LevelKey = (usize, usize);
+
 pub fn run_pd_bench(args: PdArgs) -> anyhow::Result<()> {
     anyhow::ensure!(
         !args.prompt_lens.is_empty() && !args.concurrency.is_empty(),
@@ -489,18 +492,41 @@ pub fn run_pd_bench(args: PdArgs) -> anyhow::Result<()> {
     if args.wake_only {
         return run_wake_only(&args);
     }
-    let levels: Vec<(usize, usize)> = args
+    let levels: Vec<LevelKey> = args
         .prompt_lens
         .iter()
         .flat_map(|&l| args.concurrency.iter().map(move |&c| (l, c)))
         .collect();
-
     // Colocated first, alone.
+    let colo = measure_colocated(&args, &levels)?;
+    eprintln!("bench pd: prefill + decode engines ({})", args.transport);
+    let (p, d) = start_pd(&args)?;
+    let pd_results = measure_pd(&args, &levels, &colo.inputs, &p, &d)?;
+    let after_wake = first_request_after_wake(&args, &p, &d, colo.vocab)?;
+    p.shutdown();
+    d.shutdown();
+    let all_equal = print_pd_report(&args, &levels, &colo.results, &pd_results, after_wake);
+    if !all_equal {
+        bail!("P/D outputs differ from the colocated engine's");
+    }
+    Ok(())
+}
+
+/// What the colocated engine's run leaves for the P/D run.
+struct Colocated {
+    /// The prompts of each level (P/D gets the same).
+    inputs: HashMap<LevelKey, Vec<Vec<u32>>>,
+    results: HashMap<LevelKey, Level>,
+    vocab: usize,
+}
+
+/// Every level on a colocated engine (started, warmed and shut down here).
+fn measure_colocated(args: &PdArgs, levels: &[LevelKey]) -> anyhow::Result<Colocated> {
     eprintln!("bench pd: colocated engine");
-    let colo = start_engine(&args, None, 1)?;
+    let colo = start_engine(args, None, 1)?;
     let vocab = colo.model_config().vocab_size;
     let mut inputs = HashMap::new();
-    for &(len, conc) in &levels {
+    for &(len, conc) in levels {
         inputs.insert(
             (len, conc),
             prompts(conc, len, vocab, (len * 1000 + conc) as u64),
@@ -509,7 +535,7 @@ pub fn run_pd_bench(args: PdArgs) -> anyhow::Result<()> {
     // Warm-up: one short request (first-touch of pages, thread pools).
     run_colocated(&colo, &prompts(1, 64, vocab, 7), 2, "warm")?;
     let mut colo_results = HashMap::new();
-    for &(len, conc) in &levels {
+    for &(len, conc) in levels {
         let r = run_colocated(
             &colo,
             &inputs[&(len, conc)],
@@ -526,14 +552,26 @@ pub fn run_pd_bench(args: PdArgs) -> anyhow::Result<()> {
     }
     colo.shutdown();
     drop(colo);
+    Ok(Colocated {
+        inputs,
+        results: colo_results,
+        vocab,
+    })
+}
 
-    eprintln!("bench pd: prefill + decode engines ({})", args.transport);
-    let (p, d) = start_pd(&args)?;
+/// Every level through P and D.
+fn measure_pd(
+    args: &PdArgs,
+    levels: &[LevelKey],
+    inputs: &HashMap<LevelKey, Vec<Vec<u32>>>,
+    p: &EngineHandle,
+    d: &EngineHandle,
+) -> anyhow::Result<HashMap<LevelKey, Level>> {
     let mut pd_results = HashMap::new();
-    for &(len, conc) in &levels {
+    for &(len, conc) in levels {
         let r = run_pd(
-            &p,
-            &d,
+            p,
+            d,
             &inputs[&(len, conc)],
             args.max_tokens,
             &format!("pd{len}x{conc}"),
@@ -543,14 +581,22 @@ pub fn run_pd_bench(args: PdArgs) -> anyhow::Result<()> {
             mean(&r.ttft_ms),
             r.wall.as_secs_f64()
         );
-        wait_quiet(&p, "prefill")?;
-        wait_quiet(&d, "decode")?;
+        wait_quiet(p, "prefill")?;
+        wait_quiet(d, "decode")?;
         pd_results.insert((len, conc), r);
     }
-    let after_wake = first_request_after_wake(&args, &p, &d, vocab)?;
-    p.shutdown();
-    d.shutdown();
+    Ok(pd_results)
+}
 
+/// The table and the JSON line on stdout; whether every P/D output equals
+/// the colocated one.
+fn print_pd_report(
+    args: &PdArgs,
+    levels: &[LevelKey],
+    colo_results: &HashMap<LevelKey, Level>,
+    pd_results: &HashMap<LevelKey, Level>,
+    after_wake: Option<AfterWake>,
+) -> bool {
     println!(
         "{:>6} {:>4} | {:>10} {:>10} {:>9} | {:>10} {:>10} {:>9} {:>9} | {:>7} {:>7} {:>6}",
         "prompt",
@@ -568,38 +614,11 @@ pub fn run_pd_bench(args: PdArgs) -> anyhow::Result<()> {
     );
     let mut rows = Vec::new();
     let mut all_equal = true;
-    for &(len, conc) in &levels {
+    for &(len, conc) in levels {
         let (c, q) = (&colo_results[&(len, conc)], &pd_results[&(len, conc)]);
-        let c_tput = c.generated as f64 / c.wall.as_secs_f64();
-        let q_tput = q.generated as f64 / q.wall.as_secs_f64();
-        let equal = c.outputs == q.outputs;
+        let (row, equal) = level_row(len, conc, c, q);
         all_equal &= equal;
-        let share = mean(&q.after_prefill_ms) / mean(&q.ttft_ms);
-        println!(
-            "{len:>6} {conc:>4} | {:>10.1} {:>10.1} {:>9.1} | {:>10.1} {:>10.1} {:>9.1} {:>9.1} | {:>7.2} {:>7.2} {:>6}",
-            mean(&c.ttft_ms),
-            percentile(&c.ttft_ms, 0.9),
-            c_tput,
-            mean(&q.ttft_ms),
-            percentile(&q.ttft_ms, 0.9),
-            q_tput,
-            mean(&q.after_prefill_ms),
-            mean(&q.ttft_ms) / mean(&c.ttft_ms),
-            q_tput / c_tput,
-            equal
-        );
-        rows.push(json!({
-            "prompt_len": len,
-            "concurrency": conc,
-            "colocated": {"ttft_ms_mean": mean(&c.ttft_ms), "ttft_ms_p90": percentile(&c.ttft_ms, 0.9),
-                          "gen_tok_per_s": c_tput, "prompt_tok_per_s": c.prompt_tokens as f64 / c.wall.as_secs_f64()},
-            "pd": {"ttft_ms_mean": mean(&q.ttft_ms), "ttft_ms_p90": percentile(&q.ttft_ms, 0.9),
-                   "gen_tok_per_s": q_tput, "prompt_tok_per_s": q.prompt_tokens as f64 / q.wall.as_secs_f64(),
-                   "after_prefill_ms_mean": mean(&q.after_prefill_ms), "transfer_share_of_ttft": share},
-            "ttft_ratio_pd_vs_colocated": mean(&q.ttft_ms) / mean(&c.ttft_ms),
-            "throughput_ratio_pd_vs_colocated": q_tput / c_tput,
-            "outputs_equal": equal,
-        }));
+        rows.push(row);
     }
     println!(
         "outputs equal to colocated: {}",
@@ -616,8 +635,39 @@ pub fn run_pd_bench(args: PdArgs) -> anyhow::Result<()> {
                "decode_tensor_parallel_size": args.decode_tensor_parallel_size,
                "levels": rows, "after_wake": after_wake})
     );
-    if !all_equal {
-        bail!("P/D outputs differ from the colocated engine's");
-    }
-    Ok(())
+    all_equal
+}
+
+/// One level's table row (printed) and its JSON; whether its outputs are equal.
+fn level_row(len: usize, conc: usize, c: &Level, q: &Level) -> (serde_json::Value, bool) {
+    let c_tput = c.generated as f64 / c.wall.as_secs_f64();
+    let q_tput = q.generated as f64 / q.wall.as_secs_f64();
+    let equal = c.outputs == q.outputs;
+    let share = mean(&q.after_prefill_ms) / mean(&q.ttft_ms);
+    println!(
+        "{len:>6} {conc:>4} | {:>10.1} {:>10.1} {:>9.1} | {:>10.1} {:>10.1} {:>9.1} {:>9.1} | {:>7.2} {:>7.2} {:>6}",
+        mean(&c.ttft_ms),
+        percentile(&c.ttft_ms, 0.9),
+        c_tput,
+        mean(&q.ttft_ms),
+        percentile(&q.ttft_ms, 0.9),
+        q_tput,
+        mean(&q.after_prefill_ms),
+        mean(&q.ttft_ms) / mean(&c.ttft_ms),
+        q_tput / c_tput,
+        equal
+    );
+    let row = json!({
+        "prompt_len": len,
+        "concurrency": conc,
+        "colocated": {"ttft_ms_mean": mean(&c.ttft_ms), "ttft_ms_p90": percentile(&c.ttft_ms, 0.9),
+                      "gen_tok_per_s": c_tput, "prompt_tok_per_s": c.prompt_tokens as f64 / c.wall.as_secs_f64()},
+        "pd": {"ttft_ms_mean": mean(&q.ttft_ms), "ttft_ms_p90": percentile(&q.ttft_ms, 0.9),
+               "gen_tok_per_s": q_tput, "prompt_tok_per_s": q.prompt_tokens as f64 / q.wall.as_secs_f64(),
+               "after_prefill_ms_mean": mean(&q.after_prefill_ms), "transfer_share_of_ttft": share},
+        "ttft_ratio_pd_vs_colocated": mean(&q.ttft_ms) / mean(&c.ttft_ms),
+        "throughput_ratio_pd_vs_colocated": q_tput / c_tput,
+        "outputs_equal": equal,
+    });
+    (row, equal)
 }

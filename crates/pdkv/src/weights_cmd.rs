@@ -95,97 +95,165 @@ fn memcpy_gbps(bytes: usize) -> f64 {
     bytes as f64 / t0.elapsed().as_secs_f64() / 1e9
 }
 
-pub fn run_sync_bench(args: SyncBenchArgs) -> anyhow::Result<()> {
-    let transports: Vec<Transport> = match args.transport.as_str() {
+/// The transports `--transport` names (`tcp`, `shm` or `both`).
+fn sync_transports(arg: &str) -> anyhow::Result<Vec<Transport>> {
+    Ok(match arg {
         "both" => vec![Transport::Tcp, Transport::Shm],
         t => vec![Transport::parse(t)
             .filter(|t| *t != Transport::Auto)
             .with_context(|| format!("--transport {t}: give tcp, shm or both"))?],
-    };
-    let path = checkpoint(args.model)?;
+    })
+}
+
+/// One transport's rounds: sync GB/s and its baseline's GB/s, and (TCP)
+/// raw TCP between cache-resident buffers, round by round.
+struct TransportRounds {
+    t: Transport,
+    sync: Vec<f64>,
+    base: Vec<f64>,
+    hot: Vec<f64>,
+}
+
+pub fn run_sync_bench(args: SyncBenchArgs) -> anyhow::Result<()> {
+    let transports = sync_transports(&args.transport)?;
+    let path = checkpoint(args.model.clone())?;
     let (running_pool, published_pool) = (Pool::default(), Pool::default());
     let running = pdkv_model::load_model(&path, &running_pool, &mut |_| {})?;
     let published = pdkv_model::load_model(&path, &published_pool, &mut |_| {})?;
-    let layout = running.model.weights().clone();
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()?;
     let rounds = args.rounds.max(1);
-    // Per transport: sync GB/s and its baseline's GB/s, round by round.
-    let (results, bytes) = rt.block_on(async {
-        let p = Publisher::start(
-            published.model.weights().clone(),
-            None,
-            PublishOptions {
-                conns_per_peer: args.conns,
-                ..PublishOptions::default()
-            },
-        )
-        .await?;
-        let bytes = p.manifest().bytes();
-        let mut results = Vec::new();
-        for &t in &transports {
-            let puller = Puller::new(pdkv_transfer::auth::KvSecret::open(), args.conns)
-                .await?
-                .with_transport(t);
-            let (mut sync, mut base, mut hot) = (Vec::new(), Vec::new(), Vec::new());
-            // Interleaved with the baseline, so both see the same machine.
-            for r in 0..rounds {
-                let t0 = Instant::now();
-                let m = puller.manifest(&p.url()).await?;
-                let fetched = t0.elapsed().as_secs_f64();
-                let mut st = puller.stage(m, &layout).await?;
-                let staged = t0.elapsed().as_secs_f64();
-                let rep = puller.pull(&mut st, None, Duration::from_secs(300)).await?;
-                st.complete()?;
-                drop(st);
-                let secs = t0.elapsed().as_secs_f64();
-                sync.push(bytes as f64 / secs / 1e9);
-                base.push(match t {
-                    Transport::Shm => memcpy_gbps(bytes as usize),
-                    _ => crate::bench_transfer::raw_tcp_whole(args.conns, bytes as usize).await?,
-                });
-                if t == Transport::Tcp {
-                    hot.push(crate::bench_transfer::raw_tcp(args.conns, bytes as usize).await?);
-                }
-                eprintln!(
-                    "{} round {r}: sync {:.2} GB/s ({:.0} ms: manifest {:.0}, staging {:.0}, pull {:.0} + checksums {:.0}), {} {:.2} GB/s{}",
-                    t.name(),
-                    sync[r],
-                    secs * 1e3,
-                    fetched * 1e3,
-                    (staged - fetched) * 1e3,
-                    rep.read_seconds * 1e3,
-                    (rep.seconds - rep.read_seconds) * 1e3,
-                    baseline_name(t),
-                    base[r],
-                    hot.get(r)
-                        .map(|h| format!(", raw TCP between cache-resident 1 MiB buffers {h:.2} GB/s"))
-                        .unwrap_or_default()
-                );
-            }
-            results.push((t, sync, base, hot));
+    let (results, bytes) = rt.block_on(sync_rounds(
+        &args,
+        &transports,
+        rounds,
+        &running.model,
+        &published.model,
+    ))?;
+    let disk = disk_reloads(&running.model, &path, rounds.min(3))?;
+    print_sync_report(&results, bytes, &disk, args.conns);
+    Ok(())
+}
+
+/// Publishes `published`'s weights and syncs them into `running`'s layout
+/// `rounds` times per transport, each round beside its baseline; the
+/// rounds and the bytes of one sync.
+async fn sync_rounds(
+    args: &SyncBenchArgs,
+    transports: &[Transport],
+    rounds: usize,
+    running: &pdkv_model::Model,
+    published: &pdkv_model::Model,
+) -> anyhow::Result<(Vec<TransportRounds>, u64)> {
+    let p = Publisher::start(
+        published.weights().clone(),
+        None,
+        PublishOptions {
+            conns_per_peer: args.conns,
+            ..PublishOptions::default()
+        },
+    )
+    .await?;
+    let bytes = p.manifest().bytes();
+    let mut results = Vec::new();
+    for &t in transports {
+        let puller = Puller::new(pdkv_transfer::auth::KvSecret::open(), args.conns)
+            .await?
+            .with_transport(t);
+        let mut r = TransportRounds {
+            t,
+            sync: Vec::new(),
+            base: Vec::new(),
+            hot: Vec::new(),
+        };
+        // Interleaved with the baseline, so both see the same machine.
+        for round in 0..rounds {
+            sync_round(&p, &puller, running, args.conns, bytes, round, &mut r).await?;
         }
-        anyhow::Ok((results, bytes))
-    })?;
-    // A reload of the same checkpoint from disk (page cache warm).
+        results.push(r);
+    }
+    Ok((results, bytes))
+}
+
+/// One sync over `r.t` and its baselines, pushed onto `r`, with a line on
+/// stderr.
+async fn sync_round(
+    p: &Publisher,
+    puller: &Puller,
+    running: &pdkv_model::Model,
+    conns: usize,
+    bytes: u64,
+    round: usize,
+    r: &mut TransportRounds,
+) -> anyhow::Result<()> {
+    let t = r.t;
+    let t0 = Instant::now();
+    let m = puller.manifest(&p.url()).await?;
+    let fetched = t0.elapsed().as_secs_f64();
+    let mut st = puller.stage(m, running.weights()).await?;
+    let staged = t0.elapsed().as_secs_f64();
+    let rep = puller.pull(&mut st, None, Duration::from_secs(300)).await?;
+    st.complete()?;
+    drop(st);
+    let secs = t0.elapsed().as_secs_f64();
+    r.sync.push(bytes as f64 / secs / 1e9);
+    r.base.push(match t {
+        Transport::Shm => memcpy_gbps(bytes as usize),
+        _ => crate::bench_transfer::raw_tcp_whole(conns, bytes as usize).await?,
+    });
+    if t == Transport::Tcp {
+        r.hot
+            .push(crate::bench_transfer::raw_tcp(conns, bytes as usize).await?);
+    }
+    eprintln!(
+        "{} round {round}: sync {:.2} GB/s ({:.0} ms: manifest {:.0}, staging {:.0}, pull {:.0} + checksums {:.0}), {} {:.2} GB/s{}",
+        t.name(),
+        r.sync[round],
+        secs * 1e3,
+        fetched * 1e3,
+        (staged - fetched) * 1e3,
+        rep.read_seconds * 1e3,
+        (rep.seconds - rep.read_seconds) * 1e3,
+        baseline_name(t),
+        r.base[round],
+        r.hot
+            .get(round)
+            .map(|h| format!(", raw TCP between cache-resident 1 MiB buffers {h:.2} GB/s"))
+            .unwrap_or_default()
+    );
+    Ok(())
+}
+
+/// Seconds of `n` reloads of the same checkpoint from disk (page cache warm).
+fn disk_reloads(
+    running: &pdkv_model::Model,
+    path: &std::path::Path,
+    n: usize,
+) -> anyhow::Result<Vec<f64>> {
     let mut disk = Vec::new();
-    for _ in 0..rounds.min(3) {
+    for _ in 0..n {
         let t0 = Instant::now();
         pdkv_model::loader::reload_weights_into(
-            running.model.weights(),
-            running.model.config(),
-            &path,
+            running.weights(),
+            running.config(),
+            path,
             &mut |_| {},
         )
         .map_err(|e| anyhow::anyhow!("{e}"))?;
         disk.push(t0.elapsed().as_secs_f64());
     }
+    Ok(disk)
+}
+
+/// A line per transport (best rounds against their baselines and the
+/// fastest disk reload), then the JSON line.
+fn print_sync_report(results: &[TransportRounds], bytes: u64, disk: &[f64], conns: usize) {
     let best = |v: &[f64]| v.iter().cloned().fold(f64::MIN, f64::max);
     let fastest = |v: &[f64]| v.iter().cloned().fold(f64::MAX, f64::min);
-    let d = fastest(&disk);
+    let d = fastest(disk);
     let mut json = serde_json::Map::new();
-    for (t, sync, base, hot) in &results {
+    for TransportRounds { t, sync, base, hot } in results {
         let (s, b) = (best(sync), best(base));
         let sync_secs = bytes as f64 / s / 1e9;
         println!(
@@ -219,11 +287,10 @@ pub fn run_sync_bench(args: SyncBenchArgs) -> anyhow::Result<()> {
     println!(
         "{}",
         serde_json::json!({
-            "bench": "sync", "bytes": bytes, "conns": args.conns,
+            "bench": "sync", "bytes": bytes, "conns": conns,
             "disk_reload_s": disk, "transports": json,
         })
     );
-    Ok(())
 }
 
 fn baseline_name(t: Transport) -> &'static str {
