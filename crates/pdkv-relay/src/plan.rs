@@ -1023,13 +1023,23 @@ mod tests {
     /// plan, after checking the plan's first actions.
     fn check(mode: Mode, streaming: bool, steps: Vec<(Event, Vec<Action>)>) -> RelayPlan {
         let read = mode == Mode::Read;
-        let mut plan = RelayPlan::new(mode, streaming, TID);
+        let plan = RelayPlan::new(mode, streaming, TID);
         let mut first = vec![Action::SendPrefill { params: p_params() }];
         if !read {
             first.push(Action::SendDecode {
                 params: Some(d_params()),
             });
         }
+        drive(plan, first, steps)
+    }
+
+    /// Checks a plan's `first` actions, then runs `steps` (an event and the
+    /// exact actions it must give).
+    fn drive(
+        mut plan: RelayPlan,
+        first: Vec<Action>,
+        steps: Vec<(Event, Vec<Action>)>,
+    ) -> RelayPlan {
         assert_eq!(drain(&mut plan), first, "first actions");
         for (i, (event, want)) in steps.into_iter().enumerate() {
             let what = format!("step {i}: {event:?}");
@@ -1819,18 +1829,12 @@ mod tests {
     /// after checking that its first action sends D the client's params.
     fn check_alone(body: Value, steps: Vec<(Event, Vec<Action>)>) -> RelayPlan {
         let body = req(body);
-        let mut plan = RelayPlan::for_request(&body, write(), TID);
+        let plan = RelayPlan::for_request(&body, write(), TID);
         assert!(plan.is_decode_alone(), "{body:?}");
         let first = vec![Action::SendDecode {
             params: body.get("kv_transfer_params").cloned(),
         }];
-        assert_eq!(drain(&mut plan), first, "first actions");
-        for (i, (event, want)) in steps.into_iter().enumerate() {
-            let what = format!("step {i}: {event:?}");
-            plan.handle(event);
-            assert_eq!(drain(&mut plan), want, "{what}");
-        }
-        plan
+        drive(plan, first, steps)
     }
 
     fn alone_count(outcome: Outcome) -> Action {
