@@ -7,14 +7,14 @@
 mod common;
 
 use std::path::Path;
-use std::pin::Pin;
 
-use futures::{Stream, StreamExt};
 use pdkv_engine::EngineConfig;
+use pdkv_testkit::sse;
 use reqwest::{Method, StatusCode};
 use serde_json::{json, Value};
 
-use common::{assert_openai_error, checkpoint, metric, Server, DEADLINE};
+use common::{checkpoint, Server, DEADLINE};
+use pdkv_testkit::{http::assert_openai_error, prom::must};
 
 const TOKEN: &str = "test-admin-token";
 
@@ -53,12 +53,7 @@ impl Server {
         if let Some(b) = body {
             req = req.json(b);
         }
-        let resp = req.send().await.expect("send");
-        let status = resp.status();
-        let text = resp.text().await.expect("body");
-        let v = serde_json::from_str(&text)
-            .unwrap_or_else(|e| panic!("{path}: non-JSON body ({e}): {text:?}"));
-        (status, v)
+        pdkv_testkit::http::answer(req).await
     }
 
     /// An authorized admin call.
@@ -136,8 +131,7 @@ impl Server {
             .get("x-request-id")
             .map(|v| v.to_str().expect("ascii").to_string());
         SseReader {
-            body: Box::pin(resp.bytes_stream()),
-            buf: String::new(),
+            body: sse::Reader::new(resp),
             header_id,
         }
     }
@@ -155,36 +149,19 @@ fn greedy_body(prompt: &str) -> Value {
 
 /// Reads a server-sent-event body one `data:` payload at a time.
 struct SseReader {
-    body: Pin<Box<dyn Stream<Item = reqwest::Result<axum::body::Bytes>> + Send>>,
-    buf: String,
+    body: sse::Reader,
     header_id: Option<String>,
 }
 
 impl SseReader {
     /// The next payload (`[DONE]` included), or `None` at the end of the body.
     async fn next(&mut self) -> Option<String> {
-        loop {
-            if let Some(i) = self.buf.find("\n\n") {
-                let event: String = self.buf.drain(..i + 2).collect();
-                let payload = event
-                    .trim_end()
-                    .strip_prefix("data: ")
-                    .expect("data event")
-                    .to_string();
-                return Some(payload);
-            }
-            let chunk = tokio::time::timeout(DEADLINE, self.body.next())
-                .await
-                .expect("next SSE chunk in time")?;
-            self.buf
-                .push_str(std::str::from_utf8(&chunk.expect("chunk")).expect("utf-8"));
-        }
+        self.body.next().await
     }
 
     /// The next payload as JSON (not `[DONE]`).
     async fn next_json(&mut self) -> Value {
-        let p = self.next().await.expect("an event");
-        serde_json::from_str(&p).unwrap_or_else(|e| panic!("bad chunk ({e}): {p}"))
+        self.body.next_json().await
     }
 
     /// Reads to the end; returns the last finish reason and whether `[DONE]` came.
@@ -208,7 +185,7 @@ impl SseReader {
 fn device_bytes(m: &str) -> f64 {
     ["weights", "kv_cache", "runtime"]
         .iter()
-        .map(|t| metric(m, &format!("pdkv_device_memory_bytes{{tag=\"{t}\"}}")))
+        .map(|t| must(m, &format!("pdkv_device_memory_bytes{{tag=\"{t}\"}}")))
         .sum()
 }
 
@@ -409,8 +386,8 @@ async fn sleep_level_1_then_wake_restores_outputs_and_frees_memory() {
     let before = s.probe().await;
     let awake = s.wait_all_blocks_free().await;
     let awake_bytes = device_bytes(&awake);
-    assert_eq!(metric(&awake, "pdkv_sleeping"), 0.0);
-    assert_eq!(metric(&awake, "pdkv_sleep_level"), -1.0);
+    assert_eq!(must(&awake, "pdkv_sleeping"), 0.0);
+    assert_eq!(must(&awake, "pdkv_sleep_level"), -1.0);
 
     // Waking what is awake is a no-op.
     s.admin_ok(Method::POST, "/wake_up", None).await;
@@ -479,18 +456,18 @@ async fn sleep_level_1_then_wake_restores_outputs_and_frees_memory() {
     );
 
     let asleep = s.metrics().await;
-    assert_eq!(metric(&asleep, "pdkv_sleeping"), 1.0);
-    assert_eq!(metric(&asleep, "pdkv_sleep_level"), 1.0);
-    assert_eq!(metric(&asleep, "pdkv_sleep_duration_seconds_count"), 1.0);
+    assert_eq!(must(&asleep, "pdkv_sleeping"), 1.0);
+    assert_eq!(must(&asleep, "pdkv_sleep_level"), 1.0);
+    assert_eq!(must(&asleep, "pdkv_sleep_duration_seconds_count"), 1.0);
     let asleep_bytes = device_bytes(&asleep);
     assert!(
         asleep_bytes <= 0.02 * awake_bytes,
         "asleep {asleep_bytes} bytes is more than 2% of awake {awake_bytes}"
     );
     // Level 1 keeps the weights in host memory.
-    let weights = metric(&awake, "pdkv_device_memory_bytes{tag=\"weights\"}");
+    let weights = must(&awake, "pdkv_device_memory_bytes{tag=\"weights\"}");
     assert!(
-        metric(&asleep, "pdkv_host_backup_bytes") >= weights,
+        must(&asleep, "pdkv_host_backup_bytes") >= weights,
         "{asleep}"
     );
 
@@ -509,10 +486,10 @@ async fn sleep_level_1_then_wake_restores_outputs_and_frees_memory() {
     );
     assert_eq!(s.probe().await, before);
     let m = s.wait_all_blocks_free().await;
-    assert_eq!(metric(&m, "pdkv_sleeping"), 0.0);
+    assert_eq!(must(&m, "pdkv_sleeping"), 0.0);
     assert_eq!(device_bytes(&m), awake_bytes);
     // Two wakes were measured: the no-op one and the real one.
-    assert_eq!(metric(&m, "pdkv_wake_duration_seconds_count"), 2.0);
+    assert_eq!(must(&m, "pdkv_wake_duration_seconds_count"), 2.0);
     s.stop().await;
 }
 
@@ -571,18 +548,18 @@ async fn release_kv_cache_memory_needs_a_pause() {
         .await;
     let m = s.metrics().await;
     assert_eq!(
-        metric(&m, "pdkv_device_memory_bytes{tag=\"kv_cache\"}"),
+        must(&m, "pdkv_device_memory_bytes{tag=\"kv_cache\"}"),
         0.0,
         "{m}"
     );
-    assert_eq!(metric(&m, "pdkv_paused"), 1.0);
+    assert_eq!(must(&m, "pdkv_paused"), 1.0);
     let v = s.admin_ok(Method::POST, "/resume", None).await;
     assert_eq!(v["status"], "resumed");
     assert!(!s.is_paused().await);
     assert_eq!(s.probe().await, before);
     let m = s.wait_all_blocks_free().await;
-    assert!(metric(&m, "pdkv_device_memory_bytes{tag=\"kv_cache\"}") > 0.0);
-    assert_eq!(metric(&m, "pdkv_paused"), 0.0);
+    assert!(must(&m, "pdkv_device_memory_bytes{tag=\"kv_cache\"}") > 0.0);
+    assert_eq!(must(&m, "pdkv_paused"), 0.0);
     s.stop().await;
 }
 
@@ -611,10 +588,10 @@ async fn pause_keep_holds_requests_until_resume() {
     });
     let m = s
         .wait_metrics("the request to queue", |m| {
-            metric(m, "pdkv_num_requests_waiting") >= 1.0
+            must(m, "pdkv_num_requests_waiting") >= 1.0
         })
         .await;
-    assert_eq!(metric(&m, "pdkv_paused"), 1.0);
+    assert_eq!(must(&m, "pdkv_paused"), 1.0);
     assert!(!queued.is_finished());
     // Paused, /health steers routers away (requests sent anyway are held).
     let (status, v) = s.send(Method::GET, "/health", None, None).await;
@@ -668,7 +645,7 @@ async fn pause_abort_ends_concurrent_streams_and_frees_blocks() {
     }
     let m = s.wait_all_blocks_free().await;
     assert_eq!(
-        metric(&m, "pdkv_requests_total{finish_reason=\"abort\"}"),
+        must(&m, "pdkv_requests_total{finish_reason=\"abort\"}"),
         8.0
     );
     // New requests during an abort pause are refused with a retryable 503.
@@ -758,9 +735,9 @@ async fn sleep_level_2_then_reload_serves_the_new_weights() {
     let before = s.probe().await;
     s.admin_ok(Method::POST, "/sleep?level=2", None).await;
     let asleep = s.metrics().await;
-    assert_eq!(metric(&asleep, "pdkv_sleep_level"), 2.0);
+    assert_eq!(must(&asleep, "pdkv_sleep_level"), 2.0);
     assert_eq!(
-        metric(&asleep, "pdkv_host_backup_bytes"),
+        must(&asleep, "pdkv_host_backup_bytes"),
         0.0,
         "level 2 keeps no backup"
     );
@@ -788,7 +765,7 @@ async fn sleep_level_2_then_reload_serves_the_new_weights() {
         StatusCode::SERVICE_UNAVAILABLE,
         "completion before reload",
     );
-    assert_eq!(metric(&s.metrics().await, "pdkv_weights_discarded"), 1.0);
+    assert_eq!(must(&s.metrics().await, "pdkv_weights_discarded"), 1.0);
     let path = s.checkpoint_path().to_str().unwrap().to_string();
     // A checkpoint that does not exist is the client's mistake.
     let (status, v) = s
@@ -811,7 +788,7 @@ async fn sleep_level_2_then_reload_serves_the_new_weights() {
     )
     .await;
     assert_eq!(s.probe().await, before);
-    assert_eq!(metric(&s.metrics().await, "pdkv_weights_discarded"), 0.0);
+    assert_eq!(must(&s.metrics().await, "pdkv_weights_discarded"), 0.0);
     s.stop().await;
 }
 
@@ -916,14 +893,14 @@ async fn reset_prefix_cache_reports_success() {
     s.greedy(prompt).await;
     s.greedy(prompt).await;
     let m = s.wait_all_blocks_free().await;
-    let hits = metric(&m, "pdkv_prefix_cache_hits_total");
+    let hits = must(&m, "pdkv_prefix_cache_hits_total");
     assert!(hits > 0.0, "the second run should hit the prefix cache");
     let v = s.admin_ok(Method::POST, "/reset_prefix_cache", None).await;
     assert_eq!(v, json!({"success": true}));
     // After the reset the same prompt finds nothing cached.
     s.greedy(prompt).await;
     let m = s.wait_all_blocks_free().await;
-    assert_eq!(metric(&m, "pdkv_prefix_cache_hits_total"), hits);
+    assert_eq!(must(&m, "pdkv_prefix_cache_hits_total"), hits);
     let v = s
         .admin_ok(
             Method::POST,
@@ -935,7 +912,7 @@ async fn reset_prefix_cache_reports_success() {
     // A router's `/flush_cache` (no token needed) empties the cache too.
     s.greedy(prompt).await;
     let m = s.wait_all_blocks_free().await;
-    let hits = metric(&m, "pdkv_prefix_cache_hits_total");
+    let hits = must(&m, "pdkv_prefix_cache_hits_total");
     let (status, v) = s.send(Method::POST, "/flush_cache", None, None).await;
     assert_eq!(
         (status, &v["success"]),
@@ -945,14 +922,14 @@ async fn reset_prefix_cache_reports_success() {
     s.greedy(prompt).await;
     let m = s.wait_all_blocks_free().await;
     assert_eq!(
-        metric(&m, "pdkv_prefix_cache_hits_total"),
+        must(&m, "pdkv_prefix_cache_hits_total"),
         hits,
         "nothing was cached after the flush"
     );
     // While blocks are in use the flush is refused, not half done.
     let stream = s.client.post(s.url("/v1/completions")).json(&json!({"prompt": prompt, "max_tokens": 400, "stream": true, "ignore_eos": true, "temperature": 0})).send().await.unwrap();
     s.wait_metrics("1 running request", |m| {
-        metric(m, "pdkv_num_requests_running") == 1.0
+        must(m, "pdkv_num_requests_running") == 1.0
     })
     .await;
     let (status, v) = s.send(Method::POST, "/flush_cache", None, None).await;
@@ -982,7 +959,7 @@ fn rank_bytes(m: &str, rank: usize) -> f64 {
     ["weights", "kv_cache", "runtime"]
         .iter()
         .map(|t| {
-            metric(
+            must(
                 m,
                 &format!("pdkv_rank_device_memory_bytes{{rank=\"{rank}\",tag=\"{t}\"}}"),
             )
@@ -1011,11 +988,11 @@ async fn a_model_split_over_ranks_serves_sleeps_wakes_and_reloads_as_one() {
     // whole model's weights (plus the norms each rank copies).
     let awake = s.wait_all_blocks_free().await;
     let whole_m = whole.wait_all_blocks_free().await;
-    let w = |m: &str| metric(m, "pdkv_device_memory_bytes{tag=\"weights\"}");
+    let w = |m: &str| must(m, "pdkv_device_memory_bytes{tag=\"weights\"}");
     assert!(w(&awake) <= w(&whole_m) * 1.05, "{awake}");
     let per_rank: Vec<f64> = (0..RANKS).map(|r| rank_bytes(&awake, r)).collect();
     for (r, b) in per_rank.iter().enumerate() {
-        let weights = metric(
+        let weights = must(
             &awake,
             &format!("pdkv_rank_device_memory_bytes{{rank=\"{r}\",tag=\"weights\"}}"),
         );
@@ -1256,18 +1233,18 @@ async fn a_weight_sync_matches_a_fresh_server_and_a_bad_one_changes_nothing() {
         "equal to a fresh server on the new checkpoint"
     );
     let m = s.metrics().await;
-    assert_eq!(metric(&m, "pdkv_weight_syncs_total"), 1.0);
+    assert_eq!(must(&m, "pdkv_weight_syncs_total"), 1.0);
     assert_eq!(
-        metric(&m, "pdkv_weight_sync_bytes_total"),
+        must(&m, "pdkv_weight_sync_bytes_total"),
         good.manifest().bytes() as f64
     );
     assert_eq!(
-        metric(&m, "pdkv_weight_sync_failures_total"),
+        must(&m, "pdkv_weight_sync_failures_total"),
         3.0,
         "checksum, incomplete, transfer"
     );
     assert_eq!(
-        metric(&m, "pdkv_weight_sync_staged_bytes"),
+        must(&m, "pdkv_weight_sync_staged_bytes"),
         0.0,
         "the staging is freed"
     );
@@ -1277,12 +1254,12 @@ async fn a_weight_sync_matches_a_fresh_server_and_a_bad_one_changes_nothing() {
     fresh.stop().await;
 
     // The staging region is kept for the next sync, and freed by a sleep.
-    let spare = metric(&m, "pdkv_weight_sync_spare_bytes");
+    let spare = must(&m, "pdkv_weight_sync_spare_bytes");
     assert!(spare >= good.manifest().bytes() as f64, "kept: {spare}");
     s.admin_ok(Method::POST, "/sleep?level=1", None).await;
     let m = s.metrics().await;
     assert_eq!(
-        metric(&m, "pdkv_weight_sync_spare_bytes"),
+        must(&m, "pdkv_weight_sync_spare_bytes"),
         0.0,
         "freed asleep"
     );

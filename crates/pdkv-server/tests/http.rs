@@ -4,11 +4,13 @@
 
 mod common;
 
-use common::{assert_openai_error, metric, Server, DEADLINE, SERVED};
+use common::{Server, DEADLINE, SERVED};
 use futures::StreamExt;
 use pdkv_engine::{Engine, EngineConfig};
 use pdkv_model::Arch;
 use pdkv_server::AppState;
+use pdkv_testkit::{http, sse};
+use pdkv_testkit::{http::assert_openai_error, prom::must};
 use pdkv_vmem::Pool;
 use reqwest::StatusCode;
 use serde_json::{json, Value};
@@ -29,34 +31,11 @@ impl Server {
     }
 
     async fn post(&self, path: &str, body: &Value) -> (StatusCode, Value) {
-        let resp = self
-            .client
-            .post(self.url(path))
-            .json(body)
-            .send()
-            .await
-            .expect("send");
-        let status = resp.status();
-        let text = resp.text().await.expect("body");
-        let v =
-            serde_json::from_str(&text).unwrap_or_else(|e| panic!("non-JSON body ({e}): {text:?}"));
-        (status, v)
+        http::post_json(&self.client, &self.url(path), body).await
     }
 
     async fn post_raw(&self, path: &str, body: Vec<u8>) -> (StatusCode, Value) {
-        let resp = self
-            .client
-            .post(self.url(path))
-            .header("content-type", "application/json")
-            .body(body)
-            .send()
-            .await
-            .expect("send");
-        let status = resp.status();
-        let text = resp.text().await.expect("body");
-        let v =
-            serde_json::from_str(&text).unwrap_or_else(|e| panic!("non-JSON body ({e}): {text:?}"));
-        (status, v)
+        http::post_raw(&self.client, &self.url(path), body).await
     }
 
     /// Posts a streaming request and returns the `data:` payloads, `[DONE]` included.
@@ -71,23 +50,8 @@ impl Server {
         assert_eq!(resp.status(), StatusCode::OK);
         assert_eq!(resp.headers()["content-type"], "text/event-stream");
         let text = resp.text().await.expect("body");
-        sse_payloads(&text)
+        sse::payloads(&text)
     }
-}
-
-fn sse_payloads(text: &str) -> Vec<String> {
-    assert!(
-        text.ends_with("\n\n"),
-        "stream does not end with a blank line: {text:?}"
-    );
-    text.split("\n\n")
-        .filter(|e| !e.is_empty())
-        .map(|e| {
-            e.strip_prefix("data: ")
-                .unwrap_or_else(|| panic!("not a data event: {e:?}"))
-                .to_string()
-        })
-        .collect()
 }
 
 fn greedy(extra: Value) -> Value {
@@ -559,18 +523,18 @@ async fn models_health_and_memory_metrics() {
         .await;
     assert_eq!(status, StatusCode::OK);
     let m = s.wait_all_blocks_free().await;
-    assert!(metric(&m, "pdkv_device_memory_bytes{tag=\"weights\"}") > 0.0);
-    assert!(metric(&m, "pdkv_device_memory_bytes{tag=\"kv_cache\"}") > 0.0);
-    metric(&m, "pdkv_device_memory_bytes{tag=\"runtime\"}");
+    assert!(must(&m, "pdkv_device_memory_bytes{tag=\"weights\"}") > 0.0);
+    assert!(must(&m, "pdkv_device_memory_bytes{tag=\"kv_cache\"}") > 0.0);
+    must(&m, "pdkv_device_memory_bytes{tag=\"runtime\"}");
     assert_eq!(
-        metric(&m, "pdkv_requests_total{finish_reason=\"length\"}"),
+        must(&m, "pdkv_requests_total{finish_reason=\"length\"}"),
         1.0
     );
-    assert_eq!(metric(&m, "pdkv_generation_tokens_total"), 6.0);
-    assert_eq!(metric(&m, "pdkv_time_to_first_token_seconds_count"), 1.0);
-    assert_eq!(metric(&m, "pdkv_inter_token_latency_seconds_count"), 5.0);
+    assert_eq!(must(&m, "pdkv_generation_tokens_total"), 6.0);
+    assert_eq!(must(&m, "pdkv_time_to_first_token_seconds_count"), 1.0);
+    assert_eq!(must(&m, "pdkv_inter_token_latency_seconds_count"), 5.0);
     assert_eq!(
-        metric(&m, "pdkv_kv_blocks_total"),
+        must(&m, "pdkv_kv_blocks_total"),
         EngineConfig::default().num_kv_blocks as f64
     );
     for name in [
@@ -580,7 +544,7 @@ async fn models_health_and_memory_metrics() {
         "pdkv_num_preemptions_total",
         "pdkv_kv_blocks_used",
     ] {
-        metric(&m, name);
+        must(&m, name);
     }
     s.stop().await;
 }
@@ -608,11 +572,11 @@ async fn streaming_client_disconnect_aborts_and_frees_blocks() {
     drop(chunks);
     let m = s
         .wait_metrics("the disconnected request to be aborted", |m| {
-            metric(m, "pdkv_requests_total{finish_reason=\"abort\"}") == 1.0
+            must(m, "pdkv_requests_total{finish_reason=\"abort\"}") == 1.0
         })
         .await;
     assert_eq!(
-        metric(&m, "pdkv_requests_total{finish_reason=\"length\"}"),
+        must(&m, "pdkv_requests_total{finish_reason=\"length\"}"),
         0.0
     );
     s.wait_all_blocks_free().await;
@@ -636,16 +600,16 @@ async fn non_streaming_client_disconnect_aborts_and_frees_blocks() {
     sock.write_all(head.as_bytes()).await.unwrap();
     sock.write_all(body.as_bytes()).await.unwrap();
     s.wait_metrics("the request to generate", |m| {
-        metric(m, "pdkv_generation_tokens_total") > 0.0
+        must(m, "pdkv_generation_tokens_total") > 0.0
     })
     .await;
     drop(sock);
     let m = s
         .wait_metrics("the disconnected request to be aborted", |m| {
-            metric(m, "pdkv_requests_total{finish_reason=\"abort\"}") == 1.0
+            must(m, "pdkv_requests_total{finish_reason=\"abort\"}") == 1.0
         })
         .await;
-    assert!(metric(&m, "pdkv_generation_tokens_total") < max_tokens as f64);
+    assert!(must(&m, "pdkv_generation_tokens_total") < max_tokens as f64);
     s.wait_all_blocks_free().await;
     s.stop().await;
 }
@@ -699,11 +663,11 @@ async fn burst_of_32_concurrent_requests_frees_every_block() {
     let m = s.wait_all_blocks_free().await;
     let finished: f64 = ["stop", "length", "abort"]
         .iter()
-        .map(|r| metric(&m, &format!("pdkv_requests_total{{finish_reason=\"{r}\"}}")))
+        .map(|r| must(&m, &format!("pdkv_requests_total{{finish_reason=\"{r}\"}}")))
         .sum();
     assert_eq!(finished, 32.0);
     assert_eq!(
-        metric(&m, "pdkv_requests_total{finish_reason=\"length\"}"),
+        must(&m, "pdkv_requests_total{finish_reason=\"length\"}"),
         32.0
     );
     s.stop().await;

@@ -9,10 +9,11 @@ mod common;
 use std::net::SocketAddr;
 use std::time::Duration;
 
-use common::{assert_openai_error, metric, Server, DEADLINE};
-use futures::StreamExt;
+use common::{Server, DEADLINE};
 use pdkv_engine::{EngineConfig, PauseMode, SleepLevel};
 use pdkv_server::proxy::{Proxy, ProxyConfig, Role};
+use pdkv_testkit::{http, sse};
+use pdkv_testkit::{http::assert_openai_error, prom::must};
 use reqwest::StatusCode;
 use serde_json::{json, Value};
 use tokio::sync::oneshot;
@@ -75,14 +76,7 @@ impl ProxyServer {
     }
 
     async fn metrics(&self) -> String {
-        self.client
-            .get(self.url("/metrics"))
-            .send()
-            .await
-            .expect("metrics")
-            .text()
-            .await
-            .expect("text")
+        http::metrics(&self.client, &self.base).await
     }
 
     /// Polls the proxy's metrics until sample `name` is `value`.
@@ -90,7 +84,7 @@ impl ProxyServer {
         let deadline = std::time::Instant::now() + DEADLINE;
         loop {
             let m = self.metrics().await;
-            if metric(&m, name) == value {
+            if must(&m, name) == value {
                 return m;
             }
             assert!(
@@ -115,63 +109,7 @@ impl ProxyServer {
 
 /// Posts `body` to `base + path` and returns the status and JSON body.
 async fn post_json(client: &reqwest::Client, url: String, body: &Value) -> (StatusCode, Value) {
-    let resp = client.post(url).json(body).send().await.expect("send");
-    let status = resp.status();
-    let text = resp.text().await.expect("body");
-    let v = serde_json::from_str(&text).unwrap_or_else(|e| panic!("non-JSON body ({e}): {text:?}"));
-    (status, v)
-}
-
-/// Reads server-sent events one at a time.
-struct Events {
-    stream: futures::stream::BoxStream<'static, reqwest::Result<axum::body::Bytes>>,
-    buf: Vec<u8>,
-}
-
-impl Events {
-    fn new(resp: reqwest::Response) -> Events {
-        Events {
-            stream: resp.bytes_stream().boxed(),
-            buf: Vec::new(),
-        }
-    }
-
-    /// The next event's `data:` payload; `None` at the end of the body.
-    async fn next(&mut self) -> Option<String> {
-        loop {
-            if let Some(i) = self.buf.windows(2).position(|w| w == b"\n\n") {
-                let event: Vec<u8> = self.buf.drain(..i + 2).collect();
-                let text = String::from_utf8(event).expect("utf-8 event");
-                let data = text
-                    .trim_end()
-                    .strip_prefix("data: ")
-                    .unwrap_or_else(|| panic!("not a data event: {text:?}"));
-                return Some(data.to_string());
-            }
-            let chunk = tokio::time::timeout(DEADLINE, self.stream.next())
-                .await
-                .expect("next event in time");
-            match chunk {
-                Some(c) => self.buf.extend_from_slice(&c.expect("body chunk")),
-                None => {
-                    assert!(
-                        self.buf.is_empty(),
-                        "stream ended inside an event: {:?}",
-                        String::from_utf8_lossy(&self.buf)
-                    );
-                    return None;
-                }
-            }
-        }
-    }
-
-    async fn rest(&mut self) -> Vec<String> {
-        let mut out = Vec::new();
-        while let Some(e) = self.next().await {
-            out.push(e);
-        }
-        out
-    }
+    http::post_json(client, &url, body).await
 }
 
 /// A streaming request's events, with the per-request `id` and `created`
@@ -180,7 +118,7 @@ async fn stream_events(client: &reqwest::Client, url: String, body: &Value) -> V
     let resp = client.post(url).json(body).send().await.expect("send");
     assert_eq!(resp.status(), StatusCode::OK);
     assert_eq!(resp.headers()["content-type"], "text/event-stream");
-    let events = Events::new(resp).rest().await;
+    let events = sse::Reader::new(resp).rest().await;
     assert_eq!(
         events.last().map(String::as_str),
         Some("[DONE]"),
@@ -221,14 +159,14 @@ async fn admin(s: &Server, path: &str, body: Option<Value>) -> Value {
 }
 
 fn finished(m: &str, reason: &str) -> f64 {
-    metric(
+    must(
         m,
         &format!("pdkv_requests_total{{finish_reason=\"{reason}\"}}"),
     )
 }
 
 fn proxy_outcome(m: &str, outcome: &str) -> f64 {
-    metric(
+    must(
         m,
         &format!("pdkv_proxy_requests_total{{outcome=\"{outcome}\"}}"),
     )
@@ -289,7 +227,7 @@ async fn answers_equal_the_decode_servers_own() {
     assert_eq!(finished(&pm, "length"), 4.0, "{pm}");
     assert_eq!(finished(&pm, "abort"), 0.0, "{pm}");
     assert_eq!(
-        metric(&pm, "pdkv_generation_tokens_total"),
+        must(&pm, "pdkv_generation_tokens_total"),
         4.0,
         "one token each: {pm}"
     );
@@ -298,7 +236,7 @@ async fn answers_equal_the_decode_servers_own() {
     let m = proxy.metrics().await;
     assert_eq!(proxy_outcome(&m, "ok"), 4.0, "{m}");
     assert_eq!(
-        metric(&m, "pdkv_proxy_upstream_errors_total{role=\"prefill\"}"),
+        must(&m, "pdkv_proxy_upstream_errors_total{role=\"prefill\"}"),
         0.0
     );
 
@@ -465,11 +403,11 @@ async fn a_prefill_client_error_passes_through_drops_d_and_counts_as_bad_request
     // D's copies were dropped while D was paused.
     let dm = d
         .wait_metrics("D's requests dropped", |m| {
-            metric(m, "pdkv_num_requests_waiting") == 0.0
-                && metric(m, "pdkv_num_requests_running") == 0.0
+            must(m, "pdkv_num_requests_waiting") == 0.0
+                && must(m, "pdkv_num_requests_running") == 0.0
         })
         .await;
-    assert_eq!(metric(&dm, "pdkv_paused"), 1.0);
+    assert_eq!(must(&dm, "pdkv_paused"), 1.0);
     admin(&d, "/resume", None).await;
     let dm = d.wait_all_blocks_free().await;
     assert_eq!(finished(&dm, "length") + finished(&dm, "stop"), 0.0, "{dm}");
@@ -478,7 +416,7 @@ async fn a_prefill_client_error_passes_through_drops_d_and_counts_as_bad_request
     assert_eq!(proxy_outcome(&m, "bad_request"), 2.0, "{m}");
     assert_eq!(proxy_outcome(&m, "prefill_error"), 0.0, "{m}");
     assert_eq!(
-        metric(&m, "pdkv_proxy_upstream_errors_total{role=\"prefill\"}"),
+        must(&m, "pdkv_proxy_upstream_errors_total{role=\"prefill\"}"),
         0.0,
         "{m}"
     );
@@ -575,7 +513,7 @@ async fn paused_pair() -> (Server, Server) {
 
 async fn wait_waiting(s: &Server, n: f64) -> String {
     s.wait_metrics(&format!("{n} waiting request(s)"), |m| {
-        metric(m, "pdkv_num_requests_waiting") == n
+        must(m, "pdkv_num_requests_waiting") == n
     })
     .await
 }
@@ -600,16 +538,13 @@ fn spawn_request(
 
 /// A whole SSE body as JSON events, without the per-request fields.
 fn sse_values(text: &str) -> Vec<Value> {
-    assert!(text.ends_with("\n\n"), "{text:?}");
-    text.split_terminator("\n\n")
-        .map(|e| {
-            let data = e
-                .strip_prefix("data: ")
-                .unwrap_or_else(|| panic!("not a data event: {e:?}"));
+    sse::payloads(text)
+        .into_iter()
+        .map(|data| {
             if data == "[DONE]" {
                 json!("[DONE]")
             } else {
-                strip_ids(serde_json::from_str(data).expect("JSON event"))
+                strip_ids(serde_json::from_str(&data).expect("JSON event"))
             }
         })
         .collect()
@@ -675,7 +610,7 @@ async fn an_aborted_prefill_leaves_d_to_compute_the_prompt() {
             !pending.is_finished(),
             "the client was answered before D ran"
         );
-        assert_eq!(metric(&d.metrics().await, "pdkv_num_requests_waiting"), 1.0);
+        assert_eq!(must(&d.metrics().await, "pdkv_num_requests_waiting"), 1.0);
         admin(&d, "/resume", None).await;
         let (status, text) = tokio::time::timeout(DEADLINE, pending)
             .await
@@ -690,7 +625,7 @@ async fn an_aborted_prefill_leaves_d_to_compute_the_prompt() {
     assert_eq!(proxy_outcome(&m, "ok"), 2.0, "{m}");
     assert_eq!(proxy_outcome(&m, "prefill_error"), 0.0, "{m}");
     assert_eq!(
-        metric(&m, "pdkv_proxy_prefill_skipped_total{reason=\"aborted\"}"),
+        must(&m, "pdkv_proxy_prefill_skipped_total{reason=\"aborted\"}"),
         2.0,
         "{m}"
     );
@@ -741,12 +676,12 @@ async fn a_paused_prefill_server_refuses_and_d_computes_the_prompt() {
     let m = proxy.metrics().await;
     assert_eq!(proxy_outcome(&m, "ok"), 2.0, "{m}");
     assert_eq!(
-        metric(&m, "pdkv_proxy_prefill_skipped_total{reason=\"refused\"}"),
+        must(&m, "pdkv_proxy_prefill_skipped_total{reason=\"refused\"}"),
         2.0,
         "{m}"
     );
     assert_eq!(
-        metric(&m, "pdkv_proxy_upstream_errors_total{role=\"prefill\"}"),
+        must(&m, "pdkv_proxy_upstream_errors_total{role=\"prefill\"}"),
         0.0,
         "{m}"
     );
@@ -1032,7 +967,7 @@ async fn read_mode_sends_p_first_and_d_reads_with_p_params() {
         .await
         .unwrap();
     assert_eq!(
-        metric(&m, "pdkv_proxy_prefill_skipped_total{reason=\"refused\"}"),
+        must(&m, "pdkv_proxy_prefill_skipped_total{reason=\"refused\"}"),
         2.0,
         "{m}"
     );
@@ -1116,7 +1051,7 @@ async fn write_mode_refused_prefill_answers_ds_parked_pull_at_once() {
     assert_eq!(p.connector_metric("pulls_ok_total"), 1.0);
     let m = proxy.metrics().await;
     assert_eq!(
-        metric(&m, "pdkv_proxy_prefill_skipped_total{reason=\"refused\"}"),
+        must(&m, "pdkv_proxy_prefill_skipped_total{reason=\"refused\"}"),
         2.0,
         "{m}"
     );

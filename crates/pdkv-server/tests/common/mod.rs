@@ -5,26 +5,21 @@
 #![allow(dead_code)] // each test file uses its own part of the harness
 
 use std::net::SocketAddr;
-use std::time::{Duration, Instant};
 
 use pdkv_engine::{Engine, EngineConfig, EngineHandle};
 use pdkv_model::Arch;
 use pdkv_server::AppState;
+use pdkv_testkit::{http, prom};
 use pdkv_vmem::Pool;
-use reqwest::StatusCode;
-use serde_json::Value;
 use tokio::sync::oneshot;
 
-pub const SERVED: &str = "tiny-test";
-/// Bound on every wait in these tests.
-pub const DEADLINE: Duration = Duration::from_secs(60);
+pub use pdkv_testkit::DEADLINE;
 
-/// Writes a random Llama checkpoint of `preset` with `seed` into a new temp dir.
+pub const SERVED: &str = "tiny-test";
+
+/// A random Llama checkpoint of `preset` with `seed` in a new temp dir.
 pub fn checkpoint(preset: &str, seed: u64) -> tempfile::TempDir {
-    let dir = tempfile::tempdir().expect("tempdir");
-    pdkv_model::init::write_random_checkpoint(Arch::Llama, preset, seed, dir.path())
-        .expect("write checkpoint");
-    dir
+    pdkv_testkit::models::checkpoint(Arch::Llama, preset, seed)
 }
 
 pub struct Server {
@@ -99,35 +94,20 @@ impl Server {
     }
 
     pub async fn metrics(&self) -> String {
-        self.client
-            .get(self.url("/metrics"))
-            .send()
-            .await
-            .expect("metrics")
-            .text()
-            .await
-            .expect("text")
+        http::metrics(&self.client, &self.base).await
     }
 
     /// Polls `/metrics` until `pred` holds; fails at the deadline.
     pub async fn wait_metrics(&self, what: &str, pred: impl Fn(&str) -> bool) -> String {
-        let deadline = Instant::now() + DEADLINE;
-        loop {
-            let text = self.metrics().await;
-            if pred(&text) {
-                return text;
-            }
-            assert!(
-                Instant::now() < deadline,
-                "timed out waiting for {what}; metrics:\n{text}"
-            );
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
+        http::wait_metrics(&self.client, &self.base, what, pred).await
     }
 
     pub async fn wait_all_blocks_free(&self) -> String {
-        self.wait_metrics("all KV blocks free and no request running", all_blocks_free)
-            .await
+        self.wait_metrics(
+            "all KV blocks free and no request running",
+            prom::all_blocks_free,
+        )
+        .await
     }
 
     pub async fn stop(mut self) {
@@ -143,35 +123,4 @@ impl Server {
         }
         self.engine.shutdown();
     }
-}
-
-/// Whether the metrics say every KV block is free and no request runs or
-/// waits.
-pub fn all_blocks_free(m: &str) -> bool {
-    metric(m, "pdkv_kv_blocks_free") == metric(m, "pdkv_kv_blocks_total")
-        && metric(m, "pdkv_num_requests_running") == 0.0
-        && metric(m, "pdkv_num_requests_waiting") == 0.0
-}
-
-/// The value of a sample line `name value` (`name` may include labels).
-pub fn metric(text: &str, name: &str) -> f64 {
-    text.lines()
-        .find_map(|l| l.strip_prefix(name).and_then(|rest| rest.strip_prefix(' ')))
-        .unwrap_or_else(|| panic!("no {name} in\n{text}"))
-        .parse()
-        .expect("number")
-}
-
-pub fn assert_openai_error(status: StatusCode, body: &Value, want: StatusCode, ctx: &str) {
-    assert_eq!(status, want, "{ctx}: {body}");
-    let err = &body["error"];
-    assert!(
-        err["message"].as_str().is_some_and(|m| !m.is_empty()),
-        "{ctx}: {body}"
-    );
-    assert!(err["type"].is_string(), "{ctx}: {body}");
-    assert!(
-        err.get("param").is_some() && err.get("code").is_some(),
-        "{ctx}: {body}"
-    );
 }
