@@ -50,7 +50,7 @@ use tokio::task::JoinHandle;
 use crate::auth::{self, KvSecret, Port};
 use crate::conns::{Admitted, ConnSlots, Slot};
 use crate::error::AccessError;
-use crate::frame::{Header, Limits, RemoteError, HEADER_LEN};
+use crate::frame::{Header, Limits, RemoteError, Target, HEADER_LEN};
 use crate::proto::{
     BatchId, ConnId, Direction, Initiator, InitiatorConfig, LocalRange, Request, Response,
     StartError, Stats, Transfer, TransferError,
@@ -762,45 +762,22 @@ async fn serve_conn(
     stats: &ServeStats,
     slot: &Slot,
 ) -> Result<(), String> {
+    let conn = Served {
+        from,
+        registry,
+        cfg,
+        notify_tx,
+        stats,
+        slot,
+    };
     let mut stream = stream;
-    if let Err(e) = auth::accept(
-        &mut stream,
-        &cfg.secret,
-        Port::Transfer,
-        cfg.unproven_timeout,
-    )
-    .await
-    {
-        stats.auth_refused.fetch_add(1, Ordering::Relaxed);
-        stats.progress.notify_waiters();
-        if matches!(
-            e,
-            auth::AuthError::BadProof | auth::AuthError::WrongPort { .. }
-        ) {
-            tracing::info!(%from, "KV transfer connection refused: {e}");
-        }
-        return Err(format!("handshake: {e}"));
-    }
-    if !cfg.secret.is_open() {
-        slot.prove();
-    }
+    conn.handshake(&mut stream).await?;
     let (mut r, mut w) = stream.into_split();
     let mut scratch = Vec::new();
     loop {
-        let mut h = [0u8; HEADER_LEN];
-        let unproven = !slot.is_proven();
-        let wait = if unproven {
-            cfg.unproven_timeout
-        } else {
-            cfg.idle_timeout
+        let Some(h) = conn.next_header(&mut r).await? else {
+            return Ok(());
         };
-        match tokio::time::timeout(wait, r.read_exact(&mut h)).await {
-            Err(_) if unproven => return Err("no accepted access in time".into()),
-            Err(_) => return Err("idle timeout".into()),
-            Ok(Err(e)) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(()),
-            Ok(Err(e)) => return Err(e.to_string()),
-            Ok(Ok(_)) => {}
-        }
         let header = Header::decode(&h, &cfg.limits).map_err(|e| {
             stats.malformed.fetch_add(1, Ordering::Relaxed);
             format!("malformed frame: {e}")
@@ -808,70 +785,13 @@ async fn serve_conn(
         let t = cfg.io_timeout;
         let reply = match header {
             Header::Hello { .. } => Header::Hello { agent: 0 },
-            Header::WriteReq { op, target } => {
-                match registry.access(
-                    target.segment,
-                    target.key,
-                    target.epoch,
-                    target.offset,
-                    target.len,
-                ) {
-                    Ok(a) => {
-                        slot.prove();
-                        // SAFETY: a write's target range is written by this write only.
-                        timed(t, r.read_exact(unsafe { a.as_mut_slice() }), "write data").await?;
-                        stats.bytes_in.fetch_add(target.len, Ordering::Relaxed);
-                        Header::WriteAck { op }
-                    }
-                    Err(e) => {
-                        timed(t, drain(&mut r, target.len, &mut scratch), "drain").await?;
-                        Header::Error {
-                            op,
-                            error: e.into(),
-                        }
-                    }
-                }
-            }
-            Header::ReadReq { op, target } => {
-                match registry.access(
-                    target.segment,
-                    target.key,
-                    target.epoch,
-                    target.offset,
-                    target.len,
-                ) {
-                    Ok(a) => {
-                        slot.prove();
-                        let head = Header::ReadResp {
-                            op,
-                            len: target.len as u32,
-                        }
-                        .encode();
-                        timed(t, w.write_all(&head), "read resp").await?;
-                        // SAFETY: no write is scheduled into a range being read.
-                        timed(t, w.write_all(unsafe { a.as_slice() }), "read data").await?;
-                        stats.bytes_out.fetch_add(target.len, Ordering::Relaxed);
-                        stats.ops_served.fetch_add(1, Ordering::Relaxed);
-                        stats.progress.notify_waiters();
-                        continue;
-                    }
-                    Err(e) => Header::Error {
-                        op,
-                        error: e.into(),
-                    },
-                }
-            }
-            Header::Notify { op, len } => {
-                let mut payload = vec![0u8; len as usize];
-                timed(t, r.read_exact(&mut payload), "notify").await?;
-                match notify_tx.try_send(Notification { from, payload }) {
-                    Ok(()) => Header::NotifyAck { op },
-                    Err(_) => Header::Error {
-                        op,
-                        error: RemoteError::Busy,
-                    },
-                }
-            }
+            Header::WriteReq { op, target } => conn.write(op, target, &mut r, &mut scratch).await?,
+            Header::ReadReq { op, target } => match conn.read(op, target, &mut w).await? {
+                Some(reply) => reply,
+                // Answered with the data, and counted.
+                None => continue,
+            },
+            Header::Notify { op, len } => conn.notify(op, len, &mut r).await?,
             other => {
                 stats.malformed.fetch_add(1, Ordering::Relaxed);
                 return Err(format!("unexpected frame {other:?}"));
@@ -883,5 +803,152 @@ async fn serve_conn(
         timed(t, w.write_all(&reply.encode()), "reply").await?;
         stats.ops_served.fetch_add(1, Ordering::Relaxed);
         stats.progress.notify_waiters();
+    }
+}
+
+/// What serving one connection uses besides its stream: one step each for
+/// the handshake, the next header, and each request a peer may send.
+struct Served<'a> {
+    from: SocketAddr,
+    registry: &'a Registry,
+    cfg: &'a AgentConfig,
+    notify_tx: &'a mpsc::Sender<Notification>,
+    stats: &'a ServeStats,
+    slot: &'a Slot,
+}
+
+impl Served<'_> {
+    /// The peer proves it holds the deployment's secret (an open secret
+    /// proves the connection at once).
+    async fn handshake(&self, stream: &mut TcpStream) -> Result<(), String> {
+        let (from, cfg, stats) = (self.from, self.cfg, self.stats);
+        if let Err(e) =
+            auth::accept(stream, &cfg.secret, Port::Transfer, cfg.unproven_timeout).await
+        {
+            stats.auth_refused.fetch_add(1, Ordering::Relaxed);
+            stats.progress.notify_waiters();
+            if matches!(
+                e,
+                auth::AuthError::BadProof | auth::AuthError::WrongPort { .. }
+            ) {
+                tracing::info!(%from, "KV transfer connection refused: {e}");
+            }
+            return Err(format!("handshake: {e}"));
+        }
+        if !cfg.secret.is_open() {
+            self.slot.prove();
+        }
+        Ok(())
+    }
+
+    /// The next frame's header, within the unproven or the idle timeout;
+    /// `None` when the peer closed the connection.
+    async fn next_header(&self, r: &mut OwnedReadHalf) -> Result<Option<[u8; HEADER_LEN]>, String> {
+        let cfg = self.cfg;
+        let mut h = [0u8; HEADER_LEN];
+        let unproven = !self.slot.is_proven();
+        let wait = if unproven {
+            cfg.unproven_timeout
+        } else {
+            cfg.idle_timeout
+        };
+        match tokio::time::timeout(wait, r.read_exact(&mut h)).await {
+            Err(_) if unproven => return Err("no accepted access in time".into()),
+            Err(_) => return Err("idle timeout".into()),
+            Ok(Err(e)) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(None),
+            Ok(Err(e)) => return Err(e.to_string()),
+            Ok(Ok(_)) => {}
+        }
+        Ok(Some(h))
+    }
+
+    /// A write: its data lands in the registration, or is drained when the
+    /// access is refused.
+    async fn write(
+        &self,
+        op: u64,
+        target: Target,
+        r: &mut OwnedReadHalf,
+        scratch: &mut Vec<u8>,
+    ) -> Result<Header, String> {
+        let t = self.cfg.io_timeout;
+        let reply = match self.registry.access(
+            target.segment,
+            target.key,
+            target.epoch,
+            target.offset,
+            target.len,
+        ) {
+            Ok(a) => {
+                self.slot.prove();
+                // SAFETY: a write's target range is written by this write only.
+                timed(t, r.read_exact(unsafe { a.as_mut_slice() }), "write data").await?;
+                self.stats.bytes_in.fetch_add(target.len, Ordering::Relaxed);
+                Header::WriteAck { op }
+            }
+            Err(e) => {
+                timed(t, drain(r, target.len, scratch), "drain").await?;
+                Header::Error {
+                    op,
+                    error: e.into(),
+                }
+            }
+        };
+        Ok(reply)
+    }
+
+    /// A read: answered here with the data (and counted: `None`), or the
+    /// refusal to send.
+    async fn read(
+        &self,
+        op: u64,
+        target: Target,
+        w: &mut OwnedWriteHalf,
+    ) -> Result<Option<Header>, String> {
+        let (t, stats) = (self.cfg.io_timeout, self.stats);
+        match self.registry.access(
+            target.segment,
+            target.key,
+            target.epoch,
+            target.offset,
+            target.len,
+        ) {
+            Ok(a) => {
+                self.slot.prove();
+                let head = Header::ReadResp {
+                    op,
+                    len: target.len as u32,
+                }
+                .encode();
+                timed(t, w.write_all(&head), "read resp").await?;
+                // SAFETY: no write is scheduled into a range being read.
+                timed(t, w.write_all(unsafe { a.as_slice() }), "read data").await?;
+                stats.bytes_out.fetch_add(target.len, Ordering::Relaxed);
+                stats.ops_served.fetch_add(1, Ordering::Relaxed);
+                stats.progress.notify_waiters();
+                Ok(None)
+            }
+            Err(e) => Ok(Some(Header::Error {
+                op,
+                error: e.into(),
+            })),
+        }
+    }
+
+    /// A notification: queued for the agent, or refused while the queue is
+    /// full.
+    async fn notify(&self, op: u64, len: u32, r: &mut OwnedReadHalf) -> Result<Header, String> {
+        let mut payload = vec![0u8; len as usize];
+        timed(self.cfg.io_timeout, r.read_exact(&mut payload), "notify").await?;
+        let from = self.from;
+        Ok(
+            match self.notify_tx.try_send(Notification { from, payload }) {
+                Ok(()) => Header::NotifyAck { op },
+                Err(_) => Header::Error {
+                    op,
+                    error: RemoteError::Busy,
+                },
+            },
+        )
     }
 }
