@@ -2,6 +2,7 @@
 //! one-sided by the engines, and its manifest over HTTP (`GET /manifest`).
 
 use std::net::SocketAddr;
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -103,49 +104,8 @@ impl Publisher {
         let agent = Agent::bind(&opts.transfer_addr, registry, cfg)
             .await
             .with_context(|| format!("binding the transfer agent on {}", opts.transfer_addr))?;
-        let shm = match opts.shm {
-            false => None,
-            true => {
-                static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-                let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                let path = std::env::temp_dir()
-                    .join(format!("pdkv-publish-{}-{n}.sock", std::process::id()));
-                let _ = std::fs::remove_file(&path);
-                let exporter = ShmExporter::bind_with(
-                    &path,
-                    agent.registry().clone(),
-                    Limits::default(),
-                    ExportOptions {
-                        secret: opts.secret.clone(),
-                        ..ExportOptions::default()
-                    },
-                )
-                .with_context(|| format!("binding the shared-memory socket {}", path.display()))?;
-                exporter
-                    .check_shareable(&reg)
-                    .map_err(|e| anyhow::anyhow!("sharing the weights: {e}"))?;
-                Some((exporter, path))
-            }
-        };
-        let tensors = weights
-            .named()
-            .into_iter()
-            .map(|(name, t)| {
-                let n = t.bytes();
-                // SAFETY: the tensor lies inside the region, which nothing
-                // writes while it is published.
-                let bytes =
-                    unsafe { std::slice::from_raw_parts(weights.region.base().add(t.offset), n) };
-                TensorEntry {
-                    name,
-                    dtype: t.dtype.name().into(),
-                    shape: t.shape.clone(),
-                    offset: t.offset as u64,
-                    len: n as u64,
-                    crc32: checksum(bytes),
-                }
-            })
-            .collect();
+        let shm = share_over_shm(&agent, &reg, &opts)?;
+        let tensors = tensor_entries(&weights);
         let manifest = Manifest {
             protocol: PROTOCOL,
             version,
@@ -159,35 +119,7 @@ impl Publisher {
             }),
             tensors,
         };
-        let listener = tokio::net::TcpListener::bind(&opts.http_addr)
-            .await
-            .with_context(|| format!("binding the manifest server on {}", opts.http_addr))?;
-        let http = listener.local_addr()?;
-        let served = Arc::new(manifest.clone());
-        let stats = agent.serve_stats().clone();
-        let total = manifest.bytes();
-        let app = Router::new()
-            .route(
-                "/manifest",
-                get(move || {
-                    let m = served.clone();
-                    async move { Json((*m).clone()) }
-                }),
-            )
-            // What the engines read so far over TCP: how many copies of the
-            // weights went through this publisher's link.
-            .route(
-                "/stats",
-                get(move || {
-                    let out = stats.bytes_out.load(std::sync::atomic::Ordering::Relaxed);
-                    async move { Json(serde_json::json!({"bytes": total, "bytes_served": out})) }
-                }),
-            );
-        let task = tokio::spawn(async move {
-            if let Err(e) = axum::serve(listener, app).await {
-                tracing::error!(error = %e, "the manifest server stopped");
-            }
-        });
+        let (http, task) = serve_manifest(&opts.http_addr, &manifest, &agent).await?;
         tracing::info!(
             tensors = manifest.tensors.len(),
             bytes = manifest.bytes(),
@@ -231,4 +163,102 @@ impl Publisher {
             .bytes_out
             .load(std::sync::atomic::Ordering::Relaxed)
     }
+}
+
+/// Shares the registration over shared memory too when `opts.shm` asks for
+/// it: a Unix socket in the temporary directory, refused at once when the
+/// registration cannot be shared.
+fn share_over_shm(
+    agent: &Agent,
+    reg: &Registration,
+    opts: &PublishOptions,
+) -> anyhow::Result<Option<(ShmExporter, PathBuf)>> {
+    let shm = match opts.shm {
+        false => None,
+        true => {
+            static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+            let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            let path =
+                std::env::temp_dir().join(format!("pdkv-publish-{}-{n}.sock", std::process::id()));
+            let _ = std::fs::remove_file(&path);
+            let exporter = ShmExporter::bind_with(
+                &path,
+                agent.registry().clone(),
+                Limits::default(),
+                ExportOptions {
+                    secret: opts.secret.clone(),
+                    ..ExportOptions::default()
+                },
+            )
+            .with_context(|| format!("binding the shared-memory socket {}", path.display()))?;
+            exporter
+                .check_shareable(reg)
+                .map_err(|e| anyhow::anyhow!("sharing the weights: {e}"))?;
+            Some((exporter, path))
+        }
+    };
+    Ok(shm)
+}
+
+/// Every tensor of `weights`, checksummed now.
+fn tensor_entries(weights: &Weights) -> Vec<TensorEntry> {
+    weights
+        .named()
+        .into_iter()
+        .map(|(name, t)| {
+            let n = t.bytes();
+            // SAFETY: the tensor lies inside the region, which nothing
+            // writes while it is published.
+            let bytes =
+                unsafe { std::slice::from_raw_parts(weights.region.base().add(t.offset), n) };
+            TensorEntry {
+                name,
+                dtype: t.dtype.name().into(),
+                shape: t.shape.clone(),
+                offset: t.offset as u64,
+                len: n as u64,
+                crc32: checksum(bytes),
+            }
+        })
+        .collect()
+}
+
+/// Serves `manifest` (`GET /manifest`) and what the engines read so far
+/// over TCP (`GET /stats`) on `http_addr`; the address bound and the
+/// server's task.
+async fn serve_manifest(
+    http_addr: &str,
+    manifest: &Manifest,
+    agent: &Agent,
+) -> anyhow::Result<(SocketAddr, JoinHandle<()>)> {
+    let listener = tokio::net::TcpListener::bind(http_addr)
+        .await
+        .with_context(|| format!("binding the manifest server on {http_addr}"))?;
+    let http = listener.local_addr()?;
+    let served = Arc::new(manifest.clone());
+    let stats = agent.serve_stats().clone();
+    let total = manifest.bytes();
+    let app = Router::new()
+        .route(
+            "/manifest",
+            get(move || {
+                let m = served.clone();
+                async move { Json((*m).clone()) }
+            }),
+        )
+        // What the engines read so far over TCP: how many copies of the
+        // weights went through this publisher's link.
+        .route(
+            "/stats",
+            get(move || {
+                let out = stats.bytes_out.load(std::sync::atomic::Ordering::Relaxed);
+                async move { Json(serde_json::json!({"bytes": total, "bytes_served": out})) }
+            }),
+        );
+    let task = tokio::spawn(async move {
+        if let Err(e) = axum::serve(listener, app).await {
+            tracing::error!(error = %e, "the manifest server stopped");
+        }
+    });
+    Ok((http, task))
 }
