@@ -1,5 +1,5 @@
 //! What pdkv's tests share, written once: child `pdkv` processes under one
-//! guard ([`proc`]), the HTTP, admin and SSE clients ([`http`], [`sse`]),
+//! guard ([`proc`]), deployments on `pdkv up`'s own wiring ([`deploy`]), the HTTP, admin and SSE clients ([`http`], [`sse`]),
 //! one Prometheus text parser ([`prom`]), the models tests run on
 //! ([`models`]), and the bound every wait in a test has ([`DEADLINE`]).
 //!
@@ -7,6 +7,7 @@
 //! bounded; a helper that cannot do its job panics with what it saw, so a
 //! failing test explains itself.
 
+pub mod deploy;
 pub mod http;
 pub mod models;
 pub mod proc;

@@ -10,7 +10,11 @@
 
 use std::time::{Duration, Instant};
 
+use std::path::Path;
+
+use pdkv_deploy::EngineRole;
 use pdkv_testkit::{
+    deploy::{Pd, Spec},
     http::{complete, wait_healthy},
     models::smollm2,
     proc::Proc,
@@ -130,53 +134,10 @@ async fn idle_and_garbage_connections_on_every_port_do_not_break_pd() {
     }
     drop(colo);
 
-    let http = ["--header-timeout-s", "3"];
-    let common = [
-        "serve",
-        "--port",
-        "0",
-        "--model",
-        &model,
-        "--num-kv-blocks",
-        "128",
-    ];
-    let kv = |role: &str| format!(r#"{{"kv_connector":"pdkv","kv_role":"{role}"}}"#);
-    let (p_kv, d_kv) = (kv("kv_producer"), kv("kv_consumer"));
-    let secret = [("PDKV_KV_SECRET", "this deployment's KV secret, 42")];
-    let p = Proc::start_env(
-        &[],
-        &[
-            &common[..],
-            &http,
-            &["--kv-transfer-config", &p_kv, "--engine-id", "p0"],
-        ]
-        .concat(),
-        &secret,
-    );
-    let d = Proc::start_env(
-        &[],
-        &[
-            &common[..],
-            &http,
-            &["--kv-transfer-config", &d_kv, "--engine-id", "d0"],
-        ]
-        .concat(),
-        &secret,
-    );
-    let proxy_args = [
-        &[
-            "proxy",
-            "--port",
-            "0",
-            "--prefill",
-            &p.base,
-            "--decode",
-            &d.base,
-        ][..],
-        &http,
-    ]
-    .concat();
-    let proxy = Proc::start_env(&[], &proxy_args, &secret);
+    let Pd { p, d, proxy } = Spec::new(Path::new(&model), 128)
+        .http_args(&["--header-timeout-s", "3"])
+        .env("PDKV_KV_SECRET", "this deployment's KV secret, 42")
+        .start_pd();
     wait_healthy(&client, &proxy.url("/health")).await;
     let info = |s: &Proc| {
         let (client, url) = (client.clone(), s.url("/kv_transfer/info"));
@@ -220,16 +181,9 @@ async fn idle_and_garbage_connections_on_every_port_do_not_break_pd() {
 
     // A decode engine of another deployment (another secret) loads from P:
     // its load fails naming the secrets, P is undisturbed.
-    let intruder_secret = [("PDKV_KV_SECRET", "another deployment's KV secret")];
-    let intruder = Proc::start_env(
-        &[],
-        &[
-            &common[..],
-            &["--kv-transfer-config", &d_kv, "--engine-id", "d9"],
-        ]
-        .concat(),
-        &intruder_secret,
-    );
+    let intruder = Spec::new(Path::new(&model), 128)
+        .env("PDKV_KV_SECRET", "another deployment's KV secret")
+        .start_engine(EngineRole::Decode, "d9");
     let stolen = json!({
         "prompt": prompts[0], "max_tokens": 2, "temperature": 0,
         "kv_transfer_params": {"do_remote_prefill": true, "remote_engine_id": "p0",

@@ -15,10 +15,11 @@
 use std::time::{Duration, Instant};
 
 use futures::StreamExt;
+use pdkv_deploy::{EngineRole, Transport};
 use pdkv_testkit::{
+    deploy::{Pd, Spec},
     http::{complete, wait_healthy, wait_metrics},
     models::smollm2,
-    proc::Proc,
     prom::{metric, quiescent},
     DEADLINE,
 };
@@ -78,57 +79,9 @@ async fn run_all(client: &reqwest::Client, base: &str, prompts: &[String]) -> Ve
     out
 }
 
-fn kv_config(role: &str, transport: &str, extra: &str) -> String {
-    format!(r#"{{"kv_connector":"pdkv","kv_role":"{role}","transport":"{transport}"{extra}}}"#)
-}
-
-struct Deployment {
-    p: Proc,
-    d: Proc,
-    proxy: Proc,
-}
-
-fn deploy(model: &str, transport: &str, extra: &str) -> Deployment {
-    let common = [
-        "serve",
-        "--port",
-        "0",
-        "--model",
-        model,
-        "--num-kv-blocks",
-        "256",
-    ];
-    let p_cfg = kv_config("kv_producer", transport, extra);
-    let d_cfg = kv_config("kv_consumer", transport, extra);
-    let p = Proc::start(
-        &[],
-        &[
-            &common[..],
-            &["--kv-transfer-config", &p_cfg, "--engine-id", "p0"],
-        ]
-        .concat(),
-    );
-    let d = Proc::start(
-        &[],
-        &[
-            &common[..],
-            &["--kv-transfer-config", &d_cfg, "--engine-id", "d0"],
-        ]
-        .concat(),
-    );
-    let proxy = Proc::start(
-        &[],
-        &[
-            "proxy",
-            "--port",
-            "0",
-            "--prefill",
-            &p.base,
-            "--decode",
-            &d.base,
-        ],
-    );
-    Deployment { p, d, proxy }
+/// P, D and the proxy on `model` (256 KV blocks each) over `transport`.
+fn deploy(model: &std::path::Path, transport: Transport) -> Pd {
+    Spec::new(model, 256).transport(transport).start_pd()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -136,22 +89,10 @@ async fn pd_through_the_proxy_equals_colocated_over_tcp_and_shm() {
     let Some(model) = smollm2("pd_through_the_proxy_equals_colocated_over_tcp_and_shm") else {
         return;
     };
-    let model = model.to_str().unwrap().to_string();
     let client = reqwest::Client::new();
     let prompts = prompts();
 
-    let colo = Proc::start(
-        &[],
-        &[
-            "serve",
-            "--port",
-            "0",
-            "--model",
-            &model,
-            "--num-kv-blocks",
-            "256",
-        ],
-    );
+    let colo = Spec::new(&model, 256).start_engine(EngineRole::Colocated, "c0");
     wait_healthy(&client, &colo.url("/health")).await;
     let expected = run_all(&client, &colo.base, &prompts).await;
     assert!(
@@ -160,8 +101,8 @@ async fn pd_through_the_proxy_equals_colocated_over_tcp_and_shm() {
     );
     drop(colo);
 
-    for transport in ["tcp", "shm"] {
-        let dep = deploy(&model, transport, "");
+    for transport in [Transport::Tcp, Transport::Shm] {
+        let dep = deploy(&model, transport);
         wait_healthy(&client, &dep.proxy.url("/health")).await;
         let t0 = Instant::now();
         let got = run_all(&client, &dep.proxy.base, &prompts).await;
@@ -169,7 +110,7 @@ async fn pd_through_the_proxy_equals_colocated_over_tcp_and_shm() {
         for (i, (g, e)) in got.iter().zip(&expected).enumerate() {
             assert_eq!(
                 g, e,
-                "{transport}: prompt {i} differs from the colocated output"
+                "{transport:?}: prompt {i} differs from the colocated output"
             );
         }
         let p_text = wait_metrics(&client, &dep.p.base, "P quiescent", quiescent).await;
@@ -179,11 +120,11 @@ async fn pd_through_the_proxy_equals_colocated_over_tcp_and_shm() {
             metric(&d_text, "pdkv_kv_loads_ok_total").expect("D exports pdkv_kv_loads_ok_total");
         let sends =
             metric(&p_text, "pdkv_kv_pulls_ok_total").expect("P exports pdkv_kv_pulls_ok_total");
-        assert_eq!(loads, prompts.len() as f64, "{transport}: loads on D");
-        assert_eq!(sends, prompts.len() as f64, "{transport}: sends on P");
+        assert_eq!(loads, prompts.len() as f64, "{transport:?}: loads on D");
+        assert_eq!(sends, prompts.len() as f64, "{transport:?}: sends on P");
         assert_eq!(metric(&d_text, "pdkv_kv_loads_failed_total"), Some(0.0));
         println!(
-            "{transport}: {} prompts through the proxy in {secs:.1} s, all equal to colocated",
+            "{transport:?}: {} prompts through the proxy in {secs:.1} s, all equal to colocated",
             prompts.len()
         );
     }
@@ -194,7 +135,7 @@ async fn a_client_leaving_mid_stream_frees_blocks_on_p_and_d() {
     let Some(model) = smollm2("a_client_leaving_mid_stream_frees_blocks_on_p_and_d") else {
         return;
     };
-    let dep = deploy(model.to_str().unwrap(), "tcp", "");
+    let dep = deploy(&model, Transport::Tcp);
     let client = reqwest::Client::new();
     wait_healthy(&client, &dep.proxy.url("/health")).await;
     for (i, prefix) in PREFIXES.iter().enumerate().take(4) {
@@ -232,41 +173,18 @@ async fn a_client_leaving_mid_stream_frees_blocks_on_p_and_d() {
 
 /// Sends one request to P and D directly (as the proxy would) and kills P
 /// once D waits for the KV. Returns D's status, body and how long it took.
-async fn kill_p_while_d_waits(model: &str, policy: &str) -> (u16, String, Duration) {
-    // Short deadlines: P's pull deadline 2 s, D's own wait 4 s.
-    let extra =
-        format!(r#","abort_timeout_s":2,"load_timeout_s":4,"kv_load_failure_policy":"{policy}""#);
-    let common = [
-        "serve",
-        "--port",
-        "0",
-        "--model",
-        model,
-        "--num-kv-blocks",
-        "256",
-    ];
-    let mut p = Proc::start(
-        &[],
-        &[
-            &common[..],
-            &[
-                "--kv-transfer-config",
-                &kv_config("kv_producer", "tcp", &extra),
-            ],
-        ]
-        .concat(),
-    );
-    let d = Proc::start(
-        &[],
-        &[
-            &common[..],
-            &[
-                "--kv-transfer-config",
-                &kv_config("kv_consumer", "tcp", &extra),
-            ],
-        ]
-        .concat(),
-    );
+/// P's pull deadline 2 s, D's own wait 4 s, and D's failure `policy`.
+fn short_deadlines(model: &std::path::Path, policy: &str) -> Spec {
+    Spec::new(model, 256)
+        .kv("abort_timeout_s", 2)
+        .kv("load_timeout_s", 4)
+        .kv("kv_load_failure_policy", policy)
+}
+
+async fn kill_p_while_d_waits(model: &std::path::Path, policy: &str) -> (u16, String, Duration) {
+    let spec = short_deadlines(model, policy);
+    let mut p = spec.start_engine(EngineRole::Prefill, "p0");
+    let d = spec.start_engine(EngineRole::Decode, "d0");
     let client = reqwest::Client::new();
     let info: Value = client
         .get(p.url("/kv_transfer/info"))
@@ -324,15 +242,14 @@ async fn p_killed_while_d_waits_fails_or_recomputes_by_policy() {
     let Some(model) = smollm2("p_killed_while_d_waits_fails_or_recomputes_by_policy") else {
         return;
     };
-    let model = model.to_str().unwrap();
-    let (status, text, took) = kill_p_while_d_waits(model, "fail").await;
+    let (status, text, took) = kill_p_while_d_waits(&model, "fail").await;
     assert_eq!(status, 500, "{text}");
     assert!(text.contains("kv_transfer_failed"), "{text}");
     // D's own wait is 4 s; a dead P is noticed sooner (its socket closes).
     assert!(took < Duration::from_secs(5), "took {took:?}");
     println!("policy fail: D answered {took:?} after P was killed: {text}");
 
-    let (status, text, took) = kill_p_while_d_waits(model, "recompute").await;
+    let (status, text, took) = kill_p_while_d_waits(&model, "recompute").await;
     assert_eq!(status, 200, "{text}");
     assert!(took < Duration::from_secs(60), "took {took:?}");
     println!("policy recompute: D answered {took:?} after P was killed");
@@ -347,39 +264,9 @@ async fn a_hung_p_is_a_504_naming_the_setting_to_raise() {
     let Some(model) = smollm2("a_hung_p_is_a_504_naming_the_setting_to_raise") else {
         return;
     };
-    let model = model.to_str().unwrap();
-    let extra = r#","abort_timeout_s":2,"load_timeout_s":4,"kv_load_failure_policy":"fail""#;
-    let common = [
-        "serve",
-        "--port",
-        "0",
-        "--model",
-        model,
-        "--num-kv-blocks",
-        "256",
-    ];
-    let p = Proc::start(
-        &[],
-        &[
-            &common[..],
-            &[
-                "--kv-transfer-config",
-                &kv_config("kv_producer", "tcp", extra),
-            ],
-        ]
-        .concat(),
-    );
-    let d = Proc::start(
-        &[],
-        &[
-            &common[..],
-            &[
-                "--kv-transfer-config",
-                &kv_config("kv_consumer", "tcp", extra),
-            ],
-        ]
-        .concat(),
-    );
+    let spec = short_deadlines(&model, "fail");
+    let p = spec.start_engine(EngineRole::Prefill, "p0");
+    let d = spec.start_engine(EngineRole::Decode, "d0");
     let client = reqwest::Client::builder()
         .timeout(DEADLINE)
         .build()
@@ -461,46 +348,9 @@ async fn a_transfer_whose_decode_request_failed_is_dropped_at_p() {
     let Some(model) = smollm2("a_transfer_whose_decode_request_failed_is_dropped_at_p") else {
         return;
     };
-    let model = model.to_str().unwrap();
-    let common = [
-        "serve",
-        "--port",
-        "0",
-        "--model",
-        model,
-        "--num-kv-blocks",
-        "256",
-        "--admin-token",
-        "t0k",
-    ];
-    let p = Proc::start(
-        &[],
-        &[
-            &common[..],
-            &["--kv-transfer-config", &kv_config("kv_producer", "tcp", "")],
-        ]
-        .concat(),
-    );
-    let d = Proc::start(
-        &[],
-        &[
-            &common[..],
-            &["--kv-transfer-config", &kv_config("kv_consumer", "tcp", "")],
-        ]
-        .concat(),
-    );
-    let proxy = Proc::start(
-        &[],
-        &[
-            "proxy",
-            "--port",
-            "0",
-            "--prefill",
-            &p.base,
-            "--decode",
-            &d.base,
-        ],
-    );
+    let Pd { p, d, proxy } = Spec::new(&model, 256)
+        .serve_args(&["--admin-token", "t0k"])
+        .start_pd();
     let client = reqwest::Client::new();
     wait_healthy(&client, &proxy.url("/health")).await;
     let paused = client

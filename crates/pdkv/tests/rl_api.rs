@@ -6,7 +6,9 @@
 
 use std::collections::BTreeSet;
 
+use pdkv_deploy::EngineRole;
 use pdkv_testkit::{
+    deploy::Spec,
     http::{post_json, wait_healthy},
     models::smollm2,
     proc::Proc,
@@ -574,45 +576,13 @@ async fn an_n8_group_through_the_pd_proxy_is_one_transfer_and_equals_colocated()
     else {
         return;
     };
-    let model = path.to_str().unwrap();
     let client = reqwest::Client::new();
     let colo = serve(&path);
-    let common = [
-        "serve",
-        "--port",
-        "0",
-        "--model",
-        model,
-        "--num-kv-blocks",
-        "128",
-    ];
-    let kv = |role: &str| format!(r#"{{"kv_connector":"pdkv","kv_role":"{role}"}}"#);
-    let key = [("PDKV_API_KEY", "rollout-key")];
-    let (p_kv, d_kv) = (kv("kv_producer"), kv("kv_consumer"));
-    let p_args = [
-        &common[..],
-        &["--kv-transfer-config", &p_kv, "--engine-id", "p0"],
-    ]
-    .concat();
-    let d_args = [
-        &common[..],
-        &["--kv-transfer-config", &d_kv, "--engine-id", "d0"],
-    ]
-    .concat();
-    let p = Proc::start_env(&[], &p_args, &key);
-    let d = Proc::start_env(&[], &d_args, &key);
-    let proxy = Proc::start(
-        &[],
-        &[
-            "proxy",
-            "--port",
-            "0",
-            "--prefill",
-            &p.base,
-            "--decode",
-            &d.base,
-        ],
-    );
+    // The engines take the rollout key; the proxy passes the client's on.
+    let spec = Spec::new(&path, 128).env("PDKV_API_KEY", "rollout-key");
+    let p = spec.start_engine(EngineRole::Prefill, "p0");
+    let d = spec.start_engine(EngineRole::Decode, "d0");
+    let proxy = Spec::new(&path, 128).start_proxy(&[&p], &[&d]);
     for s in [&colo, &p, &d, &proxy] {
         wait_healthy(&client, &s.url("/health")).await;
     }
