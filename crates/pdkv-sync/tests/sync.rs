@@ -86,6 +86,7 @@ async fn stages_and_refuses(transport: Transport) {
         "the staged bytes are the published ones"
     );
     // Installing: the running region now holds the new weights.
+    // SAFETY: no model runs in this test: nothing reads `running` meanwhile.
     unsafe { running.copy_from(&staged) }.unwrap();
     assert_eq!(bytes(&running), bytes(&new));
 

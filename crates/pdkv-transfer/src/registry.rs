@@ -208,7 +208,11 @@ impl Access {
     /// No one may write the range while the slice lives (the transfer
     /// protocol must not schedule a write and a read of one range at once).
     pub unsafe fn as_slice(&self) -> &[u8] {
-        std::slice::from_raw_parts(self.ptr(), self.len)
+        // SAFETY: `ptr()..+len` lies inside the registration (checked when
+        // the access was granted) and stays mapped while `pinned` lives, as
+        // long as the returned borrow of `self`; that no one writes it
+        // meanwhile is the caller's promise (see # Safety).
+        unsafe { std::slice::from_raw_parts(self.ptr(), self.len) }
     }
 
     /// The granted bytes, for I/O straight into registered memory.
@@ -217,7 +221,9 @@ impl Access {
     /// No other view of the range may exist while the slice lives.
     #[allow(clippy::mut_from_ref)]
     pub unsafe fn as_mut_slice(&self) -> &mut [u8] {
-        std::slice::from_raw_parts_mut(self.ptr(), self.len)
+        // SAFETY: in bounds and mapped as in `as_slice`; that no other view
+        // of the range exists meanwhile is the caller's promise.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr(), self.len) }
     }
 }
 

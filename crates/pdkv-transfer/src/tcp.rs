@@ -180,14 +180,20 @@ impl LocalSlice {
     /// # Safety
     /// See [`Access::as_slice`].
     pub(crate) unsafe fn bytes(&self) -> &[u8] {
-        &self.access.as_slice()[self.offset as usize..(self.offset + self.len) as usize]
+        // SAFETY: the caller keeps the promise of `Access::as_slice` for this
+        // part of the access (see # Safety).
+        let all = unsafe { self.access.as_slice() };
+        &all[self.offset as usize..(self.offset + self.len) as usize]
     }
 
     /// # Safety
     /// See [`Access::as_mut_slice`].
     #[allow(clippy::mut_from_ref)]
     pub(crate) unsafe fn bytes_mut(&self) -> &mut [u8] {
-        &mut self.access.as_mut_slice()[self.offset as usize..(self.offset + self.len) as usize]
+        // SAFETY: the caller keeps the promise of `Access::as_mut_slice` for
+        // this part of the access (see # Safety).
+        let all = unsafe { self.access.as_mut_slice() };
+        &mut all[self.offset as usize..(self.offset + self.len) as usize]
     }
 }
 
@@ -379,8 +385,8 @@ async fn conn_reader(shared: Arc<PeerShared>, id: ConnId, mut r: OwnedReadHalf) 
             Header::ReadResp { op, len } => {
                 let target = shared.state.lock().unwrap().init.read_target(op);
                 let ok = match target {
-                    // SAFETY: the read's local range is written by this read only.
                     Some(local) if local.len() == len as u64 => {
+                        // SAFETY: the read's local range is written by this read only.
                         r.read_exact(unsafe { local.bytes_mut() }).await.is_ok()
                     }
                     Some(_) => false,

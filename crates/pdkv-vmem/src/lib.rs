@@ -255,14 +255,19 @@ fn reserve(len: usize) -> io::Result<*mut u8> {
 /// # Safety
 /// `[addr, addr+len)` must lie inside a reservation the caller owns.
 unsafe fn map_shared_fixed(addr: *mut u8, fd: RawFd, len: usize) -> io::Result<()> {
-    let p = libc::mmap(
-        addr as *mut libc::c_void,
-        len,
-        libc::PROT_READ | libc::PROT_WRITE,
-        libc::MAP_SHARED | libc::MAP_FIXED | libc::MAP_POPULATE,
-        fd,
-        0,
-    );
+    // SAFETY: MAP_FIXED replaces only `[addr, addr+len)`, which the caller
+    // guarantees lies inside a reservation it owns, so no mapping of anyone
+    // else is replaced; `fd` is only read by the kernel.
+    let p = unsafe {
+        libc::mmap(
+            addr as *mut libc::c_void,
+            len,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_SHARED | libc::MAP_FIXED | libc::MAP_POPULATE,
+            fd,
+            0,
+        )
+    };
     if p == libc::MAP_FAILED {
         return Err(io::Error::last_os_error());
     }
@@ -664,8 +669,9 @@ impl Region {
     /// A typed view of `count` elements at byte `offset`.
     ///
     /// # Safety
-    /// `offset` must be aligned for `T`, and no one may write the range while
-    /// the slice lives.
+    /// `offset` must be aligned for `T`, the bytes there must be valid values
+    /// of `T` (plain numbers are), and no one may write the range while the
+    /// slice lives.
     pub unsafe fn slice<T: Copy>(&self, offset: usize, count: usize) -> &[T] {
         let bytes = count * std::mem::size_of::<T>();
         assert!(
@@ -673,7 +679,11 @@ impl Region {
             "slice out of bounds"
         );
         assert_eq!(offset % std::mem::align_of::<T>(), 0, "misaligned slice");
-        std::slice::from_raw_parts(self.base.add(offset) as *const T, count)
+        // SAFETY: the range is inside the region (checked above) and aligned
+        // for `T` (checked above); that the bytes there are valid `T`s and
+        // that no one writes them while the slice lives is the caller's
+        // promise (see # Safety).
+        unsafe { std::slice::from_raw_parts(self.base.add(offset) as *const T, count) }
     }
 
     /// A mutable typed view of `count` elements at byte `offset`.
@@ -689,7 +699,9 @@ impl Region {
             "slice out of bounds"
         );
         assert_eq!(offset % std::mem::align_of::<T>(), 0, "misaligned slice");
-        std::slice::from_raw_parts_mut(self.base.add(offset) as *mut T, count)
+        // SAFETY: in bounds and aligned (checked above); the caller promises
+        // that no other view overlaps the range while this one lives.
+        unsafe { std::slice::from_raw_parts_mut(self.base.add(offset) as *mut T, count) }
     }
 }
 
