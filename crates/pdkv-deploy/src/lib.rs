@@ -21,6 +21,7 @@ mod child;
 mod error;
 mod modes;
 mod ports;
+pub mod prom;
 mod start;
 mod wiring;
 

@@ -11,8 +11,10 @@ pub mod deploy;
 pub mod http;
 pub mod models;
 pub mod proc;
-pub mod prom;
 pub mod sse;
+
+/// The one Prometheus text parser, the clients' (pdkv-deploy's).
+pub use pdkv_deploy::prom;
 
 use std::time::Duration;
 

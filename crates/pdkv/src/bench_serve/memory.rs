@@ -5,6 +5,8 @@
 
 use std::time::{Duration, Instant};
 
+use pdkv_deploy::prom::metric_sum;
+
 /// An engine whose `/metrics` are sampled.
 #[derive(Clone, Debug)]
 pub struct Engine {
@@ -24,29 +26,6 @@ pub struct EngineSample {
     pub waiting: Option<f64>,
 }
 
-/// The sum of every sample of metric `name` (any labels) in a Prometheus
-/// text exposition; `None` when it has none.
-pub fn metric_sum(text: &str, name: &str) -> Option<f64> {
-    let mut sum = None;
-    for line in text.lines().filter(|l| !l.starts_with('#')) {
-        let Some(rest) = line.strip_prefix(name) else {
-            continue;
-        };
-        let value = match rest.as_bytes().first() {
-            Some(b' ') => rest,
-            Some(b'{') => rest.rsplit_once('}').map_or("", |(_, v)| v),
-            _ => continue,
-        };
-        if let Some(v) = value
-            .split_whitespace()
-            .next()
-            .and_then(|v| v.parse::<f64>().ok())
-        {
-            *sum.get_or_insert(0.0) += v;
-        }
-    }
-    sum
-}
 
 impl EngineSample {
     pub fn parse(text: &str) -> EngineSample {

@@ -1,5 +1,8 @@
-//! Reading a Prometheus text exposition (`/metrics`), the one parser every
-//! test uses.
+//! Reading a Prometheus text exposition (`/metrics`): the one parser of
+//! the project's clients of its servers (the lifecycle matrix, the
+//! benchmarks, the tests).
+
+use std::collections::BTreeMap;
 
 /// The value of the first sample line `name value`, where `name` may carry
 /// its labels (`pdkv_kv_transfers_total{result="ok"}`); `None` when there is
@@ -37,6 +40,36 @@ pub fn metric_sum(text: &str, name: &str) -> Option<f64> {
         }
     }
     sum
+}
+
+/// The sums of the samples of the family `name` by the value of its label
+/// `label`, in the label's order (`rank` gives a value per rank).
+pub fn sums_by_label(text: &str, name: &str, label: &str) -> BTreeMap<String, f64> {
+    let mut by = BTreeMap::new();
+    let key = format!("{label}=\"");
+    for line in samples(text) {
+        let Some(rest) = line.strip_prefix(name).and_then(|r| r.strip_prefix('{')) else {
+            continue;
+        };
+        let Some((labels, v)) = rest.rsplit_once('}') else {
+            continue;
+        };
+        let Some(value) = labels
+            .split(',')
+            .find_map(|kv| kv.trim().strip_prefix(key.as_str()))
+            .and_then(|r| r.split('"').next())
+        else {
+            continue;
+        };
+        if let Some(v) = v
+            .split_whitespace()
+            .next()
+            .and_then(|v| v.parse::<f64>().ok())
+        {
+            *by.entry(value.to_string()).or_insert(0.0) += v;
+        }
+    }
+    by
 }
 
 /// The server is idle with every KV block free and none held for transfers.
@@ -82,6 +115,17 @@ mod tests {
         assert_eq!(metric_sum(TEXT, "pdkv_t"), Some(7.0));
         assert_eq!(metric_sum(TEXT, "pdkv_a"), Some(3.0));
         assert_eq!(metric_sum(TEXT, "pdkv_none"), None);
+    }
+
+    #[test]
+    fn a_family_sums_by_one_label() {
+        let text = "pdkv_x{rank=\"0\",dir=\"in\"} 2\npdkv_x{rank=\"1\"} 3\npdkv_x{rank=\"0\"} 4\npdkv_y{rank=\"0\"} 9\n";
+        let by = sums_by_label(text, "pdkv_x", "rank");
+        assert_eq!(
+            by.into_iter().collect::<Vec<_>>(),
+            vec![("0".to_string(), 6.0), ("1".to_string(), 3.0)]
+        );
+        assert!(sums_by_label(text, "pdkv_x", "role").is_empty());
     }
 
     #[test]
