@@ -927,6 +927,7 @@ mod tests {
         let r = reg_.register(&region, 0, 64 << 10).unwrap();
         let g = reg_.grant(&r, &[(0, 4096)]).unwrap();
         // Another thread holds an access through the grant until told to drop it.
+        // Each channel carries one message, once: unbounded, they hold at most one.
         let (take, taken) = std::sync::mpsc::channel();
         let (release, released) = std::sync::mpsc::channel::<()>();
         let dropped = Arc::new(std::sync::atomic::AtomicBool::new(false));

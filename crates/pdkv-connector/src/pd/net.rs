@@ -439,6 +439,13 @@ async fn serve_control(
     // the core's deadlines, and it is not closed for a newcomer.
     slot.prove();
     let conn = d.next_conn.fetch_add(1, Ordering::Relaxed);
+    // Unbounded because the core's I/O is carried out without awaiting (no
+    // room to wait for); bounded by the exchange: the core sends one final
+    // answer and, for a pull, one `PullProgress` when it is queued and one
+    // per `heartbeat_s` while it waits for P's KV. The exchange ends by
+    // `limit` below (then the receiver is dropped and `replies` forgets the
+    // sender), so it queues at most `limit / heartbeat + 2` small frames,
+    // and the control listener serves a bounded number of exchanges.
     let (tx, mut rx) = mpsc::unbounded_channel();
     d.replies.lock().unwrap().insert(conn, tx);
     shared.event(|c, now| c.on_control(now, conn, msg));

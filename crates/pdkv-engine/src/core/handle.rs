@@ -264,8 +264,12 @@ impl EngineHandle {
             live.insert(req.id.clone(), serial);
         }
         let seed = req.params.seed.unwrap_or_else(random_seed);
-        // Unbounded on purpose: a request sends at most max_tokens + 1
-        // messages (one per token, plus an abort), so max_tokens bounds it.
+        // Unbounded on purpose (the core must never wait on a slow client),
+        // and bounded by the request: its sink sends one output per sampled
+        // token (at most `max_tokens`, which admission holds under
+        // `max_model_len`; the last one carries the finish) plus at most one
+        // final output without a token (an abort or an error), and is
+        // dropped once the request ended. One such channel per live request.
         let (tx, rx) = unbounded_channel();
         let id = req.id.clone();
         let output = output_sink(shared.clone(), id.clone(), serial, tx);

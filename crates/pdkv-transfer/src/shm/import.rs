@@ -25,7 +25,9 @@ use super::{read_header, BadMap, ShmError, HANDSHAKE_TIMEOUT, WRITE_TIMEOUT};
 /// progress) and a later map gets a slot of its own. A batch holds the slot
 /// it checked, so it can never go on into a later mapping.
 type Slot = Arc<RwLock<Option<Imported>>>;
-type MapReply = mpsc::Sender<Result<(), ShmError>>;
+/// Carries one message: the reader answers a map once, taking its waiter
+/// out of `waiting` (so a channel of one never makes the reader wait).
+type MapReply = mpsc::SyncSender<Result<(), ShmError>>;
 
 /// A `map` call waiting for its reply, and the reply as it arrives.
 struct MapWaiter {
@@ -35,7 +37,9 @@ struct MapWaiter {
     assembly: Option<Assembly>,
 }
 
-type NotifyReply = mpsc::Sender<Result<(), RemoteError>>;
+/// Carries one message: the reader answers a notification once, taking its
+/// sender out of `notifying`.
+type NotifyReply = mpsc::SyncSender<Result<(), RemoteError>>;
 
 /// How an importer runs batches.
 #[derive(Clone, Debug)]
@@ -197,6 +201,10 @@ impl ShmImporter {
         std::thread::Builder::new()
             .name("pdkv-shm-import".into())
             .spawn(move || import_reader(r, stream))?;
+        // Unbounded, and bounded by `max_batches`: `start` queues a job only
+        // once `live_batches` counted it under that limit, and a job leaves
+        // the queue before its batch stops counting. (`start` must not block,
+        // so it never waits for room.)
         let (tx, rx) = mpsc::channel::<Job>();
         let rx = Arc::new(Mutex::new(rx));
         for _ in 0..workers {
@@ -352,7 +360,7 @@ impl ShmImporter {
     /// [`ShmError::BadMap`], leaving nothing mapped.
     pub fn map(&self, reg: &Registration, timeout: Duration) -> Result<(), ShmError> {
         let op = self.inner.next_op.fetch_add(1, Ordering::Relaxed);
-        let (tx, rx) = mpsc::channel();
+        let (tx, rx) = mpsc::sync_channel(1);
         self.inner.waiting.lock().unwrap().insert(
             op,
             MapWaiter {
@@ -771,7 +779,7 @@ fn send_notification(
     // Order every store of the batch before the notification leaves.
     std::sync::atomic::fence(Ordering::SeqCst);
     let op = inner.next_op.fetch_add(1, Ordering::Relaxed);
-    let (tx, rx) = mpsc::channel();
+    let (tx, rx) = mpsc::sync_channel(1);
     inner.notifying.lock().unwrap().insert(op, tx);
     let mut bytes = Header::Notify {
         op,
