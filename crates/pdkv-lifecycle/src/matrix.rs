@@ -108,7 +108,10 @@ async fn baseline(c: &Cluster, o: &Options) -> Result<Baseline, LifecycleError> 
         .into_iter()
         .enumerate()
     {
-        texts.push(r.map_err(|reason| LifecycleError::BaselineProbe { index, reason })?);
+        texts.push(r.map_err(|e| LifecycleError::BaselineProbe {
+            index,
+            reason: e.to_string(),
+        })?);
     }
     for role in [Role::P, Role::D] {
         if let Some(slow) = c.wait_quiescent(role).await? {

@@ -1,11 +1,27 @@
 //! The probe set: greedy prompts through the proxy whose texts must equal
 //! the baseline's after every case.
 
-use serde_json::json;
+use serde_json::{json, Value};
 
 use crate::bounds::PROBE_BATCH;
 use crate::cluster::Cluster;
 use crate::complete::complete;
+
+/// Why a probe gave no text.
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum ProbeFailure {
+    #[error("probe task: {0}")]
+    Task(tokio::task::JoinError),
+    /// It ended with another finish reason than `length` or `stop`.
+    #[error("finished with {0:?}")]
+    Finish(Option<String>),
+    #[error("status {status} {broken:?} {error:?}")]
+    Answer {
+        status: u16,
+        broken: Option<String>,
+        error: Option<Value>,
+    },
+}
 
 /// Runs the probe set through the proxy, 8 at a time, odd ones streamed;
 /// the texts in order, or why a probe gave none.
@@ -13,9 +29,9 @@ pub(crate) async fn run_probes(
     c: &Cluster,
     prompts: &[String],
     tokens: u32,
-) -> Vec<Result<String, String>> {
+) -> Vec<Result<String, ProbeFailure>> {
     let url = format!("{}/v1/completions", c.proxy);
-    let mut out: Vec<Result<String, String>> = Vec::with_capacity(prompts.len());
+    let mut out = Vec::with_capacity(prompts.len());
     for batch in prompts.chunks(PROBE_BATCH).enumerate() {
         let (b, chunk) = batch;
         let mut tasks = Vec::new();
@@ -29,14 +45,18 @@ pub(crate) async fn run_probes(
         }
         for t in tasks {
             let r = match t.await {
-                Err(e) => Err(format!("probe task: {e}")),
+                Err(e) => Err(ProbeFailure::Task(e)),
                 Ok(r) if r.status == 200 && r.broken.is_none() && r.error.is_none() => {
                     match r.finish.as_deref() {
                         Some("length" | "stop") => Ok(r.text),
-                        other => Err(format!("finished with {other:?}")),
+                        _ => Err(ProbeFailure::Finish(r.finish)),
                     }
                 }
-                Ok(r) => Err(format!("status {} {:?} {:?}", r.status, r.broken, r.error)),
+                Ok(r) => Err(ProbeFailure::Answer {
+                    status: r.status,
+                    broken: r.broken,
+                    error: r.error,
+                }),
             };
             out.push(r);
         }
