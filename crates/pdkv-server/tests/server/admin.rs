@@ -4,8 +4,6 @@
 //! KV-cache release, prefix-cache reset, aborts by request id, in-place
 //! weight reloads, and the lifecycle metrics.
 
-mod common;
-
 use std::path::Path;
 
 use pdkv_engine::EngineConfig;
@@ -13,18 +11,18 @@ use pdkv_testkit::sse;
 use reqwest::{Method, StatusCode};
 use serde_json::{json, Value};
 
-use common::{checkpoint, Server, DEADLINE};
+use crate::common::{checkpoint, Server, DEADLINE};
 use pdkv_testkit::{http::assert_openai_error, prom::must};
 
 const TOKEN: &str = "test-admin-token";
 
 impl Server {
     /// The tiny preset, seed 7, admin API on.
-    async fn start() -> Server {
-        Server::start_with("tiny", 7, Some(TOKEN), EngineConfig::default()).await
+    async fn start_admin() -> Server {
+        Server::start_admin_with("tiny", 7, Some(TOKEN), EngineConfig::default()).await
     }
 
-    async fn start_with(
+    async fn start_admin_with(
         preset: &str,
         seed: u64,
         token: Option<&str>,
@@ -79,10 +77,6 @@ impl Server {
         self.admin_ok(Method::GET, "/is_paused", None).await["is_paused"]
             .as_bool()
             .expect("is_paused bool")
-    }
-
-    async fn post(&self, path: &str, body: &Value) -> (StatusCode, Value) {
-        self.send(Method::POST, path, None, Some(body)).await
     }
 
     /// The greedy completion of `prompt` (must succeed).
@@ -216,7 +210,7 @@ fn admin_routes(ckpt: &Path) -> Vec<(Method, &'static str, Option<Value>)> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn admin_routes_do_not_exist_without_a_token() {
-    let s = Server::start_with("tiny", 7, None, EngineConfig::default()).await;
+    let s = Server::start_admin_with("tiny", 7, None, EngineConfig::default()).await;
     for (method, path, body) in admin_routes(s.checkpoint_path()) {
         // Even with a token, the routes are absent.
         let (status, v) = s
@@ -241,7 +235,7 @@ async fn admin_routes_do_not_exist_without_a_token() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn admin_routes_need_the_token() {
-    let s = Server::start().await;
+    let s = Server::start_admin().await;
     let before = s.probe().await;
     let wrong = [
         None,
@@ -284,7 +278,7 @@ async fn admin_routes_need_the_token() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn malformed_parameters_are_400_naming_the_parameter() {
-    let s = Server::start().await;
+    let s = Server::start_admin().await;
     let cases: Vec<(Method, &str, Option<Value>, Option<&str>)> = vec![
         (Method::POST, "/sleep?level=3", None, Some("level")),
         (Method::POST, "/sleep?level=one", None, Some("level")),
@@ -382,7 +376,7 @@ async fn malformed_parameters_are_400_naming_the_parameter() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sleep_level_1_then_wake_restores_outputs_and_frees_memory() {
-    let s = Server::start().await;
+    let s = Server::start_admin().await;
     let before = s.probe().await;
     let awake = s.wait_all_blocks_free().await;
     let awake_bytes = device_bytes(&awake);
@@ -495,7 +489,7 @@ async fn sleep_level_1_then_wake_restores_outputs_and_frees_memory() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn selective_wake_in_both_orders() {
-    let s = Server::start().await;
+    let s = Server::start_admin().await;
     let before = s.probe().await;
     for order in [["weights", "kv_cache"], ["kv_cache", "weights"]] {
         s.admin_ok(Method::POST, "/sleep?level=1", None).await;
@@ -531,7 +525,7 @@ async fn selective_wake_in_both_orders() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn release_kv_cache_memory_needs_a_pause() {
-    let s = Server::start().await;
+    let s = Server::start_admin().await;
     let before = s.probe().await;
     let (status, v) = s
         .admin(Method::POST, "/release_kv_cache_memory", None)
@@ -565,7 +559,7 @@ async fn release_kv_cache_memory_needs_a_pause() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn pause_keep_holds_requests_until_resume() {
-    let s = Server::start_with("small", 7, Some(TOKEN), EngineConfig::default()).await;
+    let s = Server::start_admin_with("small", 7, Some(TOKEN), EngineConfig::default()).await;
     let before = s.greedy("held back").await;
     // A request running when the pause starts is frozen, not aborted.
     let mut running = s.open_stream(json!({"max_tokens": 64}), None).await;
@@ -626,7 +620,7 @@ async fn pause_keep_holds_requests_until_resume() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn pause_abort_ends_concurrent_streams_and_frees_blocks() {
-    let s = Server::start_with("small", 7, Some(TOKEN), EngineConfig::default()).await;
+    let s = Server::start_admin_with("small", 7, Some(TOKEN), EngineConfig::default()).await;
     let mut streams = Vec::new();
     for i in 0..8 {
         streams.push(
@@ -663,7 +657,7 @@ async fn pause_abort_ends_concurrent_streams_and_frees_blocks() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn pause_wait_lets_running_requests_finish() {
-    let s = Server::start().await;
+    let s = Server::start_admin().await;
     let mut running = s.open_stream(json!({"max_tokens": 32}), None).await;
     running.next_json().await;
     s.admin_ok(Method::POST, "/pause?mode=wait&timeout=30", None)
@@ -679,7 +673,7 @@ async fn pause_wait_lets_running_requests_finish() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn update_weights_matches_a_fresh_server_and_refuses_incompatible_ones() {
-    let s = Server::start().await;
+    let s = Server::start_admin().await;
     let info = s.admin_ok(Method::GET, "/weight_info", None).await;
     assert!(info["version"].is_null(), "{info}");
     assert_eq!(info["path"], s.checkpoint_path().to_str().unwrap());
@@ -722,7 +716,7 @@ async fn update_weights_matches_a_fresh_server_and_refuses_incompatible_ones() {
         "seed 2 weights should change the sampled outputs"
     );
 
-    let fresh = Server::start_with("tiny", 2, Some(TOKEN), EngineConfig::default()).await;
+    let fresh = Server::start_admin_with("tiny", 2, Some(TOKEN), EngineConfig::default()).await;
     assert_eq!(reloaded, fresh.probe().await);
     fresh.stop().await;
     s.wait_all_blocks_free().await;
@@ -731,7 +725,7 @@ async fn update_weights_matches_a_fresh_server_and_refuses_incompatible_ones() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sleep_level_2_then_reload_serves_the_new_weights() {
-    let s = Server::start().await;
+    let s = Server::start_admin().await;
     let before = s.probe().await;
     s.admin_ok(Method::POST, "/sleep?level=2", None).await;
     let asleep = s.metrics().await;
@@ -794,7 +788,7 @@ async fn sleep_level_2_then_reload_serves_the_new_weights() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn abort_requests_by_id_and_request_ids() {
-    let s = Server::start_with("small", 7, Some(TOKEN), EngineConfig::default()).await;
+    let s = Server::start_admin_with("small", 7, Some(TOKEN), EngineConfig::default()).await;
     // The id chosen with X-Request-Id is the response's id and header.
     let mut a = s.open_stream(json!({}), Some("client-chosen-1")).await;
     assert_eq!(a.header_id.as_deref(), Some("client-chosen-1"));
@@ -887,7 +881,7 @@ async fn abort_requests_by_id_and_request_ids() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn reset_prefix_cache_reports_success() {
-    let s = Server::start().await;
+    let s = Server::start_admin().await;
     let prompt =
         "a prompt long enough to fill more than one block of sixteen tokens, twice over for sure";
     s.greedy(prompt).await;
@@ -970,13 +964,13 @@ fn rank_bytes(m: &str, rank: usize) -> f64 {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_model_split_over_ranks_serves_sleeps_wakes_and_reloads_as_one() {
     const RANKS: usize = 3;
-    let whole = Server::start_with("small", 7, Some(TOKEN), EngineConfig::default()).await;
+    let whole = Server::start_admin_with("small", 7, Some(TOKEN), EngineConfig::default()).await;
     let tp = EngineConfig {
         tensor_parallel_size: RANKS,
         ..EngineConfig::default()
     };
     // 4 KV heads over 3 ranks: 2 + 1 + 1.
-    let s = Server::start_with("small", 7, Some(TOKEN), tp.clone()).await;
+    let s = Server::start_admin_with("small", 7, Some(TOKEN), tp.clone()).await;
     let before = s.probe().await;
     assert_eq!(
         before,
@@ -1046,7 +1040,7 @@ async fn a_model_split_over_ranks_serves_sleeps_wakes_and_reloads_as_one() {
     )
     .await;
     s.admin_ok(Method::POST, "/resume", None).await;
-    let fresh = Server::start_with("small", 2, Some(TOKEN), EngineConfig::default()).await;
+    let fresh = Server::start_admin_with("small", 2, Some(TOKEN), EngineConfig::default()).await;
     let reloaded = s.probe().await;
     assert_ne!(reloaded, before);
     assert_eq!(reloaded, fresh.probe().await);
@@ -1111,7 +1105,7 @@ async fn publisher(seed: u64, version: &str) -> (tempfile::TempDir, pdkv_sync::P
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_weight_sync_matches_a_fresh_server_and_a_bad_one_changes_nothing() {
-    let s = Server::start().await;
+    let s = Server::start_admin().await;
     let seed7 = s.probe().await;
 
     // Another backend is refused, naming ours; a phase out of order is a 409.
@@ -1226,7 +1220,7 @@ async fn a_weight_sync_matches_a_fresh_server_and_a_bad_one_changes_nothing() {
     assert_eq!(info["version"], "v2", "{info}");
     let synced = s.probe().await;
     assert_ne!(synced, seed7);
-    let fresh = Server::start_with("tiny", 2, Some(TOKEN), EngineConfig::default()).await;
+    let fresh = Server::start_admin_with("tiny", 2, Some(TOKEN), EngineConfig::default()).await;
     assert_eq!(
         synced,
         fresh.probe().await,
@@ -1298,7 +1292,7 @@ async fn a_weight_sync_matches_a_fresh_server_and_a_bad_one_changes_nothing() {
         third.manifest().bytes(),
         "each byte read once"
     );
-    let fresh = Server::start_with("tiny", 3, Some(TOKEN), EngineConfig::default()).await;
+    let fresh = Server::start_admin_with("tiny", 3, Some(TOKEN), EngineConfig::default()).await;
     assert_eq!(
         s.probe().await,
         fresh.probe().await,
@@ -1318,7 +1312,7 @@ async fn a_weight_sync_into_a_split_model_matches_a_fresh_whole_server() {
         tensor_parallel_size: 2,
         ..EngineConfig::default()
     };
-    let s = Server::start_with("tiny", 7, Some(TOKEN), tp2).await;
+    let s = Server::start_admin_with("tiny", 7, Some(TOKEN), tp2).await;
     let seed7 = s.probe().await;
     let (_d2, good) = publisher(2, "v2").await;
     s.begin_sync(&good.url()).await;
@@ -1336,7 +1330,7 @@ async fn a_weight_sync_into_a_split_model_matches_a_fresh_whole_server() {
     );
     let synced = s.probe().await;
     assert_ne!(synced, seed7);
-    let fresh = Server::start_with("tiny", 2, Some(TOKEN), EngineConfig::default()).await;
+    let fresh = Server::start_admin_with("tiny", 2, Some(TOKEN), EngineConfig::default()).await;
     assert_eq!(synced, fresh.probe().await);
     fresh.stop().await;
     s.wait_all_blocks_free().await;

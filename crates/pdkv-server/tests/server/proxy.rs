@@ -4,12 +4,10 @@
 //! prefill failures, dead backends and client disconnects are produced with
 //! real servers (admin pause/abort, a shut-down server, a short context).
 
-mod common;
-
 use std::net::SocketAddr;
 use std::time::Duration;
 
-use common::{Server, DEADLINE};
+use crate::common::{Server, DEADLINE};
 use pdkv_engine::{EngineConfig, PauseMode, SleepLevel};
 use pdkv_server::proxy::{Proxy, ProxyConfig, Role};
 use pdkv_testkit::{http, sse};
@@ -780,7 +778,7 @@ struct ConnServer {
 
 impl ConnServer {
     async fn spawn(connector_json: &str, engine_id: &str, config: EngineConfig) -> ConnServer {
-        let dir = common::checkpoint("tiny", 7);
+        let dir = crate::common::checkpoint("tiny", 7);
         let pool = pdkv_vmem::Pool::default();
         let model = pdkv_model::load_model(dir.path(), &pool, &mut |_| {}).expect("load model");
         // The connector starts its own runtime: build it off this one.
@@ -797,7 +795,7 @@ impl ConnServer {
             .expect("bind");
         let addr: SocketAddr = listener.local_addr().expect("addr");
         let (stop, stopped) = oneshot::channel::<()>();
-        let state = pdkv_server::AppState::new(engine.clone(), common::SERVED);
+        let state = pdkv_server::AppState::new(engine.clone(), crate::common::SERVED);
         let task = tokio::spawn(pdkv_server::serve(listener, state, async move {
             let _ = stopped.await;
         }));

@@ -5,8 +5,6 @@
 //! every connection carries a request do new clients wait (not fail)
 //! until a slot frees.
 
-mod common;
-
 use std::time::{Duration, Instant};
 
 use pdkv_engine::EngineConfig;
@@ -15,7 +13,7 @@ use serde_json::json;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
-use common::{Server, DEADLINE};
+use crate::common::{Server, DEADLINE};
 
 /// Waits (bounded) until the server closes `s`: a read returns 0 bytes (or
 /// the connection is reset).

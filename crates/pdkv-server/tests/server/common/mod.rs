@@ -93,6 +93,15 @@ impl Server {
         format!("{}{}", self.base, path)
     }
 
+    /// Posts `body` as JSON to `path`: the status and the JSON answer.
+    pub async fn post(
+        &self,
+        path: &str,
+        body: &serde_json::Value,
+    ) -> (reqwest::StatusCode, serde_json::Value) {
+        http::post_json(&self.client, &self.url(path), body).await
+    }
+
     pub async fn metrics(&self) -> String {
         http::metrics(&self.client, &self.base).await
     }

@@ -2,9 +2,7 @@
 //! and a running engine: request and response shapes, streaming, errors,
 //! client disconnects and metrics.
 
-mod common;
-
-use common::{Server, DEADLINE, SERVED};
+use crate::common::{Server, DEADLINE, SERVED};
 use futures::StreamExt;
 use pdkv_engine::{Engine, EngineConfig};
 use pdkv_model::Arch;
@@ -28,10 +26,6 @@ impl Server {
     /// A server for a random checkpoint of `preset` (seed 7), admin API off.
     async fn start_model(preset: &str, config: EngineConfig) -> Server {
         Server::spawn(preset, 7, None, config).await
-    }
-
-    async fn post(&self, path: &str, body: &Value) -> (StatusCode, Value) {
-        http::post_json(&self.client, &self.url(path), body).await
     }
 
     async fn post_raw(&self, path: &str, body: Vec<u8>) -> (StatusCode, Value) {
