@@ -256,3 +256,176 @@ fn check_probes(ctx: &mut Ctx, v: &View) {
         ctx.violation(what);
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use pdkv_engine::{EngineRequest, RequestOutput, SamplingParams};
+
+    use super::*;
+    use crate::operator::Operators;
+    use crate::Options;
+
+    struct Rooms {
+        ctx: Ctx,
+        cluster: Cluster,
+        net: Net,
+        kv: Transfers,
+        proxy: Proxy,
+        ops: Operators,
+        workload: Workload,
+    }
+
+    impl Rooms {
+        /// Seed 0 of every variant, engines of one rank each unless `tp`.
+        fn new(tp: usize) -> Rooms {
+            let mut opts = Options::for_seed(0);
+            (opts.p_tp, opts.d_tp) = (tp, tp);
+            let mut ctx = Ctx::new(opts);
+            let workload = Workload::new(&mut ctx);
+            let cluster = Cluster::new(&mut ctx).expect("built");
+            Rooms {
+                ctx,
+                ops: Operators::new(cluster.len()),
+                cluster,
+                net: Net::new(false),
+                kv: Transfers::default(),
+                proxy: Proxy::default(),
+                workload,
+            }
+        }
+
+        fn view(&self) -> View<'_> {
+            View {
+                cluster: &self.cluster,
+                net: &self.net,
+                kv: &self.kv,
+                proxy: &self.proxy,
+                ops: &self.ops,
+                workload: &self.workload,
+            }
+        }
+
+        /// Sends the decode engine a request of its own (no transfer) and
+        /// runs one step: its prompt is computed, its first token sampled.
+        /// Returns the tokens the engine produced.
+        fn start_request(&mut self, id: &str, prompt: &[u32]) -> Vec<u32> {
+            let n = self.cluster.node_mut(1).expect("up");
+            n.oracle.lock().unwrap().start(id, prompt);
+            let out = n.outputs.clone();
+            let req = EngineRequest {
+                id: id.into(),
+                prompt_tokens: prompt.to_vec(),
+                params: SamplingParams {
+                    temperature: 0.0,
+                    max_tokens: 8,
+                    ignore_eos: true,
+                    ..SamplingParams::default()
+                },
+                kv_transfer_params: None,
+            };
+            let sink = Box::new(move |o: RequestOutput| {
+                out.lock().unwrap().push((o.request_id.clone(), o));
+                true
+            });
+            n.core.add(req, 7, sink).expect("accepted");
+            self.step()
+        }
+
+        /// One step of the decode engine; the tokens it produced.
+        fn step(&mut self) -> Vec<u32> {
+            let n = self.cluster.node_mut(1).expect("up");
+            n.core.tick();
+            let outs = std::mem::take(&mut *n.outputs.lock().unwrap());
+            outs.into_iter().flat_map(|(_, o)| o.token_ids).collect()
+        }
+    }
+
+    fn prompt() -> Vec<u32> {
+        (1..=40).collect()
+    }
+
+    #[test]
+    fn a_fresh_cluster_holds_every_check_and_is_quiescent() {
+        let mut r = Rooms::new(2);
+        for ix in 0..2 {
+            check_node(&mut r.ctx, &r.cluster, ix);
+        }
+        assert_eq!(r.ctx.report.violations, Vec::<String>::new());
+        assert!(quiescent(&r.view()));
+    }
+
+    #[test]
+    fn kv_of_other_tokens_is_flagged_as_stale() {
+        let mut r = Rooms::new(1);
+        let first = r.start_request("a", &prompt());
+        assert_eq!(first.len(), 1);
+        // The simulator's record says the request's first token was another:
+        // the KV the engine computed is now foreign to it.
+        let mut other = prompt();
+        other[0] = 99;
+        other.extend(&first);
+        let n = r.cluster.node(1).expect("up");
+        n.oracle.lock().unwrap().start("a", &other);
+        r.step();
+        check_node(&mut r.ctx, &r.cluster, 1);
+        let v = &r.ctx.report.violations;
+        assert!(
+            v.iter()
+                .any(|v| v.contains("stale or foreign KV at position 0")),
+            "{v:?}"
+        );
+    }
+
+    #[test]
+    fn kv_of_the_requests_own_tokens_passes() {
+        let mut r = Rooms::new(1);
+        let mut tokens = prompt();
+        tokens.extend(r.start_request("a", &prompt()));
+        let n = r.cluster.node(1).expect("up");
+        n.oracle.lock().unwrap().start("a", &tokens);
+        assert_eq!(r.step().len(), 1);
+        check_node(&mut r.ctx, &r.cluster, 1);
+        assert_eq!(r.ctx.report.violations, Vec::<String>::new());
+    }
+
+    #[test]
+    fn blocks_still_in_use_at_the_end_are_flagged() {
+        let mut r = Rooms::new(1);
+        r.start_request("a", &prompt());
+        assert!(!quiescent(&r.view()));
+        let view = View {
+            cluster: &r.cluster,
+            net: &r.net,
+            kv: &r.kv,
+            proxy: &r.proxy,
+            ops: &r.ops,
+            workload: &r.workload,
+        };
+        final_checks(&mut r.ctx, &view);
+        let v = &r.ctx.report.violations;
+        assert!(
+            v[0].starts_with("liveness: node 1 not quiescent at the end"),
+            "{v:?}"
+        );
+        assert!(v.iter().any(|v| v.contains("no probe was sent")), "{v:?}");
+    }
+
+    #[test]
+    fn a_rank_deregistered_behind_the_connectors_back_is_flagged() {
+        let mut r = Rooms::new(2);
+        let n = r.cluster.node(0).expect("up");
+        let regs = n
+            .conn
+            .inspect(|c| c.kv().map(|k| k.regs()))
+            .expect("a KV cache");
+        assert_eq!(regs.len(), 2);
+        n.registry.deregister(regs[1].segment);
+        check_node(&mut r.ctx, &r.cluster, 0);
+        let v = &r.ctx.report.violations;
+        assert_eq!(v.len(), 1, "{v:?}");
+        assert!(
+            v[0].contains("p0: the connector serves its KV cache, but not every rank is registered as it names: rank 1"),
+            "{v:?}"
+        );
+    }
+}

@@ -439,3 +439,119 @@ fn is_injected(e: &str) -> bool {
 fn short(e: &str) -> String {
     e.chars().take(60).collect()
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::Options;
+
+    fn rooms(seed: u64) -> (Ctx, Cluster, Operators) {
+        let mut ctx = Ctx::new(Options::for_seed(seed));
+        let cluster = Cluster::new(&mut ctx).expect("built");
+        while ctx.pop().is_some() {}
+        let ops = Operators::new(cluster.len());
+        (ctx, cluster, ops)
+    }
+
+    fn scripts(seed: u64) -> (Vec<Vec<Step>>, u64) {
+        let (mut ctx, cluster, mut ops) = rooms(seed);
+        let s = (0..200)
+            .map(|i| ops.pick_script(&mut ctx, &cluster, i % 2))
+            .collect();
+        (s, ops.cluster_weights)
+    }
+
+    #[test]
+    fn scripts_are_the_seeds_and_end_serving() {
+        let (s, weights) = scripts(4);
+        assert_eq!((s.clone(), weights), scripts(4));
+        assert_ne!(s, scripts(5).0);
+        for script in &s {
+            let last = script.last().expect("a step");
+            assert!(
+                matches!(last, Step::Resume | Step::ResetPrefix(_) | Step::AbortSome),
+                "{script:?}"
+            );
+        }
+        // Weight updates move the deployment's version, one at a time for
+        // engines that serve it.
+        let updates = s
+            .iter()
+            .filter(|s| s.get(1) == Some(&Step::Reload(2)))
+            .count();
+        assert!(
+            updates > 0 && weights == 2,
+            "{updates} updates, weights {weights}"
+        );
+    }
+
+    #[test]
+    fn an_operator_first_serves_a_while() {
+        let (mut ctx, mut cluster, mut ops) = rooms(4);
+        let proxy = Proxy::default();
+        assert_eq!(ops.operate(&mut ctx, &mut cluster, &proxy, false, 0), None);
+        assert_eq!(ctx.report.operations, 1);
+        let t = ctx.pop().expect("the next step");
+        assert_eq!(format!("{:?}", t.ev), "Operator(0)");
+        let (lo, hi) = ctx.opts.op_idle_ms;
+        let idle = (t.at - ctx.t0).as_millis() as u64;
+        assert!((lo..=hi).contains(&idle), "{idle} ms");
+        assert!(!ops.idle());
+    }
+
+    #[test]
+    fn an_answered_call_goes_on_and_an_unanswered_one_is_a_violation() {
+        let (mut ctx, mut cluster, mut ops) = rooms(4);
+        let proxy = Proxy::default();
+        ops.ops[1].script = [Step::Resume].into();
+        assert_eq!(
+            ops.operate(&mut ctx, &mut cluster, &proxy, false, 1),
+            Some(1)
+        );
+        cluster.node_mut(1).unwrap().core.tick();
+        ops.answer(&mut ctx, &mut cluster, 1);
+        assert_eq!((ctx.report.operations, ctx.report.operations_ok), (1, 1));
+        assert!(ops.idle());
+        assert_eq!(format!("{:?}", ctx.pop().expect("next").ev), "Operator(1)");
+
+        ops.ops[0].waiting = Some((Step::ReleaseKv, ctx.now()));
+        ctx.clock.set(ctx.t0 + Duration::from_secs(61));
+        ops.answer(&mut ctx, &mut cluster, 0);
+        let v = &ctx.report.violations;
+        assert!(
+            v.len() == 1 && v[0].ends_with("node 0: ReleaseKv unanswered for 60 s"),
+            "{v:?}"
+        );
+    }
+
+    #[test]
+    fn a_heal_brings_an_engine_to_the_clusters_weights() {
+        let (mut ctx, cluster, mut ops) = rooms(4);
+        ops.cluster_weights = 3;
+        ops.ops[0].script = [Step::AbortSome].into();
+        ops.ops[0].retrying = Some(2);
+        ops.heal(&mut ctx, &cluster, 0);
+        let want = [
+            Step::Wake(None),
+            Step::Resume,
+            Step::Pause(PauseMode::Keep, false),
+            Step::Reload(3),
+            Step::Resume,
+        ];
+        assert_eq!(ops.ops[0].script, want);
+        assert_eq!(ops.ops[0].retrying, None);
+        ops.cluster_weights = 1;
+        ops.heal(&mut ctx, &cluster, 1);
+        assert_eq!(ops.ops[1].script, [Step::Wake(None), Step::Resume]);
+    }
+
+    #[test]
+    fn injected_faults_are_told_by_their_errors() {
+        assert!(is_injected("rank 1: registering failed: injected fault"));
+        assert!(is_injected(
+            "a shared-memory peer did not acknowledge unmapping segment 4 (injected)"
+        ));
+        assert!(!is_injected("timed out: KV transfers still held blocks"));
+        assert_eq!(short(&"x".repeat(100)).len(), 60);
+    }
+}

@@ -479,3 +479,166 @@ fn refused(w: &mut Through, client: u64, side: Side, e: &AddRequestError) {
         w.ctx.at(d, Ev::Proxy { client, event: e });
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::Options;
+
+    struct Rooms {
+        ctx: Ctx,
+        net: Net,
+        cluster: Cluster,
+        proxy: Proxy,
+    }
+
+    impl Rooms {
+        fn new() -> Rooms {
+            let mut opts = Options::for_seed(0);
+            opts.read_mode = false;
+            let mut ctx = Ctx::new(opts);
+            let cluster = Cluster::new(&mut ctx).expect("built");
+            while ctx.pop().is_some() {}
+            Rooms {
+                ctx,
+                net: Net::new(false),
+                cluster,
+                proxy: Proxy::default(),
+            }
+        }
+
+        /// The proxy, and the rooms it acts through.
+        fn split(&mut self) -> (&mut Proxy, Through<'_>) {
+            let w = Through {
+                ctx: &mut self.ctx,
+                net: &mut self.net,
+                cluster: &mut self.cluster,
+            };
+            (&mut self.proxy, w)
+        }
+
+        /// The events scheduled since the last look, in order.
+        fn events(&mut self) -> Vec<Ev> {
+            std::iter::from_fn(|| self.ctx.pop())
+                .map(|t| t.ev)
+                .collect()
+        }
+
+        /// A client whose prefill call has reached P (in write mode the
+        /// plan calls D at once too); returns (client, P's call).
+        fn client_at_p(&mut self) -> (u64, u64) {
+            let (proxy, mut w) = self.split();
+            let client = proxy.new_client(&mut w, (1..=20).collect(), 2);
+            let evs = self.events();
+            let c = &self.proxy.clients[&client];
+            let (p, d) = (c.p_call.expect("sent to P"), c.d_call.expect("sent to D"));
+            let mut calls: Vec<u64> = evs
+                .iter()
+                .map(|e| match e {
+                    Ev::Call { call } => *call,
+                    e => panic!("only calls: {e:?}"),
+                })
+                .collect();
+            calls.sort();
+            assert_eq!(calls, [p, d]);
+            let (proxy, mut w) = self.split();
+            assert_eq!(proxy.call_arrives(&mut w, p), Some(0));
+            (client, p)
+        }
+    }
+
+    fn last_output(id: &str, tokens: Vec<u32>) -> RequestOutput {
+        RequestOutput {
+            request_id: id.into(),
+            token_ids: tokens,
+            text: String::new(),
+            finish_reason: Some(FinishReason::Length),
+            num_prompt_tokens: 20,
+            num_cached_tokens: 0,
+            logits: Vec::new(),
+            logprobs: Vec::new(),
+            prompt_logprobs: None,
+            kv_transfer_params: None,
+            error: None,
+            timed_out: false,
+        }
+    }
+
+    #[test]
+    fn a_client_request_starts_with_its_prefill_at_p() {
+        let mut r = Rooms::new();
+        let (client, call) = r.client_at_p();
+        let ids = r.proxy.live_calls(0, 0, 3);
+        assert_eq!(ids, [format!("c{client}-p-{call}")]);
+        assert!(r.proxy.live_calls(1, 0, 3).is_empty());
+        assert_eq!(r.proxy.open_clients(), [client]);
+        assert!(!r.proxy.all_ended());
+        assert_eq!(r.ctx.report.clients, 1);
+    }
+
+    #[test]
+    fn a_request_that_ends_twice_is_a_violation() {
+        let mut r = Rooms::new();
+        let (client, call) = r.client_at_p();
+        let id = format!("c{client}-p-{call}");
+        let (proxy, mut w) = r.split();
+        proxy.output(&mut w, 0, &id, last_output(&id, vec![5]));
+        assert!(r.ctx.report.violations.is_empty());
+        // P's answer goes to the plan.
+        let evs = r.events();
+        assert!(
+            matches!(evs[..], [Ev::Proxy { client: c, event: Event::Prefill(PrefillAnswer::Done { .. }) }] if c == client),
+            "{evs:?}"
+        );
+        assert!(r.proxy.live_calls(0, 0, 3).is_empty());
+        let (proxy, mut w) = r.split();
+        proxy.output(&mut w, 0, &id, last_output(&id, vec![6]));
+        let v = &r.ctx.report.violations;
+        assert_eq!(v.len(), 1);
+        assert!(
+            v[0].ends_with(&format!(
+                "request {id} on node 0 produced output after its last one"
+            )),
+            "{v:?}"
+        );
+    }
+
+    #[test]
+    fn a_client_counted_twice_is_a_violation_and_a_server_error_a_loss() {
+        let mut r = Rooms::new();
+        let (client, _) = r.client_at_p();
+        r.proxy.clients.get_mut(&client).unwrap().status = Some(500);
+        r.proxy.count(&mut r.ctx, client, Outcome::PrefillError);
+        assert_eq!((r.ctx.report.lost, r.ctx.report.losses.len()), (1, 1));
+        assert!(r.proxy.all_ended() && r.ctx.report.violations.is_empty());
+        r.proxy.count(&mut r.ctx, client, Outcome::Ok);
+        let v = &r.ctx.report.violations;
+        assert!(v.len() == 1 && v[0].ends_with(&format!("client {client} counted twice")));
+        assert_eq!(r.ctx.report.outcomes.values().sum::<u64>(), 1);
+    }
+
+    #[test]
+    fn calls_to_a_crashed_engine_fail() {
+        let mut r = Rooms::new();
+        let (client, _) = r.client_at_p();
+        assert_eq!(r.proxy.crashed(0), [(client, Side::P)]);
+        assert!(r.proxy.crashed(0).is_empty());
+        r.cluster.crash(0);
+        let (proxy, mut w) = r.split();
+        let again = proxy.new_call(&mut w, client, Side::P, 1, None);
+        r.events();
+        let (proxy, mut w) = r.split();
+        assert_eq!(proxy.call_arrives(&mut w, again), None);
+        let evs = r.events();
+        assert!(
+            matches!(
+                evs[..],
+                [Ev::Proxy {
+                    event: Event::PrefillFailed(_),
+                    ..
+                }]
+            ),
+            "{evs:?}"
+        );
+    }
+}

@@ -105,11 +105,11 @@ mod tests {
         (0..n).map(|_| w.draw_request(&mut ctx)).collect()
     }
 
-    /// Arrivals of a seed's run: (time in ms, event), the clients' calls
-    /// included, until `until_ms`.
+    /// Arrivals of a seed's run in write mode: (time in ms, event), the
+    /// clients' calls included, until `until_ms`.
     fn arrivals(seed: u64, clients: u64, until_ms: u64) -> (u64, Vec<(u128, String)>) {
         let mut opts = Options::for_seed(seed);
-        opts.clients = clients;
+        (opts.clients, opts.read_mode) = (clients, false);
         let mut ctx = Ctx::new(opts);
         let mut wl = Workload::new(&mut ctx);
         let mut cluster = Cluster::new(&mut ctx).expect("built");
@@ -155,7 +155,10 @@ mod tests {
         assert_eq!(n, 25);
         assert_eq!((n, seen.clone()), arrivals(2, 25, 60_000));
         let calls = seen.iter().filter(|(_, e)| e.starts_with("Call")).count();
-        assert_eq!(calls, 25, "one call to P per client");
+        assert_eq!(
+            calls, 50,
+            "in write mode, a call to P and one to D per client"
+        );
         let (more, _) = arrivals(2, 1000, 200);
         assert!(more > 1 && more < 1000, "{more} clients in 200 ms");
     }
