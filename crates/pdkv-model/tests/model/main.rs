@@ -1,0 +1,8 @@
+//! The integration tests of this crate, one binary: each module is one
+//! area (they share the helpers in `common` and pdkv-testkit).
+
+mod formats;
+mod loading;
+mod math;
+mod numerics;
+mod tp;
