@@ -212,40 +212,78 @@ pub struct ReadParams {
     pub weights_version: Option<String>,
 }
 
+/// Why `kv_transfer_params` were refused; each names the key at fault.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum ParamsError {
+    #[error("kv_transfer_params must be a JSON object, got {0}")]
+    NotAnObject(Value),
+    #[error("kv_transfer_params.{key} must be {want}, got {got}")]
+    WrongType {
+        key: &'static str,
+        want: &'static str,
+        got: Value,
+    },
+    #[error("kv_transfer_params.{0} must not be empty")]
+    Empty(&'static str),
+    #[error("kv_transfer_params.{0} is required")]
+    Missing(&'static str),
+    #[error("kv_transfer_params: {DO_REMOTE_DECODE} and {DO_REMOTE_PREFILL} are both set")]
+    BothDirections,
+    #[error("kv_transfer_params.{REMOTE_BOOTSTRAP_ADDR} {0:?} is not a host:port address")]
+    NotHostPort(String),
+    #[error(
+        "kv_transfer_params.{REMOTE_BLOCK_IDS} must hold block ids (integers from 0 to 2^32-1)"
+    )]
+    BadBlockIds,
+    #[error(
+        "kv_transfer_params.{REMOTE_REGISTRATION_GENERATION} is required with {REMOTE_BLOCK_IDS}"
+    )]
+    NoGeneration,
+    /// Params for a direction this engine's role does not serve.
+    #[error("kv_transfer_params.{key}: this engine is a {role} and {does_not}")]
+    WrongRole {
+        key: &'static str,
+        role: &'static str,
+        does_not: &'static str,
+    },
+}
+
 type Obj = Map<String, Value>;
 
-fn read_params(obj: &Obj) -> Result<Option<ReadParams>, String> {
+fn read_params(obj: &Obj) -> Result<Option<ReadParams>, ParamsError> {
     let ids = match obj.get(REMOTE_BLOCK_IDS) {
         None | Some(Value::Null) => return Ok(None),
         Some(Value::Array(a)) => a,
         Some(v) => {
-            return Err(format!(
-                "kv_transfer_params.{REMOTE_BLOCK_IDS} must be an array of block ids, got {v}"
-            ))
+            return Err(ParamsError::WrongType {
+                key: REMOTE_BLOCK_IDS,
+                want: "an array of block ids",
+                got: v.clone(),
+            })
         }
     };
     let block_ids = ids
         .iter()
         .map(|v| v.as_u64().and_then(|b| u32::try_from(b).ok()))
         .collect::<Option<Vec<u32>>>()
-        .ok_or_else(|| format!("kv_transfer_params.{REMOTE_BLOCK_IDS} must hold block ids (integers from 0 to 2^32-1)"))?;
+        .ok_or(ParamsError::BadBlockIds)?;
     let generation = match obj.get(REMOTE_REGISTRATION_GENERATION) {
-        Some(v) => v.as_u64().ok_or_else(|| {
-            format!("kv_transfer_params.{REMOTE_REGISTRATION_GENERATION} must be a non-negative integer, got {v}")
+        Some(v) => v.as_u64().ok_or_else(|| ParamsError::WrongType {
+            key: REMOTE_REGISTRATION_GENERATION,
+            want: "a non-negative integer",
+            got: v.clone(),
         })?,
-        None => {
-            return Err(format!(
-                "kv_transfer_params.{REMOTE_REGISTRATION_GENERATION} is required with {REMOTE_BLOCK_IDS}"
-            ))
-        }
+        None => return Err(ParamsError::NoGeneration),
     };
     let weights_version = match obj.get(REMOTE_WEIGHTS_VERSION) {
         None | Some(Value::Null) => None,
         Some(Value::String(v)) => Some(v.clone()),
         Some(v) => {
-            return Err(format!(
-                "kv_transfer_params.{REMOTE_WEIGHTS_VERSION} must be a string or null, got {v}"
-            ))
+            return Err(ParamsError::WrongType {
+                key: REMOTE_WEIGHTS_VERSION,
+                want: "a string or null",
+                got: v.clone(),
+            })
         }
     };
     Ok(Some(ReadParams {
@@ -255,43 +293,45 @@ fn read_params(obj: &Obj) -> Result<Option<ReadParams>, String> {
     }))
 }
 
-fn flag(obj: &Obj, name: &str) -> Result<bool, String> {
+fn flag(obj: &Obj, name: &'static str) -> Result<bool, ParamsError> {
     match obj.get(name) {
         None | Some(Value::Null) => Ok(false),
         Some(Value::Bool(b)) => Ok(*b),
-        Some(v) => Err(format!(
-            "kv_transfer_params.{name} must be a boolean, got {v}"
-        )),
+        Some(v) => Err(ParamsError::WrongType {
+            key: name,
+            want: "a boolean",
+            got: v.clone(),
+        }),
     }
 }
 
-fn text(obj: &Obj, name: &str) -> Result<String, String> {
+fn text(obj: &Obj, name: &'static str) -> Result<String, ParamsError> {
     match obj.get(name) {
         Some(Value::String(s)) if !s.is_empty() => Ok(s.clone()),
-        Some(Value::String(_)) => Err(format!("kv_transfer_params.{name} must not be empty")),
-        None | Some(Value::Null) => Err(format!("kv_transfer_params.{name} is required")),
-        Some(v) => Err(format!(
-            "kv_transfer_params.{name} must be a string, got {v}"
-        )),
+        Some(Value::String(_)) => Err(ParamsError::Empty(name)),
+        None | Some(Value::Null) => Err(ParamsError::Missing(name)),
+        Some(v) => Err(ParamsError::WrongType {
+            key: name,
+            want: "a string",
+            got: v.clone(),
+        }),
     }
 }
 
 impl PdParams {
     /// Reads the params; `Ok(None)` when they ask for no transfer.
-    pub fn parse(params: Option<&Value>) -> Result<Option<PdParams>, String> {
+    pub fn parse(params: Option<&Value>) -> Result<Option<PdParams>, ParamsError> {
         let Some(v) = params else { return Ok(None) };
         if v.is_null() {
             return Ok(None);
         }
         let obj = v
             .as_object()
-            .ok_or_else(|| format!("kv_transfer_params must be a JSON object, got {v}"))?;
+            .ok_or_else(|| ParamsError::NotAnObject(v.clone()))?;
         let decode = flag(obj, DO_REMOTE_DECODE)?;
         let prefill = flag(obj, DO_REMOTE_PREFILL)?;
         match (decode, prefill) {
-            (true, true) => Err(format!(
-                "kv_transfer_params: {DO_REMOTE_DECODE} and {DO_REMOTE_PREFILL} are both set"
-            )),
+            (true, true) => Err(ParamsError::BothDirections),
             (true, false) => Ok(Some(PdParams::RemoteDecode {
                 transfer_id: text(obj, TRANSFER_ID)?,
             })),
@@ -299,9 +339,7 @@ impl PdParams {
                 let remote_engine_id = text(obj, REMOTE_ENGINE_ID)?;
                 let remote_bootstrap_addr = text(obj, REMOTE_BOOTSTRAP_ADDR)?;
                 if split_host_port(&remote_bootstrap_addr).is_none() {
-                    return Err(format!(
-                        "kv_transfer_params.{REMOTE_BOOTSTRAP_ADDR} {remote_bootstrap_addr:?} is not a host:port address"
-                    ));
+                    return Err(ParamsError::NotHostPort(remote_bootstrap_addr));
                 }
                 Ok(Some(PdParams::RemotePrefill {
                     transfer_id: text(obj, TRANSFER_ID)?,
@@ -386,17 +424,21 @@ mod tests {
             (json!([1]), "must be a JSON object"),
         ];
         for (v, needle) in cases {
-            let e = PdParams::parse(Some(&v)).unwrap_err();
+            let e = PdParams::parse(Some(&v)).unwrap_err().to_string();
             assert!(e.contains(needle), "{e:?} lacks {needle:?}");
         }
         let mut d = for_decode("t", Some("p"), Some("127.0.0.1:9"));
         d[REMOTE_BLOCK_IDS] = json!([1, 2]);
         assert!(PdParams::parse(Some(&d))
             .unwrap_err()
+            .to_string()
             .contains("remote_registration_generation is required"));
         d[REMOTE_BLOCK_IDS] = json!([-1]);
         d[REMOTE_REGISTRATION_GENERATION] = json!(1);
-        assert!(PdParams::parse(Some(&d)).unwrap_err().contains("block ids"));
+        assert!(PdParams::parse(Some(&d))
+            .unwrap_err()
+            .to_string()
+            .contains("block ids"));
         assert_eq!(PdParams::parse(None).unwrap(), None);
         assert_eq!(PdParams::parse(Some(&json!({}))).unwrap(), None);
     }

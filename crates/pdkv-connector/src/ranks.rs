@@ -40,22 +40,42 @@ pub struct Copy {
     pub len: u64,
 }
 
+/// Why a split of KV heads over ranks was refused.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum HeadsError {
+    /// A rank with a gap or an overlap before it, or no heads.
+    #[error(
+        "rank {rank} holds KV heads {heads:?}; the ranks must hold 0..{num_kv_heads} in order, each at least one"
+    )]
+    OutOfOrder {
+        rank: usize,
+        heads: Range<usize>,
+        num_kv_heads: usize,
+    },
+    /// The ranks end short of (or past) the model's heads, or there are none.
+    #[error("the ranks hold KV heads 0..{held}; the model has {num_kv_heads}")]
+    NotAll { held: usize, num_kv_heads: usize },
+}
+
 /// Whether `ranks` (head ranges in rank order) cover `0..num_kv_heads`
 /// without gap, overlap or an empty rank.
-pub fn check_heads(ranks: &[Range<usize>], num_kv_heads: usize) -> Result<(), String> {
+pub fn check_heads(ranks: &[Range<usize>], num_kv_heads: usize) -> Result<(), HeadsError> {
     let mut next = 0;
     for (i, h) in ranks.iter().enumerate() {
         if h.start != next || h.end <= h.start {
-            return Err(format!(
-                "rank {i} holds KV heads {h:?}; the ranks must hold 0..{num_kv_heads} in order, each at least one"
-            ));
+            return Err(HeadsError::OutOfOrder {
+                rank: i,
+                heads: h.clone(),
+                num_kv_heads,
+            });
         }
         next = h.end;
     }
     if next != num_kv_heads || ranks.is_empty() {
-        return Err(format!(
-            "the ranks hold KV heads 0..{next}; the model has {num_kv_heads}"
-        ));
+        return Err(HeadsError::NotAll {
+            held: next,
+            num_kv_heads,
+        });
     }
     Ok(())
 }
@@ -186,7 +206,7 @@ mod tests {
         assert!(check_heads(&[0..2, 2..2, 2..4], 4).is_err());
         assert!(check_heads(&[], 4).is_err());
         let whole_but_one: Vec<Range<usize>> = std::iter::once(0..3).collect();
-        let e = check_heads(&whole_but_one, 4).unwrap_err();
+        let e = check_heads(&whole_but_one, 4).unwrap_err().to_string();
         assert!(e.contains("the model has 4"), "{e}");
         check_heads(&[0..1, 1..4], 4).unwrap();
     }

@@ -416,16 +416,25 @@ pub async fn drop_transfer(
     transfer_id: &str,
     code: FailCode,
     limit: Duration,
-) -> Result<bool, String> {
+) -> Result<bool, DropError> {
     let msg = Message::Drop {
         transfer_id: transfer_id.to_string(),
         code,
     };
     match exchange(addr, secret, &msg, limit, limit).await {
         Ok(Message::DropOk { known }) => Ok(known),
-        Ok(other) => Err(format!("unexpected answer to a drop: {other:?}")),
-        Err(e) => Err(e.to_string()),
+        Ok(other) => Err(DropError::Unexpected(Box::new(other))),
+        Err(e) => Err(DropError::Wire(e)),
     }
+}
+
+/// Why [`drop_transfer`] did not learn P's answer.
+#[derive(Debug, thiserror::Error)]
+pub enum DropError {
+    #[error(transparent)]
+    Wire(#[from] WireError),
+    #[error("unexpected answer to a drop: {0:?}")]
+    Unexpected(Box<Message>),
 }
 
 #[cfg(test)]

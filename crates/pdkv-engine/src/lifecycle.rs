@@ -150,6 +150,24 @@ pub enum LifecycleError {
 pub const WEIGHTS_DISCARDED: &str =
     "weights were discarded by sleep level 2; reload them with update_weights";
 
+/// Why a new request is refused now (see [`Lifecycle::admission`]): the
+/// text is what the client reads.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum Refusal {
+    #[error("the engine is asleep (sleep level {}); retry after /wake_up", .0.as_u32())]
+    Asleep(SleepLevel),
+    /// A sleep still releasing transfers.
+    #[error("the engine is going to sleep (sleep level {}); retry after /wake_up", .0.as_u32())]
+    GoingToSleep(SleepLevel),
+    /// A weight update still releasing transfers.
+    #[error("the engine is updating its weights; retry in a moment")]
+    UpdatingWeights,
+    #[error("{WEIGHTS_DISCARDED}")]
+    WeightsDiscarded,
+    #[error("the engine is paused (mode {}); retry after /resume", .0.as_str())]
+    Paused(PauseMode),
+}
+
 /// The message of `release_kv_cache_memory` without a pause.
 pub const RELEASE_NEEDS_PAUSE: &str =
     "release_kv_cache_memory needs the engine paused first (POST /pause)";
@@ -364,12 +382,9 @@ impl Machine {
 
     /// `Ok` when a new request is accepted now (queued during a keep
     /// pause), else why it is refused.
-    pub fn admission(&self) -> Result<(), String> {
+    pub fn admission(&self) -> Result<(), Refusal> {
         if let Some(level) = self.sleeping {
-            return Err(format!(
-                "the engine is asleep (sleep level {}); retry after /wake_up",
-                level.as_u32()
-            ));
+            return Err(Refusal::Asleep(level));
         }
         // A sleep still releasing transfers refuses already: a request let in
         // now would meet the sleep in the queue.
@@ -381,23 +396,17 @@ impl Machine {
             let Then::Sleep(level) = p.then else {
                 unreachable!()
             };
-            return Err(format!(
-                "the engine is going to sleep (sleep level {}); retry after /wake_up",
-                level.as_u32()
-            ));
+            return Err(Refusal::GoingToSleep(level));
         }
         // So is a weight update releasing transfers: it needs the engine idle.
         if self.pending.iter().any(|p| p.then == Then::UpdateWeights) {
-            return Err("the engine is updating its weights; retry in a moment".to_string());
+            return Err(Refusal::UpdatingWeights);
         }
         if self.weights_discarded {
-            return Err(WEIGHTS_DISCARDED.to_string());
+            return Err(Refusal::WeightsDiscarded);
         }
         match self.pause {
-            Some((mode @ (PauseMode::Abort | PauseMode::Wait), _)) => Err(format!(
-                "the engine is paused (mode {}); retry after /resume",
-                mode.as_str()
-            )),
+            Some((mode @ (PauseMode::Abort | PauseMode::Wait), _)) => Err(Refusal::Paused(mode)),
             _ => Ok(()),
         }
     }
@@ -783,7 +792,11 @@ mod tests {
             ok(vec![Action::AbortAll])
         );
         assert!(!m.may_step());
-        assert!(m.admission().unwrap_err().contains("paused (mode abort)"));
+        assert!(m
+            .admission()
+            .unwrap_err()
+            .to_string()
+            .contains("paused (mode abort)"));
         m.resume();
         assert!(m.may_step() && m.admission().is_ok());
 
@@ -869,7 +882,7 @@ mod tests {
             ]
         );
         assert!(out.is_sleep);
-        assert!(!m.may_step() && m.admission().unwrap_err().contains("asleep"));
+        assert!(!m.may_step() && m.admission().unwrap_err().to_string().contains("asleep"));
         // Idempotent: sleeping again re-applies the same (idempotent) release.
         assert_eq!(
             m.sleep(SleepLevel::L1, PauseMode::Abort, 2, later(), false)
@@ -899,7 +912,7 @@ mod tests {
         ])));
         m.wake(None);
         assert!(!m.may_step());
-        assert_eq!(m.admission().unwrap_err(), WEIGHTS_DISCARDED);
+        assert_eq!(m.admission().unwrap_err().to_string(), WEIGHTS_DISCARDED);
         assert!(m.check_update_weights(false).is_ok());
         assert_eq!(
             m.weights_written(true),
@@ -1237,7 +1250,11 @@ mod tests {
             (out.actions, out.reply),
             (vec![Action::ReleaseTransfers], None)
         );
-        assert!(m.admission().unwrap_err().contains("updating its weights"));
+        assert!(m
+            .admission()
+            .unwrap_err()
+            .to_string()
+            .contains("updating its weights"));
         assert!(matches!(
             m.update_weights(4, later(), false).reply,
             Some(Err(LifecycleError::Conflict(_)))

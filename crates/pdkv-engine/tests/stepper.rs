@@ -365,7 +365,11 @@ fn a_wait_pause_times_out_by_the_manual_clock_alone() {
         "deferred while a request runs"
     );
     assert_eq!(core.lifecycle_status().paused, Some(PauseMode::Wait));
-    assert!(core.admission().unwrap_err().contains("paused (mode wait)"));
+    assert!(core
+        .admission()
+        .unwrap_err()
+        .to_string()
+        .contains("paused (mode wait)"));
     assert_eq!(core.next_deadline(), Some(deadline));
 
     clock.advance(Duration::from_millis(4_999));

@@ -118,12 +118,9 @@ impl KvSecret {
     }
 
     /// A secret of at least [`MIN_SECRET_LEN`] bytes.
-    pub fn new(secret: &str) -> Result<KvSecret, String> {
+    pub fn new(secret: &str) -> Result<KvSecret, SecretError> {
         if secret.len() < MIN_SECRET_LEN {
-            return Err(format!(
-                "the KV secret must be at least {MIN_SECRET_LEN} bytes long (got {})",
-                secret.len()
-            ));
+            return Err(SecretError::TooShort { len: secret.len() });
         }
         Ok(KvSecret {
             key: Some(secret.as_bytes().to_vec()),
@@ -155,6 +152,13 @@ impl KvSecret {
 
 const SERVER_LABEL: &[u8] = b"pdkv kv server";
 const CLIENT_LABEL: &[u8] = b"pdkv kv client";
+
+/// Why a KV secret was refused.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum SecretError {
+    #[error("the KV secret must be at least {MIN_SECRET_LEN} bytes long (got {len})")]
+    TooShort { len: usize },
+}
 
 /// Why a handshake failed.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]

@@ -248,12 +248,12 @@ impl KvConnector for PdConnector {
 
     fn validate_params(&self, params: Option<&KvTransferParams>) -> Result<(), String> {
         let role = self.shared.inspect(|c| c.config().kv_role);
-        core::validate(role, params)
+        core::validate(role, params).map_err(|e| e.to_string())
     }
 
     fn params_validator(&self) -> ParamsValidator {
         let role = self.shared.inspect(|c| c.config().kv_role);
-        Arc::new(move |p| core::validate(role, p))
+        Arc::new(move |p| core::validate(role, p).map_err(|e| e.to_string()))
     }
 
     fn metrics_reader(&self) -> Option<MetricsReader> {

@@ -20,7 +20,7 @@ use super::limits::{check_config, RequestLimits};
 use crate::clock::Clock;
 use crate::connector::{KvConnector, Waker};
 use crate::detok::{Decode, IncrementalDetokenizer, StopChecker};
-use crate::lifecycle::{LifecycleStatus, Machine, SleepLevel, Ticket, WeightInfo};
+use crate::lifecycle::{LifecycleStatus, Machine, Refusal, SleepLevel, Ticket, WeightInfo};
 use crate::model::ModelRunner;
 use crate::sampling::{
     logprobs, sample, LogitsAdjust, SamplingConfig, TokenHistory, TokenLogprobs,
@@ -430,7 +430,7 @@ impl EngineCore {
     }
 
     /// `Ok` when a new request is accepted now, else why it is refused.
-    pub fn admission(&self) -> Result<(), String> {
+    pub fn admission(&self) -> Result<(), Refusal> {
         self.lc.admission()
     }
 
@@ -554,7 +554,7 @@ impl EngineCore {
     pub(super) fn publish_lifecycle(&mut self) {
         let update = LifecycleUpdate {
             status: self.lc.status(),
-            refusal: self.lc.admission().err(),
+            refusal: self.lc.admission().err().map(|r| r.to_string()),
             weight_info: &self.weight_info,
             closed_admission: std::mem::take(&mut self.closing),
         };
@@ -580,7 +580,7 @@ impl EngineCore {
             // Unreachable through the handle, whose gate closes from the
             // moment a pause, sleep or weight update is sent; callers of the
             // core itself meet it.
-            tracing::warn!(id = %req.id, reason, "request reached a core that refuses requests; aborted");
+            tracing::warn!(id = %req.id, reason = %reason, "request reached a core that refuses requests; aborted");
             output(abort_output(&req));
             return;
         }

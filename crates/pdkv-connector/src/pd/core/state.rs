@@ -16,7 +16,7 @@ use super::counters::{Counters, InFlight};
 use super::io::{ConnId, Io};
 use super::kv::KvInfo;
 use crate::config::{KvRole, KvTransferConfig};
-use crate::params::PdParams;
+use crate::params::{ParamsError, PdParams, DO_REMOTE_DECODE, DO_REMOTE_PREFILL};
 use crate::recv::{LoadFailure, LoadId, RecvConfig, RecvMachine};
 use crate::send::{SendConfig, SendMachine};
 use crate::wire::{Destination, FailCode, Pull};
@@ -348,16 +348,18 @@ pub(crate) fn send_config(cfg: &KvTransferConfig, block_size: usize) -> SendConf
 }
 
 /// Whether `role` may take a request with these params.
-pub fn validate(role: KvRole, params: Option<&Value>) -> Result<(), String> {
+pub fn validate(role: KvRole, params: Option<&Value>) -> Result<(), ParamsError> {
     match PdParams::parse(params)? {
-        Some(PdParams::RemoteDecode { .. }) if !role.produces() => Err(format!(
-            "kv_transfer_params.do_remote_decode: this engine is a {} and sends no KV",
-            role.as_str()
-        )),
-        Some(PdParams::RemotePrefill { .. }) if !role.consumes() => Err(format!(
-            "kv_transfer_params.do_remote_prefill: this engine is a {} and receives no KV",
-            role.as_str()
-        )),
+        Some(PdParams::RemoteDecode { .. }) if !role.produces() => Err(ParamsError::WrongRole {
+            key: DO_REMOTE_DECODE,
+            role: role.as_str(),
+            does_not: "sends no KV",
+        }),
+        Some(PdParams::RemotePrefill { .. }) if !role.consumes() => Err(ParamsError::WrongRole {
+            key: DO_REMOTE_PREFILL,
+            role: role.as_str(),
+            does_not: "receives no KV",
+        }),
         _ => Ok(()),
     }
 }
