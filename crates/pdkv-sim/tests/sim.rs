@@ -1,5 +1,6 @@
 //! The simulator's fixed seeds (part of the test command): every run must
-//! end without a violation, and a seed must replay exactly. More seeds:
+//! end without a violation, and a seed must replay exactly (0..500 under
+//! `scripts/test.sh --full`). More seeds:
 //! `cargo run --release -p pdkv-sim -- --seeds 0..10000`.
 
 use pdkv_sim::{run, Options};
@@ -8,6 +9,18 @@ use pdkv_sim::{run, Options};
 /// recompute policy, with and without network faults and crashes, engines
 /// of one rank and split over ranks alike or not) many times over.
 const SEEDS: std::ops::Range<u64> = 0..64;
+
+/// Seeds of the full suite (`scripts/test.sh --full`, `PDKV_FULL_SUITE=1`).
+const FULL_SEEDS: std::ops::Range<u64> = 0..500;
+
+/// The seeds this run covers.
+fn seeds() -> std::ops::Range<u64> {
+    if std::env::var_os("PDKV_FULL_SUITE").is_some() {
+        FULL_SEEDS
+    } else {
+        SEEDS
+    }
+}
 
 /// Seeds that found real bugs, kept as regressions: 133 — waiting requests
 /// holding loaded (or recomputing) KV blocks while the first in line could
@@ -19,7 +32,7 @@ fn fixed_seeds_hold_every_safety_and_liveness_check() {
     let mut bad = Vec::new();
     let (mut events, mut checked, mut frames) = (0, 0, 0);
     let (mut hetero, mut faults, mut retried, mut tp1) = (0, 0, 0, 0);
-    for seed in SEEDS.chain(REGRESSIONS) {
+    for seed in seeds().chain(REGRESSIONS) {
         let r = run(Options::for_seed(seed));
         events += r.events;
         checked += r.checked_outputs;
