@@ -48,7 +48,7 @@ fn run_all(model: &Path, transport: Transport, mode: TransferMode) -> MatrixRepo
         .build()
         .expect("a runtime");
     runtime
-        .block_on(tokio::time::timeout(RUN_DEADLINE, run_matrix(o)))
+        .block_on(async { tokio::time::timeout(RUN_DEADLINE, run_matrix(o)).await })
         .unwrap_or_else(|_| {
             panic!("{transport:?} {mode:?}: the matrix did not finish within {RUN_DEADLINE:?}")
         })
