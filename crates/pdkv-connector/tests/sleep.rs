@@ -11,6 +11,9 @@
 //! process (`/proc/self/maps`, by inode), which is where a shared-memory
 //! peer's mapping would pin them.
 
+// Its own binary (it reads its process's mappings and descriptors); the
+// helpers of the connector tests.
+#[path = "connector/common/mod.rs"]
 mod common;
 
 use std::net::TcpListener;

@@ -3,6 +3,8 @@
 
 use std::time::{Duration, Instant};
 
+// Its own binary (it measures its process); the helpers of the engine tests.
+#[path = "engine/common/mod.rs"]
 mod common;
 
 use pdkv_engine::{EngineConfig, FinishReason};

@@ -6,6 +6,8 @@
 //! The tests in this file run one at a time (a file-wide lock): one of them
 //! measures the process's resident memory over 50 sleep cycles.
 
+// Its own binary (it measures its process); the helpers of the engine tests.
+#[path = "engine/common/mod.rs"]
 mod common;
 
 use std::path::Path;

@@ -3,9 +3,7 @@
 //! cache holds it, and they agree exactly with the log-probabilities the
 //! same tokens got when they were sampled. Real tiny Llama checkpoint.
 
-mod common;
-
-use common::*;
+use crate::common::*;
 use pdkv_engine::sampling::TokenLogprobs;
 use pdkv_engine::{EngineHandle, SamplingParams};
 use pdkv_model::Arch;

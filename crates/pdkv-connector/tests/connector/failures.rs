@@ -17,11 +17,9 @@
 //! reaches P before that pass is parked as for an unknown transfer, which
 //! these tests treat the same way.
 
-mod common;
-
 use std::time::{Duration, Instant};
 
-use common::{
+use crate::common::{
     all_idle, assert_finished, assert_idle, assert_matches_colocated, collect, colocated, config,
     consumer, decode_params, engine, error_of, fingerprint, last, metric, pd, producer, prompt,
     pull_params, remote_prefill, request, run, start, wait_metric, Started, WAIT,

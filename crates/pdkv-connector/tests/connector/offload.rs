@@ -4,9 +4,7 @@
 //! store survives a KV sleep, eviction keeps it within its budget, and a
 //! multi-connector of P/D transfer plus offload does both jobs.
 
-mod common;
-
-use common::{
+use crate::common::{
     assert_finished, colocated, config, engine, fingerprint, idle_and_free, metric, prompt,
     remote_prefill, WAIT,
 };
@@ -30,7 +28,7 @@ fn run(
     max_tokens: u32,
     params: Option<serde_json::Value>,
 ) -> Vec<RequestOutput> {
-    let out = common::run(e, id, tokens, max_tokens, params);
+    let out = crate::common::run(e, id, tokens, max_tokens, params);
     assert_finished(&out, FinishReason::Length, &format!("request {id}"));
     out
 }

@@ -7,12 +7,10 @@
 //! release times out, or whose restore fails, leaves every rank as it was,
 //! the error names the rank, and a retry succeeds.
 
-mod common;
-
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::{
+use crate::common::{
     assert_matches_colocated, colocated, config, consumer, engine_with, idle_and_free, metric, pd,
     producer, prompt, remote_prefill, run, Started, WAIT,
 };

@@ -11,11 +11,9 @@
 //! purpose, D computes the prompt itself); bad params fail only their own
 //! request.
 
-mod common;
-
 use std::time::Duration;
 
-use common::{config, fingerprint, idle_and_free, metric, prompt, run, Fingerprint, Started, WAIT};
+use crate::common::{config, fingerprint, idle_and_free, metric, prompt, run, Fingerprint, Started, WAIT};
 use pdkv_engine::{
     EngineConfig, EngineHandle, EngineRequest, FinishReason, PauseMode, SamplingParams, SleepLevel,
 };
@@ -23,7 +21,7 @@ use serde_json::{json, Value};
 
 /// An engine on the tiny random llama; with a connector, sleep mode is on.
 fn engine(connector: Option<(&str, &str)>) -> Started {
-    common::engine(
+    crate::common::engine(
         connector,
         EngineConfig {
             enable_sleep_mode: connector.is_some(),

@@ -2,9 +2,7 @@
 //! it, on how its prompt is chunked, on prefix-cache hits or on preemption.
 //! Real tiny Llama and Qwen3 checkpoints, real loader, real forward pass.
 
-mod common;
-
-use common::*;
+use crate::common::*;
 use pdkv_engine::{EngineHandle, FinishReason, SamplingParams};
 use pdkv_model::Arch;
 

@@ -2,11 +2,9 @@
 //! EOS, max_tokens), streaming text, aborts, disconnects, bad requests and
 //! shutdown.
 
-mod common;
-
 use std::time::Duration;
 
-use common::*;
+use crate::common::*;
 use pdkv_engine::{AddRequestError, EngineConfig, FinishReason, SamplingParams};
 use pdkv_model::Arch;
 

@@ -14,11 +14,9 @@
 //! old pages stayed allocated. Every round here uses fresh prompts and
 //! compares D's greedy tokens and logits bits with a colocated engine's.
 
-mod common;
-
 use std::time::Duration;
 
-use common::{
+use crate::common::{
     assert_idle, assert_matches_colocated, colocated, config, consumer, engine, fingerprint,
     idle_and_free, metric, pd, producer, prompt, remote_prefill, run, WAIT,
 };
@@ -215,7 +213,7 @@ fn a_sleep_over_a_keep_pause_does_not_wait_for_frozen_requests() {
         ..config()
     };
     let e = engine(Some((&producer(""), "p-keep")), config);
-    let stream = common::start(&e.handle, "long", prompt(5, 30), 150, None);
+    let stream = crate::common::start(&e.handle, "long", prompt(5, 30), 150, None);
     assert!(e.handle.wait_stats(WAIT, |s| s.num_running == 1).is_some());
     e.handle
         .pause(PauseMode::Keep, false, WAIT)
@@ -225,8 +223,8 @@ fn a_sleep_over_a_keep_pause_does_not_wait_for_frozen_requests() {
         .expect("sleep over the keep pause");
     e.handle.wake_up(None).expect("wake");
     e.handle.resume().expect("resume");
-    common::assert_finished(
-        &common::collect(stream),
+    crate::common::assert_finished(
+        &crate::common::collect(stream),
         pdkv_engine::FinishReason::Length,
         "the frozen request",
     );

@@ -2,9 +2,7 @@
 //! and a decode engine with a consumer connector, on a tiny random model;
 //! the decode engine's greedy tokens and logits equal a colocated engine's.
 
-mod common;
-
-use common::{
+use crate::common::{
     assert_finished, colocated, config, consumer, engine, error_of, fingerprint, idle_and_free,
     metric, pd, producer, prompt, pull_params, run,
 };

@@ -14,8 +14,6 @@ use pdkv_engine::connector::{
 use pdkv_engine::scheduler::{NewRequest, Scheduler, SchedulerConfig, SchedulerOutput};
 use pdkv_engine::FinishReason;
 
-mod common;
-
 /// What the test tells the connector, and what the connector saw.
 #[derive(Default)]
 struct Script {
@@ -186,12 +184,12 @@ impl Scripted {
         let s = self.0.lock().unwrap();
         let (_s, timeout) = self
             .1
-            .wait_timeout_while(s, common::WAIT, |s| !pred(s))
+            .wait_timeout_while(s, crate::common::WAIT, |s| !pred(s))
             .unwrap();
         assert!(
             !timeout.timed_out(),
             "{what}: not within {:?}",
-            common::WAIT
+            crate::common::WAIT
         );
     }
 }
@@ -509,7 +507,7 @@ fn a_weight_reload_waits_for_transfers_to_give_their_blocks_back() {
     use std::time::{Duration, Instant};
     let conn = Scripted::default();
     conn.0.lock().unwrap().hold_on_finish.insert("held".into());
-    let e = common::start_with_connector(
+    let e = crate::common::start_with_connector(
         pdkv_model::Arch::Llama,
         EngineConfig::default(),
         Some(Box::new(conn.clone())),
@@ -518,9 +516,9 @@ fn a_weight_reload_waits_for_transfers_to_give_their_blocks_back() {
     // show every block free.
     let (total, s) = (e.config().num_kv_blocks, e.stats());
     assert_eq!((s.kv_blocks_total, s.kv_blocks_free), (total, total));
-    let out = common::run_one(
+    let out = crate::common::run_one(
         &e,
-        common::request("held", common::prompt(3, 40), common::greedy(1)),
+        crate::common::request("held", crate::common::prompt(3, 40), crate::common::greedy(1)),
     );
     assert_eq!(out.finish, Some(FinishReason::Length));
 
@@ -559,13 +557,13 @@ fn a_weight_reload_waits_for_transfers_to_give_their_blocks_back() {
 
 /// A sleep-mode engine on the tiny checkpoint with `conn`, which says it
 /// can release and restore its registrations.
-fn sleepy(conn: &Scripted, config: pdkv_engine::EngineConfig) -> common::TestEngine {
+fn sleepy(conn: &Scripted, config: pdkv_engine::EngineConfig) -> crate::common::TestEngine {
     conn.0.lock().unwrap().sleep_mode = true;
     let config = pdkv_engine::EngineConfig {
         enable_sleep_mode: true,
         ..config
     };
-    common::start_with_connector(
+    crate::common::start_with_connector(
         pdkv_model::Arch::Llama,
         config,
         Some(Box::new(conn.clone())),
@@ -574,9 +572,9 @@ fn sleepy(conn: &Scripted, config: pdkv_engine::EngineConfig) -> common::TestEng
 
 /// The tokens and logits bits of the greedy reference request.
 fn probe(e: &pdkv_engine::EngineHandle, id: &str) -> (Vec<u32>, Vec<Vec<u32>>) {
-    let out = common::run_one(
+    let out = crate::common::run_one(
         e,
-        common::request(id, common::prompt(5, 40), common::greedy(4)),
+        crate::common::request(id, crate::common::prompt(5, 40), crate::common::greedy(4)),
     );
     assert_eq!(out.finish, Some(FinishReason::Length), "{id}");
     (out.tokens.clone(), out.logit_bits())
@@ -701,9 +699,9 @@ fn a_sleep_that_waited_for_transfers_and_then_failed_leaves_no_pause_behind() {
     let conn = Scripted::default();
     conn.0.lock().unwrap().hold_on_finish.insert("held".into());
     let e = sleepy(&conn, pdkv_engine::EngineConfig::default());
-    let out = common::run_one(
+    let out = crate::common::run_one(
         &e,
-        common::request("held", common::prompt(3, 40), common::greedy(1)),
+        crate::common::request("held", crate::common::prompt(3, 40), crate::common::greedy(1)),
     );
     assert_eq!(out.finish, Some(FinishReason::Length));
     conn.0.lock().unwrap().release_error = Some(REFUSAL.into());
@@ -741,9 +739,9 @@ fn a_sleep_that_waited_for_transfers_and_then_failed_leaves_no_pause_behind() {
         "{st:?}"
     );
     // It serves without a resume, and the retried sleep works.
-    let out = common::run_one(
+    let out = crate::common::run_one(
         &e,
-        common::request("after", common::prompt(5, 40), common::greedy(2)),
+        crate::common::request("after", crate::common::prompt(5, 40), crate::common::greedy(2)),
     );
     assert_eq!(out.finish, Some(FinishReason::Length));
     conn.0.lock().unwrap().release_error = None;
@@ -752,9 +750,9 @@ fn a_sleep_that_waited_for_transfers_and_then_failed_leaves_no_pause_behind() {
     assert_eq!(e.lifecycle_status().sleeping, Some(SleepLevel::L1));
     e.wake_up(None).unwrap();
     e.resume().unwrap();
-    let out = common::run_one(
+    let out = crate::common::run_one(
         &e,
-        common::request("woken", common::prompt(5, 40), common::greedy(2)),
+        crate::common::request("woken", crate::common::prompt(5, 40), crate::common::greedy(2)),
     );
     assert_eq!(out.finish, Some(FinishReason::Length));
 }
@@ -794,10 +792,10 @@ fn a_failed_registration_restore_fails_the_wake_and_the_next_wake_retries_it() {
         "the KV cache counts as asleep: {st:?}"
     );
     assert_eq!(e.stats().sleep_level, Some(1));
-    let refused = e.add_request(common::request(
+    let refused = e.add_request(crate::common::request(
         "while-asleep",
-        common::prompt(5, 40),
-        common::greedy(4),
+        crate::common::prompt(5, 40),
+        crate::common::greedy(4),
     ));
     assert!(
         matches!(refused, Err(pdkv_engine::AddRequestError::Unavailable(_))),
@@ -844,7 +842,7 @@ fn a_weight_update_waiting_for_transfers_leaves_the_core_answering_and_a_resume_
         kv_release_timeout: Duration::from_secs(120),
         ..Default::default()
     };
-    let e = common::start_with_connector(
+    let e = crate::common::start_with_connector(
         pdkv_model::Arch::Llama,
         config,
         Some(Box::new(conn.clone())),
@@ -854,26 +852,26 @@ fn a_weight_update_waiting_for_transfers_leaves_the_core_answering_and_a_resume_
         .unwrap();
     let want = probe(&e, "before");
     let info = e.weight_info();
-    let out = common::run_one(
+    let out = crate::common::run_one(
         &e,
-        common::request("held", common::prompt(3, 40), common::greedy(1)),
+        crate::common::request("held", crate::common::prompt(3, 40), crate::common::greedy(1)),
     );
     assert_eq!(out.finish, Some(FinishReason::Length));
     // Two requests frozen by a keep pause (an update may run under it).
     e.pause(PauseMode::Keep, false, Duration::from_secs(10))
         .unwrap();
     let q1 = e
-        .add_request(common::request(
+        .add_request(crate::common::request(
             "q1",
-            common::prompt(6, 30),
-            common::greedy(3),
+            crate::common::prompt(6, 30),
+            crate::common::greedy(3),
         ))
         .unwrap();
     let q2 = e
-        .add_request(common::request(
+        .add_request(crate::common::request(
             "q2",
-            common::prompt(5, 40),
-            common::greedy(4),
+            crate::common::prompt(5, 40),
+            crate::common::greedy(4),
         ))
         .unwrap();
 
@@ -891,13 +889,13 @@ fn a_weight_update_waiting_for_transfers_leaves_the_core_answering_and_a_resume_
             vec!["q1".to_string()],
             "the core answers meanwhile"
         );
-        assert_eq!(common::collect(q1).finish, Some(FinishReason::Abort));
+        assert_eq!(crate::common::collect(q1).finish, Some(FinishReason::Abort));
         assert!(!e.reset_prefix_cache(), "a transfer holds blocks");
         assert_eq!(e.lifecycle_status().paused, Some(PauseMode::Keep));
-        let refused = e.add_request(common::request(
+        let refused = e.add_request(crate::common::request(
             "new",
-            common::prompt(7, 20),
-            common::greedy(1),
+            crate::common::prompt(7, 20),
+            crate::common::greedy(1),
         ));
         assert!(
             matches!(refused, Err(AddRequestError::Unavailable(ref m)) if m.contains("updating its weights")),
@@ -920,13 +918,13 @@ fn a_weight_update_waiting_for_transfers_leaves_the_core_answering_and_a_resume_
     assert_eq!(info.version, None);
     assert_eq!(e.stats().num_weight_updates, 0);
     // q2, frozen during the update, runs on the old weights.
-    let q2 = common::collect(q2);
+    let q2 = crate::common::collect(q2);
     assert_eq!(
         (q2.tokens.clone(), q2.logit_bits()),
         want,
         "q2 ran on other weights"
     );
     conn.send_done_and_wake("held");
-    common::wait_idle(&e);
+    crate::common::wait_idle(&e);
     assert_eq!(probe(&e, "after"), want);
 }

@@ -2,14 +2,12 @@
 //! makes, on real registered KV regions and real sockets (TCP and shared
 //! memory), plus garbage on the control socket.
 
-mod common;
-
 use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::{
+use crate::common::{
     admit, d_params, decode_params, failed_load, finish_with, park_pull, pattern, recv_msg, req,
     send_msg, side, side_with, start_load, start_pull, transfer_ok, wait_until, Geometry, Side, BB,
     SIDE_WAIT as WAIT,
@@ -48,7 +46,7 @@ fn transfer(transport: &str) {
     start_load(&mut d, "rd", 40, 16, &d_blocks, &params);
     let f = d.wait_finished(|f| !f.recving.is_empty());
     assert_eq!(f.recving, vec![Arc::from("rd")]);
-    assert_eq!(common::load_errors(&mut d), Vec::<(u32, String)>::new());
+    assert_eq!(crate::common::load_errors(&mut d), Vec::<(u32, String)>::new());
     assert_eq!(d.block(3), pattern(9));
     assert_eq!(d.block(20), pattern(2));
     assert_eq!(
@@ -141,7 +139,7 @@ fn load_failures_name_the_problem_and_other_loads_go_on() {
     start_load(&mut d, "bogus", 20, 0, &[6, 8], &bogus);
     start_load(&mut d, "len", 30, 0, &[10, 12], &good); // wrong prompt length, same transfer
     let f = d.wait_finished(|f| f.recving.len() == 3);
-    let errs = common::load_errors(&mut d);
+    let errs = crate::common::load_errors(&mut d);
     let reason = |b: u32| {
         errs.iter()
             .find(|e| e.0 == b)
@@ -172,7 +170,7 @@ fn load_failures_name_the_problem_and_other_loads_go_on() {
     let ok = prefill_output(&mut p, "rp2", "t3", 20, &[3, 4]);
     start_load(&mut d, "ok", 20, 0, &[14, 15], &ok);
     d.wait_finished(|f| f.recving.len() == 1);
-    assert_eq!(common::load_errors(&mut d), Vec::<(u32, String)>::new());
+    assert_eq!(crate::common::load_errors(&mut d), Vec::<(u32, String)>::new());
     assert_eq!(d.block(14), pattern(3));
     p.wait_finished(|f| f.sending.len() == 1);
     assert_eq!((p.c.num_held_blocks(), d.c.num_held_blocks()), (0, 0));
@@ -222,7 +220,7 @@ fn a_decode_request_ended_mid_load_frees_once_fenced_and_p_releases_the_transfer
     let f = d.wait_finished(|f| f.recving.len() == 1);
     assert_eq!(f.recving, vec![did.clone()]);
     assert_eq!(
-        common::load_errors(&mut d),
+        crate::common::load_errors(&mut d),
         Vec::<(u32, String)>::new(),
         "a finished request gets no load errors"
     );
@@ -291,7 +289,7 @@ fn garbage_on_the_control_socket_closes_that_connection_only() {
         assert!(rest.is_empty() || rest.starts_with(b"PDKVDENY"), "{rest:?}");
         // After it: the server closes (possibly after an error answer); it
         // never hangs.
-        let mut s = common::control(&boot);
+        let mut s = crate::common::control(&boot);
         s.set_read_timeout(Some(WAIT)).unwrap();
         let _ = s.write_all(&bytes);
         let _ = s.shutdown(std::net::Shutdown::Write);
@@ -304,7 +302,7 @@ fn garbage_on_the_control_socket_closes_that_connection_only() {
         }
     }
     // The listener still serves a good bootstrap.
-    let mut s = common::control(&boot);
+    let mut s = crate::common::control(&boot);
     s.set_read_timeout(Some(WAIT)).unwrap();
     send_msg(&mut s, &Message::Bootstrap);
     assert_eq!(
@@ -342,7 +340,7 @@ fn idle_connections_on_both_kv_ports_do_not_break_a_transfer() {
     start_load(&mut d, "rd", 40, 0, &d_blocks, &params);
     let f = d.wait_finished(|f| !f.recving.is_empty());
     assert_eq!(f.recving, vec![Arc::from("rd")]);
-    assert_eq!(common::load_errors(&mut d), Vec::<(u32, String)>::new());
+    assert_eq!(crate::common::load_errors(&mut d), Vec::<(u32, String)>::new());
     assert_eq!(d.block(3), pattern(9));
     assert_eq!(d.block(20), pattern(2));
     // The servers close what never proved itself (the control port within

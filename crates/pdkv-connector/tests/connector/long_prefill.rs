@@ -14,11 +14,9 @@
 //! Nothing sleeps: the tests wait on the engines' stats and the connectors'
 //! gauges, with deadlines.
 
-mod common;
-
 use std::time::{Duration, Instant};
 
-use common::{
+use crate::common::{
     all_idle, assert_finished, assert_matches_colocated, collect, colocated, config, consumer,
     decode_params, engine, error_of, metric, producer, prompt, pull_params, start, wait_metric,
     WAIT,

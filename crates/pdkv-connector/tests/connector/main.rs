@@ -1,0 +1,13 @@
+//! The integration tests of this crate, one binary: each module is one
+//! area (they share the helpers in `common` and pdkv-testkit).
+
+mod common;
+mod config;
+mod engines;
+mod failures;
+mod long_prefill;
+mod offload;
+mod read_mode;
+mod sleep_engines;
+mod tp;
+mod transfer;

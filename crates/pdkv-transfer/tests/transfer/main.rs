@@ -1,0 +1,5 @@
+//! The integration tests of this crate, one binary: each module is one
+//! area (they share the helpers in `common` and pdkv-testkit).
+
+mod shm;
+mod tcp;
