@@ -1,50 +1,21 @@
-//! The one Prometheus text parser of the matrix (unlabelled samples, sums
-//! over labels, sums by rank), what quiescence means in an engine's
-//! metrics, and the transfer counters of P and D.
+//! What the matrix reads in an engine's metrics (through the clients' one
+//! Prometheus parser, `pdkv_deploy::prom`): device bytes by rank, why an
+//! engine is not quiescent, and the transfer counters of P and D.
 
-use std::collections::BTreeMap;
+use pdkv_deploy::prom;
 
 use crate::error::CallError;
 
-/// One unlabelled sample of a Prometheus exposition.
-pub(crate) fn metric(text: &str, name: &str) -> Option<f64> {
-    text.lines()
-        .filter(|l| !l.starts_with('#'))
-        .find_map(|l| l.strip_prefix(name).and_then(|r| r.strip_prefix(' ')))
-        .and_then(|v| v.trim().parse().ok())
-}
+pub(crate) use pdkv_deploy::prom::{metric, metric_sum, quiescent};
 
 /// The sum of the samples of `name` per value of its `rank` label, by rank.
 pub(crate) fn rank_sums(text: &str, name: &str) -> Vec<u64> {
-    let mut by_rank: BTreeMap<usize, f64> = BTreeMap::new();
-    for l in text.lines().filter(|l| !l.starts_with('#')) {
-        let Some(rest) = l.strip_prefix(name).and_then(|r| r.strip_prefix('{')) else {
-            continue;
-        };
-        let Some((labels, v)) = rest.rsplit_once(' ') else {
-            continue;
-        };
-        let rank = labels
-            .split(',')
-            .find_map(|kv| kv.strip_prefix("rank=\""))
-            .and_then(|r| r.split('"').next())
-            .and_then(|r| r.parse().ok());
-        if let (Some(rank), Ok(v)) = (rank, v.trim().parse::<f64>()) {
-            *by_rank.entry(rank).or_default() += v;
-        }
-    }
-    by_rank.values().map(|&v| v as u64).collect()
-}
-
-/// The sum of every labelled sample of `name`.
-pub(crate) fn metric_sum(text: &str, name: &str) -> Option<f64> {
-    let samples: Vec<f64> = text
-        .lines()
-        .filter(|l| !l.starts_with('#'))
-        .filter_map(|l| l.strip_prefix(name).and_then(|r| r.strip_prefix('{')))
-        .filter_map(|r| r.rsplit_once(' ').and_then(|(_, v)| v.trim().parse().ok()))
+    let mut by_rank: Vec<(usize, f64)> = prom::sums_by_label(text, name, "rank")
+        .into_iter()
+        .filter_map(|(rank, v)| Some((rank.parse().ok()?, v)))
         .collect();
-    (!samples.is_empty()).then(|| samples.iter().sum())
+    by_rank.sort_by_key(|&(rank, _)| rank);
+    by_rank.into_iter().map(|(_, v)| v as u64).collect()
 }
 
 /// The gauges that say why an engine is not quiescent.
@@ -61,15 +32,6 @@ pub(crate) fn busy(text: &str) -> String {
         show("pdkv_kv_send_held_blocks"),
         show("pdkv_kv_pulls_pending"),
     )
-}
-
-/// Idle, with every KV block free (none held for transfers).
-pub(crate) fn quiescent(text: &str) -> bool {
-    metric(text, "pdkv_num_requests_running") == Some(0.0)
-        && metric(text, "pdkv_num_requests_waiting") == Some(0.0)
-        && metric(text, "pdkv_kv_blocks_held") == Some(0.0)
-        && metric(text, "pdkv_kv_blocks_free").is_some()
-        && metric(text, "pdkv_kv_blocks_free") == metric(text, "pdkv_kv_blocks_total")
 }
 
 /// Transfer counters of P and D at one moment (or their change over a case).
@@ -157,12 +119,11 @@ mod tests {
     use super::*;
 
     #[test]
-    fn metrics_parse_with_and_without_labels() {
-        let text = "# HELP x y\npdkv_kv_blocks_free 10\npdkv_kv_blocks_free_x 3\n\
-                    pdkv_device_memory_bytes{tag=\"weights\"} 100\npdkv_device_memory_bytes{tag=\"kv_cache\"} 20\n";
-        assert_eq!(metric(text, "pdkv_kv_blocks_free"), Some(10.0));
-        assert_eq!(metric(text, "pdkv_kv_blocks_total"), None);
-        assert_eq!(metric_sum(text, "pdkv_device_memory_bytes"), Some(120.0));
-        assert_eq!(metric_sum(text, "pdkv_kv_blocks_free"), None);
+    fn ranks_come_in_rank_order_whatever_the_labels_order() {
+        let text = "pdkv_rank_device_memory_bytes{rank=\"10\",tag=\"kv_cache\"} 5\n\
+                    pdkv_rank_device_memory_bytes{tag=\"weights\",rank=\"2\"} 7\n\
+                    pdkv_rank_device_memory_bytes{rank=\"2\",tag=\"kv_cache\"} 1\n";
+        assert_eq!(rank_sums(text, "pdkv_rank_device_memory_bytes"), vec![8, 5]);
+        assert!(rank_sums(text, "pdkv_missing").is_empty());
     }
 }

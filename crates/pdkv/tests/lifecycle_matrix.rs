@@ -31,12 +31,17 @@ fn chain(e: &dyn std::error::Error) -> String {
 
 /// Every case once in `transport` and `mode`, bounded by [`RUN_DEADLINE`]
 /// (the deployment is stopped when the run ends or is cut short).
-fn run_all(model: &Path, transport: Transport, mode: TransferMode) -> MatrixReport {
+fn run_all(
+    model: &Path,
+    transport: Transport,
+    mode: TransferMode,
+    policy: FailurePolicy,
+) -> MatrixReport {
     let mut o = Options::new(env!("CARGO_BIN_EXE_pdkv").into(), model.to_path_buf());
     o.cases = "all".to_string();
     o.transport = transport;
     o.transfer_mode = mode;
-    o.kv_load_failure_policy = FailurePolicy::Fail;
+    o.kv_load_failure_policy = policy;
     o.probes = 30;
     o.load_concurrency = 4;
     // P gives up on transfers nobody collects after 5 s (the default 30 s
@@ -50,9 +55,32 @@ fn run_all(model: &Path, transport: Transport, mode: TransferMode) -> MatrixRepo
     runtime
         .block_on(async { tokio::time::timeout(RUN_DEADLINE, run_matrix(o)).await })
         .unwrap_or_else(|_| {
-            panic!("{transport:?} {mode:?}: the matrix did not finish within {RUN_DEADLINE:?}")
+            panic!("{transport:?} {mode:?} {policy:?}: the matrix did not finish within {RUN_DEADLINE:?}")
         })
-        .unwrap_or_else(|e| panic!("{transport:?} {mode:?}: the matrix stopped: {}", chain(&e)))
+        .unwrap_or_else(|e| panic!("{transport:?} {mode:?} {policy:?}: the matrix stopped: {}", chain(&e)))
+}
+
+/// Write mode over TCP and read mode over shared memory, with D's policy
+/// `fail` (strict: any failed transfer fails a request): each transfer mode
+/// and each transport once. The full suite (`scripts/test.sh --full`,
+/// `PDKV_FULL_SUITE=1`) runs every transport with every mode, under both
+/// policies.
+fn configurations() -> Vec<(Transport, TransferMode, FailurePolicy)> {
+    if std::env::var_os("PDKV_FULL_SUITE").is_none() {
+        return vec![
+            (Transport::Tcp, TransferMode::Write, FailurePolicy::Fail),
+            (Transport::Shm, TransferMode::Read, FailurePolicy::Fail),
+        ];
+    }
+    let mut all = Vec::new();
+    for transport in [Transport::Tcp, Transport::Shm] {
+        for mode in [TransferMode::Write, TransferMode::Read] {
+            for policy in [FailurePolicy::Fail, FailurePolicy::Recompute] {
+                all.push((transport, mode, policy));
+            }
+        }
+    }
+    all
 }
 
 #[test]
@@ -61,19 +89,13 @@ fn every_lifecycle_case_passes_under_load_in_write_and_read_mode() {
     let cases = case_names();
     assert_eq!(cases.len(), 40, "{cases:?}");
 
-    // Write mode over TCP and read mode over shared memory: each transfer
-    // mode and each transport once (the other two pairings run by hand with
-    // `pdkv lifecycle`; the test command stays within its time budget).
-    for (transport, mode) in [
-        (Transport::Tcp, TransferMode::Write),
-        (Transport::Shm, TransferMode::Read),
-    ] {
-        let report = run_all(dir.path(), transport, mode);
+    for (transport, mode, policy) in configurations() {
+        let report = run_all(dir.path(), transport, mode, policy);
         println!("{}", report.summary());
         let ran: Vec<&str> = report.results.iter().map(|r| r.name.as_str()).collect();
         assert_eq!(
             ran, cases,
-            "{transport:?} {mode:?}: every case once, in order"
+            "{transport:?} {mode:?} {policy:?}: every case once, in order"
         );
         let failed: Vec<String> = report
             .failed()
@@ -82,7 +104,7 @@ fn every_lifecycle_case_passes_under_load_in_write_and_read_mode() {
             .collect();
         assert!(
             failed.is_empty(),
-            "{transport:?} {mode:?}: cases not passing:\n{}",
+            "{transport:?} {mode:?} {policy:?}: cases not passing:\n{}",
             failed.join("\n")
         );
         assert!(report.results.iter().all(|r| r.cycle == 1));

@@ -313,6 +313,7 @@ async fn a_hung_p_is_a_504_naming_the_setting_to_raise() {
         .expect("D answers in time")
         .unwrap();
     let took = stopped.elapsed();
+    // SAFETY: the same child, still not reaped.
     assert_eq!(unsafe { libc::kill(pid, libc::SIGCONT) }, 0);
     let (status, text) = answered;
     assert_eq!(status, 504, "{text}");

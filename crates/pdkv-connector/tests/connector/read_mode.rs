@@ -13,7 +13,9 @@
 
 use std::time::Duration;
 
-use crate::common::{config, fingerprint, idle_and_free, metric, prompt, run, Fingerprint, Started, WAIT};
+use crate::common::{
+    config, fingerprint, idle_and_free, metric, prompt, run, Fingerprint, Started, WAIT,
+};
 use pdkv_engine::{
     EngineConfig, EngineHandle, EngineRequest, FinishReason, PauseMode, SamplingParams, SleepLevel,
 };

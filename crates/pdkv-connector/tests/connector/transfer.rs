@@ -46,7 +46,10 @@ fn transfer(transport: &str) {
     start_load(&mut d, "rd", 40, 16, &d_blocks, &params);
     let f = d.wait_finished(|f| !f.recving.is_empty());
     assert_eq!(f.recving, vec![Arc::from("rd")]);
-    assert_eq!(crate::common::load_errors(&mut d), Vec::<(u32, String)>::new());
+    assert_eq!(
+        crate::common::load_errors(&mut d),
+        Vec::<(u32, String)>::new()
+    );
     assert_eq!(d.block(3), pattern(9));
     assert_eq!(d.block(20), pattern(2));
     assert_eq!(
@@ -170,7 +173,10 @@ fn load_failures_name_the_problem_and_other_loads_go_on() {
     let ok = prefill_output(&mut p, "rp2", "t3", 20, &[3, 4]);
     start_load(&mut d, "ok", 20, 0, &[14, 15], &ok);
     d.wait_finished(|f| f.recving.len() == 1);
-    assert_eq!(crate::common::load_errors(&mut d), Vec::<(u32, String)>::new());
+    assert_eq!(
+        crate::common::load_errors(&mut d),
+        Vec::<(u32, String)>::new()
+    );
     assert_eq!(d.block(14), pattern(3));
     p.wait_finished(|f| f.sending.len() == 1);
     assert_eq!((p.c.num_held_blocks(), d.c.num_held_blocks()), (0, 0));
@@ -340,7 +346,10 @@ fn idle_connections_on_both_kv_ports_do_not_break_a_transfer() {
     start_load(&mut d, "rd", 40, 0, &d_blocks, &params);
     let f = d.wait_finished(|f| !f.recving.is_empty());
     assert_eq!(f.recving, vec![Arc::from("rd")]);
-    assert_eq!(crate::common::load_errors(&mut d), Vec::<(u32, String)>::new());
+    assert_eq!(
+        crate::common::load_errors(&mut d),
+        Vec::<(u32, String)>::new()
+    );
     assert_eq!(d.block(3), pattern(9));
     assert_eq!(d.block(20), pattern(2));
     // The servers close what never proved itself (the control port within

@@ -518,7 +518,11 @@ fn a_weight_reload_waits_for_transfers_to_give_their_blocks_back() {
     assert_eq!((s.kv_blocks_total, s.kv_blocks_free), (total, total));
     let out = crate::common::run_one(
         &e,
-        crate::common::request("held", crate::common::prompt(3, 40), crate::common::greedy(1)),
+        crate::common::request(
+            "held",
+            crate::common::prompt(3, 40),
+            crate::common::greedy(1),
+        ),
     );
     assert_eq!(out.finish, Some(FinishReason::Length));
 
@@ -701,7 +705,11 @@ fn a_sleep_that_waited_for_transfers_and_then_failed_leaves_no_pause_behind() {
     let e = sleepy(&conn, pdkv_engine::EngineConfig::default());
     let out = crate::common::run_one(
         &e,
-        crate::common::request("held", crate::common::prompt(3, 40), crate::common::greedy(1)),
+        crate::common::request(
+            "held",
+            crate::common::prompt(3, 40),
+            crate::common::greedy(1),
+        ),
     );
     assert_eq!(out.finish, Some(FinishReason::Length));
     conn.0.lock().unwrap().release_error = Some(REFUSAL.into());
@@ -741,7 +749,11 @@ fn a_sleep_that_waited_for_transfers_and_then_failed_leaves_no_pause_behind() {
     // It serves without a resume, and the retried sleep works.
     let out = crate::common::run_one(
         &e,
-        crate::common::request("after", crate::common::prompt(5, 40), crate::common::greedy(2)),
+        crate::common::request(
+            "after",
+            crate::common::prompt(5, 40),
+            crate::common::greedy(2),
+        ),
     );
     assert_eq!(out.finish, Some(FinishReason::Length));
     conn.0.lock().unwrap().release_error = None;
@@ -752,7 +764,11 @@ fn a_sleep_that_waited_for_transfers_and_then_failed_leaves_no_pause_behind() {
     e.resume().unwrap();
     let out = crate::common::run_one(
         &e,
-        crate::common::request("woken", crate::common::prompt(5, 40), crate::common::greedy(2)),
+        crate::common::request(
+            "woken",
+            crate::common::prompt(5, 40),
+            crate::common::greedy(2),
+        ),
     );
     assert_eq!(out.finish, Some(FinishReason::Length));
 }
@@ -854,7 +870,11 @@ fn a_weight_update_waiting_for_transfers_leaves_the_core_answering_and_a_resume_
     let info = e.weight_info();
     let out = crate::common::run_one(
         &e,
-        crate::common::request("held", crate::common::prompt(3, 40), crate::common::greedy(1)),
+        crate::common::request(
+            "held",
+            crate::common::prompt(3, 40),
+            crate::common::greedy(1),
+        ),
     );
     assert_eq!(out.finish, Some(FinishReason::Length));
     // Two requests frozen by a keep pause (an update may run under it).

@@ -26,7 +26,6 @@ pub struct EngineSample {
     pub waiting: Option<f64>,
 }
 
-
 impl EngineSample {
     pub fn parse(text: &str) -> EngineSample {
         EngineSample {
