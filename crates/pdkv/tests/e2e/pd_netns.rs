@@ -9,11 +9,12 @@
 //! Creating namespaces needs root (CAP_SYS_ADMIN); where `ip netns add` is
 //! refused the test prints why and skips. Under CI it must run.
 
-use std::path::Path;
 use std::process::Command;
 
+use pdkv_model::Arch;
 use pdkv_testkit::{
     http::{complete, wait_healthy, wait_metrics},
+    models::checkpoint,
     proc::Proc,
     prom::{metric, quiescent},
 };
@@ -99,21 +100,6 @@ fn in_netns<T: Send + 'static>(ns: &str, f: impl FnOnce() -> T + Send + 'static)
     .expect("netns thread panicked")
 }
 
-fn init_checkpoint(out: &Path) {
-    let o = Command::new(env!("CARGO_BIN_EXE_pdkv"))
-        .args([
-            "model", "init", "--arch", "llama", "--preset", "tiny", "--seed", "11", "--out",
-        ])
-        .arg(out)
-        .output()
-        .expect("run pdkv model init");
-    assert!(
-        o.status.success(),
-        "model init failed: {}",
-        String::from_utf8_lossy(&o.stderr)
-    );
-}
-
 #[test]
 fn p_and_d_on_two_hosts_joined_by_veth() {
     let hosts = match Hosts::create() {
@@ -127,10 +113,8 @@ fn p_and_d_on_two_hosts_joined_by_veth() {
             return;
         }
     };
-    let dir = tempfile::tempdir().unwrap();
-    let ckpt = dir.path().join("tiny");
-    init_checkpoint(&ckpt);
-    let model = ckpt.to_str().unwrap();
+    let ckpt = checkpoint(Arch::Llama, "tiny", 11);
+    let model = ckpt.path().to_str().unwrap();
     let serve = [
         "serve",
         "--port",

@@ -3,20 +3,17 @@
 //! of them (no child outlives `up`).
 
 use std::io::{BufRead, BufReader};
-use std::process::{Command, Stdio};
+use std::process::Stdio;
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
+use pdkv_model::Arch;
+use pdkv_testkit::models::checkpoint;
+use pdkv_testkit::proc::pdkv;
 use serde_json::{json, Value};
 
 /// Bound on every wait in this test.
 const DEADLINE: Duration = Duration::from_secs(120);
-
-fn pdkv() -> Command {
-    let mut c = Command::new(env!("CARGO_BIN_EXE_pdkv"));
-    c.env("RUST_LOG", "info");
-    c
-}
 
 /// Lines of a child's pipe, read on a thread.
 fn lines(pipe: impl std::io::Read + Send + 'static) -> mpsc::Receiver<String> {
@@ -37,32 +34,10 @@ fn alive(pid: i32) -> bool {
     unsafe { libc::kill(pid, 0) == 0 }
 }
 
-/// A tiny random-weight checkpoint in `dir`.
-fn tiny_checkpoint(dir: &std::path::Path, seed: u32) -> std::path::PathBuf {
-    let ckpt = dir.join("tiny");
-    let o = pdkv()
-        .args([
-            "model",
-            "init",
-            "--arch",
-            "llama",
-            "--preset",
-            "tiny",
-            "--seed",
-            &seed.to_string(),
-            "--out",
-        ])
-        .arg(&ckpt)
-        .output()
-        .unwrap();
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    ckpt
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn up_serves_through_the_proxy_and_stops_every_child() {
-    let dir = tempfile::tempdir().unwrap();
-    let ckpt = tiny_checkpoint(dir.path(), 3);
+    let ckpt_dir = checkpoint(Arch::Llama, "tiny", 3);
+    let ckpt = ckpt_dir.path();
     // Port 0: every child, the proxy too, binds a free port itself.
     let (mut up, url, err) = start_up(&[
         "--model",
@@ -160,8 +135,8 @@ fn start_up(args: &[&str]) -> (std::process::Child, String, mpsc::Receiver<Strin
 /// that fails names the engines that refused it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn up_admin_token_drives_every_engine_with_one_call() {
-    let dir = tempfile::tempdir().unwrap();
-    let ckpt = tiny_checkpoint(dir.path(), 5);
+    let ckpt_dir = checkpoint(Arch::Llama, "tiny", 5);
+    let ckpt = ckpt_dir.path();
     let args = [
         "--model",
         ckpt.to_str().unwrap(),
@@ -354,8 +329,8 @@ fn stop(mut up: std::process::Child) {
 /// engine slept and woke through the proxy.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn up_with_servers_split_over_ranks_answers_as_whole_servers_do() {
-    let dir = tempfile::tempdir().unwrap();
-    let ckpt = tiny_checkpoint(dir.path(), 11);
+    let ckpt_dir = checkpoint(Arch::Llama, "tiny", 11);
+    let ckpt = ckpt_dir.path();
     let client = reqwest::Client::new();
     let probe = |i: usize| {
         json!({"prompt": format!("probe {i}: a long way down the river to the sea"),
@@ -411,10 +386,12 @@ const SYNC_SECRET: &str = "sync-test-secret-0123456789abcdef";
 /// the published version on every engine.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn up_syncs_weights_from_a_publisher_to_every_engine() {
-    let dir = tempfile::tempdir().unwrap();
-    let a = tiny_checkpoint(&dir.path().join("a"), 5);
-    let b = tiny_checkpoint(&dir.path().join("b"), 6);
-    let c = tiny_checkpoint(&dir.path().join("c"), 8);
+    let a_dir = checkpoint(Arch::Llama, "tiny", 5);
+    let a = a_dir.path();
+    let b_dir = checkpoint(Arch::Llama, "tiny", 6);
+    let b = b_dir.path();
+    let c_dir = checkpoint(Arch::Llama, "tiny", 8);
+    let c = c_dir.path();
     let (mut publisher, pub_url) = publish(&b, "step-1");
 
     let common = [
