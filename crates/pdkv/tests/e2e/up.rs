@@ -392,7 +392,7 @@ async fn up_syncs_weights_from_a_publisher_to_every_engine() {
     let b = b_dir.path();
     let c_dir = checkpoint(Arch::Llama, "tiny", 8);
     let c = c_dir.path();
-    let (mut publisher, pub_url) = publish(&b, "step-1");
+    let (mut publisher, pub_url) = publish(b, "step-1");
 
     let common = [
         "--num-kv-blocks",
@@ -469,7 +469,7 @@ async fn up_syncs_weights_from_a_publisher_to_every_engine() {
 
     // Relay over TCP: P pulls from the publisher, D from P's staging; one
     // copy of the weights goes through the publisher's link.
-    let (mut publisher, pub_url) = publish(&c, "step-2");
+    let (mut publisher, pub_url) = publish(c, "step-2");
     call(
         "/init_weight_transfer_engine",
         json!({"init_info": {"url": pub_url, "transport": "tcp", "fanout": "relay"}}),
