@@ -30,6 +30,12 @@ pub async fn get_json(client: &reqwest::Client, url: &str) -> (StatusCode, Value
     answer(client.get(url)).await
 }
 
+/// GETs `url`; returns the body's text (panics when the request fails).
+pub async fn get_text(client: &reqwest::Client, url: &str) -> String {
+    let resp = client.get(url).send().await.expect("send");
+    resp.text().await.expect("body")
+}
+
 /// Posts to an admin route `base` + `path` (query included) with the bearer
 /// `token`, and an optional JSON body.
 pub async fn admin(
@@ -95,14 +101,7 @@ pub async fn complete(
 
 /// The text of `base`'s `/metrics`.
 pub async fn metrics(client: &reqwest::Client, base: &str) -> String {
-    client
-        .get(format!("{base}/metrics"))
-        .send()
-        .await
-        .expect("GET /metrics")
-        .text()
-        .await
-        .expect("metrics text")
+    get_text(client, &format!("{base}/metrics")).await
 }
 
 /// Polls `url` until it answers 2xx, bounded by [`DEADLINE`].

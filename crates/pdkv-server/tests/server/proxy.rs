@@ -239,22 +239,12 @@ async fn answers_equal_the_decode_servers_own() {
     );
 
     // Other routes.
-    let models: Value = c
-        .get(proxy.url("/v1/models"))
-        .send()
+    let models: Value = pdkv_testkit::http::get_json(c, &proxy.url("/v1/models"))
         .await
-        .unwrap()
-        .json()
+        .1;
+    let direct: Value = pdkv_testkit::http::get_json(c, &d.url("/v1/models"))
         .await
-        .unwrap();
-    let direct: Value = c
-        .get(d.url("/v1/models"))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+        .1;
     assert_eq!(models, direct);
     let resp = c.get(proxy.url("/v2/nothing")).send().await.unwrap();
     let status = resp.status();
@@ -956,14 +946,7 @@ async fn read_mode_sends_p_first_and_d_reads_with_p_params() {
         4.0,
         "no load tried"
     );
-    let m = c
-        .get(format!("{base}/metrics"))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let m = pdkv_testkit::http::get_text(&c, &format!("{base}/metrics")).await;
     assert_eq!(
         must(&m, "pdkv_proxy_prefill_skipped_total{reason=\"refused\"}"),
         2.0,

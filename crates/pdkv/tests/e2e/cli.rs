@@ -63,14 +63,9 @@ async fn model_init_then_serve_answers_a_completion() {
     let client = reqwest::Client::new();
     wait_healthy(&client, &s.url("/health")).await;
 
-    let models: Value = client
-        .get(s.url("/v1/models"))
-        .send()
+    let models: Value = pdkv_testkit::http::get_json(&client, &s.url("/v1/models"))
         .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+        .1;
     assert_eq!(models["data"][0]["id"], "tiny");
 
     let resp = client
@@ -85,14 +80,7 @@ async fn model_init_then_serve_answers_a_completion() {
     assert_eq!(body["choices"][0]["finish_reason"], "length");
     assert_eq!(body["usage"]["completion_tokens"], 5);
 
-    let metrics = client
-        .get(s.url("/metrics"))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let metrics = pdkv_testkit::http::get_text(&client, &s.url("/metrics")).await;
     assert!(metrics.contains("pdkv_kv_blocks_total 64\n"), "{metrics}");
     // Without --admin-token the lifecycle API does not exist.
     let resp = client

@@ -219,14 +219,7 @@ async fn idle_and_garbage_connections_on_every_port_do_not_break_pd() {
         prompts.len(),
         held.len()
     );
-    let m = client
-        .get(d.url("/metrics"))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let m = pdkv_testkit::http::get_text(&client, &d.url("/metrics")).await;
     assert_eq!(
         metric(&m, "pdkv_kv_loads_ok_total"),
         Some(prompts.len() as f64),
@@ -238,14 +231,7 @@ async fn idle_and_garbage_connections_on_every_port_do_not_break_pd() {
         metric(&m, "pdkv_kv_handshakes_refused_total").unwrap() >= 6.0,
         "{m}"
     );
-    let pm = client
-        .get(p.url("/metrics"))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let pm = pdkv_testkit::http::get_text(&client, &p.url("/metrics")).await;
     assert!(
         metric(&pm, "pdkv_kv_handshakes_refused_total").unwrap() >= 3.0,
         "{pm}"

@@ -186,14 +186,9 @@ async fn kill_p_while_d_waits(model: &std::path::Path, policy: &str) -> (u16, St
     let mut p = spec.start_engine(EngineRole::Prefill, "p0");
     let d = spec.start_engine(EngineRole::Decode, "d0");
     let client = reqwest::Client::new();
-    let info: Value = client
-        .get(p.url("/kv_transfer/info"))
-        .send()
+    let info: Value = pdkv_testkit::http::get_json(&client, &p.url("/kv_transfer/info"))
         .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+        .1;
     // A long prompt keeps P busy prefilling for a while.
     let prompt = PREFIXES
         .iter()
@@ -271,14 +266,9 @@ async fn a_hung_p_is_a_504_naming_the_setting_to_raise() {
         .timeout(DEADLINE)
         .build()
         .unwrap();
-    let info: Value = client
-        .get(p.url("/kv_transfer/info"))
-        .send()
+    let info: Value = pdkv_testkit::http::get_json(&client, &p.url("/kv_transfer/info"))
         .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+        .1;
     let prompt = PREFIXES
         .iter()
         .cycle()

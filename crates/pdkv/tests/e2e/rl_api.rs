@@ -206,23 +206,9 @@ async fn n8_seeded_choices_reproduce_and_differ() {
     let prompt = format!("{PROMPT} water, a map and");
     let body = json!({"prompt": prompt, "n": 8, "seed": 42, "temperature": 1.0, "max_tokens": 8,
         "ignore_eos": true, "return_token_ids": true});
-    let before = client
-        .get(s.url("/metrics"))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let before = pdkv_testkit::http::get_text(&client, &s.url("/metrics")).await;
     let a = ok(&client, url.clone(), &body).await;
-    let after = client
-        .get(s.url("/metrics"))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let after = pdkv_testkit::http::get_text(&client, &s.url("/metrics")).await;
     let b = ok(&client, url.clone(), &body).await;
     let choices = |v: &Value| -> Vec<(u64, Vec<u64>, String)> {
         v["choices"]
@@ -464,14 +450,9 @@ async fn tokenize_detokenize_version_and_the_api_key() {
         client.get(s.url("/metrics")).send().await.unwrap().status(),
         200
     );
-    let version: Value = client
-        .get(s.url("/version"))
-        .send()
+    let version: Value = pdkv_testkit::http::get_json(&client, &s.url("/version"))
         .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+        .1;
     assert_eq!(version["version"], env!("CARGO_PKG_VERSION"));
 
     let body = json!({"prompt": PROMPT, "add_special_tokens": false});
@@ -591,14 +572,7 @@ async fn an_n8_group_through_the_pd_proxy_is_one_transfer_and_equals_colocated()
         "ignore_eos": true, "logprobs": 1, "return_token_ids": true});
     let want = ok(&client, colo.url("/v1/completions"), &body).await;
     let loads = |t: &str| metric(t, "pdkv_kv_loads_ok_total").unwrap_or(0.0);
-    let before = client
-        .get(d.url("/metrics"))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let before = pdkv_testkit::http::get_text(&client, &d.url("/metrics")).await;
     let resp = client
         .post(proxy.url("/v1/completions"))
         .json(&body)
@@ -620,14 +594,7 @@ async fn an_n8_group_through_the_pd_proxy_is_one_transfer_and_equals_colocated()
         .unwrap();
     assert_eq!(resp.status().as_u16(), 200);
     let got: Value = resp.json().await.unwrap();
-    let after = client
-        .get(d.url("/metrics"))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let after = pdkv_testkit::http::get_text(&client, &d.url("/metrics")).await;
     assert_eq!(
         loads(&after) - loads(&before),
         1.0,
@@ -685,14 +652,7 @@ async fn an_n8_group_through_the_pd_proxy_is_one_transfer_and_equals_colocated()
         got["choices"][0]["prompt_logprobs"],
         want["choices"][0]["prompt_logprobs"]
     );
-    let last = client
-        .get(d.url("/metrics"))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let last = pdkv_testkit::http::get_text(&client, &d.url("/metrics")).await;
     assert_eq!(
         loads(&last),
         loads(&after),

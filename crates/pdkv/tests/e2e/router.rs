@@ -235,14 +235,9 @@ async fn wait_router_health(
 ) -> Duration {
     let started = Instant::now();
     loop {
-        let v: Value = client
-            .get(format!("{router}/workers"))
-            .send()
+        let v: Value = pdkv_testkit::http::get_json(client, &format!("{router}/workers"))
             .await
-            .unwrap()
-            .json()
-            .await
-            .unwrap();
+            .1;
         let w = v["workers"]
             .as_array()
             .unwrap()

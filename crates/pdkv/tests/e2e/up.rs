@@ -492,14 +492,9 @@ async fn up_syncs_weights_from_a_publisher_to_every_engine() {
     call("/finish_weight_update", json!({})).await;
     call("/resume", json!({})).await;
     assert_eq!(version().await, json!("step-2"));
-    let stats: Value = client
-        .get(format!("{pub_url}/stats"))
-        .send()
+    let stats: Value = pdkv_testkit::http::get_json(&client, &format!("{pub_url}/stats"))
         .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+        .1;
     assert_eq!(
         stats["bytes_served"], stats["bytes"],
         "one copy through the publisher: {stats}"
