@@ -920,19 +920,20 @@ async fn reset_prefix_cache_reports_success() {
         hits,
         "nothing was cached after the flush"
     );
-    // While blocks are in use the flush is refused, not half done.
-    let stream = s.client.post(s.url("/v1/completions")).json(&json!({"prompt": prompt, "max_tokens": 400, "stream": true, "ignore_eos": true, "temperature": 0})).send().await.unwrap();
-    s.wait_metrics("1 running request", |m| {
-        must(m, "pdkv_num_requests_running") == 1.0
-    })
-    .await;
+    // While blocks are in use the flush is refused, not half done. The
+    // request is frozen by a keep-pause so it holds its blocks whatever the
+    // machine's speed (a running one could end between two polls).
+    let mut running = s.open_stream(json!({}), None).await;
+    running.next_json().await;
+    s.admin_ok(Method::POST, "/pause?mode=keep", None).await;
     let (status, v) = s.send(Method::POST, "/flush_cache", None, None).await;
     assert_eq!(
         (status, v["error"]["code"].as_str()),
         (StatusCode::CONFLICT, Some("cache_in_use")),
         "{v}"
     );
-    drop(stream);
+    s.admin_ok(Method::POST, "/resume", None).await;
+    drop(running);
     let (status, v) = s.send(Method::GET, "/get_model_info", None, None).await;
     assert_eq!(
         (status, &v["is_generation"]),
