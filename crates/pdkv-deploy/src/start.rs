@@ -38,6 +38,9 @@ pub struct Spec {
     pub engine_id_prefix: String,
     /// The proxy's health checks' interval (`None`: its default).
     pub proxy_health_interval_ms: Option<u64>,
+    /// Every engine and the proxy in dev mode (`PDKV_SERVER_DEV_MODE=1`:
+    /// the admin API open without a token).
+    pub dev_mode: bool,
 }
 
 /// The URLs of a started deployment.
@@ -56,22 +59,25 @@ struct Env {
     token: Option<String>,
     api_key: Option<String>,
     secret: String,
+    dev_mode: bool,
 }
 
 impl Env {
-    fn engine(&self) -> [(&'static str, Option<&str>); 3] {
+    fn engine(&self) -> [(&'static str, Option<&str>); 4] {
         [
             ("PDKV_ADMIN_TOKEN", self.token.as_deref()),
             ("PDKV_API_KEY", self.api_key.as_deref()),
             ("PDKV_KV_SECRET", Some(&self.secret)),
+            ("PDKV_SERVER_DEV_MODE", self.dev_mode.then_some("1")),
         ]
     }
 
-    fn proxy(&self) -> [(&'static str, Option<&str>); 3] {
+    fn proxy(&self) -> [(&'static str, Option<&str>); 4] {
         [
             ("PDKV_ADMIN_TOKEN", self.token.as_deref()),
             ("PDKV_API_KEY", None),
             ("PDKV_KV_SECRET", Some(&self.secret)),
+            ("PDKV_SERVER_DEV_MODE", self.dev_mode.then_some("1")),
         ]
     }
 }
@@ -135,6 +141,7 @@ pub async fn start(
         token: spec.admin_token.clone(),
         api_key: spec.api_key.clone(),
         secret,
+        dev_mode: spec.dev_mode,
     };
     let np = spec.ports.prefill.len();
     spawn_engines(spec, &env, procs, logs)?;

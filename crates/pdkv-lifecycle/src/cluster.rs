@@ -69,6 +69,7 @@ impl Deployment {
             api_key: None,
             engine_id_prefix: "lc".to_string(),
             proxy_health_interval_ms: Some(PROXY_HEALTH_INTERVAL_MS),
+            dev_mode: false,
         };
         let logs = Logs {
             who: WHO,

@@ -5,20 +5,29 @@
 //! `GET /is_sleeping` → `{"is_sleeping":true}`, ...), so frameworks written
 //! against vLLM drive pdkv unchanged.
 //!
+//! The RL frameworks' own dialects of the same operations are routes here
+//! too ([`crate::dialects`]): `GET /get_world_size`, AReaL's
+//! `/areal_pause_generation`, `/areal_update_weights` and
+//! `/areal_continue_generation`, prime-rl's `{"weight_dir"}` body.
+//!
 //! Invariants:
-//! - The routes exist only when the server was given an admin token, and
+//! - The routes exist only when the server was given an admin token or
+//!   runs in dev mode ([`crate::AppState::with_dev_mode`]). With a token,
 //!   every one of them checks `Authorization: Bearer <token>` (compared in
 //!   time independent of where the bytes differ) before doing anything.
 //! - Engine lifecycle calls block until the engine core has applied them, so
 //!   handlers run them on tokio's blocking pool, never on an async worker.
-//! - Query strings are parsed here, with repeats allowed only where a
-//!   parameter is a list (`tags`); an unknown parameter, a repeated scalar or
-//!   a malformed value is a 400 naming the parameter, before the engine is
-//!   touched.
+//! - Parameters are read from the query string and, as several frameworks
+//!   send them, from a JSON object body under the same names; repeats are
+//!   allowed only where a parameter is a list (`tags`). A repeated scalar
+//!   or a malformed value is a 400 naming the parameter, before the engine
+//!   is touched. A parameter the route does not know is ignored with a WARN
+//!   (as vLLM ignores it).
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use axum::body::Bytes;
 use axum::extract::{RawQuery, Request, State};
 use axum::http::{header, HeaderValue};
 use axum::middleware::{self, Next};
@@ -75,9 +84,10 @@ impl std::fmt::Debug for AdminToken {
     }
 }
 
-/// The admin routes, each behind the token check.
-pub(crate) fn routes(token: Arc<AdminToken>) -> Router<AppState> {
-    Router::new()
+/// The admin routes, each behind the token check when there is a token
+/// (dev mode: open).
+pub(crate) fn routes(token: Option<Arc<AdminToken>>) -> Router<AppState> {
+    let routes = Router::new()
         .route("/pause", post(pause))
         .route("/resume", post(resume))
         .route("/is_paused", get(is_paused))
@@ -95,7 +105,11 @@ pub(crate) fn routes(token: Arc<AdminToken>) -> Router<AppState> {
         )
         .route("/start_weight_update", post(start_weight_update))
         .route("/finish_weight_update", post(finish_weight_update))
-        .route_layer(middleware::from_fn_with_state(token, require_token))
+        .merge(crate::dialects::routes());
+    match token {
+        Some(token) => routes.route_layer(middleware::from_fn_with_state(token, require_token)),
+        None => routes,
+    }
 }
 
 /// Lets a request through only with `Authorization: Bearer <token>`.
@@ -152,8 +166,8 @@ pub struct QueryParams {
 }
 
 impl QueryParams {
-    /// Parses `raw` (percent-decoding, `+` as space) and refuses any
-    /// parameter not in `allowed`.
+    /// Parses `raw` (percent-decoding, `+` as space). A parameter not in
+    /// `allowed` is dropped with a WARN naming it (vLLM ignores them too).
     pub fn parse(raw: Option<&str>, allowed: &[&str]) -> Result<QueryParams, ApiError> {
         let pairs: Vec<(String, String)> = raw
             .map(|q| {
@@ -162,18 +176,68 @@ impl QueryParams {
                     .collect()
             })
             .unwrap_or_default();
-        if let Some((name, _)) = pairs.iter().find(|(k, _)| !allowed.contains(&k.as_str())) {
-            let known = if allowed.is_empty() {
-                "none".to_string()
-            } else {
-                allowed.join(", ")
-            };
-            return Err(ApiError::invalid_param(
-                name,
-                format!("unknown query parameter `{name}` (this route takes: {known})"),
-            ));
+        let mut q = QueryParams::default();
+        q.extend(pairs, allowed, "query parameter");
+        Ok(q)
+    }
+
+    /// [`QueryParams::parse`], then the fields of a JSON object `body` (an
+    /// empty body adds none) under the same names: strings, numbers and
+    /// booleans as their text, lists as repeats, nulls dropped. A body that
+    /// is not a JSON object is a 400.
+    pub fn parse_with_body(
+        raw: Option<&str>,
+        body: &[u8],
+        allowed: &[&str],
+    ) -> Result<QueryParams, ApiError> {
+        let mut q = QueryParams::parse(raw, allowed)?;
+        if body.iter().all(u8::is_ascii_whitespace) {
+            return Ok(q);
         }
-        Ok(QueryParams { pairs })
+        let v: Value = crate::error::parse_json(body)?;
+        let Value::Object(map) = v else {
+            return Err(ApiError::invalid(
+                "the body must be a JSON object of the route's parameters",
+            ));
+        };
+        let mut pairs = Vec::new();
+        for (k, v) in map {
+            let items = match v {
+                Value::Array(items) => items,
+                other => vec![other],
+            };
+            for item in items {
+                let text = match item {
+                    Value::Null => continue,
+                    Value::String(s) => s,
+                    Value::Bool(b) => b.to_string(),
+                    Value::Number(n) => n.to_string(),
+                    other => {
+                        return Err(ApiError::invalid_param(
+                            &k,
+                            format!("`{k}` must be a string, number, boolean or list of them, got {other}"),
+                        ))
+                    }
+                };
+                pairs.push((k.clone(), text));
+            }
+        }
+        q.extend(pairs, allowed, "body field");
+        Ok(q)
+    }
+
+    fn extend(&mut self, pairs: Vec<(String, String)>, allowed: &[&str], what: &str) {
+        for (k, v) in pairs {
+            if allowed.contains(&k.as_str()) {
+                self.pairs.push((k, v));
+            } else {
+                tracing::warn!(
+                    parameter = %k,
+                    known = %allowed.join(", "),
+                    "ignoring an unknown admin {what}"
+                );
+            }
+        }
     }
 
     /// Every value of `name`, in order.
@@ -247,7 +311,7 @@ impl QueryParams {
 }
 
 /// Runs a blocking engine call on the blocking pool.
-async fn on_engine<T: Send + 'static>(
+pub(crate) async fn on_engine<T: Send + 'static>(
     state: &AppState,
     f: impl FnOnce(&EngineHandle) -> T + Send + 'static,
 ) -> Result<T, ApiError> {
@@ -273,9 +337,11 @@ fn json_ok(v: Value) -> Response {
 async fn pause(
     State(state): State<AppState>,
     RawQuery(raw): RawQuery,
+    body: Bytes,
 ) -> Result<Response, ApiError> {
-    let q = QueryParams::parse(
+    let q = QueryParams::parse_with_body(
         raw.as_deref(),
+        &body,
         &[
             "mode",
             "clear_cache",
@@ -311,8 +377,9 @@ async fn pause(
 async fn resume(
     State(state): State<AppState>,
     RawQuery(raw): RawQuery,
+    body: Bytes,
 ) -> Result<Response, ApiError> {
-    QueryParams::parse(raw.as_deref(), &[])?;
+    QueryParams::parse_with_body(raw.as_deref(), &body, &[])?;
     on_engine(&state, |e| e.resume()).await??;
     Ok(json_ok(json!({"status": "resumed"})))
 }
@@ -335,8 +402,16 @@ async fn is_paused(
 async fn sleep(
     State(state): State<AppState>,
     RawQuery(raw): RawQuery,
+    body: Bytes,
 ) -> Result<Response, ApiError> {
-    let q = QueryParams::parse(raw.as_deref(), &["level", "mode", "timeout"])?;
+    let q = QueryParams::parse_with_body(
+        raw.as_deref(),
+        &body,
+        &["level", "mode", "timeout", "tags"],
+    )?;
+    // A sleep releases every tag whatever `tags` says (vLLM's `/sleep`
+    // takes none); the names are still checked.
+    parse_tags(&q)?;
     let level = match q.single("level")? {
         None => SleepLevel::L1,
         Some(v) => v
@@ -371,27 +446,10 @@ async fn sleep(
 async fn wake_up(
     State(state): State<AppState>,
     RawQuery(raw): RawQuery,
+    body: Bytes,
 ) -> Result<Response, ApiError> {
-    let q = QueryParams::parse(raw.as_deref(), &["tags"])?;
-    let names = q.all("tags");
-    let tags = if names.is_empty() {
-        None
-    } else {
-        let mut tags = Vec::with_capacity(names.len());
-        for name in names {
-            let tag = Tag::parse(name).ok_or_else(|| {
-                let known: Vec<&str> = Tag::ALL.iter().map(|t| t.as_str()).collect();
-                ApiError::invalid_param(
-                    "tags",
-                    format!("unknown tag {name:?} (known: {})", known.join(", ")),
-                )
-            })?;
-            if !tags.contains(&tag) {
-                tags.push(tag);
-            }
-        }
-        Some(tags)
-    };
+    let q = QueryParams::parse_with_body(raw.as_deref(), &body, &["tags"])?;
+    let tags = parse_tags(&q)?;
     let started = Instant::now();
     let status = on_engine(&state, move |e| {
         e.wake_up(tags.as_deref()).map(|()| e.lifecycle_status())
@@ -409,6 +467,28 @@ async fn wake_up(
     })))
 }
 
+/// The `tags` parameter: `None` when absent (everything).
+fn parse_tags(q: &QueryParams) -> Result<Option<Vec<Tag>>, ApiError> {
+    let names = q.all("tags");
+    if names.is_empty() {
+        return Ok(None);
+    }
+    let mut tags = Vec::with_capacity(names.len());
+    for name in names {
+        let tag = Tag::parse(name).ok_or_else(|| {
+            let known: Vec<&str> = Tag::ALL.iter().map(|t| t.as_str()).collect();
+            ApiError::invalid_param(
+                "tags",
+                format!("unknown tag {name:?} (known: {})", known.join(", ")),
+            )
+        })?;
+        if !tags.contains(&tag) {
+            tags.push(tag);
+        }
+    }
+    Ok(Some(tags))
+}
+
 /// `GET /is_sleeping`.
 async fn is_sleeping(
     State(state): State<AppState>,
@@ -423,8 +503,9 @@ async fn is_sleeping(
 async fn release_kv_cache_memory(
     State(state): State<AppState>,
     RawQuery(raw): RawQuery,
+    body: Bytes,
 ) -> Result<Response, ApiError> {
-    QueryParams::parse(raw.as_deref(), &[])?;
+    QueryParams::parse_with_body(raw.as_deref(), &body, &[])?;
     on_engine(&state, |e| e.release_kv_cache_memory()).await??;
     Ok(json_ok(json!({"status": "released"})))
 }
@@ -434,42 +515,61 @@ async fn release_kv_cache_memory(
 async fn reset_prefix_cache(
     State(state): State<AppState>,
     RawQuery(raw): RawQuery,
+    body: Bytes,
 ) -> Result<Response, ApiError> {
-    let q = QueryParams::parse(raw.as_deref(), &["reset_running_requests"])?;
+    let q = QueryParams::parse_with_body(
+        raw.as_deref(),
+        &body,
+        &["reset_running_requests", "reset_external"],
+    )?;
     let reset_running = q.bool("reset_running_requests", false)?;
     let success = on_engine(&state, move |e| e.reset_prefix_cache_with(reset_running)).await?;
     Ok(json_ok(json!({"success": success})))
 }
 
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Default, Deserialize)]
 struct AbortRequestsBody {
-    request_ids: Vec<String>,
+    #[serde(default)]
+    request_ids: Option<Vec<String>>,
 }
 
-/// `POST /abort_requests {"request_ids":[...]}` → `{"aborted":[...]}`, the
-/// ids that were live.
+/// `POST /abort_requests {"request_ids":[...]}` → `{"aborted":[...],
+/// "num_aborted": N}`, the ids that were live. No body, `{}`, or an empty
+/// list aborts every live request.
 async fn abort_requests(
     State(state): State<AppState>,
     RawQuery(raw): RawQuery,
-    ApiJson(body): ApiJson<AbortRequestsBody>,
+    body: Bytes,
 ) -> Result<Response, ApiError> {
     QueryParams::parse(raw.as_deref(), &[])?;
-    let ids = body.request_ids;
+    let body: AbortRequestsBody = if body.iter().all(u8::is_ascii_whitespace) {
+        AbortRequestsBody::default()
+    } else {
+        crate::error::parse_json(&body)?
+    };
+    let ids = match body.request_ids {
+        Some(ids) if !ids.is_empty() => ids,
+        _ => state.engine().live_request_ids(),
+    };
     let aborted = on_engine(&state, move |e| e.abort_requests(&ids)).await?;
-    Ok(json_ok(json!({"aborted": aborted})))
+    Ok(json_ok(
+        json!({"num_aborted": aborted.len(), "aborted": aborted}),
+    ))
 }
 
 #[derive(Debug, Deserialize)]
 struct UpdateWeightsBody {
-    /// A `.gguf` file or a checkpoint directory (SGLang calls it `model_path`).
-    #[serde(alias = "model_path")]
+    /// A `.gguf` file or a Hugging Face checkpoint directory (SGLang and
+    /// AReaL call it `model_path`, prime-rl `weight_dir`).
+    #[serde(alias = "model_path", alias = "weight_dir")]
     path: String,
+    #[serde(alias = "weight_version")]
     version: Option<String>,
 }
 
-/// `POST /update_weights {"path":"...","version":"..."}`: reloads weights in
-/// place. A checkpoint that does not fit the model is a 400 and the old
-/// weights keep serving.
+/// `POST /update_weights {"path":"...","version":"..."}` (or `model_path`,
+/// `weight_dir`): reloads weights in place. A checkpoint that does not fit
+/// the model is a 400 and the old weights keep serving.
 ///
 /// With `{"update_info": {...}}` instead, one chunk of a weight sync (see
 /// [`crate::weight_sync`]).
@@ -485,15 +585,39 @@ async fn update_weights(
     // A reload from disk; parsed again so a bad field is named in `param`.
     let bytes = serde_json::to_vec(&body).map_err(|e| ApiError::internal(e.to_string()))?;
     let body: UpdateWeightsBody = crate::error::parse_json(&bytes)?;
-    if body.path.is_empty() {
+    let version = body.version.clone();
+    reload_from_disk(&state, body.path, body.version).await?;
+    Ok(json_ok(json!({"status": "ok", "version": version})))
+}
+
+/// Reloads the checkpoint at `path` in place, as `version`. On an engine
+/// that is not paused, requests in flight are frozen for the reload (a
+/// `keep` pause) and continue with the new weights afterwards, as a
+/// trainer that updates between two steps of its rollouts expects; an
+/// engine already paused stays as its pause left it.
+pub(crate) async fn reload_from_disk(
+    state: &AppState,
+    path: String,
+    version: Option<String>,
+) -> Result<(), ApiError> {
+    if path.is_empty() {
         return Err(ApiError::invalid_param("path", "`path` must not be empty"));
     }
-    let path = std::path::PathBuf::from(body.path);
-    let version = body.version.clone();
+    let path = std::path::PathBuf::from(path);
     let started = Instant::now();
-    on_engine(&state, move |e| e.update_weights(&path, version)).await??;
-    tracing::info!(version = ?body.version, secs = started.elapsed().as_secs_f64(), "weights updated");
-    Ok(json_ok(json!({"status": "ok", "version": body.version})))
+    let v = version.clone();
+    on_engine(state, move |e| {
+        if e.lifecycle_status().paused.is_some() {
+            return e.update_weights(&path, v);
+        }
+        e.pause(PauseMode::Keep, false, DEFAULT_TIMEOUT)?;
+        let updated = e.update_weights(&path, v);
+        let resumed = e.resume();
+        updated.and(resumed)
+    })
+    .await??;
+    tracing::info!(version = ?version, secs = started.elapsed().as_secs_f64(), "weights updated");
+    Ok(())
 }
 
 /// `POST /init_weight_transfer_engine {"init_info": {"backend": "pdkv",
@@ -544,7 +668,7 @@ async fn finish_weight_update(
         None
     } else {
         let v: Value = crate::error::parse_json(&body)?;
-        match v.get("version") {
+        match v.get("version").or_else(|| v.get("weight_version")) {
             None | Some(Value::Null) => None,
             Some(Value::String(s)) => Some(s.clone()),
             Some(_) => {
@@ -572,16 +696,19 @@ async fn finish_weight_update(
     ))
 }
 
-/// `GET /weight_info` → `{"version":..,"path":..}`.
+/// `GET /weight_info` → `{"version":..,"weight_version":..,"path":..}`
+/// (`weight_version` as vLLM's RLHF router reads it).
 async fn weight_info(
     State(state): State<AppState>,
     RawQuery(raw): RawQuery,
 ) -> Result<Response, ApiError> {
     QueryParams::parse(raw.as_deref(), &[])?;
     let info = on_engine(&state, |e| e.weight_info()).await?;
-    Ok(json_ok(
-        json!({"version": info.version, "path": info.path.display().to_string()}),
-    ))
+    Ok(json_ok(json!({
+        "version": info.version,
+        "weight_version": info.version,
+        "path": info.path.display().to_string(),
+    })))
 }
 
 #[cfg(test)]

@@ -10,7 +10,9 @@
 //! ([`AppState::with_admin_token`]) also the lifecycle API of [`admin`]
 //! (`/pause`, `/sleep`, `/wake_up`, `/update_weights`, ...), each route
 //! behind `Authorization: Bearer <token>`; without one those routes do not
-//! exist (404).
+//! exist (404), unless the server runs in dev mode
+//! ([`AppState::with_dev_mode`]), which mounts them open, as vLLM does under
+//! `VLLM_SERVER_DEV_MODE=1`.
 //!
 //! A generation request's engine id is the `id` of its response (and its
 //! `X-Request-Id` response header), so `/abort_requests` can name it; a
@@ -31,6 +33,7 @@ mod admit;
 mod api_key;
 mod choices;
 mod compat;
+mod dialects;
 pub mod error;
 pub mod listen;
 mod logprobs;
@@ -66,6 +69,7 @@ pub struct AppState {
     inner: Arc<StateInner>,
     sync: Arc<weight_sync::WeightSync>,
     admin_token: Option<Arc<admin::AdminToken>>,
+    dev_mode: bool,
     api_key: Option<Arc<api_key::ApiKey>>,
 }
 
@@ -99,6 +103,7 @@ impl AppState {
                 pdkv_transfer::auth::KvSecret::open(),
             )),
             admin_token: None,
+            dev_mode: false,
             api_key: None,
         }
     }
@@ -137,9 +142,18 @@ impl AppState {
         Ok(self)
     }
 
+    /// Dev mode: the lifecycle admin API is mounted even without an admin
+    /// token, open to anyone who reaches the port (with a token, the token
+    /// is still required). For RL frameworks that call those routes without
+    /// credentials on a trusted network.
+    pub fn with_dev_mode(mut self, on: bool) -> AppState {
+        self.dev_mode = on;
+        self
+    }
+
     /// Whether the admin API is enabled.
     pub fn admin_enabled(&self) -> bool {
-        self.admin_token.is_some()
+        self.admin_token.is_some() || self.dev_mode
     }
 
     pub fn engine(&self) -> &EngineHandle {
@@ -171,7 +185,12 @@ impl AppState {
 pub fn router(state: AppState) -> Router {
     let mut app = Router::new();
     if let Some(token) = &state.admin_token {
-        app = app.merge(admin::routes(token.clone()));
+        app = app.merge(admin::routes(Some(token.clone())));
+    } else if state.dev_mode {
+        tracing::warn!(
+            "dev mode: the lifecycle and weight routes (/pause, /sleep, /update_weights, ...) are open to anyone who reaches this port"
+        );
+        app = app.merge(admin::routes(None));
     }
     let mut openai = Router::new()
         .route("/v1/completions", post(routes::completions))
@@ -191,7 +210,10 @@ pub fn router(state: AppState) -> Router {
         .route("/kv_transfer/info", get(routes::kv_transfer_info))
         .route("/weight_sync/manifest", get(routes::weight_sync_manifest))
         .route("/metrics", get(routes::metrics))
-        .route("/flush_cache", post(compat::flush_cache))
+        .route(
+            "/flush_cache",
+            post(compat::flush_cache).get(compat::flush_cache),
+        )
         .route("/get_model_info", get(compat::get_model_info))
         .route("/get_server_info", get(compat::get_server_info))
         .fallback(routes::not_found)

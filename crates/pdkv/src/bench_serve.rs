@@ -233,6 +233,7 @@ async fn start_deployment(args: &ServeBenchArgs, procs: &mut Vec<Proc>) -> anyho
         decode_port: None,
         kv_port: None,
         admin_token: None,
+        dev_mode: false,
         kv_secret: None,
         api_key: None,
         num_kv_blocks: args.num_kv_blocks,

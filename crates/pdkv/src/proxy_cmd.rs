@@ -35,6 +35,12 @@ pub struct ProxyArgs {
     /// engines must have been started with the same token.
     #[arg(long, env = "PDKV_ADMIN_TOKEN", hide_env_values = true)]
     pub admin_token: Option<String>,
+    /// Dev mode, as vLLM's `VLLM_SERVER_DEV_MODE=1`: the deployment's
+    /// lifecycle and weight routes are mounted without `--admin-token`,
+    /// open to anyone who reaches the port (the engines must run in dev
+    /// mode too).
+    #[arg(long, env = "PDKV_SERVER_DEV_MODE")]
+    pub dev_mode: bool,
     /// The deployment's KV secret (as the engines' `--kv-secret`): the proxy
     /// proves it when it asks a prefill engine to drop a transfer.
     #[arg(long, env = "PDKV_KV_SECRET", hide_env_values = true)]
@@ -56,6 +62,7 @@ pub fn run(args: ProxyArgs) -> anyhow::Result<()> {
     config.request_timeout = Duration::from_secs(args.request_timeout);
     config.health_interval = Duration::from_millis(args.health_interval_ms);
     config.admin_token = args.admin_token;
+    config.dev_mode = args.dev_mode;
     config.kv_secret = crate::common::kv_secret(args.kv_secret.as_deref())?;
     config.http = args.http.limits()?;
     let proxy = Proxy::new(config)?;

@@ -52,6 +52,12 @@ pub struct ServeArgs {
     /// TOKEN`. Without it those routes do not exist.
     #[arg(long, env = "PDKV_ADMIN_TOKEN", hide_env_values = true)]
     pub admin_token: Option<String>,
+    /// Dev mode, as vLLM's `VLLM_SERVER_DEV_MODE=1`: the lifecycle and
+    /// weight routes are mounted (with sleep mode) even without
+    /// `--admin-token`, open to anyone who reaches the port. For RL
+    /// frameworks that call them without credentials (SkyRL, AReaL).
+    #[arg(long, env = "PDKV_SERVER_DEV_MODE")]
+    pub dev_mode: bool,
     /// Requires `Authorization: Bearer KEY` on the OpenAI routes (/v1/*,
     /// /tokenize, /detokenize), as vLLM's --api-key; /health, /metrics and
     /// /version stay open.
@@ -130,7 +136,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         addr,
         engine.clone(),
         served_name,
-        (args.admin_token, args.api_key),
+        (args.admin_token, args.api_key, args.dev_mode),
         secret,
         limits,
     ));
@@ -196,7 +202,7 @@ fn build_connector(
                     c.name()
                 );
             }
-            if args.admin_token.is_some() && !args.enable_sleep_mode {
+            if (args.admin_token.is_some() || args.dev_mode) && !args.enable_sleep_mode {
                 if c.supports_sleep_mode() {
                     // The admin API is there to sleep between rollouts.
                     config.enable_sleep_mode = true;
@@ -237,7 +243,7 @@ async fn serve(
     addr: SocketAddr,
     engine: EngineHandle,
     served_name: String,
-    (admin_token, api_key): (Option<String>, Option<String>),
+    (admin_token, api_key, dev_mode): (Option<String>, Option<String>, bool),
     secret: pdkv_connector::KvSecret,
     limits: pdkv_server::listen::HttpLimits,
 ) -> anyhow::Result<()> {
@@ -250,6 +256,7 @@ async fn serve(
     if let Some(key) = api_key {
         state = state.with_api_key(key)?;
     }
+    state = state.with_dev_mode(dev_mode);
     let listener = tokio::net::TcpListener::bind(addr)
         .await
         .with_context(|| format!("binding {addr}"))?;

@@ -72,6 +72,12 @@ pub struct UpArgs {
     /// needs `Authorization: Bearer TOKEN`.
     #[arg(long, env = "PDKV_ADMIN_TOKEN", hide_env_values = true)]
     pub admin_token: Option<String>,
+    /// Dev mode, as vLLM's `VLLM_SERVER_DEV_MODE=1`: every engine and the
+    /// proxy mount the lifecycle and weight routes (with sleep mode) even
+    /// without `--admin-token`, open to anyone who reaches the ports. For
+    /// RL frameworks that call them without credentials (SkyRL, AReaL).
+    #[arg(long, env = "PDKV_SERVER_DEV_MODE")]
+    pub dev_mode: bool,
     /// The deployment's KV secret, which every KV connection and weight
     /// sync proves (made fresh for the deployment when not given; give it
     /// to share it with a trainer's `pdkv weights publish`).
@@ -180,7 +186,7 @@ fn spec(args: &UpArgs, model: &std::path::Path, ports: &Ports) -> anyhow::Result
     wiring.tensor_parallel_size = args.tensor_parallel_size;
     wiring.prefill_tensor_parallel_size = args.prefill_tensor_parallel_size;
     wiring.decode_tensor_parallel_size = args.decode_tensor_parallel_size;
-    wiring.sleep_mode = args.admin_token.is_some();
+    wiring.sleep_mode = args.admin_token.is_some() || args.dev_mode;
     Ok(Spec {
         exe: std::env::current_exe().context("finding the pdkv executable")?,
         model: model.to_path_buf(),
@@ -192,6 +198,7 @@ fn spec(args: &UpArgs, model: &std::path::Path, ports: &Ports) -> anyhow::Result
         api_key: args.api_key.clone(),
         engine_id_prefix: format!("up-{}", std::process::id()),
         proxy_health_interval_ms: None,
+        dev_mode: args.dev_mode,
     })
 }
 

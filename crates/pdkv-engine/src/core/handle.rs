@@ -65,6 +65,9 @@ pub(super) struct Shared {
     pub closing_reason: Mutex<&'static str>,
     pub lifecycle: Mutex<LifecycleStatus>,
     pub weight_info: Mutex<WeightInfo>,
+    /// Woken after each lifecycle publication (and when the engine stops),
+    /// for callers waiting for admission to open again.
+    pub lifecycle_changed: tokio::sync::Notify,
 }
 
 impl Shared {
@@ -83,6 +86,7 @@ impl Shared {
             closing_reason: Mutex::new(""),
             lifecycle: Mutex::new(lifecycle),
             weight_info: Mutex::new(weight_info),
+            lifecycle_changed: tokio::sync::Notify::new(),
         }
     }
 
@@ -135,6 +139,7 @@ impl Publisher for SharedPublisher {
         if update.closed_admission {
             shared.closing_in_flight.fetch_sub(1, Ordering::SeqCst);
         }
+        shared.lifecycle_changed.notify_waiters();
     }
 
     fn stats(&mut self, stats: &EngineStats) {
@@ -199,6 +204,7 @@ impl Inner {
             tracing::error!("engine core thread panicked");
         }
         self.shared.stopped.store(true, Ordering::SeqCst);
+        self.shared.lifecycle_changed.notify_waiters();
     }
 }
 
@@ -587,6 +593,22 @@ impl EngineHandle {
     /// lifecycle change, before answering the command that made it).
     pub fn lifecycle_status(&self) -> LifecycleStatus {
         self.inner.shared.lifecycle.lock().unwrap().clone()
+    }
+
+    /// Resolves at the next lifecycle publication (or when the engine
+    /// stops). Create it *before* reading the state it should change, so a
+    /// change in between is not missed.
+    pub fn lifecycle_changed(&self) -> impl std::future::Future<Output = ()> + Send + '_ {
+        let mut notified = Box::pin(self.inner.shared.lifecycle_changed.notified());
+        notified.as_mut().enable();
+        notified
+    }
+
+    /// The ids of every live request (admitted and not yet ended), sorted.
+    pub fn live_request_ids(&self) -> Vec<String> {
+        let mut ids: Vec<String> = self.inner.shared.live.lock().unwrap().keys().cloned().collect();
+        ids.sort_unstable();
+        ids
     }
 
     /// Stops the engine thread: running requests end with `Abort`. Waits for

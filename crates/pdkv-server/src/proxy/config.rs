@@ -24,6 +24,9 @@ pub struct ProxyConfig {
     /// `Authorization: Bearer <token>`; the proxy calls the engines with the
     /// same token.
     pub admin_token: Option<String>,
+    /// Mounts that API without a token when none is given (the engines run
+    /// in dev mode too), as vLLM's `VLLM_SERVER_DEV_MODE=1`.
+    pub dev_mode: bool,
     /// The deployment's KV secret, proven to a prefill engine's control
     /// port when the proxy asks it to drop a transfer.
     pub kv_secret: pdkv_connector::KvSecret,
@@ -43,6 +46,7 @@ impl ProxyConfig {
             connect_timeout: Duration::from_secs(5),
             request_timeout: Duration::from_secs(600),
             admin_token: None,
+            dev_mode: false,
             kv_secret: pdkv_connector::KvSecret::open(),
             http: crate::listen::HttpLimits::default(),
         }

@@ -168,6 +168,30 @@ pub(super) fn answer(path: &str, results: &[EngineResult]) -> Response {
     json_response(status, &body)
 }
 
+/// The answer when every engine succeeded: the first engine's body (its
+/// fields are what a client of one engine reads), `status` set (`"ok"`
+/// when the engine gave none), `/abort_requests`' ids and counts summed
+/// over the engines, and every engine's own answer under `engines`.
+fn merged_success(path: &str, results: &[EngineResult], engines: Vec<Value>) -> Value {
+    let mut body = match results.first().map(|r| &r.body) {
+        Some(Value::Object(o)) => o.clone(),
+        _ => serde_json::Map::new(),
+    };
+    body.entry("status").or_insert_with(|| json!("ok"));
+    if path == "/abort_requests" {
+        let ids: Vec<Value> = results
+            .iter()
+            .filter_map(|r| r.body["aborted"].as_array())
+            .flatten()
+            .cloned()
+            .collect();
+        body.insert("num_aborted".into(), json!(ids.len()));
+        body.insert("aborted".into(), Value::Array(ids));
+    }
+    body.insert("engines".into(), Value::Array(engines));
+    Value::Object(body)
+}
+
 fn answer_json(path: &str, results: &[EngineResult]) -> (StatusCode, Value) {
     let engines: Vec<Value> = results.iter().map(EngineResult::json).collect();
     let failed: Vec<&EngineResult> = results
@@ -175,14 +199,7 @@ fn answer_json(path: &str, results: &[EngineResult]) -> (StatusCode, Value) {
         .filter(|r| !r.ok() && r.body != json!("not called"))
         .collect();
     if failed.is_empty() {
-        let status = results
-            .first()
-            .map(|r| r.body["status"].clone())
-            .unwrap_or(Value::Null);
-        return (
-            StatusCode::OK,
-            json!({"status": status, "engines": engines}),
-        );
+        return (StatusCode::OK, merged_success(path, results, engines));
     }
     let status = failed[0]
         .status

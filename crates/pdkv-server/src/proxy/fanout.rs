@@ -43,9 +43,9 @@ use super::shared::Shared;
 use super::weight_fanout;
 use crate::admin::{require_token, AdminToken};
 
-/// The admin routes of the proxy, behind `token`.
-pub(super) fn routes(token: Arc<AdminToken>) -> Router<Arc<Shared>> {
-    Router::new()
+/// The admin routes of the proxy, behind `token` (dev mode: open).
+pub(super) fn routes(token: Option<Arc<AdminToken>>) -> Router<Arc<Shared>> {
+    let routes = Router::new()
         .route(
             "/pause",
             post(|s, q, b| call(s, Method::POST, "/pause", Order::PrefillFirst, q, b)),
@@ -117,7 +117,79 @@ pub(super) fn routes(token: Arc<AdminToken>) -> Router<Arc<Shared>> {
             get(|s, q| read_flag(s, "/is_paused", "is_paused", q)),
         )
         .route("/weight_info", get(weight_info))
-        .route_layer(middleware::from_fn_with_state(token, require_token))
+        .route(
+            "/areal_pause_generation",
+            post(|s, q, b| {
+                call(
+                    s,
+                    Method::POST,
+                    "/areal_pause_generation",
+                    Order::PrefillFirst,
+                    q,
+                    b,
+                )
+            }),
+        )
+        .route(
+            "/areal_continue_generation",
+            post(|s, q, b| {
+                call(
+                    s,
+                    Method::POST,
+                    "/areal_continue_generation",
+                    Order::DecodeFirst,
+                    q,
+                    b,
+                )
+            }),
+        )
+        .route(
+            "/areal_update_weights",
+            post(|s, q, b| {
+                call(
+                    s,
+                    Method::POST,
+                    "/areal_update_weights",
+                    Order::Together,
+                    q,
+                    b,
+                )
+            }),
+        )
+        .route("/get_world_size", get(world_size))
+        .route("/collective_rpc", post(collective_rpc));
+    match token {
+        Some(token) => routes.route_layer(middleware::from_fn_with_state(token, require_token)),
+        None => routes,
+    }
+}
+
+/// `GET /get_world_size`: the ranks of one engine (every engine must have
+/// the same; `"agree": false` when they do not).
+async fn world_size(State(proxy): State<Arc<Shared>>, RawQuery(query): RawQuery) -> Response {
+    let results = read_all(&proxy, "/get_world_size", query.as_deref()).await;
+    if results.iter().any(|r| !r.ok()) {
+        return answer("/get_world_size", &results);
+    }
+    let sizes: Vec<&Value> = results.iter().map(|r| &r.body["world_size"]).collect();
+    let agree = sizes.iter().all(|v| *v == sizes[0]);
+    json_response(
+        StatusCode::OK,
+        &json!({"world_size": sizes[0], "agree": agree}),
+    )
+}
+
+/// `POST /collective_rpc`: the first prefill engine's refusal, as is.
+async fn collective_rpc(State(proxy): State<Arc<Shared>>, body: Bytes) -> Response {
+    let Some(b) = proxy.backends(Role::Prefill).first() else {
+        return json_response(StatusCode::SERVICE_UNAVAILABLE, &json!({"error": {"message": "no prefill engine"}}));
+    };
+    let r = super::engine_calls::call_one(&proxy, b, Method::POST, "/collective_rpc", None, &body).await;
+    let status = r
+        .status
+        .and_then(|s| StatusCode::from_u16(s).ok())
+        .unwrap_or(StatusCode::BAD_GATEWAY);
+    json_response(status, &r.body)
 }
 
 /// `POST /flush_cache` (no token, as on an engine): every engine's prefix

@@ -26,13 +26,21 @@ pub(super) fn router(proxy: Arc<Shared>) -> Router {
     let mut app = Router::new();
     if let Some(t) = &proxy.config.admin_token {
         match crate::admin::AdminToken::new(t.clone()) {
-            Ok(token) => app = app.merge(fanout::routes(Arc::new(token))),
+            Ok(token) => app = app.merge(fanout::routes(Some(Arc::new(token)))),
             Err(e) => tracing::error!("the admin API is off: {e}"),
         }
+    } else if proxy.config.dev_mode {
+        tracing::warn!(
+            "dev mode: the deployment's lifecycle and weight routes (/pause, /sleep, /update_weights, ...) are open to anyone who reaches this port"
+        );
+        app = app.merge(fanout::routes(None));
     }
     app.merge(forwarded_routes())
         .route("/v1/completions", post(completions))
-        .route("/flush_cache", post(fanout::flush_cache))
+        .route(
+            "/flush_cache",
+            post(fanout::flush_cache).get(fanout::flush_cache),
+        )
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/models", get(models))
         .route("/health", get(health))
