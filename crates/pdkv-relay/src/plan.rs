@@ -125,14 +125,21 @@ impl Mode {
 }
 
 /// Whether a request (its JSON body) wants logits of its prompt's positions
-/// (`prompt_logprobs`, or `echo` with `logprobs`): only the engine that
+/// (`prompt_logprobs` — at the top or, in the token-in/token-out API, in
+/// `sampling_params` — or `echo` with `logprobs`): only the engine that
 /// computes the prompt has them, so P cannot help and D computes it.
 pub fn needs_prompt_logits(req: &Map<String, Value>) -> bool {
-    let set = |k: &str| {
-        req.get(k)
+    let set = |m: &Map<String, Value>, k: &str| {
+        m.get(k)
             .is_some_and(|v| !v.is_null() && *v != Value::Bool(false))
     };
-    set("prompt_logprobs") || (req.get("echo") == Some(&Value::Bool(true)) && set("logprobs"))
+    let nested = req
+        .get("sampling_params")
+        .and_then(Value::as_object)
+        .is_some_and(|sp| set(sp, "prompt_logprobs"));
+    set(req, "prompt_logprobs")
+        || nested
+        || (req.get("echo") == Some(&Value::Bool(true)) && set(req, "logprobs"))
 }
 
 /// How a request D answered alone counts, by D's status.
@@ -1852,6 +1859,8 @@ mod tests {
             (json!({"prompt": "x", "echo": true, "logprobs": 2}), true),
             (json!({"prompt": "x", "echo": true, "logprobs": true}), true),
             (json!({"prompt": "x", "prompt_logprobs": null}), false),
+            (json!({"token_ids": [1], "sampling_params": {"prompt_logprobs": 0}}), true),
+            (json!({"token_ids": [1], "sampling_params": {"prompt_logprobs": null}}), false),
             (json!({"prompt": "x", "prompt_logprobs": false}), false),
             (json!({"prompt": "x", "echo": true}), false),
             (json!({"prompt": "x", "echo": false, "logprobs": 2}), false),

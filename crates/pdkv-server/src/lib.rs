@@ -1,7 +1,8 @@
 //! The OpenAI-compatible HTTP front end of a pdkv engine (axum).
 //!
 //! Endpoints: `POST /v1/completions`, `POST /v1/chat/completions` (both with
-//! `"stream": true` as server-sent events), `GET /v1/models`, `POST
+//! `"stream": true` as server-sent events), `POST /inference/v1/generate`
+//! (vLLM's token-in/token-out API, [`generate`]), `GET /v1/models`, `POST
 //! /tokenize`, `POST /detokenize`, `GET /version`, `GET /health`, `GET
 //! /metrics` (Prometheus text), and what P/D routers call on every worker
 //! ([`compat`]: `/flush_cache`, `/get_model_info`, `/get_server_info`). With
@@ -35,6 +36,7 @@ mod choices;
 mod compat;
 mod dialects;
 pub mod error;
+mod generate;
 pub mod listen;
 mod logprobs;
 pub mod metrics;
@@ -196,6 +198,7 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/completions", post(routes::completions))
         .route("/v1/chat/completions", post(routes::chat_completions))
         .route("/v1/models", get(routes::models))
+        .route("/inference/v1/generate", post(generate::generate))
         .route("/tokenize", post(tokenize::tokenize))
         .route("/detokenize", post(tokenize::detokenize));
     if let Some(key) = &state.api_key {

@@ -37,6 +37,7 @@ fn ranked(e: &TokenLogprobs) -> Vec<(u32, f64)> {
 /// has a null logprob and null top list.
 pub fn completion_logprobs(
     tok: &Tokenizer,
+    names: Names,
     ids: &[u32],
     entries: &[Option<&TokenLogprobs>],
     initial_offset: usize,
@@ -49,7 +50,7 @@ pub fn completion_logprobs(
         let text = token_text(tok, id);
         text_offset.push(offset);
         offset += text.chars().count();
-        tokens.push(Value::String(text));
+        tokens.push(Value::String(names.label(tok, id)));
         match e {
             None => {
                 token_logprobs.push(Value::Null);
@@ -59,7 +60,7 @@ pub fn completion_logprobs(
                 token_logprobs.push(json!(clamp(e.logprob)));
                 let mut top = Map::new();
                 for (t, lp) in ranked(e) {
-                    top.entry(token_text(tok, t)).or_insert(json!(clamp(lp)));
+                    top.entry(names.label(tok, t)).or_insert(json!(clamp(lp)));
                 }
                 top_logprobs.push(Value::Object(top));
             }
@@ -75,8 +76,34 @@ pub fn text_len(tok: &Tokenizer, ids: &[u32]) -> usize {
         .sum()
 }
 
-fn chat_entry(tok: &Tokenizer, id: u32, lp: f64) -> Value {
-    let text = token_text(tok, id);
+/// How tokens are named in log-probabilities: by their text, or as
+/// `token_id:N` (vLLM's `return_tokens_as_token_ids`, which the
+/// token-in/token-out API always uses).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Names {
+    Text,
+    TokenIds,
+}
+
+impl Names {
+    pub fn of(as_ids: bool) -> Names {
+        if as_ids {
+            Names::TokenIds
+        } else {
+            Names::Text
+        }
+    }
+
+    pub fn label(self, tok: &Tokenizer, id: u32) -> String {
+        match self {
+            Names::Text => token_text(tok, id),
+            Names::TokenIds => format!("token_id:{id}"),
+        }
+    }
+}
+
+fn chat_entry(tok: &Tokenizer, names: Names, id: u32, lp: f64) -> Value {
+    let text = names.label(tok, id);
     let bytes: Vec<u8> = text.as_bytes().to_vec();
     json!({"token": text, "logprob": clamp(lp), "bytes": bytes})
 }
@@ -84,15 +111,20 @@ fn chat_entry(tok: &Tokenizer, id: u32, lp: f64) -> Value {
 /// `choices[i].logprobs.content` of `/v1/chat/completions`: per token
 /// `{token, logprob, bytes, top_logprobs}`, with `top` entries of the
 /// position's list (vLLM's: the chosen token first).
-pub fn chat_content(tok: &Tokenizer, entries: &[TokenLogprobs], top: usize) -> Vec<Value> {
+pub fn chat_content(
+    tok: &Tokenizer,
+    names: Names,
+    entries: &[TokenLogprobs],
+    top: usize,
+) -> Vec<Value> {
     entries
         .iter()
         .map(|e| {
-            let mut v = chat_entry(tok, e.token, e.logprob);
+            let mut v = chat_entry(tok, names, e.token, e.logprob);
             let tops: Vec<Value> = ranked(e)
                 .into_iter()
                 .take(top)
-                .map(|(t, lp)| chat_entry(tok, t, lp))
+                .map(|(t, lp)| chat_entry(tok, names, t, lp))
                 .collect();
             v["top_logprobs"] = Value::Array(tops);
             v

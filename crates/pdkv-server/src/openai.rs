@@ -50,6 +50,8 @@ macro_rules! request_with_sampling {
             pub logit_bias: Option<Value>,
             pub prompt_logprobs: Option<Value>,
             pub return_token_ids: Option<bool>,
+            /// Log-probabilities name tokens `token_id:N` instead of text.
+            pub return_tokens_as_token_ids: Option<bool>,
             pub response_format: Option<Value>,
             pub tools: Option<Value>,
             pub tool_choice: Option<Value>,

@@ -77,7 +77,7 @@ pub(crate) async fn chat_prompt_tokens(
 }
 
 /// Validates token ids against the vocabulary.
-fn check_token_ids(state: &AppState, ids: &[u32]) -> Result<(), ApiError> {
+pub(crate) fn check_token_ids(state: &AppState, ids: &[u32]) -> Result<(), ApiError> {
     if ids.is_empty() {
         return Err(ApiError::invalid_param(
             "prompt",
@@ -96,7 +96,7 @@ fn check_token_ids(state: &AppState, ids: &[u32]) -> Result<(), ApiError> {
 
 /// Validates the token ids of `logit_bias` and `stop_token_ids` against the
 /// vocabulary, naming the field (the engine checks them too, without one).
-fn check_sampling_ids(state: &AppState, params: &SamplingParams) -> Result<(), ApiError> {
+pub(crate) fn check_sampling_ids(state: &AppState, params: &SamplingParams) -> Result<(), ApiError> {
     let vocab = state.engine().model_config().vocab_size;
     if let Some((bad, _)) = params.logit_bias.iter().find(|(t, _)| *t as usize >= vocab) {
         return Err(ApiError::invalid_param(
@@ -119,7 +119,7 @@ const MAX_REQUEST_ID_LEN: usize = 256;
 /// The engine id of a new request: the client's `X-Request-Id` header, else
 /// its `request_id` body field, else a fresh `{prefix}<hex>` id. The same id
 /// is the response's `id`, so `/abort_requests` can name the request.
-fn choose_request_id(
+pub(crate) fn choose_request_id(
     state: &AppState,
     headers: &HeaderMap,
     body_id: Option<&str>,
@@ -157,7 +157,7 @@ fn choose_request_id(
 
 /// Echoes the request id in an `X-Request-Id` response header (when it is a
 /// valid header value).
-fn with_request_id(mut resp: Response, id: &str) -> Response {
+pub(crate) fn with_request_id(mut resp: Response, id: &str) -> Response {
     if let Ok(v) = HeaderValue::from_str(id) {
         resp.headers_mut().insert("x-request-id", v);
     }
@@ -167,7 +167,7 @@ fn with_request_id(mut resp: Response, id: &str) -> Response {
 /// Checks the shape of `kv_transfer_params` and maps a router's dialect
 /// onto pdkv's keys for request `id` (the connector checks the contents
 /// when the request is added).
-fn kv_params(v: Option<Value>, id: &str) -> Result<Option<Value>, ApiError> {
+pub(crate) fn kv_params(v: Option<Value>, id: &str) -> Result<Option<Value>, ApiError> {
     match v {
         None | Some(Value::Null) => Ok(None),
         Some(v @ Value::Object(_)) => Ok(Some(pdkv_connector::params::canonical(v, id))),
@@ -233,6 +233,7 @@ pub async fn completions(
     let echo_text = echo.then(|| prompt_text.unwrap_or_else(|| tok.decode(&prompt_tokens, false)));
     let view = CompletionView {
         tok,
+        names: logprobs::Names::of(req.return_tokens_as_token_ids.unwrap_or(false)),
         logprobs: params.logprobs.is_some(),
         want_prompt_logprobs: req.prompt_logprobs.as_ref().is_some_and(|v| !v.is_null()),
         return_token_ids,
@@ -330,6 +331,8 @@ async fn whole_completion(
 /// the prompt they may echo.
 struct CompletionView {
     tok: Arc<Tokenizer>,
+    /// How log-probabilities name tokens (`return_tokens_as_token_ids`).
+    names: logprobs::Names,
     logprobs: bool,
     /// The client asked for `prompt_logprobs` itself (not only through echo).
     want_prompt_logprobs: bool,
@@ -401,7 +404,7 @@ impl CompletionView {
             all_ids.extend_from_slice(ids);
             entries.extend(lps.iter().map(Some));
             choice["logprobs"] =
-                logprobs::completion_logprobs(&self.tok, &all_ids, &entries, offset);
+                logprobs::completion_logprobs(&self.tok, self.names, &all_ids, &entries, offset);
         }
         if first && self.want_prompt_logprobs {
             choice["prompt_logprobs"] =
@@ -485,6 +488,7 @@ pub async fn chat_completions(
     let return_token_ids = req.return_token_ids.unwrap_or(false);
     let view = ChatView {
         tok: state.engine().tokenizer().clone(),
+        names: logprobs::Names::of(req.return_tokens_as_token_ids.unwrap_or(false)),
         top: params.logprobs.map(|k| k as usize),
         want_prompt_logprobs: params.prompt_logprobs.is_some(),
         return_token_ids,
@@ -536,6 +540,8 @@ fn check_chat_request(
 /// How a chat completion's choices are shown: the options that shape them.
 struct ChatView {
     tok: Arc<Tokenizer>,
+    /// How log-probabilities name tokens (`return_tokens_as_token_ids`).
+    names: logprobs::Names,
     /// `top_logprobs` when log-probabilities are asked for.
     top: Option<usize>,
     want_prompt_logprobs: bool,
@@ -548,7 +554,7 @@ impl ChatView {
     /// A choice's `logprobs` field.
     fn content_logprobs(&self, lps: &[TokenLogprobs]) -> Value {
         match self.top {
-            Some(k) => json!({"content": logprobs::chat_content(&self.tok, lps, k)}),
+            Some(k) => json!({"content": logprobs::chat_content(&self.tok, self.names, lps, k)}),
             None => Value::Null,
         }
     }

@@ -39,7 +39,7 @@ pub struct ProxyArgs {
     /// lifecycle and weight routes are mounted without `--admin-token`,
     /// open to anyone who reaches the port (the engines must run in dev
     /// mode too).
-    #[arg(long, env = "PDKV_SERVER_DEV_MODE")]
+    #[arg(long, env = "PDKV_SERVER_DEV_MODE", value_parser = clap::builder::BoolishValueParser::new())]
     pub dev_mode: bool,
     /// The deployment's KV secret (as the engines' `--kv-secret`): the proxy
     /// proves it when it asks a prefill engine to drop a transfer.

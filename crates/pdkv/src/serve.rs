@@ -56,7 +56,7 @@ pub struct ServeArgs {
     /// weight routes are mounted (with sleep mode) even without
     /// `--admin-token`, open to anyone who reaches the port. For RL
     /// frameworks that call them without credentials (SkyRL, AReaL).
-    #[arg(long, env = "PDKV_SERVER_DEV_MODE")]
+    #[arg(long, env = "PDKV_SERVER_DEV_MODE", value_parser = clap::builder::BoolishValueParser::new())]
     pub dev_mode: bool,
     /// Requires `Authorization: Bearer KEY` on the OpenAI routes (/v1/*,
     /// /tokenize, /detokenize), as vLLM's --api-key; /health, /metrics and

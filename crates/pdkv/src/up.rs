@@ -76,7 +76,7 @@ pub struct UpArgs {
     /// proxy mount the lifecycle and weight routes (with sleep mode) even
     /// without `--admin-token`, open to anyone who reaches the ports. For
     /// RL frameworks that call them without credentials (SkyRL, AReaL).
-    #[arg(long, env = "PDKV_SERVER_DEV_MODE")]
+    #[arg(long, env = "PDKV_SERVER_DEV_MODE", value_parser = clap::builder::BoolishValueParser::new())]
     pub dev_mode: bool,
     /// The deployment's KV secret, which every KV connection and weight
     /// sync proves (made fresh for the deployment when not given; give it

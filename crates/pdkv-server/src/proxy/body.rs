@@ -2,11 +2,14 @@
 
 use serde_json::{json, Map, Value};
 
-/// The two generation endpoints.
+/// The generation endpoints.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) enum Endpoint {
     Completions,
     ChatCompletions,
+    /// vLLM's token-in/token-out API: the sampling fields sit in
+    /// `sampling_params`.
+    Generate,
 }
 
 impl Endpoint {
@@ -14,6 +17,7 @@ impl Endpoint {
         match self {
             Endpoint::Completions => "/v1/completions",
             Endpoint::ChatCompletions => "/v1/chat/completions",
+            Endpoint::Generate => "/inference/v1/generate",
         }
     }
 }
@@ -22,7 +26,16 @@ impl Endpoint {
 /// the plan's `kv_transfer_params`.
 pub(super) fn prefill_body(req: &Map<String, Value>, endpoint: Endpoint, params: Value) -> Vec<u8> {
     let mut body = req.clone();
-    body.insert("max_tokens".into(), json!(1));
+    if endpoint == Endpoint::Generate {
+        let sp = body
+            .entry("sampling_params")
+            .or_insert_with(|| json!({}));
+        if let Some(sp) = sp.as_object_mut() {
+            sp.insert("max_tokens".into(), json!(1));
+        }
+    } else {
+        body.insert("max_tokens".into(), json!(1));
+    }
     if endpoint == Endpoint::ChatCompletions && body.contains_key("max_completion_tokens") {
         body.insert("max_completion_tokens".into(), json!(1));
     }
@@ -74,6 +87,23 @@ mod tests {
                 .unwrap();
         assert_eq!(p["max_completion_tokens"], 1);
         assert_eq!(p["max_tokens"], 1);
+    }
+
+    #[test]
+    fn prefill_body_of_generate_limits_its_sampling_params() {
+        let req = obj(json!({
+            "token_ids": [1, 2, 3], "stream": true,
+            "sampling_params": {"max_tokens": 50, "temperature": 0.7, "n": 4},
+        }));
+        let params = pdkv_connector::params::for_prefill("t1");
+        let p: Value =
+            serde_json::from_slice(&prefill_body(&req, Endpoint::Generate, params.clone()))
+                .unwrap();
+        assert_eq!(p["sampling_params"]["max_tokens"], 1);
+        assert_eq!(p["sampling_params"]["temperature"], 0.7);
+        assert!(p.get("max_tokens").is_none(), "{p}");
+        assert_eq!((p["stream"].as_bool(), &p["kv_transfer_params"]), (Some(false), &params));
+        assert_eq!(p["token_ids"], json!([1, 2, 3]));
     }
 
     #[test]

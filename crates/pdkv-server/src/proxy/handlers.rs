@@ -42,6 +42,7 @@ pub(super) fn router(proxy: Arc<Shared>) -> Router {
             post(fanout::flush_cache).get(fanout::flush_cache),
         )
         .route("/v1/chat/completions", post(chat_completions))
+        .route("/inference/v1/generate", post(generate_tokens))
         .route("/v1/models", get(models))
         .route("/health", get(health))
         .route("/metrics", get(metrics))
@@ -145,6 +146,17 @@ async fn chat_completions(
 ) -> Response {
     match body {
         Ok(body) => generate(proxy, Endpoint::ChatCompletions, headers, body).await,
+        Err(r) => refuse_body(&proxy, r),
+    }
+}
+
+async fn generate_tokens(
+    State(proxy): State<Arc<Shared>>,
+    headers: HeaderMap,
+    body: BodyOrRefusal,
+) -> Response {
+    match body {
+        Ok(body) => generate(proxy, Endpoint::Generate, headers, body).await,
         Err(r) => refuse_body(&proxy, r),
     }
 }
