@@ -17,12 +17,24 @@ use pdkv_model::Tokenizer;
 
 /// Decodes token ids to text.
 pub trait Decode {
+    /// Special tokens left out.
     fn decode(&self, ids: &[u32]) -> String;
+
+    /// Special tokens kept when `skip_special` is false (a decoder without
+    /// special tokens decodes the same either way).
+    fn decode_with(&self, ids: &[u32], skip_special: bool) -> String {
+        let _ = skip_special;
+        self.decode(ids)
+    }
 }
 
 impl Decode for Tokenizer {
     fn decode(&self, ids: &[u32]) -> String {
         Tokenizer::decode(self, ids, true)
+    }
+
+    fn decode_with(&self, ids: &[u32], skip_special: bool) -> String {
+        Tokenizer::decode(self, ids, skip_special)
     }
 }
 
@@ -35,6 +47,7 @@ pub struct IncrementalDetokenizer {
     ids: Vec<u32>,
     prefix_offset: usize,
     read_offset: usize,
+    skip_special: bool,
 }
 
 impl IncrementalDetokenizer {
@@ -45,7 +58,14 @@ impl IncrementalDetokenizer {
             ids: ctx.to_vec(),
             prefix_offset: 0,
             read_offset: ctx.len(),
+            skip_special: true,
         }
+    }
+
+    /// Keeps special tokens in the text (`skip_special_tokens: false`).
+    pub fn keeping_special_tokens(mut self, keep: bool) -> IncrementalDetokenizer {
+        self.skip_special = !keep;
+        self
     }
 
     /// Adds one token and returns the text it completes (possibly empty).
@@ -64,8 +84,9 @@ impl IncrementalDetokenizer {
         if self.read_offset == self.ids.len() {
             return String::new();
         }
-        let prefix = dec.decode(&self.ids[self.prefix_offset..self.read_offset]);
-        let full = dec.decode(&self.ids[self.prefix_offset..]);
+        let skip = self.skip_special;
+        let prefix = dec.decode_with(&self.ids[self.prefix_offset..self.read_offset], skip);
+        let full = dec.decode_with(&self.ids[self.prefix_offset..], skip);
         if full.len() <= prefix.len() || !full.is_char_boundary(prefix.len()) {
             return String::new();
         }
@@ -95,6 +116,8 @@ pub struct StopChecker {
     /// Bytes of `text` already handed out.
     emitted: usize,
     stopped: bool,
+    /// A matched stop string stays in the text.
+    include_stop: bool,
 }
 
 impl StopChecker {
@@ -106,7 +129,15 @@ impl StopChecker {
             text: String::new(),
             emitted: 0,
             stopped: false,
+            include_stop: false,
         }
+    }
+
+    /// Keeps a matched stop string in the text (`include_stop_str_in_output`):
+    /// the text is cut right after it instead of before it.
+    pub fn including_stop(mut self, include: bool) -> StopChecker {
+        self.include_stop = include;
+        self
     }
 
     /// The text kept so far (cut before a stop string once one matched).
@@ -139,12 +170,19 @@ impl StopChecker {
         while !self.text.is_char_boundary(from) {
             from -= 1;
         }
+        // The earliest match; of two at one place, the longer.
         let earliest = self
             .stops
             .iter()
-            .filter_map(|s| self.text[from..].find(s.as_str()).map(|p| from + p))
-            .min();
-        if let Some(pos) = earliest {
+            .filter_map(|s| {
+                self.text[from..]
+                    .find(s.as_str())
+                    .map(|p| (from + p, usize::MAX - s.len()))
+            })
+            .min()
+            .map(|(p, rev_len)| (p, usize::MAX - rev_len));
+        if let Some((pos, len)) = earliest {
+            let pos = if self.include_stop { pos + len } else { pos };
             self.text.truncate(pos);
             self.stopped = true;
             return (self.drain_to(pos), true);
@@ -267,6 +305,21 @@ mod tests {
         }
         out.push(c.flush());
         (out, false, c.text().to_string())
+    }
+
+    #[test]
+    fn an_included_stop_string_ends_the_text() {
+        let mut s = StopChecker::new(vec!["ab".into(), "abc".into()]).including_stop(true);
+        let (a, stop) = s.push("xx a");
+        assert!(!stop);
+        let (b, stop) = s.push("bc yy");
+        assert!(stop);
+        // The longer of two stops that match at one place.
+        assert_eq!(format!("{a}{b}"), "xx abc");
+        assert_eq!(s.text(), "xx abc");
+        let mut plain = StopChecker::new(vec!["ab".into()]);
+        let (t, stop) = plain.push("xx ab yy");
+        assert_eq!((t.as_str(), stop), ("xx ", true));
     }
 
     #[test]

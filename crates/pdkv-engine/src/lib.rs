@@ -92,6 +92,15 @@ pub struct SamplingParams {
     pub top_p: f32,
     /// 0 means off.
     pub top_k: u32,
+    /// In [0, 1]; 0 is off. A token less likely than `min_p` times the most
+    /// likely token (after temperature) is never sampled.
+    pub min_p: f32,
+    /// Only these tokens may be sampled (`None`: any).
+    pub allowed_token_ids: Option<Vec<u32>>,
+    /// A matched stop string stays in the text (it is cut after it).
+    pub include_stop_str_in_output: bool,
+    /// Special tokens are left out of the text (the default).
+    pub skip_special_tokens: bool,
     /// Per-request seed: the same seed gives the same tokens.
     pub seed: Option<u64>,
     pub max_tokens: u32,
@@ -131,6 +140,10 @@ impl Default for SamplingParams {
             temperature: 1.0,
             top_p: 1.0,
             top_k: 0,
+            min_p: 0.0,
+            allowed_token_ids: None,
+            include_stop_str_in_output: false,
+            skip_special_tokens: true,
             seed: None,
             max_tokens: 16,
             stop: Vec::new(),

@@ -37,6 +37,7 @@ pub struct SamplingConfig {
     pub temperature: f32,
     pub top_p: f32,
     pub top_k: u32,
+    pub min_p: f32,
     pub seed: u64,
 }
 
@@ -46,6 +47,7 @@ impl SamplingConfig {
             temperature: p.temperature,
             top_p: p.top_p,
             top_k: p.top_k,
+            min_p: p.min_p,
             seed,
         }
     }
@@ -101,6 +103,18 @@ pub fn sample(logits: &[f32], cfg: &SamplingConfig, index: u64) -> u32 {
     if ids.is_empty() {
         return 0;
     }
+    if cfg.min_p > 0.0 {
+        // p_i / p_max = exp((l_i - l_max) / T): the tokens below min_p
+        // times the most likely one go, whatever top-k and top-p keep.
+        let top = ids
+            .iter()
+            .map(|&i| logits[i as usize])
+            .fold(f32::NEG_INFINITY, f32::max) as f64;
+        let floor = (cfg.min_p as f64).ln();
+        if top.is_finite() {
+            ids.retain(|&i| (logits[i as usize] as f64 - top) * inv_t >= floor);
+        }
+    }
     if top_k < ids.len() {
         ids.select_nth_unstable_by(top_k - 1, key);
         ids.truncate(top_k);
@@ -153,6 +167,9 @@ pub fn sample(logits: &[f32], cfg: &SamplingConfig, index: u64) -> u32 {
 /// the raw row, before any of this (vLLM's default, `raw_logprobs`).
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct LogitsAdjust {
+    /// Only these tokens may be sampled, sorted (empty: any); the others
+    /// get `-inf` first.
+    pub allowed: Vec<u32>,
     /// While fewer outputs than this exist, `stop_token_ids` get `-inf`.
     pub min_tokens: usize,
     /// The tokens that would end the request: EOS (unless ignored) and the
@@ -173,7 +190,11 @@ impl LogitsAdjust {
     /// The adjustments `p` asks for; `stop_token_ids` are the ones that end
     /// the request (EOS included unless `ignore_eos`).
     pub fn from_params(p: &SamplingParams, stop_token_ids: &[u32]) -> LogitsAdjust {
+        let mut allowed = p.allowed_token_ids.clone().unwrap_or_default();
+        allowed.sort_unstable();
+        allowed.dedup();
         LogitsAdjust {
+            allowed,
             min_tokens: p.min_tokens as usize,
             stop_token_ids: if p.min_tokens > 0 {
                 stop_token_ids.to_vec()
@@ -189,7 +210,10 @@ impl LogitsAdjust {
 
     /// Whether anything changes a row (else the raw row is sampled as is).
     pub fn is_active(&self) -> bool {
-        self.min_tokens > 0 || !self.logit_bias.is_empty() || self.uses_history()
+        self.min_tokens > 0
+            || !self.logit_bias.is_empty()
+            || !self.allowed.is_empty()
+            || self.uses_history()
     }
 
     /// Whether the penalties need the tokens seen so far.
@@ -202,6 +226,13 @@ impl LogitsAdjust {
     /// Applies the adjustments to `logits`, the row for the output token
     /// that follows `history`.
     pub fn apply(&self, logits: &mut [f32], history: &TokenHistory) {
+        if !self.allowed.is_empty() {
+            for (t, v) in logits.iter_mut().enumerate() {
+                if self.allowed.binary_search(&(t as u32)).is_err() {
+                    *v = f32::NEG_INFINITY;
+                }
+            }
+        }
         if history.num_outputs < self.min_tokens {
             for &t in &self.stop_token_ids {
                 if let Some(v) = logits.get_mut(t as usize) {
@@ -360,8 +391,54 @@ mod tests {
             temperature,
             top_p,
             top_k,
+            min_p: 0.0,
             seed,
         }
+    }
+
+    #[test]
+    fn min_p_drops_tokens_below_its_share_of_the_most_likely() {
+        // At T = 1: p(1)/p(0) = e^-1 ≈ 0.37, p(2)/p(0) = e^-3 ≈ 0.05.
+        let logits = [5.0, 4.0, 2.0];
+        let with = |min_p: f32| SamplingConfig {
+            min_p,
+            ..cfg(1.0, 1.0, 0, 0)
+        };
+        let seen = |c: &SamplingConfig| {
+            let mut s: Vec<u32> = (0..4000).map(|i| sample(&logits, c, i)).collect();
+            s.sort_unstable();
+            s.dedup();
+            s
+        };
+        assert_eq!(seen(&with(0.0)), vec![0, 1, 2]);
+        assert_eq!(seen(&with(0.1)), vec![0, 1]);
+        assert_eq!(seen(&with(0.5)), vec![0]);
+        // At T = 0.5 the ratio is squared: e^-2 ≈ 0.135 < 0.2.
+        let hot = SamplingConfig {
+            temperature: 0.5,
+            ..with(0.2)
+        };
+        assert_eq!(seen(&hot), vec![0]);
+        // Every logit -inf: nothing to compare with, argmax as before.
+        let none = [f32::NEG_INFINITY; 3];
+        assert_eq!(sample(&none, &with(0.5), 0), 0);
+    }
+
+    #[test]
+    fn allowed_token_ids_mask_every_other_token() {
+        let p = SamplingParams {
+            allowed_token_ids: Some(vec![3, 1, 3]),
+            ..SamplingParams::default()
+        };
+        let adj = LogitsAdjust::from_params(&p, &[]);
+        assert!(adj.is_active());
+        assert_eq!(adj.allowed, vec![1, 3]);
+        let mut row = vec![9.0, 1.0, 8.0, 2.0];
+        adj.apply(&mut row, &TokenHistory::new(&[], false));
+        assert_eq!(row[0], f32::NEG_INFINITY);
+        assert_eq!(row[2], f32::NEG_INFINITY);
+        assert_eq!((row[1], row[3]), (1.0, 2.0));
+        assert_eq!(argmax(&row), 3);
     }
 
     #[test]

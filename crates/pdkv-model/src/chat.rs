@@ -62,15 +62,30 @@ impl ChatTemplate {
         messages: &[ChatMessage],
         add_generation_prompt: bool,
     ) -> anyhow::Result<String> {
+        self.render_with(messages, add_generation_prompt, &serde_json::Map::new())
+    }
+
+    /// [`ChatTemplate::render`] with extra template variables (a request's
+    /// `chat_template_kwargs`, e.g. `enable_thinking`); the conversation,
+    /// `add_generation_prompt` and the special tokens win over a variable
+    /// of the same name.
+    pub fn render_with(
+        &self,
+        messages: &[ChatMessage],
+        add_generation_prompt: bool,
+        kwargs: &serde_json::Map<String, serde_json::Value>,
+    ) -> anyhow::Result<String> {
         let env = self.environment();
         let tmpl = env
             .template_from_str(&self.source)
             .map_err(|e| anyhow::anyhow!("chat template does not compile: {e:#}"))?;
+        let extra = minijinja::Value::from_serialize(kwargs);
         tmpl.render(minijinja::context! {
             messages => messages,
             add_generation_prompt => add_generation_prompt,
             bos_token => &self.bos_token,
             eos_token => &self.eos_token,
+            ..extra
         })
         .map_err(|e| anyhow::anyhow!("chat template failed to render: {e:#}"))
     }

@@ -744,11 +744,31 @@ mod tests {
         assert_eq!(q.single("mode").unwrap(), Some("a b"));
         assert_eq!(q.single("tags").unwrap_err().param.as_deref(), Some("tags"));
         assert_eq!(q.single("absent").unwrap(), None);
-        let unknown = QueryParams::parse(Some("levle=2"), &["level"]).unwrap_err();
-        assert_eq!(
-            (unknown.status, unknown.param.as_deref()),
-            (StatusCode::BAD_REQUEST, Some("levle"))
+        // An unknown parameter is dropped (with a WARN), as vLLM ignores it.
+        let unknown = QueryParams::parse(Some("levle=2&level=1"), &["level"]).unwrap();
+        assert_eq!(unknown.all("levle"), Vec::<&str>::new());
+        assert_eq!(unknown.single("level").unwrap(), Some("1"));
+        // Body fields join the query's under the same names.
+        let q = QueryParams::parse_with_body(
+            Some("mode=keep"),
+            br#"{"tags": ["weights", "kv_cache"], "level": 2, "odd": {"x": 1}}"#,
+            &["mode", "tags", "level"],
         );
+        assert_eq!(q.unwrap_err().param.as_deref(), Some("odd"));
+        let q = QueryParams::parse_with_body(
+            Some("mode=keep"),
+            br#"{"tags": ["weights", "kv_cache"], "level": 2, "clear": null}"#,
+            &["mode", "tags", "level"],
+        )
+        .unwrap();
+        assert_eq!(q.all("tags"), vec!["weights", "kv_cache"]);
+        assert_eq!(q.single("level").unwrap(), Some("2"));
+        assert_eq!(q.single("mode").unwrap(), Some("keep"));
+        let both = QueryParams::parse_with_body(Some("level=1"), br#"{"level": 2}"#, &["level"]);
+        assert!(both.unwrap().single("level").is_err(), "a scalar given twice");
+        let not_object = QueryParams::parse_with_body(None, b"[1]", &["level"]).unwrap_err();
+        assert_eq!(not_object.status, StatusCode::BAD_REQUEST);
+        assert!(QueryParams::parse_with_body(None, b"  ", &[]).is_ok());
         assert!(QueryParams::parse(None, &[]).unwrap().all("x").is_empty());
     }
 

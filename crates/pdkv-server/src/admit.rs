@@ -5,7 +5,7 @@
 
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
-use pdkv_engine::{EngineRequest, SamplingParams};
+use pdkv_engine::{AddRequestError, EngineRequest, SamplingParams};
 use serde_json::{json, Value};
 
 use crate::error::ApiError;
@@ -25,7 +25,18 @@ pub(crate) struct Admitted {
     pub created: u64,
 }
 
-pub(crate) fn admit(
+/// Admits one engine request. While the engine is paused (in any mode,
+/// asleep included) the request waits for the pause to end, as vLLM holds
+/// requests until `/resume`, bounded by the state's pause wait
+/// ([`AppState::with_pause_wait`]): past it, a retryable 503 naming the
+/// setting. A client that goes away meanwhile drops this future and with
+/// it the wait.
+///
+/// A request with `kv_transfer_params` is refused at once instead (the
+/// retryable 503): it comes from a P/D proxy or router, whose plan has an
+/// answer to a paused engine (a paused P: D computes the prompt; the
+/// request D then gets without KV waits here).
+pub(crate) async fn admit(
     state: &AppState,
     id: String,
     prompt_tokens: Vec<u32>,
@@ -34,20 +45,62 @@ pub(crate) fn admit(
     arrived: Instant,
 ) -> Result<Admitted, ApiError> {
     let num_prompt_tokens = prompt_tokens.len();
-    let stream = state
-        .engine()
-        .add_request(EngineRequest {
-            id: id.clone(),
-            prompt_tokens,
-            params,
-            kv_transfer_params,
-        })
-        .map_err(ApiError::from)?;
+    let req = EngineRequest {
+        id,
+        prompt_tokens,
+        params,
+        kv_transfer_params,
+    };
+    let engine = state.engine();
+    let deadline = tokio::time::Instant::now() + state.pause_wait();
+    let mut waited = false;
+    let stream = loop {
+        // Armed before the attempt, so a resume in between is not missed.
+        let changed = engine.lifecycle_changed();
+        match engine.add_request(req.clone()) {
+            Ok(stream) => break stream,
+            Err(AddRequestError::Unavailable(reason))
+                if !state.pause_wait().is_zero()
+                    && req.kv_transfer_params.is_none()
+                    && engine.lifecycle_status().paused.is_some() =>
+            {
+                if !waited {
+                    tracing::debug!(request_id = %req.id, %reason, "the engine is paused: the request waits for /resume");
+                    waited = true;
+                }
+                let _waiting = WaitingForResume::new(state.metrics());
+                if tokio::time::timeout_at(deadline, changed).await.is_err() {
+                    return Err(ApiError::unavailable(format!(
+                        "the engine stayed paused for {:.0} s (--pause-wait-timeout-s) while this request waited for /resume: {reason}",
+                        state.pause_wait().as_secs_f64()
+                    ))
+                    .with_code(pdkv_relay::RETRYABLE_CODE));
+                }
+            }
+            Err(e) => return Err(ApiError::from(e)),
+        }
+    };
     let stream = TrackedStream::new(stream, state.metrics().clone(), arrived, num_prompt_tokens);
     Ok(Admitted {
         stream,
         created: unix_now(),
     })
+}
+
+/// Counts a request in `pdkv_requests_waiting_for_resume` while alive.
+struct WaitingForResume<'a>(&'a crate::Metrics);
+
+impl<'a> WaitingForResume<'a> {
+    fn new(m: &'a crate::Metrics) -> Self {
+        m.waiting_for_resume(true);
+        WaitingForResume(m)
+    }
+}
+
+impl Drop for WaitingForResume<'_> {
+    fn drop(&mut self) {
+        self.0.waiting_for_resume(false);
+    }
 }
 
 /// The error a request that ended with [`pdkv_engine::FinishReason::Error`] answers

@@ -125,7 +125,8 @@ pub async fn admit_group(
         params.clone(),
         kv_transfer_params,
         arrived,
-    )?;
+    )
+    .await?;
     let created = first.created;
     let mut group = Group {
         id,
@@ -160,7 +161,8 @@ pub async fn admit_group(
             p,
             None,
             arrived,
-        )?;
+        )
+        .await?;
         group.streams.push(admitted.stream);
     }
     Ok(group)

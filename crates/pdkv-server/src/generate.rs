@@ -26,12 +26,13 @@ use serde_json::{json, Value};
 
 use crate::admit::usage_json;
 use crate::choices::{admit_group, parse_n, Group};
-use crate::error::{ApiError, ApiJson};
+use crate::error::ApiError;
+use crate::fields::{Body, Screen, Screened};
 use crate::logprobs::{self, Names};
 use crate::openai::{parse_max_tokens, Endpoint, SamplingFields, StreamOptions};
 use crate::routes::{
     check_model, check_sampling_ids, check_token_ids, choose_request_id, json_response, kv_params,
-    with_request_id,
+    truncate_prompt, with_request_id,
 };
 use crate::sse::{sse_response, ChunkHead};
 use crate::AppState;
@@ -53,6 +54,10 @@ pub struct GenerateRequest {
     pub features: Option<Value>,
 }
 
+impl Screen for GenerateRequest {
+    const BODY: Body = Body::Generate;
+}
+
 /// vLLM's `SamplingParams`, as the generate API spells them.
 #[derive(Debug, Default, Deserialize)]
 pub struct GenerateSampling {
@@ -61,11 +66,18 @@ pub struct GenerateSampling {
     pub temperature: Option<f64>,
     pub top_p: Option<f64>,
     pub top_k: Option<i64>,
+    pub min_p: Option<f64>,
     pub seed: Option<u64>,
     pub stop: Option<Value>,
     pub stop_token_ids: Option<Vec<u32>>,
+    pub include_stop_str_in_output: Option<bool>,
+    pub allowed_token_ids: Option<Vec<u32>>,
     pub ignore_eos: Option<bool>,
     pub min_tokens: Option<i64>,
+    /// Keep only the last k prompt tokens (`-1`: the model's limit).
+    pub truncate_prompt_tokens: Option<i64>,
+    #[allow(dead_code)]
+    pub spaces_between_special_tokens: Option<bool>,
     pub logprobs: Option<Value>,
     pub prompt_logprobs: Option<Value>,
     pub presence_penalty: Option<f64>,
@@ -87,9 +99,12 @@ impl GenerateSampling {
             temperature: self.temperature,
             top_p: self.top_p,
             top_k: self.top_k,
+            min_p: self.min_p,
             seed: self.seed,
             stop: self.stop.clone(),
             stop_token_ids: self.stop_token_ids.clone(),
+            include_stop_str_in_output: self.include_stop_str_in_output,
+            allowed_token_ids: self.allowed_token_ids.clone(),
             ignore_eos: self.ignore_eos,
             logprobs: self.logprobs.clone(),
             presence_penalty: self.presence_penalty,
@@ -110,7 +125,7 @@ impl GenerateSampling {
 pub async fn generate(
     State(state): State<AppState>,
     headers: HeaderMap,
-    ApiJson(req): ApiJson<GenerateRequest>,
+    Screened(req): Screened<GenerateRequest>,
 ) -> Result<Response, ApiError> {
     let arrived = Instant::now();
     check_model(&state, req.model.as_deref())?;
@@ -133,8 +148,9 @@ pub async fn generate(
         ));
     }
     let id = choose_request_id(&state, &headers, req.request_id.as_deref(), "gen-")?;
-    check_token_ids(&state, &req.token_ids)?;
     let sp = &req.sampling_params;
+    let token_ids = truncate_prompt(&state, req.token_ids, sp.truncate_prompt_tokens)?;
+    check_token_ids(&state, &token_ids)?;
     let n = parse_n(sp.n, None)?;
     let max_tokens = match parse_max_tokens("max_tokens", sp.max_tokens)? {
         Some(m) => m,
@@ -142,7 +158,7 @@ pub async fn generate(
             let room = state
                 .engine()
                 .max_model_len()
-                .saturating_sub(req.token_ids.len());
+                .saturating_sub(token_ids.len());
             u32::try_from(room.max(1)).unwrap_or(u32::MAX)
         }
     };
@@ -151,7 +167,7 @@ pub async fn generate(
     let top = params.logprobs;
     let want_prompt_lp = params.prompt_logprobs.is_some();
     let kv = kv_params(req.kv_transfer_params, &id)?;
-    let group = admit_group(&state, id, req.token_ids, params, kv, arrived, n).await?;
+    let group = admit_group(&state, id, token_ids, params, kv, arrived, n).await?;
     let view = GenerateView {
         tok: state.engine().tokenizer().clone(),
         top: top.map(|k| k as usize),

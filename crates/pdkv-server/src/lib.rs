@@ -36,6 +36,7 @@ mod choices;
 mod compat;
 mod dialects;
 pub mod error;
+pub mod fields;
 mod generate;
 pub mod listen;
 mod logprobs;
@@ -72,8 +73,13 @@ pub struct AppState {
     sync: Arc<weight_sync::WeightSync>,
     admin_token: Option<Arc<admin::AdminToken>>,
     dev_mode: bool,
+    pause_wait: std::time::Duration,
     api_key: Option<Arc<api_key::ApiKey>>,
 }
+
+/// How long a new request waits for `/resume` while the engine is paused
+/// ([`AppState::with_pause_wait`]) by default.
+pub const DEFAULT_PAUSE_WAIT: std::time::Duration = std::time::Duration::from_secs(600);
 
 struct StateInner {
     engine: EngineHandle,
@@ -106,6 +112,7 @@ impl AppState {
             )),
             admin_token: None,
             dev_mode: false,
+            pause_wait: DEFAULT_PAUSE_WAIT,
             api_key: None,
         }
     }
@@ -151,6 +158,18 @@ impl AppState {
     pub fn with_dev_mode(mut self, on: bool) -> AppState {
         self.dev_mode = on;
         self
+    }
+
+    /// How long a new request waits for `/resume` while the engine is
+    /// paused (in any mode, asleep included) before a 503; zero refuses at
+    /// once.
+    pub fn with_pause_wait(mut self, wait: std::time::Duration) -> AppState {
+        self.pause_wait = wait;
+        self
+    }
+
+    pub fn pause_wait(&self) -> std::time::Duration {
+        self.pause_wait
     }
 
     /// Whether the admin API is enabled.

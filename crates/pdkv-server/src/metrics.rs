@@ -221,7 +221,15 @@ pub struct Metrics {
     itl: Mutex<Histogram>,
     sleep_duration: Mutex<Histogram>,
     wake_duration: Mutex<Histogram>,
+    /// Requests waiting for `/resume` before admission (a gauge).
+    waiting_for_resume: AtomicU64,
+    /// Request fields ignored because vLLM does not know them either, by
+    /// name (names are bounded: see [`Metrics::ignored_field`]).
+    ignored_fields: Mutex<std::collections::BTreeMap<String, u64>>,
 }
+
+/// Most distinct ignored field names counted; later ones share `"other"`.
+const MAX_IGNORED_FIELD_NAMES: usize = 64;
 
 impl Default for Metrics {
     fn default() -> Self {
@@ -239,7 +247,42 @@ impl Metrics {
             itl: Mutex::new(Histogram::new(ITL_BUCKETS)),
             sleep_duration: Mutex::new(Histogram::new(LIFECYCLE_BUCKETS)),
             wake_duration: Mutex::new(Histogram::new(LIFECYCLE_BUCKETS)),
+            waiting_for_resume: AtomicU64::new(0),
+            ignored_fields: Mutex::new(std::collections::BTreeMap::new()),
         }
+    }
+
+    /// A request starts (`true`) or stops waiting for `/resume`.
+    pub fn waiting_for_resume(&self, start: bool) {
+        if start {
+            self.waiting_for_resume.fetch_add(1, Ordering::Relaxed);
+        } else {
+            self.waiting_for_resume.fetch_sub(1, Ordering::Relaxed);
+        }
+    }
+
+    /// How often the field `name` was ignored.
+    pub fn ignored_field_count(&self, name: &str) -> u64 {
+        let m = self.ignored_fields.lock().unwrap_or_else(|p| p.into_inner());
+        m.get(name).copied().unwrap_or(0)
+    }
+
+    /// How often any field was ignored.
+    pub fn ignored_fields_total(&self) -> u64 {
+        let m = self.ignored_fields.lock().unwrap_or_else(|p| p.into_inner());
+        m.values().sum()
+    }
+
+    /// A request field was ignored. Names are chosen by clients, so only
+    /// the first [`MAX_IGNORED_FIELD_NAMES`] get their own series.
+    pub fn ignored_field(&self, name: &str) {
+        let mut m = self.ignored_fields.lock().unwrap_or_else(|p| p.into_inner());
+        let key = if m.contains_key(name) || m.len() < MAX_IGNORED_FIELD_NAMES {
+            name
+        } else {
+            "other"
+        };
+        *m.entry(key.to_string()).or_insert(0) += 1;
     }
 
     pub fn record_finished(&self, reason: FinishReason) {
@@ -325,6 +368,27 @@ impl Metrics {
 
     /// Requests and tokens: counts, TTFT and inter-token latency.
     fn render_requests(&self, e: &mut Exposition) {
+        e.gauge(
+            "pdkv_requests_waiting_for_resume",
+            "Requests waiting for /resume before admission (the engine is paused).",
+            self.waiting_for_resume.load(Ordering::Relaxed) as f64,
+        );
+        {
+            let m = self.ignored_fields.lock().unwrap_or_else(|p| p.into_inner());
+            let labels: Vec<[(&str, &str); 1]> =
+                m.keys().map(|k| [("field", k.as_str())]).collect();
+            let samples: Vec<(&[(&str, &str)], f64)> = labels
+                .iter()
+                .zip(m.values())
+                .map(|(l, &v)| (&l[..], v as f64))
+                .collect();
+            e.family(
+                "pdkv_ignored_request_fields_total",
+                "Request fields ignored because vLLM does not know them either, by name.",
+                "counter",
+                &samples,
+            );
+        }
         let reasons: Vec<(&str, f64)> = FINISH_REASONS
             .iter()
             .map(|&r| (r.as_str(), self.requests_finished(r) as f64))

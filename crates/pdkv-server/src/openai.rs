@@ -2,11 +2,14 @@
 //!
 //! Every field the server accepts takes effect. Fields it does not implement
 //! but that change what a client gets back (`best_of` above `n`, `suffix`,
-//! a `response_format` other than text, `tools`, `skip_special_tokens:
-//! false`, ...) are refused with a 400 naming the field rather than silently
-//! ignored. Ignored are only fields that change nothing here: `user`, and
-//! the reasoning-parser switches vllm-router adds to every request
-//! (`separate_reasoning`, `stream_reasoning`, `include_reasoning`).
+//! a `response_format` other than text, `tools`, ...) are refused with a
+//! 400 naming the field rather than silently ignored ([`crate::fields`]
+//! screens the vLLM fields no struct here has). Ignored are only fields
+//! that change nothing here: `user`, `spaces_between_special_tokens` (it
+//! affects slow tokenizers only), and the reasoning-parser switches
+//! vllm-router adds to every request (`separate_reasoning`,
+//! `stream_reasoning`, `include_reasoning`); and, with a WARN and a count
+//! in `/metrics`, fields vLLM does not know either.
 
 use pdkv_engine::{SamplingParams, MAX_LOGPROBS};
 use serde::Deserialize;
@@ -35,10 +38,21 @@ macro_rules! request_with_sampling {
             pub temperature: Option<f64>,
             pub top_p: Option<f64>,
             pub top_k: Option<i64>,
+            pub min_p: Option<f64>,
             pub seed: Option<u64>,
             pub stop: Option<Value>,
             pub stop_token_ids: Option<Vec<u32>>,
+            pub include_stop_str_in_output: Option<bool>,
+            pub allowed_token_ids: Option<Vec<u32>>,
             pub ignore_eos: Option<bool>,
+            /// Keep only the last k prompt tokens (`-1`: the model's limit).
+            pub truncate_prompt_tokens: Option<i64>,
+            /// Whether tokenizing a text prompt adds BOS and the like
+            /// (completions: yes; chat: no, the template places them).
+            pub add_special_tokens: Option<bool>,
+            /// Affects only slow (Python) tokenizers; this tokenizer decodes
+            /// the same either way (typed, so a wrong type is still a 400).
+            pub spaces_between_special_tokens: Option<bool>,
             pub n: Option<i64>,
             pub best_of: Option<i64>,
             pub logprobs: Option<Value>,
@@ -73,9 +87,12 @@ macro_rules! request_with_sampling {
                     temperature: self.temperature,
                     top_p: self.top_p,
                     top_k: self.top_k,
+                    min_p: self.min_p,
                     seed: self.seed,
                     stop: self.stop.clone(),
                     stop_token_ids: self.stop_token_ids.clone(),
+                    include_stop_str_in_output: self.include_stop_str_in_output,
+                    allowed_token_ids: self.allowed_token_ids.clone(),
                     ignore_eos: self.ignore_eos,
                     n: self.n,
                     best_of: self.best_of,
@@ -106,9 +123,12 @@ pub struct SamplingFields {
     pub temperature: Option<f64>,
     pub top_p: Option<f64>,
     pub top_k: Option<i64>,
+    pub min_p: Option<f64>,
     pub seed: Option<u64>,
     pub stop: Option<Value>,
     pub stop_token_ids: Option<Vec<u32>>,
+    pub include_stop_str_in_output: Option<bool>,
+    pub allowed_token_ids: Option<Vec<u32>>,
     pub ignore_eos: Option<bool>,
     pub n: Option<i64>,
     pub best_of: Option<i64>,
@@ -170,6 +190,10 @@ request_with_sampling! {
         pub request_id: Option<String>,
         /// Handed to the engine's KV connector (P/D disaggregation).
         pub kv_transfer_params: Option<Value>,
+        /// Extra variables for the chat template (e.g. `enable_thinking`).
+        pub chat_template_kwargs: Option<serde_json::Map<String, Value>>,
+        /// Whether to end the prompt with the assistant's turn opening.
+        pub add_generation_prompt: Option<bool>,
     }
 }
 
@@ -438,6 +462,19 @@ impl SamplingFields {
                 format!("top_p must be in (0, 1], got {top_p}"),
             ));
         }
+        let min_p = self.min_p.unwrap_or(0.0);
+        if !(0.0..=1.0).contains(&min_p) {
+            return Err(ApiError::invalid_param(
+                "min_p",
+                format!("min_p must be in [0, 1], got {min_p}"),
+            ));
+        }
+        if self.allowed_token_ids.as_ref().is_some_and(Vec::is_empty) {
+            return Err(ApiError::invalid_param(
+                "allowed_token_ids",
+                "allowed_token_ids must not be empty",
+            ));
+        }
         let top_k = match self.top_k.unwrap_or(0) {
             -1 | 0 => 0,
             k if k > 0 => u32::try_from(k).unwrap_or(u32::MAX),
@@ -452,6 +489,10 @@ impl SamplingFields {
             temperature: temperature as f32,
             top_p: top_p as f32,
             top_k,
+            min_p: min_p as f32,
+            allowed_token_ids: self.allowed_token_ids.clone(),
+            include_stop_str_in_output: self.include_stop_str_in_output.unwrap_or(false),
+            skip_special_tokens: self.skip_special_tokens.unwrap_or(true),
             seed: self.seed,
             max_tokens,
             stop: parse_stop(self.stop.as_ref())?,
@@ -537,9 +578,6 @@ impl SamplingFields {
                     "only tool_choice \"none\" is supported (no tool calling)",
                 )
             }
-        }
-        if self.skip_special_tokens == Some(false) {
-            return refuse("skip_special_tokens", "only skip_special_tokens=true is supported (special tokens are always left out of the text)");
         }
         if self.no_stop_trim == Some(true) {
             return refuse(
@@ -764,10 +802,17 @@ mod tests {
             ),
             (
                 SamplingFields {
-                    skip_special_tokens: Some(false),
+                    min_p: Some(1.5),
                     ..Default::default()
                 },
-                "skip_special_tokens",
+                "min_p",
+            ),
+            (
+                SamplingFields {
+                    allowed_token_ids: Some(vec![]),
+                    ..Default::default()
+                },
+                "allowed_token_ids",
             ),
             (
                 SamplingFields {
@@ -889,4 +934,12 @@ mod body_tests {
         assert_eq!(err.status, axum::http::StatusCode::BAD_REQUEST);
         assert_eq!(err.param.as_deref(), Some("temperature"), "{err:?}");
     }
+}
+
+impl crate::fields::Screen for CompletionRequest {
+    const BODY: crate::fields::Body = crate::fields::Body::Completions;
+}
+
+impl crate::fields::Screen for ChatRequest {
+    const BODY: crate::fields::Body = crate::fields::Body::Chat;
 }

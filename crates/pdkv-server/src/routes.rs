@@ -13,7 +13,8 @@ use serde_json::{json, Value};
 
 use crate::admit::usage_json;
 use crate::choices::{admit_group, parse_n, Choice, Group};
-use crate::error::{ApiError, ApiJson};
+use crate::error::ApiError;
+use crate::fields::Screened;
 use crate::logprobs;
 use crate::metrics::LifecycleGauges;
 use crate::openai::{
@@ -50,13 +51,31 @@ pub(crate) async fn chat_prompt_tokens(
     add_generation_prompt: bool,
     add_special_tokens: bool,
 ) -> Result<Vec<u32>, ApiError> {
+    chat_prompt_tokens_with(
+        state,
+        messages,
+        add_generation_prompt,
+        add_special_tokens,
+        serde_json::Map::new(),
+    )
+    .await
+}
+
+/// [`chat_prompt_tokens`] with extra template variables.
+pub(crate) async fn chat_prompt_tokens_with(
+    state: &AppState,
+    messages: Vec<ChatMessage>,
+    add_generation_prompt: bool,
+    add_special_tokens: bool,
+    kwargs: serde_json::Map<String, Value>,
+) -> Result<Vec<u32>, ApiError> {
     let engine = state.engine().clone();
     blocking(move || {
         let template = engine.chat_template().ok_or_else(|| {
             ApiError::invalid_param("messages", "this model has no chat template")
         })?;
         let text = template
-            .render(&messages, add_generation_prompt)
+            .render_with(&messages, add_generation_prompt, &kwargs)
             .map_err(|e| {
                 ApiError::invalid_param(
                     "messages",
@@ -74,6 +93,30 @@ pub(crate) async fn chat_prompt_tokens(
             })
     })
     .await
+}
+
+/// `truncate_prompt_tokens`: keeps the last `k` tokens of the prompt (`-1`:
+/// the model's context length); `None` keeps it whole.
+pub(crate) fn truncate_prompt(
+    state: &AppState,
+    mut tokens: Vec<u32>,
+    k: Option<i64>,
+) -> Result<Vec<u32>, ApiError> {
+    let keep = match k {
+        None => return Ok(tokens),
+        Some(-1) => state.engine().max_model_len(),
+        Some(k) if k >= 1 => usize::try_from(k).unwrap_or(usize::MAX),
+        Some(k) => {
+            return Err(ApiError::invalid_param(
+                "truncate_prompt_tokens",
+                format!("truncate_prompt_tokens must be -1 or at least 1, got {k}"),
+            ))
+        }
+    };
+    if tokens.len() > keep {
+        tokens.drain(..tokens.len() - keep);
+    }
+    Ok(tokens)
 }
 
 /// Validates token ids against the vocabulary.
@@ -102,6 +145,17 @@ pub(crate) fn check_sampling_ids(state: &AppState, params: &SamplingParams) -> R
         return Err(ApiError::invalid_param(
             "logit_bias",
             format!("logit_bias token id {bad} is out of range for a vocabulary of {vocab}"),
+        ));
+    }
+    if let Some(bad) = params
+        .allowed_token_ids
+        .iter()
+        .flatten()
+        .find(|&&t| t as usize >= vocab)
+    {
+        return Err(ApiError::invalid_param(
+            "allowed_token_ids",
+            format!("allowed token id {bad} is out of range for a vocabulary of {vocab}"),
         ));
     }
     if let Some(bad) = params.stop_token_ids.iter().find(|&&t| t as usize >= vocab) {
@@ -186,7 +240,7 @@ pub(crate) fn json_response(v: &Value) -> Response {
 pub async fn completions(
     State(state): State<AppState>,
     headers: HeaderMap,
-    ApiJson(req): ApiJson<CompletionRequest>,
+    Screened(req): Screened<CompletionRequest>,
 ) -> Result<Response, ApiError> {
     let arrived = Instant::now();
     check_model(&state, req.model.as_deref())?;
@@ -213,8 +267,9 @@ pub async fn completions(
         Prompt::Tokens(ids) => (ids, None),
         Prompt::Text(text) => {
             let tok = tok.clone();
+            let add_special = req.add_special_tokens.unwrap_or(true);
             blocking(move || {
-                tok.encode(&text, true)
+                tok.encode(&text, add_special)
                     .map(|ids| (ids, Some(text)))
                     .map_err(|e| {
                         ApiError::invalid_param(
@@ -226,6 +281,7 @@ pub async fn completions(
             .await?
         }
     };
+    let prompt_tokens = truncate_prompt(&state, prompt_tokens, req.truncate_prompt_tokens)?;
     check_token_ids(&state, &prompt_tokens)?;
     let kv = kv_params(req.kv_transfer_params, &id)?;
     let return_token_ids = req.return_token_ids.unwrap_or(false);
@@ -456,7 +512,7 @@ impl CompletionView {
 pub async fn chat_completions(
     State(state): State<AppState>,
     headers: HeaderMap,
-    ApiJson(req): ApiJson<ChatRequest>,
+    Screened(req): Screened<ChatRequest>,
 ) -> Result<Response, ApiError> {
     let arrived = Instant::now();
     check_model(&state, req.model.as_deref())?;
@@ -471,7 +527,15 @@ pub async fn chat_completions(
     check_sampling_ids(&state, &params)?;
 
     // The template already places BOS and other special tokens.
-    let prompt_tokens = chat_prompt_tokens(&state, messages, true, false).await?;
+    let prompt_tokens = chat_prompt_tokens_with(
+        &state,
+        messages,
+        req.add_generation_prompt.unwrap_or(true),
+        req.add_special_tokens.unwrap_or(false),
+        req.chat_template_kwargs.clone().unwrap_or_default(),
+    )
+    .await?;
+    let prompt_tokens = truncate_prompt(&state, prompt_tokens, req.truncate_prompt_tokens)?;
     check_token_ids(&state, &prompt_tokens)?;
     // Without a limit a chat reply may use the rest of the context.
     params.max_tokens = match max_tokens {

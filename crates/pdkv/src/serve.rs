@@ -83,6 +83,12 @@ pub struct ServeArgs {
     /// On whenever `--admin-token` is given and the connector supports it.
     #[arg(long)]
     pub enable_sleep_mode: bool,
+    /// How long, in seconds, a new request waits for `/resume` while the
+    /// engine is paused (in any mode, asleep included), as vLLM holds
+    /// requests during a pause; past it the request gets a retryable 503.
+    /// 0 refuses such requests at once.
+    #[arg(long, default_value_t = 600.0)]
+    pub pause_wait_timeout_s: f64,
     /// Bound, in seconds, on releasing KV held by transfers before a cache
     /// reset and on the connector's release of its registrations.
     #[arg(long, default_value_t = 5.0)]
@@ -137,6 +143,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         engine.clone(),
         served_name,
         (args.admin_token, args.api_key, args.dev_mode),
+        std::time::Duration::from_secs_f64(args.pause_wait_timeout_s),
         secret,
         limits,
     ));
@@ -159,6 +166,10 @@ fn engine_config(args: &ServeArgs) -> anyhow::Result<EngineConfig> {
     anyhow::ensure!(
         args.kv_release_timeout_s.is_finite() && args.kv_release_timeout_s > 0.0,
         "--kv-release-timeout-s must be a positive number of seconds"
+    );
+    anyhow::ensure!(
+        args.pause_wait_timeout_s.is_finite() && (0.0..=86_400.0).contains(&args.pause_wait_timeout_s),
+        "--pause-wait-timeout-s must be a number of seconds from 0 to 86400"
     );
     anyhow::ensure!(config.max_num_seqs > 0, "--max-num-seqs must be at least 1");
     anyhow::ensure!(
@@ -244,6 +255,7 @@ async fn serve(
     engine: EngineHandle,
     served_name: String,
     (admin_token, api_key, dev_mode): (Option<String>, Option<String>, bool),
+    pause_wait: std::time::Duration,
     secret: pdkv_connector::KvSecret,
     limits: pdkv_server::listen::HttpLimits,
 ) -> anyhow::Result<()> {
@@ -256,7 +268,7 @@ async fn serve(
     if let Some(key) = api_key {
         state = state.with_api_key(key)?;
     }
-    state = state.with_dev_mode(dev_mode);
+    state = state.with_dev_mode(dev_mode).with_pause_wait(pause_wait);
     let listener = tokio::net::TcpListener::bind(addr)
         .await
         .with_context(|| format!("binding {addr}"))?;

@@ -619,8 +619,9 @@ impl EngineCore {
             return_logits: p.return_logits,
             logprobs: p.logprobs.map(|k| k as usize),
             prompt_logprobs,
-            detok: IncrementalDetokenizer::new(&req.prompt_tokens),
-            stops: StopChecker::new(p.stop.clone()),
+            detok: IncrementalDetokenizer::new(&req.prompt_tokens)
+                .keeping_special_tokens(!p.skip_special_tokens),
+            stops: StopChecker::new(p.stop.clone()).including_stop(p.include_stop_str_in_output),
             min_tokens: p.min_tokens as usize,
             num_prompt_tokens: req.prompt_tokens.len(),
             num_cached_tokens: 0,
