@@ -285,7 +285,9 @@ async fn malformed_parameters_are_400_naming_the_parameter() {
         (Method::POST, "/sleep?level=-1", None, Some("level")),
         (Method::POST, "/sleep?level=1&level=2", None, Some("level")),
         (Method::POST, "/sleep?mode=pause", None, Some("mode")),
-        (Method::POST, "/sleep?levle=1", None, Some("levle")),
+        (Method::POST, "/sleep?level=3&levle=1", None, Some("level")),
+        (Method::POST, "/sleep", Some(json!({"level": 5})), Some("level")),
+        (Method::POST, "/wake_up", Some(json!({"tags": ["brain"]})), Some("tags")),
         (Method::POST, "/sleep?timeout=0", None, Some("timeout")),
         (Method::POST, "/pause?mode=nope", None, Some("mode")),
         (Method::POST, "/pause?mode=", None, Some("mode")),
@@ -709,7 +711,10 @@ async fn update_weights_matches_a_fresh_server_and_refuses_incompatible_ones() {
     assert_eq!(v, json!({"status": "ok", "version": "v2"}));
     s.admin_ok(Method::POST, "/resume", None).await;
     let info = s.admin_ok(Method::GET, "/weight_info", None).await;
-    assert_eq!(info, json!({"version": "v2", "path": seed2_path}));
+    assert_eq!(
+        info,
+        json!({"version": "v2", "weight_version": "v2", "path": seed2_path})
+    );
     let reloaded = s.probe().await;
     assert_ne!(
         reloaded, seed7,

@@ -6,3 +6,4 @@ mod common;
 mod connections;
 mod http;
 mod proxy;
+mod rl;

@@ -51,12 +51,41 @@ impl Server {
     }
 
     /// [`Server::spawn`] with the given bounds on client connections.
+    ///
+    /// New requests to a paused engine are refused at once (a pause wait
+    /// of zero), so the tests of what a paused or sleeping engine answers
+    /// need no clock; [`Server::spawn_holding`] keeps them waiting.
     pub async fn spawn_with_limits(
         preset: &str,
         seed: u64,
         token: Option<&str>,
         config: EngineConfig,
         limits: pdkv_server::listen::HttpLimits,
+    ) -> Server {
+        Server::spawn_holding(
+            preset,
+            seed,
+            token,
+            config,
+            limits,
+            std::time::Duration::ZERO,
+            false,
+        )
+        .await
+    }
+
+    /// [`Server::spawn_with_limits`] whose new requests wait up to
+    /// `pause_wait` for `/resume` while the engine is paused (`pdkv
+    /// serve`'s default behaviour); `dev_mode`: the admin API without a
+    /// token.
+    pub async fn spawn_holding(
+        preset: &str,
+        seed: u64,
+        token: Option<&str>,
+        config: EngineConfig,
+        limits: pdkv_server::listen::HttpLimits,
+        pause_wait: std::time::Duration,
+        dev_mode: bool,
     ) -> Server {
         let dir = checkpoint(preset, seed);
         let pool = Pool::default();
@@ -67,7 +96,9 @@ impl Server {
             .expect("bind");
         let addr: SocketAddr = listener.local_addr().expect("addr");
         let (stop, stopped) = oneshot::channel::<()>();
-        let mut state = AppState::new(engine.clone(), SERVED);
+        let mut state = AppState::new(engine.clone(), SERVED)
+            .with_pause_wait(pause_wait)
+            .with_dev_mode(dev_mode);
         if let Some(t) = token {
             state = state.with_admin_token(t).expect("admin token");
         }
