@@ -417,3 +417,42 @@ const EXPORT_LOGITS_TOL_F32: f32 = 1e-2;
 /// f32): measured up to 4.8e-2, as far as int8 activations stray from
 /// transformers' f32 logits on the same weights (`numerics.rs`).
 const EXPORT_LOGITS_TOL: f32 = 6e-2;
+
+/// SmolLM2's GGUF loaded in another format: as F32 it computes the stored
+/// blocks' bits (f32 activations: the block kernels' f32 path is the f32
+/// path on the dequantised weights), and requantised to Q8_0 (Q/K rows
+/// un-permuted before quantising) its logits stay close to the Q4_1
+/// model's.
+#[test]
+fn smollm2_gguf_loaded_in_another_format_computes_as_the_stored_one() {
+    let Some(gguf) = smollm2("smollm2_gguf_loaded_in_another_format_computes_as_the_stored_one")
+    else {
+        return;
+    };
+    let stored = load_as(&gguf, WeightFormat::AsStored);
+    let wide = load_as(&gguf, WeightFormat::Convert(DType::F32));
+    let q8 = load_as(&gguf, format(QType::Q8_0));
+    assert_eq!(wide.model.weights().layers[0].wq.dtype, DType::F32);
+    assert_eq!(
+        q8.model.weights().layers[0].wq.dtype,
+        DType::Quant(QType::Q8_0)
+    );
+    let prompts = chat_prompts(&stored);
+    let (stored, wide) = (
+        stored.model.with_int8_activations(false),
+        wide.model.with_int8_activations(false),
+    );
+    for p in &prompts {
+        let (a, b) = (logits(&stored, p), logits(&wide, p));
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert!(bits(&a) == bits(&b), "f32 weights differ from the blocks");
+        let c = logits(&q8.model, p);
+        let top = a.iter().fold(0f32, |m, v| m.max(v.abs()));
+        let diff = a
+            .iter()
+            .zip(&c)
+            .fold(0f32, |m, (x, y)| m.max((x - y).abs()));
+        println!("GGUF as Q8_0 vs Q4_1: max |Δlogit| {diff:.4} of {top:.2}");
+        assert!(diff <= EXPORT_LOGITS_TOL * top, "{diff} of {top}");
+    }
+}
