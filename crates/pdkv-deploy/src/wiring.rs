@@ -49,6 +49,9 @@ pub struct EngineWiring {
     /// `--enable-sleep-mode` (the admin API is for sleeping between
     /// rollouts: a deployment with an admin token sleeps).
     pub sleep_mode: bool,
+    /// Every engine's `--weight-format` (`None`: as the checkpoint stores
+    /// its weights).
+    pub weight_format: Option<String>,
 }
 
 impl EngineWiring {
@@ -64,6 +67,7 @@ impl EngineWiring {
             prefill_tensor_parallel_size: None,
             decode_tensor_parallel_size: None,
             sleep_mode: false,
+            weight_format: None,
         }
     }
 
@@ -131,6 +135,9 @@ pub fn serve_args(
     }
     if w.sleep_mode {
         v.push("--enable-sleep-mode".to_string());
+    }
+    if let Some(f) = &w.weight_format {
+        v.extend(["--weight-format".to_string(), f.clone()]);
     }
     v
 }

@@ -11,7 +11,7 @@
 use std::path::Path;
 
 use anyhow::Context;
-use pdkv_model::loader::{load_weights_matching, reload_weights_into, ReloadError};
+use pdkv_model::loader::{load_weights_like, reload_weights_into, ReloadError};
 use pdkv_model::tp::{self, TpModel};
 use pdkv_model::{KvCache, Model, SeqInput, Workspace};
 use pdkv_vmem::{Pool, Tag};
@@ -294,7 +294,8 @@ impl ModelRunner for TpModelRunner {
         Ok(())
     }
 
-    /// Reads the whole checkpoint into scratch memory, checks every rank's
+    /// Reads the whole checkpoint into scratch memory (a Hugging Face one
+    /// converted to the running formats), checks every rank's
     /// cut against its running weights, and only then writes the ranks.
     fn reload_weights(&mut self, path: &Path) -> Result<(), ReloadError> {
         let ranks = self.model.ranks();
@@ -309,7 +310,7 @@ impl ModelRunner for TpModelRunner {
         }
         let cfg = self.model.config();
         let scratch = Pool::default();
-        let full = load_weights_matching(path, cfg, &scratch, &mut |_| {})
+        let full = load_weights_like(path, &self.full_layout, cfg, &scratch, &mut |_| {})
             .map_err(ReloadError::Incompatible)?;
         for r in ranks {
             let shard = &r.model.tp().expect("a rank of the split model").shard;

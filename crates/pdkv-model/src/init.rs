@@ -388,7 +388,7 @@ pub fn hf_config_json(cfg: &ModelConfig) -> Value {
     c
 }
 
-fn write_json(path: &Path, v: &Value) -> anyhow::Result<()> {
+pub(crate) fn write_json(path: &Path, v: &Value) -> anyhow::Result<()> {
     let mut text = serde_json::to_string_pretty(v)?;
     text.push('\n');
     std::fs::write(path, text).with_context(|| format!("cannot write {}", path.display()))

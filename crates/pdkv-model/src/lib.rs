@@ -11,6 +11,7 @@ pub mod bf16dot;
 pub mod chat;
 pub mod config;
 pub mod dispatch;
+pub mod export;
 pub mod forward;
 pub mod gguf;
 pub mod init;
@@ -19,6 +20,7 @@ pub mod kv;
 pub mod loader;
 pub mod qkernels;
 pub mod qtype;
+pub mod quantize;
 pub mod safetensors;
 pub mod tokenizer;
 pub mod tp;
@@ -29,7 +31,7 @@ pub use chat::{ChatMessage, ChatTemplate};
 pub use config::{Arch, ModelConfig};
 pub use forward::{Model, SeqInput, Workspace};
 pub use kv::KvCache;
-pub use loader::{load_model, LoadProgress, LoadedModel};
+pub use loader::{load_model, load_model_as, LoadProgress, LoadedModel, WeightFormat};
 pub use tokenizer::Tokenizer;
 
 /// Tokens per KV block.

@@ -40,6 +40,56 @@ impl Dtype {
             Dtype::F16 | Dtype::BF16 => 2,
         }
     }
+
+    /// The name the header gives the dtype.
+    pub fn name(self) -> &'static str {
+        match self {
+            Dtype::F32 => "F32",
+            Dtype::F16 => "F16",
+            Dtype::BF16 => "BF16",
+        }
+    }
+
+    /// Widens little-endian values of this dtype into `out` (exact: every
+    /// F16 and BF16 value is an f32). `bytes` holds `out.len()` values.
+    pub fn decode(self, bytes: &[u8], out: &mut [f32]) {
+        assert_eq!(
+            bytes.len(),
+            out.len() * self.size(),
+            "bytes for {} values",
+            out.len()
+        );
+        match self {
+            Dtype::F32 => {
+                for (o, b) in out.iter_mut().zip(bytes.chunks_exact(4)) {
+                    *o = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+                }
+            }
+            Dtype::F16 => {
+                for (o, b) in out.iter_mut().zip(bytes.chunks_exact(2)) {
+                    *o = f16::from_le_bytes([b[0], b[1]]).to_f32();
+                }
+            }
+            Dtype::BF16 => {
+                for (o, b) in out.iter_mut().zip(bytes.chunks_exact(2)) {
+                    *o = bf16::from_le_bytes([b[0], b[1]]).to_f32();
+                }
+            }
+        }
+    }
+
+    /// Narrows `values` to this dtype (rounded to nearest, as `half`
+    /// rounds), appending their little-endian bytes to `out`.
+    pub fn encode(self, values: &[f32], out: &mut Vec<u8>) {
+        out.reserve(values.len() * self.size());
+        for &v in values {
+            match self {
+                Dtype::F32 => out.extend_from_slice(&v.to_le_bytes()),
+                Dtype::F16 => out.extend_from_slice(&f16::from_f32(v).to_le_bytes()),
+                Dtype::BF16 => out.extend_from_slice(&bf16::from_f32(v).to_le_bytes()),
+            }
+        }
+    }
 }
 
 #[derive(Clone, Debug)]
@@ -93,23 +143,7 @@ impl SafetensorsFile {
                 out.len() * e.dtype.size()
             );
         }
-        match e.dtype {
-            Dtype::F32 => {
-                for (o, b) in out.iter_mut().zip(bytes.chunks_exact(4)) {
-                    *o = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
-                }
-            }
-            Dtype::F16 => {
-                for (o, b) in out.iter_mut().zip(bytes.chunks_exact(2)) {
-                    *o = f16::from_le_bytes([b[0], b[1]]).to_f32();
-                }
-            }
-            Dtype::BF16 => {
-                for (o, b) in out.iter_mut().zip(bytes.chunks_exact(2)) {
-                    *o = bf16::from_le_bytes([b[0], b[1]]).to_f32();
-                }
-            }
-        }
+        e.dtype.decode(bytes, out);
         Ok(())
     }
 }
@@ -185,26 +219,38 @@ pub fn write_as(
     tensors: &[(String, Vec<usize>, Vec<f32>)],
     dtype: Dtype,
 ) -> anyhow::Result<()> {
+    let shapes: Vec<(String, Vec<usize>)> = tensors
+        .iter()
+        .map(|(name, shape, _)| (name.clone(), shape.clone()))
+        .collect();
+    write_with(path, dtype, &shapes, &mut |i, buf| {
+        buf.clear();
+        buf.extend_from_slice(&tensors[i].2);
+        Ok(())
+    })?;
+    Ok(())
+}
+
+/// Writes a safetensors file of `dtype` one tensor at a time, so that no
+/// more than one tensor's values are held: `tensors` names each tensor
+/// and its shape, in file order, and `values(i, buf)` puts tensor `i`'s
+/// values (as many as its shape holds) into `buf`. Returns the bytes
+/// written. The header is padded with spaces to a multiple of 8 bytes so
+/// the data is aligned.
+pub fn write_with(
+    path: &Path,
+    dtype: Dtype,
+    tensors: &[(String, Vec<usize>)],
+    values: &mut dyn FnMut(usize, &mut Vec<f32>) -> anyhow::Result<()>,
+) -> anyhow::Result<u64> {
     let mut header = serde_json::Map::new();
     let mut offset = 0usize;
-    let name_of = match dtype {
-        Dtype::F32 => "F32",
-        Dtype::F16 => "F16",
-        Dtype::BF16 => "BF16",
-    };
-    for (name, shape, data) in tensors {
-        let n: usize = shape.iter().product();
-        if n != data.len() {
-            bail!(
-                "tensor `{name}` has {} values for shape {shape:?}",
-                data.len()
-            );
+    for (name, shape) in tensors {
+        let end = offset + shape.iter().product::<usize>() * dtype.size();
+        let entry = serde_json::json!({"dtype": dtype.name(), "shape": shape, "data_offsets": [offset, end]});
+        if header.insert(name.clone(), entry).is_some() {
+            bail!("tensor `{name}` is listed twice");
         }
-        let end = offset + n * dtype.size();
-        header.insert(
-            name.clone(),
-            serde_json::json!({"dtype": name_of, "shape": shape, "data_offsets": [offset, end]}),
-        );
         offset = end;
     }
     header.insert("__metadata__".into(), serde_json::json!({"format": "pt"}));
@@ -217,15 +263,22 @@ pub fn write_as(
     let mut w = std::io::BufWriter::new(file);
     w.write_all(&(hbytes.len() as u64).to_le_bytes())?;
     w.write_all(&hbytes)?;
-    for (_, _, data) in tensors {
-        for &v in data {
-            match dtype {
-                Dtype::F32 => w.write_all(&v.to_le_bytes())?,
-                Dtype::F16 => w.write_all(&f16::from_f32(v).to_le_bytes())?,
-                Dtype::BF16 => w.write_all(&bf16::from_f32(v).to_le_bytes())?,
-            }
+    let (mut buf, mut bytes) = (Vec::new(), Vec::new());
+    for (i, (name, shape)) in tensors.iter().enumerate() {
+        values(i, &mut buf)?;
+        let n: usize = shape.iter().product();
+        if buf.len() != n {
+            bail!(
+                "tensor `{name}` has {} values for shape {shape:?}",
+                buf.len()
+            );
         }
+        bytes.clear();
+        dtype.encode(&buf, &mut bytes);
+        w.write_all(&bytes)
+            .with_context(|| format!("cannot write {}", path.display()))?;
     }
-    w.flush()?;
-    Ok(())
+    w.flush()
+        .with_context(|| format!("cannot write {}", path.display()))?;
+    Ok(8 + hbytes.len() as u64 + offset as u64)
 }

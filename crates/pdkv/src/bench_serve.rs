@@ -240,6 +240,7 @@ async fn start_deployment(args: &ServeBenchArgs, procs: &mut Vec<Proc>) -> anyho
         tensor_parallel_size: 1,
         prefill_tensor_parallel_size: None,
         decode_tensor_parallel_size: None,
+        weight_format: pdkv_model::WeightFormat::AsStored,
         startup_timeout: args.startup_timeout,
     };
     let ports = up::Ports::choose(&up_args)?;

@@ -12,6 +12,7 @@ mod bench_serve;
 mod bench_sleep;
 mod bench_transfer;
 mod common;
+mod export_cmd;
 mod fetch;
 mod http_args;
 mod lifecycle_cmd;
@@ -76,6 +77,9 @@ enum ModelCommand {
     },
     /// Write a checkpoint with random weights (for tests).
     Init(InitArgs),
+    /// Write a model as a Hugging Face checkpoint directory (BF16
+    /// safetensors, config, tokenizer and chat template).
+    Export(export_cmd::ExportArgs),
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -157,6 +161,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             println!("{}", a.out.display());
             Ok(())
         }
+        Command::Model(ModelCommand::Export(args)) => export_cmd::run(args),
         Command::Bench(BenchCommand::Decode(args)) => bench::run_decode(args),
         Command::Bench(BenchCommand::Prefill(args)) => bench::run_prefill(args),
         Command::Bench(BenchCommand::Sleep(args)) => bench_sleep::run_sleep(args),

@@ -5,7 +5,7 @@ use std::io::{IsTerminal, Write};
 use std::path::PathBuf;
 
 use anyhow::Context;
-use pdkv_model::{LoadProgress, LoadedModel};
+use pdkv_model::{LoadProgress, LoadedModel, WeightFormat};
 use pdkv_vmem::Pool;
 
 use crate::fetch;
@@ -13,13 +13,22 @@ use crate::fetch;
 /// Loads `--model` into `pool`, showing progress; without `--model`, the
 /// default model (fetched on first use). Returns the path it loaded.
 pub fn load_model(model: Option<PathBuf>, pool: &Pool) -> anyhow::Result<(PathBuf, LoadedModel)> {
+    load_model_as(model, WeightFormat::AsStored, pool)
+}
+
+/// [`load_model`] with the weights stored as `format` says.
+pub fn load_model_as(
+    model: Option<PathBuf>,
+    format: WeightFormat,
+    pool: &Pool,
+) -> anyhow::Result<(PathBuf, LoadedModel)> {
     let path = match model {
         Some(p) => p,
         None => fetch::default_model_path()?,
     };
-    tracing::info!(path = %path.display(), "loading model");
+    tracing::info!(path = %path.display(), weight_format = %format, "loading model");
     let mut display = LoadDisplay::new();
-    let loaded = pdkv_model::load_model(&path, pool, &mut |p| display.update(p))
+    let loaded = pdkv_model::load_model_as(&path, format, pool, &mut |p| display.update(p))
         .with_context(|| format!("loading {}", path.display()))?;
     display.finish();
     Ok((path, loaded))
@@ -28,6 +37,8 @@ pub fn load_model(model: Option<PathBuf>, pool: &Pool) -> anyhow::Result<(PathBu
 const MIB: f64 = 1024.0 * 1024.0;
 
 pub struct LoadDisplay {
+    /// What the line says is under way (`loading model`).
+    label: &'static str,
     terminal: bool,
     /// Last percentage shown, to avoid redrawing the same line.
     last_percent: Option<u64>,
@@ -35,7 +46,13 @@ pub struct LoadDisplay {
 
 impl LoadDisplay {
     pub fn new() -> LoadDisplay {
+        LoadDisplay::labelled("loading model")
+    }
+
+    /// A display whose line starts with `label` (`exporting`).
+    pub fn labelled(label: &'static str) -> LoadDisplay {
         LoadDisplay {
+            label,
             terminal: std::io::stderr().is_terminal(),
             last_percent: None,
         }
@@ -57,7 +74,8 @@ impl LoadDisplay {
         }
         self.last_percent = Some(percent);
         let line = format!(
-            "loading model: {percent:>3}% ({:.1}/{:.1} MiB, {}/{} tensors)",
+            "{}: {percent:>3}% ({:.1}/{:.1} MiB, {}/{} tensors)",
+            self.label,
             p.bytes_done as f64 / MIB,
             p.bytes_total as f64 / MIB,
             p.tensors_done,

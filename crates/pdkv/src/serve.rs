@@ -100,6 +100,15 @@ pub struct ServeArgs {
     /// `--kv-transfer-config`.
     #[arg(long, short = 't', default_value_t = 1)]
     pub tensor_parallel_size: usize,
+    /// The format the model's matrices are served in: `auto` keeps the
+    /// checkpoint's (a GGUF file's blocks, a Hugging Face checkpoint's
+    /// BF16/F16); otherwise one of f32, f16, bf16, q8_0, q4_0, q4_1, q5_0,
+    /// q5_1, q4_k, q5_k, q6_k, converted on load as a reload of a Hugging
+    /// Face checkpoint into a model of that format converts it. Norms stay
+    /// f32; the LM head and rows that are not whole blocks follow
+    /// llama.cpp's choices for a model quantised to one type.
+    #[arg(long, default_value = "auto")]
+    pub weight_format: pdkv_model::WeightFormat,
     #[command(flatten)]
     pub http: crate::http_args::HttpArgs,
 }
@@ -112,7 +121,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     let connector = build_connector(&args, &mut config)?;
     let started = std::time::Instant::now();
     let pool = Pool::default();
-    let (_, model) = progress::load_model(args.model.clone(), &pool)?;
+    let (_, model) = progress::load_model_as(args.model.clone(), args.weight_format, &pool)?;
     let weights = pool.device_bytes().get(pdkv_vmem::Tag::Weights);
     tracing::info!(
         name = %model.name,

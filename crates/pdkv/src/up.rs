@@ -102,6 +102,10 @@ pub struct UpArgs {
     /// servers'.
     #[arg(long, value_parser = clap::value_parser!(u16).range(1..=64))]
     pub decode_tensor_parallel_size: Option<u16>,
+    /// The format every server serves the model's matrices in (see
+    /// `pdkv serve --weight-format`).
+    #[arg(long, default_value = "auto")]
+    pub weight_format: pdkv_model::WeightFormat,
     /// Bound on the start-up (model loading included), in seconds.
     #[arg(long, default_value_t = 300)]
     pub startup_timeout: u64,
@@ -187,6 +191,8 @@ fn spec(args: &UpArgs, model: &std::path::Path, ports: &Ports) -> anyhow::Result
     wiring.prefill_tensor_parallel_size = args.prefill_tensor_parallel_size;
     wiring.decode_tensor_parallel_size = args.decode_tensor_parallel_size;
     wiring.sleep_mode = args.admin_token.is_some() || args.dev_mode;
+    wiring.weight_format = (args.weight_format != pdkv_model::WeightFormat::AsStored)
+        .then(|| args.weight_format.to_string());
     Ok(Spec {
         exe: std::env::current_exe().context("finding the pdkv executable")?,
         model: model.to_path_buf(),

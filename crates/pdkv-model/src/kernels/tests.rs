@@ -53,7 +53,7 @@ fn block_matmul_equals_f32_matmul_on_the_dequantised_weights_bit_for_bit() {
         let vals = rand_vec(11, n * k);
         let mut blocks = vec![0u8; n * ty.row_bytes(k)];
         for (row, out) in vals.chunks(k).zip(blocks.chunks_mut(ty.row_bytes(k))) {
-            crate::bench::quantize_row(ty, row, out);
+            crate::quantize::quantize_row(ty, row, out);
         }
         let mut deq = vec![0f32; n * k];
         crate::gguf::dequantize(crate::qtype::ggml_type(ty), &blocks, &mut deq).unwrap();

@@ -4,6 +4,7 @@
 use anyhow::{bail, Context};
 use pdkv_vmem::Pool;
 
+use super::format::{converted, WeightFormat};
 use super::plan::{check_shape, parse_arch, LoadProgress, Slot, SlotDst, WeightsPlan};
 use crate::gguf::GgufFile;
 use crate::qtype::QType;
@@ -81,24 +82,32 @@ pub fn gguf_config(g: &GgufFile) -> anyhow::Result<ModelConfig> {
     Ok(cfg)
 }
 
+/// Loads the weights of `g` (config `cfg`), stored as `format` says.
 pub(super) fn load_gguf_weights(
     g: &GgufFile,
     cfg: &ModelConfig,
+    format: WeightFormat,
     pool: &Pool,
     progress: &mut dyn FnMut(&LoadProgress),
 ) -> anyhow::Result<Weights> {
-    WeightsPlan::new(cfg, &gguf_quant(g)).load(pool, progress, |slot, dst| {
+    let plan = match format {
+        WeightFormat::AsStored => WeightsPlan::new(cfg, &gguf_quant(g)),
+        WeightFormat::Convert(_) => WeightsPlan::new(cfg, &converted(format, cfg)),
+    };
+    plan.load(pool, progress, |slot, dst| {
         fill_gguf_slot(g, cfg, slot, dst)
     })
 }
 
 /// The block format a GGUF tensor keeps in the weights region, by name.
-pub(super) fn gguf_quant(g: &GgufFile) -> impl Fn(&str, &str) -> Option<QType> + '_ {
-    move |name, _| g.tensor(name).and_then(|i| quant_of(i.ty))
+pub(super) fn gguf_quant(g: &GgufFile) -> impl Fn(&str, &str, usize) -> Option<QType> + '_ {
+    move |name, _, _| g.tensor(name).and_then(|i| quant_of(i.ty))
 }
 
 /// Converts the GGUF tensor of `slot` into `dst` (Q/K rows un-permuted):
-/// dequantised to f32, or its blocks copied row by row.
+/// dequantised to f32, its blocks copied row by row when the destination
+/// keeps the file's format, or dequantised and quantised into the
+/// destination's block format.
 pub(super) fn fill_gguf_slot(
     g: &GgufFile,
     cfg: &ModelConfig,
@@ -124,14 +133,22 @@ pub(super) fn fill_gguf_slot(
             let DType::Quant(q) = slot.dest.dtype else {
                 bail!("tensor `{name}` is planned as f32")
             };
+            let cols = slot.dest.shape[1];
             if quant_of(info.ty) != Some(q) {
-                bail!(
-                    "tensor `{name}` has ggml type {}, the running model keeps {q:?}",
-                    info.ty
-                );
+                let mut values = vec![0f32; slot.dest.numel()];
+                match rope {
+                    Some(_) => g.dequantize_rows_into(info, &mut values, &unpermute)?,
+                    None => g.dequantize_into(info, &mut values)?,
+                }
+                if dst.len() != q.row_bytes(cols) * (values.len() / cols) {
+                    bail!("tensor `{name}` does not fit {} bytes of {q:?}", dst.len());
+                }
+                crate::quantize::quantize_rows(q, cols, dst, &|r, out| {
+                    out.copy_from_slice(&values[r * cols..(r + 1) * cols])
+                });
+                return Ok(());
             }
             let data = g.tensor_data(info)?;
-            let cols = slot.dest.shape[1];
             let rb = q.row_bytes(cols);
             if data.len() != dst.len() || data.len() % rb != 0 {
                 bail!(

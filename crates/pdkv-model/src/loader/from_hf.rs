@@ -7,6 +7,7 @@ use anyhow::{bail, Context};
 use pdkv_vmem::Pool;
 use serde_json::Value;
 
+use super::format::{converted, WeightFormat};
 use super::plan::{check_shape, parse_arch, LoadProgress, Slot, SlotDst, WeightsPlan};
 use crate::qtype::QType;
 use crate::safetensors::SafetensorsFile;
@@ -15,8 +16,8 @@ use crate::{ChatTemplate, ModelConfig, Tokenizer};
 
 /// The 16-bit format a safetensors tensor keeps in the weights region, by
 /// its Hugging Face name (F32 ones, and any not found, become f32).
-pub(super) fn hf_quant(sh: &HfShards) -> impl Fn(&str, &str) -> Option<QType> + '_ {
-    move |_, name| {
+pub(super) fn hf_quant(sh: &HfShards) -> impl Fn(&str, &str, usize) -> Option<QType> + '_ {
+    move |_, name, _| {
         let &i = sh.index.get(name)?;
         half_of(sh.shards[i].tensors.get(name)?.dtype)
     }
@@ -150,7 +151,8 @@ impl HfShards {
     }
 
     /// Checks, without converting anything, that the tensor of `slot` exists
-    /// with the planned shape and exactly the bytes its dtype needs.
+    /// with the planned shape and exactly the bytes its dtype needs, and
+    /// that a block-format destination takes its rows whole.
     pub(super) fn precheck(&self, slot: &Slot) -> anyhow::Result<()> {
         let (_, entry) = self.entry(slot)?;
         let want = slot.dest.numel() * entry.dtype.size();
@@ -161,51 +163,125 @@ impl HfShards {
                 entry.end - entry.start
             );
         }
+        if let DType::Quant(q) = slot.dest.dtype {
+            let cols = slot.dest.shape.last().copied().unwrap_or(1);
+            if slot.dest.shape.len() != 2 || cols % q.block_values() != 0 {
+                bail!(
+                    "tensor `{}` has rows of {cols} values, not whole {q:?} blocks of {}",
+                    slot.hf_name,
+                    q.block_values()
+                );
+            }
+        }
         Ok(())
     }
 
+    /// Converts the tensor of `slot` into `dst`: widened to f32, its 16-bit
+    /// values copied when the destination keeps that format, or each row
+    /// widened and quantised into the destination's block format
+    /// ([`crate::quantize::quantize_rows`]).
     pub(super) fn fill(&self, slot: &Slot, dst: SlotDst<'_>) -> anyhow::Result<()> {
         let (i, _) = self.entry(slot)?;
-        match dst {
-            SlotDst::F32(dst) => self.shards[i].read_f32(&slot.hf_name, dst),
-            SlotDst::Raw(dst) => {
-                let name = &slot.hf_name;
-                let (bytes, dtype) = self.shards[i]
-                    .raw(name)
-                    .with_context(|| format!("no tensor `{name}`"))?;
-                let planned = slot.dest.dtype;
-                if half_of(dtype).map(DType::Quant) != Some(planned) || bytes.len() != dst.len() {
-                    bail!(
-                        "tensor `{name}` is {dtype:?} of {} bytes, the running model keeps {planned:?} of {}",
-                        bytes.len(),
-                        dst.len()
-                    );
-                }
-                dst.copy_from_slice(bytes);
-                Ok(())
-            }
+        let dst = match dst {
+            SlotDst::F32(dst) => return self.shards[i].read_f32(&slot.hf_name, dst),
+            SlotDst::Raw(dst) => dst,
+        };
+        let name = &slot.hf_name;
+        let (bytes, dtype) = self.shards[i]
+            .raw(name)
+            .with_context(|| format!("no tensor `{name}`"))?;
+        let DType::Quant(q) = slot.dest.dtype else {
+            bail!("tensor `{name}` is planned as f32")
+        };
+        if half_of(dtype) == Some(q) && bytes.len() == dst.len() {
+            dst.copy_from_slice(bytes);
+            return Ok(());
         }
+        let cols = slot.dest.shape.last().copied().unwrap_or(1);
+        let rows = slot.dest.numel() / cols.max(1);
+        if slot.dest.shape.len() != 2
+            || cols % q.block_values() != 0
+            || bytes.len() != rows * cols * dtype.size()
+            || dst.len() != rows * q.row_bytes(cols)
+        {
+            bail!(
+                "tensor `{name}` ({dtype:?}, {} bytes) does not convert to {q:?} of {} bytes",
+                bytes.len(),
+                dst.len()
+            );
+        }
+        let rb = cols * dtype.size();
+        crate::quantize::quantize_rows(q, cols, dst, &|r, out| {
+            dtype.decode(&bytes[r * rb..(r + 1) * rb], out)
+        });
+        Ok(())
     }
 }
 
+/// Loads the weights of the checkpoint directory `dir` (config `cfg`),
+/// stored as `format` says.
 pub(super) fn load_hf_weights(
     dir: &Path,
     cfg: &ModelConfig,
+    format: WeightFormat,
     pool: &Pool,
     progress: &mut dyn FnMut(&LoadProgress),
 ) -> anyhow::Result<Weights> {
     let shards = open_hf_shards(dir)?;
-    let plan = WeightsPlan::new(cfg, &hf_quant(&shards));
+    let plan = match format {
+        WeightFormat::AsStored => WeightsPlan::new(cfg, &hf_quant(&shards)),
+        WeightFormat::Convert(_) => WeightsPlan::new(cfg, &converted(format, cfg)),
+    };
+    load_planned(&shards, plan, pool, progress)
+}
+
+/// Checks every tensor of `plan` in `shards`, then allocates the region and
+/// converts them into it.
+pub(super) fn load_planned(
+    shards: &HfShards,
+    plan: WeightsPlan,
+    pool: &Pool,
+    progress: &mut dyn FnMut(&LoadProgress),
+) -> anyhow::Result<Weights> {
+    for slot in &plan.slots {
+        shards.precheck(slot)?;
+    }
     plan.load(pool, progress, |slot, dst| shards.fill(slot, dst))
 }
 
+/// The index of a sharded checkpoint, naming each tensor's shard.
+const SHARD_INDEX: &str = "model.safetensors.index.json";
+
+/// Opens the safetensors shards of `dir`: those its
+/// `model.safetensors.index.json` names (each tensor the index lists must
+/// be in the shard it names), or without an index every `*.safetensors`
+/// file in it.
 pub(super) fn open_hf_shards(dir: &Path) -> anyhow::Result<HfShards> {
-    let mut shard_paths: Vec<PathBuf> = std::fs::read_dir(dir)
-        .with_context(|| format!("cannot list {}", dir.display()))?
-        .filter_map(|e| e.ok().map(|e| e.path()))
-        .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
-        .collect();
+    let weight_map = read_json_opt(&dir.join(SHARD_INDEX))?
+        .map(|v| -> anyhow::Result<Vec<(String, String)>> {
+            let map = v["weight_map"]
+                .as_object()
+                .with_context(|| format!("{SHARD_INDEX} lacks `weight_map`"))?;
+            map.iter()
+                .map(|(name, file)| {
+                    let file = file.as_str().with_context(|| {
+                        format!("{SHARD_INDEX} names no file for tensor `{name}`")
+                    })?;
+                    Ok((name.clone(), file.to_string()))
+                })
+                .collect()
+        })
+        .transpose()?;
+    let mut shard_paths: Vec<PathBuf> = match &weight_map {
+        Some(map) => map.iter().map(|(_, f)| dir.join(f)).collect(),
+        None => std::fs::read_dir(dir)
+            .with_context(|| format!("cannot list {}", dir.display()))?
+            .filter_map(|e| e.ok().map(|e| e.path()))
+            .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
+            .collect(),
+    };
     shard_paths.sort();
+    shard_paths.dedup();
     if shard_paths.is_empty() {
         bail!("{} holds no *.safetensors files", dir.display());
     }
@@ -224,6 +300,11 @@ pub(super) fn open_hf_shards(dir: &Path) -> anyhow::Result<HfShards> {
                     shard_paths[i].display()
                 );
             }
+        }
+    }
+    for (name, file) in weight_map.iter().flatten() {
+        if index.get(name).map(|&i| &shard_paths[i]) != Some(&dir.join(file)) {
+            bail!("{SHARD_INDEX} puts tensor `{name}` in {file}, which does not hold it");
         }
     }
     Ok(HfShards {

@@ -6,9 +6,11 @@ use std::path::{Path, PathBuf};
 use anyhow::{bail, Context};
 use pdkv_vmem::Pool;
 
+use super::format::WeightFormat;
 use super::from_gguf::{gguf_chat_template, gguf_config, load_gguf_weights};
-use super::from_hf::{hf_config, hf_tokenizer, load_hf_weights};
-use super::plan::LoadProgress;
+use super::from_hf::{hf_config, hf_tokenizer, load_hf_weights, load_planned, open_hf_shards};
+use super::plan::{LoadProgress, WeightsPlan};
+use super::reload::{config_mismatches, running_quant};
 use crate::gguf::GgufFile;
 use crate::weights::Weights;
 use crate::{ChatTemplate, Model, ModelConfig, Tokenizer};
@@ -24,8 +26,21 @@ pub struct LoadedModel {
 
 /// Loads `path`: a `.gguf` file, or a directory with `config.json`,
 /// `*.safetensors` and `tokenizer.json` (and optionally `tokenizer_config.json`).
+/// The weights keep the checkpoint's formats ([`WeightFormat::AsStored`]).
 pub fn load_model(
     path: &Path,
+    pool: &Pool,
+    progress: &mut dyn FnMut(&LoadProgress),
+) -> anyhow::Result<LoadedModel> {
+    load_model_as(path, WeightFormat::AsStored, pool, progress)
+}
+
+/// [`load_model`] with the matrices stored as `format` says: converted by
+/// the same code a reload into a model of that format runs, so the two hold
+/// the same bytes.
+pub fn load_model_as(
+    path: &Path,
+    format: WeightFormat,
     pool: &Pool,
     progress: &mut dyn FnMut(&LoadProgress),
 ) -> anyhow::Result<LoadedModel> {
@@ -38,14 +53,14 @@ pub fn load_model(
     .unwrap_or_else(|| "model".to_string());
     let (config, weights, tokenizer, chat_template) = if path.is_dir() {
         let cfg = hf_config(path)?;
-        let weights = load_hf_weights(path, &cfg, pool, progress)?;
+        let weights = load_hf_weights(path, &cfg, format, pool, progress)?;
         let (tok, tmpl) = hf_tokenizer(path, &cfg)?;
         (cfg, weights, tok, tmpl)
     } else {
         let gguf =
             GgufFile::open(path).with_context(|| format!("cannot read GGUF {}", path.display()))?;
         let cfg = gguf_config(&gguf)?;
-        let weights = load_gguf_weights(&gguf, &cfg, pool, progress)?;
+        let weights = load_gguf_weights(&gguf, &cfg, format, pool, progress)?;
         let tok = Tokenizer::from_gguf(&gguf)?;
         let tmpl = gguf_chat_template(&gguf, &tok);
         (cfg, weights, tok, tmpl)
@@ -86,12 +101,38 @@ pub fn load_weights_matching(
     if path.is_dir() {
         let cfg = hf_config(path)?;
         check(&cfg)?;
-        load_hf_weights(path, &cfg, pool, progress)
+        load_hf_weights(path, &cfg, WeightFormat::AsStored, pool, progress)
     } else {
         let gguf =
             GgufFile::open(path).with_context(|| format!("cannot read GGUF {}", path.display()))?;
         let cfg = gguf_config(&gguf)?;
         check(&cfg)?;
-        load_gguf_weights(&gguf, &cfg, pool, progress)
+        load_gguf_weights(&gguf, &cfg, WeightFormat::AsStored, pool, progress)
     }
+}
+
+/// [`load_weights_matching`] for reloading into `running` (weights of the
+/// config `expected`): a Hugging Face checkpoint is converted to the
+/// running model's format tensor by tensor, as [`super::reload_weights_into`]
+/// converts it; a GGUF file keeps its own formats.
+pub fn load_weights_like(
+    path: &Path,
+    running: &Weights,
+    expected: &ModelConfig,
+    pool: &Pool,
+    progress: &mut dyn FnMut(&LoadProgress),
+) -> anyhow::Result<Weights> {
+    if !path.is_dir() {
+        return load_weights_matching(path, expected, pool, progress);
+    }
+    let cfg = hf_config(path)?;
+    if !config_mismatches(&cfg, expected).is_empty() {
+        bail!(
+            "checkpoint {} has config {cfg:?}, expected {expected:?}",
+            path.display()
+        );
+    }
+    let shards = open_hf_shards(path)?;
+    let plan = WeightsPlan::new(expected, &running_quant(running));
+    load_planned(&shards, plan, pool, progress)
 }

@@ -41,6 +41,10 @@ pub(super) unsafe fn slot_dst<'a>(region: &'a pdkv_vmem::Region, t: &TensorRef) 
     }
 }
 
+/// The block format a plan keeps a matrix in, by `(gguf_name, hf_name,
+/// cols)`; `None`: f32.
+pub(super) type Quant<'a> = dyn Fn(&str, &str, usize) -> Option<QType> + 'a;
+
 /// One tensor of the plan.
 pub(super) struct Slot {
     pub(super) gguf_name: String,
@@ -62,19 +66,18 @@ pub(super) struct WeightsPlan {
 }
 
 impl WeightsPlan {
-    /// The plan for `cfg`; `quant(gguf_name, hf_name)` names the block
-    /// format a linear layer keeps (a GGUF tensor in a format the kernels
-    /// read, a 16-bit safetensors tensor), `None` for f32.
-    pub(super) fn new(
-        cfg: &ModelConfig,
-        quant: &dyn Fn(&str, &str) -> Option<QType>,
-    ) -> WeightsPlan {
+    /// The plan for `cfg`; `quant(gguf_name, hf_name, cols)` names the
+    /// block format a matrix with rows of `cols` values keeps (a GGUF
+    /// tensor in a format the kernels read, a 16-bit safetensors tensor,
+    /// the running model's format on a reload, a chosen format), `None`
+    /// for f32.
+    pub(super) fn new(cfg: &ModelConfig, quant: &Quant<'_>) -> WeightsPlan {
         let mut layout = WeightsLayout::new();
         let mut slots = Vec::new();
         let mut push =
             |gguf: String, hf: String, shape: &[usize], rope_heads: Option<usize>, linear: bool| {
                 let cols = shape.last().copied().unwrap_or(1);
-                let dtype = match quant(&gguf, &hf) {
+                let dtype = match quant(&gguf, &hf, cols) {
                     Some(q) if linear && shape.len() == 2 && cols % q.block_values() == 0 => {
                         DType::Quant(q)
                     }

@@ -6,10 +6,11 @@ use std::path::Path;
 use anyhow::Context;
 
 use super::from_gguf::{fill_gguf_slot, gguf_config, gguf_quant, precheck_gguf_slot};
-use super::from_hf::{hf_config, hf_quant, open_hf_shards, HfShards};
+use super::from_hf::{hf_config, open_hf_shards, HfShards};
 use super::plan::{slot_dst, LoadProgress, WeightsPlan};
 use crate::gguf::GgufFile;
-use crate::weights::Weights;
+use crate::qtype::QType;
+use crate::weights::{DType, Weights};
 use crate::ModelConfig;
 
 /// Why [`reload_weights_into`] failed.
@@ -37,7 +38,7 @@ pub enum ReloadError {
 /// `(name, checkpoint value, running value)` for each one that differs.
 /// Context length and special token ids are not compared: the running
 /// engine keeps its own.
-fn config_mismatches(
+pub(super) fn config_mismatches(
     found: &ModelConfig,
     expected: &ModelConfig,
 ) -> Vec<(&'static str, String, String)> {
@@ -106,6 +107,20 @@ fn config_mismatches(
     out
 }
 
+/// The running model's block format of each matrix, by Hugging Face name:
+/// the plan a Hugging Face checkpoint is converted by on a reload.
+pub(super) fn running_quant(weights: &Weights) -> impl Fn(&str, &str, usize) -> Option<QType> {
+    let formats: std::collections::HashMap<String, QType> = weights
+        .named()
+        .into_iter()
+        .filter_map(|(name, t)| match t.dtype {
+            DType::Quant(q) => Some((name, q)),
+            DType::F32 => None,
+        })
+        .collect();
+    move |_, hf, _| formats.get(hf).copied()
+}
+
 /// Reloads a checkpoint (GGUF file or Hugging Face directory) *into* the
 /// weights region of a running model, at the same addresses.
 ///
@@ -114,7 +129,14 @@ fn config_mismatches(
 /// model's config), and every planned tensor must exist with the running
 /// model's shape and a convertible type. On any mismatch the error names the
 /// field or tensor and the old weights are untouched. Only then are the
-/// tensors converted to f32 in place, in the order of the plan.
+/// tensors converted in place, in the order of the plan.
+///
+/// A Hugging Face checkpoint (F32, F16 or BF16 tensors) is converted to the
+/// running model's format tensor by tensor, whatever that is (f32, F16,
+/// BF16, or a block format through [`crate::quantize::quantize_rows`]):
+/// the same bytes a fresh load of it in that format
+/// ([`super::load_model_as`]) holds. A GGUF file keeps its own formats,
+/// which must be the running model's.
 ///
 /// The caller guarantees that nothing reads the weights while this runs (the
 /// engine calls it between steps, on the thread that runs the model).
@@ -126,7 +148,7 @@ pub fn reload_weights_into(
 ) -> Result<(), ReloadError> {
     let source = open_matching(path, expected)?;
     let plan = match &source {
-        Source::Hf(sh) => WeightsPlan::new(expected, &hf_quant(sh)),
+        Source::Hf(_) => WeightsPlan::new(expected, &running_quant(weights)),
         Source::Gguf(g) => WeightsPlan::new(expected, &gguf_quant(g)),
     };
     if !same_layout(&plan, weights) {

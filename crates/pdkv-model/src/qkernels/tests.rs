@@ -155,7 +155,7 @@ fn super_block_writer_round_trips_through_the_gguf_reader() {
         (QType::Q6_K, 0.6 / 31.0),
     ] {
         let mut blocks = vec![0u8; ty.row_bytes(k)];
-        crate::bench::quantize_row(ty, &x, &mut blocks);
+        crate::quantize::quantize_row(ty, &x, &mut blocks);
         let back = dequant(ty, &blocks, 1, k);
         for (i, (&a, &b)) in x.iter().zip(&back).enumerate() {
             // Relative to the span of the super-block's values.

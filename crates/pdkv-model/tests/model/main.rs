@@ -2,6 +2,7 @@
 //! area (they share the helpers in `common` and pdkv-testkit).
 
 mod formats;
+mod hf_weights;
 mod loading;
 mod math;
 mod numerics;
