@@ -528,6 +528,7 @@ async fn reset_prefix_cache(
 }
 
 #[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
 struct AbortRequestsBody {
     #[serde(default)]
     request_ids: Option<Vec<String>>,

@@ -311,14 +311,12 @@ async fn malformed_parameters_are_400_naming_the_parameter() {
             None,
             Some("tags"),
         ),
-        (Method::POST, "/wake_up?tag=weights", None, Some("tag")),
         (
             Method::POST,
             "/reset_prefix_cache?reset_running_requests=2",
             None,
             Some("reset_running_requests"),
         ),
-        (Method::POST, "/resume?now=1", None, Some("now")),
         (
             Method::POST,
             "/abort_requests",

@@ -309,10 +309,11 @@ async fn each_sampling_field_takes_effect() {
     s.stop().await;
 }
 
-/// Polls until `n` requests wait for `/resume`.
+/// Polls until `n` requests wait for `/resume`: before admission, or
+/// (a `keep` pause admits them) in the engine's frozen queue.
 async fn wait_waiting(s: &Server, n: f64) {
     s.wait_metrics(&format!("{n} requests waiting for /resume"), |m| {
-        must(m, "pdkv_requests_waiting_for_resume") == n
+        must(m, "pdkv_requests_waiting_for_resume") + must(m, "pdkv_num_requests_waiting") == n
     })
     .await;
 }
@@ -389,7 +390,8 @@ async fn new_requests_wait_for_resume_in_every_pause_mode() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_abort_pause_returns_the_tokens_so_far_and_they_continue() {
     let s = dev_server(Duration::from_secs(120)).await;
-    let len = 40;
+    // Long enough that the pause lands mid-rollout.
+    let len = (s.engine.max_model_len() - PROMPT.len() - 1) as u64;
     let full = generate(
         &s,
         json!({"token_ids": PROMPT, "sampling_params": {"max_tokens": len, "temperature": 0, "ignore_eos": true}}),
