@@ -536,7 +536,8 @@ struct AbortRequestsBody {
 
 /// `POST /abort_requests {"request_ids":[...]}` → `{"aborted":[...],
 /// "num_aborted": N}`, the ids that were live. No body, `{}`, or an empty
-/// list aborts every live request.
+/// list aborts every live request; any other field is a 400 (a misspelt
+/// list must not abort everything).
 async fn abort_requests(
     State(state): State<AppState>,
     RawQuery(raw): RawQuery,

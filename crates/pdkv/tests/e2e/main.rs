@@ -6,6 +6,7 @@
 mod architecture;
 mod bench_serve;
 mod cli;
+mod frameworks;
 mod hostile;
 mod lifecycle_matrix;
 mod pd;
