@@ -566,18 +566,27 @@ async fn frameworks_skyrl_three_steps_on_up() {
 /// top_k 1e8, temperature 1.0) with `ignore_eos` on so every rollout runs
 /// long enough to be caught by the pause, and a `seed` added (not in
 /// AReaL's payload) so runs replay. Segments sent before the pause are
-/// under `version`, continuations under `version + 1`.
+/// under `version`, continuations under `version + 1`. Before each send it
+/// waits while the trainer has paused the executor (`paused`, set around
+/// the weight update), as AReaL's loop does.
 async fn areal_rollout(
     client: reqwest::Client,
     base: String,
     i: usize,
     version: usize,
+    mut paused: tokio::sync::watch::Receiver<bool>,
 ) -> Vec<Segment> {
     let mut input = prompt(i);
     let mut left = LONG_ROLLOUT;
     let mut out: Vec<Segment> = Vec::new();
     let mut stop = String::new();
     while !matches!(stop.as_str(), "stop" | "length") && left > 0 {
+        // "Request is interrupted, wait for some time to avoid interfering
+        // with update weights requests" (791-793): the executor's pause.
+        tokio::time::timeout(DEADLINE, paused.wait_for(|p| !*p))
+            .await
+            .expect("the trainer continues generation in time")
+            .expect("the trainer's pause flag");
         let payload = json!({"top_p": 1.0, "top_k": 100_000_000, "max_tokens": left,
             "temperature": 1.0, "stop_token_ids": [], "ignore_eos": true,
             "skip_special_tokens": true, "return_tokens_as_token_ids": true, "logprobs": 0,
@@ -638,8 +647,12 @@ async fn areal_three_steps(kind: Kind) {
     let mut greedy_seen = BTreeMap::new();
     let mut aborted = 0;
     for step in 0..=3 {
+        let (pause_tx, pause_rx) = tokio::sync::watch::channel(false);
         let tasks: Vec<_> = (0..ROLLOUTS)
-            .map(|i| tokio::spawn(areal_rollout(client.clone(), dep.base.clone(), i, step)))
+            .map(|i| {
+                let (c, b, p) = (client.clone(), dep.base.clone(), pause_rx.clone());
+                tokio::spawn(areal_rollout(c, b, i, step, p))
+            })
             .collect();
         if step < 3 {
             wait_running(&client, dep.sampler(), ROLLOUTS).await;
@@ -649,11 +662,13 @@ async fn areal_three_steps(kind: Kind) {
                     "AReaL",
                 )
             };
+            pause_tx.send_replace(true);
             call("/areal_pause_generation", json!({})).await;
             let dir = ckpts[step + 1].path().to_str().unwrap().to_string();
             let v = call("/areal_update_weights", json!({"model_path": dir})).await;
             assert_eq!(v["success"], json!(true), "{v}");
             call("/areal_continue_generation", json!({})).await;
+            pause_tx.send_replace(false);
         }
         let mut batch = Vec::new();
         for t in tasks {
@@ -684,7 +699,10 @@ async fn frameworks_areal_three_steps_on_serve() {
 // AReaL through `pdkv up` is not here yet: a request sent to the proxy
 // after `/areal_pause_generation` is answered 503 ("the engine is paused
 // (mode abort); retry after /resume") by the decode engine instead of
-// waiting for `/areal_continue_generation`, so AReaL's continuations fail.
+// waiting for `/areal_continue_generation`. (On `pdkv serve` a request that
+// arrives while the pause is still aborting is answered 503 "the engine is
+// pausing" as well; the executor's pause flag above keeps AReaL's
+// continuations from racing it.)
 
 // ---------------------------------------------------------------- prime-rl
 
@@ -728,16 +746,18 @@ async fn prime_rollout(
 /// so their logprobs are not checked; that they straddled the update is
 /// (some tokens were generated before the pause, not all). The last
 /// step's rollouts, under one set of weights, are checked in full.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn frameworks_prime_rl_three_steps_on_serve() {
+/// prime-rl's admin client posts to its `base_url` (client.py 128-157):
+/// here the server, or the proxy, which passes each call to P and D.
+async fn prime_rl_three_steps(kind: Kind) {
     let client = reqwest::Client::new();
     let ckpts = checkpoints();
-    let dep = deploy(&client, Kind::Serve, ckpts[0].path()).await;
+    let dep = deploy(&client, kind, ckpts[0].path()).await;
     let base = dep.base.clone();
+    let sampler = dep.sampler().to_string();
     let mut segs = Vec::new();
     let mut greedy_seen = BTreeMap::new();
     for step in 0..=3 {
-        let gen0 = gauge(&client, &base, "pdkv_generation_tokens_total").await;
+        let gen0 = gauge(&client, &sampler, "pdkv_generation_tokens_total").await;
         let tasks: Vec<_> = (0..ROLLOUTS)
             .map(|i| {
                 tokio::spawn(prime_rollout(
@@ -750,14 +770,14 @@ async fn frameworks_prime_rl_three_steps_on_serve() {
             })
             .collect();
         if step < 3 {
-            wait_running(&client, &base, ROLLOUTS).await;
+            wait_running(&client, &sampler, ROLLOUTS).await;
             let admin = |path: &str| client.post(format!("{base}{path}"));
             ok(
                 admin("/pause?mode=keep&clear_cache=false"),
                 "prime-rl pause",
             )
             .await;
-            let frozen = gauge(&client, &base, "pdkv_generation_tokens_total").await - gen0;
+            let frozen = gauge(&client, &sampler, "pdkv_generation_tokens_total").await - gen0;
             let all = (ROLLOUTS as u64 * LONG_ROLLOUT) as f64;
             assert!(
                 frozen > 0.0 && frozen < all,
@@ -786,4 +806,14 @@ async fn frameworks_prime_rl_three_steps_on_serve() {
     }
     drop(dep);
     check_with_fresh_servers(&client, &ckpts, &greedy_seen, &segs).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn frameworks_prime_rl_three_steps_on_serve() {
+    prime_rl_three_steps(Kind::Serve).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn frameworks_prime_rl_three_steps_on_up() {
+    prime_rl_three_steps(Kind::Up).await;
 }
