@@ -623,6 +623,7 @@ mod tests {
 
     fn request(id: &Arc<str>) -> ConnectorRequest<'_> {
         ConnectorRequest {
+            cache_salt: None,
             id,
             prompt_tokens: &[1, 2, 3],
             kv_transfer_params: None,

@@ -294,7 +294,7 @@ impl OffloadConnector {
         let bs = kv.block_size;
         let full = (req.prompt_tokens.len() / bs).min(block_ids.len());
         let mut keys = Vec::with_capacity(full);
-        BlockHash::extend_chain(&mut keys, &req.prompt_tokens[..full * bs]);
+        BlockHash::extend_salted_chain(&mut keys, &req.prompt_tokens[..full * bs], req.cache_salt);
         let (mut saved, mut evicted) = (0u64, 0u64);
         for i in (0..full).rev() {
             let parent = i.checked_sub(1).map(|p| keys[p]);
@@ -438,7 +438,7 @@ impl KvConnector for OffloadConnector {
             first
         };
         let mut keys = Vec::with_capacity(end);
-        BlockHash::extend_chain(&mut keys, &req.prompt_tokens[..end * bs]);
+        BlockHash::extend_salted_chain(&mut keys, &req.prompt_tokens[..end * bs], req.cache_salt);
         let mut found = Vec::new();
         for i in first..end {
             let parent = i.checked_sub(1).map(|p| keys[p]);
@@ -653,6 +653,7 @@ mod tests {
     ) -> (usize, Vec<u8>) {
         let id: Arc<str> = id.into();
         let req = ConnectorRequest {
+            cache_salt: None,
             id: &id,
             prompt_tokens: prompt,
             kv_transfer_params: None,
@@ -683,6 +684,7 @@ mod tests {
         let id: Arc<str> = "a".into();
         c.request_finished(
             ConnectorRequest {
+                cache_salt: None,
                 id: &id,
                 prompt_tokens: &a,
                 kv_transfer_params: None,
@@ -702,6 +704,7 @@ mod tests {
         let id: Arc<str> = "c".into();
         c.request_finished(
             ConnectorRequest {
+                cache_salt: None,
                 id: &id,
                 prompt_tokens: &other,
                 kv_transfer_params: None,

@@ -66,9 +66,37 @@ impl BlockHash {
     /// Hashes of the full blocks of `tokens` from block `hashes.len()` on,
     /// appended to `hashes` (the chain continues from the last one there).
     pub fn extend_chain(hashes: &mut Vec<BlockHash>, tokens: &[u32]) {
+        BlockHash::extend_salted_chain(hashes, tokens, None);
+    }
+
+    /// A request's cache salt as the parent of its first block: the chains
+    /// of different salts (and of no salt) share no hash, so their
+    /// requests share no prefix-cache entry.
+    pub fn salt(salt: &str) -> BlockHash {
+        let mut tokens = [0u32; BLOCK_SIZE];
+        // A block of the salt's FNV-128 image, under a parent no chain
+        // starts from (the hash of the empty chain's tag).
+        let mut h = FNV128_OFFSET;
+        for &b in salt.as_bytes() {
+            h ^= b as u128;
+            h = h.wrapping_mul(FNV128_PRIME);
+        }
+        for (i, t) in tokens.iter_mut().enumerate() {
+            *t = (h >> ((i % 4) * 32)) as u32 ^ (i as u32).wrapping_mul(0x9E37_79B9);
+        }
+        BlockHash::of_block(Some(BlockHash(u128::MAX)), &tokens)
+    }
+
+    /// [`BlockHash::extend_chain`] for a request salted with `salt` (see
+    /// [`BlockHash::salt`]): the first block's parent is the salt.
+    pub fn extend_salted_chain(
+        hashes: &mut Vec<BlockHash>,
+        tokens: &[u32],
+        salt: Option<BlockHash>,
+    ) {
         let full = tokens.len() / BLOCK_SIZE;
         for i in hashes.len()..full {
-            let parent = hashes.last().copied();
+            let parent = hashes.last().copied().or(salt);
             hashes.push(BlockHash::of_block(
                 parent,
                 &tokens[i * BLOCK_SIZE..(i + 1) * BLOCK_SIZE],
@@ -353,6 +381,29 @@ impl BlockPool {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn salted_chains_share_no_hash_with_other_salts() {
+        let tokens: Vec<u32> = (0..(3 * BLOCK_SIZE as u32)).collect();
+        let chain = |salt: Option<&str>| {
+            let mut h = Vec::new();
+            BlockHash::extend_salted_chain(&mut h, &tokens, salt.map(BlockHash::salt));
+            h
+        };
+        let (a, a2, b, none) = (
+            chain(Some("a")),
+            chain(Some("a")),
+            chain(Some("b")),
+            chain(None),
+        );
+        assert_eq!(a, a2);
+        let mut plain = Vec::new();
+        BlockHash::extend_chain(&mut plain, &tokens);
+        assert_eq!(none, plain);
+        for (x, y) in [(&a, &b), (&a, &none), (&b, &none)] {
+            assert!(x.iter().all(|h| !y.contains(h)), "{x:?} / {y:?}");
+        }
+    }
+
     use super::*;
 
     fn toks(start: u32, n: usize) -> Vec<u32> {

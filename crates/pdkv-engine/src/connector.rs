@@ -77,6 +77,9 @@ pub struct ConnectorRequest<'a> {
     pub id: &'a Arc<str>,
     pub prompt_tokens: &'a [u32],
     pub kv_transfer_params: Option<&'a KvTransferParams>,
+    /// The request's cache salt: a connector that keys KV by the prompt's
+    /// hash chain salts the chain with it ([`crate::block_pool::BlockHash::extend_salted_chain`]).
+    pub cache_salt: Option<crate::block_pool::BlockHash>,
 }
 
 /// The answer of [`KvConnector::get_num_new_matched_tokens`].

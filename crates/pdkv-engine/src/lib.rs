@@ -169,6 +169,9 @@ pub struct EngineRequest {
     /// Handed to the KV connector as is (P/D: `do_remote_decode`,
     /// `do_remote_prefill`, the remote engine and transfer id).
     pub kv_transfer_params: Option<KvTransferParams>,
+    /// Requests of different salts share no prefix-cache entry (vLLM's
+    /// `cache_salt`); `None` shares with every unsalted request.
+    pub cache_salt: Option<String>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

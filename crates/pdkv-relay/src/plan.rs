@@ -1859,8 +1859,14 @@ mod tests {
             (json!({"prompt": "x", "echo": true, "logprobs": 2}), true),
             (json!({"prompt": "x", "echo": true, "logprobs": true}), true),
             (json!({"prompt": "x", "prompt_logprobs": null}), false),
-            (json!({"token_ids": [1], "sampling_params": {"prompt_logprobs": 0}}), true),
-            (json!({"token_ids": [1], "sampling_params": {"prompt_logprobs": null}}), false),
+            (
+                json!({"token_ids": [1], "sampling_params": {"prompt_logprobs": 0}}),
+                true,
+            ),
+            (
+                json!({"token_ids": [1], "sampling_params": {"prompt_logprobs": null}}),
+                false,
+            ),
             (json!({"prompt": "x", "prompt_logprobs": false}), false),
             (json!({"prompt": "x", "echo": true}), false),
             (json!({"prompt": "x", "echo": false, "logprobs": 2}), false),

@@ -215,7 +215,9 @@ impl QueryParams {
                     other => {
                         return Err(ApiError::invalid_param(
                             &k,
-                            format!("`{k}` must be a string, number, boolean or list of them, got {other}"),
+                            format!(
+                            "`{k}` must be a string, number, boolean or list of them, got {other}"
+                        ),
                         ))
                     }
                 };
@@ -404,11 +406,8 @@ async fn sleep(
     RawQuery(raw): RawQuery,
     body: Bytes,
 ) -> Result<Response, ApiError> {
-    let q = QueryParams::parse_with_body(
-        raw.as_deref(),
-        &body,
-        &["level", "mode", "timeout", "tags"],
-    )?;
+    let q =
+        QueryParams::parse_with_body(raw.as_deref(), &body, &["level", "mode", "timeout", "tags"])?;
     // A sleep releases every tag whatever `tags` says (vLLM's `/sleep`
     // takes none); the names are still checked.
     parse_tags(&q)?;
@@ -767,7 +766,10 @@ mod tests {
         assert_eq!(q.single("level").unwrap(), Some("2"));
         assert_eq!(q.single("mode").unwrap(), Some("keep"));
         let both = QueryParams::parse_with_body(Some("level=1"), br#"{"level": 2}"#, &["level"]);
-        assert!(both.unwrap().single("level").is_err(), "a scalar given twice");
+        assert!(
+            both.unwrap().single("level").is_err(),
+            "a scalar given twice"
+        );
         let not_object = QueryParams::parse_with_body(None, b"[1]", &["level"]).unwrap_err();
         assert_eq!(not_object.status, StatusCode::BAD_REQUEST);
         assert!(QueryParams::parse_with_body(None, b"  ", &[]).is_ok());

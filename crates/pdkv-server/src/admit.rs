@@ -19,6 +19,37 @@ fn unix_now() -> u64 {
         .unwrap_or(0)
 }
 
+/// A request's prompt: its tokens and the cache salt they are hashed
+/// under (vLLM's `cache_salt`: requests of different salts share no
+/// prefix-cache entry).
+#[derive(Clone, Debug)]
+pub(crate) struct PromptIn {
+    pub tokens: Vec<u32>,
+    pub cache_salt: Option<String>,
+}
+
+/// Longest `cache_salt`, in bytes.
+const MAX_CACHE_SALT_LEN: usize = 1024;
+
+impl PromptIn {
+    /// Checks the salt: a non-empty string of at most
+    /// [`MAX_CACHE_SALT_LEN`] bytes.
+    pub fn new(tokens: Vec<u32>, cache_salt: Option<String>) -> Result<PromptIn, ApiError> {
+        if let Some(s) = &cache_salt {
+            if s.is_empty() || s.len() > MAX_CACHE_SALT_LEN {
+                return Err(ApiError::invalid_param(
+                    "cache_salt",
+                    format!(
+                        "cache_salt must be 1 to {MAX_CACHE_SALT_LEN} bytes long, got {}",
+                        s.len()
+                    ),
+                ));
+            }
+        }
+        Ok(PromptIn { tokens, cache_salt })
+    }
+}
+
 /// One admitted engine request.
 pub(crate) struct Admitted {
     pub stream: TrackedStream,
@@ -39,15 +70,16 @@ pub(crate) struct Admitted {
 pub(crate) async fn admit(
     state: &AppState,
     id: String,
-    prompt_tokens: Vec<u32>,
+    prompt: PromptIn,
     params: SamplingParams,
     kv_transfer_params: Option<Value>,
     arrived: Instant,
 ) -> Result<Admitted, ApiError> {
-    let num_prompt_tokens = prompt_tokens.len();
+    let num_prompt_tokens = prompt.tokens.len();
     let req = EngineRequest {
+        cache_salt: prompt.cache_salt,
         id,
-        prompt_tokens,
+        prompt_tokens: prompt.tokens,
         params,
         kv_transfer_params,
     };
@@ -62,7 +94,8 @@ pub(crate) async fn admit(
             Err(AddRequestError::Unavailable(reason))
                 if !state.pause_wait().is_zero()
                     && req.kv_transfer_params.is_none()
-                    && engine.lifecycle_status().paused.is_some() =>
+                    && (engine.admission_closing()
+                        || engine.lifecycle_status().paused.is_some()) =>
             {
                 if !waited {
                     tracing::debug!(request_id = %req.id, %reason, "the engine is paused: the request waits for /resume");

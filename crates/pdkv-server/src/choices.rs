@@ -34,7 +34,7 @@ use pdkv_engine::sampling::TokenLogprobs;
 use pdkv_engine::{FinishReason, RequestOutput, SamplingParams};
 use serde_json::Value;
 
-use crate::admit::{admit, failed_request};
+use crate::admit::{admit, failed_request, PromptIn};
 use crate::error::ApiError;
 use crate::tracker::TrackedStream;
 use crate::AppState;
@@ -103,10 +103,10 @@ pub struct Group {
 /// Admits the `n` choices of a request (see the module docs for the order,
 /// the seeds and the ids). `params.prompt_logprobs` is computed by choice 0
 /// only.
-pub async fn admit_group(
+pub(crate) async fn admit_group(
     state: &AppState,
     id: String,
-    prompt_tokens: Vec<u32>,
+    prompt: PromptIn,
     params: SamplingParams,
     kv_transfer_params: Option<Value>,
     arrived: Instant,
@@ -117,11 +117,11 @@ pub async fn admit_group(
         Ok(Some(pdkv_connector::params::PdParams::RemoteDecode { .. }))
     );
     let n = if prefill_for_remote_decode { 1 } else { n };
-    let num_prompt_tokens = prompt_tokens.len();
+    let num_prompt_tokens = prompt.tokens.len();
     let first = admit(
         state,
         id.clone(),
-        prompt_tokens.clone(),
+        prompt.clone(),
         params.clone(),
         kv_transfer_params,
         arrived,
@@ -157,7 +157,7 @@ pub async fn admit_group(
         let admitted = admit(
             state,
             choice_id(&group.id, i),
-            prompt_tokens.clone(),
+            prompt.clone(),
             p,
             None,
             arrived,

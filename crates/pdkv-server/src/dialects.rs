@@ -50,7 +50,9 @@ fn success(message: &str) -> Response {
 /// prefix cache.
 async fn areal_pause(State(state): State<AppState>) -> Result<Response, ApiError> {
     on_engine(&state, |e| e.pause(PauseMode::Abort, true, DEFAULT_TIMEOUT)).await??;
-    Ok(success("generation paused and every request in flight aborted"))
+    Ok(success(
+        "generation paused and every request in flight aborted",
+    ))
 }
 
 /// `POST /areal_continue_generation`: ends the pause.

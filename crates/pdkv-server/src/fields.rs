@@ -24,38 +24,109 @@ pub enum Body {
 
 /// The sampling fields both OpenAI endpoints' structs read.
 const SAMPLING: &[&str] = &[
-    "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
-    "include_stop_str_in_output", "allowed_token_ids", "ignore_eos", "truncate_prompt_tokens",
-    "add_special_tokens", "spaces_between_special_tokens", "n", "best_of", "logprobs",
-    "top_logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens",
-    "logit_bias", "prompt_logprobs", "return_token_ids", "return_tokens_as_token_ids",
-    "response_format", "tools", "tool_choice", "skip_special_tokens", "no_stop_trim",
-    "return_hidden_states", "continue_final_message", "separate_reasoning", "stream_reasoning",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "stop",
+    "stop_token_ids",
+    "include_stop_str_in_output",
+    "allowed_token_ids",
+    "ignore_eos",
+    "truncate_prompt_tokens",
+    "cache_salt",
+    "add_special_tokens",
+    "spaces_between_special_tokens",
+    "n",
+    "best_of",
+    "logprobs",
+    "top_logprobs",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "min_tokens",
+    "logit_bias",
+    "prompt_logprobs",
+    "return_token_ids",
+    "return_tokens_as_token_ids",
+    "response_format",
+    "tools",
+    "tool_choice",
+    "skip_special_tokens",
+    "no_stop_trim",
+    "return_hidden_states",
+    "continue_final_message",
+    "separate_reasoning",
+    "stream_reasoning",
     "include_reasoning",
 ];
 
 const COMPLETIONS: &[&str] = &[
-    "model", "prompt", "max_tokens", "stream", "stream_options", "echo", "suffix", "request_id",
-    "kv_transfer_params", "user",
+    "model",
+    "prompt",
+    "max_tokens",
+    "stream",
+    "stream_options",
+    "echo",
+    "suffix",
+    "request_id",
+    "kv_transfer_params",
+    "user",
 ];
 
 const CHAT: &[&str] = &[
-    "model", "messages", "max_tokens", "max_completion_tokens", "stream", "echo",
-    "stream_options", "request_id", "kv_transfer_params", "chat_template_kwargs",
-    "add_generation_prompt", "user",
+    "model",
+    "messages",
+    "max_tokens",
+    "max_completion_tokens",
+    "stream",
+    "echo",
+    "stream_options",
+    "request_id",
+    "kv_transfer_params",
+    "chat_template_kwargs",
+    "add_generation_prompt",
+    "user",
 ];
 
 const GENERATE: &[&str] = &[
-    "request_id", "token_ids", "sampling_params", "model", "stream", "stream_options",
-    "cache_salt", "priority", "kv_transfer_params", "features",
+    "request_id",
+    "token_ids",
+    "sampling_params",
+    "model",
+    "stream",
+    "stream_options",
+    "cache_salt",
+    "priority",
+    "kv_transfer_params",
+    "features",
 ];
 
 const GENERATE_SAMPLING: &[&str] = &[
-    "n", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop",
-    "stop_token_ids", "include_stop_str_in_output", "allowed_token_ids", "ignore_eos",
-    "min_tokens", "logprobs", "prompt_logprobs", "presence_penalty", "frequency_penalty",
-    "repetition_penalty", "logit_bias", "skip_special_tokens", "detokenize",
-    "spaces_between_special_tokens", "truncate_prompt_tokens",
+    "n",
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "stop",
+    "stop_token_ids",
+    "include_stop_str_in_output",
+    "allowed_token_ids",
+    "ignore_eos",
+    "min_tokens",
+    "logprobs",
+    "prompt_logprobs",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "logit_bias",
+    "skip_special_tokens",
+    "detokenize",
+    "spaces_between_special_tokens",
+    "truncate_prompt_tokens",
 ];
 
 /// Fields vLLM honours whose effect pdkv does not implement: accepted only
@@ -63,31 +134,102 @@ const GENERATE_SAMPLING: &[&str] = &[
 /// 400 naming the field and saying why.
 const REFUSED: &[(&str, fn(&Value) -> bool, &str)] = &[
     ("use_beam_search", is_false, "beam search is not supported"),
-    ("length_penalty", is_one, "length_penalty applies to beam search, which is not supported"),
-    ("priority", is_zero, "this server does not use priority scheduling (only priority 0)"),
-    ("cache_salt", is_null, "cache_salt is not supported yet (the prefix cache is shared by all requests)"),
+    (
+        "length_penalty",
+        is_one,
+        "length_penalty applies to beam search, which is not supported",
+    ),
+    (
+        "priority",
+        is_zero,
+        "this server does not use priority scheduling (only priority 0)",
+    ),
     ("bad_words", is_empty, "bad_words is not supported"),
-    ("logits_processors", is_empty, "custom logits processors are not supported"),
+    (
+        "logits_processors",
+        is_empty,
+        "custom logits processors are not supported",
+    ),
     ("vllm_xargs", is_empty, "vllm_xargs is not supported"),
     ("extra_args", is_empty, "extra_args is not supported"),
-    ("guided_json", is_null, "structured outputs are not supported yet"),
-    ("guided_regex", is_null, "structured outputs are not supported yet"),
-    ("guided_choice", is_null, "structured outputs are not supported yet"),
-    ("guided_grammar", is_null, "structured outputs are not supported yet"),
-    ("guided_decoding_backend", is_null, "structured outputs are not supported yet"),
-    ("guided_whitespace_pattern", is_null, "structured outputs are not supported yet"),
-    ("structured_outputs", is_null, "structured outputs are not supported yet"),
-    ("guided_decoding", is_null, "structured outputs are not supported yet"),
-    ("prompt_embeds", is_null, "prompt embeddings are not supported"),
-    ("mm_processor_kwargs", is_empty, "this server serves text models only"),
-    ("multi_modal_data", is_null, "this server serves text models only"),
+    (
+        "guided_json",
+        is_null,
+        "structured outputs are not supported yet",
+    ),
+    (
+        "guided_regex",
+        is_null,
+        "structured outputs are not supported yet",
+    ),
+    (
+        "guided_choice",
+        is_null,
+        "structured outputs are not supported yet",
+    ),
+    (
+        "guided_grammar",
+        is_null,
+        "structured outputs are not supported yet",
+    ),
+    (
+        "guided_decoding_backend",
+        is_null,
+        "structured outputs are not supported yet",
+    ),
+    (
+        "guided_whitespace_pattern",
+        is_null,
+        "structured outputs are not supported yet",
+    ),
+    (
+        "structured_outputs",
+        is_null,
+        "structured outputs are not supported yet",
+    ),
+    (
+        "guided_decoding",
+        is_null,
+        "structured outputs are not supported yet",
+    ),
+    (
+        "prompt_embeds",
+        is_null,
+        "prompt embeddings are not supported",
+    ),
+    (
+        "mm_processor_kwargs",
+        is_empty,
+        "this server serves text models only",
+    ),
+    (
+        "multi_modal_data",
+        is_null,
+        "this server serves text models only",
+    ),
     ("documents", is_null, "documents are not supported"),
-    ("chat_template", is_null, "a request's own chat_template is not supported; the model's is used"),
-    ("reasoning_effort", is_null, "reasoning_effort is not supported (no reasoning parser)"),
+    (
+        "chat_template",
+        is_null,
+        "a request's own chat_template is not supported; the model's is used",
+    ),
+    (
+        "reasoning_effort",
+        is_null,
+        "reasoning_effort is not supported (no reasoning parser)",
+    ),
     ("parallel_tool_calls", is_anything, ""),
     ("output_kind", is_anything, ""),
-    ("thinking_token_budget", is_null, "thinking_token_budget is not supported"),
-    ("repetition_detection", is_null, "repetition_detection is not supported"),
+    (
+        "thinking_token_budget",
+        is_null,
+        "thinking_token_budget is not supported",
+    ),
+    (
+        "repetition_detection",
+        is_null,
+        "repetition_detection is not supported",
+    ),
 ];
 
 fn is_null(v: &Value) -> bool {
@@ -219,11 +361,21 @@ mod tests {
     #[test]
     fn a_refused_field_with_an_effect_is_a_400_naming_it() {
         for (v, field) in [
-            (json!({"prompt": "x", "use_beam_search": true}), "use_beam_search"),
+            (
+                json!({"prompt": "x", "use_beam_search": true}),
+                "use_beam_search",
+            ),
             (json!({"prompt": "x", "priority": 3}), "priority"),
-            (json!({"messages": [], "guided_json": {"type": "object"}}), "guided_json"),
+            (
+                json!({"messages": [], "guided_json": {"type": "object"}}),
+                "guided_json",
+            ),
         ] {
-            let body = if v.get("messages").is_some() { Body::Chat } else { Body::Completions };
+            let body = if v.get("messages").is_some() {
+                Body::Chat
+            } else {
+                Body::Completions
+            };
             let e = run(v, body).0.unwrap_err();
             assert_eq!(e.param.as_deref(), Some(field));
         }

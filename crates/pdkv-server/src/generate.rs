@@ -24,7 +24,7 @@ use pdkv_engine::{FinishReason, RequestOutput};
 use serde::Deserialize;
 use serde_json::{json, Value};
 
-use crate::admit::usage_json;
+use crate::admit::{usage_json, PromptIn};
 use crate::choices::{admit_group, parse_n, Group};
 use crate::error::ApiError;
 use crate::fields::{Body, Screen, Screened};
@@ -141,12 +141,6 @@ pub async fn generate(
             format!("priority {p}: this server does not use priority scheduling (only 0)"),
         ));
     }
-    if req.cache_salt.is_some() {
-        return Err(ApiError::invalid_param(
-            "cache_salt",
-            "cache_salt is not supported yet (the prefix cache is shared by all requests)",
-        ));
-    }
     let id = choose_request_id(&state, &headers, req.request_id.as_deref(), "gen-")?;
     let sp = &req.sampling_params;
     let token_ids = truncate_prompt(&state, req.token_ids, sp.truncate_prompt_tokens)?;
@@ -167,7 +161,8 @@ pub async fn generate(
     let top = params.logprobs;
     let want_prompt_lp = params.prompt_logprobs.is_some();
     let kv = kv_params(req.kv_transfer_params, &id)?;
-    let group = admit_group(&state, id, token_ids, params, kv, arrived, n).await?;
+    let prompt = PromptIn::new(token_ids, req.cache_salt)?;
+    let group = admit_group(&state, id, prompt, params, kv, arrived, n).await?;
     let view = GenerateView {
         tok: state.engine().tokenizer().clone(),
         top: top.map(|k| k as usize),
@@ -199,7 +194,11 @@ impl GenerateView {
     }
 }
 
-async fn whole(mut group: Group, view: GenerateView, want_prompt_lp: bool) -> Result<Response, ApiError> {
+async fn whole(
+    mut group: Group,
+    view: GenerateView,
+    want_prompt_lp: bool,
+) -> Result<Response, ApiError> {
     let done = group.collect().await?;
     let choices: Vec<Value> = done
         .iter()
@@ -258,5 +257,8 @@ fn stream(group: Group, view: GenerateView, model: String, include_usage: bool) 
         }
         Some(v)
     };
-    with_request_id(sse_response(group, head, include_usage, Vec::new(), chunk), &id)
+    with_request_id(
+        sse_response(group, head, include_usage, Vec::new(), chunk),
+        &id,
+    )
 }

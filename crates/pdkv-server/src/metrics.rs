@@ -263,20 +263,29 @@ impl Metrics {
 
     /// How often the field `name` was ignored.
     pub fn ignored_field_count(&self, name: &str) -> u64 {
-        let m = self.ignored_fields.lock().unwrap_or_else(|p| p.into_inner());
+        let m = self
+            .ignored_fields
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
         m.get(name).copied().unwrap_or(0)
     }
 
     /// How often any field was ignored.
     pub fn ignored_fields_total(&self) -> u64 {
-        let m = self.ignored_fields.lock().unwrap_or_else(|p| p.into_inner());
+        let m = self
+            .ignored_fields
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
         m.values().sum()
     }
 
     /// A request field was ignored. Names are chosen by clients, so only
     /// the first [`MAX_IGNORED_FIELD_NAMES`] get their own series.
     pub fn ignored_field(&self, name: &str) {
-        let mut m = self.ignored_fields.lock().unwrap_or_else(|p| p.into_inner());
+        let mut m = self
+            .ignored_fields
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
         let key = if m.contains_key(name) || m.len() < MAX_IGNORED_FIELD_NAMES {
             name
         } else {
@@ -374,7 +383,10 @@ impl Metrics {
             self.waiting_for_resume.load(Ordering::Relaxed) as f64,
         );
         {
-            let m = self.ignored_fields.lock().unwrap_or_else(|p| p.into_inner());
+            let m = self
+                .ignored_fields
+                .lock()
+                .unwrap_or_else(|p| p.into_inner());
             let labels: Vec<[(&str, &str); 1]> =
                 m.keys().map(|k| [("field", k.as_str())]).collect();
             let samples: Vec<(&[(&str, &str)], f64)> = labels

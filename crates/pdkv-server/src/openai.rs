@@ -54,6 +54,8 @@ macro_rules! request_with_sampling {
             /// the same either way (typed, so a wrong type is still a 400).
             pub spaces_between_special_tokens: Option<bool>,
             pub n: Option<i64>,
+            /// Requests of different salts share no prefix-cache entry.
+            pub cache_salt: Option<String>,
             pub best_of: Option<i64>,
             pub logprobs: Option<Value>,
             pub top_logprobs: Option<Value>,

@@ -11,7 +11,7 @@ use pdkv_engine::{FinishReason, RequestOutput, SamplingParams};
 use pdkv_model::{ChatMessage, Tokenizer};
 use serde_json::{json, Value};
 
-use crate::admit::usage_json;
+use crate::admit::{usage_json, PromptIn};
 use crate::choices::{admit_group, parse_n, Choice, Group};
 use crate::error::ApiError;
 use crate::fields::Screened;
@@ -139,7 +139,10 @@ pub(crate) fn check_token_ids(state: &AppState, ids: &[u32]) -> Result<(), ApiEr
 
 /// Validates the token ids of `logit_bias` and `stop_token_ids` against the
 /// vocabulary, naming the field (the engine checks them too, without one).
-pub(crate) fn check_sampling_ids(state: &AppState, params: &SamplingParams) -> Result<(), ApiError> {
+pub(crate) fn check_sampling_ids(
+    state: &AppState,
+    params: &SamplingParams,
+) -> Result<(), ApiError> {
     let vocab = state.engine().model_config().vocab_size;
     if let Some((bad, _)) = params.logit_bias.iter().find(|(t, _)| *t as usize >= vocab) {
         return Err(ApiError::invalid_param(
@@ -248,8 +251,20 @@ pub async fn completions(
     if req.suffix.as_deref().is_some_and(|s| !s.is_empty()) {
         return Err(ApiError::invalid_param("suffix", "suffix is not supported"));
     }
-    let max_tokens =
-        parse_max_tokens("max_tokens", req.max_tokens)?.unwrap_or(DEFAULT_COMPLETION_MAX_TOKENS);
+    // `max_tokens: 0` with `echo` scores the prompt (its log-probabilities)
+    // without generating: one token is computed and left out of the answer.
+    let score_only = req.max_tokens == Some(0);
+    if score_only && (req.echo != Some(true) || req.stream == Some(true)) {
+        return Err(ApiError::invalid_param(
+            "max_tokens",
+            "max_tokens 0 scores the prompt: it needs echo: true and no streaming",
+        ));
+    }
+    let max_tokens = if score_only {
+        1
+    } else {
+        parse_max_tokens("max_tokens", req.max_tokens)?.unwrap_or(DEFAULT_COMPLETION_MAX_TOKENS)
+    };
     let n = parse_n(req.n, req.best_of)?;
     let mut params = req
         .sampling()
@@ -289,6 +304,7 @@ pub async fn completions(
     let echo_text = echo.then(|| prompt_text.unwrap_or_else(|| tok.decode(&prompt_tokens, false)));
     let view = CompletionView {
         tok,
+        score_only,
         names: logprobs::Names::of(req.return_tokens_as_token_ids.unwrap_or(false)),
         logprobs: params.logprobs.is_some(),
         want_prompt_logprobs: req.prompt_logprobs.as_ref().is_some_and(|v| !v.is_null()),
@@ -296,7 +312,8 @@ pub async fn completions(
         prompt_tokens: prompt_tokens.clone(),
         echo_text,
     };
-    let group = admit_group(&state, id, prompt_tokens, params, kv, arrived, n).await?;
+    let prompt = PromptIn::new(prompt_tokens, req.cache_salt.clone())?;
+    let group = admit_group(&state, id, prompt, params, kv, arrived, n).await?;
     let model = state.served_model_name().to_string();
 
     if req.stream.unwrap_or(false) {
@@ -377,7 +394,10 @@ async fn whole_completion(
         "created": group.created,
         "model": model,
         "choices": choices,
-        "usage": usage_json(group.num_prompt_tokens, group.generated()),
+        "usage": usage_json(
+            group.num_prompt_tokens,
+            if view.score_only { 0 } else { group.generated() },
+        ),
         "kv_transfer_params": kv_out,
     }));
     Ok(with_request_id(resp, &group.id))
@@ -387,6 +407,8 @@ async fn whole_completion(
 /// the prompt they may echo.
 struct CompletionView {
     tok: Arc<Tokenizer>,
+    /// `max_tokens: 0`: the generated token is left out (prompt scoring).
+    score_only: bool,
     /// How log-probabilities name tokens (`return_tokens_as_token_ids`).
     names: logprobs::Names,
     logprobs: bool,
@@ -490,19 +512,15 @@ impl CompletionView {
 
     /// A whole (non-streamed) choice.
     fn whole_choice(&self, index: usize, c: &Choice) -> Value {
-        let text = format!("{}{}", self.echo_text.as_deref().unwrap_or(""), c.text);
+        let (out_text, out_ids, out_lps) = if self.score_only {
+            ("", &[][..], &[][..])
+        } else {
+            (c.text.as_str(), &c.token_ids[..], &c.logprobs[..])
+        };
+        let text = format!("{}{}", self.echo_text.as_deref().unwrap_or(""), out_text);
         let prompt_lp = c.prompt_logprobs.as_deref();
         let echoed = self.echo_text.is_some();
-        let mut v = self.shape(
-            index,
-            text,
-            &c.token_ids,
-            &c.logprobs,
-            prompt_lp,
-            echoed,
-            true,
-            0,
-        );
+        let mut v = self.shape(index, text, out_ids, out_lps, prompt_lp, echoed, true, 0);
         v["finish_reason"] = json!(c.finish_reason.unwrap_or(FinishReason::Abort).as_str());
         v
     }
@@ -558,7 +576,8 @@ pub async fn chat_completions(
         return_token_ids,
         prompt_ids: return_token_ids.then(|| prompt_tokens.clone()),
     };
-    let group = admit_group(&state, id, prompt_tokens, params, kv, arrived, n).await?;
+    let prompt = PromptIn::new(prompt_tokens, req.cache_salt.clone())?;
+    let group = admit_group(&state, id, prompt, params, kv, arrived, n).await?;
     let model = state.served_model_name().to_string();
 
     if req.stream.unwrap_or(false) {

@@ -313,6 +313,7 @@ mod tests {
             n.oracle.lock().unwrap().start(id, prompt);
             let out = n.outputs.clone();
             let req = EngineRequest {
+                cache_salt: None,
                 id: id.into(),
                 prompt_tokens: prompt.to_vec(),
                 params: SamplingParams {

@@ -242,6 +242,7 @@ impl Proxy {
             ..SamplingParams::default()
         };
         let req = EngineRequest {
+            cache_salt: None,
             id: id.clone(),
             prompt_tokens: c.prompt.clone(),
             params,

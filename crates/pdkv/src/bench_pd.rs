@@ -162,6 +162,7 @@ fn run_colocated(
         .enumerate()
         .map(|(i, p)| {
             let req = EngineRequest {
+                cache_salt: None,
                 id: format!("{tag}-{i}"),
                 prompt_tokens: p.clone(),
                 params: params(max_tokens),
@@ -245,12 +246,14 @@ fn run_pd(
     for (i, prompt) in prompts.iter().enumerate() {
         let transfer_id = format!("{tag}-{i}");
         let mut p_stream = p.add_request(EngineRequest {
+            cache_salt: None,
             id: format!("{tag}-p-{i}"),
             prompt_tokens: prompt.clone(),
             params: params(1),
             kv_transfer_params: Some(params::for_prefill(&transfer_id)),
         })?;
         let mut d_stream = d.add_request(EngineRequest {
+            cache_salt: None,
             id: format!("{tag}-d-{i}"),
             prompt_tokens: prompt.clone(),
             params: params(max_tokens),

@@ -102,6 +102,7 @@ fn probe(engine: &EngineHandle, round: usize, max_tokens: u32) -> anyhow::Result
             ..SamplingParams::default()
         };
         let req = EngineRequest {
+            cache_salt: None,
             id: format!("probe-{round}-{i}"),
             prompt_tokens,
             params,

@@ -41,6 +41,12 @@ pub struct ProxyArgs {
     /// mode too).
     #[arg(long, env = "PDKV_SERVER_DEV_MODE", value_parser = clap::builder::BoolishValueParser::new())]
     pub dev_mode: bool,
+    /// How long, in seconds, a request a decode engine refused because it
+    /// is paused or asleep waits for one that serves before it is sent
+    /// again (as an engine holds requests until `/resume`); 0 passes the
+    /// retryable 503 on at once.
+    #[arg(long, default_value_t = 600.0)]
+    pub pause_wait_timeout_s: f64,
     /// The deployment's KV secret (as the engines' `--kv-secret`): the proxy
     /// proves it when it asks a prefill engine to drop a transfer.
     #[arg(long, env = "PDKV_KV_SECRET", hide_env_values = true)]
@@ -63,6 +69,12 @@ pub fn run(args: ProxyArgs) -> anyhow::Result<()> {
     config.health_interval = Duration::from_millis(args.health_interval_ms);
     config.admin_token = args.admin_token;
     config.dev_mode = args.dev_mode;
+    anyhow::ensure!(
+        args.pause_wait_timeout_s.is_finite()
+            && (0.0..=86_400.0).contains(&args.pause_wait_timeout_s),
+        "--pause-wait-timeout-s must be a number of seconds from 0 to 86400"
+    );
+    config.pause_wait = Duration::from_secs_f64(args.pause_wait_timeout_s);
     config.kv_secret = crate::common::kv_secret(args.kv_secret.as_deref())?;
     config.http = args.http.limits()?;
     let proxy = Proxy::new(config)?;

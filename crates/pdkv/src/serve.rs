@@ -177,7 +177,8 @@ fn engine_config(args: &ServeArgs) -> anyhow::Result<EngineConfig> {
         "--kv-release-timeout-s must be a positive number of seconds"
     );
     anyhow::ensure!(
-        args.pause_wait_timeout_s.is_finite() && (0.0..=86_400.0).contains(&args.pause_wait_timeout_s),
+        args.pause_wait_timeout_s.is_finite()
+            && (0.0..=86_400.0).contains(&args.pause_wait_timeout_s),
         "--pause-wait-timeout-s must be a number of seconds from 0 to 86400"
     );
     anyhow::ensure!(config.max_num_seqs > 0, "--max-num-seqs must be at least 1");

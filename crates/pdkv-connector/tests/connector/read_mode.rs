@@ -394,6 +394,7 @@ fn bad_read_params_fail_only_their_request() {
     let e = d
         .handle
         .add_request(EngineRequest {
+            cache_salt: None,
             id: "junk".into(),
             prompt_tokens: pr.clone(),
             params: sp,

@@ -604,9 +604,23 @@ impl EngineHandle {
         notified
     }
 
+    /// Whether a command that pauses (a pause, a sleep, ...) is on its way
+    /// to the core: admission is closing, and the lifecycle will say paused.
+    pub fn admission_closing(&self) -> bool {
+        self.inner.shared.closing_in_flight.load(Ordering::SeqCst) > 0
+    }
+
     /// The ids of every live request (admitted and not yet ended), sorted.
     pub fn live_request_ids(&self) -> Vec<String> {
-        let mut ids: Vec<String> = self.inner.shared.live.lock().unwrap().keys().cloned().collect();
+        let mut ids: Vec<String> = self
+            .inner
+            .shared
+            .live
+            .lock()
+            .unwrap()
+            .keys()
+            .cloned()
+            .collect();
         ids.sort_unstable();
         ids
     }

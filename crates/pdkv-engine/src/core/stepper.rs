@@ -637,6 +637,10 @@ impl EngineCore {
                 None
             },
             prompt_logits: p.prompt_logprobs.is_some(),
+            cache_salt: req
+                .cache_salt
+                .as_deref()
+                .map(crate::block_pool::BlockHash::salt),
         });
         self.reqs.insert(id, active);
     }

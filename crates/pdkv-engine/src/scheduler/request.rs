@@ -22,6 +22,9 @@ pub struct NewRequest {
     /// no prefix-cache hit and its seqs ask for every position's row
     /// ([`ScheduledSeq::all_logits`]).
     pub prompt_logits: bool,
+    /// The request's cache salt ([`BlockHash::salt`]): its blocks' hashes
+    /// are its own, shared only with requests of the same salt.
+    pub cache_salt: Option<BlockHash>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -58,6 +61,7 @@ pub(super) struct Request {
     /// External tokens being loaded (status `WaitingForRemoteKv`).
     pub(super) num_loading_tokens: usize,
     pub(super) prompt_logits: bool,
+    pub(super) cache_salt: Option<BlockHash>,
 }
 
 impl Request {
@@ -66,6 +70,7 @@ impl Request {
             id: &self.id,
             prompt_tokens: &self.tokens[..self.num_prompt_tokens],
             kv_transfer_params: self.kv_transfer_params.as_ref(),
+            cache_salt: self.cache_salt,
         }
     }
 

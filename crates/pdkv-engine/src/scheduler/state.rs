@@ -171,7 +171,7 @@ impl Scheduler {
         );
         let mut block_hashes = Vec::new();
         if self.pool.caching_enabled() {
-            BlockHash::extend_chain(&mut block_hashes, &req.prompt_tokens);
+            BlockHash::extend_salted_chain(&mut block_hashes, &req.prompt_tokens, req.cache_salt);
         }
         let r = Request {
             id: req.id.clone(),
@@ -190,6 +190,7 @@ impl Scheduler {
             connector_consulted: false,
             num_loading_tokens: 0,
             prompt_logits: req.prompt_logits,
+            cache_salt: req.cache_salt,
         };
         if let Some(c) = self.connector.as_deref_mut() {
             c.request_added(r.conn());

@@ -210,7 +210,7 @@ impl Scheduler {
         let req = self.requests.get_mut(id).expect("waiting request exists");
         debug_assert!(req.num_computed_tokens == 0);
         if self.pool.caching_enabled() {
-            BlockHash::extend_chain(&mut req.block_hashes, &req.tokens);
+            BlockHash::extend_salted_chain(&mut req.block_hashes, &req.tokens, req.cache_salt);
         }
         // Cached blocks would skip positions whose logits are wanted.
         let hit = if req.wants_all_logits() {
@@ -360,9 +360,10 @@ impl Scheduler {
             // Offer newly completed blocks to the prefix cache.
             if self.pool.caching_enabled() {
                 let full = req.num_computed_tokens / pdkv_model::BLOCK_SIZE;
-                BlockHash::extend_chain(
+                BlockHash::extend_salted_chain(
                     &mut req.block_hashes,
                     &req.tokens[..full * pdkv_model::BLOCK_SIZE],
+                    req.cache_salt,
                 );
                 for b in req.num_cached_blocks..full {
                     self.pool.cache_block(req.blocks[b], req.block_hashes[b]);

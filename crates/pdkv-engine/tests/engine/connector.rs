@@ -208,6 +208,7 @@ fn sched(conn: &Scripted) -> Scheduler {
 
 fn req(id: &str, prompt: Vec<u32>, max_tokens: usize) -> NewRequest {
     NewRequest {
+        cache_salt: None,
         id: Arc::from(id),
         prompt_tokens: prompt,
         max_tokens,

@@ -21,6 +21,7 @@ fn sched(max_num_seqs: usize, budget: usize, num_blocks: usize, caching: bool) -
 
 fn req(id: &str, prompt: Vec<u32>, max_tokens: usize) -> NewRequest {
     NewRequest {
+        cache_salt: None,
         id: Arc::from(id),
         prompt_tokens: prompt,
         max_tokens,
@@ -434,6 +435,7 @@ fn random_workload(seed: u64, caching: bool) -> (u64, u64) {
                 tokens_of.insert(id.clone(), p.clone());
                 live.push(id.clone());
                 s.add_request(NewRequest {
+                    cache_salt: None,
                     id,
                     prompt_tokens: p,
                     max_tokens,

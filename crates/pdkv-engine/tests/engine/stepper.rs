@@ -205,6 +205,7 @@ impl Outputs {
 
 fn request(id: &str, prompt_tokens: Vec<u32>, max_tokens: u32) -> EngineRequest {
     EngineRequest {
+        cache_salt: None,
         id: id.into(),
         prompt_tokens,
         params: SamplingParams {

@@ -27,9 +27,7 @@ impl Endpoint {
 pub(super) fn prefill_body(req: &Map<String, Value>, endpoint: Endpoint, params: Value) -> Vec<u8> {
     let mut body = req.clone();
     if endpoint == Endpoint::Generate {
-        let sp = body
-            .entry("sampling_params")
-            .or_insert_with(|| json!({}));
+        let sp = body.entry("sampling_params").or_insert_with(|| json!({}));
         if let Some(sp) = sp.as_object_mut() {
             sp.insert("max_tokens".into(), json!(1));
         }
@@ -102,7 +100,10 @@ mod tests {
         assert_eq!(p["sampling_params"]["max_tokens"], 1);
         assert_eq!(p["sampling_params"]["temperature"], 0.7);
         assert!(p.get("max_tokens").is_none(), "{p}");
-        assert_eq!((p["stream"].as_bool(), &p["kv_transfer_params"]), (Some(false), &params));
+        assert_eq!(
+            (p["stream"].as_bool(), &p["kv_transfer_params"]),
+            (Some(false), &params)
+        );
         assert_eq!(p["token_ids"], json!([1, 2, 3]));
     }
 

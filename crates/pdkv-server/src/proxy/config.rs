@@ -27,6 +27,11 @@ pub struct ProxyConfig {
     /// Mounts that API without a token when none is given (the engines run
     /// in dev mode too), as vLLM's `VLLM_SERVER_DEV_MODE=1`.
     pub dev_mode: bool,
+    /// How long a generation request a decode engine refused on purpose
+    /// (paused or asleep: a retryable 503) waits for a decode engine that
+    /// serves before it is sent again, as an engine holds a request until
+    /// `/resume`; zero passes the 503 on at once.
+    pub pause_wait: Duration,
     /// The deployment's KV secret, proven to a prefill engine's control
     /// port when the proxy asks it to drop a transfer.
     pub kv_secret: pdkv_connector::KvSecret,
@@ -47,6 +52,7 @@ impl ProxyConfig {
             request_timeout: Duration::from_secs(600),
             admin_token: None,
             dev_mode: false,
+            pause_wait: Duration::from_secs(600),
             kv_secret: pdkv_connector::KvSecret::open(),
             http: crate::listen::HttpLimits::default(),
         }

@@ -182,9 +182,13 @@ async fn world_size(State(proxy): State<Arc<Shared>>, RawQuery(query): RawQuery)
 /// `POST /collective_rpc`: the first prefill engine's refusal, as is.
 async fn collective_rpc(State(proxy): State<Arc<Shared>>, body: Bytes) -> Response {
     let Some(b) = proxy.backends(Role::Prefill).first() else {
-        return json_response(StatusCode::SERVICE_UNAVAILABLE, &json!({"error": {"message": "no prefill engine"}}));
+        return json_response(
+            StatusCode::SERVICE_UNAVAILABLE,
+            &json!({"error": {"message": "no prefill engine"}}),
+        );
     };
-    let r = super::engine_calls::call_one(&proxy, b, Method::POST, "/collective_rpc", None, &body).await;
+    let r = super::engine_calls::call_one(&proxy, b, Method::POST, "/collective_rpc", None, &body)
+        .await;
     let status = r
         .status
         .and_then(|s| StatusCode::from_u16(s).ok())

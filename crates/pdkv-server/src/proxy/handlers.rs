@@ -52,9 +52,48 @@ pub(super) fn router(proxy: Arc<Shared>) -> Router {
         .with_state(proxy)
 }
 
+/// Routes one generation request through a P and a D ([`generate_once`]).
+/// An answer that is a retryable 503 (the decode engine paused or asleep, or
+/// none healthy) waits, within the configured pause wait, for a decode
+/// engine that serves and is sent again: through the proxy a paused
+/// deployment holds new requests until `/resume`, as one engine does.
+async fn generate(
+    proxy: Arc<Shared>,
+    endpoint: Endpoint,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    let deadline = tokio::time::Instant::now() + proxy.config.pause_wait;
+    loop {
+        let resp = generate_once(proxy.clone(), endpoint, headers.clone(), body.clone()).await;
+        let refused_on_purpose = resp.status() == StatusCode::SERVICE_UNAVAILABLE
+            && resp.headers().contains_key(header::RETRY_AFTER);
+        if !refused_on_purpose || !wait_for_decode(&proxy, deadline).await {
+            return resp;
+        }
+        tracing::debug!("a decode engine serves again: sending the held request");
+    }
+}
+
+/// Waits until a decode engine's `/health` says it serves (checking at the
+/// health interval); false at `deadline`.
+async fn wait_for_decode(proxy: &Shared, deadline: tokio::time::Instant) -> bool {
+    loop {
+        if tokio::time::Instant::now() >= deadline {
+            return false;
+        }
+        let next = (tokio::time::Instant::now() + proxy.config.health_interval).min(deadline);
+        tokio::time::sleep_until(next).await;
+        proxy.check_backends().await;
+        if proxy.decode.any_healthy() {
+            return true;
+        }
+    }
+}
+
 /// Routes one generation request through a P and a D: picks them, then
 /// hands the request to its [`relay::Relay`], which drives its plan.
-async fn generate(
+async fn generate_once(
     proxy: Arc<Shared>,
     endpoint: Endpoint,
     headers: HeaderMap,

@@ -109,7 +109,11 @@ async fn generate_matches_completions_and_names_tokens_by_id() {
         }
     }
     for i in 0..3 {
-        assert_eq!(per_choice[i], ids(&a["choices"][i]["token_ids"]), "choice {i}");
+        assert_eq!(
+            per_choice[i],
+            ids(&a["choices"][i]["token_ids"]),
+            "choice {i}"
+        );
     }
 
     // prompt_logprobs: one entry per prompt token, the first null, each
@@ -132,22 +136,34 @@ async fn generate_matches_completions_and_names_tokens_by_id() {
 async fn what_generate_cannot_do_is_a_400_naming_it() {
     let s = dev_server(Duration::ZERO).await;
     for (body, param) in [
-        (json!({"token_ids": PROMPT, "cache_salt": "s"}), "cache_salt"),
+        (
+            json!({"token_ids": PROMPT, "cache_salt": "s"}),
+            "cache_salt",
+        ),
         (json!({"token_ids": PROMPT, "priority": 2}), "priority"),
-        (json!({"token_ids": PROMPT, "features": {"mm_hashes": {}}}), "features"),
+        (
+            json!({"token_ids": PROMPT, "features": {"mm_hashes": {}}}),
+            "features",
+        ),
         (
             json!({"token_ids": PROMPT, "sampling_params": {"use_beam_search": true}}),
             "sampling_params.use_beam_search",
         ),
         (json!({"token_ids": [1_000_000]}), "prompt"),
-        (json!({"token_ids": PROMPT, "sampling_params": {"min_p": 2}}), "min_p"),
+        (
+            json!({"token_ids": PROMPT, "sampling_params": {"min_p": 2}}),
+            "min_p",
+        ),
     ] {
         let (status, v) = s.post("/inference/v1/generate", &body).await;
         assert_openai_error(status, &v, StatusCode::BAD_REQUEST, param);
         assert_eq!(v["error"]["param"], param, "{body}: {v}");
     }
     let (status, v) = s
-        .post("/inference/v1/generate", &json!({"token_ids": PROMPT, "model": "other"}))
+        .post(
+            "/inference/v1/generate",
+            &json!({"token_ids": PROMPT, "model": "other"}),
+        )
         .await;
     assert_openai_error(status, &v, StatusCode::NOT_FOUND, "unknown model");
     // Priority 0 and beam search off are what vLLM does by default.
@@ -183,7 +199,11 @@ async fn each_sampling_field_takes_effect() {
 
     // min_p = 1 keeps only the most likely token: sampling turns greedy.
     for seed in [1, 2, 3] {
-        let c = text_of(&s, with(json!({"temperature": 1.0, "seed": seed, "min_p": 1.0}))).await;
+        let c = text_of(
+            &s,
+            with(json!({"temperature": 1.0, "seed": seed, "min_p": 1.0})),
+        )
+        .await;
         assert_eq!(c["token_ids"], greedy["token_ids"], "seed {seed}");
     }
 
@@ -238,7 +258,11 @@ async fn each_sampling_field_takes_effect() {
     let all = greedy["prompt_token_ids"].clone();
     let k = 3;
     let tail: Vec<u32> = ids(&all)[ids(&all).len() - k..].to_vec();
-    let truncated = text_of(&s, with(json!({"temperature": 0, "truncate_prompt_tokens": k}))).await;
+    let truncated = text_of(
+        &s,
+        with(json!({"temperature": 0, "truncate_prompt_tokens": k})),
+    )
+    .await;
     assert_eq!(truncated["prompt_token_ids"], json!(tail));
     let direct = text_of(
         &s,
@@ -251,9 +275,17 @@ async fn each_sampling_field_takes_effect() {
     // add_special_tokens: the prompt's ids are the tokenizer's with or
     // without its special tokens.
     for add in [true, false] {
-        let c = text_of(&s, with(json!({"temperature": 0, "add_special_tokens": add, "max_tokens": 1}))).await;
+        let c = text_of(
+            &s,
+            with(json!({"temperature": 0, "add_special_tokens": add, "max_tokens": 1})),
+        )
+        .await;
         let want = tok.encode("The river ran low", add).unwrap();
-        assert_eq!(ids(&c["prompt_token_ids"]), want, "add_special_tokens {add}");
+        assert_eq!(
+            ids(&c["prompt_token_ids"]),
+            want,
+            "add_special_tokens {add}"
+        );
     }
 
     // return_tokens_as_token_ids in both shapes (AReaL parses `token_id:N`).
@@ -294,16 +326,55 @@ async fn each_sampling_field_takes_effect() {
         .collect();
     assert_eq!(tokens, want);
 
+    // max_tokens 0 with echo scores the prompt: its log-probabilities, as
+    // generate's prompt_logprobs gives them, and nothing generated.
+    let scored = text_of(
+        &s,
+        json!({"prompt": PROMPT, "max_tokens": 0, "echo": true, "logprobs": 0}),
+    )
+    .await;
+    let plp = generate(
+        &s,
+        json!({"token_ids": PROMPT, "sampling_params": {"max_tokens": 1, "prompt_logprobs": 0}}),
+    )
+    .await["prompt_logprobs"]
+        .clone();
+    let lps = scored["logprobs"]["token_logprobs"].as_array().unwrap();
+    assert_eq!(lps.len(), PROMPT.len(), "{scored}");
+    assert!(lps[0].is_null());
+    for i in 1..PROMPT.len() {
+        assert_eq!(
+            lps[i],
+            plp[i][PROMPT[i].to_string()]["logprob"],
+            "position {i}"
+        );
+    }
+    assert_eq!(scored["text"], tok.decode(&PROMPT, false));
+    let (status, v) = s
+        .post("/v1/completions", &json!({"prompt": "x", "max_tokens": 0}))
+        .await;
+    assert_openai_error(
+        status,
+        &v,
+        StatusCode::BAD_REQUEST,
+        "max_tokens 0 without echo",
+    );
+
     // A field vLLM does not know is ignored and counted; one it knows but
     // pdkv does not implement is refused when it would change the answer.
     let c = text_of(&s, with(json!({"temperature": 0, "my_own_field": 1}))).await;
     assert_eq!(c["token_ids"], greedy["token_ids"]);
     let m = s.metrics().await;
     assert_eq!(
-        must(&m, "pdkv_ignored_request_fields_total{field=\"my_own_field\"}"),
+        must(
+            &m,
+            "pdkv_ignored_request_fields_total{field=\"my_own_field\"}"
+        ),
         1.0
     );
-    let (status, v) = s.post("/v1/completions", &with(json!({"bad_words": ["x"]}))).await;
+    let (status, v) = s
+        .post("/v1/completions", &with(json!({"bad_words": ["x"]})))
+        .await;
     assert_openai_error(status, &v, StatusCode::BAD_REQUEST, "bad_words");
     assert_eq!(v["error"]["param"], "bad_words");
     s.stop().await;
@@ -337,16 +408,20 @@ async fn new_requests_wait_for_resume_in_every_pause_mode() {
         ("/pause?mode=abort", vec!["/resume"]),
         ("/pause?mode=wait", vec!["/resume"]),
         ("/pause?mode=keep", vec!["/resume"]),
-        ("/areal_pause_generation", vec!["/areal_continue_generation"]),
+        (
+            "/areal_pause_generation",
+            vec!["/areal_continue_generation"],
+        ),
         ("/sleep?level=1", vec!["/wake_up", "/resume"]),
     ] {
         post_dev(&s, pause, None).await;
         let client = s.client.clone();
         let url = s.url("/inference/v1/generate");
         let b = body.clone();
-        let waiting = tokio::spawn(async move {
-            pdkv_testkit::http::answer(client.post(url).json(&b)).await
-        });
+        let waiting =
+            tokio::spawn(
+                async move { pdkv_testkit::http::answer(client.post(url).json(&b)).await },
+            );
         wait_waiting(&s, 1.0).await;
         assert!(!waiting.is_finished(), "{pause}: answered while paused");
         for r in resume {
@@ -447,23 +522,43 @@ async fn dev_mode_opens_the_lifecycle_routes_and_their_dialects() {
     );
     // Parameters in a JSON body, as SkyRL sends them; an unknown query
     // parameter is ignored.
-    let v = post_dev(&s, "/sleep?odd=1", Some(json!({"level": 1, "tags": ["weights", "kv_cache"]}))).await;
+    let v = post_dev(
+        &s,
+        "/sleep?odd=1",
+        Some(json!({"level": 1, "tags": ["weights", "kv_cache"]})),
+    )
+    .await;
     assert_eq!(v["level"], 1);
     let v = post_dev(&s, "/wake_up", Some(json!({"tags": ["weights"]}))).await;
     assert_eq!(v["asleep_tags"], json!(["kv_cache"]));
     post_dev(&s, "/wake_up", Some(json!({}))).await;
     post_dev(&s, "/resume", None).await;
-    post_dev(&s, "/reset_prefix_cache", Some(json!({"reset_running_requests": false}))).await;
+    post_dev(
+        &s,
+        "/reset_prefix_cache",
+        Some(json!({"reset_running_requests": false})),
+    )
+    .await;
     let (status, v) = pdkv_testkit::http::answer(s.client.get(s.url("/flush_cache"))).await;
     assert_eq!(status, StatusCode::OK, "{v}");
 
     // prime-rl's and AReaL's reload bodies; the version as vLLM's RLHF
     // router reads it.
     let dir = s.dir.path().display().to_string();
-    post_dev(&s, "/update_weights", Some(json!({"weight_dir": dir, "version": "step-1"}))).await;
+    post_dev(
+        &s,
+        "/update_weights",
+        Some(json!({"weight_dir": dir, "version": "step-1"})),
+    )
+    .await;
     let (_, info) = pdkv_testkit::http::get_json(&s.client, &s.url("/weight_info")).await;
     assert_eq!(info["weight_version"], "step-1");
-    let v = post_dev(&s, "/areal_update_weights", Some(json!({"model_path": dir}))).await;
+    let v = post_dev(
+        &s,
+        "/areal_update_weights",
+        Some(json!({"model_path": dir})),
+    )
+    .await;
     assert_eq!(v["success"], true);
 
     // An empty abort list ends every request in flight.
@@ -473,8 +568,10 @@ async fn dev_mode_opens_the_lifecycle_routes_and_their_dialects() {
         let body = json!({"token_ids": PROMPT, "sampling_params": {"max_tokens": 500, "ignore_eos": true, "n": 2}});
         pdkv_testkit::http::answer(client.post(url).json(&body)).await
     });
-    s.wait_metrics("two requests running", |m| must(m, "pdkv_num_requests_running") == 2.0)
-        .await;
+    s.wait_metrics("two requests running", |m| {
+        must(m, "pdkv_num_requests_running") == 2.0
+    })
+    .await;
     let v = post_dev(&s, "/abort_requests", Some(json!({}))).await;
     assert_eq!(v["num_aborted"], 2, "{v}");
     let (status, v) = long.await.unwrap();
@@ -489,6 +586,58 @@ async fn dev_mode_opens_the_lifecycle_routes_and_their_dialects() {
     )
     .await;
     assert_openai_error(status, &v, StatusCode::BAD_REQUEST, "collective_rpc");
-    assert!(v["error"]["message"].as_str().unwrap().contains("reload_weights"));
+    assert!(v["error"]["message"]
+        .as_str()
+        .unwrap()
+        .contains("reload_weights"));
+    s.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cache_salt_separates_prefix_cache_entries() {
+    let s = dev_server(Duration::ZERO).await;
+    // Three full blocks of 16 tokens, then one more.
+    let prompt: Vec<u32> = (0..49).map(|i| 40 + (i * 7) % 300).collect();
+    let hits = |m: &str| must(m, "pdkv_prefix_cache_hits_total");
+    let send = |salt: Option<&str>| {
+        let mut body =
+            json!({"token_ids": prompt, "sampling_params": {"max_tokens": 2, "temperature": 0}});
+        if let Some(salt) = salt {
+            body["cache_salt"] = json!(salt);
+        }
+        body
+    };
+    let first = generate(&s, send(Some("tenant-a"))).await;
+    let h0 = hits(&s.metrics().await);
+    // Another salt, and no salt: no hit on tenant a's blocks.
+    generate(&s, send(Some("tenant-b"))).await;
+    generate(&s, send(None)).await;
+    let h1 = hits(&s.metrics().await);
+    assert_eq!(h1, h0, "a different salt hit the cache");
+    // The same salt hits, with the same answer.
+    let again = generate(&s, send(Some("tenant-a"))).await;
+    let h2 = hits(&s.metrics().await);
+    assert!(h2 > h1, "the same salt missed: {h1} -> {h2}");
+    assert_eq!(
+        again["choices"][0]["token_ids"],
+        first["choices"][0]["token_ids"]
+    );
+    // Completions take it too; an empty salt is refused.
+    let (status, v) = s
+        .post(
+            "/v1/completions",
+            &json!({"prompt": prompt, "max_tokens": 1, "cache_salt": "tenant-a"}),
+        )
+        .await;
+    assert_eq!(status, StatusCode::OK, "{v}");
+    assert!(hits(&s.metrics().await) > h2);
+    let (status, v) = s
+        .post(
+            "/inference/v1/generate",
+            &json!({"token_ids": prompt, "cache_salt": ""}),
+        )
+        .await;
+    assert_openai_error(status, &v, StatusCode::BAD_REQUEST, "empty cache_salt");
+    assert_eq!(v["error"]["param"], "cache_salt");
     s.stop().await;
 }

@@ -55,6 +55,7 @@ fn start_load(c: &mut PdCore, now: Instant) -> Arc<str> {
     let toks = prompt();
     let params = params::for_decode("t1", Some("p0"), Some("127.0.0.1:20"));
     let req = || ConnectorRequest {
+        cache_salt: None,
         id: &id,
         prompt_tokens: &toks,
         kv_transfer_params: Some(&params),
@@ -74,6 +75,7 @@ fn d_loads_only_the_blocks_past_its_local_prefix_and_a_release_waits_for_the_loa
     let toks = prompt();
     let params = params::for_decode("t1", Some("p0"), Some("127.0.0.1:20"));
     let req = || ConnectorRequest {
+        cache_salt: None,
         id: &id,
         prompt_tokens: &toks,
         kv_transfer_params: Some(&params),
@@ -162,6 +164,7 @@ fn a_request_that_ends_before_its_load_is_decided_or_started_tells_p_and_holds_n
     let pb = params::for_decode("t2", Some("p0"), Some("127.0.0.1:20"));
     let pc = params::for_decode("t3", Some("p0"), Some("127.0.0.1:20"));
     let req = |id, params| ConnectorRequest {
+        cache_salt: None,
         id,
         prompt_tokens: &toks,
         kv_transfer_params: Some(params),
@@ -209,6 +212,7 @@ fn read_mode_p_returns_the_leased_blocks_and_its_generation_or_no_params() {
         let id: Arc<str> = Arc::from(format!("r-{tid}"));
         let params = params::for_prefill(tid);
         let req = || ConnectorRequest {
+            cache_salt: None,
             id: &id,
             prompt_tokens: toks,
             kv_transfer_params: Some(&params),
@@ -376,6 +380,7 @@ fn each_role_takes_only_its_own_params() {
     // A producer loads nothing.
     let (mut p, _pool) = core("kv_producer");
     let req = ConnectorRequest {
+        cache_salt: None,
         id: &id,
         prompt_tokens: &toks,
         kv_transfer_params: Some(&for_d),
@@ -388,6 +393,7 @@ fn each_role_takes_only_its_own_params() {
     // from whichever call comes first.
     let (mut d, _pool2) = core("kv_consumer");
     let req = || ConnectorRequest {
+        cache_salt: None,
         id: &id,
         prompt_tokens: &toks,
         kv_transfer_params: Some(&for_p),

@@ -127,6 +127,7 @@ pub fn request(
         ..SamplingParams::default()
     };
     EngineRequest {
+        cache_salt: None,
         id: id.into(),
         prompt_tokens: tokens,
         params: sp,
@@ -472,6 +473,7 @@ pub fn pattern(block: u32) -> Vec<u8> {
 
 pub fn req<'a>(id: &'a Arc<str>, prompt: &'a [u32], params: &'a Value) -> ConnectorRequest<'a> {
     ConnectorRequest {
+        cache_salt: None,
         id,
         prompt_tokens: prompt,
         kv_transfer_params: Some(params),

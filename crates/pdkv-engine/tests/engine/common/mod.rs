@@ -91,6 +91,7 @@ pub fn greedy(max_tokens: u32) -> SamplingParams {
 
 pub fn request(id: &str, prompt_tokens: Vec<u32>, params: SamplingParams) -> EngineRequest {
     EngineRequest {
+        cache_salt: None,
         id: id.to_string(),
         prompt_tokens,
         params,
