@@ -696,13 +696,10 @@ async fn frameworks_areal_three_steps_on_serve() {
     areal_three_steps(Kind::Serve).await;
 }
 
-// AReaL through `pdkv up` is not here yet: a request sent to the proxy
-// after `/areal_pause_generation` is answered 503 ("the engine is paused
-// (mode abort); retry after /resume") by the decode engine instead of
-// waiting for `/areal_continue_generation`. (On `pdkv serve` a request that
-// arrives while the pause is still aborting is answered 503 "the engine is
-// pausing" as well; the executor's pause flag above keeps AReaL's
-// continuations from racing it.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn frameworks_areal_three_steps_on_up() {
+    areal_three_steps(Kind::Up).await;
+}
 
 // ---------------------------------------------------------------- prime-rl
 
@@ -711,9 +708,8 @@ async fn frameworks_areal_three_steps_on_serve() {
 /// with `skip_special_tokens: false`; `ignore_eos` through its `extra_body`
 /// knob so rollouts run long enough to be in flight at the update, and a
 /// seed. prime-rl also salts the prefix cache per policy version
-/// (`cache_salt`, dispatcher.py 516-531, envs.py 87-91), which pdkv refuses
-/// with a 400 (generate.rs: "cache_salt is not supported yet"), so it is
-/// left out here.
+/// (`cache_salt`, dispatcher.py 516-531, envs.py 87-91), sent here as it
+/// does.
 async fn prime_rollout(
     client: reqwest::Client,
     base: String,
@@ -722,7 +718,7 @@ async fn prime_rollout(
     version: usize,
 ) -> Segment {
     let p = prompt(i);
-    let body = json!({"model": model, "token_ids": p, "sampling_params": {
+    let body = json!({"model": model, "token_ids": p, "cache_salt": format!("policy-{version}"), "sampling_params": {
         "temperature": 1.0, "top_p": 1.0, "max_tokens": LONG_ROLLOUT, "logprobs": 0,
         "skip_special_tokens": false, "ignore_eos": true, "seed": (version * 100 + i) as u64}});
     let v = ok(
