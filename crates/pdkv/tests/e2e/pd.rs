@@ -339,8 +339,11 @@ async fn a_transfer_whose_decode_request_failed_is_dropped_at_p() {
     let Some(model) = smollm2("a_transfer_whose_decode_request_failed_is_dropped_at_p") else {
         return;
     };
+    // The proxy passes D's refusal on at once instead of holding the
+    // request until D serves again.
     let Pd { p, d, proxy } = Spec::new(&model, 256)
         .serve_args(&["--admin-token", "t0k"])
+        .http_args(&["--pause-wait-timeout-s", "0"])
         .start_pd();
     let client = reqwest::Client::new();
     wait_healthy(&client, &proxy.url("/health")).await;

@@ -400,8 +400,13 @@ async fn refused_fields_answer_400_naming_them() {
         ),
         (
             "/v1/chat/completions",
-            json!({"messages": messages, "skip_special_tokens": false}),
-            "skip_special_tokens",
+            json!({"messages": messages, "guided_json": {"type": "object"}}),
+            "guided_json",
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": "a", "use_beam_search": true}),
+            "use_beam_search",
         ),
         (
             "/v1/chat/completions",
