@@ -45,6 +45,9 @@ impl ProxyServer {
         let mut config = ProxyConfig::new(prefill, decode);
         config.health_interval = Duration::from_secs(3600);
         config.request_timeout = request_timeout;
+        // Refusals pass on at once (these tests check them; holding a
+        // request until D serves again is the e2e frameworks tests' part).
+        config.pause_wait = Duration::ZERO;
         let proxy = Proxy::new(config).expect("proxy config");
         // Healthy before the first request, as `serve` also checks first.
         proxy.check_backends().await;
@@ -847,6 +850,7 @@ async fn read_mode_sends_p_first_and_d_reads_with_p_params() {
     let mut config = ProxyConfig::new(vec![p.base.clone()], vec![d.base.clone()]);
     config.health_interval = Duration::from_secs(3600);
     config.request_timeout = DEADLINE;
+    config.pause_wait = Duration::ZERO;
     let proxy = Proxy::new(config).expect("proxy config");
     proxy.check_backends().await;
     let info = proxy
