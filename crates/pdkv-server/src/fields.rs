@@ -132,7 +132,10 @@ const GENERATE_SAMPLING: &[&str] = &[
 /// Fields vLLM honours whose effect pdkv does not implement: accepted only
 /// with the value that changes nothing (absent and null always are), else a
 /// 400 naming the field and saying why.
-const REFUSED: &[(&str, fn(&Value) -> bool, &str)] = &[
+/// Whether a value of a refused field is its no-op one.
+type IsNoOp = fn(&Value) -> bool;
+
+const REFUSED: &[(&str, IsNoOp, &str)] = &[
     ("use_beam_search", is_false, "beam search is not supported"),
     (
         "length_penalty",

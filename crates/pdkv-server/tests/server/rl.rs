@@ -136,10 +136,7 @@ async fn generate_matches_completions_and_names_tokens_by_id() {
 async fn what_generate_cannot_do_is_a_400_naming_it() {
     let s = dev_server(Duration::ZERO).await;
     for (body, param) in [
-        (
-            json!({"token_ids": PROMPT, "cache_salt": ""}),
-            "cache_salt",
-        ),
+        (json!({"token_ids": PROMPT, "cache_salt": ""}), "cache_salt"),
         (json!({"token_ids": PROMPT, "priority": 2}), "priority"),
         (
             json!({"token_ids": PROMPT, "features": {"mm_hashes": {}}}),
