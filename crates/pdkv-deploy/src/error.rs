@@ -5,6 +5,15 @@ use std::process::ExitStatus;
 
 #[derive(Debug, thiserror::Error)]
 pub enum DeployError {
+    #[error(
+        "port {port} ({flag}) is not free: {source}; choose another with {flag} (0: any free port)"
+    )]
+    PortTaken {
+        port: u16,
+        flag: &'static str,
+        #[source]
+        source: std::io::Error,
+    },
     #[error("creating {}", path.display())]
     LogFile {
         path: PathBuf,

@@ -66,6 +66,21 @@ impl Ports {
         Ok(p)
     }
 
+    /// Fails naming the first chosen port (not 0) that another process
+    /// holds on loopback, and the flag that chooses another: checked before
+    /// any engine loads a model.
+    pub fn check_free(&self) -> Result<(), DeployError> {
+        let named = std::iter::once((self.proxy, "--port"))
+            .chain(self.prefill.iter().map(|&q| (q, "--prefill-port")))
+            .chain(self.decode.iter().map(|&q| (q, "--decode-port")))
+            .chain(self.kv.iter().map(|&q| (q, "--kv-port")));
+        for (port, flag) in named.filter(|&(port, _)| port != 0) {
+            std::net::TcpListener::bind((crate::HOST, port))
+                .map_err(|source| DeployError::PortTaken { port, flag, source })?;
+        }
+        Ok(())
+    }
+
     /// `prefill` and `decode` servers and the proxy, each on a port of its
     /// choosing.
     pub fn any(prefill: u16, decode: u16) -> Ports {

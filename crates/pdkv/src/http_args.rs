@@ -7,8 +7,9 @@ use pdkv_server::listen::HttpLimits;
 
 #[derive(Args, Debug, Clone)]
 pub struct HttpArgs {
-    /// Most client connections held at once; at the cap new clients wait
-    /// in the listen backlog.
+    /// Most client connections held at once; at the cap the oldest idle
+    /// connection is closed to make room, and only when none is idle do new
+    /// clients wait in the listen backlog.
     #[arg(long, default_value_t = 4096)]
     pub max_connections: usize,
     /// Seconds a connection may take to send a request head (the first, or

@@ -99,11 +99,13 @@ impl From<ArchArg> for pdkv_model::Arch {
 
 #[derive(Args)]
 struct InitArgs {
+    /// Model family: Llama (SmolLM2's) or Qwen3 (with Q/K norms).
     #[arg(long, value_enum)]
     arch: ArchArg,
-    /// Size preset.
+    /// Size preset: `tiny` or `small`.
     #[arg(long, default_value = "tiny")]
     preset: String,
+    /// Seed of the random weights: the same arguments write the same bytes.
     #[arg(long, default_value_t = 0)]
     seed: u64,
     /// Output directory.
@@ -182,5 +184,37 @@ fn main() -> ExitCode {
             eprintln!("error: {e:#}");
             ExitCode::FAILURE
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::CommandFactory;
+
+    /// Every flag and subcommand of every command says what it does.
+    #[test]
+    fn every_flag_has_help() {
+        fn walk(cmd: &clap::Command, path: &str, missing: &mut Vec<String>) {
+            for arg in cmd.get_arguments() {
+                let id = arg.get_id().as_str();
+                if id == "help" || id == "version" {
+                    continue;
+                }
+                if arg.get_help().is_none() && arg.get_long_help().is_none() {
+                    missing.push(format!("{path} --{}", arg.get_long().unwrap_or(id)));
+                }
+            }
+            for sub in cmd.get_subcommands() {
+                let sub_path = format!("{path} {}", sub.get_name());
+                if sub.get_about().is_none() && sub.get_name() != "help" {
+                    missing.push(sub_path.clone());
+                }
+                walk(sub, &sub_path, missing);
+            }
+        }
+        let mut missing = Vec::new();
+        walk(&Cli::command(), "pdkv", &mut missing);
+        assert!(missing.is_empty(), "without help text: {missing:#?}");
     }
 }

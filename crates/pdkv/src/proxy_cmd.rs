@@ -18,6 +18,7 @@ pub struct ProxyArgs {
     /// Decode server base URLs, comma-separated.
     #[arg(long, value_delimiter = ',', required = true)]
     pub decode: Vec<String>,
+    /// Address to listen on (`0.0.0.0`: every interface).
     #[arg(long, default_value = "127.0.0.1")]
     pub host: String,
     /// TCP port; 0 picks a free one (the log shows which).

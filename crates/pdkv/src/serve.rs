@@ -25,6 +25,7 @@ pub struct ServeArgs {
     /// SmolLM2-135M-Instruct from the model cache, fetched if missing).
     #[arg(long)]
     pub model: Option<PathBuf>,
+    /// Address to listen on (`0.0.0.0`: every interface).
     #[arg(long, default_value = "127.0.0.1")]
     pub host: String,
     /// TCP port; 0 picks a free one (the log shows which).
@@ -45,6 +46,8 @@ pub struct ServeArgs {
     /// The model name clients use (default: the checkpoint's name).
     #[arg(long)]
     pub served_model_name: Option<String>,
+    /// Turns the prefix cache off: every request computes its whole
+    /// prompt, and finished requests' KV blocks are not kept for reuse.
     #[arg(long)]
     pub no_prefix_caching: bool,
     /// Enables the lifecycle admin API (/pause, /sleep, /wake_up,
@@ -96,8 +99,9 @@ pub struct ServeArgs {
     /// Ranks the model is split over (tensor parallelism), each with its
     /// own share of the weights and KV heads, its own memory pool and its
     /// own math threads (the machine's cores divided among them). The
-    /// model needs at least as many KV heads as ranks. Not yet with
-    /// `--kv-transfer-config`.
+    /// model needs at least as many KV heads as ranks. With
+    /// `--kv-transfer-config` each rank moves its own heads' KV, and prefill
+    /// and decode servers may have different numbers of ranks.
     #[arg(long, short = 't', default_value_t = 1)]
     pub tensor_parallel_size: usize,
     /// The format the model's matrices are served in: `auto` keeps the

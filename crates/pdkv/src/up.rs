@@ -161,12 +161,14 @@ pub fn run(args: UpArgs) -> anyhow::Result<()> {
         args.api_key.as_deref() != Some(""),
         "--api-key must not be empty"
     );
+    let ports = Ports::choose(&args)?;
+    // A taken port fails now, not after every engine loaded the model.
+    ports.0.check_free()?;
     // Resolve (and fetch) the model once, before the servers load it.
     let model = match args.model.clone() {
         Some(p) => p,
         None => fetch::default_model_path()?,
     };
-    let ports = Ports::choose(&args)?;
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -222,6 +224,25 @@ pub(crate) async fn start(
     Ok(pdkv_deploy::start(&spec, procs, &logs.logs()).await?)
 }
 
+/// The name clients send as `model`, from the proxy's `/v1/models`
+/// (`"?"` when it does not answer in time: the deployment still runs).
+async fn served_model_name(url: &str) -> String {
+    let ask = async {
+        let v: serde_json::Value = reqwest::get(format!("{url}/v1/models"))
+            .await
+            .ok()?
+            .json()
+            .await
+            .ok()?;
+        v["data"][0]["id"].as_str().map(str::to_string)
+    };
+    tokio::time::timeout(Duration::from_secs(5), ask)
+        .await
+        .ok()
+        .flatten()
+        .unwrap_or_else(|| "?".into())
+}
+
 /// Starts the children (pushed onto `procs`), reports readiness, and runs
 /// until a signal (`Ok`) or a child's exit (`Err`).
 async fn supervise(
@@ -251,13 +272,18 @@ async fn supervise(
         kv: kv_ports,
     } = started;
     let (np, nd) = (p_urls.len(), d_urls.len());
+    let model_name = served_model_name(&url).await;
     // Written whole, errors ignored: a reader that went away must not stop
     // the deployment.
     let mut ready = format!(
         "pdkv up: ready ({np} prefill, {nd} decode; transport {}, transfer mode {}; admin API {})\n",
         args.transport.as_str(),
         args.transfer_mode.as_str(),
-        if token.is_some() { "on" } else { "off" }
+        match (token.is_some(), args.dev_mode) {
+            (true, _) => "on",
+            (false, true) => "on, open (dev mode)",
+            (false, false) => "off",
+        }
     );
     for (i, (u, kv)) in p_urls.iter().zip(&kv_ports).enumerate() {
         ready.push_str(&format!("prefill {i}: {u} (KV bootstrap port {kv})\n"));
@@ -265,9 +291,9 @@ async fn supervise(
     for (i, u) in d_urls.iter().enumerate() {
         ready.push_str(&format!("decode {i}: {u}\n"));
     }
-    ready.push_str(&format!("proxy: {url}\ntry:\n"));
+    ready.push_str(&format!("proxy: {url}\nmodel: {model_name}\ntry:\n"));
     ready.push_str(&format!(
-        "  curl -s {url}/v1/chat/completions -H 'Content-Type: application/json' \\\n    -d '{{\"messages\":[{{\"role\":\"user\",\"content\":\"Name the capital city of France.\"}}],\"max_tokens\":32}}'\n"
+        "  curl -s {url}/v1/chat/completions -H 'Content-Type: application/json' \\\n    -d '{{\"model\":\"{model_name}\",\"messages\":[{{\"role\":\"user\",\"content\":\"Name the capital city of France.\"}}],\"max_tokens\":32}}'\n"
     ));
     let _ = std::io::stdout().lock().write_all(ready.as_bytes());
     let _ = std::io::stdout().flush();

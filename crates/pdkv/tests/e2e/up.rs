@@ -539,3 +539,110 @@ fn publish(ckpt: &std::path::Path, version: &str) -> (std::process::Child, Strin
     assert!(url.starts_with("http://"), "{line}");
     (publisher, url)
 }
+
+/// The README's trainer step, run as written (its `url` and `ckpt` lines
+/// set to this deployment's) against `pdkv up --admin-token TOKEN`: every
+/// call answers a JSON body without an error, and the deployment serves
+/// the same greedy answer afterwards (the reload is of the same weights).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn readme_trainer_step_runs_as_written() {
+    let readme = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../../README.md"))
+        .expect("README.md");
+    let start = readme
+        .find("auth='Authorization: Bearer TOKEN'")
+        .expect("the trainer-step block in README.md");
+    let end = start + readme[start..].find("```").expect("the block's end");
+    let block = &readme[start..end];
+    let ckpt_dir = checkpoint(Arch::Llama, "tiny", 9);
+    let ckpt = ckpt_dir.path().to_str().unwrap().to_string();
+    let (mut up, url, _err) = start_up(&[
+        "--model",
+        &ckpt,
+        "--num-kv-blocks",
+        "64",
+        "--port",
+        "0",
+        "--admin-token",
+        "TOKEN",
+    ]);
+    let client = reqwest::Client::new();
+    let probe =
+        json!({"prompt": "The river", "max_tokens": 6, "temperature": 0, "ignore_eos": true});
+    let before = completion_text(&client, &url, probe.clone()).await;
+    let mut script = String::from("set -eu\n");
+    let mut curls = 0;
+    for line in block.lines() {
+        if line.starts_with("url=") {
+            script.push_str(&format!("url={url}\n"));
+        } else if line.starts_with("ckpt=") {
+            script.push_str(&format!("ckpt={ckpt}\n"));
+        } else {
+            curls += usize::from(line.starts_with("curl "));
+            // One answer per line, so each can be checked (an `echo` of
+            // its own: the line may end in a comment).
+            script.push_str(line);
+            script.push_str(if line.starts_with("curl ") {
+                "\necho\n"
+            } else {
+                "\n"
+            });
+        }
+    }
+    assert_eq!(curls, 6, "the block's calls:\n{block}");
+    let out = tokio::task::spawn_blocking(move || {
+        std::process::Command::new("bash")
+            .arg("-c")
+            .arg(&script)
+            .output()
+            .expect("bash runs the block")
+    })
+    .await
+    .unwrap();
+    assert!(out.status.success(), "{out:?}");
+    let stdout = String::from_utf8(out.stdout).unwrap();
+    let answers: Vec<Value> = stdout
+        .lines()
+        .filter(|l| !l.trim().is_empty())
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{e}: {l:?}")))
+        .collect();
+    assert_eq!(answers.len(), 6, "{stdout}");
+    for a in &answers {
+        assert!(a.get("error").is_none(), "{a}\nall: {stdout}");
+    }
+    assert_eq!(answers[3]["status"], "ok", "{stdout}");
+    let after = completion_text(&client, &url, probe).await;
+    assert_eq!(after, before);
+    // SAFETY: plain syscall on our own child, not yet reaped.
+    unsafe { libc::kill(up.id() as i32, libc::SIGTERM) };
+    let _ = up.wait();
+}
+
+/// A taken `--port` fails at once, naming the port and the flag, before any
+/// engine loads the model.
+#[test]
+fn a_taken_port_fails_before_loading() {
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = taken.local_addr().unwrap().port().to_string();
+    let ckpt_dir = checkpoint(Arch::Llama, "tiny", 3);
+    let out = pdkv()
+        .args([
+            "up",
+            "--model",
+            ckpt_dir.path().to_str().unwrap(),
+            "--port",
+            &port,
+        ])
+        .stdin(Stdio::null())
+        .output()
+        .expect("pdkv up runs");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{err}");
+    assert!(
+        err.contains(&format!("port {port} (--port) is not free")) && err.contains("--port"),
+        "{err}"
+    );
+    assert!(
+        !err.contains("started the prefill"),
+        "a child started: {err}"
+    );
+}
