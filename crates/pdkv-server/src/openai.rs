@@ -325,17 +325,44 @@ pub fn message_text(index: usize, content: &Value) -> Result<String, ApiError> {
 }
 
 /// The messages of a conversation with their text contents.
+/// The roles a message may have (OpenAI's; `developer` is its newer name
+/// for `system`).
+pub const CHAT_ROLES: [&str; 5] = ["system", "developer", "user", "assistant", "tool"];
+
 pub fn chat_messages(messages: &[ChatMessageIn]) -> Result<Vec<pdkv_model::ChatMessage>, ApiError> {
     messages
         .iter()
         .enumerate()
         .map(|(i, m)| {
+            if !CHAT_ROLES.contains(&m.role.as_str()) {
+                return Err(ApiError::invalid_param(
+                    &format!("messages[{i}].role"),
+                    format!(
+                        "unknown role {:?} (one of: {})",
+                        m.role,
+                        CHAT_ROLES.join(", ")
+                    ),
+                ));
+            }
+            // OpenAI allows no content only on an assistant's turn.
+            if m.content.is_null() && m.role != "assistant" {
+                return Err(ApiError::invalid_param(
+                    &format!("messages[{i}].content"),
+                    format!("a {} message needs content", m.role),
+                ));
+            }
             Ok(pdkv_model::ChatMessage {
                 role: m.role.clone(),
                 content: message_text(i, &m.content)?,
             })
         })
         .collect()
+}
+
+/// Whether a positive `v` stays positive and finite as an f32.
+fn fits_f32(v: f64) -> bool {
+    let f = v as f32;
+    f.is_finite() && f > 0.0
 }
 
 /// Checks `max_tokens`-like fields: at least 1 and fits a u32.
@@ -429,10 +456,12 @@ impl SamplingFields {
             }
         }
         let repetition_penalty = self.repetition_penalty.unwrap_or(1.0);
-        if !(repetition_penalty > 0.0 && repetition_penalty.is_finite()) {
+        // The engine computes in f32: a value f32 cannot hold (0 or inf
+        // once cast) is refused here, naming the value as given.
+        if !(repetition_penalty > 0.0 && fits_f32(repetition_penalty)) {
             return Err(ApiError::invalid_param(
                 "repetition_penalty",
-                format!("repetition_penalty must be greater than 0, got {repetition_penalty}"),
+                format!("repetition_penalty must be greater than 0 and hold in a 32-bit float ({:e} to {:e}), got {repetition_penalty:e}", f32::from_bits(1), f32::MAX),
             ));
         }
         let min_tokens = match self.min_tokens.unwrap_or(0) {
@@ -458,10 +487,10 @@ impl SamplingFields {
             ));
         }
         let top_p = self.top_p.unwrap_or(1.0);
-        if !(top_p > 0.0 && top_p <= 1.0) {
+        if !(top_p > 0.0 && top_p <= 1.0 && fits_f32(top_p)) {
             return Err(ApiError::invalid_param(
                 "top_p",
-                format!("top_p must be in (0, 1], got {top_p}"),
+                format!("top_p must be in (0, 1] and hold in a 32-bit float (at least {:e}), got {top_p:e}", f32::from_bits(1)),
             ));
         }
         let min_p = self.min_p.unwrap_or(0.0);

@@ -638,3 +638,52 @@ async fn cache_salt_separates_prefix_cache_entries() {
     assert_eq!(v["error"]["param"], "cache_salt");
     s.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn values_the_engine_cannot_hold_and_unknown_roles_are_400s() {
+    let s = dev_server(Duration::ZERO).await;
+    let user = |content: Value| json!([{"role": "user", "content": content}]);
+    for (body, param, shown) in [
+        (json!({"prompt": "x", "top_p": 1e-300}), "top_p", "1e-300"),
+        (
+            json!({"prompt": "x", "repetition_penalty": 1e308}),
+            "repetition_penalty",
+            "1e308",
+        ),
+    ] {
+        let (status, v) = s.post("/v1/completions", &body).await;
+        assert_openai_error(status, &v, StatusCode::BAD_REQUEST, param);
+        assert_eq!(v["error"]["param"], param, "{v}");
+        assert!(
+            v["error"]["message"].as_str().unwrap().contains(shown),
+            "{v}"
+        );
+    }
+    for (messages, param) in [
+        (
+            json!([{"role": "narrator", "content": "hi"}]),
+            "messages[0].role",
+        ),
+        (user(Value::Null), "messages[0].content"),
+    ] {
+        let (status, v) = s
+            .post(
+                "/v1/chat/completions",
+                &json!({"messages": messages, "max_tokens": 1}),
+            )
+            .await;
+        assert_openai_error(status, &v, StatusCode::BAD_REQUEST, param);
+        assert_eq!(v["error"]["param"], param, "{v}");
+    }
+    // An assistant turn without content is allowed, as OpenAI allows it.
+    let (status, v) = s
+        .post(
+            "/v1/chat/completions",
+            &json!({"messages": [{"role": "user", "content": "hi"},
+                                 {"role": "assistant", "content": null},
+                                 {"role": "user", "content": "again"}], "max_tokens": 1}),
+        )
+        .await;
+    assert_eq!(status, StatusCode::OK, "{v}");
+    s.stop().await;
+}
