@@ -142,6 +142,18 @@ pub fn needs_prompt_logits(req: &Map<String, Value>) -> bool {
         || (req.get("echo") == Some(&Value::Bool(true)) && set(req, "logprobs"))
 }
 
+/// Whether a completions body carries several prompts (a list of strings
+/// or of token-id lists): one transfer carries one prompt's KV, so D
+/// answers such a batch alone.
+pub fn is_prompt_batch(req: &Map<String, Value>) -> bool {
+    match req.get("prompt") {
+        Some(Value::Array(items)) if items.len() > 1 => {
+            items.iter().all(Value::is_string) || items.iter().all(Value::is_array)
+        }
+        _ => false,
+    }
+}
+
 /// How a request D answered alone counts, by D's status.
 fn alone_outcome(status: u16) -> Outcome {
     match status {
@@ -473,7 +485,7 @@ impl RelayPlan {
     /// ([`RelayPlan::new`]). It streams when `req` says `"stream": true`.
     pub fn for_request(req: &Map<String, Value>, mode: Mode, transfer_id: &str) -> RelayPlan {
         let streaming = req.get("stream").and_then(Value::as_bool).unwrap_or(false);
-        if needs_prompt_logits(req) {
+        if needs_prompt_logits(req) || is_prompt_batch(req) {
             let params = req.get("kv_transfer_params").cloned();
             return RelayPlan::decode_alone(streaming, transfer_id, params);
         }
@@ -1880,6 +1892,18 @@ mod tests {
             assert_eq!(needs_prompt_logits(&body), alone, "{body:?}");
             let plan = RelayPlan::for_request(&body, write(), TID);
             assert_eq!(plan.is_decode_alone(), alone, "{body:?}");
+        }
+        // Several prompts in one body: D alone (one transfer, one prompt).
+        for (body, batch) in [
+            (json!({"prompt": ["a", "b"]}), true),
+            (json!({"prompt": [[1, 2], [3]]}), true),
+            (json!({"prompt": ["a"]}), false),
+            (json!({"prompt": [1, 2, 3]}), false),
+        ] {
+            let body = req(body);
+            assert_eq!(is_prompt_batch(&body), batch, "{body:?}");
+            let plan = RelayPlan::for_request(&body, write(), TID);
+            assert_eq!(plan.is_decode_alone(), batch, "{body:?}");
         }
         // Any other request goes through P and D, streaming as it says.
         let mut plan =

@@ -259,6 +259,42 @@ pub fn parse_prompt(v: &Value) -> Result<Prompt, ApiError> {
     }
 }
 
+/// Most prompts one `/v1/completions` request may carry.
+pub const MAX_PROMPTS: usize = 64;
+
+/// Reads `prompt` as a batch: a list of several strings or of several lists
+/// of token ids is one prompt each (their choices are numbered prompt by
+/// prompt, as vLLM numbers them); anything else is one prompt
+/// ([`parse_prompt`]).
+pub fn parse_prompts(v: &Value) -> Result<Vec<Prompt>, ApiError> {
+    let several = match v {
+        Value::Array(items) if items.len() > 1 => {
+            items.iter().all(Value::is_string) || items.iter().all(Value::is_array)
+        }
+        _ => false,
+    };
+    if !several {
+        return parse_prompt(v).map(|p| vec![p]);
+    }
+    let items = v.as_array().expect("checked above");
+    if items.len() > MAX_PROMPTS {
+        return Err(ApiError::invalid_param(
+            "prompt",
+            format!(
+                "at most {MAX_PROMPTS} prompts per request, got {}",
+                items.len()
+            ),
+        ));
+    }
+    items
+        .iter()
+        .map(|item| match item {
+            Value::String(s) => Ok(Prompt::Text(s.clone())),
+            other => parse_prompt(other),
+        })
+        .collect()
+}
+
 /// Reads `stop`: null, a string, or a list of strings; none may be empty.
 pub fn parse_stop(v: Option<&Value>) -> Result<Vec<String>, ApiError> {
     let bad = |m: &str| ApiError::invalid_param("stop", m);

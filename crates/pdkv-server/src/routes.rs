@@ -18,7 +18,7 @@ use crate::fields::Screened;
 use crate::logprobs;
 use crate::metrics::LifecycleGauges;
 use crate::openai::{
-    chat_messages, parse_max_tokens, parse_prompt, ChatRequest, CompletionRequest, Endpoint,
+    chat_messages, parse_max_tokens, parse_prompts, ChatRequest, CompletionRequest, Endpoint,
     Prompt, DEFAULT_COMPLETION_MAX_TOKENS,
 };
 use crate::sse::{sse_response, ChunkHead};
@@ -276,7 +276,47 @@ pub async fn completions(
         // vLLM does: prompt_logprobs at the same k unless asked otherwise.
         params.prompt_logprobs = params.prompt_logprobs.or(params.logprobs);
     }
-    let given = parse_prompt(&req.prompt)?;
+    let prompts = parse_prompts(&req.prompt)?;
+    if prompts.len() > 1 && req.stream == Some(true) {
+        return Err(ApiError::invalid_param(
+            "prompt",
+            "a list of prompts is answered whole: send stream: false, or one prompt per request",
+        ));
+    }
+    if prompts.len() > 1 && !matches!(req.kv_transfer_params, None | Some(Value::Null)) {
+        return Err(ApiError::invalid_param(
+            "kv_transfer_params",
+            "kv_transfer_params needs a single prompt (one transfer per request)",
+        ));
+    }
+    let mut prepared = Vec::with_capacity(prompts.len());
+    for given in prompts {
+        prepared.push(prepare_prompt(&state, &req, given, &params, score_only).await?);
+    }
+    let model = state.served_model_name().to_string();
+    if prepared.len() > 1 {
+        return batch_completion(&state, id, prepared, params, arrived, n, model).await;
+    }
+    let (prompt, view) = prepared.pop().expect("one prompt");
+    let kv = kv_params(req.kv_transfer_params, &id)?;
+    let group = admit_group(&state, id, prompt, params, kv, arrived, n).await?;
+
+    if req.stream.unwrap_or(false) {
+        let include_usage = req.stream_options.is_some_and(|o| o.include_usage);
+        return Ok(stream_completion(group, view, model, include_usage));
+    }
+    whole_completion(group, view, model).await
+}
+
+/// One prompt of a completions request, tokenized and checked, with how
+/// its choices are shown.
+async fn prepare_prompt(
+    state: &AppState,
+    req: &CompletionRequest,
+    given: Prompt,
+    params: &SamplingParams,
+    score_only: bool,
+) -> Result<(PromptIn, CompletionView), ApiError> {
     let tok = state.engine().tokenizer().clone();
     let (prompt_tokens, prompt_text) = match given {
         Prompt::Tokens(ids) => (ids, None),
@@ -296,31 +336,76 @@ pub async fn completions(
             .await?
         }
     };
-    let prompt_tokens = truncate_prompt(&state, prompt_tokens, req.truncate_prompt_tokens)?;
-    check_token_ids(&state, &prompt_tokens)?;
-    let kv = kv_params(req.kv_transfer_params, &id)?;
-    let return_token_ids = req.return_token_ids.unwrap_or(false);
+    let prompt_tokens = truncate_prompt(state, prompt_tokens, req.truncate_prompt_tokens)?;
+    check_token_ids(state, &prompt_tokens)?;
     // vLLM echoes a text prompt as given and a token prompt decoded.
-    let echo_text = echo.then(|| prompt_text.unwrap_or_else(|| tok.decode(&prompt_tokens, false)));
+    let echo_text = req
+        .echo
+        .unwrap_or(false)
+        .then(|| prompt_text.unwrap_or_else(|| tok.decode(&prompt_tokens, false)));
     let view = CompletionView {
         tok,
         score_only,
         names: logprobs::Names::of(req.return_tokens_as_token_ids.unwrap_or(false)),
         logprobs: params.logprobs.is_some(),
         want_prompt_logprobs: req.prompt_logprobs.as_ref().is_some_and(|v| !v.is_null()),
-        return_token_ids,
+        return_token_ids: req.return_token_ids.unwrap_or(false),
         prompt_tokens: prompt_tokens.clone(),
         echo_text,
     };
-    let prompt = PromptIn::new(prompt_tokens, req.cache_salt.clone())?;
-    let group = admit_group(&state, id, prompt, params, kv, arrived, n).await?;
-    let model = state.served_model_name().to_string();
+    Ok((PromptIn::new(prompt_tokens, req.cache_salt.clone())?, view))
+}
 
-    if req.stream.unwrap_or(false) {
-        let include_usage = req.stream_options.is_some_and(|o| o.include_usage);
-        return Ok(stream_completion(group, view, model, include_usage));
+/// Several prompts in one request, answered whole: each is its own group
+/// (engine ids `{id}-p{k}`), all admitted before any is read so they run
+/// together; choice `j` of prompt `k` has index `k * n + j`, and `usage`
+/// adds up every prompt's.
+async fn batch_completion(
+    state: &AppState,
+    id: String,
+    prepared: Vec<(PromptIn, CompletionView)>,
+    params: SamplingParams,
+    arrived: Instant,
+    n: usize,
+    model: String,
+) -> Result<Response, ApiError> {
+    let mut groups = Vec::with_capacity(prepared.len());
+    for (k, (prompt, view)) in prepared.into_iter().enumerate() {
+        let g = admit_group(
+            state,
+            format!("{id}-p{k}"),
+            prompt,
+            params.clone(),
+            None,
+            arrived,
+            n,
+        )
+        .await?;
+        groups.push((g, view));
     }
-    whole_completion(group, view, model).await
+    let created = groups[0].0.created;
+    let (mut choices, mut prompt_tokens, mut completion_tokens) = (Vec::new(), 0, 0);
+    for (k, (mut group, view)) in groups.into_iter().enumerate() {
+        let done = group.collect().await?;
+        for (j, c) in done.iter().enumerate() {
+            let mut v = view.whole_choice(j, c);
+            v["index"] = json!(k * n + j);
+            choices.push(v);
+        }
+        prompt_tokens += group.num_prompt_tokens;
+        if !view.score_only {
+            completion_tokens += group.generated();
+        }
+    }
+    let resp = json_response(&json!({
+        "id": id,
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "choices": choices,
+        "usage": usage_json(prompt_tokens, completion_tokens),
+    }));
+    Ok(with_request_id(resp, &id))
 }
 
 /// A completion's choices as server-sent events.

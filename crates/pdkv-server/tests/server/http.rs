@@ -327,7 +327,7 @@ async fn bad_requests_get_openai_errors() {
         ),
         (
             "/v1/completions",
-            json!({"prompt": ["a", "b"]}),
+            json!({"prompt": ["a", 5]}),
             bad,
             Some("prompt"),
         ),

@@ -687,3 +687,50 @@ async fn values_the_engine_cannot_hold_and_unknown_roles_are_400s() {
     assert_eq!(status, StatusCode::OK, "{v}");
     s.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_list_of_prompts_answers_each_as_its_own_request_would() {
+    let s = dev_server(Duration::ZERO).await;
+    let prompts = ["The river ran low", "A small server", "Each request waited"];
+    let mut want = Vec::new();
+    for p in prompts {
+        let c = text_of(
+            &s,
+            json!({"prompt": p, "max_tokens": 5, "temperature": 0, "ignore_eos": true, "n": 2}),
+        )
+        .await;
+        want.push(c["text"].clone());
+    }
+    let (status, v) = s
+        .post(
+            "/v1/completions",
+            &json!({"prompt": prompts, "max_tokens": 5, "temperature": 0, "ignore_eos": true, "n": 2}),
+        )
+        .await;
+    assert_eq!(status, StatusCode::OK, "{v}");
+    let choices = v["choices"].as_array().unwrap();
+    assert_eq!(choices.len(), 6);
+    for (i, c) in choices.iter().enumerate() {
+        assert_eq!(c["index"], i, "{v}");
+        assert_eq!(c["text"], want[i / 2], "choice {i}: {v}");
+    }
+    assert_eq!(v["usage"]["completion_tokens"], 30, "{v}");
+    // Token-id prompts too; streaming a batch is refused naming `prompt`.
+    let (status, v) = s
+        .post(
+            "/v1/completions",
+            &json!({"prompt": [[72, 101], [108, 108, 111]], "max_tokens": 1}),
+        )
+        .await;
+    assert_eq!(status, StatusCode::OK, "{v}");
+    assert_eq!(v["usage"]["prompt_tokens"], 5, "{v}");
+    let (status, v) = s
+        .post(
+            "/v1/completions",
+            &json!({"prompt": ["a", "b"], "stream": true}),
+        )
+        .await;
+    assert_openai_error(status, &v, StatusCode::BAD_REQUEST, "streamed batch");
+    assert_eq!(v["error"]["param"], "prompt");
+    s.stop().await;
+}
