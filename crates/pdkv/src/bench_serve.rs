@@ -228,6 +228,7 @@ async fn start_deployment(args: &ServeBenchArgs, procs: &mut Vec<Proc>) -> anyho
         decode: 1,
         transport: args.transport,
         transfer_mode: args.transfer_mode,
+        kv_load_failure_policy: None,
         port: 0,
         prefill_port: None,
         decode_port: None,

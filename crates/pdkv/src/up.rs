@@ -50,6 +50,12 @@ pub struct UpArgs {
     /// Who moves the KV bytes.
     #[arg(long, value_enum, default_value = "write")]
     pub transfer_mode: TransferMode,
+    /// What a decode server does with a request whose KV load failed:
+    /// `recompute` its prompt, or `fail` it (a 5xx naming the cause); a
+    /// load P ended on purpose recomputes under either (default: the
+    /// connector's).
+    #[arg(long, value_enum)]
+    pub kv_load_failure_policy: Option<pdkv_deploy::FailurePolicy>,
     /// The proxy's port (the one clients use); 0 picks a free one (the
     /// ready lines name it).
     #[arg(long, default_value_t = 8000)]
@@ -188,6 +194,7 @@ fn spec(args: &UpArgs, model: &std::path::Path, ports: &Ports) -> anyhow::Result
         crate::serve::kv_secret(Some(s))?;
     }
     let mut wiring = EngineWiring::new(args.transport, args.transfer_mode);
+    wiring.kv_load_failure_policy = args.kv_load_failure_policy;
     wiring.num_kv_blocks = args.num_kv_blocks;
     wiring.tensor_parallel_size = args.tensor_parallel_size;
     wiring.prefill_tensor_parallel_size = args.prefill_tensor_parallel_size;
@@ -313,4 +320,50 @@ async fn supervise(
 /// Fails when a child has exited, with its last log lines.
 pub(crate) fn check_children(procs: &mut [Proc]) -> anyhow::Result<()> {
     Ok(pdkv_deploy::check_children(procs)?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        up: UpArgs,
+    }
+
+    /// `--kv-load-failure-policy` reaches every engine's
+    /// `--kv-transfer-config`; without it the connector's default stands.
+    #[test]
+    fn the_failure_policy_reaches_the_engines() {
+        let dir = std::path::Path::new("/m");
+        let config = |argv: &[&str]| {
+            let args = Cli::parse_from([&["up"][..], argv].concat()).up;
+            let ports = Ports::choose(&args).unwrap();
+            let s = spec(&args, dir, &ports).unwrap();
+            let serve = pdkv_deploy::serve_args(
+                &s.wiring,
+                dir,
+                pdkv_deploy::EngineRole::Decode,
+                0,
+                0,
+                "d0",
+            );
+            let i = serve
+                .iter()
+                .position(|a| a == "--kv-transfer-config")
+                .unwrap();
+            serde_json::from_str::<serde_json::Value>(&serve[i + 1]).unwrap()
+        };
+        assert_eq!(
+            config(&["--kv-load-failure-policy", "fail"])["kv_load_failure_policy"],
+            "fail"
+        );
+        assert_eq!(
+            config(&["--kv-load-failure-policy", "recompute"])["kv_load_failure_policy"],
+            "recompute"
+        );
+        assert!(config(&[]).get("kv_load_failure_policy").is_none());
+    }
 }
