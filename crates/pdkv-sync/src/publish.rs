@@ -163,6 +163,22 @@ impl Publisher {
             .bytes_out
             .load(std::sync::atomic::Ordering::Relaxed)
     }
+
+    /// [`Publisher::bytes_served`] once it reaches `n`, or at `wait`. The
+    /// agent counts a read once its data is written, which may be just
+    /// after the reader already has it.
+    pub async fn bytes_served_reaching(&self, n: u64, wait: std::time::Duration) -> u64 {
+        let deadline = tokio::time::Instant::now() + wait;
+        let stats = self.agent.serve_stats();
+        loop {
+            let mut progress = std::pin::pin!(stats.progress.notified());
+            progress.as_mut().enable();
+            let served = self.bytes_served();
+            if served >= n || tokio::time::timeout_at(deadline, progress).await.is_err() {
+                return self.bytes_served();
+            }
+        }
+    }
 }
 
 /// Shares the registration over shared memory too when `opts.shm` asks for

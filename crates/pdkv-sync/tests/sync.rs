@@ -78,7 +78,11 @@ async fn stages_and_refuses(transport: Transport) {
         Transport::Shm => 0,
         _ => manifest.bytes(),
     };
-    assert_eq!(publisher.bytes_served(), served, "each byte read once");
+    assert_eq!(
+        publisher.bytes_served_reaching(served, WAIT).await,
+        served,
+        "each byte read once"
+    );
     let staged = staging.complete().unwrap();
     assert_eq!(
         bytes(&staged),

@@ -1302,7 +1302,9 @@ async fn a_weight_sync_matches_a_fresh_server_and_a_bad_one_changes_nothing() {
     assert_eq!(v["transport"], "tcp", "{v}");
     s.switch_synced(None).await;
     assert_eq!(
-        third.bytes_served(),
+        third
+            .bytes_served_reaching(third.manifest().bytes(), DEADLINE)
+            .await,
         third.manifest().bytes(),
         "each byte read once"
     );
