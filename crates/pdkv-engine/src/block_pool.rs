@@ -39,24 +39,24 @@ impl BlockHash {
     /// runs and processes (nothing random is mixed in).
     pub fn of_block(parent: Option<BlockHash>, tokens: &[u32]) -> BlockHash {
         assert_eq!(tokens.len(), BLOCK_SIZE, "only full blocks are hashed");
-        let mut h = FNV128_OFFSET;
-        let mut eat = |bytes: &[u8]| {
-            for &b in bytes {
-                h ^= b as u128;
-                h = h.wrapping_mul(FNV128_PRIME);
-            }
+        let head = match parent {
+            Some(p) => [&[1u8][..], &p.0.to_le_bytes()].concat(),
+            None => vec![0],
         };
-        match parent {
-            Some(p) => {
-                eat(&[1]);
-                eat(&p.0.to_le_bytes());
-            }
-            None => eat(&[0]),
+        BlockHash::fnv(
+            head.into_iter()
+                .chain(tokens.iter().flat_map(|t| t.to_le_bytes())),
+        )
+    }
+
+    /// FNV-1a over 128 bits of `bytes`, then an avalanche step so that every
+    /// input bit reaches every output bit.
+    fn fnv(bytes: impl Iterator<Item = u8>) -> BlockHash {
+        let mut h = FNV128_OFFSET;
+        for b in bytes {
+            h ^= b as u128;
+            h = h.wrapping_mul(FNV128_PRIME);
         }
-        for t in tokens {
-            eat(&t.to_le_bytes());
-        }
-        // Avalanche so that every input bit reaches every output bit.
         h ^= h >> 67;
         h = h.wrapping_mul(0x9E3779B97F4A7C15F39CC0605CEDC835);
         h ^= h >> 61;
@@ -73,18 +73,8 @@ impl BlockHash {
     /// of different salts (and of no salt) share no hash, so their
     /// requests share no prefix-cache entry.
     pub fn salt(salt: &str) -> BlockHash {
-        let mut tokens = [0u32; BLOCK_SIZE];
-        // A block of the salt's FNV-128 image, under a parent no chain
-        // starts from (the hash of the empty chain's tag).
-        let mut h = FNV128_OFFSET;
-        for &b in salt.as_bytes() {
-            h ^= b as u128;
-            h = h.wrapping_mul(FNV128_PRIME);
-        }
-        for (i, t) in tokens.iter_mut().enumerate() {
-            *t = (h >> ((i % 4) * 32)) as u32 ^ (i as u32).wrapping_mul(0x9E37_79B9);
-        }
-        BlockHash::of_block(Some(BlockHash(u128::MAX)), &tokens)
+        // Tag 2: no block's input starts with it (theirs start with 0 or 1).
+        BlockHash::fnv(std::iter::once(2).chain(salt.bytes()))
     }
 
     /// [`BlockHash::extend_chain`] for a request salted with `salt` (see
