@@ -20,18 +20,81 @@ fn sock_path(name: &str) -> std::path::PathBuf {
     p
 }
 
-#[test]
-fn an_importer_copies_directly_and_every_check_holds() {
+/// A registry of eight segments whose keys come from `seed`.
+fn seeded_registry(seed: u64) -> Registry {
+    Registry::new(RegistryOptions {
+        max_segments: 8,
+        key_seed: Some(seed),
+        ..Default::default()
+    })
+}
+
+/// A pool of `chunk`-sized chunks and one region of `len` bytes in it.
+fn pool_region(chunk: usize, len: usize) -> (Pool, Arc<pdkv_vmem::Region>) {
     let pool = Pool::new(PoolOptions {
-        chunk_size: 64 << 10,
+        chunk_size: chunk,
         single_allocation: false,
     });
-    let region = pool.allocate(Tag::KvCache, 512 << 10).unwrap();
-    let registry = Arc::new(Registry::new(RegistryOptions {
-        max_segments: 8,
-        key_seed: Some(1),
-        ..Default::default()
-    }));
+    let region = pool.allocate(Tag::KvCache, len).unwrap();
+    (pool, region)
+}
+
+/// The whole of `reg` as a remote target, or `len` bytes of it from `off`.
+fn target(reg: &Registration, off: u64, len: u64) -> Target {
+    Target {
+        segment: reg.segment,
+        key: reg.key,
+        epoch: reg.epoch,
+        offset: off,
+        len,
+    }
+}
+
+/// One exporter at its own socket, sharing a 128 KiB region (64 KiB
+/// chunks) registered whole.
+struct Exported {
+    _pool: Pool,
+    _region: Arc<pdkv_vmem::Region>,
+    registry: Arc<Registry>,
+    reg: Registration,
+    path: std::path::PathBuf,
+    exp: ShmExporter,
+}
+
+fn exported(name: &str, seed: u64) -> Exported {
+    let (pool, region) = pool_region(64 << 10, 128 << 10);
+    let registry = Arc::new(seeded_registry(seed));
+    let reg = registry.register(&region, 0, 128 << 10).unwrap();
+    let path = sock_path(name);
+    let exp = ShmExporter::bind(&path, registry.clone(), Limits::default()).unwrap();
+    Exported {
+        _pool: pool,
+        _region: region,
+        registry,
+        reg,
+        path,
+        exp,
+    }
+}
+
+/// A deregistration or fence that named the one silent peer once its
+/// deadline (200 ms, started at `t0`) passed, and not much later.
+fn assert_unmap_timeout(err: ShmError, segment: u64, t0: Instant) {
+    let took = t0.elapsed();
+    assert!(
+        matches!(err, ShmError::UnmapTimeout { segment: s, ref peers } if s == segment && peers.len() == 1),
+        "{err:?}"
+    );
+    assert!(
+        took >= Duration::from_millis(200) && took < Duration::from_secs(2),
+        "{took:?}"
+    );
+}
+
+#[test]
+fn an_importer_copies_directly_and_every_check_holds() {
+    let (_pool, region) = pool_region(64 << 10, 512 << 10);
+    let registry = Arc::new(seeded_registry(1));
     // A range starting mid-chunk: the importer must honour the skew.
     let off = (64 << 10) + 4096;
     let reg = registry.register(&region, off, 256 << 10).unwrap();
@@ -121,29 +184,12 @@ fn raw_frame(
 
 #[test]
 fn a_peer_that_never_acks_bounds_the_deregistration_by_its_deadline() {
-    let pool = Pool::new(PoolOptions {
-        chunk_size: 64 << 10,
-        single_allocation: false,
-    });
-    let region = pool.allocate(Tag::KvCache, 128 << 10).unwrap();
-    let registry = Arc::new(Registry::new(RegistryOptions {
-        max_segments: 8,
-        key_seed: Some(2),
-        ..Default::default()
-    }));
-    let reg = registry.register(&region, 0, 128 << 10).unwrap();
-    let path = sock_path("noack");
-    let exp = ShmExporter::bind(&path, registry.clone(), Limits::default()).unwrap();
+    let e = exported("noack", 2);
+    let (registry, reg, path, exp) = (&e.registry, e.reg, &e.path, &e.exp);
 
     // A hand-written peer: asks for the memfds, keeps them, never answers.
     let raw = shaken(&path);
-    let target = Target {
-        segment: reg.segment,
-        key: reg.key,
-        epoch: reg.epoch,
-        offset: 0,
-        len: reg.len,
-    };
+    let target = target(&reg, 0, reg.len);
     std::io::Write::write_all(&mut &raw, &Header::MapReq { op: 1, target }.encode()).unwrap();
     let mut fds = Vec::new();
     let (header, _) = raw_frame(&raw, &mut fds);
@@ -157,15 +203,7 @@ fn a_peer_that_never_acks_bounds_the_deregistration_by_its_deadline() {
     let err = exp
         .deregister(reg.segment, Duration::from_millis(200))
         .unwrap_err();
-    let took = t0.elapsed();
-    assert!(
-        matches!(err, ShmError::UnmapTimeout { segment, ref peers } if segment == reg.segment && peers.len() == 1),
-        "{err:?}"
-    );
-    assert!(
-        took >= Duration::from_millis(200) && took < Duration::from_secs(2),
-        "{took:?}"
-    );
+    assert_unmap_timeout(err, reg.segment, t0);
     assert!(
         registry.get(reg.segment).is_none(),
         "no new access is granted either way"
@@ -197,23 +235,11 @@ struct Pair {
 }
 
 fn pair(name: &str, len: usize, cfg: ShmImporterConfig) -> Pair {
-    let pool = Pool::new(PoolOptions {
-        chunk_size: 1 << 20,
-        single_allocation: false,
-    });
-    let remote = pool.allocate(Tag::KvCache, len).unwrap();
+    let (pool, remote) = pool_region(1 << 20, len);
     let local = pool.allocate(Tag::KvCache, len).unwrap();
-    let registry = Arc::new(Registry::new(RegistryOptions {
-        max_segments: 8,
-        key_seed: Some(11),
-        ..Default::default()
-    }));
+    let registry = Arc::new(seeded_registry(11));
     let remote_reg = registry.register(&remote, 0, len).unwrap();
-    let local_registry = Registry::new(RegistryOptions {
-        max_segments: 8,
-        key_seed: Some(12),
-        ..Default::default()
-    });
+    let local_registry = seeded_registry(12);
     let local_reg = local_registry.register(&local, 0, len).unwrap();
     let path = sock_path(name);
     let exp = ShmExporter::bind_with_queue(&path, registry.clone(), Limits::default(), 64).unwrap();
@@ -237,12 +263,13 @@ impl Pair {
         LocalSlice::grant(&self.local_registry, &self.local_reg, off, len).unwrap()
     }
     fn target(&self, reg: &Registration, off: u64, len: u64) -> Target {
-        Target {
-            segment: reg.segment,
-            key: reg.key,
-            epoch: reg.epoch,
-            offset: off,
-            len,
+        target(reg, off, len)
+    }
+    /// The same `len` bytes from `off` locally and in the mapped remote.
+    fn transfer(&self, off: u64, len: u64) -> Transfer<LocalSlice> {
+        Transfer {
+            local: self.slice(off, len),
+            remote: self.target(&self.remote_reg, off, len),
         }
     }
     fn write_one(
@@ -252,14 +279,34 @@ impl Pair {
         notify: Option<Vec<u8>>,
         deadline: Instant,
     ) -> ShmBatchHandle {
-        let t = Transfer {
-            local: self.slice(off, len),
-            remote: self.target(&self.remote_reg, off, len),
-        };
         self.imp
-            .start(Direction::Write, vec![t], notify, deadline)
+            .start(
+                Direction::Write,
+                vec![self.transfer(off, len)],
+                notify,
+                deadline,
+            )
             .unwrap()
     }
+}
+
+/// A pair of `len` bytes whose one worker is held by a gate after its
+/// first 4 KiB slice; the remote holds `pattern(len, seeds.0)` (old) and
+/// the local `pattern(len, seeds.1)` (new).
+fn gated_pair(name: &str, len: usize, seeds: (u8, u8)) -> (Pair, Gate, Vec<u8>, Vec<u8>) {
+    let (cfg, gate) = gated(1, 4096);
+    let p = pair(name, len, cfg);
+    let (old, new) = (pattern(len, seeds.0), pattern(len, seeds.1));
+    p.remote.write_bytes(0, &old).unwrap();
+    p.local.write_bytes(0, &new).unwrap();
+    (p, gate, old, new)
+}
+
+/// What a batch bound to an unmapped `segment` ends with.
+fn unregistered(segment: u64) -> Result<(), TransferError> {
+    Err(TransferError::Remote(
+        AccessError::NotRegistered { segment }.into(),
+    ))
 }
 
 fn pattern(len: usize, seed: u8) -> Vec<u8> {
@@ -271,6 +318,12 @@ fn pattern(len: usize, seed: u8) -> Vec<u8> {
 fn remote_bytes(p: &Pair, off: usize, len: usize) -> Vec<u8> {
     let mut b = vec![0; len];
     p.remote.read_bytes(off, &mut b).unwrap();
+    b
+}
+
+fn local_bytes(p: &Pair, off: usize, len: usize) -> Vec<u8> {
+    let mut b = vec![0; len];
+    p.local.read_bytes(off, &mut b).unwrap();
     b
 }
 
@@ -349,11 +402,10 @@ async fn concurrent_batches_land_and_notifications_follow_their_data() {
             let p = p.clone();
             tokio::spawn(async move {
                 let off = (i * PER) as u64;
-                let t = Transfer {
-                    local: p.slice(off, PER as u64),
-                    remote: p.target(&p.remote_reg, off, PER as u64),
-                };
-                p.imp.read_batch(vec![t], DL).await.unwrap();
+                p.imp
+                    .read_batch(vec![p.transfer(off, PER as u64)], DL)
+                    .await
+                    .unwrap();
             })
         })
         .collect();
@@ -361,10 +413,8 @@ async fn concurrent_batches_land_and_notifications_follow_their_data() {
         t.await.unwrap();
     }
     for i in 0..TASKS {
-        let mut b = vec![0; PER];
-        p.local.read_bytes(i * PER, &mut b).unwrap();
         assert!(
-            b == pattern(PER, i as u8),
+            local_bytes(&p, i * PER, PER) == pattern(PER, i as u8),
             "read {i} brought the remote bytes"
         );
     }
@@ -437,41 +487,44 @@ fn prefix_landed(p: &Pair, len: usize, new: &[u8], old: &[u8], bytes: usize) {
     );
 }
 
+/// A gated batch stopped after its first 4 KiB slice (`why` says how that
+/// shows): that slice holds `new`, the rest `old`, and no notification
+/// went out. Returns the importer's stats.
+fn stopped_after_first_slice(
+    p: &Pair,
+    len: usize,
+    new: &[u8],
+    old: &[u8],
+    why: &str,
+) -> pdkv_transfer::proto::Stats {
+    let st = p.imp.stats();
+    assert_eq!(st.bytes_written, 4096, "{why}: {st:?}");
+    prefix_landed(p, len, new, old, st.bytes_written as usize);
+    assert_eq!(
+        p.exp.recv_notification(Duration::from_millis(50)),
+        None,
+        "no notification for a batch that stopped"
+    );
+    st
+}
+
 #[test]
 fn cancelling_mid_batch_stops_between_slices_and_sends_no_notification() {
     const LEN: usize = 64 << 20;
-    let (cfg, gate) = gated(1, 4096);
-    let p = pair("cancel", LEN, cfg);
-    let (old, new) = (pattern(LEN, 1), pattern(LEN, 2));
-    p.remote.write_bytes(0, &old).unwrap();
-    p.local.write_bytes(0, &new).unwrap();
+    let (p, gate, old, new) = gated_pair("cancel", LEN, (1, 2));
     let h = p.write_one(0, LEN as u64, Some(b"done".to_vec()), Instant::now() + DL);
     gate.wait_reached();
     h.cancel();
     gate.release();
     assert_eq!(h.wait_blocking(), Err(TransferError::Cancelled));
-    let st = p.imp.stats();
-    assert_eq!(
-        st.bytes_written, 4096,
-        "exactly the first slice landed: {st:?}"
-    );
-    prefix_landed(&p, LEN, &new, &old, st.bytes_written as usize);
+    let st = stopped_after_first_slice(&p, LEN, &new, &old, "exactly the first slice landed");
     assert_eq!(st.failures[TransferError::Cancelled.reason_index()], 1);
-    assert_eq!(
-        p.exp.recv_notification(Duration::from_millis(50)),
-        None,
-        "no notification for a cancelled batch"
-    );
 }
 
 #[test]
 fn a_deadline_in_the_past_or_expiring_mid_batch_fails_with_timeout() {
     const LEN: usize = 64 << 20;
-    let (cfg, gate) = gated(1, 4096);
-    let p = pair("deadline", LEN, cfg);
-    let (old, new) = (pattern(LEN, 3), pattern(LEN, 4));
-    p.remote.write_bytes(0, &old).unwrap();
-    p.local.write_bytes(0, &new).unwrap();
+    let (p, gate, old, new) = gated_pair("deadline", LEN, (3, 4));
 
     // Already past: nothing moves.
     let h = p.write_one(0, LEN as u64, Some(b"x".to_vec()), Instant::now());
@@ -492,14 +545,14 @@ fn a_deadline_in_the_past_or_expiring_mid_batch_fails_with_timeout() {
     }
     gate.release();
     assert_eq!(h.wait_blocking(), Err(TransferError::Timeout));
-    let st = p.imp.stats();
-    assert_eq!(
-        st.bytes_written, 4096,
-        "only the slice before the deadline landed: {st:?}"
+    let st = stopped_after_first_slice(
+        &p,
+        LEN,
+        &new,
+        &old,
+        "only the slice before the deadline landed",
     );
-    prefix_landed(&p, LEN, &new, &old, st.bytes_written as usize);
     assert_eq!(st.failures[TransferError::Timeout.reason_index()], 2);
-    assert_eq!(p.exp.recv_notification(Duration::from_millis(50)), None);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -580,19 +633,13 @@ async fn a_refused_range_fails_the_batch_before_any_byte_moves() {
         );
     }
     // Reads are checked the same way, and the local range stays as it was.
-    let before = {
-        let mut b = vec![0; 4096];
-        p.local.read_bytes(0, &mut b).unwrap();
-        b
-    };
+    let before = local_bytes(&p, 0, 4096);
     let t = Transfer {
         local: p.slice(0, 4096),
         remote: p.target(&stale, 0, 4096),
     };
     assert!(p.imp.read_batch(vec![t], DL).await.is_err());
-    let mut after = vec![0; 4096];
-    p.local.read_bytes(0, &mut after).unwrap();
-    assert_eq!(before, after);
+    assert_eq!(before, local_bytes(&p, 0, 4096));
     assert_eq!(
         p.imp.stats().failures[TransferError::Remote(RemoteError::Busy).reason_index()],
         5
@@ -606,11 +653,7 @@ async fn a_refused_range_fails_the_batch_before_any_byte_moves() {
 #[test]
 fn deregistering_during_a_batch_ends_it_cleanly() {
     const LEN: usize = 64 << 20;
-    let (cfg, gate) = gated(1, 4096);
-    let p = pair("dereg", LEN, cfg);
-    let (old, new) = (pattern(LEN, 7), pattern(LEN, 8));
-    p.remote.write_bytes(0, &old).unwrap();
-    p.local.write_bytes(0, &new).unwrap();
+    let (p, gate, old, new) = gated_pair("dereg", LEN, (7, 8));
     let h = p.write_one(0, LEN as u64, Some(b"n".to_vec()), Instant::now() + DL);
     gate.wait_reached();
     let t0 = Instant::now();
@@ -623,19 +666,8 @@ fn deregistering_during_a_batch_ends_it_cleanly() {
     gate.release();
     let res = h.wait_blocking();
     assert!(t0.elapsed() < DL);
-    assert_eq!(
-        res,
-        Err(TransferError::Remote(
-            AccessError::NotRegistered {
-                segment: p.remote_reg.segment
-            }
-            .into()
-        ))
-    );
-    let st = p.imp.stats();
-    assert_eq!(st.bytes_written, 4096, "no slice after the unmap: {st:?}");
-    prefix_landed(&p, LEN, &new, &old, st.bytes_written as usize);
-    assert_eq!(p.exp.recv_notification(Duration::from_millis(50)), None);
+    assert_eq!(res, unregistered(p.remote_reg.segment));
+    stopped_after_first_slice(&p, LEN, &new, &old, "no slice after the unmap");
     assert!(p.registry.get(p.remote_reg.segment).is_none());
 }
 
@@ -646,11 +678,7 @@ use std::os::fd::RawFd;
 
 #[test]
 fn too_many_chunks_is_refused_with_its_own_reason_on_either_side() {
-    let pool = Pool::new(PoolOptions {
-        chunk_size: 4096,
-        single_allocation: false,
-    });
-    let region = pool.allocate(Tag::KvCache, 200 * 4096).unwrap();
+    let (_pool, region) = pool_region(4096, 200 * 4096);
     let registry = Arc::new(Registry::new(RegistryOptions {
         key_seed: Some(31),
         ..Default::default()
@@ -769,11 +797,7 @@ fn lying_exporter(path: &std::path::Path, script: Vec<Vec<Say>>) -> std::thread:
 #[test]
 fn an_exporter_that_lies_in_its_map_reply_is_refused_with_the_reason_and_nothing_stays_mapped() {
     const C: u64 = 64 << 10;
-    let pool = Pool::new(PoolOptions {
-        chunk_size: C as usize,
-        single_allocation: false,
-    });
-    let region = pool.allocate(Tag::KvCache, 2 * C as usize).unwrap();
+    let (_pool, region) = pool_region(C as usize, 2 * C as usize);
     let chunks = region.chunks();
     let (f0, f1) = (chunks[0].chunk.raw_fd(), chunks[1].chunk.raw_fd());
     let reg = Registration {
@@ -889,12 +913,8 @@ fn an_exporter_that_lies_in_its_map_reply_is_refused_with_the_reason_and_nothing
 #[test]
 fn a_fence_stops_a_batch_in_flight_even_across_a_new_map_and_the_new_mapping_works() {
     const LEN: usize = 8 << 20;
-    let (cfg, gate) = gated(1, 4096);
-    let p = pair("fence", LEN, cfg);
+    let (p, gate, old, new) = gated_pair("fence", LEN, (9, 10));
     let seg = p.remote_reg.segment;
-    let (old, new) = (pattern(LEN, 9), pattern(LEN, 10));
-    p.remote.write_bytes(0, &old).unwrap();
-    p.local.write_bytes(0, &new).unwrap();
     let h = p.write_one(0, LEN as u64, Some(b"late".to_vec()), Instant::now() + DL);
     gate.wait_reached();
 
@@ -918,29 +938,18 @@ fn a_fence_stops_a_batch_in_flight_even_across_a_new_map_and_the_new_mapping_wor
     p.imp.map(&p.remote_reg, DL).unwrap();
     assert_eq!(p.imp.mapped_epoch(seg), Some(p.remote_reg.epoch));
     gate.release();
-    assert_eq!(
-        h.wait_blocking(),
-        Err(TransferError::Remote(
-            AccessError::NotRegistered { segment: seg }.into()
-        ))
+    assert_eq!(h.wait_blocking(), unregistered(seg));
+    stopped_after_first_slice(
+        &p,
+        LEN,
+        &new,
+        &old,
+        "the old batch never reached the new mapping",
     );
-    let st = p.imp.stats();
-    assert_eq!(
-        st.bytes_written, 4096,
-        "the old batch never reached the new mapping: {st:?}"
-    );
-    prefix_landed(&p, LEN, &new, &old, 4096);
-    assert_eq!(p.exp.recv_notification(Duration::from_millis(50)), None);
 
     // A batch on the new mapping lands (one slice: the gate is not involved).
     let at = 1 << 20;
-    let t = Transfer {
-        local: p.slice(at, 4096),
-        remote: p.target(&p.remote_reg, at, 4096),
-    };
-    p.imp
-        .start(Direction::Write, vec![t], None, Instant::now() + DL)
-        .unwrap()
+    p.write_one(at, 4096, None, Instant::now() + DL)
         .wait_blocking()
         .unwrap();
     assert!(remote_bytes(&p, at as usize, 4096) == new[at as usize..at as usize + 4096]);
@@ -952,30 +961,17 @@ fn a_fence_stops_a_batch_in_flight_even_across_a_new_map_and_the_new_mapping_wor
 #[test]
 fn a_batch_queued_before_a_fence_never_runs_on_the_mapping_after_it() {
     const LEN: usize = 8 << 20;
-    let (cfg, gate) = gated(1, 4096);
-    let p = pair("fence-queued", LEN, cfg);
+    let (p, gate, old, new) = gated_pair("fence-queued", LEN, (13, 14));
     let seg = p.remote_reg.segment;
-    let (old, new) = (pattern(LEN, 13), pattern(LEN, 14));
-    p.remote.write_bytes(0, &old).unwrap();
-    p.local.write_bytes(0, &new).unwrap();
     // The only worker is held inside batch A; batch B waits in the queue.
     let a = p.write_one(0, 1 << 20, None, Instant::now() + DL);
     gate.wait_reached();
     let b_range = (4u64 << 20, 4096u64);
-    let t = Transfer {
-        local: p.slice(b_range.0, b_range.1),
-        remote: p.target(&p.remote_reg, b_range.0, b_range.1),
-    };
-    let b = p
-        .imp
-        .start(Direction::Write, vec![t], None, Instant::now() + DL)
-        .unwrap();
+    let b = p.write_one(b_range.0, b_range.1, None, Instant::now() + DL);
     p.exp.fence(seg, DL).unwrap();
     p.imp.map(&p.remote_reg, DL).unwrap();
     gate.release();
-    let gone = Err(TransferError::Remote(
-        AccessError::NotRegistered { segment: seg }.into(),
-    ));
+    let gone = unregistered(seg);
     assert_eq!(a.wait_blocking(), gone);
     assert_eq!(
         b.wait_blocking(),
@@ -984,13 +980,7 @@ fn a_batch_queued_before_a_fence_never_runs_on_the_mapping_after_it() {
     );
     prefix_landed(&p, LEN, &new, &old, 4096);
     // Started after the re-map: runs.
-    let t = Transfer {
-        local: p.slice(b_range.0, b_range.1),
-        remote: p.target(&p.remote_reg, b_range.0, b_range.1),
-    };
-    p.imp
-        .start(Direction::Write, vec![t], None, Instant::now() + DL)
-        .unwrap()
+    p.write_one(b_range.0, b_range.1, None, Instant::now() + DL)
         .wait_blocking()
         .unwrap();
     let at = b_range.0 as usize;
@@ -1000,22 +990,13 @@ fn a_batch_queued_before_a_fence_never_runs_on_the_mapping_after_it() {
 #[test]
 fn mapping_a_segment_again_retires_the_old_mapping_under_a_batch() {
     const LEN: usize = 8 << 20;
-    let (cfg, gate) = gated(1, 4096);
-    let p = pair("remap", LEN, cfg);
-    let (old, new) = (pattern(LEN, 11), pattern(LEN, 12));
-    p.remote.write_bytes(0, &old).unwrap();
-    p.local.write_bytes(0, &new).unwrap();
+    let (p, gate, old, new) = gated_pair("remap", LEN, (11, 12));
     let h = p.write_one(0, LEN as u64, None, Instant::now() + DL);
     gate.wait_reached();
     p.imp.map(&p.remote_reg, DL).unwrap();
     gate.release();
     let seg = p.remote_reg.segment;
-    assert_eq!(
-        h.wait_blocking(),
-        Err(TransferError::Remote(
-            AccessError::NotRegistered { segment: seg }.into()
-        ))
-    );
+    assert_eq!(h.wait_blocking(), unregistered(seg));
     prefix_landed(&p, LEN, &new, &old, 4096);
     assert_eq!(
         p.imp.mapped_epoch(seg),
@@ -1027,19 +1008,8 @@ fn mapping_a_segment_again_retires_the_old_mapping_under_a_batch() {
 
 #[test]
 fn a_fence_with_no_holder_returns_at_once_and_a_silent_one_is_named_by_the_deadline() {
-    let pool = Pool::new(PoolOptions {
-        chunk_size: 64 << 10,
-        single_allocation: false,
-    });
-    let region = pool.allocate(Tag::KvCache, 128 << 10).unwrap();
-    let registry = Arc::new(Registry::new(RegistryOptions {
-        max_segments: 8,
-        key_seed: Some(41),
-        ..Default::default()
-    }));
-    let reg = registry.register(&region, 0, 128 << 10).unwrap();
-    let path = sock_path("fence-silent");
-    let exp = ShmExporter::bind(&path, registry.clone(), Limits::default()).unwrap();
+    let e = exported("fence-silent", 41);
+    let (registry, reg, path, exp) = (&e.registry, e.reg, &e.path, &e.exp);
     exp.fence(reg.segment, Duration::ZERO).unwrap();
 
     let raw = raw_mapper(&path, &reg, 1);
@@ -1047,11 +1017,7 @@ fn a_fence_with_no_holder_returns_at_once_and_a_silent_one_is_named_by_the_deadl
     let err = exp
         .fence(reg.segment, Duration::from_millis(200))
         .unwrap_err();
-    assert!(
-        matches!(err, ShmError::UnmapTimeout { segment, ref peers } if segment == reg.segment && peers.len() == 1),
-        "{err:?}"
-    );
-    assert!(t0.elapsed() >= Duration::from_millis(200) && t0.elapsed() < Duration::from_secs(2));
+    assert_unmap_timeout(err, reg.segment, t0);
     assert_eq!(
         registry.get(reg.segment),
         Some(reg),
@@ -1093,13 +1059,7 @@ fn raw_map(
     op: u64,
     fds: &mut Vec<std::os::fd::OwnedFd>,
 ) {
-    let target = Target {
-        segment: reg.segment,
-        key: reg.key,
-        epoch: reg.epoch,
-        offset: 0,
-        len: reg.len,
-    };
+    let target = target(reg, 0, reg.len);
     std::io::Write::write_all(&mut &*raw, &Header::MapReq { op, target }.encode()).unwrap();
     assert!(matches!(raw_frame(raw, fds).0, Header::MapResp { .. }));
     let n = registry_chunks(reg);
@@ -1118,19 +1078,9 @@ fn registry_chunks(reg: &Registration) -> usize {
 
 #[test]
 fn an_unmap_acked_after_a_new_map_went_out_leaves_that_map_known() {
-    let pool = Pool::new(PoolOptions {
-        chunk_size: 64 << 10,
-        single_allocation: false,
-    });
-    let region = pool.allocate(Tag::KvCache, 128 << 10).unwrap();
-    let registry = Arc::new(Registry::new(RegistryOptions {
-        max_segments: 8,
-        key_seed: Some(42),
-        ..Default::default()
-    }));
-    let reg = registry.register(&region, 0, 128 << 10).unwrap();
-    let path = sock_path("fence-gen");
-    let exp = Arc::new(ShmExporter::bind(&path, registry.clone(), Limits::default()).unwrap());
+    let e = exported("fence-gen", 42);
+    let (reg, path) = (e.reg, &e.path);
+    let exp = Arc::new(e.exp);
     let (raw, mut fds) = raw_mapper(&path, &reg, 1);
 
     // The fence's unmap request reaches the peer; before acking it, the
