@@ -327,6 +327,19 @@ impl BlockPool {
         dropped
     }
 
+    /// Forgets every cached hash, of blocks in use too: a block held by a
+    /// transfer or a load keeps its contents for its holder but is never
+    /// matched again, and goes back to the free list uncached. Returns how
+    /// many hashes were dropped.
+    pub fn forget_all_cached_blocks(&mut self) -> usize {
+        let dropped = self.cached.len();
+        for meta in &mut self.blocks {
+            meta.hash = None;
+        }
+        self.cached.clear();
+        dropped
+    }
+
     /// Checks every invariant of the module docs; panics on a violation.
     pub fn check_invariants(&self) {
         let mut free_count = 0;
@@ -535,6 +548,29 @@ mod tests {
         assert_eq!(p.forget_free_cached_blocks(), 1);
         assert_eq!(p.num_cached_blocks(), 0);
         p.check_invariants();
+    }
+
+    #[test]
+    fn forgetting_all_cached_blocks_keeps_blocks_in_use_but_unmatched() {
+        let mut pool = BlockPool::new(8, true);
+        let tokens = toks(0, 2 * BLOCK_SIZE + 1);
+        let hashes = chain(&tokens);
+        let held = pool.allocate(2).unwrap();
+        pool.cache_block(held[0], hashes[0]);
+        pool.cache_block(held[1], hashes[1]);
+        assert_eq!(pool.forget_all_cached_blocks(), 2);
+        pool.check_invariants();
+        assert!(pool.get_computed_blocks(&tokens, &hashes).is_empty());
+        // The holder keeps its blocks; they come back uncached.
+        assert_eq!(pool.ref_count(held[0]), 1);
+        pool.free(&held);
+        assert_eq!(pool.num_free(), 8);
+        assert_eq!(pool.num_cached_blocks(), 0);
+        pool.check_invariants();
+        // Caching works again afterwards.
+        let again = pool.allocate(1).unwrap();
+        pool.cache_block(again[0], hashes[0]);
+        assert_eq!(pool.num_cached_blocks(), 1);
     }
 
     #[test]

@@ -8,6 +8,7 @@ mod failures;
 mod long_prefill;
 mod offload;
 mod read_mode;
+mod reset;
 mod sleep_engines;
 mod tp;
 mod transfer;

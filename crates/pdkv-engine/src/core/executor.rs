@@ -27,10 +27,16 @@ struct Failed {
 
 impl EngineCore {
     pub(super) fn reset_prefix_cache(&mut self, reset_running: bool, reply: Reply<bool>) {
-        if reset_running {
-            self.sched.preempt_all_running();
-        }
-        let mut done = self.sched.reset_prefix_cache();
+        let mut done = if reset_running {
+            let n = self.sched.reset_prefix_cache_preempting();
+            tracing::info!(
+                preempted = n,
+                "prefix cache reset with running requests preempted; they recompute"
+            );
+            true
+        } else {
+            self.sched.reset_prefix_cache()
+        };
         if done {
             // Whatever the connector caches about block contents goes too.
             done = self.sched.connector_mut().is_none_or(|c| c.reset_cache());

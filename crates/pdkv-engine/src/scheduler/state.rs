@@ -263,11 +263,29 @@ impl Scheduler {
     /// waiting queue starts with them in admission order). Afterwards no
     /// request holds a block. Returns how many were preempted.
     pub fn preempt_all_running(&mut self) -> usize {
+        let n = self.preempt_running();
+        self.drop_waiting_blocks();
+        n
+    }
+
+    /// Preempts the running requests, newest first.
+    fn preempt_running(&mut self) -> usize {
         let n = self.running.len();
         while let Some(id) = self.running.pop() {
             self.preempt(id);
         }
-        self.drop_waiting_blocks();
+        n
+    }
+
+    /// Resets the prefix cache while requests run (`reset_running_requests`):
+    /// running requests are preempted and recompute (their outputs go on
+    /// exactly), then every cached hash is forgotten, those of blocks still
+    /// held by transfers and loads included, which finish with their blocks
+    /// and hand them back uncached. Nothing a transfer moved is thrown away.
+    /// Returns how many requests were preempted.
+    pub fn reset_prefix_cache_preempting(&mut self) -> usize {
+        let n = self.preempt_running();
+        self.pool.forget_all_cached_blocks();
         n
     }
 
