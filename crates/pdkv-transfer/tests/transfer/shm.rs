@@ -188,7 +188,7 @@ fn a_peer_that_never_acks_bounds_the_deregistration_by_its_deadline() {
     let (registry, reg, path, exp) = (&e.registry, e.reg, &e.path, &e.exp);
 
     // A hand-written peer: asks for the memfds, keeps them, never answers.
-    let raw = shaken(&path);
+    let raw = shaken(path);
     let target = target(&reg, 0, reg.len);
     std::io::Write::write_all(&mut &raw, &Header::MapReq { op: 1, target }.encode()).unwrap();
     let mut fds = Vec::new();
@@ -1012,7 +1012,7 @@ fn a_fence_with_no_holder_returns_at_once_and_a_silent_one_is_named_by_the_deadl
     let (registry, reg, path, exp) = (&e.registry, e.reg, &e.path, &e.exp);
     exp.fence(reg.segment, Duration::ZERO).unwrap();
 
-    let raw = raw_mapper(&path, &reg, 1);
+    let raw = raw_mapper(path, &reg, 1);
     let t0 = Instant::now();
     let err = exp
         .fence(reg.segment, Duration::from_millis(200))
@@ -1024,7 +1024,7 @@ fn a_fence_with_no_holder_returns_at_once_and_a_silent_one_is_named_by_the_deadl
         "a fence keeps the registration"
     );
     // Others still map it.
-    let imp = ShmImporter::connect(&path, Limits::default()).unwrap();
+    let imp = ShmImporter::connect(path, Limits::default()).unwrap();
     imp.map(&reg, DL).unwrap();
     drop(raw);
 }
@@ -1081,7 +1081,7 @@ fn an_unmap_acked_after_a_new_map_went_out_leaves_that_map_known() {
     let e = exported("fence-gen", 42);
     let (reg, path) = (e.reg, &e.path);
     let exp = Arc::new(e.exp);
-    let (raw, mut fds) = raw_mapper(&path, &reg, 1);
+    let (raw, mut fds) = raw_mapper(path, &reg, 1);
 
     // The fence's unmap request reaches the peer; before acking it, the
     // peer maps the segment again, so that map's reply follows the request.
