@@ -43,20 +43,27 @@ fn live_kv_memfd_bytes() -> u64 {
     by_inode.values().sum()
 }
 
-#[test]
-fn released_memory_is_freed_only_after_deregistration_and_the_last_access() {
-    let _serial = SERIAL.lock().unwrap();
-    const LEN: usize = 4 << 20;
+/// A pool of 1 MiB chunks, one region of `len` bytes in it, and a
+/// registry of four segments whose keys come from `seed`.
+fn setup(len: usize, seed: u64) -> (Pool, Arc<pdkv_vmem::Region>, Arc<Registry>) {
     let pool = Pool::new(PoolOptions {
         chunk_size: 1 << 20,
         single_allocation: false,
     });
-    let region = pool.allocate(Tag::KvCache, LEN).unwrap();
+    let region = pool.allocate(Tag::KvCache, len).unwrap();
     let registry = Arc::new(Registry::new(RegistryOptions {
         max_segments: 4,
-        key_seed: Some(1),
+        key_seed: Some(seed),
         ..Default::default()
     }));
+    (pool, region, registry)
+}
+
+#[test]
+fn released_memory_is_freed_only_after_deregistration_and_the_last_access() {
+    let _serial = SERIAL.lock().unwrap();
+    const LEN: usize = 4 << 20;
+    let (pool, region, registry) = setup(LEN, 1);
     assert_eq!(live_kv_memfd_bytes(), LEN as u64);
 
     // Register half the region: the two chunks under it are pinned.
@@ -116,16 +123,7 @@ fn shared_memory_is_freed_only_after_every_peer_acked_its_unmap() {
     use pdkv_transfer::shm::{ShmExporter, ShmImporter};
     let _serial = SERIAL.lock().unwrap();
     const LEN: usize = 2 << 20;
-    let pool = Pool::new(PoolOptions {
-        chunk_size: 1 << 20,
-        single_allocation: false,
-    });
-    let region = pool.allocate(Tag::KvCache, LEN).unwrap();
-    let registry = Arc::new(Registry::new(RegistryOptions {
-        max_segments: 4,
-        key_seed: Some(2),
-        ..Default::default()
-    }));
+    let (pool, region, registry) = setup(LEN, 2);
     let reg = registry.register(&region, 0, LEN).unwrap();
     let path = std::env::temp_dir().join(format!("pdkv-acct-{}.sock", std::process::id()));
     let _ = std::fs::remove_file(&path);

@@ -49,6 +49,21 @@ async fn side(len: usize, seed: u64, slice: u64) -> Side {
 }
 
 async fn side_with(len: usize, slice: u64, opts: RegistryOptions) -> Side {
+    side_config(len, opts, cfg(slice)).await
+}
+
+/// Registry options with room for eight segments, keys from `seed`.
+fn eight_segments(seed: u64) -> RegistryOptions {
+    RegistryOptions {
+        max_segments: 8,
+        key_seed: Some(seed),
+        ..Default::default()
+    }
+}
+
+/// A side whose whole `len`-byte region is registered, its agent bound
+/// with `config`.
+async fn side_config(len: usize, opts: RegistryOptions, config: AgentConfig) -> Side {
     let pool = Pool::new(PoolOptions {
         chunk_size: 256 << 10,
         single_allocation: false,
@@ -56,9 +71,7 @@ async fn side_with(len: usize, slice: u64, opts: RegistryOptions) -> Side {
     let region = pool.allocate(Tag::KvCache, len).unwrap();
     let registry = Arc::new(Registry::new(opts));
     let reg = registry.register(&region, 0, len).unwrap();
-    let agent = Agent::bind("127.0.0.1:0", registry, cfg(slice))
-        .await
-        .unwrap();
+    let agent = Agent::bind("127.0.0.1:0", registry, config).await.unwrap();
     Side {
         pool,
         region,
@@ -914,26 +927,13 @@ async fn a_grant_confines_writes_and_revoke_fences_them_even_mid_payload() {
 /// their (short) timeout.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn idle_and_hostile_connections_at_the_cap_do_not_keep_a_real_peer_out() {
-    let pool = Pool::new(PoolOptions {
-        chunk_size: 256 << 10,
-        single_allocation: false,
-    });
-    let len = MIB;
-    let region = pool.allocate(Tag::KvCache, len).unwrap();
-    let registry = Arc::new(Registry::new(RegistryOptions {
-        max_segments: 8,
-        key_seed: Some(9),
-        ..Default::default()
-    }));
-    let reg = registry.register(&region, 0, len).unwrap();
     let server_cfg = AgentConfig {
         max_conns: 8,
         unproven_timeout: Duration::from_secs(3),
         ..cfg(64 << 10)
     };
-    let server = Agent::bind("127.0.0.1:0", registry, server_cfg)
-        .await
-        .unwrap();
+    let server_side = side_config(MIB, eight_segments(9), server_cfg).await;
+    let (server, reg, region) = (&server_side.agent, server_side.reg, &server_side.region);
     let addr = server.local_addr();
 
     // 30 idle connections, one sending garbage, one presenting a stale key:
@@ -964,20 +964,8 @@ async fn idle_and_hostile_connections_at_the_cap_do_not_keep_a_real_peer_out() {
     // A real peer's write lands all the same.
     let client = side(MIB, 3, 64 << 10).await;
     let data = pattern(256 << 10, 5);
-    client.region.write_bytes(0, &data).unwrap();
-    let ops = vec![(
-        client
-            .agent
-            .local(&client.reg, 0, data.len() as u64)
-            .unwrap(),
-        server.describe(&reg, 0, data.len() as u64),
-    )];
-    client
-        .agent
-        .write(ops, None, DL)
-        .await
-        .expect("the real peer's write");
-    assert!(read_region(&region, 0, data.len()) == data);
+    write_lands(&client, server, &reg, &data, "the real peer's write").await;
+    assert!(read_region(region, 0, data.len()) == data);
     let evicted = server
         .serve_stats()
         .evicted
@@ -989,20 +977,8 @@ async fn idle_and_hostile_connections_at_the_cap_do_not_keep_a_real_peer_out() {
         idle.push(TcpStream::connect(addr).await.unwrap());
     }
     let again = pattern(64 << 10, 6);
-    client.region.write_bytes(0, &again).unwrap();
-    let ops = vec![(
-        client
-            .agent
-            .local(&client.reg, 0, again.len() as u64)
-            .unwrap(),
-        server.describe(&reg, 0, again.len() as u64),
-    )];
-    client
-        .agent
-        .write(ops, None, DL)
-        .await
-        .expect("the second write");
-    assert!(read_region(&region, 0, again.len()) == again);
+    write_lands(&client, server, &reg, &again, "the second write").await;
+    assert!(read_region(region, 0, again.len()) == again);
     let stats = client.agent.peer_stats().await;
     assert_eq!(
         stats[0].1.failures, [0; 4],
@@ -1018,6 +994,18 @@ async fn idle_and_hostile_connections_at_the_cap_do_not_keep_a_real_peer_out() {
     {
         assert!(closed_by_server(c).await, "connection {i} was not closed");
     }
+}
+
+/// `client` puts `data` at the start of its region and writes it to the
+/// start of `reg` at `server`; the write must succeed (`what` names it).
+async fn write_lands(client: &Side, server: &Agent, reg: &Registration, data: &[u8], what: &str) {
+    client.region.write_bytes(0, data).unwrap();
+    let len = data.len() as u64;
+    let ops = vec![(
+        client.agent.local(&client.reg, 0, len).unwrap(),
+        server.describe(reg, 0, len),
+    )];
+    client.agent.write(ops, None, DL).await.expect(what);
 }
 
 /// A hostile client's handshake: a well-formed hello, then whatever the
@@ -1066,25 +1054,7 @@ async fn only_peers_holding_the_deployment_secret_get_in_and_the_rest_never_dist
         unproven_timeout: Duration::from_secs(3),
         ..cfg(64 << 10)
     };
-    let agent = |len: usize, seed: u64, c: AgentConfig| async move {
-        let pool = Pool::new(PoolOptions {
-            chunk_size: 256 << 10,
-            single_allocation: false,
-        });
-        let region = pool.allocate(Tag::KvCache, len).unwrap();
-        let registry = Arc::new(Registry::new(RegistryOptions {
-            max_segments: 8,
-            key_seed: Some(seed),
-            ..Default::default()
-        }));
-        let reg = registry.register(&region, 0, len).unwrap();
-        Side {
-            pool,
-            region,
-            reg,
-            agent: Agent::bind("127.0.0.1:0", registry, c).await.unwrap(),
-        }
-    };
+    let agent = |len: usize, seed: u64, c: AgentConfig| side_config(len, eight_segments(seed), c);
     let server = agent(4 * MIB, 21, with(&secret)).await;
     let client = agent(4 * MIB, 22, with(&secret)).await;
     let intruder = agent(
