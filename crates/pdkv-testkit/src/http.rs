@@ -52,6 +52,19 @@ pub async fn admin(
     answer(req).await
 }
 
+/// Sends `req`; the response, whatever its status (panics when the request
+/// fails).
+pub async fn send(req: reqwest::RequestBuilder) -> reqwest::Response {
+    req.send().await.expect("send")
+}
+
+/// A response's `Retry-After` header, when it has one.
+pub fn retry_after(resp: &reqwest::Response) -> Option<&str> {
+    resp.headers()
+        .get("retry-after")
+        .map(|v| v.to_str().expect("an ASCII Retry-After"))
+}
+
 /// Sends `req`; returns the status and the JSON answer (panics on a body
 /// that is not JSON).
 pub async fn answer(req: reqwest::RequestBuilder) -> (StatusCode, Value) {
@@ -154,4 +167,20 @@ pub fn assert_openai_error(status: StatusCode, body: &Value, want: StatusCode, c
         err.get("param").is_some() && err.get("code").is_some(),
         "{ctx}: {body}"
     );
+}
+
+/// An error answer of status `want` whose `error.code` is `code`.
+pub fn assert_error_code(status: StatusCode, body: &Value, want: StatusCode, code: &str) {
+    assert_eq!(
+        (status, body["error"]["code"].as_str()),
+        (want, Some(code)),
+        "{body}"
+    );
+}
+
+/// The `error.message` of an error answer (panics when it has none).
+pub fn error_message(body: &Value) -> &str {
+    body["error"]["message"]
+        .as_str()
+        .unwrap_or_else(|| panic!("no error message: {body}"))
 }

@@ -7,7 +7,7 @@
 use std::path::Path;
 
 use pdkv_engine::EngineConfig;
-use pdkv_testkit::sse;
+use pdkv_testkit::{http, sse};
 use reqwest::{Method, StatusCode};
 use serde_json::{json, Value};
 
@@ -20,6 +20,14 @@ impl Server {
     /// The tiny preset, seed 7, admin API on.
     async fn start_admin() -> Server {
         Server::start_admin_with("tiny", 7, Some(TOKEN), EngineConfig::default()).await
+    }
+
+    /// [`Server::start_admin`] and what it answers before the test
+    /// changes anything ([`Server::probe`]).
+    async fn start_probed() -> (Server, Vec<String>) {
+        let s = Server::start_admin().await;
+        let before = s.probe().await;
+        (s, before)
     }
 
     async fn start_admin_with(
@@ -77,6 +85,12 @@ impl Server {
         self.admin_ok(Method::GET, "/is_paused", None).await["is_paused"]
             .as_bool()
             .expect("is_paused bool")
+    }
+
+    /// Resumes the engine, which then serves again.
+    async fn resume_serving(&self) {
+        self.admin_ok(Method::POST, "/resume", None).await;
+        self.greedy("after resume").await;
     }
 
     /// The greedy completion of `prompt` (must succeed).
@@ -235,8 +249,7 @@ async fn admin_routes_do_not_exist_without_a_token() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn admin_routes_need_the_token() {
-    let s = Server::start_admin().await;
-    let before = s.probe().await;
+    let (s, before) = Server::start_probed().await;
     let wrong = [
         None,
         Some("Bearer wrong-token".to_string()),
@@ -368,14 +381,13 @@ async fn malformed_parameters_are_400_naming_the_parameter() {
         }
     }
     // A body that is not JSON at all.
-    let resp = s
-        .client
-        .post(s.url("/abort_requests"))
-        .header("authorization", format!("Bearer {TOKEN}"))
-        .body("not json")
-        .send()
-        .await
-        .unwrap();
+    let resp = http::send(
+        s.client
+            .post(s.url("/abort_requests"))
+            .header("authorization", format!("Bearer {TOKEN}"))
+            .body("not json"),
+    )
+    .await;
     assert_eq!(resp.status(), StatusCode::BAD_REQUEST);
     // None of them touched the engine.
     assert!(!s.is_paused().await);
@@ -386,8 +398,7 @@ async fn malformed_parameters_are_400_naming_the_parameter() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sleep_level_1_then_wake_restores_outputs_and_frees_memory() {
-    let s = Server::start_admin().await;
-    let before = s.probe().await;
+    let (s, before) = Server::start_probed().await;
     let awake = s.wait_all_blocks_free().await;
     let awake_bytes = device_bytes(&awake);
     assert_eq!(must(&awake, "pdkv_sleeping"), 0.0);
@@ -398,15 +409,7 @@ async fn sleep_level_1_then_wake_restores_outputs_and_frees_memory() {
     assert!(!s.is_sleeping().await);
     assert_eq!(s.probe().await, before);
 
-    assert_eq!(
-        s.client
-            .get(s.url("/health"))
-            .send()
-            .await
-            .unwrap()
-            .status(),
-        StatusCode::OK
-    );
+    assert_eq!(s.health().await, StatusCode::OK);
     let v = s.admin_ok(Method::POST, "/sleep?level=1", None).await;
     assert_eq!(v["status"], "sleeping");
     assert!(s.is_sleeping().await);
@@ -414,12 +417,7 @@ async fn sleep_level_1_then_wake_restores_outputs_and_frees_memory() {
     // health check steers traffic away.
     let resp = s.client.get(s.url("/health")).send().await.unwrap();
     assert_eq!(resp.status(), StatusCode::SERVICE_UNAVAILABLE);
-    assert_eq!(
-        resp.headers()
-            .get("retry-after")
-            .map(|v| v.to_str().unwrap()),
-        Some("1")
-    );
+    assert_eq!(http::retry_after(&resp), Some("1"));
     let body: Value = resp.json().await.unwrap();
     assert_eq!(body["error"]["code"], "sleeping", "{body}");
     let (status, body) = s.post("/v1/completions", &greedy_body("asleep")).await;
@@ -433,19 +431,13 @@ async fn sleep_level_1_then_wake_restores_outputs_and_frees_memory() {
         body["error"]["code"], "engine_not_serving",
         "a retryable 503: {body}"
     );
-    let resp = s
-        .client
-        .post(s.url("/v1/completions"))
-        .json(&greedy_body("asleep"))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(
-        resp.headers()
-            .get("retry-after")
-            .map(|v| v.to_str().unwrap()),
-        Some("1")
-    );
+    let resp = http::send(
+        s.client
+            .post(s.url("/v1/completions"))
+            .json(&greedy_body("asleep")),
+    )
+    .await;
+    assert_eq!(http::retry_after(&resp), Some("1"));
     let (status, body) = s
         .post(
             "/v1/chat/completions",
@@ -479,15 +471,7 @@ async fn sleep_level_1_then_wake_restores_outputs_and_frees_memory() {
     assert_eq!(v["is_sleeping"], false, "{v}");
     assert!(!s.is_sleeping().await);
     assert!(!s.is_paused().await);
-    assert_eq!(
-        s.client
-            .get(s.url("/health"))
-            .send()
-            .await
-            .unwrap()
-            .status(),
-        StatusCode::OK
-    );
+    assert_eq!(s.health().await, StatusCode::OK);
     assert_eq!(s.probe().await, before);
     let m = s.wait_all_blocks_free().await;
     assert_eq!(must(&m, "pdkv_sleeping"), 0.0);
@@ -499,8 +483,7 @@ async fn sleep_level_1_then_wake_restores_outputs_and_frees_memory() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn selective_wake_in_both_orders() {
-    let s = Server::start_admin().await;
-    let before = s.probe().await;
+    let (s, before) = Server::start_probed().await;
     for order in [["weights", "kv_cache"], ["kv_cache", "weights"]] {
         s.admin_ok(Method::POST, "/sleep?level=1", None).await;
         let v = s
@@ -535,8 +518,7 @@ async fn selective_wake_in_both_orders() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn release_kv_cache_memory_needs_a_pause() {
-    let s = Server::start_admin().await;
-    let before = s.probe().await;
+    let (s, before) = Server::start_probed().await;
     let (status, v) = s
         .admin(Method::POST, "/release_kv_cache_memory", None)
         .await;
@@ -582,12 +564,7 @@ async fn pause_keep_holds_requests_until_resume() {
     let client = s.client.clone();
     let url = s.url("/v1/completions");
     let queued = tokio::spawn(async move {
-        let resp = client
-            .post(url)
-            .json(&greedy_body("held back"))
-            .send()
-            .await
-            .expect("send");
+        let resp = http::send(client.post(url).json(&greedy_body("held back"))).await;
         (resp.status(), resp.json::<Value>().await.expect("json"))
     });
     let m = s
@@ -599,22 +576,10 @@ async fn pause_keep_holds_requests_until_resume() {
     assert!(!queued.is_finished());
     // Paused, /health steers routers away (requests sent anyway are held).
     let (status, v) = s.send(Method::GET, "/health", None, None).await;
-    assert_eq!(
-        (status, v["error"]["code"].as_str()),
-        (StatusCode::SERVICE_UNAVAILABLE, Some("paused")),
-        "{v}"
-    );
+    http::assert_error_code(status, &v, StatusCode::SERVICE_UNAVAILABLE, "paused");
 
     s.admin_ok(Method::POST, "/resume", None).await;
-    assert_eq!(
-        s.client
-            .get(s.url("/health"))
-            .send()
-            .await
-            .unwrap()
-            .status(),
-        StatusCode::OK
-    );
+    assert_eq!(s.health().await, StatusCode::OK);
     let (status, body) = tokio::time::timeout(DEADLINE, queued)
         .await
         .expect("queued request ends")
@@ -660,8 +625,7 @@ async fn pause_abort_ends_concurrent_streams_and_frees_blocks() {
         StatusCode::SERVICE_UNAVAILABLE,
         "completion while paused",
     );
-    s.admin_ok(Method::POST, "/resume", None).await;
-    s.greedy("after resume").await;
+    s.resume_serving().await;
     s.stop().await;
 }
 
@@ -676,8 +640,7 @@ async fn pause_wait_lets_running_requests_finish() {
     assert_eq!(finish.as_deref(), Some("length"));
     assert!(s.is_paused().await);
     s.wait_all_blocks_free().await;
-    s.admin_ok(Method::POST, "/resume", None).await;
-    s.greedy("after resume").await;
+    s.resume_serving().await;
     s.stop().await;
 }
 
@@ -738,8 +701,7 @@ async fn update_weights_matches_a_fresh_server_and_refuses_incompatible_ones() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sleep_level_2_then_reload_serves_the_new_weights() {
-    let s = Server::start_admin().await;
-    let before = s.probe().await;
+    let (s, before) = Server::start_probed().await;
     s.admin_ok(Method::POST, "/sleep?level=2", None).await;
     let asleep = s.metrics().await;
     assert_eq!(must(&asleep, "pdkv_sleep_level"), 2.0);
@@ -865,14 +827,13 @@ async fn abort_requests_by_id_and_request_ids() {
     s.wait_all_blocks_free().await;
 
     // Ids are checked.
-    let resp = s
-        .client
-        .post(s.url("/v1/completions"))
-        .header("x-request-id", "x".repeat(300))
-        .json(&greedy_body("a"))
-        .send()
-        .await
-        .unwrap();
+    let resp = http::send(
+        s.client
+            .post(s.url("/v1/completions"))
+            .header("x-request-id", "x".repeat(300))
+            .json(&greedy_body("a")),
+    )
+    .await;
     assert_eq!(resp.status(), StatusCode::BAD_REQUEST);
     let v: Value = resp.json().await.unwrap();
     assert_eq!(v["error"]["param"], "X-Request-Id");
@@ -940,11 +901,7 @@ async fn reset_prefix_cache_reports_success() {
     running.next_json().await;
     s.admin_ok(Method::POST, "/pause?mode=keep", None).await;
     let (status, v) = s.send(Method::POST, "/flush_cache", None, None).await;
-    assert_eq!(
-        (status, v["error"]["code"].as_str()),
-        (StatusCode::CONFLICT, Some("cache_in_use")),
-        "{v}"
-    );
+    http::assert_error_code(status, &v, StatusCode::CONFLICT, "cache_in_use");
     s.admin_ok(Method::POST, "/resume", None).await;
     drop(running);
     let (status, v) = s.send(Method::GET, "/get_model_info", None, None).await;
@@ -1089,6 +1046,20 @@ impl Server {
             .await
     }
 
+    /// `update_weights` pulling every tensor left of the sync begun.
+    async fn pull_weights(&self) -> (StatusCode, Value) {
+        let pull = json!({"update_info": {}});
+        self.admin(Method::POST, "/update_weights", Some(&pull))
+            .await
+    }
+
+    /// [`Server::pull_weights`], which must succeed; its answer.
+    async fn pull_weights_ok(&self) -> Value {
+        let (status, v) = self.pull_weights().await;
+        assert_eq!(status, StatusCode::OK, "/update_weights: {v}");
+        v
+    }
+
     /// The switch as a trainer makes it: a `keep` pause,
     /// `finish_weight_update` with `body`, resume; finish's answer.
     async fn switch_synced(&self, body: Option<&Value>) -> Value {
@@ -1119,8 +1090,7 @@ async fn publisher(seed: u64, version: &str) -> (tempfile::TempDir, pdkv_sync::P
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_weight_sync_matches_a_fresh_server_and_a_bad_one_changes_nothing() {
-    let s = Server::start_admin().await;
-    let seed7 = s.probe().await;
+    let (s, seed7) = Server::start_probed().await;
 
     // Another backend is refused, naming ours; a phase out of order is a 409.
     let (status, v) = s
@@ -1152,13 +1122,7 @@ async fn a_weight_sync_matches_a_fresh_server_and_a_bad_one_changes_nothing() {
     bad.weights().region.write_bytes(t.offset + 3, &b).unwrap();
     let v = s.begin_sync(&bad.url()).await;
     assert_eq!(v["bytes"].as_u64(), Some(bad.manifest().bytes()), "{v}");
-    let (status, v) = s
-        .admin(
-            Method::POST,
-            "/update_weights",
-            Some(&json!({"update_info": {}})),
-        )
-        .await;
+    let (status, v) = s.pull_weights().await;
     assert_openai_error(status, &v, StatusCode::BAD_REQUEST, "bad checksum");
     assert!(v.to_string().contains(&name), "names the tensor: {v}");
     let (status, v) = s.admin(Method::POST, "/finish_weight_update", None).await;
@@ -1179,13 +1143,7 @@ async fn a_weight_sync_matches_a_fresh_server_and_a_bad_one_changes_nothing() {
         None => gone.manifest().transfer_addr.clone(),
     };
     drop(gone);
-    let (status, v) = s
-        .admin(
-            Method::POST,
-            "/update_weights",
-            Some(&json!({"update_info": {}})),
-        )
-        .await;
+    let (status, v) = s.pull_weights().await;
     assert_openai_error(
         status,
         &v,
@@ -1222,12 +1180,7 @@ async fn a_weight_sync_matches_a_fresh_server_and_a_bad_one_changes_nothing() {
         seed7,
         "still the old weights before the switch"
     );
-    s.admin_ok(
-        Method::POST,
-        "/update_weights",
-        Some(&json!({"update_info": {}})),
-    )
-    .await;
+    s.pull_weights_ok().await;
     let v = s.switch_synced(None).await;
     assert_eq!(v["version"], "v2", "the manifest's version: {v}");
     let info = s.admin_ok(Method::GET, "/weight_info", None).await;
@@ -1292,13 +1245,7 @@ async fn a_weight_sync_matches_a_fresh_server_and_a_bad_one_changes_nothing() {
     assert_eq!(v["transport"], "tcp", "{v}");
     let v = s.admin_ok(Method::POST, "/start_weight_update", None).await;
     assert_eq!(v["transport"], "tcp", "{v}");
-    let v = s
-        .admin_ok(
-            Method::POST,
-            "/update_weights",
-            Some(&json!({"update_info": {}})),
-        )
-        .await;
+    let v = s.pull_weights_ok().await;
     assert_eq!(v["transport"], "tcp", "{v}");
     s.switch_synced(None).await;
     assert_eq!(
@@ -1332,12 +1279,7 @@ async fn a_weight_sync_into_a_split_model_matches_a_fresh_whole_server() {
     let seed7 = s.probe().await;
     let (_d2, good) = publisher(2, "v2").await;
     s.begin_sync(&good.url()).await;
-    s.admin_ok(
-        Method::POST,
-        "/update_weights",
-        Some(&json!({"update_info": {}})),
-    )
-    .await;
+    s.pull_weights_ok().await;
     s.switch_synced(Some(&json!({"version": "tp-v2"}))).await;
     let info = s.admin_ok(Method::GET, "/weight_info", None).await;
     assert_eq!(

@@ -9,11 +9,12 @@ use std::time::{Duration, Instant};
 
 use pdkv_engine::EngineConfig;
 use pdkv_server::listen::HttpLimits;
+use pdkv_testkit::http;
 use serde_json::json;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
-use crate::common::{Server, DEADLINE};
+use crate::common::{Server, Serving, DEADLINE};
 
 /// Waits (bounded) until the server closes `s`: a read returns 0 bytes (or
 /// the connection is reset).
@@ -25,27 +26,38 @@ async fn closed_by_server(s: &mut TcpStream) -> bool {
     )
 }
 
+/// A server taking at most `max_connections` connections, each of which
+/// must send its request head within `header_timeout`; and its address.
+async fn limited(max_connections: usize, header_timeout: Duration) -> (Server, String) {
+    let limits = HttpLimits {
+        max_connections,
+        header_timeout,
+    };
+    let serving = Serving {
+        limits,
+        ..Serving::default()
+    };
+    let s = Server::spawn_serving("tiny", 7, None, EngineConfig::default(), serving).await;
+    let addr = s.base.trim_start_matches("http://").to_string();
+    (s, addr)
+}
+
 async fn completion(server: &Server) -> Duration {
     let started = Instant::now();
-    let resp = server
-        .client
-        .post(server.url("/v1/completions"))
-        .json(&json!({"prompt": "hello", "max_tokens": 2, "temperature": 0}))
-        .send()
-        .await
-        .expect("send");
+    let resp = http::send(
+        server
+            .client
+            .post(server.url("/v1/completions"))
+            .json(&json!({"prompt": "hello", "max_tokens": 2, "temperature": 0})),
+    )
+    .await;
     assert_eq!(resp.status(), 200, "{}", resp.text().await.unwrap());
     started.elapsed()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn idle_connections_do_not_starve_requests_and_are_closed_at_their_timeout() {
-    let limits = HttpLimits {
-        max_connections: 4096,
-        header_timeout: Duration::from_secs(2),
-    };
-    let s = Server::spawn_with_limits("tiny", 7, None, EngineConfig::default(), limits).await;
-    let addr = s.base.trim_start_matches("http://").to_string();
+    let (s, addr) = limited(4096, Duration::from_secs(2)).await;
     // 3000 clients that connect and never send a byte, and one that sends
     // half a request head.
     let mut idle = Vec::with_capacity(3001);
@@ -62,8 +74,7 @@ async fn idle_connections_do_not_starve_requests_and_are_closed_at_their_timeout
         slowest = slowest.max(completion(&s).await);
     }
     eprintln!("slowest of 5 requests beside 3000 idle connections: {slowest:?}");
-    let health = s.client.get(s.url("/health")).send().await.unwrap();
-    assert_eq!(health.status(), 200);
+    assert_eq!(s.health().await, 200);
     // Every idle connection is closed by the server once its timeout passed.
     assert!(
         closed_by_server(&mut half).await,
@@ -80,12 +91,7 @@ async fn idle_connections_do_not_starve_requests_and_are_closed_at_their_timeout
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn at_the_cap_idle_connections_give_way_so_health_metrics_and_requests_are_served() {
-    let limits = HttpLimits {
-        max_connections: 4,
-        header_timeout: Duration::from_secs(600),
-    };
-    let s = Server::spawn_with_limits("tiny", 7, None, EngineConfig::default(), limits).await;
-    let addr = s.base.trim_start_matches("http://").to_string();
+    let (s, addr) = limited(4, Duration::from_secs(600)).await;
     let mut idle = Vec::new();
     for _ in 0..4 {
         idle.push(TcpStream::connect(&addr).await.expect("connect"));
@@ -120,12 +126,7 @@ async fn stalled_body(addr: &str) -> TcpStream {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_body_that_stops_coming_fails_its_request_at_the_header_timeout() {
-    let limits = HttpLimits {
-        max_connections: 16,
-        header_timeout: Duration::from_secs(1),
-    };
-    let s = Server::spawn_with_limits("tiny", 7, None, EngineConfig::default(), limits).await;
-    let addr = s.base.trim_start_matches("http://").to_string();
+    let (s, addr) = limited(16, Duration::from_secs(1)).await;
     let mut c = stalled_body(&addr).await;
     let t0 = Instant::now();
     let mut answer = Vec::new();

@@ -2,7 +2,7 @@
 //! and a running engine: request and response shapes, streaming, errors,
 //! client disconnects and metrics.
 
-use crate::common::{Server, DEADLINE, SERVED};
+use crate::common::{Listening, Server, DEADLINE, SERVED};
 use futures::StreamExt;
 use pdkv_engine::{Engine, EngineConfig};
 use pdkv_model::Arch;
@@ -12,7 +12,6 @@ use pdkv_testkit::{http::assert_openai_error, prom::must};
 use pdkv_vmem::Pool;
 use reqwest::StatusCode;
 use serde_json::{json, Value};
-use tokio::sync::oneshot;
 
 impl Server {
     async fn start() -> Server {
@@ -34,17 +33,22 @@ impl Server {
 
     /// Posts a streaming request and returns the `data:` payloads, `[DONE]` included.
     async fn post_stream(&self, path: &str, body: &Value) -> Vec<String> {
-        let resp = self
-            .client
-            .post(self.url(path))
-            .json(body)
-            .send()
-            .await
-            .expect("send");
+        let resp = http::send(self.client.post(self.url(path)).json(body)).await;
         assert_eq!(resp.status(), StatusCode::OK);
         assert_eq!(resp.headers()["content-type"], "text/event-stream");
         let text = resp.text().await.expect("body");
         sse::payloads(&text)
+    }
+
+    /// Posts a streaming request and returns its JSON events, checking it
+    /// ends with `[DONE]` (left out).
+    async fn post_events(&self, path: &str, body: &Value) -> Vec<Value> {
+        let events = self.post_stream(path, body).await;
+        assert_eq!(events.last().map(String::as_str), Some("[DONE]"));
+        events[..events.len() - 1]
+            .iter()
+            .map(|e| serde_json::from_str(e).expect("a JSON event"))
+            .collect()
     }
 }
 
@@ -95,17 +99,7 @@ async fn completions_text_tokens_and_stream_agree() {
     }
 
     // Streaming: the chunks add up to the same text, then usage, then [DONE].
-    let events = s
-        .post_stream(
-            "/v1/completions",
-            &greedy(json!({"prompt": prompt, "stream": true, "stream_options": {"include_usage": true}})),
-        )
-        .await;
-    assert_eq!(events.last().unwrap(), "[DONE]");
-    let chunks: Vec<Value> = events[..events.len() - 1]
-        .iter()
-        .map(|e| serde_json::from_str(e).unwrap())
-        .collect();
+    let chunks = s.post_events("/v1/completions", &greedy(json!({"prompt": prompt, "stream": true, "stream_options": {"include_usage": true}}))).await;
     let usage = chunks.last().unwrap();
     assert_eq!(usage["choices"], json!([]));
     assert_eq!(usage["usage"]["completion_tokens"], 6);
@@ -194,17 +188,7 @@ async fn chat_completions_stream_and_not() {
         .await;
     assert_eq!(short["usage"]["completion_tokens"], 2);
 
-    let events = s
-        .post_stream(
-            "/v1/chat/completions",
-            &greedy(json!({"messages": messages, "stream": true, "stream_options": {"include_usage": true}})),
-        )
-        .await;
-    assert_eq!(events.last().unwrap(), "[DONE]");
-    let chunks: Vec<Value> = events[..events.len() - 1]
-        .iter()
-        .map(|e| serde_json::from_str(e).unwrap())
-        .collect();
+    let chunks = s.post_events("/v1/chat/completions", &greedy(json!({"messages": messages, "stream": true, "stream_options": {"include_usage": true}}))).await;
     assert_eq!(chunks[0]["choices"][0]["delta"]["role"], "assistant");
     let mut streamed = String::new();
     for c in &chunks[..chunks.len() - 1] {
@@ -238,184 +222,120 @@ async fn bad_requests_get_openai_errors() {
     );
     let vocab = s.engine.model_config().vocab_size;
     let bad = StatusCode::BAD_REQUEST;
-    let cases: Vec<(&str, Value, StatusCode, Option<&str>)> = vec![
-        ("/v1/completions", json!({"prompt": 5}), bad, Some("prompt")),
-        ("/v1/completions", json!({"max_tokens": 3}), bad, None),
+    let completions: Vec<(Value, StatusCode, Option<&str>)> = vec![
+        (json!({"prompt": 5}), bad, Some("prompt")),
+        (json!({"max_tokens": 3}), bad, None),
         (
-            "/v1/completions",
             json!({"prompt": "a", "max_tokens": "x"}),
             bad,
             Some("max_tokens"),
         ),
         (
-            "/v1/completions",
             json!({"prompt": "a", "max_tokens": 0}),
             bad,
             Some("max_tokens"),
         ),
         (
-            "/v1/completions",
             json!({"prompt": "a", "max_tokens": -3}),
             bad,
             Some("max_tokens"),
         ),
+        (json!({"prompt": "a", "n": 0}), bad, Some("n")),
         (
-            "/v1/completions",
-            json!({"prompt": "a", "n": 0}),
-            bad,
-            Some("n"),
-        ),
-        (
-            "/v1/completions",
             json!({"prompt": "a", "n": 2, "best_of": 4}),
             bad,
             Some("best_of"),
         ),
         (
-            "/v1/completions",
             json!({"prompt": "a", "logprobs": 21}),
             bad,
             Some("logprobs"),
         ),
         (
-            "/v1/completions",
             json!({"prompt": "a", "logit_bias": {vocab.to_string(): 1}}),
             bad,
             Some("logit_bias"),
         ),
         (
-            "/v1/completions",
             json!({"prompt": "a", "stop_token_ids": [vocab]}),
             bad,
             Some("stop_token_ids"),
         ),
         (
-            "/v1/completions",
             json!({"prompt": "a", "temperature": -1}),
             bad,
             Some("temperature"),
         ),
         (
-            "/v1/completions",
             json!({"prompt": "a", "temperature": "hot"}),
             bad,
             Some("temperature"),
         ),
-        (
-            "/v1/completions",
-            json!({"prompt": "a", "top_p": 1.5}),
-            bad,
-            Some("top_p"),
-        ),
-        (
-            "/v1/completions",
-            json!({"prompt": "a", "stop": 3}),
-            bad,
-            Some("stop"),
-        ),
-        (
-            "/v1/completions",
-            json!({"prompt": "a", "stream": "yes"}),
-            bad,
-            Some("stream"),
-        ),
-        (
-            "/v1/completions",
-            json!({"prompt": []}),
-            bad,
-            Some("prompt"),
-        ),
-        (
-            "/v1/completions",
-            json!({"prompt": ["a", 5]}),
-            bad,
-            Some("prompt"),
-        ),
-        (
-            "/v1/completions",
-            json!({"prompt": [1, vocab]}),
-            bad,
-            Some("prompt"),
-        ),
+        (json!({"prompt": "a", "top_p": 1.5}), bad, Some("top_p")),
+        (json!({"prompt": "a", "stop": 3}), bad, Some("stop")),
+        (json!({"prompt": "a", "stream": "yes"}), bad, Some("stream")),
+        (json!({"prompt": []}), bad, Some("prompt")),
+        (json!({"prompt": ["a", 5]}), bad, Some("prompt")),
+        (json!({"prompt": [1, vocab]}), bad, Some("prompt")),
         // Over the model's context.
         (
-            "/v1/completions",
             json!({"prompt": "a", "max_tokens": max_len + 1}),
             bad,
             Some("prompt"),
         ),
         // Within the context, over the KV cache.
         (
-            "/v1/completions",
             json!({"prompt": "a", "max_tokens": 8 * 16 + 1}),
             bad,
             Some("prompt"),
         ),
         (
-            "/v1/completions",
             json!({"prompt": "a", "model": "nope"}),
             StatusCode::NOT_FOUND,
             Some("model"),
         ),
+    ];
+    let chats: Vec<(Value, StatusCode, Option<&str>)> = vec![
+        (json!({"messages": "hi"}), bad, Some("messages")),
+        (json!({"messages": []}), bad, Some("messages")),
+        (json!({"model": SERVED}), bad, None),
+        (json!({"messages": [{"content": "x"}]}), bad, None),
         (
-            "/v1/chat/completions",
-            json!({"messages": "hi"}),
-            bad,
-            Some("messages"),
-        ),
-        (
-            "/v1/chat/completions",
-            json!({"messages": []}),
-            bad,
-            Some("messages"),
-        ),
-        ("/v1/chat/completions", json!({"model": SERVED}), bad, None),
-        (
-            "/v1/chat/completions",
-            json!({"messages": [{"content": "x"}]}),
-            bad,
-            None,
-        ),
-        (
-            "/v1/chat/completions",
             json!({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}),
             bad,
             Some("messages[0].content"),
         ),
         (
-            "/v1/chat/completions",
             json!({"messages": [{"role": "user", "content": "x"}], "n": 200}),
             bad,
             Some("n"),
         ),
         (
-            "/v1/chat/completions",
             json!({"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0}),
             bad,
             Some("max_completion_tokens"),
         ),
         (
-            "/v1/chat/completions",
             json!({"messages": [{"role": "user", "content": "x"}], "model": "nope"}),
             StatusCode::NOT_FOUND,
             Some("model"),
         ),
     ];
-    for (path, body, want, param) in &cases {
-        let (status, resp) = s.post(path, body).await;
+    let cases = (completions.into_iter().map(|c| ("/v1/completions", c)))
+        .chain(chats.into_iter().map(|c| ("/v1/chat/completions", c)))
+        .map(|(path, (body, want, param))| (path, body, want, param));
+    for (path, body, want, param) in cases {
+        let (status, resp) = s.post(path, &body).await;
         let ctx = format!("{path} {body}");
-        assert_openai_error(status, &resp, *want, &ctx);
+        assert_openai_error(status, &resp, want, &ctx);
         if let Some(p) = param {
-            assert_eq!(resp["error"]["param"], *p, "{ctx}: {resp}");
+            assert_eq!(resp["error"]["param"], p, "{ctx}: {resp}");
         }
     }
     let (status, resp) = s
         .post("/v1/completions", &json!({"prompt": "a", "model": "nope"}))
         .await;
-    assert_eq!(
-        (status, resp["error"]["code"].as_str()),
-        (StatusCode::NOT_FOUND, Some("model_not_found"))
-    );
+    http::assert_error_code(status, &resp, StatusCode::NOT_FOUND, "model_not_found");
 
     for raw in [&b"{\"prompt\": "[..], b"not json", b"", b"[1,2]"] {
         let (status, resp) = s.post_raw("/v1/completions", raw.to_vec()).await;
@@ -435,15 +355,11 @@ async fn bad_requests_get_openai_errors() {
         .pool_max_idle_per_host(0)
         .build()
         .unwrap();
-    let resp = once
+    let req = once
         .post(s.url("/v1/completions"))
         .header("content-type", "application/json")
-        .body(big)
-        .send()
-        .await
-        .expect("send oversize body");
-    let status = resp.status();
-    let resp: Value = resp.json().await.expect("oversize body: JSON error");
+        .body(big);
+    let (status, resp) = http::answer(req).await;
     assert_openai_error(
         status,
         &resp,
@@ -472,15 +388,7 @@ async fn bad_requests_get_openai_errors() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn stopped_engine_is_503_and_unhealthy() {
     let s = Server::start().await;
-    assert_eq!(
-        s.client
-            .get(s.url("/health"))
-            .send()
-            .await
-            .unwrap()
-            .status(),
-        StatusCode::OK
-    );
+    assert_eq!(s.health().await, StatusCode::OK);
     s.engine.shutdown();
     let (status, body) = s.post("/v1/completions", &json!({"prompt": "a"})).await;
     assert_openai_error(
@@ -489,15 +397,7 @@ async fn stopped_engine_is_503_and_unhealthy() {
         StatusCode::SERVICE_UNAVAILABLE,
         "after shutdown",
     );
-    assert_eq!(
-        s.client
-            .get(s.url("/health"))
-            .send()
-            .await
-            .unwrap()
-            .status(),
-        StatusCode::SERVICE_UNAVAILABLE
-    );
+    assert_eq!(s.health().await, StatusCode::SERVICE_UNAVAILABLE);
     s.stop().await;
 }
 
@@ -548,13 +448,7 @@ async fn streaming_client_disconnect_aborts_and_frees_blocks() {
     let s = Server::start().await;
     let max_tokens = s.engine.max_model_len() - 16;
     let body = json!({"prompt": "a b c", "max_tokens": max_tokens, "ignore_eos": true, "stream": true, "temperature": 0});
-    let resp = s
-        .client
-        .post(s.url("/v1/completions"))
-        .json(&body)
-        .send()
-        .await
-        .unwrap();
+    let resp = http::send(s.client.post(s.url("/v1/completions")).json(&body)).await;
     assert_eq!(resp.status(), StatusCode::OK);
     let mut chunks = resp.bytes_stream();
     let first = tokio::time::timeout(DEADLINE, chunks.next())
@@ -632,12 +526,7 @@ async fn burst_of_32_concurrent_requests_frees_every_block() {
             body["ignore_eos"] = json!(true);
             body["seed"] = json!(i);
             body["stream"] = json!(stream);
-            let resp = client
-                .post(format!("{base}{path}"))
-                .json(&body)
-                .send()
-                .await
-                .unwrap();
+            let resp = http::send(client.post(format!("{base}{path}")).json(&body)).await;
             assert_eq!(resp.status(), StatusCode::OK);
             let text = resp.text().await.unwrap();
             if stream {
@@ -684,46 +573,32 @@ async fn chat_without_template_is_a_clear_400() {
     assert!(model.chat_template.is_none());
     let engine = Engine::start(model, pool, EngineConfig::default()).expect("start engine");
 
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let base = format!("http://{}", listener.local_addr().unwrap());
-    let (stop, stopped) = oneshot::channel::<()>();
-    let task = tokio::spawn(pdkv_server::serve(
-        listener,
-        AppState::new(engine.clone(), SERVED),
-        async move {
-            let _ = stopped.await;
-        },
-    ));
+    let state = AppState::new(engine.clone(), SERVED);
+    let server =
+        Listening::start(|listener, shutdown| pdkv_server::serve(listener, state, shutdown)).await;
+    let base = server.base.clone();
     let client = reqwest::Client::new();
-    let resp = client
-        .post(format!("{base}/v1/chat/completions"))
-        .json(&json!({"messages": [{"role": "user", "content": "hi"}]}))
-        .send()
-        .await
-        .unwrap();
+    let resp = http::send(
+        client
+            .post(format!("{base}/v1/chat/completions"))
+            .json(&json!({"messages": [{"role": "user", "content": "hi"}]})),
+    )
+    .await;
     let status = resp.status();
     let body: Value = resp.json().await.unwrap();
     assert_openai_error(status, &body, StatusCode::BAD_REQUEST, "no chat template");
     assert!(
-        body["error"]["message"]
-            .as_str()
-            .unwrap()
-            .contains("chat template"),
+        http::error_message(&body).contains("chat template"),
         "{body}"
     );
     // Plain completions still work.
-    let resp = client
-        .post(format!("{base}/v1/completions"))
-        .json(&greedy(json!({"prompt": "hi"})))
-        .send()
-        .await
-        .unwrap();
+    let resp = http::send(
+        client
+            .post(format!("{base}/v1/completions"))
+            .json(&greedy(json!({"prompt": "hi"}))),
+    )
+    .await;
     assert_eq!(resp.status(), StatusCode::OK);
-    let _ = stop.send(());
-    tokio::time::timeout(DEADLINE, task)
-        .await
-        .expect("server stops")
-        .unwrap()
-        .unwrap();
+    server.stop().await;
     engine.shutdown();
 }

@@ -4,17 +4,15 @@
 //! prefill failures, dead backends and client disconnects are produced with
 //! real servers (admin pause/abort, a shut-down server, a short context).
 
-use std::net::SocketAddr;
 use std::time::Duration;
 
-use crate::common::{Server, DEADLINE};
+use crate::common::{Listening, Server, DEADLINE};
 use pdkv_engine::{EngineConfig, PauseMode, SleepLevel};
 use pdkv_server::proxy::{Proxy, ProxyConfig, Role};
 use pdkv_testkit::{http, sse};
 use pdkv_testkit::{http::assert_openai_error, prom::must};
 use reqwest::StatusCode;
 use serde_json::{json, Value};
-use tokio::sync::oneshot;
 
 const TOKEN: &str = "proxy-test-token";
 
@@ -25,8 +23,7 @@ struct ProxyServer {
     proxy: Proxy,
     base: String,
     client: reqwest::Client,
-    stop: Option<oneshot::Sender<()>>,
-    task: tokio::task::JoinHandle<std::io::Result<()>>,
+    listening: Listening,
 }
 
 impl ProxyServer {
@@ -51,20 +48,14 @@ impl ProxyServer {
         let proxy = Proxy::new(config).expect("proxy config");
         // Healthy before the first request, as `serve` also checks first.
         proxy.check_backends().await;
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-            .await
-            .expect("bind");
-        let addr: SocketAddr = listener.local_addr().expect("addr");
-        let (stop, stopped) = oneshot::channel::<()>();
-        let task = tokio::spawn(proxy.clone().serve(listener, async move {
-            let _ = stopped.await;
-        }));
+        let serving = proxy.clone();
+        let listening =
+            Listening::start(|listener, shutdown| serving.serve(listener, shutdown)).await;
         ProxyServer {
             proxy,
-            base: format!("http://{addr}"),
+            base: listening.base.clone(),
             client: reqwest::Client::new(),
-            stop: Some(stop),
-            task,
+            listening,
         }
     }
 
@@ -96,15 +87,48 @@ impl ProxyServer {
         }
     }
 
-    async fn stop(mut self) {
-        if let Some(s) = self.stop.take() {
-            let _ = s.send(());
-        }
-        tokio::time::timeout(DEADLINE, self.task)
-            .await
-            .expect("proxy stops")
-            .expect("join")
-            .expect("serve");
+    async fn stop(self) {
+        self.listening.stop().await;
+    }
+
+    /// The prefill server's KV transfer info, as the proxy's health check
+    /// read it.
+    fn prefill_kv_info(&self) -> Option<pdkv_server::proxy::KvTransferInfo> {
+        self.proxy
+            .backends()
+            .into_iter()
+            .find(|b| b.role == Role::Prefill)
+            .and_then(|b| b.kv_info)
+    }
+}
+
+/// Stops the proxy, the connector servers behind it, then the colocated
+/// server their answers were compared with.
+async fn stop_with_colo(proxy: ProxyServer, servers: [ConnServer; 2], colo: Server) {
+    proxy.stop().await;
+    for s in servers {
+        s.stop().await;
+    }
+    colo.stop().await;
+}
+
+/// Runs `call` on a clone of `engine` off the runtime (engine calls that
+/// wait block); its result.
+async fn on_engine<T: Send + 'static>(
+    engine: &pdkv_engine::EngineHandle,
+    call: impl FnOnce(pdkv_engine::EngineHandle) -> T + Send + 'static,
+) -> T {
+    let engine = engine.clone();
+    tokio::task::spawn_blocking(move || call(engine))
+        .await
+        .expect("join")
+}
+
+/// Stops the proxy, then every server behind it.
+async fn stop_all<const N: usize>(proxy: ProxyServer, servers: [Server; N]) {
+    proxy.stop().await;
+    for s in servers {
+        s.stop().await;
     }
 }
 
@@ -148,29 +172,36 @@ fn strip_ids(mut v: Value) -> Value {
 }
 
 async fn admin(s: &Server, path: &str, body: Option<Value>) -> Value {
-    let mut req = s.client.post(s.url(path)).bearer_auth(TOKEN);
-    if let Some(b) = body {
-        req = req.json(&b);
-    }
-    let resp = req.send().await.expect("admin call");
-    let status = resp.status();
-    let v: Value = resp.json().await.expect("admin JSON");
+    let (status, v) = http::admin(&s.client, &s.base, path, TOKEN, body.as_ref()).await;
     assert_eq!(status, StatusCode::OK, "{path}: {v}");
     v
 }
 
+/// The sample of the metric `family` whose one label `key` is `value`.
+fn labelled(m: &str, family: &str, key: &str, value: &str) -> f64 {
+    must(m, &format!("{family}{{{key}=\"{value}\"}}"))
+}
+
 fn finished(m: &str, reason: &str) -> f64 {
-    must(
-        m,
-        &format!("pdkv_requests_total{{finish_reason=\"{reason}\"}}"),
-    )
+    labelled(m, "pdkv_requests_total", "finish_reason", reason)
 }
 
 fn proxy_outcome(m: &str, outcome: &str) -> f64 {
-    must(
-        m,
-        &format!("pdkv_proxy_requests_total{{outcome=\"{outcome}\"}}"),
-    )
+    labelled(m, "pdkv_proxy_requests_total", "outcome", outcome)
+}
+
+fn skipped(m: &str, reason: &str) -> f64 {
+    labelled(m, "pdkv_proxy_prefill_skipped_total", "reason", reason)
+}
+
+fn upstream_errors(m: &str, role: &str) -> f64 {
+    labelled(m, "pdkv_proxy_upstream_errors_total", "role", role)
+}
+
+/// A server for the tiny preset, seed 7, with the admin API on when `token`
+/// is given.
+async fn tiny(token: Option<&str>) -> Server {
+    Server::spawn("tiny", 7, token, EngineConfig::default()).await
 }
 
 fn greedy(prompt: &str, max_tokens: u32) -> Value {
@@ -183,8 +214,8 @@ fn chat(content: &str, max_tokens: u32) -> Value {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn answers_equal_the_decode_servers_own() {
-    let p = Server::spawn("tiny", 7, None, EngineConfig::default()).await;
-    let d = Server::spawn("tiny", 7, Some(TOKEN), EngineConfig::default()).await;
+    let p = tiny(None).await;
+    let d = tiny(Some(TOKEN)).await;
     let proxy = ProxyServer::start(&[&p], &[&d]).await;
     let c = &proxy.client;
 
@@ -236,10 +267,7 @@ async fn answers_equal_the_decode_servers_own() {
     assert_eq!(finished(&dm, "length"), 8.0, "{dm}");
     let m = proxy.metrics().await;
     assert_eq!(proxy_outcome(&m, "ok"), 4.0, "{m}");
-    assert_eq!(
-        must(&m, "pdkv_proxy_upstream_errors_total{role=\"prefill\"}"),
-        0.0
-    );
+    assert_eq!(upstream_errors(&m, "prefill"), 0.0);
 
     // Other routes.
     let models: Value = pdkv_testkit::http::get_json(c, &proxy.url("/v1/models"))
@@ -258,26 +286,19 @@ async fn answers_equal_the_decode_servers_own() {
         "unknown route",
     );
     let (status, body) = {
-        let r = c
-            .post(proxy.url("/v1/completions"))
-            .body("{not json")
-            .send()
-            .await
-            .unwrap();
+        let r = http::send(c.post(proxy.url("/v1/completions")).body("{not json")).await;
         (r.status(), r.json::<Value>().await.unwrap())
     };
     assert_openai_error(status, &body, StatusCode::BAD_REQUEST, "malformed body");
 
-    proxy.stop().await;
-    p.stop().await;
-    d.stop().await;
+    stop_all(proxy, [p, d]).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn round_robin_skips_dead_backends_and_refuses_when_none_is_healthy() {
-    let p = Server::spawn("tiny", 7, None, EngineConfig::default()).await;
-    let d1 = Server::spawn("tiny", 7, None, EngineConfig::default()).await;
-    let d2 = Server::spawn("tiny", 7, None, EngineConfig::default()).await;
+    let p = tiny(None).await;
+    let d1 = tiny(None).await;
+    let d2 = tiny(None).await;
     let proxy = ProxyServer::start(&[&p], &[&d1, &d2]).await;
     let c = &proxy.client;
     assert!(
@@ -330,19 +351,9 @@ async fn round_robin_skips_dead_backends_and_refuses_when_none_is_healthy() {
     proxy.check().await;
     let resp = c.get(proxy.url("/health")).send().await.unwrap();
     assert_eq!(resp.status(), StatusCode::SERVICE_UNAVAILABLE);
-    let resp = c
-        .post(proxy.url("/v1/completions"))
-        .json(&body)
-        .send()
-        .await
-        .unwrap();
+    let resp = http::send(c.post(proxy.url("/v1/completions")).json(&body)).await;
     let status = resp.status();
-    assert_eq!(
-        resp.headers()
-            .get("retry-after")
-            .map(|v| v.to_str().unwrap()),
-        Some("1")
-    );
+    assert_eq!(http::retry_after(&resp), Some("1"));
     let v: Value = resp.json().await.unwrap();
     assert_openai_error(
         status,
@@ -355,8 +366,7 @@ async fn round_robin_skips_dead_backends_and_refuses_when_none_is_healthy() {
     assert_eq!(proxy_outcome(&m, "no_backend"), 1.0, "{m}");
     assert_eq!(proxy_outcome(&m, "ok"), 7.0, "{m}");
 
-    proxy.stop().await;
-    d1.stop().await;
+    stop_all(proxy, [d1]).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -372,7 +382,7 @@ async fn a_prefill_client_error_passes_through_drops_d_and_counts_as_bad_request
         },
     )
     .await;
-    let d = Server::spawn("tiny", 7, Some(TOKEN), EngineConfig::default()).await;
+    let d = tiny(Some(TOKEN)).await;
     let proxy = ProxyServer::start(&[&p], &[&d]).await;
     let c = &proxy.client;
     // Paused D holds requests; it can finish none of them.
@@ -399,31 +409,22 @@ async fn a_prefill_client_error_passes_through_drops_d_and_counts_as_bad_request
         })
         .await;
     assert_eq!(must(&dm, "pdkv_paused"), 1.0);
-    admin(&d, "/resume", None).await;
-    let dm = d.wait_all_blocks_free().await;
+    let dm = resume_until_idle(&d).await;
     assert_eq!(finished(&dm, "length") + finished(&dm, "stop"), 0.0, "{dm}");
     // The client's own bad request, not a prefill server's failure.
     let m = proxy.metrics().await;
     assert_eq!(proxy_outcome(&m, "bad_request"), 2.0, "{m}");
     assert_eq!(proxy_outcome(&m, "prefill_error"), 0.0, "{m}");
-    assert_eq!(
-        must(&m, "pdkv_proxy_upstream_errors_total{role=\"prefill\"}"),
-        0.0,
-        "{m}"
-    );
+    assert_eq!(upstream_errors(&m, "prefill"), 0.0, "{m}");
 
-    proxy.stop().await;
-    p.stop().await;
-    d.stop().await;
+    stop_all(proxy, [p, d]).await;
 }
 
 /// A body over the limit is a 413 in OpenAI's shape from the proxy, as
 /// from an engine, and counts as the client's bad request.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_oversize_body_is_the_same_413_from_the_proxy_and_an_engine() {
-    let p = Server::spawn("tiny", 7, None, EngineConfig::default()).await;
-    let d = Server::spawn("tiny", 7, None, EngineConfig::default()).await;
-    let proxy = ProxyServer::start(&[&p], &[&d]).await;
+    let (p, d, proxy) = plain_pd().await;
     let huge = json!({"prompt": "x".repeat(pdkv_server::MAX_BODY_BYTES + 1), "max_tokens": 1});
     let (engine_status, engine) = post_json(&proxy.client, d.url("/v1/completions"), &huge).await;
     assert_openai_error(
@@ -439,9 +440,7 @@ async fn an_oversize_body_is_the_same_413_from_the_proxy_and_an_engine() {
     }
     let m = proxy.metrics().await;
     assert_eq!(proxy_outcome(&m, "bad_request"), 2.0, "{m}");
-    proxy.stop().await;
-    p.stop().await;
-    d.stop().await;
+    stop_all(proxy, [p, d]).await;
 }
 
 /// JSON nested past the parser's depth limit is the same 400 from the proxy
@@ -449,9 +448,7 @@ async fn an_oversize_body_is_the_same_413_from_the_proxy_and_an_engine() {
 /// gets the engine's own answer through the proxy.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn json_nesting_is_judged_the_same_by_the_proxy_and_an_engine() {
-    let p = Server::spawn("tiny", 7, None, EngineConfig::default()).await;
-    let d = Server::spawn("tiny", 7, None, EngineConfig::default()).await;
-    let proxy = ProxyServer::start(&[&p], &[&d]).await;
+    let (p, d, proxy) = plain_pd().await;
     let nested = |depth: usize| {
         let mut v = json!(1);
         for _ in 0..depth {
@@ -488,18 +485,31 @@ async fn json_nesting_is_judged_the_same_by_the_proxy_and_an_engine() {
         if status.is_success() { 1.0 } else { 2.0 },
         "{m}"
     );
-    proxy.stop().await;
-    p.stop().await;
-    d.stop().await;
+    stop_all(proxy, [p, d]).await;
 }
 
 /// Both servers keep-paused: each holds the proxied request without running it.
 async fn paused_pair() -> (Server, Server) {
-    let p = Server::spawn("tiny", 7, Some(TOKEN), EngineConfig::default()).await;
-    let d = Server::spawn("tiny", 7, Some(TOKEN), EngineConfig::default()).await;
+    let p = tiny(Some(TOKEN)).await;
+    let d = tiny(Some(TOKEN)).await;
     admin(&p, "/pause?mode=keep", None).await;
     admin(&d, "/pause?mode=keep", None).await;
     (p, d)
+}
+
+/// [`paused_pair`] and the proxy in front of it.
+async fn paused_pd() -> (Server, Server, ProxyServer) {
+    let (p, d) = paused_pair().await;
+    let proxy = ProxyServer::start(&[&p], &[&d]).await;
+    (p, d, proxy)
+}
+
+/// A prefill and a decode server (admin API off) and the proxy in front.
+async fn plain_pd() -> (Server, Server, ProxyServer) {
+    let p = tiny(None).await;
+    let d = tiny(None).await;
+    let proxy = ProxyServer::start(&[&p], &[&d]).await;
+    (p, d, proxy)
 }
 
 async fn wait_waiting(s: &Server, n: f64) -> String {
@@ -567,6 +577,32 @@ fn proxied(status: StatusCode, text: &str, streaming: bool) -> Value {
     }
 }
 
+/// Resumes keep-paused D so it serves the proxied request `pending` (`body`
+/// sent to `path`), whose answer must equal D's own; D is keep-paused again
+/// after.
+async fn release_d_and_compare(
+    d: &Server,
+    pending: tokio::task::JoinHandle<(StatusCode, String)>,
+    path: &str,
+    body: &Value,
+) {
+    admin(d, "/resume", None).await;
+    let (status, text) = tokio::time::timeout(DEADLINE, pending)
+        .await
+        .expect("answer in time")
+        .unwrap();
+    let got = proxied(status, &text, body["stream"] == json!(true));
+    assert_eq!(got, direct(d, path, body).await, "{path}");
+    admin(d, "/pause?mode=keep", None).await;
+}
+
+/// Resumes `s` and waits until it is idle with every KV block free; its
+/// metrics then.
+async fn resume_until_idle(s: &Server) -> String {
+    admin(s, "/resume", None).await;
+    s.wait_all_blocks_free().await
+}
+
 fn generation_cases() -> [(&'static str, Value); 2] {
     let mut streaming = chat("keep talking", 12);
     streaming["stream"] = json!(true);
@@ -578,8 +614,7 @@ fn generation_cases() -> [(&'static str, Value); 2] {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_aborted_prefill_leaves_d_to_compute_the_prompt() {
-    let (p, d) = paused_pair().await;
-    let proxy = ProxyServer::start(&[&p], &[&d]).await;
+    let (p, d, proxy) = paused_pd().await;
 
     // P's abort (an admin's or its lifecycle's) does not lose the request:
     // D, which holds it, computes the prompt itself once it runs again.
@@ -602,44 +637,30 @@ async fn an_aborted_prefill_leaves_d_to_compute_the_prompt() {
             "the client was answered before D ran"
         );
         assert_eq!(must(&d.metrics().await, "pdkv_num_requests_waiting"), 1.0);
-        admin(&d, "/resume", None).await;
-        let (status, text) = tokio::time::timeout(DEADLINE, pending)
-            .await
-            .expect("answer in time")
-            .unwrap();
-        let got = proxied(status, &text, body["stream"] == json!(true));
-        assert_eq!(got, direct(&d, path, &body).await, "{path}");
-        admin(&d, "/pause?mode=keep", None).await;
+        release_d_and_compare(&d, pending, path, &body).await;
     }
 
     let m = proxy.metrics().await;
     assert_eq!(proxy_outcome(&m, "ok"), 2.0, "{m}");
     assert_eq!(proxy_outcome(&m, "prefill_error"), 0.0, "{m}");
-    assert_eq!(
-        must(&m, "pdkv_proxy_prefill_skipped_total{reason=\"aborted\"}"),
-        2.0,
-        "{m}"
-    );
+    assert_eq!(skipped(&m, "aborted"), 2.0, "{m}");
     for s in [&p, &d] {
-        admin(s, "/resume", None).await;
-        s.wait_all_blocks_free().await;
+        resume_until_idle(s).await;
     }
-    proxy.stop().await;
-    p.stop().await;
-    d.stop().await;
+    stop_all(proxy, [p, d]).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_paused_prefill_server_refuses_and_d_computes_the_prompt() {
-    let (p, d) = paused_pair().await;
-    let proxy = ProxyServer::start(&[&p], &[&d]).await;
+    let (p, d, proxy) = paused_pd().await;
     // Paused in abort mode, P refuses new requests: a retryable 503.
     admin(&p, "/pause?mode=abort", None).await;
     let (status, v) = post_json(&proxy.client, p.url("/v1/completions"), &greedy("x", 1)).await;
-    assert_eq!(
-        (status, v["error"]["code"].as_str()),
-        (StatusCode::SERVICE_UNAVAILABLE, Some("engine_not_serving")),
-        "{v}"
+    http::assert_error_code(
+        status,
+        &v,
+        StatusCode::SERVICE_UNAVAILABLE,
+        "engine_not_serving",
     );
 
     // D (with no KV connector here) is held until the proxy took P's
@@ -654,28 +675,13 @@ async fn a_paused_prefill_server_refuses_and_d_computes_the_prompt() {
             )
             .await;
         wait_waiting(&d, 1.0).await;
-        admin(&d, "/resume", None).await;
-        let (status, text) = tokio::time::timeout(DEADLINE, pending)
-            .await
-            .expect("answer in time")
-            .unwrap();
-        let got = proxied(status, &text, body["stream"] == json!(true));
-        assert_eq!(got, direct(&d, path, &body).await, "{path}");
-        admin(&d, "/pause?mode=keep", None).await;
+        release_d_and_compare(&d, pending, path, &body).await;
     }
     admin(&d, "/resume", None).await;
     let m = proxy.metrics().await;
     assert_eq!(proxy_outcome(&m, "ok"), 2.0, "{m}");
-    assert_eq!(
-        must(&m, "pdkv_proxy_prefill_skipped_total{reason=\"refused\"}"),
-        2.0,
-        "{m}"
-    );
-    assert_eq!(
-        must(&m, "pdkv_proxy_upstream_errors_total{role=\"prefill\"}"),
-        0.0,
-        "{m}"
-    );
+    assert_eq!(skipped(&m, "refused"), 2.0, "{m}");
+    assert_eq!(upstream_errors(&m, "prefill"), 0.0, "{m}");
     let pm = p.metrics().await;
     assert_eq!(
         finished(&pm, "length") + finished(&pm, "abort"),
@@ -683,9 +689,7 @@ async fn a_paused_prefill_server_refuses_and_d_computes_the_prompt() {
         "P ran nothing: {pm}"
     );
 
-    proxy.stop().await;
-    p.stop().await;
-    d.stop().await;
+    stop_all(proxy, [p, d]).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -706,13 +710,7 @@ async fn upstream_timeouts_are_504_naming_request_timeout() {
     assert_openai_error(status, &v, StatusCode::GATEWAY_TIMEOUT, "timed out");
     assert_eq!(v["error"]["code"], "upstream_timeout");
     assert_eq!(v["error"]["type"], "timeout_error");
-    assert!(
-        v["error"]["message"]
-            .as_str()
-            .unwrap()
-            .contains("request_timeout"),
-        "{v}"
-    );
+    assert!(http::error_message(&v).contains("request_timeout"), "{v}");
     let m = proxy.metrics().await;
     assert_eq!(
         proxy_outcome(&m, "prefill_error") + proxy_outcome(&m, "decode_error"),
@@ -722,18 +720,14 @@ async fn upstream_timeouts_are_504_naming_request_timeout() {
     // Both calls were dropped: neither server keeps the request.
     for s in [&p, &d] {
         wait_waiting(s, 0.0).await;
-        admin(s, "/resume", None).await;
-        s.wait_all_blocks_free().await;
+        resume_until_idle(s).await;
     }
-    proxy.stop().await;
-    p.stop().await;
-    d.stop().await;
+    stop_all(proxy, [p, d]).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_disconnect_aborts_both_upstream_requests() {
-    let (p, d) = paused_pair().await;
-    let proxy = ProxyServer::start(&[&p], &[&d]).await;
+    let (p, d, proxy) = paused_pd().await;
 
     // The client leaves while both servers hold its request.
     let mut body = chat("a long answer please", 64);
@@ -749,23 +743,19 @@ async fn a_client_disconnect_aborts_both_upstream_requests() {
     for s in [&p, &d] {
         let m = wait_waiting(s, 0.0).await;
         assert_eq!(finished(&m, "abort"), 1.0, "{m}");
-        admin(s, "/resume", None).await;
-        let m = s.wait_all_blocks_free().await;
+        let m = resume_until_idle(s).await;
         assert_eq!(finished(&m, "length") + finished(&m, "stop"), 0.0, "{m}");
     }
     let m = proxy.metrics().await;
     assert_eq!(proxy_outcome(&m, "cancelled"), 1.0, "{m}");
-    proxy.stop().await;
-    p.stop().await;
-    d.stop().await;
+    stop_all(proxy, [p, d]).await;
 }
 
 /// A server whose engine runs a real P/D connector (read mode here).
 struct ConnServer {
     base: String,
     engine: pdkv_engine::EngineHandle,
-    stop: Option<oneshot::Sender<()>>,
-    task: tokio::task::JoinHandle<std::io::Result<()>>,
+    listening: Listening,
     _dir: tempfile::TempDir,
 }
 
@@ -783,20 +773,14 @@ impl ConnServer {
         let engine =
             pdkv_engine::Engine::start_with_connector(model, pool, config, Some(connector))
                 .expect("engine");
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-            .await
-            .expect("bind");
-        let addr: SocketAddr = listener.local_addr().expect("addr");
-        let (stop, stopped) = oneshot::channel::<()>();
         let state = pdkv_server::AppState::new(engine.clone(), crate::common::SERVED);
-        let task = tokio::spawn(pdkv_server::serve(listener, state, async move {
-            let _ = stopped.await;
-        }));
+        let listening =
+            Listening::start(|listener, shutdown| pdkv_server::serve(listener, state, shutdown))
+                .await;
         ConnServer {
-            base: format!("http://{addr}"),
+            base: listening.base.clone(),
             engine,
-            stop: Some(stop),
-            task,
+            listening,
             _dir: dir,
         }
     }
@@ -813,15 +797,8 @@ impl ConnServer {
             .map_or(f64::NAN, |m| m.2)
     }
 
-    async fn stop(mut self) {
-        if let Some(s) = self.stop.take() {
-            let _ = s.send(());
-        }
-        tokio::time::timeout(DEADLINE, self.task)
-            .await
-            .expect("server stops")
-            .expect("join")
-            .expect("serve");
+    async fn stop(self) {
+        self.listening.stop().await;
         self.engine.shutdown();
     }
 }
@@ -846,29 +823,11 @@ async fn read_mode_sends_p_first_and_d_reads_with_p_params() {
         EngineConfig::default(),
     )
     .await;
-    let colo = Server::spawn("tiny", 7, None, EngineConfig::default()).await;
-    let mut config = ProxyConfig::new(vec![p.base.clone()], vec![d.base.clone()]);
-    config.health_interval = Duration::from_secs(3600);
-    config.request_timeout = DEADLINE;
-    config.pause_wait = Duration::ZERO;
-    let proxy = Proxy::new(config).expect("proxy config");
-    proxy.check_backends().await;
-    let info = proxy
-        .backends()
-        .into_iter()
-        .find(|b| b.role == Role::Prefill)
-        .and_then(|b| b.kv_info)
-        .expect("P's info");
+    let colo = tiny(None).await;
+    let proxy = ProxyServer::start_urls(vec![p.base.clone()], vec![d.base.clone()], DEADLINE).await;
+    let info = proxy.prefill_kv_info().expect("P's info");
     assert_eq!(info.transfer_mode.as_deref(), Some("read"));
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-        .await
-        .expect("bind");
-    let base = format!("http://{}", listener.local_addr().unwrap());
-    let (stop, stopped) = oneshot::channel::<()>();
-    let task = tokio::spawn(proxy.clone().serve(listener, async move {
-        let _ = stopped.await;
-    }));
-    let c = reqwest::Client::new();
+    let (base, c) = (proxy.base.clone(), proxy.client.clone());
 
     // D's answers equal a colocated server's: D read P's KV (a D that got
     // no params would compute the prompt itself, so the loads are counted).
@@ -930,11 +889,11 @@ async fn read_mode_sends_p_first_and_d_reads_with_p_params() {
 
     // P asleep refuses (503 engine_not_serving): D gets the client's body
     // without params, computes the prompt itself, and no request is lost.
-    let engine = p.engine.clone();
-    let slept = tokio::task::spawn_blocking(move || {
-        engine.sleep(SleepLevel::L1, PauseMode::Abort, DEADLINE)
-    });
-    slept.await.expect("join").expect("P sleeps");
+    on_engine(&p.engine, |e| {
+        e.sleep(SleepLevel::L1, PauseMode::Abort, DEADLINE)
+    })
+    .await
+    .expect("P sleeps");
     for (path, body) in &cases {
         let (s1, via) = post_json(&c, format!("{base}{path}"), body).await;
         let (_, direct) = post_json(&c, colo.url(path), body).await;
@@ -951,26 +910,12 @@ async fn read_mode_sends_p_first_and_d_reads_with_p_params() {
         "no load tried"
     );
     let m = pdkv_testkit::http::get_text(&c, &format!("{base}/metrics")).await;
-    assert_eq!(
-        must(&m, "pdkv_proxy_prefill_skipped_total{reason=\"refused\"}"),
-        2.0,
-        "{m}"
-    );
-    let engine = p.engine.clone();
-    tokio::task::spawn_blocking(move || engine.wake_up(None))
+    assert_eq!(skipped(&m, "refused"), 2.0, "{m}");
+    on_engine(&p.engine, |e| e.wake_up(None))
         .await
-        .expect("join")
         .expect("P wakes");
 
-    let _ = stop.send(());
-    tokio::time::timeout(DEADLINE, task)
-        .await
-        .expect("proxy stops")
-        .expect("join")
-        .expect("serve");
-    p.stop().await;
-    d.stop().await;
-    colo.stop().await;
+    stop_with_colo(proxy, [p, d], colo).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -984,14 +929,9 @@ async fn write_mode_refused_prefill_answers_ds_parked_pull_at_once() {
     let d_json = r#"{"kv_connector":"pdkv","kv_role":"kv_consumer","abort_timeout_s":120,"kv_load_failure_policy":"recompute"}"#;
     let p = ConnServer::spawn(p_json, "p-proxy-write", EngineConfig::default()).await;
     let d = ConnServer::spawn(d_json, "d-proxy-write", EngineConfig::default()).await;
-    let colo = Server::spawn("tiny", 7, None, EngineConfig::default()).await;
+    let colo = tiny(None).await;
     let proxy = ProxyServer::start_urls(vec![p.base.clone()], vec![d.base.clone()], DEADLINE).await;
-    let info = proxy
-        .proxy
-        .backends()
-        .into_iter()
-        .find(|b| b.role == Role::Prefill)
-        .and_then(|b| b.kv_info);
+    let info = proxy.prefill_kv_info();
     assert!(
         info.is_some_and(|i| i.bootstrap_addr.is_some()),
         "P's bootstrap address is known"
@@ -1010,10 +950,9 @@ async fn write_mode_refused_prefill_answers_ds_parked_pull_at_once() {
     assert_eq!(d.connector_metric("loads_ok_total"), 1.0);
 
     // P paused (abort mode) refuses: D's answer still comes, at once.
-    let engine = p.engine.clone();
-    let paused =
-        tokio::task::spawn_blocking(move || engine.pause(PauseMode::Abort, false, DEADLINE));
-    paused.await.expect("join").expect("P pauses");
+    on_engine(&p.engine, |e| e.pause(PauseMode::Abort, false, DEADLINE))
+        .await
+        .expect("P pauses");
     let mut stream_body = body.clone();
     stream_body["stream"] = json!(true);
     let want_events = stream_events(&colo.client, colo.url("/v1/completions"), &stream_body).await;
@@ -1035,20 +974,11 @@ async fn write_mode_refused_prefill_answers_ds_parked_pull_at_once() {
     );
     assert_eq!(p.connector_metric("pulls_ok_total"), 1.0);
     let m = proxy.metrics().await;
-    assert_eq!(
-        must(&m, "pdkv_proxy_prefill_skipped_total{reason=\"refused\"}"),
-        2.0,
-        "{m}"
-    );
+    assert_eq!(skipped(&m, "refused"), 2.0, "{m}");
     assert_eq!(proxy_outcome(&m, "ok"), 3.0, "{m}");
 
-    let engine = p.engine.clone();
-    tokio::task::spawn_blocking(move || engine.resume())
+    on_engine(&p.engine, |e| e.resume())
         .await
-        .expect("join")
         .expect("P resumes");
-    proxy.stop().await;
-    p.stop().await;
-    d.stop().await;
-    colo.stop().await;
+    stop_with_colo(proxy, [p, d], colo).await;
 }

@@ -9,25 +9,20 @@
 use std::time::Duration;
 
 use pdkv_engine::EngineConfig;
-use pdkv_server::listen::HttpLimits;
-use pdkv_testkit::http::assert_openai_error;
+use pdkv_testkit::http::{self, assert_openai_error};
 use pdkv_testkit::prom::must;
 use reqwest::StatusCode;
 use serde_json::{json, Value};
 
-use crate::common::Server;
+use crate::common::{Server, Serving};
 
 async fn dev_server(pause_wait: Duration) -> Server {
-    Server::spawn_holding(
-        "tiny",
-        7,
-        None,
-        EngineConfig::default(),
-        HttpLimits::default(),
+    let serving = Serving {
         pause_wait,
-        true,
-    )
-    .await
+        dev_mode: true,
+        ..Serving::default()
+    };
+    Server::spawn_serving("tiny", 7, None, EngineConfig::default(), serving).await
 }
 
 fn ids(v: &Value) -> Vec<u32> {
@@ -43,6 +38,14 @@ const PROMPT: [u32; 12] = [72, 101, 108, 108, 111, 32, 119, 111, 114, 108, 100, 
 async fn generate(s: &Server, body: Value) -> Value {
     let (status, v) = s.post("/inference/v1/generate", &body).await;
     assert_eq!(status, StatusCode::OK, "{v}");
+    v
+}
+
+/// `body` to `/inference/v1/generate` is refused with `want`, an error in
+/// OpenAI's shape; the answer.
+async fn generate_refused(s: &Server, body: &Value, want: StatusCode, ctx: &str) -> Value {
+    let (status, v) = s.post("/inference/v1/generate", body).await;
+    assert_openai_error(status, &v, want, ctx);
     v
 }
 
@@ -92,13 +95,12 @@ async fn generate_matches_completions_and_names_tokens_by_id() {
     }
     let mut streamed = body.clone();
     streamed["stream"] = json!(true);
-    let resp = s
-        .client
-        .post(s.url("/inference/v1/generate"))
-        .json(&streamed)
-        .send()
-        .await
-        .unwrap();
+    let resp = http::send(
+        s.client
+            .post(s.url("/inference/v1/generate"))
+            .json(&streamed),
+    )
+    .await;
     assert_eq!(resp.status(), StatusCode::OK);
     let text = resp.text().await.unwrap();
     let mut per_choice = vec![Vec::new(); 3];
@@ -152,17 +154,11 @@ async fn what_generate_cannot_do_is_a_400_naming_it() {
             "min_p",
         ),
     ] {
-        let (status, v) = s.post("/inference/v1/generate", &body).await;
-        assert_openai_error(status, &v, StatusCode::BAD_REQUEST, param);
+        let v = generate_refused(&s, &body, StatusCode::BAD_REQUEST, param).await;
         assert_eq!(v["error"]["param"], param, "{body}: {v}");
     }
-    let (status, v) = s
-        .post(
-            "/inference/v1/generate",
-            &json!({"token_ids": PROMPT, "model": "other"}),
-        )
-        .await;
-    assert_openai_error(status, &v, StatusCode::NOT_FOUND, "unknown model");
+    let other = json!({"token_ids": PROMPT, "model": "other"});
+    generate_refused(&s, &other, StatusCode::NOT_FOUND, "unknown model").await;
     // Priority 0 and beam search off are what vLLM does by default.
     generate(
         &s,
@@ -437,22 +433,13 @@ async fn new_requests_wait_for_resume_in_every_pause_mode() {
     // Past the wait, a retryable 503 naming the setting.
     let s = dev_server(Duration::from_millis(200)).await;
     post_dev(&s, "/pause?mode=abort", None).await;
-    let resp = s
-        .client
-        .post(s.url("/inference/v1/generate"))
-        .json(&body)
-        .send()
-        .await
-        .unwrap();
+    let resp = http::send(s.client.post(s.url("/inference/v1/generate")).json(&body)).await;
     assert_eq!(resp.status(), StatusCode::SERVICE_UNAVAILABLE);
     assert!(resp.headers().get("retry-after").is_some());
     let v: Value = resp.json().await.unwrap();
     assert_eq!(v["error"]["code"], "engine_not_serving", "{v}");
     assert!(
-        v["error"]["message"]
-            .as_str()
-            .unwrap()
-            .contains("--pause-wait-timeout-s"),
+        http::error_message(&v).contains("--pause-wait-timeout-s"),
         "{v}"
     );
     wait_waiting(&s, 0.0).await;
@@ -628,13 +615,8 @@ async fn cache_salt_separates_prefix_cache_entries() {
         .await;
     assert_eq!(status, StatusCode::OK, "{v}");
     assert!(hits(&s.metrics().await) > h2);
-    let (status, v) = s
-        .post(
-            "/inference/v1/generate",
-            &json!({"token_ids": prompt, "cache_salt": ""}),
-        )
-        .await;
-    assert_openai_error(status, &v, StatusCode::BAD_REQUEST, "empty cache_salt");
+    let empty_salt = json!({"token_ids": prompt, "cache_salt": ""});
+    let v = generate_refused(&s, &empty_salt, StatusCode::BAD_REQUEST, "empty cache_salt").await;
     assert_eq!(v["error"]["param"], "cache_salt");
     s.stop().await;
 }

@@ -4,14 +4,20 @@
 
 #![allow(dead_code)] // each test file uses its own part of the harness
 
+use std::future::Future;
 use std::net::SocketAddr;
+use std::time::Duration;
 
+use futures::future::BoxFuture;
 use pdkv_engine::{Engine, EngineConfig, EngineHandle};
 use pdkv_model::Arch;
+use pdkv_server::listen::HttpLimits;
 use pdkv_server::AppState;
 use pdkv_testkit::{http, prom};
 use pdkv_vmem::Pool;
+use tokio::net::TcpListener;
 use tokio::sync::oneshot;
+use tokio::task::JoinHandle;
 
 pub use pdkv_testkit::DEADLINE;
 
@@ -26,9 +32,23 @@ pub struct Server {
     pub base: String,
     pub engine: EngineHandle,
     pub client: reqwest::Client,
-    stop: Option<oneshot::Sender<()>>,
-    task: Option<tokio::task::JoinHandle<std::io::Result<()>>>,
+    listening: Listening,
     pub dir: tempfile::TempDir,
+}
+
+/// How a test server serves, beyond its model and engine: the bounds on
+/// client connections, how long new requests wait while the engine is
+/// paused, and whether the admin API is open without a token.
+///
+/// By default new requests to a paused engine are refused at once (a
+/// pause wait of zero), so the tests of what a paused or sleeping engine
+/// answers need no clock; a `pause_wait` keeps them waiting for `/resume`
+/// (`pdkv serve`'s default behaviour).
+#[derive(Default)]
+pub struct Serving {
+    pub limits: HttpLimits,
+    pub pause_wait: Duration,
+    pub dev_mode: bool,
 }
 
 impl Server {
@@ -40,82 +60,36 @@ impl Server {
         token: Option<&str>,
         config: EngineConfig,
     ) -> Server {
-        Server::spawn_with_limits(
-            preset,
-            seed,
-            token,
-            config,
-            pdkv_server::listen::HttpLimits::default(),
-        )
-        .await
+        Server::spawn_serving(preset, seed, token, config, Serving::default()).await
     }
 
-    /// [`Server::spawn`] with the given bounds on client connections.
-    ///
-    /// New requests to a paused engine are refused at once (a pause wait
-    /// of zero), so the tests of what a paused or sleeping engine answers
-    /// need no clock; [`Server::spawn_holding`] keeps them waiting.
-    pub async fn spawn_with_limits(
+    /// [`Server::spawn`], serving as `serving` says.
+    pub async fn spawn_serving(
         preset: &str,
         seed: u64,
         token: Option<&str>,
         config: EngineConfig,
-        limits: pdkv_server::listen::HttpLimits,
-    ) -> Server {
-        Server::spawn_holding(
-            preset,
-            seed,
-            token,
-            config,
-            limits,
-            std::time::Duration::ZERO,
-            false,
-        )
-        .await
-    }
-
-    /// [`Server::spawn_with_limits`] whose new requests wait up to
-    /// `pause_wait` for `/resume` while the engine is paused (`pdkv
-    /// serve`'s default behaviour); `dev_mode`: the admin API without a
-    /// token.
-    pub async fn spawn_holding(
-        preset: &str,
-        seed: u64,
-        token: Option<&str>,
-        config: EngineConfig,
-        limits: pdkv_server::listen::HttpLimits,
-        pause_wait: std::time::Duration,
-        dev_mode: bool,
+        serving: Serving,
     ) -> Server {
         let dir = checkpoint(preset, seed);
         let pool = Pool::default();
         let model = pdkv_model::load_model(dir.path(), &pool, &mut |_| {}).expect("load model");
         let engine = Engine::start(model, pool, config).expect("start engine");
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-            .await
-            .expect("bind");
-        let addr: SocketAddr = listener.local_addr().expect("addr");
-        let (stop, stopped) = oneshot::channel::<()>();
         let mut state = AppState::new(engine.clone(), SERVED)
-            .with_pause_wait(pause_wait)
-            .with_dev_mode(dev_mode);
+            .with_pause_wait(serving.pause_wait)
+            .with_dev_mode(serving.dev_mode);
         if let Some(t) = token {
             state = state.with_admin_token(t).expect("admin token");
         }
-        let task = tokio::spawn(pdkv_server::serve_with(
-            listener,
-            state,
-            limits,
-            async move {
-                let _ = stopped.await;
-            },
-        ));
+        let listening = Listening::start(|listener, shutdown| {
+            pdkv_server::serve_with(listener, state, serving.limits, shutdown)
+        })
+        .await;
         Server {
-            base: format!("http://{addr}"),
+            base: listening.base.clone(),
             engine,
             client: reqwest::Client::new(),
-            stop: Some(stop),
-            task: Some(task),
+            listening,
             dir,
         }
     }
@@ -131,6 +105,13 @@ impl Server {
         body: &serde_json::Value,
     ) -> (reqwest::StatusCode, serde_json::Value) {
         http::post_json(&self.client, &self.url(path), body).await
+    }
+
+    /// The status `/health` answers with.
+    pub async fn health(&self) -> reqwest::StatusCode {
+        http::send(self.client.get(self.url("/health")))
+            .await
+            .status()
     }
 
     pub async fn metrics(&self) -> String {
@@ -150,17 +131,47 @@ impl Server {
         .await
     }
 
-    pub async fn stop(mut self) {
-        if let Some(s) = self.stop.take() {
-            let _ = s.send(());
-        }
-        if let Some(t) = self.task.take() {
-            tokio::time::timeout(DEADLINE, t)
-                .await
-                .expect("server stops")
-                .expect("join")
-                .expect("serve");
-        }
+    pub async fn stop(self) {
+        self.listening.stop().await;
         self.engine.shutdown();
+    }
+}
+
+/// A server task on an ephemeral port of 127.0.0.1, ended by
+/// [`Listening::stop`].
+pub struct Listening {
+    pub base: String,
+    stop: oneshot::Sender<()>,
+    task: JoinHandle<std::io::Result<()>>,
+}
+
+impl Listening {
+    /// Binds a port and spawns `serve(listener, shutdown)`, `shutdown`
+    /// completing when [`Listening::stop`] is called.
+    pub async fn start<F>(serve: impl FnOnce(TcpListener, BoxFuture<'static, ()>) -> F) -> Listening
+    where
+        F: Future<Output = std::io::Result<()>> + Send + 'static,
+    {
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let addr: SocketAddr = listener.local_addr().expect("addr");
+        let (stop, stopped) = oneshot::channel::<()>();
+        let shutdown = Box::pin(async move {
+            let _ = stopped.await;
+        });
+        Listening {
+            base: format!("http://{addr}"),
+            stop,
+            task: tokio::spawn(serve(listener, shutdown)),
+        }
+    }
+
+    /// Signals the shutdown and waits, bounded, for the task to end well.
+    pub async fn stop(self) {
+        let _ = self.stop.send(());
+        tokio::time::timeout(DEADLINE, self.task)
+            .await
+            .expect("server stops")
+            .expect("join")
+            .expect("serve");
     }
 }
