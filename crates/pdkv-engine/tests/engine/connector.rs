@@ -140,6 +140,20 @@ impl KvConnector for Scripted {
 }
 
 impl Scripted {
+    /// A connector whose `id` loads its KV remotely.
+    fn remote(id: &str) -> Scripted {
+        let conn = Scripted::default();
+        conn.0.lock().unwrap().remote.insert(id.into());
+        conn
+    }
+
+    /// A connector that keeps the blocks of `id` after it finishes.
+    fn holding(id: &str) -> Scripted {
+        let conn = Scripted::default();
+        conn.0.lock().unwrap().hold_on_finish.insert(id.into());
+        conn
+    }
+
     fn load_done(&self, id: &str, error: Option<&str>) {
         let mut s = self.0.lock().unwrap();
         assert!(s.loading.remove(id), "{id} was not loading");
@@ -207,14 +221,13 @@ fn sched(conn: &Scripted) -> Scheduler {
 }
 
 fn req(id: &str, prompt: Vec<u32>, max_tokens: usize) -> NewRequest {
-    NewRequest {
-        cache_salt: None,
-        id: Arc::from(id),
-        prompt_tokens: prompt,
-        max_tokens,
-        stop_token_ids: vec![],
-        kv_transfer_params: None,
-        prompt_logits: false,
+    crate::common::new_request(id, prompt, max_tokens, vec![])
+}
+
+/// Steps until the scheduler has no work left.
+fn run_out(s: &mut Scheduler) {
+    while s.has_work() {
+        step(s);
     }
 }
 
@@ -233,8 +246,7 @@ fn prompt(n: usize, salt: u32) -> Vec<u32> {
 
 #[test]
 fn a_remote_load_parks_the_request_then_only_the_last_token_is_computed() {
-    let conn = Scripted::default();
-    conn.0.lock().unwrap().remote.insert("d".into());
+    let conn = Scripted::remote("d");
     let mut s = sched(&conn);
     s.add_request(req("d", prompt(40, 1), 3));
     s.add_request(req("local", prompt(20, 2), 2));
@@ -265,9 +277,7 @@ fn a_remote_load_parks_the_request_then_only_the_last_token_is_computed() {
         .expect("d runs after its load");
     assert_eq!((q.start_pos, q.tokens.len(), q.sample), (39, 1, true));
     assert_eq!(q.block_table, allocs[0].1);
-    while s.has_work() {
-        step(&mut s);
-    }
+    run_out(&mut s);
     assert_eq!(s.counts().num_free_blocks, NUM_BLOCKS);
 }
 
@@ -277,9 +287,7 @@ fn a_local_prefix_hit_shrinks_the_remote_load() {
     let mut s = sched(&conn);
     let p = prompt(50, 3);
     s.add_request(req("warm", p[..40].to_vec(), 1));
-    while s.has_work() {
-        step(&mut s);
-    }
+    run_out(&mut s);
     conn.0.lock().unwrap().remote.insert("d".into());
     s.add_request(req("d", p.clone(), 2));
     step(&mut s);
@@ -290,18 +298,15 @@ fn a_local_prefix_hit_shrinks_the_remote_load() {
     s.update_from_connector();
     let out = step(&mut s);
     assert_eq!(out.seqs[0].start_pos, 49);
-    while s.has_work() {
-        step(&mut s);
-    }
+    run_out(&mut s);
     assert_eq!(s.counts().num_free_blocks, NUM_BLOCKS);
 }
 
 #[test]
 fn a_failed_load_recomputes_or_fails_by_policy() {
     for policy in [LoadFailurePolicy::Recompute, LoadFailurePolicy::Fail] {
-        let conn = Scripted::default();
+        let conn = Scripted::remote("d");
         conn.0.lock().unwrap().policy = policy;
-        conn.0.lock().unwrap().remote.insert("d".into());
         let mut s = sched(&conn);
         s.add_request(req("d", prompt(40, 4), 2));
         step(&mut s);
@@ -322,9 +327,7 @@ fn a_failed_load_recomputes_or_fails_by_policy() {
                 let out = step(&mut s);
                 // Every prompt token is computed here, from the start.
                 assert_eq!((out.seqs[0].start_pos, out.seqs[0].tokens.len()), (0, 40));
-                while s.has_work() {
-                    step(&mut s);
-                }
+                run_out(&mut s);
             }
         }
         assert_eq!(s.counts().num_free_blocks, NUM_BLOCKS, "{policy:?}");
@@ -333,8 +336,7 @@ fn a_failed_load_recomputes_or_fails_by_policy() {
 
 #[test]
 fn blocks_of_an_aborted_load_stay_held_until_the_load_ends() {
-    let conn = Scripted::default();
-    conn.0.lock().unwrap().remote.insert("d".into());
+    let conn = Scripted::remote("d");
     let mut s = sched(&conn);
     s.add_request(req("d", prompt(40, 5), 2));
     step(&mut s);
@@ -354,8 +356,7 @@ fn blocks_of_an_aborted_load_stay_held_until_the_load_ends() {
 
 #[test]
 fn a_finished_producer_request_holds_its_blocks_until_sent() {
-    let conn = Scripted::default();
-    conn.0.lock().unwrap().hold_on_finish.insert("p".into());
+    let conn = Scripted::holding("p");
     let mut s = sched(&conn);
     s.add_request(req("p", prompt(40, 6), 1));
     let out = s.schedule();
@@ -445,9 +446,7 @@ fn a_cache_reset_cuts_loads_short_and_they_recompute_under_either_policy() {
             starts.contains(&("landed".to_string(), 0, 40)),
             "{starts:?}"
         );
-        while s.has_work() {
-            step(&mut s);
-        }
+        run_out(&mut s);
         assert_eq!(s.counts().num_free_blocks, NUM_BLOCKS);
     }
 }
@@ -505,9 +504,8 @@ fn sleep_mode_refuses_a_connector_that_cannot_release_and_gates_sleep_without_it
 #[test]
 fn a_weight_reload_waits_for_transfers_to_give_their_blocks_back() {
     use pdkv_engine::EngineConfig;
-    use std::time::{Duration, Instant};
-    let conn = Scripted::default();
-    conn.0.lock().unwrap().hold_on_finish.insert("held".into());
+    use std::time::Duration;
+    let conn = Scripted::holding("held");
     let e = crate::common::start_with_connector(
         pdkv_model::Arch::Llama,
         EngineConfig::default(),
@@ -517,27 +515,14 @@ fn a_weight_reload_waits_for_transfers_to_give_their_blocks_back() {
     // show every block free.
     let (total, s) = (e.config().num_kv_blocks, e.stats());
     assert_eq!((s.kv_blocks_total, s.kv_blocks_free), (total, total));
-    let out = crate::common::run_one(
-        &e,
-        crate::common::request(
-            "held",
-            crate::common::prompt(3, 40),
-            crate::common::greedy(1),
-        ),
-    );
-    assert_eq!(out.finish, Some(FinishReason::Length));
+    crate::common::run_to_length(&e, "held", 3, 40, 1);
 
     std::thread::scope(|s| {
         let reload = s.spawn(|| e.update_weights(e.checkpoint(), Some("again".into())));
         // The reload asked the connector to stop holding KV...
-        let t0 = Instant::now();
-        while conn.0.lock().unwrap().aborts == 0 {
-            assert!(
-                t0.elapsed() < Duration::from_secs(30),
-                "the reload never released the transfers"
-            );
-            std::thread::yield_now();
-        }
+        crate::common::wait_until("the reload never released the transfers", || {
+            conn.0.lock().unwrap().aborts != 0
+        });
         // ...and waits while the blocks are still held.
         assert!(
             !reload.is_finished(),
@@ -577,11 +562,7 @@ fn sleepy(conn: &Scripted, config: pdkv_engine::EngineConfig) -> crate::common::
 
 /// The tokens and logits bits of the greedy reference request.
 fn probe(e: &pdkv_engine::EngineHandle, id: &str) -> (Vec<u32>, Vec<Vec<u32>>) {
-    let out = crate::common::run_one(
-        e,
-        crate::common::request(id, crate::common::prompt(5, 40), crate::common::greedy(4)),
-    );
-    assert_eq!(out.finish, Some(FinishReason::Length), "{id}");
+    let out = crate::common::run_to_length(e, id, 5, 40, 4);
     (out.tokens.clone(), out.logit_bits())
 }
 
@@ -699,33 +680,19 @@ fn a_failed_registration_release_fails_sleep_and_kv_release_and_changes_nothing(
 #[test]
 fn a_sleep_that_waited_for_transfers_and_then_failed_leaves_no_pause_behind() {
     use pdkv_engine::{LifecycleError, PauseMode, SleepLevel};
-    use std::time::{Duration, Instant};
+    use std::time::Duration;
     const REFUSAL: &str = "a peer did not acknowledge its unmap (scripted refusal)";
-    let conn = Scripted::default();
-    conn.0.lock().unwrap().hold_on_finish.insert("held".into());
+    let conn = Scripted::holding("held");
     let e = sleepy(&conn, pdkv_engine::EngineConfig::default());
-    let out = crate::common::run_one(
-        &e,
-        crate::common::request(
-            "held",
-            crate::common::prompt(3, 40),
-            crate::common::greedy(1),
-        ),
-    );
-    assert_eq!(out.finish, Some(FinishReason::Length));
+    crate::common::run_to_length(&e, "held", 3, 40, 1);
     conn.0.lock().unwrap().release_error = Some(REFUSAL.into());
 
     std::thread::scope(|s| {
         let sleep = s.spawn(|| e.sleep(SleepLevel::L1, PauseMode::Keep, Duration::from_secs(30)));
         // The sleep waits (paused) while the transfer holds its blocks...
-        let t0 = Instant::now();
-        while e.lifecycle_status().paused.is_none() {
-            assert!(
-                t0.elapsed() < Duration::from_secs(30),
-                "the sleep never paused the engine"
-            );
-            std::thread::yield_now();
-        }
+        crate::common::wait_until("the sleep never paused the engine", || {
+            e.lifecycle_status().paused.is_some()
+        });
         assert!(
             !sleep.is_finished(),
             "the sleep went on while a transfer held blocks"
@@ -748,30 +715,14 @@ fn a_sleep_that_waited_for_transfers_and_then_failed_leaves_no_pause_behind() {
         "{st:?}"
     );
     // It serves without a resume, and the retried sleep works.
-    let out = crate::common::run_one(
-        &e,
-        crate::common::request(
-            "after",
-            crate::common::prompt(5, 40),
-            crate::common::greedy(2),
-        ),
-    );
-    assert_eq!(out.finish, Some(FinishReason::Length));
+    crate::common::run_to_length(&e, "after", 5, 40, 2);
     conn.0.lock().unwrap().release_error = None;
     e.sleep(SleepLevel::L1, PauseMode::Keep, Duration::from_secs(10))
         .expect("the retried sleep");
     assert_eq!(e.lifecycle_status().sleeping, Some(SleepLevel::L1));
     e.wake_up(None).unwrap();
     e.resume().unwrap();
-    let out = crate::common::run_one(
-        &e,
-        crate::common::request(
-            "woken",
-            crate::common::prompt(5, 40),
-            crate::common::greedy(2),
-        ),
-    );
-    assert_eq!(out.finish, Some(FinishReason::Length));
+    crate::common::run_to_length(&e, "woken", 5, 40, 2);
 }
 
 /// The connector cannot register the KV cache again after it was mapped:
@@ -851,8 +802,7 @@ fn a_failed_registration_restore_fails_the_wake_and_the_next_wake_retries_it() {
 fn a_weight_update_waiting_for_transfers_leaves_the_core_answering_and_a_resume_cancels_it() {
     use pdkv_engine::{AddRequestError, LifecycleError, PauseMode};
     use std::time::{Duration, Instant};
-    let conn = Scripted::default();
-    conn.0.lock().unwrap().hold_on_finish.insert("held".into());
+    let conn = Scripted::holding("held");
     // A release timeout far longer than any wait below: an update that
     // blocked the core would show as a core that does not answer.
     let config = pdkv_engine::EngineConfig {
@@ -869,31 +819,15 @@ fn a_weight_update_waiting_for_transfers_leaves_the_core_answering_and_a_resume_
         .unwrap();
     let want = probe(&e, "before");
     let info = e.weight_info();
-    let out = crate::common::run_one(
-        &e,
-        crate::common::request(
-            "held",
-            crate::common::prompt(3, 40),
-            crate::common::greedy(1),
-        ),
-    );
-    assert_eq!(out.finish, Some(FinishReason::Length));
+    crate::common::run_to_length(&e, "held", 3, 40, 1);
     // Two requests frozen by a keep pause (an update may run under it).
     e.pause(PauseMode::Keep, false, Duration::from_secs(10))
         .unwrap();
     let q1 = e
-        .add_request(crate::common::request(
-            "q1",
-            crate::common::prompt(6, 30),
-            crate::common::greedy(3),
-        ))
+        .add_request(crate::common::greedy_request("q1", 6, 30, 3))
         .unwrap();
     let q2 = e
-        .add_request(crate::common::request(
-            "q2",
-            crate::common::prompt(5, 40),
-            crate::common::greedy(4),
-        ))
+        .add_request(crate::common::greedy_request("q2", 5, 40, 4))
         .unwrap();
 
     std::thread::scope(|s| {
@@ -913,11 +847,7 @@ fn a_weight_update_waiting_for_transfers_leaves_the_core_answering_and_a_resume_
         assert_eq!(crate::common::collect(q1).finish, Some(FinishReason::Abort));
         assert!(!e.reset_prefix_cache(), "a transfer holds blocks");
         assert_eq!(e.lifecycle_status().paused, Some(PauseMode::Keep));
-        let refused = e.add_request(crate::common::request(
-            "new",
-            crate::common::prompt(7, 20),
-            crate::common::greedy(1),
-        ));
+        let refused = e.add_request(crate::common::greedy_request("new", 7, 20, 1));
         assert!(
             matches!(refused, Err(AddRequestError::Unavailable(ref m)) if m.contains("updating its weights")),
             "{:?}",

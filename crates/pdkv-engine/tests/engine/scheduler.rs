@@ -19,16 +19,9 @@ fn sched(max_num_seqs: usize, budget: usize, num_blocks: usize, caching: bool) -
     })
 }
 
+/// A request that stops at token 0.
 fn req(id: &str, prompt: Vec<u32>, max_tokens: usize) -> NewRequest {
-    NewRequest {
-        cache_salt: None,
-        id: Arc::from(id),
-        prompt_tokens: prompt,
-        max_tokens,
-        stop_token_ids: vec![0],
-        kv_transfer_params: None,
-        prompt_logits: false,
-    }
+    crate::common::new_request(id, prompt, max_tokens, vec![0])
 }
 
 /// The token a request samples at output `index`: a pure function, so a

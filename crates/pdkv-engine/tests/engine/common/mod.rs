@@ -99,6 +99,51 @@ pub fn request(id: &str, prompt_tokens: Vec<u32>, params: SamplingParams) -> Eng
     }
 }
 
+/// A [`greedy`] request for `max_tokens` on `prompt(seed, len)`.
+pub fn greedy_request(id: &str, seed: u64, len: usize, max_tokens: u32) -> EngineRequest {
+    request(id, prompt(seed, len), greedy(max_tokens))
+}
+
+/// Runs a [`greedy_request`] alone; it must end by its length.
+pub fn run_to_length(
+    e: &EngineHandle,
+    id: &str,
+    seed: u64,
+    len: usize,
+    max_tokens: u32,
+) -> Collected {
+    let out = run_one(e, greedy_request(id, seed, len, max_tokens));
+    assert_eq!(out.finish, Some(FinishReason::Length), "{id}");
+    out
+}
+
+/// A request as the scheduler takes it (no model behind it).
+pub fn new_request(
+    id: &str,
+    prompt: Vec<u32>,
+    max_tokens: usize,
+    stop_token_ids: Vec<u32>,
+) -> pdkv_engine::scheduler::NewRequest {
+    pdkv_engine::scheduler::NewRequest {
+        cache_salt: None,
+        id: id.into(),
+        prompt_tokens: prompt,
+        max_tokens,
+        stop_token_ids,
+        kv_transfer_params: None,
+        prompt_logits: false,
+    }
+}
+
+/// Spins (yielding) until `done` holds; panics naming `what` after 30 s.
+pub fn wait_until(what: &str, mut done: impl FnMut() -> bool) {
+    let t0 = std::time::Instant::now();
+    while !done() {
+        assert!(t0.elapsed() < Duration::from_secs(30), "{what}");
+        std::thread::yield_now();
+    }
+}
+
 /// Everything a request produced.
 #[derive(Clone, Debug, Default)]
 pub struct Collected {
