@@ -58,6 +58,14 @@ fn start_at(path: &Path, config: EngineConfig) -> Eng {
     Eng(Engine::start(model, pool, config).expect("start engine"))
 }
 
+/// An engine on a fresh tiny checkpoint of `arch` made with `seed`; the
+/// directory must outlive the engine.
+fn start_tiny(arch: Arch, seed: u64, config: EngineConfig) -> (tempfile::TempDir, Eng) {
+    let dir = checkpoint(arch, "tiny", seed);
+    let e = start_at(dir.path(), config);
+    (dir, e)
+}
+
 const T: Duration = Duration::from_secs(60);
 
 /// Tokens and logit bits of one greedy run.
@@ -123,8 +131,7 @@ fn rss_bytes() -> u64 {
 #[test]
 fn sleep_levels_1_and_2_restore_exact_outputs() {
     let _g = serial();
-    let dir = checkpoint(Arch::Llama, "tiny", 7);
-    let e = start_at(dir.path(), config(256, 512));
+    let (dir, e) = start_tiny(Arch::Llama, 7, config(256, 512));
     let baseline = probes(&e, "base");
     wait_idle(&e);
     let awake = device_total(&e);
@@ -204,8 +211,7 @@ fn sleep_levels_1_and_2_restore_exact_outputs() {
 #[test]
 fn fifty_level_1_cycles_keep_memory_flat() {
     let _g = serial();
-    let dir = checkpoint(Arch::Llama, "tiny", 7);
-    let e = start_at(dir.path(), config(256, 512));
+    let (_dir, e) = start_tiny(Arch::Llama, 7, config(256, 512));
     let reference = run_one(&e, request("ref", prompt(31, 40), greedy(8)));
     wait_idle(&e);
     let awake = device_total(&e);
@@ -241,8 +247,7 @@ fn fifty_level_1_cycles_keep_memory_flat() {
 #[test]
 fn selective_wake_in_both_orders() {
     let _g = serial();
-    let dir = checkpoint(Arch::Qwen3, "tiny", 3);
-    let e = start_at(dir.path(), config(256, 512));
+    let (_dir, e) = start_tiny(Arch::Qwen3, 3, config(256, 512));
     let baseline = probes(&e, "base");
     for (n, order) in [[Tag::Weights, Tag::KvCache], [Tag::KvCache, Tag::Weights]]
         .iter()
@@ -293,6 +298,25 @@ fn finish(mut s: RequestStream, mut c: Collected) -> Collected {
     c
 }
 
+/// [`load`], each request then run to its end.
+fn load_to_end(e: &EngineHandle, tag: &str, max_tokens: u32) -> Vec<Collected> {
+    load(e, tag, max_tokens)
+        .into_iter()
+        .map(|(s, c)| finish(s, c))
+        .collect()
+}
+
+/// Each of `running` ends by its length exactly as its `reference` did:
+/// the same tokens and the same logits.
+fn assert_finish_as(running: Vec<(RequestStream, Collected)>, reference: &[Collected]) {
+    for (i, ((s, c), want)) in running.into_iter().zip(reference).enumerate() {
+        let c = finish(s, c);
+        assert_eq!(c.finish, Some(FinishReason::Length), "request {i}");
+        assert_eq!(c.tokens, want.tokens, "request {i}");
+        assert_eq!(c.logit_bits(), want.logit_bits(), "request {i}");
+    }
+}
+
 fn load_config() -> EngineConfig {
     config(256, 2100)
 }
@@ -300,8 +324,7 @@ fn load_config() -> EngineConfig {
 #[test]
 fn pause_abort_under_load_aborts_everything() {
     let _g = serial();
-    let dir = checkpoint(Arch::Llama, "tiny", 7);
-    let e = start_at(dir.path(), load_config());
+    let (_dir, e) = start_tiny(Arch::Llama, 7, load_config());
     let running = load(&e, "a", 1000);
     e.pause(PauseMode::Abort, true, T).unwrap();
     assert_eq!(e.lifecycle_status().paused, Some(PauseMode::Abort));
@@ -324,12 +347,8 @@ fn pause_abort_under_load_aborts_everything() {
 #[test]
 fn pause_wait_under_load_finishes_everything_and_refuses_new_requests() {
     let _g = serial();
-    let dir = checkpoint(Arch::Llama, "tiny", 7);
-    let e = start_at(dir.path(), load_config());
-    let reference: Vec<Collected> = load(&e, "ref", 60)
-        .into_iter()
-        .map(|(s, c)| finish(s, c))
-        .collect();
+    let (_dir, e) = start_tiny(Arch::Llama, 7, load_config());
+    let reference = load_to_end(&e, "ref", 60);
     wait_idle(&e);
 
     let running = load(&e, "w", 60);
@@ -371,12 +390,8 @@ fn pause_wait_under_load_finishes_everything_and_refuses_new_requests() {
 #[test]
 fn pause_keep_freezes_requests_which_continue_exactly_after_resume() {
     let _g = serial();
-    let dir = checkpoint(Arch::Qwen3, "tiny", 5);
-    let e = start_at(dir.path(), load_config());
-    let reference: Vec<Collected> = load(&e, "ref", 80)
-        .into_iter()
-        .map(|(s, c)| finish(s, c))
-        .collect();
+    let (_dir, e) = start_tiny(Arch::Qwen3, 5, load_config());
+    let reference = load_to_end(&e, "ref", 80);
     let late_ref = run_one(&e, request("late-ref", prompt(77, 20), greedy(10)));
     wait_idle(&e);
 
@@ -397,12 +412,7 @@ fn pause_keep_freezes_requests_which_continue_exactly_after_resume() {
         "a step ran during a keep pause"
     );
     e.resume().unwrap();
-    for (i, ((s, c), want)) in running.into_iter().zip(&reference).enumerate() {
-        let c = finish(s, c);
-        assert_eq!(c.finish, Some(FinishReason::Length), "request {i}");
-        assert_eq!(c.tokens, want.tokens, "request {i}");
-        assert_eq!(c.logit_bits(), want.logit_bits(), "request {i}");
-    }
+    assert_finish_as(running, &reference);
     let late = collect(late);
     assert_eq!(late.tokens, late_ref.tokens);
     wait_idle(&e);
@@ -411,12 +421,8 @@ fn pause_keep_freezes_requests_which_continue_exactly_after_resume() {
 #[test]
 fn sleep_with_keep_recomputes_frozen_requests_after_wake() {
     let _g = serial();
-    let dir = checkpoint(Arch::Llama, "tiny", 7);
-    let e = start_at(dir.path(), load_config());
-    let reference: Vec<Collected> = load(&e, "ref", 60)
-        .into_iter()
-        .map(|(s, c)| finish(s, c))
-        .collect();
+    let (_dir, e) = start_tiny(Arch::Llama, 7, load_config());
+    let reference = load_to_end(&e, "ref", 60);
     wait_idle(&e);
 
     let running = load(&e, "k", 60);
@@ -429,12 +435,7 @@ fn sleep_with_keep_recomputes_frozen_requests_after_wake() {
     assert_eq!(s.num_running, 0);
     assert!(s.num_waiting > 0, "frozen requests wait to recompute");
     e.wake_up(None).unwrap();
-    for (i, ((st, c), want)) in running.into_iter().zip(&reference).enumerate() {
-        let c = finish(st, c);
-        assert_eq!(c.finish, Some(FinishReason::Length), "request {i}");
-        assert_eq!(c.tokens, want.tokens, "request {i}");
-        assert_eq!(c.logit_bits(), want.logit_bits(), "request {i}");
-    }
+    assert_finish_as(running, &reference);
     wait_idle(&e);
 }
 
@@ -554,8 +555,7 @@ fn write_with_bad_tensor(from: &Path, to: &Path, name: &str) {
 #[test]
 fn release_kv_needs_a_pause_and_wake_when_awake_changes_nothing() {
     let _g = serial();
-    let dir = checkpoint(Arch::Llama, "tiny", 7);
-    let e = start_at(dir.path(), config(256, 512));
+    let (_dir, e) = start_tiny(Arch::Llama, 7, config(256, 512));
     let baseline = probes(&e, "base");
     wait_idle(&e);
     let awake = e.pool().device_bytes();
@@ -598,8 +598,7 @@ fn release_kv_needs_a_pause_and_wake_when_awake_changes_nothing() {
 #[test]
 fn abort_requests_and_reset_prefix_cache_with_running_requests() {
     let _g = serial();
-    let dir = checkpoint(Arch::Llama, "tiny", 7);
-    let e = start_at(dir.path(), config(256, 512));
+    let (_dir, e) = start_tiny(Arch::Llama, 7, config(256, 512));
     let reference = run_one(&e, request("ref", prompt(8, 40), greedy(200)));
     wait_idle(&e);
     let a = e
@@ -630,8 +629,7 @@ fn abort_requests_and_reset_prefix_cache_with_running_requests() {
 #[test]
 fn sleep_invalidates_the_prefix_cache() {
     let _g = serial();
-    let dir = checkpoint(Arch::Llama, "tiny", 7);
-    let e = start_at(dir.path(), config(256, 512));
+    let (dir, e) = start_tiny(Arch::Llama, 7, config(256, 512));
     let shared = prompt(4242, 48);
     let mut second = shared.clone();
     second.extend(prompt(17, 9));
