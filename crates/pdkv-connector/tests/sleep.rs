@@ -36,6 +36,19 @@ use serde_json::{json, Value};
 
 // ---- a stand-in prefill engine that records what D's pull names ----
 
+/// A stand-in prefill engine's side of a control connection it accepted:
+/// the handshake, then one message, read and returned; a bootstrap is
+/// answered as the engine `engine_id`.
+fn serve_one(s: &mut std::net::TcpStream, engine_id: &str) -> Message {
+    s.set_read_timeout(Some(WAIT)).unwrap();
+    common::accept_control(s);
+    let m = recv_msg(s);
+    if matches!(m, Message::Bootstrap) {
+        send_msg(s, &common::bootstrap_ok(engine_id));
+    }
+    m
+}
+
 /// Has D load `rid` from a control server that answers the bootstrap, keeps
 /// the pull (D's destination: segment, key, epoch, offsets) and refuses it.
 fn capture_pull(d: &mut Side, rid: &str, d_blocks: &[u32]) -> Pull {
@@ -43,17 +56,8 @@ fn capture_pull(d: &mut Side, rid: &str, d_blocks: &[u32]) -> Pull {
     let addr = listener.local_addr().unwrap().to_string();
     let server = std::thread::spawn(move || loop {
         let (mut s, _) = listener.accept().unwrap();
-        s.set_read_timeout(Some(WAIT)).unwrap();
-        common::accept_control(&mut s);
-        match recv_msg(&mut s) {
-            Message::Bootstrap => send_msg(
-                &mut s,
-                &Message::BootstrapOk {
-                    engine_id: "recorder".into(),
-                    layout: "test-layout".into(),
-                    block_bytes: BB as u64,
-                },
-            ),
+        match serve_one(&mut s, "recorder") {
+            Message::Bootstrap => {}
             Message::Pull(p) => {
                 send_msg(
                     &mut s,
@@ -190,17 +194,8 @@ fn silent_prefill() -> (String, std::sync::mpsc::Receiver<Pull>) {
     std::thread::spawn(move || {
         let mut held = Vec::new();
         while let Ok((mut s, _)) = listener.accept() {
-            s.set_read_timeout(Some(WAIT)).unwrap();
-            common::accept_control(&mut s);
-            match recv_msg(&mut s) {
-                Message::Bootstrap => send_msg(
-                    &mut s,
-                    &Message::BootstrapOk {
-                        engine_id: "silent".into(),
-                        layout: "test-layout".into(),
-                        block_bytes: BB as u64,
-                    },
-                ),
+            match serve_one(&mut s, "silent") {
+                Message::Bootstrap => {}
                 Message::Pull(p) => {
                     held.push(s);
                     if tx.send(p).is_err() {

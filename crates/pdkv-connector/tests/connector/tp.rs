@@ -214,13 +214,14 @@ fn transport_addr(e: &EngineHandle) -> String {
         .to_string()
 }
 
-#[test]
-fn a_rank_whose_release_times_out_or_whose_restore_fails_rolls_every_rank_back() {
+/// A TP2 producer `p_id` and a TP2 sleep-mode consumer `d_id` over shared
+/// memory, the consumer's releases bounded by a second.
+fn shm_fault_engines(p_id: &str, d_id: &str) -> (Started, Started, Arc<Shared>) {
     let t = r#","transport":"shm""#;
-    let (p, _) = tp_engine(&producer(t), "p-fault", 2, true);
+    let (p, _) = tp_engine(&producer(t), p_id, 2, true);
     let (d, ds) = tp_engine_with(
         &consumer(t),
-        "d-fault",
+        d_id,
         EngineConfig {
             tensor_parallel_size: 2,
             enable_sleep_mode: true,
@@ -228,12 +229,20 @@ fn a_rank_whose_release_times_out_or_whose_restore_fails_rolls_every_rank_back()
             ..config()
         },
     );
+    (p, d, ds)
+}
+
+/// `tag` goes P → D on `pr` for 4 tokens and matches the colocated engine.
+fn check_pd(p: &Started, d: &Started, colo: &Started, tag: &str, pr: Vec<u32>) {
+    let out = pd(&p.handle, &d.handle, tag, &pr, 4).unwrap_or_else(|e| panic!("{tag}: {e}"));
+    assert_matches_colocated(&colo.handle, &out, &pr, 4, tag);
+}
+
+#[test]
+fn a_rank_whose_release_times_out_or_whose_restore_fails_rolls_every_rank_back() {
+    let (p, d, ds) = shm_fault_engines("p-fault", "d-fault");
     let colo = colocated();
-    let check = |tag: &str| {
-        let pr = prompt(tag.len() as u64 * 31, 37);
-        let out = pd(&p.handle, &d.handle, tag, &pr, 4).unwrap_or_else(|e| panic!("{tag}: {e}"));
-        assert_matches_colocated(&colo.handle, &out, &pr, 4, tag);
-    };
+    let check = |tag: &str| check_pd(&p, &d, &colo, tag, prompt(tag.len() as u64 * 31, 37));
     check("before");
 
     // Rank 1's release times out: a peer mapped its segment and is silent.
@@ -334,24 +343,9 @@ fn a_rank_whose_release_times_out_or_whose_restore_fails_rolls_every_rank_back()
 
 #[test]
 fn a_release_whose_rollback_fails_too_leaves_no_rank_half_registered() {
-    let t = r#","transport":"shm""#;
-    let (p, _) = tp_engine(&producer(t), "p-fault2", 2, true);
-    let (d, ds) = tp_engine_with(
-        &consumer(t),
-        "d-fault2",
-        EngineConfig {
-            tensor_parallel_size: 2,
-            enable_sleep_mode: true,
-            kv_release_timeout: Duration::from_secs(1),
-            ..config()
-        },
-    );
+    let (p, d, ds) = shm_fault_engines("p-fault2", "d-fault2");
     let colo = colocated();
-    let check = |tag: &str| {
-        let pr = prompt(tag.len() as u64 * 17, 41);
-        let out = pd(&p.handle, &d.handle, tag, &pr, 4).unwrap_or_else(|e| panic!("{tag}: {e}"));
-        assert_matches_colocated(&colo.handle, &out, &pr, 4, tag);
-    };
+    let check = |tag: &str| check_pd(&p, &d, &colo, tag, prompt(tag.len() as u64 * 17, 41));
     check("before");
 
     // Rank 0's release times out (a silent peer maps it), and registering

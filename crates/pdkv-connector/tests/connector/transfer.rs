@@ -32,26 +32,31 @@ fn prefill_output(p: &mut Side, rid: &str, tid: &str, len: usize, p_blocks: &[u3
     out
 }
 
+/// P's blocks of the 40-token prompt "rp" and D's blocks for it ("rd").
+const P_BLOCKS: [u32; 4] = [5, 9, 2, 30];
+const D_BLOCKS: [u32; 4] = [7, 3, 20, 11];
+
+/// D loads "rd" from P's `params`, its first `local` tokens cached locally:
+/// the load ends without errors, and P's blocks 9 and 2 land in D's 3 and 20.
+fn load_lands(d: &mut Side, params: &Value, local: usize) {
+    start_load(d, "rd", 40, local, &D_BLOCKS, params);
+    let f = d.wait_finished(|f| !f.recving.is_empty());
+    assert_eq!(f.recving, vec![Arc::from("rd")]);
+    assert_eq!(crate::common::load_errors(d), Vec::<(u32, String)>::new());
+    assert_eq!(d.block(3), pattern(9));
+    assert_eq!(d.block(20), pattern(2));
+}
+
 fn transfer(transport: &str) {
     let mut p = side("kv_producer", transport, "p1", "");
     let mut d = side("kv_consumer", transport, "d1", "");
     // 40-token prompt: 39 tokens to send = blocks 0..3 of the request; D
     // has the first block (16 tokens) locally.
-    let p_blocks = [5, 9, 2, 30];
-    let params = prefill_output(&mut p, "rp", "t1", 40, &p_blocks);
+    let params = prefill_output(&mut p, "rp", "t1", 40, &P_BLOCKS);
     assert_eq!(p.c.num_held_blocks(), 4);
-    let d_blocks = [7, 3, 20, 11];
     // (Whether D still holds the blocks here races with the transfer,
     // which may already be done on loopback: not asserted.)
-    start_load(&mut d, "rd", 40, 16, &d_blocks, &params);
-    let f = d.wait_finished(|f| !f.recving.is_empty());
-    assert_eq!(f.recving, vec![Arc::from("rd")]);
-    assert_eq!(
-        crate::common::load_errors(&mut d),
-        Vec::<(u32, String)>::new()
-    );
-    assert_eq!(d.block(3), pattern(9));
-    assert_eq!(d.block(20), pattern(2));
+    load_lands(&mut d, &params, 16);
     assert_eq!(
         d.block(7),
         vec![0; BB],
@@ -69,7 +74,7 @@ fn transfer(transport: &str) {
     let id: Arc<str> = Arc::from("rd");
     let prompt = vec![1u32; 40];
     assert_eq!(
-        d.c.request_finished(req(&id, &prompt, &params), &d_blocks, FinishReason::Length),
+        d.c.request_finished(req(&id, &prompt, &params), &D_BLOCKS, FinishReason::Length),
         (false, None)
     );
 }
@@ -311,14 +316,7 @@ fn garbage_on_the_control_socket_closes_that_connection_only() {
     let mut s = crate::common::control(&boot);
     s.set_read_timeout(Some(WAIT)).unwrap();
     send_msg(&mut s, &Message::Bootstrap);
-    assert_eq!(
-        recv_msg(&mut s),
-        Message::BootstrapOk {
-            engine_id: "p1".into(),
-            layout: "test-layout".into(),
-            block_bytes: BB as u64
-        }
-    );
+    assert_eq!(recv_msg(&mut s), crate::common::bootstrap_ok("p1"));
 }
 
 /// 300 clients that connect and idle on D's transfer port (past its cap of
@@ -340,18 +338,8 @@ fn idle_connections_on_both_kv_ports_do_not_break_a_transfer() {
         garbage.write_all(&[0xab; 64]).unwrap();
         idle.push(garbage);
     }
-    let p_blocks = [5, 9, 2, 30];
-    let params = prefill_output(&mut p, "rp", "t1", 40, &p_blocks);
-    let d_blocks = [7, 3, 20, 11];
-    start_load(&mut d, "rd", 40, 0, &d_blocks, &params);
-    let f = d.wait_finished(|f| !f.recving.is_empty());
-    assert_eq!(f.recving, vec![Arc::from("rd")]);
-    assert_eq!(
-        crate::common::load_errors(&mut d),
-        Vec::<(u32, String)>::new()
-    );
-    assert_eq!(d.block(3), pattern(9));
-    assert_eq!(d.block(20), pattern(2));
+    let params = prefill_output(&mut p, "rp", "t1", 40, &P_BLOCKS);
+    load_lands(&mut d, &params, 0);
     // The servers close what never proved itself (the control port within
     // its I/O bound, the transfer port within its unproven timeout).
     let deadline = Instant::now() + Duration::from_secs(60);

@@ -630,6 +630,16 @@ pub fn load_errors(d: &mut Side) -> Vec<(u32, String)> {
         .collect()
 }
 
+/// The answer to a bootstrap from the engine `engine_id` with the sides'
+/// layout and block size.
+pub fn bootstrap_ok(engine_id: &str) -> Message {
+    Message::BootstrapOk {
+        engine_id: engine_id.into(),
+        layout: "test-layout".into(),
+        block_bytes: BB as u64,
+    }
+}
+
 /// A control connection to `addr`, through the handshake (no secret).
 pub fn control(addr: &str) -> TcpStream {
     let mut s = TcpStream::connect(addr).unwrap();
