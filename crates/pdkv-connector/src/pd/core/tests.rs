@@ -44,6 +44,25 @@ fn core_in(role: &str, mode: &str) -> (PdCore, Pool) {
     (c, pool)
 }
 
+/// An engine's request `id` of `toks` with `params`, unsalted.
+fn creq<'a>(
+    id: &'a Arc<str>,
+    toks: &'a [u32],
+    params: &'a pdkv_engine::connector::KvTransferParams,
+) -> ConnectorRequest<'a> {
+    ConnectorRequest {
+        cache_salt: None,
+        id,
+        prompt_tokens: toks,
+        kv_transfer_params: Some(params),
+    }
+}
+
+/// D's params to load transfer `tid` from the producer "p0".
+fn from_p0(tid: &str) -> pdkv_engine::connector::KvTransferParams {
+    params::for_decode(tid, Some("p0"), Some("127.0.0.1:20"))
+}
+
 fn prompt() -> Vec<u32> {
     (0..3 * BS as u32 + 1).collect()
 }
@@ -53,13 +72,8 @@ fn prompt() -> Vec<u32> {
 fn start_load(c: &mut PdCore, now: Instant) -> Arc<str> {
     let id: Arc<str> = Arc::from("r1");
     let toks = prompt();
-    let params = params::for_decode("t1", Some("p0"), Some("127.0.0.1:20"));
-    let req = || ConnectorRequest {
-        cache_salt: None,
-        id: &id,
-        prompt_tokens: &toks,
-        kv_transfer_params: Some(&params),
-    };
+    let params = from_p0("t1");
+    let req = || creq(&id, &toks, &params);
     c.get_num_new_matched_tokens(now, req(), 0);
     c.update_state_after_alloc(req(), &[1, 2, 3], 0, 3 * BS);
     let loads = c.take_new_loads();
@@ -73,13 +87,8 @@ fn d_loads_only_the_blocks_past_its_local_prefix_and_a_release_waits_for_the_loa
     let (mut c, _pool) = core("kv_both");
     let id: Arc<str> = Arc::from("r1");
     let toks = prompt();
-    let params = params::for_decode("t1", Some("p0"), Some("127.0.0.1:20"));
-    let req = || ConnectorRequest {
-        cache_salt: None,
-        id: &id,
-        prompt_tokens: &toks,
-        kv_transfer_params: Some(&params),
-    };
+    let params = from_p0("t1");
+    let req = || creq(&id, &toks, &params);
     // One block is in D's prefix cache: P's KV of the other two comes.
     let m = c.get_num_new_matched_tokens(t0, req(), BS);
     assert_eq!(
@@ -160,15 +169,10 @@ fn a_request_that_ends_before_its_load_is_decided_or_started_tells_p_and_holds_n
     let (mut d, _pool) = core("kv_consumer");
     let (r1, r2, r3): (Arc<str>, Arc<str>, Arc<str>) =
         (Arc::from("r1"), Arc::from("r2"), Arc::from("r3"));
-    let pa = params::for_decode("t1", Some("p0"), Some("127.0.0.1:20"));
-    let pb = params::for_decode("t2", Some("p0"), Some("127.0.0.1:20"));
-    let pc = params::for_decode("t3", Some("p0"), Some("127.0.0.1:20"));
-    let req = |id, params| ConnectorRequest {
-        cache_salt: None,
-        id,
-        prompt_tokens: &toks,
-        kv_transfer_params: Some(params),
-    };
+    let pa = from_p0("t1");
+    let pb = from_p0("t2");
+    let pc = from_p0("t3");
+    let req = |id, params| creq(id, &toks, params);
     // r1 ends before D decided its load: P is told to drop t1 now.
     d.get_num_new_matched_tokens(t0, req(&r1, &pa), 0);
     assert_eq!(
@@ -211,12 +215,7 @@ fn read_mode_p_returns_the_leased_blocks_and_its_generation_or_no_params() {
     let finish = |p: &mut PdCore, tid: &str, toks: &[u32], blocks: &[u32], reason| {
         let id: Arc<str> = Arc::from(format!("r-{tid}"));
         let params = params::for_prefill(tid);
-        let req = || ConnectorRequest {
-            cache_salt: None,
-            id: &id,
-            prompt_tokens: toks,
-            kv_transfer_params: Some(&params),
-        };
+        let req = || creq(&id, toks, &params);
         p.request_added(t0, req());
         p.request_finished(t0, req(), blocks, reason)
     };
@@ -375,16 +374,11 @@ fn each_role_takes_only_its_own_params() {
     let t0 = Instant::now();
     let id: Arc<str> = Arc::from("r1");
     let toks = prompt();
-    let for_d = params::for_decode("t1", Some("p0"), Some("127.0.0.1:20"));
+    let for_d = from_p0("t1");
     let for_p = params::for_prefill("t2");
     // A producer loads nothing.
     let (mut p, _pool) = core("kv_producer");
-    let req = ConnectorRequest {
-        cache_salt: None,
-        id: &id,
-        prompt_tokens: &toks,
-        kv_transfer_params: Some(&for_d),
-    };
+    let req = creq(&id, &toks, &for_d);
     assert_eq!(
         p.get_num_new_matched_tokens(t0, req, 0),
         ExternalMatch::default()
@@ -392,12 +386,7 @@ fn each_role_takes_only_its_own_params() {
     // A consumer keeps nothing for a decode engine, a producer does —
     // from whichever call comes first.
     let (mut d, _pool2) = core("kv_consumer");
-    let req = || ConnectorRequest {
-        cache_salt: None,
-        id: &id,
-        prompt_tokens: &toks,
-        kv_transfer_params: Some(&for_p),
-    };
+    let req = || creq(&id, &toks, &for_p);
     d.request_added(t0, req());
     assert_eq!(
         d.get_num_new_matched_tokens(t0, req(), 0),
