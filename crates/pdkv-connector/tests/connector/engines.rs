@@ -3,26 +3,18 @@
 //! the decode engine's greedy tokens and logits equal a colocated engine's.
 
 use crate::common::{
-    assert_finished, colocated, config, consumer, engine, error_of, fingerprint, idle_and_free,
-    metric, pd, producer, prompt, pull_params, run,
+    assert_finished, colocated, d_engine, error_of, fingerprint, idle_and_free, metric, p_engine,
+    pd, prefix_prompts, prompt, pull_params, run,
 };
 use pdkv_engine::FinishReason;
 
 fn pd_matches_colocated(transport: &str) {
     let t = format!(r#","transport":"{transport}""#);
-    let p = engine(Some((&producer(&t), "p1")), config());
-    let d = engine(Some((&consumer(&t), "d1")), config());
+    let p = p_engine(&t, "p1");
+    let d = d_engine(&t, "d1");
     let colo = colocated();
-    // Shared prefixes: the second and third prompts start like the first,
-    // so D has local prefix hits for them.
-    let base = prompt(1, 40);
-    let prompts = [
-        base.clone(),
-        [&base[..32], &prompt(2, 9)[..]].concat(),
-        [&base[..16], &prompt(3, 30)[..]].concat(),
-        prompt(4, 5),
-    ];
-    for (i, pr) in prompts.iter().enumerate() {
+    // Shared prefixes: D has local prefix hits for some.
+    for (i, pr) in prefix_prompts().iter().enumerate() {
         let dout = pd(&p.handle, &d.handle, &format!("x{i}"), pr, 6)
             .unwrap_or_else(|e| panic!("prompt {i} over {transport}: {e}"));
         let cout = run(&colo.handle, &format!("c{i}"), pr.clone(), 6, None);
@@ -54,15 +46,9 @@ fn decode_after_remote_prefill_equals_colocated_over_shm() {
 
 #[test]
 fn a_bogus_transfer_fails_only_its_request_and_recompute_recovers() {
-    let p = engine(
-        Some((&producer(r#","arrival_timeout_s":0.2"#), "p1")),
-        config(),
-    );
-    let d = engine(Some((&consumer(""), "d1")), config());
-    let dr = engine(
-        Some((&consumer(r#","kv_load_failure_policy":"recompute""#), "d2")),
-        config(),
-    );
+    let p = p_engine(r#","arrival_timeout_s":0.2"#, "p1");
+    let d = d_engine("", "d1");
+    let dr = d_engine(r#","kv_load_failure_policy":"recompute""#, "d2");
     let colo = colocated();
     let bogus = pull_params(&p.handle, "nope");
     let pr = prompt(9, 33);
@@ -109,8 +95,8 @@ fn the_first_transfers_at_once_over_shm_all_succeed() {
         .map(|(i, pr)| fingerprint(&run(&colo.handle, &format!("c{i}"), pr.clone(), 3, None)))
         .collect();
     for pair in 0..PAIRS {
-        let p = engine(Some((&producer(t), &format!("p-cold{pair}"))), config());
-        let d = engine(Some((&consumer(t), &format!("d-cold{pair}"))), config());
+        let p = p_engine(t, &format!("p-cold{pair}"));
+        let d = d_engine(t, &format!("d-cold{pair}"));
         let (ph, dh) = (&p.handle, &d.handle);
         let outs: Vec<_> = std::thread::scope(|s| {
             let runs: Vec<_> = prompts

@@ -21,8 +21,8 @@ use std::time::{Duration, Instant};
 
 use crate::common::{
     all_idle, assert_finished, assert_idle, assert_matches_colocated, collect, colocated, config,
-    consumer, decode_params, engine, error_of, fingerprint, last, metric, pd, producer, prompt,
-    pull_params, remote_prefill, request, run, start, wait_metric, Started, WAIT,
+    consumer, d_engine, decode_params, engine, error_of, fingerprint, last, metric, p_engine, pd,
+    producer, prompt, pull_params, remote_prefill, request, run, start, wait_metric, Started, WAIT,
 };
 use pdkv_engine::{
     AddRequestError, EngineConfig, EngineHandle, FinishReason, PauseMode, RequestStream,
@@ -124,14 +124,8 @@ fn wait_parked(p: &EngineHandle, d: &EngineHandle, pulls: f64) {
 fn an_aborted_prefill_makes_the_waiting_decode_recompute_at_once_under_either_policy() {
     let b = block_prefill(r#","arrival_timeout_s":20"#);
     let p = &b.p.handle;
-    let d = engine(Some((&consumer(""), "d1-fail")), config());
-    let dr = engine(
-        Some((
-            &consumer(r#","kv_load_failure_policy":"recompute""#),
-            "d1-rec",
-        )),
-        config(),
-    );
+    let d = d_engine("", "d1-fail");
+    let dr = d_engine(r#","kv_load_failure_policy":"recompute""#, "d1-rec");
     let colo = colocated();
 
     for (i, (dh, policy)) in [(&d.handle, "fail"), (&dr.handle, "recompute")]
@@ -190,7 +184,7 @@ fn an_aborted_prefill_makes_the_waiting_decode_recompute_at_once_under_either_po
 fn an_aborted_decode_releases_the_transfer_on_both_sides() {
     let b = block_prefill(r#","abort_timeout_s":30,"arrival_timeout_s":20"#);
     let p = &b.p.handle;
-    let d = engine(Some((&consumer(""), "d2")), config());
+    let d = d_engine("", "d2");
     let colo = colocated();
 
     let (ps, pr) = b.queue("p-t", 20, "t");
@@ -247,11 +241,8 @@ fn an_aborted_decode_releases_the_transfer_on_both_sides() {
 /// request runs at the same time; malformed ones are refused at once.
 #[test]
 fn bad_transfer_params_fail_only_their_request() {
-    let p = engine(
-        Some((&producer(r#","arrival_timeout_s":0.5"#), P_ID)),
-        config(),
-    );
-    let d = engine(Some((&consumer(""), "d3")), config());
+    let p = p_engine(r#","arrival_timeout_s":0.5"#, P_ID);
+    let d = d_engine("", "d3");
     let colo = colocated();
     let (ph, dh) = (&p.handle, &d.handle);
 
@@ -342,8 +333,8 @@ fn bad_transfer_params_fail_only_their_request() {
 /// reason.
 #[test]
 fn a_mismatched_pull_is_answered_once_with_its_own_reason() {
-    let p = engine(Some((&producer(""), P_ID)), config());
-    let d = engine(Some((&consumer(""), "d3m")), config());
+    let p = p_engine("", P_ID);
+    let d = d_engine("", "d3m");
     let colo = colocated();
     let (ph, dh) = (&p.handle, &d.handle);
     let pr = prompt(36, 40);
@@ -395,15 +386,10 @@ fn a_prefill_engine_shut_down_mid_transfer_tells_d_which_recomputes() {
     let b = block_prefill(r#","arrival_timeout_s":20"#);
     let p = &b.p.handle;
     let timeouts = r#","abort_timeout_s":1,"load_timeout_s":2"#;
-    let d = engine(Some((&consumer(timeouts), "d4-fail")), config());
-    let dr = engine(
-        Some((
-            &consumer(&format!(
-                r#"{timeouts},"kv_load_failure_policy":"recompute""#
-            )),
-            "d4-rec",
-        )),
-        config(),
+    let d = d_engine(timeouts, "d4-fail");
+    let dr = d_engine(
+        &format!(r#"{timeouts},"kv_load_failure_policy":"recompute""#),
+        "d4-rec",
     );
     let colo = colocated();
 
@@ -560,11 +546,8 @@ fn many_concurrent_pairs_equal_colocated_over_shm() {
 /// rather than when the 30 s lease expires.
 #[test]
 fn a_transfer_d_does_not_need_is_dropped_at_p_at_once() {
-    let p = engine(
-        Some((&producer(r#","abort_timeout_s":30"#), P_ID)),
-        config(),
-    );
-    let d = engine(Some((&consumer(""), "d1")), config());
+    let p = p_engine(r#","abort_timeout_s":30"#, P_ID);
+    let d = d_engine("", "d1");
     // 33 tokens: D's first request loads 2 full blocks and caches them.
     let pr = prompt(77, 33);
     pd(&p.handle, &d.handle, "first", &pr, 2).expect("first request");

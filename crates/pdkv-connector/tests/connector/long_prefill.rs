@@ -17,9 +17,8 @@
 use std::time::{Duration, Instant};
 
 use crate::common::{
-    all_idle, assert_finished, assert_matches_colocated, collect, colocated, config, consumer,
-    decode_params, engine, error_of, metric, producer, prompt, pull_params, start, wait_metric,
-    WAIT,
+    all_idle, assert_finished, assert_matches_colocated, collect, colocated, d_engine,
+    decode_params, error_of, metric, p_engine, prompt, pull_params, start, wait_metric, WAIT,
 };
 use pdkv_engine::{EngineHandle, FinishReason, PauseMode};
 
@@ -80,11 +79,8 @@ fn assert_still_loading(p: &EngineHandle, d: &EngineHandle, what: &str) {
 /// load failed, and under `fail` so did the request.
 fn long_prefill(transport: &str) {
     let cfg = format!(r#"{TIMEOUTS},"transport":"{transport}""#);
-    let p = engine(Some((&producer(&cfg), "p-long")), config());
-    let d = engine(
-        Some((&consumer(&cfg), &format!("d-long-{transport}"))),
-        config(),
-    );
+    let p = p_engine(&cfg, "p-long");
+    let d = d_engine(&cfg, &format!("d-long-{transport}"));
     let colo = colocated();
     let (ph, dh) = (&p.handle, &d.handle);
     let pr = prompt(90, 120);
@@ -142,8 +138,8 @@ fn a_prefill_longer_than_the_load_and_abort_timeouts_transfers_over_shm() {
 #[test]
 fn a_prefill_past_prefill_timeout_fails_the_load_at_that_deadline() {
     let cfg = format!(r#"{TIMEOUTS},"prefill_timeout_s":1"#);
-    let p = engine(Some((&producer(&cfg), "p-bound")), config());
-    let d = engine(Some((&consumer(&cfg), "d-bound")), config());
+    let p = p_engine(&cfg, "p-bound");
+    let d = d_engine(&cfg, "d-bound");
     let (ph, dh) = (&p.handle, &d.handle);
     let pr = prompt(91, 60);
 

@@ -120,14 +120,7 @@ fn matches_colocated(transport: &str) {
     // A lease far longer than the test: blocks coming back early can only
     // be the read_done's doing.
     let (p, d, colo) = trio("same", transport, r#","abort_timeout_s":120"#);
-    let base = prompt(1, 40);
-    let prompts = [
-        base.clone(),
-        [&base[..32], &prompt(2, 9)[..]].concat(),
-        [&base[..16], &prompt(3, 30)[..]].concat(),
-        prompt(4, 5),
-    ];
-    for (i, pr) in prompts.iter().enumerate() {
+    for (i, pr) in crate::common::prefix_prompts().iter().enumerate() {
         let tid = format!("r{i}");
         let params = prefill(&p.handle, &tid, pr);
         let ids = params["remote_block_ids"]

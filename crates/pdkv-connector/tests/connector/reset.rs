@@ -4,14 +4,14 @@
 //! not cut, and no block cached before the reset is matched after it.
 
 use crate::common::{
-    collect, colocated, config, consumer, engine, fingerprint, idle_and_free, last, metric,
-    producer, prompt, remote_prefill, run, start, WAIT,
+    collect, colocated, d_engine, fingerprint, idle_and_free, last, metric, p_engine, prompt,
+    remote_prefill, run, start, WAIT,
 };
 
 #[test]
 fn a_reset_with_running_requests_succeeds_under_load_and_loses_nothing() {
-    let p = engine(Some((&producer(""), "p-reset")), config());
-    let d = engine(Some((&consumer(""), "d-reset")), config());
+    let p = p_engine("", "p-reset");
+    let d = d_engine("", "d-reset");
     let colo = colocated();
     let (ph, dh) = (&p.handle, &d.handle);
 

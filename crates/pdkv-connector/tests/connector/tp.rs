@@ -48,15 +48,9 @@ fn regs(s: &Shared) -> Vec<Registration> {
 /// Prompts with shared prefixes (D has local prefix hits for some) and
 /// lengths that end inside a block, on a block edge and below one block.
 fn prompts() -> Vec<Vec<u32>> {
-    let base = prompt(1, 40);
-    vec![
-        base.clone(),
-        [&base[..32], &prompt(2, 9)[..]].concat(),
-        [&base[..16], &prompt(3, 30)[..]].concat(),
-        prompt(4, 5),
-        prompt(5, 33),
-        prompt(6, 64),
-    ]
+    let mut prompts = crate::common::prefix_prompts();
+    prompts.extend([prompt(5, 33), prompt(6, 64)]);
+    prompts
 }
 
 /// Runs [`prompts`] through P (TP `p_tp`) and D (TP `d_tp`) over

@@ -90,6 +90,16 @@ pub fn engine_with(connector: Option<Box<dyn KvConnector>>, config: EngineConfig
     Started { handle, _dir: dir }
 }
 
+/// A prefill engine: a producer connector with `extra` fields, [`config`].
+pub fn p_engine(extra: &str, id: &str) -> Started {
+    engine(Some((&producer(extra), id)), config())
+}
+
+/// A decode engine: a consumer connector with `extra` fields, [`config`].
+pub fn d_engine(extra: &str, id: &str) -> Started {
+    engine(Some((&consumer(extra), id)), config())
+}
+
 /// The reference engine: no connector, [`config`].
 pub fn colocated() -> Started {
     engine(None, config())
@@ -110,6 +120,19 @@ pub fn prompt(seed: u64, len: usize) -> Vec<u32> {
     (0..len as u64)
         .map(|i| (pdkv_engine::sampling::splitmix64(seed.wrapping_mul(1_000_003) ^ i) % 500) as u32)
         .collect()
+}
+
+/// Four prompts with shared prefixes (the second and third start like the
+/// first, so D has local prefix hits for them) and lengths that end inside
+/// a block, past two blocks and below one block.
+pub fn prefix_prompts() -> Vec<Vec<u32>> {
+    let base = prompt(1, 40);
+    vec![
+        base.clone(),
+        [&base[..32], &prompt(2, 9)[..]].concat(),
+        [&base[..16], &prompt(3, 30)[..]].concat(),
+        prompt(4, 5),
+    ]
 }
 
 /// A greedy request that ignores EOS and returns its logits.
