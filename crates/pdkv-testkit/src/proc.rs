@@ -100,22 +100,11 @@ impl Proc {
             Lines::Stdout => Box::new(child.stdout.take().expect("piped stdout")),
             Lines::Stderr => Box::new(child.stderr.take().expect("piped stderr")),
         };
-        // Unbounded: one message per line the child prints, read to its end
-        // (a closed pipe would fail the child's next write).
-        let (tx, rx) = mpsc::channel();
-        std::thread::spawn(move || {
-            for line in BufReader::new(out).lines() {
-                let Ok(line) = line else { break };
-                if tx.send(line).is_err() {
-                    break;
-                }
-            }
-        });
         Proc {
             child: Some(child),
             grace: None,
             base: String::new(),
-            lines: rx,
+            lines: read_lines(out),
         }
     }
 
@@ -200,6 +189,22 @@ impl Drop for Proc {
             (Some(_), None) => {}
         }
     }
+}
+
+/// The lines of a child's `pipe`, read on a thread of their own to the
+/// pipe's end. Unbounded: one message per line the child prints (a closed
+/// pipe would fail the child's next write).
+pub fn read_lines(pipe: impl Read + Send + 'static) -> mpsc::Receiver<String> {
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(pipe).lines() {
+            let Ok(line) = line else { break };
+            if tx.send(line).is_err() {
+                break;
+            }
+        }
+    });
+    rx
 }
 
 /// The `http://ADDR` a server's `listening on http://ADDR` line names.

@@ -4,11 +4,11 @@
 //! SmolLM2 model when its GGUF is present and says so when it skips (under
 //! CI its absence fails). Processes are run with `common`'s `Proc`.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::Stdio;
 
 use pdkv_testkit::{
-    http::wait_healthy,
+    http::{self, wait_healthy},
     models::smollm2,
     proc::{pdkv, Proc},
     sse::stream_text,
@@ -35,11 +35,31 @@ fn init_checkpoint(out: &Path) {
     );
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn model_init_then_serve_answers_a_completion() {
+/// A tiny checkpoint written by `pdkv model init` in a new temporary
+/// directory (removed when the first value drops); its path.
+fn tiny_checkpoint() -> (tempfile::TempDir, PathBuf) {
     let dir = tempfile::tempdir().unwrap();
     let ckpt = dir.path().join("tiny");
     init_checkpoint(&ckpt);
+    (dir, ckpt)
+}
+
+/// `pdkv ARGS --model CKPT`, which must succeed (`what` names it in the
+/// failure); its stdout.
+fn run_ok(args: &[&str], ckpt: &Path, what: &str) -> String {
+    let o = pdkv().args(args).arg("--model").arg(ckpt).output().unwrap();
+    let stdout = String::from_utf8_lossy(&o.stdout).into_owned();
+    assert!(
+        o.status.success(),
+        "{what} failed:\n{stdout}\n{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    stdout
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn model_init_then_serve_answers_a_completion() {
+    let (_dir, ckpt) = tiny_checkpoint();
     for f in [
         "config.json",
         "model.safetensors",
@@ -68,12 +88,7 @@ async fn model_init_then_serve_answers_a_completion() {
         .1;
     assert_eq!(models["data"][0]["id"], "tiny");
 
-    let resp = client
-        .post(s.url("/v1/completions"))
-        .json(&json!({"model": "tiny", "prompt": "The river", "max_tokens": 5, "temperature": 0, "ignore_eos": true}))
-        .send()
-        .await
-        .unwrap();
+    let resp = http::send(client.post(s.url("/v1/completions")).json(&json!({"model": "tiny", "prompt": "The river", "max_tokens": 5, "temperature": 0, "ignore_eos": true}))).await;
     assert_eq!(resp.status(), 200);
     let body: Value = resp.json().await.unwrap();
     assert_eq!(body["object"], "text_completion");
@@ -83,12 +98,7 @@ async fn model_init_then_serve_answers_a_completion() {
     let metrics = pdkv_testkit::http::get_text(&client, &s.url("/metrics")).await;
     assert!(metrics.contains("pdkv_kv_blocks_total 64\n"), "{metrics}");
     // Without --admin-token the lifecycle API does not exist.
-    let resp = client
-        .post(s.url("/sleep"))
-        .bearer_auth("anything")
-        .send()
-        .await
-        .unwrap();
+    let resp = http::send(client.post(s.url("/sleep")).bearer_auth("anything")).await;
     assert_eq!(resp.status(), 404);
 
     let status = s.terminate();
@@ -100,9 +110,7 @@ async fn model_init_then_serve_answers_a_completion() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn admin_token_from_flag_or_env_guards_the_lifecycle_api() {
-    let dir = tempfile::tempdir().unwrap();
-    let ckpt = dir.path().join("tiny");
-    init_checkpoint(&ckpt);
+    let (_dir, ckpt) = tiny_checkpoint();
     let model = ckpt.to_str().unwrap();
     let client = reqwest::Client::new();
     for (args, envs) in [
@@ -126,40 +134,25 @@ async fn admin_token_from_flag_or_env_guards_the_lifecycle_api() {
         wait_healthy(&client, &s.url("/health")).await;
         let resp = client.get(s.url("/is_sleeping")).send().await.unwrap();
         assert_eq!(resp.status(), 401);
-        let resp = client
-            .get(s.url("/is_sleeping"))
-            .bearer_auth("wrong")
-            .send()
-            .await
-            .unwrap();
+        let resp = http::send(client.get(s.url("/is_sleeping")).bearer_auth("wrong")).await;
         assert_eq!(resp.status(), 401);
-        let resp = client
-            .get(s.url("/is_sleeping"))
-            .bearer_auth("flag-secret")
-            .send()
-            .await
-            .unwrap();
+        let resp = http::send(client.get(s.url("/is_sleeping")).bearer_auth("flag-secret")).await;
         assert_eq!(resp.status(), 200);
         assert_eq!(
             resp.json::<Value>().await.unwrap(),
             json!({"is_sleeping": false})
         );
-        let v: Value = client
-            .post(s.url("/sleep?level=1"))
-            .bearer_auth("flag-secret")
-            .send()
-            .await
-            .unwrap()
-            .json()
-            .await
-            .unwrap();
+        let v: Value = http::send(
+            client
+                .post(s.url("/sleep?level=1"))
+                .bearer_auth("flag-secret"),
+        )
+        .await
+        .json()
+        .await
+        .unwrap();
         assert_eq!(v["status"], "sleeping", "{v}");
-        let resp = client
-            .post(s.url("/wake_up"))
-            .bearer_auth("flag-secret")
-            .send()
-            .await
-            .unwrap();
+        let resp = http::send(client.post(s.url("/wake_up")).bearer_auth("flag-secret")).await;
         assert_eq!(resp.status(), 200);
         let status = s.terminate();
         assert!(status.success(), "pdkv serve exited with {status}");
@@ -184,30 +177,18 @@ async fn admin_token_from_flag_or_env_guards_the_lifecycle_api() {
 
 #[test]
 fn bench_sleep_checks_outputs_and_reports_memory_per_level() {
-    let dir = tempfile::tempdir().unwrap();
-    let ckpt = dir.path().join("tiny");
-    init_checkpoint(&ckpt);
-    let o = pdkv()
-        .args([
-            "bench",
-            "sleep",
-            "--num-kv-blocks",
-            "64",
-            "--cycles",
-            "2",
-            "--probe-tokens",
-            "6",
-            "--model",
-        ])
-        .arg(&ckpt)
-        .output()
-        .unwrap();
-    let stdout = String::from_utf8_lossy(&o.stdout);
-    assert!(
-        o.status.success(),
-        "bench sleep failed:\n{stdout}\n{}",
-        String::from_utf8_lossy(&o.stderr)
-    );
+    let (_dir, ckpt) = tiny_checkpoint();
+    let bench = [
+        "bench",
+        "sleep",
+        "--num-kv-blocks",
+        "64",
+        "--cycles",
+        "2",
+        "--probe-tokens",
+        "6",
+    ];
+    let stdout = run_ok(&bench, &ckpt, "bench sleep");
     assert!(stdout.contains("PASS"), "{stdout}");
     let last: Value =
         serde_json::from_str(stdout.lines().last().unwrap()).expect("last line is JSON");
@@ -281,27 +262,26 @@ async fn smollm2_answers_paris() {
     wait_healthy(&client, &s.url("/health")).await;
     let question = json!([{"role": "user", "content": "Name the capital city of France."}]);
 
-    let body: Value = client
-        .post(s.url("/v1/chat/completions"))
-        .json(&json!({"messages": question, "temperature": 0, "max_tokens": 32}))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let body: Value = http::send(
+        client
+            .post(s.url("/v1/chat/completions"))
+            .json(&json!({"messages": question, "temperature": 0, "max_tokens": 32})),
+    )
+    .await
+    .json()
+    .await
+    .unwrap();
     let answer = body["choices"][0]["message"]["content"]
         .as_str()
         .unwrap_or_default()
         .to_string();
     assert!(answer.contains("Paris"), "answer: {answer:?} ({body})");
 
-    let text = client
-        .post(s.url("/v1/chat/completions"))
-        .json(&json!({"messages": question, "temperature": 0, "max_tokens": 32, "stream": true}))
-        .send()
+    let text =
+        http::send(client.post(s.url("/v1/chat/completions")).json(
+            &json!({"messages": question, "temperature": 0, "max_tokens": 32, "stream": true}),
+        ))
         .await
-        .unwrap()
         .text()
         .await
         .unwrap();
@@ -317,38 +297,24 @@ async fn smollm2_answers_paris() {
 
 #[test]
 fn bench_pd_checks_outputs_and_compares_the_first_request_after_a_wake() {
-    let dir = tempfile::tempdir().unwrap();
-    let ckpt = dir.path().join("tiny");
-    init_checkpoint(&ckpt);
-    let o = pdkv()
-        .args([
-            "bench",
-            "pd",
-            "--prompt-lens",
-            "48",
-            "--concurrency",
-            "1,3",
-            "--max-tokens",
-            "4",
-        ])
-        .args([
-            "--num-kv-blocks",
-            "64",
-            "--max-num-batched-tokens",
-            "64",
-            "--wake-rounds",
-            "2",
-            "--model",
-        ])
-        .arg(&ckpt)
-        .output()
-        .unwrap();
-    let stdout = String::from_utf8_lossy(&o.stdout);
-    assert!(
-        o.status.success(),
-        "bench pd failed:\n{stdout}\n{}",
-        String::from_utf8_lossy(&o.stderr)
-    );
+    let (_dir, ckpt) = tiny_checkpoint();
+    let bench = [
+        "bench",
+        "pd",
+        "--prompt-lens",
+        "48",
+        "--concurrency",
+        "1,3",
+        "--max-tokens",
+        "4",
+        "--num-kv-blocks",
+        "64",
+        "--max-num-batched-tokens",
+        "64",
+        "--wake-rounds",
+        "2",
+    ];
+    let stdout = run_ok(&bench, &ckpt, "bench pd");
     assert!(
         stdout.contains("outputs equal to colocated: yes"),
         "{stdout}"

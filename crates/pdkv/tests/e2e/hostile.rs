@@ -15,7 +15,7 @@ use std::path::Path;
 use pdkv_deploy::EngineRole;
 use pdkv_testkit::{
     deploy::{Pd, Spec},
-    http::{complete, wait_healthy},
+    http::{self, complete, wait_healthy},
     models::smollm2,
     proc::Proc,
     prom::metric,
@@ -142,11 +142,8 @@ async fn idle_and_garbage_connections_on_every_port_do_not_break_pd() {
     let info = |s: &Proc| {
         let (client, url) = (client.clone(), s.url("/kv_transfer/info"));
         async move {
-            client
-                .get(url)
-                .send()
+            http::send(client.get(url))
                 .await
-                .unwrap()
                 .json::<Value>()
                 .await
                 .unwrap()
@@ -189,12 +186,7 @@ async fn idle_and_garbage_connections_on_every_port_do_not_break_pd() {
         "kv_transfer_params": {"do_remote_prefill": true, "remote_engine_id": "p0",
                                "remote_bootstrap_addr": p_info["bootstrap_addr"], "transfer_id": "stolen"},
     });
-    let r = client
-        .post(intruder.url("/v1/completions"))
-        .json(&stolen)
-        .send()
-        .await
-        .unwrap();
+    let r = http::send(client.post(intruder.url("/v1/completions")).json(&stolen)).await;
     let (status, text) = (r.status().as_u16(), r.text().await.unwrap());
     assert_eq!(status, 500, "{text}");
     assert!(

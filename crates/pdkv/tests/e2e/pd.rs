@@ -18,7 +18,7 @@ use futures::StreamExt;
 use pdkv_deploy::{EngineRole, Transport};
 use pdkv_testkit::{
     deploy::{Pd, Spec},
-    http::{complete, wait_healthy, wait_metrics},
+    http::{self, complete, wait_healthy, wait_metrics},
     models::smollm2,
     prom::{metric, quiescent},
     DEADLINE,
@@ -50,6 +50,22 @@ const QUESTIONS: [&str; 10] = [
     " List two facts from the text:",
     " Give it a title:",
 ];
+
+/// A prompt long enough to keep P busy prefilling for a while.
+fn long_prompt() -> String {
+    PREFIXES
+        .iter()
+        .cycle()
+        .take(30)
+        .cloned()
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+/// What `p`'s `/kv_transfer/info` answers.
+async fn kv_info(client: &reqwest::Client, p: &pdkv_testkit::proc::Proc) -> Value {
+    http::get_json(client, &p.url("/kv_transfer/info")).await.1
+}
 
 fn prompts() -> Vec<String> {
     PREFIXES
@@ -141,12 +157,7 @@ async fn a_client_leaving_mid_stream_frees_blocks_on_p_and_d() {
     for (i, prefix) in PREFIXES.iter().enumerate().take(4) {
         let prompt = format!("{prefix} Request {i}: tell a long story about it.");
         let body = json!({"prompt": prompt, "max_tokens": 200, "temperature": 0, "stream": true, "ignore_eos": true});
-        let resp = client
-            .post(dep.proxy.url("/v1/completions"))
-            .json(&body)
-            .send()
-            .await
-            .unwrap();
+        let resp = http::send(client.post(dep.proxy.url("/v1/completions")).json(&body)).await;
         assert_eq!(resp.status(), 200);
         let mut stream = resp.bytes_stream();
         // Wait for two events (the first text), then leave.
@@ -186,17 +197,9 @@ async fn kill_p_while_d_waits(model: &std::path::Path, policy: &str) -> (u16, St
     let mut p = spec.start_engine(EngineRole::Prefill, "p0");
     let d = spec.start_engine(EngineRole::Decode, "d0");
     let client = reqwest::Client::new();
-    let info: Value = pdkv_testkit::http::get_json(&client, &p.url("/kv_transfer/info"))
-        .await
-        .1;
+    let info = kv_info(&client, &p).await;
     // A long prompt keeps P busy prefilling for a while.
-    let prompt = PREFIXES
-        .iter()
-        .cycle()
-        .take(30)
-        .cloned()
-        .collect::<Vec<_>>()
-        .join(" ");
+    let prompt = long_prompt();
     let p_req = client.post(p.url("/v1/completions")).json(&json!({
         "prompt": prompt, "max_tokens": 1, "temperature": 0,
         "kv_transfer_params": {"do_remote_decode": true, "transfer_id": "t-kill"},
@@ -266,16 +269,8 @@ async fn a_hung_p_is_a_504_naming_the_setting_to_raise() {
         .timeout(DEADLINE)
         .build()
         .unwrap();
-    let info: Value = pdkv_testkit::http::get_json(&client, &p.url("/kv_transfer/info"))
-        .await
-        .1;
-    let prompt = PREFIXES
-        .iter()
-        .cycle()
-        .take(30)
-        .cloned()
-        .collect::<Vec<_>>()
-        .join(" ");
+    let info = kv_info(&client, &p).await;
+    let prompt = long_prompt();
     let p_req = client.post(p.url("/v1/completions")).json(&json!({
         "prompt": prompt, "max_tokens": 1, "temperature": 0,
         "kv_transfer_params": {"do_remote_decode": true, "transfer_id": "t-hung"},
@@ -347,12 +342,7 @@ async fn a_transfer_whose_decode_request_failed_is_dropped_at_p() {
         .start_pd();
     let client = reqwest::Client::new();
     wait_healthy(&client, &proxy.url("/health")).await;
-    let paused = client
-        .post(d.url("/pause?mode=abort"))
-        .bearer_auth("t0k")
-        .send()
-        .await
-        .unwrap();
+    let paused = http::send(client.post(d.url("/pause?mode=abort")).bearer_auth("t0k")).await;
     assert!(paused.status().is_success(), "{:?}", paused.text().await);
     for (i, prefix) in PREFIXES.iter().enumerate().take(3) {
         let r = client

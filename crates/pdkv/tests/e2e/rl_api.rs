@@ -9,7 +9,7 @@ use std::collections::BTreeSet;
 use pdkv_deploy::EngineRole;
 use pdkv_testkit::{
     deploy::Spec,
-    http::{post_json, wait_healthy},
+    http::{self, post_json, wait_healthy},
     models::smollm2,
     proc::Proc,
     prom::metric,
@@ -178,12 +178,8 @@ async fn sampled_logprobs_equal_the_prompt_logprobs_of_the_completed_text() {
     }
     let mut streamed_body = chat.clone();
     streamed_body["stream"] = json!(true);
-    let text = client
-        .post(chat_url)
-        .json(&streamed_body)
-        .send()
+    let text = http::send(client.post(chat_url).json(&streamed_body))
         .await
-        .unwrap()
         .text()
         .await
         .unwrap();
@@ -266,12 +262,8 @@ async fn n8_seeded_choices_reproduce_and_differ() {
     // Streamed, each chunk names its choice; the texts are the same.
     let mut streamed = body.clone();
     streamed["stream"] = json!(true);
-    let text = client
-        .post(url)
-        .json(&streamed)
-        .send()
+    let text = http::send(client.post(url).json(&streamed))
         .await
-        .unwrap()
         .text()
         .await
         .unwrap();
@@ -481,41 +473,41 @@ async fn tokenize_detokenize_version_and_the_api_key() {
         assert_eq!(v["error"]["type"], "authentication_error", "{v}");
     }
 
-    let tokenized: Value = client
-        .post(s.url("/tokenize"))
-        .bearer_auth("k3y")
-        .json(&body)
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let tokenized: Value = http::send(
+        client
+            .post(s.url("/tokenize"))
+            .bearer_auth("k3y")
+            .json(&body),
+    )
+    .await
+    .json()
+    .await
+    .unwrap();
     let tokens = ids(&tokenized["tokens"]);
     assert_eq!(tokenized["count"], json!(tokens.len()));
     assert!(
         tokenized["max_model_len"].as_u64().unwrap() >= 2048,
         "{tokenized}"
     );
-    let detok: Value = client
-        .post(s.url("/detokenize"))
-        .bearer_auth("k3y")
-        .json(&json!({"tokens": tokens}))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
-    assert_eq!(detok["prompt"], PROMPT);
-    let (status, bad) = {
-        let resp = client
+    let detok: Value = http::send(
+        client
             .post(s.url("/detokenize"))
             .bearer_auth("k3y")
-            .json(&json!({"tokens": [99999999]}))
-            .send()
-            .await
-            .unwrap();
+            .json(&json!({"tokens": tokens})),
+    )
+    .await
+    .json()
+    .await
+    .unwrap();
+    assert_eq!(detok["prompt"], PROMPT);
+    let (status, bad) = {
+        let resp = http::send(
+            client
+                .post(s.url("/detokenize"))
+                .bearer_auth("k3y")
+                .json(&json!({"tokens": [99999999]})),
+        )
+        .await;
         (resp.status().as_u16(), resp.json::<Value>().await.unwrap())
     };
     assert_eq!(
@@ -526,26 +518,26 @@ async fn tokenize_detokenize_version_and_the_api_key() {
 
     // A conversation tokenizes to the prompt the chat endpoint generates from.
     let messages = json!([{"role": "user", "content": "Hello there"}]);
-    let conv: Value = client
-        .post(s.url("/tokenize"))
-        .bearer_auth("k3y")
-        .json(&json!({"messages": messages}))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
-    let chat: Value = client
-        .post(s.url("/v1/chat/completions"))
-        .bearer_auth("k3y")
-        .json(&json!({"messages": messages, "max_tokens": 1, "return_token_ids": true}))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let conv: Value = http::send(
+        client
+            .post(s.url("/tokenize"))
+            .bearer_auth("k3y")
+            .json(&json!({"messages": messages})),
+    )
+    .await
+    .json()
+    .await
+    .unwrap();
+    let chat: Value = http::send(
+        client
+            .post(s.url("/v1/chat/completions"))
+            .bearer_auth("k3y")
+            .json(&json!({"messages": messages, "max_tokens": 1, "return_token_ids": true})),
+    )
+    .await
+    .json()
+    .await
+    .unwrap();
     assert_eq!(conv["tokens"], chat["prompt_token_ids"], "{conv} vs {chat}");
     assert!(s.terminate().success());
 }
@@ -578,25 +570,20 @@ async fn an_n8_group_through_the_pd_proxy_is_one_transfer_and_equals_colocated()
     let want = ok(&client, colo.url("/v1/completions"), &body).await;
     let loads = |t: &str| metric(t, "pdkv_kv_loads_ok_total").unwrap_or(0.0);
     let before = pdkv_testkit::http::get_text(&client, &d.url("/metrics")).await;
-    let resp = client
-        .post(proxy.url("/v1/completions"))
-        .json(&body)
-        .send()
-        .await
-        .unwrap();
+    let resp = http::send(client.post(proxy.url("/v1/completions")).json(&body)).await;
     assert_eq!(
         resp.status().as_u16(),
         401,
         "without the key: {}",
         resp.text().await.unwrap()
     );
-    let resp = client
-        .post(proxy.url("/v1/completions"))
-        .bearer_auth("rollout-key")
-        .json(&body)
-        .send()
-        .await
-        .unwrap();
+    let resp = http::send(
+        client
+            .post(proxy.url("/v1/completions"))
+            .bearer_auth("rollout-key")
+            .json(&body),
+    )
+    .await;
     assert_eq!(resp.status().as_u16(), 200);
     let got: Value = resp.json().await.unwrap();
     let after = pdkv_testkit::http::get_text(&client, &d.url("/metrics")).await;
@@ -638,13 +625,13 @@ async fn an_n8_group_through_the_pd_proxy_is_one_transfer_and_equals_colocated()
     // the proxy sends such a request to D alone, which computes the prompt.
     let pl = json!({"prompt": prompt, "max_tokens": 1, "temperature": 0, "prompt_logprobs": 1});
     let want = ok(&client, colo.url("/v1/completions"), &pl).await;
-    let resp = client
-        .post(proxy.url("/v1/completions"))
-        .bearer_auth("rollout-key")
-        .json(&pl)
-        .send()
-        .await
-        .unwrap();
+    let resp = http::send(
+        client
+            .post(proxy.url("/v1/completions"))
+            .bearer_auth("rollout-key")
+            .json(&pl),
+    )
+    .await;
     assert_eq!(resp.status().as_u16(), 200);
     let got: Value = resp.json().await.unwrap();
     assert!(

@@ -27,7 +27,7 @@ use std::time::{Duration, Instant};
 
 use futures::StreamExt;
 use pdkv_testkit::{
-    http::{generate, metrics, wait_healthy},
+    http::{self, generate, metrics, wait_healthy},
     models::smollm2,
     proc::{pdkv, Lines, Proc},
     prom::metric,
@@ -214,14 +214,7 @@ fn request(i: usize) -> (&'static str, Value) {
 }
 
 async fn admin(client: &reqwest::Client, base: &str, path: &str) -> Value {
-    let resp = client
-        .post(format!("{base}{path}"))
-        .bearer_auth(TOKEN)
-        .send()
-        .await
-        .expect("admin call");
-    let status = resp.status();
-    let v: Value = resp.json().await.expect("admin JSON");
+    let (status, v) = http::answer(client.post(format!("{base}{path}")).bearer_auth(TOKEN)).await;
     assert!(status.is_success(), "{base}{path}: {status} {v}");
     v
 }
@@ -271,6 +264,22 @@ struct Seen {
 
 /// Sends requests through the router (2 at a time) until `stop`, checking
 /// each answer against the colocated one.
+/// [`traffic`] on a task of its own, until the flag returned is set.
+fn start_traffic(
+    client: &reqwest::Client,
+    router: &str,
+    expected: &Arc<Vec<String>>,
+) -> (Arc<AtomicBool>, tokio::task::JoinHandle<Seen>) {
+    let stop = Arc::new(AtomicBool::new(false));
+    let flow = tokio::spawn(traffic(
+        client.clone(),
+        router.to_string(),
+        expected.clone(),
+        stop.clone(),
+    ));
+    (stop, flow)
+}
+
 async fn traffic(
     client: reqwest::Client,
     router: String,
@@ -385,11 +394,7 @@ async fn router_drives_pdkv(test: &str, mode: &str, connector: &str) {
     }
     assert_eq!(loads, n as f64, "{mode}: one KV load per request");
     // The router's cache flush reaches the engines.
-    let resp = client
-        .post(format!("{router}/flush_cache"))
-        .send()
-        .await
-        .unwrap();
+    let resp = http::send(client.post(format!("{router}/flush_cache"))).await;
     assert!(
         resp.status().is_success(),
         "{mode}: /flush_cache through the router: {}",
@@ -399,13 +404,7 @@ async fn router_drives_pdkv(test: &str, mode: &str, connector: &str) {
     // One D sleeps while traffic flows: retryable 503s until the router's
     // health check steers away, never a wrong answer.
     let (d_sleep, d_drain) = (up.decode[1].clone(), up.decode[0].clone());
-    let stop = Arc::new(AtomicBool::new(false));
-    let flow = tokio::spawn(traffic(
-        client.clone(),
-        router.clone(),
-        expected.clone(),
-        stop.clone(),
-    ));
+    let (stop, flow) = start_traffic(&client, &router, &expected);
     tokio::time::sleep(Duration::from_millis(500)).await;
     // `wait`: requests D is running finish; new ones are refused.
     admin(&client, &d_sleep, "/sleep?level=1&mode=wait").await;
@@ -426,27 +425,21 @@ async fn router_drives_pdkv(test: &str, mode: &str, connector: &str) {
 
     // The sequence that loses nothing: pause keep (requests sent meanwhile
     // are held, /health steers the router away), sleep, wake, resume.
-    let stop = Arc::new(AtomicBool::new(false));
-    let flow = tokio::spawn(traffic(
-        client.clone(),
-        router.clone(),
-        expected.clone(),
-        stop.clone(),
-    ));
+    let (stop, flow) = start_traffic(&client, &router, &expected);
     tokio::time::sleep(Duration::from_millis(500)).await;
     admin(&client, &d_drain, "/pause?mode=keep").await;
     wait_router_health(&client, &router, &d_drain, false).await;
     admin(&client, &d_drain, "/sleep?level=1").await;
     admin(&client, &d_drain, "/wake_up").await;
-    let v: Value = client
-        .get(format!("{d_drain}/is_paused"))
-        .bearer_auth(TOKEN)
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let v: Value = http::send(
+        client
+            .get(format!("{d_drain}/is_paused"))
+            .bearer_auth(TOKEN),
+    )
+    .await
+    .json()
+    .await
+    .unwrap();
     if v["is_paused"] == json!(true) {
         admin(&client, &d_drain, "/resume").await;
     }

@@ -2,32 +2,18 @@
 //! child processes, a completion through the proxy, then SIGTERM stops all
 //! of them (no child outlives `up`).
 
-use std::io::{BufRead, BufReader};
+use pdkv_testkit::http;
 use std::process::Stdio;
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use pdkv_model::Arch;
 use pdkv_testkit::models::checkpoint;
-use pdkv_testkit::proc::pdkv;
+use pdkv_testkit::proc::{pdkv, read_lines};
 use serde_json::{json, Value};
 
 /// Bound on every wait in this test.
 const DEADLINE: Duration = Duration::from_secs(120);
-
-/// Lines of a child's pipe, read on a thread.
-fn lines(pipe: impl std::io::Read + Send + 'static) -> mpsc::Receiver<String> {
-    let (tx, rx) = mpsc::channel();
-    std::thread::spawn(move || {
-        for line in BufReader::new(pipe).lines() {
-            let Ok(line) = line else { break };
-            if tx.send(line).is_err() {
-                break;
-            }
-        }
-    });
-    rx
-}
 
 fn alive(pid: i32) -> bool {
     // SAFETY: signal 0 only checks that the process exists.
@@ -39,7 +25,7 @@ async fn up_serves_through_the_proxy_and_stops_every_child() {
     let ckpt_dir = checkpoint(Arch::Llama, "tiny", 3);
     let ckpt = ckpt_dir.path();
     // Port 0: every child, the proxy too, binds a free port itself.
-    let (mut up, url, err) = start_up(&[
+    let (up, url, err) = start_up(&[
         "--model",
         ckpt.to_str().unwrap(),
         "--num-kv-blocks",
@@ -68,16 +54,7 @@ async fn up_serves_through_the_proxy_and_stops_every_child() {
     assert_eq!(body["usage"]["completion_tokens"], 5, "{body}");
 
     // SIGTERM stops everything.
-    // SAFETY: plain syscall on our own child, not yet reaped.
-    assert_eq!(unsafe { libc::kill(up.id() as i32, libc::SIGTERM) }, 0);
-    let (tx, rx) = mpsc::channel();
-    std::thread::spawn(move || {
-        let _ = tx.send(up.wait());
-    });
-    let status = rx
-        .recv_timeout(DEADLINE)
-        .expect("pdkv up exits after SIGTERM")
-        .unwrap();
+    let status = terminate(up);
     let logs: Vec<String> = err.try_iter().collect();
     assert!(
         status.success(),
@@ -109,8 +86,8 @@ fn start_up(args: &[&str]) -> (std::process::Child, String, mpsc::Receiver<Strin
         .stderr(Stdio::piped())
         .spawn()
         .expect("spawn pdkv up");
-    let out = lines(up.stdout.take().unwrap());
-    let err = lines(up.stderr.take().unwrap());
+    let out = read_lines(up.stdout.take().unwrap());
+    let err = read_lines(up.stderr.take().unwrap());
     let deadline = Instant::now() + DEADLINE;
     loop {
         match out.recv_timeout(deadline.saturating_duration_since(Instant::now())) {
@@ -145,7 +122,7 @@ async fn up_admin_token_drives_every_engine_with_one_call() {
         "--port",
         "0",
     ];
-    let (mut up, url, _err) = start_up(
+    let (up, url, _err) = start_up(
         &[
             &args[..],
             &["--prefill", "2", "--decode", "2", "--admin-token", "T"],
@@ -156,29 +133,29 @@ async fn up_admin_token_drives_every_engine_with_one_call() {
     let probe = |i: usize| json!({"prompt": format!("probe {i}: the river"), "max_tokens": 6, "temperature": 0, "ignore_eos": true});
     let generate = |body: Value| completion_text(&client, &url, body);
     // The model's routes answer through the proxy too.
-    let v: Value = client
-        .post(format!("{url}/tokenize"))
-        .json(&json!({"prompt": "the river"}))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let v: Value = http::send(
+        client
+            .post(format!("{url}/tokenize"))
+            .json(&json!({"prompt": "the river"})),
+    )
+    .await
+    .json()
+    .await
+    .unwrap();
     let tokens = v["tokens"].as_array().unwrap_or_else(|| panic!("{v}"));
     assert!(
         !tokens.is_empty() && v["count"] == json!(tokens.len()),
         "{v}"
     );
-    let back: Value = client
-        .post(format!("{url}/detokenize"))
-        .json(&json!({"tokens": tokens}))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let back: Value = http::send(
+        client
+            .post(format!("{url}/detokenize"))
+            .json(&json!({"tokens": tokens})),
+    )
+    .await
+    .json()
+    .await
+    .unwrap();
     assert!(
         back["prompt"].as_str().is_some_and(|p| p.contains("river")),
         "{back}"
@@ -199,12 +176,12 @@ async fn up_admin_token_drives_every_engine_with_one_call() {
     let call = |method: reqwest::Method, path: &'static str, token: &'static str| {
         let (client, url) = (client.clone(), url.clone());
         async move {
-            let resp = client
-                .request(method, format!("{url}{path}"))
-                .bearer_auth(token)
-                .send()
-                .await
-                .unwrap();
+            let resp = http::send(
+                client
+                    .request(method, format!("{url}{path}"))
+                    .bearer_auth(token),
+            )
+            .await;
             let status = resp.status().as_u16();
             (status, resp.json::<Value>().await.unwrap())
         }
@@ -236,12 +213,8 @@ async fn up_admin_token_drives_every_engine_with_one_call() {
     // Each engine itself is asleep.
     for e in v["engines"].as_array().unwrap() {
         let u = e["url"].as_str().unwrap();
-        let own: Value = client
-            .get(format!("{u}/is_sleeping"))
-            .bearer_auth("T")
-            .send()
+        let own: Value = http::send(client.get(format!("{u}/is_sleeping")).bearer_auth("T"))
             .await
-            .unwrap()
             .json()
             .await
             .unwrap();
@@ -282,27 +255,13 @@ async fn up_admin_token_drives_every_engine_with_one_call() {
     for (i, b) in before.iter().enumerate() {
         assert_eq!(&generate(probe(i)).await, b, "probe {i} after the wake");
     }
-    // SAFETY: plain syscall on our own child, not yet reaped.
-    assert_eq!(unsafe { libc::kill(up.id() as i32, libc::SIGTERM) }, 0);
-    let (tx, rx) = mpsc::channel();
-    std::thread::spawn(move || {
-        let _ = tx.send(up.wait());
-    });
-    let status = rx
-        .recv_timeout(DEADLINE)
-        .expect("pdkv up exits after SIGTERM")
-        .unwrap();
-    assert!(status.success(), "pdkv up exited with {status}");
+    stop(up);
 }
 
 /// The text of the first choice of a completion `body` at `url`.
 async fn completion_text(client: &reqwest::Client, url: &str, body: Value) -> String {
-    let v: Value = client
-        .post(format!("{url}/v1/completions"))
-        .json(&body)
-        .send()
+    let v: Value = http::send(client.post(format!("{url}/v1/completions")).json(&body))
         .await
-        .unwrap()
         .json()
         .await
         .unwrap();
@@ -312,15 +271,22 @@ async fn completion_text(client: &reqwest::Client, url: &str, body: Value) -> St
         .to_string()
 }
 
-/// Stops `pdkv up` (SIGTERM) and waits for it, bounded.
-fn stop(mut up: std::process::Child) {
+/// Sends `pdkv up` SIGTERM and waits for its exit, bounded.
+fn terminate(mut up: std::process::Child) -> std::process::ExitStatus {
     // SAFETY: plain syscall on our own child, not yet reaped.
-    unsafe { libc::kill(up.id() as i32, libc::SIGTERM) };
+    assert_eq!(unsafe { libc::kill(up.id() as i32, libc::SIGTERM) }, 0);
     let (tx, rx) = mpsc::channel();
     std::thread::spawn(move || {
         let _ = tx.send(up.wait());
     });
-    let status = rx.recv_timeout(DEADLINE).expect("pdkv up exits").unwrap();
+    rx.recv_timeout(DEADLINE)
+        .expect("pdkv up exits after SIGTERM")
+        .unwrap()
+}
+
+/// Stops `pdkv up` (SIGTERM) and waits for it, bounded.
+fn stop(up: std::process::Child) {
+    let status = terminate(up);
     assert!(status.success(), "pdkv up exited with {status}");
 }
 
@@ -357,12 +323,7 @@ async fn up_with_servers_split_over_ranks_answers_as_whole_servers_do() {
             got.push(completion_text(&client, &url, probe(i)).await);
         }
         for path in ["/sleep?level=1", "/wake_up"] {
-            let resp = client
-                .post(format!("{url}{path}"))
-                .bearer_auth("T")
-                .send()
-                .await
-                .unwrap();
+            let resp = http::send(client.post(format!("{url}{path}")).bearer_auth("T")).await;
             assert_eq!(resp.status(), 200, "P TP{p} D TP{d}: {path}");
         }
         for i in 0..4 {
@@ -409,13 +370,7 @@ async fn up_syncs_weights_from_a_publisher_to_every_engine() {
     let call = |path: &str, body: Value| {
         let (client, u) = (client.clone(), format!("{url}{path}"));
         async move {
-            let resp = client
-                .post(&u)
-                .bearer_auth("T")
-                .json(&body)
-                .send()
-                .await
-                .unwrap();
+            let resp = http::send(client.post(&u).bearer_auth("T").json(&body)).await;
             let status = resp.status().as_u16();
             let v: Value = resp.json().await.unwrap();
             assert_eq!(status, 200, "{u}: {v}");
@@ -431,12 +386,8 @@ async fn up_syncs_weights_from_a_publisher_to_every_engine() {
         out
     };
     let version = || async {
-        let info: Value = client
-            .get(format!("{url}/weight_info"))
-            .bearer_auth("T")
-            .send()
+        let info: Value = http::send(client.get(format!("{url}/weight_info")).bearer_auth("T"))
             .await
-            .unwrap()
             .json()
             .await
             .unwrap();
@@ -533,7 +484,7 @@ fn publish(ckpt: &std::path::Path, version: &str) -> (std::process::Child, Strin
         .stderr(Stdio::null())
         .spawn()
         .expect("spawn pdkv weights publish");
-    let out = lines(publisher.stdout.take().unwrap());
+    let out = read_lines(publisher.stdout.take().unwrap());
     let line = out.recv_timeout(DEADLINE).expect("the publishing line");
     let url = line.rsplit(' ').next().unwrap().to_string();
     assert!(url.starts_with("http://"), "{line}");
