@@ -126,7 +126,7 @@ fn chat_prompts(lm: &LoadedModel) -> Vec<Vec<u32>> {
 }
 
 /// Every tensor of a checkpoint directory's `model.safetensors`, as f32.
-fn read_all(dir: &Path) -> Vec<(String, Vec<usize>, Vec<f32>)> {
+pub(crate) fn read_all(dir: &Path) -> Vec<(String, Vec<usize>, Vec<f32>)> {
     let st = SafetensorsFile::open(&dir.join("model.safetensors")).unwrap();
     st.tensors
         .iter()

@@ -32,39 +32,39 @@ impl GgufBuilder {
         buf.extend(s.as_bytes());
     }
 
-    fn kv_u32(&mut self, k: &str, v: u32) -> &mut Self {
+    /// Counts a key-value pair and writes its key and GGUF type `ty`; the
+    /// caller writes the value.
+    fn kv_head(&mut self, k: &str, ty: u32) {
         Self::string(&mut self.kv, k);
-        self.kv.extend(4u32.to_le_bytes());
-        self.kv.extend(v.to_le_bytes());
+        self.kv.extend(ty.to_le_bytes());
         self.n_kv += 1;
+    }
+
+    fn kv_u32(&mut self, k: &str, v: u32) -> &mut Self {
+        self.kv_head(k, 4);
+        self.kv.extend(v.to_le_bytes());
         self
     }
 
     fn kv_f32(&mut self, k: &str, v: f32) -> &mut Self {
-        Self::string(&mut self.kv, k);
-        self.kv.extend(6u32.to_le_bytes());
+        self.kv_head(k, 6);
         self.kv.extend(v.to_le_bytes());
-        self.n_kv += 1;
         self
     }
 
     fn kv_str(&mut self, k: &str, v: &str) -> &mut Self {
-        Self::string(&mut self.kv, k);
-        self.kv.extend(8u32.to_le_bytes());
+        self.kv_head(k, 8);
         Self::string(&mut self.kv, v);
-        self.n_kv += 1;
         self
     }
 
     fn kv_str_array(&mut self, k: &str, v: &[&str]) -> &mut Self {
-        Self::string(&mut self.kv, k);
-        self.kv.extend(9u32.to_le_bytes());
+        self.kv_head(k, 9);
         self.kv.extend(8u32.to_le_bytes());
         self.kv.extend((v.len() as u64).to_le_bytes());
         for s in v {
             Self::string(&mut self.kv, s);
         }
-        self.n_kv += 1;
         self
     }
 
@@ -571,24 +571,13 @@ fn smollm2_weights_region_holds_the_files_tensor_bytes() {
 /// widened exactly and enter the same f32 arithmetic.
 #[test]
 fn a_16_bit_safetensors_checkpoint_stays_16_bit_and_gives_the_f32_checkpoints_bits() {
+    use crate::hf_weights::read_all;
     use pdkv_model::loader::reload_weights_into;
     use pdkv_model::safetensors::{write_as, Dtype};
     use pdkv_model::{KvCache, SeqInput, Workspace};
     use pdkv_vmem::Tag;
     let src = tmpdir();
     write_random_checkpoint(Arch::Qwen3, "tiny", 11, src.path()).unwrap();
-    // Every tensor of a checkpoint directory's model.safetensors, as f32.
-    let read_all = |dir: &Path| -> Vec<(String, Vec<usize>, Vec<f32>)> {
-        let st = SafetensorsFile::open(&dir.join("model.safetensors")).unwrap();
-        st.tensors
-            .iter()
-            .map(|(name, e)| {
-                let mut v = vec![0f32; e.shape.iter().product()];
-                st.read_f32(name, &mut v).unwrap();
-                (name.clone(), e.shape.clone(), v)
-            })
-            .collect()
-    };
     let originals = read_all(src.path());
     for (dtype, round) in [
         (

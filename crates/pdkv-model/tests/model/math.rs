@@ -235,12 +235,7 @@ fn decode_after_chunked_prefill_equals_unchunked() {
         let mut run = |chunks: &[usize], table: &[u32]| {
             let mut all = vec![bits(&h.prefill(&toks, table, chunks))];
             for (i, t) in gen.iter().enumerate() {
-                let input = SeqInput {
-                    tokens: std::slice::from_ref(t),
-                    start_pos: toks.len() + i,
-                    block_table: table,
-                    want_logits: true,
-                };
+                let input = with_logits(std::slice::from_ref(t), toks.len() + i, table);
                 all.push(bits(&h.step(&[input])));
             }
             (all, h.kv_bits(table, len))
@@ -268,12 +263,7 @@ fn logits_do_not_depend_on_the_rest_of_the_batch() {
         let table_alone = contiguous(0, per_seq);
         let mut alone = vec![bits(&h.prefill(&prompt, &table_alone, &[prompt.len()]))];
         for (i, t) in gen.iter().enumerate() {
-            let input = SeqInput {
-                tokens: std::slice::from_ref(t),
-                start_pos: prompt.len() + i,
-                block_table: &table_alone,
-                want_logits: true,
-            };
+            let input = with_logits(std::slice::from_ref(t), prompt.len() + i, &table_alone);
             alone.push(bits(&h.step(&[input])));
         }
         let alone_kv = h.kv_bits(&table_alone, target_len);
@@ -314,19 +304,13 @@ fn logits_do_not_depend_on_the_rest_of_the_batch() {
                 }
             }
             let target = if step == 0 {
-                SeqInput {
-                    tokens: &prompt,
-                    start_pos: 0,
-                    block_table: target_table,
-                    want_logits: true,
-                }
+                with_logits(&prompt, 0, target_table)
             } else {
-                SeqInput {
-                    tokens: std::slice::from_ref(&gen[step - 1]),
-                    start_pos: prompt.len() + step - 1,
-                    block_table: target_table,
-                    want_logits: true,
-                }
+                with_logits(
+                    std::slice::from_ref(&gen[step - 1]),
+                    prompt.len() + step - 1,
+                    target_table,
+                )
             };
             let at = (step * 11) % (inputs.len() + 1);
             inputs.insert(at, target);
@@ -361,14 +345,19 @@ fn shared_prefix_blocks_give_the_same_logits_as_recompute() {
         h.prefill(&a, &[0, 1, 2], &[40]);
         let full = h.prefill(&b, &[5, 6, 7], &[41]);
         // Blocks 0 and 1 hold positions 0..32 of `a`, identical to `b`'s.
-        let input = SeqInput {
-            tokens: &b[32..],
-            start_pos: 32,
-            block_table: &[0, 1, 9],
-            want_logits: true,
-        };
+        let input = with_logits(&b[32..], 32, &[0, 1, 9]);
         let reused = h.step(&[input]);
         assert_eq!(bits(&reused), bits(&full), "{:?}", cfg.arch);
+    }
+}
+
+/// `tokens` from position `start_pos` over `block_table`, wanting logits.
+fn with_logits<'a>(tokens: &'a [u32], start_pos: usize, block_table: &'a [u32]) -> SeqInput<'a> {
+    SeqInput {
+        tokens,
+        start_pos,
+        block_table,
+        want_logits: true,
     }
 }
 
@@ -379,75 +368,41 @@ fn bad_steps_are_refused() {
     let mut logits = Vec::new();
     let toks = [1u32; 20];
     let mut try_step = |seqs: &[SeqInput<'_>]| h.model.forward(&h.kv, &mut h.ws, seqs, &mut logits);
-    // Too few blocks for 20 positions.
-    let short = SeqInput {
-        tokens: &toks,
-        start_pos: 0,
-        block_table: &[0],
-        want_logits: true,
-    };
-    assert!(try_step(&[short]).is_err());
-    // Block id outside the cache.
-    let outside = SeqInput {
-        tokens: &toks,
-        start_pos: 0,
-        block_table: &[0, 4],
-        want_logits: true,
-    };
-    assert!(try_step(&[outside]).is_err());
-    // Token outside the vocabulary.
     let bad_tok = [cfg.vocab_size as u32];
-    let oov = SeqInput {
-        tokens: &bad_tok,
-        start_pos: 0,
-        block_table: &[0],
-        want_logits: true,
-    };
-    assert!(try_step(&[oov]).is_err());
-    // Two sequences writing the same block.
-    let s1 = SeqInput {
-        tokens: &toks[..3],
-        start_pos: 0,
-        block_table: &[2],
-        want_logits: true,
-    };
-    let s2 = SeqInput {
-        tokens: &toks[..3],
-        start_pos: 0,
-        block_table: &[2],
-        want_logits: true,
-    };
-    assert!(try_step(&[s1, s2]).is_err());
-    // A block written by one sequence while another reads it.
-    let w = SeqInput {
-        tokens: &toks[..3],
-        start_pos: 16,
-        block_table: &[0, 1],
-        want_logits: true,
-    };
-    let r = SeqInput {
-        tokens: &toks[..3],
-        start_pos: 16,
-        block_table: &[1, 3],
-        want_logits: true,
-    };
-    assert!(try_step(&[w, r]).is_err());
-    // Empty sequence.
-    let empty = SeqInput {
-        tokens: &[],
-        start_pos: 0,
-        block_table: &[0],
-        want_logits: true,
-    };
-    assert!(try_step(&[empty]).is_err());
+    let refused: [(&str, Vec<SeqInput>); 6] = [
+        (
+            "too few blocks for 20 positions",
+            vec![with_logits(&toks, 0, &[0])],
+        ),
+        (
+            "a block id outside the cache",
+            vec![with_logits(&toks, 0, &[0, 4])],
+        ),
+        (
+            "a token outside the vocabulary",
+            vec![with_logits(&bad_tok, 0, &[0])],
+        ),
+        (
+            "two sequences writing the same block",
+            vec![
+                with_logits(&toks[..3], 0, &[2]),
+                with_logits(&toks[..3], 0, &[2]),
+            ],
+        ),
+        (
+            "a block written by one sequence while another reads it",
+            vec![
+                with_logits(&toks[..3], 16, &[0, 1]),
+                with_logits(&toks[..3], 16, &[1, 3]),
+            ],
+        ),
+        ("an empty sequence", vec![with_logits(&[], 0, &[0])]),
+    ];
+    for (what, seqs) in refused {
+        assert!(try_step(&seqs).is_err(), "{what}");
+    }
     // A valid step still works afterwards and a workspace grows on demand.
-    let ok = SeqInput {
-        tokens: &toks,
-        start_pos: 0,
-        block_table: &[0, 1],
-        want_logits: true,
-    };
-    assert!(try_step(&[ok]).is_ok());
+    assert!(try_step(&[with_logits(&toks, 0, &[0, 1])]).is_ok());
     assert_eq!(logits.len(), cfg.vocab_size);
 }
 
