@@ -12,6 +12,7 @@
 //! `"kv_connector": "offload"`) and the multi-connector that combines
 //! several ([`multi::MultiConnector`], `"kv_connector": "multi"`).
 
+pub mod claims;
 pub mod config;
 pub mod load;
 pub mod multi;

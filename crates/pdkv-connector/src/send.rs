@@ -9,7 +9,8 @@
 //! - **WAITING**: the request is queued or running; a pull that arrives now
 //!   is parked;
 //! - **READY**: the request finished; its blocks are held for D until a pull
-//!   took them or the lease (`abort_timeout` from the finish) expired;
+//!   took them or the lease expired: `abort_timeout` from the finish, or
+//!   from D's last *claim*, whichever is later;
 //! - **DONE**: nothing more to send; kept a while as a tombstone so a late
 //!   pull or drop gets a precise answer ([`Failure`] with its [`FailCode`]).
 //!
@@ -42,6 +43,14 @@
 //! - every parked or queued pull has a deadline (`arrival_timeout` from its
 //!   receipt while its transfer is unknown, `prefill_timeout` from its
 //!   receipt while the transfer waits, `abort_timeout` from its admission).
+//!
+//! Claims: a D that queued the request but has not admitted it yet (a busy
+//! D's queue can be longer than any fixed lease) claims the transfer and
+//! claims it again before each lease runs out ([`SendMachine::on_claim`]).
+//! A claim on a WAITING transfer counts from when it becomes READY at the
+//! earliest. So only a transfer no D claims (the proxy never sent its
+//! request on, D crashed, D dropped it) expires `abort_timeout` after its
+//! finish or its last claim, and its blocks go back in bounded time.
 //!
 //! Read mode uses the same states with no pull: D reads the READY blocks
 //! one-sided while the *lease* (`abort_timeout` from the finish) holds them,
@@ -163,6 +172,10 @@ struct Transfer {
     /// [`FailCode::CacheReset`]) instead of becoming READY when the request
     /// finishes.
     reset: bool,
+    /// A D claimed the transfer; while WAITING, until when its claim holds
+    /// the lease.
+    claimed: bool,
+    claimed_until: Option<Instant>,
 }
 
 impl Transfer {
@@ -177,6 +190,8 @@ impl Transfer {
             writing: None,
             drop_waiters: Vec::new(),
             reset: false,
+            claimed: false,
+            claimed_until: None,
         }
     }
 }
@@ -217,6 +232,19 @@ pub struct SendMachine {
     weights_version: Option<String>,
     /// Sends ended since the tombstones were last bounded.
     done_since_bound: usize,
+    leases: LeaseCounts,
+}
+
+/// What happened to leases, for metrics and the simulator's checks.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct LeaseCounts {
+    /// Claims received (one per transfer named).
+    pub claims: u64,
+    /// Leases that expired on transfers no D had claimed.
+    pub expired_unclaimed: u64,
+    /// Leases that expired although a D had claimed the transfer (its
+    /// claims stopped: it crashed or lost P).
+    pub expired_claimed: u64,
 }
 
 impl SendMachine {
@@ -233,7 +261,43 @@ impl SendMachine {
             finished: Vec::new(),
             weights_version: None,
             done_since_bound: 0,
+            leases: LeaseCounts::default(),
         }
+    }
+
+    /// How long a claim holds the lease from its receipt.
+    pub fn lease(&self) -> Duration {
+        self.cfg.abort_timeout
+    }
+
+    pub fn lease_counts(&self) -> LeaseCounts {
+        self.leases
+    }
+
+    /// A D holds a queued request for `transfer_id`: the lease runs on for
+    /// `abort_timeout` from now (from when the transfer becomes READY at the
+    /// earliest). `Err`: P does not hold the transfer, and why; `Unknown`
+    /// while P has not seen its request yet (D claims again later).
+    pub fn on_claim(&mut self, now: Instant, transfer_id: &str) -> Result<(), Failure> {
+        self.leases.claims += 1;
+        let until = now + self.cfg.abort_timeout;
+        let Some(t) = self.transfers.get_mut(transfer_id) else {
+            return Err(Failure::new(
+                FailCode::Unknown,
+                format!("transfer {transfer_id:?} is unknown to the prefill engine"),
+            ));
+        };
+        match &mut t.phase {
+            Phase::Ready { expires } => {
+                *expires = (*expires).max(until);
+            }
+            Phase::Waiting => {
+                t.claimed_until = Some(t.claimed_until.map_or(until, |u| u.max(until)));
+            }
+            Phase::Done { failure, .. } => return Err(failure.clone()),
+        }
+        t.claimed = true;
+        Ok(())
     }
 
     /// How long a DONE transfer is remembered: as long as a decode engine
@@ -376,9 +440,9 @@ impl SendMachine {
             self.end_send(now, transfer_id, f, false);
             return false;
         }
-        let expires = now + self.cfg.abort_timeout;
         let version = self.weights_version.clone();
         let t = self.transfers.get_mut(transfer_id).expect("known");
+        let expires = (now + self.cfg.abort_timeout).max(t.claimed_until.unwrap_or(now));
         t.phase = Phase::Ready { expires };
         t.holding = true;
         t.blocks = blocks.to_vec();
@@ -760,17 +824,22 @@ impl SendMachine {
                 self.actions.push_back(Action::Progress { pull });
             }
         }
-        let expired: Vec<String> = self
+        let expired: Vec<(String, bool)> = self
             .transfers
             .iter()
             .filter(|(_, t)| {
                 t.writing.is_none() && matches!(t.phase, Phase::Ready { expires } if expires <= now)
             })
-            .map(|(k, _)| k.clone())
+            .map(|(k, t)| (k.clone(), t.claimed))
             .collect();
-        for tid in expired {
-            let why =
-                format!("the lease of transfer {tid:?} expired before the decode engine pulled it");
+        for (tid, claimed) in expired {
+            let why = if claimed {
+                self.leases.expired_claimed += 1;
+                format!("the lease of transfer {tid:?} expired: the decode engine that claimed it stopped claiming it (lease {:?})", self.cfg.abort_timeout)
+            } else {
+                self.leases.expired_unclaimed += 1;
+                format!("the lease of transfer {tid:?} expired before any decode engine claimed or pulled it (abort_timeout_s {:?})", self.cfg.abort_timeout)
+            };
             self.end_send(now, &tid, Failure::new(FailCode::LeaseExpired, why), false);
         }
         self.transfers.retain(|_, t| {
@@ -1197,6 +1266,54 @@ mod tests {
         assert_eq!(m.held_blocks(), 0);
         m.on_pull(t0 + ABORT, 1, pull("t", 0));
         assert!(err_of(&actions(&mut m), 1).contains("lease"));
+    }
+
+    #[test]
+    fn claims_hold_the_lease_for_as_long_as_they_come_and_not_longer() {
+        let t0 = Instant::now();
+        let mut m = machine(1);
+        // Claimed while P still computes: the lease runs from the claim or
+        // the finish, whichever is later.
+        m.on_request_running("t", &rid("r"));
+        assert_eq!(m.on_claim(t0, "t"), Ok(()));
+        let t1 = t0 + Duration::from_secs(5);
+        assert!(m.on_request_finished(t1, "t", &rid("r"), &[10, 11, 12, 13], 40, true));
+        assert_eq!(m.poll_timeout(), Some(t1 + ABORT));
+        // D claims again every third of the lease, for ten leases.
+        let mut now = t1;
+        for _ in 0..30 {
+            now += ABORT / 3;
+            m.handle_timeout(now);
+            assert_eq!(m.on_claim(now, "t"), Ok(()));
+        }
+        assert_eq!(
+            m.phase("t"),
+            Some(PhaseName::Ready),
+            "a claimed lease holds"
+        );
+        assert_eq!(m.poll_timeout(), Some(now + ABORT));
+        // D stops claiming (it crashed): the lease ends one lease later.
+        m.handle_timeout(now + ABORT);
+        assert_eq!(m.take_finished(), vec![rid("r")]);
+        let c = m.lease_counts();
+        assert_eq!(
+            (c.claims, c.expired_claimed, c.expired_unclaimed),
+            (31, 1, 0)
+        );
+        // A later claim learns why, as a pull would.
+        let f = m.on_claim(now + ABORT, "t").unwrap_err();
+        assert_eq!(f.code, FailCode::LeaseExpired);
+        assert!(f.message.contains("stopped claiming"), "{}", f.message);
+        // A transfer P has not seen: unknown (D claims again later).
+        assert_eq!(m.on_claim(now, "new").unwrap_err().code, FailCode::Unknown);
+        assert_eq!(m.phase("new"), None, "a claim creates nothing");
+        // An unclaimed transfer expires one lease after its finish.
+        let t2 = now + ABORT;
+        m.on_request_running("u", &rid("ru"));
+        assert!(m.on_request_finished(t2, "u", &rid("ru"), &[1, 2, 3], 40, true));
+        m.handle_timeout(t2 + ABORT);
+        assert_eq!(m.take_finished(), vec![rid("ru")]);
+        assert_eq!(m.lease_counts().expired_unclaimed, 1);
     }
 
     #[test]

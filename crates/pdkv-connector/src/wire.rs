@@ -277,10 +277,34 @@ pub enum Message {
         code: FailCode,
         reason: String,
     },
+    /// D holds requests, queued and not yet admitted, for these transfers:
+    /// P keeps their KV for at least the lease it answers with, counted from
+    /// now. D says so again before that lease runs out, for as long as the
+    /// requests wait, so a claimed transfer never expires under a busy D.
+    Claim {
+        transfer_ids: Vec<String>,
+    },
+    /// The claim holds for `lease_ms`; `ended` names the transfers P no
+    /// longer holds (or does not know yet: `unknown`) and why.
+    ClaimOk {
+        lease_ms: u64,
+        #[serde(default)]
+        ended: Vec<ClaimEnded>,
+    },
     /// The server could not make sense of the request.
     Error {
         reason: String,
     },
+}
+
+/// Most transfers one claim names; a D with more queued sends several.
+pub const MAX_CLAIM: usize = 512;
+
+/// A claimed transfer P does not hold.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ClaimEnded {
+    pub transfer_id: String,
+    pub code: FailCode,
 }
 
 /// Why an exchange failed.
@@ -524,6 +548,16 @@ mod tests {
             Message::ReadDoneErr {
                 code: FailCode::LeaseExpired,
                 reason: "expired".into(),
+            },
+            Message::Claim {
+                transfer_ids: vec!["a".into(), "b".into()],
+            },
+            Message::ClaimOk {
+                lease_ms: 30_000,
+                ended: vec![ClaimEnded {
+                    transfer_id: "b".into(),
+                    code: FailCode::LeaseExpired,
+                }],
             },
         ];
         for m in msgs {

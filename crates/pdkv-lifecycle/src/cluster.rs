@@ -315,25 +315,20 @@ impl Cluster {
         }
     }
 
-    /// `POST /reset_prefix_cache?reset_running_requests=true` on `role`
-    /// must answer `success: want`.
+    /// `POST /reset_prefix_cache?reset_running_requests=R` on `role` must
+    /// answer `success: want`.
     pub(crate) async fn expect_reset(
         &self,
         role: Role,
+        reset_running: bool,
         want: bool,
         when: &str,
     ) -> Result<(), Problem> {
-        let v = self
-            .admin(
-                role,
-                true,
-                "/reset_prefix_cache?reset_running_requests=true",
-                None,
-            )
-            .await?;
+        let path = format!("/reset_prefix_cache?reset_running_requests={reset_running}");
+        let v = self.admin(role, true, &path, None).await?;
         if v["success"] != json!(want) {
             return Err(Problem::Unexpected(format!(
-                "{} /reset_prefix_cache {when} answered {v} (expected success {want})",
+                "{} {path} {when} answered {v} (expected success {want})",
                 role.name()
             )));
         }

@@ -46,17 +46,25 @@ impl Runner<'_> {
         Ok((prompt, params, format!("{tid}-d")))
     }
 
+    /// The two resets while `role` holds a transfer's blocks: refused
+    /// without `reset_running_requests`, done with it.
+    async fn resets_while_held(&self, role: Role, when: &str) -> Result<(), Problem> {
+        self.c.expect_reset(role, false, false, when).await?;
+        self.c.expect_reset(role, true, true, when).await
+    }
+
     /// `reset_prefix_cache_p` under load: P computes a prompt for a D
     /// (`do_remote_decode`) and holds its blocks READY, as no D pulled them
-    /// yet; the reset must refuse. Then D loads them (which releases them).
+    /// yet; the reset refuses without `reset_running_requests` and succeeds
+    /// with it. Then D loads them (the reset did not cut the transfer).
     pub(crate) async fn reset_while_p_holds_a_send(&self, tag: &str) -> Result<String, Problem> {
         let c = &self.c;
         let tid = format!("lc-hold-{tag}");
         let prompt = format!("{} A transfer held on purpose: {tid}.", PREFIXES[1]);
         let params = self.prefill_for_a_d(&tid, &prompt).await?;
         let held = c.gauge(Role::P, "pdkv_kv_send_held_blocks").await;
-        let reset = c
-            .expect_reset(Role::P, false, "while a transfer holds blocks")
+        let reset = self
+            .resets_while_held(Role::P, "while a transfer holds blocks")
             .await;
         // Released whatever the reset said.
         let body = json!({"prompt": prompt, "max_tokens": 2, "temperature": 0, "ignore_eos": true, "stream": false,
@@ -71,7 +79,7 @@ impl Runner<'_> {
         reset?;
         match loaded?["choices"][0]["finish_reason"].as_str() {
             Some("length") => Ok(format!(
-                "under load: false while P held {held} blocks for a transfer, which D then loaded"
+                "under load: false, and true with reset_running_requests, while P held {held} blocks for a transfer, which D then loaded"
             )),
             other => Err(Problem::Unexpected(format!(
                 "D's load of the held transfer {tid} finished with {other:?}"
@@ -81,7 +89,8 @@ impl Runner<'_> {
 
     /// `reset_prefix_cache_d` under load: a D request whose first control
     /// exchange goes to a listener that never answers is a load in flight
-    /// holding its blocks; the reset must refuse. Then the request is
+    /// holding its blocks; the reset refuses without
+    /// `reset_running_requests` and succeeds with it. Then the request is
     /// aborted (which ends the load).
     pub(crate) async fn reset_while_d_holds_a_load(&self, tag: &str) -> Result<String, Problem> {
         let c = &self.c;
@@ -108,8 +117,8 @@ impl Runner<'_> {
             tokio::spawn(async move { c.completion(Role::D, body, &id).await })
         };
         let reached = fake.wait_accepted(Instant::now() + PROGRESS_DEADLINE).await;
-        let reset = c
-            .expect_reset(Role::D, false, "while a load holds blocks")
+        let reset = self
+            .resets_while_held(Role::D, "while a load holds blocks")
             .await;
         let aborted = c
             .admin(
@@ -133,7 +142,7 @@ impl Runner<'_> {
         }
         match out {
             Ok(Ok(Ok(v))) if v["choices"][0]["finish_reason"] == json!("abort") => Ok(
-                "under load: false while a load was in flight, whose request was then aborted"
+                "under load: false, and true with reset_running_requests, while a load was in flight, whose request was then aborted"
                     .into(),
             ),
             Ok(Ok(r)) => Err(Problem::Unexpected(format!(

@@ -68,14 +68,17 @@
 //!   prompt is computed at P for a D that does not read it, so P holds its
 //!   blocks (`pdkv_kv_send_held_blocks` >= 1); D asks for it after the wake
 //!   and computes it itself.
-//! - `reset_prefix_cache_{p,d}` must answer `true` idle and `false` while a
-//!   transfer holds blocks, which the case holds on purpose under load: on
+//! - `reset_prefix_cache_{p,d}` must answer `true` idle; while a transfer
+//!   holds blocks, `false` without `reset_running_requests` and `true` with
+//!   it (running requests preempted, the transfer untouched). The case holds
+//!   a transfer on purpose under load: on
 //!   P a `do_remote_decode` request whose transfer no D has pulled yet
 //!   (READY for its lease), on D a load whose first control exchange goes to
 //!   a listener of this command that never answers (in flight, holding its
 //!   blocks, for the connector's 5 s control bound). Both are released
 //!   right after the reset (a D request loads P's transfer; D's request is
-//!   aborted), and once the load stopped the reset answers `true` again.
+//!   aborted; P's transfer must still load after the reset), and once the
+//!   load stopped the reset answers `true` again.
 //!
 //! Invariants: every wait is bounded; every child is killed and reaped when
 //! the run ends, fails or is interrupted (and gets SIGTERM from the kernel

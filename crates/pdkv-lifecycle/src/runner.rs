@@ -70,7 +70,11 @@ impl Runner<'_> {
         if let Op::ResetPrefixCache = case.op {
             // Idle again, with the held transfer released: it succeeds.
             let role = reset_role(case);
-            if let Err(e) = self.c.expect_reset(role, true, "idle after the load").await {
+            if let Err(e) = self
+                .c
+                .expect_reset(role, true, true, "idle after the load")
+                .await
+            {
                 res.reasons.push(e.to_string());
             }
         }
@@ -100,7 +104,7 @@ impl Runner<'_> {
             Ok(slow) => res.notes.extend(slow),
             Err(e) => res.reasons.push(e.to_string()),
         }
-        if let Err(e) = self.c.expect_reset(role, true, "idle").await {
+        if let Err(e) = self.c.expect_reset(role, true, true, "idle").await {
             res.reasons.push(e.to_string());
         }
     }

@@ -152,6 +152,18 @@ pub fn final_checks(ctx: &mut Ctx, v: &View) {
         r.loads_failed += c.loads_failed;
         r.loads_abandoned += c.loads_abandoned;
         r.pulls_ok += c.pulls_ok + c.reads_done;
+        r.claims_sent += c.claims_sent;
+        r.leases_expired += c.leases_expired;
+        r.claimed_leases_expired += c.claimed_leases_expired;
+        r.loads_lease_expired += c.loads_lease_expired;
+    }
+    if !ctx.opts.faults && ctx.report.claimed_leases_expired > 0 {
+        // Without faults every claiming D lives and reaches P: its claims
+        // never stop while its request waits.
+        ctx.violation(format!(
+            "{} leases expired on transfers a decode engine had claimed",
+            ctx.report.claimed_leases_expired
+        ));
     }
     if !ctx.report.violations.is_empty() {
         return;

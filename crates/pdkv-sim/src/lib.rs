@@ -159,6 +159,14 @@ pub struct Report {
     pub loads_failed: u64,
     pub loads_abandoned: u64,
     pub pulls_ok: u64,
+    /// Transfers D claimed for queued requests (renewals included).
+    pub claims_sent: u64,
+    /// Leases P let expire: on transfers no D claimed, and on claimed ones
+    /// (a D whose claims stopped: crashed or cut off; never without faults).
+    pub leases_expired: u64,
+    pub claimed_leases_expired: u64,
+    /// D loads that found the lease expired (recomputed).
+    pub loads_lease_expired: u64,
     pub operations: u64,
     pub operations_ok: u64,
     pub operations_failed: u64,
@@ -194,7 +202,7 @@ impl Report {
     /// One line for a log.
     pub fn line(&self) -> String {
         format!(
-            "seed {} {}: TP {}->{}, {} events, {:.1} s simulated, {} clients {:?}, lost {}, {} outputs checked, {} KV frames ({} late), {} rank copies, {} heterogeneous transfers, loads ok/released/failed/abandoned {}/{}/{}/{}, {} lifecycle calls ({} failed), rank faults release/restore/rollback {}/{}/{} ({} retried), {} crashes{}",
+            "seed {} {}: TP {}->{}, {} events, {:.1} s simulated, {} clients {:?}, lost {}, {} outputs checked, {} KV frames ({} late), {} rank copies, {} heterogeneous transfers, loads ok/released/failed/abandoned {}/{}/{}/{}, {} claims, leases expired unclaimed/claimed {}/{} ({} loads found one expired), {} lifecycle calls ({} failed), rank faults release/restore/rollback {}/{}/{} ({} retried), {} crashes{}",
             self.seed,
             if self.ok() { "ok" } else { "VIOLATION" },
             self.p_tp,
@@ -213,6 +221,10 @@ impl Report {
             self.loads_released,
             self.loads_failed,
             self.loads_abandoned,
+            self.claims_sent,
+            self.leases_expired,
+            self.claimed_leases_expired,
+            self.loads_lease_expired,
             self.operations,
             self.operations_failed,
             self.rank_release_faults,

@@ -1,6 +1,7 @@
 //! The integration tests of this crate, one binary: each module is one
 //! area (they share the helpers in `common` and pdkv-testkit).
 
+mod claims;
 mod common;
 mod config;
 mod engines;

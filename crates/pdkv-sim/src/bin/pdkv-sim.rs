@@ -63,6 +63,8 @@ fn main() -> anyhow::Result<()> {
     let (mut runs, mut bad, mut events, mut simulated) = (0u64, Vec::new(), 0u64, 0.0f64);
     let (mut copies, mut hetero, mut retried) = (0u64, 0u64, 0u64);
     let (mut release_faults, mut restore_faults, mut rollback_faults) = (0u64, 0u64, 0u64);
+    // Claims sent, leases expired unclaimed / claimed, loads that found one expired.
+    let mut leases = (0u64, 0u64, 0u64, 0u64);
     let mut pairs: std::collections::BTreeMap<(usize, usize), u64> = Default::default();
     for seed in range {
         let mut opts = pdkv_sim::Options::for_seed(seed);
@@ -114,6 +116,10 @@ fn main() -> anyhow::Result<()> {
         restore_faults += r.rank_restore_faults;
         rollback_faults += r.rank_rollback_faults;
         retried += r.rank_faults_retried;
+        leases.0 += r.claims_sent;
+        leases.1 += r.leases_expired;
+        leases.2 += r.claimed_leases_expired;
+        leases.3 += r.loads_lease_expired;
         *pairs.entry((r.p_tp, r.d_tp)).or_default() += 1;
         simulated += r.simulated.as_secs_f64();
         if args.verbose {
@@ -150,6 +156,10 @@ fn main() -> anyhow::Result<()> {
         "tensor parallelism (P->D: seeds) {}; {copies} per-rank KV copies, {hetero} heterogeneous-TP transfers, {} injected rank faults ({release_faults} on release, {restore_faults} on restore; {rollback_faults} releases whose rollback failed too), {retried} of them retried successfully",
         pairs.join(", "),
         release_faults + restore_faults
+    );
+    println!(
+        "leases: {} transfers claimed for queued requests; expired {} unclaimed, {} claimed (only where an engine crashed or the network failed); {} loads found their lease expired",
+        leases.0, leases.1, leases.2, leases.3
     );
     anyhow::ensure!(bad.is_empty(), "violations in seeds {bad:?}");
     Ok(())

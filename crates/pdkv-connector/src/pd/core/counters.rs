@@ -32,6 +32,18 @@ pub struct Counters {
     pub bytes_read: u64,
     pub reads_done: u64,
     pub reads_late: u64,
+    /// D: transfers named in claims sent to prefill engines.
+    pub claims_sent: u64,
+    /// P: transfers named in claims received.
+    pub claims_received: u64,
+    /// P: leases that expired on transfers no decode engine claimed.
+    pub leases_expired: u64,
+    /// P: leases that expired although a decode engine had claimed the
+    /// transfer (its claims stopped).
+    pub claimed_leases_expired: u64,
+    /// D: loads that found P's KV gone because its lease expired
+    /// (recomputed: work lost, not a lifecycle operation's choice).
+    pub loads_lease_expired: u64,
 }
 
 /// What a connector release found still in flight.

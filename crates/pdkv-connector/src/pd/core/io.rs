@@ -33,6 +33,10 @@ pub enum Op {
     ReadDone {
         load: LoadId,
     },
+    /// D's claim on queued requests' transfers.
+    Claim {
+        id: crate::claims::ClaimId,
+    },
     /// Best effort; the answer is only logged.
     DropUnpulled {
         transfer_id: String,

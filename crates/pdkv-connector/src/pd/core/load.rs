@@ -26,6 +26,8 @@ impl PdCore {
         let Some((params, prompt_len)) = self.pending.remove(req.id) else {
             return;
         };
+        // Admitted: its load (or its local compute) takes over from claims.
+        self.claims.remove(req.id);
         if num_external_tokens == 0 {
             return;
         }
@@ -172,6 +174,18 @@ impl PdCore {
             Op::DropUnpulled { transfer_id } => {
                 tracing::debug!(%transfer_id, answer = ?msg, "dropped a transfer this engine does not pull")
             }
+            Op::Claim { id } => {
+                let answer = match msg {
+                    Message::ClaimOk { lease_ms, ended } => {
+                        Ok((Duration::from_millis(lease_ms), ended))
+                    }
+                    other => {
+                        tracing::warn!(answer = ?other, "a claim was refused; claiming again shortly");
+                        Err(())
+                    }
+                };
+                self.claims.on_answer(now, id, answer);
+            }
         }
         self.drive(now);
     }
@@ -202,6 +216,10 @@ impl PdCore {
             }
             Op::DropUnpulled { transfer_id } => {
                 tracing::warn!(%transfer_id, "drop failed: {failure}")
+            }
+            Op::Claim { id } => {
+                tracing::debug!("a claim exchange failed, claiming again shortly: {failure}");
+                self.claims.on_answer(now, id, Err(()));
             }
         }
         self.drive(now);
@@ -451,6 +469,9 @@ impl PdCore {
             LoadEnd::Loaded => c.loads_ok += 1,
             LoadEnd::Gone => c.loads_cancelled += 1,
             LoadEnd::Failed(lf) if lf.failure.message == recv::CUT_SHORT => c.loads_cut_short += 1,
+            LoadEnd::Failed(lf) if lf.failure.code == FailCode::LeaseExpired => {
+                c.loads_lease_expired += 1
+            }
             LoadEnd::Failed(lf) if lf.recompute => c.loads_released += 1,
             LoadEnd::Failed(_) => c.loads_failed += 1,
         }

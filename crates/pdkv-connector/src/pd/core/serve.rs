@@ -14,7 +14,7 @@ use super::state::PdCore;
 use crate::config::TransferMode;
 use crate::params::{self, ReadParams};
 use crate::send::{self, PullSpec, ASLEEP};
-use crate::wire::{FailCode, Failure, HandshakeInfo, Message, Pull};
+use crate::wire::{ClaimEnded, FailCode, Failure, HandshakeInfo, Message, Pull, MAX_CLAIM};
 
 impl PdCore {
     /// P's request ended: its blocks are held for D (READY) unless the send
@@ -92,15 +92,19 @@ impl PdCore {
                 self.send.on_drop(now, &transfer_id, conn, code);
                 None
             }
-            Message::Pull(_) | Message::Drop { .. } | Message::ReadDone { .. } => {
-                Some(Message::Error {
-                    reason: format!(
-                        "engine {} is a {} and sends no KV",
-                        self.engine_id,
-                        self.cfg.kv_role.as_str()
-                    ),
-                })
+            Message::Claim { transfer_ids } if self.cfg.kv_role.produces() => {
+                Some(self.claim(now, &transfer_ids))
             }
+            Message::Pull(_)
+            | Message::Drop { .. }
+            | Message::ReadDone { .. }
+            | Message::Claim { .. } => Some(Message::Error {
+                reason: format!(
+                    "engine {} is a {} and sends no KV",
+                    self.engine_id,
+                    self.cfg.kv_role.as_str()
+                ),
+            }),
             other => Some(Message::Error {
                 reason: format!("unexpected message {other:?}"),
             }),
@@ -113,6 +117,32 @@ impl PdCore {
             });
         }
         self.drive(now);
+    }
+
+    /// A D's claim on queued requests' transfers (at most [`MAX_CLAIM`]).
+    fn claim(&mut self, now: Instant, transfer_ids: &[String]) -> Message {
+        if transfer_ids.len() > MAX_CLAIM {
+            return Message::Error {
+                reason: format!(
+                    "a claim names {} transfers, more than the {MAX_CLAIM} one claim may",
+                    transfer_ids.len()
+                ),
+            };
+        }
+        let ended = transfer_ids
+            .iter()
+            .filter_map(|tid| {
+                let f = self.send.on_claim(now, tid).err()?;
+                Some(ClaimEnded {
+                    transfer_id: tid.clone(),
+                    code: f.code,
+                })
+            })
+            .collect();
+        Message::ClaimOk {
+            lease_ms: self.send.lease().as_millis() as u64,
+            ended,
+        }
     }
 
     fn not_registered(&self) -> Message {

@@ -5,7 +5,7 @@
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use pdkv_engine::connector::{ConnectorRequest, ExternalMatch, FinishedTransfers, LoadError};
 use pdkv_engine::FinishReason;
@@ -13,13 +13,19 @@ use pdkv_transfer::Registry;
 use serde_json::Value;
 
 use super::counters::{Counters, InFlight};
-use super::io::{ConnId, Io};
+use super::io::{ConnId, Io, Op, CONTROL_IO};
 use super::kv::KvInfo;
+use crate::claims::ClaimBook;
 use crate::config::{KvRole, KvTransferConfig};
 use crate::params::{ParamsError, PdParams, DO_REMOTE_DECODE, DO_REMOTE_PREFILL};
 use crate::recv::{LoadFailure, LoadId, RecvConfig, RecvMachine};
 use crate::send::{SendConfig, SendMachine};
-use crate::wire::{Destination, FailCode, Pull};
+use crate::wire::{Destination, FailCode, Message, Pull};
+
+/// How long after a request is queued on D its transfer is first claimed
+/// (at most; a quarter of `abort_timeout` when that is shorter), so that
+/// the claims of requests queued together go in one message.
+pub const FIRST_CLAIM: Duration = Duration::from_secs(1);
 
 /// See the module docs.
 pub struct PdCore {
@@ -53,6 +59,8 @@ pub struct PdCore {
     pub(super) reported_errors: Vec<(u32, LoadError)>,
     pub(super) news: bool,
     pub(super) counters: Counters,
+    /// D: claims on the transfers of queued requests.
+    pub(super) claims: ClaimBook,
 }
 
 impl PdCore {
@@ -64,6 +72,7 @@ impl PdCore {
         registry: Arc<Registry>,
     ) -> PdCore {
         let send = SendMachine::new(send_config(&cfg, pdkv_model::BLOCK_SIZE));
+        let cfg_abort = cfg.abort_timeout;
         let recv = RecvMachine::new(RecvConfig {
             load_timeout: cfg.load_timeout,
             block_size: pdkv_model::BLOCK_SIZE,
@@ -92,6 +101,7 @@ impl PdCore {
             reported_errors: Vec::new(),
             news: false,
             counters: Counters::default(),
+            claims: ClaimBook::new(FIRST_CLAIM.min(cfg_abort / 4)),
         }
     }
 
@@ -121,7 +131,18 @@ impl PdCore {
     }
 
     pub fn counters(&self) -> Counters {
-        self.counters
+        let l = self.send.lease_counts();
+        Counters {
+            claims_received: l.claims,
+            leases_expired: l.expired_unclaimed,
+            claimed_leases_expired: l.expired_claimed,
+            ..self.counters
+        }
+    }
+
+    /// D: queued requests whose transfers it claims now.
+    pub fn num_claimed(&self) -> usize {
+        self.claims.len()
     }
 
     pub fn is_asleep(&self) -> bool {
@@ -158,27 +179,50 @@ impl PdCore {
 
     /// The next time [`PdCore::handle_timeout`] must run.
     pub fn poll_timeout(&self) -> Option<Instant> {
-        [self.send.poll_timeout(), self.recv.poll_timeout()]
-            .into_iter()
-            .flatten()
-            .min()
+        [
+            self.send.poll_timeout(),
+            self.recv.poll_timeout(),
+            self.claims.poll_timeout(),
+        ]
+        .into_iter()
+        .flatten()
+        .min()
     }
 
     pub fn handle_timeout(&mut self, now: Instant) {
         self.send.handle_timeout(now);
         self.recv.handle_timeout(now);
+        for c in self.claims.due(now) {
+            self.counters.claims_sent += c.transfer_ids.len() as u64;
+            self.io.push_back(Io::Send {
+                op: Op::Claim { id: c.id },
+                addr: c.addr,
+                msg: Message::Claim {
+                    transfer_ids: c.transfer_ids,
+                },
+                deadline: now + CONTROL_IO,
+            });
+        }
         self.drive(now);
     }
 
     pub fn request_added(&mut self, now: Instant, req: ConnectorRequest<'_>) {
-        if let Ok(Some(PdParams::RemoteDecode { transfer_id })) =
-            PdParams::parse(req.kv_transfer_params)
-        {
-            if self.cfg.kv_role.produces() {
+        match PdParams::parse(req.kv_transfer_params) {
+            Ok(Some(PdParams::RemoteDecode { transfer_id })) if self.cfg.kv_role.produces() => {
                 self.send.on_request_running(&transfer_id, req.id);
-                self.drive(now);
             }
+            Ok(Some(PdParams::RemotePrefill {
+                transfer_id,
+                remote_bootstrap_addr,
+                ..
+            })) if self.cfg.kv_role.consumes() => {
+                // P holds the KV while this request waits its turn.
+                self.claims
+                    .add(now, req.id, &remote_bootstrap_addr, &transfer_id);
+            }
+            _ => return,
         }
+        self.drive(now);
     }
 
     pub fn get_num_new_matched_tokens(
@@ -204,6 +248,7 @@ impl PdCore {
                     .saturating_sub(num_computed_tokens);
                 if n == 0 {
                     // Everything is in the local cache: P need not keep it.
+                    self.claims.remove(req.id);
                     self.decided.insert(req.id.clone());
                     if let PdParams::RemotePrefill {
                         transfer_id,
@@ -234,6 +279,7 @@ impl PdCore {
         reason: FinishReason,
     ) -> (bool, Option<Value>) {
         self.pending.remove(req.id);
+        self.claims.remove(req.id);
         let decided = self.decided.remove(req.id);
         let out = match PdParams::parse(req.kv_transfer_params) {
             Ok(Some(PdParams::RemoteDecode { transfer_id })) if self.cfg.kv_role.produces() => {
