@@ -47,7 +47,10 @@
 //! aborted prefill, other weights) and `pdkv_kv_pulls_cancelled_total` (D
 //! dropped the transfer); on D `pdkv_kv_loads_released_total` (P ended it on
 //! purpose; D recomputes), `pdkv_kv_loads_cut_short_total` (D's own cache
-//! reset) and `pdkv_kv_loads_cancelled_total` (its request ended first). D's
+//! reset), `pdkv_kv_loads_cancelled_total` (its request ended first) and
+//! `pdkv_kv_loads_lease_expired_total` (P's lease ended before D got to it:
+//! only for a transfer no D claimed). A lease that expires on a transfer D
+//! claimed (`pdkv_kv_claimed_leases_expired_total` on P) fails the case. D's
 //! `--kv-load-failure-policy` is `fail` by default, the strict setting (a
 //! failed load would also fail its request); the matrix passes under
 //! `recompute` too.

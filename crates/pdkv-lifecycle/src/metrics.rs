@@ -52,6 +52,12 @@ pub struct TransferCounts {
     pub loads_cut_short: f64,
     /// D: loads whose request ended first.
     pub loads_cancelled: f64,
+    /// D: loads that found P's lease expired (recomputed: P's work lost).
+    pub loads_lease_expired: f64,
+    /// P: leases that expired on transfers no D claimed, and on claimed
+    /// ones (must stay 0 while every D lives).
+    pub leases_expired: f64,
+    pub claimed_leases_expired: f64,
 }
 
 impl TransferCounts {
@@ -71,6 +77,9 @@ impl TransferCounts {
             loads_released: get(d, "pdkv_kv_loads_released_total")?,
             loads_cut_short: get(d, "pdkv_kv_loads_cut_short_total")?,
             loads_cancelled: get(d, "pdkv_kv_loads_cancelled_total")?,
+            loads_lease_expired: get(d, "pdkv_kv_loads_lease_expired_total")?,
+            leases_expired: get(p, "pdkv_kv_leases_expired_total")?,
+            claimed_leases_expired: get(p, "pdkv_kv_claimed_leases_expired_total")?,
         })
     }
 
@@ -85,6 +94,9 @@ impl TransferCounts {
             loads_released: self.loads_released - b.loads_released,
             loads_cut_short: self.loads_cut_short - b.loads_cut_short,
             loads_cancelled: self.loads_cancelled - b.loads_cancelled,
+            loads_lease_expired: self.loads_lease_expired - b.loads_lease_expired,
+            leases_expired: self.leases_expired - b.leases_expired,
+            claimed_leases_expired: self.claimed_leases_expired - b.claimed_leases_expired,
         }
     }
 
@@ -93,7 +105,10 @@ impl TransferCounts {
     pub fn on_purpose(&self) -> (f64, f64) {
         (
             self.pulls_released + self.pulls_cancelled,
-            self.loads_released + self.loads_cut_short + self.loads_cancelled,
+            self.loads_released
+                + self.loads_cut_short
+                + self.loads_cancelled
+                + self.loads_lease_expired,
         )
     }
 
@@ -105,6 +120,11 @@ impl TransferCounts {
             ("D loads released by P", self.loads_released),
             ("D loads cut short", self.loads_cut_short),
             ("D loads cancelled", self.loads_cancelled),
+            (
+                "D loads that found the lease expired",
+                self.loads_lease_expired,
+            ),
+            ("P leases expired unclaimed", self.leases_expired),
         ]
         .iter()
         .filter(|(_, v)| *v > 0.0)

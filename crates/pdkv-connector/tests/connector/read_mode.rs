@@ -210,7 +210,9 @@ fn an_unread_lease_expires_and_a_late_read_is_void_and_recomputed() {
     );
     assert_eq!(metric(&p.handle, "reads_late_total"), 1.0);
     assert_eq!(metric(&d.handle, "loads_failed_total"), 0.0);
-    assert_eq!(metric(&d.handle, "loads_released_total"), 1.0);
+    assert_eq!(metric(&d.handle, "loads_released_total"), 0.0);
+    assert_eq!(metric(&d.handle, "loads_lease_expired_total"), 1.0);
+    assert_eq!(metric(&p.handle, "leases_expired_total"), 1.0);
     // The pair still works.
     let params = prefill(&p.handle, "fresh", &pr);
     assert_same(
