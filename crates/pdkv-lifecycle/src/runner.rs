@@ -85,6 +85,12 @@ impl Runner<'_> {
         let after = self.c.counters().await?;
         res.t = after.minus(&before);
         res.notes.extend(res.t.on_purpose_note());
+        if res.t.claimed_leases_expired > 0.0 {
+            res.reasons.push(format!(
+                "{} leases expired on transfers D had claimed (P threw away KV a queued request was waiting for)",
+                res.t.claimed_leases_expired
+            ));
+        }
         if res.t.pulls_failed > 0.0 || res.t.loads_failed > 0.0 {
             res.reasons.push(format!(
                 "failed transfers: {} pulls on P, {} loads on D (a transfer ended on purpose is counted apart)",
