@@ -37,15 +37,17 @@ pub(crate) struct Load {
     run_id: u32,
     cycle_tag: String,
     disconnect_every: usize,
+    prompt_repeats: usize,
     url: String,
     client: reqwest::Client,
 }
 
-/// The load's request `i`: varied prompt length, output length and shape.
-fn load_body(i: u64, disconnect_every: usize) -> (Value, bool) {
+/// The load's request `i`: varied prompt length (its prefix repeated 1 to
+/// `prompt_repeats` times), output length and shape.
+fn load_body(i: u64, disconnect_every: usize, prompt_repeats: usize) -> (Value, bool) {
     let leave = disconnect_every > 0 && i % disconnect_every as u64 == disconnect_every as u64 - 1;
     let stream = leave || i % 2 == 1;
-    let repeat = 1 + (i % 4) as usize;
+    let repeat = 1 + (i % prompt_repeats.max(1) as u64) as usize;
     let prompt = format!(
         "{} Request {i}:{}",
         PREFIXES[(i as usize / 3) % PREFIXES.len()].repeat(repeat),
@@ -104,7 +106,7 @@ pub(crate) async fn load_worker(load: Arc<Load>) {
     while !load.stop.load(Ordering::Acquire) {
         let i = load.next.fetch_add(1, Ordering::Relaxed);
         let id = format!("lc-{}-{}-{i}", load.run_id, load.cycle_tag);
-        let (body, leave) = load_body(i, load.disconnect_every);
+        let (body, leave) = load_body(i, load.disconnect_every, load.prompt_repeats);
         load.inflight
             .lock()
             .unwrap_or_else(|e| e.into_inner())
@@ -166,6 +168,7 @@ impl Load {
         run_id: u32,
         cycle_tag: String,
         disconnect_every: usize,
+        prompt_repeats: usize,
     ) -> Load {
         Load {
             stop: AtomicBool::new(false),
@@ -176,6 +179,7 @@ impl Load {
             run_id,
             cycle_tag,
             disconnect_every,
+            prompt_repeats,
             url: format!("{proxy}/v1/completions"),
             client,
         }

@@ -35,6 +35,9 @@ pub struct Options {
     pub load_concurrency: usize,
     /// Every N-th load request leaves after its first event (0: never).
     pub disconnect_every: usize,
+    /// Load prompts repeat their prefix 1 to this many times (about 25
+    /// tokens each): 4 gives 25-100 tokens, 60 up to 1,500.
+    pub load_prompt_repeats: usize,
     /// Greedy probe prompts compared with the baseline after every case.
     pub probes: usize,
     /// Tokens each probe generates.
@@ -71,6 +74,7 @@ impl Options {
             cycles: 1,
             load_concurrency: 8,
             disconnect_every: 4,
+            load_prompt_repeats: 4,
             probes: 30,
             probe_tokens: 8,
             num_kv_blocks: 256,
@@ -93,6 +97,10 @@ impl Options {
             (
                 self.load_concurrency > 0,
                 "--load-concurrency must be at least 1",
+            ),
+            (
+                self.load_prompt_repeats > 0,
+                "--load-prompt-repeats must be at least 1",
             ),
             (self.probes > 0, "--probes must be at least 1"),
             (self.probe_tokens > 0, "--probe-tokens must be at least 1"),

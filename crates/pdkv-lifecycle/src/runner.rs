@@ -123,6 +123,7 @@ impl Runner<'_> {
             self.run_id,
             format!("{}-{cycle}", case.name),
             self.o.disconnect_every,
+            self.o.load_prompt_repeats,
         ));
         let workers = (0..self.o.load_concurrency)
             .map(|_| tokio::spawn(load_worker(load.clone())))

@@ -48,6 +48,10 @@ pub struct LifecycleArgs {
     /// Every N-th load request leaves after its first event (0: never).
     #[arg(long, default_value_t = 4)]
     pub disconnect_every: usize,
+    /// Load prompts repeat a prefix of about 25 tokens 1 to N times (4:
+    /// 25-100 tokens; 60: up to 1,500).
+    #[arg(long, default_value_t = 4)]
+    pub load_prompt_repeats: usize,
     /// Greedy probe prompts compared with the baseline after every case.
     #[arg(long, default_value_t = 30)]
     pub probes: usize,
@@ -92,6 +96,7 @@ impl LifecycleArgs {
         o.cycles = self.cycles;
         o.load_concurrency = self.load_concurrency;
         o.disconnect_every = self.disconnect_every;
+        o.load_prompt_repeats = self.load_prompt_repeats;
         o.probes = self.probes;
         o.probe_tokens = self.probe_tokens;
         o.num_kv_blocks = self.num_kv_blocks;
