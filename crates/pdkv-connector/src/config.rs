@@ -125,6 +125,7 @@ struct Raw {
     #[serde(default)]
     kv_load_failure_policy: LoadFailurePolicy,
     shm_dir: Option<PathBuf>,
+    reclaim_held_kv: Option<bool>,
 }
 
 /// A checked connector configuration.
@@ -155,6 +156,11 @@ pub struct KvTransferConfig {
     /// `load_timeout`.
     pub heartbeat: Duration,
     pub kv_load_failure_policy: LoadFailurePolicy,
+    /// A producer whose every block is held for transfers no consumer took
+    /// yet gives some back for new prompts (`true`, the default; the
+    /// consumers recompute those), or holds them until they are taken or
+    /// their leases end (`false`).
+    pub reclaim_held_kv: bool,
     /// Where a consumer's shared-memory socket lives.
     pub shm_dir: PathBuf,
     /// The deployment's KV secret, proven by both ends of every KV
@@ -258,6 +264,7 @@ impl KvTransferConfig {
             prefill_timeout,
             heartbeat,
             kv_load_failure_policy: raw.kv_load_failure_policy,
+            reclaim_held_kv: raw.reclaim_held_kv.unwrap_or(true),
             shm_dir: raw.shm_dir.unwrap_or_else(std::env::temp_dir),
             kv_secret: KvSecret::open(),
         })

@@ -343,6 +343,16 @@ impl KvConnector for MultiConnector {
             .unwrap_or(0)
     }
 
+    /// Every child is asked (they hold the same blocks, so a block comes
+    /// back once each child that held it let go): the largest count.
+    fn reclaim_held_blocks(&mut self, blocks: usize) -> usize {
+        self.children
+            .iter_mut()
+            .map(|c| c.reclaim_held_blocks(blocks))
+            .max()
+            .unwrap_or(0)
+    }
+
     fn register_kv_caches(&mut self, spec: &KvCacheSpec) -> anyhow::Result<()> {
         for (i, c) in self.children.iter_mut().enumerate() {
             c.register_kv_caches(spec)

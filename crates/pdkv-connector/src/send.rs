@@ -51,6 +51,11 @@
 //! earliest. So only a transfer no D claims (the proxy never sent its
 //! request on, D crashed, D dropped it) expires `abort_timeout` after its
 //! finish or its last claim, and its blocks go back in bounded time.
+//! Memory pressure is the one other way a held transfer ends early: when
+//! P's engine cannot admit a new prompt because transfers hold its blocks,
+//! [`SendMachine::reclaim`] gives back unclaimed transfers first (oldest
+//! first), then claimed ones newest first (those D reaches last), with
+//! [`FailCode::Reclaimed`] (D recomputes).
 //!
 //! Read mode uses the same states with no pull: D reads the READY blocks
 //! one-sided while the *lease* (`abort_timeout` from the finish) holds them,
@@ -176,6 +181,8 @@ struct Transfer {
     /// the lease.
     claimed: bool,
     claimed_until: Option<Instant>,
+    /// Order in which transfers became READY (for reclaiming).
+    ready_seq: u64,
 }
 
 impl Transfer {
@@ -192,6 +199,7 @@ impl Transfer {
             reset: false,
             claimed: false,
             claimed_until: None,
+            ready_seq: 0,
         }
     }
 }
@@ -233,6 +241,7 @@ pub struct SendMachine {
     /// Sends ended since the tombstones were last bounded.
     done_since_bound: usize,
     leases: LeaseCounts,
+    next_ready_seq: u64,
 }
 
 /// What happened to leases, for metrics and the simulator's checks.
@@ -245,6 +254,8 @@ pub struct LeaseCounts {
     /// Leases that expired although a D had claimed the transfer (its
     /// claims stopped: it crashed or lost P).
     pub expired_claimed: u64,
+    /// Transfers given back early because P needed their blocks.
+    pub reclaimed: u64,
 }
 
 impl SendMachine {
@@ -262,7 +273,48 @@ impl SendMachine {
             weights_version: None,
             done_since_bound: 0,
             leases: LeaseCounts::default(),
+            next_ready_seq: 0,
         }
+    }
+
+    /// P's engine needs `blocks` more blocks than it has free and transfers
+    /// hold them: READY transfers no write reads end with
+    /// [`FailCode::Reclaimed`] — unclaimed ones first, oldest first, then
+    /// claimed ones newest first — until their blocks cover `blocks`.
+    /// Returns the blocks given back (through `take_finished`).
+    pub fn reclaim(&mut self, now: Instant, blocks: usize) -> usize {
+        let mut candidates: Vec<(bool, i64, String, usize)> = self
+            .transfers
+            .iter()
+            .filter(|(k, t)| {
+                matches!(t.phase, Phase::Ready { .. })
+                    && t.writing.is_none()
+                    && !self.pull_of.contains_key(*k)
+            })
+            .map(|(k, t)| {
+                // Unclaimed before claimed; oldest unclaimed, newest claimed.
+                let order = if t.claimed {
+                    -(t.ready_seq as i64)
+                } else {
+                    t.ready_seq as i64
+                };
+                (t.claimed, order, k.clone(), t.blocks.len())
+            })
+            .collect();
+        candidates.sort();
+        let mut freed = 0;
+        for (_, _, tid, n) in candidates {
+            if freed >= blocks {
+                break;
+            }
+            let why = format!(
+                "the prefill engine needed the blocks of transfer {tid:?} for new prompts before a decode engine took them"
+            );
+            self.end_send(now, &tid, Failure::new(FailCode::Reclaimed, why), false);
+            self.leases.reclaimed += 1;
+            freed += n;
+        }
+        freed
     }
 
     /// How long a claim holds the lease from its receipt.
@@ -444,6 +496,8 @@ impl SendMachine {
         let t = self.transfers.get_mut(transfer_id).expect("known");
         let expires = (now + self.cfg.abort_timeout).max(t.claimed_until.unwrap_or(now));
         t.phase = Phase::Ready { expires };
+        t.ready_seq = self.next_ready_seq;
+        self.next_ready_seq += 1;
         t.holding = true;
         t.blocks = blocks.to_vec();
         t.prompt_len = prompt_len;
@@ -1314,6 +1368,42 @@ mod tests {
         m.handle_timeout(t2 + ABORT);
         assert_eq!(m.take_finished(), vec![rid("ru")]);
         assert_eq!(m.lease_counts().expired_unclaimed, 1);
+    }
+
+    #[test]
+    fn reclaim_gives_back_unclaimed_oldest_then_claimed_newest_but_never_a_pulled_one() {
+        let t0 = Instant::now();
+        let mut m = machine(1);
+        // READY in this order: a (claimed), b (unclaimed), c (claimed),
+        // d (unclaimed), e (pulled: queued or writing, never reclaimed).
+        for (i, tid) in ["a", "b", "c", "d", "e"].into_iter().enumerate() {
+            let r = rid(&format!("r{tid}"));
+            m.on_request_running(tid, &r);
+            let b = 10 * i as u32;
+            assert!(m.on_request_finished(t0, tid, &r, &[b, b + 1, b + 2], 40, true));
+        }
+        assert_eq!(m.on_claim(t0, "a"), Ok(()));
+        assert_eq!(m.on_claim(t0, "c"), Ok(()));
+        m.on_pull(t0, 1, pull("e", 0));
+        all_actions(&mut m);
+        let order = |m: &mut SendMachine, n| {
+            let got = m.reclaim(t0, n);
+            (got, m.take_finished())
+        };
+        assert_eq!(order(&mut m, 1), (3, vec![rid("rb")]), "oldest unclaimed");
+        assert_eq!(order(&mut m, 4), (6, vec![rid("rd"), rid("rc")]));
+        assert_eq!(
+            order(&mut m, 100),
+            (3, vec![rid("ra")]),
+            "the pulled one stays"
+        );
+        assert_eq!(m.phase("e"), Some(PhaseName::Ready));
+        assert_eq!(m.lease_counts().reclaimed, 4);
+        // A pull for a reclaimed transfer learns why (D recomputes).
+        m.on_pull(t0, 2, pull("b", 0));
+        let f = failure_of(&actions(&mut m), 2);
+        assert_eq!(f.code, FailCode::Reclaimed);
+        assert!(f.code.on_purpose());
     }
 
     #[test]

@@ -121,9 +121,13 @@ pub enum FailCode {
     /// P never saw the transfer's request within the arrival timeout.
     Unknown,
     /// P's lease on the blocks ended before D took them: P reclaimed the KV
-    /// after holding it as long as it promised (typically D was paused or
-    /// asleep meanwhile, its requests queued).
+    /// after holding it as long as it promised (no D claimed it, or its
+    /// claims stopped).
     LeaseExpired,
+    /// P needed the blocks for new prompts: every block it had was held
+    /// for transfers D had not taken yet, and P gave some back (those D
+    /// would reach last first).
+    Reclaimed,
     /// A deadline passed: no sender was free, or P's request outlived the
     /// longest prefill a pull waits for.
     Deadline,
@@ -157,6 +161,7 @@ impl FailCode {
                 | FailCode::PrefillRefused
                 | FailCode::WeightsMismatch
                 | FailCode::LeaseExpired
+                | FailCode::Reclaimed
         )
     }
 
@@ -170,6 +175,7 @@ impl FailCode {
             FailCode::Dropped => "dropped",
             FailCode::Unknown => "unknown",
             FailCode::LeaseExpired => "lease_expired",
+            FailCode::Reclaimed => "reclaimed",
             FailCode::Deadline => "deadline",
             FailCode::Mismatch => "mismatch",
             FailCode::AlreadyDone => "already_done",

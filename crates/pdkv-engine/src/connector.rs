@@ -380,6 +380,14 @@ pub trait KvConnector: Send {
         0
     }
 
+    /// The engine cannot admit a new request: it is `blocks` short, and
+    /// transfers hold finished requests' blocks. A connector that can end
+    /// some of its sends early does (they come back through `get_finished`);
+    /// returns how many blocks will come back.
+    fn reclaim_held_blocks(&mut self, _blocks: usize) -> usize {
+        0
+    }
+
     // ---- worker side ----
 
     /// The engine's KV cache, once, at start.

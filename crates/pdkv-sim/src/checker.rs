@@ -156,6 +156,7 @@ pub fn final_checks(ctx: &mut Ctx, v: &View) {
         r.leases_expired += c.leases_expired;
         r.claimed_leases_expired += c.claimed_leases_expired;
         r.loads_lease_expired += c.loads_lease_expired;
+        r.leases_reclaimed += c.leases_reclaimed;
     }
     if !ctx.opts.faults && ctx.report.claimed_leases_expired > 0 {
         // Without faults every claiming D lives and reaches P: its claims

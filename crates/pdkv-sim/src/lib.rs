@@ -167,6 +167,8 @@ pub struct Report {
     pub claimed_leases_expired: u64,
     /// D loads that found the lease expired (recomputed).
     pub loads_lease_expired: u64,
+    /// Held transfers P gave back because new prompts needed the blocks.
+    pub leases_reclaimed: u64,
     pub operations: u64,
     pub operations_ok: u64,
     pub operations_failed: u64,
@@ -202,7 +204,7 @@ impl Report {
     /// One line for a log.
     pub fn line(&self) -> String {
         format!(
-            "seed {} {}: TP {}->{}, {} events, {:.1} s simulated, {} clients {:?}, lost {}, {} outputs checked, {} KV frames ({} late), {} rank copies, {} heterogeneous transfers, loads ok/released/failed/abandoned {}/{}/{}/{}, {} claims, leases expired unclaimed/claimed {}/{} ({} loads found one expired), {} lifecycle calls ({} failed), rank faults release/restore/rollback {}/{}/{} ({} retried), {} crashes{}",
+            "seed {} {}: TP {}->{}, {} events, {:.1} s simulated, {} clients {:?}, lost {}, {} outputs checked, {} KV frames ({} late), {} rank copies, {} heterogeneous transfers, loads ok/released/failed/abandoned {}/{}/{}/{}, {} claims, leases expired unclaimed/claimed {}/{} ({} loads found one expired), {} reclaimed, {} lifecycle calls ({} failed), rank faults release/restore/rollback {}/{}/{} ({} retried), {} crashes{}",
             self.seed,
             if self.ok() { "ok" } else { "VIOLATION" },
             self.p_tp,
@@ -225,6 +227,7 @@ impl Report {
             self.leases_expired,
             self.claimed_leases_expired,
             self.loads_lease_expired,
+            self.leases_reclaimed,
             self.operations,
             self.operations_failed,
             self.rank_release_faults,

@@ -326,6 +326,10 @@ impl KvConnector for PdConnector {
         self.shared.inspect(|c| c.num_held_blocks())
     }
 
+    fn reclaim_held_blocks(&mut self, blocks: usize) -> usize {
+        self.call(|c, now| c.reclaim(now, blocks))
+    }
+
     /// Registers the KV cache, then asks the driver whether its transport
     /// can serve the registration (over shared memory: whether a peer may
     /// map that many memfds); a refusal fails the engine's start, naming
@@ -469,6 +473,11 @@ fn metrics(core: &PdCore) -> Vec<(&'static str, &'static str, f64)> {
             "claimed_leases_expired_total",
             "Leases that expired although a decode engine had claimed the transfer (its claims stopped)",
             f(c.claimed_leases_expired),
+        ),
+        (
+            "leases_reclaimed_total",
+            "Held transfers this prefill engine gave back early because new prompts needed the blocks (D recomputes them)",
+            f(c.leases_reclaimed),
         ),
         ("claimed_transfers", "Queued requests whose transfers this decode engine claims now", core.num_claimed() as f64),
         ("loads_abandoned_total", "KV loads given up (deadline, lost peer) before their transfer was fenced", f(c.loads_abandoned)),

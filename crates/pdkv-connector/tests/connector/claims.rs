@@ -71,3 +71,51 @@ fn a_queued_request_keeps_ps_lease_alive_by_claiming_it() {
     idle_and_free(ph);
     idle_and_free(dh);
 }
+
+/// A prefill engine whose every block is held for transfers no D took yet
+/// gives some back for a new prompt at once (its lease here is a minute,
+/// far longer than the test): the new prompt runs, and the D whose
+/// transfer was reclaimed recomputes it and equals a colocated run.
+#[test]
+fn a_full_prefill_engine_reclaims_held_blocks_for_a_new_prompt() {
+    let lease = r#","abort_timeout_s":60,"load_timeout_s":90"#;
+    // 12 blocks: four 40-token prompts (3 blocks each) fill it.
+    let small = EngineConfig {
+        num_kv_blocks: 12,
+        ..config()
+    };
+    let p = engine(Some((&producer(lease), "p-full")), small);
+    let d = engine(Some((&consumer(lease), "d-full")), config());
+    let colo = colocated();
+    let (ph, dh) = (&p.handle, &d.handle);
+    let prompts: Vec<Vec<u32>> = (0..5).map(|i| prompt(60 + i, 40)).collect();
+    let mut params = Vec::new();
+    for (i, pr) in prompts.iter().enumerate() {
+        // The fifth needs blocks only reclaiming can give.
+        params.push(remote_prefill(ph, &format!("f{i}-p"), pr, &format!("f{i}")));
+    }
+    assert_eq!(
+        metric(ph, "leases_reclaimed_total"),
+        1.0,
+        "the oldest unclaimed one"
+    );
+    assert_eq!(metric(ph, "leases_expired_total"), 0.0);
+    // Every D request equals a colocated run: four loaded, the reclaimed
+    // one (the first) recomputed.
+    for (i, (pr, pa)) in prompts.iter().zip(params).enumerate() {
+        let out = run(dh, &format!("f{i}-d"), pr.clone(), 4, Some(pa));
+        assert_eq!(
+            fingerprint(&out),
+            fingerprint(&run(&colo.handle, &format!("c{i}"), pr.clone(), 4, None)),
+            "prompt {i}"
+        );
+    }
+    wait_metric(dh, "loads_ok_total", 4.0, "D loaded the four P kept");
+    assert_eq!(
+        metric(dh, "loads_released_total"),
+        1.0,
+        "and recomputed one"
+    );
+    idle_and_free(ph);
+    idle_and_free(dh);
+}

@@ -54,9 +54,11 @@ struct Blocked {
     hold_params: Value,
 }
 
-/// Starts a P with a small cache and fills it with the held transfer "hold".
+/// Starts a P with a small cache and fills it with the held transfer "hold"
+/// (which P does not give back for new prompts: `reclaim_held_kv` off).
 fn block_prefill(extra: &str) -> Blocked {
-    let p = engine(Some((&producer(extra), P_ID)), blocks(BLOCKED_P_BLOCKS));
+    let extra = format!(r#"{extra},"reclaim_held_kv":false"#);
+    let p = engine(Some((&producer(&extra), P_ID)), blocks(BLOCKED_P_BLOCKS));
     let hold_prompt = prompt(77, HOLD_LEN);
     let hold_params = remote_prefill(&p.handle, "hold", &hold_prompt, "hold");
     let s = p

@@ -59,6 +59,9 @@ pub struct Scheduler {
     pub(super) held: HashMap<Arc<str>, Vec<u32>>,
     pub(super) connector: Option<Box<dyn KvConnector>>,
     pub(super) num_preemptions: u64,
+    /// The connector was asked to give held blocks back and none came back
+    /// since.
+    pub(super) reclaim_asked: bool,
 }
 
 impl Scheduler {
@@ -76,6 +79,7 @@ impl Scheduler {
             held: HashMap::new(),
             connector: None,
             num_preemptions: 0,
+            reclaim_asked: false,
         }
     }
 

@@ -190,7 +190,7 @@ impl Scheduler {
         let target = req.num_computed_tokens + num_new;
         let need = blocks_for(target).saturating_sub(req.blocks.len());
         if need > self.pool.num_free() {
-            return self.unjam_or_stop(id);
+            return self.unjam_or_stop(id, need - self.pool.num_free());
         }
         let fresh = self.pool.allocate(need).expect("counted above");
         let req = self.requests.get_mut(id).expect("waiting request exists");
@@ -255,7 +255,7 @@ impl Scheduler {
         if need > available {
             // Ask again once blocks are free.
             req.connector_consulted = false;
-            return self.unjam_or_stop(id);
+            return self.unjam_or_stop(id, need - available);
         }
         self.pool.touch(&hit);
         self.pool.record_lookup(req.tokens.len(), num_hit_tokens);
@@ -292,7 +292,7 @@ impl Scheduler {
         let need = blocks_for(num_hit_tokens + num_new) - hit.len();
         let available = self.pool.num_free() - self.pool.count_free(&hit);
         if need > available {
-            return self.unjam_or_stop(id);
+            return self.unjam_or_stop(id, need - available);
         }
         self.pool.touch(&hit);
         self.pool
@@ -323,13 +323,40 @@ impl Scheduler {
         Admit::Next
     }
 
-    /// The head cannot get its blocks: it is tried again when [`Self::unjam`]
-    /// freed some, otherwise the step admits nothing more.
-    fn unjam_or_stop(&mut self, head: &Arc<str>) -> Admit {
+    /// The head is `short` blocks short: it is tried again when
+    /// [`Self::unjam`] freed some; otherwise the step admits nothing more,
+    /// and transfers that hold finished requests' blocks give some back
+    /// ([`Self::reclaim_held`]).
+    fn unjam_or_stop(&mut self, head: &Arc<str>, short: usize) -> Admit {
         if self.unjam(head) {
             Admit::Next
         } else {
+            self.reclaim_held(short);
             Admit::Stop
+        }
+    }
+
+    /// Nothing runs, and blocks held for transfers (a prefill engine's
+    /// finished prompts no decode engine took yet) are what keeps the head
+    /// out: the connector gives back at least `short` of them if it can
+    /// (they come back through [`Self::update_from_connector`]). Asked once
+    /// until some came back. While something runs the engine makes
+    /// progress, and the decode engines may take their KV meanwhile.
+    fn reclaim_held(&mut self, short: usize) {
+        if self.reclaim_asked || self.held.is_empty() || !self.running.is_empty() {
+            return;
+        }
+        let Some(c) = self.connector.as_deref_mut() else {
+            return;
+        };
+        let n = c.reclaim_held_blocks(short);
+        if n > 0 {
+            self.reclaim_asked = true;
+            tracing::info!(
+                short,
+                reclaimed = n,
+                "blocks held for decode engines given back: new prompts needed them"
+            );
         }
     }
 

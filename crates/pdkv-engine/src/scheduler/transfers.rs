@@ -67,6 +67,9 @@ impl Scheduler {
             return Vec::new();
         }
         let mut failed = Vec::new();
+        if !finished.sending.is_empty() {
+            self.reclaim_asked = false;
+        }
         for id in &finished.sending {
             if let Some(blocks) = self.held.remove(id) {
                 self.pool.free(&blocks);

@@ -65,6 +65,7 @@ fn main() -> anyhow::Result<()> {
     let (mut release_faults, mut restore_faults, mut rollback_faults) = (0u64, 0u64, 0u64);
     // Claims sent, leases expired unclaimed / claimed, loads that found one expired.
     let mut leases = (0u64, 0u64, 0u64, 0u64);
+    let mut reclaimed = 0u64;
     let mut pairs: std::collections::BTreeMap<(usize, usize), u64> = Default::default();
     for seed in range {
         let mut opts = pdkv_sim::Options::for_seed(seed);
@@ -120,6 +121,7 @@ fn main() -> anyhow::Result<()> {
         leases.1 += r.leases_expired;
         leases.2 += r.claimed_leases_expired;
         leases.3 += r.loads_lease_expired;
+        reclaimed += r.leases_reclaimed;
         *pairs.entry((r.p_tp, r.d_tp)).or_default() += 1;
         simulated += r.simulated.as_secs_f64();
         if args.verbose {
@@ -158,7 +160,7 @@ fn main() -> anyhow::Result<()> {
         release_faults + restore_faults
     );
     println!(
-        "leases: {} transfers claimed for queued requests; expired {} unclaimed, {} claimed (only where an engine crashed or the network failed); {} loads found their lease expired",
+        "leases: {} transfers claimed for queued requests; expired {} unclaimed, {} claimed (only where an engine crashed or the network failed); {} loads found their lease expired; {reclaimed} held transfers reclaimed for new prompts",
         leases.0, leases.1, leases.2, leases.3
     );
     anyhow::ensure!(bad.is_empty(), "violations in seeds {bad:?}");

@@ -41,6 +41,9 @@ pub struct Counters {
     /// P: leases that expired although a decode engine had claimed the
     /// transfer (its claims stopped).
     pub claimed_leases_expired: u64,
+    /// P: held transfers given back early because new prompts needed the
+    /// blocks.
+    pub leases_reclaimed: u64,
     /// D: loads that found P's KV gone because its lease expired
     /// (recomputed: work lost, not a lifecycle operation's choice).
     pub loads_lease_expired: u64,

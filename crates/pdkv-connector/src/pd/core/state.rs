@@ -136,6 +136,7 @@ impl PdCore {
             claims_received: l.claims,
             leases_expired: l.expired_unclaimed,
             claimed_leases_expired: l.expired_claimed,
+            leases_reclaimed: l.reclaimed,
             ..self.counters
         }
     }
@@ -319,6 +320,17 @@ impl PdCore {
         self.recv.abort_all(now);
         self.new_loads.clear();
         self.drive(now);
+    }
+
+    /// P: ends held sends until `blocks` come back (see
+    /// [`SendMachine::reclaim`]); returns how many will.
+    pub fn reclaim(&mut self, now: Instant, blocks: usize) -> usize {
+        if !self.cfg.reclaim_held_kv {
+            return 0;
+        }
+        let n = self.send.reclaim(now, blocks);
+        self.drive(now);
+        n
     }
 
     /// Blocks held for transfers now (sending and receiving).
