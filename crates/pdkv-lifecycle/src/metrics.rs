@@ -58,6 +58,9 @@ pub struct TransferCounts {
     /// ones (must stay 0 while every D lives).
     pub leases_expired: f64,
     pub claimed_leases_expired: f64,
+    /// P: held transfers given back for new prompts (counted in D's
+    /// `loads_released` too: D recomputes them).
+    pub leases_reclaimed: f64,
 }
 
 impl TransferCounts {
@@ -80,6 +83,7 @@ impl TransferCounts {
             loads_lease_expired: get(d, "pdkv_kv_loads_lease_expired_total")?,
             leases_expired: get(p, "pdkv_kv_leases_expired_total")?,
             claimed_leases_expired: get(p, "pdkv_kv_claimed_leases_expired_total")?,
+            leases_reclaimed: get(p, "pdkv_kv_leases_reclaimed_total")?,
         })
     }
 
@@ -97,6 +101,7 @@ impl TransferCounts {
             loads_lease_expired: self.loads_lease_expired - b.loads_lease_expired,
             leases_expired: self.leases_expired - b.leases_expired,
             claimed_leases_expired: self.claimed_leases_expired - b.claimed_leases_expired,
+            leases_reclaimed: self.leases_reclaimed - b.leases_reclaimed,
         }
     }
 
@@ -125,6 +130,10 @@ impl TransferCounts {
                 self.loads_lease_expired,
             ),
             ("P leases expired unclaimed", self.leases_expired),
+            (
+                "of the D loads released, reclaimed by P for new prompts",
+                self.leases_reclaimed,
+            ),
         ]
         .iter()
         .filter(|(_, v)| *v > 0.0)
