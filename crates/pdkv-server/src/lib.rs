@@ -38,6 +38,7 @@ mod dialects;
 pub mod error;
 pub mod fields;
 mod generate;
+mod ids;
 pub mod listen;
 mod logprobs;
 pub mod metrics;
@@ -50,7 +51,6 @@ pub mod tracker;
 pub mod weight_sync;
 
 use std::future::Future;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 
@@ -86,9 +86,7 @@ struct StateInner {
     metrics: Arc<Metrics>,
     served_model_name: String,
     started_at: u64,
-    /// Distinguishes request ids of this process from earlier ones.
-    id_prefix: u64,
-    next_id: AtomicU64,
+    ids: ids::IdSource,
 }
 
 impl AppState {
@@ -104,8 +102,7 @@ impl AppState {
                 metrics: Arc::new(Metrics::new()),
                 served_model_name: served_model_name.into(),
                 started_at: now.as_secs(),
-                id_prefix: (now.as_nanos() as u64) ^ ((std::process::id() as u64) << 32),
-                next_id: AtomicU64::new(0),
+                ids: ids::IdSource::default(),
             }),
             sync: Arc::new(weight_sync::WeightSync::new(
                 pdkv_transfer::auth::KvSecret::open(),
@@ -194,10 +191,10 @@ impl AppState {
         self.inner.started_at
     }
 
-    /// A fresh request id, unique within this process.
+    /// A fresh request id no client can guess (and claim first with
+    /// `X-Request-Id`): `prefix` and 128 random bits.
     fn next_request_id(&self, prefix: &str) -> String {
-        let n = self.inner.next_id.fetch_add(1, Ordering::Relaxed);
-        format!("{prefix}{:016x}{n:08x}", self.inner.id_prefix)
+        format!("{prefix}{}", self.inner.ids.next_hex())
     }
 }
 

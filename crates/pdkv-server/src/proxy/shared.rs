@@ -1,10 +1,6 @@
 //! The proxy's shared state (one per proxy, behind an `Arc`).
 
-use std::collections::hash_map::RandomState;
-use std::hash::{BuildHasher, Hasher};
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::{SystemTime, UNIX_EPOCH};
 
 use pdkv_relay::plan::Role;
 
@@ -30,9 +26,7 @@ pub(super) struct Shared {
     pub(super) prefill: Pool,
     pub(super) decode: Pool,
     pub(super) metrics: Arc<ProxyMetrics>,
-    /// Random per process: the high half of every transfer id.
-    id_seed: u64,
-    next_id: AtomicU64,
+    ids: crate::ids::IdSource,
     /// How the last `init_weight_transfer_engine` fans weight syncs out.
     pub(super) weight_fanout: Mutex<Fanout>,
 }
@@ -55,22 +49,13 @@ impl Shared {
             .connect_timeout(config.connect_timeout)
             .pool_idle_timeout(UPSTREAM_IDLE)
             .build()?;
-        let mut h = RandomState::new().build_hasher();
-        h.write_u32(std::process::id());
-        h.write_u128(
-            SystemTime::now()
-                .duration_since(UNIX_EPOCH)
-                .unwrap_or_default()
-                .as_nanos(),
-        );
         Ok(Shared {
             config,
             client,
             prefill,
             decode,
             metrics: Arc::new(ProxyMetrics::default()),
-            id_seed: h.finish(),
-            next_id: AtomicU64::new(0),
+            ids: crate::ids::IdSource::default(),
             weight_fanout: Mutex::new(Fanout::Direct),
         })
     }
@@ -97,11 +82,10 @@ impl Shared {
         self.prefill.any_healthy() && self.decode.any_healthy()
     }
 
-    /// A fresh transfer id: 128 bits as 32 hex digits, unique within this
-    /// process (a counter) and across processes (a random half).
+    /// A fresh transfer id: 128 random bits as 32 hex digits (no client
+    /// can guess the next one and claim it at P first).
     pub(super) fn new_transfer_id(&self) -> String {
-        let n = self.next_id.fetch_add(1, Ordering::Relaxed);
-        format!("{:016x}{n:016x}", self.id_seed)
+        self.ids.next_hex()
     }
 }
 

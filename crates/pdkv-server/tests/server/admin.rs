@@ -761,6 +761,46 @@ async fn sleep_level_2_then_reload_serves_the_new_weights() {
     s.stop().await;
 }
 
+/// A client that learns one server-made id and claims the ids that would
+/// follow it (as `X-Request-Id`s of requests it keeps open) refuses nobody:
+/// server-made ids are random, not a counter.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn server_made_request_ids_cannot_be_squatted() {
+    let s = Server::start_admin_with("small", 7, Some(TOKEN), EngineConfig::default()).await;
+    let mut seen = s.open_stream(json!({}), None).await;
+    let id = seen.next_json().await["id"].as_str().unwrap().to_string();
+    let hex = id.strip_prefix("cmpl-").expect("a completion id");
+    assert_eq!(hex.len(), 32, "{id}: 128 bits");
+    assert!(hex.chars().all(|c| c.is_ascii_hexdigit()), "{id}");
+    // The squatter's guesses: the next values of the id's last 8 digits.
+    let (head, tail) = id.split_at(id.len() - 8);
+    let tail = u32::from_str_radix(tail, 16).unwrap();
+    let mut squatted = Vec::new();
+    let mut held = Vec::new();
+    for k in 1..=8u32 {
+        let guess = format!("{head}{:08x}", tail.wrapping_add(k));
+        held.push(s.open_stream(json!({}), Some(&guess)).await);
+        squatted.push(guess);
+    }
+    // Six honest requests without ids: none refused, none given a squatted id.
+    for _ in 0..6 {
+        let (status, v) = s.post("/v1/completions", &greedy_body("honest")).await;
+        assert_eq!(status, StatusCode::OK, "{v}");
+        let got = v["id"].as_str().unwrap();
+        assert!(!squatted.iter().any(|q| q == got), "{got}");
+    }
+    let v = s
+        .admin_ok(Method::POST, "/abort_requests", Some(&json!({})))
+        .await;
+    assert_eq!(v["num_aborted"], json!(9));
+    assert_eq!(seen.finish().await, (Some("abort".to_string()), true));
+    for mut h in held {
+        assert_eq!(h.finish().await, (Some("abort".to_string()), true));
+    }
+    s.wait_all_blocks_free().await;
+    s.stop().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn abort_requests_by_id_and_request_ids() {
     let s = Server::start_admin_with("small", 7, Some(TOKEN), EngineConfig::default()).await;
