@@ -427,6 +427,7 @@ async fn sleep(
     };
     let timeout = q.timeout()?;
     let started = Instant::now();
+    let before = lifecycle_status(&state);
     on_engine(&state, move |e| e.sleep(level, mode, timeout)).await??;
     if level != SleepLevel::L0 {
         // What weight syncs keep between them goes with the rest.
@@ -435,9 +436,27 @@ async fn sleep(
     state
         .metrics()
         .observe_sleep(started.elapsed().as_secs_f64());
-    Ok(json_ok(
-        json!({"status": "sleeping", "level": level.as_u32()}),
-    ))
+    let after = lifecycle_status(&state);
+    Ok(json_ok(sleep_answer(&before, &after)))
+}
+
+/// The answer to a sleep: the level the engine sleeps at now (a sleep
+/// never gets lighter: level 1 over level 2 stays level 2), whether its
+/// weights are discarded, and, when level 2 came over level 1, that the
+/// weights' host backup was dropped with them.
+fn sleep_answer(before: &LifecycleStatus, after: &LifecycleStatus) -> Value {
+    let level = after.sleeping.map(|l| l.as_u32());
+    let mut v = json!({
+        "status": "sleeping",
+        "level": level,
+        "weights_discarded": after.weights_discarded,
+    });
+    if before.sleeping == Some(SleepLevel::L1) && after.sleeping == Some(SleepLevel::L2) {
+        v["detail"] = json!(
+            "level 2 over level 1: the weights' host backup was discarded; after /wake_up, load weights (/update_weights) before serving"
+        );
+    }
+    v
 }
 
 /// `POST /wake_up[?tags=weights&tags=kv_cache]`: wakes the given tags, or
@@ -495,7 +514,13 @@ async fn is_sleeping(
 ) -> Result<Response, ApiError> {
     QueryParams::parse(raw.as_deref(), &[])?;
     let st = lifecycle_status(&state);
-    Ok(json_ok(json!({"is_sleeping": st.sleeping.is_some()})))
+    // vLLM's field, then what a client needs to know what a wake brings
+    // back: the level, and whether the weights must be loaded again.
+    Ok(json_ok(json!({
+        "is_sleeping": st.sleeping.is_some(),
+        "level": st.sleeping.map(|l| l.as_u32()),
+        "weights_discarded": st.weights_discarded,
+    })))
 }
 
 /// `POST /release_kv_cache_memory`: needs a completed pause (409 otherwise).

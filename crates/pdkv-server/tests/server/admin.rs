@@ -699,6 +699,69 @@ async fn update_weights_matches_a_fresh_server_and_refuses_incompatible_ones() {
     s.stop().await;
 }
 
+/// Level 2 over level 1 drops the weights' host backup: the answer and
+/// `/is_sleeping` say so, a wake brings back an engine that needs its
+/// weights loaded (every request a 503 until then), and a load serves.
+/// Level 1 over level 2 keeps level 2.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sleep_level_2_over_level_1_discards_the_backup_and_says_so() {
+    let (s, before) = Server::start_probed().await;
+    let v = s.admin_ok(Method::POST, "/sleep?level=1", None).await;
+    assert_eq!(
+        v,
+        json!({"status": "sleeping", "level": 1, "weights_discarded": false})
+    );
+    assert!(must(&s.metrics().await, "pdkv_host_backup_bytes") > 0.0);
+    let v = s.admin_ok(Method::POST, "/sleep?level=2", None).await;
+    assert_eq!(
+        (&v["level"], &v["weights_discarded"]),
+        (&json!(2), &json!(true)),
+        "{v}"
+    );
+    assert!(
+        v["detail"]
+            .as_str()
+            .unwrap()
+            .contains("host backup was discarded"),
+        "{v}"
+    );
+    assert_eq!(must(&s.metrics().await, "pdkv_host_backup_bytes"), 0.0);
+    let v = s.admin_ok(Method::POST, "/sleep?level=1", None).await;
+    assert_eq!((&v["level"], v.get("detail")), (&json!(2), None), "{v}");
+    let v = s.admin_ok(Method::GET, "/is_sleeping", None).await;
+    assert_eq!(
+        v,
+        json!({"is_sleeping": true, "level": 2, "weights_discarded": true})
+    );
+    let v = s.admin_ok(Method::POST, "/wake_up", None).await;
+    assert_eq!(
+        (&v["status"], &v["weights_discarded"]),
+        (&json!("awake"), &json!(true)),
+        "{v}"
+    );
+    let (status, body) = s.post("/v1/completions", &greedy_body("no weights")).await;
+    assert_openai_error(
+        status,
+        &body,
+        StatusCode::SERVICE_UNAVAILABLE,
+        "before the load",
+    );
+    let path = s.checkpoint_path().to_str().unwrap().to_string();
+    s.admin_ok(
+        Method::POST,
+        "/update_weights",
+        Some(&json!({"path": path})),
+    )
+    .await;
+    assert_eq!(s.probe().await, before);
+    let v = s.admin_ok(Method::GET, "/is_sleeping", None).await;
+    assert_eq!(
+        v,
+        json!({"is_sleeping": false, "level": null, "weights_discarded": false})
+    );
+    s.stop().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sleep_level_2_then_reload_serves_the_new_weights() {
     let (s, before) = Server::start_probed().await;

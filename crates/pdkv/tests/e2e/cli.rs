@@ -140,7 +140,7 @@ async fn admin_token_from_flag_or_env_guards_the_lifecycle_api() {
         assert_eq!(resp.status(), 200);
         assert_eq!(
             resp.json::<Value>().await.unwrap(),
-            json!({"is_sleeping": false})
+            json!({"is_sleeping": false, "level": null, "weights_discarded": false})
         );
         let v: Value = http::send(
             client
