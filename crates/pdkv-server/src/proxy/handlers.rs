@@ -13,7 +13,7 @@ use axum::Router;
 use pdkv_relay::plan::{Mode, Outcome, RelayPlan};
 use serde_json::{Map, Value};
 
-use super::backends::plan_mode;
+use super::backends::{plan_mode, BackendStatus};
 use super::body::Endpoint;
 use super::shared::Shared;
 use super::upstream::{retryable, Forwarded};
@@ -114,12 +114,12 @@ async fn generate_once(
         proxy.check_backends().await;
         picked = (proxy.prefill.pick(), proxy.decode.pick());
     }
-    let (Some((p, p_status)), Some((d, _))) = picked else {
+    let Some((d, _)) = picked.1 else {
         proxy.metrics.count(Outcome::NoBackend);
-        let missing = match (proxy.prefill.any_healthy(), proxy.decode.any_healthy()) {
-            (false, false) => "no prefill and no decode server is healthy",
-            (false, true) => "no prefill server is healthy",
-            _ => "no decode server is healthy",
+        let missing = if proxy.prefill.any_healthy() {
+            "no decode server is healthy"
+        } else {
+            "no prefill and no decode server is healthy"
         };
         tracing::warn!("refusing a request: {missing}");
         return retryable(ApiError::unavailable(missing).with_code("no_healthy_backend"));
@@ -129,11 +129,29 @@ async fn generate_once(
         authorization: headers.get(header::AUTHORIZATION).cloned(),
     };
     let transfer_id = proxy.new_transfer_id();
-    let mode = plan_mode(p_status.kv_info.as_ref());
-    let read_mode = mode == Mode::Read;
-    let plan = RelayPlan::for_request(&req, mode, &transfer_id);
+    let (p, p_status, plan) = match picked.0 {
+        Some((p, st)) => {
+            let plan = RelayPlan::for_request(&req, plan_mode(st.kv_info.as_ref()), &transfer_id);
+            (p, st, plan)
+        }
+        None => {
+            // Every prefill server is down: D computes the prompt, as when
+            // P is paused. (The plan never asks P; the relay still names one.)
+            proxy.metrics.prefill_down();
+            tracing::warn!(decode = %d.url, "no prefill server is up: the decode server computes the prompt itself");
+            let streaming = req.get("stream").and_then(Value::as_bool).unwrap_or(false);
+            let params = req.get("kv_transfer_params").cloned();
+            let plan = RelayPlan::decode_alone(streaming, &transfer_id, params);
+            (
+                proxy.prefill.backends[0].clone(),
+                BackendStatus::default(),
+                plan,
+            )
+        }
+    };
+    let read_mode = plan_mode(p_status.kv_info.as_ref()) == Mode::Read;
     if plan.is_decode_alone() {
-        tracing::debug!(endpoint = endpoint.path(), decode = %d.url, "prompt logits wanted: D computes the prompt");
+        tracing::debug!(endpoint = endpoint.path(), decode = %d.url, "D computes the prompt");
     } else {
         tracing::debug!(
             endpoint = endpoint.path(),
@@ -235,15 +253,42 @@ fn forwarded_routes() -> Router<Arc<Shared>> {
         .route("/get_server_info", get_from("/get_server_info"))
 }
 
+/// 200 while a decode server serves (with every prefill server down, D
+/// computes prompts itself, which the body notes); otherwise a retryable
+/// 503 saying why no decode server serves.
 async fn health(State(proxy): State<Arc<Shared>>) -> Response {
-    if proxy.is_ready() {
-        StatusCode::OK.into_response()
-    } else {
-        retryable(
-            ApiError::unavailable("no healthy prefill or decode server")
-                .with_code("no_healthy_backend"),
+    let decode: Vec<_> = proxy.decode.backends.iter().map(|b| b.status()).collect();
+    if decode.iter().any(|s| s.healthy && s.refusing.is_none()) {
+        if proxy.prefill.any_healthy() {
+            return StatusCode::OK.into_response();
+        }
+        return (
+            StatusCode::OK,
+            axum::Json(serde_json::json!({
+                "status": "degraded",
+                "detail": "no prefill server is up: the decode servers compute prompts themselves",
+            })),
         )
+            .into_response();
     }
+    let why: Vec<String> = proxy
+        .decode
+        .backends
+        .iter()
+        .zip(&decode)
+        .map(|(b, s)| {
+            let state = match (&s.refusing, &s.last_error) {
+                (Some(r), _) if s.healthy => format!("refusing: {r}"),
+                (_, Some(e)) => format!("down: {e}"),
+                _ => "down".to_string(),
+            };
+            format!("{} {state}", b.url)
+        })
+        .collect();
+    retryable(
+        ApiError::unavailable(format!("no decode server serves ({})", why.join("; ")))
+            .with_code("no_healthy_backend"),
+    )
 }
 
 async fn metrics(State(proxy): State<Arc<Shared>>) -> Response {

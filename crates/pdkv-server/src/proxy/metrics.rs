@@ -15,6 +15,8 @@ pub(super) struct ProxyMetrics {
     upstream_errors: [AtomicU64; 2],
     /// Prefills that stopped on purpose, by [`OnPurpose`].
     prefill_skipped: [AtomicU64; OnPurpose::ALL.len()],
+    /// Requests D computed alone because no prefill server was up.
+    prefill_down: AtomicU64,
 }
 
 impl ProxyMetrics {
@@ -28,6 +30,10 @@ impl ProxyMetrics {
 
     pub(super) fn prefill_skipped(&self, why: OnPurpose) {
         self.prefill_skipped[why as usize].fetch_add(1, Ordering::Relaxed);
+    }
+
+    pub(super) fn prefill_down(&self) {
+        self.prefill_down.fetch_add(1, Ordering::Relaxed);
     }
 }
 
@@ -84,6 +90,12 @@ pub(super) fn render(m: &ProxyMetrics, snaps: &[BackendSnapshot]) -> String {
             "counter",
             &samples,
         );
+    e.family(
+        "pdkv_proxy_prefill_down_total",
+        "Requests the decode server computed alone because no prefill server was up.",
+        "counter",
+        &[(&[][..], m.prefill_down.load(Ordering::Relaxed) as f64)],
+    );
     let labels: Vec<[(&str, &str); 2]> = snaps
         .iter()
         .map(|b| [("role", b.role.as_str()), ("url", b.url.as_str())])

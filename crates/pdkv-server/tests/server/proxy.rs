@@ -346,27 +346,49 @@ async fn round_robin_skips_dead_backends_and_refuses_when_none_is_healthy() {
         "{m}"
     );
 
-    // Without a healthy prefill server: a retryable 503.
+    // Without a prefill server up, D computes the prompt itself: the same
+    // tokens as a P/D run, counted; /health says so.
+    let (_, want) = post_json(c, proxy.url("/v1/completions"), &body).await;
     p.stop().await;
     proxy.check().await;
     let resp = c.get(proxy.url("/health")).send().await.unwrap();
+    assert_eq!(resp.status(), StatusCode::OK);
+    let v: Value = resp.json().await.unwrap();
+    assert_eq!(v["status"], "degraded", "{v}");
+    assert!(
+        v["detail"].as_str().unwrap().contains("no prefill server"),
+        "{v}"
+    );
+    let (status, v) = post_json(c, proxy.url("/v1/completions"), &body).await;
+    assert_eq!(status, StatusCode::OK, "{v}");
+    assert_eq!(v["choices"][0]["text"], want["choices"][0]["text"]);
+    let m = proxy.metrics().await;
+    assert!(m.contains("pdkv_proxy_prefill_down_total 1\n"), "{m}");
+    assert_eq!(proxy_outcome(&m, "ok"), 9.0, "{m}");
+
+    // Without a decode server either: a retryable 503 naming the decode
+    // servers' states.
+    d1.stop().await;
+    proxy.check().await;
+    let resp = c.get(proxy.url("/health")).send().await.unwrap();
     assert_eq!(resp.status(), StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(http::retry_after(&resp), Some("1"));
+    let v: Value = resp.json().await.unwrap();
+    let why = v["error"]["message"].as_str().unwrap();
+    assert!(
+        why.contains("no decode server serves") && why.contains("down"),
+        "{why}"
+    );
     let resp = http::send(c.post(proxy.url("/v1/completions")).json(&body)).await;
     let status = resp.status();
     assert_eq!(http::retry_after(&resp), Some("1"));
     let v: Value = resp.json().await.unwrap();
-    assert_openai_error(
-        status,
-        &v,
-        StatusCode::SERVICE_UNAVAILABLE,
-        "no prefill server",
-    );
+    assert_openai_error(status, &v, StatusCode::SERVICE_UNAVAILABLE, "no server");
     assert_eq!(v["error"]["code"], "no_healthy_backend");
     let m = proxy.metrics().await;
     assert_eq!(proxy_outcome(&m, "no_backend"), 1.0, "{m}");
-    assert_eq!(proxy_outcome(&m, "ok"), 7.0, "{m}");
 
-    stop_all(proxy, [d1]).await;
+    stop_all(proxy, []).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
