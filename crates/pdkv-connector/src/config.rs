@@ -6,6 +6,7 @@
 //! (`load_timeout_s > abort_timeout_s`, positive durations) are checked after
 //! the fields parsed.
 
+use crate::peers::KvPeers;
 use std::path::PathBuf;
 use std::time::Duration;
 
@@ -126,6 +127,7 @@ struct Raw {
     kv_load_failure_policy: LoadFailurePolicy,
     shm_dir: Option<PathBuf>,
     reclaim_held_kv: Option<bool>,
+    kv_peers: Option<Vec<String>>,
 }
 
 /// A checked connector configuration.
@@ -161,6 +163,9 @@ pub struct KvTransferConfig {
     /// consumers recompute those), or holds them until they are taken or
     /// their leases end (`false`).
     pub reclaim_held_kv: bool,
+    /// A consumer connects for KV only to these peers (`None`: any); see
+    /// [`crate::peers`].
+    pub kv_peers: Option<KvPeers>,
     /// Where a consumer's shared-memory socket lives.
     pub shm_dir: PathBuf,
     /// The deployment's KV secret, proven by both ends of every KV
@@ -228,6 +233,10 @@ impl KvTransferConfig {
         if num_workers == 0 {
             return Err(ConfigError::new("num_workers", "must be at least 1"));
         }
+        let kv_peers = match &raw.kv_peers {
+            None => None,
+            Some(list) => Some(KvPeers::parse(list).map_err(|e| ConfigError::new("kv_peers", e))?),
+        };
         let abort_s = raw.abort_timeout_s.unwrap_or(30.0);
         let abort_timeout = seconds("abort_timeout_s", abort_s)?;
         let load_s = raw.load_timeout_s.unwrap_or(abort_s + 10.0);
@@ -265,6 +274,7 @@ impl KvTransferConfig {
             heartbeat,
             kv_load_failure_policy: raw.kv_load_failure_policy,
             reclaim_held_kv: raw.reclaim_held_kv.unwrap_or(true),
+            kv_peers,
             shm_dir: raw.shm_dir.unwrap_or_else(std::env::temp_dir),
             kv_secret: KvSecret::open(),
         })

@@ -19,6 +19,7 @@ pub mod multi;
 pub mod offload;
 pub mod params;
 pub mod pd;
+pub mod peers;
 pub mod ranks;
 pub mod recv;
 pub mod send;

@@ -239,6 +239,9 @@ pub enum ParamsError {
         "kv_transfer_params.{REMOTE_REGISTRATION_GENERATION} is required with {REMOTE_BLOCK_IDS}"
     )]
     NoGeneration,
+    /// A bootstrap address outside the engine's `kv_peers`.
+    #[error("kv_transfer_params.{REMOTE_BOOTSTRAP_ADDR} {addr:?} is not among this engine's kv_peers ({listed}); it opens no KV connection there")]
+    NotAPeer { addr: String, listed: String },
     /// Params for a direction this engine's role does not serve.
     #[error("kv_transfer_params.{key}: this engine is a {role} and {does_not}")]
     WrongRole {

@@ -96,6 +96,12 @@ impl EngineWiring {
         if let Some(s) = self.abort_timeout_s {
             config["abort_timeout_s"] = s.into();
         }
+        if kv_role == "kv_consumer" {
+            // Every engine of the deployment listens on loopback: a decode
+            // engine connects for KV nowhere else, whatever a client's
+            // kv_transfer_params name.
+            config["kv_peers"] = serde_json::json!(["127.0.0.0/8", "::1"]);
+        }
         config
     }
 }
@@ -196,6 +202,10 @@ mod tests {
         assert!(p.iter().any(|a| a == "--enable-sleep-mode"));
         let d = serve_args(&w, Path::new("/m"), EngineRole::Decode, 9, 0, "d0");
         assert_eq!(flag(&d, "--tensor-parallel-size"), None);
+        let dc: serde_json::Value =
+            serde_json::from_str(flag(&d, "--kv-transfer-config").unwrap()).unwrap();
+        assert_eq!(dc["kv_peers"], serde_json::json!(["127.0.0.0/8", "::1"]));
+        assert!(config.get("kv_peers").is_none(), "P connects to no peer");
         assert_eq!(flag(&d, "--port"), Some("9"));
         let c = serve_args(&w, Path::new("/m"), EngineRole::Colocated, 0, 0, "c");
         assert_eq!(flag(&c, "--kv-transfer-config"), None);

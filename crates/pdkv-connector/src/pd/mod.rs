@@ -247,13 +247,17 @@ impl KvConnector for PdConnector {
     }
 
     fn validate_params(&self, params: Option<&KvTransferParams>) -> Result<(), String> {
-        let role = self.shared.inspect(|c| c.config().kv_role);
-        core::validate(role, params).map_err(|e| e.to_string())
+        self.shared.inspect(|c| {
+            let cfg = c.config();
+            core::validate(cfg.kv_role, cfg.kv_peers.as_ref(), params).map_err(|e| e.to_string())
+        })
     }
 
     fn params_validator(&self) -> ParamsValidator {
-        let role = self.shared.inspect(|c| c.config().kv_role);
-        Arc::new(move |p| core::validate(role, p).map_err(|e| e.to_string()))
+        let (role, peers) = self
+            .shared
+            .inspect(|c| (c.config().kv_role, c.config().kv_peers.clone()));
+        Arc::new(move |p| core::validate(role, peers.as_ref(), p).map_err(|e| e.to_string()))
     }
 
     fn metrics_reader(&self) -> Option<MetricsReader> {

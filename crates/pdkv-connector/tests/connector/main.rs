@@ -8,6 +8,7 @@ mod engines;
 mod failures;
 mod long_prefill;
 mod offload;
+mod peers;
 mod read_mode;
 mod reset;
 mod sleep_engines;

@@ -18,6 +18,7 @@ use super::kv::KvInfo;
 use crate::claims::ClaimBook;
 use crate::config::{KvRole, KvTransferConfig};
 use crate::params::{ParamsError, PdParams, DO_REMOTE_DECODE, DO_REMOTE_PREFILL};
+use crate::peers::KvPeers;
 use crate::recv::{LoadFailure, LoadId, RecvConfig, RecvMachine};
 use crate::send::{SendConfig, SendMachine};
 use crate::wire::{Destination, FailCode, Message, Pull};
@@ -406,7 +407,11 @@ pub(crate) fn send_config(cfg: &KvTransferConfig, block_size: usize) -> SendConf
 }
 
 /// Whether `role` may take a request with these params.
-pub fn validate(role: KvRole, params: Option<&Value>) -> Result<(), ParamsError> {
+pub fn validate(
+    role: KvRole,
+    peers: Option<&KvPeers>,
+    params: Option<&Value>,
+) -> Result<(), ParamsError> {
     match PdParams::parse(params)? {
         Some(PdParams::RemoteDecode { .. }) if !role.produces() => Err(ParamsError::WrongRole {
             key: DO_REMOTE_DECODE,
@@ -417,6 +422,13 @@ pub fn validate(role: KvRole, params: Option<&Value>) -> Result<(), ParamsError>
             key: DO_REMOTE_PREFILL,
             role: role.as_str(),
             does_not: "receives no KV",
+        }),
+        Some(PdParams::RemotePrefill {
+            remote_bootstrap_addr: addr,
+            ..
+        }) if peers.is_some_and(|p| !p.allows(&addr)) => Err(ParamsError::NotAPeer {
+            addr,
+            listed: peers.map(|p| p.listed().join(", ")).unwrap_or_default(),
         }),
         _ => Ok(()),
     }
