@@ -209,6 +209,7 @@ impl PdCore {
         }
         if let Some(reason) = self.bad_destination(&p) {
             self.counters.pulls_failed += 1;
+            tracing::warn!(transfer_id = %p.transfer_id, "a pull was refused: {reason}");
             return Some(Message::PullErr {
                 code: FailCode::Mismatch,
                 reason,
@@ -279,7 +280,10 @@ impl PdCore {
                         match f.code {
                             FailCode::Dropped => c.pulls_cancelled += 1,
                             code if code.on_purpose() => c.pulls_released += 1,
-                            _ => c.pulls_failed += 1,
+                            _ => {
+                                c.pulls_failed += 1;
+                                tracing::warn!("a pull failed: {f}");
+                            }
                         }
                         Message::PullErr {
                             code: f.code,
