@@ -177,9 +177,8 @@ struct Transfer {
     /// [`FailCode::CacheReset`]) instead of becoming READY when the request
     /// finishes.
     reset: bool,
-    /// A D claimed the transfer; while WAITING, until when its claim holds
-    /// the lease.
-    claimed: bool,
+    /// Until when a D's last claim holds the lease (`None`: never
+    /// claimed); a claim while WAITING counts from READY at the earliest.
     claimed_until: Option<Instant>,
     /// Order in which transfers became READY (for reclaiming).
     ready_seq: u64,
@@ -197,7 +196,6 @@ impl Transfer {
             writing: None,
             drop_waiters: Vec::new(),
             reset: false,
-            claimed: false,
             claimed_until: None,
             ready_seq: 0,
         }
@@ -293,12 +291,12 @@ impl SendMachine {
             })
             .map(|(k, t)| {
                 // Unclaimed before claimed; oldest unclaimed, newest claimed.
-                let order = if t.claimed {
+                let order = if t.claimed_until.is_some() {
                     -(t.ready_seq as i64)
                 } else {
                     t.ready_seq as i64
                 };
-                (t.claimed, order, k.clone(), t.blocks.len())
+                (t.claimed_until.is_some(), order, k.clone(), t.blocks.len())
             })
             .collect();
         candidates.sort();
@@ -340,15 +338,11 @@ impl SendMachine {
             ));
         };
         match &mut t.phase {
-            Phase::Ready { expires } => {
-                *expires = (*expires).max(until);
-            }
-            Phase::Waiting => {
-                t.claimed_until = Some(t.claimed_until.map_or(until, |u| u.max(until)));
-            }
+            Phase::Ready { expires } => *expires = (*expires).max(until),
+            Phase::Waiting => {}
             Phase::Done { failure, .. } => return Err(failure.clone()),
         }
-        t.claimed = true;
+        t.claimed_until = Some(t.claimed_until.map_or(until, |u| u.max(until)));
         Ok(())
     }
 
@@ -884,7 +878,7 @@ impl SendMachine {
             .filter(|(_, t)| {
                 t.writing.is_none() && matches!(t.phase, Phase::Ready { expires } if expires <= now)
             })
-            .map(|(k, t)| (k.clone(), t.claimed))
+            .map(|(k, t)| (k.clone(), t.claimed_until.is_some()))
             .collect();
         for (tid, claimed) in expired {
             let why = if claimed {
