@@ -16,7 +16,7 @@ use pdkv_transfer::auth::{self, KvSecret, Port};
 use pdkv_transfer::conns::{ConnSlots, Slot};
 use pdkv_transfer::frame::{Limits, RemoteError, Target};
 use pdkv_transfer::proto::{Direction, Transfer, TransferError};
-use pdkv_transfer::shm::{ExportOptions, ShmExporter, ShmImporter, ShmImporterConfig};
+use pdkv_transfer::shm::{ExportOptions, ShmError, ShmExporter, ShmImporter, ShmImporterConfig};
 use pdkv_transfer::tcp::{Agent, AgentConfig, BatchError, LocalSlice};
 use pdkv_transfer::{Registration, Registry, RegistryOptions, RemoteDescriptor};
 use tokio::net::{TcpListener, TcpStream};
@@ -603,7 +603,7 @@ async fn write_blocks(
             for to in &dst.ranks {
                 let i = importer(d, path, &to.rank.reg, left)
                     .await
-                    .map_err(failed)?;
+                    .map_err(|e| wire::write_failure(e.refused, e.message))?;
                 imp = Some(i);
             }
             let Some(imp) = imp else {
@@ -629,7 +629,9 @@ async fn write_blocks(
                 }),
                 Err(e) => Err(failed(e.to_string())),
             };
-            if res.is_err() {
+            // A refusal is D withdrawing the destination: the connection
+            // is sound and stays for the next pull.
+            if res.as_ref().is_err_and(|f| f.code != FailCode::Dropped) {
                 d.importers.lock().unwrap().remove(path);
             }
             res
@@ -641,6 +643,23 @@ async fn write_blocks(
 /// engine maps at most.
 const MAX_SHM_PEERS: usize = 64;
 
+/// Why a peer's registration could not be mapped here.
+struct ImportError {
+    /// The peer's registry refused the registration named (released, or
+    /// renewed at a later epoch): the peer withdrew it.
+    refused: bool,
+    message: String,
+}
+
+impl ImportError {
+    fn failed(message: String) -> ImportError {
+        ImportError {
+            refused: false,
+            message,
+        }
+    }
+}
+
 /// The importer for the peer's socket `path`, connected, with `reg` (at its
 /// epoch) mapped.
 async fn importer(
@@ -648,7 +667,7 @@ async fn importer(
     path: &str,
     reg: &Registration,
     left: Duration,
-) -> Result<Arc<ShmImporter>, String> {
+) -> Result<Arc<ShmImporter>, ImportError> {
     let mapped = || {
         let cached = d.importers.lock().unwrap().get(path).cloned();
         cached.filter(|i| i.mapped_epoch(reg.segment) == Some(reg.epoch))
@@ -660,7 +679,9 @@ async fn importer(
     let _mapping = tokio::time::timeout(left, d.mapping.lock())
         .await
         .map_err(|_| {
-            format!("mapping the peer's KV cache at {path}: another map did not end in time")
+            ImportError::failed(format!(
+                "mapping the peer's KV cache at {path}: another map did not end in time"
+            ))
         })?;
     if let Some(i) = mapped() {
         return Ok(i);
@@ -671,7 +692,7 @@ async fn importer(
         None => {
             let p = PathBuf::from(path);
             if d.importers.lock().unwrap().len() >= MAX_SHM_PEERS {
-                return Err(format!("connecting to {path}: this engine maps {MAX_SHM_PEERS} shared-memory peers already"));
+                return Err(ImportError::failed(format!("connecting to {path}: this engine maps {MAX_SHM_PEERS} shared-memory peers already")));
             }
             let cfg = ShmImporterConfig {
                 secret: d.secret.clone(),
@@ -681,8 +702,8 @@ async fn importer(
                 ShmImporter::connect_with(&p, Limits::default(), cfg)
             })
             .await
-            .map_err(|e| e.to_string())?
-            .map_err(|e| format!("connecting to {path}: {e}"))?;
+            .map_err(|e| ImportError::failed(e.to_string()))?
+            .map_err(|e| ImportError::failed(format!("connecting to {path}: {e}")))?;
             let i = Arc::new(i);
             d.importers
                 .lock()
@@ -695,13 +716,22 @@ async fn importer(
         let (i, r) = (imp.clone(), *reg);
         let mapped = tokio::task::spawn_blocking(move || i.map(&r, left))
             .await
-            .map_err(|e| e.to_string())?;
+            .map_err(|e| ImportError::failed(e.to_string()))?;
         if let Err(e) = mapped {
-            d.importers.lock().unwrap().remove(path);
-            return Err(format!(
-                "mapping the peer's KV cache (segment {}, epoch {}): {e}",
-                reg.segment, reg.epoch
-            ));
+            // The peer's registry refused the registration named: it was
+            // released or renewed since the pull named it. The connection
+            // is sound then; anything else drops it.
+            let refused = matches!(&e, ShmError::Remote(RemoteError::Access(_)));
+            if !refused {
+                d.importers.lock().unwrap().remove(path);
+            }
+            return Err(ImportError {
+                refused,
+                message: format!(
+                    "mapping the peer's KV cache (segment {}, epoch {}): {e}",
+                    reg.segment, reg.epoch
+                ),
+            });
         }
     }
     Ok(imp)
@@ -793,7 +823,7 @@ async fn read_blocks(
             for reg in remote {
                 let i = importer(d, path, reg, left)
                     .await
-                    .map_err(|e| what(FailCode::TransferFailed, e))?;
+                    .map_err(|e| what(FailCode::TransferFailed, e.message))?;
                 imp = Some(i);
             }
             let Some(imp) = imp else {
@@ -823,7 +853,6 @@ async fn read_blocks(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use pdkv_transfer::shm::ShmError;
     use pdkv_vmem::{Pool, PoolOptions, Tag};
 
     /// A registration of 16 memfds of 4 KiB, and an exporter for it

@@ -312,6 +312,21 @@ impl ExpInner {
         }
     }
 
+    /// The connection of peer `id` ended: its unmaps in waiting are done. An
+    /// importer drops its mappings before its connection closes, and a
+    /// process that died maps nothing.
+    fn peer_gone(&self, id: u64) {
+        let mut pending = self.pending.lock().unwrap();
+        let before = pending.len();
+        pending.retain(|_, p| p.peer != id);
+        let ended = before - pending.len();
+        drop(pending);
+        if ended > 0 {
+            tracing::debug!(peer = id, unmaps = ended, "peer gone; its unmaps are done");
+            self.acked.notify_all();
+        }
+    }
+
     /// A peer acknowledged the unmap `op`: it no longer maps the segment,
     /// unless it mapped it again after the request (a later generation).
     fn on_unmap_ack(&self, id: u64, peer: &ExpPeer, op: u64) {
@@ -514,6 +529,7 @@ fn serve_peer(inner: &Arc<ExpInner>, id: u64, mut stream: UnixStream) {
     }
     let _ = stream.shutdown(std::net::Shutdown::Both);
     inner.peers.lock().unwrap().remove(&id);
+    inner.peer_gone(id);
 }
 
 fn write_frame(w: &UnixStream, h: Header, data: &[u8], fds: &[RawFd]) -> bool {

@@ -485,6 +485,9 @@ impl Drop for ShmImporter {
         // Workers finish the batches already queued (each bounded by its
         // deadline), then exit.
         self.jobs.lock().unwrap().take();
+        // No mapping outlives the connection: the exporter takes the
+        // connection's end for this peer's unmap.
+        unmap_all(&self.inner);
         let _ = self
             .inner
             .writer
@@ -506,8 +509,16 @@ fn import_reader(inner: Arc<ImpInner>, stream: UnixStream) {
         }
     }
     // Lost: pending maps and notifications fail (their senders drop), later
-    // ones at once; mappings stay until the importer drops.
+    // ones at once. The mappings go before the connection closes (the
+    // exporter takes its end for this peer's unmap); a batch in progress
+    // fails at its next slice.
     inner.lost.store(true, Ordering::Release);
+    unmap_all(&inner);
+    let _ = inner
+        .writer
+        .lock()
+        .unwrap()
+        .shutdown(std::net::Shutdown::Both);
     inner.waiting.lock().unwrap().clear();
     inner.notifying.lock().unwrap().clear();
 }
@@ -619,6 +630,15 @@ fn install(inner: &ImpInner, imp: Imported) {
 /// Drops the mapping of `segment` once no copy is in progress on it. A map
 /// of it still being put together came before the request on the wire (an
 /// exporter that interleaves them): it is abandoned too.
+/// Drops every mapping, each after the slice in progress on it: from here
+/// on no batch touches the exporter's memory.
+fn unmap_all(inner: &ImpInner) {
+    let slots: Vec<Slot> = inner.maps.lock().unwrap().drain().map(|(_, s)| s).collect();
+    for slot in slots {
+        slot.write().unwrap().take();
+    }
+}
+
 fn unmap(inner: &ImpInner, segment: u64) {
     let slot = inner.maps.lock().unwrap().remove(&segment);
     if let Some(slot) = slot {

@@ -1006,6 +1006,51 @@ fn mapping_a_segment_again_retires_the_old_mapping_under_a_batch() {
     p.imp.write(seg, p.remote_reg.epoch, 0, &[1; 8]).unwrap();
 }
 
+/// A peer whose connection ends while its unmap is asked (it dropped its
+/// importer, which unmaps first, or its process died) no longer maps the
+/// segment: the deregistration completes without waiting out its deadline.
+#[test]
+fn a_peer_that_disconnects_while_asked_to_unmap_counts_as_unmapped() {
+    let e = exported("gone", 43);
+    let (reg, path, exp) = (e.reg, &e.path, &e.exp);
+    let (raw, fds) = raw_mapper(path, &reg, 1);
+    std::thread::scope(|s| {
+        let peer = s.spawn(move || {
+            let mut junk = Vec::new();
+            let (header, _) = raw_frame(&raw, &mut junk);
+            assert!(
+                matches!(header, Header::Unmap { segment, .. } if segment == reg.segment),
+                "{header:?}"
+            );
+            // Gone without an ack: its mappings and its socket close.
+            drop(fds);
+            drop(raw);
+        });
+        // A deadline far past the peer's end: only an ack or the end of
+        // the peer's connection completes this in time.
+        exp.deregister(reg.segment, Duration::from_secs(60))
+            .expect("the peer's end counts as its unmap");
+        peer.join().unwrap();
+    });
+}
+
+/// An importer dropped while it maps a segment unmaps it before its
+/// connection closes; a deregistration that follows finds no holder.
+#[test]
+fn a_dropped_importer_holds_no_mapping() {
+    let e = exported("dropped", 44);
+    let (reg, path, exp) = (e.reg, &e.path, &e.exp);
+    let imp = ShmImporter::connect(path, Limits::default()).unwrap();
+    imp.map(&reg, DL).unwrap();
+    let other = ShmImporter::connect(path, Limits::default()).unwrap();
+    other.map(&reg, DL).unwrap();
+    drop(imp);
+    exp.deregister(reg.segment, Duration::from_secs(60))
+        .unwrap();
+    assert_eq!(other.unmapped(), 1, "the live peer acked its unmap");
+    assert_eq!(other.mapped_epoch(reg.segment), None);
+}
+
 #[test]
 fn a_fence_with_no_holder_returns_at_once_and_a_silent_one_is_named_by_the_deadline() {
     let e = exported("fence-silent", 41);
