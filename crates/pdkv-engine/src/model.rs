@@ -197,10 +197,9 @@ impl ModelRunner for CpuModelRunner {
         if !running.region.is_mapped() {
             return Err(ReloadError::RegionReleased);
         }
-        let (a, b) = (running.named(), staged.named());
-        if a.len() != b.len() || a.iter().zip(&b).any(|(x, y)| x != y) {
+        if let Some(d) = running.layout_difference(staged) {
             return Err(ReloadError::Incompatible(anyhow::anyhow!(
-                "the staged weights are not laid out as the running ones"
+                "the new weights are not laid out as the running ones: {d}"
             )));
         }
         // SAFETY: the core calls this between steps, on its own thread:

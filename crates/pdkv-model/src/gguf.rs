@@ -403,7 +403,7 @@ impl GgufFile {
             path: path.display().to_string(),
             source,
         };
-        let file = std::fs::File::open(path).map_err(io)?;
+        let file = crate::checkpoint_file::open(path).map_err(io)?;
         // SAFETY: the mapping is read-only; a checkpoint file being rewritten
         // while loaded is outside what a loader can defend against.
         let map = unsafe { memmap2::Mmap::map(&file) }.map_err(io)?;

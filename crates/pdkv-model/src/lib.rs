@@ -9,6 +9,7 @@
 pub mod bench;
 pub mod bf16dot;
 pub mod chat;
+pub mod checkpoint_file;
 pub mod config;
 pub mod dispatch;
 pub mod export;

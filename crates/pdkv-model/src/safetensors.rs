@@ -112,8 +112,8 @@ const MAX_HEADER: u64 = 100 << 20;
 
 impl SafetensorsFile {
     pub fn open(path: &Path) -> anyhow::Result<SafetensorsFile> {
-        let file =
-            std::fs::File::open(path).with_context(|| format!("cannot open {}", path.display()))?;
+        let file = crate::checkpoint_file::open(path)
+            .with_context(|| format!("cannot open {}", path.display()))?;
         // SAFETY: read-only mapping of a checkpoint file.
         let map = unsafe { memmap2::Mmap::map(&file) }
             .with_context(|| format!("cannot map {}", path.display()))?;

@@ -211,6 +211,25 @@ impl Weights {
         }
     }
 
+    /// How `other` is laid out differently from these weights: the first
+    /// tensor whose name, dtype, shape or offset differs (`None`: the same
+    /// layout).
+    pub fn layout_difference(&self, other: &Weights) -> Option<String> {
+        let (mine, theirs) = (self.named(), other.named());
+        if mine.len() != theirs.len() {
+            return Some(format!("{} tensors against {}", theirs.len(), mine.len()));
+        }
+        let (a, b) = mine.iter().zip(&theirs).find(|(a, b)| a != b)?;
+        Some(if a.0 != b.0 {
+            format!("`{}` where `{}` is expected", b.0, a.0)
+        } else {
+            format!(
+                "`{}` is {:?} {:?} at {}, the running model's {:?} {:?} at {}",
+                b.0, b.1.dtype, b.1.shape, b.1.offset, a.1.dtype, a.1.shape, a.1.offset
+            )
+        })
+    }
+
     /// Copies every tensor's bytes from `src`, a set of weights of the
     /// same layout (see [`Weights::with_region`]), into this region.
     ///
@@ -218,16 +237,10 @@ impl Weights {
     /// Nothing may read these weights meanwhile (the engine calls it
     /// between steps, on the thread that runs the model).
     pub unsafe fn copy_from(&self, src: &Weights) -> anyhow::Result<()> {
+        if let Some(d) = self.layout_difference(src) {
+            anyhow::bail!("the staged weights are not laid out as the running ones: {d}");
+        }
         let mine = self.named();
-        let theirs = src.named();
-        anyhow::ensure!(
-            mine.len() == theirs.len()
-                && mine
-                    .iter()
-                    .zip(&theirs)
-                    .all(|(a, b)| a.0 == b.0 && a.1 == b.1),
-            "the staged weights are not laid out as the running ones"
-        );
         for (_, t) in &mine {
             let n = t.bytes();
             // SAFETY: both tensors lie inside their regions (the layouts are

@@ -34,7 +34,8 @@ use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::Router;
-use pdkv_engine::{EngineHandle, LifecycleStatus, PauseMode, SleepLevel};
+use pdkv_engine::{EngineHandle, LifecycleError, LifecycleStatus, PauseMode, SleepLevel};
+use pdkv_model::loader::ReloadError;
 use pdkv_vmem::Tag;
 use serde::Deserialize;
 use serde_json::{json, Value};
@@ -631,19 +632,105 @@ pub(crate) async fn reload_from_disk(
     }
     let path = std::path::PathBuf::from(path);
     let started = Instant::now();
+    let staged = stage_checkpoint(state, &path).await?;
     let v = version.clone();
     on_engine(state, move |e| {
+        let load = move || match staged {
+            Some(weights) => e.install_weights(weights, path.display().to_string(), v),
+            None => e.update_weights(&path, v),
+        };
         if e.lifecycle_status().paused.is_some() {
-            return e.update_weights(&path, v);
+            return load();
         }
         e.pause(PauseMode::Keep, false, DEFAULT_TIMEOUT)?;
-        let updated = e.update_weights(&path, v);
+        let updated = load();
         let resumed = e.resume();
         updated.and(resumed)
     })
     .await??;
     tracing::info!(version = ?version, secs = started.elapsed().as_secs_f64(), "weights updated");
     Ok(())
+}
+
+/// Reads the checkpoint at `path` into memory laid out as the running
+/// weights ([`pdkv_model::loader::stage_checkpoint`]) off the engine's
+/// thread and bounded by the state's checkpoint read timeout
+/// ([`bounded_read`]): the engine keeps serving its current weights while
+/// the files are read, and a read that stalls (a hung network filesystem)
+/// is a 504. `None`: the model takes no staged weights, and its core reads
+/// the checkpoint.
+async fn stage_checkpoint(
+    state: &AppState,
+    path: &std::path::Path,
+) -> Result<Option<Arc<pdkv_model::weights::Weights>>, ApiError> {
+    let Some(layout) = state.engine().weights_layout().cloned() else {
+        return Ok(None);
+    };
+    let expected = state.engine().model_config().clone();
+    let p = path.to_path_buf();
+    let limit = state.checkpoint_read_timeout;
+    let read = move || pdkv_model::loader::stage_checkpoint(&p, &layout, &expected);
+    let staged = match bounded_read(&state.checkpoint_reads, limit, read).await {
+        Ok(staged) => staged,
+        Err(ReadRefused::Busy) => {
+            return Err(ApiError::conflict(
+                "another checkpoint read is still running (one that stalled past its deadline counts until it ends); the engine keeps serving its current weights",
+            ))
+        }
+        Err(ReadRefused::TimedOut) => {
+            tracing::warn!(path = %path.display(), ?limit, "reading a checkpoint stalled past its deadline; the engine keeps its current weights");
+            return Err(ApiError::timeout(format!(
+                "reading checkpoint {} did not finish within {} s; the engine keeps serving its current weights",
+                path.display(),
+                limit.as_secs_f64()
+            )));
+        }
+        Err(ReadRefused::Panicked(e)) => {
+            return Err(ApiError::internal(format!(
+                "reading the checkpoint failed: {e}"
+            )))
+        }
+    };
+    let staged = staged.map_err(|e| {
+        ApiError::from(match e {
+            ReloadError::Incompatible(e) => LifecycleError::IncompatibleWeights(format!("{e:#}")),
+            ReloadError::Unreadable(e) => LifecycleError::Invalid(format!("{e:#}")),
+            e => LifecycleError::Internal(format!("{e:#}")),
+        })
+    })?;
+    Ok(Some(Arc::new(staged)))
+}
+
+/// Why [`bounded_read`] gave no result.
+#[derive(Debug)]
+enum ReadRefused {
+    /// Another read holds the one permit (it may have stalled).
+    Busy,
+    /// The read did not end by its deadline; its thread goes on alone.
+    TimedOut,
+    Panicked(String),
+}
+
+/// Runs the blocking `read` on its own thread, one at a time (`reads` has
+/// one permit), waiting at most `limit` for it. A read past its deadline is
+/// left to end on its own and keeps the permit until it does: a stalled
+/// filesystem costs one thread, not one per retry.
+async fn bounded_read<T: Send + 'static>(
+    reads: &Arc<tokio::sync::Semaphore>,
+    limit: Duration,
+    read: impl FnOnce() -> T + Send + 'static,
+) -> Result<T, ReadRefused> {
+    let Ok(permit) = reads.clone().try_acquire_owned() else {
+        return Err(ReadRefused::Busy);
+    };
+    let task = tokio::task::spawn_blocking(move || {
+        let _permit = permit;
+        read()
+    });
+    match tokio::time::timeout(limit, task).await {
+        Err(_) => Err(ReadRefused::TimedOut),
+        Ok(joined) => joined.map_err(|e| ReadRefused::Panicked(e.to_string())),
+    }
 }
 
 /// `POST /init_weight_transfer_engine {"init_info": {"backend": "pdkv",
@@ -741,6 +828,37 @@ async fn weight_info(
 mod tests {
     use super::*;
     use axum::http::StatusCode;
+
+    /// A read that stalls ends in `TimedOut` by its deadline; while it
+    /// stalls, another read is refused (one thread per stalled filesystem,
+    /// not one per retry); once it ends, reads run again.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_stalled_read_times_out_and_holds_the_one_permit_until_it_ends() {
+        let reads = Arc::new(tokio::sync::Semaphore::new(1));
+        let (release, stalled) = std::sync::mpsc::channel::<()>();
+        let (ended_tx, ended) = tokio::sync::oneshot::channel();
+        let limit = Duration::from_millis(50);
+        let r = bounded_read(&reads, limit, move || {
+            // Stands for a read() that does not return until released.
+            stalled.recv().unwrap();
+            ended_tx.send(()).unwrap();
+        })
+        .await;
+        assert!(matches!(r, Err(ReadRefused::TimedOut)), "{r:?}");
+        let r = bounded_read(&reads, limit, || 1).await;
+        assert!(matches!(r, Err(ReadRefused::Busy)), "{r:?}");
+        release.send(()).unwrap();
+        tokio::time::timeout(Duration::from_secs(10), ended)
+            .await
+            .expect("the released read ends")
+            .unwrap();
+        // The permit goes back when the thread's closure returns; wait for it.
+        let permit = tokio::time::timeout(Duration::from_secs(10), reads.acquire())
+            .await
+            .expect("the permit comes back");
+        drop(permit);
+        assert_eq!(bounded_read(&reads, limit, || 7).await.unwrap(), 7);
+    }
 
     #[test]
     fn token_compare() {

@@ -75,11 +75,20 @@ pub struct AppState {
     dev_mode: bool,
     pause_wait: std::time::Duration,
     api_key: Option<Arc<api_key::ApiKey>>,
+    checkpoint_read_timeout: std::time::Duration,
+    /// One checkpoint read at a time; its permit goes with the reading
+    /// thread, so a read that stalls past its deadline still holds it.
+    checkpoint_reads: Arc<tokio::sync::Semaphore>,
 }
 
 /// How long a new request waits for `/resume` while the engine is paused
 /// ([`AppState::with_pause_wait`]) by default.
 pub const DEFAULT_PAUSE_WAIT: std::time::Duration = std::time::Duration::from_secs(600);
+
+/// Bound on reading a checkpoint for `/update_weights` by default
+/// ([`AppState::with_checkpoint_read_timeout`]).
+pub const DEFAULT_CHECKPOINT_READ_TIMEOUT: std::time::Duration =
+    std::time::Duration::from_secs(300);
 
 struct StateInner {
     engine: EngineHandle,
@@ -111,6 +120,8 @@ impl AppState {
             dev_mode: false,
             pause_wait: DEFAULT_PAUSE_WAIT,
             api_key: None,
+            checkpoint_read_timeout: DEFAULT_CHECKPOINT_READ_TIMEOUT,
+            checkpoint_reads: Arc::new(tokio::sync::Semaphore::new(1)),
         }
     }
 
@@ -167,6 +178,13 @@ impl AppState {
 
     pub fn pause_wait(&self) -> std::time::Duration {
         self.pause_wait
+    }
+
+    /// How long `/update_weights` may take to read a checkpoint from disk
+    /// (the engine serves its current weights meanwhile) before a 504.
+    pub fn with_checkpoint_read_timeout(mut self, limit: std::time::Duration) -> AppState {
+        self.checkpoint_read_timeout = limit;
+        self
     }
 
     /// Whether the admin API is enabled.

@@ -92,6 +92,11 @@ pub struct ServeArgs {
     /// 0 refuses such requests at once.
     #[arg(long, default_value_t = 600.0)]
     pub pause_wait_timeout_s: f64,
+    /// Bound, in seconds, on reading a checkpoint for `/update_weights`
+    /// (off the engine's thread: it serves its current weights meanwhile);
+    /// a read that stalls past it is a 504 and the weights stay.
+    #[arg(long, default_value_t = 300.0)]
+    pub checkpoint_read_timeout_s: f64,
     /// Bound, in seconds, on releasing KV held by transfers before a cache
     /// reset and on the connector's release of its registrations.
     #[arg(long, default_value_t = 5.0)]
@@ -156,7 +161,10 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         engine.clone(),
         served_name,
         (args.admin_token, args.api_key, args.dev_mode),
-        std::time::Duration::from_secs_f64(args.pause_wait_timeout_s),
+        (
+            std::time::Duration::from_secs_f64(args.pause_wait_timeout_s),
+            std::time::Duration::from_secs_f64(args.checkpoint_read_timeout_s),
+        ),
         secret,
         limits,
     ));
@@ -184,6 +192,12 @@ fn engine_config(args: &ServeArgs) -> anyhow::Result<EngineConfig> {
         args.pause_wait_timeout_s.is_finite()
             && (0.0..=86_400.0).contains(&args.pause_wait_timeout_s),
         "--pause-wait-timeout-s must be a number of seconds from 0 to 86400"
+    );
+    anyhow::ensure!(
+        args.checkpoint_read_timeout_s.is_finite()
+            && args.checkpoint_read_timeout_s > 0.0
+            && args.checkpoint_read_timeout_s <= 86_400.0,
+        "--checkpoint-read-timeout-s must be a positive number of seconds up to 86400"
     );
     anyhow::ensure!(config.max_num_seqs > 0, "--max-num-seqs must be at least 1");
     anyhow::ensure!(
@@ -269,7 +283,7 @@ async fn serve(
     engine: EngineHandle,
     served_name: String,
     (admin_token, api_key, dev_mode): (Option<String>, Option<String>, bool),
-    pause_wait: std::time::Duration,
+    (pause_wait, checkpoint_read): (std::time::Duration, std::time::Duration),
     secret: pdkv_connector::KvSecret,
     limits: pdkv_server::listen::HttpLimits,
 ) -> anyhow::Result<()> {
@@ -282,7 +296,10 @@ async fn serve(
     if let Some(key) = api_key {
         state = state.with_api_key(key)?;
     }
-    state = state.with_dev_mode(dev_mode).with_pause_wait(pause_wait);
+    state = state
+        .with_dev_mode(dev_mode)
+        .with_pause_wait(pause_wait)
+        .with_checkpoint_read_timeout(checkpoint_read);
     let listener = tokio::net::TcpListener::bind(addr)
         .await
         .with_context(|| format!("binding {addr}"))?;

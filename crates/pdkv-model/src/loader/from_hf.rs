@@ -33,8 +33,8 @@ fn half_of(d: crate::safetensors::Dtype) -> Option<QType> {
 }
 
 fn read_json(path: &Path) -> anyhow::Result<Value> {
-    let text =
-        std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;
+    let text = crate::checkpoint_file::read_to_string(path)
+        .with_context(|| format!("cannot read {}", path.display()))?;
     serde_json::from_str(&text).with_context(|| format!("{} is not valid JSON", path.display()))
 }
 
@@ -347,7 +347,7 @@ pub(super) fn hf_tokenizer(
     let jinja = dir.join("chat_template.jinja");
     let source = if jinja.exists() {
         Some(
-            std::fs::read_to_string(&jinja)
+            crate::checkpoint_file::read_to_string(&jinja)
                 .with_context(|| format!("cannot read {}", jinja.display()))?,
         )
     } else {

@@ -146,6 +146,49 @@ pub fn reload_weights_into(
     path: &Path,
     progress: &mut dyn FnMut(&LoadProgress),
 ) -> Result<(), ReloadError> {
+    let (source, plan) = checked_source(path, weights, expected)?;
+    if !weights.region.is_mapped() {
+        return Err(ReloadError::RegionReleased);
+    }
+    write_slots(weights, expected, &source, &plan, progress)
+}
+
+/// Reads the whole checkpoint at `path` (GGUF file or Hugging Face
+/// directory, checked against `expected`) into fresh memory laid out as
+/// `running` (the running model's weights, or a split model's whole
+/// layout), a Hugging Face one converted to the running formats: the
+/// weights a reload then copies in after checking their layout, so a read
+/// that fails or stalls never touches the running ones. Every file is a
+/// regular one ([`crate::checkpoint_file`]). Blocking: call it off any
+/// thread that must keep serving.
+pub fn stage_checkpoint(
+    path: &Path,
+    running: &Weights,
+    expected: &ModelConfig,
+) -> Result<Weights, ReloadError> {
+    let meta = std::fs::metadata(path).map_err(|e| {
+        ReloadError::Unreadable(anyhow::anyhow!(
+            "checkpoint path {} cannot be read: {e}",
+            path.display()
+        ))
+    })?;
+    if !meta.is_dir() {
+        // Named at once; the load checks the descriptor it opens again.
+        crate::checkpoint_file::open(path)
+            .map_err(|e| ReloadError::Unreadable(anyhow::anyhow!("checkpoint {e}")))?;
+    }
+    let scratch = pdkv_vmem::Pool::default();
+    super::load_weights_like(path, running, expected, &scratch, &mut |_| {})
+        .map_err(ReloadError::Incompatible)
+}
+
+/// The checkpoint at `path`, opened, with its plan, once everything about
+/// it fits `weights` (of the config `expected`).
+fn checked_source(
+    path: &Path,
+    weights: &Weights,
+    expected: &ModelConfig,
+) -> Result<(Source, WeightsPlan), ReloadError> {
     let source = open_matching(path, expected)?;
     let plan = match &source {
         Source::Hf(_) => WeightsPlan::new(expected, &running_quant(weights)),
@@ -166,10 +209,7 @@ pub fn reload_weights_into(
         };
         checked.map_err(ReloadError::Incompatible)?;
     }
-    if !weights.region.is_mapped() {
-        return Err(ReloadError::RegionReleased);
-    }
-    write_slots(weights, expected, &source, &plan, progress)
+    Ok((source, plan))
 }
 
 /// A checkpoint being reloaded, opened.

@@ -699,6 +699,94 @@ async fn update_weights_matches_a_fresh_server_and_refuses_incompatible_ones() {
     s.stop().await;
 }
 
+/// Makes a FIFO at `path`.
+fn mkfifo(path: &Path) {
+    let c = std::ffi::CString::new(path.as_os_str().as_encoded_bytes()).unwrap();
+    // SAFETY: a valid NUL-terminated path.
+    assert_eq!(
+        unsafe { libc::mkfifo(c.as_ptr(), 0o600) },
+        0,
+        "mkfifo {path:?}"
+    );
+}
+
+/// A checkpoint path that would block a reader for ever — a FIFO nobody
+/// writes, a device that never ends, a checkpoint directory whose weights
+/// file is a FIFO whose writer wrote a little and stopped (a hung
+/// filesystem's shape) — is refused with a 400 naming what it is, at once;
+/// the engine serves its old weights throughout, and a good reload after
+/// them works.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn update_weights_from_a_fifo_a_device_or_a_stalled_pipe_is_refused_while_serving() {
+    let s = Server::start_admin().await;
+    let before = s.probe().await;
+    let dir = tempfile::tempdir().unwrap();
+    let fifo = dir.path().join("w.gguf");
+    mkfifo(&fifo);
+    // A copy of a good checkpoint whose weights file is a FIFO, held open
+    // by a writer that wrote a few bytes and stopped.
+    let good = checkpoint("tiny", 2);
+    let stalled = dir.path().join("stalled");
+    std::fs::create_dir(&stalled).unwrap();
+    for e in std::fs::read_dir(good.path()).unwrap() {
+        let e = e.unwrap();
+        let name = e.file_name();
+        if name.to_str().unwrap().ends_with(".safetensors") {
+            mkfifo(&stalled.join(&name));
+        } else {
+            std::fs::copy(e.path(), stalled.join(&name)).unwrap();
+        }
+    }
+    let shard = std::fs::read_dir(&stalled)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .find(|p| p.extension().is_some_and(|x| x == "safetensors"))
+        .expect("the checkpoint has a safetensors file");
+    // Opening a FIFO read-write does not wait for a reader (Linux).
+    let mut writer = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(&shard)
+        .unwrap();
+    std::io::Write::write_all(&mut writer, &[0u8; 16]).unwrap();
+
+    for (path, what) in [
+        (fifo.as_path(), "a FIFO"),
+        (Path::new("/dev/zero"), "a device"),
+        (stalled.as_path(), "a FIFO"),
+    ] {
+        let (status, v) = tokio::time::timeout(
+            DEADLINE,
+            s.admin(
+                Method::POST,
+                "/update_weights",
+                Some(&json!({"path": path.to_str().unwrap(), "version": "never"})),
+            ),
+        )
+        .await
+        .unwrap_or_else(|_| panic!("update_weights from {path:?} did not answer"));
+        assert_openai_error(status, &v, StatusCode::BAD_REQUEST, &format!("{path:?}"));
+        let msg = v["error"]["message"].as_str().unwrap();
+        assert!(msg.contains(what), "{path:?}: {msg}");
+        assert_eq!(s.probe().await, before, "old weights serve after {path:?}");
+    }
+    let info = s.admin_ok(Method::GET, "/weight_info", None).await;
+    assert!(info["version"].is_null(), "{info}");
+    drop(writer);
+
+    // A good checkpoint still loads, and serves what a fresh server does.
+    s.admin_ok(
+        Method::POST,
+        "/update_weights",
+        Some(&json!({"path": good.path().to_str().unwrap(), "version": "v2"})),
+    )
+    .await;
+    let fresh = Server::start_admin_with("tiny", 2, Some(TOKEN), EngineConfig::default()).await;
+    assert_eq!(s.probe().await, fresh.probe().await);
+    fresh.stop().await;
+    s.stop().await;
+}
+
 /// Level 2 over level 1 drops the weights' host backup: the answer and
 /// `/is_sleeping` say so, a wake brings back an engine that needs its
 /// weights loaded (every request a 503 until then), and a load serves.
