@@ -64,14 +64,23 @@ async fn generate(
     body: Bytes,
 ) -> Response {
     let deadline = tokio::time::Instant::now() + proxy.config.pause_wait;
+    let mut attempt = 0;
     loop {
-        let resp = generate_once(proxy.clone(), endpoint, headers.clone(), body.clone()).await;
+        let resp = generate_once(
+            proxy.clone(),
+            endpoint,
+            headers.clone(),
+            body.clone(),
+            attempt,
+        )
+        .await;
         let refused_on_purpose = resp.status() == StatusCode::SERVICE_UNAVAILABLE
             && resp.headers().contains_key(header::RETRY_AFTER);
         if !refused_on_purpose || !wait_for_decode(&proxy, deadline).await {
             return resp;
         }
         tracing::debug!("a decode engine serves again: sending the held request");
+        attempt += 1;
     }
 }
 
@@ -98,6 +107,7 @@ async fn generate_once(
     endpoint: Endpoint,
     headers: HeaderMap,
     body: Bytes,
+    attempt: u32,
 ) -> Response {
     let req: Map<String, Value> = match parse_json(&body) {
         Ok(m) => m,
@@ -124,9 +134,15 @@ async fn generate_once(
         tracing::warn!("refusing a request: {missing}");
         return retryable(ApiError::unavailable(missing).with_code("no_healthy_backend"));
     };
+    // The client's id: its X-Request-Id, else the body's `request_id`.
+    let client_id = match headers.get("x-request-id") {
+        Some(v) => v.to_str().ok(),
+        None => req.get("request_id").and_then(Value::as_str),
+    };
     let forwarded = Forwarded {
         request_id: headers.get("x-request-id").cloned(),
         authorization: headers.get(header::AUTHORIZATION).cloned(),
+        prefill_request_id: super::upstream::prefill_request_id(client_id, attempt),
     };
     let transfer_id = proxy.new_transfer_id();
     let (p, p_status, plan) = match picked.0 {

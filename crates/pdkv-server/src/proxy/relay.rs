@@ -253,7 +253,7 @@ impl Relay {
                     self.proxy.clone(),
                     self.p.clone(),
                     self.call.endpoint,
-                    self.call.headers.clone(),
+                    self.call.headers.for_prefill(),
                 );
                 self.prefill = Some(Box::pin(prefill_call(proxy, p, endpoint, body, id)));
             }

@@ -22,6 +22,41 @@ use crate::error::ApiError;
 pub(super) struct Forwarded {
     pub(super) request_id: Option<HeaderValue>,
     pub(super) authorization: Option<HeaderValue>,
+    /// The id P is asked under where it is not D's: a request sent again
+    /// after a retryable refusal asks P under a fresh id, since P may still
+    /// hold the first attempt's (that call was dropped, and P lets its id
+    /// go only once it sees the connection close). The client sees D's id.
+    pub(super) prefill_request_id: Option<HeaderValue>,
+}
+
+impl Forwarded {
+    /// The headers P's call carries.
+    pub(super) fn for_prefill(&self) -> Forwarded {
+        Forwarded {
+            request_id: self
+                .prefill_request_id
+                .clone()
+                .or_else(|| self.request_id.clone()),
+            authorization: self.authorization.clone(),
+            prefill_request_id: None,
+        }
+    }
+}
+
+/// The id P is asked under in attempt `attempt` (from 0) of a request the
+/// client named `id` (`None`: P makes its own): the client's id at first,
+/// then the id with `-retry<attempt>` (cut to stay within an engine's
+/// 256-byte bound).
+pub(super) fn prefill_request_id(id: Option<&str>, attempt: u32) -> Option<HeaderValue> {
+    let id = id?;
+    if attempt == 0 {
+        return HeaderValue::from_str(id).ok();
+    }
+    let suffix = format!("-retry{attempt}");
+    let keep = id.len().min(256 - suffix.len());
+    // Header values and validated ids are ASCII: any cut is a boundary.
+    let cut = id.get(..keep).unwrap_or(id);
+    HeaderValue::from_str(&format!("{cut}{suffix}")).ok()
 }
 
 impl Shared {
@@ -185,4 +220,35 @@ pub(super) fn error_chain(e: &dyn std::error::Error) -> String {
         src = cause.source();
     }
     s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_retry_asks_prefill_under_a_fresh_id_within_the_bound() {
+        let id =
+            |s: Option<&str>, n| prefill_request_id(s, n).map(|v| v.to_str().unwrap().to_string());
+        assert_eq!(id(None, 0), None);
+        assert_eq!(id(None, 3), None);
+        assert_eq!(id(Some("req-1"), 0).as_deref(), Some("req-1"));
+        assert_eq!(id(Some("req-1"), 1).as_deref(), Some("req-1-retry1"));
+        assert_eq!(id(Some("req-1"), 12).as_deref(), Some("req-1-retry12"));
+        let long = "x".repeat(256);
+        let cut = id(Some(&long), 2).unwrap();
+        assert_eq!(cut.len(), 256);
+        assert!(cut.ends_with("x-retry2"), "{cut}");
+
+        // P's call carries the fresh id; D's keeps the client's.
+        let f = Forwarded {
+            request_id: Some(HeaderValue::from_static("req-1")),
+            authorization: Some(HeaderValue::from_static("Bearer k")),
+            prefill_request_id: prefill_request_id(Some("req-1"), 1),
+        };
+        let p = f.for_prefill();
+        assert_eq!(p.request_id.unwrap(), "req-1-retry1");
+        assert_eq!(p.authorization.unwrap(), "Bearer k");
+        assert_eq!(f.request_id.unwrap(), "req-1");
+    }
 }
