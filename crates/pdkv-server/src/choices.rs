@@ -204,6 +204,28 @@ impl Group {
         self.streams.len()
     }
 
+    /// The groups of several prompts of one request as one, answered under
+    /// `id`: prompt `k`'s choice `j` becomes choice `k * n + j` (`n` each,
+    /// as vLLM numbers them), and the prompt tokens add up.
+    pub fn concat(id: String, groups: Vec<Group>) -> Group {
+        let created = groups.first().map_or(0, |g| g.created);
+        let mut all = Group {
+            id,
+            created,
+            num_prompt_tokens: 0,
+            streams: Vec::new(),
+            early: VecDeque::new(),
+        };
+        for g in groups {
+            let base = all.streams.len();
+            all.num_prompt_tokens += g.num_prompt_tokens;
+            all.early
+                .extend(g.early.into_iter().map(|(i, out)| (base + i, out)));
+            all.streams.extend(g.streams);
+        }
+        all
+    }
+
     /// Collects every choice to its end. Choices run concurrently in the
     /// engine; their outputs wait in their streams while another is read.
     /// Choice 0's prompt log-probabilities are copied to the others.

@@ -277,12 +277,6 @@ pub async fn completions(
         params.prompt_logprobs = params.prompt_logprobs.or(params.logprobs);
     }
     let prompts = parse_prompts(&req.prompt)?;
-    if prompts.len() > 1 && req.stream == Some(true) {
-        return Err(ApiError::invalid_param(
-            "prompt",
-            "a list of prompts is answered whole: send stream: false, or one prompt per request",
-        ));
-    }
     if prompts.len() > 1 && !matches!(req.kv_transfer_params, None | Some(Value::Null)) {
         return Err(ApiError::invalid_param(
             "kv_transfer_params",
@@ -294,7 +288,13 @@ pub async fn completions(
         prepared.push(prepare_prompt(&state, &req, given, &params, score_only).await?);
     }
     let model = state.served_model_name().to_string();
+    let include_usage = req.stream_options.is_some_and(|o| o.include_usage);
     if prepared.len() > 1 {
+        if req.stream == Some(true) {
+            let (group, views) = admit_prompts(&state, &id, prepared, params, arrived, n).await?;
+            let group = Group::concat(id, group);
+            return Ok(stream_completion(group, views, n, model, include_usage));
+        }
         return batch_completion(&state, id, prepared, params, arrived, n, model).await;
     }
     let (prompt, view) = prepared.pop().expect("one prompt");
@@ -302,8 +302,13 @@ pub async fn completions(
     let group = admit_group(&state, id, prompt, params, kv, arrived, n).await?;
 
     if req.stream.unwrap_or(false) {
-        let include_usage = req.stream_options.is_some_and(|o| o.include_usage);
-        return Ok(stream_completion(group, view, model, include_usage));
+        return Ok(stream_completion(
+            group,
+            vec![view],
+            n,
+            model,
+            include_usage,
+        ));
     }
     whole_completion(group, view, model).await
 }
@@ -369,23 +374,10 @@ async fn batch_completion(
     n: usize,
     model: String,
 ) -> Result<Response, ApiError> {
-    let mut groups = Vec::with_capacity(prepared.len());
-    for (k, (prompt, view)) in prepared.into_iter().enumerate() {
-        let g = admit_group(
-            state,
-            format!("{id}-p{k}"),
-            prompt,
-            params.clone(),
-            None,
-            arrived,
-            n,
-        )
-        .await?;
-        groups.push((g, view));
-    }
-    let created = groups[0].0.created;
+    let (groups, views) = admit_prompts(state, &id, prepared, params, arrived, n).await?;
+    let created = groups[0].created;
     let (mut choices, mut prompt_tokens, mut completion_tokens) = (Vec::new(), 0, 0);
-    for (k, (mut group, view)) in groups.into_iter().enumerate() {
+    for (k, (mut group, view)) in groups.into_iter().zip(views).enumerate() {
         let done = group.collect().await?;
         for (j, c) in done.iter().enumerate() {
             let mut v = view.whole_choice(j, c);
@@ -408,10 +400,40 @@ async fn batch_completion(
     Ok(with_request_id(resp, &id))
 }
 
-/// A completion's choices as server-sent events.
+/// Admits each prompt of a request as its own group (engine ids
+/// `{id}-p{k}`), all before any is read so they run together.
+async fn admit_prompts(
+    state: &AppState,
+    id: &str,
+    prepared: Vec<(PromptIn, CompletionView)>,
+    params: SamplingParams,
+    arrived: Instant,
+    n: usize,
+) -> Result<(Vec<Group>, Vec<CompletionView>), ApiError> {
+    let (mut groups, mut views) = (Vec::new(), Vec::new());
+    for (k, (prompt, view)) in prepared.into_iter().enumerate() {
+        let g = admit_group(
+            state,
+            format!("{id}-p{k}"),
+            prompt,
+            params.clone(),
+            None,
+            arrived,
+            n,
+        )
+        .await?;
+        groups.push(g);
+        views.push(view);
+    }
+    Ok((groups, views))
+}
+
+/// A completion's choices as server-sent events: `n` per prompt, prompt
+/// `k`'s shown by `views[k]` (choice `i` is prompt `i / n`'s).
 fn stream_completion(
     group: Group,
-    view: CompletionView,
+    views: Vec<CompletionView>,
+    n: usize,
     model: String,
     include_usage: bool,
 ) -> Response {
@@ -423,10 +445,13 @@ fn stream_completion(
         model: model.clone(),
     };
     let mut per_choice = vec![StreamedChoice::default(); group.n()];
-    let mut shared_prompt_lp: Option<Vec<Option<TokenLogprobs>>> = None;
+    // Each prompt's log-probabilities, from its choice 0, shown by all.
+    let mut shared_prompt_lp: Vec<Option<Vec<Option<TokenLogprobs>>>> = vec![None; views.len()];
     let chunk = move |i: usize, out: &RequestOutput, usage: bool| {
+        let k = (i / n.max(1)).min(views.len() - 1);
+        let view = &views[k];
         if out.prompt_logprobs.is_some() {
-            shared_prompt_lp = out.prompt_logprobs.clone();
+            shared_prompt_lp[k] = out.prompt_logprobs.clone();
         }
         let c = &mut per_choice[i];
         let first = !c.started;
@@ -434,7 +459,7 @@ fn stream_completion(
         let mut choice = view.choice(
             i,
             out,
-            first.then_some(shared_prompt_lp.as_deref()).flatten(),
+            first.then_some(shared_prompt_lp[k].as_deref()).flatten(),
             first,
             c.offset,
         );

@@ -697,7 +697,42 @@ async fn a_list_of_prompts_answers_each_as_its_own_request_would() {
         assert_eq!(c["text"], want[i / 2], "choice {i}: {v}");
     }
     assert_eq!(v["usage"]["completion_tokens"], 30, "{v}");
-    // Token-id prompts too; streaming a batch is refused naming `prompt`.
+    // Streamed, each choice's pieces carry its index; put together they
+    // are the same texts, and the usage adds up every prompt's.
+    let resp = http::send(s.client.post(s.url("/v1/completions")).json(&json!({
+        "prompt": prompts, "max_tokens": 5, "temperature": 0, "ignore_eos": true, "n": 2,
+        "stream": true, "stream_options": {"include_usage": true}
+    })))
+    .await;
+    assert_eq!(resp.status(), StatusCode::OK);
+    let text = resp.text().await.unwrap();
+    let mut streamed = vec![String::new(); 6];
+    let mut finished = 0;
+    let mut usage = Value::Null;
+    for v in pdkv_testkit::sse::values(&text) {
+        if !v["usage"].is_null() {
+            usage = v["usage"].clone();
+        }
+        for c in v["choices"].as_array().unwrap() {
+            let i = c["index"].as_u64().unwrap() as usize;
+            streamed[i].push_str(c["text"].as_str().unwrap());
+            finished += usize::from(!c["finish_reason"].is_null());
+        }
+    }
+    for (i, t) in streamed.iter().enumerate() {
+        assert_eq!(
+            t,
+            want[i / 2].as_str().unwrap(),
+            "streamed choice {i}: {text}"
+        );
+    }
+    assert_eq!(finished, 6, "{text}");
+    assert_eq!(usage["completion_tokens"], 30, "{text}");
+    assert_eq!(
+        usage["prompt_tokens"], v["usage"]["prompt_tokens"],
+        "{text}"
+    );
+    // Token-id prompts too.
     let (status, v) = s
         .post(
             "/v1/completions",
@@ -706,13 +741,5 @@ async fn a_list_of_prompts_answers_each_as_its_own_request_would() {
         .await;
     assert_eq!(status, StatusCode::OK, "{v}");
     assert_eq!(v["usage"]["prompt_tokens"], 5, "{v}");
-    let (status, v) = s
-        .post(
-            "/v1/completions",
-            &json!({"prompt": ["a", "b"], "stream": true}),
-        )
-        .await;
-    assert_openai_error(status, &v, StatusCode::BAD_REQUEST, "streamed batch");
-    assert_eq!(v["error"]["param"], "prompt");
     s.stop().await;
 }
