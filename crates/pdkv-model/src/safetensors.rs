@@ -25,6 +25,16 @@ pub enum Dtype {
 }
 
 impl Dtype {
+    /// A weight sync's name for the type (`f32`, `f16`, `bf16`).
+    pub fn from_sync_name(s: &str) -> Option<Dtype> {
+        Some(match s {
+            "f32" => Dtype::F32,
+            "f16" => Dtype::F16,
+            "bf16" => Dtype::BF16,
+            _ => return None,
+        })
+    }
+
     fn parse(s: &str) -> Option<Dtype> {
         Some(match s {
             "F32" => Dtype::F32,

@@ -19,6 +19,6 @@ pub mod manifest;
 pub mod publish;
 pub mod pull;
 
-pub use manifest::{checksum, Manifest, MismatchError, TensorEntry, PROTOCOL};
-pub use publish::{PublishOptions, Publisher};
+pub use manifest::{checksum, converts, Manifest, MismatchError, TensorEntry, PROTOCOL};
+pub use publish::{PublishOptions, Publisher, TrainerTensor};
 pub use pull::{PullReport, Puller, Staging, SyncError, Transport};

@@ -45,7 +45,9 @@ pub struct TensorEntry {
     /// The Hugging Face name (`model.layers.0.self_attn.q_proj.weight`).
     pub name: String,
     /// `f32`, or a GGUF block format in lower case (`q4_1`, `q8_0`, ...):
-    /// the bytes are the rows as the engine stores them.
+    /// the bytes are the rows as the engine stores them; or `f32`, `f16`,
+    /// `bf16` values as a trainer holds them (Hugging Face order), which the
+    /// engine converts to its own type while it pulls.
     pub dtype: String,
     /// Row-major, `[out, in]` for linear layers.
     pub shape: Vec<usize>,
@@ -80,7 +82,7 @@ pub enum MismatchError {
     Missing(String),
     #[error("the publisher's tensor `{0}` is not one of the model's")]
     Unknown(String),
-    #[error("tensor `{name}`: the publisher's type is {published}, the model stores {expected}")]
+    #[error("tensor `{name}`: the publisher's type is {published}, the model stores {expected} (a tensor comes as the model stores it, or as f32, f16 or bf16 to convert)")]
     DType {
         name: String,
         published: String,
@@ -100,10 +102,19 @@ pub enum MismatchError {
     },
 }
 
+/// Whether the tensor published as `e` is converted into `dest`'s type
+/// (published as a trainer holds it: `f32`, `f16` or `bf16` where the model
+/// stores another type) rather than copied as it is.
+pub fn converts(e: &TensorEntry, dest: &TensorRef) -> bool {
+    e.dtype != dest.dtype.name()
+}
+
 /// Matches every tensor of `manifest` to the tensor of `layout` it
 /// replaces, checking names, types, shapes and sizes: all of the model's
-/// tensors must be published, and nothing else. The pairs come in the
-/// layout's order.
+/// tensors must be published, and nothing else. A tensor comes either as
+/// the model stores it, or as a trainer holds it (`f32`, `f16`, `bf16`,
+/// Hugging Face order) for the puller to convert ([`converts`]). The pairs
+/// come in the layout's order.
 pub fn plan<'a>(
     manifest: &'a Manifest,
     layout: &'a Weights,
@@ -131,7 +142,9 @@ pub fn plan<'a>(
         let Some(&e) = by_name.get(name.as_str()) else {
             return Err(MismatchError::Missing(name));
         };
-        if e.dtype != dest.dtype.name() {
+        let source = pdkv_model::safetensors::Dtype::from_sync_name(&e.dtype);
+        let converted = converts(e, &dest);
+        if converted && source.is_none() {
             return Err(MismatchError::DType {
                 name,
                 published: e.dtype.clone(),
@@ -145,11 +158,15 @@ pub fn plan<'a>(
                 expected: dest.shape.clone(),
             });
         }
-        if e.len != dest.bytes() as u64 {
+        let expected = match source {
+            Some(d) if converted => (dest.numel() * d.size()) as u64,
+            _ => dest.bytes() as u64,
+        };
+        if e.len != expected {
             return Err(MismatchError::Len {
                 name,
                 published: e.len,
-                expected: dest.bytes() as u64,
+                expected,
             });
         }
         out.push((e, dest.clone()));

@@ -19,6 +19,50 @@ use tokio::task::JoinHandle;
 
 use crate::manifest::{checksum, Manifest, ShmEndpoint, TensorEntry, PROTOCOL};
 
+/// One tensor as a trainer holds it ([`Publisher::start_tensors`]).
+#[derive(Clone, Debug)]
+pub struct TrainerTensor {
+    /// The Hugging Face name (`model.layers.0.self_attn.q_proj.weight`).
+    pub name: String,
+    /// `f32`, `f16` or `bf16`.
+    pub dtype: String,
+    pub shape: Vec<usize>,
+    /// Little-endian values, row-major.
+    pub bytes: Vec<u8>,
+}
+
+impl TrainerTensor {
+    /// Every tensor of the safetensors files of a Hugging Face checkpoint
+    /// directory (what a trainer would write, or `pdkv model export`).
+    pub fn read_hf_dir(dir: &std::path::Path) -> anyhow::Result<Vec<TrainerTensor>> {
+        let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
+            .with_context(|| format!("reading {}", dir.display()))?
+            .filter_map(|e| e.ok().map(|e| e.path()))
+            .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
+            .collect();
+        files.sort();
+        anyhow::ensure!(
+            !files.is_empty(),
+            "{} holds no .safetensors file",
+            dir.display()
+        );
+        let mut out = Vec::new();
+        for f in files {
+            let st = pdkv_model::safetensors::SafetensorsFile::open(&f)?;
+            for (name, e) in &st.tensors {
+                let (bytes, dtype) = st.raw(name).expect("a tensor of the file");
+                out.push(TrainerTensor {
+                    name: name.clone(),
+                    dtype: dtype.name().to_ascii_lowercase(),
+                    shape: e.shape.clone(),
+                    bytes: bytes.to_vec(),
+                });
+            }
+        }
+        Ok(out)
+    }
+}
+
 /// Where a publisher listens.
 #[derive(Clone, Debug)]
 pub struct PublishOptions {
@@ -52,7 +96,7 @@ impl Default for PublishOptions {
 /// A running publisher. Dropping it stops both listeners; an engine
 /// pulling meanwhile fails with a transfer error.
 pub struct Publisher {
-    weights: Weights,
+    region: Arc<pdkv_vmem::Region>,
     manifest: Manifest,
     http: SocketAddr,
     agent: Agent,
@@ -85,16 +129,75 @@ impl Drop for Publisher {
 }
 
 impl Publisher {
-    /// Publishes `weights` (every tensor, checksummed now) as `version`.
+    /// Publishes `weights` as the engine stores them (every tensor,
+    /// checksummed now) as `version`.
     pub async fn start(
         weights: Weights,
+        version: Option<String>,
+        opts: PublishOptions,
+    ) -> anyhow::Result<Publisher> {
+        let tensors = tensor_entries(&weights);
+        Publisher::serve(weights.region.clone(), tensors, version, opts).await
+    }
+
+    /// Publishes tensors as a trainer holds them (Hugging Face names,
+    /// `f32`, `f16` or `bf16` values in Hugging Face order), copied into
+    /// registered memory and checksummed now, as `version`: each engine
+    /// converts them to the type it stores while it pulls.
+    pub async fn start_tensors(
+        tensors: Vec<TrainerTensor>,
+        version: Option<String>,
+        opts: PublishOptions,
+    ) -> anyhow::Result<Publisher> {
+        let mut at = 0usize;
+        let mut offsets = Vec::with_capacity(tensors.len());
+        for t in &tensors {
+            let Some(d) = pdkv_model::safetensors::Dtype::from_sync_name(&t.dtype) else {
+                anyhow::bail!("tensor `{}`: {} is not f32, f16 or bf16", t.name, t.dtype);
+            };
+            let want = t.shape.iter().product::<usize>() * d.size();
+            anyhow::ensure!(
+                t.bytes.len() == want,
+                "tensor `{}`: {} bytes for {:?} values of {}, expected {want}",
+                t.name,
+                t.bytes.len(),
+                t.shape,
+                t.dtype
+            );
+            offsets.push(at);
+            at = (at + want).next_multiple_of(64);
+        }
+        let region = pdkv_vmem::Pool::default()
+            .allocate(pdkv_vmem::Tag::Weights, at.max(64))
+            .context("allocating the published tensors' memory")?;
+        let mut entries = Vec::with_capacity(tensors.len());
+        for (t, off) in tensors.into_iter().zip(offsets) {
+            region
+                .write_bytes(off, &t.bytes)
+                .with_context(|| format!("copying tensor `{}`", t.name))?;
+            entries.push(TensorEntry {
+                crc32: checksum(&t.bytes),
+                name: t.name,
+                dtype: t.dtype,
+                shape: t.shape,
+                offset: off as u64,
+                len: t.bytes.len() as u64,
+            });
+        }
+        Publisher::serve(region, entries, version, opts).await
+    }
+
+    /// Serves the tensors `tensors` lying in `region`.
+    async fn serve(
+        region: Arc<pdkv_vmem::Region>,
+        tensors: Vec<TensorEntry>,
         version: Option<String>,
         opts: PublishOptions,
     ) -> anyhow::Result<Publisher> {
         let t0 = Instant::now();
         let registry = Arc::new(Registry::new(RegistryOptions::default()));
         let reg = registry
-            .register(&weights.region, 0, weights.region.len())
+            .register(&region, 0, region.len())
             .map_err(|e| anyhow::anyhow!("registering the weights: {e}"))?;
         let cfg = AgentConfig {
             secret: opts.secret.clone(),
@@ -105,7 +208,6 @@ impl Publisher {
             .await
             .with_context(|| format!("binding the transfer agent on {}", opts.transfer_addr))?;
         let shm = share_over_shm(&agent, &reg, &opts)?;
-        let tensors = tensor_entries(&weights);
         let manifest = Manifest {
             protocol: PROTOCOL,
             version,
@@ -130,7 +232,7 @@ impl Publisher {
             "publishing weights"
         );
         Ok(Publisher {
-            weights,
+            region,
             manifest,
             http,
             agent,
@@ -149,10 +251,10 @@ impl Publisher {
         &self.manifest
     }
 
-    /// The published weights (tests change their bytes under the manifest
-    /// to see a checksum refused).
-    pub fn weights(&self) -> &Weights {
-        &self.weights
+    /// The memory the published tensors lie in (tests change bytes under
+    /// the manifest to see a checksum refused).
+    pub fn region(&self) -> &Arc<pdkv_vmem::Region> {
+        &self.region
     }
 
     /// Bytes the engines have read so far over TCP (a read over shared

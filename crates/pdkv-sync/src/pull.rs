@@ -16,7 +16,7 @@ use pdkv_transfer::tcp::{Agent, AgentConfig, LocalSlice};
 use pdkv_transfer::{Registration, Registry, RegistryOptions, RemoteDescriptor};
 use pdkv_vmem::{Pool, Region, Tag};
 
-use crate::manifest::{checksum, plan, Manifest, MismatchError, TensorEntry};
+use crate::manifest::{checksum, converts, plan, Manifest, MismatchError, TensorEntry};
 
 /// Bytes per read batch of a pull over TCP (checksums of one overlap the
 /// next).
@@ -244,6 +244,7 @@ impl Puller {
                 Spare { region, reg }
             }
         };
+        let (scratch, landing) = self.scratch_for(&plan)?;
         Ok(Staging {
             weights: layout.with_region(region),
             reg,
@@ -252,10 +253,46 @@ impl Puller {
             shm,
             manifest,
             plan,
+            scratch,
+            landing,
+            staged_crc: std::collections::HashMap::new(),
             pulled: BTreeSet::new(),
             bytes: 0,
             seconds: 0.0,
         })
+    }
+
+    /// Where the tensors published in a trainer's type land before they
+    /// are converted: a registered region holding them one after the other
+    /// (64-byte aligned), and each one's offset in it (`None`: read straight
+    /// into the staging).
+    fn scratch_for(
+        &self,
+        plan: &[(TensorEntry, TensorRef)],
+    ) -> Result<(Option<Scratch>, Vec<Option<usize>>), SyncError> {
+        let mut at = 0usize;
+        let landing: Vec<Option<usize>> = plan
+            .iter()
+            .map(|(e, dest)| {
+                converts(e, dest).then(|| {
+                    let off = at;
+                    at = (at + e.len as usize).next_multiple_of(64);
+                    off
+                })
+            })
+            .collect();
+        if at == 0 {
+            return Ok((None, landing));
+        }
+        let region = Pool::default()
+            .allocate(Tag::Weights, at)
+            .map_err(|e| SyncError::Staging(format!("the conversion scratch: {e}")))?;
+        let reg = self
+            .agent
+            .registry()
+            .register(&region, 0, region.len())
+            .map_err(|e| SyncError::Staging(format!("the conversion scratch: {e}")))?;
+        Ok((Some(Scratch { region, reg }), landing))
     }
 
     /// The publisher's registration mapped over shared memory, when this
@@ -392,6 +429,9 @@ impl Puller {
             }
             bytes += e.len;
         }
+        let t_convert = Instant::now();
+        convert(staging, &wanted).await?;
+        let convert_seconds = t_convert.elapsed().as_secs_f64();
         for &i in &wanted {
             staging.pulled.insert(staging.plan[i].0.name.clone());
         }
@@ -403,6 +443,7 @@ impl Puller {
             bytes,
             seconds,
             read_seconds: read_secs,
+            convert_seconds,
             transport,
         })
     }
@@ -440,10 +481,10 @@ impl Puller {
         for g in &groups {
             let mut transfers = Vec::with_capacity(g.len());
             for &i in g {
-                let (e, dest) = &staging.plan[i];
-                let local =
-                    LocalSlice::grant(&staging.registry, &staging.reg, dest.offset as u64, e.len)
-                        .map_err(|err| SyncError::Staging(err.to_string()))?;
+                let e = &staging.plan[i].0;
+                let (_, reg, at) = staging.landing_of(i);
+                let local = LocalSlice::grant(&staging.registry, reg, at as u64, e.len)
+                    .map_err(|err| SyncError::Staging(err.to_string()))?;
                 let remote = RemoteDescriptor {
                     agent_addr: m.transfer_addr.clone(),
                     segment: m.segment,
@@ -474,21 +515,22 @@ impl Puller {
                 continue;
             }
             read_secs = t0.elapsed().as_secs_f64();
-            let base = staging.weights.region.base() as usize;
-            let ranges: Vec<(usize, usize, usize)> = g
+            let ranges: Vec<(usize, Arc<Region>, usize, usize)> = g
                 .iter()
-                .map(|&i| (i, staging.plan[i].1.offset, staging.plan[i].1.bytes()))
+                .map(|&i| {
+                    let (region, _, at) = staging.landing_of(i);
+                    (i, region.clone(), at, staging.plan[i].0.len as usize)
+                })
                 .collect();
-            let region = staging.weights.region.clone();
             sums.push(tokio::task::spawn_blocking(move || {
-                let _held = region;
                 ranges
                     .into_iter()
-                    .map(|(i, off, n)| {
-                        // SAFETY: the tensor lies inside the staging region
-                        // (held above), and the batch that wrote it ended.
-                        let bytes =
-                            unsafe { std::slice::from_raw_parts((base + off) as *const u8, n) };
+                    .map(|(i, region, off, n)| {
+                        // SAFETY: the tensor lies inside its landing region
+                        // (held here), and the batch that wrote it ended.
+                        let bytes = unsafe {
+                            std::slice::from_raw_parts(region.base().add(off).cast_const(), n)
+                        };
                         (i, checksum(bytes))
                     })
                     .collect::<Vec<_>>()
@@ -526,11 +568,12 @@ async fn pull_shm(
     let mut jobs: Vec<ShmCopy> = wanted
         .iter()
         .map(|&i| {
-            let (e, dest) = &staging.plan[i];
+            let e = &staging.plan[i].0;
+            let (region, _, at) = staging.landing_of(i);
             ShmCopy {
                 tensor: i,
                 from: e.offset,
-                to: dest.offset,
+                to: region.base() as usize + at,
                 len: e.len as usize,
             }
         })
@@ -546,9 +589,12 @@ async fn pull_shm(
     let mut tasks = Vec::new();
     for (_, lane) in lanes.into_iter().filter(|l| !l.1.is_empty()) {
         let importer = src.importer.clone();
-        let region = staging.weights.region.clone();
+        let held = (
+            staging.weights.region.clone(),
+            staging.scratch.as_ref().map(|s| s.region.clone()),
+        );
         tasks.push(tokio::task::spawn_blocking(move || {
-            let base = region.base() as usize;
+            let _held = held;
             let mut sums = Vec::with_capacity(lane.len());
             for ShmCopy {
                 tensor: i,
@@ -567,10 +613,9 @@ async fn pull_shm(
                         return Err((i, "the publisher was lost".to_string()));
                     }
                     let k = SHM_PIECE.min(n - done);
-                    // SAFETY: the tensor lies inside the staging region
+                    // SAFETY: the tensor lies inside its landing region
                     // (held by this task), which only this pull writes.
-                    let dst =
-                        unsafe { std::slice::from_raw_parts_mut((base + to + done) as *mut u8, k) };
+                    let dst = unsafe { std::slice::from_raw_parts_mut((to + done) as *mut u8, k) };
                     importer
                         .read(segment, epoch, from + done as u64, dst)
                         .map_err(|e| (i, e.to_string()))?;
@@ -611,7 +656,8 @@ struct ShmCopy {
     tensor: usize,
     /// Where it lies in the publisher's registration.
     from: u64,
-    /// Where it goes in the staging.
+    /// The address it lands at (in the staging, or in the conversion
+    /// scratch).
     to: usize,
     len: usize,
 }
@@ -635,6 +681,9 @@ pub struct PullReport {
     /// Of it, the reads (over shared memory, the copies with their
     /// checksums: one pass).
     pub read_seconds: f64,
+    /// Of it, converting tensors published in a trainer's type into the
+    /// engine's (0 when every tensor came as the engine stores it).
+    pub convert_seconds: f64,
     /// `tcp` or `shm`.
     pub transport: &'static str,
 }
@@ -651,6 +700,13 @@ pub struct Staging {
     shm: Option<ShmSource>,
     manifest: Manifest,
     plan: Vec<(TensorEntry, TensorRef)>,
+    /// Where tensors published in a trainer's type land before conversion.
+    scratch: Option<Scratch>,
+    /// Per tensor of the plan, its offset in `scratch` (`None`: it lands
+    /// straight in the staging, as the engine stores it).
+    landing: Vec<Option<usize>>,
+    /// Checksums of converted tensors as staged (what a relay announces).
+    staged_crc: std::collections::HashMap<usize, u32>,
     pulled: BTreeSet<String>,
     bytes: u64,
     seconds: f64,
@@ -661,6 +717,9 @@ impl Drop for Staging {
     /// become the puller's spare (an older spare is deregistered).
     fn drop(&mut self) {
         self.shm = None;
+        if let Some(s) = self.scratch.take() {
+            self.registry.deregister(s.reg.segment);
+        }
         let old = self.spare.lock().unwrap().replace(Spare {
             region: self.weights.region.clone(),
             reg: self.reg,
@@ -671,7 +730,70 @@ impl Drop for Staging {
     }
 }
 
+/// The region tensors published in a trainer's type land in, registered.
+struct Scratch {
+    region: Arc<Region>,
+    reg: Registration,
+}
+
+/// Converts the tensors of `wanted` that were published in a trainer's
+/// type from the scratch into the staging (on a blocking thread), keeping
+/// each one's staged checksum for a relay.
+async fn convert(staging: &mut Staging, wanted: &[usize]) -> Result<(), SyncError> {
+    let jobs: Vec<(usize, String, String, TensorRef, usize, usize)> = wanted
+        .iter()
+        .filter_map(|&i| {
+            let (e, dest) = &staging.plan[i];
+            let at = staging.landing[i]?;
+            Some((
+                i,
+                e.name.clone(),
+                e.dtype.clone(),
+                dest.clone(),
+                at,
+                e.len as usize,
+            ))
+        })
+        .collect();
+    let Some(scratch) = staging.scratch.as_ref().map(|s| s.region.clone()) else {
+        return Ok(());
+    };
+    let region = staging.weights.region.clone();
+    let done = tokio::task::spawn_blocking(move || {
+        let mut sums = Vec::with_capacity(jobs.len());
+        for (i, name, dtype, dest, at, len) in jobs {
+            // SAFETY: `at..at + len` lies inside the scratch (laid out by
+            // `scratch_for`) and `dest` inside the staging (laid out as the
+            // plan's layout); both are held here and only this pull touches
+            // them, one after the other.
+            let (src, dst) = unsafe {
+                (
+                    std::slice::from_raw_parts(scratch.base().add(at).cast_const(), len),
+                    std::slice::from_raw_parts_mut(region.base().add(dest.offset), dest.bytes()),
+                )
+            };
+            pdkv_model::loader::convert_tensor(&name, src, &dtype, &dest, dst)
+                .map_err(|e| SyncError::Staging(format!("{e:#}")))?;
+            sums.push((i, checksum(dst)));
+        }
+        Ok::<_, SyncError>(sums)
+    })
+    .await
+    .map_err(|e| SyncError::Staging(format!("a conversion task failed: {e}")))??;
+    staging.staged_crc.extend(done);
+    Ok(())
+}
+
 impl Staging {
+    /// Where tensor `i` of the plan lands: its region, that region's
+    /// registration, and the offset in it.
+    fn landing_of(&self, i: usize) -> (&Arc<Region>, &Registration, usize) {
+        match (self.landing[i], &self.scratch) {
+            (Some(at), Some(s)) => (&s.region, &s.reg, at),
+            _ => (&self.weights.region, &self.reg, self.plan[i].1.offset),
+        }
+    }
+
     pub fn manifest(&self) -> &Manifest {
         &self.manifest
     }
@@ -719,9 +841,21 @@ impl Staging {
             tensors: self
                 .plan
                 .iter()
-                .map(|(e, dest)| TensorEntry {
-                    offset: dest.offset as u64,
-                    ..e.clone()
+                .enumerate()
+                .map(|(i, (e, dest))| match self.staged_crc.get(&i) {
+                    // Converted: announced as staged, in the engine's type.
+                    Some(&crc32) => TensorEntry {
+                        name: e.name.clone(),
+                        dtype: dest.dtype.name().into(),
+                        shape: dest.shape.clone(),
+                        offset: dest.offset as u64,
+                        len: dest.bytes() as u64,
+                        crc32,
+                    },
+                    None => TensorEntry {
+                        offset: dest.offset as u64,
+                        ..e.clone()
+                    },
                 })
                 .collect(),
         })

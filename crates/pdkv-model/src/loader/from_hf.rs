@@ -11,7 +11,7 @@ use super::format::{converted, WeightFormat};
 use super::plan::{check_shape, parse_arch, LoadProgress, Slot, SlotDst, WeightsPlan};
 use crate::qtype::QType;
 use crate::safetensors::SafetensorsFile;
-use crate::weights::{DType, Weights};
+use crate::weights::{DType, TensorRef, Weights};
 use crate::{ChatTemplate, ModelConfig, Tokenizer};
 
 /// The 16-bit format a safetensors tensor keeps in the weights region, by
@@ -193,28 +193,78 @@ impl HfShards {
         let DType::Quant(q) = slot.dest.dtype else {
             bail!("tensor `{name}` is planned as f32")
         };
-        if half_of(dtype) == Some(q) && bytes.len() == dst.len() {
-            dst.copy_from_slice(bytes);
-            return Ok(());
+        quantize_tensor(name, bytes, dtype, q, &slot.dest, dst)
+    }
+}
+
+/// `bytes` (values of `dtype`, `dest`'s shape) into `dst` in the block
+/// format `q`: copied when `q` is that 16-bit format, else each row widened
+/// and quantised ([`crate::quantize::quantize_rows`]).
+fn quantize_tensor(
+    name: &str,
+    bytes: &[u8],
+    dtype: crate::safetensors::Dtype,
+    q: QType,
+    dest: &TensorRef,
+    dst: &mut [u8],
+) -> anyhow::Result<()> {
+    if half_of(dtype) == Some(q) && bytes.len() == dst.len() {
+        dst.copy_from_slice(bytes);
+        return Ok(());
+    }
+    let cols = dest.shape.last().copied().unwrap_or(1);
+    let rows = dest.numel() / cols.max(1);
+    if dest.shape.len() != 2
+        || cols % q.block_values() != 0
+        || bytes.len() != rows * cols * dtype.size()
+        || dst.len() != rows * q.row_bytes(cols)
+    {
+        bail!(
+            "tensor `{name}` ({dtype:?}, {} bytes) does not convert to {q:?} of {} bytes",
+            bytes.len(),
+            dst.len()
+        );
+    }
+    let rb = cols * dtype.size();
+    crate::quantize::quantize_rows(q, cols, dst, &|r, out| {
+        dtype.decode(&bytes[r * rb..(r + 1) * rb], out)
+    });
+    Ok(())
+}
+
+/// Converts one tensor as a trainer holds it — `src`, row-major values of
+/// `src_dtype` (`f32`, `f16` or `bf16`) in `dest`'s shape, Hugging Face
+/// order — into `dest`'s storage (`dst`, `dest.bytes()` long): what the
+/// same tensor of a Hugging Face checkpoint becomes at load (widened to
+/// f32, kept 16-bit, or each row quantised to the block format).
+pub fn convert_tensor(
+    name: &str,
+    src: &[u8],
+    src_dtype: &str,
+    dest: &TensorRef,
+    dst: &mut [u8],
+) -> anyhow::Result<()> {
+    let Some(dtype) = crate::safetensors::Dtype::from_sync_name(src_dtype) else {
+        bail!("tensor `{name}`: {src_dtype} does not convert (f32, f16 or bf16 do)");
+    };
+    if src.len() != dest.numel() * dtype.size() || dst.len() != dest.bytes() {
+        bail!(
+            "tensor `{name}`: {} bytes of {src_dtype} into {} bytes, for {:?} values",
+            src.len(),
+            dst.len(),
+            dest.shape
+        );
+    }
+    match dest.dtype {
+        DType::F32 => {
+            let mut out = vec![0f32; dest.numel()];
+            dtype.decode(src, &mut out);
+            for (d, v) in dst.chunks_exact_mut(4).zip(&out) {
+                d.copy_from_slice(&v.to_le_bytes());
+            }
+            Ok(())
         }
-        let cols = slot.dest.shape.last().copied().unwrap_or(1);
-        let rows = slot.dest.numel() / cols.max(1);
-        if slot.dest.shape.len() != 2
-            || cols % q.block_values() != 0
-            || bytes.len() != rows * cols * dtype.size()
-            || dst.len() != rows * q.row_bytes(cols)
-        {
-            bail!(
-                "tensor `{name}` ({dtype:?}, {} bytes) does not convert to {q:?} of {} bytes",
-                bytes.len(),
-                dst.len()
-            );
-        }
-        let rb = cols * dtype.size();
-        crate::quantize::quantize_rows(q, cols, dst, &|r, out| {
-            dtype.decode(&bytes[r * rb..(r + 1) * rb], out)
-        });
-        Ok(())
+        DType::Quant(q) => quantize_tensor(name, src, dtype, q, dest, dst),
     }
 }
 

@@ -33,7 +33,7 @@ mod reload;
 
 pub use format::{WeightFormat, WEIGHT_FORMAT_NAMES};
 pub use from_gguf::gguf_config;
-pub use from_hf::hf_config;
+pub use from_hf::{convert_tensor, hf_config};
 pub use load::{load_model, load_model_as, load_weights_like, load_weights_matching, LoadedModel};
 pub use plan::LoadProgress;
 pub use reload::{reload_weights_into, stage_checkpoint, ReloadError};

@@ -1279,6 +1279,63 @@ async fn publisher(seed: u64, version: &str) -> (tempfile::TempDir, pdkv_sync::P
     (dir, p)
 }
 
+/// A trainer publishes its tensors as it holds them — Hugging Face names,
+/// bf16 — to an engine serving Q8_0: the engine converts while it pulls,
+/// and then answers as an engine that reloaded the same checkpoint from
+/// disk (the loader's conversion) does. The manifest keeps the trainer's
+/// types; the report names the conversion's cost.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sync_of_a_trainers_bf16_tensors_into_a_q8_0_engine_equals_a_reload() {
+    let q8 = || crate::common::Serving {
+        weight_format: pdkv_model::loader::WeightFormat::Convert(
+            pdkv_model::weights::DType::Quant(pdkv_model::qtype::QType::Q8_0),
+        ),
+        ..crate::common::Serving::default()
+    };
+    let s = Server::spawn_serving("tiny", 7, Some(TOKEN), EngineConfig::default(), q8()).await;
+    let before = s.probe().await;
+    // The trainer's checkpoint: seed 2, written as bf16 safetensors.
+    let seed2 = checkpoint("tiny", 2);
+    let exported = tempfile::tempdir().unwrap();
+    {
+        let pool = pdkv_vmem::Pool::default();
+        let m = pdkv_model::load_model(seed2.path(), &pool, &mut |_| {}).expect("load");
+        pdkv_model::export::export_hf(&m, exported.path(), &mut |_| {}).expect("export");
+    }
+    let reference =
+        Server::spawn_serving("tiny", 7, Some(TOKEN), EngineConfig::default(), q8()).await;
+    let path = exported.path().to_str().unwrap();
+    reference
+        .admin_ok(
+            Method::POST,
+            "/update_weights",
+            Some(&json!({"path": path})),
+        )
+        .await;
+    let want = reference.probe().await;
+    assert_ne!(want, before, "seed 2 answers otherwise");
+
+    let tensors = pdkv_sync::TrainerTensor::read_hf_dir(exported.path()).unwrap();
+    assert!(tensors.iter().all(|t| t.dtype == "bf16"));
+    let p = pdkv_sync::Publisher::start_tensors(
+        tensors,
+        Some("hf".into()),
+        pdkv_sync::PublishOptions::default(),
+    )
+    .await
+    .expect("publish");
+    s.begin_sync(&p.url()).await;
+    let v = s.pull_weights_ok().await;
+    assert!(
+        v["convert_seconds"].as_f64().is_some_and(|x| x > 0.0),
+        "{v}"
+    );
+    s.switch_synced(None).await;
+    assert_eq!(s.probe().await, want, "as the reload from disk answers");
+    reference.stop().await;
+    s.stop().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_weight_sync_matches_a_fresh_server_and_a_bad_one_changes_nothing() {
     let (s, seed7) = Server::start_probed().await;
@@ -1300,17 +1357,14 @@ async fn a_weight_sync_matches_a_fresh_server_and_a_bad_one_changes_nothing() {
     // pull is refused naming it, finish is refused (incomplete), and the
     // old weights keep serving.
     let (_d3, bad) = publisher(3, "bad").await;
-    let (name, t) = {
-        let (n, t) = bad.weights().named()[5].clone();
-        (n, t.clone())
+    let (name, offset) = {
+        let t = &bad.manifest().tensors[5];
+        (t.name.clone(), t.offset as usize)
     };
     let mut b = [0u8; 1];
-    bad.weights()
-        .region
-        .read_bytes(t.offset + 3, &mut b)
-        .unwrap();
+    bad.region().read_bytes(offset + 3, &mut b).unwrap();
     b[0] ^= 1;
-    bad.weights().region.write_bytes(t.offset + 3, &b).unwrap();
+    bad.region().write_bytes(offset + 3, &b).unwrap();
     let v = s.begin_sync(&bad.url()).await;
     assert_eq!(v["bytes"].as_u64(), Some(bad.manifest().bytes()), "{v}");
     let (status, v) = s.pull_weights().await;

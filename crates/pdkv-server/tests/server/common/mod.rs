@@ -49,6 +49,8 @@ pub struct Serving {
     pub limits: HttpLimits,
     pub pause_wait: Duration,
     pub dev_mode: bool,
+    /// The format the weights are served in (default: as stored).
+    pub weight_format: pdkv_model::loader::WeightFormat,
 }
 
 impl Server {
@@ -73,7 +75,13 @@ impl Server {
     ) -> Server {
         let dir = checkpoint(preset, seed);
         let pool = Pool::default();
-        let model = pdkv_model::load_model(dir.path(), &pool, &mut |_| {}).expect("load model");
+        let model = pdkv_model::loader::load_model_as(
+            dir.path(),
+            serving.weight_format,
+            &pool,
+            &mut |_| {},
+        )
+        .expect("load model");
         let engine = Engine::start(model, pool, config).expect("start engine");
         let mut state = AppState::new(engine.clone(), SERVED)
             .with_pause_wait(serving.pause_wait)
