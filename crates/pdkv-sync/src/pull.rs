@@ -106,6 +106,8 @@ pub struct Puller {
     secret: KvSecret,
     transport: Transport,
     spare: Arc<std::sync::Mutex<Option<Spare>>>,
+    /// The conversion scratch of the last sync that had one, kept likewise.
+    spare_scratch: Arc<std::sync::Mutex<Option<Scratch>>>,
     /// The last publisher mapped over shared memory, kept for the next
     /// sync from it (mapping a registration fills its page tables: a cost
     /// of the order of the copy itself).
@@ -144,6 +146,7 @@ impl Puller {
             secret,
             transport: Transport::Auto,
             spare: Arc::default(),
+            spare_scratch: Arc::default(),
             mapped: std::sync::Mutex::new(None),
         })
     }
@@ -163,13 +166,22 @@ impl Puller {
         self.transport
     }
 
-    /// Bytes of the staging region kept between syncs (0 before the first).
+    /// Bytes of the staging region (and conversion scratch) kept between
+    /// syncs (0 before the first).
     pub fn spare_bytes(&self) -> u64 {
-        self.spare
+        let staging = self
+            .spare
             .lock()
             .unwrap()
             .as_ref()
-            .map_or(0, |s| s.region.len() as u64)
+            .map_or(0, |s| s.region.len() as u64);
+        let scratch = self
+            .spare_scratch
+            .lock()
+            .unwrap()
+            .as_ref()
+            .map_or(0, |s| s.region.len() as u64);
+        staging + scratch
     }
 
     /// Frees the staging region kept between syncs (an open staging is not
@@ -177,6 +189,9 @@ impl Puller {
     /// publisher's shared memory.
     pub fn drop_spare(&self) {
         if let Some(s) = self.spare.lock().unwrap().take() {
+            self.agent.registry().deregister(s.reg.segment);
+        }
+        if let Some(s) = self.spare_scratch.lock().unwrap().take() {
             self.agent.registry().deregister(s.reg.segment);
         }
         self.mapped.lock().unwrap().take();
@@ -250,6 +265,7 @@ impl Puller {
             reg,
             registry: self.agent.registry().clone(),
             spare: self.spare.clone(),
+            spare_scratch: self.spare_scratch.clone(),
             shm,
             manifest,
             plan,
@@ -283,6 +299,21 @@ impl Puller {
             .collect();
         if at == 0 {
             return Ok((None, landing));
+        }
+        // The last one, when big enough and nothing else holds it.
+        let kept = self.spare_scratch.lock().unwrap().take();
+        match kept {
+            Some(s)
+                if Arc::strong_count(&s.region) == 1
+                    && s.region.len() >= at
+                    && s.region.is_mapped() =>
+            {
+                return Ok((Some(s), landing));
+            }
+            Some(s) => {
+                self.agent.registry().deregister(s.reg.segment);
+            }
+            None => {}
         }
         let region = Pool::default()
             .allocate(Tag::Weights, at)
@@ -695,6 +726,7 @@ pub struct Staging {
     reg: Registration,
     registry: Arc<Registry>,
     spare: Arc<std::sync::Mutex<Option<Spare>>>,
+    spare_scratch: Arc<std::sync::Mutex<Option<Scratch>>>,
     /// The publisher's registration, mapped (shared memory), or `None`:
     /// pulls go over TCP.
     shm: Option<ShmSource>,
@@ -714,11 +746,14 @@ pub struct Staging {
 
 impl Drop for Staging {
     /// The publisher's mapping goes now; the region and its registration
-    /// become the puller's spare (an older spare is deregistered).
+    /// become the puller's spare, and so does the conversion scratch (an
+    /// older spare is deregistered).
     fn drop(&mut self) {
         self.shm = None;
         if let Some(s) = self.scratch.take() {
-            self.registry.deregister(s.reg.segment);
+            if let Some(old) = self.spare_scratch.lock().unwrap().replace(s) {
+                self.registry.deregister(old.reg.segment);
+            }
         }
         let old = self.spare.lock().unwrap().replace(Spare {
             region: self.weights.region.clone(),

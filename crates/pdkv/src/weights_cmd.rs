@@ -79,6 +79,12 @@ pub struct SyncBenchArgs {
     /// `tcp`, `shm`, or `both`.
     #[arg(long, default_value = "both")]
     pub transport: String,
+    /// What the publisher announces: `engine` (tensors as the engine stores
+    /// them, copied as they are) or `hf` (the model's Hugging Face export,
+    /// bf16 tensors as a trainer holds them, converted by the engine while
+    /// it pulls).
+    #[arg(long, default_value = "engine")]
+    pub format: String,
 }
 
 /// A plain copy of `bytes` between two warm buffers on one thread: the
@@ -112,27 +118,49 @@ struct TransportRounds {
     sync: Vec<f64>,
     base: Vec<f64>,
     hot: Vec<f64>,
+    /// Seconds of each round spent converting (0 when copied as stored).
+    convert: Vec<f64>,
 }
 
 pub fn run_sync_bench(args: SyncBenchArgs) -> anyhow::Result<()> {
     let transports = sync_transports(&args.transport)?;
+    let hf = match args.format.as_str() {
+        "engine" => false,
+        "hf" => true,
+        f => anyhow::bail!("--format {f}: give engine or hf"),
+    };
     let path = checkpoint(args.model.clone())?;
     let (running_pool, published_pool) = (Pool::default(), Pool::default());
     let running = pdkv_model::load_model(&path, &running_pool, &mut |_| {})?;
     let published = pdkv_model::load_model(&path, &published_pool, &mut |_| {})?;
+    // In the trainer's format: the model's Hugging Face export (bf16), as
+    // a trainer would hold it; the disk baseline reloads that export.
+    let export = tempfile::tempdir()?;
+    let (trainer, disk_path) = if hf {
+        pdkv_model::export::export_hf(&published, export.path(), &mut |_| {})?;
+        let tensors = pdkv_sync::TrainerTensor::read_hf_dir(export.path())?;
+        (Some(tensors), export.path().to_path_buf())
+    } else {
+        (None, path.clone())
+    };
+    drop(published_pool);
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()?;
     let rounds = args.rounds.max(1);
-    let (results, bytes) = rt.block_on(sync_rounds(
-        &args,
-        &transports,
-        rounds,
-        &running.model,
-        &published.model,
-    ))?;
-    let disk = disk_reloads(&running.model, &path, rounds.min(3))?;
-    print_sync_report(&results, bytes, &disk, args.conns);
+    let opts = PublishOptions {
+        conns_per_peer: args.conns,
+        ..PublishOptions::default()
+    };
+    let (results, bytes) = rt.block_on(async {
+        let p = match trainer {
+            Some(tensors) => Publisher::start_tensors(tensors, None, opts).await?,
+            None => Publisher::start(published.model.weights().clone(), None, opts).await?,
+        };
+        sync_rounds(&args, &transports, rounds, &running.model, &p).await
+    })?;
+    let disk = disk_reloads(&running.model, &disk_path, rounds.min(3))?;
+    print_sync_report(&results, bytes, &disk, args.conns, &args.format);
     Ok(())
 }
 
@@ -144,17 +172,8 @@ async fn sync_rounds(
     transports: &[Transport],
     rounds: usize,
     running: &pdkv_model::Model,
-    published: &pdkv_model::Model,
+    p: &Publisher,
 ) -> anyhow::Result<(Vec<TransportRounds>, u64)> {
-    let p = Publisher::start(
-        published.weights().clone(),
-        None,
-        PublishOptions {
-            conns_per_peer: args.conns,
-            ..PublishOptions::default()
-        },
-    )
-    .await?;
     let bytes = p.manifest().bytes();
     let mut results = Vec::new();
     for &t in transports {
@@ -166,10 +185,11 @@ async fn sync_rounds(
             sync: Vec::new(),
             base: Vec::new(),
             hot: Vec::new(),
+            convert: Vec::new(),
         };
         // Interleaved with the baseline, so both see the same machine.
         for round in 0..rounds {
-            sync_round(&p, &puller, running, args.conns, bytes, round, &mut r).await?;
+            sync_round(p, &puller, running, args.conns, bytes, round, &mut r).await?;
         }
         results.push(r);
     }
@@ -198,6 +218,7 @@ async fn sync_round(
     drop(st);
     let secs = t0.elapsed().as_secs_f64();
     r.sync.push(bytes as f64 / secs / 1e9);
+    r.convert.push(rep.convert_seconds);
     r.base.push(match t {
         Transport::Shm => memcpy_gbps(bytes as usize),
         _ => crate::bench_transfer::raw_tcp_whole(conns, bytes as usize).await?,
@@ -207,14 +228,15 @@ async fn sync_round(
             .push(crate::bench_transfer::raw_tcp(conns, bytes as usize).await?);
     }
     eprintln!(
-        "{} round {round}: sync {:.2} GB/s ({:.0} ms: manifest {:.0}, staging {:.0}, pull {:.0} + checksums {:.0}), {} {:.2} GB/s{}",
+        "{} round {round}: sync {:.2} GB/s ({:.0} ms: manifest {:.0}, staging {:.0}, pull {:.0} + checksums {:.0} + conversion {:.0}), {} {:.2} GB/s{}",
         t.name(),
         r.sync[round],
         secs * 1e3,
         fetched * 1e3,
         (staged - fetched) * 1e3,
         rep.read_seconds * 1e3,
-        (rep.seconds - rep.read_seconds) * 1e3,
+        (rep.seconds - rep.read_seconds - rep.convert_seconds) * 1e3,
+        rep.convert_seconds * 1e3,
         baseline_name(t),
         r.base[round],
         r.hot
@@ -248,20 +270,34 @@ fn disk_reloads(
 
 /// A line per transport (best rounds against their baselines and the
 /// fastest disk reload), then the JSON line.
-fn print_sync_report(results: &[TransportRounds], bytes: u64, disk: &[f64], conns: usize) {
+fn print_sync_report(
+    results: &[TransportRounds],
+    bytes: u64,
+    disk: &[f64],
+    conns: usize,
+    format: &str,
+) {
     let best = |v: &[f64]| v.iter().cloned().fold(f64::MIN, f64::max);
     let fastest = |v: &[f64]| v.iter().cloned().fold(f64::MAX, f64::min);
     let d = fastest(disk);
     let mut json = serde_json::Map::new();
-    for TransportRounds { t, sync, base, hot } in results {
+    for TransportRounds {
+        t,
+        sync,
+        base,
+        hot,
+        convert,
+    } in results
+    {
         let (s, b) = (best(sync), best(base));
         let sync_secs = bytes as f64 / s / 1e9;
         println!(
-            "{} bytes over {}: sync {:.2} GB/s ({:.0} ms), {} {:.2} GB/s: ratio {:.2}; reload from disk {:.0} ms ({:.1}x the sync's time)",
+            "{} bytes ({format}) over {}: sync {:.2} GB/s ({:.0} ms, of which conversion {:.0} ms), {} {:.2} GB/s: ratio {:.2}; reload from disk {:.0} ms ({:.1}x the sync's time)",
             bytes,
             t.name(),
             s,
             sync_secs * 1e3,
+            fastest(convert) * 1e3,
             baseline_name(*t),
             b,
             s / b,
@@ -280,14 +316,14 @@ fn print_sync_report(results: &[TransportRounds], bytes: u64, disk: &[f64], conn
             serde_json::json!({
                 "sync_gb_s": sync, "baseline": baseline_name(*t), "baseline_gb_s": base,
                 "ratio": s / b, "disk_vs_sync_time": d / sync_secs,
-                "raw_tcp_cache_resident_gb_s": hot,
+                "raw_tcp_cache_resident_gb_s": hot, "convert_s": convert,
             }),
         );
     }
     println!(
         "{}",
         serde_json::json!({
-            "bench": "sync", "bytes": bytes, "conns": conns,
+            "bench": "sync", "format": format, "bytes": bytes, "conns": conns,
             "disk_reload_s": disk, "transports": json,
         })
     );
