@@ -27,6 +27,12 @@ pub struct PublishArgs {
     /// The deployment's KV secret (the engines' `--kv-secret`).
     #[arg(long, env = "PDKV_KV_SECRET", hide_env_values = true)]
     pub kv_secret: Option<String>,
+    /// `engine`: the checkpoint loaded and published as an engine stores
+    /// it; `hf`: a Hugging Face directory's tensors published as they are
+    /// (names, f32/f16/bf16), as a trainer holds them, for each engine to
+    /// convert while it pulls.
+    #[arg(long, default_value = "engine")]
+    pub format: String,
 }
 
 fn checkpoint(given: Option<PathBuf>) -> anyhow::Result<PathBuf> {
@@ -36,12 +42,27 @@ fn checkpoint(given: Option<PathBuf>) -> anyhow::Result<PathBuf> {
     }
 }
 
+/// What `pdkv weights publish` announces.
+enum Published {
+    /// As an engine stores the weights.
+    Engine(pdkv_model::weights::Weights),
+    /// As a trainer holds them.
+    Trainer(Vec<pdkv_sync::TrainerTensor>),
+}
+
 pub fn run_publish(args: PublishArgs) -> anyhow::Result<()> {
     let path = checkpoint(args.checkpoint)?;
     let pool = Pool::default();
     let t0 = Instant::now();
-    let m = pdkv_model::load_model(&path, &pool, &mut |_| {})
-        .with_context(|| format!("loading {}", path.display()))?;
+    let published = match args.format.as_str() {
+        "engine" => {
+            let m = pdkv_model::load_model(&path, &pool, &mut |_| {})
+                .with_context(|| format!("loading {}", path.display()))?;
+            Published::Engine(m.model.weights().clone())
+        }
+        "hf" => Published::Trainer(pdkv_sync::TrainerTensor::read_hf_dir(&path)?),
+        f => anyhow::bail!("--format {f}: give engine or hf"),
+    };
     tracing::info!(secs = t0.elapsed().as_secs_f64(), path = %path.display(), "weights loaded");
     let opts = PublishOptions {
         http_addr: args.http,
@@ -51,7 +72,12 @@ pub fn run_publish(args: PublishArgs) -> anyhow::Result<()> {
     };
     let rt = tokio::runtime::Runtime::new()?;
     rt.block_on(async move {
-        let p = Publisher::start(m.model.weights().clone(), args.version, opts).await?;
+        let p = match published {
+            Published::Engine(weights) => Publisher::start(weights, args.version, opts).await?,
+            Published::Trainer(tensors) => {
+                Publisher::start_tensors(tensors, args.version, opts).await?
+            }
+        };
         // The line scripts wait for.
         println!(
             "publishing {} tensors ({} bytes) at {}",

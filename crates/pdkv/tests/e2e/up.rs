@@ -472,6 +472,117 @@ async fn up_syncs_weights_from_a_publisher_to_every_engine() {
     }
 }
 
+/// A trainer's checkpoint as it holds it — the Hugging Face export (bf16)
+/// of another checkpoint — published with `--format hf` to a 1P1D serving
+/// Q8_0: both engines convert while they pull, and the deployment then
+/// answers what a fresh Q8_0 deployment on that export answers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn up_syncs_a_trainers_hf_checkpoint_into_a_quantised_deployment() {
+    let a_dir = checkpoint(Arch::Llama, "tiny", 5);
+    let b_dir = checkpoint(Arch::Llama, "tiny", 6);
+    let export = tempfile::tempdir().unwrap();
+    {
+        let pool = pdkv_vmem::Pool::default();
+        let m = pdkv_model::load_model(b_dir.path(), &pool, &mut |_| {}).expect("load");
+        pdkv_model::export::export_hf(&m, export.path(), &mut |_| {}).expect("export");
+    }
+    let mut publisher = pdkv()
+        .args(["weights", "publish", "--format", "hf", "--version", "hf-1"])
+        .arg(export.path())
+        .env("PDKV_KV_SECRET", SYNC_SECRET)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("spawn pdkv weights publish");
+    let line = read_lines(publisher.stdout.take().unwrap())
+        .recv_timeout(DEADLINE)
+        .expect("the publishing line");
+    let pub_url = line.rsplit(' ').next().unwrap().to_string();
+    let common = [
+        "--num-kv-blocks",
+        "64",
+        "--port",
+        "0",
+        "--admin-token",
+        "T",
+        "--kv-secret",
+        SYNC_SECRET,
+        "--weight-format",
+        "q8_0",
+    ];
+    fn model_args<'a>(dir: &'a std::path::Path, common: &[&'a str]) -> Vec<&'a str> {
+        [&["--model", dir.to_str().unwrap()][..], common].concat()
+    }
+    let (up, url, _err) = start_up(&model_args(a_dir.path(), &common));
+    let client = reqwest::Client::new();
+    let call = |path: &str, body: Value| {
+        let (client, u) = (client.clone(), format!("{url}{path}"));
+        async move {
+            let resp = http::send(client.post(&u).bearer_auth("T").json(&body)).await;
+            let status = resp.status().as_u16();
+            let v: Value = resp.json().await.unwrap();
+            assert_eq!(status, 200, "{u}: {v}");
+            v
+        }
+    };
+    let manifest: Value = pdkv_testkit::http::get_json(&client, &format!("{pub_url}/manifest"))
+        .await
+        .1;
+    assert!(
+        manifest["tensors"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .all(|t| t["dtype"] == "bf16"),
+        "published as the trainer holds them"
+    );
+    // Seeded sampling at a high temperature: every logit shows (a tiny
+    // random model's greedy answers repeat one token whatever its weights).
+    let probe = |i: usize| json!({"prompt": format!("probe {i}: the river"), "max_tokens": 8, "temperature": 20.0, "seed": 77, "ignore_eos": true});
+    let mut before = Vec::new();
+    for i in 0..4 {
+        before.push(completion_text(&client, &url, probe(i)).await);
+    }
+    call(
+        "/init_weight_transfer_engine",
+        json!({"init_info": {"backend": "pdkv", "url": pub_url}}),
+    )
+    .await;
+    call("/start_weight_update", json!({})).await;
+    let v = call("/update_weights", json!({"update_info": {}})).await;
+    for e in v["engines"].as_array().expect("engines") {
+        assert!(
+            e["body"]["convert_seconds"]
+                .as_f64()
+                .is_some_and(|s| s > 0.0),
+            "each engine converted: {v}"
+        );
+    }
+    call("/pause?mode=keep", json!({})).await;
+    call("/finish_weight_update", json!({})).await;
+    call("/resume", json!({})).await;
+    let mut synced = Vec::new();
+    for i in 0..4 {
+        synced.push(completion_text(&client, &url, probe(i)).await);
+    }
+    assert_ne!(synced, before, "the weights changed");
+    stop(up);
+    let _ = publisher.kill();
+    let _ = publisher.wait();
+
+    let (fresh, furl, _ferr) = start_up(&model_args(export.path(), &common));
+    let mut want = Vec::new();
+    for i in 0..4 {
+        want.push(completion_text(&client, &furl, probe(i)).await);
+    }
+    stop(fresh);
+    assert_eq!(
+        synced, want,
+        "equal to a fresh Q8_0 deployment on the export"
+    );
+}
+
 /// `pdkv weights publish CKPT --version V` with the test's KV secret: the
 /// process and its manifest URL.
 fn publish(ckpt: &std::path::Path, version: &str) -> (std::process::Child, String) {
