@@ -13,6 +13,7 @@ import secrets
 import socket
 import socketserver
 import struct
+import sys
 import tempfile
 import threading
 import time
@@ -48,26 +49,45 @@ _socket_names = itertools.count()
 
 @dataclass
 class Tensor:
-    """One published tensor: its bytes as the engine stores them."""
+    """One published tensor: its bytes, as the engine stores them (a GGUF
+    block type, ``f32``) or as a trainer holds them (``f32``, ``f16``,
+    ``bf16``, Hugging Face order), with its type's name and shape."""
 
     data: Union[bytes, bytearray, memoryview]
     dtype: str
     shape: Tuple[int, ...]
 
 
+# numpy's names (``ml_dtypes`` gives numpy its ``bfloat16``) -> the sync's.
+_NUMPY_DTYPES = {"float32": "f32", "float16": "f16", "bfloat16": "bf16"}
+
+
 def _as_tensor(value) -> Tensor:
+    """A tensor as a trainer holds it: a numpy array (float32, float16, or
+    ml_dtypes' bfloat16), a torch CPU tensor (float32, float16, bfloat16;
+    torch is used through the tensor given, never imported here), or a
+    :class:`Tensor` of raw bytes. Engines convert f16/bf16 (and f32 where
+    they store another type) to the type they serve while they pull."""
     if isinstance(value, Tensor):
         return value
-    # torch CPU tensors: through numpy, without a copy when contiguous.
     if hasattr(value, "detach") and hasattr(value, "numpy"):
-        value = value.detach().cpu().numpy()
+        t = value.detach().cpu().contiguous()
+        if str(t.dtype) == "torch.bfloat16":
+            # numpy has no bfloat16: the same bits, seen as 16-bit integers.
+            torch = sys.modules[type(t).__module__.split(".")[0]]
+            raw = t.view(torch.int16).numpy()
+            return Tensor(memoryview(raw).cast("B"), "bf16", tuple(int(d) for d in t.shape))
+        value = t.numpy()
     if hasattr(value, "dtype") and hasattr(value, "tobytes"):
-        name = str(value.dtype)
-        if name != "float32":
-            raise TypeError(f"arrays must be float32 (got {name}); pass a Tensor with raw bytes for other types")
+        name = _NUMPY_DTYPES.get(str(value.dtype))
+        if name is None:
+            raise TypeError(f"arrays must be float32, float16 or bfloat16 (got {value.dtype}); "
+                            "pass a Tensor with raw bytes for other types")
         if not value.flags["C_CONTIGUOUS"]:
             value = value.copy(order="C")
-        return Tensor(memoryview(value).cast("B"), "f32", tuple(int(d) for d in value.shape))
+        if name == "bf16":
+            value = value.view("uint16")
+        return Tensor(memoryview(value).cast("B"), name, tuple(int(d) for d in value.shape))
     raise TypeError(f"cannot publish {type(value).__name__}: give a numpy array, a torch tensor or a Tensor")
 
 
@@ -452,8 +472,12 @@ class _HttpHandler(http.server.BaseHTTPRequestHandler):
         pass
 
 
+_SAFETENSORS_DTYPES = {"F32": "f32", "F16": "f16", "BF16": "bf16"}
+
+
 def read_safetensors(path: str) -> Dict[str, Tensor]:
-    """The tensors of a float32 ``.safetensors`` file, as published tensors."""
+    """The tensors of a ``.safetensors`` file (F32, F16 or BF16), as
+    published tensors in the file's types."""
     with open(path, "rb") as f:
         n = struct.unpack("<Q", f.read(8))[0]
         header = json.loads(f.read(n))
@@ -462,8 +486,9 @@ def read_safetensors(path: str) -> Dict[str, Tensor]:
     for name, meta in header.items():
         if name == "__metadata__":
             continue
-        if meta["dtype"] != "F32":
-            raise TypeError(f"{path}: tensor {name} is {meta['dtype']}; only F32 is read here")
+        dtype = _SAFETENSORS_DTYPES.get(meta["dtype"])
+        if dtype is None:
+            raise TypeError(f"{path}: tensor {name} is {meta['dtype']}; F32, F16 or BF16 are read")
         a, b = meta["data_offsets"]
-        out[name] = Tensor(memoryview(data)[a:b], "f32", tuple(meta["shape"]))
+        out[name] = Tensor(memoryview(data)[a:b], dtype, tuple(meta["shape"]))
     return out

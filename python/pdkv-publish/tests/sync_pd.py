@@ -43,9 +43,9 @@ def init_checkpoint(pdkv, out, seed):
                    stdout=subprocess.DEVNULL)
 
 
-def up(pdkv, model, secret):
+def up(pdkv, model, secret, *extra):
     p = subprocess.Popen([pdkv, "up", "--model", model, "--num-kv-blocks", "64", "--port", "0",
-                          "--admin-token", TOKEN, "--kv-secret", secret],
+                          "--admin-token", TOKEN, "--kv-secret", secret, *extra],
                          stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     found = {}
 
@@ -125,6 +125,13 @@ def main():
         init_checkpoint(pdkv, c, 8)
         tensors = read_safetensors(os.path.join(b, "model.safetensors"))
         third = read_safetensors(os.path.join(c, "model.safetensors"))
+        export_dir = os.path.join(d, "b-bf16")
+        subprocess.run([pdkv, "model", "export", "--model", b, "--out", export_dir], check=True,
+                       timeout=DEADLINE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        exported = {}
+        for f in sorted(os.listdir(export_dir)):
+            if f.endswith(".safetensors"):
+                exported.update(read_safetensors(os.path.join(export_dir, f)))
         deployment, url = up(pdkv, a, secret)
         try:
             before = probes(url)
@@ -186,6 +193,18 @@ def main():
             status, info = call(url, "/weight_info", method="GET")
             check(info.get("version") == "py-2" and info.get("agree") is True, f"every engine serves py-2 ({info})")
             synced = probes(url)
+
+            # As a trainer holds them: the second checkpoint's BF16 export,
+            # converted by each engine (serving f32) while it pulls.
+            with Publisher(exported, version="py-bf16", secret=secret) as p:
+                check(all(t["dtype"] == "bf16" for t in p.manifest["tensors"]), "published as bf16")
+                status, v = sync(url, p)
+                check(status == 200, f"start_weight_update of bf16 tensors ({v})")
+                status, v = call(url, "/update_weights", {"update_info": {}})
+                converted = [e["body"].get("convert_seconds", 0) > 0 for e in v.get("engines", [])]
+                check(status == 200 and converted == [True, True], f"each engine converted ({v})")
+                switch(url)
+            synced_bf16 = probes(url)
         finally:
             stop(deployment)
         fresh, furl = up(pdkv, c, secret)
@@ -194,6 +213,12 @@ def main():
         finally:
             stop(fresh)
         check(synced == want, "the synced deployment answers as a fresh one on the third checkpoint")
+        fresh, furl = up(pdkv, export_dir, secret, "--weight-format", "f32")
+        try:
+            want = probes(furl)
+        finally:
+            stop(fresh)
+        check(synced_bf16 == want, "the bf16 sync answers as a fresh deployment on the export, widened to f32")
     print("python publisher: all checks passed")
 
 
