@@ -1,6 +1,7 @@
 """Weight sync of the default model, end to end, against fresh engines.
 
     python3 scripts/sync_default_model.py PDKV OLD.gguf NEW.gguf [--transport auto|tcp|shm] [--fanout direct|relay]
+    python3 scripts/sync_default_model.py PDKV OLD.gguf HF_DIR --format hf --weight-format q4_1
 
 OLD and NEW are two checkpoints of one model (the same tensors, types and
 shapes; NEW different bytes: for SmolLM2, make one with llama.cpp's
@@ -12,13 +13,24 @@ as a trainer makes it), and compares greedy answers with a fresh
 deployment of the same shape started on NEW. Prints each engine's pull
 time and bytes and the bytes that went through the publisher's link, and
 exits non-zero on the first failed check.
+
+With `--format hf`, NEW is a Hugging Face directory (say `pdkv model
+export --model OLD.gguf --out DIR`, with `--double TENSOR` doubling one of
+its BF16 tensors so that the answers change): it is published as a trainer
+holds it (`pdkv weights publish --format hf`), every engine converts it to
+the format it serves while it pulls, and the fresh deployments load NEW in
+`--weight-format` (the format OLD is served in).
 """
 
 import json
+import os
 import secrets
+import shutil
+import struct
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.error
@@ -86,15 +98,45 @@ def free_port():
         return s.getsockname()[1]
 
 
-def start(pdkv, shape, model, secret):
+def double_bf16_tensor(src, dst, name):
+    """A copy of the Hugging Face directory `src` at `dst` with the BF16
+    tensor `name` doubled (each value's exponent one up; zeros, infinities
+    and NaNs as they are)."""
+    shutil.copytree(src, dst)
+    for f in sorted(os.listdir(dst)):
+        if not f.endswith(".safetensors"):
+            continue
+        path = os.path.join(dst, f)
+        with open(path, "r+b") as fh:
+            n = struct.unpack("<Q", fh.read(8))[0]
+            header = json.loads(fh.read(n))
+            meta = header.get(name)
+            if meta is None:
+                continue
+            if meta["dtype"] != "BF16":
+                raise SystemExit(f"FAILED: {name} is {meta['dtype']}, not BF16")
+            a, b = meta["data_offsets"]
+            fh.seek(8 + n + a)
+            vals = list(struct.unpack(f"<{(b - a) // 2}H", fh.read(b - a)))
+            for i, v in enumerate(vals):
+                e = (v >> 7) & 0xFF
+                if 0 < e < 0xFE:
+                    vals[i] = v + (1 << 7)
+            fh.seek(8 + n + a)
+            fh.write(struct.pack(f"<{len(vals)}H", *vals))
+            return
+    raise SystemExit(f"FAILED: no tensor {name} in {src}")
+
+
+def start(pdkv, shape, model, secret, extra=()):
     if shape == "pd":
         p = subprocess.Popen([pdkv, "up", "--model", model, "--port", "0", "--admin-token", TOKEN,
-                              "--kv-secret", secret],
+                              "--kv-secret", secret, *extra],
                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
         return p, wait_line(p, "proxy: ")
     port = free_port()
     p = subprocess.Popen([pdkv, "serve", "--model", model, "--port", str(port),
-                          "--admin-token", TOKEN, "--kv-secret", secret],
+                          "--admin-token", TOKEN, "--kv-secret", secret, *extra],
                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, text=True)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + DEADLINE
@@ -144,7 +186,8 @@ def sync(url, publisher_url, transport, fanout):
     total = time.monotonic() - t0
     for e, s in zip(pulls, engines(f)):
         print(f"  engine: {e['bytes']} bytes over {e['transport']} in {e['seconds'] * 1e3:.1f} ms "
-              f"({e['bytes'] / e['seconds'] / 1e9:.2f} GB/s), switch {s['switch_seconds'] * 1e3:.1f} ms")
+              f"({e['bytes'] / e['seconds'] / 1e9:.2f} GB/s; of it conversion "
+              f"{e.get('convert_seconds', 0) * 1e3:.1f} ms), switch {s['switch_seconds'] * 1e3:.1f} ms")
     print(f"  the four phases through {url}: {total * 1e3:.0f} ms")
 
 
@@ -155,7 +198,8 @@ def served(publisher_url):
 
 def main():
     args = sys.argv[1:]
-    opts = {"--transport": "auto", "--fanout": "direct"}
+    opts = {"--transport": "auto", "--fanout": "direct", "--format": "engine",
+            "--weight-format": None, "--double": None}
     for flag in opts:
         if flag in args:
             i = args.index(flag)
@@ -163,8 +207,16 @@ def main():
             del args[i:i + 2]
     transport, fanout = opts["--transport"], opts["--fanout"]
     pdkv, old, new = args
+    fresh_extra = ["--weight-format", opts["--weight-format"]] if opts["--weight-format"] else []
+    scratch = None
+    if opts["--double"]:
+        scratch = tempfile.TemporaryDirectory()
+        changed = os.path.join(scratch.name, "new")
+        double_bf16_tensor(new, changed, opts["--double"])
+        new = changed
     secret = secrets.token_hex(16)
-    pub = subprocess.Popen([pdkv, "weights", "publish", new, "--version", "step-2"],
+    pub = subprocess.Popen([pdkv, "weights", "publish", new, "--version", "step-2",
+                            "--format", opts["--format"]],
                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
                            env={"PDKV_KV_SECRET": secret, "PATH": "/usr/bin:/bin"})
     publisher_url = wait_line(pub, "publishing ").rsplit(" at ", 1)[1]
@@ -183,7 +235,7 @@ def main():
             finally:
                 stop(p)
             check(synced != before, "the answers changed")
-            f, furl = start(pdkv, shape, new, secret)
+            f, furl = start(pdkv, shape, new, secret, fresh_extra)
             try:
                 want = answers(furl)
             finally:
