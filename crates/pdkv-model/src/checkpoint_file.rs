@@ -63,7 +63,8 @@ mod tests {
         let fifo = dir.path().join("fifo.gguf");
         let c = std::ffi::CString::new(fifo.as_os_str().as_encoded_bytes()).unwrap();
         // SAFETY: a valid NUL-terminated path.
-        assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+        let made = unsafe { libc::mkfifo(c.as_ptr(), 0o600) };
+        assert_eq!(made, 0);
         for (path, what) in [
             (fifo.as_path(), "a FIFO"),
             (Path::new("/dev/zero"), "a device"),

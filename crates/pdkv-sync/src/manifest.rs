@@ -143,7 +143,7 @@ pub fn plan<'a>(
             return Err(MismatchError::Missing(name));
         };
         let source = pdkv_model::safetensors::Dtype::from_sync_name(&e.dtype);
-        let converted = converts(e, &dest);
+        let converted = converts(e, dest);
         if converted && source.is_none() {
             return Err(MismatchError::DType {
                 name,

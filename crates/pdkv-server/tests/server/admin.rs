@@ -703,11 +703,8 @@ async fn update_weights_matches_a_fresh_server_and_refuses_incompatible_ones() {
 fn mkfifo(path: &Path) {
     let c = std::ffi::CString::new(path.as_os_str().as_encoded_bytes()).unwrap();
     // SAFETY: a valid NUL-terminated path.
-    assert_eq!(
-        unsafe { libc::mkfifo(c.as_ptr(), 0o600) },
-        0,
-        "mkfifo {path:?}"
-    );
+    let made = unsafe { libc::mkfifo(c.as_ptr(), 0o600) };
+    assert_eq!(made, 0, "mkfifo {path:?}");
 }
 
 /// A checkpoint path that would block a reader for ever — a FIFO nobody
