@@ -355,28 +355,9 @@ async fn up_syncs_weights_from_a_publisher_to_every_engine() {
     let c = c_dir.path();
     let (mut publisher, pub_url) = publish(b, "step-1");
 
-    let common = [
-        "--num-kv-blocks",
-        "64",
-        "--port",
-        "0",
-        "--admin-token",
-        "T",
-        "--kv-secret",
-        SYNC_SECRET,
-    ];
-    let (up, url, _err) = start_up(&[&["--model", a.to_str().unwrap()][..], &common[..]].concat());
+    let (up, url, _err) = sync_up(a, &[]);
     let client = reqwest::Client::new();
-    let call = |path: &str, body: Value| {
-        let (client, u) = (client.clone(), format!("{url}{path}"));
-        async move {
-            let resp = http::send(client.post(&u).bearer_auth("T").json(&body)).await;
-            let status = resp.status().as_u16();
-            let v: Value = resp.json().await.unwrap();
-            assert_eq!(status, 200, "{u}: {v}");
-            v
-        }
-    };
+    let call = |path: &'static str, body: Value| admin_post(&client, &url, path, body);
     let probe = |i: usize| json!({"prompt": format!("probe {i}: the river"), "max_tokens": 8, "temperature": 20.0, "seed": 77, "ignore_eos": true});
     let probes = || async {
         let mut out = Vec::new();
@@ -456,8 +437,7 @@ async fn up_syncs_weights_from_a_publisher_to_every_engine() {
     let _ = publisher.wait();
 
     for (ckpt, synced) in [(&b, &synced_b), (&c, &synced_c)] {
-        let (fresh, furl, _ferr) =
-            start_up(&[&["--model", ckpt.to_str().unwrap()][..], &common[..]].concat());
+        let (fresh, furl, _ferr) = sync_up(ckpt, &[]);
         let mut want = Vec::new();
         for i in 0..4 {
             want.push(completion_text(&client, &furl, probe(i)).await);
@@ -486,46 +466,11 @@ async fn up_syncs_a_trainers_hf_checkpoint_into_a_quantised_deployment() {
         let m = pdkv_model::load_model(b_dir.path(), &pool, &mut |_| {}).expect("load");
         pdkv_model::export::export_hf(&m, export.path(), &mut |_| {}).expect("export");
     }
-    let mut publisher = pdkv()
-        .args(["weights", "publish", "--format", "hf", "--version", "hf-1"])
-        .arg(export.path())
-        .env("PDKV_KV_SECRET", SYNC_SECRET)
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("spawn pdkv weights publish");
-    let line = read_lines(publisher.stdout.take().unwrap())
-        .recv_timeout(DEADLINE)
-        .expect("the publishing line");
-    let pub_url = line.rsplit(' ').next().unwrap().to_string();
-    let common = [
-        "--num-kv-blocks",
-        "64",
-        "--port",
-        "0",
-        "--admin-token",
-        "T",
-        "--kv-secret",
-        SYNC_SECRET,
-        "--weight-format",
-        "q8_0",
-    ];
-    fn model_args<'a>(dir: &'a std::path::Path, common: &[&'a str]) -> Vec<&'a str> {
-        [&["--model", dir.to_str().unwrap()][..], common].concat()
-    }
-    let (up, url, _err) = start_up(&model_args(a_dir.path(), &common));
+    let (mut publisher, pub_url) = publish_as(export.path(), "hf-1", &["--format", "hf"]);
+    let q8 = ["--weight-format", "q8_0"];
+    let (up, url, _err) = sync_up(a_dir.path(), &q8);
     let client = reqwest::Client::new();
-    let call = |path: &str, body: Value| {
-        let (client, u) = (client.clone(), format!("{url}{path}"));
-        async move {
-            let resp = http::send(client.post(&u).bearer_auth("T").json(&body)).await;
-            let status = resp.status().as_u16();
-            let v: Value = resp.json().await.unwrap();
-            assert_eq!(status, 200, "{u}: {v}");
-            v
-        }
-    };
+    let call = |path: &'static str, body: Value| admin_post(&client, &url, path, body);
     let manifest: Value = pdkv_testkit::http::get_json(&client, &format!("{pub_url}/manifest"))
         .await
         .1;
@@ -571,7 +516,7 @@ async fn up_syncs_a_trainers_hf_checkpoint_into_a_quantised_deployment() {
     let _ = publisher.kill();
     let _ = publisher.wait();
 
-    let (fresh, furl, _ferr) = start_up(&model_args(export.path(), &common));
+    let (fresh, furl, _ferr) = sync_up(export.path(), &q8);
     let mut want = Vec::new();
     for i in 0..4 {
         want.push(completion_text(&client, &furl, probe(i)).await);
@@ -583,11 +528,52 @@ async fn up_syncs_a_trainers_hf_checkpoint_into_a_quantised_deployment() {
     );
 }
 
+/// `pdkv up --model DIR` with the sync tests' flags (their KV secret, the
+/// admin token `T`) and `extra`.
+fn sync_up(
+    dir: &std::path::Path,
+    extra: &[&str],
+) -> (std::process::Child, String, mpsc::Receiver<String>) {
+    let flags = [
+        "--model",
+        dir.to_str().unwrap(),
+        "--num-kv-blocks",
+        "64",
+        "--port",
+        "0",
+        "--admin-token",
+        "T",
+        "--kv-secret",
+        SYNC_SECRET,
+    ];
+    start_up(&[&flags[..], extra].concat())
+}
+
+/// An admin POST (token `T`) to `{url}{path}` that must answer 200; its body.
+async fn admin_post(client: &reqwest::Client, url: &str, path: &str, body: Value) -> Value {
+    let u = format!("{url}{path}");
+    let resp = http::send(client.post(&u).bearer_auth("T").json(&body)).await;
+    let status = resp.status().as_u16();
+    let v: Value = resp.json().await.unwrap();
+    assert_eq!(status, 200, "{u}: {v}");
+    v
+}
+
 /// `pdkv weights publish CKPT --version V` with the test's KV secret: the
 /// process and its manifest URL.
 fn publish(ckpt: &std::path::Path, version: &str) -> (std::process::Child, String) {
+    publish_as(ckpt, version, &[])
+}
+
+/// [`publish`] with `extra` flags.
+fn publish_as(
+    ckpt: &std::path::Path,
+    version: &str,
+    extra: &[&str],
+) -> (std::process::Child, String) {
     let mut publisher = pdkv()
         .args(["weights", "publish", "--version", version])
+        .args(extra)
         .arg(ckpt)
         .env("PDKV_KV_SECRET", SYNC_SECRET)
         .stdin(Stdio::null())
