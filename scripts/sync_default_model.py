@@ -174,21 +174,35 @@ def sync(url, publisher_url, transport, fanout):
     status, v = call(url, "/init_weight_transfer_engine", {"init_info": info})
     check(status == 200, "init_weight_transfer_engine")
     t0 = time.monotonic()
+    marks = []
+
+    def mark(name):
+        marks.append((name, time.monotonic()))
+
     status, v = call(url, "/start_weight_update", {})
     check(status == 200, f"start_weight_update ({v})")
+    mark("start")
     status, v = call(url, "/update_weights", {"update_info": {}})
     check(status == 200, f"update_weights ({v})")
+    mark("pull")
     pulls = engines(v)
     check(call(url, "/pause?mode=keep")[0] == 200, "pause keep")
+    mark("pause")
     status, f = call(url, "/finish_weight_update", {})
     check(status == 200, f"finish_weight_update ({f})")
+    mark("finish")
     check(call(url, "/resume")[0] == 200, "resume")
+    mark("resume")
     total = time.monotonic() - t0
+    last, phases = t0, []
+    for name, t in marks:
+        phases.append(f"{name} {(t - last) * 1e3:.0f}")
+        last = t
     for e, s in zip(pulls, engines(f)):
         print(f"  engine: {e['bytes']} bytes over {e['transport']} in {e['seconds'] * 1e3:.1f} ms "
               f"({e['bytes'] / e['seconds'] / 1e9:.2f} GB/s; of it conversion "
               f"{e.get('convert_seconds', 0) * 1e3:.1f} ms), switch {s['switch_seconds'] * 1e3:.1f} ms")
-    print(f"  the four phases through {url}: {total * 1e3:.0f} ms")
+    print(f"  the four phases through {url}: {total * 1e3:.0f} ms ({', '.join(phases)} ms)")
 
 
 def served(publisher_url):
