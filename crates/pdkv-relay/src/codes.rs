@@ -5,3 +5,9 @@
 /// with this code is a refusal on purpose, after which D computes the
 /// prompt itself.
 pub const RETRYABLE_CODE: &str = "engine_not_serving";
+
+/// The code of the proxy's 503 for a decode engine lost (its connection
+/// refused or broken, not timed out) before anything of its answer reached
+/// the client: the request can be sent again whole, and the proxy does so
+/// once a decode engine serves (it carries `Retry-After`).
+pub const DECODE_LOST_CODE: &str = "decode_server_lost";

@@ -63,7 +63,7 @@ use pdkv_connector::params;
 use pdkv_connector::wire::FailCode;
 use serde_json::{json, Map, Value};
 
-use crate::codes::RETRYABLE_CODE;
+use crate::codes::{DECODE_LOST_CODE, RETRYABLE_CODE};
 
 /// Largest answer (or unfinished event) the plan holds for the client.
 pub const MAX_BUFFERED: usize = 64 << 20;
@@ -787,6 +787,24 @@ impl RelayPlan {
                 event: f.sse_event(Role::Decode),
                 broken: false,
             });
+        } else if let Failure::Call(
+            e @ CallError {
+                timed_out: false, ..
+            },
+        ) = &f
+        {
+            // D went away before the client saw anything: nothing is lost
+            // by sending the request again, whole, to a D that serves.
+            let message = format!(
+                "decode server lost before it answered ({}); the request can be sent again",
+                e.detail
+            );
+            self.push(Action::Reply(Reply {
+                status: 503,
+                head: Head::Json,
+                retry_after: true,
+                body: error_json(&message, "server_error", DECODE_LOST_CODE).into_bytes(),
+            }));
         } else {
             self.push(Action::Reply(f.reply(Role::Decode)));
         }
@@ -1350,8 +1368,17 @@ mod tests {
                     }
                 ]
             );
+            // Lost before the client saw anything: a retryable 503 (the
+            // proxy sends the request again); a timeout stays a 504.
             let (got, body) = error_reply(&actions);
-            assert_eq!(got, status);
+            assert_eq!(got, if timed_out { status } else { 503 });
+            let retry = actions
+                .iter()
+                .any(|a| matches!(a, Action::Reply(r) if r.retry_after));
+            assert_eq!(retry, !timed_out, "{actions:?}");
+            if !timed_out {
+                assert_eq!(body["error"]["code"], DECODE_LOST_CODE, "{body}");
+            }
             assert!(
                 body["error"]["message"]
                     .as_str()
@@ -1744,7 +1771,7 @@ mod tests {
                 code: FailCode::Dropped
             }
         );
-        assert_eq!(error_reply(&actions).0, 502);
+        assert_eq!(error_reply(&actions).0, 503, "D lost before it answered");
         assert_eq!(actions.len(), 3);
     }
 

@@ -11,6 +11,8 @@
 //!   every block.
 //! - P killed while D waits for its KV: D's request fails with a clear
 //!   error by its deadline (policy `fail`), and D is idle afterwards.
+//! - One of two decode servers killed while it computes non-streamed
+//!   requests: the proxy sends them again, whole, to the other one.
 
 use std::time::{Duration, Instant};
 
@@ -20,7 +22,7 @@ use pdkv_testkit::{
     deploy::{Pd, Spec},
     http::{self, complete, wait_healthy, wait_metrics},
     models::smollm2,
-    prom::{metric, quiescent},
+    prom::{self, metric, quiescent},
     DEADLINE,
 };
 use serde_json::{json, Value};
@@ -359,5 +361,61 @@ async fn a_transfer_whose_decode_request_failed_is_dropped_at_p() {
         t0.elapsed() < Duration::from_secs(10),
         "P held the KV for {:?}",
         t0.elapsed()
+    );
+}
+
+/// One of two decode servers killed (SIGKILL) while it computes
+/// non-streamed requests: the proxy has sent nothing of them to their
+/// clients yet, so it sends them again, whole, to the decode server left,
+/// and every client gets the whole answer, equal to the one before the
+/// kill.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_survive_their_decode_server_killed_before_it_answered() {
+    let dir = pdkv_testkit::models::checkpoint(pdkv_model::Arch::Llama, "small", 11);
+    let spec = Spec::new(dir.path(), 512);
+    let p = spec.start_engine(EngineRole::Prefill, "p0");
+    let mut d0 = spec.start_engine(EngineRole::Decode, "d0");
+    let d1 = spec.start_engine(EngineRole::Decode, "d1");
+    let proxy = spec.start_proxy(&[&p], &[&d0, &d1]);
+    let client = reqwest::Client::new();
+    let body = json!({"prompt": "The river ran on and on", "max_tokens": 600,
+                      "temperature": 0, "ignore_eos": true});
+    let send = |body: Value| {
+        let (client, url) = (client.clone(), proxy.url("/v1/completions"));
+        async move {
+            let resp = http::send(client.post(url).json(&body)).await;
+            let status = resp.status().as_u16();
+            let v: Value = resp.json().await.unwrap();
+            (status, v)
+        }
+    };
+    let (status, first) = send(body.clone()).await;
+    assert_eq!(status, 200, "{first}");
+    let want = first["choices"][0]["text"].clone();
+
+    let requests: Vec<_> = (0..8).map(|_| tokio::spawn(send(body.clone()))).collect();
+    // Kill d0 once it runs one of them (a bounded wait on its gauge).
+    http::wait_metrics(&client, &d0.base, "d0 runs a request", |m| {
+        prom::metric(m, "pdkv_num_requests_running").is_some_and(|v| v >= 1.0)
+    })
+    .await;
+    d0.kill();
+    for r in requests {
+        let (status, v) = tokio::time::timeout(DEADLINE, r)
+            .await
+            .expect("answered in time")
+            .expect("the request task");
+        assert_eq!(status, 200, "{v}");
+        assert_eq!(
+            v["choices"][0]["text"], want,
+            "the whole answer, as before the kill: {}",
+            v["choices"][0]["finish_reason"]
+        );
+    }
+    let m = http::metrics(&client, &proxy.base).await;
+    let lost = prom::sums_by_label(&m, "pdkv_proxy_upstream_errors_total", "role");
+    assert!(
+        lost.get("decode").is_some_and(|&v| v >= 1.0),
+        "the proxy saw d0 go:\n{m}"
     );
 }
