@@ -146,7 +146,26 @@ pub fn reload_weights_into(
     path: &Path,
     progress: &mut dyn FnMut(&LoadProgress),
 ) -> Result<(), ReloadError> {
-    let (source, plan) = checked_source(path, weights, expected)?;
+    let source = open_matching(path, expected)?;
+    let plan = match &source {
+        Source::Hf(_) => WeightsPlan::new(expected, &running_quant(weights)),
+        Source::Gguf(g) => WeightsPlan::new(expected, &gguf_quant(g)),
+    };
+    if !same_layout(&plan, weights) {
+        return Err(ReloadError::Incompatible(anyhow::anyhow!(
+            "{}",
+            format_difference(&plan, weights).unwrap_or_else(|| {
+                "the running model's weights are not laid out as its config plans them".into()
+            })
+        )));
+    }
+    for slot in &plan.slots {
+        let checked = match &source {
+            Source::Hf(h) => h.precheck(slot),
+            Source::Gguf(g) => precheck_gguf_slot(g, slot),
+        };
+        checked.map_err(ReloadError::Incompatible)?;
+    }
     if !weights.region.is_mapped() {
         return Err(ReloadError::RegionReleased);
     }
@@ -180,36 +199,6 @@ pub fn stage_checkpoint(
     let scratch = pdkv_vmem::Pool::default();
     super::load_weights_like(path, running, expected, &scratch, &mut |_| {})
         .map_err(ReloadError::Incompatible)
-}
-
-/// The checkpoint at `path`, opened, with its plan, once everything about
-/// it fits `weights` (of the config `expected`).
-fn checked_source(
-    path: &Path,
-    weights: &Weights,
-    expected: &ModelConfig,
-) -> Result<(Source, WeightsPlan), ReloadError> {
-    let source = open_matching(path, expected)?;
-    let plan = match &source {
-        Source::Hf(_) => WeightsPlan::new(expected, &running_quant(weights)),
-        Source::Gguf(g) => WeightsPlan::new(expected, &gguf_quant(g)),
-    };
-    if !same_layout(&plan, weights) {
-        return Err(ReloadError::Incompatible(anyhow::anyhow!(
-            "{}",
-            format_difference(&plan, weights).unwrap_or_else(|| {
-                "the running model's weights are not laid out as its config plans them".into()
-            })
-        )));
-    }
-    for slot in &plan.slots {
-        let checked = match &source {
-            Source::Hf(h) => h.precheck(slot),
-            Source::Gguf(g) => precheck_gguf_slot(g, slot),
-        };
-        checked.map_err(ReloadError::Incompatible)?;
-    }
-    Ok((source, plan))
 }
 
 /// A checkpoint being reloaded, opened.
