@@ -107,14 +107,15 @@ pub struct Puller {
     transport: Transport,
     spare: Arc<std::sync::Mutex<Option<Spare>>>,
     /// The conversion scratch of the last sync that had one, kept likewise.
-    spare_scratch: Arc<std::sync::Mutex<Option<Scratch>>>,
+    spare_scratch: Arc<std::sync::Mutex<Option<Spare>>>,
     /// The last publisher mapped over shared memory, kept for the next
     /// sync from it (mapping a registration fills its page tables: a cost
     /// of the order of the copy itself).
     mapped: std::sync::Mutex<Option<ShmSource>>,
 }
 
-/// The staging region of the last sync and its registration.
+/// A registered region a sync fills and the puller keeps for the next one:
+/// the staging, or the conversion scratch.
 struct Spare {
     region: Arc<Region>,
     reg: Registration,
@@ -285,7 +286,7 @@ impl Puller {
     fn scratch_for(
         &self,
         plan: &[(TensorEntry, TensorRef)],
-    ) -> Result<(Option<Scratch>, Vec<Option<usize>>), SyncError> {
+    ) -> Result<(Option<Spare>, Vec<Option<usize>>), SyncError> {
         let mut at = 0usize;
         let landing: Vec<Option<usize>> = plan
             .iter()
@@ -323,7 +324,7 @@ impl Puller {
             .registry()
             .register(&region, 0, region.len())
             .map_err(|e| SyncError::Staging(format!("the conversion scratch: {e}")))?;
-        Ok((Some(Scratch { region, reg }), landing))
+        Ok((Some(Spare { region, reg }), landing))
     }
 
     /// The publisher's registration mapped over shared memory, when this
@@ -726,14 +727,14 @@ pub struct Staging {
     reg: Registration,
     registry: Arc<Registry>,
     spare: Arc<std::sync::Mutex<Option<Spare>>>,
-    spare_scratch: Arc<std::sync::Mutex<Option<Scratch>>>,
+    spare_scratch: Arc<std::sync::Mutex<Option<Spare>>>,
     /// The publisher's registration, mapped (shared memory), or `None`:
     /// pulls go over TCP.
     shm: Option<ShmSource>,
     manifest: Manifest,
     plan: Vec<(TensorEntry, TensorRef)>,
     /// Where tensors published in a trainer's type land before conversion.
-    scratch: Option<Scratch>,
+    scratch: Option<Spare>,
     /// Per tensor of the plan, its offset in `scratch` (`None`: it lands
     /// straight in the staging, as the engine stores it).
     landing: Vec<Option<usize>>,
@@ -763,12 +764,6 @@ impl Drop for Staging {
             self.registry.deregister(old.reg.segment);
         }
     }
-}
-
-/// The region tensors published in a trainer's type land in, registered.
-struct Scratch {
-    region: Arc<Region>,
-    reg: Registration,
 }
 
 /// Converts the tensors of `wanted` that were published in a trainer's
