@@ -528,14 +528,7 @@ fn update_weights_in_place_and_refuse_incompatible_checkpoints() {
 /// Copies the checkpoint at `from` to `to` with the tensor `name` one row
 /// short (every earlier tensor intact).
 fn write_with_bad_tensor(from: &Path, to: &Path, name: &str) {
-    for f in [
-        "config.json",
-        "tokenizer.json",
-        "tokenizer_config.json",
-        "generation_config.json",
-    ] {
-        std::fs::copy(from.join(f), to.join(f)).unwrap();
-    }
+    pdkv_testkit::models::copy_side_files(from, to);
     let st =
         pdkv_model::safetensors::SafetensorsFile::open(&from.join("model.safetensors")).unwrap();
     let mut tensors = Vec::new();

@@ -740,172 +740,45 @@ mod tests {
         };
         let p = ok.to_params(5, Endpoint::Completions).unwrap();
         assert_eq!((p.temperature, p.top_k, p.max_tokens), (0.0, 0, 5));
-        let cases: Vec<(SamplingFields, &str)> = vec![
-            (
-                SamplingFields {
-                    temperature: Some(-0.5),
-                    ..Default::default()
-                },
-                "temperature",
-            ),
-            (
-                SamplingFields {
-                    top_p: Some(0.0),
-                    ..Default::default()
-                },
-                "top_p",
-            ),
-            (
-                SamplingFields {
-                    top_k: Some(-2),
-                    ..Default::default()
-                },
-                "top_k",
-            ),
-            (
-                SamplingFields {
-                    logprobs: Some(json!(21)),
-                    ..Default::default()
-                },
-                "logprobs",
-            ),
-            (
-                SamplingFields {
-                    logprobs: Some(json!(-1)),
-                    ..Default::default()
-                },
-                "logprobs",
-            ),
-            (
-                SamplingFields {
-                    top_logprobs: Some(json!(2)),
-                    ..Default::default()
-                },
-                "top_logprobs",
-            ),
-            (
-                SamplingFields {
-                    prompt_logprobs: Some(json!(25)),
-                    ..Default::default()
-                },
-                "prompt_logprobs",
-            ),
-            (
-                SamplingFields {
-                    presence_penalty: Some(2.5),
-                    ..Default::default()
-                },
-                "presence_penalty",
-            ),
-            (
-                SamplingFields {
-                    frequency_penalty: Some(-2.1),
-                    ..Default::default()
-                },
-                "frequency_penalty",
-            ),
-            (
-                SamplingFields {
-                    repetition_penalty: Some(0.0),
-                    ..Default::default()
-                },
-                "repetition_penalty",
-            ),
-            (
-                SamplingFields {
-                    min_tokens: Some(6),
-                    ..Default::default()
-                },
-                "min_tokens",
-            ),
-            (
-                SamplingFields {
-                    min_tokens: Some(-1),
-                    ..Default::default()
-                },
-                "min_tokens",
-            ),
-            (
-                SamplingFields {
-                    logit_bias: Some(json!({"x": 1})),
-                    ..Default::default()
-                },
-                "logit_bias",
-            ),
-            (
-                SamplingFields {
-                    logit_bias: Some(json!({"3": "high"})),
-                    ..Default::default()
-                },
-                "logit_bias",
-            ),
-            (
-                SamplingFields {
-                    logit_bias: Some(json!([1])),
-                    ..Default::default()
-                },
-                "logit_bias",
-            ),
-            (
-                SamplingFields {
-                    response_format: Some(json!({"type": "json_object"})),
-                    ..Default::default()
-                },
-                "response_format",
-            ),
-            (
-                SamplingFields {
-                    tools: Some(json!([{"type": "function"}])),
-                    ..Default::default()
-                },
-                "tools",
-            ),
-            (
-                SamplingFields {
-                    tool_choice: Some(json!("auto")),
-                    ..Default::default()
-                },
-                "tool_choice",
-            ),
-            (
-                SamplingFields {
-                    min_p: Some(1.5),
-                    ..Default::default()
-                },
-                "min_p",
-            ),
-            (
-                SamplingFields {
-                    allowed_token_ids: Some(vec![]),
-                    ..Default::default()
-                },
-                "allowed_token_ids",
-            ),
-            (
-                SamplingFields {
-                    no_stop_trim: Some(true),
-                    ..Default::default()
-                },
-                "no_stop_trim",
-            ),
-            (
-                SamplingFields {
-                    return_hidden_states: Some(true),
-                    ..Default::default()
-                },
-                "return_hidden_states",
-            ),
-            (
-                SamplingFields {
-                    continue_final_message: Some(true),
-                    ..Default::default()
-                },
-                "continue_final_message",
-            ),
+        // Each body's one field is out of range or unsupported.
+        let cases = [
+            json!({"temperature": -0.5}),
+            json!({"top_p": 0.0}),
+            json!({"top_k": -2}),
+            json!({"logprobs": 21}),
+            json!({"logprobs": -1}),
+            json!({"top_logprobs": 2}),
+            json!({"prompt_logprobs": 25}),
+            json!({"presence_penalty": 2.5}),
+            json!({"frequency_penalty": -2.1}),
+            json!({"repetition_penalty": 0.0}),
+            json!({"min_tokens": 6}),
+            json!({"min_tokens": -1}),
+            json!({"logit_bias": {"x": 1}}),
+            json!({"logit_bias": {"3": "high"}}),
+            json!({"logit_bias": [1]}),
+            json!({"response_format": {"type": "json_object"}}),
+            json!({"tools": [{"type": "function"}]}),
+            json!({"tool_choice": "auto"}),
+            json!({"min_p": 1.5}),
+            json!({"allowed_token_ids": []}),
+            json!({"no_stop_trim": true}),
+            json!({"return_hidden_states": true}),
+            json!({"continue_final_message": true}),
         ];
-        for (fields, param) in cases {
-            let err = fields.to_params(5, Endpoint::Completions).unwrap_err();
-            assert_eq!(err.param.as_deref(), Some(param), "{fields:?}: {err:?}");
+        for mut body in cases {
+            let param = body.as_object().unwrap().keys().next().unwrap().clone();
+            body["prompt"] = json!("x");
+            let req: CompletionRequest = serde_json::from_value(body.clone()).unwrap();
+            let err = req
+                .sampling()
+                .to_params(5, Endpoint::Completions)
+                .unwrap_err();
+            assert_eq!(
+                err.param.as_deref(),
+                Some(param.as_str()),
+                "{body}: {err:?}"
+            );
         }
         assert!(parse_max_tokens("max_tokens", Some(0)).is_err());
         assert_eq!(parse_max_tokens("max_tokens", Some(3)).unwrap(), Some(3));

@@ -95,6 +95,12 @@ impl Spec {
         self.start(&self.engine_args(role, engine_id))
     }
 
+    /// Starts a colocated engine (no KV connector), waiting until it
+    /// listens.
+    pub fn start_colocated(&self) -> Proc {
+        self.start_engine(EngineRole::Colocated, "colocated")
+    }
+
     /// Starts the proxy in front of `prefill` and `decode`, waiting until it
     /// listens.
     pub fn start_proxy(&self, prefill: &[&Proc], decode: &[&Proc]) -> Proc {

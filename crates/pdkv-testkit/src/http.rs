@@ -184,3 +184,13 @@ pub fn error_message(body: &Value) -> &str {
         .as_str()
         .unwrap_or_else(|| panic!("no error message: {body}"))
 }
+
+/// A JSON list of token ids (`token_ids`, `prompt_token_ids`, `tokens`)
+/// as numbers (panics on anything else).
+pub fn token_ids(v: &Value) -> Vec<u64> {
+    v.as_array()
+        .unwrap_or_else(|| panic!("not a list: {v}"))
+        .iter()
+        .map(|t| t.as_u64().unwrap_or_else(|| panic!("not a token id: {t}")))
+        .collect()
+}

@@ -1,7 +1,7 @@
 //! The models tests run on: the shipped SmolLM2 GGUF (fetched by the test
 //! command) and tiny random checkpoints written on the spot.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use pdkv_model::Arch;
 
@@ -39,4 +39,18 @@ pub fn checkpoint(arch: Arch, preset: &str, seed: u64) -> tempfile::TempDir {
     pdkv_model::init::write_random_checkpoint(arch, preset, seed, dir.path())
         .expect("write checkpoint");
     dir
+}
+
+/// Copies a Hugging Face checkpoint directory's files but its safetensors
+/// (config, tokenizer, generation config) from `from` to `to`.
+pub fn copy_side_files(from: &Path, to: &Path) {
+    for f in [
+        "config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "generation_config.json",
+    ] {
+        std::fs::copy(from.join(f), to.join(f))
+            .unwrap_or_else(|e| panic!("copy {} to {}: {e}", from.join(f).display(), to.display()));
+    }
 }

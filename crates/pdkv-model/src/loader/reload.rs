@@ -42,69 +42,27 @@ pub(super) fn config_mismatches(
     found: &ModelConfig,
     expected: &ModelConfig,
 ) -> Vec<(&'static str, String, String)> {
-    let mut out = Vec::new();
-    let mut cmp = |name: &'static str, a: String, b: String| {
-        if a != b {
-            out.push((name, a, b));
-        }
-    };
-    cmp(
-        "arch",
-        found.arch.as_str().into(),
-        expected.arch.as_str().into(),
-    );
-    cmp(
-        "vocab_size",
-        found.vocab_size.to_string(),
-        expected.vocab_size.to_string(),
-    );
-    cmp(
-        "hidden_size",
-        found.hidden_size.to_string(),
-        expected.hidden_size.to_string(),
-    );
-    cmp(
-        "intermediate_size",
-        found.intermediate_size.to_string(),
-        expected.intermediate_size.to_string(),
-    );
-    cmp(
-        "num_layers",
-        found.num_layers.to_string(),
-        expected.num_layers.to_string(),
-    );
-    cmp(
-        "num_heads",
-        found.num_heads.to_string(),
-        expected.num_heads.to_string(),
-    );
-    cmp(
-        "num_kv_heads",
-        found.num_kv_heads.to_string(),
-        expected.num_kv_heads.to_string(),
-    );
-    cmp(
-        "head_dim",
-        found.head_dim.to_string(),
-        expected.head_dim.to_string(),
-    );
-    cmp(
-        "tie_word_embeddings",
-        found.tie_word_embeddings.to_string(),
-        expected.tie_word_embeddings.to_string(),
-    );
-    // Bit patterns: a reload must not change the math, not even slightly.
-    cmp(
-        "rope_theta",
-        found.rope_theta.to_bits().to_string(),
-        expected.rope_theta.to_bits().to_string(),
-    );
-    cmp(
-        "rms_norm_eps",
-        found.rms_norm_eps.to_bits().to_string(),
-        expected.rms_norm_eps.to_bits().to_string(),
-    );
-    out
+    // Bit patterns for the floats: a reload must not change the math, not
+    // even slightly.
+    type Show = fn(&ModelConfig) -> String;
+    let fields: [(&'static str, Show); 11] = [
+        ("arch", |c| c.arch.as_str().into()),
+        ("vocab_size", |c| c.vocab_size.to_string()),
+        ("hidden_size", |c| c.hidden_size.to_string()),
+        ("intermediate_size", |c| c.intermediate_size.to_string()),
+        ("num_layers", |c| c.num_layers.to_string()),
+        ("num_heads", |c| c.num_heads.to_string()),
+        ("num_kv_heads", |c| c.num_kv_heads.to_string()),
+        ("head_dim", |c| c.head_dim.to_string()),
+        ("tie_word_embeddings", |c| c.tie_word_embeddings.to_string()),
+        ("rope_theta", |c| c.rope_theta.to_bits().to_string()),
+        ("rms_norm_eps", |c| c.rms_norm_eps.to_bits().to_string()),
+    ];
+    fields
+        .into_iter()
+        .map(|(name, show)| (name, show(found), show(expected)))
+        .filter(|(_, a, b)| a != b)
+        .collect()
 }
 
 /// The running model's block format of each matrix, by Hugging Face name:

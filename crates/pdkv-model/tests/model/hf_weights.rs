@@ -14,7 +14,7 @@ use pdkv_model::safetensors::{write_f32, SafetensorsFile};
 use pdkv_model::weights::{DType, Weights};
 use pdkv_model::{load_model, load_model_as, Arch, KvCache, LoadedModel, Model, SeqInput};
 use pdkv_model::{ChatMessage, Workspace};
-use pdkv_testkit::models::smollm2;
+use pdkv_testkit::models::{copy_side_files, smollm2};
 use pdkv_vmem::Pool;
 
 // ------------------------------------------------------------ helpers ----
@@ -136,18 +136,6 @@ pub(crate) fn read_all(dir: &Path) -> Vec<(String, Vec<usize>, Vec<f32>)> {
             (name.clone(), e.shape.clone(), v)
         })
         .collect()
-}
-
-/// Copies a checkpoint directory's files but its safetensors.
-fn copy_side_files(from: &Path, to: &Path) {
-    for f in [
-        "config.json",
-        "tokenizer.json",
-        "tokenizer_config.json",
-        "generation_config.json",
-    ] {
-        std::fs::copy(from.join(f), to.join(f)).unwrap();
-    }
 }
 
 /// Writes the tensors of `dir`'s `model.safetensors` as two shards with a

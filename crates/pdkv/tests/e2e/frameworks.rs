@@ -27,7 +27,8 @@ use std::time::Duration;
 
 use pdkv_model::Arch;
 use pdkv_testkit::{
-    http::{get_json, metrics, wait_healthy, wait_metrics},
+    deploy::Spec,
+    http::{get_json, metrics, token_ids, wait_healthy, wait_metrics},
     models::checkpoint,
     proc::{pdkv, Lines, Proc},
     prom::metric,
@@ -120,19 +121,9 @@ async fn start(client: &reqwest::Client, kind: Kind, model: &Path) -> (Proc, Str
     let m = model.to_str().unwrap();
     match kind {
         Kind::Serve => {
-            let p = Proc::start(
-                &[],
-                &[
-                    "serve",
-                    "--dev-mode",
-                    "--port",
-                    "0",
-                    "--model",
-                    m,
-                    "--num-kv-blocks",
-                    KV_BLOCKS,
-                ],
-            );
+            let p = Spec::new(model, KV_BLOCKS.parse().unwrap())
+                .serve_args(&["--dev-mode"])
+                .start_colocated();
             wait_healthy(client, &p.url("/health")).await;
             let base = p.base.clone();
             (p, base.clone(), vec![base])
@@ -189,14 +180,6 @@ struct Segment {
     straddles: bool,
 }
 
-fn ids(v: &Value) -> Vec<u64> {
-    v.as_array()
-        .unwrap_or_else(|| panic!("not a list: {v}"))
-        .iter()
-        .map(|t| t.as_u64().unwrap())
-        .collect()
-}
-
 /// `"token_id:N"` -> N.
 fn token_id(s: &Value) -> u64 {
     s.as_str()
@@ -218,7 +201,7 @@ async fn ok(req: reqwest::RequestBuilder, what: &str) -> Value {
 /// (SkyRL `_generate_single`, remote_inference_client.py 507-521).
 fn generate_segment(v: &Value, context: &[u64], version: usize) -> Segment {
     let c = &v["choices"][0];
-    let tokens = ids(&c["token_ids"]);
+    let tokens = token_ids(&c["token_ids"]);
     let content = c["logprobs"]["content"]
         .as_array()
         .unwrap_or_else(|| panic!("no logprobs: {v}"));
@@ -324,7 +307,7 @@ async fn greedy(client: &reqwest::Client, base: &str) -> Probes {
             "greedy probe",
         )
         .await;
-        out.tokens.push(ids(&v["choices"][0]["token_ids"]));
+        out.tokens.push(token_ids(&v["choices"][0]["token_ids"]));
         let plp = v["prompt_logprobs"]
             .as_array()
             .unwrap_or_else(|| panic!("{v}"));

@@ -111,18 +111,7 @@ async fn idle_and_garbage_connections_on_every_port_do_not_break_pd() {
         .collect();
     let body = |p: &str| json!({"prompt": p, "max_tokens": 6, "temperature": 0});
 
-    let colo = Proc::start(
-        &[],
-        &[
-            "serve",
-            "--port",
-            "0",
-            "--model",
-            &model,
-            "--num-kv-blocks",
-            "128",
-        ],
-    );
+    let colo = Spec::new(Path::new(&model), 128).start_colocated();
     wait_healthy(&client, &colo.url("/health")).await;
     let mut expected = Vec::new();
     for p in &prompts {

@@ -9,7 +9,7 @@ use std::collections::BTreeSet;
 use pdkv_deploy::EngineRole;
 use pdkv_testkit::{
     deploy::Spec,
-    http::{self, post_json, wait_healthy},
+    http::{self, post_json, token_ids, wait_healthy},
     models::smollm2,
     proc::Proc,
     prom::metric,
@@ -20,18 +20,7 @@ use serde_json::{json, Value};
 const PROMPT: &str = "The three most useful things to pack for a long hike in the mountains are";
 
 fn serve(path: &std::path::Path) -> Proc {
-    Proc::start(
-        &[],
-        &[
-            "serve",
-            "--port",
-            "0",
-            "--model",
-            path.to_str().unwrap(),
-            "--num-kv-blocks",
-            "128",
-        ],
-    )
+    Spec::new(path, 128).start_colocated()
 }
 
 /// A healthy server of the SmolLM2 GGUF and a client, or `None` (with a
@@ -55,14 +44,6 @@ async fn ok(client: &reqwest::Client, url: String, body: &Value) -> Value {
     v
 }
 
-fn ids(v: &Value) -> Vec<u64> {
-    v.as_array()
-        .unwrap_or_else(|| panic!("not a list: {v}"))
-        .iter()
-        .map(|t| t.as_u64().unwrap())
-        .collect()
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sampled_logprobs_equal_the_prompt_logprobs_of_the_completed_text() {
     let Some((s, client)) =
@@ -77,8 +58,8 @@ async fn sampled_logprobs_equal_the_prompt_logprobs_of_the_completed_text() {
         "return_token_ids": true, "ignore_eos": true});
     let v = ok(&client, url.clone(), &body).await;
     let choice = &v["choices"][0];
-    let prompt_ids = ids(&choice["prompt_token_ids"]);
-    let out_ids = ids(&choice["token_ids"]);
+    let prompt_ids = token_ids(&choice["prompt_token_ids"]);
+    let out_ids = token_ids(&choice["token_ids"]);
     assert_eq!(out_ids.len(), 12);
     let lp = &choice["logprobs"];
     let sampled: Vec<f64> = lp["token_logprobs"]
@@ -89,7 +70,7 @@ async fn sampled_logprobs_equal_the_prompt_logprobs_of_the_completed_text() {
         .collect();
     assert_eq!(sampled.len(), 12);
     let tokens = lp["tokens"].as_array().unwrap();
-    let offsets = ids(&lp["text_offset"]);
+    let offsets = token_ids(&lp["text_offset"]);
     for (j, top) in lp["top_logprobs"].as_array().unwrap().iter().enumerate() {
         let top = top.as_object().unwrap();
         let token = tokens[j].as_str().unwrap();
@@ -214,7 +195,7 @@ async fn n8_seeded_choices_reproduce_and_differ() {
             .map(|c| {
                 (
                     c["index"].as_u64().unwrap(),
-                    ids(&c["token_ids"]),
+                    token_ids(&c["token_ids"]),
                     c["text"].as_str().unwrap().to_string(),
                 )
             })
@@ -228,7 +209,7 @@ async fn n8_seeded_choices_reproduce_and_differ() {
     assert_eq!(ca, cb, "the same seed gives the same 8 choices");
     let distinct: BTreeSet<&Vec<u64>> = ca.iter().map(|c| &c.1).collect();
     assert_eq!(distinct.len(), 8, "the 8 choices differ: {ca:?}");
-    let prompt_tokens = ids(&a["choices"][0]["prompt_token_ids"]).len() as u64;
+    let prompt_tokens = token_ids(&a["choices"][0]["prompt_token_ids"]).len() as u64;
     assert!(
         prompt_tokens > 16,
         "the prompt fills a block ({prompt_tokens} tokens)"
@@ -257,7 +238,7 @@ async fn n8_seeded_choices_reproduce_and_differ() {
     let mut one = body.clone();
     one["n"] = json!(1);
     let single = ok(&client, url.clone(), &one).await;
-    assert_eq!(ids(&single["choices"][0]["token_ids"]), ca[0].1);
+    assert_eq!(token_ids(&single["choices"][0]["token_ids"]), ca[0].1);
 
     // Streamed, each chunk names its choice; the texts are the same.
     let mut streamed = body.clone();
@@ -299,13 +280,17 @@ async fn logit_bias_min_tokens_and_stop_token_ids_take_effect() {
         "logit_bias": {forced.to_string(): 100}, "return_token_ids": true}),
     )
     .await;
-    assert_eq!(ids(&v["choices"][0]["token_ids"]), vec![forced; 4], "{v}");
+    assert_eq!(
+        token_ids(&v["choices"][0]["token_ids"]),
+        vec![forced; 4],
+        "{v}"
+    );
 
     // A greedy chat answer ends early on EOS; min_tokens keeps it going.
     let chat_url = s.url("/v1/chat/completions");
     let messages = json!([{"role": "user", "content": "Name the capital city of France."}]);
     let plain = ok(&client, chat_url.clone(), &json!({"messages": messages, "max_tokens": 40, "temperature": 0, "return_token_ids": true})).await;
-    let plain_ids = ids(&plain["choices"][0]["token_ids"]);
+    let plain_ids = token_ids(&plain["choices"][0]["token_ids"]);
     assert_eq!(plain["choices"][0]["finish_reason"], "stop", "{plain}");
     assert!(plain_ids.len() < 40);
     let long = ok(
@@ -330,7 +315,7 @@ async fn logit_bias_min_tokens_and_stop_token_ids_take_effect() {
     .await;
     assert_eq!(stopped["choices"][0]["finish_reason"], "stop");
     assert_eq!(
-        ids(&stopped["choices"][0]["token_ids"]),
+        token_ids(&stopped["choices"][0]["token_ids"]),
         plain_ids[..=first].to_vec()
     );
     let v = ok(&client, url, &json!({"prompt": PROMPT, "max_tokens": 6, "temperature": 0, "ignore_eos": true, "stop_token_ids": [2]})).await;
@@ -430,16 +415,9 @@ async fn tokenize_detokenize_version_and_the_api_key() {
     let Some(path) = smollm2("tokenize_detokenize_version_and_the_api_key") else {
         return;
     };
-    let args = [
-        "serve",
-        "--port",
-        "0",
-        "--model",
-        path.to_str().unwrap(),
-        "--num-kv-blocks",
-        "64",
-    ];
-    let s = Proc::start_env(&[], &args, &[("PDKV_API_KEY", "k3y")]);
+    let s = Spec::new(&path, 64)
+        .env("PDKV_API_KEY", "k3y")
+        .start_colocated();
     let client = reqwest::Client::new();
     // Probes and scrapers need no key.
     wait_healthy(&client, &s.url("/health")).await;
@@ -473,43 +451,24 @@ async fn tokenize_detokenize_version_and_the_api_key() {
         assert_eq!(v["error"]["type"], "authentication_error", "{v}");
     }
 
-    let tokenized: Value = http::send(
-        client
-            .post(s.url("/tokenize"))
-            .bearer_auth("k3y")
-            .json(&body),
-    )
-    .await
-    .json()
-    .await
-    .unwrap();
-    let tokens = ids(&tokenized["tokens"]);
+    // Every call below carries the key.
+    let keyed = |path: &str, body: Value| {
+        let req = client.post(s.url(path)).bearer_auth("k3y").json(&body);
+        async move {
+            let (status, v) = http::answer(req).await;
+            (status.as_u16(), v)
+        }
+    };
+    let (_, tokenized) = keyed("/tokenize", body.clone()).await;
+    let tokens = token_ids(&tokenized["tokens"]);
     assert_eq!(tokenized["count"], json!(tokens.len()));
     assert!(
         tokenized["max_model_len"].as_u64().unwrap() >= 2048,
         "{tokenized}"
     );
-    let detok: Value = http::send(
-        client
-            .post(s.url("/detokenize"))
-            .bearer_auth("k3y")
-            .json(&json!({"tokens": tokens})),
-    )
-    .await
-    .json()
-    .await
-    .unwrap();
+    let (_, detok) = keyed("/detokenize", json!({"tokens": tokens})).await;
     assert_eq!(detok["prompt"], PROMPT);
-    let (status, bad) = {
-        let resp = http::send(
-            client
-                .post(s.url("/detokenize"))
-                .bearer_auth("k3y")
-                .json(&json!({"tokens": [99999999]})),
-        )
-        .await;
-        (resp.status().as_u16(), resp.json::<Value>().await.unwrap())
-    };
+    let (status, bad) = keyed("/detokenize", json!({"tokens": [99999999]})).await;
     assert_eq!(
         (status, &bad["error"]["param"]),
         (400, &json!("tokens")),
@@ -518,26 +477,12 @@ async fn tokenize_detokenize_version_and_the_api_key() {
 
     // A conversation tokenizes to the prompt the chat endpoint generates from.
     let messages = json!([{"role": "user", "content": "Hello there"}]);
-    let conv: Value = http::send(
-        client
-            .post(s.url("/tokenize"))
-            .bearer_auth("k3y")
-            .json(&json!({"messages": messages})),
+    let (_, conv) = keyed("/tokenize", json!({"messages": messages})).await;
+    let (_, chat) = keyed(
+        "/v1/chat/completions",
+        json!({"messages": messages, "max_tokens": 1, "return_token_ids": true}),
     )
-    .await
-    .json()
-    .await
-    .unwrap();
-    let chat: Value = http::send(
-        client
-            .post(s.url("/v1/chat/completions"))
-            .bearer_auth("k3y")
-            .json(&json!({"messages": messages, "max_tokens": 1, "return_token_ids": true})),
-    )
-    .await
-    .json()
-    .await
-    .unwrap();
+    .await;
     assert_eq!(conv["tokens"], chat["prompt_token_ids"], "{conv} vs {chat}");
     assert!(s.terminate().success());
 }
@@ -601,8 +546,8 @@ async fn an_n8_group_through_the_pd_proxy_is_one_transfer_and_equals_colocated()
     for (a, b) in w.iter().zip(g) {
         assert_eq!(a["index"], b["index"]);
         assert_eq!(
-            ids(&a["token_ids"]),
-            ids(&b["token_ids"]),
+            token_ids(&a["token_ids"]),
+            token_ids(&b["token_ids"]),
             "choice {}: the same tokens",
             a["index"]
         );

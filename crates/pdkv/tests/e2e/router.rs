@@ -19,7 +19,7 @@
 //! `scripts/test.sh` installs the router into a virtual environment and
 //! names it in `PDKV_VLLM_ROUTER`.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -27,6 +27,7 @@ use std::time::{Duration, Instant};
 
 use futures::StreamExt;
 use pdkv_testkit::{
+    deploy::Spec,
     http::{self, generate, metrics, wait_healthy},
     models::smollm2,
     proc::{pdkv, Lines, Proc},
@@ -333,18 +334,7 @@ async fn router_drives_pdkv(test: &str, mode: &str, connector: &str) {
         .build()
         .unwrap();
 
-    let colo = Proc::start(
-        &[],
-        &[
-            "serve",
-            "--port",
-            "0",
-            "--model",
-            &model,
-            "--num-kv-blocks",
-            "256",
-        ],
-    );
+    let colo = Spec::new(Path::new(&model), 256).start_colocated();
     wait_healthy(&client, &colo.url("/health")).await;
     let n = 2 * PROMPTS.len();
     let mut expected = Vec::with_capacity(n);

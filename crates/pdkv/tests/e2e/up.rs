@@ -24,15 +24,7 @@ fn alive(pid: i32) -> bool {
 async fn up_serves_through_the_proxy_and_stops_every_child() {
     let ckpt_dir = checkpoint(Arch::Llama, "tiny", 3);
     let ckpt = ckpt_dir.path();
-    // Port 0: every child, the proxy too, binds a free port itself.
-    let (up, url, err) = start_up(&[
-        "--model",
-        ckpt.to_str().unwrap(),
-        "--num-kv-blocks",
-        "64",
-        "--port",
-        "0",
-    ]);
+    let (up, url, err) = start_up(ckpt, &[]);
     let port: u16 = url
         .strip_prefix("http://127.0.0.1:")
         .and_then(|p| p.parse().ok())
@@ -76,11 +68,19 @@ async fn up_serves_through_the_proxy_and_stops_every_child() {
     }
 }
 
-/// Starts `pdkv up ARGS` and returns it with the proxy's URL (from stdout).
-fn start_up(args: &[&str]) -> (std::process::Child, String, mpsc::Receiver<String>) {
+/// Starts `pdkv up --model MODEL --num-kv-blocks 64 --port 0 EXTRA` (port
+/// 0: every child, the proxy too, binds a free port itself) and returns it
+/// with the proxy's URL (from stdout).
+fn start_up(
+    model: &std::path::Path,
+    extra: &[&str],
+) -> (std::process::Child, String, mpsc::Receiver<String>) {
     let mut up = pdkv()
         .arg("up")
-        .args(args)
+        .arg("--model")
+        .arg(model)
+        .args(["--num-kv-blocks", "64", "--port", "0"])
+        .args(extra)
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
@@ -114,20 +114,9 @@ fn start_up(args: &[&str]) -> (std::process::Child, String, mpsc::Receiver<Strin
 async fn up_admin_token_drives_every_engine_with_one_call() {
     let ckpt_dir = checkpoint(Arch::Llama, "tiny", 5);
     let ckpt = ckpt_dir.path();
-    let args = [
-        "--model",
-        ckpt.to_str().unwrap(),
-        "--num-kv-blocks",
-        "64",
-        "--port",
-        "0",
-    ];
     let (up, url, _err) = start_up(
-        &[
-            &args[..],
-            &["--prefill", "2", "--decode", "2", "--admin-token", "T"],
-        ]
-        .concat(),
+        ckpt,
+        &["--prefill", "2", "--decode", "2", "--admin-token", "T"],
     );
     let client = reqwest::Client::new();
     let probe = |i: usize| json!({"prompt": format!("probe {i}: the river"), "max_tokens": 6, "temperature": 0, "ignore_eos": true});
@@ -304,20 +293,17 @@ async fn up_with_servers_split_over_ranks_answers_as_whole_servers_do() {
     };
     let mut want: Option<Vec<String>> = None;
     for (p, d) in [("1", "1"), ("2", "1"), ("1", "2"), ("2", "2")] {
-        let (up, url, _err) = start_up(&[
-            "--model",
-            ckpt.to_str().unwrap(),
-            "--num-kv-blocks",
-            "64",
-            "--port",
-            "0",
-            "--admin-token",
-            "T",
-            "--prefill-tensor-parallel-size",
-            p,
-            "--decode-tensor-parallel-size",
-            d,
-        ]);
+        let (up, url, _err) = start_up(
+            ckpt,
+            &[
+                "--admin-token",
+                "T",
+                "--prefill-tensor-parallel-size",
+                p,
+                "--decode-tensor-parallel-size",
+                d,
+            ],
+        );
         let mut got = Vec::new();
         for i in 0..4 {
             got.push(completion_text(&client, &url, probe(i)).await);
@@ -534,19 +520,8 @@ fn sync_up(
     dir: &std::path::Path,
     extra: &[&str],
 ) -> (std::process::Child, String, mpsc::Receiver<String>) {
-    let flags = [
-        "--model",
-        dir.to_str().unwrap(),
-        "--num-kv-blocks",
-        "64",
-        "--port",
-        "0",
-        "--admin-token",
-        "T",
-        "--kv-secret",
-        SYNC_SECRET,
-    ];
-    start_up(&[&flags[..], extra].concat())
+    let flags = ["--admin-token", "T", "--kv-secret", SYNC_SECRET];
+    start_up(dir, &[&flags[..], extra].concat())
 }
 
 /// An admin POST (token `T`) to `{url}{path}` that must answer 200; its body.
@@ -603,16 +578,7 @@ async fn readme_trainer_step_runs_as_written() {
     let block = &readme[start..end];
     let ckpt_dir = checkpoint(Arch::Llama, "tiny", 9);
     let ckpt = ckpt_dir.path().to_str().unwrap().to_string();
-    let (mut up, url, _err) = start_up(&[
-        "--model",
-        &ckpt,
-        "--num-kv-blocks",
-        "64",
-        "--port",
-        "0",
-        "--admin-token",
-        "TOKEN",
-    ]);
+    let (mut up, url, _err) = start_up(ckpt_dir.path(), &["--admin-token", "TOKEN"]);
     let client = reqwest::Client::new();
     let probe =
         json!({"prompt": "The river", "max_tokens": 6, "temperature": 0, "ignore_eos": true});
