@@ -560,7 +560,9 @@ struct AbortRequestsBody {
 }
 
 /// `POST /abort_requests {"request_ids":[...]}` → `{"aborted":[...],
-/// "num_aborted": N}`, the ids that were live. No body, `{}`, or an empty
+/// "num_aborted": N}`, the ids that named a live request (an id as its
+/// client sees it ends every engine request that runs it: see
+/// [`crate::ids::runs`]). No body, `{}`, or an empty
 /// list aborts every live request; any other field is a 400 (a misspelt
 /// list must not abort everything).
 async fn abort_requests(
@@ -574,11 +576,22 @@ async fn abort_requests(
     } else {
         crate::error::parse_json(&body)?
     };
+    let live = state.engine().live_request_ids();
     let ids = match body.request_ids {
         Some(ids) if !ids.is_empty() => ids,
-        _ => state.engine().live_request_ids(),
+        _ => live.clone(),
     };
-    let aborted = on_engine(&state, move |e| e.abort_requests(&ids)).await?;
+    // An id a client sees names every engine request that runs it: its
+    // choices, its prompts, and a client-chosen id in every client's scope.
+    let engine_ids: Vec<String> = live
+        .into_iter()
+        .filter(|e| ids.iter().any(|shown| crate::ids::runs(e, shown)))
+        .collect();
+    let ended = on_engine(&state, move |e| e.abort_requests(&engine_ids)).await?;
+    let aborted: Vec<String> = ids
+        .into_iter()
+        .filter(|shown| ended.iter().any(|e| crate::ids::runs(e, shown)))
+        .collect();
     Ok(json_ok(
         json!({"num_aborted": aborted.len(), "aborted": aborted}),
     ))

@@ -13,7 +13,8 @@
 //! equals the same request with `n = 1`, and a seeded group reproduces
 //! choice by choice. Unseeded choices each draw their own seed.
 //!
-//! Engine ids: choice 0 has the response's id, choice `i > 0` has
+//! Engine ids: choice 0 has the request's engine id (the response's id,
+//! scoped when the client chose it: [`crate::ids`]), choice `i > 0` has
 //! `{id}-{i}`.
 //!
 //! P/D: a group is one transfer. On a decode engine choice 0 carries the
@@ -36,6 +37,7 @@ use serde_json::Value;
 
 use crate::admit::{admit, failed_request, PromptIn};
 use crate::error::ApiError;
+use crate::ids::RequestIds;
 use crate::tracker::TrackedStream;
 use crate::AppState;
 
@@ -105,7 +107,7 @@ pub struct Group {
 /// only.
 pub(crate) async fn admit_group(
     state: &AppState,
-    id: String,
+    ids: RequestIds,
     prompt: PromptIn,
     params: SamplingParams,
     kv_transfer_params: Option<Value>,
@@ -120,7 +122,7 @@ pub(crate) async fn admit_group(
     let num_prompt_tokens = prompt.tokens.len();
     let first = admit(
         state,
-        id.clone(),
+        ids.engine.clone(),
         prompt.clone(),
         params.clone(),
         kv_transfer_params,
@@ -129,7 +131,7 @@ pub(crate) async fn admit_group(
     .await?;
     let created = first.created;
     let mut group = Group {
-        id,
+        id: ids.shown,
         created,
         num_prompt_tokens,
         streams: vec![first.stream],
@@ -156,7 +158,7 @@ pub(crate) async fn admit_group(
         p.seed = params.seed.map(|s| choice_seed(s, i));
         let admitted = admit(
             state,
-            choice_id(&group.id, i),
+            choice_id(&ids.engine, i),
             prompt.clone(),
             p,
             None,

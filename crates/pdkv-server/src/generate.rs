@@ -20,6 +20,7 @@ use std::time::Instant;
 use axum::extract::State;
 use axum::http::HeaderMap;
 use axum::response::Response;
+use axum::Extension;
 use pdkv_engine::{FinishReason, RequestOutput};
 use serde::Deserialize;
 use serde_json::{json, Value};
@@ -28,6 +29,7 @@ use crate::admit::{usage_json, PromptIn};
 use crate::choices::{admit_group, parse_n, Group};
 use crate::error::ApiError;
 use crate::fields::{Body, Screen, Screened};
+use crate::listen::PeerAddr;
 use crate::logprobs::{self, Names};
 use crate::openai::{parse_max_tokens, Endpoint, SamplingFields, StreamOptions};
 use crate::routes::{
@@ -125,6 +127,7 @@ impl GenerateSampling {
 pub async fn generate(
     State(state): State<AppState>,
     headers: HeaderMap,
+    peer: Option<Extension<PeerAddr>>,
     Screened(req): Screened<GenerateRequest>,
 ) -> Result<Response, ApiError> {
     let arrived = Instant::now();
@@ -141,7 +144,7 @@ pub async fn generate(
             format!("priority {p}: this server does not use priority scheduling (only 0)"),
         ));
     }
-    let id = choose_request_id(&state, &headers, req.request_id.as_deref(), "gen-")?;
+    let ids = choose_request_id(&state, &headers, peer, req.request_id.as_deref(), "gen-")?;
     let sp = &req.sampling_params;
     let token_ids = truncate_prompt(&state, req.token_ids, sp.truncate_prompt_tokens)?;
     check_token_ids(&state, &token_ids)?;
@@ -160,9 +163,9 @@ pub async fn generate(
     check_sampling_ids(&state, &params)?;
     let top = params.logprobs;
     let want_prompt_lp = params.prompt_logprobs.is_some();
-    let kv = kv_params(req.kv_transfer_params, &id)?;
+    let kv = kv_params(req.kv_transfer_params, &ids.engine)?;
     let prompt = PromptIn::new(token_ids, req.cache_salt)?;
-    let group = admit_group(&state, id, prompt, params, kv, arrived, n).await?;
+    let group = admit_group(&state, ids, prompt, params, kv, arrived, n).await?;
     let view = GenerateView {
         tok: state.engine().tokenizer().clone(),
         top: top.map(|k| k as usize),

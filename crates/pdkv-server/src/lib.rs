@@ -15,10 +15,10 @@
 //! ([`AppState::with_dev_mode`]), which mounts them open, as vLLM does under
 //! `VLLM_SERVER_DEV_MODE=1`.
 //!
-//! A generation request's engine id is the `id` of its response (and its
-//! `X-Request-Id` response header), so `/abort_requests` can name it; a
-//! client may choose it with an `X-Request-Id` header or a `request_id`
-//! body field.
+//! A generation request's `id` (and its `X-Request-Id` response header)
+//! names it for `/abort_requests`; a client may choose it with an
+//! `X-Request-Id` header or a `request_id` body field, and the engine then
+//! runs it scoped to that client ([`ids`]), so no one else can claim it.
 //!
 //! Invariants:
 //! - Only this crate knows HTTP and the OpenAI JSON shapes; the engine sees
@@ -213,6 +213,11 @@ impl AppState {
     /// `X-Request-Id`): `prefix` and 128 random bits.
     fn next_request_id(&self, prefix: &str) -> String {
         format!("{prefix}{}", self.inner.ids.next_hex())
+    }
+
+    /// The ids of a request whose client chose `id` (see [`ids`]).
+    fn scoped_request_id(&self, id: &str, sender: &ids::Sender<'_>) -> ids::RequestIds {
+        self.inner.ids.scoped(id, sender)
     }
 }
 

@@ -24,6 +24,7 @@
 
 use std::collections::BTreeMap;
 use std::future::Future;
+use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -193,6 +194,11 @@ impl HttpBody for TimedBody {
     }
 }
 
+/// The address a request's connection came from (a request extension on
+/// everything [`serve`] hands the router).
+#[derive(Clone, Copy, Debug)]
+pub struct PeerAddr(pub SocketAddr);
+
 /// What the accept loop holds, for metrics and tests.
 #[derive(Debug, Default)]
 pub struct HttpStats {
@@ -240,11 +246,11 @@ impl Gate<'_> {
     async fn next(
         &mut self,
         mut shutdown: Pin<&mut impl Future<Output = ()>>,
-    ) -> std::io::Result<Option<(TcpStream, OwnedSemaphorePermit)>> {
-        let stream = loop {
+    ) -> std::io::Result<Option<(TcpStream, SocketAddr, OwnedSemaphorePermit)>> {
+        let (stream, peer) = loop {
             tokio::select! {
                 r = self.listener.accept() => match r {
-                    Ok((s, _)) => break s,
+                    Ok(accepted) => break accepted,
                     Err(e) => {
                         tracing::warn!("HTTP accept failed: {e}; retrying in {ACCEPT_BACKOFF:?}");
                         tokio::time::sleep(ACCEPT_BACKOFF).await;
@@ -278,7 +284,7 @@ impl Gate<'_> {
                 }
             }
         };
-        Ok(Some((stream, permit)))
+        Ok(Some((stream, peer, permit)))
     }
 }
 
@@ -312,7 +318,7 @@ pub async fn serve_counted(
         at_cap_logged: false,
     };
     loop {
-        let Some((stream, permit)) = gate.next(shutdown.as_mut()).await? else {
+        let Some((stream, peer, permit)) = gate.next(shutdown.as_mut()).await? else {
             break;
         };
         let _ = stream.set_nodelay(true);
@@ -322,10 +328,11 @@ pub async fn serve_counted(
         let req_stats = stats.clone();
         let limit = limits.header_timeout;
         let svc = tower::service_fn(move |req: hyper::Request<hyper::body::Incoming>| {
-            let req = req.map(|inner| {
+            let mut req = req.map(|inner| {
                 let idle = Box::pin(tokio::time::sleep(limit));
                 Body::new(TimedBody { inner, limit, idle })
             });
+            req.extensions_mut().insert(PeerAddr(peer));
             counter.fetch_add(1, Ordering::AcqRel);
             req_stats.in_flight.fetch_add(1, Ordering::AcqRel);
             let in_flight = InFlight(counter.clone(), req_stats.clone());

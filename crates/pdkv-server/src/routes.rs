@@ -6,6 +6,7 @@ use std::time::Instant;
 use axum::extract::State;
 use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
+use axum::Extension;
 use pdkv_engine::sampling::TokenLogprobs;
 use pdkv_engine::{FinishReason, RequestOutput, SamplingParams};
 use pdkv_model::{ChatMessage, Tokenizer};
@@ -15,6 +16,8 @@ use crate::admit::{usage_json, PromptIn};
 use crate::choices::{admit_group, parse_n, Choice, Group};
 use crate::error::ApiError;
 use crate::fields::Screened;
+use crate::ids::{RequestIds, Sender};
+use crate::listen::PeerAddr;
 use crate::logprobs;
 use crate::metrics::LifecycleGauges;
 use crate::openai::{
@@ -173,15 +176,17 @@ pub(crate) fn check_sampling_ids(
 /// Longest client-chosen request id, in bytes.
 const MAX_REQUEST_ID_LEN: usize = 256;
 
-/// The engine id of a new request: the client's `X-Request-Id` header, else
-/// its `request_id` body field, else a fresh `{prefix}<hex>` id. The same id
-/// is the response's `id`, so `/abort_requests` can name the request.
+/// The ids of a new request: the client's `X-Request-Id` header, else its
+/// `request_id` body field, scoped to the client for the engine (see
+/// [`crate::ids`]); else a fresh `{prefix}<hex>` id. The shown id is the
+/// response's `id`, so `/abort_requests` can name the request.
 pub(crate) fn choose_request_id(
     state: &AppState,
     headers: &HeaderMap,
+    peer: Option<Extension<PeerAddr>>,
     body_id: Option<&str>,
     prefix: &str,
-) -> Result<String, ApiError> {
+) -> Result<RequestIds, ApiError> {
     let (param, given) = match headers.get("x-request-id") {
         Some(v) => {
             let v = v.to_str().map_err(|_| {
@@ -192,7 +197,7 @@ pub(crate) fn choose_request_id(
         None => ("request_id", body_id),
     };
     let Some(id) = given else {
-        return Ok(state.next_request_id(prefix));
+        return Ok(RequestIds::made(state.next_request_id(prefix)));
     };
     if id.is_empty() || id.len() > MAX_REQUEST_ID_LEN {
         return Err(ApiError::invalid_param(
@@ -209,7 +214,14 @@ pub(crate) fn choose_request_id(
             format!("{param} must not contain control characters"),
         ));
     }
-    Ok(id.to_string())
+    let sender = Sender {
+        peer: peer.map(|Extension(PeerAddr(a))| a.ip()),
+        authorization: headers
+            .get(header::AUTHORIZATION)
+            .map(HeaderValue::as_bytes),
+        forwarded_for: headers.get("x-forwarded-for").map(HeaderValue::as_bytes),
+    };
+    Ok(state.scoped_request_id(id, &sender))
 }
 
 /// Echoes the request id in an `X-Request-Id` response header (when it is a
@@ -243,11 +255,12 @@ pub(crate) fn json_response(v: &Value) -> Response {
 pub async fn completions(
     State(state): State<AppState>,
     headers: HeaderMap,
+    peer: Option<Extension<PeerAddr>>,
     Screened(req): Screened<CompletionRequest>,
 ) -> Result<Response, ApiError> {
     let arrived = Instant::now();
     check_model(&state, req.model.as_deref())?;
-    let id = choose_request_id(&state, &headers, req.request_id.as_deref(), "cmpl-")?;
+    let ids = choose_request_id(&state, &headers, peer, req.request_id.as_deref(), "cmpl-")?;
     if req.suffix.as_deref().is_some_and(|s| !s.is_empty()) {
         return Err(ApiError::invalid_param("suffix", "suffix is not supported"));
     }
@@ -291,15 +304,16 @@ pub async fn completions(
     let include_usage = req.stream_options.is_some_and(|o| o.include_usage);
     if prepared.len() > 1 {
         if req.stream == Some(true) {
-            let (group, views) = admit_prompts(&state, &id, prepared, params, arrived, n).await?;
-            let group = Group::concat(id, group);
+            let (group, views) =
+                admit_prompts(&state, &ids.engine, prepared, params, arrived, n).await?;
+            let group = Group::concat(ids.shown, group);
             return Ok(stream_completion(group, views, n, model, include_usage));
         }
-        return batch_completion(&state, id, prepared, params, arrived, n, model).await;
+        return batch_completion(&state, ids, prepared, params, arrived, n, model).await;
     }
     let (prompt, view) = prepared.pop().expect("one prompt");
-    let kv = kv_params(req.kv_transfer_params, &id)?;
-    let group = admit_group(&state, id, prompt, params, kv, arrived, n).await?;
+    let kv = kv_params(req.kv_transfer_params, &ids.engine)?;
+    let group = admit_group(&state, ids, prompt, params, kv, arrived, n).await?;
 
     if req.stream.unwrap_or(false) {
         return Ok(stream_completion(
@@ -367,14 +381,15 @@ async fn prepare_prompt(
 /// adds up every prompt's.
 async fn batch_completion(
     state: &AppState,
-    id: String,
+    ids: RequestIds,
     prepared: Vec<(PromptIn, CompletionView)>,
     params: SamplingParams,
     arrived: Instant,
     n: usize,
     model: String,
 ) -> Result<Response, ApiError> {
-    let (groups, views) = admit_prompts(state, &id, prepared, params, arrived, n).await?;
+    let (groups, views) = admit_prompts(state, &ids.engine, prepared, params, arrived, n).await?;
+    let id = ids.shown;
     let created = groups[0].created;
     let (mut choices, mut prompt_tokens, mut completion_tokens) = (Vec::new(), 0, 0);
     for (k, (mut group, view)) in groups.into_iter().zip(views).enumerate() {
@@ -404,7 +419,7 @@ async fn batch_completion(
 /// `{id}-p{k}`), all before any is read so they run together.
 async fn admit_prompts(
     state: &AppState,
-    id: &str,
+    engine_id: &str,
     prepared: Vec<(PromptIn, CompletionView)>,
     params: SamplingParams,
     arrived: Instant,
@@ -414,7 +429,7 @@ async fn admit_prompts(
     for (k, (prompt, view)) in prepared.into_iter().enumerate() {
         let g = admit_group(
             state,
-            format!("{id}-p{k}"),
+            RequestIds::made(format!("{engine_id}-p{k}")),
             prompt,
             params.clone(),
             None,
@@ -640,11 +655,18 @@ impl CompletionView {
 pub async fn chat_completions(
     State(state): State<AppState>,
     headers: HeaderMap,
+    peer: Option<Extension<PeerAddr>>,
     Screened(req): Screened<ChatRequest>,
 ) -> Result<Response, ApiError> {
     let arrived = Instant::now();
     check_model(&state, req.model.as_deref())?;
-    let id = choose_request_id(&state, &headers, req.request_id.as_deref(), "chatcmpl-")?;
+    let ids = choose_request_id(
+        &state,
+        &headers,
+        peer,
+        req.request_id.as_deref(),
+        "chatcmpl-",
+    )?;
     let (messages, max_tokens) = check_chat_request(&state, &req)?;
     // Validate sampling fields before the (costly) template and tokenizer
     // (`max_tokens` is settled below once the prompt's length is known).
@@ -676,7 +698,7 @@ pub async fn chat_completions(
             u32::try_from(room.max(1)).unwrap_or(u32::MAX)
         }
     };
-    let kv = kv_params(req.kv_transfer_params, &id)?;
+    let kv = kv_params(req.kv_transfer_params, &ids.engine)?;
     let return_token_ids = req.return_token_ids.unwrap_or(false);
     let view = ChatView {
         tok: state.engine().tokenizer().clone(),
@@ -687,7 +709,7 @@ pub async fn chat_completions(
         prompt_ids: return_token_ids.then(|| prompt_tokens.clone()),
     };
     let prompt = PromptIn::new(prompt_tokens, req.cache_salt.clone())?;
-    let group = admit_group(&state, id, prompt, params, kv, arrived, n).await?;
+    let group = admit_group(&state, ids, prompt, params, kv, arrived, n).await?;
     let model = state.served_model_name().to_string();
 
     if req.stream.unwrap_or(false) {

@@ -6,10 +6,10 @@ use std::sync::Arc;
 
 use axum::body::Bytes;
 use axum::extract::{DefaultBodyLimit, State};
-use axum::http::{header, HeaderMap, StatusCode};
+use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
-use axum::Router;
+use axum::{Extension, Router};
 use pdkv_relay::plan::{Mode, Outcome, RelayPlan};
 use serde_json::{Map, Value};
 
@@ -19,6 +19,7 @@ use super::shared::Shared;
 use super::upstream::{retryable, Forwarded};
 use super::{fanout, metrics as proxy_metrics, relay};
 use crate::error::{parse_json, ApiError};
+use crate::listen::PeerAddr;
 use crate::MAX_BODY_BYTES;
 
 /// The proxy's routes.
@@ -142,6 +143,7 @@ async fn generate_once(
     let forwarded = Forwarded {
         request_id: headers.get("x-request-id").cloned(),
         authorization: headers.get(header::AUTHORIZATION).cloned(),
+        forwarded_for: headers.get(X_FORWARDED_FOR).cloned(),
         prefill_request_id: super::upstream::prefill_request_id(client_id, attempt),
     };
     let transfer_id = proxy.new_transfer_id();
@@ -197,6 +199,21 @@ fn refuse_body(proxy: &Shared, r: axum::extract::rejection::BytesRejection) -> R
     crate::error::body_rejection(r).into_response()
 }
 
+/// `headers` with `X-Forwarded-For` set to the client's address (whatever
+/// the client sent in it dropped): engines scope a client-chosen request id
+/// by it, so clients behind this proxy cannot claim each other's ids.
+fn forwarded_for(mut headers: HeaderMap, peer: Option<Extension<PeerAddr>>) -> HeaderMap {
+    headers.remove(X_FORWARDED_FOR);
+    if let Some(Extension(PeerAddr(addr))) = peer {
+        let ip = HeaderValue::from_str(&addr.ip().to_string()).expect("an IP address is ASCII");
+        headers.insert(X_FORWARDED_FOR, ip);
+    }
+    headers
+}
+
+/// The header a proxy names its client's address in.
+const X_FORWARDED_FOR: &str = "x-forwarded-for";
+
 /// A request body, or the OpenAI-shaped error for one the proxy will not
 /// read (over [`MAX_BODY_BYTES`]: a 413, as the engines answer).
 type BodyOrRefusal = Result<Bytes, axum::extract::rejection::BytesRejection>;
@@ -204,10 +221,19 @@ type BodyOrRefusal = Result<Bytes, axum::extract::rejection::BytesRejection>;
 async fn completions(
     State(proxy): State<Arc<Shared>>,
     headers: HeaderMap,
+    peer: Option<Extension<PeerAddr>>,
     body: BodyOrRefusal,
 ) -> Response {
     match body {
-        Ok(body) => generate(proxy, Endpoint::Completions, headers, body).await,
+        Ok(body) => {
+            generate(
+                proxy,
+                Endpoint::Completions,
+                forwarded_for(headers, peer),
+                body,
+            )
+            .await
+        }
         Err(r) => refuse_body(&proxy, r),
     }
 }
@@ -215,10 +241,19 @@ async fn completions(
 async fn chat_completions(
     State(proxy): State<Arc<Shared>>,
     headers: HeaderMap,
+    peer: Option<Extension<PeerAddr>>,
     body: BodyOrRefusal,
 ) -> Response {
     match body {
-        Ok(body) => generate(proxy, Endpoint::ChatCompletions, headers, body).await,
+        Ok(body) => {
+            generate(
+                proxy,
+                Endpoint::ChatCompletions,
+                forwarded_for(headers, peer),
+                body,
+            )
+            .await
+        }
         Err(r) => refuse_body(&proxy, r),
     }
 }
@@ -226,10 +261,19 @@ async fn chat_completions(
 async fn generate_tokens(
     State(proxy): State<Arc<Shared>>,
     headers: HeaderMap,
+    peer: Option<Extension<PeerAddr>>,
     body: BodyOrRefusal,
 ) -> Response {
     match body {
-        Ok(body) => generate(proxy, Endpoint::Generate, headers, body).await,
+        Ok(body) => {
+            generate(
+                proxy,
+                Endpoint::Generate,
+                forwarded_for(headers, peer),
+                body,
+            )
+            .await
+        }
         Err(r) => refuse_body(&proxy, r),
     }
 }

@@ -22,6 +22,8 @@ use crate::error::ApiError;
 pub(super) struct Forwarded {
     pub(super) request_id: Option<HeaderValue>,
     pub(super) authorization: Option<HeaderValue>,
+    /// The client's address, which engines scope its request id by.
+    pub(super) forwarded_for: Option<HeaderValue>,
     /// The id P is asked under where it is not D's: a request sent again
     /// after a retryable refusal asks P under a fresh id, since P may still
     /// hold the first attempt's (that call was dropped, and P lets its id
@@ -38,6 +40,7 @@ impl Forwarded {
                 .clone()
                 .or_else(|| self.request_id.clone()),
             authorization: self.authorization.clone(),
+            forwarded_for: self.forwarded_for.clone(),
             prefill_request_id: None,
         }
     }
@@ -81,6 +84,9 @@ impl Shared {
         }
         if let Some(id) = forwarded.request_id.clone() {
             req = req.header("x-request-id", id);
+        }
+        if let Some(ip) = forwarded.forwarded_for.clone() {
+            req = req.header("x-forwarded-for", ip);
         }
         let r = req.send().await;
         if let Err(e) = &r {
@@ -244,11 +250,13 @@ mod tests {
         let f = Forwarded {
             request_id: Some(HeaderValue::from_static("req-1")),
             authorization: Some(HeaderValue::from_static("Bearer k")),
+            forwarded_for: Some(HeaderValue::from_static("192.0.2.7")),
             prefill_request_id: prefill_request_id(Some("req-1"), 1),
         };
         let p = f.for_prefill();
         assert_eq!(p.request_id.unwrap(), "req-1-retry1");
         assert_eq!(p.authorization.unwrap(), "Bearer k");
+        assert_eq!(p.forwarded_for.unwrap(), "192.0.2.7");
         assert_eq!(f.request_id.unwrap(), "req-1");
     }
 }

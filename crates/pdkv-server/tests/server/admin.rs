@@ -121,6 +121,15 @@ impl Server {
 
     /// Opens a streaming completion that runs for a long time.
     async fn open_stream(&self, extra: Value, id_header: Option<&str>) -> SseReader {
+        let headers: Vec<(&str, &str)> = id_header
+            .map(|id| ("x-request-id", id))
+            .into_iter()
+            .collect();
+        self.open_stream_with(extra, &headers).await
+    }
+
+    /// [`Self::open_stream`] with the request headers `headers`.
+    async fn open_stream_with(&self, extra: Value, headers: &[(&str, &str)]) -> SseReader {
         let mut body = json!({
             "prompt": "a b c", "max_tokens": self.engine.max_model_len() - 16,
             "ignore_eos": true, "stream": true, "temperature": 0,
@@ -129,8 +138,8 @@ impl Server {
             body[k] = v.clone();
         }
         let mut req = self.client.post(self.url("/v1/completions")).json(&body);
-        if let Some(id) = id_header {
-            req = req.header("x-request-id", id);
+        for (k, v) in headers {
+            req = req.header(*k, *v);
         }
         let resp = req.send().await.expect("send");
         assert_eq!(resp.status(), StatusCode::OK);
@@ -942,6 +951,57 @@ async fn server_made_request_ids_cannot_be_squatted() {
         .await;
     assert_eq!(v["num_aborted"], json!(9));
     assert_eq!(seen.finish().await, (Some("abort".to_string()), true));
+    for mut h in held {
+        assert_eq!(h.finish().await, (Some("abort".to_string()), true));
+    }
+    s.wait_all_blocks_free().await;
+    s.stop().await;
+}
+
+/// A client-chosen id collides only with its own client's requests: a
+/// squatter that claims an id first (from another address, as the
+/// `X-Forwarded-For` a proxy sets tells, or with other credentials) refuses
+/// nobody; the same client choosing a live id again is a 409; each sees the
+/// id it chose, and an abort by that id ends every request running it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn client_chosen_ids_collide_only_with_the_same_clients_requests() {
+    let s = Server::start_admin_with("small", 7, Some(TOKEN), EngineConfig::default()).await;
+    let id = ("x-request-id", "job-1");
+    let squatters = [
+        [id, ("x-forwarded-for", "192.0.2.66")],
+        [id, ("authorization", "Bearer someone-else")],
+    ];
+    let mut held = Vec::new();
+    for h in &squatters {
+        held.push(s.open_stream_with(json!({}), h).await);
+    }
+    let honest = [id, ("x-forwarded-for", "192.0.2.1")];
+    let mut mine = s.open_stream_with(json!({}), &honest).await;
+    assert_eq!(mine.header_id.as_deref(), Some("job-1"));
+    assert_eq!(mine.next_json().await["id"], "job-1");
+    for h in &mut held {
+        assert_eq!(h.next_json().await["id"], "job-1");
+    }
+    // The same client again, while its job-1 runs.
+    let mut again = s
+        .client
+        .post(s.url("/v1/completions"))
+        .json(&greedy_body("x"));
+    for (k, v) in honest {
+        again = again.header(k, v);
+    }
+    let (status, v) = http::answer(again).await;
+    http::assert_error_code(status, &v, StatusCode::CONFLICT, "duplicate_request_id");
+
+    let v = s
+        .admin_ok(
+            Method::POST,
+            "/abort_requests",
+            Some(&json!({"request_ids": ["job-1"]})),
+        )
+        .await;
+    assert_eq!(v["aborted"], json!(["job-1"]), "{v}");
+    assert_eq!(mine.finish().await, (Some("abort".to_string()), true));
     for mut h in held {
         assert_eq!(h.finish().await, (Some("abort".to_string()), true));
     }

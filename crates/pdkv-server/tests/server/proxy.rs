@@ -1004,3 +1004,49 @@ async fn write_mode_refused_prefill_answers_ds_parked_pull_at_once() {
         .expect("P resumes");
     stop_with_colo(proxy, [p, d], colo).await;
 }
+
+/// Clients behind the proxy are told apart by their address: the proxy
+/// sets `X-Forwarded-For` to it (dropping whatever the client sent), so one
+/// client's request id cannot refuse another's, while a client's own
+/// duplicate is still a 409. (Loopback has a whole /8 to send from.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn clients_behind_the_proxy_choose_request_ids_apart() {
+    let (p, d, proxy) = paused_pd().await;
+    let body = greedy("The river", 4);
+    let send = |from: &str, forwarded_for: Option<&str>| {
+        let client = reqwest::Client::builder()
+            .local_address(from.parse::<std::net::IpAddr>().unwrap())
+            .build()
+            .unwrap();
+        let mut req = client
+            .post(proxy.url("/v1/completions"))
+            .header("x-request-id", "job-1")
+            .json(&body);
+        if let Some(f) = forwarded_for {
+            req = req.header("x-forwarded-for", f);
+        }
+        tokio::spawn(async move {
+            let resp = req.send().await.expect("send");
+            (resp.status(), resp.text().await.expect("body"))
+        })
+    };
+    let squatter = send("127.0.0.2", None);
+    wait_waiting(&p, 1.0).await;
+    let honest = send("127.0.0.3", None);
+    wait_waiting(&p, 2.0).await;
+    // The same client again, and the squatter naming another address: both
+    // duplicates of their own held request.
+    for (from, claimed) in [("127.0.0.3", None), ("127.0.0.2", Some("192.0.2.9"))] {
+        let (status, text) = send(from, claimed).await.unwrap();
+        assert_eq!(status, StatusCode::CONFLICT, "from {from}: {text}");
+    }
+    admin(&p, "/resume", None).await;
+    admin(&d, "/resume", None).await;
+    for held in [squatter, honest] {
+        let (status, text) = held.await.unwrap();
+        assert_eq!(status, StatusCode::OK, "{text}");
+        let v: Value = serde_json::from_str(&text).unwrap();
+        assert_eq!(v["id"], "job-1", "{v}");
+    }
+    stop_all(proxy, [p, d]).await;
+}
