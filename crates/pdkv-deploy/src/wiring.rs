@@ -42,6 +42,8 @@ pub struct EngineWiring {
     pub abort_timeout_s: Option<f64>,
     /// KV cache size of each engine, in blocks (`None`: the server's default).
     pub num_kv_blocks: Option<usize>,
+    /// Every engine's `--kv-cache-dtype` (`None`: its default).
+    pub kv_cache_dtype: Option<String>,
     /// Ranks of every engine, unless the role's own size below is given.
     pub tensor_parallel_size: u16,
     pub prefill_tensor_parallel_size: Option<u16>,
@@ -63,6 +65,7 @@ impl EngineWiring {
             kv_load_failure_policy: None,
             abort_timeout_s: None,
             num_kv_blocks: None,
+            kv_cache_dtype: None,
             tensor_parallel_size: 1,
             prefill_tensor_parallel_size: None,
             decode_tensor_parallel_size: None,
@@ -134,6 +137,9 @@ pub fn serve_args(
     v.extend(["--engine-id".to_string(), engine_id.to_string()]);
     if let Some(n) = w.num_kv_blocks {
         v.extend(["--num-kv-blocks".to_string(), n.to_string()]);
+    }
+    if let Some(d) = &w.kv_cache_dtype {
+        v.extend(["--kv-cache-dtype".to_string(), d.clone()]);
     }
     let tp = w.ranks(role);
     if tp > 1 {

@@ -53,6 +53,8 @@ pub struct EngineConfig {
     pub max_num_batched_tokens: usize,
     /// KV blocks of `pdkv_model::BLOCK_SIZE` tokens.
     pub num_kv_blocks: usize,
+    /// The KV cache's element type (`f16`: half the bytes a token).
+    pub kv_cache_dtype: pdkv_model::KvDtype,
     pub enable_prefix_caching: bool,
     /// Longest prompt + output, in tokens (defaults to the model's context).
     pub max_model_len: Option<usize>,
@@ -74,6 +76,7 @@ impl Default for EngineConfig {
             max_num_seqs: 32,
             max_num_batched_tokens: 512,
             num_kv_blocks: 512,
+            kv_cache_dtype: pdkv_model::KvDtype::F32,
             enable_prefix_caching: true,
             max_model_len: None,
             enable_sleep_mode: false,

@@ -13,7 +13,7 @@ use std::path::Path;
 use anyhow::Context;
 use pdkv_model::loader::{load_weights_like, reload_weights_into, ReloadError};
 use pdkv_model::tp::{self, TpModel};
-use pdkv_model::{KvCache, Model, SeqInput, Workspace};
+use pdkv_model::{KvCache, KvDtype, Model, SeqInput, Workspace};
 use pdkv_vmem::{Pool, Tag};
 
 use crate::connector::{KvCacheSpec, KvRank};
@@ -103,16 +103,17 @@ pub struct CpuModelRunner {
 }
 
 impl CpuModelRunner {
-    /// Allocates a KV cache of `num_kv_blocks` blocks and a workspace for
-    /// steps of `max_num_batched_tokens` tokens in `pool`.
+    /// Allocates a KV cache of `num_kv_blocks` blocks of `kv_dtype` and a
+    /// workspace for steps of `max_num_batched_tokens` tokens in `pool`.
     pub fn new(
         model: Model,
         pool: &Pool,
-        num_kv_blocks: usize,
+        (num_kv_blocks, kv_dtype): (usize, KvDtype),
         max_num_batched_tokens: usize,
     ) -> anyhow::Result<CpuModelRunner> {
         let config = model.config();
-        let kv = KvCache::new(pool, config, num_kv_blocks).context("allocating the KV cache")?;
+        let kv = KvCache::new(pool, config, num_kv_blocks, kv_dtype)
+            .context("allocating the KV cache")?;
         let ws = Workspace::new(pool, config, max_num_batched_tokens)
             .context("allocating the runtime workspace")?;
         Ok(CpuModelRunner { model, kv, ws })
@@ -153,10 +154,11 @@ fn kv_spec(arch: &str, ranks: &[(&KvCache, usize)]) -> KvCacheSpec {
         num_kv_heads,
         block_size: kv.block_size(),
         layout: format!(
-            "{arch}:layers={}:kv_heads={num_kv_heads}:head_dim={}:block={}:head_major:f32",
+            "{arch}:layers={}:kv_heads={num_kv_heads}:head_dim={}:block={}:head_major:{}",
             kv.num_layers(),
             kv.kv_dim() / kv.num_kv_heads(),
-            kv.block_size()
+            kv.block_size(),
+            kv.dtype().as_str()
         ),
     }
 }
@@ -224,7 +226,7 @@ impl TpModelRunner {
     pub fn new(
         model: Model,
         pools: Vec<Pool>,
-        num_kv_blocks: usize,
+        num_kv_blocks: (usize, KvDtype),
         max_num_batched_tokens: usize,
     ) -> anyhow::Result<TpModelRunner> {
         let size = pools.len();

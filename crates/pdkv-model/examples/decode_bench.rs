@@ -8,7 +8,7 @@ use std::path::PathBuf;
 use pdkv_model::bench::{
     decode_throughput, measure_copy_bandwidth, prefill_throughput, synthetic_model,
 };
-use pdkv_model::{Arch, Model, ModelConfig};
+use pdkv_model::{Arch, KvDtype, Model, ModelConfig};
 use pdkv_vmem::Pool;
 
 fn smollm2_shape() -> ModelConfig {
@@ -56,12 +56,12 @@ fn main() -> anyhow::Result<()> {
         Some(p) => pdkv_model::load_model(p, &pool, &mut |_| {})?.model,
         None => synthetic_model(&pool, &smollm2_shape(), 1)?,
     };
-    let pf = prefill_throughput(&model, &pool, 512, 256)?;
+    let pf = prefill_throughput(&model, &pool, 512, 256, KvDtype::F32)?;
     println!("prefill 512 tokens in chunks of 256: {pf:.1} tok/s");
     let bw = measure_copy_bandwidth();
     println!("copy bandwidth: {:.2} GB/s", bw / 1e9);
     for b in batches {
-        let r = decode_throughput(&model, &pool, b, context, steps)?;
+        let r = decode_throughput(&model, &pool, (b, context, steps), KvDtype::F32)?;
         let roof = bw / r.weight_bytes_per_token as f64;
         println!(
             "batch {:>3} context {:>4}: {:>8.1} tok/s  step {:>7.2} ms  weights {:.0} MB/step  {:.2} GB/s  roofline(batch 1) {:.1} steps/s  fraction {:.2}",

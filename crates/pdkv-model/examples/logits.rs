@@ -3,7 +3,7 @@
 //!
 //! `logits MODEL_PATH OUT.f32 ID ID ...` (f32 little-endian, one vocab row).
 
-use pdkv_model::{load_model, KvCache, SeqInput, Workspace, BLOCK_SIZE};
+use pdkv_model::{load_model, KvCache, KvDtype, SeqInput, Workspace, BLOCK_SIZE};
 use pdkv_vmem::Pool;
 
 fn main() -> anyhow::Result<()> {
@@ -17,7 +17,7 @@ fn main() -> anyhow::Result<()> {
     let m = load_model(path.as_ref(), &pool, &mut |_| {})?;
     let cfg = m.model.config();
     let blocks = ids.len().div_ceil(BLOCK_SIZE);
-    let kv = KvCache::new(&pool, cfg, blocks)?;
+    let kv = KvCache::new(&pool, cfg, blocks, KvDtype::F32)?;
     let mut ws = Workspace::new(&pool, cfg, ids.len())?;
     let table: Vec<u32> = (0..blocks as u32).collect();
     let mut logits = Vec::new();

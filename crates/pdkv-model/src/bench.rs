@@ -7,7 +7,7 @@ use pdkv_vmem::Pool;
 use rayon::prelude::*;
 
 use crate::kernels;
-use crate::{KvCache, Model, SeqInput, Workspace, BLOCK_SIZE};
+use crate::{KvCache, KvDtype, Model, SeqInput, Workspace, BLOCK_SIZE};
 
 /// Copy bandwidth in bytes per second (bytes read plus bytes written), best
 /// of several passes copying a 256 MiB array with all math threads.
@@ -54,13 +54,12 @@ pub struct DecodeResult {
 pub fn decode_throughput(
     model: &Model,
     pool: &Pool,
-    batch: usize,
-    context: usize,
-    steps: usize,
+    (batch, context, steps): (usize, usize, usize),
+    kv_dtype: KvDtype,
 ) -> anyhow::Result<DecodeResult> {
     let blocks_per_seq = blocks_per_seq(batch, context, steps)?;
     let cfg = model.config();
-    let kv = KvCache::new(pool, cfg, batch * blocks_per_seq)?;
+    let kv = KvCache::new(pool, cfg, batch * blocks_per_seq, kv_dtype)?;
     let mut ws = Workspace::new(pool, cfg, context.min(PREFILL_CHUNK).max(batch))?;
     let bytes = model.weights().bytes_read_per_token();
     decode_steps(cfg, bytes, (batch, context, steps), &mut |seqs, out| {
@@ -86,14 +85,14 @@ fn blocks_per_seq(batch: usize, context: usize, steps: usize) -> anyhow::Result<
 pub fn decode_throughput_tp(
     model: &Model,
     size: usize,
-    batch: usize,
-    context: usize,
-    steps: usize,
+    (batch, context, steps): (usize, usize, usize),
+    kv_dtype: KvDtype,
 ) -> anyhow::Result<DecodeResult> {
     let blocks_per_seq = blocks_per_seq(batch, context, steps)?;
     let pools = (0..size).map(|_| Pool::default()).collect();
     let max_tokens = context.min(PREFILL_CHUNK).max(batch);
-    let mut tpm = crate::tp::TpModel::new(model, pools, batch * blocks_per_seq, max_tokens)?;
+    let mut tpm =
+        crate::tp::TpModel::new(model, pools, (batch * blocks_per_seq, kv_dtype), max_tokens)?;
     let bytes = model.weights().bytes_read_per_token();
     decode_steps(
         model.config(),
@@ -186,11 +185,12 @@ pub fn prefill_throughput(
     pool: &Pool,
     tokens: usize,
     chunk: usize,
+    kv_dtype: KvDtype,
 ) -> anyhow::Result<f64> {
     anyhow::ensure!(tokens > 0 && chunk > 0, "tokens and chunk must be positive");
     let cfg = model.config();
     let blocks = tokens.div_ceil(BLOCK_SIZE);
-    let kv = KvCache::new(pool, cfg, blocks)?;
+    let kv = KvCache::new(pool, cfg, blocks, kv_dtype)?;
     let mut ws = Workspace::new(pool, cfg, chunk.min(tokens))?;
     let table: Vec<u32> = (0..blocks as u32).collect();
     let toks: Vec<u32> = (0..tokens)

@@ -12,8 +12,8 @@ use anyhow::{bail, ensure};
 use rayon::prelude::*;
 
 use crate::bf16dot;
-use crate::kernels::{self, AttnQuery, Linear};
-use crate::kv::KvCache;
+use crate::kernels::{self, AttnQuery, KvElem, Linear};
+use crate::kv::{KvCache, KvDtype};
 use crate::qkernels::{self, QActs, QLinear, QType};
 use crate::tp::rank::RankTp;
 use crate::weights::{LayerWeights, Mat, Weights};
@@ -589,6 +589,14 @@ impl Step<'_, '_> {
     /// Attention of every query row of the step (`q`: `[T, q_dim]`) over
     /// layer `li`'s cache, into `att` (`[T, q_dim]`), a task per thread job.
     fn attend(&self, li: usize, hd: usize, q_dim: usize, q: &[f32], att: &mut [f32]) {
+        match self.kv.dtype() {
+            KvDtype::F32 => self.attend_as::<f32>(li, hd, q_dim, q, att),
+            KvDtype::F16 => self.attend_as::<half::f16>(li, hd, q_dim, q, att),
+        }
+    }
+
+    /// [`Self::attend`] over a cache of `E` elements.
+    fn attend_as<E: KvElem>(&self, li: usize, hd: usize, q_dim: usize, q: &[f32], att: &mut [f32]) {
         let scale = (1.0 / (hd as f64).sqrt()) as f32;
         let (kv, seqs) = (self.kv, self.seqs);
         let att = RawPtr(att.as_mut_ptr());
@@ -596,7 +604,7 @@ impl Step<'_, '_> {
         self.tasks.par_iter().for_each(|task| {
             let s = &seqs[task.seq];
             let need = (s.start_pos + s.tokens.len()).div_ceil(BLOCK_SIZE);
-            let rows = kv.paged_rows(li, task.kv_head, hd, &s.block_table[..need]);
+            let rows = kv.paged_rows::<E>(li, task.kv_head, hd, &s.block_table[..need]);
             // The task's queries go through the tiles together, up
             // to `ATTN_QUERIES` at a time.
             let mut qs = [AttnQuery::EMPTY; ATTN_QUERIES];

@@ -3,9 +3,10 @@
 //! Layout is block-major so that one block is one contiguous byte range
 //! (what a transfer moves), and head-major inside a block: block `b` holds,
 //! for each KV head `h`, for each layer `l`, K then V, each
-//! `[BLOCK_SIZE, head_dim]` f32:
+//! `[BLOCK_SIZE, head_dim]` elements of the cache's [`KvDtype`] (`f32`, or
+//! `f16`: half the bytes per token, for memory and for every transfer):
 //! offset(b, h, l, kv) = (((b * num_kv_heads + h) * num_layers + l) * 2 + kv)
-//! * BLOCK_SIZE * head_dim * 4.
+//! * BLOCK_SIZE * head_dim * element bytes.
 //!
 //! So the KV heads `h0..h1` of a block are one contiguous byte range of it,
 //! `[h0 * head_bytes, h1 * head_bytes)` (`head_bytes`: one head's part), and
@@ -17,8 +18,64 @@ use std::sync::Arc;
 
 use pdkv_vmem::{Pool, Region, Tag};
 
-use crate::kernels::PagedRows;
+use crate::kernels::{KvElem, PagedRows};
 use crate::{ModelConfig, BLOCK_SIZE};
+
+/// The element type of the KV cache.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum KvDtype {
+    /// 4 bytes an element: the activations' own precision.
+    #[default]
+    F32,
+    /// IEEE half precision, 2 bytes an element: K and V are rounded to it
+    /// as they are written and widened back as attention reads them.
+    F16,
+}
+
+impl KvDtype {
+    /// What `auto` means: see `pdkv bench decode --kv-cache-dtype` and the
+    /// perplexity figures in README.md for the choice.
+    pub const AUTO: KvDtype = KvDtype::F32;
+
+    /// Bytes of one element.
+    pub fn bytes(self) -> usize {
+        match self {
+            KvDtype::F32 => 4,
+            KvDtype::F16 => 2,
+        }
+    }
+
+    /// The name `--kv-cache-dtype` and the KV layout use.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            KvDtype::F32 => "f32",
+            KvDtype::F16 => "f16",
+        }
+    }
+}
+
+impl std::str::FromStr for KvDtype {
+    type Err = String;
+
+    /// `auto` ([`KvDtype::AUTO`]), `f32` (also `float32`) or `f16` (also
+    /// `float16`, `half`).
+    fn from_str(s: &str) -> Result<KvDtype, String> {
+        match s {
+            "auto" => Ok(KvDtype::AUTO),
+            "f32" | "float32" | "float" => Ok(KvDtype::F32),
+            "f16" | "float16" | "half" => Ok(KvDtype::F16),
+            other => Err(format!(
+                "KV cache dtype {other:?} is not supported here (supported: auto, f32, f16)"
+            )),
+        }
+    }
+}
+
+impl std::fmt::Display for KvDtype {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
 
 pub struct KvCache {
     region: Arc<Region>,
@@ -26,13 +83,20 @@ pub struct KvCache {
     num_layers: usize,
     num_kv_heads: usize,
     head_dim: usize,
+    dtype: KvDtype,
 }
 
 impl KvCache {
-    /// Allocates `num_blocks` blocks for `cfg` in a `kv_cache` region of `pool`.
-    pub fn new(pool: &Pool, cfg: &ModelConfig, num_blocks: usize) -> anyhow::Result<KvCache> {
+    /// Allocates `num_blocks` blocks of `dtype` for `cfg` in a `kv_cache`
+    /// region of `pool`.
+    pub fn new(
+        pool: &Pool,
+        cfg: &ModelConfig,
+        num_blocks: usize,
+        dtype: KvDtype,
+    ) -> anyhow::Result<KvCache> {
         anyhow::ensure!(num_blocks > 0, "the KV cache needs at least one block");
-        let block_bytes = Self::block_bytes_for(cfg);
+        let block_bytes = Self::block_bytes_for(cfg, dtype);
         let region = pool.allocate(Tag::KvCache, block_bytes * num_blocks)?;
         Ok(KvCache {
             region,
@@ -40,18 +104,23 @@ impl KvCache {
             num_layers: cfg.num_layers,
             num_kv_heads: cfg.num_kv_heads,
             head_dim: cfg.head_dim,
+            dtype,
         })
     }
 
-    pub fn block_bytes_for(cfg: &ModelConfig) -> usize {
-        cfg.num_layers * 2 * BLOCK_SIZE * cfg.kv_dim() * 4
+    pub fn block_bytes_for(cfg: &ModelConfig, dtype: KvDtype) -> usize {
+        cfg.num_layers * 2 * BLOCK_SIZE * cfg.kv_dim() * dtype.bytes()
+    }
+
+    pub fn dtype(&self) -> KvDtype {
+        self.dtype
     }
 
     pub fn num_layers(&self) -> usize {
         self.num_layers
     }
 
-    /// Floats per token per layer in each of K and V: `num_kv_heads * head_dim`.
+    /// Elements per token per layer in each of K and V: `num_kv_heads * head_dim`.
     pub fn kv_dim(&self) -> usize {
         self.num_kv_heads * self.head_dim
     }
@@ -62,7 +131,7 @@ impl KvCache {
 
     /// Bytes of one KV head's part of a block (all layers, K and V).
     pub fn head_bytes(&self) -> usize {
-        self.num_layers * 2 * BLOCK_SIZE * self.head_dim * 4
+        self.num_layers * 2 * BLOCK_SIZE * self.head_dim * self.dtype.bytes()
     }
 
     pub fn num_blocks(&self) -> usize {
@@ -82,7 +151,7 @@ impl KvCache {
     }
 
     /// Byte offset of head `head`'s K (`kv == 0`) or V (`kv == 1`) rows of
-    /// `layer` in `block`: `BLOCK_SIZE` rows of `head_dim` floats.
+    /// `layer` in `block`: `BLOCK_SIZE` rows of `head_dim` elements.
     pub fn rows_offset(&self, block: usize, head: usize, layer: usize, kv: usize) -> usize {
         debug_assert!(
             block < self.num_blocks
@@ -93,21 +162,31 @@ impl KvCache {
         (((block * self.num_kv_heads + head) * self.num_layers + layer) * 2 + kv)
             * BLOCK_SIZE
             * self.head_dim
-            * 4
+            * self.dtype.bytes()
     }
 
-    /// Reads head `head`'s K or V rows of `layer` in `block`.
+    /// Reads head `head`'s K or V rows of `layer` in `block`, widened to
+    /// `f32`.
     ///
     /// # Safety
-    /// No one may write these rows while the slice lives.
-    pub unsafe fn rows(&self, block: usize, head: usize, layer: usize, kv: usize) -> &[f32] {
+    /// No one may write these rows while this runs.
+    pub unsafe fn rows(&self, block: usize, head: usize, layer: usize, kv: usize) -> Vec<f32> {
+        let (at, n) = (
+            self.rows_offset(block, head, layer, kv),
+            BLOCK_SIZE * self.head_dim,
+        );
         // SAFETY: `rows_offset` places the rows inside the region (it checks
         // the indices); the caller guarantees no one writes them meanwhile.
         unsafe {
-            self.region.slice::<f32>(
-                self.rows_offset(block, head, layer, kv),
-                BLOCK_SIZE * self.head_dim,
-            )
+            match self.dtype {
+                KvDtype::F32 => self.region.slice::<f32>(at, n).to_vec(),
+                KvDtype::F16 => self
+                    .region
+                    .slice::<half::f16>(at, n)
+                    .iter()
+                    .map(|x| x.to_f32())
+                    .collect(),
+            }
         }
     }
 
@@ -126,38 +205,61 @@ impl KvCache {
         assert!(block < self.num_blocks && layer < self.num_layers && slot < BLOCK_SIZE);
         let hd = self.head_dim;
         assert!(k.len() == self.kv_dim() && v.len() == self.kv_dim());
-        let base = self.region.base() as *mut f32;
+        let base = self.region.base();
+        let eb = self.dtype.bytes();
         for h in 0..self.num_kv_heads {
-            // SAFETY: the indices were checked above, so each row of `hd`
-            // floats lies inside the region; `k` and `v` hold every head's
-            // row (checked above) and are not in the region's token rows;
-            // the caller guarantees no one else touches these rows.
-            unsafe {
-                let k_at = base.add(self.rows_offset(block, h, layer, 0) / 4 + slot * hd);
-                let v_at = base.add(self.rows_offset(block, h, layer, 1) / 4 + slot * hd);
-                std::ptr::copy_nonoverlapping(k[h * hd..].as_ptr(), k_at, hd);
-                std::ptr::copy_nonoverlapping(v[h * hd..].as_ptr(), v_at, hd);
+            for (kv, src) in [(0, &k[h * hd..(h + 1) * hd]), (1, &v[h * hd..(h + 1) * hd])] {
+                let at = self.rows_offset(block, h, layer, kv) + slot * hd * eb;
+                // SAFETY: the indices were checked above, so the row of `hd`
+                // elements at `at` lies inside the region (aligned to its
+                // element: every offset is a multiple of it); `src` is not in
+                // the region's token rows; the caller guarantees no one else
+                // touches these rows.
+                unsafe {
+                    let dst = base.add(at);
+                    match self.dtype {
+                        KvDtype::F32 => {
+                            std::ptr::copy_nonoverlapping(src.as_ptr(), dst.cast::<f32>(), hd)
+                        }
+                        KvDtype::F16 => {
+                            use half::slice::HalfFloatSliceExt;
+                            std::slice::from_raw_parts_mut(dst.cast::<half::f16>(), hd)
+                                .convert_from_f32_slice(src)
+                        }
+                    }
+                }
             }
         }
     }
 
-    /// Where KV head `kv_head` of `layer` lives for a sequence with `block_table`.
+    /// Where KV head `kv_head` of `layer` lives for a sequence with
+    /// `block_table`, as elements of type `E` (the cache's dtype: checked).
     /// Every id in `block_table` must be `< num_blocks` (checked by the caller).
-    pub(crate) fn paged_rows<'a>(
+    pub(crate) fn paged_rows<'a, E: KvElem>(
         &self,
         layer: usize,
         kv_head: usize,
         head_dim: usize,
         block_table: &'a [u32],
-    ) -> PagedRows<'a> {
+    ) -> PagedRows<'a, E> {
         debug_assert_eq!(head_dim, self.head_dim);
+        assert_eq!(
+            std::mem::size_of::<E>(),
+            self.dtype.bytes(),
+            "rows of another dtype"
+        );
+        let eb = self.dtype.bytes();
         let rows = BLOCK_SIZE * self.head_dim;
         PagedRows {
-            base: (self.region.base() as *const f32)
-                .wrapping_add(self.rows_offset(0, kv_head, layer, 0) / 4),
+            base: self
+                .region
+                .base()
+                .wrapping_add(self.rows_offset(0, kv_head, layer, 0))
+                .cast::<E>()
+                .cast_const(),
             block_table,
             block_size: BLOCK_SIZE,
-            block_stride: self.block_bytes() / 4,
+            block_stride: self.block_bytes() / eb,
             row_stride: self.head_dim,
             head_offset: 0,
             v_offset: rows,

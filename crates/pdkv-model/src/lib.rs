@@ -31,7 +31,7 @@ pub mod workspace;
 pub use chat::{ChatMessage, ChatTemplate};
 pub use config::{Arch, ModelConfig};
 pub use forward::{Model, SeqInput, Workspace};
-pub use kv::KvCache;
+pub use kv::{KvCache, KvDtype};
 pub use loader::{load_model, load_model_as, LoadProgress, LoadedModel, WeightFormat};
 pub use tokenizer::Tokenizer;
 

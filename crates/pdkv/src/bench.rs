@@ -33,6 +33,9 @@ pub struct DecodeArgs {
     /// --tensor-parallel-size`).
     #[arg(long, short = 't', default_value_t = 1)]
     pub tensor_parallel_size: usize,
+    /// The KV cache's element type (see `pdkv serve --kv-cache-dtype`).
+    #[arg(long, default_value = "auto")]
+    pub kv_cache_dtype: pdkv_model::KvDtype,
 }
 
 #[derive(Args, Debug)]
@@ -49,6 +52,9 @@ pub struct PrefillArgs {
     /// Timed prompts per length (the best is reported; one untimed prompt warms up first).
     #[arg(long, default_value_t = 2)]
     pub repeats: usize,
+    /// The KV cache's element type (see `pdkv serve --kv-cache-dtype`).
+    #[arg(long, default_value = "auto")]
+    pub kv_cache_dtype: pdkv_model::KvDtype,
 }
 
 pub fn run_prefill(args: PrefillArgs) -> anyhow::Result<()> {
@@ -79,13 +85,20 @@ pub fn run_prefill(args: PrefillArgs) -> anyhow::Result<()> {
         &pool,
         args.tokens[0].min(args.chunk),
         args.chunk,
+        args.kv_cache_dtype,
     )?;
     let mut per_len: Vec<(usize, f64)> = Vec::new();
     for &tokens in &args.tokens {
         let mut best = 0f64;
         for _ in 0..args.repeats {
-            let t = pdkv_model::bench::prefill_throughput(model, &pool, tokens, args.chunk)
-                .with_context(|| format!("a prompt of {tokens} tokens"))?;
+            let t = pdkv_model::bench::prefill_throughput(
+                model,
+                &pool,
+                tokens,
+                args.chunk,
+                args.kv_cache_dtype,
+            )
+            .with_context(|| format!("a prompt of {tokens} tokens"))?;
             best = best.max(t);
         }
         println!("{tokens:>7} {best:>12.1}");
@@ -139,10 +152,18 @@ pub fn run_decode(args: DecodeArgs) -> anyhow::Result<()> {
     let mut roofline_b1 = Value::Null;
     for &batch in &args.batch_sizes {
         let r = match args.tensor_parallel_size {
-            1 => {
-                pdkv_model::bench::decode_throughput(model, &pool, batch, args.context, args.steps)
-            }
-            n => pdkv_model::bench::decode_throughput_tp(model, n, batch, args.context, args.steps),
+            1 => pdkv_model::bench::decode_throughput(
+                model,
+                &pool,
+                (batch, args.context, args.steps),
+                args.kv_cache_dtype,
+            ),
+            n => pdkv_model::bench::decode_throughput_tp(
+                model,
+                n,
+                (batch, args.context, args.steps),
+                args.kv_cache_dtype,
+            ),
         }
         .with_context(|| format!("decoding at batch {batch}"))?;
         println!("{:>6} {:>12.1} {:>10.2}", batch, r.tokens_per_s, r.step_ms);

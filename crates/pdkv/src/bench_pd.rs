@@ -57,6 +57,10 @@ pub struct PdArgs {
     /// KV cache blocks per engine (16 tokens each).
     #[arg(long, default_value_t = 2304)]
     pub num_kv_blocks: usize,
+    /// Every engine's KV cache element type (see `pdkv serve
+    /// --kv-cache-dtype`).
+    #[arg(long, default_value = "auto")]
+    pub kv_cache_dtype: pdkv_model::KvDtype,
     /// Most tokens computed in one engine step.
     #[arg(long, default_value_t = 512)]
     pub max_num_batched_tokens: usize,
@@ -140,6 +144,7 @@ fn start_engine(
         max_num_seqs: 64,
         max_num_batched_tokens: args.max_num_batched_tokens,
         num_kv_blocks: args.num_kv_blocks,
+        kv_cache_dtype: args.kv_cache_dtype,
         enable_prefix_caching: true,
         max_model_len: None,
         enable_sleep_mode: connector.as_ref().is_some_and(|c| c.supports_sleep_mode()),

@@ -238,6 +238,7 @@ async fn start_deployment(args: &ServeBenchArgs, procs: &mut Vec<Proc>) -> anyho
         kv_secret: None,
         api_key: None,
         num_kv_blocks: args.num_kv_blocks,
+        kv_cache_dtype: pdkv_model::KvDtype::AUTO,
         tensor_parallel_size: 1,
         prefill_tensor_parallel_size: None,
         decode_tensor_parallel_size: None,

@@ -40,6 +40,12 @@ pub struct ServeArgs {
     /// KV cache size in blocks of 16 tokens (512 blocks = 8192 tokens).
     #[arg(long, default_value_t = 512)]
     pub num_kv_blocks: usize,
+    /// The KV cache's element type: `f16` keeps half the bytes a token
+    /// (memory, and every P/D transfer), `f32` the activations' precision;
+    /// `auto` is f32. P and D must agree (their handshake refuses a
+    /// mismatch, naming both).
+    #[arg(long, default_value = "auto")]
+    pub kv_cache_dtype: pdkv_model::KvDtype,
     /// Longest prompt + output in tokens (default: the model's context).
     #[arg(long)]
     pub max_model_len: Option<usize>,
@@ -178,6 +184,7 @@ fn engine_config(args: &ServeArgs) -> anyhow::Result<EngineConfig> {
         max_num_seqs: args.max_num_seqs,
         max_num_batched_tokens: args.max_num_batched_tokens,
         num_kv_blocks: args.num_kv_blocks,
+        kv_cache_dtype: args.kv_cache_dtype,
         enable_prefix_caching: !args.no_prefix_caching,
         max_model_len: args.max_model_len,
         enable_sleep_mode: args.enable_sleep_mode,

@@ -96,6 +96,10 @@ pub struct UpArgs {
     /// KV cache size of each server, in blocks of 16 tokens.
     #[arg(long)]
     pub num_kv_blocks: Option<usize>,
+    /// Every server's KV cache element type (see `pdkv serve
+    /// --kv-cache-dtype`).
+    #[arg(long, default_value = "auto")]
+    pub kv_cache_dtype: pdkv_model::KvDtype,
     /// Ranks each server splits the model over (tensor parallelism); each
     /// rank moves its own KV heads.
     #[arg(long, short = 't', default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=64))]
@@ -196,6 +200,8 @@ fn spec(args: &UpArgs, model: &std::path::Path, ports: &Ports) -> anyhow::Result
     let mut wiring = EngineWiring::new(args.transport, args.transfer_mode);
     wiring.kv_load_failure_policy = args.kv_load_failure_policy;
     wiring.num_kv_blocks = args.num_kv_blocks;
+    wiring.kv_cache_dtype =
+        (args.kv_cache_dtype != pdkv_model::KvDtype::AUTO).then(|| args.kv_cache_dtype.to_string());
     wiring.tensor_parallel_size = args.tensor_parallel_size;
     wiring.prefill_tensor_parallel_size = args.prefill_tensor_parallel_size;
     wiring.decode_tensor_parallel_size = args.decode_tensor_parallel_size;

@@ -81,7 +81,7 @@ impl Engine {
             let runner = CpuModelRunner::new(
                 model,
                 &pool,
-                config.num_kv_blocks,
+                (config.num_kv_blocks, config.kv_cache_dtype),
                 config.max_num_batched_tokens,
             )?;
             (Box::new(runner), RankPools::single(pool))
@@ -92,7 +92,7 @@ impl Engine {
             let runner = TpModelRunner::new(
                 model,
                 ranks.clone(),
-                config.num_kv_blocks,
+                (config.num_kv_blocks, config.kv_cache_dtype),
                 config.max_num_batched_tokens,
             )?;
             (Box::new(runner), RankPools::new(ranks))

@@ -2,15 +2,16 @@
 //! softmax, swept by all the query heads of a task together (see
 //! [`attend_many`]).
 
+use super::elem::KvElem;
 use crate::dispatch::{backend, Backend};
 
-/// Where a KV head's rows live in a paged cache, in floats from `base`:
+/// Where a KV head's rows live in a paged cache, in elements from `base`:
 /// the K row of position `t` is at
 /// `block_table[t / block_size] * block_stride + (t % block_size) * row_stride + head_offset`,
-/// and the V row `v_offset` floats further.
+/// and the V row `v_offset` elements further.
 #[derive(Clone, Copy)]
-pub struct PagedRows<'a> {
-    pub base: *const f32,
+pub struct PagedRows<'a, E: KvElem = f32> {
+    pub base: *const E,
     pub block_table: &'a [u32],
     pub block_size: usize,
     pub block_stride: usize,
@@ -19,9 +20,9 @@ pub struct PagedRows<'a> {
     pub v_offset: usize,
 }
 
-impl PagedRows<'_> {
+impl<E: KvElem> PagedRows<'_, E> {
     #[inline(always)]
-    pub(crate) fn k_row(&self, t: usize) -> *const f32 {
+    pub(crate) fn k_row(&self, t: usize) -> *const E {
         let b = self.block_table[t / self.block_size] as usize;
         let off =
             b * self.block_stride + (t % self.block_size) * self.row_stride + self.head_offset;
@@ -109,7 +110,12 @@ pub unsafe fn attend(args: &AttendArgs<'_>, out: &mut [f32]) {
 /// position up to the largest `pos`, not written while this runs; each
 /// query's `q` must point at `head_dim` readable floats and its `out` at
 /// `head_dim` writable floats that nothing else touches meanwhile.
-pub unsafe fn attend_many(rows: &PagedRows<'_>, head_dim: usize, scale: f32, qs: &mut [AttnQuery]) {
+pub unsafe fn attend_many<E: KvElem>(
+    rows: &PagedRows<'_, E>,
+    head_dim: usize,
+    scale: f32,
+    qs: &mut [AttnQuery],
+) {
     // SAFETY: as this function's contract; `backend()` is one the CPU has.
     unsafe { attend_many_with(backend(), rows, head_dim, scale, qs) }
 }
@@ -118,9 +124,9 @@ pub unsafe fn attend_many(rows: &PagedRows<'_>, head_dim: usize, scale: f32, qs:
 ///
 /// # Safety
 /// As [`attend_many`]'s; the CPU has `be`'s instructions.
-pub(super) unsafe fn attend_many_with(
+pub(super) unsafe fn attend_many_with<E: KvElem>(
     be: Backend,
-    rows: &PagedRows<'_>,
+    rows: &PagedRows<'_, E>,
     head_dim: usize,
     scale: f32,
     qs: &mut [AttnQuery],
@@ -154,12 +160,12 @@ pub(super) unsafe fn attend_many_with(
 /// As [`attend_many`]'s, for `hd` floats per row; `tile` computes one tile
 /// for one query within that contract.
 #[inline(always)]
-unsafe fn attend_many_generic(
-    rows: &PagedRows<'_>,
+unsafe fn attend_many_generic<E: KvElem>(
+    rows: &PagedRows<'_, E>,
     hd: usize,
     scale: f32,
     qs: &mut [AttnQuery],
-    tile: impl Fn(&mut AttnQuery, &[*const f32; KEY_TILE], usize, usize, f32, usize),
+    tile: impl Fn(&mut AttnQuery, &[*const E; KEY_TILE], usize, usize, f32, usize),
 ) {
     // SAFETY: the caller guarantees `attend_many`'s contract: the rows
     // of every position up to the largest `pos` are readable, and each
@@ -299,9 +305,9 @@ pub(super) mod avx2 {
     ///
     /// # Safety
     /// As [`super::attend_many`]'s; the CPU has AVX2 and FMA.
-    #[target_feature(enable = "avx2,fma")]
-    pub(super) unsafe fn attend_many(
-        rows: &super::PagedRows<'_>,
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn attend_many<E: super::KvElem>(
+        rows: &super::PagedRows<'_, E>,
         hd: usize,
         scale: f32,
         qs: &mut [super::AttnQuery],
@@ -327,9 +333,9 @@ pub(super) mod avx2 {
     /// floats further) hold `hd` readable floats; `q.q` points at `hd` readable
     /// floats and `q.out` at `hd` writable ones nothing else touches.
     #[inline(always)]
-    unsafe fn attend_tile(
+    unsafe fn attend_tile<E: super::KvElem>(
         q: &mut super::AttnQuery,
-        kp: &[*const f32; super::KEY_TILE],
+        kp: &[*const E; super::KEY_TILE],
         v_offset: usize,
         hd: usize,
         scale: f32,
@@ -349,7 +355,7 @@ pub(super) mod avx2 {
                 while p < hd8 {
                     let qv = _mm256_loadu_ps(qp.add(p));
                     for (i, a) in acc.iter_mut().enumerate() {
-                        *a = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kp[8 * h + i].add(p)), *a);
+                        *a = _mm256_fmadd_ps(qv, E::load8(kp[8 * h + i].add(p)), *a);
                     }
                     p += 8;
                 }
@@ -358,7 +364,7 @@ pub(super) mod avx2 {
             if hd8 < hd {
                 for (j, sj) in s.iter_mut().enumerate() {
                     for c in hd8..hd {
-                        *sj += *qp.add(c) * *kp[j].add(c);
+                        *sj += *qp.add(c) * (*kp[j].add(c)).widen();
                     }
                 }
             }
@@ -393,7 +399,7 @@ pub(super) mod avx2 {
             let rescale = !first && alpha != 1.0;
             let av = _mm256_set1_ps(alpha);
             let out = q.out;
-            let start = |at: *const f32| {
+            let start = |at: *mut f32| {
                 if first {
                     _mm256_setzero_ps()
                 } else if rescale {
@@ -413,7 +419,7 @@ pub(super) mod avx2 {
                     let v = kp[t].add(v_offset + c);
                     let pv = _mm256_set1_ps(p);
                     for (j, a) in acc.iter_mut().enumerate() {
-                        *a = _mm256_fmadd_ps(pv, _mm256_loadu_ps(v.add(8 * j)), *a);
+                        *a = _mm256_fmadd_ps(pv, E::load8(v.add(8 * j)), *a);
                     }
                 }
                 for (j, a) in acc.iter().enumerate() {
@@ -424,11 +430,8 @@ pub(super) mod avx2 {
             while c + 8 <= hd {
                 let mut acc = start(out.add(c));
                 for (t, &p) in ps.iter().enumerate() {
-                    acc = _mm256_fmadd_ps(
-                        _mm256_set1_ps(p),
-                        _mm256_loadu_ps(kp[t].add(v_offset + c)),
-                        acc,
-                    );
+                    acc =
+                        _mm256_fmadd_ps(_mm256_set1_ps(p), E::load8(kp[t].add(v_offset + c)), acc);
                 }
                 _mm256_storeu_ps(out.add(c), acc);
                 c += 8;
@@ -442,7 +445,7 @@ pub(super) mod avx2 {
                     *out.add(c)
                 };
                 for (t, &p) in ps.iter().enumerate() {
-                    acc = p.mul_add(*kp[t].add(v_offset + c), acc);
+                    acc = p.mul_add((*kp[t].add(v_offset + c)).widen(), acc);
                 }
                 *out.add(c) = acc;
                 c += 1;
@@ -492,17 +495,18 @@ pub(super) mod avx2 {
 }
 
 mod portable {
+    use super::KvElem;
     use crate::kernels::matmul::portable::dot;
 
     /// # Safety
-    /// `acc` points at `k` writable floats and `v` at `k` readable ones,
-    /// not overlapping.
-    pub(super) unsafe fn axpy(acc: *mut f32, p: f32, v: *const f32, k: usize) {
+    /// `acc` points at `k` writable floats and `v` at `k` readable
+    /// elements, not overlapping.
+    pub(super) unsafe fn axpy<E: KvElem>(acc: *mut f32, p: f32, v: *const E, k: usize) {
         // SAFETY: the caller guarantees that `acc` and `v` hold `k` floats and
         // do not overlap.
         unsafe {
             for t in 0..k {
-                *acc.add(t) += p * *v.add(t);
+                *acc.add(t) += p * (*v.add(t)).widen();
             }
         }
     }
@@ -514,9 +518,9 @@ mod portable {
     /// The first `seen` rows of `kp` and their V rows (`v_offset` floats
     /// further) hold `hd` readable floats; `q.q` points at `hd` readable floats
     /// and `q.out` at `hd` writable ones nothing else touches.
-    pub(super) unsafe fn attend_tile(
+    pub(super) unsafe fn attend_tile<E: KvElem>(
         q: &mut super::AttnQuery,
-        kp: &[*const f32; super::KEY_TILE],
+        kp: &[*const E; super::KEY_TILE],
         v_offset: usize,
         hd: usize,
         scale: f32,

@@ -283,6 +283,7 @@ pub(crate) mod avx2 {
 
 pub(super) mod portable {
     use super::{for_each_tile, Job};
+    use crate::kernels::elem::KvElem;
 
     pub(super) unsafe fn run_job(x: *const f32, m: usize, k: usize, job: &Job) {
         let (w, y, n) = (job.w, job.y.0, job.n);
@@ -346,21 +347,21 @@ pub(super) mod portable {
 
     /// # Safety
     /// `a` and `b` point at `k` readable floats.
-    pub(in crate::kernels) unsafe fn dot(a: *const f32, b: *const f32, k: usize) -> f32 {
-        // SAFETY: the caller guarantees `k` readable floats at `a` and at `b`.
+    pub(in crate::kernels) unsafe fn dot<E: KvElem>(a: *const f32, b: *const E, k: usize) -> f32 {
+        // SAFETY: the caller guarantees `k` readable elements at `a` and at `b`.
         unsafe {
             let mut acc = [0f32; 8];
             let k8 = k & !7;
             let mut p = 0;
             while p < k8 {
                 for (l, al) in acc.iter_mut().enumerate() {
-                    *al += *a.add(p + l) * *b.add(p + l);
+                    *al += *a.add(p + l) * (*b.add(p + l)).widen();
                 }
                 p += 8;
             }
             let mut s = hsum(&acc);
             for t in k8..k {
-                s += *a.add(t) * *b.add(t);
+                s += *a.add(t) * (*b.add(t)).widen();
             }
             s
         }

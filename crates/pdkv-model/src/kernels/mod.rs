@@ -27,6 +27,7 @@
 
 pub(crate) mod attention;
 pub(crate) mod blocks;
+pub(crate) mod elem;
 pub(crate) mod matmul;
 mod rows;
 #[cfg(test)]
@@ -35,5 +36,6 @@ pub(crate) mod tests;
 pub use crate::dispatch::{backend, thread_pool, Backend};
 pub use attention::{attend, attend_many, AttendArgs, AttnQuery, PagedRows, KEY_TILE};
 pub use blocks::{matmul_blocks_many, matmul_blocks_many_with, BlockLinear};
+pub use elem::KvElem;
 pub use matmul::{dot, matmul, matmul_many, matmul_many_with, Linear};
 pub use rows::{rmsnorm, rmsnorm_inplace, rope_apply, rope_cos_sin, rope_inv_freq, silu_mul};

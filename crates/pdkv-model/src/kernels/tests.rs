@@ -471,6 +471,48 @@ fn a_query_gets_the_same_bits_whatever_queries_share_its_sweep() {
     }
 }
 
+/// An f16 cache is read as the f32 cache of its values: attention over it
+/// gives the very bits attention over the f32 copy gives, on each backend
+/// and for head sizes with and without a tail past 8 columns.
+#[test]
+fn attention_over_f16_rows_equals_attention_over_their_f32_values() {
+    for be in backends() {
+        for hd in [64, 128, 20, 72] {
+            let mut cache = Cache::new(51, 10, 16, hd);
+            // The values an f16 cache can hold, in the f32 cache too.
+            for x in &mut cache.kv {
+                *x = half::f16::from_f32(*x).to_f32();
+            }
+            let halves: Vec<half::f16> = cache.kv.iter().map(|&x| half::f16::from_f32(x)).collect();
+            let f32_rows = cache.rows();
+            let f16_rows = PagedRows {
+                base: halves.as_ptr(),
+                block_table: f32_rows.block_table,
+                block_size: f32_rows.block_size,
+                block_stride: f32_rows.block_stride,
+                row_stride: f32_rows.row_stride,
+                head_offset: f32_rows.head_offset,
+                v_offset: f32_rows.v_offset,
+            };
+            for (i, pos) in [0, 9, 16, 31, 100, 159].into_iter().enumerate() {
+                let q = rand_vec(600 + i as u64, hd);
+                let (mut a, mut b) = (vec![f32::NAN; hd], vec![f32::NAN; hd]);
+                let mut qa = [AttnQuery::new(q.as_ptr(), pos, a.as_mut_ptr())];
+                let mut qb = [AttnQuery::new(q.as_ptr(), pos, b.as_mut_ptr())];
+                // SAFETY: both caches hold K and V for every position < 160.
+                unsafe {
+                    attend_many_with(be, &f32_rows, hd, 0.2, &mut qa);
+                    attend_many_with(be, &f16_rows, hd, 0.2, &mut qb);
+                }
+                assert!(
+                    a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits()),
+                    "{be:?} hd {hd} pos {pos}: {a:?} vs {b:?}"
+                );
+            }
+        }
+    }
+}
+
 #[test]
 fn rope_rotates_pairs_and_keeps_norm() {
     let d = 8;

@@ -10,7 +10,7 @@ use super::comm::{Comm, COLLECTIVE_TIMEOUT};
 use super::rank::RankTp;
 use super::shard::{plan, shard_weights};
 use crate::forward::{Model, SeqInput, Workspace};
-use crate::kv::KvCache;
+use crate::kv::{KvCache, KvDtype};
 use crate::ModelConfig;
 
 /// One rank: its shard of the model, its KV cache and workspace, and the
@@ -31,12 +31,13 @@ pub struct TpModel {
 
 impl TpModel {
     /// Splits `full` over `pools.len()` ranks: each gets its weights, a KV
-    /// cache of `num_blocks` blocks (its KV heads) and a workspace for steps
-    /// of `max_tokens` tokens in its pool. `full` may be dropped after.
+    /// cache of `num_blocks` blocks of `kv_dtype` (its KV heads) and a
+    /// workspace for steps of `max_tokens` tokens in its pool. `full` may
+    /// be dropped after.
     pub fn new(
         full: &Model,
         pools: Vec<Pool>,
-        num_blocks: usize,
+        (num_blocks, kv_dtype): (usize, KvDtype),
         max_tokens: usize,
     ) -> anyhow::Result<TpModel> {
         let size = pools.len();
@@ -64,7 +65,7 @@ impl TpModel {
             let model = Model::new(rcfg.clone(), weights)
                 .with_int8_activations(full.int8_activations())
                 .with_tp(tp);
-            let kv = KvCache::new(&pool, &rcfg, num_blocks)
+            let kv = KvCache::new(&pool, &rcfg, num_blocks, kv_dtype)
                 .with_context(|| format!("allocating rank {rank}'s KV cache"))?;
             let ws = Workspace::new(&pool, &rcfg, max_tokens)
                 .with_context(|| format!("allocating rank {rank}'s workspace"))?;

@@ -12,7 +12,7 @@ use pdkv_model::loader::{reload_weights_into, ReloadError, WeightFormat};
 use pdkv_model::qtype::QType;
 use pdkv_model::safetensors::{write_f32, SafetensorsFile};
 use pdkv_model::weights::{DType, Weights};
-use pdkv_model::{load_model, load_model_as, Arch, KvCache, LoadedModel, Model, SeqInput};
+use pdkv_model::{load_model, load_model_as, Arch, KvCache, KvDtype, LoadedModel, Model, SeqInput};
 use pdkv_model::{ChatMessage, Workspace};
 use pdkv_testkit::models::{copy_side_files, smollm2};
 use pdkv_vmem::Pool;
@@ -68,7 +68,7 @@ fn greedy(model: &Model, prompt: &[u32], n: usize) -> Vec<u32> {
     let pool = Pool::default();
     let cfg = model.config();
     let blocks = (prompt.len() + n).div_ceil(16);
-    let kv = KvCache::new(&pool, cfg, blocks).unwrap();
+    let kv = KvCache::new(&pool, cfg, blocks, KvDtype::F32).unwrap();
     let mut ws = Workspace::new(&pool, cfg, prompt.len().max(1)).unwrap();
     let table: Vec<u32> = (0..blocks as u32).collect();
     let (mut out, mut logits) = (Vec::new(), Vec::new());
@@ -95,7 +95,7 @@ fn logits(model: &Model, prompt: &[u32]) -> Vec<f32> {
     let pool = Pool::default();
     let cfg = model.config();
     let blocks = prompt.len().div_ceil(16);
-    let kv = KvCache::new(&pool, cfg, blocks).unwrap();
+    let kv = KvCache::new(&pool, cfg, blocks, KvDtype::F32).unwrap();
     let mut ws = Workspace::new(&pool, cfg, prompt.len()).unwrap();
     let table: Vec<u32> = (0..blocks as u32).collect();
     let seq = SeqInput {

@@ -9,7 +9,7 @@ use half::f16;
 use pdkv_model::gguf::{dequantize, GgmlType, GgufError, GgufFile, GgufValue};
 use pdkv_model::init::{preset_config, write_random_checkpoint};
 use pdkv_model::safetensors::{write_f32, SafetensorsFile};
-use pdkv_model::{load_model, Arch, ChatMessage, LoadedModel};
+use pdkv_model::{load_model, Arch, ChatMessage, KvDtype, LoadedModel};
 use pdkv_testkit::models::smollm2;
 use pdkv_vmem::Pool;
 use serde_json::Value;
@@ -617,7 +617,7 @@ fn a_16_bit_safetensors_checkpoint_stays_16_bit_and_gives_the_f32_checkpoints_bi
             // rounds the activations of BF16 matrices to bf16 (bf16dot).
             let model = lm.model.with_int8_activations(false);
             let cfg = model.config().clone();
-            let kv = KvCache::new(&pool, &cfg, 4).unwrap();
+            let kv = KvCache::new(&pool, &cfg, 4, KvDtype::F32).unwrap();
             let mut ws = Workspace::new(&pool, &cfg, 32).unwrap();
             let toks: Vec<u32> = (0..21)
                 .map(|i| (i * 37 + 5) % cfg.vocab_size as u32)

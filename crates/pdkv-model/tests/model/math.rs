@@ -4,7 +4,7 @@
 use pdkv_model::bench::synthetic_model_with;
 use pdkv_model::qkernels::QType;
 use pdkv_model::weights::DType;
-use pdkv_model::{Arch, KvCache, Model, ModelConfig, SeqInput, Workspace, BLOCK_SIZE};
+use pdkv_model::{Arch, KvCache, KvDtype, Model, ModelConfig, SeqInput, Workspace, BLOCK_SIZE};
 use pdkv_vmem::Pool;
 
 fn llama_cfg() -> ModelConfig {
@@ -124,7 +124,7 @@ impl Harness {
                 cfg.arch
             );
         }
-        let kv = KvCache::new(&pool, cfg, blocks).unwrap();
+        let kv = KvCache::new(&pool, cfg, blocks, KvDtype::F32).unwrap();
         let ws = Workspace::new(&pool, cfg, ws_tokens).unwrap();
         Harness { model, kv, ws }
     }

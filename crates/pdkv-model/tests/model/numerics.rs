@@ -6,7 +6,9 @@
 
 use std::path::Path;
 
-use pdkv_model::{init, load_model, Arch, KvCache, LoadedModel, SeqInput, Workspace, BLOCK_SIZE};
+use pdkv_model::{
+    init, load_model, Arch, KvCache, KvDtype, LoadedModel, SeqInput, Workspace, BLOCK_SIZE,
+};
 use pdkv_testkit::models::smollm2;
 use pdkv_vmem::Pool;
 
@@ -50,12 +52,18 @@ fn fixture(name: &str) -> Fixture {
     }
 }
 
-/// Next-token logits of each prompt, each prompt prefilled in one step.
+/// Next-token logits of each prompt, each prompt prefilled in one step,
+/// over an f32 KV cache.
 fn run(m: &LoadedModel, pool: &Pool, prompts: &[Vec<u32>]) -> Vec<Vec<f32>> {
+    run_kv(m, pool, prompts, KvDtype::F32)
+}
+
+/// [`run`] over a KV cache of `dtype`.
+fn run_kv(m: &LoadedModel, pool: &Pool, prompts: &[Vec<u32>], dtype: KvDtype) -> Vec<Vec<f32>> {
     let cfg = m.model.config();
     let max_len = prompts.iter().map(Vec::len).max().unwrap();
     let blocks_per_seq = max_len.div_ceil(BLOCK_SIZE);
-    let kv = KvCache::new(pool, cfg, blocks_per_seq * prompts.len()).unwrap();
+    let kv = KvCache::new(pool, cfg, blocks_per_seq * prompts.len(), dtype).unwrap();
     let mut ws = Workspace::new(pool, cfg, prompts.iter().map(Vec::len).sum()).unwrap();
     let tables: Vec<Vec<u32>> = (0..prompts.len())
         .map(|i| {
@@ -119,7 +127,23 @@ fn tiny(arch: Arch) {
     let pool = Pool::default();
     let m = load_model(dir.path(), &pool, &mut |_| {}).unwrap();
     compare(&name, &run(&m, &pool, &fx.prompts), &fx);
+    // K and V rounded to f16 as they are written: the same greedy tokens,
+    // logits within f16's rounding of the reference.
+    let f16 = run_kv(&m, &pool, &fx.prompts, KvDtype::F16);
+    compare(
+        &format!("{name} f16 KV"),
+        &f16,
+        &Fixture {
+            tol: F16_KV_TOL,
+            ..fx
+        },
+    );
 }
+
+/// How far next-token logits over an f16 KV cache may stray from the f32
+/// reference, relative to the largest logit (measured: up to 6.5e-4 on
+/// SmolLM2's prompts, 1.2e-4 on the tiny models).
+const F16_KV_TOL: f32 = 2e-3;
 
 #[test]
 fn tiny_llama_matches_transformers() {
@@ -173,6 +197,19 @@ fn smollm2_matches_transformers() {
     };
     let ours8 = run(&m8, &pool, &cpp.prompts);
     compare("smollm2 int8 vs llama.cpp", &ours8, &cpp);
+    // llama.cpp's own configuration: int8 activations and f16 K/V.
+    let ours8_f16 = run_kv(&m8, &pool, &cpp.prompts, KvDtype::F16);
+    compare("smollm2 int8 f16-KV vs llama.cpp", &ours8_f16, &cpp);
+    let f16 = run_kv(&m, &pool, &cpp.prompts, KvDtype::F16);
+    compare(
+        "smollm2 f16-KV vs transformers",
+        &f16[..n_hf],
+        &Fixture {
+            tol: F16_KV_TOL,
+            prompts: hf.prompts.clone(),
+            logits: hf.logits.clone(),
+        },
+    );
     compare(
         "smollm2 int8 vs transformers",
         &ours8[..n_hf],

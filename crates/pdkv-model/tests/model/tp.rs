@@ -3,7 +3,9 @@
 //! own pools, and each rank's KV blocks are slices of the whole model's.
 
 use pdkv_model::tp::{self, TpModel};
-use pdkv_model::{init, load_model, Arch, KvCache, Model, SeqInput, Workspace, BLOCK_SIZE};
+use pdkv_model::{
+    init, load_model, Arch, KvCache, KvDtype, Model, SeqInput, Workspace, BLOCK_SIZE,
+};
 use pdkv_testkit::models::smollm2;
 use pdkv_vmem::{Pool, Tag};
 
@@ -70,7 +72,13 @@ fn greedy(probes: &[Vec<u32>], vocab: usize, step: &mut Step<'_>) -> Run {
 
 fn whole(model: &Model, pool: &Pool, probes: &[Vec<u32>]) -> (Run, KvCache) {
     let cfg = model.config();
-    let kv = KvCache::new(pool, cfg, blocks_per_probe(probes) * probes.len()).unwrap();
+    let kv = KvCache::new(
+        pool,
+        cfg,
+        blocks_per_probe(probes) * probes.len(),
+        KvDtype::F32,
+    )
+    .unwrap();
     let tokens: usize = probes.iter().map(Vec::len).sum();
     let mut ws = Workspace::new(pool, cfg, tokens).unwrap();
     let run = greedy(probes, cfg.vocab_size, &mut |s, out| {
@@ -94,7 +102,7 @@ fn split(model: &Model, size: usize, probes: &[Vec<u32>]) -> (Run, TpModel) {
     let mut tpm = TpModel::new(
         model,
         pools,
-        blocks_per_probe(probes) * probes.len(),
+        (blocks_per_probe(probes) * probes.len(), KvDtype::F32),
         tokens,
     )
     .unwrap();
