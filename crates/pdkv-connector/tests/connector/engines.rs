@@ -117,3 +117,66 @@ fn the_first_transfers_at_once_over_shm_all_succeed() {
         idle_and_free(dh);
     }
 }
+
+/// An f16 KV cache on both sides: D's tokens and logits equal an f16
+/// colocated engine's, for half the bytes an f32 pair moves for the same
+/// prompts.
+#[test]
+fn pd_with_f16_kv_equals_colocated_f16_for_half_the_bytes() {
+    use crate::common::{config, consumer, engine, producer};
+    use pdkv_engine::EngineConfig;
+    use pdkv_model::KvDtype;
+    let with = |dtype| EngineConfig {
+        kv_cache_dtype: dtype,
+        ..config()
+    };
+    let mut sent = Vec::new();
+    for dtype in [KvDtype::F32, KvDtype::F16] {
+        let p = engine(Some((&producer(""), "p1")), with(dtype));
+        let d = engine(Some((&consumer(""), "d1")), with(dtype));
+        let colo = engine(None, with(dtype));
+        for (i, pr) in [prompt(5, 40), prompt(6, 70)].iter().enumerate() {
+            let dout = pd(&p.handle, &d.handle, &format!("x{i}"), pr, 6)
+                .unwrap_or_else(|e| panic!("{dtype:?} prompt {i}: {e}"));
+            let cout = run(&colo.handle, &format!("c{i}"), pr.clone(), 6, None);
+            assert_eq!(
+                fingerprint(&dout),
+                fingerprint(&cout),
+                "{dtype:?} prompt {i}"
+            );
+        }
+        idle_and_free(&p.handle);
+        idle_and_free(&d.handle);
+        assert_eq!(metric(&d.handle, "loads_ok_total"), 2.0, "{dtype:?}");
+        sent.push(metric(&p.handle, "bytes_sent_total"));
+    }
+    assert!(
+        sent[0] > 0.0 && sent[1] * 2.0 == sent[0],
+        "bytes sent f32, f16: {sent:?}"
+    );
+}
+
+/// P and D with KV caches of different dtypes cannot share blocks: D's
+/// load fails naming both layouts (each with its dtype), and under
+/// `recompute` D computes the prompt itself.
+#[test]
+fn an_f16_prefill_and_an_f32_decode_refuse_each_others_blocks() {
+    use crate::common::{config, consumer, engine, producer};
+    use pdkv_engine::EngineConfig;
+    use pdkv_model::KvDtype;
+    let p = engine(
+        Some((&producer(""), "p1")),
+        EngineConfig {
+            kv_cache_dtype: KvDtype::F16,
+            ..config()
+        },
+    );
+    let d = engine(Some((&consumer(""), "d1")), config());
+    let err = pd(&p.handle, &d.handle, "x", &prompt(7, 40), 3).expect_err("a dtype mismatch");
+    assert!(
+        err.contains("layout mismatch") && err.contains(":f16") && err.contains(":f32"),
+        "{err}"
+    );
+    idle_and_free(&p.handle);
+    idle_and_free(&d.handle);
+}
