@@ -213,6 +213,53 @@ pub fn prefill_throughput(
     Ok(tokens as f64 / t.elapsed().as_secs_f64())
 }
 
+/// Perplexity of `tokens` as llama.cpp's `llama-perplexity` measures it:
+/// the text cut into windows of `ctx` tokens, each computed from scratch
+/// (one prefill, every row's logits) and scored on its second half (the
+/// tokens with at least `ctx / 2` of context); `exp` of the mean negative
+/// log-likelihood over all scored tokens. Returns it with the number of
+/// tokens scored.
+pub fn perplexity(
+    model: &Model,
+    pool: &Pool,
+    tokens: &[u32],
+    ctx: usize,
+    kv_dtype: KvDtype,
+) -> anyhow::Result<(f64, usize)> {
+    anyhow::ensure!(ctx >= 2, "the context must hold at least 2 tokens");
+    anyhow::ensure!(
+        tokens.len() >= ctx,
+        "the text has {} tokens, fewer than one window of {ctx}",
+        tokens.len()
+    );
+    let cfg = model.config();
+    let blocks = ctx.div_ceil(BLOCK_SIZE);
+    let kv = KvCache::new(pool, cfg, blocks, kv_dtype)?;
+    let mut ws = Workspace::new(pool, cfg, ctx)?;
+    let table: Vec<u32> = (0..blocks as u32).collect();
+    let (mut nll, mut scored) = (0f64, 0usize);
+    let mut logits = Vec::new();
+    for window in tokens.chunks_exact(ctx) {
+        let input = SeqInput {
+            tokens: window,
+            start_pos: 0,
+            block_table: &table,
+            want_logits: true,
+        };
+        model.forward_with_rows(&kv, &mut ws, std::slice::from_ref(&input), &[true], &mut logits)?;
+        let v = cfg.vocab_size;
+        for i in ctx / 2..ctx - 1 {
+            let row = &logits[i * v..(i + 1) * v];
+            let max = row.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x)) as f64;
+            let z: f64 = row.iter().map(|&x| (x as f64 - max).exp()).sum();
+            let target = row[window[i + 1] as usize] as f64;
+            nll += z.ln() + max - target;
+            scored += 1;
+        }
+    }
+    Ok(((nll / scored as f64).exp(), scored))
+}
+
 /// Index of the largest logit (first on ties).
 pub fn argmax(row: &[f32]) -> u32 {
     let mut best = 0;

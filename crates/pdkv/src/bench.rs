@@ -57,6 +57,49 @@ pub struct PrefillArgs {
     pub kv_cache_dtype: pdkv_model::KvDtype,
 }
 
+#[derive(Args, Debug)]
+pub struct PerplexityArgs {
+    /// A `.gguf` file or Hugging Face directory (default: the cached SmolLM2).
+    #[arg(long)]
+    pub model: Option<PathBuf>,
+    /// The text to score (UTF-8).
+    #[arg(long)]
+    pub file: PathBuf,
+    /// Tokens per window (each window scored on its second half).
+    #[arg(long, default_value_t = 512)]
+    pub ctx: usize,
+    /// KV cache element types to compare, the first the baseline.
+    #[arg(long, value_delimiter = ',', default_value = "f32,f16")]
+    pub kv_cache_dtype: Vec<pdkv_model::KvDtype>,
+}
+
+/// `pdkv bench perplexity`: the text's perplexity over each KV cache type,
+/// with its ratio to the first.
+pub fn run_perplexity(args: PerplexityArgs) -> anyhow::Result<()> {
+    anyhow::ensure!(!args.kv_cache_dtype.is_empty(), "--kv-cache-dtype names no type");
+    let text = std::fs::read_to_string(&args.file)
+        .with_context(|| format!("reading {}", args.file.display()))?;
+    let pool = Pool::default();
+    let (path, loaded) = progress::load_model(args.model, &pool)?;
+    let tokens = loaded.tokenizer.encode(&text, true)?;
+    println!("model: {} ({})", loaded.name, path.display());
+    println!(
+        "text: {} ({} tokens), windows of {} tokens",
+        args.file.display(),
+        tokens.len(),
+        args.ctx
+    );
+    println!("{:>6} {:>12} {:>10} {:>8}", "kv", "perplexity", "vs first", "scored");
+    let mut first = None;
+    for dtype in args.kv_cache_dtype {
+        let (ppl, scored) =
+            pdkv_model::bench::perplexity(&loaded.model, &pool, &tokens, args.ctx, dtype)?;
+        let base = *first.get_or_insert(ppl);
+        println!("{:>6} {ppl:>12.4} {:>10.5} {scored:>8}", dtype.as_str(), ppl / base);
+    }
+    Ok(())
+}
+
 pub fn run_prefill(args: PrefillArgs) -> anyhow::Result<()> {
     anyhow::ensure!(!args.tokens.is_empty(), "--tokens is empty");
     anyhow::ensure!(

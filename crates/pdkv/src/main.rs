@@ -119,6 +119,9 @@ enum BenchCommand {
     Decode(bench::DecodeArgs),
     /// Prompt-processing throughput: one prompt per length, computed in chunks as the server would.
     Prefill(bench::PrefillArgs),
+    /// Perplexity of a text (windows scored on their second half, as
+    /// llama-perplexity does) over each KV cache element type.
+    Perplexity(bench::PerplexityArgs),
     /// Sleep and wake latency and memory per sleep level, with a greedy
     /// probe checking that outputs after every wake equal the awake run.
     Sleep(bench_sleep::SleepArgs),
@@ -166,6 +169,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Model(ModelCommand::Export(args)) => export_cmd::run(args),
         Command::Bench(BenchCommand::Decode(args)) => bench::run_decode(args),
         Command::Bench(BenchCommand::Prefill(args)) => bench::run_prefill(args),
+        Command::Bench(BenchCommand::Perplexity(args)) => bench::run_perplexity(args),
         Command::Bench(BenchCommand::Sleep(args)) => bench_sleep::run_sleep(args),
         Command::Bench(BenchCommand::Transfer(args)) => bench_transfer::run_transfer(args),
         Command::Bench(BenchCommand::Pd(args)) => bench_pd::run_pd_bench(args),

@@ -42,8 +42,8 @@ pub struct ServeArgs {
     pub num_kv_blocks: usize,
     /// The KV cache's element type: `f16` keeps half the bytes a token
     /// (memory, and every P/D transfer), `f32` the activations' precision;
-    /// `auto` is f32. P and D must agree (their handshake refuses a
-    /// mismatch, naming both).
+    /// `auto` is f16. P and D must agree (D refuses P's blocks of another
+    /// layout, naming both).
     #[arg(long, default_value = "auto")]
     pub kv_cache_dtype: pdkv_model::KvDtype,
     /// Longest prompt + output in tokens (default: the model's context).
