@@ -509,15 +509,53 @@ pub fn run_pd_bench(args: PdArgs) -> anyhow::Result<()> {
     let colo = measure_colocated(&args, &levels)?;
     eprintln!("bench pd: prefill + decode engines ({})", args.transport);
     let (p, d) = start_pd(&args)?;
+    let sent_before = bytes_sent(&p);
     let pd_results = measure_pd(&args, &levels, &colo.inputs, &p, &d)?;
+    let prompt_tokens: usize = levels
+        .iter()
+        .flat_map(|k| colo.inputs[k].iter().map(Vec::len))
+        .sum();
+    let moved = KvMoved {
+        bytes: bytes_sent(&p) - sent_before,
+        prompt_tokens,
+        dtype: args.kv_cache_dtype,
+    };
     let after_wake = first_request_after_wake(&args, &p, &d, colo.vocab)?;
     p.shutdown();
     d.shutdown();
     let all_equal = print_pd_report(&args, &levels, &colo.results, &pd_results, after_wake);
+    println!("{}", moved.summary());
     if !all_equal {
         bail!("P/D outputs differ from the colocated engine's");
     }
     Ok(())
+}
+
+/// KV bytes P sent in its pulls so far (its connector's counter).
+fn bytes_sent(p: &EngineHandle) -> f64 {
+    p.kv_connector_metrics()
+        .iter()
+        .find(|m| m.0 == "bytes_sent_total")
+        .map_or(0.0, |m| m.2)
+}
+
+/// The KV bytes the P/D levels moved, per prompt token.
+struct KvMoved {
+    bytes: f64,
+    prompt_tokens: usize,
+    dtype: pdkv_model::KvDtype,
+}
+
+impl KvMoved {
+    fn summary(&self) -> String {
+        format!(
+            "KV moved: {:.1} MiB for {} prompt tokens, {:.0} bytes per token ({} KV cache)",
+            self.bytes / (1u64 << 20) as f64,
+            self.prompt_tokens,
+            self.bytes / self.prompt_tokens.max(1) as f64,
+            self.dtype
+        )
+    }
 }
 
 /// What the colocated engine's run leaves for the P/D run.
