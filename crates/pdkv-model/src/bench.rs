@@ -246,7 +246,13 @@ pub fn perplexity(
             block_table: &table,
             want_logits: true,
         };
-        model.forward_with_rows(&kv, &mut ws, std::slice::from_ref(&input), &[true], &mut logits)?;
+        model.forward_with_rows(
+            &kv,
+            &mut ws,
+            std::slice::from_ref(&input),
+            &[true],
+            &mut logits,
+        )?;
         let v = cfg.vocab_size;
         for i in ctx / 2..ctx - 1 {
             let row = &logits[i * v..(i + 1) * v];

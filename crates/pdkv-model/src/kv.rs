@@ -36,8 +36,8 @@ impl KvDtype {
     /// What `auto` means (a server's default; [`KvDtype::default`], the
     /// library's, is f32): f16, as llama.cpp keeps K and V. Measured on
     /// SmolLM2 (README.md, "KV cache dtype"): perplexity within 0.3 % of
-    /// f32 KV, batch-1 decode at 2,048 tokens of context 1.3x faster, half
-    /// the memory and transfer bytes, prefill of 2,048 tokens ~8 % slower.
+    /// f32 KV, batch-1 decode at 2,048 tokens of context 1.3x faster,
+    /// prefill as fast, half the memory and transfer bytes.
     pub const AUTO: KvDtype = KvDtype::F16;
 
     /// Bytes of one element.

@@ -76,7 +76,10 @@ pub struct PerplexityArgs {
 /// `pdkv bench perplexity`: the text's perplexity over each KV cache type,
 /// with its ratio to the first.
 pub fn run_perplexity(args: PerplexityArgs) -> anyhow::Result<()> {
-    anyhow::ensure!(!args.kv_cache_dtype.is_empty(), "--kv-cache-dtype names no type");
+    anyhow::ensure!(
+        !args.kv_cache_dtype.is_empty(),
+        "--kv-cache-dtype names no type"
+    );
     let text = std::fs::read_to_string(&args.file)
         .with_context(|| format!("reading {}", args.file.display()))?;
     let pool = Pool::default();
@@ -89,13 +92,20 @@ pub fn run_perplexity(args: PerplexityArgs) -> anyhow::Result<()> {
         tokens.len(),
         args.ctx
     );
-    println!("{:>6} {:>12} {:>10} {:>8}", "kv", "perplexity", "vs first", "scored");
+    println!(
+        "{:>6} {:>12} {:>10} {:>8}",
+        "kv", "perplexity", "vs first", "scored"
+    );
     let mut first = None;
     for dtype in args.kv_cache_dtype {
         let (ppl, scored) =
             pdkv_model::bench::perplexity(&loaded.model, &pool, &tokens, args.ctx, dtype)?;
         let base = *first.get_or_insert(ppl);
-        println!("{:>6} {ppl:>12.4} {:>10.5} {scored:>8}", dtype.as_str(), ppl / base);
+        println!(
+            "{:>6} {ppl:>12.4} {:>10.5} {scored:>8}",
+            dtype.as_str(),
+            ppl / base
+        );
     }
     Ok(())
 }

@@ -146,19 +146,34 @@ pub(super) unsafe fn attend_many_with<E: KvElem>(
                 |q, kp, v_offset, hd, scale, seen| {
                     portable::attend_tile(q, kp, v_offset, hd, scale, seen)
                 },
+                |q, kp, v_offset, hd, scale, seen| {
+                    portable::attend_tile(q, kp, v_offset, hd, scale, seen)
+                },
+                |src: *const E, dst: *mut f32, n| {
+                    for i in 0..n {
+                        *dst.add(i) = (*src.add(i)).widen();
+                    }
+                },
             )
         },
     }
 }
 
+/// Queries in one sweep past which a cache of narrower elements is widened
+/// a tile at a time rather than as each query loads it.
+const WIDEN_FROM_QUERIES: usize = 4;
+
 /// The sweep of [`attend_many`]: tiles in position order, every query that
 /// reaches a tile taking it in turn, then the division by the sum. `tile`
 /// takes a query, the tile's 16 K row pointers (the V row is `v_offset`
-/// floats further), and how many of them the query sees.
+/// elements further), and how many of them the query sees; `wide_tile` the
+/// same over rows widened to floats by `widen` (for a narrower cache read
+/// by more than [`WIDEN_FROM_QUERIES`] queries).
 ///
 /// # Safety
-/// As [`attend_many`]'s, for `hd` floats per row; `tile` computes one tile
-/// for one query within that contract.
+/// As [`attend_many`]'s, for `hd` elements per row; `tile` and `wide_tile`
+/// compute one tile for one query within that contract, `widen` writes `n`
+/// floats for `n` readable elements.
 #[inline(always)]
 unsafe fn attend_many_generic<E: KvElem>(
     rows: &PagedRows<'_, E>,
@@ -166,6 +181,8 @@ unsafe fn attend_many_generic<E: KvElem>(
     scale: f32,
     qs: &mut [AttnQuery],
     tile: impl Fn(&mut AttnQuery, &[*const E; KEY_TILE], usize, usize, f32, usize),
+    wide_tile: impl Fn(&mut AttnQuery, &[*const f32; KEY_TILE], usize, usize, f32, usize),
+    widen: impl Fn(*const E, *mut f32, usize),
 ) {
     // SAFETY: the caller guarantees `attend_many`'s contract: the rows
     // of every position up to the largest `pos` are readable, and each
@@ -178,7 +195,14 @@ unsafe fn attend_many_generic<E: KvElem>(
             q.m = f32::NEG_INFINITY;
             q.l = 0.0;
         }
+        // A cache of narrower elements read by many queries is widened a
+        // tile at a time, once for all of them (its K rows, then its V
+        // rows); read by a few, each widens as it loads. The arithmetic,
+        // so the bits, are the same either way.
+        let widened = !E::IS_F32 && qs.len() > WIDEN_FROM_QUERIES;
+        let mut wide = vec![0f32; if widened { 2 * KEY_TILE * hd } else { 0 }];
         let mut kp = [std::ptr::null(); KEY_TILE];
+        let mut wp = [std::ptr::null(); KEY_TILE];
         for t0 in (0..=max_pos).step_by(KEY_TILE) {
             // Rows past the last query's position are not read: their slots
             // point at the tile's first row, and every query masks them.
@@ -186,9 +210,21 @@ unsafe fn attend_many_generic<E: KvElem>(
                 let t = t0 + i;
                 *p = rows.k_row(if t <= max_pos { t } else { t0 });
             }
+            if widened {
+                for (i, (w, &k)) in wp.iter_mut().zip(&kp).enumerate() {
+                    let at = wide.as_mut_ptr().add(i * hd);
+                    widen(k, at, hd);
+                    widen(k.add(rows.v_offset), at.add(KEY_TILE * hd), hd);
+                    *w = at.cast_const();
+                }
+            }
             for q in qs.iter_mut().filter(|q| q.pos >= t0) {
                 let seen = (q.pos + 1 - t0).min(KEY_TILE);
-                tile(q, &kp, rows.v_offset, hd, scale, seen);
+                if widened {
+                    wide_tile(q, &wp, KEY_TILE * hd, hd, scale, seen);
+                } else {
+                    tile(q, &kp, rows.v_offset, hd, scale, seen);
+                }
             }
         }
         for q in qs.iter() {
@@ -315,9 +351,23 @@ pub(super) mod avx2 {
         // SAFETY: as `attend_many`'s contract; AVX2 and FMA are enabled
         // here, and each tile gets the rows and the query the sweep was given.
         unsafe {
-            super::attend_many_generic(rows, hd, scale, qs, |q, kp, v_offset, hd, scale, seen| {
-                attend_tile(q, kp, v_offset, hd, scale, seen)
-            })
+            super::attend_many_generic(
+                rows,
+                hd,
+                scale,
+                qs,
+                |q, kp, v_offset, hd, scale, seen| attend_tile(q, kp, v_offset, hd, scale, seen),
+                |q, kp, v_offset, hd, scale, seen| attend_tile(q, kp, v_offset, hd, scale, seen),
+                |src: *const E, dst: *mut f32, n| {
+                    let n8 = n & !7;
+                    for i in (0..n8).step_by(8) {
+                        _mm256_storeu_ps(dst.add(i), E::load8(src.add(i)));
+                    }
+                    for i in n8..n {
+                        *dst.add(i) = (*src.add(i)).widen();
+                    }
+                },
+            )
         }
     }
 

@@ -5,6 +5,8 @@
 /// (half the bytes; widened to `f32` as it is loaded, so the arithmetic
 /// is the same).
 pub trait KvElem: Copy + Send + Sync + 'static {
+    /// Whether the element is `f32` itself (read in place, not widened).
+    const IS_F32: bool;
     /// The cache's element as an `f32`.
     fn widen(self) -> f32;
     /// 8 elements at `p` as `f32` lanes.
@@ -16,6 +18,8 @@ pub trait KvElem: Copy + Send + Sync + 'static {
 }
 
 impl KvElem for f32 {
+    const IS_F32: bool = true;
+
     #[inline(always)]
     fn widen(self) -> f32 {
         self
@@ -30,6 +34,8 @@ impl KvElem for f32 {
 }
 
 impl KvElem for half::f16 {
+    const IS_F32: bool = false;
+
     #[inline(always)]
     fn widen(self) -> f32 {
         self.to_f32()

@@ -508,6 +508,21 @@ fn attention_over_f16_rows_equals_attention_over_their_f32_values() {
                     a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits()),
                     "{be:?} hd {hd} pos {pos}: {a:?} vs {b:?}"
                 );
+                // Many queries in one sweep: the f16 tiles are widened once
+                // for all of them, and each still gets the same bits.
+                let mut outs = vec![vec![f32::NAN; hd]; 8];
+                let mut many: Vec<AttnQuery> = outs
+                    .iter_mut()
+                    .map(|o| AttnQuery::new(q.as_ptr(), pos, o.as_mut_ptr()))
+                    .collect();
+                // SAFETY: as above; the outputs are distinct.
+                unsafe { attend_many_with(be, &f16_rows, hd, 0.2, &mut many) };
+                for o in &outs {
+                    assert!(
+                        o.iter().zip(&a).all(|(x, y)| x.to_bits() == y.to_bits()),
+                        "{be:?} hd {hd} pos {pos}, widened: {o:?} vs {a:?}"
+                    );
+                }
             }
         }
     }
