@@ -134,6 +134,7 @@ pub fn engine_config(tp: usize) -> EngineConfig {
         max_num_seqs: 8,
         max_num_batched_tokens: 64,
         num_kv_blocks: NUM_BLOCKS,
+        kv_cache_dtype: pdkv_model::KvDtype::F32,
         enable_prefix_caching: true,
         max_model_len: Some(NUM_BLOCKS * pdkv_model::BLOCK_SIZE),
         enable_sleep_mode: true,
