@@ -523,8 +523,14 @@ pub fn run_pd_bench(args: PdArgs) -> anyhow::Result<()> {
     let after_wake = first_request_after_wake(&args, &p, &d, colo.vocab)?;
     p.shutdown();
     d.shutdown();
-    let all_equal = print_pd_report(&args, &levels, &colo.results, &pd_results, after_wake);
-    println!("{}", moved.summary());
+    let all_equal = print_pd_report(
+        &args,
+        &levels,
+        &colo.results,
+        &pd_results,
+        after_wake,
+        &moved,
+    );
     if !all_equal {
         bail!("P/D outputs differ from the colocated engine's");
     }
@@ -547,6 +553,12 @@ struct KvMoved {
 }
 
 impl KvMoved {
+    fn json(&self) -> serde_json::Value {
+        json!({"bytes": self.bytes, "prompt_tokens": self.prompt_tokens,
+               "bytes_per_token": self.bytes / self.prompt_tokens.max(1) as f64,
+               "kv_cache_dtype": self.dtype.to_string()})
+    }
+
     fn summary(&self) -> String {
         format!(
             "KV moved: {:.1} MiB for {} prompt tokens, {:.0} bytes per token ({} KV cache)",
@@ -642,6 +654,7 @@ fn print_pd_report(
     colo_results: &HashMap<LevelKey, Level>,
     pd_results: &HashMap<LevelKey, Level>,
     after_wake: Option<AfterWake>,
+    moved: &KvMoved,
 ) -> bool {
     println!(
         "{:>6} {:>4} | {:>10} {:>10} {:>9} | {:>10} {:>10} {:>9} {:>9} | {:>7} {:>7} {:>6}",
@@ -673,13 +686,14 @@ fn print_pd_report(
     if let Some(w) = &after_wake {
         println!("{}", w.summary());
     }
+    println!("{}", moved.summary());
     let after_wake = after_wake.map(|w| w.json());
     println!(
         "{}",
         json!({"bench": "pd", "transport": args.transport, "max_tokens": args.max_tokens,
                "prefill_tensor_parallel_size": args.prefill_tensor_parallel_size,
                "decode_tensor_parallel_size": args.decode_tensor_parallel_size,
-               "levels": rows, "after_wake": after_wake})
+               "levels": rows, "after_wake": after_wake, "kv_moved": moved.json()})
     );
     all_equal
 }

@@ -329,6 +329,9 @@ fn bench_pd_checks_outputs_and_compares_the_first_request_after_a_wake() {
             "{last}"
         );
     }
+    let moved = &last["kv_moved"];
+    assert!(moved["bytes_per_token"].as_f64().unwrap() > 0.0, "{last}");
+    assert_eq!(moved["kv_cache_dtype"], "f16", "{last}");
     let w = &last["after_wake"];
     assert_eq!(w["rounds"], 2, "{last}");
     assert_eq!(w["first"]["ttft_ms"].as_array().unwrap().len(), 2, "{last}");
