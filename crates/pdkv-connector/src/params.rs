@@ -53,6 +53,11 @@ pub const REMOTE_HOST: &str = "remote_host";
 pub const REMOTE_PORT: &str = "remote_port";
 /// Read-mode routers: P's tensor-parallel size (pdkv engines are TP 1).
 pub const TP_SIZE: &str = "tp_size";
+/// Output token ids the request already produced on an engine that failed
+/// (a list of integers): the engine that gets it computes their KV with the
+/// prompt's and continues after them (pdkv's own key; the proxy's request
+/// migration sends it, a router may too).
+pub const RESUME_TOKEN_IDS: &str = "resume_token_ids";
 
 /// Maps a router's dialect onto pdkv's keys (see the module docs), for a
 /// request this engine names `request_id`. Keys already in pdkv's shape win;

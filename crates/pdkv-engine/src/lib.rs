@@ -175,6 +175,13 @@ pub struct EngineRequest {
     /// Requests of different salts share no prefix-cache entry (vLLM's
     /// `cache_salt`); `None` shares with every unsalted request.
     pub cache_salt: Option<String>,
+    /// Output tokens the request already produced elsewhere (an engine that
+    /// died mid-stream): they count as its first outputs (`max_tokens`,
+    /// `min_tokens`, penalties, the seeded sampler's step), their KV is
+    /// computed with the prompt's, their text is not sent again (a stop
+    /// string's held-back prefix is held again), and sampling continues
+    /// after them. Empty for a new request.
+    pub resume_token_ids: Vec<u32>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -16,4 +16,4 @@
 pub mod codes;
 pub mod plan;
 
-pub use codes::{DECODE_LOST_CODE, RETRYABLE_CODE};
+pub use codes::{DECODE_LOST_CODE, RETRYABLE_CODE, TOKEN_IDS_COMMENT, TOKEN_IDS_HEADER};

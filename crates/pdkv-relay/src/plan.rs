@@ -46,6 +46,18 @@
 //!   bad request) counts as [`Outcome::BadRequest`]; a timeout is a 504
 //!   naming the proxy's `request_timeout`, any other failed call a 502.
 //! - The client going away cancels both calls.
+//! - Request migration ([`RelayPlan::with_resumes`]): D's streamed events
+//!   name their output token ids in SSE comments
+//!   ([`crate::TOKEN_IDS_HEADER`]), which the plan strips and records. D
+//!   lost mid-stream (its connection refused or broken, not a timeout and
+//!   not an error status) is replaced: [`Action::ResumeDecode`] sends the
+//!   client's body to a decode server that serves with the tokens whose
+//!   text the client has, and that D's events continue the same stream.
+//!   An event D broke off halfway is dropped whole (neither its text nor
+//!   its tokens count), so the client sees every token's text exactly
+//!   once. At most the given number of resumes per request; past them,
+//!   or when the new D answers an error status, the stream fails as
+//!   without migration.
 //!
 //! Invariants:
 //! - [`Action::Count`] comes exactly once, last; after it the plan is
@@ -63,7 +75,7 @@ use pdkv_connector::params;
 use pdkv_connector::wire::FailCode;
 use serde_json::{json, Map, Value};
 
-use crate::codes::{DECODE_LOST_CODE, RETRYABLE_CODE};
+use crate::codes::{DECODE_LOST_CODE, RETRYABLE_CODE, TOKEN_IDS_COMMENT};
 
 /// Largest answer (or unfinished event) the plan holds for the client.
 pub const MAX_BUFFERED: usize = 64 << 20;
@@ -357,6 +369,12 @@ pub enum Action {
     /// Send D the client's body with these params (`None`: with none, so D
     /// computes the prompt itself).
     SendDecode { params: Option<Value> },
+    /// D was lost mid-stream: send the client's body to a decode server
+    /// that serves (another, or the same once it is back), with
+    /// `kv_transfer_params` holding only `resume_token_ids` (these tokens;
+    /// none: without `kv_transfer_params`). It computes the prompt and
+    /// them, and continues the stream.
+    ResumeDecode { token_ids: Vec<u32> },
     /// Drop P's request (closing its connection aborts it).
     CancelPrefill,
     /// Drop D's request.
@@ -445,6 +463,13 @@ pub struct RelayPlan {
     decode: Decode,
     outcome: Option<Outcome>,
     actions: VecDeque<Action>,
+    /// D's events carry their token ids (see [`RelayPlan::with_resumes`]).
+    tracking: bool,
+    resumes_left: u32,
+    /// Output tokens whose text went to the client.
+    produced: Vec<u32>,
+    /// The client's stream head was sent.
+    stream_started: bool,
 }
 
 impl RelayPlan {
@@ -460,6 +485,10 @@ impl RelayPlan {
             decode: Decode::NotAsked,
             outcome: None,
             actions: VecDeque::new(),
+            tracking: false,
+            resumes_left: 0,
+            produced: Vec::new(),
+            stream_started: false,
         };
         plan.push(Action::SendPrefill {
             params: params::for_prefill(transfer_id),
@@ -506,9 +535,32 @@ impl RelayPlan {
             decode: Decode::NotAsked,
             outcome: None,
             actions: VecDeque::new(),
+            tracking: false,
+            resumes_left: 0,
+            produced: Vec::new(),
+            stream_started: false,
         };
         plan.ask_decode(params);
         plan
+    }
+
+    /// Lets a streamed request through P and D survive losing D mid-stream
+    /// up to `max` times (see the module docs); without effect on a plan
+    /// that does not stream through P and D, or for a request
+    /// [`can_resume`] refuses. The driver then asks every D of this plan
+    /// for token ids ([`RelayPlan::tracks_token_ids`]).
+    pub fn with_resumes(mut self, req: &Map<String, Value>, max: u32) -> RelayPlan {
+        if self.streaming && !self.alone && max > 0 && can_resume(req) {
+            self.tracking = true;
+            self.resumes_left = max;
+        }
+        self
+    }
+
+    /// Whether D must be asked for each event's token ids
+    /// ([`crate::TOKEN_IDS_HEADER`]).
+    pub fn tracks_token_ids(&self) -> bool {
+        self.tracking
     }
 
     /// Whether D alone answers (P is never asked).
@@ -568,6 +620,50 @@ impl RelayPlan {
         self.decode = Decode::Over;
         self.outcome = Some(outcome);
         self.push(Action::Count { outcome, cause });
+    }
+
+    /// The client's stream goes on: D's events, their token-id comments
+    /// stripped and recorded when tracking.
+    fn forward(&mut self, bytes: Vec<u8>) {
+        let bytes = if self.tracking {
+            strip_token_ids(&bytes, &mut self.produced)
+        } else {
+            bytes
+        };
+        if !bytes.is_empty() {
+            self.push(Action::Stream(bytes));
+        }
+    }
+
+    fn start_stream(&mut self, status: u16) {
+        self.stream_started = true;
+        self.push(Action::StartStream { status });
+    }
+
+    /// Whether a lost D is replaced ([`RelayPlan::with_resumes`]).
+    fn can_resume_after(&self, f: &Failure) -> bool {
+        self.tracking
+            && self.stream_started
+            && self.resumes_left > 0
+            && matches!(self.decode, Decode::Streaming { .. } | Decode::Asked)
+            && matches!(
+                f,
+                Failure::Call(CallError {
+                    timed_out: false,
+                    ..
+                })
+            )
+    }
+
+    /// Sends the request to another D with the tokens the client has; an
+    /// event D left unfinished is dropped.
+    fn resume(&mut self) {
+        self.release_prefill();
+        self.resumes_left -= 1;
+        self.push(Action::ResumeDecode {
+            token_ids: self.produced.clone(),
+        });
+        self.decode = Decode::Asked;
     }
 
     fn ask_decode(&mut self, params: Option<Value>) {
@@ -656,16 +752,19 @@ impl RelayPlan {
             return;
         }
         let (status, mut buf) = (*status, std::mem::take(buf));
-        self.push(Action::StartStream { status });
+        self.start_stream(status);
         let rest = buf.split_off(complete_events_len(&buf));
-        if !buf.is_empty() {
-            self.push(Action::Stream(buf));
-        }
+        self.forward(buf);
         self.decode = Decode::Streaming { buf: rest };
     }
 
     fn on_decode_head(&mut self, status: u16) {
         if self.decode != Decode::Asked {
+            return;
+        }
+        if self.stream_started && (200..300).contains(&status) {
+            // A resumed D: its events continue the client's stream.
+            self.decode = Decode::Streaming { buf: Vec::new() };
             return;
         }
         if !(200..300).contains(&status) {
@@ -712,7 +811,7 @@ impl RelayPlan {
             if n > 0 {
                 let rest = buf.split_off(n);
                 let events = std::mem::replace(buf, rest);
-                self.push(Action::Stream(events));
+                self.forward(events);
             }
         }
     }
@@ -725,10 +824,8 @@ impl RelayPlan {
                     self.push(Action::CancelPrefill);
                 }
                 if self.streaming {
-                    self.push(Action::StartStream { status });
-                    if !buf.is_empty() {
-                        self.push(Action::Stream(buf));
-                    }
+                    self.start_stream(status);
+                    self.forward(buf);
                     self.push(Action::EndStream);
                 } else {
                     self.push(Action::Reply(Reply {
@@ -741,12 +838,21 @@ impl RelayPlan {
                 self.finish(Outcome::Ok, None);
             }
             Decode::Gathering { status, buf } => {
-                self.push(Action::Reply(Reply {
-                    status,
-                    head: Head::Decode,
-                    retry_after: false,
-                    body: buf,
-                }));
+                if self.stream_started {
+                    // A resumed D refused: the stream ends with its error.
+                    let f = Failure::Status { status, body: buf };
+                    self.push(Action::FailStream {
+                        event: f.sse_event(Role::Decode),
+                        broken: false,
+                    });
+                } else {
+                    self.push(Action::Reply(Reply {
+                        status,
+                        head: Head::Decode,
+                        retry_after: false,
+                        body: buf,
+                    }));
+                }
                 let outcome = if is_client_error(status) {
                     Outcome::BadRequest
                 } else {
@@ -761,9 +867,7 @@ impl RelayPlan {
                 );
             }
             Decode::Streaming { buf } => {
-                if !buf.is_empty() {
-                    self.push(Action::Stream(buf));
-                }
+                self.forward(buf);
                 self.push(Action::EndStream);
                 self.finish(Outcome::Ok, None);
             }
@@ -781,8 +885,11 @@ impl RelayPlan {
             Decode::Asked | Decode::Gathering { .. } | Decode::Streaming { .. } => f,
             Decode::NotAsked | Decode::Passing { .. } | Decode::Over => return,
         };
+        if self.can_resume_after(&f) {
+            return self.resume();
+        }
         self.release_prefill();
-        if matches!(self.decode, Decode::Streaming { .. }) {
+        if self.stream_started {
             self.push(Action::FailStream {
                 event: f.sse_event(Role::Decode),
                 broken: false,
@@ -886,6 +993,53 @@ pub fn complete_events_len(buf: &[u8]) -> usize {
         .map_or(0, |i| i + 2)
 }
 
+/// Whether a request whose body is `req` can be resumed on another D with
+/// the tokens it produced: one sequence (`n` and `best_of` at most 1), no
+/// echoed prompt and no prompt log-probabilities (those went out with the
+/// first event, and a resumed D would send them again).
+pub fn can_resume(req: &Map<String, Value>) -> bool {
+    let at_most_one = |k: &str| req.get(k).and_then(Value::as_u64).is_none_or(|n| n <= 1);
+    at_most_one("n")
+        && at_most_one("best_of")
+        && req.get("echo").and_then(Value::as_bool) != Some(true)
+        && !needs_prompt_logits(req)
+        && !is_prompt_batch(req)
+}
+
+/// `bytes` (SSE events, the last perhaps unterminated) without the
+/// token-id comment lines ([`TOKEN_IDS_COMMENT`]), whose ids are appended
+/// to `ids`; an event left empty goes too. A comment that does not parse
+/// stays (clients skip comments).
+pub fn strip_token_ids(bytes: &[u8], ids: &mut Vec<u32>) -> Vec<u8> {
+    let prefix = TOKEN_IDS_COMMENT.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut rest = bytes;
+    while !rest.is_empty() {
+        let (event, tail, terminated) = match rest.windows(2).position(|w| w == b"\n\n") {
+            Some(i) => (&rest[..i], &rest[i + 2..], true),
+            None => (rest, &rest[rest.len()..], false),
+        };
+        let mut kept: Vec<&[u8]> = Vec::new();
+        for line in event.split(|&b| b == b'\n') {
+            let parsed = line
+                .strip_prefix(prefix)
+                .and_then(|json| serde_json::from_slice::<Vec<u32>>(json).ok());
+            match parsed {
+                Some(v) => ids.extend(v),
+                None => kept.push(line),
+            }
+        }
+        if !kept.is_empty() {
+            out.extend(kept.join(&b'\n'));
+            if terminated {
+                out.extend_from_slice(b"\n\n");
+            }
+        }
+        rest = tail;
+    }
+    out
+}
+
 /// An OpenAI error body (the shape of `pdkv_server::error::ApiError`, which
 /// `pdkv-server`'s tests check).
 pub fn error_json(message: &str, kind: &str, code: &str) -> String {
@@ -960,7 +1114,16 @@ impl Failure {
     /// The events ending a stream this failure cut short: the proxy's
     /// error and `[DONE]`.
     fn sse_event(&self, role: Role) -> Vec<u8> {
-        format!("data: {}\n\ndata: [DONE]\n\n", self.proxy_error(role).1).into_bytes()
+        // An error status with an OpenAI error body passes that body on.
+        let passed = match self {
+            Failure::Status { body, .. } => serde_json::from_slice::<Value>(body)
+                .ok()
+                .filter(|v| v.get("error").is_some())
+                .map(|v| v.to_string()),
+            _ => None,
+        };
+        let data = passed.unwrap_or_else(|| self.proxy_error(role).1);
+        format!("data: {data}\n\ndata: [DONE]\n\n").into_bytes()
     }
 }
 
@@ -1537,6 +1700,185 @@ mod tests {
             )
         );
         assert_eq!(actions.len(), 3);
+    }
+
+    /// A streamed request through P and D that may be resumed twice.
+    fn resumable() -> RelayPlan {
+        let req = json!({"prompt": "hi", "stream": true})
+            .as_object()
+            .unwrap()
+            .clone();
+        let plan = RelayPlan::for_request(&req, write(), TID).with_resumes(&req, 2);
+        assert!(plan.tracks_token_ids());
+        plan
+    }
+
+    fn first_actions() -> Vec<Action> {
+        vec![
+            Action::SendPrefill { params: p_params() },
+            Action::SendDecode {
+                params: Some(d_params()),
+            },
+        ]
+    }
+
+    #[test]
+    fn a_lost_d_is_resumed_with_exactly_the_tokens_whose_text_the_client_has() {
+        let mut plan = drive(
+            resumable(),
+            first_actions(),
+            vec![
+                (p_done(), vec![]),
+                (head(200), vec![Action::StartStream { status: 200 }]),
+                // Token ids lead each event and are stripped; an event of
+                // ids alone (text held back) goes whole.
+                (
+                    body(
+                        ": token_ids [5]\ndata: a\n\n: token_ids [6,7]\n\n: token_ids [8]\ndata: b",
+                    ),
+                    vec![stream("data: a\n\n")],
+                ),
+                // D dies halfway through the event of token 8: neither its
+                // text nor its token counts.
+                (
+                    Event::DecodeFailed(failed(false)),
+                    vec![
+                        Action::DropAtPrefill {
+                            code: FailCode::Dropped,
+                        },
+                        Action::ResumeDecode {
+                            token_ids: vec![5, 6, 7],
+                        },
+                    ],
+                ),
+                // The new D's head continues the same stream: no new head.
+                (head(200), vec![]),
+                (
+                    body(": token_ids [8]\ndata: b\n\ndata: [DONE]\n\n"),
+                    vec![stream("data: b\n\ndata: [DONE]\n\n")],
+                ),
+                (Event::DecodeEnd, vec![Action::EndStream, ok()]),
+            ],
+        );
+        assert_eq!(plan.outcome(), Some(Outcome::Ok));
+        assert_eq!(plan.poll_action(), None);
+    }
+
+    #[test]
+    fn a_resumed_d_that_is_lost_too_is_replaced_until_the_bound_then_the_stream_fails() {
+        let lost = || Event::DecodeFailed(failed(false));
+        let mut plan = drive(
+            resumable(),
+            first_actions(),
+            vec![
+                (p_done(), vec![]),
+                (head(200), vec![Action::StartStream { status: 200 }]),
+                (
+                    body(": token_ids [5]\ndata: a\n\n"),
+                    vec![stream("data: a\n\n")],
+                ),
+                (
+                    lost(),
+                    vec![
+                        Action::DropAtPrefill {
+                            code: FailCode::Dropped,
+                        },
+                        Action::ResumeDecode { token_ids: vec![5] },
+                    ],
+                ),
+                // Refused connection before any head: resumed again.
+                (lost(), vec![Action::ResumeDecode { token_ids: vec![5] }]),
+            ],
+        );
+        plan.handle(lost());
+        let actions = drain(&mut plan);
+        assert!(
+            matches!(&actions[0], Action::FailStream { broken: false, .. }),
+            "{actions:?}"
+        );
+        assert!(matches!(
+            &actions[1],
+            Action::Count {
+                outcome: Outcome::DecodeError,
+                ..
+            }
+        ));
+    }
+
+    #[test]
+    fn a_resumed_d_answering_an_error_status_ends_the_stream_with_its_error() {
+        let mut plan = drive(
+            resumable(),
+            first_actions(),
+            vec![
+                (p_done(), vec![]),
+                (head(200), vec![Action::StartStream { status: 200 }]),
+                (
+                    Event::DecodeFailed(failed(false)),
+                    vec![
+                        Action::DropAtPrefill {
+                            code: FailCode::Dropped,
+                        },
+                        Action::ResumeDecode { token_ids: vec![] },
+                    ],
+                ),
+                (head(400), vec![]),
+                (body(r#"{"error":{"message":"bad","code":"x"}}"#), vec![]),
+            ],
+        );
+        plan.handle(Event::DecodeEnd);
+        let actions = drain(&mut plan);
+        let Action::FailStream { event, .. } = &actions[0] else {
+            panic!("{actions:?}")
+        };
+        let text = String::from_utf8(event.clone()).unwrap();
+        assert!(
+            text.contains("bad") && text.ends_with("data: [DONE]\n\n"),
+            "{text}"
+        );
+        assert_eq!(plan.outcome(), Some(Outcome::BadRequest));
+    }
+
+    #[test]
+    fn timeouts_and_plans_without_resumes_fail_the_stream_as_before() {
+        let mut plan = drive(
+            resumable(),
+            first_actions(),
+            vec![
+                (p_done(), vec![]),
+                (head(200), vec![Action::StartStream { status: 200 }]),
+            ],
+        );
+        plan.handle(Event::DecodeFailed(failed(true)));
+        assert!(drain(&mut plan)
+            .iter()
+            .any(|a| matches!(a, Action::FailStream { .. })));
+        let req = |v: Value| v.as_object().unwrap().clone();
+        for body in [
+            json!({"prompt": "hi", "stream": true, "n": 2}),
+            json!({"prompt": "hi", "stream": true, "echo": true}),
+            json!({"prompt": "hi", "stream": true, "prompt_logprobs": 1}),
+            json!({"prompt": "hi", "stream": false}),
+        ] {
+            let r = req(body.clone());
+            let plan = RelayPlan::for_request(&r, write(), TID).with_resumes(&r, 2);
+            assert!(!plan.tracks_token_ids(), "{body}");
+        }
+    }
+
+    #[test]
+    fn token_id_comments_are_stripped_and_collected_in_order() {
+        let mut ids = Vec::new();
+        let out = strip_token_ids(
+            b": token_ids [1,2]\ndata: x\n\n: token_ids [3]\n\n: other\ndata: y\n\n: token_ids [4]\ndata: z",
+            &mut ids,
+        );
+        assert_eq!(ids, vec![1, 2, 3, 4]);
+        assert_eq!(out, b"data: x\n\n: other\ndata: y\n\ndata: z");
+        let mut ids = Vec::new();
+        let garbled = b": token_ids [nope]\ndata: x\n\n";
+        assert_eq!(strip_token_ids(garbled, &mut ids), garbled.to_vec());
+        assert!(ids.is_empty());
     }
 
     #[test]

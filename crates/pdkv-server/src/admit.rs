@@ -73,6 +73,7 @@ pub(crate) async fn admit(
     prompt: PromptIn,
     params: SamplingParams,
     kv_transfer_params: Option<Value>,
+    resume_token_ids: Vec<u32>,
     arrived: Instant,
 ) -> Result<Admitted, ApiError> {
     let num_prompt_tokens = prompt.tokens.len();
@@ -82,6 +83,7 @@ pub(crate) async fn admit(
         prompt_tokens: prompt.tokens,
         params,
         kv_transfer_params,
+        resume_token_ids,
     };
     let engine = state.engine();
     let deadline = tokio::time::Instant::now() + state.pause_wait();
@@ -152,4 +154,53 @@ pub(crate) fn failed_request(out: &pdkv_engine::RequestOutput) -> ApiError {
 
 pub(crate) fn usage_json(prompt: usize, completion: usize) -> Value {
     json!({"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion})
+}
+
+/// Checks the shape of `kv_transfer_params` and maps a router's dialect
+/// onto pdkv's keys for request `id` (the connector checks the contents
+/// when the request is added).
+pub(crate) fn kv_params(v: Option<Value>, id: &str) -> Result<KvIn, ApiError> {
+    match v {
+        None | Some(Value::Null) => Ok(KvIn::default()),
+        Some(Value::Object(mut obj)) => {
+            let resume = match obj.remove(pdkv_connector::params::RESUME_TOKEN_IDS) {
+                None | Some(Value::Null) => Vec::new(),
+                Some(v) => resume_ids(&v)?,
+            };
+            // Only the resumed outputs: the engine computes the prompt.
+            let params = (!obj.is_empty())
+                .then(|| pdkv_connector::params::canonical(Value::Object(obj), id));
+            Ok(KvIn { params, resume })
+        }
+        Some(_) => Err(ApiError::invalid_param(
+            "kv_transfer_params",
+            "kv_transfer_params must be an object",
+        )),
+    }
+}
+
+/// A request's `kv_transfer_params`: those for the KV connector, and the
+/// outputs to resume after (`resume_token_ids`, taken out of them).
+#[derive(Default)]
+pub(crate) struct KvIn {
+    pub params: Option<Value>,
+    pub resume: Vec<u32>,
+}
+
+fn resume_ids(v: &Value) -> Result<Vec<u32>, ApiError> {
+    let bad = || {
+        ApiError::invalid_param(
+            "kv_transfer_params.resume_token_ids",
+            "kv_transfer_params.resume_token_ids must be a list of token ids",
+        )
+    };
+    v.as_array()
+        .ok_or_else(bad)?
+        .iter()
+        .map(|t| {
+            t.as_u64()
+                .and_then(|t| u32::try_from(t).ok())
+                .ok_or_else(bad)
+        })
+        .collect()
 }

@@ -35,7 +35,7 @@ use pdkv_engine::sampling::TokenLogprobs;
 use pdkv_engine::{FinishReason, RequestOutput, SamplingParams};
 use serde_json::Value;
 
-use crate::admit::{admit, failed_request, PromptIn};
+use crate::admit::{admit, failed_request, KvIn, PromptIn};
 use crate::error::ApiError;
 use crate::ids::RequestIds;
 use crate::tracker::TrackedStream;
@@ -97,6 +97,12 @@ pub struct Group {
     pub id: String,
     pub created: u64,
     pub num_prompt_tokens: usize,
+    /// Outputs produced before this engine took the request over
+    /// (`resume_token_ids`): counted in the usage, not sent again.
+    pub resumed: usize,
+    /// Each streamed event names its output token ids in an SSE comment
+    /// ([`pdkv_relay::TOKEN_IDS_HEADER`]).
+    pub report_token_ids: bool,
     streams: Vec<TrackedStream>,
     /// Outputs read while admitting (choice 0's first), handed out first.
     early: VecDeque<(usize, RequestOutput)>,
@@ -110,10 +116,23 @@ pub(crate) async fn admit_group(
     ids: RequestIds,
     prompt: PromptIn,
     params: SamplingParams,
-    kv_transfer_params: Option<Value>,
+    kv: KvIn,
     arrived: Instant,
     n: usize,
 ) -> Result<Group, ApiError> {
+    let KvIn {
+        params: kv_transfer_params,
+        resume,
+    } = kv;
+    if !resume.is_empty() && n > 1 {
+        return Err(ApiError::invalid_param(
+            "kv_transfer_params.resume_token_ids",
+            format!(
+                "kv_transfer_params.resume_token_ids resumes one sequence: it needs n = 1, got {n}"
+            ),
+        ));
+    }
+    let resumed = resume.len();
     let prefill_for_remote_decode = matches!(
         pdkv_connector::params::PdParams::parse(kv_transfer_params.as_ref()),
         Ok(Some(pdkv_connector::params::PdParams::RemoteDecode { .. }))
@@ -126,6 +145,7 @@ pub(crate) async fn admit_group(
         prompt.clone(),
         params.clone(),
         kv_transfer_params,
+        resume,
         arrived,
     )
     .await?;
@@ -134,6 +154,8 @@ pub(crate) async fn admit_group(
         id: ids.shown,
         created,
         num_prompt_tokens,
+        resumed,
+        report_token_ids: false,
         streams: vec![first.stream],
         early: VecDeque::new(),
     };
@@ -162,6 +184,7 @@ pub(crate) async fn admit_group(
             prompt.clone(),
             p,
             None,
+            Vec::new(),
             arrived,
         )
         .await?;
@@ -215,6 +238,8 @@ impl Group {
             id,
             created,
             num_prompt_tokens: 0,
+            resumed: 0,
+            report_token_ids: false,
             streams: Vec::new(),
             early: VecDeque::new(),
         };
@@ -250,7 +275,12 @@ impl Group {
 
     /// Completion tokens over all choices so far.
     pub fn generated(&self) -> usize {
-        self.streams.iter().map(TrackedStream::generated).sum()
+        self.resumed
+            + self
+                .streams
+                .iter()
+                .map(TrackedStream::generated)
+                .sum::<usize>()
     }
 
     /// Every choice's outputs, merged as they come: `(index, Some(output))`,

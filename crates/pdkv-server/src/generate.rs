@@ -25,7 +25,7 @@ use pdkv_engine::{FinishReason, RequestOutput};
 use serde::Deserialize;
 use serde_json::{json, Value};
 
-use crate::admit::{usage_json, PromptIn};
+use crate::admit::{kv_params, usage_json, PromptIn};
 use crate::choices::{admit_group, parse_n, Group};
 use crate::error::ApiError;
 use crate::fields::{Body, Screen, Screened};
@@ -33,8 +33,8 @@ use crate::listen::PeerAddr;
 use crate::logprobs::{self, Names};
 use crate::openai::{parse_max_tokens, Endpoint, SamplingFields, StreamOptions};
 use crate::routes::{
-    check_model, check_sampling_ids, check_token_ids, choose_request_id, json_response, kv_params,
-    truncate_prompt, with_request_id,
+    check_model, check_sampling_ids, check_token_ids, choose_request_id, json_response,
+    reports_token_ids, truncate_prompt, with_request_id,
 };
 use crate::sse::{sse_response, ChunkHead};
 use crate::AppState;
@@ -165,7 +165,8 @@ pub async fn generate(
     let want_prompt_lp = params.prompt_logprobs.is_some();
     let kv = kv_params(req.kv_transfer_params, &ids.engine)?;
     let prompt = PromptIn::new(token_ids, req.cache_salt)?;
-    let group = admit_group(&state, ids, prompt, params, kv, arrived, n).await?;
+    let mut group = admit_group(&state, ids, prompt, params, kv, arrived, n).await?;
+    group.report_token_ids = reports_token_ids(&headers);
     let view = GenerateView {
         tok: state.engine().tokenizer().clone(),
         top: top.map(|k| k as usize),

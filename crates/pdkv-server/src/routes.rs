@@ -12,7 +12,7 @@ use pdkv_engine::{FinishReason, RequestOutput, SamplingParams};
 use pdkv_model::{ChatMessage, Tokenizer};
 use serde_json::{json, Value};
 
-use crate::admit::{usage_json, PromptIn};
+use crate::admit::{kv_params, usage_json, KvIn, PromptIn};
 use crate::choices::{admit_group, parse_n, Choice, Group};
 use crate::error::ApiError;
 use crate::fields::Screened;
@@ -233,18 +233,10 @@ pub(crate) fn with_request_id(mut resp: Response, id: &str) -> Response {
     resp
 }
 
-/// Checks the shape of `kv_transfer_params` and maps a router's dialect
-/// onto pdkv's keys for request `id` (the connector checks the contents
-/// when the request is added).
-pub(crate) fn kv_params(v: Option<Value>, id: &str) -> Result<Option<Value>, ApiError> {
-    match v {
-        None | Some(Value::Null) => Ok(None),
-        Some(v @ Value::Object(_)) => Ok(Some(pdkv_connector::params::canonical(v, id))),
-        Some(_) => Err(ApiError::invalid_param(
-            "kv_transfer_params",
-            "kv_transfer_params must be an object",
-        )),
-    }
+/// Whether the caller asked for each streamed event's token ids
+/// ([`pdkv_relay::TOKEN_IDS_HEADER`]).
+pub(crate) fn reports_token_ids(headers: &HeaderMap) -> bool {
+    headers.contains_key(pdkv_relay::TOKEN_IDS_HEADER)
 }
 
 pub(crate) fn json_response(v: &Value) -> Response {
@@ -313,7 +305,14 @@ pub async fn completions(
     }
     let (prompt, view) = prepared.pop().expect("one prompt");
     let kv = kv_params(req.kv_transfer_params, &ids.engine)?;
-    let group = admit_group(&state, ids, prompt, params, kv, arrived, n).await?;
+    if req.echo == Some(true) && !kv.resume.is_empty() {
+        return Err(ApiError::invalid_param(
+            "echo",
+            "echo cannot be combined with kv_transfer_params.resume_token_ids (the prompt was sent already)",
+        ));
+    }
+    let mut group = admit_group(&state, ids, prompt, params, kv, arrived, n).await?;
+    group.report_token_ids = reports_token_ids(&headers);
 
     if req.stream.unwrap_or(false) {
         return Ok(stream_completion(
@@ -432,7 +431,7 @@ async fn admit_prompts(
             RequestIds::made(format!("{engine_id}-p{k}")),
             prompt,
             params.clone(),
-            None,
+            KvIn::default(),
             arrived,
             n,
         )
@@ -709,7 +708,8 @@ pub async fn chat_completions(
         prompt_ids: return_token_ids.then(|| prompt_tokens.clone()),
     };
     let prompt = PromptIn::new(prompt_tokens, req.cache_salt.clone())?;
-    let group = admit_group(&state, ids, prompt, params, kv, arrived, n).await?;
+    let mut group = admit_group(&state, ids, prompt, params, kv, arrived, n).await?;
+    group.report_token_ids = reports_token_ids(&headers);
     let model = state.served_model_name().to_string();
 
     if req.stream.unwrap_or(false) {

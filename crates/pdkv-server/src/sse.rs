@@ -15,6 +15,7 @@ use serde_json::{json, Value};
 use crate::admit::{failed_request, usage_json};
 use crate::choices::Group;
 use crate::error::ApiError;
+use pdkv_relay::TOKEN_IDS_COMMENT;
 
 /// Builds the chunk for one output of choice `index`, or `None` when the
 /// output shows nothing (no text, no tokens the client asked to see, not
@@ -39,6 +40,8 @@ struct SseState<F> {
     /// Choices not finished yet.
     open: usize,
     include_usage: bool,
+    /// Lead each event with its output token ids ([`TOKEN_IDS_COMMENT`]).
+    report_token_ids: bool,
     first: VecDeque<Value>,
     chunk: F,
     phase: Phase,
@@ -107,7 +110,15 @@ impl<F: ChunkFn> SseState<F> {
                             self.phase = Phase::Tail;
                         }
                     }
-                    if let Some(v) = (self.chunk)(index, &out, self.include_usage) {
+                    let event = (self.chunk)(index, &out, self.include_usage);
+                    if self.report_token_ids && !out.token_ids.is_empty() {
+                        // One event, so the ids and their text arrive together.
+                        let ids = json!(out.token_ids);
+                        let data = event.as_ref().map_or(String::new(), |v| sse_event(v));
+                        let tail = if data.is_empty() { "\n" } else { "" };
+                        return Some(format!("{TOKEN_IDS_COMMENT}{ids}\n{data}{tail}"));
+                    }
+                    if let Some(v) = event {
                         return Some(sse_event(&v));
                     }
                 }
@@ -141,10 +152,14 @@ pub fn sse_response<F: ChunkFn>(
     first: Vec<Value>,
     chunk: F,
 ) -> Response {
+    // A resumed request's opening chunks (the chat role) were sent by the
+    // engine that began it.
+    let first = if group.resumed > 0 { Vec::new() } else { first };
     let state = SseState {
         num_prompt_tokens: group.num_prompt_tokens,
-        generated: 0,
+        generated: group.resumed,
         open: group.n(),
+        report_token_ids: group.report_token_ids,
         outputs: group.into_stream().boxed(),
         include_usage,
         first: first.into(),

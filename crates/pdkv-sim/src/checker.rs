@@ -327,6 +327,7 @@ mod tests {
             let out = n.outputs.clone();
             let req = EngineRequest {
                 cache_salt: None,
+                resume_token_ids: Vec::new(),
                 id: id.into(),
                 prompt_tokens: prompt.to_vec(),
                 params: SamplingParams {

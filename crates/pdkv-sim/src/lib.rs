@@ -147,6 +147,12 @@ pub struct Report {
     /// The first few lost requests' answers.
     pub losses: Vec<String>,
     pub prefill_skipped: u64,
+    /// Streams the proxy moved to a decode engine after losing theirs.
+    pub resumed: u64,
+    /// Of the streams that ended whole, those that were resumed and whose
+    /// tokens, as the client got them, were checked against a colocated
+    /// engine's.
+    pub checked_resumed: u64,
     pub checked_outputs: u64,
     pub frames: u64,
     /// KV frames that arrived after their write had ended (refused by D's

@@ -149,12 +149,18 @@ impl Proxy {
             };
             match a {
                 Action::SendPrefill { params } => {
-                    let call = self.new_call(w, client, Side::P, 1, Some(params));
+                    let call = self.new_call(w, client, Side::P, 1, Some(params), Vec::new());
                     self.clients.get_mut(&client).expect("live").p_call = Some(call);
                 }
                 Action::SendDecode { params } => {
                     let n = self.clients[&client].max_tokens as u32;
-                    let call = self.new_call(w, client, Side::D, n, params);
+                    let call = self.new_call(w, client, Side::D, n, params, Vec::new());
+                    self.clients.get_mut(&client).expect("live").d_call = Some(call);
+                }
+                Action::ResumeDecode { token_ids } => {
+                    w.ctx.report.resumed += 1;
+                    let n = self.clients[&client].max_tokens as u32;
+                    let call = self.new_call(w, client, Side::D, n, None, token_ids);
                     self.clients.get_mut(&client).expect("live").d_call = Some(call);
                 }
                 Action::CancelPrefill => {
@@ -227,6 +233,7 @@ impl Proxy {
         side: Side,
         max_tokens: u32,
         kv: Option<serde_json::Value>,
+        resume_token_ids: Vec<u32>,
     ) -> u64 {
         let call = w.ctx.id();
         let c = &self.clients[&client];
@@ -243,6 +250,7 @@ impl Proxy {
         };
         let req = EngineRequest {
             cache_salt: None,
+            resume_token_ids,
             id: id.clone(),
             prompt_tokens: c.prompt.clone(),
             params,
@@ -626,7 +634,7 @@ mod tests {
         assert!(r.proxy.crashed(0).is_empty());
         r.cluster.crash(0);
         let (proxy, mut w) = r.split();
-        let again = proxy.new_call(&mut w, client, Side::P, 1, None);
+        let again = proxy.new_call(&mut w, client, Side::P, 1, None, Vec::new());
         r.events();
         let (proxy, mut w) = r.split();
         assert_eq!(proxy.call_arrives(&mut w, again), None);

@@ -168,6 +168,7 @@ fn run_colocated(
         .map(|(i, p)| {
             let req = EngineRequest {
                 cache_salt: None,
+                resume_token_ids: Vec::new(),
                 id: format!("{tag}-{i}"),
                 prompt_tokens: p.clone(),
                 params: params(max_tokens),
@@ -252,6 +253,7 @@ fn run_pd(
         let transfer_id = format!("{tag}-{i}");
         let mut p_stream = p.add_request(EngineRequest {
             cache_salt: None,
+            resume_token_ids: Vec::new(),
             id: format!("{tag}-p-{i}"),
             prompt_tokens: prompt.clone(),
             params: params(1),
@@ -259,6 +261,7 @@ fn run_pd(
         })?;
         let mut d_stream = d.add_request(EngineRequest {
             cache_salt: None,
+            resume_token_ids: Vec::new(),
             id: format!("{tag}-d-{i}"),
             prompt_tokens: prompt.clone(),
             params: params(max_tokens),

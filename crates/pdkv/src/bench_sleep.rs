@@ -103,6 +103,7 @@ fn probe(engine: &EngineHandle, round: usize, max_tokens: u32) -> anyhow::Result
         };
         let req = EngineRequest {
             cache_salt: None,
+            resume_token_ids: Vec::new(),
             id: format!("probe-{round}-{i}"),
             prompt_tokens,
             params,

@@ -48,6 +48,16 @@ pub struct ProxyArgs {
     /// retryable 503 on at once.
     #[arg(long, default_value_t = 600.0)]
     pub pause_wait_timeout_s: f64,
+    /// How many times one streamed request moves to another decode engine
+    /// (or the same, restarted) after losing its own mid-stream: the new
+    /// one computes the prompt and the tokens the client already has and
+    /// continues the stream. 0 ends such a stream with an error event.
+    #[arg(long, default_value_t = 3)]
+    pub max_resumes: u32,
+    /// How long, in seconds, a stream that lost its decode engine waits for
+    /// one that serves before it fails.
+    #[arg(long, default_value_t = 30.0)]
+    pub resume_wait_s: f64,
     /// The deployment's KV secret (as the engines' `--kv-secret`): the proxy
     /// proves it when it asks a prefill engine to drop a transfer.
     #[arg(long, env = "PDKV_KV_SECRET", hide_env_values = true)]
@@ -76,6 +86,12 @@ pub fn run(args: ProxyArgs) -> anyhow::Result<()> {
         "--pause-wait-timeout-s must be a number of seconds from 0 to 86400"
     );
     config.pause_wait = Duration::from_secs_f64(args.pause_wait_timeout_s);
+    anyhow::ensure!(
+        args.resume_wait_s.is_finite() && (0.0..=3_600.0).contains(&args.resume_wait_s),
+        "--resume-wait-s must be a number of seconds from 0 to 3600"
+    );
+    config.resume_wait = Duration::from_secs_f64(args.resume_wait_s);
+    config.max_resumes = args.max_resumes;
     config.kv_secret = crate::common::kv_secret(args.kv_secret.as_deref())?;
     config.http = args.http.limits()?;
     let proxy = Proxy::new(config)?;

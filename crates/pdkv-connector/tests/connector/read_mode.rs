@@ -390,6 +390,7 @@ fn bad_read_params_fail_only_their_request() {
         .handle
         .add_request(EngineRequest {
             cache_salt: None,
+            resume_token_ids: Vec::new(),
             id: "junk".into(),
             prompt_tokens: pr.clone(),
             params: sp,

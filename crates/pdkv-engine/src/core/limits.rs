@@ -109,6 +109,23 @@ impl RequestLimits {
                 "prompt token id {t} is outside the vocabulary of {vocab}"
             ));
         }
+        if let Some(&t) = req.resume_token_ids.iter().find(|&&t| t as usize >= vocab) {
+            return invalid(format!(
+                "resume_token_ids: token id {t} is outside the vocabulary of {vocab}"
+            ));
+        }
+        if !req.resume_token_ids.is_empty() {
+            let done = req.resume_token_ids.len();
+            if done >= p.max_tokens as usize {
+                return invalid(format!(
+                    "resume_token_ids holds {done} tokens: nothing is left of max_tokens ({})",
+                    p.max_tokens
+                ));
+            }
+            if p.prompt_logprobs.is_some() {
+                return invalid("prompt_logprobs cannot be combined with resume_token_ids".into());
+            }
+        }
         if let Some(&t) = p.stop_token_ids.iter().find(|&&t| t as usize >= vocab) {
             return invalid(format!(
                 "stop token id {t} is outside the vocabulary of {vocab}"

@@ -603,13 +603,29 @@ impl EngineCore {
             stop_token_ids.extend(&self.eos_ids);
         }
         let adjust = LogitsAdjust::from_params(p, &stop_token_ids);
-        let history = TokenHistory::new(&req.prompt_tokens, adjust.repetition_penalty != 1.0);
+        let mut history = TokenHistory::new(&req.prompt_tokens, adjust.repetition_penalty != 1.0);
         let prompt_logprobs = p.prompt_logprobs.map(|k| PromptLogprobs {
             top: k as usize,
             prompt: req.prompt_tokens.clone(),
             entries: vec![None],
             sent: false,
         });
+        let mut detok = IncrementalDetokenizer::new(&req.prompt_tokens)
+            .keeping_special_tokens(!p.skip_special_tokens);
+        let mut stops =
+            StopChecker::new(p.stop.clone()).including_stop(p.include_stop_str_in_output);
+        // Outputs produced elsewhere pass through the same steps as sampled
+        // ones, their text dropped: it was sent; what a stop string held
+        // back stays held.
+        for &tok in &req.resume_token_ids {
+            history.push(tok);
+            let delta = detok.push(&*self.decoder, tok);
+            if history.num_outputs() > p.min_tokens as usize {
+                stops.push(&delta);
+            } else {
+                stops.push_unmatched(&delta);
+            }
+        }
         let active = ActiveRequest {
             serial,
             output,
@@ -619,9 +635,8 @@ impl EngineCore {
             return_logits: p.return_logits,
             logprobs: p.logprobs.map(|k| k as usize),
             prompt_logprobs,
-            detok: IncrementalDetokenizer::new(&req.prompt_tokens)
-                .keeping_special_tokens(!p.skip_special_tokens),
-            stops: StopChecker::new(p.stop.clone()).including_stop(p.include_stop_str_in_output),
+            detok,
+            stops,
             min_tokens: p.min_tokens as usize,
             num_prompt_tokens: req.prompt_tokens.len(),
             num_cached_tokens: 0,
@@ -641,6 +656,7 @@ impl EngineCore {
                 .cache_salt
                 .as_deref()
                 .map(crate::block_pool::BlockHash::salt),
+            output_tokens: req.resume_token_ids,
         });
         self.reqs.insert(id, active);
     }

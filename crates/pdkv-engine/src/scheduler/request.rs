@@ -25,6 +25,10 @@ pub struct NewRequest {
     /// The request's cache salt ([`BlockHash::salt`]): its blocks' hashes
     /// are its own, shared only with requests of the same salt.
     pub cache_salt: Option<BlockHash>,
+    /// Outputs the request already has (a request resumed after another
+    /// engine died): they follow the prompt in its tokens, count against
+    /// `max_tokens` and are computed with the prompt.
+    pub output_tokens: Vec<u32>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -166,21 +166,27 @@ impl Scheduler {
             "duplicate request id {}",
             req.id
         );
-        assert!(req.max_tokens > 0, "max_tokens must be at least 1");
+        assert!(
+            req.output_tokens.len() < req.max_tokens,
+            "max_tokens must exceed the outputs a request already has"
+        );
         let max_blocks = Self::max_blocks_needed(req.prompt_tokens.len(), req.max_tokens);
         assert!(
             max_blocks <= self.pool.num_blocks(),
             "request {} can never fit the KV cache",
             req.id
         );
+        let num_prompt_tokens = req.prompt_tokens.len();
+        let mut tokens = req.prompt_tokens;
+        tokens.extend_from_slice(&req.output_tokens);
         let mut block_hashes = Vec::new();
         if self.pool.caching_enabled() {
-            BlockHash::extend_salted_chain(&mut block_hashes, &req.prompt_tokens, req.cache_salt);
+            BlockHash::extend_salted_chain(&mut block_hashes, &tokens, req.cache_salt);
         }
         let r = Request {
             id: req.id.clone(),
-            num_prompt_tokens: req.prompt_tokens.len(),
-            tokens: req.prompt_tokens,
+            num_prompt_tokens,
+            tokens,
             max_tokens: req.max_tokens,
             stop_token_ids: req.stop_token_ids,
             num_computed_tokens: 0,

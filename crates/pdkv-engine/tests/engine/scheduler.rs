@@ -429,6 +429,7 @@ fn random_workload(seed: u64, caching: bool) -> (u64, u64) {
                 live.push(id.clone());
                 s.add_request(NewRequest {
                     cache_salt: None,
+                    output_tokens: Vec::new(),
                     id,
                     prompt_tokens: p,
                     max_tokens,

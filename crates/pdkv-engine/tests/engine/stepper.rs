@@ -206,6 +206,7 @@ impl Outputs {
 fn request(id: &str, prompt_tokens: Vec<u32>, max_tokens: u32) -> EngineRequest {
     EngineRequest {
         cache_salt: None,
+        resume_token_ids: Vec::new(),
         id: id.into(),
         prompt_tokens,
         params: SamplingParams {

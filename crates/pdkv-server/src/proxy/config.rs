@@ -37,6 +37,13 @@ pub struct ProxyConfig {
     pub kv_secret: pdkv_connector::KvSecret,
     /// The bounds on client connections.
     pub http: crate::listen::HttpLimits,
+    /// How many times one streamed request may move to another decode
+    /// engine after losing its own mid-stream (0: never; the stream then
+    /// ends with an error event).
+    pub max_resumes: u32,
+    /// How long a request that lost its decode engine waits for one that
+    /// serves (another, or the same restarted) before its stream fails.
+    pub resume_wait: Duration,
 }
 
 impl ProxyConfig {
@@ -55,6 +62,8 @@ impl ProxyConfig {
             pause_wait: Duration::from_secs(600),
             kv_secret: pdkv_connector::KvSecret::open(),
             http: crate::listen::HttpLimits::default(),
+            max_resumes: 3,
+            resume_wait: Duration::from_secs(30),
         }
     }
 }

@@ -145,11 +145,13 @@ async fn generate_once(
         authorization: headers.get(header::AUTHORIZATION).cloned(),
         forwarded_for: headers.get(X_FORWARDED_FOR).cloned(),
         prefill_request_id: super::upstream::prefill_request_id(client_id, attempt),
+        token_ids: false,
     };
     let transfer_id = proxy.new_transfer_id();
     let (p, p_status, plan) = match picked.0 {
         Some((p, st)) => {
-            let plan = RelayPlan::for_request(&req, plan_mode(st.kv_info.as_ref()), &transfer_id);
+            let plan = RelayPlan::for_request(&req, plan_mode(st.kv_info.as_ref()), &transfer_id)
+                .with_resumes(&req, proxy.config.max_resumes);
             (p, st, plan)
         }
         None => {

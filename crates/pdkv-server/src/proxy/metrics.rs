@@ -17,6 +17,7 @@ pub(super) struct ProxyMetrics {
     prefill_skipped: [AtomicU64; OnPurpose::ALL.len()],
     /// Requests D computed alone because no prefill server was up.
     prefill_down: AtomicU64,
+    resumed: AtomicU64,
 }
 
 impl ProxyMetrics {
@@ -30,6 +31,10 @@ impl ProxyMetrics {
 
     pub(super) fn prefill_skipped(&self, why: OnPurpose) {
         self.prefill_skipped[why as usize].fetch_add(1, Ordering::Relaxed);
+    }
+
+    pub(super) fn resumed(&self) {
+        self.resumed.fetch_add(1, Ordering::Relaxed);
     }
 
     pub(super) fn prefill_down(&self) {
@@ -95,6 +100,12 @@ pub(super) fn render(m: &ProxyMetrics, snaps: &[BackendSnapshot]) -> String {
         "Requests the decode server computed alone because no prefill server was up.",
         "counter",
         &[(&[][..], m.prefill_down.load(Ordering::Relaxed) as f64)],
+    );
+    e.family(
+        "pdkv_proxy_requests_resumed_total",
+        "Streams moved to another decode server (or the same, restarted) after theirs was lost mid-stream.",
+        "counter",
+        &[(&[][..], m.resumed.load(Ordering::Relaxed) as f64)],
     );
     let labels: Vec<[(&str, &str); 2]> = snaps
         .iter()

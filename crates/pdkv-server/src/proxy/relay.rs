@@ -38,11 +38,15 @@ pub(super) struct Call {
 
 type PrefillCall = Pin<Box<dyn Future<Output = (Event, Option<HeaderValue>)> + Send>>;
 type DecodeSend = Pin<Box<dyn Future<Output = reqwest::Result<reqwest::Response>> + Send>>;
+type DecodeResume =
+    Pin<Box<dyn Future<Output = Result<(Arc<Backend>, reqwest::Response), CallError>> + Send>>;
 
-/// D's call: not made, waiting for its head, or reading its body.
+/// D's call: not made, waiting for its head (of the first D, or of the one
+/// a lost stream resumes on, once one serves), or reading its body.
 enum DecodeCall {
     Idle,
     Sending(DecodeSend),
+    Resuming(DecodeResume),
     Body(BoxStream<'static, reqwest::Result<Bytes>>),
 }
 
@@ -75,6 +79,36 @@ pub(super) struct Relay {
     decode: DecodeCall,
     /// D's headers worth passing on.
     decode_head: Vec<(HeaderName, HeaderValue)>,
+}
+
+/// A decode server that serves (a lost one is marked down until a health
+/// check finds it back): picked at once, else after fresh health checks,
+/// until `wait` passes.
+async fn serving_decode(
+    proxy: &Shared,
+    wait: std::time::Duration,
+) -> Result<Arc<Backend>, CallError> {
+    let deadline = tokio::time::Instant::now() + wait;
+    loop {
+        if let Some((d, _)) = proxy.decode.pick() {
+            return Ok(d);
+        }
+        if tokio::time::Instant::now() >= deadline {
+            return Err(CallError {
+                timed_out: false,
+                detail: format!(
+                    "no decode server served within {:.0} s of losing the stream's (--resume-wait-s)",
+                    wait.as_secs_f64()
+                ),
+            });
+        }
+        let pause = proxy
+            .config
+            .health_interval
+            .min(std::time::Duration::from_millis(250));
+        tokio::time::sleep_until(deadline.min(tokio::time::Instant::now() + pause)).await;
+        proxy.check_backends().await;
+    }
 }
 
 /// P's call: its answer read whole and classified, with its content type.
@@ -117,8 +151,13 @@ async fn next_prefill(slot: &mut Option<PrefillCall>) -> (Event, Option<HeaderVa
     out
 }
 
-/// D's next event; pends forever when D's call is not running.
-async fn next_decode(call: &mut DecodeCall, head: &mut Vec<(HeaderName, HeaderValue)>) -> Event {
+/// D's next event; pends forever when D's call is not running. A resumed
+/// call's D becomes `d`.
+async fn next_decode(
+    call: &mut DecodeCall,
+    head: &mut Vec<(HeaderName, HeaderValue)>,
+    d: &mut Arc<Backend>,
+) -> Event {
     let event = match call {
         DecodeCall::Idle => return std::future::pending().await,
         DecodeCall::Sending(fut) => match fut.await {
@@ -129,6 +168,16 @@ async fn next_decode(call: &mut DecodeCall, head: &mut Vec<(HeaderName, HeaderVa
                 return Event::DecodeHead { status };
             }
             Err(e) => Event::DecodeFailed(call_error(&e)),
+        },
+        DecodeCall::Resuming(fut) => match fut.await {
+            Ok((backend, resp)) => {
+                // The client has its head already; only the body follows.
+                *d = backend;
+                let status = resp.status().as_u16();
+                *call = DecodeCall::Body(resp.bytes_stream().boxed());
+                return Event::DecodeHead { status };
+            }
+            Err(e) => Event::DecodeFailed(e),
         },
         DecodeCall::Body(body) => match body.next().await {
             Some(Ok(chunk)) => return Event::DecodeBody(Vec::from(chunk)),
@@ -240,7 +289,7 @@ impl Relay {
                 self.prefill_type = content_type;
                 event
             }
-            event = next_decode(&mut self.decode, &mut self.decode_head) => event,
+            event = next_decode(&mut self.decode, &mut self.decode_head, &mut self.d) => event,
         }
     }
 
@@ -259,16 +308,14 @@ impl Relay {
             }
             Action::SendDecode { params } => {
                 let body = decode_body(&self.call.req, params);
-                let (proxy, d, endpoint, id) = (
-                    self.proxy.clone(),
-                    self.d.clone(),
-                    self.call.endpoint,
-                    self.call.headers.clone(),
-                );
+                let mut id = self.call.headers.clone();
+                id.token_ids = self.plan.tracks_token_ids();
+                let (proxy, d, endpoint) = (self.proxy.clone(), self.d.clone(), self.call.endpoint);
                 self.decode = DecodeCall::Sending(Box::pin(async move {
                     proxy.post(&d, endpoint, body, &id).await
                 }));
             }
+            Action::ResumeDecode { token_ids } => self.resume(token_ids),
             Action::CancelPrefill => self.prefill = None,
             Action::CancelDecode => self.decode = DecodeCall::Idle,
             Action::DropAtPrefill { code } => {
@@ -304,6 +351,41 @@ impl Relay {
             Action::Count { outcome, cause } => self.count(outcome, cause),
         }
         None
+    }
+
+    /// Sends the request to a decode server that serves, to continue
+    /// after `token_ids`, under the id the client sees.
+    fn resume(&mut self, token_ids: Vec<u32>) {
+        let lost = self.d.clone();
+        lost.mark_unhealthy("a stream it served broke off".into());
+        self.proxy.metrics.resumed();
+        tracing::warn!(
+            decode = %lost.url,
+            tokens = token_ids.len(),
+            "decode server lost mid-stream; resuming the request on a decode server that serves"
+        );
+        let params = (!token_ids.is_empty())
+            .then(|| serde_json::json!({ pdkv_connector::params::RESUME_TOKEN_IDS: token_ids }));
+        let body = decode_body(&self.call.req, params);
+        let mut headers = self.call.headers.clone();
+        headers.token_ids = true;
+        if headers.request_id.is_none() {
+            // The id the lost D gave, so the client's chunks keep it.
+            headers.request_id = self
+                .decode_head
+                .iter()
+                .find(|(name, _)| name.as_str() == "x-request-id")
+                .map(|(_, v)| v.clone());
+        }
+        let (proxy, endpoint) = (self.proxy.clone(), self.call.endpoint);
+        self.decode = DecodeCall::Resuming(Box::pin(async move {
+            let d = serving_decode(&proxy, proxy.config.resume_wait).await?;
+            let resp = proxy
+                .post(&d, endpoint, body, &headers)
+                .await
+                .map_err(|e| call_error(&e))?;
+            Ok((d, resp))
+        }));
     }
 
     fn reply(&self, r: Reply) -> Response {

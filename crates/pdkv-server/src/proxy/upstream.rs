@@ -29,6 +29,9 @@ pub(super) struct Forwarded {
     /// hold the first attempt's (that call was dropped, and P lets its id
     /// go only once it sees the connection close). The client sees D's id.
     pub(super) prefill_request_id: Option<HeaderValue>,
+    /// Ask D to name each streamed event's token ids
+    /// ([`pdkv_relay::TOKEN_IDS_HEADER`]): the plan resumes lost streams.
+    pub(super) token_ids: bool,
 }
 
 impl Forwarded {
@@ -42,6 +45,7 @@ impl Forwarded {
             authorization: self.authorization.clone(),
             forwarded_for: self.forwarded_for.clone(),
             prefill_request_id: None,
+            token_ids: false,
         }
     }
 }
@@ -87,6 +91,9 @@ impl Shared {
         }
         if let Some(ip) = forwarded.forwarded_for.clone() {
             req = req.header("x-forwarded-for", ip);
+        }
+        if forwarded.token_ids {
+            req = req.header(pdkv_relay::TOKEN_IDS_HEADER, "1");
         }
         let r = req.send().await;
         if let Err(e) = &r {
@@ -252,6 +259,7 @@ mod tests {
             authorization: Some(HeaderValue::from_static("Bearer k")),
             forwarded_for: Some(HeaderValue::from_static("192.0.2.7")),
             prefill_request_id: prefill_request_id(Some("req-1"), 1),
+            token_ids: false,
         };
         let p = f.for_prefill();
         assert_eq!(p.request_id.unwrap(), "req-1-retry1");

@@ -419,3 +419,136 @@ async fn requests_survive_their_decode_server_killed_before_it_answered() {
         "the proxy saw d0 go:\n{m}"
     );
 }
+
+/// One of two decode servers killed (SIGKILL) in the middle of the streams
+/// it serves: the proxy resumes each on the decode server left with the
+/// tokens its client already has, and every client reads one unbroken
+/// stream (one id, no comment or error events) whose text equals the
+/// uninterrupted answer, with usage counting every token once. d0 is
+/// paused (its requests kept) before the kill, so its streams are
+/// mid-way when it dies whatever the machine's speed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn streams_survive_their_decode_server_killed_mid_stream() {
+    let dir = pdkv_testkit::models::checkpoint(pdkv_model::Arch::Llama, "small", 11);
+    let spec = Spec::new(dir.path(), 512).serve_args(&["--admin-token", "t0k"]);
+    let p = spec.start_engine(EngineRole::Prefill, "p0");
+    let mut d0 = spec.start_engine(EngineRole::Decode, "d0");
+    let d1 = spec.start_engine(EngineRole::Decode, "d1");
+    let proxy = spec.start_proxy(&[&p], &[&d0, &d1]);
+    let client = reqwest::Client::new();
+    let max_tokens = 700;
+    let body = json!({"prompt": "The river ran on and on", "max_tokens": max_tokens,
+                      "temperature": 0, "ignore_eos": true});
+    let resp = http::send(client.post(proxy.url("/v1/completions")).json(&body)).await;
+    assert_eq!(resp.status(), 200);
+    let whole: Value = resp.json().await.unwrap();
+    let want = whole["choices"][0]["text"].as_str().unwrap().to_string();
+
+    let mut streamed = body.clone();
+    streamed["stream"] = json!(true);
+    streamed["stream_options"] = json!({"include_usage": true});
+    let mut readers = Vec::new();
+    for _ in 0..4 {
+        let resp = http::send(client.post(proxy.url("/v1/completions")).json(&streamed)).await;
+        assert_eq!(resp.status(), 200);
+        let mut r = pdkv_testkit::sse::Reader::new(resp);
+        let first = r.next_json().await;
+        readers.push((r, first));
+    }
+    http::wait_metrics(&client, &d0.base, "d0 runs a stream", |m| {
+        prom::metric(m, "pdkv_num_requests_running").is_some_and(|v| v >= 1.0)
+    })
+    .await;
+    let paused = http::send(client.post(d0.url("/pause?mode=keep")).bearer_auth("t0k")).await;
+    assert!(paused.status().is_success(), "{:?}", paused.text().await);
+    d0.kill();
+    for (mut r, first) in readers {
+        let id = first["id"].clone();
+        let mut text = pdkv_testkit::sse::choice_text(&first);
+        let mut usage = None;
+        let mut rest = r.rest().await;
+        assert_eq!(rest.pop().as_deref(), Some("[DONE]"));
+        for p in rest {
+            let v: Value = serde_json::from_str(&p).unwrap_or_else(|e| panic!("{e}: {p}"));
+            assert!(v.get("error").is_none(), "the stream failed: {v}");
+            assert_eq!(v["id"], id, "one stream, one id");
+            text.push_str(&pdkv_testkit::sse::choice_text(&v));
+            if !v["usage"].is_null() {
+                usage = Some(v["usage"].clone());
+            }
+        }
+        assert_eq!(text, want, "the stream's text is the uninterrupted answer");
+        let usage = usage.expect("a usage chunk");
+        assert_eq!(usage["completion_tokens"], max_tokens, "{usage}");
+    }
+    let m = http::metrics(&client, &proxy.base).await;
+    assert!(
+        prom::metric(&m, "pdkv_proxy_requests_resumed_total").is_some_and(|v| v >= 1.0),
+        "the proxy resumed d0's streams:\n{m}"
+    );
+    let outcomes = prom::sums_by_label(&m, "pdkv_proxy_requests_total", "outcome");
+    assert_eq!(outcomes.get("ok").copied(), Some(5.0), "{m}");
+}
+
+/// `kv_transfer_params.resume_token_ids` continues a sequence after the
+/// tokens another engine produced: with a seed at temperature 1 the
+/// continuation equals the rest of the uninterrupted run (the sampler's
+/// step carries over), its text is the rest of that run's text, usage
+/// counts every token; the shapes it cannot continue are refused naming it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn resume_token_ids_continue_a_seeded_sequence_exactly() {
+    let dir = pdkv_testkit::models::checkpoint(pdkv_model::Arch::Llama, "small", 11);
+    let s = Spec::new(dir.path(), 256).start_colocated();
+    let client = reqwest::Client::new();
+    let base = json!({"prompt": "The river ran on and on", "max_tokens": 40,
+                      "temperature": 1.0, "seed": 5, "return_token_ids": true});
+    let post = |body: Value| {
+        let (client, url) = (client.clone(), s.url("/v1/completions"));
+        async move {
+            let resp = http::send(client.post(url).json(&body)).await;
+            let status = resp.status().as_u16();
+            (status, resp.json::<Value>().await.unwrap())
+        }
+    };
+    let (status, whole) = post(base.clone()).await;
+    assert_eq!(status, 200, "{whole}");
+    let tokens = http::token_ids(&whole["choices"][0]["token_ids"]);
+    let text = whole["choices"][0]["text"].as_str().unwrap().to_string();
+    assert_eq!(tokens.len(), 40);
+    for k in [1, 17, 39] {
+        let mut body = base.clone();
+        body["kv_transfer_params"] = json!({"resume_token_ids": tokens[..k]});
+        let (status, v) = post(body).await;
+        assert_eq!(status, 200, "{v}");
+        assert_eq!(
+            http::token_ids(&v["choices"][0]["token_ids"]),
+            tokens[k..],
+            "after {k} tokens"
+        );
+        let rest = v["choices"][0]["text"].as_str().unwrap();
+        assert!(text.ends_with(rest), "after {k}: {rest:?} ends {text:?}");
+        assert_eq!(v["usage"]["completion_tokens"], 40, "{v}");
+    }
+    for (extra, field) in [
+        (json!({"n": 2}), "kv_transfer_params.resume_token_ids"),
+        (json!({"echo": true}), "echo"),
+        (
+            json!({"kv_transfer_params": {"resume_token_ids": "5"}}),
+            "kv_transfer_params.resume_token_ids",
+        ),
+    ] {
+        let mut body = base.clone();
+        body["kv_transfer_params"] = json!({"resume_token_ids": tokens[..3]});
+        for (k, v) in extra.as_object().unwrap() {
+            body[k] = v.clone();
+        }
+        let (status, v) = post(body).await;
+        assert_eq!(status, 400, "{extra}: {v}");
+        assert_eq!(v["error"]["param"], field, "{v}");
+    }
+    let mut body = base.clone();
+    body["kv_transfer_params"] = json!({"resume_token_ids": tokens});
+    let (status, v) = post(body).await;
+    assert_eq!(status, 400, "nothing left to generate: {v}");
+    assert!(http::error_message(&v).contains("max_tokens"), "{v}");
+}

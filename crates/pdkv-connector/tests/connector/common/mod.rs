@@ -151,6 +151,7 @@ pub fn request(
     };
     EngineRequest {
         cache_salt: None,
+        resume_token_ids: Vec::new(),
         id: id.into(),
         prompt_tokens: tokens,
         params: sp,

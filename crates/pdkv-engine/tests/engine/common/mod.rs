@@ -92,6 +92,7 @@ pub fn greedy(max_tokens: u32) -> SamplingParams {
 pub fn request(id: &str, prompt_tokens: Vec<u32>, params: SamplingParams) -> EngineRequest {
     EngineRequest {
         cache_salt: None,
+        resume_token_ids: Vec::new(),
         id: id.to_string(),
         prompt_tokens,
         params,
@@ -126,6 +127,7 @@ pub fn new_request(
 ) -> pdkv_engine::scheduler::NewRequest {
     pdkv_engine::scheduler::NewRequest {
         cache_salt: None,
+        output_tokens: Vec::new(),
         id: id.into(),
         prompt_tokens: prompt,
         max_tokens,
