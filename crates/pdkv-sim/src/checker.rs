@@ -172,9 +172,10 @@ pub fn final_checks(ctx: &mut Ctx, v: &View) {
     let open = v.proxy.open_clients();
     if !open.is_empty() {
         ctx.violation(format!(
-            "liveness: {} client requests never ended (first: {:?})",
+            "liveness: {} client requests never ended (first: {:?}; the first's plan: {})",
             open.len(),
-            &open[..open.len().min(5)]
+            &open[..open.len().min(5)],
+            v.proxy.describe(open[0])
         ));
     }
     for (i, s) in v.cluster.slots.iter().enumerate() {

@@ -124,6 +124,9 @@ pub enum Ev {
     },
     Operator(Ix),
     Crash(Ix),
+    /// The engine crashes at its next output of a stream in progress (so
+    /// the proxy must resume that stream elsewhere).
+    CrashMidStream(Ix),
     Restart(Ix),
     Partition {
         a: Ix,

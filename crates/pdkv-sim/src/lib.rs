@@ -210,7 +210,7 @@ impl Report {
     /// One line for a log.
     pub fn line(&self) -> String {
         format!(
-            "seed {} {}: TP {}->{}, {} events, {:.1} s simulated, {} clients {:?}, lost {}, {} outputs checked, {} KV frames ({} late), {} rank copies, {} heterogeneous transfers, loads ok/released/failed/abandoned {}/{}/{}/{}, {} claims, leases expired unclaimed/claimed {}/{} ({} loads found one expired), {} reclaimed, {} lifecycle calls ({} failed), rank faults release/restore/rollback {}/{}/{} ({} retried), {} crashes{}",
+            "seed {} {}: TP {}->{}, {} events, {:.1} s simulated, {} clients {:?}, lost {}, {} outputs checked, {} KV frames ({} late), {} rank copies, {} heterogeneous transfers, loads ok/released/failed/abandoned {}/{}/{}/{}, {} claims, leases expired unclaimed/claimed {}/{} ({} loads found one expired), {} reclaimed, {} lifecycle calls ({} failed), rank faults release/restore/rollback {}/{}/{} ({} retried), {} crashes, {} streams resumed ({} checked whole){}",
             self.seed,
             if self.ok() { "ok" } else { "VIOLATION" },
             self.p_tp,
@@ -241,6 +241,8 @@ impl Report {
             self.rank_rollback_faults,
             self.rank_faults_retried,
             self.crashes,
+            self.resumed,
+            self.checked_resumed,
             self.violations.first().map(|v| format!(": {v}")).unwrap_or_default()
         )
     }

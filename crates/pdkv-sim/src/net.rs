@@ -126,6 +126,13 @@ impl Net {
             let at = Duration::from_millis(ctx.rng.below(safety.as_millis() as u64));
             ctx.at(at, Ev::Crash(ix));
         }
+        if ctx.opts.crashes {
+            // D also dies in the middle of a stream, at a time drawn from a
+            // source of its own (the run's stream stays as it was).
+            let mut own = crate::rng::Rng::new(ctx.opts.seed ^ 0x6d69_6473_7472_6561);
+            let at = Duration::from_millis(own.below(safety.as_millis() as u64));
+            ctx.at(at, Ev::CrashMidStream(1));
+        }
     }
 
     pub fn partition(&mut self, a: Ix, b: Ix, until: Instant) {

@@ -4,6 +4,13 @@
 //! the engines' answers come back to the plan as its events. A D answer
 //! computed on one weights version throughout must equal a colocated
 //! engine's.
+//!
+//! Every other client streams: its D calls answer as the server does when
+//! the proxy asks for token ids (a head at D's first output, then per
+//! output an event whose comment names its tokens, `[DONE]` at the end),
+//! so a D that crashes mid-stream is resumed by the plan on D once it
+//! serves again. A resumed stream that ends whole must carry, as the
+//! client read it, exactly a colocated engine's tokens.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -20,6 +27,14 @@ use crate::model::reference;
 use crate::net::Net;
 use crate::plan::{Action, CallError, Event, Mode, Outcome, PrefillAnswer, RelayPlan};
 use crate::RETRYABLE_CODE;
+use pdkv_relay::TOKEN_IDS_COMMENT;
+
+/// Resumes of one stream at most, as the proxy's default.
+const MAX_RESUMES: u32 = 3;
+/// How long a resumed call waits for a D that serves, as the proxy's default.
+const RESUME_WAIT: std::time::Duration = std::time::Duration::from_secs(30);
+/// How often a waiting resumed call looks again.
+const RESUME_POLL: std::time::Duration = std::time::Duration::from_millis(250);
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Side {
@@ -42,6 +57,14 @@ pub struct Call {
     /// The node's weights when it started (for the reference check).
     weights: u64,
     reloads: u64,
+    /// D streams its answer (a streaming client's call).
+    stream: bool,
+    head_sent: bool,
+    /// A resumed call: it waits until then for a D that serves.
+    resume_until: Option<std::time::Instant>,
+    /// When the last piece of a streamed answer reaches the proxy: one
+    /// connection's pieces arrive in order.
+    delivered: Option<std::time::Instant>,
 }
 
 /// One client request and what the proxy answered it.
@@ -57,6 +80,15 @@ pub struct Client {
     pub body: Vec<u8>,
     pub outcome: Option<Outcome>,
     gone: bool,
+    streaming: bool,
+    /// The stream ended with an error event.
+    stream_failed: bool,
+    resumed: u32,
+    /// The weights of the D calls so far, and whether they differed or one
+    /// of them saw its engine reload weights meanwhile: the reference check
+    /// of a resumed stream needs one version throughout.
+    d_weights: Option<u64>,
+    mixed: bool,
 }
 
 /// The proxy's clients and its calls to the engines.
@@ -64,6 +96,8 @@ pub struct Client {
 pub struct Proxy {
     clients: BTreeMap<u64, Client>,
     calls: BTreeMap<u64, Call>,
+    /// The engine that crashes at its next output of a stream in progress.
+    armed_crash: Option<Ix>,
 }
 
 /// The parts of the world the proxy acts through.
@@ -74,6 +108,28 @@ pub struct Through<'a> {
 }
 
 impl Proxy {
+    /// The engine at `ix` crashes at its next output of a stream in
+    /// progress.
+    pub fn arm_crash(&mut self, ix: Ix) {
+        self.armed_crash = Some(ix);
+    }
+
+    /// A client's plan and calls, for a violation's message.
+    pub fn describe(&self, id: u64) -> String {
+        let calls: Vec<String> = self
+            .calls
+            .values()
+            .filter(|c| c.client == id)
+            .map(|c| {
+                format!(
+                    "{} {:?} node {} live {} finals {} tokens {:?} resume {:?}",
+                    c.id, c.side, c.node, c.live, c.finals, c.tokens, c.req.resume_token_ids
+                )
+            })
+            .collect();
+        format!("{:?}; calls {calls:?}", self.clients[&id].plan)
+    }
+
     pub fn client(&self, id: u64) -> &Client {
         &self.clients[&id]
     }
@@ -105,7 +161,11 @@ impl Proxy {
                 remote_bootstrap_addr: Some(w.cluster.slots[0].addr.clone()),
             }
         };
-        let plan = RelayPlan::new(mode, false, &transfer_id);
+        // Every other client streams, and may be resumed.
+        let streaming = client % 2 == 0;
+        let req = json!({"stream": streaming});
+        let plan = RelayPlan::new(mode, streaming, &transfer_id)
+            .with_resumes(req.as_object().expect("an object"), MAX_RESUMES);
         self.clients.insert(
             client,
             Client {
@@ -120,6 +180,11 @@ impl Proxy {
                 body: Vec::new(),
                 outcome: None,
                 gone: false,
+                streaming,
+                stream_failed: false,
+                resumed: 0,
+                d_weights: None,
+                mixed: false,
             },
         );
         self.drive_plan(w, client);
@@ -159,8 +224,12 @@ impl Proxy {
                 }
                 Action::ResumeDecode { token_ids } => {
                     w.ctx.report.resumed += 1;
-                    let n = self.clients[&client].max_tokens as u32;
+                    let c = self.clients.get_mut(&client).expect("live");
+                    c.resumed += 1;
+                    let n = c.max_tokens as u32;
                     let call = self.new_call(w, client, Side::D, n, None, token_ids);
+                    let until = w.ctx.now() + RESUME_WAIT;
+                    self.calls.get_mut(&call).expect("new").resume_until = Some(until);
                     self.clients.get_mut(&client).expect("live").d_call = Some(call);
                 }
                 Action::CancelPrefill => {
@@ -182,10 +251,19 @@ impl Proxy {
                     c.status = Some(r.status);
                     c.body = r.body;
                 }
-                Action::StartStream { .. }
-                | Action::Stream(_)
-                | Action::EndStream
-                | Action::FailStream { .. } => {}
+                Action::StartStream { status } => {
+                    self.clients.get_mut(&client).expect("live").status = Some(status);
+                }
+                Action::Stream(b) => {
+                    let c = self.clients.get_mut(&client).expect("live");
+                    c.body.extend(b);
+                }
+                Action::FailStream { event, .. } => {
+                    let c = self.clients.get_mut(&client).expect("live");
+                    c.body.extend(event);
+                    c.stream_failed = true;
+                }
+                Action::EndStream => {}
                 Action::Count { outcome, .. } => self.count(w.ctx, client, outcome),
             }
         }
@@ -206,8 +284,12 @@ impl Proxy {
             return;
         }
         c.outcome = Some(outcome);
-        let status = c.status;
+        // A stream that ended with an error event failed on the server side.
+        let status = if c.stream_failed { Some(502) } else { c.status };
         *ctx.report.outcomes.entry(outcome.as_str()).or_default() += 1;
+        if outcome == Outcome::Ok && c.streaming && c.resumed > 0 {
+            check_resumed(ctx, client, c);
+        }
         // Lost: the client's request failed on the server side, other than
         // a retryable refusal (an engine not serving answers 503).
         if let Some(s) = status {
@@ -248,6 +330,7 @@ impl Proxy {
             ignore_eos: true,
             ..SamplingParams::default()
         };
+        let stream = side == Side::D && c.streaming;
         let req = EngineRequest {
             cache_salt: None,
             resume_token_ids,
@@ -275,6 +358,10 @@ impl Proxy {
                 tokens: Vec::new(),
                 weights,
                 reloads,
+                stream,
+                head_sent: false,
+                resume_until: None,
+                delivered: None,
             },
         );
         let d = w.net.delay(w.ctx);
@@ -285,14 +372,23 @@ impl Proxy {
     /// An HTTP call reaches its engine, which takes the request or
     /// refuses it; returns the node touched.
     pub fn call_arrives(&mut self, w: &mut Through, call_id: u64) -> Option<Ix> {
+        let call = self.calls.get_mut(&call_id).expect("known");
+        if call.resume_until.is_some() {
+            // A resumed call goes to D as it is now (restarted or not).
+            call.inc = w.cluster.inc(call.node);
+        }
         let call = &self.calls[&call_id];
         let (node, inc, client, side) = (call.node, call.inc, call.client, call.side);
         let req = call.req.clone();
         let Some(n) = w.cluster.live(node, inc) else {
-            self.call_failed(w, client, side, "the engine is down");
+            if !self.wait_to_resume(w, call_id) {
+                self.call_failed(w, client, side, "the engine is down");
+            }
             return None;
         };
-        n.oracle.lock().unwrap().start(&req.id, &req.prompt_tokens);
+        let mut known = req.prompt_tokens.clone();
+        known.extend_from_slice(&req.resume_token_ids);
+        n.oracle.lock().unwrap().start(&req.id, &known);
         let out = n.outputs.clone();
         let id = req.id.clone();
         let sink = Box::new(move |o: RequestOutput| {
@@ -306,15 +402,38 @@ impl Proxy {
                 let c = self.calls.get_mut(&call_id).expect("known");
                 c.live = true;
                 c.weights = weights;
+                if side == Side::D {
+                    let cl = self.clients.get_mut(&client).expect("live");
+                    cl.mixed |= cl.d_weights.is_some_and(|w| w != weights);
+                    cl.d_weights = Some(weights);
+                }
             }
             Err(e) => {
                 if let Some(n) = w.cluster.node(node) {
                     n.oracle.lock().unwrap().forget(&req.id);
                 }
-                refused(w, client, side, &e);
+                // A resumed call waits for a D that serves, as the server
+                // holds a request without KV params until `/resume`.
+                let waits =
+                    matches!(e, AddRequestError::Unavailable(_)) && self.wait_to_resume(w, call_id);
+                if !waits {
+                    refused(w, client, side, &e);
+                }
             }
         }
         Some(node)
+    }
+
+    /// A resumed call whose D does not serve yet looks again a little later,
+    /// until its wait is over; whether it waits.
+    fn wait_to_resume(&mut self, w: &mut Through, call_id: u64) -> bool {
+        match self.calls[&call_id].resume_until {
+            Some(until) if w.ctx.now() + RESUME_POLL <= until => {
+                w.ctx.at(RESUME_POLL, Ev::Call { call: call_id });
+                true
+            }
+            _ => false,
+        }
     }
 
     /// The call failed without an answer (its engine is down or crashed).
@@ -351,15 +470,19 @@ impl Proxy {
 
     /// The engine at `ix` crashed: its calls end, and the proxy learns
     /// it for each.
-    pub fn crashed(&mut self, ix: Ix) -> Vec<(u64, Side)> {
-        self.calls
-            .values_mut()
-            .filter(|c| c.node == ix && c.live)
-            .map(|c| {
-                c.live = false;
-                (c.client, c.side)
-            })
-            .collect()
+    pub fn crashed(&mut self, cluster: &Cluster, ix: Ix) -> Vec<(u64, Side)> {
+        let reloads = cluster.slots[ix].reloads;
+        let mut lost = Vec::new();
+        for c in self.calls.values_mut().filter(|c| c.node == ix && c.live) {
+            c.live = false;
+            if c.reloads != reloads {
+                if let Some(cl) = self.clients.get_mut(&c.client) {
+                    cl.mixed = true;
+                }
+            }
+            lost.push((c.client, c.side));
+        }
+        lost
     }
 
     /// Ids of up to `n` requests live on the engine at `ix`.
@@ -392,6 +515,9 @@ impl Proxy {
             return;
         }
         call.tokens.extend_from_slice(&out.token_ids);
+        if call.stream {
+            return self.stream_output(w, ix, call_id, out);
+        }
         let Some(reason) = out.finish_reason else {
             return;
         };
@@ -435,6 +561,61 @@ impl Proxy {
         }
     }
 
+    /// A streaming D call's output as the server streams it to a proxy
+    /// that asked for token ids: the head at the first output, an event per
+    /// output led by its tokens' comment, `[DONE]` (or an error event) and
+    /// the end at the last.
+    fn stream_output(&mut self, w: &mut Through, ix: Ix, call_id: u64, out: RequestOutput) {
+        let call = self.calls.get_mut(&call_id).expect("found");
+        let error = out.finish_reason == Some(FinishReason::Error);
+        let mut events = Vec::new();
+        let first = !call.head_sent;
+        call.head_sent = true;
+        if first {
+            let status = if error { 500 } else { 200 };
+            events.push(Event::DecodeHead { status });
+        }
+        if !out.token_ids.is_empty() {
+            let ids = json!(out.token_ids);
+            let event = format!("{TOKEN_IDS_COMMENT}{ids}\ndata: {{\"tokens\":{ids}}}\n\n");
+            events.push(Event::DecodeBody(event.into_bytes()));
+        }
+        let client = call.client;
+        if out.finish_reason.is_none() && self.armed_crash == Some(ix) {
+            // It dies right after this piece left.
+            self.armed_crash = None;
+            w.ctx.at(std::time::Duration::ZERO, Ev::Crash(ix));
+        }
+        let call = self.calls.get_mut(&call_id).expect("found");
+        if let Some(reason) = out.finish_reason {
+            call.finals += 1;
+            call.live = false;
+            if let Some(n) = w.cluster.node(ix) {
+                n.oracle.lock().unwrap().forget(&call.id);
+            }
+            if !error {
+                self.check_reference(w.ctx, w.cluster, call_id, reason);
+            }
+            let err = json!({"error": {"message": out.error, "code": "kv_transfer_failed"}});
+            let tail = match (error, first) {
+                (true, true) => err.to_string(),
+                (true, false) => format!("data: {err}\n\ndata: [DONE]\n\n"),
+                (false, _) => "data: [DONE]\n\n".to_string(),
+            };
+            events.push(Event::DecodeBody(tail.into_bytes()));
+            events.push(Event::DecodeEnd);
+        }
+        // In order behind the pieces before (a connection's bytes arrive in
+        // the order they were sent).
+        let at = w.ctx.now() + w.net.delay(w.ctx);
+        let call = self.calls.get_mut(&call_id).expect("found");
+        let at = call.delivered.map_or(at, |last| at.max(last));
+        call.delivered = Some(at);
+        for e in events {
+            w.ctx.at_instant(at, Ev::Proxy { client, event: e });
+        }
+    }
+
     /// A D request that ran on one weights version from start to end must
     /// answer what a colocated engine answers.
     fn check_reference(
@@ -450,6 +631,10 @@ impl Proxy {
         {
             return;
         }
+        if !call.req.resume_token_ids.is_empty() {
+            // A resumed call is checked as the client read the stream.
+            return;
+        }
         let client = &self.clients[&call.client];
         let want = reference(&client.prompt, client.max_tokens, call.weights);
         if call.tokens != want {
@@ -461,6 +646,47 @@ impl Proxy {
         } else {
             ctx.report.checked_outputs += 1;
         }
+    }
+}
+
+/// A resumed stream that ended: no token-id comment reached the client,
+/// and, when it ended whole on one weights version throughout, its tokens
+/// as the client read them are a colocated engine's.
+fn check_resumed(ctx: &mut Ctx, client: u64, c: &Client) {
+    let text = String::from_utf8_lossy(&c.body);
+    let mut got: Vec<u32> = Vec::new();
+    for event in text.split("\n\n") {
+        if event.lines().any(|l| l.starts_with(':')) {
+            ctx.violation(format!(
+                "client {client}'s stream carries a comment: {event:?}"
+            ));
+            return;
+        }
+        let Some(data) = event.strip_prefix("data: ") else {
+            continue;
+        };
+        if let Ok(v) = serde_json::from_str::<serde_json::Value>(data) {
+            if let Some(t) = v.get("tokens").and_then(|t| t.as_array()) {
+                got.extend(t.iter().filter_map(|t| t.as_u64()).map(|t| t as u32));
+            }
+        }
+    }
+    if got.len() != c.max_tokens {
+        // Ended early: a lifecycle operation aborted it.
+        return;
+    }
+    // Tokens computed on other weights than the first (an engine restarted
+    // on newer ones) are checked for their number only.
+    let Some(weights) = c.d_weights.filter(|_| !c.mixed) else {
+        return;
+    };
+    let want = reference(&c.prompt, c.max_tokens, weights);
+    if got != want {
+        ctx.violation(format!(
+            "client {client}: its resumed stream read {got:?}, a colocated engine with weights {weights} answers {want:?}"
+        ));
+    } else {
+        ctx.report.checked_resumed += 1;
     }
 }
 
@@ -630,8 +856,8 @@ mod tests {
     fn calls_to_a_crashed_engine_fail() {
         let mut r = Rooms::new();
         let (client, _) = r.client_at_p();
-        assert_eq!(r.proxy.crashed(0), [(client, Side::P)]);
-        assert!(r.proxy.crashed(0).is_empty());
+        assert_eq!(r.proxy.crashed(&r.cluster, 0), [(client, Side::P)]);
+        assert!(r.proxy.crashed(&r.cluster, 0).is_empty());
         r.cluster.crash(0);
         let (proxy, mut w) = r.split();
         let again = proxy.new_call(&mut w, client, Side::P, 1, None, Vec::new());

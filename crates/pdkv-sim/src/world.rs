@@ -252,6 +252,10 @@ impl World {
                 self.crash(ix);
                 None
             }
+            Ev::CrashMidStream(ix) => {
+                self.proxy.arm_crash(ix);
+                None
+            }
             Ev::Restart(ix) => {
                 let cw = self.ops.cluster_weights;
                 self.cluster.restart(&mut self.ctx, ix, cw);
@@ -358,7 +362,7 @@ impl World {
         }
         self.ctx.report.crashes += 1;
         // Its requests are gone: the proxy's calls to it break.
-        let lost = self.proxy.crashed(ix);
+        let lost = self.proxy.crashed(&self.cluster, ix);
         self.cluster.crash(ix);
         self.ops.crashed(ix);
         for (client, side) in lost {

@@ -32,6 +32,7 @@ fn fixed_seeds_hold_every_safety_and_liveness_check() {
     let mut bad = Vec::new();
     let (mut events, mut checked, mut frames) = (0, 0, 0);
     let (mut hetero, mut faults, mut retried, mut tp1) = (0, 0, 0, 0);
+    let (mut resumed, mut resumed_checked) = (0, 0);
     for seed in seeds().chain(REGRESSIONS) {
         let r = run(Options::for_seed(seed));
         events += r.events;
@@ -41,6 +42,8 @@ fn fixed_seeds_hold_every_safety_and_liveness_check() {
         faults += r.rank_release_faults + r.rank_restore_faults;
         retried += r.rank_faults_retried;
         tp1 += u32::from((r.p_tp, r.d_tp) == (1, 1));
+        resumed += r.resumed;
+        resumed_checked += r.checked_resumed;
         if !r.ok() {
             bad.push(format!("{}\n  {}", r.line(), r.violations.join("\n  ")));
         }
@@ -60,6 +63,12 @@ fn fixed_seeds_hold_every_safety_and_liveness_check() {
     assert!(
         tp1 > 0 && hetero > 100 && faults > 0 && retried > 0,
         "TP1-only seeds {tp1}, heterogeneous transfers {hetero}, rank faults {faults} ({retried} retried)"
+    );
+    // Decode engines died mid-stream and the proxy resumed those streams,
+    // some of which ended whole with a colocated engine's tokens.
+    assert!(
+        resumed > 0 && resumed_checked > 0,
+        "streams resumed {resumed}, of them checked whole {resumed_checked}"
     );
 }
 

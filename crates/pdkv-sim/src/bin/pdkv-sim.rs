@@ -66,6 +66,7 @@ fn main() -> anyhow::Result<()> {
     // Claims sent, leases expired unclaimed / claimed, loads that found one expired.
     let mut leases = (0u64, 0u64, 0u64, 0u64);
     let mut reclaimed = 0u64;
+    let mut resumed = (0u64, 0u64, 0u64);
     let mut pairs: std::collections::BTreeMap<(usize, usize), u64> = Default::default();
     for seed in range {
         let mut opts = pdkv_sim::Options::for_seed(seed);
@@ -122,6 +123,9 @@ fn main() -> anyhow::Result<()> {
         leases.2 += r.claimed_leases_expired;
         leases.3 += r.loads_lease_expired;
         reclaimed += r.leases_reclaimed;
+        resumed.0 += r.resumed;
+        resumed.1 += r.checked_resumed;
+        resumed.2 += r.crashes;
         *pairs.entry((r.p_tp, r.d_tp)).or_default() += 1;
         simulated += r.simulated.as_secs_f64();
         if args.verbose {
@@ -162,6 +166,10 @@ fn main() -> anyhow::Result<()> {
     println!(
         "leases: {} transfers claimed for queued requests; expired {} unclaimed, {} claimed (only where an engine crashed or the network failed); {} loads found their lease expired; {reclaimed} held transfers reclaimed for new prompts",
         leases.0, leases.1, leases.2, leases.3
+    );
+    println!(
+        "streams: {} resumed on a decode engine after theirs was lost ({} engine crashes); {} resumed streams ended whole and read exactly a colocated engine's tokens",
+        resumed.0, resumed.2, resumed.1
     );
     anyhow::ensure!(bad.is_empty(), "violations in seeds {bad:?}");
     Ok(())
