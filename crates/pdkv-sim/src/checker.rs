@@ -224,9 +224,20 @@ fn not_at_rest(ctx: &Ctx, i: usize, s: &Slot) -> Option<String> {
 fn check_probes(ctx: &mut Ctx, v: &View) {
     let probes = &v.workload.probes;
     if probes.is_empty() {
-        ctx.violation(
-            "liveness: the healed cluster never became quiescent, no probe was sent".to_string(),
-        );
+        let at_rest: Vec<bool> = v
+            .cluster
+            .slots
+            .iter()
+            .map(|s| s.node.as_ref().is_some_and(at_rest))
+            .collect();
+        ctx.violation(format!(
+            "liveness: the healed cluster never became quiescent, no probe was sent (clients ended {}, network idle {}, KV idle {}, operators idle {}, engines at rest {at_rest:?}; open exchange {:?})",
+            v.proxy.all_ended(),
+            v.net.idle(),
+            v.kv.idle(),
+            v.ops.idle(),
+            v.net.first_open()
+        ));
     }
     // After a crash and restart D's cached bootstrap and handshake of
     // the old engine can still fail a first transfer (seeds 108, 143,

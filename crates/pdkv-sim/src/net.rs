@@ -16,6 +16,7 @@ use crate::cluster::Cluster;
 use crate::ctx::{Ctx, Ev, Ix};
 
 /// A control exchange (one TCP connection in production).
+#[derive(Debug)]
 pub struct Conn {
     /// The opener: a node (with its incarnation) and the op the answer is
     /// for, or the proxy (whose drops are fire-and-forget).
@@ -317,6 +318,28 @@ impl Net {
     /// Every exchange has ended.
     pub fn idle(&self) -> bool {
         self.conns.values().all(|c| c.done)
+    }
+
+    /// The engine at `ix` (incarnation `inc`) crashed: the exchanges it
+    /// served break, as a dead process's connections do.
+    pub fn crashed(&mut self, ctx: &mut Ctx, ix: Ix, inc: u64) {
+        let open: Vec<u64> = self
+            .conns
+            .iter()
+            .filter(|(_, c)| !c.done && c.to == ix && c.to_inc == inc)
+            .map(|(&k, _)| k)
+            .collect();
+        for conn in open {
+            ctx.at(Duration::from_micros(200), Ev::CtrlBreak { conn });
+        }
+    }
+
+    /// The first exchange that has not ended, for a violation's message.
+    pub fn first_open(&self) -> Option<String> {
+        self.conns
+            .iter()
+            .find(|(_, c)| !c.done)
+            .map(|(k, c)| format!("{k:?}: {c:?}"))
     }
 
     /// Pulls a prefill engine that is still up never answered, on

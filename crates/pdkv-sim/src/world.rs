@@ -363,6 +363,8 @@ impl World {
         self.ctx.report.crashes += 1;
         // Its requests are gone: the proxy's calls to it break.
         let lost = self.proxy.crashed(&self.cluster, ix);
+        let inc = self.cluster.inc(ix);
+        self.net.crashed(&mut self.ctx, ix, inc);
         self.cluster.crash(ix);
         self.ops.crashed(ix);
         for (client, side) in lost {
