@@ -29,7 +29,11 @@
 //!   pull D parked at P is answered at once and D computes the prompt
 //!   itself. Read mode: D gets the client's body without
 //!   `kv_transfer_params`. Either way the client gets D's answer.
-//! - Any other P failure (error status, transport error, timeout, an answer
+//! - P going away (its connection refused or broken, not timed out) is
+//!   not the client's failure either: as above with
+//!   [`OnPurpose::Lost`] (in write mode D's pull then fails and its
+//!   `kv_load_failure_policy` decides).
+//! - Any other P failure (error status, timeout, an answer
 //!   that is not a completion) ends the request: D is cancelled and the
 //!   client gets P's error (its status and body passed through, or the
 //!   proxy's 502/504). It is always a status: no stream is committed while
@@ -215,24 +219,30 @@ impl Outcome {
     }
 }
 
-/// Why P stopped on purpose (not the client's failure: D computes the
-/// prompt itself).
+/// Why P's part ended without the prompt's KV in a way that is not the
+/// client's failure: D computes the prompt itself.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum OnPurpose {
     /// P refused the request: 503 `engine_not_serving` (paused, asleep).
     Refused,
     /// P aborted the request (`finish_reason: "abort"`).
     Aborted,
+    /// P went away: its connection refused or broken (killed, crashed, cut
+    /// off), not timed out. In write mode D's pull from it then fails and
+    /// D's `kv_load_failure_policy` decides (`recompute`: D computes the
+    /// prompt; `fail`: the request fails, as that policy asks).
+    Lost,
 }
 
 impl OnPurpose {
-    pub const ALL: [OnPurpose; 2] = [OnPurpose::Refused, OnPurpose::Aborted];
+    pub const ALL: [OnPurpose; 3] = [OnPurpose::Refused, OnPurpose::Aborted, OnPurpose::Lost];
 
     /// The code P is told when the transfer is dropped.
     pub fn code(self) -> FailCode {
         match self {
             OnPurpose::Refused => FailCode::PrefillRefused,
             OnPurpose::Aborted => FailCode::PrefillAborted,
+            OnPurpose::Lost => FailCode::Dropped,
         }
     }
 
@@ -240,6 +250,7 @@ impl OnPurpose {
         match self {
             OnPurpose::Refused => "refused",
             OnPurpose::Aborted => "aborted",
+            OnPurpose::Lost => "lost",
         }
     }
 }
@@ -715,6 +726,13 @@ impl RelayPlan {
     fn on_prefill_failed(&mut self, f: Failure) {
         if self.prefill != Prefill::Running {
             return;
+        }
+        if let Failure::Call(CallError {
+            timed_out: false, ..
+        }) = &f
+        {
+            // P went away: D computes the prompt, as when P refuses.
+            return self.prefill_skipped(OnPurpose::Lost);
         }
         // No stream is committed while P runs: the client gets P's status.
         if matches!(self.decode, Decode::Asked | Decode::Gathering { .. }) {
@@ -1484,6 +1502,45 @@ mod tests {
     }
 
     #[test]
+    fn a_lost_prefill_server_is_skipped_and_d_computes_the_prompt() {
+        // Write mode: D keeps its request (its pull fails and its policy
+        // decides); P is told to drop the transfer in case it lives.
+        check(
+            write(),
+            false,
+            vec![
+                (
+                    Event::PrefillFailed(failed(false)),
+                    vec![
+                        Action::PrefillSkipped(OnPurpose::Lost),
+                        Action::DropAtPrefill {
+                            code: FailCode::Dropped,
+                        },
+                    ],
+                ),
+                (head(200), vec![]),
+                (body(D_BODY), vec![]),
+                (
+                    Event::DecodeEnd,
+                    vec![reply(200, Head::Decode, D_BODY), ok()],
+                ),
+            ],
+        );
+        // Read mode: D is asked without params.
+        check(
+            Mode::Read,
+            false,
+            vec![(
+                Event::PrefillFailed(failed(false)),
+                vec![
+                    Action::PrefillSkipped(OnPurpose::Lost),
+                    Action::SendDecode { params: None },
+                ],
+            )],
+        );
+    }
+
+    #[test]
     fn failed_calls_are_502_and_timeouts_504_naming_request_timeout() {
         for (timed_out, status, code) in [
             (false, 502, "upstream_error"),
@@ -1491,7 +1548,14 @@ mod tests {
         ] {
             let mut plan = RelayPlan::new(write(), false, TID);
             let _ = drain(&mut plan);
-            plan.handle(Event::PrefillFailed(failed(timed_out)));
+            // P's timeout ends the request; P lost is a skip (above), and
+            // a failed P call that is not either (an unusable answer) a 502.
+            let failure = if timed_out {
+                Event::PrefillFailed(failed(true))
+            } else {
+                p_answer(200, "not json")
+            };
+            plan.handle(failure);
             let actions = drain(&mut plan);
             assert_eq!(actions[0], Action::CancelDecode);
             let (got, body) = error_reply(&actions);
@@ -1501,8 +1565,13 @@ mod tests {
                 "{body}"
             );
             let message = body["error"]["message"].as_str().unwrap();
+            let why = if timed_out {
+                "connection reset"
+            } else {
+                "not JSON"
+            };
             assert!(
-                message.starts_with("prefill server") && message.contains("connection reset"),
+                message.starts_with("prefill server") && message.contains(why),
                 "{message}"
             );
             assert_eq!(
@@ -2205,7 +2274,11 @@ mod tests {
         }
         assert_eq!(
             OnPurpose::ALL.map(OnPurpose::code),
-            [FailCode::PrefillRefused, FailCode::PrefillAborted]
+            [
+                FailCode::PrefillRefused,
+                FailCode::PrefillAborted,
+                FailCode::Dropped
+            ]
         );
     }
 
