@@ -217,6 +217,14 @@ impl Proc {
         self.child.id()
     }
 
+    /// SIGKILL, as a crash: no shutdown runs (reaped at once).
+    pub fn kill(&mut self) {
+        if self.exited().is_none() {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+
     /// Its exit status, once it exited (reaping it).
     pub fn exited(&mut self) -> Option<ExitStatus> {
         self.child.try_wait().ok().flatten()

@@ -51,6 +51,47 @@ pub struct Started {
     pub proxy: String,
     /// Each prefill server's KV bootstrap port.
     pub kv: Vec<u16>,
+    /// How each engine was launched (the prefill servers, then the decode
+    /// servers), to start one again on its ports after it died.
+    pub engines: Vec<EngineLaunch>,
+}
+
+/// An engine's command line, environment and ports as the deployment
+/// started it, its ports now fixed to those it listens on: a supervisor
+/// (`pdkv bench serve --chaos`) starts it again with [`EngineLaunch::respawn`]
+/// and the proxy finds it at the same URL.
+#[derive(Clone)]
+pub struct EngineLaunch {
+    pub name: String,
+    pub role: EngineRole,
+    pub url: String,
+    exe: PathBuf,
+    port: u16,
+    args: Vec<String>,
+    /// Secrets included: never printed (see the `Debug` impl).
+    env: Vec<(&'static str, Option<String>)>,
+}
+
+impl std::fmt::Debug for EngineLaunch {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EngineLaunch")
+            .field("name", &self.name)
+            .field("url", &self.url)
+            .finish_non_exhaustive()
+    }
+}
+
+impl EngineLaunch {
+    /// Starts the engine again, its `restart`th time (its log under the
+    /// name `{name} restart {restart}`, so the last one's stays); it is
+    /// healthy once `GET /health` answers 200 at [`EngineLaunch::url`] (see
+    /// [`wait_healthy`]).
+    pub fn respawn(&self, restart: u32, logs: &Logs) -> Result<Proc, DeployError> {
+        let env: Vec<(&str, Option<&str>)> =
+            self.env.iter().map(|(k, v)| (*k, v.as_deref())).collect();
+        let name = format!("{} restart {restart}", self.name);
+        Proc::spawn(&self.exe, name, self.port, &self.args, &env, logs)
+    }
 }
 
 /// The environment of the engines and of the proxy (secrets by
@@ -169,12 +210,62 @@ pub async fn start(
     for url in &p_urls {
         kv.push(bootstrap_port(&client, url).await?);
     }
+    let engines = launches(spec, &env, procs, &p_urls, &d_urls, &kv);
     Ok(Started {
         prefill: p_urls,
         decode: d_urls,
         proxy: procs.last_mut().map(base).unwrap_or_default(),
         kv,
+        engines,
     })
+}
+
+/// Each engine's launch with the ports it ended up on.
+fn launches(
+    spec: &Spec,
+    env: &Env,
+    procs: &[Proc],
+    p_urls: &[String],
+    d_urls: &[String],
+    kv: &[u16],
+) -> Vec<EngineLaunch> {
+    let engine_env: Vec<(&'static str, Option<String>)> = env
+        .engine()
+        .iter()
+        .map(|(k, v)| (*k, v.map(str::to_string)))
+        .collect();
+    let port_of = |url: &str| {
+        url.rsplit(':')
+            .next()
+            .and_then(|p| p.trim_end_matches('/').parse().ok())
+            .unwrap_or(0)
+    };
+    let prefills = p_urls
+        .iter()
+        .zip(kv)
+        .enumerate()
+        .map(|(i, (u, &k))| (EngineRole::Prefill, "prefill", i, u, k));
+    let decodes = d_urls
+        .iter()
+        .enumerate()
+        .map(|(i, u)| (EngineRole::Decode, "decode", i, u, 0));
+    prefills
+        .chain(decodes)
+        .zip(procs)
+        .map(|((role, what, i, url, kv), p)| {
+            let port = port_of(url);
+            let id = format!("{}-{what}-{i}", spec.engine_id_prefix);
+            EngineLaunch {
+                name: p.name.clone(),
+                role,
+                url: url.clone(),
+                exe: spec.exe.clone(),
+                port,
+                args: serve_args(&spec.wiring, &spec.model, role, port, kv, &id),
+                env: engine_env.clone(),
+            }
+        })
+        .collect()
 }
 
 /// A healthy child's URL.

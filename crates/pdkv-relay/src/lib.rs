@@ -13,7 +13,11 @@
 //! for the protocol's keys ([`pdkv_connector::params`]) and
 //! [`pdkv_connector::wire::FailCode`].
 
+mod answer;
 pub mod codes;
+mod outcome;
 pub mod plan;
+mod request;
+mod stream;
 
 pub use codes::{DECODE_LOST_CODE, RETRYABLE_CODE, TOKEN_IDS_COMMENT, TOKEN_IDS_HEADER};

@@ -79,7 +79,11 @@ use pdkv_connector::params;
 use pdkv_connector::wire::FailCode;
 use serde_json::{json, Map, Value};
 
-use crate::codes::{DECODE_LOST_CODE, RETRYABLE_CODE, TOKEN_IDS_COMMENT};
+pub use crate::answer::PrefillAnswer;
+use crate::codes::{DECODE_LOST_CODE, RETRYABLE_CODE};
+pub use crate::outcome::{OnPurpose, Outcome};
+pub use crate::request::{can_resume, is_prompt_batch, needs_prompt_logits};
+pub use crate::stream::{complete_events_len, strip_token_ids};
 
 /// Largest answer (or unfinished event) the plan holds for the client.
 pub const MAX_BUFFERED: usize = 64 << 20;
@@ -140,118 +144,12 @@ impl Mode {
     }
 }
 
-/// Whether a request (its JSON body) wants logits of its prompt's positions
-/// (`prompt_logprobs` — at the top or, in the token-in/token-out API, in
-/// `sampling_params` — or `echo` with `logprobs`): only the engine that
-/// computes the prompt has them, so P cannot help and D computes it.
-pub fn needs_prompt_logits(req: &Map<String, Value>) -> bool {
-    let set = |m: &Map<String, Value>, k: &str| {
-        m.get(k)
-            .is_some_and(|v| !v.is_null() && *v != Value::Bool(false))
-    };
-    let nested = req
-        .get("sampling_params")
-        .and_then(Value::as_object)
-        .is_some_and(|sp| set(sp, "prompt_logprobs"));
-    set(req, "prompt_logprobs")
-        || nested
-        || (req.get("echo") == Some(&Value::Bool(true)) && set(req, "logprobs"))
-}
-
-/// Whether a completions body carries several prompts (a list of strings
-/// or of token-id lists): one transfer carries one prompt's KV, so D
-/// answers such a batch alone.
-pub fn is_prompt_batch(req: &Map<String, Value>) -> bool {
-    match req.get("prompt") {
-        Some(Value::Array(items)) if items.len() > 1 => {
-            items.iter().all(Value::is_string) || items.iter().all(Value::is_array)
-        }
-        _ => false,
-    }
-}
-
 /// How a request D answered alone counts, by D's status.
 fn alone_outcome(status: u16) -> Outcome {
     match status {
         200..=299 => Outcome::Ok,
         400..=499 => Outcome::BadRequest,
         _ => Outcome::DecodeError,
-    }
-}
-
-/// How a client request ended, as counted in `pdkv_proxy_requests_total`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Outcome {
-    Ok,
-    /// The client's own bad request (refused by the proxy, P or D).
-    BadRequest,
-    NoBackend,
-    PrefillError,
-    DecodeError,
-    /// The client went away first.
-    Cancelled,
-}
-
-impl Outcome {
-    pub const ALL: [Outcome; 6] = [
-        Outcome::Ok,
-        Outcome::BadRequest,
-        Outcome::NoBackend,
-        Outcome::PrefillError,
-        Outcome::DecodeError,
-        Outcome::Cancelled,
-    ];
-
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Outcome::Ok => "ok",
-            Outcome::BadRequest => "bad_request",
-            Outcome::NoBackend => "no_backend",
-            Outcome::PrefillError => "prefill_error",
-            Outcome::DecodeError => "decode_error",
-            Outcome::Cancelled => "cancelled",
-        }
-    }
-
-    /// The place of `self` in [`Outcome::ALL`].
-    pub fn index(self) -> usize {
-        self as usize
-    }
-}
-
-/// Why P's part ended without the prompt's KV in a way that is not the
-/// client's failure: D computes the prompt itself.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum OnPurpose {
-    /// P refused the request: 503 `engine_not_serving` (paused, asleep).
-    Refused,
-    /// P aborted the request (`finish_reason: "abort"`).
-    Aborted,
-    /// P went away: its connection refused or broken (killed, crashed, cut
-    /// off), not timed out. In write mode D's pull from it then fails and
-    /// D's `kv_load_failure_policy` decides (`recompute`: D computes the
-    /// prompt; `fail`: the request fails, as that policy asks).
-    Lost,
-}
-
-impl OnPurpose {
-    pub const ALL: [OnPurpose; 3] = [OnPurpose::Refused, OnPurpose::Aborted, OnPurpose::Lost];
-
-    /// The code P is told when the transfer is dropped.
-    pub fn code(self) -> FailCode {
-        match self {
-            OnPurpose::Refused => FailCode::PrefillRefused,
-            OnPurpose::Aborted => FailCode::PrefillAborted,
-            OnPurpose::Lost => FailCode::Dropped,
-        }
-    }
-
-    pub fn as_str(self) -> &'static str {
-        match self {
-            OnPurpose::Refused => "refused",
-            OnPurpose::Aborted => "aborted",
-            OnPurpose::Lost => "lost",
-        }
     }
 }
 
@@ -268,60 +166,6 @@ pub struct CallError {
     pub timed_out: bool,
     /// What went wrong, for people.
     pub detail: String,
-}
-
-/// P's answer, read by [`PrefillAnswer::parse`].
-#[derive(Clone, Debug, PartialEq)]
-pub enum PrefillAnswer {
-    /// A completion that was not aborted, with the `kv_transfer_params` it
-    /// returned (`None` when it returned none).
-    Done { params: Option<Value> },
-    /// A completion whose `finish_reason` is `abort`.
-    Aborted,
-    /// An error status, with the OpenAI error `code` of its body if any.
-    Error {
-        status: u16,
-        code: Option<String>,
-        body: Vec<u8>,
-    },
-    /// A success status whose body is not a completion.
-    Malformed { reason: String },
-}
-
-impl PrefillAnswer {
-    /// Reads P's status and whole body.
-    pub fn parse(status: u16, body: &[u8]) -> PrefillAnswer {
-        if !(200..300).contains(&status) {
-            let code = serde_json::from_slice::<Value>(body)
-                .ok()
-                .and_then(|v| v.get("error")?.get("code")?.as_str().map(str::to_string));
-            return PrefillAnswer::Error {
-                status,
-                code,
-                body: body.to_vec(),
-            };
-        }
-        let malformed = |reason: String| PrefillAnswer::Malformed { reason };
-        let mut v = match serde_json::from_slice::<Value>(body) {
-            Ok(v) => v,
-            Err(e) => return malformed(format!("not JSON: {e}")),
-        };
-        let Some(choice) = v
-            .get("choices")
-            .and_then(Value::as_array)
-            .and_then(|c| c.first())
-        else {
-            return malformed("no choices".to_string());
-        };
-        if choice.get("finish_reason").and_then(Value::as_str) == Some("abort") {
-            return PrefillAnswer::Aborted;
-        }
-        match v.get_mut("kv_transfer_params").map(Value::take) {
-            None | Some(Value::Null) => PrefillAnswer::Done { params: None },
-            Some(p @ Value::Object(_)) => PrefillAnswer::Done { params: Some(p) },
-            Some(other) => malformed(format!("kv_transfer_params is not an object: {other}")),
-        }
-    }
 }
 
 /// What happened.
@@ -449,17 +293,6 @@ enum Decode {
         status: u16,
     },
     Over,
-}
-
-/// Why a call gave nothing usable.
-enum Failure {
-    /// An error status with its body (passed to the client).
-    Status {
-        status: u16,
-        body: Vec<u8>,
-    },
-    Call(CallError),
-    Unusable(String),
 }
 
 /// The proxy's decisions for one client request; see the module docs.
@@ -1004,64 +837,21 @@ impl RelayPlan {
     }
 }
 
-/// The length of the longest prefix of `buf` made of complete events.
-pub fn complete_events_len(buf: &[u8]) -> usize {
-    buf.windows(2)
-        .rposition(|w| w == b"\n\n")
-        .map_or(0, |i| i + 2)
-}
-
-/// Whether a request whose body is `req` can be resumed on another D with
-/// the tokens it produced: one sequence (`n` and `best_of` at most 1), no
-/// echoed prompt and no prompt log-probabilities (those went out with the
-/// first event, and a resumed D would send them again).
-pub fn can_resume(req: &Map<String, Value>) -> bool {
-    let at_most_one = |k: &str| req.get(k).and_then(Value::as_u64).is_none_or(|n| n <= 1);
-    at_most_one("n")
-        && at_most_one("best_of")
-        && req.get("echo").and_then(Value::as_bool) != Some(true)
-        && !needs_prompt_logits(req)
-        && !is_prompt_batch(req)
-}
-
-/// `bytes` (SSE events, the last perhaps unterminated) without the
-/// token-id comment lines ([`TOKEN_IDS_COMMENT`]), whose ids are appended
-/// to `ids`; an event left empty goes too. A comment that does not parse
-/// stays (clients skip comments).
-pub fn strip_token_ids(bytes: &[u8], ids: &mut Vec<u32>) -> Vec<u8> {
-    let prefix = TOKEN_IDS_COMMENT.as_bytes();
-    let mut out = Vec::with_capacity(bytes.len());
-    let mut rest = bytes;
-    while !rest.is_empty() {
-        let (event, tail, terminated) = match rest.windows(2).position(|w| w == b"\n\n") {
-            Some(i) => (&rest[..i], &rest[i + 2..], true),
-            None => (rest, &rest[rest.len()..], false),
-        };
-        let mut kept: Vec<&[u8]> = Vec::new();
-        for line in event.split(|&b| b == b'\n') {
-            let parsed = line
-                .strip_prefix(prefix)
-                .and_then(|json| serde_json::from_slice::<Vec<u32>>(json).ok());
-            match parsed {
-                Some(v) => ids.extend(v),
-                None => kept.push(line),
-            }
-        }
-        if !kept.is_empty() {
-            out.extend(kept.join(&b'\n'));
-            if terminated {
-                out.extend_from_slice(b"\n\n");
-            }
-        }
-        rest = tail;
-    }
-    out
-}
-
 /// An OpenAI error body (the shape of `pdkv_server::error::ApiError`, which
 /// `pdkv-server`'s tests check).
 pub fn error_json(message: &str, kind: &str, code: &str) -> String {
     json!({"error": {"message": message, "type": kind, "param": null, "code": code}}).to_string()
+}
+
+/// Why a call gave nothing usable.
+enum Failure {
+    /// An error status with its body (passed to the client).
+    Status {
+        status: u16,
+        body: Vec<u8>,
+    },
+    Call(CallError),
+    Unusable(String),
 }
 
 impl Failure {

@@ -25,10 +25,18 @@
 //! request failed unintentionally or blocks were not all free (the reasons
 //! on stderr), so the bench can be a check.
 //!
+//! `--chaos` (own deployment only) runs 1P2D with
+//! `kv_load_failure_policy: recompute` and kills an engine with SIGKILL
+//! every `--chaos-interval-s` (the decode engines and the prefill engine in
+//! turn, or only those `--chaos-kill` names), starting it again at once on
+//! its ports ([`chaos`]): the report says which died and when each served
+//! again, and a request that failed is a problem as ever.
+//!
 //! Every wait is bounded: start-up (`--startup-timeout`), each request
 //! (`--request-timeout-s`), the quiet wait (`--quiet-timeout-s`), the flood's
 //! and the children's stop.
 
+mod chaos;
 mod flood;
 mod load;
 mod memory;
@@ -130,6 +138,17 @@ pub struct ServeBenchArgs {
     /// Bound on the wait for the engines to go quiet after the load, in seconds.
     #[arg(long, default_value_t = 30)]
     pub quiet_timeout_s: u64,
+    /// Kill engines (SIGKILL) on a schedule while the load runs and start
+    /// them again at once (own deployment only: 1P2D, failed KV loads
+    /// recomputed).
+    #[arg(long, conflicts_with = "url")]
+    pub chaos: bool,
+    /// With `--chaos`: seconds between two kills.
+    #[arg(long, default_value_t = 10, requires = "chaos")]
+    pub chaos_interval_s: u64,
+    /// With `--chaos`: which engines are killed, in turn.
+    #[arg(long, value_enum, default_value = "both", requires = "chaos")]
+    pub chaos_kill: chaos::Victims,
 }
 
 fn validate(args: &ServeBenchArgs) -> anyhow::Result<()> {
@@ -153,6 +172,10 @@ fn validate(args: &ServeBenchArgs) -> anyhow::Result<()> {
         );
     }
     anyhow::ensure!(args.requests != Some(0), "--requests must be at least 1");
+    anyhow::ensure!(
+        args.chaos_interval_s >= 1,
+        "--chaos-interval-s must be at least 1"
+    );
     Ok(())
 }
 
@@ -201,6 +224,8 @@ struct Target {
     pids: Vec<u32>,
     names: Vec<String>,
     log_dir: Option<PathBuf>,
+    /// With `--chaos`: the kill schedule.
+    chaos: Option<chaos::Chaos>,
 }
 
 /// Starts the 1P1D deployment (children pushed onto `procs`).
@@ -225,10 +250,11 @@ async fn start_deployment(args: &ServeBenchArgs, procs: &mut Vec<Proc>) -> anyho
     let up_args = UpArgs {
         model: Some(model.clone()),
         prefill: 1,
-        decode: 1,
+        decode: if args.chaos { 2 } else { 1 },
         transport: args.transport,
         transfer_mode: args.transfer_mode,
-        kv_load_failure_policy: None,
+        // A prefill engine killed mid-transfer: D computes the prompt.
+        kv_load_failure_policy: args.chaos.then_some(pdkv_deploy::FailurePolicy::Recompute),
         port: 0,
         prefill_port: None,
         decode_port: None,
@@ -255,18 +281,26 @@ async fn start_deployment(args: &ServeBenchArgs, procs: &mut Vec<Proc>) -> anyho
         r = up::start(&up_args, &model, &ports, procs, &logs) => r?,
         _ = signal => bail!("interrupted during start-up"),
     };
-    let engines = vec![
-        memory::Engine {
-            name: "prefill".to_string(),
-            url: started.prefill[0].clone(),
-        },
-        memory::Engine {
-            name: "decode".to_string(),
-            url: started.decode[0].clone(),
-        },
-    ];
+    let engines = started
+        .engines
+        .iter()
+        .map(|e| memory::Engine {
+            name: e.name.clone(),
+            url: e.url.clone(),
+        })
+        .collect();
+    let chaos = match args.chaos {
+        true => Some(chaos::Chaos::new(
+            started.engines.clone(),
+            args.chaos_kill,
+            logs.logs(),
+            Duration::from_secs(args.startup_timeout),
+        )?),
+        false => None,
+    };
     eprintln!(
-        "{WHO}: 1P1D ready (transport {}, transfer mode {}), proxy {}",
+        "{WHO}: 1P{}D ready (transport {}, transfer mode {}), proxy {}",
+        started.decode.len(),
         args.transport.as_str(),
         args.transfer_mode.as_str(),
         started.proxy
@@ -277,6 +311,7 @@ async fn start_deployment(args: &ServeBenchArgs, procs: &mut Vec<Proc>) -> anyho
         pids: procs.iter().map(Proc::pid).collect(),
         names: procs.iter().map(|p| p.name.clone()).collect(),
         log_dir: Some(log_dir),
+        chaos,
     })
 }
 
@@ -309,6 +344,7 @@ async fn existing(args: &ServeBenchArgs, url: &str, client: &reqwest::Client) ->
         pids: Vec::new(),
         names: Vec::new(),
         log_dir: None,
+        chaos: None,
     }
 }
 
@@ -497,7 +533,7 @@ struct Run {
 /// are done, or a signal; fails when a child exits.
 async fn drive(
     args: &ServeBenchArgs,
-    t: &Target,
+    t: &mut Target,
     procs: &mut [Proc],
     client: &reqwest::Client,
     flood: &flood::Flood,
@@ -521,6 +557,8 @@ async fn drive(
     let signal = wait_for_signal();
     tokio::pin!(end, signal);
     let mut tick = tokio::time::interval(Duration::from_secs(args.sample_s));
+    let every = Duration::from_secs(args.chaos_interval_s);
+    let mut chaos_tick = tokio::time::interval_at((t0 + every).into(), every);
     let (mut samples, mut stopped, mut interrupted) = (Vec::<memory::Sample>::new(), None, false);
     let records = loop {
         tokio::select! {
@@ -532,6 +570,16 @@ async fn drive(
                 if let Err(e) = up::check_children(procs) {
                     load.abort();
                     return Err(e);
+                }
+            }
+            _ = chaos_tick.tick(), if t.chaos.is_some() && stopped.is_none() => {
+                let chaos = t.chaos.as_mut().expect("checked");
+                match chaos.kill_next(procs, client).await {
+                    Ok((i, pid)) => t.pids[i] = pid,
+                    Err(e) => {
+                        load.abort();
+                        return Err(e);
+                    }
                 }
             }
             _ = &mut end, if timed && stopped.is_none() => {
@@ -566,7 +614,7 @@ async fn bench(args: &ServeBenchArgs, procs: &mut Vec<Proc>) -> anyhow::Result<V
         .pool_idle_timeout(pdkv_server::proxy::UPSTREAM_IDLE)
         .build()
         .context("building the HTTP client")?;
-    let t = match &args.url {
+    let mut t = match &args.url {
         Some(url) => existing(args, url, &client).await,
         None => start_deployment(args, procs).await?,
     };
@@ -581,7 +629,7 @@ async fn bench(args: &ServeBenchArgs, procs: &mut Vec<Proc>) -> anyhow::Result<V
             None => format!("{}s (warm-up {}s)", args.duration_s, args.warmup_s),
         }
     );
-    let run = drive(args, &t, procs, &client, &flood).await?;
+    let run = drive(args, &mut t, procs, &client, &flood).await?;
     let flood = flood.stop().await;
     let quiet = memory::wait_quiet(
         &client,
@@ -616,12 +664,20 @@ async fn bench(args: &ServeBenchArgs, procs: &mut Vec<Proc>) -> anyhow::Result<V
         scrapes: report::scrapes(&run.samples, &engine_names),
     };
     print!("{}", summary.table());
+    if let Some(c) = &t.chaos {
+        println!("{}", c.line());
+    }
     if let Some(d) = &t.log_dir {
         println!("servers' logs: {}", d.display());
     }
     let mut out = summary.json();
     if let (Value::Object(o), Value::Object(x)) = (&mut out, run_json(args, &t, &run)) {
         o.extend(x);
+    }
+    if let Some(c) = &t.chaos {
+        out["chaos"] = c.json(Duration::from_secs(args.chaos_interval_s));
+        out["chaos"]["proxy"] = chaos::proxy_counters(&client, &t.proxy).await;
+        println!("proxy: {}", out["chaos"]["proxy"]);
     }
     Ok(out)
 }

@@ -135,7 +135,7 @@ pub(crate) struct ChildLogs {
 }
 
 impl ChildLogs {
-    fn logs(&self) -> Logs {
+    pub(crate) fn logs(&self) -> Logs {
         Logs {
             who: self.who,
             sink: match &self.dir {
@@ -283,6 +283,7 @@ async fn supervise(
         decode: d_urls,
         proxy: url,
         kv: kv_ports,
+        ..
     } = started;
     let (np, nd) = (p_urls.len(), d_urls.len());
     let model_name = served_model_name(&url).await;

@@ -143,3 +143,66 @@ fn bench_serve_holds_up_under_disconnects_and_an_idle_flood() {
         );
     }
 }
+
+/// `--chaos`: a 1P2D deployment whose engines are killed with SIGKILL every
+/// 4 s (decode 0, the prefill engine, decode 1, ...) and started again at
+/// once while 8 clients stream: no request fails, every KV block is free at
+/// the end, and the proxy resumed lost streams or let a decode engine
+/// compute prompts while the prefill engine was gone.
+#[test]
+fn bench_serve_chaos_kills_engines_without_failing_a_request() {
+    let Some(model) = smollm2("bench_serve_chaos_kills_engines_without_failing_a_request") else {
+        return;
+    };
+    let logs = tempfile::tempdir().unwrap();
+    let args = [
+        "bench",
+        "serve",
+        "--chaos",
+        "--chaos-interval-s",
+        "4",
+        "--duration-s",
+        "18",
+        "--warmup-s",
+        "2",
+        "--concurrency",
+        "8",
+        "--max-tokens",
+        "32",
+        "--disconnect-share",
+        "0",
+        "--sample-s",
+        "5",
+        "--model",
+        model.to_str().unwrap(),
+        "--log-dir",
+        logs.path().to_str().unwrap(),
+    ];
+    let (ok, stdout, stderr) = run_bounded(&args);
+    println!("{stdout}");
+    assert!(ok, "bench serve --chaos failed; stderr:\n{stderr}");
+    let last = stdout.lines().last().expect("a JSON line");
+    let v: Value = serde_json::from_str(last).unwrap_or_else(|e| panic!("{e}: {last}"));
+    let req = &v["requests"];
+    assert_eq!(req["failed"], 0, "failures: {}", req["failed_by_cause"]);
+    assert!(req["ok"].as_u64().unwrap() > 0, "{req}");
+    let chaos = &v["chaos"];
+    assert!(chaos["killed"].as_u64().unwrap() >= 3, "{chaos}");
+    let killed: Vec<&str> = chaos["kills"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|k| k["engine"].as_str().unwrap())
+        .collect();
+    assert_eq!(killed[..3], ["decode 0", "prefill", "decode 1"], "{chaos}");
+    let blocks = v["blocks"].as_array().unwrap();
+    assert_eq!(blocks.len(), 3, "{v}");
+    for b in blocks {
+        assert_eq!(b["all_free"], true, "{b}");
+    }
+    let proxy = &chaos["proxy"];
+    let handled = proxy["streams_resumed"].as_f64().unwrap_or(0.0)
+        + proxy["prefill_down"].as_f64().unwrap_or(0.0)
+        + proxy["prefill_skipped"]["lost"].as_f64().unwrap_or(0.0);
+    assert!(handled >= 1.0, "the proxy saw no kill: {proxy}");
+}
