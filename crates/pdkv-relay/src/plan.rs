@@ -226,9 +226,10 @@ pub enum Action {
     SendDecode { params: Option<Value> },
     /// D was lost mid-stream: send the client's body to a decode server
     /// that serves (another, or the same once it is back), with
-    /// `kv_transfer_params` holding only `resume_token_ids` (these tokens;
-    /// none: without `kv_transfer_params`). It computes the prompt and
-    /// them, and continues the stream.
+    /// `kv_transfer_params` holding only `resume_token_ids` (these tokens,
+    /// an empty list when the client has none yet: the new D still must
+    /// not open the stream again). It computes the prompt and them, and
+    /// continues the stream.
     ResumeDecode { token_ids: Vec<u32> },
     /// Drop P's request (closing its connection aborts it).
     CancelPrefill,

@@ -164,8 +164,8 @@ pub(crate) fn kv_params(v: Option<Value>, id: &str) -> Result<KvIn, ApiError> {
         None | Some(Value::Null) => Ok(KvIn::default()),
         Some(Value::Object(mut obj)) => {
             let resume = match obj.remove(pdkv_connector::params::RESUME_TOKEN_IDS) {
-                None | Some(Value::Null) => Vec::new(),
-                Some(v) => resume_ids(&v)?,
+                None | Some(Value::Null) => None,
+                Some(v) => Some(resume_ids(&v)?),
             };
             // Only the resumed outputs: the engine computes the prompt.
             let params = (!obj.is_empty())
@@ -184,7 +184,9 @@ pub(crate) fn kv_params(v: Option<Value>, id: &str) -> Result<KvIn, ApiError> {
 #[derive(Default)]
 pub(crate) struct KvIn {
     pub params: Option<Value>,
-    pub resume: Vec<u32>,
+    /// `Some`: the request continues a stream another engine began (its
+    /// opening chunks were sent), after these tokens (perhaps none).
+    pub resume: Option<Vec<u32>>,
 }
 
 fn resume_ids(v: &Value) -> Result<Vec<u32>, ApiError> {

@@ -100,6 +100,9 @@ pub struct Group {
     /// Outputs produced before this engine took the request over
     /// (`resume_token_ids`): counted in the usage, not sent again.
     pub resumed: usize,
+    /// It continues a stream another engine began: its opening chunks (the
+    /// chat role) were sent already.
+    pub continues: bool,
     /// Each streamed event names its output token ids in an SSE comment
     /// ([`pdkv_relay::TOKEN_IDS_HEADER`]).
     pub report_token_ids: bool,
@@ -124,7 +127,7 @@ pub(crate) async fn admit_group(
         params: kv_transfer_params,
         resume,
     } = kv;
-    if !resume.is_empty() && n > 1 {
+    if resume.is_some() && n > 1 {
         return Err(ApiError::invalid_param(
             "kv_transfer_params.resume_token_ids",
             format!(
@@ -132,6 +135,8 @@ pub(crate) async fn admit_group(
             ),
         ));
     }
+    let continues = resume.is_some();
+    let resume = resume.unwrap_or_default();
     let resumed = resume.len();
     let prefill_for_remote_decode = matches!(
         pdkv_connector::params::PdParams::parse(kv_transfer_params.as_ref()),
@@ -155,6 +160,7 @@ pub(crate) async fn admit_group(
         created,
         num_prompt_tokens,
         resumed,
+        continues,
         report_token_ids: false,
         streams: vec![first.stream],
         early: VecDeque::new(),
@@ -239,6 +245,7 @@ impl Group {
             created,
             num_prompt_tokens: 0,
             resumed: 0,
+            continues: false,
             report_token_ids: false,
             streams: Vec::new(),
             early: VecDeque::new(),

@@ -305,7 +305,7 @@ pub async fn completions(
     }
     let (prompt, view) = prepared.pop().expect("one prompt");
     let kv = kv_params(req.kv_transfer_params, &ids.engine)?;
-    if req.echo == Some(true) && !kv.resume.is_empty() {
+    if req.echo == Some(true) && kv.resume.is_some() {
         return Err(ApiError::invalid_param(
             "echo",
             "echo cannot be combined with kv_transfer_params.resume_token_ids (the prompt was sent already)",

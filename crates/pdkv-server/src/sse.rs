@@ -154,7 +154,7 @@ pub fn sse_response<F: ChunkFn>(
 ) -> Response {
     // A resumed request's opening chunks (the chat role) were sent by the
     // engine that began it.
-    let first = if group.resumed > 0 { Vec::new() } else { first };
+    let first = if group.continues { Vec::new() } else { first };
     let state = SseState {
         num_prompt_tokens: group.num_prompt_tokens,
         generated: group.resumed,

@@ -364,9 +364,9 @@ impl Relay {
             tokens = token_ids.len(),
             "decode server lost mid-stream; resuming the request on a decode server that serves"
         );
-        let params = (!token_ids.is_empty())
-            .then(|| serde_json::json!({ pdkv_connector::params::RESUME_TOKEN_IDS: token_ids }));
-        let body = decode_body(&self.call.req, params);
+        // Even with no token yet: the new D must not open the stream again.
+        let params = serde_json::json!({ pdkv_connector::params::RESUME_TOKEN_IDS: token_ids });
+        let body = decode_body(&self.call.req, Some(params));
         let mut headers = self.call.headers.clone();
         headers.token_ids = true;
         if headers.request_id.is_none() {

@@ -430,26 +430,45 @@ async fn requests_survive_their_decode_server_killed_before_it_answered() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn streams_survive_their_decode_server_killed_mid_stream() {
     let dir = pdkv_testkit::models::checkpoint(pdkv_model::Arch::Llama, "small", 11);
-    let spec = Spec::new(dir.path(), 512).serve_args(&["--admin-token", "t0k"]);
+    let body = json!({"prompt": "The river ran on and on", "max_tokens": 700,
+                      "temperature": 0, "ignore_eos": true});
+    kill_d0_mid_stream(dir.path(), "/v1/completions", body).await;
+}
+
+/// The same for chat streams on SmolLM2: the resumed server sends no
+/// second role chunk, and the content is the uninterrupted answer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chat_streams_survive_their_decode_server_killed_mid_stream() {
+    let Some(model) = smollm2("chat_streams_survive_their_decode_server_killed_mid_stream") else {
+        return;
+    };
+    let body = json!({"messages": [{"role": "user", "content": "Tell me about rivers."}],
+                      "max_tokens": 96, "temperature": 0, "ignore_eos": true});
+    kill_d0_mid_stream(&model, "/v1/chat/completions", body).await;
+}
+
+/// 1P2D behind the proxy; `body` once whole, then four times streamed while
+/// d0 is paused and killed: each stream must equal the whole answer.
+async fn kill_d0_mid_stream(model: &std::path::Path, path: &str, body: Value) {
+    let spec = Spec::new(model, 512).serve_args(&["--admin-token", "t0k"]);
     let p = spec.start_engine(EngineRole::Prefill, "p0");
     let mut d0 = spec.start_engine(EngineRole::Decode, "d0");
     let d1 = spec.start_engine(EngineRole::Decode, "d1");
     let proxy = spec.start_proxy(&[&p], &[&d0, &d1]);
     let client = reqwest::Client::new();
-    let max_tokens = 700;
-    let body = json!({"prompt": "The river ran on and on", "max_tokens": max_tokens,
-                      "temperature": 0, "ignore_eos": true});
-    let resp = http::send(client.post(proxy.url("/v1/completions")).json(&body)).await;
+    let max_tokens = body["max_tokens"].as_u64().unwrap();
+    let resp = http::send(client.post(proxy.url(path)).json(&body)).await;
     assert_eq!(resp.status(), 200);
     let whole: Value = resp.json().await.unwrap();
-    let want = whole["choices"][0]["text"].as_str().unwrap().to_string();
+    let want = pdkv_testkit::sse::choice_text(&whole);
+    assert_eq!(whole["usage"]["completion_tokens"], max_tokens, "{whole}");
 
     let mut streamed = body.clone();
     streamed["stream"] = json!(true);
     streamed["stream_options"] = json!({"include_usage": true});
     let mut readers = Vec::new();
     for _ in 0..4 {
-        let resp = http::send(client.post(proxy.url("/v1/completions")).json(&streamed)).await;
+        let resp = http::send(client.post(proxy.url(path)).json(&streamed)).await;
         assert_eq!(resp.status(), 200);
         let mut r = pdkv_testkit::sse::Reader::new(resp);
         let first = r.next_json().await;
@@ -465,7 +484,8 @@ async fn streams_survive_their_decode_server_killed_mid_stream() {
     for (mut r, first) in readers {
         let id = first["id"].clone();
         let mut text = pdkv_testkit::sse::choice_text(&first);
-        let mut usage = None;
+        let (mut usage, mut roles) = (None, 0);
+        roles += usize::from(first["choices"][0]["delta"]["role"].is_string());
         let mut rest = r.rest().await;
         assert_eq!(rest.pop().as_deref(), Some("[DONE]"));
         for p in rest {
@@ -473,11 +493,13 @@ async fn streams_survive_their_decode_server_killed_mid_stream() {
             assert!(v.get("error").is_none(), "the stream failed: {v}");
             assert_eq!(v["id"], id, "one stream, one id");
             text.push_str(&pdkv_testkit::sse::choice_text(&v));
+            roles += usize::from(v["choices"][0]["delta"]["role"].is_string());
             if !v["usage"].is_null() {
                 usage = Some(v["usage"].clone());
             }
         }
         assert_eq!(text, want, "the stream's text is the uninterrupted answer");
+        assert!(roles <= 1, "{roles} role chunks in one stream");
         let usage = usage.expect("a usage chunk");
         assert_eq!(usage["completion_tokens"], max_tokens, "{usage}");
     }
