@@ -383,6 +383,7 @@ async fn resume(
     body: Bytes,
 ) -> Result<Response, ApiError> {
     QueryParams::parse_with_body(raw.as_deref(), &body, &[])?;
+    state.cancel_checkpoint_reads("/resume");
     on_engine(&state, |e| e.resume()).await??;
     Ok(json_ok(json!({"status": "resumed"})))
 }
@@ -576,6 +577,7 @@ async fn abort_requests(
     } else {
         crate::error::parse_json(&body)?
     };
+    state.cancel_checkpoint_reads("/abort_requests");
     let live = state.engine().live_request_ids();
     let ids = match body.request_ids {
         Some(ids) if !ids.is_empty() => ids,
@@ -645,6 +647,8 @@ pub(crate) async fn reload_from_disk(
     }
     let path = std::path::PathBuf::from(path);
     let started = Instant::now();
+    // The newest update wins: one still reading is cancelled.
+    state.cancel_checkpoint_reads("another /update_weights");
     let staged = stage_checkpoint(state, &path).await?;
     let v = version.clone();
     on_engine(state, move |e| {
@@ -683,7 +687,8 @@ async fn stage_checkpoint(
     let p = path.to_path_buf();
     let limit = state.checkpoint_read_timeout;
     let read = move || pdkv_model::loader::stage_checkpoint(&p, &layout, &expected);
-    let staged = match bounded_read(&state.checkpoint_reads, limit, read).await {
+    let cancel = state.checkpoint_cancel.subscribe();
+    let staged = match bounded_read(&state.checkpoint_reads, limit, cancel, read).await {
         Ok(staged) => staged,
         Err(ReadRefused::Busy) => {
             return Err(ApiError::conflict(
@@ -697,6 +702,14 @@ async fn stage_checkpoint(
                 path.display(),
                 limit.as_secs_f64()
             )));
+        }
+        Err(ReadRefused::Cancelled(by)) => {
+            tracing::info!(path = %path.display(), by, "a checkpoint read was cancelled; the engine keeps its current weights");
+            return Err(ApiError::conflict(format!(
+                "reading checkpoint {} was cancelled by {by}; the engine keeps serving its current weights",
+                path.display()
+            ))
+            .with_code("checkpoint_read_cancelled"));
         }
         Err(ReadRefused::Panicked(e)) => {
             return Err(ApiError::internal(format!(
@@ -721,16 +734,20 @@ enum ReadRefused {
     Busy,
     /// The read did not end by its deadline; its thread goes on alone.
     TimedOut,
+    /// Cancelled by what is named (its thread goes on alone).
+    Cancelled(&'static str),
     Panicked(String),
 }
 
 /// Runs the blocking `read` on its own thread, one at a time (`reads` has
-/// one permit), waiting at most `limit` for it. A read past its deadline is
-/// left to end on its own and keeps the permit until it does: a stalled
-/// filesystem costs one thread, not one per retry.
+/// one permit), waiting at most `limit` for it and until `cancel` changes.
+/// A read past its deadline or cancelled is left to end on its own and
+/// keeps the permit until it does: a stalled filesystem costs one thread,
+/// not one per retry.
 async fn bounded_read<T: Send + 'static>(
     reads: &Arc<tokio::sync::Semaphore>,
     limit: Duration,
+    mut cancel: tokio::sync::watch::Receiver<(u64, &'static str)>,
     read: impl FnOnce() -> T + Send + 'static,
 ) -> Result<T, ReadRefused> {
     let Ok(permit) = reads.clone().try_acquire_owned() else {
@@ -740,9 +757,13 @@ async fn bounded_read<T: Send + 'static>(
         let _permit = permit;
         read()
     });
-    match tokio::time::timeout(limit, task).await {
-        Err(_) => Err(ReadRefused::TimedOut),
-        Ok(joined) => joined.map_err(|e| ReadRefused::Panicked(e.to_string())),
+    tokio::select! {
+        joined = tokio::time::timeout(limit, task) => match joined {
+            Err(_) => Err(ReadRefused::TimedOut),
+            Ok(joined) => joined.map_err(|e| ReadRefused::Panicked(e.to_string())),
+        },
+        // A sender dropped (the server is gone) cancels too.
+        _ = cancel.changed() => Err(ReadRefused::Cancelled(cancel.borrow().1)),
     }
 }
 
@@ -848,17 +869,18 @@ mod tests {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_stalled_read_times_out_and_holds_the_one_permit_until_it_ends() {
         let reads = Arc::new(tokio::sync::Semaphore::new(1));
+        let (_cancel, rx) = tokio::sync::watch::channel((0u64, ""));
         let (release, stalled) = std::sync::mpsc::channel::<()>();
         let (ended_tx, ended) = tokio::sync::oneshot::channel();
         let limit = Duration::from_millis(50);
-        let r = bounded_read(&reads, limit, move || {
+        let r = bounded_read(&reads, limit, rx.clone(), move || {
             // Stands for a read() that does not return until released.
             stalled.recv().unwrap();
             ended_tx.send(()).unwrap();
         })
         .await;
         assert!(matches!(r, Err(ReadRefused::TimedOut)), "{r:?}");
-        let r = bounded_read(&reads, limit, || 1).await;
+        let r = bounded_read(&reads, limit, rx.clone(), || 1).await;
         assert!(matches!(r, Err(ReadRefused::Busy)), "{r:?}");
         release.send(()).unwrap();
         tokio::time::timeout(Duration::from_secs(10), ended)
@@ -870,7 +892,37 @@ mod tests {
             .await
             .expect("the permit comes back");
         drop(permit);
-        assert_eq!(bounded_read(&reads, limit, || 7).await.unwrap(), 7);
+        assert_eq!(bounded_read(&reads, limit, rx, || 7).await.unwrap(), 7);
+    }
+
+    /// A read that stalls is cancelled at once by what is named (its
+    /// thread goes on and keeps the permit until it ends).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_stalled_read_is_cancelled_by_name() {
+        let reads = Arc::new(tokio::sync::Semaphore::new(1));
+        let (cancel, rx) = tokio::sync::watch::channel((0u64, ""));
+        let (release, stalled) = std::sync::mpsc::channel::<()>();
+        let read = bounded_read(&reads, Duration::from_secs(3600), rx, move || {
+            stalled.recv().unwrap();
+        });
+        let canceller = async {
+            // Once the read holds the permit, cancel it.
+            while reads.available_permits() > 0 {
+                tokio::task::yield_now().await;
+            }
+            cancel.send_modify(|(n, why)| {
+                *n += 1;
+                *why = "/resume";
+            });
+        };
+        let (r, ()) = tokio::time::timeout(Duration::from_secs(10), async {
+            tokio::join!(read, canceller)
+        })
+        .await
+        .expect("the cancelled read answers at once");
+        assert!(matches!(r, Err(ReadRefused::Cancelled("/resume"))), "{r:?}");
+        assert_eq!(reads.available_permits(), 0, "the thread still reads");
+        release.send(()).unwrap();
     }
 
     #[test]

@@ -79,6 +79,10 @@ pub struct AppState {
     /// One checkpoint read at a time; its permit goes with the reading
     /// thread, so a read that stalls past its deadline still holds it.
     checkpoint_reads: Arc<tokio::sync::Semaphore>,
+    /// Bumped (with what did it) to cancel the checkpoint read an
+    /// `/update_weights` waits on: `/resume`, `/abort_requests`, another
+    /// update, shutdown.
+    checkpoint_cancel: Arc<tokio::sync::watch::Sender<(u64, &'static str)>>,
 }
 
 /// How long a new request waits for `/resume` while the engine is paused
@@ -122,7 +126,19 @@ impl AppState {
             api_key: None,
             checkpoint_read_timeout: DEFAULT_CHECKPOINT_READ_TIMEOUT,
             checkpoint_reads: Arc::new(tokio::sync::Semaphore::new(1)),
+            checkpoint_cancel: Arc::new(tokio::sync::watch::channel((0, "")).0),
         }
+    }
+
+    /// Cancels the wait of an `/update_weights` that reads a checkpoint:
+    /// it answers at once that `by` cancelled it, and the engine keeps its
+    /// weights (the reading thread, which cannot be interrupted, ends on
+    /// its own and its result is dropped).
+    pub fn cancel_checkpoint_reads(&self, by: &'static str) {
+        self.checkpoint_cancel.send_modify(|(n, why)| {
+            *n += 1;
+            *why = by;
+        });
     }
 
     /// The deployment's KV secret, which weight syncs prove to the

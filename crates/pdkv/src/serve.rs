@@ -312,9 +312,11 @@ async fn serve(
         .with_context(|| format!("binding {addr}"))?;
     let local = listener.local_addr().context("reading the bound address")?;
     tracing::info!(model = %served_name, admin_api = state.admin_enabled(), "listening on http://{local}");
+    let on_shutdown = state.clone();
     let shutdown = async move {
         crate::common::wait_for_signal().await;
         tracing::info!("shutting down");
+        on_shutdown.cancel_checkpoint_reads("shutdown");
         // Ends running requests so streaming responses finish and the
         // graceful shutdown does not wait for them.
         let _ = tokio::task::spawn_blocking(move || engine.shutdown()).await;
