@@ -114,7 +114,7 @@ impl<F: ChunkFn> SseState<F> {
                     if self.report_token_ids && !out.token_ids.is_empty() {
                         // One event, so the ids and their text arrive together.
                         let ids = json!(out.token_ids);
-                        let data = event.as_ref().map_or(String::new(), |v| sse_event(v));
+                        let data = event.as_ref().map_or(String::new(), sse_event);
                         let tail = if data.is_empty() { "\n" } else { "" };
                         return Some(format!("{TOKEN_IDS_COMMENT}{ids}\n{data}{tail}"));
                     }

@@ -162,7 +162,7 @@ impl Proxy {
             }
         };
         // Every other client streams, and may be resumed.
-        let streaming = client % 2 == 0;
+        let streaming = client.is_multiple_of(2);
         let req = json!({"stream": streaming});
         let plan = RelayPlan::new(mode, streaming, &transfer_id)
             .with_resumes(req.as_object().expect("an object"), MAX_RESUMES);
