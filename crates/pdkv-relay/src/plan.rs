@@ -668,6 +668,16 @@ impl RelayPlan {
         }
     }
 
+    /// D's whole answer goes to the client as D gave it.
+    fn reply_as_decode(&mut self, status: u16, body: Vec<u8>) {
+        self.push(Action::Reply(Reply {
+            status,
+            head: Head::Decode,
+            retry_after: false,
+            body,
+        }));
+    }
+
     fn on_decode_end(&mut self) {
         match std::mem::replace(&mut self.decode, Decode::Over) {
             Decode::Gathering { status, buf } if (200..300).contains(&status) => {
@@ -680,12 +690,7 @@ impl RelayPlan {
                     self.forward(buf);
                     self.push(Action::EndStream);
                 } else {
-                    self.push(Action::Reply(Reply {
-                        status,
-                        head: Head::Decode,
-                        retry_after: false,
-                        body: buf,
-                    }));
+                    self.reply_as_decode(status, buf);
                 }
                 self.finish(Outcome::Ok, None);
             }
@@ -698,12 +703,7 @@ impl RelayPlan {
                         broken: false,
                     });
                 } else {
-                    self.push(Action::Reply(Reply {
-                        status,
-                        head: Head::Decode,
-                        retry_after: false,
-                        body: buf,
-                    }));
+                    self.reply_as_decode(status, buf);
                 }
                 let outcome = if is_client_error(status) {
                     Outcome::BadRequest
@@ -1151,13 +1151,23 @@ mod tests {
     }
 
     #[test]
-    fn write_mode_aborted_prefill_keeps_d_and_drops_at_p_with_prefill_aborted() {
+    fn write_mode_aborted_or_lost_prefill_keeps_d_and_drops_at_p_naming_why() {
+        // P lost (connection refused or broken): D keeps its request, whose
+        // pull then fails and its policy decides.
+        for (event, why) in [
+            (aborted(), OnPurpose::Aborted),
+            (Event::PrefillFailed(failed(false)), OnPurpose::Lost),
+        ] {
+            write_mode_skipped_prefill(event, why);
+        }
+    }
+
+    fn write_mode_skipped_prefill(aborted: Event, why: OnPurpose) {
+        let aborted = || aborted.clone();
         let skipped = || {
             vec![
-                Action::PrefillSkipped(OnPurpose::Aborted),
-                Action::DropAtPrefill {
-                    code: FailCode::PrefillAborted,
-                },
+                Action::PrefillSkipped(why),
+                Action::DropAtPrefill { code: why.code() },
             ]
         };
         check(
@@ -1290,45 +1300,6 @@ mod tests {
             );
         }
         assert!(!is_client_error(503) && !is_client_error(500) && !is_client_error(429));
-    }
-
-    #[test]
-    fn a_lost_prefill_server_is_skipped_and_d_computes_the_prompt() {
-        // Write mode: D keeps its request (its pull fails and its policy
-        // decides); P is told to drop the transfer in case it lives.
-        check(
-            write(),
-            false,
-            vec![
-                (
-                    Event::PrefillFailed(failed(false)),
-                    vec![
-                        Action::PrefillSkipped(OnPurpose::Lost),
-                        Action::DropAtPrefill {
-                            code: FailCode::Dropped,
-                        },
-                    ],
-                ),
-                (head(200), vec![]),
-                (body(D_BODY), vec![]),
-                (
-                    Event::DecodeEnd,
-                    vec![reply(200, Head::Decode, D_BODY), ok()],
-                ),
-            ],
-        );
-        // Read mode: D is asked without params.
-        check(
-            Mode::Read,
-            false,
-            vec![(
-                Event::PrefillFailed(failed(false)),
-                vec![
-                    Action::PrefillSkipped(OnPurpose::Lost),
-                    Action::SendDecode { params: None },
-                ],
-            )],
-        );
     }
 
     #[test]
@@ -1573,6 +1544,18 @@ mod tests {
         plan
     }
 
+    /// [`resumable`] with P done and D's stream begun.
+    fn resumable_streaming() -> RelayPlan {
+        drive(
+            resumable(),
+            first_actions(),
+            vec![
+                (p_done(), vec![]),
+                (head(200), vec![Action::StartStream { status: 200 }]),
+            ],
+        )
+    }
+
     fn first_actions() -> Vec<Action> {
         vec![
             Action::SendPrefill { params: p_params() },
@@ -1585,11 +1568,9 @@ mod tests {
     #[test]
     fn a_lost_d_is_resumed_with_exactly_the_tokens_whose_text_the_client_has() {
         let mut plan = drive(
-            resumable(),
-            first_actions(),
+            resumable_streaming(),
+            vec![],
             vec![
-                (p_done(), vec![]),
-                (head(200), vec![Action::StartStream { status: 200 }]),
                 // Token ids lead each event and are stripped; an event of
                 // ids alone (text held back) goes whole.
                 (
@@ -1628,11 +1609,9 @@ mod tests {
     fn a_resumed_d_that_is_lost_too_is_replaced_until_the_bound_then_the_stream_fails() {
         let lost = || Event::DecodeFailed(failed(false));
         let mut plan = drive(
-            resumable(),
-            first_actions(),
+            resumable_streaming(),
+            vec![],
             vec![
-                (p_done(), vec![]),
-                (head(200), vec![Action::StartStream { status: 200 }]),
                 (
                     body(": token_ids [5]\ndata: a\n\n"),
                     vec![stream("data: a\n\n")],
@@ -1668,11 +1647,9 @@ mod tests {
     #[test]
     fn a_resumed_d_answering_an_error_status_ends_the_stream_with_its_error() {
         let mut plan = drive(
-            resumable(),
-            first_actions(),
+            resumable_streaming(),
+            vec![],
             vec![
-                (p_done(), vec![]),
-                (head(200), vec![Action::StartStream { status: 200 }]),
                 (
                     Event::DecodeFailed(failed(false)),
                     vec![
@@ -1701,14 +1678,7 @@ mod tests {
 
     #[test]
     fn timeouts_and_plans_without_resumes_fail_the_stream_as_before() {
-        let mut plan = drive(
-            resumable(),
-            first_actions(),
-            vec![
-                (p_done(), vec![]),
-                (head(200), vec![Action::StartStream { status: 200 }]),
-            ],
-        );
+        let mut plan = resumable_streaming();
         plan.handle(Event::DecodeFailed(failed(true)));
         assert!(drain(&mut plan)
             .iter()
@@ -1888,10 +1858,11 @@ mod tests {
     }
 
     #[test]
-    fn read_mode_refused_or_aborted_prefill_sends_d_the_body_without_params() {
+    fn read_mode_refused_aborted_or_lost_prefill_sends_d_the_body_without_params() {
         for (event, why) in [
             (refused(), OnPurpose::Refused),
             (aborted(), OnPurpose::Aborted),
+            (Event::PrefillFailed(failed(false)), OnPurpose::Lost),
         ] {
             let skipped = || {
                 vec![

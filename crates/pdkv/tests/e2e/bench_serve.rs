@@ -48,6 +48,34 @@ fn run_bounded(args: &[&str]) -> (bool, String, String) {
     (status.success(), out.join().unwrap(), err.join().unwrap())
 }
 
+/// `pdkv bench serve ARGS` on SmolLM2 (`None` where the model cannot be
+/// had), its logs in a temporary directory: it must succeed; the JSON line
+/// it prints last, and the logs' directory.
+fn bench_serve(test: &str, args: &[&str]) -> Option<(Value, tempfile::TempDir)> {
+    let model = smollm2(test)?;
+    let logs = tempfile::tempdir().unwrap();
+    let mut all = vec!["bench", "serve"];
+    all.extend_from_slice(args);
+    all.extend([
+        "--model",
+        model.to_str().unwrap(),
+        "--log-dir",
+        logs.path().to_str().unwrap(),
+    ]);
+    let v = bench_json(&all);
+    Some((v, logs))
+}
+
+/// Runs `pdkv ARGS` (a `bench serve`), which must succeed, and returns
+/// the JSON line it prints last.
+fn bench_json(args: &[&str]) -> Value {
+    let (ok, stdout, stderr) = run_bounded(args);
+    println!("{stdout}");
+    assert!(ok, "`pdkv {}` failed; stderr:\n{stderr}", args.join(" "));
+    let last = stdout.lines().last().expect("a JSON line");
+    serde_json::from_str(last).unwrap_or_else(|e| panic!("{e}: {last}"))
+}
+
 fn ms(v: &Value, what: &str, p: &str) -> f64 {
     v[what][p]
         .as_f64()
@@ -56,39 +84,29 @@ fn ms(v: &Value, what: &str, p: &str) -> f64 {
 
 #[test]
 fn bench_serve_holds_up_under_disconnects_and_an_idle_flood() {
-    let Some(model) = smollm2("bench_serve_holds_up_under_disconnects_and_an_idle_flood") else {
+    let Some((v, logs)) = bench_serve(
+        "bench_serve_holds_up_under_disconnects_and_an_idle_flood",
+        &[
+            "--duration-s",
+            "20",
+            "--warmup-s",
+            "5",
+            "--concurrency",
+            "8",
+            "--max-tokens",
+            "8",
+            "--disconnect-share",
+            "0.2",
+            "--idle-flood",
+            "200",
+            "--idle-flood-kv",
+            "50",
+            "--sample-s",
+            "5",
+        ],
+    ) else {
         return;
     };
-    let logs = tempfile::tempdir().unwrap();
-    let args = [
-        "bench",
-        "serve",
-        "--duration-s",
-        "20",
-        "--warmup-s",
-        "5",
-        "--concurrency",
-        "8",
-        "--max-tokens",
-        "8",
-        "--disconnect-share",
-        "0.2",
-        "--idle-flood",
-        "200",
-        "--idle-flood-kv",
-        "50",
-        "--sample-s",
-        "5",
-        "--model",
-        model.to_str().unwrap(),
-        "--log-dir",
-        logs.path().to_str().unwrap(),
-    ];
-    let (ok, stdout, stderr) = run_bounded(&args);
-    println!("{stdout}");
-    assert!(ok, "bench serve failed; stderr:\n{stderr}");
-    let last = stdout.lines().last().expect("a JSON line");
-    let v: Value = serde_json::from_str(last).unwrap_or_else(|e| panic!("{e}: {last}"));
 
     let req = &v["requests"];
     assert_eq!(
@@ -151,38 +169,28 @@ fn bench_serve_holds_up_under_disconnects_and_an_idle_flood() {
 /// compute prompts while the prefill engine was gone.
 #[test]
 fn bench_serve_chaos_kills_engines_without_failing_a_request() {
-    let Some(model) = smollm2("bench_serve_chaos_kills_engines_without_failing_a_request") else {
+    let Some((v, _logs)) = bench_serve(
+        "bench_serve_chaos_kills_engines_without_failing_a_request",
+        &[
+            "--chaos",
+            "--chaos-interval-s",
+            "4",
+            "--duration-s",
+            "18",
+            "--warmup-s",
+            "2",
+            "--concurrency",
+            "8",
+            "--max-tokens",
+            "32",
+            "--disconnect-share",
+            "0",
+            "--sample-s",
+            "5",
+        ],
+    ) else {
         return;
     };
-    let logs = tempfile::tempdir().unwrap();
-    let args = [
-        "bench",
-        "serve",
-        "--chaos",
-        "--chaos-interval-s",
-        "4",
-        "--duration-s",
-        "18",
-        "--warmup-s",
-        "2",
-        "--concurrency",
-        "8",
-        "--max-tokens",
-        "32",
-        "--disconnect-share",
-        "0",
-        "--sample-s",
-        "5",
-        "--model",
-        model.to_str().unwrap(),
-        "--log-dir",
-        logs.path().to_str().unwrap(),
-    ];
-    let (ok, stdout, stderr) = run_bounded(&args);
-    println!("{stdout}");
-    assert!(ok, "bench serve --chaos failed; stderr:\n{stderr}");
-    let last = stdout.lines().last().expect("a JSON line");
-    let v: Value = serde_json::from_str(last).unwrap_or_else(|e| panic!("{e}: {last}"));
     let req = &v["requests"];
     assert_eq!(req["failed"], 0, "failures: {}", req["failed_by_cause"]);
     assert!(req["ok"].as_u64().unwrap() > 0, "{req}");
