@@ -41,6 +41,7 @@ mod flood;
 mod load;
 mod memory;
 mod report;
+mod verify;
 
 use std::path::PathBuf;
 use std::sync::atomic::Ordering;
@@ -146,6 +147,11 @@ pub struct ServeBenchArgs {
     /// With `--chaos`: seconds between two kills.
     #[arg(long, default_value_t = 10, requires = "chaos")]
     pub chaos_interval_s: u64,
+    /// After the load, send every request that ended well again, at rest,
+    /// and check its tokens equal those its stream carried (greedy: they
+    /// must; under `--chaos`, resumed and recomputed requests included).
+    #[arg(long)]
+    pub verify_outputs: bool,
     /// With `--chaos`: which engines are killed, in turn.
     #[arg(long, value_enum, default_value = "both", requires = "chaos")]
     pub chaos_kill: chaos::Victims,
@@ -520,6 +526,7 @@ fn progress_line(
 
 /// What the run produced.
 struct Run {
+    cfg: Arc<load::LoadConfig>,
     records: Vec<load::Record>,
     samples: Vec<memory::Sample>,
     t0: Instant,
@@ -551,7 +558,7 @@ async fn drive(
     });
     let counters = Arc::new(load::Counters::default());
     let t0 = Instant::now();
-    let mut load = tokio::spawn(load::run(cfg, counters.clone()));
+    let mut load = tokio::spawn(load::run(cfg.clone(), counters.clone()));
     let timed = args.requests.is_none();
     let end = tokio::time::sleep_until((t0 + Duration::from_secs(args.duration_s)).into());
     let signal = wait_for_signal();
@@ -595,6 +602,7 @@ async fn drive(
         }
     };
     Ok(Run {
+        cfg,
         records,
         samples,
         t0,
@@ -673,6 +681,17 @@ async fn bench(args: &ServeBenchArgs, procs: &mut Vec<Proc>) -> anyhow::Result<V
     let mut out = summary.json();
     if let (Value::Object(o), Value::Object(x)) = (&mut out, run_json(args, &t, &run)) {
         o.extend(x);
+    }
+    if args.verify_outputs {
+        eprintln!(
+            "{WHO}: sending every request that ended well again, at rest, to compare its tokens"
+        );
+        let v = verify::verify(run.cfg.clone(), &run.records).await?;
+        println!("{}", v.line());
+        out["verify_outputs"] = v.json();
+        if let Some(p) = out["problems"].as_array_mut() {
+            p.extend(v.problems().into_iter().map(Value::from));
+        }
     }
     if let Some(c) = &t.chaos {
         out["chaos"] = c.json(Duration::from_secs(args.chaos_interval_s));

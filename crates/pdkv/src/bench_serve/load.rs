@@ -137,6 +137,10 @@ pub enum Outcome {
 
 /// One request as the client saw it.
 pub struct Record {
+    /// The request's index ([`plan`]).
+    pub index: u64,
+    /// The tokens it got (all of them when it ended well).
+    pub token_ids: Vec<u32>,
     pub started: Instant,
     pub ttft: Option<Duration>,
     /// Between successive token chunks.
@@ -190,6 +194,8 @@ pub enum Event {
     /// finish reason, if it is the last.
     Tokens {
         n: u32,
+        /// The chunk's token ids, when the server returned them.
+        ids: Vec<u32>,
         finish: Option<String>,
     },
     Usage {
@@ -234,12 +240,19 @@ pub fn parse_event(data: &str) -> Event {
         Some(c) if !c.is_empty() => {
             let choice = &c[0];
             // Token ids when the server returns them, else one per chunk with text.
+            let ids: Vec<u32> = choice["token_ids"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .filter_map(|t| t.as_u64().and_then(|t| u32::try_from(t).ok()))
+                .collect();
             let n = match choice["token_ids"].as_array() {
-                Some(ids) => ids.len() as u32,
+                Some(all) => all.len() as u32,
                 None => u32::from(choice["text"].as_str().is_some_and(|t| !t.is_empty())),
             };
             Event::Tokens {
                 n,
+                ids,
                 finish: choice["finish_reason"].as_str().map(str::to_string),
             }
         }
@@ -285,6 +298,8 @@ pub struct Exchange {
     pub ttft: Option<Duration>,
     pub itl: Vec<Duration>,
     pub arrivals: Vec<(Instant, u32)>,
+    /// Every token id the stream carried, in order.
+    pub token_ids: Vec<u32>,
 }
 
 impl Exchange {
@@ -300,12 +315,14 @@ impl Exchange {
             ttft: None,
             itl: Vec::new(),
             arrivals: Vec::new(),
+            token_ids: Vec::new(),
         }
     }
 
     pub fn on_event(&mut self, ev: Event, now: Instant) -> Step {
         match ev {
-            Event::Tokens { n, finish } => {
+            Event::Tokens { n, ids, finish } => {
+                self.token_ids.extend(ids);
                 if n > 0 {
                     match self.last {
                         None => self.ttft = Some(now - self.sent),
@@ -447,6 +464,8 @@ pub async fn send(
         f.message = format!("request {}: {}", plan.index, f.message);
     }
     Record {
+        index: plan.index,
+        token_ids: ex.token_ids,
         started,
         ttft: ex.ttft,
         itl: ex.itl,

@@ -164,15 +164,17 @@ fn bench_serve_holds_up_under_disconnects_and_an_idle_flood() {
 
 /// `--chaos`: a 1P2D deployment whose engines are killed with SIGKILL every
 /// 4 s (decode 0, the prefill engine, decode 1, ...) and started again at
-/// once while 8 clients stream: no request fails, every KV block is free at
-/// the end, and the proxy resumed lost streams or let a decode engine
-/// compute prompts while the prefill engine was gone.
+/// once while 8 clients stream: no request fails, every one's greedy tokens
+/// equal what it gets at rest afterwards, every KV block is free at the end,
+/// and the proxy resumed lost streams or let a decode engine compute prompts
+/// while the prefill engine was gone.
 #[test]
 fn bench_serve_chaos_kills_engines_without_failing_a_request() {
     let Some((v, _logs)) = bench_serve(
         "bench_serve_chaos_kills_engines_without_failing_a_request",
         &[
             "--chaos",
+            "--verify-outputs",
             "--chaos-interval-s",
             "4",
             "--duration-s",
@@ -208,6 +210,11 @@ fn bench_serve_chaos_kills_engines_without_failing_a_request() {
     for b in blocks {
         assert_eq!(b["all_free"], true, "{b}");
     }
+    // Every request that ended well got what it gets at rest.
+    let verified = &v["verify_outputs"];
+    assert_eq!(verified["differ"], 0, "{verified}");
+    assert_eq!(verified["failed"], 0, "{verified}");
+    assert_eq!(verified["checked"], req["ok"], "{verified}");
     let proxy = &chaos["proxy"];
     let handled = proxy["streams_resumed"].as_f64().unwrap_or(0.0)
         + proxy["prefill_down"].as_f64().unwrap_or(0.0)
