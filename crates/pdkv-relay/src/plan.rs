@@ -366,6 +366,36 @@ impl RelayPlan {
         RelayPlan::new(mode, streaming, transfer_id)
     }
 
+    /// The plan for a client request whose JSON body is `req` when no
+    /// prefill server is up: one that needs its prompt's logits or carries
+    /// several prompts is [`RelayPlan::decode_alone`]'s; any other goes to
+    /// D as after P was lost (its first action sends D the client's body
+    /// with the client's own `kv_transfer_params`), so that its stream is
+    /// cut at events and can be resumed ([`RelayPlan::with_resumes`]).
+    pub fn without_prefill(req: &Map<String, Value>, transfer_id: &str) -> RelayPlan {
+        let streaming = req.get("stream").and_then(Value::as_bool).unwrap_or(false);
+        let params = req.get("kv_transfer_params").cloned();
+        if needs_prompt_logits(req) || is_prompt_batch(req) {
+            return RelayPlan::decode_alone(streaming, transfer_id, params);
+        }
+        let mut plan = RelayPlan {
+            read: false,
+            alone: false,
+            streaming,
+            transfer_id: transfer_id.to_string(),
+            prefill: Prefill::Skipped(OnPurpose::Lost),
+            decode: Decode::NotAsked,
+            outcome: None,
+            actions: VecDeque::new(),
+            tracking: false,
+            resumes_left: 0,
+            produced: Vec::new(),
+            stream_started: false,
+        };
+        plan.ask_decode(params);
+        plan
+    }
+
     /// A plan that sends the client's request to D alone, which computes
     /// the prompt: its first action sends D the client's body as it came
     /// (`params`: the client's own `kv_transfer_params`, if any), and D's
@@ -1603,6 +1633,31 @@ mod tests {
         );
         assert_eq!(plan.outcome(), Some(Outcome::Ok));
         assert_eq!(plan.poll_action(), None);
+    }
+
+    #[test]
+    fn without_a_prefill_server_d_computes_the_prompt_and_its_stream_can_be_resumed() {
+        let r = req(json!({"prompt": "hi", "stream": true}));
+        let plan = RelayPlan::without_prefill(&r, TID).with_resumes(&r, 1);
+        assert!(plan.tracks_token_ids() && !plan.is_decode_alone());
+        drive(
+            plan,
+            vec![Action::SendDecode { params: None }],
+            vec![
+                (head(200), vec![Action::StartStream { status: 200 }]),
+                (
+                    body(": token_ids [3]\ndata: a\n\n"),
+                    vec![stream("data: a\n\n")],
+                ),
+                // No P to drop anything at.
+                (
+                    Event::DecodeFailed(failed(false)),
+                    vec![Action::ResumeDecode { token_ids: vec![3] }],
+                ),
+            ],
+        );
+        let logits = req(json!({"prompt": "hi", "stream": true, "prompt_logprobs": 1}));
+        assert!(RelayPlan::without_prefill(&logits, TID).is_decode_alone());
     }
 
     #[test]

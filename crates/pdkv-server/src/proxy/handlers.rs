@@ -159,9 +159,8 @@ async fn generate_once(
             // P is paused. (The plan never asks P; the relay still names one.)
             proxy.metrics.prefill_down();
             tracing::warn!(decode = %d.url, "no prefill server is up: the decode server computes the prompt itself");
-            let streaming = req.get("stream").and_then(Value::as_bool).unwrap_or(false);
-            let params = req.get("kv_transfer_params").cloned();
-            let plan = RelayPlan::decode_alone(streaming, &transfer_id, params);
+            let plan = RelayPlan::without_prefill(&req, &transfer_id)
+                .with_resumes(&req, proxy.config.max_resumes);
             (
                 proxy.prefill.backends[0].clone(),
                 BackendStatus::default(),
