@@ -321,20 +321,13 @@ impl RelayPlan {
     /// A plan for one request; its first actions send P's request (and D's,
     /// in write mode).
     pub fn new(mode: Mode, streaming: bool, transfer_id: &str) -> RelayPlan {
-        let mut plan = RelayPlan {
-            read: mode == Mode::Read,
-            alone: false,
+        let mut plan = RelayPlan::start(
+            mode == Mode::Read,
+            false,
             streaming,
-            transfer_id: transfer_id.to_string(),
-            prefill: Prefill::Running,
-            decode: Decode::NotAsked,
-            outcome: None,
-            actions: VecDeque::new(),
-            tracking: false,
-            resumes_left: 0,
-            produced: Vec::new(),
-            stream_started: false,
-        };
+            transfer_id,
+            Prefill::Running,
+        );
         plan.push(Action::SendPrefill {
             params: params::for_prefill(transfer_id),
         });
@@ -351,6 +344,30 @@ impl RelayPlan {
             plan.ask_decode(Some(p));
         }
         plan
+    }
+
+    /// A plan with nothing done yet: D not asked, P in the state given.
+    fn start(
+        read: bool,
+        alone: bool,
+        streaming: bool,
+        transfer_id: &str,
+        prefill: Prefill,
+    ) -> RelayPlan {
+        RelayPlan {
+            read,
+            alone,
+            streaming,
+            transfer_id: transfer_id.to_string(),
+            prefill,
+            decode: Decode::NotAsked,
+            outcome: None,
+            actions: VecDeque::new(),
+            tracking: false,
+            resumes_left: 0,
+            produced: Vec::new(),
+            stream_started: false,
+        }
     }
 
     /// The plan for a client request whose JSON body is `req`, through a P
@@ -378,20 +395,13 @@ impl RelayPlan {
         if needs_prompt_logits(req) || is_prompt_batch(req) {
             return RelayPlan::decode_alone(streaming, transfer_id, params);
         }
-        let mut plan = RelayPlan {
-            read: false,
-            alone: false,
+        let mut plan = RelayPlan::start(
+            false,
+            false,
             streaming,
-            transfer_id: transfer_id.to_string(),
-            prefill: Prefill::Skipped(OnPurpose::Lost),
-            decode: Decode::NotAsked,
-            outcome: None,
-            actions: VecDeque::new(),
-            tracking: false,
-            resumes_left: 0,
-            produced: Vec::new(),
-            stream_started: false,
-        };
+            transfer_id,
+            Prefill::Skipped(OnPurpose::Lost),
+        );
         plan.ask_decode(params);
         plan
     }
@@ -401,20 +411,7 @@ impl RelayPlan {
     /// (`params`: the client's own `kv_transfer_params`, if any), and D's
     /// answer passes through as it comes.
     pub fn decode_alone(streaming: bool, transfer_id: &str, params: Option<Value>) -> RelayPlan {
-        let mut plan = RelayPlan {
-            read: false,
-            alone: true,
-            streaming,
-            transfer_id: transfer_id.to_string(),
-            prefill: Prefill::Over,
-            decode: Decode::NotAsked,
-            outcome: None,
-            actions: VecDeque::new(),
-            tracking: false,
-            resumes_left: 0,
-            produced: Vec::new(),
-            stream_started: false,
-        };
+        let mut plan = RelayPlan::start(false, true, streaming, transfer_id, Prefill::Over);
         plan.ask_decode(params);
         plan
     }
