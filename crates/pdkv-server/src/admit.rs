@@ -167,9 +167,11 @@ pub(crate) fn kv_params(v: Option<Value>, id: &str) -> Result<KvIn, ApiError> {
                 None | Some(Value::Null) => None,
                 Some(v) => Some(resume_ids(&v)?),
             };
-            // Only the resumed outputs: the engine computes the prompt.
-            let params = (!obj.is_empty())
-                .then(|| pdkv_connector::params::canonical(Value::Object(obj), id));
+            // Only the resumed outputs: the engine computes the prompt. Any
+            // other object (`{}` too) goes to the connector as before.
+            let only_resume = resume.is_some() && obj.is_empty();
+            let params =
+                (!only_resume).then(|| pdkv_connector::params::canonical(Value::Object(obj), id));
             Ok(KvIn { params, resume })
         }
         Some(_) => Err(ApiError::invalid_param(

@@ -10,12 +10,12 @@ use axum::response::{IntoResponse, Response};
 use futures::stream::BoxStream;
 use futures::{Stream, StreamExt};
 use pdkv_engine::{FinishReason, RequestOutput};
+use pdkv_relay::TOKEN_IDS_COMMENT;
 use serde_json::{json, Value};
 
 use crate::admit::{failed_request, usage_json};
 use crate::choices::Group;
 use crate::error::ApiError;
-use pdkv_relay::TOKEN_IDS_COMMENT;
 
 /// Builds the chunk for one output of choice `index`, or `None` when the
 /// output shows nothing (no text, no tokens the client asked to see, not
