@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # pdkv beside llama.cpp on the same GGUF files, in one run on this machine, as ratios.
 #
-#   scripts/vs-llamacpp.sh [--runs N] [--only decode,prefill,http] [--threads T]
+#   scripts/vs-llamacpp.sh [--runs N] [--only decode,prefill,long,http] [--threads T]
 #
 # Builds llama.cpp's tools once (../shared/tools/build-llama-cpp.sh, ~10 min,
 # cached), makes Q8_0 and Q4_K_M files from the shipped Q4_1 SmolLM2 with
@@ -10,6 +10,12 @@
 # spread):
 #   decode   llama-batched-bench -npp 128 -ntg 32 -npl 1,32  vs  pdkv bench decode --context 128
 #   prefill  llama-bench -p 512,2048 -n 0                      vs  pdkv bench prefill --tokens 512,2048
+#   long     llama-bench -p 8192 -n 0                          vs  pdkv bench prefill --tokens 8192
+#            llama-bench -p 0 -n 64 -d 4096,8128               vs  pdkv bench decode --batch-sizes 1 --context D
+#            (batch-1 decode at a depth; the model has 8,192 positions, so the deeper
+#            row is 8,128 tokens of context plus the 64 timed ones)
+#            Both sides keep K and V in f16 (llama.cpp's default, pdkv's auto);
+#            llama.cpp runs with and without flash attention, its better figure counts.
 #   http     llama-server -np 32 and pdkv serve on the Q8_0 file, the same client
 #            (pdkv bench serve --url: streamed /v1/completions, greedy, EOS ignored)
 #            at concurrency 1 and 32
@@ -18,7 +24,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 RUNS=3
-ONLY=decode,prefill,http
+ONLY=decode,prefill,long,http
 THREADS=$(nproc)
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -52,6 +58,16 @@ done
 OUT=$(mktemp -d)
 trap 'kill $(jobs -p) 2>/dev/null || true; rm -rf "$OUT"' EXIT
 export PDKV_THREADS=$THREADS
+# Some virtual machines list AMX in the CPU flags without enabling its tile
+# state: llama.cpp's repacked (AMX) matmuls then crash. There its tools run
+# without weight repacking (LLAMA_ARG_REPACK for batched-bench and server),
+# and the table says so.
+LB_REPACK=()
+if ! "$B/llama-bench" -m "$Q80" -t "$THREADS" -p 16 -n 0 -r 1 >/dev/null 2>&1; then
+  echo "llama.cpp crashes with weight repacking on this machine: running it with --repack 0" >&2
+  LB_REPACK=(--repack 0)
+  export LLAMA_ARG_REPACK=0
+fi
 
 # One JSON line per measurement: {"what":..., "file":..., "tool":..., "value":...}
 RES=$OUT/results.jsonl
@@ -79,12 +95,41 @@ if want prefill; then
   name=$(basename "$Q80")
   for r in $(seq "$RUNS"); do
     echo "prefill $name run $r/$RUNS" >&2
-    "$B/llama-bench" -m "$Q80" -t "$THREADS" -p 512,2048 -n 0 -r 1 -o json > "$OUT/lb.json" 2>/dev/null
+    "$B/llama-bench" -m "$Q80" -t "$THREADS" "${LB_REPACK[@]}" -p 512,2048 -n 0 -r 1 -o json > "$OUT/lb.json" 2>/dev/null
     python3 -c 'import json,sys; [print(x["n_prompt"], x["avg_ts"]) for x in json.load(open(sys.argv[1]))]' "$OUT/lb.json" |
       while read -r n ts; do record "prefill_$n" "$name" llama.cpp "$ts"; done
     "$PDKV" bench prefill --model "$Q80" --tokens 512,2048 2>/dev/null | tail -1 > "$OUT/pp.json"
     python3 -c 'import json,sys; d=json.load(open(sys.argv[1]))["prefill_tok_s"]; [print(n, v) for n, v in d.items()]' "$OUT/pp.json" |
       while read -r n ts; do record "prefill_$n" "$name" pdkv "$ts"; done
+  done
+fi
+
+if want long; then
+  name=$(basename "$Q80")
+  for r in $(seq "$RUNS"); do
+    echo "long contexts $name run $r/$RUNS" >&2
+    "$B/llama-bench" -m "$Q80" -t "$THREADS" "${LB_REPACK[@]}" -ctk f16 -ctv f16 -fa 0,1 -p 8192 -n 0 -r 1 -o json > "$OUT/lbp.json" 2>/dev/null
+    "$B/llama-bench" -m "$Q80" -t "$THREADS" "${LB_REPACK[@]}" -ctk f16 -ctv f16 -fa 0,1 -p 0 -n 64 -d 4096,8128 -r 1 -o json > "$OUT/lbd.json" 2>/dev/null
+    # Per measure, the better of the two flash-attention settings.
+    python3 -c '
+import json, sys
+best = {}
+for f in sys.argv[1:]:
+    for x in json.load(open(f)):
+        n, d = x["n_prompt"], x["n_depth"]
+        what = f"prefill_{n}" if n else f"decode_b1_d{d}"
+        best[what] = max(best.get(what, 0), x["avg_ts"])
+for what, ts in best.items():
+    print(what, ts)' "$OUT/lbp.json" "$OUT/lbd.json" |
+      while read -r what ts; do record "$what" "$name" llama.cpp "$ts"; done
+    "$PDKV" bench prefill --model "$Q80" --tokens 8192 --repeats 1 --kv-cache-dtype f16 2>/dev/null | tail -1 > "$OUT/pp.json"
+    python3 -c 'import json,sys; d=json.load(open(sys.argv[1]))["prefill_tok_s"]; [print(n, v) for n, v in d.items()]' "$OUT/pp.json" |
+      while read -r n ts; do record "prefill_$n" "$name" pdkv "$ts"; done
+    for d in 4096 8128; do
+      "$PDKV" bench decode --model "$Q80" --batch-sizes 1 --context $d --steps 64 --kv-cache-dtype f16 2>/dev/null | tail -1 > "$OUT/pd.json"
+      v=$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["decode_tok_s"]["1"])' "$OUT/pd.json")
+      record "decode_b1_d$d" "$name" pdkv "$v"
+    done
   done
 fi
 
@@ -152,6 +197,9 @@ for r in rows:
     if k not in keys:
         keys.append(k)
 print(f"cpu: {sys.argv[3]}, {sys.argv[4]} threads; medians of the runs (tok/s)")
+import os
+if os.environ.get("LLAMA_ARG_REPACK") == "0":
+    print("llama.cpp ran without weight repacking (with it, it crashes on this machine)")
 print(f"{'measure':<14} {'file':<34} {'llama.cpp':>10} {'pdkv':>10} {'ratio':>7}   runs pdkv / llama.cpp")
 table = []
 for what, f in keys:

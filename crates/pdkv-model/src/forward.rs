@@ -592,6 +592,7 @@ impl Step<'_, '_> {
         match self.kv.dtype() {
             KvDtype::F32 => self.attend_as::<f32>(li, hd, q_dim, q, att),
             KvDtype::F16 => self.attend_as::<half::f16>(li, hd, q_dim, q, att),
+            KvDtype::BF16 => self.attend_as::<half::bf16>(li, hd, q_dim, q, att),
         }
     }
 

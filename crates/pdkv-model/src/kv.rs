@@ -4,7 +4,8 @@
 //! (what a transfer moves), and head-major inside a block: block `b` holds,
 //! for each KV head `h`, for each layer `l`, K then V, each
 //! `[BLOCK_SIZE, head_dim]` elements of the cache's [`KvDtype`] (`f32`, or
-//! `f16`: half the bytes per token, for memory and for every transfer):
+//! `f16` / `bf16`: half the bytes per token, for memory and for every
+//! transfer):
 //! offset(b, h, l, kv) = (((b * num_kv_heads + h) * num_layers + l) * 2 + kv)
 //! * BLOCK_SIZE * head_dim * element bytes.
 //!
@@ -30,6 +31,10 @@ pub enum KvDtype {
     /// IEEE half precision, 2 bytes an element: K and V are rounded to it
     /// as they are written and widened back as attention reads them.
     F16,
+    /// bfloat16, 2 bytes an element: f32's range with 8 bits of mantissa
+    /// (f16 has 11), rounded to nearest even as written, widened by a shift
+    /// as attention reads it.
+    BF16,
 }
 
 impl KvDtype {
@@ -44,7 +49,7 @@ impl KvDtype {
     pub fn bytes(self) -> usize {
         match self {
             KvDtype::F32 => 4,
-            KvDtype::F16 => 2,
+            KvDtype::F16 | KvDtype::BF16 => 2,
         }
     }
 
@@ -53,6 +58,7 @@ impl KvDtype {
         match self {
             KvDtype::F32 => "f32",
             KvDtype::F16 => "f16",
+            KvDtype::BF16 => "bf16",
         }
     }
 }
@@ -60,15 +66,16 @@ impl KvDtype {
 impl std::str::FromStr for KvDtype {
     type Err = String;
 
-    /// `auto` ([`KvDtype::AUTO`]), `f32` (also `float32`) or `f16` (also
-    /// `float16`, `half`).
+    /// `auto` ([`KvDtype::AUTO`]), `f32` (also `float32`), `f16` (also
+    /// `float16`, `half`) or `bf16` (also `bfloat16`).
     fn from_str(s: &str) -> Result<KvDtype, String> {
         match s {
             "auto" => Ok(KvDtype::AUTO),
             "f32" | "float32" | "float" => Ok(KvDtype::F32),
             "f16" | "float16" | "half" => Ok(KvDtype::F16),
+            "bf16" | "bfloat16" => Ok(KvDtype::BF16),
             other => Err(format!(
-                "KV cache dtype {other:?} is not supported here (supported: auto, f32, f16)"
+                "KV cache dtype {other:?} is not supported here (supported: auto, f32, f16, bf16)"
             )),
         }
     }
@@ -189,6 +196,12 @@ impl KvCache {
                     .iter()
                     .map(|x| x.to_f32())
                     .collect(),
+                KvDtype::BF16 => self
+                    .region
+                    .slice::<half::bf16>(at, n)
+                    .iter()
+                    .map(|x| x.to_f32())
+                    .collect(),
             }
         }
     }
@@ -227,6 +240,11 @@ impl KvCache {
                         KvDtype::F16 => {
                             use half::slice::HalfFloatSliceExt;
                             std::slice::from_raw_parts_mut(dst.cast::<half::f16>(), hd)
+                                .convert_from_f32_slice(src)
+                        }
+                        KvDtype::BF16 => {
+                            use half::slice::HalfFloatSliceExt;
+                            std::slice::from_raw_parts_mut(dst.cast::<half::bf16>(), hd)
                                 .convert_from_f32_slice(src)
                         }
                     }

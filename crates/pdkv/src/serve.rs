@@ -40,10 +40,10 @@ pub struct ServeArgs {
     /// KV cache size in blocks of 16 tokens (512 blocks = 8192 tokens).
     #[arg(long, default_value_t = 512)]
     pub num_kv_blocks: usize,
-    /// The KV cache's element type: `f16` keeps half the bytes a token
-    /// (memory, and every P/D transfer), `f32` the activations' precision;
-    /// `auto` is f16. P and D must agree (D refuses P's blocks of another
-    /// layout, naming both).
+    /// The KV cache's element type: `f16` or `bf16` keeps half the bytes a
+    /// token (memory, and every P/D transfer), `f32` the activations'
+    /// precision; `auto` is f16. P and D must agree (D refuses P's blocks
+    /// of another layout, naming both).
     #[arg(long, default_value = "auto")]
     pub kv_cache_dtype: pdkv_model::KvDtype,
     /// Longest prompt + output in tokens (default: the model's context).

@@ -118,11 +118,11 @@ fn the_first_transfers_at_once_over_shm_all_succeed() {
     }
 }
 
-/// An f16 KV cache on both sides: D's tokens and logits equal an f16
-/// colocated engine's, for half the bytes an f32 pair moves for the same
-/// prompts.
+/// An f16 (or bf16) KV cache on both sides: D's tokens and logits equal a
+/// colocated engine's of that dtype, for half the bytes an f32 pair moves
+/// for the same prompts.
 #[test]
-fn pd_with_f16_kv_equals_colocated_f16_for_half_the_bytes() {
+fn pd_with_16_bit_kv_equals_colocated_for_half_the_bytes() {
     use crate::common::{config, consumer, engine, producer};
     use pdkv_engine::EngineConfig;
     use pdkv_model::KvDtype;
@@ -131,7 +131,7 @@ fn pd_with_f16_kv_equals_colocated_f16_for_half_the_bytes() {
         ..config()
     };
     let mut sent = Vec::new();
-    for dtype in [KvDtype::F32, KvDtype::F16] {
+    for dtype in [KvDtype::F32, KvDtype::F16, KvDtype::BF16] {
         let p = engine(Some((&producer(""), "p1")), with(dtype));
         let d = engine(Some((&consumer(""), "d1")), with(dtype));
         let colo = engine(None, with(dtype));
@@ -151,32 +151,34 @@ fn pd_with_f16_kv_equals_colocated_f16_for_half_the_bytes() {
         sent.push(metric(&p.handle, "bytes_sent_total"));
     }
     assert!(
-        sent[0] > 0.0 && sent[1] * 2.0 == sent[0],
-        "bytes sent f32, f16: {sent:?}"
+        sent[0] > 0.0 && sent[1] * 2.0 == sent[0] && sent[2] == sent[1],
+        "bytes sent f32, f16, bf16: {sent:?}"
     );
 }
 
-/// P and D with KV caches of different dtypes cannot share blocks: D's
-/// load fails naming both layouts (each with its dtype), and under
-/// `recompute` D computes the prompt itself.
+/// P and D with KV caches of different dtypes cannot share blocks, even
+/// of the same size (bf16 and f16): D's load fails naming both layouts
+/// (each with its dtype).
 #[test]
-fn an_f16_prefill_and_an_f32_decode_refuse_each_others_blocks() {
+fn prefill_and_decode_of_different_kv_dtypes_refuse_each_others_blocks() {
     use crate::common::{config, consumer, engine, producer};
     use pdkv_engine::EngineConfig;
     use pdkv_model::KvDtype;
-    let p = engine(
-        Some((&producer(""), "p1")),
-        EngineConfig {
-            kv_cache_dtype: KvDtype::F16,
-            ..config()
-        },
-    );
-    let d = engine(Some((&consumer(""), "d1")), config());
-    let err = pd(&p.handle, &d.handle, "x", &prompt(7, 40), 3).expect_err("a dtype mismatch");
-    assert!(
-        err.contains("layout mismatch") && err.contains(":f16") && err.contains(":f32"),
-        "{err}"
-    );
-    idle_and_free(&p.handle);
-    idle_and_free(&d.handle);
+    let with = |dtype| EngineConfig {
+        kv_cache_dtype: dtype,
+        ..config()
+    };
+    for (pt, dt) in [(KvDtype::F16, KvDtype::F32), (KvDtype::BF16, KvDtype::F16)] {
+        let p = engine(Some((&producer(""), "p1")), with(pt));
+        let d = engine(Some((&consumer(""), "d1")), with(dt));
+        let err = pd(&p.handle, &d.handle, "x", &prompt(7, 40), 3).expect_err("a dtype mismatch");
+        assert!(
+            err.contains("layout mismatch")
+                && err.contains(&format!(":{pt}"))
+                && err.contains(&format!(":{dt}")),
+            "{pt} P, {dt} D: {err}"
+        );
+        idle_and_free(&p.handle);
+        idle_and_free(&d.handle);
+    }
 }

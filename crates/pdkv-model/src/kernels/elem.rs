@@ -1,9 +1,9 @@
 //! The element types of the KV cache as the kernels read them. A leaf:
 //! the attention and matmul kernels build on it.
 
-/// An element of the KV cache as the kernels read it: `f32`, or `f16`
-/// (half the bytes; widened to `f32` as it is loaded, so the arithmetic
-/// is the same).
+/// An element of the KV cache as the kernels read it: `f32`, or `f16` or
+/// `bf16` (half the bytes; widened to `f32` as it is loaded, so the
+/// arithmetic is the same).
 pub trait KvElem: Copy + Send + Sync + 'static {
     /// Whether the element is `f32` itself (read in place, not widened).
     const IS_F32: bool;
@@ -47,5 +47,26 @@ impl KvElem for half::f16 {
         use std::arch::x86_64::*;
         // SAFETY: as this function's contract: 16 readable bytes, F16C.
         unsafe { _mm256_cvtph_ps(_mm_loadu_si128(p.cast())) }
+    }
+}
+
+impl KvElem for half::bf16 {
+    const IS_F32: bool = false;
+
+    #[inline(always)]
+    fn widen(self) -> f32 {
+        self.to_f32()
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn load8(p: *const half::bf16) -> std::arch::x86_64::__m256 {
+        use std::arch::x86_64::*;
+        // SAFETY: as this function's contract: 16 readable bytes, AVX2.
+        // A bf16 is the upper half of the f32 it stands for.
+        unsafe {
+            let wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(p.cast()));
+            _mm256_castsi256_ps(_mm256_slli_epi32::<16>(wide))
+        }
     }
 }

@@ -476,17 +476,29 @@ fn a_query_gets_the_same_bits_whatever_queries_share_its_sweep() {
 /// and for head sizes with and without a tail past 8 columns.
 #[test]
 fn attention_over_f16_rows_equals_attention_over_their_f32_values() {
+    attention_over_narrow_rows_equals_attention_over_their_f32_values(half::f16::from_f32);
+}
+
+/// The same for a bf16 cache.
+#[test]
+fn attention_over_bf16_rows_equals_attention_over_their_f32_values() {
+    attention_over_narrow_rows_equals_attention_over_their_f32_values(half::bf16::from_f32);
+}
+
+fn attention_over_narrow_rows_equals_attention_over_their_f32_values<E: KvElem>(
+    narrow: fn(f32) -> E,
+) {
     for be in backends() {
         for hd in [64, 128, 20, 72] {
             let mut cache = Cache::new(51, 10, 16, hd);
-            // The values an f16 cache can hold, in the f32 cache too.
+            // The values the narrow cache can hold, in the f32 cache too.
             for x in &mut cache.kv {
-                *x = half::f16::from_f32(*x).to_f32();
+                *x = narrow(*x).widen();
             }
-            let halves: Vec<half::f16> = cache.kv.iter().map(|&x| half::f16::from_f32(x)).collect();
+            let narrowed: Vec<E> = cache.kv.iter().map(|&x| narrow(x)).collect();
             let f32_rows = cache.rows();
-            let f16_rows = PagedRows {
-                base: halves.as_ptr(),
+            let narrow_rows = PagedRows {
+                base: narrowed.as_ptr(),
                 block_table: f32_rows.block_table,
                 block_size: f32_rows.block_size,
                 block_stride: f32_rows.block_stride,
@@ -502,21 +514,21 @@ fn attention_over_f16_rows_equals_attention_over_their_f32_values() {
                 // SAFETY: both caches hold K and V for every position < 160.
                 unsafe {
                     attend_many_with(be, &f32_rows, hd, 0.2, &mut qa);
-                    attend_many_with(be, &f16_rows, hd, 0.2, &mut qb);
+                    attend_many_with(be, &narrow_rows, hd, 0.2, &mut qb);
                 }
                 assert!(
                     a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits()),
                     "{be:?} hd {hd} pos {pos}: {a:?} vs {b:?}"
                 );
-                // Many queries in one sweep: the f16 tiles are widened once
-                // for all of them, and each still gets the same bits.
+                // Many queries in one sweep: the narrow tiles are widened
+                // once for all of them, and each still gets the same bits.
                 let mut outs = vec![vec![f32::NAN; hd]; 8];
                 let mut many: Vec<AttnQuery> = outs
                     .iter_mut()
                     .map(|o| AttnQuery::new(q.as_ptr(), pos, o.as_mut_ptr()))
                     .collect();
                 // SAFETY: as above; the outputs are distinct.
-                unsafe { attend_many_with(be, &f16_rows, hd, 0.2, &mut many) };
+                unsafe { attend_many_with(be, &narrow_rows, hd, 0.2, &mut many) };
                 for o in &outs {
                     assert!(
                         o.iter().zip(&a).all(|(x, y)| x.to_bits() == y.to_bits()),
