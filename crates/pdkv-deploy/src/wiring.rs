@@ -54,6 +54,9 @@ pub struct EngineWiring {
     /// Every engine's `--weight-format` (`None`: as the checkpoint stores
     /// its weights).
     pub weight_format: Option<String>,
+    /// The decode engines' `--speculative-config` (JSON; `None`: off).
+    /// Prefill engines compute prompts and sample one token: they take none.
+    pub speculative_config: Option<String>,
 }
 
 impl EngineWiring {
@@ -71,6 +74,7 @@ impl EngineWiring {
             decode_tensor_parallel_size: None,
             sleep_mode: false,
             weight_format: None,
+            speculative_config: None,
         }
     }
 
@@ -150,6 +154,13 @@ pub fn serve_args(
     }
     if let Some(f) = &w.weight_format {
         v.extend(["--weight-format".to_string(), f.clone()]);
+    }
+    if let Some(c) = w
+        .speculative_config
+        .as_ref()
+        .filter(|_| role != EngineRole::Prefill)
+    {
+        v.extend(["--speculative-config".to_string(), c.clone()]);
     }
     v
 }

@@ -42,7 +42,7 @@ pub use clock::{Clock, SystemClock};
 pub use connector::{KvConnector, KvTransferParams, LoadError, LoadFailurePolicy};
 pub use lifecycle::{LifecycleError, LifecycleStatus, PauseMode, SleepLevel, WeightInfo};
 pub use model::{CpuModelRunner, ModelRunner, WeightSource};
-pub use scheduler::{ScheduledSeq, Scheduler, SchedulerConfig, SchedulerOutput};
+pub use scheduler::{ScheduledSeq, Scheduler, SchedulerConfig, SchedulerOutput, SpeculativeConfig};
 
 /// Engine limits.
 #[derive(Clone, Debug)]
@@ -68,6 +68,8 @@ pub struct EngineConfig {
     /// Ranks the model is split over (`pdkv_model::tp`), each with its own
     /// pool; 1 runs it whole.
     pub tensor_parallel_size: usize,
+    /// Speculative decoding by n-gram lookup (`None`: off).
+    pub speculative: Option<SpeculativeConfig>,
 }
 
 impl Default for EngineConfig {
@@ -82,8 +84,19 @@ impl Default for EngineConfig {
             enable_sleep_mode: false,
             kv_release_timeout: std::time::Duration::from_secs(5),
             tensor_parallel_size: 1,
+            speculative: None,
         }
     }
+}
+
+/// What speculative decoding proposed and kept, cumulative.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SpecStats {
+    /// Seqs that carried drafts.
+    pub num_drafts: u64,
+    pub num_draft_tokens: u64,
+    /// Draft tokens the sampler confirmed.
+    pub num_accepted_tokens: u64,
 }
 
 /// How to pick tokens and when to stop.
@@ -282,6 +295,8 @@ pub struct EngineStats {
     pub prefix_cache_hits: u64,
     pub num_preemptions: u64,
     pub steps: u64,
+    /// Speculative decoding's drafts and the tokens of them kept.
+    pub spec: SpecStats,
     /// Scheduling is paused (by a pause or a sleep).
     pub paused: bool,
     /// The sleep level while asleep.

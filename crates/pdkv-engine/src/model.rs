@@ -132,7 +132,7 @@ fn inputs(seqs: &[ScheduledSeq]) -> (Vec<SeqInput<'_>>, Vec<bool>) {
             want_logits: s.sample,
         })
         .collect();
-    (inputs, seqs.iter().map(|s| s.all_logits).collect())
+    (inputs, seqs.iter().map(ScheduledSeq::every_row).collect())
 }
 
 /// The KV cache spec of `ranks` (each rank's cache and its first KV head):

@@ -140,6 +140,7 @@ pub fn engine_config(tp: usize) -> EngineConfig {
         enable_sleep_mode: true,
         kv_release_timeout: Duration::from_secs(5),
         tensor_parallel_size: tp,
+        speculative: None,
     }
 }
 

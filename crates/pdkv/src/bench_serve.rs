@@ -155,6 +155,10 @@ pub struct ServeBenchArgs {
     /// With `--chaos`: which engines are killed, in turn.
     #[arg(long, value_enum, default_value = "both", requires = "chaos")]
     pub chaos_kill: chaos::Victims,
+    /// The decode servers' speculative decoding (own deployment only; see
+    /// `pdkv serve --speculative-config`).
+    #[arg(long, conflicts_with = "url")]
+    pub speculative_config: Option<String>,
 }
 
 fn validate(args: &ServeBenchArgs) -> anyhow::Result<()> {
@@ -271,6 +275,7 @@ async fn start_deployment(args: &ServeBenchArgs, procs: &mut Vec<Proc>) -> anyho
         api_key: None,
         num_kv_blocks: args.num_kv_blocks,
         kv_cache_dtype: pdkv_model::KvDtype::AUTO,
+        speculative_config: args.speculative_config.clone(),
         tensor_parallel_size: 1,
         prefill_tensor_parallel_size: None,
         decode_tensor_parallel_size: None,

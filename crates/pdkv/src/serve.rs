@@ -115,6 +115,14 @@ pub struct ServeArgs {
     /// and decode servers may have different numbers of ranks.
     #[arg(long, short = 't', default_value_t = 1)]
     pub tensor_parallel_size: usize,
+    /// Speculative decoding, as vLLM spells it: `{"method": "ngram",
+    /// "num_speculative_tokens": k, "prompt_lookup_max": n,
+    /// "prompt_lookup_min": m}` (n-gram lookup in the sequence itself; max
+    /// defaults to 5 (or min), min to 2 (or max if smaller)). Each decoding
+    /// sequence proposes up to k tokens a step and keeps those the model
+    /// confirms: the output is the output without it, greedy or seeded.
+    #[arg(long)]
+    pub speculative_config: Option<pdkv_engine::SpeculativeConfig>,
     /// The format the model's matrices are served in: `auto` keeps the
     /// checkpoint's (a GGUF file's blocks, a Hugging Face checkpoint's
     /// BF16/F16); otherwise one of f32, f16, bf16, q8_0, q4_0, q4_1, q5_0,
@@ -190,6 +198,7 @@ fn engine_config(args: &ServeArgs) -> anyhow::Result<EngineConfig> {
         enable_sleep_mode: args.enable_sleep_mode,
         kv_release_timeout: std::time::Duration::from_secs_f64(args.kv_release_timeout_s),
         tensor_parallel_size: args.tensor_parallel_size,
+        speculative: args.speculative_config,
     };
     anyhow::ensure!(
         args.kv_release_timeout_s.is_finite() && args.kv_release_timeout_s > 0.0,

@@ -100,6 +100,10 @@ pub struct UpArgs {
     /// --kv-cache-dtype`).
     #[arg(long, default_value = "auto")]
     pub kv_cache_dtype: pdkv_model::KvDtype,
+    /// The decode servers' speculative decoding (see `pdkv serve
+    /// --speculative-config`).
+    #[arg(long)]
+    pub speculative_config: Option<String>,
     /// Ranks each server splits the model over (tensor parallelism); each
     /// rank moves its own KV heads.
     #[arg(long, short = 't', default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=64))]
@@ -208,6 +212,12 @@ fn spec(args: &UpArgs, model: &std::path::Path, ports: &Ports) -> anyhow::Result
     wiring.sleep_mode = args.admin_token.is_some() || args.dev_mode;
     wiring.weight_format = (args.weight_format != pdkv_model::WeightFormat::AsStored)
         .then(|| args.weight_format.to_string());
+    if let Some(c) = &args.speculative_config {
+        // Checked here, as `pdkv serve` checks it.
+        c.parse::<pdkv_engine::SpeculativeConfig>()
+            .map_err(|e| anyhow::anyhow!(e))?;
+        wiring.speculative_config = Some(c.clone());
+    }
     Ok(Spec {
         exe: std::env::current_exe().context("finding the pdkv executable")?,
         model: model.to_path_buf(),

@@ -28,6 +28,7 @@ use crate::sampling::{
 use crate::scheduler::{NewRequest, Scheduler, SchedulerConfig, SchedulerOutput};
 use crate::{
     AddRequestError, EngineConfig, EngineRequest, EngineStats, FinishReason, RequestOutput,
+    SpecStats,
 };
 
 /// Where the stepper publishes its state for readers elsewhere (the
@@ -147,6 +148,18 @@ impl ActiveRequest {
     }
 }
 
+impl SpecStats {
+    fn record(&mut self, plan: &SchedulerOutput, kept: &[Vec<u32>]) {
+        for (s, k) in plan.seqs.iter().zip(kept) {
+            if s.num_draft > 0 {
+                self.num_drafts += 1;
+                self.num_draft_tokens += s.num_draft as u64;
+                self.num_accepted_tokens += k.len().saturating_sub(1).min(s.num_draft) as u64;
+            }
+        }
+    }
+}
+
 /// Lifecycle counters published with the stats.
 #[derive(Default)]
 pub(super) struct LifecycleStats {
@@ -200,6 +213,7 @@ pub struct EngineCore {
     /// A row adjusted before sampling (penalties, bias, `min_tokens`).
     scratch: Vec<f32>,
     steps: u64,
+    spec_stats: SpecStats,
     pub(super) pool: RankPools,
     pub(super) lc: Machine,
     /// Deferred lifecycle replies by ticket.
@@ -269,6 +283,7 @@ impl EngineCore {
             max_num_batched_tokens: config.max_num_batched_tokens,
             num_blocks: config.num_kv_blocks,
             enable_prefix_caching: config.enable_prefix_caching,
+            speculative: config.speculative,
         };
         let has_connector = connector.is_some();
         if let Some(c) = &connector {
@@ -301,6 +316,7 @@ impl EngineCore {
             logits: Vec::new(),
             scratch: Vec::new(),
             steps: 0,
+            spec_stats: SpecStats::default(),
             pool,
             lc: Machine::new(),
             replies: BTreeMap::new(),
@@ -413,6 +429,7 @@ impl EngineCore {
             prefix_cache_hits: c.prefix_cache_hits,
             num_preemptions: c.num_preemptions,
             steps: self.steps,
+            spec: self.spec_stats,
             paused: lc.paused.is_some(),
             sleep_level: lc.sleeping.map(SleepLevel::as_u32),
             weights_discarded: lc.weights_discarded,
@@ -758,17 +775,42 @@ impl EngineCore {
         if let Some(c) = self.sched.connector_mut() {
             c.wait_for_save();
         }
-        let (sampled, rows) = self.sample(&plan);
-        let updates = self.sched.update_from_output(&plan, &sampled);
+        let (kept, rows) = self.sample(&plan);
+        self.spec_stats.record(&plan, &kept);
+        let kept_refs: Vec<&[u32]> = kept.iter().map(Vec::as_slice).collect();
+        let updates = self.sched.update_from_tokens(&plan, &kept_refs);
         for u in updates {
-            let Some(tok) = u.new_token else { continue };
-            let Some(active) = self.reqs.get_mut(&u.request_id) else {
+            if u.new_tokens.is_empty() {
                 continue;
-            };
-            active.num_cached_tokens = u.num_cached_tokens;
-            let mut out = active.output(&u.request_id);
+            }
+            self.emit(u, &rows);
+        }
+    }
+
+    /// Sends what a step added to one request (one token, or confirmed
+    /// drafts and a sampled token: each goes through the detokenizer and
+    /// the stop strings in turn, as if decoded one by one) and ends it
+    /// when the scheduler did or a stop string matched.
+    fn emit(&mut self, u: crate::scheduler::SeqUpdate, rows: &HashMap<Arc<str>, Vec<usize>>) {
+        let Some(active) = self.reqs.get_mut(&u.request_id) else {
+            return;
+        };
+        active.num_cached_tokens = u.num_cached_tokens;
+        let mut out = active.output(&u.request_id);
+        if let Some(pl) = active.prompt_logprobs.as_mut().filter(|pl| !pl.sent) {
+            // Every prompt row was computed before the first token.
+            pl.sent = true;
+            out.prompt_logprobs = Some(std::mem::take(&mut pl.entries));
+        }
+        let row_ids = &rows[&u.request_id];
+        // Outputs before this step's (the history holds this step's
+        // already: sampling pushed them).
+        let before = active.history.num_outputs() - row_ids.len();
+        let mut finish = None;
+        let last = u.new_tokens.len() - 1;
+        for (i, &tok) in u.new_tokens.iter().enumerate() {
             out.token_ids.push(tok);
-            let r = rows[&u.request_id];
+            let r = row_ids[i];
             let row = &self.logits[r * self.vocab..(r + 1) * self.vocab];
             if active.return_logits {
                 out.logits.push(row.to_vec());
@@ -776,17 +818,13 @@ impl EngineCore {
             if let Some(k) = active.logprobs {
                 out.logprobs.push(logprobs(row, tok, k));
             }
-            if let Some(pl) = active.prompt_logprobs.as_mut().filter(|pl| !pl.sent) {
-                // Every prompt row was computed before the first token.
-                pl.sent = true;
-                out.prompt_logprobs = Some(std::mem::take(&mut pl.entries));
-            }
-            active.history.push(tok);
-            let mut finish = u.finished;
+            // The scheduler's finish reason belongs to its last token.
+            let sched_finish = u.finished.filter(|_| i == last);
+            finish = sched_finish;
             // A stop token (EOS or stop_token_ids) is not part of the text.
             if finish != Some(FinishReason::Stop) {
                 let delta = active.detok.push(&*self.decoder, tok);
-                let (text, hit) = if active.history.num_outputs() > active.min_tokens {
+                let (text, hit) = if before + i + 1 > active.min_tokens {
                     active.stops.push(&delta)
                 } else {
                     (active.stops.push_unmatched(&delta), false)
@@ -794,45 +832,59 @@ impl EngineCore {
                 out.text.push_str(&text);
                 if hit {
                     finish = Some(FinishReason::Stop);
+                    break;
                 }
             }
-            if finish.is_some() && !active.stops.stopped() {
-                let rest = active.detok.flush(&*self.decoder);
-                let (text, _) = active.stops.push(&rest);
-                out.text.push_str(&text);
-                if !active.stops.stopped() {
-                    out.text.push_str(&active.stops.flush());
-                }
+        }
+        if finish.is_some() && !active.stops.stopped() {
+            let rest = active.detok.flush(&*self.decoder);
+            let (text, _) = active.stops.push(&rest);
+            out.text.push_str(&text);
+            if !active.stops.stopped() {
+                out.text.push_str(&active.stops.flush());
             }
-            match finish {
-                // The scheduler already ended it (stop token, length).
-                Some(reason) if u.finished.is_some() => self.finish_active(
-                    &u.request_id,
-                    reason,
-                    Some(out),
-                    u.kv_transfer_params,
-                    None,
-                    false,
-                ),
-                Some(reason) => self.finish(&u.request_id, reason, Some(out)),
-                None => {
-                    if !(active.output)(out) {
-                        // The client is gone: free the blocks now.
-                        tracing::debug!(id = %u.request_id, "output receiver closed; aborting");
-                        self.finish(&u.request_id, FinishReason::Abort, None);
-                    }
+        }
+        match finish {
+            // The scheduler already ended it (stop token, length).
+            Some(reason) if u.finished.is_some() => self.finish_active(
+                &u.request_id,
+                reason,
+                Some(out),
+                u.kv_transfer_params,
+                None,
+                false,
+            ),
+            Some(reason) => self.finish(&u.request_id, reason, Some(out)),
+            None => {
+                if !(active.output)(out) {
+                    // The client is gone: free the blocks now.
+                    tracing::debug!(id = %u.request_id, "output receiver closed; aborting");
+                    self.finish(&u.request_id, FinishReason::Abort, None);
                 }
             }
         }
     }
 
-    /// Samples from the logits rows, in order: the token per seq (`None`
-    /// for a seq that does not sample) and each sampling request's row.
-    /// Rows of seqs with `all_logits` feed their prompt log-probabilities.
-    fn sample(&mut self, plan: &SchedulerOutput) -> (Vec<Option<u32>>, HashMap<Arc<str>, usize>) {
+    /// Samples from the logits rows, in order: the tokens each seq keeps
+    /// (empty for a seq that does not sample) and, per sampling request,
+    /// the row of each of them. Rows of seqs with `all_logits` feed their
+    /// prompt log-probabilities.
+    ///
+    /// A seq with drafts goes through its rows in order, each sampled
+    /// exactly as a decode step at that output index would sample it (the
+    /// rows are the bits one-token steps give, the history holds the
+    /// tokens before it, the same uniform draw): a draft is confirmed when
+    /// the sampled token equals it, and the first token that differs (or
+    /// the one after the last draft) ends the seq's tokens. This is
+    /// rejection sampling for a proposal that puts all its mass on the
+    /// draft: the draft is kept with probability p(draft), and otherwise
+    /// the token comes from p without the draft, renormalised. So every
+    /// token, greedy or seeded, is the one decoding without drafts gives.
+    #[allow(clippy::type_complexity)]
+    fn sample(&mut self, plan: &SchedulerOutput) -> (Vec<Vec<u32>>, HashMap<Arc<str>, Vec<usize>>) {
         let vocab = self.vocab;
-        let mut sampled = Vec::with_capacity(plan.seqs.len());
-        let mut rows: HashMap<Arc<str>, usize> = HashMap::new();
+        let mut kept = Vec::with_capacity(plan.seqs.len());
+        let mut rows: HashMap<Arc<str>, Vec<usize>> = HashMap::new();
         let mut next_row = 0;
         for s in &plan.seqs {
             let first = next_row;
@@ -849,23 +901,36 @@ impl EngineCore {
                 }
             }
             if !s.sample {
-                sampled.push(None);
+                kept.push(Vec::new());
                 continue;
             }
-            let row = next_row - 1;
-            let logits = &self.logits[row * vocab..(row + 1) * vocab];
-            let index = s.output_index as u64;
-            let token = if active.adjust.is_active() {
-                self.scratch.clear();
-                self.scratch.extend_from_slice(logits);
-                active.adjust.apply(&mut self.scratch, &active.history);
-                sample(&self.scratch, &active.sampling, index)
-            } else {
-                sample(logits, &active.sampling, index)
-            };
-            sampled.push(Some(token));
-            rows.insert(s.request_id.clone(), row);
+            // The row of the seq's last known token, then one per draft.
+            let row0 = next_row - 1 - s.num_draft;
+            let draft = s.draft();
+            let mut toks = Vec::with_capacity(1 + s.num_draft);
+            let mut used = Vec::with_capacity(1 + s.num_draft);
+            for i in 0..=s.num_draft {
+                let row = row0 + i;
+                let logits = &self.logits[row * vocab..(row + 1) * vocab];
+                let index = (s.output_index + i) as u64;
+                let token = if active.adjust.is_active() {
+                    self.scratch.clear();
+                    self.scratch.extend_from_slice(logits);
+                    active.adjust.apply(&mut self.scratch, &active.history);
+                    sample(&self.scratch, &active.sampling, index)
+                } else {
+                    sample(logits, &active.sampling, index)
+                };
+                active.history.push(token);
+                toks.push(token);
+                used.push(row);
+                if draft.get(i) != Some(&token) {
+                    break;
+                }
+            }
+            kept.push(toks);
+            rows.insert(s.request_id.clone(), used);
         }
-        (sampled, rows)
+        (kept, rows)
     }
 }

@@ -22,6 +22,14 @@
 //!
 //! Only the chunk that reaches the end of a request's known tokens samples.
 //!
+//! With speculative decoding ([`SpeculativeConfig`], n-gram lookup) a
+//! decoding request's one new token is followed by up to `k` draft tokens
+//! ([`ScheduledSeq::num_draft`]), within the step's token budget and its
+//! `max_tokens`; the step gives back the tokens it kept (the drafts the
+//! sampler confirmed, then one it sampled) and only those count as
+//! computed, so the KV rejected drafts wrote is overwritten later and never
+//! reaches the prefix cache.
+//!
 //! With a KV connector ([`crate::connector`]): at admission the connector may
 //! offer external KV for tokens beyond the local prefix hit. An asynchronous
 //! load parks the request in *waiting for remote KV* holding its blocks (it
@@ -49,15 +57,17 @@
 //! invariants), `step.rs` (planning a step and applying its results),
 //! `transfers.rs` (what the connector's transfers hold and report), and the
 //! leaves `request.rs` ([`NewRequest`] and the scheduler's own record of a
-//! request) and `plan.rs` ([`SchedulerOutput`], [`ScheduledSeq`],
-//! [`SeqUpdate`]).
+//! request), `plan.rs` ([`SchedulerOutput`], [`ScheduledSeq`],
+//! [`SeqUpdate`]) and `ngram.rs` (drafts by n-gram lookup).
 
+mod ngram;
 mod plan;
 mod request;
 mod state;
 mod step;
 mod transfers;
 
+pub use ngram::{SpeculativeConfig, MAX_SPECULATIVE_TOKENS};
 pub use plan::{ScheduledSeq, SchedulerOutput, SeqUpdate};
 pub use request::NewRequest;
 pub use state::{FailedLoad, Scheduler, SchedulerConfig, SchedulerCounts};

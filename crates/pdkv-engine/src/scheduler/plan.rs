@@ -10,7 +10,7 @@ use crate::FinishReason;
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ScheduledSeq {
     pub request_id: Arc<str>,
-    /// Tokens to compute now.
+    /// Tokens to compute now (the last `num_draft` of them are drafts).
     pub tokens: Vec<u32>,
     /// Tokens already in the KV cache; `tokens[0]` sits at this position.
     pub start_pos: usize,
@@ -23,17 +23,32 @@ pub struct ScheduledSeq {
     /// The model returns a logits row for every token of `tokens`, not only
     /// for the last one when sampling (prompt log-probabilities).
     pub all_logits: bool,
+    /// Draft tokens at the end of `tokens` (speculative decoding; then
+    /// `tokens` is the one uncomputed token followed by the drafts): the
+    /// model returns a row for every token, and sampling goes through the
+    /// rows while it confirms the drafts.
+    pub num_draft: usize,
 }
 
 impl ScheduledSeq {
     /// Logits rows the model returns for this seq: one per token with
-    /// `all_logits`, else one when it samples.
+    /// `all_logits` or drafts, else one when it samples.
     pub fn num_logit_rows(&self) -> usize {
-        if self.all_logits {
+        if self.every_row() {
             self.tokens.len()
         } else {
             usize::from(self.sample)
         }
+    }
+
+    /// The model returns a row for every token of the seq.
+    pub fn every_row(&self) -> bool {
+        self.all_logits || self.num_draft > 0
+    }
+
+    /// The draft tokens.
+    pub fn draft(&self) -> &[u32] {
+        &self.tokens[self.tokens.len() - self.num_draft..]
     }
 }
 
@@ -58,6 +73,11 @@ impl SchedulerOutput {
         self.seqs.iter().filter(|s| s.sample).count()
     }
 
+    /// Draft tokens of the step.
+    pub fn num_draft(&self) -> usize {
+        self.seqs.iter().map(|s| s.num_draft).sum()
+    }
+
     /// Logits rows the model returns for the whole step.
     pub fn num_logit_rows(&self) -> usize {
         self.seqs.iter().map(ScheduledSeq::num_logit_rows).sum()
@@ -68,8 +88,9 @@ impl SchedulerOutput {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct SeqUpdate {
     pub request_id: Arc<str>,
-    /// The token sampled this step, if the step sampled for this request.
-    pub new_token: Option<u32>,
+    /// The tokens this step added (confirmed drafts, then the sampled
+    /// one); empty when the step did not sample for this request.
+    pub new_tokens: Vec<u32>,
     /// Set when the request ended in this step (its blocks are freed, or
     /// held for the connector).
     pub finished: Option<FinishReason>,

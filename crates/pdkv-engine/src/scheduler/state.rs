@@ -18,6 +18,8 @@ pub struct SchedulerConfig {
     pub max_num_batched_tokens: usize,
     pub num_blocks: usize,
     pub enable_prefix_caching: bool,
+    /// Decoding requests propose draft tokens (`None`: one token a step).
+    pub speculative: Option<super::SpeculativeConfig>,
 }
 
 /// Live request counts and block usage.

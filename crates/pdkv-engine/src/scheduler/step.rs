@@ -82,17 +82,44 @@ impl Scheduler {
     }
 
     fn seq_for(req: &Request, num_new: usize) -> ScheduledSeq {
+        Self::seq_with_draft(req, num_new, Vec::new())
+    }
+
+    /// [`Self::seq_for`] with `draft` tokens after the request's known ones
+    /// (`num_new` reaches its last token).
+    fn seq_with_draft(req: &Request, num_new: usize, draft: Vec<u32>) -> ScheduledSeq {
         let start = req.num_computed_tokens;
         let end = start + num_new;
+        let mut tokens = req.tokens[start..end].to_vec();
+        let num_draft = draft.len();
+        tokens.extend(draft);
         ScheduledSeq {
             request_id: req.id.clone(),
-            tokens: req.tokens[start..end].to_vec(),
+            tokens,
             start_pos: start,
-            block_table: req.blocks[..blocks_for(end)].to_vec(),
+            block_table: req.blocks[..blocks_for(end + num_draft)].to_vec(),
             sample: end == req.tokens.len(),
             output_index: req.num_output_tokens(),
             all_logits: req.wants_all_logits(),
+            num_draft,
         }
+    }
+
+    /// The draft a running request proposes this step: only when it
+    /// decodes (its one uncomputed token is its latest output), within the
+    /// step's `budget` (its own token included) and its `max_tokens`.
+    fn draft_for(&self, req: &Request, budget: usize) -> Vec<u32> {
+        let Some(spec) = self.config.speculative else {
+            return Vec::new();
+        };
+        if req.tokens.len() - req.num_computed_tokens != 1 || req.num_output_tokens() == 0 {
+            return Vec::new();
+        }
+        let room = req
+            .max_tokens
+            .saturating_sub(req.num_output_tokens() + 1)
+            .min(budget.saturating_sub(1));
+        spec.propose(&req.tokens, room)
     }
 
     /// Plans one step. Blocks for the planned tokens are allocated here; the
@@ -126,7 +153,8 @@ impl Scheduler {
                 num_new > 0,
                 "a running request always has a token to compute"
             );
-            let target = req.num_computed_tokens + num_new;
+            let draft = self.draft_for(req, *budget);
+            let target = req.num_computed_tokens + num_new + draft.len();
             let mut scheduled = true;
             loop {
                 let req = self.requests.get_mut(&id).expect("running request exists");
@@ -147,8 +175,8 @@ impl Scheduler {
                 break;
             }
             let req = &self.requests[&id];
-            out.seqs.push(Self::seq_for(req, num_new));
-            *budget -= num_new;
+            *budget -= num_new + draft.len();
+            out.seqs.push(Self::seq_with_draft(req, num_new, draft));
             i += 1;
         }
     }
@@ -369,13 +397,28 @@ impl Scheduler {
         output: &SchedulerOutput,
         sampled: &[Option<u32>],
     ) -> Vec<SeqUpdate> {
+        let kept: Vec<&[u32]> = sampled.iter().map(|t| t.as_slice()).collect();
+        self.update_from_tokens(output, &kept)
+    }
+
+    /// [`Self::update_from_output`] for steps with drafts: `kept[i]` is what
+    /// the step added to `output.seqs[i]`'s request, the drafts the sampler
+    /// confirmed (a prefix of the seq's draft) then the token it sampled
+    /// (empty exactly when the seq did not sample). The positions of the
+    /// drafts it did not confirm do not count as computed. A stop token or
+    /// `max_tokens` ends the request at that token; what follows is dropped.
+    pub fn update_from_tokens(
+        &mut self,
+        output: &SchedulerOutput,
+        kept: &[&[u32]],
+    ) -> Vec<SeqUpdate> {
         assert_eq!(
             output.seqs.len(),
-            sampled.len(),
+            kept.len(),
             "one sample slot per scheduled seq"
         );
         let mut updates = Vec::new();
-        for (seq, tok) in output.seqs.iter().zip(sampled) {
+        for (seq, &toks) in output.seqs.iter().zip(kept) {
             let Some(req) = self.requests.get_mut(&seq.request_id) else {
                 continue;
             };
@@ -383,7 +426,36 @@ impl Scheduler {
                 req.num_computed_tokens, seq.start_pos,
                 "step results applied out of order"
             );
-            req.num_computed_tokens = seq.start_pos + seq.tokens.len();
+            assert_eq!(
+                seq.sample,
+                !toks.is_empty(),
+                "a sampling seq has sampled tokens, another none"
+            );
+            assert!(
+                toks.len() <= seq.num_draft + 1
+                    && seq
+                        .draft()
+                        .starts_with(&toks[..toks.len().saturating_sub(1)]),
+                "kept tokens are confirmed drafts and one sampled token"
+            );
+            let mut new_tokens = Vec::with_capacity(toks.len());
+            let mut finished = None;
+            for &t in toks {
+                req.tokens.push(t);
+                new_tokens.push(t);
+                if req.stop_token_ids.contains(&t) {
+                    finished = Some(FinishReason::Stop);
+                } else if req.num_output_tokens() >= req.max_tokens {
+                    finished = Some(FinishReason::Length);
+                }
+                if finished.is_some() {
+                    break;
+                }
+            }
+            // The seq's own tokens and the drafts it kept (each the input
+            // of a position computed now) have their KV written.
+            let confirmed = new_tokens.len().saturating_sub(1).min(seq.num_draft);
+            req.num_computed_tokens = seq.start_pos + seq.tokens.len() - seq.num_draft + confirmed;
             // Offer newly completed blocks to the prefix cache.
             if self.pool.caching_enabled() {
                 let full = req.num_computed_tokens / pdkv_model::BLOCK_SIZE;
@@ -397,26 +469,9 @@ impl Scheduler {
                 }
                 req.num_cached_blocks = req.num_cached_blocks.max(full);
             }
-            let new_token = if seq.sample {
-                let t = tok.expect("a sampling seq has a sampled token");
-                req.tokens.push(t);
-                Some(t)
-            } else {
-                debug_assert!(tok.is_none());
-                None
-            };
-            let finished = new_token.and_then(|t| {
-                if req.stop_token_ids.contains(&t) {
-                    Some(FinishReason::Stop)
-                } else if req.num_output_tokens() >= req.max_tokens {
-                    Some(FinishReason::Length)
-                } else {
-                    None
-                }
-            });
             let mut update = SeqUpdate {
                 request_id: seq.request_id.clone(),
-                new_token,
+                new_tokens,
                 finished,
                 num_prompt_tokens: req.num_prompt_tokens,
                 num_cached_tokens: req.num_cached_tokens.unwrap_or(0),

@@ -216,6 +216,7 @@ fn sched(conn: &Scripted) -> Scheduler {
         max_num_batched_tokens: 256,
         num_blocks: NUM_BLOCKS,
         enable_prefix_caching: true,
+        speculative: None,
     };
     Scheduler::with_connector(cfg, Box::new(conn.clone()))
 }

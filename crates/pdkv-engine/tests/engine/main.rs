@@ -7,4 +7,5 @@ mod connector;
 mod engine;
 mod logprobs;
 mod scheduler;
+mod speculative;
 mod stepper;

@@ -16,6 +16,7 @@ fn sched(max_num_seqs: usize, budget: usize, num_blocks: usize, caching: bool) -
         max_num_batched_tokens: budget,
         num_blocks,
         enable_prefix_caching: caching,
+        speculative: None,
     })
 }
 
@@ -176,7 +177,7 @@ fn preemption_recomputes_and_continues_the_same_sequence() {
             }
         }
         for u in ups {
-            if let Some(t) = u.new_token {
+            for &t in &u.new_tokens {
                 outputs.entry(u.request_id.to_string()).or_default().push(t);
             }
         }
@@ -268,7 +269,7 @@ fn preempt_all_running_frees_every_block_and_outputs_continue() {
         for u in step(&mut r).1 {
             want.entry(u.request_id.to_string())
                 .or_default()
-                .extend(u.new_token);
+                .extend(u.new_tokens.iter().copied());
         }
     }
 
@@ -280,7 +281,7 @@ fn preempt_all_running_frees_every_block_and_outputs_continue() {
         for u in step(&mut s).1 {
             got.entry(u.request_id.to_string())
                 .or_default()
-                .extend(u.new_token);
+                .extend(u.new_tokens.iter().copied());
         }
     }
     assert_eq!(s.preempt_all_running(), 2);
@@ -299,13 +300,13 @@ fn preempt_all_running_frees_every_block_and_outputs_continue() {
     for u in ups {
         got.entry(u.request_id.to_string())
             .or_default()
-            .extend(u.new_token);
+            .extend(u.new_tokens.iter().copied());
     }
     while s.has_work() {
         for u in step(&mut s).1 {
             got.entry(u.request_id.to_string())
                 .or_default()
-                .extend(u.new_token);
+                .extend(u.new_tokens.iter().copied());
         }
     }
     assert_eq!(got, want);
@@ -398,7 +399,7 @@ fn random_workload(seed: u64, caching: bool) -> (u64, u64) {
         let ups = s.update_from_output(&plan, &sampled);
         let mut done = 0;
         for u in ups {
-            if let Some(t) = u.new_token {
+            for &t in &u.new_tokens {
                 tokens_of.get_mut(&u.request_id).unwrap().push(t);
             }
             if u.finished.is_some() {
