@@ -567,6 +567,21 @@ fn render_engine(e: &mut Exposition, stats: &EngineStats) {
         "Requests whose KV is being loaded from another engine.",
         stats.num_waiting_for_remote_kv as f64,
     );
+    e.counter(
+        "pdkv_spec_decode_num_drafts_total",
+        "Decode steps of a sequence that carried speculative draft tokens.",
+        stats.spec.num_drafts as f64,
+    );
+    e.counter(
+        "pdkv_spec_decode_num_draft_tokens_total",
+        "Speculative draft tokens proposed.",
+        stats.spec.num_draft_tokens as f64,
+    );
+    e.counter(
+        "pdkv_spec_decode_num_accepted_tokens_total",
+        "Speculative draft tokens the sampler confirmed.",
+        stats.spec.num_accepted_tokens as f64,
+    );
 }
 
 /// Device memory by tag, in all and for each rank.
@@ -683,6 +698,11 @@ mod tests {
             prefix_cache_hits: 2,
             num_preemptions: 3,
             num_weight_updates: 2,
+            spec: pdkv_engine::SpecStats {
+                num_drafts: 4,
+                num_draft_tokens: 12,
+                num_accepted_tokens: 7,
+            },
             ..EngineStats::default()
         };
         m.observe_sleep(0.3);
@@ -718,6 +738,9 @@ mod tests {
             "pdkv_prefix_cache_hits_total 2",
             "pdkv_prefix_cache_hit_rate 0.25",
             "pdkv_num_preemptions_total 3",
+            "pdkv_spec_decode_num_drafts_total 4",
+            "pdkv_spec_decode_num_draft_tokens_total 12",
+            "pdkv_spec_decode_num_accepted_tokens_total 7",
             "pdkv_device_memory_bytes{tag=\"weights\"} 101",
             "pdkv_device_memory_bytes{tag=\"kv_cache\"} 202",
             "pdkv_device_memory_bytes{tag=\"runtime\"} 303",

@@ -10,6 +10,7 @@ mod bench;
 mod bench_pd;
 mod bench_serve;
 mod bench_sleep;
+mod bench_spec;
 mod bench_transfer;
 mod common;
 mod export_cmd;
@@ -136,6 +137,10 @@ enum BenchCommand {
     /// A weight sync's throughput beside a raw loopback socket copy of the
     /// same bytes, and a reload of the same checkpoint from disk.
     Sync(weights_cmd::SyncBenchArgs),
+    /// Batch-1 decode with speculative decoding (n-gram drafts) against
+    /// the same engine without it, on answers that repeat their prompts and
+    /// answers that do not; the outputs must be identical.
+    Spec(bench_spec::SpecArgs),
 }
 
 fn init_logging() {
@@ -175,6 +180,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Bench(BenchCommand::Pd(args)) => bench_pd::run_pd_bench(args),
         Command::Bench(BenchCommand::Serve(args)) => bench_serve::run_serve_bench(args),
         Command::Bench(BenchCommand::Sync(args)) => weights_cmd::run_sync_bench(args),
+        Command::Bench(BenchCommand::Spec(args)) => bench_spec::run_spec(args),
         Command::Weights(WeightsCommand::Publish(args)) => weights_cmd::run_publish(args),
     }
 }

@@ -182,3 +182,34 @@ fn prefill_and_decode_of_different_kv_dtypes_refuse_each_others_blocks() {
         idle_and_free(&d.handle);
     }
 }
+
+/// D decodes with n-gram drafts after loading P's KV: its tokens and
+/// logits are a colocated engine's without drafts, and drafts were kept.
+#[test]
+fn a_speculating_decode_engine_equals_colocated_without_drafts() {
+    use crate::common::{config, consumer, engine, producer};
+    use pdkv_engine::EngineConfig;
+    let spec = r#"{"method":"ngram","num_speculative_tokens":3,"prompt_lookup_min":1}"#
+        .parse()
+        .unwrap();
+    let p = engine(Some((&producer(""), "p1")), config());
+    let d = engine(
+        Some((&consumer(""), "d1")),
+        EngineConfig {
+            speculative: Some(spec),
+            ..config()
+        },
+    );
+    let colo = colocated();
+    for (i, pr) in [prompt(5, 40), prompt(6, 70)].iter().enumerate() {
+        let dout = pd(&p.handle, &d.handle, &format!("x{i}"), pr, 24)
+            .unwrap_or_else(|e| panic!("prompt {i}: {e}"));
+        let cout = run(&colo.handle, &format!("c{i}"), pr.clone(), 24, None);
+        assert_eq!(fingerprint(&dout), fingerprint(&cout), "prompt {i}");
+    }
+    idle_and_free(&p.handle);
+    idle_and_free(&d.handle);
+    assert_eq!(metric(&d.handle, "loads_ok_total"), 2.0);
+    let st = d.handle.stats().spec;
+    assert!(st.num_accepted_tokens > 0, "D kept drafts: {st:?}");
+}

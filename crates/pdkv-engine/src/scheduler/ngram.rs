@@ -49,9 +49,11 @@ impl std::str::FromStr for SpeculativeConfig {
         })?;
         match v.method.as_deref() {
             Some("ngram") => {}
-            Some(other) => return Err(format!(
+            Some(other) => {
+                return Err(format!(
                 "--speculative-config: method {other:?} is not supported here (supported: ngram)"
-            )),
+            ))
+            }
             None => return Err("--speculative-config: method is required (ngram)".into()),
         }
         let k = v

@@ -475,7 +475,7 @@ unsafe fn run_job<D: IDot>(x: &QActs, job: &Job, s: &mut Scratch) {
 }
 
 /// Steps with at most this many activation rows take [`direct`].
-const DIRECT_MAX: usize = 4;
+const DIRECT_MAX: usize = 8;
 /// Weight rows per [`direct`] tile: one per lane.
 const DR: usize = 8;
 
