@@ -192,7 +192,7 @@ fn run_colocated(
 }
 
 /// Reads a request to its end: (time to first token from `t0`, tokens).
-fn collect(
+pub(crate) fn collect(
     stream: &mut pdkv_engine::RequestStream,
     t0: Instant,
 ) -> anyhow::Result<(Duration, Vec<u32>)> {

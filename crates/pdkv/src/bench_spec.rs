@@ -7,13 +7,12 @@
 //! The last line of stdout is a JSON summary.
 
 use std::path::PathBuf;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use anyhow::{bail, Context};
 use clap::Args;
 use pdkv_engine::{
-    Engine, EngineConfig, EngineHandle, EngineRequest, FinishReason, SamplingParams,
-    SpeculativeConfig,
+    Engine, EngineConfig, EngineHandle, EngineRequest, SamplingParams, SpeculativeConfig,
 };
 use pdkv_model::ChatMessage;
 use pdkv_vmem::Pool;
@@ -58,8 +57,6 @@ const FRESH: [&str; 3] = [
     "Explain why the sky is blue to a ten year old child.",
     "Give three tips for learning to play the guitar, with a reason for each.",
 ];
-
-const REQUEST_DEADLINE: Duration = Duration::from_secs(300);
 
 /// One workload on one engine: tokens after the first, and the time they took.
 #[derive(Clone, Copy, Default)]
@@ -203,32 +200,12 @@ fn run_workload(
             },
             kv_transfer_params: None,
         };
+        let t0 = Instant::now();
         let mut stream = engine.add_request(req)?;
-        let deadline = Instant::now() + REQUEST_DEADLINE;
-        let mut first = None;
-        let mut toks = Vec::new();
-        while let Some(out) = stream.blocking_next() {
-            if first.is_none() && !out.token_ids.is_empty() {
-                first = Some((Instant::now(), out.token_ids.len()));
-            }
-            toks.extend(&out.token_ids);
-            match out.finish_reason {
-                Some(FinishReason::Length | FinishReason::Stop) => break,
-                Some(r) => bail!(
-                    "request {} ended with {}: {}",
-                    out.request_id,
-                    r.as_str(),
-                    out.error.unwrap_or_default()
-                ),
-                None => {}
-            }
-            if Instant::now() > deadline {
-                bail!("request {} ran past {REQUEST_DEADLINE:?}", out.request_id);
-            }
-        }
-        let (t_first, n_first) = first.context("the request produced no token")?;
-        total.tokens += toks.len() - n_first;
-        total.seconds += t_first.elapsed().as_secs_f64();
+        let (ttft, toks) = crate::bench_pd::collect(&mut stream, t0)?;
+        // The first output is the prompt's one token; the rest is decode.
+        total.tokens += toks.len() - 1;
+        total.seconds += (t0.elapsed() - ttft).as_secs_f64();
         outputs.push(toks);
     }
     Ok((total, outputs))

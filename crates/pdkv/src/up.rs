@@ -383,4 +383,27 @@ mod tests {
         );
         assert!(config(&[]).get("kv_load_failure_policy").is_none());
     }
+
+    /// `--speculative-config` reaches the decode servers, checked, and not
+    /// the prefill servers (they sample one token).
+    #[test]
+    fn the_speculative_config_reaches_the_decode_servers_only() {
+        let dir = std::path::Path::new("/m");
+        let json = r#"{"method":"ngram","num_speculative_tokens":3}"#;
+        let args = Cli::parse_from(["up", "--speculative-config", json]).up;
+        let ports = Ports::choose(&args).unwrap();
+        let s = spec(&args, dir, &ports).unwrap();
+        let flag = |role| {
+            let serve = pdkv_deploy::serve_args(&s.wiring, dir, role, 0, 0, "e0");
+            serve
+                .iter()
+                .position(|a| a == "--speculative-config")
+                .map(|i| serve[i + 1].clone())
+        };
+        assert_eq!(flag(pdkv_deploy::EngineRole::Decode).as_deref(), Some(json));
+        assert_eq!(flag(pdkv_deploy::EngineRole::Prefill), None);
+        let bad = Cli::parse_from(["up", "--speculative-config", r#"{"method":"eagle"}"#]).up;
+        let err = spec(&bad, dir, &ports).unwrap_err().to_string();
+        assert!(err.contains("\"eagle\" is not supported"), "{err}");
+    }
 }

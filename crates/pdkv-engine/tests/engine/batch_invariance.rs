@@ -83,20 +83,6 @@ fn run_batched(e: &EngineHandle, tag: &str) -> (Collected, Collected) {
     (g, s)
 }
 
-fn assert_same(what: &str, got: &Collected, want: &Collected) {
-    assert_eq!(got.tokens, want.tokens, "{what}: tokens differ");
-    assert_eq!(
-        got.logits.len(),
-        got.tokens.len(),
-        "{what}: one logits row per token"
-    );
-    assert!(
-        got.logit_bits() == want.logit_bits(),
-        "{what}: logits are not bit-identical"
-    );
-    assert_eq!(got.text, want.text, "{what}: text differs");
-}
-
 fn check_arch(arch: Arch) {
     // Reference: each target alone on a fresh engine, no cache hit.
     let e = start(arch, config(512, 256));

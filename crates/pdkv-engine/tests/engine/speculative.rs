@@ -77,21 +77,6 @@ fn run_all(e: &EngineHandle, batched: bool) -> Vec<Collected> {
     }
 }
 
-fn assert_same(what: &str, got: &Collected, want: &Collected) {
-    assert_eq!(got.tokens, want.tokens, "{what}: tokens differ");
-    assert_eq!(got.finish, want.finish, "{what}: finish differs");
-    assert_eq!(
-        got.logits.len(),
-        got.tokens.len(),
-        "{what}: one row per token"
-    );
-    assert!(
-        got.logit_bits() == want.logit_bits(),
-        "{what}: logits are not bit-identical"
-    );
-    assert_eq!(got.text, want.text, "{what}: text differs");
-}
-
 fn check_arch(arch: Arch) {
     let plain = engine(arch, None);
     let spec: SpeculativeConfig =

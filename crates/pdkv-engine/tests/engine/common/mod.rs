@@ -168,6 +168,23 @@ impl Collected {
     }
 }
 
+/// Two runs of a request gave the same: tokens, finish reason, text and
+/// bit-identical logits (one row per token).
+pub fn assert_same(what: &str, got: &Collected, want: &Collected) {
+    assert_eq!(got.tokens, want.tokens, "{what}: tokens differ");
+    assert_eq!(got.finish, want.finish, "{what}: finish differs");
+    assert_eq!(
+        got.logits.len(),
+        got.tokens.len(),
+        "{what}: one logits row per token"
+    );
+    assert!(
+        got.logit_bits() == want.logit_bits(),
+        "{what}: logits are not bit-identical"
+    );
+    assert_eq!(got.text, want.text, "{what}: text differs");
+}
+
 /// Reads a stream to its end.
 pub fn collect(mut s: RequestStream) -> Collected {
     let mut c = Collected::default();
