@@ -1,7 +1,7 @@
 //! `pdkv bench spec`: batch-1 decode with speculative decoding (n-gram
 //! drafts) against the same engine without it, in one run, on two
-//! workloads: one whose answers repeat their prompts (rewriting code,
-//! copying text out) and one whose answers do not (free writing). Every
+//! workloads: one whose answers repeat their prompts (editing and copying
+//! lists) and one whose answers do not (free writing). Every
 //! request runs greedy, one at a time; the outputs of the two engines must
 //! be the same tokens, and the ratio of their decode speeds is the figure.
 //! The last line of stdout is a JSON summary.
@@ -39,16 +39,22 @@ pub struct SpecArgs {
     pub repeats: usize,
 }
 
-/// Code to rewrite and text to copy out: answers that repeat the prompt.
+/// Edits and copies of the prompt's own text: answers that repeat it
+/// (SmolLM2-135M copies these faithfully; asked to rewrite code it
+/// rewrites it freely instead, so code is left out).
 const REPETITIVE: [&str; 3] = [
-    "Rewrite this Python function with the variable `total` renamed to `acc`. Answer with the code only.\n\n\
-def sum_even(values):\n    total = 0\n    for v in values:\n        if v % 2 == 0:\n            total = total + v\n    return total\n\n\
-def count_odd(values):\n    total = 0\n    for v in values:\n        if v % 2 == 1:\n            total = total + 1\n    return total\n",
+    "Fix the spelling mistakes in this list and copy the rest as it is:\n\
+- Turn off the lights in the kitchen.\n- Close the windows in the bedrom.\n\
+- Water the plants on the balcony.\n- Feed the cat and refill its water bowl.\n\
+- Lock the front door and the garage.\n- Take the rubbish out before nine.\n\
+- Set the alarm for seven in the morning.\n",
     "Copy the following list exactly, one item per line:\n\
 - Preheat the oven to 180 degrees.\n- Mix the flour, the sugar and the butter in a large bowl.\n\
 - Add two eggs and a cup of milk, then stir until smooth.\n- Pour the batter into a greased tin.\n\
 - Bake for forty minutes, then let it cool before serving.\n",
-    "Repeat this sentence three times: The quick brown fox jumps over the lazy dog near the river bank.",
+    "Here is a shopping list:\n1. Two loaves of bread\n2. A dozen eggs\n3. One litre of milk\n\
+4. A bag of apples\n5. Three tins of tomatoes\n6. A packet of rice\n7. Olive oil\n8. Fresh basil\n\
+Write the list again with the items in the same order, each on its own line.",
 ];
 
 /// Requests for new text: answers that repeat little of their prompts.
@@ -90,7 +96,7 @@ pub fn run_spec(args: SpecArgs) -> anyhow::Result<()> {
     };
     let workloads: Vec<(&str, Vec<Vec<u32>>)> = vec![
         (
-            "repetitive (rewrite code, copy a list, repeat a sentence)",
+            "repetitive (edit a list, copy a list, rewrite a list)",
             REPETITIVE
                 .iter()
                 .map(|t| render(t))
