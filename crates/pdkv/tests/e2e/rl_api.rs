@@ -599,3 +599,61 @@ async fn an_n8_group_through_the_pd_proxy_is_one_transfer_and_equals_colocated()
         assert!(s.terminate().success());
     }
 }
+
+/// A server with n-gram speculative decoding answers what one without it
+/// answers, over HTTP with SmolLM2: the same tokens and log-probabilities,
+/// greedy and seeded, streamed or not; its metrics show drafts kept.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_speculating_server_answers_as_one_without_drafts() {
+    let Some(path) = smollm2("a_speculating_server_answers_as_one_without_drafts") else {
+        return;
+    };
+    let spec = r#"{"method":"ngram","num_speculative_tokens":3,"prompt_lookup_min":2}"#;
+    let plain = serve(&path);
+    let fast = Spec::new(&path, 128)
+        .serve_args(&["--speculative-config", spec])
+        .start_colocated();
+    let client = reqwest::Client::new();
+    wait_healthy(&client, &plain.url("/health")).await;
+    wait_healthy(&client, &fast.url("/health")).await;
+    // A prompt whose answer repeats it, so that drafts are kept.
+    let list = "Copy the following list exactly, one item per line:\n- Preheat the oven to 180 degrees.\n- Mix the flour, the sugar and the butter in a large bowl.\n- Pour the batter into a greased tin.\n";
+    for body in [
+        json!({"messages": [{"role": "user", "content": list}], "max_tokens": 48,
+            "temperature": 0, "logprobs": true, "top_logprobs": 2}),
+        json!({"messages": [{"role": "user", "content": list}], "max_tokens": 48,
+            "temperature": 0.8, "seed": 7, "logprobs": true, "top_logprobs": 2}),
+    ] {
+        let url = |s: &Proc| s.url("/v1/chat/completions");
+        let want = ok(&client, url(&plain), &body).await;
+        let got = ok(&client, url(&fast), &body).await;
+        let entries = want["choices"][0]["logprobs"]["content"].as_array();
+        assert!(entries.is_some_and(|a| a.len() > 8), "{want}");
+        assert_eq!(
+            got["choices"][0]["message"], want["choices"][0]["message"],
+            "{body}"
+        );
+        assert_eq!(
+            got["choices"][0]["logprobs"], want["choices"][0]["logprobs"],
+            "{body}"
+        );
+        assert_eq!(got["usage"], want["usage"], "{body}");
+        let mut streamed = body.clone();
+        streamed["stream"] = json!(true);
+        let text = |v: &Value| {
+            v["choices"][0]["message"]["content"]
+                .as_str()
+                .unwrap()
+                .to_string()
+        };
+        let got_stream = http::generate(&client, &fast.base, "/v1/chat/completions", &streamed)
+            .await
+            .unwrap();
+        assert_eq!(got_stream, text(&want), "streamed {body}");
+    }
+    let m = http::metrics(&client, &fast.base).await;
+    let kept = metric(&m, "pdkv_spec_decode_num_accepted_tokens_total").unwrap();
+    assert!(kept > 0.0, "drafts kept: {kept}");
+    let m = http::metrics(&client, &plain.base).await;
+    assert_eq!(metric(&m, "pdkv_spec_decode_num_drafts_total"), Some(0.0));
+}
