@@ -225,7 +225,7 @@ pub fn perplexity(
     tokens: &[u32],
     ctx: usize,
     kv_dtype: KvDtype,
-) -> anyhow::Result<(f64, usize)> {
+) -> anyhow::Result<Perplexity> {
     anyhow::ensure!(ctx >= 2, "the context must hold at least 2 tokens");
     anyhow::ensure!(
         tokens.len() >= ctx,
@@ -238,6 +238,7 @@ pub fn perplexity(
     let mut ws = Workspace::new(pool, cfg, ctx)?;
     let table: Vec<u32> = (0..blocks as u32).collect();
     let (mut nll, mut scored) = (0f64, 0usize);
+    let mut greedy = Vec::new();
     let mut logits = Vec::new();
     for window in tokens.chunks_exact(ctx) {
         let input = SeqInput {
@@ -261,9 +262,23 @@ pub fn perplexity(
             let target = row[window[i + 1] as usize] as f64;
             nll += z.ln() + max - target;
             scored += 1;
+            greedy.push(argmax(row));
         }
     }
-    Ok(((nll / scored as f64).exp(), scored))
+    Ok(Perplexity {
+        perplexity: (nll / scored as f64).exp(),
+        scored,
+        greedy,
+    })
+}
+
+/// What [`perplexity`] measured.
+pub struct Perplexity {
+    pub perplexity: f64,
+    /// Positions scored.
+    pub scored: usize,
+    /// The greedy (top-1) next token at each scored position, in order.
+    pub greedy: Vec<u32>,
 }
 
 /// Index of the largest logit (first on ties).

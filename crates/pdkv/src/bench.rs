@@ -74,7 +74,8 @@ pub struct PerplexityArgs {
 }
 
 /// `pdkv bench perplexity`: the text's perplexity over each KV cache type,
-/// with its ratio to the first.
+/// with its ratio to the first and the share of scored positions whose
+/// greedy next token is the first type's.
 pub fn run_perplexity(args: PerplexityArgs) -> anyhow::Result<()> {
     anyhow::ensure!(
         !args.kv_cache_dtype.is_empty(),
@@ -93,18 +94,30 @@ pub fn run_perplexity(args: PerplexityArgs) -> anyhow::Result<()> {
         args.ctx
     );
     println!(
-        "{:>6} {:>12} {:>10} {:>8}",
-        "kv", "perplexity", "vs first", "scored"
+        "{:>6} {:>12} {:>10} {:>8} {:>14}",
+        "kv", "perplexity", "vs first", "scored", "greedy agrees"
     );
-    let mut first = None;
+    let mut first: Option<pdkv_model::bench::Perplexity> = None;
     for dtype in args.kv_cache_dtype {
-        let (ppl, scored) =
-            pdkv_model::bench::perplexity(&loaded.model, &pool, &tokens, args.ctx, dtype)?;
-        let base = *first.get_or_insert(ppl);
+        let p = pdkv_model::bench::perplexity(&loaded.model, &pool, &tokens, args.ctx, dtype)?;
+        let base = first.get_or_insert_with(|| pdkv_model::bench::Perplexity {
+            greedy: p.greedy.clone(),
+            ..p
+        });
+        // Positions whose greedy next token is the first type's.
+        let same = p
+            .greedy
+            .iter()
+            .zip(&base.greedy)
+            .filter(|(a, b)| a == b)
+            .count();
         println!(
-            "{:>6} {ppl:>12.4} {:>10.5} {scored:>8}",
+            "{:>6} {:>12.4} {:>10.5} {:>8} {:>13.2}%",
             dtype.as_str(),
-            ppl / base
+            p.perplexity,
+            p.perplexity / base.perplexity,
+            p.scored,
+            100.0 * same as f64 / p.scored as f64
         );
     }
     Ok(())
