@@ -345,3 +345,35 @@ fn bench_pd_checks_outputs_and_compares_the_first_request_after_a_wake() {
         "{last}"
     );
 }
+
+/// `pdkv bench spec` on SmolLM2: both workloads run with and without drafts,
+/// the outputs are identical (the bench fails otherwise), and the answers
+/// that copy their prompts keep drafts. No figure is asserted: speed is the
+/// bench's to report.
+#[test]
+fn bench_spec_checks_outputs_and_keeps_drafts_on_copies() {
+    let Some(model) = smollm2("bench_spec_checks_outputs_and_keeps_drafts_on_copies") else {
+        return;
+    };
+    let args = ["bench", "spec", "--max-tokens", "32", "--repeats", "1"];
+    let stdout = run_ok(&args, &model, "bench spec");
+    assert!(
+        stdout.contains("outputs with and without drafts: identical"),
+        "{stdout}"
+    );
+    let last: Value =
+        serde_json::from_str(stdout.lines().last().unwrap()).expect("last line is JSON");
+    let rows = last["workloads"].as_array().unwrap();
+    assert_eq!(rows.len(), 2, "{last}");
+    assert!(rows[0]["workload"]
+        .as_str()
+        .unwrap()
+        .starts_with("repetitive"));
+    assert!(rows[0]["accepted_tokens"].as_u64().unwrap() > 0, "{last}");
+    for r in rows {
+        assert!(
+            r["off_tok_s"].as_f64().unwrap() > 0.0 && r["on_tok_s"].as_f64().unwrap() > 0.0,
+            "{last}"
+        );
+    }
+}
