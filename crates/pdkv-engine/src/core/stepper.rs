@@ -819,8 +819,7 @@ impl EngineCore {
                 out.logprobs.push(logprobs(row, tok, k));
             }
             // The scheduler's finish reason belongs to its last token.
-            let sched_finish = u.finished.filter(|_| i == last);
-            finish = sched_finish;
+            finish = u.finished.filter(|_| i == last);
             // A stop token (EOS or stop_token_ids) is not part of the text.
             if finish != Some(FinishReason::Stop) {
                 let delta = active.detok.push(&*self.decoder, tok);
