@@ -26,6 +26,7 @@
 pub mod block_pool;
 pub mod clock;
 pub mod connector;
+pub mod constraint;
 mod core;
 pub mod detok;
 pub mod lifecycle;
@@ -40,6 +41,7 @@ pub use crate::core::{
 pub use block_pool::{BlockHash, BlockPool};
 pub use clock::{Clock, SystemClock};
 pub use connector::{KvConnector, KvTransferParams, LoadError, LoadFailurePolicy};
+pub use constraint::{ConstraintError, Grammar, GrammarRef, StructuredStats, TokenConstraint};
 pub use lifecycle::{LifecycleError, LifecycleStatus, PauseMode, SleepLevel, WeightInfo};
 pub use model::{CpuModelRunner, ModelRunner, WeightSource};
 pub use scheduler::{ScheduledSeq, Scheduler, SchedulerConfig, SchedulerOutput, SpeculativeConfig};
@@ -145,6 +147,9 @@ pub struct SamplingParams {
     /// Such a request computes its whole prompt (no prefix-cache hit) and
     /// cannot take external KV.
     pub prompt_logprobs: Option<u32>,
+    /// Only outputs this grammar allows (structured outputs); the
+    /// log-probabilities reported are of the constrained distribution.
+    pub constraint: Option<GrammarRef>,
 }
 
 /// The most top log-probabilities a request may ask for per position.
@@ -173,6 +178,7 @@ impl Default for SamplingParams {
             return_logits: false,
             logprobs: None,
             prompt_logprobs: None,
+            constraint: None,
         }
     }
 }
@@ -297,6 +303,8 @@ pub struct EngineStats {
     pub steps: u64,
     /// Speculative decoding's drafts and the tokens of them kept.
     pub spec: SpecStats,
+    /// Constrained decoding: masks, their time, requests.
+    pub structured: StructuredStats,
     /// Scheduling is paused (by a pause or a sleep).
     pub paused: bool,
     /// The sleep level while asleep.

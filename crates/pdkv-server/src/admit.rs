@@ -140,7 +140,8 @@ impl Drop for WaitingForResume<'_> {
 
 /// The error a request that ended with [`pdkv_engine::FinishReason::Error`] answers
 /// with: a 504 `kv_transfer_timeout` when a deadline passed (the message
-/// names the setting to raise), a 500 `kv_transfer_failed` otherwise.
+/// names the setting to raise), a 500 `structured_output_failed` when the
+/// request's constraint failed, a 500 `kv_transfer_failed` otherwise.
 pub(crate) fn failed_request(out: &pdkv_engine::RequestOutput) -> ApiError {
     let message = out
         .error
@@ -148,6 +149,9 @@ pub(crate) fn failed_request(out: &pdkv_engine::RequestOutput) -> ApiError {
         .unwrap_or_else(|| "the request failed".into());
     if out.timed_out {
         return ApiError::timeout(message).with_code("kv_transfer_timeout");
+    }
+    if message.starts_with(pdkv_engine::constraint::FAILED) {
+        return ApiError::internal(message).with_code("structured_output_failed");
     }
     ApiError::internal(message).with_code("kv_transfer_failed")
 }

@@ -51,6 +51,13 @@ const SAMPLING: &[&str] = &[
     "return_token_ids",
     "return_tokens_as_token_ids",
     "response_format",
+    "structured_outputs",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+    "guided_whitespace_pattern",
+    "guided_decoding_backend",
     "tools",
     "tool_choice",
     "skip_special_tokens",
@@ -127,6 +134,7 @@ const GENERATE_SAMPLING: &[&str] = &[
     "detokenize",
     "spaces_between_special_tokens",
     "truncate_prompt_tokens",
+    "structured_outputs",
 ];
 
 /// Fields vLLM honours whose effect pdkv does not implement: accepted only
@@ -156,44 +164,9 @@ const REFUSED: &[(&str, IsNoOp, &str)] = &[
     ("vllm_xargs", is_empty, "vllm_xargs is not supported"),
     ("extra_args", is_empty, "extra_args is not supported"),
     (
-        "guided_json",
-        is_null,
-        "structured outputs are not supported yet",
-    ),
-    (
-        "guided_regex",
-        is_null,
-        "structured outputs are not supported yet",
-    ),
-    (
-        "guided_choice",
-        is_null,
-        "structured outputs are not supported yet",
-    ),
-    (
-        "guided_grammar",
-        is_null,
-        "structured outputs are not supported yet",
-    ),
-    (
-        "guided_decoding_backend",
-        is_null,
-        "structured outputs are not supported yet",
-    ),
-    (
-        "guided_whitespace_pattern",
-        is_null,
-        "structured outputs are not supported yet",
-    ),
-    (
-        "structured_outputs",
-        is_null,
-        "structured outputs are not supported yet",
-    ),
-    (
         "guided_decoding",
         is_null,
-        "structured outputs are not supported yet",
+        "guided_decoding is not read: use structured_outputs, response_format or guided_json/regex/choice/grammar",
     ),
     (
         "prompt_embeds",
@@ -370,8 +343,8 @@ mod tests {
             ),
             (json!({"prompt": "x", "priority": 3}), "priority"),
             (
-                json!({"messages": [], "guided_json": {"type": "object"}}),
-                "guided_json",
+                json!({"messages": [], "guided_decoding": {"json": {}}}),
+                "guided_decoding",
             ),
         ] {
             let body = if v.get("messages").is_some() {

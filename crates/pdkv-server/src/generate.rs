@@ -86,6 +86,8 @@ pub struct GenerateSampling {
     pub frequency_penalty: Option<f64>,
     pub repetition_penalty: Option<f64>,
     pub logit_bias: Option<Value>,
+    /// vLLM's structured outputs object (json, regex, choice, grammar).
+    pub structured_outputs: Option<Value>,
     /// Text is never returned here: which tokens a text would show, and
     /// whether one is made, change nothing (typed, so a wrong type is
     /// still a 400).
@@ -118,6 +120,7 @@ impl GenerateSampling {
             // No text is returned, so which tokens the text would show
             // changes nothing.
             skip_special_tokens: None,
+            structured_outputs: self.structured_outputs.clone(),
             ..SamplingFields::default()
         }
     }
@@ -159,8 +162,10 @@ pub async fn generate(
             u32::try_from(room.max(1)).unwrap_or(u32::MAX)
         }
     };
-    let params = sp.fields().to_params(max_tokens, Endpoint::Completions)?;
+    let fields = sp.fields();
+    let mut params = fields.to_params(max_tokens, Endpoint::Completions)?;
     check_sampling_ids(&state, &params)?;
+    crate::structured::constrain(&state, &fields, &mut params).await?;
     let top = params.logprobs;
     let want_prompt_lp = params.prompt_logprobs.is_some();
     let kv = kv_params(req.kv_transfer_params, &ids.engine)?;

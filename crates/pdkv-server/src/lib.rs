@@ -46,6 +46,7 @@ pub mod openai;
 pub mod proxy;
 mod routes;
 mod sse;
+mod structured;
 mod tokenize;
 pub mod tracker;
 pub mod weight_sync;
@@ -100,6 +101,8 @@ struct StateInner {
     served_model_name: String,
     started_at: u64,
     ids: ids::IdSource,
+    /// Compiles structured output constraints (built on first use).
+    structured: Arc<pdkv_structured::Compiler>,
 }
 
 impl AppState {
@@ -111,6 +114,7 @@ impl AppState {
             .unwrap_or_default();
         AppState {
             inner: Arc::new(StateInner {
+                structured: structured::compiler_for(&engine),
                 engine,
                 metrics: Arc::new(Metrics::new()),
                 served_model_name: served_model_name.into(),
@@ -148,6 +152,11 @@ impl AppState {
     pub fn with_kv_secret(mut self, secret: pdkv_transfer::auth::KvSecret, ip: &str) -> AppState {
         self.sync = Arc::new(weight_sync::WeightSync::new(secret).bind_on(ip));
         self
+    }
+
+    /// Compiles structured output constraints for the served model.
+    pub(crate) fn structured(&self) -> &Arc<pdkv_structured::Compiler> {
+        &self.inner.structured
     }
 
     /// The weight sync state (see [`weight_sync`]).

@@ -582,6 +582,32 @@ fn render_engine(e: &mut Exposition, stats: &EngineStats) {
         "Speculative draft tokens the sampler confirmed.",
         stats.spec.num_accepted_tokens as f64,
     );
+    let st = &stats.structured;
+    e.gauge(
+        "pdkv_structured_requests_running",
+        "Requests with a structured output constraint in the engine.",
+        st.num_running as f64,
+    );
+    e.counter(
+        "pdkv_structured_masks_total",
+        "Allowed-token masks computed for constrained requests.",
+        st.num_masks as f64,
+    );
+    e.counter(
+        "pdkv_structured_mask_seconds_total",
+        "Seconds spent computing allowed-token masks (mostly while the forward pass runs).",
+        st.mask_seconds,
+    );
+    e.counter(
+        "pdkv_structured_mask_wait_seconds_total",
+        "Seconds steps waited for masks after their forward pass.",
+        st.mask_wait_seconds,
+    );
+    e.counter(
+        "pdkv_structured_steps_total",
+        "Steps that computed at least one mask.",
+        st.num_steps as f64,
+    );
 }
 
 /// Device memory by tag, in all and for each rank.

@@ -2,7 +2,7 @@
 //!
 //! Every field the server accepts takes effect. Fields it does not implement
 //! but that change what a client gets back (`best_of` above `n`, `suffix`,
-//! a `response_format` other than text, `tools`, ...) are refused with a
+//! `tools`, ...) are refused with a
 //! 400 naming the field rather than silently ignored ([`crate::fields`]
 //! screens the vLLM fields no struct here has). Ignored are only fields
 //! that change nothing here: `user`, `spaces_between_special_tokens` (it
@@ -69,6 +69,13 @@ macro_rules! request_with_sampling {
             /// Log-probabilities name tokens `token_id:N` instead of text.
             pub return_tokens_as_token_ids: Option<bool>,
             pub response_format: Option<Value>,
+            pub structured_outputs: Option<Value>,
+            pub guided_json: Option<Value>,
+            pub guided_regex: Option<Value>,
+            pub guided_choice: Option<Value>,
+            pub guided_grammar: Option<Value>,
+            pub guided_whitespace_pattern: Option<Value>,
+            pub guided_decoding_backend: Option<Value>,
             pub tools: Option<Value>,
             pub tool_choice: Option<Value>,
             pub skip_special_tokens: Option<bool>,
@@ -107,6 +114,13 @@ macro_rules! request_with_sampling {
                     logit_bias: self.logit_bias.clone(),
                     prompt_logprobs: self.prompt_logprobs.clone(),
                     response_format: self.response_format.clone(),
+                    structured_outputs: self.structured_outputs.clone(),
+                    guided_json: self.guided_json.clone(),
+                    guided_regex: self.guided_regex.clone(),
+                    guided_choice: self.guided_choice.clone(),
+                    guided_grammar: self.guided_grammar.clone(),
+                    guided_whitespace_pattern: self.guided_whitespace_pattern.clone(),
+                    guided_decoding_backend: self.guided_decoding_backend.clone(),
                     tools: self.tools.clone(),
                     tool_choice: self.tool_choice.clone(),
                     skip_special_tokens: self.skip_special_tokens,
@@ -142,7 +156,16 @@ pub struct SamplingFields {
     pub min_tokens: Option<i64>,
     pub logit_bias: Option<Value>,
     pub prompt_logprobs: Option<Value>,
+    /// Structured outputs, in OpenAI's and vLLM's spellings (see
+    /// [`SamplingFields::structured`]).
     pub response_format: Option<Value>,
+    pub structured_outputs: Option<Value>,
+    pub guided_json: Option<Value>,
+    pub guided_regex: Option<Value>,
+    pub guided_choice: Option<Value>,
+    pub guided_grammar: Option<Value>,
+    pub guided_whitespace_pattern: Option<Value>,
+    pub guided_decoding_backend: Option<Value>,
     pub tools: Option<Value>,
     pub tool_choice: Option<Value>,
     pub skip_special_tokens: Option<bool>,
@@ -573,7 +596,23 @@ impl SamplingFields {
             return_logits: false,
             logprobs,
             prompt_logprobs,
+            // Compiled apart (it may take a while): `crate::structured`.
+            constraint: None,
         })
+    }
+
+    /// The fields that may ask for a structured output.
+    pub fn structured(&self) -> pdkv_structured::Fields<'_> {
+        pdkv_structured::Fields {
+            response_format: self.response_format.as_ref(),
+            structured_outputs: self.structured_outputs.as_ref(),
+            guided_json: self.guided_json.as_ref(),
+            guided_regex: self.guided_regex.as_ref(),
+            guided_choice: self.guided_choice.as_ref(),
+            guided_grammar: self.guided_grammar.as_ref(),
+            guided_whitespace_pattern: self.guided_whitespace_pattern.as_ref(),
+            guided_decoding_backend: self.guided_decoding_backend.as_ref(),
+        }
     }
 
     /// The number of top log-probabilities per output token, as each
@@ -621,16 +660,6 @@ impl SamplingFields {
     /// module docs); their defaults are accepted.
     fn refuse_unsupported(&self) -> Result<(), ApiError> {
         let refuse = |param: &str, m: &str| Err(ApiError::invalid_param(param, m.to_string()));
-        match &self.response_format {
-            None | Some(Value::Null) => {}
-            Some(v) if v.get("type").and_then(Value::as_str) == Some("text") => {}
-            Some(_) => {
-                return refuse(
-                    "response_format",
-                    "only response_format {\"type\": \"text\"} is supported (no structured output)",
-                )
-            }
-        }
         match &self.tools {
             None | Some(Value::Null) => {}
             Some(Value::Array(t)) if t.is_empty() => {}
@@ -757,7 +786,6 @@ mod tests {
             json!({"logit_bias": {"x": 1}}),
             json!({"logit_bias": {"3": "high"}}),
             json!({"logit_bias": [1]}),
-            json!({"response_format": {"type": "json_object"}}),
             json!({"tools": [{"type": "function"}]}),
             json!({"tool_choice": "auto"}),
             json!({"min_p": 1.5}),

@@ -271,10 +271,10 @@ pub async fn completions(
         parse_max_tokens("max_tokens", req.max_tokens)?.unwrap_or(DEFAULT_COMPLETION_MAX_TOKENS)
     };
     let n = parse_n(req.n, req.best_of)?;
-    let mut params = req
-        .sampling()
-        .to_params(max_tokens, Endpoint::Completions)?;
+    let fields = req.sampling();
+    let mut params = fields.to_params(max_tokens, Endpoint::Completions)?;
     check_sampling_ids(&state, &params)?;
+    crate::structured::constrain(&state, &fields, &mut params).await?;
     let echo = req.echo.unwrap_or(false);
     if echo && params.logprobs.is_some() {
         // The prompt's tokens are listed with their log-probabilities, as
@@ -670,10 +670,10 @@ pub async fn chat_completions(
     // Validate sampling fields before the (costly) template and tokenizer
     // (`max_tokens` is settled below once the prompt's length is known).
     let n = parse_n(req.n, req.best_of)?;
-    let mut params = req
-        .sampling()
-        .to_params(max_tokens.unwrap_or(u32::MAX), Endpoint::Chat)?;
+    let fields = req.sampling();
+    let mut params = fields.to_params(max_tokens.unwrap_or(u32::MAX), Endpoint::Chat)?;
     check_sampling_ids(&state, &params)?;
+    crate::structured::constrain(&state, &fields, &mut params).await?;
 
     // The template already places BOS and other special tokens.
     let prompt_tokens = chat_prompt_tokens_with(
@@ -978,6 +978,7 @@ pub async fn metrics(State(state): State<AppState>) -> Response {
         .metrics()
         .render_with(&stats, &device, &lifecycle, &connector);
     state.weight_sync().render(&mut text);
+    crate::structured::render(state.structured(), &mut text);
     (
         [(
             header::CONTENT_TYPE,

@@ -19,6 +19,7 @@ use super::command::{abort_output, AddRequest, Command, LifecycleReply, OutputSi
 use super::limits::{check_config, RequestLimits};
 use crate::clock::Clock;
 use crate::connector::{KvConnector, Waker};
+use crate::constraint::{ConstraintError, StructuredStats, TokenConstraint};
 use crate::detok::{Decode, IncrementalDetokenizer, StopChecker};
 use crate::lifecycle::{LifecycleStatus, Machine, Refusal, SleepLevel, Ticket, WeightInfo};
 use crate::model::ModelRunner;
@@ -94,6 +95,8 @@ struct ActiveRequest {
     adjust: LogitsAdjust,
     /// The tokens seen so far (penalties, `min_tokens`).
     history: TokenHistory,
+    /// Structured outputs: where the output is in its grammar.
+    guide: Option<Box<dyn TokenConstraint>>,
     return_logits: bool,
     /// Top log-probabilities per output token, when asked.
     logprobs: Option<usize>,
@@ -214,6 +217,7 @@ pub struct EngineCore {
     scratch: Vec<f32>,
     steps: u64,
     spec_stats: SpecStats,
+    structured: StructuredStats,
     pub(super) pool: RankPools,
     pub(super) lc: Machine,
     /// Deferred lifecycle replies by ticket.
@@ -317,6 +321,7 @@ impl EngineCore {
             scratch: Vec::new(),
             steps: 0,
             spec_stats: SpecStats::default(),
+            structured: StructuredStats::default(),
             pool,
             lc: Machine::new(),
             replies: BTreeMap::new(),
@@ -430,6 +435,7 @@ impl EngineCore {
             num_preemptions: c.num_preemptions,
             steps: self.steps,
             spec: self.spec_stats,
+            structured: self.structured,
             paused: lc.paused.is_some(),
             sleep_level: lc.sleeping.map(SleepLevel::as_u32),
             weights_discarded: lc.weights_discarded,
@@ -631,10 +637,21 @@ impl EngineCore {
             .keeping_special_tokens(!p.skip_special_tokens);
         let mut stops =
             StopChecker::new(p.stop.clone()).including_stop(p.include_stop_str_in_output);
+        let mut guide = p.constraint.as_ref().map(|g| g.start());
         // Outputs produced elsewhere pass through the same steps as sampled
         // ones, their text dropped: it was sent; what a stop string held
         // back stays held.
         for &tok in &req.resume_token_ids {
+            if let Some(Err(e)) = guide.as_mut().map(|g| g.commit(tok)) {
+                tracing::warn!(id = %req.id, error = %e, "resumed output breaks the request's grammar; refused");
+                let mut out = abort_output(&req);
+                out.finish_reason = Some(FinishReason::Error);
+                out.error = Some(format!(
+                    "resume_token_ids do not follow the request's structured output constraint: {e}"
+                ));
+                output(out);
+                return;
+            }
             history.push(tok);
             let delta = detok.push(&*self.decoder, tok);
             if history.num_outputs() > p.min_tokens as usize {
@@ -649,6 +666,7 @@ impl EngineCore {
             sampling: SamplingConfig::from_params(p, seed),
             adjust,
             history,
+            guide,
             return_logits: p.return_logits,
             logprobs: p.logprobs.map(|k| k as usize),
             prompt_logprobs,
@@ -675,6 +693,9 @@ impl EngineCore {
                 .map(crate::block_pool::BlockHash::salt),
             output_tokens: req.resume_token_ids,
         });
+        if active.guide.is_some() {
+            self.structured.num_running += 1;
+        }
         self.reqs.insert(id, active);
     }
 
@@ -698,6 +719,9 @@ impl EngineCore {
         let Some(mut active) = self.reqs.remove(id) else {
             return;
         };
+        if active.guide.is_some() {
+            self.structured.num_running -= 1;
+        }
         let mut out = last.unwrap_or_else(|| active.output(id));
         out.finish_reason = Some(reason);
         out.kv_transfer_params = params;
@@ -714,9 +738,61 @@ impl EngineCore {
         }
     }
 
-    /// Runs the model on `plan`; a panic of the runner is an error too.
+    /// Runs the model on `plan`. Meanwhile, when the plan samples for
+    /// constrained requests, another thread computes their next masks
+    /// (their time and the time the step then waits for them are counted).
     fn forward(&mut self, plan: &SchedulerOutput) -> anyhow::Result<()> {
-        let (runner, logits) = (&mut self.runner, &mut self.logits);
+        let (runner, logits, vocab) = (&mut self.runner, &mut self.logits, self.vocab);
+        let mut guides: Vec<&mut Box<dyn TokenConstraint>> = Vec::new();
+        if self.structured.num_running > 0 {
+            let sampling: std::collections::HashSet<&str> = plan
+                .seqs
+                .iter()
+                .filter(|s| s.sample)
+                .map(|s| &*s.request_id)
+                .collect();
+            guides.extend(
+                self.reqs
+                    .iter_mut()
+                    .filter(|(id, _)| sampling.contains(&***id))
+                    .filter_map(|(_, a)| a.guide.as_mut()),
+            );
+        }
+        if guides.is_empty() {
+            return run_forward(runner, logits, vocab, plan);
+        }
+        let clock = &*self.clock;
+        let num = guides.len() as u64;
+        let (result, spent, waited) = std::thread::scope(|scope| {
+            let masks = scope.spawn(move || {
+                let start = clock.now();
+                for g in guides {
+                    g.prepare();
+                }
+                clock.now() - start
+            });
+            let result = run_forward(runner, logits, vocab, plan);
+            let done = clock.now();
+            let spent = masks.join().expect("mask thread panicked");
+            (result, spent, clock.now() - done)
+        });
+        let st = &mut self.structured;
+        st.num_masks += num;
+        st.mask_seconds += spent.as_secs_f64();
+        st.mask_wait_seconds += waited.as_secs_f64();
+        st.num_steps += 1;
+        result
+    }
+}
+
+/// Runs the model on `plan`; a panic of the runner is an error too.
+fn run_forward(
+    runner: &mut Box<dyn ModelRunner>,
+    logits: &mut Vec<f32>,
+    vocab: usize,
+    plan: &SchedulerOutput,
+) -> anyhow::Result<()> {
+    {
         match catch_unwind(AssertUnwindSafe(|| runner.forward(&plan.seqs, logits))) {
             Ok(r) => r?,
             Err(panic) => {
@@ -728,15 +804,17 @@ impl EngineCore {
                 anyhow::bail!("the forward pass panicked: {msg}");
             }
         }
-        let want = plan.num_logit_rows() * self.vocab;
+        let want = plan.num_logit_rows() * vocab;
         anyhow::ensure!(
-            self.logits.len() == want,
+            logits.len() == want,
             "the forward pass returned {} logits, expected {want}",
-            self.logits.len()
+            logits.len()
         );
         Ok(())
     }
+}
 
+impl EngineCore {
     /// Applies what the connector finished: freed transfers, loaded
     /// requests, failed loads (ended here with their error).
     pub(super) fn poll_connector(&mut self) {
@@ -775,7 +853,16 @@ impl EngineCore {
         if let Some(c) = self.sched.connector_mut() {
             c.wait_for_save();
         }
-        let (kept, rows) = self.sample(&plan);
+        let (kept, rows, failed) = self.sample(&plan);
+        for (id, e) in failed {
+            tracing::warn!(id = %id, error = %e, "structured output constraint failed; the request ends");
+            let params = self
+                .sched
+                .finish_request_with(&id, FinishReason::Error)
+                .flatten();
+            let error = format!("{}: {e}", crate::constraint::FAILED);
+            self.finish_active(&id, FinishReason::Error, None, params, Some(error), false);
+        }
         self.spec_stats.record(&plan, &kept);
         let kept_refs: Vec<&[u32]> = kept.iter().map(Vec::as_slice).collect();
         let updates = self.sched.update_from_tokens(&plan, &kept_refs);
@@ -879,9 +966,23 @@ impl EngineCore {
     /// draft: the draft is kept with probability p(draft), and otherwise
     /// the token comes from p without the draft, renormalised. So every
     /// token, greedy or seeded, is the one decoding without drafts gives.
+    ///
+    /// A constrained request's rows get its grammar's mask first (the
+    /// log-probabilities emitted later read the masked rows), and each
+    /// token sampled advances its grammar; a request whose constraint
+    /// fails is returned last, with no tokens.
     #[allow(clippy::type_complexity)]
-    fn sample(&mut self, plan: &SchedulerOutput) -> (Vec<Vec<u32>>, HashMap<Arc<str>, Vec<usize>>) {
+    fn sample(
+        &mut self,
+        plan: &SchedulerOutput,
+    ) -> (
+        Vec<Vec<u32>>,
+        HashMap<Arc<str>, Vec<usize>>,
+        Vec<(Arc<str>, ConstraintError)>,
+    ) {
         let vocab = self.vocab;
+        let clock = &*self.clock;
+        let mut failed = Vec::new();
         let mut kept = Vec::with_capacity(plan.seqs.len());
         let mut rows: HashMap<Arc<str>, Vec<usize>> = HashMap::new();
         let mut next_row = 0;
@@ -910,6 +1011,19 @@ impl EngineCore {
             let mut used = Vec::with_capacity(1 + s.num_draft);
             for i in 0..=s.num_draft {
                 let row = row0 + i;
+                if let Some(g) = active.guide.as_mut() {
+                    let start = clock.now();
+                    let masked = g.apply(&mut self.logits[row * vocab..(row + 1) * vocab]);
+                    self.structured.mask_seconds += (clock.now() - start).as_secs_f64();
+                    if i > 0 {
+                        // A draft's row: its mask was not prepared.
+                        self.structured.num_masks += 1;
+                    }
+                    if let Err(e) = masked {
+                        failed.push((s.request_id.clone(), e));
+                        break;
+                    }
+                }
                 let logits = &self.logits[row * vocab..(row + 1) * vocab];
                 let index = (s.output_index + i) as u64;
                 let token = if active.adjust.is_active() {
@@ -920,6 +1034,10 @@ impl EngineCore {
                 } else {
                     sample(logits, &active.sampling, index)
                 };
+                if let Some(Err(e)) = active.guide.as_mut().map(|g| g.commit(token)) {
+                    failed.push((s.request_id.clone(), e));
+                    break;
+                }
                 active.history.push(token);
                 toks.push(token);
                 used.push(row);
@@ -927,9 +1045,13 @@ impl EngineCore {
                     break;
                 }
             }
+            if failed.last().is_some_and(|(id, _)| *id == s.request_id) {
+                kept.push(Vec::new());
+                continue;
+            }
             kept.push(toks);
             rows.insert(s.request_id.clone(), used);
         }
-        (kept, rows)
+        (kept, rows, failed)
     }
 }
