@@ -54,6 +54,7 @@ pub struct CompilerStats {
     pub compiles: u64,
     pub compile_seconds: f64,
     pub cache_hits: u64,
+    /// Constraints refused: too large or not compiling.
     pub errors: u64,
 }
 
@@ -145,6 +146,14 @@ impl Compiler {
     /// take milliseconds to seconds for a large schema: call it off async
     /// threads).
     pub fn compile(&self, spec: &Spec) -> Result<GrammarRef, CompileError> {
+        let r = self.compile_or_reuse(spec);
+        if r.is_err() {
+            self.bump(|s| s.errors += 1);
+        }
+        r
+    }
+
+    fn compile_or_reuse(&self, spec: &Spec) -> Result<GrammarRef, CompileError> {
         let kind = spec.kind();
         let grammar = top_level(spec)?;
         let key = serde_json::to_string(&grammar).expect("a grammar serialises");
@@ -170,7 +179,6 @@ impl Compiler {
         self.bump(|s| {
             s.compiles += 1;
             s.compile_seconds += took.as_secs_f64();
-            s.errors += u64::from(compiled.is_err());
         });
         slow_compile(kind, took);
         let g = GrammarRef::new(Arc::new(Compiled {
@@ -284,5 +292,246 @@ fn close_objects(v: &mut Value) {
         }
         Value::Array(a) => a.iter_mut().for_each(close_objects),
         _ => {}
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::request::JsonOptions;
+    use serde_json::json;
+
+    /// Bytes-and-merges tokenizer of the tiny test models, with a few
+    /// padding ids past it in the logits (as models pad their vocabulary).
+    const TOKENS: usize = 512;
+    const PADDED: usize = TOKENS + 5;
+
+    fn tokenizer() -> (Arc<Tokenizer>, Vec<u32>) {
+        let json = pdkv_model::init::tokenizer_json(TOKENS).expect("tokenizer json");
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("tokenizer.json");
+        std::fs::write(&path, json.to_string()).expect("write");
+        let tok = Tokenizer::from_file(&path).expect("tokenizer");
+        let stops: Vec<u32> = ["<|endoftext|>", "<|im_end|>"]
+            .iter()
+            .map(|t| tok.token_to_id(t).expect("special token"))
+            .collect();
+        (Arc::new(tok.with_special_ids(None, stops.clone())), stops)
+    }
+
+    fn compiler() -> (Compiler, Arc<Tokenizer>, Vec<u32>) {
+        let (tok, stops) = tokenizer();
+        (Compiler::new(tok.clone(), PADDED, &stops), tok, stops)
+    }
+
+    /// A splitmix64 stream of logits in [0, 1).
+    fn logits(seed: u64, step: u64) -> Vec<f32> {
+        (0..PADDED as u64)
+            .map(|i| {
+                let x = pdkv_engine::sampling::splitmix64(seed ^ (step << 20) ^ i);
+                (x >> 40) as f32 / (1u64 << 24) as f32
+            })
+            .collect()
+    }
+
+    /// Decodes under the grammar with random logits (greedy on them): the
+    /// text and whether it ended with a stop token within `max` tokens.
+    fn walk(
+        g: &GrammarRef,
+        tok: &Tokenizer,
+        stops: &[u32],
+        seed: u64,
+        max: usize,
+    ) -> (String, bool) {
+        let mut m = g.start();
+        let mut ids = Vec::new();
+        for step in 0..max as u64 {
+            let mut row = logits(seed, step);
+            m.apply(&mut row).expect("mask");
+            assert!(
+                row[TOKENS..].iter().all(|l| *l == f32::NEG_INFINITY),
+                "padding ids are never allowed"
+            );
+            let t = pdkv_engine::sampling::argmax(&row);
+            m.commit(t).expect("commit an allowed token");
+            if stops.contains(&t) {
+                return (tok.decode(&ids, true), true);
+            }
+            ids.push(t);
+        }
+        (tok.decode(&ids, true), false)
+    }
+
+    #[test]
+    fn choices_regexes_and_grammars_bound_every_output() {
+        let (c, tok, stops) = compiler();
+        let choice = c
+            .compile(&Spec::Choice(vec!["alpha".into(), "beta gamma".into()]))
+            .unwrap();
+        let regex = c
+            .compile(&Spec::Regex("[0-9]{3}-[a-z]{2,4}".into()))
+            .unwrap();
+        let gbnf = c
+            .compile(&Spec::Grammar(
+                "root ::= item (\", \" item)* \"!\"\nitem ::= \"ab\" | \"cd\"".into(),
+            ))
+            .unwrap();
+        let lark = c
+            .compile(&Spec::Grammar("start: (\"x\" | \"yz\"){2,3}\n".into()))
+            .unwrap();
+        for seed in 0..20 {
+            let (text, ended) = walk(&choice, &tok, &stops, seed, 50);
+            assert!(
+                ended && ["alpha", "beta gamma"].contains(&text.as_str()),
+                "{text:?}"
+            );
+            let (text, ended) = walk(&regex, &tok, &stops, seed, 50);
+            let b = text.as_bytes();
+            assert!(ended && b.len() >= 6 && b.len() <= 8, "{text:?}");
+            assert!(
+                b[..3].iter().all(u8::is_ascii_digit) && b[3] == b'-',
+                "{text:?}"
+            );
+            assert!(b[4..].iter().all(u8::is_ascii_lowercase), "{text:?}");
+            let (text, ended) = walk(&gbnf, &tok, &stops, seed, 200);
+            if ended {
+                let body = text.strip_suffix('!').expect("ends with !");
+                assert!(body.split(", ").all(|i| i == "ab" || i == "cd"), "{text:?}");
+            }
+            let (text, ended) = walk(&lark, &tok, &stops, seed, 50);
+            let rest = text.replace("yz", "").replace('x', "");
+            assert!(ended && rest.is_empty(), "{text:?}");
+        }
+    }
+
+    #[test]
+    fn json_outputs_follow_their_schema() {
+        let (c, tok, stops) = compiler();
+        let schema = json!({
+            "type": "object",
+            "properties": {
+                "n": {"type": "integer", "minimum": 0, "maximum": 999},
+                "kind": {"enum": ["cat", "dog"]},
+                "tags": {"type": "array", "items": {"type": "string", "pattern": "^[a-z]{1,5}$"}, "maxItems": 3},
+                "inner": {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"], "additionalProperties": false},
+            },
+            "required": ["n", "kind", "tags", "inner"],
+            "additionalProperties": false,
+        });
+        let compact = JsonOptions {
+            compact: true,
+            ..JsonOptions::default()
+        };
+        let g = c
+            .compile(&Spec::Json {
+                schema,
+                options: compact,
+            })
+            .unwrap();
+        for seed in 0..20 {
+            let (text, ended) = walk(&g, &tok, &stops, seed, 400);
+            assert!(ended, "{text:?}");
+            let v: Value = serde_json::from_str(&text).unwrap_or_else(|e| panic!("{text:?}: {e}"));
+            assert!(!text.contains(' '), "compact: {text:?}");
+            let o = v.as_object().expect("an object");
+            assert_eq!(o.len(), 4, "{text}");
+            assert!(o["n"].as_u64().is_some_and(|n| n <= 999), "{text}");
+            assert!(
+                ["cat", "dog"].contains(&o["kind"].as_str().unwrap()),
+                "{text}"
+            );
+            let tags = o["tags"].as_array().expect("tags");
+            assert!(tags.len() <= 3, "{text}");
+            for t in tags {
+                let t = t.as_str().expect("a string tag");
+                assert!((1..=5).contains(&t.len()) && t.bytes().all(|b| b.is_ascii_lowercase()));
+            }
+            assert!(o["inner"]["ok"].is_boolean(), "{text}");
+        }
+        let any = c
+            .compile(&Spec::JsonObject {
+                options: JsonOptions::default(),
+            })
+            .unwrap();
+        let mut m = any.start();
+        let mut row = logits(1, 0);
+        m.apply(&mut row).unwrap();
+        let allowed: Vec<String> = (0..TOKENS as u32)
+            .filter(|&t| row[t as usize] > f32::NEG_INFINITY)
+            .map(|t| tok.decode(&[t], false))
+            .collect();
+        assert!(!allowed.is_empty());
+        assert!(
+            allowed
+                .iter()
+                .all(|s| s.trim_start().starts_with('{') || s.trim().is_empty()),
+            "an object opens first: {allowed:?}"
+        );
+    }
+
+    #[test]
+    fn the_models_every_end_token_ends_a_complete_output() {
+        let (c, tok, stops) = compiler();
+        let g = c.compile(&Spec::Choice(vec!["ok".into()])).unwrap();
+        let mut m = g.start();
+        for t in tok.encode("ok", false).unwrap() {
+            let mut row = vec![0.0; PADDED];
+            m.apply(&mut row).unwrap();
+            assert_eq!(row[t as usize], 0.0);
+            for s in &stops {
+                assert_eq!(row[*s as usize], f32::NEG_INFINITY, "not before the end");
+            }
+            m.commit(t).unwrap();
+        }
+        let mut row: Vec<f32> = (0..PADDED).map(|i| i as f32).collect();
+        m.apply(&mut row).unwrap();
+        let open: Vec<u32> = (0..PADDED as u32)
+            .filter(|&t| row[t as usize].is_finite())
+            .collect();
+        assert_eq!(open, stops, "only the end tokens, each with its own logit");
+        for &s in &stops {
+            assert_eq!(row[s as usize], s as f32);
+        }
+        // A token the mask forbade is refused.
+        let mut m = g.start();
+        let x = tok.encode("x", false).unwrap()[0];
+        assert!(m.commit(x).is_err());
+    }
+
+    #[test]
+    fn compiled_grammars_are_shared_and_failures_name_the_part() {
+        let (c, _, _) = compiler();
+        let spec = Spec::Regex("a+b".into());
+        let a = c.compile(&spec).unwrap();
+        let b = c.compile(&spec).unwrap();
+        assert_eq!(a, b, "the cache hands out the same grammar");
+        let s = c.stats();
+        assert_eq!((s.compiles, s.cache_hits, s.errors), (1, 1, 0));
+        let e = c.compile(&Spec::Regex("(a".into())).unwrap_err();
+        assert!(
+            matches!(&e, CompileError::Invalid { kind: "regex", message } if message.contains("(a")),
+            "{e}"
+        );
+        let e = c
+            .compile(&Spec::Grammar("start: nope\n".into()))
+            .unwrap_err();
+        assert!(e.to_string().contains("nope"), "{e}");
+        let e = c
+            .compile(&Spec::Grammar("root ::= \"a".into()))
+            .unwrap_err();
+        assert!(e.to_string().contains("unterminated string"), "{e}");
+        let e = c
+            .compile(&Spec::Json {
+                schema: json!({"type": "object", "properties": {"a": {"$ref": "#/$defs/missing"}}}),
+                options: JsonOptions::default(),
+            })
+            .unwrap_err();
+        assert!(e.to_string().contains("missing"), "{e}");
+        let huge = Spec::Choice(vec!["x".repeat(1024); 300]);
+        assert!(matches!(
+            c.compile(&huge),
+            Err(CompileError::TooLarge { .. })
+        ));
+        assert_eq!(c.stats().errors, 5, "every refusal counts");
     }
 }

@@ -54,6 +54,7 @@ pub fn to_lark(grammar: &str) -> Result<String, GbnfError> {
                 i += 1;
             }
             b':' if grammar[i..].starts_with("::=") => {
+                out.truncate(out.trim_end_matches([' ', '\t']).len());
                 out.push(':');
                 rules += 1;
                 i += 3;
@@ -179,7 +180,7 @@ mod tests {
         let lark = to_lark(g).unwrap();
         assert_eq!(
             lark,
-            "start: item (\", \" item)* \nitem: /[a-z\\/]/+ | \"\\\"q\\\"\" | digit_run \ndigit_run:     /[0-9]/{1,3} /(?s:.)/?\n"
+            "start: item (\", \" item)* \nitem: /[a-z\\/]/+ | \"\\\"q\\\"\" | digit_run \ndigit_run:    /[0-9]/{1,3} /(?s:.)/?\n"
         );
     }
 

@@ -9,3 +9,4 @@ mod logprobs;
 mod scheduler;
 mod speculative;
 mod stepper;
+mod structured;
