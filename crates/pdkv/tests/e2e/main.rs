@@ -14,4 +14,5 @@ mod pd_netns;
 mod python_publisher;
 mod rl_api;
 mod router;
+mod structured;
 mod up;
