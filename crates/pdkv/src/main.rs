@@ -11,6 +11,7 @@ mod bench_pd;
 mod bench_serve;
 mod bench_sleep;
 mod bench_spec;
+mod bench_structured;
 mod bench_transfer;
 mod common;
 mod export_cmd;
@@ -141,6 +142,10 @@ enum BenchCommand {
     /// the same engine without it, on answers that repeat their prompts and
     /// answers that do not; the outputs must be identical.
     Spec(bench_spec::SpecArgs),
+    /// Decode throughput of concurrent JSON-schema constrained requests
+    /// against the same requests unconstrained, and the masks' time per
+    /// step.
+    Structured(bench_structured::StructuredArgs),
 }
 
 fn init_logging() {
@@ -181,6 +186,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Bench(BenchCommand::Serve(args)) => bench_serve::run_serve_bench(args),
         Command::Bench(BenchCommand::Sync(args)) => weights_cmd::run_sync_bench(args),
         Command::Bench(BenchCommand::Spec(args)) => bench_spec::run_spec(args),
+        Command::Bench(BenchCommand::Structured(args)) => bench_structured::run_structured(args),
         Command::Weights(WeightsCommand::Publish(args)) => weights_cmd::run_publish(args),
     }
 }

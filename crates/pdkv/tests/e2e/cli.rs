@@ -377,3 +377,35 @@ fn bench_spec_checks_outputs_and_keeps_drafts_on_copies() {
         );
     }
 }
+
+/// `pdkv bench structured` runs both sides to the same token count and
+/// reports the masks it computed; no figure is asserted.
+#[test]
+fn bench_structured_runs_both_sides_and_reports_masks() {
+    let Some(model) = smollm2("bench_structured_runs_both_sides_and_reports_masks") else {
+        return;
+    };
+    let args = [
+        "bench",
+        "structured",
+        "--concurrency",
+        "4",
+        "--max-tokens",
+        "24",
+        "--repeats",
+        "1",
+    ];
+    let stdout = run_ok(&args, &model, "bench structured");
+    let last: Value =
+        serde_json::from_str(stdout.lines().last().unwrap()).expect("last line is JSON");
+    assert!(
+        last["unconstrained_tok_s"].as_f64().unwrap() > 0.0,
+        "{last}"
+    );
+    assert!(last["structured_tok_s"].as_f64().unwrap() > 0.0, "{last}");
+    assert_eq!(
+        last["masks"].as_u64(),
+        Some(4 * 24),
+        "a mask per constrained token: {last}"
+    );
+}
