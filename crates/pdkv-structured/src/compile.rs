@@ -26,6 +26,13 @@ use crate::request::{JsonOptions, Spec};
 /// The longest schema or grammar accepted, in bytes of its text.
 pub const MAX_SPEC_BYTES: usize = 256 * 1024;
 
+/// Whitespace allowed between JSON tokens unless the request says
+/// otherwise: any JSON whitespace, at most 32 characters a gap. Unbounded
+/// whitespace lets a model fill its whole budget with blank lines (a
+/// small model at temperature 1 does, now and then); a bounded gap still
+/// takes any indentation a pretty-printer would write.
+pub const JSON_WHITESPACE: &str = r"[\x20\x0A\x0D\x09]{1,32}";
+
 /// Compiled grammars kept for reuse.
 const CACHE_ENTRIES: usize = 256;
 
@@ -265,10 +272,12 @@ fn with_options(mut schema: Value, options: &JsonOptions) -> Value {
     let mut o = JsonCompileOptions::default();
     if options.compact {
         o.whitespace_flexible = false;
-    }
-    if let Some(w) = &options.whitespace_pattern {
-        o.whitespace_pattern = Some(w.clone());
-        o.whitespace_flexible = false;
+    } else {
+        let w = options
+            .whitespace_pattern
+            .as_deref()
+            .unwrap_or(JSON_WHITESPACE);
+        o.whitespace_pattern = Some(w.to_string());
     }
     if let Value::Object(_) = schema {
         o.apply_to(&mut schema);
@@ -533,5 +542,49 @@ mod tests {
             Err(CompileError::TooLarge { .. })
         ));
         assert_eq!(c.stats().errors, 5, "every refusal counts");
+    }
+}
+
+#[cfg(test)]
+mod whitespace_tests {
+    use super::*;
+
+    #[test]
+    fn json_whitespace_is_bounded_unless_compact_or_given() {
+        let opts = |v: &Value| v["x-guidance"].clone();
+        let schema = serde_json::json!({"type": "object"});
+        let d = opts(&with_options(schema.clone(), &JsonOptions::default()));
+        assert_eq!(d["whitespace_pattern"], JSON_WHITESPACE);
+        let c = opts(&with_options(
+            schema.clone(),
+            &JsonOptions {
+                compact: true,
+                ..JsonOptions::default()
+            },
+        ));
+        assert_eq!(
+            (
+                c["whitespace_flexible"].as_bool(),
+                c["whitespace_pattern"].is_null()
+            ),
+            (Some(false), true)
+        );
+        let g = opts(&with_options(
+            schema,
+            &JsonOptions {
+                whitespace_pattern: Some(" ?".into()),
+                ..JsonOptions::default()
+            },
+        ));
+        assert_eq!(g["whitespace_pattern"], " ?");
+        let closed = with_options(
+            serde_json::json!({"type": "object", "properties": {"a": {"type": "object", "properties": {}}}}),
+            &JsonOptions {
+                no_additional_properties: true,
+                ..JsonOptions::default()
+            },
+        );
+        assert_eq!(closed["additionalProperties"], false);
+        assert_eq!(closed["properties"]["a"]["additionalProperties"], false);
     }
 }

@@ -16,5 +16,5 @@ pub mod matcher;
 pub mod request;
 mod vocab;
 
-pub use compile::{CompileError, Compiler, CompilerStats};
+pub use compile::{CompileError, Compiler, CompilerStats, JSON_WHITESPACE};
 pub use request::{Asked, FieldError, Fields, JsonOptions, Spec};
