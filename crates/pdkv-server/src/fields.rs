@@ -94,6 +94,7 @@ const CHAT: &[&str] = &[
     "kv_transfer_params",
     "chat_template_kwargs",
     "add_generation_prompt",
+    "parallel_tool_calls",
     "user",
 ];
 
@@ -194,7 +195,6 @@ const REFUSED: &[(&str, IsNoOp, &str)] = &[
         is_null,
         "reasoning_effort is not supported (no reasoning parser)",
     ),
-    ("parallel_tool_calls", is_anything, ""),
     ("output_kind", is_anything, ""),
     (
         "thinking_token_budget",

@@ -48,6 +48,7 @@ mod routes;
 mod sse;
 mod structured;
 mod tokenize;
+pub mod tools;
 pub mod tracker;
 pub mod weight_sync;
 
@@ -77,6 +78,9 @@ pub struct AppState {
     pause_wait: std::time::Duration,
     api_key: Option<Arc<api_key::ApiKey>>,
     checkpoint_read_timeout: std::time::Duration,
+    /// Reads calls a model writes on its own (`tool_choice: auto`);
+    /// `None`: auto is refused.
+    tool_parser: Option<tools::Parser>,
     /// One checkpoint read at a time; its permit goes with the reading
     /// thread, so a read that stalls past its deadline still holds it.
     checkpoint_reads: Arc<tokio::sync::Semaphore>,
@@ -129,6 +133,7 @@ impl AppState {
             pause_wait: DEFAULT_PAUSE_WAIT,
             api_key: None,
             checkpoint_read_timeout: DEFAULT_CHECKPOINT_READ_TIMEOUT,
+            tool_parser: None,
             checkpoint_reads: Arc::new(tokio::sync::Semaphore::new(1)),
             checkpoint_cancel: Arc::new(tokio::sync::watch::channel((0, "")).0),
         }
@@ -157,6 +162,17 @@ impl AppState {
     /// Compiles structured output constraints for the served model.
     pub(crate) fn structured(&self) -> &Arc<pdkv_structured::Compiler> {
         &self.inner.structured
+    }
+
+    /// Lets requests use `tool_choice: auto`, their answers read by
+    /// `parser` (`--enable-auto-tool-choice --tool-call-parser NAME`).
+    pub fn with_tool_parser(mut self, parser: Option<tools::Parser>) -> AppState {
+        self.tool_parser = parser;
+        self
+    }
+
+    pub(crate) fn tool_parser(&self) -> Option<tools::Parser> {
+        self.tool_parser
     }
 
     /// The weight sync state (see [`weight_sync`]).

@@ -219,6 +219,8 @@ request_with_sampling! {
         pub chat_template_kwargs: Option<serde_json::Map<String, Value>>,
         /// Whether to end the prompt with the assistant's turn opening.
         pub add_generation_prompt: Option<bool>,
+        /// Several calls in one answer (default true).
+        pub parallel_tool_calls: Option<Value>,
     }
 }
 
@@ -228,6 +230,12 @@ pub struct ChatMessageIn {
     /// A string, a list of `{"type":"text","text":..}` parts, or null.
     #[serde(default)]
     pub content: Value,
+    /// An assistant's calls (OpenAI's shape), passed to the template.
+    pub tool_calls: Option<Value>,
+    /// A tool message's call.
+    pub tool_call_id: Option<String>,
+    /// A tool message's tool.
+    pub name: Option<String>,
 }
 
 /// A prompt as the client gave it.
@@ -410,9 +418,28 @@ pub fn chat_messages(messages: &[ChatMessageIn]) -> Result<Vec<pdkv_model::ChatM
                     format!("a {} message needs content", m.role),
                 ));
             }
+            if m.role == "tool" && m.tool_call_id.is_none() {
+                return Err(ApiError::invalid_param(
+                    &format!("messages[{i}].tool_call_id"),
+                    "a tool message needs the tool_call_id of the call it answers",
+                ));
+            }
+            match &m.tool_calls {
+                None | Some(Value::Null) => {}
+                Some(Value::Array(_)) if m.role == "assistant" => {}
+                Some(_) => {
+                    return Err(ApiError::invalid_param(
+                        &format!("messages[{i}].tool_calls"),
+                        "tool_calls is a list, on an assistant's message",
+                    ))
+                }
+            }
             Ok(pdkv_model::ChatMessage {
                 role: m.role.clone(),
                 content: message_text(i, &m.content)?,
+                tool_calls: m.tool_calls.clone().filter(|v| !v.is_null()),
+                tool_call_id: m.tool_call_id.clone(),
+                name: m.name.clone(),
             })
         })
         .collect()
@@ -496,7 +523,7 @@ impl SamplingFields {
         endpoint: Endpoint,
     ) -> Result<SamplingParams, ApiError> {
         // `n` and `best_of` shape the group of choices (`choices::parse_n`).
-        self.refuse_unsupported()?;
+        self.refuse_unsupported(endpoint)?;
         let logprobs = self.logprobs(endpoint)?;
         let prompt_logprobs = count_field(
             "prompt_logprobs",
@@ -658,21 +685,19 @@ impl SamplingFields {
 
     /// Refuses fields whose effect the server does not implement (see the
     /// module docs); their defaults are accepted.
-    fn refuse_unsupported(&self) -> Result<(), ApiError> {
+    fn refuse_unsupported(&self, endpoint: Endpoint) -> Result<(), ApiError> {
         let refuse = |param: &str, m: &str| Err(ApiError::invalid_param(param, m.to_string()));
-        match &self.tools {
-            None | Some(Value::Null) => {}
-            Some(Value::Array(t)) if t.is_empty() => {}
-            Some(_) => return refuse("tools", "tools are not supported (no tool calling)"),
-        }
-        match &self.tool_choice {
-            None | Some(Value::Null) => {}
-            Some(Value::String(c)) if c == "none" => {}
-            Some(_) => {
-                return refuse(
-                    "tool_choice",
-                    "only tool_choice \"none\" is supported (no tool calling)",
-                )
+        // Tools are a chat completions matter (`crate::tools`).
+        if endpoint == Endpoint::Completions {
+            match &self.tools {
+                None | Some(Value::Null) => {}
+                Some(Value::Array(t)) if t.is_empty() => {}
+                Some(_) => return refuse("tools", "tools go to /v1/chat/completions"),
+            }
+            match &self.tool_choice {
+                None | Some(Value::Null) => {}
+                Some(Value::String(c)) if c == "none" => {}
+                Some(_) => return refuse("tool_choice", "tools go to /v1/chat/completions"),
             }
         }
         if self.no_stop_trim == Some(true) {

@@ -674,6 +674,19 @@ pub async fn chat_completions(
     let mut params = fields.to_params(max_tokens.unwrap_or(u32::MAX), Endpoint::Chat)?;
     check_sampling_ids(&state, &params)?;
     crate::structured::constrain(&state, &fields, &mut params).await?;
+    let tools = crate::tools::parse(
+        req.tools.as_ref(),
+        req.tool_choice.as_ref(),
+        req.parallel_tool_calls.as_ref(),
+        state.tool_parser(),
+    )?;
+    if let Some(spec) = tools.as_ref().and_then(crate::tools::Tools::spec) {
+        crate::structured::constrain_with(&state, "tool_choice", spec, &mut params).await?;
+    }
+    let mut kwargs = req.chat_template_kwargs.clone().unwrap_or_default();
+    if let Some(t) = &tools {
+        kwargs.insert("tools".into(), t.listed.clone());
+    }
 
     // The template already places BOS and other special tokens.
     let prompt_tokens = chat_prompt_tokens_with(
@@ -681,7 +694,7 @@ pub async fn chat_completions(
         messages,
         req.add_generation_prompt.unwrap_or(true),
         req.add_special_tokens.unwrap_or(false),
-        req.chat_template_kwargs.clone().unwrap_or_default(),
+        kwargs,
     )
     .await?;
     let prompt_tokens = truncate_prompt(&state, prompt_tokens, req.truncate_prompt_tokens)?;
@@ -706,6 +719,7 @@ pub async fn chat_completions(
         want_prompt_logprobs: params.prompt_logprobs.is_some(),
         return_token_ids,
         prompt_ids: return_token_ids.then(|| prompt_tokens.clone()),
+        tools: tools.filter(crate::tools::Tools::reads_calls),
     };
     let prompt = PromptIn::new(prompt_tokens, req.cache_salt.clone())?;
     let mut group = admit_group(&state, ids, prompt, params, kv, arrived, n).await?;
@@ -763,6 +777,8 @@ struct ChatView {
     return_token_ids: bool,
     /// The prompt's token ids, when `return_token_ids` is set.
     prompt_ids: Option<Vec<u32>>,
+    /// Answers are read for tool calls.
+    tools: Option<crate::tools::Tools>,
 }
 
 impl ChatView {
@@ -802,19 +818,29 @@ fn stream_chat(group: Group, view: ChatView, model: String, include_usage: bool)
                 v
             })
             .collect();
+    let mut calls: Vec<crate::tools::Streamed> = (0..group.n())
+        .map(|_| crate::tools::Streamed::default())
+        .collect();
     let chunk = move |i: usize, out: &RequestOutput, usage: bool| {
+        let (delta, finish) = match &view.tools {
+            Some(t) => calls[i].push(t, &out.text, out.finish_reason),
+            None => (
+                if out.text.is_empty() {
+                    json!({})
+                } else {
+                    json!({"content": out.text})
+                },
+                out.finish_reason.map(FinishReason::as_str),
+            ),
+        };
         let shows_tokens = view.top.is_some() || view.return_token_ids;
         let sends_prompt_lp = view.want_prompt_logprobs && out.prompt_logprobs.is_some();
-        if out.text.is_empty() && out.finish_reason.is_none() && !shows_tokens && !sends_prompt_lp {
+        let empty = delta.as_object().is_some_and(|d| d.is_empty());
+        if empty && finish.is_none() && !shows_tokens && !sends_prompt_lp {
             return None;
         }
         let mut v = base.clone();
-        let delta = if out.text.is_empty() {
-            json!({})
-        } else {
-            json!({"content": out.text})
-        };
-        let mut choice = json!({"index": i, "delta": delta, "logprobs": view.content_logprobs(&out.logprobs), "finish_reason": out.finish_reason.map(FinishReason::as_str)});
+        let mut choice = json!({"index": i, "delta": delta, "logprobs": view.content_logprobs(&out.logprobs), "finish_reason": finish});
         if view.return_token_ids {
             choice["token_ids"] = json!(out.token_ids);
         }
@@ -839,11 +865,19 @@ async fn whole_chat(mut group: Group, view: ChatView, model: String) -> Result<R
         .iter()
         .enumerate()
         .map(|(i, c)| {
+            let finish = c.finish_reason.unwrap_or(FinishReason::Abort);
+            let (message, finish) = match &view.tools {
+                Some(t) => crate::tools::message(t, &c.text, finish),
+                None => (
+                    json!({"role": "assistant", "content": c.text}),
+                    finish.as_str(),
+                ),
+            };
             let mut v = json!({
                 "index": i,
-                "message": {"role": "assistant", "content": c.text},
+                "message": message,
                 "logprobs": view.content_logprobs(&c.logprobs),
-                "finish_reason": c.finish_reason.unwrap_or(FinishReason::Abort).as_str(),
+                "finish_reason": finish,
             });
             if view.return_token_ids {
                 v["token_ids"] = json!(c.token_ids);

@@ -46,9 +46,27 @@ pub(crate) async fn constrain(
     let Some(asked) = asked else {
         return Ok(());
     };
+    constrain_with(state, asked.param, asked.spec, params).await
+}
+
+/// Sets `params.constraint` to `spec` compiled; a refusal names `param`.
+pub(crate) async fn constrain_with(
+    state: &AppState,
+    param: &'static str,
+    spec: pdkv_structured::Spec,
+    params: &mut SamplingParams,
+) -> Result<(), ApiError> {
+    if params.constraint.is_some() {
+        return Err(ApiError::invalid_param(
+            param,
+            "a request asks for one constraint (structured output fields, or tool_choice required or named)",
+        ));
+    }
+    let asked = pdkv_structured::Asked { param, spec };
     let compiler = state.structured().clone();
     let kind = asked.spec.kind();
-    let compiling = tokio::task::spawn_blocking(move || compiler.compile(&asked.spec));
+    let spec = asked.spec;
+    let compiling = tokio::task::spawn_blocking(move || compiler.compile(&spec));
     let grammar = match tokio::time::timeout(COMPILE_WAIT, compiling).await {
         Ok(Ok(Ok(g))) => g,
         Ok(Ok(Err(e @ CompileError::Tokenizer(_)))) => {

@@ -90,6 +90,7 @@ pub fn run_spec(args: SpecArgs) -> anyhow::Result<()> {
         let msg = ChatMessage {
             role: "user".into(),
             content: text.into(),
+            ..Default::default()
         };
         let prompt = template.render(&[msg], true)?;
         off_model.tokenizer.encode(&prompt, false)

@@ -88,6 +88,7 @@ pub fn run_structured(args: StructuredArgs) -> anyhow::Result<()> {
                 content: format!(
                     "List the staff of office {i} as JSON: name, age, role, tags and address of each person."
                 ),
+                ..Default::default()
             };
             let text = template.render(&[msg], true)?;
             model.tokenizer.encode(&text, false)

@@ -123,6 +123,16 @@ pub struct ServeArgs {
     /// confirms: the output is the output without it, greedy or seeded.
     #[arg(long)]
     pub speculative_config: Option<pdkv_engine::SpeculativeConfig>,
+    /// Lets chat requests use `tool_choice: "auto"`: the model writes calls
+    /// in its own format and `--tool-call-parser` reads them (both flags
+    /// together, as vLLM spells them).
+    #[arg(long, requires = "tool_call_parser")]
+    pub enable_auto_tool_choice: bool,
+    /// How calls are read with `--enable-auto-tool-choice`: `hermes`
+    /// (`<tool_call>{..}</tool_call>`, Qwen2.5/Qwen3/Hermes) or
+    /// `llama3_json` (a bare `{"name", "parameters"}` object, Llama 3.1+).
+    #[arg(long, requires = "enable_auto_tool_choice")]
+    pub tool_call_parser: Option<pdkv_server::tools::Parser>,
     /// The format the model's matrices are served in: `auto` keeps the
     /// checkpoint's (a GGUF file's blocks, a Hugging Face checkpoint's
     /// BF16/F16); otherwise one of f32, f16, bf16, q8_0, q4_0, q4_1, q5_0,
@@ -181,6 +191,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         ),
         secret,
         limits,
+        args.tool_call_parser,
     ));
     engine.shutdown();
     result
@@ -302,6 +313,7 @@ async fn serve(
     (pause_wait, checkpoint_read): (std::time::Duration, std::time::Duration),
     secret: pdkv_connector::KvSecret,
     limits: pdkv_server::listen::HttpLimits,
+    tool_parser: Option<pdkv_server::tools::Parser>,
 ) -> anyhow::Result<()> {
     // Weight syncs prove the deployment's KV secret to the publisher.
     let mut state = AppState::new(engine.clone(), served_name.clone())
@@ -315,7 +327,8 @@ async fn serve(
     state = state
         .with_dev_mode(dev_mode)
         .with_pause_wait(pause_wait)
-        .with_checkpoint_read_timeout(checkpoint_read);
+        .with_checkpoint_read_timeout(checkpoint_read)
+        .with_tool_parser(tool_parser);
     let listener = tokio::net::TcpListener::bind(addr)
         .await
         .with_context(|| format!("binding {addr}"))?;

@@ -118,6 +118,7 @@ fn chat_prompts(lm: &LoadedModel) -> Vec<Vec<u32>> {
             let msgs = [ChatMessage {
                 role: "user".into(),
                 content: q.to_string(),
+                ..Default::default()
             }];
             let text = template.render(&msgs, true).unwrap();
             lm.tokenizer.encode(&text, false).unwrap()

@@ -352,6 +352,7 @@ fn random_checkpoint_round_trips_through_the_loader() {
         let msgs = [ChatMessage {
             role: "user".into(),
             content: "Hi".into(),
+            ..Default::default()
         }];
         let text = lm
             .chat_template

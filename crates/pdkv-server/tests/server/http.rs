@@ -163,10 +163,12 @@ async fn chat_completions_stream_and_not() {
                 pdkv_model::ChatMessage {
                     role: "system".into(),
                     content: "You are terse.".into(),
+                    ..Default::default()
                 },
                 pdkv_model::ChatMessage {
                     role: "user".into(),
                     content: "Say hi".into(),
+                    ..Default::default()
                 },
             ],
             true,

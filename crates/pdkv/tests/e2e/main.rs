@@ -15,4 +15,5 @@ mod python_publisher;
 mod rl_api;
 mod router;
 mod structured;
+mod tools;
 mod up;

@@ -362,13 +362,18 @@ async fn refused_fields_answer_400_naming_them() {
         ),
         (
             "/v1/chat/completions",
-            json!({"messages": messages, "response_format": {"type": "json_object"}}),
-            "response_format",
+            json!({"messages": messages, "response_format": {"type": "yaml"}}),
+            "response_format.type",
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"messages": messages, "tools": [{"type": "code"}]}),
+            "tools[0].type",
         ),
         (
             "/v1/chat/completions",
             json!({"messages": messages, "tools": [{"type": "function", "function": {"name": "f"}}]}),
-            "tools",
+            "tool_choice",
         ),
         (
             "/v1/chat/completions",
@@ -377,7 +382,7 @@ async fn refused_fields_answer_400_naming_them() {
         ),
         (
             "/v1/chat/completions",
-            json!({"messages": messages, "guided_json": {"type": "object"}}),
+            json!({"messages": messages, "guided_json": {"type": "object", "properties": {"a": {"$ref": "#/$defs/x"}}}}),
             "guided_json",
         ),
         (
