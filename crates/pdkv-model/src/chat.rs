@@ -3,8 +3,11 @@
 //! Templates are rendered with minijinja configured the way Hugging Face
 //! renders them: `trim_blocks` and `lstrip_blocks` on, Python string methods
 //! (`.strip()`, `.startswith()`, ...) available, and a `raise_exception`
-//! function that turns into a render error. The variables are `messages`,
-//! `add_generation_prompt`, `bos_token` and `eos_token`.
+//! function that turns into a render error. The variables are `messages`
+//! (each with `role` and `content`, and `tool_calls`, `tool_call_id` and
+//! `name` where a message has them), `add_generation_prompt`, `bos_token`
+//! and `eos_token`, plus the caller's extra variables (a request's `tools`,
+//! its `chat_template_kwargs`).
 
 use minijinja::{Environment, Error, ErrorKind};
 use serde::{Deserialize, Serialize};

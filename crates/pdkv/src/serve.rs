@@ -190,8 +190,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
             std::time::Duration::from_secs_f64(args.checkpoint_read_timeout_s),
         ),
         secret,
-        limits,
-        args.tool_call_parser,
+        (limits, args.tool_call_parser),
     ));
     engine.shutdown();
     result
@@ -312,8 +311,10 @@ async fn serve(
     (admin_token, api_key, dev_mode): (Option<String>, Option<String>, bool),
     (pause_wait, checkpoint_read): (std::time::Duration, std::time::Duration),
     secret: pdkv_connector::KvSecret,
-    limits: pdkv_server::listen::HttpLimits,
-    tool_parser: Option<pdkv_server::tools::Parser>,
+    (limits, tool_parser): (
+        pdkv_server::listen::HttpLimits,
+        Option<pdkv_server::tools::Parser>,
+    ),
 ) -> anyhow::Result<()> {
     // Weight syncs prove the deployment's KV secret to the publisher.
     let mut state = AppState::new(engine.clone(), served_name.clone())

@@ -21,8 +21,11 @@ fn compiler(e: &EngineHandle) -> Compiler {
     Compiler::new(e.tokenizer().clone(), e.model_config().vocab_size, &stops)
 }
 
+/// Whether a complete output follows its constraint.
+type Check = fn(&str) -> bool;
+
 /// The constraints under test, with a check of a complete output.
-fn specs() -> Vec<(&'static str, Spec, fn(&str) -> bool)> {
+fn specs() -> Vec<(&'static str, Spec, Check)> {
     let schema = json!({
         "type": "object",
         "properties": {
@@ -87,7 +90,7 @@ fn specs() -> Vec<(&'static str, Spec, fn(&str) -> bool)> {
 /// (id, prompt, params, check) for every spec, greedy and seeded, plus
 /// unconstrained requests in between.
 #[allow(clippy::type_complexity)]
-fn cases(c: &Compiler) -> Vec<(String, Vec<u32>, SamplingParams, Option<fn(&str) -> bool>)> {
+fn cases(c: &Compiler) -> Vec<(String, Vec<u32>, SamplingParams, Option<Check>)> {
     let mut v = Vec::new();
     for (i, (name, spec, check)) in specs().into_iter().enumerate() {
         let g = c.compile(&spec).unwrap_or_else(|e| panic!("{name}: {e}"));

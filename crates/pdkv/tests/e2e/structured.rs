@@ -46,7 +46,7 @@ fn valid(text: &str) -> Result<(), String> {
     if name.chars().count() > 24 {
         return Err("name too long".into());
     }
-    if !o["age"].as_u64().is_some_and(|a| a <= 120) {
+    if o["age"].as_u64().is_none_or(|a| a > 120) {
         return Err("age".into());
     }
     let hobbies = o["hobbies"].as_array().ok_or("hobbies")?;
