@@ -5,6 +5,8 @@
 
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
+use axum::http::{header, HeaderValue};
+use axum::response::{IntoResponse, Response};
 use pdkv_engine::{AddRequestError, EngineRequest, SamplingParams};
 use serde_json::{json, Value};
 
@@ -154,6 +156,20 @@ pub(crate) fn failed_request(out: &pdkv_engine::RequestOutput) -> ApiError {
         return ApiError::internal(message).with_code("structured_output_failed");
     }
     ApiError::internal(message).with_code("kv_transfer_failed")
+}
+
+/// Echoes the request id in an `X-Request-Id` response header (when it is a
+/// valid header value).
+pub(crate) fn with_request_id(mut resp: Response, id: &str) -> Response {
+    if let Ok(v) = HeaderValue::from_str(id) {
+        resp.headers_mut().insert("x-request-id", v);
+    }
+    resp
+}
+
+/// A JSON body with its content type.
+pub(crate) fn json_response(v: &Value) -> Response {
+    ([(header::CONTENT_TYPE, "application/json")], v.to_string()).into_response()
 }
 
 pub(crate) fn usage_json(prompt: usize, completion: usize) -> Value {

@@ -23,8 +23,8 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 
 use crate::admin::{on_engine, reload_from_disk, QueryParams, DEFAULT_TIMEOUT};
+use crate::admit::json_response;
 use crate::error::ApiError;
-use crate::routes::json_response;
 use crate::AppState;
 
 pub(crate) fn routes() -> Router<AppState> {

@@ -25,6 +25,7 @@ use pdkv_engine::{FinishReason, RequestOutput};
 use serde::Deserialize;
 use serde_json::{json, Value};
 
+use crate::admit::{json_response, with_request_id};
 use crate::admit::{kv_params, usage_json, PromptIn};
 use crate::choices::{admit_group, parse_n, Group};
 use crate::error::ApiError;
@@ -33,8 +34,8 @@ use crate::listen::PeerAddr;
 use crate::logprobs::{self, Names};
 use crate::openai::{parse_max_tokens, Endpoint, SamplingFields, StreamOptions};
 use crate::routes::{
-    check_model, check_sampling_ids, check_token_ids, choose_request_id, json_response,
-    reports_token_ids, truncate_prompt, with_request_id,
+    check_model, check_sampling_ids, check_token_ids, choose_request_id, reports_token_ids,
+    truncate_prompt,
 };
 use crate::sse::{sse_response, ChunkHead};
 use crate::AppState;

@@ -32,6 +32,7 @@
 pub mod admin;
 mod admit;
 mod api_key;
+mod chat;
 mod choices;
 mod compat;
 mod dialects;

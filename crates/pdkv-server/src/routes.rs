@@ -12,7 +12,8 @@ use pdkv_engine::{FinishReason, RequestOutput, SamplingParams};
 use pdkv_model::{ChatMessage, Tokenizer};
 use serde_json::{json, Value};
 
-use crate::admit::{kv_params, usage_json, KvIn, PromptIn};
+use crate::admit::{json_response, kv_params, usage_json, with_request_id, KvIn, PromptIn};
+use crate::chat::{stream_chat, whole_chat, ChatView};
 use crate::choices::{admit_group, parse_n, Choice, Group};
 use crate::error::ApiError;
 use crate::fields::Screened;
@@ -224,23 +225,10 @@ pub(crate) fn choose_request_id(
     Ok(state.scoped_request_id(id, &sender))
 }
 
-/// Echoes the request id in an `X-Request-Id` response header (when it is a
-/// valid header value).
-pub(crate) fn with_request_id(mut resp: Response, id: &str) -> Response {
-    if let Ok(v) = HeaderValue::from_str(id) {
-        resp.headers_mut().insert("x-request-id", v);
-    }
-    resp
-}
-
 /// Whether the caller asked for each streamed event's token ids
 /// ([`pdkv_relay::TOKEN_IDS_HEADER`]).
 pub(crate) fn reports_token_ids(headers: &HeaderMap) -> bool {
     headers.contains_key(pdkv_relay::TOKEN_IDS_HEADER)
-}
-
-pub(crate) fn json_response(v: &Value) -> Response {
-    ([(header::CONTENT_TYPE, "application/json")], v.to_string()).into_response()
 }
 
 /// `POST /v1/completions`.
@@ -764,147 +752,6 @@ fn check_chat_request(
         ));
     }
     Ok((messages, max_tokens))
-}
-
-/// How a chat completion's choices are shown: the options that shape them.
-struct ChatView {
-    tok: Arc<Tokenizer>,
-    /// How log-probabilities name tokens (`return_tokens_as_token_ids`).
-    names: logprobs::Names,
-    /// `top_logprobs` when log-probabilities are asked for.
-    top: Option<usize>,
-    want_prompt_logprobs: bool,
-    return_token_ids: bool,
-    /// The prompt's token ids, when `return_token_ids` is set.
-    prompt_ids: Option<Vec<u32>>,
-    /// Answers are read for tool calls.
-    tools: Option<crate::tools::Tools>,
-}
-
-impl ChatView {
-    /// A choice's `logprobs` field.
-    fn content_logprobs(&self, lps: &[TokenLogprobs]) -> Value {
-        match self.top {
-            Some(k) => json!({"content": logprobs::chat_content(&self.tok, self.names, lps, k)}),
-            None => Value::Null,
-        }
-    }
-}
-
-/// A chat completion's choices as server-sent events: each choice's role
-/// first, then its deltas.
-fn stream_chat(group: Group, view: ChatView, model: String, include_usage: bool) -> Response {
-    let (id, created) = (group.id.clone(), group.created);
-    let head = ChunkHead {
-        id: id.clone(),
-        created,
-        object: "chat.completion.chunk",
-        model: model.clone(),
-    };
-    let base =
-        json!({"id": id, "object": "chat.completion.chunk", "created": created, "model": model});
-    let first: Vec<Value> = (0..group.n())
-            .map(|i| {
-                let mut v = base.clone();
-                v["choices"] = json!([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": null, "finish_reason": null}]);
-                if include_usage {
-                    v["usage"] = Value::Null;
-                }
-                if i == 0 {
-                    if let Some(ids) = &view.prompt_ids {
-                        v["prompt_token_ids"] = json!(ids);
-                    }
-                }
-                v
-            })
-            .collect();
-    let mut calls: Vec<crate::tools::Streamed> = (0..group.n())
-        .map(|_| crate::tools::Streamed::default())
-        .collect();
-    let chunk = move |i: usize, out: &RequestOutput, usage: bool| {
-        let (delta, finish) = match &view.tools {
-            Some(t) => calls[i].push(t, &out.text, out.finish_reason),
-            None => (
-                if out.text.is_empty() {
-                    json!({})
-                } else {
-                    json!({"content": out.text})
-                },
-                out.finish_reason.map(FinishReason::as_str),
-            ),
-        };
-        let shows_tokens = view.top.is_some() || view.return_token_ids;
-        let sends_prompt_lp = view.want_prompt_logprobs && out.prompt_logprobs.is_some();
-        let empty = delta.as_object().is_some_and(|d| d.is_empty());
-        if empty && finish.is_none() && !shows_tokens && !sends_prompt_lp {
-            return None;
-        }
-        let mut v = base.clone();
-        let mut choice = json!({"index": i, "delta": delta, "logprobs": view.content_logprobs(&out.logprobs), "finish_reason": finish});
-        if view.return_token_ids {
-            choice["token_ids"] = json!(out.token_ids);
-        }
-        v["choices"] = json!([choice]);
-        if sends_prompt_lp {
-            v["prompt_logprobs"] =
-                logprobs::prompt_logprobs(&view.tok, out.prompt_logprobs.as_deref().unwrap_or(&[]));
-        }
-        if usage {
-            v["usage"] = Value::Null;
-        }
-        Some(v)
-    };
-    let id = group.id.clone();
-    with_request_id(sse_response(group, head, include_usage, first, chunk), &id)
-}
-
-/// A chat completion's choices, whole, in one JSON answer.
-async fn whole_chat(mut group: Group, view: ChatView, model: String) -> Result<Response, ApiError> {
-    let done = group.collect().await?;
-    let choices: Vec<Value> = done
-        .iter()
-        .enumerate()
-        .map(|(i, c)| {
-            let finish = c.finish_reason.unwrap_or(FinishReason::Abort);
-            let (message, finish) = match &view.tools {
-                Some(t) => crate::tools::message(t, &c.text, finish),
-                None => (
-                    json!({"role": "assistant", "content": c.text}),
-                    finish.as_str(),
-                ),
-            };
-            let mut v = json!({
-                "index": i,
-                "message": message,
-                "logprobs": view.content_logprobs(&c.logprobs),
-                "finish_reason": finish,
-            });
-            if view.return_token_ids {
-                v["token_ids"] = json!(c.token_ids);
-            }
-            v
-        })
-        .collect();
-    let mut body = json!({
-        "id": group.id,
-        "object": "chat.completion",
-        "created": group.created,
-        "model": model,
-        "choices": choices,
-        "usage": usage_json(group.num_prompt_tokens, group.generated()),
-        "kv_transfer_params": done[0].kv_transfer_params,
-    });
-    if view.want_prompt_logprobs {
-        body["prompt_logprobs"] = done[0]
-            .prompt_logprobs
-            .as_deref()
-            .map_or(Value::Null, |p| logprobs::prompt_logprobs(&view.tok, p));
-    }
-    if let Some(ids) = view.prompt_ids {
-        body["prompt_token_ids"] = json!(ids);
-    }
-    let resp = json_response(&body);
-    Ok(with_request_id(resp, &group.id))
 }
 
 /// `GET /weight_sync/manifest` (open, as a publisher's manifest is: the

@@ -7,9 +7,10 @@ use axum::response::Response;
 use serde::Deserialize;
 use serde_json::json;
 
+use crate::admit::json_response;
 use crate::error::{ApiError, ApiJson};
 use crate::openai::{chat_messages, ChatMessageIn};
-use crate::routes::{blocking, chat_prompt_tokens, check_model, json_response};
+use crate::routes::{blocking, chat_prompt_tokens, check_model};
 use crate::AppState;
 
 /// The body of `POST /tokenize`: exactly one of `prompt` and `messages`.

@@ -23,6 +23,7 @@ mod driver;
 mod executor;
 mod handle;
 mod limits;
+mod requests;
 mod stepper;
 
 use std::sync::mpsc::sync_channel;

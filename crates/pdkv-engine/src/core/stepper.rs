@@ -17,15 +17,14 @@ use pdkv_vmem::RankPools;
 
 use super::command::{abort_output, AddRequest, Command, LifecycleReply, OutputSink, Reply};
 use super::limits::{check_config, RequestLimits};
+use super::requests::{ActiveRequest, PromptLogprobs};
 use crate::clock::Clock;
 use crate::connector::{KvConnector, Waker};
 use crate::constraint::{ConstraintError, StructuredStats, TokenConstraint};
 use crate::detok::{Decode, IncrementalDetokenizer, StopChecker};
 use crate::lifecycle::{LifecycleStatus, Machine, Refusal, SleepLevel, Ticket, WeightInfo};
 use crate::model::ModelRunner;
-use crate::sampling::{
-    logprobs, sample, LogitsAdjust, SamplingConfig, TokenHistory, TokenLogprobs,
-};
+use crate::sampling::{logprobs, sample, LogitsAdjust, SamplingConfig, TokenHistory};
 use crate::scheduler::{NewRequest, Scheduler, SchedulerConfig, SchedulerOutput};
 use crate::{
     AddRequestError, EngineConfig, EngineRequest, EngineStats, FinishReason, RequestOutput,
@@ -85,70 +84,6 @@ pub struct CoreParts {
     pub weight_info: WeightInfo,
     pub clock: Arc<dyn Clock>,
     pub publisher: Box<dyn Publisher>,
-}
-
-/// Per-request state the core keeps next to the scheduler's.
-struct ActiveRequest {
-    serial: u64,
-    output: OutputSink,
-    sampling: SamplingConfig,
-    adjust: LogitsAdjust,
-    /// The tokens seen so far (penalties, `min_tokens`).
-    history: TokenHistory,
-    /// Structured outputs: where the output is in its grammar.
-    guide: Option<Box<dyn TokenConstraint>>,
-    return_logits: bool,
-    /// Top log-probabilities per output token, when asked.
-    logprobs: Option<usize>,
-    prompt_logprobs: Option<PromptLogprobs>,
-    detok: IncrementalDetokenizer,
-    stops: StopChecker,
-    /// Stop strings match only once this many tokens were generated.
-    min_tokens: usize,
-    num_prompt_tokens: usize,
-    num_cached_tokens: usize,
-}
-
-/// A request's prompt log-probabilities, gathered from its prefill's rows
-/// (chunk by chunk; a preempted prefill computes them again and the rows
-/// already gathered are skipped).
-struct PromptLogprobs {
-    top: usize,
-    prompt: Vec<u32>,
-    /// One per prompt token so far; the first is `None`.
-    entries: Vec<Option<TokenLogprobs>>,
-    sent: bool,
-}
-
-impl PromptLogprobs {
-    /// Takes the row computed at prompt position `pos`: it predicts the
-    /// token at `pos + 1`.
-    fn take_row(&mut self, pos: usize, row: &[f32]) {
-        let next = pos + 1;
-        if next == self.entries.len() && next < self.prompt.len() {
-            self.entries
-                .push(Some(logprobs(row, self.prompt[next], self.top)));
-        }
-    }
-}
-
-impl ActiveRequest {
-    fn output(&self, id: &str) -> RequestOutput {
-        RequestOutput {
-            request_id: id.to_string(),
-            token_ids: Vec::new(),
-            text: String::new(),
-            finish_reason: None,
-            num_prompt_tokens: self.num_prompt_tokens,
-            num_cached_tokens: self.num_cached_tokens,
-            logits: Vec::new(),
-            logprobs: Vec::new(),
-            prompt_logprobs: None,
-            kv_transfer_params: None,
-            error: None,
-            timed_out: false,
-        }
-    }
 }
 
 impl SpecStats {
