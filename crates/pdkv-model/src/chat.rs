@@ -152,4 +152,38 @@ mod tests {
         assert!(t.validate().is_err());
         assert!(t.render(&[], false).is_err());
     }
+
+    /// Tools and calls reach the template as a tool-aware template (Qwen's
+    /// and Hermes' shape) reads them.
+    #[test]
+    fn tools_calls_and_tool_answers_reach_the_template() {
+        let src = "{% if tools %}TOOLS:{% for t in tools %}{{ t.function.name }};{% endfor %}\n{% endif %}\
+{% for m in messages %}{{ m.role }}:{% if m.tool_calls %}{% for c in m.tool_calls %}<tool_call>{{ c.function.name }}({{ c.function.arguments }})</tool_call>{% endfor %}\
+{% elif m.role == 'tool' %}[{{ m.tool_call_id }}] {{ m.content }}{% else %}{{ m.content }}{% endif %}\n{% endfor %}";
+        let t = ChatTemplate::new(src.into(), String::new(), String::new());
+        let call = serde_json::json!([{"id": "c1", "type": "function", "function": {"name": "get_time", "arguments": "{}"}}]);
+        let msgs = [
+            msg("user", "time?"),
+            ChatMessage {
+                tool_calls: Some(call),
+                ..msg("assistant", "")
+            },
+            ChatMessage {
+                tool_call_id: Some("c1".into()),
+                ..msg("tool", "14:05")
+            },
+        ];
+        let mut vars = serde_json::Map::new();
+        vars.insert(
+            "tools".into(),
+            serde_json::json!([{"type": "function", "function": {"name": "get_time"}}]),
+        );
+        let out = t.render_with(&msgs, false, &vars).unwrap();
+        assert_eq!(
+            out,
+            // trim_blocks eats the newline after each block tag, as in
+            // Hugging Face's rendering.
+            "TOOLS:get_time;user:time?assistant:<tool_call>get_time({})</tool_call>tool:[c1] 14:05"
+        );
+    }
 }

@@ -119,7 +119,7 @@ impl AppState {
             .unwrap_or_default();
         AppState {
             inner: Arc::new(StateInner {
-                structured: structured::compiler_for(&engine),
+                structured: Arc::new(pdkv_structured::Compiler::for_engine(&engine)),
                 engine,
                 metrics: Arc::new(Metrics::new()),
                 served_model_name: served_model_name.into(),

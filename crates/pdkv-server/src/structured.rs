@@ -5,7 +5,6 @@
 //! handed to the engine with the sampling parameters. Every refusal is a
 //! 400 naming the field that asked.
 
-use std::sync::Arc;
 use std::time::Duration;
 
 use pdkv_engine::SamplingParams;
@@ -19,18 +18,6 @@ use crate::AppState;
 /// takes longer goes on (and is cached when it ends); the request is
 /// refused.
 pub const COMPILE_WAIT: Duration = Duration::from_secs(10);
-
-/// The compiler for the served model's tokenizer and vocabulary.
-pub(crate) fn compiler_for(engine: &pdkv_engine::EngineHandle) -> Arc<Compiler> {
-    let tok = engine.tokenizer().clone();
-    let mut stops: Vec<u32> = tok.eos_token_ids().to_vec();
-    for &e in &engine.model_config().eos_token_ids {
-        if !stops.contains(&e) {
-            stops.push(e);
-        }
-    }
-    Arc::new(Compiler::new(tok, engine.model_config().vocab_size, &stops))
-}
 
 /// Sets `params.constraint` from the request's fields (nothing when none
 /// asks for one).

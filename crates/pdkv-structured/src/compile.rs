@@ -120,6 +120,22 @@ impl Compiler {
         }
     }
 
+    /// A compiler for what `engine` serves: its tokenizer, its logits
+    /// width, and the end tokens of its tokenizer and model config.
+    pub fn for_engine(engine: &pdkv_engine::EngineHandle) -> Compiler {
+        let mut stops = engine.tokenizer().eos_token_ids().to_vec();
+        for &e in &engine.model_config().eos_token_ids {
+            if !stops.contains(&e) {
+                stops.push(e);
+            }
+        }
+        Compiler::new(
+            engine.tokenizer().clone(),
+            engine.model_config().vocab_size,
+            &stops,
+        )
+    }
+
     pub fn stats(&self) -> CompilerStats {
         *self.stats.lock().unwrap_or_else(|p| p.into_inner())
     }

@@ -8,7 +8,6 @@
 //! last line of stdout is a JSON summary.
 
 use std::path::PathBuf;
-use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::{bail, Context};
@@ -105,7 +104,7 @@ pub fn run_structured(args: StructuredArgs) -> anyhow::Result<()> {
     )
     .context("starting the engine")?;
     let result = (|| -> anyhow::Result<()> {
-        let compiler = compiler(&engine);
+        let compiler = Compiler::for_engine(&engine);
         let t0 = Instant::now();
         let grammar = compiler
             .compile(&Spec::Json {
@@ -168,21 +167,6 @@ pub fn run_structured(args: StructuredArgs) -> anyhow::Result<()> {
     })();
     engine.shutdown();
     result
-}
-
-/// The compiler for an engine's tokenizer and vocabulary.
-pub(crate) fn compiler(engine: &EngineHandle) -> Compiler {
-    let mut stops = engine.tokenizer().eos_token_ids().to_vec();
-    for &s in &engine.model_config().eos_token_ids {
-        if !stops.contains(&s) {
-            stops.push(s);
-        }
-    }
-    Compiler::new(
-        Arc::clone(engine.tokenizer()),
-        engine.model_config().vocab_size,
-        &stops,
-    )
 }
 
 /// Runs every prompt at once (constrained by `grammar` when given) and

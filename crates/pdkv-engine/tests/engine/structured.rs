@@ -12,13 +12,7 @@ use pdkv_structured::{Compiler, JsonOptions, Spec};
 use serde_json::{json, Value};
 
 fn compiler(e: &EngineHandle) -> Compiler {
-    let mut stops = e.tokenizer().eos_token_ids().to_vec();
-    for &s in &e.model_config().eos_token_ids {
-        if !stops.contains(&s) {
-            stops.push(s);
-        }
-    }
-    Compiler::new(e.tokenizer().clone(), e.model_config().vocab_size, &stops)
+    Compiler::for_engine(e)
 }
 
 /// Whether a complete output follows its constraint.
@@ -254,4 +248,63 @@ fn resumed_outputs_advance_the_grammar() {
     assert_eq!(last.finish_reason, Some(FinishReason::Error));
     assert!(last.error.unwrap_or_default().contains("structured output"));
     assert_eq!(wait_idle(&e).structured.num_running, 0);
+}
+
+/// A `keep` pause in the middle of a constrained request freezes it with
+/// its grammar; after the resume it ends as it would have. A stop string
+/// cuts a constrained output as any other.
+#[test]
+fn a_keep_pause_and_a_stop_string_leave_the_grammar_in_place() {
+    let e = start(Arch::Llama, config(256, 256));
+    let c = compiler(&e);
+    // Long enough (300 letters) to be running when the pause comes.
+    let letters = c.compile(&Spec::Regex("[a-z]{300}".into())).unwrap();
+    let params = SamplingParams {
+        temperature: 1.5,
+        seed: Some(3),
+        max_tokens: 400,
+        constraint: Some(letters),
+        ..SamplingParams::default()
+    };
+    let want = run_one(&e, request("whole", prompt(31, 12), params.clone()));
+    assert_eq!(want.finish, Some(FinishReason::Stop));
+    assert!(want.text.len() == 300 && want.text.bytes().all(|b| b.is_ascii_lowercase()));
+
+    let mut s = e
+        .add_request(request("paused", prompt(31, 12), params))
+        .expect("accepted");
+    let mut got = Collected::default();
+    let first = s.blocking_next().expect("a first output");
+    got.tokens.extend(&first.token_ids);
+    got.text.push_str(&first.text);
+    e.pause(pdkv_engine::PauseMode::Keep, true, WAIT)
+        .expect("pause");
+    e.resume().expect("resume");
+    while let Some(o) = s.blocking_next() {
+        got.tokens.extend(&o.token_ids);
+        got.text.push_str(&o.text);
+        got.finish = o.finish_reason;
+    }
+    assert_eq!(
+        (&got.tokens, &got.text, got.finish),
+        (&want.tokens, &want.text, want.finish)
+    );
+
+    let words = c
+        .compile(&Spec::Regex("[a-z]{2,5}( [a-z]{2,5}){1,2}\\.".into()))
+        .unwrap();
+    let cut = SamplingParams {
+        temperature: 0.0,
+        max_tokens: 40,
+        stop: vec![" ".into()],
+        constraint: Some(words),
+        ..SamplingParams::default()
+    };
+    let out = run_one(&e, request("cut", prompt(32, 12), cut));
+    assert_eq!(out.finish, Some(FinishReason::Stop));
+    assert!(
+        (2..=5).contains(&out.text.len()) && out.text.bytes().all(|b| b.is_ascii_lowercase()),
+        "the first word only: {:?}",
+        out.text
+    );
 }
