@@ -270,7 +270,86 @@ fn top_level(spec: &Spec) -> Result<TopLevelGrammar, CompileError> {
             TopLevelGrammar::from_grammar(GrammarWithLexer::from_lark(lark))
         }
         Spec::Grammar(g) => TopLevelGrammar::from_lark(g.clone()),
+        Spec::StructuralTag {
+            structures,
+            triggers,
+        } => TopLevelGrammar::from_lark(structural_lark(structures, triggers)),
     })
+}
+
+/// A structural tag as Lark: chunks of free text each ending at a
+/// trigger's first occurrence (`PRE_t`, which holds no other trigger),
+/// each followed by one of the structures that begin with that trigger,
+/// then free text holding no trigger. A structure belongs to the longest
+/// trigger its `begin` starts with.
+fn structural_lark(structures: &[crate::request::Structure], triggers: &[String]) -> String {
+    let any_trigger = triggers
+        .iter()
+        .map(|t| rx_escape(t))
+        .collect::<Vec<_>>()
+        .join("|");
+    let quote = |s: &str| serde_json::to_string(s).expect("a string serialises");
+    let mut lark = String::new();
+    let mut chunks = Vec::new();
+    for (t, trig) in triggers.iter().enumerate() {
+        let mine: Vec<(usize, &crate::request::Structure)> = structures
+            .iter()
+            .enumerate()
+            .filter(|(_, s)| {
+                let longest = triggers
+                    .iter()
+                    .filter(|x| s.begin.starts_with(x.as_str()))
+                    .max_by_key(|x| x.len());
+                longest == Some(trig)
+            })
+            .collect();
+        if mine.is_empty() {
+            continue;
+        }
+        chunks.push(format!("pre_{t} after_{t}"));
+        lark.push_str(&format!(
+            "pre_{t}[lazy]: PRE_{t}\nPRE_{t}: /(?s:.*){}/ & ~/(?s:.*)({any_trigger})(?s:.+)/\n",
+            rx_escape(trig)
+        ));
+        let alts: Vec<String> = mine.iter().map(|(k, _)| format!("s_{k}")).collect();
+        lark.push_str(&format!("after_{t}: {}\n", alts.join(" | ")));
+        for (k, s) in mine {
+            let rest = &s.begin[trig.len()..];
+            let schema = match &s.schema {
+                Value::Object(_) => s.schema.to_string(),
+                _ => "{}".to_string(),
+            };
+            let head = if rest.is_empty() {
+                String::new()
+            } else {
+                quote(rest) + " "
+            };
+            let tail = if s.end.is_empty() {
+                String::new()
+            } else {
+                " ".to_string() + &quote(&s.end)
+            };
+            lark.push_str(&format!("s_{k}: {head}%json {schema}{tail}\n"));
+        }
+    }
+    let mut top = format!(
+        "start: chunk* rest?\nrest: REST\nREST: /(?s:.+)/ & ~/(?s:.*)({any_trigger})(?s:.*)/\n"
+    );
+    top.push_str(&format!("chunk: {}\n", chunks.join(" | ")));
+    top + &lark
+}
+
+/// `s` with the regular-expression metacharacters (and Lark's `/`)
+/// escaped.
+fn rx_escape(s: &str) -> String {
+    let mut out = String::new();
+    for c in s.chars() {
+        if "\\.+*?()|[]{}^$#&-~/".contains(c) {
+            out.push('\\');
+        }
+        out.push(c);
+    }
+    out
 }
 
 fn regex_syntax_check(rx: &str) -> Result<(), String> {
@@ -321,15 +400,13 @@ fn close_objects(v: &mut Value) {
 }
 
 #[cfg(test)]
-mod tests {
+mod tests_support {
     use super::*;
-    use crate::request::JsonOptions;
-    use serde_json::json;
 
     /// Bytes-and-merges tokenizer of the tiny test models, with a few
     /// padding ids past it in the logits (as models pad their vocabulary).
-    const TOKENS: usize = 512;
-    const PADDED: usize = TOKENS + 5;
+    pub(super) const TOKENS: usize = 512;
+    pub(super) const PADDED: usize = TOKENS + 5;
 
     fn tokenizer() -> (Arc<Tokenizer>, Vec<u32>) {
         let json = pdkv_model::init::tokenizer_json(TOKENS).expect("tokenizer json");
@@ -344,10 +421,18 @@ mod tests {
         (Arc::new(tok.with_special_ids(None, stops.clone())), stops)
     }
 
-    fn compiler() -> (Compiler, Arc<Tokenizer>, Vec<u32>) {
+    pub(super) fn compiler() -> (Compiler, Arc<Tokenizer>, Vec<u32>) {
         let (tok, stops) = tokenizer();
         (Compiler::new(tok.clone(), PADDED, &stops), tok, stops)
     }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::tests_support::*;
+    use super::*;
+    use crate::request::JsonOptions;
+    use serde_json::json;
 
     /// A splitmix64 stream of logits in [0, 1).
     fn logits(seed: u64, step: u64) -> Vec<f32> {
@@ -602,5 +687,71 @@ mod whitespace_tests {
         );
         assert_eq!(closed["additionalProperties"], false);
         assert_eq!(closed["properties"]["a"]["additionalProperties"], false);
+    }
+}
+
+#[cfg(test)]
+mod structural_tests {
+    use super::tests_support::*;
+    use super::*;
+    use crate::request::Structure;
+    use serde_json::json;
+
+    /// Feeds `text`'s tokens: whether each is allowed, and whether the
+    /// output may end after them.
+    fn feed(g: &GrammarRef, tok: &Tokenizer, stops: &[u32], text: &str) -> Result<bool, String> {
+        let mut m = g.start();
+        for t in tok.encode(text, false).unwrap() {
+            let mut row = vec![0.0; PADDED];
+            m.apply(&mut row).map_err(|e| e.to_string())?;
+            if row[t as usize] == f32::NEG_INFINITY {
+                return Err(format!("{:?} refused in {text:?}", tok.decode(&[t], false)));
+            }
+            m.commit(t).map_err(|e| e.to_string())?;
+        }
+        let mut row = vec![0.0; PADDED];
+        m.apply(&mut row).map_err(|e| e.to_string())?;
+        Ok(row[stops[0] as usize].is_finite())
+    }
+
+    #[test]
+    fn structural_tags_hold_free_text_and_each_triggered_structure() {
+        let (c, tok, stops) = compiler();
+        let spec = Spec::StructuralTag {
+            structures: vec![
+                Structure {
+                    begin: "<f=weather>".into(),
+                    schema: json!({"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"], "additionalProperties": false}),
+                    end: "</f>".into(),
+                },
+                Structure {
+                    begin: "<f=time>".into(),
+                    schema: json!({"type": "object", "properties": {"tz": {"enum": ["utc", "cet"]}}, "required": ["tz"], "additionalProperties": false}),
+                    end: "</f>".into(),
+                },
+            ],
+            triggers: vec!["<f=".into()],
+        };
+        let g = c.compile(&spec).unwrap_or_else(|e| panic!("{e}"));
+        let ok = [
+            "just some text, no call at all",
+            "Let me look. <f=weather>{\"city\": \"Oslo\"}</f> and then <f=time>{\"tz\": \"cet\"}</f> done",
+            "<f=time>{\"tz\":\"utc\"}</f>",
+        ];
+        for text in ok {
+            assert_eq!(feed(&g, &tok, &stops, text), Ok(true), "{text:?}");
+        }
+        // Open structures cannot end; broken ones are refused.
+        assert_eq!(
+            feed(&g, &tok, &stops, "x <f=weather>{\"city\": \"Oslo\"}"),
+            Ok(false)
+        );
+        for bad in [
+            "x <f=rain>{}</f>",
+            "x <f=time>{\"tz\": \"pst\"}</f>",
+            "x <f=weather>{\"town\": \"Oslo\"}</f>",
+        ] {
+            assert!(feed(&g, &tok, &stops, bad).is_err(), "{bad:?} is refused");
+        }
     }
 }

@@ -17,4 +17,4 @@ pub mod request;
 mod vocab;
 
 pub use compile::{CompileError, Compiler, CompilerStats, JSON_WHITESPACE};
-pub use request::{Asked, FieldError, Fields, JsonOptions, Spec};
+pub use request::{Asked, FieldError, Fields, JsonOptions, Spec, Structure};

@@ -32,6 +32,21 @@ pub enum Spec {
     /// A Lark grammar (llguidance's dialect), or a GBNF one (rules written
     /// `name ::= ...`, converted to Lark; see [`crate::gbnf`]).
     Grammar(String),
+    /// Free text in which each occurrence of a trigger opens one of the
+    /// structures that begin with it: its `begin`, JSON valid against its
+    /// schema, its `end` (vLLM's `structural_tag`).
+    StructuralTag {
+        structures: Vec<Structure>,
+        triggers: Vec<String>,
+    },
+}
+
+/// One structure of a [`Spec::StructuralTag`].
+#[derive(Clone, Debug, PartialEq)]
+pub struct Structure {
+    pub begin: String,
+    pub schema: Value,
+    pub end: String,
 }
 
 /// How JSON may be laid out.
@@ -57,6 +72,7 @@ impl Spec {
             Spec::Regex(_) => "regex",
             Spec::Choice(_) => "choice",
             Spec::Grammar(_) => "grammar",
+            Spec::StructuralTag { .. } => "structural_tag",
         }
     }
 }
@@ -324,13 +340,17 @@ fn structured_outputs(v: &Value) -> Result<Spec, FieldError> {
         },
     };
     flag("disable_fallback")?;
-    if field("structural_tag").is_some() {
-        return Err(err(
-            "structured_outputs.structural_tag",
-            "structural tags are not supported yet (use json, regex, choice or grammar)",
-        ));
-    }
     let mut found: Vec<(&str, Spec)> = Vec::new();
+    if let Some(t) = field("structural_tag") {
+        // vLLM takes it as a JSON string; an object is read the same.
+        let param = "structured_outputs.structural_tag";
+        let v = match t {
+            Value::String(s) => serde_json::from_str::<Value>(s)
+                .map_err(|e| err(param, format!("is not JSON: {e}")))?,
+            other => other.clone(),
+        };
+        found.push(("structural_tag", structural_tag(param, &v)?));
+    }
     if let Some(j) = field("json") {
         found.push((
             "json",
@@ -404,15 +424,72 @@ fn response_format(v: &Value) -> Result<Option<Spec>, FieldError> {
                 })?;
             json_schema_object(js).map(Some)
         }
-        "structural_tag" => Err(err(
-            "response_format.type",
-            "structural_tag is not supported yet (json_object and json_schema are)",
-        )),
+        "structural_tag" => structural_tag("response_format", v).map(Some),
         other => Err(err(
             "response_format.type",
-            format!("unknown type {other:?}: text, json_object or json_schema"),
+            format!("unknown type {other:?}: text, json_object, json_schema or structural_tag"),
         )),
     }
+}
+
+/// `{"structures": [{"begin", "schema", "end"}, ..], "triggers": [..]}`
+/// (a `type` key aside): every structure begins with one of the triggers.
+fn structural_tag(param: &str, v: &Value) -> Result<Spec, FieldError> {
+    let obj = v
+        .as_object()
+        .ok_or_else(|| err(param, format!("must be an object, got {v}")))?;
+    for key in obj.keys() {
+        if !["type", "structures", "triggers"].contains(&key.as_str()) {
+            return Err(err(
+                format!("{param}.{key}"),
+                "unknown key; known: structures, triggers",
+            ));
+        }
+    }
+    let list = |k: &str| -> Result<&Vec<Value>, FieldError> {
+        obj.get(k)
+            .and_then(Value::as_array)
+            .filter(|a| !a.is_empty())
+            .ok_or_else(|| err(format!("{param}.{k}"), "is required: a non-empty list"))
+    };
+    let triggers = list("triggers")?
+        .iter()
+        .enumerate()
+        .map(|(i, t)| string(&format!("{param}.triggers[{i}]"), t))
+        .collect::<Result<Vec<String>, FieldError>>()?;
+    let mut structures = Vec::new();
+    for (i, s) in list("structures")?.iter().enumerate() {
+        let p = format!("{param}.structures[{i}]");
+        let text = |k: &str| -> Result<String, FieldError> {
+            match s.get(k) {
+                Some(Value::String(t)) => Ok(t.clone()),
+                _ => Err(err(format!("{p}.{k}"), "is required: a string")),
+            }
+        };
+        let begin = text("begin")?;
+        let end = text("end")?;
+        if !triggers.iter().any(|t| begin.starts_with(t.as_str())) {
+            return Err(err(
+                format!("{p}.begin"),
+                format!("{begin:?} starts with none of the triggers"),
+            ));
+        }
+        let schema = match s.get("schema") {
+            Some(sc @ (Value::Object(_) | Value::Bool(true))) => sc.clone(),
+            None => Value::Bool(true),
+            Some(other) => {
+                return Err(err(
+                    format!("{p}.schema"),
+                    format!("must be a JSON schema (an object), got {other}"),
+                ))
+            }
+        };
+        structures.push(Structure { begin, schema, end });
+    }
+    Ok(Spec::StructuralTag {
+        structures,
+        triggers,
+    })
 }
 
 /// `response_format.json_schema`: `schema` (any schema when absent, as
@@ -509,6 +586,20 @@ mod tests {
             })
         );
         assert_eq!(Fields::default().spec().unwrap(), None);
+        let tag = json!({"structures": [{"begin": "<f=a>", "schema": {"type": "object"}, "end": "</f>"}], "triggers": ["<f="]});
+        let want = Some(Spec::StructuralTag {
+            structures: vec![Structure {
+                begin: "<f=a>".into(),
+                schema: json!({"type": "object"}),
+                end: "</f>".into(),
+            }],
+            triggers: vec!["<f=".into()],
+        });
+        let mut typed = tag.clone();
+        typed["type"] = json!("structural_tag");
+        assert_eq!(spec("response_format", typed).unwrap(), want);
+        let as_text = json!({"structural_tag": tag.to_string()});
+        assert_eq!(spec("structured_outputs", as_text).unwrap(), want);
     }
 
     #[test]
@@ -563,7 +654,12 @@ mod tests {
             (
                 "structured_outputs",
                 json!({"structural_tag": "{}"}),
-                "structured_outputs.structural_tag",
+                "structured_outputs.structural_tag.triggers",
+            ),
+            (
+                "response_format",
+                json!({"type": "structural_tag", "triggers": ["<f="], "structures": [{"begin": "<g>", "end": "</g>"}]}),
+                "response_format.structures[0].begin",
             ),
             (
                 "response_format",

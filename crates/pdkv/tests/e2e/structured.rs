@@ -137,6 +137,31 @@ async fn constrained_outputs_through_prefill_and_decode() {
         "{v}"
     );
 
+    // Token ids in, token ids out (`/inference/v1/generate`).
+    let yes_no: Vec<String> = ["yes", "no"].iter().map(|w| w.to_string()).collect();
+    let body = json!({"token_ids": [504, 3458, 314, 260, 5048, 30], "sampling_params": {"max_tokens": 5,
+        "temperature": 0, "structured_outputs": {"choice": yes_no}}});
+    let (status, v) = post_json(&client, &pd.proxy.url("/inference/v1/generate"), &body).await;
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(v["choices"][0]["finish_reason"], "stop", "{v}");
+    let ids = v["choices"][0]["token_ids"]
+        .as_array()
+        .expect("token ids")
+        .len();
+    assert!((1..=2).contains(&ids), "\"yes\" or \"no\" and the end: {v}");
+
+    // A structural tag: free text, and any call it opens is whole.
+    let tag = json!({"type": "structural_tag", "triggers": ["<call="],
+        "structures": [{"begin": "<call=weather>", "schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}, "end": "</call>"}]});
+    let body = json!({"prompt": "The weather in Rome: <call=", "response_format": tag, "max_tokens": 40, "temperature": 0});
+    let (status, v) = post_json(&client, &cmpl, &body).await;
+    assert_eq!(status, 200, "{v}");
+    let text = v["choices"][0]["text"].as_str().unwrap();
+    if let Some(at) = text.find("<call=") {
+        let call = &text[at..];
+        assert!(call.starts_with("<call=weather>{"), "{text:?}");
+    }
+
     // A constraint that admits the greedy answer changes nothing.
     let free = json!({"messages": [{"role": "user", "content": "Name three colours."}], "max_tokens": 40, "temperature": 0,
         "logprobs": true, "top_logprobs": 1});
