@@ -127,6 +127,46 @@ def main():
         turns.append((text, check_json(text)))
         msgs += [{"role": "assistant", "content": text}, {"role": "user", "content": "Another one, older."}]
     report("three turns, json_schema", turns)
+
+    # A tool-use conversation: the model calls a tool, gets its answer, goes
+    # on; required, then a named function, then auto.
+    tools = [
+        {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
+         "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30}},
+                        "required": ["city"], "additionalProperties": False}}},
+        {"type": "function", "function": {"name": "get_time", "description": "The time in a timezone",
+         "parameters": {"type": "object", "properties": {"timezone": {"type": "string", "maxLength": 30}},
+                        "required": ["timezone"], "additionalProperties": False}}},
+    ]
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in tools}
+    msgs = [{"role": "user", "content": "What is the weather in Paris and the time there?"}]
+    calls_seen = []
+    for turn, choice in enumerate(["required", {"type": "function", "function": {"name": "get_time"}}, "auto"]):
+        # One call a turn, as an agent loop that answers each call in turn
+        # asks (SmolLM2-135M, allowed several, lists calls to its budget).
+        r = client.chat.completions.create(model=model, messages=msgs, tools=tools, tool_choice=choice,
+                                           parallel_tool_calls=False, temperature=1.0, seed=4000 + turn,
+                                           max_tokens=200)
+        c = r.choices[0]
+        calls = c.message.tool_calls or []
+        for call in calls:
+            try:
+                jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+                calls_seen.append((call.function.arguments, None))
+            except Exception as e:  # noqa: BLE001
+                calls_seen.append((call.function.arguments, f"{type(e).__name__}: {e}"))
+        if choice != "auto" and (not calls or c.finish_reason != "tool_calls"):
+            calls_seen.append((str(c.message), f"tool_choice {choice}: no call (finish {c.finish_reason})"))
+        if calls:
+            msgs.append({"role": "assistant", "content": c.message.content,
+                         "tool_calls": [call.model_dump() for call in calls]})
+            for call in calls:
+                msgs.append({"role": "tool", "tool_call_id": call.id, "content": "18 degrees; 14:05"})
+        else:
+            msgs.append({"role": "assistant", "content": c.message.content or ""})
+        print(f"  tools turn {turn + 1} ({choice if isinstance(choice, str) else 'named'}): "
+              f"{[(x.function.name, x.function.arguments) for x in calls] or repr((c.message.content or '')[:80])}")
+    report("tool calls over three turns (required, named, auto)", calls_seen)
     print("all outputs follow their constraints" if not failures else f"{len(failures)} broken outputs")
     return 1 if failures else 0
 

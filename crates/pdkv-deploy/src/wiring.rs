@@ -57,6 +57,10 @@ pub struct EngineWiring {
     /// The decode engines' `--speculative-config` (JSON; `None`: off).
     /// Prefill engines compute prompts and sample one token: they take none.
     pub speculative_config: Option<String>,
+    /// Every engine's `--tool-call-parser` with `--enable-auto-tool-choice`
+    /// (`None`: `tool_choice: auto` is refused). Prefill engines read the
+    /// same requests, so they take it too.
+    pub tool_call_parser: Option<String>,
 }
 
 impl EngineWiring {
@@ -75,6 +79,7 @@ impl EngineWiring {
             sleep_mode: false,
             weight_format: None,
             speculative_config: None,
+            tool_call_parser: None,
         }
     }
 
@@ -161,6 +166,13 @@ pub fn serve_args(
         .filter(|_| role != EngineRole::Prefill)
     {
         v.extend(["--speculative-config".to_string(), c.clone()]);
+    }
+    if let Some(p) = &w.tool_call_parser {
+        v.extend([
+            "--enable-auto-tool-choice".to_string(),
+            "--tool-call-parser".to_string(),
+            p.clone(),
+        ]);
     }
     v
 }

@@ -40,6 +40,15 @@ pub enum Parser {
     Llama3Json,
 }
 
+impl std::fmt::Display for Parser {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Parser::Hermes => "hermes",
+            Parser::Llama3Json => "llama3_json",
+        })
+    }
+}
+
 impl FromStr for Parser {
     type Err = String;
     fn from_str(s: &str) -> Result<Parser, String> {

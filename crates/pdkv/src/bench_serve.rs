@@ -276,6 +276,8 @@ async fn start_deployment(args: &ServeBenchArgs, procs: &mut Vec<Proc>) -> anyho
         num_kv_blocks: args.num_kv_blocks,
         kv_cache_dtype: pdkv_model::KvDtype::AUTO,
         speculative_config: args.speculative_config.clone(),
+        enable_auto_tool_choice: false,
+        tool_call_parser: None,
         tensor_parallel_size: 1,
         prefill_tensor_parallel_size: None,
         decode_tensor_parallel_size: None,

@@ -104,6 +104,14 @@ pub struct UpArgs {
     /// --speculative-config`).
     #[arg(long)]
     pub speculative_config: Option<String>,
+    /// Lets chat requests use `tool_choice: "auto"` on every server (see
+    /// `pdkv serve --enable-auto-tool-choice`).
+    #[arg(long, requires = "tool_call_parser")]
+    pub enable_auto_tool_choice: bool,
+    /// How the servers read calls with `--enable-auto-tool-choice`
+    /// (`hermes` or `llama3_json`).
+    #[arg(long, requires = "enable_auto_tool_choice")]
+    pub tool_call_parser: Option<pdkv_server::tools::Parser>,
     /// Ranks each server splits the model over (tensor parallelism); each
     /// rank moves its own KV heads.
     #[arg(long, short = 't', default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=64))]
@@ -218,6 +226,7 @@ fn spec(args: &UpArgs, model: &std::path::Path, ports: &Ports) -> anyhow::Result
             .map_err(|e| anyhow::anyhow!(e))?;
         wiring.speculative_config = Some(c.clone());
     }
+    wiring.tool_call_parser = args.tool_call_parser.map(|p| p.to_string());
     Ok(Spec {
         exe: std::env::current_exe().context("finding the pdkv executable")?,
         model: model.to_path_buf(),
@@ -405,5 +414,37 @@ mod tests {
         let bad = Cli::parse_from(["up", "--speculative-config", r#"{"method":"eagle"}"#]).up;
         let err = spec(&bad, dir, &ports).unwrap_err().to_string();
         assert!(err.contains("\"eagle\" is not supported"), "{err}");
+    }
+
+    /// The tool call parser reaches every server, prefill ones too (they
+    /// read the same chat requests), with the flag that enables it.
+    #[test]
+    fn the_tool_call_parser_reaches_every_server() {
+        let dir = std::path::Path::new("/m");
+        let args = Cli::parse_from([
+            "up",
+            "--enable-auto-tool-choice",
+            "--tool-call-parser",
+            "hermes",
+        ])
+        .up;
+        let ports = Ports::choose(&args).unwrap();
+        let s = spec(&args, dir, &ports).unwrap();
+        for role in [
+            pdkv_deploy::EngineRole::Prefill,
+            pdkv_deploy::EngineRole::Decode,
+        ] {
+            let serve = pdkv_deploy::serve_args(&s.wiring, dir, role, 0, 0, "e0");
+            let at = serve
+                .iter()
+                .position(|a| a == "--tool-call-parser")
+                .expect("the parser");
+            assert_eq!(serve[at + 1], "hermes");
+            assert!(serve.contains(&"--enable-auto-tool-choice".to_string()));
+        }
+        assert!(
+            Cli::try_parse_from(["up", "--tool-call-parser", "hermes"]).is_err(),
+            "both flags or none"
+        );
     }
 }
