@@ -126,6 +126,13 @@ pub struct ServeBenchArgs {
     /// that close a kept-alive connection just as a client reuses it).
     #[arg(long)]
     pub fresh_connections: bool,
+    /// Every request's output constrained by a JSON schema (nested
+    /// objects, arrays, enums) that no answer completes within
+    /// `--max-tokens`, so the token counts stay those of unconstrained
+    /// requests: run with and without it for the ratio (`pdkv bench
+    /// structured` measures it on one engine in one run).
+    #[arg(long)]
+    pub structured: bool,
     /// Idle TCP connections held open on the proxy's HTTP port.
     #[arg(long, default_value_t = 0)]
     pub idle_flood: usize,
@@ -562,6 +569,7 @@ async fn drive(
         request_timeout: Duration::from_secs(args.request_timeout_s),
         requests: args.requests,
         fresh_connections: args.fresh_connections,
+        structured: args.structured,
     });
     let counters = Arc::new(load::Counters::default());
     let t0 = Instant::now();

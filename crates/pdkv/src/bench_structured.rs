@@ -40,7 +40,7 @@ pub struct StructuredArgs {
 
 /// Records of people: a schema with nested objects, arrays, enums, bounds
 /// and required fields, long enough that no answer completes it.
-fn schema() -> serde_json::Value {
+pub(crate) fn schema() -> serde_json::Value {
     json!({
         "type": "object",
         "properties": {"people": {"type": "array", "minItems": 200, "items": {

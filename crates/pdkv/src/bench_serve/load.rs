@@ -32,6 +32,8 @@ pub struct LoadConfig {
     pub requests: Option<u64>,
     /// No connection is kept for a later request.
     pub fresh_connections: bool,
+    /// Requests carry a JSON schema (`response_format`).
+    pub structured: bool,
 }
 
 /// Live counts, read by the sampler while the workers run.
@@ -100,8 +102,10 @@ pub fn plan(cfg: &LoadConfig, index: u64) -> Plan {
 
 /// The request body: greedy, EOS ignored (so every request generates
 /// `max_tokens` tokens), streamed with token ids and usage.
+/// With `structured`, a JSON schema constrains the output (long enough
+/// that no answer completes it before `max_tokens`).
 pub fn body(cfg: &LoadConfig, plan: &Plan) -> Value {
-    json!({
+    let mut b = json!({
         "prompt": plan.prompt,
         "max_tokens": cfg.max_tokens,
         "temperature": 0,
@@ -109,7 +113,12 @@ pub fn body(cfg: &LoadConfig, plan: &Plan) -> Value {
         "stream": true,
         "stream_options": {"include_usage": true},
         "return_token_ids": true,
-    })
+    });
+    if cfg.structured {
+        b["response_format"] = json!({"type": "json_schema", "json_schema": {
+            "name": "records", "schema": crate::bench_structured::schema()}});
+    }
+    b
 }
 
 /// A failure that was not intended: its cause (the key failures are
@@ -580,7 +589,25 @@ mod tests {
             request_timeout: Duration::from_secs(1),
             requests: None,
             fresh_connections: false,
+            structured: false,
         }
+    }
+
+    /// `--structured` requests carry a schema no answer completes within
+    /// `max_tokens` (so every request still makes `max_tokens` tokens).
+    #[test]
+    fn structured_requests_carry_a_long_schema() {
+        let mut c = cfg();
+        assert!(body(&c, &plan(&c, 0)).get("response_format").is_none());
+        c.structured = true;
+        let b = body(&c, &plan(&c, 0));
+        let schema = &b["response_format"]["json_schema"]["schema"];
+        assert_eq!(b["response_format"]["type"], "json_schema");
+        assert!(
+            schema["properties"]["people"]["minItems"].as_u64() >= Some(200),
+            "{b}"
+        );
+        assert_eq!(b["ignore_eos"], true);
     }
 
     #[test]
