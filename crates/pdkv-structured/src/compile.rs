@@ -193,12 +193,22 @@ impl Compiler {
         }
         let factory = self.factory()?;
         let started = Instant::now();
-        let parser = factory.create_parser(grammar);
+        let compiled = factory
+            .create_parser(grammar)
+            .map_err(|e| format!("{e:#}"))
+            .and_then(|parser| {
+                // A grammar that admits no output at all fails its first
+                // mask: refuse it here rather than at the request's first
+                // token.
+                let mut probe = Matcher::new(Ok(parser.deep_clone()));
+                match probe.compute_mask() {
+                    Ok(m) if !m.is_zero() => Ok(parser),
+                    Ok(_) => Err("it admits no output".to_string()),
+                    Err(e) => Err(format!("it admits no output ({e})")),
+                }
+            })
+            .map_err(|message| CompileError::Invalid { kind, message });
         let took = started.elapsed();
-        let compiled = parser.map_err(|e| CompileError::Invalid {
-            kind,
-            message: format!("{e:#}"),
-        });
         self.bump(|s| {
             s.compiles += 1;
             s.compile_seconds += took.as_secs_f64();
@@ -627,6 +637,10 @@ mod tests {
             .unwrap_err();
         assert!(e.to_string().contains("nope"), "{e}");
         let e = c
+            .compile(&Spec::Grammar("start: start\n".into()))
+            .unwrap_err();
+        assert!(e.to_string().contains("admits no output"), "{e}");
+        let e = c
             .compile(&Spec::Grammar("root ::= \"a".into()))
             .unwrap_err();
         assert!(e.to_string().contains("unterminated string"), "{e}");
@@ -642,7 +656,7 @@ mod tests {
             c.compile(&huge),
             Err(CompileError::TooLarge { .. })
         ));
-        assert_eq!(c.stats().errors, 5, "every refusal counts");
+        assert_eq!(c.stats().errors, 6, "every refusal counts");
     }
 }
 

@@ -188,6 +188,10 @@ async fn constrained_outputs_through_prefill_and_decode() {
             "structured_outputs",
         ),
         (
+            json!({"prompt": "x", "guided_grammar": "start: start\n"}),
+            "guided_grammar",
+        ),
+        (
             json!({"prompt": "x", "guided_json": {"type": "object", "properties": {"a": {"$ref": "#/$defs/none"}}}}),
             "guided_json",
         ),
