@@ -708,6 +708,8 @@ impl EngineCore {
             });
             let result = run_forward(runner, logits, vocab, plan);
             let done = clock.now();
+            // llguidance turns its own panics into errors (met at `apply`);
+            // a panic here is a bug of ours.
             let spent = masks.join().expect("mask thread panicked");
             (result, spent, clock.now() - done)
         });
@@ -718,38 +720,7 @@ impl EngineCore {
         st.num_steps += 1;
         result
     }
-}
 
-/// Runs the model on `plan`; a panic of the runner is an error too.
-fn run_forward(
-    runner: &mut Box<dyn ModelRunner>,
-    logits: &mut Vec<f32>,
-    vocab: usize,
-    plan: &SchedulerOutput,
-) -> anyhow::Result<()> {
-    {
-        match catch_unwind(AssertUnwindSafe(|| runner.forward(&plan.seqs, logits))) {
-            Ok(r) => r?,
-            Err(panic) => {
-                let msg = panic
-                    .downcast_ref::<&str>()
-                    .map(|s| s.to_string())
-                    .or_else(|| panic.downcast_ref::<String>().cloned())
-                    .unwrap_or_else(|| "unknown panic".into());
-                anyhow::bail!("the forward pass panicked: {msg}");
-            }
-        }
-        let want = plan.num_logit_rows() * vocab;
-        anyhow::ensure!(
-            logits.len() == want,
-            "the forward pass returned {} logits, expected {want}",
-            logits.len()
-        );
-        Ok(())
-    }
-}
-
-impl EngineCore {
     /// Applies what the connector finished: freed transfers, loaded
     /// requests, failed loads (ended here with their error).
     pub(super) fn poll_connector(&mut self) {
@@ -989,4 +960,31 @@ impl EngineCore {
         }
         (kept, rows, failed)
     }
+}
+
+/// Runs the model on `plan`; a panic of the runner is an error too.
+fn run_forward(
+    runner: &mut Box<dyn ModelRunner>,
+    logits: &mut Vec<f32>,
+    vocab: usize,
+    plan: &SchedulerOutput,
+) -> anyhow::Result<()> {
+    match catch_unwind(AssertUnwindSafe(|| runner.forward(&plan.seqs, logits))) {
+        Ok(r) => r?,
+        Err(panic) => {
+            let msg = panic
+                .downcast_ref::<&str>()
+                .map(|s| s.to_string())
+                .or_else(|| panic.downcast_ref::<String>().cloned())
+                .unwrap_or_else(|| "unknown panic".into());
+            anyhow::bail!("the forward pass panicked: {msg}");
+        }
+    }
+    let want = plan.num_logit_rows() * vocab;
+    anyhow::ensure!(
+        logits.len() == want,
+        "the forward pass returned {} logits, expected {want}",
+        logits.len()
+    );
+    Ok(())
 }
