@@ -8,7 +8,7 @@
 use std::time::Duration;
 
 use pdkv_engine::SamplingParams;
-use pdkv_structured::{CompileError, Compiler};
+use pdkv_structured::Compiler;
 
 use crate::error::ApiError;
 use crate::openai::SamplingFields;
@@ -49,17 +49,14 @@ pub(crate) async fn constrain_with(
             "a request asks for one constraint (structured output fields, or tool_choice required or named)",
         ));
     }
-    let asked = pdkv_structured::Asked { param, spec };
     let compiler = state.structured().clone();
-    let kind = asked.spec.kind();
-    let spec = asked.spec;
+    let kind = spec.kind();
     let compiling = tokio::task::spawn_blocking(move || compiler.compile(&spec));
     let grammar = match tokio::time::timeout(COMPILE_WAIT, compiling).await {
         Ok(Ok(Ok(g))) => g,
-        Ok(Ok(Err(e @ CompileError::Tokenizer(_)))) => {
-            return Err(ApiError::invalid_param(asked.param, e.to_string()))
-        }
-        Ok(Ok(Err(e))) => return Err(ApiError::invalid_param(asked.param, e.to_string())),
+        // Too large, not compiling, or a tokenizer llguidance cannot read:
+        // this request cannot be served as asked.
+        Ok(Ok(Err(e))) => return Err(ApiError::invalid_param(param, e.to_string())),
         Ok(Err(join)) => {
             return Err(ApiError::internal(format!(
                 "compiling the {kind} constraint failed: {join}"
@@ -67,7 +64,7 @@ pub(crate) async fn constrain_with(
         }
         Err(_) => {
             return Err(ApiError::invalid_param(
-                asked.param,
+                param,
                 format!(
                     "the {kind} constraint took more than {}s to compile",
                     COMPILE_WAIT.as_secs()
