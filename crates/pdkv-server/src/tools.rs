@@ -424,22 +424,21 @@ pub fn message(
     finish: pdkv_engine::FinishReason,
 ) -> (Value, &'static str) {
     let (content, calls) = tools.read(text);
-    if calls.is_empty() || finish != pdkv_engine::FinishReason::Stop {
-        let content = if calls.is_empty() {
-            Some(text.to_string())
-        } else {
-            content
-        };
-        let mut m = json!({"role": "assistant", "content": content});
-        if !calls.is_empty() {
-            m["tool_calls"] = calls_json(&calls, call_id);
-        }
+    let mut m = json!({"role": "assistant", "content": content});
+    if calls.is_empty() {
         return (m, finish.as_str());
     }
-    (
-        json!({"role": "assistant", "content": content, "tool_calls": calls_json(&calls, call_id)}),
-        "tool_calls",
-    )
+    m["tool_calls"] = calls_json(&calls, call_id);
+    (m, with_calls(finish))
+}
+
+/// The finish reason of an answer with calls: `tool_calls` when it ended by
+/// itself, else its own (a cut answer keeps `length`).
+fn with_calls(finish: pdkv_engine::FinishReason) -> &'static str {
+    match finish {
+        pdkv_engine::FinishReason::Stop => "tool_calls",
+        other => other.as_str(),
+    }
 }
 
 /// One streamed choice's reading: the text so far and how much of it went
@@ -467,8 +466,8 @@ impl Streamed {
             return (content_delta(piece), None);
         };
         let (content, calls) = tools.read(&self.text);
-        if calls.is_empty() || finish != pdkv_engine::FinishReason::Stop {
-            // No calls (or a truncated answer): the rest is content.
+        if calls.is_empty() {
+            // No calls: the rest is content.
             let piece = &self.text[self.sent..];
             self.sent = self.text.len();
             return (content_delta(piece), Some(finish.as_str()));
@@ -494,7 +493,7 @@ impl Streamed {
             .collect();
         delta["tool_calls"] = Value::Array(list);
         self.sent = self.text.len();
-        (delta, Some("tool_calls"))
+        (delta, Some(with_calls(finish)))
     }
 }
 
@@ -702,5 +701,19 @@ mod tests {
         assert_eq!(d["content"], "a ");
         let (d, f) = s.push(&h, "box", Some(FinishReason::Stop));
         assert_eq!((d["content"].as_str(), f), (Some("<toolbox"), Some("stop")));
+        // A named call cut by max_tokens comes as a call, finishing `length`.
+        let named = tools(
+            json!({"type": "function", "function": {"name": "get_time"}}),
+            None,
+        );
+        let mut s = Streamed::default();
+        let (d, _) = s.push(&named, "{\"timezone\": \"U", None);
+        assert_eq!(d, json!({}), "held back");
+        let (d, f) = s.push(&named, "TC", Some(FinishReason::Length));
+        assert_eq!(f, Some("length"));
+        assert_eq!(
+            d["tool_calls"][0]["function"]["arguments"],
+            "{\"timezone\": \"UTC"
+        );
     }
 }
