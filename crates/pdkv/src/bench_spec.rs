@@ -14,7 +14,6 @@ use clap::Args;
 use pdkv_engine::{
     Engine, EngineConfig, EngineHandle, EngineRequest, SamplingParams, SpeculativeConfig,
 };
-use pdkv_model::ChatMessage;
 use pdkv_vmem::Pool;
 use serde_json::json;
 
@@ -82,19 +81,7 @@ pub fn run_spec(args: SpecArgs) -> anyhow::Result<()> {
     anyhow::ensure!(args.max_tokens > 1, "--max-tokens must be at least 2");
     let pool_off = Pool::default();
     let (path, off_model) = progress::load_model(args.model.clone(), &pool_off)?;
-    let template = off_model
-        .chat_template
-        .as_ref()
-        .context("the model has no chat template")?;
-    let render = |text: &str| -> anyhow::Result<Vec<u32>> {
-        let msg = ChatMessage {
-            role: "user".into(),
-            content: text.into(),
-            ..Default::default()
-        };
-        let prompt = template.render(&[msg], true)?;
-        off_model.tokenizer.encode(&prompt, false)
-    };
+    let render = |text: &str| progress::user_prompt(&off_model, text);
     let workloads: Vec<(&str, Vec<Vec<u32>>)> = vec![
         (
             "repetitive (edit a list, copy a list, rewrite a list)",

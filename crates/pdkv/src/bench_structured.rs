@@ -15,7 +15,6 @@ use clap::Args;
 use pdkv_engine::{
     Engine, EngineConfig, EngineHandle, EngineRequest, GrammarRef, SamplingParams, StructuredStats,
 };
-use pdkv_model::ChatMessage;
 use pdkv_structured::{Compiler, JsonOptions, Spec};
 use pdkv_vmem::Pool;
 use serde_json::json;
@@ -76,21 +75,12 @@ pub fn run_structured(args: StructuredArgs) -> anyhow::Result<()> {
     anyhow::ensure!(args.concurrency > 0, "--concurrency must be at least 1");
     let pool = Pool::default();
     let (path, model) = progress::load_model(args.model.clone(), &pool)?;
-    let template = model
-        .chat_template
-        .as_ref()
-        .context("the model has no chat template")?;
     let prompts: Vec<Vec<u32>> = (0..args.concurrency)
         .map(|i| {
-            let msg = ChatMessage {
-                role: "user".into(),
-                content: format!(
-                    "List the staff of office {i} as JSON: name, age, role, tags and address of each person."
-                ),
-                ..Default::default()
-            };
-            let text = template.render(&[msg], true)?;
-            model.tokenizer.encode(&text, false)
+            let ask = format!(
+                "List the staff of office {i} as JSON: name, age, role, tags and address of each person."
+            );
+            progress::user_prompt(&model, &ask)
         })
         .collect::<anyhow::Result<_>>()?;
     let name = model.name.clone();

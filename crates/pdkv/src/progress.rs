@@ -34,6 +34,17 @@ pub fn load_model_as(
     Ok((path, loaded))
 }
 
+/// The tokens of `text` as a user's turn in `model`'s chat template, the
+/// assistant's turn opened (the benches' chat prompts).
+pub fn user_prompt(model: &LoadedModel, text: &str) -> anyhow::Result<Vec<u32>> {
+    let template = model
+        .chat_template
+        .as_ref()
+        .context("the model has no chat template")?;
+    let prompt = template.render(&[pdkv_model::ChatMessage::new("user", text)], true)?;
+    model.tokenizer.encode(&prompt, false)
+}
+
 const MIB: f64 = 1024.0 * 1024.0;
 
 pub struct LoadDisplay {
