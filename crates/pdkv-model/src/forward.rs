@@ -18,7 +18,7 @@ use crate::qkernels::{self, QActs, QLinear, QType};
 use crate::tp::rank::RankTp;
 use crate::weights::{LayerWeights, Mat, Weights};
 pub use crate::workspace::Workspace;
-use crate::workspace::{AttnTask, Bufs, Dims, TokenMeta, TpBufs};
+use crate::workspace::{AttnMerge, AttnTask, Bufs, Dims, TokenMeta, TpBufs};
 use crate::{Arch, ModelConfig, BLOCK_SIZE};
 
 /// One sequence's part of a step.
@@ -290,18 +290,23 @@ impl Model {
 
         let tokens = std::mem::take(&mut ws.tokens);
         let mut tasks = std::mem::take(&mut ws.tasks);
+        let mut merges = std::mem::take(&mut ws.merges);
+        let mut parts = std::mem::take(&mut ws.parts);
         let logit_rows = std::mem::take(&mut ws.logit_rows);
         let mut qa = std::mem::take(&mut ws.qacts);
         let mut tpb = std::mem::take(&mut ws.tp);
         let mut b = ws.bufs(t_all);
 
         self.embed(seqs, &tokens, &mut b)?;
-        plan_attention(&self.config, seqs, &mut tasks);
+        let slots = plan_attention(&self.config, seqs, &mut tasks, &mut merges);
+        parts.resize(slots * (self.config.head_dim + 2), 0.0);
         let step = Step {
             kv,
             seqs,
             tokens: &tokens,
             tasks: &tasks,
+            merges: &merges,
+            parts: RawPtr(parts.as_mut_ptr()),
         };
         for (li, lw) in self.weights.layers.iter().enumerate() {
             self.attention_block(&step, li, lw, &mut b, &mut qa, &mut tpb)?;
@@ -311,6 +316,8 @@ impl Model {
 
         ws.tokens = tokens;
         ws.tasks = tasks;
+        ws.merges = merges;
+        ws.parts = parts;
         ws.logit_rows = logit_rows;
         ws.qacts = qa;
         ws.tp = tpb;
@@ -563,6 +570,9 @@ struct Step<'a, 's> {
     seqs: &'a [SeqInput<'s>],
     tokens: &'a [TokenMeta],
     tasks: &'a [AttnTask],
+    merges: &'a [AttnMerge],
+    /// The split tasks' partial slots (`head_dim + 2` floats each).
+    parts: RawPtr,
 }
 
 impl Step<'_, '_> {
@@ -596,12 +606,15 @@ impl Step<'_, '_> {
         }
     }
 
-    /// [`Self::attend`] over a cache of `E` elements.
+    /// [`Self::attend`] over a cache of `E` elements: the tasks in
+    /// parallel, then the folds of the split ones.
     fn attend_as<E: KvElem>(&self, li: usize, hd: usize, q_dim: usize, q: &[f32], att: &mut [f32]) {
         let scale = (1.0 / (hd as f64).sqrt()) as f32;
         let (kv, seqs) = (self.kv, self.seqs);
         let att = RawPtr(att.as_mut_ptr());
+        let parts = self.parts;
         let tokens = &self.tokens;
+        let slot_len = hd + 2;
         self.tasks.par_iter().for_each(|task| {
             let s = &seqs[task.seq];
             let need = (s.start_pos + s.tokens.len()).div_ceil(BLOCK_SIZE);
@@ -609,40 +622,104 @@ impl Step<'_, '_> {
             // The task's queries go through the tiles together, up
             // to `ATTN_QUERIES` at a time.
             let mut qs = [AttnQuery::EMPTY; ATTN_QUERIES];
+            let mut slots = [0usize; ATTN_QUERIES];
             let mut n = 0;
+            // Tasks cover disjoint (row, head) slices of `att` and disjoint
+            // slots of `parts` (sized for the plan); the blocks hold every
+            // position up to each query's, written before attention or by
+            // earlier steps; a segment task's queries reach its segment.
+            let run = |qs: &mut [AttnQuery], slots: &[usize]| match task.seg {
+                // SAFETY: as above.
+                None => unsafe { kernels::attend_many(&rows, hd, scale, qs) },
+                // SAFETY: as above.
+                Some(seg) => unsafe {
+                    kernels::attend_segment(&rows, hd, scale, seg, qs);
+                    for (q, &slot) in qs.iter().zip(slots) {
+                        let p = q.partial();
+                        let at = parts.get().add(slot * slot_len + hd);
+                        *at = p.m;
+                        *at.add(1) = p.l;
+                    }
+                },
+            };
+            let heads = task.h1 - task.h0;
+            let queries = (task.row1 - task.row0) * heads;
+            let from = task.seg.map_or(0, |seg| seg * kernels::SEGMENT);
             for (r, tm) in tokens.iter().enumerate().take(task.row1).skip(task.row0) {
+                if tm.pos < from {
+                    continue;
+                }
                 for head in task.h0..task.h1 {
                     let off = r * q_dim + head * hd;
-                    qs[n] = AttnQuery::new(
-                        q[off..off + hd].as_ptr(),
-                        tm.pos,
-                        att.get().wrapping_add(off),
-                    );
+                    let i = (r - task.row0) * heads + head - task.h0;
+                    slots[n] = task.slot + task.seg.unwrap_or(0) * queries + i;
+                    let out = match task.seg {
+                        None => att.get().wrapping_add(off),
+                        Some(_) => parts.get().wrapping_add(slots[n] * slot_len),
+                    };
+                    qs[n] = AttnQuery::new(q[off..off + hd].as_ptr(), tm.pos, out);
                     n += 1;
                     if n == ATTN_QUERIES {
-                        // SAFETY: tasks cover disjoint (row, head)
-                        // slices of `att`; the blocks hold every
-                        // position up to each query's, written above
-                        // or by earlier steps.
-                        unsafe { kernels::attend_many(&rows, hd, scale, &mut qs) };
+                        run(&mut qs, &slots);
                         n = 0;
                     }
                 }
             }
-            // SAFETY: as above.
-            unsafe { kernels::attend_many(&rows, hd, scale, &mut qs[..n]) };
+            run(&mut qs[..n], &slots[..n]);
+        });
+        self.merges.par_iter().for_each(|m| {
+            let t = &m.task;
+            let heads = t.h1 - t.h0;
+            let queries = (t.row1 - t.row0) * heads;
+            for (r, tm) in tokens.iter().enumerate().take(t.row1).skip(t.row0) {
+                for head in t.h0..t.h1 {
+                    let i = (r - t.row0) * heads + head - t.h0;
+                    // SAFETY: the merge's (row, head) slices of `att` are its
+                    // own; its slots were written by its segment tasks, done.
+                    let out = unsafe {
+                        std::slice::from_raw_parts_mut(att.get().add(r * q_dim + head * hd), hd)
+                    };
+                    let mut total = AttnQuery::EMPTY.partial();
+                    for seg in 0..=tm.pos / kernels::SEGMENT {
+                        let slot = t.slot + seg * queries + i;
+                        // SAFETY: as above.
+                        let p = unsafe {
+                            std::slice::from_raw_parts(parts.get().add(slot * slot_len), slot_len)
+                        };
+                        kernels::fold(&mut total, out, p[hd], p[hd + 1], &p[..hd], seg == 0);
+                    }
+                    kernels::finish(&total, out);
+                }
+            }
         });
     }
 }
 
 /// Attention work units: (sequence, KV head, up to ATTN_ROWS queries),
-/// every query head of the group. Too few of them to keep the math
-/// threads busy (decode at small batch), each query head is its own
-/// unit instead: the same calls, so the same bits.
-fn plan_attention(cfg: &ModelConfig, seqs: &[SeqInput<'_>], tasks: &mut Vec<AttnTask>) {
+/// every query head of the group, and the folds of split units; returns the
+/// partial slots the split units use. Too few units to keep the math
+/// threads busy (decode at small batch), a unit whose queries reach past
+/// the first segment is split into one unit per segment (its K/V rows still
+/// read once, by one thread each); still too few, each query head is its
+/// own unit. The kernels give the same bits either way.
+fn plan_attention(
+    cfg: &ModelConfig,
+    seqs: &[SeqInput<'_>],
+    tasks: &mut Vec<AttnTask>,
+    merges: &mut Vec<AttnMerge>,
+) -> usize {
     let group = cfg.num_heads / cfg.num_kv_heads;
+    let threads = rayon::current_num_threads();
+    let units = cfg.num_kv_heads
+        * seqs
+            .iter()
+            .map(|s| s.tokens.len().div_ceil(ATTN_ROWS))
+            .sum::<usize>();
+    let few = units < 2 * threads;
     tasks.clear();
+    merges.clear();
     let mut row0 = 0;
+    let mut slots = 0;
     for (si, s) in seqs.iter().enumerate() {
         let n = s.tokens.len();
         for kv_head in 0..cfg.num_kv_heads {
@@ -650,20 +727,33 @@ fn plan_attention(cfg: &ModelConfig, seqs: &[SeqInput<'_>], tasks: &mut Vec<Attn
             while r < n {
                 let r1 = (r + ATTN_ROWS).min(n);
                 let (h0, h1) = (kv_head * group, (kv_head + 1) * group);
-                tasks.push(AttnTask {
+                let t = AttnTask {
                     seq: si,
                     kv_head,
                     row0: row0 + r,
                     row1: row0 + r1,
                     h0,
                     h1,
-                });
+                    seg: None,
+                    slot: slots,
+                };
+                let segs = (s.start_pos + r1 - 1) / kernels::SEGMENT + 1;
+                if few && segs > 1 {
+                    merges.push(AttnMerge { task: t });
+                    tasks.extend((0..segs).map(|seg| AttnTask {
+                        seg: Some(seg),
+                        ..t
+                    }));
+                    slots += segs * (r1 - r) * group;
+                } else {
+                    tasks.push(t);
+                }
                 r = r1;
             }
         }
         row0 += n;
     }
-    if group > 1 && tasks.len() < 2 * rayon::current_num_threads() {
+    if merges.is_empty() && group > 1 && tasks.len() < 2 * threads {
         for i in 0..tasks.len() {
             let t = tasks[i];
             tasks[i].h1 = t.h0 + 1;
@@ -674,6 +764,7 @@ fn plan_attention(cfg: &ModelConfig, seqs: &[SeqInput<'_>], tasks: &mut Vec<Attn
             }));
         }
     }
+    slots
 }
 
 /// `y = x · wᵀ` for each `(w, n, y)` of a group sharing the activations

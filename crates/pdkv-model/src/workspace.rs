@@ -76,6 +76,22 @@ pub(crate) struct AttnTask {
     /// Query heads `h0..h1` of the KV head's group.
     pub(crate) h0: usize,
     pub(crate) h1: usize,
+    /// Set when the task computes one segment of its queries' keys
+    /// ([`crate::kernels::SEGMENT`]) into partial slots, folded afterwards
+    /// by its [`AttnMerge`]; unset, the task computes its queries whole.
+    pub(crate) seg: Option<usize>,
+    /// The first partial slot of the task's merge (segment `s`, query `i`
+    /// of the task's `(row, head)` pairs in order: slot
+    /// `slot + s * queries + i`).
+    pub(crate) slot: usize,
+}
+
+/// The fold of a split task's segments: its queries' partial slots, in
+/// segment order, into their attention outputs.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct AttnMerge {
+    /// The task as a whole (`seg` unset).
+    pub(crate) task: AttnTask,
 }
 
 /// Scratch memory for a step, in `runtime` regions. Grows when a step needs
@@ -88,6 +104,10 @@ pub struct Workspace {
     act: Arc<Region>,
     pub(crate) tokens: Vec<TokenMeta>,
     pub(crate) tasks: Vec<AttnTask>,
+    pub(crate) merges: Vec<AttnMerge>,
+    /// Partial slots of split attention tasks: `head_dim + 2` floats each
+    /// (the accumulator, the maximum, the sum).
+    pub(crate) parts: Vec<f32>,
     pub(crate) logit_rows: Vec<usize>,
     pub(crate) written: Vec<(u32, usize)>,
     /// The step's activations quantised for block-format weights.
@@ -109,6 +129,8 @@ impl Workspace {
             act,
             tokens: Vec::with_capacity(cap_tokens),
             tasks: Vec::new(),
+            merges: Vec::new(),
+            parts: Vec::new(),
             logit_rows: Vec::new(),
             written: Vec::new(),
             qacts: QActs::new(),

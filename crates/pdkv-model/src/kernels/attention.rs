@@ -35,6 +35,52 @@ impl<E: KvElem> PagedRows<'_, E> {
 /// arithmetic depends on its position and the cache alone.
 pub const KEY_TILE: usize = 16;
 
+/// Keys per segment: a query's keys are taken in segments of this many
+/// positions (starting at multiples of it), each with its own online
+/// softmax, folded into the query's total in position order ([`fold`]).
+/// So a long context's segments can be computed by different threads
+/// ([`attend_segment`]) and folded afterwards, with the bits one thread
+/// sweeping them all gets ([`attend_many`]).
+pub const SEGMENT: usize = 256;
+
+/// A query's running total over the segments folded so far: the maximum
+/// score and the sum of `exp(score - m)`; the accumulator is its output row.
+#[derive(Clone, Copy, Debug)]
+pub struct Total {
+    pub m: f32,
+    pub l: f32,
+}
+
+/// Folds a segment's result (its maximum `m`, sum `l` and accumulator
+/// `part`) into a query's total (`total` and its accumulator `acc`); the
+/// first segment is copied. One sequence of operations, used by every path
+/// that folds segments, so the bits do not depend on which thread computed
+/// a segment.
+#[inline]
+pub fn fold(total: &mut Total, acc: &mut [f32], m: f32, l: f32, part: &[f32], first: bool) {
+    if first {
+        *total = Total { m, l };
+        acc.copy_from_slice(part);
+        return;
+    }
+    let mn = total.m.max(m);
+    let (a, b) = ((total.m - mn).exp(), (m - mn).exp());
+    total.l = total.l * a + l * b;
+    total.m = mn;
+    for (x, &p) in acc.iter_mut().zip(part) {
+        *x = *x * a + p * b;
+    }
+}
+
+/// Divides a query's folded accumulator by its sum: its attention output.
+#[inline]
+pub fn finish(total: &Total, acc: &mut [f32]) {
+    let inv = 1.0 / total.l;
+    for x in acc {
+        *x *= inv;
+    }
+}
+
 /// One query head of an [`attend_many`] call: its vector (`head_dim`
 /// floats, after norm and RoPE), its position (keys `0..=pos` are read) and
 /// its output row (`head_dim` floats, also the running accumulator).
@@ -64,6 +110,15 @@ impl AttnQuery {
             pos,
             out,
             ..Self::EMPTY
+        }
+    }
+
+    /// The maximum and sum of the keys swept so far: after an
+    /// [`attend_segment`], that segment's, to [`fold`].
+    pub fn partial(&self) -> Total {
+        Total {
+            m: self.m,
+            l: self.l,
         }
     }
 }
@@ -96,14 +151,18 @@ pub unsafe fn attend(args: &AttendArgs<'_>, out: &mut [f32]) {
 /// Causal attention for query heads that share one KV head:
 /// `out = softmax(q·Kᵀ·scale) · V` for each, by tiles of [`KEY_TILE`] keys
 /// with an online softmax (a running maximum and sum; the accumulator is
-/// rescaled when the maximum grows). The tiles sweep every query's keys once:
-/// a tile's K and V rows are read from memory once for all the queries, and
-/// stay in cache while each of them uses it.
+/// rescaled when the maximum grows), segment by segment ([`SEGMENT`]), each
+/// segment [`fold`]ed into the query's total in position order. The tiles
+/// sweep every query's keys once: a tile's K and V rows are read from
+/// memory once for all the queries, and stay in cache while each of them
+/// uses it.
 ///
 /// Each query's operations depend only on its position and the cache (the
-/// tiles, the order of additions in each, where the rescaling happens), not
-/// on which other queries share the call: the bits are the same however a
-/// sequence is batched, chunked or preempted.
+/// tiles, the segments, the order of additions in each, where the rescaling
+/// happens), not on which other queries share the call nor on whether its
+/// segments were computed here or by [`attend_segment`] elsewhere: the bits
+/// are the same however a sequence is batched, chunked, preempted or split
+/// over threads.
 ///
 /// # Safety
 /// `rows` must describe `head_dim` readable floats of K and of V for every
@@ -117,13 +176,42 @@ pub unsafe fn attend_many<E: KvElem>(
     qs: &mut [AttnQuery],
 ) {
     // SAFETY: as this function's contract; `backend()` is one the CPU has.
-    unsafe { attend_many_with(backend(), rows, head_dim, scale, qs) }
+    unsafe { sweep_with(backend(), rows, head_dim, scale, qs, Sweep::Whole) }
+}
+
+/// Segment `seg` of [`attend_many`] alone: keys
+/// `seg * SEGMENT ..= min(seg * SEGMENT + SEGMENT - 1, pos)` of each query,
+/// which leaves in each query's `out` the segment's accumulator (not yet
+/// divided) and in [`AttnQuery::partial`] its maximum and sum, for
+/// [`fold`]ing in segment order and [`finish`]ing.
+///
+/// # Safety
+/// As [`attend_many`]'s; every query's `pos` is at least `seg * SEGMENT`.
+pub unsafe fn attend_segment<E: KvElem>(
+    rows: &PagedRows<'_, E>,
+    head_dim: usize,
+    scale: f32,
+    seg: usize,
+    qs: &mut [AttnQuery],
+) {
+    debug_assert!(qs.iter().all(|q| q.pos >= seg * SEGMENT));
+    // SAFETY: as this function's contract; `backend()` is one the CPU has.
+    unsafe { sweep_with(backend(), rows, head_dim, scale, qs, Sweep::Segment(seg)) }
+}
+
+/// What a sweep computes: every segment of each query, folded and divided,
+/// or one segment's partial result.
+#[derive(Clone, Copy, Debug)]
+pub(super) enum Sweep {
+    Whole,
+    Segment(usize),
 }
 
 /// [`attend_many`] on a given backend (one the CPU has).
 ///
 /// # Safety
 /// As [`attend_many`]'s; the CPU has `be`'s instructions.
+#[cfg(test)]
 pub(super) unsafe fn attend_many_with<E: KvElem>(
     be: Backend,
     rows: &PagedRows<'_, E>,
@@ -131,18 +219,36 @@ pub(super) unsafe fn attend_many_with<E: KvElem>(
     scale: f32,
     qs: &mut [AttnQuery],
 ) {
+    // SAFETY: as this function's contract.
+    unsafe { sweep_with(be, rows, head_dim, scale, qs, Sweep::Whole) }
+}
+
+/// A [`Sweep`] on a given backend (one the CPU has).
+///
+/// # Safety
+/// As [`attend_many`]'s (and [`attend_segment`]'s for a segment); the CPU
+/// has `be`'s instructions.
+pub(super) unsafe fn sweep_with<E: KvElem>(
+    be: Backend,
+    rows: &PagedRows<'_, E>,
+    head_dim: usize,
+    scale: f32,
+    qs: &mut [AttnQuery],
+    sweep: Sweep,
+) {
     match be {
         // SAFETY: as this function's contract, with AVX2 and FMA present.
         #[cfg(target_arch = "x86_64")]
-        Backend::Avx2Fma => unsafe { avx2::attend_many(rows, head_dim, scale, qs) },
+        Backend::Avx2Fma => unsafe { avx2::sweep(rows, head_dim, scale, qs, sweep) },
         // SAFETY: as this function's contract; each tile gets the rows and
         // the query the sweep was given.
         _ => unsafe {
-            attend_many_generic(
+            sweep_generic(
                 rows,
                 head_dim,
                 scale,
                 qs,
+                sweep,
                 |q, kp, v_offset, hd, scale, seen| {
                     portable::attend_tile(q, kp, v_offset, hd, scale, seen)
                 },
@@ -163,23 +269,26 @@ pub(super) unsafe fn attend_many_with<E: KvElem>(
 /// a tile at a time rather than as each query loads it.
 const WIDEN_FROM_QUERIES: usize = 4;
 
-/// The sweep of [`attend_many`]: tiles in position order, every query that
-/// reaches a tile taking it in turn, then the division by the sum. `tile`
-/// takes a query, the tile's 16 K row pointers (the V row is `v_offset`
-/// elements further), and how many of them the query sees; `wide_tile` the
-/// same over rows widened to floats by `widen` (for a narrower cache read
-/// by more than [`WIDEN_FROM_QUERIES`] queries).
+/// The sweep of [`attend_many`] and [`attend_segment`]: per segment, tiles
+/// in position order, every query that reaches a tile taking it in turn;
+/// for a whole sweep, each segment folded into the query's total, then the
+/// division by the sum. `tile` takes a query, the tile's 16 K row pointers
+/// (the V row is `v_offset` elements further), and how many of them the
+/// query sees; `wide_tile` the same over rows widened to floats by `widen`
+/// (for a narrower cache read by more than [`WIDEN_FROM_QUERIES`] queries).
 ///
 /// # Safety
-/// As [`attend_many`]'s, for `hd` elements per row; `tile` and `wide_tile`
-/// compute one tile for one query within that contract, `widen` writes `n`
-/// floats for `n` readable elements.
+/// As [`attend_many`]'s (and [`attend_segment`]'s for a segment), for `hd`
+/// elements per row; `tile` and `wide_tile` compute one tile for one query
+/// within that contract, `widen` writes `n` floats for `n` readable elements.
 #[inline(always)]
-unsafe fn attend_many_generic<E: KvElem>(
+#[allow(clippy::too_many_arguments)] // the sweep's inputs and its three kernels
+unsafe fn sweep_generic<E: KvElem>(
     rows: &PagedRows<'_, E>,
     hd: usize,
     scale: f32,
     qs: &mut [AttnQuery],
+    sweep: Sweep,
     tile: impl Fn(&mut AttnQuery, &[*const E; KEY_TILE], usize, usize, f32, usize),
     wide_tile: impl Fn(&mut AttnQuery, &[*const f32; KEY_TILE], usize, usize, f32, usize),
     widen: impl Fn(*const E, *mut f32, usize),
@@ -191,10 +300,6 @@ unsafe fn attend_many_generic<E: KvElem>(
         let Some(max_pos) = qs.iter().map(|q| q.pos).max() else {
             return;
         };
-        for q in qs.iter_mut() {
-            q.m = f32::NEG_INFINITY;
-            q.l = 0.0;
-        }
         // A cache of narrower elements read by many queries is widened a
         // tile at a time, once for all of them (its K rows, then its V
         // rows); read by a few, each widens as it loads. The arithmetic,
@@ -203,34 +308,73 @@ unsafe fn attend_many_generic<E: KvElem>(
         let mut wide = vec![0f32; if widened { 2 * KEY_TILE * hd } else { 0 }];
         let mut kp = [std::ptr::null(); KEY_TILE];
         let mut wp = [std::ptr::null(); KEY_TILE];
-        for t0 in (0..=max_pos).step_by(KEY_TILE) {
-            // Rows past the last query's position are not read: their slots
-            // point at the tile's first row, and every query masks them.
-            for (i, p) in kp.iter_mut().enumerate() {
-                let t = t0 + i;
-                *p = rows.k_row(if t <= max_pos { t } else { t0 });
+        // One segment for the queries that reach it, each starting afresh.
+        let mut segment = |qs: &mut [AttnQuery], seg: usize| {
+            let t_lo = seg * SEGMENT;
+            let t_hi = (t_lo + SEGMENT - 1).min(max_pos);
+            for q in qs.iter_mut().filter(|q| q.pos >= t_lo) {
+                q.m = f32::NEG_INFINITY;
+                q.l = 0.0;
             }
-            if widened {
-                for (i, (w, &k)) in wp.iter_mut().zip(&kp).enumerate() {
-                    let at = wide.as_mut_ptr().add(i * hd);
-                    widen(k, at, hd);
-                    widen(k.add(rows.v_offset), at.add(KEY_TILE * hd), hd);
-                    *w = at.cast_const();
+            for t0 in (t_lo..=t_hi).step_by(KEY_TILE) {
+                // Rows past the last query's position are not read: their
+                // slots point at the tile's first row, and every query masks
+                // them.
+                for (i, p) in kp.iter_mut().enumerate() {
+                    let t = t0 + i;
+                    *p = rows.k_row(if t <= max_pos { t } else { t0 });
                 }
-            }
-            for q in qs.iter_mut().filter(|q| q.pos >= t0) {
-                let seen = (q.pos + 1 - t0).min(KEY_TILE);
                 if widened {
-                    wide_tile(q, &wp, KEY_TILE * hd, hd, scale, seen);
-                } else {
-                    tile(q, &kp, rows.v_offset, hd, scale, seen);
+                    for (i, (w, &k)) in wp.iter_mut().zip(&kp).enumerate() {
+                        let at = wide.as_mut_ptr().add(i * hd);
+                        widen(k, at, hd);
+                        widen(k.add(rows.v_offset), at.add(KEY_TILE * hd), hd);
+                        *w = at.cast_const();
+                    }
+                }
+                for q in qs.iter_mut().filter(|q| q.pos >= t0) {
+                    let seen = (q.pos + 1 - t0).min(KEY_TILE);
+                    if widened {
+                        wide_tile(q, &wp, KEY_TILE * hd, hd, scale, seen);
+                    } else {
+                        tile(q, &kp, rows.v_offset, hd, scale, seen);
+                    }
                 }
             }
-        }
-        for q in qs.iter() {
-            let inv = 1.0 / q.l;
-            for c in 0..hd {
-                *q.out.add(c) *= inv;
+        };
+        let out = |q: &AttnQuery| std::slice::from_raw_parts_mut(q.out, hd);
+        match sweep {
+            Sweep::Segment(seg) => segment(qs, seg),
+            // One segment: accumulated in place, as folding its copy would.
+            Sweep::Whole if max_pos < SEGMENT => {
+                segment(qs, 0);
+                for q in qs.iter() {
+                    finish(&q.partial(), out(q));
+                }
+            }
+            Sweep::Whole => {
+                let mut part = vec![0f32; qs.len() * hd];
+                let mut work: Vec<AttnQuery> = qs
+                    .iter()
+                    .enumerate()
+                    .map(|(i, q)| AttnQuery {
+                        out: part.as_mut_ptr().add(i * hd),
+                        ..*q
+                    })
+                    .collect();
+                let mut totals = vec![AttnQuery::EMPTY.partial(); qs.len()];
+                for seg in 0..=max_pos / SEGMENT {
+                    segment(&mut work, seg);
+                    for ((q, w), total) in qs.iter().zip(&work).zip(&mut totals) {
+                        if q.pos >= seg * SEGMENT {
+                            let p = std::slice::from_raw_parts(w.out, hd);
+                            fold(total, out(q), w.m, w.l, p, seg == 0);
+                        }
+                    }
+                }
+                for (q, total) in qs.iter().zip(&totals) {
+                    finish(total, out(q));
+                }
             }
         }
     }
@@ -337,25 +481,27 @@ pub(super) mod avx2 {
         p * f32::from_bits(((n as i32 + 127) as u32) << 23)
     }
 
-    /// [`super::attend_many`] with AVX2 tiles.
+    /// [`super::sweep_with`] with AVX2 tiles.
     ///
     /// # Safety
     /// As [`super::attend_many`]'s; the CPU has AVX2 and FMA.
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) unsafe fn attend_many<E: super::KvElem>(
+    pub(super) unsafe fn sweep<E: super::KvElem>(
         rows: &super::PagedRows<'_, E>,
         hd: usize,
         scale: f32,
         qs: &mut [super::AttnQuery],
+        sweep: super::Sweep,
     ) {
-        // SAFETY: as `attend_many`'s contract; AVX2 and FMA are enabled
-        // here, and each tile gets the rows and the query the sweep was given.
+        // SAFETY: as `attend_many`'s contract, with AVX2 and FMA enabled;
+        // each tile gets the rows and the query the sweep was given.
         unsafe {
-            super::attend_many_generic(
+            super::sweep_generic(
                 rows,
                 hd,
                 scale,
                 qs,
+                sweep,
                 |q, kp, v_offset, hd, scale, seen| attend_tile(q, kp, v_offset, hd, scale, seen),
                 |q, kp, v_offset, hd, scale, seen| attend_tile(q, kp, v_offset, hd, scale, seen),
                 |src: *const E, dst: *mut f32, n| {

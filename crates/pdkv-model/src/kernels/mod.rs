@@ -12,9 +12,11 @@
 //!   horizontal sum (`lane i + lane i+4`, then `+2`, then `+1`), then the
 //!   scalar tail in index order. Every tile shape runs exactly this sequence
 //!   for each of its elements; threads split the output features `j`, never `k`.
-//! - [`attend`]: per (query, head) one pass over positions `0..=p` in order:
+//! - [`attend`]: per (query, head) one pass over positions `0..=p` in order,
+//!   by segments of [`SEGMENT`] positions and tiles of [`KEY_TILE`] in each:
 //!   scores, their maximum, the exponentials and their sum, then the
-//!   probability-weighted sum of V rows in position order.
+//!   probability-weighted sum of V rows in position order; each segment
+//!   folded into the total in position order, whichever thread computed it.
 //! - norms, RoPE and SiLU act on one row at a time with sequential sums.
 //!
 //! The SIMD flavour ([`Backend`]) is chosen once per process, so all rows of
@@ -34,7 +36,10 @@ mod rows;
 pub(crate) mod tests;
 
 pub use crate::dispatch::{backend, thread_pool, Backend};
-pub use attention::{attend, attend_many, AttendArgs, AttnQuery, PagedRows, KEY_TILE};
+pub use attention::{
+    attend, attend_many, attend_segment, finish, fold, AttendArgs, AttnQuery, PagedRows, Total,
+    KEY_TILE, SEGMENT,
+};
 pub use blocks::{matmul_blocks_many, matmul_blocks_many_with, BlockLinear};
 pub use elem::KvElem;
 pub use matmul::{dot, matmul, matmul_many, matmul_many_with, Linear};

@@ -1,6 +1,6 @@
-use super::attention::attend_many_with;
 #[cfg(target_arch = "x86_64")]
 use super::attention::avx2;
+use super::attention::{attend_many_with, sweep_with, Sweep};
 use super::blocks::dequantize_row;
 use super::*;
 
@@ -540,6 +540,87 @@ fn attention_over_narrow_rows_equals_attention_over_their_f32_values<E: KvElem>(
     }
 }
 
+/// A query's segments computed one by one (as threads computing them
+/// apart would), then folded in order and finished: the bits of the
+/// sweep that computes them all, one query alone or many together, for
+/// each backend, head size and an f16 cache.
+#[test]
+fn segments_computed_apart_and_folded_equal_the_whole_sweep() {
+    for be in backends() {
+        for hd in [64, 20, 72] {
+            let cache = Cache::new(61, 50, 16, hd);
+            let rows = cache.rows();
+            let narrowed: Vec<half::f16> =
+                cache.kv.iter().map(|&x| half::f16::from_f32(x)).collect();
+            let f16_rows = PagedRows {
+                base: narrowed.as_ptr(),
+                block_table: rows.block_table,
+                block_size: rows.block_size,
+                block_stride: rows.block_stride,
+                row_stride: rows.row_stride,
+                head_offset: rows.head_offset,
+                v_offset: rows.v_offset,
+            };
+            let pos: Vec<usize> = vec![0, 255, 256, 300, 511, 512, 640, 799, 799];
+            let qv: Vec<Vec<f32>> = (0..pos.len())
+                .map(|i| rand_vec(700 + i as u64, hd))
+                .collect();
+            let check = |sweep_whole: &dyn Fn(&mut [AttnQuery]),
+                         sweep_seg: &dyn Fn(usize, &mut [AttnQuery])| {
+                let mut whole = vec![vec![f32::NAN; hd]; pos.len()];
+                let mut qs: Vec<AttnQuery> = whole
+                    .iter_mut()
+                    .enumerate()
+                    .map(|(i, o)| AttnQuery::new(qv[i].as_ptr(), pos[i], o.as_mut_ptr()))
+                    .collect();
+                sweep_whole(&mut qs);
+                for (i, want) in whole.iter().enumerate() {
+                    let mut out = vec![f32::NAN; hd];
+                    let mut total = AttnQuery::EMPTY.partial();
+                    for seg in 0..=pos[i] / SEGMENT {
+                        let mut part = vec![f32::NAN; hd];
+                        let mut q = [AttnQuery::new(qv[i].as_ptr(), pos[i], part.as_mut_ptr())];
+                        sweep_seg(seg, &mut q);
+                        let p = q[0].partial();
+                        fold(&mut total, &mut out, p.m, p.l, &part, seg == 0);
+                    }
+                    finish(&total, &mut out);
+                    assert_eq!(
+                        bits(&out),
+                        bits(want),
+                        "{be:?} hd {hd}: query at {} folded apart differs",
+                        pos[i]
+                    );
+                }
+                // The whole sweep of one query alone: the same bits again.
+                for (i, want) in whole.iter().enumerate() {
+                    let mut out = vec![f32::NAN; hd];
+                    let mut q = [AttnQuery::new(qv[i].as_ptr(), pos[i], out.as_mut_ptr())];
+                    sweep_whole(&mut q);
+                    assert_eq!(
+                        bits(&out),
+                        bits(want),
+                        "{be:?} hd {hd}: alone at {}",
+                        pos[i]
+                    );
+                }
+            };
+            // SAFETY: both caches hold K and V for every position < 800;
+            // every query's output is its own.
+            unsafe {
+                check(
+                    &|qs| sweep_with(be, &rows, hd, 0.15, qs, Sweep::Whole),
+                    &|seg, qs| sweep_with(be, &rows, hd, 0.15, qs, Sweep::Segment(seg)),
+                );
+                check(
+                    &|qs| sweep_with(be, &f16_rows, hd, 0.15, qs, Sweep::Whole),
+                    &|seg, qs| sweep_with(be, &f16_rows, hd, 0.15, qs, Sweep::Segment(seg)),
+                );
+            }
+        }
+    }
+}
+
 #[test]
 fn rope_rotates_pairs_and_keeps_norm() {
     let d = 8;
@@ -577,4 +658,8 @@ fn rmsnorm_and_silu_match_definitions() {
     assert!((g[0] - (-2.0 / (1.0 + 2f32.exp()))).abs() < 1e-6);
     assert_eq!(g[1], 0.0);
     assert!((g[2] - 2.0 * 3.0 / (1.0 + (-3f32).exp())).abs() < 1e-6);
+}
+
+fn bits(v: &[f32]) -> Vec<u32> {
+    v.iter().map(|x| x.to_bits()).collect()
 }

@@ -579,3 +579,60 @@ fn forward_agrees_with_f64_reference() {
         }
     }
 }
+
+/// A decode step at a context of several attention segments computed
+/// alone (few attention units: each query's segments go to different
+/// threads and are folded afterwards) and inside a batch busy enough that
+/// each query is computed by one thread: the same bits.
+#[test]
+fn long_context_decode_alone_equals_decode_in_a_busy_batch() {
+    for (cfg, quant, int8) in [
+        (llama_cfg(), None, false),
+        (block_cfgs()[1].clone(), Some(QType::Q8_0), true),
+    ] {
+        let cfg = ModelConfig {
+            max_position_embeddings: 2048,
+            ..cfg
+        };
+        let vocab = cfg.vocab_size;
+        let prompt = tokens(7, 700, vocab);
+        let gen = tokens(8, 3, vocab);
+        let per_seq = (prompt.len() + gen.len()).div_ceil(BLOCK_SIZE);
+        let mut h = Harness::with(&cfg, quant, int8, 3 * per_seq, 256);
+        let decode = |h: &mut Harness, table: &[u32], busy: Option<&[u32]>| {
+            let mut out = vec![bits(&h.prefill(&prompt, table, &[256]))];
+            let filler = tokens(9, 64, vocab);
+            for (i, t) in gen.iter().enumerate() {
+                let mut inputs = vec![with_logits(
+                    std::slice::from_ref(t),
+                    prompt.len() + i,
+                    table,
+                )];
+                // Another sequence recomputing 64 tokens: eight units of
+                // attention work per KV head beside the target's one.
+                if let Some(other) = busy {
+                    inputs.push(SeqInput {
+                        tokens: &filler,
+                        start_pos: 0,
+                        block_table: other,
+                        want_logits: false,
+                    });
+                }
+                out.push(bits(&h.step(&inputs)[..vocab]));
+            }
+            out
+        };
+        let alone = decode(&mut h, &contiguous(0, per_seq), None);
+        let other = contiguous(2 * per_seq as u32, per_seq);
+        let batched = decode(&mut h, &contiguous(per_seq as u32, per_seq), Some(&other));
+        assert_eq!(
+            alone, batched,
+            "{:?} {quant:?}: a long context's decode differs in a batch",
+            cfg.arch
+        );
+        assert!(alone
+            .iter()
+            .flatten()
+            .all(|b| f32::from_bits(*b).is_finite()));
+    }
+}
