@@ -603,6 +603,7 @@ impl Step<'_, '_> {
             KvDtype::F32 => self.attend_as::<f32>(li, hd, q_dim, q, att),
             KvDtype::F16 => self.attend_as::<half::f16>(li, hd, q_dim, q, att),
             KvDtype::BF16 => self.attend_as::<half::bf16>(li, hd, q_dim, q, att),
+            KvDtype::Q8_0 => self.attend_as::<kernels::Q8Byte>(li, hd, q_dim, q, att),
         }
     }
 

@@ -3,11 +3,12 @@
 //! Layout is block-major so that one block is one contiguous byte range
 //! (what a transfer moves), and head-major inside a block: block `b` holds,
 //! for each KV head `h`, for each layer `l`, K then V, each
-//! `[BLOCK_SIZE, head_dim]` elements of the cache's [`KvDtype`] (`f32`, or
-//! `f16` / `bf16`: half the bytes per token, for memory and for every
-//! transfer):
+//! `BLOCK_SIZE` rows of `head_dim` elements of the cache's [`KvDtype`]
+//! (`f32`; `f16` / `bf16`: half the bytes per token, for memory and for
+//! every transfer; `q8_0`: blocks of 32 int8 values and their f16 scale,
+//! 34 bytes per 32 elements):
 //! offset(b, h, l, kv) = (((b * num_kv_heads + h) * num_layers + l) * 2 + kv)
-//! * BLOCK_SIZE * head_dim * element bytes.
+//! * BLOCK_SIZE * row bytes.
 //!
 //! So the KV heads `h0..h1` of a block are one contiguous byte range of it,
 //! `[h0 * head_bytes, h1 * head_bytes)` (`head_bytes`: one head's part), and
@@ -19,7 +20,7 @@ use std::sync::Arc;
 
 use pdkv_vmem::{Pool, Region, Tag};
 
-use crate::kernels::{KvElem, PagedRows};
+use crate::kernels::{KvElem, PagedRows, Q8Byte, Q8_BLOCK, Q8_BLOCK_BYTES};
 use crate::{ModelConfig, BLOCK_SIZE};
 
 /// The element type of the KV cache.
@@ -35,6 +36,11 @@ pub enum KvDtype {
     /// (f16 has 11), rounded to nearest even as written, widened by a shift
     /// as attention reads it.
     BF16,
+    /// llama.cpp's q8_0, 34 bytes per 32 elements: per block of 32 columns
+    /// of a row an f16 scale (`max |x| / 127`) and 32 int8 values; a row
+    /// reads back as scale times value. Needs a head size that is a
+    /// multiple of 32.
+    Q8_0,
 }
 
 impl KvDtype {
@@ -45,11 +51,22 @@ impl KvDtype {
     /// prefill as fast, half the memory and transfer bytes.
     pub const AUTO: KvDtype = KvDtype::F16;
 
-    /// Bytes of one element.
-    pub fn bytes(self) -> usize {
+    /// Bytes of the unit rows are addressed in: an element, or for q8_0
+    /// a byte of its blocks.
+    pub fn unit_bytes(self) -> usize {
         match self {
             KvDtype::F32 => 4,
             KvDtype::F16 | KvDtype::BF16 => 2,
+            KvDtype::Q8_0 => 1,
+        }
+    }
+
+    /// Bytes of one row of `head_dim` elements (one token's K, or V, of
+    /// one head and layer).
+    pub fn row_bytes(self, head_dim: usize) -> usize {
+        match self {
+            KvDtype::Q8_0 => head_dim.div_ceil(Q8_BLOCK) * Q8_BLOCK_BYTES,
+            other => head_dim * other.unit_bytes(),
         }
     }
 
@@ -59,6 +76,7 @@ impl KvDtype {
             KvDtype::F32 => "f32",
             KvDtype::F16 => "f16",
             KvDtype::BF16 => "bf16",
+            KvDtype::Q8_0 => "q8_0",
         }
     }
 }
@@ -67,15 +85,16 @@ impl std::str::FromStr for KvDtype {
     type Err = String;
 
     /// `auto` ([`KvDtype::AUTO`]), `f32` (also `float32`), `f16` (also
-    /// `float16`, `half`) or `bf16` (also `bfloat16`).
+    /// `float16`, `half`), `bf16` (also `bfloat16`) or `q8_0`.
     fn from_str(s: &str) -> Result<KvDtype, String> {
         match s {
             "auto" => Ok(KvDtype::AUTO),
             "f32" | "float32" | "float" => Ok(KvDtype::F32),
             "f16" | "float16" | "half" => Ok(KvDtype::F16),
             "bf16" | "bfloat16" => Ok(KvDtype::BF16),
+            "q8_0" => Ok(KvDtype::Q8_0),
             other => Err(format!(
-                "KV cache dtype {other:?} is not supported here (supported: auto, f32, f16, bf16)"
+                "KV cache dtype {other:?} is not supported here (supported: auto, f32, f16, bf16, q8_0)"
             )),
         }
     }
@@ -106,6 +125,11 @@ impl KvCache {
         dtype: KvDtype,
     ) -> anyhow::Result<KvCache> {
         anyhow::ensure!(num_blocks > 0, "the KV cache needs at least one block");
+        anyhow::ensure!(
+            dtype != KvDtype::Q8_0 || cfg.head_dim.is_multiple_of(Q8_BLOCK),
+            "a q8_0 KV cache needs a head size that is a multiple of {Q8_BLOCK} (this model's is {})",
+            cfg.head_dim
+        );
         let block_bytes = Self::block_bytes_for(cfg, dtype);
         let region = pool.allocate(Tag::KvCache, block_bytes * num_blocks)?;
         Ok(KvCache {
@@ -119,7 +143,7 @@ impl KvCache {
     }
 
     pub fn block_bytes_for(cfg: &ModelConfig, dtype: KvDtype) -> usize {
-        cfg.num_layers * 2 * BLOCK_SIZE * cfg.kv_dim() * dtype.bytes()
+        cfg.num_layers * 2 * BLOCK_SIZE * cfg.num_kv_heads * dtype.row_bytes(cfg.head_dim)
     }
 
     pub fn dtype(&self) -> KvDtype {
@@ -141,7 +165,7 @@ impl KvCache {
 
     /// Bytes of one KV head's part of a block (all layers, K and V).
     pub fn head_bytes(&self) -> usize {
-        self.num_layers * 2 * BLOCK_SIZE * self.head_dim * self.dtype.bytes()
+        self.num_layers * 2 * BLOCK_SIZE * self.dtype.row_bytes(self.head_dim)
     }
 
     pub fn num_blocks(&self) -> usize {
@@ -171,8 +195,7 @@ impl KvCache {
         );
         (((block * self.num_kv_heads + head) * self.num_layers + layer) * 2 + kv)
             * BLOCK_SIZE
-            * self.head_dim
-            * self.dtype.bytes()
+            * self.dtype.row_bytes(self.head_dim)
     }
 
     /// Reads head `head`'s K or V rows of `layer` in `block`, widened to
@@ -181,28 +204,23 @@ impl KvCache {
     /// # Safety
     /// No one may write these rows while this runs.
     pub unsafe fn rows(&self, block: usize, head: usize, layer: usize, kv: usize) -> Vec<f32> {
-        let (at, n) = (
-            self.rows_offset(block, head, layer, kv),
-            BLOCK_SIZE * self.head_dim,
-        );
+        let at = self.rows_offset(block, head, layer, kv);
+        let (hd, rb) = (self.head_dim, self.dtype.row_bytes(self.head_dim));
         // SAFETY: `rows_offset` places the rows inside the region (it checks
         // the indices); the caller guarantees no one writes them meanwhile.
         unsafe {
-            match self.dtype {
-                KvDtype::F32 => self.region.slice::<f32>(at, n).to_vec(),
-                KvDtype::F16 => self
-                    .region
-                    .slice::<half::f16>(at, n)
-                    .iter()
-                    .map(|x| x.to_f32())
-                    .collect(),
-                KvDtype::BF16 => self
-                    .region
-                    .slice::<half::bf16>(at, n)
-                    .iter()
-                    .map(|x| x.to_f32())
-                    .collect(),
+            let base = self.region.base().add(at);
+            let mut out = Vec::with_capacity(BLOCK_SIZE * hd);
+            for t in 0..BLOCK_SIZE {
+                let row = base.add(t * rb);
+                match self.dtype {
+                    KvDtype::F32 => out.extend((0..hd).map(|c| f32::get(row.cast(), c))),
+                    KvDtype::F16 => out.extend((0..hd).map(|c| half::f16::get(row.cast(), c))),
+                    KvDtype::BF16 => out.extend((0..hd).map(|c| half::bf16::get(row.cast(), c))),
+                    KvDtype::Q8_0 => out.extend((0..hd).map(|c| Q8Byte::get(row.cast(), c))),
+                }
             }
+            out
         }
     }
 
@@ -222,10 +240,10 @@ impl KvCache {
         let hd = self.head_dim;
         assert!(k.len() == self.kv_dim() && v.len() == self.kv_dim());
         let base = self.region.base();
-        let eb = self.dtype.bytes();
+        let rb = self.dtype.row_bytes(hd);
         for h in 0..self.num_kv_heads {
             for (kv, src) in [(0, &k[h * hd..(h + 1) * hd]), (1, &v[h * hd..(h + 1) * hd])] {
-                let at = self.rows_offset(block, h, layer, kv) + slot * hd * eb;
+                let at = self.rows_offset(block, h, layer, kv) + slot * rb;
                 // SAFETY: the indices were checked above, so the row of `hd`
                 // elements at `at` lies inside the region (aligned to its
                 // element: every offset is a multiple of it); `src` is not in
@@ -247,6 +265,7 @@ impl KvCache {
                             std::slice::from_raw_parts_mut(dst.cast::<half::bf16>(), hd)
                                 .convert_from_f32_slice(src)
                         }
+                        KvDtype::Q8_0 => Q8Byte::quantize_row(src, dst),
                     }
                 }
             }
@@ -266,11 +285,11 @@ impl KvCache {
         debug_assert_eq!(head_dim, self.head_dim);
         assert_eq!(
             std::mem::size_of::<E>(),
-            self.dtype.bytes(),
+            self.dtype.unit_bytes(),
             "rows of another dtype"
         );
-        let eb = self.dtype.bytes();
-        let rows = BLOCK_SIZE * self.head_dim;
+        let eb = self.dtype.unit_bytes();
+        let row = self.dtype.row_bytes(self.head_dim) / eb;
         PagedRows {
             base: self
                 .region
@@ -281,9 +300,9 @@ impl KvCache {
             block_table,
             block_size: BLOCK_SIZE,
             block_stride: self.block_bytes() / eb,
-            row_stride: self.head_dim,
+            row_stride: row,
             head_offset: 0,
-            v_offset: rows,
+            v_offset: BLOCK_SIZE * row,
         }
     }
 }

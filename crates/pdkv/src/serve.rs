@@ -41,9 +41,10 @@ pub struct ServeArgs {
     #[arg(long, default_value_t = 512)]
     pub num_kv_blocks: usize,
     /// The KV cache's element type: `f16` or `bf16` keeps half the bytes a
-    /// token (memory, and every P/D transfer), `f32` the activations'
-    /// precision; `auto` is f16. P and D must agree (D refuses P's blocks
-    /// of another layout, naming both).
+    /// token (memory, and every P/D transfer), `q8_0` 34 bytes per 32
+    /// values (about a quarter of f32's), `f32` the activations' precision;
+    /// `auto` is f16. P and D must agree (D refuses P's blocks of another
+    /// layout, naming both).
     #[arg(long, default_value = "auto")]
     pub kv_cache_dtype: pdkv_model::KvDtype,
     /// Longest prompt + output in tokens (default: the model's context).

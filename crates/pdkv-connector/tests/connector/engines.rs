@@ -156,6 +156,51 @@ fn pd_with_16_bit_kv_equals_colocated_for_half_the_bytes() {
     );
 }
 
+/// A q8_0 KV cache on both sides (the tiny Qwen3: heads of 32 values, one
+/// q8_0 block a row): D's tokens and logits equal a colocated q8_0
+/// engine's, for 34 bytes a row where f16 moves 64; a model whose heads are
+/// not a multiple of 32 values is refused at start, naming q8_0.
+#[test]
+fn pd_with_q8_0_kv_equals_colocated_for_34_bytes_a_row() {
+    use crate::common::{config, consumer, producer, start_on};
+    use pdkv_engine::EngineConfig;
+    use pdkv_model::{Arch, KvDtype};
+    let with = |dtype| EngineConfig {
+        kv_cache_dtype: dtype,
+        ..config()
+    };
+    let built = |json: &str, id: &str| Some(pdkv_connector::build(json, id).unwrap());
+    let mut sent = Vec::new();
+    for dtype in [KvDtype::F16, KvDtype::Q8_0] {
+        let p = start_on(Arch::Qwen3, built(&producer(""), "p1"), with(dtype)).unwrap();
+        let d = start_on(Arch::Qwen3, built(&consumer(""), "d1"), with(dtype)).unwrap();
+        let colo = start_on(Arch::Qwen3, None, with(dtype)).unwrap();
+        for (i, pr) in [prompt(5, 40), prompt(6, 70)].iter().enumerate() {
+            let dout = pd(&p.handle, &d.handle, &format!("x{i}"), pr, 6)
+                .unwrap_or_else(|e| panic!("{dtype:?} prompt {i}: {e}"));
+            let cout = run(&colo.handle, &format!("c{i}"), pr.clone(), 6, None);
+            assert_eq!(
+                fingerprint(&dout),
+                fingerprint(&cout),
+                "{dtype:?} prompt {i}"
+            );
+        }
+        idle_and_free(&p.handle);
+        idle_and_free(&d.handle);
+        assert_eq!(metric(&d.handle, "loads_ok_total"), 2.0, "{dtype:?}");
+        sent.push(metric(&p.handle, "bytes_sent_total"));
+    }
+    assert!(
+        sent[1] > 0.0 && sent[1] * 64.0 == sent[0] * 34.0,
+        "bytes sent f16, q8_0: {sent:?}"
+    );
+    let err = start_on(Arch::Llama, None, with(KvDtype::Q8_0))
+        .err()
+        .map(|e| format!("{e:#}"))
+        .expect("heads of 16 values refused");
+    assert!(err.contains("q8_0") && err.contains("32"), "{err}");
+}
+
 /// P and D with KV caches of different dtypes cannot share blocks, even
 /// of the same size (bf16 and f16): D's load fails naming both layouts
 /// (each with its dtype).

@@ -257,7 +257,7 @@ pub(super) unsafe fn sweep_with<E: KvElem>(
                 },
                 |src: *const E, dst: *mut f32, n| {
                     for i in 0..n {
-                        *dst.add(i) = (*src.add(i)).widen();
+                        *dst.add(i) = E::get(src, i);
                     }
                 },
             )
@@ -265,17 +265,13 @@ pub(super) unsafe fn sweep_with<E: KvElem>(
     }
 }
 
-/// Queries in one sweep past which a cache of narrower elements is widened
-/// a tile at a time rather than as each query loads it.
-const WIDEN_FROM_QUERIES: usize = 4;
-
 /// The sweep of [`attend_many`] and [`attend_segment`]: per segment, tiles
 /// in position order, every query that reaches a tile taking it in turn;
 /// for a whole sweep, each segment folded into the query's total, then the
 /// division by the sum. `tile` takes a query, the tile's 16 K row pointers
 /// (the V row is `v_offset` elements further), and how many of them the
 /// query sees; `wide_tile` the same over rows widened to floats by `widen`
-/// (for a narrower cache read by more than [`WIDEN_FROM_QUERIES`] queries).
+/// (for a narrower cache read by more than [`KvElem::WIDEN_PAST`] queries).
 ///
 /// # Safety
 /// As [`attend_many`]'s (and [`attend_segment`]'s for a segment), for `hd`
@@ -304,7 +300,7 @@ unsafe fn sweep_generic<E: KvElem>(
         // tile at a time, once for all of them (its K rows, then its V
         // rows); read by a few, each widens as it loads. The arithmetic,
         // so the bits, are the same either way.
-        let widened = !E::IS_F32 && qs.len() > WIDEN_FROM_QUERIES;
+        let widened = qs.len() > E::WIDEN_PAST;
         let mut wide = vec![0f32; if widened { 2 * KEY_TILE * hd } else { 0 }];
         let mut kp = [std::ptr::null(); KEY_TILE];
         let mut wp = [std::ptr::null(); KEY_TILE];
@@ -507,10 +503,10 @@ pub(super) mod avx2 {
                 |src: *const E, dst: *mut f32, n| {
                     let n8 = n & !7;
                     for i in (0..n8).step_by(8) {
-                        _mm256_storeu_ps(dst.add(i), E::load8(src.add(i)));
+                        _mm256_storeu_ps(dst.add(i), E::get8(src, i));
                     }
                     for i in n8..n {
-                        *dst.add(i) = (*src.add(i)).widen();
+                        *dst.add(i) = E::get(src, i);
                     }
                 },
             )
@@ -551,7 +547,7 @@ pub(super) mod avx2 {
                 while p < hd8 {
                     let qv = _mm256_loadu_ps(qp.add(p));
                     for (i, a) in acc.iter_mut().enumerate() {
-                        *a = _mm256_fmadd_ps(qv, E::load8(kp[8 * h + i].add(p)), *a);
+                        *a = _mm256_fmadd_ps(qv, E::get8(kp[8 * h + i], p), *a);
                     }
                     p += 8;
                 }
@@ -560,7 +556,7 @@ pub(super) mod avx2 {
             if hd8 < hd {
                 for (j, sj) in s.iter_mut().enumerate() {
                     for c in hd8..hd {
-                        *sj += *qp.add(c) * (*kp[j].add(c)).widen();
+                        *sj += *qp.add(c) * E::get(kp[j], c);
                     }
                 }
             }
@@ -612,10 +608,10 @@ pub(super) mod avx2 {
                     *a = start(out.add(c + 8 * j));
                 }
                 for (t, &p) in ps.iter().enumerate() {
-                    let v = kp[t].add(v_offset + c);
+                    let v = kp[t].add(v_offset);
                     let pv = _mm256_set1_ps(p);
                     for (j, a) in acc.iter_mut().enumerate() {
-                        *a = _mm256_fmadd_ps(pv, E::load8(v.add(8 * j)), *a);
+                        *a = _mm256_fmadd_ps(pv, E::get8(v, c + 8 * j), *a);
                     }
                 }
                 for (j, a) in acc.iter().enumerate() {
@@ -626,8 +622,7 @@ pub(super) mod avx2 {
             while c + 8 <= hd {
                 let mut acc = start(out.add(c));
                 for (t, &p) in ps.iter().enumerate() {
-                    acc =
-                        _mm256_fmadd_ps(_mm256_set1_ps(p), E::load8(kp[t].add(v_offset + c)), acc);
+                    acc = _mm256_fmadd_ps(_mm256_set1_ps(p), E::get8(kp[t].add(v_offset), c), acc);
                 }
                 _mm256_storeu_ps(out.add(c), acc);
                 c += 8;
@@ -641,7 +636,7 @@ pub(super) mod avx2 {
                     *out.add(c)
                 };
                 for (t, &p) in ps.iter().enumerate() {
-                    acc = p.mul_add((*kp[t].add(v_offset + c)).widen(), acc);
+                    acc = p.mul_add(E::get(kp[t].add(v_offset), c), acc);
                 }
                 *out.add(c) = acc;
                 c += 1;
@@ -702,7 +697,7 @@ mod portable {
         // do not overlap.
         unsafe {
             for t in 0..k {
-                *acc.add(t) += p * (*v.add(t)).widen();
+                *acc.add(t) += p * E::get(v, t);
             }
         }
     }

@@ -355,13 +355,13 @@ pub(super) mod portable {
             let mut p = 0;
             while p < k8 {
                 for (l, al) in acc.iter_mut().enumerate() {
-                    *al += *a.add(p + l) * (*b.add(p + l)).widen();
+                    *al += *a.add(p + l) * E::get(b, p + l);
                 }
                 p += 8;
             }
             let mut s = hsum(&acc);
             for t in k8..k {
-                s += *a.add(t) * (*b.add(t)).widen();
+                s += *a.add(t) * E::get(b, t);
             }
             s
         }

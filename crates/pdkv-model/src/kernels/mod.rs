@@ -41,6 +41,6 @@ pub use attention::{
     KEY_TILE, SEGMENT,
 };
 pub use blocks::{matmul_blocks_many, matmul_blocks_many_with, BlockLinear};
-pub use elem::KvElem;
+pub use elem::{KvElem, Q8Byte, Q8_BLOCK, Q8_BLOCK_BYTES};
 pub use matmul::{dot, matmul, matmul_many, matmul_many_with, Linear};
 pub use rows::{rmsnorm, rmsnorm_inplace, rope_apply, rope_cos_sin, rope_inv_freq, silu_mul};

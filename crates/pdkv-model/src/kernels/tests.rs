@@ -493,7 +493,8 @@ fn attention_over_narrow_rows_equals_attention_over_their_f32_values<E: KvElem>(
             let mut cache = Cache::new(51, 10, 16, hd);
             // The values the narrow cache can hold, in the f32 cache too.
             for x in &mut cache.kv {
-                *x = narrow(*x).widen();
+                // SAFETY: one element, read at column 0.
+                *x = unsafe { E::get(&narrow(*x), 0) };
             }
             let narrowed: Vec<E> = cache.kv.iter().map(|&x| narrow(x)).collect();
             let f32_rows = cache.rows();
@@ -662,4 +663,97 @@ fn rmsnorm_and_silu_match_definitions() {
 
 fn bits(v: &[f32]) -> Vec<u32> {
     v.iter().map(|x| x.to_bits()).collect()
+}
+
+/// Attention over a q8_0 cache equals attention over an f32 cache holding
+/// the values its rows read back as, bit for bit: one query or many in a
+/// sweep (the many widen each tile once), whole or segment by segment.
+#[test]
+fn attention_over_q8_0_rows_equals_attention_over_their_values() {
+    for be in backends() {
+        for hd in [64, 128, 96] {
+            let cache = Cache::new(71, 40, 16, hd);
+            let rb = hd / Q8_BLOCK * Q8_BLOCK_BYTES;
+            // Every f32 row (K and V) quantised into a row of `rb` bytes.
+            let mut bytes = vec![0u8; cache.kv.len() / hd * rb];
+            for (row, dst) in cache.kv.chunks(hd).zip(bytes.chunks_mut(rb)) {
+                // SAFETY: `dst` is one q8_0 row of `hd` values.
+                unsafe { Q8Byte::quantize_row(row, dst.as_mut_ptr()) };
+            }
+            let q8 = bytes.as_ptr().cast::<Q8Byte>();
+            let values: Vec<f32> = (0..cache.kv.len())
+                // SAFETY: row `i / hd` holds column `i % hd`.
+                .map(|i| unsafe { Q8Byte::get(q8.add(i / hd * rb), i % hd) })
+                .collect();
+            let f32_rows = PagedRows {
+                base: values.as_ptr(),
+                ..cache.rows()
+            };
+            let q8_rows = PagedRows {
+                base: q8,
+                block_table: f32_rows.block_table,
+                block_size: 16,
+                block_stride: 2 * 16 * rb,
+                row_stride: rb,
+                head_offset: 0,
+                v_offset: 16 * rb,
+            };
+            for (i, pos) in [0, 17, 255, 256, 400, 639].into_iter().enumerate() {
+                let q = rand_vec(800 + i as u64, hd);
+                let (mut a, mut b) = (vec![f32::NAN; hd], vec![f32::NAN; hd]);
+                let mut qa = [AttnQuery::new(q.as_ptr(), pos, a.as_mut_ptr())];
+                let mut qb = [AttnQuery::new(q.as_ptr(), pos, b.as_mut_ptr())];
+                // SAFETY: both caches hold K and V for every position < 640.
+                unsafe {
+                    attend_many_with(be, &f32_rows, hd, 0.2, &mut qa);
+                    attend_many_with(be, &q8_rows, hd, 0.2, &mut qb);
+                }
+                assert_eq!(bits(&a), bits(&b), "{be:?} hd {hd} pos {pos}");
+                assert!(a.iter().all(|x| x.is_finite()));
+                let mut outs = vec![vec![f32::NAN; hd]; 8];
+                let mut many: Vec<AttnQuery> = outs
+                    .iter_mut()
+                    .map(|o| AttnQuery::new(q.as_ptr(), pos, o.as_mut_ptr()))
+                    .collect();
+                // SAFETY: as above; the outputs are distinct.
+                unsafe { attend_many_with(be, &q8_rows, hd, 0.2, &mut many) };
+                for o in &outs {
+                    assert_eq!(bits(o), bits(&a), "{be:?} hd {hd} pos {pos}, widened");
+                }
+            }
+        }
+    }
+}
+
+/// q8_0 rows read back within half a step of their block's scale, zeros
+/// as zeros, and each block's largest magnitude exactly (up to the scale's
+/// f16 rounding).
+#[test]
+fn q8_0_rows_read_back_within_half_a_step() {
+    let mut row = rand_vec(90, 96);
+    row[40..72].fill(0.0);
+    row[5] = -3.5;
+    let mut bytes = vec![0u8; 3 * Q8_BLOCK_BYTES];
+    // SAFETY: three blocks of 34 bytes for 96 values.
+    unsafe { Q8Byte::quantize_row(&row, bytes.as_mut_ptr()) };
+    let q8 = bytes.as_ptr().cast::<Q8Byte>();
+    for (b, block) in row.chunks(Q8_BLOCK).enumerate() {
+        let amax = block.iter().fold(0f32, |m, x| m.max(x.abs()));
+        let step = amax / 127.0;
+        for (j, &x) in block.iter().enumerate() {
+            // SAFETY: column `b * 32 + j` of the 96-column row.
+            let got = unsafe { Q8Byte::get(q8, b * Q8_BLOCK + j) };
+            assert!(
+                (got - x).abs() <= step * 0.5 + amax * 1e-3,
+                "column {}: {got} for {x} (step {step})",
+                b * Q8_BLOCK + j
+            );
+            if x == 0.0 {
+                assert_eq!(got, 0.0);
+            }
+        }
+    }
+    // SAFETY: column 5 of the row.
+    let at5 = unsafe { Q8Byte::get(q8, 5) };
+    assert!((at5 + 3.5).abs() < 3.5 * 1e-3, "{at5}");
 }

@@ -636,3 +636,48 @@ fn long_context_decode_alone_equals_decode_in_a_busy_batch() {
             .all(|b| f32::from_bits(*b).is_finite()));
     }
 }
+
+/// A q8_0 KV cache: chunking and block placement still change no bit, the
+/// logits stay close to an f32 cache's, and a head size that is not a
+/// multiple of 32 is refused by name.
+#[test]
+fn a_q8_0_cache_keeps_the_invariances_and_follows_the_f32_cache() {
+    let cfg = ModelConfig {
+        hidden_size: 64,
+        num_heads: 2,
+        num_kv_heads: 1,
+        head_dim: 32,
+        ..llama_cfg()
+    };
+    let toks = tokens(11, 70, cfg.vocab_size);
+    let nb = toks.len().div_ceil(BLOCK_SIZE);
+    let mut h = Harness::new(&cfg, 16, 128);
+    let f32_logits = h.prefill(&toks, &contiguous(0, nb), &[toks.len()]);
+    h.kv = KvCache::new(&Pool::default(), &cfg, 16, KvDtype::Q8_0).unwrap();
+    assert_eq!(
+        h.kv.block_bytes(),
+        2 * 2 * BLOCK_SIZE * 34,
+        "two layers of K and V, 16 rows of one 34-byte block"
+    );
+    let want = h.prefill(&toks, &contiguous(0, nb), &[toks.len()]);
+    let got = h.prefill(&toks, &[9, 3, 12, 1, 7], &[7, 16, 1]);
+    assert_eq!(
+        bits(&got),
+        bits(&want),
+        "q8_0: chunks and blocks changed bits"
+    );
+    let scale = f32_logits.iter().fold(0f32, |m, x| m.max(x.abs()));
+    let worst = want
+        .iter()
+        .zip(&f32_logits)
+        .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+    assert!(
+        worst > 0.0 && worst < 0.05 * scale,
+        "q8_0 logits {worst} from f32's (largest {scale})"
+    );
+    let err = KvCache::new(&Pool::default(), &llama_cfg(), 4, KvDtype::Q8_0)
+        .err()
+        .expect("head size 8 refused")
+        .to_string();
+    assert!(err.contains("q8_0") && err.contains("32"), "{err}");
+}

@@ -82,12 +82,22 @@ pub fn engine(connector: Option<(&str, &str)>, config: EngineConfig) -> Started 
 
 /// [`engine`] with a connector built by the caller.
 pub fn engine_with(connector: Option<Box<dyn KvConnector>>, config: EngineConfig) -> Started {
-    let dir = tempfile::tempdir().unwrap();
-    pdkv_model::init::write_random_checkpoint(Arch::Llama, "tiny", 7, dir.path()).unwrap();
+    start_on(Arch::Llama, connector, config).unwrap()
+}
+
+/// An engine on the tiny random model of `arch` (Qwen3's has heads of 32
+/// dimensions, Llama's of 16), or why it could not start.
+pub fn start_on(
+    arch: Arch,
+    connector: Option<Box<dyn KvConnector>>,
+    config: EngineConfig,
+) -> anyhow::Result<Started> {
+    let dir = tempfile::tempdir()?;
+    pdkv_model::init::write_random_checkpoint(arch, "tiny", 7, dir.path())?;
     let pool = Pool::default();
-    let model = pdkv_model::load_model(dir.path(), &pool, &mut |_| {}).unwrap();
-    let handle = Engine::start_with_connector(model, pool, config, connector).unwrap();
-    Started { handle, _dir: dir }
+    let model = pdkv_model::load_model(dir.path(), &pool, &mut |_| {})?;
+    let handle = Engine::start_with_connector(model, pool, config, connector)?;
+    Ok(Started { handle, _dir: dir })
 }
 
 /// A prefill engine: a producer connector with `extra` fields, [`config`].
