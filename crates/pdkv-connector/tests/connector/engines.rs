@@ -118,38 +118,47 @@ fn the_first_transfers_at_once_over_shm_all_succeed() {
     }
 }
 
+/// A P, a D and a colocated engine of KV dtype `dtype` on the tiny model
+/// of `arch`: D's tokens and logits for two prompts equal the colocated
+/// engine's, every load succeeds and every block is freed; returns the
+/// bytes P sent.
+fn pd_equals_colocated(arch: pdkv_model::Arch, dtype: pdkv_model::KvDtype) -> f64 {
+    use crate::common::{config, consumer, producer, start_on};
+    use pdkv_engine::EngineConfig;
+    let with = || EngineConfig {
+        kv_cache_dtype: dtype,
+        ..config()
+    };
+    let built = |json: &str, id: &str| Some(pdkv_connector::build(json, id).unwrap());
+    let p = start_on(arch, built(&producer(""), "p1"), with()).unwrap();
+    let d = start_on(arch, built(&consumer(""), "d1"), with()).unwrap();
+    let colo = start_on(arch, None, with()).unwrap();
+    for (i, pr) in [prompt(5, 40), prompt(6, 70)].iter().enumerate() {
+        let dout = pd(&p.handle, &d.handle, &format!("x{i}"), pr, 6)
+            .unwrap_or_else(|e| panic!("{dtype:?} prompt {i}: {e}"));
+        let cout = run(&colo.handle, &format!("c{i}"), pr.clone(), 6, None);
+        assert_eq!(
+            fingerprint(&dout),
+            fingerprint(&cout),
+            "{dtype:?} prompt {i}"
+        );
+    }
+    idle_and_free(&p.handle);
+    idle_and_free(&d.handle);
+    assert_eq!(metric(&d.handle, "loads_ok_total"), 2.0, "{dtype:?}");
+    metric(&p.handle, "bytes_sent_total")
+}
+
 /// An f16 (or bf16) KV cache on both sides: D's tokens and logits equal a
 /// colocated engine's of that dtype, for half the bytes an f32 pair moves
 /// for the same prompts.
 #[test]
 fn pd_with_16_bit_kv_equals_colocated_for_half_the_bytes() {
-    use crate::common::{config, consumer, engine, producer};
-    use pdkv_engine::EngineConfig;
-    use pdkv_model::KvDtype;
-    let with = |dtype| EngineConfig {
-        kv_cache_dtype: dtype,
-        ..config()
-    };
-    let mut sent = Vec::new();
-    for dtype in [KvDtype::F32, KvDtype::F16, KvDtype::BF16] {
-        let p = engine(Some((&producer(""), "p1")), with(dtype));
-        let d = engine(Some((&consumer(""), "d1")), with(dtype));
-        let colo = engine(None, with(dtype));
-        for (i, pr) in [prompt(5, 40), prompt(6, 70)].iter().enumerate() {
-            let dout = pd(&p.handle, &d.handle, &format!("x{i}"), pr, 6)
-                .unwrap_or_else(|e| panic!("{dtype:?} prompt {i}: {e}"));
-            let cout = run(&colo.handle, &format!("c{i}"), pr.clone(), 6, None);
-            assert_eq!(
-                fingerprint(&dout),
-                fingerprint(&cout),
-                "{dtype:?} prompt {i}"
-            );
-        }
-        idle_and_free(&p.handle);
-        idle_and_free(&d.handle);
-        assert_eq!(metric(&d.handle, "loads_ok_total"), 2.0, "{dtype:?}");
-        sent.push(metric(&p.handle, "bytes_sent_total"));
-    }
+    use pdkv_model::{Arch, KvDtype};
+    let sent: Vec<f64> = [KvDtype::F32, KvDtype::F16, KvDtype::BF16]
+        .into_iter()
+        .map(|dtype| pd_equals_colocated(Arch::Llama, dtype))
+        .collect();
     assert!(
         sent[0] > 0.0 && sent[1] * 2.0 == sent[0] && sent[2] == sent[1],
         "bytes sent f32, f16, bf16: {sent:?}"
@@ -162,39 +171,22 @@ fn pd_with_16_bit_kv_equals_colocated_for_half_the_bytes() {
 /// not a multiple of 32 values is refused at start, naming q8_0.
 #[test]
 fn pd_with_q8_0_kv_equals_colocated_for_34_bytes_a_row() {
-    use crate::common::{config, consumer, producer, start_on};
+    use crate::common::{config, start_on};
     use pdkv_engine::EngineConfig;
     use pdkv_model::{Arch, KvDtype};
-    let with = |dtype| EngineConfig {
-        kv_cache_dtype: dtype,
-        ..config()
-    };
-    let built = |json: &str, id: &str| Some(pdkv_connector::build(json, id).unwrap());
-    let mut sent = Vec::new();
-    for dtype in [KvDtype::F16, KvDtype::Q8_0] {
-        let p = start_on(Arch::Qwen3, built(&producer(""), "p1"), with(dtype)).unwrap();
-        let d = start_on(Arch::Qwen3, built(&consumer(""), "d1"), with(dtype)).unwrap();
-        let colo = start_on(Arch::Qwen3, None, with(dtype)).unwrap();
-        for (i, pr) in [prompt(5, 40), prompt(6, 70)].iter().enumerate() {
-            let dout = pd(&p.handle, &d.handle, &format!("x{i}"), pr, 6)
-                .unwrap_or_else(|e| panic!("{dtype:?} prompt {i}: {e}"));
-            let cout = run(&colo.handle, &format!("c{i}"), pr.clone(), 6, None);
-            assert_eq!(
-                fingerprint(&dout),
-                fingerprint(&cout),
-                "{dtype:?} prompt {i}"
-            );
-        }
-        idle_and_free(&p.handle);
-        idle_and_free(&d.handle);
-        assert_eq!(metric(&d.handle, "loads_ok_total"), 2.0, "{dtype:?}");
-        sent.push(metric(&p.handle, "bytes_sent_total"));
-    }
+    let sent: Vec<f64> = [KvDtype::F16, KvDtype::Q8_0]
+        .into_iter()
+        .map(|dtype| pd_equals_colocated(Arch::Qwen3, dtype))
+        .collect();
     assert!(
         sent[1] > 0.0 && sent[1] * 64.0 == sent[0] * 34.0,
         "bytes sent f16, q8_0: {sent:?}"
     );
-    let err = start_on(Arch::Llama, None, with(KvDtype::Q8_0))
+    let q8 = EngineConfig {
+        kv_cache_dtype: KvDtype::Q8_0,
+        ..config()
+    };
+    let err = start_on(Arch::Llama, None, q8)
         .err()
         .map(|e| format!("{e:#}"))
         .expect("heads of 16 values refused");
