@@ -8,22 +8,31 @@ use crate::common::{
 };
 use pdkv_engine::FinishReason;
 
+/// Each prompt through P then D (6 tokens) and through the colocated
+/// engine: D's greedy tokens and logits equal the colocated engine's.
+fn pd_as_colocated(
+    p: &crate::common::Started,
+    d: &crate::common::Started,
+    colo: &crate::common::Started,
+    prompts: &[Vec<u32>],
+    what: &str,
+) {
+    for (i, pr) in prompts.iter().enumerate() {
+        let dout = pd(&p.handle, &d.handle, &format!("x{i}"), pr, 6)
+            .unwrap_or_else(|e| panic!("prompt {i} {what}: {e}"));
+        let cout = run(&colo.handle, &format!("c{i}"), pr.clone(), 6, None);
+        assert_eq!(fingerprint(&dout), fingerprint(&cout), "prompt {i} {what}");
+    }
+}
+
 fn pd_matches_colocated(transport: &str) {
     let t = format!(r#","transport":"{transport}""#);
     let p = p_engine(&t, "p1");
     let d = d_engine(&t, "d1");
     let colo = colocated();
     // Shared prefixes: D has local prefix hits for some.
-    for (i, pr) in prefix_prompts().iter().enumerate() {
-        let dout = pd(&p.handle, &d.handle, &format!("x{i}"), pr, 6)
-            .unwrap_or_else(|e| panic!("prompt {i} over {transport}: {e}"));
-        let cout = run(&colo.handle, &format!("c{i}"), pr.clone(), 6, None);
-        assert_eq!(
-            fingerprint(&dout),
-            fingerprint(&cout),
-            "prompt {i} over {transport}"
-        );
-    }
+    let what = format!("over {transport}");
+    pd_as_colocated(&p, &d, &colo, &prefix_prompts(), &what);
     idle_and_free(&p.handle);
     idle_and_free(&d.handle);
     // Every prompt longer than its local prefix hit was really loaded: 3
@@ -133,16 +142,8 @@ fn pd_equals_colocated(arch: pdkv_model::Arch, dtype: pdkv_model::KvDtype) -> f6
     let p = start_on(arch, built(&producer(""), "p1"), with()).unwrap();
     let d = start_on(arch, built(&consumer(""), "d1"), with()).unwrap();
     let colo = start_on(arch, None, with()).unwrap();
-    for (i, pr) in [prompt(5, 40), prompt(6, 70)].iter().enumerate() {
-        let dout = pd(&p.handle, &d.handle, &format!("x{i}"), pr, 6)
-            .unwrap_or_else(|e| panic!("{dtype:?} prompt {i}: {e}"));
-        let cout = run(&colo.handle, &format!("c{i}"), pr.clone(), 6, None);
-        assert_eq!(
-            fingerprint(&dout),
-            fingerprint(&cout),
-            "{dtype:?} prompt {i}"
-        );
-    }
+    let what = format!("with {dtype} KV");
+    pd_as_colocated(&p, &d, &colo, &[prompt(5, 40), prompt(6, 70)], &what);
     idle_and_free(&p.handle);
     idle_and_free(&d.handle);
     assert_eq!(metric(&d.handle, "loads_ok_total"), 2.0, "{dtype:?}");

@@ -507,36 +507,58 @@ fn attention_over_narrow_rows_equals_attention_over_their_f32_values<E: KvElem>(
                 head_offset: f32_rows.head_offset,
                 v_offset: f32_rows.v_offset,
             };
-            for (i, pos) in [0, 9, 16, 31, 100, 159].into_iter().enumerate() {
-                let q = rand_vec(600 + i as u64, hd);
-                let (mut a, mut b) = (vec![f32::NAN; hd], vec![f32::NAN; hd]);
-                let mut qa = [AttnQuery::new(q.as_ptr(), pos, a.as_mut_ptr())];
-                let mut qb = [AttnQuery::new(q.as_ptr(), pos, b.as_mut_ptr())];
-                // SAFETY: both caches hold K and V for every position < 160.
-                unsafe {
-                    attend_many_with(be, &f32_rows, hd, 0.2, &mut qa);
-                    attend_many_with(be, &narrow_rows, hd, 0.2, &mut qb);
-                }
-                assert!(
-                    a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits()),
-                    "{be:?} hd {hd} pos {pos}: {a:?} vs {b:?}"
-                );
-                // Many queries in one sweep: the narrow tiles are widened
-                // once for all of them, and each still gets the same bits.
-                let mut outs = vec![vec![f32::NAN; hd]; 8];
-                let mut many: Vec<AttnQuery> = outs
-                    .iter_mut()
-                    .map(|o| AttnQuery::new(q.as_ptr(), pos, o.as_mut_ptr()))
-                    .collect();
-                // SAFETY: as above; the outputs are distinct.
-                unsafe { attend_many_with(be, &narrow_rows, hd, 0.2, &mut many) };
-                for o in &outs {
-                    assert!(
-                        o.iter().zip(&a).all(|(x, y)| x.to_bits() == y.to_bits()),
-                        "{be:?} hd {hd} pos {pos}, widened: {o:?} vs {a:?}"
-                    );
-                }
-            }
+            // SAFETY: both caches hold K and V for every position < 160.
+            unsafe {
+                assert_same_attention(
+                    be,
+                    &f32_rows,
+                    &narrow_rows,
+                    hd,
+                    &[0, 9, 16, 31, 100, 159],
+                    600,
+                )
+            };
+        }
+    }
+}
+
+/// For a query at each of `positions` (vectors seeded from `seed`):
+/// attention over `rows` has the bits of attention over `f32_rows` (which
+/// hold the values `rows` read back as), the query alone and eight copies
+/// of it in one sweep (narrow tiles then widened once for all of them).
+///
+/// # Safety
+/// Both describe `hd` readable elements of K and of V for every position
+/// up to the largest of `positions`.
+unsafe fn assert_same_attention<E: KvElem>(
+    be: Backend,
+    f32_rows: &PagedRows<'_>,
+    rows: &PagedRows<'_, E>,
+    hd: usize,
+    positions: &[usize],
+    seed: u64,
+) {
+    for (i, &pos) in positions.iter().enumerate() {
+        let q = rand_vec(seed + i as u64, hd);
+        let (mut a, mut b) = (vec![f32::NAN; hd], vec![f32::NAN; hd]);
+        let mut qa = [AttnQuery::new(q.as_ptr(), pos, a.as_mut_ptr())];
+        let mut qb = [AttnQuery::new(q.as_ptr(), pos, b.as_mut_ptr())];
+        // SAFETY: as this function's contract; the outputs are distinct.
+        unsafe {
+            attend_many_with(be, f32_rows, hd, 0.2, &mut qa);
+            attend_many_with(be, rows, hd, 0.2, &mut qb);
+        }
+        assert_eq!(bits(&a), bits(&b), "{be:?} hd {hd} pos {pos}");
+        assert!(a.iter().all(|x| x.is_finite()), "{be:?} hd {hd} pos {pos}");
+        let mut outs = vec![vec![f32::NAN; hd]; 8];
+        let mut many: Vec<AttnQuery> = outs
+            .iter_mut()
+            .map(|o| AttnQuery::new(q.as_ptr(), pos, o.as_mut_ptr()))
+            .collect();
+        // SAFETY: as above.
+        unsafe { attend_many_with(be, rows, hd, 0.2, &mut many) };
+        for o in &outs {
+            assert_eq!(bits(o), bits(&a), "{be:?} hd {hd} pos {pos}, widened");
         }
     }
 }
@@ -698,29 +720,17 @@ fn attention_over_q8_0_rows_equals_attention_over_their_values() {
                 head_offset: 0,
                 v_offset: 16 * rb,
             };
-            for (i, pos) in [0, 17, 255, 256, 400, 639].into_iter().enumerate() {
-                let q = rand_vec(800 + i as u64, hd);
-                let (mut a, mut b) = (vec![f32::NAN; hd], vec![f32::NAN; hd]);
-                let mut qa = [AttnQuery::new(q.as_ptr(), pos, a.as_mut_ptr())];
-                let mut qb = [AttnQuery::new(q.as_ptr(), pos, b.as_mut_ptr())];
-                // SAFETY: both caches hold K and V for every position < 640.
-                unsafe {
-                    attend_many_with(be, &f32_rows, hd, 0.2, &mut qa);
-                    attend_many_with(be, &q8_rows, hd, 0.2, &mut qb);
-                }
-                assert_eq!(bits(&a), bits(&b), "{be:?} hd {hd} pos {pos}");
-                assert!(a.iter().all(|x| x.is_finite()));
-                let mut outs = vec![vec![f32::NAN; hd]; 8];
-                let mut many: Vec<AttnQuery> = outs
-                    .iter_mut()
-                    .map(|o| AttnQuery::new(q.as_ptr(), pos, o.as_mut_ptr()))
-                    .collect();
-                // SAFETY: as above; the outputs are distinct.
-                unsafe { attend_many_with(be, &q8_rows, hd, 0.2, &mut many) };
-                for o in &outs {
-                    assert_eq!(bits(o), bits(&a), "{be:?} hd {hd} pos {pos}, widened");
-                }
-            }
+            // SAFETY: both caches hold K and V for every position < 640.
+            unsafe {
+                assert_same_attention(
+                    be,
+                    &f32_rows,
+                    &q8_rows,
+                    hd,
+                    &[0, 17, 255, 256, 400, 639],
+                    800,
+                )
+            };
         }
     }
 }
