@@ -53,11 +53,11 @@ pub struct Model {
 }
 
 /// Queries per attention task.
-const ATTN_ROWS: usize = 16;
+const ATTN_ROWS: usize = 32;
 
 /// Query heads that sweep the key tiles together (a task's rows times its
 /// heads, in slices of this many).
-const ATTN_QUERIES: usize = 64;
+const ATTN_QUERIES: usize = 96;
 
 /// A raw pointer that may cross threads; users guarantee disjoint access.
 #[derive(Clone, Copy)]

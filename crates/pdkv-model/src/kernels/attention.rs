@@ -3,7 +3,12 @@
 //! [`attend_many`]).
 
 use super::elem::KvElem;
+#[cfg(target_arch = "x86_64")]
+use super::tile512;
 use crate::dispatch::{backend, Backend};
+
+#[cfg(target_arch = "x86_64")]
+const _: () = assert!(tile512::KEYS == KEY_TILE);
 
 /// Where a KV head's rows live in a paged cache, in elements from `base`:
 /// the K row of position `t` is at
@@ -236,12 +241,24 @@ pub(super) unsafe fn sweep_with<E: KvElem>(
     qs: &mut [AttnQuery],
     sweep: Sweep,
 ) {
+    let widened = qs.len() > E::WIDEN_PAST;
+    #[cfg(target_arch = "x86_64")]
+    let wide512 =
+        qs.len() > tile512::WIDEN_PAST && head_dim.is_multiple_of(16) && tile512::available();
     match be {
+        #[cfg(target_arch = "x86_64")]
+        Backend::Avx2Fma if wide512 => {
+            // SAFETY: as this function's contract, with AVX-512F and DQ,
+            // AVX2, FMA and F16C present and a head of whole 16-float
+            // registers.
+            unsafe { avx2::sweep512(rows, head_dim, scale, qs, sweep) }
+        }
         // SAFETY: as this function's contract, with AVX2 and FMA present.
         #[cfg(target_arch = "x86_64")]
         Backend::Avx2Fma => unsafe { avx2::sweep(rows, head_dim, scale, qs, sweep) },
         // SAFETY: as this function's contract; each tile gets the rows and
-        // the query the sweep was given.
+        // the query the sweep was given, a widened one the rows `fill_rows`
+        // copied.
         _ => unsafe {
             sweep_generic(
                 rows,
@@ -252,17 +269,100 @@ pub(super) unsafe fn sweep_with<E: KvElem>(
                 |q, kp, v_offset, hd, scale, seen| {
                     portable::attend_tile(q, kp, v_offset, hd, scale, seen)
                 },
-                |q, kp, v_offset, hd, scale, seen| {
-                    portable::attend_tile(q, kp, v_offset, hd, scale, seen)
-                },
-                |src: *const E, dst: *mut f32, n| {
-                    for i in 0..n {
-                        *dst.add(i) = E::get(src, i);
-                    }
+                Wide {
+                    on: widened,
+                    len: 2 * KEY_TILE * head_dim,
+                    fill: |kp: &[*const E; KEY_TILE], v_offset, buf| {
+                        fill_rows(kp, v_offset, head_dim, buf, |src, dst, n| {
+                            for i in 0..n {
+                                *dst.add(i) = E::get(src, i);
+                            }
+                        })
+                    },
+                    tile: |a: &mut AttnQuery, b: Option<&mut AttnQuery>, buf, scale, t0| {
+                        let kp = rows_of(buf, head_dim);
+                        for q in std::iter::once(a).chain(b) {
+                            let seen = seen(q, t0);
+                            portable::attend_tile(
+                                q,
+                                &kp,
+                                KEY_TILE * head_dim,
+                                head_dim,
+                                scale,
+                                seen,
+                            )
+                        }
+                    },
                 },
             )
         },
     }
+}
+
+/// [`sweep_with`] on the AVX2 tiles alone, for tests that compare them with
+/// the AVX-512 tile.
+///
+/// # Safety
+/// As [`sweep_with`]'s, with AVX2, FMA and F16C.
+#[cfg(all(test, target_arch = "x86_64"))]
+pub(super) unsafe fn sweep_avx2<E: KvElem>(
+    rows: &PagedRows<'_, E>,
+    head_dim: usize,
+    scale: f32,
+    qs: &mut [AttnQuery],
+    sweep: Sweep,
+) {
+    // SAFETY: as this function's contract.
+    unsafe { avx2::sweep(rows, head_dim, scale, qs, sweep) }
+}
+
+/// How a sweep reads a tile that many queries share: whether it copies the
+/// tile's rows as floats (`on`) into a buffer of `len` floats (`fill`: the
+/// tile's K row pointers, the V rows' offset, the buffer), and the tile
+/// kernel that reads that buffer (`tile`: one or two queries, the buffer,
+/// the scale, the tile's first position).
+struct Wide<F, T> {
+    on: bool,
+    len: usize,
+    fill: F,
+    tile: T,
+}
+
+/// The widened layout of the AVX2 and portable tiles: the 16 K rows, then
+/// their 16 V rows, `hd` floats each, each row copied by `widen`.
+///
+/// # Safety
+/// `kp`'s rows and their V rows (`v_offset` elements further) hold `hd`
+/// readable elements; `buf` is `2 * KEY_TILE * hd` writable floats;
+/// `widen` writes `n` floats for `n` readable elements.
+#[inline(always)]
+unsafe fn fill_rows<E: KvElem>(
+    kp: &[*const E; KEY_TILE],
+    v_offset: usize,
+    hd: usize,
+    buf: *mut f32,
+    widen: impl Fn(*const E, *mut f32, usize),
+) {
+    // SAFETY: as this function's contract.
+    unsafe {
+        for (i, &k) in kp.iter().enumerate() {
+            widen(k, buf.add(i * hd), hd);
+            widen(k.add(v_offset), buf.add((KEY_TILE + i) * hd), hd);
+        }
+    }
+}
+
+/// How many of the tile from position `t0` a query sees.
+#[inline(always)]
+fn seen(q: &AttnQuery, t0: usize) -> usize {
+    (q.pos + 1 - t0).min(KEY_TILE)
+}
+
+/// The K rows of a buffer [`fill_rows`] wrote (their V rows are
+/// `KEY_TILE * hd` floats further).
+#[inline(always)]
+fn rows_of(buf: *const f32, hd: usize) -> [*const f32; KEY_TILE] {
+    std::array::from_fn(|i| buf.wrapping_add(i * hd))
 }
 
 /// The sweep of [`attend_many`] and [`attend_segment`]: per segment, tiles
@@ -270,15 +370,15 @@ pub(super) unsafe fn sweep_with<E: KvElem>(
 /// for a whole sweep, each segment folded into the query's total, then the
 /// division by the sum. `tile` takes a query, the tile's 16 K row pointers
 /// (the V row is `v_offset` elements further), and how many of them the
-/// query sees; `wide_tile` the same over rows widened to floats by `widen`
-/// (for a narrower cache read by more than [`KvElem::WIDEN_PAST`] queries).
+/// query sees; when `wide.on`, each tile is copied once for all the
+/// queries by `wide.fill` and read by `wide.tile` instead.
 ///
 /// # Safety
 /// As [`attend_many`]'s (and [`attend_segment`]'s for a segment), for `hd`
-/// elements per row; `tile` and `wide_tile` compute one tile for one query
-/// within that contract, `widen` writes `n` floats for `n` readable elements.
+/// elements per row; `tile` and `wide.tile` compute one tile for one query
+/// within that contract, the latter over a buffer of `wide.len` floats
+/// that `wide.fill` wrote from the tile's rows.
 #[inline(always)]
-#[allow(clippy::too_many_arguments)] // the sweep's inputs and its three kernels
 unsafe fn sweep_generic<E: KvElem>(
     rows: &PagedRows<'_, E>,
     hd: usize,
@@ -286,8 +386,10 @@ unsafe fn sweep_generic<E: KvElem>(
     qs: &mut [AttnQuery],
     sweep: Sweep,
     tile: impl Fn(&mut AttnQuery, &[*const E; KEY_TILE], usize, usize, f32, usize),
-    wide_tile: impl Fn(&mut AttnQuery, &[*const f32; KEY_TILE], usize, usize, f32, usize),
-    widen: impl Fn(*const E, *mut f32, usize),
+    wide: Wide<
+        impl Fn(&[*const E; KEY_TILE], usize, *mut f32),
+        impl Fn(&mut AttnQuery, Option<&mut AttnQuery>, *const f32, f32, usize),
+    >,
 ) {
     // SAFETY: the caller guarantees `attend_many`'s contract: the rows
     // of every position up to the largest `pos` are readable, and each
@@ -296,14 +398,11 @@ unsafe fn sweep_generic<E: KvElem>(
         let Some(max_pos) = qs.iter().map(|q| q.pos).max() else {
             return;
         };
-        // A cache of narrower elements read by many queries is widened a
-        // tile at a time, once for all of them (its K rows, then its V
-        // rows); read by a few, each widens as it loads. The arithmetic,
-        // so the bits, are the same either way.
-        let widened = qs.len() > E::WIDEN_PAST;
-        let mut wide = vec![0f32; if widened { 2 * KEY_TILE * hd } else { 0 }];
+        // A tile read by many queries may be copied as floats once for all
+        // of them; read by a few, each query reads (and widens) the rows as
+        // it loads them. The arithmetic, so the bits, are the same either way.
+        let mut buf = vec![0f32; if wide.on { wide.len } else { 0 }];
         let mut kp = [std::ptr::null(); KEY_TILE];
-        let mut wp = [std::ptr::null(); KEY_TILE];
         // One segment for the queries that reach it, each starting afresh.
         let mut segment = |qs: &mut [AttnQuery], seg: usize| {
             let t_lo = seg * SEGMENT;
@@ -320,20 +419,18 @@ unsafe fn sweep_generic<E: KvElem>(
                     let t = t0 + i;
                     *p = rows.k_row(if t <= max_pos { t } else { t0 });
                 }
-                if widened {
-                    for (i, (w, &k)) in wp.iter_mut().zip(&kp).enumerate() {
-                        let at = wide.as_mut_ptr().add(i * hd);
-                        widen(k, at, hd);
-                        widen(k.add(rows.v_offset), at.add(KEY_TILE * hd), hd);
-                        *w = at.cast_const();
-                    }
+                if wide.on {
+                    (wide.fill)(&kp, rows.v_offset, buf.as_mut_ptr());
                 }
-                for q in qs.iter_mut().filter(|q| q.pos >= t0) {
-                    let seen = (q.pos + 1 - t0).min(KEY_TILE);
-                    if widened {
-                        wide_tile(q, &wp, KEY_TILE * hd, hd, scale, seen);
-                    } else {
-                        tile(q, &kp, rows.v_offset, hd, scale, seen);
+                let mut reach = qs.iter_mut().filter(|q| q.pos >= t0);
+                if wide.on {
+                    // Queries two at a time, for a kernel that interleaves them.
+                    while let Some(a) = reach.next() {
+                        (wide.tile)(a, reach.next(), buf.as_ptr(), scale, t0);
+                    }
+                } else {
+                    for q in reach {
+                        tile(q, &kp, rows.v_offset, hd, scale, seen(q, t0));
                     }
                 }
             }
@@ -380,7 +477,10 @@ unsafe fn sweep_generic<E: KvElem>(
 pub(super) mod avx2 {
     use std::arch::x86_64::*;
 
+    use super::{AttnQuery, KvElem, PagedRows, Sweep, KEY_TILE};
+    use crate::kernels::expf::{exp1, exp8};
     use crate::kernels::matmul::avx2::hsum;
+    use crate::kernels::tile512;
 
     /// Lane `i` of the result is `hsum(v[i])`, with the very same additions:
     /// `((a0+a4) + (a2+a6)) + ((a1+a5) + (a3+a7))`.
@@ -417,80 +517,21 @@ pub(super) mod avx2 {
         }
     }
 
-    // Cephes-style expf: exp(x) = 2^n * p(r), r = x - n ln 2, |r| <= ln2/2.
-    const EXP_LO: f32 = -87.336_55;
-    const LOG2E: f32 = std::f32::consts::LOG2_E;
-    const LN2_HI: f32 = 0.693_359_4;
-    const LN2_LO: f32 = -2.121_944_4e-4;
-    const EXP_C: [f32; 6] = [
-        1.987_569_1e-4,
-        1.398_199_9e-3,
-        8.333_452e-3,
-        4.166_579_6e-2,
-        1.666_666_5e-1,
-        0.5,
-    ];
-
-    /// `exp(x)` for 8 lanes with `x <= 0`; inputs below `EXP_LO` give 0.
-    ///
-    /// # Safety
-    /// The CPU has AVX2 and FMA.
-    #[inline(always)]
-    unsafe fn exp8(x: __m256) -> __m256 {
-        // SAFETY: the caller guarantees AVX2 and FMA; registers only.
-        unsafe {
-            let tiny = _mm256_cmp_ps::<_CMP_LT_OQ>(x, _mm256_set1_ps(EXP_LO));
-            let x = _mm256_max_ps(x, _mm256_set1_ps(EXP_LO));
-            let n = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(
-                _mm256_mul_ps(x, _mm256_set1_ps(LOG2E)),
-            );
-            let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(LN2_HI), x);
-            let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(LN2_LO), r);
-            let mut p = _mm256_set1_ps(EXP_C[0]);
-            for &c in &EXP_C[1..] {
-                p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
-            }
-            let p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r);
-            let p = _mm256_add_ps(p, _mm256_set1_ps(1.0));
-            let pow2 = _mm256_castsi256_ps(_mm256_slli_epi32::<23>(_mm256_add_epi32(
-                _mm256_cvtps_epi32(n),
-                _mm256_set1_epi32(127),
-            )));
-            _mm256_andnot_ps(tiny, _mm256_mul_ps(p, pow2))
-        }
-    }
-
-    /// The same operations as one lane of [`exp8`], for the tail.
-    #[inline(always)]
-    fn exp1(x: f32) -> f32 {
-        if x < EXP_LO {
-            return 0.0;
-        }
-        let n = (x * LOG2E).round_ties_even();
-        let r = (-n).mul_add(LN2_HI, x);
-        let r = (-n).mul_add(LN2_LO, r);
-        let mut p = EXP_C[0];
-        for &c in &EXP_C[1..] {
-            p = p.mul_add(r, c);
-        }
-        let p = p.mul_add(r * r, r) + 1.0;
-        p * f32::from_bits(((n as i32 + 127) as u32) << 23)
-    }
-
     /// [`super::sweep_with`] with AVX2 tiles.
     ///
     /// # Safety
-    /// As [`super::attend_many`]'s; the CPU has AVX2 and FMA.
+    /// As [`super::attend_many`]'s; the CPU has AVX2, FMA and F16C.
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) unsafe fn sweep<E: super::KvElem>(
-        rows: &super::PagedRows<'_, E>,
+    pub(super) unsafe fn sweep<E: KvElem>(
+        rows: &PagedRows<'_, E>,
         hd: usize,
         scale: f32,
-        qs: &mut [super::AttnQuery],
-        sweep: super::Sweep,
+        qs: &mut [AttnQuery],
+        sweep: Sweep,
     ) {
         // SAFETY: as `attend_many`'s contract, with AVX2 and FMA enabled;
-        // each tile gets the rows and the query the sweep was given.
+        // each tile gets the rows and the query the sweep was given, a
+        // widened one the rows `fill_rows` copied.
         unsafe {
             super::sweep_generic(
                 rows,
@@ -499,15 +540,78 @@ pub(super) mod avx2 {
                 qs,
                 sweep,
                 |q, kp, v_offset, hd, scale, seen| attend_tile(q, kp, v_offset, hd, scale, seen),
+                super::Wide {
+                    on: qs.len() > E::WIDEN_PAST,
+                    len: 2 * KEY_TILE * hd,
+                    fill: |kp: &[*const E; KEY_TILE], v_offset, buf| {
+                        super::fill_rows(kp, v_offset, hd, buf, |src, dst, n| {
+                            let n8 = n & !7;
+                            for i in (0..n8).step_by(8) {
+                                _mm256_storeu_ps(dst.add(i), E::get8(src, i));
+                            }
+                            for i in n8..n {
+                                *dst.add(i) = E::get(src, i);
+                            }
+                        })
+                    },
+                    tile: |a: &mut AttnQuery, b: Option<&mut AttnQuery>, buf, scale, t0| {
+                        let kp = super::rows_of(buf, hd);
+                        for q in std::iter::once(a).chain(b) {
+                            let seen = super::seen(q, t0);
+                            attend_tile(q, &kp, KEY_TILE * hd, hd, scale, seen)
+                        }
+                    },
+                },
+            )
+        }
+    }
+
+    /// [`super::sweep_with`] with every tile copied once and computed on
+    /// AVX-512 registers ([`tile512`]), the bits of [`sweep`]'s.
+    ///
+    /// # Safety
+    /// As [`super::attend_many`]'s; the CPU has AVX-512F and DQ, AVX2, FMA
+    /// and F16C; `hd` is a multiple of 16.
+    #[target_feature(enable = "avx512f,avx512dq,avx2,fma,f16c")]
+    pub(super) unsafe fn sweep512<E: KvElem>(
+        rows: &PagedRows<'_, E>,
+        hd: usize,
+        scale: f32,
+        qs: &mut [AttnQuery],
+        sweep: Sweep,
+    ) {
+        // SAFETY: as `attend_many`'s contract, with the instructions
+        // enabled and `hd` a multiple of 16; every tile is filled for
+        // `tile512::tile` to read, so the narrow kernel is never called.
+        unsafe {
+            super::sweep_generic(
+                rows,
+                hd,
+                scale,
+                qs,
+                sweep,
                 |q, kp, v_offset, hd, scale, seen| attend_tile(q, kp, v_offset, hd, scale, seen),
-                |src: *const E, dst: *mut f32, n| {
-                    let n8 = n & !7;
-                    for i in (0..n8).step_by(8) {
-                        _mm256_storeu_ps(dst.add(i), E::get8(src, i));
-                    }
-                    for i in n8..n {
-                        *dst.add(i) = E::get(src, i);
-                    }
+                super::Wide {
+                    on: true,
+                    len: tile512::buffer_len(hd),
+                    fill: |kp: &[*const E; KEY_TILE], v_offset, buf| {
+                        tile512::fill(kp, v_offset, hd, buf)
+                    },
+                    tile: |a: &mut AttnQuery, b: Option<&mut AttnQuery>, buf, scale, t0| {
+                        fn part(q: &mut AttnQuery, t0: usize) -> tile512::Query<'_> {
+                            tile512::Query {
+                                q: q.q,
+                                out: q.out,
+                                seen: super::seen(q, t0),
+                                m: &mut q.m,
+                                l: &mut q.l,
+                            }
+                        }
+                        match b {
+                            Some(b) => tile512::tile([part(a, t0), part(b, t0)], buf, hd, scale),
+                            None => tile512::tile([part(a, t0)], buf, hd, scale),
+                        }
+                    },
                 },
             )
         }
@@ -641,46 +745,6 @@ pub(super) mod avx2 {
                 *out.add(c) = acc;
                 c += 1;
             }
-        }
-    }
-
-    #[cfg(test)]
-    mod tests {
-        #[test]
-        fn vector_exp_is_accurate_and_lane_consistent() {
-            if super::super::backend() != super::super::Backend::Avx2Fma {
-                return;
-            }
-            let xs: Vec<f32> = (0..4000)
-                .map(|i| -(i as f32) * 0.0231)
-                .chain([0.0, -1e-30, -87.0, -88.0, -1000.0])
-                .collect();
-            for x in xs {
-                // SAFETY: the CPU has AVX2 and FMA (checked above).
-                let v = unsafe {
-                    let r = super::exp8(std::arch::x86_64::_mm256_set1_ps(x));
-                    let mut o = [0f32; 8];
-                    std::arch::x86_64::_mm256_storeu_ps(o.as_mut_ptr(), r);
-                    o[3]
-                };
-                // SAFETY: as above.
-                let s = unsafe { exp1_fma(x) };
-                assert_eq!(v.to_bits(), s.to_bits(), "lane and tail differ at {x}");
-                let want = (x as f64).exp();
-                if x >= super::EXP_LO {
-                    assert!(
-                        ((v as f64) - want).abs() <= 4.0 * f32::EPSILON as f64 * want,
-                        "exp({x}) = {v}, want {want}"
-                    );
-                } else {
-                    assert_eq!(v, 0.0);
-                }
-            }
-        }
-
-        #[target_feature(enable = "avx2,fma")]
-        unsafe fn exp1_fma(x: f32) -> f32 {
-            super::exp1(x)
         }
     }
 }

@@ -30,10 +30,13 @@
 pub(crate) mod attention;
 pub(crate) mod blocks;
 pub(crate) mod elem;
+mod expf;
 pub(crate) mod matmul;
 mod rows;
 #[cfg(test)]
 pub(crate) mod tests;
+#[cfg(target_arch = "x86_64")]
+mod tile512;
 
 pub use crate::dispatch::{backend, thread_pool, Backend};
 pub use attention::{

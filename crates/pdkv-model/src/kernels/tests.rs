@@ -683,6 +683,128 @@ fn rmsnorm_and_silu_match_definitions() {
     assert!((g[2] - 2.0 * 3.0 / (1.0 + (-3f32).exp())).abs() < 1e-6);
 }
 
+/// Where the CPU has AVX-512, a sweep of many queries runs the AVX-512
+/// tile (rows copied once, queries two at a time); it gives the AVX2
+/// tiles' bits for f32, f16 and q8_0 rows, heads of 16 to 128 floats,
+/// queries side by side in one tile (each seeing a different number of its
+/// keys), across segments, whole or a segment at a time.
+#[cfg(target_arch = "x86_64")]
+#[test]
+fn the_avx512_tile_gives_the_avx2_tiles_bits() {
+    use super::attention::sweep_avx2;
+    if !super::tile512::available() {
+        eprintln!("no AVX-512 here: its tile is checked on CPUs that have it");
+        return;
+    }
+    for hd in [16, 48, 64, 128] {
+        let cache = Cache::new(81, 40, 16, hd);
+        let rows = cache.rows();
+        let f16s: Vec<half::f16> = cache.kv.iter().map(|&x| half::f16::from_f32(x)).collect();
+        let f16_rows = PagedRows {
+            base: f16s.as_ptr(),
+            block_table: rows.block_table,
+            block_size: rows.block_size,
+            block_stride: rows.block_stride,
+            row_stride: rows.row_stride,
+            head_offset: rows.head_offset,
+            v_offset: rows.v_offset,
+        };
+        // Heads of 16 and 48 floats are not whole q8_0 blocks.
+        let q8 = hd % Q8_BLOCK == 0;
+        let q8s = if q8 {
+            q8_rows(&cache.kv, hd)
+        } else {
+            Vec::new()
+        };
+        let q8_rows = q8_paged(&q8s, &rows, hd);
+        // Every position up to 40 (a tile's queries see 1 to 16 of its
+        // keys), then scattered ones past the first segments; an odd count
+        // of queries, so one is left alone at each tile.
+        let pos: Vec<usize> = (0..41).chain((0..20).map(|i| 250 + i * 19)).collect();
+        let qv: Vec<Vec<f32>> = (0..pos.len())
+            .map(|i| rand_vec(900 + i as u64, hd))
+            .collect();
+        for sweep in [Sweep::Whole, Sweep::Segment(0), Sweep::Segment(2)] {
+            let from = match sweep {
+                Sweep::Whole => 0,
+                Sweep::Segment(seg) => seg * SEGMENT,
+            };
+            // Each query's output and running maximum and sum, as bits.
+            let run = |f: &dyn Fn(&mut [AttnQuery])| {
+                let mut outs = vec![vec![f32::NAN; hd]; pos.len()];
+                let mut qs: Vec<AttnQuery> = (outs.iter_mut().enumerate())
+                    .filter(|&(i, _)| pos[i] >= from)
+                    .map(|(i, o)| AttnQuery::new(qv[i].as_ptr(), pos[i], o.as_mut_ptr()))
+                    .collect();
+                f(&mut qs);
+                let totals: Vec<_> = qs.iter().map(|q| q.partial()).collect();
+                let totals: Vec<_> = totals
+                    .iter()
+                    .map(|t| (t.m.to_bits(), t.l.to_bits()))
+                    .collect();
+                (outs.iter().map(|o| bits(o)).collect::<Vec<_>>(), totals)
+            };
+            // SAFETY: every cache holds K and V for every position < 640;
+            // each query's output is its own; the CPU has AVX-512 and AVX2.
+            unsafe {
+                let both = |name: &str,
+                            a: &dyn Fn(&mut [AttnQuery]),
+                            b: &dyn Fn(&mut [AttnQuery])| {
+                    let ((oa, ta), (ob, tb)) = (run(a), run(b));
+                    let first = (0..oa.len()).find(|&i| oa[i] != ob[i] || ta.get(i) != tb.get(i));
+                    assert!(
+                        first.is_none(),
+                        "{name} hd {hd} {sweep:?}: query {first:?} differs"
+                    );
+                };
+                both(
+                    "f32",
+                    &|qs| sweep_with(Backend::Avx2Fma, &rows, hd, 0.3, qs, sweep),
+                    &|qs| sweep_avx2(&rows, hd, 0.3, qs, sweep),
+                );
+                both(
+                    "f16",
+                    &|qs| sweep_with(Backend::Avx2Fma, &f16_rows, hd, 0.3, qs, sweep),
+                    &|qs| sweep_avx2(&f16_rows, hd, 0.3, qs, sweep),
+                );
+                if q8 {
+                    both(
+                        "q8_0",
+                        &|qs| sweep_with(Backend::Avx2Fma, &q8_rows, hd, 0.3, qs, sweep),
+                        &|qs| sweep_avx2(&q8_rows, hd, 0.3, qs, sweep),
+                    );
+                }
+            }
+        }
+    }
+}
+
+/// Every row (K and V) of an f32 cache of `hd`-float rows quantised into
+/// a q8_0 row.
+fn q8_rows(kv: &[f32], hd: usize) -> Vec<u8> {
+    let rb = hd / Q8_BLOCK * Q8_BLOCK_BYTES;
+    let mut bytes = vec![0u8; kv.len() / hd * rb];
+    for (row, dst) in kv.chunks(hd).zip(bytes.chunks_mut(rb)) {
+        // SAFETY: `dst` is one q8_0 row of `hd` values.
+        unsafe { Q8Byte::quantize_row(row, dst.as_mut_ptr()) };
+    }
+    bytes
+}
+
+/// [`q8_rows`]'s rows where `rows` has the f32 ones (one KV head).
+fn q8_paged<'a>(bytes: &'a [u8], rows: &PagedRows<'a>, hd: usize) -> PagedRows<'a, Q8Byte> {
+    let rb = hd / Q8_BLOCK * Q8_BLOCK_BYTES;
+    PagedRows {
+        base: bytes.as_ptr().cast::<Q8Byte>(),
+        block_table: rows.block_table,
+        block_size: rows.block_size,
+        block_stride: 2 * rows.block_size * rb,
+        row_stride: rb,
+        head_offset: 0,
+        v_offset: rows.block_size * rb,
+    }
+}
+
 fn bits(v: &[f32]) -> Vec<u32> {
     v.iter().map(|x| x.to_bits()).collect()
 }
@@ -696,12 +818,7 @@ fn attention_over_q8_0_rows_equals_attention_over_their_values() {
         for hd in [64, 128, 96] {
             let cache = Cache::new(71, 40, 16, hd);
             let rb = hd / Q8_BLOCK * Q8_BLOCK_BYTES;
-            // Every f32 row (K and V) quantised into a row of `rb` bytes.
-            let mut bytes = vec![0u8; cache.kv.len() / hd * rb];
-            for (row, dst) in cache.kv.chunks(hd).zip(bytes.chunks_mut(rb)) {
-                // SAFETY: `dst` is one q8_0 row of `hd` values.
-                unsafe { Q8Byte::quantize_row(row, dst.as_mut_ptr()) };
-            }
+            let bytes = q8_rows(&cache.kv, hd);
             let q8 = bytes.as_ptr().cast::<Q8Byte>();
             let values: Vec<f32> = (0..cache.kv.len())
                 // SAFETY: row `i / hd` holds column `i % hd`.
@@ -711,15 +828,7 @@ fn attention_over_q8_0_rows_equals_attention_over_their_values() {
                 base: values.as_ptr(),
                 ..cache.rows()
             };
-            let q8_rows = PagedRows {
-                base: q8,
-                block_table: f32_rows.block_table,
-                block_size: 16,
-                block_stride: 2 * 16 * rb,
-                row_stride: rb,
-                head_offset: 0,
-                v_offset: 16 * rb,
-            };
+            let q8_rows = q8_paged(&bytes, &cache.rows(), hd);
             // SAFETY: both caches hold K and V for every position < 640.
             unsafe {
                 assert_same_attention(
