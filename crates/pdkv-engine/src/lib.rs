@@ -258,6 +258,27 @@ pub struct RequestOutput {
     pub timed_out: bool,
 }
 
+impl RequestOutput {
+    /// An output of request `request_id` (of `num_prompt_tokens` prompt
+    /// tokens) carrying nothing yet: no tokens, text, finish or extras.
+    pub fn empty(request_id: String, num_prompt_tokens: usize) -> RequestOutput {
+        RequestOutput {
+            request_id,
+            token_ids: Vec::new(),
+            text: String::new(),
+            finish_reason: None,
+            num_prompt_tokens,
+            num_cached_tokens: 0,
+            logits: Vec::new(),
+            logprobs: Vec::new(),
+            prompt_logprobs: None,
+            kv_transfer_params: None,
+            error: None,
+            timed_out: false,
+        }
+    }
+}
+
 /// Why a request was refused.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum AddRequestError {

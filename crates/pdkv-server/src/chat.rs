@@ -50,12 +50,7 @@ pub(crate) fn stream_chat(
     include_usage: bool,
 ) -> Response {
     let (id, created) = (group.id.clone(), group.created);
-    let head = ChunkHead {
-        id: id.clone(),
-        created,
-        object: "chat.completion.chunk",
-        model: model.clone(),
-    };
+    let head = ChunkHead::of(&group, "chat.completion.chunk", &model);
     let base =
         json!({"id": id, "object": "chat.completion.chunk", "created": created, "model": model});
     let first: Vec<Value> = (0..group.n())

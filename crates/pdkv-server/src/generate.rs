@@ -242,12 +242,7 @@ async fn whole(
 
 fn stream(group: Group, view: GenerateView, model: String, include_usage: bool) -> Response {
     let id = group.id.clone();
-    let head = ChunkHead {
-        id: id.clone(),
-        created: group.created,
-        object: "generate.chunk",
-        model,
-    };
+    let head = ChunkHead::of(&group, "generate.chunk", &model);
     let rid = id.clone();
     let chunk = move |i: usize, out: &RequestOutput, _usage: bool| {
         if out.token_ids.is_empty() && out.finish_reason.is_none() {

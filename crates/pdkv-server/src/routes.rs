@@ -440,12 +440,7 @@ fn stream_completion(
     include_usage: bool,
 ) -> Response {
     let (id, created) = (group.id.clone(), group.created);
-    let head = ChunkHead {
-        id: id.clone(),
-        created,
-        object: "text_completion",
-        model: model.clone(),
-    };
+    let head = ChunkHead::of(&group, "text_completion", &model);
     let mut per_choice = vec![StreamedChoice::default(); group.n()];
     // Each prompt's log-probabilities, from its choice 0, shown by all.
     let mut shared_prompt_lp: Vec<Option<Vec<Option<TokenLogprobs>>>> = vec![None; views.len()];

@@ -56,6 +56,18 @@ pub struct ChunkHead {
     pub model: String,
 }
 
+impl ChunkHead {
+    /// The head of `group`'s chunks, of type `object`.
+    pub fn of(group: &Group, object: &'static str, model: &str) -> ChunkHead {
+        ChunkHead {
+            id: group.id.clone(),
+            created: group.created,
+            object,
+            model: model.to_string(),
+        }
+    }
+}
+
 fn sse_event(v: &Value) -> String {
     format!("data: {v}\n\n")
 }
@@ -63,18 +75,8 @@ fn sse_event(v: &Value) -> String {
 /// The final output of a choice whose stream ended without one.
 fn ended(index: usize) -> RequestOutput {
     RequestOutput {
-        request_id: index.to_string(),
-        token_ids: Vec::new(),
-        text: String::new(),
         finish_reason: Some(FinishReason::Abort),
-        num_prompt_tokens: 0,
-        num_cached_tokens: 0,
-        logits: Vec::new(),
-        logprobs: Vec::new(),
-        prompt_logprobs: None,
-        kv_transfer_params: None,
-        error: None,
-        timed_out: false,
+        ..RequestOutput::empty(index.to_string(), 0)
     }
 }
 

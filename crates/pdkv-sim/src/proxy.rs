@@ -784,18 +784,9 @@ mod tests {
 
     fn last_output(id: &str, tokens: Vec<u32>) -> RequestOutput {
         RequestOutput {
-            request_id: id.into(),
             token_ids: tokens,
-            text: String::new(),
             finish_reason: Some(FinishReason::Length),
-            num_prompt_tokens: 20,
-            num_cached_tokens: 0,
-            logits: Vec::new(),
-            logprobs: Vec::new(),
-            prompt_logprobs: None,
-            kv_transfer_params: None,
-            error: None,
-            timed_out: false,
+            ..RequestOutput::empty(id.into(), 20)
         }
     }
 

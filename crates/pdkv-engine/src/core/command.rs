@@ -145,18 +145,8 @@ impl Command {
 /// The final output of a request that ends before it produced anything.
 pub(crate) fn abort_output(req: &EngineRequest) -> RequestOutput {
     RequestOutput {
-        request_id: req.id.clone(),
-        token_ids: Vec::new(),
-        text: String::new(),
         finish_reason: Some(FinishReason::Abort),
-        num_prompt_tokens: req.prompt_tokens.len(),
-        num_cached_tokens: 0,
-        logits: Vec::new(),
-        logprobs: Vec::new(),
-        prompt_logprobs: None,
-        kv_transfer_params: None,
-        error: None,
-        timed_out: false,
+        ..RequestOutput::empty(req.id.clone(), req.prompt_tokens.len())
     }
 }
 

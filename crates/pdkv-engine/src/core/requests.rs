@@ -57,18 +57,8 @@ impl PromptLogprobs {
 impl ActiveRequest {
     pub(super) fn output(&self, id: &str) -> RequestOutput {
         RequestOutput {
-            request_id: id.to_string(),
-            token_ids: Vec::new(),
-            text: String::new(),
-            finish_reason: None,
-            num_prompt_tokens: self.num_prompt_tokens,
             num_cached_tokens: self.num_cached_tokens,
-            logits: Vec::new(),
-            logprobs: Vec::new(),
-            prompt_logprobs: None,
-            kv_transfer_params: None,
-            error: None,
-            timed_out: false,
+            ..RequestOutput::empty(id.to_string(), self.num_prompt_tokens)
         }
     }
 }

@@ -37,13 +37,16 @@ pub(super) fn router(proxy: Arc<Shared>) -> Router {
         app = app.merge(fanout::routes(None));
     }
     app.merge(forwarded_routes())
-        .route("/v1/completions", post(completions))
+        .route("/v1/completions", post(relay(Endpoint::Completions)))
         .route(
             "/flush_cache",
             post(fanout::flush_cache).get(fanout::flush_cache),
         )
-        .route("/v1/chat/completions", post(chat_completions))
-        .route("/inference/v1/generate", post(generate_tokens))
+        .route(
+            "/v1/chat/completions",
+            post(relay(Endpoint::ChatCompletions)),
+        )
+        .route("/inference/v1/generate", post(relay(Endpoint::Generate)))
         .route("/v1/models", get(models))
         .route("/health", get(health))
         .route("/metrics", get(metrics))
@@ -219,65 +222,26 @@ const X_FORWARDED_FOR: &str = "x-forwarded-for";
 /// read (over [`MAX_BODY_BYTES`]: a 413, as the engines answer).
 type BodyOrRefusal = Result<Bytes, axum::extract::rejection::BytesRejection>;
 
-async fn completions(
-    State(proxy): State<Arc<Shared>>,
-    headers: HeaderMap,
-    peer: Option<Extension<PeerAddr>>,
-    body: BodyOrRefusal,
-) -> Response {
-    match body {
-        Ok(body) => {
-            generate(
-                proxy,
-                Endpoint::Completions,
-                forwarded_for(headers, peer),
-                body,
-            )
-            .await
-        }
-        Err(r) => refuse_body(&proxy, r),
+/// The handler of a generating endpoint: the body relayed by [`generate`].
+fn relay(
+    endpoint: Endpoint,
+) -> impl Fn(State<Arc<Shared>>, HeaderMap, Option<Extension<PeerAddr>>, BodyOrRefusal) -> BoxFuture
+       + Clone
+       + Send
+       + Sync
+       + 'static {
+    move |State(proxy), headers, peer, body| {
+        Box::pin(async move {
+            match body {
+                Ok(body) => generate(proxy, endpoint, forwarded_for(headers, peer), body).await,
+                Err(r) => refuse_body(&proxy, r),
+            }
+        })
     }
 }
 
-async fn chat_completions(
-    State(proxy): State<Arc<Shared>>,
-    headers: HeaderMap,
-    peer: Option<Extension<PeerAddr>>,
-    body: BodyOrRefusal,
-) -> Response {
-    match body {
-        Ok(body) => {
-            generate(
-                proxy,
-                Endpoint::ChatCompletions,
-                forwarded_for(headers, peer),
-                body,
-            )
-            .await
-        }
-        Err(r) => refuse_body(&proxy, r),
-    }
-}
-
-async fn generate_tokens(
-    State(proxy): State<Arc<Shared>>,
-    headers: HeaderMap,
-    peer: Option<Extension<PeerAddr>>,
-    body: BodyOrRefusal,
-) -> Response {
-    match body {
-        Ok(body) => {
-            generate(
-                proxy,
-                Endpoint::Generate,
-                forwarded_for(headers, peer),
-                body,
-            )
-            .await
-        }
-        Err(r) => refuse_body(&proxy, r),
-    }
-}
+/// A handler's future.
+type BoxFuture = std::pin::Pin<Box<dyn std::future::Future<Output = Response> + Send>>;
 
 async fn models(State(proxy): State<Arc<Shared>>, headers: HeaderMap) -> Response {
     let auth = headers.get(header::AUTHORIZATION).cloned();
