@@ -11,6 +11,10 @@ pub trait KvElem: Copy + Send + Sync + 'static {
     /// f32 a tile at a time, once for all of them, rather than as each
     /// query loads them (`usize::MAX`: never, f32 rows are read in place).
     const WIDEN_PAST: usize;
+    /// Bytes of a row of `hd` columns.
+    fn row_bytes(hd: usize) -> usize {
+        hd * std::mem::size_of::<Self>()
+    }
     /// Column `c` of the row at `row`, as an `f32`.
     ///
     /// # Safety
@@ -140,6 +144,10 @@ impl Q8Byte {
 
 impl KvElem for Q8Byte {
     const WIDEN_PAST: usize = 4;
+
+    fn row_bytes(hd: usize) -> usize {
+        hd / Q8_BLOCK * Q8_BLOCK_BYTES
+    }
 
     #[inline(always)]
     unsafe fn get(row: *const Q8Byte, c: usize) -> f32 {
