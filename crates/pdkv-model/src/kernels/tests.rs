@@ -498,15 +498,7 @@ fn attention_over_narrow_rows_equals_attention_over_their_f32_values<E: KvElem>(
             }
             let narrowed: Vec<E> = cache.kv.iter().map(|&x| narrow(x)).collect();
             let f32_rows = cache.rows();
-            let narrow_rows = PagedRows {
-                base: narrowed.as_ptr(),
-                block_table: f32_rows.block_table,
-                block_size: f32_rows.block_size,
-                block_stride: f32_rows.block_stride,
-                row_stride: f32_rows.row_stride,
-                head_offset: f32_rows.head_offset,
-                v_offset: f32_rows.v_offset,
-            };
+            let narrow_rows = retyped(&f32_rows, narrowed.as_ptr());
             // SAFETY: both caches hold K and V for every position < 160.
             unsafe {
                 assert_same_attention(
@@ -575,15 +567,7 @@ fn segments_computed_apart_and_folded_equal_the_whole_sweep() {
             let rows = cache.rows();
             let narrowed: Vec<half::f16> =
                 cache.kv.iter().map(|&x| half::f16::from_f32(x)).collect();
-            let f16_rows = PagedRows {
-                base: narrowed.as_ptr(),
-                block_table: rows.block_table,
-                block_size: rows.block_size,
-                block_stride: rows.block_stride,
-                row_stride: rows.row_stride,
-                head_offset: rows.head_offset,
-                v_offset: rows.v_offset,
-            };
+            let f16_rows = retyped(&rows, narrowed.as_ptr());
             let pos: Vec<usize> = vec![0, 255, 256, 300, 511, 512, 640, 799, 799];
             let qv: Vec<Vec<f32>> = (0..pos.len())
                 .map(|i| rand_vec(700 + i as u64, hd))
@@ -700,15 +684,7 @@ fn the_avx512_tile_gives_the_avx2_tiles_bits() {
         let cache = Cache::new(81, 40, 16, hd);
         let rows = cache.rows();
         let f16s: Vec<half::f16> = cache.kv.iter().map(|&x| half::f16::from_f32(x)).collect();
-        let f16_rows = PagedRows {
-            base: f16s.as_ptr(),
-            block_table: rows.block_table,
-            block_size: rows.block_size,
-            block_stride: rows.block_stride,
-            row_stride: rows.row_stride,
-            head_offset: rows.head_offset,
-            v_offset: rows.v_offset,
-        };
+        let f16_rows = retyped(&rows, f16s.as_ptr());
         // Heads of 16 and 48 floats are not whole q8_0 blocks.
         let q8 = hd % Q8_BLOCK == 0;
         let q8s = if q8 {
@@ -802,6 +778,20 @@ fn q8_paged<'a>(bytes: &'a [u8], rows: &PagedRows<'a>, hd: usize) -> PagedRows<'
         row_stride: rb,
         head_offset: 0,
         v_offset: rows.block_size * rb,
+    }
+}
+
+/// `rows`' layout over other elements at `base` (a cache of the same
+/// shape in another dtype of the same size).
+fn retyped<'a, E: KvElem>(rows: &PagedRows<'a>, base: *const E) -> PagedRows<'a, E> {
+    PagedRows {
+        base,
+        block_table: rows.block_table,
+        block_size: rows.block_size,
+        block_stride: rows.block_stride,
+        row_stride: rows.row_stride,
+        head_offset: rows.head_offset,
+        v_offset: rows.v_offset,
     }
 }
 
