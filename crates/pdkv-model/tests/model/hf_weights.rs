@@ -379,11 +379,7 @@ fn exported_bf16_is_close(q4: &LoadedModel, gguf: &Path, dir: &Path) {
             ),
         ] {
             let (a, b) = (logits(a, &p), logits(b, &p));
-            let top = a.iter().fold(0f32, |m, v| m.max(v.abs()));
-            let diff = a
-                .iter()
-                .zip(&b)
-                .fold(0f32, |m, (x, y)| m.max((x - y).abs()));
+            let (top, diff) = (crate::max_abs(&a), crate::max_abs_diff(&a, &b));
             println!(
                 "bf16 export vs Q4_1, {what}: max |Δlogit| {diff:.4} of max |logit| {top:.2} ({:.2e}); argmax {} vs {}",
                 diff / top,
@@ -436,11 +432,7 @@ fn smollm2_gguf_loaded_in_another_format_computes_as_the_stored_one() {
         let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
         assert!(bits(&a) == bits(&b), "f32 weights differ from the blocks");
         let c = logits(&q8.model, p);
-        let top = a.iter().fold(0f32, |m, v| m.max(v.abs()));
-        let diff = a
-            .iter()
-            .zip(&c)
-            .fold(0f32, |m, (x, y)| m.max((x - y).abs()));
+        let (top, diff) = (crate::max_abs(&a), crate::max_abs_diff(&a, &c));
         println!("GGUF as Q8_0 vs Q4_1: max |Δlogit| {diff:.4} of {top:.2}");
         assert!(diff <= EXPORT_LOGITS_TOL * top, "{diff} of {top}");
     }

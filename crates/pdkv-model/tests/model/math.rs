@@ -666,11 +666,8 @@ fn a_q8_0_cache_keeps_the_invariances_and_follows_the_f32_cache() {
         bits(&want),
         "q8_0: chunks and blocks changed bits"
     );
-    let scale = f32_logits.iter().fold(0f32, |m, x| m.max(x.abs()));
-    let worst = want
-        .iter()
-        .zip(&f32_logits)
-        .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+    let scale = crate::max_abs(&f32_logits);
+    let worst = crate::max_abs_diff(&want, &f32_logits);
     assert!(
         worst > 0.0 && worst < 0.05 * scale,
         "q8_0 logits {worst} from f32's (largest {scale})"

@@ -91,8 +91,7 @@ fn compare(name: &str, ours: &[Vec<f32>], fx: &Fixture) {
     assert_eq!(ours.len(), fx.logits.len());
     for (i, (a, b)) in ours.iter().zip(&fx.logits).enumerate() {
         assert_eq!(a.len(), b.len(), "{name} prompt {i}: vocab differs");
-        let scale = b.iter().fold(0f32, |m, x| m.max(x.abs()));
-        let err = a.iter().zip(b).fold(0f32, |m, (x, y)| m.max((x - y).abs()));
+        let (scale, err) = (crate::max_abs(b), crate::max_abs_diff(a, b));
         let argmax = |v: &[f32]| {
             v.iter()
                 .enumerate()
