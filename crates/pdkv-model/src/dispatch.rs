@@ -1,14 +1,16 @@
 //! Where and how the model's math runs: the instruction set ([`Backend`],
-//! chosen once per process), the math thread pool, and the dispatcher that
-//! splits a matmul's output features into jobs on it ([`for_each_job_of`]),
-//! with the pointer wrappers those jobs carry across threads.
+//! chosen once per process), the math thread pool and thread team, and the
+//! dispatcher that splits a matmul's output features into jobs
+//! ([`for_each_job_of`], run by [`crate::team::par_for`]), with the pointer
+//! wrappers those jobs carry across threads.
 //!
-//! A leaf: the kernels ([`crate::kernels`], [`crate::qkernels`],
-//! [`crate::bf16dot`]) build on it and it imports none of them.
+//! Next to a leaf: it imports only [`crate::team`]; the kernels
+//! ([`crate::kernels`], [`crate::qkernels`], [`crate::bf16dot`]) build on it
+//! and it imports none of them.
 
 use std::sync::OnceLock;
 
-use rayon::prelude::*;
+use crate::team::Team;
 
 /// Which instruction set the kernels use. Fixed for the life of the process.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -60,9 +62,27 @@ pub fn thread_pool() -> &'static rayon::ThreadPool {
     })
 }
 
+/// The process's thread team for model steps ([`crate::team`]): as many
+/// threads as [`thread_pool`], `None` if its threads could not be started
+/// (steps then run on the pool).
+pub fn team() -> Option<&'static Team> {
+    static TEAM: OnceLock<Option<Team>> = OnceLock::new();
+    TEAM.get_or_init(|| {
+        let threads = thread_pool().current_num_threads();
+        match Team::new(threads, "pdkv-team") {
+            Ok(t) => Some(t),
+            Err(e) => {
+                tracing::warn!("math thread team not started ({e}); steps run on the pool");
+                None
+            }
+        }
+    })
+    .as_ref()
+}
+
 /// Splits the output features of up to [`MAX_MANY`] matrices (of `ns`
 /// features each) into jobs of whole `tile`-row register tiles, and runs
-/// `run(matrix, j0, j1)` for each on the current rayon pool. A job owns a
+/// `run(matrix, j0, j1)` for each ([`crate::team::par_for`]). A job owns a
 /// column range of its matrix's `y` and the matching rows of its `w`. Job
 /// descriptors live on the stack: a step allocates nothing here.
 pub(crate) fn for_each_job(
@@ -70,7 +90,7 @@ pub(crate) fn for_each_job(
     tile: usize,
     run: impl Fn(usize, usize, usize) + Sync,
 ) {
-    let threads = rayon::current_num_threads().max(1);
+    let threads = crate::team::threads().max(1);
     // Per matrix: features, features per job, index of its first job.
     let mut mats = [(0usize, 0usize, 0usize); MAX_MANY];
     let (mut count, mut total) = (0, 0);
@@ -91,10 +111,10 @@ pub(crate) fn for_each_job(
         let j0 = (i - first) * per;
         run(mi, j0, (j0 + per).min(n));
     };
-    if total == 1 || threads == 1 {
+    if threads == 1 {
         (0..total).for_each(job);
     } else {
-        (0..total).into_par_iter().for_each(job);
+        crate::team::par_for(total, job);
     }
 }
 

@@ -9,12 +9,12 @@
 //! (see the invariant in [`crate::kernels`]).
 
 use anyhow::{bail, ensure};
-use rayon::prelude::*;
 
 use crate::bf16dot;
 use crate::kernels::{self, AttnQuery, KvElem, Linear};
 use crate::kv::{KvCache, KvDtype};
 use crate::qkernels::{self, QActs, QLinear, QType};
+use crate::team;
 use crate::tp::rank::RankTp;
 use crate::weights::{LayerWeights, Mat, Weights};
 pub use crate::workspace::Workspace;
@@ -74,6 +74,13 @@ impl RawPtr {
     }
 }
 
+/// Whether steps may run on the thread team: unless the process says
+/// `PDKV_TEAM=0` (the rayon pool alone, for comparison).
+fn use_team() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("PDKV_TEAM").map_or(true, |v| v.trim() != "0"))
+}
+
 /// Rows per parallel job in per-row kernels.
 const ROWS_PER_JOB: usize = 8;
 
@@ -85,10 +92,11 @@ fn for_rows(buf: &mut [f32], len: usize, f: impl Fn(usize, &mut [f32]) + Sync) {
             .enumerate()
             .for_each(|(i, r)| f(i, r));
     } else {
-        buf.par_chunks_exact_mut(len)
-            .with_min_len(ROWS_PER_JOB)
-            .enumerate()
-            .for_each(|(i, r)| f(i, r));
+        team::par_chunks_mut(buf, len * ROWS_PER_JOB, |c, rows| {
+            for (i, r) in rows.chunks_exact_mut(len).enumerate() {
+                f(c * ROWS_PER_JOB + i, r)
+            }
+        });
     }
 }
 
@@ -207,6 +215,16 @@ impl Model {
             None => kernels::thread_pool(),
         };
         ws.reserve(ws.tokens.len())?;
+        // A whole model's step runs on the process's thread team when it is
+        // free (see `crate::team`); a tensor-parallel rank, or a second
+        // model stepping at the same time, runs on its rayon pool.
+        if self.tp.is_none() && use_team() {
+            if let Some(team) = crate::dispatch::team() {
+                if let Some(r) = team.enter(|| self.run_step(kv, ws, seqs, logits)) {
+                    return r;
+                }
+            }
+        }
         pool.install(|| self.run_step(kv, ws, seqs, logits))
     }
 
@@ -616,7 +634,8 @@ impl Step<'_, '_> {
         let parts = self.parts;
         let tokens = &self.tokens;
         let slot_len = hd + 2;
-        self.tasks.par_iter().for_each(|task| {
+        team::par_for(self.tasks.len(), |ti| {
+            let task = &self.tasks[ti];
             let s = &seqs[task.seq];
             let need = (s.start_pos + s.tokens.len()).div_ceil(BLOCK_SIZE);
             let rows = kv.paged_rows::<E>(li, task.kv_head, hd, &s.block_table[..need]);
@@ -668,7 +687,8 @@ impl Step<'_, '_> {
             }
             run(&mut qs[..n], &slots[..n]);
         });
-        self.merges.par_iter().for_each(|m| {
+        team::par_for(self.merges.len(), |mi| {
+            let m = &self.merges[mi];
             let t = &m.task;
             let heads = t.h1 - t.h0;
             let queries = (t.row1 - t.row0) * heads;
@@ -710,7 +730,7 @@ fn plan_attention(
     merges: &mut Vec<AttnMerge>,
 ) -> usize {
     let group = cfg.num_heads / cfg.num_kv_heads;
-    let threads = rayon::current_num_threads();
+    let threads = team::threads();
     let units = cfg.num_kv_heads
         * seqs
             .iter()

@@ -23,6 +23,7 @@ pub mod qkernels;
 pub mod qtype;
 pub mod quantize;
 pub mod safetensors;
+pub mod team;
 pub mod tokenizer;
 pub mod tp;
 pub mod weights;

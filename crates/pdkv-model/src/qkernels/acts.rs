@@ -2,8 +2,6 @@
 //! ([`QActs`]): 8-bit values and an f32 scale per 32-value block, rows
 //! interleaved in groups of 8 for the SIMD kernels.
 
-use rayon::prelude::*;
-
 use super::flavour::{has, Flavour};
 use crate::qtype::QK;
 
@@ -114,34 +112,29 @@ impl QActs {
         // same either way.
         let x = &x[..m * k];
         let (rows, blocks) = (GROUP * k, nb * GROUP);
-        if groups >= PARALLEL_GROUPS {
+        let mut rowq = self.rowq.chunks_mut(rows);
+        let mut qs = self.qs.chunks_mut(nb * GROUP_BLOCK);
+        let mut d = self.d.chunks_mut(blocks);
+        let mut sum = self.sum.chunks_mut(blocks);
+        let mut dsum = self.dsum.chunks_mut(blocks);
+        const EACH: &str = "a slice of each buffer per group";
+        let all = x.chunks(rows).map(|xs| {
             (
-                x.par_chunks(rows),
-                self.rowq.par_chunks_mut(rows),
-                self.qs.par_chunks_mut(nb * GROUP_BLOCK),
-                self.d.par_chunks_mut(blocks),
-                self.sum.par_chunks_mut(blocks),
-                self.dsum.par_chunks_mut(blocks),
+                xs,
+                rowq.next().expect(EACH),
+                qs.next().expect(EACH),
+                d.next().expect(EACH),
+                sum.next().expect(EACH),
+                dsum.next().expect(EACH),
             )
-                .into_par_iter()
-                .for_each(group);
+        });
+        if groups >= PARALLEL_GROUPS {
+            let mut each: Vec<Option<GroupSlices<'_>>> = all.map(Some).collect();
+            crate::team::par_for_each_mut(&mut each, |_, g| {
+                group(g.take().expect("each group taken once"))
+            });
         } else {
-            let mut rowq = self.rowq.chunks_mut(rows);
-            let mut qs = self.qs.chunks_mut(nb * GROUP_BLOCK);
-            let mut d = self.d.chunks_mut(blocks);
-            let mut sum = self.sum.chunks_mut(blocks);
-            let mut dsum = self.dsum.chunks_mut(blocks);
-            const EACH: &str = "a slice of each buffer per group";
-            for xs in x.chunks(rows) {
-                group((
-                    xs,
-                    rowq.next().expect(EACH),
-                    qs.next().expect(EACH),
-                    d.next().expect(EACH),
-                    sum.next().expect(EACH),
-                    dsum.next().expect(EACH),
-                ));
-            }
+            all.for_each(group);
         }
     }
 
