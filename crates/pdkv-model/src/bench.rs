@@ -47,6 +47,9 @@ pub struct DecodeResult {
     pub weight_bytes_per_token: usize,
     /// Weight bytes streamed per second: `steps/s * weight_bytes_per_token`.
     pub weight_bandwidth: f64,
+    /// Seconds per timed step in each operation, when the per-operation
+    /// clock was on ([`crate::profile::enable`]; zeros otherwise).
+    pub profile: Vec<(crate::profile::Op, f64)>,
 }
 
 /// Prefills `batch` sequences of `context` tokens, then times `steps`
@@ -149,6 +152,8 @@ fn decode_steps(
     }
 
     let mut elapsed = 0f64;
+    // The prefill's operations are not the timed steps'.
+    crate::profile::take();
     for step in 0..steps {
         let toks: Vec<[u32; 1]> = next.iter().map(|&t| [t]).collect();
         let inputs: Vec<SeqInput<'_>> = (0..batch)
@@ -167,6 +172,10 @@ fn decode_steps(
         }
     }
     let steps_per_s = steps as f64 / elapsed;
+    let profile = crate::profile::take()
+        .into_iter()
+        .map(|(op, secs)| (op, secs / steps as f64))
+        .collect();
     Ok(DecodeResult {
         batch,
         context,
@@ -175,6 +184,7 @@ fn decode_steps(
         step_ms: 1e3 * elapsed / steps as f64,
         weight_bytes_per_token: bytes,
         weight_bandwidth: steps_per_s * bytes as f64,
+        profile,
     })
 }
 

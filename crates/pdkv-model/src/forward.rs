@@ -13,6 +13,7 @@ use anyhow::{bail, ensure};
 use crate::bf16dot;
 use crate::kernels::{self, AttnQuery, KvElem, Linear};
 use crate::kv::{KvCache, KvDtype};
+use crate::profile::{self, mark, Op};
 use crate::qkernels::{self, QActs, QLinear, QType};
 use crate::team;
 use crate::tp::rank::RankTp;
@@ -80,6 +81,9 @@ fn use_team() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *ON.get_or_init(|| std::env::var("PDKV_TEAM").map_or(true, |v| v.trim() != "0"))
 }
+
+/// Fewest gate values per SwiGLU job: a job must outweigh a region's cost.
+const SILU_CHUNK: usize = 512;
 
 /// Rows per parallel job in per-row kernels.
 const ROWS_PER_JOB: usize = 8;
@@ -315,9 +319,11 @@ impl Model {
         let mut tpb = std::mem::take(&mut ws.tp);
         let mut b = ws.bufs(t_all);
 
+        profile::start();
         self.embed(seqs, &tokens, &mut b)?;
         let slots = plan_attention(&self.config, seqs, &mut tasks, &mut merges);
         parts.resize(slots * (self.config.head_dim + 2), 0.0);
+        mark(Op::Embed);
         let step = Step {
             kv,
             seqs,
@@ -331,6 +337,7 @@ impl Model {
             self.mlp_block(&step, li, lw, &mut b, &mut qa, &mut tpb)?;
         }
         self.lm_head(&logit_rows, &mut b, &mut qa, &mut tpb, logits)?;
+        mark(Op::LmHead);
 
         ws.tokens = tokens;
         ws.tasks = tasks;
@@ -417,6 +424,7 @@ impl Model {
                 kernels::rmsnorm(&x[i * hidden..(i + 1) * hidden], attn_norm, eps, h)
             });
         }
+        mark(Op::Norm);
         project(
             int8,
             qa,
@@ -429,6 +437,7 @@ impl Model {
                 (w.mat(&lw.wv), kv_dim, &mut *b.v),
             ],
         );
+        mark(Op::Qkv);
         let qn = lw
             .q_norm
             .as_ref()
@@ -441,8 +450,11 @@ impl Model {
             .map(|t| w.get(t));
         norm_rope(b.q, hd, qn, eps, b.cos, b.sin);
         norm_rope(b.k, hd, kn, eps, b.cos, b.sin);
+        mark(Op::Rope);
         step.write_kv(li, kv_dim, b.k, b.v);
+        mark(Op::WriteKv);
         step.attend(li, hd, q_dim, b.q, b.att);
+        mark(Op::Attention);
         let (att, att_k) = gather_input(
             tp,
             (b.att, t_all, q_dim),
@@ -460,7 +472,9 @@ impl Model {
             b.h,
             &|| format!("o_proj of layer {li}"),
         )?;
+        mark(Op::OProj);
         add_into(b.x, b.h);
+        mark(Op::Residual);
         Ok(())
     }
 
@@ -490,6 +504,7 @@ impl Model {
                 kernels::rmsnorm(&x[i * hidden..(i + 1) * hidden], ffn_norm, eps, h)
             });
         }
+        mark(Op::Norm);
         project(
             int8,
             qa,
@@ -501,12 +516,17 @@ impl Model {
                 (w.mat(&lw.w_up), inter, &mut *b.up),
             ],
         );
+        mark(Op::GateUp);
         {
+            // Element by element, so the buffer splits anywhere: a single
+            // decode row's 1,536 exponentials go on every thread too.
             let up = &*b.up;
-            for_rows(b.gate, inter, |i, g| {
-                kernels::silu_mul(g, &up[i * inter..(i + 1) * inter])
+            let chunk = SILU_CHUNK.max(b.gate.len().div_ceil(team::threads()));
+            team::par_chunks_mut(b.gate, chunk, |c, g| {
+                kernels::silu_mul(g, &up[c * chunk..][..g.len()])
             });
         }
+        mark(Op::Silu);
         let (act, act_k) = gather_input(
             tp,
             (b.gate, t_all, inter),
@@ -524,7 +544,9 @@ impl Model {
             b.h,
             &|| format!("down_proj of layer {li}"),
         )?;
+        mark(Op::Down);
         add_into(b.x, b.h);
+        mark(Op::Residual);
         Ok(())
     }
 
@@ -815,11 +837,12 @@ fn project<const N: usize>(
     let int8s = outs.iter().filter(|o| int8_of(&o.0)).count();
     let bf16s = outs.iter().filter(|o| bf16_of(&o.0)).count();
     if int8s > 0 {
-        qa.quantize(&x[..m * k], m, k);
+        qa.quantize_for_step(&x[..m * k], m, k);
     }
     if bf16s > 0 {
         qa.round_bf16(&x[..m * k]);
     }
+    mark(Op::Quantize);
     if blocks == 0 {
         let mut ls = outs.map(|(w, n, y)| match w {
             Mat::F32(w) => Linear { w, n, y },

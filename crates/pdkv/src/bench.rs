@@ -36,6 +36,10 @@ pub struct DecodeArgs {
     /// The KV cache's element type (see `pdkv serve --kv-cache-dtype`).
     #[arg(long, default_value = "auto")]
     pub kv_cache_dtype: pdkv_model::KvDtype,
+    /// Also prints where a timed step's wall time goes, operation by
+    /// operation (the clock read at each boundary: a few percent slower)
+    #[arg(long)]
+    pub profile: bool,
 }
 
 #[derive(Args, Debug)]
@@ -182,6 +186,26 @@ pub fn run_prefill(args: PrefillArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// A timed step's operations: milliseconds per step and share of the step.
+fn print_profile(r: &pdkv_model::bench::DecodeResult) {
+    let step = r.step_ms * 1e-3;
+    for (op, secs) in &r.profile {
+        println!(
+            "       {:<10} {:>8.3} ms {:>5.1}%",
+            op.name(),
+            secs * 1e3,
+            100.0 * secs / step
+        );
+    }
+    let timed: f64 = r.profile.iter().map(|(_, s)| s).sum();
+    println!(
+        "       {:<10} {:>8.3} ms {:>5.1}%",
+        "(other)",
+        (step - timed) * 1e3,
+        100.0 * (step - timed) / step
+    );
+}
+
 pub fn run_decode(args: DecodeArgs) -> anyhow::Result<()> {
     anyhow::ensure!(!args.batch_sizes.is_empty(), "--batch-sizes is empty");
     anyhow::ensure!(
@@ -212,6 +236,7 @@ pub fn run_decode(args: DecodeArgs) -> anyhow::Result<()> {
         args.context, args.steps
     );
     println!("{:>6} {:>12} {:>10}", "batch", "tok/s", "ms/step");
+    pdkv_model::profile::enable(args.profile);
 
     // In the order given (a JSON object from serde_json would sort the keys).
     let mut per_batch: Vec<(usize, f64)> = Vec::new();
@@ -233,6 +258,9 @@ pub fn run_decode(args: DecodeArgs) -> anyhow::Result<()> {
         }
         .with_context(|| format!("decoding at batch {batch}"))?;
         println!("{:>6} {:>12.1} {:>10.2}", batch, r.tokens_per_s, r.step_ms);
+        if args.profile {
+            print_profile(&r);
+        }
         if batch == 1 {
             let fraction = r.tokens_per_s * r.weight_bytes_per_token as f64 / bandwidth;
             println!(

@@ -27,6 +27,8 @@ pub struct QActs {
     pub(super) qs: Vec<i8>,
     /// The same values row-major (`[m, k]`), for rows computed one at a time.
     pub(super) rowq: Vec<i8>,
+    /// Whether `qs` holds the values (see [`QActs::quantize_for_step`]).
+    interleaved: bool,
     pub(super) d: Vec<f32>,
     pub(super) sum: Vec<i32>,
     /// `d * (sum as f32)`, the activation side of the Q4_1 minimum term.
@@ -49,6 +51,7 @@ impl QActs {
             k: 0,
             qs: Vec::new(),
             rowq: Vec::new(),
+            interleaved: true,
             d: Vec::new(),
             sum: Vec::new(),
             dsum: Vec::new(),
@@ -69,6 +72,25 @@ impl QActs {
 
     /// Quantises `x` = `[m, k]` row-major (k % 32 == 0; panics otherwise with a message).
     pub fn quantize(&mut self, x: &[f32], m: usize, k: usize) {
+        self.quantize_with(x, m, k, true)
+    }
+
+    /// [`QActs::quantize`] for the default backend's kernels only: a step
+    /// of at most `DIRECT_MAX` rows on AVX2 is read row-major alone, so the
+    /// interleaved copy (for the tiles and the portable kernel) is not
+    /// written; writing it costs a decode step a few percent. The block
+    /// matmuls refuse activations without the copy they need.
+    pub fn quantize_for_step(&mut self, x: &[f32], m: usize, k: usize) {
+        let direct = Flavour::of(crate::dispatch::backend()) != Flavour::Portable;
+        self.quantize_with(x, m, k, !(direct && m <= DIRECT_MAX))
+    }
+
+    /// Whether the interleaved copy (`qs`) was written.
+    pub(super) fn interleaved(&self) -> bool {
+        self.interleaved
+    }
+
+    fn quantize_with(&mut self, x: &[f32], m: usize, k: usize, interleave: bool) {
         assert!(
             k.is_multiple_of(QK),
             "QActs::quantize: k = {k} is not a multiple of the block size {QK}"
@@ -84,8 +106,11 @@ impl QActs {
         let groups = m.div_ceil(GROUP);
         self.m = m;
         self.k = k;
+        self.interleaved = interleave;
         self.qs.clear();
-        self.qs.resize(groups * nb * GROUP_BLOCK, 0);
+        if interleave {
+            self.qs.resize(groups * nb * GROUP_BLOCK, 0);
+        }
         self.rowq.clear();
         self.rowq.resize(m * k, 0);
         for v in [&mut self.d, &mut self.dsum] {
@@ -105,7 +130,7 @@ impl QActs {
                 // SAFETY: the CPU has AVX2 and FMA.
                 return unsafe { fill_group_avx2(k, g) };
             }
-            fill_group(k, g)
+            fill_group(k, g, quantize_block)
         };
         // Groups are independent (each owns its slice of every buffer), so
         // a prefill's are quantised on every math thread; the bits are the
@@ -122,7 +147,11 @@ impl QActs {
             (
                 xs,
                 rowq.next().expect(EACH),
-                qs.next().expect(EACH),
+                if interleave {
+                    qs.next().expect(EACH)
+                } else {
+                    &mut []
+                },
                 d.next().expect(EACH),
                 sum.next().expect(EACH),
                 dsum.next().expect(EACH),
@@ -155,6 +184,10 @@ impl QActs {
     }
 }
 
+/// Steps of at most this many rows are multiplied by the AVX2 kernels'
+/// direct path, which reads the activations row-major.
+pub(super) const DIRECT_MAX: usize = 8;
+
 /// Activation groups from which [`QActs::quantize`] spreads the groups
 /// over the math threads (fewer: one thread, no hand-off).
 const PARALLEL_GROUPS: usize = 4;
@@ -169,27 +202,36 @@ type GroupSlices<'a> = (
     &'a mut [f32],
 );
 
-/// [`fill_group`] compiled for AVX2, so the block loops vectorise.
+/// [`fill_group`] with [`quantize_block_avx2`], its blocks' bits.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
 unsafe fn fill_group_avx2(k: usize, g: GroupSlices<'_>) {
-    fill_group(k, g)
+    // SAFETY: this function's callers checked the CPU has AVX2.
+    fill_group(k, g, |x| unsafe { quantize_block_avx2(x) })
 }
 
 /// Quantises one group's rows (`xs`, at most [`GROUP`] rows of `k`) into
-/// the group's slices of the [`QActs`] buffers.
+/// the group's slices of the [`QActs`] buffers, a block at a time with
+/// `quant` (one of the bit-identical [`quantize_block`]s).
 #[inline(always)]
-fn fill_group(k: usize, (xs, rowq, qs, d, sum, dsum): GroupSlices<'_>) {
+fn fill_group(
+    k: usize,
+    (xs, rowq, qs, d, sum, dsum): GroupSlices<'_>,
+    quant: impl Fn(&[f32; QK]) -> (f32, [i8; QK], i32),
+) {
     let nb = k / QK;
     for (lane, x) in xs.chunks_exact(k).enumerate() {
         for b in 0..nb {
             let xb: &[f32; QK] = x[b * QK..][..QK].try_into().expect("a whole block");
-            let (db, q, sb) = quantize_block(xb);
+            let (db, q, sb) = quant(xb);
             let s = b * GROUP + lane;
             d[s] = db;
             sum[s] = sb;
             dsum[s] = db * sb as f32;
             rowq[lane * k + b * QK..][..QK].copy_from_slice(&q);
+            if qs.is_empty() {
+                continue;
+            }
             let base = b * GROUP_BLOCK + lane * 4;
             for (t, chunk) in q.chunks_exact(4).enumerate() {
                 qs[base + t * 32..][..4].copy_from_slice(chunk);
@@ -198,10 +240,82 @@ fn fill_group(k: usize, (xs, rowq, qs, d, sum, dsum): GroupSlices<'_>) {
     }
 }
 
+/// [`quantize_block`] in AVX2 registers, with its bits: the same maximum
+/// (exact in any order), the same division, rounding half away from zero
+/// (the truncation plus one away from zero where the dropped fraction is
+/// at least a half: exact), the same clamp, and NaN quotients to 0 as
+/// Rust's float-to-int cast makes them.
+///
+/// # Safety
+/// The CPU has AVX2.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+pub(super) unsafe fn quantize_block_avx2(x: &[f32; QK]) -> (f32, [i8; QK], i32) {
+    use std::arch::x86_64::*;
+    // SAFETY: the CPU has AVX2 (this function's contract); the loads read
+    // the 32 floats of `x` and the store writes the 32 bytes of `q`.
+    unsafe {
+        let p = x.as_ptr();
+        let v = [0, 8, 16, 24].map(|o| _mm256_loadu_ps(p.add(o)));
+        let abs = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fff_ffff));
+        // `max_ps` returns its second operand when the first is NaN: a NaN
+        // value is skipped, as `f32::max` skips it.
+        let mut m = _mm256_setzero_ps();
+        for vi in v {
+            m = _mm256_max_ps(_mm256_and_ps(vi, abs), m);
+        }
+        let mut lanes = [0f32; 8];
+        _mm256_storeu_ps(lanes.as_mut_ptr(), m);
+        let amax = lanes.iter().fold(0f32, |a, &v| a.max(v));
+        let d = amax / 127.0;
+        let mut q = [0i8; QK];
+        if d == 0.0 {
+            return (0.0, q, 0);
+        }
+        let dv = _mm256_set1_ps(d);
+        let half = _mm256_set1_ps(0.5);
+        let sign = _mm256_castsi256_ps(_mm256_set1_epi32(i32::MIN));
+        let one = _mm256_set1_ps(1.0);
+        let (lo, hi) = (_mm256_set1_ps(-127.0), _mm256_set1_ps(127.0));
+        let ints = v.map(|vi| {
+            let y = _mm256_div_ps(vi, dv);
+            let t = _mm256_round_ps::<{ _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC }>(y);
+            let frac = _mm256_andnot_ps(sign, _mm256_sub_ps(y, t));
+            let away = _mm256_and_ps(_mm256_cmp_ps::<_CMP_GE_OQ>(frac, half), one);
+            let r = _mm256_add_ps(t, _mm256_or_ps(away, _mm256_and_ps(y, sign)));
+            // NaN lanes to 0, then the clamp.
+            let r = _mm256_and_ps(r, _mm256_cmp_ps::<_CMP_ORD_Q>(r, r));
+            _mm256_cvttps_epi32(_mm256_min_ps(_mm256_max_ps(r, lo), hi))
+        });
+        let s = _mm256_add_epi32(
+            _mm256_add_epi32(ints[0], ints[1]),
+            _mm256_add_epi32(ints[2], ints[3]),
+        );
+        let mut si = [0i32; 8];
+        _mm256_storeu_si256(si.as_mut_ptr() as *mut __m256i, s);
+        // i32 -> i16 -> i8 packs work within 128-bit halves: the final
+        // permutation puts the four 8-value runs back in order.
+        let w01 = _mm256_packs_epi32(ints[0], ints[1]);
+        let w23 = _mm256_packs_epi32(ints[2], ints[3]);
+        let b = _mm256_packs_epi16(w01, w23);
+        let b = _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+        _mm256_storeu_si256(q.as_mut_ptr() as *mut __m256i, b);
+        (d, q, si.iter().sum())
+    }
+}
+
 /// One block: `(d, q, Σq)`.
 #[inline(always)]
 pub(super) fn quantize_block(x: &[f32; QK]) -> (f32, [i8; QK], i32) {
-    let amax = x.iter().fold(0f32, |a, v| a.max(v.abs()));
+    // The largest magnitude, in 8 lanes (a maximum is exact in any order,
+    // so this is the left-to-right fold's value, without its dependency chain).
+    let mut lanes = [0f32; 8];
+    for c in x.chunks_exact(8) {
+        for (m, v) in lanes.iter_mut().zip(c) {
+            *m = m.max(v.abs());
+        }
+    }
+    let amax = lanes.iter().fold(0f32, |a, &v| a.max(v));
     let d = amax / 127.0;
     let mut q = [0i8; QK];
     let mut sum = 0;

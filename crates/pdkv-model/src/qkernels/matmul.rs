@@ -3,7 +3,7 @@
 
 use std::cell::RefCell;
 
-use super::acts::QActs;
+use super::acts::{QActs, DIRECT_MAX};
 use super::flavour::{has, Flavour};
 use super::job::{Job, Scratch, NR};
 use super::portable;
@@ -61,6 +61,10 @@ pub(super) fn run_many(fl: Flavour, x: &QActs, outs: &mut [QLinear<'_>]) {
         );
     }
     assert!(has(fl), "{fl:?} is not available on this CPU");
+    assert!(
+        x.interleaved() || (fl != Flavour::Portable && m <= DIRECT_MAX),
+        "activations of {m} rows quantised without the interleaved copy {fl:?} reads"
+    );
     if m == 0 {
         return;
     }

@@ -437,6 +437,53 @@ fn quantize_round_trips_maxima_and_zero_blocks() {
 }
 
 #[test]
+fn the_avx2_block_quantiser_gives_the_portable_ones_bits() {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if !has(Flavour::Avx2) {
+            eprintln!("skipped: this CPU lacks AVX2");
+            return;
+        }
+        let mut rng = Rng::new(11);
+        let mut blocks: Vec<[f32; 32]> = Vec::new();
+        // Random blocks at several magnitudes, with exact halves after the
+        // division (amax 127: d = 1), zeros, and non-finite values.
+        for scale in [1e-30f32, 1e-3, 1.0, 7.5, 1e6] {
+            for _ in 0..400 {
+                blocks.push(std::array::from_fn(|_| rng.f32() * scale));
+            }
+        }
+        let mut h = [0f32; 32];
+        h[0] = 127.0;
+        for (i, v) in h.iter_mut().enumerate().skip(1) {
+            *v = (i as f32 - 16.0) + 0.5;
+        }
+        blocks.push(h);
+        h[0] = -127.0;
+        h[5] = -0.0;
+        blocks.push(h);
+        blocks.push([0.0; 32]);
+        let mut odd = h;
+        odd[3] = f32::NAN;
+        blocks.push(odd);
+        odd[7] = f32::INFINITY;
+        blocks.push(odd);
+        odd[9] = f32::NEG_INFINITY;
+        blocks.push(odd);
+        for (i, b) in blocks.iter().enumerate() {
+            let (d0, q0, s0) = quantize_block(b);
+            // SAFETY: the CPU has AVX2 (checked above).
+            let (d1, q1, s1) = unsafe { super::acts::quantize_block_avx2(b) };
+            assert_eq!(
+                (d0.to_bits(), q0, s0),
+                (d1.to_bits(), q1, s1),
+                "block {i}: {b:?}"
+            );
+        }
+    }
+}
+
+#[test]
 #[should_panic(expected = "is not a multiple of the block size 32")]
 fn quantize_rejects_k_not_a_multiple_of_32() {
     QActs::new().quantize(&[0.0; 40], 1, 40);
