@@ -1,12 +1,20 @@
 //! A prefix-cache reset while a P/D pair works: `reset_running_requests`
 //! preempts the running requests (they recompute and go on exactly) and the
 //! reset succeeds although transfers still hold blocks; those transfers are
-//! not cut, and no block cached before the reset is matched after it.
+//! not cut, and no block cached before the reset is matched after it. The
+//! running requests are frozen by a keep-pause around the resets, as a
+//! trainer does, so that they hold their blocks whatever the machine's
+//! speed (a fast decode could otherwise finish one first).
+
+use pdkv_engine::PauseMode;
 
 use crate::common::{
     collect, colocated, d_engine, fingerprint, idle_and_free, last, metric, p_engine, prompt,
     remote_prefill, run, start, WAIT,
 };
+
+/// Tokens of the long requests: most of the tiny model's 1,024 positions.
+const LONG: u32 = 900;
 
 #[test]
 fn a_reset_with_running_requests_succeeds_under_load_and_loses_nothing() {
@@ -31,24 +39,31 @@ fn a_reset_with_running_requests_succeeds_under_load_and_loses_nothing() {
         "the prompt's full blocks are cached before the reset"
     );
 
-    // Long requests run on both engines.
+    // A long request runs on each engine in turn (started just before its
+    // engine's resets, and long: it cannot finish between the wait and the
+    // pause).
     let long = prompt(33, 20);
-    let on_p = start(ph, "long-p", long.clone(), 120, None);
-    let on_d = start(dh, "long-d", long.clone(), 120, None);
+    let mut streams = Vec::new();
     for (e, name) in [(ph, "P"), (dh, "D")] {
+        streams.push(start(e, &format!("long-{name}"), long.clone(), LONG, None));
         assert!(
             e.wait_stats(WAIT, |s| s.num_running == 1).is_some(),
             "{name}: the long request runs"
         );
+        // Frozen where it is (a trainer's keep-pause before it resets):
+        // the request holds its blocks however fast the engine decodes.
+        e.pause(PauseMode::Keep, false, WAIT).unwrap();
         assert!(
             !e.reset_prefix_cache_with(false),
             "{name}: without reset_running_requests a reset refuses while blocks are in use"
         );
         assert!(
             e.reset_prefix_cache_with(true),
-            "{name}: with reset_running_requests the reset succeeds under load"
+            "{name}: with reset_running_requests the reset succeeds with a request running"
         );
+        e.resume().unwrap();
     }
+    let [on_p, on_d]: [_; 2] = streams.try_into().ok().expect("two streams");
     for (e, name) in [(ph, "P"), (dh, "D")] {
         assert!(
             e.wait_stats(WAIT, |s| s.num_preemptions == 1).is_some(),
@@ -57,7 +72,7 @@ fn a_reset_with_running_requests_succeeds_under_load_and_loses_nothing() {
     }
 
     // The preempted requests go on exactly.
-    let want = fingerprint(&run(&colo.handle, "long-c", long, 120, None));
+    let want = fingerprint(&run(&colo.handle, "long-c", long, LONG, None));
     assert_eq!(fingerprint(&collect(on_p)), want, "P's preempted request");
     assert_eq!(fingerprint(&collect(on_d)), want, "D's preempted request");
 
