@@ -286,6 +286,16 @@ impl ExpInner {
             {
                 tracing::warn!(peer = id, segment, "unmap request could not be sent");
             }
+            drop(w);
+            // The peer's connection may have ended after `holders` saw it
+            // and before the insert above, its `peer_gone` then finding
+            // nothing to complete: a peer no longer registered maps nothing.
+            // (`peer_gone` runs after the peer leaves `peers`, so one of the
+            // two sees the other.)
+            if !self.peers.lock().unwrap().contains_key(id) {
+                self.pending.lock().unwrap().remove(&op);
+                continue;
+            }
             ops.push(op);
         }
         self.wait_acks(segment, &ops, deadline)
