@@ -23,13 +23,15 @@ fn a_queued_request_keeps_ps_lease_alive_by_claiming_it() {
     let colo = colocated();
     let (ph, dh) = (&p.handle, &d.handle);
 
-    let hog = start(dh, "hog", prompt(40, 8), 1000, None);
-    assert!(dh.wait_stats(WAIT, |s| s.num_running == 1).is_some());
+    // P's prefill first (well inside its lease), so that between the hog
+    // running and the pause there is only the queued request's admission.
     let tokens = prompt(41, 40);
     let params = remote_prefill(ph, "q-p", &tokens, "q");
+    let hog = start(dh, "hog", prompt(40, 8), 1000, None);
+    assert!(dh.wait_stats(WAIT, |s| s.num_running == 1).is_some());
     let queued = start(dh, "q-d", tokens.clone(), 6, Some(params));
     // Both frozen where they are: the request stays queued on D.
-    // (The hog's thousand tokens take far longer than these few calls.)
+    // (The hog's thousand tokens take far longer than these two calls.)
     dh.pause(PauseMode::Keep, false, WAIT).unwrap();
     assert!(
         dh.wait_stats(WAIT, |s| s.paused
