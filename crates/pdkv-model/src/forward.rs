@@ -414,8 +414,6 @@ impl Model {
         let (q_dim, kv_dim) = (cfg.q_dim(), cfg.kv_dim());
         let t_all = step.tokens.len();
         let int8 = self.int8_activations;
-        let tp = self.tp.as_ref();
-        let hidden_here = tp.map_or(hidden, |t| t.shard.hidden.len());
 
         let attn_norm = w.get(&lw.attn_norm);
         {
@@ -455,25 +453,46 @@ impl Model {
         mark(Op::WriteKv);
         step.attend(li, hd, q_dim, b.q, b.att);
         mark(Op::Attention);
-        let (att, att_k) = gather_input(
-            tp,
+        self.block_out(
             (b.att, t_all, q_dim),
             |t| &t.q_widths,
-            &mut tpb.input,
-            &|| format!("the attention output of layer {li}"),
-        )?;
+            (w.mat(&lw.wo), Op::OProj),
+            (&mut *b.x, &mut *b.h),
+            (qa, tpb),
+            (li, "the attention output", "o_proj"),
+        )
+    }
+
+    /// A block's end: its output (`[t, k]` as this rank computed it)
+    /// gathered from every rank (`widths`), projected by `wm` into the
+    /// residual update `h` (timed as `op`), and added into the residual
+    /// stream `x`; `names` (the output's, the projection's) for errors.
+    fn block_out(
+        &self,
+        (out, t_all, k): (&[f32], usize, usize),
+        widths: impl Fn(&RankTp) -> &Vec<usize>,
+        (wm, op): (Mat<'_>, Op),
+        (x, h): (&mut [f32], &mut [f32]),
+        (qa, tpb): (&mut QActs, &mut TpBufs),
+        (li, out_name, proj_name): (usize, &str, &str),
+    ) -> anyhow::Result<()> {
+        let tp = self.tp.as_ref();
+        let hidden_here = tp.map_or(self.config.hidden_size, |t| t.shard.hidden.len());
+        let (input, input_k) = gather_input(tp, (out, t_all, k), widths, &mut tpb.input, &|| {
+            format!("{out_name} of layer {li}")
+        })?;
         project_residual(
-            int8,
+            self.int8_activations,
             qa,
-            (att, t_all, att_k),
-            (w.mat(&lw.wo), hidden_here),
+            (input, t_all, input_k),
+            (wm, hidden_here),
             tp,
             &mut tpb.part,
-            b.h,
-            &|| format!("o_proj of layer {li}"),
+            h,
+            &|| format!("{proj_name} of layer {li}"),
         )?;
-        mark(Op::OProj);
-        add_into(b.x, b.h);
+        mark(op);
+        add_into(x, h);
         mark(Op::Residual);
         Ok(())
     }
@@ -494,8 +513,6 @@ impl Model {
         let (hidden, eps, inter) = (cfg.hidden_size, cfg.rms_norm_eps, cfg.intermediate_size);
         let t_all = step.tokens.len();
         let int8 = self.int8_activations;
-        let tp = self.tp.as_ref();
-        let hidden_here = tp.map_or(hidden, |t| t.shard.hidden.len());
 
         let ffn_norm = w.get(&lw.ffn_norm);
         {
@@ -527,27 +544,14 @@ impl Model {
             });
         }
         mark(Op::Silu);
-        let (act, act_k) = gather_input(
-            tp,
+        self.block_out(
             (b.gate, t_all, inter),
             |t| &t.inter_widths,
-            &mut tpb.input,
-            &|| format!("the MLP activation of layer {li}"),
-        )?;
-        project_residual(
-            int8,
-            qa,
-            (act, t_all, act_k),
-            (w.mat(&lw.w_down), hidden_here),
-            tp,
-            &mut tpb.part,
-            b.h,
-            &|| format!("down_proj of layer {li}"),
-        )?;
-        mark(Op::Down);
-        add_into(b.x, b.h);
-        mark(Op::Residual);
-        Ok(())
+            (w.mat(&lw.w_down), Op::Down),
+            (&mut *b.x, &mut *b.h),
+            (qa, tpb),
+            (li, "the MLP activation", "down_proj"),
+        )
     }
 
     /// Final norm and LM head, only for the rows that want logits (a
