@@ -581,6 +581,7 @@ impl Model {
                 &mut b.h[i * hidden..(i + 1) * hidden],
             );
         }
+        mark(Op::Norm);
         if n_out > 0 {
             let mut local = match tp {
                 Some(_) => std::mem::take(&mut tpb.part),

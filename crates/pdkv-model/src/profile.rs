@@ -18,7 +18,7 @@ use std::time::Instant;
 pub enum Op {
     /// The embedding rows, the rotary tables and the attention plan.
     Embed,
-    /// The RMS norms before attention and before the MLP.
+    /// The RMS norms (before attention, before the MLP, and the final one).
     Norm,
     /// Activations quantised (or rounded) for the block-format matmuls.
     Quantize,
@@ -40,7 +40,7 @@ pub enum Op {
     Down,
     /// The residual additions (and tensor-parallel exchanges).
     Residual,
-    /// The final norm and the LM head.
+    /// The LM head (and the tensor-parallel gather of the logits).
     LmHead,
 }
 

@@ -32,7 +32,8 @@ use rayon::prelude::*;
 /// gaps (norms, sampling, the scheduler between steps) are well under it.
 const SPIN: Duration = Duration::from_micros(300);
 
-/// Jobs of one [`Team::run`] are at most this many (20 bits of the work word).
+/// Jobs of one region are at most this many (a [`Team::run`] of more runs
+/// several regions): well inside the work word's 32 bits for each half.
 const MAX_JOBS: usize = (1 << 20) - 1;
 
 /// A job closure as the members see it: a thin pointer to a fat reference
