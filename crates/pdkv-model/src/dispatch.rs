@@ -165,6 +165,13 @@ unsafe impl<T> Send for SendPtr<T> {}
 // SAFETY: as for `Send`; sharing the pointer gives no access of its own.
 unsafe impl<T> Sync for SendPtr<T> {}
 
+impl<T> SendPtr<T> {
+    /// A method (not a field access) so closures capture the whole wrapper.
+    pub(crate) fn get(self) -> *mut T {
+        self.0
+    }
+}
+
 /// A pointer to data that several threads only read.
 pub(crate) struct SendConstPtr<T>(pub(crate) *const T);
 impl<T> Clone for SendConstPtr<T> {

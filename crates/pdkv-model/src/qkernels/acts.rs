@@ -3,6 +3,7 @@
 //! interleaved in groups of 8 for the SIMD kernels.
 
 use super::flavour::{has, Flavour};
+use crate::dispatch::SendPtr;
 use crate::qtype::QK;
 
 /// Activation rows per interleaved group: one per lane of an 8 x f32 vector.
@@ -137,14 +138,43 @@ impl QActs {
         // same either way.
         let x = &x[..m * k];
         let (rows, blocks) = (GROUP * k, nb * GROUP);
+        let qs_len = if interleave { nb * GROUP_BLOCK } else { 0 };
+        if groups >= PARALLEL_GROUPS {
+            // Each job takes its group's range of every buffer (sized above
+            // for `groups` groups): the ranges of two groups never overlap,
+            // so the pointers below hand out disjoint slices, and nothing
+            // is allocated.
+            let rowq = SendPtr(self.rowq.as_mut_ptr());
+            let qs = SendPtr(self.qs.as_mut_ptr());
+            let d = SendPtr(self.d.as_mut_ptr());
+            let sum = SendPtr(self.sum.as_mut_ptr());
+            let dsum = SendPtr(self.dsum.as_mut_ptr());
+            crate::team::par_for(groups, |g| {
+                let (r0, r1) = (g * rows, ((g + 1) * rows).min(m * k));
+                // SAFETY: as above: group `g`'s ranges lie inside the buffers
+                // (`rowq` holds `m * k` values, `qs` `groups * qs_len`, the
+                // others `groups * blocks`) and are this job's alone.
+                unsafe {
+                    group((
+                        &x[r0..r1],
+                        std::slice::from_raw_parts_mut(rowq.get().add(r0), r1 - r0),
+                        std::slice::from_raw_parts_mut(qs.get().add(g * qs_len), qs_len),
+                        std::slice::from_raw_parts_mut(d.get().add(g * blocks), blocks),
+                        std::slice::from_raw_parts_mut(sum.get().add(g * blocks), blocks),
+                        std::slice::from_raw_parts_mut(dsum.get().add(g * blocks), blocks),
+                    ))
+                }
+            });
+            return;
+        }
         let mut rowq = self.rowq.chunks_mut(rows);
-        let mut qs = self.qs.chunks_mut(nb * GROUP_BLOCK);
+        let mut qs = self.qs.chunks_mut(qs_len.max(1));
         let mut d = self.d.chunks_mut(blocks);
         let mut sum = self.sum.chunks_mut(blocks);
         let mut dsum = self.dsum.chunks_mut(blocks);
         const EACH: &str = "a slice of each buffer per group";
-        let all = x.chunks(rows).map(|xs| {
-            (
+        for xs in x.chunks(rows) {
+            group((
                 xs,
                 rowq.next().expect(EACH),
                 if interleave {
@@ -155,15 +185,7 @@ impl QActs {
                 d.next().expect(EACH),
                 sum.next().expect(EACH),
                 dsum.next().expect(EACH),
-            )
-        });
-        if groups >= PARALLEL_GROUPS {
-            let mut each: Vec<Option<GroupSlices<'_>>> = all.map(Some).collect();
-            crate::team::par_for_each_mut(&mut each, |_, g| {
-                group(g.take().expect("each group taken once"))
-            });
-        } else {
-            all.for_each(group);
+            ));
         }
     }
 
