@@ -20,7 +20,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
 use pdkv_engine::connector::{
-    ConnectorMeta, ConnectorRequest, ExternalMatch, FinishedTransfers, KvCacheSpec,
+    Allocated, ConnectorMeta, ConnectorRequest, ExternalMatch, FinishedTransfers, KvCacheSpec,
     KvTransferParams, LoadError, LoadFailurePolicy, MetricsReader, ParamsValidator, Waker,
 };
 use pdkv_engine::{FinishReason, KvConnector};
@@ -254,21 +254,21 @@ impl KvConnector for MultiConnector {
         best
     }
 
-    fn update_state_after_alloc(
-        &mut self,
-        req: ConnectorRequest<'_>,
-        block_ids: &[u32],
-        num_computed_tokens: usize,
-        num_external_tokens: usize,
-    ) {
+    fn update_state_after_alloc(&mut self, req: ConnectorRequest<'_>, alloc: Allocated<'_>) {
         let winner = self.winner.remove(req.id);
         for (i, c) in self.children.iter_mut().enumerate() {
-            let n = if winner == Some(i) {
-                num_external_tokens
+            let num_external_tokens = if winner == Some(i) {
+                alloc.num_external_tokens
             } else {
                 0
             };
-            c.update_state_after_alloc(req, block_ids, num_computed_tokens, n);
+            c.update_state_after_alloc(
+                req,
+                Allocated {
+                    num_external_tokens,
+                    ..alloc
+                },
+            );
         }
     }
 
@@ -537,14 +537,8 @@ mod tests {
                 load_async: offer > 0,
             }
         }
-        fn update_state_after_alloc(
-            &mut self,
-            _req: ConnectorRequest<'_>,
-            _blocks: &[u32],
-            _computed: usize,
-            external: usize,
-        ) {
-            self.log(format!("alloc {external}"));
+        fn update_state_after_alloc(&mut self, _req: ConnectorRequest<'_>, a: Allocated<'_>) {
+            self.log(format!("alloc {}", a.num_external_tokens));
         }
         fn request_added(&mut self, req: ConnectorRequest<'_>) {
             self.log(format!("added {}", req.id));
@@ -784,7 +778,7 @@ mod tests {
                 load_async: true
             }
         );
-        m.update_state_after_alloc(request(&id), &[4, 5], 0, 32);
+        m.update_state_after_alloc(request(&id), Allocated::new(&[4, 5], 0, 32));
         assert_eq!(calls(&s[0]), ["match", "alloc 0"]);
         assert_eq!(calls(&s[1]), ["match", "alloc 32"]);
         assert_eq!(
@@ -800,7 +794,7 @@ mod tests {
             m.get_num_new_matched_tokens(request(&id), 0),
             ExternalMatch::default()
         );
-        m.update_state_after_alloc(request(&id), &[4, 5], 0, 0);
+        m.update_state_after_alloc(request(&id), Allocated::new(&[4, 5], 0, 0));
         for c in &s {
             assert_eq!(calls(c), ["match", "alloc 0"]);
         }

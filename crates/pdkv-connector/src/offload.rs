@@ -33,7 +33,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use pdkv_engine::connector::{
-    ConnectorMeta, ConnectorRequest, ExternalMatch, FinishedTransfers, KvCacheSpec,
+    Allocated, ConnectorMeta, ConnectorRequest, ExternalMatch, FinishedTransfers, KvCacheSpec,
     KvTransferParams, MetricsReader, Waker,
 };
 use pdkv_engine::{BlockHash, FinishReason, KvConnector};
@@ -465,13 +465,12 @@ impl KvConnector for OffloadConnector {
         }
     }
 
-    fn update_state_after_alloc(
-        &mut self,
-        req: ConnectorRequest<'_>,
-        block_ids: &[u32],
-        num_computed_tokens: usize,
-        num_external_tokens: usize,
-    ) {
+    fn update_state_after_alloc(&mut self, req: ConnectorRequest<'_>, alloc: Allocated<'_>) {
+        let Allocated {
+            block_ids,
+            num_computed_tokens,
+            num_external_tokens,
+        } = alloc;
         let Some(found) = self.matched.remove(req.id) else {
             return;
         };
@@ -659,7 +658,7 @@ mod tests {
             kv_transfer_params: None,
         };
         let m = c.get_num_new_matched_tokens(req, computed);
-        c.update_state_after_alloc(req, blocks, computed, m.num_tokens);
+        c.update_state_after_alloc(req, Allocated::new(blocks, computed, m.num_tokens));
         let meta = c.build_connector_meta();
         c.start_load_kv(meta);
         let first = computed / pdkv_model::BLOCK_SIZE;

@@ -82,6 +82,31 @@ pub struct ConnectorRequest<'a> {
     pub cache_salt: Option<crate::block_pool::BlockHash>,
 }
 
+/// What [`KvConnector::update_state_after_alloc`] learns of a request's
+/// blocks: `block_ids` is its whole table, whose blocks
+/// `num_computed_tokens / block_size ..` receive the `num_external_tokens`
+/// external tokens (none when 0).
+#[derive(Clone, Copy, Debug)]
+pub struct Allocated<'a> {
+    pub block_ids: &'a [u32],
+    pub num_computed_tokens: usize,
+    pub num_external_tokens: usize,
+}
+
+impl<'a> Allocated<'a> {
+    pub fn new(
+        block_ids: &'a [u32],
+        num_computed_tokens: usize,
+        num_external_tokens: usize,
+    ) -> Self {
+        Allocated {
+            block_ids,
+            num_computed_tokens,
+            num_external_tokens,
+        }
+    }
+}
+
 /// The answer of [`KvConnector::get_num_new_matched_tokens`].
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct ExternalMatch {
@@ -337,16 +362,9 @@ pub trait KvConnector: Send {
         num_computed_tokens: usize,
     ) -> ExternalMatch;
 
-    /// The request's blocks exist now: `block_ids` is its whole table, whose
-    /// blocks `num_computed_tokens / block_size ..` receive the
-    /// `num_external_tokens` external tokens (none when 0).
-    fn update_state_after_alloc(
-        &mut self,
-        req: ConnectorRequest<'_>,
-        block_ids: &[u32],
-        num_computed_tokens: usize,
-        num_external_tokens: usize,
-    );
+    /// The request's blocks exist now ([`Allocated`] says which receive
+    /// external KV).
+    fn update_state_after_alloc(&mut self, req: ConnectorRequest<'_>, alloc: Allocated<'_>);
 
     /// Collects this step's decisions for the worker side.
     fn build_connector_meta(&mut self) -> ConnectorMeta;

@@ -1,13 +1,14 @@
 //! What pdkv's tests share, written once: child `pdkv` processes under one
 //! guard ([`proc`]), deployments on `pdkv up`'s own wiring ([`deploy`]), the HTTP, admin and SSE clients ([`http`], [`sse`]),
 //! one Prometheus text parser ([`prom`]), the models tests run on
-//! ([`models`]), and the bound every wait in a test has ([`DEADLINE`]).
+//! ([`models`]), in-process engines on them ([`engine`]), and the bound every wait in a test has ([`DEADLINE`]).
 //!
 //! A dev-dependency only: nothing here is part of a server. Every wait is
 //! bounded; a helper that cannot do its job panics with what it saw, so a
 //! failing test explains itself.
 
 pub mod deploy;
+pub mod engine;
 pub mod http;
 pub mod models;
 pub mod proc;

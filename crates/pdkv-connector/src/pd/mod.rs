@@ -62,7 +62,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use pdkv_engine::connector::{
-    ConnectorMeta, ConnectorRequest, ExternalMatch, FinishedTransfers, KvCacheSpec,
+    Allocated, ConnectorMeta, ConnectorRequest, ExternalMatch, FinishedTransfers, KvCacheSpec,
     KvTransferParams, LoadError, MetricsReader, ParamsValidator, Waker,
 };
 use pdkv_engine::{FinishReason, KvConnector, LoadFailurePolicy};
@@ -293,16 +293,8 @@ impl KvConnector for PdConnector {
         self.call(|c, now| c.get_num_new_matched_tokens(now, req, num_computed_tokens))
     }
 
-    fn update_state_after_alloc(
-        &mut self,
-        req: ConnectorRequest<'_>,
-        block_ids: &[u32],
-        num_computed_tokens: usize,
-        num_external_tokens: usize,
-    ) {
-        self.call(|c, _| {
-            c.update_state_after_alloc(req, block_ids, num_computed_tokens, num_external_tokens)
-        });
+    fn update_state_after_alloc(&mut self, req: ConnectorRequest<'_>, alloc: Allocated<'_>) {
+        self.call(|c, _| c.update_state_after_alloc(req, alloc));
     }
 
     fn build_connector_meta(&mut self) -> ConnectorMeta {

@@ -13,6 +13,7 @@ use crate::common::{
     SIDE_WAIT as WAIT,
 };
 use pdkv_connector::wire::Message;
+use pdkv_engine::connector::Allocated;
 use pdkv_engine::FinishReason;
 use serde_json::{json, Value};
 
@@ -22,7 +23,10 @@ fn prefill_output(p: &mut Side, rid: &str, tid: &str, len: usize, p_blocks: &[u3
     admit(p, rid, tid, len);
     let id: Arc<str> = Arc::from(rid);
     let prompt = vec![1u32; len];
-    p.c.update_state_after_alloc(req(&id, &prompt, &decode_params(tid)), p_blocks, 0, 0);
+    p.c.update_state_after_alloc(
+        req(&id, &prompt, &decode_params(tid)),
+        Allocated::new(p_blocks, 0, 0),
+    );
     let (held, out) = finish_with(p, rid, tid, len, p_blocks, FinishReason::Length);
     assert!(held, "P holds the blocks for D");
     let out = out.expect("P's final output carries params for D");

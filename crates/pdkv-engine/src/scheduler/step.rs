@@ -7,7 +7,7 @@ use super::plan::{ScheduledSeq, SchedulerOutput, SeqUpdate};
 use super::request::{Request, Status};
 use super::state::Scheduler;
 use crate::block_pool::{blocks_for, BlockHash, BlockPool};
-use crate::connector::ExternalMatch;
+use crate::connector::{Allocated, ExternalMatch};
 use crate::FinishReason;
 
 /// What an attempt to admit the head of the waiting queue came to.
@@ -299,7 +299,14 @@ impl Scheduler {
         self.waiting.pop_front();
         self.loading.push(id.clone());
         let c = self.connector.as_deref_mut().expect("consulted above");
-        c.update_state_after_alloc(req.conn(), &req.blocks, num_hit_tokens, ext.num_tokens);
+        c.update_state_after_alloc(
+            req.conn(),
+            Allocated {
+                block_ids: &req.blocks,
+                num_computed_tokens: num_hit_tokens,
+                num_external_tokens: ext.num_tokens,
+            },
+        );
         Admit::Next
     }
 
@@ -341,9 +348,11 @@ impl Scheduler {
             let c = self.connector.as_deref_mut().expect("consulted above");
             c.update_state_after_alloc(
                 req.conn(),
-                &req.blocks,
-                num_hit_tokens - ext.num_tokens,
-                ext.num_tokens,
+                Allocated {
+                    block_ids: &req.blocks,
+                    num_computed_tokens: num_hit_tokens - ext.num_tokens,
+                    num_external_tokens: ext.num_tokens,
+                },
             );
         }
         out.seqs.push(Self::seq_for(&self.requests[id], num_new));

@@ -8,8 +8,8 @@ use std::collections::HashSet;
 use std::sync::{Arc, Mutex};
 
 use pdkv_engine::connector::{
-    ConnectorMeta, ConnectorRequest, ExternalMatch, FinishedTransfers, KvCacheSpec, KvConnector,
-    LoadFailurePolicy, Waker,
+    Allocated, ConnectorMeta, ConnectorRequest, ExternalMatch, FinishedTransfers, KvCacheSpec,
+    KvConnector, LoadFailurePolicy, Waker,
 };
 use pdkv_engine::scheduler::{NewRequest, Scheduler, SchedulerConfig, SchedulerOutput};
 use pdkv_engine::FinishReason;
@@ -78,16 +78,14 @@ impl KvConnector for Scripted {
             ExternalMatch::default()
         }
     }
-    fn update_state_after_alloc(
-        &mut self,
-        req: ConnectorRequest<'_>,
-        blocks: &[u32],
-        computed: usize,
-        ext: usize,
-    ) {
+    fn update_state_after_alloc(&mut self, req: ConnectorRequest<'_>, a: Allocated<'_>) {
         let mut s = self.0.lock().unwrap();
-        s.allocs
-            .push((req.id.to_string(), blocks.to_vec(), computed, ext));
+        s.allocs.push((
+            req.id.to_string(),
+            a.block_ids.to_vec(),
+            a.num_computed_tokens,
+            a.num_external_tokens,
+        ));
         s.loading.insert(req.id.to_string());
     }
     fn build_connector_meta(&mut self) -> ConnectorMeta {

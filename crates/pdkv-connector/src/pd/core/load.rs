@@ -6,7 +6,7 @@ use std::ops::Range;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use pdkv_engine::connector::ConnectorRequest;
+use pdkv_engine::connector::{Allocated, ConnectorRequest};
 
 use super::io::{Io, Op, CONTROL_IO};
 use super::state::{load_error, PdCore};
@@ -16,13 +16,12 @@ use crate::recv::{self, BootInfo, LoadEnd, LoadId, LoadSpec, PullResult};
 use crate::wire::{FailCode, Failure, HandshakeInfo, Message, Pull, PullRank};
 
 impl PdCore {
-    pub fn update_state_after_alloc(
-        &mut self,
-        req: ConnectorRequest<'_>,
-        block_ids: &[u32],
-        num_computed_tokens: usize,
-        num_external_tokens: usize,
-    ) {
+    pub fn update_state_after_alloc(&mut self, req: ConnectorRequest<'_>, alloc: Allocated<'_>) {
+        let Allocated {
+            block_ids,
+            num_computed_tokens,
+            num_external_tokens,
+        } = alloc;
         let Some((params, prompt_len)) = self.pending.remove(req.id) else {
             return;
         };

@@ -5,7 +5,7 @@ use super::*;
 use std::sync::Arc;
 use std::time::Instant;
 
-use pdkv_engine::connector::{ConnectorRequest, ExternalMatch, KvCacheSpec};
+use pdkv_engine::connector::{Allocated, ConnectorRequest, ExternalMatch, KvCacheSpec};
 use pdkv_engine::FinishReason;
 use pdkv_transfer::{Registration, Registry};
 
@@ -75,7 +75,7 @@ fn start_load(c: &mut PdCore, now: Instant) -> Arc<str> {
     let params = from_p0("t1");
     let req = || creq(&id, &toks, &params);
     c.get_num_new_matched_tokens(now, req(), 0);
-    c.update_state_after_alloc(req(), &[1, 2, 3], 0, 3 * BS);
+    c.update_state_after_alloc(req(), Allocated::new(&[1, 2, 3], 0, 3 * BS));
     let loads = c.take_new_loads();
     c.start_load_kv(now, loads);
     id
@@ -98,7 +98,7 @@ fn d_loads_only_the_blocks_past_its_local_prefix_and_a_release_waits_for_the_loa
             load_async: true
         }
     );
-    c.update_state_after_alloc(req(), &[4, 5, 6, 7], BS, 2 * BS);
+    c.update_state_after_alloc(req(), Allocated::new(&[4, 5, 6, 7], BS, 2 * BS));
     assert_eq!(c.take_new_loads(), vec![id.clone()]);
     let load = c.recv_machine().load_of("r1").expect("decided");
     let spec = c.recv_machine().spec(load).unwrap();
@@ -183,7 +183,7 @@ fn a_request_that_ends_before_its_load_is_decided_or_started_tells_p_and_holds_n
     // r2 and r3 decided; r2 ends before the step started its load.
     for (id, params, blocks) in [(&r2, &pb, [1, 2, 3]), (&r3, &pc, [4, 5, 6])] {
         d.get_num_new_matched_tokens(t0, req(id, params), 0);
-        d.update_state_after_alloc(req(id, params), &blocks, 0, 3 * BS);
+        d.update_state_after_alloc(req(id, params), Allocated::new(&blocks, 0, 3 * BS));
     }
     let (freed, _) = d.request_finished(t0, req(&r2, &pb), &[1, 2, 3], FinishReason::Abort);
     assert!(!freed, "a load never started holds nothing");

@@ -24,9 +24,11 @@ use std::time::{Duration, Instant};
 
 use pdkv_connector::params;
 use pdkv_connector::wire::{self, Message};
-use pdkv_engine::connector::{ConnectorRequest, FinishedTransfers, KvCacheSpec, MetricsReader};
+use pdkv_engine::connector::{
+    Allocated, ConnectorRequest, FinishedTransfers, KvCacheSpec, MetricsReader,
+};
 use pdkv_engine::{
-    Engine, EngineConfig, EngineHandle, EngineRequest, FinishReason, KvConnector, RequestOutput,
+    EngineConfig, EngineHandle, EngineRequest, FinishReason, KvConnector, RequestOutput,
     RequestStream, SamplingParams,
 };
 use pdkv_model::Arch;
@@ -39,24 +41,7 @@ use serde_json::{json, Value};
 /// Bound on engine waits that only depend on the engines making progress.
 pub const WAIT: Duration = Duration::from_secs(60);
 
-/// A running engine and the directory of its checkpoint; shut down on drop.
-pub struct Started {
-    pub handle: EngineHandle,
-    _dir: tempfile::TempDir,
-}
-
-impl Started {
-    /// The checkpoint the engine loaded (for weight reloads).
-    pub fn checkpoint(&self) -> &std::path::Path {
-        self._dir.path()
-    }
-}
-
-impl Drop for Started {
-    fn drop(&mut self) {
-        self.handle.shutdown();
-    }
-}
+pub use pdkv_testkit::engine::{prompt, Started};
 
 /// The tests' engine configuration: 8 sequences, 256 tokens a step, 64 KV
 /// blocks, prefix caching on, sleep mode off. Tests change fields with
@@ -92,12 +77,7 @@ pub fn start_on(
     connector: Option<Box<dyn KvConnector>>,
     config: EngineConfig,
 ) -> anyhow::Result<Started> {
-    let dir = tempfile::tempdir()?;
-    pdkv_model::init::write_random_checkpoint(arch, "tiny", 7, dir.path())?;
-    let pool = Pool::default();
-    let model = pdkv_model::load_model(dir.path(), &pool, &mut |_| {})?;
-    let handle = Engine::start_with_connector(model, pool, config, connector)?;
-    Ok(Started { handle, _dir: dir })
+    pdkv_testkit::engine::start(arch, connector, config)
 }
 
 /// A prefill engine: a producer connector with `extra` fields, [`config`].
@@ -123,13 +103,6 @@ pub fn producer(extra: &str) -> String {
 /// A P/D consumer connector configuration with `extra` fields (`,"k":v...`).
 pub fn consumer(extra: &str) -> String {
     format!(r#"{{"kv_connector":"pdkv","kv_role":"kv_consumer"{extra}}}"#)
-}
-
-/// A deterministic prompt of `len` token ids below 500.
-pub fn prompt(seed: u64, len: usize) -> Vec<u32> {
-    (0..len as u64)
-        .map(|i| (pdkv_engine::sampling::splitmix64(seed.wrapping_mul(1_000_003) ^ i) % 500) as u32)
-        .collect()
 }
 
 /// Four prompts with shared prefixes (the second and third start like the
@@ -584,7 +557,10 @@ pub fn decide_load(
         d.c.get_num_new_matched_tokens(req(&id, &prompt, params), computed);
     assert!(m.load_async);
     assert_eq!(m.num_tokens, len - 1 - computed);
-    d.c.update_state_after_alloc(req(&id, &prompt, params), d_blocks, computed, m.num_tokens);
+    d.c.update_state_after_alloc(
+        req(&id, &prompt, params),
+        Allocated::new(d_blocks, computed, m.num_tokens),
+    );
     m.num_tokens
 }
 

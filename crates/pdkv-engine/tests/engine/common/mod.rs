@@ -6,39 +6,15 @@
 use std::time::Duration;
 
 use pdkv_engine::{
-    Engine, EngineConfig, EngineHandle, EngineRequest, EngineStats, FinishReason, KvConnector,
+    EngineConfig, EngineHandle, EngineRequest, EngineStats, FinishReason, KvConnector,
     RequestStream, SamplingParams,
 };
 use pdkv_model::Arch;
-use pdkv_vmem::Pool;
 
 /// Longest any test waits for the engine.
 pub const WAIT: Duration = Duration::from_secs(60);
 
-pub struct TestEngine {
-    pub handle: EngineHandle,
-    _dir: tempfile::TempDir,
-}
-
-impl std::ops::Deref for TestEngine {
-    type Target = EngineHandle;
-    fn deref(&self) -> &EngineHandle {
-        &self.handle
-    }
-}
-
-impl Drop for TestEngine {
-    fn drop(&mut self) {
-        self.handle.shutdown();
-    }
-}
-
-impl TestEngine {
-    /// The checkpoint the engine loaded (for weight reloads).
-    pub fn checkpoint(&self) -> &std::path::Path {
-        self._dir.path()
-    }
-}
+pub use pdkv_testkit::engine::{prompt, Started as TestEngine};
 
 /// Starts an engine on the tiny random checkpoint of `arch` (seed 7).
 pub fn start(arch: Arch, config: EngineConfig) -> TestEngine {
@@ -51,14 +27,7 @@ pub fn start_with_connector(
     config: EngineConfig,
     connector: Option<Box<dyn KvConnector>>,
 ) -> TestEngine {
-    let dir = tempfile::tempdir().expect("temp dir");
-    pdkv_model::init::write_random_checkpoint(arch, "tiny", 7, dir.path())
-        .expect("write checkpoint");
-    let pool = Pool::default();
-    let model = pdkv_model::load_model(dir.path(), &pool, &mut |_| {}).expect("load checkpoint");
-    let handle =
-        Engine::start_with_connector(model, pool, config, connector).expect("start engine");
-    TestEngine { handle, _dir: dir }
+    pdkv_testkit::engine::start(arch, connector, config).expect("start engine")
 }
 
 pub fn config(max_num_batched_tokens: usize, num_kv_blocks: usize) -> EngineConfig {
@@ -70,13 +39,6 @@ pub fn config(max_num_batched_tokens: usize, num_kv_blocks: usize) -> EngineConf
         max_model_len: None,
         ..EngineConfig::default()
     }
-}
-
-/// Deterministic prompt tokens below the special tokens.
-pub fn prompt(seed: u64, len: usize) -> Vec<u32> {
-    (0..len as u64)
-        .map(|i| (pdkv_engine::sampling::splitmix64(seed.wrapping_mul(1_000_003) ^ i) % 500) as u32)
-        .collect()
 }
 
 pub fn greedy(max_tokens: u32) -> SamplingParams {
