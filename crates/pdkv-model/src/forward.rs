@@ -17,7 +17,7 @@ use crate::profile::{self, mark, Op};
 use crate::qkernels::{self, QActs, QLinear, QType};
 use crate::team;
 use crate::tp::rank::RankTp;
-use crate::weights::{LayerWeights, Mat, Weights};
+use crate::weights::{LayerWeights, Mat, TensorRef, Weights};
 pub use crate::workspace::Workspace;
 use crate::workspace::{AttnMerge, AttnTask, Bufs, Dims, TokenMeta, TpBufs};
 use crate::{Arch, ModelConfig, BLOCK_SIZE};
@@ -410,25 +410,14 @@ impl Model {
     ) -> anyhow::Result<()> {
         let cfg = &self.config;
         let w = &self.weights;
-        let (hidden, hd, eps) = (cfg.hidden_size, cfg.head_dim, cfg.rms_norm_eps);
+        let (hd, eps) = (cfg.head_dim, cfg.rms_norm_eps);
         let (q_dim, kv_dim) = (cfg.q_dim(), cfg.kv_dim());
         let t_all = step.tokens.len();
-        let int8 = self.int8_activations;
 
-        let attn_norm = w.get(&lw.attn_norm);
-        {
-            let x = &*b.x;
-            for_rows(b.h, hidden, |i, h| {
-                kernels::rmsnorm(&x[i * hidden..(i + 1) * hidden], attn_norm, eps, h)
-            });
-        }
-        mark(Op::Norm);
-        project(
-            int8,
+        self.block_in(
+            (b.x, b.h, t_all),
             qa,
-            b.h,
-            t_all,
-            hidden,
+            &lw.attn_norm,
             [
                 (w.mat(&lw.wq), q_dim, &mut *b.q),
                 (w.mat(&lw.wk), kv_dim, &mut *b.k),
@@ -461,6 +450,25 @@ impl Model {
             (qa, tpb),
             (li, "the attention output", "o_proj"),
         )
+    }
+
+    /// A block's start: each of the `t` rows of the residual stream `x`
+    /// under RMSNorm with the weight `norm` (into `h`), projected by every
+    /// matrix of `outs` (`n` features each).
+    fn block_in<const N: usize>(
+        &self,
+        (x, h, t): (&[f32], &mut [f32], usize),
+        qa: &mut QActs,
+        norm: &TensorRef,
+        outs: [(Mat<'_>, usize, &mut [f32]); N],
+    ) {
+        let (hidden, eps) = (self.config.hidden_size, self.config.rms_norm_eps);
+        let norm = self.weights.get(norm);
+        for_rows(h, hidden, |i, h| {
+            kernels::rmsnorm(&x[i * hidden..(i + 1) * hidden], norm, eps, h)
+        });
+        mark(Op::Norm);
+        project(self.int8_activations, qa, h, t, hidden, outs);
     }
 
     /// A block's end: its output (`[t, k]` as this rank computed it)
@@ -510,24 +518,13 @@ impl Model {
     ) -> anyhow::Result<()> {
         let cfg = &self.config;
         let w = &self.weights;
-        let (hidden, eps, inter) = (cfg.hidden_size, cfg.rms_norm_eps, cfg.intermediate_size);
+        let inter = cfg.intermediate_size;
         let t_all = step.tokens.len();
-        let int8 = self.int8_activations;
 
-        let ffn_norm = w.get(&lw.ffn_norm);
-        {
-            let x = &*b.x;
-            for_rows(b.h, hidden, |i, h| {
-                kernels::rmsnorm(&x[i * hidden..(i + 1) * hidden], ffn_norm, eps, h)
-            });
-        }
-        mark(Op::Norm);
-        project(
-            int8,
+        self.block_in(
+            (b.x, b.h, t_all),
             qa,
-            b.h,
-            t_all,
-            hidden,
+            &lw.ffn_norm,
             [
                 (w.mat(&lw.w_gate), inter, &mut *b.gate),
                 (w.mat(&lw.w_up), inter, &mut *b.up),

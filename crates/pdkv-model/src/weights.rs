@@ -96,6 +96,25 @@ pub struct LayerWeights {
     pub w_down: TensorRef,
 }
 
+impl LayerWeights {
+    /// The layer's tensors (Qwen3's head norms when it has them).
+    pub fn tensors(&self) -> impl Iterator<Item = &TensorRef> {
+        [
+            &self.attn_norm,
+            &self.wq,
+            &self.wk,
+            &self.wv,
+            &self.wo,
+            &self.ffn_norm,
+            &self.w_gate,
+            &self.w_up,
+            &self.w_down,
+        ]
+        .into_iter()
+        .chain([&self.q_norm, &self.k_norm].into_iter().flatten())
+    }
+}
+
 #[derive(Clone, Debug)]
 pub struct Weights {
     pub region: Arc<Region>,
@@ -254,74 +273,31 @@ impl Weights {
     /// Every tensor, for comparisons of layouts.
     pub fn tensors_by_offset(&self) -> Vec<&TensorRef> {
         let mut v = vec![&self.embed, &self.final_norm, &self.lm_head];
-        for l in &self.layers {
-            v.extend([
-                &l.attn_norm,
-                &l.wq,
-                &l.wk,
-                &l.wv,
-                &l.wo,
-                &l.ffn_norm,
-                &l.w_gate,
-                &l.w_up,
-                &l.w_down,
-            ]);
-            v.extend([&l.q_norm, &l.k_norm].into_iter().flatten());
-        }
+        v.extend(self.layers.iter().flat_map(LayerWeights::tensors));
         v.sort_by_key(|t| t.offset);
         v
     }
 
     /// Bytes of all weights in the region (what a level-1 sleep backs up).
     pub fn bytes_total(&self) -> usize {
-        let mut n = self.embed.bytes() + self.final_norm.bytes();
-        if self.lm_head != self.embed {
-            n += self.lm_head.bytes();
-        }
-        for l in &self.layers {
-            for t in [
-                &l.attn_norm,
-                &l.wq,
-                &l.wk,
-                &l.wv,
-                &l.wo,
-                &l.ffn_norm,
-                &l.w_gate,
-                &l.w_up,
-                &l.w_down,
-            ] {
-                n += t.bytes();
-            }
-            for t in [&l.q_norm, &l.k_norm].into_iter().flatten() {
-                n += t.bytes();
-            }
-        }
-        n
+        let head = if self.lm_head != self.embed {
+            self.lm_head.bytes()
+        } else {
+            0
+        };
+        self.embed.bytes() + head + self.final_norm.bytes() + self.layer_bytes()
     }
 
     /// Bytes of weights that one decode step reads (each tensor once; the
     /// embedding table is read only as the LM head).
     pub fn bytes_read_per_token(&self) -> usize {
-        let mut n = self.lm_head.bytes() + self.final_norm.bytes();
-        for l in &self.layers {
-            for t in [
-                &l.attn_norm,
-                &l.wq,
-                &l.wk,
-                &l.wv,
-                &l.wo,
-                &l.ffn_norm,
-                &l.w_gate,
-                &l.w_up,
-                &l.w_down,
-            ] {
-                n += t.bytes();
-            }
-            for t in [&l.q_norm, &l.k_norm].into_iter().flatten() {
-                n += t.bytes();
-            }
-        }
-        n
+        self.lm_head.bytes() + self.final_norm.bytes() + self.layer_bytes()
+    }
+
+    /// Bytes of every layer's tensors.
+    fn layer_bytes(&self) -> usize {
+        let tensors = self.layers.iter().flat_map(LayerWeights::tensors);
+        tensors.map(TensorRef::bytes).sum()
     }
 }
 

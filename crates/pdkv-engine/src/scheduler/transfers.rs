@@ -104,15 +104,14 @@ impl Scheduler {
             .find_map(|b| errors.get(b).cloned())
     }
 
-    /// A loaded (or failed) request goes back to the front of the waiting
-    /// queue, holding its blocks; the `fail` policy ends a failed one.
-    fn end_load(
+    /// Takes a loading request off the loading list: `None` when it is not
+    /// loading, else its load's error (if any).
+    fn stop_loading(
         &mut self,
         id: &Arc<str>,
         errors: &HashMap<u32, LoadError>,
-        policy: LoadFailurePolicy,
-    ) -> Option<FailedLoad> {
-        let req = self.requests.get_mut(id)?;
+    ) -> Option<Option<LoadError>> {
+        let req = self.requests.get(id)?;
         if req.status != Status::WaitingForRemoteKv {
             return None;
         }
@@ -123,6 +122,29 @@ impl Scheduler {
             .position(|w| w == id)
             .expect("loading request is listed");
         self.loading.remove(pos);
+        Some(error)
+    }
+
+    /// Ends a request whose load failed, under the `fail` policy.
+    fn fail_load(&mut self, id: &Arc<str>, e: LoadError) -> Option<FailedLoad> {
+        self.finish_request(id, FinishReason::Error);
+        Some(FailedLoad {
+            request_id: id.clone(),
+            error: e.message,
+            timed_out: e.timed_out,
+        })
+    }
+
+    /// A loaded (or failed) request goes back to the front of the waiting
+    /// queue, holding its blocks; the `fail` policy ends a failed one.
+    fn end_load(
+        &mut self,
+        id: &Arc<str>,
+        errors: &HashMap<u32, LoadError>,
+        policy: LoadFailurePolicy,
+    ) -> Option<FailedLoad> {
+        let error = self.stop_loading(id, errors)?;
+        let req = self.requests.get_mut(id).expect("a loading request exists");
         let loaded = std::mem::take(&mut req.num_loading_tokens);
         req.status = Status::Waiting;
         self.waiting.push_front(id.clone());
@@ -137,12 +159,7 @@ impl Scheduler {
             }
             Some(e) => {
                 tracing::warn!(id = %id, error = %e.message, "external KV failed to load; failing the request");
-                self.finish_request(id, FinishReason::Error);
-                Some(FailedLoad {
-                    request_id: id.clone(),
-                    error: e.message,
-                    timed_out: e.timed_out,
-                })
+                self.fail_load(id, e)
             }
         }
     }
@@ -170,29 +187,15 @@ impl Scheduler {
         errors: &HashMap<u32, LoadError>,
         policy: LoadFailurePolicy,
     ) -> Option<FailedLoad> {
-        let req = self.requests.get_mut(id)?;
-        if req.status != Status::WaitingForRemoteKv {
-            return None;
-        }
-        let error = Self::load_error(req, errors)
+        let error = self
+            .stop_loading(id, errors)?
             .unwrap_or_else(|| LoadError::failed("the KV load was given up"));
-        let pos = self
-            .loading
-            .iter()
-            .position(|w| w == id)
-            .expect("loading request is listed");
-        self.loading.remove(pos);
         self.requeue_from_scratch(id);
         if error.recompute || policy == LoadFailurePolicy::Recompute {
             tracing::warn!(id = %id, error = %error.message, "external KV load given up; recomputing the prompt");
             return None;
         }
         tracing::warn!(id = %id, error = %error.message, "external KV load given up; failing the request");
-        self.finish_request(id, FinishReason::Error);
-        Some(FailedLoad {
-            request_id: id.clone(),
-            error: error.message,
-            timed_out: error.timed_out,
-        })
+        self.fail_load(id, error)
     }
 }
