@@ -17,7 +17,7 @@
 
 use std::sync::OnceLock;
 
-use crate::dispatch::{for_each_job_of, SendConstPtr, SendPtr};
+use crate::dispatch::{check_shapes, for_each_job_of, SendConstPtr, SendPtr};
 use crate::kernels::BlockLinear;
 use crate::qtype::QType;
 
@@ -71,13 +71,6 @@ pub fn round_rows(x: &[f32], out: &mut Vec<u16>) {
 pub fn matmul_many(x: &[u16], m: usize, k: usize, outs: &mut [BlockLinear<'_>]) {
     assert!(available(), "bf16 dot products need a CPU with AVX512_BF16");
     assert!(
-        x.len() >= m * k,
-        "x has {} values, need {}x{}",
-        x.len(),
-        m,
-        k
-    );
-    assert!(
         k.is_multiple_of(STEP),
         "rows of {k} values are not whole {STEP}-value steps"
     );
@@ -87,20 +80,11 @@ pub fn matmul_many(x: &[u16], m: usize, k: usize, outs: &mut [BlockLinear<'_>]) 
             QType::BF16,
             "only BF16 matrices take bf16 dot products"
         );
-        assert!(
-            o.w.len() >= o.n * k * 2,
-            "w has {} bytes, need {} rows of {k} bf16",
-            o.w.len(),
-            o.n
-        );
-        assert!(
-            o.y.len() >= m * o.n,
-            "y has {} floats, need {}x{}",
-            o.y.len(),
-            m,
-            o.n
-        );
     }
+    let shapes = outs
+        .iter()
+        .map(|o| (o.w.len(), o.n * k * 2, o.y.len(), o.n));
+    check_shapes((x.len(), m, k), "bytes", shapes);
     if m == 0 {
         return;
     }

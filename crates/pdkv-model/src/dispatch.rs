@@ -140,6 +140,25 @@ pub(crate) fn for_each_job_of<T, P: Copy + Sync>(
     }
 }
 
+/// The shapes every batched matmul checks before it splits the work:
+/// `x` (`x_len` values) holds `m` rows of `k`, and each output's matrix
+/// holds its `n` rows (`w_len` of the `w_need` bytes or values, counted in
+/// `unit`) and its `y` (`y_len` floats) `m` rows of `n`. Panics otherwise.
+pub(crate) fn check_shapes(
+    (x_len, m, k): (usize, usize, usize),
+    unit: &str,
+    outs: impl Iterator<Item = (usize, usize, usize, usize)>,
+) {
+    assert!(x_len >= m * k, "x has {x_len} values, need {m}x{k}");
+    for (w_len, w_need, y_len, n) in outs {
+        assert!(
+            w_len >= w_need,
+            "w has {w_len} {unit}, need {w_need} ({n} rows of {k} values)"
+        );
+        assert!(y_len >= m * n, "y has {y_len} floats, need {m}x{n}");
+    }
+}
+
 /// Jobs per thread and matrix of [`for_each_job`]: a few, so that a thread
 /// slowed down is made up for (measured at decode batch 1: 4 and 2 alike,
 /// 1 slower).

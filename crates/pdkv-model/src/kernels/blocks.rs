@@ -5,7 +5,7 @@
 //! multiplied at once.
 
 use super::matmul::{run_job, Job, NR, W_L1_BYTES};
-use crate::dispatch::{backend, for_each_job_of, Backend, SendConstPtr, SendPtr};
+use crate::dispatch::{backend, check_shapes, for_each_job_of, Backend, SendConstPtr, SendPtr};
 use crate::qtype::{QType, QK};
 
 /// One weight matrix in a GGUF block format applied to f32 activations.
@@ -35,31 +35,13 @@ pub fn matmul_blocks_many_with(
     outs: &mut [BlockLinear<'_>],
 ) {
     assert!(
-        x.len() >= m * k,
-        "x has {} floats, need {}x{}",
-        x.len(),
-        m,
-        k
-    );
-    assert!(
         k.is_multiple_of(QK),
         "rows of {k} values are not whole 32-value blocks"
     );
-    for o in outs.iter() {
-        assert!(
-            o.w.len() >= o.n * o.ty.row_bytes(k),
-            "w has {} bytes, need {} rows",
-            o.w.len(),
-            o.n
-        );
-        assert!(
-            o.y.len() >= m * o.n,
-            "y has {} floats, need {}x{}",
-            o.y.len(),
-            m,
-            o.n
-        );
-    }
+    let shapes = outs
+        .iter()
+        .map(|o| (o.w.len(), o.n * o.ty.row_bytes(k), o.y.len(), o.n));
+    check_shapes((x.len(), m, k), "bytes", shapes);
     if m == 0 {
         return;
     }

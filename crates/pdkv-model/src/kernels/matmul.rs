@@ -3,7 +3,7 @@
 //! element (see the invariant in [`crate::kernels`]). Its tiles, horizontal
 //! sum and dot product are the arithmetic the other kernels reproduce.
 
-use crate::dispatch::{backend, for_each_job_of, Backend, SendConstPtr, SendPtr};
+use crate::dispatch::{backend, check_shapes, for_each_job_of, Backend, SendConstPtr, SendPtr};
 
 /// Activation rows per register tile.
 const MR: usize = 4;
@@ -34,29 +34,8 @@ pub fn matmul_many(x: &[f32], m: usize, k: usize, outs: &mut [Linear<'_>]) {
 
 /// [`matmul_many`] with an explicit backend (tests exercise both).
 pub fn matmul_many_with(be: Backend, x: &[f32], m: usize, k: usize, outs: &mut [Linear<'_>]) {
-    assert!(
-        x.len() >= m * k,
-        "x has {} floats, need {}x{}",
-        x.len(),
-        m,
-        k
-    );
-    for o in outs.iter() {
-        assert!(
-            o.w.len() >= o.n * k,
-            "w has {} floats, need {}x{}",
-            o.w.len(),
-            o.n,
-            k
-        );
-        assert!(
-            o.y.len() >= m * o.n,
-            "y has {} floats, need {}x{}",
-            o.y.len(),
-            m,
-            o.n
-        );
-    }
+    let shapes = outs.iter().map(|o| (o.w.len(), o.n * k, o.y.len(), o.n));
+    check_shapes((x.len(), m, k), "floats", shapes);
     if m == 0 || k == 0 {
         for o in outs.iter_mut() {
             o.y[..m * o.n].fill(0.0);
@@ -151,6 +130,24 @@ fn for_each_tile(m: usize, k: usize, job: &Job, mut tile: impl FnMut(usize, usiz
     }
 }
 
+/// A job's body in a flavour module: every tile of the job (in
+/// [`for_each_tile`]'s order) through the module's micro-kernel `$kernel`,
+/// `$x` being `$m` activation rows of `$k` floats.
+macro_rules! run_tiles {
+    ($kernel:ident, $x:ident, $m:ident, $k:ident, $job:ident) => {
+        let (w, y, n) = ($job.w, $job.y.0, $job.n);
+        for_each_tile($m, $k, $job, |mr, nr, r, j| {
+            // SAFETY: the tile lies inside the job's rows and columns.
+            unsafe {
+                let xt = $x.add(r * $k);
+                let wt = w.add(j * $k);
+                let yt = y.add(r * n + j);
+                dispatch_tile!($kernel, mr, nr, xt, wt, $k, yt, n)
+            }
+        })
+    };
+}
+
 /// Dispatches a runtime tile shape to a monomorphised micro-kernel.
 macro_rules! dispatch_tile {
     ($kernel:ident, $mr:expr, $nr:expr, $($arg:expr),*) => {
@@ -180,16 +177,7 @@ pub(crate) mod avx2 {
 
     #[target_feature(enable = "avx2,fma")]
     pub(super) unsafe fn run_job(x: *const f32, m: usize, k: usize, job: &Job) {
-        let (w, y, n) = (job.w, job.y.0, job.n);
-        for_each_tile(m, k, job, |mr, nr, r, j| {
-            // SAFETY: the tile lies inside the job's rows and columns.
-            unsafe {
-                let xt = x.add(r * k);
-                let wt = w.add(j * k);
-                let yt = y.add(r * n + j);
-                dispatch_tile!(tile, mr, nr, xt, wt, k, yt, n)
-            }
-        });
+        run_tiles!(tile, x, m, k, job);
     }
 
     /// Fixed-order horizontal sum of 8 lanes: (i + i+4), then (+2), then (+1).
@@ -286,16 +274,7 @@ pub(super) mod portable {
     use crate::kernels::elem::KvElem;
 
     pub(super) unsafe fn run_job(x: *const f32, m: usize, k: usize, job: &Job) {
-        let (w, y, n) = (job.w, job.y.0, job.n);
-        for_each_tile(m, k, job, |mr, nr, r, j| {
-            // SAFETY: the tile lies inside the job's rows and columns.
-            unsafe {
-                let xt = x.add(r * k);
-                let wt = w.add(j * k);
-                let yt = y.add(r * n + j);
-                dispatch_tile!(tile, mr, nr, xt, wt, k, yt, n)
-            }
-        });
+        run_tiles!(tile, x, m, k, job);
     }
 
     /// The same fixed horizontal order as the AVX2 flavour.

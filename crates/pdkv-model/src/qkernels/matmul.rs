@@ -9,7 +9,7 @@ use super::job::{Job, Scratch, NR};
 use super::portable;
 #[cfg(target_arch = "x86_64")]
 use super::simd;
-use crate::dispatch::{for_each_job_of, Backend, SendConstPtr, SendPtr};
+use crate::dispatch::{check_shapes, for_each_job_of, Backend, SendConstPtr, SendPtr};
 use crate::qtype::QType;
 
 /// One quantised weight matrix `[n, k]` (rows of `ty.row_bytes(k)` bytes, GGUF block layout) and its output `[m, n]`.
@@ -42,24 +42,11 @@ pub(super) fn run_many(fl: Flavour, x: &QActs, outs: &mut [QLinear<'_>]) {
             o.ty,
             o.ty.block_values()
         );
-        let rb = o.ty.row_bytes(k);
-        assert!(
-            o.w.len() >= o.n * rb,
-            "w has {} bytes, need {} rows of {} ({:?}, k = {})",
-            o.w.len(),
-            o.n,
-            rb,
-            o.ty,
-            k
-        );
-        assert!(
-            o.y.len() >= m * o.n,
-            "y has {} floats, need {}x{}",
-            o.y.len(),
-            m,
-            o.n
-        );
     }
+    let shapes = outs
+        .iter()
+        .map(|o| (o.w.len(), o.n * o.ty.row_bytes(k), o.y.len(), o.n));
+    check_shapes((m * k, m, k), "bytes", shapes);
     assert!(has(fl), "{fl:?} is not available on this CPU");
     assert!(
         x.interleaved() || (fl != Flavour::Portable && m <= DIRECT_MAX),
