@@ -779,6 +779,18 @@ mod tests {
         Instant::now() + Duration::from_secs(60)
     }
 
+    /// Resumes `m`, which has one pending operation: the resume itself
+    /// does nothing else, and the pending one is cancelled.
+    fn resume_cancels_one(m: &mut Machine) {
+        let (out, cancelled) = m.resume();
+        assert_eq!(out, ok(vec![]));
+        assert_eq!(cancelled.len(), 1);
+        assert!(matches!(
+            cancelled[0].outcome.reply,
+            Some(Err(LifecycleError::Cancelled(_)))
+        ));
+    }
+
     fn ok(actions: Vec<Action>) -> Outcome {
         Outcome::done(actions)
     }
@@ -852,13 +864,7 @@ mod tests {
     fn resume_cancels_pending_operations() {
         let mut m = Machine::new();
         m.sleep(SleepLevel::L1, PauseMode::Wait, 3, later(), true);
-        let (out, cancelled) = m.resume();
-        assert_eq!(out, ok(vec![]));
-        assert_eq!(cancelled.len(), 1);
-        assert!(matches!(
-            cancelled[0].outcome.reply,
-            Some(Err(LifecycleError::Cancelled(_)))
-        ));
+        resume_cancels_one(&mut m);
         assert!(m.poll(false, Instant::now()).is_empty());
         assert_eq!(
             m.status().sleeping,
@@ -1156,13 +1162,7 @@ mod tests {
         let mut m = Machine::new();
         m.set_transfers(true);
         m.sleep(SleepLevel::L1, PauseMode::Keep, 4, later(), true);
-        let (out, cancelled) = m.resume();
-        assert_eq!(out, ok(vec![]));
-        assert_eq!(cancelled.len(), 1);
-        assert!(matches!(
-            cancelled[0].outcome.reply,
-            Some(Err(LifecycleError::Cancelled(_)))
-        ));
+        resume_cancels_one(&mut m);
         assert!(m.may_step());
     }
 

@@ -35,7 +35,20 @@ pub enum QType {
 }
 
 impl QType {
-    /// Every block format, for tests and dispatch tables.
+    /// Every integer block format (what the int8 kernels read).
+    pub const INT: [QType; 8] = [
+        QType::Q8_0,
+        QType::Q4_0,
+        QType::Q4_1,
+        QType::Q5_0,
+        QType::Q5_1,
+        QType::Q4_K,
+        QType::Q5_K,
+        QType::Q6_K,
+    ];
+
+    /// The 32-value block formats, in the order of [`QType::INT`] (for
+    /// tests and dispatch tables).
     pub const ALL: [QType; 5] = [
         QType::Q8_0,
         QType::Q4_0,

@@ -22,8 +22,10 @@ pub enum Body {
     GenerateSampling,
 }
 
-/// The sampling fields both OpenAI endpoints' structs read.
-const SAMPLING: &[&str] = &[
+/// The sampling fields every generation endpoint reads (the OpenAI
+/// endpoints at the top level, `/inference/v1/generate` in
+/// `sampling_params`).
+const BASIC_SAMPLING: &[&str] = &[
     "temperature",
     "top_p",
     "top_k",
@@ -34,6 +36,10 @@ const SAMPLING: &[&str] = &[
     "include_stop_str_in_output",
     "allowed_token_ids",
     "ignore_eos",
+];
+
+/// The other sampling fields both OpenAI endpoints' structs read.
+const SAMPLING: &[&str] = &[
     "truncate_prompt_tokens",
     "cache_salt",
     "add_special_tokens",
@@ -111,19 +117,10 @@ const GENERATE: &[&str] = &[
     "features",
 ];
 
+/// `sampling_params`' fields beyond [`BASIC_SAMPLING`].
 const GENERATE_SAMPLING: &[&str] = &[
     "n",
     "max_tokens",
-    "temperature",
-    "top_p",
-    "top_k",
-    "min_p",
-    "seed",
-    "stop",
-    "stop_token_ids",
-    "include_stop_str_in_output",
-    "allowed_token_ids",
-    "ignore_eos",
     "min_tokens",
     "logprobs",
     "prompt_logprobs",
@@ -234,12 +231,13 @@ fn is_anything(_: &Value) -> bool {
     true
 }
 
-fn accepted(body: Body) -> (&'static [&'static str], &'static [&'static str]) {
+/// The lists of the fields `body` reads.
+fn accepted(body: Body) -> [&'static [&'static str]; 3] {
     match body {
-        Body::Completions => (COMPLETIONS, SAMPLING),
-        Body::Chat => (CHAT, SAMPLING),
-        Body::Generate => (GENERATE, &[]),
-        Body::GenerateSampling => (GENERATE_SAMPLING, &[]),
+        Body::Completions => [COMPLETIONS, BASIC_SAMPLING, SAMPLING],
+        Body::Chat => [CHAT, BASIC_SAMPLING, SAMPLING],
+        Body::Generate => [GENERATE, &[], &[]],
+        Body::GenerateSampling => [GENERATE_SAMPLING, BASIC_SAMPLING, &[]],
     }
 }
 
@@ -253,9 +251,9 @@ pub fn screen(
     prefix: &str,
     metrics: &Metrics,
 ) -> Result<(), ApiError> {
-    let (own, sampling) = accepted(body);
+    let lists = accepted(body);
     for (k, v) in obj {
-        if own.contains(&k.as_str()) || sampling.contains(&k.as_str()) {
+        if lists.iter().any(|l| l.contains(&k.as_str())) {
             continue;
         }
         if let Some((_, ok, why)) = REFUSED.iter().find(|(name, _, _)| name == k) {

@@ -868,6 +868,21 @@ impl Served<'_> {
         Ok(Some(h))
     }
 
+    /// The registration range `target` names, if its key and epoch hold:
+    /// an accepted access proves the connection.
+    fn access(&self, target: &Target) -> Result<Access, AccessError> {
+        let Target {
+            segment,
+            key,
+            epoch,
+            offset,
+            len,
+        } = *target;
+        let a = self.registry.access(segment, key, epoch, offset, len)?;
+        self.slot.prove();
+        Ok(a)
+    }
+
     /// A write: its data lands in the registration, or is drained when the
     /// access is refused.
     async fn write(
@@ -878,15 +893,8 @@ impl Served<'_> {
         scratch: &mut Vec<u8>,
     ) -> Result<Header, String> {
         let t = self.cfg.io_timeout;
-        let reply = match self.registry.access(
-            target.segment,
-            target.key,
-            target.epoch,
-            target.offset,
-            target.len,
-        ) {
+        let reply = match self.access(&target) {
             Ok(a) => {
-                self.slot.prove();
                 // SAFETY: a write's target range is written by this write only.
                 timed(t, r.read_exact(unsafe { a.as_mut_slice() }), "write data").await?;
                 self.stats.bytes_in.fetch_add(target.len, Ordering::Relaxed);
@@ -912,15 +920,8 @@ impl Served<'_> {
         w: &mut OwnedWriteHalf,
     ) -> Result<Option<Header>, String> {
         let (t, stats) = (self.cfg.io_timeout, self.stats);
-        match self.registry.access(
-            target.segment,
-            target.key,
-            target.epoch,
-            target.offset,
-            target.len,
-        ) {
+        match self.access(&target) {
             Ok(a) => {
-                self.slot.prove();
                 let head = Header::ReadResp {
                     op,
                     len: target.len as u32,

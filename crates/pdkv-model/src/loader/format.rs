@@ -32,19 +32,10 @@ impl std::str::FromStr for WeightFormat {
         if s == "auto" {
             return Ok(WeightFormat::AsStored);
         }
-        let all = [
-            QType::Q8_0,
-            QType::Q4_0,
-            QType::Q4_1,
-            QType::Q5_0,
-            QType::Q5_1,
-            QType::Q4_K,
-            QType::Q5_K,
-            QType::Q6_K,
-            QType::F16,
-            QType::BF16,
-        ]
-        .map(DType::Quant);
+        let all = QType::INT
+            .into_iter()
+            .chain([QType::F16, QType::BF16])
+            .map(DType::Quant);
         std::iter::once(DType::F32)
             .chain(all)
             .find(|d| d.name() == s.to_ascii_lowercase())

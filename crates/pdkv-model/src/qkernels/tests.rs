@@ -123,16 +123,7 @@ fn run(fl: Flavour, x: &QActs, ty: QType, w: &[u8], n: usize) -> Vec<f32> {
 
 /// Every format the kernels read: the 32-value ones and the super-block
 /// ones (which need `k` a multiple of 256: tests skip them elsewhere).
-const TYPES: [QType; 8] = [
-    QType::Q8_0,
-    QType::Q4_0,
-    QType::Q4_1,
-    QType::Q5_0,
-    QType::Q5_1,
-    QType::Q4_K,
-    QType::Q5_K,
-    QType::Q6_K,
-];
+const TYPES: [QType; 8] = QType::INT;
 
 /// Whether rows of `k` values are whole blocks of `ty`.
 fn fits(ty: QType, k: usize) -> bool {
