@@ -8,7 +8,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};
 
-use pdkv_connector::pd::core::ConnId;
+use pdkv_connector::pd::core::{ConnId, ReadIo};
 use pdkv_connector::ranks::Copy as KvCopy;
 use pdkv_connector::recv::LoadId;
 use pdkv_connector::wire::{write_failure, Destination, FailCode, Failure, Pull};
@@ -43,17 +43,6 @@ struct Read {
     parts: usize,
     got: BTreeSet<usize>,
     done: bool,
-}
-
-/// A read the connector asked for: what [`pdkv_connector::pd::core::Io::Read`]
-/// carries.
-pub struct ReadIo {
-    pub load: LoadId,
-    pub local: Vec<Registration>,
-    pub remote: Vec<Registration>,
-    pub transfer: Destination,
-    pub copies: Vec<KvCopy>,
-    pub deadline: Instant,
 }
 
 /// The writes and reads in flight (and ended: late frames find them).

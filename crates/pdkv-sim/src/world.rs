@@ -42,7 +42,7 @@ use pdkv_engine::RequestOutput;
 use crate::checker::{self, View};
 use crate::cluster::Cluster;
 use crate::ctx::{Ctx, Ev, Ix, Timed};
-use crate::kv::{ReadIo, Transfers};
+use crate::kv::Transfers;
 use crate::net::Net;
 use crate::operator::Operators;
 use crate::plan::Event;
@@ -323,24 +323,7 @@ impl World {
                 dst,
                 deadline,
             } => kv.start_write(ctx, net, cluster, ix, conn, local, copies, dst, deadline),
-            Io::Read {
-                load,
-                local,
-                remote,
-                transfer,
-                copies,
-                deadline,
-            } => {
-                let io = ReadIo {
-                    load,
-                    local,
-                    remote,
-                    transfer,
-                    copies,
-                    deadline,
-                };
-                kv.start_read(ctx, net, cluster, ix, io)
-            }
+            Io::Read(io) => kv.start_read(ctx, net, cluster, ix, io),
             Io::CancelRead { load } => kv.cancel_read(cluster, ix, load),
             Io::Fence { load, ranks } => {
                 kv.fence(ctx, net, cluster, ix, load, ranks);

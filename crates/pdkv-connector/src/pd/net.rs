@@ -23,7 +23,7 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{mpsc, Notify};
 
 use super::bootstrap;
-use super::core::{ConnId, Copy, Io, Op, PdCore, CONTROL_IO};
+use super::core::{ConnId, Copy, Io, Op, PdCore, ReadIo, CONTROL_IO};
 use super::{Driver, Shared};
 use crate::config::{KvTransferConfig, TransferMode, Transport};
 use crate::recv::LoadId;
@@ -204,18 +204,11 @@ impl Driver for NetDriver {
                 d.handle
                     .spawn(async move { exchange(&s, &secret, op, &addr, &msg, deadline).await });
             }
-            Io::Read {
-                load,
-                local,
-                remote,
-                transfer,
-                copies,
-                deadline,
-            } => {
+            Io::Read(read) => {
                 let (s, n) = (shared.clone(), d.clone());
                 d.handle.spawn(async move {
-                    let res =
-                        read_blocks(&n, load, &local, &remote, &transfer, &copies, deadline).await;
+                    let load = read.load;
+                    let res = read_blocks(&n, &read).await;
                     n.reads.lock().unwrap().remove(&load);
                     s.event(|c, now| c.on_read_result(now, load, res));
                 });
@@ -740,15 +733,16 @@ async fn importer(
 /// D reads P's blocks into its own, by `deadline`: one batch of every copy,
 /// each from P's rank's registration into this engine's rank's;
 /// cancellable through the driver's `reads` table.
-async fn read_blocks(
-    d: &Net,
-    load: LoadId,
-    local: &[Registration],
-    remote: &[Registration],
-    transfer: &Destination,
-    copies: &[Copy],
-    deadline: Instant,
-) -> Result<(), Failure> {
+async fn read_blocks(d: &Net, read: &ReadIo) -> Result<(), Failure> {
+    let ReadIo {
+        load,
+        local,
+        remote,
+        transfer,
+        copies,
+        deadline,
+    } = read;
+    let (load, deadline) = (*load, *deadline);
     let generation = remote.first().map_or(0, |r| r.epoch);
     let what = |code: FailCode, e: String| {
         Failure::new(

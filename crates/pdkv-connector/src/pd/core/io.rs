@@ -45,6 +45,20 @@ pub enum Op {
 
 pub use crate::ranks::Copy;
 
+/// D, read mode: read the peer's blocks into this engine's, by `deadline`:
+/// each copy from P's rank `remote[c.remote]` into this engine's
+/// `local[c.local]`; report with
+/// [`PdCore::on_read_result`](crate::pd::core::PdCore::on_read_result).
+#[derive(Clone, Debug, PartialEq)]
+pub struct ReadIo {
+    pub load: LoadId,
+    pub local: Vec<Registration>,
+    pub remote: Vec<Registration>,
+    pub transfer: Destination,
+    pub copies: Vec<Copy>,
+    pub deadline: Instant,
+}
+
 /// I/O for the driver. Results come back through the `on_*` methods.
 #[derive(Clone, Debug, PartialEq)]
 pub enum Io {
@@ -78,18 +92,8 @@ pub enum Io {
         msg: Message,
         deadline: Instant,
     },
-    /// D, read mode: read the peer's blocks into this engine's, by `deadline`:
-    /// each copy from P's rank `remote[c.remote]` into this engine's
-    /// `local[c.local]`; report with
-    /// [`PdCore::on_read_result`](crate::pd::core::PdCore::on_read_result).
-    Read {
-        load: LoadId,
-        local: Vec<Registration>,
-        remote: Vec<Registration>,
-        transfer: Destination,
-        copies: Vec<Copy>,
-        deadline: Instant,
-    },
+    /// D, read mode: read the peer's blocks ([`ReadIo`]).
+    Read(ReadIo),
     /// D: stop the load's read at once (its result still comes).
     CancelRead { load: LoadId },
     /// D: make sure nothing a peer still sends lands in the load's blocks: for

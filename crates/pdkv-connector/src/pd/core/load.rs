@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use pdkv_engine::connector::{Allocated, ConnectorRequest};
 
-use super::io::{Io, Op, CONTROL_IO};
+use super::io::{Io, Op, ReadIo, CONTROL_IO};
 use super::state::{load_error, PdCore};
 use crate::params::PdParams;
 use crate::ranks::RankReg;
@@ -450,14 +450,14 @@ impl PdCore {
         // that moved on since refuses the read.
         debug_assert_eq!(remote.first().map(|r| r.reg.epoch), Some(generation));
         let remote = remote.iter().map(|r| r.reg).collect();
-        self.io.push_back(Io::Read {
+        self.io.push_back(Io::Read(ReadIo {
             load,
             local: kv.regs(),
             remote,
             transfer: peer.transfer,
             copies,
             deadline,
-        });
+        }));
     }
 
     /// A load ended and nothing writes its blocks: reported in `recving`,
