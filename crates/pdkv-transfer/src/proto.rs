@@ -57,6 +57,30 @@ pub struct Transfer<L> {
     pub remote: Target,
 }
 
+/// What every transport checks of a batch before it starts it: the
+/// notification within `max_notify` bytes, and each transfer's local
+/// range as long as its remote one.
+pub(crate) fn check_batch<L: LocalRange>(
+    transfers: &[Transfer<L>],
+    notify: Option<&[u8]>,
+    max_notify: usize,
+) -> Result<(), StartError> {
+    if let Some(n) = notify.filter(|n| n.len() > max_notify) {
+        return Err(StartError::NotifyTooLarge {
+            len: n.len(),
+            limit: max_notify,
+        });
+    }
+    match (transfers.iter().enumerate()).find(|(_, t)| t.local.len() != t.remote.len) {
+        Some((index, t)) => Err(StartError::LengthMismatch {
+            index,
+            local: t.local.len(),
+            remote: t.remote.len,
+        }),
+        None => Ok(()),
+    }
+}
+
 /// Why a batch failed.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 pub enum TransferError {
@@ -263,25 +287,10 @@ impl<L: LocalRange> Initiator<L> {
         if self.batches.len() >= self.cfg.max_batches {
             return Err(StartError::TooManyBatches(self.cfg.max_batches));
         }
-        if let Some(n) = &notify {
-            if n.len() > self.cfg.max_notify {
-                return Err(StartError::NotifyTooLarge {
-                    len: n.len(),
-                    limit: self.cfg.max_notify,
-                });
-            }
-        }
-        let mut slices = 0u64;
-        for (index, t) in transfers.iter().enumerate() {
-            if t.local.len() != t.remote.len {
-                return Err(StartError::LengthMismatch {
-                    index,
-                    local: t.local.len(),
-                    remote: t.remote.len,
-                });
-            }
-            slices += t.remote.len.div_ceil(self.cfg.max_slice);
-        }
+        check_batch(&transfers, notify.as_deref(), self.cfg.max_notify)?;
+        let slices: u64 = (transfers.iter())
+            .map(|t| t.remote.len.div_ceil(self.cfg.max_slice))
+            .sum();
         if self.queue.len() as u64 + slices > self.cfg.max_queued_ops as u64 {
             return Err(StartError::TooManyOps(self.cfg.max_queued_ops));
         }

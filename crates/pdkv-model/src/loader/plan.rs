@@ -135,6 +135,16 @@ impl WeightsPlan {
         self.slots.iter().map(|s| s.dest.bytes() as u64).sum()
     }
 
+    /// A load of this plan's tensors, none done yet.
+    pub(super) fn progress(&self) -> LoadProgress {
+        LoadProgress {
+            tensors_done: 0,
+            tensors_total: self.slots.len(),
+            bytes_done: 0,
+            bytes_total: self.bytes_total(),
+        }
+    }
+
     /// Allocates the region, fills every slot with `fill(slot, dest)`, and
     /// assembles the weights.
     pub(super) fn load(
@@ -146,12 +156,7 @@ impl WeightsPlan {
         let region = pool
             .allocate(Tag::Weights, self.total_bytes)
             .context("cannot allocate the weights region")?;
-        let mut p = LoadProgress {
-            tensors_done: 0,
-            tensors_total: self.slots.len(),
-            bytes_done: 0,
-            bytes_total: self.bytes_total(),
-        };
+        let mut p = self.progress();
         for slot in &self.slots {
             // SAFETY: the layout gives every slot its own 64-byte-aligned
             // range inside the region, and no other view of the region exists

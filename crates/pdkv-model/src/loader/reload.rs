@@ -266,12 +266,7 @@ fn write_slots(
     plan: &WeightsPlan,
     progress: &mut dyn FnMut(&LoadProgress),
 ) -> Result<(), ReloadError> {
-    let mut p = LoadProgress {
-        tensors_done: 0,
-        tensors_total: plan.slots.len(),
-        bytes_done: 0,
-        bytes_total: plan.bytes_total(),
-    };
+    let mut p = plan.progress();
     for slot in &plan.slots {
         // SAFETY: each slot is its own 64-byte-aligned range inside the
         // region (the layout was checked by the caller), and the caller of

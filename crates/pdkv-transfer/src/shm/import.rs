@@ -13,7 +13,9 @@ use std::time::{Duration, Instant};
 use crate::auth::{self, KvSecret, Port};
 use crate::error::AccessError;
 use crate::frame::{Header, Limits, RemoteError, Target};
-use crate::proto::{Direction, LocalRange, StartError, Stats, Transfer, TransferError};
+use crate::proto::{
+    check_batch, Direction, LocalRange, StartError, Stats, Transfer, TransferError,
+};
 use crate::registry::Registration;
 use crate::tcp::{BatchError, LocalSlice};
 
@@ -271,24 +273,8 @@ impl ShmImporter {
         notify: Option<Vec<u8>>,
         deadline: Instant,
     ) -> Result<ShmBatchHandle, StartError> {
-        if let Some(n) = &notify {
-            let limit = self.inner.limits.max_notify as usize;
-            if n.len() > limit {
-                return Err(StartError::NotifyTooLarge {
-                    len: n.len(),
-                    limit,
-                });
-            }
-        }
-        for (index, t) in transfers.iter().enumerate() {
-            if t.local.len() != t.remote.len {
-                return Err(StartError::LengthMismatch {
-                    index,
-                    local: t.local.len(),
-                    remote: t.remote.len,
-                });
-            }
-        }
+        let max_notify = self.inner.limits.max_notify as usize;
+        check_batch(&transfers, notify.as_deref(), max_notify)?;
         let max = self.inner.cfg.max_batches as u64;
         if self.inner.live_batches.fetch_add(1, Ordering::AcqRel) >= max {
             self.inner.live_batches.fetch_sub(1, Ordering::AcqRel);
