@@ -54,7 +54,7 @@ use serde_json::{json, Value};
 
 use crate::fetch;
 use crate::proxy_cmd::wait_for_signal;
-use crate::up::{self, ChildLogs, Proc, TransferMode, Transport, UpArgs};
+use crate::up::{self, ChildLogs, DeploymentArgs, Proc, UpArgs};
 
 /// The name on this command's notices.
 const WHO: &str = "bench serve";
@@ -73,16 +73,8 @@ pub struct ServeBenchArgs {
     /// blocks are checked at the end (repeat for each engine).
     #[arg(long = "engine", requires = "url")]
     pub engines: Vec<String>,
-    /// A `.gguf` file or a checkpoint directory for the deployment (default:
-    /// SmolLM2-135M-Instruct from the model cache, fetched if missing).
-    #[arg(long)]
-    pub model: Option<PathBuf>,
-    /// How KV moves from P to D.
-    #[arg(long, value_enum, default_value = "tcp")]
-    pub transport: Transport,
-    /// Who moves the KV bytes.
-    #[arg(long, value_enum, default_value = "write")]
-    pub transfer_mode: TransferMode,
+    #[command(flatten)]
+    pub deployment: DeploymentArgs,
     /// KV cache size of P and D, in blocks of 16 tokens (default: the
     /// server's).
     #[arg(long)]
@@ -247,7 +239,7 @@ struct Target {
 
 /// Starts the 1P1D deployment (children pushed onto `procs`).
 async fn start_deployment(args: &ServeBenchArgs, procs: &mut Vec<Proc>) -> anyhow::Result<Target> {
-    let model = match args.model.clone() {
+    let model = match args.deployment.model.clone() {
         Some(p) => p,
         None => fetch::default_model_path()?,
     };
@@ -265,11 +257,12 @@ async fn start_deployment(args: &ServeBenchArgs, procs: &mut Vec<Proc>) -> anyho
     };
     eprintln!("{WHO}: the servers' logs are in {}", log_dir.display());
     let up_args = UpArgs {
-        model: Some(model.clone()),
+        deployment: DeploymentArgs {
+            model: Some(model.clone()),
+            ..args.deployment.clone()
+        },
         prefill: 1,
         decode: if args.chaos { 2 } else { 1 },
-        transport: args.transport,
-        transfer_mode: args.transfer_mode,
         // A prefill engine killed mid-transfer: D computes the prompt.
         kv_load_failure_policy: args.chaos.then_some(pdkv_deploy::FailurePolicy::Recompute),
         port: 0,
@@ -321,8 +314,8 @@ async fn start_deployment(args: &ServeBenchArgs, procs: &mut Vec<Proc>) -> anyho
     eprintln!(
         "{WHO}: 1P{}D ready (transport {}, transfer mode {}), proxy {}",
         started.decode.len(),
-        args.transport.as_str(),
-        args.transfer_mode.as_str(),
+        args.deployment.transport.as_str(),
+        args.deployment.transfer_mode.as_str(),
         started.proxy
     );
     Ok(Target {
@@ -723,8 +716,8 @@ fn run_json(args: &ServeBenchArgs, t: &Target, run: &Run) -> Value {
         "bench": "serve",
         "url": t.proxy,
         "own_deployment": own,
-        "transport": own.then(|| args.transport.as_str()),
-        "transfer_mode": own.then(|| args.transfer_mode.as_str()),
+        "transport": own.then(|| args.deployment.transport.as_str()),
+        "transfer_mode": own.then(|| args.deployment.transfer_mode.as_str()),
         "concurrency": args.concurrency,
         "max_tokens": args.max_tokens,
         "prompt_words": args.prompt_words,

@@ -10,24 +10,17 @@ use std::path::PathBuf;
 
 use anyhow::{anyhow, bail, Context};
 use clap::Args;
-use pdkv_deploy::{FailurePolicy, TransferMode, Transport};
+use pdkv_deploy::FailurePolicy;
 use pdkv_lifecycle::{CaseResult, Options};
 
 use crate::fetch;
 use crate::proxy_cmd::wait_for_signal;
+use crate::up::DeploymentArgs;
 
 #[derive(Args, Debug)]
 pub struct LifecycleArgs {
-    /// A `.gguf` file or a checkpoint directory (default: SmolLM2-135M-Instruct
-    /// from the model cache, fetched if missing).
-    #[arg(long)]
-    pub model: Option<PathBuf>,
-    /// How KV moves from P to D.
-    #[arg(long, value_enum, default_value = "tcp")]
-    pub transport: Transport,
-    /// Who moves the bytes: P writes into D's blocks, or D reads P's.
-    #[arg(long, value_enum, default_value = "write")]
-    pub transfer_mode: TransferMode,
+    #[command(flatten)]
+    pub deployment: DeploymentArgs,
     /// D's policy for a KV load that failed (a load that P ended on purpose
     /// recomputes under either).
     #[arg(long, value_enum, default_value = "fail")]
@@ -88,8 +81,8 @@ impl LifecycleArgs {
     /// The matrix these arguments ask for, run with `exe` and `model`.
     fn options(self, exe: PathBuf, model: PathBuf) -> Options {
         let mut o = Options::new(exe, model);
-        o.transport = self.transport;
-        o.transfer_mode = self.transfer_mode;
+        o.transport = self.deployment.transport;
+        o.transfer_mode = self.deployment.transfer_mode;
         o.kv_load_failure_policy = self.kv_load_failure_policy;
         o.kv_abort_timeout_s = self.kv_abort_timeout_s;
         o.cases = self.cases;
@@ -125,7 +118,7 @@ pub fn run(args: LifecycleArgs) -> anyhow::Result<()> {
         return Ok(());
     }
     let exe = std::env::current_exe().context("finding the pdkv executable")?;
-    let model = args.model.clone();
+    let model = args.deployment.model.clone();
     let mut options = args.options(exe, model.clone().unwrap_or_default());
     // The arguments are checked before a default model is fetched.
     options.validate()?;

@@ -32,24 +32,32 @@ use crate::proxy_cmd::wait_for_signal;
 
 pub use pdkv_deploy::{stop_all, Proc, Started, TransferMode, Transport};
 
-#[derive(Args, Debug)]
-pub struct UpArgs {
+/// What a P/D deployment serves and how its KV moves: the flags `up`,
+/// `bench serve` and `lifecycle` share.
+#[derive(Args, Clone, Debug)]
+pub struct DeploymentArgs {
     /// A `.gguf` file or a checkpoint directory (default: SmolLM2-135M-Instruct
     /// from the model cache, fetched if missing).
     #[arg(long)]
     pub model: Option<PathBuf>,
+    /// How KV moves from the prefill to the decode servers.
+    #[arg(long, value_enum, default_value = "tcp")]
+    pub transport: Transport,
+    /// Who moves the KV bytes: P writes into D's blocks, or D reads P's.
+    #[arg(long, value_enum, default_value = "write")]
+    pub transfer_mode: TransferMode,
+}
+
+#[derive(Args, Debug)]
+pub struct UpArgs {
+    #[command(flatten)]
+    pub deployment: DeploymentArgs,
     /// How many prefill servers.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=64))]
     pub prefill: u16,
     /// How many decode servers.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=64))]
     pub decode: u16,
-    /// How KV moves from the prefill to the decode servers.
-    #[arg(long, value_enum, default_value = "tcp")]
-    pub transport: Transport,
-    /// Who moves the KV bytes.
-    #[arg(long, value_enum, default_value = "write")]
-    pub transfer_mode: TransferMode,
     /// What a decode server does with a request whose KV load failed:
     /// `recompute` its prompt, or `fail` it (a 5xx naming the cause); a
     /// load P ended on purpose recomputes under either (default: the
@@ -187,7 +195,7 @@ pub fn run(args: UpArgs) -> anyhow::Result<()> {
     // A taken port fails now, not after every engine loaded the model.
     ports.0.check_free()?;
     // Resolve (and fetch) the model once, before the servers load it.
-    let model = match args.model.clone() {
+    let model = match args.deployment.model.clone() {
         Some(p) => p,
         None => fetch::default_model_path()?,
     };
@@ -209,7 +217,7 @@ fn spec(args: &UpArgs, model: &std::path::Path, ports: &Ports) -> anyhow::Result
     if let Some(s) = &args.kv_secret {
         crate::serve::kv_secret(Some(s))?;
     }
-    let mut wiring = EngineWiring::new(args.transport, args.transfer_mode);
+    let mut wiring = EngineWiring::new(args.deployment.transport, args.deployment.transfer_mode);
     wiring.kv_load_failure_policy = args.kv_load_failure_policy;
     wiring.num_kv_blocks = args.num_kv_blocks;
     wiring.kv_cache_dtype =
@@ -310,8 +318,8 @@ async fn supervise(
     // the deployment.
     let mut ready = format!(
         "pdkv up: ready ({np} prefill, {nd} decode; transport {}, transfer mode {}; admin API {})\n",
-        args.transport.as_str(),
-        args.transfer_mode.as_str(),
+        args.deployment.transport.as_str(),
+        args.deployment.transfer_mode.as_str(),
         match (token.is_some(), args.dev_mode) {
             (true, _) => "on",
             (false, true) => "on, open (dev mode)",
