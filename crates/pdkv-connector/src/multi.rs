@@ -20,10 +20,11 @@ use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
 use pdkv_engine::connector::{
-    Allocated, ConnectorMeta, ConnectorRequest, ExternalMatch, FinishedTransfers, KvCacheSpec,
-    KvTransferParams, LoadError, LoadFailurePolicy, MetricsReader, ParamsValidator, Waker,
+    Allocated, ConnectorMeta, ConnectorRequest, Ended, ExternalMatch, FinishedTransfers,
+    KvCacheSpec, KvTransferParams, LoadError, LoadFailurePolicy, MetricsReader, ParamsValidator,
+    Waker,
 };
-use pdkv_engine::{FinishReason, KvConnector};
+use pdkv_engine::KvConnector;
 use serde::Deserialize;
 use serde_json::json;
 
@@ -290,14 +291,13 @@ impl KvConnector for MultiConnector {
     fn request_finished(
         &mut self,
         req: ConnectorRequest<'_>,
-        block_ids: &[u32],
-        reason: FinishReason,
+        end: Ended<'_>,
     ) -> (bool, Option<KvTransferParams>) {
         self.winner.remove(req.id);
         let mut keep = BTreeSet::new();
         let mut params = None;
         for (i, c) in self.children.iter_mut().enumerate() {
-            let (delay, p) = c.request_finished(req, block_ids, reason);
+            let (delay, p) = c.request_finished(req, end);
             if delay {
                 keep.insert(i);
             }
@@ -470,6 +470,7 @@ mod tests {
     //! answers what its script says and logs the calls it got.
 
     use super::*;
+    use pdkv_engine::FinishReason;
 
     #[derive(Default)]
     struct Script {
@@ -559,8 +560,7 @@ mod tests {
         fn request_finished(
             &mut self,
             _req: ConnectorRequest<'_>,
-            _blocks: &[u32],
-            _reason: FinishReason,
+            _end: Ended<'_>,
         ) -> (bool, Option<KvTransferParams>) {
             let s = self.0.lock().unwrap();
             (s.keep, s.params.clone())
@@ -818,7 +818,8 @@ mod tests {
             },
         ]);
         let id: Arc<str> = "r1".into();
-        let (delay, params) = m.request_finished(request(&id), &[1, 2], FinishReason::Length);
+        let (delay, params) =
+            m.request_finished(request(&id), Ended::new(&[1, 2], FinishReason::Length));
         assert!(delay);
         assert_eq!(params, Some(json!({"from": 1})), "the first child's params");
         let report = |c: &Arc<Mutex<Script>>| c.lock().unwrap().finished.sending.push(id.clone());
@@ -840,7 +841,7 @@ mod tests {
         }
         let id2: Arc<str> = "r2".into();
         assert!(
-            !m.request_finished(request(&id2), &[3], FinishReason::Stop)
+            !m.request_finished(request(&id2), Ended::new(&[3], FinishReason::Stop))
                 .0
         );
         s[0].lock().unwrap().finished.recving.push(id2.clone());

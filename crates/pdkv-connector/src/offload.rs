@@ -33,8 +33,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use pdkv_engine::connector::{
-    Allocated, ConnectorMeta, ConnectorRequest, ExternalMatch, FinishedTransfers, KvCacheSpec,
-    KvTransferParams, MetricsReader, Waker,
+    Allocated, ConnectorMeta, ConnectorRequest, Ended, ExternalMatch, FinishedTransfers,
+    KvCacheSpec, KvTransferParams, MetricsReader, Waker,
 };
 use pdkv_engine::{BlockHash, FinishReason, KvConnector};
 use serde::de::DeserializeOwned;
@@ -503,12 +503,11 @@ impl KvConnector for OffloadConnector {
     fn request_finished(
         &mut self,
         req: ConnectorRequest<'_>,
-        block_ids: &[u32],
-        reason: FinishReason,
+        end: Ended<'_>,
     ) -> (bool, Option<KvTransferParams>) {
         self.matched.remove(req.id);
-        if matches!(reason, FinishReason::Stop | FinishReason::Length) {
-            self.save(req, block_ids);
+        if matches!(end.reason, FinishReason::Stop | FinishReason::Length) {
+            self.save(req, end.block_ids);
         }
         (false, None)
     }
@@ -688,8 +687,7 @@ mod tests {
                 prompt_tokens: &a,
                 kv_transfer_params: None,
             },
-            &[0, 1, 2, 3],
-            FinishReason::Length,
+            Ended::new(&[0, 1, 2, 3], FinishReason::Length),
         );
         assert_eq!(counter(&c, "offload_saved_blocks_total"), 4.0);
         assert_eq!(counter(&c, "offload_saved_bytes_total"), 4.0 * 256.0);
@@ -708,8 +706,7 @@ mod tests {
                 prompt_tokens: &other,
                 kv_transfer_params: None,
             },
-            &[4, 5],
-            FinishReason::Stop,
+            Ended::new(&[4, 5], FinishReason::Stop),
         );
         assert_eq!(counter(&c, "offload_evicted_blocks_total"), 2.0);
         let (tokens, got) = lookup_and_load(&mut c, &region, "d", &a, 32, &[12, 13, 14, 15]);

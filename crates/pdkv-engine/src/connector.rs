@@ -107,6 +107,20 @@ impl<'a> Allocated<'a> {
     }
 }
 
+/// How a request ended, for [`KvConnector::request_finished`]: the blocks
+/// it holds and why it ended.
+#[derive(Clone, Copy, Debug)]
+pub struct Ended<'a> {
+    pub block_ids: &'a [u32],
+    pub reason: FinishReason,
+}
+
+impl<'a> Ended<'a> {
+    pub fn new(block_ids: &'a [u32], reason: FinishReason) -> Self {
+        Ended { block_ids, reason }
+    }
+}
+
 /// The answer of [`KvConnector::get_num_new_matched_tokens`].
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct ExternalMatch {
@@ -375,8 +389,7 @@ pub trait KvConnector: Send {
     fn request_finished(
         &mut self,
         req: ConnectorRequest<'_>,
-        block_ids: &[u32],
-        reason: FinishReason,
+        end: Ended<'_>,
     ) -> (bool, Option<KvTransferParams>);
 
     /// The scheduler applied these finished transfers.

@@ -62,10 +62,10 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use pdkv_engine::connector::{
-    Allocated, ConnectorMeta, ConnectorRequest, ExternalMatch, FinishedTransfers, KvCacheSpec,
-    KvTransferParams, LoadError, MetricsReader, ParamsValidator, Waker,
+    Allocated, ConnectorMeta, ConnectorRequest, Ended, ExternalMatch, FinishedTransfers,
+    KvCacheSpec, KvTransferParams, LoadError, MetricsReader, ParamsValidator, Waker,
 };
-use pdkv_engine::{FinishReason, KvConnector, LoadFailurePolicy};
+use pdkv_engine::{KvConnector, LoadFailurePolicy};
 use serde_json::json;
 
 use self::core::{Io, PdCore};
@@ -304,10 +304,9 @@ impl KvConnector for PdConnector {
     fn request_finished(
         &mut self,
         req: ConnectorRequest<'_>,
-        block_ids: &[u32],
-        reason: FinishReason,
+        end: Ended<'_>,
     ) -> (bool, Option<KvTransferParams>) {
-        self.call(|c, now| c.request_finished(now, req, block_ids, reason))
+        self.call(|c, now| c.request_finished(now, req, end.block_ids, end.reason))
     }
 
     /// P: stops holding KV for D (see [`crate::send::SendMachine::abort_all`]).

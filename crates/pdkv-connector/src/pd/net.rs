@@ -734,15 +734,7 @@ async fn importer(
 /// each from P's rank's registration into this engine's rank's;
 /// cancellable through the driver's `reads` table.
 async fn read_blocks(d: &Net, read: &ReadIo) -> Result<(), Failure> {
-    let ReadIo {
-        load,
-        local,
-        remote,
-        transfer,
-        copies,
-        deadline,
-    } = read;
-    let (load, deadline) = (*load, *deadline);
+    let (local, remote, copies) = (&read.local, &read.remote, &read.copies);
     let generation = remote.first().map_or(0, |r| r.epoch);
     let what = |code: FailCode, e: String| {
         Failure::new(
@@ -784,8 +776,8 @@ async fn read_blocks(d: &Net, read: &ReadIo) -> Result<(), Failure> {
             },
         ));
     }
-    let left = deadline.saturating_duration_since(Instant::now());
-    match transfer {
+    let left = read.deadline.saturating_duration_since(Instant::now());
+    match &read.transfer {
         Destination::Tcp { addr } => {
             let transfers = slices
                 .into_iter()
@@ -807,7 +799,7 @@ async fn read_blocks(d: &Net, read: &ReadIo) -> Result<(), Failure> {
                 .await
                 .map_err(|e| what(FailCode::TransferFailed, e.to_string()))?;
             let cancel = h.canceller();
-            d.reads.lock().unwrap().insert(load, Box::new(cancel));
+            d.reads.lock().unwrap().insert(read.load, Box::new(cancel));
             h.wait()
                 .await
                 .map_err(|e| what(FailCode::TransferFailed, e.to_string()))
@@ -828,10 +820,10 @@ async fn read_blocks(d: &Net, read: &ReadIo) -> Result<(), Failure> {
                 .map(|(local, remote)| Transfer { local, remote })
                 .collect();
             let h = imp
-                .start(Direction::Read, transfers, None, deadline)
+                .start(Direction::Read, transfers, None, read.deadline)
                 .map_err(|e| what(FailCode::TransferFailed, e.to_string()))?;
             let cancel = h.canceller();
-            d.reads.lock().unwrap().insert(load, Box::new(cancel));
+            d.reads.lock().unwrap().insert(read.load, Box::new(cancel));
             let res = h
                 .wait()
                 .await

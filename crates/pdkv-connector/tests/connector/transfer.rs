@@ -13,7 +13,7 @@ use crate::common::{
     SIDE_WAIT as WAIT,
 };
 use pdkv_connector::wire::Message;
-use pdkv_engine::connector::Allocated;
+use pdkv_engine::connector::{Allocated, Ended};
 use pdkv_engine::FinishReason;
 use serde_json::{json, Value};
 
@@ -78,7 +78,10 @@ fn transfer(transport: &str) {
     let id: Arc<str> = Arc::from("rd");
     let prompt = vec![1u32; 40];
     assert_eq!(
-        d.c.request_finished(req(&id, &prompt, &params), &D_BLOCKS, FinishReason::Length),
+        d.c.request_finished(
+            req(&id, &prompt, &params),
+            Ended::new(&D_BLOCKS, FinishReason::Length)
+        ),
         (false, None)
     );
 }
@@ -225,8 +228,10 @@ fn a_decode_request_ended_mid_load_frees_once_fenced_and_p_releases_the_transfer
     let dp = start_pull(&mut p, &mut d, "rp", "t1", "rd", &[1, 2, 3]);
     let prompt = vec![1u32; 40];
     let did: Arc<str> = Arc::from("rd");
-    let (delay, params) =
-        d.c.request_finished(req(&did, &prompt, &dp), &[1, 2, 3], FinishReason::Abort);
+    let (delay, params) = d.c.request_finished(
+        req(&did, &prompt, &dp),
+        Ended::new(&[1, 2, 3], FinishReason::Abort),
+    );
     assert_eq!(
         (delay, params),
         (true, None),

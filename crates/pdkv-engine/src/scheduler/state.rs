@@ -8,7 +8,7 @@ use std::sync::Arc;
 
 use super::request::{NewRequest, Request, Status};
 use crate::block_pool::{blocks_for, BlockHash, BlockPool};
-use crate::connector::{KvConnector, KvTransferParams};
+use crate::connector::{Ended, KvConnector, KvTransferParams};
 use crate::FinishReason;
 
 /// Scheduler limits.
@@ -247,7 +247,7 @@ impl Scheduler {
             list.remove(pos);
         }
         let (delay, params) = match self.connector.as_deref_mut() {
-            Some(c) => c.request_finished(req.conn(), &req.blocks, reason),
+            Some(c) => c.request_finished(req.conn(), Ended::new(&req.blocks, reason)),
             None => (false, None),
         };
         if delay && !req.blocks.is_empty() {

@@ -8,8 +8,8 @@ use std::collections::HashSet;
 use std::sync::{Arc, Mutex};
 
 use pdkv_engine::connector::{
-    Allocated, ConnectorMeta, ConnectorRequest, ExternalMatch, FinishedTransfers, KvCacheSpec,
-    KvConnector, LoadFailurePolicy, Waker,
+    Allocated, ConnectorMeta, ConnectorRequest, Ended, ExternalMatch, FinishedTransfers,
+    KvCacheSpec, KvConnector, LoadFailurePolicy, Waker,
 };
 use pdkv_engine::scheduler::{NewRequest, Scheduler, SchedulerConfig, SchedulerOutput};
 use pdkv_engine::FinishReason;
@@ -94,9 +94,12 @@ impl KvConnector for Scripted {
     fn request_finished(
         &mut self,
         req: ConnectorRequest<'_>,
-        blocks: &[u32],
-        reason: FinishReason,
+        end: Ended<'_>,
     ) -> (bool, Option<serde_json::Value>) {
+        let Ended {
+            block_ids: blocks,
+            reason,
+        } = end;
         let mut s = self.0.lock().unwrap();
         s.ended.push((req.id.to_string(), reason, blocks.to_vec()));
         let delay = s.loading.contains(&**req.id) || s.hold_on_finish.contains(&**req.id);

@@ -25,7 +25,7 @@ use std::time::{Duration, Instant};
 use pdkv_connector::params;
 use pdkv_connector::wire::{self, Message};
 use pdkv_engine::connector::{
-    Allocated, ConnectorRequest, FinishedTransfers, KvCacheSpec, MetricsReader,
+    Allocated, ConnectorRequest, Ended, FinishedTransfers, KvCacheSpec, MetricsReader,
 };
 use pdkv_engine::{
     EngineConfig, EngineHandle, EngineRequest, FinishReason, KvConnector, RequestOutput,
@@ -515,7 +515,7 @@ pub fn finish_with(
     let id: Arc<str> = Arc::from(rid);
     let prompt = vec![1u32; len];
     let params = decode_params(tid);
-    p.c.request_finished(req(&id, &prompt, &params), p_blocks, reason)
+    p.c.request_finished(req(&id, &prompt, &params), Ended::new(p_blocks, reason))
 }
 
 /// P's request finishes normally; returns whether P holds the blocks.
