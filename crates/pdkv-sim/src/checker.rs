@@ -18,6 +18,22 @@ use crate::plan::Outcome;
 use crate::proxy::Proxy;
 use crate::workload::{Workload, PROBES};
 
+/// A [`View`] of the rooms of `$w` (the world, or a test's rooms), field
+/// by field, so that its other fields (the context) stay free to borrow.
+macro_rules! view_of {
+    ($w:expr) => {
+        $crate::checker::View {
+            cluster: &$w.cluster,
+            net: &$w.net,
+            kv: &$w.kv,
+            proxy: &$w.proxy,
+            ops: &$w.ops,
+            workload: &$w.workload,
+        }
+    };
+}
+pub(crate) use view_of;
+
 /// The rooms of the world, to look at.
 pub struct View<'a> {
     pub cluster: &'a Cluster,
@@ -320,14 +336,7 @@ mod tests {
         }
 
         fn view(&self) -> View<'_> {
-            View {
-                cluster: &self.cluster,
-                net: &self.net,
-                kv: &self.kv,
-                proxy: &self.proxy,
-                ops: &self.ops,
-                workload: &self.workload,
-            }
+            view_of!(self)
         }
 
         /// Sends the decode engine a request of its own (no transfer) and

@@ -6,9 +6,9 @@
 //! writes.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use pdkv_connector::pd::core::{ConnId, ReadIo};
+use pdkv_connector::pd::core::{ConnId, ReadIo, WriteIo};
 use pdkv_connector::ranks::Copy as KvCopy;
 use pdkv_connector::recv::LoadId;
 use pdkv_connector::wire::{write_failure, Destination, FailCode, Failure, Pull};
@@ -63,12 +63,15 @@ impl Transfers {
         net: &mut Net,
         cluster: &Cluster,
         ix: Ix,
-        conn: ConnId,
-        local: Vec<Registration>,
-        copies: Vec<KvCopy>,
-        dst: Pull,
-        deadline: Instant,
+        io: WriteIo,
     ) -> Option<Ix> {
+        let WriteIo {
+            conn,
+            local,
+            copies,
+            dst,
+            deadline,
+        } = io;
         let inc = cluster.inc(ix);
         let to = match &dst.dst {
             Destination::Tcp { addr } | Destination::Shm { path: addr } => cluster.by_addr(addr),
@@ -563,6 +566,7 @@ impl Transfers {
 mod tests {
     use super::*;
     use crate::Options;
+    use std::time::Instant;
 
     fn world() -> (Ctx, Net, Cluster) {
         let mut ctx = Ctx::new(Options::for_seed(0));
@@ -609,17 +613,14 @@ mod tests {
             weights_version: None,
         };
         let deadline = ctx.now() + Duration::from_secs(1);
-        let touched = kv.start_write(
-            &mut ctx,
-            &mut net,
-            &cluster,
-            0,
-            1,
-            Vec::new(),
-            vec![copy(0, 0)],
+        let io = WriteIo {
+            conn: 1,
+            local: Vec::new(),
+            copies: vec![copy(0, 0)],
             dst,
             deadline,
-        );
+        };
+        let touched = kv.start_write(&mut ctx, &mut net, &cluster, 0, io);
         assert_eq!(touched, None);
         assert_eq!(
             ctx.report.violations.len(),

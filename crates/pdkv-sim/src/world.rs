@@ -132,27 +132,12 @@ impl World {
             }
         }
         self.ctx.report.simulated = self.ctx.now() - self.ctx.t0;
-        let view = View {
-            cluster: &self.cluster,
-            net: &self.net,
-            kv: &self.kv,
-            proxy: &self.proxy,
-            ops: &self.ops,
-            workload: &self.workload,
-        };
-        checker::final_checks(&mut self.ctx, &view);
+        checker::final_checks(&mut self.ctx, &checker::view_of!(self));
         Ok(())
     }
 
     fn view(&self) -> View<'_> {
-        View {
-            cluster: &self.cluster,
-            net: &self.net,
-            kv: &self.kv,
-            proxy: &self.proxy,
-            ops: &self.ops,
-            workload: &self.workload,
-        }
+        checker::view_of!(self)
     }
 
     /// Folds the event (its time, its place in the schedule, its kind)
@@ -316,13 +301,7 @@ impl World {
                 net.send(ctx, cluster, ix, op, &addr, msg, deadline);
                 None
             }
-            Io::Write {
-                conn,
-                local,
-                copies,
-                dst,
-                deadline,
-            } => kv.start_write(ctx, net, cluster, ix, conn, local, copies, dst, deadline),
+            Io::Write(io) => kv.start_write(ctx, net, cluster, ix, io),
             Io::Read(io) => kv.start_read(ctx, net, cluster, ix, io),
             Io::CancelRead { load } => kv.cancel_read(cluster, ix, load),
             Io::Fence { load, ranks } => {

@@ -23,11 +23,11 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{mpsc, Notify};
 
 use super::bootstrap;
-use super::core::{ConnId, Copy, Io, Op, PdCore, ReadIo, CONTROL_IO};
+use super::core::{ConnId, Io, Op, PdCore, ReadIo, WriteIo, CONTROL_IO};
 use super::{Driver, Shared};
 use crate::config::{KvTransferConfig, TransferMode, Transport};
 use crate::recv::LoadId;
-use crate::wire::{self, Destination, FailCode, Failure, Message, Pull};
+use crate::wire::{self, Destination, FailCode, Failure, Message};
 
 /// How long a fence waits for accesses in flight (or peers' unmap acks).
 const FENCE_WAIT: Duration = Duration::from_secs(5);
@@ -180,18 +180,12 @@ impl Driver for NetDriver {
                     }
                 }
             }
-            Io::Write {
-                conn,
-                local,
-                copies,
-                dst,
-                deadline,
-            } => {
+            Io::Write(write) => {
                 let (s, n) = (shared.clone(), d.clone());
                 d.handle.spawn(async move {
-                    let res = write_blocks(&n, &local, &copies, &dst, deadline).await;
-                    let bytes = copies.iter().map(|c| c.len).sum();
-                    s.event(|c, now| c.on_write_done(now, conn, res, bytes));
+                    let res = write_blocks(&n, &write).await;
+                    let bytes = write.copies.iter().map(|c| c.len).sum();
+                    s.event(|c, now| c.on_write_done(now, write.conn, res, bytes));
                 });
             }
             Io::Send {
@@ -533,13 +527,8 @@ async fn exchange(
 
 /// P writes its blocks into D's blocks named by `dst`, by `deadline`: one
 /// batch of every copy, each from its rank's registration into D's rank's.
-async fn write_blocks(
-    d: &Net,
-    local: &[Registration],
-    copies: &[Copy],
-    dst: &Pull,
-    deadline: Instant,
-) -> Result<(), Failure> {
+async fn write_blocks(d: &Net, write: &WriteIo) -> Result<(), Failure> {
+    let (local, copies, dst, deadline) = (&write.local, &write.copies, &write.dst, write.deadline);
     let failed = |e: String| wire::write_failure(false, e);
     let mut slices = Vec::with_capacity(copies.len());
     for c in copies {

@@ -59,6 +59,20 @@ pub struct ReadIo {
     pub deadline: Instant,
 }
 
+/// P: write this engine's blocks into the pull's destination, by
+/// `deadline`: each copy from this engine's rank `local` (its registration
+/// `local[c.local]`) into D's rank `dst.ranks[c.remote]`; report with
+/// [`PdCore::on_write_done`](crate::pd::core::PdCore::on_write_done) (for
+/// the pull that came on `conn`).
+#[derive(Clone, Debug, PartialEq)]
+pub struct WriteIo {
+    pub conn: ConnId,
+    pub local: Vec<Registration>,
+    pub copies: Vec<Copy>,
+    pub dst: Pull,
+    pub deadline: Instant,
+}
+
 /// I/O for the driver. Results come back through the `on_*` methods.
 #[derive(Clone, Debug, PartialEq)]
 pub enum Io {
@@ -69,17 +83,8 @@ pub enum Io {
         msg: Message,
         last: bool,
     },
-    /// P: write this engine's blocks into the pull's destination, by
-    /// `deadline`: each copy from this engine's rank `local` (its registration
-    /// `local[c.local]`) into D's rank `dst.ranks[c.remote]`; report with
-    /// [`PdCore::on_write_done`](crate::pd::core::PdCore::on_write_done).
-    Write {
-        conn: ConnId,
-        local: Vec<Registration>,
-        copies: Vec<Copy>,
-        dst: Pull,
-        deadline: Instant,
-    },
+    /// P: write this engine's blocks into a pull's destination ([`WriteIo`]).
+    Write(WriteIo),
     /// D: one exchange with the control listener at `addr`: send `msg`, hand
     /// every frame back to
     /// [`PdCore::on_reply`](crate::pd::core::PdCore::on_reply) until a final

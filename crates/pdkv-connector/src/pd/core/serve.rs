@@ -9,7 +9,7 @@ use pdkv_engine::connector::ConnectorRequest;
 use pdkv_engine::FinishReason;
 use serde_json::Value;
 
-use super::io::{ConnId, Io};
+use super::io::{ConnId, Io, WriteIo};
 use super::state::PdCore;
 use crate::config::TransferMode;
 use crate::params::{self, ReadParams};
@@ -331,13 +331,13 @@ impl PdCore {
                     .collect();
                 let remote: Vec<Range<usize>> = dst.ranks.iter().map(|r| r.rank.heads()).collect();
                 let copies = crate::ranks::copies(&kv.heads(), &remote, kv.head_bytes, &pairs);
-                self.io.push_back(Io::Write {
+                self.io.push_back(Io::Write(WriteIo {
                     conn: pull,
                     local: kv.regs(),
                     copies,
                     dst,
                     deadline,
-                });
+                }));
             }
         }
     }
