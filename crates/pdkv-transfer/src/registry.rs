@@ -54,6 +54,19 @@ pub struct Registration {
     pub len: u64,
 }
 
+impl Registration {
+    /// The whole registered range, as a request addresses it.
+    pub fn whole(&self) -> crate::frame::Target {
+        crate::frame::Target {
+            segment: self.segment,
+            key: self.key,
+            epoch: self.epoch,
+            offset: 0,
+            len: self.len,
+        }
+    }
+}
+
 #[derive(Clone, Debug)]
 pub struct RegistryOptions {
     /// Segments remembered (live or deregistered); registering a new range

@@ -18,7 +18,7 @@ use pdkv_connector::config::KvTransferConfig;
 use pdkv_connector::pd::{PdConnector, Shared};
 use pdkv_engine::{EngineConfig, EngineHandle, PauseMode, SleepLevel};
 use pdkv_transfer::auth::{self, KvSecret, Port};
-use pdkv_transfer::frame::{Header, Limits, Target, HEADER_LEN};
+use pdkv_transfer::frame::{Header, Limits, HEADER_LEN};
 use pdkv_transfer::shm::recv_with_fds;
 use pdkv_transfer::Registration;
 
@@ -165,13 +165,7 @@ fn silent_peer(
     let mut raw = std::os::unix::net::UnixStream::connect(path).unwrap();
     raw.set_read_timeout(Some(dl)).unwrap();
     auth::connect_blocking(&mut raw, &KvSecret::open(), Port::Shm, dl).expect("handshake");
-    let target = Target {
-        segment: reg.segment,
-        key: reg.key,
-        epoch: reg.epoch,
-        offset: 0,
-        len: reg.len,
-    };
+    let target = reg.whole();
     std::io::Write::write_all(&mut &raw, &Header::MapReq { op: 1, target }.encode()).unwrap();
     let mut fds = Vec::new();
     let frame = |fds: &mut Vec<std::os::fd::OwnedFd>| read_frame(&raw, fds).unwrap();

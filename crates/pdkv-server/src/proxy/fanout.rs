@@ -45,69 +45,31 @@ use crate::admin::{require_token, AdminToken};
 
 /// The admin routes of the proxy, behind `token` (dev mode: open).
 pub(super) fn routes(token: Option<Arc<AdminToken>>) -> Router<Arc<Shared>> {
-    let routes = Router::new()
-        .route(
-            "/pause",
-            post(|s, q, b| call(s, Method::POST, "/pause", Order::PrefillFirst, q, b)),
-        )
-        .route(
-            "/sleep",
-            post(|s, q, b| call(s, Method::POST, "/sleep", Order::PrefillFirst, q, b)),
-        )
-        .route(
-            "/release_kv_cache_memory",
-            post(|s, q, b| {
-                call(
-                    s,
-                    Method::POST,
-                    "/release_kv_cache_memory",
-                    Order::PrefillFirst,
-                    q,
-                    b,
-                )
-            }),
-        )
-        .route(
-            "/wake_up",
-            post(|s, q, b| call(s, Method::POST, "/wake_up", Order::DecodeFirst, q, b)),
-        )
-        .route(
-            "/resume",
-            post(|s, q, b| call(s, Method::POST, "/resume", Order::DecodeFirst, q, b)),
-        )
+    // The calls passed on to every engine as they are, in the order each needs.
+    let passed_on = [
+        ("/pause", Order::PrefillFirst),
+        ("/sleep", Order::PrefillFirst),
+        ("/release_kv_cache_memory", Order::PrefillFirst),
+        ("/wake_up", Order::DecodeFirst),
+        ("/resume", Order::DecodeFirst),
+        ("/finish_weight_update", Order::Together),
+        ("/reset_prefix_cache", Order::Together),
+        ("/abort_requests", Order::Together),
+        ("/areal_pause_generation", Order::PrefillFirst),
+        ("/areal_continue_generation", Order::DecodeFirst),
+        ("/areal_update_weights", Order::Together),
+    ];
+    let mut routes = Router::new();
+    for (path, order) in passed_on {
+        routes = routes.route(
+            path,
+            post(move |s, q, b| call(s, Method::POST, path, order, q, b)),
+        );
+    }
+    let routes = routes
         .route("/update_weights", post(weight_fanout::update))
         .route("/init_weight_transfer_engine", post(weight_fanout::init))
         .route("/start_weight_update", post(weight_fanout::start))
-        .route(
-            "/finish_weight_update",
-            post(|s, q, b| {
-                call(
-                    s,
-                    Method::POST,
-                    "/finish_weight_update",
-                    Order::Together,
-                    q,
-                    b,
-                )
-            }),
-        )
-        .route(
-            "/reset_prefix_cache",
-            post(|s, q, b| {
-                call(
-                    s,
-                    Method::POST,
-                    "/reset_prefix_cache",
-                    Order::Together,
-                    q,
-                    b,
-                )
-            }),
-        )
-        .route(
-            "/abort_requests",
-            post(|s, q, b| call(s, Method::POST, "/abort_requests", Order::Together, q, b)),
-        )
         .route(
             "/is_sleeping",
             get(|s, q| read_flag(s, "/is_sleeping", "is_sleeping", q)),
@@ -117,45 +79,6 @@ pub(super) fn routes(token: Option<Arc<AdminToken>>) -> Router<Arc<Shared>> {
             get(|s, q| read_flag(s, "/is_paused", "is_paused", q)),
         )
         .route("/weight_info", get(weight_info))
-        .route(
-            "/areal_pause_generation",
-            post(|s, q, b| {
-                call(
-                    s,
-                    Method::POST,
-                    "/areal_pause_generation",
-                    Order::PrefillFirst,
-                    q,
-                    b,
-                )
-            }),
-        )
-        .route(
-            "/areal_continue_generation",
-            post(|s, q, b| {
-                call(
-                    s,
-                    Method::POST,
-                    "/areal_continue_generation",
-                    Order::DecodeFirst,
-                    q,
-                    b,
-                )
-            }),
-        )
-        .route(
-            "/areal_update_weights",
-            post(|s, q, b| {
-                call(
-                    s,
-                    Method::POST,
-                    "/areal_update_weights",
-                    Order::Together,
-                    q,
-                    b,
-                )
-            }),
-        )
         .route("/get_world_size", get(world_size))
         .route("/collective_rpc", post(collective_rpc));
     match token {

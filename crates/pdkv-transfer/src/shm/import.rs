@@ -355,13 +355,7 @@ impl ShmImporter {
                 assembly: None,
             },
         );
-        let target = Target {
-            segment: reg.segment,
-            key: reg.key,
-            epoch: reg.epoch,
-            offset: 0,
-            len: reg.len,
-        };
+        let target = reg.whole();
         let sent = self
             .inner
             .writer
