@@ -89,17 +89,16 @@ pub(super) fn routes(token: Option<Arc<AdminToken>>) -> Router<Arc<Shared>> {
 
 /// `GET /get_world_size`: the ranks of one engine (every engine must have
 /// the same; `"agree": false` when they do not).
-async fn world_size(State(proxy): State<Arc<Shared>>, RawQuery(query): RawQuery) -> Response {
-    let results = read_all(&proxy, "/get_world_size", query.as_deref()).await;
-    if results.iter().any(|r| !r.ok()) {
-        return answer("/get_world_size", &results);
-    }
-    let sizes: Vec<&Value> = results.iter().map(|r| &r.body["world_size"]).collect();
-    let agree = sizes.iter().all(|v| *v == sizes[0]);
-    json_response(
+async fn world_size(
+    State(proxy): State<Arc<Shared>>,
+    RawQuery(query): RawQuery,
+) -> Result<Response, Response> {
+    let results = read_all(&proxy, "/get_world_size", query.as_deref()).await?;
+    let (sizes, agree) = values_of(&results, "world_size");
+    Ok(json_response(
         StatusCode::OK,
         &json!({"world_size": sizes[0], "agree": agree}),
-    )
+    ))
 }
 
 /// `POST /collective_rpc`: the first prefill engine's refusal, as is.
@@ -133,15 +132,30 @@ pub(super) async fn flush_cache(proxy: State<Arc<Shared>>, query: RawQuery) -> R
     .await
 }
 
-/// Every engine's answer to a read, at once.
-async fn read_all(proxy: &Shared, path: &str, query: Option<&str>) -> Vec<EngineResult> {
+/// Every engine's answer to a read, at once; the answer naming the
+/// engines that failed when one did.
+async fn read_all(
+    proxy: &Shared,
+    path: &str,
+    query: Option<&str>,
+) -> Result<Vec<EngineResult>, Response> {
     let empty = Bytes::new();
     let (mut p, d) = futures::join!(
         call_role(proxy, Role::Prefill, &Method::GET, path, query, &empty),
         call_role(proxy, Role::Decode, &Method::GET, path, query, &empty)
     );
     p.extend(d);
-    p
+    if p.iter().any(|r| !r.ok()) {
+        return Err(answer(path, &p));
+    }
+    Ok(p)
+}
+
+/// Every engine's `key`, and whether they all agree.
+fn values_of<'a>(results: &'a [EngineResult], key: &str) -> (Vec<&'a Value>, bool) {
+    let values: Vec<&Value> = results.iter().map(|r| &r.body[key]).collect();
+    let agree = values.iter().all(|v| *v == values[0]);
+    (values, agree)
 }
 
 /// `GET /is_sleeping` / `GET /is_paused`: true only when every engine says
@@ -151,11 +165,8 @@ async fn read_flag(
     path: &'static str,
     key: &'static str,
     RawQuery(query): RawQuery,
-) -> Response {
-    let results = read_all(&proxy, path, query.as_deref()).await;
-    if results.iter().any(|r| !r.ok()) {
-        return answer(path, &results);
-    }
+) -> Result<Response, Response> {
+    let results = read_all(&proxy, path, query.as_deref()).await?;
     let flags: Vec<bool> = results
         .iter()
         .map(|r| r.body[key].as_bool().unwrap_or(false))
@@ -163,29 +174,28 @@ async fn read_flag(
     let all = flags.iter().all(|&f| f);
     let agree = flags.iter().all(|&f| f == flags[0]);
     let engines: Vec<Value> = results.iter().map(EngineResult::json).collect();
-    json_response(
+    Ok(json_response(
         StatusCode::OK,
         &json!({key: all, "agree": agree, "engines": engines}),
-    )
+    ))
 }
 
 /// `GET /weight_info`: the version every engine serves (`null` and
 /// `"agree": false` when they differ).
-async fn weight_info(State(proxy): State<Arc<Shared>>, RawQuery(query): RawQuery) -> Response {
-    let results = read_all(&proxy, "/weight_info", query.as_deref()).await;
-    if results.iter().any(|r| !r.ok()) {
-        return answer("/weight_info", &results);
-    }
-    let versions: Vec<&Value> = results.iter().map(|r| &r.body["version"]).collect();
-    let agree = versions.iter().all(|v| *v == versions[0]);
+async fn weight_info(
+    State(proxy): State<Arc<Shared>>,
+    RawQuery(query): RawQuery,
+) -> Result<Response, Response> {
+    let results = read_all(&proxy, "/weight_info", query.as_deref()).await?;
+    let (versions, agree) = values_of(&results, "version");
     let engines: Vec<Value> = results.iter().map(EngineResult::json).collect();
     let version = if agree {
         versions[0].clone()
     } else {
         Value::Null
     };
-    json_response(
+    Ok(json_response(
         StatusCode::OK,
         &json!({"version": version, "agree": agree, "engines": engines}),
-    )
+    ))
 }
