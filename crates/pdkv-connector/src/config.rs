@@ -66,6 +66,7 @@ impl KvRole {
 
 /// How KV bytes move between the engines.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default, Deserialize, serde::Serialize)]
+#[cfg_attr(feature = "clap", derive(clap::ValueEnum))]
 #[serde(rename_all = "snake_case")]
 pub enum Transport {
     /// The `pdkv-transfer` TCP agent (any two hosts).
@@ -76,6 +77,7 @@ pub enum Transport {
 }
 
 impl Transport {
+    /// Its name in a `--kv-transfer-config`.
     pub fn as_str(self) -> &'static str {
         match self {
             Transport::Tcp => "tcp",
@@ -86,6 +88,7 @@ impl Transport {
 
 /// Who moves the bytes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default, Deserialize, serde::Serialize)]
+#[cfg_attr(feature = "clap", derive(clap::ValueEnum))]
 #[serde(rename_all = "snake_case")]
 pub enum TransferMode {
     /// The producer writes into the consumer's blocks (the consumer pulls).
@@ -96,6 +99,7 @@ pub enum TransferMode {
 }
 
 impl TransferMode {
+    /// Its name in a `--kv-transfer-config`.
     pub fn as_str(self) -> &'static str {
         match self {
             TransferMode::Write => "write",
