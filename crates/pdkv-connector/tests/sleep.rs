@@ -22,8 +22,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::{
-    d_params, decide_load, failed_load, finish, park_pull, pattern, prefill, recv_msg, req,
-    send_msg, side, start_load, transfer_ok, wait_until, Side, BB, BLOCKS, SIDE_WAIT as WAIT,
+    d_params, decide_load, failed_load, finish, pattern, prefill, recv_msg, req, send_msg, side,
+    start_loads, start_pull, transfer_ok, wait_parked, wait_until, Side, BB, BLOCKS,
+    SIDE_WAIT as WAIT,
 };
 use pdkv_connector::send::{ASLEEP, CACHE_RESET};
 use pdkv_connector::wire::{Destination, Message, Pull};
@@ -72,7 +73,8 @@ fn capture_pull(d: &mut Side, rid: &str, d_blocks: &[u32]) -> Pull {
         }
     });
     let params = json!({"do_remote_prefill": true, "remote_engine_id": "recorder", "remote_bootstrap_addr": addr, "transfer_id": rid});
-    start_load(d, rid, 40, 0, d_blocks, &params);
+    decide_load(d, rid, 40, 0, d_blocks, &params);
+    start_loads(d);
     let pull = server.join().unwrap();
     d.wait_finished(|f| f.recving.iter().any(|r| &**r == rid));
     let errs = common::load_errors(d);
@@ -180,7 +182,8 @@ fn mappings_of(inos: &[u64]) -> usize {
 fn parked(p_rid: &str, d_rid: &str) -> (Side, Side) {
     let mut p = side("kv_producer", "tcp", "p1", "");
     let mut d = side("kv_consumer", "tcp", "d1", "");
-    park_pull(&mut p, &mut d, p_rid, "t1", d_rid, &[7, 3, 20]);
+    start_pull(&mut p, &mut d, p_rid, "t1", d_rid, &[7, 3, 20]);
+    wait_parked(&p);
     (p, d)
 }
 
@@ -278,7 +281,8 @@ fn a_release_with_a_ready_send_refuses_and_changes_nothing() {
         "the registration is as it was"
     );
     // D's pull is served from the same registration.
-    start_load(&mut d, "rd", 40, 0, &[7, 3, 20], &params);
+    decide_load(&mut d, "rd", 40, 0, &[7, 3, 20], &params);
+    start_loads(&mut d);
     d.wait_finished(|f| f.recving.len() == 1);
     assert_eq!(common::load_errors(&mut d), Vec::<(u32, String)>::new());
     assert_eq!((d.block(3), d.block(20)), (pattern(9), pattern(2)));
@@ -364,7 +368,8 @@ fn a_load_given_up_at_its_deadline_is_fenced_and_a_late_write_never_lands() {
     );
     let (addr, pulls) = silent_prefill();
     let params = json!({"do_remote_prefill": true, "remote_engine_id": "silent", "remote_bootstrap_addr": addr, "transfer_id": "t"});
-    start_load(&mut d, "rd", 40, 0, &[7, 3, 20], &params);
+    decide_load(&mut d, "rd", 40, 0, &[7, 3, 20], &params);
+    start_loads(&mut d);
     let pull = pulls.recv_timeout(WAIT).expect("D's pull reaches P");
     assert!(
         pull.ranks[0]
@@ -587,7 +592,8 @@ fn abort_on_d_ends_a_load_not_started_at_once_and_wakes_the_engine() {
         .expect("the pdkv connector's metadata");
     assert!(loads.is_empty(), "{loads:?}");
     // P's READY send is untouched: a new load of it works.
-    start_load(&mut d, "rd2", 40, 0, &[8, 10, 12], &params);
+    decide_load(&mut d, "rd2", 40, 0, &[8, 10, 12], &params);
+    start_loads(&mut d);
     d.wait_finished(|f| f.recving.len() == 1);
     assert_eq!(common::load_errors(&mut d), Vec::<(u32, String)>::new());
     assert_eq!(d.block(8), pattern(5));
@@ -633,7 +639,8 @@ fn abort_on_d_cuts_loads_short_after_p_answered() {
         0
     );
     // t2 is still READY on P (D never pulled it); a new load of it works.
-    start_load(&mut d, "rd3", 40, 0, &[14, 15, 16], &t2);
+    decide_load(&mut d, "rd3", 40, 0, &[14, 15, 16], &t2);
+    start_loads(&mut d);
     d.wait_finished(|f| f.recving.len() == 1);
     assert_eq!(common::load_errors(&mut d), Vec::<(u32, String)>::new());
     assert_eq!(d.block(14), pattern(5));

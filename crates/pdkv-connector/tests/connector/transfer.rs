@@ -8,9 +8,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::common::{
-    admit, d_params, decode_params, failed_load, finish_with, park_pull, pattern, recv_msg, req,
-    send_msg, side, side_with, start_load, start_pull, transfer_ok, wait_until, Geometry, Side, BB,
-    SIDE_WAIT as WAIT,
+    admit, d_params, decide_load, decode_params, failed_load, finish_with, pattern, recv_msg, req,
+    send_msg, side, side_with, start_loads, start_pull, transfer_ok, wait_parked, wait_until,
+    Geometry, Side, BB, SIDE_WAIT as WAIT,
 };
 use pdkv_connector::wire::Message;
 use pdkv_engine::connector::{Allocated, Ended};
@@ -43,7 +43,8 @@ const D_BLOCKS: [u32; 4] = [7, 3, 20, 11];
 /// D loads "rd" from P's `params`, its first `local` tokens cached locally:
 /// the load ends without errors, and P's blocks 9 and 2 land in D's 3 and 20.
 fn load_lands(d: &mut Side, params: &Value, local: usize) {
-    start_load(d, "rd", 40, local, &D_BLOCKS, params);
+    decide_load(d, "rd", 40, local, &D_BLOCKS, params);
+    start_loads(d);
     let f = d.wait_finished(|f| !f.recving.is_empty());
     assert_eq!(f.recving, vec![Arc::from("rd")]);
     assert_eq!(crate::common::load_errors(d), Vec::<(u32, String)>::new());
@@ -150,9 +151,12 @@ fn load_failures_name_the_problem_and_other_loads_go_on() {
     wrong_engine["remote_engine_id"] = json!("p9");
     wrong_engine["transfer_id"] = json!("t2");
     let bogus = d_params(&p, "nope");
-    start_load(&mut d, "bad-engine", 20, 0, &[4, 5], &wrong_engine);
-    start_load(&mut d, "bogus", 20, 0, &[6, 8], &bogus);
-    start_load(&mut d, "len", 30, 0, &[10, 12], &good); // wrong prompt length, same transfer
+    decide_load(&mut d, "bad-engine", 20, 0, &[4, 5], &wrong_engine);
+    start_loads(&mut d);
+    decide_load(&mut d, "bogus", 20, 0, &[6, 8], &bogus);
+    start_loads(&mut d);
+    decide_load(&mut d, "len", 30, 0, &[10, 12], &good); // wrong prompt length, same transfer
+    start_loads(&mut d);
     let f = d.wait_finished(|f| f.recving.len() == 3);
     let errs = crate::common::load_errors(&mut d);
     let reason = |b: u32| {
@@ -183,7 +187,8 @@ fn load_failures_name_the_problem_and_other_loads_go_on() {
     // The refused pull ended P's send; a good request afterwards goes through.
     p.wait_finished(|f| f.sending.len() == 1);
     let ok = prefill_output(&mut p, "rp2", "t3", 20, &[3, 4]);
-    start_load(&mut d, "ok", 20, 0, &[14, 15], &ok);
+    decide_load(&mut d, "ok", 20, 0, &[14, 15], &ok);
+    start_loads(&mut d);
     d.wait_finished(|f| f.recving.len() == 1);
     assert_eq!(
         crate::common::load_errors(&mut d),
@@ -199,7 +204,8 @@ fn an_aborted_prefill_ends_the_waiting_load_at_once_for_recompute() {
     let mut p = side("kv_producer", "tcp", "p1", "");
     let mut d = side("kv_consumer", "tcp", "d1", "");
     // P's request runs; D's pull is parked on it.
-    park_pull(&mut p, &mut d, "rp", "t1", "rd", &[1, 2, 3]);
+    start_pull(&mut p, &mut d, "rp", "t1", "rd", &[1, 2, 3]);
+    wait_parked(&p);
     let t_abort = Instant::now();
     assert_eq!(
         finish_with(&mut p, "rp", "t1", 40, &[1, 2, 3], FinishReason::Abort),

@@ -564,19 +564,10 @@ pub fn decide_load(
     m.num_tokens
 }
 
-/// D decides and starts the load.
-pub fn start_load(
-    d: &mut Side,
-    rid: &str,
-    len: usize,
-    computed: usize,
-    d_blocks: &[u32],
-    params: &Value,
-) -> usize {
-    let n = decide_load(d, rid, len, computed, d_blocks, params);
+/// D starts the loads it decided (the step's metadata to the worker side).
+pub fn start_loads(d: &mut Side) {
     let meta = d.c.build_connector_meta();
     d.c.start_load_kv(meta);
-    n
 }
 
 /// P admits `p_rid` (40 tokens) for `tid` and D starts loading it as
@@ -591,23 +582,15 @@ pub fn start_pull(
 ) -> Value {
     admit(p, p_rid, tid, 40);
     let params = d_params(p, tid);
-    start_load(d, d_rid, 40, 0, d_blocks, &params);
+    decide_load(d, d_rid, 40, 0, d_blocks, &params);
+    start_loads(d);
     params
 }
 
-/// [`start_pull`], then waits until D's pull is parked on P (P's request
-/// still runs); returns D's params.
-pub fn park_pull(
-    p: &mut Side,
-    d: &mut Side,
-    p_rid: &str,
-    tid: &str,
-    d_rid: &str,
-    d_blocks: &[u32],
-) -> Value {
-    let params = start_pull(p, d, p_rid, tid, d_rid, d_blocks);
+/// Waits until a pull (from [`start_pull`]) is parked on P (P's request
+/// still runs).
+pub fn wait_parked(p: &Side) {
     wait_until("D's pull reaches P", || p.gauge("pulls_pending") >= 1.0);
-    params
 }
 
 /// D loads `params` as `rid` (40 tokens, nothing local) into `d_blocks`
@@ -620,7 +603,8 @@ pub fn failed_load(
     params: &Value,
 ) -> (Vec<(u32, String)>, Duration) {
     let t0 = Instant::now();
-    start_load(d, rid, 40, 0, d_blocks, params);
+    decide_load(d, rid, 40, 0, d_blocks, params);
+    start_loads(d);
     d.wait_finished(|f| f.recving.iter().any(|r| &**r == rid));
     let took = t0.elapsed();
     let errs = load_errors(d);
@@ -689,7 +673,8 @@ pub fn recv_msg(s: &mut TcpStream) -> Message {
 /// checks the bytes landed in D's region and nothing stays held.
 pub fn transfer_ok(p: &mut Side, d: &mut Side, tag: &str, p_blocks: [u32; 3], d_blocks: [u32; 3]) {
     let params = prefill(p, &format!("p-{tag}"), tag, 40, &p_blocks);
-    start_load(d, &format!("d-{tag}"), 40, 0, &d_blocks, &params);
+    decide_load(d, &format!("d-{tag}"), 40, 0, &d_blocks, &params);
+    start_loads(d);
     d.wait_finished(|f| f.recving.len() == 1);
     assert_eq!(
         d.c.get_block_ids_with_load_errors(),
