@@ -36,6 +36,10 @@ import time
 import urllib.error
 import urllib.request
 
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "python", "pdkv-publish"))
+from pdkv_publish import engine  # noqa: E402
+
 DEADLINE = 300
 TOKEN = "T"
 PROMPTS = [
@@ -53,15 +57,7 @@ def check(cond, what):
 
 
 def call(url, path, body=None, method="POST"):
-    data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(url + path, data=data, method=method,
-                                 headers={"Authorization": f"Bearer {TOKEN}",
-                                          "Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=DEADLINE) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
+    return engine.call(url, path, body, method, token=TOKEN, timeout=DEADLINE)
 
 
 def answers(url):

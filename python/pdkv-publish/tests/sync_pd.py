@@ -20,11 +20,9 @@ import subprocess
 import sys
 import tempfile
 import threading
-import urllib.error
-import urllib.request
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from pdkv_publish import Publisher, Tensor  # noqa: E402
+from pdkv_publish import Publisher, Tensor, engine  # noqa: E402
 from pdkv_publish.publisher import read_safetensors  # noqa: E402
 
 DEADLINE = 120
@@ -74,15 +72,7 @@ def stop(p):
 
 
 def call(url, path, body=None, method="POST"):
-    data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(url + path, data=data, method=method,
-                                 headers={"Authorization": f"Bearer {TOKEN}",
-                                          "Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=DEADLINE) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
+    return engine.call(url, path, body, method, token=TOKEN, timeout=DEADLINE)
 
 
 def probes(url):
