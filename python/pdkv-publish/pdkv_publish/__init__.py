@@ -11,6 +11,8 @@ pulls the tensors, checks every checksum, and switches at
 Pure Python (standard library only). numpy arrays and torch CPU tensors are
 taken as they are (float32); raw bytes with an explicit type name publish
 any type the engine stores (``"q4_1"``, ``"q8_0"``, ...).
+:func:`pdkv_publish.engine.call` makes the calls to the engines (or the
+proxy) that drive a sync.
 """
 
 from .publisher import Publisher, Tensor  # noqa: F401
