@@ -288,55 +288,40 @@ fn random_tensors(cfg: &ModelConfig, seed: u64) -> Vec<(String, Vec<usize>, Vec<
     );
     for i in 0..cfg.num_layers {
         let p = |n: &str| format!("model.layers.{i}.{n}.weight");
-        push(p("input_layernorm"), vec![h], rng.norm_vec(h));
-        push(
-            p("self_attn.q_proj"),
-            vec![q, h],
-            rng.normal_vec(q * h, linear),
-        );
-        push(
-            p("self_attn.k_proj"),
-            vec![kv, h],
-            rng.normal_vec(kv * h, linear),
-        );
-        push(
-            p("self_attn.v_proj"),
-            vec![kv, h],
-            rng.normal_vec(kv * h, linear),
-        );
-        push(
-            p("self_attn.o_proj"),
-            vec![h, q],
-            rng.normal_vec(h * q, linear),
-        );
-        if cfg.arch == Arch::Qwen3 {
-            push(
-                p("self_attn.q_norm"),
-                vec![cfg.head_dim],
-                rng.norm_vec(cfg.head_dim),
-            );
-            push(
-                p("self_attn.k_norm"),
-                vec![cfg.head_dim],
-                rng.norm_vec(cfg.head_dim),
-            );
+        // A layer's tensors in checkpoint order (the random stream's order):
+        // a norm's `[n]` weight, or a linear layer's `[rows, cols]`.
+        let head_norms: &[(&str, &[usize])] = match cfg.arch {
+            Arch::Qwen3 => &[
+                ("self_attn.q_norm", &[cfg.head_dim]),
+                ("self_attn.k_norm", &[cfg.head_dim]),
+            ],
+            Arch::Llama => &[],
+        };
+        let attention: [(&str, &[usize]); 5] = [
+            ("input_layernorm", &[h]),
+            ("self_attn.q_proj", &[q, h]),
+            ("self_attn.k_proj", &[kv, h]),
+            ("self_attn.v_proj", &[kv, h]),
+            ("self_attn.o_proj", &[h, q]),
+        ];
+        let mlp: [(&str, &[usize]); 4] = [
+            ("post_attention_layernorm", &[h]),
+            ("mlp.gate_proj", &[ff, h]),
+            ("mlp.up_proj", &[ff, h]),
+            ("mlp.down_proj", &[h, ff]),
+        ];
+        for (name, shape) in attention
+            .into_iter()
+            .chain(head_norms.iter().copied())
+            .chain(mlp)
+        {
+            let data = match *shape {
+                [n] => rng.norm_vec(n),
+                [rows, cols] => rng.normal_vec(rows * cols, linear),
+                _ => unreachable!("norms and linear layers only"),
+            };
+            push(p(name), shape.to_vec(), data);
         }
-        push(p("post_attention_layernorm"), vec![h], rng.norm_vec(h));
-        push(
-            p("mlp.gate_proj"),
-            vec![ff, h],
-            rng.normal_vec(ff * h, linear),
-        );
-        push(
-            p("mlp.up_proj"),
-            vec![ff, h],
-            rng.normal_vec(ff * h, linear),
-        );
-        push(
-            p("mlp.down_proj"),
-            vec![h, ff],
-            rng.normal_vec(h * ff, linear),
-        );
     }
     push("model.norm.weight".into(), vec![h], rng.norm_vec(h));
     if !cfg.tie_word_embeddings {
