@@ -319,15 +319,8 @@ pub fn synthetic_model_with(
     quant: Option<crate::qkernels::QType>,
 ) -> anyhow::Result<Model> {
     use crate::weights::{DType, LayerWeights, TensorRef, Weights, WeightsLayout};
-    use crate::Arch;
     cfg.validate()?;
-    let (h, q, kv, inter, hd) = (
-        cfg.hidden_size,
-        cfg.q_dim(),
-        cfg.kv_dim(),
-        cfg.intermediate_size,
-        cfg.head_dim,
-    );
+    let (h, q, inter) = (cfg.hidden_size, cfg.q_dim(), cfg.intermediate_size);
     let mut lay = WeightsLayout::new();
     let embed = lay.push(&[cfg.vocab_size, h]);
     let linear = |lay: &mut WeightsLayout, shape: &[usize]| match quant {
@@ -336,34 +329,14 @@ pub fn synthetic_model_with(
         }
         _ => lay.push(shape),
     };
-    let mut layers = Vec::with_capacity(cfg.num_layers);
-    for _ in 0..cfg.num_layers {
-        let qwen = cfg.arch == Arch::Qwen3;
-        let attn_norm = lay.push(&[h]);
-        let wq = linear(&mut lay, &[q, h]);
-        let wk = linear(&mut lay, &[kv, h]);
-        let wv = linear(&mut lay, &[kv, h]);
-        let wo = linear(&mut lay, &[h, q]);
-        let q_norm = qwen.then(|| lay.push(&[hd]));
-        let k_norm = qwen.then(|| lay.push(&[hd]));
-        let ffn_norm = lay.push(&[h]);
-        let w_gate = linear(&mut lay, &[inter, h]);
-        let w_up = linear(&mut lay, &[inter, h]);
-        let w_down = linear(&mut lay, &[h, inter]);
-        layers.push(LayerWeights {
-            attn_norm,
-            wq,
-            wk,
-            wv,
-            wo,
-            q_norm,
-            k_norm,
-            ffn_norm,
-            w_gate,
-            w_up,
-            w_down,
-        });
-    }
+    let layers = (0..cfg.num_layers)
+        .map(|_| {
+            LayerWeights::build(cfg, |t| match t.is_linear() {
+                true => linear(&mut lay, &t.shape(cfg)),
+                false => lay.push(&t.shape(cfg)),
+            })
+        })
+        .collect::<Vec<_>>();
     let final_norm = lay.push(&[h]);
     let lm_head = if cfg.tie_word_embeddings {
         embed.clone()

@@ -16,6 +16,7 @@ use std::path::Path;
 use anyhow::{bail, Context};
 use serde_json::{json, Value};
 
+use crate::weights::LayerTensor;
 use crate::{Arch, ModelConfig};
 
 /// Special tokens of the generated tokenizer, appended after the merges.
@@ -272,13 +273,7 @@ pub fn tokenizer_json(vocab_size: usize) -> anyhow::Result<Value> {
 fn random_tensors(cfg: &ModelConfig, seed: u64) -> Vec<(String, Vec<usize>, Vec<f32>)> {
     let mut rng = SplitMix64(seed);
     let mut out = Vec::new();
-    let (h, q, kv, ff, v) = (
-        cfg.hidden_size,
-        cfg.q_dim(),
-        cfg.kv_dim(),
-        cfg.intermediate_size,
-        cfg.vocab_size,
-    );
+    let (h, v) = (cfg.hidden_size, cfg.vocab_size);
     let linear = 0.05;
     let mut push = |name: String, shape: Vec<usize>, data: Vec<f32>| out.push((name, shape, data));
     push(
@@ -288,39 +283,15 @@ fn random_tensors(cfg: &ModelConfig, seed: u64) -> Vec<(String, Vec<usize>, Vec<
     );
     for i in 0..cfg.num_layers {
         let p = |n: &str| format!("model.layers.{i}.{n}.weight");
-        // A layer's tensors in checkpoint order (the random stream's order):
-        // a norm's `[n]` weight, or a linear layer's `[rows, cols]`.
-        let head_norms: &[(&str, &[usize])] = match cfg.arch {
-            Arch::Qwen3 => &[
-                ("self_attn.q_norm", &[cfg.head_dim]),
-                ("self_attn.k_norm", &[cfg.head_dim]),
-            ],
-            Arch::Llama => &[],
-        };
-        let attention: [(&str, &[usize]); 5] = [
-            ("input_layernorm", &[h]),
-            ("self_attn.q_proj", &[q, h]),
-            ("self_attn.k_proj", &[kv, h]),
-            ("self_attn.v_proj", &[kv, h]),
-            ("self_attn.o_proj", &[h, q]),
-        ];
-        let mlp: [(&str, &[usize]); 4] = [
-            ("post_attention_layernorm", &[h]),
-            ("mlp.gate_proj", &[ff, h]),
-            ("mlp.up_proj", &[ff, h]),
-            ("mlp.down_proj", &[h, ff]),
-        ];
-        for (name, shape) in attention
-            .into_iter()
-            .chain(head_norms.iter().copied())
-            .chain(mlp)
-        {
+        // In checkpoint order: the random stream's order.
+        for t in LayerTensor::of(cfg.arch) {
+            let shape = t.shape(cfg);
             let data = match *shape {
                 [n] => rng.norm_vec(n),
                 [rows, cols] => rng.normal_vec(rows * cols, linear),
                 _ => unreachable!("norms and linear layers only"),
             };
-            push(p(name), shape.to_vec(), data);
+            push(p(t.names().0), shape, data);
         }
     }
     push("model.norm.weight".into(), vec![h], rng.norm_vec(h));

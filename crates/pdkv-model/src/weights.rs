@@ -14,6 +14,7 @@ use pdkv_vmem::Region;
 
 use crate::qtype::QType;
 pub use crate::qtype::{ggml_type, quant_of};
+use crate::{Arch, ModelConfig};
 
 /// How a tensor's values are stored.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -96,7 +97,139 @@ pub struct LayerWeights {
     pub w_down: TensorRef,
 }
 
+/// One of a layer's tensors: what every list of a layer's tensors (a
+/// checkpoint's, a load plan's, a synthetic model's) goes through, in
+/// [`LayerTensor::ALL`]'s order.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LayerTensor {
+    AttnNorm,
+    Q,
+    K,
+    V,
+    O,
+    /// Qwen3 only.
+    QNorm,
+    /// Qwen3 only.
+    KNorm,
+    FfnNorm,
+    Gate,
+    Up,
+    Down,
+}
+
+impl LayerTensor {
+    /// Checkpoint order.
+    pub const ALL: [LayerTensor; 11] = [
+        LayerTensor::AttnNorm,
+        LayerTensor::Q,
+        LayerTensor::K,
+        LayerTensor::V,
+        LayerTensor::O,
+        LayerTensor::QNorm,
+        LayerTensor::KNorm,
+        LayerTensor::FfnNorm,
+        LayerTensor::Gate,
+        LayerTensor::Up,
+        LayerTensor::Down,
+    ];
+
+    /// The tensors a layer of `arch` has, in checkpoint order.
+    pub fn of(arch: Arch) -> impl Iterator<Item = LayerTensor> {
+        Self::ALL
+            .into_iter()
+            .filter(move |t| arch == Arch::Qwen3 || !t.is_head_norm())
+    }
+
+    fn is_head_norm(self) -> bool {
+        matches!(self, LayerTensor::QNorm | LayerTensor::KNorm)
+    }
+
+    /// `(Hugging Face name, GGUF name)` within the layer, without the
+    /// `.weight` suffix.
+    pub fn names(self) -> (&'static str, &'static str) {
+        match self {
+            LayerTensor::AttnNorm => ("input_layernorm", "attn_norm"),
+            LayerTensor::Q => ("self_attn.q_proj", "attn_q"),
+            LayerTensor::K => ("self_attn.k_proj", "attn_k"),
+            LayerTensor::V => ("self_attn.v_proj", "attn_v"),
+            LayerTensor::O => ("self_attn.o_proj", "attn_output"),
+            LayerTensor::QNorm => ("self_attn.q_norm", "attn_q_norm"),
+            LayerTensor::KNorm => ("self_attn.k_norm", "attn_k_norm"),
+            LayerTensor::FfnNorm => ("post_attention_layernorm", "ffn_norm"),
+            LayerTensor::Gate => ("mlp.gate_proj", "ffn_gate"),
+            LayerTensor::Up => ("mlp.up_proj", "ffn_up"),
+            LayerTensor::Down => ("mlp.down_proj", "ffn_down"),
+        }
+    }
+
+    /// Its shape: a norm's `[n]`, a linear layer's `[out, in]`.
+    pub fn shape(self, cfg: &ModelConfig) -> Vec<usize> {
+        let (h, q, kv, ff) = (
+            cfg.hidden_size,
+            cfg.q_dim(),
+            cfg.kv_dim(),
+            cfg.intermediate_size,
+        );
+        match self {
+            LayerTensor::AttnNorm | LayerTensor::FfnNorm => vec![h],
+            LayerTensor::QNorm | LayerTensor::KNorm => vec![cfg.head_dim],
+            LayerTensor::Q => vec![q, h],
+            LayerTensor::K | LayerTensor::V => vec![kv, h],
+            LayerTensor::O => vec![h, q],
+            LayerTensor::Gate | LayerTensor::Up => vec![ff, h],
+            LayerTensor::Down => vec![h, ff],
+        }
+    }
+
+    /// A linear layer (a matrix), not a norm.
+    pub fn is_linear(self) -> bool {
+        !matches!(
+            self,
+            LayerTensor::AttnNorm | LayerTensor::FfnNorm | LayerTensor::QNorm | LayerTensor::KNorm
+        )
+    }
+
+    /// Llama's q and k projections: the heads GGUF files interleave for
+    /// RoPE (loaders un-permute them); `None` for every other tensor.
+    pub fn rope_heads(self, cfg: &ModelConfig) -> Option<usize> {
+        match (cfg.arch, self) {
+            (Arch::Llama, LayerTensor::Q) => Some(cfg.num_heads),
+            (Arch::Llama, LayerTensor::K) => Some(cfg.num_kv_heads),
+            _ => None,
+        }
+    }
+}
+
 impl LayerWeights {
+    /// A layer of `cfg`'s shape, each tensor made by `make` in checkpoint
+    /// order.
+    pub fn build(
+        cfg: &ModelConfig,
+        mut make: impl FnMut(LayerTensor) -> TensorRef,
+    ) -> LayerWeights {
+        let qwen = cfg.arch == Arch::Qwen3;
+        let attn_norm = make(LayerTensor::AttnNorm);
+        let wq = make(LayerTensor::Q);
+        let wk = make(LayerTensor::K);
+        let wv = make(LayerTensor::V);
+        let wo = make(LayerTensor::O);
+        let q_norm = qwen.then(|| make(LayerTensor::QNorm));
+        let k_norm = qwen.then(|| make(LayerTensor::KNorm));
+        LayerWeights {
+            attn_norm,
+            wq,
+            wk,
+            wv,
+            wo,
+            q_norm,
+            k_norm,
+            ffn_norm: make(LayerTensor::FfnNorm),
+            w_gate: make(LayerTensor::Gate),
+            w_up: make(LayerTensor::Up),
+            w_down: make(LayerTensor::Down),
+        }
+    }
+
     /// The layer's tensors (Qwen3's head norms when it has them).
     pub fn tensors(&self) -> impl Iterator<Item = &TensorRef> {
         [

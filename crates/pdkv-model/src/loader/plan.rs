@@ -184,75 +184,16 @@ fn plan_layer(
     i: usize,
     push: &mut impl FnMut(String, String, &[usize], Option<usize>, bool) -> TensorRef,
 ) -> LayerWeights {
-    let (h, q, kv, ff) = (
-        cfg.hidden_size,
-        cfg.q_dim(),
-        cfg.kv_dim(),
-        cfg.intermediate_size,
-    );
-    let llama = cfg.arch == Arch::Llama;
-    let g = |n: &str| format!("blk.{i}.{n}.weight");
-    let f = |n: &str| format!("model.layers.{i}.{n}.weight");
-    let attn_norm = push(g("attn_norm"), f("input_layernorm"), &[h], None, false);
-    let wq = push(
-        g("attn_q"),
-        f("self_attn.q_proj"),
-        &[q, h],
-        llama.then_some(cfg.num_heads),
-        true,
-    );
-    let wk = push(
-        g("attn_k"),
-        f("self_attn.k_proj"),
-        &[kv, h],
-        llama.then_some(cfg.num_kv_heads),
-        true,
-    );
-    let wv = push(g("attn_v"), f("self_attn.v_proj"), &[kv, h], None, true);
-    let wo = push(g("attn_output"), f("self_attn.o_proj"), &[h, q], None, true);
-    let (q_norm, k_norm) = if cfg.arch == Arch::Qwen3 {
-        (
-            Some(push(
-                g("attn_q_norm"),
-                f("self_attn.q_norm"),
-                &[cfg.head_dim],
-                None,
-                false,
-            )),
-            Some(push(
-                g("attn_k_norm"),
-                f("self_attn.k_norm"),
-                &[cfg.head_dim],
-                None,
-                false,
-            )),
+    LayerWeights::build(cfg, |t| {
+        let (hf, gguf) = t.names();
+        push(
+            format!("blk.{i}.{gguf}.weight"),
+            format!("model.layers.{i}.{hf}.weight"),
+            &t.shape(cfg),
+            t.rope_heads(cfg),
+            t.is_linear(),
         )
-    } else {
-        (None, None)
-    };
-    let ffn_norm = push(
-        g("ffn_norm"),
-        f("post_attention_layernorm"),
-        &[h],
-        None,
-        false,
-    );
-    let w_gate = push(g("ffn_gate"), f("mlp.gate_proj"), &[ff, h], None, true);
-    let w_up = push(g("ffn_up"), f("mlp.up_proj"), &[ff, h], None, true);
-    let w_down = push(g("ffn_down"), f("mlp.down_proj"), &[h, ff], None, true);
-    LayerWeights {
-        attn_norm,
-        wq,
-        wk,
-        wv,
-        wo,
-        q_norm,
-        k_norm,
-        ffn_norm,
-        w_gate,
-        w_up,
-        w_down,
-    }
+    })
 }
 
 pub(super) fn check_shape(name: &str, found: &[usize], expected: &[usize]) -> anyhow::Result<()> {
