@@ -241,32 +241,23 @@ pub fn tokenizer_json(vocab_size: usize) -> anyhow::Result<Value> {
     }
     let mut added = Vec::new();
     for s in SPECIAL_TOKENS {
-        added.push(json!({
-            "id": vocab.len(), "content": s, "single_word": false, "lstrip": false, "rstrip": false,
-            "normalized": false, "special": true,
-        }));
+        added.push(crate::tokenizer::added_token(vocab.len(), s, true));
         add(&mut vocab, s.to_string());
     }
     if vocab.len() != vocab_size {
         bail!("built {} tokens, wanted {vocab_size}", vocab.len());
     }
     let byte_level = |add_prefix_space: bool, trim: bool| json!({"type": "ByteLevel", "add_prefix_space": add_prefix_space, "trim_offsets": trim, "use_regex": true});
-    Ok(json!({
-        "version": "1.0",
-        "truncation": null,
-        "padding": null,
-        "added_tokens": added,
-        "normalizer": null,
-        "pre_tokenizer": byte_level(false, true),
-        "post_processor": byte_level(true, false),
-        "decoder": byte_level(true, true),
-        "model": {
-            "type": "BPE", "dropout": null, "unk_token": null, "continuing_subword_prefix": null,
-            "end_of_word_suffix": null, "fuse_unk": false, "byte_fallback": false, "ignore_merges": false,
-            "vocab": vocab,
-            "merges": merges.iter().map(|(a, b)| json!([a, b])).collect::<Vec<_>>(),
-        },
-    }))
+    let merges = merges
+        .iter()
+        .map(|(a, b)| json!([a, b]))
+        .collect::<Vec<_>>();
+    Ok(crate::tokenizer::bpe_json(
+        added,
+        [byte_level(false, true), byte_level(true, false)],
+        vocab,
+        json!(merges),
+    ))
 }
 
 /// Random weights for `cfg`, in Hugging Face names and order.

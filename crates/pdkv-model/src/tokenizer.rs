@@ -202,10 +202,7 @@ pub fn gguf_tokenizer_json(gguf: &GgufFile) -> anyhow::Result<Value> {
             bail!("GGUF vocabulary lists token {tok:?} twice");
         }
         if ty == TOKEN_TYPE_CONTROL || ty == TOKEN_TYPE_USER_DEFINED {
-            added.push(json!({
-                "id": id, "content": tok, "single_word": false, "lstrip": false, "rstrip": false,
-                "normalized": false, "special": ty == TOKEN_TYPE_CONTROL,
-            }));
+            added.push(added_token(id, tok, ty == TOKEN_TYPE_CONTROL));
         }
     }
 
@@ -236,13 +233,37 @@ pub fn gguf_tokenizer_json(gguf: &GgufFile) -> anyhow::Result<Value> {
         _ => Value::Null,
     };
 
-    Ok(json!({
+    Ok(bpe_json(
+        added,
+        [pre_tokenizer_for(pre), post_processor],
+        vocab,
+        json!(merges),
+    ))
+}
+
+/// An added token of a `tokenizer.json`.
+pub(crate) fn added_token(id: usize, content: &str, special: bool) -> Value {
+    json!({
+        "id": id, "content": content, "single_word": false, "lstrip": false, "rstrip": false,
+        "normalized": false, "special": special,
+    })
+}
+
+/// A byte-level BPE `tokenizer.json` (the byte-level decoder): its added
+/// tokens, pre-tokenizer and post-processor, vocabulary and merges.
+pub(crate) fn bpe_json(
+    added: Vec<Value>,
+    [pre_tokenizer, post_processor]: [Value; 2],
+    vocab: serde_json::Map<String, Value>,
+    merges: Value,
+) -> Value {
+    json!({
         "version": "1.0",
         "truncation": null,
         "padding": null,
         "added_tokens": added,
         "normalizer": null,
-        "pre_tokenizer": pre_tokenizer_for(pre),
+        "pre_tokenizer": pre_tokenizer,
         "post_processor": post_processor,
         "decoder": {"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": true, "use_regex": true},
         "model": {
@@ -251,5 +272,5 @@ pub fn gguf_tokenizer_json(gguf: &GgufFile) -> anyhow::Result<Value> {
             "vocab": vocab,
             "merges": merges,
         },
-    }))
+    })
 }
