@@ -203,6 +203,26 @@ pub struct EngineRequest {
     pub resume_token_ids: Vec<u32>,
 }
 
+impl EngineRequest {
+    /// A new request (unsalted, for no KV connector, nothing produced yet).
+    pub fn new(id: impl Into<String>, prompt_tokens: Vec<u32>, params: SamplingParams) -> Self {
+        EngineRequest {
+            id: id.into(),
+            prompt_tokens,
+            params,
+            kv_transfer_params: None,
+            cache_salt: None,
+            resume_token_ids: Vec::new(),
+        }
+    }
+
+    /// The request with `params` for the KV connector.
+    pub fn with_kv_transfer_params(mut self, params: Option<KvTransferParams>) -> Self {
+        self.kv_transfer_params = params;
+        self
+    }
+}
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum FinishReason {
     /// EOS, a stop token id or a stop string.

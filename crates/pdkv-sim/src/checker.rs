@@ -346,19 +346,16 @@ mod tests {
             let n = self.cluster.node_mut(1).expect("up");
             n.oracle.lock().unwrap().start(id, prompt);
             let out = n.outputs.clone();
-            let req = EngineRequest {
-                cache_salt: None,
-                resume_token_ids: Vec::new(),
-                id: id.into(),
-                prompt_tokens: prompt.to_vec(),
-                params: SamplingParams {
+            let req = EngineRequest::new(
+                id,
+                prompt.to_vec(),
+                SamplingParams {
                     temperature: 0.0,
                     max_tokens: 8,
                     ignore_eos: true,
                     ..SamplingParams::default()
                 },
-                kv_transfer_params: None,
-            };
+            );
             let sink = Box::new(move |o: RequestOutput| {
                 out.lock().unwrap().push((o.request_id.clone(), o));
                 true

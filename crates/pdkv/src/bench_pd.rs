@@ -166,14 +166,7 @@ fn run_colocated(
         .iter()
         .enumerate()
         .map(|(i, p)| {
-            let req = EngineRequest {
-                cache_salt: None,
-                resume_token_ids: Vec::new(),
-                id: format!("{tag}-{i}"),
-                prompt_tokens: p.clone(),
-                params: params(max_tokens),
-                kv_transfer_params: None,
-            };
+            let req = EngineRequest::new(format!("{tag}-{i}"), p.clone(), params(max_tokens));
             let mut stream = engine.add_request(req)?;
             Ok(std::thread::spawn(move || collect(&mut stream, t0)))
         })
@@ -251,26 +244,18 @@ fn run_pd(
     let mut handles = Vec::new();
     for (i, prompt) in prompts.iter().enumerate() {
         let transfer_id = format!("{tag}-{i}");
-        let mut p_stream = p.add_request(EngineRequest {
-            cache_salt: None,
-            resume_token_ids: Vec::new(),
-            id: format!("{tag}-p-{i}"),
-            prompt_tokens: prompt.clone(),
-            params: params(1),
-            kv_transfer_params: Some(params::for_prefill(&transfer_id)),
-        })?;
-        let mut d_stream = d.add_request(EngineRequest {
-            cache_salt: None,
-            resume_token_ids: Vec::new(),
-            id: format!("{tag}-d-{i}"),
-            prompt_tokens: prompt.clone(),
-            params: params(max_tokens),
-            kv_transfer_params: Some(params::for_decode(
-                &transfer_id,
-                engine_id.as_deref(),
-                bootstrap.as_deref(),
-            )),
-        })?;
+        let mut p_stream = p.add_request(
+            EngineRequest::new(format!("{tag}-p-{i}"), prompt.clone(), params(1))
+                .with_kv_transfer_params(Some(params::for_prefill(&transfer_id))),
+        )?;
+        let mut d_stream = d.add_request(
+            EngineRequest::new(format!("{tag}-d-{i}"), prompt.clone(), params(max_tokens))
+                .with_kv_transfer_params(Some(params::for_decode(
+                    &transfer_id,
+                    engine_id.as_deref(),
+                    bootstrap.as_deref(),
+                ))),
+        )?;
         let p_done = std::thread::spawn(move || -> anyhow::Result<Duration> {
             collect(&mut p_stream, t0)?;
             Ok(t0.elapsed())

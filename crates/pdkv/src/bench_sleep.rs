@@ -101,14 +101,7 @@ fn probe(engine: &EngineHandle, round: usize, max_tokens: u32) -> anyhow::Result
             ignore_eos: true,
             ..SamplingParams::default()
         };
-        let req = EngineRequest {
-            cache_salt: None,
-            resume_token_ids: Vec::new(),
-            id: format!("probe-{round}-{i}"),
-            prompt_tokens,
-            params,
-            kv_transfer_params: None,
-        };
+        let req = EngineRequest::new(format!("probe-{round}-{i}"), prompt_tokens, params);
         streams.push(
             engine
                 .add_request(req)

@@ -64,17 +64,7 @@ const FRESH: [&str; 3] = [
 ];
 
 /// One workload on one engine: tokens after the first, and the time they took.
-#[derive(Clone, Copy, Default)]
-struct Decode {
-    tokens: usize,
-    seconds: f64,
-}
-
-impl Decode {
-    fn tok_s(self) -> f64 {
-        self.tokens as f64 / self.seconds.max(1e-9)
-    }
-}
+type Decode = progress::Throughput;
 
 pub fn run_spec(args: SpecArgs) -> anyhow::Result<()> {
     anyhow::ensure!(args.repeats > 0, "--repeats must be at least 1");
@@ -182,18 +172,15 @@ fn run_workload(
     let mut total = Decode::default();
     let mut outputs = Vec::new();
     for (i, p) in prompts.iter().enumerate() {
-        let req = EngineRequest {
-            cache_salt: None,
-            resume_token_ids: Vec::new(),
-            id: format!("{tag}-{rep}-{i}"),
-            prompt_tokens: p.clone(),
-            params: SamplingParams {
+        let req = EngineRequest::new(
+            format!("{tag}-{rep}-{i}"),
+            p.clone(),
+            SamplingParams {
                 temperature: 0.0,
                 max_tokens,
                 ..SamplingParams::default()
             },
-            kv_transfer_params: None,
-        };
+        );
         let t0 = Instant::now();
         let mut stream = engine.add_request(req)?;
         let (ttft, toks) = crate::bench_pd::collect(&mut stream, t0)?;

@@ -57,16 +57,15 @@ pub(crate) fn schema() -> serde_json::Value {
     })
 }
 
-/// One side's run: tokens, wall time and the mask counters it added.
+/// One side's run: its tokens and wall time, and the mask counters it added.
 struct Side {
-    tokens: usize,
-    seconds: f64,
+    run: progress::Throughput,
     masks: StructuredStats,
 }
 
 impl Side {
     fn tok_s(&self) -> f64 {
-        self.tokens as f64 / self.seconds.max(1e-9)
+        self.run.tok_s()
     }
 }
 
@@ -127,13 +126,13 @@ pub fn run_structured(args: StructuredArgs) -> anyhow::Result<()> {
         println!(
             "{:<14} {:>9} {:>9.1}",
             "unconstrained",
-            free.tokens,
+            free.run.tokens,
             free.tok_s()
         );
         println!(
             "{:<14} {:>9} {:>9.1}",
             "json schema",
-            guided.tokens,
+            guided.run.tokens,
             guided.tok_s()
         );
         println!("ratio (json schema / unconstrained): {ratio:.3}x");
@@ -173,12 +172,10 @@ fn run_side(
     let t0 = Instant::now();
     let mut readers = Vec::new();
     for (i, p) in prompts.iter().enumerate() {
-        let req = EngineRequest {
-            cache_salt: None,
-            resume_token_ids: Vec::new(),
-            id: format!("{tag}-{rep}-{i}"),
-            prompt_tokens: p.clone(),
-            params: SamplingParams {
+        let req = EngineRequest::new(
+            format!("{tag}-{rep}-{i}"),
+            p.clone(),
+            SamplingParams {
                 temperature: 1.0,
                 seed: Some(i as u64),
                 max_tokens: args.max_tokens,
@@ -186,8 +183,7 @@ fn run_side(
                 constraint: grammar.cloned(),
                 ..SamplingParams::default()
             },
-            kv_transfer_params: None,
-        };
+        );
         let mut stream = engine.add_request(req)?;
         readers.push(std::thread::spawn(move || {
             crate::bench_pd::collect(&mut stream, t0).map(|(_, toks)| toks.len())
@@ -214,8 +210,7 @@ fn run_side(
         );
     }
     Ok(Side {
-        tokens,
-        seconds,
+        run: progress::Throughput { tokens, seconds },
         masks: StructuredStats {
             num_masks: after.num_masks - before.num_masks,
             mask_seconds: after.mask_seconds - before.mask_seconds,

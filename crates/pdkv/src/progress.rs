@@ -10,6 +10,19 @@ use pdkv_vmem::Pool;
 
 use crate::fetch;
 
+/// Generated tokens and the seconds they took: a bench's decode rate.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Throughput {
+    pub tokens: usize,
+    pub seconds: f64,
+}
+
+impl Throughput {
+    pub fn tok_s(self) -> f64 {
+        self.tokens as f64 / self.seconds.max(1e-9)
+    }
+}
+
 /// Loads `--model` into `pool`, showing progress; without `--model`, the
 /// default model (fetched on first use). Returns the path it loaded.
 pub fn load_model(model: Option<PathBuf>, pool: &Pool) -> anyhow::Result<(PathBuf, LoadedModel)> {

@@ -388,14 +388,7 @@ fn bad_read_params_fail_only_their_request() {
     };
     let e = d
         .handle
-        .add_request(EngineRequest {
-            cache_salt: None,
-            resume_token_ids: Vec::new(),
-            id: "junk".into(),
-            prompt_tokens: pr.clone(),
-            params: sp,
-            kv_transfer_params: Some(junk),
-        })
+        .add_request(EngineRequest::new("junk", pr.clone(), sp).with_kv_transfer_params(Some(junk)))
         .err()
         .expect("malformed read params refused");
     assert!(format!("{e}").contains("remote_block_ids"), "{e}");

@@ -204,19 +204,16 @@ impl Outputs {
 }
 
 fn request(id: &str, prompt_tokens: Vec<u32>, max_tokens: u32) -> EngineRequest {
-    EngineRequest {
-        cache_salt: None,
-        resume_token_ids: Vec::new(),
-        id: id.into(),
+    EngineRequest::new(
+        id,
         prompt_tokens,
-        params: SamplingParams {
+        SamplingParams {
             temperature: 0.0,
             max_tokens,
             ignore_eos: true,
             ..SamplingParams::default()
         },
-        kv_transfer_params: None,
-    }
+    )
 }
 
 fn prompt(len: usize, salt: u32) -> Vec<u32> {

@@ -132,14 +132,7 @@ pub fn request(
         return_logits: true,
         ..SamplingParams::default()
     };
-    EngineRequest {
-        cache_salt: None,
-        resume_token_ids: Vec::new(),
-        id: id.into(),
-        prompt_tokens: tokens,
-        params: sp,
-        kv_transfer_params: params,
-    }
+    EngineRequest::new(id, tokens, sp).with_kv_transfer_params(params)
 }
 
 /// Adds [`request`] to `e`; the stream must be kept (dropping it aborts).

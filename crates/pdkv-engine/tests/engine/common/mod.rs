@@ -52,14 +52,7 @@ pub fn greedy(max_tokens: u32) -> SamplingParams {
 }
 
 pub fn request(id: &str, prompt_tokens: Vec<u32>, params: SamplingParams) -> EngineRequest {
-    EngineRequest {
-        cache_salt: None,
-        resume_token_ids: Vec::new(),
-        id: id.to_string(),
-        prompt_tokens,
-        params,
-        kv_transfer_params: None,
-    }
+    EngineRequest::new(id, prompt_tokens, params)
 }
 
 /// A [`greedy`] request for `max_tokens` on `prompt(seed, len)`.
