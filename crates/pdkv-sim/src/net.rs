@@ -8,7 +8,7 @@
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
-use pdkv_connector::pd::core::Op;
+use pdkv_connector::pd::core::{Op, SendIo};
 use pdkv_connector::recv::LoadId;
 use pdkv_connector::wire::{FailCode, Failure, Message};
 
@@ -148,16 +148,14 @@ impl Net {
 
     /// Node `ix` (D, or the proxy's side of it) opens a control exchange.
     #[allow(clippy::too_many_arguments)]
-    pub fn send(
-        &mut self,
-        ctx: &mut Ctx,
-        cluster: &Cluster,
-        ix: Ix,
-        op: Op,
-        addr: &str,
-        msg: Message,
-        deadline: Instant,
-    ) {
+    pub fn send(&mut self, ctx: &mut Ctx, cluster: &Cluster, ix: Ix, io: SendIo) {
+        let SendIo {
+            op,
+            addr,
+            msg,
+            deadline,
+        } = io;
+        let addr = addr.as_str();
         let inc = cluster.inc(ix);
         let Some(to) = cluster.by_addr(addr) else {
             let f = Failure::new(FailCode::PeerLost, format!("no engine at {addr}"));
@@ -479,7 +477,13 @@ mod tests {
             transfer_id: "t1".into(),
         };
         let deadline = c.t0 + Duration::from_secs(1);
-        net.send(&mut c, &cluster, 1, op, "127.0.0.9:1", msg, deadline);
+        let io = SendIo {
+            op,
+            addr: "127.0.0.9:1".into(),
+            msg,
+            deadline,
+        };
+        net.send(&mut c, &cluster, 1, io);
         assert!(events(&mut c).is_empty() && net.idle());
     }
 }

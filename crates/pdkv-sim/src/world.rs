@@ -292,13 +292,8 @@ impl World {
                 net.reply(ctx, conn, msg, last);
                 None
             }
-            Io::Send {
-                op,
-                addr,
-                msg,
-                deadline,
-            } => {
-                net.send(ctx, cluster, ix, op, &addr, msg, deadline);
+            Io::Send(io) => {
+                net.send(ctx, cluster, ix, io);
                 None
             }
             Io::Write(io) => kv.start_write(ctx, net, cluster, ix, io),

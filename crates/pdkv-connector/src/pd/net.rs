@@ -23,7 +23,7 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{mpsc, Notify};
 
 use super::bootstrap;
-use super::core::{ConnId, Io, Op, PdCore, ReadIo, WriteIo, CONTROL_IO};
+use super::core::{ConnId, Io, PdCore, ReadIo, SendIo, WriteIo, CONTROL_IO};
 use super::{Driver, Shared};
 use crate::config::{KvTransferConfig, TransferMode, Transport};
 use crate::recv::LoadId;
@@ -188,15 +188,10 @@ impl Driver for NetDriver {
                     s.event(|c, now| c.on_write_done(now, write.conn, res, bytes));
                 });
             }
-            Io::Send {
-                op,
-                addr,
-                msg,
-                deadline,
-            } => {
+            Io::Send(send) => {
                 let (s, secret) = (shared.clone(), d.secret.clone());
                 d.handle
-                    .spawn(async move { exchange(&s, &secret, op, &addr, &msg, deadline).await });
+                    .spawn(async move { exchange(&s, &secret, send).await });
             }
             Io::Read(read) => {
                 let (s, n) = (shared.clone(), d.clone());
@@ -465,14 +460,14 @@ async fn serve_control(
 }
 
 /// D's side of one exchange: every frame of the answer goes to the core.
-async fn exchange(
-    shared: &Arc<Shared>,
-    secret: &KvSecret,
-    op: Op,
-    addr: &str,
-    msg: &Message,
-    deadline: Instant,
-) {
+async fn exchange(shared: &Arc<Shared>, secret: &KvSecret, send: SendIo) {
+    let SendIo {
+        op,
+        addr,
+        msg,
+        deadline,
+    } = send;
+    let (addr, msg) = (addr.as_str(), &msg);
     let failed = |f: Failure, sent: bool| {
         shared.event(|c, now| c.on_exchange_failed(now, op.clone(), f, sent))
     };

@@ -73,6 +73,20 @@ pub struct WriteIo {
     pub deadline: Instant,
 }
 
+/// D: one exchange with the control listener at `addr`: send `msg`, hand
+/// every frame back to
+/// [`PdCore::on_reply`](crate::pd::core::PdCore::on_reply) until a final
+/// one (a pull's `PullProgress` frames are not final), bounded by
+/// `deadline`; a failure goes to
+/// [`PdCore::on_exchange_failed`](crate::pd::core::PdCore::on_exchange_failed).
+#[derive(Clone, Debug, PartialEq)]
+pub struct SendIo {
+    pub op: Op,
+    pub addr: String,
+    pub msg: Message,
+    pub deadline: Instant,
+}
+
 /// I/O for the driver. Results come back through the `on_*` methods.
 #[derive(Clone, Debug, PartialEq)]
 pub enum Io {
@@ -85,18 +99,8 @@ pub enum Io {
     },
     /// P: write this engine's blocks into a pull's destination ([`WriteIo`]).
     Write(WriteIo),
-    /// D: one exchange with the control listener at `addr`: send `msg`, hand
-    /// every frame back to
-    /// [`PdCore::on_reply`](crate::pd::core::PdCore::on_reply) until a final
-    /// one (a pull's `PullProgress` frames are not final), bounded by
-    /// `deadline`; a failure goes to
-    /// [`PdCore::on_exchange_failed`](crate::pd::core::PdCore::on_exchange_failed).
-    Send {
-        op: Op,
-        addr: String,
-        msg: Message,
-        deadline: Instant,
-    },
+    /// D: one exchange with a control listener ([`SendIo`]).
+    Send(SendIo),
     /// D, read mode: read the peer's blocks ([`ReadIo`]).
     Read(ReadIo),
     /// D: stop the load's read at once (its result still comes).

@@ -245,33 +245,23 @@ impl PdCore {
             transfer_id: transfer_id.clone(),
             code: FailCode::Dropped,
         };
-        self.io.push_back(Io::Send {
-            op: Op::DropUnpulled { transfer_id },
+        self.exchange(
+            Op::DropUnpulled { transfer_id },
             addr,
             msg,
-            deadline: now + CONTROL_IO,
-        });
+            now + CONTROL_IO,
+        );
     }
 
     pub(super) fn recv_action(&mut self, now: Instant, a: recv::Action) {
         match a {
             recv::Action::Bootstrap { addr } => {
                 let op = Op::Bootstrap { addr: addr.clone() };
-                self.io.push_back(Io::Send {
-                    op,
-                    addr,
-                    msg: Message::Bootstrap,
-                    deadline: now + CONTROL_IO,
-                });
+                self.exchange(op, addr, Message::Bootstrap, now + CONTROL_IO);
             }
             recv::Action::Handshake { addr } => {
                 let op = Op::Handshake { addr: addr.clone() };
-                self.io.push_back(Io::Send {
-                    op,
-                    addr,
-                    msg: Message::Handshake,
-                    deadline: now + CONTROL_IO,
-                });
+                self.exchange(op, addr, Message::Handshake, now + CONTROL_IO);
             }
             recv::Action::Pull {
                 load,
@@ -291,12 +281,7 @@ impl PdCore {
                 transfer_id,
             } => {
                 let msg = Message::ReadDone { transfer_id };
-                self.io.push_back(Io::Send {
-                    op: Op::ReadDone { load },
-                    addr,
-                    msg,
-                    deadline: now + CONTROL_IO,
-                });
+                self.exchange(Op::ReadDone { load }, addr, msg, now + CONTROL_IO);
             }
             recv::Action::CancelRead { load } => self.io.push_back(Io::CancelRead { load }),
             recv::Action::Drop {
@@ -311,12 +296,7 @@ impl PdCore {
                 // P answers a drop once no write reads the blocks: as long as
                 // a write may take.
                 let wait = self.cfg.abort_timeout + CONTROL_IO;
-                self.io.push_back(Io::Send {
-                    op: Op::Drop { load },
-                    addr,
-                    msg,
-                    deadline: now + wait,
-                });
+                self.exchange(Op::Drop { load }, addr, msg, now + wait);
             }
             recv::Action::Fence { load } => {
                 self.counters.fences += 1;
@@ -401,12 +381,7 @@ impl PdCore {
         // The machine's deadline bounds the load; the exchange itself may
         // last as long as P heartbeats.
         let deadline = now + self.cfg.prefill_timeout + self.cfg.load_timeout;
-        self.io.push_back(Io::Send {
-            op: Op::Pull { load },
-            addr: spec.addr,
-            msg: Message::Pull(pull),
-            deadline,
-        });
+        self.exchange(Op::Pull { load }, spec.addr, Message::Pull(pull), deadline);
     }
 
     /// D, read mode: reads P's blocks `read.block_ids[first..]` at the

@@ -26,7 +26,7 @@ mod serve;
 mod state;
 
 pub use counters::{Counters, InFlight};
-pub use io::{ConnId, Copy, Io, Op, ReadIo, WriteIo, CONTROL_IO};
+pub use io::{ConnId, Copy, Io, Op, ReadIo, SendIo, WriteIo, CONTROL_IO};
 pub use kv::{KvInfo, RankKv};
 pub use state::{validate, PdCore};
 

@@ -13,7 +13,7 @@ use pdkv_transfer::Registry;
 use serde_json::Value;
 
 use super::counters::{Counters, InFlight};
-use super::io::{ConnId, Io, Op, CONTROL_IO};
+use super::io::{ConnId, Io, Op, SendIo, CONTROL_IO};
 use super::kv::KvInfo;
 use crate::claims::ClaimBook;
 use crate::config::{KvRole, KvTransferConfig};
@@ -65,6 +65,16 @@ pub struct PdCore {
 }
 
 impl PdCore {
+    /// Queues one control exchange ([`SendIo`]).
+    pub(super) fn exchange(&mut self, op: Op, addr: String, msg: Message, deadline: Instant) {
+        self.io.push_back(Io::Send(SendIo {
+            op,
+            addr,
+            msg,
+            deadline,
+        }));
+    }
+
     pub fn new(
         cfg: KvTransferConfig,
         engine_id: &str,
@@ -196,14 +206,14 @@ impl PdCore {
         self.recv.handle_timeout(now);
         for c in self.claims.due(now) {
             self.counters.claims_sent += c.transfer_ids.len() as u64;
-            self.io.push_back(Io::Send {
-                op: Op::Claim { id: c.id },
-                addr: c.addr,
-                msg: Message::Claim {
+            self.exchange(
+                Op::Claim { id: c.id },
+                c.addr,
+                Message::Claim {
                     transfer_ids: c.transfer_ids,
                 },
-                deadline: now + CONTROL_IO,
-            });
+                now + CONTROL_IO,
+            );
         }
         self.drive(now);
     }

@@ -153,10 +153,10 @@ fn a_release_marks_the_core_asleep_until_it_is_restored() {
 fn drops_unpulled(c: &mut PdCore) -> Vec<String> {
     std::iter::from_fn(|| c.poll_io())
         .filter_map(|io| match io {
-            Io::Send {
+            Io::Send(SendIo {
                 op: Op::DropUnpulled { transfer_id },
                 ..
-            } => Some(transfer_id),
+            }) => Some(transfer_id),
             _ => None,
         })
         .collect()
@@ -341,10 +341,10 @@ fn a_failed_exchange_ends_the_load_at_once_not_at_its_deadline() {
     let id = start_load(&mut d, t0);
     let op = std::iter::from_fn(|| d.poll_io())
         .find_map(|io| match io {
-            Io::Send {
+            Io::Send(SendIo {
                 op: op @ Op::Bootstrap { .. },
                 ..
-            } => Some(op),
+            }) => Some(op),
             _ => None,
         })
         .expect("a bootstrap");
