@@ -352,6 +352,13 @@ pub struct EngineStats {
     pub sleep_level: Option<u32>,
     /// After a level-2 sleep until weights are reloaded (requests refused).
     pub weights_discarded: bool,
+    /// Sleeps, wakes and weight updates: how many, and the last ones' time.
+    pub lifecycle: LifecycleStats,
+}
+
+/// The lifecycle's counters in [`EngineStats`].
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct LifecycleStats {
     /// Seconds the memory side of the last sleep (offload/discard) took.
     pub last_sleep_seconds: f64,
     /// Seconds the last wake (mapping and restoring memory) took.

@@ -197,14 +197,14 @@ fn sleep_levels_1_and_2_restore_exact_outputs() {
     );
     let s = wait_idle(&e);
     assert!(
-        s.num_sleeps >= 2
-            && s.num_wakes >= 2
-            && s.last_sleep_seconds > 0.0
-            && s.last_wake_seconds > 0.0
+        s.lifecycle.num_sleeps >= 2
+            && s.lifecycle.num_wakes >= 2
+            && s.lifecycle.last_sleep_seconds > 0.0
+            && s.lifecycle.last_wake_seconds > 0.0
     );
     println!(
         "device bytes awake {awake}, asleep {asleep}; last sleep {:.6} s, last wake {:.6} s, reload {:.6} s",
-        s.last_sleep_seconds, s.last_wake_seconds, s.last_weight_update_seconds
+        s.lifecycle.last_sleep_seconds, s.lifecycle.last_wake_seconds, s.lifecycle.last_weight_update_seconds
     );
 }
 
@@ -559,7 +559,7 @@ fn release_kv_needs_a_pause_and_wake_when_awake_changes_nothing() {
     e.wake_up(Some(&[Tag::KvCache])).unwrap();
     assert_eq!(e.lifecycle_status(), status);
     assert_eq!(e.pool().device_bytes(), awake);
-    assert_eq!(e.stats().num_wakes, 0);
+    assert_eq!(e.stats().lifecycle.num_wakes, 0);
 
     match e.release_kv_cache_memory() {
         Err(LifecycleError::Conflict(m)) => assert_eq!(m, RELEASE_NEEDS_PAUSE),

@@ -500,7 +500,7 @@ impl Metrics {
         e.counter(
             "pdkv_weight_updates_total",
             "In-place weight reloads.",
-            stats.num_weight_updates as f64,
+            stats.lifecycle.num_weight_updates as f64,
         );
     }
 }
@@ -723,7 +723,10 @@ mod tests {
             prefix_cache_queries: 8,
             prefix_cache_hits: 2,
             num_preemptions: 3,
-            num_weight_updates: 2,
+            lifecycle: pdkv_engine::LifecycleStats {
+                num_weight_updates: 2,
+                ..Default::default()
+            },
             spec: pdkv_engine::SpecStats {
                 num_drafts: 4,
                 num_draft_tokens: 12,

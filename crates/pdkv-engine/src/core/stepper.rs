@@ -27,8 +27,8 @@ use crate::model::ModelRunner;
 use crate::sampling::{logprobs, sample, LogitsAdjust, SamplingConfig, TokenHistory};
 use crate::scheduler::{NewRequest, Scheduler, SchedulerConfig, SchedulerOutput};
 use crate::{
-    AddRequestError, EngineConfig, EngineRequest, EngineStats, FinishReason, RequestOutput,
-    SpecStats,
+    AddRequestError, EngineConfig, EngineRequest, EngineStats, FinishReason, LifecycleStats,
+    RequestOutput, SpecStats,
 };
 
 /// Where the stepper publishes its state for readers elsewhere (the
@@ -96,17 +96,6 @@ impl SpecStats {
             }
         }
     }
-}
-
-/// Lifecycle counters published with the stats.
-#[derive(Default)]
-pub(super) struct LifecycleStats {
-    pub last_sleep_seconds: f64,
-    pub last_wake_seconds: f64,
-    pub last_weight_update_seconds: f64,
-    pub num_sleeps: u64,
-    pub num_wakes: u64,
-    pub num_weight_updates: u64,
 }
 
 /// The engine core as a state machine, stepped by a driver.
@@ -357,7 +346,6 @@ impl EngineCore {
     pub fn stats(&self) -> EngineStats {
         let c = self.sched.counts();
         let lc = self.lc.status();
-        let l = &self.lc_stats;
         EngineStats {
             num_running: c.num_running,
             num_waiting: c.num_waiting + c.num_waiting_for_remote_kv,
@@ -374,12 +362,7 @@ impl EngineCore {
             paused: lc.paused.is_some(),
             sleep_level: lc.sleeping.map(SleepLevel::as_u32),
             weights_discarded: lc.weights_discarded,
-            last_sleep_seconds: l.last_sleep_seconds,
-            last_wake_seconds: l.last_wake_seconds,
-            last_weight_update_seconds: l.last_weight_update_seconds,
-            num_sleeps: l.num_sleeps,
-            num_wakes: l.num_wakes,
-            num_weight_updates: l.num_weight_updates,
+            lifecycle: self.lc_stats,
         }
     }
 

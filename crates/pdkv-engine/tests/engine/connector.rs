@@ -537,7 +537,9 @@ fn a_weight_reload_waits_for_transfers_to_give_their_blocks_back() {
             .expect("the reload succeeds once the blocks came back");
     });
     assert_eq!(e.weight_info().version.as_deref(), Some("again"));
-    let counted = e.wait_stats(Duration::from_secs(30), |s| s.num_weight_updates == 1);
+    let counted = e.wait_stats(Duration::from_secs(30), |s| {
+        s.lifecycle.num_weight_updates == 1
+    });
     assert!(
         counted.is_some(),
         "one weight update counted: {:?}",
@@ -869,7 +871,7 @@ fn a_weight_update_waiting_for_transfers_leaves_the_core_answering_and_a_resume_
     });
     assert_eq!(e.weight_info(), info, "the weights are unchanged");
     assert_eq!(info.version, None);
-    assert_eq!(e.stats().num_weight_updates, 0);
+    assert_eq!(e.stats().lifecycle.num_weight_updates, 0);
     // q2, frozen during the update, runs on the old weights.
     let q2 = crate::common::collect(q2);
     assert_eq!(
