@@ -114,11 +114,8 @@ pub(crate) async fn whole_chat(
     view: ChatView,
     model: String,
 ) -> Result<Response, ApiError> {
-    let done = group.collect().await?;
-    let choices: Vec<Value> = done
-        .iter()
-        .enumerate()
-        .map(|(i, c)| {
+    let (done, choices) = group
+        .collect_answers(|i, c| {
             let finish = c.finish_reason.unwrap_or(FinishReason::Abort);
             let (message, finish) = match &view.tools {
                 Some(t) => crate::tools::message(t, &c.text, finish),
@@ -138,7 +135,7 @@ pub(crate) async fn whole_chat(
             }
             v
         })
-        .collect();
+        .await?;
     let mut body = json!({
         "id": group.id,
         "object": "chat.completion",

@@ -280,6 +280,17 @@ impl Group {
         Ok(choices)
     }
 
+    /// [`Group::collect`], and each choice as `answer(index, choice)` makes
+    /// it for a whole (not streamed) answer.
+    pub async fn collect_answers(
+        &mut self,
+        answer: impl Fn(usize, &Choice) -> Value,
+    ) -> Result<(Vec<Choice>, Vec<Value>), ApiError> {
+        let done = self.collect().await?;
+        let answers = done.iter().enumerate().map(|(i, c)| answer(i, c)).collect();
+        Ok((done, answers))
+    }
+
     /// Completion tokens over all choices so far.
     pub fn generated(&self) -> usize {
         self.resumed

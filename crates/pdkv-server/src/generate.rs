@@ -209,11 +209,8 @@ async fn whole(
     view: GenerateView,
     want_prompt_lp: bool,
 ) -> Result<Response, ApiError> {
-    let done = group.collect().await?;
-    let choices: Vec<Value> = done
-        .iter()
-        .enumerate()
-        .map(|(i, c)| {
+    let (done, choices) = group
+        .collect_answers(|i, c| {
             json!({
                 "index": i,
                 "token_ids": c.token_ids,
@@ -221,7 +218,7 @@ async fn whole(
                 "finish_reason": c.finish_reason.unwrap_or(FinishReason::Abort).as_str(),
             })
         })
-        .collect();
+        .await?;
     let prompt_lp = if want_prompt_lp {
         done[0]
             .prompt_logprobs

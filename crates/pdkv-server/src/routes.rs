@@ -488,13 +488,10 @@ async fn whole_completion(
     view: CompletionView,
     model: String,
 ) -> Result<Response, ApiError> {
-    let done = group.collect().await?;
+    let (done, choices) = group
+        .collect_answers(|i, c| view.whole_choice(i, c))
+        .await?;
     let kv_out = done[0].kv_transfer_params.clone();
-    let choices: Vec<Value> = done
-        .iter()
-        .enumerate()
-        .map(|(i, c)| view.whole_choice(i, c))
-        .collect();
     let resp = json_response(&json!({
         "id": group.id,
         "object": "text_completion",
