@@ -353,11 +353,17 @@ unsafe fn fill_rows<E: KvElem>(
 }
 
 /// Asks for the K and V rows of the next tile's positions (those of
-/// `next`, up to a tile's worth, `row_bytes` each) to be brought into the
-/// cache while the queries work on this tile: the next tile's rows sit in
-/// a block of their own, which the hardware's prefetching does not foresee
+/// `next`, up to a tile's worth, `row_bytes` each) to be brought into L2
+/// while the queries work on this tile: the next tile's rows sit in a
+/// block of their own, which the hardware's prefetching does not foresee
 /// (batch-1 decode at a depth of 4,096 waited on those loads; 4 of 4
-/// paired runs 3-11 % faster with the hint). A hint: nothing is read.
+/// paired runs 3-11 % faster with the hint). Into L2, not L1: an L1
+/// prefetch holds one of the core's few line-fill buffers until its line
+/// arrives, and `perf` put most of the sweep's samples on those
+/// prefetches; attention's time per batch-1 step (Q8_0, alternating, 2
+/// threads) went 2.45-2.63 -> 2.34-2.39 ms at a depth of 1,024 (3 runs
+/// each), 10.8-11.1 -> 10.4-10.6 ms at 4,096 (2 each), unchanged at 128.
+/// A hint: nothing is read.
 #[inline(always)]
 fn prefetch_rows<E: KvElem>(
     rows: &PagedRows<'_, E>,
@@ -366,14 +372,14 @@ fn prefetch_rows<E: KvElem>(
 ) {
     #[cfg(target_arch = "x86_64")]
     for t in next.take(KEY_TILE) {
-        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T1};
         let k = rows.k_row(t);
         let (k, v) = (k.cast::<i8>(), k.wrapping_add(rows.v_offset).cast::<i8>());
         for b in (0..row_bytes).step_by(64) {
             // SAFETY: a prefetch reads nothing and faults on no address.
             unsafe {
-                _mm_prefetch::<_MM_HINT_T0>(k.wrapping_add(b));
-                _mm_prefetch::<_MM_HINT_T0>(v.wrapping_add(b));
+                _mm_prefetch::<_MM_HINT_T1>(k.wrapping_add(b));
+                _mm_prefetch::<_MM_HINT_T1>(v.wrapping_add(b));
             }
         }
     }
