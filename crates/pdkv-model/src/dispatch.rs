@@ -141,15 +141,25 @@ pub(crate) fn for_each_job_of<T, P: Copy + Sync>(
 }
 
 /// The shapes every batched matmul checks before it splits the work:
-/// `x` (`x_len` values) holds `m` rows of `k`, and each output's matrix
-/// holds its `n` rows (`w_len` of the `w_need` bytes or values, counted in
-/// `unit`) and its `y` (`y_len` floats) `m` rows of `n`. Panics otherwise.
+/// `x` (`x_len` values) holds `m` rows of `k`, and [`check_outputs`].
 pub(crate) fn check_shapes(
     (x_len, m, k): (usize, usize, usize),
     unit: &str,
     outs: impl Iterator<Item = (usize, usize, usize, usize)>,
 ) {
     assert!(x_len >= m * k, "x has {x_len} values, need {m}x{k}");
+    check_outputs(m, k, unit, outs);
+}
+
+/// Each output's matrix holds its `n` rows (`w_len` of the `w_need` bytes
+/// or values, counted in `unit`) and its `y` (`y_len` floats) `m` rows of
+/// `n`, for activations of `m` rows of `k` values. Panics otherwise.
+pub(crate) fn check_outputs(
+    m: usize,
+    k: usize,
+    unit: &str,
+    outs: impl Iterator<Item = (usize, usize, usize, usize)>,
+) {
     for (w_len, w_need, y_len, n) in outs {
         assert!(
             w_len >= w_need,

@@ -9,7 +9,7 @@ use super::job::{Job, Scratch, NR};
 use super::portable;
 #[cfg(target_arch = "x86_64")]
 use super::simd;
-use crate::dispatch::{check_shapes, for_each_job_of, Backend, SendConstPtr, SendPtr};
+use crate::dispatch::{check_outputs, for_each_job_of, Backend, SendConstPtr, SendPtr};
 use crate::qtype::QType;
 
 /// One quantised weight matrix `[n, k]` (rows of `ty.row_bytes(k)` bytes, GGUF block layout) and its output `[m, n]`.
@@ -46,7 +46,8 @@ pub(super) fn run_many(fl: Flavour, x: &QActs, outs: &mut [QLinear<'_>]) {
     let shapes = outs
         .iter()
         .map(|o| (o.w.len(), o.n * o.ty.row_bytes(k), o.y.len(), o.n));
-    check_shapes((m * k, m, k), "bytes", shapes);
+    // The activations are `x`'s own (`QActs` holds `m` rows of `k`).
+    check_outputs(m, k, "bytes", shapes);
     assert!(has(fl), "{fl:?} is not available on this CPU");
     assert!(
         x.interleaved() || (fl != Flavour::Portable && m <= DIRECT_MAX),
