@@ -306,7 +306,7 @@ impl KvConnector for PdConnector {
         req: ConnectorRequest<'_>,
         end: Ended<'_>,
     ) -> (bool, Option<KvTransferParams>) {
-        self.call(|c, now| c.request_finished(now, req, end.block_ids, end.reason))
+        self.call(|c, now| c.request_finished(now, req, end))
     }
 
     /// P: stops holding KV for D (see [`crate::send::SendMachine::abort_all`]).

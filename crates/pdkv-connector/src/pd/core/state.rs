@@ -7,8 +7,9 @@ use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use pdkv_engine::connector::{ConnectorRequest, ExternalMatch, FinishedTransfers, LoadError};
-use pdkv_engine::FinishReason;
+use pdkv_engine::connector::{
+    ConnectorRequest, Ended, ExternalMatch, FinishedTransfers, LoadError,
+};
 use pdkv_transfer::Registry;
 use serde_json::Value;
 
@@ -287,9 +288,9 @@ impl PdCore {
         &mut self,
         now: Instant,
         req: ConnectorRequest<'_>,
-        block_ids: &[u32],
-        reason: FinishReason,
+        end: Ended<'_>,
     ) -> (bool, Option<Value>) {
+        let Ended { block_ids, reason } = end;
         self.pending.remove(req.id);
         self.claims.remove(req.id);
         let decided = self.decided.remove(req.id);

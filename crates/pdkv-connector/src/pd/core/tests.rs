@@ -5,7 +5,7 @@ use super::*;
 use std::sync::Arc;
 use std::time::Instant;
 
-use pdkv_engine::connector::{Allocated, ConnectorRequest, ExternalMatch, KvCacheSpec};
+use pdkv_engine::connector::{Allocated, ConnectorRequest, Ended, ExternalMatch, KvCacheSpec};
 use pdkv_engine::FinishReason;
 use pdkv_transfer::{Registration, Registry};
 
@@ -176,7 +176,7 @@ fn a_request_that_ends_before_its_load_is_decided_or_started_tells_p_and_holds_n
     // r1 ends before D decided its load: P is told to drop t1 now.
     d.get_num_new_matched_tokens(t0, req(&r1, &pa), 0);
     assert_eq!(
-        d.request_finished(t0, req(&r1, &pa), &[], FinishReason::Abort),
+        d.request_finished(t0, req(&r1, &pa), Ended::new(&[], FinishReason::Abort)),
         (false, None)
     );
     assert_eq!(drops_unpulled(&mut d), vec!["t1".to_string()]);
@@ -185,7 +185,11 @@ fn a_request_that_ends_before_its_load_is_decided_or_started_tells_p_and_holds_n
         d.get_num_new_matched_tokens(t0, req(id, params), 0);
         d.update_state_after_alloc(req(id, params), Allocated::new(&blocks, 0, 3 * BS));
     }
-    let (freed, _) = d.request_finished(t0, req(&r2, &pb), &[1, 2, 3], FinishReason::Abort);
+    let (freed, _) = d.request_finished(
+        t0,
+        req(&r2, &pb),
+        Ended::new(&[1, 2, 3], FinishReason::Abort),
+    );
     assert!(!freed, "a load never started holds nothing");
     assert_eq!(d.take_new_loads(), vec![r3.clone()]);
     assert_eq!(drops_unpulled(&mut d), vec!["t2".to_string()]);
@@ -194,14 +198,14 @@ fn a_request_that_ends_before_its_load_is_decided_or_started_tells_p_and_holds_n
     let (mut p, _pool2) = core("kv_producer");
     p.get_num_new_matched_tokens(t0, req(&r1, &pa), 0);
     assert_eq!(
-        p.request_finished(t0, req(&r1, &pa), &[], FinishReason::Abort),
+        p.request_finished(t0, req(&r1, &pa), Ended::new(&[], FinishReason::Abort)),
         (false, None)
     );
     assert_eq!(drops_unpulled(&mut p), Vec::<String>::new());
     // A consumer's request with prefill params holds nothing for D.
     let pp = params::for_prefill("t9");
     assert_eq!(
-        d.request_finished(t0, req(&r1, &pp), &[7, 8], FinishReason::Stop),
+        d.request_finished(t0, req(&r1, &pp), Ended::new(&[7, 8], FinishReason::Stop)),
         (false, None)
     );
     assert_eq!(d.send_machine().phase("t9"), None);
@@ -217,7 +221,7 @@ fn read_mode_p_returns_the_leased_blocks_and_its_generation_or_no_params() {
         let params = params::for_prefill(tid);
         let req = || creq(&id, toks, &params);
         p.request_added(t0, req());
-        p.request_finished(t0, req(), blocks, reason)
+        p.request_finished(t0, req(), Ended::new(blocks, reason))
     };
     let toks = prompt(); // 3 blocks of KV
     let (held, out) = finish(&mut p, "t1", &toks, &[4, 5, 6], FinishReason::Stop);
