@@ -151,11 +151,7 @@ def start(pdkv, shape, model, secret, extra=()):
 
 
 def stop(p):
-    p.terminate()
-    try:
-        p.wait(DEADLINE)
-    except subprocess.TimeoutExpired:
-        p.kill()
+    engine.stop(p, DEADLINE)
 
 
 def engines(v):

@@ -4,6 +4,7 @@ trainer makes them around a weight sync: ``/init_weight_transfer_engine``,
 """
 
 import json
+import subprocess
 import urllib.error
 import urllib.request
 
@@ -23,3 +24,17 @@ def call(url, path, body=None, method="POST", token=None, timeout=120):
             return r.status, json.loads(r.read())
     except urllib.error.HTTPError as e:
         return e.code, json.loads(e.read())
+
+
+def stop(process, timeout=30):
+    """Stops an engine process this program started (``pdkv serve`` or
+    ``pdkv up``): SIGTERM, then SIGKILL if it has not exited within
+    ``timeout`` seconds. True when it stopped on the SIGTERM."""
+    process.terminate()
+    try:
+        process.wait(timeout)
+        return True
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait(timeout)
+        return False

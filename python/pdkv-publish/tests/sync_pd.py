@@ -63,11 +63,7 @@ def up(pdkv, model, secret, *extra):
 
 
 def stop(p):
-    p.terminate()
-    try:
-        p.wait(DEADLINE)
-    except subprocess.TimeoutExpired:
-        p.kill()
+    if not engine.stop(p, DEADLINE):
         raise SystemExit("FAILED: pdkv up did not stop")
 
 
