@@ -11,7 +11,8 @@ pub(super) enum Flavour {
     Portable,
     /// `maddubs` + `madd`, AVX2, FMA and F16C.
     Avx2,
-    /// `vpdpbusd` on 256-bit vectors (AVX-512 VNNI and VL), plus AVX2 and FMA.
+    /// `vpdpbusd` on 256-bit vectors (AVX-512 VNNI and VL; BW's byte masks
+    /// for Q5 blocks' fifth bits), plus AVX2 and FMA.
     Vnni,
 }
 
@@ -46,7 +47,8 @@ pub(super) fn has(f: Flavour) -> bool {
                 && is_x86_feature_detected!("f16c");
             let vnni = avx2
                 && is_x86_feature_detected!("avx512vnni")
-                && is_x86_feature_detected!("avx512vl");
+                && is_x86_feature_detected!("avx512vl")
+                && is_x86_feature_detected!("avx512bw");
             (avx2, vnni)
         }
         #[cfg(not(target_arch = "x86_64"))]

@@ -46,6 +46,9 @@ trait IDot {
     unsafe fn r8(x: __m256i, w: __m256i) -> __m256i;
     /// The same for 32 unsigned weight values (at most 31) as bytes.
     unsafe fn r4(x: __m256i, nib: __m256i) -> __m256i;
+    /// `v` (32 values below 16, byte `i` value `i`) with 16 added to byte
+    /// `i` where bit `i` of `bits` is set: a Q5 block's fifth bits.
+    unsafe fn fifth(v: __m256i, bits: u32) -> __m256i;
 }
 
 /// A 4-value chunk of a weight row, broadcast to every lane.
@@ -161,6 +164,24 @@ impl IDot for Avx2 {
         // SAFETY: the caller guarantees AVX2; registers only, no memory.
         unsafe { _mm256_madd_epi16(_mm256_maddubs_epi16(nib, x), _mm256_set1_epi16(1)) }
     }
+
+    #[inline(always)]
+    unsafe fn fifth(v: __m256i, bits: u32) -> __m256i {
+        // SAFETY: the caller guarantees AVX2; registers only, no memory.
+        unsafe {
+            // Byte i takes byte i/8 of the 32 bits, then keeps its bit i%8.
+            let spread = _mm256_shuffle_epi8(
+                _mm256_set1_epi32(bits as i32),
+                _mm256_setr_epi8(
+                    0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3,
+                    3, 3, 3, 3, 3, 3,
+                ),
+            );
+            let mask = _mm256_set1_epi64x(0x8040_2010_0804_0201_u64 as i64);
+            let set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, mask), mask);
+            _mm256_or_si256(v, _mm256_and_si256(set, _mm256_set1_epi8(0x10)))
+        }
+    }
 }
 
 struct Vnni;
@@ -228,16 +249,30 @@ impl IDot for Vnni {
         // SAFETY: the caller guarantees AVX-512 VNNI and VL; registers only.
         unsafe { _mm256_dpbusd_epi32(_mm256_setzero_si256(), nib, x) }
     }
+
+    /// The 32 bits are a byte mask as they stand (AVX-512 BW): one masked add.
+    #[inline(always)]
+    unsafe fn fifth(v: __m256i, bits: u32) -> __m256i {
+        // SAFETY: the caller guarantees AVX-512 BW and VL; registers only.
+        unsafe { _mm256_mask_add_epi8(v, bits, v, _mm256_set1_epi8(0x10)) }
+    }
 }
 
 /// Unpacks the scales, values (and unsigned formats' minimums) of `rows` rows.
 ///
 /// # Safety
-/// The CPU has AVX2 and F16C; `w` holds `rows` rows of `rb` bytes, each
-/// `nb` blocks of `ty`.
+/// The CPU has AVX2, F16C and `D`'s instructions; `w` holds `rows` rows
+/// of `rb` bytes, each `nb` blocks of `ty`.
 #[inline(always)]
-unsafe fn prep(s: &mut Scratch, ty: QType, w: *const u8, rb: usize, rows: usize, nb: usize) {
-    // SAFETY: the caller guarantees AVX2 and F16C and that `w` holds `rows`
+unsafe fn prep<D: IDot>(
+    s: &mut Scratch,
+    ty: QType,
+    w: *const u8,
+    rb: usize,
+    rows: usize,
+    nb: usize,
+) {
+    // SAFETY: the caller guarantees AVX2, F16C and `D`'s instructions and that `w` holds `rows`
     // rows of `rb` bytes (`nb` blocks each); `s.reserve` made room in the
     // scratch for all of them.
     unsafe {
@@ -274,7 +309,7 @@ unsafe fn prep(s: &mut Scratch, ty: QType, w: *const u8, rb: usize, rows: usize,
                 let v = s.vals.as_mut_ptr().add(i * QK);
                 if ty.unsigned() {
                     s.mw[i] = min_of(ty, std::slice::from_raw_parts(blk, bb));
-                    _mm256_storeu_si256(v as *mut __m256i, unpack_unsigned(ty, blk));
+                    _mm256_storeu_si256(v as *mut __m256i, unpack_unsigned::<D>(ty, blk));
                 } else {
                     // Q8_0's values as `w + 128`, the unsigned operand VNNI takes.
                     let flip = _mm_set1_epi8(-128);
@@ -292,33 +327,23 @@ unsafe fn prep(s: &mut Scratch, ty: QType, w: *const u8, rb: usize, rows: usize,
 /// low 128 bits hold values 0..16).
 ///
 /// # Safety
-/// The CPU has AVX2; `blk` points at a whole block of the unsigned format `ty`.
+/// The CPU has AVX2 and `D`'s instructions; `blk` points at a whole block of the unsigned format `ty`.
 #[inline(always)]
-unsafe fn unpack_unsigned(ty: QType, blk: *const u8) -> __m256i {
-    // SAFETY: the caller guarantees AVX2 and that `blk` is a whole block of
-    // `ty`: the nibbles (16 bytes) and fifth bits (4) are inside it.
+unsafe fn unpack_unsigned<D: IDot>(ty: QType, blk: *const u8) -> __m256i {
+    // SAFETY: the caller guarantees AVX2 (and `D`'s instructions) and that
+    // `blk` is a whole block of `ty`: the nibbles (16 bytes) and fifth bits
+    // (4) are inside it.
     unsafe {
         let low = _mm_set1_epi8(0x0f);
         let q = _mm_loadu_si128(blk.add(ty.nibbles_at()) as *const __m128i);
-        let mut v = _mm256_set_m128i(
+        let v = _mm256_set_m128i(
             _mm_and_si128(_mm_srli_epi16::<4>(q), low),
             _mm_and_si128(q, low),
         );
-        if let Some(h) = ty.high_bits_at() {
-            // Byte i takes byte i/8 of the 32 bits, then keeps its bit i%8.
-            let bits = _mm256_set1_epi32((blk.add(h) as *const i32).read_unaligned());
-            let spread = _mm256_shuffle_epi8(
-                bits,
-                _mm256_setr_epi8(
-                    0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3,
-                    3, 3, 3, 3, 3, 3,
-                ),
-            );
-            let mask = _mm256_set1_epi64x(0x8040_2010_0804_0201_u64 as i64);
-            let set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, mask), mask);
-            v = _mm256_or_si256(v, _mm256_and_si256(set, _mm256_set1_epi8(0x10)));
+        match ty.high_bits_at() {
+            Some(h) => D::fifth(v, (blk.add(h) as *const u32).read_unaligned()),
+            None => v,
         }
-        v
     }
 }
 
@@ -399,7 +424,7 @@ pub(super) unsafe fn run_job_avx2(x: &QActs, job: &Job, s: &mut Scratch) {
 
 /// # Safety
 /// As [`run_job`]'s, with `D` the VNNI flavour (AVX-512 VNNI and VL).
-#[target_feature(enable = "avx2,fma,f16c,avx512vnni,avx512vl")]
+#[target_feature(enable = "avx2,fma,f16c,avx512vnni,avx512vl,avx512bw")]
 pub(super) unsafe fn run_job_vnni(x: &QActs, job: &Job, s: &mut Scratch) {
     // SAFETY: the caller guarantees the job's contract; the features this
     // function enables are the ones the CPU has.
@@ -437,7 +462,7 @@ unsafe fn run_job<D: IDot>(x: &QActs, job: &Job, s: &mut Scratch) {
         let mut j = job.j0;
         while j < job.j1 {
             let nr = NR.min(job.j1 - j);
-            prep(s, job.ty, job.w.add(j * rb), rb, nr, nb);
+            prep::<D>(s, job.ty, job.w.add(j * rb), rb, nr, nb);
             let t = Tile {
                 w: job.w.add(j * rb),
                 rb,
@@ -525,7 +550,7 @@ unsafe fn direct<D: IDot, const T: usize>(x: &QActs, job: &Job) {
                 for (c, w) in wv.iter_mut().enumerate() {
                     let p = blk.add(row(c));
                     *w = if u {
-                        unpack_unsigned(ty, p)
+                        unpack_unsigned::<D>(ty, p)
                     } else {
                         D::w8(_mm256_loadu_si256(p.add(2) as *const __m256i))
                     };
