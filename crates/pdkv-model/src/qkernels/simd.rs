@@ -334,11 +334,14 @@ unsafe fn unpack_unsigned<D: IDot>(ty: QType, blk: *const u8) -> __m256i {
     // `blk` is a whole block of `ty`: the nibbles (16 bytes) and fifth bits
     // (4) are inside it.
     unsafe {
-        let low = _mm_set1_epi8(0x0f);
-        let q = _mm_loadu_si128(blk.add(ty.nibbles_at()) as *const __m128i);
-        let v = _mm256_set_m128i(
-            _mm_and_si128(_mm_srli_epi16::<4>(q), low),
-            _mm_and_si128(q, low),
+        // The 16 nibble bytes in both halves, the high half shifted by 4
+        // (a per-lane shift: no cross-lane shuffle), then the low nibbles.
+        let q = _mm256_broadcastsi128_si256(_mm_loadu_si128(
+            blk.add(ty.nibbles_at()) as *const __m128i
+        ));
+        let v = _mm256_and_si256(
+            _mm256_srlv_epi32(q, _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4)),
+            _mm256_set1_epi8(0x0f),
         );
         match ty.high_bits_at() {
             Some(h) => D::fifth(v, (blk.add(h) as *const u32).read_unaligned()),
@@ -526,6 +529,7 @@ unsafe fn direct<D: IDot, const T: usize>(x: &QActs, job: &Job) {
         let u = ty.unsigned();
         let (nb, k, m) = (x.blocks(), x.k, x.m);
         let (rb, bb) = (ty.row_bytes(k), ty.block_bytes());
+        assert!(DR * rb <= i32::MAX as usize, "rows of {rb} bytes");
         // The job's first `AHEAD` tiles are fetched up front (its later
         // tiles `AHEAD` ahead, one by one, while a tile is computed).
         prefetch(
@@ -538,6 +542,7 @@ unsafe fn direct<D: IDot, const T: usize>(x: &QActs, job: &Job) {
             // A short tile repeats its last row; the extra lanes are dropped.
             let row = |c: usize| c.min(nr - 1) * rb;
             let base = job.w.add(j * rb);
+            let offs = row_offsets(nr, rb);
             let mut acc = [_mm256_setzero_ps(); DIRECT_MAX];
             // The tile's 8 rows are 8 streams too short for the hardware
             // prefetcher to pick up, so the tile `AHEAD` on (contiguous) is
@@ -555,34 +560,17 @@ unsafe fn direct<D: IDot, const T: usize>(x: &QActs, job: &Job) {
                         D::w8(_mm256_loadu_si256(p.add(2) as *const __m256i))
                     };
                 }
-                // Each row's f16 scale (and Q4_1's and Q5_1's f16 minimum after it).
-                let h16 = |o: usize| (blk.add(o) as *const i16).read_unaligned();
-                let dw = _mm256_cvtph_ps(_mm_setr_epi16(
-                    h16(row(0)),
-                    h16(row(1)),
-                    h16(row(2)),
-                    h16(row(3)),
-                    h16(row(4)),
-                    h16(row(5)),
-                    h16(row(6)),
-                    h16(row(7)),
-                ));
+                // Each row's f16 scale and the two bytes after it (Q4_1's
+                // and Q5_1's f16 minimum) in one gather: lane c is row c.
+                let g = rows_word(blk, offs);
+                let dw = _mm256_cvtph_ps(low_words(g));
                 let mw = if !u {
                     _mm256_setzero_ps()
                 } else if !ty.stored_min() {
                     // Exact: a power of two times the scale, as `min_of` computes it.
                     _mm256_mul_ps(_mm256_set1_ps(ty.min_factor()), dw)
                 } else {
-                    _mm256_cvtph_ps(_mm_setr_epi16(
-                        h16(row(0) + 2),
-                        h16(row(1) + 2),
-                        h16(row(2) + 2),
-                        h16(row(3) + 2),
-                        h16(row(4) + 2),
-                        h16(row(5) + 2),
-                        h16(row(6) + 2),
-                        h16(row(7) + 2),
-                    ))
+                    _mm256_cvtph_ps(low_words(_mm256_srli_epi32::<16>(g)))
                 };
                 for (r, a) in acc[..m].iter_mut().enumerate() {
                     let xv =
@@ -641,43 +629,24 @@ unsafe fn direct_super<D: IDot, const FIVE: bool>(x: &QActs, job: &Job) {
             let nr = DR.min(job.j1 - j);
             let row = |c: usize| c.min(nr - 1) * rb;
             let base = job.w.add(j * rb);
+            let offs = row_offsets(nr, rb);
             let next = base.wrapping_add(AHEAD * DR * rb);
             let mut acc = [_mm256_setzero_ps(); DIRECT_MAX];
             for sb in 0..nb / 8 {
                 prefetch(next.wrapping_add(sb * DR * bb), DR * bb);
                 let blk = |c: usize| base.add(row(c) + sb * bb);
-                // Scales and minimums of the 8 rows' super-blocks: lane c is row c.
-                let h16 = |c: usize, o: usize| (blk(c).add(o) as *const i16).read_unaligned();
-                let d = _mm256_cvtph_ps(_mm_setr_epi16(
-                    h16(0, 0),
-                    h16(1, 0),
-                    h16(2, 0),
-                    h16(3, 0),
-                    h16(4, 0),
-                    h16(5, 0),
-                    h16(6, 0),
-                    h16(7, 0),
-                ));
-                let dmin = _mm256_cvtph_ps(_mm_setr_epi16(
-                    h16(0, 2),
-                    h16(1, 2),
-                    h16(2, 2),
-                    h16(3, 2),
-                    h16(4, 2),
-                    h16(5, 2),
-                    h16(6, 2),
-                    h16(7, 2),
-                ));
-                let mut sc = [[0i32; DR]; 8];
-                let mut mn = [[0i32; DR]; 8];
-                for c in 0..DR {
-                    let scales = &*(blk(c).add(4) as *const [u8; 12]);
-                    for jb in 0..8 {
-                        let (s6, m6) = crate::gguf::k_scale_min(scales, jb);
-                        sc[jb][c] = s6 as i32;
-                        mn[jb][c] = m6 as i32;
-                    }
-                }
+                let sbp = base.add(sb * bb);
+                // Of the 8 rows' super-blocks (lane c is row c): the f16
+                // scale and minimum (one word), and the 12 bytes of 6-bit
+                // scales and minimums as three words.
+                let dm = rows_word(sbp, offs);
+                let d = _mm256_cvtph_ps(low_words(dm));
+                let dmin = _mm256_cvtph_ps(low_words(_mm256_srli_epi32::<16>(dm)));
+                let (sc, mn) = k_scales(
+                    rows_word(sbp.add(4), offs),
+                    rows_word(sbp.add(8), offs),
+                    rows_word(sbp.add(12), offs),
+                );
                 for jb in 0..8 {
                     let b = sb * 8 + jb;
                     // Plain loops, not closures: a closure body is compiled
@@ -688,18 +657,10 @@ unsafe fn direct_super<D: IDot, const FIVE: bool>(x: &QActs, job: &Job) {
                         *w = unpack_super(ty, blk(c), jb);
                     }
                     // Exact products, as `super_params` forms them: d*sc, -(dmin*m).
-                    let dw = _mm256_mul_ps(
-                        d,
-                        _mm256_cvtepi32_ps(_mm256_loadu_si256(sc[jb].as_ptr() as *const __m256i)),
-                    );
+                    let dw = _mm256_mul_ps(d, _mm256_cvtepi32_ps(sc[jb]));
                     // A sign flip, as `-(dmin*m)` is (a zero product too).
                     let mw = _mm256_xor_ps(
-                        _mm256_mul_ps(
-                            dmin,
-                            _mm256_cvtepi32_ps(_mm256_loadu_si256(
-                                mn[jb].as_ptr() as *const __m256i
-                            )),
-                        ),
+                        _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(mn[jb])),
                         _mm256_set1_ps(-0.0),
                     );
                     for (r, a) in acc[..m].iter_mut().enumerate() {
@@ -755,33 +716,30 @@ unsafe fn direct_q6<D: IDot>(x: &QActs, job: &Job) {
             let nr = DR.min(job.j1 - j);
             let row = |c: usize| c.min(nr - 1) * rb;
             let base = job.w.add(j * rb);
+            let offs = row_offsets(nr, rb);
             let next = base.wrapping_add(AHEAD * DR * rb);
             let mut acc = [_mm256_setzero_ps(); DIRECT_MAX];
             for sb in 0..nb / 8 {
                 prefetch(next.wrapping_add(sb * DR * bb), DR * bb);
                 let blk = |c: usize| base.add(row(c) + sb * bb);
-                let h16 = |c: usize| (blk(c).add(208) as *const i16).read_unaligned();
-                let d = _mm256_cvtph_ps(_mm_setr_epi16(
-                    h16(0),
-                    h16(1),
-                    h16(2),
-                    h16(3),
-                    h16(4),
-                    h16(5),
-                    h16(6),
-                    h16(7),
-                ));
+                let sbp = base.add(sb * bb);
+                // The f16 scale is the block's last two bytes: the high half
+                // of the word before (a word at 208 would read past the block).
+                let d = _mm256_cvtph_ps(low_words(_mm256_srli_epi32::<16>(rows_word(
+                    sbp.add(206),
+                    offs,
+                ))));
                 for jb in 0..8 {
                     let b = sb * 8 + jb;
                     let (h, g) = (jb / 4, jb % 4);
                     let mut wv = [_mm256_setzero_si256(); DR];
-                    let mut scv = [_mm256_setzero_si256(); DR];
-                    for c in 0..DR {
-                        wv[c] = unpack_q6(blk(c), jb);
-                        let sc = blk(c).add(192 + h * 8 + 2 * g) as *const i8;
-                        let (sa, sb2) = (*sc as i32, *sc.add(1) as i32);
-                        scv[c] = _mm256_setr_epi32(sa, sa, sa, sa, sb2, sb2, sb2, sb2);
+                    for (c, w) in wv.iter_mut().enumerate() {
+                        *w = unpack_q6(blk(c), jb);
                     }
+                    // The rows' i8 scales of the block's halves (values 0..16, 16..32).
+                    let sw = rows_word(sbp.add(192 + h * 8 + 2 * g), offs);
+                    let sa = _mm256_srai_epi32::<24>(_mm256_slli_epi32::<24>(sw));
+                    let sb2 = _mm256_srai_epi32::<24>(_mm256_slli_epi32::<16>(sw));
                     for (r, a) in acc[..m].iter_mut().enumerate() {
                         let xv = _mm256_loadu_si256(
                             x.rowq.as_ptr().add(r * k + b * QK) as *const __m256i
@@ -789,12 +747,14 @@ unsafe fn direct_q6<D: IDot>(x: &QActs, job: &Job) {
                         let xs32 = _mm256_slli_epi32::<5>(D::r4(xv, ones));
                         let mut v = [_mm256_setzero_si256(); DR];
                         for c in 0..DR {
-                            v[c] = _mm256_mullo_epi32(
-                                _mm256_sub_epi32(D::r4(xv, wv[c]), xs32),
-                                scv[c],
-                            );
+                            v[c] = _mm256_sub_epi32(D::r4(xv, wv[c]), xs32);
                         }
-                        let isum = lanes8(&v);
+                        // Lanes 0..4 of a row's dot are its first half's values.
+                        let (lo, hi) = lanes8_halves(&v);
+                        let isum = _mm256_add_epi32(
+                            _mm256_mullo_epi32(lo, sa),
+                            _mm256_mullo_epi32(hi, sb2),
+                        );
                         let si = b * GROUP + r;
                         let scl = _mm256_mul_ps(d, _mm256_set1_ps(x.d[si]));
                         *a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), scl, *a);
@@ -907,6 +867,64 @@ unsafe fn store_tile(acc: &[__m256], nr: usize, job: &Job, j: usize) {
     }
 }
 
+/// Lane `c` is the byte offset of a [`direct`] tile's row `c` (a short
+/// tile of `nr` rows repeats its last).
+///
+/// # Safety
+/// The CPU has AVX2; `nr * rb` fits an `i32`.
+#[inline(always)]
+unsafe fn row_offsets(nr: usize, rb: usize) -> __m256i {
+    // SAFETY: the caller guarantees AVX2; registers only, no memory.
+    unsafe {
+        let o: [i32; DR] = std::array::from_fn(|c| (c.min(nr - 1) * rb) as i32);
+        _mm256_loadu_si256(o.as_ptr() as *const __m256i)
+    }
+}
+
+/// The 4 bytes at `p + offs[c]` in lane `c` (a tile's rows' words at one
+/// offset of their blocks).
+///
+/// # Safety
+/// The CPU has AVX2; the 4 bytes at each `p + offs[c]` are readable.
+#[inline(always)]
+unsafe fn rows_word(p: *const u8, offs: __m256i) -> __m256i {
+    // SAFETY: the caller guarantees AVX2 and that every lane's 4 bytes are
+    // readable (unaligned reads are fine for a gather).
+    unsafe { _mm256_i32gather_epi32::<1>(p as *const i32, offs) }
+}
+
+/// Byte `i` of each lane of `w` moved to the bottom of the lane, `i = 0..4`.
+///
+/// # Safety
+/// The CPU has AVX2.
+#[inline(always)]
+unsafe fn word_bytes(w: __m256i) -> [__m256i; 4] {
+    // SAFETY: the caller guarantees AVX2; registers only, no memory.
+    unsafe {
+        [
+            w,
+            _mm256_srli_epi32::<8>(w),
+            _mm256_srli_epi32::<16>(w),
+            _mm256_srli_epi32::<24>(w),
+        ]
+    }
+}
+
+/// The low 16 bits of each of the 8 lanes of `g`, in order.
+///
+/// # Safety
+/// The CPU has AVX2.
+#[inline(always)]
+unsafe fn low_words(g: __m256i) -> __m128i {
+    // SAFETY: the caller guarantees AVX2; registers only, no memory.
+    unsafe {
+        let w = _mm256_and_si256(g, _mm256_set1_epi32(0xffff));
+        // Per 128-bit half: lanes 0..4 twice; the 64-bit pieces 0 and 2 hold all 8.
+        let p = _mm256_packus_epi32(w, w);
+        _mm256_castsi256_si128(_mm256_permute4x64_epi64::<0b1000>(p))
+    }
+}
+
 /// Lane `c` of the result is the sum of the 8 lanes of `v[c]`.
 ///
 /// # Safety
@@ -915,13 +933,63 @@ unsafe fn store_tile(acc: &[__m256], nr: usize, job: &Job, j: usize) {
 unsafe fn lanes8(v: &[__m256i; DR]) -> __m256i {
     // SAFETY: the caller guarantees AVX2; registers only, no memory.
     unsafe {
+        let (lo, hi) = lanes8_halves(v);
+        _mm256_add_epi32(lo, hi)
+    }
+}
+
+/// Lane `c` of the first result is the sum of lanes 0..4 of `v[c]`, of
+/// the second the sum of its lanes 4..8.
+///
+/// # Safety
+/// The CPU has AVX2.
+#[inline(always)]
+unsafe fn lanes8_halves(v: &[__m256i; DR]) -> (__m256i, __m256i) {
+    // SAFETY: the caller guarantees AVX2; registers only, no memory.
+    unsafe {
         let a = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
         let b = _mm256_hadd_epi32(_mm256_hadd_epi32(v[4], v[5]), _mm256_hadd_epi32(v[6], v[7]));
         // a = [v0..v3 low-half sums | v0..v3 high-half sums], b likewise for v4..v7.
-        _mm256_add_epi32(
+        (
             _mm256_permute2x128_si256::<0x20>(a, b),
             _mm256_permute2x128_si256::<0x31>(a, b),
         )
+    }
+}
+
+/// The 6-bit scales and minimums of a Q4_K/Q5_K super-block's 8 blocks,
+/// lane-wise from its 12 scale bytes as three words `w0`, `w1`, `w2`
+/// (bytes 0..4, 4..8, 8..12): `(sc[j], mn[j])` as
+/// [`crate::gguf::k_scale_min`] decodes block `j`.
+///
+/// # Safety
+/// The CPU has AVX2.
+#[inline(always)]
+unsafe fn k_scales(w0: __m256i, w1: __m256i, w2: __m256i) -> ([__m256i; 8], [__m256i; 8]) {
+    // SAFETY: the caller guarantees AVX2; registers only, no memory.
+    unsafe {
+        let (b0, b1, b2) = (word_bytes(w0), word_bytes(w1), word_bytes(w2));
+        let six = _mm256_set1_epi32(63);
+        let four = _mm256_set1_epi32(15);
+        let two = _mm256_set1_epi32(3);
+        let mut sc = [_mm256_setzero_si256(); 8];
+        let mut mn = [_mm256_setzero_si256(); 8];
+        for i in 0..4 {
+            // Blocks 0..4: the low 6 bits of bytes i and 4 + i.
+            sc[i] = _mm256_and_si256(b0[i], six);
+            mn[i] = _mm256_and_si256(b1[i], six);
+            // Blocks 4..8: a nibble of byte 8 + i, and above it the top two
+            // bits of byte i (scale) or 4 + i (minimum).
+            sc[4 + i] = _mm256_or_si256(
+                _mm256_and_si256(b2[i], four),
+                _mm256_slli_epi32::<4>(_mm256_and_si256(_mm256_srli_epi32::<6>(b0[i]), two)),
+            );
+            mn[4 + i] = _mm256_or_si256(
+                _mm256_and_si256(_mm256_srli_epi32::<4>(b2[i]), four),
+                _mm256_slli_epi32::<4>(_mm256_and_si256(_mm256_srli_epi32::<6>(b1[i]), two)),
+            );
+        }
+        (sc, mn)
     }
 }
 
