@@ -21,7 +21,7 @@ struct Tile<'a> {
 /// The integer half of a block dot: 8 exact i32 lanes (one per activation
 /// row of the group) for each of `C` weight rows.
 /// Every method is unsafe: it needs a CPU with the flavour's instructions
-/// (AVX2, or AVX-512 VNNI and VL), besides what its own contract says.
+/// (AVX2, or AVX-512 VNNI, VL and BW), besides what its own contract says.
 trait IDot {
     /// # Safety
     /// `xb` is a group's block `b` (256 bytes), `sumx` its 8 sums; `t`
@@ -272,9 +272,9 @@ unsafe fn prep<D: IDot>(
     rows: usize,
     nb: usize,
 ) {
-    // SAFETY: the caller guarantees AVX2, F16C and `D`'s instructions and that `w` holds `rows`
-    // rows of `rb` bytes (`nb` blocks each); `s.reserve` made room in the
-    // scratch for all of them.
+    // SAFETY: the caller guarantees AVX2, F16C and `D`'s instructions and
+    // that `w` holds `rows` rows of `rb` bytes (`nb` blocks each);
+    // `s.reserve` made room in the scratch for all of them.
     unsafe {
         s.reserve(rows, nb);
         let bb = ty.block_bytes();
@@ -327,7 +327,8 @@ unsafe fn prep<D: IDot>(
 /// low 128 bits hold values 0..16).
 ///
 /// # Safety
-/// The CPU has AVX2 and `D`'s instructions; `blk` points at a whole block of the unsigned format `ty`.
+/// The CPU has AVX2 and `D`'s instructions; `blk` points at a whole block
+/// of the unsigned format `ty`.
 #[inline(always)]
 unsafe fn unpack_unsigned<D: IDot>(ty: QType, blk: *const u8) -> __m256i {
     // SAFETY: the caller guarantees AVX2 (and `D`'s instructions) and that
@@ -426,7 +427,7 @@ pub(super) unsafe fn run_job_avx2(x: &QActs, job: &Job, s: &mut Scratch) {
 }
 
 /// # Safety
-/// As [`run_job`]'s, with `D` the VNNI flavour (AVX-512 VNNI and VL).
+/// As [`run_job`]'s, with `D` the VNNI flavour (AVX-512 VNNI, VL and BW).
 #[target_feature(enable = "avx2,fma,f16c,avx512vnni,avx512vl,avx512bw")]
 pub(super) unsafe fn run_job_vnni(x: &QActs, job: &Job, s: &mut Scratch) {
     // SAFETY: the caller guarantees the job's contract; the features this
