@@ -38,6 +38,8 @@ mod job;
 mod matmul;
 mod portable;
 #[cfg(target_arch = "x86_64")]
+mod regs;
+#[cfg(target_arch = "x86_64")]
 mod simd;
 #[cfg(test)]
 mod tests;
