@@ -126,12 +126,14 @@ pub(super) unsafe fn store_tile(acc: &[__m256], nr: usize, job: &Job, j: usize) 
 }
 
 /// Lane `c` is the byte offset of a `simd::direct` tile's row `c` (a short
-/// tile of `nr` rows repeats its last).
+/// tile of `nr` rows repeats its last). Panics where an offset would not
+/// fit a gather's `i32` index (rows of over 268 MB).
 ///
 /// # Safety
-/// The CPU has AVX2; `nr * rb` fits an `i32`.
+/// The CPU has AVX2.
 #[inline(always)]
 pub(super) unsafe fn row_offsets(nr: usize, rb: usize) -> __m256i {
+    assert!(DR * rb <= i32::MAX as usize, "rows of {rb} bytes");
     // SAFETY: the caller guarantees AVX2; registers only, no memory.
     unsafe {
         let o: [i32; DR] = std::array::from_fn(|c| (c.min(nr - 1) * rb) as i32);

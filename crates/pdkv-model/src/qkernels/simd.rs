@@ -465,7 +465,6 @@ unsafe fn direct<D: IDot, const T: usize>(x: &QActs, job: &Job) {
         let u = ty.unsigned();
         let (nb, k, m) = (x.blocks(), x.k, x.m);
         let (rb, bb) = (ty.row_bytes(k), ty.block_bytes());
-        assert!(DR * rb <= i32::MAX as usize, "rows of {rb} bytes");
         // The job's first `AHEAD` tiles are fetched up front (its later
         // tiles `AHEAD` ahead, one by one, while a tile is computed).
         prefetch(
