@@ -2,7 +2,7 @@
 //! instructions: the values of a K-quant block as bytes, horizontal sums
 //! of 8 integer vectors, the words of a tile's 8 rows in one gather, the
 //! K-quant 6-bit scales decoded lane-wise, the weight prefetch and the
-//! batch-1 tile's stores. AVX2 (and SSE for the prefetch) alone.
+//! batch-1 tile's stores. AVX2 and F16C (SSE for the prefetch) alone.
 
 use std::arch::x86_64::*;
 
@@ -170,19 +170,33 @@ pub(super) unsafe fn word_bytes(w: __m256i) -> [__m256i; 4] {
     }
 }
 
-/// The low 16 bits of each of the 8 lanes of `g`, in order.
+/// Lane `c`: the f16 in the low 16 bits of lane `c` of `g`, widened (a
+/// gathered row word's scale).
 ///
 /// # Safety
-/// The CPU has AVX2.
+/// The CPU has AVX2 and F16C.
 #[inline(always)]
-pub(super) unsafe fn low_words(g: __m256i) -> __m128i {
-    // SAFETY: the caller guarantees AVX2; registers only, no memory.
+pub(super) unsafe fn f16_low(g: __m256i) -> __m256 {
+    // SAFETY: the caller guarantees AVX2 and F16C; registers only, no memory.
     unsafe {
         let w = _mm256_and_si256(g, _mm256_set1_epi32(0xffff));
         // Per 128-bit half: lanes 0..4 twice; the 64-bit pieces 0 and 2 hold all 8.
         let p = _mm256_packus_epi32(w, w);
-        _mm256_castsi256_si128(_mm256_permute4x64_epi64::<0b1000>(p))
+        _mm256_cvtph_ps(_mm256_castsi256_si128(_mm256_permute4x64_epi64::<0b1000>(
+            p,
+        )))
     }
+}
+
+/// Lane `c`: the f16 in the high 16 bits of lane `c` of `g`, widened (a
+/// gathered row word's minimum, or the scale two bytes into the word).
+///
+/// # Safety
+/// The CPU has AVX2 and F16C.
+#[inline(always)]
+pub(super) unsafe fn f16_high(g: __m256i) -> __m256 {
+    // SAFETY: the caller guarantees AVX2 and F16C; registers only, no memory.
+    unsafe { f16_low(_mm256_srli_epi32::<16>(g)) }
 }
 
 /// Lane `c` of the result is the sum of the 8 lanes of `v[c]`.

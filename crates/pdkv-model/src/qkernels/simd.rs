@@ -8,8 +8,8 @@ use super::acts::{QActs, DIRECT_MAX, GROUP, GROUP_BLOCK};
 use super::blocks::{f16_at, min_of, q6_params, super_params};
 use super::job::{Job, Scratch, NR};
 use super::regs::{
-    k_scales, lanes8, lanes8_halves, low_words, prefetch, row_offsets, rows_word, store_tile,
-    unpack_q6, unpack_super, AHEAD, DR,
+    f16_high, f16_low, k_scales, lanes8, lanes8_halves, prefetch, row_offsets, rows_word,
+    store_tile, unpack_q6, unpack_super, AHEAD, DR,
 };
 use crate::qtype::{QType, QK};
 
@@ -498,14 +498,14 @@ unsafe fn direct<D: IDot, const T: usize>(x: &QActs, job: &Job) {
                 // Each row's f16 scale and the two bytes after it (Q4_1's
                 // and Q5_1's f16 minimum) in one gather: lane c is row c.
                 let g = rows_word(blk, offs);
-                let dw = _mm256_cvtph_ps(low_words(g));
+                let dw = f16_low(g);
                 let mw = if !u {
                     _mm256_setzero_ps()
                 } else if !ty.stored_min() {
                     // Exact: a power of two times the scale, as `min_of` computes it.
                     _mm256_mul_ps(_mm256_set1_ps(ty.min_factor()), dw)
                 } else {
-                    _mm256_cvtph_ps(low_words(_mm256_srli_epi32::<16>(g)))
+                    f16_high(g)
                 };
                 for (r, a) in acc[..m].iter_mut().enumerate() {
                     let xv =
@@ -575,8 +575,8 @@ unsafe fn direct_super<D: IDot, const FIVE: bool>(x: &QActs, job: &Job) {
                 // scale and minimum (one word), and the 12 bytes of 6-bit
                 // scales and minimums as three words.
                 let dm = rows_word(sbp, offs);
-                let d = _mm256_cvtph_ps(low_words(dm));
-                let dmin = _mm256_cvtph_ps(low_words(_mm256_srli_epi32::<16>(dm)));
+                let d = f16_low(dm);
+                let dmin = f16_high(dm);
                 let (sc, mn) = k_scales(
                     rows_word(sbp.add(4), offs),
                     rows_word(sbp.add(8), offs),
@@ -660,10 +660,7 @@ unsafe fn direct_q6<D: IDot>(x: &QActs, job: &Job) {
                 let sbp = base.add(sb * bb);
                 // The f16 scale is the block's last two bytes: the high half
                 // of the word before (a word at 208 would read past the block).
-                let d = _mm256_cvtph_ps(low_words(_mm256_srli_epi32::<16>(rows_word(
-                    sbp.add(206),
-                    offs,
-                ))));
+                let d = f16_high(rows_word(sbp.add(206), offs));
                 for jb in 0..8 {
                     let b = sb * 8 + jb;
                     let (h, g) = (jb / 4, jb % 4);
