@@ -58,7 +58,7 @@ fn main() -> anyhow::Result<()> {
     };
     let pf = prefill_throughput(&model, &pool, 512, 256, KvDtype::F32)?;
     println!("prefill 512 tokens in chunks of 256: {pf:.1} tok/s");
-    let bw = measure_copy_bandwidth();
+    let bw = measure_copy_bandwidth()?;
     println!("copy bandwidth: {:.2} GB/s", bw / 1e9);
     for b in batches {
         let r = decode_throughput(&model, &pool, (b, context, steps), KvDtype::F32)?;

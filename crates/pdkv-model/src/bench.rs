@@ -10,13 +10,24 @@ use crate::kernels;
 use crate::{KvCache, KvDtype, Model, SeqInput, Workspace, BLOCK_SIZE};
 
 /// Copy bandwidth in bytes per second (bytes read plus bytes written), best
-/// of several passes copying a 256 MiB array with all math threads.
-pub fn measure_copy_bandwidth() -> f64 {
+/// of several passes copying a 256 MiB array with all math threads, in
+/// memory held as a model's weights are ([`pdkv_vmem::Backing::Private`]:
+/// huge pages where the kernel has them), so that a roofline fraction
+/// compares like with like.
+pub fn measure_copy_bandwidth() -> anyhow::Result<f64> {
     const BYTES: usize = 256 << 20;
     const PASSES: usize = 5;
     let n = BYTES / 4;
-    let src: Vec<f32> = (0..n).map(|i| i as f32).collect();
-    let mut dst = vec![0f32; n];
+    let pool = pdkv_vmem::Pool::default();
+    let private =
+        || pool.allocate_backed(pdkv_vmem::Tag::Runtime, BYTES, pdkv_vmem::Backing::Private);
+    let (a, b) = (private()?, private()?);
+    // SAFETY: two fresh regions of `BYTES` each, page-aligned, no other
+    // views; they live until the end of this function.
+    let (src, dst) = unsafe { (a.slice_mut::<f32>(0, n), b.slice_mut::<f32>(0, n)) };
+    for (i, v) in src.iter_mut().enumerate() {
+        *v = i as f32;
+    }
     let chunk = 1 << 18;
     let mut best = 0f64;
     kernels::thread_pool().install(|| {
@@ -30,7 +41,7 @@ pub fn measure_copy_bandwidth() -> f64 {
         }
     });
     std::hint::black_box(&dst);
-    best
+    Ok(best)
 }
 
 /// Result of [`decode_throughput`].
@@ -343,7 +354,12 @@ pub fn synthetic_model_with(
     } else {
         lay.push(&[cfg.vocab_size, h])
     };
-    let region = pool.allocate(pdkv_vmem::Tag::Weights, lay.total_bytes())?;
+    // As a loaded model's weights are held (`loader`): private memory.
+    let region = pool.allocate_backed(
+        pdkv_vmem::Tag::Weights,
+        lay.total_bytes(),
+        pdkv_vmem::Backing::Private,
+    )?;
 
     let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ 0xD1B5_4A32_D192_ED03;
     let mut fill = |t: &TensorRef, center: f32, spread: f32| {

@@ -36,6 +36,8 @@ pub enum RegisterError {
     },
     #[error("the region is released (asleep); nothing to register")]
     NotMapped,
+    #[error("the region is private memory of this process (huge-page backed); only shared regions can be registered")]
+    Private,
     #[error("registry full: {0} segments")]
     Full(usize),
     /// A failure asked for through [`Registry::fail_register_after`].

@@ -344,6 +344,10 @@ impl Registry {
         if len == 0 || offset.checked_add(len).is_none_or(|e| e > region.len()) {
             return Err(bad());
         }
+        // Private memory has no descriptor a peer could map.
+        if region.backing() == pdkv_vmem::Backing::Private {
+            return Err(RegisterError::Private);
+        }
         let range = (region.base() as usize, offset, len);
         let mut inner = self.inner.lock().unwrap();
         let (segment, epoch) = match inner.by_range.get(&range) {
@@ -1149,5 +1153,11 @@ mod tests {
             reg_.register(&region, 4096, 4096),
             Err(RegisterError::NotMapped)
         ));
+        // Private memory: refused, however full the registry is.
+        let private = pool
+            .allocate_backed(Tag::Weights, 64 << 10, pdkv_vmem::Backing::Private)
+            .unwrap();
+        let e = reg_.register(&private, 0, 4096).unwrap_err();
+        assert!(matches!(e, RegisterError::Private), "{e}");
     }
 }

@@ -10,6 +10,12 @@
 //! Accounting is honest: "device bytes" are read from the memfds themselves
 //! (`fstat` blocks of every live chunk), never from RSS.
 //!
+//! A region only this process reads may instead be [`Backing::Private`]:
+//! one anonymous mapping with transparent huge pages asked for (see
+//! [`private`]), freed and refilled at the same addresses as chunks are,
+//! its bytes read with `mincore`; no one outside can map it, so it cannot
+//! be registered for transfers.
+//!
 //! Invariants:
 //! - a region's base address and length never change while it lives;
 //! - every byte of `[base, base+len)` is either mapped to exactly one live
@@ -24,6 +30,7 @@ use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::sync::{Arc, Mutex, Weak};
 
+mod private;
 mod ranks;
 pub use ranks::RankPools;
 
@@ -114,6 +121,19 @@ pub fn page_size() -> usize {
 
 fn round_up(n: usize, to: usize) -> usize {
     n.div_ceil(to) * to
+}
+
+/// How a region's pages are held.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Backing {
+    /// memfd chunks: other mappings (a registration, a peer over shared
+    /// memory) can reach them.
+    Shared,
+    /// One private anonymous mapping, aligned to 2 MiB and asked for
+    /// transparent huge pages: for memory that only this process reads,
+    /// streamed at the rate of its pages (a model's weights). Nothing
+    /// outside can map it.
+    Private,
 }
 
 /// How a pool backs its regions.
@@ -228,7 +248,7 @@ fn fd_size(fd: RawFd) -> io::Result<u64> {
 }
 
 /// Reserves `len` bytes of address space, `PROT_NONE`: nothing is backed.
-fn reserve(len: usize) -> io::Result<*mut u8> {
+pub(crate) fn reserve(len: usize) -> io::Result<*mut u8> {
     // SAFETY: an anonymous PROT_NONE reservation; no memory is touched.
     let base = unsafe {
         libc::mmap(
@@ -416,6 +436,7 @@ pub struct Region {
     base: *mut u8,
     len: usize,
     tag: Tag,
+    backing: Backing,
     opts: PoolOptions,
     state: Mutex<RegionState>,
     ledger: Arc<Ledger>,
@@ -448,7 +469,10 @@ impl Ledger {
 
 /// What backs a region right now.
 struct RegionState {
-    /// Mapped chunks in address order; empty while released.
+    /// Whether pages back the range now (false while released).
+    mapped: bool,
+    /// A shared region's mapped chunks in address order; empty while
+    /// released, and always for a private region.
     chunks: Vec<MappedChunk>,
     /// Host copy taken by `offload`, restored by `wake`.
     backup: Option<HostBuffer>,
@@ -461,7 +485,11 @@ unsafe impl Send for Region {}
 unsafe impl Sync for Region {}
 
 impl Region {
-    fn new(tag: Tag, len: usize, opts: &PoolOptions, ledger: Arc<Ledger>) -> Result<Region> {
+    fn new(
+        (tag, len, backing): (Tag, usize, Backing),
+        opts: &PoolOptions,
+        ledger: Arc<Ledger>,
+    ) -> Result<Region> {
         if len == 0 {
             return Err(VmemError::ZeroLength);
         }
@@ -470,7 +498,11 @@ impl Region {
             return Err(VmemError::BadChunkSize(opts.chunk_size, page));
         }
         let len = round_up(len, page);
-        let base = reserve(len).map_err(|source| VmemError::Os {
+        let base = match backing {
+            Backing::Shared => reserve(len),
+            Backing::Private => private::reserve_aligned(len, private::HUGE_PAGE),
+        }
+        .map_err(|source| VmemError::Os {
             op: "mmap(reserve)",
             source,
         })?;
@@ -478,16 +510,40 @@ impl Region {
             base,
             len,
             tag,
+            backing,
             opts: opts.clone(),
             state: Mutex::new(RegionState {
+                mapped: false,
                 chunks: Vec::new(),
                 backup: None,
             }),
             ledger,
         };
-        let chunks = region.map_fresh_chunks()?;
-        region.state.lock().unwrap().chunks = chunks;
+        let chunks = region.map_fresh()?;
+        let mut st = region.state.lock().unwrap();
+        (st.chunks, st.mapped) = (chunks, true);
+        drop(st);
         Ok(region)
+    }
+
+    /// Backs the whole range with fresh zeroed pages: new chunks (returned)
+    /// for a shared region, a new private mapping for a private one.
+    fn map_fresh(&self) -> Result<Vec<MappedChunk>> {
+        match self.backing {
+            Backing::Shared => self.map_fresh_chunks(),
+            Backing::Private => {
+                // SAFETY: the range is our own reservation (or our own
+                // released mapping); no views of it exist while it is
+                // released.
+                unsafe { private::map_private_fixed(self.base, self.len) }.map_err(|source| {
+                    VmemError::Os {
+                        op: "mmap(private)",
+                        source,
+                    }
+                })?;
+                Ok(Vec::new())
+            }
+        }
     }
 
     /// Creates new zeroed chunks and maps them over the whole range.
@@ -537,16 +593,28 @@ impl Region {
         Ok(())
     }
 
-    /// Whether physical chunks back the region now.
+    /// Whether physical pages back the region now.
     pub fn is_mapped(&self) -> bool {
-        !self.state.lock().unwrap().chunks.is_empty()
+        self.state.lock().unwrap().mapped
+    }
+
+    /// How the region's pages are held.
+    pub fn backing(&self) -> Backing {
+        self.backing
+    }
+
+    /// Bytes of the region in transparent huge pages now, as the kernel
+    /// reports them (`/proc/self/smaps`; 0 for a shared region on systems
+    /// whose shared memory has no huge pages, or where it cannot be read).
+    pub fn huge_page_bytes(&self) -> u64 {
+        private::huge_page_bytes(self.base, self.len)
     }
 
     /// Copies the contents to host memory, then releases the physical chunks.
     /// Idempotent: a released region keeps the backup it has (if any).
     pub fn offload(&self) -> Result<()> {
         let mut st = self.state.lock().unwrap();
-        if st.chunks.is_empty() {
+        if !st.mapped {
             return Ok(());
         }
         if self.ledger.faults.take(&self.ledger.faults.offloads) {
@@ -557,7 +625,7 @@ impl Region {
         // buffer holds `len` writable bytes.
         unsafe { std::ptr::copy_nonoverlapping(self.base, backup.ptr, self.len) };
         self.unmap_chunks()?;
-        st.chunks.clear();
+        (st.chunks, st.mapped) = (Vec::new(), false);
         st.backup = Some(backup);
         Ok(())
     }
@@ -567,11 +635,11 @@ impl Region {
     pub fn discard(&self) -> Result<()> {
         let mut st = self.state.lock().unwrap();
         st.backup = None;
-        if st.chunks.is_empty() {
+        if !st.mapped {
             return Ok(());
         }
         self.unmap_chunks()?;
-        st.chunks.clear();
+        (st.chunks, st.mapped) = (Vec::new(), false);
         Ok(())
     }
 
@@ -579,18 +647,18 @@ impl Region {
     /// backup, if one was taken. Idempotent: an awake region is left alone.
     pub fn wake(&self) -> Result<()> {
         let mut st = self.state.lock().unwrap();
-        if !st.chunks.is_empty() {
+        if st.mapped {
             return Ok(());
         }
         if self.ledger.faults.take(&self.ledger.faults.wakes) {
             return Err(VmemError::Injected("wake"));
         }
-        let chunks = self.map_fresh_chunks()?;
+        let chunks = self.map_fresh()?;
         if let Some(backup) = st.backup.take() {
             // SAFETY: the range was just mapped read-write.
             unsafe { std::ptr::copy_nonoverlapping(backup.ptr, self.base, self.len) };
         }
-        st.chunks = chunks;
+        (st.chunks, st.mapped) = (chunks, true);
         Ok(())
     }
 
@@ -621,18 +689,18 @@ impl Region {
         self.base
     }
 
-    /// Physical bytes held by the chunks mapped now.
+    /// Physical bytes held by the chunks mapped now (a private region:
+    /// its resident pages).
     pub fn physical_bytes(&self) -> u64 {
-        self.state
-            .lock()
-            .unwrap()
-            .chunks
-            .iter()
-            .map(|m| m.chunk.physical_bytes())
-            .sum()
+        let st = self.state.lock().unwrap();
+        match self.backing {
+            Backing::Shared => st.chunks.iter().map(|m| m.chunk.physical_bytes()).sum(),
+            Backing::Private if st.mapped => private::resident_bytes(self.base, self.len),
+            Backing::Private => 0,
+        }
     }
 
-    /// The chunks mapped now, in address order.
+    /// The chunks mapped now, in address order (none for a private region).
     pub fn chunks(&self) -> Vec<MappedChunk> {
         self.state.lock().unwrap().chunks.clone()
     }
@@ -814,9 +882,13 @@ impl Pool {
     /// Reserves `len` bytes (rounded up to whole pages) and backs them with
     /// fresh zeroed physical chunks.
     pub fn allocate(&self, tag: Tag, len: usize) -> Result<Arc<Region>> {
+        self.allocate_backed(tag, len, Backing::Shared)
+    }
+
+    /// [`Pool::allocate`] with the pages held as `backing` says.
+    pub fn allocate_backed(&self, tag: Tag, len: usize, backing: Backing) -> Result<Arc<Region>> {
         let region = Arc::new(Region::new(
-            tag,
-            len,
+            (tag, len, backing),
             &self.inner.opts,
             self.inner.ledger.clone(),
         )?);
@@ -874,11 +946,17 @@ impl Pool {
 
     /// Live physical bytes per tag, read from the memfds: every chunk this
     /// pool created that is still alive, mapped in its region or not (a
-    /// chunk pinned by a registration after its region slept still counts).
+    /// chunk pinned by a registration after its region slept still counts),
+    /// and the resident pages of its private regions.
     pub fn device_bytes(&self) -> TagBytes {
         let mut out = TagBytes::default();
         for c in self.inner.ledger.live() {
             out.0[c.tag().index()] += c.physical_bytes();
+        }
+        for r in self.regions() {
+            if r.backing() == Backing::Private {
+                out.0[r.tag().index()] += r.physical_bytes();
+            }
         }
         out
     }

@@ -228,9 +228,15 @@ pub fn run_decode(args: DecodeArgs) -> anyhow::Result<()> {
     );
 
     eprintln!("measuring copy bandwidth");
-    let bandwidth = pdkv_model::bench::measure_copy_bandwidth();
+    let bandwidth = pdkv_model::bench::measure_copy_bandwidth()?;
     println!("model: {} ({})", loaded.name, path.display());
     println!("copy bandwidth: {:.2} GB/s", bandwidth / 1e9);
+    let region = &model.weights().region;
+    println!(
+        "weights: {:.1} MiB, {:.1} MiB of it in huge pages",
+        region.len() as f64 / (1 << 20) as f64,
+        region.huge_page_bytes() as f64 / (1 << 20) as f64
+    );
     println!(
         "context {} tokens, {} timed steps",
         args.context, args.steps

@@ -3,7 +3,7 @@
 //! the `weights` region; and the region filled slot by slot.
 
 use anyhow::{bail, Context};
-use pdkv_vmem::{Pool, Tag};
+use pdkv_vmem::{Backing, Pool, Tag};
 
 use crate::qtype::QType;
 use crate::weights::{DType, LayerWeights, TensorRef, Weights, WeightsLayout};
@@ -153,8 +153,10 @@ impl WeightsPlan {
         progress: &mut dyn FnMut(&LoadProgress),
         mut fill: impl FnMut(&Slot, SlotDst<'_>) -> anyhow::Result<()>,
     ) -> anyhow::Result<Weights> {
+        // Only this process reads the running weights: private memory, in
+        // huge pages where the kernel has them (see `pdkv_vmem::Backing`).
         let region = pool
-            .allocate(Tag::Weights, self.total_bytes)
+            .allocate_backed(Tag::Weights, self.total_bytes, Backing::Private)
             .context("cannot allocate the weights region")?;
         let mut p = self.progress();
         for slot in &self.slots {
