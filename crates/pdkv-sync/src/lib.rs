@@ -20,5 +20,5 @@ pub mod publish;
 pub mod pull;
 
 pub use manifest::{checksum, converts, Manifest, MismatchError, TensorEntry, PROTOCOL};
-pub use publish::{PublishOptions, Publisher, TrainerTensor};
+pub use publish::{shared_weights, PublishOptions, Publisher, TrainerTensor};
 pub use pull::{PullReport, Puller, Staging, SyncError, Transport};

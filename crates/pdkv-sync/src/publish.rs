@@ -128,16 +128,37 @@ impl Drop for Publisher {
     }
 }
 
+/// `weights` in memory a publisher can register and peers can map: as they
+/// are when shared already, else copied once into shared memory of the same
+/// layout (a loaded model's weights are private memory,
+/// `pdkv_vmem::Backing::Private`; the private copy goes with `weights`).
+/// [`Publisher::start`] serves what this returns in place: a write to it
+/// is what pullers then read.
+pub fn shared_weights(weights: Weights) -> anyhow::Result<Weights> {
+    if weights.region.backing() == pdkv_vmem::Backing::Shared {
+        return Ok(weights);
+    }
+    let region = pdkv_vmem::Pool::default()
+        .allocate(pdkv_vmem::Tag::Weights, weights.region.len())
+        .context("allocating shared memory for the published weights")?;
+    let copy = weights.with_region(region);
+    // SAFETY: `copy`'s region was just allocated; nothing reads it yet.
+    unsafe { copy.copy_from(&weights) }.context("copying the weights to shared memory")?;
+    Ok(copy)
+}
+
 impl Publisher {
     /// Publishes `weights` as the engine stores them (every tensor,
-    /// checksummed now) as `version`.
+    /// checksummed now) as `version`, from shared memory
+    /// ([`shared_weights`]).
     pub async fn start(
         weights: Weights,
         version: Option<String>,
         opts: PublishOptions,
     ) -> anyhow::Result<Publisher> {
         let tensors = tensor_entries(&weights);
-        Publisher::serve(weights.region.clone(), tensors, version, opts).await
+        let weights = shared_weights(weights)?;
+        Publisher::serve(weights.region, tensors, version, opts).await
     }
 
     /// Publishes tensors as a trainer holds them (Hugging Face names,
