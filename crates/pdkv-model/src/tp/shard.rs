@@ -4,7 +4,7 @@
 use std::ops::Range;
 
 use anyhow::{ensure, Context};
-use pdkv_vmem::{Pool, Tag};
+use pdkv_vmem::{Backing, Pool, Tag};
 
 use crate::weights::{DType, LayerWeights, TensorRef, Weights, WeightsLayout};
 use crate::ModelConfig;
@@ -195,8 +195,9 @@ pub fn shard_weights(
     } else {
         next()
     };
+    // Private memory, as a loaded model's weights (see `loader`).
     let region = pool
-        .allocate(Tag::Weights, lay.total_bytes())
+        .allocate_backed(Tag::Weights, lay.total_bytes(), Backing::Private)
         .with_context(|| format!("allocating rank {}'s weights", s.rank))?;
     let out = Weights {
         region,
