@@ -18,9 +18,8 @@ pub fn measure_copy_bandwidth() -> anyhow::Result<f64> {
     const BYTES: usize = 256 << 20;
     const PASSES: usize = 5;
     let n = BYTES / 4;
-    let pool = pdkv_vmem::Pool::default();
-    let private =
-        || pool.allocate_backed(pdkv_vmem::Tag::Runtime, BYTES, pdkv_vmem::Backing::Private);
+    let pool = Pool::default();
+    let private = || pool.allocate_backed(pdkv_vmem::Tag::Runtime, BYTES, Backing::Private);
     let (a, b) = (private()?, private()?);
     // SAFETY: two fresh regions of `BYTES` each, page-aligned, no other
     // views; they live until the end of this function.
@@ -360,11 +359,8 @@ pub fn synthetic_model_with(
         lay.push(&[cfg.vocab_size, h])
     };
     // As a loaded model's weights are held (`loader`): private memory.
-    let region = pool.allocate_backed(
-        pdkv_vmem::Tag::Weights,
-        lay.total_bytes(),
-        pdkv_vmem::Backing::Private,
-    )?;
+    let region =
+        pool.allocate_backed(pdkv_vmem::Tag::Weights, lay.total_bytes(), Backing::Private)?;
 
     let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ 0xD1B5_4A32_D192_ED03;
     let mut fill = |t: &TensorRef, center: f32, spread: f32| {

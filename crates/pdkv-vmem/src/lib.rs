@@ -19,7 +19,8 @@
 //! Invariants:
 //! - a region's base address and length never change while it lives;
 //! - every byte of `[base, base+len)` is either mapped to exactly one live
-//!   chunk or reserved `PROT_NONE`;
+//!   chunk (a private region: to its own anonymous mapping) or reserved
+//!   `PROT_NONE`, all of it alike: `mapped` says which;
 //! - this crate never interprets the bytes it holds.
 //!
 //! [`RankPools`] is one pool per tensor-parallel rank, whose sleep and wake
@@ -520,9 +521,10 @@ impl Region {
             ledger,
         };
         let chunks = region.map_fresh()?;
-        let mut st = region.state.lock().unwrap();
-        (st.chunks, st.mapped) = (chunks, true);
-        drop(st);
+        {
+            let mut st = region.state.lock().unwrap();
+            (st.chunks, st.mapped) = (chunks, true);
+        }
         Ok(region)
     }
 

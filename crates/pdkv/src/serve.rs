@@ -157,12 +157,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     let pool = Pool::default();
     let (_, model) = progress::load_model_as(args.model.clone(), args.weight_format, &pool)?;
     let weights = pool.device_bytes().get(pdkv_vmem::Tag::Weights);
-    let huge: u64 = pool
-        .regions()
-        .iter()
-        .filter(|r| r.tag() == pdkv_vmem::Tag::Weights)
-        .map(|r| r.huge_page_bytes())
-        .sum();
+    let huge = model.model.weights().region.huge_page_bytes();
     tracing::info!(
         name = %model.name,
         weights_mib = weights / (1024 * 1024),
