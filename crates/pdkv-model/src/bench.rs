@@ -72,12 +72,7 @@ pub fn decode_throughput(
 ) -> anyhow::Result<DecodeResult> {
     let blocks_per_seq = blocks_per_seq(batch, context, steps)?;
     let cfg = model.config();
-    // No connector registers a benchmark's cache: private, as `Engine` makes it then.
-    let kv = KvCache::new_backed(
-        pool,
-        cfg,
-        (batch * blocks_per_seq, kv_dtype, Backing::Private),
-    )?;
+    let kv = KvCache::new(pool, cfg, batch * blocks_per_seq, kv_dtype)?;
     let mut ws = Workspace::new(pool, cfg, context.min(PREFILL_CHUNK).max(batch))?;
     let bytes = model.weights().bytes_read_per_token();
     decode_steps(cfg, bytes, (batch, context, steps), &mut |seqs, out| {
@@ -109,8 +104,8 @@ pub fn decode_throughput_tp(
     let blocks_per_seq = blocks_per_seq(batch, context, steps)?;
     let pools = (0..size).map(|_| Pool::default()).collect();
     let max_tokens = context.min(PREFILL_CHUNK).max(batch);
-    let kv = (batch * blocks_per_seq, kv_dtype, Backing::Private);
-    let mut tpm = crate::tp::TpModel::new(model, pools, kv, max_tokens)?;
+    let mut tpm =
+        crate::tp::TpModel::new(model, pools, (batch * blocks_per_seq, kv_dtype), max_tokens)?;
     let bytes = model.weights().bytes_read_per_token();
     decode_steps(
         model.config(),
@@ -215,7 +210,7 @@ pub fn prefill_throughput(
     anyhow::ensure!(tokens > 0 && chunk > 0, "tokens and chunk must be positive");
     let cfg = model.config();
     let blocks = tokens.div_ceil(BLOCK_SIZE);
-    let kv = KvCache::new_backed(pool, cfg, (blocks, kv_dtype, Backing::Private))?;
+    let kv = KvCache::new(pool, cfg, blocks, kv_dtype)?;
     let mut ws = Workspace::new(pool, cfg, chunk.min(tokens))?;
     let table: Vec<u32> = (0..blocks as u32).collect();
     let toks: Vec<u32> = (0..tokens)
@@ -259,7 +254,7 @@ pub fn perplexity(
     );
     let cfg = model.config();
     let blocks = ctx.div_ceil(BLOCK_SIZE);
-    let kv = KvCache::new_backed(pool, cfg, (blocks, kv_dtype, Backing::Private))?;
+    let kv = KvCache::new(pool, cfg, blocks, kv_dtype)?;
     let mut ws = Workspace::new(pool, cfg, ctx)?;
     let table: Vec<u32> = (0..blocks as u32).collect();
     let (mut nll, mut scored) = (0f64, 0usize);

@@ -18,7 +18,7 @@
 
 use std::sync::Arc;
 
-use pdkv_vmem::{Backing, Pool, Region, Tag};
+use pdkv_vmem::{Pool, Region, Tag};
 
 use crate::kernels::{KvElem, PagedRows, Q8Byte, Q8_BLOCK, Q8_BLOCK_BYTES};
 use crate::{ModelConfig, BLOCK_SIZE};
@@ -117,23 +117,12 @@ pub struct KvCache {
 
 impl KvCache {
     /// Allocates `num_blocks` blocks of `dtype` for `cfg` in a `kv_cache`
-    /// region of `pool`, in shared memory (a KV connector can register it).
+    /// region of `pool`.
     pub fn new(
         pool: &Pool,
         cfg: &ModelConfig,
         num_blocks: usize,
         dtype: KvDtype,
-    ) -> anyhow::Result<KvCache> {
-        Self::new_backed(pool, cfg, (num_blocks, dtype, Backing::Shared))
-    }
-
-    /// [`KvCache::new`] with the region's pages held as `backing` says:
-    /// `Private` (huge pages where the kernel has them: attention at depth
-    /// reads its tiles faster) for a cache no connector will register.
-    pub fn new_backed(
-        pool: &Pool,
-        cfg: &ModelConfig,
-        (num_blocks, dtype, backing): (usize, KvDtype, Backing),
     ) -> anyhow::Result<KvCache> {
         anyhow::ensure!(num_blocks > 0, "the KV cache needs at least one block");
         anyhow::ensure!(
@@ -142,7 +131,7 @@ impl KvCache {
             cfg.head_dim
         );
         let block_bytes = Self::block_bytes_for(cfg, dtype);
-        let region = pool.allocate_backed(Tag::KvCache, block_bytes * num_blocks, backing)?;
+        let region = pool.allocate(Tag::KvCache, block_bytes * num_blocks)?;
         Ok(KvCache {
             region,
             num_blocks,

@@ -78,23 +78,24 @@ impl Engine {
         } = model;
         let model_config = model.config().clone();
         let tp = config.tensor_parallel_size;
-        // A connector registers the KV cache (its peers map or read it):
-        // shared memory then; else private, in huge pages where the kernel
-        // has them (see `pdkv_vmem::Backing`).
-        let kv_backing = match connector {
-            Some(_) => pdkv_vmem::Backing::Shared,
-            None => pdkv_vmem::Backing::Private,
-        };
-        let kv = (config.num_kv_blocks, config.kv_cache_dtype, kv_backing);
         let (runner, pools): (Box<dyn ModelRunner>, RankPools) = if tp == 1 {
-            let runner = CpuModelRunner::new(model, &pool, kv, config.max_num_batched_tokens)?;
+            let runner = CpuModelRunner::new(
+                model,
+                &pool,
+                (config.num_kv_blocks, config.kv_cache_dtype),
+                config.max_num_batched_tokens,
+            )?;
             (Box::new(runner), RankPools::single(pool))
         } else {
             // Each rank gets a pool of its own; the whole model (in `pool`)
             // is freed once it is split.
             let ranks: Vec<Pool> = (0..tp).map(|_| Pool::new(pool.options().clone())).collect();
-            let runner =
-                TpModelRunner::new(model, ranks.clone(), kv, config.max_num_batched_tokens)?;
+            let runner = TpModelRunner::new(
+                model,
+                ranks.clone(),
+                (config.num_kv_blocks, config.kv_cache_dtype),
+                config.max_num_batched_tokens,
+            )?;
             (Box::new(runner), RankPools::new(ranks))
         };
         let weights_layout = runner.weights().cloned();

@@ -4,7 +4,7 @@
 use std::sync::Arc;
 
 use anyhow::Context;
-use pdkv_vmem::{Backing, Pool};
+use pdkv_vmem::Pool;
 
 use super::comm::{Comm, COLLECTIVE_TIMEOUT};
 use super::rank::RankTp;
@@ -38,7 +38,7 @@ impl TpModel {
     pub fn new(
         full: &Model,
         pools: Vec<Pool>,
-        (num_blocks, kv_dtype, kv_backing): (usize, KvDtype, Backing),
+        (num_blocks, kv_dtype): (usize, KvDtype),
         max_tokens: usize,
     ) -> anyhow::Result<TpModel> {
         let size = pools.len();
@@ -66,7 +66,7 @@ impl TpModel {
             let model = Model::new(rcfg.clone(), weights)
                 .with_int8_activations(full.int8_activations())
                 .with_tp(tp);
-            let kv = KvCache::new_backed(&pool, &rcfg, (num_blocks, kv_dtype, kv_backing))
+            let kv = KvCache::new(&pool, &rcfg, num_blocks, kv_dtype)
                 .with_context(|| format!("allocating rank {rank}'s KV cache"))?;
             let ws = Workspace::new(&pool, &rcfg, max_tokens)
                 .with_context(|| format!("allocating rank {rank}'s workspace"))?;

@@ -102,11 +102,7 @@ fn split(model: &Model, size: usize, probes: &[Vec<u32>]) -> (Run, TpModel) {
     let mut tpm = TpModel::new(
         model,
         pools,
-        (
-            blocks_per_probe(probes) * probes.len(),
-            KvDtype::F32,
-            pdkv_vmem::Backing::Shared,
-        ),
+        (blocks_per_probe(probes) * probes.len(), KvDtype::F32),
         tokens,
     )
     .unwrap();
