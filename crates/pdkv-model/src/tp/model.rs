@@ -31,8 +31,7 @@ pub struct TpModel {
 
 impl TpModel {
     /// Splits `full` over `pools.len()` ranks: each gets its weights, a KV
-    /// cache of `num_blocks` blocks of `kv_dtype` (its KV heads), held as
-    /// `kv_backing` says, and a
+    /// cache of `num_blocks` blocks of `kv_dtype` (its KV heads) and a
     /// workspace for steps of `max_tokens` tokens in its pool. `full` may
     /// be dropped after.
     pub fn new(
