@@ -85,8 +85,11 @@ pub fn run_publish(args: PublishArgs) -> anyhow::Result<()> {
             p.manifest().bytes(),
             p.url()
         );
-        tokio::signal::ctrl_c().await?;
+        // Ctrl-C or SIGTERM: the publisher drops, its shared-memory
+        // socket file with it.
+        crate::common::wait_for_signal().await;
         tracing::info!(bytes_served = p.bytes_served(), "stopping");
+        drop(p);
         Ok(())
     })
 }

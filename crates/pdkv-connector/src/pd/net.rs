@@ -63,6 +63,14 @@ pub fn start(
         TransferMode::Read => cfg.kv_role.produces(),
     };
     let (dest, exporter) = if exports && cfg.transport == Transport::Shm {
+        let stale = remove_stale_sockets(&cfg.shm_dir, engine_id);
+        if stale > 0 {
+            tracing::info!(
+                stale,
+                dir = %cfg.shm_dir.display(),
+                "removed shared-memory sockets this engine id's earlier processes left (nothing listens on them)"
+            );
+        }
         let path = cfg
             .shm_dir
             .join(format!("pdkv-{engine_id}-{}.sock", std::process::id()));
@@ -820,6 +828,36 @@ async fn read_blocks(d: &Net, read: &ReadIo) -> Result<(), Failure> {
     }
 }
 
+/// Removes the sockets that earlier processes of engine `engine_id` left
+/// in `dir` (`pdkv-{engine_id}-{pid}.sock` of another pid, nothing
+/// listening on it: a process killed before it could remove its own);
+/// returns how many. Liveness is asked of the socket itself (a refused
+/// connection), not of the pid, which another PID namespace sharing the
+/// directory would not show.
+fn remove_stale_sockets(dir: &std::path::Path, engine_id: &str) -> usize {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return 0;
+    };
+    let prefix = format!("pdkv-{engine_id}-");
+    let own = std::process::id().to_string();
+    entries
+        .flatten()
+        .filter(|e| {
+            let name = e.file_name();
+            let pid = name
+                .to_str()
+                .and_then(|n| n.strip_prefix(&prefix))
+                .and_then(|n| n.strip_suffix(".sock"));
+            pid.is_some_and(|p| !p.is_empty() && p.bytes().all(|b| b.is_ascii_digit()) && p != own)
+        })
+        .filter(|e| {
+            std::os::unix::net::UnixStream::connect(e.path())
+                .is_err_and(|err| err.kind() == std::io::ErrorKind::ConnectionRefused)
+        })
+        .filter(|e| std::fs::remove_file(e.path()).is_ok())
+        .count()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -827,6 +865,39 @@ mod tests {
 
     /// A registration of 16 memfds of 4 KiB, and an exporter for it
     /// allowing at most `max_map_chunks` per shared registration.
+    /// Only this engine id's sockets that nothing listens on go: a live
+    /// one, another engine's, this process's own and names that are not
+    /// a pid stay.
+    #[test]
+    fn stale_sockets_of_this_engine_id_are_removed_and_nothing_else() {
+        use std::os::unix::net::UnixListener;
+        let dir = tempfile::tempdir().unwrap();
+        let at = |name: &str| dir.path().join(name);
+        let own = format!("pdkv-e1-{}.sock", std::process::id());
+        let dead = [
+            "pdkv-e1-4000001.sock",
+            "pdkv-e2-4000002.sock",
+            "pdkv-e1-x.sock",
+            own.as_str(),
+        ];
+        for name in dead {
+            drop(UnixListener::bind(at(name)).unwrap());
+        }
+        let _live = UnixListener::bind(at("pdkv-e1-4000003.sock")).unwrap();
+        assert_eq!(remove_stale_sockets(dir.path(), "e1"), 1);
+        assert!(!at("pdkv-e1-4000001.sock").exists(), "the stale one went");
+        for kept in [
+            "pdkv-e2-4000002.sock",
+            "pdkv-e1-x.sock",
+            &own,
+            "pdkv-e1-4000003.sock",
+        ] {
+            assert!(at(kept).exists(), "{kept} stays");
+        }
+        assert_eq!(remove_stale_sockets(dir.path(), "e1"), 0, "nothing more");
+        assert_eq!(remove_stale_sockets(&dir.path().join("absent"), "e1"), 0);
+    }
+
     fn exporter(dir: &std::path::Path, max_map_chunks: u32) -> (ShmExporter, Registration, Pool) {
         let pool = Pool::new(PoolOptions {
             chunk_size: 4 << 10,

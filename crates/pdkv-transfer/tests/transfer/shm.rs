@@ -741,8 +741,13 @@ fn words(w: &[u64]) -> Vec<u8> {
 /// An exporter that reads map requests and answers each with its script.
 fn lying_exporter(path: &std::path::Path, script: Vec<Vec<Say>>) -> std::thread::JoinHandle<()> {
     let listener = std::os::unix::net::UnixListener::bind(path).unwrap();
+    let path = path.to_path_buf();
     std::thread::spawn(move || {
         let (mut s, _) = listener.accept().unwrap();
+        // One connection is all it serves: the socket's file goes now, so
+        // the test leaves nothing in the temporary directory.
+        drop(listener);
+        std::fs::remove_file(&path).expect("the liar's socket file");
         auth::accept_blocking(&mut s, &KvSecret::open(), Port::Shm, DL)
             .expect("the importer's handshake");
         let mut last_op = 0;

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use pdkv_model::Arch;
 use pdkv_testkit::models::checkpoint;
-use pdkv_testkit::proc::{pdkv, read_lines};
+use pdkv_testkit::proc::{pdkv, read_lines, Lines, Proc};
 use serde_json::{json, Value};
 
 /// Bound on every wait in this test.
@@ -339,7 +339,7 @@ async fn up_syncs_weights_from_a_publisher_to_every_engine() {
     let b = b_dir.path();
     let c_dir = checkpoint(Arch::Llama, "tiny", 8);
     let c = c_dir.path();
-    let (mut publisher, pub_url) = publish(b, "step-1");
+    let (publisher, pub_url) = publish(b, "step-1");
 
     let (up, url, _err) = sync_up(a, &[]);
     let client = reqwest::Client::new();
@@ -382,12 +382,11 @@ async fn up_syncs_weights_from_a_publisher_to_every_engine() {
     assert_eq!(version().await, json!("step-1"));
     let synced_b = probes().await;
     assert_ne!(synced_b, before, "the weights changed");
-    let _ = publisher.kill();
-    let _ = publisher.wait();
+    stop_publisher(&client, publisher, &pub_url).await;
 
     // Relay over TCP: P pulls from the publisher, D from P's staging; one
     // copy of the weights goes through the publisher's link.
-    let (mut publisher, pub_url) = publish(c, "step-2");
+    let (publisher, pub_url) = publish(c, "step-2");
     call(
         "/init_weight_transfer_engine",
         json!({"init_info": {"url": pub_url, "transport": "tcp", "fanout": "relay"}}),
@@ -419,8 +418,7 @@ async fn up_syncs_weights_from_a_publisher_to_every_engine() {
     );
     let synced_c = probes().await;
     stop(up);
-    let _ = publisher.kill();
-    let _ = publisher.wait();
+    stop_publisher(&client, publisher, &pub_url).await;
 
     for (ckpt, synced) in [(&b, &synced_b), (&c, &synced_c)] {
         let (fresh, furl, _ferr) = sync_up(ckpt, &[]);
@@ -452,7 +450,7 @@ async fn up_syncs_a_trainers_hf_checkpoint_into_a_quantised_deployment() {
         let m = pdkv_model::load_model(b_dir.path(), &pool, &mut |_| {}).expect("load");
         pdkv_model::export::export_hf(&m, export.path(), &mut |_| {}).expect("export");
     }
-    let (mut publisher, pub_url) = publish_as(export.path(), "hf-1", &["--format", "hf"]);
+    let (publisher, pub_url) = publish_as(export.path(), "hf-1", &["--format", "hf"]);
     let q8 = ["--weight-format", "q8_0"];
     let (up, url, _err) = sync_up(a_dir.path(), &q8);
     let client = reqwest::Client::new();
@@ -499,8 +497,7 @@ async fn up_syncs_a_trainers_hf_checkpoint_into_a_quantised_deployment() {
     }
     assert_ne!(synced, before, "the weights changed");
     stop(up);
-    let _ = publisher.kill();
-    let _ = publisher.wait();
+    stop_publisher(&client, publisher, &pub_url).await;
 
     let (fresh, furl, _ferr) = sync_up(export.path(), &q8);
     let mut want = Vec::new();
@@ -536,31 +533,41 @@ async fn admin_post(client: &reqwest::Client, url: &str, path: &str, body: Value
 
 /// `pdkv weights publish CKPT --version V` with the test's KV secret: the
 /// process and its manifest URL.
-fn publish(ckpt: &std::path::Path, version: &str) -> (std::process::Child, String) {
+fn publish(ckpt: &std::path::Path, version: &str) -> (Proc, String) {
     publish_as(ckpt, version, &[])
 }
 
 /// [`publish`] with `extra` flags.
-fn publish_as(
-    ckpt: &std::path::Path,
-    version: &str,
-    extra: &[&str],
-) -> (std::process::Child, String) {
-    let mut publisher = pdkv()
-        .args(["weights", "publish", "--version", version])
+fn publish_as(ckpt: &std::path::Path, version: &str, extra: &[&str]) -> (Proc, String) {
+    let mut cmd = pdkv();
+    cmd.args(["weights", "publish", "--version", version])
         .args(extra)
         .arg(ckpt)
         .env("PDKV_KV_SECRET", SYNC_SECRET)
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("spawn pdkv weights publish");
-    let out = read_lines(publisher.stdout.take().unwrap());
-    let line = out.recv_timeout(DEADLINE).expect("the publishing line");
+        .env("RUST_LOG", "warn");
+    let what = "pdkv weights publish";
+    let mut publisher = Proc::spawn(cmd, Lines::Stdout, what);
+    let line = publisher.wait_line(what, |l| l.starts_with("publishing "));
     let url = line.rsplit(' ').next().unwrap().to_string();
     assert!(url.starts_with("http://"), "{line}");
     (publisher, url)
+}
+
+/// Stops a publisher as an operator does, with SIGTERM: it exits cleanly
+/// and takes its shared-memory socket (the one its manifest names) with
+/// it, leaving nothing behind in the temporary directory.
+async fn stop_publisher(client: &reqwest::Client, publisher: Proc, pub_url: &str) {
+    let (status, manifest) = http::get_json(client, &format!("{pub_url}/manifest")).await;
+    assert_eq!(status, 200, "{manifest}");
+    let sock = std::path::PathBuf::from(
+        manifest["shm"]["path"]
+            .as_str()
+            .unwrap_or_else(|| panic!("a shared-memory endpoint: {manifest}")),
+    );
+    assert!(sock.exists(), "{} while publishing", sock.display());
+    let exit = publisher.terminate();
+    assert!(exit.success(), "the publisher stops cleanly: {exit}");
+    assert!(!sock.exists(), "{} left behind", sock.display());
 }
 
 /// The README's trainer step, run as written (its `url` and `ckpt` lines
