@@ -12,6 +12,7 @@ use std::time::Duration;
 
 use pdkv_engine::LoadFailurePolicy;
 use pdkv_transfer::auth::KvSecret;
+use serde::de::DeserializeOwned;
 use serde::Deserialize;
 
 /// A configuration refused, naming the field.
@@ -199,24 +200,28 @@ fn strip_position(e: &serde_json::Error) -> String {
     s.strip_suffix(&tail).map(str::to_string).unwrap_or(s)
 }
 
+/// Deserializes `json` strictly into `T`; the error names the field at
+/// fault (a missing or unknown field by its own name).
+pub(crate) fn parse_fields<T: DeserializeOwned>(json: &str) -> Result<T, ConfigError> {
+    let de = &mut serde_json::Deserializer::from_str(json);
+    serde_path_to_error::deserialize(de).map_err(|e| {
+        let mut field = e.path().to_string();
+        let message = strip_position(e.inner());
+        if field == "." {
+            for lead in ["missing field `", "unknown field `"] {
+                if let Some(name) = message.strip_prefix(lead).and_then(|r| r.split('`').next()) {
+                    field = name.to_string();
+                }
+            }
+        }
+        ConfigError { field, message }
+    })
+}
+
 impl KvTransferConfig {
     /// Parses and checks a configuration; the error names the bad field.
     pub fn parse(json: &str) -> Result<KvTransferConfig, ConfigError> {
-        let de = &mut serde_json::Deserializer::from_str(json);
-        let raw: Raw = serde_path_to_error::deserialize(de).map_err(|e| {
-            let mut path = e.path().to_string();
-            let msg = strip_position(e.inner());
-            // A missing or unknown field is reported at the enclosing level:
-            // take the field's name from the message.
-            if path == "." {
-                for lead in ["missing field `", "unknown field `"] {
-                    if let Some(name) = msg.strip_prefix(lead).and_then(|r| r.split('`').next()) {
-                        path = name.to_string();
-                    }
-                }
-            }
-            ConfigError::new(path, msg)
-        })?;
+        let raw: Raw = parse_fields(json)?;
         if raw.kv_connector != CONNECTOR_NAME {
             return Err(ConfigError::new(
                 "kv_connector",

@@ -88,7 +88,7 @@ impl MultiConnector {
         engine_id: &str,
         secret: &pdkv_transfer::auth::KvSecret,
     ) -> anyhow::Result<MultiConnector> {
-        let raw: Raw = crate::offload::parse_fields(json)?;
+        let raw: Raw = crate::config::parse_fields(json)?;
         if raw.kv_connector != CONNECTOR_NAME {
             return Err(ConfigError {
                 field: "kv_connector".into(),

@@ -37,42 +37,16 @@ use pdkv_engine::connector::{
     KvCacheSpec, KvTransferParams, MetricsReader, Waker,
 };
 use pdkv_engine::{BlockHash, FinishReason, KvConnector};
-use serde::de::DeserializeOwned;
 use serde::Deserialize;
 use serde_json::json;
 
-use crate::config::{ConfigError, KvRole};
+use crate::config::{parse_fields, ConfigError, KvRole};
 
 /// The connector name that selects this connector.
 pub const CONNECTOR_NAME: &str = "offload";
 
 /// Default store size: 1 GiB.
 pub const DEFAULT_MAX_BYTES: u64 = 1 << 30;
-
-/// serde_json's message without its " at line L column C" suffix.
-fn strip_position(e: &serde_json::Error) -> String {
-    let s = e.to_string();
-    let tail = format!(" at line {} column {}", e.line(), e.column());
-    s.strip_suffix(&tail).map(str::to_string).unwrap_or(s)
-}
-
-/// Deserializes `json` strictly into `T`; the error names the field at
-/// fault (a missing or unknown field by its own name).
-pub(crate) fn parse_fields<T: DeserializeOwned>(json: &str) -> Result<T, ConfigError> {
-    let de = &mut serde_json::Deserializer::from_str(json);
-    serde_path_to_error::deserialize(de).map_err(|e| {
-        let mut field = e.path().to_string();
-        let message = strip_position(e.inner());
-        if field == "." {
-            for lead in ["missing field `", "unknown field `"] {
-                if let Some(name) = message.strip_prefix(lead).and_then(|r| r.split('`').next()) {
-                    field = name.to_string();
-                }
-            }
-        }
-        ConfigError { field, message }
-    })
-}
 
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]

@@ -21,7 +21,9 @@ use std::collections::BTreeMap;
 use std::fmt;
 use std::path::Path;
 
-use half::{bf16, f16};
+use half::f16;
+
+use crate::safetensors::Dtype;
 
 /// Why a GGUF file could not be read or a tensor not be dequantised.
 #[derive(Debug, thiserror::Error)]
@@ -728,26 +730,16 @@ fn f16_at(b: &[u8], i: usize) -> f32 {
     f16::from_le_bytes([b[i], b[i + 1]]).to_f32()
 }
 
-/// F32, F16 and BF16 values, widened exactly.
+/// F32, F16 and BF16 values, widened exactly (as a safetensors file's
+/// values of the same type are).
 fn dequantize_floats(ty: GgmlType, data: &[u8], out: &mut [f32]) {
-    match ty {
-        GgmlType::F32 => {
-            for (o, b) in out.iter_mut().zip(data.chunks_exact(4)) {
-                *o = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
-            }
-        }
-        GgmlType::F16 => {
-            for (o, b) in out.iter_mut().zip(data.chunks_exact(2)) {
-                *o = f16::from_le_bytes([b[0], b[1]]).to_f32();
-            }
-        }
-        GgmlType::BF16 => {
-            for (o, b) in out.iter_mut().zip(data.chunks_exact(2)) {
-                *o = bf16::from_le_bytes([b[0], b[1]]).to_f32();
-            }
-        }
+    let dtype = match ty {
+        GgmlType::F32 => Dtype::F32,
+        GgmlType::F16 => Dtype::F16,
+        GgmlType::BF16 => Dtype::BF16,
         _ => unreachable!("{ty} is not a float type"),
-    }
+    };
+    dtype.decode(data, out)
 }
 
 /// Q8_0: f16 scale d, then 32 signed bytes: x = d * q.

@@ -15,6 +15,22 @@ use pdkv_engine::{AddRequestError, LifecycleError};
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 
+/// An error and its sources on one line, `a: b: c`, a source left out
+/// where the text before it already says it.
+pub fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut src = e.source();
+    while let Some(cause) = src {
+        let c = cause.to_string();
+        if !s.contains(&c) {
+            s.push_str(": ");
+            s.push_str(&c);
+        }
+        src = cause.source();
+    }
+    s
+}
+
 /// An error as the OpenAI API reports it.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ApiError {
@@ -336,6 +352,42 @@ pub fn body_rejection(r: BytesRejection) -> ApiError {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Each source follows its error after `: `, unless the text so far
+    /// already holds it (an error that prints its cause itself).
+    #[test]
+    fn an_error_chain_names_each_source_once() {
+        #[derive(Debug)]
+        struct E(&'static str, Option<Box<E>>);
+        impl std::fmt::Display for E {
+            fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str(self.0)
+            }
+        }
+        impl std::error::Error for E {
+            fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+                self.1.as_deref().map(|e| e as _)
+            }
+        }
+        let refused = E("connection refused", None);
+        let e = E("connecting to 127.0.0.1:9", Some(Box::new(refused)));
+        assert_eq!(
+            error_chain(&e),
+            "connecting to 127.0.0.1:9: connection refused"
+        );
+        let said = E("connect failed: connection refused", None);
+        let e = E(
+            "request failed",
+            Some(Box::new(E(
+                "connect failed: connection refused",
+                Some(Box::new(said)),
+            ))),
+        );
+        assert_eq!(
+            error_chain(&e),
+            "request failed: connect failed: connection refused"
+        );
+    }
 
     #[test]
     fn the_relay_plans_errors_have_the_openai_shape() {

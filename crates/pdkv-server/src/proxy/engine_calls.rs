@@ -12,7 +12,7 @@ use serde_json::{json, Value};
 
 use super::backends::Backend;
 use super::shared::Shared;
-use super::upstream::error_chain;
+use crate::error::error_chain;
 
 /// In which order a call reaches the roles.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -9,7 +9,7 @@ use serde_json::Value;
 
 use super::backends::{Backend, BackendStatus, KvTransferInfo};
 use super::shared::Shared;
-use super::upstream::error_chain;
+use crate::error::error_chain;
 
 /// Why a prefill server's `GET /kv_transfer/info` gave no usable answer.
 #[derive(Debug, thiserror::Error)]

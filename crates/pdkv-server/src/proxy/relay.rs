@@ -26,7 +26,8 @@ use pdkv_relay::plan::{
 use super::backends::Backend;
 use super::body::{decode_body, prefill_body, Endpoint};
 use super::shared::Shared;
-use super::upstream::{build_response, error_chain, passthrough_headers, Forwarded};
+use super::upstream::{build_response, passthrough_headers, Forwarded};
+use crate::error::error_chain;
 use crate::error::ApiError;
 
 /// The client's request as the calls need it.

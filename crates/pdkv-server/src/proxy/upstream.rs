@@ -13,7 +13,7 @@ use pdkv_connector::wire::FailCode;
 use super::backends::Backend;
 use super::body::Endpoint;
 use super::shared::Shared;
-use crate::error::ApiError;
+use crate::error::{error_chain, ApiError};
 
 /// The client's headers a generation request carries on to P and D: its
 /// request id, and its `Authorization` (engines started with `--api-key`
@@ -218,21 +218,6 @@ pub(super) fn build_response(
     *resp.status_mut() = status;
     resp.headers_mut().extend(head);
     resp
-}
-
-/// An error with its sources, on one line.
-pub(super) fn error_chain(e: &dyn std::error::Error) -> String {
-    let mut s = e.to_string();
-    let mut src = e.source();
-    while let Some(cause) = src {
-        let c = cause.to_string();
-        if !s.contains(&c) {
-            s.push_str(": ");
-            s.push_str(&c);
-        }
-        src = cause.source();
-    }
-    s
 }
 
 #[cfg(test)]

@@ -18,6 +18,8 @@ use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 
+pub use pdkv_server::error::error_chain;
+
 /// The knobs of the load.
 pub struct LoadConfig {
     /// The proxy's base URL.
@@ -391,21 +393,6 @@ impl Exchange {
             ),
         ))
     }
-}
-
-/// An error and its sources, on one line.
-pub fn error_chain(e: &dyn std::error::Error) -> String {
-    let mut s = e.to_string();
-    let mut src = e.source();
-    while let Some(c) = src {
-        let t = c.to_string();
-        if !s.contains(&t) {
-            s.push_str(": ");
-            s.push_str(&t);
-        }
-        src = c.source();
-    }
-    s
 }
 
 fn transport_failure(e: &reqwest::Error, during: &str) -> Failure {
