@@ -350,8 +350,8 @@ fn structural_lark(structures: &[crate::request::Structure], triggers: &[String]
 }
 
 /// `s` with the regular-expression metacharacters (and Lark's `/`)
-/// escaped.
-fn rx_escape(s: &str) -> String {
+/// escaped: a regex (or a Lark `/…/` terminal) that matches `s` alone.
+pub fn rx_escape(s: &str) -> String {
     let mut out = String::new();
     for c in s.chars() {
         if "\\.+*?()|[]{}^$#&-~/".contains(c) {

@@ -4,6 +4,7 @@
 //! the greedy answer unchanged by a constraint that admits it, and bad
 //! constraints refused naming their field.
 
+use pdkv_structured::compile::rx_escape;
 use pdkv_testkit::{
     deploy::Spec,
     http::{self, post_json, wait_healthy},
@@ -69,18 +70,6 @@ fn valid(text: &str) -> Result<(), String> {
         return Err("address".into());
     }
     Ok(())
-}
-
-/// `s` with every regex metacharacter escaped.
-fn escape(s: &str) -> String {
-    let mut out = String::new();
-    for c in s.chars() {
-        if "\\.+*?()|[]{}^$#&-~".contains(c) {
-            out.push('\\');
-        }
-        out.push(c);
-    }
-    out
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -172,7 +161,7 @@ async fn constrained_outputs_through_prefill_and_decode() {
         .to_string();
     assert!(answer.len() > 10, "{want}");
     let mut same = free.clone();
-    same["structured_outputs"] = json!({"regex": format!("{}(.|\n)*", escape(&answer))});
+    same["structured_outputs"] = json!({"regex": format!("{}(.|\n)*", rx_escape(&answer))});
     let (status, got) = post_json(&client, &chat, &same).await;
     assert_eq!(status, 200, "{got}");
     assert_eq!(got["choices"][0]["message"], want["choices"][0]["message"]);
