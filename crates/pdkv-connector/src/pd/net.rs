@@ -63,12 +63,12 @@ pub fn start(
         TransferMode::Read => cfg.kv_role.produces(),
     };
     let (dest, exporter) = if exports && cfg.transport == Transport::Shm {
-        let stale = remove_stale_sockets(&cfg.shm_dir, engine_id);
+        let stale = remove_stale_sockets(&cfg.shm_dir, STALE_SOCKET_AGE);
         if stale > 0 {
             tracing::info!(
                 stale,
                 dir = %cfg.shm_dir.display(),
-                "removed shared-memory sockets this engine id's earlier processes left (nothing listens on them)"
+                "removed shared-memory sockets that killed pdkv processes left (nothing listens on them)"
             );
         }
         let path = cfg
@@ -828,28 +828,39 @@ async fn read_blocks(d: &Net, read: &ReadIo) -> Result<(), Failure> {
     }
 }
 
-/// Removes the sockets that earlier processes of engine `engine_id` left
-/// in `dir` (`pdkv-{engine_id}-{pid}.sock` of another pid, nothing
-/// listening on it: a process killed before it could remove its own);
-/// returns how many. Liveness is asked of the socket itself (a refused
-/// connection), not of the pid, which another PID namespace sharing the
-/// directory would not show.
-fn remove_stale_sockets(dir: &std::path::Path, engine_id: &str) -> usize {
+/// How old a socket file with no listener must be before an engine takes
+/// it for a dead process's: a socket just bound by an engine starting
+/// beside this one refuses connections until it listens, microseconds
+/// later.
+const STALE_SOCKET_AGE: Duration = Duration::from_secs(60);
+
+/// Removes the sockets that killed pdkv processes left in `dir` (named
+/// `pdkv-…-N.sock`, nothing listening on them, unchanged for `older_than`:
+/// a process killed before it could remove its own); returns how many.
+/// Liveness is asked of the socket itself (a refused connection), not of
+/// a pid, which another PID namespace sharing the directory would not show.
+fn remove_stale_sockets(dir: &std::path::Path, older_than: Duration) -> usize {
+    use std::os::unix::fs::FileTypeExt;
     let Ok(entries) = std::fs::read_dir(dir) else {
         return 0;
     };
-    let prefix = format!("pdkv-{engine_id}-");
-    let own = std::process::id().to_string();
+    let ours = |name: &str| {
+        let tail = name
+            .strip_prefix("pdkv-")
+            .and_then(|n| n.strip_suffix(".sock"))
+            .and_then(|n| n.rsplit_once('-'))
+            .map(|(_, n)| n);
+        tail.is_some_and(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()))
+    };
+    let unchanged = |e: &std::fs::DirEntry| {
+        e.metadata()
+            .and_then(|m| m.modified())
+            .is_ok_and(|t| t.elapsed().is_ok_and(|age| age >= older_than))
+    };
     entries
         .flatten()
-        .filter(|e| {
-            let name = e.file_name();
-            let pid = name
-                .to_str()
-                .and_then(|n| n.strip_prefix(&prefix))
-                .and_then(|n| n.strip_suffix(".sock"));
-            pid.is_some_and(|p| !p.is_empty() && p.bytes().all(|b| b.is_ascii_digit()) && p != own)
-        })
+        .filter(|e| e.file_name().to_str().is_some_and(ours))
+        .filter(|e| e.file_type().is_ok_and(|t| t.is_socket()) && unchanged(e))
         .filter(|e| {
             std::os::unix::net::UnixStream::connect(e.path())
                 .is_err_and(|err| err.kind() == std::io::ErrorKind::ConnectionRefused)
@@ -865,37 +876,34 @@ mod tests {
 
     /// A registration of 16 memfds of 4 KiB, and an exporter for it
     /// allowing at most `max_map_chunks` per shared registration.
-    /// Only this engine id's sockets that nothing listens on go: a live
-    /// one, another engine's, this process's own and names that are not
-    /// a pid stay.
+    /// Only pdkv's sockets that nothing listens on go, and only once they
+    /// are old enough: a live one, a plain file and other names stay.
     #[test]
-    fn stale_sockets_of_this_engine_id_are_removed_and_nothing_else() {
+    fn stale_sockets_are_removed_and_nothing_else() {
         use std::os::unix::net::UnixListener;
         let dir = tempfile::tempdir().unwrap();
         let at = |name: &str| dir.path().join(name);
-        let own = format!("pdkv-e1-{}.sock", std::process::id());
-        let dead = [
-            "pdkv-e1-4000001.sock",
-            "pdkv-e2-4000002.sock",
-            "pdkv-e1-x.sock",
-            own.as_str(),
-        ];
-        for name in dead {
+        let dead = ["pdkv-d0-4000001.sock", "pdkv-publish-4000002-0.sock"];
+        let others = ["pdkv-d0-x.sock", "other-4000004.sock", "pdkv-d0-4000005"];
+        for name in dead.iter().chain(&others) {
             drop(UnixListener::bind(at(name)).unwrap());
         }
-        let _live = UnixListener::bind(at("pdkv-e1-4000003.sock")).unwrap();
-        assert_eq!(remove_stale_sockets(dir.path(), "e1"), 1);
-        assert!(!at("pdkv-e1-4000001.sock").exists(), "the stale one went");
-        for kept in [
-            "pdkv-e2-4000002.sock",
-            "pdkv-e1-x.sock",
-            &own,
-            "pdkv-e1-4000003.sock",
-        ] {
+        std::fs::write(at("pdkv-d0-4000006.sock"), b"not a socket").unwrap();
+        let _live = UnixListener::bind(at("pdkv-d0-4000003.sock")).unwrap();
+        let hour = Duration::from_secs(3600);
+        assert_eq!(remove_stale_sockets(dir.path(), hour), 0, "all too fresh");
+        assert_eq!(remove_stale_sockets(dir.path(), Duration::ZERO), 2);
+        for gone in dead {
+            assert!(!at(gone).exists(), "{gone} went");
+        }
+        for kept in others
+            .iter()
+            .chain(&["pdkv-d0-4000003.sock", "pdkv-d0-4000006.sock"])
+        {
             assert!(at(kept).exists(), "{kept} stays");
         }
-        assert_eq!(remove_stale_sockets(dir.path(), "e1"), 0, "nothing more");
-        assert_eq!(remove_stale_sockets(&dir.path().join("absent"), "e1"), 0);
+        assert_eq!(remove_stale_sockets(dir.path(), Duration::ZERO), 0);
+        assert_eq!(remove_stale_sockets(&at("absent"), Duration::ZERO), 0);
     }
 
     fn exporter(dir: &std::path::Path, max_map_chunks: u32) -> (ShmExporter, Registration, Pool) {
