@@ -334,6 +334,16 @@ impl<T> ItemsPtr<T> {
     }
 }
 
+/// A caught panic's message (`panic!`'s text, whether it was formatted or
+/// a literal), or `(no message)` for another payload.
+pub fn panic_message(payload: &(dyn Any + Send)) -> &str {
+    payload
+        .downcast_ref::<String>()
+        .map(String::as_str)
+        .or_else(|| payload.downcast_ref::<&str>().copied())
+        .unwrap_or("(no message)")
+}
+
 /// Threads that [`par_for`] spreads jobs over on this thread: the current
 /// team's, else the current rayon pool's.
 pub fn threads() -> usize {
@@ -415,6 +425,17 @@ mod tests {
         })
         .expect("the team is free");
         assert!(team.enter(|| ()).is_some(), "released after enter");
+    }
+
+    #[test]
+    fn a_panics_message_is_its_text_whether_formatted_or_literal() {
+        let caught = |f: fn()| std::panic::catch_unwind(f).unwrap_err();
+        let literal = caught(|| panic!("a literal"));
+        let formatted = caught(|| panic!("formatted {}", 7));
+        let other = caught(|| std::panic::panic_any(7u8));
+        assert_eq!(panic_message(&*literal), "a literal");
+        assert_eq!(panic_message(&*formatted), "formatted 7");
+        assert_eq!(panic_message(&*other), "(no message)");
     }
 
     #[test]

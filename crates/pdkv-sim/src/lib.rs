@@ -269,11 +269,7 @@ pub fn run(opts: Options) -> Report {
             ..Report::default()
         },
         Err(p) => {
-            let msg = p
-                .downcast_ref::<&str>()
-                .map(|s| s.to_string())
-                .or_else(|| p.downcast_ref::<String>().cloned())
-                .unwrap_or_else(|| "a panic".into());
+            let msg = pdkv_model::team::panic_message(&*p);
             Report {
                 seed,
                 p_tp,

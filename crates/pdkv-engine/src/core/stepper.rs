@@ -955,11 +955,7 @@ fn run_forward(
     match catch_unwind(AssertUnwindSafe(|| runner.forward(&plan.seqs, logits))) {
         Ok(r) => r?,
         Err(panic) => {
-            let msg = panic
-                .downcast_ref::<&str>()
-                .map(|s| s.to_string())
-                .or_else(|| panic.downcast_ref::<String>().cloned())
-                .unwrap_or_else(|| "unknown panic".into());
+            let msg = pdkv_model::team::panic_message(&*panic);
             anyhow::bail!("the forward pass panicked: {msg}");
         }
     }

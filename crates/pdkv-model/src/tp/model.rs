@@ -112,10 +112,7 @@ impl TpModel {
                 Ok(r) => r,
                 Err(p) => Err(anyhow::anyhow!(
                     "rank {rank} panicked: {}",
-                    p.downcast_ref::<String>()
-                        .map(String::as_str)
-                        .or_else(|| p.downcast_ref::<&str>().copied())
-                        .unwrap_or("(no message)")
+                    crate::team::panic_message(&*p)
                 )),
             };
             if let Err(e) = &res {
