@@ -170,19 +170,15 @@ impl Puller {
     /// Bytes of the staging region (and conversion scratch) kept between
     /// syncs (0 before the first).
     pub fn spare_bytes(&self) -> u64 {
-        let staging = self
-            .spare
-            .lock()
-            .unwrap()
-            .as_ref()
-            .map_or(0, |s| s.region.len() as u64);
-        let scratch = self
-            .spare_scratch
-            .lock()
-            .unwrap()
-            .as_ref()
-            .map_or(0, |s| s.region.len() as u64);
-        staging + scratch
+        [&self.spare, &self.spare_scratch]
+            .iter()
+            .map(|m| {
+                m.lock()
+                    .unwrap()
+                    .as_ref()
+                    .map_or(0, |s| s.region.len() as u64)
+            })
+            .sum()
     }
 
     /// Frees the staging region kept between syncs (an open staging is not
