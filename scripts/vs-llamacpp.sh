@@ -9,6 +9,7 @@
 # --runs times (the median is reported; the machine's noise shows as the
 # spread):
 #   decode   llama-batched-bench -npp 128 -ntg 32 -npl 1,32  vs  pdkv bench decode --context 128
+#            (and, pdkv's alone, b1_of_copy_bw: batch 1's share of the copy bandwidth)
 #   prefill  llama-bench -p 512,2048 -n 0                      vs  pdkv bench prefill --tokens 512,2048
 #   long     llama-bench -p 8192 -n 0                          vs  pdkv bench prefill --tokens 8192
 #            llama-bench -p 0 -n 64 -d 4096,8128               vs  pdkv bench decode --batch-sizes 1 --context D
@@ -87,6 +88,8 @@ if want decode; then
       "$PDKV" bench decode --model "$f" --batch-sizes 1,32 --context 128 --steps 32 2>/dev/null | tail -1 > "$OUT/pd.json"
       python3 -c 'import json,sys; d=json.load(open(sys.argv[1]))["decode_tok_s"]; [print(b, v) for b, v in d.items()]' "$OUT/pd.json" |
         while read -r b tg; do record "decode_b$b" "$name" pdkv "$tg"; done
+      record "b1_of_copy_bw" "$name" pdkv \
+        "$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["roofline_fraction_b1"])' "$OUT/pd.json")"
     done
   done
 fi
@@ -210,5 +213,14 @@ for what, f in keys:
     spread = " ".join(f"{x:.0f}" for x in v["pdkv"]) + " / " + " ".join(f"{x:.0f}" for x in v["llama.cpp"])
     print(f"{what:<14} {f:<34} {l:>10.1f} {p:>10.1f} {p / l:>6.2f}x   {spread}")
     table.append({"measure": what, "file": f, "llama_cpp": l, "pdkv": p, "ratio": p / l, "runs": v})
-json.dump({"cpu": sys.argv[3], "threads": int(sys.argv[4]), "results": table}, open(sys.argv[2], "w"), indent=1)
+# pdkv's own figures beside them: batch-1 decode's weight streaming rate as a
+# share of the copy bandwidth `pdkv bench decode` measures in the same run.
+own = []
+for what, f in keys:
+    v = [r["value"] for r in rows if (r["what"], r["file"], r["tool"]) == (what, f, "pdkv")]
+    if what.startswith("b1_of_copy_bw") and v:
+        m = statistics.median(v)
+        print(f"{what:<14} {f:<34} {'':>10} {m:>10.3f} {'':>7}   {' '.join(f'{x:.3f}' for x in v)}")
+        own.append({"measure": what, "file": f, "pdkv": m, "runs": v})
+json.dump({"cpu": sys.argv[3], "threads": int(sys.argv[4]), "results": table, "pdkv_only": own}, open(sys.argv[2], "w"), indent=1)
 EOF
