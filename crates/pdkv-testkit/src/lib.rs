@@ -1,6 +1,7 @@
 //! What pdkv's tests share, written once: child `pdkv` processes under one
 //! guard ([`proc`]), deployments on `pdkv up`'s own wiring ([`deploy`]), the HTTP, admin and SSE clients ([`http`], [`sse`]),
-//! one Prometheus text parser ([`prom`]), the models tests run on
+//! one Prometheus text parser ([`prom`]), a client forging the KV ports'
+//! handshake ([`hostile`]), the models tests run on
 //! ([`models`]), in-process engines on them ([`engine`]), and the bound every wait in a test has ([`DEADLINE`]).
 //!
 //! A dev-dependency only: nothing here is part of a server. Every wait is
@@ -9,6 +10,7 @@
 
 pub mod deploy;
 pub mod engine;
+pub mod hostile;
 pub mod http;
 pub mod models;
 pub mod proc;

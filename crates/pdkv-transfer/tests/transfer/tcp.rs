@@ -3,6 +3,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use pdkv_testkit::hostile::forged_proof;
 use pdkv_transfer::auth::{self, KvSecret, Port};
 use pdkv_transfer::frame::{Header, Target, HEADER_LEN};
 use pdkv_transfer::proto::{InitiatorConfig, TransferError};
@@ -1008,37 +1009,6 @@ async fn write_lands(client: &Side, server: &Agent, reg: &Registration, data: &[
     client.agent.write(ops, None, DL).await.expect(what);
 }
 
-/// A hostile client's handshake: a well-formed hello, then whatever the
-/// challenge, a proof made with `key` (not the server's secret). Returns
-/// what the server answered in place of `OKAY`.
-async fn forged_proof(addr: std::net::SocketAddr, port: Port) -> Vec<u8> {
-    let mut s = TcpStream::connect(addr).await.unwrap();
-    let mut hello = [0u8; auth::HELLO_LEN];
-    hello[..8].copy_from_slice(b"PDKVAUTH");
-    hello[8] = 1;
-    hello[9] = port as u8;
-    s.write_all(&hello).await.unwrap();
-    let mut ch = [0u8; auth::CHALLENGE_LEN];
-    if tokio::time::timeout(DL, s.read_exact(&mut ch))
-        .await
-        .expect("a challenge or a close")
-        .is_err()
-    {
-        return Vec::new();
-    }
-    if ch.starts_with(b"PDKVDENY") {
-        return ch.to_vec(); // refused at the hello
-    }
-    let mut proof = [0x5a; auth::PROOF_LEN];
-    proof[..8].copy_from_slice(b"PDKVPROF");
-    s.write_all(&proof).await.unwrap();
-    let mut rest = Vec::new();
-    let _ = tokio::time::timeout(DL, s.read_to_end(&mut rest))
-        .await
-        .expect("the server closes");
-    rest
-}
-
 /// Agents holding the same secret move data; one holding another secret is
 /// refused with an error that names the secrets, and so are forged proofs,
 /// proofs for another port, truncated hellos and garbage — none of which
@@ -1098,7 +1068,7 @@ async fn only_peers_holding_the_deployment_secret_get_in_and_the_rest_never_dist
     }
     // Forged proofs, for this port and for another: denied.
     for port in [Port::Transfer, Port::Control] {
-        let answer = forged_proof(addr, port).await;
+        let answer = forged_proof(&addr.to_string(), port).await;
         assert!(answer.starts_with(b"PDKVDENY"), "{port}: {answer:?}");
     }
     // Truncated hellos and garbage, then a flood of idle connections past the

@@ -15,12 +15,14 @@ use std::path::Path;
 use pdkv_deploy::EngineRole;
 use pdkv_testkit::{
     deploy::{Pd, Spec},
+    hostile::forged_proof,
     http::{self, complete, wait_healthy},
     models::smollm2,
     proc::Proc,
     prom::metric,
     DEADLINE,
 };
+use pdkv_transfer::auth::Port;
 use serde_json::{json, Value};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
@@ -64,29 +66,6 @@ async fn hold(addr: &str, n: usize, garbage: bool) -> Vec<TcpStream> {
         v.push(g);
     }
     v
-}
-
-/// A client that speaks the KV handshake without the secret: a well-formed
-/// hello for `port` (1 transfer, 3 control), then a made-up proof. Returns
-/// the server's answer in place of its `OKAY`.
-async fn forged_proof(addr: &str, port: u8) -> Vec<u8> {
-    let mut s = TcpStream::connect(addr).await.unwrap();
-    let mut hello = [0u8; 48];
-    hello[..8].copy_from_slice(b"PDKVAUTH");
-    hello[8] = 1;
-    hello[9] = port;
-    s.write_all(&hello).await.unwrap();
-    let mut challenge = [0u8; 72];
-    s.read_exact(&mut challenge).await.expect("a challenge");
-    assert_eq!(&challenge[..8], b"PDKVCHAL", "{addr}");
-    let mut proof = [0x42u8; 40];
-    proof[..8].copy_from_slice(b"PDKVPROF");
-    s.write_all(&proof).await.unwrap();
-    let mut rest = Vec::new();
-    let _ = tokio::time::timeout(DEADLINE, s.read_to_end(&mut rest))
-        .await
-        .expect("the server closes");
-    rest
 }
 
 fn host_port(url: &str) -> String {
@@ -145,9 +124,9 @@ async fn idle_and_garbage_connections_on_every_port_do_not_break_pd() {
         held.extend(hold(&host_port(&s.base), 3000, false).await);
     }
     let kv_ports = [
-        (&p_info["bootstrap_addr"], 3u8),
-        (&d_info["bootstrap_addr"], 3),
-        (&d_info["transfer_addr"], 1),
+        (&p_info["bootstrap_addr"], Port::Control),
+        (&d_info["bootstrap_addr"], Port::Control),
+        (&d_info["transfer_addr"], Port::Transfer),
     ];
     for (addr, port) in kv_ports {
         let addr = addr.as_str().unwrap();
