@@ -387,18 +387,13 @@ unsafe fn run_job<D: IDot>(x: &QActs, job: &Job, s: &mut Scratch) {
     // instructions, and every weight row, activation and output this job
     // touches lies inside `job.w`, `x` and `job.y` (columns `j0..j1`).
     unsafe {
+        if x.m == 1 {
+            // One row (batch 1, the common decode step) is its own instance:
+            // its accumulator stays in a register.
+            return direct_of::<D, 1>(x, job);
+        }
         if x.m <= DIRECT_MAX {
-            return match job.ty {
-                QType::Q8_0 => direct::<D, 0>(x, job),
-                QType::Q4_0 => direct::<D, 1>(x, job),
-                QType::Q4_1 => direct::<D, 2>(x, job),
-                QType::Q5_0 => direct::<D, 3>(x, job),
-                QType::Q5_1 => direct::<D, 4>(x, job),
-                QType::Q4_K => direct_super::<D, false>(x, job),
-                QType::Q5_K => direct_super::<D, true>(x, job),
-                QType::Q6_K => direct_q6::<D>(x, job),
-                QType::F16 | QType::BF16 => unreachable!("run_many refuses them"),
-            };
+            return direct_of::<D, 0>(x, job);
         }
         let (nb, rb) = (x.blocks(), job.ty.row_bytes(x.k));
         let mut j = job.j0;
@@ -441,6 +436,30 @@ unsafe fn run_job<D: IDot>(x: &QActs, job: &Job, s: &mut Scratch) {
     }
 }
 
+/// The [`direct`] kernel of `job.ty` for `M` activation rows (`M = 0`:
+/// as many as `x.m`).
+///
+/// # Safety
+/// As [`direct`]'s.
+#[inline(always)]
+unsafe fn direct_of<D: IDot, const M: usize>(x: &QActs, job: &Job) {
+    // SAFETY: the caller guarantees [`direct`]'s contract, which every
+    // kernel here shares.
+    unsafe {
+        match job.ty {
+            QType::Q8_0 => direct::<D, 0, M>(x, job),
+            QType::Q4_0 => direct::<D, 1, M>(x, job),
+            QType::Q4_1 => direct::<D, 2, M>(x, job),
+            QType::Q5_0 => direct::<D, 3, M>(x, job),
+            QType::Q5_1 => direct::<D, 4, M>(x, job),
+            QType::Q4_K => direct_super::<D, false, M>(x, job),
+            QType::Q5_K => direct_super::<D, true, M>(x, job),
+            QType::Q6_K => direct_q6::<D, M>(x, job),
+            QType::F16 | QType::BF16 => unreachable!("run_many refuses them"),
+        }
+    }
+}
+
 /// Activation rows (at most [`DIRECT_MAX`], all in group 0) against 8
 /// weight rows at a time, a lane per weight row, reading each block in
 /// place: the values are unpacked in registers, the 8 scales (and
@@ -452,9 +471,9 @@ unsafe fn run_job<D: IDot>(x: &QActs, job: &Job, s: &mut Scratch) {
 /// `job.w` holds `job.n` rows of `x.k` values of `job.ty`, `job.y` `x.m * job.n`
 /// floats of which no one else writes columns `job.j0..job.j1`; the CPU has
 /// AVX2, FMA and F16C, and `D`'s instructions.
-/// `x.m <= DIRECT_MAX`.
+/// `x.m <= DIRECT_MAX`, and `M` is 0 (as many rows as `x.m`) or `x.m`.
 #[inline(always)]
-unsafe fn direct<D: IDot, const T: usize>(x: &QActs, job: &Job) {
+unsafe fn direct<D: IDot, const T: usize, const M: usize>(x: &QActs, job: &Job) {
     // SAFETY: the caller guarantees this function's contract: the CPU has the
     // instructions, and every weight row, activation and output this job
     // touches lies inside `job.w`, `x` and `job.y` (columns `j0..j1`).
@@ -463,7 +482,7 @@ unsafe fn direct<D: IDot, const T: usize>(x: &QActs, job: &Job) {
         // The format is a constant of each instance: its branches fold away.
         let ty = QType::ALL[T];
         let u = ty.unsigned();
-        let (nb, k, m) = (x.blocks(), x.k, x.m);
+        let (nb, k, m) = (x.blocks(), x.k, if M == 0 { x.m } else { M });
         let (rb, bb) = (ty.row_bytes(k), ty.block_bytes());
         // The job's first `AHEAD` tiles are fetched up front (its later
         // tiles `AHEAD` ahead, one by one, while a tile is computed).
@@ -477,7 +496,7 @@ unsafe fn direct<D: IDot, const T: usize>(x: &QActs, job: &Job) {
             // A short tile repeats its last row; the extra lanes are dropped.
             let row = |c: usize| c.min(nr - 1) * rb;
             let base = job.w.add(j * rb);
-            let offs = row_offsets(nr, rb);
+            let offs = &row_offsets(nr, rb);
             let mut acc = [_mm256_setzero_ps(); DIRECT_MAX];
             // The tile's 8 rows are 8 streams too short for the hardware
             // prefetcher to pick up, so the tile `AHEAD` on (contiguous) is
@@ -510,13 +529,12 @@ unsafe fn direct<D: IDot, const T: usize>(x: &QActs, job: &Job) {
                 for (r, a) in acc[..m].iter_mut().enumerate() {
                     let xv =
                         _mm256_loadu_si256(x.rowq.as_ptr().add(r * k + b * QK) as *const __m256i);
-                    let v: [__m256i; DR] = std::array::from_fn(|c| {
-                        if u {
-                            D::r4(xv, wv[c])
-                        } else {
-                            D::r8(xv, wv[c])
-                        }
-                    });
+                    // A plain loop, not `array::from_fn`: a closure body is
+                    // compiled without this function's target features.
+                    let mut v = [_mm256_setzero_si256(); DR];
+                    for (vc, &w) in v.iter_mut().zip(&wv) {
+                        *vc = if u { D::r4(xv, w) } else { D::r8(xv, w) };
+                    }
                     let mut isum = lanes8(&v);
                     let si = b * GROUP + r;
                     if !u && D::R8_OFFSET {
@@ -544,16 +562,16 @@ unsafe fn direct<D: IDot, const T: usize>(x: &QActs, job: &Job) {
 /// `job.w` holds `job.n` rows of `x.k` values of `job.ty`, `job.y` `x.m * job.n`
 /// floats of which no one else writes columns `job.j0..job.j1`; the CPU has
 /// AVX2, FMA and F16C, and `D`'s instructions.
-/// `x.m <= DIRECT_MAX`.
+/// `x.m <= DIRECT_MAX`, and `M` is 0 (as many rows as `x.m`) or `x.m`.
 #[inline(always)]
-unsafe fn direct_super<D: IDot, const FIVE: bool>(x: &QActs, job: &Job) {
+unsafe fn direct_super<D: IDot, const FIVE: bool, const M: usize>(x: &QActs, job: &Job) {
     // SAFETY: the caller guarantees this function's contract: the CPU has the
     // instructions, and every weight row, activation and output this job
     // touches lies inside `job.w`, `x` and `job.y` (columns `j0..j1`).
     // The step has at most `DIRECT_MAX` rows, all in `x.rowq`.
     unsafe {
         let ty = if FIVE { QType::Q5_K } else { QType::Q4_K };
-        let (nb, k, m) = (x.blocks(), x.k, x.m);
+        let (nb, k, m) = (x.blocks(), x.k, if M == 0 { x.m } else { M });
         let (rb, bb) = (ty.row_bytes(k), ty.block_bytes());
         prefetch(
             job.w.wrapping_add(job.j0 * rb),
@@ -564,7 +582,7 @@ unsafe fn direct_super<D: IDot, const FIVE: bool>(x: &QActs, job: &Job) {
             let nr = DR.min(job.j1 - j);
             let row = |c: usize| c.min(nr - 1) * rb;
             let base = job.w.add(j * rb);
-            let offs = row_offsets(nr, rb);
+            let offs = &row_offsets(nr, rb);
             let next = base.wrapping_add(AHEAD * DR * rb);
             let mut acc = [_mm256_setzero_ps(); DIRECT_MAX];
             for sb in 0..nb / 8 {
@@ -630,16 +648,16 @@ unsafe fn direct_super<D: IDot, const FIVE: bool>(x: &QActs, job: &Job) {
 /// `job.w` holds `job.n` rows of `x.k` values of `job.ty`, `job.y` `x.m * job.n`
 /// floats of which no one else writes columns `job.j0..job.j1`; the CPU has
 /// AVX2, FMA and F16C, and `D`'s instructions.
-/// `x.m <= DIRECT_MAX`.
+/// `x.m <= DIRECT_MAX`, and `M` is 0 (as many rows as `x.m`) or `x.m`.
 #[inline(always)]
-unsafe fn direct_q6<D: IDot>(x: &QActs, job: &Job) {
+unsafe fn direct_q6<D: IDot, const M: usize>(x: &QActs, job: &Job) {
     // SAFETY: the caller guarantees this function's contract: the CPU has the
     // instructions, and every weight row, activation and output this job
     // touches lies inside `job.w`, `x` and `job.y` (columns `j0..j1`).
     // The step has at most `DIRECT_MAX` rows, all in `x.rowq`.
     unsafe {
         let ty = QType::Q6_K;
-        let (nb, k, m) = (x.blocks(), x.k, x.m);
+        let (nb, k, m) = (x.blocks(), x.k, if M == 0 { x.m } else { M });
         let (rb, bb) = (ty.row_bytes(k), ty.block_bytes());
         let ones = _mm256_set1_epi8(1);
         prefetch(
@@ -651,7 +669,7 @@ unsafe fn direct_q6<D: IDot>(x: &QActs, job: &Job) {
             let nr = DR.min(job.j1 - j);
             let row = |c: usize| c.min(nr - 1) * rb;
             let base = job.w.add(j * rb);
-            let offs = row_offsets(nr, rb);
+            let offs = &row_offsets(nr, rb);
             let next = base.wrapping_add(AHEAD * DR * rb);
             let mut acc = [_mm256_setzero_ps(); DIRECT_MAX];
             for sb in 0..nb / 8 {
