@@ -213,6 +213,59 @@ fn matches_f64_reference_on_dequantised_values() {
     }
 }
 
+/// The bytes of a block of `ty` that hold its values (the rest are
+/// scales and minimums).
+fn value_bytes(ty: QType) -> std::ops::Range<usize> {
+    match ty {
+        QType::Q8_0 => 2..34,
+        QType::Q4_0 => 2..18,
+        QType::Q4_1 => 4..20,
+        QType::Q5_0 => 2..22,
+        QType::Q5_1 => 4..24,
+        QType::Q4_K => 16..144,
+        QType::Q5_K => 16..176,
+        QType::Q6_K => 0..192,
+        QType::F16 | QType::BF16 => unreachable!("not a block format"),
+    }
+}
+
+/// Every weight value at its format's extreme (Q8_0's -128, the others'
+/// largest unsigned value) against activations all +127 or all -127:
+/// the largest partial sums any kernel forms (the AVX2 flavour adds pair
+/// sums of 4 rows in i16) stay exact.
+#[test]
+fn the_largest_block_dots_are_exact() {
+    let (k, n) = (256, 11);
+    for fl in flavours() {
+        for ty in TYPES {
+            let mut wq = rand_weights(3, ty, n, k);
+            let fill = if ty == QType::Q8_0 { 0x80 } else { 0xff };
+            for blk in wq.chunks_mut(ty.block_bytes()) {
+                blk[value_bytes(ty)].fill(fill);
+            }
+            let w = dequant(ty, &wq, n, k);
+            for (sign, m) in [(1.0f32, 1), (-1.0, 1), (1.0, 3), (-1.0, 12)] {
+                let mut x = QActs::new();
+                x.quantize(&vec![sign; m * k], m, k);
+                let xd = dequant_acts(&x);
+                let y = run(fl, &x, ty, &wq, n);
+                for r in 0..m {
+                    for j in 0..n {
+                        let terms = (0..k).map(|t| w[j * k + t] as f64 * xd[r * k + t]);
+                        let want: f64 = terms.clone().sum();
+                        let mag: f64 = terms.map(f64::abs).sum();
+                        let got = y[r * n + j] as f64;
+                        assert!(
+                            (got - want).abs() <= 1e-5 * mag,
+                            "{fl:?} {ty:?} m={m} x={sign} ({r},{j}): {got} vs {want}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
+
 /// Against the original f32 activations the error is the activation
 /// rounding: `|x - d*q| <= d/2` per value (plus float rounding, here a
 /// 1e-3 slack on it and 1e-5 of Σ|w||x|), so
@@ -484,7 +537,15 @@ fn quantize_rejects_k_not_a_multiple_of_32() {
 #[test]
 #[ignore]
 fn bench_against_f32_matmul() {
-    let (k, n) = (576, 1536);
+    // SmolLM2's gate projection, and its down projection for the
+    // super-block formats (whose rows are whole multiples of 256 values).
+    let shape = |ty: QType| {
+        if fits(ty, 576) {
+            (576, 1536)
+        } else {
+            (1536, 576)
+        }
+    };
     let threads = std::env::var("PDKV_THREADS")
         .ok()
         .and_then(|s| s.parse().ok())
@@ -508,13 +569,18 @@ fn bench_against_f32_matmul() {
         best
     };
     println!(
-        "threads {threads}, k {k}, n {n}, flavour {:?}",
+        "threads {threads}, flavour {:?}",
         Flavour::of(kernels::backend())
     );
-    for m in [1, 32, 512] {
-        let xf = rand_acts(20, m, k);
-        let gflop = 2.0 * (m * k * n) as f64 / 1e9;
-        for ty in TYPES.into_iter().filter(|&ty| fits(ty, k)) {
+    // PDKV_BENCH_M=1 (a comma-separated list) times those batch sizes only.
+    let ms: Vec<usize> = std::env::var("PDKV_BENCH_M")
+        .map(|s| s.split(',').map(|m| m.trim().parse().unwrap()).collect())
+        .unwrap_or_else(|_| vec![1, 32, 512]);
+    for m in ms {
+        for ty in TYPES {
+            let (k, n) = shape(ty);
+            let xf = rand_acts(20, m, k);
+            let gflop = 2.0 * (m * k * n) as f64 / 1e9;
             let wq = rand_weights(21, ty, n, k);
             let w = dequant(ty, &wq, n, k);
             let mut y = vec![0f32; m * n];
@@ -535,7 +601,8 @@ fn bench_against_f32_matmul() {
                 })
             });
             println!(
-                "m={m:3} {ty:?}: f32 {:8.1} us {:6.1} GFLOP/s | q {:8.1} us {:6.1} GFLOP/s (+quantize {:6.1} us) | speedup {:.2}x",
+                "m={m:3} {ty:?} {k}x{n}: {:6.1} GB/s of weights | f32 {:8.1} us {:6.1} GFLOP/s | q {:8.1} us {:6.1} GFLOP/s (+quantize {:6.1} us) | speedup {:.2}x",
+                wq.len() as f64 / tq / 1e9,
                 tf * 1e6,
                 gflop / tf,
                 tq * 1e6,
