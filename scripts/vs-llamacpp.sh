@@ -8,7 +8,7 @@
 # llama-quantize (cached beside it; decode runs on all three), then, each pair measured back to back and repeated
 # --runs times (the median is reported; the machine's noise shows as the
 # spread):
-#   decode   llama-batched-bench -npp 128 -ntg 32 -npl 1,32  vs  pdkv bench decode --context 128
+#   decode   llama-batched-bench -npp 128 -ntg 32 -npl 1,32  vs  pdkv bench decode --context 128 --steps 128
 #            (and, pdkv's alone, b1_of_copy_bw: batch 1's share of the copy bandwidth)
 #   prefill  llama-bench -p 512,2048 -n 0                      vs  pdkv bench prefill --tokens 512,2048
 #   long     llama-bench -p 8192 -n 0                          vs  pdkv bench prefill --tokens 8192
@@ -85,7 +85,10 @@ if want decode; then
       # | PP | TG | B | N_KV | T_PP | S_PP | T_TG | S_TG | T | S |
       awk -F'|' '$4+0 > 0 { gsub(/ /, "", $4); gsub(/ /, "", $9); print $4, $9 }' "$OUT/bb.txt" |
         while read -r b tg; do record "decode_b$b" "$name" llama.cpp "$tg"; done
-      "$PDKV" bench decode --model "$f" --batch-sizes 1,32 --context 128 --steps 32 2>/dev/null | tail -1 > "$OUT/pd.json"
+      # 128 timed steps (llama.cpp times 32, from the same context: pdkv's
+      # last steps see the longer context): 32 steps of batch 1 are ~0.2 s,
+      # too short for a steady share of the copy bandwidth.
+      "$PDKV" bench decode --model "$f" --batch-sizes 1,32 --context 128 --steps 128 2>/dev/null | tail -1 > "$OUT/pd.json"
       python3 -c 'import json,sys; d=json.load(open(sys.argv[1]))["decode_tok_s"]; [print(b, v) for b, v in d.items()]' "$OUT/pd.json" |
         while read -r b tg; do record "decode_b$b" "$name" pdkv "$tg"; done
       record "b1_of_copy_bw" "$name" pdkv \

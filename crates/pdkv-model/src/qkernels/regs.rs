@@ -1,6 +1,6 @@
 //! Register-level pieces of the SIMD flavours that need no flavour's own
 //! instructions: the values of a K-quant block as bytes, horizontal sums
-//! of 8 integer vectors, the words of a tile's 8 rows in one gather, the
+//! of 8 integer vectors, the words of a tile's 8 rows in one vector, the
 //! K-quant 6-bit scales decoded lane-wise, the weight prefetch and the
 //! batch-1 tile's stores. AVX2 and F16C (SSE for the prefetch) alone.
 

@@ -511,7 +511,7 @@ unsafe fn direct_of<D: IDot, const M: usize>(x: &QActs, job: &Job) {
 /// Activation rows (at most [`DIRECT_MAX`], all in group 0) against 8
 /// weight rows at a time, a lane per weight row, reading each block in
 /// place: the values are unpacked in registers, the 8 scales (and
-/// minimums) gathered and widened from f16 in one go, and the exact
+/// minimums) loaded into one vector and widened from f16 in one go, and the exact
 /// block dots brought into lanes with integer horizontal adds. The float
 /// sequence per element is the tile path's, so the results are its bits.
 ///
@@ -563,7 +563,7 @@ unsafe fn direct<D: IDot, const T: usize, const M: usize>(x: &QActs, job: &Job) 
                     };
                 }
                 // Each row's f16 scale and the two bytes after it (Q4_1's
-                // and Q5_1's f16 minimum) in one gather: lane c is row c.
+                // and Q5_1's f16 minimum) in one vector: lane c is row c.
                 let g = rows_word(blk, offs);
                 let dw = f16_low(g);
                 let mw = if !u {
