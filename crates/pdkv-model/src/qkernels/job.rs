@@ -20,8 +20,8 @@ pub(super) struct Job {
 /// Weight rows of one register tile, unpacked once and reused by every
 /// activation group: per row `c`, block `b`, the scale `dw[c*nb + b]`, and
 /// the 32 values as bytes at `vals[(c*nb + b)*32..]` (an unsigned format's
-/// values; Q8_0's plus 128, for VNNI's unsigned operand), and an unsigned
-/// format's minimum `mw[c*nb + b]`.
+/// values; Q8_0's plus 128 for VNNI's unsigned operand, or their magnitudes
+/// for AVX2's), and an unsigned format's minimum `mw[c*nb + b]`.
 #[derive(Default)]
 pub(super) struct Scratch {
     pub(super) vals: Vec<u8>,

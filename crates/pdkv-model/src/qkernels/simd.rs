@@ -29,7 +29,7 @@ struct Tile<'a> {
 trait IDot {
     /// # Safety
     /// `xb` is a group's block `b` (256 bytes), `sumx` its 8 sums; `t`
-    /// holds `C` rows.
+    /// holds `C` rows, and `t.s` their blocks as [`IDot::scratch8`] keeps them.
     unsafe fn q8<const C: usize>(
         xb: *const i8,
         sumx: *const i32,
@@ -41,6 +41,9 @@ trait IDot {
     /// # Safety
     /// `xb` is a group's block `b` (256 bytes); `t.s` holds `C` unpacked rows.
     unsafe fn qu<const C: usize>(xb: *const i8, t: &Tile<'_>, b: usize) -> [__m256i; C];
+    /// A Q8_0 block's 16 values (as loaded) as the tiles keep them in
+    /// the scratch: `w + 128` for VNNI's unsigned operand, `|w|` for AVX2's.
+    unsafe fn scratch8(w: __m128i) -> __m128i;
     /// Whether [`IDot::r8`] leaves `128 * Σx` to subtract.
     const R8_OFFSET: bool;
     /// How [`IDot::r8`] wants a Q8_0 block's 32 values (as loaded).
@@ -81,7 +84,7 @@ unsafe fn q8_chunk(t: &Tile<'_>, c: usize, b: usize, i: usize) -> __m256i {
 }
 
 /// Chunk `i` of the unpacked block `b` of tile row `c` (an unsigned
-/// format's values, or Q8_0's plus 128).
+/// format's values, or Q8_0's as [`IDot::scratch8`] keeps them).
 ///
 /// # Safety
 /// The CPU has AVX2; `t.s` holds the unpacked block `b` of row `c`, `i < 8`.
@@ -95,8 +98,9 @@ unsafe fn unpacked_chunk(t: &Tile<'_>, c: usize, b: usize, i: usize) -> __m256i 
 struct Avx2;
 
 impl IDot for Avx2 {
-    /// `|w|` as unsigned times `x` with the sign of `w` (`|w|` may be 128;
-    /// pair sums stay within i16), then pairs of i16 summed to i32.
+    /// `|w|` (from the scratch) as unsigned times `x` with the sign of `w`
+    /// (`|w|` may be 128; pair sums stay within i16), then pairs of i16
+    /// summed to i32.
     #[inline(always)]
     unsafe fn q8<const C: usize>(
         xb: *const i8,
@@ -105,15 +109,17 @@ impl IDot for Avx2 {
         b: usize,
     ) -> [__m256i; C] {
         // SAFETY: the caller guarantees AVX2 and the trait's contract: `xb` is a
-        // group's 256-byte block and `t` holds `C` rows with block `b`.
+        // group's 256-byte block and `t` (and `t.s`) holds `C` rows with block `b`.
         unsafe {
             let ones = _mm256_set1_epi16(1);
             let mut isum = [_mm256_setzero_si256(); C];
             for i in 0..QK / 4 {
                 let xv = _mm256_loadu_si256(xb.add(i * 32) as *const __m256i);
                 for (c, acc) in isum.iter_mut().enumerate() {
-                    let wv = q8_chunk(t, c, b, i);
-                    let p = _mm256_maddubs_epi16(_mm256_abs_epi8(wv), _mm256_sign_epi8(xv, wv));
+                    let p = _mm256_maddubs_epi16(
+                        unpacked_chunk(t, c, b, i),
+                        _mm256_sign_epi8(xv, q8_chunk(t, c, b, i)),
+                    );
                     *acc = _mm256_add_epi32(*acc, _mm256_madd_epi16(p, ones));
                 }
             }
@@ -148,6 +154,12 @@ impl IDot for Avx2 {
             }
             isum
         }
+    }
+
+    #[inline(always)]
+    unsafe fn scratch8(w: __m128i) -> __m128i {
+        // SAFETY: the caller guarantees AVX2; registers only, no memory.
+        unsafe { _mm_abs_epi8(w) }
     }
 
     const R8_OFFSET: bool = false;
@@ -269,6 +281,12 @@ impl IDot for Vnni {
         }
     }
 
+    #[inline(always)]
+    unsafe fn scratch8(w: __m128i) -> __m128i {
+        // SAFETY: the caller guarantees AVX2; registers only, no memory.
+        unsafe { _mm_xor_si128(w, _mm_set1_epi8(-128)) }
+    }
+
     const R8_OFFSET: bool = true;
 
     /// `w + 128` as unsigned bytes.
@@ -363,11 +381,10 @@ unsafe fn prep<D: IDot>(
                     s.mw[i] = min_of(ty, std::slice::from_raw_parts(blk, bb));
                     _mm256_storeu_si256(v as *mut __m256i, unpack_unsigned::<D>(ty, blk));
                 } else {
-                    // Q8_0's values as `w + 128`, the unsigned operand VNNI takes.
-                    let flip = _mm_set1_epi8(-128);
+                    // Q8_0's values as the flavour's `q8` reads them.
                     for h in [0, 16] {
                         let q = _mm_loadu_si128(blk.add(2 + h) as *const __m128i);
-                        _mm_storeu_si128(v.add(h) as *mut __m128i, _mm_xor_si128(q, flip));
+                        _mm_storeu_si128(v.add(h) as *mut __m128i, D::scratch8(q));
                     }
                 }
             }
