@@ -528,8 +528,9 @@ unsafe fn direct_of<D: IDot, const M: usize>(x: &QActs, job: &Job) {
 /// Activation rows (at most [`DIRECT_MAX`], all in group 0) against 8
 /// weight rows at a time, a lane per weight row, reading each block in
 /// place: the values are unpacked in registers, the 8 scales (and
-/// minimums) loaded into one vector and widened from f16 in one go, and the exact
-/// block dots brought into lanes with integer horizontal adds. The float
+/// minimums) loaded into one vector and widened from f16 in one go, and
+/// the exact block dots brought into lanes with integer horizontal adds.
+/// The float
 /// sequence per element is the tile path's, so the results are its bits.
 ///
 /// # Safety
@@ -559,7 +560,6 @@ unsafe fn direct<D: IDot, const T: usize, const M: usize>(x: &QActs, job: &Job) 
         while j < job.j1 {
             let nr = DR.min(job.j1 - j);
             // A short tile repeats its last row; the extra lanes are dropped.
-            let row = |c: usize| c.min(nr - 1) * rb;
             let base = job.w.add(j * rb);
             let offs = &row_offsets(nr, rb);
             let mut acc = [_mm256_setzero_ps(); DIRECT_MAX];
@@ -572,7 +572,7 @@ unsafe fn direct<D: IDot, const T: usize, const M: usize>(x: &QActs, job: &Job) 
                 let blk = base.add(b * bb);
                 let mut wv = [_mm256_setzero_si256(); DR];
                 for (c, w) in wv.iter_mut().enumerate() {
-                    let p = blk.add(row(c));
+                    let p = blk.add(offs[c]);
                     *w = if u {
                         unpack_unsigned::<D>(ty, p)
                     } else {
@@ -649,14 +649,13 @@ unsafe fn direct_super<D: IDot, const FIVE: bool, const M: usize>(x: &QActs, job
         let mut j = job.j0;
         while j < job.j1 {
             let nr = DR.min(job.j1 - j);
-            let row = |c: usize| c.min(nr - 1) * rb;
             let base = job.w.add(j * rb);
             let offs = &row_offsets(nr, rb);
             let next = base.wrapping_add(AHEAD * DR * rb);
             let mut acc = [_mm256_setzero_ps(); DIRECT_MAX];
             for sb in 0..nb / 8 {
                 prefetch(next.wrapping_add(sb * DR * bb), DR * bb);
-                let blk = |c: usize| base.add(row(c) + sb * bb);
+                let blk = |c: usize| base.add(offs[c] + sb * bb);
                 let sbp = base.add(sb * bb);
                 // Of the 8 rows' super-blocks (lane c is row c): the f16
                 // scale and minimum (one word), and the 12 bytes of 6-bit
@@ -732,14 +731,13 @@ unsafe fn direct_q6<D: IDot, const M: usize>(x: &QActs, job: &Job) {
         let mut j = job.j0;
         while j < job.j1 {
             let nr = DR.min(job.j1 - j);
-            let row = |c: usize| c.min(nr - 1) * rb;
             let base = job.w.add(j * rb);
             let offs = &row_offsets(nr, rb);
             let next = base.wrapping_add(AHEAD * DR * rb);
             let mut acc = [_mm256_setzero_ps(); DIRECT_MAX];
             for sb in 0..nb / 8 {
                 prefetch(next.wrapping_add(sb * DR * bb), DR * bb);
-                let blk = |c: usize| base.add(row(c) + sb * bb);
+                let blk = |c: usize| base.add(offs[c] + sb * bb);
                 let sbp = base.add(sb * bb);
                 // The f16 scale is the block's last two bytes: the high half
                 // of the word before (a word at 208 would read past the block).
