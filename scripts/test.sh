@@ -4,7 +4,7 @@
 # the tests that run pdkv behind it) into a virtual environment under cargo's
 # target directory, then runs every test in release mode.
 #
-#   scripts/test.sh          the test command (CI runs it; 9 to 10.5 minutes on
+#   scripts/test.sh          the test command (CI runs it; 9 to 11.7 minutes on
 #                            2 cores from a fresh clone, build included)
 #   scripts/test.sh --full   also the long runs: the lifecycle matrix in every
 #                            transport, transfer mode and failure policy, the
