@@ -279,9 +279,9 @@ pub(super) unsafe fn sweep_with<E: KvElem>(
                             }
                         })
                     },
-                    tile: |a: &mut AttnQuery, b: Option<&mut AttnQuery>, buf, scale, t0| {
+                    tile: |qs: &mut [AttnQuery], buf, scale, t0| {
                         let kp = rows_of(buf, head_dim);
-                        for q in std::iter::once(a).chain(b) {
+                        for q in qs.iter_mut().filter(|q| q.pos >= t0) {
                             let seen = seen(q, t0);
                             portable::attend_tile(
                                 q,
@@ -319,7 +319,8 @@ pub(super) unsafe fn sweep_avx2<E: KvElem>(
 /// How a sweep reads a tile that many queries share: whether it copies the
 /// tile's rows as floats (`on`) into a buffer of `len` floats (`fill`: the
 /// tile's K row pointers, the V rows' offset, the buffer), and the tile
-/// kernel that reads that buffer (`tile`: one or two queries, the buffer,
+/// kernel that reads that buffer (`tile`: the sweep's queries, of which
+/// those whose position reaches the tile take it, in order; the buffer,
 /// the scale, the tile's first position).
 struct Wide<F, T> {
     on: bool,
@@ -410,9 +411,9 @@ fn rows_of(buf: *const f32, hd: usize) -> [*const f32; KEY_TILE] {
 ///
 /// # Safety
 /// As [`attend_many`]'s (and [`attend_segment`]'s for a segment), for `hd`
-/// elements per row; `tile` and `wide.tile` compute one tile for one query
-/// within that contract, the latter over a buffer of `wide.len` floats
-/// that `wide.fill` wrote from the tile's rows.
+/// elements per row; `tile` computes one tile for one query within that
+/// contract, `wide.tile` one tile for the queries that reach it, over a
+/// buffer of `wide.len` floats that `wide.fill` wrote from the tile's rows.
 #[inline(always)]
 unsafe fn sweep_generic<E: KvElem>(
     rows: &PagedRows<'_, E>,
@@ -423,7 +424,7 @@ unsafe fn sweep_generic<E: KvElem>(
     tile: impl Fn(&mut AttnQuery, &[*const E; KEY_TILE], usize, usize, f32, usize),
     wide: Wide<
         impl Fn(&[*const E; KEY_TILE], usize, *mut f32),
-        impl Fn(&mut AttnQuery, Option<&mut AttnQuery>, *const f32, f32, usize),
+        impl Fn(&mut [AttnQuery], *const f32, f32, usize),
     >,
 ) {
     // SAFETY: the caller guarantees `attend_many`'s contract: the rows
@@ -458,14 +459,10 @@ unsafe fn sweep_generic<E: KvElem>(
                 if wide.on {
                     (wide.fill)(&kp, rows.v_offset, buf.as_mut_ptr());
                 }
-                let mut reach = qs.iter_mut().filter(|q| q.pos >= t0);
                 if wide.on {
-                    // Queries two at a time, for a kernel that interleaves them.
-                    while let Some(a) = reach.next() {
-                        (wide.tile)(a, reach.next(), buf.as_ptr(), scale, t0);
-                    }
+                    (wide.tile)(qs, buf.as_ptr(), scale, t0);
                 } else {
-                    for q in reach {
+                    for q in qs.iter_mut().filter(|q| q.pos >= t0) {
                         tile(q, &kp, rows.v_offset, hd, scale, seen(q, t0));
                     }
                 }
@@ -510,280 +507,7 @@ unsafe fn sweep_generic<E: KvElem>(
 }
 
 #[cfg(target_arch = "x86_64")]
-pub(super) mod avx2 {
-    use std::arch::x86_64::*;
-
-    use super::{AttnQuery, KvElem, PagedRows, Sweep, KEY_TILE};
-    use crate::kernels::expf::{exp1, exp8};
-    use crate::kernels::matmul::avx2::hsum;
-    use crate::kernels::tile512;
-
-    /// Lane `i` of the result is `hsum(v[i])`, with the very same additions:
-    /// `((a0+a4) + (a2+a6)) + ((a1+a5) + (a3+a7))`.
-    ///
-    /// # Safety
-    /// The CPU has AVX (AVX2 here).
-    #[inline(always)]
-    pub(in crate::kernels) unsafe fn hsum8(v: &[__m256; 8]) -> __m256 {
-        // SAFETY: the caller guarantees AVX; registers only.
-        unsafe {
-            // [x.lo + x.hi | y.lo + y.hi]: hsum's first step for two vectors.
-            let halves = |x: __m256, y: __m256| {
-                _mm256_add_ps(
-                    _mm256_permute2f128_ps::<0x20>(x, y),
-                    _mm256_permute2f128_ps::<0x31>(x, y),
-                )
-            };
-            // Per 128-bit lane [b0+b2, b1+b3] of x, then of y: the second step.
-            let pairs = |x: __m256, y: __m256| {
-                _mm256_add_ps(
-                    _mm256_shuffle_ps::<0b01_00_01_00>(x, y),
-                    _mm256_shuffle_ps::<0b11_10_11_10>(x, y),
-                )
-            };
-            // The last step leaves lanes in the order (0, 2, 1, 3) per half, so
-            // the inputs go in as 0, 2, 1, 3, 4, 6, 5, 7.
-            let (w0, w1) = (halves(v[0], v[4]), halves(v[2], v[6]));
-            let (w2, w3) = (halves(v[1], v[5]), halves(v[3], v[7]));
-            let (u, z) = (pairs(w0, w2), pairs(w1, w3));
-            _mm256_add_ps(
-                _mm256_shuffle_ps::<0b10_00_10_00>(u, z),
-                _mm256_shuffle_ps::<0b11_01_11_01>(u, z),
-            )
-        }
-    }
-
-    /// [`super::sweep_with`] with AVX2 tiles.
-    ///
-    /// # Safety
-    /// As [`super::attend_many`]'s; the CPU has AVX2, FMA and F16C.
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) unsafe fn sweep<E: KvElem>(
-        rows: &PagedRows<'_, E>,
-        hd: usize,
-        scale: f32,
-        qs: &mut [AttnQuery],
-        sweep: Sweep,
-    ) {
-        // SAFETY: as `attend_many`'s contract, with AVX2 and FMA enabled;
-        // each tile gets the rows and the query the sweep was given, a
-        // widened one the rows `fill_rows` copied.
-        unsafe {
-            super::sweep_generic(
-                rows,
-                hd,
-                scale,
-                qs,
-                sweep,
-                |q, kp, v_offset, hd, scale, seen| attend_tile(q, kp, v_offset, hd, scale, seen),
-                super::Wide {
-                    on: qs.len() > E::WIDEN_PAST,
-                    len: 2 * KEY_TILE * hd,
-                    fill: |kp: &[*const E; KEY_TILE], v_offset, buf| {
-                        super::fill_rows(kp, v_offset, hd, buf, |src, dst, n| {
-                            let n8 = n & !7;
-                            for i in (0..n8).step_by(8) {
-                                _mm256_storeu_ps(dst.add(i), E::get8(src, i));
-                            }
-                            for i in n8..n {
-                                *dst.add(i) = E::get(src, i);
-                            }
-                        })
-                    },
-                    tile: |a: &mut AttnQuery, b: Option<&mut AttnQuery>, buf, scale, t0| {
-                        let kp = super::rows_of(buf, hd);
-                        for q in std::iter::once(a).chain(b) {
-                            let seen = super::seen(q, t0);
-                            attend_tile(q, &kp, KEY_TILE * hd, hd, scale, seen)
-                        }
-                    },
-                },
-            )
-        }
-    }
-
-    /// [`super::sweep_with`] with every tile copied once and computed on
-    /// AVX-512 registers ([`tile512`]), the bits of [`sweep`]'s.
-    ///
-    /// # Safety
-    /// As [`super::attend_many`]'s; the CPU has AVX-512F and DQ, AVX2, FMA
-    /// and F16C; `hd` is a multiple of 16.
-    #[target_feature(enable = "avx512f,avx512dq,avx2,fma,f16c")]
-    pub(super) unsafe fn sweep512<E: KvElem>(
-        rows: &PagedRows<'_, E>,
-        hd: usize,
-        scale: f32,
-        qs: &mut [AttnQuery],
-        sweep: Sweep,
-    ) {
-        // SAFETY: as `attend_many`'s contract, with the instructions
-        // enabled and `hd` a multiple of 16; every tile is filled for
-        // `tile512::tile` to read, so the narrow kernel is never called.
-        unsafe {
-            super::sweep_generic(
-                rows,
-                hd,
-                scale,
-                qs,
-                sweep,
-                |q, kp, v_offset, hd, scale, seen| attend_tile(q, kp, v_offset, hd, scale, seen),
-                super::Wide {
-                    on: true,
-                    len: tile512::buffer_len(hd),
-                    fill: |kp: &[*const E; KEY_TILE], v_offset, buf| {
-                        tile512::fill(kp, v_offset, hd, buf)
-                    },
-                    tile: |a: &mut AttnQuery, b: Option<&mut AttnQuery>, buf, scale, t0| {
-                        fn part(q: &mut AttnQuery, t0: usize) -> tile512::Query<'_> {
-                            tile512::Query {
-                                q: q.q,
-                                out: q.out,
-                                seen: super::seen(q, t0),
-                                m: &mut q.m,
-                                l: &mut q.l,
-                            }
-                        }
-                        match b {
-                            Some(b) => tile512::tile([part(a, t0), part(b, t0)], buf, hd, scale),
-                            None => tile512::tile([part(a, t0)], buf, hd, scale),
-                        }
-                    },
-                },
-            )
-        }
-    }
-
-    /// One tile for one query. Scores: 8 keys side by side over the head's
-    /// columns, reduced in `hsum`'s order (then the columns past a multiple
-    /// of 8 one by one), times the scale; keys the query does not see become
-    /// `-inf`. `p = exp(s - m)` 8 at a time, the tile's sum in `hsum`'s
-    /// order. The output keeps 64 columns in registers while it takes the
-    /// tile's positions in order: each element is `fma(p_t, v_t, acc)`.
-    ///
-    /// # Safety
-    /// The CPU has AVX2 and FMA; `kp`'s rows and their V rows (`v_offset`
-    /// floats further) hold `hd` readable floats; `q.q` points at `hd` readable
-    /// floats and `q.out` at `hd` writable ones nothing else touches.
-    #[inline(always)]
-    unsafe fn attend_tile<E: super::KvElem>(
-        q: &mut super::AttnQuery,
-        kp: &[*const E; super::KEY_TILE],
-        v_offset: usize,
-        hd: usize,
-        scale: f32,
-        seen: usize,
-    ) {
-        // SAFETY: the caller guarantees AVX2, FMA and `attend_many`'s contract:
-        // the 16 K rows of `kp` (the first `seen` of them real) and their V rows,
-        // `v_offset` floats further, hold `hd` readable floats; `q.q` is `hd`
-        // readable floats and `q.out` `hd` writable ones.
-        unsafe {
-            let hd8 = hd & !7;
-            let qp = q.q;
-            let mut s = [0f32; super::KEY_TILE];
-            for h in 0..super::KEY_TILE / 8 {
-                let mut acc = [_mm256_setzero_ps(); 8];
-                let mut p = 0;
-                while p < hd8 {
-                    let qv = _mm256_loadu_ps(qp.add(p));
-                    for (i, a) in acc.iter_mut().enumerate() {
-                        *a = _mm256_fmadd_ps(qv, E::get8(kp[8 * h + i], p), *a);
-                    }
-                    p += 8;
-                }
-                _mm256_storeu_ps(s.as_mut_ptr().add(8 * h), hsum8(&acc));
-            }
-            if hd8 < hd {
-                for (j, sj) in s.iter_mut().enumerate() {
-                    for c in hd8..hd {
-                        *sj += *qp.add(c) * E::get(kp[j], c);
-                    }
-                }
-            }
-            let lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-            let ninf = _mm256_set1_ps(f32::NEG_INFINITY);
-            let sv = _mm256_set1_ps(scale);
-            let masked = |h: usize| {
-                let keep = _mm256_cmpgt_epi32(_mm256_set1_epi32(seen as i32 - 8 * h as i32), lane);
-                let x = _mm256_mul_ps(_mm256_loadu_ps(s.as_ptr().add(8 * h)), sv);
-                _mm256_blendv_ps(ninf, x, _mm256_castsi256_ps(keep))
-            };
-            let (s0, s1) = (masked(0), masked(1));
-            let mut lanes = [0f32; 8];
-            _mm256_storeu_ps(lanes.as_mut_ptr(), _mm256_max_ps(s0, s1));
-            let m = lanes.iter().fold(q.m, |m, &v| m.max(v));
-            let mv = _mm256_set1_ps(m);
-            let (p0, p1) = (exp8(_mm256_sub_ps(s0, mv)), exp8(_mm256_sub_ps(s1, mv)));
-            let sum = hsum(_mm256_add_ps(p0, p1));
-            let mut ps = [0f32; super::KEY_TILE];
-            _mm256_storeu_ps(ps.as_mut_ptr(), p0);
-            _mm256_storeu_ps(ps.as_mut_ptr().add(8), p1);
-            // How the accumulator starts: zero on the first tile, rescaled when
-            // the maximum grew, as it is otherwise (`x * 1` would change nothing).
-            let first = q.m == f32::NEG_INFINITY;
-            let alpha = if !first && m > q.m {
-                exp1(q.m - m)
-            } else {
-                1.0
-            };
-            q.l = if first { sum } else { q.l * alpha + sum };
-            q.m = m;
-            let rescale = !first && alpha != 1.0;
-            let av = _mm256_set1_ps(alpha);
-            let out = q.out;
-            let start = |at: *mut f32| {
-                if first {
-                    _mm256_setzero_ps()
-                } else if rescale {
-                    _mm256_mul_ps(_mm256_loadu_ps(at), av)
-                } else {
-                    _mm256_loadu_ps(at)
-                }
-            };
-            let ps = &ps[..seen];
-            let mut c = 0;
-            while c + 64 <= hd {
-                let mut acc = [_mm256_setzero_ps(); 8];
-                for (j, a) in acc.iter_mut().enumerate() {
-                    *a = start(out.add(c + 8 * j));
-                }
-                for (t, &p) in ps.iter().enumerate() {
-                    let v = kp[t].add(v_offset);
-                    let pv = _mm256_set1_ps(p);
-                    for (j, a) in acc.iter_mut().enumerate() {
-                        *a = _mm256_fmadd_ps(pv, E::get8(v, c + 8 * j), *a);
-                    }
-                }
-                for (j, a) in acc.iter().enumerate() {
-                    _mm256_storeu_ps(out.add(c + 8 * j), *a);
-                }
-                c += 64;
-            }
-            while c + 8 <= hd {
-                let mut acc = start(out.add(c));
-                for (t, &p) in ps.iter().enumerate() {
-                    acc = _mm256_fmadd_ps(_mm256_set1_ps(p), E::get8(kp[t].add(v_offset), c), acc);
-                }
-                _mm256_storeu_ps(out.add(c), acc);
-                c += 8;
-            }
-            while c < hd {
-                let mut acc = if first {
-                    0.0
-                } else if rescale {
-                    *out.add(c) * alpha
-                } else {
-                    *out.add(c)
-                };
-                for (t, &p) in ps.iter().enumerate() {
-                    acc = p.mul_add(E::get(kp[t].add(v_offset), c), acc);
-                }
-                *out.add(c) = acc;
-                c += 1;
-            }
-        }
-    }
-}
+pub(super) mod avx2;
 
 mod portable {
     use super::KvElem;

@@ -425,48 +425,70 @@ fn online_softmax_matches_f64_over_long_contexts_with_a_growing_maximum() {
     }
 }
 
+/// A query's output has the same bits alone and in a sweep with others
+/// (at scattered positions, so the queries paired on a
+/// tile see different numbers of its keys), over an f32 cache (read in
+/// place) and an f16 one (many queries: each tile widened once and taken
+/// two queries at a time).
 #[test]
 fn a_query_gets_the_same_bits_whatever_queries_share_its_sweep() {
     for be in backends() {
-        for hd in [64, 128, 24, 20, 72] {
+        for hd in [64, 128, 24, 20, 72, 96] {
             let cache = Cache::new(41, 12, 16, hd);
-            let n = 12 * 16;
-            // 40 query heads at scattered positions (some repeated), as a
-            // prefill chunk or a decode batch would bring them.
-            let qv: Vec<Vec<f32>> = (0..40).map(|i| rand_vec(500 + i, hd)).collect();
-            let pos: Vec<usize> = (0..40).map(|i| (i * 37 + 5) % n).collect();
-            let alone: Vec<Vec<f32>> = (0..40)
-                .map(|i| {
-                    let mut out = vec![0f32; hd];
-                    let mut qs = [AttnQuery::new(qv[i].as_ptr(), pos[i], out.as_mut_ptr())];
-                    // SAFETY: positions are below n.
-                    unsafe { attend_many_with(be, &cache.rows(), hd, 0.125, &mut qs) };
-                    out
-                })
-                .collect();
-            for split in [40, 7, 1] {
-                let mut outs = vec![vec![f32::NAN; hd]; 40];
-                let mut qs: Vec<AttnQuery> = outs
-                    .iter_mut()
-                    .enumerate()
-                    .map(|(i, o)| AttnQuery::new(qv[i].as_ptr(), pos[i], o.as_mut_ptr()))
-                    .collect();
-                for part in qs.chunks_mut(split) {
-                    // SAFETY: as above; outputs are distinct.
-                    unsafe { attend_many_with(be, &cache.rows(), hd, 0.125, part) };
-                }
-                for i in 0..40 {
-                    let same = outs[i]
-                        .iter()
-                        .zip(&alone[i])
-                        .all(|(a, b)| a.to_bits() == b.to_bits());
-                    assert!(
-                        same,
-                        "{be:?} hd {hd} split {split}: query {i} at {} differs",
-                        pos[i]
-                    );
-                }
+            let halves: Vec<half::f16> = cache.kv.iter().map(|&x| half::f16::from_f32(x)).collect();
+            let f32_rows = cache.rows();
+            let f16_rows = retyped(&f32_rows, halves.as_ptr());
+            // SAFETY: both caches hold K and V for 12 blocks of 16 positions.
+            unsafe {
+                same_bits_whatever_shares_the_sweep(be, &f32_rows, hd, 12 * 16, "f32");
+                same_bits_whatever_shares_the_sweep(be, &f16_rows, hd, 12 * 16, "f16");
             }
+        }
+    }
+}
+
+/// 40 query heads at scattered positions below `n`, as a prefill chunk or
+/// a decode batch would bring them: each alone, then all in sweeps of 40,
+/// 7 and 1, with the same bits.
+///
+/// # Safety
+/// `rows` holds `hd` readable elements of K and of V for positions `0..n`.
+unsafe fn same_bits_whatever_shares_the_sweep<E: KvElem>(
+    be: Backend,
+    rows: &PagedRows<'_, E>,
+    hd: usize,
+    n: usize,
+    what: &str,
+) {
+    let qv: Vec<Vec<f32>> = (0..40).map(|i| rand_vec(500 + i, hd)).collect();
+    let pos: Vec<usize> = (0..40).map(|i| (i * 37 + 5) % n).collect();
+    let alone: Vec<Vec<f32>> = (0..40)
+        .map(|i| {
+            let mut out = vec![0f32; hd];
+            let mut qs = [AttnQuery::new(qv[i].as_ptr(), pos[i], out.as_mut_ptr())];
+            // SAFETY: positions are below n.
+            unsafe { attend_many_with(be, rows, hd, 0.125, &mut qs) };
+            out
+        })
+        .collect();
+    for split in [40, 7, 1] {
+        let mut outs = vec![vec![f32::NAN; hd]; 40];
+        let mut qs: Vec<AttnQuery> = outs
+            .iter_mut()
+            .enumerate()
+            .map(|(i, o)| AttnQuery::new(qv[i].as_ptr(), pos[i], o.as_mut_ptr()))
+            .collect();
+        for part in qs.chunks_mut(split) {
+            // SAFETY: as above; outputs are distinct.
+            unsafe { attend_many_with(be, rows, hd, 0.125, part) };
+        }
+        for i in 0..40 {
+            assert_eq!(
+                bits(&outs[i]),
+                bits(&alone[i]),
+                "{be:?} {what} hd {hd} split {split}: query {i} at {} differs",
+                pos[i]
+            );
         }
     }
 }
@@ -865,4 +887,61 @@ fn q8_0_rows_read_back_within_half_a_step() {
     // SAFETY: column 5 of the row.
     let at5 = unsafe { Q8Byte::get(q8, 5) };
     assert!((at5 + 3.5).abs() < 3.5 * 1e-3, "{at5}");
+}
+
+/// Not a test: the attention sweep's speed on one thread, as a prefill
+/// chunk's task brings it (32 rows of 3 query heads sharing a KV head, or
+/// `PDKV_BENCH_QUERIES` heads,
+/// head size 64 or `PDKV_BENCH_HD`, an f16 cache, the rows at the end of
+/// a context of `PDKV_BENCH_CTX` positions, default 4,096), on each
+/// backend: GFLOP/s of the two products (4 per key, column and query).
+/// `cargo test -p pdkv-model --release --lib -- --ignored --nocapture bench_attention_sweep`
+#[test]
+#[ignore]
+fn bench_attention_sweep() {
+    let env = |k: &str, d: usize| {
+        std::env::var(k)
+            .ok()
+            .and_then(|s| s.parse().ok())
+            .unwrap_or(d)
+    };
+    let (hd, ctx) = (env("PDKV_BENCH_HD", 64), env("PDKV_BENCH_CTX", 4096));
+    let nq = env("PDKV_BENCH_QUERIES", 96);
+    let mut cache = Cache::new(7, ctx.div_ceil(16), 16, hd);
+    // Keys of one scale, as a model's are: the running maximum grows on
+    // a few tiles only.
+    cache.kv = rand_vec(8, cache.kv.len());
+    let halves: Vec<half::f16> = cache.kv.iter().map(|&x| half::f16::from_f32(x)).collect();
+    let rows = retyped(&cache.rows(), halves.as_ptr());
+    let qv: Vec<Vec<f32>> = (0..nq).map(|i| rand_vec(900 + i as u64, hd)).collect();
+    let pos: Vec<usize> = (0..nq).map(|i| ctx - nq.div_ceil(3) + i / 3).collect();
+    let mut outs = vec![vec![0f32; hd]; nq];
+    let keys: usize = pos.iter().map(|p| p + 1).sum();
+    for be in backends() {
+        let mut run = || {
+            let mut qs: Vec<AttnQuery> = outs
+                .iter_mut()
+                .enumerate()
+                .map(|(i, o)| AttnQuery::new(qv[i].as_ptr(), pos[i], o.as_mut_ptr()))
+                .collect();
+            // SAFETY: every position is below the cache's length.
+            unsafe { attend_many_with(be, &rows, hd, 0.125, &mut qs) };
+        };
+        run();
+        let mut best = f64::INFINITY;
+        for _ in 0..5 {
+            let t = std::time::Instant::now();
+            let mut reps = 0;
+            while t.elapsed().as_secs_f64() < 0.2 || reps == 0 {
+                run();
+                reps += 1;
+            }
+            best = best.min(t.elapsed().as_secs_f64() / reps as f64);
+        }
+        let gflops = (4 * keys * hd) as f64 / best / 1e9;
+        println!(
+            "{be:?} hd {hd} ctx {ctx} queries {nq}: {:.2} ms a sweep, {gflops:.1} GFLOP/s",
+            best * 1e3
+        );
+    }
 }
