@@ -266,8 +266,11 @@ pub(super) unsafe fn sweep_with<E: KvElem>(
                 scale,
                 qs,
                 sweep,
-                |q, kp, v_offset, hd, scale, seen| {
-                    portable::attend_tile(q, kp, v_offset, hd, scale, seen)
+                |qs: &mut [AttnQuery], kp, v_offset, hd, scale, t0| {
+                    for q in qs.iter_mut().filter(|q| q.pos >= t0) {
+                        let seen = seen(q, t0);
+                        portable::attend_tile(q, kp, v_offset, hd, scale, seen)
+                    }
                 },
                 Wide {
                     on: widened,
@@ -404,16 +407,18 @@ fn rows_of(buf: *const f32, hd: usize) -> [*const f32; KEY_TILE] {
 /// The sweep of [`attend_many`] and [`attend_segment`]: per segment, tiles
 /// in position order, every query that reaches a tile taking it in turn;
 /// for a whole sweep, each segment folded into the query's total, then the
-/// division by the sum. `tile` takes a query, the tile's 16 K row pointers
-/// (the V row is `v_offset` elements further), and how many of them the
-/// query sees; when `wide.on`, each tile is copied once for all the
-/// queries by `wide.fill` and read by `wide.tile` instead.
+/// division by the sum. `tile` takes the sweep's queries (those whose
+/// position reaches the tile take it, in order), the tile's 16 K row
+/// pointers (the V row is `v_offset` elements further), the head size, the
+/// scale and the tile's first position; when `wide.on`, each tile is
+/// copied once for all the queries by `wide.fill` and read by `wide.tile`
+/// instead.
 ///
 /// # Safety
 /// As [`attend_many`]'s (and [`attend_segment`]'s for a segment), for `hd`
-/// elements per row; `tile` computes one tile for one query within that
-/// contract, `wide.tile` one tile for the queries that reach it, over a
-/// buffer of `wide.len` floats that `wide.fill` wrote from the tile's rows.
+/// elements per row; `tile` computes one tile for the queries that reach
+/// it within that contract, `wide.tile` the same over a buffer of
+/// `wide.len` floats that `wide.fill` wrote from the tile's rows.
 #[inline(always)]
 unsafe fn sweep_generic<E: KvElem>(
     rows: &PagedRows<'_, E>,
@@ -421,7 +426,7 @@ unsafe fn sweep_generic<E: KvElem>(
     scale: f32,
     qs: &mut [AttnQuery],
     sweep: Sweep,
-    tile: impl Fn(&mut AttnQuery, &[*const E; KEY_TILE], usize, usize, f32, usize),
+    tile: impl Fn(&mut [AttnQuery], &[*const E; KEY_TILE], usize, usize, f32, usize),
     wide: Wide<
         impl Fn(&[*const E; KEY_TILE], usize, *mut f32),
         impl Fn(&mut [AttnQuery], *const f32, f32, usize),
@@ -462,9 +467,7 @@ unsafe fn sweep_generic<E: KvElem>(
                 if wide.on {
                     (wide.tile)(qs, buf.as_ptr(), scale, t0);
                 } else {
-                    for q in qs.iter_mut().filter(|q| q.pos >= t0) {
-                        tile(q, &kp, rows.v_offset, hd, scale, seen(q, t0));
-                    }
+                    tile(qs, &kp, rows.v_offset, hd, scale, t0);
                 }
             }
         };

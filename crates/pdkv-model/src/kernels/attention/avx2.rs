@@ -64,7 +64,9 @@ pub(super) unsafe fn sweep<E: KvElem>(
             scale,
             qs,
             sweep,
-            |q, kp, v_offset, hd, scale, seen| attend_tile(q, kp, v_offset, hd, scale, seen),
+            |qs: &mut [AttnQuery], kp, v_offset, hd, scale, t0| {
+                pipelined(qs, kp, v_offset, hd, scale, t0)
+            },
             super::Wide {
                 on: qs.len() > E::WIDEN_PAST,
                 len: 2 * KEY_TILE * hd,
@@ -115,7 +117,9 @@ pub(super) unsafe fn sweep512<E: KvElem>(
             scale,
             qs,
             sweep,
-            |q, kp, v_offset, hd, scale, seen| attend_tile(q, kp, v_offset, hd, scale, seen),
+            |qs: &mut [AttnQuery], kp, v_offset, hd, scale, t0| {
+                pipelined(qs, kp, v_offset, hd, scale, t0)
+            },
             super::Wide {
                 on: true,
                 len: tile512::buffer_len(hd),
@@ -146,38 +150,19 @@ pub(super) unsafe fn sweep512<E: KvElem>(
     }
 }
 
-/// One tile for one query: [`scores`], [`probs`], [`accumulate`].
+/// One tile for the queries of `qs` that reach it (position `t0` on),
+/// software-pipelined: the previous query's output takes the tile's V
+/// rows between this query's scores and its probabilities, so the latency
+/// of the one (score sums, maximum, exponentials: a long chain of
+/// dependent operations) overlaps the multiply-adds of the other. Each
+/// query's operations are those it would have alone: [`scores`], then
+/// [`probs`], then [`accumulate`].
 ///
 /// # Safety
 /// The CPU has AVX2 and FMA; `kp`'s rows and their V rows (`v_offset`
-/// elements further) hold `hd` readable elements; `q.q` points at `hd`
-/// readable floats and `q.out` at `hd` writable ones nothing else touches.
-#[inline(always)]
-unsafe fn attend_tile<E: KvElem>(
-    q: &mut AttnQuery,
-    kp: &[*const E; KEY_TILE],
-    v_offset: usize,
-    hd: usize,
-    scale: f32,
-    seen: usize,
-) {
-    // SAFETY: as this function's contract.
-    unsafe {
-        let pr = probs(q, &scores(q.q, kp, hd), scale, seen);
-        accumulate(q.out, &pr, kp, v_offset, hd, seen);
-    }
-}
-
-/// One tile for the queries of `qs` that reach it (position `t0` on),
-/// software-pipelined: each query's scores and probabilities are computed
-/// before the previous query's output takes the tile's V rows, so the
-/// latency of the one (scores, maximum, exponentials: a long chain of
-/// dependent operations) overlaps the multiply-adds of the other. Each
-/// query's operations are [`attend_tile`]'s, in its order.
-///
-/// # Safety
-/// As [`attend_tile`]'s for each query reaching the tile; the queries'
-/// outputs do not overlap.
+/// elements further) hold `hd` readable elements; the `q` of each query
+/// reaching the tile points at `hd` readable floats and its `out` at `hd`
+/// writable ones, which nothing else touches.
 #[inline(always)]
 unsafe fn pipelined<E: KvElem>(
     qs: &mut [AttnQuery],
