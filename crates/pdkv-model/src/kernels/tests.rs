@@ -890,11 +890,11 @@ fn q8_0_rows_read_back_within_half_a_step() {
 }
 
 /// Not a test: the attention sweep's speed on one thread, as a prefill
-/// chunk's task brings it (32 rows of 3 query heads sharing a KV head, or
-/// `PDKV_BENCH_QUERIES` heads,
-/// head size 64 or `PDKV_BENCH_HD`, an f16 cache, the rows at the end of
-/// a context of `PDKV_BENCH_CTX` positions, default 4,096), on each
-/// backend: GFLOP/s of the two products (4 per key, column and query).
+/// chunk's task brings it: 32 rows of 3 query heads sharing a KV head (or
+/// `PDKV_BENCH_QUERIES` heads), head size 64 (or `PDKV_BENCH_HD`), an f16
+/// cache (f32 with `PDKV_BENCH_KV=f32`), the rows at the end of a context
+/// of 4,096 positions (or `PDKV_BENCH_CTX`); on each backend, GFLOP/s of
+/// the two products (4 per key, column and query).
 /// `cargo test -p pdkv-model --release --lib -- --ignored --nocapture bench_attention_sweep`
 #[test]
 #[ignore]
@@ -912,7 +912,9 @@ fn bench_attention_sweep() {
     // a few tiles only.
     cache.kv = rand_vec(8, cache.kv.len());
     let halves: Vec<half::f16> = cache.kv.iter().map(|&x| half::f16::from_f32(x)).collect();
-    let rows = retyped(&cache.rows(), halves.as_ptr());
+    let f16_rows = retyped(&cache.rows(), halves.as_ptr());
+    let f32_rows = cache.rows();
+    let f32_kv = std::env::var("PDKV_BENCH_KV").is_ok_and(|v| v == "f32");
     let qv: Vec<Vec<f32>> = (0..nq).map(|i| rand_vec(900 + i as u64, hd)).collect();
     let pos: Vec<usize> = (0..nq).map(|i| ctx - nq.div_ceil(3) + i / 3).collect();
     let mut outs = vec![vec![0f32; hd]; nq];
@@ -925,7 +927,12 @@ fn bench_attention_sweep() {
                 .map(|(i, o)| AttnQuery::new(qv[i].as_ptr(), pos[i], o.as_mut_ptr()))
                 .collect();
             // SAFETY: every position is below the cache's length.
-            unsafe { attend_many_with(be, &rows, hd, 0.125, &mut qs) };
+            unsafe {
+                match f32_kv {
+                    true => attend_many_with(be, &f32_rows, hd, 0.125, &mut qs),
+                    false => attend_many_with(be, &f16_rows, hd, 0.125, &mut qs),
+                }
+            };
         };
         run();
         let mut best = f64::INFINITY;
@@ -939,8 +946,9 @@ fn bench_attention_sweep() {
             best = best.min(t.elapsed().as_secs_f64() / reps as f64);
         }
         let gflops = (4 * keys * hd) as f64 / best / 1e9;
+        let kv = if f32_kv { "f32" } else { "f16" };
         println!(
-            "{be:?} hd {hd} ctx {ctx} queries {nq}: {:.2} ms a sweep, {gflops:.1} GFLOP/s",
+            "{be:?} {kv} hd {hd} ctx {ctx} queries {nq}: {:.2} ms a sweep, {gflops:.1} GFLOP/s",
             best * 1e3
         );
     }
