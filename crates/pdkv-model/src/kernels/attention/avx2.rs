@@ -55,7 +55,7 @@ pub(super) unsafe fn sweep<E: KvElem>(
     sweep: Sweep,
 ) {
     // SAFETY: as `attend_many`'s contract, with AVX2 and FMA enabled;
-    // each tile gets the rows and the query the sweep was given, a
+    // each tile gets the rows and the queries the sweep was given, a
     // widened one the rows `fill_rows` copied.
     unsafe {
         super::sweep_generic(
@@ -174,17 +174,16 @@ unsafe fn pipelined<E: KvElem>(
 ) {
     // SAFETY: as this function's contract.
     unsafe {
-        let mut last: Option<(*mut f32, Probs, usize)> = None;
+        let mut last: Option<(*mut f32, Probs)> = None;
         for q in qs.iter_mut().filter(|q| q.pos >= t0) {
-            let seen = super::seen(q, t0);
             let s = scores(q.q, kp, hd);
-            if let Some((out, pr, seen)) = last.take() {
-                accumulate(out, &pr, kp, v_offset, hd, seen);
+            if let Some((out, pr)) = last.take() {
+                accumulate(out, &pr, kp, v_offset, hd);
             }
-            last = Some((q.out, probs(q, &s, scale, seen), seen));
+            last = Some((q.out, probs(q, &s, scale, super::seen(q, t0))));
         }
-        if let Some((out, pr, seen)) = last {
-            accumulate(out, &pr, kp, v_offset, hd, seen);
+        if let Some((out, pr)) = last {
+            accumulate(out, &pr, kp, v_offset, hd);
         }
     }
 }
@@ -243,12 +242,12 @@ unsafe fn scores<E: KvElem>(
 }
 
 /// The tile's V rows into a query's output `out` (its running
-/// accumulator) by the probabilities `pr` of the `seen` keys it sees: 64
+/// accumulator) by the probabilities `pr` of the keys it sees: 64
 /// columns in registers while they take the positions in order, each
 /// element `fma(p_t, v_t, acc)`.
 ///
 /// # Safety
-/// The CPU has AVX2 and FMA; the first `seen` rows of `kp` have V rows
+/// The CPU has AVX2 and FMA; the first `pr.seen` rows of `kp` have V rows
 /// (`v_offset` elements further) of `hd` readable elements; `out` is `hd`
 /// writable floats nothing else touches.
 #[inline(always)]
@@ -258,11 +257,10 @@ unsafe fn accumulate<E: KvElem>(
     kp: &[*const E; KEY_TILE],
     v_offset: usize,
     hd: usize,
-    seen: usize,
 ) {
     // SAFETY: as this function's contract.
     unsafe {
-        let ps = &pr.ps[..seen];
+        let ps = &pr.ps[..pr.seen];
         let mut c = 0;
         while c + 64 <= hd {
             let mut acc = [_mm256_setzero_ps(); 8];
@@ -310,6 +308,8 @@ unsafe fn accumulate<E: KvElem>(
 struct Probs {
     /// `exp(s - m)` of the keys the query sees (0 past them).
     ps: [f32; KEY_TILE],
+    /// How many of the tile's keys the query sees.
+    seen: usize,
     /// The tile is the query's first: its accumulator starts at zero.
     first: bool,
     /// The maximum grew: the accumulator is multiplied by `alpha` first.
@@ -381,6 +381,7 @@ unsafe fn probs(q: &mut AttnQuery, s: &[f32; KEY_TILE], scale: f32, seen: usize)
         q.m = m;
         Probs {
             ps,
+            seen,
             first,
             rescale: !first && alpha != 1.0,
             alpha,
