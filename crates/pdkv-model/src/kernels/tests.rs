@@ -17,6 +17,23 @@ pub(crate) fn rand_vec(seed: u64, n: usize) -> Vec<f32> {
         .collect()
 }
 
+/// For the benches: the best of 5 timings of `f` (after one untimed
+/// call), each the mean of as many calls as fill `min_secs`, in seconds.
+pub(crate) fn best_seconds(f: &mut dyn FnMut(), min_secs: f64) -> f64 {
+    f();
+    let mut best = f64::INFINITY;
+    for _ in 0..5 {
+        let t = std::time::Instant::now();
+        let mut reps = 0;
+        while t.elapsed().as_secs_f64() < min_secs || reps == 0 {
+            f();
+            reps += 1;
+        }
+        best = best.min(t.elapsed().as_secs_f64() / reps as f64);
+    }
+    best
+}
+
 fn reference(x: &[f32], m: usize, k: usize, w: &[f32], n: usize) -> Vec<f64> {
     let mut y = vec![0f64; m * n];
     for r in 0..m {
@@ -934,17 +951,7 @@ fn bench_attention_sweep() {
                 }
             };
         };
-        run();
-        let mut best = f64::INFINITY;
-        for _ in 0..5 {
-            let t = std::time::Instant::now();
-            let mut reps = 0;
-            while t.elapsed().as_secs_f64() < 0.2 || reps == 0 {
-                run();
-                reps += 1;
-            }
-            best = best.min(t.elapsed().as_secs_f64() / reps as f64);
-        }
+        let best = best_seconds(&mut run, 0.2);
         let gflops = (4 * keys * hd) as f64 / best / 1e9;
         let kv = if f32_kv { "f32" } else { "f16" };
         println!(

@@ -554,20 +554,7 @@ fn bench_against_f32_matmul() {
         .num_threads(threads)
         .build()
         .unwrap();
-    let time = |f: &mut dyn FnMut()| {
-        f();
-        let mut best = f64::INFINITY;
-        for _ in 0..5 {
-            let t = std::time::Instant::now();
-            let mut reps = 0;
-            while t.elapsed().as_secs_f64() < 0.05 || reps == 0 {
-                f();
-                reps += 1;
-            }
-            best = best.min(t.elapsed().as_secs_f64() / reps as f64);
-        }
-        best
-    };
+    let time = |f: &mut dyn FnMut()| crate::kernels::tests::best_seconds(f, 0.05);
     println!(
         "threads {threads}, flavour {:?}",
         Flavour::of(kernels::backend())
