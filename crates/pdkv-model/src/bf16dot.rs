@@ -17,7 +17,7 @@
 
 use std::sync::OnceLock;
 
-use crate::dispatch::{check_shapes, for_each_job_of, SendConstPtr, SendPtr};
+use crate::dispatch::{check_shapes, for_each_job_of, Features, SendConstPtr, SendPtr};
 use crate::kernels::BlockLinear;
 use crate::qtype::QType;
 
@@ -91,7 +91,13 @@ pub fn matmul_many(x: &[u16], m: usize, k: usize, outs: &mut [BlockLinear<'_>]) 
     let xp = SendConstPtr(x.as_ptr());
     let view = |o: &mut BlockLinear<'_>| {
         let p = (SendConstPtr(o.w.as_ptr()), SendPtr(o.y.as_mut_ptr()), o.n);
-        (p, o.n)
+        (
+            p,
+            Features {
+                n: o.n,
+                work: m * k * 2,
+            },
+        )
     };
     for_each_job_of(outs, NR, view, |(w, y, n), j0, j1| {
         // SAFETY: shapes were checked above and the CPU has the instructions;
@@ -390,10 +396,7 @@ mod tests {
             .map(|r| run(&x[r * k..(r + 1) * k], 1, k, &w, n))
             .collect();
         for threads in [1, 3] {
-            let pool = rayon::ThreadPoolBuilder::new()
-                .num_threads(threads)
-                .build()
-                .unwrap();
+            let pool = crate::kernels::tests::pool(threads);
             for rows in [70, 5, 2] {
                 let mut got = Vec::new();
                 for (c, chunk) in x.chunks(rows * k).enumerate() {

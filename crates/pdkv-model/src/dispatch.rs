@@ -80,13 +80,14 @@ pub fn team() -> Option<&'static Team> {
     .as_ref()
 }
 
-/// Splits the output features of up to [`MAX_MANY`] matrices (of `ns`
-/// features each) into jobs of whole `tile`-row register tiles, and runs
-/// `run(matrix, j0, j1)` for each ([`crate::team::par_for`]). A job owns a
-/// column range of its matrix's `y` and the matching rows of its `w`. Job
-/// descriptors live on the stack: a step allocates nothing here.
+/// Splits the output features of up to [`MAX_MANY`] matrices (of `ns`:
+/// features, and [`Features::work`] each) into jobs of whole `tile`-row
+/// register tiles, and runs `run(matrix, j0, j1)` for each
+/// ([`crate::team::par_for`]). A job owns a column range of its matrix's
+/// `y` and the matching rows of its `w`. Job descriptors live on the
+/// stack: a step allocates nothing here.
 pub(crate) fn for_each_job(
-    ns: impl Iterator<Item = usize>,
+    ns: impl Iterator<Item = Features>,
     tile: usize,
     run: impl Fn(usize, usize, usize) + Sync,
 ) {
@@ -94,8 +95,8 @@ pub(crate) fn for_each_job(
     // Per matrix: features, features per job, index of its first job.
     let mut mats = [(0usize, 0usize, 0usize); MAX_MANY];
     let (mut count, mut total) = (0, 0);
-    for (slot, n) in mats.iter_mut().zip(ns) {
-        let per = n.div_ceil(threads * JOBS_PER_THREAD).div_ceil(tile).max(1) * tile;
+    for (slot, f) in mats.iter_mut().zip(ns) {
+        let (n, per) = (f.n, per_job(f, tile, threads));
         *slot = (n, per, total);
         total += n.div_ceil(per);
         count += 1;
@@ -118,17 +119,37 @@ pub(crate) fn for_each_job(
     }
 }
 
+/// Features per job of a matrix: [`JOBS_PER_THREAD`] jobs a thread, or
+/// as many as [`MIN_JOB_WORK`] goes into the matrix's work, rounded up,
+/// where that is fewer (one, at the least); whole `tile`s each, the last
+/// taking what is left.
+fn per_job(f: Features, tile: usize, threads: usize) -> usize {
+    let jobs = (f.n * f.work)
+        .div_ceil(MIN_JOB_WORK)
+        .clamp(1, threads * JOBS_PER_THREAD);
+    f.n.div_ceil(jobs).div_ceil(tile).max(1) * tile
+}
+
+/// A matrix's output features as [`for_each_job`] splits them: how many
+/// (`n`), and the work each one is (`work`: its weight row's bytes times
+/// the activation rows, which a job reads or multiplies by).
+#[derive(Clone, Copy)]
+pub(crate) struct Features {
+    pub(crate) n: usize,
+    pub(crate) work: usize,
+}
+
 /// [`for_each_job`] over any number of matrices, [`MAX_MANY`] to a
 /// dispatch: `view` gives each output what its jobs need (`P`: pointers, a
-/// format, ...) and its feature count; `run(p, j0, j1)` runs one job.
+/// format, ...) and its [`Features`]; `run(p, j0, j1)` runs one job.
 pub(crate) fn for_each_job_of<T, P: Copy + Sync>(
     outs: &mut [T],
     tile: usize,
-    view: impl Fn(&mut T) -> (P, usize),
+    view: impl Fn(&mut T) -> (P, Features),
     run: impl Fn(P, usize, usize) + Sync,
 ) {
     for group in outs.chunks_mut(MAX_MANY) {
-        let mut mats: [Option<(P, usize)>; MAX_MANY] = [None; MAX_MANY];
+        let mut mats: [Option<(P, Features)>; MAX_MANY] = [None; MAX_MANY];
         for (slot, o) in mats.iter_mut().zip(group.iter_mut()) {
             *slot = Some(view(o));
         }
@@ -174,6 +195,24 @@ pub(crate) fn check_outputs(
 /// 1 slower).
 const JOBS_PER_THREAD: usize = 4;
 
+/// The work of a job of [`for_each_job`] below which a matrix is split
+/// into fewer jobs (down to one), in weight bytes times activation rows
+/// ([`Features::work`]): a matrix gets as many jobs as this goes into its
+/// work, rounded up. At batch 1 a job streams its weight rows once, and
+/// each job starts a stream of its own (its first loads wait on memory)
+/// and claims its place in the team: SmolLM2's K and V projections made
+/// jobs of 15 KB. Batch-1 decode steps with 0 (four jobs a thread, as
+/// before), 128, 192 and 256 KiB, rounded down, interleaved step by step
+/// in one process (1,000 steps, medians, two processes each, an AMD Zen 3
+/// with 2 threads): Q8_0 8.29-8.41 / 8.01-8.02 / 8.03-8.12 / 8.16-8.17
+/// ms, Q4_1 6.62-6.89 / 6.16-6.30 / 5.87-6.15 / 5.93-6.18 ms, Q4_K_M
+/// 7.04-7.85 / 6.80-7.43 / 6.69-7.30 / 6.78-7.40 ms; 192 KiB rounded up
+/// against rounded down: Q8_0 7.99-8.35 / 8.08-8.47, Q4_1 5.67-6.29 /
+/// 5.72-6.28, Q4_K_M 5.97-7.13 / 6.32-7.14 ms (no rounding: 8.39-8.81,
+/// 6.00-6.90, 6.43-7.83 ms). Batches of many rows, and prefill, keep
+/// [`JOBS_PER_THREAD`] jobs a thread.
+const MIN_JOB_WORK: usize = 192 << 10;
+
 /// Matrices per [`crate::kernels::matmul_many_with`] dispatch (and per
 /// [`for_each_job`]).
 pub(crate) const MAX_MANY: usize = 4;
@@ -218,5 +257,62 @@ impl<T> SendConstPtr<T> {
     /// A method (not a field access) so closures capture the whole wrapper.
     pub(crate) fn get(self) -> *const T {
         self.0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_matrix_is_split_into_fewer_jobs_only_when_they_would_be_small() {
+        let jobs = |n: usize, work: usize, threads: usize| {
+            n.div_ceil(per_job(Features { n, work }, 4, threads))
+        };
+        // Batch 1, SmolLM2's shapes in Q8_0 (612-byte rows): the K and V
+        // projections (118 KB) one job, the query projection (353 KB)
+        // two, the gate projection (940 KB) five.
+        assert_eq!(jobs(192, 612, 2), 1);
+        assert_eq!(jobs(576, 612, 2), 2);
+        assert_eq!(jobs(1536, 612, 2), 5);
+        // Two activation rows: twice the work.
+        assert_eq!(jobs(576, 612 * 2, 2), 4);
+        assert_eq!(jobs(1536, 612 * 2, 2), 8);
+        // Many activation rows: work enough for every job (whole tiles:
+        // 20 jobs a 192 features would be 9.6 each, 12 make 16 jobs).
+        assert_eq!(jobs(192, 612 * 512, 2), 8);
+        assert_eq!(jobs(192, 612 * 512, 5), 16);
+        // Never more jobs than register tiles, never none.
+        assert_eq!(jobs(6, 1 << 30, 8), 2);
+        assert_eq!(jobs(1, 1, 1), 1);
+        assert_eq!(jobs(0, 1, 2), 0);
+    }
+
+    #[test]
+    fn jobs_cover_each_matrix_once_in_whole_tiles() {
+        let ns = [(1usize, 1usize), (13, 1 << 20), (301, 300), (2000, 4000)];
+        for threads in [1, 2, 3, 8] {
+            let pool = crate::kernels::tests::pool(threads);
+            let seen = std::sync::Mutex::new(Vec::new());
+            pool.install(|| {
+                for_each_job(
+                    ns.iter().map(|&(n, work)| Features { n, work }),
+                    4,
+                    |i, j0, j1| seen.lock().unwrap().push((i, j0, j1)),
+                )
+            });
+            let mut seen = seen.into_inner().unwrap();
+            seen.sort();
+            for (i, &(n, _)) in ns.iter().enumerate() {
+                let mine: Vec<_> = seen.iter().filter(|s| s.0 == i).collect();
+                let mut at = 0;
+                for &&(_, j0, j1) in &mine {
+                    assert_eq!(j0, at, "matrix {i}, {threads} threads: {mine:?}");
+                    assert!(j1 > j0 && (j1 == n || (j1 - j0) % 4 == 0), "{mine:?}");
+                    at = j1;
+                }
+                assert_eq!(at, n, "matrix {i}, {threads} threads: {mine:?}");
+            }
+        }
     }
 }

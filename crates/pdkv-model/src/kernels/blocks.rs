@@ -5,7 +5,9 @@
 //! multiplied at once.
 
 use super::matmul::{run_job, Job, NR, W_L1_BYTES};
-use crate::dispatch::{backend, check_shapes, for_each_job_of, Backend, SendConstPtr, SendPtr};
+use crate::dispatch::{
+    backend, check_shapes, for_each_job_of, Backend, Features, SendConstPtr, SendPtr,
+};
 use crate::qtype::{QType, QK};
 
 /// One weight matrix in a GGUF block format applied to f32 activations.
@@ -54,7 +56,8 @@ pub fn matmul_blocks_many_with(
             SendPtr(o.y.as_mut_ptr()),
             o.n,
         );
-        (p, o.n)
+        let work = m * o.ty.row_bytes(k);
+        (p, Features { n: o.n, work })
     };
     for_each_job_of(outs, NR, view, |(ty, w, wlen, y, n), j0, j1| {
         let rb = ty.row_bytes(k);

@@ -3,7 +3,9 @@
 //! element (see the invariant in [`crate::kernels`]). Its tiles, horizontal
 //! sum and dot product are the arithmetic the other kernels reproduce.
 
-use crate::dispatch::{backend, check_shapes, for_each_job_of, Backend, SendConstPtr, SendPtr};
+use crate::dispatch::{
+    backend, check_shapes, for_each_job_of, Backend, Features, SendConstPtr, SendPtr,
+};
 
 /// Activation rows per register tile.
 const MR: usize = 4;
@@ -45,7 +47,8 @@ pub fn matmul_many_with(be: Backend, x: &[f32], m: usize, k: usize, outs: &mut [
     let x = SendConstPtr(x.as_ptr());
     let view = |o: &mut Linear<'_>| {
         let p = (SendConstPtr(o.w.as_ptr()), SendPtr(o.y.as_mut_ptr()), o.n);
-        (p, o.n)
+        let work = m * k * std::mem::size_of::<f32>();
+        (p, Features { n: o.n, work })
     };
     for_each_job_of(outs, NR, view, |(w, y, n), j0, j1| {
         // SAFETY: shapes were checked above; jobs write disjoint column

@@ -17,6 +17,15 @@ pub(crate) fn rand_vec(seed: u64, n: usize) -> Vec<f32> {
         .collect()
 }
 
+/// A rayon pool of `threads` threads, for tests that run a kernel under
+/// several.
+pub(crate) fn pool(threads: usize) -> rayon::ThreadPool {
+    rayon::ThreadPoolBuilder::new()
+        .num_threads(threads)
+        .build()
+        .expect("a rayon pool")
+}
+
 /// For the benches: the best of 5 timings of `f` (after one untimed
 /// call), each the mean of as many calls as fill `min_secs`, in seconds.
 pub(crate) fn best_seconds(f: &mut dyn FnMut(), min_secs: f64) -> f64 {
@@ -166,10 +175,7 @@ fn matmul_is_independent_of_thread_count() {
     for be in backends() {
         let mut results = Vec::new();
         for threads in [1, 2, 3, 5, 8] {
-            let pool = rayon::ThreadPoolBuilder::new()
-                .num_threads(threads)
-                .build()
-                .unwrap();
+            let pool = pool(threads);
             let y = pool.install(|| run(be, &x, m, k, &w, n));
             results.push(y.iter().map(|v| v.to_bits()).collect::<Vec<_>>());
         }

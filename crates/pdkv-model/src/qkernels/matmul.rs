@@ -9,7 +9,7 @@ use super::job::{Job, Scratch, NR};
 use super::portable;
 #[cfg(target_arch = "x86_64")]
 use super::simd;
-use crate::dispatch::{check_outputs, for_each_job_of, Backend, SendConstPtr, SendPtr};
+use crate::dispatch::{check_outputs, for_each_job_of, Backend, Features, SendConstPtr, SendPtr};
 use crate::qtype::QType;
 
 /// One quantised weight matrix `[n, k]` (rows of `ty.row_bytes(k)` bytes, GGUF block layout) and its output `[m, n]`.
@@ -63,7 +63,8 @@ pub(super) fn run_many(fl: Flavour, x: &QActs, outs: &mut [QLinear<'_>]) {
             SendPtr(o.y.as_mut_ptr()),
             o.n,
         );
-        (p, o.n)
+        let work = m * o.ty.row_bytes(k);
+        (p, Features { n: o.n, work })
     };
     for_each_job_of(outs, NR, view, |(ty, w, y, n), j0, j1| {
         let job = Job {

@@ -304,6 +304,41 @@ fn error_against_f32_activations_is_within_the_quantisation_bound() {
     }
 }
 
+/// A matrix large enough at batch 1 to be split into jobs
+/// (`dispatch::MIN_JOB_WORK`) gives each output the bits of that row
+/// computed alone, whatever the threads and wherever the jobs end (1,001
+/// rows: the last tile partial).
+#[test]
+fn a_batch_one_matrix_split_into_jobs_gives_each_row_its_own_bits() {
+    let (k, n) = (256, 1001);
+    let mut x = QActs::new();
+    for m in [1, 2] {
+        x.quantize(&rand_acts(30, m, k), m, k);
+        for ty in TYPES {
+            let w = rand_weights(31, ty, n, k);
+            let rb = ty.row_bytes(k);
+            for fl in flavours() {
+                let alone: Vec<Vec<f32>> = (0..n)
+                    .map(|j| run(fl, &x, ty, &w[j * rb..(j + 1) * rb], 1))
+                    .collect();
+                for t in [1, 3] {
+                    let pool = crate::kernels::tests::pool(t);
+                    let y = pool.install(|| run(fl, &x, ty, &w, n));
+                    for r in 0..m {
+                        for (j, a) in alone.iter().enumerate() {
+                            assert_eq!(
+                                y[r * n + j].to_bits(),
+                                a[r].to_bits(),
+                                "{fl:?} {ty:?}: row {r}, feature {j}, {t} threads"
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
 #[test]
 fn rows_are_bit_identical_for_every_m_position_and_thread_count() {
     let (k, n) = (256, 13);
@@ -311,12 +346,7 @@ fn rows_are_bit_identical_for_every_m_position_and_thread_count() {
     let row = |r: usize| &pool_rows[r * k..(r + 1) * k];
     let pools: Vec<rayon::ThreadPool> = [1, 3]
         .iter()
-        .map(|&t| {
-            rayon::ThreadPoolBuilder::new()
-                .num_threads(t)
-                .build()
-                .unwrap()
-        })
+        .map(|&t| crate::kernels::tests::pool(t))
         .collect();
     let mut x = QActs::new();
     for ty in TYPES {
@@ -550,10 +580,7 @@ fn bench_against_f32_matmul() {
         .ok()
         .and_then(|s| s.parse().ok())
         .unwrap_or(2);
-    let pool = rayon::ThreadPoolBuilder::new()
-        .num_threads(threads)
-        .build()
-        .unwrap();
+    let pool = crate::kernels::tests::pool(threads);
     let time = |f: &mut dyn FnMut()| crate::kernels::tests::best_seconds(f, 0.05);
     println!(
         "threads {threads}, flavour {:?}",
