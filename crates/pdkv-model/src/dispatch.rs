@@ -121,12 +121,12 @@ pub(crate) fn for_each_job(
 
 /// Features per job of a matrix: [`JOBS_PER_THREAD`] jobs a thread, or
 /// as many as [`MIN_JOB_WORK`] goes into the matrix's work, rounded up,
-/// where that is fewer (one, at the least); whole `tile`s each, the last
-/// taking what is left.
+/// where that is fewer, but one a thread at the least; whole `tile`s each
+/// (so a matrix of few tiles has fewer), the last taking what is left.
 fn per_job(f: Features, tile: usize, threads: usize) -> usize {
     let jobs = (f.n * f.work)
         .div_ceil(MIN_JOB_WORK)
-        .clamp(1, threads * JOBS_PER_THREAD);
+        .clamp(threads, threads * JOBS_PER_THREAD);
     f.n.div_ceil(jobs).div_ceil(tile).max(1) * tile
 }
 
@@ -196,7 +196,7 @@ pub(crate) fn check_outputs(
 const JOBS_PER_THREAD: usize = 4;
 
 /// The work of a job of [`for_each_job`] below which a matrix is split
-/// into fewer jobs (down to one), in weight bytes times activation rows
+/// into fewer jobs (down to one a thread), in weight bytes times activation rows
 /// ([`Features::work`]): a matrix gets as many jobs as this goes into its
 /// work, rounded up. At batch 1 a job streams its weight rows once, and
 /// each job starts a stream of its own (its first loads wait on memory)
@@ -209,7 +209,11 @@ const JOBS_PER_THREAD: usize = 4;
 /// 7.04-7.85 / 6.80-7.43 / 6.69-7.30 / 6.78-7.40 ms; 192 KiB rounded up
 /// against rounded down: Q8_0 7.99-8.35 / 8.08-8.47, Q4_1 5.67-6.29 /
 /// 5.72-6.28, Q4_K_M 5.97-7.13 / 6.32-7.14 ms (no rounding: 8.39-8.81,
-/// 6.00-6.90, 6.43-7.83 ms). Batches of many rows, and prefill, keep
+/// 6.00-6.90, 6.43-7.83 ms). One job a thread at the least (so that on
+/// a machine of many cores every thread streams weights; here a K or V
+/// projection then takes two jobs instead of one): Q8_0 6.53-7.64 against
+/// 6.51-7.58 ms, Q4_1 5.99-6.04 against 5.92-5.97, Q4_K_M 5.97-7.14
+/// against 5.92-7.18. Batches of many rows, and prefill, keep
 /// [`JOBS_PER_THREAD`] jobs a thread.
 const MIN_JOB_WORK: usize = 192 << 10;
 
@@ -269,12 +273,15 @@ mod tests {
         let jobs = |n: usize, work: usize, threads: usize| {
             n.div_ceil(per_job(Features { n, work }, 4, threads))
         };
-        // Batch 1, SmolLM2's shapes in Q8_0 (612-byte rows): the K and V
-        // projections (118 KB) one job, the query projection (353 KB)
-        // two, the gate projection (940 KB) five.
-        assert_eq!(jobs(192, 612, 2), 1);
+        // Batch 1, SmolLM2's shapes in Q8_0 (612-byte rows), 2 threads:
+        // the K and V projections (118 KB) and the query projection (353
+        // KB) one job a thread, the gate projection (940 KB) five; with 16
+        // threads, one a thread.
+        assert_eq!(jobs(192, 612, 2), 2);
         assert_eq!(jobs(576, 612, 2), 2);
         assert_eq!(jobs(1536, 612, 2), 5);
+        assert_eq!(jobs(192, 612, 16), 16);
+        assert_eq!(jobs(1536, 612, 16), 16);
         // Two activation rows: twice the work.
         assert_eq!(jobs(576, 612 * 2, 2), 4);
         assert_eq!(jobs(1536, 612 * 2, 2), 8);
