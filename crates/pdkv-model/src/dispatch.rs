@@ -289,7 +289,8 @@ mod tests {
         // 20 jobs a 192 features would be 9.6 each, 12 make 16 jobs).
         assert_eq!(jobs(192, 612 * 512, 2), 8);
         assert_eq!(jobs(192, 612 * 512, 5), 16);
-        // Never more jobs than register tiles, never none.
+        // Never more jobs than register tiles; at least one, but none for
+        // an empty matrix.
         assert_eq!(jobs(6, 1 << 30, 8), 2);
         assert_eq!(jobs(1, 1, 1), 1);
         assert_eq!(jobs(0, 1, 2), 0);
