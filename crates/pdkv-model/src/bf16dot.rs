@@ -91,13 +91,8 @@ pub fn matmul_many(x: &[u16], m: usize, k: usize, outs: &mut [BlockLinear<'_>]) 
     let xp = SendConstPtr(x.as_ptr());
     let view = |o: &mut BlockLinear<'_>| {
         let p = (SendConstPtr(o.w.as_ptr()), SendPtr(o.y.as_mut_ptr()), o.n);
-        (
-            p,
-            Features {
-                n: o.n,
-                work: m * k * 2,
-            },
-        )
+        let work = m * k * std::mem::size_of::<u16>();
+        (p, Features { n: o.n, work })
     };
     for_each_job_of(outs, NR, view, |(w, y, n), j0, j1| {
         // SAFETY: shapes were checked above and the CPU has the instructions;
