@@ -8,8 +8,8 @@ use super::acts::{QActs, DIRECT_MAX, GROUP, GROUP_BLOCK};
 use super::blocks::{f16_at, min_of, q6_params, super_params};
 use super::job::{Job, Scratch, NR};
 use super::regs::{
-    f16_high, f16_low, k_scales, lanes8, lanes8_halves, prefetch, row_offsets, rows_word,
-    store_tile, unpack_q6, unpack_super, AHEAD, DR,
+    f16_high, f16_low, k_scales, lanes8, lanes8_halves, prefetch, prefetch_ahead, row_offsets,
+    rows_word, store_tile, unpack_q6, unpack_super, AHEAD, DR,
 };
 use crate::qtype::{QType, QK};
 
@@ -551,7 +551,7 @@ unsafe fn direct<D: IDot, const T: usize, const M: usize>(x: &QActs, job: &Job) 
         let (nb, k, m) = (x.blocks(), x.k, if M == 0 { x.m } else { M });
         let (rb, bb) = (ty.row_bytes(k), ty.block_bytes());
         // The job's first `AHEAD` tiles are fetched up front (its later
-        // tiles `AHEAD` ahead, one by one, while a tile is computed).
+        // tiles ahead, bit by bit, while a tile is computed).
         prefetch(
             job.w.wrapping_add(job.j0 * rb),
             (AHEAD * DR).min(job.j1 - job.j0) * rb,
@@ -564,11 +564,10 @@ unsafe fn direct<D: IDot, const T: usize, const M: usize>(x: &QActs, job: &Job) 
             let offs = &row_offsets(nr, rb);
             let mut acc = [_mm256_setzero_ps(); DIRECT_MAX];
             // The tile's 8 rows are 8 streams too short for the hardware
-            // prefetcher to pick up, so the tile `AHEAD` on (contiguous) is
-            // fetched, a block column's worth of its bytes per block.
-            let next = base.wrapping_add(AHEAD * DR * rb);
+            // prefetcher to pick up, so the tiles ahead (contiguous) are
+            // fetched, a block column's worth of their bytes per block.
             for b in 0..nb {
-                prefetch(next.wrapping_add(b * DR * bb), DR * bb);
+                prefetch_ahead(base, rb, b * DR * bb, DR * bb);
                 let blk = base.add(b * bb);
                 let mut wv = [_mm256_setzero_si256(); DR];
                 for (c, w) in wv.iter_mut().enumerate() {
@@ -651,10 +650,9 @@ unsafe fn direct_super<D: IDot, const FIVE: bool, const M: usize>(x: &QActs, job
             let nr = DR.min(job.j1 - j);
             let base = job.w.add(j * rb);
             let offs = &row_offsets(nr, rb);
-            let next = base.wrapping_add(AHEAD * DR * rb);
             let mut acc = [_mm256_setzero_ps(); DIRECT_MAX];
             for sb in 0..nb / 8 {
-                prefetch(next.wrapping_add(sb * DR * bb), DR * bb);
+                prefetch_ahead(base, rb, sb * DR * bb, DR * bb);
                 let blk = |c: usize| base.add(offs[c] + sb * bb);
                 let sbp = base.add(sb * bb);
                 // Of the 8 rows' super-blocks (lane c is row c): the f16
@@ -733,10 +731,9 @@ unsafe fn direct_q6<D: IDot, const M: usize>(x: &QActs, job: &Job) {
             let nr = DR.min(job.j1 - j);
             let base = job.w.add(j * rb);
             let offs = &row_offsets(nr, rb);
-            let next = base.wrapping_add(AHEAD * DR * rb);
             let mut acc = [_mm256_setzero_ps(); DIRECT_MAX];
             for sb in 0..nb / 8 {
-                prefetch(next.wrapping_add(sb * DR * bb), DR * bb);
+                prefetch_ahead(base, rb, sb * DR * bb, DR * bb);
                 let blk = |c: usize| base.add(offs[c] + sb * bb);
                 let sbp = base.add(sb * bb);
                 // The f16 scale is the block's last two bytes: the high half
