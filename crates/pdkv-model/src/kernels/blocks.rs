@@ -229,9 +229,10 @@ mod avx2 {
     /// BF16 export of SmolLM2, processes alternating, 3 runs each) batch-1
     /// decode went 64.8-76.1 -> 75.5-88.9 tok/s (0.70-0.79 -> 0.80-0.89 of
     /// copy bandwidth) and batch 2 126-133 -> 157-187 against one weight
-    /// row at a time without the requests; four rows without them were
-    /// slower than one (the accumulators spilled, and four short streams
-    /// waited on memory).
+    /// row at a time without the requests. A first four-row version, its
+    /// accumulators spilled to the stack and no rows asked for ahead, was
+    /// slower than one row at a time (52 against 77 tok/s): `perf` put
+    /// half its samples on the first load of each block.
     ///
     /// # Safety
     /// The CPU has AVX2, FMA and F16C; `ty` has block kernels; `w` is whole
