@@ -64,14 +64,16 @@ pub(super) unsafe fn unpack_q6(blk: *const u8, j: usize) -> __m256i {
         } else {
             _mm256_and_si256(_mm256_srli_epi16::<4>(ql), low)
         };
-        // Bits 2g..2g+2 of each high-bit byte (16-bit shifts keep every
-        // byte's own bits: 2g < 8), moved to bits 4..6.
+        // Bits 2g..2g+2 of each high-bit byte moved to bits 4..6 by one
+        // 16-bit shift: what crosses into the next byte lands outside them.
         let qh = _mm256_loadu_si256(blk.add(128 + h * 32) as *const __m256i);
-        let hi = _mm256_and_si256(
-            _mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * g as i32)),
-            _mm256_set1_epi8(3),
-        );
-        _mm256_or_si256(lo, _mm256_slli_epi16::<4>(hi))
+        let at4 = match g {
+            0 => _mm256_slli_epi16::<4>(qh),
+            1 => _mm256_slli_epi16::<2>(qh),
+            2 => qh,
+            _ => _mm256_srli_epi16::<2>(qh),
+        };
+        _mm256_or_si256(lo, _mm256_and_si256(at4, _mm256_set1_epi8(0x30)))
     }
 }
 
