@@ -6,6 +6,7 @@ use super::elem::KvElem;
 #[cfg(target_arch = "x86_64")]
 use super::tile512;
 use crate::dispatch::{backend, Backend};
+use crate::prefetch::to_l2;
 
 #[cfg(target_arch = "x86_64")]
 const _: () = assert!(tile512::KEYS == KEY_TILE);
@@ -387,21 +388,11 @@ fn prefetch_rows<E: KvElem>(
     row_bytes: usize,
     next: std::ops::RangeInclusive<usize>,
 ) {
-    #[cfg(target_arch = "x86_64")]
     for t in next.take(KEY_TILE) {
-        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T1};
         let k = rows.k_row(t);
-        let (k, v) = (k.cast::<i8>(), k.wrapping_add(rows.v_offset).cast::<i8>());
-        for b in (0..row_bytes).step_by(64) {
-            // SAFETY: a prefetch reads nothing and faults on no address.
-            unsafe {
-                _mm_prefetch::<_MM_HINT_T1>(k.wrapping_add(b));
-                _mm_prefetch::<_MM_HINT_T1>(v.wrapping_add(b));
-            }
-        }
+        to_l2(k.cast(), row_bytes);
+        to_l2(k.wrapping_add(rows.v_offset).cast(), row_bytes);
     }
-    #[cfg(not(target_arch = "x86_64"))]
-    let _ = (rows, row_bytes, next);
 }
 
 /// How many of the tile from position `t0` a query sees.

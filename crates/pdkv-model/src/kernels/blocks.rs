@@ -224,7 +224,7 @@ mod avx2 {
     /// latency of each. Each chain's operations are the same however many
     /// run side by side, so the bits are too. The rows a few tiles on are
     /// asked for while a tile is computed, as the integer kernels do
-    /// (`qkernels::regs::prefetch_ahead`): a tile's rows are streams too
+    /// ([`crate::prefetch::tiles_ahead`]): a tile's rows are streams too
     /// short for the hardware to foresee. On an AMD Zen 3 (2 threads, a
     /// BF16 export of SmolLM2, processes alternating, 3 runs each) batch-1
     /// decode went 64.8-76.1 -> 75.5-88.9 tok/s (0.70-0.79 -> 0.80-0.89 of
@@ -377,18 +377,13 @@ mod avx2 {
         // SAFETY: the caller guarantees the instructions and the shapes: the
         // loads of `x` are inside its `R` rows of `k` floats, those of `w`
         // inside its `C` rows, and each output is column `c` of row `r` of
-        // `y`; prefetches never fault.
+        // `y`.
         unsafe {
             let ty = format(T);
             let (rb, bb) = (ty.row_bytes(k), ty.block_bytes());
             let mut acc = [[_mm256_setzero_ps(); R]; C];
             for bi in 0..k / 32 {
-                for ahead in [2, 1] {
-                    let p = w.wrapping_add(ahead * C * rb + bi * C * bb);
-                    for o in (0..C * bb).step_by(64) {
-                        _mm_prefetch::<_MM_HINT_T1>(p.wrapping_add(o) as *const i8);
-                    }
-                }
+                crate::prefetch::tiles_ahead(w, C * rb, bi * C * bb, C * bb);
                 for (c, acc) in acc.iter_mut().enumerate() {
                     let g = block_values::<T>(w.add(c * rb + bi * bb));
                     for (i, gv) in g.iter().enumerate() {

@@ -8,9 +8,10 @@ use super::acts::{QActs, DIRECT_MAX, GROUP, GROUP_BLOCK};
 use super::blocks::{f16_at, min_of, q6_params, super_params};
 use super::job::{Job, Scratch, NR};
 use super::regs::{
-    f16_high, f16_low, k_scales, lanes8, lanes8_halves, prefetch, prefetch_ahead, row_offsets,
-    rows_word, store_tile, unpack_q6, unpack_super, AHEAD, DR,
+    f16_high, f16_low, k_scales, lanes8, lanes8_halves, row_offsets, rows_word, store_tile,
+    unpack_q6, unpack_super, DR,
 };
+use crate::prefetch::{tiles_ahead, to_l2, AHEAD};
 use crate::qtype::{QType, QK};
 
 /// Where a tile's weights are: `C` rows from `w` (stride `rb` bytes)
@@ -552,7 +553,7 @@ unsafe fn direct<D: IDot, const T: usize, const M: usize>(x: &QActs, job: &Job) 
         let (rb, bb) = (ty.row_bytes(k), ty.block_bytes());
         // The job's first `AHEAD` tiles are fetched up front (its later
         // tiles ahead, bit by bit, while a tile is computed).
-        prefetch(
+        to_l2(
             job.w.wrapping_add(job.j0 * rb),
             (AHEAD * DR).min(job.j1 - job.j0) * rb,
         );
@@ -567,7 +568,7 @@ unsafe fn direct<D: IDot, const T: usize, const M: usize>(x: &QActs, job: &Job) 
             // prefetcher to pick up, so the tiles ahead (contiguous) are
             // fetched, a block column's worth of their bytes per block.
             for b in 0..nb {
-                prefetch_ahead(base, rb, b * DR * bb, DR * bb);
+                tiles_ahead(base, DR * rb, b * DR * bb, DR * bb);
                 let blk = base.add(b * bb);
                 let mut wv = [_mm256_setzero_si256(); DR];
                 for (c, w) in wv.iter_mut().enumerate() {
@@ -641,7 +642,7 @@ unsafe fn direct_super<D: IDot, const FIVE: bool, const M: usize>(x: &QActs, job
         let ty = if FIVE { QType::Q5_K } else { QType::Q4_K };
         let (nb, k, m) = (x.blocks(), x.k, if M == 0 { x.m } else { M });
         let (rb, bb) = (ty.row_bytes(k), ty.block_bytes());
-        prefetch(
+        to_l2(
             job.w.wrapping_add(job.j0 * rb),
             (AHEAD * DR).min(job.j1 - job.j0) * rb,
         );
@@ -652,7 +653,7 @@ unsafe fn direct_super<D: IDot, const FIVE: bool, const M: usize>(x: &QActs, job
             let offs = &row_offsets(nr, rb);
             let mut acc = [_mm256_setzero_ps(); DIRECT_MAX];
             for sb in 0..nb / 8 {
-                prefetch_ahead(base, rb, sb * DR * bb, DR * bb);
+                tiles_ahead(base, DR * rb, sb * DR * bb, DR * bb);
                 let blk = |c: usize| base.add(offs[c] + sb * bb);
                 let sbp = base.add(sb * bb);
                 // Of the 8 rows' super-blocks (lane c is row c): the f16
@@ -722,7 +723,7 @@ unsafe fn direct_q6<D: IDot, const M: usize>(x: &QActs, job: &Job) {
         let (nb, k, m) = (x.blocks(), x.k, if M == 0 { x.m } else { M });
         let (rb, bb) = (ty.row_bytes(k), ty.block_bytes());
         let ones = _mm256_set1_epi8(1);
-        prefetch(
+        to_l2(
             job.w.wrapping_add(job.j0 * rb),
             (AHEAD * DR).min(job.j1 - job.j0) * rb,
         );
@@ -733,7 +734,7 @@ unsafe fn direct_q6<D: IDot, const M: usize>(x: &QActs, job: &Job) {
             let offs = &row_offsets(nr, rb);
             let mut acc = [_mm256_setzero_ps(); DIRECT_MAX];
             for sb in 0..nb / 8 {
-                prefetch_ahead(base, rb, sb * DR * bb, DR * bb);
+                tiles_ahead(base, DR * rb, sb * DR * bb, DR * bb);
                 let blk = |c: usize| base.add(offs[c] + sb * bb);
                 let sbp = base.add(sb * bb);
                 // The f16 scale is the block's last two bytes: the high half
