@@ -172,42 +172,32 @@ mod avx2 {
     #[target_feature(enable = "avx2,fma,f16c")]
     pub(super) unsafe fn dequantize_row(ty: QType, src: &[u8], out: &mut [f32]) {
         // SAFETY: the caller guarantees the instructions; `src` is whole
-        // blocks of `ty` and `out` 32 floats per block: every load is inside a
-        // block `b` and every store inside its 32 floats of `o`.
+        // blocks of `ty` and `out` 32 floats per block.
         unsafe {
-            let f16 = |b: &[u8]| half::f16::from_le_bytes([b[0], b[1]]).to_f32();
-            let bb = ty.block_bytes();
+            match ty {
+                QType::Q8_0 => dequantize_row_of::<0>(src, out),
+                QType::Q4_1 => dequantize_row_of::<1>(src, out),
+                QType::F16 => dequantize_row_of::<2>(src, out),
+                QType::BF16 => dequantize_row_of::<3>(src, out),
+                other => unreachable!("{other:?} has no AVX2 dequantiser (has_block_kernels)"),
+            }
+        }
+    }
+
+    /// [`dequantize_row`] for the format `T` ([`format`]): each block's
+    /// values as [`block_values`] forms them, stored.
+    ///
+    /// # Safety
+    /// As [`dequantize_row`]'s.
+    #[inline(always)]
+    unsafe fn dequantize_row_of<const T: u8>(src: &[u8], out: &mut [f32]) {
+        // SAFETY: the caller guarantees the instructions; each block `b` of
+        // `src` is whole, and its 32 floats of `out` are writable.
+        unsafe {
+            let bb = format(T).block_bytes();
             for (b, o) in src.chunks_exact(bb).zip(out.chunks_exact_mut(32)) {
-                let d = _mm256_set1_ps(f16(&b[0..2]));
-                let o = o.as_mut_ptr();
-                match ty {
-                    QType::Q8_0 => {
-                        for g in 0..4 {
-                            let q8 = _mm_loadl_epi64(b.as_ptr().add(2 + 8 * g) as *const __m128i);
-                            let q = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q8));
-                            _mm256_storeu_ps(o.add(8 * g), _mm256_mul_ps(d, q));
-                        }
-                    }
-                    QType::Q4_1 => {
-                        let m = _mm256_set1_ps(f16(&b[2..4]));
-                        let bytes = _mm_loadu_si128(b.as_ptr().add(4) as *const __m128i);
-                        let mask = _mm_set1_epi8(0x0f);
-                        let lo = _mm_and_si128(bytes, mask);
-                        let hi = _mm_and_si128(_mm_srli_epi16::<4>(bytes), mask);
-                        for (g, v) in [lo, _mm_srli_si128::<8>(lo), hi, _mm_srli_si128::<8>(hi)]
-                            .into_iter()
-                            .enumerate()
-                        {
-                            let q = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v));
-                            _mm256_storeu_ps(o.add(8 * g), _mm256_add_ps(_mm256_mul_ps(d, q), m));
-                        }
-                    }
-                    QType::F16 | QType::BF16 => {
-                        for g in 0..4 {
-                            _mm256_storeu_ps(o.add(8 * g), half8(ty, b.as_ptr().add(16 * g)));
-                        }
-                    }
-                    other => unreachable!("{other:?} has no AVX2 dequantiser (has_block_kernels)"),
+                for (i, g) in block_values::<T>(b.as_ptr()).into_iter().enumerate() {
+                    _mm256_storeu_ps(o.as_mut_ptr().add(8 * i), g);
                 }
             }
         }
