@@ -370,7 +370,7 @@ async fn serve_manifest(
     manifest: &Manifest,
     agent: &Agent,
 ) -> anyhow::Result<(SocketAddr, JoinHandle<()>)> {
-    let listener = tokio::net::TcpListener::bind(http_addr)
+    let listener = pdkv_transfer::listen::bind(http_addr)
         .await
         .with_context(|| format!("binding the manifest server on {http_addr}"))?;
     let http = listener.local_addr()?;

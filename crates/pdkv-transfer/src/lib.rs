@@ -10,6 +10,7 @@
 //! registration, grant or revocation was refused), [`registry`] (registrations, keys, epochs, checked access),
 //! [`grant`] (revocable, range-restricted keys to a registration: the
 //! fence against late writes over TCP),
+//! [`listen`] (listeners with a backlog for bursts),
 //! [`frame`] (wire format, a decoder that never panics), [`proto`] (the
 //! initiator's sans-IO state machine: slicing, deadlines, completion,
 //! notification after all data), [`tcp`] (the tokio driver: [`tcp::Agent`]),
@@ -37,6 +38,7 @@ pub mod conns;
 pub mod error;
 pub mod frame;
 pub mod grant;
+pub mod listen;
 pub mod proto;
 pub mod registry;
 pub mod shm;

@@ -511,7 +511,7 @@ impl Agent {
         registry: Arc<Registry>,
         cfg: AgentConfig,
     ) -> std::io::Result<Agent> {
-        let listener = TcpListener::bind(addr).await?;
+        let listener = crate::listen::bind(addr).await?;
         let addr = listener.local_addr()?;
         let (notify_tx, notify_rx) = mpsc::channel(cfg.notify_queue.max(1));
         let stats = Arc::new(ServeStats::default());

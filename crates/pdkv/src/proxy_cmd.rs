@@ -101,7 +101,7 @@ pub fn run(args: ProxyArgs) -> anyhow::Result<()> {
         .build()
         .context("starting the async runtime")?;
     runtime.block_on(async move {
-        let listener = tokio::net::TcpListener::bind(addr)
+        let listener = pdkv_transfer::listen::bind(addr)
             .await
             .with_context(|| format!("binding {addr}"))?;
         let local = listener.local_addr().context("reading the bound address")?;

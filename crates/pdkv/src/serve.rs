@@ -333,7 +333,7 @@ async fn serve(
         .with_pause_wait(pause_wait)
         .with_checkpoint_read_timeout(checkpoint_read)
         .with_tool_parser(tool_parser);
-    let listener = tokio::net::TcpListener::bind(addr)
+    let listener = pdkv_transfer::listen::bind(addr)
         .await
         .with_context(|| format!("binding {addr}"))?;
     let local = listener.local_addr().context("reading the bound address")?;

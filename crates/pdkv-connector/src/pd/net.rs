@@ -50,7 +50,7 @@ pub fn start(
         let agent = Agent::bind(&format!("{ip}:0"), registry.clone(), agent_cfg)
             .await
             .with_context(|| format!("binding the KV transfer agent on {ip}"))?;
-        let listener = TcpListener::bind((ip.as_str(), cfg.kv_port))
+        let listener = pdkv_transfer::listen::bind((ip.as_str(), cfg.kv_port))
             .await
             .with_context(|| format!("binding the KV control listener on {ip}:{}", cfg.kv_port))?;
         anyhow::Ok((agent, listener))
