@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The project's test command: fetches the default model (SmolLM2-135M-Instruct)
 # when it is not cached yet, installs the vLLM router (PyPI `vllm-router`, for
-# the tests that run pdkv behind it) into a virtual environment under cargo's
-# target directory, then runs every test in release mode.
+# the tests that run pdkv behind it) into a virtual environment in the user's
+# cache, then runs every test in release mode.
 #
 #   scripts/test.sh          the test command (CI runs it; 9 to 11.7 minutes on
 #                            2 cores from a fresh clone, build included)
@@ -28,8 +28,10 @@ target_dir=$(cargo metadata --format-version 1 --no-deps | python3 -c 'import js
 cargo test --release --locked --workspace --no-run
 "$target_dir/release/pdkv" model fetch
 
+# The router's virtual environment lives in the user's cache beside the
+# model, one per version, so a fresh clone reuses it.
 ROUTER_VERSION=0.1.17
-ROUTER_VENV="$target_dir/vllm-router-venv"
+ROUTER_VENV="${XDG_CACHE_HOME:-$HOME/.cache}/pdkv/vllm-router-$ROUTER_VERSION"
 installed=$("$ROUTER_VENV/bin/pip" show vllm-router 2>/dev/null | sed -n 's/^Version: //p' || true)
 if [ "$installed" != "$ROUTER_VERSION" ]; then
     rm -rf "$ROUTER_VENV"
