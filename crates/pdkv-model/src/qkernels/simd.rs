@@ -622,6 +622,21 @@ unsafe fn direct<D: IDot, const T: usize, const M: usize>(x: &QActs, job: &Job) 
     }
 }
 
+/// `$block!(0)` to `$block!(7)`: a super-block's 8 blocks, each copy with
+/// its block index a constant (the batch-1 super-block kernels).
+macro_rules! each_block {
+    ($block:ident) => {
+        $block!(0);
+        $block!(1);
+        $block!(2);
+        $block!(3);
+        $block!(4);
+        $block!(5);
+        $block!(6);
+        $block!(7);
+    };
+}
+
 /// [`direct`] for the super-block formats (`FIVE`: Q5_K, else Q4_K):
 /// each super-block's 8 scales and minimums are decoded once per row,
 /// then its 8 blocks go as [`direct`]'s unsigned ones do, with the
@@ -704,14 +719,7 @@ unsafe fn direct_super<D: IDot, const FIVE: bool, const M: usize>(x: &QActs, job
                         }
                     }};
                 }
-                block!(0);
-                block!(1);
-                block!(2);
-                block!(3);
-                block!(4);
-                block!(5);
-                block!(6);
-                block!(7);
+                each_block!(block);
             }
             store_tile(&acc[..m], nr, job, j);
             j += nr;
@@ -798,14 +806,7 @@ unsafe fn direct_q6<D: IDot, const M: usize>(x: &QActs, job: &Job) {
                         }
                     }};
                 }
-                block!(0);
-                block!(1);
-                block!(2);
-                block!(3);
-                block!(4);
-                block!(5);
-                block!(6);
-                block!(7);
+                each_block!(block);
             }
             store_tile(&acc[..m], nr, job, j);
             j += nr;
