@@ -2,7 +2,7 @@
 //! server (P), a decode server (D) and `pdkv proxy`, against one colocated
 //! server, on SmolLM2.
 //!
-//! - 100 prompts sharing prefixes (so D also serves parts of prompts from
+//! - 40 prompts sharing prefixes (so D also serves parts of prompts from
 //!   its own prefix cache and loads only the rest), half streamed, half
 //!   not, over TCP and over shared memory: every greedy output through the
 //!   proxy equals the colocated one, every request loaded its KV from P, and
@@ -40,16 +40,10 @@ const PREFIXES: [&str; 10] = [
     "History lesson: the printing press made books cheaper and helped spread reading across Europe within decades.",
 ];
 
-const QUESTIONS: [&str; 10] = [
+const QUESTIONS: [&str; 4] = [
     " Question: what is this about? Answer:",
     " Summarise it in five words:",
     " The most important detail is",
-    " A question a child might ask about it is",
-    " One word that describes it:",
-    " Translate the first sentence into simple English:",
-    " What happens next?",
-    " The opposite of this would be",
-    " List two facts from the text:",
     " Give it a title:",
 ];
 
@@ -69,6 +63,7 @@ async fn kv_info(client: &reqwest::Client, p: &pdkv_testkit::proc::Proc) -> Valu
     http::get_json(client, &p.url("/kv_transfer/info")).await.1
 }
 
+/// Each prefix with each question: 40 prompts, each prefix shared by 4.
 fn prompts() -> Vec<String> {
     PREFIXES
         .iter()
