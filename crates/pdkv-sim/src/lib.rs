@@ -248,6 +248,31 @@ impl Report {
     }
 }
 
+/// Plays every run of `opts` on up to `threads` threads and returns their
+/// reports in `opts`' order. Each run is a world of its own (its clock,
+/// its random numbers, its network), so a report is the one [`run`] gives
+/// for the same options, whichever thread played it.
+pub fn run_each(opts: Vec<Options>, threads: usize) -> Vec<Report> {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::Mutex;
+    let next = AtomicUsize::new(0);
+    let slots: Vec<Mutex<Option<Report>>> = opts.iter().map(|_| Mutex::new(None)).collect();
+    std::thread::scope(|s| {
+        for _ in 0..threads.clamp(1, opts.len().max(1)) {
+            s.spawn(|| loop {
+                let i = next.fetch_add(1, Ordering::Relaxed);
+                let Some(o) = opts.get(i) else { break };
+                let r = run(o.clone());
+                *slots[i].lock().unwrap() = Some(r);
+            });
+        }
+    });
+    slots
+        .into_iter()
+        .map(|m| m.into_inner().unwrap().expect("every run was played"))
+        .collect()
+}
+
 /// Plays one run. A panic inside the real code (an invariant check) is a
 /// violation too.
 pub fn run(opts: Options) -> Report {

@@ -3,7 +3,7 @@
 //! `scripts/test.sh --full`). More seeds:
 //! `cargo run --release -p pdkv-sim -- --seeds 0..10000`.
 
-use pdkv_sim::{run, Options};
+use pdkv_sim::{run, run_each, Options};
 
 /// Seeds the test command runs: every variant (write/read mode, fail/
 /// recompute policy, with and without network faults and crashes, engines
@@ -33,8 +33,9 @@ fn fixed_seeds_hold_every_safety_and_liveness_check() {
     let (mut events, mut checked, mut frames) = (0, 0, 0);
     let (mut hetero, mut faults, mut retried, mut tp1) = (0, 0, 0, 0);
     let (mut resumed, mut resumed_checked) = (0, 0);
-    for seed in seeds().chain(REGRESSIONS) {
-        let r = run(Options::for_seed(seed));
+    let opts = seeds().chain(REGRESSIONS).map(Options::for_seed).collect();
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+    for r in run_each(opts, threads) {
         events += r.events;
         checked += r.checked_outputs;
         frames += r.frames;
@@ -108,10 +109,14 @@ fn heterogeneous_splits_hold_every_check_in_both_modes() {
 
 #[test]
 fn a_seed_replays_exactly() {
-    // Seeds where an unordered table in a machine made two runs differ.
-    for seed in [4, 6, 20] {
+    // Seeds where an unordered table in a machine made two runs differ:
+    // played alone, then again on two threads at once, in order.
+    let seeds = [4, 6, 20];
+    let again = run_each(seeds.iter().map(|&s| Options::for_seed(s)).collect(), 2);
+    assert_eq!(again.len(), seeds.len());
+    for (seed, b) in seeds.into_iter().zip(again) {
         let a = run(Options::for_seed(seed));
-        let b = run(Options::for_seed(seed));
+        assert_eq!(b.seed, seed, "run_each's reports are in the seeds' order");
         assert!(a.ok(), "{}", a.line());
         assert_eq!(a.line(), b.line(), "seed {seed} did not replay");
         assert_eq!(

@@ -44,7 +44,14 @@ struct Args {
     /// and a summary).
     #[arg(long)]
     verbose: bool,
+    /// Runs played at once, each on a thread of its own (default: the
+    /// CPUs this process may use). Lines come out in seed order either way.
+    #[arg(long)]
+    jobs: Option<usize>,
 }
+
+/// Seeds played (on every thread) before their lines are printed.
+const CHUNK: usize = 64;
 
 fn seeds(s: &str) -> anyhow::Result<std::ops::Range<u64>> {
     match s.split_once("..") {
@@ -68,7 +75,8 @@ fn main() -> anyhow::Result<()> {
     let mut reclaimed = 0u64;
     let mut resumed = (0u64, 0u64, 0u64);
     let mut pairs: std::collections::BTreeMap<(usize, usize), u64> = Default::default();
-    for seed in range {
+    // Each seed's options, checked before any runs.
+    let options = |seed: u64| -> anyhow::Result<pdkv_sim::Options> {
         let mut opts = pdkv_sim::Options::for_seed(seed);
         if let Some(c) = args.clients {
             opts.clients = c;
@@ -99,52 +107,71 @@ fn main() -> anyhow::Result<()> {
         if let Some(s) = args.safety_s {
             opts.safety = std::time::Duration::from_secs(s);
         }
-        let r = pdkv_sim::run(opts.clone());
-        if args.replay {
-            let again = pdkv_sim::run(opts);
-            if (again.events, again.trace, again.line()) != (r.events, r.trace, r.line()) {
-                println!(
-                    "seed {seed} does not replay: {} events (trace {:x}) then {} (trace {:x})",
-                    r.events, r.trace, again.events, again.trace
-                );
+        Ok(opts)
+    };
+    let threads = args
+        .jobs
+        .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
+    anyhow::ensure!(threads >= 1, "--jobs must be at least 1");
+    let seeds: Vec<u64> = range.collect();
+    // Seeds in chunks, each played on every thread, then reported in order.
+    for chunk in seeds.chunks(CHUNK) {
+        let opts = chunk
+            .iter()
+            .map(|&seed| options(seed))
+            .collect::<anyhow::Result<Vec<_>>>()?;
+        let again = if args.replay {
+            pdkv_sim::run_each(opts.clone(), threads)
+        } else {
+            Vec::new()
+        };
+        let reports = pdkv_sim::run_each(opts, threads);
+        for (i, (&seed, r)) in chunk.iter().zip(reports).enumerate() {
+            if let Some(again) = again.get(i) {
+                if (again.events, again.trace, again.line()) != (r.events, r.trace, r.line()) {
+                    println!(
+                        "seed {seed} does not replay: {} events (trace {:x}) then {} (trace {:x})",
+                        r.events, r.trace, again.events, again.trace
+                    );
+                    bad.push(seed);
+                }
+            }
+            runs += 1;
+            events += r.events;
+            copies += r.rank_copies;
+            hetero += r.hetero_transfers;
+            release_faults += r.rank_release_faults;
+            restore_faults += r.rank_restore_faults;
+            rollback_faults += r.rank_rollback_faults;
+            retried += r.rank_faults_retried;
+            leases.0 += r.claims_sent;
+            leases.1 += r.leases_expired;
+            leases.2 += r.claimed_leases_expired;
+            leases.3 += r.loads_lease_expired;
+            reclaimed += r.leases_reclaimed;
+            resumed.0 += r.resumed;
+            resumed.1 += r.checked_resumed;
+            resumed.2 += r.crashes;
+            *pairs.entry((r.p_tp, r.d_tp)).or_default() += 1;
+            simulated += r.simulated.as_secs_f64();
+            if args.verbose {
+                // The trace hash: a digest of the run's every event, to compare
+                // runs of one seed across builds.
+                println!("{} (trace {:016x})", r.line(), r.trace);
+            } else if !r.ok() {
+                println!("{}", r.line());
+            }
+            if args.verbose {
+                for (e, n) in &r.operation_errors {
+                    println!("  {n} lifecycle calls answered: {e}");
+                }
+            }
+            if !r.ok() {
+                for v in r.violations.iter().chain(&r.losses) {
+                    println!("  {v}");
+                }
                 bad.push(seed);
             }
-        }
-        runs += 1;
-        events += r.events;
-        copies += r.rank_copies;
-        hetero += r.hetero_transfers;
-        release_faults += r.rank_release_faults;
-        restore_faults += r.rank_restore_faults;
-        rollback_faults += r.rank_rollback_faults;
-        retried += r.rank_faults_retried;
-        leases.0 += r.claims_sent;
-        leases.1 += r.leases_expired;
-        leases.2 += r.claimed_leases_expired;
-        leases.3 += r.loads_lease_expired;
-        reclaimed += r.leases_reclaimed;
-        resumed.0 += r.resumed;
-        resumed.1 += r.checked_resumed;
-        resumed.2 += r.crashes;
-        *pairs.entry((r.p_tp, r.d_tp)).or_default() += 1;
-        simulated += r.simulated.as_secs_f64();
-        if args.verbose {
-            // The trace hash: a digest of the run's every event, to compare
-            // runs of one seed across builds.
-            println!("{} (trace {:016x})", r.line(), r.trace);
-        } else if !r.ok() {
-            println!("{}", r.line());
-        }
-        if args.verbose {
-            for (e, n) in &r.operation_errors {
-                println!("  {n} lifecycle calls answered: {e}");
-            }
-        }
-        if !r.ok() {
-            for v in r.violations.iter().chain(&r.losses) {
-                println!("  {v}");
-            }
-            bad.push(seed);
         }
     }
     println!(
