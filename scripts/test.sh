@@ -4,8 +4,9 @@
 # the tests that run pdkv behind it) into a virtual environment in the user's
 # cache, then runs every test in release mode.
 #
-#   scripts/test.sh          the test command (CI runs it; 9 to 11.7 minutes on
-#                            2 cores from a fresh clone, build included)
+#   scripts/test.sh          the test command (CI runs it; about 9.5 to 10
+#                            minutes on 2 cores from a fresh clone, build
+#                            included)
 #   scripts/test.sh --full   also the long runs: the lifecycle matrix in every
 #                            transport, transfer mode and failure policy, the
 #                            simulator over 500 seeds
