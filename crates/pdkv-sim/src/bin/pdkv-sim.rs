@@ -63,6 +63,41 @@ fn seeds(s: &str) -> anyhow::Result<std::ops::Range<u64>> {
     }
 }
 
+/// Seed `seed`'s options with the command line's overrides, checked.
+fn options(args: &Args, seed: u64) -> anyhow::Result<pdkv_sim::Options> {
+    let mut opts = pdkv_sim::Options::for_seed(seed);
+    if let Some(c) = args.clients {
+        opts.clients = c;
+    }
+    match args.policy.as_deref() {
+        Some("fail") => opts.policy = "fail",
+        Some("recompute") => opts.policy = "recompute",
+        Some(other) => anyhow::bail!("--policy must be fail or recompute, got {other:?}"),
+        None => {}
+    }
+    if let Some(f) = args.faults {
+        opts.faults = f;
+        opts.crashes &= f;
+    }
+    if let Some(r) = args.read_mode {
+        opts.read_mode = r;
+    }
+    for (tp, arg) in [(&mut opts.p_tp, args.p_tp), (&mut opts.d_tp, args.d_tp)] {
+        if let Some(n) = arg {
+            anyhow::ensure!(
+                (1..=pdkv_sim::model::NUM_KV_HEADS).contains(&n),
+                "--p-tp and --d-tp must be 1 to {}, got {n}",
+                pdkv_sim::model::NUM_KV_HEADS
+            );
+            *tp = n;
+        }
+    }
+    if let Some(s) = args.safety_s {
+        opts.safety = std::time::Duration::from_secs(s);
+    }
+    Ok(opts)
+}
+
 fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     let range = seeds(&args.seeds)?;
@@ -75,40 +110,6 @@ fn main() -> anyhow::Result<()> {
     let mut reclaimed = 0u64;
     let mut resumed = (0u64, 0u64, 0u64);
     let mut pairs: std::collections::BTreeMap<(usize, usize), u64> = Default::default();
-    // Each seed's options, checked before any runs.
-    let options = |seed: u64| -> anyhow::Result<pdkv_sim::Options> {
-        let mut opts = pdkv_sim::Options::for_seed(seed);
-        if let Some(c) = args.clients {
-            opts.clients = c;
-        }
-        match args.policy.as_deref() {
-            Some("fail") => opts.policy = "fail",
-            Some("recompute") => opts.policy = "recompute",
-            Some(other) => anyhow::bail!("--policy must be fail or recompute, got {other:?}"),
-            None => {}
-        }
-        if let Some(f) = args.faults {
-            opts.faults = f;
-            opts.crashes &= f;
-        }
-        if let Some(r) = args.read_mode {
-            opts.read_mode = r;
-        }
-        for (tp, arg) in [(&mut opts.p_tp, args.p_tp), (&mut opts.d_tp, args.d_tp)] {
-            if let Some(n) = arg {
-                anyhow::ensure!(
-                    (1..=pdkv_sim::model::NUM_KV_HEADS).contains(&n),
-                    "--p-tp and --d-tp must be 1 to {}, got {n}",
-                    pdkv_sim::model::NUM_KV_HEADS
-                );
-                *tp = n;
-            }
-        }
-        if let Some(s) = args.safety_s {
-            opts.safety = std::time::Duration::from_secs(s);
-        }
-        Ok(opts)
-    };
     let threads = args
         .jobs
         .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
@@ -118,7 +119,7 @@ fn main() -> anyhow::Result<()> {
     for chunk in seeds.chunks(CHUNK) {
         let opts = chunk
             .iter()
-            .map(|&seed| options(seed))
+            .map(|&seed| options(&args, seed))
             .collect::<anyhow::Result<Vec<_>>>()?;
         let again = if args.replay {
             pdkv_sim::run_each(opts.clone(), threads)
