@@ -128,6 +128,7 @@ struct Raw {
     arrival_timeout_s: Option<f64>,
     prefill_timeout_s: Option<f64>,
     heartbeat_s: Option<f64>,
+    kv_unproven_timeout_s: Option<f64>,
     #[serde(default)]
     kv_load_failure_policy: LoadFailurePolicy,
     shm_dir: Option<PathBuf>,
@@ -162,6 +163,11 @@ pub struct KvTransferConfig {
     /// How often a waiting pull hears from the producer; shorter than
     /// `load_timeout`.
     pub heartbeat: Duration,
+    /// How long a KV port keeps a connection that has not proven itself
+    /// (the transfer port: its handshake and each frame until an access
+    /// the registry accepts; the control port: its handshake and first
+    /// message, at most its 5 s I/O bound).
+    pub unproven_timeout: Duration,
     pub kv_load_failure_policy: LoadFailurePolicy,
     /// A producer whose every block is held for transfers no consumer took
     /// yet gives some back for new prompts (`true`, the default; the
@@ -268,6 +274,10 @@ impl KvTransferConfig {
                 format!("heartbeat_s ({beat_s}) must be less than load_timeout_s ({load_s})"),
             ));
         }
+        let unproven_timeout = seconds(
+            "kv_unproven_timeout_s",
+            raw.kv_unproven_timeout_s.unwrap_or(10.0),
+        )?;
         Ok(KvTransferConfig {
             kv_connector: raw.kv_connector,
             kv_role: raw.kv_role,
@@ -281,6 +291,7 @@ impl KvTransferConfig {
             arrival_timeout,
             prefill_timeout,
             heartbeat,
+            unproven_timeout,
             kv_load_failure_policy: raw.kv_load_failure_policy,
             reclaim_held_kv: raw.reclaim_held_kv.unwrap_or(true),
             kv_peers,

@@ -45,6 +45,7 @@ pub fn start(
     let (agent, listener) = runtime.block_on(async {
         let agent_cfg = AgentConfig {
             secret: cfg.kv_secret.clone(),
+            unproven_timeout: cfg.unproven_timeout,
             ..AgentConfig::default()
         };
         let agent = Agent::bind(&format!("{ip}:0"), registry.clone(), agent_cfg)
@@ -101,6 +102,7 @@ pub fn start(
         );
     }
     let secret = cfg.kv_secret.clone();
+    let unproven = cfg.unproven_timeout.min(CONTROL_IO);
     let core = PdCore::new(
         cfg,
         engine_id,
@@ -111,6 +113,7 @@ pub fn start(
     let inner = Arc::new(Net {
         handle: runtime.handle().clone(),
         secret,
+        unproven,
         auth_refused: AtomicU64::new(0),
         registry,
         agent,
@@ -140,6 +143,10 @@ struct Net {
     handle: tokio::runtime::Handle,
     /// The deployment's KV secret, for the control port and its exchanges.
     secret: KvSecret,
+    /// How long a control connection may take to prove itself (its
+    /// handshake and first message): `kv_unproven_timeout_s`, at most
+    /// `CONTROL_IO`.
+    unproven: Duration,
     /// Control connections whose handshake failed.
     auth_refused: AtomicU64,
     registry: Arc<Registry>,
@@ -360,7 +367,7 @@ async fn core_timer(shared: Arc<Shared>, changed: Arc<Notify>) {
 }
 
 /// Control connections served at once. One that has not yet sent a
-/// well-formed message is unproven (it must within `CONTROL_IO`), and at
+/// well-formed message is unproven (it must within `Net::unproven`), and at
 /// the cap the oldest unproven one is closed for a newcomer
 /// ([`pdkv_transfer::conns`]), so clients that connect and idle or send
 /// garbage cannot keep D's exchanges out.
@@ -407,13 +414,13 @@ async fn serve_control(
     slot: &Slot,
 ) -> Result<(), wire::WireError> {
     let _ = s.set_nodelay(true);
-    let prefix = wire::read_prefix(&mut s, CONTROL_IO).await?;
+    let prefix = wire::read_prefix(&mut s, d.unproven).await?;
     if &prefix == b"GET " {
         // A router's bootstrap query. No message is this long (the prefix
         // would announce over 1 GB), so the two cannot be confused.
         return bootstrap::serve(shared, s).await;
     }
-    if let Err(e) = auth::accept_after(&mut s, &prefix, &d.secret, Port::Control, CONTROL_IO).await
+    if let Err(e) = auth::accept_after(&mut s, &prefix, &d.secret, Port::Control, d.unproven).await
     {
         d.auth_refused.fetch_add(1, Ordering::Relaxed);
         if matches!(
@@ -424,7 +431,7 @@ async fn serve_control(
         }
         return Err(e.into());
     }
-    let msg = wire::read_message(&mut s, CONTROL_IO).await?;
+    let msg = wire::read_message(&mut s, d.unproven).await?;
     // Authentic and well formed: from here on the exchange is bounded by
     // the core's deadlines, and it is not closed for a newcomer.
     slot.prove();

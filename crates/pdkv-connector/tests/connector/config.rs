@@ -21,6 +21,7 @@ fn a_minimal_config_gets_the_defaults() {
     assert_eq!(c.abort_timeout, Duration::from_secs(30));
     assert_eq!(c.load_timeout, Duration::from_secs(40));
     assert_eq!(c.arrival_timeout, Duration::from_secs(10));
+    assert_eq!(c.unproven_timeout, Duration::from_secs(10));
     assert_eq!(c.kv_load_failure_policy, LoadFailurePolicy::Fail);
     assert_eq!(c.shm_dir, std::env::temp_dir());
 }
@@ -31,7 +32,7 @@ fn a_full_config_parses() {
         r#"{"kv_connector":"pdkv","kv_role":"kv_both","transport":"shm","transfer_mode":"read",
             "kv_ip":"0.0.0.0","kv_port":7000,"num_workers":2,"abort_timeout_s":0.5,
             "load_timeout_s":1.5,"arrival_timeout_s":0.25,"kv_load_failure_policy":"recompute",
-            "shm_dir":"/run/pdkv"}"#,
+            "shm_dir":"/run/pdkv","kv_unproven_timeout_s":2.5}"#,
     )
     .unwrap();
     assert_eq!(
@@ -45,6 +46,7 @@ fn a_full_config_parses() {
     assert_eq!(c.abort_timeout, Duration::from_millis(500));
     assert_eq!(c.load_timeout, Duration::from_millis(1500));
     assert_eq!(c.arrival_timeout, Duration::from_millis(250));
+    assert_eq!(c.unproven_timeout, Duration::from_millis(2500));
     assert_eq!(c.kv_load_failure_policy, LoadFailurePolicy::Recompute);
     assert_eq!(c.shm_dir, std::path::PathBuf::from("/run/pdkv"));
     // load_timeout_s defaults to abort_timeout_s + 10.
@@ -127,6 +129,11 @@ fn each_bad_field_is_named() {
         (
             format!(r#"{{{base},"arrival_timeout_s":0}}"#),
             "arrival_timeout_s",
+            &["positive"],
+        ),
+        (
+            format!(r#"{{{base},"kv_unproven_timeout_s":-1}}"#),
+            "kv_unproven_timeout_s",
             &["positive"],
         ),
         (

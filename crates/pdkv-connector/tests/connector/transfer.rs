@@ -336,11 +336,14 @@ fn garbage_on_the_control_socket_closes_that_connection_only() {
 
 /// 300 clients that connect and idle on D's transfer port (past its cap of
 /// 256) and 300 on P's control port, plus garbage on both: the real P and
-/// D still move a prompt's KV, and the idle connections are closed.
+/// D still move a prompt's KV, and the idle connections are closed within
+/// `kv_unproven_timeout_s` (1 s here), well before the default 10 s.
 #[test]
 fn idle_connections_on_both_kv_ports_do_not_break_a_transfer() {
-    let mut p = side("kv_producer", "tcp", "p1", "");
-    let mut d = side("kv_consumer", "tcp", "d1", "");
+    let unproven = r#","kv_unproven_timeout_s":1"#;
+    let mut p = side("kv_producer", "tcp", "p1", unproven);
+    let mut d = side("kv_consumer", "tcp", "d1", unproven);
+    let opened = Instant::now();
     let (p_info, d_info) = (p.c.info(), d.c.info());
     let control = p_info["bootstrap_addr"].as_str().unwrap().to_string();
     let transfer_port = d_info["transfer_addr"].as_str().unwrap().to_string();
@@ -381,4 +384,11 @@ fn idle_connections_on_both_kv_ports_do_not_break_a_transfer() {
         };
         assert!(closed, "idle connection {i} was not closed by the deadline");
     }
+    // Closed by the 1 s setting, not by the default 10 s: the last close
+    // came well before the default would have closed anything.
+    let took = opened.elapsed();
+    assert!(
+        took < Duration::from_secs(9),
+        "the idle connections took {took:?} to be closed"
+    );
 }

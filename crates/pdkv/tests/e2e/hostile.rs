@@ -104,6 +104,7 @@ async fn idle_and_garbage_connections_on_every_port_do_not_break_pd() {
 
     let Pd { p, d, proxy } = Spec::new(Path::new(&model), 128)
         .http_args(&["--header-timeout-s", "3"])
+        .kv("kv_unproven_timeout_s", 2)
         .env("PDKV_KV_SECRET", "this deployment's KV secret, 42")
         .start_pd();
     wait_healthy(&client, &proxy.url("/health")).await;
@@ -198,7 +199,7 @@ async fn idle_and_garbage_connections_on_every_port_do_not_break_pd() {
     );
 
     // Every held connection is closed by its server (HTTP at its 3 s header
-    // timeout, the KV ports within their unproven bounds).
+    // timeout, the KV ports at their 2 s unproven bound).
     let deadline = Instant::now() + Duration::from_secs(60);
     let mut buf = [0u8; 256];
     for (i, c) in held.iter_mut().enumerate() {
