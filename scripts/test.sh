@@ -4,7 +4,7 @@
 # the tests that run pdkv behind it) into a virtual environment in the user's
 # cache, then runs every test in release mode.
 #
-#   scripts/test.sh          the test command (CI runs it; about 9.5 to 10
+#   scripts/test.sh          the test command (CI runs it; about 9.5
 #                            minutes on 2 cores from a fresh clone, build
 #                            included)
 #   scripts/test.sh --full   also the long runs: the lifecycle matrix in every
