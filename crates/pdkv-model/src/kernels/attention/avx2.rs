@@ -16,13 +16,38 @@ use crate::kernels::tile512;
 pub(in crate::kernels) unsafe fn hsum8(v: &[__m256; 8]) -> __m256 {
     // SAFETY: the caller guarantees AVX; registers only.
     unsafe {
-        // [x.lo + x.hi | y.lo + y.hi]: hsum's first step for two vectors.
-        let halves = |x: __m256, y: __m256| {
-            _mm256_add_ps(
-                _mm256_permute2f128_ps::<0x20>(x, y),
-                _mm256_permute2f128_ps::<0x31>(x, y),
-            )
-        };
+        // The last step leaves lanes in the order (0, 2, 1, 3) per half, so
+        // the inputs go in as 0, 2, 1, 3, 4, 6, 5, 7.
+        let (w0, w1) = (halves(v[0], v[4]), halves(v[2], v[6]));
+        let (w2, w3) = (halves(v[1], v[5]), halves(v[3], v[7]));
+        hsum8_last(w0, w1, w2, w3)
+    }
+}
+
+/// `[x.lo + x.hi | y.lo + y.hi]`: [`hsum8`]'s first step for two vectors.
+///
+/// # Safety
+/// The CPU has AVX.
+#[inline(always)]
+unsafe fn halves(x: __m256, y: __m256) -> __m256 {
+    // SAFETY: the caller guarantees AVX; registers only.
+    unsafe {
+        _mm256_add_ps(
+            _mm256_permute2f128_ps::<0x20>(x, y),
+            _mm256_permute2f128_ps::<0x31>(x, y),
+        )
+    }
+}
+
+/// [`hsum8`] after its first step: `w0..w3` are [`halves`] of the inputs
+/// (0, 4), (2, 6), (1, 5) and (3, 7).
+///
+/// # Safety
+/// The CPU has AVX.
+#[inline(always)]
+unsafe fn hsum8_last(w0: __m256, w1: __m256, w2: __m256, w3: __m256) -> __m256 {
+    // SAFETY: the caller guarantees AVX; registers only.
+    unsafe {
         // Per 128-bit lane [b0+b2, b1+b3] of x, then of y: the second step.
         let pairs = |x: __m256, y: __m256| {
             _mm256_add_ps(
@@ -30,10 +55,6 @@ pub(in crate::kernels) unsafe fn hsum8(v: &[__m256; 8]) -> __m256 {
                 _mm256_shuffle_ps::<0b11_10_11_10>(x, y),
             )
         };
-        // The last step leaves lanes in the order (0, 2, 1, 3) per half, so
-        // the inputs go in as 0, 2, 1, 3, 4, 6, 5, 7.
-        let (w0, w1) = (halves(v[0], v[4]), halves(v[2], v[6]));
-        let (w2, w3) = (halves(v[1], v[5]), halves(v[3], v[7]));
         let (u, z) = (pairs(w0, w2), pairs(w1, w3));
         _mm256_add_ps(
             _mm256_shuffle_ps::<0b10_00_10_00>(u, z),
@@ -198,7 +219,159 @@ unsafe fn pipelined<E: KvElem>(
 #[inline(never)]
 unsafe fn tile_of<const HD: usize>(qs: &mut [AttnQuery], buf: *const f32, scale: f32, t0: usize) {
     // SAFETY: as this function's contract.
-    unsafe { pipelined(qs, &super::rows_of(buf, HD), KEY_TILE * HD, HD, scale, t0) }
+    unsafe {
+        let kp = super::rows_of(buf, HD);
+        let v_offset = KEY_TILE * HD;
+        let mut reach = qs.iter_mut().filter(|q| q.pos >= t0);
+        // The previous pair's outputs and probabilities, taking the V rows
+        // while this pair's scores settle (as in `pipelined`).
+        let mut last: [Option<(*mut f32, Probs)>; 2] = [None, None];
+        while let Some(a) = reach.next() {
+            match reach.next() {
+                Some(b) => {
+                    let [sa, sb] = scores2::<HD>([a.q, b.q], buf);
+                    flush::<HD>(&mut last, &kp, buf.add(v_offset));
+                    let pa = probs(a, &sa, scale, super::seen(a, t0));
+                    let pb = probs(b, &sb, scale, super::seen(b, t0));
+                    last = [Some((a.out, pa)), Some((b.out, pb))];
+                }
+                None => {
+                    let s = scores(a.q, &kp, HD);
+                    flush::<HD>(&mut last, &kp, buf.add(v_offset));
+                    last = [Some((a.out, probs(a, &s, scale, super::seen(a, t0)))), None];
+                }
+            }
+        }
+        flush::<HD>(&mut last, &kp, buf.add(v_offset));
+    }
+}
+
+/// The outputs of [`tile_of`]'s previous pair (or single query) take the
+/// tile's V rows (`v`, also `kp`'s rows `KEY_TILE * HD` floats further):
+/// both at once where they see the same keys.
+///
+/// # Safety
+/// As [`accumulate`]'s for each, with `HD` a multiple of 32.
+#[inline(always)]
+unsafe fn flush<const HD: usize>(
+    last: &mut [Option<(*mut f32, Probs)>; 2],
+    kp: &[*const f32; KEY_TILE],
+    v: *const f32,
+) {
+    // SAFETY: as this function's contract.
+    unsafe {
+        match last {
+            [Some((oa, pa)), Some((ob, pb))] if pa.seen == pb.seen => {
+                accumulate2::<HD>([*oa, *ob], [pa, pb], v)
+            }
+            _ => {
+                for (out, pr) in last.iter().flatten() {
+                    accumulate(*out, pr, kp, KEY_TILE * HD, HD);
+                }
+            }
+        }
+    }
+}
+
+/// [`scores`] for two queries over a widened tile (`buf`, the 16 K rows
+/// of `HD` floats, `HD` a multiple of 8): each K row loaded once for both.
+/// Each (query, key) pair's accumulator takes the columns in the order
+/// `scores` gives it and goes through [`hsum8`]'s additions (split in its
+/// two steps so a half's keys 0, 4, 2, 6 are reduced before 1, 5, 3, 7
+/// are computed): the same bits.
+///
+/// # Safety
+/// The CPU has AVX2 and FMA; `q` are `HD` readable floats each, `buf`
+/// `KEY_TILE * HD`.
+#[inline(always)]
+unsafe fn scores2<const HD: usize>(q: [*const f32; 2], buf: *const f32) -> [[f32; KEY_TILE]; 2] {
+    // SAFETY: as this function's contract.
+    unsafe {
+        let mut s = [[0f32; KEY_TILE]; 2];
+        for h in 0..KEY_TILE / 8 {
+            let k0 = 8 * h;
+            // Keys 0, 4, 2, 6 of the half, then 1, 5, 3, 7: `hsum8`'s
+            // first step pairs (0, 4), (2, 6), (1, 5), (3, 7).
+            let e = four::<HD>(q, buf, [k0, k0 + 4, k0 + 2, k0 + 6]);
+            let (wa0, wa1) = (halves(e[0][0], e[0][1]), halves(e[0][2], e[0][3]));
+            let (wb0, wb1) = (halves(e[1][0], e[1][1]), halves(e[1][2], e[1][3]));
+            let o = four::<HD>(q, buf, [k0 + 1, k0 + 5, k0 + 3, k0 + 7]);
+            let (wa2, wa3) = (halves(o[0][0], o[0][1]), halves(o[0][2], o[0][3]));
+            let (wb2, wb3) = (halves(o[1][0], o[1][1]), halves(o[1][2], o[1][3]));
+            _mm256_storeu_ps(s[0].as_mut_ptr().add(k0), hsum8_last(wa0, wa1, wa2, wa3));
+            _mm256_storeu_ps(s[1].as_mut_ptr().add(k0), hsum8_last(wb0, wb1, wb2, wb3));
+        }
+        s
+    }
+}
+
+/// [`scores2`]'s accumulators for four keys of the tile and both queries.
+///
+/// # Safety
+/// As [`scores2`]'s; `keys` are below `KEY_TILE`.
+#[inline(always)]
+unsafe fn four<const HD: usize>(
+    q: [*const f32; 2],
+    buf: *const f32,
+    keys: [usize; 4],
+) -> [[__m256; 4]; 2] {
+    // SAFETY: as this function's contract.
+    unsafe {
+        let mut acc = [[_mm256_setzero_ps(); 4]; 2];
+        let mut p = 0;
+        while p < HD {
+            let (qa, qb) = (_mm256_loadu_ps(q[0].add(p)), _mm256_loadu_ps(q[1].add(p)));
+            for (i, &key) in keys.iter().enumerate() {
+                let k = _mm256_loadu_ps(buf.add(key * HD + p));
+                acc[0][i] = _mm256_fmadd_ps(qa, k, acc[0][i]);
+                acc[1][i] = _mm256_fmadd_ps(qb, k, acc[1][i]);
+            }
+            p += 8;
+        }
+        acc
+    }
+}
+
+/// [`accumulate`] for two queries that see the same keys of a widened
+/// tile (`v`, its 16 V rows of `HD` floats, `HD` a multiple of 32): 32
+/// columns of both in registers while they take the positions in order,
+/// each V row loaded once for both; each element `fma(p_t, v_t, acc)` in
+/// the order `accumulate` gives it.
+///
+/// # Safety
+/// The CPU has AVX2 and FMA; `pr[0].seen == pr[1].seen`; `v` is
+/// `KEY_TILE * HD` readable floats; each `out` is `HD` writable floats
+/// nothing else touches.
+#[inline(always)]
+unsafe fn accumulate2<const HD: usize>(out: [*mut f32; 2], pr: [&Probs; 2], v: *const f32) {
+    // SAFETY: as this function's contract.
+    unsafe {
+        let seen = pr[0].seen;
+        let mut c = 0;
+        while c < HD {
+            let mut acc = [[_mm256_setzero_ps(); 4]; 2];
+            for (q, a) in acc.iter_mut().enumerate() {
+                for (j, x) in a.iter_mut().enumerate() {
+                    *x = pr[q].start(out[q].add(c + 8 * j));
+                }
+            }
+            for t in 0..seen {
+                let (pa, pb) = (_mm256_set1_ps(pr[0].ps[t]), _mm256_set1_ps(pr[1].ps[t]));
+                let [ya, yb] = &mut acc;
+                for (j, (ya, yb)) in ya.iter_mut().zip(yb.iter_mut()).enumerate() {
+                    let x = _mm256_loadu_ps(v.add(t * HD + c + 8 * j));
+                    *ya = _mm256_fmadd_ps(pa, x, *ya);
+                    *yb = _mm256_fmadd_ps(pb, x, *yb);
+                }
+            }
+            for (q, a) in acc.iter().enumerate() {
+                for (j, x) in a.iter().enumerate() {
+                    _mm256_storeu_ps(out[q].add(c + 8 * j), *x);
+                }
+            }
+            c += 32;
+        }
+    }
 }
 
 /// A query's raw scores (`q·k`, before the scale) for the tile's 16 keys:
