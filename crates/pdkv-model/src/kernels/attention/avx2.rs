@@ -86,7 +86,12 @@ pub(super) unsafe fn sweep<E: KvElem>(
             qs,
             sweep,
             |qs: &mut [AttnQuery], kp, v_offset, hd, scale, t0| {
-                pipelined(qs, kp, v_offset, hd, scale, t0)
+                // Pairs over a cache of floats only: over rows widened as
+                // they are loaded, a pair measured slower than each query
+                // alone (f16, 3 queries: 26-27 against 28 GFLOP/s).
+                let floats = std::mem::size_of::<E>() == 4 && hd.is_multiple_of(32);
+                let pairs = floats.then_some(Cached { kp, v_offset });
+                pipelined(qs, kp, v_offset, hd, scale, t0, pairs)
             },
             super::Wide {
                 on: qs.len() > E::WIDEN_PAST,
@@ -107,7 +112,10 @@ pub(super) unsafe fn sweep<E: KvElem>(
                     // length, rows at known offsets.
                     64 => tile_of::<64>(qs, buf, scale, t0),
                     128 => tile_of::<128>(qs, buf, scale, t0),
-                    _ => pipelined(qs, &super::rows_of(buf, hd), KEY_TILE * hd, hd, scale, t0),
+                    _ => {
+                        let rows = super::rows_of(buf, hd);
+                        pipelined(qs, &rows, KEY_TILE * hd, hd, scale, t0, None::<Widened<0>>)
+                    }
                 },
             },
         )
@@ -139,7 +147,7 @@ pub(super) unsafe fn sweep512<E: KvElem>(
             qs,
             sweep,
             |qs: &mut [AttnQuery], kp, v_offset, hd, scale, t0| {
-                pipelined(qs, kp, v_offset, hd, scale, t0)
+                pipelined(qs, kp, v_offset, hd, scale, t0, None::<Widened<0>>)
             },
             super::Wide {
                 on: true,
@@ -171,19 +179,21 @@ pub(super) unsafe fn sweep512<E: KvElem>(
     }
 }
 
-/// One tile for the queries of `qs` that reach it (position `t0` on),
-/// software-pipelined: the previous query's output takes the tile's V
-/// rows between this query's scores and its probabilities, so the latency
-/// of the one (score sums, maximum, exponentials: a long chain of
-/// dependent operations) overlaps the multiply-adds of the other. Each
-/// query's operations are those it would have alone: [`scores`], then
-/// [`probs`], then [`accumulate`].
+/// One tile for the queries of `qs` that reach it (position `t0` on), two
+/// at a time when the caller gives the rows as `pairs` (each K and V row
+/// loaded once for both: [`scores2`], [`accumulate2`]), software-pipelined: the previous pair's outputs take
+/// the tile's V rows between this pair's scores and its probabilities, so
+/// the latency of the one (score sums, maximum, exponentials: a long
+/// chain of dependent operations) overlaps the multiply-adds of the other.
+/// Each query's operations are those it would have alone, in the same
+/// order: [`scores`], then [`probs`], then [`accumulate`].
 ///
 /// # Safety
 /// The CPU has AVX2 and FMA; `kp`'s rows and their V rows (`v_offset`
 /// elements further) hold `hd` readable elements; the `q` of each query
 /// reaching the tile points at `hd` readable floats and its `out` at `hd`
-/// writable ones, which nothing else touches.
+/// writable ones, which nothing else touches; `pairs`, if given, reads the
+/// same rows' values as floats, and `hd` is a multiple of 32.
 #[inline(always)]
 unsafe fn pipelined<E: KvElem>(
     qs: &mut [AttnQuery],
@@ -192,20 +202,29 @@ unsafe fn pipelined<E: KvElem>(
     hd: usize,
     scale: f32,
     t0: usize,
+    pairs: Option<impl TileRows>,
 ) {
     // SAFETY: as this function's contract.
     unsafe {
-        let mut last: Option<(*mut f32, Probs)> = None;
-        for q in qs.iter_mut().filter(|q| q.pos >= t0) {
-            let s = scores(q.q, kp, hd);
-            if let Some((out, pr)) = last.take() {
-                accumulate(out, &pr, kp, v_offset, hd);
+        let mut reach = qs.iter_mut().filter(|q| q.pos >= t0);
+        let mut last: [Option<(*mut f32, Probs)>; 2] = [None, None];
+        while let Some(a) = reach.next() {
+            match pairs.and_then(|r| Some((r, reach.next()?))) {
+                Some((r, b)) => {
+                    let [sa, sb] = scores2([a.q, b.q], r, hd);
+                    flush(&mut last, kp, v_offset, hd, pairs);
+                    let pa = probs(a, &sa, scale, super::seen(a, t0));
+                    let pb = probs(b, &sb, scale, super::seen(b, t0));
+                    last = [Some((a.out, pa)), Some((b.out, pb))];
+                }
+                None => {
+                    let s = scores(a.q, kp, hd);
+                    flush(&mut last, kp, v_offset, hd, pairs);
+                    last = [Some((a.out, probs(a, &s, scale, super::seen(a, t0)))), None];
+                }
             }
-            last = Some((q.out, probs(q, &s, scale, super::seen(q, t0))));
         }
-        if let Some((out, pr)) = last {
-            accumulate(out, &pr, kp, v_offset, hd);
-        }
+        flush(&mut last, kp, v_offset, hd, pairs);
     }
 }
 
@@ -220,71 +239,113 @@ unsafe fn pipelined<E: KvElem>(
 unsafe fn tile_of<const HD: usize>(qs: &mut [AttnQuery], buf: *const f32, scale: f32, t0: usize) {
     // SAFETY: as this function's contract.
     unsafe {
-        let kp = super::rows_of(buf, HD);
-        let v_offset = KEY_TILE * HD;
-        let mut reach = qs.iter_mut().filter(|q| q.pos >= t0);
-        // The previous pair's outputs and probabilities, taking the V rows
-        // while this pair's scores settle (as in `pipelined`).
-        let mut last: [Option<(*mut f32, Probs)>; 2] = [None, None];
-        while let Some(a) = reach.next() {
-            match reach.next() {
-                Some(b) => {
-                    let [sa, sb] = scores2::<HD>([a.q, b.q], buf);
-                    flush::<HD>(&mut last, &kp, buf.add(v_offset));
-                    let pa = probs(a, &sa, scale, super::seen(a, t0));
-                    let pb = probs(b, &sb, scale, super::seen(b, t0));
-                    last = [Some((a.out, pa)), Some((b.out, pb))];
-                }
-                None => {
-                    let s = scores(a.q, &kp, HD);
-                    flush::<HD>(&mut last, &kp, buf.add(v_offset));
-                    last = [Some((a.out, probs(a, &s, scale, super::seen(a, t0)))), None];
-                }
-            }
-        }
-        flush::<HD>(&mut last, &kp, buf.add(v_offset));
+        let rows = super::rows_of(buf, HD);
+        pipelined(
+            qs,
+            &rows,
+            KEY_TILE * HD,
+            HD,
+            scale,
+            t0,
+            Some(Widened::<HD>(buf)),
+        )
     }
 }
 
-/// The outputs of [`tile_of`]'s previous pair (or single query) take the
-/// tile's V rows (`v`, also `kp`'s rows `KEY_TILE * HD` floats further):
-/// both at once where they see the same keys.
+/// The outputs of [`pipelined`]'s previous pair (or single query) take
+/// the tile's V rows: both at once where they see the same keys.
 ///
 /// # Safety
-/// As [`accumulate`]'s for each, with `HD` a multiple of 32.
+/// As [`accumulate`]'s for each; a pair only where `hd` is a multiple of 32.
 #[inline(always)]
-unsafe fn flush<const HD: usize>(
+unsafe fn flush<E: KvElem>(
     last: &mut [Option<(*mut f32, Probs)>; 2],
-    kp: &[*const f32; KEY_TILE],
-    v: *const f32,
+    kp: &[*const E; KEY_TILE],
+    v_offset: usize,
+    hd: usize,
+    pairs: Option<impl TileRows>,
 ) {
     // SAFETY: as this function's contract.
     unsafe {
-        match last {
-            [Some((oa, pa)), Some((ob, pb))] if pa.seen == pb.seen => {
-                accumulate2::<HD>([*oa, *ob], [pa, pb], v)
+        match (last, pairs) {
+            ([Some((oa, pa)), Some((ob, pb))], Some(r)) if pa.seen == pb.seen => {
+                accumulate2([*oa, *ob], [pa, pb], r, hd)
             }
-            _ => {
+            (last, _) => {
                 for (out, pr) in last.iter().flatten() {
-                    accumulate(*out, pr, kp, KEY_TILE * HD, HD);
+                    accumulate(*out, pr, kp, v_offset, hd);
                 }
             }
         }
     }
 }
 
-/// [`scores`] for two queries over a widened tile (`buf`, the 16 K rows
-/// of `HD` floats, `HD` a multiple of 8): each K row loaded once for both.
-/// Each (query, key) pair's accumulator takes the columns in the order
-/// `scores` gives it and goes through [`hsum8`]'s additions (split in its
-/// two steps so a half's keys 0, 4, 2, 6 are reduced before 1, 5, 3, 7
-/// are computed): the same bits.
+/// Where [`scores2`] and [`accumulate2`] find a tile's rows of floats:
+/// a widened buffer ([`Widened`]) or the cache's rows ([`Cached`]).
+trait TileRows: Copy {
+    /// Columns `p..p + 8` of key `key`'s K row.
+    ///
+    /// # Safety
+    /// The CPU has AVX; the row holds them.
+    unsafe fn k8(self, key: usize, p: usize) -> __m256;
+    /// Columns `c..c + 8` of key `key`'s V row.
+    ///
+    /// # Safety
+    /// As for [`Self::k8`].
+    unsafe fn v8(self, key: usize, c: usize) -> __m256;
+}
+
+/// A widened tile ([`super::fill_rows`]'s layout) of `HD`-float rows:
+/// rows at offsets known as the code is compiled.
+#[derive(Clone, Copy)]
+struct Widened<const HD: usize>(*const f32);
+
+impl<const HD: usize> TileRows for Widened<HD> {
+    #[inline(always)]
+    unsafe fn k8(self, key: usize, p: usize) -> __m256 {
+        // SAFETY: as the trait's contract.
+        unsafe { _mm256_loadu_ps(self.0.add(key * HD + p)) }
+    }
+
+    #[inline(always)]
+    unsafe fn v8(self, key: usize, c: usize) -> __m256 {
+        // SAFETY: as the trait's contract.
+        unsafe { _mm256_loadu_ps(self.0.add((KEY_TILE + key) * HD + c)) }
+    }
+}
+
+/// The cache's rows of a tile: K row pointers, V rows `v_offset` further.
+#[derive(Clone, Copy)]
+struct Cached<'a, E> {
+    kp: &'a [*const E; KEY_TILE],
+    v_offset: usize,
+}
+
+impl<E: KvElem> TileRows for Cached<'_, E> {
+    #[inline(always)]
+    unsafe fn k8(self, key: usize, p: usize) -> __m256 {
+        // SAFETY: as the trait's contract.
+        unsafe { E::get8(self.kp[key], p) }
+    }
+
+    #[inline(always)]
+    unsafe fn v8(self, key: usize, c: usize) -> __m256 {
+        // SAFETY: as the trait's contract.
+        unsafe { E::get8(self.kp[key].add(self.v_offset), c) }
+    }
+}
+
+/// [`scores`] for two queries (`hd` a multiple of 8): each K row loaded
+/// once for both. Each (query, key) pair's accumulator takes the columns
+/// in the order `scores` gives it and goes through [`hsum8`]'s additions
+/// (split in its two steps so a half's keys 0, 4, 2, 6 are reduced before
+/// 1, 5, 3, 7 are computed): the same bits.
 ///
 /// # Safety
-/// The CPU has AVX2 and FMA; `q` are `HD` readable floats each, `buf`
-/// `KEY_TILE * HD`.
+/// The CPU has AVX2 and FMA; `q` are `hd` readable floats each, `kp`'s
+/// rows `hd` readable elements.
 #[inline(always)]
-unsafe fn scores2<const HD: usize>(q: [*const f32; 2], buf: *const f32) -> [[f32; KEY_TILE]; 2] {
+unsafe fn scores2(q: [*const f32; 2], r: impl TileRows, hd: usize) -> [[f32; KEY_TILE]; 2] {
     // SAFETY: as this function's contract.
     unsafe {
         let mut s = [[0f32; KEY_TILE]; 2];
@@ -292,10 +353,10 @@ unsafe fn scores2<const HD: usize>(q: [*const f32; 2], buf: *const f32) -> [[f32
             let k0 = 8 * h;
             // Keys 0, 4, 2, 6 of the half, then 1, 5, 3, 7: `hsum8`'s
             // first step pairs (0, 4), (2, 6), (1, 5), (3, 7).
-            let e = four::<HD>(q, buf, [k0, k0 + 4, k0 + 2, k0 + 6]);
+            let e = four(q, r, hd, [k0, k0 + 4, k0 + 2, k0 + 6]);
             let (wa0, wa1) = (halves(e[0][0], e[0][1]), halves(e[0][2], e[0][3]));
             let (wb0, wb1) = (halves(e[1][0], e[1][1]), halves(e[1][2], e[1][3]));
-            let o = four::<HD>(q, buf, [k0 + 1, k0 + 5, k0 + 3, k0 + 7]);
+            let o = four(q, r, hd, [k0 + 1, k0 + 5, k0 + 3, k0 + 7]);
             let (wa2, wa3) = (halves(o[0][0], o[0][1]), halves(o[0][2], o[0][3]));
             let (wb2, wb3) = (halves(o[1][0], o[1][1]), halves(o[1][2], o[1][3]));
             _mm256_storeu_ps(s[0].as_mut_ptr().add(k0), hsum8_last(wa0, wa1, wa2, wa3));
@@ -310,19 +371,20 @@ unsafe fn scores2<const HD: usize>(q: [*const f32; 2], buf: *const f32) -> [[f32
 /// # Safety
 /// As [`scores2`]'s; `keys` are below `KEY_TILE`.
 #[inline(always)]
-unsafe fn four<const HD: usize>(
+unsafe fn four(
     q: [*const f32; 2],
-    buf: *const f32,
+    r: impl TileRows,
+    hd: usize,
     keys: [usize; 4],
 ) -> [[__m256; 4]; 2] {
     // SAFETY: as this function's contract.
     unsafe {
         let mut acc = [[_mm256_setzero_ps(); 4]; 2];
         let mut p = 0;
-        while p < HD {
+        while p < hd {
             let (qa, qb) = (_mm256_loadu_ps(q[0].add(p)), _mm256_loadu_ps(q[1].add(p)));
             for (i, &key) in keys.iter().enumerate() {
-                let k = _mm256_loadu_ps(buf.add(key * HD + p));
+                let k = r.k8(key, p);
                 acc[0][i] = _mm256_fmadd_ps(qa, k, acc[0][i]);
                 acc[1][i] = _mm256_fmadd_ps(qb, k, acc[1][i]);
             }
@@ -332,23 +394,23 @@ unsafe fn four<const HD: usize>(
     }
 }
 
-/// [`accumulate`] for two queries that see the same keys of a widened
-/// tile (`v`, its 16 V rows of `HD` floats, `HD` a multiple of 32): 32
-/// columns of both in registers while they take the positions in order,
-/// each V row loaded once for both; each element `fma(p_t, v_t, acc)` in
-/// the order `accumulate` gives it.
+/// [`accumulate`] for two queries that see the same keys (`hd` a
+/// multiple of 32): 32 columns of both in registers while they take the
+/// positions in order, each V row loaded once for both; each element
+/// `fma(p_t, v_t, acc)` in the order `accumulate` gives it.
 ///
 /// # Safety
-/// The CPU has AVX2 and FMA; `pr[0].seen == pr[1].seen`; `v` is
-/// `KEY_TILE * HD` readable floats; each `out` is `HD` writable floats
-/// nothing else touches.
+/// The CPU has AVX2 and FMA; `pr[0].seen == pr[1].seen`; the first `seen`
+/// rows of `kp` have V rows (`v_offset` elements further) of `hd`
+/// readable elements; each `out` is `hd` writable floats nothing else
+/// touches.
 #[inline(always)]
-unsafe fn accumulate2<const HD: usize>(out: [*mut f32; 2], pr: [&Probs; 2], v: *const f32) {
+unsafe fn accumulate2(out: [*mut f32; 2], pr: [&Probs; 2], r: impl TileRows, hd: usize) {
     // SAFETY: as this function's contract.
     unsafe {
         let seen = pr[0].seen;
         let mut c = 0;
-        while c < HD {
+        while c < hd {
             let mut acc = [[_mm256_setzero_ps(); 4]; 2];
             for (q, a) in acc.iter_mut().enumerate() {
                 for (j, x) in a.iter_mut().enumerate() {
@@ -359,7 +421,7 @@ unsafe fn accumulate2<const HD: usize>(out: [*mut f32; 2], pr: [&Probs; 2], v: *
                 let (pa, pb) = (_mm256_set1_ps(pr[0].ps[t]), _mm256_set1_ps(pr[1].ps[t]));
                 let [ya, yb] = &mut acc;
                 for (j, (ya, yb)) in ya.iter_mut().zip(yb.iter_mut()).enumerate() {
-                    let x = _mm256_loadu_ps(v.add(t * HD + c + 8 * j));
+                    let x = r.v8(t, c + 8 * j);
                     *ya = _mm256_fmadd_ps(pa, x, *ya);
                     *yb = _mm256_fmadd_ps(pb, x, *yb);
                 }
