@@ -33,4 +33,4 @@ pub use error::DeployError;
 pub use modes::{FailurePolicy, TransferMode, Transport};
 pub use ports::{PortPlan, Ports};
 pub use start::{start, wait_healthy, EngineLaunch, Spec, Started};
-pub use wiring::{proxy_args, serve_args, EngineRole, EngineWiring, HOST};
+pub use wiring::{proxy_args, serve_args, EngineRole, EngineWiring, HttpBounds, HOST};

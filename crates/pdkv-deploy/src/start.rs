@@ -195,7 +195,13 @@ pub async fn start(
     let p_urls: Vec<String> = procs[..np].iter_mut().map(base).collect();
     let d_urls: Vec<String> = procs[np..].iter_mut().map(base).collect();
     let proxy_port = spec.ports.proxy;
-    let a = proxy_args(&p_urls, &d_urls, proxy_port, spec.proxy_health_interval_ms);
+    let a = proxy_args(
+        &p_urls,
+        &d_urls,
+        proxy_port,
+        spec.proxy_health_interval_ms,
+        spec.wiring.http,
+    );
     let proxy = Proc::spawn(
         &spec.exe,
         "proxy".to_string(),

@@ -31,6 +31,27 @@ impl EngineRole {
     }
 }
 
+/// The HTTP connection bounds every server of a deployment (engines and
+/// proxy) is started with: their `--max-connections` and
+/// `--header-timeout-s`.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct HttpBounds {
+    pub max_connections: usize,
+    pub header_timeout_s: f64,
+}
+
+impl HttpBounds {
+    /// The flags that give a server these bounds.
+    fn args(&self) -> [String; 4] {
+        [
+            "--max-connections".to_string(),
+            self.max_connections.to_string(),
+            "--header-timeout-s".to_string(),
+            self.header_timeout_s.to_string(),
+        ]
+    }
+}
+
 /// The settings every engine of a deployment is started with.
 #[derive(Clone, Debug)]
 pub struct EngineWiring {
@@ -61,6 +82,8 @@ pub struct EngineWiring {
     /// (`None`: `tool_choice: auto` is refused). Prefill engines read the
     /// same requests, so they take it too.
     pub tool_call_parser: Option<String>,
+    /// Every engine's HTTP bounds (`None`: the server's defaults).
+    pub http: Option<HttpBounds>,
 }
 
 impl EngineWiring {
@@ -80,6 +103,7 @@ impl EngineWiring {
             weight_format: None,
             speculative_config: None,
             tool_call_parser: None,
+            http: None,
         }
     }
 
@@ -174,17 +198,21 @@ pub fn serve_args(
             p.clone(),
         ]);
     }
+    if let Some(h) = &w.http {
+        v.extend(h.args());
+    }
     v
 }
 
 /// `pdkv proxy` on `port` in front of the prefill and decode servers at
-/// these URLs; `health_interval_ms`: its health checks' interval (`None`:
-/// the proxy's default).
+/// these URLs; `health_interval_ms`: its health checks' interval, `http`
+/// its HTTP bounds (`None`: the proxy's defaults).
 pub fn proxy_args(
     prefill: &[String],
     decode: &[String],
     port: u16,
     health_interval_ms: Option<u64>,
+    http: Option<HttpBounds>,
 ) -> Vec<String> {
     let mut v = vec![
         "proxy".to_string(),
@@ -199,6 +227,9 @@ pub fn proxy_args(
     ];
     if let Some(ms) = health_interval_ms {
         v.extend(["--health-interval-ms".to_string(), ms.to_string()]);
+    }
+    if let Some(h) = &http {
+        v.extend(h.args());
     }
     v
 }
@@ -238,5 +269,11 @@ mod tests {
         assert_eq!(flag(&d, "--port"), Some("9"));
         let c = serve_args(&w, Path::new("/m"), EngineRole::Colocated, 0, 0, "c");
         assert_eq!(flag(&c, "--kv-transfer-config"), None);
+        // No HTTP bounds given: every server keeps its defaults.
+        let proxy = proxy_args(&[], &[], 0, None, None);
+        for args in [&p, &d, &c, &proxy] {
+            assert_eq!(flag(args, "--max-connections"), None);
+            assert_eq!(flag(args, "--header-timeout-s"), None);
+        }
     }
 }

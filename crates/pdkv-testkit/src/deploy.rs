@@ -105,7 +105,7 @@ impl Spec {
     /// listens.
     pub fn start_proxy(&self, prefill: &[&Proc], decode: &[&Proc]) -> Proc {
         let urls = |ps: &[&Proc]| ps.iter().map(|p| p.base.clone()).collect::<Vec<_>>();
-        let mut args = proxy_args(&urls(prefill), &urls(decode), 0, None);
+        let mut args = proxy_args(&urls(prefill), &urls(decode), 0, None, None);
         args.extend(self.proxy_extra.iter().cloned());
         self.start(&args)
     }

@@ -125,6 +125,10 @@ pub struct ServeBenchArgs {
     /// structured` measures it on one engine in one run).
     #[arg(long)]
     pub structured: bool,
+    /// The deployment's HTTP bounds (without `--url`): its servers'
+    /// `--max-connections` and `--header-timeout-s`, as `pdkv up` takes them.
+    #[command(flatten)]
+    pub http: crate::http_args::HttpArgs,
     /// Idle TCP connections held open on the proxy's HTTP port.
     #[arg(long, default_value_t = 0)]
     pub idle_flood: usize,
@@ -283,6 +287,7 @@ async fn start_deployment(args: &ServeBenchArgs, procs: &mut Vec<Proc>) -> anyho
         decode_tensor_parallel_size: None,
         weight_format: pdkv_model::WeightFormat::AsStored,
         startup_timeout: args.startup_timeout,
+        http: args.http.clone(),
     };
     let ports = up::Ports::choose(&up_args)?;
     let logs = ChildLogs {

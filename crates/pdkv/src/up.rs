@@ -139,6 +139,9 @@ pub struct UpArgs {
     /// Bound on the start-up (model loading included), in seconds.
     #[arg(long, default_value_t = 300)]
     pub startup_timeout: u64,
+    /// Every server's HTTP bounds (the proxy's and the engines').
+    #[command(flatten)]
+    pub http: crate::http_args::HttpArgs,
 }
 
 /// Interval of child-exit checks once the deployment is up.
@@ -235,6 +238,12 @@ fn spec(args: &UpArgs, model: &std::path::Path, ports: &Ports) -> anyhow::Result
         wiring.speculative_config = Some(c.clone());
     }
     wiring.tool_call_parser = args.tool_call_parser.map(|p| p.to_string());
+    // Checked here, as `pdkv serve` and `pdkv proxy` check them.
+    args.http.limits()?;
+    wiring.http = Some(pdkv_deploy::HttpBounds {
+        max_connections: args.http.max_connections,
+        header_timeout_s: args.http.header_timeout_s,
+    });
     Ok(Spec {
         exe: std::env::current_exe().context("finding the pdkv executable")?,
         model: model.to_path_buf(),
@@ -399,6 +408,46 @@ mod tests {
             "recompute"
         );
         assert!(config(&[]).get("kv_load_failure_policy").is_none());
+    }
+
+    /// `--max-connections` and `--header-timeout-s` reach every engine and
+    /// the proxy; a value a server would refuse is refused before anything
+    /// starts, naming the flag.
+    #[test]
+    fn the_http_bounds_reach_every_server() {
+        use pdkv_deploy::EngineRole;
+        let dir = std::path::Path::new("/m");
+        let argv = [
+            "up",
+            "--max-connections",
+            "100",
+            "--header-timeout-s",
+            "2.5",
+        ];
+        let args = Cli::parse_from(argv).up;
+        let ports = Ports::choose(&args).unwrap();
+        let s = spec(&args, dir, &ports).unwrap();
+        let flags = |v: &[String]| {
+            let at = |n: &str| v.iter().position(|a| a == n).map(|i| v[i + 1].clone());
+            (at("--max-connections"), at("--header-timeout-s"))
+        };
+        let want = (Some("100".to_string()), Some("2.5".to_string()));
+        for role in [
+            EngineRole::Prefill,
+            EngineRole::Decode,
+            EngineRole::Colocated,
+        ] {
+            let serve = pdkv_deploy::serve_args(&s.wiring, dir, role, 0, 0, "e0");
+            assert_eq!(flags(&serve), want, "{role:?}");
+        }
+        let urls = ["http://127.0.0.1:1".to_string()];
+        let proxy = pdkv_deploy::proxy_args(&urls, &urls, 0, None, s.wiring.http);
+        assert_eq!(flags(&proxy), want);
+        for bad in [["--header-timeout-s", "0"], ["--max-connections", "0"]] {
+            let a = Cli::parse_from([&["up"][..], &bad[..]].concat()).up;
+            let err = spec(&a, dir, &ports).unwrap_err().to_string();
+            assert!(err.contains(bad[0]), "{err}");
+        }
     }
 
     /// `--speculative-config` reaches the decode servers, checked, and not
