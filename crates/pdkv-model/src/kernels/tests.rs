@@ -472,7 +472,8 @@ fn a_query_gets_the_same_bits_whatever_queries_share_its_sweep() {
 
 /// 40 query heads at scattered positions below `n`, as a prefill chunk or
 /// a decode batch would bring them: each alone, then all in sweeps of 40,
-/// 7 and 1, with the same bits.
+/// 7, 3 (rows read in place, not widened: on an f32 cache a pair and one)
+/// and 1, with the same bits.
 ///
 /// # Safety
 /// `rows` holds `hd` readable elements of K and of V for positions `0..n`.
@@ -494,7 +495,7 @@ unsafe fn same_bits_whatever_shares_the_sweep<E: KvElem>(
             out
         })
         .collect();
-    for split in [40, 7, 1] {
+    for split in [40, 7, 3, 1] {
         let mut outs = vec![vec![f32::NAN; hd]; 40];
         let mut qs: Vec<AttnQuery> = outs
             .iter_mut()
