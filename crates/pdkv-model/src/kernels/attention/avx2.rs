@@ -86,9 +86,12 @@ pub(super) unsafe fn sweep<E: KvElem>(
             qs,
             sweep,
             |qs: &mut [AttnQuery], kp, v_offset, hd, scale, t0| {
-                // Pairs over a cache of floats only: over rows widened as
-                // they are loaded, a pair measured slower than each query
-                // alone (f16, 3 queries: 26-27 against 28 GFLOP/s).
+                // Pairs over a cache of floats only (an f32 cache's prefill
+                // reads its rows in place). Over f16 rows, widened once for
+                // both, pairs were faster with the rows in cache (3 queries
+                // 28-29 -> 30-32 GFLOP/s) but not in batch-1 decode at a
+                // depth of 4,096, whose 3-query tasks read rows from memory
+                // (71-79 against 79-84 tok/s).
                 let floats = std::mem::size_of::<E>() == 4 && hd.is_multiple_of(32);
                 let pairs = floats.then_some(Cached { kp, v_offset });
                 pipelined(qs, kp, v_offset, hd, scale, t0, pairs)
@@ -181,12 +184,13 @@ pub(super) unsafe fn sweep512<E: KvElem>(
 
 /// One tile for the queries of `qs` that reach it (position `t0` on), two
 /// at a time when the caller gives the rows as `pairs` (each K and V row
-/// loaded once for both: [`scores2`], [`accumulate2`]), software-pipelined: the previous pair's outputs take
-/// the tile's V rows between this pair's scores and its probabilities, so
-/// the latency of the one (score sums, maximum, exponentials: a long
-/// chain of dependent operations) overlaps the multiply-adds of the other.
-/// Each query's operations are those it would have alone, in the same
-/// order: [`scores`], then [`probs`], then [`accumulate`].
+/// loaded once for both: [`scores2`], [`accumulate2`]), software-pipelined:
+/// the previous pair's outputs take the tile's V rows between this pair's
+/// scores and its probabilities, so the latency of the one (score sums,
+/// maximum, exponentials: a long chain of dependent operations) overlaps
+/// the multiply-adds of the other. Each query's operations are those it
+/// would have alone, in the same order: [`scores`], then [`probs`], then
+/// [`accumulate`].
 ///
 /// # Safety
 /// The CPU has AVX2 and FMA; `kp`'s rows and their V rows (`v_offset`
