@@ -82,7 +82,8 @@ pub struct EngineWiring {
     /// (`None`: `tool_choice: auto` is refused). Prefill engines read the
     /// same requests, so they take it too.
     pub tool_call_parser: Option<String>,
-    /// Every engine's HTTP bounds (`None`: the server's defaults).
+    /// The HTTP bounds of every engine, and of the proxy in front of them
+    /// (`None`: each server's defaults).
     pub http: Option<HttpBounds>,
 }
 
