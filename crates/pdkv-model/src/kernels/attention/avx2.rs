@@ -346,8 +346,8 @@ impl<E: KvElem> TileRows for Cached<'_, E> {
 /// 1, 5, 3, 7 are computed): the same bits.
 ///
 /// # Safety
-/// The CPU has AVX2 and FMA; `q` are `hd` readable floats each, `kp`'s
-/// rows `hd` readable elements.
+/// The CPU has AVX2 and FMA; `q` are `hd` readable floats each, and `r`'s
+/// 16 K rows hold `hd` columns.
 #[inline(always)]
 unsafe fn scores2(q: [*const f32; 2], r: impl TileRows, hd: usize) -> [[f32; KEY_TILE]; 2] {
     // SAFETY: as this function's contract.
@@ -404,10 +404,9 @@ unsafe fn four(
 /// `fma(p_t, v_t, acc)` in the order `accumulate` gives it.
 ///
 /// # Safety
-/// The CPU has AVX2 and FMA; `pr[0].seen == pr[1].seen`; the first `seen`
-/// rows of `kp` have V rows (`v_offset` elements further) of `hd`
-/// readable elements; each `out` is `hd` writable floats nothing else
-/// touches.
+/// The CPU has AVX2 and FMA; `pr[0].seen == pr[1].seen`; `r`'s first
+/// `seen` V rows hold `hd` columns; each `out` is `hd` writable floats
+/// nothing else touches.
 #[inline(always)]
 unsafe fn accumulate2(out: [*mut f32; 2], pr: [&Probs; 2], r: impl TileRows, hd: usize) {
     // SAFETY: as this function's contract.
