@@ -34,6 +34,25 @@ impl<E: KvElem> PagedRows<'_, E> {
             b * self.block_stride + (t % self.block_size) * self.row_stride + self.head_offset;
         self.base.wrapping_add(off)
     }
+
+    /// The K rows of the tile from position `t0`, those past `last` standing
+    /// in for the tile's first: where a tile lies in one block (the block
+    /// size a multiple of the tile's), one block lookup for the tile.
+    #[inline(always)]
+    fn tile_rows(&self, t0: usize, last: usize) -> [*const E; KEY_TILE] {
+        if self.block_size.is_multiple_of(KEY_TILE) {
+            let first = self.k_row(t0);
+            std::array::from_fn(|i| {
+                if t0 + i <= last {
+                    first.wrapping_add(i * self.row_stride)
+                } else {
+                    first
+                }
+            })
+        } else {
+            std::array::from_fn(|i| self.k_row(if t0 + i <= last { t0 + i } else { t0 }))
+        }
+    }
 }
 
 /// Keys per tile of the online softmax: tiles start at multiples of
@@ -383,15 +402,10 @@ unsafe fn fill_rows<E: KvElem>(
 /// dropped, and the second request, a tile later, finds room. A hint:
 /// nothing is read.
 #[inline(always)]
-fn prefetch_rows<E: KvElem>(
-    rows: &PagedRows<'_, E>,
-    row_bytes: usize,
-    next: std::ops::RangeInclusive<usize>,
-) {
-    for t in next.take(KEY_TILE) {
-        let k = rows.k_row(t);
+fn prefetch_rows<E: KvElem>(kp: &[*const E], v_offset: usize, row_bytes: usize) {
+    for &k in kp {
         to_l2(k.cast(), row_bytes);
-        to_l2(k.wrapping_add(rows.v_offset).cast(), row_bytes);
+        to_l2(k.wrapping_add(v_offset).cast(), row_bytes);
     }
 }
 
@@ -456,18 +470,24 @@ unsafe fn sweep_generic<E: KvElem>(
                 q.m = f32::NEG_INFINITY;
                 q.l = 0.0;
             }
+            // Each tile's row pointers are worked out once, two tiles
+            // ahead, where they are first asked for; rows past the last
+            // query's position are not read: their slots point at the
+            // tile's first row, and every query masks them.
+            let ahead = |t: usize| (t <= t_hi).then(|| rows.tile_rows(t, max_pos));
+            let mut next = [ahead(t_lo + KEY_TILE), None];
+            kp = rows.tile_rows(t_lo, max_pos);
             for t0 in (t_lo..=t_hi).step_by(KEY_TILE) {
-                // Rows past the last query's position are not read: their
-                // slots point at the tile's first row, and every query masks
-                // them.
-                for (i, p) in kp.iter_mut().enumerate() {
-                    let t = t0 + i;
-                    *p = rows.k_row(if t <= max_pos { t } else { t0 });
-                }
-                // The next two tiles' rows: each tile is asked for twice,
-                // two tiles ahead and again one ahead (see `prefetch_rows`).
-                for ahead in 1..=2 {
-                    prefetch_rows(rows, E::row_bytes(hd), t0 + ahead * KEY_TILE..=t_hi);
+                next[1] = ahead(t0 + 2 * KEY_TILE);
+                // The next two tiles' rows (up to the segment's last): each
+                // tile is asked for twice, two tiles ahead and again one
+                // ahead (see `prefetch_rows`).
+                for (a, p) in next.iter().enumerate() {
+                    if let Some(p) = p {
+                        let t = t0 + (a + 1) * KEY_TILE;
+                        let n = (t_hi + 1 - t).min(KEY_TILE);
+                        prefetch_rows(&p[..n], rows.v_offset, E::row_bytes(hd));
+                    }
                 }
                 if wide.on {
                     (wide.fill)(&kp, rows.v_offset, buf.as_mut_ptr());
@@ -477,6 +497,10 @@ unsafe fn sweep_generic<E: KvElem>(
                 } else {
                     tile(qs, &kp, rows.v_offset, hd, scale, t0);
                 }
+                if let Some(p) = next[0] {
+                    kp = p;
+                }
+                next = [next[1], None];
             }
         };
         let out = |q: &AttnQuery| std::slice::from_raw_parts_mut(q.out, hd);
