@@ -36,14 +36,28 @@ pub(super) fn exp1(x: f32) -> f32 {
     p * f32::from_bits(((n as i32 + 127) as u32) << 23)
 }
 
+/// Above this [`exp_any1`] and [`exp_any8`] are infinite.
+pub(super) const EXP_HI: f32 = 88.0;
+
+/// `exp(x)` for any `x`: [`exp1`]'s operations up to [`EXP_HI`] (whose
+/// `2^n` stays finite there), infinity above it.
+#[inline(always)]
+pub(super) fn exp_any1(x: f32) -> f32 {
+    if x > EXP_HI {
+        f32::INFINITY
+    } else {
+        exp1(x)
+    }
+}
+
 #[cfg(target_arch = "x86_64")]
-pub(super) use x86::{exp16, exp8};
+pub(super) use x86::{exp16, exp8, exp_any8};
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
     use std::arch::x86_64::*;
 
-    use super::{EXP_C, EXP_LO, LN2_HI, LN2_LO, LOG2E};
+    use super::{EXP_C, EXP_HI, EXP_LO, LN2_HI, LN2_LO, LOG2E};
 
     /// `exp(x)` for 8 lanes with `x <= 0`; inputs below `EXP_LO` give 0.
     ///
@@ -71,6 +85,22 @@ mod x86 {
                 _mm256_set1_epi32(127),
             )));
             _mm256_andnot_ps(tiny, _mm256_mul_ps(p, pow2))
+        }
+    }
+
+    /// [`super::exp_any1`] for 8 lanes: [`exp8`] (whose operations hold
+    /// for any `x` up to [`EXP_HI`]), infinity above it.
+    ///
+    /// # Safety
+    /// The CPU has AVX2 and FMA.
+    #[inline(always)]
+    pub(in crate::kernels) unsafe fn exp_any8(x: __m256) -> __m256 {
+        // SAFETY: the caller guarantees AVX2 and FMA; registers only.
+        unsafe {
+            let hi = _mm256_set1_ps(EXP_HI);
+            let big = _mm256_cmp_ps::<_CMP_GT_OQ>(x, hi);
+            let e = exp8(_mm256_min_ps(x, hi));
+            _mm256_blendv_ps(e, _mm256_set1_ps(f32::INFINITY), big)
         }
     }
 
@@ -107,7 +137,7 @@ mod x86 {
     mod tests {
         use std::arch::x86_64::*;
 
-        use crate::kernels::expf::{exp1, EXP_LO};
+        use crate::kernels::expf::{exp1, exp_any1, EXP_HI, EXP_LO};
 
         fn inputs() -> Vec<f32> {
             (0..4000)
@@ -179,6 +209,36 @@ mod x86 {
         #[target_feature(enable = "avx2,fma")]
         unsafe fn exp1_fma(x: f32) -> f32 {
             exp1(x)
+        }
+
+        #[test]
+        fn the_any_sign_exp_is_accurate_lane_consistent_and_infinite_past_its_bound() {
+            if !(is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma")) {
+                return;
+            }
+            let xs = (0..8000)
+                .map(|i| (i as f32 - 4000.0) * 0.0229)
+                .chain([87.9, EXP_HI, 88.000_01, 88.8, 1e6, f32::INFINITY])
+                .chain(inputs());
+            for x in xs {
+                let mut o = [0f32; 8];
+                // SAFETY: the CPU has AVX2 and FMA (checked above); `o`
+                // holds 8 floats.
+                unsafe { _mm256_storeu_ps(o.as_mut_ptr(), super::exp_any8(_mm256_set1_ps(x))) };
+                let s = exp_any1(x);
+                assert_eq!(o[5].to_bits(), s.to_bits(), "lane and tail differ at {x}");
+                if x > EXP_HI {
+                    assert_eq!(s, f32::INFINITY, "{x}");
+                } else if x >= EXP_LO {
+                    let want = (x as f64).exp();
+                    assert!(
+                        ((s as f64) - want).abs() <= 4.0 * f32::EPSILON as f64 * want,
+                        "exp({x}) = {s}, want {want}"
+                    );
+                } else {
+                    assert_eq!(s, 0.0, "{x}");
+                }
+            }
         }
     }
 }

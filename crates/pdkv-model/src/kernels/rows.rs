@@ -1,6 +1,10 @@
 //! Kernels that act on one row at a time, with sequential sums: RMSNorm,
 //! RoPE and SwiGLU's SiLU.
 
+use super::expf::exp_any1;
+#[cfg(target_arch = "x86_64")]
+use super::expf::exp_any8;
+
 /// RMSNorm of one row as Hugging Face computes it in f32:
 /// `w * (x * 1/sqrt(mean(x²) + eps))`. The mean is accumulated in f64 in
 /// index order, then rounded to f32.
@@ -60,10 +64,52 @@ pub fn rope_apply(v: &mut [f32], cos: &[f32], sin: &[f32]) {
     }
 }
 
-/// `gate[i] = silu(gate[i]) * up[i]` with `silu(x) = x / (1 + e^-x)`.
+/// `gate[i] = silu(gate[i]) * up[i]` with `silu(x) = x / (1 + e^-x)`,
+/// `e^-x` the attention softmax's polynomial ([`exp_any1`]: within 4 ulp,
+/// infinite for `x < -88`, where SiLU is -0): eight lanes at a time where
+/// the CPU has AVX2, the same operations, so the same bits, on any machine.
 pub fn silu_mul(gate: &mut [f32], up: &[f32]) {
-    for (g, &u) in gate.iter_mut().zip(up) {
-        let x = *g;
-        *g = x / (1.0 + (-x).exp()) * u;
+    let n = gate.len().min(up.len());
+    let (gate, up) = (&mut gate[..n], &up[..n]);
+    #[allow(unused_mut)]
+    let mut done = 0;
+    #[cfg(target_arch = "x86_64")]
+    if crate::dispatch::backend() == crate::dispatch::Backend::Avx2Fma {
+        // SAFETY: the backend is chosen only where the CPU has AVX2 and FMA.
+        done = unsafe { silu_mul_avx2(gate, up) };
     }
+    for (g, &u) in gate[done..].iter_mut().zip(&up[done..]) {
+        *g = silu1(*g) * u;
+    }
+}
+
+/// One element's `silu(x)`.
+#[inline(always)]
+fn silu1(x: f32) -> f32 {
+    x / (1.0 + exp_any1(-x))
+}
+
+/// [`silu_mul`] on the first multiple of 8 elements; returns how many.
+///
+/// # Safety
+/// The CPU has AVX2 and FMA; `up` is at least as long as `gate`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn silu_mul_avx2(gate: &mut [f32], up: &[f32]) -> usize {
+    use std::arch::x86_64::*;
+    let n8 = gate.len() & !7;
+    // SAFETY: the CPU has AVX2 and FMA (this function's contract); each
+    // load and store covers elements `i..i + 8` of `gate` and `up`, below
+    // `n8 <= gate.len() <= up.len()`.
+    unsafe {
+        let (one, sign) = (_mm256_set1_ps(1.0), _mm256_set1_ps(-0.0));
+        for i in (0..n8).step_by(8) {
+            let x = _mm256_loadu_ps(gate.as_ptr().add(i));
+            let e = exp_any8(_mm256_xor_ps(x, sign));
+            let s = _mm256_div_ps(x, _mm256_add_ps(one, e));
+            let u = _mm256_loadu_ps(up.as_ptr().add(i));
+            _mm256_storeu_ps(gate.as_mut_ptr().add(i), _mm256_mul_ps(s, u));
+        }
+    }
+    n8
 }
