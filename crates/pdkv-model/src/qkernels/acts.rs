@@ -286,9 +286,12 @@ pub(super) unsafe fn quantize_block_avx2(x: &[f32; QK]) -> (f32, [i8; QK], i32) 
         for vi in v {
             m = _mm256_max_ps(_mm256_and_ps(vi, abs), m);
         }
-        let mut lanes = [0f32; 8];
-        _mm256_storeu_ps(lanes.as_mut_ptr(), m);
-        let amax = lanes.iter().fold(0f32, |a, &v| a.max(v));
+        // The lanes' maximum in registers: exact in any order (no lane is
+        // NaN, every lane at least 0).
+        let m = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps::<1>(m));
+        let m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+        let m = _mm_max_ss(m, _mm_movehdup_ps(m));
+        let amax = _mm_cvtss_f32(m);
         let d = amax / 127.0;
         let mut q = [0i8; QK];
         if d == 0.0 {
@@ -313,8 +316,10 @@ pub(super) unsafe fn quantize_block_avx2(x: &[f32; QK]) -> (f32, [i8; QK], i32) 
             _mm256_add_epi32(ints[0], ints[1]),
             _mm256_add_epi32(ints[2], ints[3]),
         );
-        let mut si = [0i32; 8];
-        _mm256_storeu_si256(si.as_mut_ptr() as *mut __m256i, s);
+        // The sum in registers: integers, exact in any order.
+        let s = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256::<1>(s));
+        let s = _mm_add_epi32(s, _mm_shuffle_epi32::<0b01_00_11_10>(s));
+        let s = _mm_add_epi32(s, _mm_shuffle_epi32::<0b10_11_00_01>(s));
         // i32 -> i16 -> i8 packs work within 128-bit halves: the final
         // permutation puts the four 8-value runs back in order.
         let w01 = _mm256_packs_epi32(ints[0], ints[1]);
@@ -322,7 +327,7 @@ pub(super) unsafe fn quantize_block_avx2(x: &[f32; QK]) -> (f32, [i8; QK], i32) 
         let b = _mm256_packs_epi16(w01, w23);
         let b = _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
         _mm256_storeu_si256(q.as_mut_ptr() as *mut __m256i, b);
-        (d, q, si.iter().sum())
+        (d, q, _mm_cvtsi128_si32(s))
     }
 }
 
