@@ -17,7 +17,10 @@
 //!   scores, their maximum, the exponentials and their sum, then the
 //!   probability-weighted sum of V rows in position order; each segment
 //!   folded into the total in position order, whichever thread computed it.
-//! - norms, RoPE and SiLU act on one row at a time with sequential sums.
+//! - norms act on one row at a time, its squares summed in one fixed order
+//!   on every CPU (eight f64 accumulators, then a fixed fold and the tail);
+//!   RoPE and SiLU act element by element, SiLU's exponential the
+//!   softmax's polynomial in every lane and the tail.
 //!
 //! The SIMD flavour ([`Backend`]) is chosen once per process, so all rows of
 //! all steps go through the same code.

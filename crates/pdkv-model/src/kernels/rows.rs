@@ -1,4 +1,5 @@
-//! Kernels that act on one row at a time, with sequential sums: RMSNorm,
+//! Kernels that act on one row at a time: RMSNorm (its squares summed in
+//! one fixed order),
 //! RoPE and SwiGLU's SiLU.
 
 use super::expf::exp_any1;
@@ -6,8 +7,8 @@ use super::expf::exp_any1;
 use super::expf::exp_any8;
 
 /// RMSNorm of one row as Hugging Face computes it in f32:
-/// `w * (x * 1/sqrt(mean(x²) + eps))`. The mean is accumulated in f64 in
-/// index order, then rounded to f32.
+/// `w * (x * 1/sqrt(mean(x²) + eps))`. The squares are summed in f64
+/// ([`sum_squares`]), the mean rounded to f32.
 pub fn rmsnorm(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
     debug_assert!(x.len() == w.len() && out.len() == x.len());
     let inv = rms_inv(x, eps);
@@ -26,9 +27,70 @@ pub fn rmsnorm_inplace(x: &mut [f32], w: &[f32], eps: f32) {
 }
 
 fn rms_inv(x: &[f32], eps: f32) -> f32 {
-    let ss: f64 = x.iter().map(|&v| (v as f64) * (v as f64)).sum();
-    let var = (ss / x.len() as f64) as f32;
+    let var = (sum_squares(x) / x.len() as f64) as f32;
     1.0 / (var + eps).sqrt()
+}
+
+/// `Σ x²` in f64, in one fixed order whatever the CPU: element `i` of
+/// each whole run of 8 into accumulator `i % 8` (each square is exact in
+/// f64, so a fused multiply-add rounds as the addition alone), the eight
+/// added as `((a0 + a4) + (a2 + a6)) + ((a1 + a5) + (a3 + a7))`, then the
+/// tail in index order. Eight chains instead of one: a row of 576 was a
+/// chain of 576 dependent additions.
+fn sum_squares(x: &[f32]) -> f64 {
+    let n8 = x.len() & !7;
+    #[cfg(target_arch = "x86_64")]
+    let acc = if crate::dispatch::backend() == crate::dispatch::Backend::Avx2Fma {
+        // SAFETY: the backend is chosen only where the CPU has AVX2 and FMA.
+        unsafe { squares8_avx2(&x[..n8]) }
+    } else {
+        squares8(&x[..n8])
+    };
+    #[cfg(not(target_arch = "x86_64"))]
+    let acc = squares8(&x[..n8]);
+    let mut ss = ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7]));
+    for &v in &x[n8..] {
+        ss += (v as f64) * (v as f64);
+    }
+    ss
+}
+
+/// [`sum_squares`]' eight accumulators over `x` (a multiple of 8 long).
+fn squares8(x: &[f32]) -> [f64; 8] {
+    let mut acc = [0f64; 8];
+    for run in x.chunks_exact(8) {
+        for (a, &v) in acc.iter_mut().zip(run) {
+            *a += (v as f64) * (v as f64);
+        }
+    }
+    acc
+}
+
+/// [`squares8`] in two registers of four f64 lanes.
+///
+/// # Safety
+/// The CPU has AVX2 and FMA.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn squares8_avx2(x: &[f32]) -> [f64; 8] {
+    use std::arch::x86_64::*;
+    let mut acc = [0f64; 8];
+    // SAFETY: the CPU has AVX2 and FMA (this function's contract); each
+    // load reads elements `i..i + 8` of `x`, whose length is a multiple of
+    // 8, and the stores write the 8 f64 of `acc`.
+    unsafe {
+        let (mut lo, mut hi) = (_mm256_setzero_pd(), _mm256_setzero_pd());
+        for i in (0..x.len()).step_by(8) {
+            let v = _mm256_loadu_ps(x.as_ptr().add(i));
+            let a = _mm256_cvtps_pd(_mm256_castps256_ps128(v));
+            let b = _mm256_cvtps_pd(_mm256_extractf128_ps::<1>(v));
+            lo = _mm256_fmadd_pd(a, a, lo);
+            hi = _mm256_fmadd_pd(b, b, hi);
+        }
+        _mm256_storeu_pd(acc.as_mut_ptr(), lo);
+        _mm256_storeu_pd(acc.as_mut_ptr().add(4), hi);
+    }
+    acc
 }
 
 /// Rotary frequencies as Hugging Face computes them in f32:

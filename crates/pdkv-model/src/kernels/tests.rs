@@ -713,6 +713,52 @@ fn rmsnorm_and_silu_match_definitions() {
     assert!((g[2] - 2.0 * 3.0 / (1.0 + (-3f32).exp())).abs() < 1e-6);
 }
 
+/// RMSNorm's sum of squares takes one order on every CPU: the AVX2 lanes
+/// give the portable accumulators' bits, rows of any length (runs of 8
+/// and a tail), values of any scale; the result is within f32 rounding of
+/// the f64 definition.
+#[test]
+fn rmsnorm_takes_one_order_on_every_cpu() {
+    for n in [1, 7, 8, 9, 64, 576, 1003] {
+        let x: Vec<f32> = rand_vec(40 + n as u64, n)
+            .iter()
+            .enumerate()
+            .map(|(i, v)| v * (1.0 + (i % 5) as f32 * 300.0))
+            .collect();
+        let w = rand_vec(41, n);
+        let mut got = vec![0f32; n];
+        rmsnorm(&x, &w, 1e-6, &mut got);
+        // The order spelled out: accumulators by index mod 8, fixed pairs, tail.
+        let n8 = n & !7;
+        let mut acc = [0f64; 8];
+        for (i, &v) in x[..n8].iter().enumerate() {
+            acc[i % 8] += v as f64 * v as f64;
+        }
+        let mut ss =
+            ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7]));
+        for &v in &x[n8..] {
+            ss += v as f64 * v as f64;
+        }
+        let inv = 1.0 / (((ss / n as f64) as f32) + 1e-6).sqrt();
+        let ms: f64 = x.iter().map(|&v| (v as f64).powi(2)).sum::<f64>() / n as f64;
+        for i in 0..n {
+            assert_eq!(
+                got[i].to_bits(),
+                (w[i] * (x[i] * inv)).to_bits(),
+                "n {n} element {i}"
+            );
+            let want = w[i] as f64 * x[i] as f64 / (ms + 1e-6).sqrt();
+            assert!(
+                (got[i] as f64 - want).abs() <= 1e-6 * (1.0 + want.abs()),
+                "n {n} element {i}"
+            );
+        }
+        let mut inplace = x.clone();
+        rmsnorm_inplace(&mut inplace, &w, 1e-6);
+        assert_eq!(inplace, got, "n {n}: in place");
+    }
+}
+
 /// SiLU's lanes (eight at a time on AVX2) and its tail give each element
 /// the bits it gets alone, within a few ulp of the f64 definition, over
 /// the whole range (`e^-x` infinite past -88: SiLU -0 there).
