@@ -1,6 +1,5 @@
 //! Kernels that act on one row at a time: RMSNorm (its squares summed in
-//! one fixed order),
-//! RoPE and SwiGLU's SiLU.
+//! one fixed order), RoPE and SwiGLU's SiLU.
 
 use super::expf::exp_any1;
 #[cfg(target_arch = "x86_64")]
