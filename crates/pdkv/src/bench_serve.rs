@@ -77,10 +77,10 @@ pub struct ServeBenchArgs {
     pub deployment: DeploymentArgs,
     /// KV cache size of P and D, in blocks of 16 tokens (default: the
     /// server's).
-    #[arg(long)]
+    #[arg(long, conflicts_with = "url")]
     pub num_kv_blocks: Option<usize>,
     /// Where the children's logs go (default: a new temporary directory).
-    #[arg(long)]
+    #[arg(long, conflicts_with = "url")]
     pub log_dir: Option<PathBuf>,
     /// Bound on the deployment's start-up (model loading included), in seconds.
     #[arg(long, default_value_t = 300)]
@@ -125,10 +125,6 @@ pub struct ServeBenchArgs {
     /// structured` measures it on one engine in one run).
     #[arg(long)]
     pub structured: bool,
-    /// The deployment's HTTP bounds (without `--url`): its servers'
-    /// `--max-connections` and `--header-timeout-s`, as `pdkv up` takes them.
-    #[command(flatten)]
-    pub http: crate::http_args::HttpArgs,
     /// Idle TCP connections held open on the proxy's HTTP port.
     #[arg(long, default_value_t = 0)]
     pub idle_flood: usize,
@@ -162,6 +158,32 @@ pub struct ServeBenchArgs {
     /// `pdkv serve --speculative-config`).
     #[arg(long, conflicts_with = "url")]
     pub speculative_config: Option<String>,
+    /// Last, as its heading would stay for the flags after it. The
+    /// deployment's HTTP bounds: its servers' `--max-connections` and
+    /// `--header-timeout-s`, as `pdkv up` takes them (refused with `--url`:
+    /// see [`refuse_beside_url`]).
+    #[command(
+        flatten,
+        next_help_heading = "HTTP bounds of the deployment it starts (not with --url)"
+    )]
+    pub http: crate::http_args::HttpArgs,
+}
+
+/// The flags of `bench serve` that shape the deployment it starts, which
+/// a flag of its own struct cannot mark (they are shared with `pdkv up`,
+/// `serve` and `proxy`, which have no `--url`): refused beside `--url`,
+/// whose servers have their own, instead of being dropped unsaid.
+pub fn refuse_beside_url(cmd: clap::Command) -> clap::Command {
+    [
+        "model",
+        "transport",
+        "transfer_mode",
+        "startup_timeout",
+        "max_connections",
+        "header_timeout_s",
+    ]
+    .into_iter()
+    .fold(cmd, |c, id| c.mut_arg(id, |a| a.conflicts_with("url")))
 }
 
 fn validate(args: &ServeBenchArgs) -> anyhow::Result<()> {

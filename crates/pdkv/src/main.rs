@@ -191,8 +191,18 @@ fn run(cli: Cli) -> anyhow::Result<()> {
     }
 }
 
+/// The command line's grammar: the derived one, with what a derive
+/// cannot say (`bench serve`'s deployment flags refused beside `--url`).
+fn command() -> clap::Command {
+    use clap::CommandFactory;
+    Cli::command().mut_subcommand("bench", |b| {
+        b.mut_subcommand("serve", bench_serve::refuse_beside_url)
+    })
+}
+
 fn main() -> ExitCode {
-    let cli = Cli::parse();
+    use clap::FromArgMatches;
+    let cli = Cli::from_arg_matches(&command().get_matches()).unwrap_or_else(|e| e.exit());
     init_logging();
     match run(cli) {
         Ok(()) => ExitCode::SUCCESS,
@@ -230,7 +240,40 @@ mod tests {
             }
         }
         let mut missing = Vec::new();
-        walk(&Cli::command(), "pdkv", &mut missing);
+        walk(&command(), "pdkv", &mut missing);
         assert!(missing.is_empty(), "without help text: {missing:#?}");
+    }
+
+    /// `bench serve` refuses the flags of the deployment it would start
+    /// beside `--url` (naming both), and takes them without it.
+    #[test]
+    fn bench_serve_refuses_deployment_flags_beside_url() {
+        let url = ["pdkv", "bench", "serve", "--url", "http://127.0.0.1:1"];
+        for flag in [
+            &["--max-connections", "5"][..],
+            &["--header-timeout-s", "2"],
+            &["--startup-timeout", "9"],
+            &["--model", "m.gguf"],
+            &["--transport", "shm"],
+            &["--transfer-mode", "read"],
+            &["--num-kv-blocks", "64"],
+            &["--log-dir", "logs"],
+        ] {
+            let e = command()
+                .try_get_matches_from(url.iter().chain(flag))
+                .expect_err(flag[0]);
+            assert_eq!(
+                e.kind(),
+                clap::error::ErrorKind::ArgumentConflict,
+                "{flag:?}"
+            );
+            let text = e.to_string();
+            assert!(text.contains(flag[0]) && text.contains("--url"), "{text}");
+            let own = ["pdkv", "bench", "serve"];
+            let m = command().try_get_matches_from(own.iter().chain(flag));
+            assert!(m.is_ok(), "{flag:?} without --url: {m:?}");
+        }
+        // The servers' own defaults are not a conflict.
+        assert!(command().try_get_matches_from(url).is_ok());
     }
 }
