@@ -216,7 +216,6 @@ fn main() -> ExitCode {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use clap::CommandFactory;
 
     /// Every flag and subcommand of every command says what it does.
     #[test]
