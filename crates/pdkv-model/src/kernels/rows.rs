@@ -174,3 +174,80 @@ unsafe fn silu_mul_avx2(gate: &mut [f32], up: &[f32]) -> usize {
     }
     n8
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::kernels::tests::rand_vec;
+
+    /// RMSNorm's sum of squares takes one order on every CPU: the AVX2 lanes
+    /// give the portable accumulators' bits, rows of any length (runs of 8
+    /// and a tail), values of any scale; the result is within f32 rounding of
+    /// the f64 definition.
+    #[test]
+    fn rmsnorm_takes_one_order_on_every_cpu() {
+        for n in [1, 7, 8, 9, 64, 576, 1003] {
+            let x: Vec<f32> = rand_vec(40 + n as u64, n)
+                .iter()
+                .enumerate()
+                .map(|(i, v)| v * (1.0 + (i % 5) as f32 * 300.0))
+                .collect();
+            let w = rand_vec(41, n);
+            let mut got = vec![0f32; n];
+            rmsnorm(&x, &w, 1e-6, &mut got);
+            // The order spelled out: accumulators by index mod 8, fixed pairs, tail.
+            let n8 = n & !7;
+            let mut acc = [0f64; 8];
+            for (i, &v) in x[..n8].iter().enumerate() {
+                acc[i % 8] += v as f64 * v as f64;
+            }
+            let mut ss =
+                ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7]));
+            for &v in &x[n8..] {
+                ss += v as f64 * v as f64;
+            }
+            let inv = 1.0 / (((ss / n as f64) as f32) + 1e-6).sqrt();
+            let ms: f64 = x.iter().map(|&v| (v as f64).powi(2)).sum::<f64>() / n as f64;
+            for i in 0..n {
+                assert_eq!(
+                    got[i].to_bits(),
+                    (w[i] * (x[i] * inv)).to_bits(),
+                    "n {n} element {i}"
+                );
+                let want = w[i] as f64 * x[i] as f64 / (ms + 1e-6).sqrt();
+                assert!(
+                    (got[i] as f64 - want).abs() <= 1e-6 * (1.0 + want.abs()),
+                    "n {n} element {i}"
+                );
+            }
+            let mut inplace = x.clone();
+            rmsnorm_inplace(&mut inplace, &w, 1e-6);
+            assert_eq!(inplace, got, "n {n}: in place");
+        }
+    }
+
+    /// SiLU's lanes (eight at a time on AVX2) and its tail give each element
+    /// the bits it gets alone, within a few ulp of the f64 definition, over
+    /// the whole range (`e^-x` infinite past -88: SiLU -0 there).
+    #[test]
+    fn silu_gives_each_element_its_own_bits_near_the_definition() {
+        let x: Vec<f32> = (0..2003)
+            .map(|i| (i as f32 - 1001.0) * 0.097)
+            .chain([-88.5, -1e4, 1e4, 0.0, -0.0, 1e-30])
+            .collect();
+        let up: Vec<f32> = (0..x.len()).map(|i| 0.5 + (i % 7) as f32 * 0.25).collect();
+        let mut all = x.clone();
+        silu_mul(&mut all, &up);
+        for (i, (&xi, &ui)) in x.iter().zip(&up).enumerate() {
+            let mut one = [xi];
+            silu_mul(&mut one, &[ui]);
+            assert_eq!(all[i].to_bits(), one[0].to_bits(), "element {i} ({xi})");
+            let want = xi as f64 / (1.0 + (-xi as f64).exp()) * ui as f64;
+            assert!(
+                (all[i] as f64 - want).abs() <= 8.0 * f32::EPSILON as f64 * want.abs() + 1e-30,
+                "silu({xi}) * {ui} = {}, want {want}",
+                all[i]
+            );
+        }
+    }
+}
