@@ -83,7 +83,7 @@ pub struct ServeBenchArgs {
     #[arg(long, conflicts_with = "url")]
     pub log_dir: Option<PathBuf>,
     /// Bound on the deployment's start-up (model loading included), in seconds.
-    #[arg(long, default_value_t = 300)]
+    #[arg(long, default_value_t = 300, conflicts_with = "url")]
     pub startup_timeout: u64,
     /// Client workers, each with one request in flight.
     #[arg(long, default_value_t = 64)]
@@ -178,7 +178,6 @@ pub fn refuse_beside_url(cmd: clap::Command) -> clap::Command {
         "model",
         "transport",
         "transfer_mode",
-        "startup_timeout",
         "max_connections",
         "header_timeout_s",
     ]
