@@ -101,6 +101,7 @@ const CHAT: &[&str] = &[
     "chat_template_kwargs",
     "add_generation_prompt",
     "parallel_tool_calls",
+    "structural_tag",
     "user",
 ];
 

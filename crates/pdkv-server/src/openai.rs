@@ -127,6 +127,8 @@ macro_rules! request_with_sampling {
                     no_stop_trim: self.no_stop_trim,
                     return_hidden_states: self.return_hidden_states,
                     continue_final_message: self.continue_final_message,
+                    // A chat completion's own field (set by its handler).
+                    structural_tag: None,
                 }
             }
         }
@@ -172,6 +174,8 @@ pub struct SamplingFields {
     pub no_stop_trim: Option<bool>,
     pub return_hidden_states: Option<bool>,
     pub continue_final_message: Option<bool>,
+    /// Chat completions only: vLLM's top-level `structural_tag`.
+    pub structural_tag: Option<Value>,
 }
 
 /// Which endpoint a body came to: they spell `logprobs` differently.
@@ -221,6 +225,8 @@ request_with_sampling! {
         pub add_generation_prompt: Option<bool>,
         /// Several calls in one answer (default true).
         pub parallel_tool_calls: Option<Value>,
+        /// vLLM's older spelling of a structural tag: its JSON as a string.
+        pub structural_tag: Option<Value>,
     }
 }
 
@@ -639,6 +645,7 @@ impl SamplingFields {
             guided_grammar: self.guided_grammar.as_ref(),
             guided_whitespace_pattern: self.guided_whitespace_pattern.as_ref(),
             guided_decoding_backend: self.guided_decoding_backend.as_ref(),
+            structural_tag: self.structural_tag.as_ref(),
         }
     }
 

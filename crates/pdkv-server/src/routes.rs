@@ -23,7 +23,7 @@ use crate::logprobs;
 use crate::metrics::LifecycleGauges;
 use crate::openai::{
     chat_messages, parse_max_tokens, parse_prompts, ChatRequest, CompletionRequest, Endpoint,
-    Prompt, DEFAULT_COMPLETION_MAX_TOKENS,
+    Prompt, SamplingFields, DEFAULT_COMPLETION_MAX_TOKENS,
 };
 use crate::sse::{sse_response, ChunkHead};
 use crate::AppState;
@@ -650,7 +650,10 @@ pub async fn chat_completions(
     // Validate sampling fields before the (costly) template and tokenizer
     // (`max_tokens` is settled below once the prompt's length is known).
     let n = parse_n(req.n, req.best_of)?;
-    let fields = req.sampling();
+    let fields = SamplingFields {
+        structural_tag: req.structural_tag.clone(),
+        ..req.sampling()
+    };
     let mut params = fields.to_params(max_tokens.unwrap_or(u32::MAX), Endpoint::Chat)?;
     check_sampling_ids(&state, &params)?;
     crate::structured::constrain(&state, &fields, &mut params).await?;

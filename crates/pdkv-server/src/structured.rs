@@ -29,7 +29,7 @@ pub(crate) async fn constrain(
     let asked = fields
         .structured()
         .asked()
-        .map_err(|e| ApiError::invalid_param(&e.param, e.message))?;
+        .map_err(|e| ApiError::invalid_param(&e.param, e.to_string()))?;
     let Some(asked) = asked else {
         return Ok(());
     };

@@ -10,8 +10,8 @@
 //!   `disable_additional_properties`, `whitespace_pattern` and
 //!   `disable_fallback` (there is one backend: nothing to fall back from);
 //! - vLLM's older top-level fields `guided_json`, `guided_regex`,
-//!   `guided_choice`, `guided_grammar`, `guided_whitespace_pattern` and
-//!   `guided_decoding_backend`.
+//!   `guided_choice`, `guided_grammar`, `guided_whitespace_pattern`,
+//!   `guided_decoding_backend` and (chat completions) `structural_tag`.
 //!
 //! Two ways of asking in one request, a field of the wrong type or an
 //! unknown key are refused naming the field ([`FieldError`]).
@@ -105,6 +105,9 @@ pub struct Fields<'a> {
     pub guided_grammar: Option<&'a Value>,
     pub guided_whitespace_pattern: Option<&'a Value>,
     pub guided_decoding_backend: Option<&'a Value>,
+    /// vLLM's top-level chat field: a structural tag as a JSON string
+    /// (`{"type": "structural_tag", "structures", "triggers"}`).
+    pub structural_tag: Option<&'a Value>,
 }
 
 fn given(v: Option<&Value>) -> Option<&Value> {
@@ -209,9 +212,13 @@ impl Fields<'_> {
         Ok(Some(Asked { param, spec }))
     }
 
-    /// `guided_json`, `guided_regex`, `guided_choice`, `guided_grammar`.
+    /// `guided_json`, `guided_regex`, `guided_choice`, `guided_grammar`,
+    /// `structural_tag`.
     fn legacy(&self) -> Result<Option<(&'static str, Spec)>, FieldError> {
         let mut found = Vec::new();
+        if let Some(v) = given(self.structural_tag) {
+            found.push(("structural_tag", structural_tag_text("structural_tag", v)?));
+        }
         if let Some(v) = given(self.guided_json) {
             found.push((
                 "guided_json",
@@ -342,14 +349,10 @@ fn structured_outputs(v: &Value) -> Result<Spec, FieldError> {
     flag("disable_fallback")?;
     let mut found: Vec<(&str, Spec)> = Vec::new();
     if let Some(t) = field("structural_tag") {
-        // vLLM takes it as a JSON string; an object is read the same.
-        let param = "structured_outputs.structural_tag";
-        let v = match t {
-            Value::String(s) => serde_json::from_str::<Value>(s)
-                .map_err(|e| err(param, format!("is not JSON: {e}")))?,
-            other => other.clone(),
-        };
-        found.push(("structural_tag", structural_tag(param, &v)?));
+        found.push((
+            "structural_tag",
+            structural_tag_text("structured_outputs.structural_tag", t)?,
+        ));
     }
     if let Some(j) = field("json") {
         found.push((
@@ -429,6 +432,19 @@ fn response_format(v: &Value) -> Result<Option<Spec>, FieldError> {
             "response_format.type",
             format!("unknown type {other:?}: text, json_object, json_schema or structural_tag"),
         )),
+    }
+}
+
+/// A structural tag as vLLM takes it, a JSON string ([`structural_tag`]'s
+/// object in it); an object is read the same.
+fn structural_tag_text(param: &str, v: &Value) -> Result<Spec, FieldError> {
+    match v {
+        Value::String(s) => {
+            let v = serde_json::from_str::<Value>(s)
+                .map_err(|e| err(param, format!("is not JSON: {e}")))?;
+            structural_tag(param, &v)
+        }
+        other => structural_tag(param, other),
     }
 }
 
@@ -540,6 +556,7 @@ mod tests {
             "guided_choice" => &mut f.guided_choice,
             "guided_grammar" => &mut f.guided_grammar,
             "guided_decoding_backend" => &mut f.guided_decoding_backend,
+            "structural_tag" => &mut f.structural_tag,
             other => panic!("no field {other}"),
         };
         *slot = Some(&v);
@@ -597,9 +614,12 @@ mod tests {
         });
         let mut typed = tag.clone();
         typed["type"] = json!("structural_tag");
-        assert_eq!(spec("response_format", typed).unwrap(), want);
+        assert_eq!(spec("response_format", typed.clone()).unwrap(), want);
         let as_text = json!({"structural_tag": tag.to_string()});
         assert_eq!(spec("structured_outputs", as_text).unwrap(), want);
+        // vLLM's top-level chat field: the typed object as a JSON string.
+        let top = json!(typed.to_string());
+        assert_eq!(spec("structural_tag", top).unwrap(), want);
     }
 
     #[test]
@@ -655,6 +675,12 @@ mod tests {
                 "structured_outputs",
                 json!({"structural_tag": "{}"}),
                 "structured_outputs.structural_tag.triggers",
+            ),
+            ("structural_tag", json!("x"), "structural_tag"),
+            (
+                "structural_tag",
+                json!(r#"{"type": "structural_tag", "triggers": ["<f="]}"#),
+                "structural_tag.structures",
             ),
             (
                 "response_format",

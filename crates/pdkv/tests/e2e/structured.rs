@@ -170,6 +170,28 @@ async fn constrained_outputs_through_prefill_and_decode() {
         want["usage"]["completion_tokens"]
     );
 
+    // vLLM's older top-level chat `structural_tag` (a JSON string) is the
+    // response_format's constraint: a structure the free answer's opening
+    // triggers turns that answer away, and both spellings give the same.
+    let trigger: String = answer.chars().take(4).collect();
+    assert!(!answer[trigger.len()..].trim_start().starts_with('{'));
+    let tag = json!({"type": "structural_tag", "triggers": [trigger],
+        "structures": [{"begin": trigger, "schema": {"type": "object"}, "end": "</s>"}]});
+    let mut top = free.clone();
+    top["structural_tag"] = json!(tag.to_string());
+    let (status, got) = post_json(&client, &chat, &top).await;
+    assert_eq!(status, 200, "{got}");
+    let text = got["choices"][0]["message"]["content"].as_str().unwrap();
+    assert_ne!(text, answer, "the structural tag was not applied");
+    if let Some(at) = text.find(trigger.as_str()) {
+        let after = &text[at + trigger.len()..];
+        assert!(after.trim_start().starts_with('{'), "{text:?}");
+    }
+    let mut typed = free.clone();
+    typed["response_format"] = tag;
+    let (_, other) = post_json(&client, &chat, &typed).await;
+    assert_eq!(other["choices"][0]["message"], got["choices"][0]["message"]);
+
     // Refusals name the field that asked.
     for (body, param) in [
         (
