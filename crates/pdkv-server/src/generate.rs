@@ -70,7 +70,8 @@ pub struct GenerateSampling {
     pub top_p: Option<f64>,
     pub top_k: Option<i64>,
     pub min_p: Option<f64>,
-    pub seed: Option<u64>,
+    /// vLLM's range, a 64-bit signed integer.
+    pub seed: Option<i64>,
     pub stop: Option<Value>,
     pub stop_token_ids: Option<Vec<u32>>,
     pub include_stop_str_in_output: Option<bool>,

@@ -39,7 +39,8 @@ macro_rules! request_with_sampling {
             pub top_p: Option<f64>,
             pub top_k: Option<i64>,
             pub min_p: Option<f64>,
-            pub seed: Option<u64>,
+            /// vLLM's range, a 64-bit signed integer (see [`seed_bits`]).
+            pub seed: Option<i64>,
             pub stop: Option<Value>,
             pub stop_token_ids: Option<Vec<u32>>,
             pub include_stop_str_in_output: Option<bool>,
@@ -142,7 +143,7 @@ pub struct SamplingFields {
     pub top_p: Option<f64>,
     pub top_k: Option<i64>,
     pub min_p: Option<f64>,
-    pub seed: Option<u64>,
+    pub seed: Option<i64>,
     pub stop: Option<Value>,
     pub stop_token_ids: Option<Vec<u32>>,
     pub include_stop_str_in_output: Option<bool>,
@@ -176,6 +177,13 @@ pub struct SamplingFields {
     pub continue_final_message: Option<bool>,
     /// Chat completions only: vLLM's top-level `structural_tag`.
     pub structural_tag: Option<Value>,
+}
+
+/// A request's seed as the sampler takes it: vLLM takes any 64-bit signed
+/// integer (a client may send `-1`); a negative one is its two's-complement
+/// bits, so distinct seeds stay distinct.
+pub fn seed_bits(seed: i64) -> u64 {
+    seed as u64
 }
 
 /// Which endpoint a body came to: they spell `logprobs` differently.
@@ -616,7 +624,7 @@ impl SamplingFields {
             allowed_token_ids: self.allowed_token_ids.clone(),
             include_stop_str_in_output: self.include_stop_str_in_output.unwrap_or(false),
             skip_special_tokens: self.skip_special_tokens.unwrap_or(true),
-            seed: self.seed,
+            seed: self.seed.map(seed_bits),
             max_tokens,
             stop: parse_stop(self.stop.as_ref())?,
             stop_token_ids: self.stop_token_ids.clone().unwrap_or_default(),
@@ -929,6 +937,13 @@ mod body_tests {
         assert_eq!(sampling.temperature, Some(1.0));
         assert_eq!(sampling.top_k, Some(5));
         assert_eq!(sampling.seed, Some(9));
+        // vLLM's seeds are signed 64-bit integers: -1 is one, 2^63 is not.
+        let req: CompletionRequest = parse_json(br#"{"prompt":"a","seed":-1}"#).unwrap();
+        let params = req.sampling().to_params(5, Endpoint::Completions).unwrap();
+        assert_eq!(params.seed, Some(u64::MAX));
+        let err = parse_json::<CompletionRequest>(br#"{"prompt":"a","seed":9223372036854775808}"#)
+            .unwrap_err();
+        assert_eq!(err.param.as_deref(), Some("seed"), "{err:?}");
         let err =
             parse_json::<CompletionRequest>(br#"{"prompt":"a","temperature":"hot"}"#).unwrap_err();
         assert_eq!(err.status, axum::http::StatusCode::BAD_REQUEST);
