@@ -20,6 +20,10 @@ pub enum Body {
     Generate,
     /// `/inference/v1/generate`'s `sampling_params`.
     GenerateSampling,
+    /// `/tokenize` (a prompt or a conversation).
+    Tokenize,
+    /// `/detokenize`.
+    Detokenize,
 }
 
 /// The sampling fields every generation endpoint reads (the OpenAI
@@ -117,6 +121,20 @@ const GENERATE: &[&str] = &[
     "kv_transfer_params",
     "features",
 ];
+
+const TOKENIZE: &[&str] = &[
+    "model",
+    "prompt",
+    "messages",
+    "add_special_tokens",
+    "add_generation_prompt",
+    "continue_final_message",
+    "return_token_strs",
+    "chat_template_kwargs",
+    "tools",
+];
+
+const DETOKENIZE: &[&str] = &["model", "tokens"];
 
 /// `sampling_params`' fields beyond [`BASIC_SAMPLING`].
 const GENERATE_SAMPLING: &[&str] = &[
@@ -239,6 +257,8 @@ fn accepted(body: Body) -> [&'static [&'static str]; 3] {
         Body::Chat => [CHAT, BASIC_SAMPLING, SAMPLING],
         Body::Generate => [GENERATE, &[], &[]],
         Body::GenerateSampling => [GENERATE_SAMPLING, BASIC_SAMPLING, &[]],
+        Body::Tokenize => [TOKENIZE, &[], &[]],
+        Body::Detokenize => [DETOKENIZE, &[], &[]],
     }
 }
 

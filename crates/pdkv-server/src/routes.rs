@@ -47,25 +47,9 @@ pub(crate) async fn blocking<T: Send + 'static>(
     })
 }
 
-/// The tokens of a conversation rendered with the model's chat template
-/// (`add_special_tokens`: let the tokenizer add BOS and the like too).
-pub(crate) async fn chat_prompt_tokens(
-    state: &AppState,
-    messages: Vec<ChatMessage>,
-    add_generation_prompt: bool,
-    add_special_tokens: bool,
-) -> Result<Vec<u32>, ApiError> {
-    chat_prompt_tokens_with(
-        state,
-        messages,
-        add_generation_prompt,
-        add_special_tokens,
-        serde_json::Map::new(),
-    )
-    .await
-}
-
-/// [`chat_prompt_tokens`] with extra template variables.
+/// The tokens of a conversation rendered with the model's chat template,
+/// with extra template variables (`kwargs`; `add_special_tokens`: let the
+/// tokenizer add BOS and the like too).
 pub(crate) async fn chat_prompt_tokens_with(
     state: &AppState,
     messages: Vec<ChatMessage>,

@@ -5,12 +5,13 @@
 use axum::extract::State;
 use axum::response::Response;
 use serde::Deserialize;
-use serde_json::json;
+use serde_json::{json, Value};
 
 use crate::admit::json_response;
-use crate::error::{ApiError, ApiJson};
+use crate::error::ApiError;
+use crate::fields::{Body, Screen, Screened};
 use crate::openai::{chat_messages, ChatMessageIn};
-use crate::routes::{blocking, chat_prompt_tokens, check_model};
+use crate::routes::{blocking, chat_prompt_tokens_with, check_model};
 use crate::AppState;
 
 /// The body of `POST /tokenize`: exactly one of `prompt` and `messages`.
@@ -24,6 +25,19 @@ pub struct TokenizeRequest {
     pub add_special_tokens: Option<bool>,
     /// Conversations only: end with the assistant's turn opening (default true).
     pub add_generation_prompt: Option<bool>,
+    /// Conversations only, as on chat completions: only false.
+    pub continue_final_message: Option<bool>,
+    /// Also list each token's vocabulary string (`token_strs`).
+    pub return_token_strs: Option<bool>,
+    /// Conversations only (a prompt ignores it, as vLLM's does): extra
+    /// variables for the chat template.
+    pub chat_template_kwargs: Option<serde_json::Map<String, Value>>,
+    /// Conversations only (likewise): the tools the template lists.
+    pub tools: Option<Value>,
+}
+
+impl Screen for TokenizeRequest {
+    const BODY: Body = Body::Tokenize;
 }
 
 /// The body of `POST /detokenize`.
@@ -33,13 +47,23 @@ pub struct DetokenizeRequest {
     pub tokens: Vec<u32>,
 }
 
+impl Screen for DetokenizeRequest {
+    const BODY: Body = Body::Detokenize;
+}
+
 /// `POST /tokenize`: `{"count", "max_model_len", "tokens", "token_strs"}`
-/// (`token_strs` is null, as vLLM's default).
+/// (`token_strs` null unless `return_token_strs`, as in vLLM).
 pub async fn tokenize(
     State(state): State<AppState>,
-    ApiJson(req): ApiJson<TokenizeRequest>,
+    Screened(req): Screened<TokenizeRequest>,
 ) -> Result<Response, ApiError> {
     check_model(&state, req.model.as_deref())?;
+    if req.continue_final_message == Some(true) {
+        return Err(ApiError::invalid_param(
+            "continue_final_message",
+            "continue_final_message is not supported",
+        ));
+    }
     let tokens = match (req.prompt, req.messages) {
         (Some(prompt), None) => {
             let tok = state.engine().tokenizer().clone();
@@ -63,11 +87,18 @@ pub async fn tokenize(
             }
             let messages = chat_messages(&messages)?;
             let generation = req.add_generation_prompt.unwrap_or(true);
-            chat_prompt_tokens(
+            let mut kwargs = req.chat_template_kwargs.unwrap_or_default();
+            // Listed for the template as chat completions list them.
+            let none = json!("none");
+            if let Some(t) = crate::tools::parse(req.tools.as_ref(), Some(&none), None, None)? {
+                kwargs.insert("tools".into(), t.listed);
+            }
+            chat_prompt_tokens_with(
                 &state,
                 messages,
                 generation,
                 req.add_special_tokens.unwrap_or(false),
+                kwargs,
             )
             .await?
         }
@@ -83,18 +114,25 @@ pub async fn tokenize(
             ))
         }
     };
+    let token_strs = req.return_token_strs.unwrap_or(false).then(|| {
+        let tok = state.engine().tokenizer();
+        tokens
+            .iter()
+            .map(|&id| tok.id_to_token(id))
+            .collect::<Vec<_>>()
+    });
     Ok(json_response(&json!({
         "count": tokens.len(),
         "max_model_len": state.engine().max_model_len(),
         "tokens": tokens,
-        "token_strs": null,
+        "token_strs": token_strs,
     })))
 }
 
 /// `POST /detokenize`: `{"prompt": text}`, special tokens kept (as vLLM's).
 pub async fn detokenize(
     State(state): State<AppState>,
-    ApiJson(req): ApiJson<DetokenizeRequest>,
+    Screened(req): Screened<DetokenizeRequest>,
 ) -> Result<Response, ApiError> {
     check_model(&state, req.model.as_deref())?;
     let vocab = state.engine().model_config().vocab_size;

@@ -471,6 +471,18 @@ async fn tokenize_detokenize_version_and_the_api_key() {
         tokenized["max_model_len"].as_u64().unwrap() >= 2048,
         "{tokenized}"
     );
+    // The vocabulary's strings on request (byte-level BPE: `Ġ` a space).
+    let mut with_strs = body.clone();
+    with_strs["return_token_strs"] = json!(true);
+    let (_, strs) = keyed("/tokenize", with_strs).await;
+    let strs: Vec<&str> = strs["token_strs"]
+        .as_array()
+        .unwrap_or_else(|| panic!("token_strs: {strs}"))
+        .iter()
+        .map(|t| t.as_str().unwrap())
+        .collect();
+    assert_eq!(strs.len(), tokens.len());
+    assert_eq!(strs.concat().replace('Ġ', " "), PROMPT);
     let (_, detok) = keyed("/detokenize", json!({"tokens": tokens})).await;
     assert_eq!(detok["prompt"], PROMPT);
     let (status, bad) = keyed("/detokenize", json!({"tokens": [99999999]})).await;
@@ -489,6 +501,17 @@ async fn tokenize_detokenize_version_and_the_api_key() {
     )
     .await;
     assert_eq!(conv["tokens"], chat["prompt_token_ids"], "{conv} vs {chat}");
+    // A conversation's tools are read (and refused by name when malformed).
+    let (status, bad) = keyed(
+        "/tokenize",
+        json!({"messages": messages, "tools": [{"type": "retrieval"}]}),
+    )
+    .await;
+    assert_eq!(
+        (status, &bad["error"]["param"]),
+        (400, &json!("tools[0].type")),
+        "{bad}"
+    );
     assert!(s.terminate().success());
 }
 
