@@ -14,7 +14,7 @@ use crate::admit::{json_response, usage_json, with_request_id};
 use crate::choices::Group;
 use crate::error::ApiError;
 use crate::logprobs;
-use crate::sse::{sse_response, ChunkHead};
+use crate::sse::{sse_response, ChunkHead, StreamUsage};
 
 /// How a chat completion's choices are shown: the options that shape them.
 pub(crate) struct ChatView {
@@ -47,7 +47,7 @@ pub(crate) fn stream_chat(
     group: Group,
     view: ChatView,
     model: String,
-    include_usage: bool,
+    usage: StreamUsage,
 ) -> Response {
     let (id, created) = (group.id.clone(), group.created);
     let head = ChunkHead::of(&group, "chat.completion.chunk", &model);
@@ -57,7 +57,7 @@ pub(crate) fn stream_chat(
             .map(|i| {
                 let mut v = base.clone();
                 v["choices"] = json!([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": null, "finish_reason": null}]);
-                if include_usage {
+                if usage.include {
                     v["usage"] = Value::Null;
                 }
                 if i == 0 {
@@ -105,7 +105,7 @@ pub(crate) fn stream_chat(
         Some(v)
     };
     let id = group.id.clone();
-    with_request_id(sse_response(group, head, include_usage, first, chunk), &id)
+    with_request_id(sse_response(group, head, usage, first, chunk), &id)
 }
 
 /// A chat completion's choices, whole, in one JSON answer.

@@ -109,6 +109,9 @@ pub struct Group {
     streams: Vec<TrackedStream>,
     /// Outputs read while admitting (choice 0's first), handed out first.
     early: VecDeque<(usize, RequestOutput)>,
+    /// Per prompt of a [`Group::concat`]: its choices and its tokens
+    /// (empty: every choice is of the one prompt).
+    prompts: Vec<(usize, usize)>,
 }
 
 /// Admits the `n` choices of a request (see the module docs for the order,
@@ -164,6 +167,7 @@ pub(crate) async fn admit_group(
         report_token_ids: false,
         streams: vec![first.stream],
         early: VecDeque::new(),
+        prompts: Vec::new(),
     };
     if n == 1 {
         return Ok(group);
@@ -249,15 +253,33 @@ impl Group {
             report_token_ids: false,
             streams: Vec::new(),
             early: VecDeque::new(),
+            prompts: Vec::new(),
         };
         for g in groups {
             let base = all.streams.len();
             all.num_prompt_tokens += g.num_prompt_tokens;
+            all.prompts.push((g.n(), g.num_prompt_tokens));
             all.early
                 .extend(g.early.into_iter().map(|(i, out)| (base + i, out)));
             all.streams.extend(g.streams);
         }
         all
+    }
+
+    /// Per choice: its prompt's tokens and what it generated before this
+    /// engine took it over (the start of a stream's usage so far).
+    pub fn choice_usage(&self) -> Vec<(usize, usize)> {
+        if self.prompts.is_empty() {
+            let mut u = vec![(self.num_prompt_tokens, 0); self.n()];
+            if let Some(first) = u.first_mut() {
+                first.1 = self.resumed;
+            }
+            return u;
+        }
+        self.prompts
+            .iter()
+            .flat_map(|&(n, tokens)| std::iter::repeat_n((tokens, 0), n))
+            .collect()
     }
 
     /// Collects every choice to its end. Choices run concurrently in the

@@ -32,7 +32,7 @@ use crate::error::ApiError;
 use crate::fields::{Body, Screen, Screened};
 use crate::listen::PeerAddr;
 use crate::logprobs::{self, Names};
-use crate::openai::{parse_max_tokens, Endpoint, SamplingFields, StreamOptions};
+use crate::openai::{parse_max_tokens, Endpoint, SamplingFields, StreamOptions, StreamUsage};
 use crate::routes::{
     check_model, check_sampling_ids, check_token_ids, choose_request_id, reports_token_ids,
     truncate_prompt,
@@ -179,9 +179,9 @@ pub async fn generate(
         top: top.map(|k| k as usize),
     };
     if req.stream.unwrap_or(false) {
-        let include_usage = req.stream_options.is_some_and(|o| o.include_usage);
+        let usage = StreamOptions::usage(req.stream_options.as_ref());
         let model = state.served_model_name().to_string();
-        return Ok(stream(group, view, model, include_usage));
+        return Ok(stream(group, view, model, usage));
     }
     whole(group, view, want_prompt_lp).await
 }
@@ -238,7 +238,7 @@ async fn whole(
     Ok(with_request_id(resp, &group.id))
 }
 
-fn stream(group: Group, view: GenerateView, model: String, include_usage: bool) -> Response {
+fn stream(group: Group, view: GenerateView, model: String, usage: StreamUsage) -> Response {
     let id = group.id.clone();
     let head = ChunkHead::of(&group, "generate.chunk", &model);
     let rid = id.clone();
@@ -260,8 +260,5 @@ fn stream(group: Group, view: GenerateView, model: String, include_usage: bool) 
         }
         Some(v)
     };
-    with_request_id(
-        sse_response(group, head, include_usage, Vec::new(), chunk),
-        &id,
-    )
+    with_request_id(sse_response(group, head, usage, Vec::new(), chunk), &id)
 }

@@ -16,14 +16,36 @@ use serde::Deserialize;
 use serde_json::Value;
 
 use crate::error::ApiError;
+pub use crate::sse::StreamUsage;
 
 /// Default `max_tokens` of `/v1/completions`, as in the OpenAI API.
 pub const DEFAULT_COMPLETION_MAX_TOKENS: u32 = 16;
 
+/// A streamed request's `stream_options`, as vLLM reads them.
 #[derive(Debug, Default, Deserialize)]
 pub struct StreamOptions {
+    /// End with a usage chunk. Absent, true where `stream_options` is
+    /// given at all (vLLM's default); null, false.
+    #[serde(default = "absent_is_true")]
+    pub include_usage: Option<bool>,
+    /// With `include_usage`: every chunk carries its choice's usage so far.
     #[serde(default)]
-    pub include_usage: bool,
+    pub continuous_usage_stats: Option<bool>,
+}
+
+fn absent_is_true() -> Option<bool> {
+    Some(true)
+}
+
+impl StreamOptions {
+    /// What a stream with these options (if any) says of its usage.
+    pub fn usage(options: Option<&StreamOptions>) -> StreamUsage {
+        let include = options.is_some_and(|o| o.include_usage == Some(true));
+        StreamUsage {
+            include,
+            continuous: include && options.is_some_and(|o| o.continuous_usage_stats == Some(true)),
+        }
+    }
 }
 
 /// Declares a request body with the sampling fields both endpoints share,

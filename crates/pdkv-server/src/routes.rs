@@ -23,7 +23,7 @@ use crate::logprobs;
 use crate::metrics::LifecycleGauges;
 use crate::openai::{
     chat_messages, parse_max_tokens, parse_prompts, ChatRequest, CompletionRequest, Endpoint,
-    Prompt, SamplingFields, DEFAULT_COMPLETION_MAX_TOKENS,
+    Prompt, SamplingFields, StreamOptions, StreamUsage, DEFAULT_COMPLETION_MAX_TOKENS,
 };
 use crate::sse::{sse_response, ChunkHead};
 use crate::AppState;
@@ -265,13 +265,13 @@ pub async fn completions(
         prepared.push(prepare_prompt(&state, &req, given, &params, score_only).await?);
     }
     let model = state.served_model_name().to_string();
-    let include_usage = req.stream_options.is_some_and(|o| o.include_usage);
+    let usage = StreamOptions::usage(req.stream_options.as_ref());
     if prepared.len() > 1 {
         if req.stream == Some(true) {
             let (group, views) =
                 admit_prompts(&state, &ids.engine, prepared, params, arrived, n).await?;
             let group = Group::concat(ids.shown, group);
-            return Ok(stream_completion(group, views, n, model, include_usage));
+            return Ok(stream_completion(group, views, n, model, usage));
         }
         return batch_completion(&state, ids, prepared, params, arrived, n, model).await;
     }
@@ -287,13 +287,7 @@ pub async fn completions(
     group.report_token_ids = reports_token_ids(&headers);
 
     if req.stream.unwrap_or(false) {
-        return Ok(stream_completion(
-            group,
-            vec![view],
-            n,
-            model,
-            include_usage,
-        ));
+        return Ok(stream_completion(group, vec![view], n, model, usage));
     }
     whole_completion(group, view, model).await
 }
@@ -421,7 +415,7 @@ fn stream_completion(
     views: Vec<CompletionView>,
     n: usize,
     model: String,
-    include_usage: bool,
+    usage: StreamUsage,
 ) -> Response {
     let (id, created) = (group.id.clone(), group.created);
     let head = ChunkHead::of(&group, "text_completion", &model);
@@ -460,10 +454,7 @@ fn stream_completion(
         Some(v)
     };
     let id = group.id.clone();
-    with_request_id(
-        sse_response(group, head, include_usage, Vec::new(), chunk),
-        &id,
-    )
+    with_request_id(sse_response(group, head, usage, Vec::new(), chunk), &id)
 }
 
 /// A completion's choices, whole, in one JSON answer.
@@ -694,8 +685,8 @@ pub async fn chat_completions(
     let model = state.served_model_name().to_string();
 
     if req.stream.unwrap_or(false) {
-        let include_usage = req.stream_options.is_some_and(|o| o.include_usage);
-        return Ok(stream_chat(group, view, model, include_usage));
+        let usage = StreamOptions::usage(req.stream_options.as_ref());
+        return Ok(stream_chat(group, view, model, usage));
     }
     whole_chat(group, view, model).await
 }

@@ -23,6 +23,17 @@ use crate::error::ApiError;
 pub trait ChunkFn: FnMut(usize, &RequestOutput, bool) -> Option<Value> + Send + 'static {}
 impl<F: FnMut(usize, &RequestOutput, bool) -> Option<Value> + Send + 'static> ChunkFn for F {}
 
+/// What a stream says of its usage (`stream_options`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct StreamUsage {
+    /// A last chunk with the whole request's usage; every other chunk with
+    /// a `usage` slot (null).
+    pub include: bool,
+    /// Each chunk's slot filled with its choice's usage so far
+    /// (`continuous_usage_stats`).
+    pub continuous: bool,
+}
+
 /// Where a stream is.
 enum Phase {
     /// The opening chunks are still to be sent.
@@ -39,7 +50,9 @@ struct SseState<F> {
     generated: usize,
     /// Choices not finished yet.
     open: usize,
-    include_usage: bool,
+    usage: StreamUsage,
+    /// Per choice: its prompt's tokens and the tokens it generated so far.
+    choice_usage: Vec<(usize, usize)>,
     /// Lead each event with its output token ids ([`TOKEN_IDS_COMMENT`]).
     report_token_ids: bool,
     first: VecDeque<Value>,
@@ -81,12 +94,29 @@ fn ended(index: usize) -> RequestOutput {
 }
 
 impl<F: ChunkFn> SseState<F> {
+    /// With continuous usage, fills the `usage` slot of choice `index`'s
+    /// chunk `v` (a chunk without one, as the generate API's, keeps none).
+    fn fill_usage(&self, v: &mut Value, index: usize) {
+        if !self.usage.continuous {
+            return;
+        }
+        if let (Some(slot), Some(&(prompt, generated))) =
+            (v.get_mut("usage"), self.choice_usage.get(index))
+        {
+            *slot = usage_json(prompt, generated);
+        }
+    }
+
     /// The next piece of the body, or `None` at the end.
     async fn step(&mut self) -> Option<String> {
         loop {
             match self.phase {
                 Phase::Start => match self.first.pop_front() {
-                    Some(v) => return Some(sse_event(&v)),
+                    Some(mut v) => {
+                        let index = v["choices"][0]["index"].as_u64().unwrap_or(0) as usize;
+                        self.fill_usage(&mut v, index);
+                        return Some(sse_event(&v));
+                    }
                     None => self.phase = Phase::Generating,
                 },
                 Phase::Generating => {
@@ -106,13 +136,19 @@ impl<F: ChunkFn> SseState<F> {
                         return Some(format!("data: {}\n\ndata: [DONE]\n\n", err.body_json()));
                     }
                     self.generated += out.token_ids.len();
+                    if let Some(u) = self.choice_usage.get_mut(index) {
+                        u.1 += out.token_ids.len();
+                    }
                     if out.finish_reason.is_some() {
                         self.open -= 1;
                         if self.open == 0 {
                             self.phase = Phase::Tail;
                         }
                     }
-                    let event = (self.chunk)(index, &out, self.include_usage);
+                    let mut event = (self.chunk)(index, &out, self.usage.include);
+                    if let Some(v) = &mut event {
+                        self.fill_usage(v, index);
+                    }
                     if self.report_token_ids && !out.token_ids.is_empty() {
                         // One event, so the ids and their text arrive together.
                         let ids = json!(out.token_ids);
@@ -127,7 +163,7 @@ impl<F: ChunkFn> SseState<F> {
                 Phase::Tail => {
                     self.phase = Phase::Done;
                     let mut out = String::new();
-                    if self.include_usage {
+                    if self.usage.include {
                         let h = &self.head;
                         out.push_str(&sse_event(&json!({
                             "id": h.id, "object": h.object, "created": h.created, "model": h.model,
@@ -150,7 +186,7 @@ impl<F: ChunkFn> SseState<F> {
 pub fn sse_response<F: ChunkFn>(
     group: Group,
     head: ChunkHead,
-    include_usage: bool,
+    usage: StreamUsage,
     first: Vec<Value>,
     chunk: F,
 ) -> Response {
@@ -162,8 +198,9 @@ pub fn sse_response<F: ChunkFn>(
         generated: group.resumed,
         open: group.n(),
         report_token_ids: group.report_token_ids,
+        choice_usage: group.choice_usage(),
         outputs: group.into_stream().boxed(),
-        include_usage,
+        usage,
         first: first.into(),
         chunk,
         phase: Phase::Start,

@@ -118,6 +118,28 @@ async fn completions_text_tokens_and_stream_agree() {
         .iter()
         .all(|c| c["choices"][0]["finish_reason"].is_null()));
 
+    // `stream_options` given: a usage chunk unless it says otherwise
+    // (vLLM's default); with continuous_usage_stats every chunk carries its
+    // choice's usage so far.
+    let chunks = s
+        .post_events(
+            "/v1/completions",
+            &greedy(json!({"prompt": prompt, "stream": true, "n": 2,
+        "return_token_ids": true, "stream_options": {"continuous_usage_stats": true}})),
+        )
+        .await;
+    let (last, body) = chunks.split_last().unwrap();
+    assert_eq!(last["choices"], json!([]));
+    assert_eq!(last["usage"]["completion_tokens"], 12);
+    let mut so_far = [0usize; 2];
+    for c in body {
+        let i = c["choices"][0]["index"].as_u64().unwrap() as usize;
+        so_far[i] += c["choices"][0]["token_ids"].as_array().unwrap().len();
+        assert_eq!(c["usage"]["completion_tokens"], so_far[i], "{c}");
+        assert_eq!(c["usage"]["prompt_tokens"], last["usage"]["prompt_tokens"]);
+    }
+    assert_eq!(so_far, [6, 6]);
+
     // Without include_usage there is no usage chunk.
     let events = s
         .post_stream(
