@@ -25,7 +25,8 @@
 //!   sleep (the connector holds no registration: release and restore are
 //!   no-ops); the KV region is only read while it is mapped. The store is
 //!   dropped by [`reset_cache`](KvConnector::reset_cache), which the engine
-//!   calls when the prefix cache is reset explicitly or weights change.
+//!   calls when weights change or the prefix cache is reset with
+//!   `reset_external` (vLLM's name; a reset without it leaves the store).
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicU64, Ordering};

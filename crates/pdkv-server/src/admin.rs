@@ -536,8 +536,10 @@ async fn release_kv_cache_memory(
     Ok(json_ok(json!({"status": "released"})))
 }
 
-/// `POST /reset_prefix_cache?reset_running_requests=false` →
-/// `{"success":bool}` (false when the cache cannot be reset now).
+/// `POST /reset_prefix_cache?reset_running_requests=false&reset_external=false`
+/// → `{"success":bool}` (false when the cache cannot be reset now);
+/// `reset_external` empties the KV connector's cache too (a host offload
+/// store), as in vLLM.
 async fn reset_prefix_cache(
     State(state): State<AppState>,
     RawQuery(raw): RawQuery,
@@ -549,7 +551,11 @@ async fn reset_prefix_cache(
         &["reset_running_requests", "reset_external"],
     )?;
     let reset_running = q.bool("reset_running_requests", false)?;
-    let success = on_engine(&state, move |e| e.reset_prefix_cache_with(reset_running)).await?;
+    let reset_external = q.bool("reset_external", false)?;
+    let success = on_engine(&state, move |e| {
+        e.reset_prefix_cache_with(reset_running, reset_external)
+    })
+    .await?;
     Ok(json_ok(json!({"success": success})))
 }
 

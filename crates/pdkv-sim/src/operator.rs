@@ -416,6 +416,7 @@ fn command(
         },
         Step::ResetPrefix(reset_running) => Command::ResetPrefixCache {
             reset_running,
+            reset_external: true,
             reply: Box::new(move |_| *slot.lock().unwrap() = Some(Ok(()))),
         },
         Step::AbortSome => Command::AbortRequests {

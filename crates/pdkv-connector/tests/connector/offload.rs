@@ -97,12 +97,26 @@ fn blocks_loaded_from_host_memory_give_the_colocated_output() {
     assert_eq!(metric(h, "offload_evicted_blocks_total"), 0.0);
     idle_and_free(h);
 
-    // An explicit prefix-cache reset empties the store too.
-    assert!(h.reset_prefix_cache_with(false));
+    // A prefix-cache reset leaves the store, as vLLM's does without
+    // `reset_external`: A's blocks come back from host memory.
+    assert!(h.reset_prefix_cache_with(false, false));
+    let held = metric(h, "offload_blocks_held");
+    assert_eq!(
+        held,
+        metric(h, "offload_saved_blocks_total"),
+        "nothing dropped"
+    );
+    assert!(held >= 4.0);
+    check_equal(h, &colo.handle, "a-kept", &a, 4);
+    assert_eq!(metric(h, "offload_hit_blocks_total"), 13.0);
+    idle_and_free(h);
+
+    // With `reset_external` it empties the store too.
+    assert!(h.reset_prefix_cache_with(false, true));
     assert_eq!(metric(h, "offload_bytes_held"), 0.0);
     assert_eq!(metric(h, "offload_blocks_held"), 0.0);
     check_equal(h, &colo.handle, "a3", &a, 4);
-    assert_eq!(metric(h, "offload_hit_blocks_total"), 9.0);
+    assert_eq!(metric(h, "offload_hit_blocks_total"), 13.0);
     assert_eq!(metric(h, "offload_lookup_misses_total"), misses + 3.0);
     idle_and_free(h);
 }

@@ -54,11 +54,11 @@ fn a_reset_with_running_requests_succeeds_under_load_and_loses_nothing() {
         // the request holds its blocks however fast the engine decodes.
         e.pause(PauseMode::Keep, false, WAIT).unwrap();
         assert!(
-            !e.reset_prefix_cache_with(false),
+            !e.reset_prefix_cache_with(false, false),
             "{name}: without reset_running_requests a reset refuses while blocks are in use"
         );
         assert!(
-            e.reset_prefix_cache_with(true),
+            e.reset_prefix_cache_with(true, false),
             "{name}: with reset_running_requests the reset succeeds with a request running"
         );
         e.resume().unwrap();

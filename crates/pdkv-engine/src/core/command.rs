@@ -48,6 +48,8 @@ pub enum Command {
     },
     ResetPrefixCache {
         reset_running: bool,
+        /// The connector's cache too (vLLM's `reset_external`).
+        reset_external: bool,
         reply: Reply<bool>,
     },
     Pause {

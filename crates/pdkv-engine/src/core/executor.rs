@@ -26,7 +26,12 @@ struct Failed {
 }
 
 impl EngineCore {
-    pub(super) fn reset_prefix_cache(&mut self, reset_running: bool, reply: Reply<bool>) {
+    pub(super) fn reset_prefix_cache(
+        &mut self,
+        reset_running: bool,
+        reset_external: bool,
+        reply: Reply<bool>,
+    ) {
         let mut done = if reset_running {
             let n = self.sched.reset_prefix_cache_preempting();
             tracing::info!(
@@ -37,7 +42,7 @@ impl EngineCore {
         } else {
             self.sched.reset_prefix_cache()
         };
-        if done {
+        if done && reset_external {
             // Whatever the connector caches about block contents goes too.
             done = self.sched.connector_mut().is_none_or(|c| c.reset_cache());
         }

@@ -321,11 +321,12 @@ impl EngineHandle {
             .is_ok()
     }
 
-    /// Drops every prefix-cache entry. Returns false while any KV block is in
-    /// use (a request is running) or when the engine stopped. Blocks the
-    /// caller until the core answers, which it does before its next step.
+    /// Drops every prefix-cache entry, the KV connector's cache included.
+    /// Returns false while any KV block is in use (a request is running) or
+    /// when the engine stopped. Blocks the caller until the core answers,
+    /// which it does before its next step.
     pub fn reset_prefix_cache(&self) -> bool {
-        self.reset_prefix_cache_with(false)
+        self.reset_prefix_cache_with(false, true)
     }
 
     /// Sends a command built around a fresh reply and waits (at most `wait`)
@@ -515,11 +516,18 @@ impl EngineHandle {
     }
 
     /// Resets the prefix cache; with `reset_running_requests`, running
-    /// requests are preempted for recompute first. Returns false when it
-    /// cannot reset now (blocks in use) or the engine stopped.
-    pub fn reset_prefix_cache_with(&self, reset_running_requests: bool) -> bool {
+    /// requests are preempted for recompute first; with `reset_external`,
+    /// the KV connector's cache (a host offload store) is emptied too, as
+    /// vLLM's `reset_external`. Returns false when it cannot reset now
+    /// (blocks in use) or the engine stopped.
+    pub fn reset_prefix_cache_with(
+        &self,
+        reset_running_requests: bool,
+        reset_external: bool,
+    ) -> bool {
         self.control(CONTROL_WAIT, |reply| Command::ResetPrefixCache {
             reset_running: reset_running_requests,
+            reset_external,
             reply,
         })
         .unwrap_or(false)

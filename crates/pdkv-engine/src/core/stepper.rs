@@ -453,8 +453,9 @@ impl EngineCore {
             }
             Command::ResetPrefixCache {
                 reset_running,
+                reset_external,
                 reply,
-            } => self.reset_prefix_cache(reset_running, reply),
+            } => self.reset_prefix_cache(reset_running, reset_external, reply),
             Command::Pause {
                 mode,
                 clear_cache,

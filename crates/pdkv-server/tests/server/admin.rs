@@ -351,6 +351,12 @@ async fn malformed_parameters_are_400_naming_the_parameter() {
         ),
         (
             Method::POST,
+            "/reset_prefix_cache?reset_external=maybe",
+            None,
+            Some("reset_external"),
+        ),
+        (
+            Method::POST,
             "/abort_requests",
             Some(json!({"ids": ["x"]})),
             None,
@@ -1120,7 +1126,7 @@ async fn reset_prefix_cache_reports_success() {
     let v = s
         .admin_ok(
             Method::POST,
-            "/reset_prefix_cache?reset_running_requests=true",
+            "/reset_prefix_cache?reset_running_requests=true&reset_external=true",
             None,
         )
         .await;
