@@ -115,6 +115,53 @@ impl ChatTemplate {
     }
 }
 
+/// How a conversation's rendering ends.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Ending {
+    /// After the last message, as the template closes it.
+    Closed,
+    /// With the assistant's turn opening (`add_generation_prompt`).
+    NextTurn,
+    /// Inside the last message, right after its text, so that the model
+    /// continues it (vLLM's `continue_final_message`).
+    ContinueLast,
+}
+
+impl ChatTemplate {
+    /// [`ChatTemplate::render_with`], ending as `ending` says. To continue
+    /// the last message, the conversation is rendered closed and cut right
+    /// after the last occurrence of that message's text (or of its text
+    /// trimmed, for templates that trim messages), as Hugging Face's
+    /// `continue_final_message` does; a rendering without that text is an
+    /// error.
+    pub fn render_ending(
+        &self,
+        messages: &[ChatMessage],
+        ending: Ending,
+        kwargs: &serde_json::Map<String, serde_json::Value>,
+    ) -> anyhow::Result<String> {
+        let text = self.render_with(messages, ending == Ending::NextTurn, kwargs)?;
+        if ending != Ending::ContinueLast {
+            return Ok(text);
+        }
+        let last = messages
+            .last()
+            .map(|m| m.content.as_str())
+            .ok_or_else(|| anyhow::anyhow!("there is no message to continue"))?;
+        anyhow::ensure!(
+            !last.trim().is_empty(),
+            "the last message has no text to continue"
+        );
+        let end = [last, last.trim()]
+            .iter()
+            .find_map(|t| text.rfind(t).map(|at| at + t.len()))
+            .ok_or_else(|| {
+                anyhow::anyhow!("the template's rendering does not hold the last message's text")
+            })?;
+        Ok(text[..end].to_string())
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -135,6 +182,36 @@ mod tests {
         assert_eq!(out, "  <s>USER: hi</s>\n  <s>ASSISTANT: yo</s>\nA:");
         let out = t.render(&[msg("user", "x")], false).unwrap();
         assert_eq!(out, "  <s>USER: x</s>\n");
+    }
+
+    #[test]
+    fn a_rendering_continuing_the_last_message_ends_after_its_text() {
+        let src = "{% for m in messages %}<{{ m.role }}>{{ m.content.strip() }}</{{ m.role }}>{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}";
+        let t = ChatTemplate::new(src.into(), "<s>".into(), "</s>".into());
+        let none = serde_json::Map::new();
+        let conv = [msg("user", "Name a colour."), msg("assistant", "It is ")];
+        let render = |e| t.render_ending(&conv, e, &none).unwrap();
+        assert_eq!(
+            render(Ending::Closed),
+            "<user>Name a colour.</user><assistant>It is</assistant>"
+        );
+        assert_eq!(
+            render(Ending::NextTurn),
+            "<user>Name a colour.</user><assistant>It is</assistant><assistant>"
+        );
+        // The template trims "It is ": cut after the trimmed text.
+        assert_eq!(
+            render(Ending::ContinueLast),
+            "<user>Name a colour.</user><assistant>It is"
+        );
+        let empty = [msg("user", "x"), msg("assistant", " ")];
+        assert!(t
+            .render_ending(&empty, Ending::ContinueLast, &none)
+            .is_err());
+        let hidden = ChatTemplate::new("{{ messages | length }}".into(), "".into(), "".into());
+        assert!(hidden
+            .render_ending(&conv, Ending::ContinueLast, &none)
+            .is_err());
     }
 
     #[test]

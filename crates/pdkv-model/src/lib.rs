@@ -31,7 +31,7 @@ pub mod tp;
 pub mod weights;
 pub mod workspace;
 
-pub use chat::{ChatMessage, ChatTemplate};
+pub use chat::{ChatMessage, ChatTemplate, Ending};
 pub use config::{Arch, ModelConfig};
 pub use forward::{Model, SeqInput, Workspace};
 pub use kv::{KvCache, KvDtype};

@@ -749,10 +749,10 @@ impl SamplingFields {
                 "return_hidden_states is not supported",
             );
         }
-        if self.continue_final_message == Some(true) {
+        if endpoint == Endpoint::Completions && self.continue_final_message == Some(true) {
             return refuse(
                 "continue_final_message",
-                "continue_final_message is not supported",
+                "continue_final_message continues a conversation's last message: it goes to /v1/chat/completions",
             );
         }
         Ok(())

@@ -9,7 +9,7 @@ use axum::response::{IntoResponse, Response};
 use axum::Extension;
 use pdkv_engine::sampling::TokenLogprobs;
 use pdkv_engine::{FinishReason, RequestOutput, SamplingParams};
-use pdkv_model::{ChatMessage, Tokenizer};
+use pdkv_model::{ChatMessage, Ending, Tokenizer};
 use serde_json::{json, Value};
 
 use crate::admit::{json_response, kv_params, usage_json, with_request_id, KvIn, PromptIn};
@@ -48,12 +48,12 @@ pub(crate) async fn blocking<T: Send + 'static>(
 }
 
 /// The tokens of a conversation rendered with the model's chat template,
-/// with extra template variables (`kwargs`; `add_special_tokens`: let the
-/// tokenizer add BOS and the like too).
+/// ending as `ending` says, with extra template variables (`kwargs`;
+/// `add_special_tokens`: let the tokenizer add BOS and the like too).
 pub(crate) async fn chat_prompt_tokens_with(
     state: &AppState,
     messages: Vec<ChatMessage>,
-    add_generation_prompt: bool,
+    ending: Ending,
     add_special_tokens: bool,
     kwargs: serde_json::Map<String, Value>,
 ) -> Result<Vec<u32>, ApiError> {
@@ -63,12 +63,13 @@ pub(crate) async fn chat_prompt_tokens_with(
             ApiError::invalid_param("messages", "this model has no chat template")
         })?;
         let text = template
-            .render_with(&messages, add_generation_prompt, &kwargs)
+            .render_ending(&messages, ending, &kwargs)
             .map_err(|e| {
-                ApiError::invalid_param(
-                    "messages",
-                    format!("could not apply the chat template: {e:#}"),
-                )
+                let param = match ending {
+                    Ending::ContinueLast => "continue_final_message",
+                    _ => "messages",
+                };
+                ApiError::invalid_param(param, format!("could not apply the chat template: {e:#}"))
             })?;
         engine
             .tokenizer()
@@ -81,6 +82,27 @@ pub(crate) async fn chat_prompt_tokens_with(
             })
     })
     .await
+}
+
+/// How a conversation's prompt ends: the assistant's turn opened
+/// (`add_generation_prompt`, true by default) or the last message continued
+/// (`continue_final_message`), not both, as vLLM asks.
+pub(crate) fn chat_ending(
+    add_generation_prompt: Option<bool>,
+    continue_final_message: Option<bool>,
+) -> Result<Ending, ApiError> {
+    match (
+        add_generation_prompt.unwrap_or(true),
+        continue_final_message == Some(true),
+    ) {
+        (true, true) => Err(ApiError::invalid_param(
+            "add_generation_prompt",
+            "continue_final_message continues the last message: set add_generation_prompt to false",
+        )),
+        (false, true) => Ok(Ending::ContinueLast),
+        (true, false) => Ok(Ending::NextTurn),
+        (false, false) => Ok(Ending::Closed),
+    }
 }
 
 /// `truncate_prompt_tokens`: keeps the last `k` tokens of the prompt (`-1`:
@@ -647,10 +669,11 @@ pub async fn chat_completions(
     }
 
     // The template already places BOS and other special tokens.
+    let ending = chat_ending(req.add_generation_prompt, req.continue_final_message)?;
     let prompt_tokens = chat_prompt_tokens_with(
         &state,
         messages,
-        req.add_generation_prompt.unwrap_or(true),
+        ending,
         req.add_special_tokens.unwrap_or(false),
         kwargs,
     )

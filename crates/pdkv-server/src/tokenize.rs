@@ -11,7 +11,7 @@ use crate::admit::json_response;
 use crate::error::ApiError;
 use crate::fields::{Body, Screen, Screened};
 use crate::openai::{chat_messages, ChatMessageIn};
-use crate::routes::{blocking, chat_prompt_tokens_with, check_model};
+use crate::routes::{blocking, chat_ending, chat_prompt_tokens_with, check_model};
 use crate::AppState;
 
 /// The body of `POST /tokenize`: exactly one of `prompt` and `messages`.
@@ -25,7 +25,8 @@ pub struct TokenizeRequest {
     pub add_special_tokens: Option<bool>,
     /// Conversations only: end with the assistant's turn opening (default true).
     pub add_generation_prompt: Option<bool>,
-    /// Conversations only, as on chat completions: only false.
+    /// Conversations only: end inside the last message, as chat
+    /// completions do with it.
     pub continue_final_message: Option<bool>,
     /// Also list each token's vocabulary string (`token_strs`).
     pub return_token_strs: Option<bool>,
@@ -58,12 +59,6 @@ pub async fn tokenize(
     Screened(req): Screened<TokenizeRequest>,
 ) -> Result<Response, ApiError> {
     check_model(&state, req.model.as_deref())?;
-    if req.continue_final_message == Some(true) {
-        return Err(ApiError::invalid_param(
-            "continue_final_message",
-            "continue_final_message is not supported",
-        ));
-    }
     let tokens = match (req.prompt, req.messages) {
         (Some(prompt), None) => {
             let tok = state.engine().tokenizer().clone();
@@ -86,7 +81,7 @@ pub async fn tokenize(
                 ));
             }
             let messages = chat_messages(&messages)?;
-            let generation = req.add_generation_prompt.unwrap_or(true);
+            let ending = chat_ending(req.add_generation_prompt, req.continue_final_message)?;
             let mut kwargs = req.chat_template_kwargs.unwrap_or_default();
             // Listed for the template as chat completions list them.
             let none = json!("none");
@@ -96,7 +91,7 @@ pub async fn tokenize(
             chat_prompt_tokens_with(
                 &state,
                 messages,
-                generation,
+                ending,
                 req.add_special_tokens.unwrap_or(false),
                 kwargs,
             )

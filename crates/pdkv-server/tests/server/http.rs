@@ -212,6 +212,59 @@ async fn chat_completions_stream_and_not() {
         .await;
     assert_eq!(short["usage"]["completion_tokens"], 2);
 
+    // continue_final_message: the prompt ends right after the last message's
+    // text (before the template closes its turn) and the answer goes on
+    // from there, as a completion of that prompt does.
+    let mut cont = messages.as_array().unwrap().clone();
+    cont.push(json!({"role": "assistant", "content": "Hi, I am"}));
+    let ask = greedy(
+        json!({"messages": cont, "continue_final_message": true, "add_generation_prompt": false}),
+    );
+    let (status, v) = s.post("/v1/chat/completions", &ask).await;
+    assert_eq!(status, StatusCode::OK, "{v}");
+    let closed = s
+        .engine
+        .chat_template()
+        .unwrap()
+        .render(
+            &[
+                pdkv_model::ChatMessage::new("system", "You are terse."),
+                pdkv_model::ChatMessage::new("user", "Say hi"),
+                pdkv_model::ChatMessage::new("assistant", "Hi, I am"),
+            ],
+            false,
+        )
+        .unwrap();
+    let end = closed.rfind("Hi, I am").unwrap() + "Hi, I am".len();
+    assert!(
+        end < closed.len(),
+        "the template closes the turn: {closed:?}"
+    );
+    let ids = s.engine.tokenizer().encode(&closed[..end], false).unwrap();
+    assert_eq!(v["usage"]["prompt_tokens"], ids.len(), "{v}");
+    let (_, raw) = s
+        .post("/v1/completions", &greedy(json!({"prompt": ids})))
+        .await;
+    assert_eq!(
+        raw["choices"][0]["text"],
+        v["choices"][0]["message"]["content"]
+    );
+    // /tokenize gives that prompt too; both endings at once are refused.
+    let (_, t) = s
+        .post(
+            "/tokenize",
+            &json!({"messages": cont, "continue_final_message": true, "add_generation_prompt": false}),
+        )
+        .await;
+    assert_eq!(t["tokens"], json!(ids));
+    let both = greedy(json!({"messages": cont, "continue_final_message": true}));
+    let (status, v) = s.post("/v1/chat/completions", &both).await;
+    assert_eq!(
+        (status, &v["error"]["param"]),
+        (StatusCode::BAD_REQUEST, &json!("add_generation_prompt")),
+        "{v}"
+    );
+
     let chunks = s.post_events("/v1/chat/completions", &greedy(json!({"messages": messages, "stream": true, "stream_options": {"include_usage": true}}))).await;
     assert_eq!(chunks[0]["choices"][0]["delta"]["role"], "assistant");
     let mut streamed = String::new();
