@@ -29,6 +29,9 @@ pub(crate) struct ChatView {
     pub(crate) prompt_ids: Option<Vec<u32>>,
     /// Answers are read for tool calls.
     pub(crate) tools: Option<crate::tools::Tools>,
+    /// `echo`: the text every answer starts with (the last message's, an
+    /// assistant's).
+    pub(crate) echo: Option<String>,
 }
 
 impl ChatView {
@@ -53,21 +56,30 @@ pub(crate) fn stream_chat(
     let head = ChunkHead::of(&group, "chat.completion.chunk", &model);
     let base =
         json!({"id": id, "object": "chat.completion.chunk", "created": created, "model": model});
-    let first: Vec<Value> = (0..group.n())
-            .map(|i| {
-                let mut v = base.clone();
-                v["choices"] = json!([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": null, "finish_reason": null}]);
-                if usage.include {
-                    v["usage"] = Value::Null;
+    let opening = |i: usize, delta: Value| {
+        let mut v = base.clone();
+        v["choices"] =
+            json!([{"index": i, "delta": delta, "logprobs": null, "finish_reason": null}]);
+        if usage.include {
+            v["usage"] = Value::Null;
+        }
+        v
+    };
+    let mut first: Vec<Value> = (0..group.n())
+        .map(|i| {
+            let mut v = opening(i, json!({"role": "assistant", "content": ""}));
+            if i == 0 {
+                if let Some(ids) = &view.prompt_ids {
+                    v["prompt_token_ids"] = json!(ids);
                 }
-                if i == 0 {
-                    if let Some(ids) = &view.prompt_ids {
-                        v["prompt_token_ids"] = json!(ids);
-                    }
-                }
-                v
-            })
-            .collect();
+            }
+            v
+        })
+        .collect();
+    // The echoed text, a chunk per choice after the roles (as vLLM sends it).
+    if let Some(e) = &view.echo {
+        first.extend((0..group.n()).map(|i| opening(i, json!({"content": e}))));
+    }
     let mut calls: Vec<crate::tools::Streamed> = (0..group.n())
         .map(|_| crate::tools::Streamed::default())
         .collect();
@@ -124,6 +136,10 @@ pub(crate) async fn whole_chat(
                     finish.as_str(),
                 ),
             };
+            let mut message = message;
+            if let (Some(e), Some(text)) = (&view.echo, message["content"].as_str()) {
+                message["content"] = json!(format!("{e}{text}"));
+            }
             let mut v = json!({
                 "index": i,
                 "message": message,

@@ -644,6 +644,12 @@ pub async fn chat_completions(
         "chatcmpl-",
     )?;
     let (messages, max_tokens) = check_chat_request(&state, &req)?;
+    // vLLM's chat `echo`: an answer starts with the last message's text
+    // when that message is the assistant's own (the role it answers in).
+    let echo = messages
+        .last()
+        .filter(|m| req.echo == Some(true) && m.role == "assistant" && !m.content.is_empty())
+        .map(|m| m.content.clone());
     // Validate sampling fields before the (costly) template and tokenizer
     // (`max_tokens` is settled below once the prompt's length is known).
     let n = parse_n(req.n, req.best_of)?;
@@ -701,6 +707,7 @@ pub async fn chat_completions(
         return_token_ids,
         prompt_ids: return_token_ids.then(|| prompt_tokens.clone()),
         tools: tools.filter(crate::tools::Tools::reads_calls),
+        echo,
     };
     let prompt = PromptIn::new(prompt_tokens, req.cache_salt.clone())?;
     let mut group = admit_group(&state, ids, prompt, params, kv, arrived, n).await?;
@@ -738,12 +745,6 @@ fn check_chat_request(
         Some(n) => Some(n),
         None => parse_max_tokens("max_tokens", req.max_tokens)?,
     };
-    if req.echo == Some(true) {
-        return Err(ApiError::invalid_param(
-            "echo",
-            "echo is not supported on chat completions",
-        ));
-    }
     Ok((messages, max_tokens))
 }
 

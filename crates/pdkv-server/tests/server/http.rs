@@ -249,6 +249,34 @@ async fn chat_completions_stream_and_not() {
         raw["choices"][0]["text"],
         v["choices"][0]["message"]["content"]
     );
+    // `echo`: the answer starts with the continued message's text, whole
+    // and streamed (a chunk after the role); a last message of another
+    // role is not echoed.
+    let mut echoed = ask.clone();
+    echoed["echo"] = json!(true);
+    let (_, e) = s.post("/v1/chat/completions", &echoed).await;
+    let answer = v["choices"][0]["message"]["content"].as_str().unwrap();
+    assert_eq!(
+        e["choices"][0]["message"]["content"],
+        format!("Hi, I am{answer}")
+    );
+    echoed["stream"] = json!(true);
+    let chunks = s.post_events("/v1/chat/completions", &echoed).await;
+    assert_eq!(chunks[0]["choices"][0]["delta"]["role"], "assistant");
+    assert_eq!(chunks[1]["choices"][0]["delta"]["content"], "Hi, I am");
+    let streamed: String = chunks
+        .iter()
+        .filter_map(|c| c["choices"][0]["delta"]["content"].as_str())
+        .collect();
+    assert_eq!(streamed, format!("Hi, I am{answer}"));
+    let (_, plain) = s
+        .post(
+            "/v1/chat/completions",
+            &greedy(json!({"messages": messages, "echo": true})),
+        )
+        .await;
+    assert_eq!(plain["choices"][0]["message"]["content"], content.as_str());
+
     // /tokenize gives that prompt too; both endings at once are refused.
     let (_, t) = s
         .post(

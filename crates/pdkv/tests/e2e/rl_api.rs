@@ -392,11 +392,6 @@ async fn refused_fields_answer_400_naming_them() {
         ),
         (
             "/v1/chat/completions",
-            json!({"messages": messages, "echo": true}),
-            "echo",
-        ),
-        (
-            "/v1/chat/completions",
             json!({"messages": messages, "top_logprobs": 2}),
             "top_logprobs",
         ),
