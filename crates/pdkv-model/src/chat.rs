@@ -86,49 +86,18 @@ impl ChatTemplate {
         messages: &[ChatMessage],
         add_generation_prompt: bool,
     ) -> anyhow::Result<String> {
-        self.render_with(messages, add_generation_prompt, &serde_json::Map::new())
+        let ending = if add_generation_prompt {
+            Ending::NextTurn
+        } else {
+            Ending::Closed
+        };
+        self.render_ending(messages, ending, &serde_json::Map::new())
     }
 
-    /// [`ChatTemplate::render`] with extra template variables (a request's
-    /// `chat_template_kwargs`, e.g. `enable_thinking`); the conversation,
-    /// `add_generation_prompt` and the special tokens win over a variable
-    /// of the same name.
-    pub fn render_with(
-        &self,
-        messages: &[ChatMessage],
-        add_generation_prompt: bool,
-        kwargs: &serde_json::Map<String, serde_json::Value>,
-    ) -> anyhow::Result<String> {
-        let env = self.environment();
-        let tmpl = env
-            .template_from_str(&self.source)
-            .map_err(|e| anyhow::anyhow!("chat template does not compile: {e:#}"))?;
-        let extra = minijinja::Value::from_serialize(kwargs);
-        tmpl.render(minijinja::context! {
-            messages => messages,
-            add_generation_prompt => add_generation_prompt,
-            bos_token => &self.bos_token,
-            eos_token => &self.eos_token,
-            ..extra
-        })
-        .map_err(|e| anyhow::anyhow!("chat template failed to render: {e:#}"))
-    }
-}
-
-/// How a conversation's rendering ends.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Ending {
-    /// After the last message, as the template closes it.
-    Closed,
-    /// With the assistant's turn opening (`add_generation_prompt`).
-    NextTurn,
-    /// Inside the last message, right after its text, so that the model
-    /// continues it (vLLM's `continue_final_message`).
-    ContinueLast,
-}
-
-impl ChatTemplate {
-    /// [`ChatTemplate::render_with`], ending as `ending` says. To continue
+    /// Renders the conversation ending as `ending` says, with extra template
+    /// variables (a request's `chat_template_kwargs`, e.g.
+    /// `enable_thinking`; the conversation, `add_generation_prompt` and the
+    /// special tokens win over a variable of the same name). To continue
     /// the last message, the conversation is rendered closed and cut right
     /// after the last occurrence of that message's text (or of its text
     /// trimmed, for templates that trim messages), as Hugging Face's
@@ -140,7 +109,20 @@ impl ChatTemplate {
         ending: Ending,
         kwargs: &serde_json::Map<String, serde_json::Value>,
     ) -> anyhow::Result<String> {
-        let text = self.render_with(messages, ending == Ending::NextTurn, kwargs)?;
+        let env = self.environment();
+        let tmpl = env
+            .template_from_str(&self.source)
+            .map_err(|e| anyhow::anyhow!("chat template does not compile: {e:#}"))?;
+        let extra = minijinja::Value::from_serialize(kwargs);
+        let text = tmpl
+            .render(minijinja::context! {
+                messages => messages,
+                add_generation_prompt => ending == Ending::NextTurn,
+                bos_token => &self.bos_token,
+                eos_token => &self.eos_token,
+                ..extra
+            })
+            .map_err(|e| anyhow::anyhow!("chat template failed to render: {e:#}"))?;
         if ending != Ending::ContinueLast {
             return Ok(text);
         }
@@ -160,6 +142,18 @@ impl ChatTemplate {
             })?;
         Ok(text[..end].to_string())
     }
+}
+
+/// How a conversation's rendering ends.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Ending {
+    /// After the last message, as the template closes it.
+    Closed,
+    /// With the assistant's turn opening (`add_generation_prompt`).
+    NextTurn,
+    /// Inside the last message, right after its text, so that the model
+    /// continues it (vLLM's `continue_final_message`).
+    ContinueLast,
 }
 
 #[cfg(test)]
@@ -255,7 +249,7 @@ mod tests {
             "tools".into(),
             serde_json::json!([{"type": "function", "function": {"name": "get_time"}}]),
         );
-        let out = t.render_with(&msgs, false, &vars).unwrap();
+        let out = t.render_ending(&msgs, Ending::Closed, &vars).unwrap();
         assert_eq!(
             out,
             // trim_blocks eats the newline after each block tag, as in
