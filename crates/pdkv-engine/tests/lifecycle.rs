@@ -601,14 +601,9 @@ fn abort_requests_and_reset_prefix_cache_with_running_requests() {
         .add_request(request("b", prompt(8, 40), greedy(200)))
         .unwrap();
     e.wait_stats(T, |s| s.num_running == 2).expect("both run");
-    assert!(
-        !e.reset_prefix_cache_with(false, false),
-        "blocks are in use"
-    );
-    assert!(
-        e.reset_prefix_cache_with(true, false),
-        "running requests are preempted first"
-    );
+    assert!(!e.reset_prefix_cache_with(false, false), "blocks in use");
+    let preempting = e.reset_prefix_cache_with(true, false);
+    assert!(preempting, "running requests are preempted first");
     let found = e.abort_requests(&["a".to_string(), "nope".to_string()]);
     assert_eq!(found, vec!["a".to_string()]);
     assert_eq!(collect(a).finish, Some(FinishReason::Abort));
