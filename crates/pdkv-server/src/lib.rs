@@ -291,6 +291,8 @@ pub fn router(state: AppState) -> Router {
     app.merge(openai)
         .route("/version", get(tokenize::version))
         .route("/health", get(routes::health))
+        // vLLM's alias of /health (for SageMaker), by GET or POST.
+        .route("/ping", get(routes::health).post(routes::health))
         .route("/kv_transfer/info", get(routes::kv_transfer_info))
         .route("/weight_sync/manifest", get(routes::weight_sync_manifest))
         .route("/metrics", get(routes::metrics))

@@ -494,6 +494,8 @@ async fn bad_requests_get_openai_errors() {
 async fn stopped_engine_is_503_and_unhealthy() {
     let s = Server::start().await;
     assert_eq!(s.health().await, StatusCode::OK);
+    let ping = s.client.get(s.url("/ping")).send().await.unwrap();
+    assert_eq!(ping.status(), StatusCode::OK);
     s.engine.shutdown();
     let (status, body) = s.post("/v1/completions", &json!({"prompt": "a"})).await;
     assert_openai_error(
@@ -503,6 +505,16 @@ async fn stopped_engine_is_503_and_unhealthy() {
         "after shutdown",
     );
     assert_eq!(s.health().await, StatusCode::SERVICE_UNAVAILABLE);
+    // `/ping`, vLLM's alias, answers as `/health` does, by GET or POST.
+    let get = s.client.get(s.url("/ping")).send().await.unwrap();
+    let post = s.client.post(s.url("/ping")).send().await.unwrap();
+    assert_eq!(
+        (get.status(), post.status()),
+        (
+            StatusCode::SERVICE_UNAVAILABLE,
+            StatusCode::SERVICE_UNAVAILABLE
+        )
+    );
     s.stop().await;
 }
 
