@@ -545,11 +545,13 @@ async fn dev_mode_opens_the_lifecycle_routes_and_their_dialects() {
     .await;
     assert_eq!(v["success"], true);
 
-    // An empty abort list ends every request in flight.
+    // An empty abort list ends every request in flight (two as long as the
+    // context allows: 500 tokens each could end between two polls).
     let client = s.client.clone();
     let url = s.url("/inference/v1/generate");
+    let max_tokens = s.engine.max_model_len() - 16;
     let long = tokio::spawn(async move {
-        let body = json!({"token_ids": PROMPT, "sampling_params": {"max_tokens": 500, "ignore_eos": true, "n": 2}});
+        let body = json!({"token_ids": PROMPT, "sampling_params": {"max_tokens": max_tokens, "ignore_eos": true, "n": 2}});
         pdkv_testkit::http::answer(client.post(url).json(&body)).await
     });
     s.wait_metrics("two requests running", |m| {
