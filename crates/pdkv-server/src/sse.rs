@@ -47,11 +47,11 @@ enum Phase {
 struct SseState<F> {
     outputs: BoxStream<'static, (usize, Option<RequestOutput>)>,
     num_prompt_tokens: usize,
-    generated: usize,
     /// Choices not finished yet.
     open: usize,
     usage: StreamUsage,
-    /// Per choice: its prompt's tokens and the tokens it generated so far.
+    /// Per choice: its prompt's tokens and the tokens it generated so far
+    /// (the request's usage sums them).
     choice_usage: Vec<(usize, usize)>,
     /// Lead each event with its output token ids ([`TOKEN_IDS_COMMENT`]).
     report_token_ids: bool,
@@ -135,7 +135,6 @@ impl<F: ChunkFn> SseState<F> {
                         let err = failed_request(&out);
                         return Some(format!("data: {}\n\ndata: [DONE]\n\n", err.body_json()));
                     }
-                    self.generated += out.token_ids.len();
                     if let Some(u) = self.choice_usage.get_mut(index) {
                         u.1 += out.token_ids.len();
                     }
@@ -168,7 +167,7 @@ impl<F: ChunkFn> SseState<F> {
                         out.push_str(&sse_event(&json!({
                             "id": h.id, "object": h.object, "created": h.created, "model": h.model,
                             "choices": [],
-                            "usage": usage_json(self.num_prompt_tokens, self.generated),
+                            "usage": usage_json(self.num_prompt_tokens, self.choice_usage.iter().map(|u| u.1).sum()),
                         })));
                     }
                     out.push_str("data: [DONE]\n\n");
@@ -195,7 +194,6 @@ pub fn sse_response<F: ChunkFn>(
     let first = if group.continues { Vec::new() } else { first };
     let state = SseState {
         num_prompt_tokens: group.num_prompt_tokens,
-        generated: group.resumed,
         open: group.n(),
         report_token_ids: group.report_token_ids,
         choice_usage: group.choice_usage(),
