@@ -644,6 +644,7 @@ pub async fn chat_completions(
         "chatcmpl-",
     )?;
     let (messages, max_tokens) = check_chat_request(&state, &req)?;
+    let ending = chat_ending(req.add_generation_prompt, req.continue_final_message)?;
     // vLLM's chat `echo`: an answer starts with the last message's text
     // when that message is the assistant's own (the role it answers in).
     let echo = messages
@@ -675,7 +676,6 @@ pub async fn chat_completions(
     }
 
     // The template already places BOS and other special tokens.
-    let ending = chat_ending(req.add_generation_prompt, req.continue_final_message)?;
     let prompt_tokens = chat_prompt_tokens_with(
         &state,
         messages,
