@@ -129,14 +129,13 @@ pub(crate) async fn whole_chat(
     let (done, choices) = group
         .collect_answers(|i, c| {
             let finish = c.finish_reason.unwrap_or(FinishReason::Abort);
-            let (message, finish) = match &view.tools {
+            let (mut message, finish) = match &view.tools {
                 Some(t) => crate::tools::message(t, &c.text, finish),
                 None => (
                     json!({"role": "assistant", "content": c.text}),
                     finish.as_str(),
                 ),
             };
-            let mut message = message;
             if let (Some(e), Some(text)) = (&view.echo, message["content"].as_str()) {
                 message["content"] = json!(format!("{e}{text}"));
             }

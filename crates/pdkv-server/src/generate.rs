@@ -32,12 +32,12 @@ use crate::error::ApiError;
 use crate::fields::{Body, Screen, Screened};
 use crate::listen::PeerAddr;
 use crate::logprobs::{self, Names};
-use crate::openai::{parse_max_tokens, Endpoint, SamplingFields, StreamOptions, StreamUsage};
+use crate::openai::{parse_max_tokens, Endpoint, SamplingFields, StreamOptions};
 use crate::routes::{
     check_model, check_sampling_ids, check_token_ids, choose_request_id, reports_token_ids,
     truncate_prompt,
 };
-use crate::sse::{sse_response, ChunkHead};
+use crate::sse::{sse_response, ChunkHead, StreamUsage};
 use crate::AppState;
 
 /// The body of `POST /inference/v1/generate`.

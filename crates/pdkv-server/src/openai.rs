@@ -16,7 +16,7 @@ use serde::Deserialize;
 use serde_json::Value;
 
 use crate::error::ApiError;
-pub use crate::sse::StreamUsage;
+use crate::sse::StreamUsage;
 
 /// Default `max_tokens` of `/v1/completions`, as in the OpenAI API.
 pub const DEFAULT_COMPLETION_MAX_TOKENS: u32 = 16;

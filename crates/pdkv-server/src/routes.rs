@@ -23,9 +23,9 @@ use crate::logprobs;
 use crate::metrics::LifecycleGauges;
 use crate::openai::{
     chat_messages, parse_max_tokens, parse_prompts, ChatRequest, CompletionRequest, Endpoint,
-    Prompt, SamplingFields, StreamOptions, StreamUsage, DEFAULT_COMPLETION_MAX_TOKENS,
+    Prompt, SamplingFields, StreamOptions, DEFAULT_COMPLETION_MAX_TOKENS,
 };
-use crate::sse::{sse_response, ChunkHead};
+use crate::sse::{sse_response, ChunkHead, StreamUsage};
 use crate::AppState;
 
 pub(crate) fn check_model(state: &AppState, model: Option<&str>) -> Result<(), ApiError> {
