@@ -244,6 +244,18 @@ fn is_empty(v: &Value) -> bool {
         _ => false,
     }
 }
+/// A value that a Python `if` takes as true (vLLM's validators test fields
+/// this way): not null, false, zero or empty.
+fn truthy(v: &Value) -> bool {
+    match v {
+        Value::Null => false,
+        Value::Bool(b) => *b,
+        Value::Number(n) => n.as_f64() != Some(0.0),
+        Value::String(s) => !s.is_empty(),
+        Value::Array(a) => !a.is_empty(),
+        Value::Object(o) => !o.is_empty(),
+    }
+}
 /// Fields that change nothing here whatever their value (`parallel_tool_calls`
 /// without tools; `output_kind`, which the API sets itself).
 fn is_anything(_: &Value) -> bool {
@@ -323,6 +335,17 @@ pub fn screen_bytes(bytes: &[u8], body: Body, metrics: &Metrics) -> Result<(), A
         return Ok(());
     };
     screen(&obj, body, "", metrics)?;
+    if matches!(body, Body::Completions | Body::Chat)
+        && obj.get("stream_options").is_some_and(truthy)
+        && obj.get("stream") != Some(&Value::Bool(true))
+    {
+        // vLLM's rule: options of a stream that is not asked for are a
+        // mistake to name, not a no-op (an empty object passes, as there).
+        return Err(ApiError::invalid_param(
+            "stream_options",
+            "stream_options can only be given with stream: true",
+        ));
+    }
     if body == Body::Generate {
         if let Some(Value::Object(sp)) = obj.get("sampling_params") {
             screen(sp, Body::GenerateSampling, "sampling_params.", metrics)?;
@@ -381,6 +404,27 @@ mod tests {
         .0
         .unwrap_err();
         assert_eq!(e.param.as_deref(), Some("sampling_params.bad_words"));
+    }
+
+    #[test]
+    fn stream_options_without_a_stream_are_a_400_naming_them() {
+        let opts = json!({"include_usage": true});
+        for (stream, body) in [(json!(false), Body::Completions), (Value::Null, Body::Chat)] {
+            let mut v = json!({"prompt": "x", "stream_options": opts});
+            if !stream.is_null() {
+                v["stream"] = stream;
+            }
+            let e = run(v, body).0.unwrap_err();
+            assert_eq!(e.param.as_deref(), Some("stream_options"));
+        }
+        // With a stream, or empty or null (as vLLM's check lets them by).
+        for v in [
+            json!({"prompt": "x", "stream": true, "stream_options": opts}),
+            json!({"prompt": "x", "stream_options": {}}),
+            json!({"prompt": "x", "stream": false, "stream_options": null}),
+        ] {
+            assert!(run(v, Body::Completions).0.is_ok());
+        }
     }
 
     #[test]
