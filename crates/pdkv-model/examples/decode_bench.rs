@@ -61,7 +61,7 @@ fn main() -> anyhow::Result<()> {
     let bw = measure_copy_bandwidth()?;
     println!("copy bandwidth: {:.2} GB/s", bw / 1e9);
     for b in batches {
-        let r = decode_throughput(&model, &pool, (b, context, steps), KvDtype::F32)?;
+        let r = decode_throughput(&model, &pool, (b, context, steps), KvDtype::F32, None)?;
         let roof = bw / r.weight_bytes_per_token as f64;
         println!(
             "batch {:>3} context {:>4}: {:>8.1} tok/s  step {:>7.2} ms  weights {:.0} MB/step  {:.2} GB/s  roofline(batch 1) {:.1} steps/s  fraction {:.2}",

@@ -15,32 +15,88 @@ use crate::{KvCache, KvDtype, Model, SeqInput, Workspace, BLOCK_SIZE};
 /// huge pages where the kernel has them), so that a roofline fraction
 /// compares like with like.
 pub fn measure_copy_bandwidth() -> anyhow::Result<f64> {
+    Ok(CopyBench::new()?.measure())
+}
+
+/// The two arrays [`measure_copy_bandwidth`] copies between, allocated (and
+/// touched) once, so that a benchmark can measure the copy bandwidth again
+/// beside each of its timed rounds ([`Rounds`]).
+pub struct CopyBench {
+    src: std::sync::Arc<pdkv_vmem::Region>,
+    dst: std::sync::Arc<pdkv_vmem::Region>,
+}
+
+impl CopyBench {
     const BYTES: usize = 256 << 20;
     const PASSES: usize = 5;
-    let n = BYTES / 4;
-    let pool = Pool::default();
-    let private = || pool.allocate_backed(pdkv_vmem::Tag::Runtime, BYTES, Backing::Private);
-    let (a, b) = (private()?, private()?);
-    // SAFETY: two fresh regions of `BYTES` each, page-aligned, no other
-    // views; they live until the end of this function.
-    let (src, dst) = unsafe { (a.slice_mut::<f32>(0, n), b.slice_mut::<f32>(0, n)) };
-    for (i, v) in src.iter_mut().enumerate() {
-        *v = i as f32;
-    }
-    let chunk = 1 << 18;
-    let mut best = 0f64;
-    kernels::thread_pool().install(|| {
-        for _ in 0..PASSES {
-            let t = Instant::now();
-            dst.par_chunks_mut(chunk)
-                .zip(src.par_chunks(chunk))
-                .for_each(|(d, s)| d.copy_from_slice(s));
-            let secs = t.elapsed().as_secs_f64();
-            best = best.max((2 * BYTES) as f64 / secs);
+
+    pub fn new() -> anyhow::Result<CopyBench> {
+        let pool = Pool::default();
+        let private =
+            || pool.allocate_backed(pdkv_vmem::Tag::Runtime, Self::BYTES, Backing::Private);
+        let mut bench = CopyBench {
+            src: private()?,
+            dst: private()?,
+        };
+        let (src, _) = bench.arrays();
+        for (i, v) in src.iter_mut().enumerate() {
+            *v = i as f32;
         }
-    });
-    std::hint::black_box(&dst);
-    Ok(best)
+        // The first pass touches the destination's pages.
+        bench.measure();
+        Ok(bench)
+    }
+
+    /// The two arrays, borrowed for as long as `self` is.
+    fn arrays(&mut self) -> (&mut [f32], &mut [f32]) {
+        let n = Self::BYTES / 4;
+        // SAFETY: two distinct regions of `BYTES` each, page-aligned, only
+        // ever viewed through this function, whose `&mut self` makes these
+        // the only views while they live.
+        unsafe {
+            (
+                self.src.slice_mut::<f32>(0, n),
+                self.dst.slice_mut::<f32>(0, n),
+            )
+        }
+    }
+
+    /// Bytes per second, best of [`Self::PASSES`] copies.
+    pub fn measure(&mut self) -> f64 {
+        let chunk = 1 << 18;
+        let mut best = 0f64;
+        let (src, dst) = self.arrays();
+        kernels::thread_pool().install(|| {
+            for _ in 0..Self::PASSES {
+                let t = Instant::now();
+                dst.par_chunks_mut(chunk)
+                    .zip(src.par_chunks(chunk))
+                    .for_each(|(d, s)| d.copy_from_slice(s));
+                let secs = t.elapsed().as_secs_f64();
+                best = best.max((2 * Self::BYTES) as f64 / secs);
+            }
+        });
+        std::hint::black_box(dst);
+        best
+    }
+}
+
+/// Timed steps in rounds, the copy bandwidth measured just before each
+/// ([`DecodeResult::rounds`]): on a machine whose other tenants come and
+/// go, a step's weight streaming rate is compared with the bandwidth of
+/// the same moment, not of the start of the run.
+pub struct Rounds<'a> {
+    pub copy: &'a mut CopyBench,
+    pub count: usize,
+}
+
+/// One round of [`Rounds`].
+#[derive(Clone, Copy, Debug)]
+pub struct Round {
+    pub steps: usize,
+    pub seconds: f64,
+    /// Bytes per second, measured just before the round.
+    pub copy_bandwidth: f64,
 }
 
 /// Result of [`decode_throughput`].
@@ -60,6 +116,24 @@ pub struct DecodeResult {
     /// Seconds per timed step in each operation, when the per-operation
     /// clock was on ([`crate::profile::enable`]; zeros otherwise).
     pub profile: Vec<(crate::profile::Op, f64)>,
+    /// The timed steps in rounds, when [`Rounds`] were asked for.
+    pub rounds: Vec<Round>,
+}
+
+impl DecodeResult {
+    /// Each round's weight streaming rate over the copy bandwidth measured
+    /// just before it, sorted (empty without rounds).
+    pub fn paired_fractions(&self) -> Vec<f64> {
+        let mut f: Vec<f64> = self
+            .rounds
+            .iter()
+            .map(|r| {
+                r.steps as f64 * self.weight_bytes_per_token as f64 / r.seconds / r.copy_bandwidth
+            })
+            .collect();
+        f.sort_by(f64::total_cmp);
+        f
+    }
 }
 
 /// Prefills `batch` sequences of `context` tokens, then times `steps`
@@ -69,15 +143,20 @@ pub fn decode_throughput(
     pool: &Pool,
     (batch, context, steps): (usize, usize, usize),
     kv_dtype: KvDtype,
+    rounds: Option<Rounds<'_>>,
 ) -> anyhow::Result<DecodeResult> {
-    let blocks_per_seq = blocks_per_seq(batch, context, steps)?;
+    let blocks_per_seq = blocks_per_seq(batch, context, steps + warming_steps(&rounds, steps))?;
     let cfg = model.config();
     let kv = KvCache::new(pool, cfg, batch * blocks_per_seq, kv_dtype)?;
     let mut ws = Workspace::new(pool, cfg, context.min(PREFILL_CHUNK).max(batch))?;
     let bytes = model.weights().bytes_read_per_token();
-    decode_steps(cfg, bytes, (batch, context, steps), &mut |seqs, out| {
-        model.forward(&kv, &mut ws, seqs, out)
-    })
+    decode_steps(
+        cfg,
+        bytes,
+        (batch, context, steps),
+        rounds,
+        &mut |seqs, out| model.forward(&kv, &mut ws, seqs, out),
+    )
 }
 
 /// Tokens per prefill step in the decode benchmark.
@@ -100,8 +179,9 @@ pub fn decode_throughput_tp(
     size: usize,
     (batch, context, steps): (usize, usize, usize),
     kv_dtype: KvDtype,
+    rounds: Option<Rounds<'_>>,
 ) -> anyhow::Result<DecodeResult> {
-    let blocks_per_seq = blocks_per_seq(batch, context, steps)?;
+    let blocks_per_seq = blocks_per_seq(batch, context, steps + warming_steps(&rounds, steps))?;
     let pools = (0..size).map(|_| Pool::default()).collect();
     let max_tokens = context.min(PREFILL_CHUNK).max(batch);
     let mut tpm =
@@ -111,22 +191,34 @@ pub fn decode_throughput_tp(
         model.config(),
         bytes,
         (batch, context, steps),
+        rounds,
         &mut |seqs, out| tpm.forward_with_rows(seqs, &[], out),
     )
+}
+
+/// The untimed steps [`Rounds`] add, one a round, on top of the timed ones.
+fn warming_steps(rounds: &Option<Rounds<'_>>, steps: usize) -> usize {
+    rounds
+        .as_ref()
+        .map_or(0, |r| r.count.clamp(1, steps.max(1)))
 }
 
 /// A forward pass over a batch, writing the logits rows.
 type StepFn<'a> = dyn FnMut(&[SeqInput<'_>], &mut Vec<f32>) -> anyhow::Result<()> + 'a;
 
 /// The decode benchmark over `step`: prefills `batch` sequences of
-/// `context` tokens, then times `steps` decode steps of all of them.
+/// `context` tokens, then times `steps` decode steps of all of them (in
+/// `rounds`, where given: before each, the copy bandwidth is measured and
+/// one untimed step warms the caches the copy flushed).
 fn decode_steps(
     cfg: &crate::ModelConfig,
     bytes: usize,
     (batch, context, steps): (usize, usize, usize),
+    mut rounds: Option<Rounds<'_>>,
     step_fn: &mut StepFn<'_>,
 ) -> anyhow::Result<DecodeResult> {
-    let blocks_per_seq = blocks_per_seq(batch, context, steps)?;
+    let count = warming_steps(&rounds, steps).max(1);
+    let blocks_per_seq = blocks_per_seq(batch, context, steps + warming_steps(&rounds, steps))?;
     let chunk = context.min(PREFILL_CHUNK);
     let tables: Vec<Vec<u32>> = (0..batch)
         .map(|s| {
@@ -162,27 +254,59 @@ fn decode_steps(
     }
 
     let mut elapsed = 0f64;
-    // The prefill's operations are not the timed steps'.
-    crate::profile::take();
-    for step in 0..steps {
+    let mut done = Vec::with_capacity(count);
+    let mut pos = context;
+    let mut step = |logits: &mut Vec<f32>, next: &mut Vec<u32>| {
         let toks: Vec<[u32; 1]> = next.iter().map(|&t| [t]).collect();
         let inputs: Vec<SeqInput<'_>> = (0..batch)
             .map(|s| SeqInput {
                 tokens: &toks[s],
-                start_pos: context + step,
+                start_pos: pos,
                 block_table: &tables[s],
                 want_logits: true,
             })
             .collect();
         let t = Instant::now();
-        step_fn(&inputs, &mut logits)?;
-        elapsed += t.elapsed().as_secs_f64();
+        step_fn(&inputs, logits)?;
+        let secs = t.elapsed().as_secs_f64();
         for (s, row) in logits.chunks_exact(cfg.vocab_size).enumerate() {
             next[s] = argmax(row);
         }
+        pos += 1;
+        anyhow::Ok(secs)
+    };
+    // The timed steps' operations (not the prefill's or a warming step's).
+    let mut profile: Vec<(crate::profile::Op, f64)> = Vec::new();
+    for r in 0..count {
+        let in_round = steps / count + usize::from(r < steps % count);
+        let copy_bandwidth = match rounds.as_mut() {
+            Some(rs) => {
+                let bw = rs.copy.measure();
+                step(&mut logits, &mut next)?;
+                bw
+            }
+            None => 0.0,
+        };
+        crate::profile::take();
+        let mut seconds = 0.0;
+        for _ in 0..in_round {
+            seconds += step(&mut logits, &mut next)?;
+        }
+        for (i, (op, secs)) in crate::profile::take().into_iter().enumerate() {
+            match profile.get_mut(i) {
+                Some(p) => p.1 += secs,
+                None => profile.push((op, secs)),
+            }
+        }
+        elapsed += seconds;
+        done.push(Round {
+            steps: in_round,
+            seconds,
+            copy_bandwidth,
+        });
     }
     let steps_per_s = steps as f64 / elapsed;
-    let profile = crate::profile::take()
+    let profile = profile
         .into_iter()
         .map(|(op, secs)| (op, secs / steps as f64))
         .collect();
@@ -195,6 +319,7 @@ fn decode_steps(
         weight_bytes_per_token: bytes,
         weight_bandwidth: steps_per_s * bytes as f64,
         profile,
+        rounds: if rounds.is_some() { done } else { Vec::new() },
     })
 }
 

@@ -206,6 +206,20 @@ fn print_profile(r: &pdkv_model::bench::DecodeResult) {
     );
 }
 
+/// Rounds batch 1's timed steps are taken in, each after a measurement of
+/// the copy bandwidth: the share is their median, so that the bandwidth a
+/// step is compared with is that of the same moment on a shared machine.
+const B1_ROUNDS: usize = 8;
+
+/// The middle value of `sorted` (the mean of the two middle ones).
+fn median(sorted: &[f64]) -> f64 {
+    match sorted.len() {
+        0 => f64::NAN,
+        n if n % 2 == 1 => sorted[n / 2],
+        n => (sorted[n / 2 - 1] + sorted[n / 2]) / 2.0,
+    }
+}
+
 pub fn run_decode(args: DecodeArgs) -> anyhow::Result<()> {
     anyhow::ensure!(!args.batch_sizes.is_empty(), "--batch-sizes is empty");
     anyhow::ensure!(
@@ -228,7 +242,8 @@ pub fn run_decode(args: DecodeArgs) -> anyhow::Result<()> {
     );
 
     eprintln!("measuring copy bandwidth");
-    let bandwidth = pdkv_model::bench::measure_copy_bandwidth()?;
+    let mut copy = pdkv_model::bench::CopyBench::new()?;
+    let bandwidth = copy.measure();
     println!("model: {} ({})", loaded.name, path.display());
     println!("copy bandwidth: {:.2} GB/s", bandwidth / 1e9);
     let region = &model.weights().region;
@@ -248,18 +263,25 @@ pub fn run_decode(args: DecodeArgs) -> anyhow::Result<()> {
     let mut per_batch: Vec<(usize, f64)> = Vec::new();
     let mut roofline_b1 = Value::Null;
     for &batch in &args.batch_sizes {
+        // Batch 1's share of the copy bandwidth is taken round by round.
+        let rounds = (batch == 1).then_some(pdkv_model::bench::Rounds {
+            copy: &mut copy,
+            count: B1_ROUNDS,
+        });
         let r = match args.tensor_parallel_size {
             1 => pdkv_model::bench::decode_throughput(
                 model,
                 &pool,
                 (batch, args.context, args.steps),
                 args.kv_cache_dtype,
+                rounds,
             ),
             n => pdkv_model::bench::decode_throughput_tp(
                 model,
                 n,
                 (batch, args.context, args.steps),
                 args.kv_cache_dtype,
+                rounds,
             ),
         }
         .with_context(|| format!("decoding at batch {batch}"))?;
@@ -268,12 +290,23 @@ pub fn run_decode(args: DecodeArgs) -> anyhow::Result<()> {
             print_profile(&r);
         }
         if batch == 1 {
-            let fraction = r.tokens_per_s * r.weight_bytes_per_token as f64 / bandwidth;
+            let fractions = r.paired_fractions();
+            let fraction = median(&fractions);
+            let mut bws: Vec<f64> = r.rounds.iter().map(|x| x.copy_bandwidth / 1e9).collect();
+            bws.sort_by(f64::total_cmp);
             println!(
                 "       batch 1 streams {:.2} GB/s of weights ({:.1} MiB per token): {:.1}% of copy bandwidth",
                 r.weight_bandwidth / 1e9,
                 r.weight_bytes_per_token as f64 / (1024.0 * 1024.0),
                 100.0 * fraction
+            );
+            println!(
+                "       (the median of {} rounds, each against the copy bandwidth measured just before it: {:.1}-{:.1}%, copy {:.1}-{:.1} GB/s)",
+                fractions.len(),
+                100.0 * fractions.first().copied().unwrap_or(f64::NAN),
+                100.0 * fractions.last().copied().unwrap_or(f64::NAN),
+                bws.first().copied().unwrap_or(f64::NAN),
+                bws.last().copied().unwrap_or(f64::NAN),
             );
             roofline_b1 = json!(fraction);
         }
