@@ -196,6 +196,11 @@ const REFUSED: &[(&str, IsNoOp, &str)] = &[
         "this server serves text models only",
     ),
     (
+        "media_io_kwargs",
+        is_empty,
+        "this server serves text models only",
+    ),
+    (
         "multi_modal_data",
         is_null,
         "this server serves text models only",
@@ -384,6 +389,10 @@ mod tests {
                 "use_beam_search",
             ),
             (json!({"prompt": "x", "priority": 3}), "priority"),
+            (
+                json!({"messages": [], "media_io_kwargs": {"video": {"num_frames": 8}}}),
+                "media_io_kwargs",
+            ),
             (
                 json!({"messages": [], "guided_decoding": {"json": {}}}),
                 "guided_decoding",
