@@ -321,11 +321,20 @@ impl IDot for Vnni {
         }
     }
 
-    /// The 32 bits are a byte mask as they stand (AVX-512 BW): one masked add.
+    /// The 32 bits are a byte mask as they stand (AVX-512 BW): one masked
+    /// byte shuffle looks each set byte's value up in a table of `i + 16`.
+    /// (A masked add says the same, but the compiler, knowing the values
+    /// are below 16, turns it into an OR and a blend: two instructions.)
     #[inline(always)]
     unsafe fn fifth(v: __m256i, bits: u32) -> __m256i {
         // SAFETY: the caller guarantees AVX-512 BW and VL; registers only.
-        unsafe { _mm256_mask_add_epi8(v, bits, v, _mm256_set1_epi8(0x10)) }
+        unsafe {
+            let plus16 = _mm256_setr_epi8(
+                16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 16, 17, 18, 19, 20,
+                21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31,
+            );
+            _mm256_mask_shuffle_epi8(v, bits, plus16, v)
+        }
     }
 }
 
