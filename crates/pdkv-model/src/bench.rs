@@ -145,7 +145,7 @@ pub fn decode_throughput(
     kv_dtype: KvDtype,
     rounds: Option<Rounds<'_>>,
 ) -> anyhow::Result<DecodeResult> {
-    let blocks_per_seq = blocks_per_seq(batch, context, steps + warming_steps(&rounds, steps))?;
+    let blocks_per_seq = blocks_per_seq(batch, context, steps)?;
     let cfg = model.config();
     let kv = KvCache::new(pool, cfg, batch * blocks_per_seq, kv_dtype)?;
     let mut ws = Workspace::new(pool, cfg, context.min(PREFILL_CHUNK).max(batch))?;
@@ -181,7 +181,7 @@ pub fn decode_throughput_tp(
     kv_dtype: KvDtype,
     rounds: Option<Rounds<'_>>,
 ) -> anyhow::Result<DecodeResult> {
-    let blocks_per_seq = blocks_per_seq(batch, context, steps + warming_steps(&rounds, steps))?;
+    let blocks_per_seq = blocks_per_seq(batch, context, steps)?;
     let pools = (0..size).map(|_| Pool::default()).collect();
     let max_tokens = context.min(PREFILL_CHUNK).max(batch);
     let mut tpm =
@@ -196,20 +196,14 @@ pub fn decode_throughput_tp(
     )
 }
 
-/// The untimed steps [`Rounds`] add, one a round, on top of the timed ones.
-fn warming_steps(rounds: &Option<Rounds<'_>>, steps: usize) -> usize {
-    rounds
-        .as_ref()
-        .map_or(0, |r| r.count.clamp(1, steps.max(1)))
-}
-
 /// A forward pass over a batch, writing the logits rows.
 type StepFn<'a> = dyn FnMut(&[SeqInput<'_>], &mut Vec<f32>) -> anyhow::Result<()> + 'a;
 
 /// The decode benchmark over `step`: prefills `batch` sequences of
 /// `context` tokens, then times `steps` decode steps of all of them (in
-/// `rounds`, where given: before each, the copy bandwidth is measured and
-/// one untimed step warms the caches the copy flushed).
+/// `rounds`, where given, the copy bandwidth measured before each: the
+/// copy flushes no cache a step reuses, as a step streams more weights
+/// than the last-level cache holds).
 fn decode_steps(
     cfg: &crate::ModelConfig,
     bytes: usize,
@@ -217,8 +211,10 @@ fn decode_steps(
     mut rounds: Option<Rounds<'_>>,
     step_fn: &mut StepFn<'_>,
 ) -> anyhow::Result<DecodeResult> {
-    let count = warming_steps(&rounds, steps).max(1);
-    let blocks_per_seq = blocks_per_seq(batch, context, steps + warming_steps(&rounds, steps))?;
+    let count = rounds
+        .as_ref()
+        .map_or(1, |r| r.count.clamp(1, steps.max(1)));
+    let blocks_per_seq = blocks_per_seq(batch, context, steps)?;
     let chunk = context.min(PREFILL_CHUNK);
     let tables: Vec<Vec<u32>> = (0..batch)
         .map(|s| {
@@ -275,16 +271,12 @@ fn decode_steps(
         pos += 1;
         anyhow::Ok(secs)
     };
-    // The timed steps' operations (not the prefill's or a warming step's).
+    // The timed steps' operations (not the prefill's).
     let mut profile: Vec<(crate::profile::Op, f64)> = Vec::new();
     for r in 0..count {
         let in_round = steps / count + usize::from(r < steps % count);
         let copy_bandwidth = match rounds.as_mut() {
-            Some(rs) => {
-                let bw = rs.copy.measure();
-                step(&mut logits, &mut next)?;
-                bw
-            }
+            Some(rs) => rs.copy.measure(),
             None => 0.0,
         };
         crate::profile::take();
