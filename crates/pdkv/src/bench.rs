@@ -211,15 +211,6 @@ fn print_profile(r: &pdkv_model::bench::DecodeResult) {
 /// step is compared with is that of the same moment on a shared machine.
 const B1_ROUNDS: usize = 8;
 
-/// The middle value of `sorted` (the mean of the two middle ones).
-fn median(sorted: &[f64]) -> f64 {
-    match sorted.len() {
-        0 => f64::NAN,
-        n if n % 2 == 1 => sorted[n / 2],
-        n => (sorted[n / 2 - 1] + sorted[n / 2]) / 2.0,
-    }
-}
-
 pub fn run_decode(args: DecodeArgs) -> anyhow::Result<()> {
     anyhow::ensure!(!args.batch_sizes.is_empty(), "--batch-sizes is empty");
     anyhow::ensure!(
@@ -291,7 +282,7 @@ pub fn run_decode(args: DecodeArgs) -> anyhow::Result<()> {
         }
         if batch == 1 {
             let fractions = r.paired_fractions();
-            let fraction = median(&fractions);
+            let fraction = crate::bench_sleep::median(&fractions);
             let mut bws: Vec<f64> = r.rounds.iter().map(|x| x.copy_bandwidth / 1e9).collect();
             bws.sort_by(f64::total_cmp);
             println!(

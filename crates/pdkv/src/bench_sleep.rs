@@ -69,7 +69,8 @@ struct LevelResult {
     probes_run: usize,
 }
 
-fn median(v: &[f64]) -> f64 {
+/// The middle value of `v` (the mean of the two middle ones; NaN if empty).
+pub(crate) fn median(v: &[f64]) -> f64 {
     if v.is_empty() {
         return f64::NAN;
     }
