@@ -37,8 +37,13 @@ pub(super) fn prefill_body(req: &Map<String, Value>, endpoint: Endpoint, params:
     if endpoint == Endpoint::ChatCompletions && body.contains_key("max_completion_tokens") {
         body.insert("max_completion_tokens".into(), json!(1));
     }
+    // Options of a stream the client asked for go; options without one
+    // stay, so that P refuses them (a 400 naming them, as D would) before
+    // any KV is computed for a request D would refuse.
+    if body.get("stream") == Some(&Value::Bool(true)) {
+        body.remove("stream_options");
+    }
     body.insert("stream".into(), json!(false));
-    body.remove("stream_options");
     body.insert("kv_transfer_params".into(), params);
     serde_json::to_vec(&body).unwrap_or_default()
 }
@@ -80,11 +85,21 @@ mod tests {
         assert_eq!(p["temperature"], 0);
 
         let chat = obj(json!({"messages": [], "max_completion_tokens": 9}));
-        let p: Value =
-            serde_json::from_slice(&prefill_body(&chat, Endpoint::ChatCompletions, params))
-                .unwrap();
+        let p: Value = serde_json::from_slice(&prefill_body(
+            &chat,
+            Endpoint::ChatCompletions,
+            params.clone(),
+        ))
+        .unwrap();
         assert_eq!(p["max_completion_tokens"], 1);
         assert_eq!(p["max_tokens"], 1);
+
+        // Without a stream, the options stay for P to refuse.
+        let unstreamed = obj(json!({"prompt": "hi", "stream_options": {"include_usage": true}}));
+        let p: Value =
+            serde_json::from_slice(&prefill_body(&unstreamed, Endpoint::Completions, params))
+                .unwrap();
+        assert_eq!(p["stream_options"], json!({"include_usage": true}));
     }
 
     #[test]
