@@ -590,8 +590,16 @@ fn bench_against_f32_matmul() {
     let ms: Vec<usize> = std::env::var("PDKV_BENCH_M")
         .map(|s| s.split(',').map(|m| m.trim().parse().unwrap()).collect())
         .unwrap_or_else(|_| vec![1, 32, 512]);
+    // PDKV_BENCH_TYPES=Q5_0,Q4_1 (the formats' names) times those formats only.
+    let types: Vec<QType> = match std::env::var("PDKV_BENCH_TYPES") {
+        Ok(s) => TYPES
+            .into_iter()
+            .filter(|ty| s.split(',').any(|t| t.trim() == format!("{ty:?}")))
+            .collect(),
+        Err(_) => TYPES.to_vec(),
+    };
     for m in ms {
-        for ty in TYPES {
+        for &ty in &types {
             let (k, n) = shape(ty);
             let xf = rand_acts(20, m, k);
             let gflop = 2.0 * (m * k * n) as f64 / 1e9;
