@@ -45,6 +45,68 @@ pub(super) unsafe fn unpack_super(ty: QType, blk: *const u8, j: usize) -> __m256
     }
 }
 
+/// The 16 bytes at `a + o` in the low half, at `b + o` in the high half.
+///
+/// # Safety
+/// The CPU has AVX2; 16 bytes are readable at `a + o` and at `b + o`.
+#[inline(always)]
+pub(super) unsafe fn halves(a: *const u8, b: *const u8, o: usize) -> __m256i {
+    // SAFETY: the caller guarantees AVX2 and both 16-byte reads.
+    unsafe {
+        _mm256_inserti128_si256::<1>(
+            _mm256_castsi128_si256(_mm_loadu_si128(a.add(o) as *const __m128i)),
+            _mm_loadu_si128(b.add(o) as *const __m128i),
+        )
+    }
+}
+
+/// Block `j` of the Q4_K/Q5_K super-blocks at `a` and `b` (two rows'),
+/// paired as `simd::unpack_pair` pairs Q4_0's: `(lo, hi)`, values 0..16
+/// (then 16..32) of `a`'s block in the low half and of `b`'s in the high
+/// half. A row's 32 nibble bytes hold two blocks (`j` even: the low
+/// nibbles), so each half is one 16-byte load.
+///
+/// # Safety
+/// The CPU has AVX2; `a` and `b` point at whole Q4_K (Q5_K if `ty` says
+/// so) super-blocks, `j < 8`.
+#[inline(always)]
+pub(super) unsafe fn unpack_super_pair(
+    ty: QType,
+    a: *const u8,
+    b: *const u8,
+    j: usize,
+) -> (__m256i, __m256i) {
+    // SAFETY: the caller guarantees AVX2 and that `a` and `b` are whole
+    // Q4_K/Q5_K super-blocks: the 16-byte loads at 16 or 48 + 32*(j/2)
+    // (+ 16), and of the fifth bits at 16 (+ 16), are inside them (j < 8).
+    unsafe {
+        let five = ty == QType::Q5_K;
+        let at = if five { 48 } else { 16 } + (j / 2) * 32;
+        let (ql, qh) = (halves(a, b, at), halves(a, b, at + 16));
+        let low = _mm256_set1_epi8(0x0f);
+        let (lo, hi) = if j.is_multiple_of(2) {
+            (_mm256_and_si256(ql, low), _mm256_and_si256(qh, low))
+        } else {
+            (
+                _mm256_and_si256(_mm256_srli_epi16::<4>(ql), low),
+                _mm256_and_si256(_mm256_srli_epi16::<4>(qh), low),
+            )
+        };
+        if !five {
+            return (lo, hi);
+        }
+        // Bit j of each fifth-bit byte, moved to bit 4, as in `unpack_super`.
+        let shift = _mm_cvtsi32_si128(j as i32);
+        let one = _mm256_set1_epi8(1);
+        let bl = _mm256_and_si256(_mm256_srl_epi16(halves(a, b, 16), shift), one);
+        let bh = _mm256_and_si256(_mm256_srl_epi16(halves(a, b, 32), shift), one);
+        (
+            _mm256_or_si256(lo, _mm256_slli_epi16::<4>(bl)),
+            _mm256_or_si256(hi, _mm256_slli_epi16::<4>(bh)),
+        )
+    }
+}
+
 /// The 32 unsigned values (`q`, the weight being `q - 32`) of block `j`
 /// of a Q6_K super-block as bytes, in order (see [`super::blocks::q6_value`]).
 ///

@@ -9,7 +9,7 @@ use super::blocks::{f16_at, min_of, q6_params, super_params};
 use super::job::{Job, Scratch, NR};
 use super::regs::{
     f16_high, f16_low, k_scales, lanes8, lanes8_halves, row_offsets, rows_word, store_tile,
-    unpack_q6, unpack_super, DR,
+    unpack_q6, unpack_super, unpack_super_pair, DR,
 };
 use crate::prefetch::{tiles_ahead, to_l2, AHEAD};
 use crate::qtype::{QType, QK};
@@ -833,9 +833,11 @@ unsafe fn direct_super<D: IDot, const FIVE: bool, const M: usize>(x: &QActs, job
                         // Plain loops, not closures: a closure body is compiled
                         // without this function's target features, and every
                         // intrinsic in it becomes a call.
-                        let mut wv = [_mm256_setzero_si256(); DR];
-                        for (c, w) in wv.iter_mut().enumerate() {
-                            *w = unpack_super(ty, blk(c), jb);
+                        // Rows in pairs, as `direct` takes Q4_1's.
+                        let mut lo = [_mm256_setzero_si256(); PAIRS];
+                        let mut hi = [_mm256_setzero_si256(); PAIRS];
+                        for p in 0..PAIRS {
+                            (lo[p], hi[p]) = unpack_super_pair(ty, blk(p), blk(p + PAIRS), jb);
                         }
                         // Exact products, as `super_params` forms them: d*sc, -(dmin*m).
                         let dw = _mm256_mul_ps(d, _mm256_cvtepi32_ps(sc[jb]));
@@ -845,10 +847,13 @@ unsafe fn direct_super<D: IDot, const FIVE: bool, const M: usize>(x: &QActs, job
                             _mm256_set1_ps(-0.0),
                         );
                         for (r, a) in acc[..m].iter_mut().enumerate() {
-                            let xv = _mm256_loadu_si256(
-                                x.rowq.as_ptr().add(r * k + b * QK) as *const __m256i
-                            );
-                            let isum = D::dots_u(xv, &wv);
+                            let xp = x.rowq.as_ptr().add(r * k + b * QK);
+                            let xl =
+                                _mm256_broadcastsi128_si256(_mm_loadu_si128(xp as *const __m128i));
+                            let xh = _mm256_broadcastsi128_si256(_mm_loadu_si128(
+                                xp.add(16) as *const __m128i
+                            ));
+                            let isum = D::dots_pairs(xl, xh, &lo, &hi);
                             let si = b * GROUP + r;
                             let scl = _mm256_mul_ps(dw, _mm256_set1_ps(x.d[si]));
                             *a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), scl, *a);

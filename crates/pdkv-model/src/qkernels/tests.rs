@@ -582,10 +582,12 @@ fn bench_against_f32_matmul() {
         .unwrap_or(2);
     let pool = crate::kernels::tests::pool(threads);
     let time = |f: &mut dyn FnMut()| crate::kernels::tests::best_seconds(f, 0.05);
-    println!(
-        "threads {threads}, flavour {:?}",
-        Flavour::of(kernels::backend())
-    );
+    // PDKV_BENCH_FLAVOUR=avx2 times the AVX2 flavour on a CPU with VNNI.
+    let fl = match std::env::var("PDKV_BENCH_FLAVOUR").as_deref() {
+        Ok("avx2") => Flavour::Avx2,
+        _ => Flavour::of(kernels::backend()),
+    };
+    println!("threads {threads}, flavour {fl:?}");
     // PDKV_BENCH_M=1 (a comma-separated list) times those batch sizes only.
     let ms: Vec<usize> = std::env::var("PDKV_BENCH_M")
         .map(|s| s.split(',').map(|m| m.trim().parse().unwrap()).collect())
@@ -611,7 +613,8 @@ fn bench_against_f32_matmul() {
             let tqz = pool.install(|| time(&mut || x.quantize(&xf, m, k)));
             let tq = pool.install(|| {
                 time(&mut || {
-                    qmatmul_many(
+                    run_many(
+                        fl,
                         &x,
                         &mut [QLinear {
                             ty,
