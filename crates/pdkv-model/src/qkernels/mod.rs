@@ -26,7 +26,8 @@
 //! and the choice between them cannot show in results.
 //!
 //! One file per job: [`acts`] quantises the activations, [`matmul`]
-//! dispatches the products, [`portable`] and [`simd`] compute them, on the
+//! dispatches the products, [`portable`] and [`simd`] compute them (the
+//! latter with [`idot`]'s integer dots and [`regs`]' register pieces), on the
 //! weight blocks as [`blocks`] reads them (with [`job`]'s per-job
 //! descriptors and scratch, and [`flavour`]'s choice of instructions); this
 //! file only hands their names on.
@@ -34,6 +35,8 @@
 mod acts;
 mod blocks;
 mod flavour;
+#[cfg(target_arch = "x86_64")]
+mod idot;
 mod job;
 mod matmul;
 mod portable;
