@@ -264,9 +264,9 @@ fn fill_group(
 
 /// [`quantize_block`] in AVX2 registers, with its bits: the same maximum
 /// (exact in any order), the same division, rounding half away from zero
-/// (the truncation plus one away from zero where the dropped fraction is
-/// at least a half: exact), the same clamp, and NaN quotients to 0 as
-/// Rust's float-to-int cast makes them.
+/// (the float below a half added with the quotient's sign, then truncated:
+/// exact), the same clamp, and NaN quotients to 0 as Rust's float-to-int
+/// cast makes them.
 ///
 /// # Safety
 /// The CPU has AVX2.
@@ -298,17 +298,20 @@ pub(super) unsafe fn quantize_block_avx2(x: &[f32; QK]) -> (f32, [i8; QK], i32) 
             return (0.0, q, 0);
         }
         let dv = _mm256_set1_ps(d);
-        let half = _mm256_set1_ps(0.5);
+        // The float just below 0.5: `y + ±below_half`, rounded to f32 and
+        // truncated, is `y` rounded half away from zero for every finite
+        // `y` (a sum that lands between two floats can round up to the next
+        // integer only where the fraction is exactly one half, and one a
+        // float below a half, 0.5 - 2^-25, stays below 1), and keeps
+        // infinities and NaN. Four operations fewer per vector than taking
+        // the fraction apart.
+        let below_half = _mm256_set1_ps(f32::from_bits(0x3eff_ffff)); // 0.5 - 2^-25
         let sign = _mm256_castsi256_ps(_mm256_set1_epi32(i32::MIN));
-        let one = _mm256_set1_ps(1.0);
         let (lo, hi) = (_mm256_set1_ps(-127.0), _mm256_set1_ps(127.0));
         let ints = v.map(|vi| {
             let y = _mm256_div_ps(vi, dv);
-            let t = _mm256_round_ps::<{ _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC }>(y);
-            let frac = _mm256_andnot_ps(sign, _mm256_sub_ps(y, t));
-            let away = _mm256_and_ps(_mm256_cmp_ps::<_CMP_GE_OQ>(frac, half), one);
-            let r = _mm256_add_ps(t, _mm256_or_ps(away, _mm256_and_ps(y, sign)));
-            // NaN lanes to 0, then the clamp.
+            let r = _mm256_add_ps(y, _mm256_or_ps(below_half, _mm256_and_ps(y, sign)));
+            // NaN lanes to 0, then the clamp; the conversion truncates.
             let r = _mm256_and_ps(r, _mm256_cmp_ps::<_CMP_ORD_Q>(r, r));
             _mm256_cvttps_epi32(_mm256_min_ps(_mm256_max_ps(r, lo), hi))
         });

@@ -537,6 +537,21 @@ fn the_avx2_block_quantiser_gives_the_portable_ones_bits() {
         h[5] = -0.0;
         blocks.push(h);
         blocks.push([0.0; 32]);
+        // Quotients a float below a half past an integer (and a half past
+        // it): where adding a half and truncating would round up wrongly.
+        let mut below = [0f32; 32];
+        below[0] = 127.0;
+        let near = [0.5f32, 1.5, 2.5, 63.5, 64.5, 126.5];
+        for (i, &x) in near.iter().enumerate() {
+            let down = f32::from_bits(x.to_bits() - 1);
+            below[1 + 4 * i] = down;
+            below[2 + 4 * i] = -down;
+            below[3 + 4 * i] = x;
+            below[4 + 4 * i] = -x;
+        }
+        below[25] = f32::from_bits(1);
+        below[26] = f32::MIN_POSITIVE;
+        blocks.push(below);
         let mut odd = h;
         odd[3] = f32::NAN;
         blocks.push(odd);
