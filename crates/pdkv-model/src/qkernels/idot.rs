@@ -58,7 +58,7 @@ pub(super) trait IDot {
     unsafe fn fifth(v: __m256i, bits: u32) -> __m256i;
     /// Lane `c`: the exact dot of one block `x` with the 32 unsigned
     /// weight values (at most 31) of row `c`, from rows paired as
-    /// [`unpack_pair`] leaves them: `lo[p]` holds values 0..16 of rows
+    /// `simd::unpack_pair` leaves them: `lo[p]` holds values 0..16 of rows
     /// `p` and `p + 4` (one per 128-bit half), `hi[p]` their values
     /// 16..32; `xl` and `xh` are the block's values 0..16 and 16..32,
     /// each in both halves.
@@ -70,7 +70,7 @@ pub(super) trait IDot {
     ) -> __m256i;
 }
 
-/// Row pairs of a [`direct`] tile: row `p` beside row `p + PAIRS`.
+/// Row pairs of a `simd::direct` tile: row `p` beside row `p + PAIRS`.
 pub(super) const PAIRS: usize = DR / 2;
 
 /// Lane `c` of the result: the sum of the 4 lanes of row `c`'s pair
