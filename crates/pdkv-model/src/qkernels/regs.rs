@@ -60,6 +60,22 @@ pub(super) unsafe fn halves(a: *const u8, b: *const u8, o: usize) -> __m256i {
     }
 }
 
+/// An activation block's values 0..16 and 16..32 (32 i8 at `xp`), each
+/// in both 128-bit halves: the `x` a row pair's vectors multiply.
+///
+/// # Safety
+/// The CPU has AVX2; 32 bytes are readable at `xp`.
+#[inline(always)]
+pub(super) unsafe fn x_halves(xp: *const i8) -> (__m256i, __m256i) {
+    // SAFETY: the caller guarantees AVX2 and the 32-byte read.
+    unsafe {
+        (
+            _mm256_broadcastsi128_si256(_mm_loadu_si128(xp as *const __m128i)),
+            _mm256_broadcastsi128_si256(_mm_loadu_si128(xp.add(16) as *const __m128i)),
+        )
+    }
+}
+
 /// Block `j` of the Q4_K/Q5_K super-blocks at `a` and `b` (two rows'),
 /// paired as `simd::unpack_pair` pairs Q4_0's: `(lo, hi)`, values 0..16
 /// (then 16..32) of `a`'s block in the low half and of `b`'s in the high

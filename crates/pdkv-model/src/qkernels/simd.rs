@@ -9,8 +9,8 @@ use super::blocks::{f16_at, min_of, q6_params, super_params};
 use super::idot::{unpacked_chunk, Avx2, IDot, Tile, Vnni, PAIRS};
 use super::job::{Job, Scratch, NR};
 use super::regs::{
-    f16_high, f16_low, k_scales, lanes8, lanes8_halves, row_offsets, rows_word, store_tile,
-    unpack_q6, unpack_super, unpack_super_pair, DR,
+    f16_high, f16_low, halves, k_scales, lanes8, lanes8_halves, row_offsets, rows_word, store_tile,
+    unpack_q6, unpack_super, unpack_super_pair, x_halves, DR,
 };
 use crate::prefetch::{tiles_ahead, to_l2, AHEAD};
 use crate::qtype::{QType, QK};
@@ -31,11 +31,7 @@ unsafe fn unpack_pair(ty: QType, a: *const u8, b: *const u8) -> (__m256i, __m256
     // SAFETY: the caller guarantees AVX2 and that `a` and `b` are whole
     // blocks of `ty`: their 16 nibble bytes are inside them.
     unsafe {
-        let nib = ty.nibbles_at();
-        let q = _mm256_inserti128_si256::<1>(
-            _mm256_castsi128_si256(_mm_loadu_si128(a.add(nib) as *const __m128i)),
-            _mm_loadu_si128(b.add(nib) as *const __m128i),
-        );
+        let q = halves(a, b, ty.nibbles_at());
         let low = _mm256_set1_epi8(0x0f);
         (
             _mm256_and_si256(q, low),
@@ -325,10 +321,7 @@ unsafe fn direct<D: IDot, const T: usize, const M: usize>(x: &QActs, job: &Job) 
                 for (r, a) in acc[..m].iter_mut().enumerate() {
                     let xp = x.rowq.as_ptr().add(r * k + b * QK);
                     let mut isum = if paired {
-                        let xl = _mm256_broadcastsi128_si256(_mm_loadu_si128(xp as *const __m128i));
-                        let xh = _mm256_broadcastsi128_si256(_mm_loadu_si128(
-                            xp.add(16) as *const __m128i
-                        ));
+                        let (xl, xh) = x_halves(xp);
                         D::dots_pairs(xl, xh, &lo, &hi)
                     } else if u {
                         D::dots_u(_mm256_loadu_si256(xp as *const __m256i), &wv)
@@ -448,11 +441,7 @@ unsafe fn direct_super<D: IDot, const FIVE: bool, const M: usize>(x: &QActs, job
                         );
                         for (r, a) in acc[..m].iter_mut().enumerate() {
                             let xp = x.rowq.as_ptr().add(r * k + b * QK);
-                            let xl =
-                                _mm256_broadcastsi128_si256(_mm_loadu_si128(xp as *const __m128i));
-                            let xh = _mm256_broadcastsi128_si256(_mm_loadu_si128(
-                                xp.add(16) as *const __m128i
-                            ));
+                            let (xl, xh) = x_halves(xp);
                             let isum = D::dots_pairs(xl, xh, &lo, &hi);
                             let si = b * GROUP + r;
                             let scl = _mm256_mul_ps(dw, _mm256_set1_ps(x.d[si]));
