@@ -19,6 +19,7 @@ pub mod init;
 pub mod kernels;
 pub mod kv;
 pub mod loader;
+pub mod packed;
 mod prefetch;
 pub mod profile;
 pub mod qkernels;

@@ -32,6 +32,10 @@ pub enum QType {
     F16,
     /// bfloat16, as [`QType::F16`].
     BF16,
+    /// Q5_0 with each tile of 8 rows packed by block ([`crate::packed`]):
+    /// the same bytes in another order, as the loader keeps Q5_0 matrices.
+    /// Not a GGUF type: [`QType::gguf`] names the rows it unpacks to.
+    Q5_0R8,
 }
 
 impl QType {
@@ -69,7 +73,7 @@ impl QType {
             QType::Q8_0 => 34,
             QType::Q4_0 => 18,
             QType::Q4_1 => 20,
-            QType::Q5_0 => 22,
+            QType::Q5_0 | QType::Q5_0R8 => 22,
             QType::Q5_1 => 24,
             QType::Q4_K => 144,
             QType::Q5_K => 176,
@@ -92,6 +96,30 @@ impl QType {
         matches!(self, QType::F16 | QType::BF16)
     }
 
+    /// Whether the rows are packed in tiles ([`QType::Q5_0R8`]): readers
+    /// other than the kernels made for them take [`QType::gguf`] rows
+    /// ([`crate::packed::gguf_rows`]).
+    pub fn packed(self) -> bool {
+        self == QType::Q5_0R8
+    }
+
+    /// The GGUF format of the rows: the packed format's unpacked rows'.
+    pub fn gguf(self) -> QType {
+        match self {
+            QType::Q5_0R8 => QType::Q5_0,
+            q => q,
+        }
+    }
+
+    /// The format a loaded matrix of this format keeps: Q5_0 packed
+    /// ([`QType::Q5_0R8`]), every other as it is.
+    pub fn loaded(self) -> QType {
+        match self {
+            QType::Q5_0 => QType::Q5_0R8,
+            q => q,
+        }
+    }
+
     /// Whether rows are 256-value super-blocks (Q4_K, Q5_K, Q6_K).
     pub fn is_super(self) -> bool {
         matches!(self, QType::Q4_K | QType::Q5_K | QType::Q6_K)
@@ -110,6 +138,7 @@ impl QType {
                 unreachable!("{self:?} keeps its nibbles per super-block")
             }
             QType::F16 | QType::BF16 => unreachable!("{self:?} has no nibbles"),
+            QType::Q5_0R8 => unreachable!("packed rows are read unpacked"),
         }
     }
 
@@ -119,6 +148,7 @@ impl QType {
         match self {
             QType::Q5_0 => Some(2),
             QType::Q5_1 => Some(4),
+            QType::Q5_0R8 => unreachable!("packed rows are read unpacked"),
             _ => None,
         }
     }
@@ -133,7 +163,7 @@ impl QType {
     pub(crate) fn min_factor(self) -> f32 {
         match self {
             QType::Q4_0 => -8.0,
-            QType::Q5_0 => -16.0,
+            QType::Q5_0 | QType::Q5_0R8 => -16.0,
             _ => unreachable!("{self:?} stores its minimum"),
         }
     }
@@ -151,13 +181,14 @@ impl QType {
     }
 }
 
-/// The GGUF type of a block format.
+/// The GGUF type of a block format (of its [`QType::gguf`] rows).
 pub fn ggml_type(q: QType) -> crate::gguf::GgmlType {
     match q {
         QType::Q8_0 => crate::gguf::GgmlType::Q8_0,
         QType::Q4_0 => crate::gguf::GgmlType::Q4_0,
         QType::Q4_1 => crate::gguf::GgmlType::Q4_1,
-        QType::Q5_0 => crate::gguf::GgmlType::Q5_0,
+        // Of the rows unpacked (`crate::packed::gguf_rows`).
+        QType::Q5_0 | QType::Q5_0R8 => crate::gguf::GgmlType::Q5_0,
         QType::Q5_1 => crate::gguf::GgmlType::Q5_1,
         QType::Q4_K => crate::gguf::GgmlType::Q4_K,
         QType::Q5_K => crate::gguf::GgmlType::Q5_K,

@@ -18,12 +18,19 @@ use crate::qtype::QType;
 /// number of threads.
 ///
 /// `cols` must be a whole number of `q`'s blocks and `dst` whole rows.
+/// A packed format's rows are quantised as its GGUF rows, then packed.
 pub fn quantize_rows(
     q: QType,
     cols: usize,
     dst: &mut [u8],
     row: &(dyn Fn(usize, &mut [f32]) + Sync),
 ) {
+    if q.packed() {
+        quantize_rows(q.gguf(), cols, dst, row);
+        let rows = dst.to_vec();
+        crate::packed::pack(&rows, cols, dst);
+        return;
+    }
     assert!(
         cols > 0 && cols.is_multiple_of(q.block_values()),
         "rows of {cols} values are not whole {q:?} blocks"
@@ -63,12 +70,18 @@ fn pack_nibbles(q: &[u8], five: bool, out: &mut [u8]) {
 /// in the block format `q`, as a GGUF writer does (Q4_K/Q5_K: see
 /// [`quantize_super`]; Q6_K: [`quantize_q6`]): Q8_0 `d = max|x|/127`; Q4_0/Q5_0 `d = max/-8` (`-16`)
 /// with `max` the value of largest magnitude; Q4_1/Q5_1 `d = (max-min)/15`
-/// (`31`), `m = min`.
+/// (`31`), `m = min`. A packed format is quantised a matrix at a time
+/// ([`quantize_rows`]): not here.
 pub fn quantize_row(q: QType, values: &[f32], out: &mut [u8]) {
+    assert!(
+        !q.packed(),
+        "{q:?} rows are packed a tile at a time (quantize_rows)"
+    );
     let bb = q.block_bytes();
     for (x, o) in values.chunks(q.block_values()).zip(out.chunks_mut(bb)) {
         match q {
             QType::Q4_K | QType::Q5_K => quantize_super(q == QType::Q5_K, x, o),
+            QType::Q5_0R8 => unreachable!("refused above"),
             QType::Q6_K => quantize_q6(x, o),
             QType::F16 => {
                 for (v, b) in x.iter().zip(o.chunks_exact_mut(2)) {

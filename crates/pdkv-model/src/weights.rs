@@ -35,6 +35,7 @@ impl DType {
                 QType::Q4_0 => "q4_0",
                 QType::Q4_1 => "q4_1",
                 QType::Q5_0 => "q5_0",
+                QType::Q5_0R8 => "q5_0r8",
                 QType::Q5_1 => "q5_1",
                 QType::Q4_K => "q4_k",
                 QType::Q5_K => "q5_k",
@@ -299,8 +300,15 @@ impl Weights {
             Mat::F32(v) => out.copy_from_slice(&v[r * cols..(r + 1) * cols]),
             Mat::Quant(q, b) => {
                 let rb = q.row_bytes(cols);
-                crate::gguf::dequantize(ggml_type(q), &b[r * rb..(r + 1) * rb], out)
-                    .expect("a stored row dequantises");
+                let mut unpacked = Vec::new();
+                let row = if q.packed() {
+                    unpacked.resize(rb, 0);
+                    crate::packed::row_into(b, cols, r, &mut unpacked);
+                    &unpacked[..]
+                } else {
+                    &b[r * rb..(r + 1) * rb]
+                };
+                crate::gguf::dequantize(ggml_type(q), row, out).expect("a stored row dequantises");
             }
         }
     }

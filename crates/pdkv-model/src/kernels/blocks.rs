@@ -78,16 +78,19 @@ pub fn matmul_blocks_many_with(
             if scratch.len() < panel * k {
                 scratch.resize(panel * k, 0.0);
             }
+            // A packed matrix's rows are unpacked one at a time first.
+            let mut unpacked = vec![0u8; if ty.packed() { rb } else { 0 }];
             let mut p0 = j0;
             while p0 < j1 {
                 let p1 = (p0 + panel).min(j1);
                 for r in p0..p1 {
-                    dequantize_row(
-                        be,
-                        ty,
-                        &wb[r * rb..(r + 1) * rb],
-                        &mut scratch[(r - p0) * k..(r - p0 + 1) * k],
-                    );
+                    let dst = &mut scratch[(r - p0) * k..(r - p0 + 1) * k];
+                    if ty.packed() {
+                        crate::packed::row_into(wb, k, r, &mut unpacked);
+                        dequantize_row(be, ty.gguf(), &unpacked, dst);
+                    } else {
+                        dequantize_row(be, ty, &wb[r * rb..(r + 1) * rb], dst);
+                    }
                 }
                 // The scratch holds rows p0..p1 as f32; the job owns columns
                 // p0..p1 of `y`, which start `p0` floats in.

@@ -8,8 +8,9 @@ use super::flavour::{has, Flavour};
 use super::job::{Job, Scratch, NR};
 use super::portable;
 #[cfg(target_arch = "x86_64")]
-use super::simd;
+use super::{simd, tiled};
 use crate::dispatch::{check_outputs, for_each_job_of, Backend, Features, SendConstPtr, SendPtr};
+use crate::packed;
 use crate::qtype::QType;
 
 /// One quantised weight matrix `[n, k]` (rows of `ty.row_bytes(k)` bytes, GGUF block layout) and its output `[m, n]`.
@@ -66,7 +67,13 @@ pub(super) fn run_many(fl: Flavour, x: &QActs, outs: &mut [QLinear<'_>]) {
         let work = m * o.ty.row_bytes(k);
         (p, Features { n: o.n, work })
     };
-    for_each_job_of(outs, NR, view, |(ty, w, y, n), j0, j1| {
+    // A packed matrix's jobs start at its tiles.
+    let tile = if outs.iter().any(|o| o.ty.packed()) {
+        packed::TILE
+    } else {
+        NR
+    };
+    for_each_job_of(outs, tile, view, |(ty, w, y, n), j0, j1| {
         let job = Job {
             ty,
             w: w.get(),
@@ -89,7 +96,16 @@ unsafe fn run_job(fl: Flavour, x: &QActs, job: &Job) {
     // SAFETY: as this function's contract: the job's rows and columns are
     // inside its matrix and output, and the CPU supports `fl`.
     unsafe {
+        let (packed, small) = (job.ty.packed(), x.m <= DIRECT_MAX);
         match fl {
+            // Packed rows: at a small batch, VNNI's kernel of packed tiles;
+            // at a larger one, the SIMD tiles, which rebuild a tile's rows
+            // as they unpack them (`simd::prep_packed`); elsewhere the
+            // job's rows unpacked first.
+            #[cfg(target_arch = "x86_64")]
+            Flavour::Vnni if packed && small => tiled::run_job_vnni(x, job),
+            Flavour::Avx2 if packed && small => run_unpacked(fl, x, job),
+            Flavour::Portable if packed => run_unpacked(fl, x, job),
             #[cfg(target_arch = "x86_64")]
             Flavour::Avx2 | Flavour::Vnni => SCRATCH.with(|s| {
                 let s = &mut *s.borrow_mut();
@@ -104,6 +120,39 @@ unsafe fn run_job(fl: Flavour, x: &QActs, job: &Job) {
     }
 }
 
+/// A job on a packed matrix for a kernel of GGUF rows: the job's rows
+/// unpacked into the thread's buffer, then computed as GGUF rows.
+///
+/// # Safety
+/// As [`run_job`]'s, for a packed `job.ty` whose columns start at a tile.
+unsafe fn run_unpacked(fl: Flavour, x: &QActs, job: &Job) {
+    let (k, rows) = (x.k, job.j1 - job.j0);
+    let rb = job.ty.row_bytes(k);
+    UNPACKED.with(|buf| {
+        let buf = &mut *buf.borrow_mut();
+        buf.clear();
+        buf.resize(rows * rb, 0);
+        // SAFETY: the caller guarantees that `job.w` holds the matrix's
+        // `job.n` rows.
+        let w = unsafe { std::slice::from_raw_parts(job.w, job.n * rb) };
+        packed::rows_into(w, k, job.j0, buf);
+        let rows_job = Job {
+            ty: job.ty.gguf(),
+            w: buf.as_ptr(),
+            // Column `j0` of each output row is the unpacked rows' column 0.
+            y: job.y.wrapping_add(job.j0),
+            n: job.n,
+            j0: 0,
+            j1: rows,
+        };
+        // SAFETY: the unpacked job's rows are `buf`'s, its output columns
+        // the caller's job's.
+        unsafe { run_job(fl, x, &rows_job) }
+    })
+}
+
 thread_local! {
     static SCRATCH: RefCell<Scratch> = RefCell::new(Scratch::default());
+    /// The rows of the job [`run_unpacked`] runs.
+    static UNPACKED: RefCell<Vec<u8>> = const { RefCell::new(Vec::new()) };
 }

@@ -46,6 +46,8 @@ mod regs;
 mod simd;
 #[cfg(test)]
 mod tests;
+#[cfg(target_arch = "x86_64")]
+mod tiled;
 
 pub use crate::qtype::{QType, QK, QK_K};
 pub use acts::QActs;

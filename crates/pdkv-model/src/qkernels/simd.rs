@@ -12,6 +12,7 @@ use super::regs::{
     f16_high, f16_low, halves, k_scales, lanes8, lanes8_halves, row_offsets, rows_word, store_tile,
     unpack_q6, unpack_super, unpack_super_pair, x_halves, DR,
 };
+use crate::packed::{self, TILE, TILE_BLOCK};
 use crate::prefetch::{tiles_ahead, to_l2, AHEAD};
 use crate::qtype::{QType, QK};
 
@@ -104,6 +105,41 @@ unsafe fn prep<D: IDot>(
     }
 }
 
+/// [`prep`] for rows `j..j + rows` of a packed matrix ([`QType::Q5_0R8`]),
+/// inside one of its tiles: each row's blocks rebuilt as GGUF blocks.
+///
+/// # Safety
+/// The CPU has AVX2, F16C and `D`'s instructions; `w` holds the packed
+/// matrix's tiles through rows `j..j + rows` (rows of `rb` bytes, `nb`
+/// blocks each), which lie in one tile.
+#[inline(always)]
+unsafe fn prep_packed<D: IDot>(
+    s: &mut Scratch,
+    w: *const u8,
+    j: usize,
+    rb: usize,
+    rows: usize,
+    nb: usize,
+) {
+    // SAFETY: the caller guarantees the instructions and that the tile of
+    // rows `j..j + rows` is inside `w`; `s.reserve` made room for them.
+    unsafe {
+        s.reserve(rows, nb);
+        let tile = w.add(j / TILE * TILE * rb);
+        for c in 0..rows {
+            for b in 0..nb {
+                let p = std::slice::from_raw_parts(tile.add(b * TILE_BLOCK), TILE_BLOCK);
+                let blk = packed::block(p, j % TILE + c);
+                let i = c * nb + b;
+                s.dw[i] = f16_at(blk.as_ptr());
+                s.mw[i] = min_of(QType::Q5_0, &blk);
+                let v = s.vals.as_mut_ptr().add(i * QK) as *mut __m256i;
+                _mm256_storeu_si256(v, unpack_unsigned::<D>(QType::Q5_0, blk.as_ptr()));
+            }
+        }
+    }
+}
+
 /// The 32 values of an unsigned-format block as bytes, in order (the
 /// low 128 bits hold values 0..16).
 ///
@@ -150,6 +186,17 @@ pub(super) unsafe fn run_job_vnni(x: &QActs, job: &Job, s: &mut Scratch) {
     unsafe { run_job::<Vnni>(x, job, s) }
 }
 
+/// The [`direct`] kernel of a job of GGUF rows with VNNI (for a packed
+/// matrix's last rows, which stay GGUF rows).
+///
+/// # Safety
+/// As [`run_job_vnni`]'s, with `x.m` at most [`DIRECT_MAX`].
+#[target_feature(enable = "avx2,fma,f16c,avx512vnni,avx512vl,avx512bw")]
+pub(super) unsafe fn run_job_vnni_direct(x: &QActs, job: &Job) {
+    // SAFETY: as this function's contract.
+    unsafe { direct_of::<Vnni, 0>(x, job) }
+}
+
 /// Tiles of `NR` weight rows; each tile is unpacked once, then every
 /// activation group sweeps it. A step of at most [`DIRECT_MAX`] rows
 /// (decode at small batch) reads the blocks in place instead.
@@ -174,9 +221,19 @@ unsafe fn run_job<D: IDot>(x: &QActs, job: &Job, s: &mut Scratch) {
         }
         let (nb, rb) = (x.blocks(), job.ty.row_bytes(x.k));
         let mut j = job.j0;
+        // A packed matrix's tiles (its last `n % 8` rows are GGUF rows).
+        let tiled = if job.ty.packed() {
+            job.n / TILE * TILE
+        } else {
+            0
+        };
         while j < job.j1 {
             let nr = NR.min(job.j1 - j);
-            prep::<D>(s, job.ty, job.w.add(j * rb), rb, nr, nb);
+            if j < tiled {
+                prep_packed::<D>(s, job.w, j, rb, nr, nb);
+            } else {
+                prep::<D>(s, job.ty.gguf(), job.w.add(j * rb), rb, nr, nb);
+            }
             let t = Tile {
                 w: job.w.add(j * rb),
                 rb,
@@ -233,6 +290,7 @@ unsafe fn direct_of<D: IDot, const M: usize>(x: &QActs, job: &Job) {
             QType::Q5_K => direct_super::<D, true, M>(x, job),
             QType::Q6_K => direct_q6::<D, M>(x, job),
             QType::F16 | QType::BF16 => unreachable!("run_many refuses them"),
+            QType::Q5_0R8 => unreachable!("packed rows go to `tiled` or are unpacked"),
         }
     }
 }

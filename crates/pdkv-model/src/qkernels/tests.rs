@@ -45,6 +45,12 @@ fn rand_acts(seed: u64, m: usize, k: usize) -> Vec<f32> {
 /// A random weight matrix in GGUF layout; Q8_0 includes -128 values and
 /// negative scales, Q4_1 negative minimums.
 fn rand_weights(seed: u64, ty: QType, n: usize, k: usize) -> Vec<u8> {
+    if ty.packed() {
+        let rows = rand_weights(seed, ty.gguf(), n, k);
+        let mut w = vec![0u8; rows.len()];
+        crate::packed::pack(&rows, k, &mut w);
+        return w;
+    }
     let mut rng = Rng::new(seed);
     let mut w = Vec::with_capacity(n * ty.row_bytes(k));
     for _ in 0..n * k / ty.block_values() {
@@ -78,7 +84,8 @@ fn rand_weights(seed: u64, ty: QType, n: usize, k: usize) -> Vec<u8> {
 fn dequant(ty: QType, w: &[u8], n: usize, k: usize) -> Vec<f32> {
     let gt = crate::weights::ggml_type(ty);
     let mut out = vec![0f32; n * k];
-    dequantize(gt, w, &mut out).expect("dequantising test weights");
+    let rows = crate::packed::gguf_rows(ty, w, k);
+    dequantize(gt, &rows, &mut out).expect("dequantising test weights");
     out
 }
 
@@ -121,9 +128,20 @@ fn run(fl: Flavour, x: &QActs, ty: QType, w: &[u8], n: usize) -> Vec<f32> {
     y
 }
 
-/// Every format the kernels read: the 32-value ones and the super-block
-/// ones (which need `k` a multiple of 256: tests skip them elsewhere).
-const TYPES: [QType; 8] = QType::INT;
+/// Every format the kernels read: the 32-value ones, the super-block
+/// ones (which need `k` a multiple of 256: tests skip them elsewhere), and
+/// packed Q5_0.
+const TYPES: [QType; 9] = [
+    QType::Q8_0,
+    QType::Q4_0,
+    QType::Q4_1,
+    QType::Q5_0,
+    QType::Q5_1,
+    QType::Q4_K,
+    QType::Q5_K,
+    QType::Q6_K,
+    QType::Q5_0R8,
+];
 
 /// Whether rows of `k` values are whole blocks of `ty`.
 fn fits(ty: QType, k: usize) -> bool {
@@ -226,6 +244,7 @@ fn value_bytes(ty: QType) -> std::ops::Range<usize> {
         QType::Q5_K => 16..176,
         QType::Q6_K => 0..192,
         QType::F16 | QType::BF16 => unreachable!("not a block format"),
+        QType::Q5_0R8 => unreachable!("packed: its GGUF rows are filled"),
     }
 }
 
@@ -238,10 +257,16 @@ fn the_largest_block_dots_are_exact() {
     let (k, n) = (256, 11);
     for fl in flavours() {
         for ty in TYPES {
-            let mut wq = rand_weights(3, ty, n, k);
+            // A packed format's GGUF rows filled, then packed.
+            let rows_ty = ty.gguf();
+            let mut wq = rand_weights(3, rows_ty, n, k);
             let fill = if ty == QType::Q8_0 { 0x80 } else { 0xff };
-            for blk in wq.chunks_mut(ty.block_bytes()) {
-                blk[value_bytes(ty)].fill(fill);
+            for blk in wq.chunks_mut(rows_ty.block_bytes()) {
+                blk[value_bytes(rows_ty)].fill(fill);
+            }
+            if ty.packed() {
+                let rows = wq.clone();
+                crate::packed::pack(&rows, k, &mut wq);
             }
             let w = dequant(ty, &wq, n, k);
             for (sign, m) in [(1.0f32, 1), (-1.0, 1), (1.0, 3), (-1.0, 12)] {
@@ -317,9 +342,11 @@ fn a_batch_one_matrix_split_into_jobs_gives_each_row_its_own_bits() {
         for ty in TYPES {
             let w = rand_weights(31, ty, n, k);
             let rb = ty.row_bytes(k);
+            // A packed matrix's row alone is its GGUF row.
+            let rows = crate::packed::gguf_rows(ty, &w, k);
             for fl in flavours() {
                 let alone: Vec<Vec<f32>> = (0..n)
-                    .map(|j| run(fl, &x, ty, &w[j * rb..(j + 1) * rb], 1))
+                    .map(|j| run(fl, &x, ty.gguf(), &rows[j * rb..(j + 1) * rb], 1))
                     .collect();
                 for t in [1, 3] {
                     let pool = crate::kernels::tests::pool(t);
