@@ -452,7 +452,7 @@ pub fn synthetic_model_with(
     let embed = lay.push(&[cfg.vocab_size, h]);
     let linear = |lay: &mut WeightsLayout, shape: &[usize]| match quant {
         Some(qt) if shape[1].is_multiple_of(qt.block_values()) => {
-            lay.push_typed(shape, DType::Quant(qt))
+            lay.push_typed(shape, DType::Quant(qt.loaded()))
         }
         _ => lay.push(shape),
     };
@@ -494,12 +494,10 @@ pub fn synthetic_model_with(
             DType::Quant(qt) => {
                 // SAFETY: as above: the tensor's own range, no other view.
                 let dst = unsafe { region.slice_mut::<u8>(t.offset, t.bytes()) };
-                for (row, out) in values
-                    .chunks(t.shape[1])
-                    .zip(dst.chunks_mut(qt.row_bytes(t.shape[1])))
-                {
-                    crate::quantize::quantize_row(qt, row, out);
-                }
+                let cols = t.shape[1];
+                crate::quantize::quantize_rows(qt, cols, dst, &|r, out| {
+                    out.copy_from_slice(&values[r * cols..(r + 1) * cols])
+                });
             }
         }
     };

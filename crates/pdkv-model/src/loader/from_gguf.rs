@@ -134,7 +134,7 @@ pub(super) fn fill_gguf_slot(
                 bail!("tensor `{name}` is planned as f32")
             };
             let cols = slot.dest.shape[1];
-            if quant_of(info.ty) != Some(q) {
+            if quant_of(info.ty) != Some(q.gguf()) {
                 let mut values = vec![0f32; slot.dest.numel()];
                 match rope {
                     Some(_) => g.dequantize_rows_into(info, &mut values, &unpermute)?,
@@ -160,6 +160,10 @@ pub(super) fn fill_gguf_slot(
             for r in 0..data.len() / rb {
                 let to = if rope.is_some() { unpermute(r) } else { r };
                 dst[to * rb..(to + 1) * rb].copy_from_slice(&data[r * rb..(r + 1) * rb]);
+            }
+            if q.packed() {
+                let rows = dst.to_vec();
+                crate::packed::pack(&rows, cols, dst);
             }
         }
     }

@@ -77,9 +77,10 @@ impl WeightsPlan {
         let mut push =
             |gguf: String, hf: String, shape: &[usize], rope_heads: Option<usize>, linear: bool| {
                 let cols = shape.last().copied().unwrap_or(1);
+                // A block format as the kernels keep it loaded (Q5_0 packed).
                 let dtype = match quant(&gguf, &hf, cols) {
                     Some(q) if linear && shape.len() == 2 && cols % q.block_values() == 0 => {
-                        DType::Quant(q)
+                        DType::Quant(q.loaded())
                     }
                     _ => DType::F32,
                 };

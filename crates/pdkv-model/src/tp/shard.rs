@@ -115,8 +115,23 @@ impl Cut {
                 .write_bytes(dst.offset, bytes(src.offset, src.bytes()))?,
             Cut::Rows(r) => {
                 let rb = row_bytes(src);
-                let s = bytes(src.offset + r.start * rb, r.len() * rb);
-                to.region.write_bytes(dst.offset, s)?;
+                match src.dtype {
+                    // A packed matrix's rows as GGUF rows, packed again in
+                    // the cut's own tiles.
+                    DType::Quant(q) if q.packed() => {
+                        let cols = src.shape[1];
+                        let mut rows = vec![0u8; r.len() * rb];
+                        let whole = bytes(src.offset, src.bytes());
+                        crate::packed::rows_into(whole, cols, r.start, &mut rows);
+                        let mut out = vec![0u8; rows.len()];
+                        crate::packed::pack(&rows, cols, &mut out);
+                        to.region.write_bytes(dst.offset, &out)?;
+                    }
+                    _ => {
+                        let s = bytes(src.offset + r.start * rb, r.len() * rb);
+                        to.region.write_bytes(dst.offset, s)?;
+                    }
+                }
             }
         }
         Ok(())
