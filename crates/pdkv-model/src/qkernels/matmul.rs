@@ -98,13 +98,14 @@ unsafe fn run_job(fl: Flavour, x: &QActs, job: &Job) {
     unsafe {
         let (packed, small) = (job.ty.packed(), x.m <= DIRECT_MAX);
         match fl {
-            // Packed rows: at a small batch, VNNI's kernel of packed tiles;
+            // Packed rows: at a small batch, the kernels of packed tiles;
             // at a larger one, the SIMD tiles, which rebuild a tile's rows
-            // as they unpack them (`simd::prep_packed`); elsewhere the
-            // job's rows unpacked first.
+            // as they unpack them (`simd::prep_packed`); the portable
+            // kernels take the job's rows unpacked first.
             #[cfg(target_arch = "x86_64")]
             Flavour::Vnni if packed && small => tiled::run_job_vnni(x, job),
-            Flavour::Avx2 if packed && small => run_unpacked(fl, x, job),
+            #[cfg(target_arch = "x86_64")]
+            Flavour::Avx2 if packed && small => tiled::run_job_avx2(x, job),
             Flavour::Portable if packed => run_unpacked(fl, x, job),
             #[cfg(target_arch = "x86_64")]
             Flavour::Avx2 | Flavour::Vnni => SCRATCH.with(|s| {

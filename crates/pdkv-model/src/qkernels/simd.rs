@@ -197,6 +197,16 @@ pub(super) unsafe fn run_job_vnni_direct(x: &QActs, job: &Job) {
     unsafe { direct_of::<Vnni, 0>(x, job) }
 }
 
+/// [`run_job_vnni_direct`] with the AVX2 flavour.
+///
+/// # Safety
+/// As [`run_job_avx2`]'s, with `x.m` at most [`DIRECT_MAX`].
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) unsafe fn run_job_avx2_direct(x: &QActs, job: &Job) {
+    // SAFETY: as this function's contract.
+    unsafe { direct_of::<Avx2, 0>(x, job) }
+}
+
 /// Tiles of `NR` weight rows; each tile is unpacked once, then every
 /// activation group sweeps it. A step of at most [`DIRECT_MAX`] rows
 /// (decode at small batch) reads the blocks in place instead.

@@ -12,7 +12,9 @@
 use std::arch::x86_64::*;
 
 use super::acts::{QActs, DIRECT_MAX, GROUP};
+use super::idot::{Avx2, IDot, PAIRS};
 use super::job::Job;
+use super::regs::x_halves;
 use crate::packed::{MASKS_AT, NIBBLES_AT, TILE, TILE_BLOCK};
 use crate::prefetch::{tiles_ahead, to_l2, AHEAD};
 use crate::qtype::{QType, QK};
@@ -125,5 +127,96 @@ unsafe fn values<const HIGH: bool>(q: __m512i, mask: u64) -> __m512i {
         let q = if HIGH { _mm512_srli_epi16::<4>(q) } else { q };
         let v = _mm512_and_si512(q, _mm512_set1_epi8(0x0f));
         _mm512_mask_add_epi8(v, mask, v, _mm512_set1_epi8(16))
+    }
+}
+
+/// # Safety
+/// As [`run_job_vnni`]'s, with AVX2, FMA and F16C for the instructions.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) unsafe fn run_job_avx2(x: &QActs, job: &Job) {
+    // SAFETY: as this function's contract; the tail rows (GGUF rows) go
+    // to the direct kernel of Q5_0, whose contract this one includes.
+    unsafe {
+        debug_assert!(job.ty == QType::Q5_0R8 && job.j0.is_multiple_of(TILE));
+        let tiled = job.n / TILE * TILE;
+        let end = job.j1.min(tiled);
+        if job.j0 < end {
+            match x.m {
+                1 => tiles_pairs::<Avx2, 1>(x, job, end),
+                _ => tiles_pairs::<Avx2, 0>(x, job, end),
+            }
+        }
+        if job.j1 > tiled {
+            let tail = Job {
+                ty: QType::Q5_0,
+                j0: tiled.max(job.j0),
+                ..*job
+            };
+            super::simd::run_job_avx2_direct(x, &tail);
+        }
+    }
+}
+
+/// [`tiles`] in 256-bit vectors, with `D`'s integer dots: rows `2p` and
+/// `2p + 1` of a tile block share a vector (their nibble bytes are 32
+/// adjacent bytes), each half's 16 fifth bits 32 adjacent bits of a mask.
+///
+/// # Safety
+/// As [`tiles`]', with AVX2, FMA, F16C and `D`'s instructions.
+#[inline(always)]
+unsafe fn tiles_pairs<D: IDot, const M: usize>(x: &QActs, job: &Job, end: usize) {
+    // SAFETY: the caller guarantees the CPU's instructions and that the
+    // job's tiles, activations (`x.rowq`, `m <= DIRECT_MAX` rows) and
+    // output columns are inside `job.w`, `x` and `job.y`.
+    unsafe {
+        let (nb, k, m) = (x.blocks(), x.k, if M == 0 { x.m } else { M });
+        let tb = TILE * QType::Q5_0R8.row_bytes(k);
+        to_l2(
+            job.w.wrapping_add(job.j0 / TILE * tb),
+            AHEAD.min((end - job.j0) / TILE) * tb,
+        );
+        // `D::dots_pairs` puts row `2p` in lane `p` and row `2p + 1` in
+        // lane `p + 4`; this takes lane `c` to row `c`.
+        let order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+        let (low, min_factor) = (
+            _mm256_set1_epi8(0x0f),
+            _mm256_set1_ps(QType::Q5_0R8.min_factor()),
+        );
+        let mut j = job.j0;
+        while j < end {
+            let base = job.w.add(j / TILE * tb);
+            let mut acc = [_mm256_setzero_ps(); DIRECT_MAX];
+            for b in 0..nb {
+                tiles_ahead(base, tb, b * TILE_BLOCK, TILE_BLOCK);
+                let p = base.add(b * TILE_BLOCK);
+                let dw = _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i));
+                // Mask `2 * (p / 2) + half`'s 32-bit word `p % 2`: rows 2p, 2p + 1.
+                let bits = p.add(MASKS_AT) as *const u32;
+                let (mut lo, mut hi) = (
+                    [_mm256_setzero_si256(); PAIRS],
+                    [_mm256_setzero_si256(); PAIRS],
+                );
+                for q in 0..PAIRS {
+                    let v = _mm256_loadu_si256(p.add(NIBBLES_AT + 32 * q) as *const __m256i);
+                    let word = 4 * (q / 2) + q % 2;
+                    lo[q] = D::fifth(_mm256_and_si256(v, low), bits.add(word).read_unaligned());
+                    hi[q] = D::fifth(
+                        _mm256_and_si256(_mm256_srli_epi16::<4>(v), low),
+                        bits.add(word + 2).read_unaligned(),
+                    );
+                }
+                let mw = _mm256_mul_ps(min_factor, dw);
+                for (r, a) in acc[..m].iter_mut().enumerate() {
+                    let (xl, xh) = x_halves(x.rowq.as_ptr().add(r * k + b * QK));
+                    let isum = _mm256_permutevar8x32_epi32(D::dots_pairs(xl, xh, &lo, &hi), order);
+                    let si = b * GROUP + r;
+                    let sc = _mm256_mul_ps(dw, _mm256_set1_ps(x.d[si]));
+                    *a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), sc, *a);
+                    *a = _mm256_fmadd_ps(mw, _mm256_set1_ps(x.dsum[si]), *a);
+                }
+            }
+            super::regs::store_tile(&acc[..m], TILE.min(job.j1 - j), job, j);
+            j += TILE;
+        }
     }
 }
