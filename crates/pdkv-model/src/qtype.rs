@@ -36,6 +36,8 @@ pub enum QType {
     /// the same bytes in another order, as the loader keeps Q5_0 matrices.
     /// Not a GGUF type: [`QType::gguf`] names the rows it unpacks to.
     Q5_0R8,
+    /// Q4_1 packed as [`QType::Q5_0R8`] packs Q5_0.
+    Q4_1R8,
 }
 
 impl QType {
@@ -72,7 +74,7 @@ impl QType {
         match self {
             QType::Q8_0 => 34,
             QType::Q4_0 => 18,
-            QType::Q4_1 => 20,
+            QType::Q4_1 | QType::Q4_1R8 => 20,
             QType::Q5_0 | QType::Q5_0R8 => 22,
             QType::Q5_1 => 24,
             QType::Q4_K => 144,
@@ -96,26 +98,28 @@ impl QType {
         matches!(self, QType::F16 | QType::BF16)
     }
 
-    /// Whether the rows are packed in tiles ([`QType::Q5_0R8`]): readers
-    /// other than the kernels made for them take [`QType::gguf`] rows
-    /// ([`crate::packed::gguf_rows`]).
+    /// Whether the rows are packed in tiles ([`QType::Q5_0R8`],
+    /// [`QType::Q4_1R8`]): readers other than the kernels made for them
+    /// take [`QType::gguf`] rows ([`crate::packed::gguf_rows`]).
     pub fn packed(self) -> bool {
-        self == QType::Q5_0R8
+        matches!(self, QType::Q5_0R8 | QType::Q4_1R8)
     }
 
     /// The GGUF format of the rows: the packed format's unpacked rows'.
     pub fn gguf(self) -> QType {
         match self {
             QType::Q5_0R8 => QType::Q5_0,
+            QType::Q4_1R8 => QType::Q4_1,
             q => q,
         }
     }
 
-    /// The format a loaded matrix of this format keeps: Q5_0 packed
-    /// ([`QType::Q5_0R8`]), every other as it is.
+    /// The format a loaded matrix of this format keeps: Q5_0 and Q4_1
+    /// packed, every other as it is.
     pub fn loaded(self) -> QType {
         match self {
             QType::Q5_0 => QType::Q5_0R8,
+            QType::Q4_1 => QType::Q4_1R8,
             q => q,
         }
     }
@@ -138,7 +142,7 @@ impl QType {
                 unreachable!("{self:?} keeps its nibbles per super-block")
             }
             QType::F16 | QType::BF16 => unreachable!("{self:?} has no nibbles"),
-            QType::Q5_0R8 => unreachable!("packed rows are read unpacked"),
+            QType::Q5_0R8 | QType::Q4_1R8 => unreachable!("packed rows are read unpacked"),
         }
     }
 
@@ -148,7 +152,7 @@ impl QType {
         match self {
             QType::Q5_0 => Some(2),
             QType::Q5_1 => Some(4),
-            QType::Q5_0R8 => unreachable!("packed rows are read unpacked"),
+            QType::Q5_0R8 | QType::Q4_1R8 => unreachable!("packed rows are read unpacked"),
             _ => None,
         }
     }
@@ -156,7 +160,7 @@ impl QType {
     /// Whether the block stores its minimum as an f16 after the scale
     /// (Q4_1, Q5_1); Q4_0's and Q5_0's minimums are `-8d` and `-16d`.
     pub(crate) fn stored_min(self) -> bool {
-        matches!(self, QType::Q4_1 | QType::Q5_1)
+        matches!(self, QType::Q4_1 | QType::Q5_1 | QType::Q4_1R8)
     }
 
     /// The factor `f` of `mw = f * d` for Q4_0 (-8) and Q5_0 (-16).
@@ -186,7 +190,7 @@ pub fn ggml_type(q: QType) -> crate::gguf::GgmlType {
     match q {
         QType::Q8_0 => crate::gguf::GgmlType::Q8_0,
         QType::Q4_0 => crate::gguf::GgmlType::Q4_0,
-        QType::Q4_1 => crate::gguf::GgmlType::Q4_1,
+        QType::Q4_1 | QType::Q4_1R8 => crate::gguf::GgmlType::Q4_1,
         // Of the rows unpacked (`crate::packed::gguf_rows`).
         QType::Q5_0 | QType::Q5_0R8 => crate::gguf::GgmlType::Q5_0,
         QType::Q5_1 => crate::gguf::GgmlType::Q5_1,

@@ -36,6 +36,7 @@ impl DType {
                 QType::Q4_1 => "q4_1",
                 QType::Q5_0 => "q5_0",
                 QType::Q5_0R8 => "q5_0r8",
+                QType::Q4_1R8 => "q4_1r8",
                 QType::Q5_1 => "q5_1",
                 QType::Q4_K => "q4_k",
                 QType::Q5_K => "q5_k",
@@ -303,7 +304,7 @@ impl Weights {
                 let mut unpacked = Vec::new();
                 let row = if q.packed() {
                     unpacked.resize(rb, 0);
-                    crate::packed::row_into(b, cols, r, &mut unpacked);
+                    crate::packed::row_into(q, b, cols, r, &mut unpacked);
                     &unpacked[..]
                 } else {
                     &b[r * rb..(r + 1) * rb]

@@ -86,7 +86,7 @@ pub fn matmul_blocks_many_with(
                 for r in p0..p1 {
                     let dst = &mut scratch[(r - p0) * k..(r - p0 + 1) * k];
                     if ty.packed() {
-                        crate::packed::row_into(wb, k, r, &mut unpacked);
+                        crate::packed::row_into(ty, wb, k, r, &mut unpacked);
                         dequantize_row(be, ty.gguf(), &unpacked, dst);
                     } else {
                         dequantize_row(be, ty, &wb[r * rb..(r + 1) * rb], dst);

@@ -163,7 +163,7 @@ pub(super) fn fill_gguf_slot(
             }
             if q.packed() {
                 let rows = dst.to_vec();
-                crate::packed::pack(&rows, cols, dst);
+                crate::packed::pack(q, &rows, cols, dst);
             }
         }
     }

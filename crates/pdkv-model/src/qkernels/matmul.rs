@@ -136,7 +136,7 @@ unsafe fn run_unpacked(fl: Flavour, x: &QActs, job: &Job) {
         // SAFETY: the caller guarantees that `job.w` holds the matrix's
         // `job.n` rows.
         let w = unsafe { std::slice::from_raw_parts(job.w, job.n * rb) };
-        packed::rows_into(w, k, job.j0, buf);
+        packed::rows_into(job.ty, w, k, job.j0, buf);
         let rows_job = Job {
             ty: job.ty.gguf(),
             w: buf.as_ptr(),

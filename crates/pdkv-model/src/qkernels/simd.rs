@@ -12,7 +12,7 @@ use super::regs::{
     f16_high, f16_low, halves, k_scales, lanes8, lanes8_halves, row_offsets, rows_word, store_tile,
     unpack_q6, unpack_super, unpack_super_pair, x_halves, DR,
 };
-use crate::packed::{self, TILE, TILE_BLOCK};
+use crate::packed::{self, TILE};
 use crate::prefetch::{tiles_ahead, to_l2, AHEAD};
 use crate::qtype::{QType, QK};
 
@@ -105,8 +105,8 @@ unsafe fn prep<D: IDot>(
     }
 }
 
-/// [`prep`] for rows `j..j + rows` of a packed matrix ([`QType::Q5_0R8`]),
-/// inside one of its tiles: each row's blocks rebuilt as GGUF blocks.
+/// [`prep`] for rows `j..j + rows` of a packed matrix of `ty`, inside one
+/// of its tiles, read in place: the same scales, minimums and values.
 ///
 /// # Safety
 /// The CPU has AVX2, F16C and `D`'s instructions; `w` holds the packed
@@ -115,10 +115,10 @@ unsafe fn prep<D: IDot>(
 #[inline(always)]
 unsafe fn prep_packed<D: IDot>(
     s: &mut Scratch,
+    ty: QType,
     w: *const u8,
-    j: usize,
+    (j, rows): (usize, usize),
     rb: usize,
-    rows: usize,
     nb: usize,
 ) {
     // SAFETY: the caller guarantees the instructions and that the tile of
@@ -126,15 +126,25 @@ unsafe fn prep_packed<D: IDot>(
     unsafe {
         s.reserve(rows, nb);
         let tile = w.add(j / TILE * TILE * rb);
+        let (tb, nib, five) = (
+            packed::tile_block(ty),
+            packed::nibbles_at(ty),
+            ty.gguf() == QType::Q5_0,
+        );
         for c in 0..rows {
+            let row = j % TILE + c;
             for b in 0..nb {
-                let p = std::slice::from_raw_parts(tile.add(b * TILE_BLOCK), TILE_BLOCK);
-                let blk = packed::block(p, j % TILE + c);
+                let p = tile.add(b * tb);
                 let i = c * nb + b;
-                s.dw[i] = f16_at(blk.as_ptr());
-                s.mw[i] = min_of(QType::Q5_0, &blk);
+                s.dw[i] = f16_at(p.add(2 * row));
+                s.mw[i] = if five {
+                    QType::Q5_0.min_factor() * s.dw[i]
+                } else {
+                    f16_at(p.add(packed::SECOND_AT + 2 * row))
+                };
+                let bits = five.then(|| packed::fifth_bits(std::slice::from_raw_parts(p, tb), row));
                 let v = s.vals.as_mut_ptr().add(i * QK) as *mut __m256i;
-                _mm256_storeu_si256(v, unpack_unsigned::<D>(QType::Q5_0, blk.as_ptr()));
+                _mm256_storeu_si256(v, nibble_values::<D>(p.add(nib + 16 * row), bits));
             }
         }
     }
@@ -152,17 +162,32 @@ unsafe fn unpack_unsigned<D: IDot>(ty: QType, blk: *const u8) -> __m256i {
     // `blk` is a whole block of `ty`: the nibbles (16 bytes) and fifth bits
     // (4) are inside it.
     unsafe {
+        let bits = ty
+            .high_bits_at()
+            .map(|h| (blk.add(h) as *const u32).read_unaligned());
+        nibble_values::<D>(blk.add(ty.nibbles_at()), bits)
+    }
+}
+
+/// The 32 values of the 16 nibble bytes at `nib` (value `i < 16` the low
+/// nibble of byte `i`, `i + 16` its high one), with a Q5 block's fifth
+/// `bits`, as bytes in order.
+///
+/// # Safety
+/// The CPU has AVX2 and `D`'s instructions; 16 bytes at `nib` are readable.
+#[inline(always)]
+unsafe fn nibble_values<D: IDot>(nib: *const u8, bits: Option<u32>) -> __m256i {
+    // SAFETY: the caller guarantees the instructions and the 16 bytes.
+    unsafe {
         // The 16 nibble bytes in both halves, the high half shifted by 4
         // (a per-lane shift: no cross-lane shuffle), then the low nibbles.
-        let q = _mm256_broadcastsi128_si256(_mm_loadu_si128(
-            blk.add(ty.nibbles_at()) as *const __m128i
-        ));
+        let q = _mm256_broadcastsi128_si256(_mm_loadu_si128(nib as *const __m128i));
         let v = _mm256_and_si256(
             _mm256_srlv_epi32(q, _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4)),
             _mm256_set1_epi8(0x0f),
         );
-        match ty.high_bits_at() {
-            Some(h) => D::fifth(v, (blk.add(h) as *const u32).read_unaligned()),
+        match bits {
+            Some(b) => D::fifth(v, b),
             None => v,
         }
     }
@@ -240,7 +265,7 @@ unsafe fn run_job<D: IDot>(x: &QActs, job: &Job, s: &mut Scratch) {
         while j < job.j1 {
             let nr = NR.min(job.j1 - j);
             if j < tiled {
-                prep_packed::<D>(s, job.w, j, rb, nr, nb);
+                prep_packed::<D>(s, job.ty, job.w, (j, nr), rb, nb);
             } else {
                 prep::<D>(s, job.ty.gguf(), job.w.add(j * rb), rb, nr, nb);
             }
@@ -300,7 +325,9 @@ unsafe fn direct_of<D: IDot, const M: usize>(x: &QActs, job: &Job) {
             QType::Q5_K => direct_super::<D, true, M>(x, job),
             QType::Q6_K => direct_q6::<D, M>(x, job),
             QType::F16 | QType::BF16 => unreachable!("run_many refuses them"),
-            QType::Q5_0R8 => unreachable!("packed rows go to `tiled` or are unpacked"),
+            QType::Q5_0R8 | QType::Q4_1R8 => {
+                unreachable!("packed rows go to `tiled` or are unpacked")
+            }
         }
     }
 }

@@ -48,7 +48,7 @@ fn rand_weights(seed: u64, ty: QType, n: usize, k: usize) -> Vec<u8> {
     if ty.packed() {
         let rows = rand_weights(seed, ty.gguf(), n, k);
         let mut w = vec![0u8; rows.len()];
-        crate::packed::pack(&rows, k, &mut w);
+        crate::packed::pack(ty, &rows, k, &mut w);
         return w;
     }
     let mut rng = Rng::new(seed);
@@ -131,7 +131,7 @@ fn run(fl: Flavour, x: &QActs, ty: QType, w: &[u8], n: usize) -> Vec<f32> {
 /// Every format the kernels read: the 32-value ones, the super-block
 /// ones (which need `k` a multiple of 256: tests skip them elsewhere), and
 /// packed Q5_0.
-const TYPES: [QType; 9] = [
+const TYPES: [QType; 10] = [
     QType::Q8_0,
     QType::Q4_0,
     QType::Q4_1,
@@ -141,6 +141,7 @@ const TYPES: [QType; 9] = [
     QType::Q5_K,
     QType::Q6_K,
     QType::Q5_0R8,
+    QType::Q4_1R8,
 ];
 
 /// Whether rows of `k` values are whole blocks of `ty`.
@@ -244,7 +245,7 @@ fn value_bytes(ty: QType) -> std::ops::Range<usize> {
         QType::Q5_K => 16..176,
         QType::Q6_K => 0..192,
         QType::F16 | QType::BF16 => unreachable!("not a block format"),
-        QType::Q5_0R8 => unreachable!("packed: its GGUF rows are filled"),
+        QType::Q5_0R8 | QType::Q4_1R8 => unreachable!("packed: its GGUF rows are filled"),
     }
 }
 
@@ -266,7 +267,7 @@ fn the_largest_block_dots_are_exact() {
             }
             if ty.packed() {
                 let rows = wq.clone();
-                crate::packed::pack(&rows, k, &mut wq);
+                crate::packed::pack(ty, &rows, k, &mut wq);
             }
             let w = dequant(ty, &wq, n, k);
             for (sign, m) in [(1.0f32, 1), (-1.0, 1), (1.0, 3), (-1.0, 12)] {

@@ -1,93 +1,140 @@
-//! Packed matrices ([`QType::Q5_0R8`], tiles of 8 rows laid out by block:
-//! [`crate::packed`]) at batch 1 and small batches, with AVX-512 VNNI:
-//! a tile block's 8 rows' nibbles are two 512-bit loads, each fifth-bit
-//! mask one mask-register load, and the tile one stream. Every other path
-//! reads a packed matrix's rows unpacked ([`run_unpacked`]).
+//! Packed matrices ([`QType::Q5_0R8`], [`QType::Q4_1R8`]: tiles of 8 rows
+//! laid out by block, [`crate::packed`]) at batch 1 and small batches:
+//! with AVX-512 VNNI a tile block's 8 rows' nibbles are two 512-bit loads
+//! and each Q5_0 fifth-bit mask one mask-register load; with AVX2 two rows
+//! share a 256-bit vector. Either way the tile is one stream and its 8
+//! scales (and Q4_1's minimums) one load. The larger batches' tiles read
+//! packed rows as they unpack them (`simd::prep_packed`), the portable
+//! kernels unpacked (`matmul::run_unpacked`).
 //!
 //! The float sequence per output is [`super::simd`]'s direct kernel's
 //! (see [`super`]): `acc = fma(I_b, dw_b * dx_b, acc)`, then
-//! `acc = fma(-16 dw_b, dx_b * Σqx_b, acc)`, block by block, so a packed
-//! matrix's outputs have its GGUF rows' bits.
+//! `acc = fma(mw_b, dx_b * Σqx_b, acc)` (`mw_b` Q5_0's `-16 dw_b` or Q4_1's
+//! minimum), block by block, so a packed matrix's outputs have its GGUF
+//! rows' bits.
 
 use std::arch::x86_64::*;
 
 use super::acts::{QActs, DIRECT_MAX, GROUP};
 use super::idot::{Avx2, IDot, PAIRS};
 use super::job::Job;
-use super::regs::x_halves;
-use crate::packed::{MASKS_AT, NIBBLES_AT, TILE, TILE_BLOCK};
+use super::regs::{store_tile, x_halves};
+use crate::packed::{nibbles_at, tile_block, SECOND_AT, TILE};
 use crate::prefetch::{tiles_ahead, to_l2, AHEAD};
 use crate::qtype::{QType, QK};
 
 /// # Safety
-/// As [`super::simd::run_job_vnni`]'s, for a `Q5_0R8` job whose columns
-/// start at a tile (`job.j0` a multiple of [`TILE`]), with `x.m` at most
-/// [`DIRECT_MAX`] rows; the CPU has AVX-512 F, BW and VNNI (and AVX2, FMA,
-/// F16C).
+/// As [`super::simd::run_job_vnni`]'s, for a job of a packed matrix whose
+/// columns start at a tile (`job.j0` a multiple of [`TILE`]), with `x.m`
+/// at most [`DIRECT_MAX`] rows; the CPU has AVX-512 F, BW and VNNI (and
+/// AVX2, FMA, F16C).
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vnni,avx512vl")]
 pub(super) unsafe fn run_job_vnni(x: &QActs, job: &Job) {
     // SAFETY: as this function's contract; the tail rows (GGUF rows) go
-    // to the direct kernel of Q5_0, whose contract this one includes.
+    // to the direct kernel of the GGUF format, whose contract this one
+    // includes.
     unsafe {
-        debug_assert!(job.ty == QType::Q5_0R8 && job.j0.is_multiple_of(TILE) && x.m <= DIRECT_MAX);
-        let tiled = job.n / TILE * TILE;
-        let end = job.j1.min(tiled);
+        let end = tiles_end(x, job);
         if job.j0 < end {
-            match x.m {
-                1 => tiles::<1>(x, job, end),
-                _ => tiles::<0>(x, job, end),
+            match (job.ty, x.m) {
+                (QType::Q5_0R8, 1) => tiles::<true, 1>(x, job, end),
+                (QType::Q5_0R8, _) => tiles::<true, 0>(x, job, end),
+                (_, 1) => tiles::<false, 1>(x, job, end),
+                _ => tiles::<false, 0>(x, job, end),
             }
         }
-        if job.j1 > tiled {
-            let tail = Job {
-                ty: QType::Q5_0,
-                j0: tiled.max(job.j0),
-                ..*job
-            };
+        if let Some(tail) = tail(job) {
             super::simd::run_job_vnni_direct(x, &tail);
         }
     }
 }
 
-/// The whole tiles of columns `job.j0..end` for `M` activation rows (`M
-/// = 0`: `x.m`).
+/// # Safety
+/// As [`run_job_vnni`]'s, with AVX2, FMA and F16C for the instructions.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) unsafe fn run_job_avx2(x: &QActs, job: &Job) {
+    // SAFETY: as [`run_job_vnni`]'s.
+    unsafe {
+        let end = tiles_end(x, job);
+        if job.j0 < end {
+            match (job.ty, x.m) {
+                (QType::Q5_0R8, 1) => tiles_pairs::<Avx2, true, 1>(x, job, end),
+                (QType::Q5_0R8, _) => tiles_pairs::<Avx2, true, 0>(x, job, end),
+                (_, 1) => tiles_pairs::<Avx2, false, 1>(x, job, end),
+                _ => tiles_pairs::<Avx2, false, 0>(x, job, end),
+            }
+        }
+        if let Some(tail) = tail(job) {
+            super::simd::run_job_avx2_direct(x, &tail);
+        }
+    }
+}
+
+/// Where the job's whole tiles end (the matrix's last `n % 8` rows are
+/// GGUF rows).
+fn tiles_end(x: &QActs, job: &Job) -> usize {
+    debug_assert!(job.ty.packed() && job.j0.is_multiple_of(TILE) && x.m <= DIRECT_MAX);
+    job.j1.min(job.n / TILE * TILE)
+}
+
+/// The job's GGUF rows past the matrix's tiles, as a job of their format.
+fn tail(job: &Job) -> Option<Job> {
+    let tiled = job.n / TILE * TILE;
+    (job.j1 > tiled).then(|| Job {
+        ty: job.ty.gguf(),
+        j0: tiled.max(job.j0),
+        ..*job
+    })
+}
+
+/// The whole tiles of columns `job.j0..end` of Q5_0 (`FIVE`) or Q4_1 for
+/// `M` activation rows (`M = 0`: `x.m`).
 ///
 /// # Safety
 /// As [`run_job_vnni`]'s, `end` a multiple of [`TILE`] at most `job.n`.
 #[inline(always)]
-unsafe fn tiles<const M: usize>(x: &QActs, job: &Job, end: usize) {
+unsafe fn tiles<const FIVE: bool, const M: usize>(x: &QActs, job: &Job, end: usize) {
     // SAFETY: the caller guarantees the CPU's instructions and that the
     // job's tiles, activations (`x.rowq`, `m <= DIRECT_MAX` rows) and
     // output columns are inside `job.w`, `x` and `job.y`.
     unsafe {
         let (nb, k, m) = (x.blocks(), x.k, if M == 0 { x.m } else { M });
-        let tb = TILE * QType::Q5_0R8.row_bytes(k);
+        let (tb, nib) = (tile_block(job.ty), nibbles_at(job.ty));
+        let tile = TILE * job.ty.row_bytes(k);
         to_l2(
-            job.w.wrapping_add(job.j0 / TILE * tb),
-            AHEAD.min((end - job.j0) / TILE) * tb,
+            job.w.wrapping_add(job.j0 / TILE * tile),
+            AHEAD.min((end - job.j0) / TILE) * tile,
         );
         // After the two folds below, dword 0 of 128-bit lane `l` holds row
         // `l`'s sum and dword 1 row `l + 4`'s.
         let order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 0, 0, 0, 0, 0, 0, 0, 0);
-        let min_factor = _mm256_set1_ps(QType::Q5_0R8.min_factor());
         let mut j = job.j0;
         while j < end {
-            let base = job.w.add(j / TILE * tb);
+            let base = job.w.add(j / TILE * tile);
             let mut acc = [_mm256_setzero_ps(); DIRECT_MAX];
             for b in 0..nb {
-                tiles_ahead(base, tb, b * TILE_BLOCK, TILE_BLOCK);
-                let p = base.add(b * TILE_BLOCK);
-                let dw = _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i));
-                let masks = p.add(MASKS_AT) as *const u64;
+                tiles_ahead(base, tile, b * tb, tb);
+                let p = base.add(b * tb);
+                let (dw, mw) = scales::<FIVE>(p);
+                // Rows 0..4 (then 4..8), 16 nibble bytes each: values
+                // 0..16 in the low nibbles, 16..32 in the high ones, Q5_0's
+                // fifth bits added from its masks.
+                let masks = p.add(SECOND_AT) as *const u64;
+                let mask = |i: usize| {
+                    if FIVE {
+                        masks.add(i).read_unaligned()
+                    } else {
+                        0
+                    }
+                };
                 let (qa, qb) = (
-                    _mm512_loadu_si512(p.add(NIBBLES_AT) as *const _),
-                    _mm512_loadu_si512(p.add(NIBBLES_AT + 64) as *const _),
+                    _mm512_loadu_si512(p.add(nib) as *const _),
+                    _mm512_loadu_si512(p.add(nib + 64) as *const _),
                 );
-                let la = values::<false>(qa, masks.read_unaligned());
-                let ha = values::<true>(qa, masks.add(1).read_unaligned());
-                let lb = values::<false>(qb, masks.add(2).read_unaligned());
-                let hb = values::<true>(qb, masks.add(3).read_unaligned());
-                let mw = _mm256_mul_ps(min_factor, dw);
+                let la = values::<false>(qa, mask(0));
+                let ha = values::<true>(qa, mask(1));
+                let lb = values::<false>(qb, mask(2));
+                let hb = values::<true>(qb, mask(3));
                 for (r, a) in acc[..m].iter_mut().enumerate() {
                     let xp = x.rowq.as_ptr().add(r * k + b * QK);
                     let xl = _mm512_broadcast_i32x4(_mm_loadu_si128(xp as *const __m128i));
@@ -102,13 +149,10 @@ unsafe fn tiles<const M: usize>(x: &QActs, job: &Job, end: usize) {
                     );
                     let u = _mm512_add_epi32(t, _mm512_shuffle_epi32::<0b0100_1110>(t));
                     let isum = _mm512_castsi512_si256(_mm512_permutexvar_epi32(order, u));
-                    let si = b * GROUP + r;
-                    let sc = _mm256_mul_ps(dw, _mm256_set1_ps(x.d[si]));
-                    *a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), sc, *a);
-                    *a = _mm256_fmadd_ps(mw, _mm256_set1_ps(x.dsum[si]), *a);
+                    accumulate(a, isum, (dw, mw), x, b * GROUP + r);
                 }
             }
-            super::regs::store_tile(&acc[..m], TILE.min(job.j1 - j), job, j);
+            store_tile(&acc[..m], TILE.min(job.j1 - j), job, j);
             j += TILE;
         }
     }
@@ -116,7 +160,7 @@ unsafe fn tiles<const M: usize>(x: &QActs, job: &Job, end: usize) {
 
 /// Values 0..16 (`HIGH`: 16..32) of 4 rows whose 16 nibble bytes each are
 /// `q`'s 128-bit lanes, with 16 added where the row's fifth bit in `mask`
-/// (16 bits a lane, lane 0 lowest) is set: unsigned 5-bit values as bytes.
+/// (16 bits a lane, lane 0 lowest) is set: unsigned values as bytes.
 ///
 /// # Safety
 /// The CPU has AVX-512 F and BW.
@@ -130,92 +174,101 @@ unsafe fn values<const HIGH: bool>(q: __m512i, mask: u64) -> __m512i {
     }
 }
 
+/// The 8 rows' scales `dw` and minimums `mw` of the tile block at `p`
+/// (Q5_0 when `FIVE`: `mw = -16 dw`, exact; Q4_1: the stored f16).
+///
 /// # Safety
-/// As [`run_job_vnni`]'s, with AVX2, FMA and F16C for the instructions.
-#[target_feature(enable = "avx2,fma,f16c")]
-pub(super) unsafe fn run_job_avx2(x: &QActs, job: &Job) {
-    // SAFETY: as this function's contract; the tail rows (GGUF rows) go
-    // to the direct kernel of Q5_0, whose contract this one includes.
+/// The CPU has AVX2 and F16C; `p` is a whole tile block.
+#[inline(always)]
+unsafe fn scales<const FIVE: bool>(p: *const u8) -> (__m256, __m256) {
+    // SAFETY: the caller guarantees the instructions and the tile block.
     unsafe {
-        debug_assert!(job.ty == QType::Q5_0R8 && job.j0.is_multiple_of(TILE));
-        let tiled = job.n / TILE * TILE;
-        let end = job.j1.min(tiled);
-        if job.j0 < end {
-            match x.m {
-                1 => tiles_pairs::<Avx2, 1>(x, job, end),
-                _ => tiles_pairs::<Avx2, 0>(x, job, end),
-            }
-        }
-        if job.j1 > tiled {
-            let tail = Job {
-                ty: QType::Q5_0,
-                j0: tiled.max(job.j0),
-                ..*job
-            };
-            super::simd::run_job_avx2_direct(x, &tail);
-        }
+        let dw = _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i));
+        let mw = if FIVE {
+            _mm256_mul_ps(_mm256_set1_ps(QType::Q5_0.min_factor()), dw)
+        } else {
+            _mm256_cvtph_ps(_mm_loadu_si128(p.add(SECOND_AT) as *const __m128i))
+        };
+        (dw, mw)
+    }
+}
+
+/// One block's step of every lane's sum, as `simd::direct` takes it:
+/// `acc = fma(isum, dw * dx, acc)`, then `acc = fma(mw, dx * Σqx, acc)`,
+/// with the activation block's scale and sum at `x.d[si]`, `x.dsum[si]`.
+///
+/// # Safety
+/// The CPU has AVX2 and FMA.
+#[inline(always)]
+unsafe fn accumulate(
+    a: &mut __m256,
+    isum: __m256i,
+    (dw, mw): (__m256, __m256),
+    x: &QActs,
+    si: usize,
+) {
+    // SAFETY: the caller guarantees the instructions; `x.d` and `x.dsum`
+    // are indexed with bounds checks.
+    unsafe {
+        let sc = _mm256_mul_ps(dw, _mm256_set1_ps(x.d[si]));
+        *a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), sc, *a);
+        *a = _mm256_fmadd_ps(mw, _mm256_set1_ps(x.dsum[si]), *a);
     }
 }
 
 /// [`tiles`] in 256-bit vectors, with `D`'s integer dots: rows `2p` and
 /// `2p + 1` of a tile block share a vector (their nibble bytes are 32
-/// adjacent bytes), each half's 16 fifth bits 32 adjacent bits of a mask.
+/// adjacent bytes), and a Q5_0 half's 16 fifth bits a row are 32 adjacent
+/// bits of a mask.
 ///
 /// # Safety
 /// As [`tiles`]', with AVX2, FMA, F16C and `D`'s instructions.
 #[inline(always)]
-unsafe fn tiles_pairs<D: IDot, const M: usize>(x: &QActs, job: &Job, end: usize) {
-    // SAFETY: the caller guarantees the CPU's instructions and that the
-    // job's tiles, activations (`x.rowq`, `m <= DIRECT_MAX` rows) and
-    // output columns are inside `job.w`, `x` and `job.y`.
+unsafe fn tiles_pairs<D: IDot, const FIVE: bool, const M: usize>(x: &QActs, job: &Job, end: usize) {
+    // SAFETY: as [`tiles`]'.
     unsafe {
         let (nb, k, m) = (x.blocks(), x.k, if M == 0 { x.m } else { M });
-        let tb = TILE * QType::Q5_0R8.row_bytes(k);
+        let (tb, nib) = (tile_block(job.ty), nibbles_at(job.ty));
+        let tile = TILE * job.ty.row_bytes(k);
         to_l2(
-            job.w.wrapping_add(job.j0 / TILE * tb),
-            AHEAD.min((end - job.j0) / TILE) * tb,
+            job.w.wrapping_add(job.j0 / TILE * tile),
+            AHEAD.min((end - job.j0) / TILE) * tile,
         );
         // `D::dots_pairs` puts row `2p` in lane `p` and row `2p + 1` in
         // lane `p + 4`; this takes lane `c` to row `c`.
         let order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
-        let (low, min_factor) = (
-            _mm256_set1_epi8(0x0f),
-            _mm256_set1_ps(QType::Q5_0R8.min_factor()),
-        );
+        let low = _mm256_set1_epi8(0x0f);
         let mut j = job.j0;
         while j < end {
-            let base = job.w.add(j / TILE * tb);
+            let base = job.w.add(j / TILE * tile);
             let mut acc = [_mm256_setzero_ps(); DIRECT_MAX];
             for b in 0..nb {
-                tiles_ahead(base, tb, b * TILE_BLOCK, TILE_BLOCK);
-                let p = base.add(b * TILE_BLOCK);
-                let dw = _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i));
-                // Mask `2 * (p / 2) + half`'s 32-bit word `p % 2`: rows 2p, 2p + 1.
-                let bits = p.add(MASKS_AT) as *const u32;
+                tiles_ahead(base, tile, b * tb, tb);
+                let p = base.add(b * tb);
+                let scales = scales::<FIVE>(p);
+                // Rows 2q, 2q + 1: mask `2 * (q / 2) + half`'s word `q % 2`.
+                let bits = p.add(SECOND_AT) as *const u32;
                 let (mut lo, mut hi) = (
                     [_mm256_setzero_si256(); PAIRS],
                     [_mm256_setzero_si256(); PAIRS],
                 );
                 for q in 0..PAIRS {
-                    let v = _mm256_loadu_si256(p.add(NIBBLES_AT + 32 * q) as *const __m256i);
-                    let word = 4 * (q / 2) + q % 2;
-                    lo[q] = D::fifth(_mm256_and_si256(v, low), bits.add(word).read_unaligned());
-                    hi[q] = D::fifth(
-                        _mm256_and_si256(_mm256_srli_epi16::<4>(v), low),
-                        bits.add(word + 2).read_unaligned(),
-                    );
+                    let v = _mm256_loadu_si256(p.add(nib + 32 * q) as *const __m256i);
+                    lo[q] = _mm256_and_si256(v, low);
+                    hi[q] = _mm256_and_si256(_mm256_srli_epi16::<4>(v), low);
+                    if FIVE {
+                        let word = 4 * (q / 2) + q % 2;
+                        lo[q] = D::fifth(lo[q], bits.add(word).read_unaligned());
+                        hi[q] = D::fifth(hi[q], bits.add(word + 2).read_unaligned());
+                    }
                 }
-                let mw = _mm256_mul_ps(min_factor, dw);
                 for (r, a) in acc[..m].iter_mut().enumerate() {
                     let (xl, xh) = x_halves(x.rowq.as_ptr().add(r * k + b * QK));
                     let isum = _mm256_permutevar8x32_epi32(D::dots_pairs(xl, xh, &lo, &hi), order);
-                    let si = b * GROUP + r;
-                    let sc = _mm256_mul_ps(dw, _mm256_set1_ps(x.d[si]));
-                    *a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), sc, *a);
-                    *a = _mm256_fmadd_ps(mw, _mm256_set1_ps(x.dsum[si]), *a);
+                    accumulate(a, isum, scales, x, b * GROUP + r);
                 }
             }
-            super::regs::store_tile(&acc[..m], TILE.min(job.j1 - j), job, j);
+            store_tile(&acc[..m], TILE.min(job.j1 - j), job, j);
             j += TILE;
         }
     }

@@ -122,9 +122,9 @@ impl Cut {
                         let cols = src.shape[1];
                         let mut rows = vec![0u8; r.len() * rb];
                         let whole = bytes(src.offset, src.bytes());
-                        crate::packed::rows_into(whole, cols, r.start, &mut rows);
+                        crate::packed::rows_into(q, whole, cols, r.start, &mut rows);
                         let mut out = vec![0u8; rows.len()];
-                        crate::packed::pack(&rows, cols, &mut out);
+                        crate::packed::pack(q, &rows, cols, &mut out);
                         to.region.write_bytes(dst.offset, &out)?;
                     }
                     _ => {

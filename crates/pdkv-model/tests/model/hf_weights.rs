@@ -187,10 +187,12 @@ fn a_checkpoint_reloaded_into_a_converted_model_equals_a_fresh_load_in_that_form
             let running = load_as(a.path(), format(q));
             assert_eq!(
                 running.model.weights().layers[0].wq.dtype,
+                // As the loader keeps the planned format (Q4_1 packed).
                 DType::Quant(
                     WeightFormat::Convert(DType::Quant(q))
                         .planned(false, 64)
                         .unwrap()
+                        .loaded()
                 ),
                 "{what}"
             );
