@@ -396,10 +396,15 @@ async fn gauge(client: &reqwest::Client, base: &str, name: &str) -> f64 {
     metric(&metrics(client, base).await, name).unwrap_or(0.0)
 }
 
-/// Waits until `n` requests run on `base`.
-async fn wait_running(client: &reqwest::Client, base: &str, n: usize) {
-    wait_metrics(client, base, "rollouts running", |t| {
-        metric(t, "pdkv_num_requests_running").unwrap_or(0.0) >= n as f64
+/// Waits until a rollout runs on `base` and has sampled a token (its
+/// `pdkv_generation_tokens_total` past `gen0`): a pause sent then finds
+/// some of the step's tokens generated and rollouts in flight. (Not every
+/// rollout at once: under load a small model's rollout can finish before
+/// the last one is admitted, and that wait then never ends.)
+async fn wait_sampling(client: &reqwest::Client, base: &str, gen0: f64) {
+    wait_metrics(client, base, "a rollout sampling", |t| {
+        metric(t, "pdkv_num_requests_running").unwrap_or(0.0) >= 1.0
+            && metric(t, "pdkv_generation_tokens_total").unwrap_or(0.0) > gen0
     })
     .await;
 }
@@ -631,6 +636,7 @@ async fn areal_three_steps(kind: Kind) {
     let mut aborted = 0;
     for step in 0..=3 {
         let (pause_tx, pause_rx) = tokio::sync::watch::channel(false);
+        let gen0 = gauge(&client, dep.sampler(), "pdkv_generation_tokens_total").await;
         let tasks: Vec<_> = (0..ROLLOUTS)
             .map(|i| {
                 let (c, b, p) = (client.clone(), dep.base.clone(), pause_rx.clone());
@@ -638,7 +644,7 @@ async fn areal_three_steps(kind: Kind) {
             })
             .collect();
         if step < 3 {
-            wait_running(&client, dep.sampler(), ROLLOUTS).await;
+            wait_sampling(&client, dep.sampler(), gen0).await;
             let call = |path: &str, body: Value| {
                 ok(
                     client.post(format!("{}{path}", dep.base)).json(&body),
@@ -749,7 +755,7 @@ async fn prime_rl_three_steps(kind: Kind) {
             })
             .collect();
         if step < 3 {
-            wait_running(&client, &sampler, ROLLOUTS).await;
+            wait_sampling(&client, &sampler, gen0).await;
             let admin = |path: &str| client.post(format!("{base}{path}"));
             ok(
                 admin("/pause?mode=keep&clear_cache=false"),
