@@ -214,15 +214,11 @@ pub fn gguf_rows(ty: QType, w: &[u8], k: usize) -> std::borrow::Cow<'_, [u8]> {
 mod tests {
     use super::*;
 
+    /// Any bytes: the low bits of the kernels' test floats.
     fn bytes(seed: u64, len: usize) -> Vec<u8> {
-        let mut s = seed;
-        (0..len)
-            .map(|_| {
-                s = s
-                    .wrapping_mul(6364136223846793005)
-                    .wrapping_add(1442695040888963407);
-                (s >> 56) as u8
-            })
+        let x = crate::kernels::tests::rand_vec(seed, len);
+        x.iter()
+            .map(|v| (v.to_bits() ^ (v.to_bits() >> 11)) as u8)
             .collect()
     }
 

@@ -30,42 +30,82 @@ use crate::qtype::{QType, QK};
 /// AVX2, FMA, F16C).
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vnni,avx512vl")]
 pub(super) unsafe fn run_job_vnni(x: &QActs, job: &Job) {
-    // SAFETY: as this function's contract; the tail rows (GGUF rows) go
-    // to the direct kernel of the GGUF format, whose contract this one
-    // includes.
-    unsafe {
-        let end = tiles_end(x, job);
-        if job.j0 < end {
-            match (job.ty, x.m) {
-                (QType::Q5_0R8, 1) => tiles::<true, 1>(x, job, end),
-                (QType::Q5_0R8, _) => tiles::<true, 0>(x, job, end),
-                (_, 1) => tiles::<false, 1>(x, job, end),
-                _ => tiles::<false, 0>(x, job, end),
-            }
-        }
-        if let Some(tail) = tail(job) {
-            super::simd::run_job_vnni_direct(x, &tail);
-        }
-    }
+    // SAFETY: as this function's contract.
+    unsafe { run::<Wide>(x, job) }
 }
 
 /// # Safety
 /// As [`run_job_vnni`]'s, with AVX2, FMA and F16C for the instructions.
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(super) unsafe fn run_job_avx2(x: &QActs, job: &Job) {
-    // SAFETY: as [`run_job_vnni`]'s.
+    // SAFETY: as this function's contract.
+    unsafe { run::<Pairs>(x, job) }
+}
+
+/// The kernels of one instruction set: the whole tiles of Q5_0 (`FIVE`)
+/// or Q4_1 for `M` activation rows (`M = 0`: `x.m`), and the direct kernel
+/// for the GGUF rows past them.
+trait Kernels {
+    /// # Safety
+    /// As [`tiles`]'.
+    unsafe fn tiles<const FIVE: bool, const M: usize>(x: &QActs, job: &Job, end: usize);
+    /// # Safety
+    /// As `simd::run_job_vnni_direct`'s.
+    unsafe fn direct(x: &QActs, job: &Job);
+}
+
+/// AVX-512 VNNI: [`tiles`].
+struct Wide;
+/// AVX2: [`tiles_pairs`].
+struct Pairs;
+
+impl Kernels for Wide {
+    #[inline(always)]
+    unsafe fn tiles<const FIVE: bool, const M: usize>(x: &QActs, job: &Job, end: usize) {
+        // SAFETY: as this function's contract.
+        unsafe { tiles::<FIVE, M>(x, job, end) }
+    }
+    #[inline(always)]
+    unsafe fn direct(x: &QActs, job: &Job) {
+        // SAFETY: as this function's contract.
+        unsafe { super::simd::run_job_vnni_direct(x, job) }
+    }
+}
+
+impl Kernels for Pairs {
+    #[inline(always)]
+    unsafe fn tiles<const FIVE: bool, const M: usize>(x: &QActs, job: &Job, end: usize) {
+        // SAFETY: as this function's contract.
+        unsafe { tiles_pairs::<Avx2, FIVE, M>(x, job, end) }
+    }
+    #[inline(always)]
+    unsafe fn direct(x: &QActs, job: &Job) {
+        // SAFETY: as this function's contract.
+        unsafe { super::simd::run_job_avx2_direct(x, job) }
+    }
+}
+
+/// A job: its whole tiles with `K`'s kernel of its format and batch, then
+/// its rows past the matrix's tiles (GGUF rows) with `K`'s direct kernel.
+///
+/// # Safety
+/// As [`run_job_vnni`]'s, with `K`'s instructions.
+#[inline(always)]
+unsafe fn run<K: Kernels>(x: &QActs, job: &Job) {
+    // SAFETY: as this function's contract; the tail's contract is the
+    // direct kernel's, which this one includes.
     unsafe {
         let end = tiles_end(x, job);
         if job.j0 < end {
             match (job.ty, x.m) {
-                (QType::Q5_0R8, 1) => tiles_pairs::<Avx2, true, 1>(x, job, end),
-                (QType::Q5_0R8, _) => tiles_pairs::<Avx2, true, 0>(x, job, end),
-                (_, 1) => tiles_pairs::<Avx2, false, 1>(x, job, end),
-                _ => tiles_pairs::<Avx2, false, 0>(x, job, end),
+                (QType::Q5_0R8, 1) => K::tiles::<true, 1>(x, job, end),
+                (QType::Q5_0R8, _) => K::tiles::<true, 0>(x, job, end),
+                (_, 1) => K::tiles::<false, 1>(x, job, end),
+                _ => K::tiles::<false, 0>(x, job, end),
             }
         }
         if let Some(tail) = tail(job) {
-            super::simd::run_job_avx2_direct(x, &tail);
+            K::direct(x, &tail);
         }
     }
 }
@@ -87,6 +127,38 @@ fn tail(job: &Job) -> Option<Job> {
     })
 }
 
+/// What the tile kernels sweep: blocks a row (`nb`), values a row (`k`),
+/// activation rows (`m`), bytes of a tile block (`tb`) and where in it the
+/// nibbles start (`nib`), bytes of a tile.
+struct Shape {
+    nb: usize,
+    k: usize,
+    m: usize,
+    tb: usize,
+    nib: usize,
+    tile: usize,
+}
+
+/// The [`Shape`] of a job whose tiles end at `end` for `M` activation rows
+/// (`M = 0`: `x.m`); its first tiles are asked for into L2 (a hint).
+#[inline(always)]
+fn shape<const M: usize>(x: &QActs, job: &Job, end: usize) -> Shape {
+    let k = x.k;
+    let tile = TILE * job.ty.row_bytes(k);
+    to_l2(
+        job.w.wrapping_add(job.j0 / TILE * tile),
+        AHEAD.min((end - job.j0) / TILE) * tile,
+    );
+    Shape {
+        nb: x.blocks(),
+        k,
+        m: if M == 0 { x.m } else { M },
+        tb: tile_block(job.ty),
+        nib: nibbles_at(job.ty),
+        tile,
+    }
+}
+
 /// The whole tiles of columns `job.j0..end` of Q5_0 (`FIVE`) or Q4_1 for
 /// `M` activation rows (`M = 0`: `x.m`).
 ///
@@ -98,13 +170,8 @@ unsafe fn tiles<const FIVE: bool, const M: usize>(x: &QActs, job: &Job, end: usi
     // job's tiles, activations (`x.rowq`, `m <= DIRECT_MAX` rows) and
     // output columns are inside `job.w`, `x` and `job.y`.
     unsafe {
-        let (nb, k, m) = (x.blocks(), x.k, if M == 0 { x.m } else { M });
-        let (tb, nib) = (tile_block(job.ty), nibbles_at(job.ty));
-        let tile = TILE * job.ty.row_bytes(k);
-        to_l2(
-            job.w.wrapping_add(job.j0 / TILE * tile),
-            AHEAD.min((end - job.j0) / TILE) * tile,
-        );
+        let sh = shape::<M>(x, job, end);
+        let (nb, k, m, tb, nib, tile) = (sh.nb, sh.k, sh.m, sh.tb, sh.nib, sh.tile);
         // After the two folds below, dword 0 of 128-bit lane `l` holds row
         // `l`'s sum and dword 1 row `l + 4`'s.
         let order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 0, 0, 0, 0, 0, 0, 0, 0);
@@ -227,13 +294,8 @@ unsafe fn accumulate(
 unsafe fn tiles_pairs<D: IDot, const FIVE: bool, const M: usize>(x: &QActs, job: &Job, end: usize) {
     // SAFETY: as [`tiles`]'.
     unsafe {
-        let (nb, k, m) = (x.blocks(), x.k, if M == 0 { x.m } else { M });
-        let (tb, nib) = (tile_block(job.ty), nibbles_at(job.ty));
-        let tile = TILE * job.ty.row_bytes(k);
-        to_l2(
-            job.w.wrapping_add(job.j0 / TILE * tile),
-            AHEAD.min((end - job.j0) / TILE) * tile,
-        );
+        let sh = shape::<M>(x, job, end);
+        let (nb, k, m, tb, nib, tile) = (sh.nb, sh.k, sh.m, sh.tb, sh.nib, sh.tile);
         // `D::dots_pairs` puts row `2p` in lane `p` and row `2p + 1` in
         // lane `p + 4`; this takes lane `c` to row `c`.
         let order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
