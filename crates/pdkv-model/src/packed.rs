@@ -1,21 +1,23 @@
-//! Q5_0 and Q4_1 matrices packed in tiles of 8 rows ([`QType::Q5_0R8`],
-//! [`QType::Q4_1R8`]): the layout the batch-1 kernels stream, and the
-//! conversions to and from the GGUF rows every other reader takes.
+//! The 32-value unsigned formats (Q4_0, Q4_1, Q5_0, Q5_1) packed in tiles
+//! of 8 rows ([`QType::Q5_0R8`] and the other `R8`s): the layout the
+//! batch-1 kernels stream, and the conversions to and from the GGUF rows
+//! every other reader takes.
 //!
-//! A GGUF row is its blocks one after another (Q5_0 22 bytes each: f16
-//! scale, 32 fifth bits, 16 nibble bytes; Q4_1 20: f16 scale, f16 minimum,
-//! nibbles), so the batch-1 kernel, which computes 8 rows at once, reads 8
-//! short streams, gathers the 8 rows' scales a word at a time, and (Q5_0)
-//! splices each row's fifth bits into its vectors. Packed, rows `8t..8t +
-//! 8` (tile `t`) keep their bytes in the same place in the matrix, `8 *
-//! row_bytes` from `8t * row_bytes`, but ordered by block: block `b` of the
-//! tile's 8 rows is `8 * block_bytes` bytes at `b * 8 * block_bytes`,
+//! A GGUF row is its blocks one after another (f16 scale, Q4_1's and
+//! Q5_1's f16 minimum, Q5's 32 fifth bits, 16 nibble bytes), so the batch-1
+//! kernel, which computes 8 rows at once, reads 8 short streams, gathers
+//! the 8 rows' scales a word at a time, and (Q5) splices each row's fifth
+//! bits into its vectors. Packed, rows `8t..8t + 8` (tile `t`) keep their
+//! bytes in the same place in the matrix, `8 * row_bytes` from `8t *
+//! row_bytes`, but ordered by block: block `b` of the tile's 8 rows is `8 *
+//! block_bytes` bytes at `b * 8 * block_bytes`,
 //!
 //! - 16 bytes: the 8 rows' f16 scales, row 0 first;
-//! - Q5_0: 32 bytes, the fifth bits as 4 little-endian u64 masks, one per
-//!   64 values a kernel vector holds: rows 0..4's bits 0..16 (16 bits a
-//!   row, row 0 lowest), rows 0..4's bits 16..32, then the same for rows
-//!   4..8; Q4_1: 16 bytes, the 8 rows' f16 minimums;
+//! - Q4_1, Q5_1: 16 bytes, the 8 rows' f16 minimums;
+//! - Q5_0, Q5_1: 32 bytes, the fifth bits as 4 little-endian u64 masks,
+//!   one per 64 values a kernel vector holds: rows 0..4's bits 0..16 (16
+//!   bits a row, row 0 lowest), rows 0..4's bits 16..32, then the same for
+//!   rows 4..8;
 //! - 128 bytes: the 8 rows' 16 nibble bytes, row 0 first.
 //!
 //! So a tile is one stream, the scales one load, and each mask loads as it
@@ -31,12 +33,20 @@ use crate::qtype::{QType, QK};
 /// Rows per packed tile.
 pub const TILE: usize = 8;
 
-/// Offset in a tile block of the second field: Q5_0's fifth-bit masks,
-/// Q4_1's minimums (the scales come first).
-pub const SECOND_AT: usize = 2 * TILE;
+/// Offset in a tile block of `ty` of the 8 rows' f16 minimums (Q4_1, Q5_1).
+pub fn mins_at(ty: QType) -> Option<usize> {
+    ty.stored_min().then_some(2 * TILE)
+}
+
+/// Offset in a tile block of `ty` of the fifth-bit masks (Q5_0, Q5_1).
+pub fn masks_at(ty: QType) -> Option<usize> {
+    ty.gguf()
+        .high_bits_at()
+        .map(|_| 2 * TILE + mins_at(ty).map_or(0, |_| 2 * TILE))
+}
 
 /// Bytes of the largest GGUF block of a packed format.
-const MAX_BLOCK: usize = 22;
+const MAX_BLOCK: usize = 24;
 
 /// Bytes of one block of a tile of the packed format `ty` (8 rows' blocks).
 pub fn tile_block(ty: QType) -> usize {
@@ -59,12 +69,12 @@ fn gguf_block(ty: QType) -> usize {
     ty.block_bytes()
 }
 
-/// Row `c`'s 32 fifth bits (bit `i` value `i`'s) of the Q5_0 tile block `p`.
+/// Row `c`'s 32 fifth bits (bit `i` value `i`'s) of a tile block `p`
+/// whose masks start at `at` ([`masks_at`]).
 #[inline]
-pub fn fifth_bits(p: &[u8], c: usize) -> u32 {
+pub fn fifth_bits(p: &[u8], at: usize, c: usize) -> u32 {
     let (lo, shift) = mask_slot(c, 0);
-    let mask =
-        |m: usize| u64::from_le_bytes(p[SECOND_AT + 8 * m..][..8].try_into().expect("8 bytes"));
+    let mask = |m: usize| u64::from_le_bytes(p[at + 8 * m..][..8].try_into().expect("8 bytes"));
     (((mask(lo) >> shift) & 0xffff) | ((mask(lo + 1) >> shift) & 0xffff) << 16) as u32
 }
 
@@ -73,9 +83,11 @@ pub fn fifth_bits(p: &[u8], c: usize) -> u32 {
 pub fn block_into(ty: QType, p: &[u8], c: usize, out: &mut [u8]) {
     let bb = out.len();
     out[..2].copy_from_slice(&p[2 * c..2 * c + 2]);
-    match ty {
-        QType::Q5_0R8 => out[2..6].copy_from_slice(&fifth_bits(p, c).to_le_bytes()),
-        _ => out[2..4].copy_from_slice(&p[SECOND_AT + 2 * c..][..2]),
+    if let Some(at) = mins_at(ty) {
+        out[2..4].copy_from_slice(&p[at + 2 * c..][..2]);
+    }
+    if let (Some(at), Some(h)) = (masks_at(ty), ty.gguf().high_bits_at()) {
+        out[h..h + 4].copy_from_slice(&fifth_bits(p, at, c).to_le_bytes());
     }
     out[bb - 16..].copy_from_slice(&p[nibbles_at(ty) + 16 * c..][..16]);
 }
@@ -132,19 +144,20 @@ pub fn pack(ty: QType, src: &[u8], k: usize, dst: &mut [u8]) {
                 let s = blk(c);
                 p[2 * c..2 * c + 2].copy_from_slice(&s[..2]);
                 p[nib + 16 * c..][..16].copy_from_slice(&s[bb - 16..]);
-                if ty == QType::Q5_0R8 {
-                    let qh = u32::from_le_bytes(s[2..6].try_into().expect("4 bytes"));
+                if let Some(at) = mins_at(ty) {
+                    p[at + 2 * c..][..2].copy_from_slice(&s[2..4]);
+                }
+                if let Some(h) = ty.gguf().high_bits_at() {
+                    let qh = u32::from_le_bytes(s[h..h + 4].try_into().expect("4 bytes"));
                     for half in 0..2 {
                         let (m, shift) = mask_slot(c, half);
                         masks[m] |= u64::from((qh >> (16 * half)) & 0xffff) << shift;
                     }
-                } else {
-                    p[SECOND_AT + 2 * c..][..2].copy_from_slice(&s[2..4]);
                 }
             }
-            if ty == QType::Q5_0R8 {
+            if let Some(at) = masks_at(ty) {
                 for (m, mask) in masks.iter().enumerate() {
-                    p[SECOND_AT + 8 * m..][..8].copy_from_slice(&mask.to_le_bytes());
+                    p[at + 8 * m..][..8].copy_from_slice(&mask.to_le_bytes());
                 }
             }
         }
@@ -222,7 +235,7 @@ mod tests {
             .collect()
     }
 
-    const PACKED: [QType; 2] = [QType::Q5_0R8, QType::Q4_1R8];
+    const PACKED: [QType; 4] = [QType::Q5_0R8, QType::Q4_1R8, QType::Q4_0R8, QType::Q5_1R8];
 
     #[test]
     fn packing_round_trips_and_keeps_every_tile_in_its_place() {
@@ -266,16 +279,17 @@ mod tests {
             for c in 0..TILE {
                 assert_eq!(p[at + 2 * c..at + 2 * c + 2], blk(c)[..2]);
                 assert_eq!(p[at + nibbles_at(ty) + 16 * c..][..16], blk(c)[bb - 16..]);
-                if ty == QType::Q4_1R8 {
-                    assert_eq!(p[at + SECOND_AT + 2 * c..][..2], blk(c)[2..4]);
-                    continue;
+                if let Some(m) = mins_at(ty) {
+                    assert_eq!(p[at + m + 2 * c..][..2], blk(c)[2..4]);
                 }
-                let qh = u32::from_le_bytes(blk(c)[2..6].try_into().unwrap());
+                let (Some(masks), Some(h)) = (masks_at(ty), ty.gguf().high_bits_at()) else {
+                    continue;
+                };
+                let qh = u32::from_le_bytes(blk(c)[h..h + 4].try_into().unwrap());
                 for i in 0..32 {
                     // Value i of row c: mask (c / 4) * 2 + i / 16, bit (c % 4) * 16 + i % 16.
                     let m = 2 * (c / 4) + i / 16;
-                    let mask =
-                        u64::from_le_bytes(p[at + SECOND_AT + 8 * m..][..8].try_into().unwrap());
+                    let mask = u64::from_le_bytes(p[at + masks + 8 * m..][..8].try_into().unwrap());
                     let bit = (mask >> ((c % 4) * 16 + i % 16)) & 1;
                     assert_eq!(bit, u64::from((qh >> i) & 1), "row {c} value {i}");
                 }

@@ -38,6 +38,10 @@ pub enum QType {
     Q5_0R8,
     /// Q4_1 packed as [`QType::Q5_0R8`] packs Q5_0.
     Q4_1R8,
+    /// Q4_0 packed likewise.
+    Q4_0R8,
+    /// Q5_1 packed likewise.
+    Q5_1R8,
 }
 
 impl QType {
@@ -73,10 +77,10 @@ impl QType {
     pub fn block_bytes(self) -> usize {
         match self {
             QType::Q8_0 => 34,
-            QType::Q4_0 => 18,
+            QType::Q4_0 | QType::Q4_0R8 => 18,
             QType::Q4_1 | QType::Q4_1R8 => 20,
             QType::Q5_0 | QType::Q5_0R8 => 22,
-            QType::Q5_1 => 24,
+            QType::Q5_1 | QType::Q5_1R8 => 24,
             QType::Q4_K => 144,
             QType::Q5_K => 176,
             QType::Q6_K => 210,
@@ -98,11 +102,14 @@ impl QType {
         matches!(self, QType::F16 | QType::BF16)
     }
 
-    /// Whether the rows are packed in tiles ([`QType::Q5_0R8`],
-    /// [`QType::Q4_1R8`]): readers other than the kernels made for them
-    /// take [`QType::gguf`] rows ([`crate::packed::gguf_rows`]).
+    /// Whether the rows are packed in tiles ([`QType::Q5_0R8`] and the
+    /// other `R8`s): readers other than the kernels made for them take
+    /// [`QType::gguf`] rows ([`crate::packed::gguf_rows`]).
     pub fn packed(self) -> bool {
-        matches!(self, QType::Q5_0R8 | QType::Q4_1R8)
+        matches!(
+            self,
+            QType::Q5_0R8 | QType::Q4_1R8 | QType::Q4_0R8 | QType::Q5_1R8
+        )
     }
 
     /// The GGUF format of the rows: the packed format's unpacked rows'.
@@ -110,16 +117,20 @@ impl QType {
         match self {
             QType::Q5_0R8 => QType::Q5_0,
             QType::Q4_1R8 => QType::Q4_1,
+            QType::Q4_0R8 => QType::Q4_0,
+            QType::Q5_1R8 => QType::Q5_1,
             q => q,
         }
     }
 
-    /// The format a loaded matrix of this format keeps: Q5_0 and Q4_1
-    /// packed, every other as it is.
+    /// The format a loaded matrix of this format keeps: the 32-value
+    /// unsigned formats packed, every other as it is.
     pub fn loaded(self) -> QType {
         match self {
             QType::Q5_0 => QType::Q5_0R8,
             QType::Q4_1 => QType::Q4_1R8,
+            QType::Q4_0 => QType::Q4_0R8,
+            QType::Q5_1 => QType::Q5_1R8,
             q => q,
         }
     }
@@ -142,7 +153,9 @@ impl QType {
                 unreachable!("{self:?} keeps its nibbles per super-block")
             }
             QType::F16 | QType::BF16 => unreachable!("{self:?} has no nibbles"),
-            QType::Q5_0R8 | QType::Q4_1R8 => unreachable!("packed rows are read unpacked"),
+            QType::Q5_0R8 | QType::Q4_1R8 | QType::Q4_0R8 | QType::Q5_1R8 => {
+                unreachable!("packed rows are read unpacked")
+            }
         }
     }
 
@@ -152,7 +165,7 @@ impl QType {
         match self {
             QType::Q5_0 => Some(2),
             QType::Q5_1 => Some(4),
-            QType::Q5_0R8 | QType::Q4_1R8 => unreachable!("packed rows are read unpacked"),
+            q if q.packed() => unreachable!("packed rows are read unpacked"),
             _ => None,
         }
     }
@@ -160,13 +173,16 @@ impl QType {
     /// Whether the block stores its minimum as an f16 after the scale
     /// (Q4_1, Q5_1); Q4_0's and Q5_0's minimums are `-8d` and `-16d`.
     pub(crate) fn stored_min(self) -> bool {
-        matches!(self, QType::Q4_1 | QType::Q5_1 | QType::Q4_1R8)
+        matches!(
+            self,
+            QType::Q4_1 | QType::Q5_1 | QType::Q4_1R8 | QType::Q5_1R8
+        )
     }
 
     /// The factor `f` of `mw = f * d` for Q4_0 (-8) and Q5_0 (-16).
     pub(crate) fn min_factor(self) -> f32 {
         match self {
-            QType::Q4_0 => -8.0,
+            QType::Q4_0 | QType::Q4_0R8 => -8.0,
             QType::Q5_0 | QType::Q5_0R8 => -16.0,
             _ => unreachable!("{self:?} stores its minimum"),
         }
@@ -189,11 +205,11 @@ impl QType {
 pub fn ggml_type(q: QType) -> crate::gguf::GgmlType {
     match q {
         QType::Q8_0 => crate::gguf::GgmlType::Q8_0,
-        QType::Q4_0 => crate::gguf::GgmlType::Q4_0,
+        QType::Q4_0 | QType::Q4_0R8 => crate::gguf::GgmlType::Q4_0,
         QType::Q4_1 | QType::Q4_1R8 => crate::gguf::GgmlType::Q4_1,
         // Of the rows unpacked (`crate::packed::gguf_rows`).
         QType::Q5_0 | QType::Q5_0R8 => crate::gguf::GgmlType::Q5_0,
-        QType::Q5_1 => crate::gguf::GgmlType::Q5_1,
+        QType::Q5_1 | QType::Q5_1R8 => crate::gguf::GgmlType::Q5_1,
         QType::Q4_K => crate::gguf::GgmlType::Q4_K,
         QType::Q5_K => crate::gguf::GgmlType::Q5_K,
         QType::Q6_K => crate::gguf::GgmlType::Q6_K,

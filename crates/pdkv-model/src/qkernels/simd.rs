@@ -126,23 +126,20 @@ unsafe fn prep_packed<D: IDot>(
     unsafe {
         s.reserve(rows, nb);
         let tile = w.add(j / TILE * TILE * rb);
-        let (tb, nib, five) = (
-            packed::tile_block(ty),
-            packed::nibbles_at(ty),
-            ty.gguf() == QType::Q5_0,
-        );
+        let (tb, nib, gguf) = (packed::tile_block(ty), packed::nibbles_at(ty), ty.gguf());
+        let (mins, masks) = (packed::mins_at(ty), packed::masks_at(ty));
         for c in 0..rows {
             let row = j % TILE + c;
             for b in 0..nb {
                 let p = tile.add(b * tb);
                 let i = c * nb + b;
                 s.dw[i] = f16_at(p.add(2 * row));
-                s.mw[i] = if five {
-                    QType::Q5_0.min_factor() * s.dw[i]
-                } else {
-                    f16_at(p.add(packed::SECOND_AT + 2 * row))
+                s.mw[i] = match mins {
+                    Some(at) => f16_at(p.add(at + 2 * row)),
+                    None => gguf.min_factor() * s.dw[i],
                 };
-                let bits = five.then(|| packed::fifth_bits(std::slice::from_raw_parts(p, tb), row));
+                let bits =
+                    masks.map(|at| packed::fifth_bits(std::slice::from_raw_parts(p, tb), at, row));
                 let v = s.vals.as_mut_ptr().add(i * QK) as *mut __m256i;
                 _mm256_storeu_si256(v, nibble_values::<D>(p.add(nib + 16 * row), bits));
             }
@@ -325,7 +322,7 @@ unsafe fn direct_of<D: IDot, const M: usize>(x: &QActs, job: &Job) {
             QType::Q5_K => direct_super::<D, true, M>(x, job),
             QType::Q6_K => direct_q6::<D, M>(x, job),
             QType::F16 | QType::BF16 => unreachable!("run_many refuses them"),
-            QType::Q5_0R8 | QType::Q4_1R8 => {
+            QType::Q5_0R8 | QType::Q4_1R8 | QType::Q4_0R8 | QType::Q5_1R8 => {
                 unreachable!("packed rows go to `tiled` or are unpacked")
             }
         }

@@ -130,15 +130,17 @@ fn run(fl: Flavour, x: &QActs, ty: QType, w: &[u8], n: usize) -> Vec<f32> {
 
 /// Every format the kernels read: the 32-value ones, the super-block
 /// ones (which need `k` a multiple of 256: tests skip them elsewhere), then
-/// the packed Q5_0 and Q4_1.
-const TYPES: [QType; 10] = {
-    let mut t = [QType::Q4_1R8; 10];
+/// the packed formats.
+const TYPES: [QType; 12] = {
+    let mut t = [QType::Q4_1R8; 12];
     let mut i = 0;
     while i < QType::INT.len() {
         t[i] = QType::INT[i];
         i += 1;
     }
     t[8] = QType::Q5_0R8;
+    t[10] = QType::Q4_0R8;
+    t[11] = QType::Q5_1R8;
     t
 };
 
@@ -243,7 +245,9 @@ fn value_bytes(ty: QType) -> std::ops::Range<usize> {
         QType::Q5_K => 16..176,
         QType::Q6_K => 0..192,
         QType::F16 | QType::BF16 => unreachable!("not a block format"),
-        QType::Q5_0R8 | QType::Q4_1R8 => unreachable!("packed: its GGUF rows are filled"),
+        QType::Q5_0R8 | QType::Q4_1R8 | QType::Q4_0R8 | QType::Q5_1R8 => {
+            unreachable!("packed: its GGUF rows are filled")
+        }
     }
 }
 

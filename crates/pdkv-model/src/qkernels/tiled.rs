@@ -19,7 +19,7 @@ use super::acts::{QActs, DIRECT_MAX, GROUP};
 use super::idot::{Avx2, IDot, PAIRS};
 use super::job::Job;
 use super::regs::{store_tile, x_halves};
-use crate::packed::{nibbles_at, tile_block, SECOND_AT, TILE};
+use crate::packed::{nibbles_at, tile_block, TILE};
 use crate::prefetch::{tiles_ahead, to_l2, AHEAD};
 use crate::qtype::{QType, QK};
 
@@ -48,7 +48,11 @@ pub(super) unsafe fn run_job_avx2(x: &QActs, job: &Job) {
 trait Kernels {
     /// # Safety
     /// As [`tiles`]'.
-    unsafe fn tiles<const FIVE: bool, const M: usize>(x: &QActs, job: &Job, end: usize);
+    unsafe fn tiles<const FIVE: bool, const MIN: bool, const M: usize>(
+        x: &QActs,
+        job: &Job,
+        end: usize,
+    );
     /// # Safety
     /// As `simd::run_job_vnni_direct`'s.
     unsafe fn direct(x: &QActs, job: &Job);
@@ -61,9 +65,13 @@ struct Pairs;
 
 impl Kernels for Wide {
     #[inline(always)]
-    unsafe fn tiles<const FIVE: bool, const M: usize>(x: &QActs, job: &Job, end: usize) {
+    unsafe fn tiles<const FIVE: bool, const MIN: bool, const M: usize>(
+        x: &QActs,
+        job: &Job,
+        end: usize,
+    ) {
         // SAFETY: as this function's contract.
-        unsafe { tiles::<FIVE, M>(x, job, end) }
+        unsafe { tiles::<FIVE, MIN, M>(x, job, end) }
     }
     #[inline(always)]
     unsafe fn direct(x: &QActs, job: &Job) {
@@ -74,9 +82,13 @@ impl Kernels for Wide {
 
 impl Kernels for Pairs {
     #[inline(always)]
-    unsafe fn tiles<const FIVE: bool, const M: usize>(x: &QActs, job: &Job, end: usize) {
+    unsafe fn tiles<const FIVE: bool, const MIN: bool, const M: usize>(
+        x: &QActs,
+        job: &Job,
+        end: usize,
+    ) {
         // SAFETY: as this function's contract.
-        unsafe { tiles_pairs::<Avx2, FIVE, M>(x, job, end) }
+        unsafe { tiles_pairs::<Avx2, FIVE, MIN, M>(x, job, end) }
     }
     #[inline(always)]
     unsafe fn direct(x: &QActs, job: &Job) {
@@ -97,11 +109,16 @@ unsafe fn run<K: Kernels>(x: &QActs, job: &Job) {
     unsafe {
         let end = tiles_end(x, job);
         if job.j0 < end {
-            match (job.ty, x.m) {
-                (QType::Q5_0R8, 1) => K::tiles::<true, 1>(x, job, end),
-                (QType::Q5_0R8, _) => K::tiles::<true, 0>(x, job, end),
-                (_, 1) => K::tiles::<false, 1>(x, job, end),
-                _ => K::tiles::<false, 0>(x, job, end),
+            // The format's fifth bits and stored minimums, the batch of 1.
+            match (job.ty, x.m == 1) {
+                (QType::Q4_0R8, true) => K::tiles::<false, false, 1>(x, job, end),
+                (QType::Q4_0R8, false) => K::tiles::<false, false, 0>(x, job, end),
+                (QType::Q4_1R8, true) => K::tiles::<false, true, 1>(x, job, end),
+                (QType::Q4_1R8, false) => K::tiles::<false, true, 0>(x, job, end),
+                (QType::Q5_0R8, true) => K::tiles::<true, false, 1>(x, job, end),
+                (QType::Q5_0R8, false) => K::tiles::<true, false, 0>(x, job, end),
+                (_, true) => K::tiles::<true, true, 1>(x, job, end),
+                (_, false) => K::tiles::<true, true, 0>(x, job, end),
             }
         }
         if let Some(tail) = tail(job) {
@@ -165,7 +182,11 @@ fn shape<const M: usize>(x: &QActs, job: &Job, end: usize) -> Shape {
 /// # Safety
 /// As [`run_job_vnni`]'s, `end` a multiple of [`TILE`] at most `job.n`.
 #[inline(always)]
-unsafe fn tiles<const FIVE: bool, const M: usize>(x: &QActs, job: &Job, end: usize) {
+unsafe fn tiles<const FIVE: bool, const MIN: bool, const M: usize>(
+    x: &QActs,
+    job: &Job,
+    end: usize,
+) {
     // SAFETY: the caller guarantees the CPU's instructions and that the
     // job's tiles, activations (`x.rowq`, `m <= DIRECT_MAX` rows) and
     // output columns are inside `job.w`, `x` and `job.y`.
@@ -182,11 +203,11 @@ unsafe fn tiles<const FIVE: bool, const M: usize>(x: &QActs, job: &Job, end: usi
             for b in 0..nb {
                 tiles_ahead(base, tile, b * tb, tb);
                 let p = base.add(b * tb);
-                let (dw, mw) = scales::<FIVE>(p);
+                let (dw, mw) = scales::<FIVE, MIN>(p);
                 // Rows 0..4 (then 4..8), 16 nibble bytes each: values
                 // 0..16 in the low nibbles, 16..32 in the high ones, Q5_0's
                 // fifth bits added from its masks.
-                let masks = p.add(SECOND_AT) as *const u64;
+                let masks = p.add(masks_at(MIN)) as *const u64;
                 let mask = |i: usize| {
                     if FIVE {
                         masks.add(i).read_unaligned()
@@ -241,22 +262,33 @@ unsafe fn values<const HIGH: bool>(q: __m512i, mask: u64) -> __m512i {
     }
 }
 
-/// The 8 rows' scales `dw` and minimums `mw` of the tile block at `p`
-/// (Q5_0 when `FIVE`: `mw = -16 dw`, exact; Q4_1: the stored f16).
+/// The 8 rows' scales `dw` and minimums `mw` of the tile block at `p`:
+/// stored (`MIN`: Q4_1, Q5_1) or `-16 dw` (`FIVE`: Q5_0) or `-8 dw` (Q4_0),
+/// exact.
 ///
 /// # Safety
 /// The CPU has AVX2 and F16C; `p` is a whole tile block.
 #[inline(always)]
-unsafe fn scales<const FIVE: bool>(p: *const u8) -> (__m256, __m256) {
+unsafe fn scales<const FIVE: bool, const MIN: bool>(p: *const u8) -> (__m256, __m256) {
     // SAFETY: the caller guarantees the instructions and the tile block.
     unsafe {
         let dw = _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i));
-        let mw = if FIVE {
-            _mm256_mul_ps(_mm256_set1_ps(QType::Q5_0.min_factor()), dw)
+        let mw = if MIN {
+            _mm256_cvtph_ps(_mm_loadu_si128(p.add(2 * TILE) as *const __m128i))
         } else {
-            _mm256_cvtph_ps(_mm_loadu_si128(p.add(SECOND_AT) as *const __m128i))
+            let ty = if FIVE { QType::Q5_0 } else { QType::Q4_0 };
+            _mm256_mul_ps(_mm256_set1_ps(ty.min_factor()), dw)
         };
         (dw, mw)
+    }
+}
+
+/// Where a tile block's fifth-bit masks start ([`crate::packed::masks_at`]).
+const fn masks_at(min: bool) -> usize {
+    if min {
+        4 * TILE
+    } else {
+        2 * TILE
     }
 }
 
@@ -291,7 +323,11 @@ unsafe fn accumulate(
 /// # Safety
 /// As [`tiles`]', with AVX2, FMA, F16C and `D`'s instructions.
 #[inline(always)]
-unsafe fn tiles_pairs<D: IDot, const FIVE: bool, const M: usize>(x: &QActs, job: &Job, end: usize) {
+unsafe fn tiles_pairs<D: IDot, const FIVE: bool, const MIN: bool, const M: usize>(
+    x: &QActs,
+    job: &Job,
+    end: usize,
+) {
     // SAFETY: as [`tiles`]'.
     unsafe {
         let sh = shape::<M>(x, job, end);
@@ -307,9 +343,9 @@ unsafe fn tiles_pairs<D: IDot, const FIVE: bool, const M: usize>(x: &QActs, job:
             for b in 0..nb {
                 tiles_ahead(base, tile, b * tb, tb);
                 let p = base.add(b * tb);
-                let scales = scales::<FIVE>(p);
+                let scales = scales::<FIVE, MIN>(p);
                 // Rows 2q, 2q + 1: mask `2 * (q / 2) + half`'s word `q % 2`.
-                let bits = p.add(SECOND_AT) as *const u32;
+                let bits = p.add(masks_at(MIN)) as *const u32;
                 let (mut lo, mut hi) = (
                     [_mm256_setzero_si256(); PAIRS],
                     [_mm256_setzero_si256(); PAIRS],
