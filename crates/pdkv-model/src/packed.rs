@@ -165,6 +165,12 @@ pub fn pack(ty: QType, src: &[u8], k: usize, dst: &mut [u8]) {
     dst[tiles * TILE * rb..].copy_from_slice(&src[tiles * TILE * rb..]);
 }
 
+/// [`pack`] of the GGUF rows `buf` holds, in place (through a copy).
+pub fn pack_in_place(ty: QType, buf: &mut [u8], k: usize) {
+    let rows = buf.to_vec();
+    pack(ty, &rows, k, buf);
+}
+
 /// The GGUF rows of the packed `src` of `ty` (rows of `k` values) into
 /// `dst`.
 pub fn unpack(ty: QType, src: &[u8], k: usize, dst: &mut [u8]) {

@@ -27,9 +27,7 @@ pub fn quantize_rows(
 ) {
     if q.packed() {
         quantize_rows(q.gguf(), cols, dst, row);
-        let rows = dst.to_vec();
-        crate::packed::pack(q, &rows, cols, dst);
-        return;
+        return crate::packed::pack_in_place(q, dst, cols);
     }
     assert!(
         cols > 0 && cols.is_multiple_of(q.block_values()),

@@ -162,8 +162,7 @@ pub(super) fn fill_gguf_slot(
                 dst[to * rb..(to + 1) * rb].copy_from_slice(&data[r * rb..(r + 1) * rb]);
             }
             if q.packed() {
-                let rows = dst.to_vec();
-                crate::packed::pack(q, &rows, cols, dst);
+                crate::packed::pack_in_place(q, dst, cols);
             }
         }
     }

@@ -77,7 +77,7 @@ impl WeightsPlan {
         let mut push =
             |gguf: String, hf: String, shape: &[usize], rope_heads: Option<usize>, linear: bool| {
                 let cols = shape.last().copied().unwrap_or(1);
-                // A block format as the kernels keep it loaded (Q5_0 packed).
+                // A block format as the kernels keep it loaded (`QType::loaded`).
                 let dtype = match quant(&gguf, &hf, cols) {
                     Some(q) if linear && shape.len() == 2 && cols % q.block_values() == 0 => {
                         DType::Quant(q.loaded())

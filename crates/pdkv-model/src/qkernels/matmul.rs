@@ -13,7 +13,7 @@ use crate::dispatch::{check_outputs, for_each_job_of, Backend, Features, SendCon
 use crate::packed;
 use crate::qtype::QType;
 
-/// One quantised weight matrix `[n, k]` (rows of `ty.row_bytes(k)` bytes, GGUF block layout) and its output `[m, n]`.
+/// One quantised weight matrix `[n, k]` (rows of `ty.row_bytes(k)` bytes, GGUF block layout or a packed format's tiles) and its output `[m, n]`.
 pub struct QLinear<'a> {
     pub ty: QType,
     pub w: &'a [u8],

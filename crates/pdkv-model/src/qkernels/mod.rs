@@ -1,6 +1,6 @@
 //! Matrix multiply of f32 activations against weights kept in GGUF block
-//! formats (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, the K formats, and Q5_0 and Q4_1
-//! packed in tiles of 8 rows), computing on the blocks directly.
+//! formats (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, the K formats; the four 32-value
+//! unsigned ones packed in tiles of 8 rows), computing on the blocks directly.
 //!
 //! Activations are quantised once per step ([`QActs`]): every 32-value block
 //! of a row gets an f32 scale `d = max|x| / 127` and 32 `i8` values

@@ -1,16 +1,16 @@
-//! Packed matrices ([`QType::Q5_0R8`], [`QType::Q4_1R8`]: tiles of 8 rows
-//! laid out by block, [`crate::packed`]) at batch 1 and small batches:
-//! with AVX-512 VNNI a tile block's 8 rows' nibbles are two 512-bit loads
-//! and each Q5_0 fifth-bit mask one mask-register load; with AVX2 two rows
-//! share a 256-bit vector. Either way the tile is one stream and its 8
-//! scales (and Q4_1's minimums) one load. The larger batches' tiles read
+//! Packed matrices ([`QType::Q4_0R8`], `Q4_1R8`, `Q5_0R8`, `Q5_1R8`: tiles
+//! of 8 rows laid out by block, [`crate::packed`]) at batch 1 and small
+//! batches: with AVX-512 VNNI a tile block's 8 rows' nibbles are two
+//! 512-bit loads and each fifth-bit mask one mask-register load; with AVX2
+//! two rows share a 256-bit vector. Either way the tile is one stream and
+//! its 8 scales (and stored minimums) one load. The larger batches' tiles read
 //! packed rows as they unpack them (`simd::prep_packed`), the portable
 //! kernels unpacked (`matmul::run_unpacked`).
 //!
 //! The float sequence per output is [`super::simd`]'s direct kernel's
 //! (see [`super`]): `acc = fma(I_b, dw_b * dx_b, acc)`, then
-//! `acc = fma(mw_b, dx_b * Σqx_b, acc)` (`mw_b` Q5_0's `-16 dw_b` or Q4_1's
-//! minimum), block by block, so a packed matrix's outputs have its GGUF
+//! `acc = fma(mw_b, dx_b * Σqx_b, acc)` (`mw_b` Q4_0's `-8 dw_b`, Q5_0's
+//! `-16 dw_b`, or the stored minimum), block by block, so a packed matrix's outputs have its GGUF
 //! rows' bits.
 
 use std::arch::x86_64::*;

@@ -123,9 +123,8 @@ impl Cut {
                         let mut rows = vec![0u8; r.len() * rb];
                         let whole = bytes(src.offset, src.bytes());
                         crate::packed::rows_into(q, whole, cols, r.start, &mut rows);
-                        let mut out = vec![0u8; rows.len()];
-                        crate::packed::pack(q, &rows, cols, &mut out);
-                        to.region.write_bytes(dst.offset, &out)?;
+                        crate::packed::pack_in_place(q, &mut rows, cols);
+                        to.region.write_bytes(dst.offset, &rows)?;
                     }
                     _ => {
                         let s = bytes(src.offset + r.start * rb, r.len() * rb);
