@@ -21,14 +21,28 @@
 //! - 128 bytes: the 8 rows' 16 nibble bytes, row 0 first.
 //!
 //! So a tile is one stream, the scales one load, and each mask loads as it
-//! stands. A matrix's last `n % 8` rows stay GGUF rows. Invariant: packing
-//! and unpacking are inverse permutations of the bytes (no value changes),
-//! so a packed matrix computes every output's bits exactly as its GGUF rows
-//! do.
+//! stands.
+//!
+//! Q4_K ([`QType::Q4_KR8`]) packs a tile's 8 rows by super-block (256
+//! values, `8 * 144` bytes):
+//!
+//! - 16 bytes: the 8 rows' f16 `d`, then 16 bytes: their f16 `dmin`;
+//! - 96 bytes: the rows' 12 bytes of 6-bit scales and minimums as three
+//!   little-endian words each, word `w` of row `c` at `32 w + 4 c` (a
+//!   word of the 8 rows one 256-bit load);
+//! - per block of 32 values, 128 bytes: the 8 rows' 16 nibble bytes, value
+//!   `i < 16` low and `i + 16` high, as the 32-value formats keep theirs
+//!   (a GGUF Q4_K row pairs value `i` of block `2j` with value `i` of block
+//!   `2j + 1` in a byte: the nibbles move between bytes, none changes).
+//!
+//! A matrix's last `n % 8` rows stay GGUF rows. Invariant: packing and
+//! unpacking are inverse permutations of the values and scales (no value
+//! changes), so a packed matrix computes every output's bits exactly as
+//! its GGUF rows do.
 //!
 //! A leaf: it imports only [`crate::qtype`].
 
-use crate::qtype::{QType, QK};
+use crate::qtype::QType;
 
 /// Rows per packed tile.
 pub const TILE: usize = 8;
@@ -45,18 +59,28 @@ pub fn masks_at(ty: QType) -> Option<usize> {
         .map(|_| 2 * TILE + mins_at(ty).map_or(0, |_| 2 * TILE))
 }
 
-/// Bytes of the largest GGUF block of a packed format.
-const MAX_BLOCK: usize = 24;
-
 /// Bytes of one block of a tile of the packed format `ty` (8 rows' blocks).
 pub fn tile_block(ty: QType) -> usize {
     TILE * ty.block_bytes()
 }
 
-/// Offset in a tile block of `ty` of the 8 rows' nibbles.
+/// Offset in a tile block of `ty` of the 8 rows' nibbles (Q4_K: of its
+/// first block's, the others following [`Q4K_BLOCK`] apart).
 pub fn nibbles_at(ty: QType) -> usize {
-    tile_block(ty) - 16 * TILE
+    match ty {
+        QType::Q4_KR8 => Q4K_NIBBLES,
+        _ => tile_block(ty) - 16 * TILE,
+    }
 }
+
+/// Offset in a Q4_K tile super-block of the 8 rows' f16 `dmin`.
+pub const Q4K_DMIN: usize = 2 * TILE;
+/// Offset in a Q4_K tile super-block of the scale words.
+pub const Q4K_SCALES: usize = 4 * TILE;
+/// Offset in a Q4_K tile super-block of block 0's nibbles.
+pub const Q4K_NIBBLES: usize = Q4K_SCALES + 12 * TILE;
+/// Bytes of one block's nibbles in a Q4_K tile super-block.
+pub const Q4K_BLOCK: usize = 16 * TILE;
 
 /// The mask (0..4) and bit shift of Q5_0 row `c`'s fifth bits `half * 16..`.
 fn mask_slot(c: usize, half: usize) -> (usize, usize) {
@@ -81,6 +105,9 @@ pub fn fifth_bits(p: &[u8], at: usize, c: usize) -> u32 {
 /// Row `c`'s GGUF block of the tile block `p` of `ty`, into `out`.
 #[inline]
 pub fn block_into(ty: QType, p: &[u8], c: usize, out: &mut [u8]) {
+    if ty == QType::Q4_KR8 {
+        return q4k_block_into(p, c, out);
+    }
     let bb = out.len();
     out[..2].copy_from_slice(&p[2 * c..2 * c + 2]);
     if let Some(at) = mins_at(ty) {
@@ -95,7 +122,7 @@ pub fn block_into(ty: QType, p: &[u8], c: usize, out: &mut [u8]) {
 /// Row `r` of a packed matrix of `ty` with rows of `k` values (`w`, all
 /// its rows) as a GGUF row, into `out` (`ty.row_bytes(k)` bytes).
 pub fn row_into(ty: QType, w: &[u8], k: usize, r: usize, out: &mut [u8]) {
-    let (bb, nb) = (gguf_block(ty), k / QK);
+    let (bb, nb) = (gguf_block(ty), k / ty.block_values());
     let rb = nb * bb;
     assert_eq!(out.len(), rb, "a {ty:?} row of {k} values");
     if rb == 0 {
@@ -121,7 +148,7 @@ pub fn row_into(ty: QType, w: &[u8], k: usize, r: usize, out: &mut [u8]) {
 /// Packs the GGUF rows `src` (rows of `k` values) of `ty`'s format into
 /// `dst`, the same number of bytes, as `ty` lays them out.
 pub fn pack(ty: QType, src: &[u8], k: usize, dst: &mut [u8]) {
-    let (bb, nb, tb) = (gguf_block(ty), k / QK, tile_block(ty));
+    let (bb, nb, tb) = (gguf_block(ty), k / ty.block_values(), tile_block(ty));
     let rb = nb * bb;
     if rb == 0 {
         return assert_eq!(src.len(), dst.len(), "rows of no values");
@@ -133,36 +160,102 @@ pub fn pack(ty: QType, src: &[u8], k: usize, dst: &mut [u8]) {
         dst.len()
     );
     let tiles = src.len() / rb / TILE;
-    let nib = nibbles_at(ty);
     for t in 0..tiles {
         let tile = &src[t * TILE * rb..(t + 1) * TILE * rb];
         for b in 0..nb {
             let blk = |c: usize| &tile[c * rb + b * bb..][..bb];
-            let p = &mut dst[t * TILE * rb + b * tb..][..tb];
-            let mut masks = [0u64; 4];
-            for c in 0..TILE {
-                let s = blk(c);
-                p[2 * c..2 * c + 2].copy_from_slice(&s[..2]);
-                p[nib + 16 * c..][..16].copy_from_slice(&s[bb - 16..]);
-                if let Some(at) = mins_at(ty) {
-                    p[at + 2 * c..][..2].copy_from_slice(&s[2..4]);
-                }
-                if let Some(h) = ty.gguf().high_bits_at() {
-                    let qh = u32::from_le_bytes(s[h..h + 4].try_into().expect("4 bytes"));
-                    for half in 0..2 {
-                        let (m, shift) = mask_slot(c, half);
-                        masks[m] |= u64::from((qh >> (16 * half)) & 0xffff) << shift;
-                    }
-                }
-            }
-            if let Some(at) = masks_at(ty) {
-                for (m, mask) in masks.iter().enumerate() {
-                    p[at + 8 * m..][..8].copy_from_slice(&mask.to_le_bytes());
-                }
-            }
+            pack_block(ty, blk, &mut dst[t * TILE * rb + b * tb..][..tb]);
         }
     }
     dst[tiles * TILE * rb..].copy_from_slice(&src[tiles * TILE * rb..]);
+}
+
+/// The tile block `p` of `ty` from its 8 rows' GGUF blocks (`blk(c)`: row
+/// `c`'s).
+fn pack_block<'a>(ty: QType, blk: impl Fn(usize) -> &'a [u8], p: &mut [u8]) {
+    if ty == QType::Q4_KR8 {
+        return q4k_pack(blk, p);
+    }
+    let (bb, nib) = (ty.block_bytes(), nibbles_at(ty));
+    let mut masks = [0u64; 4];
+    for c in 0..TILE {
+        let s = blk(c);
+        p[2 * c..2 * c + 2].copy_from_slice(&s[..2]);
+        p[nib + 16 * c..][..16].copy_from_slice(&s[bb - 16..]);
+        if let Some(at) = mins_at(ty) {
+            p[at + 2 * c..][..2].copy_from_slice(&s[2..4]);
+        }
+        if let Some(h) = ty.gguf().high_bits_at() {
+            let qh = u32::from_le_bytes(s[h..h + 4].try_into().expect("4 bytes"));
+            for half in 0..2 {
+                let (m, shift) = mask_slot(c, half);
+                masks[m] |= u64::from((qh >> (16 * half)) & 0xffff) << shift;
+            }
+        }
+    }
+    if let Some(at) = masks_at(ty) {
+        for (m, mask) in masks.iter().enumerate() {
+            p[at + 8 * m..][..8].copy_from_slice(&mask.to_le_bytes());
+        }
+    }
+}
+
+/// Value `i` (0..32) of block `j` (0..8) of a GGUF Q4_K super-block: the
+/// low nibble of byte `16 + 32 (j / 2) + i` for an even `j`, the high one
+/// for an odd.
+fn q4k_value(blk: &[u8], j: usize, i: usize) -> u8 {
+    let byte = blk[16 + 32 * (j / 2) + i];
+    if j.is_multiple_of(2) {
+        byte & 0x0f
+    } else {
+        byte >> 4
+    }
+}
+
+/// [`pack_block`] for Q4_K: a tile super-block from 8 rows' super-blocks.
+fn q4k_pack<'a>(blk: impl Fn(usize) -> &'a [u8], p: &mut [u8]) {
+    for c in 0..TILE {
+        let s = blk(c);
+        p[2 * c..2 * c + 2].copy_from_slice(&s[..2]);
+        p[Q4K_DMIN + 2 * c..][..2].copy_from_slice(&s[2..4]);
+        for w in 0..3 {
+            p[Q4K_SCALES + 32 * w + 4 * c..][..4].copy_from_slice(&s[4 + 4 * w..8 + 4 * w]);
+        }
+        for j in 0..8 {
+            let out = &mut p[Q4K_NIBBLES + Q4K_BLOCK * j + 16 * c..][..16];
+            for (i, o) in out.iter_mut().enumerate() {
+                *o = q4k_value(s, j, i) | q4k_value(s, j, i + 16) << 4;
+            }
+        }
+    }
+}
+
+/// Row `c`'s GGUF Q4_K super-block header (f16 `d`, f16 `dmin`, 12 bytes
+/// of scales and minimums) of the tile super-block `p`, into `out`.
+pub fn q4k_header_into(p: &[u8], c: usize, out: &mut [u8; 16]) {
+    out[..2].copy_from_slice(&p[2 * c..2 * c + 2]);
+    out[2..4].copy_from_slice(&p[Q4K_DMIN + 2 * c..][..2]);
+    for w in 0..3 {
+        out[4 + 4 * w..8 + 4 * w].copy_from_slice(&p[Q4K_SCALES + 32 * w + 4 * c..][..4]);
+    }
+}
+
+/// [`block_into`] for Q4_K: row `c`'s GGUF super-block of the tile
+/// super-block `p`.
+fn q4k_block_into(p: &[u8], c: usize, out: &mut [u8]) {
+    let mut hdr = [0u8; 16];
+    q4k_header_into(p, c, &mut hdr);
+    out[..16].copy_from_slice(&hdr);
+    for j in 0..8 {
+        let nib = &p[Q4K_NIBBLES + Q4K_BLOCK * j + 16 * c..][..16];
+        let shift = if j.is_multiple_of(2) { 0 } else { 4 };
+        let keep = if j.is_multiple_of(2) { 0xf0 } else { 0x0f };
+        let qs = &mut out[16 + 32 * (j / 2)..][..32];
+        for (i, &b) in nib.iter().enumerate() {
+            qs[i] = (qs[i] & keep) | (b & 0x0f) << shift;
+            qs[i + 16] = (qs[i + 16] & keep) | (b >> 4) << shift;
+        }
+    }
 }
 
 /// [`pack`] of the GGUF rows `buf` holds, in place (through a copy).
@@ -181,7 +274,7 @@ pub fn unpack(ty: QType, src: &[u8], k: usize, dst: &mut [u8]) {
 /// Rows `r0..` of the packed matrix `w` of `ty` (rows of `k` values) as
 /// GGUF rows, as many as `dst` holds.
 pub fn rows_into(ty: QType, w: &[u8], k: usize, r0: usize, dst: &mut [u8]) {
-    let (bb, nb) = (gguf_block(ty), k / QK);
+    let (bb, nb) = (gguf_block(ty), k / ty.block_values());
     let rb = nb * bb;
     if rb == 0 {
         return;
@@ -209,15 +302,6 @@ pub fn rows_into(ty: QType, w: &[u8], k: usize, r0: usize, dst: &mut [u8]) {
     }
 }
 
-/// Row `c`'s GGUF block of the tile block `p` of `ty`, as an array (its
-/// first `ty.block_bytes()` bytes).
-#[inline]
-pub fn block(ty: QType, p: &[u8], c: usize) -> [u8; MAX_BLOCK] {
-    let mut o = [0u8; MAX_BLOCK];
-    block_into(ty, p, c, &mut o[..ty.block_bytes()]);
-    o
-}
-
 /// The bytes of `w` (a matrix of `ty`, rows of `k` values) as GGUF rows:
 /// borrowed as they are, or unpacked into a copy.
 pub fn gguf_rows(ty: QType, w: &[u8], k: usize) -> std::borrow::Cow<'_, [u8]> {
@@ -241,12 +325,20 @@ mod tests {
             .collect()
     }
 
-    const PACKED: [QType; 4] = [QType::Q5_0R8, QType::Q4_1R8, QType::Q4_0R8, QType::Q5_1R8];
+    const PACKED: [QType; 5] = [
+        QType::Q5_0R8,
+        QType::Q4_1R8,
+        QType::Q4_0R8,
+        QType::Q5_1R8,
+        QType::Q4_KR8,
+    ];
 
     #[test]
     fn packing_round_trips_and_keeps_every_tile_in_its_place() {
         for ty in PACKED {
             for (n, k) in [(8, 32), (16, 64), (13, 96), (3, 32), (24, 576)] {
+                // Super-blocks: 256 values each.
+                let k = k / 32 * ty.block_values();
                 let rb = ty.row_bytes(k);
                 let src = bytes(n as u64 * 1000 + k as u64, n * rb);
                 let mut packed = vec![0u8; src.len()];
@@ -255,8 +347,9 @@ mod tests {
                 unpack(ty, &packed, k, &mut back);
                 assert_eq!(back, src, "{ty:?} n {n}, k {k}");
                 for t in 0..n / TILE {
-                    // The same bytes (Q5_0's fifth bits regrouped: the
-                    // same number of ones) within the tile's own span.
+                    // The same bits (Q5_0's fifth bits regrouped, Q4_K's
+                    // nibbles: the same number of ones) within the tile's
+                    // own span.
                     let span = t * TILE * rb..(t + 1) * TILE * rb;
                     let ones = |v: &[u8]| v.iter().map(|x| x.count_ones()).sum::<u32>();
                     assert_eq!(ones(&src[span.clone()]), ones(&packed[span]), "tile {t}");
@@ -275,7 +368,7 @@ mod tests {
     #[test]
     fn a_packed_block_holds_its_rows_fields_where_the_kernels_read_them() {
         let (n, k, b) = (8, 64, 1);
-        for ty in PACKED {
+        for ty in PACKED.into_iter().filter(|&ty| ty != QType::Q4_KR8) {
             let (rb, bb) = (ty.row_bytes(k), ty.block_bytes());
             let src = bytes(7, n * rb);
             let mut p = vec![0u8; src.len()];
@@ -298,6 +391,36 @@ mod tests {
                     let mask = u64::from_le_bytes(p[at + masks + 8 * m..][..8].try_into().unwrap());
                     let bit = (mask >> ((c % 4) * 16 + i % 16)) & 1;
                     assert_eq!(bit, u64::from((qh >> i) & 1), "row {c} value {i}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn a_packed_q4_k_super_block_holds_its_rows_fields_where_the_kernels_read_them() {
+        let (n, k, sb) = (8, 512, 1);
+        let ty = QType::Q4_KR8;
+        let (rb, bb) = (ty.row_bytes(k), ty.block_bytes());
+        let src = bytes(9, n * rb);
+        let mut p = vec![0u8; src.len()];
+        pack(ty, &src, k, &mut p);
+        let at = sb * tile_block(ty);
+        for c in 0..TILE {
+            let s = &src[c * rb + sb * bb..][..bb];
+            assert_eq!(p[at + 2 * c..][..2], s[..2], "d of row {c}");
+            assert_eq!(p[at + Q4K_DMIN + 2 * c..][..2], s[2..4], "dmin of row {c}");
+            for w in 0..3 {
+                let word = &p[at + Q4K_SCALES + 32 * w + 4 * c..][..4];
+                assert_eq!(word, &s[4 + 4 * w..8 + 4 * w], "scale word {w} of row {c}");
+            }
+            for j in 0..8 {
+                for i in 0..32 {
+                    // GGUF: value i of block j is a nibble of byte 16 + 32 (j / 2) + i.
+                    let byte = s[16 + 32 * (j / 2) + i];
+                    let want = if j % 2 == 0 { byte & 15 } else { byte >> 4 };
+                    let nib = p[at + Q4K_NIBBLES + Q4K_BLOCK * j + 16 * c + i % 16];
+                    let got = if i < 16 { nib & 15 } else { nib >> 4 };
+                    assert_eq!(got, want, "row {c} block {j} value {i}");
                 }
             }
         }

@@ -42,6 +42,9 @@ pub enum QType {
     Q4_0R8,
     /// Q5_1 packed likewise.
     Q5_1R8,
+    /// Q4_K with each tile of 8 rows packed by super-block
+    /// ([`crate::packed`]): the same values, scales and minimums.
+    Q4_KR8,
 }
 
 impl QType {
@@ -81,7 +84,7 @@ impl QType {
             QType::Q4_1 | QType::Q4_1R8 => 20,
             QType::Q5_0 | QType::Q5_0R8 => 22,
             QType::Q5_1 | QType::Q5_1R8 => 24,
-            QType::Q4_K => 144,
+            QType::Q4_K | QType::Q4_KR8 => 144,
             QType::Q5_K => 176,
             QType::Q6_K => 210,
             QType::F16 | QType::BF16 => 64,
@@ -108,7 +111,7 @@ impl QType {
     pub fn packed(self) -> bool {
         matches!(
             self,
-            QType::Q5_0R8 | QType::Q4_1R8 | QType::Q4_0R8 | QType::Q5_1R8
+            QType::Q5_0R8 | QType::Q4_1R8 | QType::Q4_0R8 | QType::Q5_1R8 | QType::Q4_KR8
         )
     }
 
@@ -119,25 +122,31 @@ impl QType {
             QType::Q4_1R8 => QType::Q4_1,
             QType::Q4_0R8 => QType::Q4_0,
             QType::Q5_1R8 => QType::Q5_1,
+            QType::Q4_KR8 => QType::Q4_K,
             q => q,
         }
     }
 
     /// The format a loaded matrix of this format keeps: the 32-value
-    /// unsigned formats packed, every other as it is.
+    /// unsigned formats and Q4_K packed, every other as it is.
     pub fn loaded(self) -> QType {
         match self {
             QType::Q5_0 => QType::Q5_0R8,
             QType::Q4_1 => QType::Q4_1R8,
             QType::Q4_0 => QType::Q4_0R8,
             QType::Q5_1 => QType::Q5_1R8,
+            QType::Q4_K => QType::Q4_KR8,
             q => q,
         }
     }
 
-    /// Whether rows are 256-value super-blocks (Q4_K, Q5_K, Q6_K).
+    /// Whether rows are 256-value super-blocks (Q4_K, Q5_K, Q6_K, and
+    /// packed Q4_K).
     pub fn is_super(self) -> bool {
-        matches!(self, QType::Q4_K | QType::Q5_K | QType::Q6_K)
+        matches!(
+            self,
+            QType::Q4_K | QType::Q5_K | QType::Q6_K | QType::Q4_KR8
+        )
     }
 
     /// Offset in a block of the 16 bytes of low nibbles (all but Q8_0):
@@ -153,7 +162,7 @@ impl QType {
                 unreachable!("{self:?} keeps its nibbles per super-block")
             }
             QType::F16 | QType::BF16 => unreachable!("{self:?} has no nibbles"),
-            QType::Q5_0R8 | QType::Q4_1R8 | QType::Q4_0R8 | QType::Q5_1R8 => {
+            QType::Q5_0R8 | QType::Q4_1R8 | QType::Q4_0R8 | QType::Q5_1R8 | QType::Q4_KR8 => {
                 unreachable!("packed rows are read unpacked")
             }
         }
@@ -210,7 +219,7 @@ pub fn ggml_type(q: QType) -> crate::gguf::GgmlType {
         // Of the rows unpacked (`crate::packed::gguf_rows`).
         QType::Q5_0 | QType::Q5_0R8 => crate::gguf::GgmlType::Q5_0,
         QType::Q5_1 | QType::Q5_1R8 => crate::gguf::GgmlType::Q5_1,
-        QType::Q4_K => crate::gguf::GgmlType::Q4_K,
+        QType::Q4_K | QType::Q4_KR8 => crate::gguf::GgmlType::Q4_K,
         QType::Q5_K => crate::gguf::GgmlType::Q5_K,
         QType::Q6_K => crate::gguf::GgmlType::Q6_K,
         QType::F16 => crate::gguf::GgmlType::F16,

@@ -79,7 +79,7 @@ pub fn quantize_row(q: QType, values: &[f32], out: &mut [u8]) {
     for (x, o) in values.chunks(q.block_values()).zip(out.chunks_mut(bb)) {
         match q {
             QType::Q4_K | QType::Q5_K => quantize_super(q == QType::Q5_K, x, o),
-            QType::Q5_0R8 | QType::Q4_1R8 | QType::Q4_0R8 | QType::Q5_1R8 => {
+            QType::Q5_0R8 | QType::Q4_1R8 | QType::Q4_0R8 | QType::Q5_1R8 | QType::Q4_KR8 => {
                 unreachable!("refused above")
             }
             QType::Q6_K => quantize_q6(x, o),

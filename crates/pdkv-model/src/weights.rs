@@ -39,6 +39,7 @@ impl DType {
                 QType::Q4_1R8 => "q4_1r8",
                 QType::Q4_0R8 => "q4_0r8",
                 QType::Q5_1R8 => "q5_1r8",
+                QType::Q4_KR8 => "q4_kr8",
                 QType::Q5_1 => "q5_1",
                 QType::Q4_K => "q4_k",
                 QType::Q5_K => "q5_k",

@@ -126,6 +126,9 @@ unsafe fn prep_packed<D: IDot>(
     unsafe {
         s.reserve(rows, nb);
         let tile = w.add(j / TILE * TILE * rb);
+        if ty == QType::Q4_KR8 {
+            return prep_packed_k4::<D>(s, tile, (j % TILE, rows), nb);
+        }
         let (tb, nib, gguf) = (packed::tile_block(ty), packed::nibbles_at(ty), ty.gguf());
         let (mins, masks) = (packed::mins_at(ty), packed::masks_at(ty));
         for c in 0..rows {
@@ -142,6 +145,45 @@ unsafe fn prep_packed<D: IDot>(
                     masks.map(|at| packed::fifth_bits(std::slice::from_raw_parts(p, tb), at, row));
                 let v = s.vals.as_mut_ptr().add(i * QK) as *mut __m256i;
                 _mm256_storeu_si256(v, nibble_values::<D>(p.add(nib + 16 * row), bits));
+            }
+        }
+    }
+}
+
+/// [`prep_packed`] for Q4_K: rows `r0..r0 + rows` of the tile at `tile`
+/// (`nb` blocks of 32 values a row), each block's `(dw, mw)` as
+/// `super_params` forms them from the row's super-block header.
+///
+/// # Safety
+/// As [`prep_packed`]'s; `s.reserve` made room for the rows.
+#[inline(always)]
+unsafe fn prep_packed_k4<D: IDot>(
+    s: &mut Scratch,
+    tile: *const u8,
+    (r0, rows): (usize, usize),
+    nb: usize,
+) {
+    // SAFETY: the caller guarantees the instructions and that the tile's
+    // `nb / 8` super-blocks are inside the matrix.
+    unsafe {
+        let tb = packed::tile_block(QType::Q4_KR8);
+        for c in 0..rows {
+            let row = r0 + c;
+            for sbi in 0..nb / 8 {
+                let p = std::slice::from_raw_parts(tile.add(sbi * tb), tb);
+                // The row's GGUF super-block as far as `super_params` reads
+                // it: d, dmin, the 12 scale bytes (a whole block's room).
+                let mut hdr = [0u8; 144];
+                let head: &mut [u8; 16] = (&mut hdr[..16]).try_into().expect("16 bytes");
+                packed::q4k_header_into(p, row, head);
+                for jb in 0..8 {
+                    let b = sbi * 8 + jb;
+                    let i = c * nb + b;
+                    (s.dw[i], s.mw[i], _) = super_params(QType::Q4_K, hdr.as_ptr(), jb);
+                    let nib = p.as_ptr().add(packed::Q4K_NIBBLES + packed::Q4K_BLOCK * jb);
+                    let v = s.vals.as_mut_ptr().add(i * QK) as *mut __m256i;
+                    _mm256_storeu_si256(v, nibble_values::<D>(nib.add(16 * row), None));
+                }
             }
         }
     }
@@ -322,7 +364,7 @@ unsafe fn direct_of<D: IDot, const M: usize>(x: &QActs, job: &Job) {
             QType::Q5_K => direct_super::<D, true, M>(x, job),
             QType::Q6_K => direct_q6::<D, M>(x, job),
             QType::F16 | QType::BF16 => unreachable!("run_many refuses them"),
-            QType::Q5_0R8 | QType::Q4_1R8 | QType::Q4_0R8 | QType::Q5_1R8 => {
+            QType::Q5_0R8 | QType::Q4_1R8 | QType::Q4_0R8 | QType::Q5_1R8 | QType::Q4_KR8 => {
                 unreachable!("packed rows go to `tiled` or are unpacked")
             }
         }

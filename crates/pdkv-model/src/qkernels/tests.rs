@@ -131,8 +131,8 @@ fn run(fl: Flavour, x: &QActs, ty: QType, w: &[u8], n: usize) -> Vec<f32> {
 /// Every format the kernels read: the 32-value ones, the super-block
 /// ones (which need `k` a multiple of 256: tests skip them elsewhere), then
 /// the packed formats.
-const TYPES: [QType; 12] = {
-    let mut t = [QType::Q4_1R8; 12];
+const TYPES: [QType; 13] = {
+    let mut t = [QType::Q4_1R8; 13];
     let mut i = 0;
     while i < QType::INT.len() {
         t[i] = QType::INT[i];
@@ -141,6 +141,7 @@ const TYPES: [QType; 12] = {
     t[8] = QType::Q5_0R8;
     t[10] = QType::Q4_0R8;
     t[11] = QType::Q5_1R8;
+    t[12] = QType::Q4_KR8;
     t
 };
 
@@ -245,7 +246,7 @@ fn value_bytes(ty: QType) -> std::ops::Range<usize> {
         QType::Q5_K => 16..176,
         QType::Q6_K => 0..192,
         QType::F16 | QType::BF16 => unreachable!("not a block format"),
-        QType::Q5_0R8 | QType::Q4_1R8 | QType::Q4_0R8 | QType::Q5_1R8 => {
+        QType::Q5_0R8 | QType::Q4_1R8 | QType::Q4_0R8 | QType::Q5_1R8 | QType::Q4_KR8 => {
             unreachable!("packed: its GGUF rows are filled")
         }
     }
@@ -681,5 +682,88 @@ fn bench_against_f32_matmul() {
                 tf / (tq + tqz)
             );
         }
+    }
+}
+
+/// The batch-1 kernels streaming weights from memory, as a decode step
+/// does: copies of one matrix filling `PDKV_BENCH_MB` (default 128) MiB,
+/// swept in turn, against a copy of as many bytes timed in the same run.
+/// Same environment knobs as [`bench_against_f32_matmul`].
+#[test]
+#[ignore]
+fn bench_from_memory() {
+    let threads = std::env::var("PDKV_THREADS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(2);
+    let pool = crate::kernels::tests::pool(threads);
+    let fl = match std::env::var("PDKV_BENCH_FLAVOUR").as_deref() {
+        Ok("avx2") => Flavour::Avx2,
+        _ => Flavour::of(kernels::backend()),
+    };
+    let mb: usize = std::env::var("PDKV_BENCH_MB")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(128);
+    let types: Vec<QType> = match std::env::var("PDKV_BENCH_TYPES") {
+        Ok(s) => TYPES
+            .into_iter()
+            .filter(|ty| s.split(',').any(|t| t.trim() == format!("{ty:?}")))
+            .collect(),
+        Err(_) => TYPES.to_vec(),
+    };
+    println!("threads {threads}, flavour {fl:?}, {mb} MiB of weights");
+    let src = vec![1u8; mb << 20];
+    let mut dst = vec![0u8; mb << 20];
+    let copy = |dst: &mut Vec<u8>| {
+        pool.install(|| {
+            crate::team::par_chunks_mut(dst, (mb << 20) / threads, |i, c| {
+                let at = i * ((mb << 20) / threads);
+                c.copy_from_slice(&src[at..at + c.len()])
+            })
+        })
+    };
+    for &ty in &types {
+        let (k, n) = if fits(ty, 576) {
+            (576, 1536)
+        } else {
+            (1536, 576)
+        };
+        let wq = rand_weights(21, ty, n, k);
+        let copies = ((mb << 20) / wq.len()).max(1);
+        let all: Vec<u8> = wq.iter().copied().cycle().take(copies * wq.len()).collect();
+        let mut x = QActs::new();
+        x.quantize(&rand_acts(20, 1, k), 1, k);
+        let mut y = vec![0f32; n];
+        let mut sweep = || {
+            for c in 0..copies {
+                run_many(
+                    fl,
+                    &x,
+                    &mut [QLinear {
+                        ty,
+                        w: &all[c * wq.len()..(c + 1) * wq.len()],
+                        n,
+                        y: &mut y,
+                    }],
+                )
+            }
+        };
+        // Alternating, best of 5 each.
+        let (mut tq, mut tc) = (f64::INFINITY, f64::INFINITY);
+        for _ in 0..5 {
+            let t = std::time::Instant::now();
+            pool.install(&mut sweep);
+            tq = tq.min(t.elapsed().as_secs_f64());
+            let t = std::time::Instant::now();
+            copy(&mut dst);
+            tc = tc.min(t.elapsed().as_secs_f64());
+        }
+        let gbs = all.len() as f64 / tq / 1e9;
+        let copy_gbs = (mb << 20) as f64 / tc / 1e9;
+        println!(
+            "{ty:?} {k}x{n}: {gbs:6.1} GB/s of weights, copy {copy_gbs:6.1} GB/s: {:.3} of copy",
+            gbs / copy_gbs
+        );
     }
 }

@@ -1,25 +1,27 @@
-//! Packed matrices ([`QType::Q4_0R8`], `Q4_1R8`, `Q5_0R8`, `Q5_1R8`: tiles
-//! of 8 rows laid out by block, [`crate::packed`]) at batch 1 and small
-//! batches: with AVX-512 VNNI a tile block's 8 rows' nibbles are two
+//! Packed matrices ([`QType::Q4_0R8`], `Q4_1R8`, `Q5_0R8`, `Q5_1R8`,
+//! `Q4_KR8`: tiles of 8 rows laid out by block, [`crate::packed`]) at batch
+//! 1 and small batches: with AVX-512 VNNI a tile block's 8 rows' nibbles are two
 //! 512-bit loads and each fifth-bit mask one mask-register load; with AVX2
 //! two rows share a 256-bit vector. Either way the tile is one stream and
-//! its 8 scales (and stored minimums) one load. The larger batches' tiles read
+//! its 8 scales (and stored minimums) one load; Q4_K's 6-bit scales and
+//! minimums are decoded once per super-block, its blocks' nibbles read as
+//! Q4_1's. The larger batches' tiles read
 //! packed rows as they unpack them (`simd::prep_packed`), the portable
 //! kernels unpacked (`matmul::run_unpacked`).
 //!
 //! The float sequence per output is [`super::simd`]'s direct kernel's
 //! (see [`super`]): `acc = fma(I_b, dw_b * dx_b, acc)`, then
 //! `acc = fma(mw_b, dx_b * Σqx_b, acc)` (`mw_b` Q4_0's `-8 dw_b`, Q5_0's
-//! `-16 dw_b`, or the stored minimum), block by block, so a packed matrix's outputs have its GGUF
-//! rows' bits.
+//! `-16 dw_b`, the stored minimum, or Q4_K's `-(dmin m_b)`), block by
+//! block, so a packed matrix's outputs have its GGUF rows' bits.
 
 use std::arch::x86_64::*;
 
 use super::acts::{QActs, DIRECT_MAX, GROUP};
 use super::idot::{Avx2, IDot, PAIRS};
 use super::job::Job;
-use super::regs::{store_tile, x_halves};
-use crate::packed::{nibbles_at, tile_block, TILE};
+use super::regs::{k_scales, store_tile, x_halves};
+use crate::packed::{nibbles_at, tile_block, Q4K_BLOCK, Q4K_DMIN, Q4K_NIBBLES, Q4K_SCALES, TILE};
 use crate::prefetch::{tiles_ahead, to_l2, AHEAD};
 use crate::qtype::{QType, QK};
 
@@ -42,13 +44,13 @@ pub(super) unsafe fn run_job_avx2(x: &QActs, job: &Job) {
     unsafe { run::<Pairs>(x, job) }
 }
 
-/// The kernels of one instruction set: the whole tiles of Q5_0 (`FIVE`)
-/// or Q4_1 for `M` activation rows (`M = 0`: `x.m`), and the direct kernel
-/// for the GGUF rows past them.
+/// The kernels of one instruction set: the whole tiles of a packed format
+/// ([`tiles`]' `FIVE`, `MIN`, `K4`) for `M` activation rows (`M = 0`:
+/// `x.m`), and the direct kernel for the GGUF rows past them.
 trait Kernels {
     /// # Safety
     /// As [`tiles`]'.
-    unsafe fn tiles<const FIVE: bool, const MIN: bool, const M: usize>(
+    unsafe fn tiles<const FIVE: bool, const MIN: bool, const K4: bool, const M: usize>(
         x: &QActs,
         job: &Job,
         end: usize,
@@ -65,13 +67,13 @@ struct Pairs;
 
 impl Kernels for Wide {
     #[inline(always)]
-    unsafe fn tiles<const FIVE: bool, const MIN: bool, const M: usize>(
+    unsafe fn tiles<const FIVE: bool, const MIN: bool, const K4: bool, const M: usize>(
         x: &QActs,
         job: &Job,
         end: usize,
     ) {
         // SAFETY: as this function's contract.
-        unsafe { tiles::<FIVE, MIN, M>(x, job, end) }
+        unsafe { tiles::<FIVE, MIN, K4, M>(x, job, end) }
     }
     #[inline(always)]
     unsafe fn direct(x: &QActs, job: &Job) {
@@ -82,13 +84,13 @@ impl Kernels for Wide {
 
 impl Kernels for Pairs {
     #[inline(always)]
-    unsafe fn tiles<const FIVE: bool, const MIN: bool, const M: usize>(
+    unsafe fn tiles<const FIVE: bool, const MIN: bool, const K4: bool, const M: usize>(
         x: &QActs,
         job: &Job,
         end: usize,
     ) {
         // SAFETY: as this function's contract.
-        unsafe { tiles_pairs::<Avx2, FIVE, MIN, M>(x, job, end) }
+        unsafe { tiles_pairs::<Avx2, FIVE, MIN, K4, M>(x, job, end) }
     }
     #[inline(always)]
     unsafe fn direct(x: &QActs, job: &Job) {
@@ -111,14 +113,17 @@ unsafe fn run<K: Kernels>(x: &QActs, job: &Job) {
         if job.j0 < end {
             // The format's fifth bits and stored minimums, the batch of 1.
             match (job.ty, x.m == 1) {
-                (QType::Q4_0R8, true) => K::tiles::<false, false, 1>(x, job, end),
-                (QType::Q4_0R8, false) => K::tiles::<false, false, 0>(x, job, end),
-                (QType::Q4_1R8, true) => K::tiles::<false, true, 1>(x, job, end),
-                (QType::Q4_1R8, false) => K::tiles::<false, true, 0>(x, job, end),
-                (QType::Q5_0R8, true) => K::tiles::<true, false, 1>(x, job, end),
-                (QType::Q5_0R8, false) => K::tiles::<true, false, 0>(x, job, end),
-                (_, true) => K::tiles::<true, true, 1>(x, job, end),
-                (_, false) => K::tiles::<true, true, 0>(x, job, end),
+                (QType::Q4_0R8, true) => K::tiles::<false, false, false, 1>(x, job, end),
+                (QType::Q4_0R8, false) => K::tiles::<false, false, false, 0>(x, job, end),
+                (QType::Q4_1R8, true) => K::tiles::<false, true, false, 1>(x, job, end),
+                (QType::Q4_1R8, false) => K::tiles::<false, true, false, 0>(x, job, end),
+                (QType::Q5_0R8, true) => K::tiles::<true, false, false, 1>(x, job, end),
+                (QType::Q5_0R8, false) => K::tiles::<true, false, false, 0>(x, job, end),
+                (QType::Q5_1R8, true) => K::tiles::<true, true, false, 1>(x, job, end),
+                (QType::Q5_1R8, false) => K::tiles::<true, true, false, 0>(x, job, end),
+                (QType::Q4_KR8, true) => K::tiles::<false, false, true, 1>(x, job, end),
+                (QType::Q4_KR8, false) => K::tiles::<false, false, true, 0>(x, job, end),
+                (ty, _) => unreachable!("{ty:?} is not a packed format"),
             }
         }
         if let Some(tail) = tail(job) {
@@ -144,9 +149,10 @@ fn tail(job: &Job) -> Option<Job> {
     })
 }
 
-/// What the tile kernels sweep: blocks a row (`nb`), values a row (`k`),
-/// activation rows (`m`), bytes of a tile block (`tb`) and where in it the
-/// nibbles start (`nib`), bytes of a tile.
+/// What the tile kernels sweep: blocks of 32 values a row (`nb`), values
+/// a row (`k`), activation rows (`m`), bytes of a tile block (`tb`: of a
+/// super-block for Q4_K) and where in it the nibbles start (`nib`), bytes
+/// of a tile.
 struct Shape {
     nb: usize,
     k: usize,
@@ -154,6 +160,90 @@ struct Shape {
     tb: usize,
     nib: usize,
     tile: usize,
+}
+
+impl Shape {
+    /// Where block `b`'s nibbles start in a tile at `base` (`K4`: of
+    /// Q4_K), and the part of the tile asked for ahead while it is read
+    /// (block `b`'s share of the tile's bytes, of every tile `tile`
+    /// apart): one tile block, or an eighth of a super-block.
+    #[inline(always)]
+    fn block<const K4: bool>(&self, base: *const u8, b: usize) -> *const u8 {
+        if K4 {
+            let q = self.tile / self.nb;
+            tiles_ahead(base, self.tile, b * q, q);
+            base.wrapping_add(b / 8 * self.tb + Q4K_NIBBLES + Q4K_BLOCK * (b % 8))
+        } else {
+            tiles_ahead(base, self.tile, b * self.tb, self.tb);
+            base.wrapping_add(b * self.tb + self.nib)
+        }
+    }
+}
+
+/// The 8 rows' `(dw, mw)` of each block of the Q4_K tile super-block at
+/// `p` (`dw = d sc`, `mw = -(dmin m)`, exact: `super_params`' products).
+///
+/// # Safety
+/// The CPU has AVX2 and F16C; `p` is a whole tile super-block.
+#[inline(always)]
+unsafe fn k4_scales(p: *const u8) -> ([__m256; 8], [__m256; 8]) {
+    // SAFETY: the caller guarantees the instructions and the super-block.
+    unsafe {
+        // Plain loops, not closures: a closure body is compiled without
+        // the caller's target features, and every intrinsic in it becomes
+        // a call.
+        let d = _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i));
+        let dmin = _mm256_cvtph_ps(_mm_loadu_si128(p.add(Q4K_DMIN) as *const __m128i));
+        let w = p.add(Q4K_SCALES) as *const __m256i;
+        let (sc, mn) = k_scales(
+            _mm256_loadu_si256(w),
+            _mm256_loadu_si256(w.add(1)),
+            _mm256_loadu_si256(w.add(2)),
+        );
+        let neg = _mm256_set1_ps(-0.0);
+        let (mut dw, mut mw) = ([_mm256_setzero_ps(); 8], [_mm256_setzero_ps(); 8]);
+        for i in 0..8 {
+            dw[i] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(sc[i]));
+            mw[i] = _mm256_xor_ps(_mm256_mul_ps(dmin, _mm256_cvtepi32_ps(mn[i])), neg);
+        }
+        (dw, mw)
+    }
+}
+
+/// Blocks the tile kernels take in one group: a Q4_K super-block's 8,
+/// else 1.
+const fn group<const K4: bool>() -> usize {
+    if K4 {
+        8
+    } else {
+        1
+    }
+}
+
+/// The 8 rows' `(dw, mw)` of block `b` of a tile at `base`: decoded
+/// from Q4_K's super-block as `b` enters it (`K4`, into `k4`), or the
+/// tile block's ([`scales`]).
+///
+/// # Safety
+/// As [`k4_scales`]' and [`scales`]'.
+#[inline(always)]
+unsafe fn block_scales<const FIVE: bool, const MIN: bool, const K4: bool>(
+    sh: &Shape,
+    base: *const u8,
+    b: usize,
+    k4: &mut ([__m256; 8], [__m256; 8]),
+) -> (__m256, __m256) {
+    // SAFETY: as this function's contract.
+    unsafe {
+        if K4 {
+            if b.is_multiple_of(8) {
+                *k4 = k4_scales(base.add(b / 8 * sh.tb));
+            }
+            (k4.0[b % 8], k4.1[b % 8])
+        } else {
+            scales::<FIVE, MIN>(base.add(b * sh.tb))
+        }
+    }
 }
 
 /// The [`Shape`] of a job whose tiles end at `end` for `M` activation rows
@@ -176,13 +266,14 @@ fn shape<const M: usize>(x: &QActs, job: &Job, end: usize) -> Shape {
     }
 }
 
-/// The whole tiles of columns `job.j0..end` of Q5_0 (`FIVE`) or Q4_1 for
-/// `M` activation rows (`M = 0`: `x.m`).
+/// The whole tiles of columns `job.j0..end` of a packed format (`FIVE`:
+/// fifth bits, `MIN`: stored minimums, `K4`: Q4_K) for `M` activation rows
+/// (`M = 0`: `x.m`).
 ///
 /// # Safety
 /// As [`run_job_vnni`]'s, `end` a multiple of [`TILE`] at most `job.n`.
 #[inline(always)]
-unsafe fn tiles<const FIVE: bool, const MIN: bool, const M: usize>(
+unsafe fn tiles<const FIVE: bool, const MIN: bool, const K4: bool, const M: usize>(
     x: &QActs,
     job: &Job,
     end: usize,
@@ -192,52 +283,57 @@ unsafe fn tiles<const FIVE: bool, const MIN: bool, const M: usize>(
     // output columns are inside `job.w`, `x` and `job.y`.
     unsafe {
         let sh = shape::<M>(x, job, end);
-        let (nb, k, m, tb, nib, tile) = (sh.nb, sh.k, sh.m, sh.tb, sh.nib, sh.tile);
+        let (nb, k, m, tile) = (sh.nb, sh.k, sh.m, sh.tile);
         // After the two folds below, dword 0 of 128-bit lane `l` holds row
         // `l`'s sum and dword 1 row `l + 4`'s.
         let order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 0, 0, 0, 0, 0, 0, 0, 0);
+        let mut k4 = ([_mm256_setzero_ps(); 8], [_mm256_setzero_ps(); 8]);
         let mut j = job.j0;
         while j < end {
             let base = job.w.add(j / TILE * tile);
             let mut acc = [_mm256_setzero_ps(); DIRECT_MAX];
-            for b in 0..nb {
-                tiles_ahead(base, tile, b * tb, tb);
-                let p = base.add(b * tb);
-                let (dw, mw) = scales::<FIVE, MIN>(p);
-                // Rows 0..4 (then 4..8), 16 nibble bytes each: values
-                // 0..16 in the low nibbles, 16..32 in the high ones, Q5_0's
-                // fifth bits added from its masks.
-                let masks = p.add(masks_at(MIN)) as *const u64;
-                let mask = |i: usize| {
-                    if FIVE {
-                        masks.add(i).read_unaligned()
-                    } else {
-                        0
-                    }
-                };
-                let (qa, qb) = (
-                    _mm512_loadu_si512(p.add(nib) as *const _),
-                    _mm512_loadu_si512(p.add(nib + 64) as *const _),
-                );
-                let la = values::<false>(qa, mask(0));
-                let ha = values::<true>(qa, mask(1));
-                let lb = values::<false>(qb, mask(2));
-                let hb = values::<true>(qb, mask(3));
-                for (r, a) in acc[..m].iter_mut().enumerate() {
-                    let xp = x.rowq.as_ptr().add(r * k + b * QK);
-                    let xl = _mm512_broadcast_i32x4(_mm_loadu_si128(xp as *const __m128i));
-                    let xh = _mm512_broadcast_i32x4(_mm_loadu_si128(xp.add(16) as *const __m128i));
-                    let z = _mm512_setzero_si512();
-                    // 128-bit lane `l`: 4 partial dots of row `l` (of `l + 4`).
-                    let sa = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(z, la, xl), ha, xh);
-                    let sb = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(z, lb, xl), hb, xh);
-                    let t = _mm512_add_epi32(
-                        _mm512_unpacklo_epi32(sa, sb),
-                        _mm512_unpackhi_epi32(sa, sb),
+            // Q4_K's blocks a super-block at a time (each its own copy of
+            // the body, its scales in registers), the others one by one.
+            for b0 in (0..nb).step_by(group::<K4>()) {
+                for b in b0..b0 + group::<K4>() {
+                    let nibs = sh.block::<K4>(base, b);
+                    let (dw, mw) = block_scales::<FIVE, MIN, K4>(&sh, base, b, &mut k4);
+                    // Rows 0..4 (then 4..8), 16 nibble bytes each: values
+                    // 0..16 in the low nibbles, 16..32 in the high ones, Q5_0's
+                    // fifth bits added from its masks.
+                    let masks = base.wrapping_add(b * sh.tb + masks_at(MIN)) as *const u64;
+                    let mask = |i: usize| {
+                        if FIVE {
+                            masks.add(i).read_unaligned()
+                        } else {
+                            0
+                        }
+                    };
+                    let (qa, qb) = (
+                        _mm512_loadu_si512(nibs as *const _),
+                        _mm512_loadu_si512(nibs.add(64) as *const _),
                     );
-                    let u = _mm512_add_epi32(t, _mm512_shuffle_epi32::<0b0100_1110>(t));
-                    let isum = _mm512_castsi512_si256(_mm512_permutexvar_epi32(order, u));
-                    accumulate(a, isum, (dw, mw), x, b * GROUP + r);
+                    let la = values::<false>(qa, mask(0));
+                    let ha = values::<true>(qa, mask(1));
+                    let lb = values::<false>(qb, mask(2));
+                    let hb = values::<true>(qb, mask(3));
+                    for (r, a) in acc[..m].iter_mut().enumerate() {
+                        let xp = x.rowq.as_ptr().add(r * k + b * QK);
+                        let xl = _mm512_broadcast_i32x4(_mm_loadu_si128(xp as *const __m128i));
+                        let xh =
+                            _mm512_broadcast_i32x4(_mm_loadu_si128(xp.add(16) as *const __m128i));
+                        let z = _mm512_setzero_si512();
+                        // 128-bit lane `l`: 4 partial dots of row `l` (of `l + 4`).
+                        let sa = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(z, la, xl), ha, xh);
+                        let sb = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(z, lb, xl), hb, xh);
+                        let t = _mm512_add_epi32(
+                            _mm512_unpacklo_epi32(sa, sb),
+                            _mm512_unpackhi_epi32(sa, sb),
+                        );
+                        let u = _mm512_add_epi32(t, _mm512_shuffle_epi32::<0b0100_1110>(t));
+                        let isum = _mm512_castsi512_si256(_mm512_permutexvar_epi32(order, u));
+                        accumulate(a, isum, (dw, mw), x, b * GROUP + r);
+                    }
                 }
             }
             store_tile(&acc[..m], TILE.min(job.j1 - j), job, j);
@@ -323,7 +419,13 @@ unsafe fn accumulate(
 /// # Safety
 /// As [`tiles`]', with AVX2, FMA, F16C and `D`'s instructions.
 #[inline(always)]
-unsafe fn tiles_pairs<D: IDot, const FIVE: bool, const MIN: bool, const M: usize>(
+unsafe fn tiles_pairs<
+    D: IDot,
+    const FIVE: bool,
+    const MIN: bool,
+    const K4: bool,
+    const M: usize,
+>(
     x: &QActs,
     job: &Job,
     end: usize,
@@ -331,39 +433,44 @@ unsafe fn tiles_pairs<D: IDot, const FIVE: bool, const MIN: bool, const M: usize
     // SAFETY: as [`tiles`]'.
     unsafe {
         let sh = shape::<M>(x, job, end);
-        let (nb, k, m, tb, nib, tile) = (sh.nb, sh.k, sh.m, sh.tb, sh.nib, sh.tile);
+        let (nb, k, m, tile) = (sh.nb, sh.k, sh.m, sh.tile);
         // `D::dots_pairs` puts row `2p` in lane `p` and row `2p + 1` in
         // lane `p + 4`; this takes lane `c` to row `c`.
         let order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
         let low = _mm256_set1_epi8(0x0f);
+        let mut k4 = ([_mm256_setzero_ps(); 8], [_mm256_setzero_ps(); 8]);
         let mut j = job.j0;
         while j < end {
             let base = job.w.add(j / TILE * tile);
             let mut acc = [_mm256_setzero_ps(); DIRECT_MAX];
-            for b in 0..nb {
-                tiles_ahead(base, tile, b * tb, tb);
-                let p = base.add(b * tb);
-                let scales = scales::<FIVE, MIN>(p);
-                // Rows 2q, 2q + 1: mask `2 * (q / 2) + half`'s word `q % 2`.
-                let bits = p.add(masks_at(MIN)) as *const u32;
-                let (mut lo, mut hi) = (
-                    [_mm256_setzero_si256(); PAIRS],
-                    [_mm256_setzero_si256(); PAIRS],
-                );
-                for q in 0..PAIRS {
-                    let v = _mm256_loadu_si256(p.add(nib + 32 * q) as *const __m256i);
-                    lo[q] = _mm256_and_si256(v, low);
-                    hi[q] = _mm256_and_si256(_mm256_srli_epi16::<4>(v), low);
-                    if FIVE {
-                        let word = 4 * (q / 2) + q % 2;
-                        lo[q] = D::fifth(lo[q], bits.add(word).read_unaligned());
-                        hi[q] = D::fifth(hi[q], bits.add(word + 2).read_unaligned());
+            // Q4_K's blocks a super-block at a time (each its own copy of
+            // the body, its scales in registers), the others one by one.
+            for b0 in (0..nb).step_by(group::<K4>()) {
+                for b in b0..b0 + group::<K4>() {
+                    let nibs = sh.block::<K4>(base, b);
+                    let scales = block_scales::<FIVE, MIN, K4>(&sh, base, b, &mut k4);
+                    // Rows 2q, 2q + 1: mask `2 * (q / 2) + half`'s word `q % 2`.
+                    let bits = base.wrapping_add(b * sh.tb + masks_at(MIN)) as *const u32;
+                    let (mut lo, mut hi) = (
+                        [_mm256_setzero_si256(); PAIRS],
+                        [_mm256_setzero_si256(); PAIRS],
+                    );
+                    for q in 0..PAIRS {
+                        let v = _mm256_loadu_si256(nibs.add(32 * q) as *const __m256i);
+                        lo[q] = _mm256_and_si256(v, low);
+                        hi[q] = _mm256_and_si256(_mm256_srli_epi16::<4>(v), low);
+                        if FIVE {
+                            let word = 4 * (q / 2) + q % 2;
+                            lo[q] = D::fifth(lo[q], bits.add(word).read_unaligned());
+                            hi[q] = D::fifth(hi[q], bits.add(word + 2).read_unaligned());
+                        }
                     }
-                }
-                for (r, a) in acc[..m].iter_mut().enumerate() {
-                    let (xl, xh) = x_halves(x.rowq.as_ptr().add(r * k + b * QK));
-                    let isum = _mm256_permutevar8x32_epi32(D::dots_pairs(xl, xh, &lo, &hi), order);
-                    accumulate(a, isum, scales, x, b * GROUP + r);
+                    for (r, a) in acc[..m].iter_mut().enumerate() {
+                        let (xl, xh) = x_halves(x.rowq.as_ptr().add(r * k + b * QK));
+                        let isum =
+                            _mm256_permutevar8x32_epi32(D::dots_pairs(xl, xh, &lo, &hi), order);
+                        accumulate(a, isum, scales, x, b * GROUP + r);
+                    }
                 }
             }
             store_tile(&acc[..m], TILE.min(job.j1 - j), job, j);
