@@ -18,7 +18,18 @@ pub(super) const GROUP_BLOCK: usize = GROUP * QK;
 ///
 /// Layout: rows in groups of 8 (the last one padded with zero rows). Value
 /// `i` of block `b` of row `8g + l` is `qs[(g*nb + b)*256 + (i/4)*32 + l*4 + i%4]`;
-/// its scale, sum and `d * sum` are at `(g*nb + b)*8 + l`.
+/// its scale, sum and `d * sum` are at `(g*nb + b)*8 + l`. A step's
+/// activations without the interleaved copy ([`QActs::quantize_for_step`]:
+/// at most [`DIRECT_MAX`] rows) keep them at `b*m + l` instead
+/// ([`QActs::at`]): decode's one row writes 3 cache lines of them for
+/// SmolLM2's 576 values, not 27. Each line the quantiser writes that
+/// another math thread read in the last matmul is taken back from that
+/// core first (on this 2-core AMD EPYC, 36 lines written after the other
+/// core read them: 340 ns against 57 ns), and read across again by it in
+/// the next. Batch-1 decode with the compact scales, alternating with the
+/// wide ones every 24 steps in one process (24-30 rounds, medians of the
+/// paired ratios): Q4_K_M 1.029, Q4_1 1.025, Q8_0 1.012, the quantiser's
+/// time a step a fifth to a third shorter.
 ///
 /// Reusable: [`QActs::quantize`] keeps its buffers' capacity (a step
 /// allocates nothing once warm).
@@ -30,6 +41,9 @@ pub struct QActs {
     pub(super) rowq: Vec<i8>,
     /// Whether `qs` holds the values (see [`QActs::quantize_for_step`]).
     interleaved: bool,
+    /// Entries between one block's scales and the next's: [`GROUP`], or
+    /// `m` without the interleaved copy.
+    stride: usize,
     pub(super) d: Vec<f32>,
     pub(super) sum: Vec<i32>,
     /// `d * (sum as f32)`, the activation side of the Q4_1 minimum term.
@@ -53,6 +67,7 @@ impl QActs {
             qs: Vec::new(),
             rowq: Vec::new(),
             interleaved: true,
+            stride: GROUP,
             d: Vec::new(),
             sum: Vec::new(),
             dsum: Vec::new(),
@@ -105,21 +120,23 @@ impl QActs {
         );
         let nb = k / QK;
         let groups = m.div_ceil(GROUP);
+        debug_assert!(interleave || m <= GROUP, "rows past a group need the copy");
+        let stride = if interleave { GROUP } else { m.max(1) };
         self.m = m;
         self.k = k;
         self.interleaved = interleave;
+        self.stride = stride;
         self.qs.clear();
         if interleave {
             self.qs.resize(groups * nb * GROUP_BLOCK, 0);
         }
-        self.rowq.clear();
-        self.rowq.resize(m * k, 0);
-        for v in [&mut self.d, &mut self.dsum] {
-            v.clear();
-            v.resize(groups * nb * GROUP, 0.0);
-        }
-        self.sum.clear();
-        self.sum.resize(groups * nb * GROUP, 0);
+        // Without the copy every entry is written below: the buffers keep
+        // their contents (no zeros written first) when their size stays.
+        fit(&mut self.rowq, m * k, interleave);
+        let scales = groups * nb * stride;
+        fit(&mut self.d, scales, interleave);
+        fit(&mut self.dsum, scales, interleave);
+        fit(&mut self.sum, scales, interleave);
         if m * k == 0 {
             return;
         }
@@ -129,15 +146,15 @@ impl QActs {
             #[cfg(target_arch = "x86_64")]
             if avx2 {
                 // SAFETY: the CPU has AVX2 and FMA.
-                return unsafe { fill_group_avx2(k, g) };
+                return unsafe { fill_group_avx2(k, stride, g) };
             }
-            fill_group(k, g, quantize_block)
+            fill_group(k, stride, g, quantize_block)
         };
         // Groups are independent (each owns its slice of every buffer), so
         // a prefill's are quantised on every math thread; the bits are the
         // same either way.
         let x = &x[..m * k];
-        let (rows, blocks) = (GROUP * k, nb * GROUP);
+        let (rows, blocks) = (GROUP * k, nb * stride);
         let qs_len = if interleave { nb * GROUP_BLOCK } else { 0 };
         if groups >= PARALLEL_GROUPS {
             // Each job takes its group's range of every buffer (sized above
@@ -204,6 +221,22 @@ impl QActs {
     pub(super) fn groups(&self) -> usize {
         self.m.div_ceil(GROUP)
     }
+
+    /// Where row `r`'s scale, sum and `d * sum` of block `b` are, for a
+    /// step of at most [`GROUP`] rows (all in group 0).
+    #[inline(always)]
+    pub(super) fn at(&self, b: usize, r: usize) -> usize {
+        b * self.stride + r
+    }
+}
+
+/// `v` as `len` zeros, or (`zeros` false) as `len` entries, kept as they
+/// are where the length stays.
+fn fit<T: Default + Clone>(v: &mut Vec<T>, len: usize, zeros: bool) {
+    if zeros || v.len() != len {
+        v.clear();
+        v.resize(len, T::default());
+    }
 }
 
 /// Steps of at most this many rows are multiplied by the AVX2 kernels'
@@ -227,17 +260,19 @@ type GroupSlices<'a> = (
 /// [`fill_group`] with [`quantize_block_avx2`], its blocks' bits.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn fill_group_avx2(k: usize, g: GroupSlices<'_>) {
+unsafe fn fill_group_avx2(k: usize, stride: usize, g: GroupSlices<'_>) {
     // SAFETY: this function's callers checked the CPU has AVX2.
-    fill_group(k, g, |x| unsafe { quantize_block_avx2(x) })
+    fill_group(k, stride, g, |x| unsafe { quantize_block_avx2(x) })
 }
 
 /// Quantises one group's rows (`xs`, at most [`GROUP`] rows of `k`) into
-/// the group's slices of the [`QActs`] buffers, a block at a time with
-/// `quant` (one of the bit-identical [`quantize_block`]s).
+/// the group's slices of the [`QActs`] buffers (a block's scales `stride`
+/// entries from the last's), a block at a time with `quant` (one of the
+/// bit-identical [`quantize_block`]s).
 #[inline(always)]
 fn fill_group(
     k: usize,
+    stride: usize,
     (xs, rowq, qs, d, sum, dsum): GroupSlices<'_>,
     quant: impl Fn(&[f32; QK]) -> (f32, [i8; QK], i32),
 ) {
@@ -246,7 +281,7 @@ fn fill_group(
         for b in 0..nb {
             let xb: &[f32; QK] = x[b * QK..][..QK].try_into().expect("a whole block");
             let (db, q, sb) = quant(xb);
-            let s = b * GROUP + lane;
+            let s = b * stride + lane;
             d[s] = db;
             sum[s] = sb;
             dsum[s] = db * sb as f32;

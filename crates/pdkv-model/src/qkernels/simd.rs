@@ -469,7 +469,7 @@ unsafe fn direct<D: IDot, const T: usize, const M: usize>(x: &QActs, job: &Job) 
                         }
                         lanes8(&v)
                     };
-                    let si = b * GROUP + r;
+                    let si = x.at(b, r);
                     if !u && D::R8_OFFSET {
                         isum = _mm256_sub_epi32(isum, _mm256_set1_epi32(x.sum[si] << 7));
                     }
@@ -577,7 +577,7 @@ unsafe fn direct_super<D: IDot, const FIVE: bool, const M: usize>(x: &QActs, job
                             let xp = x.rowq.as_ptr().add(r * k + b * QK);
                             let (xl, xh) = x_halves(xp);
                             let isum = D::dots_pairs(xl, xh, &lo, &hi);
-                            let si = b * GROUP + r;
+                            let si = x.at(b, r);
                             let scl = _mm256_mul_ps(dw, _mm256_set1_ps(x.d[si]));
                             *a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), scl, *a);
                             *a = _mm256_fmadd_ps(mw, _mm256_set1_ps(x.dsum[si]), *a);
@@ -665,7 +665,7 @@ unsafe fn direct_q6<D: IDot, const M: usize>(x: &QActs, job: &Job) {
                                 _mm256_mullo_epi32(lo, sa),
                                 _mm256_mullo_epi32(hi, sb2),
                             );
-                            let si = b * GROUP + r;
+                            let si = x.at(b, r);
                             let scl = _mm256_mul_ps(d, _mm256_set1_ps(x.d[si]));
                             *a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), scl, *a);
                         }

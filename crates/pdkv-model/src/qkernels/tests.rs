@@ -767,3 +767,42 @@ fn bench_from_memory() {
         );
     }
 }
+
+/// A step's activations without the interleaved copy (their scales `m`
+/// apart, [`QActs::quantize_for_step`]) give every format's kernels the
+/// bits of the interleaved ones, for each batch the direct kernels take;
+/// one buffer reused across sizes and both layouts, as a model's is.
+#[test]
+fn a_steps_compact_activations_give_the_interleaved_ones_bits() {
+    let (k, n) = (512, 19);
+    let mut step = QActs::new();
+    let mut full = QActs::new();
+    // The portable kernels read the interleaved copy alone (a step on a
+    // CPU without AVX2 is quantised with it).
+    for fl in flavours().into_iter().filter(|&f| f != Flavour::Portable) {
+        for ty in TYPES {
+            let w = rand_weights(40, ty, n, k);
+            for m in [1, 3, 8, 2, 1, 5] {
+                let xf = rand_acts(41 + m as u64, m, k);
+                full.quantize(&xf, m, k);
+                let want: Vec<u32> = run(fl, &full, ty, &w, n)
+                    .iter()
+                    .map(|v| v.to_bits())
+                    .collect();
+                step.quantize_for_step(&xf, m, k);
+                let got: Vec<u32> = run(fl, &step, ty, &w, n)
+                    .iter()
+                    .map(|v| v.to_bits())
+                    .collect();
+                assert_eq!(got, want, "{fl:?} {ty:?} m {m}");
+                // Interleaved again in the same buffer, then a step again.
+                step.quantize(&xf, m, k);
+                let again: Vec<u32> = run(fl, &step, ty, &w, n)
+                    .iter()
+                    .map(|v| v.to_bits())
+                    .collect();
+                assert_eq!(again, want, "{fl:?} {ty:?} m {m}, interleaved after a step");
+            }
+        }
+    }
+}

@@ -17,7 +17,7 @@
 
 use std::arch::x86_64::*;
 
-use super::acts::{QActs, DIRECT_MAX, GROUP};
+use super::acts::{QActs, DIRECT_MAX};
 use super::idot::{Avx2, IDot, PAIRS};
 use super::job::Job;
 use super::regs::{k_scales, store_tile, x_halves};
@@ -332,7 +332,7 @@ unsafe fn tiles<const FIVE: bool, const MIN: bool, const K4: bool, const M: usiz
                         );
                         let u = _mm512_add_epi32(t, _mm512_shuffle_epi32::<0b0100_1110>(t));
                         let isum = _mm512_castsi512_si256(_mm512_permutexvar_epi32(order, u));
-                        accumulate(a, isum, (dw, mw), x, b * GROUP + r);
+                        accumulate(a, isum, (dw, mw), x, x.at(b, r));
                     }
                 }
             }
@@ -469,7 +469,7 @@ unsafe fn tiles_pairs<
                         let (xl, xh) = x_halves(x.rowq.as_ptr().add(r * k + b * QK));
                         let isum =
                             _mm256_permutevar8x32_epi32(D::dots_pairs(xl, xh, &lo, &hi), order);
-                        accumulate(a, isum, scales, x, b * GROUP + r);
+                        accumulate(a, isum, scales, x, x.at(b, r));
                     }
                 }
             }
