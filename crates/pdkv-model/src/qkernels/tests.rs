@@ -609,6 +609,34 @@ fn quantize_rejects_k_not_a_multiple_of_32() {
     QActs::new().quantize(&[0.0; 40], 1, 40);
 }
 
+/// What the benches time, from the environment: `PDKV_THREADS` threads
+/// (2), `PDKV_BENCH_FLAVOUR=avx2` the AVX2 flavour on a CPU with VNNI,
+/// `PDKV_BENCH_TYPES=Q5_0,Q4_1` those formats only (their names).
+struct BenchEnv {
+    threads: usize,
+    fl: Flavour,
+    types: Vec<QType>,
+}
+
+fn bench_env() -> BenchEnv {
+    let threads = std::env::var("PDKV_THREADS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(2);
+    let fl = match std::env::var("PDKV_BENCH_FLAVOUR").as_deref() {
+        Ok("avx2") => Flavour::Avx2,
+        _ => Flavour::of(kernels::backend()),
+    };
+    let types = match std::env::var("PDKV_BENCH_TYPES") {
+        Ok(s) => TYPES
+            .into_iter()
+            .filter(|ty| s.split(',').any(|t| t.trim() == format!("{ty:?}")))
+            .collect(),
+        Err(_) => TYPES.to_vec(),
+    };
+    BenchEnv { threads, fl, types }
+}
+
 /// `cargo test --release -p pdkv-model --lib qkernels -- --ignored --nocapture`
 #[test]
 #[ignore]
@@ -622,30 +650,14 @@ fn bench_against_f32_matmul() {
             (1536, 576)
         }
     };
-    let threads = std::env::var("PDKV_THREADS")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(2);
+    let BenchEnv { threads, fl, types } = bench_env();
     let pool = crate::kernels::tests::pool(threads);
     let time = |f: &mut dyn FnMut()| crate::kernels::tests::best_seconds(f, 0.05);
-    // PDKV_BENCH_FLAVOUR=avx2 times the AVX2 flavour on a CPU with VNNI.
-    let fl = match std::env::var("PDKV_BENCH_FLAVOUR").as_deref() {
-        Ok("avx2") => Flavour::Avx2,
-        _ => Flavour::of(kernels::backend()),
-    };
     println!("threads {threads}, flavour {fl:?}");
     // PDKV_BENCH_M=1 (a comma-separated list) times those batch sizes only.
     let ms: Vec<usize> = std::env::var("PDKV_BENCH_M")
         .map(|s| s.split(',').map(|m| m.trim().parse().unwrap()).collect())
         .unwrap_or_else(|_| vec![1, 32, 512]);
-    // PDKV_BENCH_TYPES=Q5_0,Q4_1 (the formats' names) times those formats only.
-    let types: Vec<QType> = match std::env::var("PDKV_BENCH_TYPES") {
-        Ok(s) => TYPES
-            .into_iter()
-            .filter(|ty| s.split(',').any(|t| t.trim() == format!("{ty:?}")))
-            .collect(),
-        Err(_) => TYPES.to_vec(),
-    };
     for m in ms {
         for &ty in &types {
             let (k, n) = shape(ty);
@@ -692,26 +704,12 @@ fn bench_against_f32_matmul() {
 #[test]
 #[ignore]
 fn bench_from_memory() {
-    let threads = std::env::var("PDKV_THREADS")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(2);
+    let BenchEnv { threads, fl, types } = bench_env();
     let pool = crate::kernels::tests::pool(threads);
-    let fl = match std::env::var("PDKV_BENCH_FLAVOUR").as_deref() {
-        Ok("avx2") => Flavour::Avx2,
-        _ => Flavour::of(kernels::backend()),
-    };
     let mb: usize = std::env::var("PDKV_BENCH_MB")
         .ok()
         .and_then(|s| s.parse().ok())
         .unwrap_or(128);
-    let types: Vec<QType> = match std::env::var("PDKV_BENCH_TYPES") {
-        Ok(s) => TYPES
-            .into_iter()
-            .filter(|ty| s.split(',').any(|t| t.trim() == format!("{ty:?}")))
-            .collect(),
-        Err(_) => TYPES.to_vec(),
-    };
     println!("threads {threads}, flavour {fl:?}, {mb} MiB of weights");
     let src = vec![1u8; mb << 20];
     let mut dst = vec![0u8; mb << 20];
@@ -782,25 +780,18 @@ fn a_steps_compact_activations_give_the_interleaved_ones_bits() {
     for fl in flavours().into_iter().filter(|&f| f != Flavour::Portable) {
         for ty in TYPES {
             let w = rand_weights(40, ty, n, k);
+            let bits = |x: &QActs| -> Vec<u32> {
+                run(fl, x, ty, &w, n).iter().map(|v| v.to_bits()).collect()
+            };
             for m in [1, 3, 8, 2, 1, 5] {
                 let xf = rand_acts(41 + m as u64, m, k);
                 full.quantize(&xf, m, k);
-                let want: Vec<u32> = run(fl, &full, ty, &w, n)
-                    .iter()
-                    .map(|v| v.to_bits())
-                    .collect();
+                let want = bits(&full);
                 step.quantize_for_step(&xf, m, k);
-                let got: Vec<u32> = run(fl, &step, ty, &w, n)
-                    .iter()
-                    .map(|v| v.to_bits())
-                    .collect();
-                assert_eq!(got, want, "{fl:?} {ty:?} m {m}");
+                assert_eq!(bits(&step), want, "{fl:?} {ty:?} m {m}");
                 // Interleaved again in the same buffer, then a step again.
                 step.quantize(&xf, m, k);
-                let again: Vec<u32> = run(fl, &step, ty, &w, n)
-                    .iter()
-                    .map(|v| v.to_bits())
-                    .collect();
+                let again = bits(&step);
                 assert_eq!(again, want, "{fl:?} {ty:?} m {m}, interleaved after a step");
             }
         }
