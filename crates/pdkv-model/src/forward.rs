@@ -829,6 +829,23 @@ fn plan_attention(
                 ..t
             }));
         }
+    } else if merges.is_empty() && few && group > 1 && !tasks.len().is_multiple_of(threads) {
+        // A few units that do not divide among the threads (3 KV heads on
+        // 2): the last ones' query heads in two parts each, so that the
+        // threads' shares come out closer (the whole units first, claimed
+        // first, then the parts, the larger first). Batch-1 decode, steps
+        // alternating with the plan without it in one process (24-30
+        // rounds of 24 steps, medians of the paired ratios, AMD EPYC, 2
+        // threads): attention a step 8-12 % shorter; Q4_1 1.015 at a
+        // context of 128 and 1.025 at 200, Q4_K_M 1.017, Q8_0 0.995.
+        let left = tasks.len() % threads;
+        let at = tasks.len() - left;
+        for i in at..at + left {
+            let t = tasks[i];
+            let mid = t.h0 + (t.h1 - t.h0).div_ceil(2);
+            tasks[i].h1 = mid;
+            tasks.push(AttnTask { h0: mid, ..t });
+        }
     }
     slots
 }
@@ -1041,5 +1058,63 @@ mod tests {
             "query heads as units of their own"
         );
         assert_eq!(per_plan[0], per_plan[2], "segments as units");
+    }
+
+    /// Every plan covers each (token, query head) of a step exactly once,
+    /// split into units or not: SmolLM2's 3 KV heads of 3 query heads on
+    /// 1 to 8 threads (2 threads: two whole KV heads and the third in two
+    /// parts), and the tiny model's shape, at batch 1, a few sequences and
+    /// a prefill chunk, in one segment and past it.
+    #[test]
+    fn attention_plans_cover_each_query_head_of_a_step_once() {
+        let mut cfg = crate::init::preset_config(Arch::Llama, "tiny").unwrap();
+        let tokens = [0u32; 40];
+        let table = [0u32; 64];
+        for (heads, kv_heads) in [(9, 3), (4, 2), (15, 5)] {
+            (cfg.num_heads, cfg.num_kv_heads) = (heads, kv_heads);
+            for threads in 1..=8 {
+                for shape in [
+                    &[(1, 127)][..],
+                    &[(1, 300)],
+                    &[(1, 10), (1, 50)],
+                    &[(40, 0)],
+                ] {
+                    let seqs: Vec<SeqInput<'_>> = shape
+                        .iter()
+                        .map(|&(n, start_pos)| SeqInput {
+                            tokens: &tokens[..n],
+                            start_pos,
+                            block_table: &table,
+                            want_logits: true,
+                        })
+                        .collect();
+                    let (mut tasks, mut merges) = (Vec::new(), Vec::new());
+                    PLAN_THREADS.with(|c| c.set(Some(threads)));
+                    super::plan_attention(&cfg, &seqs, &mut tasks, &mut merges);
+                    PLAN_THREADS.with(|c| c.set(None));
+                    // (row, head) -> how many units compute it (a split
+                    // one's segments count once: its merge).
+                    let rows: usize = shape.iter().map(|s| s.0).sum();
+                    let mut seen = vec![0usize; rows * heads];
+                    let whole = tasks.iter().filter(|t| t.seg.is_none());
+                    for t in whole.chain(merges.iter().map(|m| &m.task)) {
+                        for r in t.row0..t.row1 {
+                            for h in t.h0..t.h1 {
+                                assert_eq!(h / (heads / kv_heads), t.kv_head, "head {h}");
+                                seen[r * heads + h] += 1;
+                            }
+                        }
+                    }
+                    assert!(
+                        seen.iter().all(|&n| n == 1),
+                        "{heads} heads, {kv_heads} KV heads, {threads} threads, {shape:?}: {seen:?}"
+                    );
+                    if (heads, threads, shape) == (9, 2, &[(1, 127)][..]) {
+                        let parts: Vec<usize> = tasks.iter().map(|t| t.h1 - t.h0).collect();
+                        assert_eq!(parts, [3, 3, 2, 1], "whole KV heads first, then the parts");
+                    }
+                }
+            }
+        }
     }
 }
