@@ -292,8 +292,9 @@ unsafe fn tiles<const FIVE: bool, const MIN: bool, const K4: bool, const M: usiz
         while j < end {
             let base = job.w.add(j / TILE * tile);
             let mut acc = [_mm256_setzero_ps(); DIRECT_MAX];
-            // Q4_K's blocks a super-block at a time (each its own copy of
-            // the body, its scales in registers), the others one by one.
+            // Q4_K's blocks a super-block at a time (the inner loop's
+            // count a constant: VNNI Q4_K 26.5-26.7 -> 27.0-27.1 GB/s, one
+            // thread, in cache, binaries alternating), the others one by one.
             for b0 in (0..nb).step_by(group::<K4>()) {
                 for b in b0..b0 + group::<K4>() {
                     let nibs = sh.block::<K4>(base, b);
@@ -443,8 +444,7 @@ unsafe fn tiles_pairs<
         while j < end {
             let base = job.w.add(j / TILE * tile);
             let mut acc = [_mm256_setzero_ps(); DIRECT_MAX];
-            // Q4_K's blocks a super-block at a time (each its own copy of
-            // the body, its scales in registers), the others one by one.
+            // Q4_K's blocks a super-block at a time, as in `tiles`.
             for b0 in (0..nb).step_by(group::<K4>()) {
                 for b in b0..b0 + group::<K4>() {
                     let nibs = sh.block::<K4>(base, b);
