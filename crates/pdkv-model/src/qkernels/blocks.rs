@@ -67,13 +67,20 @@ pub(super) unsafe fn super_params(ty: QType, row: *const u8, b: usize) -> (f32, 
     // SAFETY: the caller guarantees that the row holds super-block `b / 8`,
     // so its start is inside the row.
     let blk = unsafe { row.add(b / 8 * ty.block_bytes()) };
-    // SAFETY: bytes 4..16 of the super-block are its 12 bytes of scales
-    // (the block is 144 or 176 bytes); `[u8; 12]` has alignment 1.
-    let scales: &[u8; 12] = unsafe { &*(blk.add(4) as *const [u8; 12]) };
-    let (sc, m) = crate::gguf::k_scale_min(scales, b % 8);
-    // SAFETY: `d` and `dmin` are the super-block's bytes 0..2 and 2..4.
-    let (d, dmin) = unsafe { (f16_at(blk), f16_at(blk.add(2))) };
-    (d * sc as f32, -(dmin * m as f32), blk)
+    // SAFETY: bytes 0..16 of the super-block (144 or 176 bytes) are its
+    // `d`, `dmin` and 12 bytes of scales; `[u8; 16]` has alignment 1.
+    let (dw, mw) = k_params(unsafe { &*(blk as *const [u8; 16]) }, b % 8);
+    (dw, mw, blk)
+}
+
+/// Block `j` (0..8) of a Q4_K/Q5_K super-block whose first 16 bytes
+/// (`d`, `dmin`, the 12 bytes of 6-bit scales and minimums) are `head`:
+/// `(dw, mw)` as [`super_params`] gives them.
+pub(super) fn k_params(head: &[u8; 16], j: usize) -> (f32, f32) {
+    let scales: &[u8; 12] = head[4..].try_into().expect("12 bytes");
+    let (sc, m) = crate::gguf::k_scale_min(scales, j);
+    let (d, dmin) = (f16_in(head, 0), f16_in(head, 2));
+    (d * sc as f32, -(dmin * m as f32))
 }
 
 /// Value `i` (0..32) of block `j` (0..8) of a Q4_K/Q5_K super-block.

@@ -5,7 +5,7 @@
 use std::arch::x86_64::*;
 
 use super::acts::{QActs, DIRECT_MAX, GROUP, GROUP_BLOCK};
-use super::blocks::{f16_at, min_of, q6_params, super_params};
+use super::blocks::{f16_at, k_params, min_of, q6_params, super_params};
 use super::idot::{unpacked_chunk, Avx2, IDot, Tile, Vnni, PAIRS};
 use super::job::{Job, Scratch, NR};
 use super::regs::{
@@ -152,7 +152,7 @@ unsafe fn prep_packed<D: IDot>(
 
 /// [`prep_packed`] for Q4_K: rows `r0..r0 + rows` of the tile at `tile`
 /// (`nb` blocks of 32 values a row), each block's `(dw, mw)` as
-/// `super_params` forms them from the row's super-block header.
+/// `super_params` forms them ([`k_params`] of the row's header).
 ///
 /// # Safety
 /// As [`prep_packed`]'s; `s.reserve` made room for the rows.
@@ -171,15 +171,13 @@ unsafe fn prep_packed_k4<D: IDot>(
             let row = r0 + c;
             for sbi in 0..nb / 8 {
                 let p = std::slice::from_raw_parts(tile.add(sbi * tb), tb);
-                // The row's GGUF super-block as far as `super_params` reads
-                // it: d, dmin, the 12 scale bytes (a whole block's room).
-                let mut hdr = [0u8; 144];
-                let head: &mut [u8; 16] = (&mut hdr[..16]).try_into().expect("16 bytes");
-                packed::q4k_header_into(p, row, head);
+                // The row's GGUF super-block header: d, dmin, the scales.
+                let mut head = [0u8; 16];
+                packed::q4k_header_into(p, row, &mut head);
                 for jb in 0..8 {
                     let b = sbi * 8 + jb;
                     let i = c * nb + b;
-                    (s.dw[i], s.mw[i], _) = super_params(QType::Q4_K, hdr.as_ptr(), jb);
+                    (s.dw[i], s.mw[i]) = k_params(&head, jb);
                     let nib = p.as_ptr().add(packed::Q4K_NIBBLES + packed::Q4K_BLOCK * jb);
                     let v = s.vals.as_mut_ptr().add(i * QK) as *mut __m256i;
                     _mm256_storeu_si256(v, nibble_values::<D>(nib.add(16 * row), None));
