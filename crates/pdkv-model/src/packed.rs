@@ -40,8 +40,10 @@
 //! changes), so a packed matrix computes every output's bits exactly as
 //! its GGUF rows do.
 //!
-//! A leaf: it imports only [`crate::qtype`].
+//! Near a leaf: it imports only [`crate::qtype`] and the GGUF reader's
+//! Q4_K value decoding (`gguf::k45_value`).
 
+use crate::gguf::k45_value;
 use crate::qtype::QType;
 
 /// Rows per packed tile.
@@ -200,18 +202,6 @@ fn pack_block<'a>(ty: QType, blk: impl Fn(usize) -> &'a [u8], p: &mut [u8]) {
     }
 }
 
-/// Value `i` (0..32) of block `j` (0..8) of a GGUF Q4_K super-block: the
-/// low nibble of byte `16 + 32 (j / 2) + i` for an even `j`, the high one
-/// for an odd.
-fn q4k_value(blk: &[u8], j: usize, i: usize) -> u8 {
-    let byte = blk[16 + 32 * (j / 2) + i];
-    if j.is_multiple_of(2) {
-        byte & 0x0f
-    } else {
-        byte >> 4
-    }
-}
-
 /// [`pack_block`] for Q4_K: a tile super-block from 8 rows' super-blocks.
 fn q4k_pack<'a>(blk: impl Fn(usize) -> &'a [u8], p: &mut [u8]) {
     for c in 0..TILE {
@@ -224,7 +214,7 @@ fn q4k_pack<'a>(blk: impl Fn(usize) -> &'a [u8], p: &mut [u8]) {
         for j in 0..8 {
             let out = &mut p[Q4K_NIBBLES + Q4K_BLOCK * j + 16 * c..][..16];
             for (i, o) in out.iter_mut().enumerate() {
-                *o = q4k_value(s, j, i) | q4k_value(s, j, i + 16) << 4;
+                *o = k45_value(s, false, j, i) | k45_value(s, false, j, i + 16) << 4;
             }
         }
     }
