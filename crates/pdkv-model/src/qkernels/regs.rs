@@ -284,6 +284,28 @@ pub(super) unsafe fn lanes8_halves(v: &[__m256i; DR]) -> (__m256i, __m256i) {
     }
 }
 
+/// The 8 rows' `(dw, mw)` of a Q4_K/Q5_K block from their super-blocks'
+/// `d` and `dmin` and the block's 6-bit scale `sc` and minimum `m`
+/// ([`k_scales`]): the exact products `super_params` forms, `d * sc` and
+/// `-(dmin * m)` (a sign flip, a zero product's too).
+///
+/// # Safety
+/// The CPU has AVX2.
+#[inline(always)]
+pub(super) unsafe fn k_block_scales(
+    d: __m256,
+    dmin: __m256,
+    sc: __m256i,
+    m: __m256i,
+) -> (__m256, __m256) {
+    // SAFETY: the caller guarantees AVX2; registers only, no memory.
+    unsafe {
+        let dw = _mm256_mul_ps(d, _mm256_cvtepi32_ps(sc));
+        let mw = _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(m));
+        (dw, _mm256_xor_ps(mw, _mm256_set1_ps(-0.0)))
+    }
+}
+
 /// The 6-bit scales and minimums of a Q4_K/Q5_K super-block's 8 blocks,
 /// lane-wise from its 12 scale bytes as three words `w0`, `w1`, `w2`
 /// (bytes 0..4, 4..8, 8..12): `(sc[j], mn[j])` as

@@ -9,8 +9,8 @@ use super::blocks::{f16_at, k_params, min_of, q6_params, super_params};
 use super::idot::{unpacked_chunk, Avx2, IDot, Tile, Vnni, PAIRS};
 use super::job::{Job, Scratch, NR};
 use super::regs::{
-    f16_high, f16_low, halves, k_scales, lanes8, lanes8_halves, row_offsets, rows_word, store_tile,
-    unpack_q6, unpack_super, unpack_super_pair, x_halves, DR,
+    f16_high, f16_low, halves, k_block_scales, k_scales, lanes8, lanes8_halves, row_offsets,
+    rows_word, store_tile, unpack_q6, unpack_super, unpack_super_pair, x_halves, DR,
 };
 use crate::packed::{self, TILE};
 use crate::prefetch::{tiles_ahead, to_l2, AHEAD};
@@ -564,13 +564,7 @@ unsafe fn direct_super<D: IDot, const FIVE: bool, const M: usize>(x: &QActs, job
                         for p in 0..PAIRS {
                             (lo[p], hi[p]) = unpack_super_pair(ty, blk(p), blk(p + PAIRS), jb);
                         }
-                        // Exact products, as `super_params` forms them: d*sc, -(dmin*m).
-                        let dw = _mm256_mul_ps(d, _mm256_cvtepi32_ps(sc[jb]));
-                        // A sign flip, as `-(dmin*m)` is (a zero product too).
-                        let mw = _mm256_xor_ps(
-                            _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(mn[jb])),
-                            _mm256_set1_ps(-0.0),
-                        );
+                        let (dw, mw) = k_block_scales(d, dmin, sc[jb], mn[jb]);
                         for (r, a) in acc[..m].iter_mut().enumerate() {
                             let xp = x.rowq.as_ptr().add(r * k + b * QK);
                             let (xl, xh) = x_halves(xp);

@@ -20,7 +20,7 @@ use std::arch::x86_64::*;
 use super::acts::{QActs, DIRECT_MAX};
 use super::idot::{Avx2, IDot, PAIRS};
 use super::job::Job;
-use super::regs::{k_scales, store_tile, x_halves};
+use super::regs::{k_block_scales, k_scales, store_tile, x_halves};
 use crate::packed::{nibbles_at, tile_block, Q4K_BLOCK, Q4K_DMIN, Q4K_NIBBLES, Q4K_SCALES, TILE};
 use crate::prefetch::{tiles_ahead, to_l2, AHEAD};
 use crate::qtype::{QType, QK};
@@ -181,7 +181,7 @@ impl Shape {
 }
 
 /// The 8 rows' `(dw, mw)` of each block of the Q4_K tile super-block at
-/// `p` (`dw = d sc`, `mw = -(dmin m)`, exact: `super_params`' products).
+/// `p` ([`k_block_scales`] of each).
 ///
 /// # Safety
 /// The CPU has AVX2 and F16C; `p` is a whole tile super-block.
@@ -200,11 +200,9 @@ unsafe fn k4_scales(p: *const u8) -> ([__m256; 8], [__m256; 8]) {
             _mm256_loadu_si256(w.add(1)),
             _mm256_loadu_si256(w.add(2)),
         );
-        let neg = _mm256_set1_ps(-0.0);
         let (mut dw, mut mw) = ([_mm256_setzero_ps(); 8], [_mm256_setzero_ps(); 8]);
         for i in 0..8 {
-            dw[i] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(sc[i]));
-            mw[i] = _mm256_xor_ps(_mm256_mul_ps(dmin, _mm256_cvtepi32_ps(mn[i])), neg);
+            (dw[i], mw[i]) = k_block_scales(d, dmin, sc[i], mn[i]);
         }
         (dw, mw)
     }
