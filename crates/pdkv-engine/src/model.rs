@@ -14,7 +14,7 @@ use anyhow::Context;
 use pdkv_model::loader::{load_weights_like, reload_weights_into, ReloadError};
 use pdkv_model::tp::{self, TpModel};
 use pdkv_model::{KvCache, KvDtype, Model, SeqInput, Workspace};
-use pdkv_vmem::{Pool, Tag};
+use pdkv_vmem::{Backing, Pool, Tag};
 
 use crate::connector::{KvCacheSpec, KvRank};
 use crate::scheduler::ScheduledSeq;
@@ -103,16 +103,17 @@ pub struct CpuModelRunner {
 }
 
 impl CpuModelRunner {
-    /// Allocates a KV cache of `num_kv_blocks` blocks of `kv_dtype` and a
-    /// workspace for steps of `max_num_batched_tokens` tokens in `pool`.
+    /// Allocates a KV cache of `num_kv_blocks` blocks of `kv_dtype` held
+    /// as `backing` says ([`KvCache::new_backed`]) and a workspace for
+    /// steps of `max_num_batched_tokens` tokens in `pool`.
     pub fn new(
         model: Model,
         pool: &Pool,
-        (num_kv_blocks, kv_dtype): (usize, KvDtype),
+        (num_kv_blocks, kv_dtype, backing): (usize, KvDtype, Backing),
         max_num_batched_tokens: usize,
     ) -> anyhow::Result<CpuModelRunner> {
         let config = model.config();
-        let kv = KvCache::new(pool, config, num_kv_blocks, kv_dtype)
+        let kv = KvCache::new_backed(pool, config, num_kv_blocks, kv_dtype, backing)
             .context("allocating the KV cache")?;
         let ws = Workspace::new(pool, config, max_num_batched_tokens)
             .context("allocating the runtime workspace")?;
@@ -221,12 +222,13 @@ pub struct TpModelRunner {
 
 impl TpModelRunner {
     /// Splits `model` over `pools.len()` ranks (each gets `num_kv_blocks`
-    /// blocks of its KV heads and a workspace for `max_num_batched_tokens`);
+    /// blocks of its KV heads, held as `backing` says, and a workspace for
+    /// `max_num_batched_tokens`);
     /// the whole model is dropped after.
     pub fn new(
         model: Model,
         pools: Vec<Pool>,
-        num_kv_blocks: (usize, KvDtype),
+        num_kv_blocks: (usize, KvDtype, Backing),
         max_num_batched_tokens: usize,
     ) -> anyhow::Result<TpModelRunner> {
         let size = pools.len();

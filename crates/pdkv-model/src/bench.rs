@@ -185,7 +185,12 @@ pub fn decode_throughput_tp(
     let pools = (0..size).map(|_| Pool::default()).collect();
     let max_tokens = context.min(PREFILL_CHUNK).max(batch);
     let mut tpm =
-        crate::tp::TpModel::new(model, pools, (batch * blocks_per_seq, kv_dtype), max_tokens)?;
+        crate::tp::TpModel::new(
+        model,
+        pools,
+        (batch * blocks_per_seq, kv_dtype, pdkv_vmem::Backing::Private),
+        max_tokens,
+    )?;
     let bytes = model.weights().bytes_read_per_token();
     decode_steps(
         model.config(),

@@ -31,7 +31,7 @@ use std::sync::{Arc, Mutex};
 
 use anyhow::Context;
 use pdkv_model::LoadedModel;
-use pdkv_vmem::{Pool, RankPools};
+use pdkv_vmem::{Backing, Pool, RankPools};
 
 pub use command::{AddRequest, Command, LifecycleReply, OutputSink, Reply};
 pub use handle::{EngineHandle, RequestStream};
@@ -78,11 +78,18 @@ impl Engine {
         } = model;
         let model_config = model.config().clone();
         let tp = config.tensor_parallel_size;
+        // A connector may register the KV cache for transfers, which pin
+        // and export its memfd chunks; without one it stays in this process.
+        let backing = if connector.is_some() {
+            Backing::Shared
+        } else {
+            Backing::Private
+        };
         let (runner, pools): (Box<dyn ModelRunner>, RankPools) = if tp == 1 {
             let runner = CpuModelRunner::new(
                 model,
                 &pool,
-                (config.num_kv_blocks, config.kv_cache_dtype),
+                (config.num_kv_blocks, config.kv_cache_dtype, backing),
                 config.max_num_batched_tokens,
             )?;
             (Box::new(runner), RankPools::single(pool))
@@ -93,7 +100,7 @@ impl Engine {
             let runner = TpModelRunner::new(
                 model,
                 ranks.clone(),
-                (config.num_kv_blocks, config.kv_cache_dtype),
+                (config.num_kv_blocks, config.kv_cache_dtype, backing),
                 config.max_num_batched_tokens,
             )?;
             (Box::new(runner), RankPools::new(ranks))

@@ -4,7 +4,7 @@
 use std::sync::Arc;
 
 use anyhow::Context;
-use pdkv_vmem::Pool;
+use pdkv_vmem::{Backing, Pool};
 
 use super::comm::{Comm, COLLECTIVE_TIMEOUT};
 use super::rank::RankTp;
@@ -31,13 +31,14 @@ pub struct TpModel {
 
 impl TpModel {
     /// Splits `full` over `pools.len()` ranks: each gets its weights, a KV
-    /// cache of `num_blocks` blocks of `kv_dtype` (its KV heads) and a
+    /// cache of `num_blocks` blocks of `kv_dtype` (its KV heads) held as
+    /// `backing` says ([`KvCache::new_backed`]) and a
     /// workspace for steps of `max_tokens` tokens in its pool. `full` may
     /// be dropped after.
     pub fn new(
         full: &Model,
         pools: Vec<Pool>,
-        (num_blocks, kv_dtype): (usize, KvDtype),
+        (num_blocks, kv_dtype, backing): (usize, KvDtype, Backing),
         max_tokens: usize,
     ) -> anyhow::Result<TpModel> {
         let size = pools.len();
@@ -65,7 +66,7 @@ impl TpModel {
             let model = Model::new(rcfg.clone(), weights)
                 .with_int8_activations(full.int8_activations())
                 .with_tp(tp);
-            let kv = KvCache::new(&pool, &rcfg, num_blocks, kv_dtype)
+            let kv = KvCache::new_backed(&pool, &rcfg, num_blocks, kv_dtype, backing)
                 .with_context(|| format!("allocating rank {rank}'s KV cache"))?;
             let ws = Workspace::new(&pool, &rcfg, max_tokens)
                 .with_context(|| format!("allocating rank {rank}'s workspace"))?;

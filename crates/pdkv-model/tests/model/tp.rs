@@ -102,7 +102,11 @@ fn split(model: &Model, size: usize, probes: &[Vec<u32>]) -> (Run, TpModel) {
     let mut tpm = TpModel::new(
         model,
         pools,
-        (blocks_per_probe(probes) * probes.len(), KvDtype::F32),
+        (
+            blocks_per_probe(probes) * probes.len(),
+            KvDtype::F32,
+            pdkv_vmem::Backing::Private,
+        ),
         tokens,
     )
     .unwrap();
