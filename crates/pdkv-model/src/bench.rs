@@ -184,11 +184,14 @@ pub fn decode_throughput_tp(
     let blocks_per_seq = blocks_per_seq(batch, context, steps)?;
     let pools = (0..size).map(|_| Pool::default()).collect();
     let max_tokens = context.min(PREFILL_CHUNK).max(batch);
-    let mut tpm =
-        crate::tp::TpModel::new(
+    let mut tpm = crate::tp::TpModel::new(
         model,
         pools,
-        (batch * blocks_per_seq, kv_dtype, pdkv_vmem::Backing::Private),
+        (
+            batch * blocks_per_seq,
+            kv_dtype,
+            pdkv_vmem::Backing::Private,
+        ),
         max_tokens,
     )?;
     let bytes = model.weights().bytes_read_per_token();

@@ -551,7 +551,11 @@ fn the_kv_cache_is_shared_memory_only_with_a_connector() {
         std::time::Duration::from_secs(10),
     )
     .unwrap();
-    assert_eq!(device_bytes(&e, Tag::KvCache), 0, "asleep, the KV cache is freed");
+    assert_eq!(
+        device_bytes(&e, Tag::KvCache),
+        0,
+        "asleep, the KV cache is freed"
+    );
     e.wake_up(None).unwrap();
     assert_eq!(device_bytes(&e, Tag::KvCache), kv);
     assert_eq!(kv_region(&e), (Backing::Private, base));
