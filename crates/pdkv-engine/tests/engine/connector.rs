@@ -506,11 +506,9 @@ fn sleep_mode_refuses_a_connector_that_cannot_release_and_gates_sleep_without_it
 /// the same address with the same outputs.
 #[test]
 fn the_kv_cache_is_shared_memory_only_with_a_connector() {
-    use pdkv_engine::{Engine, EngineConfig, PauseMode, SleepLevel};
+    use pdkv_engine::{EngineConfig, PauseMode, SleepLevel};
+    use pdkv_model::Arch;
     use pdkv_vmem::{Backing, Tag};
-    let dir = tempfile::tempdir().unwrap();
-    pdkv_model::init::write_random_checkpoint(pdkv_model::Arch::Llama, "tiny", 7, dir.path())
-        .unwrap();
     let kv_region = |e: &pdkv_engine::EngineHandle| {
         let kv: Vec<_> = e
             .pool()
@@ -521,25 +519,19 @@ fn the_kv_cache_is_shared_memory_only_with_a_connector() {
         assert_eq!(kv.len(), 1, "one KV cache region");
         (kv[0].backing(), kv[0].base() as usize)
     };
-    let pool = pdkv_vmem::Pool::default();
-    let model = pdkv_model::load_model(dir.path(), &pool, &mut |_| {}).unwrap();
-    let e = Engine::start_with_connector(
-        model,
-        pool,
+    let e = crate::common::start_with_connector(
+        Arch::Llama,
         EngineConfig::default(),
         Some(Box::new(Scripted::default())),
-    )
-    .unwrap();
+    );
     assert_eq!(kv_region(&e).0, Backing::Shared);
-    e.shutdown();
+    drop(e);
 
-    let pool = pdkv_vmem::Pool::default();
-    let model = pdkv_model::load_model(dir.path(), &pool, &mut |_| {}).unwrap();
     let config = EngineConfig {
         enable_sleep_mode: true,
         ..EngineConfig::default()
     };
-    let e = Engine::start(model, pool, config).unwrap();
+    let e = crate::common::start_with_connector(Arch::Llama, config, None);
     let (backing, base) = kv_region(&e);
     assert_eq!(backing, Backing::Private);
     let want = probe(&e, "awake");
@@ -560,7 +552,6 @@ fn the_kv_cache_is_shared_memory_only_with_a_connector() {
     assert_eq!(device_bytes(&e, Tag::KvCache), kv);
     assert_eq!(kv_region(&e), (Backing::Private, base));
     assert_eq!(probe(&e, "after-wake"), want);
-    e.shutdown();
 }
 
 /// A weight reload first releases the KV that transfers hold (it was
