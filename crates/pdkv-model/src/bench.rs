@@ -187,11 +187,7 @@ pub fn decode_throughput_tp(
     let mut tpm = crate::tp::TpModel::new(
         model,
         pools,
-        (
-            batch * blocks_per_seq,
-            kv_dtype,
-            pdkv_vmem::Backing::Private,
-        ),
+        (batch * blocks_per_seq, kv_dtype, Backing::Private),
         max_tokens,
     )?;
     let bytes = model.weights().bytes_read_per_token();
