@@ -269,9 +269,10 @@ pub(super) unsafe fn run_job_avx2_direct(x: &QActs, job: &Job) {
     unsafe { direct_of::<Avx2, 0>(x, job) }
 }
 
-/// Tiles of `NR` weight rows; each tile is unpacked once, then every
-/// activation group sweeps it. A step of at most [`DIRECT_MAX`] rows
-/// (decode at small batch) reads the blocks in place instead.
+/// Tiles of `NR` weight rows; each tile is unpacked once, then the
+/// activation groups sweep it, as many at a time as the flavour takes
+/// ([`IDot::GROUPS`]). A step of at most [`DIRECT_MAX`] rows (decode at
+/// small batch) reads the blocks in place instead.
 ///
 /// # Safety
 /// `job.w` holds `job.n` rows of `x.k` values of `job.ty`, `job.y` `x.m * job.n`
@@ -312,32 +313,70 @@ unsafe fn run_job<D: IDot>(x: &QActs, job: &Job, s: &mut Scratch) {
                 nb,
                 s,
             };
-            for g in 0..x.groups() {
-                let rows = GROUP.min(x.m - g * GROUP);
-                let out = &mut [[0f32; GROUP]; NR];
-                match (job.ty.unsigned(), nr) {
-                    _ if job.ty == QType::Q6_K => match nr {
-                        4 => tile_q6::<D, 4>(x, &t, g, out),
-                        3 => tile_q6::<D, 3>(x, &t, g, out),
-                        2 => tile_q6::<D, 2>(x, &t, g, out),
-                        _ => tile_q6::<D, 1>(x, &t, g, out),
-                    },
-                    (false, 4) => tile::<D, 4, false>(x, &t, g, out),
-                    (false, 3) => tile::<D, 3, false>(x, &t, g, out),
-                    (false, 2) => tile::<D, 2, false>(x, &t, g, out),
-                    (false, _) => tile::<D, 1, false>(x, &t, g, out),
-                    (true, 4) => tile::<D, 4, true>(x, &t, g, out),
-                    (true, 3) => tile::<D, 3, true>(x, &t, g, out),
-                    (true, 2) => tile::<D, 2, true>(x, &t, g, out),
-                    (true, _) => tile::<D, 1, true>(x, &t, g, out),
-                }
-                for (c, col) in out[..nr].iter().enumerate() {
-                    for (l, &v) in col[..rows].iter().enumerate() {
-                        *job.y.add((g * GROUP + l) * job.n + j + c) = v;
-                    }
+            // The flavour's number of groups a pass (`IDot::GROUPS`),
+            // one at a time for the last where they do not divide.
+            let mut g = 0;
+            while g < x.groups() {
+                if D::GROUPS >= 2 && g + 2 <= x.groups() {
+                    groups_pass::<D, 2>(x, &t, job, (j, nr), g);
+                    g += 2;
+                } else {
+                    groups_pass::<D, 1>(x, &t, job, (j, nr), g);
+                    g += 1;
                 }
             }
             j += nr;
+        }
+    }
+}
+
+/// Groups `g..g + G` against the tile of weight rows `j..j + nr` of
+/// [`run_job`] (unpacked in `t`), into their rows of `job.y`.
+///
+/// # Safety
+/// As [`run_job`]'s; `t` holds the tile's `nr` rows (at most [`NR`]),
+/// `g + G <= x.groups()`, `G` at most `D::GROUPS`.
+#[inline(always)]
+unsafe fn groups_pass<D: IDot, const G: usize>(
+    x: &QActs,
+    t: &Tile<'_>,
+    job: &Job,
+    (j, nr): (usize, usize),
+    g: usize,
+) {
+    // SAFETY: as this function's contract.
+    unsafe {
+        let out = &mut [[[0f32; GROUP]; NR]; G];
+        match (job.ty.unsigned(), nr) {
+            // Q6_K's groups one by one: its half sums for two groups do
+            // not fit in the registers (two in one pass: its matmul at
+            // batch 32 and 512 took 11-69 % longer, in cache).
+            _ if job.ty == QType::Q6_K => {
+                for (h, out) in out.iter_mut().enumerate() {
+                    match nr {
+                        4 => tile_q6::<D, 4>(x, t, g + h, out),
+                        3 => tile_q6::<D, 3>(x, t, g + h, out),
+                        2 => tile_q6::<D, 2>(x, t, g + h, out),
+                        _ => tile_q6::<D, 1>(x, t, g + h, out),
+                    }
+                }
+            }
+            (false, 4) => tile::<D, 4, false, G>(x, t, g, out),
+            (false, 3) => tile::<D, 3, false, G>(x, t, g, out),
+            (false, 2) => tile::<D, 2, false, G>(x, t, g, out),
+            (false, _) => tile::<D, 1, false, G>(x, t, g, out),
+            (true, 4) => tile::<D, 4, true, G>(x, t, g, out),
+            (true, 3) => tile::<D, 3, true, G>(x, t, g, out),
+            (true, 2) => tile::<D, 2, true, G>(x, t, g, out),
+            (true, _) => tile::<D, 1, true, G>(x, t, g, out),
+        }
+        for (h, out) in out.iter().enumerate() {
+            let rows = GROUP.min(x.m - (g + h) * GROUP);
+            for (c, col) in out[..nr].iter().enumerate() {
+                for (l, &v) in col[..rows].iter().enumerate() {
+                    *job.y.add(((g + h) * GROUP + l) * job.n + j + c) = v;
+                }
+            }
         }
     }
 }
@@ -724,45 +763,59 @@ unsafe fn tile_q6<D: IDot, const C: usize>(
     }
 }
 
-/// One activation group (8 rows, one per lane) against the `C` weight
-/// rows in `s`: the float sequence of the module invariant, per lane.
+/// Activation groups `g..g + G` (8 rows each, one per lane) against the
+/// `C` weight rows in `s`: the float sequence of the module invariant,
+/// per lane, whichever groups share the pass.
 ///
 /// # Safety
-/// The CPU has AVX2 and `D`'s instructions; `g < x.groups()`; `t` holds
-/// `C` weight rows of `x.k` values, unpacked in `t.s`.
+/// The CPU has AVX2 and `D`'s instructions; `g + G <= x.groups()`, `G`
+/// at most `D::GROUPS`; `t` holds `C` weight rows of `x.k` values,
+/// unpacked in `t.s`.
 #[inline(always)]
-unsafe fn tile<D: IDot, const C: usize, const U: bool>(
+unsafe fn tile<D: IDot, const C: usize, const U: bool, const G: usize>(
     x: &QActs,
     t: &Tile<'_>,
     g: usize,
-    out: &mut [[f32; GROUP]; NR],
+    out: &mut [[[f32; GROUP]; NR]; G],
 ) {
-    // SAFETY: the caller guarantees AVX2 (and `D`'s instructions), that `g`
-    // is a group of `x` and that `t` holds `C` rows (unpacked in `t.s`) of
-    // `x.k` values.
+    // SAFETY: the caller guarantees AVX2 (and `D`'s instructions), that
+    // the `G` groups from `g` are `x`'s and that `t` holds `C` rows
+    // (unpacked in `t.s`) of `x.k` values.
     unsafe {
         let (nb, s) = (x.blocks(), t.s);
-        let mut acc = [_mm256_setzero_ps(); C];
+        let mut acc = [[_mm256_setzero_ps(); C]; G];
         for b in 0..nb {
-            let xb = x.qs.as_ptr().add((g * nb + b) * GROUP_BLOCK);
-            let si = (g * nb + b) * GROUP;
+            let (mut xb, mut si) = ([std::ptr::null(); G], [0; G]);
+            for h in 0..G {
+                xb[h] = x.qs.as_ptr().add(((g + h) * nb + b) * GROUP_BLOCK);
+                si[h] = ((g + h) * nb + b) * GROUP;
+            }
             let isum = if U {
-                D::qu::<C>(xb, t, b)
+                D::qu::<C, G>(xb, t, b)
             } else {
-                D::q8::<C>(xb, x.sum.as_ptr().add(si), t, b)
+                let mut sums = [std::ptr::null(); G];
+                for h in 0..G {
+                    sums[h] = x.sum.as_ptr().add(si[h]);
+                }
+                D::q8::<C, G>(xb, sums, t, b)
             };
-            let dx = _mm256_loadu_ps(x.d.as_ptr().add(si));
-            for c in 0..C {
-                let sc = _mm256_mul_ps(_mm256_set1_ps(s.dw[c * nb + b]), dx);
-                acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[c]), sc, acc[c]);
-                if U {
-                    let dsum = _mm256_loadu_ps(x.dsum.as_ptr().add(si));
-                    acc[c] = _mm256_fmadd_ps(_mm256_set1_ps(s.mw[c * nb + b]), dsum, acc[c]);
+            for h in 0..G {
+                let dx = _mm256_loadu_ps(x.d.as_ptr().add(si[h]));
+                for c in 0..C {
+                    let sc = _mm256_mul_ps(_mm256_set1_ps(s.dw[c * nb + b]), dx);
+                    acc[h][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[h][c]), sc, acc[h][c]);
+                    if U {
+                        let dsum = _mm256_loadu_ps(x.dsum.as_ptr().add(si[h]));
+                        let mw = _mm256_set1_ps(s.mw[c * nb + b]);
+                        acc[h][c] = _mm256_fmadd_ps(mw, dsum, acc[h][c]);
+                    }
                 }
             }
         }
-        for c in 0..C {
-            _mm256_storeu_ps(out[c].as_mut_ptr(), acc[c]);
+        for h in 0..G {
+            for c in 0..C {
+                _mm256_storeu_ps(out[h][c].as_mut_ptr(), acc[h][c]);
+            }
         }
     }
 }
