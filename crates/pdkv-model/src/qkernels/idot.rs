@@ -326,8 +326,9 @@ pub(super) struct Vnni;
 
 impl IDot for Vnni {
     /// Two groups a pass: with one, every `vpdpbusd` had a broadcast load
-    /// of its weight chunk of its own; two groups share each. On an AMD EPYC (2 threads, in one process
-    /// alternating with one group a pass): the matmuls at batch 32 and
+    /// of its weight chunk of its own; two groups share each. On an AMD
+    /// EPYC (2 threads, in one process alternating with one group a
+    /// pass): the matmuls at batch 32 and
     /// 512 in cache 1.3x as fast (Q8_0, Q5_0R8, Q4_KR8), batch-32 decode
     /// steps at context 128 1.11-1.14x, prefill of 512 and 2,048 tokens
     /// 1.15x / 1.09x (Q8_0) and 1.25x / 1.22x (Q4_K_M). Three groups a
