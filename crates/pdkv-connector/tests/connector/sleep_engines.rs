@@ -213,11 +213,22 @@ fn a_sleep_over_a_keep_pause_does_not_wait_for_frozen_requests() {
         ..config()
     };
     let e = engine(Some((&producer(""), "p-keep")), config);
-    let stream = crate::common::start(&e.handle, "long", prompt(5, 30), 150, None);
-    assert!(e.handle.wait_stats(WAIT, |s| s.num_running == 1).is_some());
+    // Long (most of the tiny model's 1,024 positions), so it cannot finish
+    // between the wait and the pause however the host schedules this thread
+    // (150 tokens once ended before a loaded host woke the waiter).
+    let stream = crate::common::start(&e.handle, "long", prompt(5, 30), 900, None);
+    assert!(
+        e.handle.wait_stats(WAIT, |s| s.num_running == 1).is_some(),
+        "the long request runs"
+    );
     e.handle
         .pause(PauseMode::Keep, false, WAIT)
         .expect("keep pause");
+    assert_eq!(
+        e.handle.stats().num_running,
+        1,
+        "the request is frozen running"
+    );
     e.handle
         .sleep(SleepLevel::L1, PauseMode::Keep, Duration::from_secs(20))
         .expect("sleep over the keep pause");
