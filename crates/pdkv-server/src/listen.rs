@@ -9,6 +9,12 @@
 //! A request body must keep coming: a gap of more than the header timeout
 //! between its bytes fails the request (400) and frees the connection.
 //!
+//! A body the router refuses as too large (413) is read on and discarded
+//! before the answer goes out — at most [`DRAIN_MAX`] bytes, for at most
+//! [`DRAIN_TIME`] — and the connection then closes: a client still
+//! writing its body when the server closed would meet a reset (or a broken
+//! pipe) instead of the 413.
+//!
 //! At the cap, the oldest *idle* connection (no request in flight: one
 //! that has sent nothing yet, or a keep-alive connection between requests)
 //! is closed to make room for the newcomer, so clients that connect and
@@ -32,6 +38,7 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use axum::body::{Body, Bytes, HttpBody};
+use axum::http::{header, HeaderValue, StatusCode};
 use axum::Router;
 use hyper_util::rt::{TokioIo, TokioTimer};
 use hyper_util::service::TowerToHyperService;
@@ -58,6 +65,12 @@ impl Default for HttpLimits {
 
 /// Pause after a failed accept.
 const ACCEPT_BACKOFF: Duration = Duration::from_millis(100);
+
+/// The most of a refused (413) body's rest read and discarded before the
+/// answer, and the longest that may take: beyond either the connection
+/// closes with the rest unread.
+pub const DRAIN_MAX: usize = 64 * 1024 * 1024;
+pub const DRAIN_TIME: Duration = Duration::from_secs(10);
 
 /// One open connection, as the loop sees it.
 struct Conn {
@@ -194,6 +207,60 @@ impl HttpBody for TimedBody {
     }
 }
 
+/// A request body the router reads through, which the loop can still
+/// reach once the router has let it go: the rest of a refused body is
+/// drained ([`drain_refused`]).
+struct SharedBody(Arc<Mutex<Option<TimedBody>>>);
+
+impl HttpBody for SharedBody {
+    type Data = Bytes;
+    type Error = axum::Error;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<http_body::Frame<Bytes>, axum::Error>>> {
+        match self.0.lock().unwrap().as_mut() {
+            Some(body) => Pin::new(body).poll_frame(cx),
+            None => Poll::Ready(None),
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.0
+            .lock()
+            .unwrap()
+            .as_ref()
+            .is_none_or(|b| b.is_end_stream())
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        match self.0.lock().unwrap().as_ref() {
+            Some(b) => b.size_hint(),
+            None => http_body::SizeHint::with_exact(0),
+        }
+    }
+}
+
+/// Reads and discards what is left of a refused request body, up to
+/// [`DRAIN_MAX`] bytes within [`DRAIN_TIME`] (each gap also bounded by
+/// the body's own idle limit); the bytes read.
+async fn drain_refused(body: &Mutex<Option<TimedBody>>) -> usize {
+    let Some(mut body) = body.lock().unwrap().take() else {
+        return 0;
+    };
+    let deadline = tokio::time::Instant::now() + DRAIN_TIME;
+    let mut read = 0;
+    while read < DRAIN_MAX && !body.is_end_stream() {
+        let frame = std::future::poll_fn(|cx| Pin::new(&mut body).poll_frame(cx));
+        match tokio::time::timeout_at(deadline, frame).await {
+            Ok(Some(Ok(f))) => read += f.data_ref().map_or(0, |d| d.len()),
+            _ => break,
+        }
+    }
+    read
+}
+
 /// The address a request's connection came from (a request extension on
 /// everything [`serve`] hands the router).
 #[derive(Clone, Copy, Debug)]
@@ -328,17 +395,29 @@ pub async fn serve_counted(
         let req_stats = stats.clone();
         let limit = limits.header_timeout;
         let svc = tower::service_fn(move |req: hyper::Request<hyper::body::Incoming>| {
-            let mut req = req.map(|inner| {
-                let idle = Box::pin(tokio::time::sleep(limit));
-                Body::new(TimedBody { inner, limit, idle })
-            });
+            let (parts, inner) = req.into_parts();
+            let body = Arc::new(Mutex::new(Some(TimedBody {
+                inner,
+                limit,
+                idle: Box::pin(tokio::time::sleep(limit)),
+            })));
+            let mut req = hyper::Request::from_parts(parts, Body::new(SharedBody(body.clone())));
             req.extensions_mut().insert(PeerAddr(peer));
             counter.fetch_add(1, Ordering::AcqRel);
             req_stats.in_flight.fetch_add(1, Ordering::AcqRel);
             let in_flight = InFlight(counter.clone(), req_stats.clone());
             let app = app.clone();
             async move {
-                let resp = app.oneshot(req).await?;
+                let mut resp = app.oneshot(req).await?;
+                if resp.status() == StatusCode::PAYLOAD_TOO_LARGE {
+                    let drained = drain_refused(&body).await;
+                    tracing::debug!(
+                        drained,
+                        "the rest of a refused request body read before its 413"
+                    );
+                    resp.headers_mut()
+                        .insert(header::CONNECTION, HeaderValue::from_static("close"));
+                }
                 Ok::<_, std::convert::Infallible>(resp.map(|b| {
                     Body::new(TrackedBody {
                         inner: b,
@@ -530,5 +609,50 @@ mod tests {
                 "a request in flight is never cut"
             );
         }
+    }
+
+    /// A body far over the router's limit, sent whole before the client
+    /// reads: the server reads on to its end (within the drain bounds) and
+    /// answers 413, closing, where it had closed with most of it unread and
+    /// the client's write met a reset or a broken pipe.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_body_far_over_the_limit_gets_its_413_not_a_reset() {
+        const LIMIT: usize = 1024 * 1024;
+        // Well beyond what loopback's socket buffers hold, within DRAIN_MAX.
+        const SENT: usize = 32 * 1024 * 1024;
+        const { assert!(SENT < DRAIN_MAX) };
+        let app = Router::new()
+            .route(
+                "/echo",
+                axum::routing::post(|b: Bytes| async move { b.len().to_string() }),
+            )
+            .layer(axum::extract::DefaultBodyLimit::max(LIMIT));
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let (_stop, rx) = tokio::sync::oneshot::channel::<()>();
+        tokio::spawn(serve(listener, app, HttpLimits::default(), async move {
+            let _ = rx.await;
+        }));
+        let exchange = async {
+            let mut c = TcpStream::connect(addr).await?;
+            let head = format!("POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: {SENT}\r\n\r\n");
+            c.write_all(head.as_bytes()).await?;
+            let chunk = vec![b'x'; 1024 * 1024];
+            for _ in 0..SENT / chunk.len() {
+                c.write_all(&chunk).await?;
+            }
+            let mut out = Vec::new();
+            c.read_to_end(&mut out).await?;
+            Ok::<_, std::io::Error>(String::from_utf8_lossy(&out).to_string())
+        };
+        let answer = tokio::time::timeout(DL, exchange)
+            .await
+            .expect("answered in time")
+            .expect("the whole body written and the answer read, no reset");
+        assert!(answer.starts_with("HTTP/1.1 413"), "{answer}");
+        assert!(
+            answer.to_ascii_lowercase().contains("connection: close"),
+            "{answer}"
+        );
     }
 }

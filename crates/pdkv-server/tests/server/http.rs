@@ -451,18 +451,16 @@ async fn bad_requests_get_openai_errors() {
             &format!("raw {:?}", String::from_utf8_lossy(raw)),
         );
     }
-    // Over the 4 MiB body limit by one byte. The server reads a body until
-    // it passes the limit, answers, and closes the connection: with bytes
-    // still to come (a 5 MiB body did this once under CI's load) the client
-    // can meet the closed socket while writing them (a broken pipe) before
-    // it reads the answer; one byte over, the byte that passes the limit is
-    // the last one sent. The closed connection is also why this request
-    // gets a connection of its own: the shared client's pool must not hand
-    // it to the next request.
+    // Twice the 4 MiB body limit. The server reads the rest of a refused
+    // body (within bounds) before it answers and closes the connection, so
+    // the client writes all of it and then reads the 413, not a broken
+    // pipe. The closed connection is also why this request gets a
+    // connection of its own: the shared client's pool must not hand it to
+    // the next request.
     let filler = serde_json::to_vec(&json!({"prompt": ""})).unwrap().len();
-    let over = pdkv_server::MAX_BODY_BYTES + 1 - filler;
+    let over = 2 * pdkv_server::MAX_BODY_BYTES - filler;
     let big = serde_json::to_vec(&json!({"prompt": "a".repeat(over)})).unwrap();
-    assert_eq!(big.len(), pdkv_server::MAX_BODY_BYTES + 1);
+    assert_eq!(big.len(), 2 * pdkv_server::MAX_BODY_BYTES);
     let once = reqwest::Client::builder()
         .pool_max_idle_per_host(0)
         .build()
