@@ -618,6 +618,17 @@ struct BenchEnv {
     types: Vec<QType>,
 }
 
+/// The benches' threads: a team, as model steps run on (a rayon pool's
+/// wake-ups took longer than a batch-1 matmul of these sizes).
+fn bench_team(threads: usize) -> crate::team::Team {
+    crate::team::Team::new(threads, "pdkv-bench").expect("starting the bench's team")
+}
+
+/// Runs `f` on `team`, which nothing else holds.
+fn on<R>(team: &crate::team::Team, f: impl FnOnce() -> R) -> R {
+    team.enter(f).expect("the bench's team is free")
+}
+
 fn bench_env() -> BenchEnv {
     let threads = std::env::var("PDKV_THREADS")
         .ok()
@@ -651,7 +662,7 @@ fn bench_against_f32_matmul() {
         }
     };
     let BenchEnv { threads, fl, types } = bench_env();
-    let pool = crate::kernels::tests::pool(threads);
+    let team = bench_team(threads);
     let time = |f: &mut dyn FnMut()| crate::kernels::tests::best_seconds(f, 0.05);
     println!("threads {threads}, flavour {fl:?}");
     // PDKV_BENCH_M=1 (a comma-separated list) times those batch sizes only.
@@ -666,10 +677,12 @@ fn bench_against_f32_matmul() {
             let wq = rand_weights(21, ty, n, k);
             let w = dequant(ty, &wq, n, k);
             let mut y = vec![0f32; m * n];
-            let tf = pool.install(|| time(&mut || kernels::matmul(&xf, m, k, &w, n, &mut y)));
+            let tf = on(&team, || {
+                time(&mut || kernels::matmul(&xf, m, k, &w, n, &mut y))
+            });
             let mut x = QActs::new();
-            let tqz = pool.install(|| time(&mut || x.quantize(&xf, m, k)));
-            let tq = pool.install(|| {
+            let tqz = on(&team, || time(&mut || x.quantize(&xf, m, k)));
+            let tq = on(&team, || {
                 time(&mut || {
                     run_many(
                         fl,
@@ -705,7 +718,7 @@ fn bench_against_f32_matmul() {
 #[ignore]
 fn bench_from_memory() {
     let BenchEnv { threads, fl, types } = bench_env();
-    let pool = crate::kernels::tests::pool(threads);
+    let team = bench_team(threads);
     let mb: usize = std::env::var("PDKV_BENCH_MB")
         .ok()
         .and_then(|s| s.parse().ok())
@@ -714,7 +727,7 @@ fn bench_from_memory() {
     let src = vec![1u8; mb << 20];
     let mut dst = vec![0u8; mb << 20];
     let copy = |dst: &mut Vec<u8>| {
-        pool.install(|| {
+        on(&team, || {
             crate::team::par_chunks_mut(dst, (mb << 20) / threads, |i, c| {
                 let at = i * ((mb << 20) / threads);
                 c.copy_from_slice(&src[at..at + c.len()])
@@ -751,7 +764,7 @@ fn bench_from_memory() {
         let (mut tq, mut tc) = (f64::INFINITY, f64::INFINITY);
         for _ in 0..5 {
             let t = std::time::Instant::now();
-            pool.install(&mut sweep);
+            on(&team, &mut sweep);
             tq = tq.min(t.elapsed().as_secs_f64());
             let t = std::time::Instant::now();
             copy(&mut dst);
