@@ -9,7 +9,8 @@
 # --runs times (the median is reported; the machine's noise shows as the
 # spread):
 #   decode   llama-batched-bench -npp 128 -ntg 32 -npl 1,32  vs  pdkv bench decode --context 128 --steps 128
-#            (and, pdkv's alone, b1_of_copy_bw: batch 1's share of the copy bandwidth)
+#            (and, pdkv's alone, b1_of_copy_bw and b1_of_read_bw: batch 1's share of
+#            the copy bandwidth, and of a plain read, measured beside it)
 #   prefill  llama-bench -p 512,2048 -n 0                      vs  pdkv bench prefill --tokens 512,2048
 #   long     llama-bench -p 8192 -n 0                          vs  pdkv bench prefill --tokens 8192
 #            llama-bench -p 0 -n 64 -d 4096,8128               vs  pdkv bench decode --batch-sizes 1 --context D
@@ -93,6 +94,8 @@ if want decode; then
         while read -r b tg; do record "decode_b$b" "$name" pdkv "$tg"; done
       record "b1_of_copy_bw" "$name" pdkv \
         "$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["roofline_fraction_b1"])' "$OUT/pd.json")"
+      record "b1_of_read_bw" "$name" pdkv \
+        "$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["read_fraction_b1"])' "$OUT/pd.json")"
     done
   done
 fi
@@ -217,11 +220,12 @@ for what, f in keys:
     print(f"{what:<14} {f:<34} {l:>10.1f} {p:>10.1f} {p / l:>6.2f}x   {spread}")
     table.append({"measure": what, "file": f, "llama_cpp": l, "pdkv": p, "ratio": p / l, "runs": v})
 # pdkv's own figures beside them: batch-1 decode's weight streaming rate as a
-# share of the copy bandwidth `pdkv bench decode` measures in the same run.
+# share of the copy bandwidth `pdkv bench decode` measures in the same run,
+# and of a plain read measured beside each copy.
 own = []
 for what, f in keys:
     v = [r["value"] for r in rows if (r["what"], r["file"], r["tool"]) == (what, f, "pdkv")]
-    if what.startswith("b1_of_copy_bw") and v:
+    if what.startswith(("b1_of_copy_bw", "b1_of_read_bw")) and v:
         m = statistics.median(v)
         print(f"{what:<14} {f:<34} {'':>10} {m:>10.3f} {'':>7}   {' '.join(f'{x:.3f}' for x in v)}")
         own.append({"measure": what, "file": f, "pdkv": m, "runs": v})

@@ -79,6 +79,29 @@ impl CopyBench {
         std::hint::black_box(dst);
         best
     }
+
+    /// Read bandwidth in bytes per second: best of [`Self::PASSES`] reads
+    /// of the source array with all math threads, every word folded into a
+    /// checksum (the stream a batch-1 step's weights are, without the
+    /// copy's writes).
+    pub fn measure_read(&mut self) -> f64 {
+        let chunk = 1 << 18;
+        let mut best = 0f64;
+        let (src, _) = self.arrays();
+        let src: &[f32] = src;
+        kernels::thread_pool().install(|| {
+            for _ in 0..Self::PASSES {
+                let t = Instant::now();
+                let sum = src
+                    .par_chunks(chunk)
+                    .map(|c| c.iter().fold(0u32, |a, v| a ^ v.to_bits()))
+                    .reduce(|| 0, |a, b| a ^ b);
+                std::hint::black_box(sum);
+                best = best.max(Self::BYTES as f64 / t.elapsed().as_secs_f64());
+            }
+        });
+        best
+    }
 }
 
 /// Timed steps in rounds, the copy bandwidth measured just before each
@@ -97,6 +120,9 @@ pub struct Round {
     pub seconds: f64,
     /// Bytes per second, measured just before the round.
     pub copy_bandwidth: f64,
+    /// Bytes per second of a plain read ([`CopyBench::measure_read`]),
+    /// measured just before the round too.
+    pub read_bandwidth: f64,
 }
 
 /// Result of [`decode_throughput`].
@@ -124,12 +150,19 @@ impl DecodeResult {
     /// Each round's weight streaming rate over the copy bandwidth measured
     /// just before it, sorted (empty without rounds).
     pub fn paired_fractions(&self) -> Vec<f64> {
+        self.fractions_of(|r| r.copy_bandwidth)
+    }
+
+    /// The same against the plain read measured beside the copy.
+    pub fn paired_read_fractions(&self) -> Vec<f64> {
+        self.fractions_of(|r| r.read_bandwidth)
+    }
+
+    fn fractions_of(&self, bandwidth: impl Fn(&Round) -> f64) -> Vec<f64> {
         let mut f: Vec<f64> = self
             .rounds
             .iter()
-            .map(|r| {
-                r.steps as f64 * self.weight_bytes_per_token as f64 / r.seconds / r.copy_bandwidth
-            })
+            .map(|r| r.steps as f64 * self.weight_bytes_per_token as f64 / r.seconds / bandwidth(r))
             .collect();
         f.sort_by(f64::total_cmp);
         f
@@ -279,9 +312,9 @@ fn decode_steps(
     let mut profile: Vec<(crate::profile::Op, f64)> = Vec::new();
     for r in 0..count {
         let in_round = steps / count + usize::from(r < steps % count);
-        let copy_bandwidth = match rounds.as_mut() {
-            Some(rs) => rs.copy.measure(),
-            None => 0.0,
+        let (copy_bandwidth, read_bandwidth) = match rounds.as_mut() {
+            Some(rs) => (rs.copy.measure(), rs.copy.measure_read()),
+            None => (0.0, 0.0),
         };
         crate::profile::take();
         let mut seconds = 0.0;
@@ -299,6 +332,7 @@ fn decode_steps(
             steps: in_round,
             seconds,
             copy_bandwidth,
+            read_bandwidth,
         });
     }
     let steps_per_s = steps as f64 / elapsed;

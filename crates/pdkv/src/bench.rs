@@ -253,6 +253,7 @@ pub fn run_decode(args: DecodeArgs) -> anyhow::Result<()> {
     // In the order given (a JSON object from serde_json would sort the keys).
     let mut per_batch: Vec<(usize, f64)> = Vec::new();
     let mut roofline_b1 = Value::Null;
+    let mut read_b1 = Value::Null;
     for &batch in &args.batch_sizes {
         // Batch 1's share of the copy bandwidth is taken round by round.
         let rounds = (batch == 1).then_some(pdkv_model::bench::Rounds {
@@ -299,7 +300,19 @@ pub fn run_decode(args: DecodeArgs) -> anyhow::Result<()> {
                 bws.first().copied().unwrap_or(f64::NAN),
                 bws.last().copied().unwrap_or(f64::NAN),
             );
+            let reads = r.paired_read_fractions();
+            let mut rbw: Vec<f64> = r.rounds.iter().map(|x| x.read_bandwidth / 1e9).collect();
+            rbw.sort_by(f64::total_cmp);
+            println!(
+                "       against a plain read measured beside each copy: {:.1}% ({:.1}-{:.1}%, reads {:.1}-{:.1} GB/s)",
+                100.0 * crate::bench_sleep::median(&reads),
+                100.0 * reads.first().copied().unwrap_or(f64::NAN),
+                100.0 * reads.last().copied().unwrap_or(f64::NAN),
+                rbw.first().copied().unwrap_or(f64::NAN),
+                rbw.last().copied().unwrap_or(f64::NAN),
+            );
             roofline_b1 = json!(fraction);
+            read_b1 = json!(crate::bench_sleep::median(&reads));
         }
         per_batch.push((batch, r.tokens_per_s));
     }
@@ -308,10 +321,11 @@ pub fn run_decode(args: DecodeArgs) -> anyhow::Result<()> {
         .map(|(b, t)| format!("\"{b}\":{}", json!(t)))
         .collect();
     println!(
-        "{{\"bandwidth_gbs\":{},\"decode_tok_s\":{{{}}},\"roofline_fraction_b1\":{}}}",
+        "{{\"bandwidth_gbs\":{},\"decode_tok_s\":{{{}}},\"roofline_fraction_b1\":{},\"read_fraction_b1\":{}}}",
         json!(bandwidth / 1e9),
         decode.join(","),
-        roofline_b1
+        roofline_b1,
+        read_b1
     );
     Ok(())
 }
