@@ -67,9 +67,10 @@ impl Default for HttpLimits {
 const ACCEPT_BACKOFF: Duration = Duration::from_millis(100);
 
 /// The most of a refused (413) body's rest read and discarded before the
-/// answer, and the longest that may take: beyond either the connection
-/// closes with the rest unread.
+/// answer: beyond it (or [`DRAIN_TIME`]) the connection closes with the
+/// rest unread.
 pub const DRAIN_MAX: usize = 64 * 1024 * 1024;
+/// The longest the drain of a refused body may take ([`DRAIN_MAX`]).
 pub const DRAIN_TIME: Duration = Duration::from_secs(10);
 
 /// One open connection, as the loop sees it.
