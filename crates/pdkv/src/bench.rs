@@ -211,6 +211,12 @@ fn print_profile(r: &pdkv_model::bench::DecodeResult) {
 /// step is compared with is that of the same moment on a shared machine.
 const B1_ROUNDS: usize = 8;
 
+/// The smallest and largest of `v` (NaN for none).
+fn extremes(v: impl IntoIterator<Item = f64>) -> (f64, f64) {
+    v.into_iter()
+        .fold((f64::NAN, f64::NAN), |(lo, hi), x| (lo.min(x), hi.max(x)))
+}
+
 pub fn run_decode(args: DecodeArgs) -> anyhow::Result<()> {
     anyhow::ensure!(!args.batch_sizes.is_empty(), "--batch-sizes is empty");
     anyhow::ensure!(
@@ -284,8 +290,8 @@ pub fn run_decode(args: DecodeArgs) -> anyhow::Result<()> {
         if batch == 1 {
             let fractions = r.paired_fractions();
             let fraction = crate::bench_sleep::median(&fractions);
-            let mut bws: Vec<f64> = r.rounds.iter().map(|x| x.copy_bandwidth / 1e9).collect();
-            bws.sort_by(f64::total_cmp);
+            let (f_lo, f_hi) = extremes(fractions.iter().copied());
+            let (c_lo, c_hi) = extremes(r.rounds.iter().map(|x| x.copy_bandwidth / 1e9));
             println!(
                 "       batch 1 streams {:.2} GB/s of weights ({:.1} MiB per token): {:.1}% of copy bandwidth",
                 r.weight_bandwidth / 1e9,
@@ -293,26 +299,23 @@ pub fn run_decode(args: DecodeArgs) -> anyhow::Result<()> {
                 100.0 * fraction
             );
             println!(
-                "       (the median of {} rounds, each against the copy bandwidth measured just before it: {:.1}-{:.1}%, copy {:.1}-{:.1} GB/s)",
+                "       (the median of {} rounds, each against the copy bandwidth measured just before it: {:.1}-{:.1}%, copy {c_lo:.1}-{c_hi:.1} GB/s)",
                 fractions.len(),
-                100.0 * fractions.first().copied().unwrap_or(f64::NAN),
-                100.0 * fractions.last().copied().unwrap_or(f64::NAN),
-                bws.first().copied().unwrap_or(f64::NAN),
-                bws.last().copied().unwrap_or(f64::NAN),
+                100.0 * f_lo,
+                100.0 * f_hi,
             );
             let reads = r.paired_read_fractions();
-            let mut rbw: Vec<f64> = r.rounds.iter().map(|x| x.read_bandwidth / 1e9).collect();
-            rbw.sort_by(f64::total_cmp);
+            let read_fraction = crate::bench_sleep::median(&reads);
+            let (r_lo, r_hi) = extremes(reads.iter().copied());
+            let (b_lo, b_hi) = extremes(r.rounds.iter().map(|x| x.read_bandwidth / 1e9));
             println!(
-                "       against a plain read measured beside each copy: {:.1}% ({:.1}-{:.1}%, reads {:.1}-{:.1} GB/s)",
-                100.0 * crate::bench_sleep::median(&reads),
-                100.0 * reads.first().copied().unwrap_or(f64::NAN),
-                100.0 * reads.last().copied().unwrap_or(f64::NAN),
-                rbw.first().copied().unwrap_or(f64::NAN),
-                rbw.last().copied().unwrap_or(f64::NAN),
+                "       against a plain read measured beside each copy: {:.1}% ({:.1}-{:.1}%, reads {b_lo:.1}-{b_hi:.1} GB/s)",
+                100.0 * read_fraction,
+                100.0 * r_lo,
+                100.0 * r_hi,
             );
             roofline_b1 = json!(fraction);
-            read_b1 = json!(crate::bench_sleep::median(&reads));
+            read_b1 = json!(read_fraction);
         }
         per_batch.push((batch, r.tokens_per_s));
     }
