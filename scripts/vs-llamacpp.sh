@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # pdkv beside llama.cpp on the same GGUF files, in one run on this machine, as ratios.
 #
-#   scripts/vs-llamacpp.sh [--runs N] [--only decode,prefill,long,http] [--threads T]
+#   scripts/vs-llamacpp.sh [--runs N] [--only decode,prefill,long,http,quality] [--threads T]
 #
 # Builds llama.cpp's tools once (../shared/tools/build-llama-cpp.sh, ~10 min,
 # cached), makes Q8_0 and Q4_K_M files from the shipped Q4_1 SmolLM2 with
@@ -21,12 +21,18 @@
 #   http     llama-server -np 32 and pdkv serve on the Q8_0 file, the same client
 #            (pdkv bench serve --url: streamed /v1/completions, greedy, EOS ignored)
 #            at concurrency 1 and 32
+#   quality  llama-perplexity -c 512 -ctk T -ctv T             vs  pdkv bench perplexity --ctx 512 --kv-cache-dtype T
+#            on the shipped Q4_1 file, the same text ($PPL_TEXT, by default the GPL-3's
+#            text), T = f32, f16 and q8_0 KV (once: both are deterministic; llama.cpp's
+#            q8_0 with flash attention, which its q8_0 V needs, f32 and f16 without), each
+#            side's change against its own f32 KV, and pdkv's greedy agreement with its
+#            f32 KV over 200 prompts cut from the text (32 new tokens each)
 # Prints one table and writes the raw figures as JSON to target/vs-llamacpp.json.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 RUNS=3
-ONLY=decode,prefill,long,http
+ONLY=decode,prefill,long,http,quality
 THREADS=$(nproc)
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -142,6 +148,34 @@ for what, ts in best.items():
   done
 fi
 
+if want quality; then
+  name=$(basename "$Q41")
+  TEXT=${PPL_TEXT:-/usr/share/common-licenses/GPL-3}
+  [ -f "$TEXT" ] || { echo "no text to score at $TEXT (set PPL_TEXT)" >&2; exit 1; }
+  for t in f32 f16 q8_0; do
+    echo "quality $name: llama-perplexity, $t KV" >&2
+    # llama.cpp keeps a q8_0 V cache only with flash attention; with it on,
+    # its f32 KV scored as its f16 to the last digit here (18.3914 both), so
+    # f32 and f16 run without it.
+    fa=off; [ $t = q8_0 ] && fa=on
+    "$B/llama-perplexity" -m "$Q41" -f "$TEXT" -c 512 -b 512 -t "$THREADS" -ctk $t -ctv $t -fa $fa > "$OUT/lp.txt" 2>&1 || true
+    v=$(sed -n 's/.*Final estimate: PPL = \([0-9.]*\).*/\1/p' "$OUT/lp.txt")
+    [ -n "$v" ] || { echo "llama-perplexity gave no estimate with $t KV:" >&2; tail -5 "$OUT/lp.txt" >&2; exit 1; }
+    record "ppl_kv_$t" "$name" llama.cpp "$v"
+  done
+  echo "quality $name: pdkv bench perplexity, f32 / f16 / q8_0 KV" >&2
+  "$PDKV" bench perplexity --model "$Q41" --file "$TEXT" --ctx 512 --kv-cache-dtype f32,f16,q8_0 2>/dev/null | tail -1 > "$OUT/ppl.json"
+  python3 -c '
+import json, sys
+d = json.load(open(sys.argv[1]))
+for r in d["rows"]:
+    t = r["kv_cache_dtype"]
+    print("ppl_kv_" + t, r["perplexity"])
+    print("same_answers_kv_" + t, r["same_answers"] / d["greedy_prompts"])
+    print("same_tokens_kv_" + t, r["same_token_share"])' "$OUT/ppl.json" |
+    while read -r what v; do record "$what" "$name" pdkv "$v"; done
+fi
+
 # Waits (bounded) until $1/health answers 200.
 wait_health() {
   for _ in $(seq 600); do
@@ -213,7 +247,7 @@ print(f"{'measure':<14} {'file':<34} {'llama.cpp':>10} {'pdkv':>10} {'ratio':>7}
 table = []
 for what, f in keys:
     v = {t: [r["value"] for r in rows if (r["what"], r["file"], r["tool"]) == (what, f, t)] for t in ("llama.cpp", "pdkv")}
-    if not v["llama.cpp"] or not v["pdkv"]:
+    if not v["llama.cpp"] or not v["pdkv"] or what.startswith("ppl_"):
         continue
     l, p = statistics.median(v["llama.cpp"]), statistics.median(v["pdkv"])
     spread = " ".join(f"{x:.0f}" for x in v["pdkv"]) + " / " + " ".join(f"{x:.0f}" for x in v["llama.cpp"])
@@ -229,5 +263,24 @@ for what, f in keys:
         m = statistics.median(v)
         print(f"{what:<14} {f:<34} {'':>10} {m:>10.3f} {'':>7}   {' '.join(f'{x:.3f}' for x in v)}")
         own.append({"measure": what, "file": f, "pdkv": m, "runs": v})
-json.dump({"cpu": sys.argv[3], "threads": int(sys.argv[4]), "results": table, "pdkv_only": own}, open(sys.argv[2], "w"), indent=1)
+# Quality: each side's perplexity over its KV types (lower is better), the
+# change against its own f32 KV, and pdkv's greedy agreement with its f32 KV.
+quality = []
+one = lambda what, f, t: next((r["value"] for r in rows if (r["what"], r["file"], r["tool"]) == (what, f, t)), None)
+qfiles = [f for what, f in keys if what == "ppl_kv_f32"]
+for f in qfiles:
+    print(f"perplexity of the same text, {f} (lower is better; vs f32: against the same side's f32 KV)")
+    print(f"{'kv':<6} {'llama.cpp':>10} {'vs f32':>8} {'pdkv':>10} {'vs f32':>8} {'same answers':>13} {'same tokens':>12}")
+    base = {t: one("ppl_kv_f32", f, t) for t in ("llama.cpp", "pdkv")}
+    for kv in ("f32", "f16", "q8_0"):
+        l, p = one(f"ppl_kv_{kv}", f, "llama.cpp"), one(f"ppl_kv_{kv}", f, "pdkv")
+        if l is None or p is None:
+            continue
+        sa, st = one(f"same_answers_kv_{kv}", f, "pdkv"), one(f"same_tokens_kv_{kv}", f, "pdkv")
+        dl, dp = 100 * (l / base["llama.cpp"] - 1), 100 * (p / base["pdkv"] - 1)
+        print(f"{kv:<6} {l:>10.4f} {dl:>+7.2f}% {p:>10.4f} {dp:>+7.2f}% {100 * sa:>12.1f}% {100 * st:>11.1f}%")
+        quality.append({"kv_cache_dtype": kv, "file": f, "llama_cpp_ppl": l, "pdkv_ppl": p,
+                        "llama_cpp_vs_f32": l / base["llama.cpp"], "pdkv_vs_f32": p / base["pdkv"],
+                        "pdkv_same_answers": sa, "pdkv_same_tokens": st})
+json.dump({"cpu": sys.argv[3], "threads": int(sys.argv[4]), "results": table, "pdkv_only": own, "quality": quality}, open(sys.argv[2], "w"), indent=1)
 EOF

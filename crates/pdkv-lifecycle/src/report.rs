@@ -12,18 +12,31 @@ use crate::metrics::TransferCounts;
 /// The result of one case run.
 #[derive(Clone, Debug, Default)]
 pub struct CaseResult {
+    /// The case's name in the catalogue (`--cases` takes it).
     pub name: String,
+    /// Which cycle of `--cycles` this run was, from 1.
     pub cycle: usize,
+    /// Why the case failed, one line a check; empty: it passed.
     pub reasons: Vec<String>,
+    /// What was seen but fails nothing (slow phases, transfers ended on
+    /// purpose, gauges read while asleep).
     pub notes: Vec<String>,
+    /// How the requests of the load ended over the case.
     pub load: LoadCounts,
     /// Transfer counter deltas over the case (before the probes).
     pub t: TransferCounts,
+    /// P's device bytes awake, from the baseline.
     pub p_awake: u64,
+    /// D's device bytes awake, from the baseline.
     pub d_awake: u64,
+    /// P's device bytes read while it slept; `None` where the case did
+    /// not put P to sleep.
     pub p_asleep: Option<u64>,
+    /// D's device bytes read while it slept, as `p_asleep` for P.
     pub d_asleep: Option<u64>,
+    /// Greedy probes whose text matched the baseline's after the case.
     pub probes_equal: usize,
+    /// Greedy probes sent after the case.
     pub probes_run: usize,
     /// Seconds each phase took.
     pub phases: Vec<(&'static str, f64)>,

@@ -456,6 +456,77 @@ pub struct Perplexity {
     pub greedy: Vec<u32>,
 }
 
+/// Greedy continuations of `prompts`, `new_tokens` each, with the KV cache
+/// in `kv_dtype`: `batch` prompts at a time, each prefilled whole in one
+/// step, then decoded together a token a step (argmax, first on ties) —
+/// the tokens a server's greedy requests get from the same model, since
+/// the forward pass gives the same bits whatever the batch.
+pub fn greedy_continuations(
+    model: &Model,
+    pool: &Pool,
+    prompts: &[Vec<u32>],
+    new_tokens: usize,
+    batch: usize,
+    kv_dtype: KvDtype,
+) -> anyhow::Result<Vec<Vec<u32>>> {
+    anyhow::ensure!(batch >= 1, "a batch of 0 sequences");
+    anyhow::ensure!(prompts.iter().all(|p| !p.is_empty()), "an empty prompt");
+    let cfg = model.config();
+    let longest_prompt = prompts.iter().map(Vec::len).max().unwrap_or(1);
+    let longest = longest_prompt + new_tokens;
+    anyhow::ensure!(
+        longest <= cfg.max_position_embeddings,
+        "a prompt of {longest_prompt} tokens and {new_tokens} new ones pass the model's {} positions",
+        cfg.max_position_embeddings
+    );
+    let seqs = batch.min(prompts.len()).max(1);
+    let per_seq = longest.div_ceil(BLOCK_SIZE);
+    let kv = KvCache::new(pool, cfg, per_seq * seqs, kv_dtype)?;
+    let mut ws = Workspace::new(pool, cfg, longest_prompt * seqs)?;
+    let tables: Vec<Vec<u32>> = (0..seqs)
+        .map(|s| (s * per_seq..(s + 1) * per_seq).map(|b| b as u32).collect())
+        .collect();
+    let v = cfg.vocab_size;
+    let mut logits = Vec::new();
+    let mut out = Vec::with_capacity(prompts.len());
+    for group in prompts.chunks(seqs) {
+        let mut gen: Vec<Vec<u32>> = vec![Vec::with_capacity(new_tokens); group.len()];
+        for step in 0..new_tokens {
+            // Step 0 prefills the prompts; each later step feeds every
+            // sequence its last token.
+            let last: Vec<[u32; 1]> = gen
+                .iter()
+                .map(|g| [g.last().copied().unwrap_or(0)])
+                .collect();
+            let inputs: Vec<SeqInput<'_>> = group
+                .iter()
+                .zip(&tables)
+                .zip(&last)
+                .map(|((p, t), l)| match step {
+                    0 => SeqInput {
+                        tokens: p,
+                        start_pos: 0,
+                        block_table: t,
+                        want_logits: true,
+                    },
+                    _ => SeqInput {
+                        tokens: l,
+                        start_pos: p.len() + step - 1,
+                        block_table: t,
+                        want_logits: true,
+                    },
+                })
+                .collect();
+            model.forward(&kv, &mut ws, &inputs, &mut logits)?;
+            for (i, g) in gen.iter_mut().enumerate() {
+                g.push(argmax(&logits[i * v..(i + 1) * v]));
+            }
+        }
+        out.extend(gen);
+    }
+    Ok(out)
+}
+
 /// Index of the largest logit (first on ties).
 pub fn argmax(row: &[f32]) -> u32 {
     let mut best = 0;

@@ -75,11 +75,28 @@ pub struct PerplexityArgs {
     /// KV cache element types to compare, the first the baseline.
     #[arg(long, value_delimiter = ',', default_value = "f32,f16")]
     pub kv_cache_dtype: Vec<pdkv_model::KvDtype>,
+    /// Prompts cut from the text (spread over it) whose greedy
+    /// continuations each type's are compared with the first type's; 0:
+    /// none.
+    #[arg(long, default_value_t = 200)]
+    pub greedy_prompts: usize,
+    /// Tokens of each such prompt.
+    #[arg(long, default_value_t = 64)]
+    pub greedy_prompt_len: usize,
+    /// New tokens of each greedy continuation.
+    #[arg(long, default_value_t = 32)]
+    pub greedy_tokens: usize,
 }
+
+/// Sequences a step of the greedy continuations.
+const GREEDY_BATCH: usize = 16;
 
 /// `pdkv bench perplexity`: the text's perplexity over each KV cache type,
 /// with its ratio to the first and the share of scored positions whose
-/// greedy next token is the first type's.
+/// greedy next token is the first type's; then, over `--greedy-prompts`
+/// prompts cut from the text, how many greedy continuations are the first
+/// type's token for token, and the share of tokens before the first
+/// difference. The last line of stdout is a JSON summary.
 pub fn run_perplexity(args: PerplexityArgs) -> anyhow::Result<()> {
     anyhow::ensure!(
         !args.kv_cache_dtype.is_empty(),
@@ -90,23 +107,39 @@ pub fn run_perplexity(args: PerplexityArgs) -> anyhow::Result<()> {
     let pool = Pool::default();
     let (path, loaded) = progress::load_model(args.model, &pool)?;
     let tokens = loaded.tokenizer.encode(&text, true)?;
+    let prompts = greedy_prompts(&tokens, args.greedy_prompts, args.greedy_prompt_len)?;
     println!("model: {} ({})", loaded.name, path.display());
     println!(
-        "text: {} ({} tokens), windows of {} tokens",
+        "text: {} ({} tokens), windows of {} tokens; greedy: {} prompts of {} tokens, {} new tokens each",
         args.file.display(),
         tokens.len(),
-        args.ctx
+        args.ctx,
+        prompts.len(),
+        args.greedy_prompt_len,
+        args.greedy_tokens
     );
     println!(
-        "{:>6} {:>12} {:>10} {:>8} {:>14}",
-        "kv", "perplexity", "vs first", "scored", "greedy agrees"
+        "{:>6} {:>12} {:>10} {:>8} {:>14} {:>12} {:>12}",
+        "kv", "perplexity", "vs first", "scored", "greedy agrees", "same answers", "same tokens"
     );
-    let mut first: Option<pdkv_model::bench::Perplexity> = None;
+    let mut first: Option<(pdkv_model::bench::Perplexity, Vec<Vec<u32>>)> = None;
+    let mut rows = Vec::new();
     for dtype in args.kv_cache_dtype {
         let p = pdkv_model::bench::perplexity(&loaded.model, &pool, &tokens, args.ctx, dtype)?;
-        let base = first.get_or_insert_with(|| pdkv_model::bench::Perplexity {
-            greedy: p.greedy.clone(),
-            ..p
+        let answers = pdkv_model::bench::greedy_continuations(
+            &loaded.model,
+            &pool,
+            &prompts,
+            args.greedy_tokens,
+            GREEDY_BATCH,
+            dtype,
+        )?;
+        let (base, base_answers) = first.get_or_insert_with(|| {
+            let p = pdkv_model::bench::Perplexity {
+                greedy: p.greedy.clone(),
+                ..p
+            };
+            (p, answers.clone())
         });
         // Positions whose greedy next token is the first type's.
         let same = p
@@ -115,16 +148,74 @@ pub fn run_perplexity(args: PerplexityArgs) -> anyhow::Result<()> {
             .zip(&base.greedy)
             .filter(|(a, b)| a == b)
             .count();
+        let next_agrees = same as f64 / p.scored as f64;
+        let (same_answers, prefix) = agreement(&answers, base_answers);
         println!(
-            "{:>6} {:>12.4} {:>10.5} {:>8} {:>13.2}%",
+            "{:>6} {:>12.4} {:>10.5} {:>8} {:>13.2}% {:>12} {:>11.2}%",
             dtype.as_str(),
             p.perplexity,
             p.perplexity / base.perplexity,
             p.scored,
-            100.0 * same as f64 / p.scored as f64
+            100.0 * next_agrees,
+            format!("{same_answers}/{}", answers.len()),
+            100.0 * prefix
         );
+        rows.push(json!({
+            "kv_cache_dtype": dtype.as_str(),
+            "perplexity": p.perplexity,
+            "vs_first": p.perplexity / base.perplexity,
+            "scored": p.scored,
+            "greedy_next_agrees": next_agrees,
+            "same_answers": same_answers,
+            "same_token_share": prefix,
+        }));
     }
+    println!(
+        "{}",
+        json!({
+            "model": loaded.name,
+            "ctx": args.ctx,
+            "greedy_prompts": prompts.len(),
+            "greedy_prompt_len": args.greedy_prompt_len,
+            "greedy_tokens": args.greedy_tokens,
+            "rows": rows,
+        })
+    );
     Ok(())
+}
+
+/// `n` prompts of `len` tokens cut from `tokens`, their starts spread
+/// evenly from its first token to its last window.
+fn greedy_prompts(tokens: &[u32], n: usize, len: usize) -> anyhow::Result<Vec<Vec<u32>>> {
+    if n == 0 {
+        return Ok(Vec::new());
+    }
+    anyhow::ensure!(len >= 1, "--greedy-prompt-len 0");
+    anyhow::ensure!(
+        tokens.len() >= len,
+        "the text has {} tokens, fewer than one greedy prompt of {len}",
+        tokens.len()
+    );
+    let span = tokens.len() - len;
+    Ok((0..n)
+        .map(|i| {
+            let start = span * i / (n - 1).max(1);
+            tokens[start..start + len].to_vec()
+        })
+        .collect())
+}
+
+/// How many of `answers` equal `base`'s, and the share of all their tokens
+/// that come before each answer's first difference from `base`'s.
+fn agreement(answers: &[Vec<u32>], base: &[Vec<u32>]) -> (usize, f64) {
+    let same = answers.iter().zip(base).filter(|(a, b)| a == b).count();
+    let total: usize = base.iter().map(Vec::len).sum();
+    let prefix: usize = answers
+        .iter()
+        .zip(base)
+        .map(|(a, b)| a.iter().zip(b).take_while(|(x, y)| x == y).count())
+        .sum();
+    (same, prefix as f64 / total.max(1) as f64)
 }
 
 pub fn run_prefill(args: PrefillArgs) -> anyhow::Result<()> {
@@ -331,4 +422,34 @@ pub fn run_decode(args: DecodeArgs) -> anyhow::Result<()> {
         read_b1
     );
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn greedy_prompts_spread_from_the_first_token_to_the_last_window() {
+        let tokens: Vec<u32> = (0..100).collect();
+        let p = greedy_prompts(&tokens, 3, 10).unwrap();
+        let starts: Vec<u32> = p.iter().map(|w| w[0]).collect();
+        assert_eq!(starts, [0, 45, 90]);
+        assert!(p.iter().all(|w| w.len() == 10));
+        assert_eq!(
+            greedy_prompts(&tokens, 1, 100).unwrap(),
+            vec![tokens.clone()]
+        );
+        assert!(greedy_prompts(&tokens, 0, 500).unwrap().is_empty());
+        let e = greedy_prompts(&tokens, 2, 101).unwrap_err().to_string();
+        assert!(e.contains("fewer than one greedy prompt"), "{e}");
+    }
+
+    #[test]
+    fn agreement_counts_whole_answers_and_tokens_before_the_first_difference() {
+        let base = vec![vec![1, 2, 3], vec![1, 5, 4], vec![7, 7, 7]];
+        let answers = vec![vec![1, 2, 3], vec![1, 2, 4], vec![8, 7, 7]];
+        // 3 + 1 + 0 of 9 tokens before a difference; one answer equal.
+        assert_eq!(agreement(&answers, &base), (1, 4.0 / 9.0));
+        assert_eq!(agreement(&base, &base), (3, 1.0));
+    }
 }

@@ -65,29 +65,12 @@ fn assert_same_weights(a: &Weights, b: &Weights, what: &str) {
 
 /// Greedy tokens after `prompt` (`n` of them), with a fresh KV cache.
 fn greedy(model: &Model, prompt: &[u32], n: usize) -> Vec<u32> {
+    let prompts = [prompt.to_vec()];
     let pool = Pool::default();
-    let cfg = model.config();
-    let blocks = (prompt.len() + n).div_ceil(16);
-    let kv = KvCache::new(&pool, cfg, blocks, KvDtype::F32).unwrap();
-    let mut ws = Workspace::new(&pool, cfg, prompt.len().max(1)).unwrap();
-    let table: Vec<u32> = (0..blocks as u32).collect();
-    let (mut out, mut logits) = (Vec::new(), Vec::new());
-    let mut feed = prompt.to_vec();
-    let mut pos = 0;
-    while out.len() < n {
-        let seq = SeqInput {
-            tokens: &feed,
-            start_pos: pos,
-            block_table: &table,
-            want_logits: true,
-        };
-        model.forward(&kv, &mut ws, &[seq], &mut logits).unwrap();
-        pos += feed.len();
-        let next = pdkv_model::bench::argmax(&logits[logits.len() - cfg.vocab_size..]);
-        out.push(next);
-        feed = vec![next];
-    }
-    out
+    let mut out =
+        pdkv_model::bench::greedy_continuations(model, &pool, &prompts, n, 1, KvDtype::F32)
+            .unwrap();
+    out.remove(0)
 }
 
 /// The last position's logits after `prompt`.

@@ -678,3 +678,72 @@ fn a_q8_0_cache_keeps_the_invariances_and_follows_the_f32_cache() {
         .to_string();
     assert!(err.contains("q8_0") && err.contains("32"), "{err}");
 }
+
+/// `bench::greedy_continuations` (the KV dtypes' greedy agreement in `pdkv
+/// bench perplexity`) against each sequence recomputed whole, from a fresh
+/// cache, for every token: the same tokens, whatever the batch.
+#[test]
+fn greedy_continuations_equal_recomputing_each_sequence_whole() {
+    let mut runs: Vec<_> = configs().into_iter().map(|c| (c, None, false)).collect();
+    runs.extend(
+        block_cfgs()
+            .into_iter()
+            .map(|c| (c, Some(QType::Q4_1), true)),
+    );
+    for (cfg, quant, int8) in runs {
+        let pool = Pool::default();
+        let model = synthetic_model_with(&pool, &cfg, 7, quant)
+            .unwrap()
+            .with_int8_activations(int8);
+        let prompts: Vec<Vec<u32>> = [5, 17, 33, 1, 40]
+            .iter()
+            .enumerate()
+            .map(|(i, &n)| tokens(i as u32 + 3, n, cfg.vocab_size))
+            .collect();
+        let n = 6;
+        let whole: Vec<Vec<u32>> = prompts
+            .iter()
+            .map(|p| {
+                let mut seq = p.clone();
+                for _ in 0..n {
+                    let blocks = seq.len().div_ceil(BLOCK_SIZE);
+                    let kv = KvCache::new(&pool, &cfg, blocks, KvDtype::F32).unwrap();
+                    let mut ws = Workspace::new(&pool, &cfg, seq.len()).unwrap();
+                    let table = contiguous(0, blocks);
+                    let input = SeqInput {
+                        tokens: &seq,
+                        start_pos: 0,
+                        block_table: &table,
+                        want_logits: true,
+                    };
+                    let mut logits = Vec::new();
+                    model.forward(&kv, &mut ws, &[input], &mut logits).unwrap();
+                    seq.push(pdkv_model::bench::argmax(&logits));
+                }
+                seq[p.len()..].to_vec()
+            })
+            .collect();
+        for batch in [1, 2, 5] {
+            let got = pdkv_model::bench::greedy_continuations(
+                &model,
+                &pool,
+                &prompts,
+                n,
+                batch,
+                KvDtype::F32,
+            )
+            .unwrap();
+            assert_eq!(
+                got, whole,
+                "{:?} {quant:?} int8 {int8}, batch {batch}",
+                cfg.arch
+            );
+        }
+        let distinct: std::collections::HashSet<_> = whole.iter().collect();
+        assert!(
+            distinct.len() > 1,
+            "{:?}: every prompt got the same continuation, a weak check: {whole:?}",
+            cfg.arch
+        );
+    }
+}
