@@ -5,8 +5,9 @@
 //! `GET /is_sleeping` → `{"is_sleeping":true}`, ...), so frameworks written
 //! against vLLM drive pdkv unchanged.
 //!
-//! The RL frameworks' own dialects of the same operations are routes here
-//! too ([`crate::dialects`]): `GET /get_world_size`, AReaL's
+//! The RL frameworks' own dialects of the same operations (`dialects.rs`,
+//! which builds on this file's helpers; the router hands its routes to
+//! [`routes`] to mount behind the same token): `GET /get_world_size`, AReaL's
 //! `/areal_pause_generation`, `/areal_update_weights` and
 //! `/areal_continue_generation`, prime-rl's `{"weight_dir"}` body.
 //!
@@ -85,9 +86,9 @@ impl std::fmt::Debug for AdminToken {
     }
 }
 
-/// The admin routes, each behind the token check when there is a token
-/// (dev mode: open).
-pub(crate) fn routes(token: Option<Arc<AdminToken>>) -> Router<AppState> {
+/// The admin routes and `beside` (the frameworks' dialects of them), each
+/// behind the token check when there is a token (dev mode: open).
+pub(crate) fn routes(token: Option<Arc<AdminToken>>, beside: Router<AppState>) -> Router<AppState> {
     let routes = Router::new()
         .route("/pause", post(pause))
         .route("/resume", post(resume))
@@ -106,7 +107,7 @@ pub(crate) fn routes(token: Option<Arc<AdminToken>>) -> Router<AppState> {
         )
         .route("/start_weight_update", post(start_weight_update))
         .route("/finish_weight_update", post(finish_weight_update))
-        .merge(crate::dialects::routes());
+        .merge(beside);
     match token {
         Some(token) => routes.route_layer(middleware::from_fn_with_state(token, require_token)),
         None => routes,

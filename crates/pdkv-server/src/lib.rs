@@ -268,12 +268,12 @@ impl AppState {
 pub fn router(state: AppState) -> Router {
     let mut app = Router::new();
     if let Some(token) = &state.admin_token {
-        app = app.merge(admin::routes(Some(token.clone())));
+        app = app.merge(admin::routes(Some(token.clone()), dialects::routes()));
     } else if state.dev_mode {
         tracing::warn!(
             "dev mode: the lifecycle and weight routes (/pause, /sleep, /update_weights, ...) are open to anyone who reaches this port"
         );
-        app = app.merge(admin::routes(None));
+        app = app.merge(admin::routes(None, dialects::routes()));
     }
     let mut openai = Router::new()
         .route("/v1/completions", post(routes::completions))
