@@ -250,7 +250,9 @@ impl KvTransferConfig {
         }
         let kv_peers = match &raw.kv_peers {
             None => None,
-            Some(list) => Some(KvPeers::parse(list).map_err(|e| ConfigError::new("kv_peers", e))?),
+            Some(list) => Some(
+                KvPeers::parse(list).map_err(|e| ConfigError::new("kv_peers", e.to_string()))?,
+            ),
         };
         let abort_s = raw.abort_timeout_s.unwrap_or(30.0);
         let abort_timeout = seconds("abort_timeout_s", abort_s)?;

@@ -16,6 +16,15 @@ enum Rule {
     Net { net: IpAddr, prefix: u8 },
 }
 
+/// Why a `kv_peers` list was refused.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum PeersError {
+    #[error("{0:?} is not a host:port, an IP address or a network (CIDR)")]
+    BadEntry(String),
+    #[error("the list is empty (leave kv_peers out to allow any peer)")]
+    Empty,
+}
+
 /// See the module docs.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct KvPeers {
@@ -26,15 +35,13 @@ pub struct KvPeers {
 
 impl KvPeers {
     /// Parses the entries; an error names the first bad one.
-    pub fn parse(entries: &[String]) -> Result<KvPeers, String> {
+    pub fn parse(entries: &[String]) -> Result<KvPeers, PeersError> {
         let mut rules = Vec::with_capacity(entries.len());
         for e in entries {
-            rules.push(rule(e).ok_or_else(|| {
-                format!("{e:?} is not a host:port, an IP address or a network (CIDR)")
-            })?);
+            rules.push(rule(e).ok_or_else(|| PeersError::BadEntry(e.clone()))?);
         }
         if rules.is_empty() {
-            return Err("the list is empty (leave kv_peers out to allow any peer)".into());
+            return Err(PeersError::Empty);
         }
         Ok(KvPeers {
             rules,
@@ -122,8 +129,9 @@ mod tests {
     fn bad_entries_are_named() {
         for bad in ["10.0.0.0/33", "nonsense", "host:port", ":80", "::1/200"] {
             let e = KvPeers::parse(&[bad.to_string()]).unwrap_err();
-            assert!(e.contains(bad), "{e}");
+            assert_eq!(e, PeersError::BadEntry(bad.to_string()));
+            assert!(e.to_string().contains(bad), "{e}");
         }
-        assert!(KvPeers::parse(&[]).is_err());
+        assert_eq!(KvPeers::parse(&[]), Err(PeersError::Empty));
     }
 }

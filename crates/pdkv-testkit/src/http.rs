@@ -100,7 +100,7 @@ pub async fn generate(
         let v: Value = serde_json::from_str(&text).map_err(|e| (status, format!("{e}: {text}")))?;
         return Ok(sse::choice_text(&v));
     }
-    sse::stream_text(&text).map_err(|e| (status, e))
+    sse::stream_text(&text).map_err(|e| (status, e.to_string()))
 }
 
 /// [`generate`] on `/v1/completions`.

@@ -114,26 +114,53 @@ pub fn choice_text(v: &Value) -> String {
         .to_string()
 }
 
+/// Why [`stream_text`] found no whole stream.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum StreamError {
+    /// An event that is not `data: ...`.
+    BadEvent(String),
+    /// A `data:` payload that is not JSON (the parser's message, the payload).
+    BadJson(String, String),
+    /// An event carrying `error` (its payload).
+    Error(String),
+    /// The stream ended without `[DONE]` (the whole stream).
+    NoDone(String),
+}
+
+impl std::fmt::Display for StreamError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            StreamError::BadEvent(e) => write!(f, "bad event {e:?}"),
+            StreamError::BadJson(e, data) => write!(f, "{e}: {data}"),
+            StreamError::Error(data) => f.write_str(data),
+            StreamError::NoDone(text) => write!(f, "stream ended without [DONE]: {text}"),
+        }
+    }
+}
+
+impl std::error::Error for StreamError {}
+
 /// The text of a whole stream (the pieces of its first choice joined), or
 /// the error: an event carrying `error`, a malformed event, or a stream
 /// that ended without `[DONE]`.
-pub fn stream_text(text: &str) -> Result<String, String> {
+pub fn stream_text(text: &str) -> Result<String, StreamError> {
     let mut out = String::new();
     for event in text.split("\n\n").filter(|e| !e.trim().is_empty()) {
         let data = event
             .trim()
             .strip_prefix("data: ")
-            .ok_or_else(|| format!("bad event {event:?}"))?;
+            .ok_or_else(|| StreamError::BadEvent(event.to_string()))?;
         if data == "[DONE]" {
             return Ok(out);
         }
-        let chunk: Value = serde_json::from_str(data).map_err(|e| format!("{e}: {data}"))?;
+        let chunk: Value = serde_json::from_str(data)
+            .map_err(|e| StreamError::BadJson(e.to_string(), data.to_string()))?;
         if chunk.get("error").is_some() {
-            return Err(data.to_string());
+            return Err(StreamError::Error(data.to_string()));
         }
         out.push_str(&choice_text(&chunk));
     }
-    Err(format!("stream ended without [DONE]: {text}"))
+    Err(StreamError::NoDone(text.to_string()))
 }
 
 #[cfg(test)]
@@ -146,12 +173,19 @@ mod tests {
         assert_eq!(stream_text(s).unwrap(), "ab");
         assert_eq!(payloads(s).len(), 3);
         assert_eq!(values(s).len(), 2);
-        assert!(stream_text("data: {\"choices\":[{\"text\":\"a\"}]}\n\n")
-            .unwrap_err()
-            .contains("without [DONE]"));
-        assert!(stream_text("data: {\"error\":{}}\n\n").is_err());
-        assert!(stream_text("event: x\n\n")
-            .unwrap_err()
-            .contains("bad event"));
+        let no_done = stream_text("data: {\"choices\":[{\"text\":\"a\"}]}\n\n").unwrap_err();
+        assert!(matches!(no_done, StreamError::NoDone(_)), "{no_done}");
+        assert!(no_done.to_string().contains("without [DONE]"));
+        assert_eq!(
+            stream_text("data: {\"error\":{}}\n\n"),
+            Err(StreamError::Error("{\"error\":{}}".into()))
+        );
+        assert!(matches!(
+            stream_text("data: {x\n\n"),
+            Err(StreamError::BadJson(..))
+        ));
+        let bad = stream_text("event: x\n\n").unwrap_err();
+        assert_eq!(bad, StreamError::BadEvent("event: x".into()));
+        assert!(bad.to_string().contains("bad event"));
     }
 }

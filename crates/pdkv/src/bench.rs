@@ -150,15 +150,22 @@ pub fn run_perplexity(args: PerplexityArgs) -> anyhow::Result<()> {
             .count();
         let next_agrees = same as f64 / p.scored as f64;
         let (same_answers, prefix) = agreement(&answers, base_answers);
+        let (answers_col, tokens_col) = match answers.len() {
+            0 => ("-".to_string(), "-".to_string()),
+            n => (
+                format!("{same_answers}/{n}"),
+                format!("{:.2}%", 100.0 * prefix),
+            ),
+        };
         println!(
-            "{:>6} {:>12.4} {:>10.5} {:>8} {:>13.2}% {:>12} {:>11.2}%",
+            "{:>6} {:>12.4} {:>10.5} {:>8} {:>13.2}% {:>12} {:>12}",
             dtype.as_str(),
             p.perplexity,
             p.perplexity / base.perplexity,
             p.scored,
             100.0 * next_agrees,
-            format!("{same_answers}/{}", answers.len()),
-            100.0 * prefix
+            answers_col,
+            tokens_col
         );
         rows.push(json!({
             "kv_cache_dtype": dtype.as_str(),
